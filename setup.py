@@ -1,0 +1,27 @@
+"""paddleformers_glm: GLM-5.2 (`glm_moe_dsa`) for PaddlePaddle.
+
+Paddle itself is an extra: clusters install `paddlepaddle-gpu` themselves and must not be pulled
+onto the CPU wheel; `pip install -e .[cpu]` gives the CPU build used by tests and CI.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="paddleformers_glm",
+    version="0.1.0",
+    description="GLM-5.2 (glm_moe_dsa) for PaddlePaddle: model, AOA checkpoints, Fleet training, parity checkers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["paddleformers_glm", "paddleformers_glm.*"]),
+    include_package_data=True,
+    package_data={"paddleformers_glm": ["_data/**/*"]},
+    install_requires=["numpy>=1.24", "safetensors>=0.4.3", "tqdm>=4.60"],
+    extras_require={
+        "cpu": ["paddlepaddle==3.3.1"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "reference": ["torch==2.13.0", "transformers==5.23.0"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["glm52=paddleformers_glm.cli:main"]},
+)
