@@ -3,4 +3,13 @@
 from .configuration import GlmMoeDsaConfig
 
 __version__ = "0.1.0"
-__all__ = ["GlmMoeDsaConfig"]
+__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel"]
+
+
+def __getattr__(name: str):
+    # Paddle is imported lazily so that config tools work without it.
+    if name in ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "CausalLMOutput"):
+        from . import modeling
+
+        return getattr(modeling, name)
+    raise AttributeError(name)

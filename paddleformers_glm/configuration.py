@@ -356,9 +356,15 @@ class GlmMoeDsaConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise _err(key, f"must be an integer >= 1, got {v!r}")
-        tp, ep, etp = self.tensor_model_parallel_size, self.expert_model_parallel_size, self.expert_tensor_model_parallel_size
+        tp, ep, etp = (
+            self.tensor_model_parallel_size,
+            self.expert_model_parallel_size,
+            self.expert_tensor_model_parallel_size,
+        )
         if self.num_attention_heads % tp:
-            raise _err("tensor_model_parallel_size", f"{tp} does not divide num_attention_heads {self.num_attention_heads}")
+            raise _err(
+                "tensor_model_parallel_size", f"{tp} does not divide num_attention_heads {self.num_attention_heads}"
+            )
         if self.vocab_size % tp:
             raise _err("tensor_model_parallel_size", f"{tp} does not divide vocab_size {self.vocab_size}")
         if self.n_routed_experts % ep:
@@ -371,7 +377,9 @@ class GlmMoeDsaConfig:
         if self.sequence_parallel and tp == 1:
             raise _err("sequence_parallel", "needs tensor_model_parallel_size > 1")
         if self.context_parallel_size != 1:
-            raise _err("context_parallel_size", f"context parallel is not supported yet, got {self.context_parallel_size}")
+            raise _err(
+                "context_parallel_size", f"context parallel is not supported yet, got {self.context_parallel_size}"
+            )
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
@@ -472,7 +480,9 @@ class GlmMoeDsaConfig:
             "rotary_scaling_factor": rope.get("factor", 1.0),
             "mscale": rope.get("mscale", 1.0),
             "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
-            "original_max_position_embeddings": rope.get("original_max_position_embeddings", self.max_position_embeddings),
+            "original_max_position_embeddings": rope.get(
+                "original_max_position_embeddings", self.max_position_embeddings
+            ),
             "num_moe_experts": self.n_routed_experts,
             "moe_ffn_hidden_size": self.moe_intermediate_size,
             "moe_shared_expert_intermediate_size": self.moe_intermediate_size * self.n_shared_experts,

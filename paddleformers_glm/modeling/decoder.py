@@ -1,0 +1,50 @@
+"""One GLM-5.2 decoder layer: pre-norm MLA (+DSA) and pre-norm dense MLP or MoE, residuals in model dtype."""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from ..configuration import GlmMoeDsaConfig
+from .attention import MLAttention
+from .moe import MoE, SwiGLUMLP
+from .norms import RMSNorm
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, mlp_type: str) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
+        self.self_attn = MLAttention(config, has_indexer)
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
+        self.mlp_type = mlp_type
+        self.mlp = MoE(config) if mlp_type == "sparse" else SwiGLUMLP(H, config.intermediate_size)
+        self.fp32_residual = bool(config.fp32_residual_connection)
+
+    def forward(
+        self,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+        prev_topk: paddle.Tensor | None,
+        reuse_topk: bool = False,
+        dense_reference: bool = False,
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
+        """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], indexer KL loss or None)."""
+        residual = x.astype("float32") if self.fp32_residual else x
+        h, topk, kl = self.self_attn(
+            self.input_layernorm(x),
+            cos,
+            sin,
+            key_padding,
+            prev_topk,
+            reuse_topk=reuse_topk,
+            dense_reference=dense_reference,
+        )
+        x = (residual + h.astype(residual.dtype)).astype(x.dtype)
+        residual = x.astype("float32") if self.fp32_residual else x
+        h = self.mlp(self.post_attention_layernorm(x))
+        x = (residual + h.astype(residual.dtype)).astype(h.dtype)
+        return x, topk, kl

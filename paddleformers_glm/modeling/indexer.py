@@ -1,0 +1,135 @@
+"""DSA indexer (the "lightning indexer") of GLM-5.2: which keys each query attends to.
+
+Per full layer it scores every causal key with a few cheap heads and keeps the top-k; "shared"
+layers reuse the top-k of the nearest full layer before them (see configuration.indexer_types).
+
+    q   = wq_b(q_latent)            [B, S, Hi, Di]   q_latent = q_a_layernorm(q_a_proj(x)) from MLA
+    k   = k_norm(wk(x))             [B, S, Di]       LayerNorm with bias, eps 1e-6
+    rope on the first qk_rope_head_dim channels of q and k (interleaved per indexer_rope_interleave)
+    s   = relu(q . k^T * Di^-0.5)   [B, S, Hi, T]
+    w   = weights_proj(x) * Hi^-0.5 [B, S, Hi]
+    idx = sum_h w * s  (+ causal / padding mask)  -> top-k over keys, k = min(index_topk, T)
+
+Queries are processed in chunks so memory is O(S x chunk), never O(S^2). Selection runs without
+gradient (as in HF): the main loss trains no indexer weight. The optional KL "indexer loss"
+(DeepSeek-V3.2 / Megatron `dsa_indexer_loss_coeff`) trains it against the detached main attention.
+
+Selected positions that are not valid keys (in the future, padding, or fewer valid keys than k)
+are returned as index -1, so a single int64 tensor carries the whole selection (also across
+pipeline stages).
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from ..configuration import GlmMoeDsaConfig
+from .norms import LayerNorm
+from .rope import apply_rope
+
+NEG_INF = float("-inf")
+
+
+def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tensor | None) -> paddle.Tensor:
+    """bool [B|1, C, T]: key j is visible from query i (j <= i and j not padding)."""
+    keys = paddle.arange(n_keys, dtype="int64")
+    valid = keys.unsqueeze(0) <= query_pos.unsqueeze(-1)  # [C, T]
+    valid = valid.unsqueeze(0)
+    if key_padding is not None:
+        valid = paddle.logical_and(valid, key_padding[:, :n_keys].astype("bool").unsqueeze(1))
+    return valid
+
+
+class DSAIndexer(nn.Layer):
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.interleave = bool(config.indexer_rope_interleave)
+        self.softmax_scale = self.head_dim**-0.5
+        self.chunk_size = int(config.attention_chunk_size)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias_attr=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias_attr=False)
+        self.k_norm = LayerNorm(self.head_dim, eps=config.indexer_k_norm_eps)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias_attr=False)
+
+    def project(
+        self, x: paddle.Tensor, q_latent: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """q [B,S,Hi,Di], k [B,S,Di], head weights [B,S,Hi], all fp32."""
+        B, S = x.shape[0], x.shape[1]
+        q = self.wq_b(q_latent).reshape([B, S, self.n_heads, self.head_dim])
+        k = self.k_norm(self.wk(x)).unsqueeze(2)  # [B, S, 1, Di]
+        r = self.rope_dim
+        q = paddle.concat([apply_rope(q[..., :r], cos, sin, self.interleave), q[..., r:]], axis=-1)
+        k = paddle.concat([apply_rope(k[..., :r], cos, sin, self.interleave), k[..., r:]], axis=-1).squeeze(2)
+        w = self.weights_proj(x.astype(self.weights_proj.weight.dtype)).astype("float32") * (self.n_heads**-0.5)
+        return q.astype("float32"), k.astype("float32"), w
+
+    def chunk_scores(self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """index scores [B, C, T] for a chunk of queries q [B,C,Hi,Di] against keys k [B,T,Di]."""
+        s = paddle.matmul(q, k.unsqueeze(1), transpose_y=True) * self.softmax_scale  # [B, C, Hi, T]
+        s = nn.functional.relu(s)
+        return paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, C, T]
+
+    def forward(
+        self,
+        x: paddle.Tensor,
+        q_latent: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+    ) -> paddle.Tensor:
+        """top-k key indices [B, S, min(index_topk, S)] int64, -1 where the slot holds no valid key."""
+        with paddle.no_grad():
+            q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
+            B, S = x.shape[0], x.shape[1]
+            k_out = min(self.topk, S)
+            chunk = max(1, min(S, self.chunk_size))
+            pieces = []
+            for c0 in range(0, S, chunk):
+                c1 = min(S, c0 + chunk)
+                # causal: queries < c1 see keys < c1 only
+                scores = self.chunk_scores(q[:, c0:c1], k[:, :c1], w[:, c0:c1])  # [B, C, c1]
+                valid = key_validity(paddle.arange(c0, c1, dtype="int64"), c1, key_padding)
+                scores = paddle.where(valid, scores, paddle.full_like(scores, NEG_INF))
+                kk = min(k_out, c1)
+                vals, idx = paddle.topk(scores, kk, axis=-1)
+                idx = paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+                if kk < k_out:
+                    idx = paddle.concat([idx, paddle.full([B, c1 - c0, k_out - kk], -1, dtype="int64")], axis=-1)
+                pieces.append(idx)
+            return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+
+    def kl_loss(
+        self,
+        x: paddle.Tensor,
+        q_latent: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        topk_idx: paddle.Tensor,
+        target_probs: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """KL(target || indexer) over the selected keys, mean over queries that have any.
+
+        Inputs are detached so the gradient reaches only the indexer's own parameters;
+        target_probs [B, S, k] is the head-averaged main attention over the same slots.
+        """
+        q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
+        B, S, K = topk_idx.shape
+        valid = topk_idx >= 0
+        flat = (paddle.clip(topk_idx, min=0) + (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1])).reshape([-1])
+        k_sel = paddle.gather(k.reshape([B * S, -1]), flat).reshape([B, S, K, -1])  # [B, S, k, Di]
+        s = paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale  # [B, S, Hi, k]
+        s = nn.functional.relu(s)
+        scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
+        scores = paddle.where(valid, scores, paddle.full_like(scores, -1e30))
+        log_q = nn.functional.log_softmax(scores, axis=-1)
+        p = target_probs.detach().astype("float32")
+        log_p = paddle.log(paddle.clip(p, min=1e-30))
+        kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)  # [B, S]
+        rows = valid.any(axis=-1).astype("float32")
+        return (kl * rows).sum() / paddle.clip(rows.sum(), min=1.0)

@@ -1,0 +1,257 @@
+"""GlmMoeDsaModel and GlmMoeDsaForCausalLM: embedding -> decoder layers (top-k flows layer to layer)
+-> final norm -> lm_head, plus the MTP layers and the losses.
+
+Parameter names follow the Paddle/Fleet layout of REFERENCE §5 (`model.embedding.embed_tokens`,
+`self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP `transformer_layer`); the checkpoint
+package maps them to and from the official HF names with Paddle's AOA engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import paddle
+from paddle import nn
+
+from ..configuration import GlmMoeDsaConfig
+from .decoder import DecoderLayer
+from .mtp import MTPLayer
+from .norms import LayerNorm, RMSNorm
+from .rope import RotaryEmbedding
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    logits: paddle.Tensor | None = None  # [B, S, V]
+    loss: paddle.Tensor | None = None  # main LM loss (+ extras only when asked)
+    mtp_loss: paddle.Tensor | None = None  # mean CE over MTP depths, unscaled
+    mtp_logits: list[paddle.Tensor] = field(default_factory=list)  # per depth [B, S, V]
+    indexer_loss: paddle.Tensor | None = None  # sum of per-layer indexer KL losses, unscaled
+    last_hidden_state: paddle.Tensor | None = None  # after the final norm
+
+
+def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1) -> paddle.Tensor:
+    """HF convention: position i predicts labels[i + shift]; mean over labels that are not -100."""
+    B, S, V = logits.shape
+    target = paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)
+    target = target[:, :S].reshape([-1]).astype("int64")
+    loss_sum = nn.functional.cross_entropy(
+        logits.reshape([-1, V]).astype("float32"), target, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    n = (target != IGNORE_INDEX).astype("float32").sum()
+    return loss_sum / paddle.clip(n, min=1.0)
+
+
+class Embedding(nn.Layer):
+    """Token embedding under the Fleet name `embedding.embed_tokens`.
+
+    Like torch's `padding_idx`, the pad row gets no gradient but still returns its stored vector
+    (Paddle's own `padding_idx` would return zeros and break parity with the reference).
+    """
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pad_token_id = config.pad_token_id if isinstance(config.pad_token_id, int) else None
+
+    def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        out = self.embed_tokens(input_ids)
+        if self.pad_token_id is not None and not self.embed_tokens.weight.stop_gradient:
+            is_pad = (input_ids == self.pad_token_id).unsqueeze(-1)
+            out = paddle.where(is_pad, out.detach(), out)
+        return out
+
+
+class GlmMoeDsaModel(nn.Layer):
+    """The decoder stack. `layers` holds the L decoder layers followed by the MTP layers (index L+j)."""
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = config
+        L = config.num_hidden_layers
+        self.embedding = Embedding(config)
+        decoder = [
+            DecoderLayer(config, has_indexer=config.indexer_types[i] == "full", mlp_type=config.mlp_layer_types[i])
+            for i in range(L)
+        ]
+        self.layers = nn.LayerList(decoder + [MTPLayer(config) for _ in range(config.num_mtp_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers)[: self.config.num_hidden_layers]
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.layers)[self.config.num_hidden_layers :]
+
+    def rope(self, input_ids: paddle.Tensor, position_ids: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        if position_ids is None:
+            position_ids = paddle.arange(input_ids.shape[1], dtype="int64").unsqueeze(0)
+        return self.rotary_emb(position_ids)
+
+    def run_layers(
+        self,
+        hidden: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+        topk: paddle.Tensor | None,
+        start: int = 0,
+        end: int | None = None,
+        dense_reference: bool = False,
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
+        """Decoder layers [start, end): hidden [B,S,H] and the top-k in effect flow from layer to layer.
+
+        A pipeline stage that starts on a shared layer passes in the top-k carried from the stage before.
+        """
+        end = self.config.num_hidden_layers if end is None else end
+        kls = []
+        for layer in list(self.layers)[start:end]:
+            hidden, topk, kl = layer(hidden, cos, sin, key_padding, topk, dense_reference=dense_reference)
+            if kl is not None:
+                kls.append(kl)
+        return hidden, topk, kls
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        attention_mask: paddle.Tensor | None = None,
+        position_ids: paddle.Tensor | None = None,
+        dense_reference: bool = False,
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
+        """-> (final-normed hidden [B, S, H], top-k of the last decoder layer, indexer KL losses)."""
+        cos, sin = self.rope(input_ids, position_ids)
+        hidden = self.embedding(input_ids)
+        hidden, topk, kls = self.run_layers(hidden, cos, sin, attention_mask, None, dense_reference=dense_reference)
+        return self.norm(hidden), topk, kls
+
+
+class GlmMoeDsaForCausalLM(nn.Layer):
+    """GLM-5.2 with its LM head, MTP heads and losses.
+
+    `out = model(input_ids, attention_mask=None, position_ids=None, labels=None)` gives `out.logits`
+    [B, S, V]; with labels, `out.loss` (HF convention) and `out.mtp_loss` when MTP layers exist.
+    `add_mtp_loss=True` adds `mtp_loss_scaling_factor * mtp_loss` (and the indexer KL loss when
+    `indexer_loss_coeff` > 0) into `out.loss`.
+    """
+
+    def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32") -> None:
+        prev = paddle.get_default_dtype()
+        paddle.set_default_dtype(dtype)
+        try:
+            super().__init__()
+            self.config = config
+            self.model = GlmMoeDsaModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+        finally:
+            paddle.set_default_dtype(prev)
+        self.compute_dtype = dtype
+
+    # ------------------------------------------------------------------ construction / IO
+    def init_weights(self, seed: int | None = None) -> None:
+        """HF-style init: N(0, initializer_range) for matrices, ones for norms, zeros for biases."""
+        if seed is not None:
+            paddle.seed(seed)
+        std = self.config.initializer_range
+        for layer in self.sublayers(include_self=True):
+            if isinstance(layer, (RMSNorm, LayerNorm)):
+                layer.weight.set_value(paddle.ones_like(layer.weight))
+                if isinstance(layer, LayerNorm):
+                    layer.bias.set_value(paddle.zeros_like(layer.bias))
+            elif isinstance(layer, (nn.Linear, nn.Embedding)):
+                w = layer.weight
+                w.set_value(paddle.normal(0.0, std, w.shape).astype(w.dtype))
+                if getattr(layer, "bias", None) is not None:
+                    layer.bias.set_value(paddle.zeros_like(layer.bias))
+        for layer in self.sublayers():
+            if hasattr(layer, "e_score_correction_bias"):
+                layer.weight.set_value(paddle.normal(0.0, std, layer.weight.shape).astype("float32"))
+
+    @classmethod
+    def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):
+        model = cls(config, dtype=dtype)
+        model.init_weights(seed)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "float32", strict: bool = True, **config_overrides):
+        """Load an official HF-layout (or Fleet-layout) checkpoint folder; see checkpoint.load_pretrained_state."""
+        from ..checkpoint import load_pretrained_state
+
+        config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+        model = cls(config, dtype=dtype)
+        load_pretrained_state(model, path, dtype=dtype, strict=strict)
+        return model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
+        """Official HF layout by default (`layout="fleet"` for the Paddle names); atomic."""
+        from ..checkpoint import save_pretrained_state
+
+        return save_pretrained_state(self, self.config, save_directory, **kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def mtp_forward(
+        self,
+        input_ids: paddle.Tensor,
+        hidden: paddle.Tensor,
+        main_topk: paddle.Tensor | None,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        attention_mask: paddle.Tensor | None,
+        dense_reference: bool = False,
+    ) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
+        """Per MTP depth d: logits [B, S, V] predicting token i+d+1, and indexer KL losses."""
+        logits, kls = [], []
+        B, S = input_ids.shape
+        for d, mtp in enumerate(self.model.mtp_layers, start=1):
+            shifted = paddle.concat([input_ids[:, d:], paddle.zeros([B, min(d, S)], dtype=input_ids.dtype)], 1)[:, :S]
+            emb = self.model.embedding(shifted)
+            hidden, _, kl = mtp(hidden, emb, cos, sin, attention_mask, main_topk, dense_reference=dense_reference)
+            if kl is not None:
+                kls.append(kl)
+            logits.append(self.lm_head(mtp.norm(hidden)))
+        return logits, kls
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        attention_mask: paddle.Tensor | None = None,
+        position_ids: paddle.Tensor | None = None,
+        labels: paddle.Tensor | None = None,
+        add_mtp_loss: bool = False,
+        compute_mtp: bool | None = None,
+        dense_reference: bool = False,
+    ) -> CausalLMOutput:
+        model = self.model
+        cos, sin = model.rope(input_ids, position_ids)
+        hidden = model.embedding(input_ids)
+        hidden, topk, kls = model.run_layers(hidden, cos, sin, attention_mask, None, dense_reference=dense_reference)
+        hidden = model.norm(hidden)
+        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+        if compute_mtp is None:
+            compute_mtp = labels is not None
+        if compute_mtp and model.mtp_layers:
+            out.mtp_logits, mtp_kls = self.mtp_forward(
+                input_ids, hidden, topk, cos, sin, attention_mask, dense_reference=dense_reference
+            )
+            kls += mtp_kls
+        if kls:
+            out.indexer_loss = paddle.add_n(kls)
+        if labels is not None:
+            out.loss = causal_lm_loss(out.logits, labels)
+            if out.mtp_logits:
+                depth_losses = [causal_lm_loss(lg, labels, shift=d + 1) for d, lg in enumerate(out.mtp_logits, 1)]
+                out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
+            if add_mtp_loss:
+                total = out.loss
+                if out.mtp_loss is not None:
+                    total = total + self.config.mtp_loss_scaling_factor * out.mtp_loss
+                if out.indexer_loss is not None:
+                    total = total + self.config.indexer_loss_coeff * out.indexer_loss
+                out.loss = total
+        return out

@@ -1,0 +1,51 @@
+"""Multi-token prediction (MTP) layer, DeepSeek-V3 style, as GLM-5.2 ships it (decoder layer index L+j).
+
+For depth d (1-based), position i combines the previous depth's hidden state with the embedding of
+token i+d and predicts token i+d+1:
+
+    h_0 = final-normed hidden state of the main model                      [B, S, H]
+    x   = eh_proj(concat(enorm(embed(tokens shifted left by d)), hnorm(h_{d-1})))
+    h_d = transformer_layer(x)          (a full MoE decoder layer with its own indexer)
+    logits_d = lm_head(norm(h_d))       (`norm` is the checkpoint's `shared_head.norm`)
+
+With `index_share_for_mtp_iteration` the layer reuses the top-k of the main model's last decoder
+layer instead of running its own indexer (the checkpoint still carries that indexer).
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from ..configuration import GlmMoeDsaConfig
+from .decoder import DecoderLayer
+from .norms import RMSNorm
+
+
+class MTPLayer(nn.Layer):
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.enorm = RMSNorm(H, config.rms_norm_eps)
+        self.hnorm = RMSNorm(H, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias_attr=False)
+        self.transformer_layer = DecoderLayer(config, has_indexer=True, mlp_type="sparse")
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.share_topk = bool(config.index_share_for_mtp_iteration)
+
+    def forward(
+        self,
+        hidden: paddle.Tensor,
+        token_embeds: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+        main_topk: paddle.Tensor | None,
+        dense_reference: bool = False,
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
+        """-> (h_d [B, S, H] before `norm`, top-k used, indexer KL loss or None)."""
+        x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
+        reuse = self.share_topk and main_topk is not None
+        return self.transformer_layer(
+            x, cos, sin, key_padding, main_topk if reuse else None, reuse_topk=reuse, dense_reference=dense_reference
+        )
