@@ -49,7 +49,6 @@ def sparse_attention(
     an additive-mask softmax (HF eager) produces for a fully masked row.
     """
     B, S, H, _ = q.shape
-    K = topk_idx.shape[-1]
     chunk = max(1, min(S, chunk_size))
     outs, probs_out = [], []
     for c0 in range(0, S, chunk):
