@@ -1,0 +1,908 @@
+#!/usr/bin/env python
+"""Build the HF-transformers reference fixtures for GLM-5.2 (`glm_moe_dsa`) under tests/fixtures/<case>/.
+
+Each case gets:
+
+* ``checkpoint/``: a tiny checkpoint in the *official* HF layout (config.json, two bf16 safetensors
+  shards + model.safetensors.index.json, per-expert keys, fp32 ``e_score_correction_bias``, the MTP
+  layer ``model.layers.{num_hidden_layers}.`` with its own indexer);
+* ``reference.safetensors``: inputs, logits, losses, first-step gradients, 4-step SGD losses and the
+  MTP reference, all computed by HF transformers (eager attention, fp32, CPU, one thread);
+* ``meta.json``: seeds, settings, shapes, versions and the measured top-k selection gaps.
+
+Every top-k decision that HF takes in every forward pass (DSA indexer and MoE router, main model and
+MTP) is checked for a clear margin (>= MIN_GAP) at the selection boundary; a seed that produces a
+near-tie is rejected and the next seed is tried, so the fixtures never depend on how an
+implementation orders equal scores.
+
+The script is deterministic (same bytes on every run on the same machine/software). ``--check``
+regenerates into a temporary directory and compares bytes with the committed fixtures.
+
+Needs torch + transformers (``pip install -e .[reference]``). See tools/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import filecmp
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = ROOT / "configs" / "glm52-tiny" / "config.json"
+
+MIN_GAP = 1e-4
+BATCH, SEQ = 2, 32
+RIGHT_PAD, LEFT_PAD = 5, 4  # row 0: last 5 positions padded; row 1: first 4 positions padded
+LR = 0.1
+TRAIN_STEPS = 4
+MTP_LOSS_COEFF = 0.1
+MAX_ATTEMPTS = 200
+
+GRAD_KEYS = [
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.layers.0.self_attn.q_b_proj.weight",
+    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+    "model.layers.1.mlp.gate_proj.weight",
+    "model.layers.4.self_attn.kv_b_proj.weight",
+    "model.layers.5.mlp.gate.weight",
+    "model.layers.5.mlp.shared_experts.down_proj.weight",
+    "model.layers.5.mlp.experts.{e}.up_proj.weight",  # expanded for every expert
+    "model.layers.7.self_attn.o_proj.weight",
+    "model.layers.6.input_layernorm.weight",
+]
+
+# Per case: seed base, the pinned seed attempt (found by --search-seeds: the first attempt whose every
+# top-k boundary gap is >= MIN_GAP) and the edits applied to configs/glm52-tiny/config.json.
+CASES: dict[str, dict] = {
+    "tiny": {"seed": 1000, "attempt": 20, "edits": {}},
+    "tiny_pattern_yarn": {
+        "seed": 2000,
+        "attempt": 72,
+        "edits": {
+            "index_topk_pattern": "FFSFSSFS",
+            "index_topk_freq": None,
+            "index_skip_topk_offset": None,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 8000000,
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 1024,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": False,
+            "index_share_for_mtp_iteration": False,
+        },
+    },
+}
+
+
+class TieError(RuntimeError):
+    """A top-k selection boundary is closer than MIN_GAP: the seed is rejected."""
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+
+def schedule_from_freq(num_layers: int, freq: int, offset: int) -> list[str]:
+    """REFERENCE §3: layer i is full iff max(i - offset + 1, 0) % freq == 0."""
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def case_config(name: str) -> dict:
+    cfg = json.loads(BASE_CONFIG.read_text())
+    cfg.update(copy.deepcopy(CASES[name]["edits"]))
+    n = cfg["num_hidden_layers"]
+    if cfg.get("index_topk_pattern"):
+        types = ["full" if c == "F" else "shared" for c in cfg["index_topk_pattern"]]
+    else:
+        types = schedule_from_freq(n, cfg["index_topk_freq"], cfg["index_skip_topk_offset"])
+    cfg["indexer_types"] = types
+    assert len(types) == n and types[0] == "full"
+    return cfg
+
+
+def hf_config(cfg: dict, **overrides):
+    from transformers import GlmMoeDsaConfig
+
+    d = copy.deepcopy(cfg)
+    d.update(overrides)
+    conf = GlmMoeDsaConfig.from_dict(d)
+    conf._attn_implementation = "eager"
+    return conf
+
+
+def check_hf_reads_schedule(cfg: dict) -> dict:
+    """HF 5.23 takes `indexer_types` when present, else `index_topk_pattern` (from kwargs), else
+    freq/offset (from kwargs, defaults freq 1 / offset 2). Check every route gives our schedule."""
+    want = cfg["indexer_types"]
+    got_full = list(hf_config(cfg).indexer_types)
+    stripped = {k: v for k, v in cfg.items() if k != "indexer_types"}
+    got_derived = list(hf_config(stripped).indexer_types)
+    assert got_full == want, (got_full, want)
+    assert got_derived == want, ("HF derives a different schedule without indexer_types", got_derived, want)
+    return {"indexer_types_from_file": got_full == want, "indexer_types_derived_without_list": got_derived == want}
+
+
+# ----------------------------------------------------------------------------------------------
+# weights (official layout)
+
+
+def official_shapes(cfg: dict) -> OrderedDict:
+    """Ordered official key -> (shape, kind). kind picks the init rule."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    nh = cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    E, I_moe, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    I_sh = I_moe * cfg["n_shared_experts"]
+    L = cfg["num_hidden_layers"]
+    s = OrderedDict()
+    s["model.embed_tokens.weight"] = ((V, H), "embed")
+
+    def layer(i: int, full: bool, sparse: bool):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = ((H,), "norm")
+        s[p + "post_attention_layernorm.weight"] = ((H,), "norm")
+        a = p + "self_attn."
+        s[a + "q_a_proj.weight"] = ((cfg["q_lora_rank"], H), "linear")
+        s[a + "q_a_layernorm.weight"] = ((cfg["q_lora_rank"],), "norm")
+        s[a + "q_b_proj.weight"] = ((nh * qk, cfg["q_lora_rank"]), "linear")
+        s[a + "kv_a_proj_with_mqa.weight"] = ((cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], H), "linear")
+        s[a + "kv_a_layernorm.weight"] = ((cfg["kv_lora_rank"],), "norm")
+        s[a + "kv_b_proj.weight"] = (
+            (nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]),
+            "linear",
+        )
+        s[a + "o_proj.weight"] = ((H, nh * cfg["v_head_dim"]), "linear")
+        if full:
+            x = a + "indexer."
+            s[x + "wq_b.weight"] = ((cfg["index_n_heads"] * cfg["index_head_dim"], cfg["q_lora_rank"]), "linear")
+            s[x + "wk.weight"] = ((cfg["index_head_dim"], H), "linear")
+            s[x + "k_norm.weight"] = ((cfg["index_head_dim"],), "norm")
+            s[x + "k_norm.bias"] = ((cfg["index_head_dim"],), "ln_bias")
+            s[x + "weights_proj.weight"] = ((cfg["index_n_heads"], H), "index_weights")
+        m = p + "mlp."
+        if sparse:
+            s[m + "gate.weight"] = ((E, H), "router")
+            s[m + "gate.e_score_correction_bias"] = ((E,), "score_bias")
+            for n in ("gate_proj", "up_proj"):
+                s[m + f"shared_experts.{n}.weight"] = ((I_sh, H), "linear")
+            s[m + "shared_experts.down_proj.weight"] = ((H, I_sh), "linear")
+            for e in range(E):
+                s[m + f"experts.{e}.gate_proj.weight"] = ((I_moe, H), "linear")
+                s[m + f"experts.{e}.up_proj.weight"] = ((I_moe, H), "linear")
+                s[m + f"experts.{e}.down_proj.weight"] = ((H, I_moe), "linear")
+        else:
+            for n in ("gate_proj", "up_proj"):
+                s[m + f"{n}.weight"] = ((I, H), "linear")
+            s[m + "down_proj.weight"] = ((H, I), "linear")
+
+    for i in range(L):
+        layer(i, cfg["indexer_types"][i] == "full", cfg["mlp_layer_types"][i] == "sparse")
+    for j in range(cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{L + j}."
+        s[p + "enorm.weight"] = ((H,), "norm")
+        s[p + "hnorm.weight"] = ((H,), "norm")
+        s[p + "eh_proj.weight"] = ((H, 2 * H), "linear")
+        s[p + "shared_head.norm.weight"] = ((H,), "norm")
+        layer(L + j, True, True)  # a complete MoE decoder layer with its own indexer
+    s["model.norm.weight"] = ((H,), "norm")
+    s["lm_head.weight"] = ((V, H), "lm_head")
+    return s
+
+
+# std multipliers (times 1/sqrt(fan_in)) that make activations O(1), logits std ~1-3 and the
+# top-k decisions well separated (index scores O(1), sigmoid router scores spread over (0, 1)).
+GAIN = {"linear": 1.0, "router": 1.5, "index_weights": 3.0, "lm_head": 2.0}
+
+
+def init_weights(cfg: dict, seed: int) -> OrderedDict:
+    """Seeded official-layout fp32 state dict. All values are bf16-representable except the fp32
+    `e_score_correction_bias`, so a bf16 checkpoint cast back to fp32 gives exactly these weights."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = OrderedDict()
+    for key, (shape, kind) in official_shapes(cfg).items():
+        z = torch.randn(shape, generator=g, dtype=torch.float32)
+        if kind == "embed":
+            w = z
+        elif kind == "norm":
+            w = 1.0 + 0.1 * z
+        elif kind == "ln_bias":
+            w = 0.1 * z
+        elif kind == "score_bias":
+            w = 0.05 * z
+        else:
+            w = z * (GAIN[kind] / math.sqrt(shape[1]))
+        if kind != "score_bias":
+            w = w.to(torch.bfloat16).to(torch.float32)
+        out[key] = w.contiguous()
+    return out
+
+
+def split_layer_keys(state: dict, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def fuse_experts(sd: dict, num_experts: int) -> dict:
+    """Official per-expert keys (relative to a decoder layer) -> HF 5.x fused gate_up_proj/down_proj."""
+    import torch
+
+    out = {}
+    for k, v in sd.items():
+        if ".experts." not in k:
+            out[k] = v
+    if any(".experts." in k for k in sd):
+        gu = [
+            torch.cat([sd[f"mlp.experts.{e}.gate_proj.weight"], sd[f"mlp.experts.{e}.up_proj.weight"]], 0)
+            for e in range(num_experts)
+        ]
+        out["mlp.experts.gate_up_proj"] = torch.stack(gu).contiguous()
+        out["mlp.experts.down_proj"] = torch.stack(
+            [sd[f"mlp.experts.{e}.down_proj.weight"] for e in range(num_experts)]
+        ).contiguous()
+    return out
+
+
+def official_to_hf(cfg: dict, state: dict) -> dict:
+    L, E = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    hf = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for k, v in fuse_experts(split_layer_keys(state, p), E).items():
+            hf[p + k] = v
+    return hf
+
+
+def mtp_layer_state(cfg: dict, state: dict, own_indexer: bool) -> tuple[dict, dict]:
+    L, E = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    sd = split_layer_keys(state, f"model.layers.{L}.")
+    heads = {k: sd.pop(k) for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")}
+    if not own_indexer:
+        sd = {k: v for k, v in sd.items() if ".indexer." not in k}
+    return heads, fuse_experts(sd, E)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint writing
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_checkpoint(ckpt: Path, cfg: dict, state: OrderedDict) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt.mkdir(parents=True, exist_ok=True)
+    write_json(ckpt / "config.json", cfg)
+    split_layer = cfg["num_hidden_layers"] // 2  # shard 1: embed + layers [0, split); shard 2: the rest
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for k, v in state.items():
+        first = k.startswith("model.embed_tokens.") or (
+            k.startswith("model.layers.") and int(k.split(".")[2]) < split_layer
+        )
+        t = v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)
+        shards["model-00001-of-00002.safetensors" if first else "model-00002-of-00002.safetensors"][k] = t.contiguous()
+    weight_map, total = {}, 0
+    for fname, tensors in shards.items():
+        save_file(tensors, str(ckpt / fname), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    write_json(
+        ckpt / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
+    return {"total_size": total, "num_tensors": len(weight_map)}
+
+
+def verify_load_back(ckpt: Path, cfg: dict, state: dict) -> dict:
+    """HF from_pretrained(dtype=float32) must give exactly the weights the reference used."""
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+
+    model, info = GlmMoeDsaForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    want = official_to_hf(cfg, state)
+    got = model.state_dict()
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))[:10]
+    for k in want:
+        assert got[k].dtype == torch.float32, (k, got[k].dtype)
+        assert torch.equal(got[k], want[k]), k
+    mtp_prefix = f"model.layers.{cfg['num_hidden_layers']}."
+    unexpected = sorted(info.get("unexpected_keys", []))
+    assert not info.get("missing_keys"), info.get("missing_keys")
+    assert not info.get("mismatched_keys"), info.get("mismatched_keys")
+    assert all(k.startswith(mtp_prefix) for k in unexpected), unexpected
+    indexer_layers = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None]
+    return {
+        "exact": True,
+        "num_tensors_compared": len(want),
+        "missing_keys": 0,
+        "unexpected_keys": len(unexpected),
+        "unexpected_key_prefixes": sorted({mtp_prefix} if unexpected else set()),
+        "hf_layers_with_indexer": indexer_layers,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# top-k gap monitor
+
+
+class GapMonitor:
+    """Sees the exact tensors HF hands to `topk` inside every indexer and router call (through a
+    TorchFunctionMode) and records the margin at the selection boundary."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.stack: list[list] = []  # [kind, topk-call counter]
+        self.mins = {"indexer": math.inf, "router_expert": math.inf, "router_group": math.inf}
+        self.counts = {"indexer": 0, "router_expert": 0, "router_group": 0}
+        self.calls = {"indexer": 0, "router": 0}
+        self.phase = ""
+        self.phase_mins: dict[str, dict] = {}
+
+    def attach(self, module) -> None:
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaTopkRouter
+
+        for m in module.modules():
+            kind = (
+                "indexer"
+                if isinstance(m, GlmMoeDsaIndexer)
+                else "router"
+                if isinstance(m, GlmMoeDsaTopkRouter)
+                else None
+            )
+            if kind is None:
+                continue
+            m.register_forward_pre_hook(lambda mod, args, kind=kind: self._enter(kind))
+            m.register_forward_hook(lambda mod, args, out, kind=kind: self._leave(kind))
+
+    def _enter(self, kind):
+        self.stack.append([kind, 0])
+        self.calls[kind] += 1
+
+    def _leave(self, kind):
+        top = self.stack.pop()
+        assert top[0] == kind
+        want = 1 if kind == "indexer" else 3
+        assert top[1] == want, f"{kind} made {top[1]} topk calls, expected {want}"
+
+    def on_topk(self, scores, k: int) -> None:
+        if not self.stack:
+            return
+        top = self.stack[-1]
+        kind, n = top
+        top[1] += 1
+        torch = self.torch
+        x = scores.detach().to(torch.float32)
+        if kind == "indexer":
+            valid = x > torch.finfo(torch.float32).min / 2  # masked keys carry finfo.min (+ score)
+            self._gap("indexer", x, valid, k)
+        elif n == 1:  # group selection over group scores [T, n_group]
+            self._gap("router_group", x, torch.ones_like(x, dtype=torch.bool), k)
+        elif n == 2:  # expert selection over biased scores, -inf outside the chosen groups
+            self._gap("router_expert", x, torch.isfinite(x), k)
+
+    def _gap(self, cat: str, x, valid, k: int) -> None:
+        torch = self.torch
+        x = x.reshape(-1, x.shape[-1])
+        valid = valid.reshape(-1, x.shape[-1])
+        nvalid = valid.sum(-1)
+        rows = nvalid > k
+        if not bool(rows.any()):
+            return
+        xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
+        srt = xs.sort(dim=-1, descending=True).values
+        gap = float((srt[:, k - 1] - srt[:, k]).min())
+        self.counts[cat] += int(rows.sum())
+        self.mins[cat] = min(self.mins[cat], gap)
+        pm = self.phase_mins.setdefault(self.phase, {})
+        pm[cat] = min(pm.get(cat, math.inf), gap)
+        if not gap >= MIN_GAP:
+            raise TieError(f"{cat} gap {gap:.3e} < {MIN_GAP} in phase {self.phase!r}")
+
+    def mode(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        monitor = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is torch.topk or func is torch.Tensor.topk:
+                    k = args[1] if len(args) > 1 else kwargs["k"]
+                    monitor.on_topk(args[0], int(k))
+                return func(*args, **kwargs)
+
+        return _Mode()
+
+
+# ----------------------------------------------------------------------------------------------
+# model pieces
+
+
+class Capture:
+    """Main-model taps: final-normed hidden state, the top-k in effect after every layer and the
+    mask / rope inputs handed to the decoder layers."""
+
+    def __init__(self, model, cfg: dict):
+        self.cfg = cfg
+        self.h0 = None
+        self.layer_kwargs = None
+        self.topk: list = []
+        model.model.norm.register_forward_hook(self._norm)
+        model.model.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True)
+        for layer in model.model.layers:
+            layer.register_forward_hook(self._layer)
+
+    def _pre(self, mod, args, kwargs):
+        self.layer_kwargs = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")}
+        self.topk = []
+
+    def _layer(self, mod, args, out):
+        self.topk.append(out[1])
+
+    def _norm(self, mod, args, out):
+        self.h0 = out
+        # the schedule really in effect: a shared layer returns the very tensor of the last full layer
+        types = self.cfg["indexer_types"]
+        assert len(self.topk) == len(types)
+        last_full = None
+        for i, t in enumerate(types):
+            if t == "full":
+                assert last_full is None or self.topk[i] is not last_full
+                last_full = self.topk[i]
+            else:
+                assert self.topk[i] is last_full, f"layer {i} did not reuse the previous full layer's top-k"
+
+    @property
+    def last_topk(self):
+        return self.topk[-1]
+
+
+def build_mtp(cfg: dict, state: dict):
+    import torch
+    from torch import nn
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
+
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    share = bool(cfg["index_share_for_mtp_iteration"])
+    conf = hf_config(
+        cfg,
+        num_hidden_layers=L + 1,
+        indexer_types=list(cfg["indexer_types"]) + ["shared" if share else "full"],
+        mlp_layer_types=list(cfg["mlp_layer_types"]) + ["sparse"],
+    )
+    mtp = nn.ModuleDict(
+        {
+            "enorm": GlmMoeDsaRMSNorm(H, cfg["rms_norm_eps"]),
+            "hnorm": GlmMoeDsaRMSNorm(H, cfg["rms_norm_eps"]),
+            "eh_proj": nn.Linear(2 * H, H, bias=False),
+            "layer": GlmMoeDsaDecoderLayer(conf, L),
+            "shared_head_norm": GlmMoeDsaRMSNorm(H, cfg["rms_norm_eps"]),
+        }
+    )
+    assert (mtp["layer"].self_attn.indexer is None) == share
+    heads, layer_sd = mtp_layer_state(cfg, state, own_indexer=not share)
+    with torch.no_grad():
+        mtp["enorm"].weight.copy_(heads["enorm.weight"])
+        mtp["hnorm"].weight.copy_(heads["hnorm.weight"])
+        mtp["eh_proj"].weight.copy_(heads["eh_proj.weight"])
+        mtp["shared_head_norm"].weight.copy_(heads["shared_head.norm.weight"])
+    mtp["layer"].load_state_dict(layer_sd, strict=True)
+    return mtp
+
+
+def mtp_forward(model, mtp, cap: Capture, cfg: dict, input_ids, labels, depth: int = 1):
+    """One MTP depth on top of the main forward just run (see tools/README.md for the semantics)."""
+    import torch
+    import torch.nn.functional as F
+
+    B, S = input_ids.shape
+    tokens = torch.cat([input_ids[:, depth:], input_ids.new_zeros(B, depth)], dim=1)
+    e = model.model.embed_tokens(tokens)
+    x = mtp["eh_proj"](torch.cat([mtp["enorm"](e), mtp["hnorm"](cap.h0)], dim=-1))
+    prev = cap.last_topk if cfg["index_share_for_mtp_iteration"] else None
+    x, _ = mtp["layer"](
+        x,
+        attention_mask=cap.layer_kwargs["attention_mask"],
+        position_embeddings=cap.layer_kwargs["position_embeddings"],
+        position_ids=cap.layer_kwargs["position_ids"],
+        past_key_values=None,
+        use_cache=False,
+        prev_topk_indices=prev,
+    )
+    logits = model.lm_head(mtp["shared_head_norm"](x))
+    mtp_labels = torch.full_like(labels, -100)
+    mtp_labels[:, : S - depth - 1] = labels[:, depth + 1 :]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mtp_labels.reshape(-1), ignore_index=-100)
+    return logits, loss
+
+
+def hf_grads_to_official(model, cfg: dict) -> dict:
+    out = {}
+    params = dict(model.named_parameters())
+    for key in GRAD_KEYS:
+        if "{e}" in key:
+            prefix = key.split("experts.")[0]
+            g = params[prefix + "experts.gate_up_proj"].grad
+            inter = cfg["moe_intermediate_size"]
+            for e in range(cfg["n_routed_experts"]):
+                out["grad." + key.format(e=e)] = g[e, inter:].clone()
+        else:
+            out["grad." + key] = params[key].grad.clone()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# one case
+
+
+def make_inputs(cfg: dict, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg["vocab_size"], (BATCH, SEQ), generator=g, dtype=torch.int64)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+    mask[0, SEQ - RIGHT_PAD :] = 0
+    mask[1, :LEFT_PAD] = 0
+    pad_id = cfg["pad_token_id"]
+    pad_ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
+    pad_labels = torch.where(mask.bool(), pad_ids, torch.full_like(ids, -100))
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "pad_attention_mask": mask,
+        "pad_input_ids": pad_ids,
+        "pad_labels": pad_labels,
+    }
+
+
+def fresh_model(cfg: dict, ckpt_cfg_dir: Path, state: dict):
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    conf = GlmMoeDsaConfig.from_pretrained(str(ckpt_cfg_dir))
+    conf._attn_implementation = "eager"
+    assert list(conf.indexer_types) == cfg["indexer_types"]
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(conf).to(torch.float32)
+    model.load_state_dict(official_to_hf(cfg, state), strict=True)
+    assert model.config._attn_implementation == "eager"
+    have = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None]
+    assert have == [i for i, t in enumerate(cfg["indexer_types"]) if t == "full"], have
+    return model
+
+
+def run_case(name: str, cfg: dict, state: dict, inputs: dict, ckpt: Path) -> tuple[dict, dict]:
+    import torch
+
+    mon = GapMonitor()
+    ref: dict = dict(inputs)
+    info: dict = {}
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    pmask, pids, plabels = inputs["pad_attention_mask"], inputs["pad_input_ids"], inputs["pad_labels"]
+
+    with mon.mode():
+        # --- eval forwards (logits/loss, padding, MTP) ---
+        model = fresh_model(cfg, ckpt, state)
+        mtp = build_mtp(cfg, state)
+        cap = Capture(model, cfg)
+        mon.attach(model)
+        mon.attach(mtp)
+        model.eval()
+        mtp.eval()
+        with torch.no_grad():
+            mon.phase = "eval"
+            out = model(input_ids=ids, labels=labels)
+            ref["logits"], ref["loss"] = out.logits.clone(), out.loss.clone()
+            mon.phase = "eval_mtp"
+            ref["mtp_logits"], ref["mtp_loss"] = mtp_forward(model, mtp, cap, cfg, ids, labels)
+            mon.phase = "pad"
+            out = model(input_ids=pids, attention_mask=pmask, labels=plabels)
+            ref["pad_logits"], ref["pad_loss"] = out.logits.clone(), out.loss.clone()
+            m4 = cap.layer_kwargs["attention_mask"]
+            no_key = (m4[:, 0] == 0).sum(-1) == 0  # [B, S] queries that see no key at all
+            info["pad_queries_without_visible_key"] = [[b, s] for b, s in no_key.nonzero().tolist()]
+            mon.phase = "pad_mtp"
+            ref["pad_mtp_logits"], ref["pad_mtp_loss"] = mtp_forward(model, mtp, cap, cfg, pids, plabels)
+        del model, mtp, cap
+
+        # --- training: 4 SGD steps on the main loss ---
+        model = fresh_model(cfg, ckpt, state)
+        mon.attach(model)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0, weight_decay=0.0)
+        losses = []
+        for step in range(TRAIN_STEPS):
+            mon.phase = f"train_step{step}"
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            losses.append(float(loss.detach()))
+            if step == 0:
+                ref.update(hf_grads_to_official(model, cfg))
+                no_grad = sorted(n for n, p in model.named_parameters() if p.grad is None)
+                assert no_grad and all(".indexer." in n for n in no_grad), no_grad
+                info["params_without_grad"] = len(no_grad)
+            opt.step()
+        ref["train_losses"] = torch.tensor(losses, dtype=torch.float32)
+        del model, opt
+
+        # --- training with MTP: loss + 0.1 * mtp_loss ---
+        model = fresh_model(cfg, ckpt, state)
+        mtp = build_mtp(cfg, state)
+        cap = Capture(model, cfg)
+        mon.attach(model)
+        mon.attach(mtp)
+        model.train()
+        mtp.train()
+        params = list(model.parameters()) + list(mtp.parameters())
+        opt = torch.optim.SGD(params, lr=LR, momentum=0.0, weight_decay=0.0)
+        totals, mtps = [], []
+        for step in range(TRAIN_STEPS):
+            mon.phase = f"train_mtp_step{step}"
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            _, mtp_loss = mtp_forward(model, mtp, cap, cfg, ids, labels)
+            total = loss + MTP_LOSS_COEFF * mtp_loss
+            total.backward()
+            totals.append(float(total.detach()))
+            mtps.append(float(mtp_loss.detach()))
+            if step == 0:
+                g = mtp["eh_proj"].weight.grad
+                assert g is not None and float(g.abs().sum()) > 0
+            opt.step()
+        ref["train_losses_with_mtp"] = torch.tensor(totals, dtype=torch.float32)
+        ref["train_mtp_losses"] = torch.tensor(mtps, dtype=torch.float32)
+
+    info["gaps"] = {
+        "min_gap_required": MIN_GAP,
+        "min": mon.mins,
+        "checked_rows": mon.counts,
+        "module_calls": mon.calls,
+        "by_phase": mon.phase_mins,
+    }
+    for k in ("loss", "mtp_loss", "pad_loss", "pad_mtp_loss"):
+        ref[k] = ref[k].reshape(())
+    ref = {
+        k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous() for k, v in ref.items()
+    }
+    return ref, info
+
+
+def build_case(name: str, out_dir: Path, search: bool, max_attempts: int) -> dict:
+    import numpy
+    import safetensors
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg = case_config(name)
+    hf_schedule = check_hf_reads_schedule(cfg)
+    base = CASES[name]["seed"]
+    case_dir = out_dir / name
+    first = 0 if search else CASES[name]["attempt"]
+    last = max_attempts if search else first + 1
+    for attempt in range(first, last):
+        weight_seed, data_seed = base + attempt, base + 500_000 + attempt
+        if case_dir.exists():
+            shutil.rmtree(case_dir)
+        ckpt = case_dir / "checkpoint"
+        state = init_weights(cfg, weight_seed)
+        ckpt_info = write_checkpoint(ckpt, cfg, state)
+        inputs = make_inputs(cfg, data_seed)
+        try:
+            ref, info = run_case(name, cfg, state, inputs, ckpt)
+        except TieError as err:
+            print(f"[{name}] seed attempt {attempt} rejected: {err}", file=sys.stderr)
+            continue
+        break
+    else:
+        if not search:
+            raise SystemExit(f"[{name}] the pinned seed attempt {first} now has a near-tie; rerun with --search-seeds")
+        raise SystemExit(f"[{name}] no seed without near-ties in {max_attempts} attempts")
+    if search:
+        print(f"[{name}] first accepted seed attempt: {attempt} (pin it in CASES)", file=sys.stderr)
+
+    load_back = verify_load_back(ckpt, cfg, state)
+    save_file(dict(sorted(ref.items())), str(case_dir / "reference.safetensors"))
+    conf = hf_config(cfg)
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
+
+    meta = {
+        "case": name,
+        "description": "HF transformers GlmMoeDsaForCausalLM reference (eager attention, fp32 compute on CPU, 1 thread)",
+        "seeds": {
+            "base": base,
+            "attempt": attempt,
+            "weight_seed": weight_seed,
+            "data_seed": data_seed,
+            "rule": "weight_seed = base + attempt, data_seed = base + 500000 + attempt; attempt = the first one "
+            "(from 0) whose every top-k boundary gap is >= min_gap_required, pinned in tools/make_reference.py",
+        },
+        "weight_init": {
+            "rule": "linear: N(0,1)*gain/sqrt(fan_in); norms 1+0.1*N; k_norm.bias 0.1*N; embed N(0,1); "
+            "e_score_correction_bias 0.05*N (fp32); everything except the bias rounded to bf16 first",
+            "gain": GAIN,
+        },
+        "config_edits": CASES[name]["edits"],
+        "indexer_types": cfg["indexer_types"],
+        "mtp": {
+            "layer_index": cfg["num_hidden_layers"],
+            "depths": cfg["num_nextn_predict_layers"],
+            "index_share_for_mtp_iteration": cfg["index_share_for_mtp_iteration"],
+            "mtp_topk_source": (
+                f"reuses the top-k in effect at main layer {cfg['num_hidden_layers'] - 1} (computed by layer "
+                f"{max(i for i, t in enumerate(cfg['indexer_types']) if t == 'full')})"
+                if cfg["index_share_for_mtp_iteration"]
+                else f"own indexer (model.layers.{cfg['num_hidden_layers']}.self_attn.indexer)"
+            ),
+            "loss_coeff_in_training": MTP_LOSS_COEFF,
+        },
+        "hf": {
+            "schedule_checks": hf_schedule,
+            "attention_scaling": yarn_apply_mscale(conf.rope_parameters, conf.qk_head_dim**-0.5),
+            "rope_attention_factor": float(GlmMoeDsaRotaryEmbedding(conf).attention_scaling),
+            "rope_head_dim": conf.head_dim,
+        },
+        "inputs": {
+            "batch": BATCH,
+            "seq": SEQ,
+            "token_range": [3, cfg["vocab_size"]],
+            "pad_token_id": cfg["pad_token_id"],
+            "pad_row0_right_padded_positions": RIGHT_PAD,
+            "pad_row1_left_padded_positions": LEFT_PAD,
+            "position_ids": "arange(S) for every row (HF default, no padding adjustment)",
+        },
+        "training": {
+            "optimizer": "torch.optim.SGD",
+            "lr": LR,
+            "momentum": 0.0,
+            "weight_decay": 0.0,
+            "steps": TRAIN_STEPS,
+            "batch": "input_ids/labels, no attention mask, same batch every step",
+            "loss_reported": "before each update",
+            "grads": "first step of train_losses (main loss only), official [out,in] orientation",
+            **{k: v for k, v in info.items() if k == "params_without_grad"},
+        },
+        "pad_queries_without_visible_key": info["pad_queries_without_visible_key"],
+        "gaps": info["gaps"],
+        "checkpoint": {**ckpt_info, "load_back": load_back},
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in sorted(ref.items())
+        },
+        "values": {
+            "loss": float(ref["loss"]),
+            "pad_loss": float(ref["pad_loss"]),
+            "mtp_loss": float(ref["mtp_loss"]),
+            "pad_mtp_loss": float(ref["pad_mtp_loss"]),
+            "train_losses": [float(x) for x in ref["train_losses"]],
+            "train_losses_with_mtp": [float(x) for x in ref["train_losses_with_mtp"]],
+            "train_mtp_losses": [float(x) for x in ref["train_mtp_losses"]],
+            "logits_std": float(ref["logits"].std()),
+            "mtp_logits_std": float(ref["mtp_logits"].std()),
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__,
+            "numpy": numpy.__version__,
+        },
+    }
+    write_json(case_dir / "meta.json", meta)
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def setup_torch() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.set_default_dtype(torch.float32)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def generate(out: Path, cases: list[str], search: bool = False, max_attempts: int = MAX_ATTEMPTS) -> dict:
+    setup_torch()
+    out.mkdir(parents=True, exist_ok=True)
+    return {name: build_case(name, out, search, max_attempts) for name in cases}
+
+
+def compare_dirs(a: Path, b: Path) -> list[str]:
+    problems = []
+    fa = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    fb = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    if fa != fb:
+        problems.append(
+            f"file sets differ: only committed {sorted(set(fa) - set(fb))}, only regenerated {sorted(set(fb) - set(fa))}"
+        )
+    for rel in sorted(set(fa) & set(fb)):
+        if not filecmp.cmp(a / rel, b / rel, shallow=False):
+            problems.append(f"bytes differ: {rel}{describe_diff(a / rel, b / rel)}")
+    return problems
+
+
+def describe_diff(pa: Path, pb: Path) -> str:
+    """For safetensors files: which tensors differ and by how much (numeric noise vs real change)."""
+    if pa.suffix != ".safetensors":
+        return ""
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(pa)), load_file(str(pb))
+    if set(ta) != set(tb):
+        return f" (keys differ: {sorted(set(ta) ^ set(tb))[:5]})"
+    parts = []
+    for k in sorted(ta):
+        x, y = ta[k], tb[k]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            parts.append(f"{k}: shape/dtype {tuple(x.shape)}/{x.dtype} vs {tuple(y.shape)}/{y.dtype}")
+        elif not x.equal(y):
+            parts.append(f"{k}: max abs diff {float((x.double() - y.double()).abs().max()):.3e}")
+    return " (" + "; ".join(parts[:8]) + (" ..." if len(parts) > 8 else "") + ")"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "tests" / "fixtures", help="fixtures root (default tests/fixtures)"
+    )
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--check", action="store_true", help="regenerate into a temp dir and compare bytes with --out")
+    ap.add_argument("--search-seeds", action="store_true", help="ignore the pinned seed attempts and search from 0")
+    ap.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS, help="seed attempts tried by --search-seeds")
+    args = ap.parse_args(argv)
+
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            generate(Path(tmp), args.cases, args.search_seeds, args.max_attempts)
+            problems = []
+            for name in args.cases:
+                problems += [f"{name}: {p}" for p in compare_dirs(args.out / name, Path(tmp) / name)]
+        for p in problems:
+            print("MISMATCH", p)
+        print("check:", "OK (identical bytes)" if not problems else f"{len(problems)} mismatches")
+        return 1 if problems else 0
+
+    metas = generate(args.out, args.cases, args.search_seeds, args.max_attempts)
+    for name, meta in metas.items():
+        size = sum(p.stat().st_size for p in (args.out / name).rglob("*") if p.is_file())
+        print(
+            f"{name}: seed attempt {meta['seeds']['attempt']} size {size} bytes loss {meta['values']['loss']:.6f} gaps {meta['gaps']['min']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
