@@ -1,0 +1,223 @@
+"""The parameter-name contract: every tensor of a GLM-5.2 model, in both layouts, from the config.
+
+Two layouts exist (REFERENCE §2 and §5):
+
+* **hf** — the official checkpoint: torch ``[out, in]`` linears, separate ``gate_proj``/``up_proj``,
+  ``self_attn.indexer.*``, the MTP decoder layer directly under ``model.layers.{L}.``.
+* **fleet** — the Paddle model's ``state_dict()``: ``[in, out]`` linears, fused ``up_gate_proj``
+  (gate columns first), ``self_attn.core_attention.indexer.*``, the MTP decoder under
+  ``model.layers.{L}.transformer_layer.``, router in float32.
+
+These functions are written out by hand from that description, *not* derived from the AOA rules in
+``aoa_mappings/``, so tests can check the rules against them (two independent statements of the
+same contract). The model's ``state_dict()`` must equal :func:`fleet_param_specs` key for key.
+
+A spec is ``(shape, dtype_kind)``; ``dtype_kind`` is ``"model"`` (the config's / requested dtype) or
+``"float32"`` (always fp32). Use :func:`resolve_dtype` to turn it into a dtype name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ParamSpec",
+    "LayerPlan",
+    "layer_plan",
+    "fleet_param_specs",
+    "hf_param_specs",
+    "resolve_dtype",
+    "param_specs",
+]
+
+ParamSpec = tuple[tuple[int, ...], str]
+LAYOUTS = ("hf", "fleet")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer as the checkpoint sees it."""
+
+    index: int  # the number in ``model.layers.{index}``
+    mtp: bool  # the MTP layer (index >= num_hidden_layers)
+    indexer: bool  # has its own DSA indexer weights ("full")
+    moe: bool  # sparse MLP (router + experts) instead of a dense MLP
+
+    @property
+    def hf_prefix(self) -> str:
+        return f"model.layers.{self.index}"
+
+    @property
+    def fleet_prefix(self) -> str:
+        """Where the decoder-layer tensors live on the Paddle side (MTP adds ``transformer_layer``)."""
+        return f"model.layers.{self.index}.transformer_layer" if self.mtp else f"model.layers.{self.index}"
+
+
+def layer_plan(config: Any) -> list[LayerPlan]:
+    """Decoder layers then MTP layers, following ``indexer_types`` / ``mlp_layer_types``.
+
+    MTP layers always have their own indexer and a MoE MLP (the official checkpoint ships both).
+    """
+    L = int(config.num_hidden_layers)
+    plans = [
+        LayerPlan(i, False, config.indexer_types[i] == "full", config.mlp_layer_types[i] == "sparse") for i in range(L)
+    ]
+    plans += [LayerPlan(L + j, True, True, True) for j in range(int(config.num_mtp_layers))]
+    return plans
+
+
+def resolve_dtype(kind: str, model_dtype: str) -> str:
+    """Dtype name of a spec's dtype_kind: ``"float32"`` stays, ``"model"`` becomes ``model_dtype``."""
+    return "float32" if kind == "float32" else str(model_dtype)
+
+
+def _dims(c: Any) -> dict[str, int]:
+    nH = int(c.num_attention_heads)
+    return {
+        "H": int(c.hidden_size),
+        "V": int(c.vocab_size),
+        "nH": nH,
+        "qk": int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim),
+        "nope": int(c.qk_nope_head_dim),
+        "rope": int(c.qk_rope_head_dim),
+        "v": int(c.v_head_dim),
+        "qr": int(c.q_lora_rank),
+        "kvr": int(c.kv_lora_rank),
+        "I": int(c.intermediate_size),
+        "Im": int(c.moe_intermediate_size),
+        "E": int(c.n_routed_experts),
+        "Ns": int(c.n_shared_experts),
+        "iH": int(c.index_n_heads),
+        "iD": int(c.index_head_dim),
+    }
+
+
+def _fleet_decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool) -> dict[str, ParamSpec]:
+    H, M = d["H"], "model"
+    out: dict[str, ParamSpec] = {
+        f"{p}.input_layernorm.weight": ((H,), M),
+        f"{p}.post_attention_layernorm.weight": ((H,), M),
+        f"{p}.self_attn.q_a_proj.weight": ((H, d["qr"]), M),
+        f"{p}.self_attn.q_a_layernorm.weight": ((d["qr"],), M),
+        f"{p}.self_attn.q_b_proj.weight": ((d["qr"], d["nH"] * d["qk"]), M),
+        f"{p}.self_attn.kv_a_proj_with_mqa.weight": ((H, d["kvr"] + d["rope"]), M),
+        f"{p}.self_attn.kv_a_layernorm.weight": ((d["kvr"],), M),
+        f"{p}.self_attn.kv_b_proj.weight": ((d["kvr"], d["nH"] * (d["nope"] + d["v"])), M),
+        f"{p}.self_attn.o_proj.weight": ((d["nH"] * d["v"], H), M),
+    }
+    if bias:
+        out[f"{p}.self_attn.q_a_proj.bias"] = ((d["qr"],), M)
+        out[f"{p}.self_attn.kv_a_proj_with_mqa.bias"] = ((d["kvr"] + d["rope"],), M)
+        out[f"{p}.self_attn.o_proj.bias"] = ((H,), M)
+    if lp.indexer:
+        q = f"{p}.self_attn.core_attention.indexer"
+        out[f"{q}.wq_b.weight"] = ((d["qr"], d["iH"] * d["iD"]), M)
+        out[f"{q}.wk.weight"] = ((H, d["iD"]), M)
+        out[f"{q}.k_norm.weight"] = ((d["iD"],), M)
+        out[f"{q}.k_norm.bias"] = ((d["iD"],), M)
+        out[f"{q}.weights_proj.weight"] = ((H, d["iH"]), M)
+    if not lp.moe:
+        out[f"{p}.mlp.up_gate_proj.weight"] = ((H, 2 * d["I"]), M)
+        out[f"{p}.mlp.down_proj.weight"] = ((d["I"], H), M)
+    else:
+        Im, E, Ns = d["Im"], d["E"], d["Ns"]
+        out[f"{p}.mlp.gate.weight"] = ((H, E), "float32")
+        out[f"{p}.mlp.gate.e_score_correction_bias"] = ((E,), "float32")
+        out[f"{p}.mlp.shared_experts.up_gate_proj.weight"] = ((H, 2 * Im * Ns), M)
+        out[f"{p}.mlp.shared_experts.down_proj.weight"] = ((Im * Ns, H), M)
+        for e in range(E):
+            out[f"{p}.mlp.experts.{e}.up_gate_proj.weight"] = ((H, 2 * Im), M)
+            out[f"{p}.mlp.experts.{e}.down_proj.weight"] = ((Im, H), M)
+    return out
+
+
+def _hf_decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool) -> dict[str, ParamSpec]:
+    H, M = d["H"], "model"
+    out: dict[str, ParamSpec] = {
+        f"{p}.input_layernorm.weight": ((H,), M),
+        f"{p}.post_attention_layernorm.weight": ((H,), M),
+        f"{p}.self_attn.q_a_proj.weight": ((d["qr"], H), M),
+        f"{p}.self_attn.q_a_layernorm.weight": ((d["qr"],), M),
+        f"{p}.self_attn.q_b_proj.weight": ((d["nH"] * d["qk"], d["qr"]), M),
+        f"{p}.self_attn.kv_a_proj_with_mqa.weight": ((d["kvr"] + d["rope"], H), M),
+        f"{p}.self_attn.kv_a_layernorm.weight": ((d["kvr"],), M),
+        f"{p}.self_attn.kv_b_proj.weight": ((d["nH"] * (d["nope"] + d["v"]), d["kvr"]), M),
+        f"{p}.self_attn.o_proj.weight": ((H, d["nH"] * d["v"]), M),
+    }
+    if bias:
+        out[f"{p}.self_attn.q_a_proj.bias"] = ((d["qr"],), M)
+        out[f"{p}.self_attn.kv_a_proj_with_mqa.bias"] = ((d["kvr"] + d["rope"],), M)
+        out[f"{p}.self_attn.o_proj.bias"] = ((H,), M)
+    if lp.indexer:
+        q = f"{p}.self_attn.indexer"
+        out[f"{q}.wq_b.weight"] = ((d["iH"] * d["iD"], d["qr"]), M)
+        out[f"{q}.wk.weight"] = ((d["iD"], H), M)
+        out[f"{q}.k_norm.weight"] = ((d["iD"],), M)
+        out[f"{q}.k_norm.bias"] = ((d["iD"],), M)
+        out[f"{q}.weights_proj.weight"] = ((d["iH"], H), M)
+    if not lp.moe:
+        out[f"{p}.mlp.gate_proj.weight"] = ((d["I"], H), M)
+        out[f"{p}.mlp.up_proj.weight"] = ((d["I"], H), M)
+        out[f"{p}.mlp.down_proj.weight"] = ((H, d["I"]), M)
+    else:
+        Im, E, Ns = d["Im"], d["E"], d["Ns"]
+        out[f"{p}.mlp.gate.weight"] = ((E, H), M)
+        out[f"{p}.mlp.gate.e_score_correction_bias"] = ((E,), "float32")
+        out[f"{p}.mlp.shared_experts.gate_proj.weight"] = ((Im * Ns, H), M)
+        out[f"{p}.mlp.shared_experts.up_proj.weight"] = ((Im * Ns, H), M)
+        out[f"{p}.mlp.shared_experts.down_proj.weight"] = ((H, Im * Ns), M)
+        for e in range(E):
+            out[f"{p}.mlp.experts.{e}.gate_proj.weight"] = ((Im, H), M)
+            out[f"{p}.mlp.experts.{e}.up_proj.weight"] = ((Im, H), M)
+            out[f"{p}.mlp.experts.{e}.down_proj.weight"] = ((H, Im), M)
+    return out
+
+
+def fleet_param_specs(config: Any) -> dict[str, ParamSpec]:
+    """Every key of the Paddle model's ``state_dict()`` with its shape ([in, out] linears) and dtype kind."""
+    d = _dims(config)
+    bias = bool(config.attention_bias)
+    out: dict[str, ParamSpec] = {
+        "model.embedding.embed_tokens.weight": ((d["V"], d["H"]), "model"),
+        "model.norm.weight": ((d["H"],), "model"),
+        "lm_head.weight": ((d["H"], d["V"]), "model"),
+    }
+    for lp in layer_plan(config):
+        if lp.mtp:
+            p = lp.hf_prefix
+            out[f"{p}.enorm.weight"] = ((d["H"],), "model")
+            out[f"{p}.hnorm.weight"] = ((d["H"],), "model")
+            out[f"{p}.eh_proj.weight"] = ((2 * d["H"], d["H"]), "model")
+            out[f"{p}.norm.weight"] = ((d["H"],), "model")
+        out.update(_fleet_decoder(lp.fleet_prefix, lp, d, bias))
+    return out
+
+
+def hf_param_specs(config: Any) -> dict[str, ParamSpec]:
+    """Every key of the official checkpoint with its torch-layout shape and dtype kind."""
+    d = _dims(config)
+    bias = bool(config.attention_bias)
+    out: dict[str, ParamSpec] = {
+        "model.embed_tokens.weight": ((d["V"], d["H"]), "model"),
+        "model.norm.weight": ((d["H"],), "model"),
+        "lm_head.weight": ((d["V"], d["H"]), "model"),
+    }
+    for lp in layer_plan(config):
+        if lp.mtp:
+            p = lp.hf_prefix
+            out[f"{p}.enorm.weight"] = ((d["H"],), "model")
+            out[f"{p}.hnorm.weight"] = ((d["H"],), "model")
+            out[f"{p}.eh_proj.weight"] = ((d["H"], 2 * d["H"]), "model")
+            out[f"{p}.shared_head.norm.weight"] = ((d["H"],), "model")
+        out.update(_hf_decoder(lp.hf_prefix, lp, d, bias))
+    return out
+
+
+def param_specs(config: Any, layout: str) -> dict[str, ParamSpec]:
+    """:func:`hf_param_specs` or :func:`fleet_param_specs` by name."""
+    if layout == "hf":
+        return hf_param_specs(config)
+    if layout == "fleet":
+        return fleet_param_specs(config)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")

@@ -1,0 +1,328 @@
+"""``load_pretrained_state``: fill a Paddle model's state dict from an official (or Fleet) checkpoint.
+
+Flow: validate the checkpoint (every header, the index), detect its layout, compare its keys,
+shapes and dtypes with the contract (:mod:`.layout`), compare the model's ``state_dict()`` with the
+Fleet contract, expand the AOA rules for the config, then let Paddle's AOA engine fill each target
+from lazily read source slices (:mod:`.engine`). Nothing is written anywhere near the checkpoint.
+
+``backend="paddle"`` instead drives ``paddle.distributed.load_state_dict(..., aoa_config=...,
+safetensors=True)`` itself, one call per group of shard files, against a private temporary folder
+of symlinks plus a metadata file written there (the engine would otherwise write
+``flex-ckpt.auto_generated.metadata`` into the checkpoint folder). It reads whole shard files, so
+it is the slower, hungrier path; it exists to show both Paddle entry points agree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .aoa import MappingUnit, build_statements, expand_units, quiet_paddle_logs
+from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
+from .errors import CheckpointError
+from .layout import fleet_param_specs, hf_param_specs, resolve_dtype
+from .safetensors_io import FLOAT_DTYPES, Checkpoint, st_to_paddle_dtype
+
+__all__ = [
+    "LoadReport",
+    "load_pretrained_state",
+    "detect_layout",
+    "identity_units",
+    "units_for",
+    "format_keys",
+    "load_config_for",
+]
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass
+class LoadReport:
+    """What a load did: layout found, keys loaded / missing / unexpected / filtered out, cost."""
+
+    path: str
+    layout: str
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+def format_keys(keys: Iterable[str], n: int = 5) -> str:
+    """``"12 keys: a, b, c, d, e, ... (+7 more)"`` — the first few and the count."""
+    ks = sorted(keys)
+    more = f", ... (+{len(ks) - n} more)" if len(ks) > n else ""
+    return f"{len(ks)} key{'s' if len(ks) != 1 else ''}: {', '.join(ks[:n])}{more}"
+
+
+def detect_layout(keys: Iterable[str], config: Any) -> str:
+    """``"hf"`` or ``"fleet"``: the contract the key set overlaps most (ties and no overlap refused)."""
+    ks = set(keys)
+    hf = len(ks & set(hf_param_specs(config)))
+    fl = len(ks & set(fleet_param_specs(config)))
+    if hf == fl:
+        sample = sorted(ks)[:3]
+        raise CheckpointError(
+            "cannot tell the checkpoint layout (hf or fleet) from its keys",
+            expected="keys of the official or the Paddle/Fleet layout",
+            actual=sample,
+        )
+    return "hf" if hf > fl else "fleet"
+
+
+def _layer_of(key: str) -> int | None:
+    m = _LAYER_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
+    """One unit per tensor with no statements: a Fleet-layout checkpoint into a Fleet model."""
+    return [MappingUnit(k, (), (k,), (k,), (), (), _layer_of(k)) for k in sorted(keys)]
+
+
+def units_for(config: Any, layout: str) -> list[MappingUnit]:
+    """The mapping units from a checkpoint of ``layout`` to the Fleet model."""
+    return expand_units(config) if layout == "hf" else identity_units(fleet_param_specs(config))
+
+
+def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
+    """The config to plan with: given, else ``model.config``, else ``config.json`` beside the weights."""
+    if config is not None:
+        return config
+    if model is not None and getattr(model, "config", None) is not None:
+        return model.config
+    from ..configuration import GlmMoeDsaConfig
+
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    return GlmMoeDsaConfig.from_pretrained(folder)
+
+
+def _state_of(model: Any) -> Mapping[str, Any]:
+    if isinstance(model, Mapping):
+        return model
+    if hasattr(model, "state_dict"):
+        return model.state_dict()
+    raise TypeError(f"expected a paddle.nn.Layer or a state dict, got {type(model).__name__}")
+
+
+def check_checkpoint_keys(
+    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], model_dtype: str
+) -> tuple[list[str], list[str]]:
+    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected)."""
+    present = set(ckpt.keys())
+    for k in sorted(present & set(specs)):
+        info = ckpt.info(k)
+        if info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+            raise CheckpointError(
+                "non-float tensor where a weight is expected",
+                key=k,
+                file=info.file,
+                expected="F32/BF16/F16/F64",
+                actual=info.dtype,
+            )
+        if info.shape != tuple(specs[k][0]):
+            raise CheckpointError(
+                "shape mismatch", key=k, file=info.file, expected=tuple(specs[k][0]), actual=info.shape
+            )
+    return sorted(set(specs) - present), sorted(present - set(specs))
+
+
+def load_pretrained_state(
+    model: Any,
+    path: str | os.PathLike,
+    dtype: str | None = "float32",
+    strict: bool = True,
+    *,
+    config: Any = None,
+    keys: Iterable[str] | None = None,
+    key_filter: Callable[[str], bool] | None = None,
+    backend: str = "engine",
+    shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
+) -> LoadReport:
+    """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
+
+    ``dtype`` is what the model's "model"-dtype parameters must be (router weight and correction
+    bias are always float32); ``None`` accepts whatever the model has. Sources of any float dtype
+    are cast by the engine. ``strict`` refuses missing/unexpected keys (listing the first few and
+    the counts) and index inconsistencies; otherwise what can be loaded is, and the report lists the
+    rest. ``keys`` / ``key_filter`` restrict loading to some Fleet keys (a pipeline stage) — other
+    keys are neither read nor required. Values of the state dict may be ``ShardedWeight``s (local
+    slice of a global tensor, as a tensor-parallel rank holds them): only that slice is read;
+    ``shard_info`` gives, per key, the (local_shape, global_offset) of *all* ranks' shards so the
+    engine's ``fused_ffn`` lays out fused weights per rank as Fleet does.
+    """
+    t0 = time.perf_counter()
+    quiet_paddle_logs()
+    path = os.path.abspath(os.fspath(path))
+    cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
+    with Checkpoint(path, strict=strict) as ckpt:
+        layout = detect_layout(ckpt.keys(), cfg)
+        report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
+        src_specs = hf_param_specs(cfg) if layout == "hf" else fleet_param_specs(cfg)
+        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, cfg.model_dtype)
+        report.unexpected = unexpected
+        fleet = fleet_param_specs(cfg)
+        state = _state_of(model)
+        # --- the model against the contract
+        extra_model = sorted(set(state) - set(fleet))
+        lacking_model = sorted(set(fleet) - set(state))
+        if strict and (extra_model or lacking_model):
+            parts = []
+            if lacking_model:
+                parts.append(f"model lacks {format_keys(lacking_model)}")
+            if extra_model:
+                parts.append(f"model has parameters outside the contract, {format_keys(extra_model)}")
+            raise CheckpointError(
+                "model state_dict does not match the GLM-5.2 Fleet parameter contract: " + "; ".join(parts)
+            )
+        want = set(state) & set(fleet)
+        if keys is not None:
+            keys = set(keys)
+            bad = sorted(keys - set(fleet))
+            if bad:
+                raise CheckpointError(f"keys to load are not Fleet parameter names: {format_keys(bad)}")
+            want &= keys
+        if key_filter is not None:
+            want = {k for k in want if key_filter(k)}
+        report.skipped = sorted((set(state) & set(fleet)) - want)
+        # --- units: which targets can be produced from what the checkpoint has
+        units = units_for(cfg, layout)
+        direction = "hf_to_fleet"
+        missing_src_set = set(missing_src)
+        usable, missing_targets = [], []
+        for u in units:
+            if not want & set(u.fleet):
+                continue
+            lacking = [k for k in u.hf if k in missing_src_set]
+            if lacking:
+                missing_targets.extend(k for k in u.fleet if k in want)
+            else:
+                usable.append(u)
+        needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src_set)
+        if strict and (needed_missing or unexpected):
+            parts = []
+            if needed_missing:
+                parts.append(f"missing {format_keys(needed_missing)}")
+            if unexpected:
+                parts.append(f"unexpected {format_keys(unexpected)}")
+            raise CheckpointError(
+                f"checkpoint does not match the {layout} layout of this config: " + "; ".join(parts), file=path
+            )
+        report.missing = sorted(missing_targets)
+        # --- targets
+        targets: dict[str, TargetSpec] = {}
+        for u in usable:
+            for k in u.fleet:
+                if k not in want:
+                    continue
+                targets[k] = _target_spec(k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict)
+        # units' other targets (not wanted) still need a spec for the engine's output set
+        for u in usable:
+            for k in u.fleet:
+                if k not in targets:
+                    shape, kind = fleet[k]
+                    targets[k] = TargetSpec(k, tuple(shape), _planned_dtype(kind, dtype, state.get(k)))
+        wanted_targets = {k: v for k, v in targets.items() if k in want}
+        if backend == "engine":
+            source = CheckpointSource(ckpt)
+            for k, _ in run_units(usable, direction, source, targets, produce=want):
+                report.loaded.append(k)
+            report.bytes_read = source.bytes_read
+        elif backend == "paddle":
+            report.loaded = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
+            report.bytes_read = sum(os.path.getsize(f) for f in ckpt.files)
+        else:
+            raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _planned_dtype(kind: str, dtype: str | None, tensor: Any) -> str:
+    if tensor is not None:
+        t = getattr(tensor, "local_tensor", tensor)
+        return dtype_name(t.dtype)
+    return resolve_dtype(kind, dtype or "float32")
+
+
+def _target_spec(
+    key: str, value: Any, spec: tuple[tuple[int, ...], str], dtype: str | None, shards: Any, strict: bool
+) -> TargetSpec:
+    shape, kind = spec
+    local = getattr(value, "local_tensor", None)
+    tensor = local if local is not None else value
+    global_shape = tuple(int(d) for d in (getattr(value, "global_shape", None) or tensor.shape))
+    if global_shape != tuple(shape):
+        raise CheckpointError(
+            "model parameter shape does not match the contract", key=key, expected=tuple(shape), actual=global_shape
+        )
+    have = dtype_name(tensor.dtype)
+    if dtype is not None:
+        want = resolve_dtype(kind, dtype)
+        if have != want:
+            raise CheckpointError(
+                "model parameter dtype differs from the requested dtype", key=key, expected=want, actual=have
+            )
+    if local is not None:
+        return TargetSpec(
+            key, global_shape, have, tuple(value.local_shape), tuple(value.global_offset), local, list(shards or [])
+        )
+    return TargetSpec(key, global_shape, have, None, None, tensor, list(shards or []))
+
+
+def _load_with_paddle(
+    ckpt: Checkpoint,
+    units: list[MappingUnit],
+    direction: str,
+    wanted: Mapping[str, TargetSpec],
+    all_targets: Mapping[str, TargetSpec],
+) -> list[str]:
+    """Drive ``paddle.distributed.load_state_dict(aoa_config=...)`` from a private folder of links."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed.flex_checkpoint.dcp.metadata import LocalTensorIndex, LocalTensorMetadata, Metadata
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import build_sharded_state_dict
+
+    by_files: dict[frozenset[str], list[MappingUnit]] = defaultdict(list)
+    for u in units:
+        if any(k in wanted for k in u.fleet):
+            by_files[frozenset(ckpt.info(k).file for k in u.sources(direction))].append(u)
+    loaded: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="glm52-aoa-") as tmp:
+        for i, (files, group) in enumerate(sorted(by_files.items(), key=lambda kv: sorted(kv[0]))):
+            folder = os.path.join(tmp, f"group{i:05d}")
+            os.mkdir(folder)
+            sd_meta: dict[str, list[Any]] = {}
+            storage: dict[Any, str] = {}
+            for f in sorted(files):
+                os.symlink(f, os.path.join(folder, os.path.basename(f)))
+                for k, info in ckpt.files[f].tensors.items():
+                    sd_meta[k] = [
+                        LocalTensorMetadata(
+                            (0,) * len(info.shape), info.shape, st_to_paddle_dtype(info.dtype), info.shape, False
+                        )
+                    ]
+                    storage[LocalTensorIndex(k, (0,) * len(info.shape), False, None, None, info.shape)] = (
+                        os.path.basename(f)
+                    )
+            paddle.save(
+                Metadata(state_dict_metadata=sd_meta, storage_metadata=storage),
+                os.path.join(folder, "private.auto_generated.metadata"),
+            )
+            src_dtypes = {k: st_to_paddle_dtype(ckpt.info(k).dtype) for u in group for k in u.sources(direction)}
+            dst_dtypes = {k: all_targets[k].dtype for u in group for k in u.targets(direction)}
+            stmts = build_statements(group, direction, src_dtypes, dst_dtypes)
+            sd = {k: wanted[k].tensor for u in group for k in u.targets(direction) if k in wanted}
+            dist.load_state_dict(
+                build_sharded_state_dict(sd), folder, aoa_config={"aoa_statements": stmts}, safetensors=True
+            )
+            loaded.extend(sd)
+    return loaded

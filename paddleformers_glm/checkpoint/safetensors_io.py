@@ -1,0 +1,622 @@
+"""Strict, lazy safetensors reading and deterministic streaming writing, without torch.
+
+Why not just ``safetensors.safe_open``: it accepts files we must refuse (trailing bytes after the
+last tensor, duplicate JSON keys) and its errors name neither the file nor the key. Here every
+header is validated against the format (https://github.com/huggingface/safetensors, "Format"),
+tensors are read from one read-only ``mmap`` per file (a view per tensor, so nothing is read that
+is not asked for, and a slice reads only its pages), and bf16 is handled as raw uint16 bits
+(``paddle.to_tensor`` of a uint16 array *is* a bfloat16 tensor, bit for bit).
+
+Writing is streaming: the header is computed up front from (dtype, shape) so each tensor can be
+written as soon as it is produced and dropped; the file bytes depend only on the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+
+__all__ = [
+    "ST_DTYPES",
+    "FLOAT_DTYPES",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "TensorInfo",
+    "SafetensorsFile",
+    "Checkpoint",
+    "SafetensorsWriter",
+    "plan_header",
+    "st_to_paddle_dtype",
+    "paddle_to_st_dtype",
+    "bf16_bits_to_float32",
+    "shard_file_name",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+
+# safetensors dtype name -> (itemsize, numpy dtype holding the raw bytes, paddle dtype name or None)
+ST_DTYPES: dict[str, tuple[int, Any, str | None]] = {
+    "F64": (8, np.float64, "float64"),
+    "F32": (4, np.float32, "float32"),
+    "F16": (2, np.float16, "float16"),
+    "BF16": (2, np.uint16, "bfloat16"),
+    "F8_E4M3": (1, np.uint8, "float8_e4m3fn"),
+    "F8_E5M2": (1, np.uint8, "float8_e5m2"),
+    "F8_E8M0": (1, np.uint8, None),
+    "I64": (8, np.int64, "int64"),
+    "I32": (4, np.int32, "int32"),
+    "I16": (2, np.int16, "int16"),
+    "I8": (1, np.int8, "int8"),
+    "U64": (8, np.uint64, None),
+    "U32": (4, np.uint32, None),
+    "U16": (2, np.uint16, None),
+    "U8": (1, np.uint8, "uint8"),
+    "BOOL": (1, np.bool_, "bool"),
+    "C64": (8, np.complex64, "complex64"),
+}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
+_PADDLE_TO_ST = {p: s for s, (_, _, p) in ST_DTYPES.items() if p is not None}
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors$")
+
+
+def st_to_paddle_dtype(st_dtype: str) -> str:
+    """Paddle dtype name of a safetensors dtype (e.g. ``BF16 -> bfloat16``)."""
+    p = ST_DTYPES[st_dtype][2]
+    if p is None:
+        raise CheckpointError(
+            "dtype has no Paddle equivalent", expected=sorted(_PADDLE_TO_ST.values()), actual=st_dtype
+        )
+    return p
+
+
+def paddle_to_st_dtype(dtype: Any) -> str:
+    """safetensors dtype name of a Paddle dtype or dtype name (``paddle.bfloat16`` / ``"bfloat16"``)."""
+    name = str(dtype).replace("paddle.", "")
+    if name not in _PADDLE_TO_ST:
+        raise CheckpointError("unsupported dtype for safetensors", expected=sorted(_PADDLE_TO_ST), actual=name)
+    return _PADDLE_TO_ST[name]
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Exact bf16 -> fp32 conversion from the raw uint16 bits (bf16 is the top half of fp32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def shard_file_name(k: int, n: int, stem: str = "model") -> str:
+    return f"{stem}-{k:05d}-of-{n:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, dtype, shape and absolute byte range in the file."""
+
+    key: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+def _no_duplicate_keys(file: str):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise CheckpointError("duplicate key in the safetensors header", file=file, key=k)
+            out[k] = v
+        return out
+
+    return hook
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(file: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+    """Read and validate a safetensors header; returns (tensors, __metadata__, data start offset).
+
+    Checks: length prefix within the file, UTF-8 JSON object without duplicate keys, known dtype
+    names, integer shapes and offsets, byte length == numel x itemsize, ranges inside the data area,
+    no overlap, no gap, and no trailing bytes after the last tensor.
+    """
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(
+                    "truncated safetensors file: shorter than the 8-byte header length",
+                    file=file,
+                    expected=">= 8 bytes",
+                    actual=size,
+                )
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    "corrupt header: header length is implausibly large",
+                    file=file,
+                    expected=f"<= {MAX_HEADER_BYTES}",
+                    actual=n,
+                )
+            if 8 + n > size:
+                raise CheckpointError(
+                    "truncated safetensors file: header length exceeds the file size",
+                    file=file,
+                    expected=f"header of {n} bytes",
+                    actual=f"{size - 8} bytes after the prefix",
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read safetensors file: {e}", file=file) from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"corrupt header: not UTF-8 ({e})", file=file) from e
+    if not text.startswith("{"):
+        raise CheckpointError("corrupt header: does not start with '{'", file=file, actual=text[:16])
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys(file))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt header: not valid JSON ({e.msg} at byte {e.pos})", file=file) from e
+    if not isinstance(header, dict):
+        raise CheckpointError("corrupt header: not a JSON object", file=file, actual=type(header).__name__)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError("corrupt header: __metadata__ must map strings to strings", file=file, key="__metadata__")
+    data_start = 8 + n
+    data_size = size - data_start
+    infos: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(
+                "corrupt header: entry must have exactly dtype, shape, data_offsets",
+                file=file,
+                key=key,
+                actual=sorted(entry) if isinstance(entry, dict) else type(entry).__name__,
+            )
+        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in ST_DTYPES:
+            raise CheckpointError("unknown dtype name", file=file, key=key, expected=sorted(ST_DTYPES), actual=dtype)
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(
+                "corrupt header: shape must be a list of non-negative integers", file=file, key=key, actual=shape
+            )
+        if not (
+            isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]
+        ):
+            raise CheckpointError(
+                "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end",
+                file=file,
+                key=key,
+                actual=offs,
+            )
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        want = numel * ST_DTYPES[dtype][0]
+        if offs[1] - offs[0] != want:
+            raise CheckpointError(
+                f"byte length does not match shape {shape} x {dtype}",
+                file=file,
+                key=key,
+                expected=want,
+                actual=offs[1] - offs[0],
+            )
+        if offs[1] > data_size:
+            raise CheckpointError(
+                "truncated safetensors file: tensor bytes lie beyond the end of the file",
+                file=file,
+                key=key,
+                expected=f"data end {offs[1]}",
+                actual=f"{data_size} data bytes",
+            )
+        infos[key] = TensorInfo(key, file, dtype, tuple(shape), data_start + offs[0], data_start + offs[1])
+    pos, prev = 0, None
+    for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
+        b = info.begin - data_start
+        if b < pos:
+            raise CheckpointError(
+                f"byte range overlaps tensor {prev!r}", file=file, key=info.key, expected=f"begin >= {pos}", actual=b
+            )
+        if b > pos:
+            raise CheckpointError(
+                "gap in the data area: bytes not covered by any tensor",
+                file=file,
+                key=info.key,
+                expected=f"begin {pos}",
+                actual=b,
+            )
+        pos, prev = info.end - data_start, info.key
+    if pos != data_size:
+        raise CheckpointError(
+            f"trailing garbage: {data_size - pos} bytes after the last tensor",
+            file=file,
+            expected=f"{pos} data bytes",
+            actual=f"{data_size} data bytes",
+        )
+    return infos, dict(meta), data_start
+
+
+class SafetensorsFile:
+    """One validated safetensors file, read lazily through a read-only mmap."""
+
+    def __init__(self, file: str | os.PathLike) -> None:
+        self.file = os.fspath(file)
+        self.tensors, self.metadata, self.data_start = parse_header(self.file)
+        self._fd: Any = None
+        self._mm: mmap.mmap | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def _map(self) -> mmap.mmap:
+        if self._mm is None:
+            self._fd = open(self.file, "rb")
+            size = os.fstat(self._fd.fileno()).st_size
+            self._mm = mmap.mmap(self._fd.fileno(), size, access=mmap.ACCESS_READ) if size else None  # type: ignore[assignment]
+        return self._mm  # type: ignore[return-value]
+
+    def raw(self, key: str) -> memoryview:
+        """The tensor's bytes as a zero-copy view (for hashing)."""
+        info = self.tensors[key]
+        if info.nbytes == 0:
+            return memoryview(b"")
+        return memoryview(self._map())[info.begin : info.end]
+
+    def numpy(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A numpy view of the tensor (bf16 as uint16 bits); only the pages touched are read."""
+        info = self.tensors[key]
+        np_dtype = ST_DTYPES[info.dtype][1]
+        if info.nbytes == 0:
+            arr = np.zeros(info.shape, dtype=np_dtype)
+        else:
+            arr = np.frombuffer(self._map(), dtype=np_dtype, count=info.numel, offset=info.begin).reshape(info.shape)
+        return arr[index] if index is not None else arr
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a view; the map closes when it is dropped
+                pass
+            self._mm = None
+        if self._fd is not None:
+            self._fd.close()
+            self._fd = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Checkpoint:
+    """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set.
+
+    Construction validates every header and the index against the shards, so a checkpoint object
+    that exists is consistent: each key in exactly one shard, the index naming exactly the keys each
+    shard holds, no shard missing from a ``-0000k-of-0000n`` series, ``total_size`` equal to the
+    tensor bytes. ``strict=False`` turns the last two (and files the index does not name) into
+    warnings collected in ``warnings``.
+    """
+
+    def __init__(self, path: str | os.PathLike, strict: bool = True) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.strict = strict
+        self.warnings: list[str] = []
+        self.index_file: str | None = None
+        self.index: dict[str, Any] | None = None
+        if os.path.isfile(self.path):
+            self.folder = os.path.dirname(self.path)
+            files = [self.path]
+        elif os.path.isdir(self.path):
+            self.folder = self.path
+            files = self._files_from_folder()
+        else:
+            raise CheckpointError("checkpoint path does not exist", file=self.path)
+        self.files: dict[str, SafetensorsFile] = {}
+        for f in files:
+            self.files[f] = SafetensorsFile(f)
+        self.tensors: dict[str, TensorInfo] = {}
+        owner: dict[str, str] = {}
+        for f, sf in self.files.items():
+            for k, info in sf.tensors.items():
+                if k in owner:
+                    raise CheckpointError(
+                        "key appears in two shards",
+                        key=k,
+                        file=f,
+                        expected=f"only in {os.path.basename(owner[k])}",
+                        actual="also here",
+                    )
+                owner[k] = f
+                self.tensors[k] = info
+        if self.index is not None:
+            self._check_index()
+
+    # ------------------------------------------------------------------ folder / index
+    def _problem(self, err: CheckpointError) -> None:
+        if self.strict:
+            raise err
+        self.warnings.append(str(err))
+
+    def _files_from_folder(self) -> list[str]:
+        listing = sorted(os.listdir(self.folder))
+        st_files = [f for f in listing if f.endswith(".safetensors")]
+        idx = os.path.join(self.folder, INDEX_NAME)
+        if os.path.exists(idx):
+            self.index_file = idx
+            try:
+                with open(idx, encoding="utf-8") as fh:
+                    index = json.load(fh, object_pairs_hook=_no_duplicate_keys(idx))
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"cannot read the index: {e}", file=idx) from e
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"index is not valid JSON ({e.msg} at byte {e.pos})", file=idx) from e
+            wm = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+                raise CheckpointError("index has no weight_map of key -> file name", file=idx, key="weight_map")
+            meta = index.get("metadata", {})
+            if meta is not None and not isinstance(meta, dict):
+                raise CheckpointError(
+                    "index metadata must be an object", file=idx, key="metadata", actual=type(meta).__name__
+                )
+            self.index = index
+            named = sorted(set(wm.values()))
+            for name in named:
+                if os.path.basename(name) != name:
+                    raise CheckpointError("index names a file outside the folder", file=idx, key=name)
+                if not os.path.isfile(os.path.join(self.folder, name)):
+                    keys = sorted(k for k, v in wm.items() if v == name)
+                    raise CheckpointError(
+                        f"index names a file that is not there ({len(keys)} keys, e.g. {keys[:3]})",
+                        file=os.path.join(self.folder, name),
+                        key=keys[0],
+                        expected="file present",
+                        actual="missing",
+                    )
+            self._check_series(named, idx)
+            for extra in sorted(set(st_files) - set(named)):
+                self._problem(
+                    CheckpointError(
+                        "safetensors file in the folder is not named by the index",
+                        file=os.path.join(self.folder, extra),
+                    )
+                )
+            return [os.path.join(self.folder, n) for n in named]
+        if SINGLE_NAME in st_files:
+            for extra in sorted(set(st_files) - {SINGLE_NAME}):
+                self._problem(
+                    CheckpointError(
+                        f"extra safetensors file beside {SINGLE_NAME} and no index",
+                        file=os.path.join(self.folder, extra),
+                    )
+                )
+            return [os.path.join(self.folder, SINGLE_NAME)]
+        if st_files:
+            self._check_series(st_files, self.folder)
+            if len(st_files) == 1:
+                return [os.path.join(self.folder, st_files[0])]
+            raise CheckpointError(
+                f"{len(st_files)} safetensors files and no {INDEX_NAME}",
+                file=self.folder,
+                expected=INDEX_NAME,
+                actual=st_files[:4],
+            )
+        raise CheckpointError(
+            "no safetensors files in the folder", file=self.folder, expected=f"{SINGLE_NAME} or {INDEX_NAME}"
+        )
+
+    def _check_series(self, names: Sequence[str], where: str) -> None:
+        """A ``stem-0000k-of-0000n`` series must be complete: every k in 1..n named once."""
+        series: dict[tuple[str, int], set[int]] = {}
+        for name in names:
+            m = _SHARD_RE.match(name)
+            if m:
+                series.setdefault((m["stem"], int(m["n"])), set()).add(int(m["k"]))
+        for (stem, n), ks in series.items():
+            missing = sorted(set(range(1, n + 1)) - ks)
+            if missing:
+                raise CheckpointError(
+                    f"missing shard(s) {[shard_file_name(k, n, stem) for k in missing[:4]]}",
+                    file=os.path.join(self.folder, shard_file_name(missing[0], n, stem)),
+                    expected=f"{n} shards",
+                    actual=f"{len(ks)} shards",
+                )
+            if any(k > n or k < 1 for k in ks):
+                raise CheckpointError(
+                    f"shard number out of range in {stem}-*-of-{n:05d}", file=where, actual=sorted(ks)
+                )
+
+    def _check_index(self) -> None:
+        assert self.index is not None and self.index_file is not None
+        wm: dict[str, str] = self.index["weight_map"]
+        for k, name in wm.items():
+            info = self.tensors.get(k)
+            if info is None:
+                raise CheckpointError(
+                    "index names a key that its shard does not hold",
+                    key=k,
+                    file=os.path.join(self.folder, name),
+                    expected="key present",
+                    actual="absent",
+                )
+            if os.path.basename(info.file) != name:
+                raise CheckpointError(
+                    "index puts the key in another shard",
+                    key=k,
+                    file=self.index_file,
+                    expected=os.path.basename(info.file),
+                    actual=name,
+                )
+        for k, info in self.tensors.items():
+            if k not in wm:
+                raise CheckpointError("shard holds a key the index does not name", key=k, file=info.file)
+        total = (self.index.get("metadata") or {}).get("total_size")
+        nbytes = sum(i.nbytes for i in self.tensors.values())
+        if total is not None and total != nbytes:
+            self._problem(
+                CheckpointError(
+                    "index metadata.total_size is not the sum of tensor bytes",
+                    file=self.index_file,
+                    key="total_size",
+                    expected=nbytes,
+                    actual=total,
+                )
+            )
+
+    # ------------------------------------------------------------------ access
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def info(self, key: str) -> TensorInfo:
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise CheckpointError("key not in checkpoint", key=key, file=self.path) from None
+
+    def file_of(self, key: str) -> SafetensorsFile:
+        return self.files[self.info(key).file]
+
+    def numpy(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        return self.file_of(key).numpy(key, index)
+
+    def raw(self, key: str) -> memoryview:
+        return self.file_of(key).raw(key)
+
+    def paddle(self, key: str, index: tuple[slice, ...] | None = None) -> Any:
+        """A Paddle tensor (a copy) of the tensor or of a slice of it; bf16 stays bf16 bit for bit."""
+        import paddle
+
+        arr = self.numpy(key, index)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        t = paddle.to_tensor(arr, place=paddle.CPUPlace())
+        want = st_to_paddle_dtype(self.info(key).dtype)
+        if str(t.dtype).replace("paddle.", "") != want:  # uint16 numpy arrives as bfloat16 already
+            t = t.view(want) if hasattr(t, "view") else t.astype(want)
+        return t
+
+    def all_files(self) -> list[str]:
+        """Every file that makes up the checkpoint (shards, then the index)."""
+        out = sorted(self.files)
+        if self.index_file:
+            out.append(self.index_file)
+        return out
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- writing
+def plan_header(
+    entries: Iterable[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Header bytes (padded to 8) and relative data offsets for tensors in the given order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for key, dtype, shape in entries:
+        if dtype not in ST_DTYPES:
+            raise CheckpointError("unknown dtype name", key=key, expected=sorted(ST_DTYPES), actual=dtype)
+        n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        end = pos + n * ST_DTYPES[dtype][0]
+        header[key] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [pos, end]}
+        offsets[key] = (pos, end)
+        pos = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
+    text += b" " * (-(len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose header is fixed up front; tensors may arrive in any order.
+
+    Every planned tensor must be written exactly once with the planned dtype and shape;
+    ``close()`` refuses to finish a file with a tensor missing.
+    """
+
+    def __init__(
+        self, file: str, entries: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+    ) -> None:
+        self.file = file
+        self.entries = {k: (d, tuple(int(x) for x in s)) for k, d, s in entries}
+        head, self.offsets = plan_header(entries, metadata)
+        self.data_start = len(head)
+        self.written: set[str] = set()
+        self._f = open(file, "wb")
+        self._f.write(head)
+
+    def write(self, key: str, array: np.ndarray, st_dtype: str) -> None:
+        if key not in self.entries:
+            raise CheckpointError("tensor not planned for this shard", key=key, file=self.file)
+        want_dtype, want_shape = self.entries[key]
+        if st_dtype != want_dtype or tuple(array.shape) != want_shape:
+            raise CheckpointError(
+                "tensor does not match the planned dtype/shape",
+                key=key,
+                file=self.file,
+                expected=(want_dtype, want_shape),
+                actual=(st_dtype, tuple(array.shape)),
+            )
+        if key in self.written:
+            raise CheckpointError("tensor written twice", key=key, file=self.file)
+        b, e = self.offsets[key]
+        arr = np.ascontiguousarray(array)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        if arr.nbytes != e - b:
+            raise CheckpointError(
+                "tensor byte size does not match the plan", key=key, file=self.file, expected=e - b, actual=arr.nbytes
+            )
+        self._f.seek(self.data_start + b)
+        self._f.write(arr.reshape(-1).view(np.uint8).data)
+        self.written.add(key)
+
+    def close(self) -> None:
+        missing = sorted(set(self.entries) - self.written)
+        if missing:
+            self._f.close()
+            raise CheckpointError(
+                f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}", file=self.file, key=missing[0]
+            )
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()

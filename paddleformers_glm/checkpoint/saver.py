@@ -1,0 +1,216 @@
+"""``save_pretrained_state``: write a model's weights as an official-layout (or Fleet-layout) checkpoint.
+
+The official layout is the default so that files go back to users in the form they came: exactly
+the official key set (per-expert tensors, indexer only on full layers, the MTP layer with its
+indexer), torch shapes, ``config.model_dtype`` everywhere except the fp32 correction bias, shards
+``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json`` (one shard: a single
+``model.safetensors``, as HF does), and ``config.json`` through the config round trip.
+
+Tensors are produced one at a time by Paddle's AOA engine (fleet -> hf statements) and written
+straight into their planned place: the shard plan and every header are computed up front from the
+contract, so the bytes depend only on the weights. Everything is written into a temporary folder
+beside the target and moved in only when complete: a failure leaves no partial checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .aoa import expand_units, quiet_paddle_logs
+from .engine import StateDictSource, TargetSpec, dtype_name, run_units
+from .errors import CheckpointError
+from .layout import fleet_param_specs, param_specs, resolve_dtype
+from .loader import format_keys, identity_units
+from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
+
+__all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+@dataclass
+class SaveReport:
+    out_dir: str
+    layout: str
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    total_size: int = 0
+    seconds: float = 0.0
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units like HF; ``GiB`` binary); ints pass through."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be > 0, got {size}")
+        return size
+    m = _SIZE_RE.match(str(size))
+    if not m:
+        raise ValueError(f"max_shard_size {size!r} is not a size like '5GB', '500MiB' or 1000000")
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    if n <= 0:
+        raise ValueError(f"max_shard_size must be > 0, got {size!r}")
+    return n
+
+
+def plan_shards(entries: Mapping[str, tuple[tuple[int, ...], str]], max_shard_size: int) -> list[list[str]]:
+    """Keys in sorted order packed greedily into shards of at most ``max_shard_size`` tensor bytes.
+
+    A tensor larger than the limit gets a shard of its own (as HF does).
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k in sorted(entries):
+        shape, st = entries[k]
+        n = ST_DTYPES[st][0] * (math.prod(shape) if shape else 1)
+        if shards[-1] and size + n > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    return shards
+
+
+def _state_of(model: Any) -> Mapping[str, Any]:
+    if isinstance(model, Mapping):
+        return model
+    if hasattr(model, "state_dict"):
+        return model.state_dict()
+    raise TypeError(f"expected a paddle.nn.Layer or a state dict, got {type(model).__name__}")
+
+
+def _check_state(state: Mapping[str, Any], config: Any) -> None:
+    fleet = fleet_param_specs(config)
+    lacking, extra = sorted(set(fleet) - set(state)), sorted(set(state) - set(fleet))
+    if lacking or extra:
+        parts = ([f"lacks {format_keys(lacking)}"] if lacking else []) + (
+            [f"has unknown {format_keys(extra)}"] if extra else []
+        )
+        raise CheckpointError("state dict does not match the GLM-5.2 Fleet parameter contract: " + "; ".join(parts))
+    for k, (shape, _) in fleet.items():
+        t = getattr(state[k], "local_tensor", state[k])
+        if tuple(int(d) for d in t.shape) != tuple(shape):
+            raise CheckpointError(
+                "parameter shape does not match the contract", key=k, expected=tuple(shape), actual=tuple(t.shape)
+            )
+        if not dtype_name(t.dtype).startswith(("float", "bfloat")):
+            raise CheckpointError(
+                "non-float parameter where a weight is expected",
+                key=k,
+                expected="a float dtype",
+                actual=dtype_name(t.dtype),
+            )
+
+
+def save_pretrained_state(
+    model_or_state_dict: Any,
+    config: Any,
+    out_dir: str | os.PathLike,
+    layout: str = "hf",
+    max_shard_size: int | str = "5GB",
+    dtype: str | None = None,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> SaveReport:
+    """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``.
+
+    ``layout="hf"`` (default) writes the official layout, ``"fleet"`` the Paddle/Fleet names.
+    ``dtype`` overrides ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and
+    in the Fleet layout the router weight, stay float32). If ``out_dir`` does not exist or is empty
+    the whole folder appears at once (rename); otherwise the finished files are moved in one by one
+    and stale weight files of an earlier checkpoint there are removed.
+    """
+    t0 = time.perf_counter()
+    quiet_paddle_logs()
+    if layout not in ("hf", "fleet"):
+        raise ValueError(f"unknown layout {layout!r}; expected 'hf' or 'fleet'")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    limit = parse_size(max_shard_size)
+    state = _state_of(model_or_state_dict)
+    _check_state(state, config)
+    model_dtype = dtype or config.model_dtype
+    specs = param_specs(config, layout)
+    tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
+    entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
+    shards = plan_shards(entries, limit)
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
+    file_of = {k: names[i] for i, keys in enumerate(shards) for k in keys}
+    units = expand_units(config) if layout == "hf" else identity_units(specs)
+    targets = {k: TargetSpec(k, tuple(shape), tgt_dtypes[k]) for k, (shape, _) in specs.items()}
+    tensors = {k: getattr(v, "local_tensor", v) for k, v in state.items()}
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        meta = dict(metadata) if metadata is not None else {"format": "pt"}
+        for name, keys in zip(names, shards):
+            writers[name] = SafetensorsWriter(
+                os.path.join(tmp, name), [(k, entries[k][1], entries[k][0]) for k in keys], meta
+            )
+        count = 0
+        for key, t in run_units(
+            units, "fleet_to_hf" if layout == "hf" else "hf_to_fleet", StateDictSource(tensors), targets
+        ):
+            writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
+            count += 1
+            del t
+        for w in writers.values():
+            w.close()
+        total = sum(ST_DTYPES[st][0] * (math.prod(shape) if shape else 1) for shape, st in entries.values())
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config.save_pretrained(tmp)
+        _publish(tmp, out_dir)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = names + ([INDEX_NAME] if n > 1 else []) + ["config.json"]
+    return SaveReport(
+        out_dir, layout, [os.path.join(out_dir, f) for f in files], count, total, time.perf_counter() - t0
+    )
+
+
+def _publish(tmp: str, out_dir: str) -> None:
+    """Move a finished checkpoint folder into place (one rename when the target is absent/empty)."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
+    if not os.path.exists(out_dir):
+        os.rename(tmp, out_dir)
+        return
+    if not os.path.isdir(out_dir):
+        raise CheckpointError("output path exists and is not a folder", file=out_dir)
+    new = set(os.listdir(tmp))
+    for f in os.listdir(out_dir):  # stale weights of an earlier checkpoint would confuse loaders
+        if f not in new and (f.endswith(".safetensors") or f == INDEX_NAME):
+            os.remove(os.path.join(out_dir, f))
+    for f in sorted(new, key=lambda f: (f == INDEX_NAME, f == "config.json", f)):
+        os.replace(os.path.join(tmp, f), os.path.join(out_dir, f))
+    os.rmdir(tmp)
