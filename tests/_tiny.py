@@ -1,0 +1,49 @@
+"""Small helpers shared by the model tests: configs and randomly initialised models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import paddle
+
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+from .conftest import TINY_CONFIG
+
+
+def tiny_config(**changes) -> GlmMoeDsaConfig:
+    d = json.loads(TINY_CONFIG.read_text())
+    d.update(changes)
+    if "index_topk_pattern" in changes:
+        d.pop("indexer_types", None)
+        d.pop("index_topk_freq", None)
+        d.pop("index_skip_topk_offset", None)
+    return GlmMoeDsaConfig.from_dict(d)
+
+
+def randomize(model: GlmMoeDsaForCausalLM, seed: int = 0) -> GlmMoeDsaForCausalLM:
+    """O(1) activations: matrices ~ N(0, 1/fan_in), norms ~ 1 + 0.1 N, biases ~ 0.1 N."""
+    rng = np.random.default_rng(seed)
+    for name, p in model.state_dict().items():
+        shape = list(p.shape)
+        if len(shape) == 2:
+            std = 1.0 if "embed_tokens" in name else shape[0] ** -0.5
+            v = rng.standard_normal(shape) * std
+        elif name.endswith("e_score_correction_bias"):
+            v = rng.standard_normal(shape) * 0.05
+        elif name.endswith("bias"):
+            v = rng.standard_normal(shape) * 0.1
+        else:
+            v = 1.0 + 0.1 * rng.standard_normal(shape)
+        p.set_value(paddle.to_tensor(v.astype(str(p.dtype).replace("paddle.", ""))))
+    return model
+
+
+def tiny_model(seed: int = 0, **changes) -> GlmMoeDsaForCausalLM:
+    return randomize(GlmMoeDsaForCausalLM(tiny_config(**changes)), seed)
+
+
+def tokens(B: int, S: int, vocab: int = 256, seed: int = 0) -> paddle.Tensor:
+    return paddle.to_tensor(np.random.default_rng(seed).integers(3, vocab, size=(B, S)).astype("int64"))

@@ -1,0 +1,80 @@
+"""Sparse attention over gathered keys equals the dense masked (HF-style) computation; memory is O(S x k)."""
+
+import numpy as np
+import paddle
+import pytest
+
+from paddleformers_glm.modeling.attention import dense_masked_attention, sparse_attention
+
+from ._tiny import tiny_model, tokens
+
+
+def _random_case(B=2, S=40, H=3, D=12, Dv=10, K=7, seed=0, empty_rows=0):
+    rng = np.random.default_rng(seed)
+    q = paddle.to_tensor(rng.standard_normal((B, S, H, D)).astype("float32"))
+    k = paddle.to_tensor(rng.standard_normal((B, S, H, D)).astype("float32"))
+    v = paddle.to_tensor(rng.standard_normal((B, S, H, Dv)).astype("float32"))
+    idx = np.full((B, S, K), -1, dtype="int64")
+    for b in range(B):
+        for i in range(empty_rows, S):
+            n = min(K, i + 1)
+            idx[b, i, :n] = rng.choice(i + 1, size=n, replace=False)
+    return q, k, v, paddle.to_tensor(idx)
+
+
+@pytest.mark.parametrize("chunk", [1024, 7, 1])
+def test_sparse_equals_dense_masked(chunk):
+    q, k, v, idx = _random_case(empty_rows=3)
+    dense = dense_masked_attention(q, k, v, idx, 0.3).numpy()
+    sparse, _ = sparse_attention(q, k, v, idx, 0.3, chunk_size=chunk)
+    np.testing.assert_allclose(sparse.numpy(), dense, atol=2e-6)
+
+
+def test_empty_row_gets_mean_of_all_values_like_an_all_masked_softmax():
+    q, k, v, idx = _random_case(empty_rows=2)
+    out, _ = sparse_attention(q, k, v, idx, 0.3)
+    np.testing.assert_allclose(out.numpy()[:, 0], v.numpy().mean(1), atol=1e-6)
+
+
+def test_probs_sum_to_one_over_valid_slots():
+    q, k, v, idx = _random_case()
+    _, probs = sparse_attention(q, k, v, idx, 0.3, return_probs=True)
+    p = probs.numpy()
+    assert p.shape == (2, 40, 7)
+    np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-5)
+    assert np.all(p[idx.numpy() < 0] == 0)
+
+
+def test_whole_model_sparse_equals_dense_reference_with_padding():
+    model = tiny_model(seed=1)
+    model.eval()
+    ids = tokens(2, 32, seed=2)
+    mask = np.ones((2, 32), dtype="int64")
+    mask[0, -6:] = 0
+    mask[1, :5] = 0
+    mask = paddle.to_tensor(mask)
+    a = model(ids, attention_mask=mask, labels=ids, compute_mtp=True)
+    b = model(ids, attention_mask=mask, labels=ids, compute_mtp=True, dense_reference=True)
+    np.testing.assert_allclose(a.logits.numpy(), b.logits.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a.mtp_logits[0].numpy(), b.mtp_logits[0].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_path_memory_is_linear_in_sequence_length():
+    """The gathered keys are [B, chunk, k, H, D]: no tensor of S x S elements is created."""
+    B, S, H, D, K = 1, 512, 2, 8, 16
+    q, k, v, idx = _random_case(B=B, S=S, H=H, D=D, Dv=D, K=K)
+    seen = []
+    orig = paddle.matmul
+
+    def spy(x, y, *a, **kw):
+        out = orig(x, y, *a, **kw)
+        seen.append(int(np.prod(out.shape)))
+        return out
+
+    paddle.matmul = spy
+    try:
+        sparse_attention(q, k, v, idx, 0.3, chunk_size=64)
+    finally:
+        paddle.matmul = orig
+    assert seen and max(seen) <= 64 * K * H * D
+    assert max(seen) < S * S

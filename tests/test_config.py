@@ -1,0 +1,275 @@
+"""GlmMoeDsaConfig: lossless round trip of the official file, variants in the wild, validation."""
+
+import copy
+import json
+import re
+
+import pytest
+
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.configuration import indexer_types_from_schedule
+
+from .conftest import OFFICIAL_CONFIG, TINY_CONFIG
+
+
+def official() -> dict:
+    return json.loads(OFFICIAL_CONFIG.read_text())
+
+
+def test_official_config_round_trip_is_identical(tmp_path):
+    src = official()
+    cfg = GlmMoeDsaConfig.from_pretrained(OFFICIAL_CONFIG.parent)
+    cfg.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == src
+    assert list(saved) == list(src)  # same key order too
+    assert GlmMoeDsaConfig.from_dict(cfg.to_dict()).to_dict() == src
+
+
+def test_official_schedule_and_flags():
+    cfg = GlmMoeDsaConfig.from_pretrained(OFFICIAL_CONFIG)
+    assert cfg.full_layer_ids == [0, 1, 2] + list(range(6, 78, 4))
+    assert len(cfg.full_layer_ids) == 21 and cfg.indexer_types.count("shared") == 57
+    assert cfg.rope_interleave is True and cfg.indexer_rope_interleave is True
+    assert cfg.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 75
+    assert cfg.head_dim == 192 and cfg.qk_rope_head_dim == 64 and cfg.qk_head_dim == 256
+    assert cfg.rope == {"rope_theta": 8000000, "rope_type": "default"}
+    assert cfg.model_dtype == "bfloat16"
+    assert cfg.use_qk_norm is True and cfg.fp32_residual_connection is False
+    assert cfg.full_layer_for(77) == 74 and cfg.full_layer_for(6) == 6 and cfg.full_layer_for(5) == 2
+
+
+def test_both_interleave_flags_survive_independently():
+    d = official()
+    d["rope_interleave"], d["indexer_rope_interleave"] = False, True
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert (cfg.rope_interleave, cfg.indexer_rope_interleave) == (False, True)
+    out = cfg.to_dict()
+    assert (out["rope_interleave"], out["indexer_rope_interleave"]) == (False, True)
+
+
+def test_unknown_keys_are_preserved():
+    d = official()
+    d["my_future_key"] = {"nested": [1, 2, 3]}
+    d["quantization_config"] = {"quant_method": "fp8"}
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert cfg.my_future_key == {"nested": [1, 2, 3]}
+    assert cfg.to_dict() == d
+
+
+def test_glm51_style_config_normalised_without_rewrite():
+    d = official()
+    del d["rope_parameters"], d["dtype"], d["indexer_types"], d["mlp_layer_types"]
+    d["rope_theta"] = 1000000.0
+    d["torch_dtype"] = "bfloat16"
+    d["max_position_embeddings"] = 202752
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert cfg.rope == {"rope_type": "default", "rope_theta": 1000000.0}
+    assert cfg.model_dtype == "bfloat16"
+    assert cfg.full_layer_ids[:4] == [0, 1, 2, 6]  # from freq/offset
+    out = cfg.to_dict()
+    assert out == d and "rope_parameters" not in out and "dtype" not in out
+
+
+def test_paddleformers_style_rope_scaling_keeps_every_field():
+    d = official()
+    del d["rope_parameters"]
+    d["rope_theta"] = 8000000
+    d["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 4.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 131072,
+        "partial_rotary_factor": 0.5,
+    }
+    d["partial_rotary_factor"] = 0.5
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert cfg.rope["rope_type"] == "yarn" and cfg.rope["factor"] == 4.0
+    assert cfg.rope["partial_rotary_factor"] == 0.5 and cfg.rope["rope_theta"] == 8000000
+    again = GlmMoeDsaConfig.from_dict(cfg.to_dict())
+    assert again.to_dict() == d
+    assert again.to_dict()["rope_scaling"]["partial_rotary_factor"] == 0.5
+
+
+def test_rope_parameters_dict_survives_with_every_field():
+    d = official()
+    d["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 8000000,
+        "factor": 8.0,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 131072,
+        "partial_rotary_factor": 1.0,
+    }
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert GlmMoeDsaConfig.from_dict(cfg.to_dict()).to_dict()["rope_parameters"] == d["rope_parameters"]
+
+
+def test_yarn_softmax_scale_uses_mscale_all_dim():
+    import math
+
+    d = official()
+    d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 8e6, "factor": 40.0, "mscale_all_dim": 1.0}
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    m = 0.1 * 1.0 * math.log(40.0) + 1.0
+    assert cfg.softmax_scale == pytest.approx(256**-0.5 * m * m, rel=1e-12)
+    assert GlmMoeDsaConfig.from_dict(official()).softmax_scale == pytest.approx(256**-0.5, rel=1e-12)
+
+
+def test_pattern_overrides_schedule_and_must_agree_with_list():
+    d = json.loads(TINY_CONFIG.read_text())
+    d["index_topk_pattern"] = "FFSFSSFS"
+    del d["indexer_types"], d["index_topk_freq"], d["index_skip_topk_offset"]
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert cfg.full_layer_ids == [0, 1, 3, 6]
+    d["indexer_types"] = ["full", "full", "shared", "full", "shared", "shared", "full", "shared"]
+    assert GlmMoeDsaConfig.from_dict(d).to_dict() == d
+
+
+def test_schedule_rule():
+    assert indexer_types_from_schedule(8, 4, 3) == ["full"] * 3 + ["shared"] * 3 + ["full", "shared"]
+    assert indexer_types_from_schedule(5, 1, 3) == ["full"] * 5
+    assert indexer_types_from_schedule(6, 2, 0) == indexer_types_from_schedule(6, 2, 1)
+    assert indexer_types_from_schedule(6, 2, 1) == ["full", "shared"] * 3
+
+
+def test_file_without_schedule_keys_has_every_layer_full():
+    d = official()
+    for k in ("indexer_types", "index_topk_freq", "index_skip_topk_offset"):
+        del d[k]
+    assert GlmMoeDsaConfig.from_dict(d).indexer_types == ["full"] * 78
+
+
+def test_parallel_settings_are_validated_but_not_saved(tmp_path):
+    cfg = GlmMoeDsaConfig.from_dict(
+        official(),
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=8,
+        expert_tensor_model_parallel_size=1,
+        sequence_parallel=True,
+    )
+    assert cfg.parallel_settings()["tensor_model_parallel_size"] == 2
+    cfg.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == official()
+    for key in ("tensor_model_parallel_size", "sequence_parallel", "expert_tensor_model_parallel_size"):
+        assert key not in saved
+
+
+def test_fleet_config_fields():
+    cfg = GlmMoeDsaConfig.from_dict(official(), expert_tensor_model_parallel_size=2, tensor_model_parallel_size=4)
+    f = cfg.to_fleet_config()
+    expected = {
+        "dsa_index_n_heads": 32,
+        "dsa_index_head_dim": 128,
+        "dsa_index_topk": 2048,
+        "dsa_indexer_topk_freq": 4,
+        "dsa_indexer_skip_topk_offset": 3,
+        "dsa_index_share_for_mtp_iteration": True,
+        "dsa_indexer_rotary_interleaved": True,
+        "expert_tensor_parallel_size": 2,
+        "tensor_model_parallel_size": 4,
+        "params_dtype": "bfloat16",
+        "rotary_base": 8000000,
+        "fp32_residual_connection": False,
+        "qk_layernorm": True,
+        "rotary_interleaved": True,
+        "num_moe_experts": 256,
+        "moe_router_topk": 8,
+        "moe_router_topk_scaling_factor": 2.5,
+        "mtp_num_layers": 1,
+        "q_lora_rank": 2048,
+        "kv_lora_rank": 512,
+        "qk_pos_emb_head_dim": 64,
+        "v_head_dim": 256,
+    }
+    assert {k: f[k] for k in expected} == expected
+    assert f["dsa_indexer_types"] == official()["indexer_types"]
+    assert f["moe_layer_freq"] == [0, 0, 0] + [1] * 75
+
+
+def test_python_built_config_writes_canonical_keys():
+    cfg = GlmMoeDsaConfig(num_hidden_layers=4, index_topk_freq=2, index_skip_topk_offset=1, first_k_dense_replace=1)
+    d = cfg.to_dict()
+    assert d["model_type"] == "glm_moe_dsa" and d["num_hidden_layers"] == 4
+    assert d["indexer_types"] == ["full", "shared", "full", "shared"]
+    assert GlmMoeDsaConfig.from_dict(d).to_dict() == d
+
+
+INVALID = [
+    ("first layer shared", {"index_topk_pattern": "SFFF" + "S" * 74}, "indexer_types"),
+    (
+        "indexer_types length",
+        {"indexer_types": ["full"] * 77, "_drop": ["index_topk_freq", "index_skip_topk_offset"]},
+        "indexer_types",
+    ),
+    ("pattern letters", {"index_topk_pattern": "FFX" + "S" * 75}, "index_topk_pattern"),
+    ("freq < 1", {"index_topk_freq": 0}, "index_topk_freq"),
+    ("qk_head_dim", {"qk_head_dim": 255}, "qk_head_dim"),
+    ("experts vs groups", {"n_group": 3}, "n_routed_experts"),
+    ("topk_group > n_group", {"n_group": 4, "topk_group": 5}, "topk_group"),
+    ("experts_per_tok > experts", {"num_experts_per_tok": 300}, "num_experts_per_tok"),
+    ("yarn without factor", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 8e6}}, "factor"),
+    ("unknown rope type", {"rope_parameters": {"rope_type": "spiral", "rope_theta": 8e6}}, "rope_type"),
+    ("list disagrees with freq/offset", {"index_skip_topk_offset": 2}, "indexer_types"),
+    ("pattern length", {"index_topk_pattern": "FFS"}, "index_topk_pattern"),
+    ("bad dtype", {"dtype": "float8"}, "dtype"),
+]
+
+
+@pytest.mark.parametrize("name,change,key", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_configs_are_refused_naming_the_key(name, change, key):
+    d = official()
+    change = copy.deepcopy(change)
+    for k in change.pop("_drop", []):
+        del d[k]
+    if "index_topk_pattern" in change:
+        d.pop("indexer_types")
+    d.update(change)
+    with pytest.raises(ValueError) as e:
+        GlmMoeDsaConfig.from_dict(d)
+    named = re.findall(r"`([^`]+)`", str(e.value))
+    assert any(n == key or n.endswith("." + key) for n in named), (str(e.value), key)
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size"),
+        ({"expert_model_parallel_size": 3}, "expert_model_parallel_size"),
+        ({"sequence_parallel": True}, "sequence_parallel"),
+        ({"pipeline_model_parallel_size": 0}, "pipeline_model_parallel_size"),
+        ({"context_parallel_size": 2}, "context_parallel_size"),
+    ],
+)
+def test_invalid_parallel_layouts(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        GlmMoeDsaConfig.from_dict(official(), **kwargs)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        GlmMoeDsaConfig.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        GlmMoeDsaConfig.from_pretrained(tmp_path / "missing")
+    d = official()
+    d["qk_head_dim"] = 1
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"qk_head_dim.*config\.json"):
+        GlmMoeDsaConfig.from_pretrained(bad)
+
+
+def test_tiny_config_has_the_official_structure():
+    cfg = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG)
+    assert cfg.num_hidden_layers >= 8 and cfg.index_topk_freq == 4 and cfg.index_skip_topk_offset == 3
+    assert "shared" in cfg.indexer_types and cfg.num_mtp_layers == 1
+    assert cfg.mlp_layer_types[0] == "dense" and "sparse" in cfg.mlp_layer_types
+    assert cfg.n_group > 1 and cfg.index_topk < 32 and cfg.index_n_heads >= 8
+    assert set(json.loads(TINY_CONFIG.read_text())) == set(official())

@@ -1,0 +1,99 @@
+"""DSA indexer: scores and top-k against a brute-force numpy reference, chunking, masks, no-grad."""
+
+import numpy as np
+import paddle
+import pytest
+
+from paddleformers_glm.modeling.indexer import DSAIndexer
+from paddleformers_glm.modeling.rope import RotaryEmbedding
+
+from ._tiny import tiny_config
+
+
+def _setup(B=2, S=24, seed=0, **changes):
+    cfg = tiny_config(**changes)
+    rng = np.random.default_rng(seed)
+    idx = DSAIndexer(cfg)
+    for p in idx.parameters():
+        p.set_value(
+            paddle.to_tensor((rng.standard_normal(p.shape) * 0.5 + (1 if len(p.shape) == 1 else 0)).astype("float32"))
+        )
+    x = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
+    ql = paddle.to_tensor(rng.standard_normal((B, S, cfg.q_lora_rank)).astype("float32"))
+    cos, sin = RotaryEmbedding(cfg)(paddle.arange(S, dtype="int64").unsqueeze(0))
+    return cfg, idx, x, ql, cos, sin
+
+
+def _numpy_scores(cfg, idx, x, ql, cos, sin):
+    """Independent reference of REFERENCE §4 in numpy (interleaved rope on the first rope dims)."""
+    x, ql, cos, sin = x.numpy(), ql.numpy(), cos.numpy(), sin.numpy()
+    Hi, Di, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    W = {n: p.numpy() for n, p in idx.named_parameters()}
+    B, S, _ = x.shape
+    q = (ql @ W["wq_b.weight"]).reshape(B, S, Hi, Di)
+    k = x @ W["wk.weight"]
+    mu, var = k.mean(-1, keepdims=True), k.var(-1, keepdims=True)
+    k = (k - mu) / np.sqrt(var + 1e-6) * W["k_norm.weight"] + W["k_norm.bias"]
+
+    def rope(t):  # t [..., r], angle per pair = position * inv_freq
+        a, b = t[..., 0::2], t[..., 1::2]
+        c, s = (cos[:, :, None, :], sin[:, :, None, :]) if t.ndim == 4 else (cos, sin)
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    q = np.concatenate([rope(q[..., :r]), q[..., r:]], -1)
+    k = np.concatenate([rope(k[..., :r]), k[..., r:]], -1)
+    s = np.maximum(np.einsum("bshd,btd->bsht", q, k) * Di**-0.5, 0)
+    w = (x @ W["weights_proj.weight"]) * Hi**-0.5
+    return np.einsum("bsh,bsht->bst", w, s)
+
+
+@pytest.mark.parametrize("chunk", [1024, 5])
+def test_topk_matches_bruteforce(chunk):
+    cfg, idx, x, ql, cos, sin = _setup(attention_chunk_size=chunk)
+    ref = _numpy_scores(cfg, idx, x, ql, cos, sin)
+    B, S, _ = ref.shape
+    got = idx(x, ql, cos, sin, None).numpy()
+    assert got.shape == (B, S, cfg.index_topk) and got.dtype == np.int64
+    for b in range(B):
+        for i in range(S):
+            n_valid = i + 1
+            row = got[b, i]
+            chosen = set(row[row >= 0].tolist())
+            assert len(chosen) == min(n_valid, cfg.index_topk)
+            assert (row < 0).sum() == max(cfg.index_topk - n_valid, 0)
+            expect = set(np.argsort(-ref[b, i, :n_valid], kind="stable")[: cfg.index_topk].tolist())
+            assert chosen == expect, (b, i)
+
+
+def test_padding_keys_never_selected_and_empty_rows_are_all_minus_one():
+    cfg, idx, x, ql, cos, sin = _setup(S=20)
+    pad = np.ones((2, 20), dtype="int64")
+    pad[0, -4:] = 0  # right padding
+    pad[1, :3] = 0  # left padding: rows 0..2 of batch 1 see no key at all
+    got = idx(x, ql, cos, sin, paddle.to_tensor(pad)).numpy()
+    for b in range(2):
+        for i in range(20):
+            chosen = got[b, i][got[b, i] >= 0]
+            assert np.all(pad[b, chosen] == 1) and np.all(chosen <= i)
+            assert len(chosen) == min(int(pad[b, : i + 1].sum()), cfg.index_topk)
+    assert np.all(got[1, :3] == -1)
+
+
+def test_topk_is_min_of_index_topk_and_seq_len():
+    cfg, idx, x, ql, cos, sin = _setup(S=5)
+    assert idx(x, ql, cos, sin, None).shape == [2, 5, 5]
+
+
+def test_selection_sends_no_gradient():
+    cfg, idx, x, ql, cos, sin = _setup()
+    x.stop_gradient = False
+    out = idx(x, ql, cos, sin, None)
+    assert out.stop_gradient
+
+
+def test_indexer_rope_interleave_flag_changes_selection():
+    cfg, idx, x, ql, cos, sin = _setup(S=32, seed=3)
+    a = idx(x, ql, cos, sin, None).numpy()
+    idx.interleave = False
+    b = idx(x, ql, cos, sin, None).numpy()
+    assert not np.array_equal(np.sort(a, -1), np.sort(b, -1))

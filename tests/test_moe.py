@@ -1,0 +1,98 @@
+"""MoE router (sigmoid + bias choice, group limit, weights from un-biased scores) and expert dispatch."""
+
+import numpy as np
+import paddle
+import pytest
+
+from paddleformers_glm.modeling.moe import MoE
+
+from ._tiny import tiny_config
+
+
+def _numpy_route(x, W, bias, n_group, topk_group, top_k, norm, scale):
+    s = 1 / (1 + np.exp(-(x @ W)))
+    choice = s + bias
+    N, E = s.shape
+    g = choice.reshape(N, n_group, E // n_group)
+    gscore = np.sort(g, -1)[..., -2:].sum(-1)
+    keep = np.argsort(-gscore, -1)[:, :topk_group]
+    allowed = np.zeros((N, n_group), bool)
+    np.put_along_axis(allowed, keep, True, -1)
+    choice = np.where(np.repeat(allowed, E // n_group, -1), choice, -np.inf)
+    ids = np.argsort(-choice, -1)[:, :top_k]
+    w = np.take_along_axis(s, ids, -1)
+    if norm:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return ids, w * scale
+
+
+@pytest.mark.parametrize("n_group,topk_group,top_k,norm", [(2, 1, 2, True), (4, 2, 3, False), (1, 1, 2, True)])
+def test_router_matches_numpy(n_group, topk_group, top_k, norm):
+    cfg = tiny_config(n_group=n_group, topk_group=topk_group, num_experts_per_tok=top_k, norm_topk_prob=norm)
+    moe = MoE(cfg)
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((cfg.hidden_size, 8)).astype("float32") * 0.3
+    bias = (rng.standard_normal(8) * 0.1).astype("float32")
+    moe.gate.weight.set_value(paddle.to_tensor(W))
+    moe.gate.e_score_correction_bias.set_value(paddle.to_tensor(bias))
+    x = rng.standard_normal((50, cfg.hidden_size)).astype("float32")
+    _, w, ids = moe.gate(paddle.to_tensor(x))
+    ref_ids, ref_w = _numpy_route(x, W, bias, n_group, topk_group, top_k, norm, cfg.routed_scaling_factor)
+    assert np.array_equal(np.sort(ids.numpy(), -1), np.sort(ref_ids, -1))
+    order_got, order_ref = np.argsort(ids.numpy(), -1), np.argsort(ref_ids, -1)
+    np.testing.assert_allclose(
+        np.take_along_axis(w.numpy(), order_got, -1), np.take_along_axis(ref_w, order_ref, -1), rtol=1e-6
+    )
+
+
+def test_bias_changes_choice_but_not_weights():
+    cfg = tiny_config(n_group=1, topk_group=1)
+    moe = MoE(cfg)
+    x = paddle.randn([16, cfg.hidden_size])
+    _, w0, ids0 = moe.gate(x)
+    big = np.zeros(8, dtype="float32")
+    big[5] = 10.0  # expert 5 always chosen now
+    moe.gate.e_score_correction_bias.set_value(paddle.to_tensor(big))
+    _, w1, ids1 = moe.gate(x)
+    assert np.all((ids1.numpy() == 5).any(-1))
+    logits = paddle.matmul(x, moe.gate.weight).numpy()
+    s5 = 1 / (1 + np.exp(-logits[:, 5]))
+    col = np.argmax(ids1.numpy() == 5, -1)
+    raw = np.take_along_axis(w1.numpy(), col[:, None], -1)[:, 0] / cfg.routed_scaling_factor
+    sel = np.take_along_axis(ids1.numpy(), np.arange(2)[None].repeat(16, 0), -1)
+    denom = (1 / (1 + np.exp(-np.take_along_axis(logits, sel, -1)))).sum(-1)
+    np.testing.assert_allclose(raw, s5 / denom, rtol=1e-5)
+
+
+def test_bias_is_a_buffer_and_router_is_fp32():
+    moe = MoE(tiny_config())
+    names = [n for n, _ in moe.named_parameters()]
+    assert "gate.e_score_correction_bias" not in names and "gate.weight" in names
+    assert "gate.e_score_correction_bias" in moe.state_dict()
+    assert moe.gate.weight.dtype == paddle.float32
+
+
+def test_moe_output_equals_explicit_per_token_sum():
+    cfg = tiny_config()
+    moe = MoE(cfg)
+    rng = np.random.default_rng(2)
+    for p in moe.parameters():
+        p.set_value(paddle.to_tensor((rng.standard_normal(p.shape) * 0.3).astype("float32")))
+    x = paddle.to_tensor(rng.standard_normal((3, 5, cfg.hidden_size)).astype("float32"))
+    out = moe(x).numpy().reshape(15, -1)
+    flat = x.reshape([15, -1])
+    _, w, ids = moe.gate(flat)
+    shared = moe.shared_experts(flat).numpy()
+    for t in range(15):
+        expect = shared[t].copy()
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            expect += float(w[t, j]) * moe.experts[e](flat[t : t + 1]).numpy()[0]
+        np.testing.assert_allclose(out[t], expect, rtol=2e-6, atol=2e-5)
+
+
+def test_router_weight_gets_gradient_through_weights_only():
+    moe = MoE(tiny_config())
+    x = paddle.randn([4, 6, 64])
+    moe(x).sum().backward()
+    assert moe.gate.weight.grad is not None and float(moe.gate.weight.grad.abs().sum()) > 0
