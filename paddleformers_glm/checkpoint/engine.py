@@ -122,6 +122,7 @@ def run_units(
     source: Source,
     targets: Mapping[str, TargetSpec],
     produce: Iterable[str] | None = None,
+    trace: dict[str, dict[str, Any]] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Run the units' AOA program on Paddle's engine; yields ``(target key, tensor)`` one at a time.
 
@@ -129,7 +130,8 @@ def run_units(
     keys in ``produce`` (default: all) are read and made — a pipeline stage passes its own. A
     target with ``tensor`` set is filled in place (its local slice); otherwise a new tensor of its
     local shape is made. Every element of every target must be written by some engine entry,
-    else :class:`CheckpointError` names the target.
+    else :class:`CheckpointError` names the target. ``trace``, when given, receives per target the
+    source keys the engine used and whether it transposed or cast (for classifying differences).
     """
     import paddle
     from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
@@ -174,6 +176,13 @@ def run_units(
                 key=key, local_tensor=out, local_shape=local_shape, global_shape=t.global_shape, global_offset=offset
             )
             covered = 0
+            if trace is not None:
+                pp = [p for m in mappings for p in (m.postprocess_list or [])]
+                trace[key] = {
+                    "sources": sorted({m.source_slice.key for m in mappings}),
+                    "transposed": any(str(p).startswith("[") for p in pp),
+                    "cast": any(not str(p).startswith("[") for p in pp),
+                }
             for m in mappings:
                 s = m.source_slice
                 if s.dtype != t.dtype and not (m.postprocess_list and t.dtype in m.postprocess_list):

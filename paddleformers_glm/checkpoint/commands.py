@@ -1,0 +1,39 @@
+"""argparse wiring of ``glm52 convert`` (registered by ``paddleformers_glm.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between the official HF layout and the Paddle/Fleet layout",
+        description="Load SRC through the AOA mapping (strict) and write OUT in --to layout, atomically.",
+    )
+    p.add_argument("src", help="source checkpoint folder (config.json beside the weights)")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--to", choices=("hf", "fleet"), default="fleet", help="layout to write (default: fleet)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32", "float16"),
+        help="dtype of the written weights (default: config dtype)",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="shard size limit, e.g. 5GB, 500MiB (default: 5GB)")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from .convert import convert_checkpoint
+    from .errors import CheckpointError
+
+    try:
+        rep = convert_checkpoint(
+            args.src, args.out, layout=args.to, dtype=args.dtype, max_shard_size=args.max_shard_size
+        )
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"convert: {e}", file=sys.stderr)
+        return 2
+    print(f"convert: wrote {rep.tensors} tensors ({rep.total_size} bytes) in {len(rep.files)} files to {rep.out_dir}")
+    return 0

@@ -1,0 +1,42 @@
+"""Checkpoint layout conversion (HF <-> Fleet) without building the model: the contract is enough.
+
+The weights pass through a plain dict of Paddle tensors shaped by :func:`fleet_param_specs`, so
+memory is one copy of the model in ``dtype`` (the config dtype by default, which keeps a bf16
+checkpoint bit-exact).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .layout import fleet_param_specs, resolve_dtype
+from .loader import load_config_for, load_pretrained_state
+from .saver import SaveReport, save_pretrained_state
+
+__all__ = ["convert_checkpoint", "empty_state"]
+
+
+def empty_state(config: Any, dtype: str) -> dict[str, Any]:
+    """Uninitialised Paddle tensors for every Fleet parameter (router and bias in float32)."""
+    import paddle
+
+    return {
+        k: paddle.empty(list(shape), dtype=resolve_dtype(kind, dtype))
+        for k, (shape, kind) in fleet_param_specs(config).items()
+    }
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    layout: str = "fleet",
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+) -> SaveReport:
+    """Load ``src`` (either layout, strict) and write ``out`` in ``layout``; atomic like every save."""
+    src = os.fspath(src)
+    config = load_config_for(os.path.abspath(src))
+    state = empty_state(config, dtype or config.model_dtype)
+    load_pretrained_state(state, src, dtype=dtype or config.model_dtype, config=config)
+    return save_pretrained_state(state, config, out, layout=layout, max_shard_size=max_shard_size, dtype=dtype)

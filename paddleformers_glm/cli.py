@@ -1,0 +1,39 @@
+"""``glm52`` command line: a thin dispatcher over subcommands registered by their owners.
+
+To add a subcommand, append ``("name", "module.path:register_function")`` to ``COMMANDS``; the
+function receives argparse's subparsers object, adds its parser and sets ``func`` (returning the
+exit code). Modules are imported when the CLI starts, so keep their top level light (import heavy
+dependencies such as paddle inside ``func``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: list[tuple[str, str]] = [
+    ("check-ckpt", "paddleformers_glm.parity.commands:register_check_ckpt"),
+    ("check-loss", "paddleformers_glm.parity.commands:register_check_loss"),
+    ("convert", "paddleformers_glm.checkpoint.commands:register_convert"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="glm52", description="GLM-5.2 (glm_moe_dsa) for PaddlePaddle")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for _name, target in COMMANDS:
+        module, func = target.split(":")
+        getattr(importlib.import_module(module), func)(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""``glm52 check-ckpt``: prove a candidate checkpoint holds the same tensors as a reference.
+
+Why each step:
+
+* both sides are validated strictly (every safetensors header, the index) and every file is
+  refused if it is a symlink, a hardlink or sparse — a parity receipt must describe bytes that
+  really are in that folder, not bytes that can change under it;
+* tensors are compared through a *canonical* hash — sha256 over dtype, shape and raw bytes per
+  tensor, then over the sorted ``key<TAB>hash`` lines — so shard boundaries and key order do not
+  matter;
+* when the two sides use different layouts (HF vs Paddle/Fleet), the candidate is mapped into
+  the reference's layout by the same AOA rules the loader uses, so a renamed, fused or transposed
+  tensor is recognised as a **naming** difference, a tensor with no counterpart as
+  **structural**, and different numbers as **value** (with the max abs diff).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
+
+__all__ = ["check_checkpoints", "file_safety_problems", "tensor_hash", "checkpoint_hash", "versions"]
+
+EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE = 0, 1, 2
+_MAX_LISTED = 200  # differences listed in full; counts are always complete
+
+
+def versions() -> dict[str, str]:
+    """Versions that a receipt should carry to be reproducible."""
+    out = {"python": platform.python_version()}
+    try:
+        from .. import __version__
+
+        out["paddleformers_glm"] = __version__
+    except Exception:  # pragma: no cover
+        out["paddleformers_glm"] = "unknown"
+    for mod in ("paddle", "numpy", "safetensors"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = "not installed"
+    return out
+
+
+def sha256_file(path: str, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def tensor_hash(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> str:
+    """Canonical tensor hash: sha256 of ``dtype|shape|`` + little-endian bytes."""
+    h = hashlib.sha256(f"{dtype}|{','.join(str(int(d)) for d in shape)}|".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def checkpoint_hash(hashes: Mapping[str, str]) -> str:
+    """Whole-checkpoint hash over sorted ``key<TAB>tensor_hash`` lines: shard- and order-independent."""
+    h = hashlib.sha256()
+    for k in sorted(hashes):
+        h.update(f"{k}\t{hashes[k]}\n".encode())
+    return h.hexdigest()
+
+
+def _is_sparse(path: str, st: os.stat_result) -> bool:
+    if st.st_size == 0:
+        return False
+    seek_hole = getattr(os, "SEEK_HOLE", None)
+    if seek_hole is not None:
+        try:
+            with open(path, "rb") as f:
+                return os.lseek(f.fileno(), 0, seek_hole) < st.st_size
+        except OSError:
+            pass
+    return st.st_blocks * 512 < st.st_size  # fallback where SEEK_HOLE is not supported
+
+
+def file_safety_problems(paths: list[str]) -> list[dict[str, str]]:
+    """Symlinks, hardlinks, sparse files and non-regular files among ``paths``, one entry each."""
+    problems = []
+    for p in paths:
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            problems.append({"file": p, "problem": "symlink", "detail": f"points to {os.readlink(p)}"})
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append({"file": p, "problem": "not a regular file", "detail": stat.filemode(st.st_mode)})
+            continue
+        if st.st_nlink > 1:
+            problems.append({"file": p, "problem": "hardlink", "detail": f"{st.st_nlink} links to this inode"})
+        if _is_sparse(p, st):
+            problems.append(
+                {
+                    "file": p,
+                    "problem": "sparse file",
+                    "detail": f"{st.st_blocks * 512} bytes allocated for {st.st_size}",
+                }
+            )
+    return problems
+
+
+def _as_float(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype in ("bfloat16", "BF16"):
+        return bf16_bits_to_float32(arr).astype(np.float64)
+    return arr.astype(np.float64)
+
+
+@dataclass
+class _Side:
+    path: str
+    ckpt: Checkpoint | None = None
+    config: Any = None
+    config_json: dict[str, Any] | None = None
+    layout: str = "unknown"
+    files: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[dict[str, str]] = field(default_factory=list)
+    hashes: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _open_side(path: str) -> _Side:
+    from ..checkpoint.loader import detect_layout
+
+    side = _Side(os.path.abspath(path))
+    try:
+        if not os.path.exists(side.path):
+            raise CheckpointError("path does not exist", file=side.path)
+        # the folder itself first: a linked folder makes every file in it a link
+        probes = [side.path] if os.path.islink(side.path) else []
+        side.problems = file_safety_problems(probes)
+        side.ckpt = Checkpoint(side.path, strict=True)
+        folder = side.ckpt.folder
+        cfg_file = os.path.join(folder, "config.json")
+        members = side.ckpt.all_files() + ([cfg_file] if os.path.lexists(cfg_file) else [])
+        side.problems += file_safety_problems(members)
+        for f in members:
+            side.files.append({"file": f, "bytes": os.path.getsize(f), "sha256": sha256_file(f)})
+        if os.path.isfile(cfg_file):
+            from ..configuration import GlmMoeDsaConfig
+
+            with open(cfg_file, encoding="utf-8") as fh:
+                side.config_json = json.load(fh)
+            side.config = GlmMoeDsaConfig.from_pretrained(cfg_file)
+            try:
+                side.layout = detect_layout(side.ckpt.keys(), side.config)
+            except CheckpointError:
+                side.layout = "unknown"
+        for k, info in side.ckpt.tensors.items():
+            side.hashes[k] = tensor_hash(info.dtype, info.shape, side.ckpt.raw(k))
+    except (CheckpointError, OSError, ValueError) as e:
+        side.error = str(e)
+    return side
+
+
+def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Candidate tensors in the reference's layout: key -> {hash, dtype, shape, native keys, tags, array}.
+
+    Same layout: the candidate's own tensors. Different layouts: each mapping unit whose sources
+    the candidate has is run through the AOA engine without casts; the result is then expressed in
+    the reference's dtype when that is exact (a Paddle fp32 router equal to a bf16 one is not a
+    value difference).
+    """
+    from ..checkpoint.engine import CheckpointSource, TargetSpec, run_units
+    from ..checkpoint.layout import param_specs
+    from ..checkpoint.loader import units_for
+    from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype
+
+    assert cand.ckpt is not None and ref.ckpt is not None
+    out: dict[str, dict[str, Any]] = {}
+    if cand.layout == ref.layout or "unknown" in (cand.layout, ref.layout):
+        for k, info in cand.ckpt.tensors.items():
+            out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
+        return out
+    hf_units = units_for(config, "hf")
+    direction = "fleet_to_hf" if ref.layout == "hf" else "hf_to_fleet"
+    cand_specs = param_specs(config, cand.layout)
+    ref_specs = param_specs(config, ref.layout)
+    consumed: set[str] = set()
+    source = CheckpointSource(cand.ckpt)
+    for u in hf_units:
+        srcs, tgts = u.sources(direction), u.targets(direction)
+        have = [k for k in srcs if k in cand.ckpt]
+        if len(have) != len(srcs):  # the reference's tensors show up as missing; say why here
+            for k in have:
+                lacking = [x for x in srcs if x not in cand.ckpt]
+                diffs.append(
+                    {"class": "structural", "what": "unmappable in candidate", "cand_key": k, "lacking": lacking}
+                )
+            consumed.update(have)
+            continue
+        bad_shape = [k for k in srcs if cand.ckpt.info(k).shape != tuple(cand_specs[k][0])]
+        if bad_shape:
+            for k in bad_shape:
+                diffs.append(
+                    {
+                        "class": "value",
+                        "what": "shape",
+                        "cand_key": k,
+                        "expected": list(cand_specs[k][0]),
+                        "actual": list(cand.ckpt.info(k).shape),
+                    }
+                )
+            consumed.update(srcs)
+            continue
+        dtypes = {st_to_paddle_dtype(cand.ckpt.info(k).dtype) for k in srcs}
+        dt = sorted(dtypes)[0] if len(dtypes) > 1 else next(iter(dtypes))
+        targets = {k: TargetSpec(k, tuple(ref_specs[k][0]), dt) for k in tgts}
+        trace: dict[str, dict[str, Any]] = {}
+        for key, t in run_units([u], direction, source, targets, trace=trace):
+            arr = t.numpy()
+            dtype = paddle_to_st_dtype(t.dtype)
+            ref_info = ref.ckpt.tensors.get(key)
+            if ref_info is not None and ref_info.dtype != dtype:
+                cast = t.astype(st_to_paddle_dtype(ref_info.dtype))
+                if np.array_equal(cast.astype(t.dtype).numpy().view(np.uint8), arr.view(np.uint8)):
+                    arr, dtype = cast.numpy(), ref_info.dtype
+            out[key] = {
+                "hash": tensor_hash(dtype, tuple(arr.shape), np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data),
+                "dtype": dtype,
+                "shape": tuple(arr.shape),
+                "native": trace[key]["sources"],
+                "tags": _naming_kinds(key, trace[key]["sources"], trace[key]["transposed"]),
+                "array": arr,
+            }
+        consumed.update(srcs)
+    for k in cand.ckpt.keys():  # tensors outside the contract keep their own name
+        if k not in consumed and k not in out:
+            info = cand.ckpt.info(k)
+            out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
+    return out
+
+
+def _naming_kinds(key: str, native: list[str], transposed: bool) -> list[str]:
+    """Why a tensor is stored differently on the other side, from the names and the engine's trace."""
+    names = " ".join([key, *native])
+    kinds = []
+    if "embed_tokens" in names and any(k != key for k in native):
+        kinds.append("embedding rename")
+    if "core_attention.indexer" in names:
+        kinds.append("indexer nesting")
+    if ".transformer_layer." in names or "shared_head." in names:
+        kinds.append("MTP wrapper prefix")
+    if "up_gate_proj" in names:
+        kinds.append("fused up_gate_proj")
+    if transposed:
+        kinds.append("transpose")
+    if not kinds and native != [key]:
+        kinds.append("rename")
+    return kinds
+
+
+def _ref_array(ref: _Side, key: str) -> np.ndarray:
+    assert ref.ckpt is not None
+    return ref.ckpt.numpy(key)
+
+
+def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) -> dict[str, Any]:
+    """Compare two checkpoints; returns the receipt (``exit_code`` 0 match, 1 mismatch, 2 unusable).
+
+    ``layout`` declares the candidate's layout (``hf``/``fleet``). When it differs from the
+    reference's, naming differences explained by the AOA mapping are expected and do not fail the
+    check; without it the candidate must use the reference's names.
+    """
+    t0 = time.time()
+    report: dict[str, Any] = {
+        "tool": "glm52 check-ckpt",
+        "created_unix": int(t0),
+        "versions": versions(),
+        "ref": {"path": os.path.abspath(ref_path)},
+        "cand": {"path": os.path.abspath(cand_path)},
+        "declared_cand_layout": layout,
+        "differences": [],
+        "errors": [],
+    }
+    sides = {"ref": _open_side(ref_path), "cand": _open_side(cand_path)}
+    for name, s in sides.items():
+        report[name].update(
+            {
+                "layout": s.layout,
+                "files": s.files,
+                "file_problems": s.problems,
+                "tensor_count": len(s.ckpt.tensors) if s.ckpt else None,
+                "tensor_bytes": sum(i.nbytes for i in s.ckpt.tensors.values()) if s.ckpt else None,
+                "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
+            }
+        )
+        if s.error:
+            report["errors"].append(f"{name}: {s.error}")
+        for p in s.problems:
+            report["errors"].append(f"{name}: refused {p['problem']}: {p['file']} ({p['detail']})")
+    ref, cand = sides["ref"], sides["cand"]
+    if report["errors"]:
+        return _finish(report, EXIT_UNUSABLE, t0, sides)
+    if layout is not None and cand.layout not in (layout, "unknown"):
+        report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
+        return _finish(report, EXIT_UNUSABLE, t0, sides)
+    config = ref.config or cand.config
+    report["config_match"] = ref.config_json == cand.config_json
+    if not report["config_match"]:
+        diff = sorted(
+            k
+            for k in set(ref.config_json or {}) | set(cand.config_json or {})
+            if (ref.config_json or {}).get(k) != (cand.config_json or {}).get(k)
+        )
+        report["differences"].append({"class": "config", "keys": diff})
+    pre: list[dict[str, Any]] = []
+    try:
+        canon = _canonical_cand(ref, cand, config, pre)
+    except CheckpointError as e:
+        report["errors"].append(f"cand: cannot map to the {ref.layout} layout: {e}")
+        return _finish(report, EXIT_UNUSABLE, t0, sides)
+    assert ref.ckpt is not None
+    counts = {"matched": 0, "naming": 0, "structural": 0, "value": 0}
+    for d in pre:
+        counts[d["class"]] += 1
+    report["differences"].extend(pre)
+    naming_units: dict[tuple[str, ...], dict[str, Any]] = {}
+    for key in sorted(set(ref.ckpt.keys()) | set(canon)):
+        r = ref.ckpt.tensors.get(key)
+        c = canon.get(key)
+        if r is None:
+            counts["structural"] += 1
+            report["differences"].append(
+                {"class": "structural", "what": "only in candidate", "key": key, "cand_keys": c["native"]}
+            )  # type: ignore[index]
+            continue
+        if c is None:
+            counts["structural"] += 1
+            report["differences"].append(
+                {"class": "structural", "what": "missing in candidate", "key": key, "file": os.path.basename(r.file)}
+            )
+            continue
+        if c["dtype"] != r.dtype or tuple(c["shape"]) != r.shape or c["hash"] != ref.hashes[key]:
+            counts["value"] += 1
+            d: dict[str, Any] = {"class": "value", "key": key, "cand_keys": c["native"]}
+            if tuple(c["shape"]) != r.shape:
+                d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
+            else:
+                a = _as_float(_ref_array(ref, key), r.dtype)
+                b_arr = c.get("array")
+                if b_arr is None:
+                    b_arr = cand.ckpt.numpy(c["native"][0])  # type: ignore[union-attr]
+                b = _as_float(b_arr, c["dtype"])
+                diff = np.abs(a - b)
+                d.update(
+                    what="dtype" if c["dtype"] != r.dtype else "bytes",
+                    expected=r.dtype,
+                    actual=c["dtype"],
+                    max_abs_diff=float(np.nanmax(diff))
+                    if diff.size and not np.isnan(diff).all()
+                    else (0.0 if not diff.size else math.nan),
+                    differing_elements=int(np.count_nonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))),
+                )
+            report["differences"].append(d)
+            continue
+        counts["matched"] += 1
+        if c["tags"]:
+            counts["naming"] += 1
+            group = naming_units.setdefault(
+                tuple(c["native"]), {"class": "naming", "ref_keys": [], "cand_keys": c["native"], "kinds": []}
+            )
+            group["ref_keys"].append(key)
+            group["kinds"] = sorted(set(group["kinds"]) | set(c["tags"]))
+    report["differences"].extend(naming_units.values())
+    canon_hashes = {k: v["hash"] for k, v in canon.items()}
+    report["cand"]["canonical_hash"] = checkpoint_hash(canon_hashes)
+    report["ref"]["canonical_hash"] = report["ref"]["native_hash"]
+    report["compare_layout"] = ref.layout
+    report["hash_match"] = report["cand"]["canonical_hash"] == report["ref"]["canonical_hash"]
+    report["counts"] = {
+        "ref_tensors": len(ref.ckpt.tensors),
+        "cand_tensors": len(cand.ckpt.tensors) if cand.ckpt else 0,
+        "compared": len(set(ref.ckpt.keys()) | set(canon)),
+        **counts,
+        "naming_groups": len(naming_units),
+    }
+    naming_ok = layout is not None and layout != ref.layout
+    ok = (
+        counts["structural"] == 0
+        and counts["value"] == 0
+        and report["hash_match"]
+        and report["config_match"]
+        and (counts["naming"] == 0 or naming_ok)
+    )
+    return _finish(report, EXIT_MATCH if ok else EXIT_MISMATCH, t0, sides)
+
+
+def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:
+    for s in sides.values():
+        if s.ckpt is not None:
+            s.ckpt.close()
+    report["exit_code"] = code
+    report["result"] = {EXIT_MATCH: "match", EXIT_MISMATCH: "mismatch", EXIT_UNUSABLE: "unusable input"}[code]
+    if len(report["differences"]) > _MAX_LISTED:
+        report["differences_truncated"] = len(report["differences"]) - _MAX_LISTED
+        report["differences"] = report["differences"][:_MAX_LISTED]
+    report["seconds"] = round(time.time() - t0, 3)
+    return report
+
+
+def summary_lines(report: Mapping[str, Any]) -> list[str]:
+    """A short human summary of a receipt."""
+    lines = [f"check-ckpt: {report['result']} (exit {report['exit_code']})"]
+    for e in report.get("errors", []):
+        lines.append(f"  error: {e}")
+    if "counts" in report:
+        c = report["counts"]
+        lines.append(
+            f"  tensors ref={c['ref_tensors']} cand={c['cand_tensors']}  matched={c['matched']} "
+            f"naming={c['naming']} structural={c['structural']} value={c['value']}  hash_match={report['hash_match']}"
+        )
+    for d in report.get("differences", [])[:20]:
+        if d["class"] == "naming":
+            lines.append(f"  naming ({', '.join(d['kinds']) or 'rename'}): {d['cand_keys']} -> {d['ref_keys']}")
+        elif d["class"] == "value":
+            extra = f" max_abs_diff={d['max_abs_diff']:.3g}" if "max_abs_diff" in d else ""
+            lines.append(
+                f"  value ({d['what']}): {d.get('key', d.get('cand_key'))} expected={d.get('expected')} actual={d.get('actual')}{extra}"
+            )
+        elif d["class"] == "structural":
+            lines.append(f"  structural ({d['what']}): {d.get('key', d.get('cand_key'))}")
+        else:
+            lines.append(f"  {d['class']}: {d.get('keys')}")
+    return lines

@@ -1,0 +1,93 @@
+"""argparse wiring of ``glm52 check-ckpt`` and ``glm52 check-loss`` (registered by ``paddleformers_glm.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def _write_json(path: str | None, report: dict[str, Any]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def register_check_ckpt(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-ckpt",
+        help="compare two checkpoints tensor for tensor (exit 0 match, 1 mismatch, 2 unusable input)",
+        description="Strictly validate REF and CAND (headers, index, no symlink/hardlink/sparse file), hash every "
+        "tensor canonically, and classify every key difference as naming, structural or value.",
+    )
+    p.add_argument("ref", help="reference checkpoint folder (or .safetensors file)")
+    p.add_argument("cand", help="candidate checkpoint folder (or .safetensors file)")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON receipt here")
+    p.add_argument(
+        "--layout",
+        choices=("hf", "fleet"),
+        help="the candidate's layout; when it differs from REF's, naming differences explained by the AOA mapping pass",
+    )
+    p.set_defaults(func=_run_check_ckpt)
+
+
+def _run_check_ckpt(args: argparse.Namespace) -> int:
+    from .ckpt_check import check_checkpoints, summary_lines
+
+    report = check_checkpoints(args.ref, args.cand, layout=args.layout)
+    _write_json(args.json_out, report)
+    print("\n".join(summary_lines(report)))
+    return int(report["exit_code"])
+
+
+def register_check_loss(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-loss",
+        help="compare two loss.json curves (exit 0 pass, 1 fail, 2 malformed input)",
+        description="Read {'losses': [...]} from A and B and report length_match, enough_steps, consistent_steps, "
+        "matching_steps, first_divergent_step (0-based), max_diff and bit_exact.",
+    )
+    p.add_argument("a", help="loss.json of run A")
+    p.add_argument("b", help="loss.json of run B")
+    p.add_argument("--steps", type=int, help="compare the first N steps; each file must have at least N")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--bit-exact", action="store_true", help="every compared loss must be identical (default)")
+    mode.add_argument("--atol", type=float, help="absolute tolerance: |a-b| <= atol + rtol*|b|")
+    p.add_argument("--rtol", type=float, help="relative tolerance (with --atol, or alone)")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON receipt here")
+    p.add_argument("--plot", metavar="OUT.png", help="write a PNG of both curves and |diff| per step")
+    p.set_defaults(func=_run_check_loss)
+
+
+def _run_check_loss(args: argparse.Namespace) -> int:
+    from .loss_check import check_losses
+
+    if args.bit_exact and args.rtol is not None:
+        print("check-loss: --rtol cannot be combined with --bit-exact", file=sys.stderr)
+        return 2
+    report = check_losses(
+        args.a, args.b, steps=args.steps, bit_exact=args.bit_exact, atol=args.atol, rtol=args.rtol, plot=args.plot
+    )
+    _write_json(args.json_out, report)
+    if report["exit_code"] == 2:
+        for e in report["errors"]:
+            print(f"check-loss: {e}", file=sys.stderr)
+    else:
+        keys = (
+            "length_match",
+            "enough_steps",
+            "consistent_steps",
+            "matching_steps",
+            "first_divergent_step",
+            "max_diff",
+            "bit_exact",
+        )
+        print(f"check-loss: {report['result']} ({report['mode']}) " + " ".join(f"{k}={report[k]}" for k in keys))
+    return int(report["exit_code"])

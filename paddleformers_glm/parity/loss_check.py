@@ -1,0 +1,157 @@
+"""``glm52 check-loss``: compare two training loss curves step by step.
+
+A ``loss.json`` holds ``{"losses": [l0, l1, ...]}`` with unrounded numbers (JSON doubles, so a
+bit-exact comparison is meaningful). The report says how long the two curves agree from the start
+(``consistent_steps``), how many steps agree at all, where they first part, and by how much.
+Steps are 0-based: ``first_divergent_step`` 2 means the third loss differs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .ckpt_check import sha256_file, versions
+
+__all__ = ["LossFileError", "read_losses", "compare_losses", "check_losses", "plot_losses"]
+
+EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
+
+
+class LossFileError(ValueError):
+    """A loss file that cannot be compared (not JSON, no ``losses``, a non-number, NaN/inf)."""
+
+
+def read_losses(path: str) -> list[float]:
+    """The ``losses`` list of a loss.json, refusing anything that is not a finite number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise LossFileError(f"{path}: cannot read: {e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LossFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    if not isinstance(data, dict) or "losses" not in data:
+        got = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
+        raise LossFileError(f"{path}: expected a JSON object with a 'losses' list, got {got}")
+    losses = data["losses"]
+    if not isinstance(losses, list):
+        raise LossFileError(f"{path}: 'losses' must be a list, got {type(losses).__name__}")
+    out = []
+    for i, v in enumerate(losses):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise LossFileError(f"{path}: losses[{i}] is {v!r} ({type(v).__name__}), expected a number")
+        if not math.isfinite(v):
+            raise LossFileError(f"{path}: losses[{i}] is {v}, expected a finite number")
+        out.append(float(v))
+    return out
+
+
+def compare_losses(
+    a: Sequence[float], b: Sequence[float], steps: int | None = None, atol: float = 0.0, rtol: float = 0.0
+) -> dict[str, Any]:
+    """Step-by-step agreement of two curves: ``|a-b| <= atol + rtol*|b|`` (atol=rtol=0: bit-exact).
+
+    With ``steps`` only the first ``steps`` losses are compared and each curve must have that many
+    (``enough_steps``); without it all common steps are compared and one step is enough.
+    """
+    n_common = min(len(a), len(b))
+    n = min(n_common, steps) if steps is not None else n_common
+    agree = [abs(a[i] - b[i]) <= atol + rtol * abs(b[i]) for i in range(n)]
+    consistent = next((i for i, ok in enumerate(agree) if not ok), n)
+    diffs = [abs(a[i] - b[i]) for i in range(n)]
+    need = steps if steps is not None else 1
+    return {
+        "len_a": len(a),
+        "len_b": len(b),
+        "steps_required": steps,
+        "steps_compared": n,
+        "length_match": len(a) == len(b),
+        "enough_steps": n_common >= need and n_common > 0,
+        "consistent_steps": consistent,
+        "matching_steps": sum(agree),
+        "first_divergent_step": consistent if consistent < n else None,
+        "max_diff": max(diffs) if diffs else 0.0,
+        "bit_exact": len(a) == len(b) and all(a[i] == b[i] for i in range(n_common)),
+        "atol": atol,
+        "rtol": rtol,
+    }
+
+
+def check_losses(
+    path_a: str,
+    path_b: str,
+    steps: int | None = None,
+    bit_exact: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+    plot: str | None = None,
+) -> dict[str, Any]:
+    """Receipt for two loss files; ``exit_code`` 0 pass, 1 fail, 2 unusable input."""
+    report: dict[str, Any] = {
+        "tool": "glm52 check-loss",
+        "created_unix": int(time.time()),
+        "versions": versions(),
+        "a": {"path": os.path.abspath(path_a)},
+        "b": {"path": os.path.abspath(path_b)},
+        "mode": "bit-exact" if bit_exact or (atol is None and rtol is None) else "tolerance",
+        "errors": [],
+    }
+    if steps is not None and steps < 1:
+        report["errors"].append(f"--steps must be >= 1, got {steps}")
+    curves = {}
+    for name, p in (("a", path_a), ("b", path_b)):
+        try:
+            curves[name] = read_losses(p)
+            report[name]["sha256"] = sha256_file(p)
+        except LossFileError as e:
+            report["errors"].append(str(e))
+    if report["errors"]:
+        report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
+        return report
+    tol = (0.0, 0.0) if report["mode"] == "bit-exact" else (float(atol or 0.0), float(rtol or 0.0))
+    report.update(compare_losses(curves["a"], curves["b"], steps, *tol))
+    ok = (
+        report["length_match"]
+        and report["enough_steps"]
+        and report["matching_steps"] == report["steps_compared"]
+        and (report["bit_exact"] or report["mode"] == "tolerance")
+    )
+    if plot:
+        report["plot"] = plot_losses(curves["a"], curves["b"], plot, labels=(path_a, path_b))
+    report.update(exit_code=EXIT_PASS if ok else EXIT_FAIL, result="pass" if ok else "fail")
+    return report
+
+
+def plot_losses(a: Sequence[float], b: Sequence[float], out: str, labels: tuple[str, str] = ("A", "B")) -> str:
+    """PNG with both curves (top) and |a - b| per step (bottom); needs the ``plot`` extra."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = min(len(a), len(b))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, dpi=100)
+    ax1.plot(range(len(a)), a, label=os.path.basename(labels[0]) or "A", lw=1.5)
+    ax1.plot(range(len(b)), b, label=os.path.basename(labels[1]) or "B", lw=1.0, ls="--")
+    ax1.set_ylabel("loss")
+    ax1.legend(loc="best")
+    ax1.grid(alpha=0.3)
+    diff = [abs(a[i] - b[i]) for i in range(n)]
+    ax2.plot(range(n), diff, color="tab:red", marker="o", ms=2, lw=1)
+    if any(d > 0 for d in diff):
+        ax2.set_yscale("symlog", linthresh=max(min((d for d in diff if d > 0), default=1e-12), 1e-300))
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("|A - B|")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return os.path.abspath(out)
