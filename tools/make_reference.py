@@ -63,10 +63,10 @@ GRAD_KEYS = [
 # Per case: seed base, the pinned seed attempt (found by --search-seeds: the first attempt whose every
 # top-k boundary gap is >= MIN_GAP) and the edits applied to configs/glm52-tiny/config.json.
 CASES: dict[str, dict] = {
-    "tiny": {"seed": 1000, "attempt": 20, "edits": {}},
+    "tiny": {"seed": 1000, "attempt": 25, "edits": {}},
     "tiny_pattern_yarn": {
         "seed": 2000,
-        "attempt": 72,
+        "attempt": 77,
         "edits": {
             "index_topk_pattern": "FFSFSSFS",
             "index_topk_freq": None,
@@ -206,9 +206,12 @@ def official_shapes(cfg: dict) -> OrderedDict:
     return s
 
 
-# std multipliers (times 1/sqrt(fan_in)) that make activations O(1), logits std ~1-3 and the
-# top-k decisions well separated (index scores O(1), sigmoid router scores spread over (0, 1)).
-GAIN = {"linear": 1.0, "router": 1.5, "index_weights": 3.0, "lm_head": 2.0}
+# std multipliers (times 1/sqrt(fan_in)) that make activations O(1) and the top-k decisions well
+# separated (index scores O(1), sigmoid router scores spread over (0, 1)). The lm_head gain keeps
+# logits at std ~1: two correct fp32 implementations of 8 layers differ by ~1e-6 relative (HF fp32
+# itself is ~5e-6 from an fp64 evaluation at logit std 1, ~1e-5 at std 2), and the parity bound
+# is 1e-5 absolute, so larger logits would measure fp32 rounding rather than correctness.
+GAIN = {"linear": 1.0, "router": 1.5, "index_weights": 3.0, "lm_head": 1.0}
 
 
 def init_weights(cfg: dict, seed: int) -> OrderedDict:
