@@ -331,7 +331,7 @@ def test_losses_match_logits(case):
     assert abs(ce(ref["mtp_logits"][:, :-2], labels[:, 2:]) - float(ref["mtp_loss"])) < 1e-4
     assert abs(ce(ref["pad_mtp_logits"][:, :-2], plabels[:, 2:]) - float(ref["pad_mtp_loss"])) < 1e-4
     assert not np.allclose(ref["logits"], ref["mtp_logits"])
-    assert 1.0 < ref["logits"].std() < 4.0, "logits scale drifted away from O(1)"
+    assert 0.5 < ref["logits"].std() < 2.0, "logits scale drifted away from O(1) (std ~1 by design, see GAIN)"
 
 
 def test_training_consistency(case):
