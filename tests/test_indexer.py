@@ -97,3 +97,45 @@ def test_indexer_rope_interleave_flag_changes_selection():
     idx.interleave = False
     b = idx(x, ql, cos, sin, None).numpy()
     assert not np.array_equal(np.sort(a, -1), np.sort(b, -1))
+
+
+def test_indexer_kl_loss_trains_only_the_indexer():
+    from ._tiny import tiny_model, tokens
+
+    model = tiny_model(seed=11, indexer_loss_coeff=0.001)
+    model.train()
+    ids = tokens(2, 32, seed=6)
+    out = model(ids, labels=ids, compute_mtp=False)
+    assert out.indexer_loss is not None and float(out.indexer_loss) > 0
+    out.indexer_loss.backward()
+    touched = {n for n, p in model.named_parameters() if p.grad is not None and float(p.grad.abs().sum()) > 0}
+    assert touched, "the KL loss must produce gradients"
+    assert all(".core_attention.indexer." in n for n in touched), sorted(touched)[:5]
+    full = model.config.full_layer_ids
+    assert {int(n.split(".")[2]) for n in touched} == set(full)
+
+
+def test_indexer_kl_loss_is_zero_when_indexer_matches_attention():
+    """KL(p || q) with q == p is 0: feed the indexer's own distribution back as the target."""
+    cfg, idx, x, ql, cos, sin = _setup(S=16)
+    top = idx(x, ql, cos, sin, None)
+    q, k, w = idx.project(x, ql, cos, sin)
+    scores = idx.chunk_scores(q, k, w).numpy()
+    sel = np.take_along_axis(scores, np.clip(top.numpy(), 0, None), -1)
+    sel = np.where(top.numpy() >= 0, sel, -np.inf)
+    p = np.exp(sel - sel.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    kl = idx.kl_loss(x, ql, cos, sin, top, paddle.to_tensor(p.astype("float32")))
+    assert abs(float(kl)) < 1e-5
+    kl2 = idx.kl_loss(
+        x,
+        ql,
+        cos,
+        sin,
+        top,
+        paddle.to_tensor(
+            np.where(top.numpy() >= 0, 1.0, 0.0).astype("float32")
+            / np.maximum((top.numpy() >= 0).sum(-1, keepdims=True), 1)
+        ),
+    )
+    assert float(kl2) > 1e-3
