@@ -438,9 +438,18 @@ class Checkpoint:
         for (stem, n), ks in series.items():
             missing = sorted(set(range(1, n + 1)) - ks)
             if missing:
+                names_missing = [shard_file_name(k, n, stem) for k in missing]
+                first = os.path.join(self.folder, names_missing[0])
+                if os.path.exists(first):
+                    raise CheckpointError(
+                        f"shard(s) {names_missing[:4]} are in the folder but not named by {os.path.basename(where)}",
+                        file=first,
+                        expected=f"{n} shards named",
+                        actual=f"{len(ks)} named",
+                    )
                 raise CheckpointError(
-                    f"missing shard(s) {[shard_file_name(k, n, stem) for k in missing[:4]]}",
-                    file=os.path.join(self.folder, shard_file_name(missing[0], n, stem)),
+                    f"missing shard(s) {names_missing[:4]}",
+                    file=first,
                     expected=f"{n} shards",
                     actual=f"{len(ks)} shards",
                 )
