@@ -17,6 +17,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("check-ckpt", "paddleformers_glm.parity.commands:register_check_ckpt"),
     ("check-loss", "paddleformers_glm.parity.commands:register_check_loss"),
     ("convert", "paddleformers_glm.checkpoint.commands:register_convert"),
+    ("make-tiny", "paddleformers_glm.tiny:register_make_tiny"),
+    ("demo", "paddleformers_glm.demo:register_demo"),
 ]
 
 

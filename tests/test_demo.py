@@ -1,0 +1,40 @@
+"""The embedded default and the README's main job."""
+
+import json
+import os
+
+from paddleformers_glm.cli import main
+from paddleformers_glm.tiny import make_tiny_checkpoint
+
+
+def test_tiny_checkpoint_is_official_layout_and_deterministic(tmp_path):
+    a = make_tiny_checkpoint(tmp_path / "a")
+    b = make_tiny_checkpoint(tmp_path / "b")
+    files = sorted(os.listdir(a))
+    assert files == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
+    keys = set(index["weight_map"])
+    assert "model.embed_tokens.weight" in keys and "model.layers.8.shared_head.norm.weight" in keys
+    assert "model.layers.8.self_attn.indexer.wk.weight" in keys  # MTP layer's own indexer
+    assert not any(k.startswith("model.layers.3.self_attn.indexer") for k in keys)  # shared layer
+    assert len(keys) == 296
+    assert b  # both written
+
+
+def test_demo_command_passes_and_leaves_receipts(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--steps", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True
+    assert summary["check_ckpt_hf"] == {"exit_code": 0, "hash_match": True}
+    assert summary["check_ckpt_fleet"]["counts"]["structural"] == 0
+    assert summary["check_ckpt_fleet"]["counts"]["naming"] > 0
+    assert summary["steps"][1]["loss"] < summary["steps"][0]["loss"]
+    assert (out / "check-ckpt-hf.json").is_file() and "PASSED" in capsys.readouterr().out
