@@ -1,0 +1,235 @@
+"""`glm52 check-ckpt`: every "Done when" case of issue 6 plus the refusals and the receipt."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import struct
+
+import pytest
+
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.checkpoint import load_pretrained_state, save_pretrained_state
+from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+pytestmark = pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
+MTP_IDX = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """The HF-written source, its official-layout export (other shard sizes) and its Fleet export."""
+    base = tmp_path_factory.mktemp("ckpts")
+    src = base / "src"
+    shutil.copytree(FIXTURE, src)
+    cfg = GlmMoeDsaConfig.from_pretrained(src)
+    model = SpecModel(cfg)
+    load_pretrained_state(model, src)
+    save_pretrained_state(model, cfg, base / "export", max_shard_size="400KB")
+    save_pretrained_state(model, cfg, base / "fleet", layout="fleet", max_shard_size="700KB")
+    return base
+
+
+def _copy(ckpts, name, tmp_path):
+    d = tmp_path / name
+    shutil.copytree(ckpts / name, d)
+    return d
+
+
+def _run(capsys, *args):
+    code = main(["check-ckpt", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
+def _receipt(tmp_path, capsys, *args):
+    out = tmp_path / "receipt.json"
+    code, text = _run(capsys, *args, "--json", out)
+    return code, json.loads(out.read_text()), text
+
+
+def _tensor_offset(file: pathlib.Path, key: str) -> int:
+    """Absolute offset of a tensor's first byte, from the raw header (independent of our reader)."""
+    b = file.read_bytes()
+    (n,) = struct.unpack("<Q", b[:8])
+    return 8 + n + json.loads(b[8 : 8 + n])[key]["data_offsets"][0]
+
+
+def _drop(folder: pathlib.Path, drop):
+    from safetensors import safe_open
+    from safetensors.paddle import save_file
+
+    idx_p = folder / "model.safetensors.index.json"
+    idx = json.loads(idx_p.read_text())
+    for f in sorted(set(idx["weight_map"].values())):
+        with safe_open(str(folder / f), framework="paddle") as h:
+            keep = {k: h.get_tensor(k) for k in h.keys() if k not in drop}
+        save_file(keep, str(folder / f), metadata={"format": "pt"})
+    gone = [k for k in idx["weight_map"] if k in drop]
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if k not in drop}
+    idx["metadata"].pop("total_size", None)
+    idx_p.write_text(json.dumps(idx))
+    assert len(gone) == len(drop)
+
+
+def test_export_matches_source(ckpts, tmp_path, capsys):
+    code, r, text = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "export")
+    assert code == 0 and r["exit_code"] == 0 and r["result"] == "match"
+    assert r["hash_match"] is True and r["config_match"] is True
+    assert r["counts"]["ref_tensors"] == r["counts"]["cand_tensors"] == 296
+    assert r["counts"]["matched"] == 296 and r["differences"] == []
+    # shards differ (2 vs several), the canonical hash does not
+    assert len(r["ref"]["files"]) != len(r["cand"]["files"])
+    assert r["ref"]["native_hash"] == r["cand"]["native_hash"]
+    for side in ("ref", "cand"):
+        for f in r[side]["files"]:
+            assert f["sha256"] == hashlib.sha256(pathlib.Path(f["file"]).read_bytes()).hexdigest()
+    assert {"python", "paddleformers_glm", "numpy", "safetensors", "paddle"} <= set(r["versions"])
+    assert "match (exit 0)" in text
+
+
+def test_one_flipped_bit_is_named(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "export", tmp_path)
+    key = "model.layers.5.mlp.experts.3.up_proj.weight"
+    index = json.loads((cand / "model.safetensors.index.json").read_text())
+    shard = cand / index["weight_map"][key]
+    off = _tensor_offset(shard, key)
+    b = bytearray(shard.read_bytes())
+    b[off] ^= 0x01
+    shard.write_bytes(bytes(b))
+    code, r, text = _receipt(tmp_path, capsys, ckpts / "src", cand)
+    assert code == 1 and r["hash_match"] is False
+    assert r["counts"]["value"] == 1 and r["counts"]["structural"] == 0
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["key"] == key and d["what"] == "bytes" and d["differing_elements"] == 1
+    assert 0 < d["max_abs_diff"] < 1e-2  # lowest mantissa bit of one bf16 element
+    assert key in text
+
+
+def test_symlinked_shard_refused(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "export", tmp_path)
+    shard = sorted(cand.glob("model-*.safetensors"))[1]
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(shard, elsewhere)
+    os.symlink(elsewhere, shard)
+    code, r, text = _receipt(tmp_path, capsys, ckpts / "src", cand)
+    assert code == 2 and r["result"] == "unusable input"
+    assert any("symlink" in e and str(shard) in e for e in r["errors"])
+    assert str(shard) in text
+
+
+def test_hardlinked_shard_refused(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "export", tmp_path)
+    shard = sorted(cand.glob("model-*.safetensors"))[0]
+    os.link(shard, tmp_path / "second-name.safetensors")
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand)
+    assert code == 2 and any("hardlink" in e and str(shard) in e for e in r["errors"])
+
+
+def _st_bytes(header: dict, data_len: int) -> tuple[bytes, int]:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, data_len
+
+
+def test_sparse_file_refused(tmp_path, capsys):
+    n = 4 << 20  # 4 MiB of zeros: written normally in ref, as a hole in cand
+    head, _ = _st_bytes({"w": {"dtype": "F32", "shape": [n // 4], "data_offsets": [0, n]}}, n)
+    ref, cand = tmp_path / "ref", tmp_path / "cand"
+    ref.mkdir(), cand.mkdir()
+    (ref / "model.safetensors").write_bytes(head + bytes(n))
+    with open(cand / "model.safetensors", "wb") as f:
+        f.write(head)
+        f.seek(len(head) + n - 1)
+        f.write(b"\0")
+    with open(cand / "model.safetensors", "rb") as f:
+        if os.lseek(f.fileno(), 0, getattr(os, "SEEK_HOLE", 4)) >= len(head) + n:
+            pytest.skip("this filesystem does not keep holes")
+    code, r, _ = _receipt(tmp_path, capsys, ref, cand)
+    assert code == 2 and any("sparse file" in e and "cand/model.safetensors" in e for e in r["errors"])
+    code, r, _ = _receipt(tmp_path, capsys, ref, ref)
+    assert code == 0  # the same bytes, not sparse: fine
+
+
+def test_fleet_export_only_naming_differences(ckpts, tmp_path, capsys):
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "fleet", "--layout", "fleet")
+    assert code == 0 and r["hash_match"] is True
+    c = r["counts"]
+    assert c["structural"] == 0 and c["value"] == 0 and c["naming"] > 0
+    assert c["ref_tensors"] == 296 and c["cand_tensors"] == 239
+    kinds = {k for d in r["differences"] if d["class"] == "naming" for k in d["kinds"]}
+    assert {"indexer nesting", "MTP wrapper prefix", "fused up_gate_proj", "transpose", "embedding rename"} <= kinds
+    fused = [d for d in r["differences"] if d["cand_keys"] == ["model.layers.3.mlp.experts.2.up_gate_proj.weight"]]
+    assert fused and sorted(fused[0]["ref_keys"]) == [
+        "model.layers.3.mlp.experts.2.gate_proj.weight",
+        "model.layers.3.mlp.experts.2.up_proj.weight",
+    ]
+    mtp = [d for d in r["differences"] if d["ref_keys"] == ["model.layers.8.shared_head.norm.weight"]]
+    assert mtp and mtp[0]["cand_keys"] == ["model.layers.8.norm.weight"]
+    # without --layout the candidate must use the reference's names: a mismatch, still none structural
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "fleet")
+    assert code == 1 and r["counts"]["structural"] == 0 and r["counts"]["value"] == 0
+
+
+def test_missing_mtp_indexer_is_structural(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "export", tmp_path)
+    drop = {f"model.layers.8.self_attn.indexer.{n}" for n in MTP_IDX}
+    _drop(cand, drop)
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand)
+    assert code == 1 and r["counts"]["structural"] == 5 and r["counts"]["cand_tensors"] == 291
+    assert {d["key"] for d in r["differences"] if d["class"] == "structural"} == drop
+    assert all(d["what"] == "missing in candidate" for d in r["differences"] if d["class"] == "structural")
+
+
+def test_fleet_without_mtp_indexer_is_structural_not_naming(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "fleet", tmp_path)
+    _drop(cand, {f"model.layers.8.transformer_layer.self_attn.core_attention.indexer.{n}" for n in MTP_IDX})
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand, "--layout", "fleet")
+    assert code == 1 and r["counts"]["structural"] == 5 and r["counts"]["value"] == 0
+    assert {d["key"] for d in r["differences"] if d["class"] == "structural"} == {
+        f"model.layers.8.self_attn.indexer.{n}" for n in MTP_IDX
+    }
+
+
+def test_value_difference_through_the_mapping(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "fleet", tmp_path)
+    key = "model.layers.2.mlp.up_gate_proj.weight"
+    index = json.loads((cand / "model.safetensors.index.json").read_text())
+    shard = cand / index["weight_map"][key]
+    b = bytearray(shard.read_bytes())
+    b[_tensor_offset(shard, key) + 1] ^= 0x40  # a high bit of the first (gate) element
+    shard.write_bytes(bytes(b))
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand, "--layout", "fleet")
+    assert code == 1
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["key"] == "model.layers.2.mlp.gate_proj.weight" and d["cand_keys"] == [key]
+    assert d["max_abs_diff"] > 0
+
+
+def test_config_difference_fails(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "export", tmp_path)
+    cfg = json.loads((cand / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-6
+    (cand / "config.json").write_text(json.dumps(cfg))
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand)
+    assert code == 1 and r["hash_match"] is True and r["config_match"] is False
+    assert {"class": "config", "keys": ["rms_norm_eps"]} in r["differences"]
+
+
+def test_unusable_inputs_exit_2(ckpts, tmp_path, capsys):
+    cand = _copy(ckpts, "export", tmp_path)
+    shard = sorted(cand.glob("model-*.safetensors"))[0]
+    b = bytearray(shard.read_bytes())
+    b[8] = ord("X")
+    shard.write_bytes(bytes(b))
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand)
+    assert code == 2 and any("corrupt header" in e and str(shard) in e for e in r["errors"])
+    code, _ = _run(capsys, ckpts / "src", tmp_path / "does-not-exist")
+    assert code == 2
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "export", "--layout", "fleet")
+    assert code == 2 and "declared layout 'fleet'" in r["errors"][0]

@@ -1,0 +1,117 @@
+"""`glm52 check-loss`: every "Done when" case of issue 6, malformed input, the receipt and the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paddleformers_glm.cli import main
+from paddleformers_glm.parity.loss_check import compare_losses
+
+
+def _loss(tmp_path, name, losses, raw: str | None = None):
+    p = tmp_path / name
+    p.write_text(raw if raw is not None else json.dumps({"losses": losses}))
+    return p
+
+
+def _check(tmp_path, capsys, *args):
+    out = tmp_path / "receipt.json"
+    code = main(["check-loss", *map(str, args), "--json", str(out)])
+    text = capsys.readouterr()
+    return code, json.loads(out.read_text()), text
+
+
+def test_identical_files_pass_bit_exact(tmp_path, capsys):
+    losses = [2.3025850929940455, 2.1, 1.9876543210987654, 1.5]
+    a, b = _loss(tmp_path, "a.json", losses), _loss(tmp_path, "b.json", losses)
+    code, r, text = _check(tmp_path, capsys, a, b, "--bit-exact", "--steps", "4")
+    assert code == 0 and r["result"] == "pass"
+    assert r["bit_exact"] is True and r["length_match"] is True and r["enough_steps"] is True
+    assert r["consistent_steps"] == 4 and r["matching_steps"] == 4 and r["first_divergent_step"] is None
+    assert r["max_diff"] == 0.0
+    assert len(r["a"]["sha256"]) == 64
+    assert "pass" in text.out
+
+
+def test_one_ulp_away_fails_at_step_2(tmp_path, capsys):
+    a = _loss(tmp_path, "a.json", [1.0, 0.9, 0.8, 0.7])
+    b = _loss(tmp_path, "b.json", [1.0, 0.9, 0.8000001, 0.7])
+    code, r, _ = _check(tmp_path, capsys, a, b, "--bit-exact")
+    assert code == 1 and r["result"] == "fail"
+    assert r["consistent_steps"] == 2 and r["first_divergent_step"] == 2
+    assert r["matching_steps"] == 3 and r["bit_exact"] is False
+    assert r["max_diff"] == pytest.approx(1e-7, rel=1e-3)
+    # the same pair passes under a tolerance that covers it, and fails under one that does not
+    code, r, _ = _check(tmp_path, capsys, a, b, "--atol", "1e-6")
+    assert code == 0 and r["mode"] == "tolerance" and r["consistent_steps"] == 4 and r["bit_exact"] is False
+    code, r, _ = _check(tmp_path, capsys, a, b, "--atol", "0", "--rtol", "1e-8")
+    assert code == 1 and r["first_divergent_step"] == 2
+
+
+def test_default_mode_is_bit_exact(tmp_path, capsys):
+    a = _loss(tmp_path, "a.json", [1.0, 0.5])
+    b = _loss(tmp_path, "b.json", [1.0, 0.5000000000000001])
+    code, r, _ = _check(tmp_path, capsys, a, b)
+    assert code == 1 and r["mode"] == "bit-exact" and r["first_divergent_step"] == 1
+
+
+def test_length_and_steps(tmp_path, capsys):
+    a = _loss(tmp_path, "a.json", [1.0, 0.9, 0.8])
+    b = _loss(tmp_path, "b.json", [1.0, 0.9, 0.8, 0.7])
+    code, r, _ = _check(tmp_path, capsys, a, b)
+    assert code == 1 and r["length_match"] is False and r["consistent_steps"] == 3 and r["bit_exact"] is False
+    code, r, _ = _check(tmp_path, capsys, b, b, "--steps", "5")
+    assert code == 1 and r["enough_steps"] is False and r["length_match"] is True
+    code, r, _ = _check(tmp_path, capsys, b, b, "--steps", "3")
+    assert code == 0 and r["steps_compared"] == 3
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"loss": [1.0]}', "expected a JSON object with a 'losses' list"),
+        ("[1.0, 2.0]", "expected a JSON object with a 'losses' list"),
+        ('{"losses": 1.0}', "'losses' must be a list"),
+        ('{"losses": [1.0, "0.9"]}', "losses[1] is '0.9' (str), expected a number"),
+        ('{"losses": [1.0, true]}', "losses[1] is True (bool)"),
+        ('{"losses": [1.0, null]}', "losses[1] is None"),
+        ('{"losses": [1.0, NaN]}', "losses[1] is nan, expected a finite number"),
+        ('{"losses": [Infinity]}', "losses[0] is inf"),
+    ],
+)
+def test_malformed_input_exit_2(tmp_path, capsys, raw, needle):
+    bad = _loss(tmp_path, "bad.json", None, raw=raw)
+    good = _loss(tmp_path, "good.json", [1.0])
+    code, r, text = _check(tmp_path, capsys, good, bad)
+    assert code == 2 and r["result"] == "unusable input"
+    assert needle in r["errors"][0] and str(bad) in r["errors"][0]
+    assert needle in text.err
+
+
+def test_missing_file_exit_2(tmp_path, capsys):
+    good = _loss(tmp_path, "good.json", [1.0])
+    code, r, _ = _check(tmp_path, capsys, good, tmp_path / "nope.json")
+    assert code == 2 and "cannot read" in r["errors"][0]
+
+
+def test_plot_png(tmp_path, capsys):
+    import matplotlib.image as mpimg
+
+    a = _loss(tmp_path, "a.json", [2.0 - 0.01 * i for i in range(50)])
+    b = _loss(tmp_path, "b.json", [2.0 - 0.01 * i + (1e-6 * i if i > 20 else 0.0) for i in range(50)])
+    png = tmp_path / "plots" / "loss.png"
+    code, r, _ = _check(tmp_path, capsys, a, b, "--atol", "1e-4", "--plot", png)
+    assert code == 0 and r["plot"] == str(png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    img = mpimg.imread(str(png))
+    assert img.shape[:2] == (600, 800)  # 8 x 6 inches at 100 dpi
+    assert img[..., :3].std() > 0.05  # not a blank canvas
+
+
+def test_compare_losses_direct():
+    r = compare_losses([1.0, 2.0, 3.0], [1.0, 2.5, 3.0])
+    assert (r["consistent_steps"], r["matching_steps"], r["first_divergent_step"], r["max_diff"]) == (1, 2, 1, 0.5)
