@@ -1,0 +1,111 @@
+"""Everything here touches Paddle internals; each piece is guarded by Paddle version and signature.
+
+Measured on Paddle 3.3.1 CPU (shared/probes/paddle-cpu-fleet):
+
+* ``ProcessGroupGloo`` connects every sub-group over the *global, un-prefixed* TCPStore, so sibling
+  groups created back to back (fleet.init creates many) overwrite each other's keys and ranks
+  connect to the wrong peer: "Connection reset by peer" / gloo TIMEOUT inside fleet.init at
+  world >= 3.  The fix gives each gloo sub-group its own TCPStore, hosted by the group's rank 0.
+
+Nothing here is needed, or applied, on NCCL.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import warnings
+
+import paddle
+
+__all__ = ["PADDLE_VERSION", "TESTED_PADDLE", "apply_gloo_subgroup_store_fix", "bf16_compute_supported"]
+
+
+def _parse_version(v: str) -> tuple[int, int, int]:
+    parts = []
+    for p in v.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+PADDLE_VERSION: tuple[int, int, int] = _parse_version(paddle.__version__)
+# A develop build reports 0.0.0: treat it as "newer than anything tested".
+if PADDLE_VERSION == (0, 0, 0):
+    PADDLE_VERSION = (99, 0, 0)
+TESTED_PADDLE = ((3, 0, 0), (3, 4, 0))  # [low, high): versions whose internals were read
+
+_store_refs: list = []  # keep sub-group TCPStores alive for the process lifetime
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _my_host() -> str:
+    ep = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    return ep.rsplit(":", 1)[0] if ":" in ep else "127.0.0.1"
+
+
+def apply_gloo_subgroup_store_fix() -> bool:
+    """Give every gloo sub-group its own TCPStore (see module doc). Returns True when active.
+
+    Guarded: applied only when ``paddle.distributed.collective._new_process_group_impl`` exists
+    with the parameters read in Paddle 3.3.1; otherwise a warning says what was skipped.
+    """
+    from paddle.distributed import collective
+
+    orig = getattr(collective, "_new_process_group_impl", None)
+    if orig is None:
+        warnings.warn(
+            f"paddleformers_glm: Paddle {paddle.__version__} has no collective._new_process_group_impl; "
+            "gloo sub-group store fix not applied (fleet.init may race at world >= 3 on CPU)",
+            stacklevel=2,
+        )
+        return False
+    if getattr(orig, "_glm52_patched", False):
+        return True
+    params = list(inspect.signature(orig).parameters)
+    expected = ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id"]
+    if params[: len(expected)] != expected:
+        warnings.warn(
+            f"paddleformers_glm: Paddle {paddle.__version__} changed _new_process_group_impl{tuple(params)}; "
+            "gloo sub-group store fix not applied",
+            stacklevel=2,
+        )
+        return False
+    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
+        warnings.warn(
+            f"paddleformers_glm: gloo sub-group store fix applied on untested Paddle {paddle.__version__} "
+            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
+            stacklevel=2,
+        )
+    from paddle.base import core
+
+    def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):
+        if backend == "gloo" and group_id != 0:
+            key = f"glm52/gloo_subgroup_store/{group_id}"
+            if rank == 0:
+                host, port = _my_host(), _free_port()
+                store.set(key, f"{host}:{port}".encode())
+            else:
+                store.wait(key)
+                host, port = bytes(store.get(key)).decode().rsplit(":", 1)
+            sub = core.TCPStore(host, int(port), rank == 0, world_size, 900)
+            _store_refs.append(sub)
+            store = sub
+        return orig(backend, store, rank, world_size, group_name, pg_options, group_id, *args, **kwargs)
+
+    _new_process_group_impl._glm52_patched = True  # type: ignore[attr-defined]
+    collective._new_process_group_impl = _new_process_group_impl
+    return True
+
+
+def bf16_compute_supported() -> bool:
+    """Paddle 3.3.1 CPU has bf16 casts but no bf16 add/matmul kernels: bf16 training needs a GPU."""
+    return bool(paddle.is_compiled_with_cuda()) and paddle.get_device().startswith("gpu")

@@ -1,0 +1,422 @@
+"""Collectives for model parallelism that work on CPU gloo and GPU NCCL alike.
+
+Two layers:
+
+* raw ops (no autograd): ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all_single``,
+  tensor / object point-to-point with a shape header.  On NCCL they call the native op; on gloo
+  (Paddle 3.3.1 CPU has no reduce_scatter / alltoall, and fp16 all_reduce is wrong) they are
+  emulated with all_reduce / all_gather, which gloo does implement.
+* autograd pairs (Megatron's f / g operators), built on the raw ops:
+
+  =========================  ======================  ======================
+  function                   forward                 backward
+  =========================  ======================  ======================
+  copy_to_tp                 identity                all-reduce
+  reduce_from_tp             all-reduce              identity
+  scatter_to_tp(axis)        keep my slice           all-gather
+  gather_from_tp(axis)       all-gather              keep my slice
+  reduce_scatter_to_sp(axis) reduce-scatter          all-gather
+  gather_from_sp(axis)       all-gather              reduce-scatter, or keep my slice when
+                                                     ``grad="split"`` (replicated consumers)
+  all_to_all                 all-to-all (uneven)     all-to-all, splits swapped
+  all_gather_varlen          all-gather uneven rows  reduce-scatter uneven rows
+  reduce_scatter_varlen      reduce-scatter uneven   all-gather uneven rows
+  =========================  ======================  ======================
+
+Every function is a no-op (returns its input) when the group is None or has one rank, so model
+code calls them unconditionally.  The sequence axis defaults to 1: activations are [B, S, H].
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.autograd import PyLayer
+
+from .topology import get_topology
+
+__all__ = [
+    "all_gather",
+    "all_gather_varlen",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object",
+    "copy_to_tp",
+    "exchange_counts",
+    "gather_from_sp",
+    "gather_from_tp",
+    "group_size",
+    "group_rank",
+    "recv_object",
+    "recv_tensors",
+    "reduce_from_tp",
+    "reduce_scatter",
+    "reduce_scatter_to_sp",
+    "reduce_scatter_varlen",
+    "scatter_to_sp",
+    "scatter_to_tp",
+    "send_object",
+    "send_tensors",
+    "split_take",
+    "uses_emulation",
+]
+
+SEQ_AXIS = 1
+
+
+# ------------------------------------------------------------------------------ helpers
+def group_size(group: Any) -> int:
+    return 1 if group is None else int(group.nranks)
+
+
+def group_rank(group: Any) -> int:
+    return 0 if group is None else int(group.rank)
+
+
+def _live(group: Any) -> bool:
+    return group is not None and group.nranks > 1
+
+
+def uses_emulation() -> bool:
+    """True on gloo (CPU), or anywhere with GLM52_EMULATE_COLLECTIVES=1 (to test the emulation on GPU)."""
+    if os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1":
+        return True
+    return get_topology().backend != "nccl"
+
+
+def _contig(x: paddle.Tensor) -> paddle.Tensor:
+    return x.contiguous() if hasattr(x, "contiguous") else x
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _check_axis(x: paddle.Tensor, n: int, axis: int, what: str) -> int:
+    axis = axis % x.ndim
+    if x.shape[axis] % n:
+        raise ValueError(f"{what}: dim {axis} of shape {list(x.shape)} is not divisible by the group size {n}")
+    return axis
+
+
+# ------------------------------------------------------------------------------ raw ops
+def all_reduce(x: paddle.Tensor, group: Any, op: str = "sum") -> paddle.Tensor:
+    """Reduced copy of ``x`` (the input is not modified)."""
+    if not _live(group):
+        return x
+    y = _contig(x).clone()
+    low = uses_emulation() and y.dtype in (paddle.float16, paddle.bfloat16)
+    if low:  # gloo's fp16 all_reduce gives wrong sums (probe t_fp16_ar); reduce in fp32
+        y = y.astype("float32")
+    dist.all_reduce(y, op=_OPS[op], group=group)
+    return y.astype(x.dtype) if low else y
+
+
+def all_gather(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
+    """Concatenation of every rank's ``x`` along ``axis`` (equal shapes)."""
+    if not _live(group):
+        return x
+    parts: list[paddle.Tensor] = []
+    dist.all_gather(parts, _contig(x), group=group)
+    return paddle.concat(parts, axis=axis)
+
+
+def split_take(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
+    """This rank's equal slice of ``x`` along ``axis``."""
+    if not _live(group):
+        return x
+    axis = _check_axis(x, group.nranks, axis, "split_take")
+    return _contig(paddle.split(x, group.nranks, axis=axis)[group.rank]).clone()
+
+
+def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor:
+    """Sum over ranks, then this rank's equal slice along ``axis``; gloo: all_reduce + slice."""
+    if not _live(group):
+        return x
+    axis = _check_axis(x, group.nranks, axis, "reduce_scatter")
+    if uses_emulation():
+        return split_take(all_reduce(x, group), group, axis)
+    parts = [_contig(p) for p in paddle.split(x, group.nranks, axis=axis)]
+    out = paddle.empty_like(parts[group.rank])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def broadcast(x: paddle.Tensor, src: int, group: Any) -> paddle.Tensor:
+    """In-place broadcast from global rank ``src``; returns ``x``."""
+    if _live(group):
+        dist.broadcast(x, src=src, group=group)
+    return x
+
+
+def exchange_counts(send_counts: Sequence[int], group: Any) -> list[list[int]]:
+    """Every rank's send counts: ``m[src][dst]`` rows go from src to dst. Needed to size all-to-all."""
+    if not _live(group):
+        return [list(int(c) for c in send_counts)]
+    t = paddle.to_tensor(np.asarray(send_counts, dtype=np.int64))
+    parts: list[paddle.Tensor] = []
+    dist.all_gather(parts, t, group=group)
+    return [[int(v) for v in p.numpy().tolist()] for p in parts]
+
+
+def all_to_all_single(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:
+    """Uneven all-to-all along axis 0: rows ``counts[me][j]`` of ``x`` go to rank j.
+
+    ``reverse`` sends along the transposed matrix (the way back). NCCL: native alltoall_single;
+    gloo: one padded all_gather, then each rank cuts out its rows (O(world x rows) memory, fine for CPU).
+    """
+    if not _live(group):
+        return x
+    n, r = group.nranks, group.rank
+    m = [[counts[d][s] for d in range(n)] for s in range(n)] if reverse else counts
+    send = m[r]
+    recv = [m[s][r] for s in range(n)]
+    if x.shape[0] != sum(send):
+        raise ValueError(f"all_to_all: input has {x.shape[0]} rows, send counts {send} sum to {sum(send)}")
+    tail = list(x.shape[1:])
+    if not uses_emulation():
+        out = paddle.empty([sum(recv)] + tail, dtype=x.dtype)
+        dist.alltoall_single(out, _contig(x), send, recv, group=group)
+        return out
+    rows = max(max(sum(row) for row in m), 1)
+    buf = x
+    if x.shape[0] < rows:
+        buf = paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], axis=0)
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, _contig(buf), group=group)
+    pieces = []
+    for s in range(n):
+        off = sum(m[s][:r])
+        if m[s][r]:
+            pieces.append(gathered[s][off : off + m[s][r]])
+    if not pieces:
+        return paddle.zeros([0] + tail, dtype=x.dtype)
+    return paddle.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0].clone()
+
+
+def _varlen_gather(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+    rows = max(max(sizes), 1)
+    tail = list(x.shape[1:])
+    buf = x if x.shape[0] == rows else paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], 0)
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, _contig(buf), group=group)
+    pieces = [g[:s] for g, s in zip(gathered, sizes) if s]
+    return paddle.concat(pieces, 0) if pieces else paddle.zeros([0] + tail, dtype=x.dtype)
+
+
+def _varlen_take(x: paddle.Tensor, sizes: list[int], rank: int) -> paddle.Tensor:
+    off = sum(sizes[:rank])
+    return x[off : off + sizes[rank]].clone()
+
+
+# ------------------------------------------------------------------------------ autograd pairs
+class _FwdBwd(PyLayer):
+    """One tensor in, one out; forward and backward are given as closures."""
+
+    @staticmethod
+    def forward(ctx, x: paddle.Tensor, fwd: Callable, bwd: Callable) -> paddle.Tensor:
+        ctx.bwd = bwd
+        y = fwd(x)
+        return y.clone() if y is x else y
+
+    @staticmethod
+    def backward(ctx, dy: paddle.Tensor) -> paddle.Tensor:
+        g = ctx.bwd(dy)
+        return g.clone() if g is dy else g
+
+
+def _apply(x: paddle.Tensor, fwd: Callable, bwd: Callable) -> paddle.Tensor:
+    if x.stop_gradient:  # no graph needed (e.g. integer inputs or no_grad regions)
+        return fwd(x)
+    return _FwdBwd.apply(x, fwd, bwd)
+
+
+def _tp(group: Any) -> Any:
+    return get_topology().tp_group if group is None else group
+
+
+def copy_to_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
+    """f: enter a TP region with a replicated input (identity forward, all-reduce of grads)."""
+    g = _tp(group)
+    if not _live(g):
+        return x
+    return _apply(x, lambda t: t, lambda d: all_reduce(d, g))
+
+
+def reduce_from_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
+    """g: leave a TP region by summing partial results (all-reduce forward, identity backward)."""
+    g = _tp(group)
+    if not _live(g):
+        return x
+    return _apply(x, lambda t: all_reduce(t, g), lambda d: d)
+
+
+def scatter_to_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
+    """Keep this rank's slice of a replicated tensor; backward all-gathers the slices."""
+    g = _tp(group)
+    if not _live(g):
+        return x
+    return _apply(x, lambda t: split_take(t, g, axis), lambda d: all_gather(d, g, axis))
+
+
+def gather_from_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
+    """All-gather slices into a replicated tensor; backward keeps this rank's slice of the grad."""
+    g = _tp(group)
+    if not _live(g):
+        return x
+    return _apply(x, lambda t: all_gather(t, g, axis), lambda d: split_take(d, g, axis))
+
+
+def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
+    """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers)."""
+    return scatter_to_tp(x, axis, group)
+
+
+def gather_from_sp(
+    x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None, grad: str = "reduce_scatter"
+) -> paddle.Tensor:
+    """All-gather the sequence shards.
+
+    ``grad="reduce_scatter"`` when the consumer is TP-partitioned (a column-parallel linear: each
+    rank's gradient is a partial sum); ``grad="split"`` when the consumer is replicated and computes
+    the same thing on every TP rank (e.g. a replicated indexer, the loss): summing would count it tp times.
+    """
+    g = _tp(group)
+    if not _live(g):
+        return x
+    if grad == "reduce_scatter":
+        return _apply(x, lambda t: all_gather(t, g, axis), lambda d: reduce_scatter(d, g, axis))
+    if grad == "split":
+        return _apply(x, lambda t: all_gather(t, g, axis), lambda d: split_take(d, g, axis))
+    raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
+
+
+def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
+    """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers)."""
+    g = _tp(group)
+    if not _live(g):
+        return x
+    return _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))
+
+
+def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:
+    """Differentiable uneven all-to-all along axis 0 (token dispatch; ``reverse`` for the way back)."""
+    if not _live(group):
+        return x
+    return _apply(
+        x,
+        lambda t: all_to_all_single(t, counts, group, reverse=reverse),
+        lambda d: all_to_all_single(d, counts, group, reverse=not reverse),
+    )
+
+
+def all_gather_varlen(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+    """Concatenate uneven row blocks (``sizes[r]`` rows from rank r); backward sums and keeps my rows."""
+    if not _live(group):
+        return x
+    r = group.rank
+    return _apply(x, lambda t: _varlen_gather(t, sizes, group), lambda d: _varlen_take(all_reduce(d, group), sizes, r))
+
+
+def reduce_scatter_varlen(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+    """Sum ``x`` [sum(sizes), ...] over ranks, keep my ``sizes[r]`` rows; backward all-gathers."""
+    if not _live(group):
+        return x
+    r = group.rank
+    return _apply(x, lambda t: _varlen_take(all_reduce(t, group), sizes, r), lambda d: _varlen_gather(d, sizes, group))
+
+
+# ------------------------------------------------------------------------------ point to point
+_DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "bool", "uint8", "int8"]
+HEADER_LEN = 128
+_MAGIC = 0x61AD
+
+
+def _dtype_code(t: paddle.Tensor) -> int:
+    name = str(t.dtype).replace("paddle.", "")
+    if name not in _DTYPES:
+        raise TypeError(f"send_tensors: unsupported dtype {t.dtype}")
+    return _DTYPES.index(name)
+
+
+def send_tensors(tensors: Sequence[paddle.Tensor], dst: int, group: Any) -> None:
+    """Send a tuple of tensors to global rank ``dst``: one int64 header (dtypes, shapes, needs-grad), then data.
+
+    Blocking: with gloo a send waits for the matching recv, so both sides must agree on order
+    (pipeline.py's schedules are built for that).
+    """
+    header = [_MAGIC, len(tensors)]
+    for t in tensors:
+        header += [_dtype_code(t), 0 if t.stop_gradient else 1, t.ndim, *[int(s) for s in t.shape]]
+    if len(header) > HEADER_LEN:
+        raise ValueError(f"send_tensors: header for {len(tensors)} tensors needs {len(header)} > {HEADER_LEN} ints")
+    header += [0] * (HEADER_LEN - len(header))
+    dist.send(paddle.to_tensor(np.asarray(header, dtype=np.int64)), dst=dst, group=group)
+    for t in tensors:
+        if t.size == 0:
+            continue
+        data = t.detach()
+        if data.dtype == paddle.bool:
+            data = data.astype("uint8")
+        dist.send(_contig(data), dst=dst, group=group)
+
+
+def recv_tensors(src: int, group: Any) -> list[paddle.Tensor]:
+    """Receive what :func:`send_tensors` sent; float tensors sent with needs-grad come back with stop_gradient=False."""
+    header = paddle.zeros([HEADER_LEN], dtype="int64")
+    dist.recv(header, src=src, group=group)
+    h = header.numpy().tolist()
+    if h[0] != _MAGIC:
+        raise RuntimeError(f"recv_tensors: bad header from rank {src} (got {h[:4]}...); send/recv order mismatch")
+    n, pos, out = h[1], 2, []
+    for _ in range(n):
+        code, needs_grad, ndim = h[pos], h[pos + 1], h[pos + 2]
+        shape = h[pos + 3 : pos + 3 + ndim]
+        pos += 3 + ndim
+        dtype = _DTYPES[code]
+        wire = "uint8" if dtype == "bool" else dtype
+        t = paddle.empty(shape, dtype=wire) if int(np.prod(shape)) else paddle.zeros(shape, dtype=wire)
+        if t.size:
+            dist.recv(t, src=src, group=group)
+        if dtype == "bool":
+            t = t.astype("bool")
+        t.stop_gradient = not needs_grad
+        out.append(t)
+    return out
+
+
+def send_object(obj: Any, dst: int, group: Any = None) -> None:
+    """Pickle ``obj`` and send it to global rank ``dst`` (length, then bytes)."""
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    dist.send(paddle.to_tensor(np.asarray([data.size], dtype=np.int64)), dst=dst, group=group)
+    if data.size:
+        dist.send(paddle.to_tensor(data.copy()), dst=dst, group=group)
+
+
+def recv_object(src: int, group: Any = None) -> Any:
+    """Receive what :func:`send_object` sent."""
+    n = paddle.zeros([1], dtype="int64")
+    dist.recv(n, src=src, group=group)
+    size = int(n.numpy()[0])
+    buf = paddle.zeros([size], dtype="uint8")
+    if size:
+        dist.recv(buf, src=src, group=group)
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (None: the world)."""
+    if group is None and dist.get_world_size() == 1:
+        return obj
+    if group is not None and not _live(group):
+        return obj
+    lst = [obj]
+    dist.broadcast_object_list(lst, src=src, group=group)
+    return lst[0]

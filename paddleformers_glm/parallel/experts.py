@@ -1,0 +1,168 @@
+"""Expert parallelism: route each token's top-k assignments to the rank that owns the expert, run
+the local experts, and bring the results back (all-to-all both ways; differentiable).
+
+Layout (topology.py): inside a stage the tp x dp ranks are factored edp x ep x etp. Rank ``ep_rank``
+owns experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``; with etp > 1 each expert's FFN is split
+column/row-wise over the etp group, whose ranks first pool their received tokens.
+
+Tokens must be distinct across the ranks that exchange them. Under sequence parallel they are;
+without it the tp ranks hold the same tokens, so the dispatcher keeps 1/tp of them on each rank
+(backward all-gathers) and all-gathers the result: no expert work is duplicated and every expert
+gradient is a partial sum over the expert-data-parallel group (summed by the trainer).
+
+At ep = etp = tp = 1 the same code runs with every collective a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from . import comm
+from .layers import ShardSpec, set_shard_spec
+from .topology import Topology, get_topology
+
+__all__ = ["ExpertMLP", "ExpertParallelDispatcher", "LocalExperts"]
+
+ExpertFn = Callable[[paddle.Tensor, list[int]], paddle.Tensor]
+
+
+class ExpertParallelDispatcher:
+    """Dispatch / compute / combine for one MoE layer.
+
+    ``num_experts`` is the global count. ``tokens_replicated_over_tp`` defaults to "tp > 1 and not
+    sequence parallel" from the topology.
+    """
+
+    def __init__(
+        self, num_experts: int, *, topo: Topology | None = None, tokens_replicated_over_tp: bool | None = None
+    ) -> None:
+        topo = topo or get_topology()
+        ep = topo.ep_size
+        if num_experts % ep:
+            raise ValueError(f"ExpertParallelDispatcher: ep {ep} does not divide n_routed_experts {num_experts}")
+        self.num_experts = num_experts
+        self.ep_size, self.ep_rank = ep, topo.ep_rank
+        self.num_local = num_experts // ep
+        self.local_start = self.ep_rank * self.num_local
+        self.ep_group, self.etp_group, self.tp_group = topo.ep_group, topo.etp_group, topo.tp_group
+        if tokens_replicated_over_tp is None:
+            tokens_replicated_over_tp = topo.tp_size > 1 and not topo.sequence_parallel
+        self.split_tp = bool(tokens_replicated_over_tp) and topo.tp_size > 1
+
+    @property
+    def local_expert_ids(self) -> list[int]:
+        """Global ids of the experts this rank owns."""
+        return list(range(self.local_start, self.local_start + self.num_local))
+
+    def __call__(
+        self, hidden: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor, expert_fn: ExpertFn
+    ) -> paddle.Tensor:
+        """hidden [T, H], topk_ids [T, K] int64 (global expert ids), topk_weights [T, K] -> [T, H].
+
+        ``expert_fn(x, counts)`` gets rows grouped by local expert (``counts[e]`` rows for local
+        expert e, in order) and returns their outputs in the same order.
+        Output = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(hidden), summed over k in order,
+        computed in the weights' dtype and cast back to ``hidden.dtype``.
+        """
+        if hidden.ndim != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+            raise ValueError(
+                f"dispatcher: expected hidden [T, H], ids/weights [T, K]; got {list(hidden.shape)}, "
+                f"{list(topk_ids.shape)}, {list(topk_weights.shape)}"
+            )
+        out_dtype = hidden.dtype
+        if self.split_tp:
+            if hidden.shape[0] % comm.group_size(self.tp_group):
+                raise ValueError(
+                    f"dispatcher: {hidden.shape[0]} tokens not divisible by tp {comm.group_size(self.tp_group)} "
+                    "(needed to split replicated tokens over the tp ranks)"
+                )
+            hidden = comm.scatter_to_tp(hidden, axis=0, group=self.tp_group)
+            topk_ids = comm.split_take(topk_ids, self.tp_group, axis=0)
+            topk_weights = comm.scatter_to_tp(topk_weights, axis=0, group=self.tp_group)
+        t, k = topk_ids.shape
+        flat_ids = topk_ids.reshape([-1]).astype("int64")  # [t*K]
+        order = paddle.argsort(flat_ids, stable=True)  # assignments grouped by expert (hence by owner rank)
+        x = paddle.gather(hidden, paddle.floor_divide(order, paddle.full_like(order, k)))  # [t*K, H]
+        sorted_ids = paddle.gather(flat_ids, order)
+        per_expert = np.bincount(flat_ids.numpy(), minlength=self.num_experts)
+        if per_expert.size > self.num_experts:
+            raise ValueError(f"dispatcher: expert id {int(flat_ids.max())} >= n_routed_experts {self.num_experts}")
+        send = [int(per_expert[j * self.num_local : (j + 1) * self.num_local].sum()) for j in range(self.ep_size)]
+        counts = comm.exchange_counts(send, self.ep_group)
+        x = comm.all_to_all(x, counts, self.ep_group)  # tokens -> owner ranks
+        local_ids = comm.all_to_all_single(sorted_ids, counts, self.ep_group) - self.local_start
+
+        etp_sizes = None
+        if comm.group_size(self.etp_group) > 1:  # pool the etp group's tokens; each rank holds an FFN slice
+            etp_sizes = [row[0] for row in comm.exchange_counts([x.shape[0]], self.etp_group)]
+            x = comm.all_gather_varlen(x, etp_sizes, self.etp_group)
+            local_ids = comm.all_gather_varlen(local_ids, etp_sizes, self.etp_group)
+
+        order2 = paddle.argsort(local_ids, stable=True)
+        xs = paddle.gather(x, order2) if x.shape[0] else x
+        counts_local = [int(c) for c in np.bincount(local_ids.numpy(), minlength=self.num_local)]
+        ys = expert_fn(xs, counts_local)
+        y = paddle.gather(ys, paddle.argsort(order2)) if ys.shape[0] else ys
+        if etp_sizes is not None:
+            y = comm.reduce_scatter_varlen(y, etp_sizes, self.etp_group)
+        y = comm.all_to_all(y, counts, self.ep_group, reverse=True)  # results -> token owners
+
+        w = paddle.gather(topk_weights.reshape([-1]), order)  # [t*K] in dispatch order
+        y = y.astype(w.dtype) * w.unsqueeze(-1)
+        y = paddle.gather(y, paddle.argsort(order)).reshape([t, k, -1]).sum(axis=1).astype(out_dtype)  # [t, H]
+        if self.split_tp:
+            y = comm.gather_from_tp(y, axis=0, group=self.tp_group)
+        return y
+
+
+class ExpertMLP(nn.Layer):
+    """One SwiGLU expert, ``down(silu(gate(x)) * up(x))``, gate|up fused as ``up_gate_proj`` (gate first).
+
+    Split over the etp group (column for up_gate, row for down) with no communication of its own:
+    the dispatcher pools tokens before and reduce-scatters after.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, topo: Topology | None = None, dtype: str | None = None
+    ) -> None:
+        super().__init__()
+        topo = topo or get_topology()
+        etp = topo.etp_size
+        if intermediate_size % etp:
+            raise ValueError(f"ExpertMLP: etp {etp} does not divide moe_intermediate_size {intermediate_size}")
+        local = intermediate_size // etp
+        dtype = dtype or paddle.get_default_dtype()
+        self.up_gate_proj = self.create_parameter([hidden_size, 2 * local], dtype=dtype)
+        self.down_proj = self.create_parameter([local, hidden_size], dtype=dtype)
+        set_shard_spec(self.up_gate_proj, ShardSpec(axis=1, group="etp", chunks=2, expert=True))
+        set_shard_spec(self.down_proj, ShardSpec(axis=0, group="etp", expert=True))
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        gate, up = paddle.chunk(paddle.matmul(x, self.up_gate_proj), 2, axis=-1)
+        return paddle.matmul(F.silu(gate) * up, self.down_proj)  # partial over etp
+
+
+class LocalExperts(nn.LayerDict):
+    """This rank's experts keyed by *global* expert id, so names (``<prefix>.<id>.*``) match the full model."""
+
+    def __init__(self, expert_ids: Sequence[int], make_expert: Callable[[int], nn.Layer]) -> None:
+        super().__init__({str(e): make_expert(e) for e in expert_ids})
+        self.expert_ids = list(expert_ids)
+
+    def forward(self, x: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
+        """Rows of ``x`` grouped by local expert (``counts``), outputs in the same order."""
+        if len(counts) != len(self.expert_ids):
+            raise ValueError(f"LocalExperts: {len(counts)} counts for {len(self.expert_ids)} local experts")
+        outs, off = [], 0
+        for e, c in zip(self.expert_ids, counts):
+            if c:
+                outs.append(self[str(e)](x[off : off + c]))
+            off += c
+        if not outs:  # no rows: return the (empty) input so backward still reaches it
+            return x
+        return paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]

@@ -1,0 +1,188 @@
+"""Gradient synchronisation across TP / DP / EP / PP and the *true* global gradient norm.
+
+After backward every trainable parameter's gradient is copied into an fp32 "main grad" (so bf16
+parameters reduce and clip in fp32) and summed over the ranks that hold a replica of it:
+
+* sequence-parallel-marked parameters (norms, row bias, router under SP): over TP (each rank saw
+  only its sequence slice);
+* dense parameters: over DP; expert parameters (``ShardSpec.expert``): over the expert-data-parallel
+  group (their replicas: edp = tp x dp / (ep x etp));
+* parameters held by several pipeline stages under the same name (the embedding the MTP head reuses):
+  over those stages, in stage order.
+
+The loss is normalised by the *global* token count before backward, so every sync is a SUM.
+A parameter that got no gradient anywhere (an expert no token chose) is reported as such, so the
+optimizer can skip it as torch's AdamW does, identically in every layout.
+
+The global norm counts each distinct tensor element once: a replicated tensor only on its
+canonical owner (dp rank 0, tp rank 0 unless TP-split, edp rank 0 for experts, the first stage
+holding a pipeline-shared name), then one all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import paddle
+import paddle.distributed as dist
+import paddle.nn as nn
+
+from . import comm
+from .layers import get_shard_spec
+from .topology import Topology
+
+__all__ = ["GradSynchronizer", "clip_main_grads"]
+
+_BUCKET_ELEMS = 32 * 1024 * 1024
+
+
+class GradSynchronizer:
+    """Prepared once per model; :meth:`main_grads` after each step's backward."""
+
+    def __init__(self, model: nn.Layer, topo: Topology) -> None:
+        self.topo = topo
+        self.params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+        names = [n for n, _ in self.params]
+        if len(set(names)) != len(names):
+            raise ValueError("GradSynchronizer: duplicate parameter names in the stage module")
+        self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
+
+    # ---------------------------------------------------------------- setup
+    def _pp_holders(self, names: list[str]) -> dict[str, tuple[int, ...]]:
+        topo = self.topo
+        if topo.pp_size == 1:
+            return {}
+        per_stage: list[list[str]] = []
+        dist.all_gather_object(per_stage, names, group=topo.pp_group)
+        where: dict[str, list[int]] = {}
+        for stage, lst in enumerate(per_stage):
+            for n in lst:
+                where.setdefault(n, []).append(stage)
+        return {n: tuple(s) for n, s in where.items() if len(s) > 1 and topo.stage in s}
+
+    def sync_shared_parameters(self) -> None:
+        """Make pipeline-shared parameters equal to the first holder's values (call after loading)."""
+        by_set = self._by_holder_set()
+        params = dict(self.params)
+        for stages, names in by_set:
+            vals = [params[n] for n in names]
+            flat = paddle.concat([v.detach().astype("float32").reshape([-1]) for v in vals])
+            flat = self._chain(flat, stages, reduce=False)
+            for v, part in zip(vals, self._split(flat, vals)):
+                v.set_value(part.reshape(v.shape).astype(v.dtype))
+
+    # ---------------------------------------------------------------- per step
+    def main_grads(self) -> tuple[dict[str, paddle.Tensor], dict[str, bool]]:
+        """fp32 gradients summed over every replica, and whether each got a gradient anywhere."""
+        topo = self.topo
+        grads: dict[str, paddle.Tensor] = {}
+        flags: dict[str, paddle.Tensor] = {}
+        for n, p in self.params:
+            g = p.grad
+            grads[n] = g.astype("float32") if g is not None else paddle.zeros(p.shape, dtype="float32")
+            flags[n] = paddle.to_tensor([1.0 if g is not None else 0.0], dtype="float32")
+        specs = {n: get_shard_spec(p) for n, p in self.params}
+        if topo.sequence_parallel and topo.tp_size > 1:
+            self._reduce([n for n, _ in self.params if specs[n].sequence_parallel], grads, flags, topo.tp_group)
+        self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.dp_group)
+        self._reduce([n for n, _ in self.params if specs[n].expert], grads, flags, topo.edp_group)
+        for stages, names in self._by_holder_set():
+            vals = [grads[n] for n in names] + [flags[n] for n in names]
+            flat = self._chain(paddle.concat([v.reshape([-1]) for v in vals]), stages, reduce=True)
+            parts = self._split(flat, vals)
+            for i, n in enumerate(names):
+                grads[n] = parts[i].reshape(grads[n].shape)
+                flags[n] = parts[len(names) + i]
+        return grads, {n: bool(float(flags[n].numpy()[0]) > 0) for n in grads}
+
+    def global_norm(self, grads: dict[str, paddle.Tensor]) -> float:
+        """L2 norm of the whole model's gradient, each distinct element counted once."""
+        topo = self.topo
+        total = paddle.zeros([1], dtype="float64")
+        for n, p in self.params:
+            if self._owner(n, get_shard_spec(p)):
+                total = total + (grads[n] * grads[n]).sum().astype("float64")
+        if topo.world_size > 1:
+            dist.all_reduce(total)
+        return math.sqrt(float(total.numpy()[0]))
+
+    # ---------------------------------------------------------------- helpers
+    def _owner(self, name: str, spec) -> bool:
+        topo = self.topo
+        if spec.expert:
+            if topo.edp_rank != 0:
+                return False
+            if (spec.axis is None or spec.group != "etp") and topo.etp_rank != 0:
+                return False
+        else:
+            if topo.dp_rank != 0:
+                return False
+            if (spec.axis is None or spec.group != "tp") and topo.tp_rank != 0:
+                return False
+        if name in self.holders and self.holders[name][0] != topo.stage:
+            return False
+        return True
+
+    def _by_holder_set(self) -> list[tuple[tuple[int, ...], list[str]]]:
+        sets: dict[tuple[int, ...], list[str]] = {}
+        for n, _ in self.params:
+            if n in self.holders:
+                sets.setdefault(self.holders[n], []).append(n)
+        return sorted(sets.items())
+
+    @staticmethod
+    def _split(flat: paddle.Tensor, like: list[paddle.Tensor]) -> list[paddle.Tensor]:
+        sizes = [int(v.size) for v in like]
+        return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
+
+    def _reduce(self, names: list[str], grads: dict, flags: dict, group) -> None:
+        if comm.group_size(group) == 1 or not names:
+            return
+        for bucket in _buckets(names, grads):
+            vals = [grads[n] for n in bucket] + [flags[n] for n in bucket]
+            flat = comm.all_reduce(paddle.concat([v.reshape([-1]) for v in vals]), group)
+            parts = self._split(flat, vals)
+            for i, n in enumerate(bucket):
+                grads[n] = parts[i].reshape(grads[n].shape)
+                flags[n] = parts[len(bucket) + i]
+
+    def _chain(self, flat: paddle.Tensor, stages: tuple[int, ...], reduce: bool) -> paddle.Tensor:
+        """Sum (``reduce``) or take the first holder's value, over the holder stages, in stage order."""
+        topo, group = self.topo, self.topo.pp_group
+        me = stages.index(topo.stage)
+        rank_of = topo.stage_ranks
+        acc = flat
+        if me > 0:  # receive the running sum (or value) from the previous holder
+            got = comm.recv_tensors(rank_of[stages[me - 1]], group)[0]
+            acc = got + flat if reduce else got
+        if me < len(stages) - 1:
+            comm.send_tensors([acc], rank_of[stages[me + 1]], group)
+            acc = comm.recv_tensors(rank_of[stages[me + 1]], group)[0]  # the final value comes back down
+        if me > 0:
+            comm.send_tensors([acc], rank_of[stages[me - 1]], group)
+        return acc
+
+
+def _buckets(names: list[str], grads: dict) -> Iterable[list[str]]:
+    cur, size = [], 0
+    for n in names:
+        cur.append(n)
+        size += int(grads[n].size)
+        if size >= _BUCKET_ELEMS:
+            yield cur
+            cur, size = [], 0
+    if cur:
+        yield cur
+
+
+def clip_main_grads(grads: dict[str, paddle.Tensor], total_norm: float, max_norm: float) -> float:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the factor."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    if coef >= 1.0:
+        return 1.0
+    for n in grads:
+        grads[n] = grads[n] * coef
+    return coef

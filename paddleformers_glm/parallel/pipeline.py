@@ -1,0 +1,499 @@
+"""Pipeline parallelism: stage layouts, micro-batch schedules, and a point-to-point engine that
+carries a *tuple* of tensors across stage boundaries.
+
+Why our own engine and not fleet's PipelineLayer: (1) fleet's batched p2p has no gloo kernels,
+(2) a stage that starts on a DSA "shared" layer needs the previous full layer's top-k indices
+([B, S, k] int64, no grad) next to the activations, and fleet (like Megatron and slime) carries
+one float tensor.  Here anything a stage returns travels: float tensors that need grad get their
+gradient sent back, the rest (integer top-k, masks) travel forward only.
+
+Layout syntax (``--pp-layout``)
+-------------------------------
+Stages are separated by ``|``; inside a stage, units are listed in order, separated by commas
+or spaces (optional):
+
+=====  ====================================================================
+``E``  the embedding (first stage, first unit)
+``t``  one decoder layer; ``t*4`` is four of them
+``m``  the MTP block(s) (last stage, before ``L``; only for models with MTP)
+``L``  final norm + LM head + loss (last stage, last unit)
+=====  ====================================================================
+
+``"E,t*4|t*4,L"`` puts layers 0-3 with the embedding on stage 0 and layers 4-7 with the head on
+stage 1.  A list of per-stage layer counts (``"3,5"`` or ``[3, 5]``) is the same with E on the
+first and ``m``/``L`` on the last stage.  ``first_stage_layers`` / ``last_stage_layers`` fix the
+two ends and split the rest evenly (the released GLM-5.2 recipe uses PP8 with 14 / 16).
+
+Schedules
+---------
+``gpipe`` (all forwards, then all backwards) and ``1f1b`` (Megatron's one-forward-one-backward;
+activation memory bounded by the stage count).  Gloo's send blocks until the peer receives, so
+where 1F1B pairs a send with a receive on the same link, even stages send first and odd stages
+receive first; :func:`simulate_schedule` checks every schedule against that blocking model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import paddle
+import paddle.nn as nn
+
+from . import comm
+from .topology import ParallelConfigError, Topology
+
+__all__ = [
+    "LossTerm",
+    "PipelineEngine",
+    "StageOutput",
+    "StageSpec",
+    "build_schedule",
+    "layout_string",
+    "parse_pp_layout",
+    "simulate_schedule",
+    "split_stages",
+    "validate_shared_layer_starts",
+]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one pipeline stage builds. ``layers`` are global decoder-layer indices (contiguous)."""
+
+    stage: int
+    num_stages: int
+    layers: tuple[int, ...]
+    has_embedding: bool
+    has_head: bool
+    has_mtp: bool = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @classmethod
+    def whole(cls, num_layers: int, has_mtp: bool = False) -> StageSpec:
+        """The single stage of a pp=1 model."""
+        return cls(0, 1, tuple(range(num_layers)), True, True, has_mtp)
+
+
+class LossTerm(NamedTuple):
+    """A last-stage loss term: the *sum* of per-token losses and how many tokens it covers."""
+
+    sum: paddle.Tensor
+    count: Any
+
+
+_TOKEN = re.compile(r"([EtmL])(?:\*(\d+))?")
+
+
+def _parse_units(stage_text: str, stage: int) -> list[str]:
+    units: list[str] = []
+    pos, text = 0, stage_text.replace(",", " ")
+    while pos < len(text):
+        if text[pos].isspace():
+            pos += 1
+            continue
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise ParallelConfigError(
+                f"--pp-layout: stage {stage}: cannot parse {text[pos:]!r} (units are E, t, m, L, optionally *N)"
+            )
+        units += [m.group(1)] * int(m.group(2) or 1)
+        pos = m.end()
+    return units
+
+
+def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_mtp: bool = False) -> list[StageSpec]:
+    """Stage specs from a ``--pp-layout`` string or a list of per-stage layer counts (see module doc)."""
+    if not isinstance(layout, str) or re.fullmatch(r"[\d\s,]+", layout):
+        counts = [int(c) for c in (layout.replace(",", " ").split() if isinstance(layout, str) else layout)]
+        if len(counts) != pp:
+            raise ParallelConfigError(f"--pp-layout: {len(counts)} stage sizes {counts} for pp {pp}")
+        if sum(counts) != num_layers or min(counts) < 0:
+            raise ParallelConfigError(
+                f"--pp-layout: stage sizes {counts} sum to {sum(counts)}, the model has {num_layers} layers"
+            )
+        return _specs_from_counts(counts, has_mtp)
+    stages = [_parse_units(s, i) for i, s in enumerate(layout.split("|"))]
+    if len(stages) != pp:
+        raise ParallelConfigError(f"--pp-layout {layout!r} has {len(stages)} stages, pp is {pp}")
+    specs, next_layer = [], 0
+    for i, units in enumerate(stages):
+        if not units:
+            raise ParallelConfigError(f"--pp-layout {layout!r}: stage {i} is empty")
+        n_t = units.count("t")
+        expected_order = (
+            (["E"] if "E" in units else [])
+            + ["t"] * n_t
+            + (["m"] if "m" in units else [])
+            + (["L"] if "L" in units else [])
+        )
+        if units != expected_order:
+            raise ParallelConfigError(
+                f"--pp-layout {layout!r}: stage {i} units {''.join(units)} must be ordered E, t..., m, L"
+            )
+        if units.count("E") > 1 or units.count("L") > 1 or units.count("m") > 1:
+            raise ParallelConfigError(f"--pp-layout {layout!r}: stage {i} repeats E, m or L")
+        if "E" in units and i != 0:
+            raise ParallelConfigError(f"--pp-layout {layout!r}: E (embedding) must be on stage 0, found on stage {i}")
+        if ("L" in units or "m" in units) and i != pp - 1:
+            raise ParallelConfigError(f"--pp-layout {layout!r}: m and L must be on the last stage, found on stage {i}")
+        specs.append(
+            StageSpec(i, pp, tuple(range(next_layer, next_layer + n_t)), "E" in units, "L" in units, "m" in units)
+        )
+        next_layer += n_t
+    if not specs[0].has_embedding:
+        raise ParallelConfigError(f"--pp-layout {layout!r}: stage 0 must start with E (the embedding)")
+    if not specs[-1].has_head:
+        raise ParallelConfigError(f"--pp-layout {layout!r}: the last stage must end with L (norm + head + loss)")
+    if next_layer != num_layers:
+        raise ParallelConfigError(
+            f"--pp-layout {layout!r} places {next_layer} decoder layers (t), the model has {num_layers}"
+        )
+    if has_mtp != specs[-1].has_mtp:
+        want = "must contain m before L" if has_mtp else "has m but the model has no MTP layer"
+        raise ParallelConfigError(f"--pp-layout {layout!r}: the last stage {want}")
+    return specs
+
+
+def _specs_from_counts(counts: list[int], has_mtp: bool) -> list[StageSpec]:
+    pp, specs, start = len(counts), [], 0
+    for i, c in enumerate(counts):
+        if c == 0 and 0 < i < pp - 1:
+            raise ParallelConfigError(f"pipeline stage {i} of {counts} would hold nothing")
+        specs.append(StageSpec(i, pp, tuple(range(start, start + c)), i == 0, i == pp - 1, has_mtp and i == pp - 1))
+        start += c
+    return specs
+
+
+def split_stages(
+    num_layers: int,
+    pp: int,
+    *,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    layout: str | Sequence[int] | None = None,
+    has_mtp: bool = False,
+) -> list[StageSpec]:
+    """Stage specs for ``pp`` stages: an explicit ``layout``, fixed end sizes, or an even split.
+
+    An uneven remainder goes to the middle stages first (the ends also hold embedding / head).
+    """
+    if pp < 1:
+        raise ParallelConfigError(f"pp must be >= 1, got {pp}")
+    if layout is not None:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise ParallelConfigError("give either --pp-layout or first/last stage sizes, not both")
+        return parse_pp_layout(layout, num_layers, pp, has_mtp)
+    if pp == 1:
+        if first_stage_layers not in (None, num_layers) or last_stage_layers not in (None, num_layers):
+            raise ParallelConfigError(f"pp 1: first/last stage sizes must equal num_layers {num_layers}")
+        return [StageSpec.whole(num_layers, has_mtp)]
+    counts: list[int | None] = [None] * pp
+    if first_stage_layers is not None:
+        counts[0] = first_stage_layers
+    if last_stage_layers is not None:
+        counts[-1] = last_stage_layers
+    fixed = sum(c for c in counts if c is not None)
+    free = [i for i, c in enumerate(counts) if c is None]
+    rest = num_layers - fixed
+    if rest < 0 or any(c is not None and c < 0 for c in counts):
+        raise ParallelConfigError(
+            f"first/last stage sizes {first_stage_layers}/{last_stage_layers} exceed num_layers {num_layers}"
+        )
+    if free:
+        base, extra = divmod(rest, len(free))
+        if first_stage_layers is not None or last_stage_layers is not None:
+            if extra:
+                raise ParallelConfigError(
+                    f"{rest} remaining layers do not split evenly over {len(free)} middle stages; "
+                    f"try last_stage_layers={last_stage_layers + extra if last_stage_layers is not None else extra + base}"
+                )
+        order = sorted(free, key=lambda i: (i in (0, pp - 1), i == pp - 1, i))
+        for i in free:
+            counts[i] = base
+        for i in order[:extra]:
+            counts[i] += 1  # type: ignore[operator]
+    elif rest != 0:
+        raise ParallelConfigError(f"stage sizes {counts} sum to {fixed}, the model has {num_layers} layers")
+    return _specs_from_counts([int(c) for c in counts], has_mtp)  # type: ignore[arg-type]
+
+
+def layout_string(specs: Sequence[StageSpec]) -> str:
+    """The ``--pp-layout`` string that reproduces ``specs``."""
+    out = []
+    for s in specs:
+        units = (["E"] if s.has_embedding else []) + ([f"t*{len(s.layers)}"] if s.layers else [])
+        units += (["m"] if s.has_mtp else []) + (["L"] if s.has_head else [])
+        out.append(",".join(units))
+    return "|".join(out)
+
+
+def validate_shared_layer_starts(
+    specs: Sequence[StageSpec], layer_kinds: Sequence[str], carry_topk: bool = True
+) -> None:
+    """Reject a split whose stage begins on a "shared" indexer layer when top-k is *not* carried.
+
+    With ``carry_topk`` (our engine's default) every split works and this only checks the kinds.
+    Otherwise the message names the nearest layout whose stages all start on a full layer.
+    """
+    for s in specs:
+        for i in s.layers:
+            if layer_kinds[i] not in ("full", "shared"):
+                raise ParallelConfigError(f"layer {i}: indexer kind must be 'full' or 'shared', got {layer_kinds[i]!r}")
+    if carry_topk:
+        return
+    bad = [s for s in specs if s.layers and layer_kinds[s.layers[0]] == "shared"]
+    if not bad:
+        return
+    full = [i for i, k in enumerate(layer_kinds) if k == "full"]
+    starts = [s.layers[0] for s in specs if s.layers]
+    moved = [x if layer_kinds[x] == "full" else min(full, key=lambda f: (abs(f - x), f)) for x in starts]
+    hint = ""
+    if all(a < b for a, b in zip(moved, moved[1:])) and moved and moved[0] == 0:
+        ends = moved[1:] + [len(layer_kinds)]
+        counts = [b - a for a, b in zip(moved, ends)]
+        hint = f"; a layout whose stages start on full layers: {','.join(str(c) for c in counts)!r}"
+    raise ParallelConfigError(
+        f"stage {bad[0].stage} starts on shared layer {bad[0].layers[0]} (it reuses the top-k of an earlier full "
+        f"layer) and top-k carrying is off{hint}"
+    )
+
+
+# ------------------------------------------------------------------------------ schedules
+Op = tuple[str, int]
+
+
+def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int) -> list[Op]:
+    """The ordered operations of ``stage``: (op, micro-batch) with op in
+    recv_fwd, fwd, send_fwd, recv_bwd, bwd, send_bwd."""
+    if num_micro < 1:
+        raise ValueError(f"need at least one micro-batch, got {num_micro}")
+    first, last = stage == 0, stage == num_stages - 1
+    ops: list[Op] = []
+
+    def rf(j: int) -> None:
+        if not first:
+            ops.append(("recv_fwd", j))
+
+    def sf(j: int) -> None:
+        if not last:
+            ops.append(("send_fwd", j))
+
+    def rb(j: int) -> None:
+        if not last:
+            ops.append(("recv_bwd", j))
+
+    def sb(j: int) -> None:
+        if not first:
+            ops.append(("send_bwd", j))
+
+    if kind == "gpipe":
+        for j in range(num_micro):
+            rf(j)
+            ops.append(("fwd", j))
+            sf(j)
+        for j in range(num_micro):
+            rb(j)
+            ops.append(("bwd", j))
+            sb(j)
+        return ops
+    if kind != "1f1b":
+        raise ValueError(f"pipeline schedule must be 'gpipe' or '1f1b', got {kind!r}")
+    send_first = stage % 2 == 0
+    warm = min(num_stages - stage - 1, num_micro)
+    for j in range(warm):
+        rf(j)
+        ops.append(("fwd", j))
+        sf(j)
+    steady = num_micro - warm
+    if steady:
+        rf(warm)
+    for k in range(steady):
+        jf, jb = warm + k, k
+        ops.append(("fwd", jf))
+        if send_first:
+            sf(jf)
+            rb(jb)
+        else:
+            rb(jb)
+            sf(jf)
+        ops.append(("bwd", jb))
+        if k == steady - 1:
+            sb(jb)
+        elif send_first:
+            sb(jb)
+            rf(jf + 1)
+        else:
+            rf(jf + 1)
+            sb(jb)
+    for jb in range(steady, num_micro):
+        rb(jb)
+        ops.append(("bwd", jb))
+        sb(jb)
+    return ops
+
+
+def simulate_schedule(kind: str, num_stages: int, num_micro: int) -> None:
+    """Run all stages' programs against *blocking* send/recv (gloo); raise on deadlock or mismatch."""
+    progs = [build_schedule(kind, num_stages, s, num_micro) for s in range(num_stages)]
+    pc = [0] * num_stages
+
+    def cur(s: int) -> Op | None:
+        return progs[s][pc[s]] if pc[s] < len(progs[s]) else None
+
+    while any(pc[s] < len(progs[s]) for s in range(num_stages)):
+        moved = False
+        for s in range(num_stages):
+            while cur(s) and cur(s)[0] in ("fwd", "bwd"):  # type: ignore[index]
+                pc[s] += 1
+                moved = True
+        for s in range(num_stages):
+            op = cur(s)
+            if op is None or op[0] not in ("send_fwd", "send_bwd"):
+                continue
+            peer = s + 1 if op[0] == "send_fwd" else s - 1
+            want = "recv_fwd" if op[0] == "send_fwd" else "recv_bwd"
+            other = cur(peer)
+            if other is not None and other[0] == want:
+                if other[1] != op[1]:
+                    raise RuntimeError(
+                        f"{kind} P={num_stages} M={num_micro}: stage {s} sends mb {op[1]}, stage {peer} expects {other[1]}"
+                    )
+                pc[s] += 1
+                pc[peer] += 1
+                moved = True
+        if not moved:
+            state = {s: cur(s) for s in range(num_stages)}
+            raise RuntimeError(f"{kind} P={num_stages} M={num_micro}: deadlock with blocking p2p at {state}")
+    done = {op for s in range(num_stages) for op in progs[s] if op[0] in ("fwd", "bwd")}
+    if len(done) != 2 * num_micro:
+        raise RuntimeError(f"{kind}: not every micro-batch ran forward and backward")
+
+
+# ------------------------------------------------------------------------------ engine
+@dataclass
+class StageOutput:
+    """What a stage's forward returns.
+
+    carry:  tensors for the next stage (None on the last stage). Float tensors with
+            ``stop_gradient=False`` get their gradient sent back; others (int64 top-k) travel forward only.
+    losses: {name: LossTerm(sum, count)} produced on this stage: the LM / MTP losses on the last
+            stage, auxiliary losses (indexer KL, MoE balance) on any stage.
+    """
+
+    carry: tuple[paddle.Tensor, ...] | None = None
+    losses: dict[str, LossTerm] | None = None
+
+
+def _normalise_output(out: Any, last: bool, stage: int) -> StageOutput:
+    if isinstance(out, StageOutput):
+        res = out
+    elif isinstance(out, dict):
+        res = StageOutput(None, out)
+    elif isinstance(out, paddle.Tensor):
+        res = StageOutput((out,), None)
+    elif isinstance(out, (list, tuple)) and all(isinstance(t, paddle.Tensor) for t in out):
+        res = StageOutput(tuple(out), None)
+    else:
+        raise TypeError(
+            f"stage {stage} forward returned {type(out).__name__}; expected StageOutput, a dict of LossTerm or tensors"
+        )
+    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (res.losses or {}).items()}
+    carry = tuple(res.carry) if res.carry is not None else None
+    if last and not losses:
+        raise TypeError(f"the last pipeline stage ({stage}) returned no losses")
+    if not last and carry is None:
+        raise TypeError(f"pipeline stage {stage} is not the last but returned no carry for the next stage")
+    return StageOutput(carry, losses)
+
+
+class PipelineEngine:
+    """Runs one optimizer step's micro-batches through this rank's stage, forward and backward.
+
+    ``module(carry, batch)``: ``carry`` is None on the first stage, else the tuple the previous
+    stage returned (received); ``batch`` is the micro-batch dict (every stage gets it: the last
+    needs labels, MTP needs input ids, every stage may need positions / masks). It returns a
+    :class:`StageOutput` (shorthands: a tuple of tensors = carry; a dict = losses).
+    Each loss term contributes ``scales[name] * sum`` to the objective backpropagated on the stage
+    that produced it. Gradients accumulate in the parameters; the optimizer is not stepped here.
+    """
+
+    def __init__(self, module: nn.Layer, topo: Topology, schedule: str = "1f1b") -> None:
+        if schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"pipeline schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+        self.module, self.topo, self.schedule = module, topo, schedule
+
+    def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
+        """Forward + backward of every micro-batch; returns this rank's {term: (sum, count)} totals
+        (sums in float64, of the terms produced on this stage)."""
+        topo, n = self.topo, len(micro_batches)
+        first, last = topo.is_first_stage, topo.is_last_stage
+        group = topo.pp_group
+        prev_r, next_r = topo.prev_stage_rank, topo.next_stage_rank
+        inputs: dict[int, tuple[paddle.Tensor, ...]] = {}
+        carries: dict[int, tuple[paddle.Tensor, ...]] = {}
+        objectives: dict[int, paddle.Tensor | None] = {}
+        grads_in: dict[int, list[paddle.Tensor]] = {}
+        grads_out: dict[int, list[paddle.Tensor]] = {}
+        sums: dict[str, paddle.Tensor] = {}
+        counts: dict[str, int] = {}
+        for op, j in build_schedule(self.schedule, topo.pp_size, topo.stage, n):
+            if op == "recv_fwd":
+                inputs[j] = tuple(comm.recv_tensors(prev_r, group))
+            elif op == "fwd":
+                out = _normalise_output(self.module(None if first else inputs[j], micro_batches[j]), last, topo.stage)
+                objective = None
+                for name, term in out.losses.items():
+                    if name not in scales:
+                        raise KeyError(
+                            f"stage {topo.stage} returned loss term {name!r}; the trainer knows {sorted(scales)}"
+                        )
+                    s = term.sum.astype("float32")
+                    contrib = s * scales[name]
+                    objective = contrib if objective is None else objective + contrib
+                    s64 = s.detach().astype("float64")
+                    sums[name] = sums[name] + s64 if name in sums else s64
+                    counts[name] = counts.get(name, 0) + int(term.count)
+                objectives[j] = objective
+                if not last:
+                    carries[j] = out.carry
+            elif op == "send_fwd":
+                comm.send_tensors(carries[j], next_r, group)
+            elif op == "recv_bwd":
+                grads_in[j] = comm.recv_tensors(next_r, group)
+            elif op == "bwd":
+                roots, root_grads = [], []
+                objective = objectives.pop(j)
+                if objective is not None:
+                    roots.append(objective)
+                    root_grads.append(paddle.ones_like(objective))
+                if not last:
+                    needs = [t for t in carries.pop(j) if not t.stop_gradient]
+                    got = grads_in.pop(j)
+                    if len(got) != len(needs):
+                        raise RuntimeError(
+                            f"stage {topo.stage}: {len(got)} gradients received for {len(needs)} outputs that need one"
+                        )
+                    roots += needs
+                    root_grads += [g.astype(t.dtype) for t, g in zip(needs, got)]
+                if roots:
+                    paddle.autograd.backward(roots, root_grads)
+                if not first:
+                    ins = inputs.pop(j)
+                    grads_out[j] = [
+                        (t.grad if t.grad is not None else paddle.zeros_like(t)).detach()
+                        for t in ins
+                        if not t.stop_gradient
+                    ]
+            elif op == "send_bwd":
+                comm.send_tensors(grads_out.pop(j), prev_r, group)
+        return {k: (float(sums[k].numpy()), counts[k]) for k in sums}

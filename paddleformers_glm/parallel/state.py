@@ -1,0 +1,116 @@
+"""Full (single-process) state <-> sharded local state, for loading checkpoints and exporting them.
+
+Contract with the model: a parameter's structured name is the same in every layout (pipeline
+stages keep global layer indices, e.g. ``layers.5.``; experts keep global ids,
+``experts.17.``), and its :class:`~paddleformers_glm.parallel.layers.ShardSpec` says how the local
+tensor is cut out of the full one.  A name present on several pipeline stages (an embedding the
+MTP head also uses) is one tensor replicated across stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+
+from . import comm
+from .layers import get_shard_spec, local_slice, merge_slices
+from .topology import Topology, get_topology
+
+__all__ = ["gather_full_state", "shard_full_state", "to_numpy"]
+
+
+def to_numpy(t: paddle.Tensor) -> np.ndarray:
+    """Host copy; bf16/fp16 are widened to fp32 (lossless) because numpy has no bf16."""
+    if t.dtype in (paddle.bfloat16, paddle.float16):
+        t = t.astype("float32")
+    return np.asarray(t.numpy())
+
+
+def _is_owner(spec: Any, topo: Topology) -> bool:
+    """The one rank (per distinct full tensor) that contributes it to the gathered state."""
+    if spec.expert:
+        return topo.edp_rank == 0 and topo.etp_rank == 0
+    return topo.dp_rank == 0 and topo.tp_rank == 0
+
+
+def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 0) -> dict[str, np.ndarray] | None:
+    """Rebuild every full tensor on global rank ``dst`` (None elsewhere). Collective: call on all ranks.
+
+    TP / ETP slices are all-gathered and merged, expert and pipeline-stage tensors are sent to ``dst``.
+    Memory: ``dst`` holds the whole model on the host; meant for export of models that fit.
+    """
+    topo = topo or get_topology()
+    state = model.state_dict()
+    mine: dict[str, np.ndarray] = {}
+    for name, t in state.items():
+        spec = get_shard_spec(t)
+        if spec.axis is not None and topo.size(spec.group) > 1:
+            group = topo.group(spec.group)
+            parts: list[paddle.Tensor] = []
+            import paddle.distributed as dist
+
+            dist.all_gather(parts, t.detach().contiguous() if hasattr(t, "contiguous") else t.detach(), group=group)
+            full = merge_slices([to_numpy(p) for p in parts], spec)
+        else:
+            full = to_numpy(t.detach())
+        if _is_owner(spec, topo):
+            mine[name] = full
+    if topo.world_size == 1:
+        return mine
+    out: dict[str, np.ndarray] | None = dict(mine) if topo.rank == dst else None
+    for src in range(topo.world_size):
+        if src == dst:
+            continue
+        if topo.rank == src:
+            names = list(mine)
+            comm.send_object(names, dst)
+            for n in names:
+                comm.send_tensors([paddle.to_tensor(mine[n])], dst, None)
+        elif topo.rank == dst:
+            names = comm.recv_object(src)
+            for n in names:
+                arr = comm.recv_tensors(src, None)[0].numpy()
+                if n not in out:
+                    out[n] = arr
+                elif out[n].shape != arr.shape or not np.array_equal(out[n], arr):
+                    raise RuntimeError(
+                        f"gather_full_state: {n!r} differs between ranks (replicas out of sync: "
+                        f"shapes {out[n].shape} vs {arr.shape}, max diff "
+                        f"{float(np.max(np.abs(out[n] - arr))) if out[n].shape == arr.shape else 'n/a'})"
+                    )
+    return out
+
+
+def shard_full_state(
+    model: nn.Layer, full_state: Mapping[str, Any], topo: Topology | None = None, strict: bool = True
+) -> list[str]:
+    """Load this rank's slice of every parameter/buffer of ``model`` from full tensors.
+
+    ``full_state`` maps the model's structured names to full arrays (anything ``np.asarray`` takes).
+    Returns the names the model has but ``full_state`` lacks; with ``strict`` that is an error.
+    Keys of ``full_state`` that this rank does not hold (other stages / experts) are ignored.
+    """
+    topo = topo or get_topology()
+    missing: list[str] = []
+    for name, t in model.state_dict().items():
+        if name not in full_state:
+            missing.append(name)
+            continue
+        spec = get_shard_spec(t)
+        full = np.asarray(full_state[name])
+        size = topo.size(spec.group) if spec.axis is not None else 1
+        rank = topo.rank_in(spec.group) if spec.axis is not None else 0
+        part = local_slice(full, spec, rank, size)
+        if list(part.shape) != list(t.shape):
+            raise ValueError(
+                f"shard_full_state: {name!r}: full shape {list(full.shape)} sliced for {spec.group} rank {rank}/{size} "
+                f"gives {list(part.shape)}, the model holds {list(t.shape)}"
+            )
+        t.set_value(paddle.to_tensor(np.ascontiguousarray(part)).astype(t.dtype))
+    if strict and missing:
+        raise KeyError(f"shard_full_state: {len(missing)} tensors missing from the full state, e.g. {missing[:5]}")
+    return missing

@@ -1,0 +1,379 @@
+"""Hybrid-parallel topology: which ranks share a tensor-, pipeline-, data- or expert-parallel group.
+
+Dense layout comes from ``paddle.distributed.fleet`` (order dp > pp > mp, mp fastest), so fleet
+utilities keep working. The expert layout is ours: inside one pipeline stage the ``dp x tp`` ranks
+are re-factored as ``edp x ep x etp`` (etp fastest), the Megatron-Core rule, so ``--tp 2 --pp 2
+--ep 2`` runs on 4 ranks with experts spread over the two TP ranks.  Fleet's own EP group
+(``EPHybridCommunicateGroup``) is not used: it insists on dp == 1 and has no ETP.
+
+At world size 1 nothing distributed is initialised; every group is ``None`` and every size 1, so
+model code calls the same parallel layers in a unit test and on a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import paddle
+
+__all__ = [
+    "GROUP_NAMES",
+    "ParallelConfig",
+    "ParallelConfigError",
+    "Topology",
+    "comm_backend",
+    "get_topology",
+    "init_topology",
+    "set_topology",
+    "topology_override",
+]
+
+GROUP_NAMES = ("tp", "pp", "dp", "ep", "etp", "edp")
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work; the message names the setting, expected and actual."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of each parallel dimension. ``dp`` is usually derived: world / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: replicas of one expert shard inside a stage."""
+        return (self.tp * self.dp) // (self.ep * self.etp)
+
+    @classmethod
+    def from_world(
+        cls,
+        world_size: int,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        etp: int = 1,
+        sp: bool = False,
+        dp: int | None = None,
+    ) -> ParallelConfig:
+        """Derive dp from the world size (the launcher's process count) and check the product."""
+        for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("world size", world_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if dp is None:
+            if world_size % (tp * pp):
+                raise ParallelConfigError(
+                    f"world size {world_size} is not a multiple of tp {tp} x pp {pp} = {tp * pp}; "
+                    f"launch a multiple of {tp * pp} processes"
+                )
+            dp = world_size // (tp * pp)
+        pc = cls(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, sp=bool(sp))
+        pc.validate(world_size)
+        return pc
+
+    def validate(
+        self,
+        world_size: int | None = None,
+        *,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        vocab_size: int | None = None,
+        num_experts: int | None = None,
+        moe_intermediate_size: int | None = None,
+        num_layers: int | None = None,
+    ) -> None:
+        """Reject layouts that cannot work, before any process group exists.
+
+        Model sizes are arguments (not a config object) so the same check serves the toy model,
+        GLM-5.2 and anything else; pass the ones the model has.
+        """
+        for name in ("tp", "pp", "dp", "ep", "etp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if world_size is not None and world_size != self.world_size:
+            raise ParallelConfigError(
+                f"world size {world_size} != tp {self.tp} x pp {self.pp} x dp {self.dp} = {self.world_size}"
+            )
+        if self.sp and self.tp == 1:
+            raise ParallelConfigError("sequence parallel (--sp) needs tp > 1, got tp 1")
+        if (self.tp * self.dp) % (self.ep * self.etp):
+            raise ParallelConfigError(
+                f"ep {self.ep} x etp {self.etp} = {self.ep * self.etp} must divide tp {self.tp} x dp {self.dp} = "
+                f"{self.tp * self.dp} (experts are laid out over the tp x dp ranks of one pipeline stage)"
+            )
+
+        def _div(what: str, size: int, n: int | None, n_name: str) -> None:
+            if n is not None and n % size:
+                raise ParallelConfigError(f"{what} {size} does not divide {n_name} {n}")
+
+        _div("tp", self.tp, num_attention_heads, "num_attention_heads")
+        _div("tp", self.tp, num_key_value_heads, "num_key_value_heads")
+        _div("tp", self.tp, vocab_size, "vocab_size")
+        _div("ep", self.ep, num_experts, "n_routed_experts")
+        _div("etp", self.etp, moe_intermediate_size, "moe_intermediate_size")
+        if num_layers is not None and self.pp > num_layers:
+            raise ParallelConfigError(f"pp {self.pp} > num_hidden_layers {num_layers}: a stage would have no layer")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def comm_backend() -> str:
+    """'single' (no distributed init), 'gloo' (CPU) or 'nccl' (GPU).
+
+    ``GLM52_EMULATE_COLLECTIVES=1`` makes comm.py take the gloo code paths on a GPU too, so the
+    emulations can be checked on a cluster.
+    """
+    topo = _CURRENT
+    if topo is None or topo.world_size == 1:
+        return "single"
+    return topo.backend
+
+
+class Topology:
+    """Groups and ranks of this process. Use :func:`init_topology`; build directly only in tests."""
+
+    def __init__(
+        self,
+        pc: ParallelConfig,
+        *,
+        rank: int = 0,
+        backend: str = "single",
+        groups: dict[str, Any] | None = None,
+        ranks: dict[str, int] | None = None,
+        stage_ranks: list[int] | None = None,
+        hcg: Any = None,
+    ) -> None:
+        self.pc = pc
+        self.rank = rank
+        self.backend = backend
+        self._groups = {name: None for name in GROUP_NAMES}
+        self._groups.update(groups or {})
+        self._ranks = {name: 0 for name in GROUP_NAMES}
+        self._ranks.update(ranks or {})
+        # global rank of every pipeline stage at this process's (dp, tp) coordinate
+        self.stage_ranks = list(stage_ranks) if stage_ranks is not None else [rank]
+        self.hcg = hcg
+
+    # ---------------------------------------------------------------- sizes / ranks / groups
+    @property
+    def world_size(self) -> int:
+        return self.pc.world_size
+
+    def size(self, name: str) -> int:
+        """Size of group ``name`` (one of GROUP_NAMES)."""
+        if name not in GROUP_NAMES:
+            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
+        return {
+            "tp": self.pc.tp,
+            "pp": self.pc.pp,
+            "dp": self.pc.dp,
+            "ep": self.pc.ep,
+            "etp": self.pc.etp,
+            "edp": self.pc.edp,
+        }[name]
+
+    def group(self, name: str) -> Any:
+        """The ``paddle.distributed`` Group for ``name``, or None when that dimension has size 1."""
+        if name not in GROUP_NAMES:
+            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
+        return self._groups[name] if self.size(name) > 1 else None
+
+    def rank_in(self, name: str) -> int:
+        """This process's rank inside group ``name``."""
+        if name not in GROUP_NAMES:
+            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
+        return self._ranks[name]
+
+    tp_group = property(lambda self: self.group("tp"))
+    pp_group = property(lambda self: self.group("pp"))
+    dp_group = property(lambda self: self.group("dp"))
+    ep_group = property(lambda self: self.group("ep"))
+    etp_group = property(lambda self: self.group("etp"))
+    edp_group = property(lambda self: self.group("edp"))
+    tp_rank = property(lambda self: self._ranks["tp"])
+    pp_rank = property(lambda self: self._ranks["pp"])
+    dp_rank = property(lambda self: self._ranks["dp"])
+    ep_rank = property(lambda self: self._ranks["ep"])
+    etp_rank = property(lambda self: self._ranks["etp"])
+    edp_rank = property(lambda self: self._ranks["edp"])
+    tp_size = property(lambda self: self.pc.tp)
+    pp_size = property(lambda self: self.pc.pp)
+    dp_size = property(lambda self: self.pc.dp)
+    ep_size = property(lambda self: self.pc.ep)
+    etp_size = property(lambda self: self.pc.etp)
+    sequence_parallel = property(lambda self: self.pc.sp)
+
+    @property
+    def stage(self) -> int:
+        return self._ranks["pp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pc.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        return None if self.is_first_stage else self.stage_ranks[self.stage - 1]
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        return None if self.is_last_stage else self.stage_ranks[self.stage + 1]
+
+    def describe(self) -> str:
+        r = self._ranks
+        return (
+            f"rank {self.rank}/{self.world_size} [{self.backend}] stage {r['pp']}/{self.pc.pp} tp {r['tp']}/{self.pc.tp} "
+            f"dp {r['dp']}/{self.pc.dp} ep {r['ep']}/{self.pc.ep} etp {r['etp']}/{self.pc.etp} edp {r['edp']}/{self.pc.edp}"
+            f"{' sp' if self.pc.sp else ''}"
+        )
+
+    def __repr__(self) -> str:
+        return f"Topology({self.describe()})"
+
+
+_CURRENT: Topology | None = None
+
+
+def get_topology() -> Topology:
+    """The topology set by :func:`init_topology`, or a single-process one (model code at world 1)."""
+    return _CURRENT if _CURRENT is not None else Topology(ParallelConfig())
+
+
+def set_topology(topo: Topology | None) -> None:
+    """Install ``topo`` as current (None resets to single process; tests use it between runs)."""
+    global _CURRENT
+    _CURRENT = topo
+
+
+@contextmanager
+def topology_override(topo: Topology | None = None) -> Iterator[Topology]:
+    """Temporarily install ``topo`` (default: single process), e.g. to build a full-size model
+    for its parameter names and shapes while a distributed topology is active."""
+    global _CURRENT
+    saved, _CURRENT = _CURRENT, topo if topo is not None else Topology(ParallelConfig())
+    try:
+        yield _CURRENT
+    finally:
+        _CURRENT = saved
+
+
+def _env_world_size() -> int:
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+
+
+def _detect_backend() -> str:
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return "nccl"
+    return "gloo"
+
+
+def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int) -> tuple[int, int, int]:
+    """(edp, ep, etp) ranks of the dense-plane position (dp_rank, tp_rank) of a stage.
+
+    The stage's ranks are numbered i = dp_rank * tp + tp_rank and factored i = (edp * ep + ep_r) * etp + etp_r.
+    """
+    i = dp_rank * pc.tp + tp_rank
+    return i // (pc.ep * pc.etp), (i // pc.etp) % pc.ep, i % pc.etp
+
+
+def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
+    """Initialise fleet (when world > 1) and every group for ``pc``; install and return the topology.
+
+    ``model_sizes`` (num_attention_heads, vocab_size, num_experts, ...) go to
+    :meth:`ParallelConfig.validate` so a bad layout fails here with a clear message, on every rank.
+    """
+    world = _env_world_size()
+    pc.validate(world, **model_sizes)
+    if world == 1:
+        topo = Topology(pc)
+        set_topology(topo)
+        return topo
+    if _CURRENT is not None and _CURRENT.world_size > 1:
+        if _CURRENT.pc != pc:
+            raise ParallelConfigError(f"topology already initialised as {_CURRENT.pc}, cannot re-init as {pc}")
+        return _CURRENT
+
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    backend = _detect_backend()
+    if backend == "gloo":
+        from ._compat import apply_gloo_subgroup_store_fix
+
+        apply_gloo_subgroup_store_fix()
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": pc.dp, "mp_degree": pc.tp, "pp_degree": pc.pp, "sharding_degree": 1}
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    ftopo = hcg.topology()
+    rank = dist.get_rank()
+    me = ftopo.get_coord(rank)
+
+    def rank_at(**kw: int) -> int:
+        return ftopo.get_rank(**me._replace(**kw)._asdict())
+
+    groups: dict[str, Any] = {
+        "tp": hcg.get_model_parallel_group(),
+        "pp": hcg.get_pipe_parallel_group(),
+        "dp": hcg.get_data_parallel_group(),
+    }
+    ranks = {"tp": hcg.get_model_parallel_rank(), "pp": hcg.get_stage_id(), "dp": hcg.get_data_parallel_rank()}
+    stage_ranks = [rank_at(pipe=p) for p in range(pc.pp)]
+
+    # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
+    # collective over the world), reusing the fleet group when the rank lists coincide.
+    existing = {
+        tuple(sorted(r)): name
+        for name, lists in (("tp", ftopo.get_comm_list("model")), ("dp", ftopo.get_comm_list("data")))
+        for r in lists
+    }
+    e_ranks = expert_layout(pc, ranks["dp"], ranks["tp"])
+    ranks.update(edp=e_ranks[0], ep=e_ranks[1], etp=e_ranks[2])
+    created: dict[tuple[int, ...], Any] = {}
+    for kind, size in (("ep", pc.ep), ("etp", pc.etp), ("edp", pc.edp)):
+        if size == 1:
+            continue
+        lists: dict[tuple[int, ...], None] = {}
+        for p in range(pc.pp):
+            members: dict[tuple[int, int], list[int]] = {}
+            for d in range(pc.dp):
+                for t in range(pc.tp):
+                    edp_r, ep_r, etp_r = expert_layout(pc, d, t)
+                    key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
+                    members.setdefault(key, []).append(ftopo.get_rank(**me._replace(pipe=p, data=d, model=t)._asdict()))
+            for m in members.values():
+                lists[tuple(sorted(m))] = None
+        for r in lists:
+            if r in existing:
+                g = groups[existing[r]] if rank in r else None
+            elif r in created:
+                g = created[r]
+            else:
+                g = dist.new_group(list(r))
+                created[r] = g
+            if rank in r:
+                groups[kind] = g
+    topo = Topology(pc, rank=rank, backend=backend, groups=groups, ranks=ranks, stage_ranks=stage_ranks, hcg=hcg)
+    set_topology(topo)
+    return topo

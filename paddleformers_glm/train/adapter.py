@@ -1,0 +1,116 @@
+"""The contract between the trainer and a model (the toy stand-in now, GLM-5.2 next).
+
+A model plugs in with a :class:`ModelAdapter`: it reports its sizes (for layout validation),
+builds the module of one pipeline stage, names its loss terms and how each is normalised, and
+provides the initial full state (a checkpoint, or a deterministic init).  Everything parallel
+(topology, stage split, schedules, gradient sync, optimizer, checkpoints) is the trainer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import paddle.nn as nn
+
+from ..parallel.pipeline import StageSpec
+from ..parallel.topology import Topology
+
+__all__ = ["LossSpec", "ModelAdapter", "get_adapter_factory", "make_adapter", "register_adapter", "token_count"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How the trainer normalises and reports one loss term a stage returns.
+
+    normalize: "tokens"        -> divided by the number of tokens in the *global* batch whose
+                                  label ``labels[:, shift:]`` is not -100 (HF convention over the
+                                  whole global batch, independent of the parallel layout);
+               "micro_batches" -> the term is already a per-micro-batch mean (indexer KL, aux
+                                  losses): divided by the global number of micro-batches.
+    weight:    coefficient of the normalised term in the optimised objective.
+    report:    key in loss.json ("losses", "mtp_losses", ...); several terms with the same key
+               are averaged (e.g. one term per MTP depth).
+    """
+
+    normalize: str = "tokens"
+    shift: int = 1
+    weight: float = 1.0
+    report: str = "losses"
+
+    def __post_init__(self) -> None:
+        if self.normalize not in ("tokens", "micro_batches"):
+            raise ValueError(f"LossSpec.normalize must be 'tokens' or 'micro_batches', got {self.normalize!r}")
+
+
+def token_count(labels: np.ndarray, shift: int, ignore_index: int = -100) -> int:
+    """Tokens a causal-LM loss with this label shift averages over (``labels[:, shift:] != ignore``)."""
+    return int((np.asarray(labels)[:, shift:] != ignore_index).sum())
+
+
+class ModelAdapter:
+    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md."""
+
+    name: str = "model"
+    num_layers: int = 0  # decoder layers the pipeline splits (MTP excluded)
+    has_mtp: bool = False
+    vocab_size: int = 0
+
+    def parallel_sizes(self) -> dict[str, int | None]:
+        """Sizes for ParallelConfig.validate: num_attention_heads, vocab_size, num_experts, ..."""
+        return {"vocab_size": self.vocab_size, "num_layers": self.num_layers}
+
+    def layer_kinds(self) -> list[str] | None:
+        """Per decoder layer "full" / "shared" (DSA indexer schedule), or None."""
+        return None
+
+    def loss_specs(self) -> dict[str, LossSpec]:
+        raise NotImplementedError
+
+    def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
+        """The module of one pipeline stage; its parameter names must equal the full model's."""
+        raise NotImplementedError
+
+    def full_state(self) -> Mapping[str, Any]:
+        """Initial weights: structured name -> full array (checkpoint or deterministic init)."""
+        raise NotImplementedError
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        """For loss.json: {"path", "config_sha256", "revision"?} of the loaded weights, or {}."""
+        return {}
+
+    @property
+    def weights_loaded(self) -> bool:
+        """True when ``full_state`` comes from a checkpoint (not a random init)."""
+        return False
+
+    def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
+        """Write ``full_state`` in the model's release layout (``--export``)."""
+        raise NotImplementedError(f"model {self.name!r} has no exporter")
+
+
+_REGISTRY: dict[str, Callable[..., ModelAdapter]] = {}
+
+
+def register_adapter(kind: str, factory: Callable[..., ModelAdapter]) -> None:
+    _REGISTRY[kind] = factory
+
+
+def get_adapter_factory(kind: str) -> Callable[..., ModelAdapter]:
+    if kind not in _REGISTRY:
+        if kind == "toy":
+            from . import toy  # noqa: F401  (registers itself)
+        elif kind == "glm":
+            try:
+                from . import glm_adapter  # noqa: F401
+            except ImportError as e:
+                raise KeyError(f"model kind 'glm' is not available yet: {e}") from e
+    if kind not in _REGISTRY:
+        raise KeyError(f"unknown model kind {kind!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[kind]
+
+
+def make_adapter(kind: str, **kwargs: Any) -> ModelAdapter:
+    return get_adapter_factory(kind)(**kwargs)

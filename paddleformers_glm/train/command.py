@@ -1,0 +1,177 @@
+"""``glm52 train``: arguments, and the choice between running in this process (world 1) and
+launching workers through Paddle's launcher.
+
+The glm52 CLI mounts it with ``add_train_arguments(subparser)`` + ``run_train(args)``;
+``python -m paddleformers_glm.train ...`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from .loop import TrainConfig
+
+__all__ = ["add_train_arguments", "config_from_args", "main", "run_train"]
+
+
+def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = ap.add_argument_group("model")
+    g.add_argument(
+        "--model", default="toy", help="checkpoint folder (GLM-5.2, HF layout) or 'toy' (the built-in stand-in)"
+    )
+    g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
+    g = ap.add_argument_group("parallel layout")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp)")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp)")
+    g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+    g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
+    g.add_argument(
+        "--pp-layout", default=None, help="e.g. 'E,t*4|t*4,m,L' or per-stage layer counts '3,5' (docs/parallel.md)"
+    )
+    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
+    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
+    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    g = ap.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=5)
+    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--global-batch-size", type=int, default=4)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
+    g.add_argument(
+        "--data", default=None, help=".npy / .bin token stream or .jsonl with input_ids (default: synthetic)"
+    )
+    g.add_argument(
+        "--data-dtype", default="auto", help=".bin token dtype (auto: uint16 if the vocabulary fits, else uint32)"
+    )
+    g = ap.add_argument_group("output")
+    g.add_argument("--out", required=True, help="output folder (loss.json, checkpoints/, export/, logs/)")
+    g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
+    g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = ap.add_argument_group("launch")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
+    g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
+    g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
+    g.add_argument("--fault", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    if args.model == "toy":
+        model, model_args = (
+            "toy",
+            {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
+        )
+    else:
+        if not os.path.isdir(args.model):
+            raise FileNotFoundError(f"--model {args.model}: not a folder (give a checkpoint folder or 'toy')")
+        model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
+    cfg = TrainConfig(
+        model=model,
+        model_args=model_args,
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        ep=args.ep,
+        etp=args.etp,
+        sp=args.sp,
+        pp_layout=args.pp_layout,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        schedule=args.schedule,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        data=os.path.abspath(args.data) if args.data else None,
+        data_dtype=args.data_dtype,
+        out=os.path.abspath(args.out),
+        export=args.export,
+        save_every=args.save_every,
+        resume=os.path.abspath(args.resume) if args.resume else None,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+        fault=args.fault,
+    )
+    cfg.validate()
+    return cfg
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run (world 1) or launch (world > 1) the training; returns the exit code."""
+    from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from .launch import LaunchError, launch_workers
+
+    try:
+        cfg = config_from_args(args)
+        world = cfg.tp * cfg.pp * (cfg.dp or 1)
+        ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+        if world % args.nnodes:
+            raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"glm52 train: error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(cfg.out, exist_ok=True)
+    if world == 1 and args.nnodes == 1:
+        os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+        from .loop import run_training
+
+        try:
+            run_training(cfg)
+        except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
+            print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        return 0
+    run_json = os.path.join(cfg.out, "run_config.json")
+    with open(run_json, "w", encoding="utf-8") as f:
+        json.dump(cfg.__dict__, f, indent=1)
+    nproc = world // args.nnodes
+    launcher_args = shlex.split(args.launcher_args)
+    if args.nnodes > 1:
+        launcher_args = ["--nnodes", str(args.nnodes)] + launcher_args
+        if args.master:
+            launcher_args += ["--master", args.master]
+        if args.node_rank is not None:
+            launcher_args += ["--rank", str(args.node_rank)]
+    offset = (args.node_rank or 0) * nproc
+    try:
+        launch_workers(
+            ["--config", run_json],
+            nproc,
+            os.path.join(cfg.out, "logs"),
+            launcher_args=launcher_args,
+            node_rank_offset=offset,
+        )
+    except LaunchError as e:
+        print(f"glm52 train: {e}", file=sys.stderr)
+        return e.returncode or 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = add_train_arguments(
+        argparse.ArgumentParser(
+            prog="glm52 train", description="Train with TP/PP/EP/ETP/SP/DP on gloo (CPU) or NCCL (GPU)"
+        )
+    )
+    return run_train(ap.parse_args(argv))

@@ -1,0 +1,210 @@
+"""Start the local worker processes through ``python -m paddle.distributed.launch`` and turn a
+failure into one line that names the rank that caused it.
+
+Paddle's launcher, when one worker dies, reports whichever container it noticed first (often a
+*survivor* that failed in communication afterwards).  So each worker records its own fate in
+``LOG/status/``: ``rank<N>.error.json`` (exception, traceback, time, whether it looks like a
+communication failure) or ``rank<N>.ok``.  After the launcher exits we pick the culprit:
+the earliest non-communication error, else a rank that left no record (killed by a signal or the
+OS), else the earliest communication error.  A watchdog stops the whole process group when a
+rank has failed but the launcher has not exited ``grace_s`` later (default: past the 30 s gloo
+timeout), so the job never hangs on a dead peer.
+
+Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
+through ``launcher_args``; every node runs the same command.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["LaunchError", "launch_workers", "worker_env"]
+
+_COMM_MARKERS = (
+    "gloo",
+    "TIMEOUT",
+    "Connection reset",
+    "Connection closed",
+    "Connection refused",
+    "Broken pipe",
+    "NCCL",
+    "ProcessGroup",
+    "socket",
+    "peer",
+)
+
+
+@dataclass
+class LaunchError(RuntimeError):
+    """A distributed job failed; ``rank`` is the culprit (None when unknown)."""
+
+    rank: int | None
+    message: str
+    returncode: int
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def is_comm_error(text: str) -> bool:
+    return any(m.lower() in text.lower() for m in _COMM_MARKERS)
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the workers: our package importable, MKL fast path on AMD, one thread set per process."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("MKL_DEBUG_CPU_TYPE", "5")  # AMD: Paddle's MKL picks a 2.5x slower path without it (issue 7)
+    cpus = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, nproc_per_node))))
+    env.setdefault("GLOG_minloglevel", "2")
+    env["PYTHONPATH"] = os.pathsep.join([_repo_root()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _tail(path: str, n: int = 12) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.rstrip() for ln in f.readlines() if ln.strip()]
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def diagnose(log_dir: str, world_local: list[int]) -> tuple[int | None, str]:
+    """(culprit rank, message) from the status files of the local ranks ``world_local``."""
+    status = os.path.join(log_dir, "status")
+    errors = []
+    for path in glob.glob(os.path.join(status, "rank*.error.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                errors.append(json.load(f))
+        except (OSError, json.JSONDecodeError):
+            continue
+    ok = {int(os.path.basename(p)[4:-3]) for p in glob.glob(os.path.join(status, "rank*.ok"))}
+    reported = {e["rank"] for e in errors} | ok
+    silent = [r for r in world_local if r not in reported]
+    errors.sort(key=lambda e: e["time"])
+    primary = [e for e in errors if not e["comm"]]
+    others = ""
+    if primary:
+        e = primary[0]
+        rest = sorted({x["rank"] for x in errors if x is not e})
+        if rest:
+            others = f" (then rank(s) {', '.join(map(str, rest))} failed too)"
+        return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}{others}\n{e['traceback_tail']}"
+    if silent:
+        r = silent[0]
+        tail = _tail(os.path.join(log_dir, f"workerlog.{r}"), 6)
+        comm_ranks = sorted({x["rank"] for x in errors})
+        if comm_ranks:
+            others = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer"
+        return r, (
+            f"rank {r} died without a Python error (killed by a signal or the OS, e.g. out of memory){others}. "
+            f"Last lines of {os.path.join(log_dir, f'workerlog.{r}')}:\n{tail}"
+        )
+    if errors:
+        e = errors[0]
+        return e[
+            "rank"
+        ], f"rank {e['rank']} failed in communication: {e['type']}: {e['message']}\n{e['traceback_tail']}"
+    return None, "the launcher failed before any worker reported (see the launcher output above)"
+
+
+def launch_workers(
+    worker_args: Sequence[str],
+    nproc_per_node: int,
+    log_dir: str,
+    *,
+    launcher_args: Sequence[str] = (),
+    node_rank_offset: int = 0,
+    grace_s: float = 45.0,
+    timeout_s: float | None = None,
+    quiet_launcher: bool = True,
+    stream=None,
+) -> None:
+    """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
+
+    Raises :class:`LaunchError` naming the failing rank; returns when every rank finished cleanly.
+    ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).
+    """
+    stream = stream or sys.stdout
+    log_dir = os.path.abspath(log_dir)
+    os.makedirs(os.path.join(log_dir, "status"), exist_ok=True)
+    for old in glob.glob(os.path.join(log_dir, "status", "rank*")):
+        os.remove(old)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "paddle.distributed.launch",
+        "--nproc_per_node",
+        str(nproc_per_node),
+        "--log_dir",
+        log_dir,
+    ]
+    cmd += list(launcher_args) + [worker, *worker_args]
+    env = worker_env(nproc_per_node)
+    env["GLM52_STATUS_DIR"] = os.path.join(log_dir, "status")
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if quiet_launcher and (line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line):
+                continue
+            stream.write(line)
+            stream.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    t_start, first_failure, killed = time.monotonic(), None, None
+    while proc.poll() is None:
+        time.sleep(0.2)
+        now = time.monotonic()
+        if first_failure is None and glob.glob(os.path.join(log_dir, "status", "rank*.error.json")):
+            first_failure = now
+        if first_failure is not None and now - first_failure > grace_s:
+            killed = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
+        elif timeout_s is not None and now - t_start > timeout_s:
+            killed = f"job exceeded {timeout_s:.0f} s; stopped"
+        if killed:
+            _kill_group(proc)
+            break
+    proc.wait()
+    reader.join(timeout=5)
+    local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
+    if proc.returncode == 0 and not killed:
+        return
+    rank, msg = diagnose(log_dir, local)
+    if killed:
+        msg = f"{msg}\n({killed})"
+    raise LaunchError(rank, msg, proc.returncode if proc.returncode else 1)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,337 @@
+"""The training loop every rank runs: topology -> stage module -> weights -> steps -> loss.json.
+
+One step: the global batch of the step (same for every layout) -> this data-parallel rank's
+micro-batches -> pipeline engine (forward + backward; each loss term scaled by its weight over
+its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> AdamW.
+Loss sums are reduced over pipeline stages and data-parallel ranks, so every rank knows the
+step's loss; rank 0 logs it and writes ``OUT/loss.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from ..parallel import comm
+from ..parallel.grads import GradSynchronizer, clip_main_grads
+from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
+from ..parallel.state import gather_full_state, shard_full_state
+from ..parallel.topology import ParallelConfig, init_topology, set_topology
+from .adapter import ModelAdapter, make_adapter, token_count
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import micro_batches, open_data
+from .optim import AdamW, lr_at
+
+__all__ = ["TrainConfig", "run_training", "write_json_atomic"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; serialisable (the launcher hands it to the workers as JSON)."""
+
+    model: str = "toy"  # adapter kind
+    model_args: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None  # None: world / (tp * pp)
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    pp_layout: str | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    schedule: str = "1f1b"
+    steps: int = 5
+    seq_len: int = 32
+    global_batch_size: int = 4
+    micro_batch_size: int = 1
+    lr: float = 3e-4
+    min_lr: float | None = None  # default lr / 10
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    data: str | None = None
+    data_dtype: str = "auto"
+    out: str = "out"
+    export: bool = False
+    save_every: int = 0
+    resume: str | None = None
+    dtype: str = "float32"
+    progress: bool = True
+    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.part.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _versions() -> dict[str, str]:
+    from .. import __version__
+
+    return {
+        "paddleformers_glm": __version__,
+        "paddle": paddle.__version__,
+        "paddle_commit": str(getattr(paddle.version, "commit", "")),
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _maybe_fault(spec: str | None, rank: int, step: int) -> None:
+    """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``)."""
+    if not spec:
+        return
+    kv = dict(part.split("=", 1) for part in spec.split(","))
+    if int(kv.get("rank", -1)) != rank or int(kv.get("step", -1)) != step:
+        return
+    kind = kv.get("kind", "raise")
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "exit":
+        os._exit(3)
+    if kind == "hang":
+        time.sleep(10_000)
+    raise ValueError(f"--fault kind must be raise|kill|exit|hang, got {kind!r}")
+
+
+def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
+    return {k: paddle.to_tensor(v) for k, v in mb.items()}
+
+
+def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
+    """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
+    cfg.validate()
+    adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+    if cfg.dtype == "bfloat16":
+        from ..parallel._compat import bf16_compute_supported
+
+        if not bf16_compute_supported():
+            raise ValueError(
+                "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
+            )
+    if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
+        raise ValueError(
+            f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
+        )
+    specs = split_stages(
+        adapter.num_layers,
+        pc.pp,
+        first_stage_layers=cfg.first_stage_layers,
+        last_stage_layers=cfg.last_stage_layers,
+        layout=cfg.pp_layout,
+        has_mtp=adapter.has_mtp,
+    )
+    kinds = adapter.layer_kinds()
+    if kinds is not None:
+        validate_shared_layer_starts(specs, kinds, carry_topk=True)
+    topo = init_topology(pc, **adapter.parallel_sizes())
+    try:
+        return _train(cfg, adapter, topo, specs)
+    finally:
+        if world == 1:
+            set_topology(None)
+
+
+def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
+    rank0 = topo.rank == 0
+    prev_dtype = paddle.get_default_dtype()
+    paddle.set_default_dtype(cfg.dtype)
+    paddle.seed(cfg.seed)
+    np.random.seed(cfg.seed % (2**32))
+    try:
+        module = adapter.build_stage(specs[topo.stage], topo)
+    finally:
+        paddle.set_default_dtype(prev_dtype)
+    shard_full_state(module, adapter.full_state(), topo)
+    sync = GradSynchronizer(module, topo)
+    sync.sync_shared_parameters()
+    opt = AdamW(
+        sync.params,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )
+    engine = PipelineEngine(module, topo, cfg.schedule)
+    data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+    loss_specs = adapter.loss_specs()
+    report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
+    profile = {
+        "tp": topo.pc.tp,
+        "pp": topo.pc.pp,
+        "ep": topo.pc.ep,
+        "etp": topo.pc.etp,
+        "sp": topo.pc.sp,
+        "dp": topo.pc.dp,
+        "world": topo.world_size,
+        "micro_batch_size": cfg.micro_batch_size,
+        "global_batch_size": cfg.global_batch_size,
+        "seq_len": cfg.seq_len,
+        "dtype": cfg.dtype,
+    }
+    history: dict[str, list[float]] = {k: [] for k in report_keys}
+    history.update(grad_norms=[], lrs=[])
+    start = 0
+    ckpt_root = os.path.join(cfg.out, "checkpoints")
+    if cfg.resume:
+        meta = load_checkpoint(cfg.resume, topo, module, opt, profile)
+        start = int(meta["step"])
+        for k, v in meta.get("history", {}).items():
+            history[k] = list(v)[:start]
+    min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+    result: dict[str, Any] = {}
+
+    def snapshot(steps_done: int) -> dict[str, Any]:
+        out = {k: history[k] for k in report_keys}
+        out.update(
+            steps=steps_done,
+            profile=profile,
+            weights_loaded=bool(adapter.weights_loaded),
+            checkpoint=adapter.checkpoint_info(),
+            seed=cfg.seed,
+            versions=_versions(),
+            grad_norms=history["grad_norms"],
+            lrs=history["lrs"],
+            run={
+                "model": cfg.model,
+                "pp_layout": layout_string(specs),
+                "schedule": cfg.schedule,
+                "data": data.describe,
+                "resumed_from_step": start if cfg.resume else None,
+                "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
+            },
+        )
+        return out
+
+    bar = None
+    if rank0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, leave=True
+        )
+    log = (bar.write if bar is not None else print) if rank0 else (lambda *_: None)
+    if rank0:
+        log(
+            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {cfg.schedule} data {data.describe}"
+        )
+    n_micro_global = cfg.global_batch_size // cfg.micro_batch_size
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        _maybe_fault(cfg.fault, topo.rank, step + 1)
+        lr = lr_at(step + 1, cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
+        batch = data.global_batch(step, cfg.global_batch_size)
+        norms = {
+            name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
+            for name, s in loss_specs.items()
+        }
+        scales = {name: s.weight / max(norms[name], 1) for name, s in loss_specs.items()}
+        mbs = [_to_tensors(mb) for mb in micro_batches(batch, topo.dp_rank, topo.dp_size, cfg.micro_batch_size)]
+        totals = engine.run(mbs, scales)
+        grads, has_grad = sync.main_grads()
+        gnorm = sync.global_norm(grads)
+        clip_main_grads(grads, gnorm, cfg.clip_grad)
+        opt.step(grads, has_grad, lr)
+        module.clear_gradients()
+
+        names = sorted(loss_specs)
+        vec = paddle.to_tensor(
+            np.array(
+                [totals.get(n, (0.0, 0))[0] for n in names] + [totals.get(n, (0.0, 0))[1] for n in names],
+                dtype=np.float64,
+            )
+        )
+        vec = comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group)
+        vals = vec.numpy().tolist()
+        sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
+        for n in names:
+            s = loss_specs[n]
+            if s.normalize == "tokens" and int(round(counts[n])) != norms[n]:
+                raise RuntimeError(
+                    f"loss term {n!r}: the model counted {int(counts[n])} tokens, labels shifted by {s.shift} give {norms[n]}; "
+                    "fix the model's count or the LossSpec shift"
+                )
+        for key in report_keys:
+            terms = [n for n in names if loss_specs[n].report == key]
+            if terms:
+                history[key].append(sum(sums[n] / max(norms[n], 1) for n in terms) / len(terms))
+        history["grad_norms"].append(gnorm)
+        history["lrs"].append(lr)
+        dt = time.perf_counter() - t0
+        if rank0:
+            parts = [f"step {step + 1}/{cfg.steps}", f"loss {history['losses'][-1]:.6f}"]
+            if history["mtp_losses"] and len(history["mtp_losses"]) == len(history["losses"]):
+                parts.append(f"mtp {history['mtp_losses'][-1]:.6f}")
+            parts += [
+                f"lr {lr:.3e}",
+                f"grad norm {gnorm:.4f}",
+                f"{cfg.global_batch_size * cfg.seq_len / dt:.0f} tok/s",
+                f"{dt:.2f} s",
+            ]
+            log(" | ".join(parts))
+            if not math.isfinite(history["losses"][-1]):
+                log("[glm52 train] warning: non-finite loss")
+            result = snapshot(step + 1)
+            write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
+        if bar is not None:
+            bar.update(1)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            meta = {"profile": profile, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
+            path = save_checkpoint(ckpt_root, step + 1, topo, module, opt, meta)
+            if rank0:
+                log(f"[glm52 train] checkpoint {path}")
+    if bar is not None:
+        bar.close()
+    if rank0:
+        result = snapshot(cfg.steps)
+        write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
+    if cfg.export:
+        full = gather_full_state(module, topo)
+        if rank0:
+            adapter.export(full, os.path.join(cfg.out, "export"))
+            log(f"[glm52 train] exported {len(full)} tensors to {os.path.join(cfg.out, 'export')}")
+    if topo.world_size > 1:
+        dist.barrier()
+    return result if rank0 else None

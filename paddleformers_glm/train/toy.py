@@ -1,0 +1,299 @@
+"""A small stand-in transformer with every feature the GLM-5.2 wiring needs, for tests and demos.
+
+Per layer: RMSNorm -> attention with heads split over TP (fused q|k|v column-parallel, row-parallel
+output) restricted to top-k keys chosen by a no-grad "indexer" on *full* layers and reused by
+*shared* layers (the DSA cross-layer sharing) -> RMSNorm -> dense MLP or MoE (fp32 router,
+top-k experts through the expert-parallel dispatcher, TP shared expert).  Vocab-parallel
+embedding and head, an MTP block on the last stage that reuses the embedding (so the embedding
+lives on the first *and* last pipeline stage) and the top-k carried from the main model.
+
+A pipeline stage is built from a StageSpec; the carry between stages is (hidden, top-k int64).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from ..parallel import comm
+from ..parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
+from ..parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark_sequence_parallel,
+    parallel_cross_entropy,
+)
+from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.topology import ParallelConfig, Topology, topology_override
+from .adapter import LossSpec, ModelAdapter, register_adapter
+
+__all__ = ["ToyAdapter", "ToyConfig", "ToyStage", "init_full_state"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ToyConfig:
+    vocab_size: int = 64
+    hidden_size: int = 32
+    num_heads: int = 4
+    ffn_size: int = 64
+    layer_kinds: list[str] = field(default_factory=lambda: ["full", "full", "shared", "shared", "full", "shared"])
+    mlp_kinds: list[str] = field(default_factory=lambda: ["dense", "dense", "moe", "moe", "moe", "moe"])
+    index_topk: int = 4
+    index_dim: int = 16
+    num_experts: int = 4
+    experts_per_token: int = 2
+    expert_ffn: int = 16
+    mtp: bool = True
+    mtp_weight: float = 0.3
+    rms_eps: float = 1e-6
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    def __post_init__(self) -> None:
+        if len(self.mlp_kinds) != len(self.layer_kinds):
+            raise ValueError(f"ToyConfig: {len(self.mlp_kinds)} mlp_kinds for {len(self.layer_kinds)} layers")
+        if self.layer_kinds and self.layer_kinds[0] != "full":
+            raise ValueError("ToyConfig: layer 0 must be a full indexer layer")
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([size], default_initializer=nn.initializer.Constant(1.0))
+        mark_sequence_parallel(self.weight)  # runs on sequence shards under SP
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + self.eps) * self.weight
+
+
+class ToyMLP(nn.Layer):
+    def __init__(self, hidden: int, ffn: int, sp: bool) -> None:
+        super().__init__()
+        self.up = ColumnParallelLinear(hidden, ffn, has_bias=True, sequence_parallel=sp)
+        self.down = RowParallelLinear(ffn, hidden, has_bias=True, input_is_parallel=True, sequence_parallel=sp)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class ToyMoE(nn.Layer):
+    def __init__(self, cfg: ToyConfig, sp: bool, topo: Topology) -> None:
+        super().__init__()
+        self.k = cfg.experts_per_token
+        self.router = self.create_parameter([cfg.hidden_size, cfg.num_experts], dtype="float32")
+        mark_sequence_parallel(self.router)
+        self.dispatcher = ExpertParallelDispatcher(cfg.num_experts, topo=topo)
+        self.experts = LocalExperts(
+            self.dispatcher.local_expert_ids, lambda e: ExpertMLP(cfg.hidden_size, cfg.expert_ffn, topo=topo)
+        )
+        self.shared = ToyMLP(cfg.hidden_size, cfg.expert_ffn, sp)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        shape = x.shape
+        flat = x.reshape([-1, shape[-1]])  # [T, H]
+        probs = F.softmax(paddle.matmul(flat.astype("float32"), self.router), axis=-1)  # fp32 router
+        w, ids = paddle.topk(probs, self.k, axis=-1)  # [T, K]
+        w = w / w.sum(axis=-1, keepdim=True)
+        y = self.dispatcher(flat, ids, w, self.experts)
+        return y.reshape(shape) + self.shared(x)
+
+
+class ToyLayer(nn.Layer):
+    """Decoder layer; ``kind`` "full" runs the indexer, "shared" reuses the incoming top-k."""
+
+    def __init__(self, cfg: ToyConfig, kind: str, mlp: str, sp: bool, topo: Topology) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.kind, self.sp, self.topk = kind, sp, cfg.index_topk
+        self.local_heads = cfg.num_heads // topo.tp_size
+        self.head_dim = H // cfg.num_heads
+        self.input_norm = RMSNorm(H, cfg.rms_eps)
+        self.qkv = ColumnParallelLinear(H, 3 * H, sequence_parallel=sp, fuse_chunks=3)
+        self.o_proj = RowParallelLinear(H, H, input_is_parallel=True, sequence_parallel=sp)
+        if kind == "full":  # replicated over TP, no gradient (as HF's indexer under the main loss)
+            self.indexer_q = self.create_parameter([H, cfg.index_dim])
+            self.indexer_k = self.create_parameter([H, cfg.index_dim])
+        self.post_norm = RMSNorm(H, cfg.rms_eps)
+        self.mlp = ToyMoE(cfg, sp, topo) if mlp == "moe" else ToyMLP(H, cfg.ffn_size, sp)
+
+    def forward(self, h: paddle.Tensor, topk: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        x = self.input_norm(h)  # [B, S', H], S' = S/tp under SP
+        qkv = self.qkv(x)  # [B, S, 3H/tp]
+        B, S = qkv.shape[0], qkv.shape[1]
+        q, k, v = (
+            t.reshape([B, S, self.local_heads, self.head_dim]).transpose([0, 2, 1, 3])
+            for t in paddle.split(qkv, 3, axis=-1)
+        )
+        causal = paddle.tril(paddle.ones([S, S], dtype="bool"))
+        if self.kind == "full":
+            with paddle.no_grad():
+                xf = comm.gather_from_sp(x.detach(), grad="split") if self.sp else x.detach()  # [B, S, H]
+                scores = paddle.matmul(
+                    paddle.matmul(xf, self.indexer_q), paddle.matmul(xf, self.indexer_k), transpose_y=True
+                )
+                scores = paddle.where(causal, scores, paddle.full_like(scores, -1e30))  # [B, S, S]
+                _, topk = paddle.topk(scores, min(self.topk, S), axis=-1)  # [B, S, k] int64
+        if topk.shape[-1] == 0:
+            raise RuntimeError("ToyLayer: a shared layer got no top-k (the stage's carry lost it)")
+        allowed = paddle.logical_and(F.one_hot(topk, S).sum(axis=-2) > 0, causal)  # [B, S, S]
+        att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(self.head_dim)  # [B, h, S, S]
+        att = att + paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
+        o = paddle.matmul(F.softmax(att, axis=-1), v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
+        h = h + self.o_proj(o)
+        return h + self.mlp(self.post_norm(h)), topk
+
+
+class ToyMTP(nn.Layer):
+    def __init__(self, cfg: ToyConfig, sp: bool, topo: Topology) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.enorm, self.hnorm, self.norm = RMSNorm(H, cfg.rms_eps), RMSNorm(H, cfg.rms_eps), RMSNorm(H, cfg.rms_eps)
+        self.eh_proj = self.create_parameter([2 * H, H])  # replicated
+        mark_sequence_parallel(self.eh_proj)
+        self.layer = ToyLayer(cfg, "shared", "moe", sp, topo)  # reuses the main model's last top-k
+
+
+def _causal_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> LossTerm:
+    """Sum of per-token CE where position i predicts labels[i + shift], and the token count."""
+    B, S = labels.shape
+    target = paddle.concat(
+        [labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], axis=1
+    )[:, :S]
+    per_tok = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")  # [B, S]
+    return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
+
+
+class ToyStage(nn.Layer):
+    """One pipeline stage of the toy model. ``forward(carry, batch) -> StageOutput``."""
+
+    def __init__(self, cfg: ToyConfig, spec: StageSpec, topo: Topology) -> None:
+        super().__init__()
+        self.cfg, self.spec = cfg, spec
+        sp = topo.sequence_parallel
+        if spec.has_embedding or spec.has_mtp:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, sequence_parallel=sp)
+        self.layers = nn.LayerDict(
+            {str(i): ToyLayer(cfg, cfg.layer_kinds[i], cfg.mlp_kinds[i], sp, topo) for i in spec.layers}
+        )
+        if spec.has_head:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, sequence_parallel=sp)
+        if spec.has_mtp:
+            self.mtp = ToyMTP(cfg, sp, topo)
+
+    def forward(self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor]) -> StageOutput:
+        ids = batch["input_ids"]  # [B, S]
+        if self.spec.has_embedding:
+            h = self.embed_tokens(ids)  # [B, S', H]
+            topk = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
+        else:
+            h, topk = carry
+        for i in self.spec.layers:
+            h, topk = self.layers[str(i)](h, topk)
+        if not self.spec.has_head:
+            return StageOutput(carry=(h, topk))
+        labels = batch["labels"]
+        hn = self.norm(h)
+        losses = {"lm": _causal_loss(self.lm_head(hn), labels, 1)}
+        if self.spec.has_mtp:
+            nxt = paddle.concat([ids[:, 1:], paddle.zeros([ids.shape[0], 1], dtype=ids.dtype)], axis=1)
+            e = self.embed_tokens(nxt)
+            x = paddle.matmul(paddle.concat([self.mtp.enorm(e), self.mtp.hnorm(hn)], axis=-1), self.mtp.eh_proj)
+            hm, _ = self.mtp.layer(x, topk)
+            losses["mtp"] = _causal_loss(self.lm_head(self.mtp.norm(hm)), labels, 2)
+        return StageOutput(losses=losses)
+
+
+def full_shapes(cfg: ToyConfig) -> dict[str, list[int]]:
+    """Names and shapes of the whole (pp=1, tp=1) model, the names every layout uses."""
+    with topology_override(Topology(ParallelConfig())) as single:
+        m = ToyStage(cfg, StageSpec.whole(cfg.num_layers, cfg.mtp), single)
+        return {n: list(t.shape) for n, t in m.state_dict().items()}
+
+
+def init_full_state(cfg: ToyConfig, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic full weights: independent of Paddle's RNG and of the parallel layout."""
+    out = {}
+    for name, shape in full_shapes(cfg).items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf == "weight":
+            arr = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif leaf == "bias":
+            arr = 0.02 * rng.standard_normal(shape)
+        elif "embed_tokens" in name:
+            arr = rng.standard_normal(shape)
+        else:
+            arr = rng.standard_normal(shape) / math.sqrt(shape[0])
+        out[name] = arr.astype(np.float32)
+    return out
+
+
+class ToyAdapter(ModelAdapter):
+    """The toy model behind the trainer's ``--model toy``; config keys as in :class:`ToyConfig`."""
+
+    name = "toy"
+
+    def __init__(self, config: ToyConfig | Mapping[str, Any] | None = None, seed: int = 0) -> None:
+        self.cfg = config if isinstance(config, ToyConfig) else ToyConfig(**dict(config or {}))
+        self.seed = seed
+        self.num_layers, self.has_mtp, self.vocab_size = self.cfg.num_layers, self.cfg.mtp, self.cfg.vocab_size
+
+    def parallel_sizes(self) -> dict[str, int | None]:
+        return {
+            "num_attention_heads": self.cfg.num_heads,
+            "vocab_size": self.cfg.vocab_size,
+            "num_experts": self.cfg.num_experts,
+            "moe_intermediate_size": self.cfg.expert_ffn,
+            "num_layers": self.cfg.num_layers,
+        }
+
+    def layer_kinds(self) -> list[str]:
+        return list(self.cfg.layer_kinds)
+
+    def loss_specs(self) -> dict[str, LossSpec]:
+        specs = {"lm": LossSpec("tokens", shift=1, weight=1.0, report="losses")}
+        if self.cfg.mtp:
+            specs["mtp"] = LossSpec("tokens", shift=2, weight=self.cfg.mtp_weight, report="mtp_losses")
+        return specs
+
+    def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
+        return ToyStage(self.cfg, spec, topo)
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        return init_full_state(self.cfg, self.seed)
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        return {"path": None, "config": asdict(self.cfg), "init_seed": self.seed}
+
+    def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
+        import json
+        import os
+
+        from safetensors.numpy import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(
+            {k: np.ascontiguousarray(v) for k, v in sorted(full_state.items())},
+            os.path.join(out_dir, "model.safetensors"),
+        )
+        with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({"model_type": "toy", **asdict(self.cfg)}, f, indent=2, sort_keys=True)
+
+
+register_adapter("toy", ToyAdapter)

@@ -1,0 +1,70 @@
+"""Entry point of one launched training process: ``worker.py --config RUN.json``.
+
+Records its own outcome for the launcher (launch.py): ``rank<N>.ok`` or ``rank<N>.error.json``
+with the exception and traceback, then leaves with ``os._exit`` so no gloo/NCCL destructor can
+hang the process after a peer died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _status(rank: int, suffix: str, payload: dict | None = None) -> None:
+    d = os.environ.get("GLM52_STATUS_DIR")
+    if not d:
+        return
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"rank{rank}.{suffix}")
+    with open(path + ".part", "w", encoding="utf-8") as f:
+        if payload is not None:
+            json.dump(payload, f)
+    os.replace(path + ".part", path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="glm52 training worker (started by the launcher)")
+    ap.add_argument("--config", required=True, help="TrainConfig as JSON")
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
+    try:
+        from paddleformers_glm.train.loop import TrainConfig, run_training
+
+        with open(args.config, encoding="utf-8") as f:
+            cfg = TrainConfig.from_dict(json.load(f))
+        run_training(cfg)
+    except BaseException as e:  # noqa: BLE001 - every failure must be reported, then the process ends
+        from paddleformers_glm.train.launch import is_comm_error
+
+        tb = traceback.format_exc()
+        msg = str(e).strip().splitlines()
+        text = " | ".join(ln.strip() for ln in msg if ln.strip())[-800:]
+        _status(
+            rank,
+            "error.json",
+            {
+                "rank": rank,
+                "time": time.time(),
+                "type": type(e).__name__,
+                "message": text,
+                "comm": is_comm_error(f"{type(e).__name__} {text}"),
+                "traceback_tail": "\n".join(tb.strip().splitlines()[-8:]),
+            },
+        )
+        sys.stderr.write(tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+    _status(rank, "ok")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
