@@ -1,0 +1,551 @@
+"""Training-step benchmark: our Paddle GLM-5.2 against HF transformers on the same checkpoint and batch.
+
+One command (README "Performance"):
+
+    python bench/bench_train_step.py                 # S = 512, 2048, 8192; index_topk 64 and 256
+    python bench/bench_train_step.py --tiny          # seconds: end-to-end smoke run
+
+What it does, and why this way:
+
+* builds a GLM-5.2-shaped model of a few million parameters (MLA with q/kv LoRA, DSA indexer with
+  8 heads and freq/offset top-k sharing, MoE with expert groups and a shared expert, one MTP layer)
+  with our library and saves it ONCE in the official HF layout; both sides load that folder, so
+  they run the same weights on the same token batch (fp32);
+* every measurement runs in its own subprocess (ours, HF, ours, HF, ... alternating, so drift of
+  the machine hits both sides alike); the environment is set before either library loads: the
+  same thread count for both (OMP/MKL env + `torch.set_num_threads` / Paddle's
+  `core.set_num_threads`) and `MKL_DEBUG_CPU_TYPE=5` — Paddle's bundled MKL takes a slow code path
+  on AMD CPUs without it (about 2.5x slower fp32 matmuls); torch is unaffected, so setting it for
+  both is neutral for HF and fair to us;
+* a training step is forward + backward of the causal-LM loss (no optimizer update), batch 1;
+  MTP is not run (HF has no MTP), so both sides compute the same loss;
+* peak memory is the RSS high-water mark (`ru_maxrss`) of each subprocess; a watchdog kills a
+  subprocess whose RSS passes `--mem-limit-gb` and reports it as "OOM" (a valid result);
+* our per-module times (indexer, attention core, MoE, rest) come from one extra step with
+  forward/backward timing hooks (CPU kernels run synchronously, so wall time is exact).
+
+Run with `--help` for options; `--json FILE` keeps the raw numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# GLM-5.2 structure (official config.json), scaled down to ~9M parameters.
+BENCH_CONFIG: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "dtype": "float32",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "first_k_dense_replace": 3,
+    "intermediate_size": 512,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "qk_head_dim": 48,
+    "head_dim": 16,
+    "v_head_dim": 32,
+    "index_n_heads": 8,
+    "index_head_dim": 32,
+    "index_topk": 64,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "index_share_for_mtp_iteration": True,
+    "indexer_rope_interleave": True,
+    "rope_interleave": True,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 16384,
+    "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
+    "rms_norm_eps": 1e-5,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+}
+
+# --tiny: same structure, a fraction of the size, for the smoke test.
+TINY_CHANGES: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "index_topk": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 1024,
+}
+
+
+# ----------------------------------------------------------------------------- environment
+def bench_env(threads: int) -> dict[str, str]:
+    """Environment for every subprocess: pinned threads and MKL's fast path on AMD (see module doc)."""
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+    env["GLOG_minloglevel"] = "2"
+    env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def run_worker(args: list[str], env: dict[str, str], mem_limit_gb: float, timeout_s: float) -> dict[str, Any]:
+    """Run one measurement subprocess; kill it (and report OOM) if its RSS passes the limit."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state = {"oom": False, "peak_kb": 0}
+
+    def watch() -> None:
+        while proc.poll() is None:
+            kb = _rss_kb(proc.pid)
+            state["peak_kb"] = max(state["peak_kb"], kb)
+            if kb > mem_limit_gb * 1024 * 1024:
+                state["oom"] = True
+                proc.kill()
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return {"error": f"timeout after {timeout_s:.0f} s"}
+    watcher.join()
+    if state["oom"]:
+        return {"error": f"OOM: RSS passed {mem_limit_gb:g} GB", "peak_gb": state["peak_kb"] / 2**20}
+    for line in reversed(out.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (err or out).strip().splitlines()[-5:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+# ----------------------------------------------------------------------------- workers
+def _set_threads_paddle(threads: int) -> None:
+    import paddle
+
+    paddle.set_device("cpu")
+    from paddle.base import core
+
+    if hasattr(core, "set_num_threads"):
+        core.set_num_threads(threads)
+
+
+def worker_prepare(ckpt: str, tiny: bool) -> dict[str, Any]:
+    """Build the bench model with O(1) activations (like tests/_tiny.randomize) and save it (HF layout)."""
+    import numpy as np
+    import paddle
+
+    from paddleformers_glm import GlmMoeDsaConfig
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    cfg = dict(BENCH_CONFIG, **(TINY_CHANGES if tiny else {}))
+    config = GlmMoeDsaConfig(**cfg)
+    model = GlmMoeDsaForCausalLM(config)
+    rng = np.random.default_rng(0)
+    n_params = 0
+    for name, p in model.state_dict().items():
+        shape = list(p.shape)
+        n_params += int(np.prod(shape))
+        if len(shape) == 2:
+            v = rng.standard_normal(shape) * (1.0 if "embed_tokens" in name else shape[0] ** -0.5)
+        elif name.endswith("e_score_correction_bias"):
+            v = rng.standard_normal(shape) * 0.05
+        elif name.endswith("bias"):
+            v = rng.standard_normal(shape) * 0.1
+        else:
+            v = 1.0 + 0.1 * rng.standard_normal(shape)
+        p.set_value(paddle.to_tensor(v.astype("float32")))
+    model.save_pretrained(ckpt)
+    return {"params": n_params, "config": cfg}
+
+
+def topk_variant(ckpt: str, topk: int) -> str:
+    """A folder with the same weight files (symlinks) and config.json with this index_topk.
+
+    The weights are saved once; each top-k is a config change, loaded by both sides' own
+    `from_pretrained(folder)` exactly as a user would.
+    """
+    out = os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"topk{topk}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(ckpt):
+            if name != "config.json" and not os.path.exists(os.path.join(out, name)):
+                os.symlink(os.path.join(os.path.abspath(ckpt), name), os.path.join(out, name))
+        cfg = json.loads(Path(ckpt, "config.json").read_text())
+        cfg["index_topk"] = topk
+        tmp = os.path.join(out, f"config.json.{os.getpid()}")
+        Path(tmp).write_text(json.dumps(cfg, indent=2))
+        os.replace(tmp, os.path.join(out, "config.json"))
+    return out
+
+
+def _batch(seqlen: int, vocab: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng(1234).integers(3, vocab, size=(1, seqlen)).astype("int64")
+
+
+def _peak_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def worker_ours(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, modules: bool) -> dict:
+    import paddle
+
+    _set_threads_paddle(threads)
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(topk_variant(ckpt, topk), dtype="float32")
+    model.train()
+    ids = paddle.to_tensor(_batch(seqlen, model.config.vocab_size))
+    load_gb = _peak_gb()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        out = model(ids, labels=ids, compute_mtp=False)
+        out.loss.backward()
+        loss = float(out.loss)
+        dt = time.perf_counter() - t0
+        model.clear_gradients(set_to_zero=False)
+        del out
+        return dt, loss
+
+    for _ in range(warmup):
+        step()
+    times, loss = [], 0.0
+    for _ in range(steps):
+        dt, loss = step()
+        times.append(dt)
+    res = {"times": times, "loss": loss, "peak_gb": _peak_gb(), "load_gb": load_gb}
+    if modules:
+        res["modules"] = module_times(model, step)
+    return res
+
+
+def module_times(model: Any, step: Any) -> dict[str, float]:
+    """Seconds per module kind in one training step, forward and backward, via timing hooks.
+
+    Forward: pre/post hooks (or a wrapper around the attention core function). Backward: a hook on
+    the module output's gradient (backward of the module starts) and on its inputs' gradients
+    (it ends); CPU kernels are synchronous so these wall-clock stamps are exact.
+    """
+    import paddle
+
+    from paddleformers_glm.modeling import attention as attn_mod
+    from paddleformers_glm.modeling.indexer import DSAIndexer
+    from paddleformers_glm.modeling.moe import MoE
+
+    acc: dict[str, float] = {}
+
+    def add(key: str, dt: float) -> None:
+        acc[key] = acc.get(key, 0.0) + dt
+
+    def bwd_span(kind: str, outs: list, ins: list) -> None:
+        span = {"t0": None, "left": sum(1 for t in ins if not t.stop_gradient)}
+
+        def start(g: Any) -> None:
+            if span["t0"] is None:
+                span["t0"] = time.perf_counter()
+
+        def end(g: Any) -> None:
+            span["left"] -= 1
+            if span["left"] == 0 and span["t0"] is not None:
+                add(kind + " bwd", time.perf_counter() - span["t0"])
+
+        for t in outs:
+            if not t.stop_gradient:
+                t.register_hook(start)
+        for t in ins:
+            if not t.stop_gradient:
+                t.register_hook(end)
+
+    handles = []
+    stamps: dict[int, float] = {}
+    for layer in model.sublayers():
+        if isinstance(layer, (DSAIndexer, MoE)):
+            kind = "indexer" if isinstance(layer, DSAIndexer) else "moe"
+
+            def pre(lyr: Any, inputs: Any, kind: str = kind) -> None:
+                stamps[id(lyr)] = time.perf_counter()
+
+            def post(lyr: Any, inputs: Any, output: Any, kind: str = kind) -> None:
+                add(kind + " fwd", time.perf_counter() - stamps[id(lyr)])
+                if kind == "moe" and paddle.is_grad_enabled():
+                    bwd_span(kind, [output], [inputs[0]])
+
+            handles.append(layer.register_forward_pre_hook(pre))
+            handles.append(layer.register_forward_post_hook(post))
+
+    core_fn = attn_mod.sparse_attention
+
+    def timed_core(q: Any, k: Any, v: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = core_fn(q, k, v, *a, **kw)
+        add("attention core fwd", time.perf_counter() - t0)
+        bwd_span("attention core", [out[0]], [q, k, v])
+        return out
+
+    attn_mod.sparse_attention = timed_core
+    try:
+        step()  # settle
+        acc.clear()
+        total, _ = step()
+    finally:
+        attn_mod.sparse_attention = core_fn
+        for h in handles:
+            h.remove()
+    acc["step"] = total
+    return acc
+
+
+def worker_hf(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, attn: str) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(topk_variant(ckpt, topk), dtype=torch.float32, attn_implementation=attn)
+    model.train()
+    vocab = model.config.vocab_size
+    ids = torch.from_numpy(_batch(seqlen, vocab))
+    load_gb = _peak_gb()
+
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        loss = float(out.loss)
+        dt = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        del out
+        return dt, loss
+
+    for _ in range(warmup):
+        step()
+    times, loss = [], 0.0
+    for _ in range(steps):
+        dt, loss = step()
+        times.append(dt)
+    return {"times": times, "loss": loss, "peak_gb": _peak_gb(), "load_gb": load_gb, "attn": attn}
+
+
+def worker_main(ns: argparse.Namespace) -> None:
+    if ns.worker == "prepare":
+        res = worker_prepare(ns.ckpt, ns.tiny)
+    elif ns.worker == "ours":
+        res = worker_ours(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.modules)
+    else:
+        res = worker_hf(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.hf_attn)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+def have_hf() -> bool:
+    """torch + transformers with glm_moe_dsa importable (the `reference` extra)?"""
+    code = "import torch, transformers.models.glm_moe_dsa"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def _fmt_mem(r: dict) -> str:
+    return f"{r['peak_gb']:.2f}" if "peak_gb" in r and "error" not in r else r.get("error", "-")
+
+
+def summarize(r: list[dict]) -> dict[str, Any]:
+    """Median step time over all timed steps of all runs; max peak RSS over runs."""
+    ok = [x for x in r if "error" not in x]
+    if not ok:
+        return {"error": r[0].get("error", "failed") if r else "not run", "peak_gb": r[0].get("peak_gb") if r else None}
+    times = [t for x in ok for t in x["times"]]
+    return {
+        "step_s": statistics.median(times),
+        "step_s_min": min(times),
+        "peak_gb": max(x["peak_gb"] for x in ok),
+        "loss": ok[-1]["loss"],
+        "runs": len(ok),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", default="512,2048,8192", help="comma-separated sequence lengths")
+    p.add_argument("--topks", default="64,256", help="comma-separated index_topk values")
+    p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
+    p.add_argument("--runs", type=int, default=2, help="alternating subprocess runs per side and shape")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
+    p.add_argument("--skip-hf", action="store_true", help="run our side only")
+    p.add_argument("--no-modules", action="store_true", help="skip the per-module time table")
+    p.add_argument("--mem-limit-gb", type=float, default=20.0, help="kill a run whose RSS passes this")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
+    p.add_argument("--tiny", action="store_true", help="tiny model, S=64,128, one run: a smoke test")
+    p.add_argument("--ckpt", default=None, help="checkpoint folder to write/reuse (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write raw results here")
+    # worker-mode arguments (internal)
+    p.add_argument("--worker", choices=["prepare", "ours", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--seqlen", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--topk", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--modules", action="store_true", help=argparse.SUPPRESS)
+    ns = p.parse_args()
+    if ns.worker:
+        worker_main(ns)
+        return
+    if ns.tiny:
+        ns.seqlens, ns.topks, ns.runs, ns.steps, ns.warmup = "64,128", "16", 1, 1, 1
+    seqlens = [int(s) for s in ns.seqlens.split(",")]
+    topks = [int(k) for k in ns.topks.split(",")]
+    env = bench_env(ns.threads)
+    hf = not ns.skip_hf and have_hf()
+    if not ns.skip_hf and not hf:
+        print("NOTE: torch/transformers not importable: HF side SKIPPED (no comparison made)")
+
+    tmp = None
+    ckpt = ns.ckpt
+    if ckpt is None:
+        tmp = tempfile.TemporaryDirectory(prefix="glm52_bench_")
+        ckpt = os.path.join(tmp.name, "ckpt")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        prep = run_worker(["--worker", "prepare", "--ckpt", ckpt] + (["--tiny"] if ns.tiny else []), env, 20, 600)
+        if "error" in prep:
+            raise SystemExit(f"prepare failed: {prep['error']}")
+        print(f"model: {prep['params'] / 1e6:.2f} M parameters, saved (HF layout) to {ckpt}")
+
+    common = ["--ckpt", ckpt, "--threads", str(ns.threads), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    results: list[dict[str, Any]] = []
+    for topk in topks:
+        topk_variant(ckpt, topk)
+        for S in seqlens:
+            shape = ["--seqlen", str(S), "--topk", str(topk)]
+            ours, theirs = [], []
+            for r in range(ns.runs):
+                mods = not ns.no_modules and r == ns.runs - 1
+                ours.append(
+                    run_worker(
+                        ["--worker", "ours", *common, *shape] + (["--modules"] if mods else []),
+                        env,
+                        ns.mem_limit_gb,
+                        ns.timeout,
+                    )
+                )
+                if hf:
+                    theirs.append(
+                        run_worker(
+                            ["--worker", "hf", "--hf-attn", ns.hf_attn, *common, *shape], env, ns.mem_limit_gb, ns.timeout
+                        )
+                    )
+            row = {"S": S, "topk": topk, "ours": summarize(ours), "hf": summarize(theirs) if hf else None}
+            row["modules"] = next((o["modules"] for o in ours if "modules" in o), None)
+            row["raw"] = {"ours": ours, "hf": theirs}
+            results.append(row)
+            print_row(row, flush=True)
+    print()
+    print_tables(results, ns)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"args": vars(ns), "results": results}, indent=1))
+    if tmp is not None:
+        tmp.cleanup()
+
+
+def _tok_s(s: dict, S: int) -> float | None:
+    return S / s["step_s"] if s and "step_s" in s else None
+
+
+def print_row(row: dict, flush: bool = False) -> None:
+    S, o, h = row["S"], row["ours"], row["hf"]
+    line = f"S={S:5d} topk={row['topk']:4d}  ours: "
+    line += f"{_tok_s(o, S):8.0f} tok/s {o['peak_gb']:.2f} GB" if "step_s" in o else o.get("error", "?")
+    if h is not None:
+        line += "  HF: " + (f"{_tok_s(h, S):8.0f} tok/s {h['peak_gb']:.2f} GB" if "step_s" in h else h.get("error", "?"))
+        if "step_s" in o and "step_s" in h:
+            line += f"  ratio {h['step_s'] / o['step_s']:.2f}x"
+    print(line, flush=flush)
+
+
+def print_tables(results: list[dict], ns: argparse.Namespace) -> None:
+    """Markdown tables, ready for docs/performance.md."""
+    hf_name = f"HF ({ns.hf_attn})"
+    print(f"| index_topk | S | ours tok/s | {hf_name} tok/s | ours / HF | ours step s | HF step s | ours peak GB | HF peak GB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        S, o, h = row["S"], row["ours"], row["hf"] or {"error": "skipped"}
+        ot, ht = _tok_s(o, S), _tok_s(h, S)
+        cells = [
+            str(row["topk"]),
+            str(S),
+            f"{ot:.0f}" if ot else o.get("error", "-"),
+            f"{ht:.0f}" if ht else h.get("error", "-"),
+            f"{ot / ht:.2f}x" if ot and ht else "-",
+            f"{o['step_s']:.3f}" if ot else "-",
+            f"{h['step_s']:.3f}" if ht else "-",
+            f"{o['peak_gb']:.2f}" if o.get("peak_gb") else "-",
+            f"{h['peak_gb']:.2f}" if h.get("peak_gb") and ht else (f">{h['peak_gb']:.1f}" if h.get("peak_gb") else "-"),
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print()
+    print("Our per-module time per training step (ms; forward / backward):")
+    print("| index_topk | S | indexer fwd | attention core fwd / bwd | MoE fwd / bwd | rest | step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        m = row.get("modules")
+        if not m:
+            continue
+        g = lambda k: m.get(k, 0.0) * 1e3  # noqa: E731
+        known = sum(v for k, v in m.items() if k != "step")
+        cells = [
+            str(row["topk"]),
+            str(row["S"]),
+            f"{g('indexer fwd'):.0f}",
+            f"{g('attention core fwd'):.0f} / {g('attention core bwd'):.0f}",
+            f"{g('moe fwd'):.0f} / {g('moe bwd'):.0f}",
+            f"{(m['step'] - known) * 1e3:.0f}",
+            f"{g('step'):.0f}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
