@@ -184,6 +184,25 @@ def test_bf16_model_gets_source_bits(src):
     np.testing.assert_array_equal(down, raw.T)
 
 
+def test_fp32_checkpoint_into_bf16_model_uses_paddle_rounding(src, tmp_path):
+    """An fp32 source into a bf16 model needs a rounding cast: Paddle's cast kernel does it."""
+    import paddle
+
+    cfg = _cfg(src)
+    model = SpecModel(cfg, "float32")
+    load_pretrained_state(model, src)
+    sd = model.state_dict()
+    key = "model.layers.1.self_attn.o_proj.weight"
+    nudged = sd[key].numpy() * np.float32(1 + 2**-8 + 2**-10)  # no longer bf16-representable
+    sd[key].set_value(nudged)
+    save_pretrained_state(model, cfg, tmp_path / "fp32", layout="fleet", dtype="float32")
+    bf = SpecModel(cfg, "bfloat16")
+    load_pretrained_state(bf, tmp_path / "fp32", dtype="bfloat16")
+    want = paddle.to_tensor(nudged).astype("bfloat16").numpy()
+    assert bf.state_dict()[key].numpy().tobytes() == want.tobytes()
+    assert not np.array_equal(want, (nudged.view(np.uint32) >> 16).astype(np.uint16))  # rounding, not truncation
+
+
 def test_paddle_load_state_dict_backend_agrees_and_leaves_source_alone(src):
     cfg = _cfg(src)
     before = _snapshot(src)

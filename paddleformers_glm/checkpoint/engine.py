@@ -15,6 +15,7 @@ statement, so one engine over a 744B model's 80k statements takes ~30 s, per lay
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -50,6 +51,8 @@ class Source(Protocol):
 
     def read(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> Any: ...
 
+    def read_numpy(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray | None: ...
+
 
 @dataclass
 class CheckpointSource:
@@ -67,9 +70,22 @@ class CheckpointSource:
         full = tuple(offset) == (0,) * len(offset) and tuple(shape) == info.shape
         index = None if full else tuple(slice(o, o + s) for o, s in zip(offset, shape))
         t = self.ckpt.paddle(key, index)
+        self._count(key, shape)
+        return t
+
+    def read_numpy(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray | None:
+        """Zero-copy view of the slice in the file map (bf16 as uint16); pages are read on access."""
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        self._count(key, shape)
+        return self.ckpt.numpy(key, index)
+
+    def done(self, key: str) -> None:
+        self.ckpt.file_of(key).release(key)
+
+    def _count(self, key: str, shape: Sequence[int]) -> None:
+        info = self.ckpt.info(key)
         itemsize = info.nbytes // info.numel if info.numel else 0
         self.bytes_read += int(np.prod(shape, dtype=np.int64)) * itemsize
-        return t
 
 
 @dataclass
@@ -91,6 +107,12 @@ class StateDictSource:
         axes = list(range(len(shape)))
         return paddle.slice(t, axes=axes, starts=list(offset), ends=[o + s for o, s in zip(offset, shape)])
 
+    def read_numpy(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray | None:
+        return None  # tensors may live on an accelerator: use Paddle ops
+
+    def done(self, key: str) -> None:
+        pass
+
 
 @dataclass
 class TargetSpec:
@@ -108,6 +130,149 @@ class TargetSpec:
         return (self.local_shape or self.global_shape, self.global_offset or (0,) * len(self.global_shape))
 
 
+_BLOCK_BYTES = 1 << 19  # transpose in source-row blocks of ~512 KiB: stays in cache on both sides
+
+
+def numpy_view(tensor: Any) -> np.ndarray | None:
+    """A writable numpy view of a contiguous CPU Paddle tensor (bf16 as uint16), else None."""
+    import paddle
+
+    try:
+        if not tensor.place.is_cpu_place() or (hasattr(tensor, "is_contiguous") and not tensor.is_contiguous()):
+            return None
+        name = dtype_name(tensor.dtype)
+        if name == "bfloat16":
+            return np.from_dlpack(tensor.view(paddle.int16)).view(np.uint16)
+        if name in ("float32", "float16", "float64"):
+            return np.from_dlpack(tensor)
+    except Exception:  # no DLPack for this tensor: use the generic path
+        return None
+    return None
+
+
+_EXACT_CASTS = {
+    ("bfloat16", "float32"),
+    ("bfloat16", "float64"),
+    ("float16", "float32"),
+    ("float16", "float64"),
+    ("float32", "float64"),
+}
+
+
+def _convert(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Exact (widening) casts in numpy; bf16 arrives as uint16 bits and widens by a bit shift."""
+    if src == dst:
+        return arr
+    if src == "bfloat16":
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float64 if dst == "float64" else np.float32, copy=False)
+
+
+def _to_paddle(arr: np.ndarray, dtype: str) -> Any:
+    import paddle
+
+    t = paddle.to_tensor(np.ascontiguousarray(arr), place=paddle.CPUPlace())
+    return t if dtype_name(t.dtype) == dtype else t.view(dtype)
+
+
+def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str] | None, dst: np.ndarray) -> bool:
+    """Apply one engine entry (transposes then casts, in the engine's order) from a numpy source
+    into a numpy destination region; False if it needs Paddle (a rounding cast, an odd list).
+
+    Same result as ``assign_sharded_slice``; 2-D transposes go block by block so a large matrix is
+    not walked column-wise through memory (Paddle's strided assign is ~5x slower here).
+    """
+    perm: list[int] = list(range(src.ndim))
+    dtype = src_dtype
+    for pp in postprocess or []:
+        if str(pp).startswith("["):
+            if dtype != src_dtype:
+                return False  # transpose after a cast: keep the engine's exact order via Paddle
+            p = [int(x) for x in str(pp).strip("[]").split(",") if x.strip()]
+            perm = [perm[i] for i in p]
+        else:
+            dtype = str(pp)
+    if dtype != src_dtype and (src_dtype, dtype) not in _EXACT_CASTS:
+        return False
+    if tuple(src.shape[i] for i in perm) != dst.shape:
+        return False
+    widen_bf16 = src_dtype == "bfloat16" and dtype == "float32" and dst.dtype == np.float32
+    out = dst.view(np.uint32) if widen_bf16 else dst  # bf16 -> fp32: copy the bits wide, shift once
+
+    def conv(a: np.ndarray) -> np.ndarray:
+        return a if widen_bf16 else _convert(a, src_dtype, dtype)
+
+    if src.ndim == 2 and perm == [1, 0]:
+        rows = max(1, _BLOCK_BYTES // max(1, src.shape[1] * src.itemsize))
+        for r0 in range(0, src.shape[0], rows):
+            out[:, r0 : r0 + rows] = conv(src[r0 : r0 + rows]).T
+    else:
+        out[...] = conv(np.transpose(src, perm))
+    if widen_bf16:
+        out <<= 16
+    return True
+
+
+def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict, cache: dict | None):
+    """A function target-desc -> engine mapping entries for one group, from Paddle's AOAEngine.
+
+    With ``cache``, the engine built for the first layer of a given *shape* (program and metadata
+    with the layer number blanked out) serves every later layer of that shape, its entries renamed.
+    """
+    from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
+
+    layer = group[0].layer
+
+    def build(stmts_: list[str], src_: dict, dst_: dict) -> Any:
+        try:
+            return AOAEngine({"aoa_statements": stmts_, "enable_traceback": False}, src_, dst_)
+        except Exception as e:  # engine errors are asserts/KeyErrors without context
+            raise CheckpointError(
+                f"AOA engine rejected the program for {group[0].name}..{group[-1].name}: {type(e).__name__}: {e}"
+            ) from e
+
+    if cache is None or layer is None or any(u.layer != layer for u in group):
+        engine = build(stmts, src_info, dst_info)
+        return engine.find_shard_sources
+    mine = f"model.layers.{layer}."
+
+    def blank(text: str) -> str:
+        return text.replace(mine, "model.layers.@.")
+
+    def meta(info: dict) -> tuple:
+        return tuple(
+            sorted(
+                (blank(k), tuple((d.local_shape, d.global_shape, d.global_offset, d.dtype) for d in v))
+                for k, v in info.items()
+            )
+        )
+
+    sig = (tuple(blank(x) for x in stmts), meta(src_info), meta(dst_info))
+    if sig not in cache:
+        cache[sig] = (layer, build(stmts, src_info, dst_info), {})
+    tmpl_layer, engine, memo = cache[sig]
+    theirs = f"model.layers.{tmpl_layer}."
+
+    def rename(desc: Any, old: str, new: str) -> Any:
+        return dataclasses.replace(desc, key=new + desc.key[len(old) :]) if desc.key.startswith(old) else desc
+
+    def plan(desc: Any) -> list[Any]:
+        t_desc = rename(desc, mine, theirs)
+        key = (t_desc.key, t_desc.local_shape, t_desc.global_offset)
+        if key not in memo:
+            memo[key] = engine.find_shard_sources(t_desc)
+        if tmpl_layer == layer:
+            return memo[key]
+        return [
+            dataclasses.replace(
+                m, target_slice=rename(m.target_slice, theirs, mine), source_slice=rename(m.source_slice, theirs, mine)
+            )
+            for m in memo[key]
+        ]
+
+    return plan
+
+
 def group_units(units: Iterable[MappingUnit]) -> list[list[MappingUnit]]:
     """Units grouped by layer (global units first), the granularity one engine runs at."""
     groups: dict[int, list[MappingUnit]] = defaultdict(list)
@@ -123,6 +288,7 @@ def run_units(
     targets: Mapping[str, TargetSpec],
     produce: Iterable[str] | None = None,
     trace: dict[str, dict[str, Any]] | None = None,
+    plan_cache: bool = True,
 ) -> Iterator[tuple[str, Any]]:
     """Run the units' AOA program on Paddle's engine; yields ``(target key, tensor)`` one at a time.
 
@@ -132,14 +298,18 @@ def run_units(
     local shape is made. Every element of every target must be written by some engine entry,
     else :class:`CheckpointError` names the target. ``trace``, when given, receives per target the
     source keys the engine used and whether it transposed or cast (for classifying differences).
+
+    ``plan_cache``: layers with the same program, shapes and dtypes up to their layer number (all
+    MoE layers of one indexer kind, say) get the engine's plan once, renamed per layer; the engine
+    spends ~0.1 s per statement-heavy layer on parsing, which would dominate a small model's load.
     """
     import paddle
-    from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight, ShardedWeightDesc
     from paddle.distributed.flex_checkpoint.dcp.utils import assign_sharded_slice
 
     quiet_paddle_logs()
     produce = set(targets) if produce is None else set(produce)
+    plans: dict[Any, Any] = {}
     for group in group_units(units):
         wanted = [k for u in group for k in u.targets(direction) if k in produce]
         if not wanted:
@@ -160,17 +330,11 @@ def run_units(
                 shards = t.all_shards or [t.local()]
                 dst_info[k] = [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in shards]
         stmts = build_statements(group, direction, {k: d for k, (_, d) in src_meta.items()}, dst_dtypes)
-        try:
-            engine = AOAEngine({"aoa_statements": stmts, "enable_traceback": False}, src_info, dst_info)
-        except Exception as e:  # engine errors are asserts/KeyErrors without context
-            raise CheckpointError(
-                f"AOA engine rejected the program for {group[0].name}..{group[-1].name}: {type(e).__name__}: {e}"
-            ) from e
+        planner = _planner_for(group, stmts, src_info, dst_info, plans if plan_cache else None)
         for key in wanted:
             t = targets[key]
             local_shape, offset = t.local()
-            desc = ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype)
-            mappings = engine.find_shard_sources(desc)
+            mappings = planner(ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype))
             out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype)
             dst = ShardedWeight(
                 key=key, local_tensor=out, local_shape=local_shape, global_shape=t.global_shape, global_offset=offset
@@ -183,6 +347,7 @@ def run_units(
                     "transposed": any(str(p).startswith("[") for p in pp),
                     "cast": any(not str(p).startswith("[") for p in pp),
                 }
+            out_np = numpy_view(out)
             for m in mappings:
                 s = m.source_slice
                 if s.dtype != t.dtype and not (m.postprocess_list and t.dtype in m.postprocess_list):
@@ -192,7 +357,21 @@ def run_units(
                         expected=t.dtype,
                         actual=f"{s.key}: {s.dtype}",
                     )
-                piece = source.read(s.key, s.global_offset, s.local_shape)
+                covered += math.prod(m.target_slice.local_shape)
+                src_np = source.read_numpy(s.key, s.global_offset, s.local_shape)
+                if src_np is not None and out_np is not None:
+                    region = tuple(
+                        slice(g - o, g - o + n)
+                        for g, o, n in zip(m.target_slice.global_offset, offset, m.target_slice.local_shape)
+                    )
+                    if apply_entry_numpy(src_np, s.dtype, m.postprocess_list, out_np[region]):
+                        continue
+                # generic path: Paddle's own slice / transpose / cast / assign
+                if src_np is not None:
+                    piece = _to_paddle(src_np, s.dtype)
+                else:
+                    piece = source.read(s.key, s.global_offset, s.local_shape)
+                del src_np
                 src = ShardedWeight(
                     key=s.key,
                     local_tensor=piece,
@@ -201,8 +380,9 @@ def run_units(
                     global_offset=s.global_offset,
                 )
                 assign_sharded_slice(s, src, m.target_slice, dst, m.postprocess_list)
-                covered += math.prod(m.target_slice.local_shape)
                 del piece, src
+            for k in {m.source_slice.key for m in mappings}:
+                source.done(k)
             if covered != math.prod(local_shape):
                 raise CheckpointError(
                     "AOA mapping does not cover the whole target",

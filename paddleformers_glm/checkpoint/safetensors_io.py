@@ -293,6 +293,23 @@ class SafetensorsFile:
             arr = np.frombuffer(self._map(), dtype=np_dtype, count=info.numel, offset=info.begin).reshape(info.shape)
         return arr[index] if index is not None else arr
 
+    def release(self, key: str) -> None:
+        """Drop this tensor's pages from the process (they stay in the page cache).
+
+        File-backed pages a process has touched count in its RSS for as long as the map lives;
+        after a tensor is copied out, this keeps a whole-checkpoint read from looking (and being
+        accounted) like a second copy of the model.
+        """
+        info = self.tensors[key]
+        if self._mm is None or info.nbytes == 0 or not hasattr(self._mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = (info.begin // page) * page
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, min(info.end, len(self._mm)) - start)
+        except (OSError, ValueError):  # advisory only
+            pass
+
     def close(self) -> None:
         if self._mm is not None:
             try:
@@ -525,6 +542,8 @@ class Checkpoint:
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
         t = paddle.to_tensor(arr, place=paddle.CPUPlace())
+        del arr
+        self.file_of(key).release(key)
         want = st_to_paddle_dtype(self.info(key).dtype)
         if str(t.dtype).replace("paddle.", "") != want:  # uint16 numpy arrives as bfloat16 already
             t = t.view(want) if hasattr(t, "view") else t.astype(want)

@@ -166,6 +166,7 @@ def _open_side(path: str) -> _Side:
                 side.layout = "unknown"
         for k, info in side.ckpt.tensors.items():
             side.hashes[k] = tensor_hash(info.dtype, info.shape, side.ckpt.raw(k))
+            side.ckpt.file_of(k).release(k)
     except (CheckpointError, OSError, ValueError) as e:
         side.error = str(e)
     return side
