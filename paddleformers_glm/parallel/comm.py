@@ -350,7 +350,9 @@ def send_tensors(tensors: Sequence[paddle.Tensor], dst: int, group: Any) -> None
     """Send a tuple of tensors to global rank ``dst``: one int64 header (dtypes, shapes, needs-grad), then data.
 
     Blocking: with gloo a send waits for the matching recv, so both sides must agree on order
-    (pipeline.py's schedules are built for that).
+    (pipeline.py's schedules are built for that).  On gloo use a 2-rank ``group`` (or one in which
+    every member takes part in every operation): Paddle's gloo group tags p2p messages with a
+    per-group counter, so traffic between two members of a larger group desynchronises the rest.
     """
     header = [_MAGIC, len(tensors)]
     for t in tensors:

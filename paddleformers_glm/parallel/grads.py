@@ -50,27 +50,39 @@ class GradSynchronizer:
 
     # ---------------------------------------------------------------- setup
     def _pp_holders(self, names: list[str]) -> dict[str, tuple[int, ...]]:
+        """name -> stages holding it, for names on more than one stage (same answer on every stage)."""
         topo = self.topo
+        self.shared_numel: dict[str, int] = {}
         if topo.pp_size == 1:
             return {}
-        per_stage: list[list[str]] = []
-        dist.all_gather_object(per_stage, names, group=topo.pp_group)
+        mine = [(n, int(p.size)) for n, p in self.params]
+        per_stage: list[list[tuple[str, int]]] = []
+        dist.all_gather_object(per_stage, mine, group=topo.pp_group)
         where: dict[str, list[int]] = {}
         for stage, lst in enumerate(per_stage):
-            for n in lst:
+            for n, numel in lst:
                 where.setdefault(n, []).append(stage)
-        return {n: tuple(s) for n, s in where.items() if len(s) > 1 and topo.stage in s}
+                self.shared_numel[n] = numel
+        return {n: tuple(s) for n, s in where.items() if len(s) > 1}
+
+    def _set_group(self, stages: tuple[int, ...]) -> tuple[object, bool]:
+        """(group, holders_only): the group over exactly ``stages`` if it exists, else the whole column."""
+        if self.topo.has_stage_group(stages):
+            return self.topo.stage_group(stages), True
+        return self.topo.pp_group, False
 
     def sync_shared_parameters(self) -> None:
         """Make pipeline-shared parameters equal to the first holder's values (call after loading)."""
-        by_set = self._by_holder_set()
         params = dict(self.params)
-        for stages, names in by_set:
-            vals = [params[n] for n in names]
-            flat = paddle.concat([v.detach().astype("float32").reshape([-1]) for v in vals])
-            flat = self._chain(flat, stages, reduce=False)
-            for v, part in zip(vals, self._split(flat, vals)):
-                v.set_value(part.reshape(v.shape).astype(v.dtype))
+        for stages, names in self._by_holder_set():
+            group, holders_only = self._set_group(stages)
+            if holders_only and self.topo.stage not in stages:
+                continue
+            flat = self._flat([params[n].detach().astype("float32") if n in params else None for n in names], names)
+            comm.broadcast(flat, self.topo.stage_ranks[stages[0]], group)
+            if self.topo.stage in stages:
+                for n, part in zip(names, self._split_sizes(flat, names)):
+                    params[n].set_value(part.reshape(params[n].shape).astype(params[n].dtype))
 
     # ---------------------------------------------------------------- per step
     def main_grads(self) -> tuple[dict[str, paddle.Tensor], dict[str, bool]]:
@@ -87,13 +99,22 @@ class GradSynchronizer:
             self._reduce([n for n, _ in self.params if specs[n].sequence_parallel], grads, flags, topo.tp_group)
         self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.dp_group)
         self._reduce([n for n, _ in self.params if specs[n].expert], grads, flags, topo.edp_group)
-        for stages, names in self._by_holder_set():
-            vals = [grads[n] for n in names] + [flags[n] for n in names]
-            flat = self._chain(paddle.concat([v.reshape([-1]) for v in vals]), stages, reduce=True)
-            parts = self._split(flat, vals)
-            for i, n in enumerate(names):
-                grads[n] = parts[i].reshape(grads[n].shape)
-                flags[n] = parts[len(names) + i]
+        for stages, names in self._by_holder_set():  # pipeline-shared tensors: sum over the holder stages
+            group, holders_only = self._set_group(stages)
+            if holders_only and topo.stage not in stages:
+                continue
+            mine = topo.stage in stages
+            flat = self._flat(
+                [grads[n] if mine else None for n in names] + [flags[n] if mine else None for n in names],
+                names + names,
+                flags_from=len(names),
+            )
+            flat = comm.all_reduce(flat, group)
+            if mine:
+                parts = self._split_sizes(flat, names + names, flags_from=len(names))
+                for i, n in enumerate(names):
+                    grads[n] = parts[i].reshape(grads[n].shape)
+                    flags[n] = parts[len(names) + i]
         return grads, {n: bool(float(flags[n].numpy()[0]) > 0) for n in grads}
 
     def global_norm(self, grads: dict[str, paddle.Tensor]) -> float:
@@ -126,9 +147,8 @@ class GradSynchronizer:
 
     def _by_holder_set(self) -> list[tuple[tuple[int, ...], list[str]]]:
         sets: dict[tuple[int, ...], list[str]] = {}
-        for n, _ in self.params:
-            if n in self.holders:
-                sets.setdefault(self.holders[n], []).append(n)
+        for n in sorted(self.holders):
+            sets.setdefault(self.holders[n], []).append(n)
         return sorted(sets.items())
 
     @staticmethod
@@ -147,21 +167,20 @@ class GradSynchronizer:
                 grads[n] = parts[i].reshape(grads[n].shape)
                 flags[n] = parts[len(bucket) + i]
 
-    def _chain(self, flat: paddle.Tensor, stages: tuple[int, ...], reduce: bool) -> paddle.Tensor:
-        """Sum (``reduce``) or take the first holder's value, over the holder stages, in stage order."""
-        topo, group = self.topo, self.topo.pp_group
-        me = stages.index(topo.stage)
-        rank_of = topo.stage_ranks
-        acc = flat
-        if me > 0:  # receive the running sum (or value) from the previous holder
-            got = comm.recv_tensors(rank_of[stages[me - 1]], group)[0]
-            acc = got + flat if reduce else got
-        if me < len(stages) - 1:
-            comm.send_tensors([acc], rank_of[stages[me + 1]], group)
-            acc = comm.recv_tensors(rank_of[stages[me + 1]], group)[0]  # the final value comes back down
-        if me > 0:
-            comm.send_tensors([acc], rank_of[stages[me - 1]], group)
-        return acc
+    def _numel(self, name: str, flag: bool) -> int:
+        return 1 if flag else self.shared_numel[name]
+
+    def _flat(self, tensors: list, names: list[str], flags_from: int | None = None) -> paddle.Tensor:
+        """Concatenate (zeros where this stage does not hold the tensor: it still joins the all-reduce)."""
+        parts = []
+        for i, (t, n) in enumerate(zip(tensors, names)):
+            flag = flags_from is not None and i >= flags_from
+            parts.append(t.reshape([-1]) if t is not None else paddle.zeros([self._numel(n, flag)], dtype="float32"))
+        return paddle.concat(parts)
+
+    def _split_sizes(self, flat: paddle.Tensor, names: list[str], flags_from: int | None = None) -> list[paddle.Tensor]:
+        sizes = [self._numel(n, flags_from is not None and i >= flags_from) for i, n in enumerate(names)]
+        return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
 
 
 def _buckets(names: list[str], grads: dict) -> Iterable[list[str]]:

@@ -437,7 +437,8 @@ class PipelineEngine:
         (sums in float64, of the terms produced on this stage)."""
         topo, n = self.topo, len(micro_batches)
         first, last = topo.is_first_stage, topo.is_last_stage
-        group = topo.pp_group
+        prev_g = topo.p2p_group(topo.stage - 1) if not first else None
+        next_g = topo.p2p_group(topo.stage + 1) if not last else None
         prev_r, next_r = topo.prev_stage_rank, topo.next_stage_rank
         inputs: dict[int, tuple[paddle.Tensor, ...]] = {}
         carries: dict[int, tuple[paddle.Tensor, ...]] = {}
@@ -448,7 +449,7 @@ class PipelineEngine:
         counts: dict[str, int] = {}
         for op, j in build_schedule(self.schedule, topo.pp_size, topo.stage, n):
             if op == "recv_fwd":
-                inputs[j] = tuple(comm.recv_tensors(prev_r, group))
+                inputs[j] = tuple(comm.recv_tensors(prev_r, prev_g))
             elif op == "fwd":
                 out = _normalise_output(self.module(None if first else inputs[j], micro_batches[j]), last, topo.stage)
                 objective = None
@@ -467,9 +468,9 @@ class PipelineEngine:
                 if not last:
                     carries[j] = out.carry
             elif op == "send_fwd":
-                comm.send_tensors(carries[j], next_r, group)
+                comm.send_tensors(carries[j], next_r, next_g)
             elif op == "recv_bwd":
-                grads_in[j] = comm.recv_tensors(next_r, group)
+                grads_in[j] = comm.recv_tensors(next_r, next_g)
             elif op == "bwd":
                 roots, root_grads = [], []
                 objective = objectives.pop(j)
@@ -495,5 +496,5 @@ class PipelineEngine:
                         if not t.stop_gradient
                     ]
             elif op == "send_bwd":
-                comm.send_tensors(grads_out.pop(j), prev_r, group)
+                comm.send_tensors(grads_out.pop(j), prev_r, prev_g)
         return {k: (float(sums[k].numpy()), counts[k]) for k in sums}

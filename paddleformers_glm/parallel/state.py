@@ -16,7 +16,6 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 
-from . import comm
 from .layers import get_shard_spec, local_slice, merge_slices
 from .topology import Topology, get_topology
 
@@ -61,27 +60,29 @@ def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 
             mine[name] = full
     if topo.world_size == 1:
         return mine
+    # Collectives over the world only: gloo p2p between two members of a larger group is unsafe
+    # (per-group message tags), and every rank must join each broadcast in the same order.
+    import paddle.distributed as dist
+
+    listing: list[list[tuple[str, list[int], str]]] = []
+    dist.all_gather_object(listing, [(n, list(a.shape), str(a.dtype)) for n, a in mine.items()])
     out: dict[str, np.ndarray] | None = dict(mine) if topo.rank == dst else None
-    for src in range(topo.world_size):
+    for src, entries in enumerate(listing):
         if src == dst:
             continue
-        if topo.rank == src:
-            names = list(mine)
-            comm.send_object(names, dst)
-            for n in names:
-                comm.send_tensors([paddle.to_tensor(mine[n])], dst, None)
-        elif topo.rank == dst:
-            names = comm.recv_object(src)
-            for n in names:
-                arr = comm.recv_tensors(src, None)[0].numpy()
-                if n not in out:
-                    out[n] = arr
-                elif out[n].shape != arr.shape or not np.array_equal(out[n], arr):
-                    raise RuntimeError(
-                        f"gather_full_state: {n!r} differs between ranks (replicas out of sync: "
-                        f"shapes {out[n].shape} vs {arr.shape}, max diff "
-                        f"{float(np.max(np.abs(out[n] - arr))) if out[n].shape == arr.shape else 'n/a'})"
-                    )
+        for n, shape, dtype in entries:
+            t = paddle.to_tensor(mine[n]) if topo.rank == src else paddle.zeros(shape, dtype=dtype)
+            dist.broadcast(t, src=src)
+            if out is None:
+                continue
+            arr = t.numpy()
+            if n not in out:
+                out[n] = arr
+            elif out[n].shape != arr.shape or not np.array_equal(out[n], arr):
+                diff = float(np.max(np.abs(out[n] - arr))) if out[n].shape == arr.shape else "n/a"
+                raise RuntimeError(
+                    f"gather_full_state: {n!r} differs between ranks (replicas out of sync; max diff {diff})"
+                )
     return out
 
 

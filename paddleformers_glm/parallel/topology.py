@@ -170,6 +170,30 @@ class Topology:
         # global rank of every pipeline stage at this process's (dp, tp) coordinate
         self.stage_ranks = list(stage_ranks) if stage_ranks is not None else [rank]
         self.hcg = hcg
+        self._stage_groups: dict[tuple[int, ...], Any] = {}  # groups over subsets of my pipeline column
+        self._stage_sets: set[tuple[int, ...]] = set()  # which subsets have a group (in every column)
+
+    def stage_group(self, stages: tuple[int, ...]) -> Any:
+        """A group of exactly the stages ``stages`` of this column, if one was created (else None).
+
+        Created at init: on gloo every adjacent pair (p2p must run on 2-rank groups: gloo tags
+        point-to-point messages with a per-group counter, so p2p between two members of a larger
+        group desynchronises), and (first, last) for the tensors both ends hold (embedding + MTP).
+        """
+        stages = tuple(sorted(stages))
+        if len(stages) == self.pc.pp:
+            return self.pp_group
+        return self._stage_groups.get(stages)
+
+    def has_stage_group(self, stages: tuple[int, ...]) -> bool:
+        """Whether a group over exactly ``stages`` exists in every column (same answer on every rank)."""
+        stages = tuple(sorted(stages))
+        return len(stages) == self.pc.pp or stages in self._stage_sets
+
+    def p2p_group(self, peer_stage: int) -> Any:
+        """Group for send/recv with ``peer_stage`` (an adjacent stage)."""
+        g = self.stage_group((self.stage, peer_stage))
+        return g if g is not None else self.pp_group
 
     # ---------------------------------------------------------------- sizes / ranks / groups
     @property
@@ -374,6 +398,21 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
                 created[r] = g
             if rank in r:
                 groups[kind] = g
+    # Sub-groups of pipeline columns (see Topology.stage_group); every rank creates all, in order.
+    stage_sets: list[tuple[int, ...]] = []
+    if pc.pp > 2:
+        if backend == "gloo":
+            stage_sets += [(p, p + 1) for p in range(pc.pp - 1)]
+        stage_sets.append((0, pc.pp - 1))
+    stage_groups: dict[tuple[int, ...], Any] = {}
+    for d in range(pc.dp):
+        for t in range(pc.tp):
+            for ss in stage_sets:
+                members = [ftopo.get_rank(**me._replace(pipe=p, data=d, model=t)._asdict()) for p in ss]
+                g = dist.new_group(members)
+                if rank in members:
+                    stage_groups[ss] = g
     topo = Topology(pc, rank=rank, backend=backend, groups=groups, ranks=ranks, stage_ranks=stage_ranks, hcg=hcg)
+    topo._stage_groups, topo._stage_sets = stage_groups, set(stage_sets)
     set_topology(topo)
     return topo

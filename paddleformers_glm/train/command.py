@@ -119,16 +119,32 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
+    from ..parallel.pipeline import split_stages
     from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from .adapter import make_adapter
     from .launch import LaunchError, launch_workers
 
-    try:
+    try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
         world = cfg.tp * cfg.pp * (cfg.dp or 1)
-        ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+        pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+        adapter = make_adapter(cfg.model, **cfg.model_args)
+        pc.validate(world, **adapter.parallel_sizes())
+        split_stages(
+            adapter.num_layers,
+            pc.pp,
+            first_stage_layers=cfg.first_stage_layers,
+            last_stage_layers=cfg.last_stage_layers,
+            layout=cfg.pp_layout,
+            has_mtp=adapter.has_mtp,
+        )
+        if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
+            raise ParallelConfigError(
+                f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
+            )
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(cfg.out, exist_ok=True)
@@ -137,7 +153,7 @@ def run_train(args: argparse.Namespace) -> int:
         from .loop import run_training
 
         try:
-            run_training(cfg)
+            run_training(cfg, adapter)
         except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
             print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 1

@@ -113,7 +113,7 @@ def diagnose(log_dir: str, world_local: list[int]) -> tuple[int | None, str]:
         if comm_ranks:
             others = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer"
         return r, (
-            f"rank {r} died without a Python error (killed by a signal or the OS, e.g. out of memory){others}. "
+            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory){others}. "
             f"Last lines of {os.path.join(log_dir, f'workerlog.{r}')}:\n{tail}"
         )
     if errors:

@@ -1,0 +1,364 @@
+"""Run under ``python -m paddle.distributed.launch --nproc_per_node 2``: checks every collective,
+autograd pair, parallel layer, the expert dispatcher (EP, ETP, replicated tokens) and the
+full-state gather/shard against single-process references.  Writes {check: max abs diff} (and a
+few exact flags) from rank 0 to the JSON path given as argv[1]."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from paddleformers_glm.parallel import comm
+from paddleformers_glm.parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
+from paddleformers_glm.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    local_slice,
+    parallel_cross_entropy,
+)
+from paddleformers_glm.parallel.state import gather_full_state, shard_full_state
+from paddleformers_glm.parallel.topology import ParallelConfig, Topology, init_topology, topology_override
+
+topo = init_topology(ParallelConfig(tp=2))
+R, G = topo.tp_rank, topo.tp_group
+N = 2
+res: dict[str, float] = {}
+
+
+def md(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def T(a, grad: bool = False) -> paddle.Tensor:
+    t = paddle.to_tensor(np.asarray(a))
+    t.stop_gradient = not grad
+    return t
+
+
+rng = np.random.default_rng(0)  # same stream on both ranks
+X = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(N)]  # X[r] is rank r's tensor
+
+# ---------------------------------------------------------------- raw collectives
+res["all_reduce"] = md(comm.all_reduce(T(X[R]), G).numpy(), X[0] + X[1])
+res["all_reduce_max"] = md(comm.all_reduce(T(X[R]), G, op="max").numpy(), np.maximum(X[0], X[1]))
+res["all_gather_axis0"] = md(comm.all_gather(T(X[R]), G, 0).numpy(), np.concatenate(X, 0))
+res["all_gather_axis1"] = md(comm.all_gather(T(X[R]), G, 1).numpy(), np.concatenate(X, 1))
+res["reduce_scatter_axis1"] = md(comm.reduce_scatter(T(X[R]), G, 1).numpy(), np.split(X[0] + X[1], 2, 1)[R])
+res["split_take"] = md(comm.split_take(T(X[0]), G, 1).numpy(), np.split(X[0], 2, 1)[R])
+# uneven all-to-all: rank s sends send[s][d] rows to d
+send = [[1, 2], [3, 0]]
+rows = [rng.standard_normal((sum(send[s]), 2)).astype(np.float32) for s in range(N)]
+counts = comm.exchange_counts(send[R], G)
+res["exchange_counts"] = 0.0 if counts == send else 1.0
+got = comm.all_to_all_single(T(rows[R]), counts, G).numpy()
+exp = np.concatenate([rows[s][sum(send[s][:R]) : sum(send[s][: R + 1])] for s in range(N)], 0)
+res["all_to_all_uneven"] = md(got, exp)
+back = comm.all_to_all_single(T(got), counts, G, reverse=True).numpy()
+res["all_to_all_roundtrip"] = md(back, rows[R])
+# tensor tuple p2p: float needing grad, int64 top-k, an empty placeholder, a bool mask
+tup = [
+    rng.standard_normal((2, 3)).astype(np.float32),
+    rng.integers(0, 9, (2, 3, 4)),
+    np.zeros((2, 3, 0), np.int64),
+    rng.random((2, 3)) > 0.5,
+]
+if R == 0:
+    comm.send_tensors([T(tup[0], grad=True), T(tup[1]), T(tup[2]), T(tup[3])], 1, None)
+    comm.send_object({"hello": [1, 2.5]}, 1)
+else:
+    got = comm.recv_tensors(0, None)
+    ok = [md(g.numpy(), t) == 0 and list(g.shape) == list(t.shape) for g, t in zip(got, tup)]
+    ok += [
+        not got[0].stop_gradient,
+        got[1].stop_gradient,
+        str(got[1].dtype) == "paddle.int64",
+        str(got[3].dtype) == "paddle.bool",
+    ]
+    obj = comm.recv_object(0)
+    ok.append(obj == {"hello": [1, 2.5]})
+    comm.send_object(all(ok), 0)
+res["p2p_tuple"] = 0.0 if (R == 1 or comm.recv_object(1)) else 1.0
+
+# ---------------------------------------------------------------- autograd pairs
+W = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(N)]  # per-rank loss weights
+
+
+def grad_of(fn, x_np):
+    x = T(x_np, grad=True)
+    y = fn(x)
+    (y * T(W[R][tuple(slice(0, s) for s in y.shape)])).sum().backward()
+    return y.numpy(), x.grad.numpy()
+
+
+y, g = grad_of(lambda x: comm.copy_to_tp(x, G), X[0])
+res["copy_to_tp_fwd"], res["copy_to_tp_bwd"] = md(y, X[0]), md(g, W[0] + W[1])
+y, g = grad_of(lambda x: comm.reduce_from_tp(x, G), X[R])
+res["reduce_from_tp_fwd"], res["reduce_from_tp_bwd"] = md(y, X[0] + X[1]), md(g, W[R])
+y, g = grad_of(lambda x: comm.scatter_to_tp(x, -1, G), X[0])
+w_full = np.concatenate([W[s][:, :2] for s in range(N)], 1)  # each rank's grad lands in its slice
+res["scatter_to_tp_fwd"], res["scatter_to_tp_bwd"] = md(y, np.split(X[0], 2, 1)[R]), md(g, w_full)
+y, g = grad_of(lambda x: comm.gather_from_tp(x, -1, G), X[R][:, :2])
+res["gather_from_tp_fwd"], res["gather_from_tp_bwd"] = (
+    md(y, np.concatenate([X[s][:, :2] for s in range(N)], 1)),
+    md(g, W[R][:, 2 * R : 2 * R + 2]),
+)
+x3 = [rng.standard_normal((1, 2, 4)).astype(np.float32) for _ in range(N)]  # [B, S/tp, H]
+w3 = [rng.standard_normal((1, 4, 4)).astype(np.float32) for _ in range(N)]
+for mode in ("reduce_scatter", "split"):
+    x = T(x3[R], grad=True)
+    y = comm.gather_from_sp(x, group=G, grad=mode)
+    (y * T(w3[R])).sum().backward()
+    exp_g = (w3[0] + w3[1])[:, 2 * R : 2 * R + 2] if mode == "reduce_scatter" else w3[R][:, 2 * R : 2 * R + 2]
+    res[f"gather_from_sp_{mode}_fwd"] = md(y.numpy(), np.concatenate(x3, 1))
+    res[f"gather_from_sp_{mode}_bwd"] = md(x.grad.numpy(), exp_g)
+x = T(w3[R], grad=True)
+y = comm.reduce_scatter_to_sp(x, group=G)
+(y * T(x3[R])).sum().backward()
+res["reduce_scatter_to_sp_fwd"] = md(y.numpy(), (w3[0] + w3[1])[:, 2 * R : 2 * R + 2])
+res["reduce_scatter_to_sp_bwd"] = md(x.grad.numpy(), np.concatenate(x3, 1))
+sizes = [3, 1]
+v = [rng.standard_normal((sizes[s], 2)).astype(np.float32) for s in range(N)]
+wv = [rng.standard_normal((4, 2)).astype(np.float32) for _ in range(N)]
+x = T(v[R], grad=True)
+y = comm.all_gather_varlen(x, sizes, G)
+(y * T(wv[R])).sum().backward()
+res["all_gather_varlen_fwd"] = md(y.numpy(), np.concatenate(v, 0))
+res["all_gather_varlen_bwd"] = md(x.grad.numpy(), (wv[0] + wv[1])[sum(sizes[:R]) : sum(sizes[: R + 1])])
+x = T(wv[R], grad=True)
+y = comm.reduce_scatter_varlen(x, sizes, G)
+(y * T(v[R])).sum().backward()
+res["reduce_scatter_varlen_fwd"] = md(y.numpy(), (wv[0] + wv[1])[sum(sizes[:R]) : sum(sizes[: R + 1])])
+res["reduce_scatter_varlen_bwd"] = md(x.grad.numpy(), np.concatenate(v, 0))
+
+# ---------------------------------------------------------------- layers vs single process
+B, S, H, FF, V = 2, 4, 8, 12, 16
+x_np = rng.standard_normal((B, S, H)).astype(np.float32)
+W1, b1 = rng.standard_normal((H, FF)).astype(np.float32) * 0.3, rng.standard_normal(FF).astype(np.float32) * 0.1
+W2, b2 = rng.standard_normal((FF, H)).astype(np.float32) * 0.3, rng.standard_normal(H).astype(np.float32) * 0.1
+E_np, Wout = rng.standard_normal((V, H)).astype(np.float32), rng.standard_normal((H, V)).astype(np.float32) * 0.3
+ids_np = rng.integers(0, V, (B, S))
+lbl_np = rng.integers(0, V, (B, S))
+lbl_np[0, 1] = -100
+gy = rng.standard_normal((B, S, H)).astype(np.float32)
+
+
+def ref_mlp():
+    x, w1, bb1, w2, bb2 = (T(a, grad=True) for a in (x_np, W1, b1, W2, b2))
+    y = F.linear(F.gelu(F.linear(x, w1, bb1)), w2, bb2)
+    (y * T(gy)).sum().backward()
+    return y.numpy(), x.grad.numpy(), w1.grad.numpy(), bb1.grad.numpy(), w2.grad.numpy(), bb2.grad.numpy()
+
+
+ry, rgx, rg1, rgb1, rg2, rgb2 = ref_mlp()
+for sp in (False, True):
+    col = ColumnParallelLinear(H, FF, has_bias=True, sequence_parallel=sp)
+    row = RowParallelLinear(FF, H, has_bias=True, input_is_parallel=True, sequence_parallel=sp)
+    col.weight.set_value(local_slice(W1, col.weight.shard_spec, R, N))
+    col.bias.set_value(local_slice(b1, col.bias.shard_spec, R, N))
+    row.weight.set_value(local_slice(W2, row.weight.shard_spec, R, N))
+    row.bias.set_value(b2)
+    xin = np.split(x_np, N, 1)[R] if sp else x_np
+    x = T(xin, grad=True)
+    y = row(F.gelu(col(x)))
+    (y * T(np.split(gy, N, 1)[R] if sp else gy)).sum().backward()
+    tag = "sp" if sp else "tp"
+    res[f"mlp_{tag}_fwd"] = md(y.numpy(), np.split(ry, N, 1)[R] if sp else ry)
+    res[f"mlp_{tag}_dx"] = md(x.grad.numpy(), np.split(rgx, N, 1)[R] if sp else rgx)
+    res[f"mlp_{tag}_dW1"] = md(col.weight.grad.numpy(), np.split(rg1, N, 1)[R])
+    res[f"mlp_{tag}_db1"] = md(col.bias.grad.numpy(), np.split(rgb1, N)[R])
+    res[f"mlp_{tag}_dW2"] = md(row.weight.grad.numpy(), np.split(rg2, N, 0)[R])
+    # under SP the row bias grad is partial: summed over TP by the trainer (ShardSpec.sequence_parallel)
+    gb2 = comm.all_reduce(row.bias.grad, G).numpy() if sp else row.bias.grad.numpy()
+    res[f"mlp_{tag}_db2"] = md(gb2, rgb2)
+    res[f"mlp_{tag}_row_bias_marked"] = 0.0 if row.bias.shard_spec.sequence_parallel == sp else 1.0
+
+# fused chunks: rank r holds [gate_r | up_r]
+Wg = rng.standard_normal((H, 2 * FF)).astype(np.float32)
+fused = ColumnParallelLinear(H, 2 * FF, fuse_chunks=2)
+fused.weight.set_value(local_slice(Wg, fused.weight.shard_spec, R, N))
+out = fused(T(x_np)).numpy()
+full = x_np @ Wg
+res["fused_chunks"] = md(
+    out, np.concatenate([np.split(full[..., :FF], N, -1)[R], np.split(full[..., FF:], N, -1)[R]], -1)
+)
+
+
+# embedding + head + cross entropy (non-SP and SP) vs single process
+def ref_lm():
+    e, w = T(E_np, grad=True), T(Wout, grad=True)
+    logits = paddle.matmul(F.embedding(T(ids_np), e), w)
+    tok = F.cross_entropy(logits, T(lbl_np).unsqueeze(-1), ignore_index=-100, reduction="none").squeeze(-1)
+    loss = tok.sum() / float((lbl_np != -100).sum())
+    loss.backward()
+    return float(loss), tok.numpy(), e.grad.numpy(), w.grad.numpy()
+
+
+rl, rtok, rge, rgw = ref_lm()
+for sp in (False, True):
+    emb = VocabParallelEmbedding(V, H, sequence_parallel=sp)
+    head = ParallelLMHead(H, V, sequence_parallel=sp)
+    emb.weight.set_value(local_slice(E_np, emb.weight.shard_spec, R, N))
+    head.weight.set_value(local_slice(Wout, head.weight.shard_spec, R, N))
+    h = emb(T(ids_np))
+    logits = head(h)
+    tok = parallel_cross_entropy(logits, T(lbl_np), reduction="none")
+    loss = parallel_cross_entropy(logits, T(lbl_np), reduction="mean")
+    loss.backward()
+    tag = "sp" if sp else "tp"
+    res[f"lm_{tag}_emb_shape_ok"] = 0.0 if list(h.shape) == ([B, S // N, H] if sp else [B, S, H]) else 1.0
+    res[f"lm_{tag}_loss"] = abs(float(loss) - rl)
+    res[f"lm_{tag}_tok"] = md(tok.numpy(), rtok)
+    res[f"lm_{tag}_dE"] = md(emb.weight.grad.numpy(), np.split(rge, N, 0)[R])
+    res[f"lm_{tag}_dWout"] = md(head.weight.grad.numpy(), np.split(rgw, N, 1)[R])
+res["ce_sum_vs_mean"] = abs(
+    float(parallel_cross_entropy(T(np.ones((2, 8), np.float32)), T(np.array([1, -100])), reduction="sum"))
+    - float(np.log(16.0))
+)
+
+# ---------------------------------------------------------------- expert dispatcher
+E, K, HE, FE = 4, 2, 6, 8
+Wup = [rng.standard_normal((HE, 2 * FE)).astype(np.float32) * 0.4 for _ in range(E)]
+Wdn = [rng.standard_normal((FE, HE)).astype(np.float32) * 0.4 for _ in range(E)]
+Xt = [rng.standard_normal((6, HE)).astype(np.float32) for _ in range(N)]
+ids_t = [np.stack([rng.permutation(E)[:K] for _ in range(6)]).astype(np.int64) for _ in range(N)]
+wt = [rng.random((6, K)).astype(np.float32) + 0.1 for _ in range(N)]
+gy_t = [rng.standard_normal((6, HE)).astype(np.float32) for _ in range(N)]
+
+
+def make_experts(tp: Topology, ids: list[int]) -> LocalExperts:
+    ex = LocalExperts(ids, lambda e: ExpertMLP(HE, FE, topo=tp))
+    for e in ids:
+        m = ex[str(e)]
+        m.up_gate_proj.set_value(local_slice(Wup[e], m.up_gate_proj.shard_spec, tp.etp_rank, tp.etp_size))
+        m.down_proj.set_value(local_slice(Wdn[e], m.down_proj.shard_spec, tp.etp_rank, tp.etp_size))
+    return ex
+
+
+def reference(token_sets: list[int]):
+    """Single process, all experts, the tokens of ranks in token_sets (one backward over their sum)."""
+    with topology_override() as single:
+        ex = make_experts(single, list(range(E)))
+        disp = ExpertParallelDispatcher(E, topo=single)
+        outs, wts = [], []
+        total = None
+        for s in token_sets:
+            x, w = T(Xt[s], grad=True), T(wt[s], grad=True)
+            y = disp(x, T(ids_t[s]), w, ex)
+            loss = (y * T(gy_t[s])).sum()
+            total = loss if total is None else total + loss
+            outs.append(y.numpy())
+            wts.append(w)
+        total.backward()
+
+        def g(p):  # an expert no token chose has no gradient
+            return p.grad.numpy() if p.grad is not None else np.zeros(p.shape, np.float32)
+
+        return (
+            outs,
+            [w.grad.numpy() for w in wts],
+            {e: (g(ex[str(e)].up_gate_proj), g(ex[str(e)].down_proj)) for e in range(E)},
+        )
+
+
+def run_parallel(tp: Topology, token_rank: int):
+    ex = make_experts(tp, ExpertParallelDispatcher(E, topo=tp).local_expert_ids)
+    disp = ExpertParallelDispatcher(E, topo=tp)
+    x, w = T(Xt[token_rank], grad=True), T(wt[token_rank], grad=True)
+    with topology_override(tp):
+        y = disp(x, T(ids_t[token_rank]), w, ex)
+    (y * T(gy_t[token_rank])).sum().backward()
+    return (
+        y.numpy(),
+        w.grad.numpy(),
+        {e: (ex[str(e)].up_gate_proj.grad, ex[str(e)].down_proj.grad) for e in disp.local_expert_ids},
+    )
+
+
+ref_out, ref_wg, ref_eg = reference([0, 1])
+# (a) EP 2 over the two ranks, tokens distinct (as under sequence parallel)
+tp_ep = Topology(
+    ParallelConfig(tp=2, ep=2, sp=True),
+    rank=R,
+    backend=topo.backend,
+    groups={"tp": G, "ep": G},
+    ranks={"tp": R, "ep": R},
+)
+y, wg, eg = run_parallel(tp_ep, R)
+res["ep_fwd"], res["ep_dweights"] = md(y, ref_out[R]), md(wg, ref_wg[R])
+res["ep_dexperts"] = max(
+    max(md(comm_g.numpy() if comm_g is not None else 0 * ref_eg[e][i], ref_eg[e][i]) for i, comm_g in enumerate(gs))
+    for e, gs in eg.items()
+)
+# (b) ETP 2: every rank holds a column/row slice of every expert, tokens distinct
+tp_etp = Topology(
+    ParallelConfig(tp=2, etp=2, sp=True),
+    rank=R,
+    backend=topo.backend,
+    groups={"tp": G, "etp": G},
+    ranks={"tp": R, "etp": R},
+)
+y, wg, eg = run_parallel(tp_etp, R)
+res["etp_fwd"], res["etp_dweights"] = md(y, ref_out[R]), md(wg, ref_wg[R])
+res["etp_dexperts"] = max(
+    max(
+        md(gs[0].numpy(), local_slice(ref_eg[e][0], ExpertMLP(HE, FE, topo=tp_etp).up_gate_proj.shard_spec, R, N)),
+        md(gs[1].numpy(), np.split(ref_eg[e][1], N, 0)[R]),
+    )
+    for e, gs in eg.items()
+)
+# (c) EP 2 with tokens replicated over TP (no SP): the dispatcher splits them; the result is replicated
+ref1_out, ref1_wg, ref1_eg = reference([0])
+tp_rep = Topology(
+    ParallelConfig(tp=2, ep=2, sp=False),
+    rank=R,
+    backend=topo.backend,
+    groups={"tp": G, "ep": G},
+    ranks={"tp": R, "ep": R},
+)
+y, wg, eg = run_parallel(tp_rep, 0)
+res["ep_replicated_fwd"] = md(y, ref1_out[0])
+res["ep_replicated_dweights"] = md(wg, ref1_wg[0])
+res["ep_replicated_dexperts"] = max(
+    max(md(gs[i].numpy() if gs[i] is not None else 0 * ref1_eg[e][i], ref1_eg[e][i]) for i in range(2))
+    for e, gs in eg.items()
+)
+
+
+# ---------------------------------------------------------------- full state round trip
+class Small(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.embed = VocabParallelEmbedding(V, H)
+        self.up = ColumnParallelLinear(H, 2 * FF, has_bias=True, fuse_chunks=2)
+        self.down = RowParallelLinear(FF, H, has_bias=True)
+
+
+full_state = {
+    "embed.weight": E_np,
+    "up.weight": Wg,
+    "up.bias": rng.standard_normal(2 * FF).astype(np.float32),
+    "down.weight": W2,
+    "down.bias": b2,
+}
+m = Small()
+shard_full_state(m, full_state)
+res["shard_up_local"] = md(m.up.weight.numpy(), local_slice(Wg, m.up.weight.shard_spec, R, N))
+back = gather_full_state(m)
+if R == 0:
+    res["gather_full_state"] = (
+        max(md(back[k], v) for k, v in full_state.items()) if set(back) == set(full_state) else float("inf")
+    )
+
+if R == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(res, f, indent=1)
+print("CHECK_COMM_DONE", R, flush=True)
