@@ -53,6 +53,7 @@ __all__ = [
     "build_schedule",
     "layout_string",
     "parse_pp_layout",
+    "simulate_programs",
     "simulate_schedule",
     "split_stages",
     "validate_shared_layer_starts",
@@ -344,7 +345,12 @@ def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int) -> li
 
 def simulate_schedule(kind: str, num_stages: int, num_micro: int) -> None:
     """Run all stages' programs against *blocking* send/recv (gloo); raise on deadlock or mismatch."""
-    progs = [build_schedule(kind, num_stages, s, num_micro) for s in range(num_stages)]
+    simulate_programs([build_schedule(kind, num_stages, s, num_micro) for s in range(num_stages)], num_micro, kind)
+
+
+def simulate_programs(progs: list[list[Op]], num_micro: int, kind: str = "program") -> None:
+    """Execute per-stage op lists with rendezvous send/recv semantics; raise on deadlock or mismatch."""
+    num_stages = len(progs)
     pc = [0] * num_stages
 
     def cur(s: int) -> Op | None:
@@ -374,9 +380,13 @@ def simulate_schedule(kind: str, num_stages: int, num_micro: int) -> None:
         if not moved:
             state = {s: cur(s) for s in range(num_stages)}
             raise RuntimeError(f"{kind} P={num_stages} M={num_micro}: deadlock with blocking p2p at {state}")
-    done = {op for s in range(num_stages) for op in progs[s] if op[0] in ("fwd", "bwd")}
-    if len(done) != 2 * num_micro:
-        raise RuntimeError(f"{kind}: not every micro-batch ran forward and backward")
+    for s in range(num_stages):
+        done = [op for op in progs[s] if op[0] in ("fwd", "bwd")]
+        if sorted(done) != sorted([("fwd", j) for j in range(num_micro)] + [("bwd", j) for j in range(num_micro)]):
+            raise RuntimeError(f"{kind}: stage {s} does not run every micro-batch forward and backward exactly once")
+        for j in range(num_micro):
+            if progs[s].index(("fwd", j)) > progs[s].index(("bwd", j)):
+                raise RuntimeError(f"{kind}: stage {s} runs backward of micro-batch {j} before its forward")
 
 
 # ------------------------------------------------------------------------------ engine

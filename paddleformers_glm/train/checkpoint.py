@@ -113,7 +113,8 @@ def load_checkpoint(
     if missing:
         raise KeyError(f"--resume {file}: model tensors missing: {sorted(missing)[:5]}")
     for k, t in state.items():
-        t.set_value(paddle.to_tensor(blob["model"][k]).astype(t.dtype))
+        v = blob["model"][k]
+        t.set_value((v if isinstance(v, paddle.Tensor) else paddle.to_tensor(v)).astype(t.dtype))
     optimizer.set_state_dict(blob["optimizer"])
     with open(file + ".rng", "rb") as f:
         _set_rng_state(f.read())

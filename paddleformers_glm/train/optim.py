@@ -105,14 +105,19 @@ class AdamW:
         unknown = set(sd) - names
         if unknown:
             raise KeyError(f"optimizer state has parameters this model lacks: {sorted(unknown)[:5]}")
+
+        def f32(v) -> paddle.Tensor:
+            t = v.detach().clone() if isinstance(v, paddle.Tensor) else paddle.to_tensor(v)
+            return t.astype("float32")
+
         self.state = {}
         for n, st in sd.items():
             st = dict(st)
             if "master" in st:
-                self.master[n] = paddle.to_tensor(st.pop("master")).astype("float32")
+                self.master[n] = f32(st.pop("master"))
             if st:
                 self.state[n] = {
                     "step": int(st["step"]),
-                    "exp_avg": paddle.to_tensor(st["exp_avg"]).astype("float32"),
-                    "exp_avg_sq": paddle.to_tensor(st["exp_avg_sq"]).astype("float32"),
+                    "exp_avg": f32(st["exp_avg"]),
+                    "exp_avg_sq": f32(st["exp_avg_sq"]),
                 }

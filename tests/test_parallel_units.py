@@ -1,0 +1,352 @@
+"""Single-process tests of the parallel package: layout validation, stage splits, schedules,
+world-1 behaviour of the parallel layers (they must be the plain layers), shard specs, the expert
+dispatcher, gradient sync and the global norm."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+import pytest
+
+from paddleformers_glm.parallel import comm
+from paddleformers_glm.parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
+from paddleformers_glm.parallel.grads import GradSynchronizer, clip_main_grads
+from paddleformers_glm.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    get_shard_spec,
+    local_slice,
+    mark_sequence_parallel,
+    merge_slices,
+    parallel_cross_entropy,
+)
+from paddleformers_glm.parallel.pipeline import (
+    StageSpec,
+    build_schedule,
+    layout_string,
+    parse_pp_layout,
+    simulate_programs,
+    simulate_schedule,
+    split_stages,
+    validate_shared_layer_starts,
+)
+from paddleformers_glm.parallel.state import shard_full_state
+from paddleformers_glm.parallel.topology import (
+    ParallelConfig,
+    ParallelConfigError,
+    expert_layout,
+    get_topology,
+    init_topology,
+    set_topology,
+)
+
+
+# ------------------------------------------------------------------ layout validation
+@pytest.mark.parametrize(
+    "kwargs, sizes, msg",
+    [
+        (dict(tp=2, pp=2, dp=1), dict(world_size=8), "world size 8 != tp 2 x pp 2 x dp 1 = 4"),
+        (dict(tp=3), dict(num_attention_heads=4), "tp 3 does not divide num_attention_heads 4"),
+        (dict(tp=2), dict(vocab_size=101), "tp 2 does not divide vocab_size 101"),
+        (dict(tp=2, ep=2), dict(num_experts=6 + 1), "ep 2 does not divide n_routed_experts 7"),
+        (dict(tp=2, etp=2), dict(moe_intermediate_size=7), "etp 2 does not divide moe_intermediate_size 7"),
+        (dict(tp=2, ep=4), {}, "ep 4 x etp 1 = 4 must divide tp 2 x dp 1 = 2"),
+        (dict(tp=1, sp=True), {}, "sequence parallel (--sp) needs tp > 1"),
+        (dict(pp=4), dict(num_layers=3), "pp 4 > num_hidden_layers 3"),
+        (dict(tp=0), {}, "tp must be an integer >= 1, got 0"),
+    ],
+)
+def test_parallel_config_rejects_with_named_setting(kwargs, sizes, msg):
+    pc = ParallelConfig(**kwargs)
+    world = sizes.pop("world_size", None)
+    with pytest.raises(ParallelConfigError) as e:
+        pc.validate(world, **sizes)
+    assert msg in str(e.value)
+
+
+def test_from_world_derives_dp_and_rejects_non_multiples():
+    assert ParallelConfig.from_world(8, tp=2, pp=2).dp == 2
+    with pytest.raises(ParallelConfigError, match="world size 6 is not a multiple of tp 2 x pp 2 = 4"):
+        ParallelConfig.from_world(6, tp=2, pp=2)
+
+
+def test_expert_layout_factors_the_stage_ranks():
+    pc = ParallelConfig(tp=2, dp=2, ep=2, etp=2)
+    got = [expert_layout(pc, d, t) for d in range(2) for t in range(2)]
+    assert got == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]  # etp fastest, then ep
+    pc = ParallelConfig(tp=2, dp=2, ep=2)  # EP over the TP ranks, replicas across DP
+    assert [expert_layout(pc, d, t) for d in range(2) for t in range(2)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert pc.edp == 2
+
+
+def test_world1_topology_needs_no_distributed_init():
+    topo = init_topology(ParallelConfig())
+    try:
+        assert get_topology() is topo and topo.world_size == 1
+        assert all(
+            topo.group(n) is None and topo.size(n) == 1 and topo.rank_in(n) == 0
+            for n in ("tp", "pp", "dp", "ep", "etp", "edp")
+        )
+        assert topo.is_first_stage and topo.is_last_stage and topo.prev_stage_rank is None
+        with pytest.raises(KeyError, match="unknown group"):
+            topo.group("mp")
+        x = paddle.ones([2, 4])
+        assert comm.all_reduce(x, None) is x and comm.all_gather(x, None) is x and comm.copy_to_tp(x) is x
+    finally:
+        set_topology(None)
+
+
+# ------------------------------------------------------------------ stage layouts
+def test_layout_string_forms():
+    specs = parse_pp_layout("E,t*4|t*4,L", 8, 2)
+    assert [s.layers for s in specs] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert specs[0].has_embedding and not specs[0].has_head and specs[1].has_head
+    assert parse_pp_layout("Et*3 | t t t t t m L", 8, 2, has_mtp=True)[1].has_mtp
+    assert [s.layers for s in parse_pp_layout("3,5", 8, 2)] == [(0, 1, 2), (3, 4, 5, 6, 7)]
+    with pytest.raises(ParallelConfigError, match="stage 1 of \\[2, 0, 6\\] would hold nothing"):
+        parse_pp_layout([2, 0, 6], 8, 3)
+    specs = parse_pp_layout("E,t*2|t*3|t*3,m,L", 8, 3, has_mtp=True)
+    assert layout_string(specs) == "E,t*2|t*3|t*3,m,L"
+    assert parse_pp_layout(layout_string(specs), 8, 3, has_mtp=True) == specs
+
+
+@pytest.mark.parametrize(
+    "layout, msg",
+    [
+        ("E,t*4|t*4", "the last stage must end with L"),
+        ("t*4|E,t*4,L", "E (embedding) must be on stage 0"),
+        ("E,t*4,L|t*4", "m and L must be on the last stage"),
+        ("E,t*3|t*4,L", "places 7 decoder layers (t), the model has 8"),
+        ("E,t*8,L", "has 1 stages, pp is 2"),
+        ("E,t*4|t*4,x,L", "cannot parse"),
+        ("E,t*4|L,t*4", "must be ordered E, t..., m, L"),
+        ("E,t*4||t*4,L", "has 3 stages"),
+        ("3,4", "sum to 7, the model has 8"),
+    ],
+)
+def test_bad_layouts_are_rejected(layout, msg):
+    with pytest.raises(ParallelConfigError) as e:
+        parse_pp_layout(layout, 8, 2)
+    assert msg in str(e.value)
+
+
+def test_mtp_must_be_placed_when_the_model_has_it():
+    with pytest.raises(ParallelConfigError, match="must contain m before L"):
+        parse_pp_layout("E,t*4|t*4,L", 8, 2, has_mtp=True)
+
+
+def test_split_stages_even_first_last_and_remainder():
+    assert [len(s.layers) for s in split_stages(8, 2)] == [4, 4]
+    assert [len(s.layers) for s in split_stages(10, 4)] == [2, 3, 3, 2]  # remainder to the middle stages
+    # the released GLM-5.2 recipe: 78 layers, PP8, first 14 / last 16 -> 8 per middle stage
+    specs = split_stages(78, 8, first_stage_layers=14, last_stage_layers=16, has_mtp=True)
+    assert [len(s.layers) for s in specs] == [14, 8, 8, 8, 8, 8, 8, 16]
+    assert [s.layers[0] for s in specs] == [0, 14, 22, 30, 38, 46, 54, 62] and specs[-1].has_mtp
+    with pytest.raises(ParallelConfigError, match="do not split evenly"):
+        split_stages(10, 4, first_stage_layers=1, last_stage_layers=2)
+    with pytest.raises(ParallelConfigError, match="either --pp-layout or first/last"):
+        split_stages(8, 2, first_stage_layers=3, layout="4,4")
+    assert split_stages(6, 1) == [StageSpec.whole(6)]
+
+
+def test_shared_layer_starts_are_fine_with_topk_carried_and_named_without():
+    kinds = ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]  # GLM-5.2 schedule, 8 layers
+    specs = parse_pp_layout("E,t*4|t*4,L", 8, 2)  # stage 1 starts on shared layer 4
+    validate_shared_layer_starts(specs, kinds, carry_topk=True)
+    with pytest.raises(ParallelConfigError) as e:
+        validate_shared_layer_starts(specs, kinds, carry_topk=False)
+    assert "stage 1 starts on shared layer 4" in str(e.value) and "'2,6'" in str(e.value)
+
+
+# ------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_schedules_never_deadlock_with_blocking_p2p(kind):
+    for P in range(1, 9):
+        for M in range(1, 17):
+            simulate_schedule(kind, P, M)
+
+
+def test_simulator_detects_a_deadlock():
+    gpipe = [
+        [
+            ("fwd", 0),
+            ("send_fwd", 0),
+            ("fwd", 1),
+            ("send_fwd", 1),
+            ("recv_bwd", 0),
+            ("bwd", 0),
+            ("recv_bwd", 1),
+            ("bwd", 1),
+        ],
+        [
+            ("recv_fwd", 0),
+            ("fwd", 0),
+            ("recv_fwd", 1),
+            ("fwd", 1),
+            ("bwd", 0),
+            ("send_bwd", 0),
+            ("bwd", 1),
+            ("send_bwd", 1),
+        ],
+    ]
+    simulate_programs(gpipe, 2)
+    # naive 1F1B: stage 1 returns mb 0's gradient while stage 0 is still sending mb 1 -> both block (gloo)
+    naive = [
+        gpipe[0],
+        [
+            ("recv_fwd", 0),
+            ("fwd", 0),
+            ("bwd", 0),
+            ("send_bwd", 0),
+            ("recv_fwd", 1),
+            ("fwd", 1),
+            ("bwd", 1),
+            ("send_bwd", 1),
+        ],
+    ]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_programs(naive, 2)
+    with pytest.raises(RuntimeError, match="backward of micro-batch 0 before its forward"):
+        simulate_programs([[("bwd", 0), ("fwd", 0)]], 1)
+
+
+def test_1f1b_bounds_in_flight_micro_batches():
+    def peak(ops):
+        live = best = 0
+        for op, _ in ops:
+            live += op == "fwd"
+            live -= op == "bwd"
+            best = max(best, live)
+        return best
+
+    P, M = 4, 12
+    assert [peak(build_schedule("1f1b", P, s, M)) for s in range(P)] == [4, 3, 2, 1]
+    assert all(peak(build_schedule("gpipe", P, s, M)) == M for s in range(P))
+
+
+# ------------------------------------------------------------------ layers at world 1 are the plain layers
+def test_parallel_linears_are_plain_linear_at_tp1():
+    for has_bias in (False, True):
+        lin = nn.Linear(8, 6, bias_attr=None if has_bias else False)
+        x = paddle.randn([2, 3, 8])
+        for layer in (ColumnParallelLinear(8, 6, has_bias=has_bias), RowParallelLinear(8, 6, has_bias=has_bias)):
+            layer.weight.set_value(lin.weight)
+            if has_bias:
+                layer.bias.set_value(lin.bias)
+            assert bool((layer(x) == lin(x)).all())
+            assert list(layer.weight.shape) == [8, 6]  # Paddle [in, out]
+    col, row = ColumnParallelLinear(8, 6, has_bias=True, fuse_chunks=2), RowParallelLinear(8, 6, has_bias=True)
+    assert get_shard_spec(col.weight) == ShardSpec(axis=1, chunks=2) and get_shard_spec(col.bias) == ShardSpec(
+        axis=0, chunks=2
+    )
+    assert get_shard_spec(row.weight).axis == 0 and get_shard_spec(row.bias).axis is None
+
+
+def test_vocab_embedding_and_head_are_plain_at_tp1_with_torch_padding_semantics():
+    emb = VocabParallelEmbedding(10, 4, padding_idx=0)
+    ids = paddle.to_tensor([[0, 3, 0, 9]])
+    out = emb(ids)
+    assert bool((out == F.embedding(ids, emb.weight)).all())  # pad row is returned, not zeros
+    out.sum().backward()
+    g = emb.weight.grad.numpy()
+    assert np.all(g[0] == 0) and np.all(g[3] == 1) and np.all(g[9] == 1)  # ...but gets no gradient
+    assert get_shard_spec(emb.weight).axis == 0 and get_shard_spec(ParallelLMHead(4, 10).weight).axis == 1
+
+
+def test_parallel_cross_entropy_hf_convention():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 7)).astype(np.float32)
+    labels = np.array([[1, 2, -100, 4, 5], [0, -100, 3, 3, 6]])
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    pick = np.take_along_axis(logits, np.where(labels >= 0, labels, 0)[..., None], -1)[..., 0]
+    tok = (lse - pick) * (labels != -100)
+    L, Y = paddle.to_tensor(logits), paddle.to_tensor(labels)
+    assert abs(float(parallel_cross_entropy(L, Y)) - tok.sum() / 8) < 1e-6  # mean over the 8 valid tokens
+    assert abs(float(parallel_cross_entropy(L, Y, reduction="sum")) - tok.sum()) < 1e-5
+    assert np.abs(parallel_cross_entropy(L, Y, reduction="none").numpy() - tok).max() < 1e-6
+    assert float(parallel_cross_entropy(L, paddle.full([2, 5], -100, dtype="int64"))) == 0.0
+    with pytest.raises(ValueError, match="reduction must be"):
+        parallel_cross_entropy(L, Y, reduction="avg")
+
+
+def test_slices_roundtrip_and_fused_chunks_keep_gate_and_up_together():
+    full = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)  # columns: gate 0-3 | up 4-7
+    spec = ShardSpec(axis=1, chunks=2)
+    parts = [local_slice(full, spec, r, 2) for r in range(2)]
+    assert parts[0][0].tolist() == [0, 1, 4, 5] and parts[1][0].tolist() == [2, 3, 6, 7]
+    assert np.array_equal(merge_slices(parts, spec), full)
+    spec0 = ShardSpec(axis=0)
+    assert np.array_equal(merge_slices([local_slice(full, spec0, r, 4) for r in range(4)], spec0), full)
+    with pytest.raises(ValueError, match="not divisible"):
+        local_slice(full, ShardSpec(axis=1, chunks=2), 0, 3)
+
+
+def test_mark_sequence_parallel_only_on_replicated_params():
+    col = ColumnParallelLinear(4, 4, has_bias=True)
+    norm_w = nn.Linear(4, 4).weight
+    mark_sequence_parallel([col, norm_w])
+    assert not get_shard_spec(col.weight).sequence_parallel and get_shard_spec(norm_w).sequence_parallel
+
+
+def test_shard_full_state_names_missing_and_mismatched_tensors():
+    m = nn.LayerDict({"a": ColumnParallelLinear(4, 6), "b": RowParallelLinear(6, 4)})
+    full = {"a.weight": np.ones((4, 6), np.float32), "b.weight": np.full((6, 4), 2.0, np.float32)}
+    assert shard_full_state(m, full) == []
+    assert float(m["b"].weight.sum()) == 48.0
+    with pytest.raises(KeyError, match="b.weight"):
+        shard_full_state(m, {"a.weight": full["a.weight"]})
+    with pytest.raises(ValueError, match="'a.weight': full shape \\[6, 4\\]"):
+        shard_full_state(m, {**full, "a.weight": np.ones((6, 4), np.float32)})
+
+
+# ------------------------------------------------------------------ experts at world 1
+def test_dispatcher_equals_a_plain_loop_over_experts():
+    E, K, H, FF, T = 4, 2, 6, 8, 10
+    topo = get_topology()
+    experts = LocalExperts(range(E), lambda e: ExpertMLP(H, FF, topo=topo))
+    disp = ExpertParallelDispatcher(E, topo=topo)
+    assert disp.local_expert_ids == [0, 1, 2, 3] and not disp.split_tp
+    rng = np.random.default_rng(1)
+    x_np, w_np = rng.standard_normal((T, H)).astype(np.float32), rng.random((T, K)).astype(np.float32)
+    ids_np = np.stack([rng.permutation(E)[:K] for _ in range(T)])
+    x, w = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
+    y = disp(x, paddle.to_tensor(ids_np), w, experts)
+    y.sum().backward()
+    x2, w2 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
+    ref = sum(
+        w2[:, k : k + 1] * paddle.concat([experts[str(int(ids_np[t, k]))](x2[t : t + 1]) for t in range(T)])
+        for k in range(K)
+    )
+    assert np.abs(y.numpy() - ref.numpy()).max() < 1e-5
+    gx = x.grad.numpy().copy()
+    ref.sum().backward()
+    assert np.abs(gx - x2.grad.numpy()).max() < 1e-5 and np.abs(w.grad.numpy() - w2.grad.numpy()).max() < 1e-5
+    assert [n for n, _ in experts.named_parameters()][:2] == ["0.up_gate_proj", "0.down_proj"]
+    with pytest.raises(ValueError, match="expected hidden"):
+        disp(x, paddle.to_tensor(ids_np[:, :1]), w, experts)
+
+
+# ------------------------------------------------------------------ gradient sync and norm at world 1
+def test_grad_sync_world1_flags_and_true_norm():
+    set_topology(None)
+    topo = get_topology()
+    m = nn.LayerDict({"a": nn.Linear(3, 4), "b": nn.Linear(4, 2)})
+    m["a"](paddle.ones([2, 3])).sum().backward()  # "b" gets no gradient
+    sync = GradSynchronizer(m, topo)
+    grads, has = sync.main_grads()
+    assert has == {"a.weight": True, "a.bias": True, "b.weight": False, "b.bias": False}
+    assert (
+        np.array_equal(grads["a.weight"].numpy(), m["a"].weight.grad.numpy())
+        and float(grads["b.weight"].abs().sum()) == 0
+    )
+    norm = sync.global_norm(grads)
+    ref = np.sqrt(sum((p.grad.numpy().astype(np.float64) ** 2).sum() for p in m["a"].parameters()))
+    assert abs(norm - ref) < 1e-6
+    coef = clip_main_grads(grads, norm, max_norm=norm / 2)
+    assert abs(coef - 0.5) < 1e-6 and abs(sync.global_norm(grads) - norm / 2) < 1e-5
+    assert clip_main_grads(grads, 0.1, 1.0) == 1.0

@@ -1,0 +1,293 @@
+"""Single-process tests of the trainer: schedule, AdamW (+ fp32 master weights for bf16 params),
+data sources, the toy model's stage split, launcher diagnosis, CLI validation, and world-1 runs
+(loss.json schema, bitwise repeat, bitwise resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import pytest
+
+from paddleformers_glm.parallel.pipeline import StageSpec, split_stages
+from paddleformers_glm.parallel.topology import get_topology
+from paddleformers_glm.train.adapter import LossSpec, token_count
+from paddleformers_glm.train.command import main as train_main
+from paddleformers_glm.train.data import micro_batches, open_data
+from paddleformers_glm.train.launch import diagnose, is_comm_error, worker_env
+from paddleformers_glm.train.loop import TrainConfig, run_training
+from paddleformers_glm.train.optim import AdamW, lr_at
+from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
+
+
+# ------------------------------------------------------------------ schedule and optimizer
+def test_lr_warmup_then_cosine_to_min():
+    lrs = [lr_at(s, 1.0, 0.1, 2, 10) for s in range(1, 11)]
+    assert lrs[0] == 0.5 and lrs[1] == 1.0
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and lrs[-1] == pytest.approx(0.1)
+    assert lr_at(6, 1.0, 0.1, 2, 10) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    with pytest.raises(ValueError, match="1-based"):
+        lr_at(0, 1.0, 0.1, 0, 10)
+
+
+def _np_adamw(w, grads, lr, wd, b1=0.9, b2=0.95, eps=1e-8):
+    m = v = np.zeros_like(w)
+    for t, g in enumerate(grads, 1):
+        w = w * (1 - lr * wd)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        w = w - (lr / (1 - b1**t)) * (m / (np.sqrt(v) / math.sqrt(1 - b2**t) + eps))
+    return w
+
+
+def test_adamw_matches_reference_decays_matrices_only_and_skips_params_without_grad():
+    lin = nn.Linear(3, 2)
+    w0, b0 = lin.weight.numpy().copy(), lin.bias.numpy().copy()
+    opt = AdamW(list(lin.named_parameters()), weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    gw = [rng.standard_normal((3, 2)).astype(np.float32) for _ in range(3)]
+    for g in gw:
+        opt.step({"weight": paddle.to_tensor(g), "bias": paddle.zeros([2])}, {"weight": True, "bias": False}, lr=0.01)
+    assert np.abs(lin.weight.numpy() - _np_adamw(w0.astype(np.float64), gw, 0.01, 0.1)).max() < 1e-6
+    assert np.array_equal(lin.bias.numpy(), b0) and "bias" not in opt.state  # no gradient: untouched, like torch
+    b = nn.Linear(3, 2).bias
+    assert not AdamW([("bias", b)], weight_decay=0.1).decay["bias"]
+
+
+def test_adamw_state_roundtrip_continues_identically():
+    def make():
+        paddle.seed(3)
+        lin = nn.Linear(4, 4)
+        return lin, AdamW(list(lin.named_parameters()), weight_decay=0.05)
+
+    g = {n: paddle.full(p.shape, 0.3) for n, p in nn.Linear(4, 4).named_parameters()}
+    has = dict.fromkeys(g, True)
+    a, oa = make()
+    for _ in range(3):
+        oa.step(g, has, 1e-2)
+    b, ob = make()
+    ob.step(g, has, 1e-2)
+    sd = {
+        n: {k: (v.clone() if isinstance(v, paddle.Tensor) else v) for k, v in st.items()}
+        for n, st in ob.state_dict().items()
+    }
+    c, oc = make()
+    c.set_state_dict(b.state_dict())
+    oc.set_state_dict(sd)
+    for _ in range(2):
+        oc.step(g, has, 1e-2)
+    assert all(np.array_equal(p.numpy(), q.numpy()) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_bf16_params_update_through_fp32_master_weights():
+    lin = nn.Linear(4, 4)
+    lin.to(dtype="bfloat16")  # bf16 storage works on CPU; only bf16 arithmetic lacks kernels
+    opt = AdamW(list(lin.named_parameters()), weight_decay=0.0)
+    assert set(opt.master) == {"weight", "bias"} and opt.master["weight"].dtype == paddle.float32
+    before = opt.master["weight"].numpy().copy()
+    g = {n: paddle.full(p.shape, 1e-3, dtype="float32") for n, p in lin.named_parameters()}
+    for _ in range(5):
+        opt.step(g, dict.fromkeys(g, True), lr=1e-4)  # each step is far below bf16 resolution of the weight
+    master = opt.master["weight"].numpy()
+    assert np.abs(master - (before - 5e-4)).max() < 1e-6  # fp32 master keeps every small step
+    assert np.array_equal(
+        lin.weight.astype("float32").numpy(), paddle.to_tensor(master).astype("bfloat16").astype("float32").numpy()
+    )
+    assert "master" in opt.state_dict()["weight"]
+    fp32 = nn.Linear(2, 2)
+    assert AdamW(list(fp32.named_parameters())).master == {}  # an fp32 parameter is its own master
+
+
+# ------------------------------------------------------------------ data
+def test_synthetic_data_is_deterministic_and_layout_independent():
+    d = open_data(None, 16, 64, seed=5)
+    a, b = d.global_batch(3, 8), open_data(None, 16, 64, seed=5).global_batch(3, 8)
+    assert np.array_equal(a["input_ids"], b["input_ids"]) and np.array_equal(a["labels"], a["input_ids"])
+    assert not np.array_equal(a["input_ids"], d.global_batch(4, 8)["input_ids"])
+    for dp, mbs in ((1, 8), (2, 1), (4, 2)):
+        rows = [mb["input_ids"] for r in range(dp) for mb in micro_batches(a, r, dp, mbs)]
+        assert np.array_equal(np.concatenate(rows), a["input_ids"])
+    with pytest.raises(ValueError, match="not divisible by dp 3"):
+        micro_batches(a, 0, 3, 1)
+
+
+def test_token_files_npy_bin_jsonl(tmp_path):
+    toks = np.arange(100, dtype=np.int64) % 50
+    np.save(tmp_path / "t.npy", toks)
+    toks.astype("<u2").tofile(tmp_path / "t.bin")
+    d_npy, d_bin = open_data(str(tmp_path / "t.npy"), 10, 50, 0), open_data(str(tmp_path / "t.bin"), 10, 50, 0)
+    assert d_npy.num_samples == 10 and "uint16" in d_bin.describe
+    assert np.array_equal(d_npy.global_batch(0, 4)["input_ids"], d_bin.global_batch(0, 4)["input_ids"])
+    epoch = np.concatenate([d_npy.global_batch(s, 5)["input_ids"] for s in range(2)])
+    assert sorted(epoch[:, 0].tolist()) == sorted((np.arange(10) * 10 % 50).tolist())  # one epoch = every sample once
+    with open(tmp_path / "d.jsonl", "w") as f:
+        f.write(json.dumps({"input_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"input_ids": list(range(1, 20))}) + "\n")
+    dj = open_data(str(tmp_path / "d.jsonl"), 8, 50, 0, pad_id=0)
+    rows = {int(r["attention_mask"].sum()): r for r in (dj.sample(0), dj.sample(1))}
+    assert rows[3]["labels"].tolist() == [1, 2, 3] + [-100] * 5 and rows[3]["input_ids"][3:].tolist() == [0] * 5
+    assert rows[8]["input_ids"].tolist() == list(range(1, 9))
+    assert token_count(np.stack([rows[3]["labels"]]), 1) == 2
+
+
+def test_bad_data_is_named(tmp_path):
+    np.save(tmp_path / "big.npy", np.array([1, 2, 99, 4] * 8))
+    with pytest.raises(ValueError, match="token 99 .* outside the vocabulary \\[0, 50\\)"):
+        open_data(str(tmp_path / "big.npy"), 4, 50, 0).global_batch(0, 8, shuffle=False)
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ValueError, match="unknown format"):
+        open_data(str(tmp_path / "x.txt"), 4, 50, 0)
+    (tmp_path / "bad.jsonl").write_text('{"text": "no ids"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected an object with a non-empty list `input_ids`"):
+        open_data(str(tmp_path / "bad.jsonl"), 4, 50, 0)
+
+
+# ------------------------------------------------------------------ toy model split
+def test_toy_stage_params_are_named_like_the_full_model():
+    cfg = ToyConfig()
+    full = full_shapes(cfg)
+    ad = ToyAdapter(cfg)
+    specs = split_stages(cfg.num_layers, 3, layout="E,t*2|t*2|t*2,m,L", has_mtp=True)
+    names = [set(ad.build_stage(s, get_topology()).state_dict()) for s in specs]
+    assert set().union(*names) == set(full)
+    assert "embed_tokens.weight" in names[0] and "embed_tokens.weight" in names[2]  # MTP reuses the embedding
+    assert all(n.startswith(("layers.2.", "layers.3.")) for n in names[1])
+    assert not any(
+        "indexer" in n for n in full if n.startswith(("layers.2.", "layers.3.", "layers.5."))
+    )  # shared layers
+    assert ad.loss_specs() == {
+        "lm": LossSpec("tokens", 1, 1.0, "losses"),
+        "mtp": LossSpec("tokens", 2, 0.3, "mtp_losses"),
+    }
+
+
+# ------------------------------------------------------------------ launcher
+def _status(d, r, suffix, **payload):
+    os.makedirs(d / "status", exist_ok=True)
+    (d / "status" / f"rank{r}.{suffix}").write_text(json.dumps(payload) if payload else "")
+
+
+def test_diagnose_names_the_culprit(tmp_path):
+    t = time.time()
+    _status(
+        tmp_path,
+        0,
+        "error.json",
+        rank=0,
+        time=t + 1,
+        type="RuntimeError",
+        message="gloo TIMEOUT",
+        comm=True,
+        traceback_tail="",
+    )
+    _status(
+        tmp_path,
+        1,
+        "error.json",
+        rank=1,
+        time=t + 2,
+        type="ValueError",
+        message="bad shape",
+        comm=False,
+        traceback_tail="tb",
+    )
+    rank, msg = diagnose(str(tmp_path), [0, 1])
+    assert rank == 1 and msg.startswith("rank 1 failed: ValueError: bad shape (then rank(s) 0 failed too)")
+    (tmp_path / "status" / "rank1.error.json").unlink()
+    (tmp_path / "workerlog.1").write_text("step 1\nstep 2\n")
+    rank, msg = diagnose(str(tmp_path), [0, 1])  # rank 1 left no record: killed
+    assert (
+        rank == 1
+        and "rank 1 died without a Python error" in msg
+        and "step 2" in msg
+        and "rank(s) 0 then lost their peer" in msg
+    )
+    _status(tmp_path, 1, "ok")
+    rank, msg = diagnose(str(tmp_path), [0, 1])
+    assert rank == 0 and "failed in communication" in msg
+    assert is_comm_error("RuntimeError [gloo/transport/tcp/pair.cc:584] TIMEOUT") and not is_comm_error(
+        "ValueError: bad shape"
+    )
+
+
+def test_worker_env_sets_mkl_fast_path_unless_user_did(monkeypatch):
+    monkeypatch.delenv("MKL_DEBUG_CPU_TYPE", raising=False)
+    env = worker_env(4, base={"PATH": "/bin"})
+    assert env["MKL_DEBUG_CPU_TYPE"] == "5" and env["OMP_NUM_THREADS"] >= "1" and env["PYTHONPATH"]
+    assert worker_env(4, base={"MKL_DEBUG_CPU_TYPE": "2"})["MKL_DEBUG_CPU_TYPE"] == "2"
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--tp", "3"], "tp 3 does not divide num_attention_heads 4"),
+        (["--tp", "2", "--ep", "3"], "ep 3 x etp 1 = 3 must divide tp 2 x dp 1 = 2"),
+        (["--dp", "2", "--ep", "2", "--model-config", '{"num_experts": 5}'], "ep 2 does not divide n_routed_experts 5"),
+        (["--pp", "2", "--pp-layout", "E,t*2|t*3,m,L"], "places 5 decoder layers"),
+        (["--sp"], "needs tp > 1"),
+        (["--global-batch-size", "3", "--dp", "2"], "must be divisible by dp 2"),
+    ],
+)
+def test_cli_rejects_bad_layouts_before_launching(tmp_path, capsys, args, msg):
+    assert train_main([*args, "--out", str(tmp_path)]) == 2
+    assert msg in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ world-1 runs
+def _cfg(out, **kw):
+    base = dict(
+        steps=4, seq_len=16, global_batch_size=4, micro_batch_size=2, lr=2e-3, seed=11, progress=False, out=str(out)
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_world1_loss_json_schema_repeat_and_resume(tmp_path):
+    a = run_training(_cfg(tmp_path / "a", save_every=2))
+    on_disk = json.loads((tmp_path / "a" / "loss.json").read_text())
+    assert on_disk == json.loads(json.dumps(a))
+    assert set(a) >= {"losses", "mtp_losses", "steps", "profile", "weights_loaded", "checkpoint", "seed", "versions"}
+    assert set(a["profile"]) == {
+        "tp",
+        "pp",
+        "ep",
+        "etp",
+        "sp",
+        "dp",
+        "world",
+        "micro_batch_size",
+        "global_batch_size",
+        "seq_len",
+        "dtype",
+    }
+    assert (
+        a["steps"] == 4
+        and len(a["losses"]) == len(a["mtp_losses"]) == 4
+        and a["versions"]["paddle"] == paddle.__version__
+    )
+    b = run_training(_cfg(tmp_path / "b"))
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]  # bitwise repeat
+    c = run_training(_cfg(tmp_path / "c", resume=str(tmp_path / "a" / "checkpoints")))  # root -> latest (step 4)
+    assert c["losses"] == a["losses"]
+    d = run_training(_cfg(tmp_path / "d", resume=str(tmp_path / "a" / "checkpoints" / "step_00000002")))
+    assert d["losses"] == a["losses"] and d["mtp_losses"] == a["mtp_losses"] and d["run"]["resumed_from_step"] == 2
+    with pytest.raises(ValueError, match="micro_batch_size saved 2 vs now 1"):
+        run_training(_cfg(tmp_path / "e", micro_batch_size=1, resume=str(tmp_path / "a" / "checkpoints")))
+
+
+def test_micro_batching_and_schedule_do_not_change_the_loss(tmp_path):
+    a = run_training(_cfg(tmp_path / "a", steps=2))
+    b = run_training(_cfg(tmp_path / "b", steps=2, micro_batch_size=1, schedule="gpipe"))
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
+
+
+def test_bf16_is_refused_on_cpu_with_a_reason(tmp_path):
+    with pytest.raises(ValueError, match="bfloat16 needs a GPU"):
+        run_training(_cfg(tmp_path, dtype="bfloat16"))
+
+
+def test_single_stage_spec_runs_everything():
+    spec = StageSpec.whole(6, True)
+    assert spec.is_first and spec.is_last and spec.layers == tuple(range(6)) and spec.has_mtp
