@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -196,21 +197,49 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
         return False
     if tuple(src.shape[i] for i in perm) != dst.shape:
         return False
-    widen_bf16 = src_dtype == "bfloat16" and dtype == "float32" and dst.dtype == np.float32
-    out = dst.view(np.uint32) if widen_bf16 else dst  # bf16 -> fp32: copy the bits wide, shift once
+    if src_dtype == "bfloat16" and dtype == "float32" and dst.dtype == np.float32 and sys.byteorder == "little":
+        # bf16 is the high half of fp32: zero the low halves, copy the bits into the high halves
+        # (a same-dtype copy, ~1.6x faster than a widening cast through the transpose)
+        out, conv, zero = dst.view(np.uint16)[..., 1::2], None, True
+    else:
+        out, conv, zero = dst, (None if dtype == src_dtype else dtype), False
 
-    def conv(a: np.ndarray) -> np.ndarray:
-        return a if widen_bf16 else _convert(a, src_dtype, dtype)
+    def put(region: tuple[slice, ...] | Any, a: np.ndarray) -> None:
+        if zero:  # block by block, so the block is still in cache when its high halves land
+            dst[region] = 0
+        out[region] = a if conv is None else _convert(a, src_dtype, conv)
 
     if src.ndim == 2 and perm == [1, 0]:
         rows = max(1, _BLOCK_BYTES // max(1, src.shape[1] * src.itemsize))
-        for r0 in range(0, src.shape[0], rows):
-            out[:, r0 : r0 + rows] = conv(src[r0 : r0 + rows]).T
+
+        def block(r0: int) -> None:  # numpy drops the GIL for these copies: blocks run in parallel
+            put((slice(None), slice(r0, r0 + rows)), src[r0 : r0 + rows].T)
+
+        starts = range(0, src.shape[0], rows)
+        pool = _pool()
+        if pool is not None and len(starts) > 1:
+            list(pool.map(block, starts))
+        else:
+            for r0 in starts:
+                block(r0)
     else:
-        out[...] = conv(np.transpose(src, perm))
-    if widen_bf16:
-        out <<= 16
+        put(Ellipsis, np.transpose(src, perm))
     return True
+
+
+_POOL: Any = None
+
+
+def _pool() -> Any:
+    """Worker threads for block copies (``GLM52_LOAD_THREADS``, default: CPU count up to 8; 1 = off)."""
+    global _POOL
+    if _POOL is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        n = int(os.environ.get("GLM52_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+        _POOL = ThreadPoolExecutor(n, thread_name_prefix="glm52-load") if n > 1 else False
+    return _POOL or None
 
 
 def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict, cache: dict | None):

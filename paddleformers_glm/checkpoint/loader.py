@@ -151,7 +151,8 @@ def load_pretrained_state(
     """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
 
     ``dtype`` is what the model's "model"-dtype parameters must be (router weight and correction
-    bias are always float32); ``None`` accepts whatever the model has. Sources of any float dtype
+    bias are always float32); ``None`` accepts whatever the model has, and so does ``strict=False``
+    (each differing parameter is then filled in its own dtype and named in ``report.warnings``). Sources of any float dtype
     are cast by the engine. ``strict`` refuses missing/unexpected keys (listing the first few and
     the counts) and index inconsistencies; otherwise what can be loaded is, and the report lists the
     rest. ``keys`` / ``key_filter`` restrict loading to some Fleet keys (a pipeline stage) — other
@@ -224,7 +225,9 @@ def load_pretrained_state(
             for k in u.fleet:
                 if k not in want:
                     continue
-                targets[k] = _target_spec(k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict)
+                targets[k] = _target_spec(
+                    k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict, report.warnings
+                )
         # units' other targets (not wanted) still need a spec for the engine's output set
         for u in usable:
             for k in u.fleet:
@@ -254,7 +257,13 @@ def _planned_dtype(kind: str, dtype: str | None, tensor: Any) -> str:
 
 
 def _target_spec(
-    key: str, value: Any, spec: tuple[tuple[int, ...], str], dtype: str | None, shards: Any, strict: bool
+    key: str,
+    value: Any,
+    spec: tuple[tuple[int, ...], str],
+    dtype: str | None,
+    shards: Any,
+    strict: bool,
+    warnings: list[str],
 ) -> TargetSpec:
     shape, kind = spec
     local = getattr(value, "local_tensor", None)
@@ -268,9 +277,12 @@ def _target_spec(
     if dtype is not None:
         want = resolve_dtype(kind, dtype)
         if have != want:
-            raise CheckpointError(
+            err = CheckpointError(
                 "model parameter dtype differs from the requested dtype", key=key, expected=want, actual=have
             )
+            if strict:
+                raise err
+            warnings.append(f"{err}; loaded as {have}")
     if local is not None:
         return TargetSpec(
             key, global_shape, have, tuple(value.local_shape), tuple(value.global_offset), local, list(shards or [])
