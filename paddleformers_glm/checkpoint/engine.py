@@ -151,6 +151,7 @@ def numpy_view(tensor: Any) -> np.ndarray | None:
     return None
 
 
+_NUMPY_OF = {"bfloat16": np.uint16, "float32": np.float32, "float16": np.float16, "float64": np.float64}
 _EXACT_CASTS = {
     ("bfloat16", "float32"),
     ("bfloat16", "float64"),
@@ -195,7 +196,7 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
             dtype = str(pp)
     if dtype != src_dtype and (src_dtype, dtype) not in _EXACT_CASTS:
         return False
-    if tuple(src.shape[i] for i in perm) != dst.shape:
+    if tuple(src.shape[i] for i in perm) != dst.shape or dst.dtype != _NUMPY_OF.get(dtype):
         return False
     if src_dtype == "bfloat16" and dtype == "float32" and dst.dtype == np.float32 and sys.byteorder == "little":
         # bf16 is the high half of fp32: zero the low halves, copy the bits into the high halves

@@ -115,7 +115,7 @@ def _state_of(model: Any) -> Mapping[str, Any]:
 
 
 def check_checkpoint_keys(
-    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], model_dtype: str
+    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]]
 ) -> tuple[list[str], list[str]]:
     """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected)."""
     present = set(ckpt.keys())
@@ -152,8 +152,8 @@ def load_pretrained_state(
 
     ``dtype`` is what the model's "model"-dtype parameters must be (router weight and correction
     bias are always float32); ``None`` accepts whatever the model has, and so does ``strict=False``
-    (each differing parameter is then filled in its own dtype and named in ``report.warnings``). Sources of any float dtype
-    are cast by the engine. ``strict`` refuses missing/unexpected keys (listing the first few and
+    (each differing parameter is then filled in its own dtype and named in ``report.warnings``).
+    Sources of any float dtype are cast by the engine. ``strict`` refuses missing/unexpected keys (listing the first few and
     the counts) and index inconsistencies; otherwise what can be loaded is, and the report lists the
     rest. ``keys`` / ``key_filter`` restrict loading to some Fleet keys (a pipeline stage) — other
     keys are neither read nor required. Values of the state dict may be ``ShardedWeight``s (local
@@ -169,7 +169,7 @@ def load_pretrained_state(
         layout = detect_layout(ckpt.keys(), cfg)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
         src_specs = hf_param_specs(cfg) if layout == "hf" else fleet_param_specs(cfg)
-        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, cfg.model_dtype)
+        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs)
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
@@ -241,8 +241,8 @@ def load_pretrained_state(
                 report.loaded.append(k)
             report.bytes_read = source.bytes_read
         elif backend == "paddle":
-            report.loaded = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
-            report.bytes_read = sum(os.path.getsize(f) for f in ckpt.files)
+            report.loaded, files = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
+            report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
         else:
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
     report.seconds = time.perf_counter() - t0
@@ -296,7 +296,7 @@ def _load_with_paddle(
     direction: str,
     wanted: Mapping[str, TargetSpec],
     all_targets: Mapping[str, TargetSpec],
-) -> list[str]:
+) -> tuple[list[str], set[str]]:
     """Drive ``paddle.distributed.load_state_dict(aoa_config=...)`` from a private folder of links."""
     import paddle
     import paddle.distributed as dist
@@ -337,4 +337,4 @@ def _load_with_paddle(
                 build_sharded_state_dict(sd), folder, aoa_config={"aoa_statements": stmts}, safetensors=True
             )
             loaded.extend(sd)
-    return loaded
+    return loaded, {f for files in by_files for f in files}
