@@ -51,7 +51,11 @@ def token_count(labels: np.ndarray, shift: int, ignore_index: int = -100) -> int
 
 
 class ModelAdapter:
-    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md."""
+    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md.
+
+    The constructor must be cheap (read a config, no weights): the CLI builds one in the parent
+    process only to validate the layout before launching workers.
+    """
 
     name: str = "model"
     num_layers: int = 0  # decoder layers the pipeline splits (MTP excluded)
@@ -61,6 +65,9 @@ class ModelAdapter:
     def parallel_sizes(self) -> dict[str, int | None]:
         """Sizes for ParallelConfig.validate: num_attention_heads, vocab_size, num_experts, ..."""
         return {"vocab_size": self.vocab_size, "num_layers": self.num_layers}
+
+    def check_layout(self, pc: Any) -> None:
+        """Reject parallel layouts this model cannot run yet (raise ParallelConfigError); default: all."""
 
     def layer_kinds(self) -> list[str] | None:
         """Per decoder layer "full" / "shared" (DSA indexer schedule), or None."""

@@ -130,6 +130,7 @@ def run_train(args: argparse.Namespace) -> int:
         pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())
+        adapter.check_layout(pc)
         split_stages(
             adapter.num_layers,
             pc.pp,

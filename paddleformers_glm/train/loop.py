@@ -145,6 +145,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
     pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+    adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
         from ..parallel._compat import bf16_compute_supported
 

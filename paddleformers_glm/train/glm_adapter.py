@@ -1,0 +1,185 @@
+"""GLM-5.2 behind the trainer (``glm52 train --model DIR``), built from the modeling package's own
+submodules.
+
+Interim scope: pipeline parallel (any split, including stages that start on a shared indexer
+layer: the top-k travels in the carry), data parallel, MTP, the indexer KL loss.  Tensor /
+sequence / expert parallel need the modeling package to use ``parallel.layers`` and the expert
+dispatcher (docs/parallel.md, "Integrating GLM-5.2"); until then a layout with tp, ep or etp > 1
+is rejected before any process starts.  Each rank builds the full model and keeps its stage's
+submodules, fine for the tiny checkpoint; the model-side stage module should build only its
+own layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+
+from ..parallel.layers import parallel_cross_entropy
+from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.topology import ParallelConfig, ParallelConfigError, Topology
+from .adapter import LossSpec, ModelAdapter, register_adapter
+
+__all__ = ["GlmAdapter", "GlmStage"]
+
+IGNORE_INDEX = -100
+
+
+def _shifted_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> LossTerm:
+    """HF causal-LM loss as (sum, count): position i predicts labels[i + shift]."""
+    B, S = labels.shape
+    target = paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)[
+        :, :S
+    ]
+    per_tok = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")
+    return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
+
+
+class _Holder(nn.Layer):
+    """Keeps the full model's attribute names (``model.embedding``, ``model.layers.<i>``, ``model.norm``)."""
+
+
+class GlmStage(nn.Layer):
+    """One pipeline stage of GLM-5.2; ``forward(carry, batch) -> StageOutput``; carry = (hidden, top-k)."""
+
+    def __init__(self, config: Any, spec: StageSpec, dtype: str = "float32") -> None:
+        super().__init__()
+        from ..modeling import GlmMoeDsaForCausalLM
+
+        full = GlmMoeDsaForCausalLM(config, dtype=dtype)
+        self.config, self.spec = config, spec
+        L = config.num_hidden_layers
+        self.mtp_ids = list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else []
+        self.model = _Holder()
+        layers = list(full.model.layers)
+        self.model.layers = nn.LayerDict({str(i): layers[i] for i in list(spec.layers) + self.mtp_ids})
+        self.model.rotary_emb = full.model.rotary_emb
+        if spec.has_embedding or spec.has_mtp:
+            self.model.embedding = full.model.embedding
+        if spec.has_head:
+            self.model.norm = full.model.norm
+            self.lm_head = full.lm_head
+
+    def forward(self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor]) -> StageOutput:
+        ids = batch["input_ids"]  # [B, S]
+        mask = batch.get("attention_mask")
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
+        cos, sin = self.model.rotary_emb(pos)
+        if self.spec.has_embedding:
+            hidden, topk = self.model.embedding(ids), None  # [B, S, H]
+        else:
+            hidden, topk = carry
+            topk = topk if topk.shape[-1] else None
+        kls = []
+        for i in self.spec.layers:
+            hidden, topk, kl = self.model.layers[str(i)](hidden, cos, sin, mask, topk)
+            if kl is not None:
+                kls.append(kl)
+        losses: dict[str, LossTerm] = {}
+        if not self.spec.has_head:
+            if kls:
+                losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
+            empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
+            return StageOutput(carry=(hidden, topk if topk is not None else empty), losses=losses or None)
+        labels = batch["labels"]
+        h = self.model.norm(hidden)
+        losses["lm"] = _shifted_loss(self.lm_head(h), labels, 1)
+        B, S = ids.shape
+        for d, li in enumerate(self.mtp_ids, start=1):  # as GlmMoeDsaForCausalLM.mtp_forward
+            mtp = self.model.layers[str(li)]
+            shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
+            h, _, kl = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
+            if kl is not None:
+                kls.append(kl)
+            losses[f"mtp_{d}"] = _shifted_loss(self.lm_head(mtp.norm(h)), labels, d + 1)
+        if kls:
+            losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
+        return StageOutput(losses=losses)
+
+
+class GlmAdapter(ModelAdapter):
+    """``--model DIR``: an official-layout (or Fleet-layout) GLM-5.2 checkpoint folder."""
+
+    name = "glm"
+
+    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
+        from ..configuration import GlmMoeDsaConfig
+
+        self.model_dir, self.dtype = model_dir, dtype
+        self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
+        c = self.config
+        self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
+
+    def parallel_sizes(self) -> dict[str, int | None]:
+        c = self.config
+        return {
+            "num_attention_heads": c.num_attention_heads,
+            "vocab_size": c.vocab_size,
+            "num_experts": c.n_routed_experts,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "num_layers": c.num_hidden_layers,
+        }
+
+    def check_layout(self, pc: ParallelConfig) -> None:
+        if pc.tp > 1 or pc.ep > 1 or pc.etp > 1:
+            raise ParallelConfigError(
+                f"GLM-5.2: tp {pc.tp} / ep {pc.ep} / etp {pc.etp} need the modeling package's tensor- and expert-parallel "
+                "layers, which are not wired in yet (docs/parallel.md, 'Integrating GLM-5.2'); use --tp 1 --ep 1 --etp 1 "
+                "with --pp / --dp"
+            )
+
+    def layer_kinds(self) -> list[str]:
+        return list(self.config.indexer_types)
+
+    def loss_specs(self) -> dict[str, LossSpec]:
+        c = self.config
+        specs = {"lm": LossSpec("tokens", shift=1, weight=1.0, report="losses")}
+        D = c.num_mtp_layers
+        for d in range(1, D + 1):  # out.mtp_loss = mean over depths of each depth's token mean
+            specs[f"mtp_{d}"] = LossSpec(
+                "tokens", shift=d + 1, weight=c.mtp_loss_scaling_factor / D, report="mtp_losses"
+            )
+        if c.indexer_loss_coeff > 0:
+            specs["indexer_kl"] = LossSpec("micro_batches", weight=c.indexer_loss_coeff, report="indexer_losses")
+        return specs
+
+    def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
+        self.check_layout(topo.pc)
+        return GlmStage(self.config, spec, self.dtype)
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        from ..modeling import GlmMoeDsaForCausalLM
+
+        model = GlmMoeDsaForCausalLM.from_pretrained(self.model_dir, dtype="float32")
+        return {k: np.asarray(v.numpy()) for k, v in model.state_dict().items()}
+
+    @property
+    def weights_loaded(self) -> bool:
+        return True
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        with open(os.path.join(self.model_dir, "config.json"), "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        info: dict[str, Any] = {"path": os.path.abspath(self.model_dir), "config_sha256": sha}
+        rev = os.path.join(self.model_dir, "REVISION")
+        if os.path.isfile(rev):
+            with open(rev, encoding="utf-8") as f:
+                info["revision"] = f.read().strip()
+        return info
+
+    def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
+        from ..checkpoint import save_pretrained_state
+
+        state = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full_state.items()}
+        save_pretrained_state(state, self.config, out_dir, layout="hf", dtype=self.config.model_dtype)
+
+
+register_adapter("glm", GlmAdapter)
