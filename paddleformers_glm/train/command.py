@@ -1,8 +1,9 @@
 """``glm52 train``: arguments, and the choice between running in this process (world 1) and
 launching workers through Paddle's launcher.
 
-The glm52 CLI mounts it with ``add_train_arguments(subparser)`` + ``run_train(args)``;
-``python -m paddleformers_glm.train ...`` runs it directly.
+The glm52 CLI mounts it with ``("train", "paddleformers_glm.train.command:register_train")``;
+``python -m paddleformers_glm.train ...`` runs it directly.  Top level stays light (no paddle):
+the CLI imports every subcommand module at start-up.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import json
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
-from .loop import TrainConfig
+if TYPE_CHECKING:
+    from .loop import TrainConfig
 
-__all__ = ["add_train_arguments", "config_from_args", "main", "run_train"]
+__all__ = ["add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +74,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from .loop import TrainConfig
+
     if args.model == "toy":
         model, model_args = (
             "toy",
@@ -183,6 +188,13 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"glm52 train: {e}", file=sys.stderr)
         return e.returncode or 1
     return 0
+
+
+def register_train(sub: argparse._SubParsersAction) -> None:
+    """Add ``train`` to the glm52 CLI (see cli.COMMANDS)."""
+    p = sub.add_parser("train", help="train with TP/PP/EP/ETP/SP/DP on gloo (CPU) or NCCL (GPU); writes OUT/loss.json")
+    add_train_arguments(p)
+    p.set_defaults(func=run_train)
 
 
 def main(argv: list[str] | None = None) -> int:
