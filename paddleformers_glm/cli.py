@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
 
 COMMANDS: list[tuple[str, str]] = [
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    # Paddle's import warns about a compiler cache on every run; it says nothing about the command.
+    warnings.filterwarnings("ignore", message="No ccache found")
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     return int(args.func(args) or 0)
 
