@@ -173,12 +173,13 @@ def _open_side(path: str) -> _Side:
 
 
 def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Candidate tensors in the reference's layout: key -> {hash, dtype, shape, native keys, tags, array}.
+    """Candidate tensors in the reference's layout: key -> {hash, dtype, shape, native keys, tags}.
 
     Same layout: the candidate's own tensors. Different layouts: each mapping unit whose sources
     the candidate has is run through the AOA engine without casts; the result is then expressed in
     the reference's dtype when that is exact (a Paddle fp32 router equal to a bf16 one is not a
-    value difference).
+    value difference). One tensor is in memory at a time; only differing ones are kept, for their
+    max abs diff.
     """
     from ..checkpoint.engine import CheckpointSource, TargetSpec, run_units
     from ..checkpoint.layout import param_specs
@@ -196,53 +197,57 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
     cand_specs = param_specs(config, cand.layout)
     ref_specs = param_specs(config, ref.layout)
     consumed: set[str] = set()
-    source = CheckpointSource(cand.ckpt)
+    usable = []
     for u in hf_units:
-        srcs, tgts = u.sources(direction), u.targets(direction)
+        srcs = u.sources(direction)
         have = [k for k in srcs if k in cand.ckpt]
+        consumed.update(have)
         if len(have) != len(srcs):  # the reference's tensors show up as missing; say why here
+            lacking = [x for x in srcs if x not in cand.ckpt]
             for k in have:
-                lacking = [x for x in srcs if x not in cand.ckpt]
                 diffs.append(
                     {"class": "structural", "what": "unmappable in candidate", "cand_key": k, "lacking": lacking}
                 )
-            consumed.update(have)
             continue
         bad_shape = [k for k in srcs if cand.ckpt.info(k).shape != tuple(cand_specs[k][0])]
-        if bad_shape:
-            for k in bad_shape:
-                diffs.append(
-                    {
-                        "class": "value",
-                        "what": "shape",
-                        "cand_key": k,
-                        "expected": list(cand_specs[k][0]),
-                        "actual": list(cand.ckpt.info(k).shape),
-                    }
-                )
-            consumed.update(srcs)
-            continue
-        dtypes = {st_to_paddle_dtype(cand.ckpt.info(k).dtype) for k in srcs}
-        dt = sorted(dtypes)[0] if len(dtypes) > 1 else next(iter(dtypes))
-        targets = {k: TargetSpec(k, tuple(ref_specs[k][0]), dt) for k in tgts}
-        trace: dict[str, dict[str, Any]] = {}
-        for key, t in run_units([u], direction, source, targets, trace=trace):
-            arr = t.numpy()
-            dtype = paddle_to_st_dtype(t.dtype)
-            ref_info = ref.ckpt.tensors.get(key)
-            if ref_info is not None and ref_info.dtype != dtype:
-                cast = t.astype(st_to_paddle_dtype(ref_info.dtype))
-                if np.array_equal(cast.astype(t.dtype).numpy().view(np.uint8), arr.view(np.uint8)):
-                    arr, dtype = cast.numpy(), ref_info.dtype
-            out[key] = {
-                "hash": tensor_hash(dtype, tuple(arr.shape), np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data),
-                "dtype": dtype,
-                "shape": tuple(arr.shape),
-                "native": trace[key]["sources"],
-                "tags": _naming_kinds(key, trace[key]["sources"], trace[key]["transposed"]),
-                "array": arr,
-            }
-        consumed.update(srcs)
+        for k in bad_shape:
+            diffs.append(
+                {
+                    "class": "value",
+                    "what": "shape",
+                    "cand_key": k,
+                    "expected": list(cand_specs[k][0]),
+                    "actual": list(cand.ckpt.info(k).shape),
+                }
+            )
+        if not bad_shape:
+            usable.append(u)
+    targets = {}
+    for u in usable:  # no casts: each target in its sources' dtype
+        dtypes = sorted({st_to_paddle_dtype(cand.ckpt.info(k).dtype) for k in u.sources(direction)})
+        for k in u.targets(direction):
+            targets[k] = TargetSpec(k, tuple(ref_specs[k][0]), dtypes[0])
+    trace: dict[str, dict[str, Any]] = {}
+    for key, t in run_units(usable, direction, CheckpointSource(cand.ckpt), targets, trace=trace):
+        arr = t.numpy()
+        dtype = paddle_to_st_dtype(t.dtype)
+        ref_info = ref.ckpt.tensors.get(key)
+        exact = arr
+        if ref_info is not None and ref_info.dtype != dtype:
+            cast = t.astype(st_to_paddle_dtype(ref_info.dtype))
+            if np.array_equal(cast.astype(t.dtype).numpy().view(np.uint8), arr.view(np.uint8)):
+                arr, dtype = cast.numpy(), ref_info.dtype
+        h = tensor_hash(dtype, tuple(arr.shape), np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+        out[key] = {
+            "hash": h,
+            "dtype": dtype,
+            "shape": tuple(arr.shape),
+            "native": trace[key]["sources"],
+            "tags": _naming_kinds(key, trace[key]["sources"], trace[key]["transposed"]),
+        }
+        if ref_info is None or h != ref.hashes[key]:  # kept only for the max-abs-diff of a difference
+            out[key]["array"], out[key]["array_dtype"] = exact, paddle_to_st_dtype(t.dtype)
+        del t, arr, exact
     for k in cand.ckpt.keys():  # tensors outside the contract keep their own name
         if k not in consumed and k not in out:
             info = cand.ckpt.info(k)
@@ -357,10 +362,10 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
                 d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
             else:
                 a = _as_float(_ref_array(ref, key), r.dtype)
-                b_arr = c.get("array")
-                if b_arr is None:
-                    b_arr = cand.ckpt.numpy(c["native"][0])  # type: ignore[union-attr]
-                b = _as_float(b_arr, c["dtype"])
+                if "array" in c:
+                    b = _as_float(c["array"], c["array_dtype"])
+                else:
+                    b = _as_float(cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
                 diff = np.abs(a - b)
                 d.update(
                     what="dtype" if c["dtype"] != r.dtype else "bytes",
