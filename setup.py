@@ -4,7 +4,28 @@ Paddle itself is an extra: clusters install `paddlepaddle-gpu` themselves and mu
 onto the CPU wheel; `pip install -e .[cpu]` gives the CPU build used by tests and CI.
 """
 
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithData(build_py):
+    """Ship the repo-level data the library reads at run time (AOA rules, model configs) inside the
+    package, so a non-editable install finds them under paddleformers_glm/_data/."""
+
+    def run(self):
+        super().run()
+        for folder in ("aoa_mappings", "configs"):
+            src = os.path.join(HERE, folder)
+            dst = os.path.join(self.build_lib, "paddleformers_glm", "_data", folder)
+            if os.path.isdir(src):
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(src, dst)
+
 
 setup(
     name="paddleformers_glm",
@@ -16,6 +37,7 @@ setup(
     packages=find_packages(include=["paddleformers_glm", "paddleformers_glm.*"]),
     include_package_data=True,
     package_data={"paddleformers_glm": ["_data/**/*"]},
+    cmdclass={"build_py": BuildPyWithData},
     install_requires=["numpy>=1.24", "safetensors>=0.4.3", "tqdm>=4.60"],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],

@@ -16,7 +16,11 @@ import numpy as np
 from .configuration import GlmMoeDsaConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY_CONFIG = REPO_ROOT / "configs" / "glm52-tiny" / "config.json"
+_CANDIDATES = [
+    Path(__file__).resolve().parent / "_data" / "configs" / "glm52-tiny" / "config.json",  # installed wheel
+    REPO_ROOT / "configs" / "glm52-tiny" / "config.json",  # source tree / editable install
+]
+TINY_CONFIG = next((p for p in _CANDIDATES if p.is_file()), _CANDIDATES[-1])
 
 
 def tiny_config(**overrides) -> GlmMoeDsaConfig:
