@@ -232,7 +232,8 @@ def layout_string(specs: Sequence[StageSpec]) -> str:
     """The ``--pp-layout`` string that reproduces ``specs``."""
     out = []
     for s in specs:
-        units = (["E"] if s.has_embedding else []) + ([f"t*{len(s.layers)}"] if s.layers else [])
+        n = len(s.layers)
+        units = (["E"] if s.has_embedding else []) + (["t" if n == 1 else f"t*{n}"] if n else [])
         units += (["m"] if s.has_mtp else []) + (["L"] if s.has_head else [])
         out.append(",".join(units))
     return "|".join(out)
