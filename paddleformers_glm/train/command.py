@@ -124,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
+    os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")  # before Paddle (and its MKL) loads; AMD fast path
     from ..parallel.pipeline import split_stages
     from ..parallel.topology import ParallelConfig, ParallelConfigError
     from .adapter import make_adapter
@@ -155,7 +156,6 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(cfg.out, exist_ok=True)
     if world == 1 and args.nnodes == 1:
-        os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
         from .loop import run_training
 
         try:
