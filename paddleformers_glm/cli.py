@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("convert", "paddleformers_glm.checkpoint.commands:register_convert"),
     ("make-tiny", "paddleformers_glm.tiny:register_make_tiny"),
     ("demo", "paddleformers_glm.demo:register_demo"),
+    ("train", "paddleformers_glm.train.command:register_train"),
 ]
 
 
