@@ -1,13 +1,13 @@
 """`glm52 demo`: the main job on the embedded default, end to end, leaving receipts in OUT/.
 
 1. make the tiny official-layout checkpoint (deterministic, bf16, two shards)
-2. load it with `from_pretrained` (AOA engine, strict) and run it (eval loss + a few SGD steps)
-3. export it again in the official HF layout and in the Paddle/Fleet layout
-4. prove parity with the checkers: HF export vs source (hash_match, exit 0) and Fleet export vs
-   source (naming differences only, none structural)
-
-When the Fleet training entry point is installed it also trains TP2/PP2 with sequence parallel
-and compares that run with a single-process one (see `run_training_parity`).
+2. load it with `from_pretrained` (AOA engine, strict), run it, export it again in the official HF
+   layout and in the Paddle/Fleet layout, and prove with `check-ckpt` that the HF export equals
+   the source tensor for tensor and that the Fleet export differs by naming only
+3. train it with `glm52 train` in the headline layout (default TP2 / PP2 with sequence parallel,
+   4 CPU processes) and in one process, both exporting the official layout
+4. compare the two runs with `check-loss` (loss for loss, atol 1e-5, plot) and `check-ckpt`
+   (same keys, shapes and dtypes; value differences reported)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
     t0 = time.perf_counter()
     src = out / "tiny-official"
     make_tiny_checkpoint(src, seed=seed)
-    print(f"[1/4] tiny official-layout checkpoint: {src} ({len(list(src.iterdir()))} files)")
+    print(f"[1/5] tiny official-layout checkpoint: {src} ({len(list(src.iterdir()))} files)")
 
     model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
     cfg = model.config
@@ -55,13 +55,13 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
     with paddle.no_grad():
         ev = model(ids, labels=ids)
     summary["eval_loss"], summary["eval_mtp_loss"] = float(ev.loss), float(ev.mtp_loss)
-    print(f"[2/4] loaded ({sum(int(p.numel()) for p in model.parameters())} params); eval loss {float(ev.loss):.6f}")
+    print(f"[2/5] loaded ({sum(int(p.numel()) for p in model.parameters())} params); eval loss {float(ev.loss):.6f}")
 
     # the exports are of the loaded weights, so they must equal the source tensor for tensor
     hf_out, fleet_out = out / "export-hf", out / "export-fleet"
     model.save_pretrained(hf_out, max_shard_size="1MB")
     model.save_pretrained(fleet_out, layout="fleet", max_shard_size="1MB")
-    print(f"[3/4] exported: {hf_out} (official HF layout), {fleet_out} (Paddle/Fleet layout)")
+    print(f"[3/5] exported: {hf_out} (official HF layout), {fleet_out} (Paddle/Fleet layout)")
 
     receipts = {}
     for name, cand, layout in (("hf", hf_out, None), ("fleet", fleet_out, "fleet")):
@@ -86,7 +86,7 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
         opt.clear_grad()
         summary["steps"].append({"step": step, "loss": float(o.loss), "mtp_loss": float(o.mtp_loss)})
     losses = ", ".join(f"{s['loss']:.4f}" for s in summary["steps"])
-    print(f"[4/4] {steps} SGD steps (loss + 0.1 * mtp_loss): {losses}")
+    print(f"[4/5] {steps} SGD steps (loss + 0.1 * mtp_loss): {losses}")
 
     ok = (
         receipts["hf"]["exit_code"] == 0
@@ -97,18 +97,104 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
     summary["ok"] = ok
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     _write_json(out / "summary.json", summary)
-    print(f"demo {'PASSED' if ok else 'FAILED'} in {summary['seconds']} s; receipts in {out}")
+    print(f"      checkpoint checks {'PASSED' if ok else 'FAILED'} ({summary['seconds']} s)")
     return summary
+
+
+def _glm52(args: list[str], log: Path) -> int:
+    """Run a glm52 subcommand in a child process (as a user would), output teed into `log`."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", *args]
+    with open(log, "w", encoding="utf-8") as f:
+        f.write("$ glm52 " + " ".join(args) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy())
+    return proc.returncode
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join("      " + ln for ln in lines[-n:])
+
+
+def run_training_parity(
+    out: Path, layout: list[str], steps: int = 5, seq: int = 64, gbs: int = 4, seed: int = 1234
+) -> dict[str, Any]:
+    """Train the tiny checkpoint in `layout` and in one process; compare with the checkers."""
+    from .parity.ckpt_check import check_checkpoints, summary_lines
+    from .parity.loss_check import check_losses
+
+    src = out / "tiny-official"
+    common = ["--model", str(src), "--steps", str(steps), "--seq-len", str(seq), "--global-batch-size", str(gbs)]
+    common += ["--micro-batch-size", "1", "--seed", str(seed), "--export", "--no-progress"]
+    runs = {"parallel": layout, "single": []}
+    result: dict[str, Any] = {"layout": " ".join(layout)}
+    for name, extra in runs.items():
+        t = time.perf_counter()
+        rc = _glm52(["train", *common, *extra, "--out", str(out / name)], out / f"train-{name}.log")
+        secs = round(time.perf_counter() - t, 1)
+        result[f"{name}_seconds"], result[f"{name}_exit"] = secs, rc
+        if rc != 0:
+            print(f"      glm52 train {' '.join(extra) or '(1 process)'} FAILED (exit {rc}):")
+            print(_tail(out / f"train-{name}.log"))
+            result["ok"] = False
+            return result
+        losses = json.loads((out / name / "loss.json").read_text())["losses"]
+        print(
+            f"      glm52 train {' '.join(extra) or '(1 process)'}: {secs} s, losses {', '.join(f'{x:.6f}' for x in losses)}"
+        )
+
+    loss_rep = check_losses(
+        str(out / "single" / "loss.json"),
+        str(out / "parallel" / "loss.json"),
+        steps=steps,
+        atol=1e-5,
+        rtol=0.0,
+        plot=str(out / "loss-parallel-vs-single.png"),
+    )
+    _write_json(out / "check-loss.json", loss_rep)
+    result["check_loss"] = {k: loss_rep.get(k) for k in ("exit_code", "max_diff", "consistent_steps", "bit_exact")}
+    print(f"      check-loss single vs parallel: exit {loss_rep['exit_code']}, max_diff {loss_rep.get('max_diff'):.3g}")
+
+    ck = check_checkpoints(str(out / "single" / "export"), str(out / "parallel" / "export"))
+    _write_json(out / "check-ckpt-trained.json", ck)
+    counts = ck.get("counts", {})
+    worst = max((d.get("max_abs_diff", 0.0) for d in ck.get("differences", []) if d["class"] == "value"), default=0.0)
+    result["check_ckpt_trained"] = {"exit_code": ck["exit_code"], "counts": counts, "max_abs_diff": worst}
+    print(f"      {summary_lines(ck)[1].strip()}  max_abs_diff={worst:.3g}")
+    result["ok"] = (
+        loss_rep["exit_code"] == 0
+        and ck["exit_code"] in (0, 1)
+        and counts.get("structural", 1) == 0
+        and counts.get("naming", 1) == 0
+        and counts.get("ref_tensors") == counts.get("cand_tensors")
+    )
+    return result
 
 
 def register_demo(sub) -> None:
     p = sub.add_parser("demo", help="run the main job on the embedded tiny checkpoint and prove parity")
     p.add_argument("--out", default="runs/demo", help="output folder for checkpoints and receipts (default runs/demo)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="SGD steps of the in-process check")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--layout",
+        default="--tp 2 --pp 2 --sp",
+        help="glm52 train layout compared with one process (default '--tp 2 --pp 2 --sp'); '' skips training",
+    )
+    p.add_argument("--train-steps", type=int, default=5)
 
     def run(args) -> int:
-        summary = run_parity_demo(Path(args.out), steps=args.steps, seed=args.seed)
+        out = Path(args.out)
+        summary = run_parity_demo(out, steps=args.steps, seed=args.seed)
+        if args.layout.strip():
+            print(f"[5/5] training {args.layout} vs 1 process ({args.train_steps} steps)")
+            summary["training"] = run_training_parity(out, args.layout.split(), steps=args.train_steps)
+            summary["ok"] = summary["ok"] and summary["training"]["ok"]
+            _write_json(out / "summary.json", summary)
+        print(f"demo {'PASSED' if summary['ok'] else 'FAILED'}; receipts in {out}")
         return 0 if summary["ok"] else 1
 
     p.set_defaults(func=run)

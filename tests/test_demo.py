@@ -30,7 +30,7 @@ def test_tiny_checkpoint_is_official_layout_and_deterministic(tmp_path):
 
 def test_demo_command_passes_and_leaves_receipts(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--steps", "2"]) == 0
+    assert main(["demo", "--out", str(out), "--steps", "2", "--layout", ""]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] is True
     assert summary["check_ckpt_hf"] == {"exit_code": 0, "hash_match": True}
