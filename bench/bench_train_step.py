@@ -104,12 +104,31 @@ TINY_CHANGES: dict[str, Any] = {
 
 
 # ----------------------------------------------------------------------------- environment
-def bench_env(threads: int) -> dict[str, str]:
-    """Environment for every subprocess: pinned threads and MKL's fast path on AMD (see module doc)."""
+def cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def bench_env(threads: int, mkl_cpu_type: str) -> dict[str, str]:
+    """Environment for every subprocess: pinned threads and MKL's code path (see module doc).
+
+    mkl_cpu_type "auto": MKL_DEBUG_CPU_TYPE=5 on AMD CPUs only (it selects the AVX2 kernels that
+    Paddle's bundled MKL otherwise withholds from AMD); on Intel AVX-512 CPUs the same setting
+    forces AVX2 and costs Paddle ~35% of its matmul speed. "5": always; "unset": never. A value
+    already in the environment is kept in every mode.
+    """
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
-    env.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+    if "MKL_DEBUG_CPU_TYPE" not in env:
+        if mkl_cpu_type == "5" or (mkl_cpu_type == "auto" and cpu_vendor() == "AuthenticAMD"):
+            env["MKL_DEBUG_CPU_TYPE"] = "5"
     env["GLOG_minloglevel"] = "2"
     env["PYTHONWARNINGS"] = "ignore"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -320,22 +339,28 @@ def module_times(model: Any, step: Any) -> dict[str, float]:
             handles.append(layer.register_forward_pre_hook(pre))
             handles.append(layer.register_forward_post_hook(post))
 
-    core_fn = attn_mod.sparse_attention
+    def timed(fn: Any) -> Any:
+        def core(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            add("attention core fwd", time.perf_counter() - t0)
+            bwd_span(
+                "attention core", [out[0]], [t for t in a if isinstance(t, paddle.Tensor) and t.dtype.name != "INT64"]
+            )
+            return out
 
-    def timed_core(q: Any, k: Any, v: Any, *a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        out = core_fn(q, k, v, *a, **kw)
-        add("attention core fwd", time.perf_counter() - t0)
-        bwd_span("attention core", [out[0]], [q, k, v])
-        return out
+        return core
 
-    attn_mod.sparse_attention = timed_core
+    originals = {name: getattr(attn_mod, name) for name in ("sparse_attention", "sparse_latent_attention")}
+    for name, fn in originals.items():
+        setattr(attn_mod, name, timed(fn))
     try:
         step()  # settle
         acc.clear()
         total, _ = step()
     finally:
-        attn_mod.sparse_attention = core_fn
+        for name, fn in originals.items():
+            setattr(attn_mod, name, fn)
         for h in handles:
             h.remove()
     acc["step"] = total
@@ -348,7 +373,9 @@ def worker_hf(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, thread
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(topk_variant(ckpt, topk), dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(
+        topk_variant(ckpt, topk), dtype=torch.float32, attn_implementation=attn
+    )
     model.train()
     vocab = model.config.vocab_size
     ids = torch.from_numpy(_batch(seqlen, vocab))
@@ -418,6 +445,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
+    p.add_argument(
+        "--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"], help="MKL_DEBUG_CPU_TYPE policy (see doc)"
+    )
     p.add_argument("--skip-hf", action="store_true", help="run our side only")
     p.add_argument("--no-modules", action="store_true", help="skip the per-module time table")
     p.add_argument("--mem-limit-gb", type=float, default=20.0, help="kill a run whose RSS passes this")
@@ -438,7 +468,11 @@ def main() -> None:
         ns.seqlens, ns.topks, ns.runs, ns.steps, ns.warmup = "64,128", "16", 1, 1, 1
     seqlens = [int(s) for s in ns.seqlens.split(",")]
     topks = [int(k) for k in ns.topks.split(",")]
-    env = bench_env(ns.threads)
+    env = bench_env(ns.threads, ns.mkl_cpu_type)
+    print(
+        f"threads {ns.threads}; CPU vendor {cpu_vendor()}; MKL_DEBUG_CPU_TYPE="
+        f"{env.get('MKL_DEBUG_CPU_TYPE', '(unset)')}; HF attn_implementation={ns.hf_attn}"
+    )
     hf = not ns.skip_hf and have_hf()
     if not ns.skip_hf and not hf:
         print("NOTE: torch/transformers not importable: HF side SKIPPED (no comparison made)")
@@ -474,7 +508,10 @@ def main() -> None:
                 if hf:
                     theirs.append(
                         run_worker(
-                            ["--worker", "hf", "--hf-attn", ns.hf_attn, *common, *shape], env, ns.mem_limit_gb, ns.timeout
+                            ["--worker", "hf", "--hf-attn", ns.hf_attn, *common, *shape],
+                            env,
+                            ns.mem_limit_gb,
+                            ns.timeout,
                         )
                     )
             row = {"S": S, "topk": topk, "ours": summarize(ours), "hf": summarize(theirs) if hf else None}
@@ -499,7 +536,9 @@ def print_row(row: dict, flush: bool = False) -> None:
     line = f"S={S:5d} topk={row['topk']:4d}  ours: "
     line += f"{_tok_s(o, S):8.0f} tok/s {o['peak_gb']:.2f} GB" if "step_s" in o else o.get("error", "?")
     if h is not None:
-        line += "  HF: " + (f"{_tok_s(h, S):8.0f} tok/s {h['peak_gb']:.2f} GB" if "step_s" in h else h.get("error", "?"))
+        line += "  HF: " + (
+            f"{_tok_s(h, S):8.0f} tok/s {h['peak_gb']:.2f} GB" if "step_s" in h else h.get("error", "?")
+        )
         if "step_s" in o and "step_s" in h:
             line += f"  ratio {h['step_s'] / o['step_s']:.2f}x"
     print(line, flush=flush)
@@ -508,7 +547,9 @@ def print_row(row: dict, flush: bool = False) -> None:
 def print_tables(results: list[dict], ns: argparse.Namespace) -> None:
     """Markdown tables, ready for docs/performance.md."""
     hf_name = f"HF ({ns.hf_attn})"
-    print(f"| index_topk | S | ours tok/s | {hf_name} tok/s | ours / HF | ours step s | HF step s | ours peak GB | HF peak GB |")
+    print(
+        f"| index_topk | S | ours tok/s | {hf_name} tok/s | ours / HF | ours step s | HF step s | ours peak GB | HF peak GB |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in results:
         S, o, h = row["S"], row["ours"], row["hf"] or {"error": "skipped"}
@@ -533,7 +574,10 @@ def print_tables(results: list[dict], ns: argparse.Namespace) -> None:
         m = row.get("modules")
         if not m:
             continue
-        g = lambda k: m.get(k, 0.0) * 1e3  # noqa: E731
+
+        def g(key: str, m: dict = m) -> float:
+            return m.get(key, 0.0) * 1e3
+
         known = sum(v for k, v in m.items() if k != "step")
         cells = [
             str(row["topk"]),

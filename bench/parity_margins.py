@@ -8,12 +8,15 @@ Why: the parity tests only say pass/fail; a performance change must not eat the 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import paddle
-from safetensors.numpy import load_file
+os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")  # as tests/conftest.py: the MKL code path changes rounding
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,6 +63,10 @@ def margins(case: str) -> dict[str, float]:
 
 
 def main() -> None:
+    if "--per-head" in sys.argv:  # the per-head attention form instead of the latent (MQA) one
+        from paddleformers_glm.modeling.attention import DSACoreAttention
+
+        DSACoreAttention.latent = False
     for case in ("tiny", "tiny_pattern_yarn"):
         for k, v in margins(case).items():
             print(f"{case:18s} {k:22s} {v:.3e}")

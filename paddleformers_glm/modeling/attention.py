@@ -7,8 +7,18 @@
     rope on q[..., nope:] and the single shared k_rot (interleaved per rope_interleave)
     out      = o_proj(sparse_attention(q, k, v, top-k))    [B, S, hidden]
 
-`sparse_attention` gathers only the selected keys per query, in chunks of queries: memory is
-O(S x k) (times a chunk), never an S x S mask. `dense_masked_attention` is the HF-style
+The default path runs the attention in MLA's latent ("MQA") form, as DeepSeek-V3.2 does for DSA:
+since k_nope = W_uk c and v = W_uv c, the per-head scores and outputs can be taken against the
+single shared latent row [c, k_rot] of each key (kv_lora + rope floats) instead of H per-head keys:
+
+    q_lat  = [W_uk^T q_nope, q_rot]                         [B, S, H, kv_lora + rope]
+    o_lat  = softmax(q_lat . [c, k_rot]_sel^T * scale) [c, k_rot]_sel      (k selected keys)
+    out_h  = W_uv[h]^T o_lat[..., :kv_lora]                 [B, S, H, v]
+
+`sparse_latent_attention` gathers kv_lora + rope floats per selected key (not H x (qk + v)), in
+chunks of queries sized to stay in cache, and recomputes the gather in backward instead of saving
+it: memory O(S x k) for the probabilities' recompute inputs, never S x S. `sparse_attention` is the
+per-head form (same maths, H times the gathered bytes), and `dense_masked_attention` the HF-style
 formulation (S x S additive mask) kept as the reference the tests compare against.
 """
 
@@ -16,9 +26,10 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
+from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from .indexer import DSAIndexer
+from .indexer import DSAIndexer, rope_heads
 from .norms import RMSNorm
 from .rope import apply_rope
 
@@ -67,14 +78,175 @@ def sparse_attention(
         scores = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), scores, paddle.zeros_like(scores))
         probs = nn.functional.softmax(scores, axis=-1).astype(v.dtype)
         out = paddle.matmul(probs.unsqueeze(3), v_sel.transpose([0, 1, 3, 2, 4])).squeeze(3)  # [B, C, H, Dv]
-        if not bool(any_valid.all()):
-            mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, Dv]
-            out = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), out, mean_v.expand_as(out))
+        # no host sync on "any row empty?": the select is cheap next to the gather
+        mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, Dv]
+        out = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), out, mean_v.expand_as(out))
         outs.append(out)
         if return_probs:
             probs_out.append(paddle.where(mask, probs.astype("float32"), paddle.zeros_like(probs, "float32")).mean(2))
     out = paddle.concat(outs, axis=1) if len(outs) > 1 else outs[0]
     probs = (paddle.concat(probs_out, axis=1) if len(probs_out) > 1 else probs_out[0]) if return_probs else None
+    return out, probs
+
+
+# Elements of the largest per-chunk intermediate ([rows, k, D] gathered keys or [rows, H, k] scores):
+# 2M floats = 8 MB keeps each chunk's tensors in cache and below glibc's mmap threshold, so they are
+# neither streamed from DRAM nor page-faulted in afresh on every op.
+_CHUNK_ELEMS = 1 << 21
+# Backward reuses the forward's gathered keys and probabilities when they total at most this many
+# elements per call (64 MB); above it they are recomputed per chunk, so saved state stays O(S x k).
+_SAVE_ELEMS = 1 << 24
+
+
+def _rows_per_chunk(n_rows: int, per_row: int, chunk_size: int) -> int:
+    return max(1, min(n_rows, chunk_size, max(16, _CHUNK_ELEMS // max(per_row, 1))))
+
+
+_PREPARED: dict[str, object] = {}
+
+
+def prepare_topk(topk_idx: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """top-k [B, S, k] (-1 = empty) -> (rows [B*S, k] int64, additive mask [B*S, k] fp32).
+
+    `rows` index the table [B*S keys; B mean rows]: a selected key j of batch b is row b*S + j; an
+    empty slot points at any key of its batch and gets mask -inf; a query with no key at all (left
+    padding) points all its slots at its batch's mean row with mask 0, so its softmax is uniform and
+    it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
+    The result depends on the top-k only, so layers sharing one top-k reuse it (identity cache).
+    """
+    if _PREPARED.get("key") is topk_idx:
+        return _PREPARED["value"]  # type: ignore[return-value]
+    with paddle.no_grad():
+        B, S, K = topk_idx.shape
+        valid = topk_idx >= 0
+        has_key = valid.any(axis=-1, keepdim=True).expand([B, S, K])
+        base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, S, K])
+        mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, S, K])
+        rows = paddle.where(valid, topk_idx + base, paddle.where(has_key, base, mean_row))
+        live = paddle.logical_or(valid, paddle.logical_not(has_key))
+        mask = paddle.where(live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32"))
+        out = (rows.reshape([B * S, K]), mask.reshape([B * S, K]))
+    _PREPARED["key"], _PREPARED["value"] = topk_idx, out
+    return out
+
+
+def _chunk_probs(
+    q: paddle.Tensor, table: paddle.Tensor, rows: paddle.Tensor, mask: paddle.Tensor
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(probabilities [C, H, k], gathered keys [C, k, D]) for a chunk of (pre-scaled) queries.
+
+    In-place ops and an explicit `expand` of the mask: Paddle's CPU broadcasting over a middle axis
+    is ~10x slower than a same-shape op, and fresh allocations cost page faults.
+    """
+    C, K = rows.shape
+    H = q.shape[1]
+    ks = paddle.gather(table, rows.reshape([-1])).reshape([C, K, table.shape[-1]])
+    s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, K]
+    s.add_(mask.unsqueeze(1).expand([C, H, K]))
+    return nn.functional.softmax_(s, axis=-1), ks
+
+
+def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.Tensor) -> paddle.Tensor:
+    """zeros_like(table) with grad_rows [C, k, D] summed into rows [C, k]: the embedding backward.
+
+    Paddle's dense embedding-grad kernel does this ~4x faster than `index_add`; `index_add` is the
+    fallback where that op is not exposed.
+    """
+    if _EMBEDDING_GRAD is not None:
+        return _EMBEDDING_GRAD(rows, table, grad_rows, -1, False)
+    return paddle.index_add(paddle.zeros_like(table), rows.reshape([-1]), 0, grad_rows.reshape([-1, table.shape[-1]]))
+
+
+_EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
+
+
+class _SparseLatentAttention(PyLayer):
+    """softmax(q . t[rows]^T * scale + mask) t[rows] over a gathered key table t, chunked over queries.
+
+    When small (_SAVE_ELEMS) the gathered keys and probabilities are kept for backward; otherwise
+    backward recomputes them per chunk, so the saved state is O(S x (H x D + k)), never the
+    O(S x k x D) gathered keys.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: object,
+        q: paddle.Tensor,
+        table: paddle.Tensor,
+        rows: paddle.Tensor,
+        mask: paddle.Tensor,
+        scale: float,
+        chunk: int,
+        want_probs: bool,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        N, H, D = q.shape
+        K = rows.shape[1]
+        qs = q * scale  # scaling the queries costs D/k of scaling the scores
+        keep = N * K * (D + H) <= _SAVE_ELEMS
+        outs, probs, kept = [], [], []
+        for r0 in range(0, N, chunk):
+            r1 = min(N, r0 + chunk)
+            p, ks = _chunk_probs(qs[r0:r1], table, rows[r0:r1], mask[r0:r1])
+            outs.append(paddle.matmul(p, ks))  # [C, H, D]
+            if want_probs:
+                probs.append(p.mean(axis=1))
+            if keep:
+                kept.append((p, ks))
+        ctx.save_for_backward(qs, table, rows, mask)
+        ctx.scale, ctx.chunk, ctx.kept = scale, chunk, kept
+        out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
+        pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
+        ctx.mark_non_differentiable(pr)
+        return out, pr
+
+    @staticmethod
+    def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
+        qs, table, rows, mask = ctx.saved_tensor()
+        scale, chunk, kept = ctx.scale, ctx.chunk, ctx.kept
+        ctx.kept = []
+        N, H, D = qs.shape
+        K = rows.shape[1]
+        dq, dtable = [], None
+        for i, r0 in enumerate(range(0, N, chunk)):
+            r1 = min(N, r0 + chunk)
+            qc, gc, rc = qs[r0:r1], g[r0:r1], rows[r0:r1]
+            p, ks = kept[i] if kept else _chunk_probs(qc, table, rc, mask[r0:r1])
+            C = r1 - r0
+            dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, K]
+            dp.subtract_((p * dp).sum(axis=-1, keepdim=True).expand([C, H, K]))
+            ds = dp.multiply_(p)  # softmax backward: p * (dp - sum(p * dp))
+            dq.append(paddle.matmul(ds, ks).scale_(scale))  # [C, H, D]
+            # d(ks) = ds^T qs + p^T g as one batched matmul over the stacked heads
+            dks = paddle.matmul(paddle.concat([ds, p], axis=1), paddle.concat([qc, gc], axis=1), transpose_x=True)
+            part = _scatter_rows(table, rc, dks)
+            dtable = part if dtable is None else dtable.add_(part)
+        return (paddle.concat(dq, axis=0) if len(dq) > 1 else dq[0]), dtable
+
+
+def sparse_latent_attention(
+    q: paddle.Tensor,
+    kv: paddle.Tensor,
+    topk_idx: paddle.Tensor,
+    scale: float,
+    chunk_size: int = 1024,
+    return_probs: bool = False,
+) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """Sparse attention with one key/value row shared by all heads (MLA's latent / MQA form).
+
+    q [B, S, H, D]; kv [B, S, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
+    Returns out [B, S, H, D] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
+    slots). A query with no valid key gets the mean of all values (HF eager's all-masked softmax).
+    """
+    B, S, H, D = q.shape
+    K = topk_idx.shape[-1]
+    rows, mask = prepare_topk(topk_idx)
+    table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
+    chunk = _rows_per_chunk(B * S, K * max(D, H), chunk_size)
+    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, rows, mask, scale, chunk, return_probs)
+    out = out.reshape([B, S, H, D])
+    if not return_probs:
+        return out, None
+    probs = paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
     return out, probs
 
 
@@ -95,6 +267,18 @@ def dense_masked_attention(
 
 class DSACoreAttention(nn.Layer):
     """The sparse core of the attention: the layer's own indexer (full layers only) + sparse softmax."""
+
+    # Which sparse form runs: True = latent (MQA) over [c, k_rot]; False = per-head keys and values;
+    # None (default) = per-head while its gathered keys/values are small (it is the association HF
+    # uses, which the parity fixtures pin at 1e-5), latent once they pass LATENT_MIN_ELEMS.
+    latent: bool | None = None
+    LATENT_MIN_ELEMS = 1 << 23
+
+    def use_latent(self, batch: int, seq: int, topk: int, per_key: int) -> bool:
+        """Latent form when the per-head form would gather more than LATENT_MIN_ELEMS floats."""
+        if self.latent is not None:
+            return bool(self.latent)
+        return batch * seq * topk * per_key > self.LATENT_MIN_ELEMS
 
     def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool) -> None:
         super().__init__()
@@ -145,17 +329,12 @@ class MLAttention(nn.Layer):
         always use `prev_topk`.
         """
         B, S = x.shape[0], x.shape[1]
+        H = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S, q_lora]
-        q = self.q_b_proj(q_latent).reshape([B, S, self.num_heads, self.qk_dim])
-        q_nope, q_rot = q[..., : self.nope], q[..., self.nope :]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, S, kv_lora + rope]
-        c, k_rot = ckv[..., : self.kv_lora], ckv[..., self.kv_lora :]
-        kv = self.kv_b_proj(self.kv_a_layernorm(c)).reshape([B, S, self.num_heads, self.nope + self.v_dim])
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
-        q_rot = apply_rope(q_rot, cos, sin, self.interleave)
-        k_rot = apply_rope(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
-        query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
-        key = paddle.concat([k_nope, k_rot.expand([B, S, self.num_heads, self.rope_dim])], axis=-1)
+        c, k_rot = paddle.split(ckv, [self.kv_lora, self.rope_dim], axis=-1)
+        c = self.kv_a_layernorm(c)
+        k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
 
         core = self.core_attention
         run_indexer = core.indexer is not None and not reuse_topk
@@ -167,10 +346,60 @@ class MLAttention(nn.Layer):
             topk = prev_topk
 
         want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
-        if dense_reference:
-            out, probs = dense_masked_attention(query, key, v, topk, core.scale), None
+        per_key = H * (self.qk_dim + self.v_dim)
+        if not dense_reference and core.use_latent(B, S, topk.shape[-1], per_key):
+            out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
         else:
-            out, probs = sparse_attention(query, key, v, topk, core.scale, core.chunk_size, return_probs=want_kl)
+            q = self.q_b_proj(q_latent).reshape([B, S, H, self.qk_dim])
+            q_nope, q_rot = q[..., : self.nope], q[..., self.nope :]
+            q_rot = apply_rope(q_rot, cos, sin, self.interleave)
+            kv = self.kv_b_proj(c).reshape([B, S, H, self.nope + self.v_dim])
+            k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+            query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
+            key = paddle.concat([k_nope, k_rot.expand([B, S, H, self.rope_dim])], axis=-1)
+            if dense_reference:
+                out, probs = dense_masked_attention(query, key, v, topk, core.scale), None
+            else:
+                out, probs = sparse_attention(query, key, v, topk, core.scale, core.chunk_size, return_probs=want_kl)
+            out = self.o_proj(out.reshape([B, S, H * self.v_dim]))
         kl = core.indexer.kl_loss(x, q_latent, cos, sin, topk, probs) if want_kl else None
-        out = self.o_proj(out.reshape([B, S, self.num_heads * self.v_dim]))
         return out, topk, kl
+
+    def _latent_attention(
+        self,
+        q_latent: paddle.Tensor,
+        c: paddle.Tensor,
+        k_rot: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        topk: paddle.Tensor,
+        want_probs: bool,
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """The latent form (see the module doc) -> (o_proj output [B, S, hidden], probabilities or None).
+
+        kv_b_proj is folded into the neighbouring weights once per step (products of small weight
+        matrices), so every activation-sized op is a plain GEMM on contiguous data:
+        W_uk into q_b_proj (q_lat = q_latent [W_q_nope[h] W_uk[h]^T]_h) and W_uv into o_proj
+        (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat).
+        """
+        B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
+        L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
+        QL, hidden = q_latent.shape[-1], self.o_proj.weight.shape[1]
+        wq_nope, wq_rot = paddle.split(self.q_b_proj.weight.reshape([QL, H, dn + dr]), [dn, dr], axis=-1)
+        wkv = self.kv_b_proj.weight.reshape([L, H, dn + dv]).transpose([1, 0, 2])  # [H, L, dn + v]
+        w_uk, w_uv = paddle.split(wkv, [dn, dv], axis=-1)  # [H, L, dn], [H, L, v]
+        w_q = paddle.matmul(wq_nope.transpose([1, 0, 2]), w_uk, transpose_y=True)  # [H, QL, L]
+        q_abs = paddle.matmul(q_latent, w_q.transpose([1, 0, 2]).reshape([QL, H * L])).reshape([B, S, H, L])
+        q_rot = paddle.matmul(q_latent, wq_rot.reshape([QL, H * dr])).reshape([B, S, H, dr])
+        q_lat = paddle.concat([q_abs, rope_heads(q_rot, cos, sin, self.interleave)], axis=-1)  # [B, S, H, L + rope]
+        kv_lat = paddle.concat([c, k_rot.squeeze(2)], axis=-1)  # [B, S, L + rope]
+        core = self.core_attention
+        o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
+        w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden]))  # [H, L, hidden]
+        w_o = paddle.concat([w_o, paddle.zeros([H, dr, hidden], dtype=w_o.dtype)], axis=1).reshape(
+            [H * (L + dr), hidden]
+        )
+        out = paddle.matmul(o.reshape([B, S, H * (L + dr)]), w_o)
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        return out, probs

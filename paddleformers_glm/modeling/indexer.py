@@ -10,7 +10,9 @@ layers reuse the top-k of the nearest full layer before them (see configuration.
     w   = weights_proj(x) * Hi^-0.5 [B, S, Hi]
     idx = sum_h w * s  (+ causal / padding mask)  -> top-k over keys, k = min(index_topk, T)
 
-Queries are processed in chunks so memory is O(S x chunk), never O(S^2). Selection runs without
+Queries are processed in chunks so memory is O(S x chunk), never O(S^2); a chunk of queries
+[c0, c1) is scored against keys < c1 only (causality), so the work is ~S^2/2, and the chunk is sized
+to keep its [C, Hi, c1] scores at a few MB (cache-resident, no page faults). Selection runs without
 gradient (as in HF): the main loss trains no indexer weight. The optional KL "indexer loss"
 (DeepSeek-V3.2 / Megatron `dsa_indexer_loss_coeff`) trains it against the detached main attention.
 
@@ -26,15 +28,38 @@ from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
 from .norms import LayerNorm
-from .rope import apply_rope
 
 NEG_INF = float("-inf")
+# Largest per-chunk score block [C, Hi, keys] in elements (8 MB of fp32).
+_CHUNK_ELEMS = 1 << 21
+
+_ROPE_CACHE: dict[str, object] = {}
+
+
+def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interleave: bool) -> paddle.Tensor:
+    """`rope.apply_rope` for x [B, S, H, dim]: element for element the same arithmetic, but cos/sin
+    are expanded to the H heads once per table (cached) instead of broadcast in every multiply;
+    Paddle's CPU broadcasting over a middle axis is ~30x slower than a same-shape multiply."""
+    B, S, H, r = x.shape
+    hit = _ROPE_CACHE.get("key")
+    if hit is not None and hit[0] is cos and hit[1] is sin and hit[2] == (H, x.dtype):  # type: ignore[index]
+        c, s_ = _ROPE_CACHE["value"]  # type: ignore[misc]
+    else:
+        c = cos.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
+        s_ = sin.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
+        _ROPE_CACHE["key"], _ROPE_CACHE["value"] = (cos, sin, (H, x.dtype)), (c, s_)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = paddle.split(x, 2, axis=-1)
+    return paddle.concat([x1 * c - x2 * s_, x2 * c + x1 * s_], axis=-1)
 
 
 def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tensor | None) -> paddle.Tensor:
     """bool [B|1, C, T]: key j is visible from query i (j <= i and j not padding)."""
     keys = paddle.arange(n_keys, dtype="int64")
-    valid = keys.unsqueeze(0) <= query_pos.unsqueeze(-1)  # [C, T]
+    C = query_pos.shape[0]
+    valid = keys.unsqueeze(0).expand([C, n_keys]) <= query_pos.unsqueeze(-1).expand([C, n_keys])  # [C, T]
     valid = valid.unsqueeze(0)
     if key_padding is not None:
         valid = paddle.logical_and(valid, key_padding[:, :n_keys].astype("bool").unsqueeze(1))
@@ -64,16 +89,25 @@ class DSAIndexer(nn.Layer):
         q = self.wq_b(q_latent).reshape([B, S, self.n_heads, self.head_dim])
         k = self.k_norm(self.wk(x)).unsqueeze(2)  # [B, S, 1, Di]
         r = self.rope_dim
-        q = paddle.concat([apply_rope(q[..., :r], cos, sin, self.interleave), q[..., r:]], axis=-1)
-        k = paddle.concat([apply_rope(k[..., :r], cos, sin, self.interleave), k[..., r:]], axis=-1).squeeze(2)
+        q_rot, q_pass = paddle.split(q, [r, self.head_dim - r], axis=-1)
+        k_rot, k_pass = paddle.split(k, [r, self.head_dim - r], axis=-1)
+        q = paddle.concat([rope_heads(q_rot, cos, sin, self.interleave), q_pass], axis=-1)
+        k = paddle.concat([rope_heads(k_rot, cos, sin, self.interleave), k_pass], axis=-1).squeeze(2)
         w = self.weights_proj(x.astype(self.weights_proj.weight.dtype)).astype("float32") * (self.n_heads**-0.5)
         return q.astype("float32"), k.astype("float32"), w
 
     def chunk_scores(self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        """index scores [B, C, T] for a chunk of queries q [B,C,Hi,Di] against keys k [B,T,Di]."""
-        s = paddle.matmul(q, k.unsqueeze(1), transpose_y=True) * self.softmax_scale  # [B, C, Hi, T]
-        s = nn.functional.relu(s)
-        return paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, C, T]
+        """index scores [B, C, T] for a chunk of queries q [B,C,Hi,Di] against keys k [B,T,Di].
+
+        One GEMM for all heads of the chunk ([C*Hi, Di] x [Di, T]), relu in place, and the softmax
+        scale folded into the head weights (relu(s * a) = a * relu(s) for a > 0).
+        """
+        B, C, Hi, Di = q.shape
+        T = k.shape[1]
+        s = paddle.matmul(q.reshape([B, C * Hi, Di]), k, transpose_y=True)  # [B, C*Hi, T]
+        s = nn.functional.relu_(s)
+        w = (w * self.softmax_scale).reshape([B * C, 1, Hi])
+        return paddle.matmul(w, s.reshape([B * C, Hi, T])).reshape([B, C, T])
 
     def forward(
         self,
@@ -88,19 +122,23 @@ class DSAIndexer(nn.Layer):
             q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
             B, S = x.shape[0], x.shape[1]
             k_out = min(self.topk, S)
-            chunk = max(1, min(S, self.chunk_size))
+            chunk = max(1, min(S, self.chunk_size, max(16, _CHUNK_ELEMS // (self.n_heads * S))))
+            pad = None if key_padding is None else key_padding.astype("bool")
             pieces = []
             for c0 in range(0, S, chunk):
                 c1 = min(S, c0 + chunk)
+                C = c1 - c0
                 # causal: queries < c1 see keys < c1 only
                 scores = self.chunk_scores(q[:, c0:c1], k[:, :c1], w[:, c0:c1])  # [B, C, c1]
-                valid = key_validity(paddle.arange(c0, c1, dtype="int64"), c1, key_padding)
-                scores = paddle.where(valid, scores, paddle.full_like(scores, NEG_INF))
+                valid = key_validity(paddle.arange(c0, c1, dtype="int64"), c1, None).expand([B, C, c1])
+                if pad is not None:
+                    valid = paddle.logical_and(valid, pad[:, :c1].unsqueeze(1).expand([B, C, c1]))
+                scores = paddle.where(valid, scores, paddle.full([B, C, c1], NEG_INF, scores.dtype))
                 kk = min(k_out, c1)
                 vals, idx = paddle.topk(scores, kk, axis=-1)
-                idx = paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+                idx = paddle.where(paddle.isinf(vals), paddle.full([B, C, kk], -1, dtype="int64"), idx)
                 if kk < k_out:
-                    idx = paddle.concat([idx, paddle.full([B, c1 - c0, k_out - kk], -1, dtype="int64")], axis=-1)
+                    idx = paddle.concat([idx, paddle.full([B, C, k_out - kk], -1, dtype="int64")], axis=-1)
                 pieces.append(idx)
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 

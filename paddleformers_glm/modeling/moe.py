@@ -7,7 +7,12 @@ Router (always fp32, REFERENCE §1):
     experts = top-k of `choice` inside the kept groups
     weights = s[experts] (/ sum if norm_topk_prob) * routed_scaling_factor
 Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns first) like the Fleet layout.
-Tokens are sorted by expert once and each expert runs one matmul on its contiguous slice.
+
+Routed compute: the (token, expert) assignments are sorted by expert once (one gather of the
+inputs, split into per-expert views); each expert runs one matmul pair on its rows and adds its
+weighted output into the result in place, in ascending expert order like HF's per-expert
+`index_add_`, so the sums are bitwise the same. `MoE.grouped = True` runs all experts as two
+batched matmuls over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ class SwiGLUMLP(nn.Layer):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias_attr=False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        gate_up = self.up_gate_proj(x)
-        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
+        gate, up = paddle.split(self.up_gate_proj(x), 2, axis=-1)  # one split: its grad is one concat
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -83,24 +87,70 @@ class MoE(nn.Layer):
         self.experts = nn.LayerList([SwiGLUMLP(H, I) for _ in range(self.num_experts)])
         self.shared_experts = SwiGLUMLP(H, I * config.n_shared_experts) if config.n_shared_experts else None
 
+    # False (default): one matmul per expert on its sorted rows, results added in place per expert;
+    # True: padded batched matmuls over all experts. Same routing, same sums; bench/bench_moe.py
+    # measured the loop as fast or faster on CPU (the padding and weight stacking cost what the
+    # fewer launches save), and it is bitwise the original/HF accumulation.
+    grouped = False
+
     def routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
-        """sum_k w_k * expert_{e_k}(x) for x [N, H], one matmul per expert on its sorted slice."""
+        """sum_k w_k * expert_{e_k}(x) for x [N, H], each token's terms added in ascending expert order
+        (the order of HF's per-expert `index_add_`, so the sums are bitwise the same)."""
         N, K = expert_ids.shape
-        flat_e = expert_ids.reshape([-1])
-        order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token order
-        token_of = (order // K).astype("int64")
-        counts = paddle.bincount(flat_e, minlength=self.num_experts).tolist()  # one host sync per layer
-        x_sorted = paddle.gather(x, token_of)
-        w_sorted = paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+        with paddle.no_grad():
+            flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
+            order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
+            counts = paddle.bincount(flat_e, minlength=self.num_experts)
+        if self.grouped:
+            return self._grouped(x, weights, expert_ids, order, counts)
+        sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
+        with paddle.no_grad():
+            tokens = paddle.split(order // K, sizes) if len(sizes) > 1 else [order // K]
+        w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype).unsqueeze(-1)
+        x_sorted = paddle.gather(x, order // K)
+        xs = paddle.split(x_sorted, sizes) if len(sizes) > 1 else [x_sorted]
+        ws = paddle.split(w_sorted, sizes) if len(sizes) > 1 else [w_sorted]
         out = paddle.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            end = start + n
-            y = self.experts[e](x_sorted[start:end]) * w_sorted[start:end].astype(x.dtype)
-            out = paddle.index_add(out, token_of[start:end], 0, y)
-            start = end
+        for e, n in enumerate(sizes):
+            if n:
+                out.index_add_(tokens[e], 0, self.experts[e](xs[e]) * ws[e])
+        return out
+
+    def _grouped(
+        self,
+        x: paddle.Tensor,
+        weights: paddle.Tensor,
+        expert_ids: paddle.Tensor,
+        order: paddle.Tensor,
+        counts: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """The routed sum from two batched matmuls over a zero-padded [E, capacity, H] layout."""
+        E, H = self.num_experts, x.shape[-1]
+        N, K = expert_ids.shape
+        NK = N * K
+        cap = int(counts.max())  # the one host read: the padded block's shape
+        with paddle.no_grad():
+            flat_e = expert_ids.reshape([-1])
+            starts = paddle.cumsum(counts) - counts
+            e_sorted = paddle.gather(flat_e, order)
+            slot = e_sorted * cap + (paddle.arange(NK, dtype="int64") - paddle.gather(starts, e_sorted))
+            # padded slot -> token row (row N of the extended input is zeros), assignment -> slot
+            token_of_slot = paddle.scatter(paddle.full([E * cap], N, dtype="int64"), slot, order // K)
+            slot_of_assign = paddle.scatter(paddle.zeros([NK], dtype="int64"), order, slot).reshape([N, K])
+            perm = paddle.argsort(expert_ids, axis=-1)  # a token's experts in ascending id order
+            slot_of_assign = paddle.take_along_axis(slot_of_assign, perm, axis=-1).reshape([-1])
+        x_ext = paddle.concat([x, paddle.zeros([1, H], dtype=x.dtype)], axis=0)
+        x_pad = paddle.gather(x_ext, token_of_slot).reshape([E, cap, H])
+        w1 = paddle.stack([e.up_gate_proj.weight for e in self.experts])  # [E, H, 2I]
+        w2 = paddle.stack([e.down_proj.weight for e in self.experts])  # [E, I, H]
+        gate, up = paddle.split(paddle.matmul(x_pad, w1), 2, axis=-1)
+        y = paddle.matmul(nn.functional.silu(gate) * up, w2)  # [E, cap, H]
+        w = paddle.take_along_axis(weights, perm, axis=-1).astype(x.dtype)  # [N, K]
+        y = paddle.gather(y.reshape([E * cap, H]), slot_of_assign).reshape([N, K, H]) * w.unsqueeze(-1)
+        parts = paddle.unbind(y, axis=1)
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part
         return out
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
