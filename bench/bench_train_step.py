@@ -367,7 +367,9 @@ def module_times(model: Any, step: Any) -> dict[str, float]:
     return acc
 
 
-def worker_hf(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, attn: str) -> dict:
+def worker_hf(
+    ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, attn: str, grad_ckpt: bool
+) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -376,6 +378,8 @@ def worker_hf(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, thread
     model = AutoModelForCausalLM.from_pretrained(
         topk_variant(ckpt, topk), dtype=torch.float32, attn_implementation=attn
     )
+    if grad_ckpt:  # HF's own memory saver: recompute each decoder layer in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     vocab = model.config.vocab_size
     ids = torch.from_numpy(_batch(seqlen, vocab))
@@ -397,7 +401,14 @@ def worker_hf(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, thread
     for _ in range(steps):
         dt, loss = step()
         times.append(dt)
-    return {"times": times, "loss": loss, "peak_gb": _peak_gb(), "load_gb": load_gb, "attn": attn}
+    return {
+        "times": times,
+        "loss": loss,
+        "peak_gb": _peak_gb(),
+        "load_gb": load_gb,
+        "attn": attn,
+        "grad_ckpt": grad_ckpt,
+    }
 
 
 def worker_main(ns: argparse.Namespace) -> None:
@@ -406,7 +417,7 @@ def worker_main(ns: argparse.Namespace) -> None:
     elif ns.worker == "ours":
         res = worker_ours(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.modules)
     else:
-        res = worker_hf(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.hf_attn)
+        res = worker_hf(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.hf_attn, ns.grad_ckpt)
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -460,6 +471,7 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, help=argparse.SUPPRESS)
     p.add_argument("--topk", type=int, help=argparse.SUPPRESS)
     p.add_argument("--modules", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--grad-ckpt", action="store_true", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.worker:
         worker_main(ns)

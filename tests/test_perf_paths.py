@@ -156,6 +156,26 @@ def test_indexer_chunking_does_not_change_the_selection(chunk):
     np.testing.assert_array_equal(np.sort(got, -1), np.sort(ref, -1))
 
 
+def test_fast_rms_norm_equals_the_layer_bitwise():
+    norm = tiny_model(seed=7).model.decoder_layers[0].self_attn.q_a_layernorm
+    x = paddle.to_tensor(np.random.default_rng(8).standard_normal((2, 9, norm.weight.shape[0])).astype("float32"))
+    np.testing.assert_array_equal(attn.rms_norm(norm, x).numpy(), norm(x).numpy())
+
+
+def test_rope_heads_equals_apply_rope_bitwise():
+    from paddleformers_glm.modeling.indexer import rope_heads
+    from paddleformers_glm.modeling.rope import apply_rope
+
+    rng = np.random.default_rng(9)
+    x = paddle.to_tensor(rng.standard_normal((2, 7, 3, 16)).astype("float32"))
+    cos = paddle.to_tensor(rng.standard_normal((2, 7, 8)).astype("float32"))
+    sin = paddle.to_tensor(rng.standard_normal((2, 7, 8)).astype("float32"))
+    for interleave in (True, False):
+        np.testing.assert_array_equal(
+            rope_heads(x, cos, sin, interleave).numpy(), apply_rope(x, cos, sin, interleave).numpy()
+        )
+
+
 def test_prepared_topk_is_cached_per_tensor_and_not_shared_across_tensors():
     _, _, idx = _latent_case(empty_rows=1)
     a = attn.prepare_topk(idx)

@@ -48,8 +48,8 @@ def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interle
         c = cos.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
         s_ = sin.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
         _ROPE_CACHE["key"], _ROPE_CACHE["value"] = (cos, sin, (H, x.dtype)), (c, s_)
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
+    if interleave:  # pairs (x0, x1), (x2, x3), ...: unbind's gradient (a stack) beats two strided-slice grads
+        x1, x2 = paddle.unbind(x.reshape([B, S, H, r // 2, 2]), axis=-1)
     else:
         x1, x2 = paddle.split(x, 2, axis=-1)
     return paddle.concat([x1 * c - x2 * s_, x2 * c + x1 * s_], axis=-1)

@@ -33,8 +33,14 @@ class SwiGLUMLP(nn.Layer):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias_attr=False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        gate, up = paddle.split(self.up_gate_proj(x), 2, axis=-1)  # one split: its grad is one concat
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return swiglu_ffn(x, self)
+
+
+def swiglu_ffn(x: paddle.Tensor, mlp: SwiGLUMLP) -> paddle.Tensor:
+    """SwiGLUMLP's maths on its weights, without two sub-Layer calls (~30 us of Python each, which
+    adds up over a loop of experts); one split, whose gradient is one concat."""
+    gate, up = paddle.split(nn.functional.linear(x, mlp.up_gate_proj.weight), 2, axis=-1)
+    return nn.functional.linear(nn.functional.silu(gate) * up, mlp.down_proj.weight)
 
 
 class TopkRouter(nn.Layer):
@@ -113,7 +119,7 @@ class MoE(nn.Layer):
         out = paddle.zeros_like(x)
         for e, n in enumerate(sizes):
             if n:
-                out.index_add_(tokens[e], 0, self.experts[e](xs[e]) * ws[e])
+                out.index_add_(tokens[e], 0, swiglu_ffn(xs[e], self.experts[e]) * ws[e])
         return out
 
     def _grouped(
