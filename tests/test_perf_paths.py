@@ -31,8 +31,16 @@ def _latent_case(B=2, S=40, H=3, D=12, K=7, seed=0, empty_rows=0):
     return q, kv, paddle.to_tensor(idx)
 
 
+@pytest.fixture(params=["gather", "dense", "mixed"])
+def chunk_mode(request, monkeypatch):
+    """Every query chunk gathered, every chunk dense (GEMM against all its keys), or the default mix."""
+    ratio = {"gather": 0.0, "dense": 1e9, "mixed": attn._DENSE_KEYS_PER_SLOT}[request.param]
+    monkeypatch.setattr(attn, "_DENSE_KEYS_PER_SLOT", ratio)
+    return request.param
+
+
 @pytest.mark.parametrize("chunk", [1024, 7, 1])
-def test_latent_sparse_equals_dense_masked_with_empty_rows(chunk):
+def test_latent_sparse_equals_dense_masked_with_empty_rows(chunk, chunk_mode):
     q, kv, idx = _latent_case(empty_rows=3)
     B, S, H, D = q.shape
     kh = kv.unsqueeze(2).expand([B, S, H, D])
@@ -43,7 +51,7 @@ def test_latent_sparse_equals_dense_masked_with_empty_rows(chunk):
 
 
 @pytest.mark.parametrize("save", [True, False])
-def test_latent_sparse_gradients_equal_dense_masked(save, monkeypatch):
+def test_latent_sparse_gradients_equal_dense_masked(save, chunk_mode, monkeypatch):
     """Both backward modes (saved gather / recomputed gather) give the dense reference's gradients.
 
     (Rows with no key at all are left out: their output is a constant, the mean of the values, so
@@ -69,9 +77,9 @@ def test_latent_sparse_gradients_equal_dense_masked(save, monkeypatch):
     np.testing.assert_allclose(grads[0][1], grads[1][1], atol=2e-5)
 
 
-def test_latent_probs_sum_to_one_over_valid_slots():
+def test_latent_probs_sum_to_one_over_valid_slots(chunk_mode):
     q, kv, idx = _latent_case()
-    _, probs = sparse_latent_attention(q, kv, idx, 0.3, return_probs=True)
+    _, probs = sparse_latent_attention(q, kv, idx, 0.3, chunk_size=11, return_probs=True)
     p = probs.numpy()
     np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-5)
     assert np.all(p[idx.numpy() < 0] == 0)
@@ -86,7 +94,7 @@ def _forward_backward(model, ids, mask, latent, monkeypatch):
     return out.logits.numpy(), out.mtp_logits[0].numpy(), grads
 
 
-def test_whole_model_latent_equals_per_head_with_padding(monkeypatch):
+def test_whole_model_latent_equals_per_head_with_padding(chunk_mode, monkeypatch):
     model = tiny_model(seed=1)
     ids = tokens(2, 32, seed=2)
     mask = np.ones((2, 32), dtype="int64")

@@ -24,6 +24,8 @@ formulation (S x S additive mask) kept as the reference the tests compare agains
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
@@ -89,24 +91,32 @@ def sparse_attention(
     return out, probs
 
 
-# Elements of the largest per-chunk intermediate ([rows, k, D] gathered keys or [rows, H, k] scores):
-# 2M floats = 8 MB keeps each chunk's tensors in cache and below glibc's mmap threshold, so they are
-# neither streamed from DRAM nor page-faulted in afresh on every op.
+# Elements of the largest per-chunk intermediate ([rows, k, D] gathered keys or [rows, H, keys]
+# scores): 2M floats = 8 MB keeps each chunk's tensors in cache and below glibc's mmap threshold,
+# so they are neither streamed from DRAM nor page-faulted in afresh on every op.
 _CHUNK_ELEMS = 1 << 21
 # Backward reuses the forward's gathered keys and probabilities when they total at most this many
 # elements per call (64 MB); above it they are recomputed per chunk, so saved state stays O(S x k).
-_SAVE_ELEMS = 1 << 24
+_SAVE_ELEMS = 1 << 26
+# A chunk of queries whose keys (all < c1, causal) number at most this many times k runs "dense":
+# one GEMM against all c1 keys with the selection as an additive mask, instead of gathering k keys
+# per query. Same result; cheaper while the selection covers a large share of the keys (short
+# sequences, early chunks), since a GEMM is far cheaper per score than a gather + batched GEMV.
+_DENSE_KEYS_PER_SLOT = 2.0
 
 
-def _rows_per_chunk(n_rows: int, per_row: int, chunk_size: int) -> int:
-    return max(1, min(n_rows, chunk_size, max(16, _CHUNK_ELEMS // max(per_row, 1))))
+class _Prepared(NamedTuple):
+    rows: paddle.Tensor  # [B*S, k] int64 table rows (see prepare_topk)
+    mask: paddle.Tensor  # [B*S, k] fp32 additive mask for the gathered slots
+    sel: paddle.Tensor  # [B*S, k] int64 key positions within the batch, -1 = empty
+    has_key: paddle.Tensor  # [B*S] bool: the query has at least one valid key
 
 
 _PREPARED: dict[str, object] = {}
 
 
-def prepare_topk(topk_idx: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """top-k [B, S, k] (-1 = empty) -> (rows [B*S, k] int64, additive mask [B*S, k] fp32).
+def prepare_topk(topk_idx: paddle.Tensor) -> _Prepared:
+    """Index forms of a top-k [B, S, k] (-1 = empty) for `sparse_latent_attention`.
 
     `rows` index the table [B*S keys; B mean rows]: a selected key j of batch b is row b*S + j; an
     empty slot points at any key of its batch and gets mask -inf; a query with no key at all (left
@@ -119,35 +129,93 @@ def prepare_topk(topk_idx: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]
     with paddle.no_grad():
         B, S, K = topk_idx.shape
         valid = topk_idx >= 0
-        has_key = valid.any(axis=-1, keepdim=True).expand([B, S, K])
+        has_key = valid.any(axis=-1)
+        has_k = has_key.unsqueeze(-1).expand([B, S, K])
         base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, S, K])
         mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, S, K])
-        rows = paddle.where(valid, topk_idx + base, paddle.where(has_key, base, mean_row))
-        live = paddle.logical_or(valid, paddle.logical_not(has_key))
+        rows = paddle.where(valid, topk_idx + base, paddle.where(has_k, base, mean_row))
+        live = paddle.logical_or(valid, paddle.logical_not(has_k))
         mask = paddle.where(live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32"))
-        out = (rows.reshape([B * S, K]), mask.reshape([B * S, K]))
+        out = _Prepared(
+            rows.reshape([B * S, K]), mask.reshape([B * S, K]), topk_idx.reshape([B * S, K]), has_key.reshape([B * S])
+        )
     _PREPARED["key"], _PREPARED["value"] = topk_idx, out
     return out
 
 
+class _Chunk(NamedTuple):
+    r0: int  # first query row (flattened B*S)
+    r1: int  # one past the last
+    b: int  # the batch the rows belong to
+    c1: int  # keys < c1 of batch b can be selected (causal)
+    dense: bool
+
+
+def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int) -> list[_Chunk]:
+    """Query chunks (never across batches) and whether each runs dense or gathered."""
+    rows = max(1, min(S, chunk_size, max(16, _CHUNK_ELEMS // max(K * max(D, H), 1))))
+    plan = []
+    for b in range(B):
+        for c0 in range(0, S, rows):
+            c1 = min(S, c0 + rows)
+            dense = c1 <= _DENSE_KEYS_PER_SLOT * K and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
+            plan.append(_Chunk(b * S + c0, b * S + c1, b, c1, dense))
+    return plan
+
+
+def _dense_keys(table: paddle.Tensor, ch: _Chunk, S: int, N: int) -> paddle.Tensor:
+    """The chunk's candidate keys [c1 + 1, D]: keys < c1 of its batch, then the batch's mean row."""
+    return paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
+
+
+def _dense_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddle.Tensor:
+    """Additive mask [C, c1 + 1] over the dense candidates: 0 at the selected keys (and at the mean
+    row for a query without keys), -inf elsewhere. Built by one flat scatter (no S x S anything)."""
+    C, K = sel.shape
+    W = c1 + 2  # one dump column for empty slots
+    col = paddle.where(sel >= 0, sel, paddle.full([C, K], W - 1, "int64"))
+    base = (paddle.arange(C, dtype="int64") * W).unsqueeze(1)
+    flat = (col + base.expand([C, K])).reshape([-1])
+    m = paddle.scatter(paddle.full([C * W], float("-inf"), "float32"), flat, paddle.zeros([C * K], "float32"))
+    mean_col = paddle.where(has_key, paddle.full([C], W - 1, "int64"), paddle.full([C], c1, "int64"))
+    m = paddle.scatter(m, mean_col + base.squeeze(1), paddle.zeros([C], "float32"))
+    return m.reshape([C, W])[:, : c1 + 1].contiguous()
+
+
 def _chunk_probs(
-    q: paddle.Tensor, table: paddle.Tensor, rows: paddle.Tensor, mask: paddle.Tensor
+    qs: paddle.Tensor, table: paddle.Tensor, prep: _Prepared, ch: _Chunk, S: int, N: int
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """(probabilities [C, H, k], gathered keys [C, k, D]) for a chunk of (pre-scaled) queries.
+    """(probabilities [C, H, keys], keys [C, k, D] gathered or [c1 + 1, D] dense) for one chunk.
 
     In-place ops and an explicit `expand` of the mask: Paddle's CPU broadcasting over a middle axis
     is ~10x slower than a same-shape op, and fresh allocations cost page faults.
     """
-    C, K = rows.shape
-    H = q.shape[1]
-    ks = paddle.gather(table, rows.reshape([-1])).reshape([C, K, table.shape[-1]])
-    s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, K]
-    s.add_(mask.unsqueeze(1).expand([C, H, K]))
+    q = qs[ch.r0 : ch.r1]
+    C, H, D = q.shape
+    if ch.dense:
+        ks = _dense_keys(table, ch, S, N)
+        T = ch.c1 + 1
+        s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
+        m = _dense_mask(prep.sel[ch.r0 : ch.r1], prep.has_key[ch.r0 : ch.r1], ch.c1)
+    else:
+        rows = prep.rows[ch.r0 : ch.r1]
+        T = rows.shape[1]
+        ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
+        s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
+        m = prep.mask[ch.r0 : ch.r1]
+    s.add_(m.unsqueeze(1).expand([C, H, T]))
     return nn.functional.softmax_(s, axis=-1), ks
 
 
+def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
+    C, H, T = p.shape
+    if dense:
+        return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
+    return paddle.matmul(p, ks)
+
+
 def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.Tensor) -> paddle.Tensor:
-    """zeros_like(table) with grad_rows [C, k, D] summed into rows [C, k]: the embedding backward.
+    """zeros_like(table) with grad_rows [..., D] summed into rows [...]: the embedding backward.
 
     Paddle's dense embedding-grad kernel does this ~4x faster than `index_add`; `index_add` is the
     fallback where that op is not exposed.
@@ -158,14 +226,25 @@ def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.T
 
 
 _EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
+_SOFTMAX_GRAD = getattr(paddle._C_ops, "softmax_grad", None)
+
+
+def _softmax_backward(p: paddle.Tensor, dp: paddle.Tensor) -> paddle.Tensor:
+    """p * (dp - sum(p * dp, -1)): Paddle's fused kernel (one pass, ~3x faster) where exposed."""
+    if _SOFTMAX_GRAD is not None:
+        return _SOFTMAX_GRAD(p, dp, -1)
+    dp.subtract_((p * dp).sum(axis=-1, keepdim=True).expand(dp.shape))
+    return dp.multiply_(p)
 
 
 class _SparseLatentAttention(PyLayer):
-    """softmax(q . t[rows]^T * scale + mask) t[rows] over a gathered key table t, chunked over queries.
+    """softmax(q . keys^T * scale + mask) keys over each query's selected rows of a key table.
 
-    When small (_SAVE_ELEMS) the gathered keys and probabilities are kept for backward; otherwise
-    backward recomputes them per chunk, so the saved state is O(S x (H x D + k)), never the
-    O(S x k x D) gathered keys.
+    Chunked over queries; each chunk gathers its k keys per query or, when the selection covers a
+    large share of the chunk's keys, runs dense against all of them with the selection as a mask
+    (see _plan). When small (_SAVE_ELEMS) the chunks' keys and probabilities are kept for
+    backward; otherwise backward recomputes them, so the saved state is O(S x (H x D + k)), never
+    the O(S x k x D) gathered keys.
     """
 
     @staticmethod
@@ -173,27 +252,30 @@ class _SparseLatentAttention(PyLayer):
         ctx: object,
         q: paddle.Tensor,
         table: paddle.Tensor,
-        rows: paddle.Tensor,
-        mask: paddle.Tensor,
+        prep: _Prepared,
+        plan: list[_Chunk],
+        S: int,
         scale: float,
-        chunk: int,
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         N, H, D = q.shape
-        K = rows.shape[1]
+        K = prep.rows.shape[1]
         qs = q * scale  # scaling the queries costs D/k of scaling the scores
         keep = N * K * (D + H) <= _SAVE_ELEMS
         outs, probs, kept = [], [], []
-        for r0 in range(0, N, chunk):
-            r1 = min(N, r0 + chunk)
-            p, ks = _chunk_probs(qs[r0:r1], table, rows[r0:r1], mask[r0:r1])
-            outs.append(paddle.matmul(p, ks))  # [C, H, D]
+        for ch in plan:
+            p, ks = _chunk_probs(qs, table, prep, ch, S, N)
+            outs.append(_chunk_out(p, ks, ch.dense))  # [C, H, D]
             if want_probs:
-                probs.append(p.mean(axis=1))
+                pm = p.mean(axis=1)
+                if ch.dense:  # back to the k slots
+                    sel = prep.sel[ch.r0 : ch.r1]
+                    pm = paddle.take_along_axis(pm, paddle.where(sel >= 0, sel, paddle.zeros_like(sel)), axis=1)
+                probs.append(pm)
             if keep:
                 kept.append((p, ks))
-        ctx.save_for_backward(qs, table, rows, mask)
-        ctx.scale, ctx.chunk, ctx.kept = scale, chunk, kept
+        ctx.save_for_backward(qs, table)
+        ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
         ctx.mark_non_differentiable(pr)
@@ -201,24 +283,32 @@ class _SparseLatentAttention(PyLayer):
 
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
-        qs, table, rows, mask = ctx.saved_tensor()
-        scale, chunk, kept = ctx.scale, ctx.chunk, ctx.kept
+        qs, table = ctx.saved_tensor()
+        prep, plan, S, scale, kept = ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept
         ctx.kept = []
         N, H, D = qs.shape
-        K = rows.shape[1]
         dq, dtable = [], None
-        for i, r0 in enumerate(range(0, N, chunk)):
-            r1 = min(N, r0 + chunk)
-            qc, gc, rc = qs[r0:r1], g[r0:r1], rows[r0:r1]
-            p, ks = kept[i] if kept else _chunk_probs(qc, table, rc, mask[r0:r1])
-            C = r1 - r0
-            dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, K]
-            dp.subtract_((p * dp).sum(axis=-1, keepdim=True).expand([C, H, K]))
-            ds = dp.multiply_(p)  # softmax backward: p * (dp - sum(p * dp))
-            dq.append(paddle.matmul(ds, ks).scale_(scale))  # [C, H, D]
-            # d(ks) = ds^T qs + p^T g as one batched matmul over the stacked heads
-            dks = paddle.matmul(paddle.concat([ds, p], axis=1), paddle.concat([qc, gc], axis=1), transpose_x=True)
-            part = _scatter_rows(table, rc, dks)
+        for i, ch in enumerate(plan):
+            p, ks = kept[i] if kept else _chunk_probs(qs, table, prep, ch, S, N)
+            qc, gc = qs[ch.r0 : ch.r1], g[ch.r0 : ch.r1]
+            C, T = ch.r1 - ch.r0, p.shape[-1]
+            if ch.dense:
+                dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
+            else:
+                dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
+            ds = _softmax_backward(p, dp)
+            dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
+            # d(keys) = ds^T qs + p^T g
+            if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
+                dks = paddle.matmul(ds.reshape([C * H, T]), qc.reshape([C * H, D]), transpose_x=True)
+                dks.add_(paddle.matmul(p.reshape([C * H, T]), gc.reshape([C * H, D]), transpose_x=True))
+                ids = paddle.concat(
+                    [paddle.arange(ch.b * S, ch.b * S + ch.c1, dtype="int64"), paddle.full([1], N + ch.b, "int64")]
+                )
+                part = _scatter_rows(table, ids, dks)
+            else:  # one batched matmul over the stacked heads: the [C, k, D] result is written once
+                dks = paddle.matmul(paddle.concat([ds, p], axis=1), paddle.concat([qc, gc], axis=1), transpose_x=True)
+                part = _scatter_rows(table, prep.rows[ch.r0 : ch.r1], dks)
             dtable = part if dtable is None else dtable.add_(part)
         return (paddle.concat(dq, axis=0) if len(dq) > 1 else dq[0]), dtable
 
@@ -239,10 +329,10 @@ def sparse_latent_attention(
     """
     B, S, H, D = q.shape
     K = topk_idx.shape[-1]
-    rows, mask = prepare_topk(topk_idx)
+    prep = prepare_topk(topk_idx)
     table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
-    chunk = _rows_per_chunk(B * S, K * max(D, H), chunk_size)
-    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, rows, mask, scale, chunk, return_probs)
+    plan = _plan(B, S, H, D, K, chunk_size)
+    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs)
     out = out.reshape([B, S, H, D])
     if not return_probs:
         return out, None
