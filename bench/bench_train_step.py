@@ -436,7 +436,8 @@ def summarize(r: list[dict]) -> dict[str, Any]:
     """Median step time over all timed steps of all runs; max peak RSS over runs."""
     ok = [x for x in r if "error" not in x]
     if not ok:
-        return {"error": r[0].get("error", "failed") if r else "not run", "peak_gb": r[0].get("peak_gb") if r else None}
+        err = r[0] if r else {"error": "not run"}
+        return {"error": err.get("error", "failed"), "peak_gb": err.get("peak_gb")}
     times = [t for x in ok for t in x["times"]]
     return {
         "step_s": statistics.median(times),
@@ -455,15 +456,24 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2, help="alternating subprocess runs per side and shape")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--long", type=int, default=4096, help="from this S on, use --long-steps/--long-warmup")
+    p.add_argument("--long-steps", type=int, default=1)
+    p.add_argument("--long-warmup", type=int, default=0)
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
+    p.add_argument(
+        "--hf-grad-ckpt",
+        default="auto",
+        choices=["auto", "off", "on"],
+        help="HF gradient checkpointing: auto = also run it when the plain HF run fails (OOM)",
+    )
     p.add_argument(
         "--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"], help="MKL_DEBUG_CPU_TYPE policy (see doc)"
     )
     p.add_argument("--skip-hf", action="store_true", help="run our side only")
     p.add_argument("--no-modules", action="store_true", help="skip the per-module time table")
     p.add_argument("--mem-limit-gb", type=float, default=20.0, help="kill a run whose RSS passes this")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
-    p.add_argument("--tiny", action="store_true", help="tiny model, S=64,128, one run: a smoke test")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
+    p.add_argument("--tiny", action="store_true", help="tiny model, S=64, one run of one step: a smoke test")
     p.add_argument("--ckpt", default=None, help="checkpoint folder to write/reuse (default: a temp dir)")
     p.add_argument("--json", default=None, help="write raw results here")
     # worker-mode arguments (internal)
@@ -477,107 +487,135 @@ def main() -> None:
         worker_main(ns)
         return
     if ns.tiny:
-        ns.seqlens, ns.topks, ns.runs, ns.steps, ns.warmup = "64,128", "16", 1, 1, 1
+        ns.seqlens, ns.topks, ns.runs, ns.steps, ns.warmup = "64", "16", 1, 1, 1
+    results = run_benchmark(ns)
+    print()
+    print_tables(results, ns)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"args": vars(ns), "results": results}, indent=1))
+
+
+def run_benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """Prepare the checkpoint, then per (top-k, S): ours / HF subprocesses, alternating."""
     seqlens = [int(s) for s in ns.seqlens.split(",")]
     topks = [int(k) for k in ns.topks.split(",")]
     env = bench_env(ns.threads, ns.mkl_cpu_type)
+    hf = not ns.skip_hf and have_hf()
     print(
         f"threads {ns.threads}; CPU vendor {cpu_vendor()}; MKL_DEBUG_CPU_TYPE="
         f"{env.get('MKL_DEBUG_CPU_TYPE', '(unset)')}; HF attn_implementation={ns.hf_attn}"
     )
-    hf = not ns.skip_hf and have_hf()
     if not ns.skip_hf and not hf:
         print("NOTE: torch/transformers not importable: HF side SKIPPED (no comparison made)")
-
     tmp = None
     ckpt = ns.ckpt
     if ckpt is None:
         tmp = tempfile.TemporaryDirectory(prefix="glm52_bench_")
         ckpt = os.path.join(tmp.name, "ckpt")
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        prep = run_worker(["--worker", "prepare", "--ckpt", ckpt] + (["--tiny"] if ns.tiny else []), env, 20, 600)
-        if "error" in prep:
-            raise SystemExit(f"prepare failed: {prep['error']}")
-        print(f"model: {prep['params'] / 1e6:.2f} M parameters, saved (HF layout) to {ckpt}")
-
-    common = ["--ckpt", ckpt, "--threads", str(ns.threads), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
-    results: list[dict[str, Any]] = []
-    for topk in topks:
-        topk_variant(ckpt, topk)
-        for S in seqlens:
-            shape = ["--seqlen", str(S), "--topk", str(topk)]
-            ours, theirs = [], []
-            for r in range(ns.runs):
-                mods = not ns.no_modules and r == ns.runs - 1
-                ours.append(
-                    run_worker(
-                        ["--worker", "ours", *common, *shape] + (["--modules"] if mods else []),
-                        env,
-                        ns.mem_limit_gb,
-                        ns.timeout,
-                    )
-                )
-                if hf:
-                    theirs.append(
-                        run_worker(
-                            ["--worker", "hf", "--hf-attn", ns.hf_attn, *common, *shape],
-                            env,
-                            ns.mem_limit_gb,
-                            ns.timeout,
-                        )
-                    )
-            row = {"S": S, "topk": topk, "ours": summarize(ours), "hf": summarize(theirs) if hf else None}
-            row["modules"] = next((o["modules"] for o in ours if "modules" in o), None)
-            row["raw"] = {"ours": ours, "hf": theirs}
-            results.append(row)
-            print_row(row, flush=True)
-    print()
-    print_tables(results, ns)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps({"args": vars(ns), "results": results}, indent=1))
-    if tmp is not None:
-        tmp.cleanup()
+    try:
+        if not os.path.exists(os.path.join(ckpt, "config.json")):
+            prep = run_worker(["--worker", "prepare", "--ckpt", ckpt] + (["--tiny"] if ns.tiny else []), env, 20, 600)
+            if "error" in prep:
+                raise SystemExit(f"prepare failed: {prep['error']}")
+            print(f"model: {prep['params'] / 1e6:.2f} M parameters, saved (HF layout) to {ckpt}")
+        results = []
+        for topk in topks:
+            topk_variant(ckpt, topk)
+            for S in seqlens:
+                results.append(run_shape(ns, env, ckpt, S, topk, hf))
+                print_row(results[-1], flush=True)
+        return results
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
 
-def _tok_s(s: dict, S: int) -> float | None:
+def run_shape(ns: argparse.Namespace, env: dict[str, str], ckpt: str, S: int, topk: int, hf: bool) -> dict:
+    """ours, HF, ours, HF, ... for one shape; HF with gradient checkpointing as asked/needed."""
+    long = S >= ns.long
+    steps, warmup = (ns.long_steps, ns.long_warmup) if long else (ns.steps, ns.warmup)
+    common = ["--ckpt", ckpt, "--threads", str(ns.threads), "--steps", str(steps), "--warmup", str(warmup)]
+    common += ["--seqlen", str(S), "--topk", str(topk)]
+    hf_args = ["--worker", "hf", "--hf-attn", ns.hf_attn, *common]
+    ours, plain, ckpted = [], [], []
+    for r in range(ns.runs):
+        mods = not ns.no_modules and r == ns.runs - 1
+        ours.append(_run(["--worker", "ours", *common] + (["--modules"] if mods else []), env, ns))
+        if not hf:
+            continue
+        if ns.hf_grad_ckpt != "on" and not (plain and "error" in plain[0]):
+            plain.append(_run(hf_args, env, ns))  # a shape that failed once is not retried
+        if ns.hf_grad_ckpt == "on" or (ns.hf_grad_ckpt == "auto" and plain and "error" in plain[0]):
+            ckpted.append(_run([*hf_args, "--grad-ckpt"], env, ns))
+    row = {"S": S, "topk": topk, "steps": steps, "warmup": warmup, "ours": summarize(ours)}
+    row["hf"] = summarize(plain) if hf and plain else None
+    row["hf_ckpt"] = summarize(ckpted) if ckpted else None
+    row["modules"] = next((o["modules"] for o in ours if "modules" in o), None)
+    row["raw"] = {"ours": ours, "hf": plain, "hf_ckpt": ckpted}
+    return row
+
+
+def _run(args: list[str], env: dict[str, str], ns: argparse.Namespace) -> dict[str, Any]:
+    load0 = os.getloadavg()[0]
+    res = run_worker(args, env, ns.mem_limit_gb, ns.timeout)
+    res["loadavg_before"] = load0
+    return res
+
+
+def _tok_s(s: dict | None, S: int) -> float | None:
     return S / s["step_s"] if s and "step_s" in s else None
 
 
+def _cell(s: dict | None, S: int) -> str:
+    if s is None:
+        return "-"
+    return f"{_tok_s(s, S):8.0f} tok/s {s['peak_gb']:.2f} GB" if "step_s" in s else s.get("error", "?")
+
+
 def print_row(row: dict, flush: bool = False) -> None:
-    S, o, h = row["S"], row["ours"], row["hf"]
-    line = f"S={S:5d} topk={row['topk']:4d}  ours: "
-    line += f"{_tok_s(o, S):8.0f} tok/s {o['peak_gb']:.2f} GB" if "step_s" in o else o.get("error", "?")
-    if h is not None:
-        line += "  HF: " + (
-            f"{_tok_s(h, S):8.0f} tok/s {h['peak_gb']:.2f} GB" if "step_s" in h else h.get("error", "?")
-        )
+    S, o = row["S"], row["ours"]
+    line = f"S={S:5d} topk={row['topk']:4d}  ours: {_cell(o, S)}"
+    for key, name in (("hf", "HF"), ("hf_ckpt", "HF+grad-ckpt")):
+        h = row.get(key)
+        if h is None:
+            continue
+        line += f"  {name}: {_cell(h, S)}"
         if "step_s" in o and "step_s" in h:
-            line += f"  ratio {h['step_s'] / o['step_s']:.2f}x"
+            line += f" (ours {h['step_s'] / o['step_s']:.2f}x)"
     print(line, flush=flush)
 
 
 def print_tables(results: list[dict], ns: argparse.Namespace) -> None:
     """Markdown tables, ready for docs/performance.md."""
-    hf_name = f"HF ({ns.hf_attn})"
+    hf_name = f"HF {ns.hf_attn}"
     print(
-        f"| index_topk | S | ours tok/s | {hf_name} tok/s | ours / HF | ours step s | HF step s | ours peak GB | HF peak GB |"
+        f"| index_topk | S | ours tok/s | {hf_name} tok/s | ours / HF | ours step s | HF step s "
+        "| ours peak GB | HF peak GB |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in results:
-        S, o, h = row["S"], row["ours"], row["hf"] or {"error": "skipped"}
-        ot, ht = _tok_s(o, S), _tok_s(h, S)
-        cells = [
-            str(row["topk"]),
-            str(S),
-            f"{ot:.0f}" if ot else o.get("error", "-"),
-            f"{ht:.0f}" if ht else h.get("error", "-"),
-            f"{ot / ht:.2f}x" if ot and ht else "-",
-            f"{o['step_s']:.3f}" if ot else "-",
-            f"{h['step_s']:.3f}" if ht else "-",
-            f"{o['peak_gb']:.2f}" if o.get("peak_gb") else "-",
-            f"{h['peak_gb']:.2f}" if h.get("peak_gb") and ht else (f">{h['peak_gb']:.1f}" if h.get("peak_gb") else "-"),
-        ]
-        print("| " + " | ".join(cells) + " |")
+        S, o = row["S"], row["ours"]
+        for key, tag in (("hf", ""), ("hf_ckpt", " + grad-ckpt")):
+            h = row.get(key)
+            if h is None or (key == "hf_ckpt" and h is None):
+                if key == "hf":
+                    h = {"error": "skipped"}
+                else:
+                    continue
+            ot, ht = _tok_s(o, S), _tok_s(h, S)
+            err = h.get("error", "-")
+            cells = [
+                str(row["topk"]),
+                str(S) + tag,
+                f"{ot:.0f}" if ot else o.get("error", "-"),
+                f"{ht:.0f}" if ht else err,
+                f"{ot / ht:.2f}x" if ot and ht else "-",
+                f"{o['step_s']:.3f}" if ot else "-",
+                f"{h['step_s']:.3f}" if ht else "-",
+                f"{o['peak_gb']:.2f}" if o.get("peak_gb") else "-",
+                f"{h['peak_gb']:.2f}" if ht else (f"> {ns.mem_limit_gb:g} (killed)" if "OOM" in err else "-"),
+            ]
+            print("| " + " | ".join(cells) + " |")
     print()
     print("Our per-module time per training step (ms; forward / backward):")
     print("| index_topk | S | indexer fwd | attention core fwd / bwd | MoE fwd / bwd | rest | step |")
