@@ -87,7 +87,7 @@ def test_moe_output_equals_explicit_per_token_sum():
         expect = shared[t].copy()
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            expect += float(w[t, j]) * moe.experts[e](flat[t : t + 1]).numpy()[0]
+            expect += float(w[t, j]) * moe.expert(e)(flat[t : t + 1]).numpy()[0]
         np.testing.assert_allclose(out[t], expect, rtol=2e-6, atol=2e-5)
 
 

@@ -144,7 +144,7 @@ def test_moe_grouped_equals_loop(monkeypatch):
         moe.clear_gradients()
         y = moe(xx)
         (y * g).sum().backward()
-        results.append((y.numpy(), xx.grad.numpy(), moe.experts[3].up_gate_proj.weight.grad.numpy()))
+        results.append((y.numpy(), xx.grad.numpy(), moe.expert(3).up_gate_proj.weight.grad.numpy()))
     for a, b in zip(results[0], results[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
 

@@ -1,6 +1,8 @@
 """The trainer on the real GLM-5.2 model (tiny official-layout checkpoint) through the GLM adapter:
-the step-1 loss is the model's own HF-convention loss over the global batch, and a PP2 split
-whose second stage starts on a *shared* indexer layer matches PP1."""
+the step-1 loss is the model's own HF-convention loss over the global batch; a PP2 split whose
+second stage starts on a *shared* indexer layer, TP2, the headline TP2 x PP2 with sequence
+parallel (world 4), EP2 and ETP2 match the single-process run within 1e-5 (losses, MTP losses,
+grad norms); the headline run twice gives bit-identical losses and exported bytes."""
 
 from __future__ import annotations
 
@@ -46,9 +48,48 @@ def test_step1_loss_is_the_models_own_loss_on_the_global_batch(tiny_ckpt, pp1):
     assert pp1["weights_loaded"] is True and len(pp1["checkpoint"]["config_sha256"]) == 64
 
 
-def test_glm_rejects_tensor_parallel_until_wired(tiny_ckpt, tmp_path, capsys):
-    assert train_main(["--model", str(tiny_ckpt), "--tp", "2", "--out", str(tmp_path)]) == 2
-    assert "need the modeling package's tensor- and expert-parallel layers" in capsys.readouterr().err
+def test_glm_rejects_a_layout_that_cannot_split_the_model(tiny_ckpt, tmp_path, capsys):
+    # 4 attention heads cannot be split over 8 tensor-parallel ranks
+    assert train_main(["--model", str(tiny_ckpt), "--tp", "8", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "8" in err and "num_attention_heads" in err
+
+
+def _run(tiny_ckpt, out, *layout):
+    args = ["--model", str(tiny_ckpt), "--steps", str(STEPS), "--seq-len", str(SEQ), "--global-batch-size", str(GBS)]
+    args += ["--micro-batch-size", "1", "--out", str(out), "--export", *layout]
+    p, _ = run_train_cli(args, timeout=240)
+    if p.returncode != 0:
+        pytest.fail(f"glm {layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def single_mbs1(tiny_ckpt, tmp_path_factory):
+    return _run(tiny_ckpt, tmp_path_factory.mktemp("glm_single"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [("--tp", "2"), ("--tp", "2", "--pp", "2", "--sp"), ("--dp", "2", "--ep", "2"), ("--tp", "2", "--etp", "2")],
+    ids=["tp2", "tp2-pp2-sp", "dp2-ep2", "tp2-etp2"],
+)
+def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout):
+    got = _run(tiny_ckpt, tmp_path, *layout)
+    for key in ("losses", "mtp_losses", "grad_norms"):
+        diff = max(abs(a - b) for a, b in zip(single_mbs1[key], got[key]))
+        assert len(got[key]) == STEPS and diff <= 1e-5, (layout, key, diff)
+
+
+@pytest.mark.slow
+def test_glm_headline_layout_is_bit_reproducible(tiny_ckpt, tmp_path):
+    a = _run(tiny_ckpt, tmp_path / "a", "--tp", "2", "--pp", "2", "--sp")
+    b = _run(tiny_ckpt, tmp_path / "b", "--tp", "2", "--pp", "2", "--sp")
+    assert a["losses"] == b["losses"] and a["mtp_losses"] == b["mtp_losses"]
+    assert a["profile"]["tp"] == 2 and a["profile"]["pp"] == 2 and a["profile"]["sp"] is True
+    fa = (tmp_path / "a" / "export" / "model.safetensors").read_bytes()
+    assert fa == (tmp_path / "b" / "export" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow

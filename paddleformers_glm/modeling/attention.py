@@ -31,6 +31,9 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
+from ..parallel import comm
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from ..parallel.topology import get_topology
 from .indexer import DSAIndexer, rope_heads
 from .norms import RMSNorm, _mean_square
 from .rope import apply_rope
@@ -392,9 +395,17 @@ class DSACoreAttention(nn.Layer):
 
 
 class MLAttention(nn.Layer):
+    """MLA + DSA. Under tensor parallel the heads are split (column-parallel q_b_proj / kv_b_proj,
+    row-parallel o_proj); the latent projections, their norms and the indexer are replicated. With
+    sequence parallel the latents are computed on this rank's tokens and all-gathered before the
+    head-split part; the output is reduce-scattered back to the shard."""
+
     def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        topo = get_topology()
+        self.tp, self.sp = topo.tp_size, topo.sequence_parallel
+        self.total_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads // self.tp  # this rank's heads
         self.nope = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.qk_dim = config.qk_head_dim
@@ -402,16 +413,39 @@ class MLAttention(nn.Layer):
         self.kv_lora = config.kv_lora_rank
         self.interleave = bool(config.rope_interleave)
         bias = None if config.attention_bias else False
-        H = config.hidden_size
+        H, nH = config.hidden_size, config.num_attention_heads
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias_attr=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_dim, bias_attr=False)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, nH * self.qk_dim)
         self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora + self.rope_dim, bias_attr=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora)
-        self.kv_b_proj = nn.Linear(self.kv_lora, self.num_heads * (self.nope + self.v_dim), bias_attr=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, H, bias_attr=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, nH * (self.nope + self.v_dim))
+        self.o_proj = RowParallelLinear(
+            nH * self.v_dim, H, has_bias=bool(config.attention_bias), sequence_parallel=self.sp
+        )
+        mark_sequence_parallel(
+            [self.q_a_proj, self.q_a_layernorm, self.kv_a_proj_with_mqa, self.kv_a_layernorm], enabled=self.sp
+        )
         self.core_attention = DSACoreAttention(config, has_indexer)
         self.indexer_loss_coeff = float(config.indexer_loss_coeff)
+
+    def _enter_tp(self, t: paddle.Tensor) -> paddle.Tensor:
+        """Into the head-split region: the full sequence on every rank; the gradients coming back
+        from this rank's heads are partial, so they are summed (all-reduce, or reduce-scatter to the
+        sequence shard under SP)."""
+        if self.tp == 1:
+            return t
+        return comm.gather_from_sp(t, grad="reduce_scatter") if self.sp else comm.copy_to_tp(t)
+
+    def _exit_tp(self, t: paddle.Tensor) -> paddle.Tensor:
+        """Out of the head-split region: sum the heads' partial outputs (to the sequence shard under SP)."""
+        if self.tp == 1:
+            return t
+        return comm.reduce_scatter_to_sp(t) if self.sp else comm.reduce_from_tp(t)
+
+    def _replicated_full(self, t: paddle.Tensor) -> paddle.Tensor:
+        """The full sequence for the replicated indexer (no gradient flows back through it)."""
+        return comm.gather_from_sp(t.detach(), grad="split") if self.tp > 1 and self.sp else t
 
     @property
     def has_indexer(self) -> bool:
@@ -432,18 +466,20 @@ class MLAttention(nn.Layer):
         Full layers run their own indexer unless `reuse_topk` (MTP with index sharing); shared layers
         always use `prev_topk`.
         """
-        B, S = x.shape[0], x.shape[1]
         H = self.num_heads
-        q_latent = rms_norm(self.q_a_layernorm, self.q_a_proj(x))  # [B, S, q_lora]
-        ckv = self.kv_a_proj_with_mqa(x)  # [B, S, kv_lora + rope]
+        q_latent = rms_norm(self.q_a_layernorm, self.q_a_proj(x))  # [B, S_local, q_lora]
+        ckv = self.kv_a_proj_with_mqa(x)  # [B, S_local, kv_lora + rope]
         c, k_rot = paddle.split(ckv, [self.kv_lora, self.rope_dim], axis=-1)
         c = rms_norm(self.kv_a_layernorm, c)
+        x_full, q_latent_full = self._replicated_full(x), self._replicated_full(q_latent)
+        q_latent, c, k_rot = self._enter_tp(q_latent), self._enter_tp(c), self._enter_tp(k_rot)  # [B, S, ...]
+        B, S = q_latent.shape[0], q_latent.shape[1]
         k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
 
         core = self.core_attention
         run_indexer = core.indexer is not None and not reuse_topk
         if run_indexer:
-            topk = core.indexer(x, q_latent, cos, sin, key_padding)
+            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
@@ -454,10 +490,10 @@ class MLAttention(nn.Layer):
         if not dense_reference and core.use_latent(B, S, topk.shape[-1], per_key):
             out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
         else:
-            q = self.q_b_proj(q_latent).reshape([B, S, H, self.qk_dim])
+            q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
             q_nope, q_rot = q[..., : self.nope], q[..., self.nope :]
             q_rot = apply_rope(q_rot, cos, sin, self.interleave)
-            kv = self.kv_b_proj(c).reshape([B, S, H, self.nope + self.v_dim])
+            kv = nn.functional.linear(c, self.kv_b_proj.weight).reshape([B, S, H, self.nope + self.v_dim])
             k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
             query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
             key = paddle.concat([k_nope, k_rot.expand([B, S, H, self.rope_dim])], axis=-1)
@@ -465,8 +501,15 @@ class MLAttention(nn.Layer):
                 out, probs = dense_masked_attention(query, key, v, topk, core.scale), None
             else:
                 out, probs = sparse_attention(query, key, v, topk, core.scale, core.chunk_size, return_probs=want_kl)
-            out = self.o_proj(out.reshape([B, S, H * self.v_dim]))
-        kl = core.indexer.kl_loss(x, q_latent, cos, sin, topk, probs) if want_kl else None
+            out = nn.functional.linear(out.reshape([B, S, H * self.v_dim]), self.o_proj.weight)
+        out = self._exit_tp(out)  # [B, S_local, hidden]
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        kl = None
+        if want_kl:
+            if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
+                probs = comm.all_reduce(probs.detach() * H, get_topology().tp_group) / self.total_heads
+            kl = core.indexer.kl_loss(x_full, q_latent_full, cos, sin, topk, probs)
         return out, topk, kl
 
     def _latent_attention(
@@ -503,7 +546,5 @@ class MLAttention(nn.Layer):
         w_o = paddle.concat([w_o, paddle.zeros([H, dr, hidden], dtype=w_o.dtype)], axis=1).reshape(
             [H * (L + dr), hidden]
         )
-        out = paddle.matmul(o.reshape([B, S, H * (L + dr)]), w_o)
-        if self.o_proj.bias is not None:
-            out = out + self.o_proj.bias
+        out = paddle.matmul(o.reshape([B, S, H * (L + dr)]), w_o)  # this rank's heads' part (bias added by the caller)
         return out, probs

@@ -6,6 +6,8 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
+from ..parallel.layers import mark_sequence_parallel
+from ..parallel.topology import get_topology
 from .attention import MLAttention
 from .moe import MoE, SwiGLUMLP
 from .norms import RMSNorm
@@ -21,6 +23,9 @@ class DecoderLayer(nn.Layer):
         self.mlp_type = mlp_type
         self.mlp = MoE(config) if mlp_type == "sparse" else SwiGLUMLP(H, config.intermediate_size)
         self.fp32_residual = bool(config.fp32_residual_connection)
+        # under sequence parallel the norms see this rank's tokens only: their gradients are summed over TP
+        sp = get_topology().sequence_parallel
+        mark_sequence_parallel([self.input_layernorm, self.post_attention_layernorm], enabled=sp)
 
     def forward(
         self,

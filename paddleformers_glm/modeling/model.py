@@ -15,9 +15,12 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
+from ..parallel import comm
+from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
+from ..parallel.topology import get_topology
 from .decoder import DecoderLayer
 from .mtp import MTPLayer
-from .norms import LayerNorm, RMSNorm
+from .norms import RMSNorm
 from .rope import RotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -46,7 +49,8 @@ def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1)
 
 
 class Embedding(nn.Layer):
-    """Token embedding under the Fleet name `embedding.embed_tokens`.
+    """Token embedding under the Fleet name `embedding.embed_tokens` (vocabulary split over TP;
+    under sequence parallel its output is this rank's sequence shard).
 
     Like torch's `padding_idx`, the pad row gets no gradient but still returns its stored vector
     (Paddle's own `padding_idx` would return zeros and break parity with the reference).
@@ -54,15 +58,12 @@ class Embedding(nn.Layer):
 
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.pad_token_id = config.pad_token_id if isinstance(config.pad_token_id, int) else None
+        pad = config.pad_token_id if isinstance(config.pad_token_id, int) else None
+        sp = get_topology().sequence_parallel
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, sp, padding_idx=pad)
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
-        out = self.embed_tokens(input_ids)
-        if self.pad_token_id is not None and not self.embed_tokens.weight.stop_gradient:
-            is_pad = (input_ids == self.pad_token_id).unsqueeze(-1)
-            out = paddle.where(is_pad, out.detach(), out)
-        return out
+        return self.embed_tokens(input_ids)
 
 
 class GlmMoeDsaModel(nn.Layer):
@@ -79,6 +80,7 @@ class GlmMoeDsaModel(nn.Layer):
         ]
         self.layers = nn.LayerList(decoder + [MTPLayer(config) for _ in range(config.num_mtp_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        mark_sequence_parallel(self.norm, enabled=get_topology().sequence_parallel)
         self.rotary_emb = RotaryEmbedding(config)
 
     @property
@@ -147,7 +149,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             super().__init__()
             self.config = config
             self.model = GlmMoeDsaModel(config)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+            # vocabulary split over TP: vocab-parallel logits, gathered below for `out.logits`
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, get_topology().sequence_parallel)
         finally:
             paddle.set_default_dtype(prev)
         self.compute_dtype = dtype
@@ -158,19 +161,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         if seed is not None:
             paddle.seed(seed)
         std = self.config.initializer_range
-        for layer in self.sublayers(include_self=True):
-            if isinstance(layer, (RMSNorm, LayerNorm)):
-                layer.weight.set_value(paddle.ones_like(layer.weight))
-                if isinstance(layer, LayerNorm):
-                    layer.bias.set_value(paddle.zeros_like(layer.bias))
-            elif isinstance(layer, (nn.Linear, nn.Embedding)):
-                w = layer.weight
-                w.set_value(paddle.normal(0.0, std, w.shape).astype(w.dtype))
-                if getattr(layer, "bias", None) is not None:
-                    layer.bias.set_value(paddle.zeros_like(layer.bias))
-        for layer in self.sublayers():
-            if hasattr(layer, "e_score_correction_bias"):
-                layer.weight.set_value(paddle.normal(0.0, std, layer.weight.shape).astype("float32"))
+        for name, p in self.named_parameters():
+            if len(p.shape) >= 2:
+                p.set_value(paddle.normal(0.0, std, p.shape).astype(p.dtype))
+            elif name.endswith(".bias"):
+                p.set_value(paddle.zeros_like(p))
+            else:  # RMSNorm / LayerNorm weights
+                p.set_value(paddle.ones_like(p))
 
     @classmethod
     def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):
@@ -195,6 +192,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ forward
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Full-vocabulary logits [B, S, V] (the trainer feeds the vocab-parallel ones to a parallel CE)."""
+        logits = self.lm_head(hidden)
+        if self.lm_head.world > 1:
+            logits = comm.gather_from_tp(logits, axis=-1)
+        return logits
+
     def mtp_forward(
         self,
         input_ids: paddle.Tensor,
@@ -214,7 +218,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             hidden, _, kl = mtp(hidden, emb, cos, sin, attention_mask, main_topk, dense_reference=dense_reference)
             if kl is not None:
                 kls.append(kl)
-            logits.append(self.lm_head(mtp.norm(hidden)))
+            logits.append(self.logits(mtp.norm(hidden)))
         return logits, kls
 
     def forward(
@@ -232,7 +236,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         hidden = model.embedding(input_ids)
         hidden, topk, kls = model.run_layers(hidden, cos, sin, attention_mask, None, dense_reference=dense_reference)
         hidden = model.norm(hidden)
-        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+        out = CausalLMOutput(logits=self.logits(hidden), last_hidden_state=hidden)
         if compute_mtp is None:
             compute_mtp = labels is not None
         if compute_mtp and model.mtp_layers:

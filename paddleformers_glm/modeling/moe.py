@@ -21,22 +21,55 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
+from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
+from ..parallel.topology import get_topology
 
 
 class SwiGLUMLP(nn.Layer):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [H, 2I] weight."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [H, 2I] weight (gate columns first).
+
+    Dense layers and shared experts split the FFN over tensor parallel (column-parallel up_gate,
+    row-parallel down; with sequence parallel the input is gathered and the output reduce-scattered).
+    At TP 1 the layers are plain linears.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        topo = get_topology()
+        sp = topo.sequence_parallel
+        self.tensor_parallel = topo.tp_size > 1
         self.intermediate_size = intermediate_size
-        self.up_gate_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias_attr=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias_attr=False)
+        self.up_gate_proj = ColumnParallelLinear(
+            hidden_size, 2 * intermediate_size, sequence_parallel=sp, fuse_chunks=2
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, sequence_parallel=sp)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.tensor_parallel:  # the parallel layers bring their communication
+            gate, up = paddle.split(self.up_gate_proj(x), 2, axis=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
+        return swiglu_ffn(x, self)
+
+
+class Expert(nn.Layer):
+    """One routed expert, split over expert tensor parallel with no communication of its own (the
+    dispatcher pools tokens before and reduce-scatters after); names as the Fleet layout."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        etp = get_topology().etp_size
+        local = intermediate_size // etp
+        self.up_gate_proj = nn.Linear(hidden_size, 2 * local, bias_attr=False)
+        self.down_proj = nn.Linear(local, hidden_size, bias_attr=False)
+        set_shard_spec(self.up_gate_proj.weight, ShardSpec(axis=1, group="etp", chunks=2, expert=True))
+        set_shard_spec(self.down_proj.weight, ShardSpec(axis=0, group="etp", expert=True))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return swiglu_ffn(x, self)
 
 
-def swiglu_ffn(x: paddle.Tensor, mlp: SwiGLUMLP) -> paddle.Tensor:
+def swiglu_ffn(x: paddle.Tensor, mlp: SwiGLUMLP | Expert) -> paddle.Tensor:
     """SwiGLUMLP's maths on its weights, without two sub-Layer calls (~30 us of Python each, which
     adds up over a loop of experts); one split, whose gradient is one concat."""
     gate, up = paddle.split(nn.functional.linear(x, mlp.up_gate_proj.weight), 2, axis=-1)
@@ -85,13 +118,30 @@ class TopkRouter(nn.Layer):
 
 
 class MoE(nn.Layer):
+    """Router + routed experts + shared experts.
+
+    At world 1 the routed experts run locally (below). Under TP / EP / ETP the experts this rank
+    owns (`mlp.experts.<global id>`) run behind `parallel.experts.ExpertParallelDispatcher`, which
+    moves each token's assignments to the owning ranks by all-to-all and brings the results back;
+    the router is replicated (under sequence parallel it routes this rank's tokens, so its
+    gradient is summed over TP), the shared experts are split like a dense FFN.
+    """
+
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
         H, I = config.hidden_size, config.moe_intermediate_size
+        topo = get_topology()
         self.num_experts = config.n_routed_experts
         self.gate = TopkRouter(config)
-        self.experts = nn.LayerList([SwiGLUMLP(H, I) for _ in range(self.num_experts)])
+        mark_sequence_parallel(self.gate, enabled=topo.sequence_parallel)
+        distributed = topo.tp_size > 1 or topo.ep_size > 1 or topo.etp_size > 1
+        self.dispatcher = ExpertParallelDispatcher(self.num_experts, topo=topo) if distributed else None
+        ids = self.dispatcher.local_expert_ids if self.dispatcher else list(range(self.num_experts))
+        self.experts = LocalExperts(ids, lambda _e: Expert(H, I))
         self.shared_experts = SwiGLUMLP(H, I * config.n_shared_experts) if config.n_shared_experts else None
+
+    def expert(self, e: int) -> Expert:
+        return self.experts[str(e)]
 
     # False (default): one matmul per expert on its sorted rows, results added in place per expert;
     # True: padded batched matmuls over all experts. Same routing, same sums; bench/bench_moe.py
@@ -119,7 +169,7 @@ class MoE(nn.Layer):
         out = paddle.zeros_like(x)
         for e, n in enumerate(sizes):
             if n:
-                out.index_add_(tokens[e], 0, swiglu_ffn(xs[e], self.experts[e]) * ws[e])
+                out.index_add_(tokens[e], 0, swiglu_ffn(xs[e], self.expert(e)) * ws[e])
         return out
 
     def _grouped(
@@ -147,8 +197,9 @@ class MoE(nn.Layer):
             slot_of_assign = paddle.take_along_axis(slot_of_assign, perm, axis=-1).reshape([-1])
         x_ext = paddle.concat([x, paddle.zeros([1, H], dtype=x.dtype)], axis=0)
         x_pad = paddle.gather(x_ext, token_of_slot).reshape([E, cap, H])
-        w1 = paddle.stack([e.up_gate_proj.weight for e in self.experts])  # [E, H, 2I]
-        w2 = paddle.stack([e.down_proj.weight for e in self.experts])  # [E, I, H]
+        experts = [self.expert(e) for e in range(E)]
+        w1 = paddle.stack([e.up_gate_proj.weight for e in experts])  # [E, H, 2I]
+        w2 = paddle.stack([e.down_proj.weight for e in experts])  # [E, I, H]
         gate, up = paddle.split(paddle.matmul(x_pad, w1), 2, axis=-1)
         y = paddle.matmul(nn.functional.silu(gate) * up, w2)  # [E, cap, H]
         w = paddle.take_along_axis(weights, perm, axis=-1).astype(x.dtype)  # [N, K]
@@ -163,7 +214,10 @@ class MoE(nn.Layer):
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
         _, weights, expert_ids = self.gate(flat)
-        out = self.routed(flat, weights, expert_ids).reshape(shape)
+        if self.dispatcher is not None:
+            out = self.dispatcher(flat, expert_ids, weights, self.experts).reshape(shape)
+        else:
+            out = self.routed(flat, weights, expert_ids).reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

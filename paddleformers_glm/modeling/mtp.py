@@ -18,6 +18,8 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
+from ..parallel.layers import mark_sequence_parallel
+from ..parallel.topology import get_topology
 from .decoder import DecoderLayer
 from .norms import RMSNorm
 
@@ -32,6 +34,9 @@ class MTPLayer(nn.Layer):
         self.transformer_layer = DecoderLayer(config, has_indexer=True, mlp_type="sparse")
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.share_topk = bool(config.index_share_for_mtp_iteration)
+        # replicated, applied to this rank's sequence shard under sequence parallel
+        sp = get_topology().sequence_parallel
+        mark_sequence_parallel([self.enorm, self.hnorm, self.eh_proj, self.norm], enabled=sp)
 
     def forward(
         self,

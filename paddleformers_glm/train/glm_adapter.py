@@ -1,13 +1,12 @@
 """GLM-5.2 behind the trainer (``glm52 train --model DIR``), built from the modeling package's own
 submodules.
 
-Interim scope: pipeline parallel (any split, including stages that start on a shared indexer
-layer: the top-k travels in the carry), data parallel, MTP, the indexer KL loss.  Tensor /
-sequence / expert parallel need the modeling package to use ``parallel.layers`` and the expert
-dispatcher (docs/parallel.md, "Integrating GLM-5.2"); until then a layout with tp, ep or etp > 1
-is rejected before any process starts.  Each rank builds the full model and keeps its stage's
-submodules, fine for the tiny checkpoint; the model-side stage module should build only its
-own layers.
+Every layout: tensor parallel (MLA heads, dense/shared-expert FFN and vocabulary split; the
+indexer replicated), sequence parallel, expert parallel and expert tensor parallel (the modeling
+package builds its layers from ``parallel.layers`` / ``parallel.experts`` under the current
+topology), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
+on a shared indexer layer), data parallel, MTP and the indexer KL loss.  Each rank builds the
+model under its topology (so TP/EP-local shapes) and keeps its stage's submodules.
 """
 
 from __future__ import annotations
@@ -129,12 +128,18 @@ class GlmAdapter(ModelAdapter):
         }
 
     def check_layout(self, pc: ParallelConfig) -> None:
-        if pc.tp > 1 or pc.ep > 1 or pc.etp > 1:
-            raise ParallelConfigError(
-                f"GLM-5.2: tp {pc.tp} / ep {pc.ep} / etp {pc.etp} need the modeling package's tensor- and expert-parallel "
-                "layers, which are not wired in yet (docs/parallel.md, 'Integrating GLM-5.2'); use --tp 1 --ep 1 --etp 1 "
-                "with --pp / --dp"
-            )
+        c = self.config
+        checks = [
+            ("--tp", pc.tp, "num_attention_heads", c.num_attention_heads),
+            ("--tp", pc.tp, "vocab_size", c.vocab_size),
+            ("--tp", pc.tp, "intermediate_size", c.intermediate_size),
+            ("--tp", pc.tp, "moe_intermediate_size * n_shared_experts", c.moe_intermediate_size * c.n_shared_experts),
+            ("--ep", pc.ep, "n_routed_experts", c.n_routed_experts),
+            ("--etp", pc.etp, "moe_intermediate_size", c.moe_intermediate_size),
+        ]
+        for flag, size, what, value in checks:
+            if value % size:
+                raise ParallelConfigError(f"GLM-5.2: {flag} {size} does not divide {what} ({value})")
 
     def layer_kinds(self) -> list[str]:
         return list(self.config.indexer_types)
@@ -157,8 +162,10 @@ class GlmAdapter(ModelAdapter):
 
     def full_state(self) -> dict[str, np.ndarray]:
         from ..modeling import GlmMoeDsaForCausalLM
+        from ..parallel.topology import topology_override
 
-        model = GlmMoeDsaForCausalLM.from_pretrained(self.model_dir, dtype="float32")
+        with topology_override():  # the full-size model, whatever this rank's layout
+            model = GlmMoeDsaForCausalLM.from_pretrained(self.model_dir, dtype="float32")
         return {k: np.asarray(v.numpy()) for k, v in model.state_dict().items()}
 
     @property
