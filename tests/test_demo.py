@@ -3,8 +3,12 @@
 import json
 import os
 
+import pytest
+
 from paddleformers_glm.cli import main
 from paddleformers_glm.tiny import make_tiny_checkpoint
+
+from .conftest import ROOT
 
 
 def test_tiny_checkpoint_is_official_layout_and_deterministic(tmp_path):
@@ -38,3 +42,23 @@ def test_demo_command_passes_and_leaves_receipts(tmp_path, capsys):
     assert summary["check_ckpt_fleet"]["counts"]["naming"] > 0
     assert summary["steps"][1]["loss"] < summary["steps"][0]["loss"]
     assert (out / "check-ckpt-hf.json").is_file() and "PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_readme_main_job_trains_tp2_pp2_sp_and_matches_one_process(tmp_path):
+    """`bash scripts/demo.sh` runs exactly `glm52 demo` with its defaults."""
+    assert "glm52 demo" in (ROOT / "scripts" / "demo.sh").read_text()
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    train = summary["training"]
+    assert train["layout"] == "--tp 2 --pp 2 --sp" and train["ok"] is True
+    assert train["check_loss"]["exit_code"] == 0 and train["check_loss"]["max_diff"] <= 1e-5
+    counts = train["check_ckpt_trained"]["counts"]
+    assert (
+        counts["structural"] == 0 and counts["naming"] == 0 and counts["ref_tensors"] == counts["cand_tensors"] == 296
+    )
+    run = json.loads((out / "parallel" / "loss.json").read_text())
+    assert run["profile"]["tp"] == 2 and run["profile"]["pp"] == 2 and run["profile"]["sp"] is True
+    assert run["profile"]["world"] == 4 and run["weights_loaded"] is True
+    assert (out / "loss-parallel-vs-single.png").stat().st_size > 1000
