@@ -110,3 +110,19 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
 
     with safe_open(str(tmp_path / "export" / "model.safetensors"), "np") as f:
         assert set(f.keys()) == set(index)  # the official HF key set, MTP indexer included
+
+
+def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp_path):
+    def cfg(out, **kw):
+        return TrainConfig(
+            model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=4, seq_len=SEQ, global_batch_size=GBS,
+            micro_batch_size=MBS, out=str(out), progress=False, warmup_steps=1, **kw,
+        )  # fmt: skip
+
+    full = run_training(cfg(tmp_path / "full", save_every=2))
+    ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
+    assert ckpt.is_dir()
+    resumed = run_training(cfg(tmp_path / "resumed", resume=str(ckpt)))
+    assert resumed["run"]["resumed_from_step"] == 2
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+        assert resumed[key] == full[key], (key, resumed[key], full[key])
