@@ -1,8 +1,9 @@
 """The trainer on the real GLM-5.2 model (tiny official-layout checkpoint) through the GLM adapter:
 the step-1 loss is the model's own HF-convention loss over the global batch; a PP2 split whose
 second stage starts on a *shared* indexer layer, TP2, the headline TP2 x PP2 with sequence
-parallel (world 4), EP2 and ETP2 match the single-process run within 1e-5 (losses, MTP losses,
-grad norms); the headline run twice gives bit-identical losses and exported bytes."""
+parallel (world 4), EP2, ETP2, TP2 x EP2 and TP2 x PP2 x EP2 with SP match the single-process run
+within 1e-5 (losses, MTP losses, grad norms); the headline run twice gives bit-identical losses
+and exported bytes."""
 
 from __future__ import annotations
 
@@ -72,8 +73,15 @@ def single_mbs1(tiny_ckpt, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [("--tp", "2"), ("--tp", "2", "--pp", "2", "--sp"), ("--dp", "2", "--ep", "2"), ("--tp", "2", "--etp", "2")],
-    ids=["tp2", "tp2-pp2-sp", "dp2-ep2", "tp2-etp2"],
+    [
+        ("--tp", "2"),
+        ("--tp", "2", "--pp", "2", "--sp"),
+        ("--dp", "2", "--ep", "2"),
+        ("--tp", "2", "--etp", "2"),
+        ("--tp", "2", "--ep", "2"),
+        ("--tp", "2", "--pp", "2", "--ep", "2", "--sp"),
+    ],
+    ids=["tp2", "tp2-pp2-sp", "dp2-ep2", "tp2-etp2", "tp2-ep2", "tp2-pp2-ep2-sp"],
 )
 def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout):
     got = _run(tiny_ckpt, tmp_path, *layout)

@@ -81,9 +81,13 @@ class ExpertParallelDispatcher:
                     f"dispatcher: {hidden.shape[0]} tokens not divisible by tp {comm.group_size(self.tp_group)} "
                     "(needed to split replicated tokens over the tp ranks)"
                 )
-            hidden = comm.scatter_to_tp(hidden, axis=0, group=self.tp_group)
+            # hidden and weights travel as ONE tensor: two independent scatters would be two
+            # all-gathers in backward whose order may differ per rank (fatal on gloo)
+            H = hidden.shape[-1]
+            joint = paddle.concat([hidden.astype(topk_weights.dtype), topk_weights], axis=-1)
+            joint = comm.scatter_to_tp(joint, axis=0, group=self.tp_group)
+            hidden, topk_weights = joint[:, :H].astype(out_dtype), joint[:, H:]
             topk_ids = comm.split_take(topk_ids, self.tp_group, axis=0)
-            topk_weights = comm.scatter_to_tp(topk_weights, axis=0, group=self.tp_group)
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape([-1]).astype("int64")  # [t*K]
         order = paddle.argsort(flat_ids, stable=True)  # assignments grouped by expert (hence by owner rank)
