@@ -134,3 +134,17 @@ def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp
     assert resumed["run"]["resumed_from_step"] == 2
     for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
         assert resumed[key] == full[key], (key, resumed[key], full[key])
+
+
+def test_glm_stage_loads_only_its_own_tensors(tiny_ckpt):
+    from paddleformers_glm.parallel.pipeline import split_stages
+    from paddleformers_glm.parallel.topology import get_topology
+    from paddleformers_glm.train.glm_adapter import GlmAdapter
+
+    adapter = GlmAdapter(str(tiny_ckpt))
+    spec = split_stages(8, 2, has_mtp=True)[1]  # layers 4..7 + MTP + head
+    stage = adapter.build_stage(spec, get_topology())
+    state = adapter.full_state()
+    assert set(state) == set(stage.state_dict())
+    assert not any(k.startswith(("model.layers.0.", "model.layers.3.")) for k in state)
+    assert "model.layers.8.eh_proj.weight" in state and "lm_head.weight" in state

@@ -158,15 +158,22 @@ class GlmAdapter(ModelAdapter):
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         self.check_layout(topo.pc)
-        return GlmStage(self.config, spec, self.dtype)
+        stage = GlmStage(self.config, spec, self.dtype)
+        self._stage_keys = set(stage.state_dict())
+        return stage
 
     def full_state(self) -> dict[str, np.ndarray]:
+        """Full-size tensors of this rank's pipeline stage only: the loader reads no other stage's
+        tensors (the trainer then slices them for TP / EP)."""
+        from ..checkpoint import load_pretrained_state
         from ..modeling import GlmMoeDsaForCausalLM
         from ..parallel.topology import topology_override
 
+        keys = getattr(self, "_stage_keys", None)
         with topology_override():  # the full-size model, whatever this rank's layout
-            model = GlmMoeDsaForCausalLM.from_pretrained(self.model_dir, dtype="float32")
-        return {k: np.asarray(v.numpy()) for k, v in model.state_dict().items()}
+            model = GlmMoeDsaForCausalLM(self.config, dtype="float32")
+        load_pretrained_state(model, self.model_dir, dtype="float32", keys=keys)
+        return {k: np.asarray(v.numpy()) for k, v in model.state_dict().items() if keys is None or k in keys}
 
     @property
     def weights_loaded(self) -> bool:
