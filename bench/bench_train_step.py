@@ -586,30 +586,34 @@ def print_row(row: dict, flush: bool = False) -> None:
 
 
 def print_tables(results: list[dict], ns: argparse.Namespace) -> None:
-    """Markdown tables, ready for docs/performance.md."""
+    """Markdown tables, ready for docs/performance.md.
+
+    tok/s from the median step time over all timed steps of all runs, and (in brackets) from the
+    best step: on a shared machine other jobs slow some runs down, and the best of alternating
+    runs is the least disturbed view of each side.
+    """
     hf_name = f"HF {ns.hf_attn}"
     print(
-        f"| index_topk | S | ours tok/s | {hf_name} tok/s | ours / HF | ours step s | HF step s "
-        "| ours peak GB | HF peak GB |"
+        f"| index_topk | S | ours tok/s (best) | {hf_name} tok/s (best) | ours / HF (best) | ours step s "
+        "| HF step s | ours peak GB | HF peak GB |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in results:
         S, o = row["S"], row["ours"]
-        for key, tag in (("hf", ""), ("hf_ckpt", " + grad-ckpt")):
+        for key, tag in (("hf", ""), ("hf_ckpt", " (HF grad-ckpt)")):
             h = row.get(key)
-            if h is None or (key == "hf_ckpt" and h is None):
-                if key == "hf":
-                    h = {"error": "skipped"}
-                else:
+            if h is None:
+                if key == "hf_ckpt":
                     continue
+                h = {"error": "skipped"}
             ot, ht = _tok_s(o, S), _tok_s(h, S)
             err = h.get("error", "-")
             cells = [
                 str(row["topk"]),
                 str(S) + tag,
-                f"{ot:.0f}" if ot else o.get("error", "-"),
-                f"{ht:.0f}" if ht else err,
-                f"{ot / ht:.2f}x" if ot and ht else "-",
+                f"{ot:.0f} ({S / o['step_s_min']:.0f})" if ot else o.get("error", "-"),
+                f"{ht:.0f} ({S / h['step_s_min']:.0f})" if ht else err,
+                f"{ot / ht:.2f}x ({h['step_s_min'] / o['step_s_min']:.2f}x)" if ot and ht else "-",
                 f"{o['step_s']:.3f}" if ot else "-",
                 f"{h['step_s']:.3f}" if ht else "-",
                 f"{o['peak_gb']:.2f}" if o.get("peak_gb") else "-",
