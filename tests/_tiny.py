@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import paddle
@@ -11,6 +12,13 @@ from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
 from .conftest import TINY_CONFIG
+
+
+def config_from(path=TINY_CONFIG, **changes) -> GlmMoeDsaConfig:
+    """A config file with some keys changed (no schedule fix-ups; see tiny_config)."""
+    d = json.loads(pathlib.Path(path).read_text())
+    d.update(changes)
+    return GlmMoeDsaConfig.from_dict(d)
 
 
 def tiny_config(**changes) -> GlmMoeDsaConfig:

@@ -13,16 +13,11 @@ from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint.aoa import build_statements, expand_units, load_rules, rules_path
 from paddleformers_glm.checkpoint.layout import fleet_param_specs, hf_param_specs, resolve_dtype
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "glm52-tiny" / "config.json"
-OFFICIAL = ROOT / "configs" / "glm52-744b-a40b" / "config.json"
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+from ._tiny import config_from as _cfg
+from .conftest import FIXTURES, ROOT
+from .conftest import OFFICIAL_CONFIG as OFFICIAL
 
-
-def _cfg(path=TINY, **changes):
-    d = json.loads(pathlib.Path(path).read_text())
-    d.update(changes)
-    return GlmMoeDsaConfig.from_dict(d)
+FIXTURE = FIXTURES / "tiny" / "checkpoint"
 
 
 def test_rules_are_data_in_the_repo():

@@ -4,23 +4,17 @@ the HF-written tiny fixture checkpoint, REFERENCE §2 shapes of the 744B model, 
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint.layout import fleet_param_specs, hf_param_specs, layer_plan, resolve_dtype
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "glm52-tiny" / "config.json"
-OFFICIAL = ROOT / "configs" / "glm52-744b-a40b" / "config.json"
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+from ._tiny import config_from as _cfg
+from .conftest import FIXTURES
+from .conftest import OFFICIAL_CONFIG as OFFICIAL
 
-
-def _cfg(path=TINY, **changes):
-    d = json.loads(pathlib.Path(path).read_text())
-    d.update(changes)
-    return GlmMoeDsaConfig.from_dict(d)
+FIXTURE = FIXTURES / "tiny" / "checkpoint"
 
 
 def test_tiny_counts_by_hand():
