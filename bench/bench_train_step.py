@@ -1,30 +1,37 @@
 """Training-step benchmark: our Paddle GLM-5.2 against HF transformers on the same checkpoint and batch.
 
-One command (README "Performance"):
+One command (README "Performance"; ~50 min on 2 cores, most of it HF at S=8192):
 
     python bench/bench_train_step.py                 # S = 512, 2048, 8192; index_topk 64 and 256
     python bench/bench_train_step.py --tiny          # seconds: end-to-end smoke run
 
 What it does, and why this way:
 
-* builds a GLM-5.2-shaped model of a few million parameters (MLA with q/kv LoRA, DSA indexer with
-  8 heads and freq/offset top-k sharing, MoE with expert groups and a shared expert, one MTP layer)
-  with our library and saves it ONCE in the official HF layout; both sides load that folder, so
-  they run the same weights on the same token batch (fp32);
-* every measurement runs in its own subprocess (ours, HF, ours, HF, ... alternating, so drift of
-  the machine hits both sides alike); the environment is set before either library loads: the
-  same thread count for both (OMP/MKL env + `torch.set_num_threads` / Paddle's
-  `core.set_num_threads`) and `MKL_DEBUG_CPU_TYPE=5` — Paddle's bundled MKL takes a slow code path
-  on AMD CPUs without it (about 2.5x slower fp32 matmuls); torch is unaffected, so setting it for
-  both is neutral for HF and fair to us;
+* builds a GLM-5.2-shaped model of ~12M parameters (MLA with q/kv LoRA, DSA indexer with 8 heads
+  and the freq/offset top-k sharing schedule, MoE with expert groups and a shared expert, one MTP
+  layer) with our library and saves it ONCE in the official HF layout; every top-k variant is a
+  folder with that config changed and symlinks to the same weight files; both sides load it with
+  their own `from_pretrained`, so they run the same weights on the same token batch (fp32);
+* every measurement runs in its own subprocess, alternating ours, HF, ours, HF, ... (`--runs`
+  each), so drift of a shared machine hits both sides alike; tables give the median step and the
+  best step over all runs;
+* the environment is set before either library loads: the same thread count for both (OMP/MKL env
+  + `torch.set_num_threads` / Paddle's `core.set_num_threads`), and `MKL_DEBUG_CPU_TYPE=5` on AMD
+  CPUs: Paddle 3.3.1's bundled MKL takes a slow non-AVX2 path there without it (~2.5x slower fp32
+  matmuls), torch is unaffected; on Intel AVX-512 CPUs the same variable forces AVX2 and costs
+  Paddle ~35%, so `--mkl-cpu-type auto` (default) sets it on AMD only; `5` / `unset` force either;
 * a training step is forward + backward of the causal-LM loss (no optimizer update), batch 1;
-  MTP is not run (HF has no MTP), so both sides compute the same loss;
+  MTP is not run (HF has no MTP), so both sides compute the same loss (printed in `--json`);
+* HF runs with `attn_implementation="sdpa"` (its fastest supported path for this model; `eager`
+  is available via `--hf-attn`); HF realises DSA with a dense S x S mask, so its cost and memory
+  grow with S^2. When the plain HF run exceeds the memory limit, HF is also run with its own
+  gradient checkpointing (`--hf-grad-ckpt auto`) and both results are reported;
 * peak memory is the RSS high-water mark (`ru_maxrss`) of each subprocess; a watchdog kills a
-  subprocess whose RSS passes `--mem-limit-gb` and reports it as "OOM" (a valid result);
+  subprocess whose RSS passes `--mem-limit-gb` (20) and reports it as "OOM" (a valid result);
 * our per-module times (indexer, attention core, MoE, rest) come from one extra step with
   forward/backward timing hooks (CPU kernels run synchronously, so wall time is exact).
 
-Run with `--help` for options; `--json FILE` keeps the raw numbers.
+Run with `--help` for options; `--json FILE` keeps the raw numbers (every step, load average).
 """
 
 from __future__ import annotations
@@ -453,7 +460,7 @@ def main() -> None:
     p.add_argument("--seqlens", default="512,2048,8192", help="comma-separated sequence lengths")
     p.add_argument("--topks", default="64,256", help="comma-separated index_topk values")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
-    p.add_argument("--runs", type=int, default=2, help="alternating subprocess runs per side and shape")
+    p.add_argument("--runs", type=int, default=3, help="alternating subprocess runs per side and shape")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--long", type=int, default=4096, help="from this S on, use --long-steps/--long-warmup")

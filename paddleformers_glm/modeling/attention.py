@@ -7,19 +7,29 @@
     rope on q[..., nope:] and the single shared k_rot (interleaved per rope_interleave)
     out      = o_proj(sparse_attention(q, k, v, top-k))    [B, S, hidden]
 
-The default path runs the attention in MLA's latent ("MQA") form, as DeepSeek-V3.2 does for DSA:
-since k_nope = W_uk c and v = W_uv c, the per-head scores and outputs can be taken against the
-single shared latent row [c, k_rot] of each key (kv_lora + rope floats) instead of H per-head keys:
+Two forms of the same sparse attention, chosen per call by `DSACoreAttention.use_latent`:
 
-    q_lat  = [W_uk^T q_nope, q_rot]                         [B, S, H, kv_lora + rope]
+* per-head (`sparse_attention`): gathers the H per-head keys and values of each selected key; the
+  association HF uses, so the HF parity fixtures (small S) run it and pin it at 1e-5;
+* latent ("MQA", `sparse_latent_attention`), as DeepSeek-V3.2 runs DSA: since k_nope = W_uk c and
+  v = W_uv c, scores and outputs are taken against the single shared latent row [c, k_rot] of each
+  key (kv_lora + rope floats, H x fewer bytes than per-head keys and values):
+
+    q_lat  = q_latent [W_q_nope[h] W_uk[h]^T]_h  ++  rope(q_rot)    [B, S, H, kv_lora + rope]
     o_lat  = softmax(q_lat . [c, k_rot]_sel^T * scale) [c, k_rot]_sel      (k selected keys)
-    out_h  = W_uv[h]^T o_lat[..., :kv_lora]                 [B, S, H, v]
+    out    = o_lat [W_uv[h] W_o[h]; 0]_h                              [B, S, hidden]
 
-`sparse_latent_attention` gathers kv_lora + rope floats per selected key (not H x (qk + v)), in
-chunks of queries sized to stay in cache, and recomputes the gather in backward instead of saving
-it: memory O(S x k) for the probabilities' recompute inputs, never S x S. `sparse_attention` is the
-per-head form (same maths, H times the gathered bytes), and `dense_masked_attention` the HF-style
-formulation (S x S additive mask) kept as the reference the tests compare against.
+  kv_b_proj is folded into q_b_proj and o_proj (products of small weights, once per step), so
+  all activation-sized work is GEMMs on contiguous data. It runs once the per-head gather would
+  pass LATENT_MIN_ELEMS; same maths, other rounding (tests/test_perf_paths.py holds it to the
+  per-head and dense forms, gradients included).
+
+The latent core is a PyLayer chunked over queries (chunks sized to stay in cache). A chunk gathers
+the k selected rows per query, or, while the selection covers a large share of the chunk's keys
+(all < the chunk's end: causal), runs one GEMM against all of them with the selection as an
+additive mask. Backward reuses the gathered keys when they are small and recomputes them
+otherwise: memory O(S x k), never S x S. `dense_masked_attention` is the HF-style formulation
+(S x S additive mask) kept as the reference the tests compare against.
 """
 
 from __future__ import annotations
