@@ -42,12 +42,12 @@ def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interle
     Paddle's CPU broadcasting over a middle axis is ~30x slower than a same-shape multiply."""
     B, S, H, r = x.shape
     hit = _ROPE_CACHE.get("key")
-    if hit is not None and hit[0] is cos and hit[1] is sin and hit[2] == (H, x.dtype):  # type: ignore[index]
+    if hit is not None and hit[0] is cos and hit[1] is sin and hit[2] == (B, S, H, x.dtype):  # type: ignore[index]
         c, s_ = _ROPE_CACHE["value"]  # type: ignore[misc]
     else:
         c = cos.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
         s_ = sin.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
-        _ROPE_CACHE["key"], _ROPE_CACHE["value"] = (cos, sin, (H, x.dtype)), (c, s_)
+        _ROPE_CACHE["key"], _ROPE_CACHE["value"] = (cos, sin, (B, S, H, x.dtype)), (c, s_)
     if interleave:  # pairs (x0, x1), (x2, x3), ...: unbind's gradient (a stack) beats two strided-slice grads
         x1, x2 = paddle.unbind(x.reshape([B, S, H, r // 2, 2]), axis=-1)
     else:
