@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from paddleformers_glm.cpu_env import cpu_vendor  # noqa: E402  (no Paddle import: the parent stays light)
 
 # GLM-5.2 structure (official config.json), scaled down to ~9M parameters.
 BENCH_CONFIG: dict[str, Any] = {
@@ -111,17 +113,6 @@ TINY_CHANGES: dict[str, Any] = {
 
 
 # ----------------------------------------------------------------------------- environment
-def cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def bench_env(threads: int, mkl_cpu_type: str) -> dict[str, str]:
     """Environment for every subprocess: pinned threads and MKL's code path (see module doc).
 

@@ -387,7 +387,7 @@ class GlmMoeDsaConfig:
         """Build from a config.json dict; `to_dict()` gives the same dict back."""
         if config_dict.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
             raise _err("model_type", f"expected 'glm_moe_dsa', got {config_dict.get('model_type')!r}")
-        return cls(**config_dict, **overrides, _from_file=True)
+        return cls(**{**config_dict, **overrides}, _from_file=True)  # an override wins over the file's value
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> GlmMoeDsaConfig:

@@ -273,3 +273,14 @@ def test_tiny_config_has_the_official_structure():
     assert cfg.mlp_layer_types[0] == "dense" and "sparse" in cfg.mlp_layer_types
     assert cfg.n_group > 1 and cfg.index_topk < 32 and cfg.index_n_heads >= 8
     assert set(json.loads(TINY_CONFIG.read_text())) == set(official())
+
+
+def test_overrides_win_over_keys_in_the_file(tmp_path):
+    src = json.loads(OFFICIAL_CONFIG.read_text())
+    assert "index_topk" in src and "max_position_embeddings" in src
+    cfg = GlmMoeDsaConfig.from_pretrained(OFFICIAL_CONFIG, index_topk=src["index_topk"] // 2)
+    assert cfg.index_topk == src["index_topk"] // 2
+    out = cfg.to_dict()
+    assert out["index_topk"] == src["index_topk"] // 2 and list(out) == list(src)
+    cfg2 = GlmMoeDsaConfig.from_dict(src, max_position_embeddings=4096)
+    assert cfg2.max_position_embeddings == 4096 and src["max_position_embeddings"] != 4096

@@ -213,11 +213,20 @@ def test_diagnose_names_the_culprit(tmp_path):
     )
 
 
-def test_worker_env_sets_mkl_fast_path_unless_user_did(monkeypatch):
-    monkeypatch.delenv("MKL_DEBUG_CPU_TYPE", raising=False)
-    env = worker_env(4, base={"PATH": "/bin"})
-    assert env["MKL_DEBUG_CPU_TYPE"] == "5" and env["OMP_NUM_THREADS"] >= "1" and env["PYTHONPATH"]
-    assert worker_env(4, base={"MKL_DEBUG_CPU_TYPE": "2"})["MKL_DEBUG_CPU_TYPE"] == "2"
+def test_worker_env_sets_mkl_fast_path_on_amd_only_unless_user_did(monkeypatch, tmp_path):
+    from paddleformers_glm import cpu_env
+
+    assert cpu_env.cpu_vendor(str(tmp_path / "absent")) == "unknown"
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        info = tmp_path / f"{vendor}.cpuinfo"
+        info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: x\n")
+        assert cpu_env.cpu_vendor(str(info)) == vendor
+    for vendor, expect in [("AuthenticAMD", "5"), ("GenuineIntel", None)]:
+        monkeypatch.setattr(cpu_env, "cpu_vendor", lambda v=vendor: v)
+        env = worker_env(4, base={"PATH": "/bin"})
+        assert env.get("MKL_DEBUG_CPU_TYPE") == expect, vendor
+        assert env["OMP_NUM_THREADS"] >= "1" and env["PYTHONPATH"]
+        assert worker_env(4, base={"MKL_DEBUG_CPU_TYPE": "2"})["MKL_DEBUG_CPU_TYPE"] == "2"
 
 
 @pytest.mark.parametrize(

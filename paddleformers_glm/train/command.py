@@ -15,6 +15,8 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
+from ..cpu_env import apply_mkl_default
+
 if TYPE_CHECKING:
     from .loop import TrainConfig
 
@@ -124,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
-    os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")  # before Paddle (and its MKL) loads; AMD fast path
+    apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
     from ..parallel.pipeline import split_stages
     from ..parallel.topology import ParallelConfig, ParallelConfigError
     from .adapter import make_adapter

@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..cpu_env import apply_mkl_default
+
 __all__ = ["LaunchError", "launch_workers", "worker_env"]
 
 _COMM_MARKERS = (
@@ -66,7 +68,7 @@ def _repo_root() -> str:
 def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for the workers: our package importable, MKL fast path on AMD, one thread set per process."""
     env = dict(os.environ if base is None else base)
-    env.setdefault("MKL_DEBUG_CPU_TYPE", "5")  # AMD: Paddle's MKL picks a 2.5x slower path without it (issue 7)
+    apply_mkl_default(env)  # AMD only: Paddle's MKL picks a 2.5x slower path there without it
     cpus = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, nproc_per_node))))
     env.setdefault("GLOG_minloglevel", "2")
