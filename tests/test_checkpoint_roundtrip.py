@@ -327,6 +327,38 @@ def test_tensor_parallel_rank_reads_only_its_slice(src):
     assert rep.bytes_read == 2 * 64 * 64 * 2
 
 
+def test_stage_state_with_tp_pieces_loads_alike_from_both_layouts(src, tmp_path):
+    """A pipeline stage's partial state dict (strict, ``keys=`` its own names) with a TP rank's
+    fused piece: the Fleet-layout checkpoint (global ``[gate | up]``) gives the same per-rank
+    ``[gate_r | up_r]`` as the HF one, reading only that rank's columns."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+    from safetensors import safe_open
+
+    from paddleformers_glm.checkpoint.convert import convert_checkpoint
+
+    cfg = _cfg(src)
+    convert_checkpoint(src, tmp_path / "fleet", layout="fleet")
+    with safe_open(str(src / "model-00001-of-00002.safetensors"), framework="paddle") as h:
+        g = h.get_tensor("model.layers.0.mlp.gate_proj.weight").astype("float32").numpy()  # [128, 64]
+        u = h.get_tensor("model.layers.0.mlp.up_proj.weight").astype("float32").numpy()
+    ugk, nk = "model.layers.0.mlp.up_gate_proj.weight", "model.layers.0.input_layernorm.weight"
+    info = {ugk: [((64, 128), (0, 0)), ((64, 128), (0, 128))]}
+    for folder in (src, tmp_path / "fleet"):
+        for r in range(2):
+            state = {
+                ugk: ShardedWeight(ugk, paddle.zeros([64, 128]), (64, 128), (64, 256), (0, 128 * r)),
+                nk: paddle.zeros([64]),
+            }
+            rep = load_pretrained_state(state, folder, config=cfg, keys=list(state), shard_info=info)
+            assert sorted(rep.loaded) == sorted(state)
+            want = np.concatenate([g.T[:, 64 * r : 64 * (r + 1)], u.T[:, 64 * r : 64 * (r + 1)]], 1)
+            np.testing.assert_array_equal(state[ugk].local_tensor.numpy(), want, err_msg=f"{folder} rank {r}")
+            assert rep.bytes_read == 2 * 64 * 64 * 2 + 64 * 2  # two half tensors (bf16) + the norm
+    with pytest.raises(CheckpointError, match="model lacks 1 key"):  # a selected key the state lacks
+        load_pretrained_state({nk: paddle.zeros([64])}, src, config=cfg, keys=[nk, ugk])
+
+
 def test_failed_save_leaves_nothing(src, tmp_path, monkeypatch):
     cfg = _cfg(src)
     model = SpecModel(cfg)

@@ -8,8 +8,10 @@ and exported bytes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import paddle
 import pytest
 
@@ -62,7 +64,9 @@ def _run(tiny_ckpt, out, *layout):
     p, _ = run_train_cli(args, timeout=240)
     if p.returncode != 0:
         pytest.fail(f"glm {layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
-    return losses(out)
+    got = losses(out)
+    _check_load_records(tiny_ckpt, out, got["profile"])  # every rank read exactly its own slices
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,8 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
         pytest.fail(f"glm pp2 failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
     got = losses(tmp_path)
     assert got["run"]["pp_layout"] == "E,t*4|t*4,m,L"
+    recs = _check_load_records(tiny_ckpt, tmp_path, got["profile"])
+    assert [r["layers"] for r in recs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for key in ("losses", "mtp_losses", "grad_norms"):
         assert max(abs(a - b) for a, b in zip(pp1[key], got[key])) <= 1e-5, key
     index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
@@ -136,18 +142,191 @@ def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp
         assert resumed[key] == full[key], (key, resumed[key], full[key])
 
 
-def test_glm_stage_loads_only_its_own_tensors(tiny_ckpt):
+# ------------------------------------------------------------------ what each rank builds and reads
+# Independent of ShardSpec: which Fleet tensors are split over which group, by name (docs/parallel.md §1).
+_TP_SPLIT = (
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.up_gate_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.shared_experts.up_gate_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+    "model.embedding.embed_tokens.weight",
+    "lm_head.weight",
+)
+
+
+def _stage_share(key, rec, sizes, config):
+    """Fraction of the full Fleet tensor ``key`` that the rank described by ``rec`` holds (0: none)."""
+    L, E = config.num_hidden_layers, config.n_routed_experts
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    if m:
+        i = int(m.group(1))
+        if not (i in rec["layers"] or (rec["has_mtp"] and i >= L)):
+            return 0.0
+    elif key.startswith("model.embedding."):
+        if not (rec["has_embedding"] or rec["has_mtp"]):
+            return 0.0
+    elif not rec["has_head"]:  # final norm, lm_head
+        return 0.0
+    e = re.search(r"\.mlp\.experts\.(\d+)\.", key)
+    if e:
+        per = E // sizes["ep"]
+        if int(e.group(1)) // per != rec["ranks"]["ep"]:
+            return 0.0
+        return 1.0 / sizes["etp"]
+    return 1.0 / sizes["tp"] if key.endswith(_TP_SPLIT) else 1.0
+
+
+def _expected_load(ckpt_dir, rec, sizes):
+    """(checkpoint bytes the rank must read, parameter elements it must hold), from the checkpoint
+    headers, the mapping units (which source tensors feed which Fleet tensor) and _stage_share."""
+    import math
+
+    from paddleformers_glm.checkpoint import fleet_param_specs
+    from paddleformers_glm.checkpoint.loader import load_config_for
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+
+    config = load_config_for(str(ckpt_dir))
+    fleet = fleet_param_specs(config)
+    elements = sum(math.prod(shape) * _stage_share(k, rec, sizes, config) for k, (shape, _) in fleet.items())
+    nbytes = 0.0
+    with Checkpoint(str(ckpt_dir)) as ck:
+        for k in ck.keys():  # an HF name is split like the Fleet tensor it becomes (gate/up: up_gate)
+            fk = re.sub(r"\.(gate|up)_proj\.weight$", ".up_gate_proj.weight", k)
+            fk = fk.replace("model.embed_tokens.", "model.embedding.embed_tokens.")
+            nbytes += _stage_share(fk, rec, sizes, config) * ck.info(k).nbytes
+    return nbytes, elements
+
+
+def _tensor_bytes(ckpt_dir):
+    """Bytes of all tensors of the checkpoint (what one process loading everything reads)."""
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+
+    with Checkpoint(str(ckpt_dir)) as ck:
+        return sum(ck.info(k).nbytes for k in ck.keys())
+
+
+def _load_records(out):
+    recs = [json.loads(p.read_text()) for p in (Path(out) / "logs" / "load").glob("rank*.json")]
+    return sorted(recs, key=lambda r: r["rank"])
+
+
+def _check_load_records(ckpt_dir, out, sizes):
+    """Every rank loaded straight from the checkpoint and read exactly its share, no more."""
+    recs = _load_records(out)
+    assert len(recs) == sizes["world"], [r["rank"] for r in recs]
+    full = _tensor_bytes(ckpt_dir)
+    for rec in recs:
+        want_bytes, want_elements = _expected_load(ckpt_dir, rec, sizes)
+        assert rec["method"] == "load_stage", rec
+        assert rec["bytes_read"] == want_bytes, (rec["rank"], rec["bytes_read"], want_bytes)
+        assert rec["state_elements"] == want_elements, (rec["rank"], rec["state_elements"], want_elements)
+        if sizes["world"] > 1:
+            assert rec["bytes_read"] < full, (rec["rank"], rec["bytes_read"], full)
+        else:
+            assert rec["bytes_read"] == full
+    return recs
+
+
+def test_glm_stage_builds_only_its_own_layers(tiny_ckpt, monkeypatch):
+    """A PP stage constructs its layers and nothing else: no full model, no other stage's layer."""
+    import paddleformers_glm.modeling.model as M
+    from paddleformers_glm.checkpoint import fleet_param_specs
     from paddleformers_glm.parallel.pipeline import split_stages
     from paddleformers_glm.parallel.topology import get_topology
     from paddleformers_glm.train.glm_adapter import GlmAdapter
 
+    built, real = [], M.build_layer
+
+    def spy(config, index):
+        built.append(index)
+        return real(config, index)
+
+    def refuse(*a, **k):
+        raise AssertionError("a full-size model was constructed")
+
+    monkeypatch.setattr(M, "build_layer", spy)
+    monkeypatch.setattr(M.GlmMoeDsaModel, "__init__", refuse)
+    monkeypatch.setattr(M.GlmMoeDsaForCausalLM, "__init__", refuse)
     adapter = GlmAdapter(str(tiny_ckpt))
-    spec = split_stages(8, 2, has_mtp=True)[1]  # layers 4..7 + MTP + head
-    stage = adapter.build_stage(spec, get_topology())
-    state = adapter.full_state()
-    assert set(state) == set(stage.state_dict())
-    assert not any(k.startswith(("model.layers.0.", "model.layers.3.")) for k in state)
-    assert "model.layers.8.eh_proj.weight" in state and "lm_head.weight" in state
+    s0, s1 = split_stages(8, 2, has_mtp=True)  # layers 0..3 + E | layers 4..7 + MTP + head
+    fleet = fleet_param_specs(adapter.config)
+    for spec, layers in ((s0, [0, 1, 2, 3]), (s1, [4, 5, 6, 7, 8])):
+        built.clear()
+        stage = adapter.build_stage(spec, get_topology())
+        assert built == layers
+        names = set(stage.state_dict())
+        want = {k for k in fleet if k.startswith(tuple(f"model.layers.{i}." for i in layers))}
+        want |= {"model.embedding.embed_tokens.weight"}
+        if spec.has_head:
+            want |= {"model.norm.weight", "lm_head.weight"}
+        assert names == want
+        info = adapter.load_stage(stage, get_topology())
+        assert info["tensors"] == len(want)
+    assert "model.layers.8.eh_proj.weight" in names
+
+
+@pytest.fixture(scope="module")
+def tiny_variants(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint as released (HF, bf16), in Fleet layout (bf16, router fp32) and HF in fp32."""
+    from paddleformers_glm.checkpoint.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_variants")
+    convert_checkpoint(tiny_ckpt, root / "fleet", layout="fleet")
+    convert_checkpoint(tiny_ckpt, root / "hf32", layout="hf", dtype="float32")
+    return {"hf": tiny_ckpt, "fleet": root / "fleet", "hf32": root / "hf32"}
+
+
+@pytest.fixture(scope="module")
+def tiny_full_state(tiny_ckpt):
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("which", ["hf", "fleet", "hf32"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"tp": 2}, {"tp": 2, "pp": 2, "ep": 2}, {"dp": 2, "ep": 2}, {"tp": 4, "pp": 2, "ep": 2, "etp": 2}],
+    ids=["tp2", "tp2-pp2-ep2", "dp2-ep2", "tp4-pp2-ep2-etp2"],
+)
+def test_glm_rank_reads_only_its_slices_and_gets_the_local_slice(tiny_variants, tiny_full_state, which, layout):
+    """Every rank of a layout (simulated in one process: the layers only read the topology's sizes
+    and ranks) builds its stage, loads it from the checkpoint and holds exactly
+    ``local_slice(full tensor)`` of every parameter, having read exactly its share of the bytes."""
+    from paddleformers_glm.parallel.layers import get_shard_spec, local_slice
+    from paddleformers_glm.parallel.pipeline import split_stages
+    from paddleformers_glm.parallel.topology import ParallelConfig, Topology, expert_layout, topology_override
+    from paddleformers_glm.train.glm_adapter import GlmAdapter
+
+    ckpt = tiny_variants[which]
+    adapter = GlmAdapter(str(ckpt))
+    pc = ParallelConfig(**layout)
+    sizes = {"tp": pc.tp, "ep": pc.ep, "etp": pc.etp, "world": pc.world_size}
+    full_bytes = _tensor_bytes(ckpt)
+    for stage, spec in enumerate(split_stages(8, pc.pp, has_mtp=True)):
+        for dp_rank in range(pc.dp):
+            for tp_rank in range(pc.tp):
+                edp, ep, etp = expert_layout(pc, dp_rank, tp_rank)
+                ranks = {"tp": tp_rank, "pp": stage, "dp": dp_rank, "edp": edp, "ep": ep, "etp": etp}
+                topo = Topology(pc, ranks=ranks)
+                with topology_override(topo):
+                    module = adapter.build_stage(spec, topo)
+                    info = adapter.load_stage(module, topo)
+                rec = {"layers": list(spec.layers), "has_embedding": spec.has_embedding, "has_head": spec.has_head}
+                rec.update(has_mtp=spec.has_mtp, ranks=ranks)
+                want_bytes, want_elements = _expected_load(ckpt, rec, sizes)
+                assert info["bytes_read"] == want_bytes, (ranks, info["bytes_read"], want_bytes)
+                assert sum(int(np.prod(t.shape)) for t in module.state_dict().values()) == want_elements
+                for name, t in module.state_dict().items():
+                    s = get_shard_spec(t)
+                    size = topo.size(s.group) if s.axis is not None else 1
+                    want = local_slice(tiny_full_state[name], s, topo.rank_in(s.group), size)
+                    np.testing.assert_array_equal(t.numpy(), want, err_msg=f"{name} {ranks}")
+                assert info["bytes_read"] < full_bytes
 
 
 @pytest.mark.slow

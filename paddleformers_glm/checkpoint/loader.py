@@ -14,6 +14,7 @@ it is the slower, hungrier path; it exists to show both Paddle entry points agre
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tempfile
@@ -35,6 +36,7 @@ __all__ = [
     "detect_layout",
     "identity_units",
     "units_for",
+    "fused_keys",
     "format_keys",
     "load_config_for",
 ]
@@ -92,6 +94,24 @@ def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
 def units_for(config: Any, layout: str) -> list[MappingUnit]:
     """The mapping units from a checkpoint of ``layout`` to the Fleet model."""
     return expand_units(config) if layout == "hf" else identity_units(fleet_param_specs(config))
+
+
+def fused_keys(config: Any) -> set[str]:
+    """Fleet keys that fuse two HF tensors with ``fused_ffn`` (``up_gate_proj``: gate columns, then up)."""
+    return {k for u in expand_units(config) if any("fused_ffn" in s for s in u.hf_to_fleet) for k in u.fleet}
+
+
+def _relayout_fused(units: list[MappingUnit], keys: set[str]) -> list[MappingUnit]:
+    """A Fleet-layout checkpoint holds fused weights globally as ``[gate | up]``; a rank whose
+    ``shard_info`` lists several pieces wants Fleet's per-rank ``[gate_r | up_r]``, which is what
+    ``fused_ffn`` gives from an HF checkpoint. Re-run the same macro on the fused tensor itself
+    (axis 1 of the Fleet ``[H, 2I]`` weight) so both layouts load into the same local bytes."""
+    return [
+        dataclasses.replace(u, hf_to_fleet=(f"{u.fleet[0]} -> {u.fleet[0]}, fused_ffn, axis=1",))
+        if len(u.fleet) == 1 and u.fleet[0] in keys
+        else u
+        for u in units
+    ]
 
 
 def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
@@ -156,10 +176,12 @@ def load_pretrained_state(
     Sources of any float dtype are cast by the engine. ``strict`` refuses missing/unexpected keys (listing the first few and
     the counts) and index inconsistencies; otherwise what can be loaded is, and the report lists the
     rest. ``keys`` / ``key_filter`` restrict loading to some Fleet keys (a pipeline stage) — other
-    keys are neither read nor required. Values of the state dict may be ``ShardedWeight``s (local
-    slice of a global tensor, as a tensor-parallel rank holds them): only that slice is read;
-    ``shard_info`` gives, per key, the (local_shape, global_offset) of *all* ranks' shards so the
-    engine's ``fused_ffn`` lays out fused weights per rank as Fleet does.
+    keys are neither read nor required, and the model need not hold them (a stage module). Values
+    of the state dict may be ``ShardedWeight``s (local slice of a global tensor, as a
+    tensor-parallel rank holds them): only that slice is read; ``shard_info`` gives, per key, the
+    (local_shape, global_offset) of *all* ranks' shards as plain slices of the global ``[gate | up]``
+    tensor, so ``fused_ffn`` lays out fused weights per rank as Fleet does (rank r: ``[gate_r | up_r]``)
+    from an HF checkpoint and, re-laid the same way, from a Fleet one.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
@@ -173,9 +195,19 @@ def load_pretrained_state(
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
-        # --- the model against the contract
+        # --- the model against the contract (with ``keys`` / ``key_filter``, a pipeline stage's
+        # module: it need only hold the selected keys)
+        selected = set(fleet)
+        if keys is not None:
+            keys = set(keys)
+            bad = sorted(keys - set(fleet))
+            if bad:
+                raise CheckpointError(f"keys to load are not Fleet parameter names: {format_keys(bad)}")
+            selected &= keys
+        if key_filter is not None:
+            selected = {k for k in selected if key_filter(k)}
         extra_model = sorted(set(state) - set(fleet))
-        lacking_model = sorted(set(fleet) - set(state))
+        lacking_model = sorted(selected - set(state))
         if strict and (extra_model or lacking_model):
             parts = []
             if lacking_model:
@@ -185,18 +217,12 @@ def load_pretrained_state(
             raise CheckpointError(
                 "model state_dict does not match the GLM-5.2 Fleet parameter contract: " + "; ".join(parts)
             )
-        want = set(state) & set(fleet)
-        if keys is not None:
-            keys = set(keys)
-            bad = sorted(keys - set(fleet))
-            if bad:
-                raise CheckpointError(f"keys to load are not Fleet parameter names: {format_keys(bad)}")
-            want &= keys
-        if key_filter is not None:
-            want = {k for k in want if key_filter(k)}
+        want = set(state) & selected
         report.skipped = sorted((set(state) & set(fleet)) - want)
         # --- units: which targets can be produced from what the checkpoint has
         units = units_for(cfg, layout)
+        if layout == "fleet" and shard_info:
+            units = _relayout_fused(units, set(shard_info) & fused_keys(cfg))
         direction = "hf_to_fleet"
         missing_src_set = set(missing_src)
         usable, missing_targets = [], []

@@ -9,6 +9,8 @@ package maps them to and from the official HF names with Paddle's AOA engine.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import paddle
@@ -66,6 +68,27 @@ class Embedding(nn.Layer):
         return self.embed_tokens(input_ids)
 
 
+def build_layer(config: GlmMoeDsaConfig, index: int) -> DecoderLayer | MTPLayer:
+    """Layer ``index`` of the stack (a decoder layer below ``num_hidden_layers``, else an MTP layer),
+    built on its own so a pipeline stage can make just its layers."""
+    L = config.num_hidden_layers
+    if 0 <= index < L:
+        return DecoderLayer(
+            config, has_indexer=config.indexer_types[index] == "full", mlp_type=config.mlp_layer_types[index]
+        )
+    if L <= index < L + config.num_mtp_layers:
+        return MTPLayer(config)
+    raise IndexError(
+        f"layer {index} does not exist: {L} decoder layers (0..{L - 1}) and {config.num_mtp_layers} MTP layers"
+    )
+
+
+def _final_norm(config: GlmMoeDsaConfig) -> RMSNorm:
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    mark_sequence_parallel(norm, enabled=get_topology().sequence_parallel)
+    return norm
+
+
 class GlmMoeDsaModel(nn.Layer):
     """The decoder stack. `layers` holds the L decoder layers followed by the MTP layers (index L+j)."""
 
@@ -74,13 +97,8 @@ class GlmMoeDsaModel(nn.Layer):
         self.config = config
         L = config.num_hidden_layers
         self.embedding = Embedding(config)
-        decoder = [
-            DecoderLayer(config, has_indexer=config.indexer_types[i] == "full", mlp_type=config.mlp_layer_types[i])
-            for i in range(L)
-        ]
-        self.layers = nn.LayerList(decoder + [MTPLayer(config) for _ in range(config.num_mtp_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        mark_sequence_parallel(self.norm, enabled=get_topology().sequence_parallel)
+        self.layers = nn.LayerList([build_layer(config, i) for i in range(L + config.num_mtp_layers)])
+        self.norm = _final_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
 
     @property
@@ -133,6 +151,44 @@ class GlmMoeDsaModel(nn.Layer):
         return self.norm(hidden), topk, kls
 
 
+class GlmMoeDsaStageModel(nn.Layer):
+    """The part of :class:`GlmMoeDsaModel` one pipeline stage holds, under the same parameter names
+    (``layers.<global index>``, ``embedding.*``, ``norm.*``) so checkpoints map onto it unchanged.
+
+    Only ``layer_ids`` are constructed (decoder and/or MTP layers): a stage of a 744B model never
+    allocates the other stages' layers, not even transiently.
+    """
+
+    def __init__(self, config: GlmMoeDsaConfig, layer_ids: Sequence[int], *, embedding: bool, norm: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_ids = [int(i) for i in layer_ids]
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"GlmMoeDsaStageModel: layer ids repeat: {self.layer_ids}")
+        if embedding:
+            self.embedding = Embedding(config)
+        self.layers = nn.LayerDict({str(i): build_layer(config, i) for i in self.layer_ids})
+        if norm:
+            self.norm = _final_norm(config)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+def build_lm_head(config: GlmMoeDsaConfig) -> ParallelLMHead:
+    """The output projection [H, V], vocabulary split over TP (vocab-parallel logits)."""
+    return ParallelLMHead(config.hidden_size, config.vocab_size, get_topology().sequence_parallel)
+
+
+@contextmanager
+def default_dtype(dtype: str) -> Iterator[None]:
+    """Create parameters in ``dtype`` (Paddle takes it from the global default) and restore it after."""
+    prev = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        paddle.set_default_dtype(prev)
+
+
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses.
 
@@ -143,16 +199,12 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     """
 
     def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32") -> None:
-        prev = paddle.get_default_dtype()
-        paddle.set_default_dtype(dtype)
-        try:
+        with default_dtype(dtype):
             super().__init__()
             self.config = config
             self.model = GlmMoeDsaModel(config)
             # vocabulary split over TP: vocab-parallel logits, gathered below for `out.logits`
-            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, get_topology().sequence_parallel)
-        finally:
-            paddle.set_default_dtype(prev)
+            self.lm_head = build_lm_head(config)
         self.compute_dtype = dtype
 
     # ------------------------------------------------------------------ construction / IO

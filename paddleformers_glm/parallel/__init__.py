@@ -31,7 +31,7 @@ from .pipeline import (
     split_stages,
     validate_shared_layer_starts,
 )
-from .state import gather_full_state, shard_full_state
+from .state import gather_full_state, shard_full_state, sharded_state_dict
 from .topology import ParallelConfig, ParallelConfigError, Topology, get_topology, init_topology, set_topology
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "set_shard_spec",
     "set_topology",
     "shard_full_state",
+    "sharded_state_dict",
     "simulate_schedule",
     "split_stages",
     "validate_shared_layer_starts",

@@ -19,7 +19,7 @@ import paddle.nn as nn
 from .layers import get_shard_spec, local_slice, merge_slices
 from .topology import Topology, get_topology
 
-__all__ = ["gather_full_state", "shard_full_state", "to_numpy"]
+__all__ = ["gather_full_state", "shard_full_state", "sharded_state_dict", "to_numpy"]
 
 
 def to_numpy(t: paddle.Tensor) -> np.ndarray:
@@ -115,3 +115,46 @@ def shard_full_state(
     if strict and missing:
         raise KeyError(f"shard_full_state: {len(missing)} tensors missing from the full state, e.g. {missing[:5]}")
     return missing
+
+
+def sharded_state_dict(
+    model: nn.Layer, topo: Topology | None = None
+) -> tuple[dict[str, Any], dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]]:
+    """This rank's parameters described for a slice-reading checkpoint loader (Paddle's flex-checkpoint
+    convention): ``(state, shard_info)``.
+
+    A replicated parameter is itself; a split one is a Paddle ``ShardedWeight`` (the local tensor,
+    its shape, the full shape, its global offset).  A fused split parameter (``chunks`` > 1, e.g.
+    gate|up) is described as Paddle's ``fused_ffn`` expects it: the local piece as a plain slice
+    of the full tensor at ``rank * local`` and, in ``shard_info``, every rank's piece of its group,
+    from which the engine lays rank r out as ``[gate_r | up_r]`` (what ``local_slice`` cuts).
+    """
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    topo = topo or get_topology()
+    state: dict[str, Any] = {}
+    info: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for name, t in model.state_dict().items():
+        spec = get_shard_spec(t)
+        size = topo.size(spec.group) if spec.axis is not None else 1
+        if size == 1:
+            state[name] = t
+            continue
+        if spec.chunks not in (1, 2):
+            raise ValueError(
+                f"sharded_state_dict: {name!r}: only gate|up (chunks 2) fusion is described, got {spec.chunks}"
+            )
+        local = tuple(int(d) for d in t.shape)
+        axis = spec.axis % len(local)
+        full = local[:axis] + (local[axis] * size,) + local[axis + 1 :]
+
+        def offset(r: int, axis: int = axis, n: int = local[axis], ndim: int = len(local)) -> tuple[int, ...]:
+            return tuple(r * n if a == axis else 0 for a in range(ndim))
+
+        rank = topo.rank_in(spec.group)
+        state[name] = ShardedWeight(
+            key=name, local_tensor=t, local_shape=local, global_shape=full, global_offset=offset(rank)
+        )
+        if spec.chunks > 1:
+            info[name] = [(local, offset(r)) for r in range(size)]
+    return state, info

@@ -2,7 +2,8 @@
 
 A model plugs in with a :class:`ModelAdapter`: it reports its sizes (for layout validation),
 builds the module of one pipeline stage, names its loss terms and how each is normalised, and
-provides the initial full state (a checkpoint, or a deterministic init).  Everything parallel
+loads its initial weights (from a checkpoint, slice by slice: ``load_stage``; or as a full state
+the trainer slices: ``full_state``, fine for small stand-ins).  Everything parallel
 (topology, stage split, schedules, gradient sync, optimizer, checkpoints) is the trainer's.
 """
 
@@ -80,8 +81,18 @@ class ModelAdapter:
         """The module of one pipeline stage; its parameter names must equal the full model's."""
         raise NotImplementedError
 
+    def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any] | None:
+        """Fill ``module`` (this rank's stage, TP/EP-local shapes) in place from the model's weights,
+        reading only what this rank holds, so no rank ever holds a full-size copy.
+
+        Returns a summary for the run's logs (e.g. ``{"bytes_read": ..., "tensors": ...}``), or None
+        when the adapter does not implement it: the trainer then slices :meth:`full_state`.
+        """
+        return None
+
     def full_state(self) -> Mapping[str, Any]:
-        """Initial weights: structured name -> full array (checkpoint or deterministic init)."""
+        """Initial weights: structured name -> full array (checkpoint or deterministic init).
+        Only used when :meth:`load_stage` returns None."""
         raise NotImplementedError
 
     def checkpoint_info(self) -> dict[str, Any]:

@@ -5,8 +5,9 @@ Every layout: tensor parallel (MLA heads, dense/shared-expert FFN and vocabulary
 indexer replicated), sequence parallel, expert parallel and expert tensor parallel (the modeling
 package builds its layers from ``parallel.layers`` / ``parallel.experts`` under the current
 topology), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
-on a shared indexer layer), data parallel, MTP and the indexer KL loss.  Each rank builds the
-model under its topology (so TP/EP-local shapes) and keeps its stage's submodules.
+on a shared indexer layer), data parallel, MTP and the indexer KL loss.  Each rank builds only
+its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the checkpoint
+(``load_stage``): no rank ever holds a full-size model or tensor.
 """
 
 from __future__ import annotations
@@ -40,30 +41,30 @@ def _shifted_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> L
     return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
 
 
-class _Holder(nn.Layer):
-    """Keeps the full model's attribute names (``model.embedding``, ``model.layers.<i>``, ``model.norm``)."""
-
-
 class GlmStage(nn.Layer):
-    """One pipeline stage of GLM-5.2; ``forward(carry, batch) -> StageOutput``; carry = (hidden, top-k)."""
+    """One pipeline stage of GLM-5.2; ``forward(carry, batch) -> StageOutput``; carry = (hidden, top-k).
+
+    Builds only what the stage runs (its decoder layers, the MTP layers on an MTP stage, the
+    embedding where tokens are embedded, final norm and LM head on the last stage), in this
+    rank's TP/EP-local shapes and under the full model's parameter names.
+    """
 
     def __init__(self, config: Any, spec: StageSpec, dtype: str = "float32") -> None:
         super().__init__()
-        from ..modeling import GlmMoeDsaForCausalLM
+        from ..modeling.model import GlmMoeDsaStageModel, build_lm_head, default_dtype
 
-        full = GlmMoeDsaForCausalLM(config, dtype=dtype)
         self.config, self.spec = config, spec
         L = config.num_hidden_layers
         self.mtp_ids = list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else []
-        self.model = _Holder()
-        layers = list(full.model.layers)
-        self.model.layers = nn.LayerDict({str(i): layers[i] for i in list(spec.layers) + self.mtp_ids})
-        self.model.rotary_emb = full.model.rotary_emb
-        if spec.has_embedding or spec.has_mtp:
-            self.model.embedding = full.model.embedding
-        if spec.has_head:
-            self.model.norm = full.model.norm
-            self.lm_head = full.lm_head
+        with default_dtype(dtype):
+            self.model = GlmMoeDsaStageModel(
+                config,
+                list(spec.layers) + self.mtp_ids,
+                embedding=spec.has_embedding or spec.has_mtp,
+                norm=spec.has_head,
+            )
+            if spec.has_head:
+                self.lm_head = build_lm_head(config)
 
     def forward(self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor]) -> StageOutput:
         ids = batch["input_ids"]  # [B, S]
@@ -158,22 +159,33 @@ class GlmAdapter(ModelAdapter):
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         self.check_layout(topo.pc)
-        stage = GlmStage(self.config, spec, self.dtype)
-        self._stage_keys = set(stage.state_dict())
-        return stage
+        return GlmStage(self.config, spec, self.dtype)
 
-    def full_state(self) -> dict[str, np.ndarray]:
-        """Full-size tensors of this rank's pipeline stage only: the loader reads no other stage's
-        tensors (the trainer then slices them for TP / EP)."""
+    def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
+        """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.
+
+        Each split parameter goes to the loader as a ``ShardedWeight`` (local piece, global shape
+        and offset from its ``ShardSpec``), fused ``up_gate_proj`` pieces with every rank's piece
+        in ``shard_info`` (the engine then lays rank r out as ``[gate_r | up_r]``, what
+        ``local_slice`` cuts); the engine reads only those slices (bf16 or fp32 sources, cast to
+        the parameter's dtype).  No full-size tensor exists on the rank at any time.
+        """
         from ..checkpoint import load_pretrained_state
-        from ..modeling import GlmMoeDsaForCausalLM
-        from ..parallel.topology import topology_override
+        from ..parallel.state import sharded_state_dict
 
-        keys = getattr(self, "_stage_keys", None)
-        with topology_override():  # the full-size model, whatever this rank's layout
-            model = GlmMoeDsaForCausalLM(self.config, dtype="float32")
-        load_pretrained_state(model, self.model_dir, dtype="float32", keys=keys)
-        return {k: np.asarray(v.numpy()) for k, v in model.state_dict().items() if keys is None or k in keys}
+        state, shard_info = sharded_state_dict(module, topo)
+        report = load_pretrained_state(
+            state, self.model_dir, dtype=None, config=self.config, keys=set(state), shard_info=shard_info
+        )
+        if sorted(report.loaded) != sorted(state):
+            missing = sorted(set(state) - set(report.loaded))
+            raise RuntimeError(f"{self.model_dir}: stage tensors not loaded: {missing[:5]} ({len(missing)} in all)")
+        return {
+            "bytes_read": int(report.bytes_read),
+            "tensors": len(report.loaded),
+            "layout": report.layout,
+            "load_seconds": report.seconds,
+        }
 
     @property
     def weights_loaded(self) -> bool:

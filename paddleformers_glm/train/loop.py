@@ -176,6 +176,40 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
             set_topology(None)
 
 
+def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, topo: Any, spec: Any) -> None:
+    """This rank's weights: straight from the checkpoint when the adapter can (``load_stage``: only
+    this rank's slices are read), else sliced from the adapter's full state.  What was read goes to
+    ``OUT/logs/load/rank<N>.json`` (the per-rank evidence that no rank loaded more than its share)."""
+    t0 = time.perf_counter()
+    info = adapter.load_stage(module, topo)
+    if info is None:
+        shard_full_state(module, adapter.full_state(), topo)
+        info = {"method": "full_state"}
+    else:
+        info = {"method": "load_stage", **info}
+    state = module.state_dict()
+    record = {
+        "rank": topo.rank,
+        "stage": topo.stage,
+        "layers": list(spec.layers),
+        "has_embedding": spec.has_embedding,
+        "has_head": spec.has_head,
+        "has_mtp": spec.has_mtp,
+        "ranks": {g: topo.rank_in(g) for g in ("tp", "pp", "dp", "ep", "etp", "edp")},
+        "state_tensors": len(state),  # parameters and persistent buffers (router correction bias)
+        "state_elements": int(sum(math.prod(t.shape) for t in state.values())),
+        "seconds": time.perf_counter() - t0,
+        **info,
+    }
+    write_json_atomic(os.path.join(cfg.out, "logs", "load", f"rank{topo.rank}.json"), record)
+    if topo.rank == 0 and "bytes_read" in info:
+        print(
+            f"[glm52 train] rank 0 loaded {record['state_elements']:,} local elements, read "
+            f"{info['bytes_read']:,} checkpoint bytes in {record['seconds']:.2f} s",
+            flush=True,
+        )
+
+
 def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
     rank0 = topo.rank == 0
     prev_dtype = paddle.get_default_dtype()
@@ -186,7 +220,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         module = adapter.build_stage(specs[topo.stage], topo)
     finally:
         paddle.set_default_dtype(prev_dtype)
-    shard_full_state(module, adapter.full_state(), topo)
+    _load_initial_weights(cfg, adapter, module, topo, specs[topo.stage])
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
     opt = AdamW(
