@@ -139,3 +139,23 @@ def test_indexer_kl_loss_is_zero_when_indexer_matches_attention():
         ),
     )
     assert float(kl2) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [1024, 5])
+def test_unordered_selection_is_the_same_set(chunk):
+    """ordered=False (the latent attention's request): same key set per query; the first k queries
+    take all their keys without scoring, in ascending order."""
+    cfg, idx, x, ql, cos, sin = _setup(attention_chunk_size=chunk)
+    K = cfg.index_topk
+    ordered = idx(x, ql, cos, sin, None).numpy()
+    unordered = idx(x, ql, cos, sin, None, ordered=False).numpy()
+    assert unordered.shape == ordered.shape
+    np.testing.assert_array_equal(np.sort(unordered, -1), np.sort(ordered, -1))
+    for i in range(K):
+        np.testing.assert_array_equal(unordered[:, i], np.where(np.arange(K) <= i, np.arange(K), -1)[None].repeat(2, 0))
+    assert not np.array_equal(unordered[:, :K], ordered[:, :K])  # the ordered rows really are score-sorted
+    # with padding the shortcut does not apply: padded keys must stay out
+    pad = paddle.to_tensor(np.r_[np.zeros(3), np.ones(x.shape[1] - 3)][None].repeat(2, 0).astype("int64"))
+    np.testing.assert_array_equal(
+        np.sort(idx(x, ql, cos, sin, pad, ordered=False).numpy(), -1), np.sort(idx(x, ql, cos, sin, pad).numpy(), -1)
+    )

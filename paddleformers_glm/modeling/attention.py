@@ -16,8 +16,8 @@ Two forms of the same sparse attention, chosen per call by `DSACoreAttention.use
   key (kv_lora + rope floats, H x fewer bytes than per-head keys and values):
 
     q_lat  = q_latent [W_q_nope[h] W_uk[h]^T]_h  ++  rope(q_rot)    [B, S, H, kv_lora + rope]
-    o_lat  = softmax(q_lat . [c, k_rot]_sel^T * scale) [c, k_rot]_sel      (k selected keys)
-    out    = o_lat [W_uv[h] W_o[h]; 0]_h                              [B, S, hidden]
+    o_lat  = softmax(q_lat . [c, k_rot]_sel^T * scale) c_sel             (k selected keys)
+    out    = o_lat [W_uv[h] W_o[h]]_h                                 [B, S, hidden]
 
   kv_b_proj is folded into q_b_proj and o_proj (products of small weights, once per step), so
   all activation-sized work is GEMMs on contiguous data. It runs once the per-head gather would
@@ -45,7 +45,7 @@ from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.topology import get_topology
 from .indexer import DSAIndexer, rope_heads
-from .norms import RMSNorm, _mean_square
+from .norms import RMSNorm
 from .rope import apply_rope
 
 
@@ -123,6 +123,7 @@ class _Prepared(NamedTuple):
     mask: paddle.Tensor  # [B*S, k] fp32 additive mask for the gathered slots
     sel: paddle.Tensor  # [B*S, k] int64 key positions within the batch, -1 = empty
     has_key: paddle.Tensor  # [B*S] bool: the query has at least one valid key
+    masks: dict  # (r0, r1, c1) -> the dense chunk's additive mask, built once per top-k (see _chunk_probs)
 
 
 _PREPARED: dict[str, object] = {}
@@ -150,7 +151,11 @@ def prepare_topk(topk_idx: paddle.Tensor) -> _Prepared:
         live = paddle.logical_or(valid, paddle.logical_not(has_k))
         mask = paddle.where(live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32"))
         out = _Prepared(
-            rows.reshape([B * S, K]), mask.reshape([B * S, K]), topk_idx.reshape([B * S, K]), has_key.reshape([B * S])
+            rows.reshape([B * S, K]),
+            mask.reshape([B * S, K]),
+            topk_idx.reshape([B * S, K]),
+            has_key.reshape([B * S]),
+            {},
         )
     _PREPARED["key"], _PREPARED["value"] = topk_idx, out
     return out
@@ -209,7 +214,11 @@ def _chunk_probs(
         ks = _dense_keys(table, ch, S, N)
         T = ch.c1 + 1
         s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
-        m = _dense_mask(prep.sel[ch.r0 : ch.r1], prep.has_key[ch.r0 : ch.r1], ch.c1)
+        m = prep.masks.get((ch.r0, ch.r1, ch.c1))
+        if m is None:  # layers sharing a top-k (and the backward) reuse it
+            m = prep.masks[(ch.r0, ch.r1, ch.c1)] = _dense_mask(
+                prep.sel[ch.r0 : ch.r1], prep.has_key[ch.r0 : ch.r1], ch.c1
+            )
     else:
         rows = prep.rows[ch.r0 : ch.r1]
         T = rows.shape[1]
@@ -220,11 +229,17 @@ def _chunk_probs(
     return nn.functional.softmax_(s, axis=-1), ks
 
 
-def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
+def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool, dv: int | None = None) -> paddle.Tensor:
+    """p . keys -> [C, H, dv]: only the first dv columns of a key row are its value (the latent c;
+    the rope part only scores), so the dense GEMM reads just those; a gathered chunk's batched GEMM
+    runs on the whole rows and is cut after (cutting [C, k, D] first would cost a pass over it)."""
     C, H, T = p.shape
+    D = ks.shape[-1]
+    dv = D if dv is None else dv
     if dense:
-        return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
-    return paddle.matmul(p, ks)
+        return paddle.matmul(p.reshape([C * H, T]), ks[:, :dv] if dv < D else ks).reshape([C, H, dv])
+    out = paddle.matmul(p, ks)
+    return out[:, :, :dv] if dv < D else out
 
 
 def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.Tensor) -> paddle.Tensor:
@@ -270,6 +285,7 @@ class _SparseLatentAttention(PyLayer):
         S: int,
         scale: float,
         want_probs: bool,
+        dv: int,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         N, H, D = q.shape
         K = prep.rows.shape[1]
@@ -278,7 +294,7 @@ class _SparseLatentAttention(PyLayer):
         outs, probs, kept = [], [], []
         for ch in plan:
             p, ks = _chunk_probs(qs, table, prep, ch, S, N)
-            outs.append(_chunk_out(p, ks, ch.dense))  # [C, H, D]
+            outs.append(_chunk_out(p, ks, ch.dense, dv))  # [C, H, dv]
             if want_probs:
                 pm = p.mean(axis=1)
                 if ch.dense:  # back to the k slots
@@ -288,7 +304,7 @@ class _SparseLatentAttention(PyLayer):
             if keep:
                 kept.append((p, ks))
         ctx.save_for_backward(qs, table)
-        ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
+        ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept, ctx.dv = prep, plan, S, scale, kept, dv
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
         ctx.mark_non_differentiable(pr)
@@ -297,24 +313,29 @@ class _SparseLatentAttention(PyLayer):
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
         qs, table = ctx.saved_tensor()
-        prep, plan, S, scale, kept = ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept
+        prep, plan, S, scale, kept, dv = ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept, ctx.dv
         ctx.kept = []
         N, H, D = qs.shape
+        # g [N, H, dv]; the gathered chunks' batched GEMMs take whole key rows: g padded with zeros
+        g_full = g if dv == D or all(ch.dense for ch in plan) else nn.functional.pad(g, [0, D - dv], data_format="NCL")
         dq, dtable = [], None
         for i, ch in enumerate(plan):
             p, ks = kept[i] if kept else _chunk_probs(qs, table, prep, ch, S, N)
-            qc, gc = qs[ch.r0 : ch.r1], g[ch.r0 : ch.r1]
+            qc = qs[ch.r0 : ch.r1]
             C, T = ch.r1 - ch.r0, p.shape[-1]
             if ch.dense:
-                dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
+                gc = g[ch.r0 : ch.r1].reshape([C * H, dv])
+                dp = paddle.matmul(gc, ks[:, :dv] if dv < D else ks, transpose_y=True).reshape([C, H, T])
             else:
+                gc = g_full[ch.r0 : ch.r1]
                 dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
             ds = _softmax_backward(p, dp)
             dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
-            # d(keys) = ds^T qs + p^T g
+            # d(keys) = ds^T qs + p^T g  (g only reaches the value columns)
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
                 dks = paddle.matmul(ds.reshape([C * H, T]), qc.reshape([C * H, D]), transpose_x=True)
-                dks.add_(paddle.matmul(p.reshape([C * H, T]), gc.reshape([C * H, D]), transpose_x=True))
+                dkv = paddle.matmul(p.reshape([C * H, T]), gc, transpose_x=True)  # [T, dv]
+                dks.add_(dkv if dv == D else paddle.concat([dkv, paddle.zeros([T, D - dv], dkv.dtype)], axis=1))
                 ids = paddle.concat(
                     [paddle.arange(ch.b * S, ch.b * S + ch.c1, dtype="int64"), paddle.full([1], N + ch.b, "int64")]
                 )
@@ -333,11 +354,12 @@ def sparse_latent_attention(
     scale: float,
     chunk_size: int = 1024,
     return_probs: bool = False,
+    value_dim: int | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
     """Sparse attention with one key/value row shared by all heads (MLA's latent / MQA form).
 
-    q [B, S, H, D]; kv [B, S, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
-    Returns out [B, S, H, D] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
+    q [B, S, H, D]; kv [B, S, D] serves as key, its first `value_dim` (default D) columns as value;
+    topk_idx [B, S, k] (-1 = empty). Returns out [B, S, H, value_dim] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
     slots). A query with no valid key gets the mean of all values (HF eager's all-masked softmax).
     """
     B, S, H, D = q.shape
@@ -345,8 +367,9 @@ def sparse_latent_attention(
     prep = prepare_topk(topk_idx)
     table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
     plan = _plan(B, S, H, D, K, chunk_size)
-    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs)
-    out = out.reshape([B, S, H, D])
+    dv = D if value_dim is None else int(value_dim)
+    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs, dv)
+    out = out.reshape([B, S, H, dv])
     if not return_probs:
         return out, None
     probs = paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
@@ -366,20 +389,6 @@ def dense_masked_attention(
     scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale + mask  # [B, H, S, S]
     probs = nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
-
-
-def rms_norm(norm: RMSNorm, x: paddle.Tensor) -> paddle.Tensor:
-    """`norm(x)` value for value, with the weight expanded to x's shape before the multiply.
-
-    Paddle's backward of a [H] x [N, H] broadcast multiply (the weight's column reduction) is ~3x
-    slower than expand's; at S=2048 that is ~10 ms per norm. tests/test_perf_paths.py pins
-    equality with RMSNorm.forward.
-    """
-    in_dtype = x.dtype
-    h = x.astype("float32")
-    h = h * paddle.rsqrt(_mean_square(h) + norm.eps)
-    h = h.astype(in_dtype)
-    return norm.weight.expand(h.shape) * h
 
 
 class DSACoreAttention(nn.Layer):
@@ -402,6 +411,7 @@ class DSACoreAttention(nn.Layer):
         self.indexer = DSAIndexer(config) if has_indexer else None
         self.scale = config.softmax_scale
         self.chunk_size = int(config.attention_chunk_size)
+        self.topk = int(config.index_topk)
 
 
 class MLAttention(nn.Layer):
@@ -477,27 +487,28 @@ class MLAttention(nn.Layer):
         always use `prev_topk`.
         """
         H = self.num_heads
-        q_latent = rms_norm(self.q_a_layernorm, self.q_a_proj(x))  # [B, S_local, q_lora]
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S_local, q_lora]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, S_local, kv_lora + rope]
         c, k_rot = paddle.split(ckv, [self.kv_lora, self.rope_dim], axis=-1)
-        c = rms_norm(self.kv_a_layernorm, c)
+        c = self.kv_a_layernorm(c)
         x_full, q_latent_full = self._replicated_full(x), self._replicated_full(q_latent)
         q_latent, c, k_rot = self._enter_tp(q_latent), self._enter_tp(c), self._enter_tp(k_rot)  # [B, S, ...]
         B, S = q_latent.shape[0], q_latent.shape[1]
         k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
 
         core = self.core_attention
+        per_key = H * (self.qk_dim + self.v_dim)
+        latent = not dense_reference and core.use_latent(B, S, min(core.topk, S), per_key)
         run_indexer = core.indexer is not None and not reuse_topk
-        if run_indexer:
-            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding)
+        if run_indexer:  # the latent form needs the selected set, not its score order
+            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=not latent)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
             topk = prev_topk
 
         want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
-        per_key = H * (self.qk_dim + self.v_dim)
-        if not dense_reference and core.use_latent(B, S, topk.shape[-1], per_key):
+        if latent:
             out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
         else:
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
@@ -537,7 +548,7 @@ class MLAttention(nn.Layer):
         kv_b_proj is folded into the neighbouring weights once per step (products of small weight
         matrices), so every activation-sized op is a plain GEMM on contiguous data:
         W_uk into q_b_proj (q_lat = q_latent [W_q_nope[h] W_uk[h]^T]_h) and W_uv into o_proj
-        (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat).
+        (out = o_lat [W_uv[h] W_o[h]]_h; o_lat holds only the value part c of the key rows).
         """
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
@@ -551,10 +562,9 @@ class MLAttention(nn.Layer):
         q_lat = paddle.concat([q_abs, rope_heads(q_rot, cos, sin, self.interleave)], axis=-1)  # [B, S, H, L + rope]
         kv_lat = paddle.concat([c, k_rot.squeeze(2)], axis=-1)  # [B, S, L + rope]
         core = self.core_attention
-        o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
-        w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden]))  # [H, L, hidden]
-        w_o = paddle.concat([w_o, paddle.zeros([H, dr, hidden], dtype=w_o.dtype)], axis=1).reshape(
-            [H * (L + dr), hidden]
-        )
-        out = paddle.matmul(o.reshape([B, S, H * (L + dr)]), w_o)  # this rank's heads' part (bias added by the caller)
+        o, probs = sparse_latent_attention(
+            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, value_dim=L
+        )  # o [B, S, H, L]: the value is c (the rope part of a key row only scores)
+        w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden])).reshape([H * L, hidden])
+        out = paddle.matmul(o.reshape([B, S, H * L]), w_o)  # this rank's heads' part (bias added by the caller)
         return out, probs

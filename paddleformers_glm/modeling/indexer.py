@@ -33,7 +33,7 @@ NEG_INF = float("-inf")
 # Largest per-chunk score block [C, Hi, keys] in elements (8 MB of fp32).
 _CHUNK_ELEMS = 1 << 21
 
-_ROPE_CACHE: dict[str, object] = {}
+_ROPE_CACHE: dict[tuple, tuple] = {}
 
 
 def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interleave: bool) -> paddle.Tensor:
@@ -41,13 +41,16 @@ def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interle
     are expanded to the H heads once per table (cached) instead of broadcast in every multiply;
     Paddle's CPU broadcasting over a middle axis is ~30x slower than a same-shape multiply."""
     B, S, H, r = x.shape
-    hit = _ROPE_CACHE.get("key")
-    if hit is not None and hit[0] is cos and hit[1] is sin and hit[2] == (B, S, H, x.dtype):  # type: ignore[index]
-        c, s_ = _ROPE_CACHE["value"]  # type: ignore[misc]
+    shape = (B, S, H, r, x.dtype)
+    hit = _ROPE_CACHE.get(shape)  # one entry per shape: a layer ropes 1-, H- and Hi-head tensors in turn
+    if hit is not None and hit[0] is cos and hit[1] is sin:  # type: ignore[index]
+        c, s_ = hit[2], hit[3]  # type: ignore[index]
     else:
+        if any(v[0] is not cos or v[1] is not sin for v in _ROPE_CACHE.values()):  # a new table: drop the old
+            _ROPE_CACHE.clear()
         c = cos.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
         s_ = sin.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
-        _ROPE_CACHE["key"], _ROPE_CACHE["value"] = (cos, sin, (B, S, H, x.dtype)), (c, s_)
+        _ROPE_CACHE[shape] = (cos, sin, c, s_)
     if interleave:  # pairs (x0, x1), (x2, x3), ...: unbind's gradient (a stack) beats two strided-slice grads
         x1, x2 = paddle.unbind(x.reshape([B, S, H, r // 2, 2]), axis=-1)
     else:
@@ -116,16 +119,31 @@ class DSAIndexer(nn.Layer):
         cos: paddle.Tensor,
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
+        ordered: bool = True,
     ) -> paddle.Tensor:
-        """top-k key indices [B, S, min(index_topk, S)] int64, -1 where the slot holds no valid key."""
+        """top-k key indices [B, S, min(index_topk, S)] int64, -1 where the slot holds no valid key.
+
+        A row's selected keys come in descending score order (as HF's top-k gives them). With
+        `ordered=False` the caller only needs the set: the first k_out queries (which, without
+        padding, see at most k_out keys and so select all of them) are then neither scored nor
+        sorted, and get their keys in ascending order.
+        """
         with paddle.no_grad():
             q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
             B, S = x.shape[0], x.shape[1]
             k_out = min(self.topk, S)
-            chunk = max(1, min(S, self.chunk_size, max(16, _CHUNK_ELEMS // (self.n_heads * S))))
+            # chunks of at most S/4 queries: keys < c1 only, so smaller chunks skip more of the
+            # causal upper triangle; at most 8 MB of scores each
+            chunk = max(1, min(S, self.chunk_size, max(16, min(_CHUNK_ELEMS // (self.n_heads * S), S // 4))))
             pad = None if key_padding is None else key_padding.astype("bool")
             pieces = []
-            for c0 in range(0, S, chunk):
+            start = 0
+            if not ordered and pad is None:
+                start = k_out  # query i < k_out selects keys 0..i: no scores needed
+                j = paddle.arange(k_out, dtype="int64")
+                all_keys = paddle.where(j.unsqueeze(0) <= j.unsqueeze(1), j.unsqueeze(0).expand([k_out, k_out]), -1)
+                pieces.append(all_keys.unsqueeze(0).expand([B, k_out, k_out]))
+            for c0 in range(start, S, chunk):
                 c1 = min(S, c0 + chunk)
                 C = c1 - c0
                 # causal: queries < c1 see keys < c1 only

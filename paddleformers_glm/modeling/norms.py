@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import paddle
 from paddle import nn
+from paddle.autograd import PyLayer
+
+
+def _as(t: paddle.Tensor, dtype: str | paddle.dtype) -> paddle.Tensor:
+    """t cast to dtype; t itself when it already is (Paddle's cast op copies even then)."""
+    want = getattr(paddle, dtype) if isinstance(dtype, str) else dtype
+    return t if t.dtype == want else t.astype(want)
 
 
 def _mean_square(h: paddle.Tensor) -> paddle.Tensor:
@@ -17,6 +26,33 @@ def _mean_square(h: paddle.Tensor) -> paddle.Tensor:
     return (h64 * h64).mean(axis=-1, keepdim=True).astype("float32")
 
 
+class _RMSNormFunction(PyLayer):
+    """RMSNorm as one autograd node: the same forward values as the op-by-op form (HF's), a
+    hand-written backward. About 20 autograd nodes fewer per norm, and the weight gradient is a
+    GEMV instead of Paddle's slow column reduction of a [H] x [N, H] broadcast."""
+
+    @staticmethod
+    def forward(ctx: object, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+        h = _as(x, "float32")
+        r = paddle.rsqrt(_mean_square(h) + eps)  # [..., 1]
+        n = _as(h * r.expand(h.shape), x.dtype)  # normalised, in the input dtype (as HF casts back)
+        ctx.save_for_backward(n, r, weight)
+        return weight.expand(n.shape) * n
+
+    @staticmethod
+    def backward(ctx: object, dy: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        n, r, weight = ctx.saved_tensor()
+        H = n.shape[-1]
+        rows = math.prod(n.shape[:-1])
+        n32 = _as(n, "float32")
+        dw = paddle.matmul(paddle.ones([1, rows], "float32"), (_as(dy, "float32") * n32).reshape([rows, H]))
+        gn = _as(dy * weight.expand(dy.shape), "float32")
+        # d/dh of h * rsqrt(mean(h^2) + eps) applied to gn: r * (gn - n * mean(gn * n))
+        dot = (gn * n32).mean(axis=-1, keepdim=True)
+        dh = (gn - n32 * dot.expand(n32.shape)) * r.expand(n32.shape)
+        return _as(dh, dy.dtype), _as(dw.reshape([H]), weight.dtype)
+
+
 class RMSNorm(nn.Layer):
     """y = weight * (x / sqrt(mean(x^2) + eps)); statistics in fp32, cast back before the weight."""
 
@@ -26,6 +62,10 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, float(self.eps))
+
+    def reference(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The op-by-op form (autograd through every op): what the tests hold `forward` to."""
         in_dtype = x.dtype
         h = x.astype("float32")
         var = _mean_square(h)
