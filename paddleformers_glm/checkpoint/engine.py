@@ -86,7 +86,7 @@ class CheckpointSource:
     def _count(self, key: str, shape: Sequence[int]) -> None:
         info = self.ckpt.info(key)
         itemsize = info.nbytes // info.numel if info.numel else 0
-        self.bytes_read += int(np.prod(shape, dtype=np.int64)) * itemsize
+        self.bytes_read += math.prod(shape) * itemsize
 
 
 @dataclass

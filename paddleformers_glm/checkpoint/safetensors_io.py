@@ -14,6 +14,7 @@ written as soon as it is produced and dropped; the file bytes depend only on the
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -115,7 +116,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python ints: no overflow, and ~10x cheaper than np.prod per call
 
 
 def _no_duplicate_keys(file: str):
