@@ -172,18 +172,11 @@ class _Chunk(NamedTuple):
 def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int) -> list[_Chunk]:
     """Query chunks (never across batches) and whether each runs dense or gathered."""
     rows = max(1, min(S, chunk_size, max(16, _CHUNK_ELEMS // max(K * max(D, H), 1))))
-    # queries below dense_end can run dense, so a chunk boundary goes there; each region is cut
-    # into equal chunks of at most `rows` (no 2-row remainder chunk)
-    dense_end = min(S, int(_DENSE_KEYS_PER_SLOT * K))
-    bounds = []
-    for lo, hi in ((0, dense_end), (dense_end, S)):
-        n = -(-(hi - lo) // rows)
-        bounds += [lo + (hi - lo) * i // n for i in range(n)] if n else []
-    bounds.append(S)
     plan = []
     for b in range(B):
-        for c0, c1 in zip(bounds[:-1], bounds[1:]):
-            dense = c1 <= dense_end and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
+        for c0 in range(0, S, rows):
+            c1 = min(S, c0 + rows)
+            dense = c1 <= _DENSE_KEYS_PER_SLOT * K and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
             plan.append(_Chunk(b * S + c0, b * S + c1, b, c1, dense))
     return plan
 
