@@ -39,25 +39,19 @@ def chunk_mode(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("value_dim", [None, 9])
 @pytest.mark.parametrize("chunk", [1024, 7, 1])
-def test_latent_sparse_equals_dense_masked_with_empty_rows(chunk, value_dim, chunk_mode):
-    """Keys are the whole rows; values their first value_dim columns (MLA: c without the rope part)."""
+def test_latent_sparse_equals_dense_masked_with_empty_rows(chunk, chunk_mode):
     q, kv, idx = _latent_case(empty_rows=3)
     B, S, H, D = q.shape
-    dv = value_dim or D
     kh = kv.unsqueeze(2).expand([B, S, H, D])
-    dense = dense_masked_attention(q, kh, kh[..., :dv], idx, 0.3).numpy()
-    out, _ = sparse_latent_attention(q, kv, idx, 0.3, chunk_size=chunk, value_dim=value_dim)
-    assert out.shape == [B, S, H, dv]
+    dense = dense_masked_attention(q, kh, kh, idx, 0.3).numpy()
+    out, _ = sparse_latent_attention(q, kv, idx, 0.3, chunk_size=chunk)
     np.testing.assert_allclose(out.numpy(), dense, atol=2e-6)
-    mean_v = kv.numpy()[..., :dv].mean(1)[:, None]
-    np.testing.assert_allclose(out.numpy()[:, 0], np.broadcast_to(mean_v, (B, H, dv)), atol=1e-6)
+    np.testing.assert_allclose(out.numpy()[:, 0], np.broadcast_to(kv.numpy().mean(1)[:, None], (B, H, D)), atol=1e-6)
 
 
-@pytest.mark.parametrize("value_dim", [None, 9])
 @pytest.mark.parametrize("save", [True, False])
-def test_latent_sparse_gradients_equal_dense_masked(save, value_dim, chunk_mode, monkeypatch):
+def test_latent_sparse_gradients_equal_dense_masked(save, chunk_mode, monkeypatch):
     """Both backward modes (saved gather / recomputed gather) give the dense reference's gradients.
 
     (Rows with no key at all are left out: their output is a constant, the mean of the values, so
@@ -67,17 +61,16 @@ def test_latent_sparse_gradients_equal_dense_masked(save, value_dim, chunk_mode,
     monkeypatch.setattr(attn, "_SAVE_ELEMS", 1 << 30 if save else 0)
     q, kv, idx = _latent_case(empty_rows=0)
     B, S, H, D = q.shape
-    dv = value_dim or D
-    g = paddle.to_tensor(np.random.default_rng(5).standard_normal((B, S, H, dv)).astype("float32"))
+    g = paddle.to_tensor(np.random.default_rng(5).standard_normal((B, S, H, D)).astype("float32"))
     grads = []
     for fn in ("sparse", "dense"):
         qq, kk = q.detach(), kv.detach()
         qq.stop_gradient = kk.stop_gradient = False
         if fn == "sparse":
-            out, _ = sparse_latent_attention(qq, kk, idx, 0.3, chunk_size=9, value_dim=value_dim)
+            out, _ = sparse_latent_attention(qq, kk, idx, 0.3, chunk_size=9)
         else:
             kh = kk.unsqueeze(2).expand([B, S, H, D])
-            out = dense_masked_attention(qq, kh, kh[..., :dv], idx, 0.3)
+            out = dense_masked_attention(qq, kh, kh, idx, 0.3)
         (out * g).sum().backward()
         grads.append((qq.grad.numpy(), kk.grad.numpy()))
     np.testing.assert_allclose(grads[0][0], grads[1][0], atol=2e-5)

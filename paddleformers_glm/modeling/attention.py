@@ -16,8 +16,8 @@ Two forms of the same sparse attention, chosen per call by `DSACoreAttention.use
   key (kv_lora + rope floats, H x fewer bytes than per-head keys and values):
 
     q_lat  = q_latent [W_q_nope[h] W_uk[h]^T]_h  ++  rope(q_rot)    [B, S, H, kv_lora + rope]
-    o_lat  = softmax(q_lat . [c, k_rot]_sel^T * scale) c_sel             (k selected keys)
-    out    = o_lat [W_uv[h] W_o[h]]_h                                 [B, S, hidden]
+    o_lat  = softmax(q_lat . [c, k_rot]_sel^T * scale) [c, k_rot]_sel      (k selected keys)
+    out    = o_lat [W_uv[h] W_o[h]; 0]_h                              [B, S, hidden]
 
   kv_b_proj is folded into q_b_proj and o_proj (products of small weights, once per step), so
   all activation-sized work is GEMMs on contiguous data. It runs once the per-head gather would
@@ -229,17 +229,11 @@ def _chunk_probs(
     return nn.functional.softmax_(s, axis=-1), ks
 
 
-def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool, dv: int | None = None) -> paddle.Tensor:
-    """p . keys -> [C, H, dv]: only the first dv columns of a key row are its value (the latent c;
-    the rope part only scores), so the dense GEMM reads just those; a gathered chunk's batched GEMM
-    runs on the whole rows and is cut after (cutting [C, k, D] first would cost a pass over it)."""
+def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
     C, H, T = p.shape
-    D = ks.shape[-1]
-    dv = D if dv is None else dv
     if dense:
-        return paddle.matmul(p.reshape([C * H, T]), ks[:, :dv] if dv < D else ks).reshape([C, H, dv])
-    out = paddle.matmul(p, ks)
-    return out[:, :, :dv] if dv < D else out
+        return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
+    return paddle.matmul(p, ks)
 
 
 def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.Tensor) -> paddle.Tensor:
@@ -285,7 +279,6 @@ class _SparseLatentAttention(PyLayer):
         S: int,
         scale: float,
         want_probs: bool,
-        dv: int,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         N, H, D = q.shape
         K = prep.rows.shape[1]
@@ -294,7 +287,7 @@ class _SparseLatentAttention(PyLayer):
         outs, probs, kept = [], [], []
         for ch in plan:
             p, ks = _chunk_probs(qs, table, prep, ch, S, N)
-            outs.append(_chunk_out(p, ks, ch.dense, dv))  # [C, H, dv]
+            outs.append(_chunk_out(p, ks, ch.dense))  # [C, H, D]
             if want_probs:
                 pm = p.mean(axis=1)
                 if ch.dense:  # back to the k slots
@@ -304,7 +297,7 @@ class _SparseLatentAttention(PyLayer):
             if keep:
                 kept.append((p, ks))
         ctx.save_for_backward(qs, table)
-        ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept, ctx.dv = prep, plan, S, scale, kept, dv
+        ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
         ctx.mark_non_differentiable(pr)
@@ -313,29 +306,24 @@ class _SparseLatentAttention(PyLayer):
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
         qs, table = ctx.saved_tensor()
-        prep, plan, S, scale, kept, dv = ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept, ctx.dv
+        prep, plan, S, scale, kept = ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept
         ctx.kept = []
         N, H, D = qs.shape
-        # g [N, H, dv]; the gathered chunks' batched GEMMs take whole key rows: g padded with zeros
-        g_full = g if dv == D or all(ch.dense for ch in plan) else nn.functional.pad(g, [0, D - dv], data_format="NCL")
         dq, dtable = [], None
         for i, ch in enumerate(plan):
             p, ks = kept[i] if kept else _chunk_probs(qs, table, prep, ch, S, N)
-            qc = qs[ch.r0 : ch.r1]
+            qc, gc = qs[ch.r0 : ch.r1], g[ch.r0 : ch.r1]
             C, T = ch.r1 - ch.r0, p.shape[-1]
             if ch.dense:
-                gc = g[ch.r0 : ch.r1].reshape([C * H, dv])
-                dp = paddle.matmul(gc, ks[:, :dv] if dv < D else ks, transpose_y=True).reshape([C, H, T])
+                dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
             else:
-                gc = g_full[ch.r0 : ch.r1]
                 dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
             ds = _softmax_backward(p, dp)
             dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
-            # d(keys) = ds^T qs + p^T g  (g only reaches the value columns)
+            # d(keys) = ds^T qs + p^T g
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
                 dks = paddle.matmul(ds.reshape([C * H, T]), qc.reshape([C * H, D]), transpose_x=True)
-                dkv = paddle.matmul(p.reshape([C * H, T]), gc, transpose_x=True)  # [T, dv]
-                dks.add_(dkv if dv == D else paddle.concat([dkv, paddle.zeros([T, D - dv], dkv.dtype)], axis=1))
+                dks.add_(paddle.matmul(p.reshape([C * H, T]), gc.reshape([C * H, D]), transpose_x=True))
                 ids = paddle.concat(
                     [paddle.arange(ch.b * S, ch.b * S + ch.c1, dtype="int64"), paddle.full([1], N + ch.b, "int64")]
                 )
@@ -354,12 +342,11 @@ def sparse_latent_attention(
     scale: float,
     chunk_size: int = 1024,
     return_probs: bool = False,
-    value_dim: int | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
     """Sparse attention with one key/value row shared by all heads (MLA's latent / MQA form).
 
-    q [B, S, H, D]; kv [B, S, D] serves as key, its first `value_dim` (default D) columns as value;
-    topk_idx [B, S, k] (-1 = empty). Returns out [B, S, H, value_dim] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
+    q [B, S, H, D]; kv [B, S, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
+    Returns out [B, S, H, D] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
     slots). A query with no valid key gets the mean of all values (HF eager's all-masked softmax).
     """
     B, S, H, D = q.shape
@@ -367,9 +354,8 @@ def sparse_latent_attention(
     prep = prepare_topk(topk_idx)
     table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
     plan = _plan(B, S, H, D, K, chunk_size)
-    dv = D if value_dim is None else int(value_dim)
-    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs, dv)
-    out = out.reshape([B, S, H, dv])
+    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs)
+    out = out.reshape([B, S, H, D])
     if not return_probs:
         return out, None
     probs = paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
@@ -548,7 +534,7 @@ class MLAttention(nn.Layer):
         kv_b_proj is folded into the neighbouring weights once per step (products of small weight
         matrices), so every activation-sized op is a plain GEMM on contiguous data:
         W_uk into q_b_proj (q_lat = q_latent [W_q_nope[h] W_uk[h]^T]_h) and W_uv into o_proj
-        (out = o_lat [W_uv[h] W_o[h]]_h; o_lat holds only the value part c of the key rows).
+        (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat).
         """
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
@@ -562,9 +548,10 @@ class MLAttention(nn.Layer):
         q_lat = paddle.concat([q_abs, rope_heads(q_rot, cos, sin, self.interleave)], axis=-1)  # [B, S, H, L + rope]
         kv_lat = paddle.concat([c, k_rot.squeeze(2)], axis=-1)  # [B, S, L + rope]
         core = self.core_attention
-        o, probs = sparse_latent_attention(
-            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, value_dim=L
-        )  # o [B, S, H, L]: the value is c (the rope part of a key row only scores)
-        w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden])).reshape([H * L, hidden])
-        out = paddle.matmul(o.reshape([B, S, H * L]), w_o)  # this rank's heads' part (bias added by the caller)
+        o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
+        w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden]))  # [H, L, hidden]
+        w_o = paddle.concat([w_o, paddle.zeros([H, dr, hidden], dtype=w_o.dtype)], axis=1).reshape(
+            [H * (L + dr), hidden]
+        )
+        out = paddle.matmul(o.reshape([B, S, H * (L + dr)]), w_o)  # this rank's heads' part (bias added by the caller)
         return out, probs
