@@ -127,10 +127,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
-    from ..parallel.pipeline import split_stages
     from ..parallel.topology import ParallelConfig, ParallelConfigError
     from .adapter import make_adapter
     from .launch import LaunchError, launch_workers
+    from .loop import stage_specs
 
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
@@ -139,14 +139,7 @@ def run_train(args: argparse.Namespace) -> int:
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())
         adapter.check_layout(pc)
-        split_stages(
-            adapter.num_layers,
-            pc.pp,
-            first_stage_layers=cfg.first_stage_layers,
-            last_stage_layers=cfg.last_stage_layers,
-            layout=cfg.pp_layout,
-            has_mtp=adapter.has_mtp,
-        )
+        stage_specs(cfg, adapter, pc.pp)
         if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
             raise ParallelConfigError(
                 f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"

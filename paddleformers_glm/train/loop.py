@@ -139,6 +139,19 @@ def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
     return {k: paddle.to_tensor(v) for k, v in mb.items()}
 
 
+def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
+    """The pipeline stages of this run (``--pp``, ``--pp-layout``, first/last stage sizes, MTP);
+    the launcher calls it too, to refuse a bad split before any process starts."""
+    return split_stages(
+        adapter.num_layers,
+        pp,
+        first_stage_layers=cfg.first_stage_layers,
+        last_stage_layers=cfg.last_stage_layers,
+        layout=cfg.pp_layout,
+        has_mtp=adapter.has_mtp,
+    )
+
+
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
     """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
     cfg.validate()
@@ -157,14 +170,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
         raise ValueError(
             f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
         )
-    specs = split_stages(
-        adapter.num_layers,
-        pc.pp,
-        first_stage_layers=cfg.first_stage_layers,
-        last_stage_layers=cfg.last_stage_layers,
-        layout=cfg.pp_layout,
-        has_mtp=adapter.has_mtp,
-    )
+    specs = stage_specs(cfg, adapter, pc.pp)
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
