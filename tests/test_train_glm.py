@@ -16,6 +16,7 @@ import paddle
 import pytest
 
 from paddleformers_glm.train.command import main as train_main
+from paddleformers_glm.train.glm_adapter import GlmAdapter
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses, run_train_cli, worker_logs
 
@@ -126,7 +127,7 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
         assert set(f.keys()) == set(index)  # the official HF key set, MTP indexer included
 
 
-def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp_path):
+def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp_path, monkeypatch):
     def cfg(out, **kw):
         return TrainConfig(
             model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=4, seq_len=SEQ, global_batch_size=GBS,
@@ -136,8 +137,16 @@ def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp
     full = run_training(cfg(tmp_path / "full", save_every=2))
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir()
+
+    def no_pretrained_read(*_a, **_k):  # the resume checkpoint holds every tensor: reading the
+        raise AssertionError("a resumed run read the pretrained checkpoint")  # model would be waste
+
+    monkeypatch.setattr(GlmAdapter, "load_stage", no_pretrained_read)
+    monkeypatch.setattr(GlmAdapter, "full_state", no_pretrained_read)
     resumed = run_training(cfg(tmp_path / "resumed", resume=str(ckpt)))
     assert resumed["run"]["resumed_from_step"] == 2
+    record = json.loads((tmp_path / "resumed" / "logs" / "load" / "rank0.json").read_text())
+    assert record["method"] == "resume" and record["resume"] == str(ckpt)
     for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
         assert resumed[key] == full[key], (key, resumed[key], full[key])
 
