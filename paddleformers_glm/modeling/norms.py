@@ -16,14 +16,20 @@ def _as(t: paddle.Tensor, dtype: str | paddle.dtype) -> paddle.Tensor:
 
 
 def _mean_square(h: paddle.Tensor) -> paddle.Tensor:
-    """mean(h^2) over the last axis, accumulated in fp64 and rounded to fp32.
+    """mean(h^2) over the last axis as a GEMV against a 1/H column.
 
-    Paddle's fp32 mean reduction is several ulps less accurate than torch's pairwise one; with an
-    fp64 accumulator our norms stay within ~1 ulp of the reference, which keeps 8-layer logits
-    inside 1e-5. The cost is O(tokens x hidden), negligible next to the matmuls.
+    Against torch's mean (HF's), on 512 rows of width 64-256: Paddle's fp32 mean is up to 7 ulps
+    off (8-layer logits then leave 1e-5), the GEMV (MKL accumulates in SIMD lanes) 3, an fp64
+    accumulator 2; the GEMV costs ~1/10 of the fp64 route (casts, slow fp64 reduction) and keeps
+    the parity margins (bench/parity_margins.py; docs/performance.md).
     """
-    h64 = h.astype("float64")
-    return (h64 * h64).mean(axis=-1, keepdim=True).astype("float32")
+    return _mean_last(h * h)
+
+
+def _mean_last(t: paddle.Tensor) -> paddle.Tensor:
+    """t.mean(-1, keepdim=True) as a GEMV (see _mean_square)."""
+    H = t.shape[-1]
+    return paddle.matmul(t, paddle.full([H, 1], 1.0 / H, dtype=t.dtype))
 
 
 class _RMSNormFunction(PyLayer):
@@ -48,7 +54,7 @@ class _RMSNormFunction(PyLayer):
         dw = paddle.matmul(paddle.ones([1, rows], "float32"), (_as(dy, "float32") * n32).reshape([rows, H]))
         gn = _as(dy * weight.expand(dy.shape), "float32")
         # d/dh of h * rsqrt(mean(h^2) + eps) applied to gn: r * (gn - n * mean(gn * n))
-        dot = (gn * n32).mean(axis=-1, keepdim=True)
+        dot = _mean_last(gn * n32)
         dh = (gn - n32 * dot.expand(n32.shape)) * r.expand(n32.shape)
         return _as(dh, dy.dtype), _as(dw.reshape([H]), weight.dtype)
 
