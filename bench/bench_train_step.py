@@ -349,7 +349,10 @@ def module_times(model: Any, step: Any) -> dict[str, float]:
 
         return core
 
-    originals = {name: getattr(attn_mod, name) for name in ("sparse_attention", "sparse_latent_attention")}
+    originals = {
+        name: getattr(attn_mod, name)
+        for name in ("sparse_attention", "sparse_latent_attention", "dense_head_attention")
+    }
     for name, fn in originals.items():
         setattr(attn_mod, name, timed(fn))
     try:

@@ -3,7 +3,7 @@
 Why: the parity tests only say pass/fail; a performance change must not eat the margin under the
 1e-5 bounds, so we print the measured diffs before and after every optimisation.
 
-    python bench/parity_margins.py
+    python bench/parity_margins.py [--form auto|per-head|latent|dense-head]
 """
 
 from __future__ import annotations
@@ -63,10 +63,24 @@ def margins(case: str) -> dict[str, float]:
 
 
 def main() -> None:
-    if "--per-head" in sys.argv:  # the per-head attention form instead of the latent (MQA) one
-        from paddleformers_glm.modeling.attention import DSACoreAttention
+    import argparse
 
-        DSACoreAttention.latent = False
+    from paddleformers_glm.modeling.attention import DSACoreAttention
+
+    ap = argparse.ArgumentParser(description="parity margins against the HF fixtures")
+    ap.add_argument(
+        "--form",
+        choices=["auto", "per-head", "latent", "dense-head"],
+        default="auto",
+        help="attention form: auto (what the model picks; per-head sparse at fixture sizes), or forced",
+    )
+    form = ap.parse_args().form
+    if form == "per-head":
+        DSACoreAttention.latent, DSACoreAttention.dense = False, False
+    elif form == "latent":
+        DSACoreAttention.latent = True
+    elif form == "dense-head":
+        DSACoreAttention.dense = True
     for case in ("tiny", "tiny_pattern_yarn"):
         for k, v in margins(case).items():
             print(f"{case:18s} {k:22s} {v:.3e}")

@@ -229,3 +229,94 @@ def test_prepared_topk_is_cached_per_tensor_and_not_shared_across_tensors():
     b = attn.prepare_topk(other)
     assert b is not a
     np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
+
+
+# ------------------------------------------------------------------ per-head dense form (short sequences)
+def _per_head_case(B=2, S=24, H=3, Dk=10, Dv=6, K=9, seed=11, empty_rows=0):
+    rng = np.random.default_rng(seed)
+    q, k = (paddle.to_tensor(rng.standard_normal((B, S, H, Dk)).astype("float32")) for _ in range(2))
+    v = paddle.to_tensor(rng.standard_normal((B, S, H, Dv)).astype("float32"))
+    idx = np.full((B, S, K), -1, dtype="int64")
+    for b in range(B):
+        for i in range(empty_rows, S):
+            n = min(K, i + 1)
+            idx[b, i, :n] = rng.choice(i + 1, size=n, replace=False)
+    return q, k, v, paddle.to_tensor(idx)
+
+
+def test_dense_head_equals_dense_masked_and_per_head_sparse_with_empty_rows():
+    """Outputs (queries without any key included: the mean of all values, as HF eager) and the
+    head-averaged probabilities at the selected slots (0 on empty slots)."""
+    from paddleformers_glm.modeling.attention import dense_head_attention, sparse_attention
+
+    q, k, v, idx = _per_head_case(empty_rows=3)
+    ref = dense_masked_attention(q, k, v, idx, 0.3).numpy()
+    out, probs = dense_head_attention(q, k, v, idx, 0.3, return_probs=True)
+    sparse, sparse_probs = sparse_attention(q, k, v, idx, 0.3, return_probs=True)
+    np.testing.assert_allclose(out.numpy(), ref, atol=2e-6)
+    np.testing.assert_allclose(out.numpy(), sparse.numpy(), atol=2e-6)
+    np.testing.assert_allclose(out.numpy()[:, 0], v.numpy().mean(1), atol=1e-6)  # row 0 has no key
+    np.testing.assert_allclose(probs.numpy(), sparse_probs.numpy(), atol=1e-6)
+    assert np.all(probs.numpy()[idx.numpy() < 0] == 0)
+
+
+def test_dense_head_gradients_equal_per_head_sparse_with_empty_rows():
+    """Queries without keys output the mean of the values: no score gradient (q, k) from them, v
+    still gets g / S (the sparse forms' true gradient; the additive-mask reference would give a
+    formal non-zero q gradient through `scores + finfo.min`)."""
+    from paddleformers_glm.modeling.attention import dense_head_attention, sparse_attention
+
+    q, k, v, idx = _per_head_case(empty_rows=3)
+    g = paddle.to_tensor(np.random.default_rng(5).standard_normal(v.shape).astype("float32"))
+    grads = []
+    for fn in (dense_head_attention, sparse_attention):
+        qq, kk, vv = q.detach(), k.detach(), v.detach()
+        qq.stop_gradient = kk.stop_gradient = vv.stop_gradient = False
+        out, _ = fn(qq, kk, vv, idx, 0.3)
+        (out * g).sum().backward()
+        grads.append([t.grad.numpy() for t in (qq, kk, vv)])
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_dense_form_is_picked_for_short_sequences_within_budget(monkeypatch):
+    core = DSACoreAttention(tiny_config(), has_indexer=False)
+    assert core.use_dense(1, 64, 64, 16) and core.use_dense(1, 256, 128, 16)  # S <= 2 x top-k
+    assert not core.use_dense(1, 257, 128, 16)  # the selection is sparse enough to gather
+    assert not core.use_dense(4, 512, 512, 16)  # B·H·S² over DENSE_MAX_SCORES
+    assert not core.use_dense(2, 32, 8, 4)  # the parity fixtures keep the per-head sparse form
+    monkeypatch.setattr(DSACoreAttention, "latent", True)
+    assert not core.use_dense(1, 64, 64, 16)  # a forced latent form wins
+    monkeypatch.setattr(DSACoreAttention, "latent", None)
+    monkeypatch.setattr(DSACoreAttention, "dense", True)
+    assert core.use_dense(2, 32, 8, 4)
+
+
+def test_whole_model_dense_head_equals_per_head_sparse_with_padding(monkeypatch):
+    """The dense form against the per-head sparse form the HF fixtures pin, through the model with
+    left and right padding, MTP, the indexer's KL loss and backward."""
+    model = tiny_model(seed=1, indexer_loss_coeff=0.5)
+    ids = tokens(2, 32, seed=2)
+    mask = np.ones((2, 32), dtype="int64")
+    mask[0, -6:] = 0
+    mask[1, :5] = 0
+    mask = paddle.to_tensor(mask)
+    results = []
+    for dense in (True, False):
+        monkeypatch.setattr(DSACoreAttention, "dense", dense)
+        monkeypatch.setattr(DSACoreAttention, "latent", False)
+        model.clear_gradients()
+        model.train()
+        out = model(ids, attention_mask=mask, labels=ids, compute_mtp=True)
+        assert out.indexer_loss is not None
+        (out.loss + out.mtp_loss + out.indexer_loss).backward()
+        grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.numpy(), out.mtp_logits[0].numpy(), float(out.indexer_loss), grads))
+    dense, ref = results
+    np.testing.assert_allclose(dense[0], ref[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dense[1], ref[1], rtol=1e-5, atol=1e-5)
+    assert abs(dense[2] - ref[2]) <= 1e-5
+    assert dense[3].keys() == ref[3].keys()
+    for name in ref[3]:
+        scale = max(1.0, float(np.abs(ref[3][name]).max()))
+        np.testing.assert_allclose(dense[3][name], ref[3][name], atol=2e-5 * scale, err_msg=name)

@@ -7,8 +7,13 @@
     rope on q[..., nope:] and the single shared k_rot (interleaved per rope_interleave)
     out      = o_proj(sparse_attention(q, k, v, top-k))    [B, S, hidden]
 
-Two forms of the same sparse attention, chosen per call by `DSACoreAttention.use_latent`:
+Three forms of the same sparse attention, chosen per call by `DSACoreAttention.use_dense` /
+`use_latent`:
 
+* per-head dense (`dense_head_attention`), for short sequences (S <= 2 x top-k and B·H·S² within
+  DENSE_MAX_SCORES): scores against all S keys with the top-k as an additive mask, exactly HF
+  eager's association; a few batched GEMMs beat any gathering there (S = 64: 7.8x the per-head
+  sparse step, docs/performance.md);
 * per-head (`sparse_attention`): gathers the H per-head keys and values of each selected key; the
   association HF uses, so the HF parity fixtures (small S) run it and pin it at 1e-5;
 * latent ("MQA", `sparse_latent_attention`), as DeepSeek-V3.2 runs DSA: since k_nope = W_uk c and
@@ -377,6 +382,107 @@ def dense_masked_attention(
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
 
 
+_DENSE_MASK: dict[str, object] = {}
+
+
+def dense_topk_mask(topk_idx: paddle.Tensor, S: int) -> paddle.Tensor:
+    """Additive mask [B, S, S] from a top-k [B, S, k] (-1 = empty): 0 at the selected keys, the
+    fp32 minimum elsewhere (HF's value, so a query without keys gets a uniform softmax: the mean of
+    all values). One flat scatter; cached by identity, so layers sharing a top-k (and the backward)
+    reuse it."""
+    if _DENSE_MASK.get("key") is topk_idx:
+        return _DENSE_MASK["value"]  # type: ignore[return-value]
+    with paddle.no_grad():
+        B, _, K = topk_idx.shape
+        W = S + 1  # one dump column for empty slots
+        col = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, S))
+        base = (paddle.arange(B * S, dtype="int64") * W).reshape([B, S, 1]).expand([B, S, K])
+        fill = paddle.full([B * S * W], float(paddle.finfo(paddle.float32).min), "float32")
+        m = paddle.scatter(fill, (col + base).reshape([-1]), paddle.zeros([B * S * K], "float32"))
+        m = m.reshape([B, S, W])[:, :, :S].contiguous()
+    _DENSE_MASK["key"], _DENSE_MASK["value"] = topk_idx, m
+    return m
+
+
+class _DenseHeadAttention(PyLayer):
+    """softmax(q k^T * scale + mask) v per head, over all S keys, with a hand-written backward.
+
+    The short-sequence form: while the top-k covers a large share of the causal keys, a few large
+    batched GEMMs over every key beat gathering; scores and probabilities are [B, H, S, S], so it
+    only runs below DSACoreAttention.DENSE_MAX_SCORES. Same association as HF eager.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: object,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        mask: paddle.Tensor,
+        live: paddle.Tensor,
+        scale: float,
+        want_probs: bool,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        B, H, S, _ = q.shape
+        qs = q * scale  # scaling the queries costs dk/S of scaling the scores
+        s = _as_fp32(paddle.matmul(qs, k, transpose_y=True))  # [B, H, S, S]
+        s.add_(mask.unsqueeze(1).expand([B, H, S, S]))  # explicit expand: Paddle's CPU broadcast is ~5x slower
+        p = nn.functional.softmax_(s, axis=-1)
+        out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
+        pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
+        ctx.mark_non_differentiable(pm)
+        ctx.save_for_backward(qs, k, v, p, live)
+        ctx.scale = scale
+        return out, pm
+
+    @staticmethod
+    def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
+        qs, k, v, p, live = ctx.saved_tensor()
+        # A query without keys outputs the mean of all values: a function of v only, so its rows
+        # get no score gradient (q, k), as in the sparse forms; v still gets g / S from them.
+        g_live = g * live.expand(g.shape)
+        dp = _as_fp32(paddle.matmul(g_live, v, transpose_y=True))  # [B, H, S, S]
+        ds = _softmax_backward(p, dp)
+        if ds.dtype != qs.dtype:
+            ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
+        dq = paddle.matmul(ds, k).scale_(ctx.scale)
+        dk = paddle.matmul(ds, qs, transpose_x=True)
+        dv = paddle.matmul(p, g, transpose_x=True)
+        return dq, dk, dv, None, None
+
+
+def _as_fp32(t: paddle.Tensor) -> paddle.Tensor:
+    return t if t.dtype == paddle.float32 else t.astype("float32")
+
+
+def dense_head_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    topk_idx: paddle.Tensor,
+    scale: float,
+    return_probs: bool = False,
+) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """Per-head attention over all keys with the top-k as a mask: q, k [B, S, H, dk], v [B, S, H, dv].
+
+    Returns out [B, S, H, dv] and, if asked, the head-averaged probabilities at the selected slots
+    [B, S, k] (0 on empty slots), as `sparse_attention` does.
+    """
+    B, S = q.shape[0], q.shape[1]
+    mask = dense_topk_mask(topk_idx, S)
+    valid = topk_idx >= 0
+    live = valid.any(axis=-1).astype(q.dtype).reshape([B, 1, S, 1])  # 1 = the query has a key
+    perm = [0, 2, 1, 3]
+    out, pm = _DenseHeadAttention.apply(
+        q.transpose(perm), k.transpose(perm), v.transpose(perm), mask, live, float(scale), return_probs
+    )
+    out = out.transpose(perm)
+    if not return_probs:
+        return out, None
+    probs = paddle.take_along_axis(pm, paddle.where(valid, topk_idx, paddle.zeros_like(topk_idx)), axis=-1)
+    return out, paddle.where(valid, probs, paddle.zeros_like(probs))
+
+
 class DSACoreAttention(nn.Layer):
     """The sparse core of the attention: the layer's own indexer (full layers only) + sparse softmax."""
 
@@ -385,12 +491,25 @@ class DSACoreAttention(nn.Layer):
     # uses, which the parity fixtures pin at 1e-5), latent once they pass LATENT_MIN_ELEMS.
     latent: bool | None = None
     LATENT_MIN_ELEMS = 1 << 23
+    # The per-head dense form (`dense_head_attention`) runs instead, whatever `latent` says unless
+    # it is True, while the top-k covers at least 1 / _DENSE_KEYS_PER_SLOT of the last query's
+    # keys (seq <= that many x topk) and its [B, H, S, S] scores stay below this many floats.
+    dense: bool | None = None
+    DENSE_MAX_SCORES = 1 << 20
 
     def use_latent(self, batch: int, seq: int, topk: int, per_key: int) -> bool:
         """Latent form when the per-head form would gather more than LATENT_MIN_ELEMS floats."""
         if self.latent is not None:
             return bool(self.latent)
         return batch * seq * topk * per_key > self.LATENT_MIN_ELEMS
+
+    def use_dense(self, batch: int, seq: int, topk: int, heads: int) -> bool:
+        """Per-head dense form for short sequences (see `dense`); never when `latent` is forced on."""
+        if self.latent:
+            return False
+        if self.dense is not None:
+            return bool(self.dense)
+        return seq <= _DENSE_KEYS_PER_SLOT * topk and batch * heads * seq * seq <= self.DENSE_MAX_SCORES
 
     def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool) -> None:
         super().__init__()
@@ -484,7 +603,8 @@ class MLAttention(nn.Layer):
 
         core = self.core_attention
         per_key = H * (self.qk_dim + self.v_dim)
-        latent = not dense_reference and core.use_latent(B, S, min(core.topk, S), per_key)
+        dense = not dense_reference and core.use_dense(B, S, min(core.topk, S), H)
+        latent = not dense_reference and not dense and core.use_latent(B, S, min(core.topk, S), per_key)
         run_indexer = core.indexer is not None and not reuse_topk
         if run_indexer:  # the latent form needs the selected set, not its score order
             topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=not latent)
@@ -498,14 +618,17 @@ class MLAttention(nn.Layer):
             out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
         else:
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
-            q_nope, q_rot = q[..., : self.nope], q[..., self.nope :]
+            # split, not slices: a slice's gradient is Paddle's slow strided set (~5 ms at S = 512)
+            q_nope, q_rot = paddle.split(q, [self.nope, self.rope_dim], axis=-1)
             q_rot = apply_rope(q_rot, cos, sin, self.interleave)
             kv = nn.functional.linear(c, self.kv_b_proj.weight).reshape([B, S, H, self.nope + self.v_dim])
-            k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+            k_nope, v = paddle.split(kv, [self.nope, self.v_dim], axis=-1)
             query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
             key = paddle.concat([k_nope, k_rot.expand([B, S, H, self.rope_dim])], axis=-1)
             if dense_reference:
                 out, probs = dense_masked_attention(query, key, v, topk, core.scale), None
+            elif dense:
+                out, probs = dense_head_attention(query, key, v, topk, core.scale, return_probs=want_kl)
             else:
                 out, probs = sparse_attention(query, key, v, topk, core.scale, core.chunk_size, return_probs=want_kl)
             out = nn.functional.linear(out.reshape([B, S, H * self.v_dim]), self.o_proj.weight)
