@@ -487,10 +487,12 @@ class DSACoreAttention(nn.Layer):
     """The sparse core of the attention: the layer's own indexer (full layers only) + sparse softmax."""
 
     # Which sparse form runs: True = latent (MQA) over [c, k_rot]; False = per-head keys and values;
-    # None (default) = per-head while its gathered keys/values are small (it is the association HF
-    # uses, which the parity fixtures pin at 1e-5), latent once they pass LATENT_MIN_ELEMS.
+    # None (default) = per-head while its gathered keys/values are tiny (it is the association HF
+    # uses, which the parity fixtures pin at 1e-5), latent once they pass LATENT_MIN_ELEMS: the
+    # per-head gather was never the faster one (S = 48 / top-k 8: 0.233 vs 0.160 s per step;
+    # S = 96 / top-k 32: 1.07 vs 0.19 s; docs/performance.md).
     latent: bool | None = None
-    LATENT_MIN_ELEMS = 1 << 23
+    LATENT_MIN_ELEMS = 1 << 18
     # The per-head dense form (`dense_head_attention`) runs instead, whatever `latent` says unless
     # it is True, while the top-k covers at least 1 / _DENSE_KEYS_PER_SLOT of the last query's
     # keys (seq <= that many x topk) and its [B, H, S, S] scores stay below this many floats.
