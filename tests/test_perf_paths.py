@@ -17,6 +17,7 @@ from paddleformers_glm.modeling.attention import DSACoreAttention, dense_masked_
 from paddleformers_glm.modeling.moe import MoE
 
 from ._tiny import tiny_config, tiny_model, tokens
+from .test_attention import _random_case
 
 
 def _latent_case(B=2, S=40, H=3, D=12, K=7, seed=0, empty_rows=0):
@@ -232,16 +233,8 @@ def test_prepared_topk_is_cached_per_tensor_and_not_shared_across_tensors():
 
 
 # ------------------------------------------------------------------ per-head dense form (short sequences)
-def _per_head_case(B=2, S=24, H=3, Dk=10, Dv=6, K=9, seed=11, empty_rows=0):
-    rng = np.random.default_rng(seed)
-    q, k = (paddle.to_tensor(rng.standard_normal((B, S, H, Dk)).astype("float32")) for _ in range(2))
-    v = paddle.to_tensor(rng.standard_normal((B, S, H, Dv)).astype("float32"))
-    idx = np.full((B, S, K), -1, dtype="int64")
-    for b in range(B):
-        for i in range(empty_rows, S):
-            n = min(K, i + 1)
-            idx[b, i, :n] = rng.choice(i + 1, size=n, replace=False)
-    return q, k, v, paddle.to_tensor(idx)
+def _per_head_case(empty_rows=0):
+    return _random_case(B=2, S=24, H=3, D=10, Dv=6, K=9, seed=11, empty_rows=empty_rows)
 
 
 def test_dense_head_equals_dense_masked_and_per_head_sparse_with_empty_rows():
