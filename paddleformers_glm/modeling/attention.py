@@ -51,7 +51,6 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequ
 from ..parallel.topology import get_topology
 from .indexer import DSAIndexer, rope_heads
 from .norms import RMSNorm
-from .rope import apply_rope
 
 
 def gather_keys(t: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
@@ -622,7 +621,7 @@ class MLAttention(nn.Layer):
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
             # split, not slices: a slice's gradient is Paddle's slow strided set (~5 ms at S = 512)
             q_nope, q_rot = paddle.split(q, [self.nope, self.rope_dim], axis=-1)
-            q_rot = apply_rope(q_rot, cos, sin, self.interleave)
+            q_rot = rope_heads(q_rot, cos, sin, self.interleave)  # apply_rope's arithmetic, cached expansion
             kv = nn.functional.linear(c, self.kv_b_proj.weight).reshape([B, S, H, self.nope + self.v_dim])
             k_nope, v = paddle.split(kv, [self.nope, self.v_dim], axis=-1)
             query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]

@@ -29,7 +29,21 @@ def _mean_square(h: paddle.Tensor) -> paddle.Tensor:
 def _mean_last(t: paddle.Tensor) -> paddle.Tensor:
     """t.mean(-1, keepdim=True) as a GEMV (see _mean_square)."""
     H = t.shape[-1]
-    return paddle.matmul(t, paddle.full([H, 1], 1.0 / H, dtype=t.dtype))
+    return paddle.matmul(t, _constant([H, 1], 1.0 / H, t))
+
+
+_CONSTANTS: dict[tuple, paddle.Tensor] = {}
+
+
+def _constant(shape: list[int], value: float, like: paddle.Tensor) -> paddle.Tensor:
+    """A constant tensor of like's dtype and place, made once (a norm needs two per call)."""
+    key = (tuple(shape), value, str(like.dtype), str(like.place))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 64:  # shapes follow the token count: keep the cache small
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = paddle.full(shape, value, dtype=like.dtype)
+    return t
 
 
 class _RMSNormFunction(PyLayer):
@@ -51,7 +65,7 @@ class _RMSNormFunction(PyLayer):
         H = n.shape[-1]
         rows = math.prod(n.shape[:-1])
         n32 = _as(n, "float32")
-        dw = paddle.matmul(paddle.ones([1, rows], "float32"), (_as(dy, "float32") * n32).reshape([rows, H]))
+        dw = paddle.matmul(_constant([1, rows], 1.0, n32), (_as(dy, "float32") * n32).reshape([rows, H]))
         gn = _as(dy * weight.expand(dy.shape), "float32")
         # d/dh of h * rsqrt(mean(h^2) + eps) applied to gn: r * (gn - n * mean(gn * n))
         dot = _mean_last(gn * n32)
