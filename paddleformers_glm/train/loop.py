@@ -191,14 +191,12 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
     refuses one that lacks any), so the pretrained weights would only be overwritten."""
     t0 = time.perf_counter()
     if cfg.resume:
-        info = {"method": "resume", "resume": cfg.resume}
+        info: dict[str, Any] = {"method": "resume", "resume": cfg.resume}
+    elif (loaded := adapter.load_stage(module, topo)) is not None:
+        info = {"method": "load_stage", **loaded}
     else:
-        info = adapter.load_stage(module, topo)
-    if info is None:
         shard_full_state(module, adapter.full_state(), topo)
         info = {"method": "full_state"}
-    else:
-        info = {"method": "load_stage", **info}
     state = module.state_dict()
     record = {
         "rank": topo.rank,
