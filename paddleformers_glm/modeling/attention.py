@@ -607,8 +607,8 @@ class MLAttention(nn.Layer):
         dense = not dense_reference and core.use_dense(B, S, min(core.topk, S), H)
         latent = not dense_reference and not dense and core.use_latent(B, S, min(core.topk, S), per_key)
         run_indexer = core.indexer is not None and not reuse_topk
-        if run_indexer:  # the latent form needs the selected set, not its score order
-            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=not latent)
+        if run_indexer:  # the latent and dense forms need the selected set, not its score order
+            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=not (latent or dense))
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
