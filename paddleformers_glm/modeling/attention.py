@@ -190,17 +190,24 @@ def _dense_keys(table: paddle.Tensor, ch: _Chunk, S: int, N: int) -> paddle.Tens
     return paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
 
 
+def _selection_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
+    """Additive mask [R, width + 1] for selections sel [R, K] (-1 = empty): 0 at each row's selected
+    columns, `fill` elsewhere; empty slots land in the extra dump column `width`. One flat scatter."""
+    R, K = sel.shape
+    W = width + 1
+    col = paddle.where(sel >= 0, sel, paddle.full([R, K], width, "int64"))
+    flat = (col + (paddle.arange(R, dtype="int64") * W).unsqueeze(1).expand([R, K])).reshape([-1])
+    return paddle.scatter(paddle.full([R * W], fill, "float32"), flat, paddle.zeros([R * K], "float32")).reshape([R, W])
+
+
 def _dense_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddle.Tensor:
     """Additive mask [C, c1 + 1] over the dense candidates: 0 at the selected keys (and at the mean
-    row for a query without keys), -inf elsewhere. Built by one flat scatter (no S x S anything)."""
-    C, K = sel.shape
-    W = c1 + 2  # one dump column for empty slots
-    col = paddle.where(sel >= 0, sel, paddle.full([C, K], W - 1, "int64"))
-    base = (paddle.arange(C, dtype="int64") * W).unsqueeze(1)
-    flat = (col + base.expand([C, K])).reshape([-1])
-    m = paddle.scatter(paddle.full([C * W], float("-inf"), "float32"), flat, paddle.zeros([C * K], "float32"))
+    row for a query without keys), -inf elsewhere (no S x S anything)."""
+    C = sel.shape[0]
+    W = c1 + 2  # candidates (keys < c1, the mean row) + the dump column
+    m = _selection_mask(sel, c1 + 1, float("-inf")).reshape([-1])
     mean_col = paddle.where(has_key, paddle.full([C], W - 1, "int64"), paddle.full([C], c1, "int64"))
-    m = paddle.scatter(m, mean_col + base.squeeze(1), paddle.zeros([C], "float32"))
+    m = paddle.scatter(m, mean_col + paddle.arange(C, dtype="int64") * W, paddle.zeros([C], "float32"))
     return m.reshape([C, W])[:, : c1 + 1].contiguous()
 
 
@@ -393,12 +400,8 @@ def dense_topk_mask(topk_idx: paddle.Tensor, S: int) -> paddle.Tensor:
         return _DENSE_MASK["value"]  # type: ignore[return-value]
     with paddle.no_grad():
         B, _, K = topk_idx.shape
-        W = S + 1  # one dump column for empty slots
-        col = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, S))
-        base = (paddle.arange(B * S, dtype="int64") * W).reshape([B, S, 1]).expand([B, S, K])
-        fill = paddle.full([B * S * W], float(paddle.finfo(paddle.float32).min), "float32")
-        m = paddle.scatter(fill, (col + base).reshape([-1]), paddle.zeros([B * S * K], "float32"))
-        m = m.reshape([B, S, W])[:, :, :S].contiguous()
+        m = _selection_mask(topk_idx.reshape([B * S, K]), S, float(paddle.finfo(paddle.float32).min))
+        m = m[:, :S].reshape([B, S, S]).contiguous()
     _DENSE_MASK["key"], _DENSE_MASK["value"] = topk_idx, m
     return m
 
@@ -603,9 +606,9 @@ class MLAttention(nn.Layer):
         k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
 
         core = self.core_attention
-        per_key = H * (self.qk_dim + self.v_dim)
-        dense = not dense_reference and core.use_dense(B, S, min(core.topk, S), H)
-        latent = not dense_reference and not dense and core.use_latent(B, S, min(core.topk, S), per_key)
+        k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
+        dense = not dense_reference and core.use_dense(B, S, k_sel, H)
+        latent = not dense_reference and not dense and core.use_latent(B, S, k_sel, per_key)
         run_indexer = core.indexer is not None and not reuse_topk
         if run_indexer:  # the latent and dense forms need the selected set, not its score order
             topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=not (latent or dense))
