@@ -50,7 +50,7 @@ from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.topology import get_topology
 from .indexer import DSAIndexer, rope_heads
-from .norms import RMSNorm
+from .norms import RMSNorm, _as
 
 
 def gather_keys(t: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
@@ -427,7 +427,7 @@ class _DenseHeadAttention(PyLayer):
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         B, H, S, _ = q.shape
         qs = q * scale  # scaling the queries costs dk/S of scaling the scores
-        s = _as_fp32(paddle.matmul(qs, k, transpose_y=True))  # [B, H, S, S]
+        s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
         s.add_(mask.unsqueeze(1).expand([B, H, S, S]))  # explicit expand: Paddle's CPU broadcast is ~5x slower
         p = nn.functional.softmax_(s, axis=-1)
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
@@ -443,7 +443,7 @@ class _DenseHeadAttention(PyLayer):
         # A query without keys outputs the mean of all values: a function of v only, so its rows
         # get no score gradient (q, k), as in the sparse forms; v still gets g / S from them.
         g_live = g * live.expand(g.shape)
-        dp = _as_fp32(paddle.matmul(g_live, v, transpose_y=True))  # [B, H, S, S]
+        dp = _as(paddle.matmul(g_live, v, transpose_y=True), "float32")  # [B, H, S, S]
         ds = _softmax_backward(p, dp)
         if ds.dtype != qs.dtype:
             ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
@@ -451,10 +451,6 @@ class _DenseHeadAttention(PyLayer):
         dk = paddle.matmul(ds, qs, transpose_x=True)
         dv = paddle.matmul(p, g, transpose_x=True)
         return dq, dk, dv, None, None
-
-
-def _as_fp32(t: paddle.Tensor) -> paddle.Tensor:
-    return t if t.dtype == paddle.float32 else t.astype("float32")
 
 
 def dense_head_attention(
