@@ -1,7 +1,11 @@
-"""MoE routed-expert compute: per-expert loop vs padded batched matmuls (forward + backward).
+"""MoE routed-expert compute, three forms (forward + backward of one MoE layer, bench model's shape):
+
+* loop: one matmul pair per expert on its sorted rows (the form without compiled kernels: GPU, bf16);
+* padded: `MoE.grouped = True`, two batched matmuls over a zero-padded [E, capacity, H] layout;
+* kernel: the compiled grouped matmul (kernels/cpu.py; the default for fp32 CPU tensors).
 
 Why: issue 7 asks for grouped expert compute "where Paddle allows" and to measure which form is
-faster. Both forms give the same routing; this times one MoE layer of the bench model's shape.
+faster. All forms give the same routing.
 
     python bench/bench_moe.py [--tokens 512,2048,8192] [--threads 1]
 """
@@ -9,6 +13,7 @@ faster. Both forms give the same routing; this times one MoE layer of the bench 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -34,6 +39,7 @@ def main() -> None:
     core.set_num_threads(ns.threads)
     from bench.bench_train_step import BENCH_CONFIG
     from paddleformers_glm import GlmMoeDsaConfig
+    from paddleformers_glm.kernels import cpu as cpu_kernels
     from paddleformers_glm.modeling.moe import MoE
 
     cfg = GlmMoeDsaConfig(**BENCH_CONFIG)
@@ -44,23 +50,32 @@ def main() -> None:
     print(
         f"experts {cfg.n_routed_experts} top-{cfg.num_experts_per_tok} H {cfg.hidden_size} I {cfg.moe_intermediate_size}"
     )
-    print("| tokens | loop ms | grouped ms | loop / grouped |")
-    print("|---:|---:|---:|---:|")
+    forms = {  # name -> (MoE.grouped, kernels on)
+        "loop": (False, False),
+        "padded": (True, False),
+        "kernel": (False, True),
+    }
+    print("| tokens | loop ms | padded ms | kernel ms | loop / kernel |")
+    print("|---:|---:|---:|---:|---:|")
     for n in (int(t) for t in ns.tokens.split(",")):
         x = paddle.to_tensor(rng.standard_normal((n, cfg.hidden_size)).astype("float32"))
         x.stop_gradient = False
-        best = {}
+        best: dict[str, float] = {}
         for rep in range(ns.repeats):
-            for grouped in (False, True):  # alternate the two forms
+            for name, (grouped, kernels) in forms.items():  # alternate the forms
                 MoE.grouped = grouped
-                t0 = time.perf_counter()
-                moe(x).sum().backward()
-                dt = time.perf_counter() - t0
+                with contextlib.nullcontext() if kernels else cpu_kernels.disabled():
+                    t0 = time.perf_counter()
+                    moe(x).sum().backward()
+                    dt = time.perf_counter() - t0
                 moe.clear_gradients()
                 x.clear_gradient()
                 if rep:
-                    best[grouped] = min(best.get(grouped, 1e9), dt)
-        print(f"| {n} | {best[False] * 1e3:.1f} | {best[True] * 1e3:.1f} | {best[False] / best[True]:.2f}x |")
+                    best[name] = min(best.get(name, 1e9), dt)
+        ms = {k: v * 1e3 for k, v in best.items()}
+        print(
+            f"| {n} | {ms['loop']:.1f} | {ms['padded']:.1f} | {ms['kernel']:.1f} | {ms['loop'] / ms['kernel']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

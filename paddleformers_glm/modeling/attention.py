@@ -46,6 +46,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
+from ..kernels import cpu as cpu_kernels
 from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.topology import get_topology
@@ -214,11 +215,7 @@ def _dense_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddle.T
 def _chunk_probs(
     qs: paddle.Tensor, table: paddle.Tensor, prep: _Prepared, ch: _Chunk, S: int, N: int
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """(probabilities [C, H, keys], keys [C, k, D] gathered or [c1 + 1, D] dense) for one chunk.
-
-    In-place ops and an explicit `expand` of the mask: Paddle's CPU broadcasting over a middle axis
-    is ~10x slower than a same-shape op, and fresh allocations cost page faults.
-    """
+    """(probabilities [C, H, keys], keys [C, k, D] gathered or [c1 + 1, D] dense) for one chunk."""
     q = qs[ch.r0 : ch.r1]
     C, H, D = q.shape
     if ch.dense:
@@ -236,8 +233,7 @@ def _chunk_probs(
         ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
         s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
         m = prep.mask[ch.r0 : ch.r1]
-    s.add_(m.unsqueeze(1).expand([C, H, T]))
-    return nn.functional.softmax_(s, axis=-1), ks
+    return masked_softmax_(s, m), ks
 
 
 def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
@@ -262,8 +258,24 @@ _EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
 _SOFTMAX_GRAD = getattr(paddle._C_ops, "softmax_grad", None)
 
 
+def masked_softmax_(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
+    """softmax(s + mask, -1) in place, the mask shared by the heads: s [G, H, T] with mask [G, T],
+    or s [G, H, I, T] with mask [G, I, T]. The fused CPU kernel where usable; otherwise an
+    explicit `expand` of the mask (Paddle's CPU broadcast over a middle axis is ~5x slower) and
+    in-place add and softmax (fresh allocations cost page faults)."""
+    ops = cpu_kernels.usable(s, mask)
+    if ops is not None:
+        return ops.glm_masked_softmax(s, mask)
+    s.add_(mask.unsqueeze(1).expand(s.shape))
+    return nn.functional.softmax_(s, axis=-1)
+
+
 def _softmax_backward(p: paddle.Tensor, dp: paddle.Tensor) -> paddle.Tensor:
-    """p * (dp - sum(p * dp, -1)): Paddle's fused kernel (one pass, ~3x faster) where exposed."""
+    """p * (dp - sum(p * dp, -1)), into dp where it can: the fused CPU kernel, else Paddle's fused
+    kernel (one pass, ~3x faster than op by op) where exposed."""
+    ops = cpu_kernels.usable(p, dp)
+    if ops is not None:
+        return ops.glm_softmax_backward(p, dp)
     if _SOFTMAX_GRAD is not None:
         return _SOFTMAX_GRAD(p, dp, -1)
     dp.subtract_((p * dp).sum(axis=-1, keepdim=True).expand(dp.shape))
@@ -428,8 +440,7 @@ class _DenseHeadAttention(PyLayer):
         B, H, S, _ = q.shape
         qs = q * scale  # scaling the queries costs dk/S of scaling the scores
         s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
-        s.add_(mask.unsqueeze(1).expand([B, H, S, S]))  # explicit expand: Paddle's CPU broadcast is ~5x slower
-        p = nn.functional.softmax_(s, axis=-1)
+        p = masked_softmax_(s, mask)
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
         ctx.mark_non_differentiable(pm)

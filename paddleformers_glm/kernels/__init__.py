@@ -1,0 +1,1 @@
+"""Compiled kernels with Paddle-op fallbacks (see cpu.py)."""

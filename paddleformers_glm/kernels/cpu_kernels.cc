@@ -1,0 +1,442 @@
+// Fused, multi-threaded fp32 CPU kernels for the per-element work of a training step.
+//
+// Why: Paddle 3.3's CPU softmax, add, exp, ... run on one thread and make one pass over memory
+// each (docs/performance.md, item 7), so at short sequences they, not the GEMMs, decide the step
+// time. Each kernel here is one pass per row, rows split over OpenMP threads (the libiomp5 that
+// Paddle's MKL already runs, so the two share one thread pool). Loaded by kernels/cpu.py, which
+// keeps a Paddle-op fallback with the same maths for every kernel.
+//
+// All tensors are fp32, contiguous, on the CPU (checked by the Python wrappers).
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+// Below this many elements a kernel runs on the calling thread only: waking the pool costs more.
+constexpr int64_t kParallelMin = 1 << 14;
+
+// exp(x) without a library call, so that the loops over it vectorise: 2^n * p(r) with
+// r = x - n ln2 (ln2 split in two for exactness) and Cephes' degree-6 polynomial for exp(r),
+// about 1 ulp. x below -87.34 (and -inf) gives 0; above 88.72 gives +inf.
+inline float exp_f32(float x) {
+  constexpr float lo = -87.33654f, hi = 88.72283f;
+  const float xc = x < lo ? lo : (x > hi ? hi : x);
+  const float n = __builtin_roundf(xc * 1.44269504088896341f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const float y = p * scale;
+  return x < lo ? 0.0f : (x > hi ? std::numeric_limits<float>::infinity() : y);
+}
+
+}  // namespace
+
+// s [G, H, I, T] := softmax over T of (s + mask[g, i, :]), in place: the mask is shared by the H
+// heads (per-head dense attention: I = the query rows; a 3-D s [G, H, T] with mask [G, T] is
+// I = 1, the latent chunks). A row whose scores are all -inf gives NaN, as Paddle's add +
+// softmax does.
+void MaskedSoftmax(paddle::Tensor& s, const paddle::Tensor& mask) {
+  const auto& shp = s.shape();
+  const int64_t G = shp[0], H = shp[1], I = shp.size() == 4 ? shp[2] : 1, T = shp.back();
+  float* sp = s.data<float>();
+  const float* mp = mask.data<float>();
+  const int64_t rows = G * H * I;
+#pragma omp parallel for schedule(static) if (rows * T >= kParallelMin)
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t g = row / (H * I), i = row % I;
+    float* x = sp + row * T;
+    const float* m = mp + (g * I + i) * T;
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < T; ++t) {
+      const float v = x[t] + m[t];
+      x[t] = v;
+      mx = v > mx ? v : mx;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < T; ++t) {
+      const float e = exp_f32(x[t] - mx);
+      x[t] = e;
+      sum += e;
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < T; ++t) x[t] *= inv;
+  }
+}
+
+// dp := p * (dp - sum(p * dp)) over the last axis, in place: the softmax backward.
+void SoftmaxBackward(const paddle::Tensor& p, paddle::Tensor& dp) {
+  const int64_t T = p.shape().back();
+  const int64_t rows = T ? p.numel() / T : 0;
+  const float* pp = p.data<float>();
+  float* gp = dp.data<float>();
+#pragma omp parallel for schedule(static) if (rows * T >= kParallelMin)
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* a = pp + row * T;
+    float* g = gp + row * T;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t t = 0; t < T; ++t) dot += a[t] * g[t];
+#pragma omp simd
+    for (int64_t t = 0; t < T; ++t) g[t] = a[t] * (g[t] - dot);
+  }
+}
+
+// RMSNorm forward over rows of x [N, D]: r = 1 / sqrt(mean(x^2) + eps) (the mean accumulated in
+// fp64), y = w * (x * r), each product rounded to fp32 as HF's op-by-op form rounds it.
+// Returns y [N, D] and r [N] (what the backward needs besides x and w).
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& w, float eps) {
+  const int64_t D = x.shape().back();
+  const int64_t N = D ? x.numel() / D : 0;
+  auto y = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto r = paddle::empty({N}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  float* yp = y.data<float>();
+  float* rp = r.data<float>();
+#pragma omp parallel for schedule(static) if (N * D >= kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = xp + n * D;
+    float* yr = yp + n * D;
+    double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(xr[d]) * xr[d];
+    const float var = static_cast<float>(ss / D);
+    const float rs = 1.0f / std::sqrt(var + eps);
+    rp[n] = rs;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      const float normed = xr[d] * rs;
+      yr[d] = wp[d] * normed;
+    }
+  }
+  return {y, r};
+}
+
+// RMSNorm backward: with n = x * r and gn = dy * w,
+//   dx = r * (gn - n * mean(gn * n)),   dw = sum over rows of dy * n.
+// dw is summed in fp64, per thread over a fixed static split of the rows, then over the threads
+// in order: the same result for the same thread count.
+std::vector<paddle::Tensor> RmsNormBackward(const paddle::Tensor& x,
+                                            const paddle::Tensor& w,
+                                            const paddle::Tensor& r,
+                                            const paddle::Tensor& dy) {
+  const int64_t D = x.shape().back();
+  const int64_t N = D ? x.numel() / D : 0;
+  auto dx = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto dw = paddle::empty({D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  const float* rp = r.data<float>();
+  const float* gp = dy.data<float>();
+  float* dxp = dx.data<float>();
+  const bool parallel = N * D >= kParallelMin;
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  std::vector<double> partial(static_cast<size_t>(threads) * D, 0.0);
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+    double* acc = partial.data() + static_cast<size_t>(t) * D;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* xr = xp + n * D;
+      const float* g = gp + n * D;
+      float* out = dxp + n * D;
+      const float rs = rp[n];
+      double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) {
+        const float normed = xr[d] * rs;
+        dot += static_cast<double>(g[d] * wp[d]) * normed;
+        acc[d] += static_cast<double>(g[d]) * normed;
+      }
+      const float mean = static_cast<float>(dot / D);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        const float normed = xr[d] * rs;
+        out[d] = (g[d] * wp[d] - normed * mean) * rs;
+      }
+    }
+  }
+  float* dwp = dw.data<float>();
+  for (int64_t d = 0; d < D; ++d) {
+    double s = 0.0;
+    for (int t = 0; t < threads; ++t) s += partial[static_cast<size_t>(t) * D + d];
+    dwp[d] = static_cast<float>(s);
+  }
+  return {dx, dw};
+}
+
+// SwiGLU on h [..., 2I] (gate columns first, as the fused up_gate_proj lays them out):
+// act = silu(gate) * up, times scale[row] when scale is non-empty (the MoE routing weight, applied
+// here, before the down projection, instead of after it: the same product, another rounding).
+std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& h, const paddle::Tensor& scale) {
+  const int64_t I = h.shape().back() / 2;
+  const int64_t rows = I ? h.numel() / (2 * I) : 0;
+  std::vector<int64_t> shape = h.shape();
+  shape.back() = I;
+  auto act = paddle::empty(shape, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* hp = h.data<float>();
+  const float* sp = scale.numel() ? scale.data<float>() : nullptr;
+  PD_CHECK(!sp || scale.numel() == rows, "swiglu: ", scale.numel(), " row scales for ", rows, " rows");
+  float* ap = act.data<float>();
+#pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = hp + r * 2 * I;
+    const float* u = g + I;
+    float* out = ap + r * I;
+    const float w = sp ? sp[r] : 1.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < I; ++j) {
+      const float silu = g[j] / (1.0f + exp_f32(-g[j]));
+      out[j] = sp ? silu * u[j] * w : silu * u[j];
+    }
+  }
+  return {act};
+}
+
+// Its backward: dh [..., 2I] and, when scaled, dscale [rows] = sum_j dact * silu(gate) * up.
+std::vector<paddle::Tensor> SwigluBackward(const paddle::Tensor& h, const paddle::Tensor& scale,
+                                           const paddle::Tensor& dact) {
+  const int64_t I = h.shape().back() / 2;
+  const int64_t rows = I ? h.numel() / (2 * I) : 0;
+  auto dh = paddle::empty(h.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* sp = scale.numel() ? scale.data<float>() : nullptr;
+  auto ds = paddle::empty({sp ? rows : 0}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* hp = h.data<float>();
+  const float* dap = dact.data<float>();
+  float* dhp = dh.data<float>();
+  float* dsp = sp ? ds.data<float>() : nullptr;
+#pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = hp + r * 2 * I;
+    const float* u = g + I;
+    const float* da = dap + r * I;
+    float* dg = dhp + r * 2 * I;
+    float* du = dg + I;
+    const float w = sp ? sp[r] : 1.0f;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < I; ++j) {
+      const float sig = 1.0f / (1.0f + exp_f32(-g[j]));
+      const float silu = g[j] * sig;
+      const float d = da[j] * w;
+      dg[j] = d * u[j] * sig * (1.0f + g[j] * (1.0f - sig));
+      du[j] = d * silu;
+      dot += da[j] * silu * u[j];
+    }
+    if (dsp) dsp[r] = dot;
+  }
+  return {dh, ds};
+}
+
+std::vector<std::vector<int64_t>> SwigluShape(const std::vector<int64_t>& h, const std::vector<int64_t>& s) {
+  std::vector<int64_t> out = h;
+  out.back() /= 2;
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> SwigluBackwardShape(const std::vector<int64_t>& h,
+                                                      const std::vector<int64_t>& s,
+                                                      const std::vector<int64_t>& da) {
+  return {h, s};
+}
+
+std::vector<paddle::DataType> OneFloat32Of2(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+std::vector<paddle::DataType> TwoFloat32Of3In(const paddle::DataType&, const paddle::DataType&,
+                                              const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
+}
+
+std::vector<std::vector<int64_t>> RmsNormShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
+  int64_t n = 1;
+  for (size_t i = 0; i + 1 < x.size(); ++i) n *= x[i];
+  return {x, {n}};
+}
+
+std::vector<std::vector<int64_t>> RmsNormBackwardShape(const std::vector<int64_t>& x,
+                                                       const std::vector<int64_t>& w,
+                                                       const std::vector<int64_t>& r,
+                                                       const std::vector<int64_t>& dy) {
+  return {x, w};
+}
+
+std::vector<paddle::DataType> TwoFloat32(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
+}
+
+std::vector<paddle::DataType> TwoFloat32Of4(const paddle::DataType&,
+                                            const paddle::DataType&,
+                                            const paddle::DataType&,
+                                            const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
+}
+
+#ifdef GLM_WITH_MKL
+// MKL's CBLAS (libmklml_intel, shipped with Paddle and used by its own CPU matmul).
+extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                            const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                            int ldc);
+namespace {
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+
+void CheckGroups(const std::vector<int64_t>& counts, int64_t rows, int64_t experts) {
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  PD_CHECK(static_cast<int64_t>(counts.size()) == experts,
+           "grouped matmul: ", counts.size(), " group sizes for ", experts, " weight matrices");
+  PD_CHECK(total == rows, "grouped matmul: group sizes sum to ", total, " but x has ", rows, " rows");
+}
+}  // namespace
+
+// The routed experts' matmuls in one op: rows of x [A, K] sorted by expert, counts[e] of them
+// for expert e, each group times its own w[e] [K, N] -> y [A, N]. One MKL sgemm per non-empty
+// group, written in place into y, on the experts' own weight tensors: no per-expert Python,
+// slices, stacking or concatenation.
+std::vector<paddle::Tensor> GroupedMatmul(const paddle::Tensor& x, const std::vector<paddle::Tensor>& w,
+                                          const std::vector<int64_t>& counts) {
+  const int64_t A = x.shape()[0], K = x.shape()[1], E = w.size();
+  CheckGroups(counts, A, E);
+  const int64_t N = E ? w[0].shape()[1] : 0;
+  auto y = paddle::empty({A, N}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  float* yp = y.data<float>();
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    PD_CHECK(w[e].shape()[0] == K && w[e].shape()[1] == N, "grouped matmul: weight ", e, " is not [", K, ", ", N, "]");
+    const int64_t n = counts[e];
+    if (n > 0)
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n, N, K, 1.0f, xp + row * K, K, w[e].data<float>(), N,
+                  0.0f, yp + row * N, N);
+    row += n;
+  }
+  return {y};
+}
+
+// Its backward: dx[group e] = dy[group e] w[e]^T, dw[e] = x[group e]^T dy[group e] (0 if empty),
+// dw written into the caller's buffers dw [K, N] each (Paddle's dygraph takes a list output only
+// in place).
+std::vector<paddle::Tensor> GroupedMatmulBackward(const paddle::Tensor& x, const std::vector<paddle::Tensor>& w,
+                                                  const paddle::Tensor& dy, std::vector<paddle::Tensor>& dws,
+                                                  const std::vector<int64_t>& counts) {
+  const int64_t A = x.shape()[0], K = x.shape()[1], E = w.size();
+  CheckGroups(counts, A, E);
+  const int64_t N = dy.shape()[1];
+  PD_CHECK(static_cast<int64_t>(dws.size()) == E, "grouped matmul: ", dws.size(), " gradient buffers for ", E, " weights");
+  auto dx = paddle::empty({A, K}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* gp = dy.data<float>();
+  float* dxp = dx.data<float>();
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    paddle::Tensor& dw = dws[e];
+    PD_CHECK(dw.numel() == K * N, "grouped matmul: gradient buffer ", e, " is not [", K, ", ", N, "]");
+    const int64_t n = counts[e];
+    if (n > 0) {
+      cblas_sgemm(kRowMajor, kNoTrans, kTrans, n, K, N, 1.0f, gp + row * N, N, w[e].data<float>(), N,
+                  0.0f, dxp + row * K, K);
+      cblas_sgemm(kRowMajor, kTrans, kNoTrans, K, N, n, 1.0f, xp + row * K, K, gp + row * N, N,
+                  0.0f, dw.data<float>(), N);
+    } else {
+      std::memset(dw.data<float>(), 0, sizeof(float) * K * N);
+    }
+    row += n;
+  }
+  return {dx};
+}
+
+std::vector<std::vector<int64_t>> GroupedMatmulShape(const std::vector<int64_t>& x,
+                                                     const std::vector<std::vector<int64_t>>& w,
+                                                     const std::vector<int64_t>& counts) {
+  return {{x[0], w.empty() ? 0 : w[0][1]}};
+}
+
+std::vector<std::vector<int64_t>> GroupedMatmulBackwardShape(const std::vector<int64_t>& x,
+                                                             const std::vector<std::vector<int64_t>>& w,
+                                                             const std::vector<int64_t>& dy,
+                                                             const std::vector<std::vector<int64_t>>& dws,
+                                                             const std::vector<int64_t>& counts) {
+  return {x};
+}
+#endif  // GLM_WITH_MKL
+
+// Names must not end in "_grad" (Paddle reserves that suffix for registered gradient ops).
+PD_BUILD_OP(glm_masked_softmax)
+    .Inputs({"S", "Mask"})
+    .Outputs({"Out"})
+    .SetInplaceMap({{"S", "Out"}})
+    .SetKernelFn(PD_KERNEL(MaskedSoftmax));
+
+PD_BUILD_OP(glm_softmax_backward)
+    .Inputs({"P", "DP"})
+    .Outputs({"DS"})
+    .SetInplaceMap({{"DP", "DS"}})
+    .SetKernelFn(PD_KERNEL(SoftmaxBackward));
+
+PD_BUILD_OP(glm_rms_norm)
+    .Inputs({"X", "W"})
+    .Outputs({"Y", "R"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNorm))
+    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32));
+
+PD_BUILD_OP(glm_rms_norm_backward)
+    .Inputs({"X", "W", "R", "DY"})
+    .Outputs({"DX", "DW"})
+    .SetKernelFn(PD_KERNEL(RmsNormBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormBackwardShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of4));
+
+PD_BUILD_OP(glm_swiglu)
+    .Inputs({"H", "Scale"})
+    .Outputs({"Act"})
+    .SetKernelFn(PD_KERNEL(Swiglu))
+    .SetInferShapeFn(PD_INFER_SHAPE(SwigluShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
+
+PD_BUILD_OP(glm_swiglu_backward)
+    .Inputs({"H", "Scale", "DAct"})
+    .Outputs({"DH", "DScale"})
+    .SetKernelFn(PD_KERNEL(SwigluBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(SwigluBackwardShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
+
+#ifdef GLM_WITH_MKL
+PD_BUILD_OP(glm_grouped_matmul)
+    .Inputs({"X", paddle::Vec("W")})
+    .Outputs({"Y"})
+    .Attrs({"counts: std::vector<int64_t>"})
+    .SetKernelFn(PD_KERNEL(GroupedMatmul))
+    .SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulShape));
+
+PD_BUILD_OP(glm_grouped_matmul_backward)
+    .Inputs({"X", paddle::Vec("W"), "DY", paddle::Vec("DWBuf")})
+    .Outputs({"DX", paddle::Vec("DW")})
+    .SetInplaceMap({{paddle::Vec("DWBuf"), paddle::Vec("DW")}})
+    .Attrs({"counts: std::vector<int64_t>"})
+    .SetKernelFn(PD_KERNEL(GroupedMatmulBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulBackwardShape));
+#endif

@@ -1,0 +1,202 @@
+"""The compiled CPU kernels (paddleformers_glm/kernels) against Paddle's own ops and numpy.
+
+Each kernel has a Paddle-op fallback with the same maths; here both run on the same inputs, and
+the loader's switches (environment, `disabled()`, a failed build) are exercised. The whole-model
+parity tests run with the kernels on (the default), tests/test_perf_paths.py holds the RMSNorm and
+the MoE to their fallbacks.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+from paddleformers_glm.kernels import cpu as cpu_kernels
+from paddleformers_glm.modeling import attention as attn
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_kernels.cpu_ops()
+    if built is None:  # a build failure is a failure here, never a skip
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels._state['error']}")
+    return built
+
+
+def _mask(rng, shape, p_keep=0.5):
+    m = np.where(rng.random(shape) < p_keep, 0.0, -np.inf).astype("float32")
+    m[..., 0] = 0.0  # every row keeps a key
+    return m
+
+
+def _paddle_masked_softmax(s, m):
+    with cpu_kernels.disabled():
+        return attn.masked_softmax_(s.clone(), m)
+
+
+@pytest.mark.parametrize("shape", [(7, 4, 33), (3, 16, 513), (2, 3, 5, 40)])
+def test_masked_softmax_matches_paddle_ops(ops, shape):
+    """3-D s [G, H, T] with mask [G, T] (latent chunks) and 4-D s [B, H, S, T] with mask [B, S, T]
+    (per-head dense): the mask is shared over the head axis; values to a few fp32 ulps."""
+    rng = np.random.default_rng(0)
+    s = paddle.to_tensor((4 * rng.standard_normal(shape)).astype("float32"))
+    mshape = (shape[0],) + tuple(shape[2:])
+    m = paddle.to_tensor(_mask(rng, mshape))
+    want = _paddle_masked_softmax(s, m).numpy()
+    got = s.clone()
+    out = attn.masked_softmax_(got, m)
+    np.testing.assert_allclose(out.numpy(), want, rtol=2e-6, atol=1e-7)
+    np.testing.assert_array_equal(got.numpy(), out.numpy())  # in place
+    assert np.all(got.numpy()[np.broadcast_to(np.isinf(m.numpy())[:, None], shape)] == 0.0)
+
+
+def test_masked_softmax_reads_a_row_slice_of_the_mask(ops):
+    """The latent chunks pass mask rows r0:r1 of a larger table (a view at an offset)."""
+    rng = np.random.default_rng(1)
+    table = paddle.to_tensor(_mask(rng, (50, 64)))
+    s = paddle.to_tensor(rng.standard_normal((10, 4, 64)).astype("float32"))
+    m = table[20:30]
+    want = _paddle_masked_softmax(s, m.contiguous()).numpy()
+    np.testing.assert_allclose(attn.masked_softmax_(s.clone(), m).numpy(), want, rtol=2e-6, atol=1e-7)
+
+
+def test_masked_softmax_extreme_scores(ops):
+    """Scores far apart (exp underflows to 0 for all but the largest) and large magnitudes."""
+    s = paddle.to_tensor(np.array([[[1000.0, 0.0, -1000.0, 999.0], [-50.0, -50.0, -50.0, -50.0]]], "float32"))
+    m = paddle.zeros([1, 4])
+    got = attn.masked_softmax_(s.clone(), m).numpy()
+    e = np.exp(np.float64(1.0) * np.array([0.0, -1000.0, -2000.0, -1.0]))
+    np.testing.assert_allclose(got[0, 0], e / e.sum(), rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(got[0, 1], np.full(4, 0.25), rtol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(5, 4, 37), (64, 300)])
+def test_softmax_backward_matches_paddle(ops, shape):
+    rng = np.random.default_rng(2)
+    p = paddle.nn.functional.softmax(paddle.to_tensor(rng.standard_normal(shape).astype("float32")), axis=-1)
+    dp = paddle.to_tensor(rng.standard_normal(shape).astype("float32"))
+    with cpu_kernels.disabled():
+        want = attn._softmax_backward(p, dp.clone()).numpy()
+    pn, dpn = p.numpy().astype(np.float64), dp.numpy().astype(np.float64)
+    exact = pn * (dpn - (pn * dpn).sum(-1, keepdims=True))
+    got = attn._softmax_backward(p, dp.clone()).numpy()
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(want, exact, rtol=1e-5, atol=1e-7)
+
+
+def test_rms_norm_kernel_against_fp64(ops):
+    """The fused RMSNorm forward is within 2 ulps of the exact (fp64) result; its gradients match
+    the fp64 gradients to fp32 rounding."""
+    rng = np.random.default_rng(3)
+    x = (3 * rng.standard_normal((33, 96))).astype("float32")
+    w = (1 + 0.3 * rng.standard_normal(96)).astype("float32")
+    dy = rng.standard_normal((33, 96)).astype("float32")
+    eps = 1e-5
+    y, r = ops.glm_rms_norm(paddle.to_tensor(x), paddle.to_tensor(w), eps)
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    r64 = 1 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps)
+    n64 = x64 * r64
+    np.testing.assert_array_max_ulp(y.numpy(), (w64 * n64).astype("float32"), maxulp=2)
+    np.testing.assert_allclose(r.numpy(), r64[:, 0], rtol=2e-7)
+    dx, dw = ops.glm_rms_norm_backward(paddle.to_tensor(x), paddle.to_tensor(w), r, paddle.to_tensor(dy))
+    gn = dy64 * w64
+    dx64 = r64 * (gn - n64 * (gn * n64).mean(-1, keepdims=True))
+    np.testing.assert_allclose(dx.numpy(), dx64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw.numpy(), (dy64 * n64).sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_frozen_input_or_weight_gets_no_gradient(ops):
+    """A PyLayer must answer None for an input that needs no gradient (a frozen weight, a
+    constant input); both the kernel and the fallback do."""
+    from paddleformers_glm.modeling.norms import RMSNorm
+
+    for off in (False, True):
+        norm = RMSNorm(16)
+        norm.weight.stop_gradient = True
+        x = paddle.randn([3, 16])
+        x.stop_gradient = False
+        with cpu_kernels.disabled() if off else contextlib.nullcontext():
+            norm(x).sum().backward()
+        assert x.grad is not None and norm.weight.grad is None
+        norm.weight.stop_gradient = False
+        with cpu_kernels.disabled() if off else contextlib.nullcontext():
+            norm(paddle.randn([3, 16])).sum().backward()
+        assert norm.weight.grad is not None
+
+
+def test_grouped_matmul_matches_per_group_numpy(ops):
+    if not hasattr(ops, "glm_grouped_matmul"):
+        pytest.fail("the grouped matmul was left out of the build (no libmklml_intel in Paddle's libs)")
+    rng = np.random.default_rng(4)
+    counts = [3, 0, 5, 1, 0, 7]
+    A, K, N = sum(counts), 12, 10
+    x = rng.standard_normal((A, K)).astype("float32")
+    w = rng.standard_normal((len(counts), K, N)).astype("float32")
+    dy = rng.standard_normal((A, N)).astype("float32")
+    ws = [paddle.to_tensor(m) for m in w]
+    y = ops.glm_grouped_matmul(paddle.to_tensor(x), ws, counts).numpy()
+    dws = [paddle.full([K, N], float("nan")) for _ in counts]  # every element must be written
+    dx = ops.glm_grouped_matmul_backward(paddle.to_tensor(x), ws, paddle.to_tensor(dy), dws, counts)[0]
+    dw = np.stack([t.numpy() for t in dws])
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for e in range(len(counts)):
+        rows = slice(starts[e], starts[e + 1])
+        np.testing.assert_allclose(y[rows], x[rows] @ w[e], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dx.numpy()[rows], dy[rows] @ w[e].T, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dw[e], x[rows].T @ dy[rows], rtol=1e-5, atol=1e-5)
+    assert not np.any(dw[[1, 4]])  # experts without rows: zero gradient
+
+
+def test_grouped_matmul_rejects_group_sizes_that_do_not_cover_the_rows(ops):
+    x, w = paddle.zeros([5, 4]), [paddle.zeros([4, 3]), paddle.zeros([4, 3])]
+    with pytest.raises(Exception, match="group sizes sum to 4 but x has 5 rows"):
+        ops.glm_grouped_matmul(x, w, [1, 3])
+    with pytest.raises(Exception, match="3 group sizes for 2 weight matrices"):
+        ops.glm_grouped_matmul(x, w, [1, 3, 1])
+    with pytest.raises(Exception, match=r"weight 1 is not \[4, 3\]"):
+        ops.glm_grouped_matmul(x, [w[0], paddle.zeros([3, 3])], [2, 3])
+
+
+def test_usable_only_for_fp32_contiguous_cpu_tensors(ops):
+    a = paddle.zeros([4, 6])
+    assert cpu_kernels.usable(a) is ops
+    assert cpu_kernels.usable(a, a.astype("float64")) is None
+    with cpu_kernels.disabled():
+        assert cpu_kernels.usable(a) is None
+    assert cpu_kernels.usable(a) is ops
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    """No compiler, a compile error, ...: one RuntimeWarning naming the error, then the fallbacks."""
+    monkeypatch.setattr(cpu_kernels, "_state", {"tried": False, "ops": None, "error": None, "off": 0})
+
+    def broken(*a, **k):
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(cpu_kernels, "build", broken)
+    with pytest.warns(RuntimeWarning, match="could not be built.*g\\+\\+: not found"):
+        assert cpu_kernels.cpu_ops() is None
+    assert cpu_kernels.cpu_ops() is None and cpu_kernels.usable(paddle.zeros([2])) is None
+    # and the model still runs (the fallbacks)
+    s = paddle.to_tensor(np.random.default_rng(5).standard_normal((2, 3, 8)).astype("float32"))
+    p = attn.masked_softmax_(s, paddle.zeros([2, 8]))
+    np.testing.assert_allclose(p.numpy().sum(-1), 1.0, rtol=1e-6)
+
+
+def test_a_compile_error_is_raised_by_build(tmp_path):
+    bad = tmp_path / "bad.cc"
+    bad.write_text('#include "paddle/extension.h"\nthis is not C++;\n')
+    with pytest.raises(RuntimeError, match="Failed"):
+        cpu_kernels.build(source=bad, cache_root=str(tmp_path / "cache"))
+
+
+def test_environment_switch_turns_the_kernels_off():
+    code = "from paddleformers_glm.kernels import cpu; print('ops', cpu.cpu_ops() is None)"
+    env = dict(os.environ, PADDLEFORMERS_GLM_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ops True" in out.stdout
