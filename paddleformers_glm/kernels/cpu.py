@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -68,9 +69,40 @@ def _build_flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags + [f"-Wl,-rpath,{libs}"]
 
 
+@contextlib.contextmanager
+def _output_to(log: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors: the compiler runs in a subprocess)
+    to `log` for the duration: Paddle's loader prints and logs on every load."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
-    """Compile (or reuse) the kernels and load them; raises on any failure."""
-    from paddle.utils.cpp_extension import load
+    """Compile (or reuse) the kernels and load them; raises on any failure, with the end of the
+    build log (build.log in the cache folder) in the message."""
+    with warnings.catch_warnings():  # "No ccache found", at import
+        warnings.simplefilter("ignore")
+        from paddle.utils.cpp_extension import load
 
     cflags, ldflags = _build_flags()
     key_src = "\0".join([source.read_text(), *cflags, *ldflags, paddle.__version__, _cpu_isa()])
@@ -78,16 +110,21 @@ def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
     root = Path(cache_root or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "paddleformers_glm" / "kernels")
     folder = root / key
     folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "build.log"
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build; the other processes wait, then reuse it
         try:
-            return load(
-                name=f"glm_cpu_kernels_{key[:8]}",
-                sources=[str(source)],
-                extra_cxx_cflags=cflags,
-                extra_ldflags=ldflags,
-                build_directory=str(folder),
-            )
+            with _output_to(log), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return load(
+                    name=f"glm_cpu_kernels_{key[:8]}",
+                    sources=[str(source)],
+                    extra_cxx_cflags=cflags,
+                    extra_ldflags=ldflags,
+                    build_directory=str(folder),
+                )
+        except Exception as e:
+            raise RuntimeError(f"{e}\n--- end of {log} ---\n{_tail(log)}") from e
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
