@@ -200,3 +200,19 @@ def test_environment_switch_turns_the_kernels_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ops True" in out.stdout
+
+
+def test_a_built_library_loads_without_the_build_step(ops):
+    """Once built (the `built` marker in its cache folder), a new process loads the library
+    directly: Paddle's `load` (which runs a setup.py subprocess, ~2 s) is not called."""
+    code = (
+        "import paddle.utils.cpp_extension as ce\n"
+        "def no(*a, **k): raise AssertionError('load was called')\n"
+        "ce.load = no\n"
+        "from paddleformers_glm.kernels import cpu\n"
+        "ops = cpu.build()\n"
+        "print('ok', hasattr(ops, 'glm_masked_softmax'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok True" in out.stdout
