@@ -380,6 +380,61 @@ std::vector<std::vector<int64_t>> GroupedMatmulBackwardShape(const std::vector<i
                                                              const std::vector<int64_t>& counts) {
   return {x};
 }
+// Per-head matmul on a head-major activation: out[n, h, :] = a[n, h, :Din] @ w[h] for a [N, H, D]
+// (D >= Din: only each head's first Din columns are read) and w [H, Din, Dout] -> out [N, H, Dout].
+// One strided MKL sgemm per head, no transposes or copies (MLA's W_uv on the latent output); the
+// heads are split over the threads (MKL runs single-threaded inside a parallel region).
+std::vector<paddle::Tensor> HeadMatmul(const paddle::Tensor& a, const paddle::Tensor& w) {
+  const int64_t N = a.shape()[0], H = a.shape()[1], D = a.shape()[2];
+  const int64_t Din = w.shape()[1], Dout = w.shape()[2];
+  PD_CHECK(w.shape()[0] == H && Din <= D, "head matmul: weight [", w.shape()[0], ", ", Din, ", ", Dout,
+           "] for activation [", N, ", ", H, ", ", D, "]");
+  auto out = paddle::empty({N, H, Dout}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* ap = a.data<float>();
+  const float* wp = w.data<float>();
+  float* op = out.data<float>();
+#pragma omp parallel for schedule(static) if (N * H * Dout >= kParallelMin)
+  for (int64_t h = 0; h < H; ++h)
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, N, Dout, Din, 1.0f, ap + h * D, H * D, wp + h * Din * Dout, Dout,
+                0.0f, op + h * Dout, H * Dout);
+  return {out};
+}
+
+// Its backward: da[n, h, :Din] = dout[n, h, :] @ w[h]^T (columns Din.. of each head get 0),
+// dw[h] = a[:, h, :Din]^T @ dout[:, h, :].
+std::vector<paddle::Tensor> HeadMatmulBackward(const paddle::Tensor& a, const paddle::Tensor& w,
+                                               const paddle::Tensor& dout) {
+  const int64_t N = a.shape()[0], H = a.shape()[1], D = a.shape()[2];
+  const int64_t Din = w.shape()[1], Dout = w.shape()[2];
+  auto da = paddle::empty({N, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto dw = paddle::empty({H, Din, Dout}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* ap = a.data<float>();
+  const float* wp = w.data<float>();
+  const float* gp = dout.data<float>();
+  float* dap = da.data<float>();
+  if (Din < D) {
+#pragma omp parallel for schedule(static) if (N * H * D >= kParallelMin)
+    for (int64_t nh = 0; nh < N * H; ++nh) std::memset(dap + nh * D + Din, 0, sizeof(float) * (D - Din));
+  }
+#pragma omp parallel for schedule(static) if (N * H * Dout >= kParallelMin)
+  for (int64_t h = 0; h < H; ++h) {
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, N, Din, Dout, 1.0f, gp + h * Dout, H * Dout, wp + h * Din * Dout,
+                Dout, 0.0f, dap + h * D, H * D);
+    cblas_sgemm(kRowMajor, kTrans, kNoTrans, Din, Dout, N, 1.0f, ap + h * D, H * D, gp + h * Dout, H * Dout,
+                0.0f, dw.data<float>() + h * Din * Dout, Dout);
+  }
+  return {da, dw};
+}
+
+std::vector<std::vector<int64_t>> HeadMatmulShape(const std::vector<int64_t>& a, const std::vector<int64_t>& w) {
+  return {{a[0], a[1], w[2]}};
+}
+
+std::vector<std::vector<int64_t>> HeadMatmulBackwardShape(const std::vector<int64_t>& a,
+                                                          const std::vector<int64_t>& w,
+                                                          const std::vector<int64_t>& dout) {
+  return {a, w};
+}
 #endif  // GLM_WITH_MKL
 
 // Names must not end in "_grad" (Paddle reserves that suffix for registered gradient ops).
@@ -439,4 +494,18 @@ PD_BUILD_OP(glm_grouped_matmul_backward)
     .Attrs({"counts: std::vector<int64_t>"})
     .SetKernelFn(PD_KERNEL(GroupedMatmulBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulBackwardShape));
+
+PD_BUILD_OP(glm_head_matmul)
+    .Inputs({"A", "W"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(HeadMatmul))
+    .SetInferShapeFn(PD_INFER_SHAPE(HeadMatmulShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
+
+PD_BUILD_OP(glm_head_matmul_backward)
+    .Inputs({"A", "W", "DOut"})
+    .Outputs({"DA", "DW"})
+    .SetKernelFn(PD_KERNEL(HeadMatmulBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(HeadMatmulBackwardShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
 #endif

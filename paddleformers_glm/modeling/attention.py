@@ -25,7 +25,9 @@ Three forms of the same sparse attention, chosen per call by `DSACoreAttention.u
     out    = o_lat [W_uv[h] W_o[h]; 0]_h                              [B, S, hidden]
 
   kv_b_proj is folded into q_b_proj and o_proj (products of small weights, once per step), so
-  all activation-sized work is GEMMs on contiguous data. It runs once the per-head gather would
+  all activation-sized work is GEMMs on contiguous data; on fp32 CPU tensors W_uv instead runs
+  per head on the latent output (the compiled strided GEMMs of kernels/cpu.py) before a plain
+  o_proj, 2.5x fewer flops than the fold at the bench shapes. It runs once the per-head gather would
   pass LATENT_MIN_ELEMS; same maths, other rounding (tests/test_perf_paths.py holds it to the
   per-head and dense forms, gradients included).
 
@@ -530,6 +532,23 @@ class DSACoreAttention(nn.Layer):
         self.topk = int(config.index_topk)
 
 
+class _HeadMatmul(PyLayer):
+    """out[n, h] = a[n, h, :Din] @ w[h] for a [N, H, D >= Din], w [H, Din, Dout]: the compiled
+    per-head GEMMs (kernels/cpu.py), forward and backward."""
+
+    @staticmethod
+    def forward(ctx: object, a: paddle.Tensor, w: paddle.Tensor, ops: object) -> paddle.Tensor:
+        ctx.save_for_backward(a, w)
+        ctx.ops, ctx.needs = ops, (not a.stop_gradient, not w.stop_gradient)
+        return ops.glm_head_matmul(a, w)
+
+    @staticmethod
+    def backward(ctx: object, dout: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
+        a, w = ctx.saved_tensor()
+        grads = ctx.ops.glm_head_matmul_backward(a, w, dout.contiguous())
+        return tuple(grad if need else None for grad, need in zip(grads, ctx.needs))
+
+
 class MLAttention(nn.Layer):
     """MLA + DSA. Under tensor parallel the heads are split (column-parallel q_b_proj / kv_b_proj,
     row-parallel o_proj); the latent projections, their norms and the indexer are replicated. With
@@ -668,7 +687,8 @@ class MLAttention(nn.Layer):
         kv_b_proj is folded into the neighbouring weights once per step (products of small weight
         matrices), so every activation-sized op is a plain GEMM on contiguous data:
         W_uk into q_b_proj (q_lat = q_latent [W_q_nope[h] W_uk[h]^T]_h) and W_uv into o_proj
-        (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat).
+        (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat). With the
+        compiled CPU kernels W_uv runs per head instead: out = [o_lat[h, :L] W_uv[h]]_h W_o.
         """
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
@@ -683,6 +703,12 @@ class MLAttention(nn.Layer):
         kv_lat = paddle.concat([c, k_rot.squeeze(2)], axis=-1)  # [B, S, L + rope]
         core = self.core_attention
         o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
+        ops = cpu_kernels.usable(o, self.o_proj.weight)
+        if ops is not None and hasattr(ops, "glm_head_matmul"):
+            # W_uv per head on the latent output's first L columns (strided GEMMs), then o_proj:
+            # 2 x (L dv + H dv hidden) flops a row instead of the fold's 2 x H (L + rope) hidden
+            v = _HeadMatmul.apply(o.reshape([B * S, H, L + dr]), w_uv.contiguous(), ops)  # [B*S, H, dv]
+            return paddle.matmul(v.reshape([B, S, H * dv]), self.o_proj.weight), probs
         w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden]))  # [H, L, hidden]
         w_o = paddle.concat([w_o, paddle.zeros([H, dr, hidden], dtype=w_o.dtype)], axis=1).reshape(
             [H * (L + dr), hidden]
