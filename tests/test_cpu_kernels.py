@@ -260,3 +260,34 @@ def test_latent_attention_output_projection_same_with_and_without_kernels():
         np.testing.assert_allclose(
             res[1][1][name], ref, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(ref).max())), err_msg=name
         )
+
+
+def test_cross_entropy_kernel_matches_paddle_and_fp64(ops):
+    """causal_lm_loss with the kernel against Paddle's cross_entropy and an fp64 reference:
+    ignored (-100) rows give no loss and no gradient; a label outside the vocabulary is an error
+    naming it."""
+    from paddleformers_glm.modeling.model import causal_lm_loss
+
+    rng = np.random.default_rng(7)
+    x0 = (4 * rng.standard_normal((2, 11, 37))).astype("float32")
+    labels = rng.integers(0, 37, (2, 11))
+    labels[0, 4] = labels[1, 7] = -100
+    res = []
+    for off in (True, False):
+        x = paddle.to_tensor(x0, stop_gradient=False)
+        with cpu_kernels.disabled() if off else contextlib.nullcontext():
+            loss = causal_lm_loss(x, paddle.to_tensor(labels))
+            loss.backward()
+        res.append((float(loss), x.grad.numpy()))
+    target = np.concatenate([labels[:, 1:], np.full((2, 1), -100)], 1).reshape(-1)
+    logits = x0.reshape(-1, 37).astype(np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    keep = target != -100
+    exact = (lse[keep] - logits[keep, target[keep]]).mean()
+    assert abs(res[1][0] - exact) < 1e-5 and abs(res[0][0] - exact) < 1e-5
+    np.testing.assert_allclose(res[1][1], res[0][1], rtol=1e-5, atol=1e-7)
+    assert not np.any(res[1][1].reshape(-1, 37)[~keep])
+    bad = labels.copy()
+    bad[1, 2] = 37
+    with pytest.raises(Exception, match="target 37 at row 12 is outside the vocabulary"):
+        causal_lm_loss(paddle.to_tensor(x0), paddle.to_tensor(bad))

@@ -270,6 +270,80 @@ std::vector<paddle::DataType> TwoFloat32Of3In(const paddle::DataType&, const pad
   return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
 }
 
+// Cross entropy per row of logits [N, V] against target [N]: loss = logsumexp(x) - x[target]
+// (0 where target == ignore_index); also returns logsumexp [N] for the backward. A target
+// outside [0, V) other than ignore_index is an error naming the row.
+std::vector<paddle::Tensor> CrossEntropy(const paddle::Tensor& logits, const paddle::Tensor& target,
+                                         int64_t ignore_index) {
+  const int64_t N = logits.shape()[0], V = logits.shape()[1];
+  auto loss = paddle::empty({N}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto lse = paddle::empty({N}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = logits.data<float>();
+  const int64_t* tp = target.data<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    PD_CHECK(tp[n] == ignore_index || (tp[n] >= 0 && tp[n] < V), "cross entropy: target ", tp[n], " at row ", n,
+             " is outside the vocabulary [0, ", V, ")");
+  float* lp = loss.data<float>();
+  float* sp = lse.data<float>();
+#pragma omp parallel for schedule(static) if (N * V >= kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = xp + n * V;
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t v = 0; v < V; ++v) mx = x[v] > mx ? x[v] : mx;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < V; ++v) sum += exp_f32(x[v] - mx);
+    const float l = mx + std::log(sum);
+    sp[n] = l;
+    lp[n] = tp[n] == ignore_index ? 0.0f : l - x[tp[n]];
+  }
+  return {loss, lse};
+}
+
+// Its backward: dlogits = (softmax(x) - onehot(target)) * g[row], 0 on ignored rows.
+std::vector<paddle::Tensor> CrossEntropyBackward(const paddle::Tensor& logits, const paddle::Tensor& target,
+                                                 const paddle::Tensor& lse, const paddle::Tensor& g,
+                                                 int64_t ignore_index) {
+  const int64_t N = logits.shape()[0], V = logits.shape()[1];
+  auto dx = paddle::empty({N, V}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = logits.data<float>();
+  const int64_t* tp = target.data<int64_t>();
+  const float* sp = lse.data<float>();
+  const float* gp = g.data<float>();
+  float* dp = dx.data<float>();
+#pragma omp parallel for schedule(static) if (N * V >= kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = xp + n * V;
+    float* d = dp + n * V;
+    if (tp[n] == ignore_index) {
+      std::memset(d, 0, sizeof(float) * V);
+      continue;
+    }
+    const float l = sp[n], w = gp[n];
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) d[v] = exp_f32(x[v] - l) * w;
+    d[tp[n]] -= w;
+  }
+  return {dx};
+}
+
+std::vector<std::vector<int64_t>> CrossEntropyShape(const std::vector<int64_t>& x, const std::vector<int64_t>& t) {
+  return {{x[0]}, {x[0]}};
+}
+
+std::vector<std::vector<int64_t>> CrossEntropyBackwardShape(const std::vector<int64_t>& x,
+                                                            const std::vector<int64_t>& t,
+                                                            const std::vector<int64_t>& l,
+                                                            const std::vector<int64_t>& g) {
+  return {x};
+}
+
+std::vector<paddle::DataType> OneFloat32Of4(const paddle::DataType&, const paddle::DataType&,
+                                            const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
 std::vector<std::vector<int64_t>> RmsNormShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
   int64_t n = 1;
   for (size_t i = 0; i + 1 < x.size(); ++i) n *= x[i];
@@ -464,6 +538,22 @@ PD_BUILD_OP(glm_rms_norm_backward)
     .SetKernelFn(PD_KERNEL(RmsNormBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(RmsNormBackwardShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of4));
+
+PD_BUILD_OP(glm_cross_entropy)
+    .Inputs({"Logits", "Target"})
+    .Outputs({"Loss", "LSE"})
+    .Attrs({"ignore_index: int64_t"})
+    .SetKernelFn(PD_KERNEL(CrossEntropy))
+    .SetInferShapeFn(PD_INFER_SHAPE(CrossEntropyShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32));
+
+PD_BUILD_OP(glm_cross_entropy_backward)
+    .Inputs({"Logits", "Target", "LSE", "G"})
+    .Outputs({"DLogits"})
+    .Attrs({"ignore_index: int64_t"})
+    .SetKernelFn(PD_KERNEL(CrossEntropyBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(CrossEntropyBackwardShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of4));
 
 PD_BUILD_OP(glm_swiglu)
     .Inputs({"H", "Scale"})

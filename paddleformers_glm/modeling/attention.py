@@ -130,7 +130,7 @@ class _Prepared(NamedTuple):
     mask: paddle.Tensor  # [B*S, k] fp32 additive mask for the gathered slots
     sel: paddle.Tensor  # [B*S, k] int64 key positions within the batch, -1 = empty
     has_key: paddle.Tensor  # [B*S] bool: the query has at least one valid key
-    masks: dict  # (r0, r1, c1) -> the dense chunk's additive mask, built once per top-k (see _chunk_probs)
+    masks: dict  # (r0, r1, c1) -> the dense chunk's additive mask, (b, c1) -> its table rows; once per top-k
 
 
 _PREPARED: dict[str, object] = {}
@@ -349,9 +349,11 @@ class _SparseLatentAttention(PyLayer):
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
                 dks = paddle.matmul(ds.reshape([C * H, T]), qc.reshape([C * H, D]), transpose_x=True)
                 dks.add_(paddle.matmul(p.reshape([C * H, T]), gc.reshape([C * H, D]), transpose_x=True))
-                ids = paddle.concat(
-                    [paddle.arange(ch.b * S, ch.b * S + ch.c1, dtype="int64"), paddle.full([1], N + ch.b, "int64")]
-                )
+                ids = prep.masks.get((ch.b, ch.c1))
+                if ids is None:  # the table rows of the candidates: keys < c1 of batch b, its mean row
+                    ids = prep.masks[(ch.b, ch.c1)] = paddle.concat(
+                        [paddle.arange(ch.b * S, ch.b * S + ch.c1, dtype="int64"), paddle.full([1], N + ch.b, "int64")]
+                    )
                 part = _scatter_rows(table, ids, dks)
             else:  # one batched matmul over the stacked heads: the [C, k, D] result is written once
                 dks = paddle.matmul(paddle.concat([ds, p], axis=1), paddle.concat([qc, gc], axis=1), transpose_x=True)
