@@ -291,3 +291,42 @@ def test_cross_entropy_kernel_matches_paddle_and_fp64(ops):
     bad[1, 2] = 37
     with pytest.raises(Exception, match="target 37 at row 12 is outside the vocabulary"):
         causal_lm_loss(paddle.to_tensor(x0), paddle.to_tensor(bad))
+
+
+def _topk_with_gaps(rng, B, S, K):
+    """A causal top-k [B, S, K] with empty slots (-1) and, in batch 0, queries without any key
+    (left padding)."""
+    t = np.full((B, S, K), -1, np.int64)
+    for b in range(B):
+        for i in range(S):
+            if b == 0 and i < 3:
+                continue  # no key at all
+            n = min(i + 1, K) - (i % 3 == 0)
+            t[b, i, :n] = rng.choice(i + 1, n, replace=False)
+    return paddle.to_tensor(t)
+
+
+def test_topk_tables_and_masks_equal_the_paddle_op_forms(ops):
+    """prepare_topk's index tables, the dense chunks' masks and the per-head dense mask: the
+    kernels give exactly the Paddle-op forms (empty slots, queries without keys included)."""
+    rng = np.random.default_rng(8)
+    B, S, K = 2, 23, 6
+    topk = _topk_with_gaps(rng, B, S, K)
+    got = attn.prepare_topk(topk)
+    with cpu_kernels.disabled():
+        want = attn.prepare_topk(topk.clone())  # another tensor: not the identity-cached entry
+    for name in ("rows", "mask", "sel", "has_key"):
+        np.testing.assert_array_equal(getattr(got, name).numpy(), getattr(want, name).numpy(), err_msg=name)
+    for r0, r1, c1 in ((0, 8, 8), (8, 23, 23), (23, 30, 7)):
+        sel, has = got.sel[r0:r1], got.has_key[r0:r1]
+        kernel = attn._dense_mask(sel, has, c1)
+        with cpu_kernels.disabled():
+            ref = attn._dense_mask(sel, has, c1)
+        np.testing.assert_array_equal(kernel.numpy(), ref.numpy())
+    d = attn.dense_topk_mask(topk, S)
+    with cpu_kernels.disabled():
+        attn._DENSE_MASK.clear()
+        ref = attn.dense_topk_mask(topk, S)
+    np.testing.assert_array_equal(d.numpy(), ref.numpy())
+    with pytest.raises(Exception, match="selected column 7 in row 0 is not below 5"):
+        ops.glm_selection_mask(paddle.to_tensor(np.array([[7, -1]], np.int64)), 5, 0.0, True)

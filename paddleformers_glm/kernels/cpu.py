@@ -172,10 +172,11 @@ def disabled() -> Iterator[None]:
 
 
 def usable(*tensors: paddle.Tensor) -> ModuleType | None:
-    """The kernels when every tensor is fp32, contiguous and on the CPU (and they are built), else None."""
+    """The kernels when every tensor is contiguous and on the CPU, and every floating one fp32
+    (integer index tensors pass), and they are built; else None."""
     if _state["off"]:
         return None
     for t in tensors:
-        if t.dtype != paddle.float32 or not t.place.is_cpu_place() or not t.is_contiguous():
+        if (t.is_floating_point() and t.dtype != paddle.float32) or not t.place.is_cpu_place() or not t.is_contiguous():
             return None
     return cpu_ops()

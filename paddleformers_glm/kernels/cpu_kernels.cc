@@ -344,6 +344,83 @@ std::vector<paddle::DataType> OneFloat32Of4(const paddle::DataType&, const paddl
   return {paddle::DataType::FLOAT32};
 }
 
+// The index tables of a top-k for the latent attention's gathered chunks: for topk [B*S, K]
+// (key positions within the batch, -1 = empty) of B batches of S queries:
+//   rows[r, j]  = b*S + topk[r, j] for a valid slot; an empty slot points at b*S (masked out) or,
+//                 when the query has no key at all, at the batch's mean row B*S + b (not masked);
+//   mask[r, j]  = 0 for a valid slot or a query without keys, -inf otherwise;
+//   has_key[r]  = the query has at least one valid slot.
+std::vector<paddle::Tensor> TopkTables(const paddle::Tensor& topk, int64_t S) {
+  const int64_t R = topk.shape()[0], K = topk.shape()[1];
+  PD_CHECK(S > 0 && R % S == 0, "topk tables: ", R, " rows are not whole batches of ", S);
+  const int64_t B = R / S;
+  auto rows = paddle::empty({R, K}, paddle::DataType::INT64, paddle::CPUPlace());
+  auto mask = paddle::empty({R, K}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto has = paddle::empty({R}, paddle::DataType::BOOL, paddle::CPUPlace());
+  const int64_t* tp = topk.data<int64_t>();
+  int64_t* rp = rows.data<int64_t>();
+  float* mp = mask.data<float>();
+  bool* hp = has.data<bool>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) if (R * K >= kParallelMin)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = r / S;
+    const int64_t* t = tp + r * K;
+    bool any = false;
+    for (int64_t j = 0; j < K; ++j) any |= t[j] >= 0;
+    hp[r] = any;
+    for (int64_t j = 0; j < K; ++j) {
+      const bool valid = t[j] >= 0;
+      rp[r * K + j] = valid ? b * S + t[j] : (any ? b * S : B * S + b);
+      mp[r * K + j] = (valid || !any) ? 0.0f : ninf;
+    }
+  }
+  return {rows, mask, has};
+}
+
+// Additive mask [R, width (+1)] from selections sel [R, K] (-1 = empty, else < width): 0 at each
+// row's selected columns, `fill` elsewhere; with mean_col, one more column that is 0 for a row
+// without any selection (it then attends to the batch's mean row) and `fill` otherwise.
+std::vector<paddle::Tensor> SelectionMask(const paddle::Tensor& sel, int64_t width, float fill, bool mean_col) {
+  const int64_t R = sel.shape()[0], K = sel.shape()[1];
+  const int64_t W = width + (mean_col ? 1 : 0);
+  auto mask = paddle::empty({R, W}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const int64_t* sp = sel.data<int64_t>();
+  float* mp = mask.data<float>();
+  for (int64_t i = 0; i < R * K; ++i)
+    PD_CHECK(sp[i] < width, "selection mask: selected column ", sp[i], " in row ", i / K, " is not below ", width);
+#pragma omp parallel for schedule(static) if (R * W >= kParallelMin)
+  for (int64_t r = 0; r < R; ++r) {
+    float* m = mp + r * W;
+    for (int64_t w = 0; w < W; ++w) m[w] = fill;
+    bool any = false;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t c = sp[r * K + j];
+      if (c >= 0) {
+        m[c] = 0.0f;
+        any = true;
+      }
+    }
+    if (mean_col && !any) m[width] = 0.0f;
+  }
+  return {mask};
+}
+
+std::vector<std::vector<int64_t>> TopkTablesShape(const std::vector<int64_t>& t, int64_t S) {
+  return {t, t, {t[0]}};
+}
+
+std::vector<paddle::DataType> TopkTablesDtype(const paddle::DataType&) {
+  return {paddle::DataType::INT64, paddle::DataType::FLOAT32, paddle::DataType::BOOL};
+}
+
+std::vector<std::vector<int64_t>> SelectionMaskShape(const std::vector<int64_t>& sel, int64_t width, float fill,
+                                                     bool mean_col) {
+  return {{sel[0], width + (mean_col ? 1 : 0)}};
+}
+
+std::vector<paddle::DataType> OneFloat32Of1(const paddle::DataType&) { return {paddle::DataType::FLOAT32}; }
+
 std::vector<std::vector<int64_t>> RmsNormShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
   int64_t n = 1;
   for (size_t i = 0; i + 1 < x.size(); ++i) n *= x[i];
@@ -538,6 +615,22 @@ PD_BUILD_OP(glm_rms_norm_backward)
     .SetKernelFn(PD_KERNEL(RmsNormBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(RmsNormBackwardShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of4));
+
+PD_BUILD_OP(glm_topk_tables)
+    .Inputs({"TopK"})
+    .Outputs({"Rows", "Mask", "HasKey"})
+    .Attrs({"S: int64_t"})
+    .SetKernelFn(PD_KERNEL(TopkTables))
+    .SetInferShapeFn(PD_INFER_SHAPE(TopkTablesShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TopkTablesDtype));
+
+PD_BUILD_OP(glm_selection_mask)
+    .Inputs({"Sel"})
+    .Outputs({"Mask"})
+    .Attrs({"width: int64_t", "fill: float", "mean_col: bool"})
+    .SetKernelFn(PD_KERNEL(SelectionMask))
+    .SetInferShapeFn(PD_INFER_SHAPE(SelectionMaskShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of1));
 
 PD_BUILD_OP(glm_cross_entropy)
     .Inputs({"Logits", "Target"})
