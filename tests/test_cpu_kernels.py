@@ -330,3 +330,31 @@ def test_topk_tables_and_masks_equal_the_paddle_op_forms(ops):
     np.testing.assert_array_equal(d.numpy(), ref.numpy())
     with pytest.raises(Exception, match="selected column 7 in row 0 is not below 5"):
         ops.glm_selection_mask(paddle.to_tensor(np.array([[7, -1]], np.int64)), 5, 0.0, True)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("rope_first", [True, False])
+@pytest.mark.parametrize("heads", [None, 3])
+def test_rope_concat_is_bitwise_rope_heads_and_concat(ops, interleave, rope_first, heads):
+    """The fused rope + concat against rope_heads + concat (the fallback): forward bitwise (no
+    contracted multiply-adds), gradients of both inputs to rounding; cos/sin per batch."""
+    from paddleformers_glm.modeling.indexer import rope_concat
+
+    rng = np.random.default_rng(9)
+    B, S, Da, Dr = 2, 7, 5, 8
+    lead = (B, S) if heads is None else (B, S, heads)
+    a0 = rng.standard_normal(lead + (Da,)).astype("float32")
+    r0 = rng.standard_normal(lead + (Dr,)).astype("float32")
+    ang = rng.standard_normal((B, S, Dr // 2)).astype("float32")
+    cos, sin = paddle.to_tensor(np.cos(ang)), paddle.to_tensor(np.sin(ang))
+    g = paddle.to_tensor(rng.standard_normal(lead + (Da + Dr,)).astype("float32"))
+    res = []
+    for off in (True, False):
+        a, r = paddle.to_tensor(a0, stop_gradient=False), paddle.to_tensor(r0, stop_gradient=False)
+        with cpu_kernels.disabled() if off else contextlib.nullcontext():
+            out = rope_concat(a, r, cos, sin, interleave, rope_first)
+            (out * g).sum().backward()
+        res.append((out.numpy(), a.grad.numpy(), r.grad.numpy()))
+    np.testing.assert_array_equal(res[1][0], res[0][0])
+    np.testing.assert_array_equal(res[1][1], res[0][1])
+    np.testing.assert_allclose(res[1][2], res[0][2], rtol=1e-6, atol=1e-7)

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -421,6 +422,115 @@ std::vector<std::vector<int64_t>> SelectionMaskShape(const std::vector<int64_t>&
 
 std::vector<paddle::DataType> OneFloat32Of1(const paddle::DataType&) { return {paddle::DataType::FLOAT32}; }
 
+// Rotary embedding fused with the concatenation it feeds: out [N, Da + Dr] = [a, rope(r)] (or
+// [rope(r), a] with rope_first) for rows n = (b * S + s) * H + h of a [N, Da] and r [N, Dr].
+// cos / sin [Bc * S, Dr / 2] (Bc = 1 or B). rope(r) = [r1 c - r2 s, r2 c + r1 s] with (r1, r2)
+// the even / odd elements (interleave) or the two halves of r: the arithmetic of rope_heads.
+namespace {
+struct RopeRows {
+  int64_t N, Da, Dr, H, S, half, cs_rows;
+  const float *cp, *sp;
+  const float* cos_row(int64_t n) const {
+    const int64_t pos = (n / H) % S, b = n / (H * S);
+    return cp + (cs_rows == S ? pos : b * S + pos) * half;
+  }
+  const float* sin_row(int64_t n) const { return sp + (cos_row(n) - cp); }
+};
+
+RopeRows MakeRopeRows(int64_t N, int64_t Da, int64_t Dr, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                      int64_t H, int64_t S) {
+  PD_CHECK(Dr % 2 == 0 && H > 0 && S > 0 && N % (H * S) == 0, "rope: ", N, " rows are not B x ", S, " x ", H);
+  const int64_t half = Dr / 2, cs_rows = cos.numel() / std::max<int64_t>(half, 1);
+  PD_CHECK(cos.numel() == sin.numel() && (cs_rows == S || cs_rows == N / H), "rope: cos/sin of ", cos.numel(),
+           " values for ", S, " positions of ", half);
+  return {N, Da, Dr, H, S, half, cs_rows, cos.data<float>(), sin.data<float>()};
+}
+}  // namespace
+
+std::vector<paddle::Tensor> RopeConcat(const paddle::Tensor& a, const paddle::Tensor& r, const paddle::Tensor& cos,
+                                       const paddle::Tensor& sin, int64_t H, int64_t S, bool rope_first,
+                                       bool interleave) {
+  const int64_t Dr = r.shape().back(), N = Dr ? r.numel() / Dr : 0;
+  const int64_t Da = N ? a.numel() / N : 0;
+  const RopeRows g = MakeRopeRows(N, Da, Dr, cos, sin, H, S);
+  std::vector<int64_t> shape = r.shape();
+  shape.back() = Da + Dr;
+  auto out = paddle::empty(shape, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* ap = a.data<float>();
+  const float* rp = r.data<float>();
+  float* op = out.data<float>();
+  const int64_t W = Da + Dr, ro = rope_first ? 0 : Da, ao = rope_first ? Dr : 0;
+#pragma omp parallel for schedule(static) if (N * W >= kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* c = g.cos_row(n);
+    const float* s = g.sin_row(n);
+    const float* x = rp + n * Dr;
+    float* o = op + n * W;
+    std::memcpy(o + ao, ap + n * Da, sizeof(float) * Da);
+    for (int64_t i = 0; i < g.half; ++i) {
+      const float x1 = interleave ? x[2 * i] : x[i], x2 = interleave ? x[2 * i + 1] : x[i + g.half];
+      o[ro + i] = x1 * c[i] - x2 * s[i];
+      o[ro + g.half + i] = x2 * c[i] + x1 * s[i];
+    }
+  }
+  return {out};
+}
+
+// Its backward: da = dout's a part; dr = rope^T(dout's rope part), re-interleaved.
+std::vector<paddle::Tensor> RopeConcatBackward(const paddle::Tensor& dout, const paddle::Tensor& cos,
+                                               const paddle::Tensor& sin, int64_t Da, int64_t H, int64_t S,
+                                               bool rope_first, bool interleave) {
+  const int64_t W = dout.shape().back(), Dr = W - Da, N = W ? dout.numel() / W : 0;
+  const RopeRows g = MakeRopeRows(N, Da, Dr, cos, sin, H, S);
+  std::vector<int64_t> sa = dout.shape(), sr = dout.shape();
+  sa.back() = Da;
+  sr.back() = Dr;
+  auto da = paddle::empty(sa, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto dr = paddle::empty(sr, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* gp = dout.data<float>();
+  float* dap = da.data<float>();
+  float* drp = dr.data<float>();
+  const int64_t ro = rope_first ? 0 : Da, ao = rope_first ? Dr : 0;
+#pragma omp parallel for schedule(static) if (N * W >= kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* c = g.cos_row(n);
+    const float* s = g.sin_row(n);
+    const float* go = gp + n * W;
+    float* x = drp + n * Dr;
+    std::memcpy(dap + n * Da, go + ao, sizeof(float) * Da);
+    for (int64_t i = 0; i < g.half; ++i) {
+      const float g1 = go[ro + i], g2 = go[ro + g.half + i];
+      const float d1 = g1 * c[i] + g2 * s[i], d2 = g2 * c[i] - g1 * s[i];
+      if (interleave) {
+        x[2 * i] = d1;
+        x[2 * i + 1] = d2;
+      } else {
+        x[i] = d1;
+        x[i + g.half] = d2;
+      }
+    }
+  }
+  return {da, dr};
+}
+
+std::vector<std::vector<int64_t>> RopeConcatShape(const std::vector<int64_t>& a, const std::vector<int64_t>& r,
+                                                  const std::vector<int64_t>& c, const std::vector<int64_t>& s,
+                                                  int64_t H, int64_t S, bool rope_first, bool interleave) {
+  std::vector<int64_t> out = r;
+  out.back() = a.back() + r.back();
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> RopeConcatBackwardShape(const std::vector<int64_t>& d,
+                                                          const std::vector<int64_t>& c,
+                                                          const std::vector<int64_t>& s, int64_t Da, int64_t H,
+                                                          int64_t S, bool rope_first, bool interleave) {
+  std::vector<int64_t> sa = d, sr = d;
+  sa.back() = Da;
+  sr.back() = d.back() - Da;
+  return {sa, sr};
+}
+
 std::vector<std::vector<int64_t>> RmsNormShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
   int64_t n = 1;
   for (size_t i = 0; i + 1 < x.size(); ++i) n *= x[i];
@@ -631,6 +741,22 @@ PD_BUILD_OP(glm_selection_mask)
     .SetKernelFn(PD_KERNEL(SelectionMask))
     .SetInferShapeFn(PD_INFER_SHAPE(SelectionMaskShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of1));
+
+PD_BUILD_OP(glm_rope_concat)
+    .Inputs({"A", "R", "Cos", "Sin"})
+    .Outputs({"Out"})
+    .Attrs({"H: int64_t", "S: int64_t", "rope_first: bool", "interleave: bool"})
+    .SetKernelFn(PD_KERNEL(RopeConcat))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopeConcatShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of4));
+
+PD_BUILD_OP(glm_rope_concat_backward)
+    .Inputs({"DOut", "Cos", "Sin"})
+    .Outputs({"DA", "DR"})
+    .Attrs({"Da: int64_t", "H: int64_t", "S: int64_t", "rope_first: bool", "interleave: bool"})
+    .SetKernelFn(PD_KERNEL(RopeConcatBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopeConcatBackwardShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
 
 PD_BUILD_OP(glm_cross_entropy)
     .Inputs({"Logits", "Target"})

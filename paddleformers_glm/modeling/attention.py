@@ -52,7 +52,7 @@ from ..kernels import cpu as cpu_kernels
 from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.topology import get_topology
-from .indexer import DSAIndexer, rope_heads
+from .indexer import DSAIndexer, rope_concat, rope_heads
 from .norms import RMSNorm, _as
 
 
@@ -645,7 +645,6 @@ class MLAttention(nn.Layer):
         x_full, q_latent_full = self._replicated_full(x), self._replicated_full(q_latent)
         q_latent, c, k_rot = self._enter_tp(q_latent), self._enter_tp(c), self._enter_tp(k_rot)  # [B, S, ...]
         B, S = q_latent.shape[0], q_latent.shape[1]
-        k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
 
         core = self.core_attention
         k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
@@ -660,9 +659,10 @@ class MLAttention(nn.Layer):
             topk = prev_topk
 
         want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
-        if latent:
+        if latent:  # k_rot un-roped: the latent form ropes it into [c, k_rot] in one kernel
             out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
         else:
+            k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
             # split, not slices: a slice's gradient is Paddle's slow strided set (~5 ms at S = 512)
             q_nope, q_rot = paddle.split(q, [self.nope, self.rope_dim], axis=-1)
@@ -699,6 +699,7 @@ class MLAttention(nn.Layer):
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """The latent form (see the module doc) -> (o_proj output [B, S, hidden], probabilities or None).
+        c [B, S, kv_lora] normed, k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]).
 
         kv_b_proj is folded into the neighbouring weights once per step (products of small weight
         matrices), so every activation-sized op is a plain GEMM on contiguous data:
@@ -715,8 +716,8 @@ class MLAttention(nn.Layer):
         w_q = paddle.matmul(wq_nope.transpose([1, 0, 2]), w_uk, transpose_y=True)  # [H, QL, L]
         q_abs = paddle.matmul(q_latent, w_q.transpose([1, 0, 2]).reshape([QL, H * L])).reshape([B, S, H, L])
         q_rot = paddle.matmul(q_latent, wq_rot.reshape([QL, H * dr])).reshape([B, S, H, dr])
-        q_lat = paddle.concat([q_abs, rope_heads(q_rot, cos, sin, self.interleave)], axis=-1)  # [B, S, H, L + rope]
-        kv_lat = paddle.concat([c, k_rot.squeeze(2)], axis=-1)  # [B, S, L + rope]
+        q_lat = rope_concat(q_abs, q_rot, cos, sin, self.interleave)  # [B, S, H, L + rope]
+        kv_lat = rope_concat(c, k_rot, cos, sin, self.interleave)  # [B, S, L + rope]
         core = self.core_attention
         o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
         ops = cpu_kernels.usable(o, self.o_proj.weight)

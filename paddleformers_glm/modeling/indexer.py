@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
+from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
+from ..kernels import cpu as cpu_kernels
 from .norms import LayerNorm
 
 NEG_INF = float("-inf")
@@ -69,6 +71,51 @@ def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tens
     return valid
 
 
+class _RopeConcat(PyLayer):
+    """[a, rope(r)] (or [rope(r), a]) as one compiled kernel each way (kernels/cpu.py)."""
+
+    @staticmethod
+    def forward(
+        ctx: object,
+        a: paddle.Tensor,
+        r: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        interleave: bool,
+        rope_first: bool,
+        ops: object,
+    ) -> paddle.Tensor:
+        H, S = (a.shape[2] if a.ndim == 4 else 1), a.shape[1]
+        ctx.save_for_backward(cos, sin)
+        ctx.args = (a.shape[-1], H, S, rope_first, interleave)
+        ctx.ops, ctx.needs = ops, (not a.stop_gradient, not r.stop_gradient)
+        return ops.glm_rope_concat(a, r, cos, sin, H, S, rope_first, interleave)
+
+    @staticmethod
+    def backward(ctx: object, dout: paddle.Tensor) -> tuple:
+        cos, sin = ctx.saved_tensor()
+        da, dr = ctx.ops.glm_rope_concat_backward(dout.contiguous(), cos, sin, *ctx.args)
+        return (da if ctx.needs[0] else None), (dr if ctx.needs[1] else None), None, None
+
+
+def rope_concat(
+    a: paddle.Tensor,
+    r: paddle.Tensor,
+    cos: paddle.Tensor,
+    sin: paddle.Tensor,
+    interleave: bool,
+    rope_first: bool = False,
+) -> paddle.Tensor:
+    """concat([a, rope_heads(r)], -1), or [rope(r), a] with rope_first, for a [B, S, (H,) Da] and
+    r [B, S, (H,) Dr]: the fused CPU kernel (one pass, no concat) where usable, bitwise the same."""
+    ops = cpu_kernels.usable(a, r, cos, sin)
+    if ops is not None:
+        return _RopeConcat.apply(a, r, cos, sin, interleave, rope_first, ops)
+    roped = rope_heads(r if r.ndim == 4 else r.unsqueeze(2), cos, sin, interleave)
+    roped = roped if r.ndim == 4 else roped.squeeze(2)
+    return paddle.concat([roped, a] if rope_first else [a, roped], axis=-1)
+
+
 class DSAIndexer(nn.Layer):
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
@@ -94,8 +141,8 @@ class DSAIndexer(nn.Layer):
         r = self.rope_dim
         q_rot, q_pass = paddle.split(q, [r, self.head_dim - r], axis=-1)
         k_rot, k_pass = paddle.split(k, [r, self.head_dim - r], axis=-1)
-        q = paddle.concat([rope_heads(q_rot, cos, sin, self.interleave), q_pass], axis=-1)
-        k = paddle.concat([rope_heads(k_rot, cos, sin, self.interleave), k_pass], axis=-1).squeeze(2)
+        q = rope_concat(q_pass, q_rot, cos, sin, self.interleave, rope_first=True)
+        k = rope_concat(k_pass, k_rot, cos, sin, self.interleave, rope_first=True).squeeze(2)
         w = self.weights_proj(x.astype(self.weights_proj.weight.dtype)).astype("float32") * (self.n_heads**-0.5)
         return q.astype("float32"), k.astype("float32"), w
 
