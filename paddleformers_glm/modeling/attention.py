@@ -723,7 +723,7 @@ class MLAttention(nn.Layer):
         ops = cpu_kernels.usable(o, self.o_proj.weight)
         if ops is not None and hasattr(ops, "glm_head_matmul"):
             # W_uv per head on the latent output's first L columns (strided GEMMs), then o_proj:
-            # 2 x (L dv + H dv hidden) flops a row instead of the fold's 2 x H (L + rope) hidden
+            # 2 H (L dv + dv hidden) flops a row instead of the fold's 2 H (L + rope) hidden
             v = _HeadMatmul.apply(o.reshape([B * S, H, L + dr]), w_uv.contiguous(), ops)  # [B*S, H, dv]
             return paddle.matmul(v.reshape([B, S, H * dv]), self.o_proj.weight), probs
         w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden]))  # [H, L, hidden]

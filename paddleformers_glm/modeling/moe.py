@@ -102,7 +102,7 @@ class _SwiGLU(PyLayer):
         return ops.glm_swiglu(h, s)
 
     @staticmethod
-    def backward(ctx: object, dact: paddle.Tensor) -> paddle.Tensor | None | tuple:
+    def backward(ctx: object, dact: paddle.Tensor) -> paddle.Tensor | tuple | None:
         h, s = ctx.saved_tensor()
         dh, ds = ctx.ops.glm_swiglu_backward(h, s, dact.contiguous())
         dh = dh if ctx.needs[0] else None
@@ -197,15 +197,16 @@ class MoE(nn.Layer):
     def expert(self, e: int) -> Expert:
         return self.experts[str(e)]
 
-    # False (default): one matmul per expert on its sorted rows, results added in place per expert;
-    # True: padded batched matmuls over all experts. Same routing, same sums; bench/bench_moe.py
-    # measured the loop as fast or faster on CPU (the padding and weight stacking cost what the
-    # fewer launches save), and it is bitwise the original/HF accumulation.
+    # False (default): the grouped kernel on fp32 CPU, else one matmul pair per expert on its sorted
+    # rows; True: padded batched matmuls over all experts. Same routing, same sums to rounding;
+    # bench/bench_moe.py measured the padded form slower than both (the padding and weight
+    # stacking cost what the fewer launches save).
     grouped = False
 
     def routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
         """sum_k w_k * expert_{e_k}(x) for x [N, H], each token's terms added in ascending expert order
-        (the order of HF's per-expert `index_add_`, so the sums are bitwise the same)."""
+        (the order of HF's per-expert `index_add_`: the per-expert loop is bitwise HF's sums; the
+        grouped kernel applies w_k before the down projection, so it rounds differently)."""
         N, K = expert_ids.shape
         with paddle.no_grad():
             flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
@@ -214,7 +215,7 @@ class MoE(nn.Layer):
         if self.grouped:
             return self._grouped(x, weights, expert_ids, order, counts)
         sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
-        w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype).unsqueeze(-1)
+        w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)  # [N*K] by expert
         x_sorted = paddle.gather(x, order // K)
         experts = [self.expert(e) for e in range(self.num_experts)]
         ops = cpu_kernels.usable(x, experts[0].up_gate_proj.weight)
@@ -223,13 +224,14 @@ class MoE(nn.Layer):
             w2 = [e.down_proj.weight for e in experts]  # E x [I, H]
             # the routing weight scales each row before the down projection (linear: the same
             # product as HF's scaling after it, another rounding), fused into the SwiGLU kernel
-            act = _SwiGLU.apply(_GroupedMatmul.apply(sizes, ops, x_sorted, *w1), w_sorted.reshape([-1]), ops)
+            act = _SwiGLU.apply(_GroupedMatmul.apply(sizes, ops, x_sorted, *w1), w_sorted, ops)
             y = _GroupedMatmul.apply(sizes, ops, act, *w2)
             # one index_add over rows sorted by (expert, token): each token's terms in expert order
             return paddle.index_add(paddle.zeros_like(x), order // K, 0, y)
         with paddle.no_grad():
             tokens = paddle.split(order // K, sizes) if len(sizes) > 1 else [order // K]
         xs = paddle.split(x_sorted, sizes) if len(sizes) > 1 else [x_sorted]
+        w_sorted = w_sorted.unsqueeze(-1)
         ws = paddle.split(w_sorted, sizes) if len(sizes) > 1 else [w_sorted]
         out = paddle.zeros_like(x)
         for e, n in enumerate(sizes):
