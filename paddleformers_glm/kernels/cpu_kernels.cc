@@ -1,18 +1,20 @@
 // Fused, multi-threaded fp32 CPU kernels for the per-element work of a training step.
 //
 // Why: Paddle 3.3's CPU softmax, add, exp, ... run on one thread and make one pass over memory
-// each (docs/performance.md, item 7), so at short sequences they, not the GEMMs, decide the step
-// time. Each kernel here is one pass per row, rows split over OpenMP threads (the libiomp5 that
-// Paddle's MKL already runs, so the two share one thread pool). Loaded by kernels/cpu.py, which
-// keeps a Paddle-op fallback with the same maths for every kernel.
+// each (docs/performance.md, items 7 and 8), so at short sequences they, not the GEMMs, decide
+// the step time. Each kernel here is one pass per row, rows split over OpenMP threads (the
+// libiomp5 that Paddle's MKL already runs, so the two share one thread pool); the matmul kernels
+// call MKL's sgemm directly. Loaded by kernels/cpu.py; every caller keeps a Paddle-op fallback
+// with the same maths.
 //
-// All tensors are fp32, contiguous, on the CPU (checked by the Python wrappers).
+// Floating tensors are fp32, index tensors int64; all contiguous, on the CPU (checked by
+// kernels/cpu.py's `usable`).
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
