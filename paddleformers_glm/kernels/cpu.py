@@ -1,14 +1,17 @@
 """Fused, multi-threaded fp32 CPU kernels (cpu_kernels.cc), built on first use; Paddle-op fallbacks.
 
 Why: Paddle 3.3's CPU softmax, add, exp, ... run on one thread, one pass over memory each, so at
-short sequences they decide a training step's time (docs/performance.md). The kernels here do the
-same maths in one multi-threaded pass per row: the masked softmax of the attention core and its
-backward, RMSNorm forward and backward.
+short sequences they decide a training step's time (docs/performance.md, item 8). The kernels here
+do the same maths in one multi-threaded pass per row, or as MKL sgemm calls without Python in
+between: the attention cores' masked softmax and its backward, the latent core's top-k tables and
+masks, rope fused with its concatenation, RMSNorm, SwiGLU, the grouped expert matmul, MLA's
+per-head W_uv, and the causal-LM cross entropy (each forward and backward).
 
 Control and guarantees:
 
-* used only for fp32, contiguous CPU tensors; anything else (GPU, bf16) takes the Paddle-op code
-  beside each call, which is also the fallback everywhere (same maths, Paddle's rounding);
+* used only for contiguous CPU tensors whose floating ones are fp32 (index tensors are int64);
+  anything else (GPU, bf16) takes the Paddle-op code beside each call, which is also the fallback
+  everywhere (same maths, Paddle's rounding);
 * ``PADDLEFORMERS_GLM_CPU_KERNELS=0`` turns them off;
 * built once with ``paddle.utils.cpp_extension`` (a C++ compiler is needed: ~15 s) into
   ``$PADDLEFORMERS_GLM_KERNEL_CACHE`` (default ``~/.cache/paddleformers_glm/kernels``), in a folder
