@@ -1,7 +1,7 @@
 """Fused, multi-threaded fp32 CPU kernels (cpu_kernels.cc), built on first use; Paddle-op fallbacks.
 
 Why: Paddle 3.3's CPU softmax, add, exp, ... run on one thread, one pass over memory each, so at
-short sequences they decide a training step's time (docs/performance.md, item 8). The kernels here
+short sequences they decide a training step's time (docs/performance.md). The kernels here
 do the same maths in one multi-threaded pass per row, or as MKL sgemm calls without Python in
 between: the attention cores' masked softmax and its backward, the latent core's top-k tables and
 masks, rope fused with its concatenation, RMSNorm, SwiGLU, the grouped expert matmul, MLA's
