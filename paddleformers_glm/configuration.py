@@ -128,7 +128,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> list[str]:
-    """REFERENCE §3: 0-based layer i is full iff max(i - offset + 1, 0) % freq == 0 (offset 0 acts as 1)."""
+    """The index-sharing rule: 0-based layer i is full iff max(i - offset + 1, 0) % freq == 0 (offset 0 acts as 1)."""
     offset = max(int(offset), 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
