@@ -175,6 +175,8 @@ class GlmMoeDsaConfig:
         file_order = list(kwargs)
         kwargs, self._alias_values = _resolve_aliases(kwargs)
         for key, value in overrides.items():  # an override wins over the file's value, in either spelling
+            if key in _ROPE_ALIASES:
+                raise _err(key, "override the rope through `rope_parameters` (or `rope_theta`), not PaddleFleet's name")
             kwargs[_KEY_ALIASES.get(key, key)] = value
         # Keys that to_dict() writes back, in the source's order. A config built in Python writes the
         # full canonical key set; one loaded from a file writes exactly the file's keys (parallel and
@@ -561,7 +563,7 @@ class GlmMoeDsaConfig:
     def copy(self, **changes: Any) -> GlmMoeDsaConfig:
         new = copy.deepcopy(self)
         for k, v in changes.items():
-            setattr(new, k, v)
+            setattr(new, _KEY_ALIASES.get(k, k), v)
         new.validate()
         return new
 

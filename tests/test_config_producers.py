@@ -133,6 +133,11 @@ def test_a_changed_setting_is_written_under_the_files_spelling(tmp_path):
     assert out["rotary_interleaved"] is False and out["rope_interleave"] is False
     assert out["dsa_indexer_rotary_interleaved"] is True and out["indexer_rope_interleave"] is True
     assert list(out) == list(fixture("paddlefleet"))
+    assert (
+        GlmMoeDsaConfig.from_pretrained(path).copy(expert_tensor_parallel_size=1).expert_tensor_model_parallel_size == 1
+    )
+    with pytest.raises(ValueError, match="`rotary_base`"):
+        GlmMoeDsaConfig.from_pretrained(path, rotary_base=1000000)
 
 
 def test_library_keys_in_the_file_keep_their_place():
