@@ -2,12 +2,16 @@
 
 Why this is not a plain attribute bag:
 
-* the official ``config.json`` must survive load -> save as the *same JSON object*: keys we do not
-  know are kept, keys the file did not have are not invented, and the file's own spelling of rope
-  settings (``rope_parameters`` vs top-level ``rope_theta`` vs ``rope_scaling``) is written back;
+* a ``config.json`` from any producer (transformers, PaddleFormers, a PaddleFleet run) must survive
+  load -> save as the *same JSON object*: every key is written back at its place (keys we do not
+  know, parallel keys and this library's keys included), keys the file did not have are not
+  invented, and the file's own spelling of a setting (``rope_parameters`` vs top-level
+  ``rope_theta`` / ``rope_scaling``, PaddleFleet's ``rotary_base`` ...) is written back;
 * several files in the wild describe the same model differently, so everything the model reads is
-  normalised once here (``rope``, ``model_dtype``, ``indexer_types``, ``mlp_layer_types``);
-* parallel/training settings live on the same object (the Fleet way) but never go into the HF file.
+  normalised once here (``rope``, ``model_dtype``, ``indexer_types``, ``mlp_layer_types``), and two
+  spellings of one setting must agree;
+* a run's layout (TP/PP/EP/ETP/SP) may ride along (the Fleet way) and is handed to PaddleFleet by
+  ``to_fleet_config()``; whether it fits the model is checked by the run, not here.
 
 See docs/config.md for the semantics of every derived field.
 """
@@ -113,7 +117,7 @@ _LIBRARY_DEFAULTS: dict[str, Any] = {
     "attention_chunk_size": 1024,
 }
 
-# Parallel / training layout: accepted and validated, never written to the HF config.json.
+# Parallel / training layout: carried (written back only when the file had the key), form-checked.
 _PARALLEL_DEFAULTS: dict[str, Any] = {
     "tensor_model_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
@@ -461,32 +465,21 @@ class GlmMoeDsaConfig:
         self.mlp_layer_types = derived
 
     def _validate_parallel(self) -> None:
+        """Only the form of the layout fields; whether a layout fits the model is training's check.
+
+        A config file may carry the layout of the run that wrote it (PaddleFormers saves
+        `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by `to_fleet_config()`.
+        Whether a layout works for this model and a world size (TP divides heads and vocab, EP the
+        experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run is launched:
+        `parallel.topology.ParallelConfig.validate` with the model's sizes.
+        """
         for key in _PARALLEL_DEFAULTS:
-            if key == "sequence_parallel":
-                continue
             v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
+            if key == "sequence_parallel":
+                if not isinstance(v, bool):
+                    raise _err(key, f"must be true or false, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise _err(key, f"must be an integer >= 1, got {v!r}")
-        tp, ep, etp = (
-            self.tensor_model_parallel_size,
-            self.expert_model_parallel_size,
-            self.expert_tensor_model_parallel_size,
-        )
-        if self.num_attention_heads % tp:
-            raise _err(
-                "tensor_model_parallel_size", f"{tp} does not divide num_attention_heads {self.num_attention_heads}"
-            )
-        if self.vocab_size % tp:
-            raise _err("tensor_model_parallel_size", f"{tp} does not divide vocab_size {self.vocab_size}")
-        if self.n_routed_experts % ep:
-            raise _err("expert_model_parallel_size", f"{ep} does not divide n_routed_experts {self.n_routed_experts}")
-        if self.moe_intermediate_size % etp:
-            raise _err(
-                "expert_tensor_model_parallel_size",
-                f"{etp} does not divide moe_intermediate_size {self.moe_intermediate_size}",
-            )
-        if self.sequence_parallel and tp == 1:
-            raise _err("sequence_parallel", "needs tensor_model_parallel_size > 1")
         if self.context_parallel_size != 1:
             raise _err(
                 "context_parallel_size", f"context parallel is not supported yet, got {self.context_parallel_size}"
