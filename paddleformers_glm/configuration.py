@@ -2,12 +2,16 @@
 
 Why this is not a plain attribute bag:
 
-* the official ``config.json`` must survive load -> save as the *same JSON object*: keys we do not
-  know are kept, keys the file did not have are not invented, and the file's own spelling of rope
-  settings (``rope_parameters`` vs top-level ``rope_theta`` vs ``rope_scaling``) is written back;
+* a ``config.json`` from any producer (transformers, PaddleFormers, a PaddleFleet run) must survive
+  load -> save as the *same JSON object*: every key is written back at its place (keys we do not
+  know, parallel keys and this library's keys included), keys the file did not have are not
+  invented, and the file's own spelling of a setting (``rope_parameters`` vs top-level
+  ``rope_theta`` / ``rope_scaling``, PaddleFleet's ``rotary_base`` ...) is written back;
 * several files in the wild describe the same model differently, so everything the model reads is
-  normalised once here (``rope``, ``model_dtype``, ``indexer_types``, ``mlp_layer_types``);
-* parallel/training settings live on the same object (the Fleet way) but never go into the HF file.
+  normalised once here (``rope``, ``model_dtype``, ``indexer_types``, ``mlp_layer_types``), and two
+  spellings of one setting must agree;
+* a run's layout (TP/PP/EP/ETP/SP) may ride along (the Fleet way) and is handed to PaddleFleet by
+  ``to_fleet_config()``; whether it fits the model is checked by the run, not here.
 
 See docs/config.md for the semantics of every derived field.
 """
@@ -79,8 +83,28 @@ _FILE_DEFAULTS: dict[str, Any] = {
     "vocab_size": 154880,
 }
 
-# Keys that older / other exports use for settings we hold under another name.
-_ALIAS_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype", "num_experts")
+# Other producers' names for a setting this config holds under its transformers name (file key ->
+# attribute). A file may carry either spelling or both; both must agree, and to_dict() writes each
+# key the file had under the file's own name. PaddleFleet's TransformerConfig / ModelParallelConfig
+# names are listed in docs/config.md with the source revision they were read from.
+_KEY_ALIASES: dict[str, str] = {
+    "expert_tensor_parallel_size": "expert_tensor_model_parallel_size",
+    "rotary_interleaved": "rope_interleave",
+    "dsa_indexer_rotary_interleaved": "indexer_rope_interleave",
+    "indexer_rotary_interleaved": "indexer_rope_interleave",
+    "dsa_index_n_heads": "index_n_heads",
+    "dsa_index_head_dim": "index_head_dim",
+    "dsa_index_topk": "index_topk",
+    "dsa_indexer_topk_freq": "index_topk_freq",
+    "dsa_indexer_skip_topk_offset": "index_skip_topk_offset",
+    "dsa_indexer_types": "indexer_types",
+    "dsa_index_share_for_mtp_iteration": "index_share_for_mtp_iteration",
+    "dsa_indexer_loss_coeff": "indexer_loss_coeff",
+    "num_experts": "n_routed_experts",  # transformers' backward-compatible name
+}
+# PaddleFleet's spellings of the rope base and type; checked against the normalised rope settings.
+_ROPE_ALIASES = ("rotary_base", "rope_type")
+_FLEET_ROPE_TYPES = {"default": "rope"}  # Fleet says "rope" where transformers says "default"
 
 # Settings of this library (model behaviour the HF file has no key for). Saved to config.json only
 # when changed from the default, so the official file round-trips unchanged.
@@ -93,7 +117,7 @@ _LIBRARY_DEFAULTS: dict[str, Any] = {
     "attention_chunk_size": 1024,
 }
 
-# Parallel / training layout: accepted and validated, never written to the HF config.json.
+# Parallel / training layout: carried (written back only when the file had the key), form-checked.
 _PARALLEL_DEFAULTS: dict[str, Any] = {
     "tensor_model_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
@@ -108,13 +132,39 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> list[str]:
-    """REFERENCE §3: 0-based layer i is full iff max(i - offset + 1, 0) % freq == 0 (offset 0 acts as 1)."""
+    """The index-sharing rule: 0-based layer i is full iff max(i - offset + 1, 0) % freq == 0 (offset 0 acts as 1)."""
     offset = max(int(offset), 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
 
 def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"GlmMoeDsaConfig: `{key}`: {msg}")
+
+
+def _resolve_aliases(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Move other producers' spellings onto this config's names; two spellings must agree.
+
+    Returns the dict with canonical names and the alias keys' own values (to write them back
+    unchanged). Why refuse rather than pick one: the same setting under two names with two values
+    is the bug class that loses a flag silently (e.g. the indexer's interleave read into MLA's).
+    """
+    out = {k: v for k, v in d.items() if k not in _KEY_ALIASES and k not in _ROPE_ALIASES}
+    aliases = {k: v for k, v in d.items() if k in _KEY_ALIASES or k in _ROPE_ALIASES}
+    came_from: dict[str, str] = {}
+    for alias, value in aliases.items():
+        if alias in _ROPE_ALIASES:
+            continue
+        name = _KEY_ALIASES[alias]
+        if name in out:
+            if out[name] != value:
+                other = came_from.get(name, name)
+                raise _err(alias, f"{value!r} disagrees with `{other}` {out[name]!r} (both name `{name}`)")
+            continue
+        out[name] = value
+        came_from[name] = alias
+    if "rotary_base" in aliases and not {"rope_parameters", "rope_theta", "rope_scaling"} & set(out):
+        out["rope_theta"] = aliases["rotary_base"]
+    return out, aliases
 
 
 class GlmMoeDsaConfig:
@@ -125,12 +175,28 @@ class GlmMoeDsaConfig:
     def __init__(self, **kwargs: Any) -> None:
         kwargs = copy.deepcopy(kwargs)
         from_file = kwargs.pop("_from_file", False)
+        overrides = copy.deepcopy(kwargs.pop("_overrides", None) or {})
+        file_order = list(kwargs)
+        kwargs, self._alias_values = _resolve_aliases(kwargs)
+        for key, value in overrides.items():  # an override wins over the file's value, in either spelling
+            if key in _ROPE_ALIASES:
+                raise _err(key, "override the rope through `rope_parameters` (or `rope_theta`), not PaddleFleet's name")
+            kwargs[_KEY_ALIASES.get(key, key)] = value
         # Keys that to_dict() writes back, in the source's order. A config built in Python writes the
-        # full canonical key set; one loaded from a file writes exactly the file's keys.
-        src_keys = [k for k in kwargs if k not in _PARALLEL_DEFAULTS and k not in _LIBRARY_DEFAULTS]
+        # full canonical key set; one loaded from a file writes exactly the file's keys (parallel and
+        # library keys included, at their place), plus overrides of model keys the file lacked.
         if from_file:
-            self._file_keys = src_keys
+            skip = set(_PARALLEL_DEFAULTS) | set(_LIBRARY_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES)
+            self._file_keys = file_order + [k for k in overrides if k not in file_order and k not in skip]
         else:
+            src_keys = [
+                k
+                for k in kwargs
+                if k not in _PARALLEL_DEFAULTS
+                and k not in _LIBRARY_DEFAULTS
+                and k not in _KEY_ALIASES
+                and k not in _ROPE_ALIASES
+            ]
             canon = [k for k in _FILE_DEFAULTS if k not in ("qk_head_dim",)] + ["qk_head_dim"]
             if any(k in kwargs for k in ("rope_theta", "rope_scaling")) and "rope_parameters" not in kwargs:
                 canon.remove("rope_parameters")
@@ -139,7 +205,6 @@ class GlmMoeDsaConfig:
             self._file_keys = canon + [k for k in src_keys if k not in canon]
             if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(kwargs):
                 kwargs["rope_parameters"] = {"rope_theta": 8000000, "rope_type": "default"}
-        self._library_keys_in_file = [k for k in kwargs if k in _LIBRARY_DEFAULTS]
         self._given_keys = frozenset(kwargs)
         if from_file and "index_topk_freq" not in kwargs:
             kwargs["index_topk_freq"] = 1  # HF: a file without the schedule has every layer full
@@ -152,21 +217,21 @@ class GlmMoeDsaConfig:
         self.rope_scaling = kwargs.pop("rope_scaling", None)
         self.partial_rotary_factor = kwargs.pop("partial_rotary_factor", None)
         self.torch_dtype = kwargs.pop("torch_dtype", None)
-        num_experts = kwargs.pop("num_experts", None)
-        if num_experts is not None:  # HF BC alias
-            self.n_routed_experts = num_experts
         # Everything else is preserved verbatim (and readable as an attribute).
         self._extra: dict[str, Any] = kwargs
         self._given_indexer_types = self.indexer_types
         self._given_mlp_layer_types = self.mlp_layer_types
         self._given_qk_head_dim = self.qk_head_dim
         self.validate()
+        self._check_rope_aliases()
 
     # ------------------------------------------------------------------ normalised views
     def __getattr__(self, name: str) -> Any:  # only called for missing attributes
         extra = self.__dict__.get("_extra", {})
         if name in extra:
             return extra[name]
+        if name in _KEY_ALIASES and "_extra" in self.__dict__:
+            return getattr(self, _KEY_ALIASES[name])
         raise AttributeError(f"GlmMoeDsaConfig has no attribute {name!r}")
 
     @property
@@ -263,11 +328,25 @@ class GlmMoeDsaConfig:
         self._validate_parallel()
 
     def _normalise_rope(self) -> None:
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise _err("rope_scaling", f"must be a dict or null, got {type(self.rope_scaling).__name__}")
         if self.rope_parameters is not None:
             if not isinstance(self.rope_parameters, dict):
                 raise _err("rope_parameters", f"must be a dict, got {type(self.rope_parameters).__name__}")
             rope = dict(self.rope_parameters)
             src = "rope_parameters"
+            if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
+                scaling = self.rope_scaling
+                for key, a, b in (
+                    (
+                        "rope_type",
+                        rope.get("rope_type", rope.get("type", "default")),
+                        scaling.get("rope_type", scaling.get("type", "default")),
+                    ),
+                    ("factor", rope.get("factor"), scaling.get("factor")),
+                ):
+                    if a != b:
+                        raise _err(f"rope_scaling.{key}", f"{b!r} disagrees with `rope_parameters.{key}` {a!r}")
         else:
             rope = dict(self.rope_scaling or {})
             src = "rope_scaling"
@@ -277,8 +356,11 @@ class GlmMoeDsaConfig:
             if self.rope_theta is None:
                 raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
             rope["rope_theta"] = self.rope_theta
-        if self.partial_rotary_factor is not None:
-            rope.setdefault("partial_rotary_factor", self.partial_rotary_factor)
+        elif self.rope_theta is not None and float(self.rope_theta) != float(rope["rope_theta"]):
+            raise _err("rope_theta", f"{self.rope_theta} disagrees with `{src}.rope_theta` {rope['rope_theta']}")
+        # A top-level `partial_rotary_factor` is kept for the round trip but does not enter `rope`:
+        # PaddleFormers writes its default (0.5) for GLM-5.2 too, and the rope dimension here is
+        # always `qk_rope_head_dim` (docs/config.md).
         rtype = rope["rope_type"]
         if rtype not in _ROPE_TYPES:
             raise _err(f"{src}.rope_type", f"unknown rope type {rtype!r}; expected one of {_ROPE_TYPES}")
@@ -290,7 +372,40 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.rope_theta", f"must be > 0, got {rope['rope_theta']}")
         self._rope = rope
 
+    def _check_rope_aliases(self) -> None:
+        """PaddleFleet's `rotary_base` / top-level `rope_type` must say what the rope settings say."""
+        values = self.__dict__.get("_alias_values", {})
+        if "rotary_base" in values and float(values["rotary_base"]) != float(self._rope["rope_theta"]):
+            raise _err(
+                "rotary_base", f"{values['rotary_base']} disagrees with the rope base {self._rope['rope_theta']}"
+            )
+        if "rope_type" in values:
+            fleet = _FLEET_ROPE_TYPES.get(self._rope["rope_type"], self._rope["rope_type"])
+            if values["rope_type"] not in (fleet, self._rope["rope_type"]):
+                raise _err(
+                    "rope_type",
+                    f"{values['rope_type']!r} disagrees with the rope settings ({self._rope['rope_type']!r}); "
+                    "a yarn rope needs its fields in rope_parameters",
+                )
+
+    def _alias_value(self, key: str) -> Any:
+        """The current value of an alias key: the file's own value unless the setting changed."""
+        if key == "rotary_base":
+            current = self._rope["rope_theta"]
+        elif key == "rope_type":
+            current = _FLEET_ROPE_TYPES.get(self._rope["rope_type"], self._rope["rope_type"])
+            if self._alias_values[key] == self._rope["rope_type"]:
+                current = self._rope["rope_type"]
+        else:
+            current = getattr(self, _KEY_ALIASES[key])
+        written = self._alias_values[key]
+        return copy.deepcopy(written if written == current else current)
+
     def _normalise_dtype(self) -> None:
+        if {"dtype", "torch_dtype"} <= self._given_keys and None not in (self.dtype, self.torch_dtype):
+            a, b = (str(v).replace("torch.", "") for v in (self.dtype, self.torch_dtype))
+            if a != b:
+                raise _err("torch_dtype", f"{self.torch_dtype!r} disagrees with `dtype` {self.dtype!r}")
         name = self.dtype if self.dtype is not None else self.torch_dtype
         if "dtype" not in self._file_keys and self.torch_dtype is not None:
             name = self.torch_dtype
@@ -350,32 +465,21 @@ class GlmMoeDsaConfig:
         self.mlp_layer_types = derived
 
     def _validate_parallel(self) -> None:
+        """Only the form of the layout fields; whether a layout fits the model is training's check.
+
+        A config file may carry the layout of the run that wrote it (PaddleFormers saves
+        `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by `to_fleet_config()`.
+        Whether a layout works for this model and a world size (TP divides heads and vocab, EP the
+        experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run is launched:
+        `parallel.topology.ParallelConfig.validate` with the model's sizes.
+        """
         for key in _PARALLEL_DEFAULTS:
-            if key == "sequence_parallel":
-                continue
             v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
+            if key == "sequence_parallel":
+                if not isinstance(v, bool):
+                    raise _err(key, f"must be true or false, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise _err(key, f"must be an integer >= 1, got {v!r}")
-        tp, ep, etp = (
-            self.tensor_model_parallel_size,
-            self.expert_model_parallel_size,
-            self.expert_tensor_model_parallel_size,
-        )
-        if self.num_attention_heads % tp:
-            raise _err(
-                "tensor_model_parallel_size", f"{tp} does not divide num_attention_heads {self.num_attention_heads}"
-            )
-        if self.vocab_size % tp:
-            raise _err("tensor_model_parallel_size", f"{tp} does not divide vocab_size {self.vocab_size}")
-        if self.n_routed_experts % ep:
-            raise _err("expert_model_parallel_size", f"{ep} does not divide n_routed_experts {self.n_routed_experts}")
-        if self.moe_intermediate_size % etp:
-            raise _err(
-                "expert_tensor_model_parallel_size",
-                f"{etp} does not divide moe_intermediate_size {self.moe_intermediate_size}",
-            )
-        if self.sequence_parallel and tp == 1:
-            raise _err("sequence_parallel", "needs tensor_model_parallel_size > 1")
         if self.context_parallel_size != 1:
             raise _err(
                 "context_parallel_size", f"context parallel is not supported yet, got {self.context_parallel_size}"
@@ -387,7 +491,7 @@ class GlmMoeDsaConfig:
         """Build from a config.json dict; `to_dict()` gives the same dict back."""
         if config_dict.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
             raise _err("model_type", f"expected 'glm_moe_dsa', got {config_dict.get('model_type')!r}")
-        return cls(**{**config_dict, **overrides}, _from_file=True)  # an override wins over the file's value
+        return cls(**config_dict, _from_file=True, _overrides=overrides)  # an override wins over the file's value
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> GlmMoeDsaConfig:
@@ -409,17 +513,24 @@ class GlmMoeDsaConfig:
             raise ValueError(f"{e} (in {file})") from e
 
     def to_dict(self) -> dict[str, Any]:
-        """The HF config.json object: the source's keys in the source's spelling, nothing invented."""
+        """The config.json object: the source's keys, in its order and spelling, nothing invented.
+
+        Parallel and library keys the file had are written back at their place; library keys it
+        lacked are added only when changed from the default; parallel settings given only as
+        overrides are never written (they describe a run, not the model).
+        """
         out: dict[str, Any] = {}
         for key in self._file_keys:
-            if key in self._extra:
+            if key in self._alias_values:
+                out[key] = self._alias_value(key)
+            elif key in self._extra:
                 out[key] = copy.deepcopy(self._extra[key])
             elif key == "rope_parameters":
                 out[key] = copy.deepcopy(self.rope_parameters if self.rope_parameters is not None else self._rope)
             else:
                 out[key] = copy.deepcopy(getattr(self, key))
-        for key in _LIBRARY_DEFAULTS:
-            if key in self._library_keys_in_file or getattr(self, key) != _LIBRARY_DEFAULTS[key]:
+        for key, default in _LIBRARY_DEFAULTS.items():
+            if key not in out and getattr(self, key) != default:
                 out[key] = getattr(self, key)
         return out
 
@@ -445,77 +556,102 @@ class GlmMoeDsaConfig:
     def copy(self, **changes: Any) -> GlmMoeDsaConfig:
         new = copy.deepcopy(self)
         for k, v in changes.items():
-            setattr(new, k, v)
+            setattr(new, _KEY_ALIASES.get(k, k), v)
         new.validate()
         return new
 
     def to_fleet_config(self) -> dict[str, Any]:
-        """PaddleFleet `TransformerConfig` fields for this model (REFERENCE §5)."""
+        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields.
+
+        The single place that maps this config onto Fleet's names (docs/config.md lists each name
+        and the Fleet source revision it was read from). Fleet's rope type "rope" is transformers'
+        "default"; the rope spans `qk_rope_head_dim` channels (`rotary_percent` 1.0) whatever a
+        `partial_rotary_factor` key says; `rope_theta` is Fleet's rope base and `rotary_base` its
+        older alias, which Fleet requires to be equal, so both are given.
+        """
         rope = self._rope
-        d = {
-            "num_layers": self.num_hidden_layers,
+        d: dict[str, Any] = {
+            "num_hidden_layers": self.num_hidden_layers,
             "hidden_size": self.hidden_size,
-            "ffn_hidden_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads,
-            "num_query_groups": self.num_key_value_heads,
-            "kv_channels": self.v_head_dim,
+            "num_key_value_heads": self.num_key_value_heads,
+            "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": self.rms_norm_eps,
-            "add_bias_linear": bool(self.attention_bias),
+            "hidden_act": self.hidden_act,
             "gated_linear_unit": True,
-            "activation_func": self.hidden_act,
-            "untie_embeddings_and_output_weights": not self.tie_word_embeddings,
+            "normalization": "RMSNorm",
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": bool(self.attention_bias),
+            "tie_word_embeddings": bool(self.tie_word_embeddings),
+            "params_dtype": self.model_dtype,
+            "fp32_residual_connection": bool(self.fp32_residual_connection),
+            # MLA (latent norms on the compressed q and kv: `use_qk_norm`)
             "multi_latent_attention": True,
             "q_lora_rank": self.q_lora_rank,
             "kv_lora_rank": self.kv_lora_rank,
-            "qk_head_dim": self.qk_nope_head_dim,
-            "qk_pos_emb_head_dim": self.qk_rope_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
             "v_head_dim": self.v_head_dim,
-            "qk_layernorm": bool(self.use_qk_norm),
-            "rotary_interleaved": bool(self.rope_interleave),
+            "use_qk_norm": bool(self.use_qk_norm),
+            # RoPE
+            "position_embedding_type": "rope",
+            "rope_type": _FLEET_ROPE_TYPES.get(rope["rope_type"], rope["rope_type"]),
+            "rope_theta": rope["rope_theta"],
             "rotary_base": rope["rope_theta"],
-            "rope_type": rope["rope_type"],
-            "rotary_scaling_factor": rope.get("factor", 1.0),
-            "mscale": rope.get("mscale", 1.0),
-            "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
-            "original_max_position_embeddings": rope.get(
-                "original_max_position_embeddings", self.max_position_embeddings
-            ),
-            "num_moe_experts": self.n_routed_experts,
-            "moe_ffn_hidden_size": self.moe_intermediate_size,
-            "moe_shared_expert_intermediate_size": self.moe_intermediate_size * self.n_shared_experts,
-            "moe_router_topk": self.num_experts_per_tok,
-            "moe_router_num_groups": self.n_group,
-            "moe_router_group_topk": self.topk_group,
-            "moe_router_score_function": self.scoring_func,
-            "moe_router_enable_expert_bias": self.topk_method == "noaux_tc",
-            "moe_router_topk_scaling_factor": self.routed_scaling_factor,
-            "moe_router_pre_softmax": False,
-            "moe_router_dtype": "fp32",
-            "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
-            "moe_router_norm_topk_prob": bool(self.norm_topk_prob),
-            "mtp_num_layers": self.num_mtp_layers or None,
-            "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
-            "dsa_index_n_heads": self.index_n_heads,
-            "dsa_index_head_dim": self.index_head_dim,
-            "dsa_index_topk": self.index_topk,
-            "dsa_indexer_topk_freq": self.index_topk_freq,
-            "dsa_indexer_skip_topk_offset": self.index_skip_topk_offset,
-            "dsa_indexer_types": list(self.indexer_types),
-            "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
-            "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
-            "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
-            "params_dtype": self.model_dtype,
-            "fp32_residual_connection": bool(self.fp32_residual_connection),
-            "tensor_model_parallel_size": self.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-            "expert_model_parallel_size": self.expert_model_parallel_size,
-            "expert_tensor_parallel_size": self.expert_tensor_model_parallel_size,
-            "sequence_parallel": bool(self.sequence_parallel),
-            "context_parallel_size": self.context_parallel_size,
+            "rotary_percent": 1.0,
+            "rotary_interleaved": bool(self.rope_interleave),
         }
+        if rope["rope_type"] == "yarn":
+            d.update(
+                {
+                    "rotary_scaling_factor": rope["factor"],
+                    "original_max_position_embeddings": rope["original_max_position_embeddings"],
+                    "beta_fast": rope.get("beta_fast") or 32,
+                    "beta_slow": rope.get("beta_slow") or 1,
+                    "mscale": rope.get("mscale", 1.0),
+                    "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
+                }
+            )
+        elif rope["rope_type"] != "default":
+            raise _err("rope_parameters.rope_type", f"{rope['rope_type']!r} has no PaddleFleet equivalent")
+        d.update(
+            {
+                # MoE
+                "n_routed_experts": self.n_routed_experts,
+                "n_shared_experts": self.n_shared_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "scoring_func": self.scoring_func,
+                "topk_method": self.topk_method,
+                "n_group": self.n_group,
+                "topk_group": self.topk_group,
+                "routed_scaling_factor": self.routed_scaling_factor,
+                "norm_topk_prob": bool(self.norm_topk_prob),
+                "first_k_dense_replace": self.first_k_dense_replace,
+                "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
+                # MTP
+                "num_nextn_predict_layers": self.num_mtp_layers,
+                "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
+                # DSA indexer and cross-layer top-k sharing
+                "experimental_attention_variant": "dsa",
+                "dsa_index_n_heads": self.index_n_heads,
+                "dsa_index_head_dim": self.index_head_dim,
+                "dsa_index_topk": self.index_topk,
+                "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
+                "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
+                "dsa_indexer_types": list(self.indexer_types),
+                "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
+                "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
+                "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
+                # layout
+                "tensor_model_parallel_size": self.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+                "expert_model_parallel_size": self.expert_model_parallel_size,
+                "expert_tensor_parallel_size": self.expert_tensor_model_parallel_size,
+                "sequence_parallel": bool(self.sequence_parallel),
+                "context_parallel_size": self.context_parallel_size,
+            }
+        )
         return d
 
     def __repr__(self) -> str:

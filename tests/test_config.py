@@ -177,15 +177,15 @@ def test_fleet_config_fields():
         "params_dtype": "bfloat16",
         "rotary_base": 8000000,
         "fp32_residual_connection": False,
-        "qk_layernorm": True,
+        "use_qk_norm": True,
         "rotary_interleaved": True,
-        "num_moe_experts": 256,
-        "moe_router_topk": 8,
-        "moe_router_topk_scaling_factor": 2.5,
-        "mtp_num_layers": 1,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 1,
         "q_lora_rank": 2048,
         "kv_lora_rank": 512,
-        "qk_pos_emb_head_dim": 64,
+        "qk_rope_head_dim": 64,
         "v_head_dim": 256,
     }
     assert {k: f[k] for k in expected} == expected
@@ -240,16 +240,44 @@ def test_invalid_configs_are_refused_naming_the_key(name, change, key):
 @pytest.mark.parametrize(
     "kwargs,key",
     [
-        ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size"),
-        ({"expert_model_parallel_size": 3}, "expert_model_parallel_size"),
-        ({"sequence_parallel": True}, "sequence_parallel"),
         ({"pipeline_model_parallel_size": 0}, "pipeline_model_parallel_size"),
+        ({"expert_tensor_model_parallel_size": "2"}, "expert_tensor_model_parallel_size"),
+        ({"sequence_parallel": "yes"}, "sequence_parallel"),
         ({"context_parallel_size": 2}, "context_parallel_size"),
     ],
 )
-def test_invalid_parallel_layouts(kwargs, key):
+def test_malformed_parallel_fields_are_refused(kwargs, key):
     with pytest.raises(ValueError, match=key):
         GlmMoeDsaConfig.from_dict(official(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        ({"tensor_model_parallel_size": 3}, "tp 3 does not divide num_attention_heads 64"),
+        ({"expert_model_parallel_size": 3}, "ep 3 does not divide n_routed_experts 256"),
+        ({"expert_tensor_model_parallel_size": 3}, "etp 3 does not divide moe_intermediate_size 2048"),
+        ({"sequence_parallel": True}, "sequence parallel (--sp) needs tp > 1"),
+    ],
+)
+def test_a_layout_that_does_not_fit_the_model_is_refused_by_the_run_check(kwargs, msg):
+    """The config carries a layout; the one check of a layout against the model is the run's."""
+    from paddleformers_glm.parallel.topology import ParallelConfig, ParallelConfigError
+    from paddleformers_glm.train.glm_adapter import GlmAdapter
+
+    cfg = GlmMoeDsaConfig.from_dict(official(), **kwargs)
+    s = cfg.parallel_settings()
+    pc = ParallelConfig(
+        tp=s["tensor_model_parallel_size"],
+        pp=s["pipeline_model_parallel_size"],
+        ep=s["expert_model_parallel_size"],
+        etp=s["expert_tensor_model_parallel_size"],
+        dp=s["expert_model_parallel_size"] * s["expert_tensor_model_parallel_size"],
+        sp=s["sequence_parallel"],
+    )
+    with pytest.raises(ParallelConfigError) as e:
+        pc.validate(**GlmAdapter(str(OFFICIAL_CONFIG.parent)).parallel_sizes())
+    assert msg in str(e.value)
 
 
 def test_file_errors_name_the_file(tmp_path):
