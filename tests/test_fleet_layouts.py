@@ -209,3 +209,45 @@ def test_hf_layout_refuses_an_expert_layout(tmp_path):
     with pytest.raises(ValueError, match="fleet layout only"):
         convert_checkpoint(SRC, tmp_path / "x", layout="hf", expert_layout="grouped")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("which", ["per-expert", "grouped", "stacked", "tp2"])
+def test_expert_and_tensor_parallel_ranks_get_their_fused_pieces_from_every_fleet_layout(cfg, exports, tmp_path, which):
+    """A rank holding half the columns of a fused weight (``shard_info`` lists both ranks' pieces)
+    gets Fleet's per-rank ``[gate_r | up_r]`` from every PaddleFleet file, as from the HF one."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    hf = _read(SRC)
+    if which == "tp2":
+        tensors = _read(exports / "per-expert")
+        fused = [k for k in tensors if k.endswith(("mlp.up_gate_proj.weight", "shared_experts.up_gate_proj.weight"))]
+        for k in fused:
+            tensors[k] = paddle.to_tensor(_interleave(tensors[k].astype("float32").numpy(), 2)).astype(tensors[k].dtype)
+        folder = tmp_path / "tp2"
+        _write(folder, tensors, {"format": "pt", "fused_ffn_tp_degree": "2"})
+    else:
+        folder = exports / which
+    for key, hf_key, I in (
+        ("model.layers.3.mlp.experts.2.up_gate_proj.weight", "model.layers.3.mlp.experts.2.{}_proj.weight", 32),
+        (
+            "model.layers.8.transformer_layer.mlp.experts.7.up_gate_proj.weight",
+            "model.layers.8.mlp.experts.7.{}_proj.weight",
+            32,
+        ),
+        ("model.layers.1.mlp.up_gate_proj.weight", "model.layers.1.mlp.{}_proj.weight", 128),
+        (
+            "model.layers.6.mlp.shared_experts.up_gate_proj.weight",
+            "model.layers.6.mlp.shared_experts.{}_proj.weight",
+            32,
+        ),
+    ):
+        g = hf[hf_key.format("gate")].astype("float32").numpy().T
+        u = hf[hf_key.format("up")].astype("float32").numpy().T
+        h = I // 2
+        info = {key: [((64, I), (0, 0)), ((64, I), (0, I))]}
+        for r in range(2):
+            state = {key: ShardedWeight(key, paddle.zeros([64, I]), (64, I), (64, 2 * I), (0, I * r))}
+            load_pretrained_state(state, folder, config=cfg, keys=[key], shard_info=info)
+            want = np.concatenate([g[:, h * r : h * (r + 1)], u[:, h * r : h * (r + 1)]], 1)
+            np.testing.assert_array_equal(state[key].local_tensor.numpy(), want, err_msg=f"{which} {key} rank {r}")

@@ -46,6 +46,7 @@ __all__ = [
     "quiet_paddle_logs",
     "fleet_units",
     "checkpoint_units",
+    "relayout_fused",
     "identity_units",
     "TP_FUSED_FFN",
 ]
@@ -264,6 +265,32 @@ def fleet_units(
             )
         units.append(u)
     return sorted(units, key=lambda u: -1 if u.layer is None else u.layer)
+
+
+def relayout_fused(units: Sequence[MappingUnit], keys: set[str]) -> list[MappingUnit]:
+    """Units whose model-side fused weights in ``keys`` come out per rank as ``[gate_r | up_r]``.
+
+    A checkpoint that stores a fused weight globally as ``[gate | up]`` (a PaddleFleet or old-spelling
+    file) gives a plain column slice to a rank unless ``fused_ffn`` re-lays it for the ranks listed in
+    ``shard_info`` (axis 1 of the model's ``[H, 2I]`` weight). A unit that maps by name gets that as
+    its only statement; a unit that makes the weight as an intermediate (grouped or stacked experts,
+    split from one tensor) gets it appended, on the intermediate.
+    """
+    out = []
+    for u in units:
+        mine = [k for k in u.fleet if k in keys]
+        if not mine:
+            out.append(u)
+        elif len(u.fleet) == 1 and (not u.hf_to_fleet or u.source_splits):
+            out.append(dataclasses.replace(u, hf_to_fleet=(f"{mine[0]} -> {mine[0]}, fused_ffn, axis=1",)))
+        else:  # the program makes k: make it under a temporary name, then re-lay that into k
+            stmts = list(u.hf_to_fleet)
+            for k in mine:
+                token = re.compile(rf"(?<![\w.]){re.escape(k)}(?![\w.])")
+                stmts = [token.sub(f"{k}.whole", x) for x in stmts]
+                stmts.append(f"{k}.whole -> {k}, fused_ffn, axis=1")
+            out.append(dataclasses.replace(u, hf_to_fleet=tuple(stmts)))
+    return out
 
 
 def checkpoint_units(

@@ -14,7 +14,6 @@ it is the slower, hungrier path; it exists to show both Paddle entry points agre
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import tempfile
@@ -26,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import fleet as fleet_format
-from .aoa import MappingUnit, build_statements, checkpoint_units, expand_units, identity_units, quiet_paddle_logs
+from .aoa import (
+    MappingUnit,
+    build_statements,
+    checkpoint_units,
+    expand_units,
+    identity_units,
+    quiet_paddle_logs,
+    relayout_fused,
+)
 from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .layout import fleet_param_specs, param_specs, resolve_dtype
@@ -91,14 +98,8 @@ def fused_keys(config: Any) -> set[str]:
 def _relayout_fused(units: list[MappingUnit], keys: set[str]) -> list[MappingUnit]:
     """A Fleet-layout checkpoint holds fused weights globally as ``[gate | up]``; a rank whose
     ``shard_info`` lists several pieces wants Fleet's per-rank ``[gate_r | up_r]``, which is what
-    ``fused_ffn`` gives from an HF checkpoint. Re-run the same macro on the fused tensor itself
-    (axis 1 of the Fleet ``[H, 2I]`` weight) so both layouts load into the same local bytes."""
-    return [
-        dataclasses.replace(u, hf_to_fleet=(f"{u.fleet[0]} -> {u.fleet[0]}, fused_ffn, axis=1",))
-        if len(u.fleet) == 1 and u.fleet[0] in keys
-        else u
-        for u in units
-    ]
+    ``fused_ffn`` gives from an HF checkpoint: :func:`.aoa.relayout_fused` re-runs the same macro."""
+    return relayout_fused(units, keys)
 
 
 def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
