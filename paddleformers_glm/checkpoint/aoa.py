@@ -329,11 +329,12 @@ def expand_units(
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
+    grouped_keys = {layer: set(a.fleet) for layer, a in adapters.items()}
     out: list[MappingUnit] = []
     merged: dict[int, list[MappingUnit]] = {}
     for u in units:
-        a = adapters.get(u.layer) if u.layer is not None else None
-        if a is not None and set(u.fleet) <= set(a.fleet):
+        keys = grouped_keys.get(u.layer) if u.layer is not None else None
+        if keys is not None and set(u.fleet) <= keys:
             if u.layer not in merged:
                 merged[u.layer] = []
                 out.append(u)  # placeholder, replaced below
