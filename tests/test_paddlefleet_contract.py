@@ -78,8 +78,12 @@ def test_specs_equal_the_contract(name, expert_layout):
         assert got[k] == (shape, "float32" if kind == "float32" else "model"), k
 
 
-@pytest.mark.parametrize("expert_layout", EXPERT_LAYOUTS)
-@pytest.mark.parametrize("name", ["tiny", "744b"])
+@pytest.mark.parametrize(
+    "name, expert_layout",
+    [("tiny", el) for el in EXPERT_LAYOUTS]
+    + [("744b", "per-expert")]
+    + [pytest.param("744b", el, marks=pytest.mark.slow) for el in ("grouped", "stacked")],  # ~15 s each
+)
 def test_rules_map_the_contract_both_ways_at_full_scale(name, expert_layout):
     """Paddle's engine plans our rules on metadata only (no tensor is made, so the 744B shapes are
     fine): every PaddleFleet tensor comes from exactly the contract's HF tensors, transposed exactly
@@ -89,11 +93,8 @@ def test_rules_map_the_contract_both_ways_at_full_scale(name, expert_layout):
 
     cfg = _config(name)
     entries = _entries(name, expert_layout)
-    units = [
-        u
-        for u in expand_units(cfg, layout="fleet", expert_layout=expert_layout)
-        if set(u.fleet) & {e["fleet"] for e in entries}
-    ]
+    listed = {e["fleet"] for e in entries}
+    units = [u for u in expand_units(cfg, layout="fleet", expert_layout=expert_layout) if set(u.fleet) & listed]
     hf_specs, pf_specs = hf_param_specs(cfg), paddlefleet_param_specs(cfg, expert_layout)
     hf_dt = {k: resolve_dtype(kind, "bfloat16") for k, (_, kind) in hf_specs.items()}
     pf_dt = {k: resolve_dtype(kind, "bfloat16") for k, (_, kind) in pf_specs.items()}
@@ -106,6 +107,10 @@ def test_rules_map_the_contract_both_ways_at_full_scale(name, expert_layout):
     for u in units:
         by_layer.setdefault(u.layer, []).append(u)
     by_fleet = {e["fleet"]: e for e in entries}
+    owners: dict = {}
+    for e in entries:
+        for h in e["hf"]:
+            owners.setdefault(h, []).append(e)
     checked_fwd = checked_inv = 0
     for group in by_layer.values():
         hf_keys = [k for u in group for k in u.hf]
@@ -133,7 +138,7 @@ def test_rules_map_the_contract_both_ways_at_full_scale(name, expert_layout):
                     assert transposed == {e["op"] != "copy"}, (k, e["op"])
                     checked_fwd += 1
                 else:
-                    owner = [e for e in entries if k in e["hf"]]
+                    owner = owners[k]
                     assert len(owner) == 1 and sources == {owner[0]["fleet"]}, k
                     assert transposed == {owner[0]["op"] != "copy"}, k
                     checked_inv += 1
