@@ -271,6 +271,8 @@ def load_pretrained_state(
             report.bytes_read = source.bytes_read
             fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
         elif backend == "paddle":
+            if any(u.source_splits for u in usable):
+                raise ValueError(f"backend='paddle' cannot read tensor-parallel interleaved fused weights ({path})")
             report.loaded, files = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
             fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
             report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
