@@ -143,6 +143,8 @@ def test_tensor_parallel_interleaved_fused_ffn_loads_when_the_metadata_says_so(c
     model = SpecModel(cfg, "float32")
     load_pretrained_state(model, tmp_path / "tp2")
     assert _state(model) == from_hf
+    with pytest.raises(ValueError, match="interleaved"):  # Paddle's file driver cannot: refused, not misread
+        load_pretrained_state(SpecModel(cfg, "float32"), tmp_path / "tp2", backend="paddle")
     _write(tmp_path / "unmarked", mixed)  # same bytes without the marker: read as plain [gate | up]
     plain = SpecModel(cfg, "float32")
     load_pretrained_state(plain, tmp_path / "unmarked")
