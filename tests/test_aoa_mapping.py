@@ -139,3 +139,23 @@ def test_engine_derived_inverse_matches_explicit_inverse():
     assert set(back) == set(hf)
     for k in hf:
         assert back[k].numpy().tobytes() == hf[k].numpy().tobytes(), k
+
+
+@pytest.mark.parametrize("expert_layout", ["per-expert", "grouped", "stacked"])
+@pytest.mark.parametrize("path", [None, OFFICIAL])
+def test_paddlefleet_units_cover_both_contracts_exactly_once(path, expert_layout):
+    """HF <-> PaddleFleet (``layout="fleet"``) and PaddleFleet file <-> model: every tensor of each
+    side belongs to exactly one unit, for the tiny and the 744B schedule."""
+    from paddleformers_glm.checkpoint.aoa import fleet_units
+    from paddleformers_glm.checkpoint.layout import model_param_specs, paddlefleet_param_specs
+
+    cfg = _cfg(path) if path else _cfg()
+    pf = paddlefleet_param_specs(cfg, expert_layout)
+    for units, left, right in (
+        (expand_units(cfg, layout="fleet", expert_layout=expert_layout), hf_param_specs(cfg), pf),
+        (fleet_units(cfg, expert_layout), pf, model_param_specs(cfg)),
+    ):
+        a = [k for u in units for k in u.hf]
+        b = [k for u in units for k in u.fleet]
+        assert len(a) == len(set(a)) == len(left) and set(a) == set(left)
+        assert len(b) == len(set(b)) == len(right) and set(b) == set(right)

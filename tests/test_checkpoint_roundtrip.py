@@ -21,6 +21,7 @@ from paddleformers_glm.checkpoint import (
     CheckpointError,
     fleet_param_specs,
     load_pretrained_state,
+    paddlefleet_param_specs,
     save_pretrained_state,
 )
 from paddleformers_glm.checkpoint.safetensors_io import SafetensorsWriter
@@ -155,8 +156,9 @@ def test_fleet_export_and_load_back(src, tmp_path):
     out = tmp_path / "fleet"
     save_pretrained_state(model, cfg, out, layout="fleet")
     saved = _read_all(out)
-    specs = fleet_param_specs(cfg)
-    assert set(saved) == set(specs)  # REFERENCE §5 names, exactly
+    specs = paddlefleet_param_specs(cfg)
+    assert set(saved) == set(specs)  # PaddleFleet's names, exactly
+    assert saved["model.lm_head.weight"][1] == (256, 64) and saved["model.layers.3.mlp.gate.weight"][1] == (8, 64)
     for k, (shape, kind) in specs.items():
         assert saved[k][1] == shape, k
         assert saved[k][0] == ("paddle.float32" if kind == "float32" else "paddle.bfloat16"), k

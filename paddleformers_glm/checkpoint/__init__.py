@@ -9,7 +9,16 @@ See docs/checkpoints.md.
 """
 
 from .errors import CheckpointError
-from .layout import fleet_param_specs, hf_param_specs, layer_plan, param_specs, resolve_dtype
+from .layout import (
+    EXPERT_LAYOUTS,
+    fleet_param_specs,
+    hf_param_specs,
+    layer_plan,
+    model_param_specs,
+    paddlefleet_param_specs,
+    param_specs,
+    resolve_dtype,
+)
 from .loader import LoadReport, detect_layout, load_pretrained_state
 from .safetensors_io import Checkpoint, SafetensorsFile
 from .saver import SaveReport, save_pretrained_state
@@ -19,6 +28,9 @@ __all__ = [
     "Checkpoint",
     "SafetensorsFile",
     "fleet_param_specs",
+    "model_param_specs",
+    "paddlefleet_param_specs",
+    "EXPERT_LAYOUTS",
     "hf_param_specs",
     "param_specs",
     "layer_plan",

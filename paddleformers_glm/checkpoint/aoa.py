@@ -7,10 +7,23 @@ dense vs MoE MLP, the MTP wrapper prefix, one unit per routed expert) and adds c
 ``AOAEngine`` parses and runs the statements. Macros are expanded here rather than by the engine
 because the engine's ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse
 direction on intermediate tensors (probes/paddle-aoa/README.md).
+
+Three sets of units come out of the same file:
+
+* :func:`expand_units` — official HF checkpoint <-> the Paddle model's ``state_dict()``;
+  with ``layout="fleet"``, HF <-> PaddleFleet's checkpoint layout directly (what PaddleFleet's own
+  rules make: router and ``model.lm_head.weight`` untransposed, experts in ``expert_layout``).
+* :func:`fleet_units` — a PaddleFleet-layout checkpoint <-> the model's ``state_dict()`` (identity
+  except the router and head transposes, the expert grouping, and TP-interleaved fused weights).
+* :func:`checkpoint_units` — the right one of these for a checkpoint layout.
+
+In every unit the ``hf`` side is the checkpoint (or the official layout) and the ``fleet`` side the
+other end, so the loader and saver drive all of them with the same two directions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -31,12 +44,22 @@ __all__ = [
     "expand_units",
     "build_statements",
     "quiet_paddle_logs",
+    "fleet_units",
+    "checkpoint_units",
+    "relayout_fused",
+    "identity_units",
+    "TP_FUSED_FFN",
 ]
 
 DIRECTIONS = ("hf_to_fleet", "fleet_to_hf")
 RULES_FILE = "glm_moe_dsa.json"
 _PLACEHOLDER = re.compile(r"\$(EXPERT_ID|LAYER_ID|LAYER|FLEET|HF)\b")
 _MTP_TAG = "MTP wrapper prefix"
+_EXPERT_LIST = re.compile(r"<([^<>]*#[^<>]*)>")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# PaddleFleet fuses these with ``fused_ffn`` (a tensor-parallel file interleaves gate/up per shard);
+# routed experts are concatenated on axis 1 instead (never interleaved).
+TP_FUSED_FFN = re.compile(r"\.mlp\.(shared_experts\.)?up_gate_proj\.weight$")
 
 
 def rules_path() -> str:
@@ -84,6 +107,9 @@ class MappingUnit:
     hf_to_fleet: tuple[str, ...]
     fleet_to_hf: tuple[str, ...]
     layer: int | None = None
+    # checkpoint keys stored as N equal column shards of a tensor-parallel run (per-shard
+    # ``[gate_r | up_r]``): the engine is told the source has N pieces so ``fused_ffn`` undoes them
+    source_splits: tuple[tuple[str, int], ...] = ()
 
     def sources(self, direction: str) -> tuple[str, ...]:
         return self.hf if direction == "hf_to_fleet" else self.fleet
@@ -146,11 +172,194 @@ def _make(
     )
 
 
-def expand_units(config: Any, rules: Mapping[str, Any] | None = None) -> list[MappingUnit]:
-    """All mapping units of a model: global ones, then per layer (decoder, experts, MTP wrapper)."""
+def _pf(unit: Mapping[str, Any], layout: str) -> Mapping[str, Any]:
+    """The unit as written for ``layout``: its ``paddlefleet`` override merged in for "fleet"."""
+    if layout == "fleet" and "paddlefleet" in unit:
+        return {**unit, **unit["paddlefleet"]}
+    return unit
+
+
+def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]:
+    """``<a.#.b>`` -> ``a.0.b, a.1.b, ...`` inside a statement; as a key-list item, one key each."""
+    out: list[str] = []
+    for s in items:
+        m = _EXPERT_LIST.fullmatch(s.strip()) if keys else None
+        if m:
+            out.extend(m.group(1).replace("#", str(e)) for e in range(n_experts))
+        else:
+            out.append(
+                _EXPERT_LIST.sub(lambda mm: ", ".join(mm.group(1).replace("#", str(e)) for e in range(n_experts)), s)
+            )
+    return out
+
+
+def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
+    """The model <-> PaddleFleet adapters, expanded: ``hf`` = PaddleFleet keys, ``fleet`` = model keys."""
+    E = int(config.n_routed_experts)
+    out: list[MappingUnit] = []
+    for a in rules.get("fleet_adapters", []):
+        if a.get("expert_layout", expert_layout) != expert_layout:
+            continue
+        raw = {
+            "name": a["name"],
+            "tags": a.get("tags", []),
+            "hf": _expand_lists(a["fleet"], E, True),
+            "fleet": _expand_lists(a["model"], E, True),
+            "hf_to_fleet": _expand_lists(a["fleet_to_model"], E, False),
+            "fleet_to_hf": _expand_lists(a["model_to_fleet"], E, False),
+        }
+        if a["scope"] == "global":
+            out.append(_make(raw, {}, (), None))
+            continue
+        for lp in layer_plan(config):
+            if a["scope"] == "decoder" and _applies(a, lp, config):
+                values = {
+                    "HF": lp.hf_prefix,
+                    "FLEET": lp.fleet_prefix,
+                    "LAYER": lp.hf_prefix,
+                    "LAYER_ID": str(lp.index),
+                }
+                out.append(_make(raw, {**values, "EXPERT_ID": ""}, (_MTP_TAG,) if lp.mtp else (), lp.index))
+    return out
+
+
+def _layer_of(key: str) -> int | None:
+    m = _LAYER_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
+    """One unit per tensor with no statements: a checkpoint already in the model's spelling."""
+    return [MappingUnit(k, (), (k,), (k,), (), (), _layer_of(k)) for k in sorted(keys)]
+
+
+def fleet_units(
+    config: Any,
+    expert_layout: str = "per-expert",
+    fused_shards: int = 1,
+    rules: Mapping[str, Any] | None = None,
+) -> list[MappingUnit]:
+    """PaddleFleet-layout checkpoint (``hf`` side) <-> the Paddle model's ``state_dict()`` (``fleet`` side).
+
+    Every model tensor not touched by an adapter maps by name. ``fused_shards`` > 1: the file was
+    written by a tensor-parallel run whose ``fused_ffn`` weights (dense and shared-expert
+    ``up_gate_proj``) hold ``[gate_0 | up_0 | gate_1 | up_1 | ...]``; the same macro un-interleaves them.
+    """
+    from .layout import EXPERT_LAYOUTS, model_param_specs
+
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
+    if fused_shards < 1:
+        raise ValueError(f"fused_shards must be >= 1, got {fused_shards}")
     rules = rules or load_rules()
+    units = _adapters(config, expert_layout, rules)
+    covered = {k for u in units for k in u.fleet}
+    for u in identity_units(k for k in model_param_specs(config) if k not in covered):
+        k = u.fleet[0]
+        if fused_shards > 1 and TP_FUSED_FFN.search(k) and ".experts." not in k:
+            u = dataclasses.replace(
+                u,
+                hf_to_fleet=(f"{k} -> {k}, fused_ffn, axis=1",),
+                fleet_to_hf=(f"{k} -> {k}, fused_ffn, axis=1",),
+                source_splits=((k, fused_shards),),
+            )
+        units.append(u)
+    return sorted(units, key=lambda u: -1 if u.layer is None else u.layer)
+
+
+def relayout_fused(units: Sequence[MappingUnit], keys: set[str]) -> list[MappingUnit]:
+    """Units whose model-side fused weights in ``keys`` come out per rank as ``[gate_r | up_r]``.
+
+    A checkpoint that stores a fused weight globally as ``[gate | up]`` (a PaddleFleet or old-spelling
+    file) gives a plain column slice to a rank unless ``fused_ffn`` re-lays it for the ranks listed in
+    ``shard_info`` (axis 1 of the model's ``[H, 2I]`` weight). A unit that maps by name gets that as
+    its only statement; a unit that makes the weight as an intermediate (grouped or stacked experts,
+    split from one tensor) gets it appended, on the intermediate.
+    """
+    out = []
+    for u in units:
+        mine = [k for k in u.fleet if k in keys]
+        if not mine:
+            out.append(u)
+        elif len(u.fleet) == 1 and (not u.hf_to_fleet or u.source_splits):
+            out.append(dataclasses.replace(u, hf_to_fleet=(f"{mine[0]} -> {mine[0]}, fused_ffn, axis=1",)))
+        else:  # the program makes k: make it under a temporary name, then re-lay that into k
+            stmts = list(u.hf_to_fleet)
+            for k in mine:
+                token = re.compile(rf"(?<![\w.]){re.escape(k)}(?![\w.])")
+                stmts = [token.sub(f"{k}.whole", x) for x in stmts]
+                stmts.append(f"{k}.whole -> {k}, fused_ffn, axis=1")
+            out.append(dataclasses.replace(u, hf_to_fleet=tuple(stmts)))
+    return out
+
+
+def checkpoint_units(
+    config: Any, layout: str, expert_layout: str = "per-expert", fused_shards: int = 1
+) -> list[MappingUnit]:
+    """Units from a checkpoint in ``layout`` (``hf`` side) to the model's ``state_dict()`` (``fleet`` side)."""
+    from .layout import model_param_specs
+
+    if layout == "hf":
+        return expand_units(config)
+    if layout == "fleet":
+        return fleet_units(config, expert_layout, fused_shards)
+    if layout == "fleet-legacy":
+        return identity_units(model_param_specs(config))
+    raise ValueError(f"unknown checkpoint layout {layout!r}; expected 'hf', 'fleet' or 'fleet-legacy'")
+
+
+def expand_units(
+    config: Any,
+    rules: Mapping[str, Any] | None = None,
+    *,
+    layout: str = "model",
+    expert_layout: str = "per-expert",
+) -> list[MappingUnit]:
+    """All mapping units of a model: global ones, then per layer (decoder, experts, MTP wrapper).
+
+    ``layout="model"``: official HF <-> the Paddle model's ``state_dict()``. ``layout="fleet"``:
+    official HF <-> PaddleFleet's checkpoint layout in ``expert_layout`` (a grouped or stacked
+    layout merges a layer's routed-expert units with the adapter that groups them, the per-expert
+    tensors being intermediates of one program).
+    """
+    if layout not in ("model", "fleet"):
+        raise ValueError(f"unknown target layout {layout!r}; expected 'model' or 'fleet'")
+    rules = rules or load_rules()
+    units = _expand_units(config, rules, layout)
+    if layout == "model" or expert_layout == "per-expert":
+        return units
+    adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
+    grouped_keys = {layer: set(a.fleet) for layer, a in adapters.items()}
+    out: list[MappingUnit] = []
+    merged: dict[int, list[MappingUnit]] = {}
+    for u in units:
+        keys = grouped_keys.get(u.layer) if u.layer is not None else None
+        if keys is not None and set(u.fleet) <= keys:
+            if u.layer not in merged:
+                merged[u.layer] = []
+                out.append(u)  # placeholder, replaced below
+            merged[u.layer].append(u)
+        else:
+            out.append(u)
+    for i, u in enumerate(out):
+        group = merged.get(u.layer) if u.layer is not None else None
+        if group and u is group[0]:
+            a = adapters[u.layer]
+            out[i] = MappingUnit(
+                name=f"{a.name}",
+                tags=tuple(dict.fromkeys([t for g in group for t in g.tags] + list(a.tags))),
+                hf=tuple(k for g in group for k in g.hf),
+                fleet=a.hf,
+                hf_to_fleet=tuple(s for g in group for s in g.hf_to_fleet) + a.fleet_to_hf,
+                fleet_to_hf=a.hf_to_fleet + tuple(s for g in group for s in g.fleet_to_hf),
+                layer=u.layer,
+            )
+    return out
+
+
+def _expand_units(config: Any, rules: Mapping[str, Any], layout: str) -> list[MappingUnit]:
     units: list[MappingUnit] = []
-    raw = rules["units"]
+    raw = [_pf(u, layout) for u in rules["units"]]
     for u in raw:
         if u["scope"] == "global" and _applies(u, None, config):
             units.append(_make(u, {}, (), None))

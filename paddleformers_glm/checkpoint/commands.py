@@ -20,6 +20,13 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         choices=("bfloat16", "float32", "float16"),
         help="dtype of the written weights (default: config dtype)",
     )
+    p.add_argument(
+        "--expert-layout",
+        choices=("per-expert", "grouped", "stacked"),
+        default="per-expert",
+        help="routed experts in a --to fleet file: per expert, PaddleFleet's grouped_gemm_experts.weight1/2, "
+        "or its stacked experts.up_gate_proj/down_proj (default: per-expert)",
+    )
     p.add_argument("--max-shard-size", default="5GB", help="shard size limit, e.g. 5GB, 500MiB (default: 5GB)")
     p.set_defaults(func=_run_convert)
 
@@ -30,7 +37,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     try:
         rep = convert_checkpoint(
-            args.src, args.out, layout=args.to, dtype=args.dtype, max_shard_size=args.max_shard_size
+            args.src,
+            args.out,
+            layout=args.to,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            expert_layout=args.expert_layout,
         )
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)

@@ -33,10 +33,16 @@ def convert_checkpoint(
     layout: str = "fleet",
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
+    expert_layout: str = "per-expert",
 ) -> SaveReport:
-    """Load ``src`` (either layout, strict) and write ``out`` in ``layout``; atomic like every save."""
+    """Load ``src`` (any layout, strict) and write ``out`` in ``layout``; atomic like every save.
+
+    ``expert_layout`` picks PaddleFleet's routed-expert tensors for ``layout="fleet"``.
+    """
     src = os.fspath(src)
     config = load_config_for(os.path.abspath(src))
     state = empty_state(config, dtype or config.model_dtype)
     load_pretrained_state(state, src, dtype=dtype or config.model_dtype, config=config)
-    return save_pretrained_state(state, config, out, layout=layout, max_shard_size=max_shard_size, dtype=dtype)
+    return save_pretrained_state(
+        state, config, out, layout=layout, max_shard_size=max_shard_size, dtype=dtype, expert_layout=expert_layout
+    )

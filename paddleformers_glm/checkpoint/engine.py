@@ -303,6 +303,22 @@ def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict,
     return plan
 
 
+def _column_shards(key: str, shape: tuple[int, ...], dtype: str, n: int) -> list[Any]:
+    """A source tensor described as ``n`` equal pieces of its last axis (a tensor-parallel file)."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    if not shape or shape[-1] % n:
+        raise CheckpointError(
+            "tensor-parallel shard count does not divide the fused weight",
+            key=key,
+            expected=f"last axis % {n} == 0",
+            actual=shape,
+        )
+    w = shape[-1] // n
+    local = (*shape[:-1], w)
+    return [ShardedWeightDesc(key, local, shape, (0,) * (len(shape) - 1) + (r * w,), dtype) for r in range(n)]
+
+
 def group_units(units: Iterable[MappingUnit]) -> list[list[MappingUnit]]:
     """Units grouped by layer (global units first), the granularity one engine runs at."""
     groups: dict[int, list[MappingUnit]] = defaultdict(list)
@@ -347,6 +363,10 @@ def run_units(
         src_keys = [k for u in group for k in u.sources(direction)]
         src_meta = {k: source.meta(k) for k in src_keys}
         src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
+        if direction == "hf_to_fleet":
+            for u in group:
+                for k, n in u.source_splits:
+                    src_info[k] = _column_shards(k, *src_meta[k], n)
         # Every target of the group gets destination info (the engine needs the full output set);
         # ones not wanted are described as unsharded and never materialised.
         dst_info: dict[str, list[Any]] = {}

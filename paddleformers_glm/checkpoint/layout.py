@@ -1,12 +1,18 @@
 """The parameter-name contract: every tensor of a GLM-5.2 model, in both layouts, from the config.
 
-Two layouts exist (REFERENCE §2 and §5):
+Two checkpoint layouts exist, and the model's own state dict:
 
 * **hf** — the official checkpoint: torch ``[out, in]`` linears, separate ``gate_proj``/``up_proj``,
   ``self_attn.indexer.*``, the MTP decoder layer directly under ``model.layers.{L}.``.
-* **fleet** — the Paddle model's ``state_dict()``: ``[in, out]`` linears, fused ``up_gate_proj``
-  (gate columns first), ``self_attn.core_attention.indexer.*``, the MTP decoder under
-  ``model.layers.{L}.transformer_layer.``, router in float32.
+* **model** — the Paddle model's ``state_dict()`` (:func:`model_param_specs`, historically
+  :func:`fleet_param_specs`): ``[in, out]`` linears, fused ``up_gate_proj`` (gate columns first),
+  ``self_attn.core_attention.indexer.*``, the MTP decoder under ``model.layers.{L}.transformer_layer.``,
+  router ``[H, E]`` in float32, ``lm_head.weight`` ``[H, V]``.
+* **fleet** — PaddleFleet's checkpoint layout (:func:`paddlefleet_param_specs`): the model's names
+  and shapes except the router ``[E, H]`` (float32) and ``model.lm_head.weight`` ``[V, H]``, neither
+  transposed, and routed experts in one of three expert layouts (:data:`EXPERT_LAYOUTS`).
+  The model's own spelling written as a checkpoint is the old "fleet" layout, read as
+  ``"fleet-legacy"``.
 
 These functions are written out by hand from that description, *not* derived from the AOA rules in
 ``aoa_mappings/``, so tests can check the rules against them (two independent statements of the
@@ -26,13 +32,18 @@ __all__ = [
     "LayerPlan",
     "layer_plan",
     "fleet_param_specs",
+    "model_param_specs",
+    "paddlefleet_param_specs",
     "hf_param_specs",
+    "EXPERT_LAYOUTS",
+    "LAYOUTS",
     "resolve_dtype",
     "param_specs",
 ]
 
 ParamSpec = tuple[tuple[int, ...], str]
-LAYOUTS = ("hf", "fleet")
+LAYOUTS = ("hf", "fleet", "fleet-legacy")
+EXPERT_LAYOUTS = ("per-expert", "grouped", "stacked")
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,7 @@ def _hf_decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool) -> dict[st
     return out
 
 
-def fleet_param_specs(config: Any) -> dict[str, ParamSpec]:
+def model_param_specs(config: Any) -> dict[str, ParamSpec]:
     """Every key of the Paddle model's ``state_dict()`` with its shape ([in, out] linears) and dtype kind."""
     d = _dims(config)
     bias = bool(config.attention_bias)
@@ -214,10 +225,47 @@ def hf_param_specs(config: Any) -> dict[str, ParamSpec]:
     return out
 
 
-def param_specs(config: Any, layout: str) -> dict[str, ParamSpec]:
-    """:func:`hf_param_specs` or :func:`fleet_param_specs` by name."""
+fleet_param_specs = model_param_specs  # the model's state dict; the name predates the PaddleFleet layout
+
+
+def paddlefleet_param_specs(config: Any, expert_layout: str = "per-expert") -> dict[str, ParamSpec]:
+    """Every tensor of a PaddleFleet-layout checkpoint (what its AOA rules make from the official one).
+
+    Differs from :func:`model_param_specs` in the router (``[E, H]``, float32, not transposed), the
+    head (``model.lm_head.weight`` ``[V, H]``, not transposed) and, by ``expert_layout``, the routed
+    experts: ``per-expert`` keeps ``mlp.experts.{e}.{up_gate,down}_proj.weight``; ``grouped``
+    concatenates them on axis 0 into ``mlp.grouped_gemm_experts.weight1`` ``[E*H, 2*Im]`` and
+    ``weight2`` ``[E*Im, H]``; ``stacked`` does the same into ``mlp.experts.up_gate_proj`` and
+    ``mlp.experts.down_proj`` (no ``.weight`` suffix), PaddleFleet's fallback layout.
+    """
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
+    d = _dims(config)
+    out: dict[str, ParamSpec] = {}
+    for k, spec in model_param_specs(config).items():
+        if k == "lm_head.weight":
+            out["model.lm_head.weight"] = ((d["V"], d["H"]), spec[1])
+        elif k.endswith(".mlp.gate.weight"):
+            out[k] = ((d["E"], d["H"]), "float32")
+        elif ".mlp.experts." in k and expert_layout != "per-expert":
+            p = k.split(".mlp.experts.")[0] + ".mlp"
+            if expert_layout == "grouped":
+                w1, w2 = f"{p}.grouped_gemm_experts.weight1", f"{p}.grouped_gemm_experts.weight2"
+            else:
+                w1, w2 = f"{p}.experts.up_gate_proj", f"{p}.experts.down_proj"
+            out[w1] = ((d["E"] * d["H"], 2 * d["Im"]), spec[1])
+            out[w2] = ((d["E"] * d["Im"], d["H"]), spec[1])
+        else:
+            out[k] = spec
+    return out
+
+
+def param_specs(config: Any, layout: str, expert_layout: str = "per-expert") -> dict[str, ParamSpec]:
+    """The tensors of a checkpoint in ``layout`` (``hf``, ``fleet`` = PaddleFleet, ``fleet-legacy``)."""
     if layout == "hf":
         return hf_param_specs(config)
     if layout == "fleet":
-        return fleet_param_specs(config)
+        return paddlefleet_param_specs(config, expert_layout)
+    if layout in ("fleet-legacy", "model"):
+        return model_param_specs(config)
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")

@@ -14,20 +14,29 @@ it is the slower, hungrier path; it exists to show both Paddle entry points agre
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aoa import MappingUnit, build_statements, expand_units, quiet_paddle_logs
+from . import fleet as fleet_format
+from .aoa import (
+    MappingUnit,
+    build_statements,
+    checkpoint_units,
+    expand_units,
+    identity_units,
+    quiet_paddle_logs,
+    relayout_fused,
+)
 from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
-from .layout import fleet_param_specs, hf_param_specs, resolve_dtype
+from .layout import fleet_param_specs, param_specs, resolve_dtype
 from .safetensors_io import FLOAT_DTYPES, Checkpoint, st_to_paddle_dtype
 
 __all__ = [
@@ -66,19 +75,9 @@ def format_keys(keys: Iterable[str], n: int = 5) -> str:
     return f"{len(ks)} key{'s' if len(ks) != 1 else ''}: {', '.join(ks[:n])}{more}"
 
 
-def detect_layout(keys: Iterable[str], config: Any) -> str:
-    """``"hf"`` or ``"fleet"``: the contract the key set overlaps most (ties and no overlap refused)."""
-    ks = set(keys)
-    hf = len(ks & set(hf_param_specs(config)))
-    fl = len(ks & set(fleet_param_specs(config)))
-    if hf == fl:
-        sample = sorted(ks)[:3]
-        raise CheckpointError(
-            "cannot tell the checkpoint layout (hf or fleet) from its keys",
-            expected="keys of the official or the Paddle/Fleet layout",
-            actual=sample,
-        )
-    return "hf" if hf > fl else "fleet"
+def detect_layout(keys: Iterable[str], config: Any, shape_of: Callable[[str], Any] | None = None) -> str:
+    """``"hf"``, ``"fleet"`` (PaddleFleet) or ``"fleet-legacy"``: see :func:`.fleet.detect_layout`."""
+    return fleet_format.detect_layout(keys, config, shape_of)
 
 
 def _layer_of(key: str) -> int | None:
@@ -86,14 +85,9 @@ def _layer_of(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
-    """One unit per tensor with no statements: a Fleet-layout checkpoint into a Fleet model."""
-    return [MappingUnit(k, (), (k,), (k,), (), (), _layer_of(k)) for k in sorted(keys)]
-
-
-def units_for(config: Any, layout: str) -> list[MappingUnit]:
+def units_for(config: Any, layout: str, expert_layout: str = "per-expert", fused_shards: int = 1) -> list[MappingUnit]:
     """The mapping units from a checkpoint of ``layout`` to the Fleet model."""
-    return expand_units(config) if layout == "hf" else identity_units(fleet_param_specs(config))
+    return checkpoint_units(config, layout, expert_layout, fused_shards)
 
 
 def fused_keys(config: Any) -> set[str]:
@@ -104,14 +98,8 @@ def fused_keys(config: Any) -> set[str]:
 def _relayout_fused(units: list[MappingUnit], keys: set[str]) -> list[MappingUnit]:
     """A Fleet-layout checkpoint holds fused weights globally as ``[gate | up]``; a rank whose
     ``shard_info`` lists several pieces wants Fleet's per-rank ``[gate_r | up_r]``, which is what
-    ``fused_ffn`` gives from an HF checkpoint. Re-run the same macro on the fused tensor itself
-    (axis 1 of the Fleet ``[H, 2I]`` weight) so both layouts load into the same local bytes."""
-    return [
-        dataclasses.replace(u, hf_to_fleet=(f"{u.fleet[0]} -> {u.fleet[0]}, fused_ffn, axis=1",))
-        if len(u.fleet) == 1 and u.fleet[0] in keys
-        else u
-        for u in units
-    ]
+    ``fused_ffn`` gives from an HF checkpoint: :func:`.aoa.relayout_fused` re-runs the same macro."""
+    return relayout_fused(units, keys)
 
 
 def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
@@ -188,10 +176,16 @@ def load_pretrained_state(
     path = os.path.abspath(os.fspath(path))
     cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
     with Checkpoint(path, strict=strict) as ckpt:
-        layout = detect_layout(ckpt.keys(), cfg)
+        layout = detect_layout(ckpt.keys(), cfg, lambda k: ckpt.info(k).shape)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
-        src_specs = hf_param_specs(cfg) if layout == "hf" else fleet_param_specs(cfg)
+        if layout == "fleet-legacy":
+            fleet_format.warn_legacy(report.warnings)
+        expert_layout = fleet_format.detect_expert_layout(ckpt.keys())
+        src_specs = param_specs(cfg, layout, expert_layout)
         missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs)
+        absent_mtp = fleet_format.absent_mtp_indexer(cfg, layout, missing_src)
+        if absent_mtp:
+            missing_src = [k for k in missing_src if k not in absent_mtp]
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
@@ -220,8 +214,9 @@ def load_pretrained_state(
         want = set(state) & selected
         report.skipped = sorted((set(state) & set(fleet)) - want)
         # --- units: which targets can be produced from what the checkpoint has
-        units = units_for(cfg, layout)
-        if layout == "fleet" and shard_info:
+        units = units_for(cfg, layout, expert_layout, fleet_format.fused_ffn_shards(ckpt) if layout == "fleet" else 1)
+        units = [u for u in units if not absent_mtp & set(u.hf)]
+        if layout != "hf" and shard_info:
             units = _relayout_fused(units, set(shard_info) & fused_keys(cfg))
         direction = "hf_to_fleet"
         missing_src_set = set(missing_src)
@@ -245,6 +240,14 @@ def load_pretrained_state(
                 f"checkpoint does not match the {layout} layout of this config: " + "; ".join(parts), file=path
             )
         report.missing = sorted(missing_targets)
+        if absent_mtp & want:
+            msg = (
+                f"{path}: the MTP layer's indexer is not in this PaddleFleet checkpoint (its writer skipped it): "
+                f"{format_keys(absent_mtp & want)}; initialised as transformers does (normal(0, initializer_range), "
+                "norm weight 1, bias 0) — train or load them before relying on MTP"
+            )
+            report.warnings.append(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
         # --- targets
         targets: dict[str, TargetSpec] = {}
         for u in usable:
@@ -266,8 +269,12 @@ def load_pretrained_state(
             for k, _ in run_units(usable, direction, source, targets, produce=want):
                 report.loaded.append(k)
             report.bytes_read = source.bytes_read
+            fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
         elif backend == "paddle":
+            if any(u.source_splits for u in usable):
+                raise ValueError(f"backend='paddle' cannot read tensor-parallel interleaved fused weights ({path})")
             report.loaded, files = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
+            fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
             report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
         else:
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")

@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aoa import expand_units, quiet_paddle_logs
+from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .layout import fleet_param_specs, param_specs, resolve_dtype
-from .loader import format_keys, identity_units
+from .loader import format_keys
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
 __all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards"]
@@ -131,6 +131,7 @@ def save_pretrained_state(
     dtype: str | None = None,
     *,
     metadata: Mapping[str, str] | None = None,
+    expert_layout: str = "per-expert",
 ) -> SaveReport:
     """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``.
 
@@ -138,7 +139,8 @@ def save_pretrained_state(
     ``dtype`` overrides ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and
     in the Fleet layout the router weight, stay float32). If ``out_dir`` does not exist or is empty
     the whole folder appears at once (rename); otherwise the finished files are moved in one by one
-    and stale weight files of an earlier checkpoint there are removed.
+    and stale weight files of an earlier checkpoint there are removed. ``expert_layout`` (fleet
+    layout only): PaddleFleet's ``per-expert``, ``grouped`` or ``stacked`` routed-expert tensors.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
@@ -149,14 +151,16 @@ def save_pretrained_state(
     state = _state_of(model_or_state_dict)
     _check_state(state, config)
     model_dtype = dtype or config.model_dtype
-    specs = param_specs(config, layout)
+    if layout == "hf" and expert_layout != "per-expert":
+        raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
+    specs = param_specs(config, layout, expert_layout)
     tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
     entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
     shards = plan_shards(entries, limit)
     n = len(shards)
     names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
     file_of = {k: names[i] for i, keys in enumerate(shards) for k in keys}
-    units = expand_units(config) if layout == "hf" else identity_units(specs)
+    units = checkpoint_units(config, layout, expert_layout)
     targets = {k: TargetSpec(k, tuple(shape), tgt_dtypes[k]) for k, (shape, _) in specs.items()}
     tensors = {k: getattr(v, "local_tensor", v) for k, v in state.items()}
 
@@ -171,9 +175,7 @@ def save_pretrained_state(
                 os.path.join(tmp, name), [(k, entries[k][1], entries[k][0]) for k in keys], meta
             )
         count = 0
-        for key, t in run_units(
-            units, "fleet_to_hf" if layout == "hf" else "hf_to_fleet", StateDictSource(tensors), targets
-        ):
+        for key, t in run_units(units, "fleet_to_hf", StateDictSource(tensors), targets):
             writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
             count += 1
             del t

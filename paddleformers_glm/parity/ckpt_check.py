@@ -181,7 +181,9 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
     value difference). One tensor is in memory at a time; only differing ones are kept, for their
     max abs diff.
     """
+    from ..checkpoint.aoa import expand_units
     from ..checkpoint.engine import CheckpointSource, TargetSpec, run_units
+    from ..checkpoint.fleet import detect_expert_layout
     from ..checkpoint.layout import param_specs
     from ..checkpoint.loader import units_for
     from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype
@@ -192,10 +194,18 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         for k, info in cand.ckpt.tensors.items():
             out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
         return out
-    hf_units = units_for(config, "hf")
-    direction = "fleet_to_hf" if ref.layout == "hf" else "hf_to_fleet"
-    cand_specs = param_specs(config, cand.layout)
-    ref_specs = param_specs(config, ref.layout)
+    other = ref if cand.layout == "hf" else cand  # the non-official side picks the rules' target layout
+    expert_layout = detect_expert_layout(other.ckpt.keys())
+    if "hf" in (cand.layout, ref.layout):
+        target = "fleet" if other.layout == "fleet" else "model"
+        hf_units = expand_units(config, layout=target, expert_layout=expert_layout)
+        direction = "fleet_to_hf" if ref.layout == "hf" else "hf_to_fleet"
+    else:  # PaddleFleet vs the old fleet spelling: the adapters between them (hf side = PaddleFleet)
+        pf = ref if ref.layout == "fleet" else cand
+        hf_units = units_for(config, "fleet", detect_expert_layout(pf.ckpt.keys()))
+        direction = "fleet_to_hf" if ref.layout == "fleet" else "hf_to_fleet"
+    cand_specs = param_specs(config, cand.layout, detect_expert_layout(cand.ckpt.keys()))
+    ref_specs = param_specs(config, ref.layout, detect_expert_layout(ref.ckpt.keys()))
     consumed: set[str] = set()
     usable = []
     for u in hf_units:

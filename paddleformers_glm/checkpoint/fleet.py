@@ -1,0 +1,164 @@
+"""PaddleFleet-layout checkpoints: which layout a file is in, and what the loader does about it.
+
+A ``fleet`` checkpoint is in PaddleFleet's own layout (:func:`.layout.paddlefleet_param_specs`);
+its routed experts come per expert, grouped (``grouped_gemm_experts.weight1/2``) or stacked
+(``experts.up_gate_proj``). A file in the model's own spelling (router ``[H, E]``, ``lm_head.weight``
+``[H, V]``) is the layout this library called "fleet" before it matched PaddleFleet: it is read as
+``fleet-legacy`` with a :class:`FutureWarning` for one release, then refused.
+
+Two facts only the file can tell are read here: a tensor-parallel writer's per-shard interleave
+of ``fused_ffn`` weights (index ``metadata`` key :data:`FUSED_FFN_KEY`, or the same key in a single
+file's ``__metadata__``), and whether the MTP layer's indexer was written at all (some PaddleFleet
+versions skip building it when the MTP layer shares the previous layer's top-k).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+from .layout import hf_param_specs, layer_plan, model_param_specs, paddlefleet_param_specs
+
+__all__ = [
+    "FUSED_FFN_KEY",
+    "LEGACY_MESSAGE",
+    "detect_layout",
+    "detect_expert_layout",
+    "fused_ffn_shards",
+    "mtp_indexer_keys",
+    "absent_mtp_indexer",
+    "init_like_transformers",
+    "warn_legacy",
+]
+
+FUSED_FFN_KEY = "fused_ffn_tp_degree"
+LEGACY_MESSAGE = (
+    "checkpoint is in the old 'fleet' spelling (router mlp.gate.weight [H, E], lm_head.weight [H, V]); "
+    "the 'fleet' layout is now PaddleFleet's (router [E, H], model.lm_head.weight [V, H], not transposed). "
+    "It loads for this release only: re-save it with `glm52 convert SRC OUT --to fleet`"
+)
+_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+def detect_expert_layout(keys: Iterable[str]) -> str:
+    """``per-expert``, ``grouped`` or ``stacked`` from the routed-expert key names (default per-expert)."""
+    ks = list(keys)
+    if any(".mlp.grouped_gemm_experts.weight" in k for k in ks):
+        return "grouped"
+    if any(k.endswith((".mlp.experts.up_gate_proj", ".mlp.experts.down_proj")) for k in ks):
+        return "stacked"
+    return "per-expert"
+
+
+def detect_layout(keys: Iterable[str], config: Any, shape_of: Any = None) -> str:
+    """``hf``, ``fleet`` (PaddleFleet) or ``fleet-legacy``: the contract the key set overlaps most.
+
+    The PaddleFleet and legacy key sets differ only in the head's name (and expert grouping); when a
+    file has neither head, ``shape_of(key)`` (optional) tells them apart by the router's orientation.
+    Ties with the official layout and no overlap are refused.
+    """
+    ks = set(keys)
+    scores = {
+        "hf": len(ks & set(hf_param_specs(config))),
+        "fleet": len(ks & set(paddlefleet_param_specs(config, detect_expert_layout(ks)))),
+        "fleet-legacy": len(ks & set(model_param_specs(config))),
+    }
+    best = max(scores.values())
+    winners = [k for k, v in scores.items() if v == best]
+    if winners == ["fleet", "fleet-legacy"] and shape_of is not None:
+        router = next((k for k in sorted(ks) if k.endswith(".mlp.gate.weight")), None)
+        if router is not None:
+            shape = tuple(shape_of(router))
+            winners = ["fleet" if shape and shape[0] == int(config.n_routed_experts) else "fleet-legacy"]
+    if best == 0 or len(winners) != 1:
+        raise CheckpointError(
+            "cannot tell the checkpoint layout (hf, fleet or fleet-legacy) from its keys",
+            expected="keys of the official, the PaddleFleet or the old fleet layout",
+            actual=sorted(ks)[:3],
+        )
+    return winners[0]
+
+
+def fused_ffn_shards(ckpt: Any) -> int:
+    """How many tensor-parallel shards interleave the ``fused_ffn`` weights (1 = plain ``[gate | up]``)."""
+    values = []
+    index = getattr(ckpt, "index", None) or {}
+    if FUSED_FFN_KEY in (index.get("metadata") or {}):
+        values.append((getattr(ckpt, "index_file", None), index["metadata"][FUSED_FFN_KEY]))
+    for name, f in (getattr(ckpt, "files", None) or {}).items():
+        meta = getattr(f, "metadata", None) or {}
+        if FUSED_FFN_KEY in meta:
+            values.append((name, meta[FUSED_FFN_KEY]))
+    out = {}
+    for where, v in values:
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1:
+            raise CheckpointError(
+                f"{FUSED_FFN_KEY} must be a positive integer", file=where, key=FUSED_FFN_KEY, actual=v
+            )
+        out[where] = n
+    if len(set(out.values())) > 1:
+        raise CheckpointError(f"files disagree on {FUSED_FFN_KEY}", key=FUSED_FFN_KEY, actual=out)
+    return next(iter(out.values()), 1)
+
+
+def mtp_indexer_keys(config: Any) -> dict[int, list[str]]:
+    """Per MTP layer, the 5 indexer tensors (same names in the PaddleFleet and model layouts)."""
+    return {
+        lp.index: [f"{lp.fleet_prefix}.self_attn.core_attention.indexer.{n}" for n in _INDEXER]
+        for lp in layer_plan(config)
+        if lp.mtp
+    }
+
+
+def absent_mtp_indexer(config: Any, layout: str, missing: Iterable[str]) -> set[str]:
+    """MTP indexer tensors a PaddleFleet file left out entirely (all 5 of a layer), else nothing.
+
+    Only the ``fleet`` layout: the official checkpoint always ships them, and a partial set is damage,
+    not a writer's choice, so it stays a missing-key error.
+    """
+    if layout != "fleet":
+        return set()
+    gone = set(missing)
+    return {k for keys in mtp_indexer_keys(config).values() if set(keys) <= gone for k in keys}
+
+
+def init_like_transformers(state: Mapping[str, Any], keys: Iterable[str], config: Any) -> list[str]:
+    """Fill ``keys`` of ``state`` as transformers initialises weights a checkpoint lacks.
+
+    Linear weights ~ N(0, ``initializer_range``), LayerNorm weight 1 and bias 0. The draw is seeded
+    by the key name, so two loads of the same file give the same model. Returns the keys filled.
+    """
+    import paddle
+
+    std = float(getattr(config, "initializer_range", 0.02))
+    done = []
+    for k in sorted(keys):
+        if k not in state:
+            continue
+        t = getattr(state[k], "local_tensor", state[k])
+        shape = [int(d) for d in t.shape]
+        if k.endswith("k_norm.weight"):
+            arr = np.ones(shape, np.float32)
+        elif k.endswith(".bias"):
+            arr = np.zeros(shape, np.float32)
+        else:
+            arr = np.random.default_rng(zlib.crc32(k.encode())).normal(0.0, std, shape).astype(np.float32)
+        t.set_value(paddle.to_tensor(arr).astype(t.dtype))
+        done.append(k)
+    return done
+
+
+def warn_legacy(report_warnings: list[str] | None = None) -> None:
+    """Tell the user the file is in the old spelling (a FutureWarning, and in the load report)."""
+    warnings.warn(LEGACY_MESSAGE, FutureWarning, stacklevel=3)
+    if report_warnings is not None:
+        report_warnings.append(LEGACY_MESSAGE)
