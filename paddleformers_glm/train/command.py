@@ -53,6 +53,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(
         "--data", default=None, help=".npy / .bin token stream or .jsonl with input_ids (default: synthetic)"
@@ -118,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=os.path.abspath(args.resume) if args.resume else None,
         dtype=args.dtype,
         progress=not args.no_progress,
+        moe_bias_update_rate=args.moe_bias_update_rate,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         fault=args.fault,
     )
     cfg.validate()
