@@ -186,6 +186,10 @@ def test_bias_updates_move_biases_and_even_the_load(skewed_ckpt, tmp_path):
     assert r1[-5:].mean() < 0.8 * r1[0] and r1[-5:].mean() < 0.8 * r0[-5:].mean(), (r0.tolist(), r1.tolist())
     written = json.loads((tmp_path / "r1" / "loss.json").read_text())["expert_load"]
     assert written["max_mean_ratio"] == el1["max_mean_ratio"]
+    from paddleformers_glm.cli import main
+
+    assert main(["plot-experts", str(tmp_path / "r1")]) == 0  # the measured curve, drawn
+    assert (tmp_path / "r1" / "expert_load.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
