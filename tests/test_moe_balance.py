@@ -208,3 +208,26 @@ def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, tmp_path, l
     assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]
     a, b = _biases(tmp_path / "one" / "export"), _biases(tmp_path / "multi" / "export")
     assert a == b and a != _biases(skewed_ckpt)
+
+
+def test_aux_loss_in_training_is_reported_and_trains_the_router(skewed_ckpt, tmp_path):
+    def run(out: Path, coeff: float) -> dict:
+        cfg = TrainConfig(
+            model="glm", model_args={"model_dir": str(skewed_ckpt)}, steps=2, seq_len=16, global_batch_size=2,
+            micro_batch_size=1, out=str(out), progress=False, export=True, moe_aux_loss_coeff=coeff,
+        )  # fmt: skip
+        return run_training(cfg)
+
+    off, on = run(tmp_path / "off", 0.0), run(tmp_path / "on", 0.1)
+    assert "aux_losses" not in off["expert_load"]
+    aux = on["expert_load"]["aux_losses"]
+    # sum_e f_e P_e: 1 at uniform counts, at most E / K = 4; the skewed biases make it exceed 1
+    assert len(aux) == 2 and all(1.0 < a < 4.0 for a in aux), aux
+    assert on["losses"][0] == off["losses"][0]  # the reported LM loss excludes it
+
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+
+    a, b = Checkpoint(str(tmp_path / "off" / "export")), Checkpoint(str(tmp_path / "on" / "export"))
+    for key in ("model.layers.3.mlp.gate.weight", "model.layers.3.self_attn.o_proj.weight"):
+        # its gradient reached the router, and through the routing scores the hidden states
+        assert bytes(a.raw(key)) != bytes(b.raw(key)), key

@@ -81,9 +81,10 @@ class ExpertBalancer:
         self.rate = float(bias_update_rate)
         self.aux_coeff = float(aux_loss_coeff)
         self.routers = _routers(module)
+        self.global_sequences = max(int(global_sequences), 1)
         for r in self.routers.values():
             r.balance.aux_loss_coeff = self.aux_coeff
-            r.balance.aux_loss_scale = 1.0 / max(int(global_sequences), 1)
+            r.balance.aux_loss_scale = 1.0 / self.global_sequences
         self.num_experts = next(iter(self.routers.values())).num_experts if self.routers else 0
         # rows: every layer number any stage holds (the same answer on every rank)
         top = np.array([max(self.routers, default=-1) + 1, self.num_experts], dtype=np.float64)
@@ -143,7 +144,7 @@ class ExpertBalancer:
         self.unused_fraction.append([s["unused_fraction"] for s in stats])
         if self.aux_coeff > 0:
             n = max(1, len(self.layers))
-            self.aux_losses.append(float(mat[self.layers, E].sum()) / n)
+            self.aux_losses.append(float(mat[self.layers, E].sum()) / n / self.global_sequences)
         self.load_total = rows.copy() if self.load_total is None else self.load_total + rows
         self.load_last = rows
 
@@ -164,5 +165,5 @@ class ExpertBalancer:
             "load_last": self.load_last.astype(np.int64).tolist(),
         }
         if self.aux_coeff > 0:
-            out["aux_losses"] = self.aux_losses  # per step: sum over sequences, mean over layers
+            out["aux_losses"] = self.aux_losses  # per step: mean over sequences and MoE layers (1 = balanced)
         return {"expert_load": out}
