@@ -48,10 +48,12 @@ def itemsize(dtype: Any) -> int:
     return _ITEMSIZE.get(name, 2)
 
 
-def set_quiet(quiet: bool | None = True) -> None:
-    """Silence (True) or allow (False) progress output in this process; None: back to the env default."""
+def set_quiet(quiet: bool | None = True) -> bool | None:
+    """Silence (True) or allow (False) progress output in this process; None: back to the env
+    default.  Returns the previous setting (to restore it)."""
     global _QUIET
-    _QUIET = quiet
+    prev, _QUIET = _QUIET, quiet
+    return prev
 
 
 def _quiet() -> bool:

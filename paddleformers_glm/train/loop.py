@@ -23,6 +23,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from .. import progress
 from ..parallel import comm
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
@@ -178,9 +179,12 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
     topo = init_topology(pc, **adapter.parallel_sizes())
+    was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         return _train(cfg, adapter, topo, specs)
     finally:
+        if not cfg.progress:
+            progress.set_quiet(was_quiet)
         if world == 1:
             set_topology(None)
 
