@@ -209,7 +209,9 @@ def one_process(skewed_ckpt, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout", [("--dp", "2"), ("--tp", "2", "--ep", "2"), ("--tp", "2", "--sp")], ids=["dp2", "tp2-ep2", "tp2-sp"]
+    "layout",
+    [("--dp", "2"), ("--tp", "2", "--ep", "2"), ("--tp", "2", "--sp"), ("--pp", "2")],
+    ids=["dp2", "tp2-ep2", "tp2-sp", "pp2"],
 )
 def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, one_process, tmp_path, layout):
     one_dir, one = one_process
