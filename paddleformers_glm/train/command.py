@@ -67,7 +67,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
