@@ -28,12 +28,16 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         "or its stacked experts.up_gate_proj/down_proj (default: per-expert)",
     )
     p.add_argument("--max-shard-size", default="5GB", help="shard size limit, e.g. 5GB, 500MiB (default: 5GB)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_run_convert)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from .. import progress
     from .convert import convert_checkpoint
     from .errors import CheckpointError
+
+    progress.set_quiet(True if args.quiet else None)
 
     try:
         rep = convert_checkpoint(

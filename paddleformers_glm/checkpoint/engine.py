@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import progress
 from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
 from .safetensors_io import Checkpoint, st_to_paddle_dtype
@@ -356,6 +357,8 @@ def run_units(
     quiet_paddle_logs()
     produce = set(targets) if produce is None else set(produce)
     plans: dict[Any, Any] = {}
+    sizes = {k: math.prod(targets[k].local()[0]) * progress.itemsize(targets[k].dtype) for k in produce if k in targets}
+    bar = progress.start("load" if isinstance(source, CheckpointSource) else "save", sum(sizes.values()), len(sizes))
     for group in group_units(units):
         wanted = [k for u in group for k in u.targets(direction) if k in produce]
         if not wanted:
@@ -440,4 +443,6 @@ def run_units(
                     expected=f"{math.prod(local_shape)} elements",
                     actual=f"{covered} written",
                 )
+            bar.update(sizes.get(key, 0))
             yield key, out
+    bar.close()

@@ -130,6 +130,104 @@ class _GroupedMatmul(PyLayer):
         return tuple(grad if need else None for grad, need in zip((dx, *dws), ctx.needs))
 
 
+def sequence_aux_loss(
+    scores: paddle.Tensor,
+    expert_ids: paddle.Tensor,
+    batch_shape: tuple[int, ...] | None,
+    num_experts: int,
+    tp_group: object = None,
+    tp_size: int = 1,
+) -> paddle.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, summed over this micro-batch's sequences.
+
+    Per sequence of T tokens: ``sum_i f_i * P_i`` with ``f_i = E / (K T) * #{t: i in top-k(t)}``
+    and ``P_i = 1/T sum_t s_ti / sum_j s_tj`` (sigmoid scores normalised over all experts).  The
+    coefficient and the mean over the global batch's sequences are applied by the caller.
+
+    Under sequence parallel each rank routes a slice of every sequence (``tp_group`` given): the
+    counts ``f`` are summed over the group (no gradient flows through them) and ``P`` is this
+    slice's share, so the ranks' terms add up to the whole sequence's loss and the router
+    gradient, summed over the group like every sequence-parallel parameter's, is the full one.
+    """
+    N, E = scores.shape
+    K = expert_ids.shape[-1]
+    B = int(batch_shape[0]) if batch_shape is not None and len(batch_shape) > 1 else 1
+    S = N // B
+    T = S * tp_size
+    probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    P = probs.reshape([B, S, E]).sum(1) / T  # [B, E]
+    with paddle.no_grad():
+        seq = (paddle.arange(N, dtype="int64") // S).unsqueeze(-1)  # [N, 1]: each row's sequence
+        flat = (seq * E + expert_ids).reshape([-1])
+        counts = paddle.bincount(flat, minlength=B * E).astype("float32").reshape([B, E])
+        if tp_group is not None:
+            from ..parallel import comm
+
+            counts = comm.all_reduce(counts, tp_group)
+        f = counts * (float(num_experts) / (K * T))
+    return (f * P).sum()
+
+
+class _AuxLossGrad(PyLayer):
+    """Identity on the routing weights whose backward also starts the aux loss's gradient with
+    ``scale`` (the loss enters the objective without changing any loss plumbing; Megatron's
+    auxiliary-loss scaler does the same)."""
+
+    @staticmethod
+    def forward(ctx: object, weights: paddle.Tensor, aux: paddle.Tensor, scale: float) -> paddle.Tensor:
+        ctx.scale, ctx.shape, ctx.dtype = scale, aux.shape, aux.dtype
+        return weights.clone()
+
+    @staticmethod
+    def backward(ctx: object, dw: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        return dw, paddle.full(ctx.shape, ctx.scale, dtype=ctx.dtype)
+
+
+class RouterBalance:
+    """A router's training-time balancing state, kept out of the state dict.
+
+    ``counts``: tokens routed to each expert [E] (int64) by the training forwards since the trainer
+    last took them (after each optimizer step; ``train/moe_balance.py``).  ``aux_loss_coeff`` > 0
+    adds the sequence-wise balance loss times ``aux_loss_scale`` per sequence (the trainer sets it
+    to 1 / global batch sequences, so the gradient is that of ``coeff * mean over sequences``);
+    ``aux_loss`` sums the unscaled per-sequence losses since the trainer last took them.
+    """
+
+    def __init__(self) -> None:
+        self.counts: paddle.Tensor | None = None
+        self.aux_loss_coeff = 0.0
+        self.aux_loss_scale = 1.0
+        self.aux_loss: paddle.Tensor | None = None
+
+    def track(
+        self,
+        scores: paddle.Tensor,
+        expert_ids: paddle.Tensor,
+        weights: paddle.Tensor,
+        batch_shape: tuple[int, ...] | None,
+    ) -> paddle.Tensor:
+        E = scores.shape[-1]
+        with paddle.no_grad():
+            c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
+            self.counts = c if self.counts is None else self.counts + c
+        if self.aux_loss_coeff <= 0:
+            return weights
+        topo = get_topology()
+        sp = topo.sequence_parallel and topo.tp_size > 1
+        aux = sequence_aux_loss(
+            scores, expert_ids, batch_shape, E, topo.tp_group if sp else None, topo.tp_size if sp else 1
+        )
+        done = aux.detach()
+        self.aux_loss = done if self.aux_loss is None else self.aux_loss + done
+        return _AuxLossGrad.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale)
+
+    def take(self) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
+        """(counts, aux loss sum) since the last take; resets both."""
+        out = (self.counts, self.aux_loss)
+        self.counts = self.aux_loss = None
+        return out
+
+
 class TopkRouter(nn.Layer):
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
@@ -146,9 +244,15 @@ class TopkRouter(nn.Layer):
         )
         # A persistable fp32 buffer: updated by aux-loss-free balancing rules, never by the optimizer.
         self.register_buffer("e_score_correction_bias", paddle.zeros([self.num_experts], dtype="float32"))
+        self.balance = RouterBalance()  # training-time load counts and aux loss; not in the state dict
 
-    def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-        """x [N, H] -> (logits [N, E] fp32, weights [N, k] fp32, expert ids [N, k] int64)."""
+    def forward(
+        self, x: paddle.Tensor, batch_shape: tuple[int, int] | None = None
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """x [N, H] -> (logits [N, E] fp32, weights [N, k] fp32, expert ids [N, k] int64).
+
+        ``batch_shape`` (B, S) says how the N rows split into sequences (this rank's sequence
+        slice under sequence parallel); the sequence-wise balance loss needs it."""
         logits = paddle.matmul(x.astype("float32"), self.weight)
         scores = nn.functional.sigmoid(logits)
         choice = scores + self.e_score_correction_bias.detach()
@@ -168,6 +272,8 @@ class TopkRouter(nn.Layer):
         weights = paddle.take_along_axis(scores, expert_ids, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.training and paddle.is_grad_enabled():
+            weights = self.balance.track(scores, expert_ids, weights, batch_shape)
         return logits, weights * self.scaling, expert_ids
 
 
@@ -289,10 +395,10 @@ class MoE(nn.Layer):
                 # tokens), so backward could visit them in a different order per rank. A zero
                 # dependency makes the shared branch's backward run after the dispatcher's.
                 flat = flat + 0.0 * shared.reshape(flat.shape)
-            _, weights, expert_ids = self.gate(flat)
+            _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]))
             out = self.dispatcher(flat, expert_ids, weights, self.experts).reshape(shape)
             return out + shared if shared is not None else out
-        _, weights, expert_ids = self.gate(flat)
+        _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]))
         out = self.routed(flat, weights, expert_ids).reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

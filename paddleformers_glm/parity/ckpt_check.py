@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import progress
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
 
@@ -152,8 +153,10 @@ def _open_side(path: str) -> _Side:
         cfg_file = os.path.join(folder, "config.json")
         members = side.ckpt.all_files() + ([cfg_file] if os.path.lexists(cfg_file) else [])
         side.problems += file_safety_problems(members)
+        bar = progress.start("check-ckpt files", sum(os.path.getsize(f) for f in members), len(members), "files")
         for f in members:
             side.files.append({"file": f, "bytes": os.path.getsize(f), "sha256": sha256_file(f)})
+            bar.update(os.path.getsize(f))
         if os.path.isfile(cfg_file):
             from ..configuration import GlmMoeDsaConfig
 
@@ -164,9 +167,13 @@ def _open_side(path: str) -> _Side:
                 side.layout = detect_layout(side.ckpt.keys(), side.config)
             except CheckpointError:
                 side.layout = "unknown"
+        bar = progress.start(
+            "check-ckpt hash", sum(i.nbytes for i in side.ckpt.tensors.values()), len(side.ckpt.tensors)
+        )
         for k, info in side.ckpt.tensors.items():
             side.hashes[k] = tensor_hash(info.dtype, info.shape, side.ckpt.raw(k))
             side.ckpt.file_of(k).release(k)
+            bar.update(info.nbytes)
     except (CheckpointError, OSError, ValueError) as e:
         side.error = str(e)
     return side

@@ -35,12 +35,15 @@ def register_check_ckpt(sub: argparse._SubParsersAction) -> None:
         choices=("hf", "fleet"),
         help="the candidate's layout; when it differs from REF's, naming differences explained by the AOA mapping pass",
     )
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_run_check_ckpt)
 
 
 def _run_check_ckpt(args: argparse.Namespace) -> int:
+    from .. import progress
     from .ckpt_check import check_checkpoints, summary_lines
 
+    progress.set_quiet(True if args.quiet else None)
     report = check_checkpoints(args.ref, args.cand, layout=args.layout)
     _write_json(args.json_out, report)
     print("\n".join(summary_lines(report)))

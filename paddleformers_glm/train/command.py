@@ -53,6 +53,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(
         "--data", default=None, help=".npy / .bin token stream or .jsonl with input_ids (default: synthetic)"
@@ -65,7 +67,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
@@ -118,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=os.path.abspath(args.resume) if args.resume else None,
         dtype=args.dtype,
         progress=not args.no_progress,
+        moe_bias_update_rate=args.moe_bias_update_rate,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         fault=args.fault,
     )
     cfg.validate()

@@ -23,6 +23,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from .. import progress
 from ..parallel import comm
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
@@ -31,6 +32,7 @@ from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import micro_batches, open_data
+from .moe_balance import ExpertBalancer
 from .optim import AdamW, lr_at
 
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
@@ -73,6 +75,8 @@ class TrainConfig:
     resume: str | None = None
     dtype: str = "float32"
     progress: bool = True
+    moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
+    moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
     fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang"
 
     @classmethod
@@ -175,9 +179,12 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
     topo = init_topology(pc, **adapter.parallel_sizes())
+    was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         return _train(cfg, adapter, topo, specs)
     finally:
+        if not cfg.progress:
+            progress.set_quiet(was_quiet)
         if world == 1:
             set_topology(None)
 
@@ -240,6 +247,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         weight_decay=cfg.weight_decay,
     )
     engine = PipelineEngine(module, topo, cfg.schedule)
+    balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
     report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
@@ -288,6 +296,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
             },
         )
+        out.update(balancer.report())
         return out
 
     bar = None
@@ -320,6 +329,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         clip_main_grads(grads, gnorm, cfg.clip_grad)
         opt.step(grads, has_grad, lr)
         module.clear_gradients()
+        balancer.after_step(step + 1)
 
         names = sorted(loss_specs)
         vec = paddle.to_tensor(

@@ -1,0 +1,92 @@
+"""``glm52 plot-experts OUT``: the expert load of a training run, drawn from ``OUT/loss.json``.
+
+Left: a layer x expert heatmap of the tokens each expert received over the run, relative to the
+layer's mean (1 = its fair share), so hot and idle experts stand out.  Right: the balance curve,
+max/mean load per step (each MoE layer thin, their mean thick); 1 is perfect balance.  With
+``--moe-bias-update-rate`` the curve should fall as the router biases move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["plot_expert_load", "register_plot_experts"]
+
+
+def _expert_load(loss_json: str) -> dict[str, Any]:
+    with open(loss_json, encoding="utf-8") as f:
+        data = json.load(f)
+    el = data.get("expert_load")
+    if not el:
+        raise ValueError(f"{loss_json}: no 'expert_load' block (a run of a model without MoE routers?)")
+    for key in ("layers", "steps", "max_mean_ratio", "load_total"):
+        if key not in el:
+            raise ValueError(f"{loss_json}: 'expert_load' lacks {key!r}")
+    return el
+
+
+def plot_expert_load(loss_json: str, png: str) -> str:
+    """Draw the heatmap and balance curve of ``loss_json`` into ``png`` (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    el = _expert_load(loss_json)
+    load = np.asarray(el["load_total"], dtype=np.float64)  # [layers, experts]
+    mean = load.mean(axis=1, keepdims=True)
+    rel = np.divide(load, mean, out=np.zeros_like(load), where=mean > 0)
+    ratio = np.asarray(el["max_mean_ratio"], dtype=np.float64)  # [steps, layers]
+    steps = el["steps"]
+    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    im = ax_h.imshow(rel, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax_h.set_yticks(range(len(el["layers"])), [str(i) for i in el["layers"]])
+    ax_h.set_xlabel("expert")
+    ax_h.set_ylabel("layer")
+    ax_h.set_title(f"tokens per expert / layer mean, steps {steps[0]}-{steps[-1]}")
+    fig.colorbar(im, ax=ax_h, label="load / mean")
+    for j in range(ratio.shape[1]):
+        ax_c.plot(steps, ratio[:, j], lw=0.7, alpha=0.5)
+    ax_c.plot(steps, ratio.mean(axis=1), lw=2.2, color="black", label="mean over MoE layers")
+    ax_c.axhline(1.0, ls="--", color="gray", lw=1)
+    ax_c.set_xlabel("step")
+    ax_c.set_ylabel("max / mean expert load")
+    rate = el.get("bias_update_rate", 0.0)
+    ax_c.set_title(f"balance (bias update rate {rate:g})")
+    ax_c.legend(loc="upper right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    tmp = f"{png}.part.{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return png
+
+
+def _run(args: argparse.Namespace) -> int:
+    loss_json = os.path.join(args.out, "loss.json") if os.path.isdir(args.out) else args.out
+    png = args.png or os.path.join(os.path.dirname(os.path.abspath(loss_json)), "expert_load.png")
+    try:
+        plot_expert_load(loss_json, png)
+    except (OSError, ValueError) as e:
+        print(f"plot-experts: {e}", file=sys.stderr)
+        return 2
+    print(f"plot-experts: wrote {png}")
+    return 0
+
+
+def register_plot_experts(sub: argparse._SubParsersAction) -> None:
+    """Add ``plot-experts`` to the glm52 CLI (see cli.COMMANDS)."""
+    p = sub.add_parser(
+        "plot-experts",
+        help="draw a training run's expert load (layer x expert heatmap, balance curve) as a PNG",
+        description="Read OUT/loss.json of `glm52 train` and write OUT/expert_load.png.",
+    )
+    p.add_argument("out", help="training output folder (or its loss.json)")
+    p.add_argument("--png", default=None, help="where to write the PNG (default: OUT/expert_load.png)")
+    p.set_defaults(func=_run)

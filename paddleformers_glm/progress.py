@@ -1,0 +1,211 @@
+"""Progress of long operations (load, save, convert, export, check-ckpt): what a user sees while a
+1.5 TB checkpoint streams.
+
+On a terminal: a tqdm bar with bytes and tensors, rate and ETA.  Otherwise (a log file, a
+launcher's captured output): one structured line every few seconds and one at the end, e.g.
+
+    [glm52 load] rank 3: tensors=120/1790 bytes=12.1GB/1.50TB rate=810MB/s elapsed=15s eta=30m
+
+(``rank N:`` in multi-process runs only).  Operations shorter than the interval print nothing
+without a terminal.  ``--quiet`` on the commands, :func:`set_quiet` or ``GLM52_QUIET=1`` silence
+everything; ``GLM52_PROGRESS_INTERVAL`` sets the seconds between log lines (default 5).
+
+The checkpoint engine reports per tensor through :func:`start`; callers need no other hook.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+__all__ = ["Progress", "human_bytes", "itemsize", "set_quiet", "start"]
+
+_QUIET: bool | None = None
+
+_ITEMSIZE = {
+    "float64": 8,
+    "int64": 8,
+    "float32": 4,
+    "int32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int16": 2,
+    "uint16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a dtype name or Paddle / numpy dtype (2 when unknown)."""
+    name = str(dtype).replace("paddle.", "").replace("torch.", "")
+    return _ITEMSIZE.get(name, 2)
+
+
+def set_quiet(quiet: bool | None = True) -> bool | None:
+    """Silence (True) or allow (False) progress output in this process; None: back to the env
+    default.  Returns the previous setting (to restore it)."""
+    global _QUIET
+    prev, _QUIET = _QUIET, quiet
+    return prev
+
+
+def _quiet() -> bool:
+    if _QUIET is not None:
+        return _QUIET
+    return os.environ.get("GLM52_QUIET", "") not in ("", "0")
+
+
+def _interval() -> float:
+    try:
+        return max(0.0, float(os.environ.get("GLM52_PROGRESS_INTERVAL", "5")))
+    except ValueError:
+        return 5.0
+
+
+def _rank_prefix() -> str:
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    return f"rank {os.environ.get('PADDLE_TRAINER_ID', '0')}: " if world > 1 else ""
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}TB"
+
+
+def _human_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+class Progress:
+    """One operation's progress: ``update(nbytes, tensors)`` per tensor, ``close()`` at the end
+    (also when the totals are reached).  Output goes to ``stream`` (stderr by default)."""
+
+    def __init__(
+        self,
+        desc: str,
+        total_bytes: int | None = None,
+        total_tensors: int | None = None,
+        unit: str = "tensors",
+        stream: TextIO | None = None,
+        quiet: bool | None = None,
+    ) -> None:
+        self.desc, self.unit = desc, unit
+        self.total_bytes, self.total_tensors = total_bytes, total_tensors
+        self.stream = stream if stream is not None else sys.stderr
+        self.quiet = _quiet() if quiet is None else quiet
+        self.bytes = self.tensors = 0
+        self.t0 = self.last = time.monotonic()
+        self.interval = _interval()
+        self.lines = 0
+        self.closed = False
+        self.bar = None
+        if not self.quiet and _isatty(self.stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_bytes,
+                desc=f"{_rank_prefix()}{desc}",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                file=self.stream,
+                ncols=_size(self.stream)[0],
+                nrows=_size(self.stream)[1],
+                leave=False,
+                postfix=self._postfix(),
+            )
+
+    def _postfix(self) -> str:
+        total = f"/{self.total_tensors}" if self.total_tensors is not None else ""
+        return f"{self.unit}={self.tensors}{total}"
+
+    def update(self, nbytes: int = 0, tensors: int = 1) -> None:
+        if self.closed:
+            return
+        self.bytes += int(nbytes)
+        self.tensors += int(tensors)
+        if self.bar is not None:
+            self.bar.set_postfix_str(self._postfix(), refresh=False)
+            self.bar.update(int(nbytes))
+        elif not self.quiet:
+            now = time.monotonic()
+            if now - self.last >= self.interval:
+                self.last = now
+                self._line()
+        if self.total_tensors is not None and self.tensors >= self.total_tensors:
+            self.close()
+
+    def line(self) -> str:
+        """The structured log line for the current state."""
+        el = time.monotonic() - self.t0
+        rate = self.bytes / el if el > 0 else 0.0
+        parts = [f"{self.unit}={self.tensors}" + (f"/{self.total_tensors}" if self.total_tensors is not None else "")]
+        parts.append(
+            f"bytes={human_bytes(self.bytes)}" + (f"/{human_bytes(self.total_bytes)}" if self.total_bytes else "")
+        )
+        parts += [f"rate={human_bytes(rate)}/s", f"elapsed={_human_seconds(el)}"]
+        if self.total_bytes and rate > 0 and not self.closed:
+            parts.append(f"eta={_human_seconds((self.total_bytes - self.bytes) / rate)}")
+        if self.closed:
+            parts.append("done")
+        return f"[glm52 {self.desc}] {_rank_prefix()}" + " ".join(parts)
+
+    def _line(self) -> None:
+        self.lines += 1
+        print(self.line(), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.bar is not None:
+            self.bar.close()
+        elif not self.quiet and (self.lines or time.monotonic() - self.t0 >= self.interval):
+            self._line()  # the final line, when the operation was long enough to report
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _size(stream: TextIO) -> tuple[int, int]:
+    """The terminal's (columns, rows); a terminal that reports none (a fresh pseudo-terminal, where
+    tqdm would draw nothing) gets 100 x 20."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+        cols, rows = size.columns, size.lines
+    except (AttributeError, ValueError, OSError):
+        cols = rows = 0
+    return cols or 100, rows or 20
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def start(
+    desc: str, total_bytes: int | None = None, total_tensors: int | None = None, unit: str = "tensors"
+) -> Progress:
+    """A :class:`Progress` on stderr with this process's quiet setting (the engine's one hook)."""
+    return Progress(desc, total_bytes, total_tensors, unit)

@@ -1,0 +1,169 @@
+"""MoE balancing during training: expert-bias updates, the sequence aux loss's scale, load statistics.
+
+GLM-5.2 routes with ``e_score_correction_bias`` (DeepSeek-V3's auxiliary-loss-free balancing).
+After each optimizer step, every router's bias moves by a fixed rate toward equal load, with
+Megatron-Core's ``moe_router_bias_update_rate`` rule (docs/model.md, "MoE balancing"):
+
+    load   = tokens routed to each expert in this step's global batch (exact integer counts)
+    mean   = sum(load) / E                          (float64)
+    bias  <- fp32(bias + fp32(R) * sign(mean - load))   (sign(0) = 0)
+
+Each token must be counted exactly once, in every layout.  The router runs before expert
+dispatch, on the tokens of its own rank:
+
+* data-parallel ranks see distinct micro-batches: summed over DP;
+* tensor-parallel ranks see the same tokens without sequence parallel (counted on one of them,
+  i.e. not summed) and distinct sequence slices with it: summed over TP;
+* expert-parallel groups re-factor the DP x TP ranks of a stage, so they add nothing;
+* pipeline stages own distinct layers: each rank fills its own layers' rows of one
+  [layers, experts] matrix, zeros elsewhere, and the sum over PP gives every rank all rows.
+
+The reduced counts are integers held in float64 (exact in any order), so every replica of a
+router computes the same update and the biases after N steps are the same bits in every layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import paddle
+
+__all__ = ["ExpertBalancer", "load_stats"]
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def load_stats(load: np.ndarray) -> dict[str, float]:
+    """max/mean load ratio (1 = perfectly balanced) and the fraction of experts that got no token."""
+    load = np.asarray(load, dtype=np.float64)
+    mean = float(load.mean()) if load.size else 0.0
+    return {
+        "max_mean_ratio": float(load.max() / mean) if mean > 0 else 0.0,
+        "unused_fraction": float((load == 0).mean()) if load.size else 0.0,
+    }
+
+
+def _routers(module: Any) -> dict[int, Any]:
+    from ..modeling.moe import TopkRouter
+
+    out: dict[int, Any] = {}
+    for name, layer in module.named_sublayers():
+        if isinstance(layer, TopkRouter):
+            m = _LAYER.search(name + ".")
+            if m is None:
+                raise ValueError(f"router {name!r}: no layer number in its name (expected '...layers.<i>....')")
+            out[int(m.group(1))] = layer
+    return out
+
+
+class ExpertBalancer:
+    """Collects every router's per-expert load after each optimizer step, updates the biases
+    (rate > 0) and keeps per-step, per-layer statistics for ``loss.json``.
+
+    A module without routers (the toy model) gives a balancer that does nothing and reports nothing.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        topo: Any,
+        bias_update_rate: float = 0.0,
+        aux_loss_coeff: float = 0.0,
+        global_sequences: int = 1,
+    ) -> None:
+        if bias_update_rate < 0:
+            raise ValueError(f"--moe-bias-update-rate must be >= 0, got {bias_update_rate}")
+        if aux_loss_coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {aux_loss_coeff}")
+        self.topo = topo
+        self.rate = float(bias_update_rate)
+        self.aux_coeff = float(aux_loss_coeff)
+        self.routers = _routers(module)
+        self.global_sequences = max(int(global_sequences), 1)
+        for r in self.routers.values():
+            r.balance.aux_loss_coeff = self.aux_coeff
+            r.balance.aux_loss_scale = 1.0 / self.global_sequences
+        self.num_experts = next(iter(self.routers.values())).num_experts if self.routers else 0
+        # rows: every layer number any stage holds (the same answer on every rank)
+        top = np.array([max(self.routers, default=-1) + 1, self.num_experts], dtype=np.float64)
+        top = self._reduce(paddle.to_tensor(top), op="max", pp_only=True).numpy()
+        self.slots, self.num_experts = int(top[0]), int(top[1])
+        self.layers: list[int] | None = None  # MoE layer numbers (rows that routed tokens)
+        self.steps: list[int] = []
+        self.max_mean_ratio: list[list[float]] = []
+        self.unused_fraction: list[list[float]] = []
+        self.aux_losses: list[float] = []
+        self.load_total: np.ndarray | None = None
+        self.load_last: np.ndarray | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.slots > 0 and self.num_experts > 0
+
+    def _reduce(self, t: paddle.Tensor, op: str = "sum", pp_only: bool = False) -> paddle.Tensor:
+        from ..parallel import comm
+
+        topo = self.topo
+        if not pp_only:
+            t = comm.all_reduce(t, topo.dp_group, op)
+            if topo.sequence_parallel:
+                t = comm.all_reduce(t, topo.tp_group, op)
+        return comm.all_reduce(t, topo.pp_group, op)
+
+    def after_step(self, step: int) -> None:
+        """Reduce this step's counts, move the biases by the rule, record the statistics."""
+        if not self.active:
+            return
+        E = self.num_experts
+        mat = np.zeros([self.slots, E + 1], dtype=np.float64)  # last column: aux loss sums
+        for i, r in self.routers.items():
+            counts, aux = r.balance.take()
+            if counts is not None:
+                mat[i, :E] = counts.numpy()
+            if aux is not None:
+                mat[i, E] = float(aux)
+        mat = self._reduce(paddle.to_tensor(mat)).numpy()
+        load = mat[:, :E]
+        if self.layers is None:
+            self.layers = [i for i in range(self.slots) if load[i].sum() > 0]
+        if self.rate > 0:
+            rate = np.float32(self.rate)
+            with paddle.no_grad():
+                for i, r in self.routers.items():
+                    row = load[i]  # exact integer counts (float64)
+                    step_sign = np.sign(row.sum() / E - row).astype(np.float32)
+                    bias = r.e_score_correction_bias
+                    new = (bias.numpy().astype(np.float32) + rate * step_sign).astype(np.float32)
+                    bias.set_value(new)
+        rows = load[self.layers]
+        stats = [load_stats(row) for row in rows]
+        self.steps.append(int(step))
+        self.max_mean_ratio.append([s["max_mean_ratio"] for s in stats])
+        self.unused_fraction.append([s["unused_fraction"] for s in stats])
+        if self.aux_coeff > 0:
+            n = max(1, len(self.layers))
+            self.aux_losses.append(float(mat[self.layers, E].sum()) / n / self.global_sequences)
+        self.load_total = rows.copy() if self.load_total is None else self.load_total + rows
+        self.load_last = rows
+
+    def report(self) -> dict[str, Any]:
+        """The ``expert_load`` block of loss.json (empty for a model without routers)."""
+        if not self.active or self.layers is None:
+            return {}
+        out: dict[str, Any] = {
+            "num_experts": self.num_experts,
+            "layers": self.layers,
+            "bias_update_rate": self.rate,
+            "aux_loss_coeff": self.aux_coeff,
+            "dropped_tokens": 0,  # dropless routing: every assignment runs
+            "steps": self.steps,
+            "max_mean_ratio": self.max_mean_ratio,
+            "unused_fraction": self.unused_fraction,
+            "load_total": self.load_total.astype(np.int64).tolist(),
+            "load_last": self.load_last.astype(np.int64).tolist(),
+        }
+        if self.aux_coeff > 0:
+            out["aux_losses"] = self.aux_losses  # per step: mean over sequences and MoE layers (1 = balanced)
+        return {"expert_load": out}
