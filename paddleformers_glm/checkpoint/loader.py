@@ -27,6 +27,7 @@ from typing import Any
 from .aoa import MappingUnit, build_statements, expand_units, quiet_paddle_logs
 from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
+from .fp8 import Fp8Source, fp8_pairs, quantization_of
 from .layout import fleet_param_specs, hf_param_specs, resolve_dtype
 from .safetensors_io import FLOAT_DTYPES, Checkpoint, st_to_paddle_dtype
 
@@ -57,6 +58,7 @@ class LoadReport:
     bytes_read: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    quantized: list[str] = field(default_factory=list)  # block-FP8 source tensors (dequantized on read)
 
 
 def format_keys(keys: Iterable[str], n: int = 5) -> str:
@@ -135,13 +137,22 @@ def _state_of(model: Any) -> Mapping[str, Any]:
 
 
 def check_checkpoint_keys(
-    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]]
+    ckpt: Checkpoint,
+    specs: Mapping[str, tuple[tuple[int, ...], str]],
+    fp8: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected)."""
-    present = set(ckpt.keys())
+    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected).
+
+    ``fp8`` maps block-FP8 weights to their scale tensors: those weights may be F8_E4M3 and their
+    scales are part of them, not unexpected keys.
+    """
+    fp8 = fp8 or {}
+    present = set(ckpt.keys()) - set(fp8.values())
     for k in sorted(present & set(specs)):
         info = ckpt.info(k)
-        if info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+        if k in fp8:
+            pass
+        elif info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
             raise CheckpointError(
                 "non-float tensor where a weight is expected",
                 key=k,
@@ -188,10 +199,12 @@ def load_pretrained_state(
     path = os.path.abspath(os.fspath(path))
     cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
     with Checkpoint(path, strict=strict) as ckpt:
-        layout = detect_layout(ckpt.keys(), cfg)
+        fp8 = fp8_pairs(ckpt, quantization_of(ckpt.folder, cfg))
+        layout = detect_layout(set(ckpt.keys()) - set(fp8.values()), cfg)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
+        report.quantized = sorted(fp8)
         src_specs = hf_param_specs(cfg) if layout == "hf" else fleet_param_specs(cfg)
-        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs)
+        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, fp8)
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
@@ -262,11 +275,19 @@ def load_pretrained_state(
                     targets[k] = TargetSpec(k, tuple(shape), _planned_dtype(kind, dtype, state.get(k)))
         wanted_targets = {k: v for k, v in targets.items() if k in want}
         if backend == "engine":
-            source = CheckpointSource(ckpt)
+            source = (
+                Fp8Source(ckpt, pairs=fp8, block=quantization_of(ckpt.folder, cfg).block)  # type: ignore[union-attr]
+                if fp8
+                else CheckpointSource(ckpt)
+            )
             for k, _ in run_units(usable, direction, source, targets, produce=want):
                 report.loaded.append(k)
             report.bytes_read = source.bytes_read
         elif backend == "paddle":
+            if fp8:
+                raise CheckpointError(
+                    "backend='paddle' cannot read block-FP8 weights; use the default engine backend", file=path
+                )
             report.loaded, files = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
             report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
         else:

@@ -28,6 +28,7 @@ from typing import Any
 from .aoa import expand_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
+from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import fleet_param_specs, param_specs, resolve_dtype
 from .loader import format_keys, identity_units
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
@@ -131,6 +132,7 @@ def save_pretrained_state(
     dtype: str | None = None,
     *,
     metadata: Mapping[str, str] | None = None,
+    quantization: str | None = None,
 ) -> SaveReport:
     """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``.
 
@@ -148,10 +150,23 @@ def save_pretrained_state(
     limit = parse_size(max_shard_size)
     state = _state_of(model_or_state_dict)
     _check_state(state, config)
+    if quantization in (None, "none"):
+        quantization = None
+    elif quantization != "fp8":
+        raise ValueError(f"unknown quantization {quantization!r}; expected 'fp8' or 'none'")
+    if quantization and layout != "hf":
+        raise ValueError("quantization='fp8' writes the official layout only (layout='hf')")
     model_dtype = dtype or config.model_dtype
     specs = param_specs(config, layout)
     tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
     entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
+    fp8 = {k: scale_key(k) for k in specs if quantization and is_fp8_weight(k)}
+    block = tuple(FP8_CONFIG["weight_block_size"])
+    for k, sk in fp8.items():
+        shape = entries[k][0]
+        tgt_dtypes[k] = "float32"  # quantized from the exact fp32 value of the parameter
+        entries[k] = (shape, "F8_E4M3")
+        entries[sk] = (tuple(math.ceil(d / b) for d, b in zip(shape, block)), "F32")
     shards = plan_shards(entries, limit)
     n = len(shards)
     names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
@@ -174,8 +189,15 @@ def save_pretrained_state(
         for key, t in run_units(
             units, "fleet_to_hf" if layout == "hf" else "hf_to_fleet", StateDictSource(tensors), targets
         ):
-            writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
-            count += 1
+            if key in fp8:
+                q, scale = quantize_blocks(t.numpy(), block)
+                writers[file_of[key]].write(key, q, "F8_E4M3")
+                writers[file_of[fp8[key]]].write(fp8[key], scale, "F32")
+                count += 2
+                del q, scale
+            else:
+                writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
+                count += 1
             del t
         for w in writers.values():
             w.close()
@@ -185,6 +207,7 @@ def save_pretrained_state(
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         config.save_pretrained(tmp)
+        _set_quantization_config(os.path.join(tmp, "config.json"), FP8_CONFIG if quantization else None)
         _publish(tmp, out_dir)
     except BaseException:
         for w in writers.values():
@@ -195,6 +218,21 @@ def save_pretrained_state(
     return SaveReport(
         out_dir, layout, [os.path.join(out_dir, f) for f in files], count, total, time.perf_counter() - t0
     )
+
+
+def _set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
+    """config.json says how its weights are stored: add ``quantization_config`` for an FP8 save,
+    remove one inherited from an FP8 source for a plain save."""
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if qc is None and "quantization_config" not in cfg:
+        return
+    if qc is None:
+        cfg.pop("quantization_config")
+    else:
+        cfg["quantization_config"] = dict(qc)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(cfg, indent=2) + "\n")
 
 
 def _publish(tmp: str, out_dir: str) -> None:
