@@ -228,3 +228,24 @@ def test_quantize_fresh_weights_scale_is_amax_over_448():
     big = np.abs(w) > 0.1
     assert np.all(np.abs(deq - w)[big] <= np.abs(w)[big] * 2.0**-4 * (1 + 1e-6))
     assert math.isclose(float(np.abs(deq).max()), float(np.abs(w).max()), rel_tol=1e-6)
+
+
+def test_requantizing_returns_the_source_bytes_for_any_fp32_scale():
+    """Scales made as ``amax / 448`` in fp32 come back as is; a source whose scales are arbitrary fp32
+    values (about one in ten is not ``fl(fl(448 s) / 448)``) still comes back byte for byte: the
+    neighbouring scale that reproduces the block exactly is taken."""
+    from paddleformers_glm.checkpoint.fp8 import dequantize, quantize_blocks
+
+    rng = np.random.default_rng(1)
+    rows, cols, b = 203, 130, 8  # partial last blocks both ways
+    q = rng.integers(0, 0x7E, size=(rows, cols), dtype=np.uint8) | (rng.integers(0, 2, (rows, cols)) << 7).astype(
+        np.uint8
+    )
+    q[::b, ::b] = 0x7E  # each block's amax is 448 * scale
+    s = rng.uniform(1e-3, 1e-2, size=(math.ceil(rows / b), math.ceil(cols / b))).astype(np.float32)
+    deq = dequantize(q, s, (b, b))
+    naive = (deq[::b, ::b] / np.float32(448)).astype(np.float32)
+    assert (naive != s).sum() > 10  # the case exists here
+    q2, s2 = quantize_blocks(deq, (b, b))
+    assert np.array_equal(s2.view(np.uint32), s.view(np.uint32))
+    assert np.array_equal(q2, q)

@@ -937,7 +937,10 @@ def build_fp8_case(out_dir: Path) -> dict:
         for k, t in tensors.items():
             weight_map[k] = fname
             total += t.numel() * t.element_size()
-    write_json(ckpt / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(
+        ckpt / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
     write_json(ckpt / "config.json", cfg_out)
     ref = {
         "input_ids": inputs["input_ids"],

@@ -100,7 +100,9 @@ def _block_index(start: int, stop: int, block: int) -> tuple[int, int, np.ndarra
     return b0, b1, np.arange(start, stop) // block - b0
 
 
-def dequantize(q: np.ndarray, scale_inv: np.ndarray, block: Sequence[int], offset: Sequence[int] = (0, 0)) -> np.ndarray:
+def dequantize(
+    q: np.ndarray, scale_inv: np.ndarray, block: Sequence[int], offset: Sequence[int] = (0, 0)
+) -> np.ndarray:
     """fp32 ``decode(q) * scale_inv`` broadcast per block, for a slice ``q`` starting at ``offset``.
 
     ``scale_inv`` holds the scales of the blocks the slice touches (rows ``offset[0] // br`` ...,
@@ -229,7 +231,11 @@ def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(
-            f"FP8 format {fmt!r} is not supported", file=file, key="quantization_config.fmt", expected="e4m3", actual=fmt
+            f"FP8 format {fmt!r} is not supported",
+            file=file,
+            key="quantization_config.fmt",
+            expected="e4m3",
+            actual=fmt,
         )
     bs = qc.get("weight_block_size", [128, 128])
     if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
@@ -250,7 +256,9 @@ def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
         if not info.dtype.startswith("F8"):
             continue
         if info.dtype != "F8_E4M3":
-            raise CheckpointError("FP8 variant not supported", key=k, file=info.file, expected="F8_E4M3", actual=info.dtype)
+            raise CheckpointError(
+                "FP8 variant not supported", key=k, file=info.file, expected="F8_E4M3", actual=info.dtype
+            )
         if scheme is None:
             raise CheckpointError(
                 "FP8 tensor in a checkpoint whose config.json has no quantization_config",
@@ -261,7 +269,9 @@ def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
             )
         sk = scale_key(k)
         if sk not in ckpt:
-            raise CheckpointError("FP8 tensor without its scale tensor", key=k, file=info.file, expected=sk, actual="absent")
+            raise CheckpointError(
+                "FP8 tensor without its scale tensor", key=k, file=info.file, expected=sk, actual="absent"
+            )
         if len(info.shape) != 2:
             raise CheckpointError("FP8 tensor is not 2-D", key=k, file=info.file, actual=info.shape)
         sinfo = ckpt.info(sk)
