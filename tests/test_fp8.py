@@ -249,3 +249,48 @@ def test_requantizing_returns_the_source_bytes_for_any_fp32_scale():
     q2, s2 = quantize_blocks(deq, (b, b))
     assert np.array_equal(s2.view(np.uint32), s.view(np.uint32))
     assert np.array_equal(q2, q)
+
+
+def _cli(*args) -> int:
+    from paddleformers_glm.cli import main
+
+    return main([str(a) for a in args])
+
+
+def test_convert_both_ways_and_check_ckpt_by_dequantized_value(src, tmp_path, capsys):
+    from paddleformers_glm.parity.ckpt_check import check_checkpoints
+
+    bf16, back = tmp_path / "bf16", tmp_path / "back"
+    assert _cli("convert", src, bf16, "--to", "hf", "--quantization", "none", "--max-shard-size", "600KB") == 0
+    got = _read_all(bf16)
+    assert not any(k.endswith("_scale_inv") for k in got)
+    assert {d for d, _, _ in got.values()} == {"BF16", "F32"}
+    assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
+    # FP8 -> FP8 keeps every byte
+    assert _cli("convert", src, back, "--to", "hf", "--quantization", "fp8") == 0
+    a, b = _read_all(src), _read_all(back)
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    # FP8 vs BF16: compared by dequantized value, reported as their own class
+    rep = check_checkpoints(str(src), str(bf16))
+    assert rep["exit_code"] == 0, rep["differences"][:3]
+    q = [d for d in rep["differences"] if d["class"] == "quantization"]
+    assert len(q) == 1 and q[0]["tensors"] == len(META["dequantized_sha256"]) == q[0]["equal_after_rounding"]
+    assert q[0]["fp8_side"] == "ref" and q[0]["max_abs_diff"] > 0  # bf16 rounding of the fp8 values
+    assert rep["counts"]["quantization"] == q[0]["tensors"]
+    # a changed bf16 value in one FP8-class tensor is a difference of that class
+    k = "model.layers.2.mlp.down_proj.weight"
+    f = bf16 / json.loads((bf16 / "model.safetensors.index.json").read_text())["weight_map"][k]
+    n = int.from_bytes(f.read_bytes()[:8], "little")
+    off = json.loads(f.read_bytes()[8 : 8 + n])[k]["data_offsets"][0] + 8 + n
+    raw = bytearray(f.read_bytes())
+    raw[off + 1] ^= 0x01  # the high byte of the first bf16 value: a real value change
+    f.write_bytes(bytes(raw))
+    rep = check_checkpoints(str(src), str(bf16))
+    assert rep["exit_code"] == 1
+    q = [d for d in rep["differences"] if d["class"] == "quantization"][0]
+    assert [d["key"] for d in q["differing"]] == [k] and q["max_abs_diff"] > 0
+    # fp8 output is the official layout only: one line, exit 2
+    capsys.readouterr()
+    assert _cli("convert", src, tmp_path / "fl", "--to", "fleet", "--quantization", "fp8") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "official layout" in err[0]

@@ -9,7 +9,7 @@ import sys
 def register_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert a checkpoint between the official HF layout and the Paddle/Fleet layout",
+        help="convert a checkpoint between the official HF and the Paddle/Fleet layout, or to/from block FP8",
         description="Load SRC through the AOA mapping (strict) and write OUT in --to layout, atomically.",
     )
     p.add_argument("src", help="source checkpoint folder (config.json beside the weights)")
@@ -19,6 +19,12 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=("bfloat16", "float32", "float16"),
         help="dtype of the written weights (default: config dtype)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("fp8", "none"),
+        default="none",
+        help="fp8: write the official block-FP8 format (official layout); none: unquantized (default)",
     )
     p.add_argument("--max-shard-size", default="5GB", help="shard size limit, e.g. 5GB, 500MiB (default: 5GB)")
     p.set_defaults(func=_run_convert)
@@ -30,7 +36,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     try:
         rep = convert_checkpoint(
-            args.src, args.out, layout=args.to, dtype=args.dtype, max_shard_size=args.max_shard_size
+            args.src,
+            args.out,
+            layout=args.to,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            quantization=args.quantization,
         )
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)
