@@ -15,6 +15,7 @@ it is the slower, hungrier path; it exists to show both Paddle entry points agre
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tempfile
@@ -42,6 +43,11 @@ __all__ = [
     "load_config_for",
 ]
 
+logger = logging.getLogger("paddleformers_glm.checkpoint")
+# quiet_paddle_logs() raises the root logger to WARNING (Paddle logs through it); the load report's
+# INFO line must still reach handlers that ask for it
+if logger.level == logging.NOTSET:
+    logger.setLevel(logging.INFO)
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -59,6 +65,22 @@ class LoadReport:
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     quantized: list[str] = field(default_factory=list)  # block-FP8 source tensors (dequantized on read)
+    initialized: list[str] = field(default_factory=list)  # MTP parameters initialised (no MTP weights)
+
+    def summary(self) -> str:
+        """One line for the log: what was loaded from where, and what needs a look."""
+        parts = [
+            f"loaded {len(self.loaded)} tensors from {self.path} ({self.layout} layout"
+            + (f", {len(self.quantized)} block-FP8" if self.quantized else "")
+            + f"), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f}s"
+        ]
+        for name in ("missing", "unexpected", "initialized"):
+            keys = getattr(self, name)
+            if keys:
+                parts.append(f"{name} {format_keys(keys, 3)}")
+        if self.warnings:
+            parts.append(f"{len(self.warnings)} warning(s)")
+        return "; ".join(parts)
 
 
 def format_keys(keys: Iterable[str], n: int = 5) -> str:
@@ -178,6 +200,7 @@ def load_pretrained_state(
     key_filter: Callable[[str], bool] | None = None,
     backend: str = "engine",
     shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
+    init_missing_mtp: bool = True,
 ) -> LoadReport:
     """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
 
@@ -193,15 +216,25 @@ def load_pretrained_state(
     (local_shape, global_offset) of *all* ranks' shards as plain slices of the global ``[gate | up]``
     tensor, so ``fused_ffn`` lays out fused weights per rank as Fleet does (rank r: ``[gate_r | up_r]``)
     from an HF checkpoint and, re-laid the same way, from a Fleet one.
+
+    ``strict`` concerns weights only: index bookkeeping problems (``metadata.total_size``, a stray
+    file, trailing bytes) are warnings in ``report.warnings``. When *every* MTP tensor is absent (a
+    folder written by transformers' ``save_pretrained``) and ``init_missing_mtp`` (default), the
+    MTP layer is initialised like HF initialises missing weights, listed in ``report.initialized``
+    and announced by one logged warning. Block-FP8 checkpoints are dequantized slice by slice.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
     path = os.path.abspath(os.fspath(path))
     cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
-    with Checkpoint(path, strict=strict) as ckpt:
+    # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
+    # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
+    with Checkpoint(path, strict=False) as ckpt:
         fp8 = fp8_pairs(ckpt, quantization_of(ckpt.folder, cfg))
         layout = detect_layout(set(ckpt.keys()) - set(fp8.values()), cfg)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
+        for w in ckpt.warnings:
+            logger.warning("%s", w)
         report.quantized = sorted(fp8)
         src_specs = hf_param_specs(cfg) if layout == "hf" else fleet_param_specs(cfg)
         missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, fp8)
@@ -248,6 +281,15 @@ def load_pretrained_state(
             else:
                 usable.append(u)
         needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src_set)
+        # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
+        # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
+        mtp_units = [u for u in units if u.layer is not None and u.layer >= cfg.num_hidden_layers]
+        mtp_src = {k for u in mtp_units for k in u.hf}
+        mtp_init: list[str] = []
+        if init_missing_mtp and mtp_src and mtp_src <= missing_src_set:
+            needed_missing = [k for k in needed_missing if k not in mtp_src]
+            mtp_init = sorted(k for u in mtp_units for k in u.fleet if k in want)
+            missing_targets = [k for k in missing_targets if k not in set(mtp_init)]
         if strict and (needed_missing or unexpected):
             parts = []
             if needed_missing:
@@ -255,7 +297,11 @@ def load_pretrained_state(
             if unexpected:
                 parts.append(f"unexpected {format_keys(unexpected)}")
             raise CheckpointError(
-                f"checkpoint does not match the {layout} layout of this config: " + "; ".join(parts), file=path
+                f"checkpoint does not match the {layout} layout of this config: "
+                + "; ".join(parts)
+                + " (strict=False loads what is there and reports the rest; parameters without weights keep "
+                "their values)",
+                file=path,
             )
         report.missing = sorted(missing_targets)
         # --- targets
@@ -292,8 +338,38 @@ def load_pretrained_state(
             report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
         else:
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
+        if mtp_init:
+            init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
+            report.initialized = mtp_init
+            msg = (
+                f"{path} has no MTP weights (the {len(mtp_src)} tensors of model.layers."
+                f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
+                f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
+                f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
+                "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
+            )
+            logger.warning(msg)
+            report.warnings.append(msg)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def init_like_hf(params: Mapping[str, Any], std: float) -> None:
+    """HF's init for weights a checkpoint does not have: matrices normal(0, std), biases 0, norms 1.
+
+    Values of ``params`` may be tensors, parameters or ``ShardedWeight``s (their local piece)."""
+    import paddle
+
+    for k, v in params.items():
+        t = getattr(v, "local_tensor", v)
+        shape = [int(d) for d in t.shape]
+        if len(shape) >= 2:
+            val = paddle.normal(0.0, std, shape).astype(t.dtype)
+        elif k.endswith("bias"):
+            val = paddle.zeros(shape, dtype=t.dtype)
+        else:
+            val = paddle.ones(shape, dtype=t.dtype)
+        paddle.assign(val, output=t)
 
 
 def _planned_dtype(kind: str, dtype: str | None, tensor: Any) -> str:

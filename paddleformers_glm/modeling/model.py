@@ -8,6 +8,7 @@ package maps them to and from the official HF names with Paddle's AOA engine.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -211,6 +212,9 @@ def default_dtype(dtype: str) -> Iterator[None]:
         paddle.set_default_dtype(prev)
 
 
+_LOG = logging.getLogger("paddleformers_glm.checkpoint")
+
+
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses.
 
@@ -250,14 +254,27 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "float32", strict: bool = True, **config_overrides):
-        """Load an official HF-layout (or Fleet-layout) checkpoint folder; see checkpoint.load_pretrained_state."""
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: str = "float32",
+        strict: bool = True,
+        output_loading_info: bool = False,
+        **config_overrides,
+    ):
+        """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
+
+        See checkpoint.load_pretrained_state. The load report is logged (one info line, warnings as
+        warnings); ``output_loading_info=True`` returns ``(model, report)`` as transformers does.
+        """
         from ..checkpoint import load_pretrained_state
 
         config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
         model = cls(config, dtype=dtype)
-        load_pretrained_state(model, path, dtype=dtype, strict=strict)
-        return model
+        report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
+        _LOG.info("%s", report.summary())
+        model.source_path = os.path.abspath(os.fspath(path))
+        return (model, report) if output_loading_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
         """Official HF layout by default (`layout="fleet"` for the Paddle names); atomic."""
