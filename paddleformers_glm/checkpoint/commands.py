@@ -43,8 +43,12 @@ def _run_convert(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             quantization=args.quantization,
         )
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a filesystem error (full disk, permissions): one line naming the path
+        target = e.filename or args.out
+        print(f"convert: filesystem error on {target}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"convert: wrote {rep.tensors} tensors ({rep.total_size} bytes) in {len(rep.files)} files to {rep.out_dir}")
     return 0

@@ -56,4 +56,5 @@ def convert_checkpoint(
         max_shard_size=max_shard_size,
         dtype=dtype or config.model_dtype,
         quantization=quantization,
+        carry_from=src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src)),
     )

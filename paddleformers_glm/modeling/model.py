@@ -277,9 +277,12 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return (model, report) if output_loading_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
-        """Official HF layout by default (`layout="fleet"` for the Paddle names); atomic."""
+        """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
+        for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
+        folder's tokenizer / generation config / chat template files along."""
         from ..checkpoint import save_pretrained_state
 
+        kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ forward
