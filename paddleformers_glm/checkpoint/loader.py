@@ -41,6 +41,8 @@ __all__ = [
     "fused_keys",
     "format_keys",
     "load_config_for",
+    "normalize_dtype",
+    "resolve_model_dtype",
 ]
 
 logger = logging.getLogger("paddleformers_glm.checkpoint")
@@ -66,6 +68,7 @@ class LoadReport:
     warnings: list[str] = field(default_factory=list)
     quantized: list[str] = field(default_factory=list)  # block-FP8 source tensors (dequantized on read)
     initialized: list[str] = field(default_factory=list)  # MTP parameters initialised (no MTP weights)
+    dtype_changes: dict[str, str] = field(default_factory=dict)  # stored dtype differs from the config's
 
     def summary(self) -> str:
         """One line for the log: what was loaded from where, and what needs a look."""
@@ -78,6 +81,8 @@ class LoadReport:
             keys = getattr(self, name)
             if keys:
                 parts.append(f"{name} {format_keys(keys, 3)}")
+        if self.dtype_changes:
+            parts.append(f"{len(self.dtype_changes)} tensors in another dtype than the config's")
         if self.warnings:
             parts.append(f"{len(self.warnings)} warning(s)")
         return "; ".join(parts)
@@ -158,6 +163,50 @@ def _state_of(model: Any) -> Mapping[str, Any]:
     raise TypeError(f"expected a paddle.nn.Layer or a state dict, got {type(model).__name__}")
 
 
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp64": "float64",
+    "double": "float64",
+}
+_MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def normalize_dtype(dtype: Any) -> str | None:
+    """A dtype name from a string (``"bf16"``, ``"bfloat16"``, ``"auto"``) or a Paddle/numpy/torch dtype."""
+    if dtype is None:
+        return None
+    name = str(dtype).replace("paddle.", "").replace("torch.", "").lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in (*_MODEL_DTYPES, "auto"):
+        raise ValueError(f"dtype {dtype!r} is not a model dtype; expected one of {_MODEL_DTYPES} or 'auto'")
+    return name
+
+
+def resolve_model_dtype(dtype: Any, config: Any) -> str:
+    """The dtype to build and load a model in. ``"auto"``: the config's dtype where the device computes
+    it (an accelerator), else float32 (CPU), said in one info line."""
+    name = normalize_dtype(dtype)
+    if name is None:
+        return "float32"
+    if name != "auto":
+        return name
+    want = normalize_dtype(getattr(config, "model_dtype", None) or "float32") or "float32"
+    try:
+        import paddle
+
+        device = str(paddle.device.get_device())
+    except Exception:  # no usable Paddle device query: assume CPU
+        device = "cpu"
+    if want == "float32" or not device.startswith("cpu"):
+        return want
+    logger.info("dtype='auto': the config's %s is not computed on %s here; loading in float32", want, device)
+    return "float32"
+
+
 def check_checkpoint_keys(
     ckpt: Checkpoint,
     specs: Mapping[str, tuple[tuple[int, ...], str]],
@@ -227,6 +276,8 @@ def load_pretrained_state(
     quiet_paddle_logs()
     path = os.path.abspath(os.fspath(path))
     cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
+    if dtype is not None:
+        dtype = resolve_model_dtype(dtype, cfg)
     # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
     # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
     with Checkpoint(path, strict=False) as ckpt:
@@ -238,6 +289,15 @@ def load_pretrained_state(
         report.quantized = sorted(fp8)
         src_specs = hf_param_specs(cfg) if layout == "hf" else fleet_param_specs(cfg)
         missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, fp8)
+        report.dtype_changes = _dtype_changes(ckpt, src_specs, fp8, cfg)
+        if report.dtype_changes:
+            kinds = sorted(set(report.dtype_changes.values()))
+            msg = (
+                f"{len(report.dtype_changes)} checkpoint tensors are not in the dtype the config states "
+                f"({', '.join(kinds)}), e.g. {sorted(report.dtype_changes)[0]}; they are cast on load"
+            )
+            logger.warning("%s", msg)
+            report.warnings.append(msg)
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
@@ -352,6 +412,23 @@ def load_pretrained_state(
             report.warnings.append(msg)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _dtype_changes(
+    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], fp8: Mapping[str, str], cfg: Any
+) -> dict[str, str]:
+    """``{key: "F16 where bfloat16 is expected"}`` for stored tensors whose dtype is not the contract's
+    (FP8 weights are listed in ``quantized`` instead)."""
+    out = {}
+    model_dtype = getattr(cfg, "model_dtype", "bfloat16")
+    for k in sorted(set(ckpt.keys()) & set(specs)):
+        if k in fp8:
+            continue
+        info = ckpt.info(k)
+        want = resolve_dtype(specs[k][1], model_dtype)
+        if st_to_paddle_dtype(info.dtype) != want:
+            out[k] = f"{info.dtype} where {want} is expected"
+    return out
 
 
 def init_like_hf(params: Mapping[str, Any], std: float) -> None:

@@ -257,19 +257,24 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def from_pretrained(
         cls,
         path: str | os.PathLike,
-        dtype: str = "float32",
+        dtype: object = "auto",
         strict: bool = True,
         output_loading_info: bool = False,
         **config_overrides,
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
 
-        See checkpoint.load_pretrained_state. The load report is logged (one info line, warnings as
-        warnings); ``output_loading_info=True`` returns ``(model, report)`` as transformers does.
+        ``dtype``: a name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or a Paddle dtype; ``"auto"``
+        (default) is the config's dtype where the device computes it (an accelerator), else float32
+        with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
+        info line, warnings as warnings); ``output_loading_info=True`` returns ``(model, report)``
+        as transformers does.
         """
         from ..checkpoint import load_pretrained_state
+        from ..checkpoint.loader import resolve_model_dtype
 
         config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+        dtype = resolve_model_dtype(dtype, config)
         model = cls(config, dtype=dtype)
         report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
         _LOG.info("%s", report.summary())
