@@ -98,3 +98,19 @@ def test_bookkeeping_problems_are_warnings_not_refusals(src, full, caplog):
     assert _records(caplog) == rep.warnings
     for k, v in model.state_dict().items():
         assert np.array_equal(v.numpy(), full[k]), k
+
+
+def test_strict_false_initialises_what_is_missing_like_hf_and_init_is_restored(src, full):
+    import paddle
+
+    k = "model.layers.2.mlp.down_proj.weight"
+    _rewrite(src, drop=[k])
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(src, strict=False, output_loading_info=True)
+    assert k in rep.missing  # (with the unit it belongs to)
+    v = model.state_dict()[k].numpy()
+    assert abs(float(v.std()) - 0.02) < 0.02 * 0.15  # normal(0, initializer_range), not zeros
+    assert np.array_equal(
+        model.state_dict()["model.layers.1.mlp.down_proj.weight"].numpy(), full["model.layers.1.mlp.down_proj.weight"]
+    )
+    # from_pretrained skips the random draw only while it builds its own model
+    assert float(paddle.nn.Linear(64, 64).weight.abs().sum()) > 0

@@ -468,6 +468,11 @@ def _target_spec(
     shape, kind = spec
     local = getattr(value, "local_tensor", None)
     tensor = local if local is not None else value
+    if not getattr(tensor, "stop_gradient", True):
+        # a trainable parameter refuses DLPack; a detached tensor shares its memory and does not,
+        # so the copy takes the numpy fast path straight into the parameter
+        tensor = tensor.detach()
+        local = tensor if local is not None else None
     global_shape = tuple(int(d) for d in (getattr(value, "global_shape", None) or tensor.shape))
     if global_shape != tuple(shape):
         raise CheckpointError(

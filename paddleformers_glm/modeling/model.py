@@ -215,6 +215,25 @@ def default_dtype(dtype: str) -> Iterator[None]:
 _LOG = logging.getLogger("paddleformers_glm.checkpoint")
 
 
+@contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """Parameters created inside get zeros (one memset) instead of their initializer's random draw.
+
+    For ``from_pretrained``: the weights are about to be copied in, and drawing normals for a large
+    model costs several times the load itself.
+    """
+    from paddle.nn.initializer import Constant
+    from paddle.nn.initializer.initializer import Initializer
+
+    zero = Constant(0.0)
+    real = Initializer.__call__
+    Initializer.__call__ = lambda self, param, block=None: zero.forward(param, block)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Initializer.__call__ = real  # type: ignore[method-assign]
+
+
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses.
 
@@ -273,10 +292,16 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import resolve_model_dtype
 
+        from ..checkpoint.loader import init_like_hf
+
         config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
         dtype = resolve_model_dtype(dtype, config)
-        model = cls(config, dtype=dtype)
+        with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
+            model = cls(config, dtype=dtype)
         report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
+        if report.missing:  # strict=False: what the checkpoint lacks is initialised as HF does
+            params = model.state_dict()
+            init_like_hf({k: params[k] for k in report.missing}, config.initializer_range)
         _LOG.info("%s", report.summary())
         model.source_path = os.path.abspath(os.fspath(path))
         return (model, report) if output_loading_info else model
