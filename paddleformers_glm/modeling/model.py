@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import paddle
 from paddle import nn
@@ -217,17 +218,27 @@ _LOG = logging.getLogger("paddleformers_glm.checkpoint")
 
 @contextmanager
 def _skip_random_init() -> Iterator[None]:
-    """Parameters created inside get zeros (one memset) instead of their initializer's random draw.
+    """Parameters created inside are allocated but not initialised (no random draw, no memset).
 
-    For ``from_pretrained``: the weights are about to be copied in, and drawing normals for a large
-    model costs several times the load itself.
+    For ``from_pretrained`` only: every parameter is overwritten by the load right after (and what
+    a ``strict=False`` load does not fill is initialised as HF does), and drawing normals for a
+    large model costs several times the load itself. Distributed parameters get zeros.
     """
+    from paddle.base.framework import _current_expected_place
     from paddle.nn.initializer import Constant
     from paddle.nn.initializer.initializer import Initializer
 
     zero = Constant(0.0)
     real = Initializer.__call__
-    Initializer.__call__ = lambda self, param, block=None: zero.forward(param, block)  # type: ignore[method-assign]
+
+    def allocate(self: Any, param: Any, block: Any = None) -> Any:
+        if getattr(param, "is_dist", lambda: False)() or not paddle.in_dynamic_mode():
+            return zero.forward(param, block)
+        out = paddle._C_ops.empty(param.shape, param.dtype, _current_expected_place())
+        out._share_underline_tensor_to(param)
+        return None
+
+    Initializer.__call__ = allocate  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -290,18 +301,17 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         as transformers does.
         """
         from ..checkpoint import load_pretrained_state
-        from ..checkpoint.loader import resolve_model_dtype
-
-        from ..checkpoint.loader import init_like_hf
+        from ..checkpoint.loader import init_like_hf, resolve_model_dtype
 
         config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
         dtype = resolve_model_dtype(dtype, config)
         with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
             model = cls(config, dtype=dtype)
         report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
-        if report.missing:  # strict=False: what the checkpoint lacks is initialised as HF does
-            params = model.state_dict()
-            init_like_hf({k: params[k] for k in report.missing}, config.initializer_range)
+        params = model.state_dict()
+        unfilled = set(params) - set(report.loaded) - set(report.initialized)
+        if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does
+            init_like_hf({k: params[k] for k in sorted(unfilled)}, config.initializer_range)
         _LOG.info("%s", report.summary())
         model.source_path = os.path.abspath(os.fspath(path))
         return (model, report) if output_loading_info else model
