@@ -824,6 +824,7 @@ def build_case(name: str, out_dir: Path, search: bool, max_attempts: int) -> dic
 # the block-FP8 case: the official release format (F8_E4M3 weights + F32 `<name>_scale_inv` per block)
 
 FP8_CASE = "tiny_fp8"
+FP8_ATTEMPT = 26  # the tiny case's pinned attempt (25) has an indexer near-tie once quantized
 FP8_BLOCK = (128, 128)
 FP8_QUANT_CONFIG = {
     "activation_scheme": "dynamic",
@@ -888,7 +889,7 @@ def build_fp8_case(out_dir: Path) -> dict:
     cfg_out = dict(cfg, quantization_config=FP8_QUANT_CONFIG)
     base = CASES[name]["seed"]
     case_dir = out_dir / FP8_CASE
-    for attempt in range(CASES[name]["attempt"], CASES[name]["attempt"] + MAX_ATTEMPTS):
+    for attempt in range(FP8_ATTEMPT, FP8_ATTEMPT + MAX_ATTEMPTS):
         if case_dir.exists():
             shutil.rmtree(case_dir)
         ckpt = case_dir / "checkpoint"
