@@ -47,7 +47,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         print(f"convert: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a filesystem error (full disk, permissions): one line naming the path
-        target = e.filename or args.out
+        target = e.filename if e.filename and ".tmp-" not in str(e.filename) else args.out  # not the temp folder
         print(f"convert: filesystem error on {target}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"convert: wrote {rep.tensors} tensors ({rep.total_size} bytes) in {len(rep.files)} files to {rep.out_dir}")
