@@ -56,3 +56,20 @@ def test_f16_checkpoint_where_bf16_is_expected_is_reported(tmp_path):
     a = dict(m.named_parameters())[Q].astype("float32").numpy()
     b = dict(ref.named_parameters())[Q].astype("float32").numpy()
     assert np.abs(a - b).max() <= np.abs(b).max() * 2.0**-8  # bf16 -> f16 -> bf16 loses at most bf16 rounding
+
+
+def test_save_accepts_paddle_dtypes_and_aliases(tmp_path):
+    import json
+
+    m = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+    m.save_pretrained(tmp_path / "a", dtype=paddle.float32)
+    m.save_pretrained(tmp_path / "b", dtype="fp32")
+    for d in ("a", "b"):
+        f = tmp_path / d / "model.safetensors.index.json"
+        shard = (
+            tmp_path / d / json.loads(f.read_text())["weight_map"][Q]
+            if f.exists()
+            else tmp_path / d / "model.safetensors"
+        )
+        n = int.from_bytes(shard.read_bytes()[:8], "little")
+        assert json.loads(shard.read_bytes()[8 : 8 + n])[Q]["dtype"] == "F32"

@@ -30,7 +30,7 @@ from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import fleet_param_specs, param_specs, resolve_dtype
-from .loader import format_keys, identity_units
+from .loader import format_keys, identity_units, normalize_dtype
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
 __all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards"]
@@ -157,7 +157,8 @@ def save_pretrained_state(
         raise ValueError(f"unknown quantization {quantization!r}; expected 'fp8' or 'none'")
     if quantization and layout != "hf":
         raise ValueError("quantization='fp8' writes the official layout only (layout='hf')")
-    model_dtype = dtype or config.model_dtype
+    dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes
+    model_dtype = config.model_dtype if dtype in (None, "auto") else dtype
     specs = param_specs(config, layout)
     tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
     entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
