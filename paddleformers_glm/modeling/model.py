@@ -222,7 +222,8 @@ def _skip_random_init() -> Iterator[None]:
 
     For ``from_pretrained`` only: every parameter is overwritten by the load right after (and what
     a ``strict=False`` load does not fill is initialised as HF does), and drawing normals for a
-    large model costs several times the load itself. Distributed parameters get zeros.
+    large model costs several times the load itself. Distributed parameters get zeros. The switch is
+    process-wide while the block runs (another thread building layers then gets no init either).
     """
     from paddle.base.framework import _current_expected_place
     from paddle.nn.initializer import Constant
