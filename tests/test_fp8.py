@@ -294,3 +294,8 @@ def test_convert_both_ways_and_check_ckpt_by_dequantized_value(src, tmp_path, ca
     assert _cli("convert", src, tmp_path / "fl", "--to", "fleet", "--quantization", "fp8") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "official layout" in err[0]
+
+
+def test_paddle_file_backend_refuses_fp8(src):
+    with pytest.raises(CheckpointError, match="backend='paddle' cannot read block-FP8"):
+        load_pretrained_state(_spec_state(src), src, config=GlmMoeDsaConfig.from_pretrained(src), backend="paddle")
