@@ -821,6 +821,159 @@ def build_case(name: str, out_dir: Path, search: bool, max_attempts: int) -> dic
 
 
 # ----------------------------------------------------------------------------------------------
+# the block-FP8 case: the official release format (F8_E4M3 weights + F32 `<name>_scale_inv` per block)
+
+FP8_CASE = "tiny_fp8"
+FP8_ATTEMPT = 26  # the tiny case's pinned attempt (25) has an indexer near-tie once quantized
+FP8_BLOCK = (128, 128)
+FP8_QUANT_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": list(FP8_BLOCK),
+}
+_FP8_SUFFIXES = (
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.indexer.wq_b.weight",
+    "self_attn.indexer.wk.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
+
+
+def is_fp8_key(key: str) -> bool:
+    """The tensors the official release stores in FP8 (MTP layer included)."""
+    return key.startswith("model.layers.") and key.endswith(_FP8_SUFFIXES)
+
+
+def fp8_quantize(w):
+    """torch reference of the scheme: per block scale = amax / 448 (fp32), q = (w / scale) in e4m3."""
+    import torch
+
+    br, bc = FP8_BLOCK
+    rows, cols = w.shape
+    R, C = -(-rows // br), -(-cols // bc)
+    pad = torch.zeros(R * br, C * bc, dtype=torch.float32)
+    pad[:rows, :cols] = w.abs()
+    amax = pad.reshape(R, br, C, bc).amax(dim=(1, 3))
+    scale = amax / 448.0
+    full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def fp8_dequantize(q, scale):
+    """The reference dequantization: ``q.float() * scale_inv`` broadcast per block, in fp32."""
+    br, bc = FP8_BLOCK
+    rows, cols = q.shape
+    full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return q.float() * full
+
+
+def build_fp8_case(out_dir: Path) -> dict:
+    """tests/fixtures/tiny_fp8: the tiny model's weights quantized to block FP8 and written in the
+    official FP8 layout (three shards, MTP layer included); HF's logits on the dequantized weights;
+    sha256 of every dequantized fp32 tensor (official [out, in] orientation)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    name = "tiny"
+    cfg = case_config(name)
+    cfg_out = dict(cfg, quantization_config=FP8_QUANT_CONFIG)
+    base = CASES[name]["seed"]
+    case_dir = out_dir / FP8_CASE
+    for attempt in range(FP8_ATTEMPT, FP8_ATTEMPT + MAX_ATTEMPTS):
+        if case_dir.exists():
+            shutil.rmtree(case_dir)
+        ckpt = case_dir / "checkpoint"
+        ckpt.mkdir(parents=True)
+        state = init_weights(cfg, base + attempt)
+        stored, deq = OrderedDict(), OrderedDict()
+        for k, w in state.items():
+            if is_fp8_key(k):
+                q, s = fp8_quantize(w)
+                stored[k], stored[k + "_scale_inv"] = q, s
+                deq[k] = fp8_dequantize(q, s)
+            else:
+                stored[k] = w if k.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
+                deq[k] = stored[k].to(torch.float32)
+        inputs = make_inputs(cfg, base + 500_000 + attempt)
+        mon = GapMonitor()
+        try:
+            with mon.mode():
+                write_json(ckpt / "config.json", cfg)  # fresh_model reads the plain config
+                model = fresh_model(cfg, ckpt, deq)
+                mtp = build_mtp(cfg, deq)
+                cap = Capture(model, cfg)
+                mon.attach(model)
+                mon.attach(mtp)
+                model.eval()
+                mtp.eval()
+                with torch.no_grad():
+                    mon.phase = "eval"
+                    out = model(input_ids=inputs["input_ids"], labels=inputs["labels"])
+                    mon.phase = "eval_mtp"
+                    mtp_logits, _ = mtp_forward(model, mtp, cap, cfg, inputs["input_ids"], inputs["labels"])
+        except TieError as err:
+            print(f"[{FP8_CASE}] seed attempt {attempt} rejected: {err}", file=sys.stderr)
+            continue
+        break
+    else:
+        raise SystemExit(f"[{FP8_CASE}] no seed without near-ties")
+    # three shards: embeddings + layers [0, 3), layers [3, 6), the rest (layers 6-8 incl. MTP, norm, head)
+    shards: dict[str, dict] = {f"model-0000{i}-of-00003.safetensors": {} for i in (1, 2, 3)}
+    for k, t in stored.items():
+        layer = int(k.split(".")[2]) if k.startswith("model.layers.") else (-1 if "embed" in k else 99)
+        shards[f"model-0000{1 if layer < 3 else 2 if layer < 6 else 3}-of-00003.safetensors"][k] = t
+    weight_map, total = {}, 0
+    for fname, tensors in shards.items():
+        save_file(dict(sorted(tensors.items())), str(ckpt / fname), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    write_json(
+        ckpt / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
+    write_json(ckpt / "config.json", cfg_out)
+    ref = {
+        "input_ids": inputs["input_ids"],
+        "labels": inputs["labels"],
+        "logits": out.logits.detach().to(torch.float32).contiguous(),
+        "loss": out.loss.detach().reshape(()).contiguous(),
+        "mtp_logits": mtp_logits.detach().to(torch.float32).contiguous(),
+    }
+    save_file(dict(sorted(ref.items())), str(case_dir / "reference.safetensors"))
+    meta = {
+        "case": FP8_CASE,
+        "description": "the tiny case's weights in block FP8 (official release layout); HF transformers logits "
+        "(eager, fp32, CPU) on the dequantized weights",
+        "seeds": {"weight_seed": base + attempt, "data_seed": base + 500_000 + attempt, "attempt": attempt},
+        "quantization": {
+            **FP8_QUANT_CONFIG,
+            "scale": "per block: amax(|w|) / 448 in fp32; q = (w / scale).to(torch.float8_e4m3fn)",
+            "dequantized": "q.float() * scale_inv broadcast per block (fp32)",
+            "fp8_tensors": sum(1 for k in stored if k.endswith("_scale_inv")),
+        },
+        "gaps": {"min_gap_required": MIN_GAP, "min": mon.mins},
+        "checkpoint": {"total_size": total, "num_tensors": len(weight_map)},
+        "dequantized_sha256": {
+            k: hashlib.sha256(deq[k].contiguous().numpy().tobytes()).hexdigest() for k in sorted(deq) if is_fp8_key(k)
+        },
+        "versions": {"torch": torch.__version__},
+    }
+    write_json(case_dir / "meta.json", meta)
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def setup_torch() -> None:
@@ -840,7 +993,10 @@ def setup_torch() -> None:
 def generate(out: Path, cases: list[str], search: bool = False, max_attempts: int = MAX_ATTEMPTS) -> dict:
     setup_torch()
     out.mkdir(parents=True, exist_ok=True)
-    return {name: build_case(name, out, search, max_attempts) for name in cases}
+    metas = {}
+    for name in cases:
+        metas[name] = build_fp8_case(out) if name == FP8_CASE else build_case(name, out, search, max_attempts)
+    return metas
 
 
 def compare_dirs(a: Path, b: Path) -> list[str]:
@@ -881,7 +1037,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--out", type=Path, default=ROOT / "tests" / "fixtures", help="fixtures root (default tests/fixtures)"
     )
-    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=[*CASES, FP8_CASE], choices=[*CASES, FP8_CASE])
     ap.add_argument("--check", action="store_true", help="regenerate into a temp dir and compare bytes with --out")
     ap.add_argument("--search-seeds", action="store_true", help="ignore the pinned seed attempts and search from 0")
     ap.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS, help="seed attempts tried by --search-seeds")
@@ -901,6 +1057,9 @@ def main(argv=None) -> int:
     metas = generate(args.out, args.cases, args.search_seeds, args.max_attempts)
     for name, meta in metas.items():
         size = sum(p.stat().st_size for p in (args.out / name).rglob("*") if p.is_file())
+        if name == FP8_CASE:
+            print(f"{name}: seed attempt {meta['seeds']['attempt']} size {size} bytes gaps {meta['gaps']['min']}")
+            continue
         print(
             f"{name}: seed attempt {meta['seeds']['attempt']} size {size} bytes loss {meta['values']['loss']:.6f} gaps {meta['gaps']['min']}"
         )

@@ -1,4 +1,4 @@
-"""Checkpoint layout conversion (HF <-> Fleet) without building the model: the contract is enough.
+"""Checkpoint conversion (HF <-> Fleet layout, block-FP8 <-> unquantized) without building the model.
 
 The weights pass through a plain dict of Paddle tensors shaped by :func:`fleet_param_specs`, so
 memory is one copy of the model in ``dtype`` (the config dtype by default, which keeps a bf16
@@ -33,16 +33,30 @@ def convert_checkpoint(
     layout: str = "fleet",
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
+    quantization: str | None = None,
     expert_layout: str = "per-expert",
 ) -> SaveReport:
-    """Load ``src`` (any layout, strict) and write ``out`` in ``layout``; atomic like every save.
+    """Load ``src`` (either layout, strict; block-FP8 is dequantized) and write ``out`` in ``layout``.
 
-    ``expert_layout`` picks PaddleFleet's routed-expert tensors for ``layout="fleet"``.
+    ``quantization="fp8"`` writes the official block-FP8 format: the weights pass through fp32 (the
+    exact dequantized values, so an FP8 source comes back byte-identical), which doubles the memory
+    of a bf16 pass. ``None``/``"none"`` writes ``dtype`` (default: the config dtype). Atomic like
+    every save. ``expert_layout`` picks PaddleFleet's routed-expert tensors for ``layout="fleet"``.
     """
     src = os.fspath(src)
     config = load_config_for(os.path.abspath(src))
-    state = empty_state(config, dtype or config.model_dtype)
-    load_pretrained_state(state, src, dtype=dtype or config.model_dtype, config=config)
+    quantize = quantization not in (None, "none")
+    work = "float32" if quantize else dtype or config.model_dtype
+    state = empty_state(config, work)
+    load_pretrained_state(state, src, dtype=work, config=config)
     return save_pretrained_state(
-        state, config, out, layout=layout, max_shard_size=max_shard_size, dtype=dtype, expert_layout=expert_layout
+        state,
+        config,
+        out,
+        layout=layout,
+        max_shard_size=max_shard_size,
+        dtype=dtype or config.model_dtype,
+        quantization=quantization,
+        expert_layout=expert_layout,
+        carry_from=src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src)),
     )

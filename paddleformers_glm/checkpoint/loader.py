@@ -14,6 +14,8 @@ it is the slower, hungrier path; it exists to show both Paddle entry points agre
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 import tempfile
@@ -36,6 +38,7 @@ from .aoa import (
 )
 from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
+from .fp8 import Fp8Source, fp8_pairs, quantization_of
 from .layout import fleet_param_specs, param_specs, resolve_dtype
 from .safetensors_io import FLOAT_DTYPES, Checkpoint, st_to_paddle_dtype
 
@@ -48,8 +51,15 @@ __all__ = [
     "fused_keys",
     "format_keys",
     "load_config_for",
+    "normalize_dtype",
+    "resolve_model_dtype",
 ]
 
+logger = logging.getLogger("paddleformers_glm.checkpoint")
+# quiet_paddle_logs() raises the root logger to WARNING (Paddle logs through it); the load report's
+# INFO line must still reach handlers that ask for it
+if logger.level == logging.NOTSET:
+    logger.setLevel(logging.INFO)
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -66,6 +76,26 @@ class LoadReport:
     bytes_read: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    quantized: list[str] = field(default_factory=list)  # block-FP8 source tensors (dequantized on read)
+    initialized: list[str] = field(default_factory=list)  # MTP parameters initialised (no MTP weights)
+    dtype_changes: dict[str, str] = field(default_factory=dict)  # stored dtype differs from the config's
+
+    def summary(self) -> str:
+        """One line for the log: what was loaded from where, and what needs a look."""
+        parts = [
+            f"loaded {len(self.loaded)} tensors from {self.path} ({self.layout} layout"
+            + (f", {len(self.quantized)} block-FP8" if self.quantized else "")
+            + f"), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f}s"
+        ]
+        for name in ("missing", "unexpected", "initialized"):
+            keys = getattr(self, name)
+            if keys:
+                parts.append(f"{name} {format_keys(keys, 3)}")
+        if self.dtype_changes:
+            parts.append(f"{len(self.dtype_changes)} tensors in another dtype than the config's")
+        if self.warnings:
+            parts.append(f"{len(self.warnings)} warning(s)")
+        return "; ".join(parts)
 
 
 def format_keys(keys: Iterable[str], n: int = 5) -> str:
@@ -122,14 +152,67 @@ def _state_of(model: Any) -> Mapping[str, Any]:
     raise TypeError(f"expected a paddle.nn.Layer or a state dict, got {type(model).__name__}")
 
 
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp64": "float64",
+    "double": "float64",
+}
+_MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def normalize_dtype(dtype: Any) -> str | None:
+    """A dtype name from a string (``"bf16"``, ``"bfloat16"``, ``"auto"``) or a Paddle/numpy/torch dtype."""
+    if dtype is None:
+        return None
+    name = str(dtype).replace("paddle.", "").replace("torch.", "").lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in (*_MODEL_DTYPES, "auto"):
+        raise ValueError(f"dtype {dtype!r} is not a model dtype; expected one of {_MODEL_DTYPES} or 'auto'")
+    return name
+
+
+def resolve_model_dtype(dtype: Any, config: Any) -> str:
+    """The dtype to build and load a model in. ``"auto"``: the config's dtype where the device computes
+    it (an accelerator), else float32 (CPU), said in one info line."""
+    name = normalize_dtype(dtype)
+    if name is None:
+        return "float32"
+    if name != "auto":
+        return name
+    want = normalize_dtype(getattr(config, "model_dtype", None) or "float32") or "float32"
+    try:
+        import paddle
+
+        device = str(paddle.device.get_device())
+    except Exception:  # no usable Paddle device query: assume CPU
+        device = "cpu"
+    if want == "float32" or not device.startswith("cpu"):
+        return want
+    logger.info("dtype='auto': the config's %s is not computed on %s here; loading in float32", want, device)
+    return "float32"
+
+
 def check_checkpoint_keys(
-    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]]
+    ckpt: Checkpoint,
+    specs: Mapping[str, tuple[tuple[int, ...], str]],
+    fp8: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected)."""
-    present = set(ckpt.keys())
+    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected).
+
+    ``fp8`` maps block-FP8 weights to their scale tensors: those weights may be F8_E4M3 and their
+    scales are part of them, not unexpected keys.
+    """
+    fp8 = fp8 or {}
+    present = set(ckpt.keys()) - set(fp8.values())
     for k in sorted(present & set(specs)):
         info = ckpt.info(k)
-        if info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+        if k in fp8:
+            pass
+        elif info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
             raise CheckpointError(
                 "non-float tensor where a weight is expected",
                 key=k,
@@ -155,6 +238,7 @@ def load_pretrained_state(
     key_filter: Callable[[str], bool] | None = None,
     backend: str = "engine",
     shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
+    init_missing_mtp: bool = True,
 ) -> LoadReport:
     """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
 
@@ -170,22 +254,46 @@ def load_pretrained_state(
     (local_shape, global_offset) of *all* ranks' shards as plain slices of the global ``[gate | up]``
     tensor, so ``fused_ffn`` lays out fused weights per rank as Fleet does (rank r: ``[gate_r | up_r]``)
     from an HF checkpoint and, re-laid the same way, from a Fleet one.
+
+    ``strict`` concerns weights only: index bookkeeping problems (``metadata.total_size``, a stray
+    file, trailing bytes) are warnings in ``report.warnings``. When *every* MTP tensor is absent (a
+    folder written by transformers' ``save_pretrained``) and ``init_missing_mtp`` (default), the
+    MTP layer is initialised like HF initialises missing weights, listed in ``report.initialized``
+    and announced by one logged warning. Block-FP8 checkpoints are dequantized slice by slice.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
     path = os.path.abspath(os.fspath(path))
     cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
-    with Checkpoint(path, strict=strict) as ckpt:
-        layout = detect_layout(ckpt.keys(), cfg, lambda k: ckpt.info(k).shape)
+    if dtype is not None:
+        dtype = resolve_model_dtype(dtype, cfg)
+    # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
+    # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
+    with Checkpoint(path, strict=False) as ckpt:
+        fp8 = fp8_pairs(ckpt, quantization_of(ckpt.folder, cfg))
+        weight_keys = set(ckpt.keys()) - set(fp8.values())
+        layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
+        for w in ckpt.warnings:
+            logger.warning("%s", w)
         if layout == "fleet-legacy":
             fleet_format.warn_legacy(report.warnings)
-        expert_layout = fleet_format.detect_expert_layout(ckpt.keys())
+        report.quantized = sorted(fp8)
+        expert_layout = fleet_format.detect_expert_layout(weight_keys)
         src_specs = param_specs(cfg, layout, expert_layout)
-        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs)
+        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, fp8)
         absent_mtp = fleet_format.absent_mtp_indexer(cfg, layout, missing_src)
         if absent_mtp:
             missing_src = [k for k in missing_src if k not in absent_mtp]
+        report.dtype_changes = _dtype_changes(ckpt, src_specs, fp8, cfg)
+        if report.dtype_changes:
+            kinds = sorted(set(report.dtype_changes.values()))
+            msg = (
+                f"{len(report.dtype_changes)} checkpoint tensors are not in the dtype the config states "
+                f"({', '.join(kinds)}), e.g. {sorted(report.dtype_changes)[0]}; they are cast on load"
+            )
+            logger.warning("%s", msg)
+            report.warnings.append(msg)
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
@@ -230,6 +338,15 @@ def load_pretrained_state(
             else:
                 usable.append(u)
         needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src_set)
+        # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
+        # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
+        mtp_units = [u for u in units if u.layer is not None and u.layer >= cfg.num_hidden_layers]
+        mtp_src = {k for u in mtp_units for k in u.hf}
+        mtp_init: list[str] = []
+        if init_missing_mtp and mtp_src and mtp_src <= missing_src_set:
+            needed_missing = [k for k in needed_missing if k not in mtp_src]
+            mtp_init = sorted(k for u in mtp_units for k in u.fleet if k in want)
+            missing_targets = [k for k in missing_targets if k not in set(mtp_init)]
         if strict and (needed_missing or unexpected):
             parts = []
             if needed_missing:
@@ -237,7 +354,11 @@ def load_pretrained_state(
             if unexpected:
                 parts.append(f"unexpected {format_keys(unexpected)}")
             raise CheckpointError(
-                f"checkpoint does not match the {layout} layout of this config: " + "; ".join(parts), file=path
+                f"checkpoint does not match the {layout} layout of this config: "
+                + "; ".join(parts)
+                + " (strict=False loads what is there and reports the rest; parameters without weights keep "
+                "their values)",
+                file=path,
             )
         report.missing = sorted(missing_targets)
         if absent_mtp & want:
@@ -265,7 +386,11 @@ def load_pretrained_state(
                     targets[k] = TargetSpec(k, tuple(shape), _planned_dtype(kind, dtype, state.get(k)))
         wanted_targets = {k: v for k, v in targets.items() if k in want}
         if backend == "engine":
-            source = CheckpointSource(ckpt)
+            source = (
+                Fp8Source(ckpt, pairs=fp8, block=quantization_of(ckpt.folder, cfg).block)  # type: ignore[union-attr]
+                if fp8
+                else CheckpointSource(ckpt)
+            )
             for k, _ in run_units(usable, direction, source, targets, produce=want):
                 report.loaded.append(k)
             report.bytes_read = source.bytes_read
@@ -273,13 +398,64 @@ def load_pretrained_state(
         elif backend == "paddle":
             if any(u.source_splits for u in usable):
                 raise ValueError(f"backend='paddle' cannot read tensor-parallel interleaved fused weights ({path})")
+            if fp8:
+                raise CheckpointError(
+                    "backend='paddle' cannot read block-FP8 weights; use the default engine backend", file=path
+                )
             report.loaded, files = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
             fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
             report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
         else:
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
+        if mtp_init:
+            init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
+            report.initialized = mtp_init
+            msg = (
+                f"{path} has no MTP weights (the {len(mtp_src)} tensors of model.layers."
+                f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
+                f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
+                f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
+                "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
+            )
+            logger.warning(msg)
+            report.warnings.append(msg)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _dtype_changes(
+    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], fp8: Mapping[str, str], cfg: Any
+) -> dict[str, str]:
+    """``{key: "F16 where bfloat16 is expected"}`` for stored tensors whose dtype is not the contract's
+    (FP8 weights are listed in ``quantized`` instead)."""
+    out = {}
+    model_dtype = getattr(cfg, "model_dtype", "bfloat16")
+    for k in sorted(set(ckpt.keys()) & set(specs)):
+        if k in fp8:
+            continue
+        info = ckpt.info(k)
+        want = resolve_dtype(specs[k][1], model_dtype)
+        if st_to_paddle_dtype(info.dtype) != want:
+            out[k] = f"{info.dtype} where {want} is expected"
+    return out
+
+
+def init_like_hf(params: Mapping[str, Any], std: float) -> None:
+    """HF's init for weights a checkpoint does not have: matrices normal(0, std), biases 0, norms 1.
+
+    Values of ``params`` may be tensors, parameters or ``ShardedWeight``s (their local piece)."""
+    import paddle
+
+    for k, v in params.items():
+        t = getattr(v, "local_tensor", v)
+        shape = [int(d) for d in t.shape]
+        if len(shape) >= 2:
+            val = paddle.normal(0.0, std, shape).astype(t.dtype)
+        elif k.endswith("bias"):
+            val = paddle.zeros(shape, dtype=t.dtype)
+        else:
+            val = paddle.ones(shape, dtype=t.dtype)
+        paddle.assign(val, output=t)
 
 
 def _planned_dtype(kind: str, dtype: str | None, tensor: Any) -> str:
@@ -301,6 +477,11 @@ def _target_spec(
     shape, kind = spec
     local = getattr(value, "local_tensor", None)
     tensor = local if local is not None else value
+    if not getattr(tensor, "stop_gradient", True):
+        # a trainable parameter refuses DLPack; a detached tensor shares its memory and does not,
+        # so the copy takes the numpy fast path straight into the parameter
+        tensor = tensor.detach()
+        local = tensor if local is not None else None
     global_shape = tuple(int(d) for d in (getattr(value, "global_shape", None) or tensor.shape))
     if global_shape != tuple(shape):
         raise CheckpointError(

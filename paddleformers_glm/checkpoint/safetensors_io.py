@@ -135,12 +135,13 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(file: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """Read and validate a safetensors header; returns (tensors, __metadata__, data start offset).
 
     Checks: length prefix within the file, UTF-8 JSON object without duplicate keys, known dtype
     names, integer shapes and offsets, byte length == numel x itemsize, ranges inside the data area,
-    no overlap, no gap, and no trailing bytes after the last tensor.
+    no overlap, no gap, and no trailing bytes after the last tensor. With a ``warnings`` list,
+    trailing bytes (which no tensor's value depends on) are reported there instead of refused.
     """
     try:
         size = os.path.getsize(file)
@@ -249,21 +250,24 @@ def parse_header(file: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]
             )
         pos, prev = info.end - data_start, info.key
     if pos != data_size:
-        raise CheckpointError(
+        err = CheckpointError(
             f"trailing garbage: {data_size - pos} bytes after the last tensor",
             file=file,
             expected=f"{pos} data bytes",
             actual=f"{data_size} data bytes",
         )
+        if warnings is None:
+            raise err
+        warnings.append(str(err))
     return infos, dict(meta), data_start
 
 
 class SafetensorsFile:
     """One validated safetensors file, read lazily through a read-only mmap."""
 
-    def __init__(self, file: str | os.PathLike) -> None:
+    def __init__(self, file: str | os.PathLike, warnings: list[str] | None = None) -> None:
         self.file = os.fspath(file)
-        self.tensors, self.metadata, self.data_start = parse_header(self.file)
+        self.tensors, self.metadata, self.data_start = parse_header(self.file, warnings)
         self._fd: Any = None
         self._mm: mmap.mmap | None = None
 
@@ -335,8 +339,9 @@ class Checkpoint:
     Construction validates every header and the index against the shards, so a checkpoint object
     that exists is consistent: each key in exactly one shard, the index naming exactly the keys each
     shard holds, no shard missing from a ``-0000k-of-0000n`` series, ``total_size`` equal to the
-    tensor bytes. ``strict=False`` turns the last two (and files the index does not name) into
-    warnings collected in ``warnings``.
+    tensor bytes. ``strict=False`` turns the last two, files the index does not name and trailing
+    bytes after a file's last tensor into warnings collected in ``warnings`` (none of them changes
+    a tensor's value).
     """
 
     def __init__(self, path: str | os.PathLike, strict: bool = True) -> None:
@@ -355,7 +360,7 @@ class Checkpoint:
             raise CheckpointError("checkpoint path does not exist", file=self.path)
         self.files: dict[str, SafetensorsFile] = {}
         for f in files:
-            self.files[f] = SafetensorsFile(f)
+            self.files[f] = SafetensorsFile(f, None if strict else self.warnings)
         self.tensors: dict[str, TensorInfo] = {}
         owner: dict[str, str] = {}
         for f, sf in self.files.items():

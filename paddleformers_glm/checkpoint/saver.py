@@ -28,8 +28,9 @@ from typing import Any
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
+from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import fleet_param_specs, param_specs, resolve_dtype
-from .loader import format_keys
+from .loader import format_keys, normalize_dtype
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
 __all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards"]
@@ -132,6 +133,8 @@ def save_pretrained_state(
     *,
     metadata: Mapping[str, str] | None = None,
     expert_layout: str = "per-expert",
+    quantization: str | None = None,
+    carry_from: str | os.PathLike | None = None,
 ) -> SaveReport:
     """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``.
 
@@ -150,12 +153,26 @@ def save_pretrained_state(
     limit = parse_size(max_shard_size)
     state = _state_of(model_or_state_dict)
     _check_state(state, config)
-    model_dtype = dtype or config.model_dtype
+    if quantization in (None, "none"):
+        quantization = None
+    elif quantization != "fp8":
+        raise ValueError(f"unknown quantization {quantization!r}; expected 'fp8' or 'none'")
+    if quantization and layout != "hf":
+        raise ValueError("quantization='fp8' writes the official layout only (layout='hf')")
     if layout == "hf" and expert_layout != "per-expert":
         raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
+    dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes
+    model_dtype = config.model_dtype if dtype in (None, "auto") else dtype
     specs = param_specs(config, layout, expert_layout)
     tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
     entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
+    fp8 = {k: scale_key(k) for k in specs if quantization and is_fp8_weight(k)}
+    block = tuple(FP8_CONFIG["weight_block_size"])
+    for k, sk in fp8.items():
+        shape = entries[k][0]
+        tgt_dtypes[k] = "float32"  # quantized from the exact fp32 value of the parameter
+        entries[k] = (shape, "F8_E4M3")
+        entries[sk] = (tuple(math.ceil(d / b) for d, b in zip(shape, block)), "F32")
     shards = plan_shards(entries, limit)
     n = len(shards)
     names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
@@ -166,7 +183,8 @@ def save_pretrained_state(
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    clean_stale_saves(out_dir)
+    tmp = tempfile.mkdtemp(prefix=_temp_prefix(out_dir, "tmp"), dir=parent)
     writers: dict[str, SafetensorsWriter] = {}
     try:
         meta = dict(metadata) if metadata is not None else {"format": "pt"}
@@ -176,8 +194,15 @@ def save_pretrained_state(
             )
         count = 0
         for key, t in run_units(units, "fleet_to_hf", StateDictSource(tensors), targets):
-            writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
-            count += 1
+            if key in fp8:
+                q, scale = quantize_blocks(t.numpy(), block)
+                writers[file_of[key]].write(key, q, "F8_E4M3")
+                writers[file_of[fp8[key]]].write(fp8[key], scale, "F32")
+                count += 2
+                del q, scale
+            else:
+                writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
+                count += 1
             del t
         for w in writers.values():
             w.close()
@@ -187,32 +212,173 @@ def save_pretrained_state(
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         config.save_pretrained(tmp)
+        _set_quantization_config(os.path.join(tmp, "config.json"), FP8_CONFIG if quantization else None)
+        carried = _carry_files(carry_from, tmp, out_dir)
         _publish(tmp, out_dir)
     except BaseException:
         for w in writers.values():
-            w.abort()
+            try:
+                w.abort()
+            except OSError:  # closing a file on a full disk fails again: the folder goes anyway
+                pass
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    files = names + ([INDEX_NAME] if n > 1 else []) + ["config.json"]
+    files = names + ([INDEX_NAME] if n > 1 else []) + ["config.json"] + carried
     return SaveReport(
         out_dir, layout, [os.path.join(out_dir, f) for f in files], count, total, time.perf_counter() - t0
     )
 
 
+def _set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
+    """config.json says how its weights are stored: add ``quantization_config`` for an FP8 save,
+    remove one inherited from an FP8 source for a plain save."""
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if qc is None and "quantization_config" not in cfg:
+        return
+    if qc is None:
+        cfg.pop("quantization_config")
+    else:
+        cfg["quantization_config"] = dict(qc)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(cfg, indent=2) + "\n")
+
+
+CARRIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_OWN_WEIGHT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _carry_files(src: str | os.PathLike | None, tmp: str, out_dir: str) -> list[str]:
+    """Copy the source folder's non-weight files into the new checkpoint (not onto themselves)."""
+    if src is None:
+        return []
+    src = os.path.abspath(os.fspath(src))
+    if not os.path.isdir(src) or src == out_dir:
+        return []  # saving over the source: those files are kept as they are
+    out = []
+    for name in CARRIED_FILES:
+        f = os.path.join(src, name)
+        if os.path.isfile(f) and not os.path.exists(os.path.join(tmp, name)):
+            shutil.copy2(f, os.path.join(tmp, name))
+            out.append(name)
+    return out
+
+
+def _replaced_by_this_save(name: str) -> bool:
+    """Files of an earlier checkpoint at the target that this save replaces (and nothing else)."""
+    return name in (SINGLE_NAME, INDEX_NAME, "config.json") or bool(_OWN_WEIGHT_RE.match(name))
+
+
+def _temp_prefix(out_dir: str, kind: str) -> str:
+    """``.<name>.<kind>-<pid>-``: the pid lets a later save tell a killed save's leftovers from a live one."""
+    return f".{os.path.basename(out_dir)}.{kind}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_saves(out_dir: str) -> list[str]:
+    """Remove temporary folders that killed saves to ``out_dir`` left beside it (their process is
+    gone); if a save was killed between moving the old checkpoint aside and moving the new one in
+    (only on filesystems without an atomic exchange), put the old checkpoint back first."""
+    parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
+    pat = re.compile(rf"^\.{re.escape(base)}\.(tmp|old)-(\d+)-")
+    removed = []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in names:
+        m = pat.match(name)
+        if not m or _pid_alive(int(m.group(2))) and int(m.group(2)) != os.getpid():
+            continue
+        path = os.path.join(parent, name)
+        if m.group(1) == "old" and not os.path.exists(out_dir):
+            os.rename(path, out_dir)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        return
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _publish(tmp: str, out_dir: str) -> None:
-    """Move a finished checkpoint folder into place (one rename when the target is absent/empty)."""
+    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing.
+
+    Absent or empty target: one rename. Otherwise every entry of the target that this save does
+    not replace (other weights such as ``adapter_model.safetensors``, tokenizer files, folders) is
+    hard-linked (or copied) into ``tmp``, the two folders are exchanged in one atomic
+    ``renameat2(RENAME_EXCHANGE)``, and the old folder is removed. A save killed at any point leaves
+    the old checkpoint or the new one at ``out_dir``, never a mix; its temporary folder is removed
+    by the next save to the same target. Without an atomic exchange (some network filesystems) the
+    old folder is renamed aside first and put back by the next save if the kill came in between.
+    """
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+    if os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir):
         os.rmdir(out_dir)
-    if not os.path.exists(out_dir):
+    if not os.path.lexists(out_dir):
         os.rename(tmp, out_dir)
         return
     if not os.path.isdir(out_dir):
         raise CheckpointError("output path exists and is not a folder", file=out_dir)
     new = set(os.listdir(tmp))
-    for f in os.listdir(out_dir):  # stale weights of an earlier checkpoint would confuse loaders
-        if f not in new and (f.endswith(".safetensors") or f == INDEX_NAME):
-            os.remove(os.path.join(out_dir, f))
-    for f in sorted(new, key=lambda f: (f == INDEX_NAME, f == "config.json", f)):
-        os.replace(os.path.join(tmp, f), os.path.join(out_dir, f))
-    os.rmdir(tmp)
+    for name in sorted(os.listdir(out_dir)):
+        if name in new or _replaced_by_this_save(name):
+            continue
+        _link_or_copy(os.path.join(out_dir, name), os.path.join(tmp, name))
+    os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
+    if _exchange(tmp, out_dir):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old checkpoint
+        return
+    old = tempfile.mkdtemp(prefix=_temp_prefix(out_dir, "old"), dir=os.path.dirname(out_dir))
+    os.rmdir(old)
+    os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

@@ -8,10 +8,12 @@ package maps them to and from the official HF names with Paddle's AOA engine.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import paddle
 from paddle import nn
@@ -211,6 +213,39 @@ def default_dtype(dtype: str) -> Iterator[None]:
         paddle.set_default_dtype(prev)
 
 
+_LOG = logging.getLogger("paddleformers_glm.checkpoint")
+
+
+@contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """Parameters created inside are allocated but not initialised (no random draw, no memset).
+
+    For ``from_pretrained`` only: every parameter is overwritten by the load right after (and what
+    a ``strict=False`` load does not fill is initialised as HF does), and drawing normals for a
+    large model costs several times the load itself. Distributed parameters get zeros. The switch is
+    process-wide while the block runs (another thread building layers then gets no init either).
+    """
+    from paddle.base.framework import _current_expected_place
+    from paddle.nn.initializer import Constant
+    from paddle.nn.initializer.initializer import Initializer
+
+    zero = Constant(0.0)
+    real = Initializer.__call__
+
+    def allocate(self: Any, param: Any, block: Any = None) -> Any:
+        if getattr(param, "is_dist", lambda: False)() or not paddle.in_dynamic_mode():
+            return zero.forward(param, block)
+        out = paddle._C_ops.empty(param.shape, param.dtype, _current_expected_place())
+        out._share_underline_tensor_to(param)
+        return None
+
+    Initializer.__call__ = allocate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Initializer.__call__ = real  # type: ignore[method-assign]
+
+
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses.
 
@@ -250,19 +285,45 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "float32", strict: bool = True, **config_overrides):
-        """Load an official HF-layout (or Fleet-layout) checkpoint folder; see checkpoint.load_pretrained_state."""
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: object = "auto",
+        strict: bool = True,
+        output_loading_info: bool = False,
+        **config_overrides,
+    ):
+        """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
+
+        ``dtype``: a name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or a Paddle dtype; ``"auto"``
+        (default) is the config's dtype where the device computes it (an accelerator), else float32
+        with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
+        info line, warnings as warnings); ``output_loading_info=True`` returns ``(model, report)``
+        as transformers does.
+        """
         from ..checkpoint import load_pretrained_state
+        from ..checkpoint.loader import init_like_hf, resolve_model_dtype
 
         config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
-        model = cls(config, dtype=dtype)
-        load_pretrained_state(model, path, dtype=dtype, strict=strict)
-        return model
+        dtype = resolve_model_dtype(dtype, config)
+        with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
+            model = cls(config, dtype=dtype)
+        report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
+        params = model.state_dict()
+        unfilled = set(params) - set(report.loaded) - set(report.initialized)
+        if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does
+            init_like_hf({k: params[k] for k in sorted(unfilled)}, config.initializer_range)
+        _LOG.info("%s", report.summary())
+        model.source_path = os.path.abspath(os.fspath(path))
+        return (model, report) if output_loading_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
-        """Official HF layout by default (`layout="fleet"` for the Paddle names); atomic."""
+        """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
+        for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
+        folder's tokenizer / generation config / chat template files along."""
         from ..checkpoint import save_pretrained_state
 
+        kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ forward

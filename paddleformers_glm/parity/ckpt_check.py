@@ -11,7 +11,11 @@ Why each step:
 * when the two sides use different layouts (HF vs Paddle/Fleet), the candidate is mapped into
   the reference's layout by the same AOA rules the loader uses, so a renamed, fused or transposed
   tensor is recognised as a **naming** difference, a tensor with no counterpart as
-  **structural**, and different numbers as **value** (with the max abs diff).
+  **structural**, and different numbers as **value** (with the max abs diff);
+* a block-FP8 checkpoint (F8_E4M3 weights + ``<name>_scale_inv``) against an unquantized one is
+  compared by dequantized value: each FP8 weight, dequantized in fp32 and rounded to the other
+  side's dtype, must equal that side's tensor. These pairs form their own **quantization** class
+  (counted apart; the scale tensors and ``quantization_config`` are part of it, not differences).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 
 from .. import progress
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.fp8 import Fp8Source, fp8_pairs, quantization_of
 from ..checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
 
 __all__ = ["check_checkpoints", "file_safety_problems", "tensor_hash", "checkpoint_hash", "versions"]
@@ -136,6 +141,8 @@ class _Side:
     problems: list[dict[str, str]] = field(default_factory=list)
     hashes: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    fp8: dict[str, str] = field(default_factory=dict)  # FP8 weight -> its scale tensor
+    block: tuple[int, int] = (128, 128)
 
 
 def _open_side(path: str) -> _Side:
@@ -163,8 +170,12 @@ def _open_side(path: str) -> _Side:
             with open(cfg_file, encoding="utf-8") as fh:
                 side.config_json = json.load(fh)
             side.config = GlmMoeDsaConfig.from_pretrained(cfg_file)
+            scheme = quantization_of(folder)
+            side.fp8 = fp8_pairs(side.ckpt, scheme)
+            if scheme is not None:
+                side.block = scheme.block
             try:
-                side.layout = detect_layout(side.ckpt.keys(), side.config)
+                side.layout = detect_layout(set(side.ckpt.keys()) - set(side.fp8.values()), side.config)
             except CheckpointError:
                 side.layout = "unknown"
         bar = progress.start(
@@ -337,13 +348,20 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
         report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
         return _finish(report, EXIT_UNUSABLE, t0, sides)
     config = ref.config or cand.config
-    report["config_match"] = ref.config_json == cand.config_json
-    if not report["config_match"]:
-        diff = sorted(
-            k
-            for k in set(ref.config_json or {}) | set(cand.config_json or {})
-            if (ref.config_json or {}).get(k) != (cand.config_json or {}).get(k)
+    quant_mixed = bool(ref.fp8) != bool(cand.fp8)
+    if quant_mixed and ref.layout != cand.layout:
+        report["errors"].append(
+            "an FP8 and an unquantized checkpoint are compared in the official layout only "
+            f"(ref: {ref.layout}, cand: {cand.layout})"
         )
+        return _finish(report, EXIT_UNUSABLE, t0, sides)
+    cfg_ref, cfg_cand = dict(ref.config_json or {}), dict(cand.config_json or {})
+    if quant_mixed:  # the one expected config difference of a quantized copy
+        cfg_ref.pop("quantization_config", None)
+        cfg_cand.pop("quantization_config", None)
+    report["config_match"] = cfg_ref == cfg_cand
+    if not report["config_match"]:
+        diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
         report["differences"].append({"class": "config", "keys": diff})
     pre: list[dict[str, Any]] = []
     try:
@@ -352,14 +370,28 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
         report["errors"].append(f"cand: cannot map to the {ref.layout} layout: {e}")
         return _finish(report, EXIT_UNUSABLE, t0, sides)
     assert ref.ckpt is not None
-    counts = {"matched": 0, "naming": 0, "structural": 0, "value": 0}
+    counts = {"matched": 0, "naming": 0, "structural": 0, "value": 0, "quantization": 0}
     for d in pre:
         counts[d["class"]] += 1
     report["differences"].extend(pre)
     naming_units: dict[tuple[str, ...], dict[str, Any]] = {}
-    for key in sorted(set(ref.ckpt.keys()) | set(canon)):
+    quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
+    scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
+    for key in sorted((set(ref.ckpt.keys()) | set(canon)) - scales):
         r = ref.ckpt.tensors.get(key)
         c = canon.get(key)
+        if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
+            counts["quantization"] += 1
+            quant["tensors"] += 1
+            equal, mad = _compare_dequantized(ref, cand, key)
+            quant["max_abs_diff"] = max(quant["max_abs_diff"], mad)
+            if equal:
+                quant["equal_after_rounding"] += 1
+                counts["matched"] += 1
+            else:
+                counts["value"] += 1
+                quant["differing"].append({"key": key, "max_abs_diff": mad})
+            continue
         if r is None:
             counts["structural"] += 1
             report["differences"].append(
@@ -404,6 +436,10 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
             group["ref_keys"].append(key)
             group["kinds"] = sorted(set(group["kinds"]) | set(c["tags"]))
     report["differences"].extend(naming_units.values())
+    if quant["tensors"]:
+        quant["fp8_side"] = "ref" if ref.fp8 else "cand"
+        quant["differing"] = quant["differing"][:_MAX_LISTED]
+        report["differences"].insert(0, quant)
     canon_hashes = {k: v["hash"] for k, v in canon.items()}
     report["cand"]["canonical_hash"] = checkpoint_hash(canon_hashes)
     report["ref"]["canonical_hash"] = report["ref"]["native_hash"]
@@ -420,11 +456,44 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
     ok = (
         counts["structural"] == 0
         and counts["value"] == 0
-        and report["hash_match"]
+        and (report["hash_match"] or quant["tensors"] > 0)  # a quantized copy cannot hash alike
         and report["config_match"]
         and (counts["naming"] == 0 or naming_ok)
     )
     return _finish(report, EXIT_MATCH if ok else EXIT_MISMATCH, t0, sides)
+
+
+def _dequantized_or_plain(side: _Side, key: str) -> tuple[np.ndarray, str]:
+    """(values, safetensors dtype): FP8 weights dequantized to fp32, other tensors as stored."""
+    assert side.ckpt is not None
+    info = side.ckpt.info(key)
+    if key in side.fp8:
+        src = Fp8Source(side.ckpt, pairs=side.fp8, block=side.block)
+        return src.read_numpy(key, (0,) * len(info.shape), info.shape), "F32"  # type: ignore[return-value]
+    return side.ckpt.numpy(key), info.dtype
+
+
+def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float]:
+    """Whether the FP8 side's dequantized weight, rounded to the other side's dtype (as a load in that
+    dtype rounds it), equals the other side's tensor; and the max abs diff of the values."""
+    import paddle
+
+    from ..checkpoint.safetensors_io import st_to_paddle_dtype
+
+    (a, da), (b, db) = _dequantized_or_plain(ref, key), _dequantized_or_plain(cand, key)
+    if a.shape != b.shape:
+        return False, math.inf
+    if key in cand.fp8:
+        (a, da), (b, db) = (b, db), (a, da)  # a: the FP8 side (fp32), b: the other side
+    want = st_to_paddle_dtype(db)
+    rounded = paddle.to_tensor(np.ascontiguousarray(a), place=paddle.CPUPlace()).astype(want)
+    if want == "bfloat16":
+        r_bits = rounded.view(paddle.int16).numpy().view(np.uint16)
+    else:
+        r_bits = rounded.numpy()
+    equal = r_bits.tobytes() == np.ascontiguousarray(b).tobytes()
+    diff = np.abs(_as_float(a, da) - _as_float(b, db))
+    return equal, float(np.nanmax(diff)) if diff.size else 0.0
 
 
 def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:
@@ -451,6 +520,8 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             f"  tensors ref={c['ref_tensors']} cand={c['cand_tensors']}  matched={c['matched']} "
             f"naming={c['naming']} structural={c['structural']} value={c['value']}  hash_match={report['hash_match']}"
         )
+        if c.get("quantization"):
+            lines.append(f"  quantization: {c['quantization']} FP8 tensors compared by dequantized value")
     for d in report.get("differences", [])[:20]:
         if d["class"] == "naming":
             lines.append(f"  naming ({', '.join(d['kinds']) or 'rename'}): {d['cand_keys']} -> {d['ref_keys']}")
@@ -461,6 +532,11 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             )
         elif d["class"] == "structural":
             lines.append(f"  structural ({d['what']}): {d.get('key', d.get('cand_key'))}")
+        elif d["class"] == "quantization":
+            lines.append(
+                f"  quantization (FP8 on the {d['fp8_side']} side): {d['equal_after_rounding']}/{d['tensors']} "
+                f"equal after dequantize + round, max_abs_diff={d['max_abs_diff']:.3g}"
+            )
         else:
             lines.append(f"  {d['class']}: {d.get('keys')}")
     return lines

@@ -1,0 +1,116 @@
+"""Folders as transformers' ``save_pretrained`` writes them (no MTP tensors, num_nextn_predict_layers
+kept) load by default; ``strict`` is about weights only; the load report is returned on request.
+
+Expected weights come from the committed HF-written fixture loaded whole, never from the folder
+under test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from paddleformers_glm.checkpoint import CheckpointError
+from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+from .test_checkpoint_roundtrip import _read_all, _rewrite
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+MTP = "model.layers.8."
+
+
+@pytest.fixture
+def src(tmp_path):
+    d = tmp_path / "src"
+    shutil.copytree(FIXTURE, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def full():
+    return {k: v.numpy() for k, v in GlmMoeDsaForCausalLM.from_pretrained(FIXTURE).state_dict().items()}
+
+
+def _records(caplog, level=logging.WARNING):
+    return [r.getMessage() for r in caplog.records if r.levelno >= level and r.name.startswith("paddleformers_glm")]
+
+
+def test_transformers_saved_folder_loads_and_initialises_mtp(src, full, caplog):
+    import paddle
+
+    mtp_keys = sorted(k for k in _read_all(src) if k.startswith(MTP))
+    assert len(mtp_keys) == 47
+    _rewrite(src, drop=mtp_keys)
+    caplog.set_level(logging.INFO)
+    paddle.seed(0)
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(src, output_loading_info=True)
+    warnings = _records(caplog)
+    assert len(warnings) == 1 and "MTP" in warnings[0] and "mtp_loss" in warnings[0]
+    assert rep.warnings == warnings and not rep.missing
+    assert rep.initialized and all(k.startswith(MTP) for k in rep.initialized)
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert sorted(rep.initialized) == sorted(k for k in sd if k.startswith(MTP))
+    for k, v in sd.items():
+        if k.startswith(MTP):
+            if v.ndim >= 2:  # normal(0, initializer_range = 0.02)
+                assert abs(float(v.std()) - 0.02) < 0.02 * 0.15 and abs(float(v.mean())) < 0.005, k
+            elif k.endswith("bias"):
+                assert not v.any(), k
+            else:
+                assert (v == 1).all(), k
+        else:
+            assert np.array_equal(v, full[k]), k
+    assert any(r.levelno == logging.INFO and "loaded" in r.getMessage() for r in caplog.records)
+    out = model(paddle.to_tensor([[5, 6, 7, 8]]), labels=paddle.to_tensor([[5, 6, 7, 8]]))
+    assert np.isfinite(float(out.mtp_loss))
+
+
+def test_partial_mtp_or_other_missing_keys_still_refused_naming_the_option(src):
+    _rewrite(src, drop=[MTP + "eh_proj.weight"])
+    with pytest.raises(CheckpointError, match=r"missing 1 key: model\.layers\.8\.eh_proj\.weight.*strict=False"):
+        GlmMoeDsaForCausalLM.from_pretrained(src)
+    shutil.rmtree(src)
+    shutil.copytree(FIXTURE, src)
+    _rewrite(src, drop=["model.layers.2.mlp.down_proj.weight"])
+    with pytest.raises(CheckpointError, match="strict=False"):
+        GlmMoeDsaForCausalLM.from_pretrained(src)
+
+
+def test_bookkeeping_problems_are_warnings_not_refusals(src, full, caplog):
+    idx_p = src / "model.safetensors.index.json"
+    idx = json.loads(idx_p.read_text())
+    idx["metadata"]["total_size"] += 7
+    idx_p.write_text(json.dumps(idx))
+    shutil.copy(src / "model-00001-of-00002.safetensors", src / "adapter_model.safetensors")
+    with open(src / "model-00002-of-00002.safetensors", "ab") as f:
+        f.write(b"\0" * 16)
+    caplog.set_level(logging.WARNING)
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(src, output_loading_info=True)
+    assert len(rep.warnings) == 3
+    text = " | ".join(rep.warnings)
+    assert "total_size" in text and "adapter_model.safetensors" in text and "trailing garbage: 16 bytes" in text
+    assert _records(caplog) == rep.warnings
+    for k, v in model.state_dict().items():
+        assert np.array_equal(v.numpy(), full[k]), k
+
+
+def test_strict_false_initialises_what_is_missing_like_hf_and_init_is_restored(src, full):
+    import paddle
+
+    k = "model.layers.2.mlp.down_proj.weight"
+    _rewrite(src, drop=[k])
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(src, strict=False, output_loading_info=True)
+    assert k in rep.missing  # (with the unit it belongs to)
+    v = model.state_dict()[k].numpy()
+    assert abs(float(v.std()) - 0.02) < 0.02 * 0.15  # normal(0, initializer_range), not zeros
+    assert np.array_equal(
+        model.state_dict()["model.layers.1.mlp.down_proj.weight"].numpy(), full["model.layers.1.mlp.down_proj.weight"]
+    )
+    # from_pretrained skips the random draw only while it builds its own model
+    assert float(paddle.nn.Linear(64, 64).weight.abs().sum()) > 0

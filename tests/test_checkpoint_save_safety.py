@@ -1,0 +1,216 @@
+"""Saves that cannot lose data: only this save's own files are replaced, an overwrite is all or
+nothing (also when the saving process is SIGKILLed), temporary folders never outlive a failure
+(full disk included) and killed saves' leftovers are cleaned by the next save; non-weight files
+travel with the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.checkpoint import load_pretrained_state, save_pretrained_state
+from paddleformers_glm.checkpoint.testing import SpecModel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+FOREIGN = {
+    "adapter_model.safetensors": b"not ours 1",
+    "consolidated.safetensors": b"not ours 2",
+    "tokenizer.json": b'{"t": 1}',
+    "notes/readme.txt": b"keep me",
+}
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    folder = pathlib.Path(folder)
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _leftovers(parent, name="out") -> list[str]:
+    return sorted(p.name for p in pathlib.Path(parent).iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = GlmMoeDsaConfig.from_pretrained(FIXTURE)
+    m = SpecModel(cfg)
+    load_pretrained_state(m, FIXTURE)
+    return m
+
+
+def _existing(tmp_path, model, shard="200KB") -> pathlib.Path:
+    """A saved checkpoint (several shards) with other people's files beside it."""
+    out = tmp_path / "out"
+    save_pretrained_state(model, model.config, out, max_shard_size=shard)
+    for rel, data in FOREIGN.items():
+        (out / rel).parent.mkdir(exist_ok=True)
+        (out / rel).write_bytes(data)
+    return out
+
+
+def test_overwrite_replaces_only_its_own_files(model, tmp_path):
+    out = _existing(tmp_path, model)
+    old = _snapshot(out)
+    assert sum(n.startswith("model-") for n in old) > 2
+    save_pretrained_state(model, model.config, out, max_shard_size="1MB")
+    new = _snapshot(out)
+    for rel, data in FOREIGN.items():
+        assert new[rel] == data, rel
+    ours = sorted(n for n in new if n not in FOREIGN)
+    assert ours == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] + [
+        "model.safetensors.index.json"
+    ]
+    assert _leftovers(tmp_path) == []
+    back = SpecModel(model.config)
+    load_pretrained_state(back, out)  # stray files are warnings, not refusals
+    for (k, a), b in zip(model.state_dict().items(), back.state_dict().values()):
+        assert np.array_equal(a.numpy(), b.numpy()), k
+
+
+_CHILD = r"""
+import os, sys, time
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.checkpoint import load_pretrained_state, save_pretrained_state, saver
+from paddleformers_glm.checkpoint.safetensors_io import SafetensorsWriter
+from paddleformers_glm.checkpoint.testing import SpecModel
+
+src, out, point, flag = sys.argv[1:5]
+
+def stop():
+    open(flag, "w").close()
+    time.sleep(600)
+
+if point == "write":
+    real_write, n = SafetensorsWriter.write, [0]
+    def write(self, *a, **kw):
+        n[0] += 1
+        if n[0] == 150:
+            stop()
+        return real_write(self, *a, **kw)
+    SafetensorsWriter.write = write
+elif point == "exchange":
+    real_exchange = saver._exchange
+    def exchange(a, b):
+        done = real_exchange(a, b)
+        stop()
+        return done
+    saver._exchange = exchange
+cfg = GlmMoeDsaConfig.from_pretrained(src)
+m = SpecModel(cfg)
+load_pretrained_state(m, src)
+save_pretrained_state(m, cfg, out, max_shard_size="1MB")
+"""
+
+
+def _kill_save_at(point, out, tmp_path):
+    flag = tmp_path / f"flag-{point}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(FIXTURE), str(out), point, str(flag)], env=env)
+    try:
+        deadline = time.time() + 240
+        while not flag.exists():
+            assert proc.poll() is None, f"child exited early ({proc.returncode})"
+            assert time.time() < deadline, "child never reached the kill point"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.timeout(600)
+def test_killed_overwrite_leaves_old_or_new_never_a_mix(model, tmp_path):
+    out = _existing(tmp_path, model)
+    old = _snapshot(out)
+    # the state an uninterrupted overwrite gives (same call in a scratch copy)
+    ref = tmp_path / "ref"
+    shutil.copytree(out, ref)
+    save_pretrained_state(model, model.config, ref, max_shard_size="1MB")
+    new = _snapshot(ref)
+    assert new != old
+    # killed while writing shards: the old checkpoint, byte for byte; its temp folder stays behind
+    _kill_save_at("write", out, tmp_path)
+    assert _snapshot(out) == old
+    assert len(_leftovers(tmp_path)) == 1
+    # killed right after the swap: the new checkpoint, complete; the old one lingers aside
+    _kill_save_at("exchange", out, tmp_path)
+    assert _snapshot(out) == new
+    assert len(_leftovers(tmp_path)) >= 1
+    # the next save removes what killed saves left
+    save_pretrained_state(model, model.config, out, max_shard_size="1MB")
+    assert _leftovers(tmp_path) == [] and _snapshot(out) == new
+
+
+def test_stale_temp_folders_of_dead_processes_are_cleaned_live_ones_kept(model, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".out.tmp-{dead.pid}-abc"
+    live = tmp_path / f".out.tmp-{os.getppid()}-xyz"  # a live process's save in progress
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    save_pretrained_state(model, model.config, tmp_path / "out")
+    assert not stale.exists() and live.exists()
+
+
+def test_without_atomic_exchange_a_kill_between_renames_is_repaired(model, tmp_path, monkeypatch):
+    from paddleformers_glm.checkpoint import saver
+
+    out = _existing(tmp_path, model)
+    old = _snapshot(out)
+    monkeypatch.setattr(saver, "_exchange", lambda a, b: False)
+    save_pretrained_state(model, model.config, out, max_shard_size="1MB")  # the rename-aside path
+    new = _snapshot(out)
+    assert all(new[k] == v for k, v in FOREIGN.items()) and _leftovers(tmp_path) == []
+    # a save killed after moving the old folder aside and before moving the new one in
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.rename(out, tmp_path / f".out.old-{dead.pid}-q")
+    saver.clean_stale_saves(str(out))
+    assert _snapshot(out) == new
+    del old
+
+
+def test_full_disk_leaves_no_temp_folder_and_one_line_error(model, tmp_path):
+    out = _existing(tmp_path, model)
+    old = _snapshot(out)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = f'ulimit -f 256; exec "{sys.executable}" -m paddleformers_glm.cli convert "{FIXTURE}" "{out}" --to hf'
+    r = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and str(out) in lines[0] and "File too large" in lines[0], r.stderr
+    assert _snapshot(out) == old
+    assert _leftovers(tmp_path) == []
+
+
+def test_non_weight_files_travel_with_save_and_convert(tmp_path):
+    from paddleformers_glm.cli import main
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE, src)
+    extra = {
+        "tokenizer.json": b'{"model": {}}',
+        "tokenizer_config.json": b'{"chat_template": null}',
+        "generation_config.json": b'{"do_sample": false}',
+        "chat_template.jinja": b"{{ messages }}",
+    }
+    for n, b in extra.items():
+        (src / n).write_bytes(b)
+    m = GlmMoeDsaForCausalLM.from_pretrained(src)
+    m.save_pretrained(tmp_path / "saved")
+    assert main(["convert", str(src), str(tmp_path / "conv"), "--to", "hf"]) == 0
+    for folder in (tmp_path / "saved", tmp_path / "conv"):
+        snap = _snapshot(folder)
+        assert {n: snap.get(n) for n in extra} == extra, folder

@@ -1,0 +1,301 @@
+"""Block-FP8 checkpoints (official release format) in and out.
+
+The fixture tests/fixtures/tiny_fp8 was made with torch (``float8_e4m3fn``) by tools/make_reference.py:
+the FP8 bytes and scales, the sha256 of torch's dequantization ``q.float() * scale_inv`` of every
+FP8 tensor, and HF transformers' logits on the dequantized weights. Expected values come from
+there or from the source files read with the ``safetensors`` library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.checkpoint import CheckpointError, fleet_param_specs, load_pretrained_state
+from paddleformers_glm.checkpoint.fp8 import E4M3_TABLE, Fp8Source, decode_e4m3, encode_e4m3, fp8_pairs, quantization_of
+from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CASE = ROOT / "tests" / "fixtures" / "tiny_fp8"
+FIXTURE = CASE / "checkpoint"
+META = json.loads((CASE / "meta.json").read_text())
+
+
+@pytest.fixture
+def src(tmp_path):
+    d = tmp_path / "src"
+    shutil.copytree(FIXTURE, d)
+    return d
+
+
+def _read_all(folder) -> dict[str, tuple[str, tuple, bytes]]:
+    """Every tensor via the safetensors library (numpy has no float8: F8 bytes read as raw u8)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(pathlib.Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            data = fh.read()
+        header.pop("__metadata__", None)
+        with safe_open(str(f), framework="numpy") as h:
+            assert set(h.keys()) == set(header)
+        for k, e in header.items():
+            b, end = e["data_offsets"]
+            out[k] = (e["dtype"], tuple(e["shape"]), data[b:end])
+    return out
+
+
+def test_e4m3_table_spec_values():
+    # e4m3fn: bias 7, 3 mantissa bits, no infinities, S.1111.111 is NaN
+    assert E4M3_TABLE[0x7E] == 448.0 and E4M3_TABLE[0xFE] == -448.0
+    assert E4M3_TABLE[0x38] == 1.0 and E4M3_TABLE[0x01] == 2.0**-9 and E4M3_TABLE[0x08] == 2.0**-6
+    assert E4M3_TABLE[0x07] == 7 * 2.0**-9
+    assert np.isnan(E4M3_TABLE[0x7F]) and np.isnan(E4M3_TABLE[0xFF])
+    assert np.signbit(E4M3_TABLE[0x80]) and E4M3_TABLE[0x80] == 0
+    assert np.isnan(E4M3_TABLE).sum() == 2
+    finite = E4M3_TABLE[:127]
+    assert np.all(np.diff(finite) > 0)  # codes 0x00..0x7E increase
+    codes = np.arange(256, dtype=np.uint8)
+    ok = ~np.isnan(E4M3_TABLE)
+    assert np.array_equal(encode_e4m3(decode_e4m3(codes))[ok], codes[ok])
+    # ties to even; 464 (halfway to the NaN code) rounds to 448, beyond saturates to NaN like torch
+    assert encode_e4m3(np.float32([1.0625, 1.1875, 464.0, 470.0]))[:3].tolist() == [0x38, 0x3A, 0x7E]
+    assert encode_e4m3(np.float32([470.0]))[0] == 0x7F
+
+
+def test_fp32_dequantization_is_bitwise_torch_reference(src):
+    """Every FP8 tensor read whole equals torch's ``q.float() * scale_inv`` bit for bit."""
+    want = META["dequantized_sha256"]
+    with Checkpoint(src) as ckpt:
+        scheme = quantization_of(str(src))
+        assert scheme is not None and scheme.block == (128, 128)
+        pairs = fp8_pairs(ckpt, scheme)
+        assert sorted(pairs) == sorted(want)
+        assert any(k.startswith("model.layers.8.") for k in pairs)  # the MTP layer is FP8 too
+        source = Fp8Source(ckpt, pairs=pairs, block=scheme.block)
+        for k in sorted(pairs):
+            shape = ckpt.info(k).shape
+            arr = source.read_numpy(k, (0, 0), shape)
+            assert arr.dtype == np.float32
+            assert hashlib.sha256(arr.tobytes()).hexdigest() == want[k], k
+    # several blocks and partial ones are exercised: 192 rows = one full + one partial row block
+    assert (192, 48) in {ckpt.info(k).shape for k in pairs}
+
+
+def test_model_loads_fp8_bitwise_and_matches_hf_logits(src, tmp_path):
+    import paddle
+    from safetensors.numpy import load_file
+
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
+    ref = load_file(str(CASE / "reference.safetensors"))
+    model.eval()
+    out = model(paddle.to_tensor(ref["input_ids"]), labels=paddle.to_tensor(ref["labels"]))
+    assert float(np.abs(out.logits.numpy().astype(np.float64) - ref["logits"]).max()) <= 1e-5
+    assert float(np.abs(out.mtp_logits[0].numpy().astype(np.float64) - ref["mtp_logits"]).max()) <= 2e-5
+    # the parameters themselves: written back unquantized in fp32 (official layout), every FP8
+    # tensor has torch's dequantized bytes
+    model.save_pretrained(tmp_path / "fp32", dtype="float32")
+    got = _read_all(tmp_path / "fp32")
+    for k, h in META["dequantized_sha256"].items():
+        assert got[k][0] == "F32" and hashlib.sha256(got[k][2]).hexdigest() == h, k
+    assert not any(k.endswith("_scale_inv") for k in got)
+    assert "quantization_config" not in json.loads((tmp_path / "fp32" / "config.json").read_text())
+
+
+def test_fp8_reexport_is_byte_identical(src, tmp_path):
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
+    out = tmp_path / "fp8"
+    model.save_pretrained(out, quantization="fp8", max_shard_size="300KB")
+    a, b = _read_all(src), _read_all(out)
+    assert set(a) == set(b)
+    for k in sorted(a):
+        assert a[k][:2] == b[k][:2], k
+        assert a[k][2] == b[k][2], k
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((src / "config.json").read_text())["quantization_config"]
+
+
+def test_tp_rank_reads_only_its_blocks(src):
+    """Rank 1 of 2 of a column-parallel q_b_proj (Fleet [48, 192] <- HF [192, 48] FP8): it reads its
+    96 rows of FP8 bytes and the scales of the two row blocks they overlap, nothing else."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    cfg = GlmMoeDsaConfig.from_pretrained(src)
+    state = {k: paddle.zeros(list(s), dtype="float32") for k, (s, _) in fleet_param_specs(cfg).items()}
+    qk = "model.layers.0.self_attn.q_b_proj.weight"
+    state[qk] = ShardedWeight(qk, paddle.zeros([48, 96]), (48, 96), (48, 192), (0, 96))
+    rep = load_pretrained_state(state, src, config=cfg, keys=[qk], dtype="float32")
+    assert rep.bytes_read == 96 * 48 * 1 + 2 * 1 * 4
+    full = paddle.zeros([48, 192])
+    state2 = dict(state, **{qk: full})
+    rep2 = load_pretrained_state(state2, src, config=cfg, keys=[qk], dtype="float32")
+    assert rep2.bytes_read == 192 * 48 + 2 * 4
+    np.testing.assert_array_equal(state[qk].local_tensor.numpy(), full.numpy()[:, 96:])
+    # rows 128..191 alone: one row block of scales
+    state[qk] = ShardedWeight(qk, paddle.zeros([48, 64]), (48, 64), (48, 192), (0, 128))
+    rep3 = load_pretrained_state(state, src, config=cfg, keys=[qk], dtype="float32")
+    assert rep3.bytes_read == 64 * 48 + 4
+    np.testing.assert_array_equal(state[qk].local_tensor.numpy(), full.numpy()[:, 128:])
+
+
+def test_bf16_load_of_fp8_is_dequantize_then_round(src):
+    import paddle
+
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    m32 = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
+    m16 = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="bfloat16")
+    k = "model.layers.1.self_attn.kv_b_proj.weight"
+    a = dict(m32.named_parameters())[k]
+    b = dict(m16.named_parameters())[k]
+    assert str(b.dtype) == "paddle.bfloat16"
+    assert np.array_equal(a.astype(paddle.bfloat16).astype("float32").numpy(), b.astype("float32").numpy())
+
+
+def _edit_config(folder, **kv):
+    p = pathlib.Path(folder) / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg.update(kv)
+    p.write_text(json.dumps(cfg))
+
+
+def test_other_quantization_method_refused_by_name(src):
+    _edit_config(src, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(CheckpointError, match="'gptq'"):
+        load_pretrained_state(_spec_state(src), src, config=GlmMoeDsaConfig.from_pretrained(src))
+
+
+def test_fp8_without_scale_or_config_refused(src, tmp_path):
+    from paddleformers_glm.checkpoint.safetensors_io import SafetensorsWriter
+
+    cfg = GlmMoeDsaConfig.from_pretrained(src)
+    # a scale with the wrong block grid
+    _edit_config(src, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 64]})
+    with pytest.raises(CheckpointError, match="scale tensor does not match") as e:
+        load_pretrained_state(_spec_state(src), src, config=cfg)
+    assert e.value.key.endswith("_scale_inv")
+    _edit_config(src, quantization_config=None)
+    with pytest.raises(CheckpointError, match="no quantization_config"):
+        load_pretrained_state(_spec_state(src), src, config=GlmMoeDsaConfig.from_pretrained(src))
+    # an FP8 weight whose scale is missing
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(src / "config.json", one / "config.json")
+    _edit_config(one, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    w = SafetensorsWriter(str(one / "model.safetensors"), [("a.weight", "F8_E4M3", (4, 4))])
+    w.write("a.weight", np.zeros((4, 4), np.uint8), "F8_E4M3")
+    w.close()
+    with Checkpoint(one) as ckpt, pytest.raises(CheckpointError, match="without its scale"):
+        fp8_pairs(ckpt, quantization_of(str(one)))
+
+
+def _spec_state(folder):
+    import paddle
+
+    cfg = GlmMoeDsaConfig.from_pretrained(folder)
+    return {k: paddle.zeros(list(s), dtype="float32") for k, (s, _) in fleet_param_specs(cfg).items()}
+
+
+def test_quantize_fresh_weights_scale_is_amax_over_448():
+    from paddleformers_glm.checkpoint.fp8 import dequantize, quantize_blocks
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((130, 200)).astype(np.float32)
+    q, s = quantize_blocks(w, (128, 128))
+    assert q.dtype == np.uint8 and s.shape == (2, 2) and s.dtype == np.float32
+    for i in range(2):
+        for j in range(2):
+            blk = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            amax = np.float32(np.abs(blk).max())
+            # amax / 448, or its fp32 neighbour when that one represents the block exactly (not here)
+            assert s[i, j] == amax / np.float32(448), (i, j)
+    deq = dequantize(q, s, (128, 128))
+    # E4M3 has 3 mantissa bits: relative error <= 2^-4 for normal values
+    big = np.abs(w) > 0.1
+    assert np.all(np.abs(deq - w)[big] <= np.abs(w)[big] * 2.0**-4 * (1 + 1e-6))
+    assert math.isclose(float(np.abs(deq).max()), float(np.abs(w).max()), rel_tol=1e-6)
+
+
+def test_requantizing_returns_the_source_bytes_for_any_fp32_scale():
+    """Scales made as ``amax / 448`` in fp32 come back as is; a source whose scales are arbitrary fp32
+    values (about one in ten is not ``fl(fl(448 s) / 448)``) still comes back byte for byte: the
+    neighbouring scale that reproduces the block exactly is taken."""
+    from paddleformers_glm.checkpoint.fp8 import dequantize, quantize_blocks
+
+    rng = np.random.default_rng(1)
+    rows, cols, b = 203, 130, 8  # partial last blocks both ways
+    q = rng.integers(0, 0x7E, size=(rows, cols), dtype=np.uint8) | (rng.integers(0, 2, (rows, cols)) << 7).astype(
+        np.uint8
+    )
+    q[::b, ::b] = 0x7E  # each block's amax is 448 * scale
+    s = rng.uniform(1e-3, 1e-2, size=(math.ceil(rows / b), math.ceil(cols / b))).astype(np.float32)
+    deq = dequantize(q, s, (b, b))
+    naive = (deq[::b, ::b] / np.float32(448)).astype(np.float32)
+    assert (naive != s).sum() > 10  # the case exists here
+    q2, s2 = quantize_blocks(deq, (b, b))
+    assert np.array_equal(s2.view(np.uint32), s.view(np.uint32))
+    assert np.array_equal(q2, q)
+
+
+def _cli(*args) -> int:
+    from paddleformers_glm.cli import main
+
+    return main([str(a) for a in args])
+
+
+def test_convert_both_ways_and_check_ckpt_by_dequantized_value(src, tmp_path, capsys):
+    from paddleformers_glm.parity.ckpt_check import check_checkpoints
+
+    bf16, back = tmp_path / "bf16", tmp_path / "back"
+    assert _cli("convert", src, bf16, "--to", "hf", "--quantization", "none", "--max-shard-size", "600KB") == 0
+    got = _read_all(bf16)
+    assert not any(k.endswith("_scale_inv") for k in got)
+    assert {d for d, _, _ in got.values()} == {"BF16", "F32"}
+    assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
+    # FP8 -> FP8 keeps every byte
+    assert _cli("convert", src, back, "--to", "hf", "--quantization", "fp8") == 0
+    a, b = _read_all(src), _read_all(back)
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    # FP8 vs BF16: compared by dequantized value, reported as their own class
+    rep = check_checkpoints(str(src), str(bf16))
+    assert rep["exit_code"] == 0, rep["differences"][:3]
+    q = [d for d in rep["differences"] if d["class"] == "quantization"]
+    assert len(q) == 1 and q[0]["tensors"] == len(META["dequantized_sha256"]) == q[0]["equal_after_rounding"]
+    assert q[0]["fp8_side"] == "ref" and q[0]["max_abs_diff"] > 0  # bf16 rounding of the fp8 values
+    assert rep["counts"]["quantization"] == q[0]["tensors"]
+    # a changed bf16 value in one FP8-class tensor is a difference of that class
+    k = "model.layers.2.mlp.down_proj.weight"
+    f = bf16 / json.loads((bf16 / "model.safetensors.index.json").read_text())["weight_map"][k]
+    n = int.from_bytes(f.read_bytes()[:8], "little")
+    off = json.loads(f.read_bytes()[8 : 8 + n])[k]["data_offsets"][0] + 8 + n
+    raw = bytearray(f.read_bytes())
+    raw[off + 1] ^= 0x01  # the high byte of the first bf16 value: a real value change
+    f.write_bytes(bytes(raw))
+    rep = check_checkpoints(str(src), str(bf16))
+    assert rep["exit_code"] == 1
+    q = [d for d in rep["differences"] if d["class"] == "quantization"][0]
+    assert [d["key"] for d in q["differing"]] == [k] and q["max_abs_diff"] > 0
+    # fp8 output is the official layout only: one line, exit 2
+    capsys.readouterr()
+    assert _cli("convert", src, tmp_path / "fl", "--to", "fleet", "--quantization", "fp8") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "official layout" in err[0]
+
+
+def test_paddle_file_backend_refuses_fp8(src):
+    with pytest.raises(CheckpointError, match="backend='paddle' cannot read block-FP8"):
+        load_pretrained_state(_spec_state(src), src, config=GlmMoeDsaConfig.from_pretrained(src), backend="paddle")
