@@ -14,7 +14,6 @@ it is the slower, hungrier path; it exists to show both Paddle entry points agre
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
