@@ -221,7 +221,7 @@ def cpu_ops() -> ModuleType | None:
             if switch not in ("0", "false", "off", "no"):
                 try:
                     _state["ops"] = build()
-                except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
+                except (RuntimeError, OSError, ImportError, ValueError, subprocess.SubprocessError) as e:
                     # no compiler, a compile error, a read-only cache, a library that will not load
                     _state["error"] = f"{type(e).__name__}: {e}"
                     warnings.warn(
