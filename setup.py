@@ -36,7 +36,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["paddleformers_glm", "paddleformers_glm.*"]),
     include_package_data=True,
-    package_data={"paddleformers_glm": ["_data/**/*", "kernels/*.cc"]},
+    package_data={"paddleformers_glm": ["_data/**/*", "ops/*.cc"]},
     cmdclass={"build_py": BuildPyWithData},
     install_requires=["numpy>=1.24", "safetensors>=0.4.3", "tqdm>=4.60"],
     extras_require={

@@ -2,7 +2,7 @@
 
 * loop: one matmul pair per expert on its sorted rows (the form without compiled kernels: GPU, bf16);
 * padded: `MoE.grouped = True`, two batched matmuls over a zero-padded [E, capacity, H] layout;
-* kernel: the compiled grouped matmul (kernels/cpu.py; the default for fp32 CPU tensors).
+* kernel: the compiled grouped matmul (paddleformers_glm/ops/experts.py; the default for fp32 CPU tensors).
 
 Why: issue 7 asks for grouped expert compute "where Paddle allows" and to measure which form is
 faster. All forms give the same routing.
@@ -39,8 +39,8 @@ def main() -> None:
     core.set_num_threads(ns.threads)
     from bench.bench_train_step import BENCH_CONFIG
     from paddleformers_glm import GlmMoeDsaConfig
-    from paddleformers_glm.kernels import cpu as cpu_kernels
     from paddleformers_glm.modeling.moe import MoE
+    from paddleformers_glm.ops import kernels as cpu_kernels
 
     cfg = GlmMoeDsaConfig(**BENCH_CONFIG)
     moe = MoE(cfg)

@@ -24,6 +24,8 @@ import math
 import os
 from typing import Any
 
+from ._io import atomic_write_text
+
 __all__ = ["GlmMoeDsaConfig", "indexer_types_from_schedule"]
 
 # HF-file keys and defaults (transformers 5.2x `GlmMoeDsaConfig`; GLM-5.2 values where HF has none).
@@ -542,12 +544,7 @@ class GlmMoeDsaConfig:
         save_directory = os.fspath(save_directory)
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, "config.json")
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(self.to_json_string())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_text(path, self.to_json_string())
         return path
 
     def parallel_settings(self) -> dict[str, Any]:

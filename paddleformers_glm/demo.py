@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._io import write_json_atomic
+
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)
 
 
 def synthetic_batch(vocab: int, batch: int, seq: int, seed: int):

@@ -159,3 +159,42 @@ def test_paddlefleet_units_cover_both_contracts_exactly_once(path, expert_layout
         b = [k for u in units for k in u.fleet]
         assert len(a) == len(set(a)) == len(left) and set(a) == set(left)
         assert len(b) == len(set(b)) == len(right) and set(b) == set(right)
+
+
+def test_reverse_rules_are_generated_from_the_forward_ones():
+    """The rules file writes one direction; the reverse of each statement form is made in code."""
+    from paddleformers_glm.checkpoint.aoa import invert_statements
+
+    assert invert_statements(["a.w -> b.w", "lm_head.weight^T -> lm_head.weight"]) == [
+        "b.w -> a.w",
+        "lm_head.weight^T -> lm_head.weight",
+    ]
+    # a fusion of transposed pieces: split first, then transpose each piece back
+    assert invert_statements(["g^T, u^T -> m.up_gate_proj.weight, fused_ffn", "d^T -> m.down_proj.weight"]) == [
+        "m.up_gate_proj.weight -> g, u, fused_ffn",
+        "g^T -> g",
+        "u^T -> u",
+        "m.down_proj.weight^T -> d",
+    ]
+    assert invert_statements(["<L.experts.#.w> -> L.stacked, axis=0"]) == ["L.stacked -> <L.experts.#.w>, axis=0"]
+    for bad in ("a -> b -> c", "a -> b^T", "a -> b, c"):
+        with pytest.raises(ValueError, match="AOA statement"):
+            invert_statements([bad])
+
+
+def test_loaded_rules_carry_the_generated_reverse_and_keep_expert_ids_for_python():
+    """Every unit (and PaddleFleet override, and adapter) has its reverse after loading; the
+    `$EXPERT_ID` placeholder survives into the reverse so Python expands it, never the engine."""
+    rules = load_rules()
+    routed = next(u for u in rules["units"] if u["name"] == "moe_routed_expert")
+    assert routed["fleet_to_hf"][0] == (
+        "$FLEET.mlp.experts.$EXPERT_ID.up_gate_proj.weight -> "
+        "$HF.mlp.experts.$EXPERT_ID.gate_proj.weight, $HF.mlp.experts.$EXPERT_ID.up_proj.weight, fused_ffn"
+    )
+    router = next(u for u in rules["units"] if u["name"] == "moe_router")
+    assert router["paddlefleet"]["fleet_to_hf"] == [
+        "$FLEET.mlp.gate.weight -> $HF.mlp.gate.weight",
+        "$FLEET.mlp.gate.e_score_correction_bias -> $HF.mlp.gate.e_score_correction_bias",
+    ]
+    assert all("fleet_to_hf" in u for u in rules["units"])
+    assert all("fleet_to_model" in a for a in rules["fleet_adapters"])

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (paddleformers_glm/kernels) against Paddle's own ops and numpy.
+"""The compiled CPU kernels (paddleformers_glm/ops) against Paddle's own ops and numpy.
 
 Each kernel has a Paddle-op fallback with the same maths; here both run on the same inputs, and
 the loader's switches (environment, `disabled()`, a failed build) are exercised. The whole-model
@@ -10,13 +10,16 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
+import warnings
 
 import numpy as np
 import paddle
 import pytest
 
-from paddleformers_glm.kernels import cpu as cpu_kernels
+from paddleformers_glm import ops as glm_ops
 from paddleformers_glm.modeling import attention as attn
+from paddleformers_glm.ops import kernels as cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def _mask(rng, shape, p_keep=0.5):
 
 def _paddle_masked_softmax(s, m):
     with cpu_kernels.disabled():
-        return attn.masked_softmax_(s.clone(), m)
+        return glm_ops.masked_softmax_(s.clone(), m)
 
 
 @pytest.mark.parametrize("shape", [(7, 4, 33), (3, 16, 513), (2, 3, 5, 40)])
@@ -48,7 +51,7 @@ def test_masked_softmax_matches_paddle_ops(ops, shape):
     m = paddle.to_tensor(_mask(rng, mshape))
     want = _paddle_masked_softmax(s, m).numpy()
     got = s.clone()
-    out = attn.masked_softmax_(got, m)
+    out = glm_ops.masked_softmax_(got, m)
     np.testing.assert_allclose(out.numpy(), want, rtol=2e-6, atol=1e-7)
     np.testing.assert_array_equal(got.numpy(), out.numpy())  # in place
     assert np.all(got.numpy()[np.broadcast_to(np.isinf(m.numpy())[:, None], shape)] == 0.0)
@@ -61,14 +64,14 @@ def test_masked_softmax_reads_a_row_slice_of_the_mask(ops):
     s = paddle.to_tensor(rng.standard_normal((10, 4, 64)).astype("float32"))
     m = table[20:30]
     want = _paddle_masked_softmax(s, m.contiguous()).numpy()
-    np.testing.assert_allclose(attn.masked_softmax_(s.clone(), m).numpy(), want, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(glm_ops.masked_softmax_(s.clone(), m).numpy(), want, rtol=2e-6, atol=1e-7)
 
 
 def test_masked_softmax_extreme_scores(ops):
     """Scores far apart (exp underflows to 0 for all but the largest) and large magnitudes."""
     s = paddle.to_tensor(np.array([[[1000.0, 0.0, -1000.0, 999.0], [-50.0, -50.0, -50.0, -50.0]]], "float32"))
     m = paddle.zeros([1, 4])
-    got = attn.masked_softmax_(s.clone(), m).numpy()
+    got = glm_ops.masked_softmax_(s.clone(), m).numpy()
     e = np.exp(np.float64(1.0) * np.array([0.0, -1000.0, -2000.0, -1.0]))
     np.testing.assert_allclose(got[0, 0], e / e.sum(), rtol=1e-6, atol=1e-30)
     np.testing.assert_allclose(got[0, 1], np.full(4, 0.25), rtol=1e-7)
@@ -80,10 +83,10 @@ def test_softmax_backward_matches_paddle(ops, shape):
     p = paddle.nn.functional.softmax(paddle.to_tensor(rng.standard_normal(shape).astype("float32")), axis=-1)
     dp = paddle.to_tensor(rng.standard_normal(shape).astype("float32"))
     with cpu_kernels.disabled():
-        want = attn._softmax_backward(p, dp.clone()).numpy()
+        want = glm_ops.softmax_backward(p, dp.clone()).numpy()
     pn, dpn = p.numpy().astype(np.float64), dp.numpy().astype(np.float64)
     exact = pn * (dpn - (pn * dpn).sum(-1, keepdims=True))
-    got = attn._softmax_backward(p, dp.clone()).numpy()
+    got = glm_ops.softmax_backward(p, dp.clone()).numpy()
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(want, exact, rtol=1e-5, atol=1e-7)
 
@@ -183,20 +186,93 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
     assert cpu_kernels.cpu_ops() is None and cpu_kernels.usable(paddle.zeros([2])) is None
     # and the model still runs (the fallbacks)
     s = paddle.to_tensor(np.random.default_rng(5).standard_normal((2, 3, 8)).astype("float32"))
-    p = attn.masked_softmax_(s, paddle.zeros([2, 8]))
+    p = glm_ops.masked_softmax_(s, paddle.zeros([2, 8]))
     np.testing.assert_allclose(p.numpy().sum(-1), 1.0, rtol=1e-6)
 
 
-def test_a_compile_error_is_raised_by_build(tmp_path):
+@contextlib.contextmanager
+def _fds_untouched():
+    """Inside, any redirection of a file descriptor fails the test; on exit, fds 1 and 2 still
+    name the files they named on entry."""
+
+    def no_dup2(*a, **k):
+        raise AssertionError("the loader redirected a file descriptor")
+
+    before = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "dup2", no_dup2)
+        yield
+    assert [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)] == before
+
+
+def test_a_compile_error_is_raised_by_build_and_logged_to_its_file(tmp_path, capfd):
+    """The compiler's complaint goes to build.log (and the raised message), not to this process's
+    stdout / stderr: fd-level capture sees none of it, and no fd is redirected."""
     bad = tmp_path / "bad.cc"
     bad.write_text('#include "paddle/extension.h"\nthis is not C++;\n')
-    with pytest.raises(RuntimeError, match="Failed"):
+    with _fds_untouched(), pytest.raises(RuntimeError, match="Failed to build bad.cc") as err:
         cpu_kernels.build(source=bad, cache_root=str(tmp_path / "cache"))
+    logs = list((tmp_path / "cache").glob("*/build.log"))
+    assert len(logs) == 1 and "this is not C++" in logs[0].read_text()
+    assert "bad.cc:2" in str(err.value)  # the compiler's error line, in the message
+    out, errs = capfd.readouterr()
+    assert "this is not C++" not in out + errs and "error" not in (out + errs).lower()
+
+
+def test_loading_a_built_library_leaves_the_fds_alone(ops):
+    """A load of the built library (what every new process does) redirects no file descriptor and
+    writes nothing to them: Paddle's loader messages go to build.log. (In a fresh process: a
+    process registers the library's ops once.)"""
+    code = (
+        "import os, sys\n"
+        "import paddle\n"  # Paddle's own import warns (no ccache): before the part under test
+        "sys.stderr.write('MARK\\n')\n"
+        "def no(*a, **k): raise AssertionError('a file descriptor was redirected')\n"
+        "os.dup2 = no\n"
+        "ids = lambda: [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)]\n"
+        "before = ids()\n"
+        "from paddleformers_glm.ops import kernels\n"
+        "ops = kernels.build()\n"
+        "print('ok', hasattr(ops, 'glm_masked_softmax'), ids() == before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "ok True True\n" and out.stderr.split("MARK\n", 1)[1] == "", (out.stdout, out.stderr)
+
+
+def test_old_environment_names_still_work_with_a_deprecation_warning(monkeypatch, tmp_path):
+    monkeypatch.delenv("GLM52_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("PADDLEFORMERS_GLM_KERNEL_CACHE", str(tmp_path))
+    with pytest.warns(DeprecationWarning, match="PADDLEFORMERS_GLM_KERNEL_CACHE is deprecated.*GLM52_KERNEL_CACHE"):
+        assert cpu_kernels.env_setting("GLM52_KERNEL_CACHE") == str(tmp_path)
+    monkeypatch.setenv("GLM52_KERNEL_CACHE", "new")  # the new name wins, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_kernels.env_setting("GLM52_KERNEL_CACHE") == "new"
+
+
+def test_the_build_lock_is_exclusive(tmp_path):
+    """A second holder waits until the first releases (fcntl here, msvcrt on Windows)."""
+    lock = tmp_path / ".lock"
+    order = []
+
+    def second():
+        with cpu_kernels._exclusive(lock):
+            order.append("b")
+
+    with cpu_kernels._exclusive(lock):
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.5)
+        order.append("a")
+        assert t.is_alive()  # still waiting for the lock
+    t.join(10)
+    assert order == ["a", "b"]
 
 
 def test_environment_switch_turns_the_kernels_off():
-    code = "from paddleformers_glm.kernels import cpu; print('ops', cpu.cpu_ops() is None)"
-    env = dict(os.environ, PADDLEFORMERS_GLM_CPU_KERNELS="0")
+    code = "from paddleformers_glm.ops import kernels as cpu; print('ops', cpu.cpu_ops() is None)"
+    env = dict(os.environ, GLM52_CPU_KERNELS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ops True" in out.stdout
@@ -209,7 +285,7 @@ def test_a_built_library_loads_without_the_build_step(ops):
         "import paddle.utils.cpp_extension as ce\n"
         "def no(*a, **k): raise AssertionError('load was called')\n"
         "ce.load = no\n"
-        "from paddleformers_glm.kernels import cpu\n"
+        "from paddleformers_glm.ops import kernels as cpu\n"
         "ops = cpu.build()\n"
         "print('ok', hasattr(ops, 'glm_masked_softmax'))\n"
     )
@@ -319,9 +395,9 @@ def test_topk_tables_and_masks_equal_the_paddle_op_forms(ops):
         np.testing.assert_array_equal(getattr(got, name).numpy(), getattr(want, name).numpy(), err_msg=name)
     for r0, r1, c1 in ((0, 8, 8), (8, 23, 23), (23, 30, 7)):
         sel, has = got.sel[r0:r1], got.has_key[r0:r1]
-        kernel = attn._dense_mask(sel, has, c1)
+        kernel = glm_ops.candidate_mask(sel, has, c1)
         with cpu_kernels.disabled():
-            ref = attn._dense_mask(sel, has, c1)
+            ref = glm_ops.candidate_mask(sel, has, c1)
         np.testing.assert_array_equal(kernel.numpy(), ref.numpy())
     d = attn.dense_topk_mask(topk, S)
     with cpu_kernels.disabled():
@@ -338,7 +414,7 @@ def test_topk_tables_and_masks_equal_the_paddle_op_forms(ops):
 def test_rope_concat_is_bitwise_rope_heads_and_concat(ops, interleave, rope_first, heads):
     """The fused rope + concat against rope_heads + concat (the fallback): forward bitwise (no
     contracted multiply-adds), gradients of both inputs to rounding; cos/sin per batch."""
-    from paddleformers_glm.modeling.indexer import rope_concat
+    from paddleformers_glm.ops import rope_concat
 
     rng = np.random.default_rng(9)
     B, S, Da, Dr = 2, 7, 5, 8

@@ -168,7 +168,7 @@ def test_moe_grouped_kernel_equals_expert_loop():
     """The compiled grouped matmul (all experts in one op per direction) against the per-expert
     loop (kernels off): outputs, input gradient and every parameter's gradient, an expert that
     gets no token included (the loop leaves its gradient empty, the kernel writes zeros)."""
-    from paddleformers_glm.kernels import cpu as cpu_kernels
+    from paddleformers_glm.ops import kernels as cpu_kernels
 
     ops = cpu_kernels.cpu_ops()
     if ops is None or not hasattr(ops, "glm_grouped_matmul"):
@@ -220,7 +220,7 @@ def test_fused_rms_norm_equals_the_op_by_op_form(shape, kernels):
     through each op, HF's formula): with Paddle's ops the forward is bitwise the reference; the
     fused CPU kernel (mean of squares in fp64) is within 4 ulps of it; gradients of input and
     weight to rounding either way."""
-    from paddleformers_glm.kernels import cpu as cpu_kernels
+    from paddleformers_glm.ops import kernels as cpu_kernels
     from paddleformers_glm.modeling.norms import RMSNorm
 
     if kernels and cpu_kernels.cpu_ops() is None:

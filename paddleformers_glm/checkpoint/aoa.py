@@ -49,6 +49,7 @@ __all__ = [
     "relayout_fused",
     "identity_units",
     "TP_FUSED_FFN",
+    "invert_statements",
 ]
 
 DIRECTIONS = ("hf_to_fleet", "fleet_to_hf")
@@ -77,16 +78,64 @@ def rules_path() -> str:
     raise FileNotFoundError(f"AOA mapping rules {RULES_FILE} not found; looked in {candidates}")
 
 
+def _split_side(side: str) -> list[str]:
+    """Comma-separated items of one side of a statement (an expert list ``<...>`` is one item)."""
+    return [t.strip() for t in side.split(",") if t.strip()]
+
+
+def invert_statements(statements: Sequence[str]) -> list[str]:
+    """The statements that undo `statements` (an AOA program in one direction), in order.
+
+    ``A -> B`` gives ``B -> A``; ``A^T -> B`` gives ``B^T -> A``; a fusion
+    ``A^T, C^T -> B, fused_ffn`` gives the split ``B -> A, C, fused_ffn`` followed by ``A^T -> A``
+    and ``C^T -> C``; attributes (``axis=0``, ``fused_ffn``) stay with their statement. The rules
+    file writes the forward direction only and the reverse is made here, so the two cannot drift.
+    """
+    out: list[str] = []
+    for stmt in statements:
+        if stmt.count("->") != 1:
+            raise ValueError(f"AOA statement {stmt!r}: expected exactly one '->'")
+        lhs, rhs = (p.strip() for p in stmt.split("->"))
+        items = _split_side(rhs)
+        dsts = [t for t in items if "=" not in t and t != "fused_ffn"]
+        attrs = [t for t in items if t not in dsts]
+        srcs = [(t[:-2], True) if t.endswith("^T") else (t, False) for t in _split_side(lhs)]
+        if any(d.endswith("^T") for d in dsts) or not srcs or len(dsts) != 1:
+            raise ValueError(f"AOA statement {stmt!r}: only 'sources -> one target[, attributes]' can be inverted")
+        (dst,) = dsts
+        if len(srcs) == 1:
+            name, transposed = srcs[0]
+            out.append(", ".join([f"{dst}^T -> {name}" if transposed else f"{dst} -> {name}", *attrs]))
+            continue
+        out.append(f"{dst} -> " + ", ".join([*(name for name, _ in srcs), *attrs]))
+        out.extend(f"{name}^T -> {name}" for name, transposed in srcs if transposed)
+    return out
+
+
+def _with_inverse(entry: dict[str, Any], forward: str, reverse: str) -> None:
+    """Fill entry[reverse] from entry[forward] unless the rules write it out."""
+    if forward in entry and reverse not in entry:
+        entry[reverse] = invert_statements(entry[forward])
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str, mtime: float) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         rules = json.load(f)
     for u in rules.get("units", []):
+        _with_inverse(u, "hf_to_fleet", "fleet_to_hf")
+        if "paddlefleet" in u:
+            _with_inverse(u["paddlefleet"], "hf_to_fleet", "fleet_to_hf")
         for field in ("name", "scope", "hf", "fleet", *DIRECTIONS):
             if field not in u:
                 raise ValueError(f"{path}: unit {u.get('name', '?')!r} has no {field!r}")
         if u["scope"] not in ("global", "decoder", "expert", "mtp"):
             raise ValueError(f"{path}: unit {u['name']!r}: unknown scope {u['scope']!r}")
+    for a in rules.get("fleet_adapters", []):
+        _with_inverse(a, "model_to_fleet", "fleet_to_model")
+        for field in ("name", "scope", "model", "fleet", "model_to_fleet"):
+            if field not in a:
+                raise ValueError(f"{path}: fleet adapter {a.get('name', '?')!r} has no {field!r}")
     return rules
 
 

@@ -26,7 +26,7 @@ Three forms of the same sparse attention, chosen per call by `DSACoreAttention.u
 
   kv_b_proj is folded into q_b_proj and o_proj (products of small weights, once per step), so
   all activation-sized work is GEMMs on contiguous data; on fp32 CPU tensors W_uv instead runs
-  per head on the latent output (the compiled strided GEMMs of kernels/cpu.py) before a plain
+  per head on the latent output (the compiled strided GEMMs of ops/projection.py) before a plain
   o_proj, 2.5x fewer flops than the fold at the bench shapes. It runs once the per-head gather would
   pass LATENT_MIN_ELEMS; same maths, other rounding (tests/test_perf_paths.py holds it to the
   per-head and dense forms, gradients included).
@@ -47,8 +47,8 @@ import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
 
+from .. import ops
 from ..configuration import GlmMoeDsaConfig
-from ..kernels import cpu as cpu_kernels
 from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.topology import get_topology
@@ -149,23 +149,8 @@ def prepare_topk(topk_idx: paddle.Tensor) -> _Prepared:
         return _PREPARED["value"]  # type: ignore[return-value]
     B, S, K = topk_idx.shape
     sel = topk_idx.reshape([B * S, K])
-    ops = cpu_kernels.usable(topk_idx)
-    if ops is not None:  # one pass instead of ~15 single-threaded ops (~4 ms at S = 512, k = 256)
-        rows, mask, has_key = ops.glm_topk_tables(sel, S)
-        out = _Prepared(rows, mask, sel, has_key, {})
-    else:
-        with paddle.no_grad():
-            valid = topk_idx >= 0
-            has_key = valid.any(axis=-1)
-            has_k = has_key.unsqueeze(-1).expand([B, S, K])
-            base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, S, K])
-            mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, S, K])
-            rows = paddle.where(valid, topk_idx + base, paddle.where(has_k, base, mean_row))
-            live = paddle.logical_or(valid, paddle.logical_not(has_k))
-            mask = paddle.where(
-                live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32")
-            )
-            out = _Prepared(rows.reshape([B * S, K]), mask.reshape([B * S, K]), sel, has_key.reshape([B * S]), {})
+    rows, mask, has_key = ops.topk_tables(topk_idx)
+    out = _Prepared(rows, mask, sel, has_key, {})
     _PREPARED["key"], _PREPARED["value"] = topk_idx, out
     return out
 
@@ -195,30 +180,6 @@ def _dense_keys(table: paddle.Tensor, ch: _Chunk, S: int, N: int) -> paddle.Tens
     return paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
 
 
-def _selection_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
-    """Additive mask [R, width + 1] for selections sel [R, K] (-1 = empty): 0 at each row's selected
-    columns, `fill` elsewhere; empty slots land in the extra dump column `width`. One flat scatter."""
-    R, K = sel.shape
-    W = width + 1
-    col = paddle.where(sel >= 0, sel, paddle.full([R, K], width, "int64"))
-    flat = (col + (paddle.arange(R, dtype="int64") * W).unsqueeze(1).expand([R, K])).reshape([-1])
-    return paddle.scatter(paddle.full([R * W], fill, "float32"), flat, paddle.zeros([R * K], "float32")).reshape([R, W])
-
-
-def _dense_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddle.Tensor:
-    """Additive mask [C, c1 + 1] over the dense candidates: 0 at the selected keys (and at the mean
-    row for a query without keys), -inf elsewhere (no S x S anything)."""
-    ops = cpu_kernels.usable(sel)
-    if ops is not None:
-        return ops.glm_selection_mask(sel, c1, float("-inf"), True)
-    C = sel.shape[0]
-    W = c1 + 2  # candidates (keys < c1, the mean row) + the dump column
-    m = _selection_mask(sel, c1 + 1, float("-inf")).reshape([-1])
-    mean_col = paddle.where(has_key, paddle.full([C], W - 1, "int64"), paddle.full([C], c1, "int64"))
-    m = paddle.scatter(m, mean_col + paddle.arange(C, dtype="int64") * W, paddle.zeros([C], "float32"))
-    return m.reshape([C, W])[:, : c1 + 1].contiguous()
-
-
 def _chunk_probs(
     qs: paddle.Tensor, table: paddle.Tensor, prep: _Prepared, ch: _Chunk, S: int, N: int
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -231,7 +192,7 @@ def _chunk_probs(
         s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
         m = prep.masks.get((ch.r0, ch.r1, ch.c1))
         if m is None:  # layers sharing a top-k (and the backward) reuse it
-            m = prep.masks[(ch.r0, ch.r1, ch.c1)] = _dense_mask(
+            m = prep.masks[(ch.r0, ch.r1, ch.c1)] = ops.candidate_mask(
                 prep.sel[ch.r0 : ch.r1], prep.has_key[ch.r0 : ch.r1], ch.c1
             )
     else:
@@ -240,7 +201,7 @@ def _chunk_probs(
         ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
         s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
         m = prep.mask[ch.r0 : ch.r1]
-    return masked_softmax_(s, m), ks
+    return ops.masked_softmax_(s, m), ks
 
 
 def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
@@ -262,31 +223,6 @@ def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.T
 
 
 _EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
-_SOFTMAX_GRAD = getattr(paddle._C_ops, "softmax_grad", None)
-
-
-def masked_softmax_(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
-    """softmax(s + mask, -1) in place, the mask shared by the heads: s [G, H, T] with mask [G, T],
-    or s [G, H, I, T] with mask [G, I, T]. The fused CPU kernel where usable; otherwise an
-    explicit `expand` of the mask (Paddle's CPU broadcast over a middle axis is ~5x slower) and
-    in-place add and softmax (fresh allocations cost page faults)."""
-    ops = cpu_kernels.usable(s, mask)
-    if ops is not None:
-        return ops.glm_masked_softmax(s, mask)
-    s.add_(mask.unsqueeze(1).expand(s.shape))
-    return nn.functional.softmax_(s, axis=-1)
-
-
-def _softmax_backward(p: paddle.Tensor, dp: paddle.Tensor) -> paddle.Tensor:
-    """p * (dp - sum(p * dp, -1)), into dp where it can: the fused CPU kernel, else Paddle's fused
-    kernel (one pass, ~3x faster than op by op) where exposed."""
-    ops = cpu_kernels.usable(p, dp)
-    if ops is not None:
-        return ops.glm_softmax_backward(p, dp)
-    if _SOFTMAX_GRAD is not None:
-        return _SOFTMAX_GRAD(p, dp, -1)
-    dp.subtract_((p * dp).sum(axis=-1, keepdim=True).expand(dp.shape))
-    return dp.multiply_(p)
 
 
 class _SparseLatentAttention(PyLayer):
@@ -348,7 +284,7 @@ class _SparseLatentAttention(PyLayer):
                 dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
             else:
                 dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
-            ds = _softmax_backward(p, dp)
+            ds = ops.softmax_backward(p, dp)
             dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
             # d(keys) = ds^T qs + p^T g
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
@@ -422,11 +358,7 @@ def dense_topk_mask(topk_idx: paddle.Tensor, S: int) -> paddle.Tensor:
     with paddle.no_grad():
         B, _, K = topk_idx.shape
         sel, fill = topk_idx.reshape([B * S, K]), float(paddle.finfo(paddle.float32).min)
-        ops = cpu_kernels.usable(sel)
-        if ops is not None:
-            m = ops.glm_selection_mask(sel, S, fill, False).reshape([B, S, S])
-        else:
-            m = _selection_mask(sel, S, fill)[:, :S].reshape([B, S, S]).contiguous()
+        m = ops.selection_mask(sel, S, fill).reshape([B, S, S])
     _DENSE_MASK["key"], _DENSE_MASK["value"] = topk_idx, m
     return m
 
@@ -453,7 +385,7 @@ class _DenseHeadAttention(PyLayer):
         B, H, S, _ = q.shape
         qs = q * scale  # scaling the queries costs dk/S of scaling the scores
         s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
-        p = masked_softmax_(s, mask)
+        p = ops.masked_softmax_(s, mask)
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
         ctx.mark_non_differentiable(pm)
@@ -468,7 +400,7 @@ class _DenseHeadAttention(PyLayer):
         # get no score gradient (q, k), as in the sparse forms; v still gets g / S from them.
         g_live = g * live.expand(g.shape)
         dp = _as(paddle.matmul(g_live, v, transpose_y=True), "float32")  # [B, H, S, S]
-        ds = _softmax_backward(p, dp)
+        ds = ops.softmax_backward(p, dp)
         if ds.dtype != qs.dtype:
             ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
         dq = paddle.matmul(ds, k).scale_(ctx.scale)
@@ -541,23 +473,6 @@ class DSACoreAttention(nn.Layer):
         self.scale = config.softmax_scale
         self.chunk_size = int(config.attention_chunk_size)
         self.topk = int(config.index_topk)
-
-
-class _HeadMatmul(PyLayer):
-    """out[n, h] = a[n, h, :Din] @ w[h] for a [N, H, D >= Din], w [H, Din, Dout]: the compiled
-    per-head GEMMs (kernels/cpu.py), forward and backward."""
-
-    @staticmethod
-    def forward(ctx: object, a: paddle.Tensor, w: paddle.Tensor, ops: object) -> paddle.Tensor:
-        ctx.save_for_backward(a, w)
-        ctx.ops, ctx.needs = ops, (not a.stop_gradient, not w.stop_gradient)
-        return ops.glm_head_matmul(a, w)
-
-    @staticmethod
-    def backward(ctx: object, dout: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
-        a, w = ctx.saved_tensor()
-        grads = ctx.ops.glm_head_matmul_backward(a, w, dout.contiguous())
-        return tuple(grad if need else None for grad, need in zip(grads, ctx.needs))
 
 
 class MLAttention(nn.Layer):
@@ -704,7 +619,7 @@ class MLAttention(nn.Layer):
         """
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
-        QL, hidden = q_latent.shape[-1], self.o_proj.weight.shape[1]
+        QL = q_latent.shape[-1]
         wq_nope, wq_rot = paddle.split(self.q_b_proj.weight.reshape([QL, H, dn + dr]), [dn, dr], axis=-1)
         wkv = self.kv_b_proj.weight.reshape([L, H, dn + dv]).transpose([1, 0, 2])  # [H, L, dn + v]
         w_uk, w_uv = paddle.split(wkv, [dn, dv], axis=-1)  # [H, L, dn], [H, L, v]
@@ -715,15 +630,5 @@ class MLAttention(nn.Layer):
         kv_lat = rope_concat(c, k_rot, cos, sin, self.interleave)  # [B, S, L + rope]
         core = self.core_attention
         o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
-        ops = cpu_kernels.usable(o, self.o_proj.weight)
-        if ops is not None and hasattr(ops, "glm_head_matmul"):
-            # W_uv per head on the latent output's first L columns (strided GEMMs), then o_proj:
-            # 2 H (L dv + dv hidden) flops a row instead of the fold's 2 H (L + rope) hidden
-            v = _HeadMatmul.apply(o.reshape([B * S, H, L + dr]), w_uv.contiguous(), ops)  # [B*S, H, dv]
-            return paddle.matmul(v.reshape([B, S, H * dv]), self.o_proj.weight), probs
-        w_o = paddle.matmul(w_uv, self.o_proj.weight.reshape([H, dv, hidden]))  # [H, L, hidden]
-        w_o = paddle.concat([w_o, paddle.zeros([H, dr, hidden], dtype=w_o.dtype)], axis=1).reshape(
-            [H * (L + dr), hidden]
-        )
-        out = paddle.matmul(o.reshape([B, S, H * (L + dr)]), w_o)  # this rank's heads' part (bias added by the caller)
-        return out, probs
+        # this rank's heads' part (bias added by the caller)
+        return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs

@@ -25,39 +25,14 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
-from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..kernels import cpu as cpu_kernels
+from ..ops import rope_concat, rope_heads  # noqa: F401  (rope_heads: attention.py imports it from here)
 from .norms import LayerNorm
 
 NEG_INF = float("-inf")
 # Largest per-chunk score block [C, Hi, keys] in elements (8 MB of fp32).
 _CHUNK_ELEMS = 1 << 21
-
-_ROPE_CACHE: dict[tuple, tuple] = {}
-
-
-def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interleave: bool) -> paddle.Tensor:
-    """`rope.apply_rope` for x [B, S, H, dim]: element for element the same arithmetic, but cos/sin
-    are expanded to the H heads once per table (cached) instead of broadcast in every multiply;
-    Paddle's CPU broadcasting over a middle axis is ~30x slower than a same-shape multiply."""
-    B, S, H, r = x.shape
-    shape = (B, S, H, r, x.dtype)
-    hit = _ROPE_CACHE.get(shape)  # one entry per shape: a layer ropes 1-, H- and Hi-head tensors in turn
-    if hit is not None and hit[0] is cos and hit[1] is sin:  # type: ignore[index]
-        c, s_ = hit[2], hit[3]  # type: ignore[index]
-    else:
-        if any(v[0] is not cos or v[1] is not sin for v in _ROPE_CACHE.values()):  # a new table: drop the old
-            _ROPE_CACHE.clear()
-        c = cos.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
-        s_ = sin.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
-        _ROPE_CACHE[shape] = (cos, sin, c, s_)
-    if interleave:  # pairs (x0, x1), (x2, x3), ...: unbind's gradient (a stack) beats two strided-slice grads
-        x1, x2 = paddle.unbind(x.reshape([B, S, H, r // 2, 2]), axis=-1)
-    else:
-        x1, x2 = paddle.split(x, 2, axis=-1)
-    return paddle.concat([x1 * c - x2 * s_, x2 * c + x1 * s_], axis=-1)
 
 
 def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tensor | None) -> paddle.Tensor:
@@ -69,51 +44,6 @@ def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tens
     if key_padding is not None:
         valid = paddle.logical_and(valid, key_padding[:, :n_keys].astype("bool").unsqueeze(1))
     return valid
-
-
-class _RopeConcat(PyLayer):
-    """[a, rope(r)] (or [rope(r), a]) as one compiled kernel each way (kernels/cpu.py)."""
-
-    @staticmethod
-    def forward(
-        ctx: object,
-        a: paddle.Tensor,
-        r: paddle.Tensor,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
-        interleave: bool,
-        rope_first: bool,
-        ops: object,
-    ) -> paddle.Tensor:
-        H, S = (a.shape[2] if a.ndim == 4 else 1), a.shape[1]
-        ctx.save_for_backward(cos, sin)
-        ctx.args = (a.shape[-1], H, S, rope_first, interleave)
-        ctx.ops, ctx.needs = ops, (not a.stop_gradient, not r.stop_gradient)
-        return ops.glm_rope_concat(a, r, cos, sin, H, S, rope_first, interleave)
-
-    @staticmethod
-    def backward(ctx: object, dout: paddle.Tensor) -> tuple:
-        cos, sin = ctx.saved_tensor()
-        da, dr = ctx.ops.glm_rope_concat_backward(dout.contiguous(), cos, sin, *ctx.args)
-        return (da if ctx.needs[0] else None), (dr if ctx.needs[1] else None), None, None
-
-
-def rope_concat(
-    a: paddle.Tensor,
-    r: paddle.Tensor,
-    cos: paddle.Tensor,
-    sin: paddle.Tensor,
-    interleave: bool,
-    rope_first: bool = False,
-) -> paddle.Tensor:
-    """concat([a, rope_heads(r)], -1), or [rope(r), a] with rope_first, for a [B, S, (H,) Da] and
-    r [B, S, (H,) Dr]: the fused CPU kernel (one pass, no concat) where usable, bitwise the same."""
-    ops = cpu_kernels.usable(a, r, cos, sin)
-    if ops is not None:
-        return _RopeConcat.apply(a, r, cos, sin, interleave, rope_first, ops)
-    roped = rope_heads(r if r.ndim == 4 else r.unsqueeze(2), cos, sin, interleave)
-    roped = roped if r.ndim == 4 else roped.squeeze(2)
-    return paddle.concat([roped, a] if rope_first else [a, roped], axis=-1)
 
 
 class DSAIndexer(nn.Layer):

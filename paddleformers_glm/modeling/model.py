@@ -17,10 +17,9 @@ from typing import Any
 
 import paddle
 from paddle import nn
-from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..kernels import cpu as cpu_kernels
+from ..ops import cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
 from ..parallel.topology import get_topology
@@ -42,34 +41,13 @@ class CausalLMOutput:
     last_hidden_state: paddle.Tensor | None = None  # after the final norm
 
 
-class _RowCrossEntropy(PyLayer):
-    """Per-row cross entropy of logits [N, V] against target [N] (0 on IGNORE_INDEX rows), the
-    compiled CPU kernel each way (kernels/cpu.py)."""
-
-    @staticmethod
-    def forward(ctx: object, logits: paddle.Tensor, target: paddle.Tensor, ops: object) -> paddle.Tensor:
-        loss, lse = ops.glm_cross_entropy(logits, target, IGNORE_INDEX)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.ops = ops
-        return loss
-
-    @staticmethod
-    def backward(ctx: object, g: paddle.Tensor) -> tuple[paddle.Tensor, None]:
-        logits, target, lse = ctx.saved_tensor()
-        return ctx.ops.glm_cross_entropy_backward(logits, target, lse, g.contiguous(), IGNORE_INDEX), None
-
-
 def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1) -> paddle.Tensor:
     """HF convention: position i predicts labels[i + shift]; mean over labels that are not -100."""
     B, S, V = logits.shape
     target = paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)
     target = target[:, :S].reshape([-1]).astype("int64")
     flat = logits.reshape([-1, V]).astype("float32")
-    ops = cpu_kernels.usable(flat) if target.place.is_cpu_place() else None
-    if ops is not None:  # one multi-threaded pass each way (Paddle's CPU kernel runs on one thread)
-        loss_sum = _RowCrossEntropy.apply(flat, target, ops).sum()
-    else:
-        loss_sum = nn.functional.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss_sum = cross_entropy_sum(flat, target, IGNORE_INDEX)
     n = (target != IGNORE_INDEX).astype("float32").sum()
     return loss_sum / paddle.clip(n, min=1.0)
 

@@ -10,7 +10,7 @@ Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns first) like t
 
 Routed compute: the (token, expert) assignments are sorted by expert once (one gather of the
 inputs). On fp32 CPU tensors all experts then run as two grouped matmuls (one op each, forward
-and backward: kernels/cpu.py, one MKL GEMM per expert on its rows, as HF's `grouped_mm`);
+and backward: ops/experts.py, one MKL GEMM per expert on its rows, as HF's `grouped_mm`);
 elsewhere (GPU, bf16, no compiled kernels) the sorted rows are split into per-expert views and
 each expert runs one matmul pair. Either way the weighted outputs are added into the result in
 ascending expert order per token, as HF's per-expert `index_add_` adds them. `MoE.grouped = True`
@@ -25,7 +25,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..kernels import cpu as cpu_kernels
+from ..ops import routed_experts, swiglu
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
 from ..parallel.topology import get_topology
@@ -77,57 +77,6 @@ def swiglu_ffn(x: paddle.Tensor, mlp: SwiGLUMLP | Expert) -> paddle.Tensor:
     """SwiGLUMLP's maths on its weights, without two sub-Layer calls (~30 us of Python each, which
     adds up over a loop of experts)."""
     return nn.functional.linear(swiglu(nn.functional.linear(x, mlp.up_gate_proj.weight)), mlp.down_proj.weight)
-
-
-def swiglu(h: paddle.Tensor) -> paddle.Tensor:
-    """silu(gate) * up for h [..., 2I] (gate columns first): the compiled kernel where usable,
-    else one split (whose gradient is one concat), silu and a product."""
-    ops = cpu_kernels.usable(h)
-    if ops is not None:
-        return _SwiGLU.apply(h, None, ops)
-    gate, up = paddle.split(h, 2, axis=-1)
-    return nn.functional.silu(gate) * up
-
-
-class _SwiGLU(PyLayer):
-    """silu(gate) * up on h [..., 2I], times a per-row scale [rows] if given, as one compiled
-    kernel each way (kernels/cpu.py)."""
-
-    @staticmethod
-    def forward(ctx: object, h: paddle.Tensor, scale: paddle.Tensor | None, ops: object) -> paddle.Tensor:
-        s = scale if scale is not None else paddle.empty([0], dtype="float32")
-        ctx.save_for_backward(h, s)
-        ctx.ops, ctx.scaled = ops, scale is not None
-        ctx.needs = (not h.stop_gradient, scale is not None and not scale.stop_gradient)
-        return ops.glm_swiglu(h, s)
-
-    @staticmethod
-    def backward(ctx: object, dact: paddle.Tensor) -> paddle.Tensor | tuple | None:
-        h, s = ctx.saved_tensor()
-        dh, ds = ctx.ops.glm_swiglu_backward(h, s, dact.contiguous())
-        dh = dh if ctx.needs[0] else None
-        return (dh, ds if ctx.needs[1] else None) if ctx.scaled else dh
-
-
-class _GroupedMatmul(PyLayer):
-    """Rows of x [A, K] sorted by expert (`counts` per expert) times each expert's own weight
-    [K, N], as one op forward and one backward (the compiled CPU kernels' grouped matmul)."""
-
-    @staticmethod
-    def forward(
-        ctx: object, counts: list[int], ops: object, x: paddle.Tensor, *weights: paddle.Tensor
-    ) -> paddle.Tensor:
-        ctx.save_for_backward(x, *weights)
-        ctx.counts, ctx.ops = counts, ops
-        ctx.needs = [not t.stop_gradient for t in (x, *weights)]
-        return ops.glm_grouped_matmul(x, list(weights), counts)
-
-    @staticmethod
-    def backward(ctx: object, dy: paddle.Tensor) -> tuple[paddle.Tensor | None, ...]:
-        x, *weights = ctx.saved_tensor()
-        dws = [paddle.empty(w.shape, dtype=w.dtype) for w in weights]  # the kernel fills them
-        dx = ctx.ops.glm_grouped_matmul_backward(x, weights, dy.contiguous(), dws, ctx.counts)[0]
-        return tuple(grad if need else None for grad, need in zip((dx, *dws), ctx.needs))
 
 
 def sequence_aux_loss(
@@ -322,28 +271,9 @@ class MoE(nn.Layer):
             return self._grouped(x, weights, expert_ids, order, counts)
         sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
         w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)  # [N*K] by expert
-        x_sorted = paddle.gather(x, order // K)
         experts = [self.expert(e) for e in range(self.num_experts)]
-        ops = cpu_kernels.usable(x, experts[0].up_gate_proj.weight)
-        if ops is not None and hasattr(ops, "glm_grouped_matmul"):
-            w1 = [e.up_gate_proj.weight for e in experts]  # E x [H, 2I]
-            w2 = [e.down_proj.weight for e in experts]  # E x [I, H]
-            # the routing weight scales each row before the down projection (linear: the same
-            # product as HF's scaling after it, another rounding), fused into the SwiGLU kernel
-            act = _SwiGLU.apply(_GroupedMatmul.apply(sizes, ops, x_sorted, *w1), w_sorted, ops)
-            y = _GroupedMatmul.apply(sizes, ops, act, *w2)
-            # one index_add over rows sorted by (expert, token): each token's terms in expert order
-            return paddle.index_add(paddle.zeros_like(x), order // K, 0, y)
-        with paddle.no_grad():
-            tokens = paddle.split(order // K, sizes) if len(sizes) > 1 else [order // K]
-        xs = paddle.split(x_sorted, sizes) if len(sizes) > 1 else [x_sorted]
-        w_sorted = w_sorted.unsqueeze(-1)
-        ws = paddle.split(w_sorted, sizes) if len(sizes) > 1 else [w_sorted]
-        out = paddle.zeros_like(x)
-        for e, n in enumerate(sizes):
-            if n:
-                out.index_add_(tokens[e], 0, swiglu_ffn(xs[e], experts[e]) * ws[e])
-        return out
+        up_gate, down = [e.up_gate_proj.weight for e in experts], [e.down_proj.weight for e in experts]
+        return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
 
     def _grouped(
         self,

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Any
+
+from .._io import write_json_atomic
 
 
 def _write_json(path: str | None, report: dict[str, Any]) -> None:
     if not path:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, report)
 
 
 def register_check_ckpt(sub: argparse._SubParsersAction) -> None:

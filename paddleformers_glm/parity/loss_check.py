@@ -151,7 +151,9 @@ def plot_losses(a: Sequence[float], b: Sequence[float], out: str, labels: tuple[
     ax2.set_ylabel("|A - B|")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, format="png")
+    from .._io import atomic_open
+
+    with atomic_open(out, "wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
     return os.path.abspath(out)

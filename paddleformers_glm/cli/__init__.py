@@ -3,14 +3,14 @@
 To add a subcommand, append ``("name", "module.path:register_function")`` to ``COMMANDS``; the
 function receives argparse's subparsers object, adds its parser and sets ``func`` (returning the
 exit code). Modules are imported when the CLI starts, so keep their top level light (import heavy
-dependencies such as paddle inside ``func``).
+dependencies such as paddle inside ``func``). The command modules import nothing from this
+package, so there is no import cycle; ``python -m paddleformers_glm.cli`` runs it too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import warnings
 from collections.abc import Sequence
 
@@ -28,9 +28,11 @@ COMMANDS: list[tuple[str, str]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm52", description="GLM-5.2 (glm_moe_dsa) for PaddlePaddle")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for _name, target in COMMANDS:
+    for name, target in COMMANDS:
         module, func = target.split(":")
         getattr(importlib.import_module(module), func)(sub)
+        if name not in sub.choices:  # the list names what each register function adds
+            raise RuntimeError(f"glm52: {target} did not register the subcommand {name!r} that COMMANDS lists for it")
     return parser
 
 
@@ -40,7 +42,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="No ccache found")
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

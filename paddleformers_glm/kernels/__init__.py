@@ -1,1 +1,0 @@
-"""Compiled kernels with Paddle-op fallbacks (see cpu.py)."""

@@ -1,0 +1,33 @@
+"""The model's compute ops, one function each, every one hiding a compiled CPU kernel and its
+Paddle-op fallback (same maths): modeling code calls these and never asks which ran.
+
+`disabled()` makes every op take its fallback inside a ``with`` block; ``GLM52_CPU_KERNELS=0``
+does so for the process (kernels.py: build, cache, switches).
+"""
+
+from .activation import swiglu
+from .experts import routed_experts
+from .kernels import cpu_ops, disabled
+from .loss import cross_entropy_sum
+from .norm import rms_norm
+from .projection import latent_out_proj
+from .rope import rope_concat, rope_heads
+from .selection import candidate_mask, selection_mask, topk_tables
+from .softmax import masked_softmax_, softmax_backward
+
+__all__ = [
+    "candidate_mask",
+    "cpu_ops",
+    "cross_entropy_sum",
+    "disabled",
+    "latent_out_proj",
+    "masked_softmax_",
+    "rms_norm",
+    "rope_concat",
+    "rope_heads",
+    "routed_experts",
+    "selection_mask",
+    "softmax_backward",
+    "swiglu",
+    "topk_tables",
+]

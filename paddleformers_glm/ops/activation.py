@@ -1,0 +1,39 @@
+"""SwiGLU: silu(gate) * up, optionally times a per-row scale."""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from .kernels import usable
+
+
+def swiglu(h: paddle.Tensor) -> paddle.Tensor:
+    """silu(gate) * up for h [..., 2I] (gate columns first): the compiled kernel where usable,
+    else one split (whose gradient is one concat), silu and a product."""
+    ops = usable(h)
+    if ops is not None:
+        return SwiGLUKernel.apply(h, None, ops)
+    gate, up = paddle.split(h, 2, axis=-1)
+    return nn.functional.silu(gate) * up
+
+
+class SwiGLUKernel(PyLayer):
+    """silu(gate) * up on h [..., 2I], times a per-row scale [rows] if given, as one compiled
+    kernel each way (`ops` is the loaded kernel library)."""
+
+    @staticmethod
+    def forward(ctx: object, h: paddle.Tensor, scale: paddle.Tensor | None, ops: object) -> paddle.Tensor:
+        s = scale if scale is not None else paddle.empty([0], dtype="float32")
+        ctx.save_for_backward(h, s)
+        ctx.ops, ctx.scaled = ops, scale is not None
+        ctx.needs = (not h.stop_gradient, scale is not None and not scale.stop_gradient)
+        return ops.glm_swiglu(h, s)
+
+    @staticmethod
+    def backward(ctx: object, dact: paddle.Tensor) -> paddle.Tensor | tuple | None:
+        h, s = ctx.saved_tensor()
+        dh, ds = ctx.ops.glm_swiglu_backward(h, s, dact.contiguous())
+        dh = dh if ctx.needs[0] else None
+        return (dh, ds if ctx.needs[1] else None) if ctx.scaled else dh

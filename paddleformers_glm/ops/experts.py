@@ -1,0 +1,71 @@
+"""The routed experts' SwiGLU FFNs over rows sorted by expert, summed back per token."""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from .activation import SwiGLUKernel, swiglu
+from .kernels import usable
+
+
+def routed_experts(
+    x: paddle.Tensor,
+    tokens: paddle.Tensor,
+    sizes: list[int],
+    row_weights: paddle.Tensor,
+    up_gate: list[paddle.Tensor],
+    down: list[paddle.Tensor],
+) -> paddle.Tensor:
+    """sum over a token's assignments of w * down_e(swiglu(up_gate_e(x))), for x [N, H].
+
+    The assignments arrive sorted by expert: `tokens` [A] is each assignment's token, `sizes` the
+    number of assignments per expert (Python ints), `row_weights` [A] the routing weights in x's
+    dtype; `up_gate` / `down` hold each expert's [H, 2I] / [I, H] weight. Each token's terms are
+    added in ascending expert order, as HF's per-expert `index_add_` adds them.
+
+    On fp32 CPU tensors all experts run as two grouped matmuls (one compiled op each way, one MKL
+    GEMM per expert on its rows) with the routing weight applied inside the SwiGLU kernel, before
+    the down projection (linear: the same product as HF's scaling after it, another rounding);
+    elsewhere each expert runs one matmul pair on its rows (bitwise HF's sums).
+    """
+    x_sorted = paddle.gather(x, tokens)
+    ops = usable(x, up_gate[0])
+    if ops is not None and hasattr(ops, "glm_grouped_matmul"):
+        act = SwiGLUKernel.apply(_GroupedMatmul.apply(sizes, ops, x_sorted, *up_gate), row_weights, ops)
+        y = _GroupedMatmul.apply(sizes, ops, act, *down)
+        # one index_add over rows sorted by (expert, token): each token's terms in expert order
+        return paddle.index_add(paddle.zeros_like(x), tokens, 0, y)
+    with paddle.no_grad():
+        token_parts = paddle.split(tokens, sizes) if len(sizes) > 1 else [tokens]
+    xs = paddle.split(x_sorted, sizes) if len(sizes) > 1 else [x_sorted]
+    row_weights = row_weights.unsqueeze(-1)
+    ws = paddle.split(row_weights, sizes) if len(sizes) > 1 else [row_weights]
+    out = paddle.zeros_like(x)
+    for e, n in enumerate(sizes):
+        if n:
+            ffn = nn.functional.linear(swiglu(nn.functional.linear(xs[e], up_gate[e])), down[e])
+            out.index_add_(token_parts[e], 0, ffn * ws[e])
+    return out
+
+
+class _GroupedMatmul(PyLayer):
+    """Rows of x [A, K] sorted by expert (`counts` per expert) times each expert's own weight
+    [K, N], as one op forward and one backward (the compiled grouped matmul)."""
+
+    @staticmethod
+    def forward(
+        ctx: object, counts: list[int], ops: object, x: paddle.Tensor, *weights: paddle.Tensor
+    ) -> paddle.Tensor:
+        ctx.save_for_backward(x, *weights)
+        ctx.counts, ctx.ops = counts, ops
+        ctx.needs = [not t.stop_gradient for t in (x, *weights)]
+        return ops.glm_grouped_matmul(x, list(weights), counts)
+
+    @staticmethod
+    def backward(ctx: object, dy: paddle.Tensor) -> tuple[paddle.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensor()
+        dws = [paddle.empty(w.shape, dtype=w.dtype) for w in weights]  # the kernel fills them
+        dx = ctx.ops.glm_grouped_matmul_backward(x, weights, dy.contiguous(), dws, ctx.counts)[0]
+        return tuple(grad if need else None for grad, need in zip((dx, *dws), ctx.needs))

@@ -1,0 +1,255 @@
+"""Loader of the fused, multi-threaded fp32 CPU kernels (cpu_kernels.cc), built on first use.
+
+Why: Paddle's CPU softmax, add, exp, ... run on one thread, one pass over memory each, so at
+short sequences they decide a training step's time (docs/performance.md). The kernels do the
+same maths in one multi-threaded pass per row, or as MKL sgemm calls without Python in between.
+Modeling code never asks for them: each function of this package (`paddleformers_glm.ops`) takes
+the kernel where `usable` says so and its Paddle-op fallback otherwise.
+
+Control and guarantees:
+
+* used only for contiguous CPU tensors whose floating ones are fp32 (index tensors are int64);
+  anything else (GPU, bf16) takes the Paddle-op fallback (same maths, Paddle's rounding);
+* ``GLM52_CPU_KERNELS=0`` turns them off; ``disabled()`` does so inside a ``with`` block;
+* built once with ``paddle.utils.cpp_extension`` (a C++ compiler is needed) into
+  ``$GLM52_KERNEL_CACHE`` (default ``~/.cache/paddleformers_glm/kernels``), in a folder keyed by
+  the source, the flags, Paddle's version and the CPU's instruction sets (the build uses
+  ``-march=native``), under a file lock so that parallel processes build it once;
+* the build runs in a child process whose output goes to ``build.log`` in that folder; the
+  library is then loaded here with Paddle's loader messages sent to the same file (the process's
+  own stdout and stderr are never redirected);
+* a build that fails warns once, naming the error, and the fallbacks run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import paddle
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+ENV_SWITCH = "GLM52_CPU_KERNELS"
+ENV_CACHE = "GLM52_KERNEL_CACHE"
+# the names these had before the package settled on one prefix: still read, with a warning
+_OLD_ENV = {ENV_SWITCH: "PADDLEFORMERS_GLM_CPU_KERNELS", ENV_CACHE: "PADDLEFORMERS_GLM_KERNEL_CACHE"}
+# -ffp-contract=off: no fused multiply-adds the source does not write, so products and sums round
+# as in the op-by-op forms (rope is then bitwise rope_heads)
+CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# Paddle's extension loader logs through this logger (and the root logger) on every load
+_PADDLE_LOGGER = "utils.cpp_extension"
+
+_state: dict[str, object] = {"tried": False, "ops": None, "error": None, "off": 0}
+_lock = threading.Lock()
+
+
+def env_setting(name: str) -> str | None:
+    """The environment variable `name` (a ``GLM52_`` name), or its deprecated older name with a
+    DeprecationWarning when only that one is set."""
+    value = os.environ.get(name)
+    old = _OLD_ENV.get(name)
+    if value is None and old is not None and old in os.environ:
+        warnings.warn(f"{old} is deprecated, set {name} instead", DeprecationWarning, stacklevel=3)
+        value = os.environ[old]
+    return value
+
+
+def _cpu_isa() -> str:
+    """The CPU's model name and instruction-set flags: a build made with -march=native is only
+    valid where these are the same."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _build_flags() -> tuple[list[str], list[str]]:
+    """(compile, link) flags. OpenMP links against the libiomp5 Paddle ships (its MKL's runtime):
+    one thread pool for both; with gcc's own libgomp beside it, the two runtimes' spinning threads
+    fight for the cores. The grouped matmul needs Paddle's MKL (libmklml_intel); without it that
+    op is left out and the MoE keeps its per-expert loop."""
+    libs = Path(paddle.__file__).parent / "libs"
+    cflags, ldflags = list(CXX_FLAGS), []
+    if (libs / "libiomp5.so").exists():
+        ldflags += [f"-L{libs}", "-Wl,--as-needed", "-liomp5"]
+    else:
+        ldflags += ["-fopenmp"]
+    if (libs / "libmklml_intel.so").exists():
+        cflags.append("-DGLM_WITH_MKL")
+        ldflags += [f"-L{libs}", "-lmklml_intel"]
+    return cflags, ldflags + [f"-Wl,-rpath,{libs}"]
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing) while inside: one process
+    builds, the others wait and then reuse its build. fcntl on POSIX, msvcrt on Windows."""
+    with open(path, "a+b") as f:
+        if os.name == "nt":
+            import msvcrt
+
+            f.seek(0)
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)  # gives up after 10 s: retry
+                    break
+                except OSError:
+                    continue
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _python_output_to(log: Path) -> Iterator[None]:
+    """Python-level output (print, warnings, Paddle's loader logger) into `log` while inside; the
+    file descriptors 1 and 2 are left alone."""
+    logger = logging.getLogger(_PADDLE_LOGGER)
+    with open(log, "a", encoding="utf-8") as f:
+        handler = logging.StreamHandler(f)
+        saved = (logger.handlers[:], logger.propagate)
+        logger.handlers[:] = [handler]
+        logger.propagate = False  # Paddle also configures the root logger: keep it quiet too
+        try:
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            logger.handlers[:], logger.propagate = saved
+
+
+def _summary(path: Path, errors: int = 8, tail: int = 6) -> str:
+    """The compiler's first error lines and the log's last lines (the child's own exception)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    first = [ln for ln in lines if re.search(r"\berror:", ln)][:errors]
+    return "\n".join([*first, "...", *lines[-tail:]])
+
+
+# The child process that compiles: Paddle's public `load` builds and imports the library there,
+# with its output (compiler included, verbose) going to the log file the parent opened for it.
+_CHILD = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from paddle.utils.cpp_extension import load
+a = json.loads(sys.argv[1])
+load(name=a["name"], sources=[a["source"]], extra_cxx_cflags=a["cflags"], extra_ldflags=a["ldflags"],
+     build_directory=a["folder"], verbose=True)
+"""
+
+
+def _compile(source: Path, folder: Path, name: str, cflags: list[str], ldflags: list[str], log: Path) -> None:
+    """Build the library in a child process (output to `log`); raises with the log's end."""
+    args = json.dumps(
+        {"name": name, "source": str(source), "cflags": cflags, "ldflags": ldflags, "folder": str(folder)}
+    )
+    with open(log, "ab") as f:
+        f.write(f"--- building {name} from {source}\n".encode())
+        f.flush()
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, args], stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"Failed to build {source.name} (exit {done.returncode}); from {log}:\n{_summary(log)}")
+
+
+def _load_built(folder: Path, name: str, log: Path) -> ModuleType:
+    """Import the built library into this process (no build step, no subprocess)."""
+    with _python_output_to(log):  # importing cpp_extension warns ("No ccache found")
+        try:
+            # the helper Paddle's own `load` imports a built library with
+            from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+        except ImportError as e:
+            raise RuntimeError(f"this Paddle ({paddle.__version__}) has no loader for a built extension: {e}") from e
+        return _import_module_from_library(name, str(folder / name), False)
+
+
+def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
+    """Compile (or reuse) the kernels and load them; raises on any failure, with the end of the
+    build log (build.log in the cache folder) in the message."""
+    cflags, ldflags = _build_flags()
+    key_src = "\0".join([source.read_text(), *cflags, *ldflags, paddle.__version__, _cpu_isa()])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    default = Path.home() / ".cache" / "paddleformers_glm" / "kernels"
+    root = Path(cache_root or env_setting(ENV_CACHE) or default)
+    folder = root / key
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"glm_cpu_kernels_{key[:8]}"
+    log, done = folder / "build.log", folder / "built"
+    if not done.exists():
+        with _exclusive(folder / ".lock"):
+            if not done.exists():  # another process may have built it while this one waited
+                _compile(source, folder, name, cflags, ldflags, log)
+                done.touch()
+    return _load_built(folder, name, log)
+
+
+def cpu_ops() -> ModuleType | None:
+    """The loaded kernels, or None when switched off or the build failed (warned once)."""
+    if _state["tried"]:
+        return _state["ops"]  # type: ignore[return-value]
+    with _lock:
+        if not _state["tried"]:
+            switch = (env_setting(ENV_SWITCH) or "1").strip().lower()
+            if switch not in ("0", "false", "off", "no"):
+                try:
+                    _state["ops"] = build()
+                except (RuntimeError, OSError, ImportError, ValueError, subprocess.SubprocessError) as e:
+                    # no compiler, a compile error, a read-only cache, a library that will not load
+                    _state["error"] = f"{type(e).__name__}: {e}"
+                    warnings.warn(
+                        f"paddleformers_glm: the fused CPU kernels ({SOURCE.name}) could not be built, "
+                        f"so Paddle's own (slower) ops run instead. {_state['error']}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            _state["tried"] = True
+    return _state["ops"]  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside, `usable` answers None, so every op runs its Paddle-op fallback (tests, A/B benchmarks)."""
+    _state["off"] = int(_state["off"]) + 1  # type: ignore[call-overload]
+    try:
+        yield
+    finally:
+        _state["off"] = int(_state["off"]) - 1  # type: ignore[call-overload]
+
+
+def usable(*tensors: paddle.Tensor) -> ModuleType | None:
+    """The kernels when every tensor is contiguous and on the CPU, and every floating one fp32
+    (integer index tensors pass), and they are built; else None."""
+    if _state["off"]:
+        return None
+    for t in tensors:
+        if (t.is_floating_point() and t.dtype != paddle.float32) or not t.place.is_cpu_place() or not t.is_contiguous():
+            return None
+    return cpu_ops()

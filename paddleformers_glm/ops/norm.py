@@ -1,0 +1,100 @@
+"""RMSNorm as one autograd node, and the small fp32 helpers the norms share."""
+
+from __future__ import annotations
+
+import math
+
+import paddle
+from paddle.autograd import PyLayer
+
+from .kernels import usable
+
+
+def cast(t: paddle.Tensor, dtype: str | paddle.dtype) -> paddle.Tensor:
+    """t cast to dtype; t itself when it already is (Paddle's cast op copies even then)."""
+    want = getattr(paddle, dtype) if isinstance(dtype, str) else dtype
+    return t if t.dtype == want else t.astype(want)
+
+
+def mean_square(h: paddle.Tensor) -> paddle.Tensor:
+    """mean(h^2) over the last axis as a GEMV against a 1/H column.
+
+    Against torch's mean (HF's), Paddle's fp32 mean is several ulps further off than the GEMV
+    (MKL accumulates in SIMD lanes); an fp64 accumulator is closer still but costs far more (casts,
+    slow fp64 reduction). The GEMV keeps the parity margins (bench/parity_margins.py;
+    docs/performance.md has the measurements).
+    """
+    return mean_last(h * h)
+
+
+def mean_last(t: paddle.Tensor) -> paddle.Tensor:
+    """t.mean(-1, keepdim=True) as a GEMV (see mean_square)."""
+    H = t.shape[-1]
+    return paddle.matmul(t, _constant([H, 1], 1.0 / H, t))
+
+
+_CONSTANTS: dict[tuple, paddle.Tensor] = {}
+
+
+def _constant(shape: list[int], value: float, like: paddle.Tensor) -> paddle.Tensor:
+    """A constant tensor of like's dtype and place, made once (a norm needs two per call)."""
+    key = (tuple(shape), value, str(like.dtype), str(like.place))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 64:  # shapes follow the token count: keep the cache small
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = paddle.full(shape, value, dtype=like.dtype)
+    return t
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32, cast back to x's dtype before the
+    weight (HF's order): the fused CPU kernel each way where usable, else Paddle's ops."""
+    return _RMSNorm.apply(x, weight, float(eps))
+
+
+class _RMSNorm(PyLayer):
+    """RMSNorm as one autograd node: the same forward values as the op-by-op form (HF's), a
+    hand-written backward. Far fewer autograd nodes per norm, and the weight gradient is a GEMV
+    instead of Paddle's slow column reduction of a [H] x [N, H] broadcast. For fp32 CPU tensors
+    both directions are one fused kernel each (mean of squares in fp64); the backward follows the
+    forward's choice."""
+
+    @staticmethod
+    def forward(ctx: object, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+        ops = usable(x, weight)
+        ctx.ops = ops
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient)  # a frozen input gets None
+        if ops is not None:
+            y, r = ops.glm_rms_norm(x, weight, eps)  # r [rows]: 1 / rms
+            ctx.save_for_backward(x, r, weight)
+            return y
+        h = cast(x, "float32")
+        r = paddle.rsqrt(mean_square(h) + eps)  # [..., 1]
+        n = cast(h * r.expand(h.shape), x.dtype)  # normalised, in the input dtype (as HF casts back)
+        ctx.save_for_backward(n, r, weight)
+        return weight.expand(n.shape) * n
+
+    @staticmethod
+    def backward(ctx: object, dy: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
+        if ctx.ops is not None:
+            x, r, weight = ctx.saved_tensor()
+            grads = ctx.ops.glm_rms_norm_backward(x, weight, r, dy.contiguous())
+        else:
+            grads = _rms_norm_backward_ops(*ctx.saved_tensor(), dy)
+        return tuple(grad if need else None for grad, need in zip(grads, ctx.needs))
+
+
+def _rms_norm_backward_ops(
+    n: paddle.Tensor, r: paddle.Tensor, weight: paddle.Tensor, dy: paddle.Tensor
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """The backward with Paddle's ops, from the normalised input n and 1 / rms r [..., 1]."""
+    H = n.shape[-1]
+    rows = math.prod(n.shape[:-1])
+    n32 = cast(n, "float32")
+    dw = paddle.matmul(_constant([1, rows], 1.0, n32), (cast(dy, "float32") * n32).reshape([rows, H]))
+    gn = cast(dy * weight.expand(dy.shape), "float32")
+    # d/dh of h * rsqrt(mean(h^2) + eps) applied to gn: r * (gn - n * mean(gn * n))
+    dot = mean_last(gn * n32)
+    dh = (gn - n32 * dot.expand(n32.shape)) * r.expand(n32.shape)
+    return cast(dh, dy.dtype), cast(dw.reshape([H]), weight.dtype)

@@ -1,0 +1,65 @@
+"""Index tables and additive masks built from a top-k selection (-1 = empty slot)."""
+
+from __future__ import annotations
+
+import paddle
+
+from .kernels import usable
+
+
+def topk_tables(topk_idx: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """(rows [B*S, k] int64, mask [B*S, k] fp32, has_key [B*S] bool) for a top-k [B, S, k].
+
+    `rows` index the table [B*S keys; B mean rows]: a selected key j of batch b is row b*S + j; an
+    empty slot points at any key of its batch and gets mask -inf; a query with no key at all (left
+    padding) points all its slots at its batch's mean row with mask 0, so its softmax is uniform
+    and it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
+    One compiled pass where usable, else about fifteen Paddle ops.
+    """
+    B, S, K = topk_idx.shape
+    ops = usable(topk_idx)
+    if ops is not None:
+        return tuple(ops.glm_topk_tables(topk_idx.reshape([B * S, K]), S))  # type: ignore[return-value]
+    with paddle.no_grad():
+        valid = topk_idx >= 0
+        has_key = valid.any(axis=-1)
+        has_k = has_key.unsqueeze(-1).expand([B, S, K])
+        base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, S, K])
+        mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, S, K])
+        rows = paddle.where(valid, topk_idx + base, paddle.where(has_k, base, mean_row))
+        live = paddle.logical_or(valid, paddle.logical_not(has_k))
+        mask = paddle.where(live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32"))
+        return rows.reshape([B * S, K]), mask.reshape([B * S, K]), has_key.reshape([B * S])
+
+
+def _scatter_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
+    """Additive mask [R, width + 1] for selections sel [R, K] (-1 = empty): 0 at each row's selected
+    columns, `fill` elsewhere; empty slots land in the extra dump column `width`. One flat scatter."""
+    R, K = sel.shape
+    W = width + 1
+    col = paddle.where(sel >= 0, sel, paddle.full([R, K], width, "int64"))
+    flat = (col + (paddle.arange(R, dtype="int64") * W).unsqueeze(1).expand([R, K])).reshape([-1])
+    return paddle.scatter(paddle.full([R * W], fill, "float32"), flat, paddle.zeros([R * K], "float32")).reshape([R, W])
+
+
+def selection_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
+    """Additive mask [R, width] for selections sel [R, K] (-1 = empty) of columns < width: 0 at the
+    selected columns, `fill` elsewhere (no S x S intermediate beyond the result)."""
+    ops = usable(sel)
+    if ops is not None:
+        return ops.glm_selection_mask(sel, width, fill, False)
+    return _scatter_mask(sel, width, fill)[:, :width].contiguous()
+
+
+def candidate_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddle.Tensor:
+    """Additive mask [C, c1 + 1] over a dense chunk's candidates (keys < c1, then the batch's mean
+    row): 0 at the selected keys (and at the mean row for a query without keys), -inf elsewhere."""
+    ops = usable(sel)
+    if ops is not None:
+        return ops.glm_selection_mask(sel, c1, float("-inf"), True)
+    C = sel.shape[0]
+    W = c1 + 2  # candidates (keys < c1, the mean row) + the dump column
+    m = _scatter_mask(sel, c1 + 1, float("-inf")).reshape([-1])
+    mean_col = paddle.where(has_key, paddle.full([C], W - 1, "int64"), paddle.full([C], c1, "int64"))
+    m = paddle.scatter(m, mean_col + paddle.arange(C, dtype="int64") * W, paddle.zeros([C], "float32"))
+    return m.reshape([C, W])[:, : c1 + 1].contiguous()

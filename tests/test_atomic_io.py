@@ -1,0 +1,49 @@
+"""The one atomic-write helper: whole new file or the old one, never a part, no temp left."""
+
+import json
+import os
+import pathlib
+import stat
+
+import pytest
+
+from paddleformers_glm._io import atomic_open, atomic_write_bytes, write_json_atomic
+
+
+def test_json_is_written_whole_and_replaces_the_old_file(tmp_path):
+    path = tmp_path / "sub" / "report.json"  # missing folders are made
+    write_json_atomic(path, {"b": 1, "a": [1.5, None]})
+    write_json_atomic(path, {"z": pathlib.PurePosixPath("a/b")})  # str() for what JSON lacks
+    assert path.read_text() == '{\n  "z": "a/b"\n}\n'
+    assert os.listdir(path.parent) == ["report.json"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    path = tmp_path / "data.bin"
+    atomic_write_bytes(path, b"old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_open(path, "wb") as f:
+            f.write(b"half of the new")
+            raise RuntimeError("disk full")
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["data.bin"]
+    with pytest.raises(TypeError):  # not JSON: nothing written either
+        write_json_atomic(path, {"x": object()}, default=None)
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["data.bin"]
+
+
+def test_files_get_the_usual_permissions_not_a_temp_files(tmp_path):
+    """A temp-file helper would leave 0600; a config others read must get the umask's mode."""
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "config.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "config.json").st_mode) == 0o644
+    assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1}
+
+
+def test_only_whole_file_modes():
+    with pytest.raises(ValueError, match="mode 'w' or 'wb', got 'a'"):
+        with atomic_open("x", "a"):
+            pass
