@@ -1,0 +1,111 @@
+"""Text generation for GlmMoeDsaForCausalLM: a prefill into the decoding cache, then one token per
+step (``modeling/cache.py``, ``MLAttention.forward_decode``).
+
+Greedy decoding gives HF transformers' ``generate`` tokens (tests/test_generate.py holds it to the
+HF fixtures). Sampling applies, as HF's default processors do, temperature, then top-k, then
+top-p, and draws from a NumPy generator seeded by ``seed`` (reproducible, independent of Paddle's
+global RNG). Left padding is supported: rope positions count each row's real tokens and padding
+slots are never selected, so a padded row generates what it generates alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import paddle
+
+from .modeling.cache import DSACache
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | None, config: object) -> list[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+
+def _sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """One token per row from logits [B, V] (float64)."""
+    x = logits / max(float(temperature), 1e-6)
+    if top_k and top_k < x.shape[-1]:
+        kth = np.sort(x, axis=-1)[:, -top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        drop_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p >= top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        p = np.where(drop, 0.0, p)
+        p /= p.sum(axis=-1, keepdims=True)
+    return np.array([rng.choice(p.shape[-1], p=row) for row in p], dtype=np.int64)
+
+
+def generate(
+    model: paddle.nn.Layer,
+    input_ids: paddle.Tensor,
+    attention_mask: paddle.Tensor | None = None,
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    seed: int | None = None,
+    streamer: Callable[[np.ndarray], None] | None = None,
+) -> paddle.Tensor:
+    """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B, S + n] int64.
+
+    ``attention_mask`` [B, S] (1 = token, 0 = padding) allows left-padded batches. A row that
+    produced an EOS token (``eos_token_id``, default the config's; ``[]`` for none) continues with
+    ``pad_token_id`` (default the config's, else 0); generation stops early once every row has
+    finished. ``streamer`` is called with each step's new tokens [B] as they are chosen.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"generate: input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    config = model.config
+    input_ids = input_ids.astype("int64")
+    B, S = input_ids.shape
+    if attention_mask is not None and list(attention_mask.shape) != [B, S]:
+        raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
+    eos = _eos_ids(eos_token_id, config)
+    if pad_token_id is None:
+        pad_token_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
+    rng = np.random.default_rng(seed)
+    if max_new_tokens == 0:
+        return input_ids
+    was_training = model.training
+    model.eval()
+    try:
+        with paddle.no_grad():
+            cache = DSACache.for_config(config, B, capacity=S + max_new_tokens)
+            out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            finished = np.zeros([B], dtype=bool)
+            new: list[np.ndarray] = []
+            for step in range(max_new_tokens):
+                logits = out.logits[:, -1].astype("float32").numpy().astype(np.float64)  # [B, V]
+                if do_sample:
+                    nxt = _sample(logits, temperature, top_k, top_p, rng)
+                else:
+                    nxt = logits.argmax(axis=-1).astype(np.int64)
+                nxt = np.where(finished, pad_token_id, nxt)
+                if eos:
+                    finished |= np.isin(nxt, eos)
+                new.append(nxt)
+                if streamer is not None:
+                    streamer(nxt)
+                if finished.all() or step == max_new_tokens - 1:
+                    break
+                out = model(paddle.to_tensor(nxt[:, None]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        if was_training:
+            model.train()
+    return paddle.concat([input_ids, paddle.to_tensor(np.stack(new, axis=1))], axis=1)
