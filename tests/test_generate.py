@@ -80,6 +80,25 @@ def test_cached_decoding_logits_equal_full_forward(kernels, step):
     assert np.abs(got - full).max() <= 2e-5, np.abs(got - full).max()
 
 
+def test_decode_accepts_hf_style_full_attention_mask():
+    """Callers that drive decoding like HF pass the mask of past + new tokens; the new part is used."""
+    model = tiny_model(seed=4)
+    ids = tokens(2, 14, seed=8)
+    mask = np.ones([2, 14], dtype=np.int64)
+    mask[1, :3] = 0
+    m = paddle.to_tensor(mask)
+    with paddle.no_grad():
+        a = DSACache.for_config(model.config, 2)
+        model(ids[:, :10], attention_mask=m[:, :10], past_key_values=a)
+        full = model(ids[:, 10:], attention_mask=m, past_key_values=a).logits.numpy()
+        b = DSACache.for_config(model.config, 2)
+        model(ids[:, :10], attention_mask=m[:, :10], past_key_values=b)
+        new = model(ids[:, 10:], attention_mask=m[:, 10:], past_key_values=b).logits.numpy()
+        with pytest.raises(ValueError, match=r"attention_mask shape \[2, 7\]"):
+            model(ids[:, :4], attention_mask=m[:, :7], past_key_values=b)
+    np.testing.assert_array_equal(full, new)
+
+
 def test_cache_holds_latent_rows_and_indexer_keys_only():
     model = tiny_model()
     cfg = model.config

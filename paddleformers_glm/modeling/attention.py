@@ -54,7 +54,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequ
 from ..parallel.topology import get_topology
 from .cache import LayerCache
 from .indexer import DSAIndexer, key_validity, rope_concat, rope_heads
-from .norms import RMSNorm, _as
+from .norms import RMSNorm, _as, building_graph
 
 
 def gather_keys(t: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
@@ -146,8 +146,9 @@ def prepare_topk(topk_idx: paddle.Tensor) -> _Prepared:
     it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
     The result depends on the top-k only, so layers sharing one top-k reuse it (identity cache).
     """
-    if _PREPARED.get("key") is topk_idx:
-        return _PREPARED["value"]  # type: ignore[return-value]
+    hit = _cached_for(_PREPARED, topk_idx)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
     B, S, K = topk_idx.shape
     sel = topk_idx.reshape([B * S, K])
     ops = cpu_kernels.usable(topk_idx)
@@ -167,7 +168,7 @@ def prepare_topk(topk_idx: paddle.Tensor) -> _Prepared:
                 live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32")
             )
             out = _Prepared(rows.reshape([B * S, K]), mask.reshape([B * S, K]), sel, has_key.reshape([B * S]), {})
-    _PREPARED["key"], _PREPARED["value"] = topk_idx, out
+    _cache_for(_PREPARED, topk_idx, out)
     return out
 
 
@@ -274,7 +275,7 @@ def masked_softmax_(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
     ops = cpu_kernels.usable(s, mask)
     if ops is not None:
         return ops.glm_masked_softmax(s, mask)
-    s.add_(mask.unsqueeze(1).expand(s.shape))
+    s = s.add_(mask.unsqueeze(1).expand(s.shape))  # rebound: to_static runs add_ out of place
     return nn.functional.softmax_(s, axis=-1)
 
 
@@ -331,7 +332,8 @@ class _SparseLatentAttention(PyLayer):
         ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
-        ctx.mark_non_differentiable(pr)
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pr)
         return out, pr
 
     @staticmethod
@@ -413,13 +415,29 @@ def dense_masked_attention(
 _DENSE_MASK: dict[str, object] = {}
 
 
+@paddle.jit.not_to_static
+def _cached_for(store: dict, key: paddle.Tensor) -> object:
+    """The value stored for exactly this tensor object, or None (always None while a static graph
+    is built: tensors there are symbolic, an eager cache cannot serve them)."""
+    if building_graph() or store.get("key") is not key:
+        return None
+    return store["value"]
+
+
+@paddle.jit.not_to_static
+def _cache_for(store: dict, key: paddle.Tensor, value: object) -> None:
+    if not building_graph():
+        store["key"], store["value"] = key, value
+
+
 def dense_topk_mask(topk_idx: paddle.Tensor, S: int) -> paddle.Tensor:
     """Additive mask [B, S, S] from a top-k [B, S, k] (-1 = empty): 0 at the selected keys, the
     fp32 minimum elsewhere (HF's value, so a query without keys gets a uniform softmax: the mean of
     all values). One flat scatter; cached by identity, so layers sharing a top-k (and the backward)
     reuse it."""
-    if _DENSE_MASK.get("key") is topk_idx:
-        return _DENSE_MASK["value"]  # type: ignore[return-value]
+    hit = _cached_for(_DENSE_MASK, topk_idx)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
     with paddle.no_grad():
         B, _, K = topk_idx.shape
         sel, fill = topk_idx.reshape([B * S, K]), float(paddle.finfo(paddle.float32).min)
@@ -428,7 +446,7 @@ def dense_topk_mask(topk_idx: paddle.Tensor, S: int) -> paddle.Tensor:
             m = ops.glm_selection_mask(sel, S, fill, False).reshape([B, S, S])
         else:
             m = _selection_mask(sel, S, fill)[:, :S].reshape([B, S, S]).contiguous()
-    _DENSE_MASK["key"], _DENSE_MASK["value"] = topk_idx, m
+    _cache_for(_DENSE_MASK, topk_idx, m)
     return m
 
 
@@ -457,7 +475,8 @@ class _DenseHeadAttention(PyLayer):
         p = masked_softmax_(s, mask)
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
-        ctx.mark_non_differentiable(pm)
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pm)
         ctx.save_for_backward(qs, k, v, p, live)
         ctx.scale = scale
         return out, pm

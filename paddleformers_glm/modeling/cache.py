@@ -84,15 +84,22 @@ class DSACache:
         return self.capacity
 
     def begin(self, attention_mask: paddle.Tensor | None, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Start a forward over n new tokens per row (mask [B, n], 1 = real token, None = all real).
+        """Start a forward over n new tokens per row. attention_mask (1 = real token, None = all
+        real) covers the new tokens [B, n] or, as HF callers pass it, past and new [B, length + n]
+        (its last n columns are used: the past's validity is already stored).
 
         Returns (rope positions [B, n] int64, key validity [B, length + n] bool for the indexer)."""
         B = self.batch_size
-        new_valid = (
-            paddle.ones([B, n], dtype="bool")
-            if attention_mask is None
-            else attention_mask.astype("bool").reshape([B, n])
-        )
+        if attention_mask is None:
+            new_valid = paddle.ones([B, n], dtype="bool")
+        else:
+            shape = list(attention_mask.shape)
+            if shape not in ([B, n], [B, self.length + n]):
+                raise ValueError(
+                    f"attention_mask shape {shape}: expected [{B}, {n}] (new tokens) or "
+                    f"[{B}, {self.length + n}] (cached + new tokens)"
+                )
+            new_valid = attention_mask[:, shape[1] - n :].astype("bool")
         steps = paddle.cumsum(new_valid.astype("int64"), axis=1)  # real tokens up to and including each slot
         positions = self.positions.unsqueeze(1) + steps - 1
         positions = paddle.where(new_valid, positions, paddle.zeros_like(positions))

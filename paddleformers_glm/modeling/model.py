@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
@@ -255,6 +256,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     `indexer_loss_coeff` > 0) into `out.loss`.
     """
 
+    config_class = GlmMoeDsaConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+
     def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32") -> None:
         with default_dtype(dtype):
             super().__init__()
@@ -285,11 +290,24 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "float32", strict: bool = True, **config_overrides):
-        """Load an official HF-layout (or Fleet-layout) checkpoint folder; see checkpoint.load_pretrained_state."""
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: str = "float32",
+        strict: bool = True,
+        config: GlmMoeDsaConfig | None = None,
+        **config_overrides,
+    ):
+        """Load an official HF-layout (or Fleet-layout) checkpoint folder; see checkpoint.load_pretrained_state.
+        `config` (as Auto classes pass it) replaces the folder's config.json."""
         from ..checkpoint import load_pretrained_state
 
-        config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+        if config is None:
+            config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+        elif config_overrides:
+            raise TypeError(
+                f"from_pretrained: config overrides {sorted(config_overrides)} given with an explicit config"
+            )
         model = cls(config, dtype=dtype)
         load_pretrained_state(model, path, dtype=dtype, strict=strict)
         return model
@@ -299,6 +317,31 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         from ..checkpoint import save_pretrained_state
 
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
+
+    # ------------------------------------------------------------------ the usual model API
+    def get_input_embeddings(self) -> nn.Layer:
+        """The token embedding layer (its `.weight` is [vocab, hidden])."""
+        return self.model.embedding.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Layer) -> None:
+        self.model.embedding.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Layer:
+        """The LM head (its `.weight` is [hidden, vocab], Paddle's orientation)."""
+        return self.lm_head
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameter count of this model (this rank's share under model parallelism)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {id(p) for p in self.get_input_embeddings().parameters()}
+            skip |= {id(p) for p in self.get_output_embeddings().parameters()}
+        total = 0
+        for p in self.parameters():
+            if id(p) in skip or (only_trainable and p.stop_gradient):
+                continue
+            total += int(np.prod(p.shape)) if p.shape else 1
+        return total
 
     # ------------------------------------------------------------------ forward
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
@@ -370,7 +413,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             )
         if logits_to_keep and out.logits is not None:
             out.logits = out.logits[:, -logits_to_keep:]
-        return out if return_dict is None or return_dict else out.to_tuple()
+        if return_dict is None or return_dict:
+            return out
+        # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
+        # cannot call their methods
+        fields_ = (out.loss, out.logits, out.past_key_values, out.mtp_loss, out.mtp_logits or None)
+        fields_ += (out.indexer_loss, out.last_hidden_state)
+        return tuple(v for v in fields_ if v is not None)
 
     def _forward_full(
         self,
