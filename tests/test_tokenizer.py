@@ -106,6 +106,7 @@ def test_template_that_is_not_prefix_stable_is_refused():
         tok.encode_chat_for_training(CHAT[:3])
 
 
+@pytest.mark.reference
 def test_hf_fast_tokenizer_reads_the_same_files(tiny_dir):
     transformers = pytest.importorskip("transformers")
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_dir)
