@@ -8,7 +8,7 @@ time, see ``MLAttention.forward_decode``). Buffers are preallocated to a capacit
 place, so a decode step copies only its own rows.
 
 All rows of a batch advance together: a left-padded prompt occupies the same cache slots as the
-other rows, and ``key_padding`` marks the padding slots so that neither the attention nor the
+other rows, and ``key_valid`` marks the real-token slots so that neither the attention nor the
 indexer's top-k ever selects them. ``positions`` is each row's next rope position (the count of its
 real tokens), which is how a left-padded row decodes exactly as if it were alone.
 """
