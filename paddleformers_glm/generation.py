@@ -117,6 +117,90 @@ def generate(
     return paddle.concat([input_ids, paddle.to_tensor(np.stack(new, axis=1))], axis=1)
 
 
+def _mtp_step(model: paddle.nn.Layer, mtp: paddle.nn.Layer, cache: object, hidden: paddle.Tensor, ids: paddle.Tensor):
+    """The MTP layer on n new positions i (main hidden h_i [B, n, H], token i+1 ids [B, n]) through
+    its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V]."""
+    import paddle
+
+    x = mtp.eh_proj(paddle.concat([mtp.enorm(model.model.embedding(ids)), mtp.hnorm(hidden)], axis=-1))
+    n = ids.shape[1]
+    prefill = cache.length == 0
+    positions, key_valid = cache.begin(None, n)
+    cos, sin = model.model.rotary_emb(positions)
+    x, _, _ = mtp.transformer_layer(x, cos, sin, None if prefill else key_valid, None, cache=cache.layers[0])
+    cache.advance(n)
+    return model.logits(mtp.norm(x[:, -1:]))[:, -1]
+
+
+def generate_speculative(
+    model: paddle.nn.Layer,
+    input_ids: paddle.Tensor,
+    max_new_tokens: int = 20,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> tuple[paddle.Tensor, dict]:
+    """Greedy decoding with the first MTP layer as the draft model (one row, no padding).
+
+    Each step the MTP layer drafts the token after the next from the main model's last hidden
+    state; the main model then scores [next, draft] in one forward and keeps the draft only if it
+    is its own greedy choice (a rejected draft's cache slot is rolled back). The tokens are
+    therefore greedy decoding's; the MTP layer, run with its own indexer and cache, only decides how
+    many forwards that takes. Returns (prompt + new tokens [1, S + n], {"drafted", "accepted",
+    "acceptance_rate", "main_forwards"}).
+    """
+    import paddle
+
+    from .modeling.cache import DSACache
+
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"generate_speculative: one row [1, seq] expected, got shape {list(input_ids.shape)}")
+    if not model.model.mtp_layers:
+        raise ValueError("generate_speculative: the model has no MTP layer (num_nextn_predict_layers = 0)")
+    mtp = model.model.mtp_layers[0]
+    eos = set(_eos_ids(eos_token_id, model.config))
+    input_ids = input_ids.astype("int64")
+    S = input_ids.shape[1]
+    stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}
+    new: list[int] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with paddle.no_grad():
+            cache = DSACache.for_config(model.config, 1, capacity=S + max_new_tokens + 2)
+            mtp_cache = DSACache([True], 1, capacity=S + max_new_tokens + 2)
+            out = model(input_ids, past_key_values=cache, use_cache=True)
+            h = out.last_hidden_state  # [1, S, H]
+            nxt = int(out.logits[0, -1].argmax())
+            if S > 1:  # MTP positions 0 .. S-2: (h_i, token i+1)
+                _mtp_step(model, mtp, mtp_cache, h[:, :-1], input_ids[:, 1:])
+            h_last = h[:, -1:]
+            while len(new) < max_new_tokens:
+                new.append(nxt)
+                if nxt in eos or len(new) == max_new_tokens:
+                    break
+                draft = int(_mtp_step(model, mtp, mtp_cache, h_last, paddle.to_tensor([[nxt]]))[0].argmax())
+                stats["drafted"] += 1
+                out = model(paddle.to_tensor([[nxt, draft]]), past_key_values=cache)
+                stats["main_forwards"] += 1
+                y = out.logits[0].argmax(axis=-1).numpy()  # greedy after `nxt`, after `draft`
+                hs = out.last_hidden_state
+                if int(y[0]) == draft:
+                    stats["accepted"] += 1
+                    new.append(draft)
+                    if draft in eos or len(new) == max_new_tokens:
+                        break
+                    _mtp_step(model, mtp, mtp_cache, hs[:, :1], paddle.to_tensor([[draft]]))
+                    h_last, nxt = hs[:, 1:2], int(y[1])
+                else:
+                    cache.rollback(1)
+                    h_last, nxt = hs[:, :1], int(y[0])
+    finally:
+        if was_training:
+            model.train()
+    stats["acceptance_rate"] = stats["accepted"] / max(stats["drafted"], 1)
+    out_ids = paddle.concat([input_ids, paddle.to_tensor([new], dtype="int64")], axis=1)
+    return out_ids, stats
+
+
 # ---------------------------------------------------------------------- `glm52 generate`
 
 
@@ -133,6 +217,9 @@ def register_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--speculative", action="store_true", help="greedy, drafting with the MTP layer (acceptance rate on stderr)"
+    )
 
     def run(args) -> int:
         import sys
@@ -176,6 +263,22 @@ def register_generate(sub) -> None:
                 sys.stdout.flush()
                 shown = text
 
+        if args.speculative:
+            if args.do_sample:
+                print("glm52 generate: --speculative decodes greedily; drop --do-sample", file=sys.stderr)
+                return 2
+            out, stats = generate_speculative(
+                model, paddle.to_tensor([ids], dtype="int64"), args.max_new_tokens, eos_token_id=eos
+            )
+            for t in out.numpy()[0, len(ids) :]:
+                stream(np.asarray([t]))
+            sys.stdout.write("\n")
+            print(
+                f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
+                f"(acceptance rate {stats['acceptance_rate']:.2f}), {stats['main_forwards']} main forwards",
+                file=sys.stderr,
+            )
+            return 0
         generate(
             model,
             paddle.to_tensor([ids], dtype="int64"),

@@ -13,6 +13,7 @@ import paddle
 import pytest
 from safetensors.numpy import load_file
 
+from paddleformers_glm.generation import generate_speculative
 from paddleformers_glm.kernels import cpu as cpu_kernels
 from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 from paddleformers_glm.modeling.cache import DSACache
@@ -186,3 +187,36 @@ def test_sampling_eos_and_pad():
     np.testing.assert_array_equal(out[0, :13], greedy[0, :13])
     assert (out[0, 13:] == 99).all()
     np.testing.assert_array_equal(out[1], greedy[1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculative_decoding_with_the_mtp_layer_gives_greedy_tokens(case):
+    model, ref = _fixture(case)
+    row = ref["gen_row0_sequence"]
+    n_new = ref["gen_sequences"].shape[1] - ref["gen_input_ids"].shape[1]
+    out, stats = generate_speculative(model, paddle.to_tensor(row[None, : len(row) - n_new]), n_new, eos_token_id=[])
+    np.testing.assert_array_equal(out.numpy()[0], row)
+    assert stats["drafted"] >= n_new // 2 and 0.0 <= stats["acceptance_rate"] <= 1.0
+
+
+def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch):
+    """A drafter right at every other position (the real MTP layer runs, so its cache is kept;
+    its answer is replaced): the output is still greedy's, the accepted drafts save main forwards."""
+    from paddleformers_glm import generation
+
+    model = tiny_model(seed=6)
+    prompt = tokens(1, 11, seed=9)
+    greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
+    real = generation._mtp_step
+
+    def oracle(model_, mtp, cache, hidden, ids):
+        logits = real(model_, mtp, cache, hidden, ids)
+        target = cache.length + 1  # the draft is for the token after the one just fed
+        want = int(greedy[target]) if target < len(greedy) and cache.length % 2 == 0 else 3
+        return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
+
+    monkeypatch.setattr(generation, "_mtp_step", oracle)
+    out, stats = generate_speculative(model, prompt, 14, eos_token_id=[])
+    np.testing.assert_array_equal(out.numpy()[0], greedy)
+    assert stats["accepted"] >= 3 and stats["main_forwards"] == 1 + stats["drafted"]
+    assert stats["drafted"] + stats["accepted"] <= 14 and stats["main_forwards"] < 14

@@ -133,3 +133,13 @@ def test_generate_command_streams_the_greedy_text(tiny_dir, capsys):
 def test_generate_command_without_tokenizer_fails_cleanly(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_generate_command_speculative_prints_the_same_text(tiny_dir, capsys):
+    args = ["generate", "--model", tiny_dir, "--prompt", "Hello there", "--max-new-tokens", "5"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == plain
+    assert "acceptance rate" in cap.err

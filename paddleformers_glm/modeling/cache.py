@@ -117,3 +117,13 @@ class DSACache:
         """The forward over n new tokens is complete: they become part of the past."""
         self.length += n
         self.positions = self._pending_positions
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n filled slots (rejected speculative tokens): their rows are overwritten
+        by the next forward, and each row's rope position goes back by its real tokens among them."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"rollback({n}) with {self.length} filled slots")
+        if n:
+            gone = self.key_valid[:, self.length - n : self.length].astype("int64").sum(axis=1)
+            self.positions = self.positions - gone
+            self.length -= n
