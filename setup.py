@@ -38,7 +38,7 @@ setup(
     include_package_data=True,
     package_data={"paddleformers_glm": ["_data/**/*", "ops/*.cc"]},
     cmdclass={"build_py": BuildPyWithData},
-    install_requires=["numpy>=1.24", "safetensors>=0.4.3", "tqdm>=4.60"],
+    install_requires=["numpy>=1.24", "safetensors>=0.4.3", "tqdm>=4.60", "tokenizers>=0.19", "jinja2>=3.1"],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],

@@ -1,7 +1,8 @@
 """`glm52 demo`: the main job on the embedded default, end to end, leaving receipts in OUT/.
 
-1. make the tiny official-layout checkpoint (deterministic, bf16, two shards)
-2. load it with `from_pretrained` (AOA engine, strict), run it, export it again in the official HF
+1. make the tiny official-layout checkpoint (deterministic, bf16, two shards, its BPE tokenizer)
+2. load it with `from_pretrained` (AOA engine, strict), run it, generate a few tokens from a text
+   prompt with the checkpoint's tokenizer, export it again in the official HF
    layout and in the Paddle/Fleet layout, and prove with `check-ckpt` that the HF export equals
    the source tensor for tensor and that the Fleet export differs by naming only
 3. train it with `glm52 train` in the headline layout (default TP2 / PP2 with sequence parallel,
@@ -33,6 +34,23 @@ def synthetic_batch(vocab: int, batch: int, seq: int, seed: int):
     return paddle.to_tensor(ids)
 
 
+DEMO_PROMPT = "Hello! What is the capital of France?"
+
+
+def generate_from_text(model: Any, folder: Path, prompt: str, max_new_tokens: int = 8) -> dict[str, Any]:
+    """Greedy tokens from a text prompt with the checkpoint's own tokenizer (the tiny weights are
+    random, so the text is not meaningful; the path from text to text is what is shown)."""
+    import paddle
+
+    from .tokenizer import GlmTokenizer
+
+    tok = GlmTokenizer.from_pretrained(folder)
+    ids = tok.encode(prompt)
+    out = model.generate(paddle.to_tensor([ids], dtype="int64"), max_new_tokens=max_new_tokens, eos_token_id=[])
+    new = [int(t) for t in out.numpy()[0, len(ids) :]]
+    return {"prompt": prompt, "prompt_ids": ids, "new_ids": new, "text": tok.decode(new, skip_special_tokens=True)}
+
+
 def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> dict[str, Any]:
     import paddle
 
@@ -56,6 +74,9 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
         ev = model(ids, labels=ids)
     summary["eval_loss"], summary["eval_mtp_loss"] = float(ev.loss), float(ev.mtp_loss)
     print(f"[2/5] loaded ({sum(int(p.numel()) for p in model.parameters())} params); eval loss {float(ev.loss):.6f}")
+    summary["generate"] = generate_from_text(model, src, DEMO_PROMPT, max_new_tokens=8)
+    gen = summary["generate"]
+    print(f"      generate: {gen['prompt']!r} -> {gen['text']!r} ({len(gen['new_ids'])} new tokens)")
 
     # the exports are of the loaded weights, so they must equal the source tensor for tensor
     hf_out, fleet_out = out / "export-hf", out / "export-fleet"

@@ -48,7 +48,8 @@ def init_state(config: GlmMoeDsaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def make_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, max_shard_size: str = "1MB") -> str:
-    """Write the tiny official-layout checkpoint to `out_dir` (atomic) and return its path."""
+    """Write the tiny official-layout checkpoint to `out_dir` (atomic), with its tokenizer
+    (tokenizer.json, tokenizer_config.json incl. the chat template), and return its path."""
     import paddle
 
     from .checkpoint import save_pretrained_state
@@ -56,7 +57,79 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, max_shard_si
     config = tiny_config()
     state = {k: paddle.to_tensor(v) for k, v in init_state(config, seed).items()}
     save_pretrained_state(state, config, out_dir, layout="hf", max_shard_size=max_shard_size)
+    make_tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
     return os.fspath(out_dir)
+
+
+# The tiny tokenizer's training text: a few paragraphs of plain English and chat phrases, so that
+# the 256-entry vocabulary holds common words and the chat template's pieces. Any printable ASCII
+# text encodes (the alphabet is all of it); other characters become <|unk|>.
+TINY_CORPUS = """\
+Hello! How are you today? I am fine, thank you. What can I do for you?
+The quick brown fox jumps over the lazy dog. A model reads text as tokens and writes text back.
+You are a helpful assistant. Answer the question in one short sentence.
+What is the capital of France? The capital of France is Paris.
+What is two plus two? Two plus two is four. Three and five make eight.
+Please write a short poem about the sea. The sea is blue and deep, the waves are slow and wide.
+The weather is nice this morning, and the sun is warm on the water.
+GLM is a language model. It has layers of attention and experts, and it learns from data.
+Training makes the loss go down; the model then generates the next token, one after another.
+This is a test. This is only a test. Thank you for reading this text.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - _ / + = * & % $ # @.
+"""
+TINY_SPECIAL_TOKENS = [
+    "<|pad|>",  # 0 = pad_token_id of the tiny config
+    "<|endoftext|>",  # 1 and 2 = its eos_token_id, as GLM stops on <|endoftext|> and <|user|>
+    "<|user|>",
+    "<|system|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "[gMASK]",
+    "<sop>",
+    "<|unk|>",
+]
+# GLM-style turns; an assistant turn ends with <|endoftext|> so training teaches the model to stop.
+TINY_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for m in messages %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(vocab_size: int | None = None):
+    """A byte-pair-encoding tokenizer with `vocab_size` entries (default the tiny config's), trained
+    with the `tokenizers` library on TINY_CORPUS: the same merges on every machine."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from .tokenizer import GlmTokenizer
+
+    vocab_size = int(vocab_size or tiny_config().vocab_size)
+    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    alphabet = sorted(set(string.printable) - set("\t\r\x0b\x0c ")) + ["\u2581"]  # \u2581 stands for a space
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS.splitlines(), trainer)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": int(tiny_config().max_position_embeddings),
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|pad|>",
+        "unk_token": "<|unk|>",
+        "additional_special_tokens": TINY_SPECIAL_TOKENS[2:8],
+        "clean_up_tokenization_spaces": False,
+    }
+    return GlmTokenizer(tok, config, TINY_CHAT_TEMPLATE)
 
 
 def register_make_tiny(sub) -> None:

@@ -20,6 +20,8 @@ def test_tiny_checkpoint_is_official_layout_and_deterministic(tmp_path):
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
@@ -41,6 +43,9 @@ def test_demo_command_passes_and_leaves_receipts(tmp_path, capsys):
     assert summary["check_ckpt_fleet"]["counts"]["structural"] == 0
     assert summary["check_ckpt_fleet"]["counts"]["naming"] > 0
     assert summary["steps"][1]["loss"] < summary["steps"][0]["loss"]
+    gen = summary["generate"]  # a few tokens generated from a text prompt with the tiny tokenizer
+    assert len(gen["new_ids"]) == 8 and gen["prompt_ids"] and all(0 <= t < 256 for t in gen["new_ids"])
+    assert gen["text"] != ""
     assert (out / "check-ckpt-hf.json").is_file() and "PASSED" in capsys.readouterr().out
 
 

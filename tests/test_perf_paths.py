@@ -220,8 +220,8 @@ def test_fused_rms_norm_equals_the_op_by_op_form(shape, kernels):
     through each op, HF's formula): with Paddle's ops the forward is bitwise the reference; the
     fused CPU kernel (mean of squares in fp64) is within 4 ulps of it; gradients of input and
     weight to rounding either way."""
-    from paddleformers_glm.ops import kernels as cpu_kernels
     from paddleformers_glm.modeling.norms import RMSNorm
+    from paddleformers_glm.ops import kernels as cpu_kernels
 
     if kernels and cpu_kernels.cpu_ops() is None:
         pytest.fail(f"the CPU kernels did not build: {cpu_kernels._state['error']}")

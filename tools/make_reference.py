@@ -973,6 +973,92 @@ def build_fp8_case(out_dir: Path) -> dict:
     return meta
 
 
+# generation fixtures: HF greedy `generate` on the committed checkpoints (tests/test_generate.py)
+
+GEN_PROMPT_LENS = [24, 17, 9]  # one batch, left-padded to the longest row
+GEN_NEW_TOKENS = 16
+GEN_SEED = 7000
+GEN_MIN_LOGIT_GAP = 1e-3  # top-1 vs top-2 logit at every greedy step, every row
+
+
+def build_generate_fixture(name: str, out_dir: Path, max_attempts: int = MAX_ATTEMPTS) -> dict:
+    """``generate/<case>.safetensors`` (+ ``.json``): HF greedy generation (eager, fp32, KV + indexer-key cache)
+    from the case's committed checkpoint, for a left-padded batch of prompts and for each prompt
+    alone. Prompts are drawn again while any indexer/router top-k boundary or any greedy choice is
+    a near-tie, so the tokens do not depend on how an implementation rounds."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GlmMoeDsaForCausalLM
+
+    case_dir = out_dir / name
+    ckpt = case_dir / "checkpoint"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    assert model.config._attn_implementation == "eager"
+    pad = int(cfg["pad_token_id"])
+    B, S = len(GEN_PROMPT_LENS), max(GEN_PROMPT_LENS)
+    kw = dict(max_new_tokens=GEN_NEW_TOKENS, do_sample=False, pad_token_id=pad, eos_token_id=None)
+    kw.update(output_logits=True, return_dict_in_generate=True)
+
+    def run(ids, mask):
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        logits = torch.stack(out.logits, 1)  # [B, n, V]
+        top2 = logits.topk(2, dim=-1).values
+        gap = float((top2[..., 0] - top2[..., 1]).min())
+        if gap < GEN_MIN_LOGIT_GAP:
+            raise TieError(f"greedy logit gap {gap:.3e} < {GEN_MIN_LOGIT_GAP}")
+        return out.sequences, gap
+
+    for attempt in range(max_attempts):
+        g = torch.Generator().manual_seed(GEN_SEED + attempt)
+        ids = torch.full((B, S), pad, dtype=torch.int64)
+        mask = torch.zeros((B, S), dtype=torch.int64)
+        rows = []
+        for b, n in enumerate(GEN_PROMPT_LENS):
+            row = torch.randint(3, cfg["vocab_size"], (n,), generator=g, dtype=torch.int64)
+            rows.append(row)
+            ids[b, S - n :], mask[b, S - n :] = row, 1
+        mon = GapMonitor()
+        mon.attach(model)
+        try:
+            with mon.mode(), torch.no_grad():
+                mon.phase = "generate_batch"
+                seqs, gap = run(ids, mask)
+                alone, gaps = [], [gap]
+                for b, row in enumerate(rows):
+                    mon.phase = f"generate_row{b}"
+                    one, gap = run(row.unsqueeze(0), torch.ones((1, len(row)), dtype=torch.int64))
+                    alone.append(one[0])
+                    gaps.append(gap)
+        except TieError as err:
+            print(f"[{name}] generation prompt attempt {attempt} rejected: {err}", file=sys.stderr)
+            model._forward_hooks.clear()
+            for m in model.modules():
+                m._forward_hooks.clear()
+                m._forward_pre_hooks.clear()
+            continue
+        break
+    else:
+        raise SystemExit(f"[{name}] no generation prompts without near-ties in {max_attempts} attempts")
+    ref = {"gen_input_ids": ids, "gen_attention_mask": mask, "gen_sequences": seqs.contiguous()}
+    for b, one in enumerate(alone):
+        ref[f"gen_row{b}_sequence"] = one.contiguous()
+    gen_dir = out_dir / "generate"
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(ref.items())), str(gen_dir / f"{name}.safetensors"))
+    info = {
+        "prompt_lens": GEN_PROMPT_LENS,
+        "new_tokens": GEN_NEW_TOKENS,
+        "prompt_seed": GEN_SEED + attempt,
+        "min_greedy_logit_gap": min(gaps),
+        "topk_gaps": mon.mins,
+        "batch_equals_rows_alone": all(bool((seqs[b, S - len(r) :] == alone[b]).all()) for b, r in enumerate(rows)),
+    }
+    write_json(gen_dir / f"{name}.json", info)
+    return info
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -996,6 +1082,9 @@ def generate(out: Path, cases: list[str], search: bool = False, max_attempts: in
     metas = {}
     for name in cases:
         metas[name] = build_fp8_case(out) if name == FP8_CASE else build_case(name, out, search, max_attempts)
+    for name in cases:
+        if name != FP8_CASE:
+            build_generate_fixture(name, out)
     return metas
 
 
@@ -1041,7 +1130,18 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="regenerate into a temp dir and compare bytes with --out")
     ap.add_argument("--search-seeds", action="store_true", help="ignore the pinned seed attempts and search from 0")
     ap.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS, help="seed attempts tried by --search-seeds")
+    ap.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="only (re)write generate/<case>.safetensors from the committed checkpoints",
+    )
     args = ap.parse_args(argv)
+
+    if args.generate_only:
+        setup_torch()
+        for name in args.cases:
+            print(name, json.dumps(build_generate_fixture(name, args.out)))
+        return 0
 
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:

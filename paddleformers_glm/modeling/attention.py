@@ -52,8 +52,9 @@ from ..configuration import GlmMoeDsaConfig
 from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.topology import get_topology
-from .indexer import DSAIndexer, rope_concat, rope_heads
-from .norms import RMSNorm, _as
+from .cache import LayerCache
+from .indexer import DSAIndexer, key_validity, rope_concat, rope_heads
+from .norms import RMSNorm, _as, building_graph
 
 
 def gather_keys(t: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
@@ -145,13 +146,14 @@ def prepare_topk(topk_idx: paddle.Tensor) -> _Prepared:
     it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
     The result depends on the top-k only, so layers sharing one top-k reuse it (identity cache).
     """
-    if _PREPARED.get("key") is topk_idx:
-        return _PREPARED["value"]  # type: ignore[return-value]
+    hit = _cached_for(_PREPARED, topk_idx)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
     B, S, K = topk_idx.shape
     sel = topk_idx.reshape([B * S, K])
     rows, mask, has_key = ops.topk_tables(topk_idx)
     out = _Prepared(rows, mask, sel, has_key, {})
-    _PREPARED["key"], _PREPARED["value"] = topk_idx, out
+    _cache_for(_PREPARED, topk_idx, out)
     return out
 
 
@@ -266,7 +268,8 @@ class _SparseLatentAttention(PyLayer):
         ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
-        ctx.mark_non_differentiable(pr)
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pr)
         return out, pr
 
     @staticmethod
@@ -348,18 +351,34 @@ def dense_masked_attention(
 _DENSE_MASK: dict[str, object] = {}
 
 
+@paddle.jit.not_to_static
+def _cached_for(store: dict, key: paddle.Tensor) -> object:
+    """The value stored for exactly this tensor object, or None (always None while a static graph
+    is built: tensors there are symbolic, an eager cache cannot serve them)."""
+    if building_graph() or store.get("key") is not key:
+        return None
+    return store["value"]
+
+
+@paddle.jit.not_to_static
+def _cache_for(store: dict, key: paddle.Tensor, value: object) -> None:
+    if not building_graph():
+        store["key"], store["value"] = key, value
+
+
 def dense_topk_mask(topk_idx: paddle.Tensor, S: int) -> paddle.Tensor:
     """Additive mask [B, S, S] from a top-k [B, S, k] (-1 = empty): 0 at the selected keys, the
     fp32 minimum elsewhere (HF's value, so a query without keys gets a uniform softmax: the mean of
     all values). One flat scatter; cached by identity, so layers sharing a top-k (and the backward)
     reuse it."""
-    if _DENSE_MASK.get("key") is topk_idx:
-        return _DENSE_MASK["value"]  # type: ignore[return-value]
+    hit = _cached_for(_DENSE_MASK, topk_idx)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
     with paddle.no_grad():
         B, _, K = topk_idx.shape
         sel, fill = topk_idx.reshape([B * S, K]), float(paddle.finfo(paddle.float32).min)
         m = ops.selection_mask(sel, S, fill).reshape([B, S, S])
-    _DENSE_MASK["key"], _DENSE_MASK["value"] = topk_idx, m
+    _cache_for(_DENSE_MASK, topk_idx, m)
     return m
 
 
@@ -388,7 +407,8 @@ class _DenseHeadAttention(PyLayer):
         p = ops.masked_softmax_(s, mask)
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
-        ctx.mark_non_differentiable(pm)
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pm)
         ctx.save_for_backward(qs, k, v, p, live)
         ctx.scale = scale
         return out, pm
@@ -541,11 +561,13 @@ class MLAttention(nn.Layer):
         prev_topk: paddle.Tensor | None,
         reuse_topk: bool = False,
         dense_reference: bool = False,
+        cache: LayerCache | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
         """x [B, S, hidden] -> (out [B, S, hidden], top-k used [B, S, k], indexer KL loss or None).
 
         Full layers run their own indexer unless `reuse_topk` (MTP with index sharing); shared layers
-        always use `prev_topk`.
+        always use `prev_topk`. With `cache` (a prefill: the cache is empty) the layer also stores
+        its latent rows and indexer keys there; the computation itself is unchanged.
         """
         H = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S_local, q_lora]
@@ -555,6 +577,10 @@ class MLAttention(nn.Layer):
         x_full, q_latent_full = self._replicated_full(x), self._replicated_full(q_latent)
         q_latent, c, k_rot = self._enter_tp(q_latent), self._enter_tp(c), self._enter_tp(k_rot)  # [B, S, ...]
         B, S = q_latent.shape[0], q_latent.shape[1]
+        if cache is not None:
+            if self.tp > 1:
+                raise NotImplementedError("decoding with a cache runs with tensor parallel size 1")
+            cache.put_latent(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S, kv_lora + rope]
 
         core = self.core_attention
         k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
@@ -562,7 +588,12 @@ class MLAttention(nn.Layer):
         latent = not dense_reference and not dense and core.use_latent(B, S, k_sel, per_key)
         run_indexer = core.indexer is not None and not reuse_topk
         if run_indexer:  # the latent and dense forms need the selected set, not its score order
-            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=not (latent or dense))
+            keys = [] if cache is not None else None
+            topk = core.indexer(
+                x_full, q_latent_full, cos, sin, key_padding, ordered=not (latent or dense), keys_out=keys
+            )
+            if keys:
+                cache.put_index_keys(keys[0])
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
@@ -632,3 +663,72 @@ class MLAttention(nn.Layer):
         o, probs = sparse_latent_attention(q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs)
         # this rank's heads' part (bias added by the caller)
         return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs
+
+    # ------------------------------------------------------------------ decoding
+    def forward_decode(
+        self,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        key_valid: paddle.Tensor,
+        prev_topk: paddle.Tensor | None,
+        cache: LayerCache,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """n new tokens x [B, n, hidden] against the cache's past -> (out [B, n, hidden], top-k [B, n, k]).
+
+        key_valid [B, T] (T = past + n) marks real tokens. The new latent rows and indexer keys are
+        appended first; the indexer scores the T cached keys (causal within the new tokens, padding
+        masked) and keeps min(index_topk, T), as HF's indexer does over its key cache; a shared
+        layer uses `prev_topk`, the full layer's selection of this same step. The attention then
+        reads only the k selected latent rows, with kv_b_proj absorbed:
+
+            q_lat = [q_nope[h] W_uk[h]^T, rope(q_rot[h])]           [B, n, H, kv_lora + rope]
+            o_lat = softmax(q_lat . kv_sel^T * scale) kv_sel          kv_sel [B, n, k, kv_lora + rope]
+            out   = o_proj([o_lat[h, :kv_lora] W_uv[h]]_h)
+
+        so a step costs O(k) in the attention (the indexer's O(T) scoring is its purpose).
+        """
+        B, n, H = x.shape[0], x.shape[1], self.num_heads
+        L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
+        start = cache.owner.length
+        T = start + n
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, n, q_lora]
+        c, k_rot = paddle.split(self.kv_a_proj_with_mqa(x), [L, dr], axis=-1)
+        cache.put_latent(rope_concat(self.kv_a_layernorm(c), k_rot, cos, sin, self.interleave))
+        core = self.core_attention
+        if core.indexer is not None:
+            with paddle.no_grad():
+                qi, ki, wi = core.indexer.project(x, q_latent, cos, sin)
+                cache.put_index_keys(ki)
+                scores = core.indexer.chunk_scores(qi, cache.keys_upto(T), wi)  # [B, n, T]
+                valid = key_validity(paddle.arange(start, T, dtype="int64"), T, key_valid).expand([B, n, T])
+                scores = paddle.where(valid, scores, paddle.full_like(scores, float("-inf")))
+                kk = min(core.topk, T)
+                vals, idx = paddle.topk(scores, kk, axis=-1)
+                topk = paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+        elif prev_topk is None:
+            raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
+        else:
+            topk = prev_topk
+
+        q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B * n, H, dn + dr])
+        q_nope, q_rot = paddle.split(q, [dn, dr], axis=-1)
+        wkv = self.kv_b_proj.weight.reshape([L, H, dn + dv]).transpose([1, 0, 2])  # [H, L, dn + v]
+        w_uk, w_uv = paddle.split(wkv, [dn, dv], axis=-1)  # [H, L, dn], [H, L, v]
+        q_abs = paddle.matmul(q_nope.transpose([1, 0, 2]), w_uk, transpose_y=True)  # [H, B*n, L]
+        q_abs = q_abs.transpose([1, 0, 2]).reshape([B, n, H, L])
+        q_lat = rope_concat(q_abs, q_rot.reshape([B, n, H, dr]), cos, sin, self.interleave)  # [B, n, H, L + rope]
+        valid = topk >= 0  # [B, n, k]
+        kv_sel = gather_keys(cache.latent_upto(T), topk)  # [B, n, k, L + rope]
+        s = paddle.matmul(q_lat, kv_sel, transpose_y=True).astype("float32") * core.scale  # [B, n, H, k]
+        any_valid = valid.any(axis=-1, keepdim=True).unsqueeze(2)  # [B, n, 1, 1]
+        s = paddle.where(valid.unsqueeze(2), s, paddle.full_like(s, float("-inf")))
+        s = paddle.where(any_valid, s, paddle.zeros_like(s))  # a query without keys: kept finite
+        p = nn.functional.softmax(s, axis=-1).astype(kv_sel.dtype)
+        o_lat = paddle.matmul(p, kv_sel)  # [B, n, H, L + rope]
+        o = o_lat[..., :L].reshape([B * n, H, L]).transpose([1, 0, 2])  # [H, B*n, L]
+        v = paddle.matmul(o, w_uv).transpose([1, 0, 2]).reshape([B, n, H * dv])
+        out = nn.functional.linear(v, self.o_proj.weight)
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        return out, topk

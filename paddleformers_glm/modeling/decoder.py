@@ -9,6 +9,7 @@ from ..configuration import GlmMoeDsaConfig
 from ..parallel.layers import mark_sequence_parallel
 from ..parallel.topology import get_topology
 from .attention import MLAttention
+from .cache import LayerCache
 from .moe import MoE, SwiGLUMLP
 from .norms import RMSNorm
 
@@ -36,18 +37,28 @@ class DecoderLayer(nn.Layer):
         prev_topk: paddle.Tensor | None,
         reuse_topk: bool = False,
         dense_reference: bool = False,
+        cache: LayerCache | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
-        """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], indexer KL loss or None)."""
+        """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], indexer KL loss or None).
+
+        With `cache`: an empty cache is filled by this (prefill) forward; a cache holding past
+        tokens makes x the new tokens only, attended against the past (`MLAttention.forward_decode`).
+        """
         residual = x.astype("float32") if self.fp32_residual else x
-        h, topk, kl = self.self_attn(
-            self.input_layernorm(x),
-            cos,
-            sin,
-            key_padding,
-            prev_topk,
-            reuse_topk=reuse_topk,
-            dense_reference=dense_reference,
-        )
+        if cache is not None and cache.owner.length > 0:
+            h, topk = self.self_attn.forward_decode(self.input_layernorm(x), cos, sin, key_padding, prev_topk, cache)
+            kl = None
+        else:
+            h, topk, kl = self.self_attn(
+                self.input_layernorm(x),
+                cos,
+                sin,
+                key_padding,
+                prev_topk,
+                reuse_topk=reuse_topk,
+                dense_reference=dense_reference,
+                cache=cache,
+            )
         x = (residual + h.astype(residual.dtype)).astype(x.dtype)
         residual = x.astype("float32") if self.fp32_residual else x
         h = self.mlp(self.post_attention_layernorm(x))

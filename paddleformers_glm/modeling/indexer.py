@@ -97,6 +97,7 @@ class DSAIndexer(nn.Layer):
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
         ordered: bool = True,
+        keys_out: list | None = None,
     ) -> paddle.Tensor:
         """top-k key indices [B, S, min(index_topk, S)] int64, -1 where the slot holds no valid key.
 
@@ -107,6 +108,8 @@ class DSAIndexer(nn.Layer):
         """
         with paddle.no_grad():
             q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
+            if keys_out is not None:  # a prefill keeps the keys for decoding
+                keys_out.append(k)
             B, S = x.shape[0], x.shape[1]
             k_out = min(self.topk, S)
             # chunks of at most S/4 queries: keys < c1 only, so smaller chunks skip more of the

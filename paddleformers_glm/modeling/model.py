@@ -12,9 +12,10 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -23,6 +24,7 @@ from ..ops import cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
 from ..parallel.topology import get_topology
+from .cache import DSACache
 from .decoder import DecoderLayer
 from .mtp import MTPLayer
 from .norms import RMSNorm
@@ -33,12 +35,45 @@ IGNORE_INDEX = -100
 
 @dataclass
 class CausalLMOutput:
-    logits: paddle.Tensor | None = None  # [B, S, V]
+    """The forward's outputs. Like transformers' ``ModelOutput``: read by attribute, by name
+    (``out["logits"]``) or by position (``out[0]``) over the fields that are set, in this order;
+    ``to_tuple()`` gives those fields (what ``return_dict=False`` returns)."""
+
     loss: paddle.Tensor | None = None  # main LM loss (+ extras only when asked)
+    logits: paddle.Tensor | None = None  # [B, S, V]
+    past_key_values: DSACache | None = None  # the decoding cache, when use_cache
     mtp_loss: paddle.Tensor | None = None  # mean CE over MTP depths, unscaled
     mtp_logits: list[paddle.Tensor] = field(default_factory=list)  # per depth [B, S, V]
     indexer_loss: paddle.Tensor | None = None  # sum of per-layer indexer KL losses, unscaled
     last_hidden_state: paddle.Tensor | None = None  # after the final norm
+
+    def keys(self) -> list[str]:
+        """Names of the fields that are set (None and empty lists are not)."""
+        names = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not (isinstance(v, list) and not v):
+                names.append(f.name)
+        return names
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.keys())
+
+    def __getitem__(self, key: str | int | slice) -> object:
+        if isinstance(key, str):
+            if key not in self.keys():
+                raise KeyError(f"{key!r} is not set in this output (set: {self.keys()})")
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
 
 
 def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1) -> paddle.Tensor:
@@ -112,6 +147,7 @@ class GlmMoeDsaModel(nn.Layer):
         return list(self.layers)[self.config.num_hidden_layers :]
 
     def rope(self, input_ids: paddle.Tensor, position_ids: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos/sin for position_ids, or for arange(S) where S = input_ids.shape[1] (ids or embeddings)."""
         if position_ids is None:
             position_ids = paddle.arange(input_ids.shape[1], dtype="int64").unsqueeze(0)
         return self.rotary_emb(position_ids)
@@ -233,6 +269,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     `indexer_loss_coeff` > 0) into `out.loss`.
     """
 
+    config_class = GlmMoeDsaConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+
     def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32") -> None:
         with default_dtype(dtype):
             super().__init__()
@@ -269,6 +309,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         dtype: object = "auto",
         strict: bool = True,
         output_loading_info: bool = False,
+        config: GlmMoeDsaConfig | None = None,
         **config_overrides,
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
@@ -282,7 +323,12 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
 
-        config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+        if config is None:
+            config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+        elif config_overrides:
+            raise TypeError(
+                f"from_pretrained: config overrides {sorted(config_overrides)} given with an explicit config"
+            )
         dtype = resolve_model_dtype(dtype, config)
         with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
             model = cls(config, dtype=dtype)
@@ -303,6 +349,31 @@ class GlmMoeDsaForCausalLM(nn.Layer):
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
+
+    # ------------------------------------------------------------------ the usual model API
+    def get_input_embeddings(self) -> nn.Layer:
+        """The token embedding layer (its `.weight` is [vocab, hidden])."""
+        return self.model.embedding.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Layer) -> None:
+        self.model.embedding.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Layer:
+        """The LM head (its `.weight` is [hidden, vocab], Paddle's orientation)."""
+        return self.lm_head
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameter count of this model (this rank's share under model parallelism)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {id(p) for p in self.get_input_embeddings().parameters()}
+            skip |= {id(p) for p in self.get_output_embeddings().parameters()}
+        total = 0
+        for p in self.parameters():
+            if id(p) in skip or (only_trainable and p.stop_gradient):
+                continue
+            total += int(np.prod(p.shape)) if p.shape else 1
+        return total
 
     # ------------------------------------------------------------------ forward
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
@@ -336,23 +407,74 @@ class GlmMoeDsaForCausalLM(nn.Layer):
 
     def forward(
         self,
-        input_ids: paddle.Tensor,
+        input_ids: paddle.Tensor | None = None,
         attention_mask: paddle.Tensor | None = None,
         position_ids: paddle.Tensor | None = None,
         labels: paddle.Tensor | None = None,
         add_mtp_loss: bool = False,
         compute_mtp: bool | None = None,
         dense_reference: bool = False,
+        *,
+        past_key_values: DSACache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: paddle.Tensor | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput | tuple:
+        """`use_cache=True` (or a `past_key_values` cache) runs the decoding path: an empty cache is
+        filled by this forward (prefill), a filled one makes `input_ids` the next tokens only. Its
+        default rope positions count each row's real tokens (padding-aware, as `generate` needs);
+        the plain forward uses arange(S) like HF's forward. `logits_to_keep=n` computes the logits
+        of the last n positions only. `return_dict=False` returns `out.to_tuple()`."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
+        if use_cache or past_key_values is not None:
+            out = self._forward_cached(
+                input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, labels, logits_to_keep
+            )
+        else:
+            out = self._forward_full(
+                input_ids,
+                inputs_embeds,
+                attention_mask,
+                position_ids,
+                labels,
+                add_mtp_loss,
+                compute_mtp,
+                dense_reference,
+            )
+        if logits_to_keep and out.logits is not None:
+            out.logits = out.logits[:, -logits_to_keep:]
+        if return_dict is None or return_dict:
+            return out
+        # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
+        # cannot call their methods
+        fields_ = (out.loss, out.logits, out.past_key_values, out.mtp_loss, out.mtp_logits or None)
+        fields_ += (out.indexer_loss, out.last_hidden_state)
+        return tuple(v for v in fields_ if v is not None)
+
+    def _forward_full(
+        self,
+        input_ids: paddle.Tensor | None,
+        inputs_embeds: paddle.Tensor | None,
+        attention_mask: paddle.Tensor | None,
+        position_ids: paddle.Tensor | None,
+        labels: paddle.Tensor | None,
+        add_mtp_loss: bool,
+        compute_mtp: bool | None,
+        dense_reference: bool,
     ) -> CausalLMOutput:
         model = self.model
-        cos, sin = model.rope(input_ids, position_ids)
-        hidden = model.embedding(input_ids)
+        hidden = model.embedding(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = model.rope(hidden, position_ids)
         hidden, topk, kls = model.run_layers(hidden, cos, sin, attention_mask, None, dense_reference=dense_reference)
         hidden = model.norm(hidden)
         out = CausalLMOutput(logits=self.logits(hidden), last_hidden_state=hidden)
         if compute_mtp is None:
             compute_mtp = labels is not None
         if compute_mtp and model.mtp_layers:
+            if input_ids is None:
+                raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
             out.mtp_logits, mtp_kls = self.mtp_forward(
                 input_ids, hidden, topk, cos, sin, attention_mask, dense_reference=dense_reference
             )
@@ -372,3 +494,45 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                     total = total + self.config.indexer_loss_coeff * out.indexer_loss
                 out.loss = total
         return out
+
+    def _forward_cached(
+        self,
+        input_ids: paddle.Tensor | None,
+        inputs_embeds: paddle.Tensor | None,
+        attention_mask: paddle.Tensor | None,
+        position_ids: paddle.Tensor | None,
+        cache: DSACache | None,
+        labels: paddle.Tensor | None,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput:
+        """The decoding forward (no MTP): prefill into an empty cache, or n new tokens on a filled one."""
+        model = self.model
+        hidden = model.embedding(input_ids) if inputs_embeds is None else inputs_embeds
+        B, n = hidden.shape[0], hidden.shape[1]
+        if cache is None:
+            cache = DSACache.for_config(self.config, B)
+        if cache.batch_size != B:
+            raise ValueError(f"past_key_values holds {cache.batch_size} rows, the input has {B}")
+        prefill = cache.length == 0
+        positions, key_valid = cache.begin(attention_mask, n)
+        cos, sin = model.rotary_emb(positions if position_ids is None else position_ids)
+        key_padding = attention_mask if prefill else key_valid
+        topk = None
+        for layer, lc in zip(model.decoder_layers, cache.layers):
+            hidden, topk, _ = layer(hidden, cos, sin, key_padding, topk, cache=lc)
+        cache.advance(n)
+        hidden = model.norm(hidden)
+        keep = hidden[:, -logits_to_keep:] if logits_to_keep and labels is None else hidden  # the last rows only
+        out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
+        if labels is not None:
+            out.loss = causal_lm_loss(out.logits, labels)
+        return out
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs
+    ) -> paddle.Tensor:
+        """Prompt + new tokens [B, S + n] int64; see `paddleformers_glm.generation.generate`."""
+        from ..generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)

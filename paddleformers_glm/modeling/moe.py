@@ -263,6 +263,8 @@ class MoE(nn.Layer):
         (the order of HF's per-expert `index_add_`: the per-expert loop is bitwise HF's sums; the
         grouped kernel applies w_k before the down projection, so it rounds differently)."""
         N, K = expert_ids.shape
+        if not paddle.in_dynamic_mode():  # a static graph (to_static) needs shapes known in advance
+            return self._static_routed(x, weights, expert_ids)
         with paddle.no_grad():
             flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
             order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
@@ -274,6 +276,17 @@ class MoE(nn.Layer):
         experts = [self.expert(e) for e in range(self.num_experts)]
         up_gate, down = [e.up_gate_proj.weight for e in experts], [e.down_proj.weight for e in experts]
         return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
+
+    def _static_routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
+        """The routed sum with no data-dependent shape, for graphs built by paddle.jit.to_static:
+        every expert runs on every token and is weighted by its routing weight (0 when not chosen),
+        added in ascending expert order like the per-expert loop. E / K times the flops: an
+        export form, not a training one."""
+        out = paddle.zeros_like(x)
+        for e in range(self.num_experts):
+            w_e = paddle.where(expert_ids == e, weights, paddle.zeros_like(weights)).sum(axis=-1, keepdim=True)
+            out = out + swiglu_ffn(x, self.expert(e)) * w_e.astype(x.dtype)
+        return out
 
     def _grouped(
         self,

@@ -46,7 +46,7 @@ def routed_experts(
     for e, n in enumerate(sizes):
         if n:
             ffn = nn.functional.linear(swiglu(nn.functional.linear(xs[e], up_gate[e])), down[e])
-            out.index_add_(token_parts[e], 0, ffn * ws[e])
+            out = out.index_add_(token_parts[e], 0, ffn * ws[e])
     return out
 
 

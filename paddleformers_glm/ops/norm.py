@@ -36,8 +36,25 @@ def mean_last(t: paddle.Tensor) -> paddle.Tensor:
 _CONSTANTS: dict[tuple, paddle.Tensor] = {}
 
 
+try:  # True while paddle.jit.to_static's bytecode tracer simulates the code (False when run)
+    from paddle.jit.sot.psdb import in_sot as _in_sot
+except ImportError:  # pragma: no cover - older Paddle
+
+    def _in_sot() -> bool:
+        return False
+
+
+def building_graph() -> bool:
+    """True while paddle.jit.to_static builds a graph (either mode): eager-side caches keyed by
+    tensor identity or place must then be bypassed, the tensors being symbolic."""
+    return not paddle.in_dynamic_mode() or _in_sot()
+
+
+@paddle.jit.not_to_static
 def _constant(shape: list[int], value: float, like: paddle.Tensor) -> paddle.Tensor:
     """A constant tensor of like's dtype and place, made once (a norm needs two per call)."""
+    if building_graph():
+        return paddle.full(shape, value, dtype=like.dtype)
     key = (tuple(shape), value, str(like.dtype), str(like.place))
     t = _CONSTANTS.get(key)
     if t is None:

@@ -6,8 +6,31 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .kernels import usable
+from .norm import building_graph
 
 _ROPE_CACHE: dict[tuple, tuple] = {}
+
+
+@paddle.jit.not_to_static
+def _expanded_table(
+    cos: paddle.Tensor, sin: paddle.Tensor, B: int, S: int, H: int, r: int, dtype: paddle.dtype
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """cos/sin expanded to [B, S, H, r/2], cached per shape for the current table (eager only)."""
+    if building_graph():  # no eager cache for symbolic tensors
+        return (
+            cos.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2]),
+            sin.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2]),
+        )
+    shape = (B, S, H, r, dtype)
+    hit = _ROPE_CACHE.get(shape)  # one entry per shape: a layer ropes 1-, H- and Hi-head tensors in turn
+    if hit is not None and hit[0] is cos and hit[1] is sin:  # type: ignore[index]
+        return hit[2], hit[3]  # type: ignore[index]
+    if any(v[0] is not cos or v[1] is not sin for v in _ROPE_CACHE.values()):  # a new table: drop the old
+        _ROPE_CACHE.clear()
+    c = cos.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2])
+    s_ = sin.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2])
+    _ROPE_CACHE[shape] = (cos, sin, c, s_)
+    return c, s_
 
 
 def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interleave: bool) -> paddle.Tensor:
@@ -15,16 +38,7 @@ def rope_heads(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interle
     but cos/sin are expanded to the H heads once per table (cached) instead of broadcast in every
     multiply; Paddle's CPU broadcasting over a middle axis is far slower than a same-shape multiply."""
     B, S, H, r = x.shape
-    shape = (B, S, H, r, x.dtype)
-    hit = _ROPE_CACHE.get(shape)  # one entry per shape: a layer ropes 1-, H- and Hi-head tensors in turn
-    if hit is not None and hit[0] is cos and hit[1] is sin:  # type: ignore[index]
-        c, s_ = hit[2], hit[3]  # type: ignore[index]
-    else:
-        if any(v[0] is not cos or v[1] is not sin for v in _ROPE_CACHE.values()):  # a new table: drop the old
-            _ROPE_CACHE.clear()
-        c = cos.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
-        s_ = sin.unsqueeze(2).astype(x.dtype).expand([B, S, H, r // 2])
-        _ROPE_CACHE[shape] = (cos, sin, c, s_)
+    c, s_ = _expanded_table(cos, sin, B, S, H, r, x.dtype)
     if interleave:  # pairs (x0, x1), (x2, x3), ...: unbind's gradient (a stack) beats two strided-slice grads
         x1, x2 = paddle.unbind(x.reshape([B, S, H, r // 2, 2]), axis=-1)
     else:

@@ -18,7 +18,7 @@ def masked_softmax_(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
     ops = usable(s, mask)
     if ops is not None:
         return ops.glm_masked_softmax(s, mask)
-    s.add_(mask.unsqueeze(1).expand(s.shape))
+    s = s.add_(mask.unsqueeze(1).expand(s.shape))  # rebound: to_static runs add_ out of place
     return nn.functional.softmax_(s, axis=-1)
 
 

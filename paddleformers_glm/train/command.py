@@ -57,7 +57,14 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(
-        "--data", default=None, help=".npy / .bin token stream or .jsonl with input_ids (default: synthetic)"
+        "--data",
+        default=None,
+        help=".npy / .bin token stream, .npz samples, or .jsonl of input_ids, text or chat messages (default: synthetic)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder)",
     )
     g.add_argument(
         "--data-dtype", default="auto", help=".bin token dtype (auto: uint16 if the vocabulary fits, else uint32)"
@@ -128,6 +135,34 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
+    """Validate the whole --data file before any process starts. A text or chat .jsonl is
+    tokenized here, once, into OUT/data/<name>.npz, which the workers then read (cfg.data)."""
+    from .data import jsonl_kind, open_data, prepare_jsonl
+
+    if cfg.data is None:
+        return
+    if cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
+        from ..tokenizer import GlmTokenizer, TokenizerError
+
+        tok_dir = args.tokenizer or cfg.model_args.get("model_dir")
+        if tok_dir is None:
+            raise ValueError(f"--data {cfg.data}: text/chat records need a tokenizer: pass --tokenizer DIR")
+        try:
+            tok = GlmTokenizer.from_pretrained(tok_dir)
+        except TokenizerError as e:
+            raise ValueError(f"--data {cfg.data}: {e}") from e
+        name = os.path.splitext(os.path.basename(cfg.data))[0]
+        out = os.path.join(cfg.out, "data", f"{name}.seq{cfg.seq_len}.npz")
+        info = prepare_jsonl(cfg.data, cfg.seq_len, vocab_size, tok, out, min_samples=cfg.steps * cfg.global_batch_size)
+        print(
+            f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "
+            f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
+        )
+        cfg.data = out
+    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
@@ -150,6 +185,7 @@ def run_train(args: argparse.Namespace) -> int:
             )
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
+        _prepare_data(cfg, args, adapter.vocab_size)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,15 @@ Sources
   * ``.bin``: raw little-endian tokens, ``uint16`` when the vocabulary fits, else ``uint32``
     (``data_dtype`` overrides);
   * ``.jsonl``: one ``{"input_ids": [...]}`` per line (optional ``labels``), truncated or
-    right-padded to ``seq_len`` with labels -100 and an ``attention_mask``.
+    right-padded to ``seq_len`` with labels -100 and an ``attention_mask``;
+  * ``.jsonl`` of text, ``{"text": "..."}`` per line, or of chat, ``{"messages": [{"role": ...,
+    "content": ...}, ...]}`` per line: tokenized once by ``prepare_jsonl`` (``glm52 train`` runs it
+    before any worker starts) into a ``.npz`` of ready samples. Text documents are joined with the
+    tokenizer's EOS after each and packed into ``seq_len`` windows (labels = inputs); each
+    conversation is rendered with the chat template into one sample, right-padded, with labels -100
+    on every token the assistant did not write;
+  * ``.npz``: ``input_ids``, ``labels``, ``attention_mask`` arrays [N, seq_len] (what
+    ``prepare_jsonl`` writes).
 
 Global batch of step s (0-based) = samples s*G .. s*G+G-1 of an epoch-wise permutation (seeded);
 data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data
@@ -23,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenData", "micro_batches", "open_data"]
+__all__ = ["TokenData", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
 
 IGNORE_INDEX = -100
 
@@ -112,7 +120,13 @@ class _Jsonl(TokenData):
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{ln}: not JSON: {e}") from e
                 if not isinstance(rec, dict) or not isinstance(rec.get("input_ids"), list) or not rec["input_ids"]:
-                    raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`")
+                    hint = ""
+                    if isinstance(rec, dict) and ("text" in rec or "messages" in rec):
+                        hint = " (text and chat records are tokenized first: `glm52 train` does it, or prepare_jsonl)"
+                    raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`{hint}")
+                _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
+                if "labels" in rec:
+                    _check_labels(rec["labels"], vocab_size, f"{path}:{ln}: labels")
                 self.records.append(rec)
         if not self.records:
             raise ValueError(f"{path}: no records")
@@ -131,6 +145,168 @@ class _Jsonl(TokenData):
         }
         out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
         return out
+
+
+def _check_ids(ids: Any, vocab_size: int, where: str) -> None:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"{where}: expected a list of integer token ids")
+    bad = [t for t in ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+
+
+def _check_labels(labels: Any, vocab_size: int, where: str) -> None:
+    if not isinstance(labels, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in labels):
+        raise ValueError(f"{where}: expected a list of integer labels")
+    bad = [t for t in labels if t != IGNORE_INDEX and (t < 0 or t >= vocab_size)]
+    if bad:
+        raise ValueError(f"{where}: label {bad[0]} is neither {IGNORE_INDEX} nor in the vocabulary [0, {vocab_size})")
+
+
+class _Packed(TokenData):
+    """Ready samples from a .npz: input_ids, labels, attention_mask [N, S]."""
+
+    def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int) -> None:
+        super().__init__(seq_len, vocab_size, seed, path)
+        with np.load(path) as z:
+            missing = {"input_ids", "labels", "attention_mask"} - set(z.files)
+            if missing:
+                raise ValueError(f"{path}: missing arrays {sorted(missing)} (have {sorted(z.files)})")
+            self.arrays = {k: np.asarray(z[k], dtype=np.int64) for k in ("input_ids", "labels", "attention_mask")}
+        shape = self.arrays["input_ids"].shape
+        if len(shape) != 2 or shape[1] != seq_len or any(a.shape != shape for a in self.arrays.values()):
+            raise ValueError(
+                f"{path}: expected arrays [N, {seq_len}], got {[list(a.shape) for a in self.arrays.values()]}"
+            )
+        self.num_samples = shape[0]
+        if self.num_samples == 0:
+            raise ValueError(f"{path}: no samples")
+        self.has_mask = True
+
+    def sample(self, i: int) -> dict[str, np.ndarray]:
+        return {k: v[i].copy() for k, v in self.arrays.items()}
+
+
+def _read_jsonl(path: str) -> list[tuple[int, Any]]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append((ln, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{ln}: not JSON: {e}") from e
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
+
+
+def _record_kind(rec: Any, where: str) -> str:
+    kinds = [k for k in ("input_ids", "text", "messages") if isinstance(rec, dict) and k in rec]
+    if len(kinds) != 1:
+        raise ValueError(f'{where}: expected an object with exactly one of "input_ids", "text" or "messages"')
+    return kinds[0]
+
+
+def jsonl_kind(path: str) -> str:
+    """ "input_ids", "text" or "messages": what the file's records hold (one kind per file)."""
+    records = _read_jsonl(path)
+    first = _record_kind(records[0][1], f"{path}:{records[0][0]}")
+    for ln, rec in records[1:]:
+        kind = _record_kind(rec, f"{path}:{ln}")
+        if kind != first:
+            raise ValueError(f'{path}:{ln}: a "{kind}" record in a file of "{first}" records (one kind per file)')
+    return first
+
+
+def prepare_jsonl(
+    path: str, seq_len: int, vocab_size: int, tokenizer: Any, out_path: str, min_samples: int = 1
+) -> dict[str, Any]:
+    """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic).
+
+    Every record is checked before anything is written: the kind (one per file), a non-empty
+    string ``text``, a ``messages`` list of ``{"role", "content"}`` with at least one assistant
+    message, token ids below ``vocab_size``; errors name the line. At least ``min_samples``
+    samples (the steps asked x the global batch) must result, else the error says how many tokens
+    are there and how many are needed. Returns a summary (kind, records, tokens, samples).
+    """
+    kind = jsonl_kind(path)
+    if kind == "input_ids":
+        raise ValueError(f"{path}: holds token ids; open it with open_data directly")
+    records = _read_jsonl(path)
+    S = int(seq_len)
+    if kind == "text":
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError(
+                f"{path}: text data needs the tokenizer's eos_token (tokenizer_config.json) between documents"
+            )
+        stream: list[int] = []
+        for ln, rec in records:
+            text = rec["text"]
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f'{path}:{ln}: "text" must be a non-empty string')
+            ids = tokenizer.encode(text)
+            if not ids:
+                raise ValueError(f"{path}:{ln}: the text encodes to no tokens")
+            _check_ids(ids + [eos], vocab_size, f"{path}:{ln}: tokenized text")
+            stream += ids + [eos]
+        n = len(stream) // S
+        if n < min_samples:
+            raise ValueError(
+                f"{path}: {len(stream)} tokens (EOS included) make {n} windows of --seq-len {S}; "
+                f"{min_samples} are needed ({min_samples * S} tokens) for the steps x global batch asked"
+            )
+        ids_arr = np.asarray(stream[: n * S], dtype=np.int64).reshape(n, S)
+        arrays = {"input_ids": ids_arr, "labels": ids_arr.copy(), "attention_mask": np.ones_like(ids_arr)}
+        tokens = len(stream)
+    else:
+        pad = tokenizer.pad_token_id
+        pad = 0 if pad is None else int(pad)
+        rows_ids, rows_lab, rows_mask = [], [], []
+        tokens = 0
+        for ln, rec in records:
+            msgs = rec["messages"]
+            where = f"{path}:{ln}"
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError(f'{where}: "messages" must be a non-empty list')
+            for j, m in enumerate(msgs):
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(f'{where}: message {j} must be an object with string "role" and "content"')
+            if not any(m["role"] == "assistant" for m in msgs):
+                raise ValueError(f"{where}: no assistant message, so nothing to train on")
+            try:
+                ids, mine = tokenizer.encode_chat_for_training(msgs)
+            except ValueError as e:  # the template's own complaint, located
+                raise ValueError(f"{where}: {e}") from e
+            _check_ids(ids, vocab_size, f"{where}: tokenized conversation")
+            if not any(mine[:S]):
+                raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
+            ids, mine = ids[:S], mine[:S]
+            row = np.full(S, pad, dtype=np.int64)
+            lab = np.full(S, IGNORE_INDEX, dtype=np.int64)
+            msk = np.zeros(S, dtype=np.int64)
+            row[: len(ids)], msk[: len(ids)] = ids, 1
+            lab[: len(ids)] = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
+            rows_ids.append(row)
+            rows_lab.append(lab)
+            rows_mask.append(msk)
+            tokens += len(ids)
+        if len(rows_ids) < min_samples:
+            raise ValueError(
+                f"{path}: {len(rows_ids)} conversations; {min_samples} are needed for the steps x global batch asked"
+            )
+        arrays = {"input_ids": np.stack(rows_ids), "labels": np.stack(rows_lab), "attention_mask": np.stack(rows_mask)}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = f"{out_path}.tmp.{os.getpid()}.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, out_path)
+    return {"kind": kind, "records": len(records), "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
 
 
 def open_data(
@@ -159,7 +335,9 @@ def open_data(
         )
     if path.endswith(".jsonl"):
         return _Jsonl(path, seq_len, vocab_size, seed, pad_id)
-    raise ValueError(f"--data {path}: unknown format (use .npy, .bin, .jsonl, or omit for synthetic)")
+    if path.endswith(".npz"):
+        return _Packed(path, seq_len, vocab_size, seed)
+    raise ValueError(f"--data {path}: unknown format (use .npy, .bin, .jsonl, .npz, or omit for synthetic)")
 
 
 def micro_batches(

@@ -1,0 +1,129 @@
+"""The decoding cache of GLM-5.2: per layer the MLA latent row of every past token and, on layers
+that own a DSA indexer, the indexer's key of every past token.
+
+Per token and layer it holds ``kv_lora_rank + qk_rope_head_dim`` floats (the normed latent ``c``
+followed by the roped shared key ``k_rot``) plus ``index_head_dim`` floats on full layers: never
+the per-head keys and values (``kv_b_proj`` is absorbed into the query and the output at decode
+time, see ``MLAttention.forward_decode``). Buffers are preallocated to a capacity and filled in
+place, so a decode step copies only its own rows.
+
+All rows of a batch advance together: a left-padded prompt occupies the same cache slots as the
+other rows, and ``key_valid`` marks the real-token slots so that neither the attention nor the
+indexer's top-k ever selects them. ``positions`` is each row's next rope position (the count of its
+real tokens), which is how a left-padded row decodes exactly as if it were alone.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+
+class LayerCache:
+    """One decoder layer's cache: latent rows [B, cap, kv_lora + rope] and, for a layer with its
+    own indexer, indexer keys [B, cap, index_head_dim]."""
+
+    def __init__(self, owner: DSACache, has_indexer: bool) -> None:
+        self.owner = owner
+        self.has_indexer = has_indexer
+        self.latent: paddle.Tensor | None = None
+        self.index_keys: paddle.Tensor | None = None
+
+    @staticmethod
+    def _write(buf: paddle.Tensor | None, new: paddle.Tensor, start: int, capacity: int) -> paddle.Tensor:
+        B, n, D = new.shape
+        if buf is None or buf.shape[1] < start + n:
+            grown = paddle.zeros([B, max(capacity, start + n), D], dtype=new.dtype)
+            if buf is not None and start > 0:
+                grown[:, :start] = buf[:, :start]
+            buf = grown
+        buf[:, start : start + n] = new
+        return buf
+
+    def put_latent(self, latent: paddle.Tensor) -> None:
+        """Store the latent rows [B, n, kv_lora + rope] of the tokens being processed (slots
+        [length, length + n) of the owner)."""
+        start, cap = self.owner.length, self.owner.capacity_for(latent.shape[1])
+        self.latent = self._write(self.latent, latent.detach(), start, cap)
+
+    def put_index_keys(self, keys: paddle.Tensor) -> None:
+        """Store the indexer keys [B, n, index_head_dim] of the tokens being processed."""
+        start, cap = self.owner.length, self.owner.capacity_for(keys.shape[1])
+        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), start, cap)
+
+    def latent_upto(self, end: int) -> paddle.Tensor:
+        return self.latent[:, :end]  # type: ignore[index]
+
+    def keys_upto(self, end: int) -> paddle.Tensor:
+        return self.index_keys[:, :end]  # type: ignore[index]
+
+
+class DSACache:
+    """The whole model's decoding cache (``past_key_values``). ``length`` slots are filled; the
+    slots being written by the current forward are [length, length + n) until ``advance(n)``."""
+
+    def __init__(self, has_indexer: list[bool], batch_size: int, capacity: int = 0) -> None:
+        self.layers = [LayerCache(self, h) for h in has_indexer]
+        self.batch_size = int(batch_size)
+        self.capacity = int(capacity)
+        self.length = 0
+        self.key_valid: paddle.Tensor | None = None  # [B, cap] bool: slot holds a real token
+        self.positions = paddle.zeros([batch_size], dtype="int64")  # next rope position per row
+
+    @classmethod
+    def for_config(cls, config: object, batch_size: int, capacity: int = 0) -> DSACache:
+        types = list(config.indexer_types)  # type: ignore[attr-defined]
+        return cls([t == "full" for t in types], batch_size, capacity)
+
+    def get_seq_length(self) -> int:
+        """Slots filled so far (padding slots included), as HF's ``Cache.get_seq_length``."""
+        return self.length
+
+    def capacity_for(self, n: int) -> int:
+        if self.length + n > self.capacity:
+            self.capacity = max(2 * self.capacity, self.length + n)
+        return self.capacity
+
+    def begin(self, attention_mask: paddle.Tensor | None, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Start a forward over n new tokens per row. attention_mask (1 = real token, None = all
+        real) covers the new tokens [B, n] or, as HF callers pass it, past and new [B, length + n]
+        (its last n columns are used: the past's validity is already stored).
+
+        Returns (rope positions [B, n] int64, key validity [B, length + n] bool for the indexer)."""
+        B = self.batch_size
+        if attention_mask is None:
+            new_valid = paddle.ones([B, n], dtype="bool")
+        else:
+            shape = list(attention_mask.shape)
+            if shape not in ([B, n], [B, self.length + n]):
+                raise ValueError(
+                    f"attention_mask shape {shape}: expected [{B}, {n}] (new tokens) or "
+                    f"[{B}, {self.length + n}] (cached + new tokens)"
+                )
+            new_valid = attention_mask[:, shape[1] - n :].astype("bool")
+        steps = paddle.cumsum(new_valid.astype("int64"), axis=1)  # real tokens up to and including each slot
+        positions = self.positions.unsqueeze(1) + steps - 1
+        positions = paddle.where(new_valid, positions, paddle.zeros_like(positions))
+        cap = self.capacity_for(n)
+        if self.key_valid is None or self.key_valid.shape[1] < self.length + n:
+            grown = paddle.zeros([B, cap], dtype="bool")
+            if self.key_valid is not None and self.length > 0:
+                grown[:, : self.length] = self.key_valid[:, : self.length]
+            self.key_valid = grown
+        self.key_valid[:, self.length : self.length + n] = new_valid
+        self._pending_positions = self.positions + steps[:, -1]
+        return positions, self.key_valid[:, : self.length + n]
+
+    def advance(self, n: int) -> None:
+        """The forward over n new tokens is complete: they become part of the past."""
+        self.length += n
+        self.positions = self._pending_positions
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n filled slots (rejected speculative tokens): their rows are overwritten
+        by the next forward, and each row's rope position goes back by its real tokens among them."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"rollback({n}) with {self.length} filled slots")
+        if n:
+            gone = self.key_valid[:, self.length - n : self.length].astype("int64").sum(axis=1)
+            self.positions = self.positions - gone
+            self.length -= n

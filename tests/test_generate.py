@@ -1,0 +1,222 @@
+"""Decoding with the MLA latent + indexer-key cache, and `generate`.
+
+The HF fixtures (tests/fixtures/generate/<case>.safetensors, written by tools/make_reference.py)
+hold HF transformers' greedy `generate` for a left-padded batch of three prompts and for each
+prompt alone, on the committed tiny checkpoints.
+"""
+
+import contextlib
+import time
+
+import numpy as np
+import paddle
+import pytest
+from safetensors.numpy import load_file
+
+from paddleformers_glm.generation import generate_speculative
+from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+from paddleformers_glm.modeling.cache import DSACache
+from paddleformers_glm.ops import kernels as cpu_kernels
+
+from ._tiny import tiny_model, tokens
+from .conftest import FIXTURES
+
+CASES = ["tiny", "tiny_pattern_yarn"]
+
+
+def _fixture(case):
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / case / "checkpoint", dtype="float32")
+    return model, load_file(str(FIXTURES / "generate" / f"{case}.safetensors"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_equals_hf_generate(case):
+    model, ref = _fixture(case)
+    seqs = ref["gen_sequences"]
+    n_new = seqs.shape[1] - ref["gen_input_ids"].shape[1]
+    out = model.generate(
+        paddle.to_tensor(ref["gen_input_ids"]), paddle.to_tensor(ref["gen_attention_mask"]), max_new_tokens=n_new
+    )
+    assert out.dtype == paddle.int64 and list(out.shape) == list(seqs.shape)
+    np.testing.assert_array_equal(out.numpy(), seqs)
+    for b in range(seqs.shape[0]):  # each prompt alone, unpadded
+        row = ref[f"gen_row{b}_sequence"]
+        alone = model.generate(paddle.to_tensor(row[None, : len(row) - n_new]), max_new_tokens=n_new)
+        np.testing.assert_array_equal(alone.numpy()[0], row)
+
+
+def test_left_padded_rows_equal_rows_alone():
+    """Different pad lengths, prompts longer than 2 x top-k (the sparse selection matters), and the
+    pad slots hold a real-looking token: padding must reach neither the attention nor the top-k."""
+    model = tiny_model(seed=3)
+    lens, S, n_new = [30, 21, 12], 30, 10
+    rows = [tokens(1, n, seed=10 + i).numpy()[0] for i, n in enumerate(lens)]
+    ids = np.full([3, S], 7, dtype=np.int64)
+    mask = np.zeros([3, S], dtype=np.int64)
+    for b, r in enumerate(rows):
+        ids[b, S - len(r) :], mask[b, S - len(r) :] = r, 1
+    out = model.generate(paddle.to_tensor(ids), paddle.to_tensor(mask), max_new_tokens=n_new, eos_token_id=[])
+    for b, r in enumerate(rows):
+        alone = model.generate(paddle.to_tensor(r[None]), max_new_tokens=n_new, eos_token_id=[]).numpy()[0]
+        np.testing.assert_array_equal(out.numpy()[b, S - len(r) :], alone)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("step", [1, 5])
+def test_cached_decoding_logits_equal_full_forward(kernels, step):
+    """Prefill 24 tokens, then feed the rest `step` at a time through the cache: every position's
+    logits equal the plain forward over the whole sequence (the absorbed top-k form vs the forms
+    the forward uses), with the kernels on and off."""
+    model = tiny_model(seed=1)
+    model.eval()
+    ids = tokens(2, 44, seed=4)
+    with cpu_kernels.disabled() if not kernels else contextlib.nullcontext(), paddle.no_grad():
+        full = model(ids).logits.numpy()
+        cache = DSACache.for_config(model.config, 2)
+        got = [model(ids[:, :24], use_cache=True, past_key_values=cache).logits.numpy()]
+        for t in range(24, 44, step):
+            got.append(model(ids[:, t : t + step], past_key_values=cache).logits.numpy())
+    got = np.concatenate(got, axis=1)
+    assert cache.get_seq_length() == 44
+    assert np.abs(got - full).max() <= 2e-5, np.abs(got - full).max()
+
+
+def test_decode_accepts_hf_style_full_attention_mask():
+    """Callers that drive decoding like HF pass the mask of past + new tokens; the new part is used."""
+    model = tiny_model(seed=4)
+    ids = tokens(2, 14, seed=8)
+    mask = np.ones([2, 14], dtype=np.int64)
+    mask[1, :3] = 0
+    m = paddle.to_tensor(mask)
+    with paddle.no_grad():
+        a = DSACache.for_config(model.config, 2)
+        model(ids[:, :10], attention_mask=m[:, :10], past_key_values=a)
+        full = model(ids[:, 10:], attention_mask=m, past_key_values=a).logits.numpy()
+        b = DSACache.for_config(model.config, 2)
+        model(ids[:, :10], attention_mask=m[:, :10], past_key_values=b)
+        new = model(ids[:, 10:], attention_mask=m[:, 10:], past_key_values=b).logits.numpy()
+        with pytest.raises(ValueError, match=r"attention_mask shape \[2, 7\]"):
+            model(ids[:, :4], attention_mask=m[:, :7], past_key_values=b)
+    np.testing.assert_array_equal(full, new)
+
+
+def test_cache_holds_latent_rows_and_indexer_keys_only():
+    model = tiny_model()
+    cfg = model.config
+    cache = DSACache.for_config(cfg, 2, capacity=50)
+    model(tokens(2, 20), use_cache=True, past_key_values=cache)
+    for i, (lc, kind) in enumerate(zip(cache.layers, cfg.indexer_types)):
+        assert list(lc.latent.shape) == [2, 50, cfg.kv_lora_rank + cfg.qk_rope_head_dim], i
+        if kind == "full":
+            assert list(lc.index_keys.shape) == [2, 50, cfg.index_head_dim], i
+        else:
+            assert lc.index_keys is None, i
+    # slots past the 20 filled ones are still empty (preallocated, written in place)
+    assert float(paddle.abs(cache.layers[0].latent[:, 20:]).max()) == 0.0
+
+
+def test_shared_layers_reuse_the_full_layers_topk_at_decode():
+    """A decode step's shared layer attends exactly the keys its full layer selected this step."""
+    model = tiny_model(seed=2, index_topk=4)
+    cfg = model.config
+    seen = {}
+    layers = model.model.decoder_layers
+    for i, layer in enumerate(layers):
+        orig = layer.self_attn.forward_decode
+
+        def spy(*a, _i=i, _orig=orig, **k):
+            out, topk = _orig(*a, **k)
+            seen[_i] = topk.numpy()
+            return out, topk
+
+        layer.self_attn.forward_decode = spy
+    cache = DSACache.for_config(cfg, 1)
+    with paddle.no_grad():
+        model(tokens(1, 12), use_cache=True, past_key_values=cache)
+        model(paddle.to_tensor([[9]]), past_key_values=cache)
+    full = None
+    for i, kind in enumerate(cfg.indexer_types):
+        assert seen[i].shape == (1, 1, 4)
+        if kind == "full":
+            full = seen[i]
+        else:
+            np.testing.assert_array_equal(seen[i], full)
+    assert len({seen[i].tobytes() for i, k in enumerate(cfg.indexer_types) if k == "full"}) > 1
+
+
+def test_decode_step_cost_does_not_grow_with_context():
+    """Per-token decode time with 2048 cached tokens vs 256, top-k 64: within 1.5x (the attention
+    reads the k selected latent rows only). Steps of the two caches are interleaved and the
+    fastest of each is compared, so load on the machine affects both alike."""
+    model = tiny_model(index_topk=64)
+    model.eval()
+    caches = {}
+    with paddle.no_grad():
+        for S in (256, 2048):
+            caches[S] = DSACache.for_config(model.config, 1, capacity=S + 64)
+            model(tokens(1, S), use_cache=True, past_key_values=caches[S], logits_to_keep=1)
+        times = {256: [], 2048: []}
+        nxt = paddle.to_tensor([[5]])
+        for _ in range(25):
+            for S, cache in caches.items():
+                t = time.perf_counter()
+                model(nxt, past_key_values=cache, logits_to_keep=1)
+                times[S].append(time.perf_counter() - t)
+    ratio = min(times[2048]) / min(times[256])
+    assert ratio <= 1.5, (ratio, min(times[2048]), min(times[256]))
+
+
+def test_sampling_eos_and_pad():
+    model = tiny_model(seed=5)
+    ids = tokens(2, 10, seed=6)
+    greedy = model.generate(ids, max_new_tokens=6, eos_token_id=[]).numpy()
+    # top_k = 1 samples the argmax whatever the temperature
+    np.testing.assert_array_equal(
+        model.generate(ids, max_new_tokens=6, do_sample=True, top_k=1, temperature=3.0, eos_token_id=[]).numpy(),
+        greedy,
+    )
+    a = model.generate(ids, max_new_tokens=6, do_sample=True, temperature=2.0, top_p=0.9, seed=1, eos_token_id=[])
+    b = model.generate(ids, max_new_tokens=6, do_sample=True, temperature=2.0, top_p=0.9, seed=1, eos_token_id=[])
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert not np.array_equal(a.numpy(), greedy)
+    # row 0's third new token as EOS: row 0 then continues with pad, row 1 is unchanged
+    eos = int(greedy[0, 12])
+    if eos in greedy[1, 10:] or eos in greedy[0, 10:12]:
+        pytest.fail("pick another seed: the EOS token occurs elsewhere")
+    out = model.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=99).numpy()
+    np.testing.assert_array_equal(out[0, :13], greedy[0, :13])
+    assert (out[0, 13:] == 99).all()
+    np.testing.assert_array_equal(out[1], greedy[1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculative_decoding_with_the_mtp_layer_gives_greedy_tokens(case):
+    model, ref = _fixture(case)
+    row = ref["gen_row0_sequence"]
+    n_new = ref["gen_sequences"].shape[1] - ref["gen_input_ids"].shape[1]
+    out, stats = generate_speculative(model, paddle.to_tensor(row[None, : len(row) - n_new]), n_new, eos_token_id=[])
+    np.testing.assert_array_equal(out.numpy()[0], row)
+    assert stats["drafted"] >= n_new // 2 and 0.0 <= stats["acceptance_rate"] <= 1.0
+
+
+def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch):
+    """A drafter right at every other position (the real MTP layer runs, so its cache is kept;
+    its answer is replaced): the output is still greedy's, the accepted drafts save main forwards."""
+    from paddleformers_glm import generation
+
+    model = tiny_model(seed=6)
+    prompt = tokens(1, 11, seed=9)
+    greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
+    real = generation._mtp_step
+
+    def oracle(model_, mtp, cache, hidden, ids):
+        logits = real(model_, mtp, cache, hidden, ids)
+        target = cache.length + 1  # the draft is for the token after the one just fed
+        want = int(greedy[target]) if target < len(greedy) and cache.length % 2 == 0 else 3
+        return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
+
+    monkeypatch.setattr(generation, "_mtp_step", oracle)
+    out, stats = generate_speculative(model, prompt, 14, eos_token_id=[])
+    np.testing.assert_array_equal(out.numpy()[0], greedy)
+    assert stats["accepted"] >= 3 and stats["main_forwards"] == 1 + stats["drafted"]
+    assert stats["drafted"] + stats["accepted"] <= 14 and stats["main_forwards"] < 14
