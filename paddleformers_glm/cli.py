@@ -21,6 +21,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("make-tiny", "paddleformers_glm.tiny:register_make_tiny"),
     ("demo", "paddleformers_glm.demo:register_demo"),
     ("train", "paddleformers_glm.train.command:register_train"),
+    ("align", "paddleformers_glm.parity.align:register_align"),
 ]
 
 
