@@ -1,0 +1,191 @@
+"""The training-parity oracle: step dumps (``--dump-step``), the tolerance comparisons and jump
+detection of ``glm52 align``, and (with torch + transformers installed) a short end-to-end
+``glm52 align`` of the headline TP2 x PP2 + SP layout against the torch reference run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddleformers_glm.parity.align import compare_dumps
+from paddleformers_glm.parity.loss_check import check_losses, detect_jumps, read_curve
+from paddleformers_glm.train.command import main as train_main
+from tests._dist.runner import env as dist_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+def _save(folder: Path, tensors: dict[str, np.ndarray]) -> Path:
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+# ------------------------------------------------------------------ jumps and curves
+
+
+def test_steady_growth_is_not_a_jump_but_a_leap_is_reported_with_its_step():
+    a = [5.0 - 0.01 * i for i in range(30)]
+    steady = [x + 1e-7 * 1.3**i for i, x in enumerate(a)]  # grows 30% a step: rounding noise amplified
+    assert detect_jumps(steady, a) == []
+    leap = list(steady)
+    leap[17] += 3e-3  # a routing flip: orders of magnitude in one step
+    jumps = detect_jumps(leap, a)
+    assert [j["step"] for j in jumps] == [17]
+    assert jumps[0]["diff"] > 20 * jumps[0]["previous_max_diff"]
+    assert detect_jumps(a, list(a)) == []  # bit-exact curves: nothing to report
+
+
+def test_check_loss_receipt_and_cli_report_the_jump(tmp_path, capsys):
+    from paddleformers_glm.cli import main as cli_main
+
+    a = [4.0, 3.9, 3.8, 3.7, 3.6]
+    b = [4.0, 3.9 + 1e-7, 3.8 + 2e-7, 3.7 + 5e-3, 3.6 + 5e-3]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps({"losses": a, "mtp_losses": [1.0, 2.0]}))
+    pb.write_text(json.dumps({"losses": b}))
+    rep = check_losses(str(pa), str(pb), atol=1e-4)
+    assert [j["step"] for j in rep["jumps"]] == [3] and rep["first_divergent_step"] == 3
+    assert cli_main(["check-loss", str(pa), str(pb), "--atol", "1e-4"]) == 1
+    assert "jump at step 3" in capsys.readouterr().out
+    assert read_curve(str(pa), "mtp_losses") == [1.0, 2.0]
+    with pytest.raises(ValueError, match="'mtp_losses'"):
+        read_curve(str(pb), "mtp_losses")
+
+
+# ------------------------------------------------------------------ tensor tolerances
+
+
+def test_compare_dumps_relative_and_absolute_per_tensor(tmp_path):
+    ref = {"w": np.array([1.0, -2.0, 4.0], np.float32), "z": np.zeros(3, np.float32)}
+    close = {"w": ref["w"] + np.float32(2e-5), "z": np.zeros(3, np.float32)}
+    r, c = _save(tmp_path / "r", ref), _save(tmp_path / "c", close)
+    rel = compare_dumps(str(r), str(c), rel_tol=1e-5)  # 2e-5 / max|ref| 4 = 5e-6
+    assert rel["pass"] and rel["worst"]["key"] == "w" and math.isclose(rel["worst"]["value"], 5e-6, rel_tol=0.05)
+    assert not compare_dumps(str(r), str(c), atol=1e-5)["pass"]
+    # a tensor that is zero in the reference must stay zero; a name on one side only fails
+    bad = _save(tmp_path / "b", {"w": ref["w"], "z": np.array([0, 1e-30, 0], np.float32), "extra": ref["w"]})
+    rep = compare_dumps(str(r), str(bad), rel_tol=1e-5)
+    assert not rep["pass"] and rep["only_in_cand"] == ["extra"]
+    assert [d["key"] for d in rep["beyond_tolerance"]] == ["z"] and math.isinf(rep["beyond_tolerance"][0]["value"])
+
+
+# ------------------------------------------------------------------ the Paddle step dump
+
+
+def test_dump_flag_is_refused_where_it_cannot_work(tiny_ckpt, tmp_path, capsys):
+    assert train_main(["--model", "toy", "--out", str(tmp_path), "--dump-step", str(tmp_path / "d"), "1"]) == 2
+    assert "checkpoint model" in capsys.readouterr().err
+    args = ["--model", str(tiny_ckpt), "--steps", "2", "--out", str(tmp_path), "--dump-step", str(tmp_path / "d"), "3"]
+    assert train_main(args) == 2
+    assert "1..--steps (2)" in capsys.readouterr().err
+
+
+def test_step_dump_holds_pre_clip_grads_moments_and_weights_that_agree_with_adamw(tiny_ckpt, tmp_path):
+    """One update, single process: every dump has exactly the checkpoint's names, and the AdamW
+    update recomputed here from the dumped gradients and the checkpoint reproduces the dumped
+    moments and weights (so the grads are pre-clip, the names line up, the moments are this
+    step's)."""
+    import paddle
+    from safetensors.numpy import load_file
+
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+    from paddleformers_glm.train.loop import TrainConfig, run_training
+
+    wd, clip = 0.1, 0.5  # clip below the step-1 norm (about 2.2) so clipping really happens
+    dump = tmp_path / "dump"
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=1, seq_len=16, global_batch_size=2,
+        lr=1e-3, weight_decay=wd, clip_grad=clip, out=str(tmp_path / "run"), progress=False,
+        dump_steps=[(str(dump), 1)],
+    )  # fmt: skip
+    res = run_training(cfg)
+    paddle.set_default_dtype("float32")
+    ck = Checkpoint(str(tiny_ckpt), strict=True)
+    w0 = {k: ck.numpy(k) for k in ck.keys()}
+    ck.close()
+    w0 = {k: (v.astype(np.float32) if v.dtype != np.uint16 else _bf16(v)) for k, v in w0.items()}
+    d = {k: load_file(str(dump / k / "model.safetensors")) for k in ("grads", "exp_avg", "exp_avg_sq", "weights")}
+    for k, t in d.items():
+        assert sorted(t) == sorted(w0), k
+        assert (dump / k / "config.json").read_bytes() == (tiny_ckpt / "config.json").read_bytes()
+    g = d["grads"]
+    gnorm = math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in g.values()))
+    assert math.isclose(gnorm, res["grad_norms"][0], rel_tol=1e-6)
+    coef = min(1.0, clip / (gnorm + 1e-6))
+    assert coef < 0.5
+    lr = res["lrs"][0]
+    # the indexers (no loss reaches them) and the router's correction bias (a buffer) are not
+    # updated at all (torch semantics for a parameter without gradient: no decay either) ...
+    untouched = [k for k in g if ".indexer." in k or "e_score_correction_bias" in k]
+    for k in untouched:
+        assert not np.any(g[k]) and not np.any(d["exp_avg"][k]) and not np.any(d["exp_avg_sq"][k]), k
+        assert np.array_equal(d["weights"][k], w0[k]), k
+    # ... everything else is, an expert that got no token this step included (zero gradient, decay only)
+    trained = sorted(set(g) - set(untouched))
+    assert any(not np.any(g[k]) for k in trained if ".experts." in k)
+    for k in trained:
+        gc = g[k].astype(np.float64) * coef
+        m, v = 0.1 * gc, 0.05 * gc * gc
+        np.testing.assert_allclose(d["exp_avg"][k], m, rtol=1e-5, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(d["exp_avg_sq"][k], v, rtol=1e-5, atol=1e-18, err_msg=k)
+        decay = wd if w0[k].ndim >= 2 else 0.0
+        w1 = w0[k] * (1 - lr * decay) - lr * (m / 0.1) / (np.sqrt(v / 0.05) + 1e-8)
+        np.testing.assert_allclose(d["weights"][k], w1, rtol=0, atol=2e-7, err_msg=k)
+
+
+def _bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# ------------------------------------------------------------------ end to end against torch
+
+
+def _reference_extra() -> str | None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return f"the reference extra (torch + transformers) is not installed: {e}"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckpt, tmp_path):
+    out = tmp_path / "align"
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(tiny_ckpt), "--out", str(out)]
+    cmd += ["--steps", "10", "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "10"]
+    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    v = json.loads((out / "receipt" / "verdict.json").read_text())
+    assert v["result"] == "aligned" and v["layout"]["tp"] == 2 and v["layout"]["pp"] == 2 and v["layout"]["sp"]
+    for key in ("losses", "mtp_losses"):
+        c = v["comparisons"][key]
+        assert c["consistent_steps"] == 10 and c["atol"] == 1e-4 and c["jumps"] == [], key
+    for kind in ("grads", "exp_avg", "exp_avg_sq"):
+        assert v["comparisons"][f"step1_{kind}"]["worst"]["value"] <= 1e-5, kind
+    assert v["comparisons"]["step1_weights"]["worst"]["value"] <= 1e-6
+    assert v["comparisons"]["step1_grads"]["tensors"] == len(
+        json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    assert (out / "receipt" / "loss.png").stat().st_size > 0
+    assert {"torch", "transformers", "paddle"} <= set(v["versions"])
+    assert os.path.isfile(out / "receipt" / "check_ckpt_step1_grads.json")
