@@ -48,7 +48,7 @@ def test_steady_growth_is_not_a_jump_but_a_leap_is_reported_with_its_step():
     leap[17] += 3e-3  # a routing flip: orders of magnitude in one step
     jumps = detect_jumps(leap, a)
     assert [j["step"] for j in jumps] == [17]
-    assert jumps[0]["diff"] > 20 * jumps[0]["previous_max_diff"]
+    assert jumps[0]["diff"] > 10 * jumps[0]["previous_max_diff"]
     assert detect_jumps(a, list(a)) == []  # bit-exact curves: nothing to report
 
 

@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "tools")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
@@ -286,6 +287,52 @@ class Reference:
         return lm, mtps
 
 
+class TopkMargins:
+    """The margin of every top-k decision at its selection boundary (k-th minus (k+1)-th score),
+    for each DSA indexer and MoE router call (main model and MTP), via the HF modules' own
+    ``torch.topk`` calls; the smallest per step goes to loss.json (``topk_min_gaps``).
+
+    Why: a margin below the two frameworks' rounding noise (~1e-7 in fp32) is a near tie that the
+    runs may break differently; the selected tokens or experts then differ and the losses part in
+    one step.  ``glm52 align`` names such a step as a jump and shows the margin found here.
+    """
+
+    NEAR = 1e-6
+
+    def __init__(self, modules) -> None:
+        from make_reference import GapMonitor  # same hooks as the fixtures' tie screening
+
+        monitor = self
+
+        class _Monitor(GapMonitor):
+            def _gap(self, cat, x, valid, k):
+                monitor.record(cat, x, valid, k)
+
+        self.monitor = _Monitor()
+        for m in modules:
+            self.monitor.attach(m)
+        self.step: dict = {}
+
+    def reset(self) -> None:
+        self.step = {}
+
+    def record(self, cat: str, x, valid, k: int) -> None:
+        import torch
+
+        x = x.reshape(-1, x.shape[-1])
+        valid = valid.reshape(-1, x.shape[-1])
+        rows = valid.sum(-1) > k
+        if not bool(rows.any()):
+            return
+        xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
+        srt = xs.sort(dim=-1, descending=True).values
+        gaps = srt[:, k - 1] - srt[:, k]
+        st = self.step.setdefault(cat, {"min": math.inf, "near_ties": 0, "decisions": 0})
+        st["min"] = min(st["min"], float(gaps.min()))
+        st["near_ties"] += int((gaps < self.NEAR).sum())
+        st["decisions"] += int(rows.sum())
+
+
 # ----------------------------------------------------------------------------------------------
 # dumps
 
@@ -359,6 +406,8 @@ def train(args: argparse.Namespace) -> dict:
     data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
     min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
+    margins = TopkMargins([ref.model, ref.mtp])
+    gaps: list[dict] = []
     dumps: dict[int, list[str]] = {}
     for d, k in args.dump_step:
         dumps.setdefault(k, []).append(d)
@@ -371,11 +420,13 @@ def train(args: argparse.Namespace) -> dict:
         n_lm = max(int((labels_np[:, 1:] != -100).sum()), 1)
         n_mtp = [max(int((labels_np[:, d + 1 :] != -100).sum()), 1) for d in range(1, ref.D + 1)]
         lm_total, mtp_total = 0.0, [0.0] * ref.D
+        margins.reset()
         for mb in micro_batches(batch, 0, 1, M):
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
-            lm, mtps = ref.forward_losses(ids, labels, mask)
+            with margins.monitor.mode():
+                lm, mtps = ref.forward_losses(ids, labels, mask)
             obj = lm / n_lm
             for d, t in enumerate(mtps):
                 obj = obj + (ref.mtp_weight / ref.D) * t / n_mtp[d]
@@ -402,6 +453,7 @@ def train(args: argparse.Namespace) -> dict:
             hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
         hist["grad_norms"].append(gnorm)
         hist["lrs"].append(lr)
+        gaps.append(margins.step)
         if pre_clip is not None:
             tensors: dict[str, dict] = {k: {} for k in DUMP_KINDS}
             for n, p in params:
@@ -424,6 +476,7 @@ def train(args: argparse.Namespace) -> dict:
         )
         result = dict(
             hist,
+            topk_min_gaps=gaps,
             steps=step + 1,
             seed=args.seed,
             reference="torch + transformers GlmMoeDsaForCausalLM (eager, fp32) + torch MTP",

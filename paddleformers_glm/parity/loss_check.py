@@ -97,7 +97,7 @@ def compare_losses(
     }
 
 
-JUMP_FACTOR = 20.0
+JUMP_FACTOR = 10.0
 JUMP_FLOOR = 1e-6
 
 
