@@ -189,3 +189,50 @@ def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckp
     assert (out / "receipt" / "loss.png").stat().st_size > 0
     assert {"torch", "transformers", "paddle"} <= set(v["versions"])
     assert os.path.isfile(out / "receipt" / "check_ckpt_step1_grads.json")
+
+
+# ------------------------------------------------------------------ indexer ties
+
+
+def test_indexer_breaks_exact_ties_as_one_top_k_over_the_whole_row(monkeypatch):
+    """The indexer's relu makes exact ties common (several keys score exactly 0 at the selection
+    boundary). HF takes one top-k over all S keys of a row; the indexer scores queries in chunks
+    that see only keys < chunk end, and must still select exactly what one full-row top-k selects,
+    or a Paddle run and the reference part at the first such tie (a loss jump in training)."""
+    import paddle
+
+    from paddleformers_glm.modeling.indexer import DSAIndexer
+    from tests._tiny import tiny_config
+
+    cfg = tiny_config()
+    ix = DSAIndexer(cfg)
+    B, S, k = 2, 32, cfg.index_topk
+    pos = paddle.arange(S, dtype="float32")
+
+    def project(x, q_latent, cos, sin):  # positions ride in the first element of q and k
+        q = paddle.zeros([B, S, ix.n_heads, ix.head_dim])
+        q[:, :, 0, 0] = pos
+        kk = paddle.zeros([B, S, ix.head_dim])
+        kk[:, :, 0] = pos
+        return q, kk, paddle.ones([B, S, ix.n_heads])
+
+    def rule(qp, kp):  # plenty of exact zeros and equal values
+        return paddle.nn.functional.relu(paddle.remainder(qp * 7 + kp * 3, paddle.to_tensor(5.0)) - 2.0)
+
+    def chunk_scores(q, kk, w):
+        return rule(q[:, :, 0, 0].unsqueeze(-1), kk[:, :, 0].unsqueeze(1))
+
+    monkeypatch.setattr(ix, "project", project)
+    monkeypatch.setattr(ix, "chunk_scores", chunk_scores)
+    x = paddle.zeros([B, S, cfg.hidden_size])
+    got = ix(x, paddle.zeros([B, S, cfg.q_lora_rank]), None, None, None).numpy()
+    full = rule(pos.reshape([S, 1]), pos.reshape([1, S]))
+    full = paddle.where(paddle.tril(paddle.ones([S, S])) > 0, full, paddle.full([S, S], float("-inf")))
+    vals, want = paddle.topk(full, k, axis=-1)
+    want = paddle.where(paddle.isinf(vals), paddle.full_like(want, -1), want).numpy()
+    rows_with_ties = sum(
+        int(np.sum(np.asarray(full[i]) == np.sort(np.asarray(full[i]))[::-1][k - 1]) > 1) for i in range(k, S)
+    )
+    assert rows_with_ties > 5  # the rule really produces boundary ties
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(got[1], want)

@@ -9,7 +9,8 @@ then checks:
   for jumps (a near-tie top-k or routing flip) in either difference curve;
 * after update 1, per tensor: gradients (before clipping) and both AdamW moments within
   ``rel_tol`` relative (max abs diff / max abs reference value), updated weights within
-  ``weight_atol`` absolute;
+  ``weight_atol`` absolute (default a tenth of the step-1 learning rate: Adam's first update moves
+  a weight by lr x g / (|g| + eps), so gradients near eps turn their rounding into a fraction of lr);
 * after the last update: weights within ``final_weight_atol`` absolute;
 * every tensor dump also through ``glm52 check-ckpt`` (bit-level receipt: names, shapes, hashes).
 
@@ -42,7 +43,7 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 # defaults; docs/parity.md says why each is what it is and what was measured
 LOSS_ATOL = 1e-4
 REL_TOL = 1e-5
-WEIGHT_ATOL = 1e-6
+WEIGHT_REL_LR = 0.1  # step-1 weights: absolute tolerance = this x the step-1 learning rate
 FINAL_WEIGHT_ATOL = 1e-4
 
 TRAIN_FLAGS = (
@@ -285,11 +286,20 @@ def run_align(args: argparse.Namespace) -> int:
         except ImportError as e:  # the plot extra is optional; the numbers are the verdict
             c["plot"] = f"not drawn: {e}"
         comps[key] = c
+    with open(ref_loss, encoding="utf-8") as f:
+        lr1 = float(json.load(f)["lrs"][0])
+    weight_atol = args.weight_atol if args.weight_atol is not None else WEIGHT_REL_LR * lr1
+    verdict["tolerances"] = {
+        "loss_atol": args.loss_atol,
+        "rel_tol": args.rel_tol,
+        "step1_weight_atol": weight_atol,
+        "final_weight_atol": args.final_weight_atol,
+    }
     tol = {
         "grads": {"rel_tol": args.rel_tol},
         "exp_avg": {"rel_tol": args.rel_tol},
         "exp_avg_sq": {"rel_tol": args.rel_tol},
-        "weights": {"atol": args.weight_atol},
+        "weights": {"atol": weight_atol},
     }
     hashes: dict[str, Any] = {}
     for tag in dumps:
@@ -380,7 +390,9 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("tolerances (docs/parity.md)")
     g.add_argument("--loss-atol", type=float, default=LOSS_ATOL, help="per-step |loss difference| (losses and MTP)")
     g.add_argument("--rel-tol", type=float, default=REL_TOL, help="step-1 grads / moments: max|diff| / max|ref|")
-    g.add_argument("--weight-atol", type=float, default=WEIGHT_ATOL, help="step-1 updated weights, absolute")
+    g.add_argument(
+        "--weight-atol", type=float, default=None, help="step-1 updated weights, absolute (default: 0.1 x step-1 lr)"
+    )
     g.add_argument("--final-weight-atol", type=float, default=FINAL_WEIGHT_ATOL, help="last-step weights, absolute")
     g.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
     g.add_argument("--no-run", action="store_true", help="compare the runs already in OUT (e.g. with other tolerances)")
