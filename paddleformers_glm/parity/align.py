@@ -44,7 +44,7 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 LOSS_ATOL = 1e-4
 REL_TOL = 1e-5
 WEIGHT_REL_LR = 0.1  # step-1 weights: absolute tolerance = this x the step-1 learning rate
-FINAL_WEIGHT_ATOL = 1e-4
+FINAL_WEIGHT_ATOL = 1e-5
 
 TRAIN_FLAGS = (
     ("steps", int, 100),
