@@ -236,3 +236,54 @@ def test_indexer_breaks_exact_ties_as_one_top_k_over_the_whole_row(monkeypatch):
     assert rows_with_ties > 5  # the rule really produces boundary ties
     np.testing.assert_array_equal(got[0], want)
     np.testing.assert_array_equal(got[1], want)
+
+
+# ------------------------------------------------------------------ the verdict and receipt
+
+
+def _fake_run(root: Path, model: Path, losses: list[float], weight_shift: float, gaps: list | None = None) -> None:
+    """A finished run's outputs as align expects them (loss.json and fp32 dumps) without training."""
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.standard_normal((4, 3)).astype(np.float32), "b.bias": np.ones(3, np.float32)}
+    root.mkdir(parents=True)
+    doc = {"losses": losses, "mtp_losses": [x + 0.01 for x in losses], "grad_norms": [1.0] * len(losses)}
+    doc["lrs"] = [1e-5] + [1e-4] * (len(losses) - 1)
+    if gaps is not None:
+        doc["topk_min_gaps"] = gaps
+    (root / "loss.json").write_text(json.dumps(doc))
+    for tag, kinds in (("step1", ("grads", "exp_avg", "exp_avg_sq", "weights")), ("final", ("weights",))):
+        for kind in kinds:
+            d = _save(root / f"dump_{tag}" / kind, {k: v + np.float32(weight_shift) for k, v in tensors.items()})
+            (d / "config.json").write_bytes((model / "config.json").read_bytes())
+
+
+def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsys):
+    from paddleformers_glm.cli import main as cli_main
+
+    base = [5.0 - 0.01 * i for i in range(6)]
+    gaps = [{"indexer": {"min": 1e-3}}] * 6
+    gaps[4] = {"indexer": {"min": 0.0}, "router_expert": {"min": 2e-4}}
+    args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run"]
+
+    same = tmp_path / "same"
+    _fake_run(same / "reference", tiny_ckpt, base, 0.0, gaps)
+    _fake_run(same / "paddle", tiny_ckpt, [x + 2e-7 for x in base], 5e-8)
+    assert cli_main([*args, "--out", str(same)]) == 0
+    v = json.loads((same / "receipt" / "verdict.json").read_text())
+    assert v["result"] == "aligned" and v["comparisons"]["losses"]["consistent_steps"] == 6
+    assert v["tolerances"]["step1_weight_atol"] == pytest.approx(1e-6)  # a tenth of the step-1 lr
+    assert v["near_ties"] == [{"step": 4, "min_gaps": {"indexer": 0.0}}]
+    assert (same / "receipt" / "loss.png").is_file() and (same / "receipt" / "check_ckpt_step1_grads.json").is_file()
+
+    flip = tmp_path / "flip"
+    _fake_run(flip / "reference", tiny_ckpt, base, 0.0, gaps)
+    _fake_run(flip / "paddle", tiny_ckpt, [x + (2e-7 if i < 4 else 3e-3) for i, x in enumerate(base)], 2e-6)
+    assert cli_main([*args, "--out", str(flip)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL losses: consistent_steps 4/6" in out and "jump at step 4" in out and "FAIL step1_weights" in out
+    v = json.loads((flip / "receipt" / "verdict.json").read_text())
+    jump = v["comparisons"]["losses"]["jumps"][0]
+    assert jump["step"] == 4 and jump["near_tie"] is True and jump["reference_min_gaps"]["indexer"] == 0.0
+    # 2e-6 on values of order 1: within the relative 1e-5 and the last-step 1e-5, beyond the step-1 1e-6
+    assert v["comparisons"]["step1_grads"]["pass"] and v["comparisons"]["final_weights"]["pass"]
+    assert not v["comparisons"]["step1_weights"]["pass"] and v["exit_code"] == 1
