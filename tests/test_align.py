@@ -287,3 +287,23 @@ def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsy
     # 2e-6 on values of order 1: within the relative 1e-5 and the last-step 1e-5, beyond the step-1 1e-6
     assert v["comparisons"]["step1_grads"]["pass"] and v["comparisons"]["final_weights"]["pass"]
     assert not v["comparisons"]["step1_weights"]["pass"] and v["exit_code"] == 1
+
+
+def test_adam_moments_reads_paddle_adamw_accumulators_too():
+    """The dump's one accessor for moments works for the trainer's AdamW (by name) and for
+    ``paddle.optimizer.AdamW`` (accumulators by tensor name), so either optimizer can be dumped."""
+    import paddle
+
+    from paddleformers_glm.train.dump import adam_moments
+
+    lin = paddle.nn.Linear(3, 2)
+    opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=lin.parameters(), beta1=0.9, beta2=0.95)
+    w = lin.weight
+    assert adam_moments(opt, "weight", w) == (None, None)  # before the first update
+    x = paddle.to_tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    lin(x).sum().backward()
+    g = w.grad.numpy().copy()
+    opt.step()
+    m, v = adam_moments(opt, "weight", w)
+    np.testing.assert_allclose(m.numpy(), 0.1 * g, rtol=1e-6)
+    np.testing.assert_allclose(v.numpy(), 0.05 * g * g, rtol=1e-5)
