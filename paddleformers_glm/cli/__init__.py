@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("train", "paddleformers_glm.train.command:register_train"),
     ("plot-experts", "paddleformers_glm.parity.expert_plot:register_plot_experts"),
     ("generate", "paddleformers_glm.generation:register_generate"),
+    ("align", "paddleformers_glm.parity.align:register_align"),
 ]
 
 

@@ -132,11 +132,12 @@ class DSAIndexer(nn.Layer):
                 if pad is not None:
                     valid = paddle.logical_and(valid, pad[:, :c1].unsqueeze(1).expand([B, C, c1]))
                 scores = paddle.where(valid, scores, paddle.full([B, C, c1], NEG_INF, scores.dtype))
-                kk = min(k_out, c1)
+                if c1 < S:  # one top-k over all S keys of a row, as HF takes it: equal scores (relu
+                    # zeros) then break the same way whatever the chunking (keys >= c1 are masked)
+                    scores = paddle.concat([scores, paddle.full([B, C, S - c1], NEG_INF, scores.dtype)], axis=-1)
+                kk = k_out
                 vals, idx = paddle.topk(scores, kk, axis=-1)
                 idx = paddle.where(paddle.isinf(vals), paddle.full([B, C, kk], -1, dtype="int64"), idx)
-                if kk < k_out:
-                    idx = paddle.concat([idx, paddle.full([B, C, k_out - kk], -1, dtype="int64")], axis=-1)
                 pieces.append(idx)
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 

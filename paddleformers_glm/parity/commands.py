@@ -88,4 +88,9 @@ def _run_check_loss(args: argparse.Namespace) -> int:
             "bit_exact",
         )
         print(f"check-loss: {report['result']} ({report['mode']}) " + " ".join(f"{k}={report[k]}" for k in keys))
+        for j in report.get("jumps", []):
+            print(
+                f"check-loss: jump at step {j['step']}: |diff| {j['diff']:.3g} after at most {j['previous_max_diff']:.3g} "
+                "before (a near-tie top-k or routing flip, not steady rounding growth)"
+            )
     return int(report["exit_code"])

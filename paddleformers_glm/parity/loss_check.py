@@ -17,7 +17,15 @@ from typing import Any
 
 from .ckpt_check import sha256_file, versions
 
-__all__ = ["LossFileError", "read_losses", "compare_losses", "check_losses", "plot_losses"]
+__all__ = [
+    "LossFileError",
+    "read_losses",
+    "read_curve",
+    "compare_losses",
+    "detect_jumps",
+    "check_losses",
+    "plot_losses",
+]
 
 EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
 
@@ -28,6 +36,11 @@ class LossFileError(ValueError):
 
 def read_losses(path: str) -> list[float]:
     """The ``losses`` list of a loss.json, refusing anything that is not a finite number."""
+    return read_curve(path, "losses")
+
+
+def read_curve(path: str, key: str = "losses") -> list[float]:
+    """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -37,18 +50,18 @@ def read_losses(path: str) -> list[float]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise LossFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
-    if not isinstance(data, dict) or "losses" not in data:
+    if not isinstance(data, dict) or key not in data:
         got = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
-        raise LossFileError(f"{path}: expected a JSON object with a 'losses' list, got {got}")
-    losses = data["losses"]
+        raise LossFileError(f"{path}: expected a JSON object with a {key!r} list, got {got}")
+    losses = data[key]
     if not isinstance(losses, list):
-        raise LossFileError(f"{path}: 'losses' must be a list, got {type(losses).__name__}")
+        raise LossFileError(f"{path}: {key!r} must be a list, got {type(losses).__name__}")
     out = []
     for i, v in enumerate(losses):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise LossFileError(f"{path}: losses[{i}] is {v!r} ({type(v).__name__}), expected a number")
+            raise LossFileError(f"{path}: {key}[{i}] is {v!r} ({type(v).__name__}), expected a number")
         if not math.isfinite(v):
-            raise LossFileError(f"{path}: losses[{i}] is {v}, expected a finite number")
+            raise LossFileError(f"{path}: {key}[{i}] is {v}, expected a finite number")
         out.append(float(v))
     return out
 
@@ -84,6 +97,32 @@ def compare_losses(
     }
 
 
+JUMP_FACTOR = 10.0
+JUMP_FLOOR = 1e-6
+
+
+def detect_jumps(
+    a: Sequence[float], b: Sequence[float], factor: float = JUMP_FACTOR, floor: float = JUMP_FLOOR
+) -> list[dict[str, Any]]:
+    """Steps where ``|a - b|`` leaps instead of growing smoothly.
+
+    Reduction-order noise grows steadily (Adam turns it into weight differences of about lr per
+    step); a near-tie in a top-k selection (DSA indexer, MoE router) that the two runs break
+    differently changes which tokens or experts are used, and the difference leaps by orders of
+    magnitude in one step.  A step is a jump when its difference exceeds ``factor`` times the
+    largest difference before it (and ``floor``, so bit-exact prefixes do not flag the first
+    rounding difference).  Steps are 0-based, like ``first_divergent_step``.
+    """
+    n = min(len(a), len(b))
+    jumps, prev = [], 0.0
+    for i in range(n):
+        d = abs(a[i] - b[i])
+        if d > floor and d > factor * prev:
+            jumps.append({"step": i, "diff": d, "previous_max_diff": prev, "ratio": d / prev if prev else math.inf})
+        prev = max(prev, d)
+    return jumps
+
+
 def check_losses(
     path_a: str,
     path_b: str,
@@ -117,6 +156,7 @@ def check_losses(
         return report
     tol = (0.0, 0.0) if report["mode"] == "bit-exact" else (float(atol or 0.0), float(rtol or 0.0))
     report.update(compare_losses(curves["a"], curves["b"], steps, *tol))
+    report["jumps"] = detect_jumps(curves["a"], curves["b"])
     ok = (
         report["length_match"]
         and report["enough_steps"]

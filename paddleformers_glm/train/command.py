@@ -75,6 +75,14 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
     g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
+    g.add_argument(
+        "--dump-step",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("DIR", "K"),
+        help="after update K write gradients (before clipping), AdamW moments and weights to DIR in HF names (repeatable)",
+    )
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
@@ -130,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_bias_update_rate=args.moe_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         fault=args.fault,
+        dump_steps=_dump_steps(args),
     )
     cfg.validate()
     return cfg
@@ -161,6 +170,21 @@ def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -
         )
         cfg.data = out
     open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+
+
+def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
+    out = []
+    for d, k in getattr(args, "dump_step", None) or []:
+        try:
+            step = int(k)
+        except ValueError:
+            raise ValueError(f"--dump-step {d} {k}: K must be an integer step") from None
+        if not 1 <= step <= args.steps:
+            raise ValueError(f"--dump-step {d} {k}: K must be within 1..--steps ({args.steps})")
+        if args.model == "toy":
+            raise ValueError("--dump-step needs a checkpoint model (--model DIR): dumps use the checkpoint's names")
+        out.append((os.path.abspath(d), step))
+    return out
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -78,6 +78,7 @@ class TrainConfig:
     moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
     moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
     fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang"
+    dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -325,9 +326,14 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         mbs = [_to_tensors(mb) for mb in micro_batches(batch, topo.dp_rank, topo.dp_size, cfg.micro_batch_size)]
         totals = engine.run(mbs, scales)
         grads, has_grad = sync.main_grads()
+        pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
         gnorm = sync.global_norm(grads)
         clip_main_grads(grads, gnorm, cfg.clip_grad)
         opt.step(grads, has_grad, lr)
+        if pre_clip is not None:
+            from .dump import dump_after_step
+
+            dump_after_step(cfg.dump_steps, step + 1, module, opt, pre_clip, topo, adapter)
         module.clear_gradients()
         balancer.after_step(step + 1)
 

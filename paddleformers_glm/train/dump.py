@@ -1,0 +1,128 @@
+"""Step dumps (``glm52 train --dump-step DIR K``): the full training state after one update.
+
+After update K the trainer writes, in the checkpoint's official (HF) names and fp32:
+
+* ``DIR/grads/``: the gradients of step K *before clipping* (summed over every replica);
+* ``DIR/exp_avg/`` and ``DIR/exp_avg_sq/``: AdamW's first and second moments after the update;
+* ``DIR/weights/``: the updated weights (the fp32 master copy when parameters are bf16).
+
+Each is a ``model.safetensors`` plus a byte copy of the model's ``config.json``, so ``glm52
+check-ckpt`` compares a dump with the torch reference's (tools/reference_train.py) and
+``glm52 align`` checks them against tolerances.  A tensor that gets no gradient (an indexer the
+loss does not reach, the router's correction bias, a buffer) is written as zeros in the gradient
+and moment dumps, the same convention the reference uses.
+
+What a parameter's moments are is read through :func:`adam_moments`, the only place that knows the
+optimizer's storage.  Memory: rank 0 gathers each full tensor (like ``--export``); meant for the
+small models a parity run uses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import paddle
+
+__all__ = ["DUMP_KINDS", "adam_moments", "dump_training_state"]
+
+DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
+
+
+def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
+    """(first moment, second moment) of one parameter, or (None, None) before its first update.
+
+    The trainer's own AdamW keeps them by structured name in ``opt.state[name]``.
+    ``paddle.optimizer.AdamW`` keeps them as accumulators keyed by the parameter's (or, with
+    multi-precision, its fp32 master's) tensor name: ``opt._accumulators["moment1"|"moment2"]``
+    (prefixed with ``opt._name + "_"`` when the optimizer is named), reachable through
+    ``opt._get_accumulator_master``; moment2 is the plain (not square-rooted) average of g².
+    """
+    state = getattr(opt, "state", None)
+    if isinstance(state, Mapping):
+        st = state.get(name)
+        return (st["exp_avg"], st["exp_avg_sq"]) if st else (None, None)
+    inner = getattr(opt, "_inner_opt", opt)  # fleet.distributed_optimizer wraps the Paddle optimizer
+    try:
+        return (
+            inner._get_accumulator_master(inner._moment1_acc_str, param),
+            inner._get_accumulator_master(inner._moment2_acc_str, param),
+        )
+    except Exception:  # noqa: BLE001 - Paddle raises a bare Exception for a parameter never updated
+        return None, None
+
+
+def _master_weight(opt: Any, name: str, param: paddle.Tensor) -> paddle.Tensor:
+    if hasattr(opt, "master_weight"):
+        return opt.master_weight(name)
+    inner = getattr(opt, "_inner_opt", opt)
+    return getattr(inner, "_master_weights", {}).get(param.name, param)
+
+
+def dump_training_state(
+    out_dir: str,
+    module: paddle.nn.Layer,
+    opt: Any,
+    grads: Mapping[str, paddle.Tensor],
+    topo: Any,
+    config: Any,
+    model_dir: str | None,
+) -> None:
+    """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it).
+
+    ``grads`` are the synced, not yet clipped gradients by structured name (as the trainer's
+    ``GradSynchronizer.main_grads`` returns them).
+    """
+    from ..checkpoint import save_pretrained_state
+    from ..parallel.layers import get_shard_spec
+    from ..parallel.state import gather_full_state
+
+    state = module.state_dict()
+    params = dict(module.named_parameters())
+    for kind in DUMP_KINDS:
+        local: dict[str, paddle.Tensor] = {}
+        for n, t in state.items():
+            p = params.get(n)
+            if kind == "weights":
+                v = _master_weight(opt, n, p) if p is not None else t
+            elif kind == "grads":
+                v = grads.get(n) if p is not None else None
+            else:
+                m = adam_moments(opt, n, p) if p is not None else (None, None)
+                v = m[0] if kind == "exp_avg" else m[1]
+            v = paddle.zeros(t.shape, "float32") if v is None else v.detach().astype("float32").clone()
+            v.shard_spec = get_shard_spec(t)  # how this rank's piece sits in the full tensor
+            local[n] = v
+
+        class _View:  # gather_full_state reads ``state_dict()``
+            def state_dict(self, _s=local):
+                return _s
+
+        full = gather_full_state(_View(), topo)
+        if full is None:
+            continue
+        target = os.path.join(out_dir, kind)
+        tensors = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full.items()}
+        save_pretrained_state(tensors, config, target, layout="hf", dtype="float32", max_shard_size="1000GB")
+        if model_dir:  # the model's own config, byte for byte, so both sides' dumps carry the same one
+            tmp = os.path.join(target, f"config.json.part.{os.getpid()}")
+            shutil.copyfile(os.path.join(model_dir, "config.json"), tmp)
+            os.replace(tmp, os.path.join(target, "config.json"))
+
+
+def dump_after_step(
+    dump_steps: list,
+    step: int,
+    module: paddle.nn.Layer,
+    opt: Any,
+    grads: Mapping[str, paddle.Tensor],
+    topo: Any,
+    adapter: Any,
+) -> None:
+    """The trainer's hook: write every ``(DIR, K)`` of ``dump_steps`` whose K is ``step`` (1-based)."""
+    for out_dir, k in dump_steps:
+        if int(k) == step:
+            dump_training_state(out_dir, module, opt, grads, topo, adapter.config, getattr(adapter, "model_dir", None))

@@ -1,0 +1,309 @@
+"""The training-parity oracle: step dumps (``--dump-step``), the tolerance comparisons and jump
+detection of ``glm52 align``, and (with torch + transformers installed) a short end-to-end
+``glm52 align`` of the headline TP2 x PP2 + SP layout against the torch reference run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddleformers_glm.parity.align import compare_dumps
+from paddleformers_glm.parity.loss_check import check_losses, detect_jumps, read_curve
+from paddleformers_glm.train.command import main as train_main
+from tests._dist.runner import env as dist_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+def _save(folder: Path, tensors: dict[str, np.ndarray]) -> Path:
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+# ------------------------------------------------------------------ jumps and curves
+
+
+def test_steady_growth_is_not_a_jump_but_a_leap_is_reported_with_its_step():
+    a = [5.0 - 0.01 * i for i in range(30)]
+    steady = [x + 1e-7 * 1.3**i for i, x in enumerate(a)]  # grows 30% a step: rounding noise amplified
+    assert detect_jumps(steady, a) == []
+    leap = list(steady)
+    leap[17] += 3e-3  # a routing flip: orders of magnitude in one step
+    jumps = detect_jumps(leap, a)
+    assert [j["step"] for j in jumps] == [17]
+    assert jumps[0]["diff"] > 10 * jumps[0]["previous_max_diff"]
+    assert detect_jumps(a, list(a)) == []  # bit-exact curves: nothing to report
+
+
+def test_check_loss_receipt_and_cli_report_the_jump(tmp_path, capsys):
+    from paddleformers_glm.cli import main as cli_main
+
+    a = [4.0, 3.9, 3.8, 3.7, 3.6]
+    b = [4.0, 3.9 + 1e-7, 3.8 + 2e-7, 3.7 + 5e-3, 3.6 + 5e-3]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps({"losses": a, "mtp_losses": [1.0, 2.0]}))
+    pb.write_text(json.dumps({"losses": b}))
+    rep = check_losses(str(pa), str(pb), atol=1e-4)
+    assert [j["step"] for j in rep["jumps"]] == [3] and rep["first_divergent_step"] == 3
+    assert cli_main(["check-loss", str(pa), str(pb), "--atol", "1e-4"]) == 1
+    assert "jump at step 3" in capsys.readouterr().out
+    assert read_curve(str(pa), "mtp_losses") == [1.0, 2.0]
+    with pytest.raises(ValueError, match="'mtp_losses'"):
+        read_curve(str(pb), "mtp_losses")
+
+
+# ------------------------------------------------------------------ tensor tolerances
+
+
+def test_compare_dumps_relative_and_absolute_per_tensor(tmp_path):
+    ref = {"w": np.array([1.0, -2.0, 4.0], np.float32), "z": np.zeros(3, np.float32)}
+    close = {"w": ref["w"] + np.float32(2e-5), "z": np.zeros(3, np.float32)}
+    r, c = _save(tmp_path / "r", ref), _save(tmp_path / "c", close)
+    rel = compare_dumps(str(r), str(c), rel_tol=1e-5)  # 2e-5 / max|ref| 4 = 5e-6
+    assert rel["pass"] and rel["worst"]["key"] == "w" and math.isclose(rel["worst"]["value"], 5e-6, rel_tol=0.05)
+    assert not compare_dumps(str(r), str(c), atol=1e-5)["pass"]
+    # a tensor that is zero in the reference must stay zero; a name on one side only fails
+    bad = _save(tmp_path / "b", {"w": ref["w"], "z": np.array([0, 1e-30, 0], np.float32), "extra": ref["w"]})
+    rep = compare_dumps(str(r), str(bad), rel_tol=1e-5)
+    assert not rep["pass"] and rep["only_in_cand"] == ["extra"]
+    assert [d["key"] for d in rep["beyond_tolerance"]] == ["z"] and math.isinf(rep["beyond_tolerance"][0]["value"])
+
+
+# ------------------------------------------------------------------ the Paddle step dump
+
+
+def test_dump_flag_is_refused_where_it_cannot_work(tiny_ckpt, tmp_path, capsys):
+    assert train_main(["--model", "toy", "--out", str(tmp_path), "--dump-step", str(tmp_path / "d"), "1"]) == 2
+    assert "checkpoint model" in capsys.readouterr().err
+    args = ["--model", str(tiny_ckpt), "--steps", "2", "--out", str(tmp_path), "--dump-step", str(tmp_path / "d"), "3"]
+    assert train_main(args) == 2
+    assert "1..--steps (2)" in capsys.readouterr().err
+
+
+def test_step_dump_holds_pre_clip_grads_moments_and_weights_that_agree_with_adamw(tiny_ckpt, tmp_path):
+    """One update, single process: every dump has exactly the checkpoint's names, and the AdamW
+    update recomputed here from the dumped gradients and the checkpoint reproduces the dumped
+    moments and weights (so the grads are pre-clip, the names line up, the moments are this
+    step's)."""
+    import paddle
+    from safetensors.numpy import load_file
+
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+    from paddleformers_glm.train.loop import TrainConfig, run_training
+
+    wd, clip = 0.1, 0.5  # clip below the step-1 norm (about 2.2) so clipping really happens
+    dump = tmp_path / "dump"
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=1, seq_len=16, global_batch_size=2,
+        lr=1e-3, weight_decay=wd, clip_grad=clip, out=str(tmp_path / "run"), progress=False,
+        dump_steps=[(str(dump), 1)],
+    )  # fmt: skip
+    res = run_training(cfg)
+    paddle.set_default_dtype("float32")
+    ck = Checkpoint(str(tiny_ckpt), strict=True)
+    w0 = {k: ck.numpy(k) for k in ck.keys()}
+    ck.close()
+    w0 = {k: (v.astype(np.float32) if v.dtype != np.uint16 else _bf16(v)) for k, v in w0.items()}
+    d = {k: load_file(str(dump / k / "model.safetensors")) for k in ("grads", "exp_avg", "exp_avg_sq", "weights")}
+    for k, t in d.items():
+        assert sorted(t) == sorted(w0), k
+        assert (dump / k / "config.json").read_bytes() == (tiny_ckpt / "config.json").read_bytes()
+    g = d["grads"]
+    gnorm = math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in g.values()))
+    assert math.isclose(gnorm, res["grad_norms"][0], rel_tol=1e-6)
+    coef = min(1.0, clip / (gnorm + 1e-6))
+    assert coef < 0.5
+    lr = res["lrs"][0]
+    # the indexers (no loss reaches them) and the router's correction bias (a buffer) are not
+    # updated at all (torch semantics for a parameter without gradient: no decay either) ...
+    untouched = [k for k in g if ".indexer." in k or "e_score_correction_bias" in k]
+    for k in untouched:
+        assert not np.any(g[k]) and not np.any(d["exp_avg"][k]) and not np.any(d["exp_avg_sq"][k]), k
+        assert np.array_equal(d["weights"][k], w0[k]), k
+    # ... everything else is, an expert that got no token this step included (zero gradient, decay only)
+    trained = sorted(set(g) - set(untouched))
+    assert any(not np.any(g[k]) for k in trained if ".experts." in k)
+    for k in trained:
+        gc = g[k].astype(np.float64) * coef
+        m, v = 0.1 * gc, 0.05 * gc * gc
+        np.testing.assert_allclose(d["exp_avg"][k], m, rtol=1e-5, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(d["exp_avg_sq"][k], v, rtol=1e-5, atol=1e-18, err_msg=k)
+        decay = wd if w0[k].ndim >= 2 else 0.0
+        w1 = w0[k] * (1 - lr * decay) - lr * (m / 0.1) / (np.sqrt(v / 0.05) + 1e-8)
+        np.testing.assert_allclose(d["weights"][k], w1, rtol=0, atol=2e-7, err_msg=k)
+
+
+def _bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# ------------------------------------------------------------------ end to end against torch
+
+
+def _reference_extra() -> str | None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return f"the reference extra (torch + transformers) is not installed: {e}"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckpt, tmp_path):
+    out = tmp_path / "align"
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(tiny_ckpt), "--out", str(out)]
+    cmd += ["--steps", "10", "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "10"]
+    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    v = json.loads((out / "receipt" / "verdict.json").read_text())
+    assert v["result"] == "aligned" and v["layout"]["tp"] == 2 and v["layout"]["pp"] == 2 and v["layout"]["sp"]
+    for key in ("losses", "mtp_losses"):
+        c = v["comparisons"][key]
+        assert c["consistent_steps"] == 10 and c["atol"] == 1e-4 and c["jumps"] == [], key
+    for kind in ("grads", "exp_avg", "exp_avg_sq"):
+        assert v["comparisons"][f"step1_{kind}"]["worst"]["value"] <= 1e-5, kind
+    assert v["comparisons"]["step1_weights"]["worst"]["value"] <= 1e-6
+    assert v["comparisons"]["step1_grads"]["tensors"] == len(
+        json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    assert (out / "receipt" / "loss.png").stat().st_size > 0
+    assert {"torch", "transformers", "paddle"} <= set(v["versions"])
+    assert os.path.isfile(out / "receipt" / "check_ckpt_step1_grads.json")
+
+
+# ------------------------------------------------------------------ indexer ties
+
+
+def test_indexer_breaks_exact_ties_as_one_top_k_over_the_whole_row(monkeypatch):
+    """The indexer's relu makes exact ties common (several keys score exactly 0 at the selection
+    boundary). HF takes one top-k over all S keys of a row; the indexer scores queries in chunks
+    that see only keys < chunk end, and must still select exactly what one full-row top-k selects,
+    or a Paddle run and the reference part at the first such tie (a loss jump in training)."""
+    import paddle
+
+    from paddleformers_glm.modeling.indexer import DSAIndexer
+    from tests._tiny import tiny_config
+
+    cfg = tiny_config()
+    ix = DSAIndexer(cfg)
+    B, S, k = 2, 32, cfg.index_topk
+    pos = paddle.arange(S, dtype="float32")
+
+    def project(x, q_latent, cos, sin):  # positions ride in the first element of q and k
+        q = paddle.zeros([B, S, ix.n_heads, ix.head_dim])
+        q[:, :, 0, 0] = pos
+        kk = paddle.zeros([B, S, ix.head_dim])
+        kk[:, :, 0] = pos
+        return q, kk, paddle.ones([B, S, ix.n_heads])
+
+    def rule(qp, kp):  # plenty of exact zeros and equal values
+        return paddle.nn.functional.relu(paddle.remainder(qp * 7 + kp * 3, paddle.to_tensor(5.0)) - 2.0)
+
+    def chunk_scores(q, kk, w):
+        return rule(q[:, :, 0, 0].unsqueeze(-1), kk[:, :, 0].unsqueeze(1))
+
+    monkeypatch.setattr(ix, "project", project)
+    monkeypatch.setattr(ix, "chunk_scores", chunk_scores)
+    x = paddle.zeros([B, S, cfg.hidden_size])
+    got = ix(x, paddle.zeros([B, S, cfg.q_lora_rank]), None, None, None).numpy()
+    full = rule(pos.reshape([S, 1]), pos.reshape([1, S]))
+    full = paddle.where(paddle.tril(paddle.ones([S, S])) > 0, full, paddle.full([S, S], float("-inf")))
+    vals, want = paddle.topk(full, k, axis=-1)
+    want = paddle.where(paddle.isinf(vals), paddle.full_like(want, -1), want).numpy()
+    rows_with_ties = sum(
+        int(np.sum(np.asarray(full[i]) == np.sort(np.asarray(full[i]))[::-1][k - 1]) > 1) for i in range(k, S)
+    )
+    assert rows_with_ties > 5  # the rule really produces boundary ties
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(got[1], want)
+
+
+# ------------------------------------------------------------------ the verdict and receipt
+
+
+def _fake_run(root: Path, model: Path, losses: list[float], weight_shift: float, gaps: list | None = None) -> None:
+    """A finished run's outputs as align expects them (loss.json and fp32 dumps) without training."""
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.standard_normal((4, 3)).astype(np.float32), "b.bias": np.ones(3, np.float32)}
+    root.mkdir(parents=True)
+    doc = {"losses": losses, "mtp_losses": [x + 0.01 for x in losses], "grad_norms": [1.0] * len(losses)}
+    doc["lrs"] = [1e-5] + [1e-4] * (len(losses) - 1)
+    if gaps is not None:
+        doc["topk_min_gaps"] = gaps
+    (root / "loss.json").write_text(json.dumps(doc))
+    for tag, kinds in (("step1", ("grads", "exp_avg", "exp_avg_sq", "weights")), ("final", ("weights",))):
+        for kind in kinds:
+            d = _save(root / f"dump_{tag}" / kind, {k: v + np.float32(weight_shift) for k, v in tensors.items()})
+            (d / "config.json").write_bytes((model / "config.json").read_bytes())
+
+
+def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsys):
+    from paddleformers_glm.cli import main as cli_main
+
+    base = [5.0 - 0.01 * i for i in range(6)]
+    gaps = [{"indexer": {"min": 1e-3}}] * 6
+    gaps[4] = {"indexer": {"min": 0.0}, "router_expert": {"min": 2e-4}}
+    args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run"]
+
+    same = tmp_path / "same"
+    _fake_run(same / "reference", tiny_ckpt, base, 0.0, gaps)
+    _fake_run(same / "paddle", tiny_ckpt, [x + 2e-7 for x in base], 5e-8)
+    assert cli_main([*args, "--out", str(same)]) == 0
+    v = json.loads((same / "receipt" / "verdict.json").read_text())
+    assert v["result"] == "aligned" and v["comparisons"]["losses"]["consistent_steps"] == 6
+    assert v["tolerances"]["step1_weight_atol"] == pytest.approx(1e-6)  # a tenth of the step-1 lr
+    assert v["near_ties"] == [{"step": 4, "min_gaps": {"indexer": 0.0}}]
+    assert (same / "receipt" / "loss.png").is_file() and (same / "receipt" / "check_ckpt_step1_grads.json").is_file()
+
+    flip = tmp_path / "flip"
+    _fake_run(flip / "reference", tiny_ckpt, base, 0.0, gaps)
+    _fake_run(flip / "paddle", tiny_ckpt, [x + (2e-7 if i < 4 else 3e-3) for i, x in enumerate(base)], 2e-6)
+    assert cli_main([*args, "--out", str(flip)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL losses: consistent_steps 4/6" in out and "jump at step 4" in out and "FAIL step1_weights" in out
+    v = json.loads((flip / "receipt" / "verdict.json").read_text())
+    jump = v["comparisons"]["losses"]["jumps"][0]
+    assert jump["step"] == 4 and jump["near_tie"] is True and jump["reference_min_gaps"]["indexer"] == 0.0
+    # 2e-6 on values of order 1: within the relative 1e-5 and the last-step 1e-5, beyond the step-1 1e-6
+    assert v["comparisons"]["step1_grads"]["pass"] and v["comparisons"]["final_weights"]["pass"]
+    assert not v["comparisons"]["step1_weights"]["pass"] and v["exit_code"] == 1
+
+
+def test_adam_moments_reads_paddle_adamw_accumulators_too():
+    """The dump's one accessor for moments works for the trainer's AdamW (by name) and for
+    ``paddle.optimizer.AdamW`` (accumulators by tensor name), so either optimizer can be dumped."""
+    import paddle
+
+    from paddleformers_glm.train.dump import adam_moments
+
+    lin = paddle.nn.Linear(3, 2)
+    opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=lin.parameters(), beta1=0.9, beta2=0.95)
+    w = lin.weight
+    assert adam_moments(opt, "weight", w) == (None, None)  # before the first update
+    x = paddle.to_tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    lin(x).sum().backward()
+    g = w.grad.numpy().copy()
+    opt.step()
+    m, v = adam_moments(opt, "weight", w)
+    np.testing.assert_allclose(m.numpy(), 0.1 * g, rtol=1e-6)
+    np.testing.assert_allclose(v.numpy(), 0.05 * g * g, rtol=1e-5)

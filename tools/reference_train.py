@@ -1,0 +1,510 @@
+#!/usr/bin/env python
+"""The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both).
+
+One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
+MTP layers, which transformers drops, are assembled here from HF's own building blocks
+(``GlmMoeDsaRMSNorm``, ``GlmMoeDsaDecoderLayer``, ``nn.Linear``) and loaded from the checkpoint's
+``model.layers.{L+j}.`` keys.  Everything a training step does is written out here, independently of
+the Paddle trainer, from the contract the trainer documents:
+
+* data: the trainer's own synthetic / file sources (``paddleformers_glm.train.data``, numpy only),
+  so both runs read the very same token ids in the same order and micro-batches;
+* objective: LM cross-entropy summed over the micro-batch and divided by the token count of the
+  whole global batch, plus ``mtp_loss_scaling_factor / D`` times each MTP depth's loss (same
+  normalisation); one backward per micro-batch, gradients accumulate;
+* clipping: true global L2 norm over every gradient, scale ``clip / (norm + 1e-6)`` when below 1;
+* ``torch.optim.AdamW`` (decoupled decay) with decay on parameters of 2+ dims only, betas
+  (0.9, 0.95), eps 1e-8; a parameter that never got a gradient is skipped (torch semantics);
+* schedule: linear warmup to ``--lr`` over ``--warmup-steps``, then cosine to ``--min-lr``.
+
+Writes ``OUT/loss.json`` with the trainer's schema (losses, mtp_losses, grad_norms, lrs);
+``--dump-step DIR K`` writes gradients (before clipping), AdamW moments and updated weights after
+step K in the checkpoint's official names (``DIR/{grads,exp_avg,exp_avg_sq,weights}/``), so
+``glm52 check-ckpt`` and ``glm52 align`` compare them with the Paddle run's.
+
+Needs the ``reference`` extra (torch + transformers). fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(ROOT), str(ROOT / "tools")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
+
+
+def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """LR of update ``step`` (1-based): linear warmup, then cosine down to ``min_lr`` at ``total``."""
+    if warmup > 0 and step <= warmup:
+        return max_lr * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="torch reference training run (HF transformers + MTP), one process")
+    ap.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch-size", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data", default=None, help=".npy / .bin / .jsonl (default: synthetic)")
+    ap.add_argument("--data-dtype", default="auto")
+    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--dump-step",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("DIR", "K"),
+        help="after step K write gradients (before clipping), AdamW moments and weights to DIR (repeatable)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
+    args = ap.parse_args(argv)
+    for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
+        if getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if args.global_batch_size % args.micro_batch_size:
+        ap.error("--global-batch-size must be divisible by --micro-batch-size")
+    try:
+        args.dump_step = [(os.path.abspath(d), int(k)) for d, k in args.dump_step]
+    except ValueError:
+        ap.error("--dump-step takes DIR and an integer step K")
+    for _, k in args.dump_step:
+        if not 1 <= k <= args.steps:
+            ap.error(f"--dump-step step {k} is outside 1..{args.steps}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint (official layout) <-> HF modules
+
+
+def read_checkpoint(model_dir: str) -> dict:
+    """Every tensor of the official-layout checkpoint as fp32 torch tensors (tiny models only)."""
+    import torch
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no .safetensors files")
+    state = {}
+    for name in files:
+        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+            for k in f.keys():
+                state[k] = f.get_tensor(k).to(torch.float32)
+    return state
+
+
+def _layer_state(state: dict, prefix: str, num_experts: int, drop_indexer: bool) -> dict:
+    """Keys of one decoder layer relative to it, per-expert tensors fused as HF 5.x stores them."""
+    import torch
+
+    sd = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if drop_indexer:
+        sd = {k: v for k, v in sd.items() if ".indexer." not in k}
+    out = {k: v for k, v in sd.items() if ".experts." not in k}
+    if "mlp.experts.0.gate_proj.weight" in sd:
+        out["mlp.experts.gate_up_proj"] = torch.stack(
+            [
+                torch.cat([sd[f"mlp.experts.{e}.gate_proj.weight"], sd[f"mlp.experts.{e}.up_proj.weight"]], 0)
+                for e in range(num_experts)
+            ]
+        ).contiguous()
+        out["mlp.experts.down_proj"] = torch.stack(
+            [sd[f"mlp.experts.{e}.down_proj.weight"] for e in range(num_experts)]
+        ).contiguous()
+    return out
+
+
+def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
+    """HF tensor name (relative to a layer) -> official per-expert names."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        base = name[: -len("gate_up_proj")]
+        out = []
+        for e in range(t.shape[0]):
+            out += [(f"{base}{e}.gate_proj.weight", t[e, :inter]), (f"{base}{e}.up_proj.weight", t[e, inter:])]
+        return out
+    if name.endswith("mlp.experts.down_proj"):
+        base = name[: -len("down_proj")]
+        return [(f"{base}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+    return [(name, t)]
+
+
+class Reference:
+    """HF main model + hand-assembled MTP layers, with the official name of every parameter."""
+
+    def __init__(self, model_dir: str) -> None:
+        import torch
+        from torch import nn
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
+
+        self.model_dir = model_dir
+        conf = GlmMoeDsaConfig.from_pretrained(model_dir)
+        conf._attn_implementation = "eager"
+        self.conf = conf
+        L, E, H = conf.num_hidden_layers, conf.n_routed_experts, conf.hidden_size
+        self.L, self.inter = L, conf.moe_intermediate_size
+        self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
+        self.mtp_weight = float(getattr(conf, "mtp_loss_scaling_factor", 0.1))
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", self.mtp_weight))
+        if float(raw.get("indexer_loss_coeff", 0.0) or 0.0) > 0:
+            raise ValueError(
+                f"{model_dir}/config.json: indexer_loss_coeff > 0 has no HF reference (HF trains no indexer loss)"
+            )
+        self.share_topk = bool(conf.index_share_for_mtp_iteration)
+        self.ckpt = read_checkpoint(model_dir)
+        torch.manual_seed(0)
+        self.model = GlmMoeDsaForCausalLM(conf).to(torch.float32)
+        hf = {k: v for k, v in self.ckpt.items() if not k.startswith("model.layers.")}
+        for i in range(L):
+            for k, v in _layer_state(self.ckpt, f"model.layers.{i}.", E, drop_indexer=False).items():
+                hf[f"model.layers.{i}.{k}"] = v
+        self.model.load_state_dict(hf, strict=True)
+        mtp_conf = GlmMoeDsaConfig.from_pretrained(
+            model_dir,
+            num_hidden_layers=L + self.D,
+            indexer_types=list(conf.indexer_types) + ["shared" if self.share_topk else "full"] * self.D,
+            mlp_layer_types=list(conf.mlp_layer_types) + ["sparse"] * self.D,
+        )
+        mtp_conf._attn_implementation = "eager"
+        mtp_conf._experts_implementation = self.model.config._experts_implementation  # as the main layers
+        self.mtp = nn.ModuleList()
+        eps = conf.rms_norm_eps
+        for j in range(self.D):
+            m = nn.ModuleDict(
+                {
+                    "enorm": GlmMoeDsaRMSNorm(H, eps),
+                    "hnorm": GlmMoeDsaRMSNorm(H, eps),
+                    "eh_proj": nn.Linear(2 * H, H, bias=False),
+                    "layer": GlmMoeDsaDecoderLayer(mtp_conf, L + j),
+                    "shared_head_norm": GlmMoeDsaRMSNorm(H, eps),
+                }
+            )
+            p = f"model.layers.{L + j}."
+            with torch.no_grad():
+                for mod, key in (
+                    ("enorm", "enorm.weight"),
+                    ("hnorm", "hnorm.weight"),
+                    ("eh_proj", "eh_proj.weight"),
+                    ("shared_head_norm", "shared_head.norm.weight"),
+                ):
+                    m[mod].weight.copy_(self.ckpt[p + key])
+            heads = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+            sd = _layer_state(self.ckpt, p, E, drop_indexer=self.share_topk)
+            m["layer"].load_state_dict({k: v for k, v in sd.items() if not k.startswith(heads)}, strict=True)
+            self.mtp.append(m)
+        self._taps: dict = {}
+        self.model.model.norm.register_forward_hook(lambda mod, a, out: self._taps.__setitem__("h0", out))
+        self.model.model.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True)
+        self.model.model.layers[-1].register_forward_hook(lambda mod, a, out: self._taps.__setitem__("topk", out[1]))
+
+    def _pre(self, mod, args, kwargs):
+        self._taps["kw"] = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")}
+
+    def named_parameters(self) -> list[tuple[str, object]]:
+        """(HF-style unique name, parameter): main model names, MTP under ``mtp.{j}.``."""
+        out = list(self.model.named_parameters())
+        out += [(f"mtp.{n}", p) for n, p in self.mtp.named_parameters()]
+        return out
+
+    def official(self, name: str, t) -> list[tuple[str, object]]:
+        """Official checkpoint names (and views) of one parameter-shaped tensor."""
+        if name.startswith("mtp."):
+            j, rest = name[4:].split(".", 1)
+            p = f"model.layers.{self.L + int(j)}."
+            head = {
+                "enorm.weight": "enorm.weight",
+                "hnorm.weight": "hnorm.weight",
+                "eh_proj.weight": "eh_proj.weight",
+                "shared_head_norm.weight": "shared_head.norm.weight",
+            }
+            if rest in head:
+                return [(p + head[rest], t)]
+            assert rest.startswith("layer."), rest
+            return [(p + k, v) for k, v in _unfuse(rest[len("layer.") :], t, self.inter)]
+        return _unfuse(name, t, self.inter)
+
+    def forward_losses(self, ids, labels, mask):
+        """(lm loss sum, [MTP loss sum per depth], token counts are the caller's) for one micro-batch."""
+        import torch
+        import torch.nn.functional as F
+
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        B, S = ids.shape
+
+        def ce_sum(logits, shift):
+            target = torch.full_like(labels, -100)
+            target[:, : S - shift] = labels[:, shift:]
+            return F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+
+        lm = ce_sum(out.logits, 1)
+        h, kw = self._taps["h0"], self._taps["kw"]
+        mtps = []
+        for d, m in enumerate(self.mtp, start=1):
+            tokens = torch.cat([ids[:, d:], ids.new_zeros(B, min(d, S))], dim=1)[:, :S]
+            e = self.model.model.embed_tokens(tokens)
+            x = m["eh_proj"](torch.cat([m["enorm"](e), m["hnorm"](h)], dim=-1))
+            x, _ = m["layer"](
+                x,
+                attention_mask=kw["attention_mask"],
+                position_embeddings=kw["position_embeddings"],
+                position_ids=kw["position_ids"],
+                past_key_values=None,
+                use_cache=False,
+                prev_topk_indices=self._taps["topk"] if self.share_topk else None,
+            )
+            h = x
+            mtps.append(ce_sum(self.model.lm_head(m["shared_head_norm"](x)), d + 1))
+        return lm, mtps
+
+
+class TopkMargins:
+    """The margin of every top-k decision at its selection boundary (k-th minus (k+1)-th score),
+    for each DSA indexer and MoE router call (main model and MTP), via the HF modules' own
+    ``torch.topk`` calls; the smallest per step goes to loss.json (``topk_min_gaps``).
+
+    Why: a margin below the two frameworks' rounding noise (~1e-7 in fp32) is a near tie that the
+    runs may break differently; the selected tokens or experts then differ and the losses part in
+    one step.  ``glm52 align`` names such a step as a jump and shows the margin found here.
+    """
+
+    NEAR = 1e-6
+
+    def __init__(self, modules) -> None:
+        from make_reference import GapMonitor  # same hooks as the fixtures' tie screening
+
+        monitor = self
+
+        class _Monitor(GapMonitor):
+            def _gap(self, cat, x, valid, k):
+                monitor.record(cat, x, valid, k)
+
+        self.monitor = _Monitor()
+        for m in modules:
+            self.monitor.attach(m)
+        self.step: dict = {}
+
+    def reset(self) -> None:
+        self.step = {}
+
+    def record(self, cat: str, x, valid, k: int) -> None:
+        import torch
+
+        x = x.reshape(-1, x.shape[-1])
+        valid = valid.reshape(-1, x.shape[-1])
+        rows = valid.sum(-1) > k
+        if not bool(rows.any()):
+            return
+        xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
+        srt = xs.sort(dim=-1, descending=True).values
+        gaps = srt[:, k - 1] - srt[:, k]
+        st = self.step.setdefault(cat, {"min": math.inf, "near_ties": 0, "decisions": 0})
+        st["min"] = min(st["min"], float(gaps.min()))
+        st["near_ties"] += int((gaps < self.NEAR).sum())
+        st["decisions"] += int(rows.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# dumps
+
+
+def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
+    """``tensors[kind][official name]`` -> ``out_dir/kind/model.safetensors`` (+ config.json copy).
+
+    Every key of the checkpoint is written: a tensor the run does not train (an unused indexer, the
+    router's correction bias) gets its checkpoint value as weight and zeros as gradient/moments.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    for kind in DUMP_KINDS:
+        have = tensors[kind]
+        full = {}
+        for k, v in ref.ckpt.items():
+            if k in have:
+                full[k] = have[k].detach().to(torch.float32).contiguous().clone()
+            else:
+                full[k] = v.clone() if kind == "weights" else torch.zeros_like(v)
+        extra = sorted(set(have) - set(ref.ckpt))
+        if extra:
+            raise RuntimeError(f"dump {kind}: names not in the checkpoint: {extra[:5]}")
+        d = os.path.join(out_dir, kind)
+        tmp = d + f".part.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(full, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        shutil.copyfile(os.path.join(ref.model_dir, "config.json"), os.path.join(tmp, "config.json"))
+        shutil.rmtree(d, ignore_errors=True)
+        os.replace(tmp, d)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.part.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# training
+
+
+def train(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    from paddleformers_glm.train.data import micro_batches, open_data
+
+    torch.set_num_threads(max(1, args.threads))
+    torch.manual_seed(args.seed)
+    ref = Reference(args.model)
+    ref.model.train()
+    ref.mtp.train()
+    params = ref.named_parameters()
+    decay = [p for _, p in params if p.ndim >= 2]
+    no_decay = [p for _, p in params if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
+    data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
+    min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
+    margins = TopkMargins([ref.model, ref.mtp])
+    gaps: list[dict] = []
+    dumps: dict[int, list[str]] = {}
+    for d, k in args.dump_step:
+        dumps.setdefault(k, []).append(d)
+    G, M = args.global_batch_size, args.micro_batch_size
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step + 1, args.lr, min_lr, args.warmup_steps, args.steps)
+        batch = data.global_batch(step, G)
+        labels_np = batch["labels"]
+        n_lm = max(int((labels_np[:, 1:] != -100).sum()), 1)
+        n_mtp = [max(int((labels_np[:, d + 1 :] != -100).sum()), 1) for d in range(1, ref.D + 1)]
+        lm_total, mtp_total = 0.0, [0.0] * ref.D
+        margins.reset()
+        for mb in micro_batches(batch, 0, 1, M):
+            ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
+            labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
+            mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
+            with margins.monitor.mode():
+                lm, mtps = ref.forward_losses(ids, labels, mask)
+            obj = lm / n_lm
+            for d, t in enumerate(mtps):
+                obj = obj + (ref.mtp_weight / ref.D) * t / n_mtp[d]
+            obj.backward()
+            lm_total += float(lm.detach())
+            for d, t in enumerate(mtps):
+                mtp_total[d] += float(t.detach())
+        with torch.no_grad():
+            sq = sum(float((p.grad.double() ** 2).sum()) for _, p in params if p.grad is not None)
+            gnorm = math.sqrt(sq)
+            pre_clip = {n: p.grad.clone() for n, p in params if p.grad is not None} if (step + 1) in dumps else None
+            if args.clip_grad > 0 and math.isfinite(gnorm):
+                coef = args.clip_grad / (gnorm + 1e-6)
+                if coef < 1.0:
+                    for _, p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        hist["losses"].append(lm_total / n_lm)
+        if ref.D:
+            hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
+        hist["grad_norms"].append(gnorm)
+        hist["lrs"].append(lr)
+        gaps.append(margins.step)
+        if pre_clip is not None:
+            tensors: dict[str, dict] = {k: {} for k in DUMP_KINDS}
+            for n, p in params:
+                st = opt.state.get(p, {})
+                for kind, src in (
+                    ("grads", pre_clip.get(n)),
+                    ("exp_avg", st.get("exp_avg")),
+                    ("exp_avg_sq", st.get("exp_avg_sq")),
+                    ("weights", p.detach()),
+                ):
+                    if src is not None:
+                        tensors[kind].update(ref.official(n, src))
+            for d in dumps[step + 1]:
+                write_dump(ref, d, tensors)
+        mtp_txt = f" mtp {hist['mtp_losses'][-1]:.6f}" if ref.D else ""
+        print(
+            f"[reference] step {step + 1}/{args.steps} loss {hist['losses'][-1]:.6f}{mtp_txt} lr {lr:.3e} "
+            f"grad norm {gnorm:.4f} {time.perf_counter() - t0:.2f} s",
+            flush=True,
+        )
+        result = dict(
+            hist,
+            topk_min_gaps=gaps,
+            steps=step + 1,
+            seed=args.seed,
+            reference="torch + transformers GlmMoeDsaForCausalLM (eager, fp32) + torch MTP",
+            versions={
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "numpy": np.__version__,
+                "python": platform.python_version(),
+            },
+            run={"data": data.describe, "tokens_per_step": G * args.seq_len, "micro_batch_size": M},
+            checkpoint={"path": os.path.abspath(args.model)},
+        )
+        write_json_atomic(os.path.join(args.out, "loss.json"), result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        print(f"reference_train: needs the reference extra (torch + transformers): {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
