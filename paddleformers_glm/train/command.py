@@ -71,6 +71,15 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
+    g.add_argument(
+        "--job-timeout", type=float, default=None, help="stop the whole job after this many seconds (default: none)"
+    )
+    g.add_argument(
+        "--comm-timeout",
+        type=float,
+        default=600.0,
+        help="NCCL process-group timeout in seconds (PADDLE_PG_TIMEOUT; gloo's is fixed at 30 s)",
+    )
     g.add_argument("--fault", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -144,6 +153,10 @@ def run_train(args: argparse.Namespace) -> int:
             raise ParallelConfigError(
                 f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
             )
+        if args.job_timeout is not None and args.job_timeout <= 0:
+            raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
+        if args.comm_timeout <= 0:
+            raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
     except (ValueError, FileNotFoundError, KeyError) as e:
@@ -178,9 +191,11 @@ def run_train(args: argparse.Namespace) -> int:
             os.path.join(cfg.out, "logs"),
             launcher_args=launcher_args,
             node_rank_offset=offset,
+            timeout_s=args.job_timeout,
+            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:
-        print(f"glm52 train: {e}", file=sys.stderr)
+        print(f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr)
         return e.returncode or 1
     return 0
 

@@ -73,7 +73,7 @@ class TrainConfig:
     resume: str | None = None
     dtype: str = "float32"
     progress: bool = True
-    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang"
+    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -130,9 +130,11 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "exit":
         os._exit(3)
+    if kind == "stop":  # alive but frozen (SIGSTOP): its peers time out waiting for it
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(10_000)
-    raise ValueError(f"--fault kind must be raise|kill|exit|hang, got {kind!r}")
+    raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop, got {kind!r}")
 
 
 def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
