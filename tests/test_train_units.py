@@ -28,7 +28,7 @@ from paddleformers_glm.train.launch import (
     write_failure_record,
 )
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from paddleformers_glm.train.optim import AdamW, lr_at
+from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
 from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
 
 
@@ -90,11 +90,26 @@ def test_adamw_state_roundtrip_continues_identically():
     assert all(np.array_equal(p.numpy(), q.numpy()) for p, q in zip(a.parameters(), c.parameters()))
 
 
-def test_bf16_params_update_through_fp32_master_weights():
+def test_bf16_params_get_fp32_master_weights():
     lin = nn.Linear(4, 4)
     lin.to(dtype="bfloat16")  # bf16 storage works on CPU; only bf16 arithmetic lacks kernels
     opt = AdamW(list(lin.named_parameters()), weight_decay=0.0)
+    opt.prepare_state()
     assert set(opt.master) == {"weight", "bias"} and opt.master["weight"].dtype == paddle.float32
+    assert np.array_equal(opt.master["weight"].numpy(), lin.weight.astype("float32").numpy())
+    fp32 = nn.Linear(2, 2)
+    o32 = AdamW(list(fp32.named_parameters()))
+    o32.prepare_state()
+    assert o32.master == {}  # an fp32 parameter is its own master
+
+
+@pytest.mark.skipif(not paddle.is_compiled_with_cuda(), reason="Paddle's CPU build has no bf16 adamw kernel")
+def test_bf16_params_update_through_fp32_master_weights():
+    paddle.set_device("gpu")
+    lin = nn.Linear(4, 4)
+    lin.to(dtype="bfloat16")
+    opt = AdamW(list(lin.named_parameters()), weight_decay=0.0)
+    opt.prepare_state()
     before = opt.master["weight"].numpy().copy()
     g = {n: paddle.full(p.shape, 1e-3, dtype="float32") for n, p in lin.named_parameters()}
     for _ in range(5):
@@ -105,8 +120,18 @@ def test_bf16_params_update_through_fp32_master_weights():
         lin.weight.astype("float32").numpy(), paddle.to_tensor(master).astype("bfloat16").astype("float32").numpy()
     )
     assert "master" in opt.state_dict()["weight"]
-    fp32 = nn.Linear(2, 2)
-    assert AdamW(list(fp32.named_parameters())).master == {}  # an fp32 parameter is its own master
+
+
+def test_optimizer_and_schedule_come_from_paddle():
+    lin = nn.Linear(3, 3)
+    opt = AdamW(list(lin.named_parameters()), weight_decay=0.1)
+    assert isinstance(opt.opt, paddle.optimizer.AdamW) and opt.opt._multi_precision
+    sched = make_lr_scheduler(1.0, 0.1, 2, 10)
+    assert isinstance(sched, paddle.optimizer.lr.LinearWarmup)
+    g = {"weight": paddle.ones([3, 3]), "bias": paddle.ones([3])}
+    opt.step(g, {"weight": True, "bias": True}, lr=0.01)
+    # moments (2 x 3x3 + 2 x 3) and the beta powers (4 scalars), all fp32
+    assert opt.state_bytes() == 4 * (2 * 9 + 2 * 3 + 4)
 
 
 # ------------------------------------------------------------------ data

@@ -2,7 +2,7 @@
 
 One step: the global batch of the step (same for every layout) -> this data-parallel rank's
 micro-batches -> pipeline engine (forward + backward; each loss term scaled by its weight over
-its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> AdamW.
+its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> Paddle's AdamW (train/optim.py).
 Loss sums are reduced over pipeline stages and data-parallel ranks, so every rank knows the
 step's loss; rank 0 logs it and writes ``OUT/loss.json``.
 """
@@ -31,7 +31,7 @@ from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import micro_batches, open_data
-from .optim import AdamW, lr_at
+from .optim import AdamW, make_lr_scheduler
 
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
@@ -135,6 +135,15 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> None:
     if kind == "hang":
         time.sleep(10_000)
     raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop, got {kind!r}")
+
+
+def _gather_ints(value: int, topo: Any) -> list[int]:
+    """``value`` of every rank, in rank order (one world all-gather)."""
+    if topo.world_size == 1:
+        return [int(value)]
+    parts: list[paddle.Tensor] = []
+    dist.all_gather(parts, paddle.to_tensor(np.asarray([value], dtype=np.int64)))
+    return [int(p.numpy()[0]) for p in parts]
 
 
 def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
@@ -268,6 +277,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+    sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
+    opt_bytes: list[int] = []  # optimizer-state bytes of every rank, after the first step
     result: dict[str, Any] = {}
 
     def snapshot(steps_done: int) -> dict[str, Any]:
@@ -281,6 +292,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             versions=_versions(),
             grad_norms=history["grad_norms"],
             lrs=history["lrs"],
+            optimizer_state_bytes=opt_bytes,
             run={
                 "model": cfg.model,
                 "pp_layout": layout_string(specs),
@@ -308,7 +320,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         _maybe_fault(cfg.fault, topo.rank, step + 1)
-        lr = lr_at(step + 1, cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
+        sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
+        lr = float(sched())
         batch = data.global_batch(step, cfg.global_batch_size)
         norms = {
             name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
@@ -322,6 +335,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         clip_main_grads(grads, gnorm, cfg.clip_grad)
         opt.step(grads, has_grad, lr)
         module.clear_gradients()
+        if not opt_bytes:
+            opt_bytes = _gather_ints(opt.state_bytes(), topo)
+            log(f"[glm52 train] optimizer state bytes per rank: {opt_bytes}")
 
         names = sorted(loss_specs)
         vec = paddle.to_tensor(
