@@ -145,6 +145,24 @@ def test_ep2_etp2_world4_matches_single_process(ref, runs):
     _assert_close(ref[0], a, "tp2 dp2 ep2 etp2")
 
 
+def test_sharding2_matches_one_process_and_halves_optimizer_state(ref, runs):
+    """Fleet's sharding optimizer (stage 1): each rank holds about half the optimizer state."""
+    a, _ = _cli(runs / "sharding2", "--sharding", "2")
+    _assert_close(ref[0], a, "sharding 2")
+    full = ref[0]["optimizer_state_bytes"]
+    per_rank = a["optimizer_state_bytes"]
+    assert len(full) == 1 and len(per_rank) == 2, (full, per_rank)
+    # greedy largest-first partition: each half within 5% of half; beta powers are per parameter
+    assert all(abs(b - full[0] / 2) <= 0.05 * full[0] / 2 for b in per_rank), (full, per_rank)
+    print(f"optimizer state bytes: one process {full[0]:,}, --sharding 2 per rank {per_rank}")
+
+
+def test_dp2_sharding2_world4_matches_single_process(ref, runs):
+    a, _ = _cli(runs / "dp2sharding2", "--dp", "2", "--sharding", "2", timeout=200)
+    _assert_close(ref[0], a, "dp2 sharding2")
+    assert a["run"]["sharding"] == 2 and a["profile"]["world"] == 4
+
+
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_dying_rank_ends_job_with_named_error(runs, kind):
     out = runs / f"fault_{kind}"

@@ -32,7 +32,16 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("parallel layout")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp)")
+    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp x sharding)")
+    g.add_argument(
+        "--sharding",
+        type=int,
+        default=1,
+        help="Fleet sharding degree: more data replicas, each holding 1/N of the optimizer state",
+    )
+    g.add_argument(
+        "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded (2: not yet)"
+    )
     g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
@@ -53,6 +62,12 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "full"],
+        help="activation recompute: full = each decoder layer (fleet.utils.recompute)",
+    )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(
         "--data", default=None, help=".npy / .bin token stream or .jsonl with input_ids (default: synthetic)"
@@ -102,6 +117,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
+        sharding=args.sharding,
+        sharding_stage=args.sharding_stage,
+        recompute=args.recompute,
         ep=args.ep,
         etp=args.etp,
         sp=args.sp,
@@ -136,23 +154,24 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
-    from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
     from .launch import LaunchError, launch_workers
-    from .loop import stage_specs
+    from .loop import check_batch, parallel_config, stage_specs
 
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
-        world = cfg.tp * cfg.pp * (cfg.dp or 1)
-        pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding
+        if cfg.sharding_stage == 2:
+            raise ParallelConfigError(
+                "--sharding-stage 2 (gradient sharding) is not implemented yet; use --sharding-stage 1"
+            )
+        pc = parallel_config(cfg, world)
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())
         adapter.check_layout(pc)
         stage_specs(cfg, adapter, pc.pp)
-        if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
-            raise ParallelConfigError(
-                f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
-            )
+        check_batch(cfg, pc)
         if args.job_timeout is not None and args.job_timeout <= 0:
             raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
         if args.comm_timeout <= 0:

@@ -26,6 +26,7 @@ import paddle.distributed as dist
 from ..parallel import comm
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
+from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import gather_full_state, shard_full_state
 from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
@@ -44,7 +45,10 @@ class TrainConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
-    dp: int | None = None  # None: world / (tp * pp)
+    dp: int | None = None  # None: world / (tp * pp * sharding)
+    sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
+    sharding_stage: int = 1
+    recompute: str = "none"  # none | full (each decoder layer, fleet.utils.recompute)
     ep: int = 1
     etp: int = 1
     sp: bool = False
@@ -91,6 +95,8 @@ class TrainConfig:
             raise ValueError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
 
@@ -163,12 +169,36 @@ def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
     )
 
 
+def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
+    """The layout of this run (``dp`` derived from the world size when not given)."""
+    return ParallelConfig.from_world(
+        world,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        ep=cfg.ep,
+        etp=cfg.etp,
+        sp=cfg.sp,
+        dp=cfg.dp,
+        sharding=cfg.sharding,
+        sharding_stage=cfg.sharding_stage,
+    )
+
+
+def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
+    """The global batch splits evenly over the dp x sharding replicas and their micro-batches."""
+    if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
+        raise ValueError(
+            f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
+            f"x --micro-batch-size {cfg.micro_batch_size}"
+        )
+
+
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
     """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
     cfg.validate()
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
-    pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+    pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
         from ..parallel._compat import bf16_compute_supported
@@ -177,10 +207,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
             raise ValueError(
                 "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
             )
-    if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
-        raise ValueError(
-            f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
-        )
+    check_batch(cfg, pc)
     specs = stage_specs(cfg, adapter, pc.pp)
     kinds = adapter.layer_kinds()
     if kinds is not None:
@@ -241,6 +268,10 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         module = adapter.build_stage(specs[topo.stage], topo)
     finally:
         paddle.set_default_dtype(prev_dtype)
+    if hasattr(module, "recompute"):
+        module.recompute = cfg.recompute
+    elif cfg.recompute != "none":
+        raise ValueError(f"--recompute {cfg.recompute}: the {cfg.model} stage module does not support recompute")
     _load_initial_weights(cfg, adapter, module, topo, specs[topo.stage])
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
@@ -249,7 +280,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
+        topo=topo,
     )
+    opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     engine = PipelineEngine(module, topo, cfg.schedule)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
@@ -267,18 +300,20 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         "seq_len": cfg.seq_len,
         "dtype": cfg.dtype,
     }
+    # loss.json's profile keeps its published keys; checkpoints also record the sharding degree
+    layout = {**profile, "sharding": topo.pc.sharding}
     history: dict[str, list[float]] = {k: [] for k in report_keys}
     history.update(grad_norms=[], lrs=[])
     start = 0
     ckpt_root = os.path.join(cfg.out, "checkpoints")
     if cfg.resume:
-        meta = load_checkpoint(cfg.resume, topo, module, opt, profile)
+        meta = load_checkpoint(cfg.resume, topo, module, opt, layout)
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
-    opt_bytes: list[int] = []  # optimizer-state bytes of every rank, after the first step
+    opt_bytes: list[int] = []  # optimizer-state bytes of every rank
     result: dict[str, Any] = {}
 
     def snapshot(steps_done: int) -> dict[str, Any]:
@@ -300,6 +335,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 "data": data.describe,
                 "resumed_from_step": start if cfg.resume else None,
                 "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
+                "sharding": topo.pc.sharding,
+                "recompute": cfg.recompute,
             },
         )
         return out
@@ -328,7 +365,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             for name, s in loss_specs.items()
         }
         scales = {name: s.weight / max(norms[name], 1) for name, s in loss_specs.items()}
-        mbs = [_to_tensors(mb) for mb in micro_batches(batch, topo.dp_rank, topo.dp_size, cfg.micro_batch_size)]
+        replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
+        mbs = [_to_tensors(mb) for mb in micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size)]
         totals = engine.run(mbs, scales)
         grads, has_grad = sync.main_grads()
         gnorm = sync.global_norm(grads)
@@ -346,7 +384,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 dtype=np.float64,
             )
         )
-        vec = comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group)
+        vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
         vals = vec.numpy().tolist()
         sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
         for n in names:
@@ -381,7 +419,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            meta = {"profile": profile, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
+            meta = {"profile": layout, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
             path = save_checkpoint(ckpt_root, step + 1, topo, module, opt, meta)
             if rank0:
                 log(f"[glm52 train] checkpoint {path}")

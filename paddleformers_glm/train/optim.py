@@ -8,6 +8,8 @@ The wrapper keeps three things the trainer needs and Paddle's optimizer does not
   ``(param, grad)`` pairs, the same entry Fleet's sharding optimizer uses);
 * a parameter that got no gradient anywhere is left out of the step (torch semantics: its moments
   and its bias-correction power stay untouched), so every layout updates the same set;
+* with sharding ranks (``--sharding N``) Fleet's ``DygraphShardingOptimizer`` partitions the
+  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated;
 * state is saved and restored by *structured* parameter name (``layers.3.mlp.gate.weight``), not
   by Paddle's generated tensor names, so a checkpoint does not depend on construction order.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import paddle
 from paddle.optimizer import lr as lr_sched
@@ -60,6 +63,7 @@ class AdamW:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         decay: Callable[[str, paddle.Tensor], bool] = default_decay,
+        topo: Any = None,
     ) -> None:
         self.params = list(named_params)
         self.decay = {n: bool(decay(n, p)) for n, p in self.params}
@@ -76,6 +80,19 @@ class AdamW:
             grad_clip=None,  # clipping is done on the synced grads (true global norm)
         )
         self._stepped: set[str] = set()
+        self.sharding = None  # Fleet's DygraphShardingOptimizer when the topology has sharding ranks
+        self._sharding_group = None
+        self._own = {p.name for _, p in self.params}
+        if topo is not None and topo.sharding_size > 1:
+            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
+                DygraphShardingOptimizer,
+            )
+
+            # Fleet partitions the parameters over the sharding ranks (largest first, greedy) and
+            # narrows the inner AdamW to this rank's part: only that part gets moments / masters
+            self.sharding = DygraphShardingOptimizer(self.opt, topo.hcg)
+            self._sharding_group = topo.sharding_group
+            self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
 
     @property
     def master(self) -> dict[str, paddle.Tensor]:
@@ -91,8 +108,14 @@ class AdamW:
         for n, p in self.params:
             if n not in self._stepped:
                 continue
-            out[n] = {kind: table[p.name] for kind, table in acc.items() if p.name in table}
+            key = self._acc_key(p)
+            out[n] = {kind: table[key] for kind, table in acc.items() if key in table}
         return out
+
+    def _acc_key(self, p: paddle.Tensor) -> str:
+        """Paddle keys a bf16/fp16 parameter's moments by its fp32 master weight's name."""
+        mw = getattr(self.opt, "_master_weights", {}) or {}
+        return mw[p.name].name if p.name in mw else p.name
 
     def master_weight(self, name: str) -> paddle.Tensor:
         """The fp32 value the update runs on (the parameter itself when it is fp32)."""
@@ -101,8 +124,8 @@ class AdamW:
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (moments, beta powers, master weights)."""
         total = 0
-        for st in self.state.values():
-            total += sum(int(t.size) * t.element_size() for t in st.values())
+        for table in getattr(self.opt, "_accumulators", {}).values():
+            total += sum(int(t.size) * t.element_size() for t in table.values())
         total += sum(int(t.size) * t.element_size() for t in self.master.values())
         return total
 
@@ -111,15 +134,31 @@ class AdamW:
         """Update every parameter that got a gradient; ``grads`` are fp32 and already synced and clipped."""
         pairs = []
         for n, p in self.params:
-            if not has_grad.get(n, False):
+            if not has_grad.get(n, False) or p.name not in self._own:
                 continue
             g = grads[n]
             pairs.append((p, g if g.dtype == p.dtype else g.astype(p.dtype)))
             self._stepped.add(n)
-        if not pairs:
-            return
-        self.opt.set_lr(lr)
-        self.opt._apply_optimize(loss=None, startup_program=None, params_grads=pairs)
+        if pairs:
+            self.opt.set_lr(lr)
+            self.opt._apply_optimize(loss=None, startup_program=None, params_grads=pairs)
+        if self.sharding is not None:
+            self._broadcast_updated(has_grad)
+
+    def _broadcast_updated(self, has_grad: dict[str, bool]) -> None:
+        """Every updated parameter from the sharding rank that owns it (Fleet's partition order).
+
+        Fleet's own ``_sharding_sync_parameters`` broadcasts the parameters that have a local
+        gradient, which differs between ranks when an expert got tokens on one replica only; the
+        synced ``has_grad`` is the same on every rank, so the broadcasts match."""
+        from ..parallel import comm
+
+        by_name = {p.name: n for n, p in self.params}
+        ranks = self._sharding_group.ranks
+        for owner, params in sorted(self.sharding._rank2params.items()):
+            for p in params:
+                if has_grad.get(by_name[p.name], False):
+                    comm.broadcast(p, ranks[owner], self._sharding_group)
 
     def state_dict(self) -> dict[str, dict[str, paddle.Tensor | int]]:
         """``{structured name: {accumulator kind: tensor, "master": fp32 weight}}``."""
@@ -143,13 +182,14 @@ class AdamW:
                 if kind == "master":
                     self.opt._master_weights[p.name].set_value(t.astype("float32"))
                 else:
-                    acc[kind][p.name].set_value(t.astype(acc[kind][p.name].dtype))
+                    dst = acc[kind][self._acc_key(p)]
+                    dst.set_value(t.astype(dst.dtype))
         self._stepped = stepped
 
     def prepare_state(self) -> None:
         """Create every accumulator and master weight now (Paddle does it lazily on the first step); restoring state needs them first."""
         block = paddle.static.default_main_program().global_block()
-        self.opt._create_accumulators(block, [p for _, p in self.params])
+        self.opt._create_accumulators(block, [p for _, p in self.params if p.name in self._own])
 
     @staticmethod
     def bias_correction_step(state: dict[str, paddle.Tensor], beta1: float) -> int:
