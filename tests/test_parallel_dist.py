@@ -33,6 +33,8 @@ EXACT = (
     "lm_sp_emb_shape_ok",
     "mlp_tp_row_bias_marked",
     "mlp_sp_row_bias_marked",
+    "varlen_no_rows",
+    "etp_no_tokens",
 )
 
 

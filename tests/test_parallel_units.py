@@ -75,6 +75,15 @@ def test_from_world_derives_dp_and_rejects_non_multiples():
         ParallelConfig.from_world(6, tp=2, pp=2)
 
 
+def test_sharding_is_a_factor_of_the_world_and_of_the_replicas():
+    pc = ParallelConfig.from_world(8, tp=2, sharding=2)
+    assert (pc.dp, pc.sharding, pc.replicas, pc.world_size) == (2, 2, 4, 8)
+    with pytest.raises(ParallelConfigError, match="tp 2 x pp 1 x sharding 4 = 8"):
+        ParallelConfig.from_world(4, tp=2, sharding=4)
+    with pytest.raises(ParallelConfigError, match="--sharding-stage must be 1 or 2, got 3"):
+        ParallelConfig.from_world(2, sharding=2, sharding_stage=3)
+
+
 def test_expert_layout_factors_the_stage_ranks():
     pc = ParallelConfig(tp=2, dp=2, ep=2, etp=2)
     got = [expert_layout(pc, d, t) for d in range(2) for t in range(2)]

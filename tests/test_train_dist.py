@@ -8,6 +8,7 @@ MTP on the last stage reusing the embedding and the carried top-k.  fp32, 4 step
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -144,6 +145,24 @@ def test_ep2_etp2_world4_matches_single_process(ref, runs):
     _assert_close(ref[0], a, "tp2 dp2 ep2 etp2")
 
 
+def test_sharding2_matches_one_process_and_halves_optimizer_state(ref, runs):
+    """Fleet's sharding optimizer (stage 1): each rank holds about half the optimizer state."""
+    a, _ = _cli(runs / "sharding2", "--sharding", "2")
+    _assert_close(ref[0], a, "sharding 2")
+    full = ref[0]["optimizer_state_bytes"]
+    per_rank = a["optimizer_state_bytes"]
+    assert len(full) == 1 and len(per_rank) == 2, (full, per_rank)
+    # greedy largest-first partition: each half within 5% of half; beta powers are per parameter
+    assert all(abs(b - full[0] / 2) <= 0.05 * full[0] / 2 for b in per_rank), (full, per_rank)
+    print(f"optimizer state bytes: one process {full[0]:,}, --sharding 2 per rank {per_rank}")
+
+
+def test_dp2_sharding2_world4_matches_single_process(ref, runs):
+    a, _ = _cli(runs / "dp2sharding2", "--dp", "2", "--sharding", "2", timeout=200)
+    _assert_close(ref[0], a, "dp2 sharding2")
+    assert a["run"]["sharding"] == 2 and a["profile"]["world"] == 4
+
+
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_dying_rank_ends_job_with_named_error(runs, kind):
     out = runs / f"fault_{kind}"
@@ -157,3 +176,27 @@ def test_dying_rank_ends_job_with_named_error(runs, kind):
         assert "rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in msg, msg[-2000:]
     else:
         assert "rank 1 died without a Python error" in msg, msg[-2000:]
+
+
+def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
+    """SIGSTOP on rank 1: rank 0 times out in gloo (30 s); the launcher saw rank 1 frozen and names it."""
+    out = runs / "fault_stop"
+    p, secs = run_train_cli(
+        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=2,kind=stop"], timeout=150
+    )
+    assert p.returncode != 0
+    assert "rank 1 was stopped" in p.stderr and "rank(s) 0 then timed out" in p.stderr, p.stderr[-2000:]
+    rec = json.loads((out / "logs" / "failure.json").read_text())
+    assert rec["rank"] == 1 and rec["message"].startswith("rank 1 was stopped")
+    assert secs < 100, f"the job took {secs:.0f}s to end after rank 1 froze"
+
+
+def test_job_timeout_stops_a_hung_job_and_records_it(runs):
+    out = runs / "fault_timeout"
+    p, secs = run_train_cli(
+        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "20"],
+        timeout=120,
+    )
+    assert p.returncode != 0 and secs < 65, (p.returncode, secs)  # not the 30 s gloo timeout + 45 s grace
+    rec = json.loads((out / "logs" / "failure.json").read_text())
+    assert "--job-timeout 20" in rec["stopped_by_launcher"], rec

@@ -19,9 +19,16 @@ from paddleformers_glm.parallel.topology import get_topology
 from paddleformers_glm.train.adapter import LossSpec, token_count
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.data import micro_batches, open_data
-from paddleformers_glm.train.launch import diagnose, is_comm_error, worker_env
+from paddleformers_glm.train.launch import (
+    LaunchError,
+    diagnose,
+    is_comm_error,
+    rank_states,
+    worker_env,
+    write_failure_record,
+)
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from paddleformers_glm.train.optim import AdamW, lr_at
+from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
 from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
 
 
@@ -83,11 +90,26 @@ def test_adamw_state_roundtrip_continues_identically():
     assert all(np.array_equal(p.numpy(), q.numpy()) for p, q in zip(a.parameters(), c.parameters()))
 
 
-def test_bf16_params_update_through_fp32_master_weights():
+def test_bf16_params_get_fp32_master_weights():
     lin = nn.Linear(4, 4)
     lin.to(dtype="bfloat16")  # bf16 storage works on CPU; only bf16 arithmetic lacks kernels
     opt = AdamW(list(lin.named_parameters()), weight_decay=0.0)
+    opt.prepare_state()
     assert set(opt.master) == {"weight", "bias"} and opt.master["weight"].dtype == paddle.float32
+    assert np.array_equal(opt.master["weight"].numpy(), lin.weight.astype("float32").numpy())
+    fp32 = nn.Linear(2, 2)
+    o32 = AdamW(list(fp32.named_parameters()))
+    o32.prepare_state()
+    assert o32.master == {}  # an fp32 parameter is its own master
+
+
+@pytest.mark.skipif(not paddle.is_compiled_with_cuda(), reason="Paddle's CPU build has no bf16 adamw kernel")
+def test_bf16_params_update_through_fp32_master_weights():
+    paddle.set_device("gpu")
+    lin = nn.Linear(4, 4)
+    lin.to(dtype="bfloat16")
+    opt = AdamW(list(lin.named_parameters()), weight_decay=0.0)
+    opt.prepare_state()
     before = opt.master["weight"].numpy().copy()
     g = {n: paddle.full(p.shape, 1e-3, dtype="float32") for n, p in lin.named_parameters()}
     for _ in range(5):
@@ -98,8 +120,18 @@ def test_bf16_params_update_through_fp32_master_weights():
         lin.weight.astype("float32").numpy(), paddle.to_tensor(master).astype("bfloat16").astype("float32").numpy()
     )
     assert "master" in opt.state_dict()["weight"]
-    fp32 = nn.Linear(2, 2)
-    assert AdamW(list(fp32.named_parameters())).master == {}  # an fp32 parameter is its own master
+
+
+def test_optimizer_and_schedule_come_from_paddle():
+    lin = nn.Linear(3, 3)
+    opt = AdamW(list(lin.named_parameters()), weight_decay=0.1)
+    assert isinstance(opt.opt, paddle.optimizer.AdamW) and opt.opt._multi_precision
+    sched = make_lr_scheduler(1.0, 0.1, 2, 10)
+    assert isinstance(sched, paddle.optimizer.lr.LinearWarmup)
+    g = {"weight": paddle.ones([3, 3]), "bias": paddle.ones([3])}
+    opt.step(g, {"weight": True, "bias": True}, lr=0.01)
+    # moments (2 x 3x3 + 2 x 3) and the beta powers (4 scalars), all fp32
+    assert opt.state_bytes() == 4 * (2 * 9 + 2 * 3 + 4)
 
 
 # ------------------------------------------------------------------ data
@@ -300,3 +332,42 @@ def test_bf16_is_refused_on_cpu_with_a_reason(tmp_path):
 def test_single_stage_spec_runs_everything():
     spec = StageSpec.whole(6, True)
     assert spec.is_first and spec.is_last and spec.layers == tuple(range(6)) and spec.has_mtp
+
+
+def test_diagnose_blames_a_stopped_rank_over_the_peer_that_timed_out(tmp_path):
+    _status(
+        tmp_path,
+        0,
+        "error.json",
+        rank=0,
+        time=time.time(),
+        type="RuntimeError",
+        message="[gloo/transport/tcp/unbound_buffer.cc:80] TIMEOUT",
+        comm=True,
+        traceback_tail="",
+    )
+    (tmp_path / "workerlog.1").write_text("step 1\n")
+    rank, msg = diagnose(str(tmp_path), [0, 1], stopped=[1])
+    assert rank == 1 and msg.startswith("rank 1 was stopped") and "rank(s) 0 then timed out" in msg, msg
+    # a job the launcher stopped on its timeout: ranks without a record are not culprits by themselves
+    (tmp_path / "status" / "rank0.error.json").unlink()
+    rank, msg = diagnose(str(tmp_path), [0, 1], killed_by_us=True)
+    assert rank is None and "no rank reported an error" in msg
+
+
+def test_rank_states_reads_live_pids_and_failure_record_is_written(tmp_path):
+    _status(tmp_path, 0, "pid", rank=0, pid=os.getpid())
+    _status(tmp_path, 1, "pid", rank=1, pid=2**22 + 12345)  # beyond pid_max: no such process
+    states = rank_states(str(tmp_path))
+    assert set(states) == {0} and states[0] in "RSD", states
+    path = write_failure_record(str(tmp_path), LaunchError(1, "rank 1 was stopped", 1), killed="x", seconds=1.5)
+    rec = json.loads(open(path, encoding="utf-8").read())
+    assert rec["rank"] == 1 and rec["message"] == "rank 1 was stopped" and rec["stopped_by_launcher"] == "x"
+
+
+def test_worker_keeps_the_head_of_a_long_error_message():
+    from paddleformers_glm.train.worker import _shorten
+
+    text = "[gloo/transport/tcp/pair.cc:584] TIMEOUT waiting for peer " + "x" * 3000 + " last frame"
+    short = _shorten(text)
+    assert len(short) < 900 and "TIMEOUT" in short and short.endswith("last frame")

@@ -108,8 +108,13 @@ def _check_axis(x: paddle.Tensor, n: int, axis: int, what: str) -> int:
 
 # ------------------------------------------------------------------------------ raw ops
 def all_reduce(x: paddle.Tensor, group: Any, op: str = "sum") -> paddle.Tensor:
-    """Reduced copy of ``x`` (the input is not modified)."""
-    if not _live(group):
+    """Reduced copy of ``x`` (the input is not modified).
+
+    A zero-element tensor is returned as is: every rank of the group holds the same shape, so all
+    of them skip the call together (gloo aborts on an empty all-reduce; e.g. an expert-tensor-parallel
+    group that received no token).
+    """
+    if not _live(group) or x.size == 0:
         return x
     y = _contig(x).clone()
     low = uses_emulation() and y.dtype in (paddle.float16, paddle.bfloat16)
@@ -120,9 +125,13 @@ def all_reduce(x: paddle.Tensor, group: Any, op: str = "sum") -> paddle.Tensor:
 
 
 def all_gather(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
-    """Concatenation of every rank's ``x`` along ``axis`` (equal shapes)."""
+    """Concatenation of every rank's ``x`` along ``axis`` (equal shapes; none sent when empty)."""
     if not _live(group):
         return x
+    if x.size == 0:
+        shape = list(x.shape)
+        shape[axis % x.ndim] *= group.nranks
+        return paddle.zeros(shape, dtype=x.dtype)
     parts: list[paddle.Tensor] = []
     dist.all_gather(parts, _contig(x), group=group)
     return paddle.concat(parts, axis=axis)
@@ -150,8 +159,8 @@ def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor
 
 
 def broadcast(x: paddle.Tensor, src: int, group: Any) -> paddle.Tensor:
-    """In-place broadcast from global rank ``src``; returns ``x``."""
-    if _live(group):
+    """In-place broadcast from global rank ``src``; returns ``x`` (nothing sent when empty)."""
+    if _live(group) and x.size:
         dist.broadcast(x, src=src, group=group)
     return x
 

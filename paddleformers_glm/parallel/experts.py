@@ -118,7 +118,8 @@ class ExpertParallelDispatcher:
 
         w = paddle.gather(topk_weights.reshape([-1]), order)  # [t*K] in dispatch order
         y = y.astype(w.dtype) * w.unsqueeze(-1)
-        y = paddle.gather(y, paddle.argsort(order)).reshape([t, k, -1]).sum(axis=1).astype(out_dtype)  # [t, H]
+        # explicit H: Paddle reads a 0 in a reshape target as "keep that input dim" (t = 0 tokens)
+        y = paddle.gather(y, paddle.argsort(order)).reshape([t, k, y.shape[-1]]).sum(axis=1).astype(out_dtype)
         if self.split_tp:
             y = comm.gather_from_tp(y, axis=0, group=self.tp_group)
         return y

@@ -5,6 +5,7 @@ parameters reduce and clip in fp32) and summed over the ranks that hold a replic
 
 * sequence-parallel-marked parameters (norms, row bias, router under SP): over TP (each rank saw
   only its sequence slice);
+* every parameter: over the sharding group (Fleet's ``sharding_degree``: more data replicas);
 * dense parameters: over DP; expert parameters (``ShardSpec.expert``): over the expert-data-parallel
   group (their replicas: edp = tp x dp / (ep x etp));
 * parameters held by several pipeline stages under the same name (the embedding the MTP head reuses):
@@ -99,6 +100,8 @@ class GradSynchronizer:
             self._reduce([n for n, _ in self.params if specs[n].sequence_parallel], grads, flags, topo.tp_group)
         self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.dp_group)
         self._reduce([n for n, _ in self.params if specs[n].expert], grads, flags, topo.edp_group)
+        # sharding ranks are more data-parallel replicas (Fleet's sharding_degree): every grad sums over them
+        self._reduce([n for n, _ in self.params], grads, flags, topo.sharding_group)
         for stages, names in self._by_holder_set():  # pipeline-shared tensors: sum over the holder stages
             group, holders_only = self._set_group(stages)
             if holders_only and topo.stage not in stages:
@@ -131,6 +134,8 @@ class GradSynchronizer:
     # ---------------------------------------------------------------- helpers
     def _owner(self, name: str, spec) -> bool:
         topo = self.topo
+        if topo.sharding_rank != 0:
+            return False
         if spec.expert:
             if topo.edp_rank != 0:
                 return False

@@ -32,7 +32,7 @@ __all__ = [
     "topology_override",
 ]
 
-GROUP_NAMES = ("tp", "pp", "dp", "ep", "etp", "edp")
+GROUP_NAMES = ("tp", "pp", "dp", "sharding", "ep", "etp", "edp")
 
 
 class ParallelConfigError(ValueError):
@@ -41,7 +41,11 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of each parallel dimension. ``dp`` is usually derived: world / (tp * pp)."""
+    """Sizes of each parallel dimension. ``dp`` is usually derived: world / (tp * pp * sharding).
+
+    ``sharding`` is Fleet's ``sharding_degree``: more data-parallel replicas whose optimizer state
+    (stage 1) is split between them; the batch is divided over ``dp x sharding`` replicas.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -49,10 +53,17 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 1
     sp: bool = False
+    sharding: int = 1
+    sharding_stage: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.sharding
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the model: dp x sharding (each gets its share of the batch)."""
+        return self.dp * self.sharding
 
     @property
     def edp(self) -> int:
@@ -70,19 +81,30 @@ class ParallelConfig:
         etp: int = 1,
         sp: bool = False,
         dp: int | None = None,
+        sharding: int = 1,
+        sharding_stage: int = 1,
     ) -> ParallelConfig:
         """Derive dp from the world size (the launcher's process count) and check the product."""
-        for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("world size", world_size)):
+        for name, v in (
+            ("tp", tp),
+            ("pp", pp),
+            ("ep", ep),
+            ("etp", etp),
+            ("sharding", sharding),
+            ("world size", world_size),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if dp is None:
-            if world_size % (tp * pp):
+            n = tp * pp * sharding
+            if world_size % n:
                 raise ParallelConfigError(
-                    f"world size {world_size} is not a multiple of tp {tp} x pp {pp} = {tp * pp}; "
-                    f"launch a multiple of {tp * pp} processes"
+                    f"world size {world_size} is not a multiple of tp {tp} x pp {pp}"
+                    f"{f' x sharding {sharding}' if sharding > 1 else ''} = {n}; "
+                    f"launch a multiple of {n} processes"
                 )
-            dp = world_size // (tp * pp)
-        pc = cls(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, sp=bool(sp))
+            dp = world_size // n
+        pc = cls(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, sp=bool(sp), sharding=sharding, sharding_stage=sharding_stage)
         pc.validate(world_size)
         return pc
 
@@ -102,14 +124,17 @@ class ParallelConfig:
         Model sizes are arguments (not a config object) so the same check serves the toy model,
         GLM-5.2 and anything else; pass the ones the model has.
         """
-        for name in ("tp", "pp", "dp", "ep", "etp"):
+        for name in ("tp", "pp", "dp", "ep", "etp", "sharding"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if world_size is not None and world_size != self.world_size:
+            shard = f" x sharding {self.sharding}" if self.sharding > 1 else ""
             raise ParallelConfigError(
-                f"world size {world_size} != tp {self.tp} x pp {self.pp} x dp {self.dp} = {self.world_size}"
+                f"world size {world_size} != tp {self.tp} x pp {self.pp} x dp {self.dp}{shard} = {self.world_size}"
             )
+        if self.sharding_stage not in (1, 2):
+            raise ParallelConfigError(f"--sharding-stage must be 1 or 2, got {self.sharding_stage}")
         if self.sp and self.tp == 1:
             raise ParallelConfigError("sequence parallel (--sp) needs tp > 1, got tp 1")
         if (self.tp * self.dp) % (self.ep * self.etp):
@@ -208,6 +233,7 @@ class Topology:
             "tp": self.pc.tp,
             "pp": self.pc.pp,
             "dp": self.pc.dp,
+            "sharding": self.pc.sharding,
             "ep": self.pc.ep,
             "etp": self.pc.etp,
             "edp": self.pc.edp,
@@ -228,6 +254,9 @@ class Topology:
     tp_group = property(lambda self: self.group("tp"))
     pp_group = property(lambda self: self.group("pp"))
     dp_group = property(lambda self: self.group("dp"))
+    sharding_group = property(lambda self: self.group("sharding"))
+    sharding_rank = property(lambda self: self._ranks["sharding"])
+    sharding_size = property(lambda self: self.pc.sharding)
     ep_group = property(lambda self: self.group("ep"))
     etp_group = property(lambda self: self.group("etp"))
     edp_group = property(lambda self: self.group("edp"))
@@ -266,10 +295,11 @@ class Topology:
 
     def describe(self) -> str:
         r = self._ranks
+        shard = f" sharding {r['sharding']}/{self.pc.sharding}" if self.pc.sharding > 1 else ""
         return (
             f"rank {self.rank}/{self.world_size} [{self.backend}] stage {r['pp']}/{self.pc.pp} tp {r['tp']}/{self.pc.tp} "
-            f"dp {r['dp']}/{self.pc.dp} ep {r['ep']}/{self.pc.ep} etp {r['etp']}/{self.pc.etp} edp {r['edp']}/{self.pc.edp}"
-            f"{' sp' if self.pc.sp else ''}"
+            f"dp {r['dp']}/{self.pc.dp}{shard} ep {r['ep']}/{self.pc.ep} etp {r['etp']}/{self.pc.etp} "
+            f"edp {r['edp']}/{self.pc.edp}{' sp' if self.pc.sp else ''}"
         )
 
     def __repr__(self) -> str:
@@ -321,6 +351,12 @@ def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int) -> tuple[int, 
     return i // (pc.ep * pc.etp), (i // pc.etp) % pc.ep, i % pc.etp
 
 
+def _coord_rank(ftopo: Any, me: Any, **coords: int) -> int:
+    """Global rank at ``me`` with ``coords`` replaced (axes Fleet's topology lacks are ignored)."""
+    fields = me._asdict()
+    return ftopo.get_rank(**{**fields, **{k: v for k, v in coords.items() if k in fields}})
+
+
 def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
     """Initialise fleet (when world > 1) and every group for ``pc``; install and return the topology.
 
@@ -346,8 +382,16 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         from ._compat import apply_gloo_subgroup_store_fix
 
         apply_gloo_subgroup_store_fix()
+        from .fleet_gloo import install
+
+        install(backend)  # Fleet's stock TP/SP layers on CPU: the ops its CPU build lacks
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": pc.dp, "mp_degree": pc.tp, "pp_degree": pc.pp, "sharding_degree": 1}
+    strategy.hybrid_configs = {
+        "dp_degree": pc.dp,
+        "mp_degree": pc.tp,
+        "pp_degree": pc.pp,
+        "sharding_degree": pc.sharding,
+    }
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     ftopo = hcg.topology()
@@ -361,8 +405,14 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         "tp": hcg.get_model_parallel_group(),
         "pp": hcg.get_pipe_parallel_group(),
         "dp": hcg.get_data_parallel_group(),
+        "sharding": hcg.get_sharding_parallel_group(),
     }
-    ranks = {"tp": hcg.get_model_parallel_rank(), "pp": hcg.get_stage_id(), "dp": hcg.get_data_parallel_rank()}
+    ranks = {
+        "tp": hcg.get_model_parallel_rank(),
+        "pp": hcg.get_stage_id(),
+        "dp": hcg.get_data_parallel_rank(),
+        "sharding": hcg.get_sharding_parallel_rank(),
+    }
     stage_ranks = [rank_at(pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
@@ -379,13 +429,13 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         if size == 1:
             continue
         lists: dict[tuple[int, ...], None] = {}
-        for p in range(pc.pp):
+        for p, sh in ((p, sh) for p in range(pc.pp) for sh in range(pc.sharding)):
             members: dict[tuple[int, int], list[int]] = {}
             for d in range(pc.dp):
                 for t in range(pc.tp):
                     edp_r, ep_r, etp_r = expert_layout(pc, d, t)
                     key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
-                    members.setdefault(key, []).append(ftopo.get_rank(**me._replace(pipe=p, data=d, model=t)._asdict()))
+                    members.setdefault(key, []).append(_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh))
             for m in members.values():
                 lists[tuple(sorted(m))] = None
         for r in lists:
@@ -405,13 +455,14 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
             stage_sets += [(p, p + 1) for p in range(pc.pp - 1)]
         stage_sets.append((0, pc.pp - 1))
     stage_groups: dict[tuple[int, ...], Any] = {}
-    for d in range(pc.dp):
-        for t in range(pc.tp):
-            for ss in stage_sets:
-                members = [ftopo.get_rank(**me._replace(pipe=p, data=d, model=t)._asdict()) for p in ss]
-                g = dist.new_group(members)
-                if rank in members:
-                    stage_groups[ss] = g
+    for sh in range(pc.sharding):
+        for d in range(pc.dp):
+            for t in range(pc.tp):
+                for ss in stage_sets:
+                    members = [_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh) for p in ss]
+                    g = dist.new_group(members)
+                    if rank in members:
+                        stage_groups[ss] = g
     topo = Topology(pc, rank=rank, backend=backend, groups=groups, ranks=ranks, stage_ranks=stage_ranks, hcg=hcg)
     topo._stage_groups, topo._stage_sets = stage_groups, set(stage_sets)
     set_topology(topo)

@@ -32,7 +32,16 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("parallel layout")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp)")
+    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp x sharding)")
+    g.add_argument(
+        "--sharding",
+        type=int,
+        default=1,
+        help="Fleet sharding degree: more data replicas, each holding 1/N of the optimizer state",
+    )
+    g.add_argument(
+        "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded (2: not yet)"
+    )
     g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
@@ -55,6 +64,12 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
+    g.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "full"],
+        help="activation recompute: full = each decoder layer (fleet.utils.recompute)",
+    )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(
         "--data",
@@ -88,6 +103,15 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
+    g.add_argument(
+        "--job-timeout", type=float, default=None, help="stop the whole job after this many seconds (default: none)"
+    )
+    g.add_argument(
+        "--comm-timeout",
+        type=float,
+        default=600.0,
+        help="NCCL process-group timeout in seconds (PADDLE_PG_TIMEOUT; gloo's is fixed at 30 s)",
+    )
     g.add_argument("--fault", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -110,6 +134,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
+        sharding=args.sharding,
+        sharding_stage=args.sharding_stage,
+        recompute=args.recompute,
         ep=args.ep,
         etp=args.etp,
         sp=args.sp,
@@ -190,23 +217,28 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code."""
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
-    from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
     from .launch import LaunchError, launch_workers
-    from .loop import stage_specs
+    from .loop import check_batch, parallel_config, stage_specs
 
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
-        world = cfg.tp * cfg.pp * (cfg.dp or 1)
-        pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding
+        if cfg.sharding_stage == 2:
+            raise ParallelConfigError(
+                "--sharding-stage 2 (gradient sharding) is not implemented yet; use --sharding-stage 1"
+            )
+        pc = parallel_config(cfg, world)
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())
         adapter.check_layout(pc)
         stage_specs(cfg, adapter, pc.pp)
-        if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
-            raise ParallelConfigError(
-                f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
-            )
+        check_batch(cfg, pc)
+        if args.job_timeout is not None and args.job_timeout <= 0:
+            raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
+        if args.comm_timeout <= 0:
+            raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
         _prepare_data(cfg, args, adapter.vocab_size)
@@ -242,9 +274,11 @@ def run_train(args: argparse.Namespace) -> int:
             os.path.join(cfg.out, "logs"),
             launcher_args=launcher_args,
             node_rank_offset=offset,
+            timeout_s=args.job_timeout,
+            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:
-        print(f"glm52 train: {e}", file=sys.stderr)
+        print(f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr)
         return e.returncode or 1
     return 0
 

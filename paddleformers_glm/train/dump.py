@@ -35,7 +35,8 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
     """(first moment, second moment) of one parameter, or (None, None) before its first update.
 
-    The trainer's own AdamW keeps them by structured name in ``opt.state[name]``.
+    The trainer's AdamW (a wrapper of ``paddle.optimizer.AdamW``) keeps them by structured name in
+    ``opt.state[name]``, under Paddle's accumulator kinds (``moment1`` / ``moment2``).
     ``paddle.optimizer.AdamW`` keeps them as accumulators keyed by the parameter's (or, with
     multi-precision, its fp32 master's) tensor name: ``opt._accumulators["moment1"|"moment2"]``
     (prefixed with ``opt._name + "_"`` when the optimizer is named), reachable through
@@ -44,7 +45,14 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
     state = getattr(opt, "state", None)
     if isinstance(state, Mapping):
         st = state.get(name)
-        return (st["exp_avg"], st["exp_avg_sq"]) if st else (None, None)
+        if not st:
+            return None, None
+        if "exp_avg" in st:
+            return st["exp_avg"], st["exp_avg_sq"]
+        # the trainer's wrapper of paddle.optimizer.AdamW: Paddle's accumulator kinds by name
+        m1 = next((v for k, v in st.items() if k.endswith("moment1")), None)
+        m2 = next((v for k, v in st.items() if k.endswith("moment2")), None)
+        return m1, m2
     inner = getattr(opt, "_inner_opt", opt)  # fleet.distributed_optimizer wraps the Paddle optimizer
     try:
         return (

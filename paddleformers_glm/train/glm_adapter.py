@@ -23,6 +23,7 @@ import paddle.nn as nn
 
 from ..parallel.layers import parallel_cross_entropy
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.recompute import run_layer
 from ..parallel.topology import ParallelConfig, ParallelConfigError, Topology
 from .adapter import LossSpec, ModelAdapter, register_adapter
 
@@ -54,6 +55,7 @@ class GlmStage(nn.Layer):
         from ..modeling.model import GlmMoeDsaStageModel, build_lm_head, default_dtype
 
         self.config, self.spec = config, spec
+        self.recompute = "none"  # the trainer sets --recompute
         L = config.num_hidden_layers
         self.mtp_ids = list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else []
         with default_dtype(dtype):
@@ -80,7 +82,7 @@ class GlmStage(nn.Layer):
             topk = topk if topk.shape[-1] else None
         kls = []
         for i in self.spec.layers:
-            hidden, topk, kl = self.model.layers[str(i)](hidden, cos, sin, mask, topk)
+            hidden, topk, kl = run_layer(self.model.layers[str(i)], hidden, cos, sin, mask, topk, mode=self.recompute)
             if kl is not None:
                 kls.append(kl)
         losses: dict[str, LossTerm] = {}

@@ -5,10 +5,14 @@ Paddle's launcher, when one worker dies, reports whichever container it noticed 
 *survivor* that failed in communication afterwards).  So each worker records its own fate in
 ``LOG/status/``: ``rank<N>.error.json`` (exception, traceback, time, whether it looks like a
 communication failure) or ``rank<N>.ok``.  After the launcher exits we pick the culprit:
-the earliest non-communication error, else a rank that left no record (killed by a signal or the
-OS), else the earliest communication error.  A watchdog stops the whole process group when a
+the earliest non-communication error, else a rank the launcher saw frozen (process state T, e.g.
+SIGSTOP), else a rank that left no record (killed by a signal or the OS), else the earliest
+communication error.  Every failure also leaves ``LOG/failure.json`` (culprit, message, how the job
+ended).  A watchdog stops the whole process group when a
 rank has failed but the launcher has not exited ``grace_s`` later (default: past the 30 s gloo
-timeout), so the job never hangs on a dead peer.
+timeout), or when a rank stays frozen that long (on NCCL its peers would otherwise wait for the
+process-group timeout), and ``timeout_s`` (``--job-timeout``) bounds the whole job, so it never
+hangs on a dead or frozen peer.
 
 Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
 through ``launcher_args``; every node runs the same command.
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 from ..cpu_env import apply_mkl_default
 
-__all__ = ["LaunchError", "launch_workers", "worker_env"]
+__all__ = ["LaunchError", "diagnose", "launch_workers", "rank_states", "worker_env", "write_failure_record"]
 
 _COMM_MARKERS = (
     "gloo",
@@ -86,8 +90,40 @@ def _tail(path: str, n: int = 12) -> str:
     return "\n".join(lines[-n:])
 
 
-def diagnose(log_dir: str, world_local: list[int]) -> tuple[int | None, str]:
-    """(culprit rank, message) from the status files of the local ranks ``world_local``."""
+def _proc_state(pid: int) -> str | None:
+    """One-letter Linux process state (R, S, D, T = stopped, t = traced, Z), or None when gone/unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def rank_states(log_dir: str) -> dict[int, str]:
+    """Process state of every local rank that recorded its pid and is still alive."""
+    out: dict[int, str] = {}
+    for path in glob.glob(os.path.join(log_dir, "status", "rank*.pid")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            continue
+        st = _proc_state(int(rec["pid"]))
+        if st is not None and st != "Z":
+            out[int(rec["rank"])] = st
+    return out
+
+
+def diagnose(
+    log_dir: str, world_local: list[int], stopped: Sequence[int] = (), killed_by_us: bool = False
+) -> tuple[int | None, str]:
+    """(culprit rank, message) from the status files of the local ranks ``world_local``.
+
+    ``stopped``: ranks the launcher saw frozen (process state T/t: SIGSTOP, a debugger) while the
+    job was failing; such a rank outranks the peers that timed out waiting for it.
+    ``killed_by_us``: the launcher stopped the job (job timeout), so a rank without a record is not
+    a culprit by itself.
+    """
     status = os.path.join(log_dir, "status")
     errors = []
     for path in glob.glob(os.path.join(status, "rank*.error.json")):
@@ -108,7 +144,17 @@ def diagnose(log_dir: str, world_local: list[int]) -> tuple[int | None, str]:
         if rest:
             others = f" (then rank(s) {', '.join(map(str, rest))} failed too)"
         return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}{others}\n{e['traceback_tail']}"
-    if silent:
+    frozen = [r for r in stopped if r not in reported]
+    if frozen:
+        r = frozen[0]
+        comm_ranks = sorted({x["rank"] for x in errors})
+        if comm_ranks:
+            others = f"; rank(s) {', '.join(map(str, comm_ranks))} then timed out waiting for it"
+        return r, (
+            f"rank {r} was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering{others}. "
+            f"Last lines of {os.path.join(log_dir, f'workerlog.{r}')}:\n{_tail(os.path.join(log_dir, f'workerlog.{r}'), 6)}"
+        )
+    if silent and not killed_by_us:
         r = silent[0]
         tail = _tail(os.path.join(log_dir, f"workerlog.{r}"), 6)
         comm_ranks = sorted({x["rank"] for x in errors})
@@ -123,6 +169,8 @@ def diagnose(log_dir: str, world_local: list[int]) -> tuple[int | None, str]:
         return e[
             "rank"
         ], f"rank {e['rank']} failed in communication: {e['type']}: {e['message']}\n{e['traceback_tail']}"
+    if killed_by_us:
+        return None, "no rank reported an error or was seen stopped (a slow or hung job; see OUT/logs/workerlog.*)"
     return None, "the launcher failed before any worker reported (see the launcher output above)"
 
 
@@ -137,6 +185,7 @@ def launch_workers(
     timeout_s: float | None = None,
     quiet_launcher: bool = True,
     stream=None,
+    extra_env: dict[str, str] | None = None,
 ) -> None:
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
 
@@ -160,6 +209,7 @@ def launch_workers(
     ]
     cmd += list(launcher_args) + [worker, *worker_args]
     env = worker_env(nproc_per_node)
+    env.update(extra_env or {})
     env["GLM52_STATUS_DIR"] = os.path.join(log_dir, "status")
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
@@ -176,15 +226,28 @@ def launch_workers(
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     t_start, first_failure, killed = time.monotonic(), None, None
+    stopped_since: dict[int, float] = {}  # rank -> when first seen frozen
+    last_poll = 0.0
     while proc.poll() is None:
         time.sleep(0.2)
         now = time.monotonic()
         if first_failure is None and glob.glob(os.path.join(log_dir, "status", "rank*.error.json")):
             first_failure = now
+        if now - last_poll >= 1.0:  # a frozen rank hangs its peers (NCCL: up to the process-group timeout)
+            last_poll = now
+            states = rank_states(log_dir)
+            for r, st in states.items():
+                if st in ("T", "t"):
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+        frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
         if first_failure is not None and now - first_failure > grace_s:
             killed = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
+        elif frozen:
+            killed = f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job"
         elif timeout_s is not None and now - t_start > timeout_s:
-            killed = f"job exceeded {timeout_s:.0f} s; stopped"
+            killed = f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"
         if killed:
             _kill_group(proc)
             break
@@ -193,10 +256,32 @@ def launch_workers(
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
     if proc.returncode == 0 and not killed:
         return
-    rank, msg = diagnose(log_dir, local)
+    timed_out = bool(killed) and "--job-timeout" in killed
+    rank, msg = diagnose(log_dir, local, stopped=sorted(stopped_since, key=stopped_since.get), killed_by_us=timed_out)
     if killed:
         msg = f"{msg}\n({killed})"
-    raise LaunchError(rank, msg, proc.returncode if proc.returncode else 1)
+    err = LaunchError(rank, msg, proc.returncode if proc.returncode else 1)
+    write_failure_record(log_dir, err, killed=killed, seconds=time.monotonic() - t_start)
+    raise err
+
+
+def write_failure_record(log_dir: str, err: LaunchError, *, killed: str | None, seconds: float) -> str:
+    """``LOG/failure.json``: the culprit rank, the message and how the job ended (for schedulers and
+    post-mortems; a job stopped by the watchdog or the job timeout leaves no other trace of why)."""
+    path = os.path.join(log_dir, "failure.json")
+    rec = {
+        "rank": err.rank,
+        "message": err.message,
+        "returncode": err.returncode,
+        "stopped_by_launcher": killed,
+        "seconds": round(seconds, 3),
+        "time": time.time(),
+    }
+    tmp = f"{path}.part.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(tmp, path)
+    return path
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

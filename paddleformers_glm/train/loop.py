@@ -2,7 +2,7 @@
 
 One step: the global batch of the step (same for every layout) -> this data-parallel rank's
 micro-batches -> pipeline engine (forward + backward; each loss term scaled by its weight over
-its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> AdamW.
+its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> Paddle's AdamW (train/optim.py).
 Loss sums are reduced over pipeline stages and data-parallel ranks, so every rank knows the
 step's loss; rank 0 logs it and writes ``OUT/loss.json``.
 """
@@ -27,13 +27,14 @@ from .. import progress
 from ..parallel import comm
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
+from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import gather_full_state, shard_full_state
 from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import micro_batches, open_data
 from .moe_balance import ExpertBalancer
-from .optim import AdamW, lr_at
+from .optim import AdamW, make_lr_scheduler
 
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
@@ -46,7 +47,10 @@ class TrainConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
-    dp: int | None = None  # None: world / (tp * pp)
+    dp: int | None = None  # None: world / (tp * pp * sharding)
+    sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
+    sharding_stage: int = 1
+    recompute: str = "none"  # none | full (each decoder layer, fleet.utils.recompute)
     ep: int = 1
     etp: int = 1
     sp: bool = False
@@ -77,7 +81,7 @@ class TrainConfig:
     progress: bool = True
     moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
     moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
-    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang"
+    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop"
     dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
 
     @classmethod
@@ -96,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
 
@@ -135,9 +141,20 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "exit":
         os._exit(3)
+    if kind == "stop":  # alive but frozen (SIGSTOP): its peers time out waiting for it
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(10_000)
-    raise ValueError(f"--fault kind must be raise|kill|exit|hang, got {kind!r}")
+    raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop, got {kind!r}")
+
+
+def _gather_ints(value: int, topo: Any) -> list[int]:
+    """``value`` of every rank, in rank order (one world all-gather)."""
+    if topo.world_size == 1:
+        return [int(value)]
+    parts: list[paddle.Tensor] = []
+    dist.all_gather(parts, paddle.to_tensor(np.asarray([value], dtype=np.int64)))
+    return [int(p.numpy()[0]) for p in parts]
 
 
 def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
@@ -157,12 +174,36 @@ def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
     )
 
 
+def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
+    """The layout of this run (``dp`` derived from the world size when not given)."""
+    return ParallelConfig.from_world(
+        world,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        ep=cfg.ep,
+        etp=cfg.etp,
+        sp=cfg.sp,
+        dp=cfg.dp,
+        sharding=cfg.sharding,
+        sharding_stage=cfg.sharding_stage,
+    )
+
+
+def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
+    """The global batch splits evenly over the dp x sharding replicas and their micro-batches."""
+    if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
+        raise ValueError(
+            f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
+            f"x --micro-batch-size {cfg.micro_batch_size}"
+        )
+
+
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
     """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
     cfg.validate()
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
-    pc = ParallelConfig.from_world(world, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, sp=cfg.sp, dp=cfg.dp)
+    pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
         from ..parallel._compat import bf16_compute_supported
@@ -171,10 +212,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
             raise ValueError(
                 "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
             )
-    if cfg.global_batch_size % (pc.dp * cfg.micro_batch_size):
-        raise ValueError(
-            f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x --micro-batch-size {cfg.micro_batch_size}"
-        )
+    check_batch(cfg, pc)
     specs = stage_specs(cfg, adapter, pc.pp)
     kinds = adapter.layer_kinds()
     if kinds is not None:
@@ -238,6 +276,10 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         module = adapter.build_stage(specs[topo.stage], topo)
     finally:
         paddle.set_default_dtype(prev_dtype)
+    if hasattr(module, "recompute"):
+        module.recompute = cfg.recompute
+    elif cfg.recompute != "none":
+        raise ValueError(f"--recompute {cfg.recompute}: the {cfg.model} stage module does not support recompute")
     _load_initial_weights(cfg, adapter, module, topo, specs[topo.stage])
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
@@ -246,7 +288,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
+        topo=topo,
     )
+    opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     engine = PipelineEngine(module, topo, cfg.schedule)
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
@@ -265,16 +309,20 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         "seq_len": cfg.seq_len,
         "dtype": cfg.dtype,
     }
+    # loss.json's profile keeps its published keys; checkpoints also record the sharding degree
+    layout = {**profile, "sharding": topo.pc.sharding}
     history: dict[str, list[float]] = {k: [] for k in report_keys}
     history.update(grad_norms=[], lrs=[])
     start = 0
     ckpt_root = os.path.join(cfg.out, "checkpoints")
     if cfg.resume:
-        meta = load_checkpoint(cfg.resume, topo, module, opt, profile)
+        meta = load_checkpoint(cfg.resume, topo, module, opt, layout)
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+    sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
+    opt_bytes: list[int] = []  # optimizer-state bytes of every rank
     result: dict[str, Any] = {}
 
     def snapshot(steps_done: int) -> dict[str, Any]:
@@ -288,6 +336,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             versions=_versions(),
             grad_norms=history["grad_norms"],
             lrs=history["lrs"],
+            optimizer_state_bytes=opt_bytes,
             run={
                 "model": cfg.model,
                 "pp_layout": layout_string(specs),
@@ -295,6 +344,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 "data": data.describe,
                 "resumed_from_step": start if cfg.resume else None,
                 "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
+                "sharding": topo.pc.sharding,
+                "recompute": cfg.recompute,
             },
         )
         out.update(balancer.report())
@@ -316,14 +367,16 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         _maybe_fault(cfg.fault, topo.rank, step + 1)
-        lr = lr_at(step + 1, cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
+        sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
+        lr = float(sched())
         batch = data.global_batch(step, cfg.global_batch_size)
         norms = {
             name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
             for name, s in loss_specs.items()
         }
         scales = {name: s.weight / max(norms[name], 1) for name, s in loss_specs.items()}
-        mbs = [_to_tensors(mb) for mb in micro_batches(batch, topo.dp_rank, topo.dp_size, cfg.micro_batch_size)]
+        replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
+        mbs = [_to_tensors(mb) for mb in micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size)]
         totals = engine.run(mbs, scales)
         grads, has_grad = sync.main_grads()
         pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
@@ -336,6 +389,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             dump_after_step(cfg.dump_steps, step + 1, module, opt, pre_clip, topo, adapter)
         module.clear_gradients()
         balancer.after_step(step + 1)
+        if not opt_bytes:
+            opt_bytes = _gather_ints(opt.state_bytes(), topo)
+            log(f"[glm52 train] optimizer state bytes per rank: {opt_bytes}")
 
         names = sorted(loss_specs)
         vec = paddle.to_tensor(
@@ -344,7 +400,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 dtype=np.float64,
             )
         )
-        vec = comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group)
+        vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
         vals = vec.numpy().tolist()
         sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
         for n in names:
@@ -379,7 +435,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            meta = {"profile": profile, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
+            meta = {"profile": layout, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
             path = save_checkpoint(ckpt_root, step + 1, topo, module, opt, meta)
             if rank0:
                 log(f"[glm52 train] checkpoint {path}")

@@ -1,32 +1,50 @@
-"""AdamW with fp32 master weights, and the warmup + cosine learning-rate schedule.
+"""The optimizer and learning-rate schedule, from Paddle: ``paddle.optimizer.AdamW`` (fp32 master
+weights via ``multi_precision``) and ``paddle.optimizer.lr`` linear warmup + cosine.
 
-Why not ``paddle.optimizer.AdamW``: the update must consume the gradients *after* our cross-rank
-sync and true-global-norm clipping (grads.py), skip parameters that got no gradient anywhere
-(torch semantics, so every layout updates the same set), and save / restore its state by
-parameter name for bit-exact resume.  bf16/fp16 parameters get an fp32 master copy that the
-update runs on; an fp32 parameter is its own master (no copy).
+The wrapper keeps three things the trainer needs and Paddle's optimizer does not do by itself:
+
+* the update consumes the gradients *after* the trainer's cross-rank sync and true-global-norm
+  clipping (parallel/grads.py), handed over explicitly (``_apply_optimize`` with
+  ``(param, grad)`` pairs, the same entry Fleet's sharding optimizer uses);
+* a parameter that got no gradient anywhere is left out of the step (torch semantics: its moments
+  and its bias-correction power stay untouched), so every layout updates the same set;
+* with sharding ranks (``--sharding N``) Fleet's ``DygraphShardingOptimizer`` partitions the
+  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated;
+* state is saved and restored by *structured* parameter name (``layers.3.mlp.gate.weight``), not
+  by Paddle's generated tensor names, so a checkpoint does not depend on construction order.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import paddle
+from paddle.optimizer import lr as lr_sched
 
-__all__ = ["AdamW", "lr_at"]
+__all__ = ["AdamW", "lr_at", "make_lr_scheduler"]
+
+
+def make_lr_scheduler(max_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> lr_sched.LRScheduler:
+    """Paddle's ``LinearWarmup(CosineAnnealingDecay)``: linear from 0 to ``max_lr`` over
+    ``warmup_steps``, then cosine to ``min_lr`` at ``total_steps``.  Step it with the 1-based update
+    number (``sched.step(step)``): an explicit epoch takes Paddle's closed form, so the value is a
+    pure function of the step (a resumed run gets the same learning rates bit for bit)."""
+    span = max(1, total_steps - warmup_steps)
+    cosine = lr_sched.CosineAnnealingDecay(learning_rate=max_lr, T_max=span, eta_min=min_lr)
+    if warmup_steps <= 0:
+        return cosine
+    return lr_sched.LinearWarmup(cosine, warmup_steps=warmup_steps, start_lr=0.0, end_lr=max_lr)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """LR of update ``step`` (1-based): linear warmup to ``max_lr`` over ``warmup_steps``, then cosine
-    decay reaching ``min_lr`` at ``total_steps``."""
+    """LR of update ``step`` (1-based) from :func:`make_lr_scheduler`."""
     if step < 1:
         raise ValueError(f"lr_at: step is 1-based, got {step}")
-    if warmup_steps > 0 and step <= warmup_steps:
-        return max_lr * step / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    sched = make_lr_scheduler(max_lr, min_lr, warmup_steps, total_steps)
+    sched.step(step)
+    return float(sched())
 
 
 def default_decay(name: str, param: paddle.Tensor) -> bool:
@@ -35,7 +53,7 @@ def default_decay(name: str, param: paddle.Tensor) -> bool:
 
 
 class AdamW:
-    """Decoupled weight decay Adam (torch.optim.AdamW update order), per-parameter step counts."""
+    """``paddle.optimizer.AdamW`` over named parameters, stepped with given gradients and lr."""
 
     def __init__(
         self,
@@ -45,79 +63,136 @@ class AdamW:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         decay: Callable[[str, paddle.Tensor], bool] = default_decay,
+        topo: Any = None,
     ) -> None:
         self.params = list(named_params)
-        self.beta1, self.beta2 = betas
-        self.eps, self.weight_decay = eps, weight_decay
         self.decay = {n: bool(decay(n, p)) for n, p in self.params}
-        self.state: dict[str, dict[str, paddle.Tensor | int]] = {}
-        self.master: dict[str, paddle.Tensor] = {}
+        decayed = {p.name for n, p in self.params if self.decay[n]}
+        self.opt = paddle.optimizer.AdamW(
+            learning_rate=1.0,  # set per step
+            beta1=betas[0],
+            beta2=betas[1],
+            epsilon=eps,
+            parameters=[p for _, p in self.params],
+            weight_decay=weight_decay,
+            apply_decay_param_fun=lambda pname: pname in decayed,
+            multi_precision=True,
+            grad_clip=None,  # clipping is done on the synced grads (true global norm)
+        )
+        self._stepped: set[str] = set()
+        self.sharding = None  # Fleet's DygraphShardingOptimizer when the topology has sharding ranks
+        self._sharding_group = None
+        self._own = {p.name for _, p in self.params}
+        if topo is not None and topo.sharding_size > 1:
+            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
+                DygraphShardingOptimizer,
+            )
+
+            # Fleet partitions the parameters over the sharding ranks (largest first, greedy) and
+            # narrows the inner AdamW to this rank's part: only that part gets moments / masters
+            self.sharding = DygraphShardingOptimizer(self.opt, topo.hcg)
+            self._sharding_group = topo.sharding_group
+            self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
+
+    @property
+    def master(self) -> dict[str, paddle.Tensor]:
+        """fp32 master copies of non-fp32 parameters (Paddle's ``multi_precision`` weights)."""
+        mw = getattr(self.opt, "_master_weights", {}) or {}
+        return {n: mw[p.name] for n, p in self.params if p.name in mw}
+
+    @property
+    def state(self) -> dict[str, dict[str, paddle.Tensor]]:
+        """Accumulators (moments, beta powers) by structured name, for parameters that stepped."""
+        acc = getattr(self.opt, "_accumulators", {})
+        out: dict[str, dict[str, paddle.Tensor]] = {}
         for n, p in self.params:
-            if p.dtype != paddle.float32:
-                self.master[n] = p.detach().astype("float32")
+            if n not in self._stepped:
+                continue
+            key = self._acc_key(p)
+            out[n] = {kind: table[key] for kind, table in acc.items() if key in table}
+        return out
+
+    def _acc_key(self, p: paddle.Tensor) -> str:
+        """Paddle keys a bf16/fp16 parameter's moments by its fp32 master weight's name."""
+        mw = getattr(self.opt, "_master_weights", {}) or {}
+        return mw[p.name].name if p.name in mw else p.name
 
     def master_weight(self, name: str) -> paddle.Tensor:
         """The fp32 value the update runs on (the parameter itself when it is fp32)."""
         return self.master.get(name, dict(self.params)[name])
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (moments, beta powers, master weights)."""
+        total = 0
+        for table in getattr(self.opt, "_accumulators", {}).values():
+            total += sum(int(t.size) * t.element_size() for t in table.values())
+        total += sum(int(t.size) * t.element_size() for t in self.master.values())
+        return total
+
     @paddle.no_grad()
     def step(self, grads: dict[str, paddle.Tensor], has_grad: dict[str, bool], lr: float) -> None:
         """Update every parameter that got a gradient; ``grads`` are fp32 and already synced and clipped."""
-        b1, b2 = self.beta1, self.beta2
+        pairs = []
         for n, p in self.params:
-            if not has_grad.get(n, False):
+            if not has_grad.get(n, False) or p.name not in self._own:
                 continue
             g = grads[n]
-            st = self.state.get(n)
-            if st is None:
-                st = self.state[n] = {
-                    "step": 0,
-                    "exp_avg": paddle.zeros(p.shape, "float32"),
-                    "exp_avg_sq": paddle.zeros(p.shape, "float32"),
-                }
-            st["step"] = int(st["step"]) + 1
-            w = self.master[n] if n in self.master else p
-            if self.weight_decay and self.decay[n]:
-                w = w * (1.0 - lr * self.weight_decay)
-            m = st["exp_avg"] * b1 + g * (1.0 - b1)
-            v = st["exp_avg_sq"] * b2 + g * g * (1.0 - b2)
-            st["exp_avg"], st["exp_avg_sq"] = m, v
-            bc1 = 1.0 - b1 ** st["step"]
-            bc2 = 1.0 - b2 ** st["step"]
-            denom = paddle.sqrt(v) / math.sqrt(bc2) + self.eps
-            w = w - (lr / bc1) * (m / denom)
-            if n in self.master:
-                self.master[n] = w
-                p.set_value(w.astype(p.dtype))
-            else:
-                p.set_value(w)
+            pairs.append((p, g if g.dtype == p.dtype else g.astype(p.dtype)))
+            self._stepped.add(n)
+        if pairs:
+            self.opt.set_lr(lr)
+            self.opt._apply_optimize(loss=None, startup_program=None, params_grads=pairs)
+        if self.sharding is not None:
+            self._broadcast_updated(has_grad)
+
+    def _broadcast_updated(self, has_grad: dict[str, bool]) -> None:
+        """Every updated parameter from the sharding rank that owns it (Fleet's partition order).
+
+        Fleet's own ``_sharding_sync_parameters`` broadcasts the parameters that have a local
+        gradient, which differs between ranks when an expert got tokens on one replica only; the
+        synced ``has_grad`` is the same on every rank, so the broadcasts match."""
+        from ..parallel import comm
+
+        by_name = {p.name: n for n, p in self.params}
+        ranks = self._sharding_group.ranks
+        for owner, params in sorted(self.sharding._rank2params.items()):
+            for p in params:
+                if has_grad.get(by_name[p.name], False):
+                    comm.broadcast(p, ranks[owner], self._sharding_group)
 
     def state_dict(self) -> dict[str, dict[str, paddle.Tensor | int]]:
-        out: dict[str, dict[str, paddle.Tensor | int]] = {}
-        for n, st in self.state.items():
-            out[n] = dict(st)
+        """``{structured name: {accumulator kind: tensor, "master": fp32 weight}}``."""
+        out: dict[str, dict[str, paddle.Tensor | int]] = {n: dict(st) for n, st in self.state.items()}
         for n, w in self.master.items():
             out.setdefault(n, {})["master"] = w
         return out
 
     def set_state_dict(self, sd: dict[str, dict[str, paddle.Tensor | int]]) -> None:
-        names = {n for n, _ in self.params}
-        unknown = set(sd) - names
+        names = dict(self.params)
+        unknown = set(sd) - set(names)
         if unknown:
             raise KeyError(f"optimizer state has parameters this model lacks: {sorted(unknown)[:5]}")
-
-        def f32(v) -> paddle.Tensor:
-            t = v.detach().clone() if isinstance(v, paddle.Tensor) else paddle.to_tensor(v)
-            return t.astype("float32")
-
-        self.state = {}
+        stepped = {n for n, st in sd.items() if any(k != "master" for k in st)}
+        self.prepare_state()
+        acc = self.opt._accumulators
         for n, st in sd.items():
-            st = dict(st)
-            if "master" in st:
-                self.master[n] = f32(st.pop("master"))
-            if st:
-                self.state[n] = {
-                    "step": int(st["step"]),
-                    "exp_avg": f32(st["exp_avg"]),
-                    "exp_avg_sq": f32(st["exp_avg_sq"]),
-                }
+            p = names[n]
+            for kind, v in st.items():
+                t = v.detach() if isinstance(v, paddle.Tensor) else paddle.to_tensor(v)
+                if kind == "master":
+                    self.opt._master_weights[p.name].set_value(t.astype("float32"))
+                else:
+                    dst = acc[kind][self._acc_key(p)]
+                    dst.set_value(t.astype(dst.dtype))
+        self._stepped = stepped
+
+    def prepare_state(self) -> None:
+        """Create every accumulator and master weight now (Paddle does it lazily on the first step); restoring state needs them first."""
+        block = paddle.static.default_main_program().global_block()
+        self.opt._create_accumulators(block, [p for _, p in self.params if p.name in self._own])
+
+    @staticmethod
+    def bias_correction_step(state: dict[str, paddle.Tensor], beta1: float) -> int:
+        """The step count implied by a parameter's beta1 power accumulator (for logs and checks)."""
+        b1p = float(state["beta1_pow_acc"].numpy().reshape([-1])[0])
+        return int(round(math.log(b1p) / math.log(beta1)))

@@ -34,6 +34,7 @@ from ..parallel.layers import (
     parallel_cross_entropy,
 )
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.recompute import run_layer
 from ..parallel.topology import ParallelConfig, Topology, topology_override
 from .adapter import LossSpec, ModelAdapter, register_adapter
 
@@ -184,6 +185,7 @@ class ToyStage(nn.Layer):
     def __init__(self, cfg: ToyConfig, spec: StageSpec, topo: Topology) -> None:
         super().__init__()
         self.cfg, self.spec = cfg, spec
+        self.recompute = "none"  # the trainer sets --recompute
         sp = topo.sequence_parallel
         if spec.has_embedding or spec.has_mtp:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, sequence_parallel=sp)
@@ -204,7 +206,7 @@ class ToyStage(nn.Layer):
         else:
             h, topk = carry
         for i in self.spec.layers:
-            h, topk = self.layers[str(i)](h, topk)
+            h, topk = run_layer(self.layers[str(i)], h, topk, mode=self.recompute)
         if not self.spec.has_head:
             return StageOutput(carry=(h, topk))
         labels = batch["labels"]

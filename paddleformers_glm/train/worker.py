@@ -1,7 +1,8 @@
 """Entry point of one launched training process: ``worker.py --config RUN.json``.
 
-Records its own outcome for the launcher (launch.py): ``rank<N>.ok`` or ``rank<N>.error.json``
-with the exception and traceback, then leaves with ``os._exit`` so no gloo/NCCL destructor can
+Records its own outcome for the launcher (launch.py): ``rank<N>.pid`` at start (so the launcher can
+tell a frozen rank from a busy one), then ``rank<N>.ok`` or ``rank<N>.error.json`` with the
+exception and traceback, then leaves with ``os._exit`` so no gloo/NCCL destructor can
 hang the process after a peer died.
 """
 
@@ -27,11 +28,19 @@ def _status(rank: int, suffix: str, payload: dict | None = None) -> None:
     os.replace(path + ".part", path)
 
 
+def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
+    """Head and tail of a long message: the head names the failing op, the tail the last frames."""
+    if len(text) <= head + tail + 5:
+        return text
+    return f"{text[:head]} ... {text[-tail:]}"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="glm52 training worker (started by the launcher)")
     ap.add_argument("--config", required=True, help="TrainConfig as JSON")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
+    _status(rank, "pid", {"rank": rank, "pid": os.getpid()})  # lets the launcher see a frozen rank
     try:
         from paddleformers_glm.train.loop import TrainConfig, run_training
 
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
         tb = traceback.format_exc()
         msg = str(e).strip().splitlines()
-        text = " | ".join(ln.strip() for ln in msg if ln.strip())[-800:]
+        text = _shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
         _status(
             rank,
             "error.json",
@@ -52,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
                 "time": time.time(),
                 "type": type(e).__name__,
                 "message": text,
-                "comm": is_comm_error(f"{type(e).__name__} {text}"),
+                # classified on the whole text: gloo puts its TIMEOUT words at the start of a long message
+                "comm": is_comm_error(f"{type(e).__name__} {e} {tb}"),
                 "traceback_tail": "\n".join(tb.strip().splitlines()[-8:]),
             },
         )

@@ -1,0 +1,202 @@
+"""Fleet's tensor- and sequence-parallel ops on CPU gloo, supplied *under* Fleet's own APIs.
+
+Paddle 3.3.1's CPU build has no kernels for the collective ops that ``fleet.meta_parallel``'s
+``ColumnParallelLinear`` / ``RowParallelLinear`` / ``ParallelCrossEntropy`` and
+``fleet.utils.sequence_parallel_utils`` call (``c_identity``, ``mp_allreduce``, ``c_split``,
+``c_concat``, ``c_softmax_with_cross_entropy``, a stream ``reduce_scatter``), and ``PipelineLayer``
+reads a device id that a CPU build never sets.  :func:`install` replaces exactly these internals
+with equivalents built on the collectives gloo does implement (all-reduce, all-gather, broadcast),
+so the stock Fleet layers run unchanged on CPU and tests exercise the same layer code as NCCL.
+
+What it touches (module attributes, read in Paddle 3.3.1):
+
+* ``paddle.distributed.fleet.layers.mpu.mp_ops``: ``_c_identity``, ``_mp_allreduce``, ``_c_split``,
+  ``_c_concat``, ``_c_softmax_with_cross_entropy`` (``mp_layers`` calls them through the module);
+* ``paddle.distributed.fleet.utils.sequence_parallel_utils``: ``all_gather``, ``reduce_scatter``
+  (the Scatter/Gather/AllGather/ReduceScatter PyLayers call them through the module);
+* ``paddle.distributed.parallel.ParallelEnv._device_id`` (class default 0 when unset).
+
+Installed only for the gloo backend (:func:`~paddleformers_glm.parallel.topology.init_topology`
+calls it); on NCCL nothing is patched.  Guarded: each piece is skipped with a warning when the
+attribute it replaces is missing, and the whole module warns outside the tested Paddle versions.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import paddle
+import paddle.distributed as dist
+from paddle.autograd import PyLayer
+
+from . import comm
+from ._compat import PADDLE_VERSION, TESTED_PADDLE
+
+__all__ = ["install", "installed"]
+
+_INSTALLED: list[str] = []
+
+
+def installed() -> list[str]:
+    """Names of the Fleet internals replaced in this process (empty on NCCL / world 1)."""
+    return list(_INSTALLED)
+
+
+def _group(group: Any) -> Any:
+    if group is None:
+        from paddle.distributed import collective
+
+        return collective._get_default_group()
+    return group
+
+
+class _Pair(PyLayer):
+    """forward fn(x), backward bwd(dy); closures carry the group."""
+
+    @staticmethod
+    def forward(ctx, x: paddle.Tensor, fwd: Any, bwd: Any) -> paddle.Tensor:
+        ctx.bwd = bwd
+        y = fwd(x)
+        return y.clone() if y is x else y
+
+    @staticmethod
+    def backward(ctx, dy: paddle.Tensor) -> paddle.Tensor:
+        g = ctx.bwd(dy)
+        return g.clone() if g is dy else g
+
+
+def c_identity(tensor: paddle.Tensor, group: Any = None, skip_c_identity_dynamic: bool = False) -> paddle.Tensor:
+    """Identity forward, sum of gradients over the group backward (Megatron's f)."""
+    if group is not None and not group.is_member():
+        return None
+    g = _group(group)
+    return _Pair.apply(tensor, lambda t: t, lambda d: comm.all_reduce(d, g))
+
+
+def mp_allreduce(
+    tensor: paddle.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Any = None,
+    use_calc_stream: bool = True,
+    use_model_parallel: bool = True,
+    skip_c_identity_dynamic: bool = False,
+) -> paddle.Tensor:
+    """Sum over the group forward, identity backward (Megatron's g)."""
+    if group is not None and not group.is_member():
+        return None
+    if op != dist.ReduceOp.SUM:
+        raise ValueError(f"fleet_gloo.mp_allreduce: only SUM is supported, got {op}")
+    g = _group(group)
+    return _Pair.apply(tensor, lambda t: comm.all_reduce(t, g), lambda d: d)
+
+
+def c_split(tensor: paddle.Tensor, group: Any = None) -> paddle.Tensor:
+    """This rank's slice of the last axis; backward all-gathers."""
+    if group is not None and not group.is_member():
+        return None
+    g = _group(group)
+    return _Pair.apply(tensor, lambda t: comm.split_take(t, g, -1), lambda d: comm.all_gather(d, g, -1))
+
+
+def c_concat(tensor: paddle.Tensor, group: Any = None) -> paddle.Tensor:
+    """All-gather along the last axis; backward keeps this rank's slice."""
+    if group is not None and not group.is_member():
+        return None
+    g = _group(group)
+    return _Pair.apply(tensor, lambda t: comm.all_gather(t, g, -1), lambda d: comm.split_take(d, g, -1))
+
+
+def c_softmax_with_cross_entropy(
+    logits: paddle.Tensor,
+    label: paddle.Tensor,
+    group: Any = None,
+    return_softmax: bool = False,
+    ignore_index: int = -100,
+) -> Any:
+    """Cross entropy over vocabulary-split logits (last axis split over the group); loss [..., 1].
+
+    Max and sum of exponentials are reduced over the group; the label's logit comes from the rank
+    whose vocabulary slice holds it.  Labels equal to ``ignore_index`` give a zero loss.
+    """
+    if group is not None and not group.is_member():
+        return None
+    g = _group(group)
+    if label.ndim == logits.ndim - 1:
+        label = label.unsqueeze(-1)
+    part = logits.shape[-1]
+    start = comm.group_rank(g) * part
+    with paddle.no_grad():
+        gmax = comm.all_reduce(logits.max(axis=-1, keepdim=True), g, op="max")
+    shifted = logits - gmax
+    exp = paddle.exp(shifted)
+    sum_exp = mp_allreduce(exp.sum(axis=-1, keepdim=True), group=g)
+    label = label.astype("int64")
+    mine = paddle.logical_and(label >= start, label < start + part)
+    local = paddle.where(mine, label - start, paddle.zeros_like(label))
+    picked = paddle.take_along_axis(shifted, local, axis=-1) * mine.astype(logits.dtype)
+    picked = mp_allreduce(picked, group=g)
+    loss = (paddle.log(sum_exp) - picked) * (label != ignore_index).astype(logits.dtype)
+    if return_softmax:
+        return loss, exp / sum_exp
+    return loss
+
+
+def _mp_group() -> Any:
+    from paddle.distributed import fleet
+
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
+def sp_all_gather(input: paddle.Tensor) -> paddle.Tensor:
+    """Sequence-parallel all-gather along axis 0 (no autograd: Fleet's PyLayers wrap it)."""
+    return comm.all_gather(input, _mp_group(), 0)
+
+
+def sp_reduce_scatter(input: paddle.Tensor) -> paddle.Tensor:
+    """Sequence-parallel reduce-scatter along axis 0 (all-reduce, keep my rows)."""
+    return comm.reduce_scatter(input, _mp_group(), 0)
+
+
+def _replace(module: Any, attr: str, fn: Any, label: str) -> None:
+    if not hasattr(module, attr):
+        warnings.warn(
+            f"paddleformers_glm: Paddle {paddle.__version__} has no {module.__name__}.{attr}; "
+            f"not replaced (the stock Fleet layer may fail on CPU gloo)",
+            stacklevel=3,
+        )
+        return
+    if getattr(getattr(module, attr), "_glm52_gloo", False):
+        return
+    fn._glm52_gloo = True
+    setattr(module, attr, fn)
+    _INSTALLED.append(label)
+
+
+def install(backend: str) -> list[str]:
+    """Replace the Fleet internals listed in the module doc when ``backend`` is gloo; returns them."""
+    if backend != "gloo":
+        return []
+    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
+        warnings.warn(
+            f"paddleformers_glm: Fleet gloo ops installed on untested Paddle {paddle.__version__} "
+            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
+            stacklevel=2,
+        )
+    from paddle.distributed import parallel
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
+
+    _replace(mp_ops, "_c_identity", c_identity, "mp_ops._c_identity")
+    _replace(mp_ops, "_mp_allreduce", mp_allreduce, "mp_ops._mp_allreduce")
+    _replace(mp_ops, "_c_split", c_split, "mp_ops._c_split")
+    _replace(mp_ops, "_c_concat", c_concat, "mp_ops._c_concat")
+    _replace(
+        mp_ops, "_c_softmax_with_cross_entropy", c_softmax_with_cross_entropy, "mp_ops._c_softmax_with_cross_entropy"
+    )
+    _replace(spu, "all_gather", sp_all_gather, "sequence_parallel_utils.all_gather")
+    _replace(spu, "reduce_scatter", sp_reduce_scatter, "sequence_parallel_utils.reduce_scatter")
+    if not hasattr(parallel.ParallelEnv, "_device_id"):  # CPU builds never set it; PipelineLayer reads it
+        parallel.ParallelEnv._device_id = 0
+        _INSTALLED.append("ParallelEnv._device_id")
+    return installed()

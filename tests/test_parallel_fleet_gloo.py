@@ -1,0 +1,42 @@
+"""Fleet's stock tensor- and sequence-parallel layers on 2 gloo processes through the
+compatibility ops (paddleformers_glm/parallel/fleet_gloo.py), against one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests._dist.runner import launch_script
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet_results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fleet")
+    p = launch_script("check_fleet_layers.py", 2, [str(d / "res.json")], d / "logs", timeout=120)
+    if p.returncode != 0:
+        logs = "\n".join((d / "logs" / f"workerlog.{r}").read_text(errors="replace")[-3000:] for r in range(2))
+        pytest.fail(f"check_fleet_layers.py failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{logs}")
+    return json.loads((d / "res.json").read_text())
+
+
+def test_compat_ops_are_installed_on_gloo(fleet_results):
+    assert {
+        "mp_ops._c_identity",
+        "mp_ops._c_softmax_with_cross_entropy",
+        "sequence_parallel_utils.reduce_scatter",
+    } <= set(fleet_results["installed"]), fleet_results["installed"]
+
+
+@pytest.mark.parametrize("prefix", ["tp_mlp", "vocab_emb", "parallel_ce", "sp_mlp"])
+def test_stock_fleet_layers_match_one_process(fleet_results, prefix):
+    got = {k: v for k, v in fleet_results.items() if k.startswith(prefix)}
+    assert got and all(v <= 1e-5 for v in got.values()), got
+
+
+def test_install_is_a_no_op_off_gloo():
+    from paddleformers_glm.parallel.fleet_gloo import install
+
+    assert install("nccl") == []
