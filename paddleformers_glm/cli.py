@@ -22,6 +22,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("demo", "paddleformers_glm.demo:register_demo"),
     ("train", "paddleformers_glm.train.command:register_train"),
     ("plot-experts", "paddleformers_glm.parity.expert_plot:register_plot_experts"),
+    ("plan", "paddleformers_glm.train.plan:register_plan"),
 ]
 
 

@@ -32,6 +32,7 @@ from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import micro_batches, open_data
+from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
 from .optim import AdamW, lr_at
 
@@ -247,6 +248,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         weight_decay=cfg.weight_decay,
     )
     engine = PipelineEngine(module, topo, cfg.schedule)
+    memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
@@ -328,6 +330,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         gnorm = sync.global_norm(grads)
         clip_main_grads(grads, gnorm, cfg.clip_grad)
         opt.step(grads, has_grad, lr)
+        memory.observe(grads, opt)
         module.clear_gradients()
         balancer.after_step(step + 1)
 
@@ -379,8 +382,10 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 log(f"[glm52 train] checkpoint {path}")
     if bar is not None:
         bar.close()
+    memory_report = memory.gather(opt)  # collective
     if rank0:
         result = snapshot(cfg.steps)
+        result["memory"] = memory_report
         write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
     if cfg.export:
         full = gather_full_state(module, topo)

@@ -1,0 +1,137 @@
+"""Per-rank memory: one accounting rule for parameters, gradients and optimizer state, shared by
+``glm52 plan`` (which applies it to shapes built under ``paddle.LazyGuard``) and by the trainer
+(which measures the tensors it really holds and records both in ``loss.json``).
+
+The rule, per parameter of ``n`` elements and dtype ``d``:
+
+* parameter: ``n * bytes(d)``;
+* gradient: ``n * 4`` (the trainer syncs, clips and steps on fp32 "main grads", parallel/grads.py),
+  divided by the sharding degree at sharding stage 2 (reduce-scattered gradients);
+* optimizer state as ``paddle.optimizer.AdamW(multi_precision=True)`` holds it: moment1 and
+  moment2 in fp32 (``2 * n * 4``), an fp32 master weight when ``d`` is not fp32 (``n * 4``), and
+  the two beta-power accumulators (shape [1], fp32: 8 bytes); divided by the sharding degree at
+  sharding stage >= 1.  The trainer's own AdamW (before it moved onto Paddle's) kept a Python int
+  step instead of the beta powers: ``beta_pows=False`` describes it.
+
+Sharded divisions are an even split (what Paddle's sharding V2 lays out, up to its alignment
+padding); at sharding degree 1 every number is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "state_bytes"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' for paddle.float32 / 'paddle.float32' / numpy dtypes."""
+    s = str(dtype).replace("paddle.", "")
+    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(s, s)
+
+
+def state_bytes(
+    params: Iterable[tuple[int, str] | tuple[int, str, bool]],
+    *,
+    sharding_degree: int = 1,
+    sharding_stage: int = 0,
+    beta_pows: bool = True,
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state for ``params`` = ``(numel, dtype)`` or
+    ``(numel, dtype, trainable)`` (a frozen parameter has no gradient and no optimizer state).
+
+    The single place this rule lives: the planner's per-rank numbers and the trainer's comparison
+    both come from here (see the module docstring for the rule)."""
+    if sharding_degree < 1 or sharding_stage not in (0, 1, 2, 3):
+        raise ValueError(f"state_bytes: sharding degree {sharding_degree} / stage {sharding_stage} is not valid")
+    p_bytes = g_bytes = o_bytes = 0
+    for numel, dtype, *trainable in params:
+        d = dtype_name(dtype)
+        p_bytes += numel * DTYPE_BYTES[d]
+        if trainable and not trainable[0]:
+            continue
+        g_bytes += numel * 4
+        o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + (8 if beta_pows else 0)
+    sd = sharding_degree
+    if sharding_stage >= 1 and sd > 1:
+        o_bytes = math.ceil(o_bytes / sd)
+    if sharding_stage >= 2 and sd > 1:
+        g_bytes = math.ceil(g_bytes / sd)
+    if sharding_stage >= 3 and sd > 1:
+        p_bytes = math.ceil(p_bytes / sd)
+    return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes}
+
+
+def _tensor_bytes(t: Any) -> int:
+    return int(math.prod(t.shape)) * DTYPE_BYTES[dtype_name(t.dtype)]
+
+
+def optimizer_tensors_bytes(opt: Any) -> tuple[int, str]:
+    """(bytes of every tensor the optimizer holds, which optimizer): Paddle's AdamW (wrapped, as
+    ``opt.opt``) or the trainer's own; counted from the live objects, not from a formula."""
+    inner = getattr(opt, "opt", None)
+    if inner is not None and hasattr(inner, "_accumulators"):
+        total = sum(_tensor_bytes(t) for table in inner._accumulators.values() for t in table.values())
+        total += sum(_tensor_bytes(t) for t in (getattr(inner, "_master_weights", {}) or {}).values())
+        return total, "paddle.optimizer.AdamW"
+    total = 0
+    for st in opt.state_dict().values():
+        for v in st.values():
+            if hasattr(v, "shape") and hasattr(v, "dtype"):
+                total += _tensor_bytes(v)
+    return total, type(opt).__module__ + "." + type(opt).__name__
+
+
+def peak_host_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
+class MemoryMonitor:
+    """The trainer's measurement: after the first optimizer step it counts the parameters the rank
+    holds, the fp32 main gradients and the optimizer's tensors; at the end it adds the peak memory
+    (``max_memory_allocated`` on a GPU, peak RSS on the host) and gathers every rank's record."""
+
+    def __init__(self, module: Any, topo: Any) -> None:
+        self.module, self.topo = module, topo
+        self.record: dict[str, Any] | None = None
+
+    def observe(self, grads: Mapping[str, Any], opt: Any) -> None:
+        """Call after each optimizer step (cheap after the first)."""
+        if self.record is not None:
+            return
+        params = list(self.module.parameters())
+        opt_bytes, impl = optimizer_tensors_bytes(opt)
+        self.record = {
+            "rank": int(self.topo.rank),
+            "params_bytes": sum(_tensor_bytes(p) for p in params),
+            "grads_bytes": sum(_tensor_bytes(g) for g in grads.values()),
+            "optimizer_bytes": opt_bytes,
+            "optimizer": impl,
+            "param_tensors": len(params),
+        }
+
+    def gather(self, opt: Any) -> list[dict[str, Any]]:
+        """Every rank's record, in rank order.  Collective: call on every rank."""
+        import paddle
+
+        rec = dict(self.record or {"rank": int(self.topo.rank)})
+        rec["optimizer_bytes"], rec["optimizer"] = optimizer_tensors_bytes(opt)  # end-of-run state
+        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+            rec["peak_bytes"], rec["peak_kind"] = int(paddle.device.cuda.max_memory_allocated()), "max_memory_allocated"
+        else:
+            rec["peak_bytes"], rec["peak_kind"] = peak_host_bytes(), "peak_rss"
+        if self.topo.world_size == 1:
+            return [rec]
+        import paddle.distributed as dist
+
+        out: list[dict[str, Any]] = []
+        dist.all_gather_object(out, rec)
+        return sorted(out, key=lambda r: r["rank"])
