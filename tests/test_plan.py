@@ -78,6 +78,9 @@ def test_state_bytes_rule():
     sh = state_bytes(params, sharding_degree=4, sharding_stage=2)
     assert sh["optimizer_bytes"] == math.ceil((16 * 12 + 16) / 4) and sh["grads_bytes"] == 16
     assert state_bytes(params, beta_pows=False)["optimizer_bytes"] == 16 * 12
+    # trainable but never stepped (no gradient reaches it): a grad buffer, no optimizer state
+    st = state_bytes([(10, "bfloat16", True, False)])
+    assert (st["grads_bytes"], st["optimizer_bytes"]) == (40, 0)
 
 
 def _saved_bytes(stage, batch, params):

@@ -37,27 +37,31 @@ def dtype_name(dtype: Any) -> str:
 
 
 def state_bytes(
-    params: Iterable[tuple[int, str] | tuple[int, str, bool]],
+    params: Iterable[tuple[int, str] | tuple[int, str, bool] | tuple[int, str, bool, bool]],
     *,
     sharding_degree: int = 1,
     sharding_stage: int = 0,
     beta_pows: bool = True,
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state for ``params`` = ``(numel, dtype)`` or
-    ``(numel, dtype, trainable)`` (a frozen parameter has no gradient and no optimizer state).
+    ``(numel, dtype, trainable)`` (a frozen parameter has no gradient and no optimizer state) or
+    ``(numel, dtype, trainable, stepped)``: a trainable parameter that never receives a gradient
+    (the optimizer never steps it, so creates no state for it) still has its fp32 main-grad buffer.
 
     The single place this rule lives: the planner's per-rank numbers and the trainer's comparison
     both come from here (see the module docstring for the rule)."""
     if sharding_degree < 1 or sharding_stage not in (0, 1, 2, 3):
         raise ValueError(f"state_bytes: sharding degree {sharding_degree} / stage {sharding_stage} is not valid")
     p_bytes = g_bytes = o_bytes = 0
-    for numel, dtype, *trainable in params:
+    for numel, dtype, *flags in params:
         d = dtype_name(dtype)
         p_bytes += numel * DTYPE_BYTES[d]
-        if trainable and not trainable[0]:
-            continue
-        g_bytes += numel * 4
-        o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + (8 if beta_pows else 0)
+        trainable = flags[0] if flags else True
+        stepped = flags[1] if len(flags) > 1 else trainable
+        if trainable:
+            g_bytes += numel * 4
+        if stepped:
+            o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + (8 if beta_pows else 0)
     sd = sharding_degree
     if sharding_stage >= 1 and sd > 1:
         o_bytes = math.ceil(o_bytes / sd)

@@ -24,7 +24,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LayerCounts", "activation_bytes", "layer_counts", "plan_layout", "register_plan", "search_layouts"]
+__all__ = [
+    "LayerCounts",
+    "state_items",
+    "activation_bytes",
+    "layer_counts",
+    "plan_layout",
+    "register_plan",
+    "search_layouts",
+]
 
 GiB = 1024**3
 _ATTN_SAVE_ELEMS = 1 << 26  # the sparse attention's cap on kept keys + probabilities (modeling/attention.py)
@@ -154,6 +162,14 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
     if spec.has_head:
         out += lc.part("head")
     return out
+
+
+def state_items(config: Any, params: list[tuple[str, int, str, bool, int]]) -> list[tuple[int, str, bool, bool]]:
+    """``(numel, dtype, trainable, stepped)`` for :func:`train.memory.state_bytes`: without the
+    indexer KL loss (``indexer_loss_coeff`` 0) the indexer's top-k selection passes no gradient, so
+    its parameters are never stepped and the optimizer holds no state for them."""
+    frozen_indexer = not float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0
+    return [(n, d, tr, tr and not (frozen_indexer and ".indexer." in name)) for name, n, d, tr, _ in params]
 
 
 def total_params(config: Any, lay: Layout) -> int:
@@ -320,7 +336,7 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
     for spec in specs:
         params = stage_params(config, lay, spec)
         st = state_bytes(
-            [(n, d, tr) for _, n, d, tr, _ in params],
+            state_items(config, params),
             sharding_degree=lay.sharding,
             sharding_stage=lay.sharding_stage if lay.sharding > 1 else 0,
         )
