@@ -315,6 +315,26 @@ def check_layout(config: Any, lay: Layout) -> None:
         )
 
 
+def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, str, bool, int]]) -> dict[str, int]:
+    """:func:`train.memory.state_bytes` with sharding applied where replicas exist: dense tensors
+    are replicated over the sharding group (divided by its degree); an expert tensor only over its
+    expert-data-parallel replicas (edp = tp x dp x sharding / (ep x etp)), so it is divided by
+    gcd(sharding, edp) -- with ep x etp = tp x sharding an expert has no replica to shard over."""
+    from .memory import state_bytes
+
+    items = state_items(config, params)
+    sd = lay.sharding
+    stage = lay.sharding_stage if sd > 1 else 0
+    edp = lay.tp * lay.data_parallel // (lay.ep * lay.etp)
+    sd_e = math.gcd(sd, edp) if sd > 1 else 1
+    is_expert = [".mlp.experts." in name for name, *_ in params]
+    dense = state_bytes([it for it, e in zip(items, is_expert) if not e], sharding_degree=sd, sharding_stage=stage)
+    expert = state_bytes(
+        [it for it, e in zip(items, is_expert) if e], sharding_degree=sd_e, sharding_stage=stage if sd_e > 1 else 0
+    )
+    return {k: dense[k] + expert[k] for k in dense}
+
+
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
     """Fleet's hybrid order (data, pipe, sharding, model; model fastest)."""
     tp_r = rank % lay.tp
@@ -327,7 +347,6 @@ def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
 def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: float = 0.0) -> dict[str, Any]:
     """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus ``reserve_gb``)."""
     from ..parallel.pipeline import split_stages
-    from .memory import state_bytes
 
     check_layout(config, lay)
     specs = split_stages(config.num_hidden_layers, lay.pp, layout=lay.pp_layout, has_mtp=config.num_mtp_layers > 0)
@@ -335,11 +354,7 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
     kinds = []
     for spec in specs:
         params = stage_params(config, lay, spec)
-        st = state_bytes(
-            state_items(config, params),
-            sharding_degree=lay.sharding,
-            sharding_stage=lay.sharding_stage if lay.sharding > 1 else 0,
-        )
+        st = _sharded_state_bytes(config, lay, params)
         act = activation_bytes(config, lay, spec, micro)
         row = {
             "stage": spec.stage,
