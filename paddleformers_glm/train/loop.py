@@ -25,9 +25,10 @@ import paddle.distributed as dist
 
 from .. import progress
 from ..parallel import comm
+from ..parallel.export import export_trained
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
-from ..parallel.state import gather_full_state, shard_full_state
+from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -387,11 +388,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         result = snapshot(cfg.steps)
         result["memory"] = memory_report
         write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
-    if cfg.export:
-        full = gather_full_state(module, topo)
-        if rank0:
-            adapter.export(full, os.path.join(cfg.out, "export"))
-            log(f"[glm52 train] exported {len(full)} tensors to {os.path.join(cfg.out, 'export')}")
+    if cfg.export:  # every rank writes the tensors it owns (parallel/export.py)
+        n_exported = export_trained(adapter, module, topo, os.path.join(cfg.out, "export"))
+        log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
     if topo.world_size > 1:
         dist.barrier()
     return result if rank0 else None
