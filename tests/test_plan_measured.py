@@ -14,6 +14,8 @@ from paddleformers_glm.train import plan as planmod
 from paddleformers_glm.train.memory import state_bytes
 from tests._dist.runner import losses, run_train_cli, worker_logs
 
+SEQ = 64
+
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
@@ -23,7 +25,7 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def _train(ckpt, out, *layout):
-    args = ["--model", str(ckpt), "--steps", "2", "--seq-len", "32", "--global-batch-size", "4"]
+    args = ["--model", str(ckpt), "--steps", "2", "--seq-len", str(SEQ), "--global-batch-size", "4"]
     p, _ = run_train_cli([*args, "--micro-batch-size", "1", "--out", str(out), *layout], timeout=300)
     if p.returncode != 0:
         pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
@@ -33,8 +35,9 @@ def _train(ckpt, out, *layout):
 def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1):
     config = GlmMoeDsaConfig.from_pretrained(str(ckpt))
     world = got["profile"]["world"]
-    lay = planmod.Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, dtype="float32")
-    lay.sp = bool(got["profile"]["sp"])
+    lay = planmod.Layout(
+        tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, dtype="float32", sp=bool(got["profile"]["sp"]), seq_len=SEQ
+    )
     plan = planmod.plan_layout(config, lay)
     specs = split_stages(config.num_hidden_layers, pp, has_mtp=True)
     mem = got["memory"]
@@ -48,6 +51,10 @@ def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1):
             want = state_bytes(planmod.state_items(config, params), beta_pows=False)["optimizer_bytes"]
         assert m["optimizer_bytes"] == want, (m, p)
         assert m["peak_bytes"] > 0 and m["peak_kind"] in ("peak_rss", "max_memory_allocated")
+        # the activation estimate against the first step's peak saved bytes
+        micro = got["profile"]["global_batch_size"] // (lay.dp * got["profile"]["micro_batch_size"])
+        est = planmod.activation_bytes(config, lay, specs[p["stage"]], micro)
+        assert 0.5 <= est / m["activations_bytes"] <= 2.0, (m["rank"], est, m["activations_bytes"])
 
 
 def test_single_process_plan_equals_measured(tiny_ckpt, tmp_path):

@@ -326,7 +326,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         }
         scales = {name: s.weight / max(norms[name], 1) for name, s in loss_specs.items()}
         mbs = [_to_tensors(mb) for mb in micro_batches(batch, topo.dp_rank, topo.dp_size, cfg.micro_batch_size)]
-        totals = engine.run(mbs, scales)
+        with memory.track(step == start):
+            totals = engine.run(mbs, scales)
         grads, has_grad = sync.main_grads()
         gnorm = sync.global_norm(grads)
         clip_main_grads(grads, gnorm, cfg.clip_grad)

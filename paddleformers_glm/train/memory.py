@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "state_bytes"]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -98,14 +98,60 @@ def peak_host_bytes() -> int:
     return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
 
+class _Saved:
+    """A tensor kept for backward (a plain object: PyLayers unpack tuples element-wise)."""
+
+    __slots__ = ("ptr", "tensor")
+
+    def __init__(self, ptr: int | None, tensor: Any) -> None:
+        self.ptr, self.tensor = ptr, tensor
+
+
 class MemoryMonitor:
-    """The trainer's measurement: after the first optimizer step it counts the parameters the rank
-    holds, the fp32 main gradients and the optimizer's tensors; at the end it adds the peak memory
+    """The trainer's measurement: the first step's peak saved activations (:meth:`track`); after the
+    first optimizer step the parameters the rank holds, the fp32 main gradients and the
+    optimizer's tensors; at the end the optimizer's tensors again and the peak memory
     (``max_memory_allocated`` on a GPU, peak RSS on the host) and gathers every rank's record."""
 
     def __init__(self, module: Any, topo: Any) -> None:
         self.module, self.topo = module, topo
         self.record: dict[str, Any] | None = None
+
+    def track(self, first: bool) -> Any:
+        """Context for a step's forwards and backwards: on the first step, counts the peak bytes
+        autograd keeps saved for backward (distinct storages, parameters excluded), the quantity
+        the planner's activation estimate describes."""
+        import contextlib
+
+        if not first:
+            return contextlib.nullcontext()
+        import paddle
+
+        params = {p.data_ptr() for p in self.module.parameters()}
+        live: dict[int, list[int]] = {}
+        cur = [0]
+        self.activations_peak = 0
+
+        def pack(t: Any) -> Any:
+            ptr = t.data_ptr()
+            if ptr in params:
+                return _Saved(None, t)
+            if ptr not in live:
+                live[ptr] = [0, int(math.prod(t.shape)) * t.element_size()]
+                cur[0] += live[ptr][1]
+                self.activations_peak = max(self.activations_peak, cur[0])
+            live[ptr][0] += 1
+            return _Saved(ptr, t)
+
+        def unpack(s: Any) -> Any:
+            entry = live.get(s.ptr) if s.ptr is not None else None
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    cur[0] -= live.pop(s.ptr)[1]
+            return s.tensor
+
+        return paddle.autograd.saved_tensors_hooks(pack, unpack)
 
     def observe(self, grads: Mapping[str, Any], opt: Any) -> None:
         """Call after each optimizer step (cheap after the first)."""
@@ -120,6 +166,7 @@ class MemoryMonitor:
             "optimizer_bytes": opt_bytes,
             "optimizer": impl,
             "param_tensors": len(params),
+            "activations_bytes": int(getattr(self, "activations_peak", 0)),
         }
 
     def gather(self, opt: Any) -> list[dict[str, Any]]:
@@ -128,6 +175,8 @@ class MemoryMonitor:
 
         rec = dict(self.record or {"rank": int(self.topo.rank)})
         rec["optimizer_bytes"], rec["optimizer"] = optimizer_tensors_bytes(opt)  # end-of-run state
+        keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        rec["total_bytes"] = sum(rec.get(k, 0) for k in keys)
         if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
             rec["peak_bytes"], rec["peak_kind"] = int(paddle.device.cuda.max_memory_allocated()), "max_memory_allocated"
         else:
