@@ -53,7 +53,7 @@ def _direct(config, pc, spec, ranks, dtype):
     topo = Topology(pc, ranks=ranks)
     with topology_override(topo), paddle.LazyGuard():
         st = GlmStage(config, spec, dtype)
-    return sorted((n, int(math.prod(p.shape)), str(p.dtype).replace("paddle.", "")) for n, p in st.named_parameters())
+    return [(n, int(math.prod(p.shape)), str(p.dtype).replace("paddle.", "")) for n, p in st.named_parameters()]
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 2, 1), (2, 1, 2), (1, 3, 4)])
@@ -62,12 +62,30 @@ def test_composed_stage_equals_building_that_stage(tp, pp, ep):
     lay = planmod.Layout(tp=tp, pp=pp, ep=ep, dtype="bfloat16")
     pc = ParallelConfig(tp=tp, pp=pp, dp=1, ep=ep)
     for spec in split_stages(c.num_hidden_layers, pp, has_mtp=True):
-        got = sorted((n, k, d) for n, k, d, _, _ in planmod.stage_params(c, lay, spec))
+        got = [(n, k, d) for n, k, d, _, _ in planmod.stage_params(c, lay, spec)]
         want = _direct(c, pc, spec, {"tp": 0, "pp": spec.stage, "ep": 0}, "bfloat16")
-        assert got == want, spec
+        assert got == want, spec  # same tensors in the same order (the optimizer's order)
     # the whole model once (embedding shared by the MTP stage counted once) = the unsplit build
     full = _direct(c, ParallelConfig(), StageSpec.whole(c.num_hidden_layers, True), {}, "float32")
     assert planmod.total_params(c, lay) == sum(n for _, n, _ in full)
+
+
+def test_fleet_sharding_partition_is_fleets():
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
+
+    from paddleformers_glm.train.memory import fleet_sharding_partition
+
+    numels = [6, 10, 3, 10, 1, 7, 7, 2]
+
+    class P:  # the attributes Fleet's partition reads
+        def __init__(self, i, n):
+            self.name, self.shape = f"p{i}", [n]
+
+    params = [P(i, n) for i, n in enumerate(numels)]
+    fake = type("S", (), {"_sharding_world_size": 3, "_parameter_list": params})()
+    fleet = dso.DygraphShardingOptimizer._partition_parameters(fake)
+    ours = fleet_sharding_partition(numels, 3)
+    assert [[p.name for p in fleet[r]] for r in range(3)] == [[f"p{i}" for i in ours[r]] for r in range(3)]
 
 
 def test_state_bytes_rule():

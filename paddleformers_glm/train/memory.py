@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 import resource
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "state_bytes"]
+__all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "fleet_sharding_partition", "state_bytes"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
@@ -70,6 +70,20 @@ def state_bytes(
     if sharding_stage >= 3 and sd > 1:
         p_bytes = math.ceil(p_bytes / sd)
     return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes}
+
+
+def fleet_sharding_partition(numels: Sequence[int], degree: int) -> list[list[int]]:
+    """Which parameters (indices, in the optimizer's order) each sharding rank owns under Fleet's
+    ``DygraphShardingOptimizer`` (stage 1): sorted by element count, largest first (a stable sort,
+    Fleet's default ``FLAGS_sharding_sort_parameters=1``), each to the rank holding the fewest
+    elements so far (the first such rank).  Whole tensors, so ranks differ by up to one tensor."""
+    order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
+    sizes, out = [0] * degree, [[] for _ in range(degree)]
+    for i in order:
+        r = sizes.index(min(sizes))
+        out[r].append(i)
+        sizes[r] += numels[i]
+    return out
 
 
 def _tensor_bytes(t: Any) -> int:

@@ -50,6 +50,7 @@ class Layout:
     etp: int = 1
     sharding: int = 1
     sharding_stage: int = 1
+    sharding_partition: str = "even"  # "fleet": whole tensors, Fleet's DygraphShardingOptimizer
     sp: bool = False
     recompute: str = "none"
     seq_len: int = 4096
@@ -315,6 +316,25 @@ def check_layout(config: Any, lay: Layout) -> None:
         )
 
 
+def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
+    """Stage-1 sharding as Fleet's ``DygraphShardingOptimizer`` lays it out: every trainable
+    tensor of the stage, in the optimizer's order, partitioned whole (``fleet_sharding_partition``);
+    the rank holds optimizer state for its own tensors only."""
+    from .memory import fleet_sharding_partition, state_bytes
+
+    items = state_items(config, params)
+    trainable = [i for i, it in enumerate(items) if it[2]]
+    part = fleet_sharding_partition([items[i][0] for i in trainable], lay.sharding)
+    owned = {trainable[j] for j in part[sharding_rank]}
+    full = state_bytes(items)
+    mine = state_bytes([it for i, it in enumerate(items) if i in owned])
+    return {
+        "params_bytes": full["params_bytes"],
+        "grads_bytes": full["grads_bytes"],
+        "optimizer_bytes": mine["optimizer_bytes"],
+    }
+
+
 def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, str, bool, int]]) -> dict[str, int]:
     """:func:`train.memory.state_bytes` with sharding applied where replicas exist: dense tensors
     are replicated over the sharding group (divided by its degree); an expert tensor only over its
@@ -366,16 +386,25 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
             **st,
             "activations_bytes": act,
         }
+        by_sd = [row["optimizer_bytes"]] * lay.sharding
+        if lay.sharding_partition == "fleet" and lay.sharding > 1:
+            by_sd = [_fleet_sharded_state_bytes(config, lay, params, r)["optimizer_bytes"] for r in range(lay.sharding)]
+            row["optimizer_bytes"] = max(by_sd)
+            row["optimizer_bytes_by_sharding_rank"] = by_sd
         row["total_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] + act
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
     for rank in range(lay.world):
-        k = kinds[rank_coords(lay, rank)["pp"]]
-        ranks.append(
-            {"rank": rank, "stage": k["stage"]}
-            | {f: k[f] for f in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")}
-        )
+        xy = rank_coords(lay, rank)
+        k = kinds[xy["pp"]]
+        r = {"rank": rank, "stage": k["stage"]} | {
+            f: k[f] for f in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        }
+        if "optimizer_bytes_by_sharding_rank" in k:
+            r["optimizer_bytes"] = k["optimizer_bytes_by_sharding_rank"][xy["sharding"]]
+        r["total_bytes"] = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
+        ranks.append(r)
     worst = max(k["total_bytes"] for k in kinds)
     return {
         "model": getattr(config, "name_or_path", None),
@@ -502,6 +531,7 @@ def run_plan(args: argparse.Namespace) -> int:
             etp=args.etp,
             sharding=args.sharding,
             sharding_stage=args.sharding_stage,
+            sharding_partition=args.sharding_partition,
             sp=args.sp,
             recompute=args.recompute,
             seq_len=args.seq_len,
@@ -561,6 +591,13 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding)",
     )
     g.add_argument("--sharding-stage", type=int, default=1, help="1: optimizer state, 2: + gradients, 3: + parameters")
+    g.add_argument(
+        "--sharding-partition",
+        default="even",
+        choices=["even", "fleet"],
+        help="stage-1 state split: even (sharding V2 / Megatron style) or fleet (whole tensors, Fleet's "
+        "DygraphShardingOptimizer, what glm52 train's --sharding uses)",
+    )
     g.add_argument("--sp", action="store_true")
     g.add_argument(
         "--recompute",
