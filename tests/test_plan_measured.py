@@ -1,6 +1,7 @@
 """``glm52 plan`` against ``glm52 train`` on the tiny checkpoint: every rank's measured parameter,
-gradient and optimizer-state bytes (loss.json ``memory``) equal the plan's, and (multi-process)
-every rank read exactly the checkpoint bytes of its own shards."""
+gradient and optimizer-state bytes (loss.json ``memory``) equal the plan's (1 rank, TP2 x PP2,
+TP2 x EP2, DP2 x sharding 2), the activation estimate is within a factor of 2 of the first step's
+saved bytes, and (multi-process) every rank read exactly the checkpoint bytes of its own shards."""
 
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ def _train(ckpt, out, *layout):
     return losses(out)
 
 
-def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1):
+def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1, sharding=1):
     config = GlmMoeDsaConfig.from_pretrained(str(ckpt))
     world = got["profile"]["world"]
     lay = planmod.Layout(
-        tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, dtype="float32", sp=bool(got["profile"]["sp"]), seq_len=SEQ
-    )
+        tp=tp, pp=pp, dp=world // (tp * pp * sharding), ep=ep, dtype="float32", sp=bool(got["profile"]["sp"]),
+        seq_len=SEQ, sharding=sharding, sharding_stage=1, sharding_partition="fleet",
+    )  # fmt: skip
     plan = planmod.plan_layout(config, lay)
     specs = split_stages(config.num_hidden_layers, pp, has_mtp=True)
     mem = got["memory"]
@@ -48,11 +50,12 @@ def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1):
             want = p["optimizer_bytes"]
         else:  # the trainer's own AdamW keeps a Python step count instead of Paddle's beta powers
             params = planmod.stage_params(config, lay, specs[p["stage"]])
-            want = state_bytes(planmod.state_items(config, params), beta_pows=False)["optimizer_bytes"]
+            items = planmod.state_items(config, params, stepped_only=True)  # and state only once stepped
+            want = state_bytes(items, beta_pows=False)["optimizer_bytes"]
         assert m["optimizer_bytes"] == want, (m, p)
         assert m["peak_bytes"] > 0 and m["peak_kind"] in ("peak_rss", "max_memory_allocated")
         # the activation estimate against the first step's peak saved bytes
-        micro = got["profile"]["global_batch_size"] // (lay.dp * got["profile"]["micro_batch_size"])
+        micro = got["profile"]["global_batch_size"] // (lay.data_parallel * got["profile"]["micro_batch_size"])
         est = planmod.activation_bytes(config, lay, specs[p["stage"]], micro)
         assert 0.5 <= est / m["activations_bytes"] <= 2.0, (m["rank"], est, m["activations_bytes"])
 
@@ -70,3 +73,17 @@ def test_parallel_plan_equals_measured_and_ranks_read_their_shards(tiny_ckpt, tm
     assert got["profile"]["world"] == tp * pp
     _check_plan_equals_measured(tiny_ckpt, got, tp, pp, ep)
     _check_load_records(tiny_ckpt, tmp_path, got["profile"])  # bytes_read == bytes of its shards
+
+
+@pytest.mark.slow
+def test_dp2_sharding2_plan_equals_measured(tiny_ckpt, tmp_path):
+    """Fleet's whole-tensor optimizer-state partition, rank by rank (needs the trainer's --sharding)."""
+    import argparse
+
+    from paddleformers_glm.train.command import add_train_arguments
+
+    if "--sharding" not in add_train_arguments(argparse.ArgumentParser())._option_string_actions:
+        pytest.skip("this trainer has no --sharding")
+    got = _train(tiny_ckpt, tmp_path, "--dp", "2", "--sharding", "2")
+    assert got["profile"]["world"] == 4
+    _check_plan_equals_measured(tiny_ckpt, got, sharding=2)

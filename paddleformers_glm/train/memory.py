@@ -10,8 +10,10 @@ The rule, per parameter of ``n`` elements and dtype ``d``:
 * optimizer state as ``paddle.optimizer.AdamW(multi_precision=True)`` holds it: moment1 and
   moment2 in fp32 (``2 * n * 4``), an fp32 master weight when ``d`` is not fp32 (``n * 4``), and
   the two beta-power accumulators (shape [1], fp32: 8 bytes); divided by the sharding degree at
-  sharding stage >= 1.  The trainer's own AdamW (before it moved onto Paddle's) kept a Python int
-  step instead of the beta powers: ``beta_pows=False`` describes it.
+  sharding stage >= 1 (or, with Fleet's whole-tensor partition, only the rank's own tensors:
+  ``fleet_sharding_partition``).  The trainer's own AdamW (before it moved onto Paddle's) kept a
+  Python int step instead of the beta powers (``beta_pows=False``) and created state only for
+  parameters that received a gradient.
 
 Sharded divisions are an even split (what Paddle's sharding V2 lays out, up to its alignment
 padding); at sharding degree 1 every number is exact.

@@ -165,11 +165,17 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
     return out
 
 
-def state_items(config: Any, params: list[tuple[str, int, str, bool, int]]) -> list[tuple[int, str, bool, bool]]:
-    """``(numel, dtype, trainable, stepped)`` for :func:`train.memory.state_bytes`: without the
-    indexer KL loss (``indexer_loss_coeff`` 0) the indexer's top-k selection passes no gradient, so
-    its parameters are never stepped and the optimizer holds no state for them."""
-    frozen_indexer = not float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0
+def state_items(
+    config: Any, params: list[tuple[str, int, str, bool, int]], *, stepped_only: bool = False
+) -> list[tuple[int, str, bool, bool]]:
+    """``(numel, dtype, trainable, has_state)`` for :func:`train.memory.state_bytes`.
+
+    The trainer creates Paddle AdamW's accumulators for every trainable parameter it owns before
+    the first step, so every trainable parameter has state.  ``stepped_only`` describes an
+    optimizer that creates state lazily for parameters that receive a gradient: without the
+    indexer KL loss (``indexer_loss_coeff`` 0) the indexer's top-k selection passes none, so its
+    parameters would have no state."""
+    frozen_indexer = stepped_only and not float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0
     return [(n, d, tr, tr and not (frozen_indexer and ".indexer." in name)) for name, n, d, tr, _ in params]
 
 
