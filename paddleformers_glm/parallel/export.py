@@ -11,7 +11,8 @@ expert, the first stage for a tensor several stages hold) converts it with the s
 program as the single-process saver and writes its bytes at their planned offsets.  Replicas
 write nothing.  After a barrier rank 0 checks that every tensor was written exactly once, writes
 ``config.json`` and the index last and moves the folder into place (one rename when the target
-is new).  The files are byte-identical to ``save_pretrained_state`` of the same weights.
+is new).  The files are byte-identical to ``save_pretrained_state`` of the same weights.  Every
+rank must see the output folder (one filesystem, as for the trainer's checkpoints).
 """
 
 from __future__ import annotations
