@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("plot-experts", "paddleformers_glm.parity.expert_plot:register_plot_experts"),
     ("generate", "paddleformers_glm.generation:register_generate"),
     ("align", "paddleformers_glm.parity.align:register_align"),
+    ("plan", "paddleformers_glm.train.plan:register_plan"),
 ]
 
 

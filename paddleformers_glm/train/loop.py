@@ -25,14 +25,16 @@ import paddle.distributed as dist
 
 from .. import progress
 from ..parallel import comm
+from ..parallel.export import export_trained
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
-from ..parallel.state import gather_full_state, shard_full_state
+from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import micro_batches, open_data
+from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
 from .optim import AdamW, make_lr_scheduler
 
@@ -292,6 +294,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     engine = PipelineEngine(module, topo, cfg.schedule)
+    memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
@@ -377,7 +380,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         scales = {name: s.weight / max(norms[name], 1) for name, s in loss_specs.items()}
         replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
         mbs = [_to_tensors(mb) for mb in micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size)]
-        totals = engine.run(mbs, scales)
+        with memory.track(step == start):
+            totals = engine.run(mbs, scales)
         grads, has_grad = sync.main_grads()
         pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
         gnorm = sync.global_norm(grads)
@@ -387,6 +391,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             from .dump import dump_after_step
 
             dump_after_step(cfg.dump_steps, step + 1, module, opt, pre_clip, topo, adapter)
+        memory.observe(grads, opt)
         module.clear_gradients()
         balancer.after_step(step + 1)
         if not opt_bytes:
@@ -441,14 +446,14 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
                 log(f"[glm52 train] checkpoint {path}")
     if bar is not None:
         bar.close()
+    memory_report = memory.gather(opt)  # collective
     if rank0:
         result = snapshot(cfg.steps)
+        result["memory"] = memory_report
         write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
-    if cfg.export:
-        full = gather_full_state(module, topo)
-        if rank0:
-            adapter.export(full, os.path.join(cfg.out, "export"))
-            log(f"[glm52 train] exported {len(full)} tensors to {os.path.join(cfg.out, 'export')}")
+    if cfg.export:  # every rank writes the tensors it owns (parallel/export.py)
+        n_exported = export_trained(adapter, module, topo, os.path.join(cfg.out, "export"))
+        log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
     if topo.world_size > 1:
         dist.barrier()
     return result if rank0 else None

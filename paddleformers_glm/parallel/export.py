@@ -1,0 +1,222 @@
+"""Distributed export: every rank writes the official-layout (HF) tensors it owns, straight into
+the final safetensors files, so no process ever holds more than one merged tensor at a time.
+
+How: the shard plan (which tensor goes to which file, at which byte offset) is a pure function of
+the config, the dtype and the shard size, so every rank computes the same plan (the single-process
+saver's ``plan_shards`` / ``plan_header``).  Rank 0 writes each file's header and sizes the file;
+then, one mapping unit at a time, the ranks of a tensor-parallel (or expert-tensor-parallel) group
+all-gather the unit's slices, and the one owner of the unit (the lowest rank among the canonical
+holders: data-parallel rank 0 and TP rank 0, expert-data-parallel rank 0 and ETP rank 0 for an
+expert, the first stage for a tensor several stages hold) converts it with the same mapping
+program as the single-process saver and writes its bytes at their planned offsets.  Replicas
+write nothing.  After a barrier rank 0 checks that every tensor was written exactly once, writes
+``config.json`` and the index last and moves the folder into place (one rename when the target
+is new).  The files are byte-identical to ``save_pretrained_state`` of the same weights.  Every
+rank must see the output folder (one filesystem, as for the trainer's checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import paddle
+import paddle.nn as nn
+
+from .layers import get_shard_spec, merge_slices
+from .state import to_numpy
+from .topology import Topology, get_topology
+
+__all__ = ["export_distributed", "export_trained"]
+
+
+def _owner_candidate(spec: Any, topo: Topology) -> bool:
+    """A canonical holder: dp 0 / tp 0 (a TP-split tensor is merged there), edp 0 / etp 0 for experts."""
+    if spec.expert:
+        return topo.edp_rank == 0 and topo.etp_rank == 0
+    return topo.dp_rank == 0 and topo.tp_rank == 0
+
+
+def _group_gathers(spec: Any, topo: Topology) -> bool:
+    """Whether this rank's group takes part in merging (the same answer on every member)."""
+    return topo.edp_rank == 0 if spec.expert else topo.dp_rank == 0
+
+
+def _all_gather_object(obj: Any, topo: Topology) -> list[Any]:
+    if topo.world_size == 1:
+        return [obj]
+    import paddle.distributed as dist
+
+    out: list[Any] = []
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier(topo: Topology) -> None:
+    if topo.world_size > 1:
+        import paddle.distributed as dist
+
+        dist.barrier()
+
+
+def export_distributed(
+    module: nn.Layer,
+    config: Any,
+    out_dir: str,
+    topo: Topology | None = None,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+) -> dict[str, Any]:
+    """Write ``module``'s weights (every rank's stage module; collective) as an HF-layout checkpoint.
+
+    Returns ``{"tensors": written by this rank, "bytes": their bytes, "files": [...]}``."""
+    from ..checkpoint.aoa import checkpoint_units, quiet_paddle_logs
+    from ..checkpoint.engine import StateDictSource, TargetSpec, run_units
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.layout import fleet_param_specs, param_specs, resolve_dtype
+    from ..checkpoint.safetensors_io import (
+        INDEX_NAME,
+        SINGLE_NAME,
+        ST_DTYPES,
+        paddle_to_st_dtype,
+        plan_header,
+        shard_file_name,
+    )
+    from ..checkpoint.saver import _publish, parse_size, plan_shards
+
+    topo = topo or get_topology()
+    quiet_paddle_logs()
+    out_dir = os.path.abspath(out_dir)
+    model_dtype = dtype or config.model_dtype
+    specs = param_specs(config, "hf")
+    tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
+    entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
+    shards = plan_shards(entries, parse_size(max_shard_size))
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
+    file_of = {k: names[i] for i, keys in enumerate(shards) for k in keys}
+    meta = {"format": "pt"}
+    headers = {
+        name: plan_header([(k, entries[k][1], entries[k][0]) for k in keys], meta) for name, keys in zip(names, shards)
+    }
+
+    # one writer per Fleet tensor: the lowest rank among its canonical holders
+    state = module.state_dict()
+    mine = [k for k, t in state.items() if _owner_candidate(get_shard_spec(t), topo)]
+    writer: dict[str, int] = {}
+    for r, keys in enumerate(_all_gather_object(mine, topo)):
+        for k in keys:
+            writer.setdefault(k, r)
+    lacking = sorted(set(fleet_param_specs(config)) - set(writer))
+    if lacking:
+        raise CheckpointError(f"export: no rank holds {len(lacking)} tensors, e.g. {lacking[:3]}")
+
+    tmp = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-export")
+    if topo.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name, (head, offsets) in headers.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + max((e for _, e in offsets.values()), default=0))
+    _barrier(topo)
+
+    written: list[str] = []
+    nbytes = 0
+    fds: dict[str, int] = {}
+    try:
+        for unit in checkpoint_units(config, "hf"):
+            keys = [k for k in unit.fleet if k in state]
+            if not keys:
+                continue
+            if len(keys) != len(unit.fleet):
+                raise CheckpointError(
+                    f"export: unit {unit.name} is split over pipeline stages: holds {keys} of {list(unit.fleet)}"
+                )
+            full: dict[str, paddle.Tensor] = {}
+            owner = all(writer[k] == topo.rank for k in keys)
+            if not owner and any(writer[k] == topo.rank for k in keys):
+                raise CheckpointError(f"export: unit {unit.name} has tensors owned by different ranks")
+            for k in keys:
+                t = state[k]
+                spec = get_shard_spec(t)
+                size = topo.size(spec.group) if spec.axis is not None else 1
+                if size > 1:
+                    if not _group_gathers(spec, topo):
+                        continue
+                    import paddle.distributed as dist
+
+                    parts: list[paddle.Tensor] = []
+                    dist.all_gather(parts, t.detach(), group=topo.group(spec.group))
+                    if owner:
+                        full[k] = paddle.to_tensor(merge_slices([to_numpy(p) for p in parts], spec))
+                    del parts
+                elif owner:
+                    full[k] = paddle.to_tensor(to_numpy(t.detach()))
+            if not owner:
+                continue
+            targets = {h: TargetSpec(h, tuple(specs[h][0]), tgt_dtypes[h]) for h in unit.hf}
+            for key, out in run_units([unit], "fleet_to_hf", StateDictSource(full), targets):
+                name = file_of[key]
+                head, offsets = headers[name]
+                b, e = offsets[key]
+                arr = out.numpy()
+                if arr.dtype.byteorder == ">":
+                    arr = arr.astype(arr.dtype.newbyteorder("<"))
+                data = arr.reshape(-1).view("uint8").tobytes()
+                if len(data) != e - b or paddle_to_st_dtype(out.dtype) != entries[key][1]:
+                    raise CheckpointError(
+                        "export: tensor does not match the plan", key=key, expected=e - b, actual=len(data)
+                    )
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(tmp, name), os.O_WRONLY)
+                os.pwrite(fds[name], data, len(head) + b)
+                written.append(key)
+                nbytes += len(data)
+            del full
+    finally:
+        for fd in fds.values():
+            os.fsync(fd)
+            os.close(fd)
+
+    every = _all_gather_object(written, topo)
+    if topo.rank == 0:
+        seen: dict[str, int] = {}
+        for r, keys in enumerate(every):
+            for k in keys:
+                if k in seen:
+                    raise CheckpointError(f"export: {k} written by ranks {seen[k]} and {r}")
+                seen[k] = r
+        missing = sorted(set(entries) - set(seen))
+        if missing:
+            raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
+        total = sum(ST_DTYPES[st][0] * (math.prod(shape) if shape else 1) for shape, st in entries.values())
+        config.save_pretrained(tmp)
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
+            part = os.path.join(tmp, INDEX_NAME + ".part")
+            with open(part, "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            os.replace(part, os.path.join(tmp, INDEX_NAME))
+        _publish(tmp, out_dir)
+    _barrier(topo)
+    return {"tensors": len(written), "bytes": nbytes, "files": names + ([INDEX_NAME] if n > 1 else [])}
+
+
+def export_trained(adapter: Any, module: nn.Layer, topo: Topology, out_dir: str) -> int:
+    """The trainer's ``--export``: distributed for an adapter with a GLM config (every rank writes
+    its own tensors), else the adapter's exporter on the state gathered to rank 0 (small models).
+    Collective.  Returns the number of tensors written (by all ranks)."""
+    if getattr(adapter, "name", None) == "glm":
+        info = export_distributed(module, adapter.config, out_dir, topo)
+        return sum(_all_gather_object(info["tensors"], topo))
+    from .state import gather_full_state
+
+    full = gather_full_state(module, topo)
+    if topo.rank == 0:
+        adapter.export(full, out_dir)
+    return len(full) if full is not None else 0

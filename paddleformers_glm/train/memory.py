@@ -1,0 +1,206 @@
+"""Per-rank memory: one accounting rule for parameters, gradients and optimizer state, shared by
+``glm52 plan`` (which applies it to shapes built under ``paddle.LazyGuard``) and by the trainer
+(which measures the tensors it really holds and records both in ``loss.json``).
+
+The rule, per parameter of ``n`` elements and dtype ``d``:
+
+* parameter: ``n * bytes(d)``;
+* gradient: ``n * 4`` (the trainer syncs, clips and steps on fp32 "main grads", parallel/grads.py),
+  divided by the sharding degree at sharding stage 2 (reduce-scattered gradients);
+* optimizer state as ``paddle.optimizer.AdamW(multi_precision=True)`` holds it: moment1 and
+  moment2 in fp32 (``2 * n * 4``), an fp32 master weight when ``d`` is not fp32 (``n * 4``), and
+  the two beta-power accumulators (shape [1], fp32: 8 bytes); divided by the sharding degree at
+  sharding stage >= 1 (or, with Fleet's whole-tensor partition, only the rank's own tensors:
+  ``fleet_sharding_partition``).  The trainer's own AdamW (before it moved onto Paddle's) kept a
+  Python int step instead of the beta powers (``beta_pows=False``) and created state only for
+  parameters that received a gradient.
+
+Sharded divisions are an even split (what Paddle's sharding V2 lays out, up to its alignment
+padding); at sharding degree 1 every number is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "fleet_sharding_partition", "state_bytes"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' for paddle.float32 / 'paddle.float32' / numpy dtypes."""
+    s = str(dtype).replace("paddle.", "")
+    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(s, s)
+
+
+def state_bytes(
+    params: Iterable[tuple[int, str] | tuple[int, str, bool] | tuple[int, str, bool, bool]],
+    *,
+    sharding_degree: int = 1,
+    sharding_stage: int = 0,
+    beta_pows: bool = True,
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state for ``params`` = ``(numel, dtype)`` or
+    ``(numel, dtype, trainable)`` (a frozen parameter has no gradient and no optimizer state) or
+    ``(numel, dtype, trainable, stepped)``: a trainable parameter that never receives a gradient
+    (the optimizer never steps it, so creates no state for it) still has its fp32 main-grad buffer.
+
+    The single place this rule lives: the planner's per-rank numbers and the trainer's comparison
+    both come from here (see the module docstring for the rule)."""
+    if sharding_degree < 1 or sharding_stage not in (0, 1, 2, 3):
+        raise ValueError(f"state_bytes: sharding degree {sharding_degree} / stage {sharding_stage} is not valid")
+    p_bytes = g_bytes = o_bytes = 0
+    for numel, dtype, *flags in params:
+        d = dtype_name(dtype)
+        p_bytes += numel * DTYPE_BYTES[d]
+        trainable = flags[0] if flags else True
+        stepped = flags[1] if len(flags) > 1 else trainable
+        if trainable:
+            g_bytes += numel * 4
+        if stepped:
+            o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + (8 if beta_pows else 0)
+    sd = sharding_degree
+    if sharding_stage >= 1 and sd > 1:
+        o_bytes = math.ceil(o_bytes / sd)
+    if sharding_stage >= 2 and sd > 1:
+        g_bytes = math.ceil(g_bytes / sd)
+    if sharding_stage >= 3 and sd > 1:
+        p_bytes = math.ceil(p_bytes / sd)
+    return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes}
+
+
+def fleet_sharding_partition(numels: Sequence[int], degree: int) -> list[list[int]]:
+    """Which parameters (indices, in the optimizer's order) each sharding rank owns under Fleet's
+    ``DygraphShardingOptimizer`` (stage 1): sorted by element count, largest first (a stable sort,
+    Fleet's default ``FLAGS_sharding_sort_parameters=1``), each to the rank holding the fewest
+    elements so far (the first such rank).  Whole tensors, so ranks differ by up to one tensor."""
+    order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
+    sizes, out = [0] * degree, [[] for _ in range(degree)]
+    for i in order:
+        r = sizes.index(min(sizes))
+        out[r].append(i)
+        sizes[r] += numels[i]
+    return out
+
+
+def _tensor_bytes(t: Any) -> int:
+    return int(math.prod(t.shape)) * DTYPE_BYTES[dtype_name(t.dtype)]
+
+
+def optimizer_tensors_bytes(opt: Any) -> tuple[int, str]:
+    """(bytes of every tensor the optimizer holds, which optimizer): Paddle's AdamW (wrapped, as
+    ``opt.opt``) or the trainer's own; counted from the live objects, not from a formula."""
+    inner = getattr(opt, "opt", None)
+    if inner is not None and hasattr(inner, "_accumulators"):
+        total = sum(_tensor_bytes(t) for table in inner._accumulators.values() for t in table.values())
+        total += sum(_tensor_bytes(t) for t in (getattr(inner, "_master_weights", {}) or {}).values())
+        return total, "paddle.optimizer.AdamW"
+    total = 0
+    for st in opt.state_dict().values():
+        for v in st.values():
+            if hasattr(v, "shape") and hasattr(v, "dtype"):
+                total += _tensor_bytes(v)
+    return total, type(opt).__module__ + "." + type(opt).__name__
+
+
+def peak_host_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
+class _Saved:
+    """A tensor kept for backward (a plain object: PyLayers unpack tuples element-wise)."""
+
+    __slots__ = ("ptr", "tensor")
+
+    def __init__(self, ptr: int | None, tensor: Any) -> None:
+        self.ptr, self.tensor = ptr, tensor
+
+
+class MemoryMonitor:
+    """The trainer's measurement: the first step's peak saved activations (:meth:`track`); after the
+    first optimizer step the parameters the rank holds, the fp32 main gradients and the
+    optimizer's tensors; at the end the optimizer's tensors again and the peak memory
+    (``max_memory_allocated`` on a GPU, peak RSS on the host) and gathers every rank's record."""
+
+    def __init__(self, module: Any, topo: Any) -> None:
+        self.module, self.topo = module, topo
+        self.record: dict[str, Any] | None = None
+
+    def track(self, first: bool) -> Any:
+        """Context for a step's forwards and backwards: on the first step, counts the peak bytes
+        autograd keeps saved for backward (distinct storages, parameters excluded), the quantity
+        the planner's activation estimate describes."""
+        import contextlib
+
+        if not first:
+            return contextlib.nullcontext()
+        import paddle
+
+        params = {p.data_ptr() for p in self.module.parameters()}
+        live: dict[int, list[int]] = {}
+        cur = [0]
+        self.activations_peak = 0
+
+        def pack(t: Any) -> Any:
+            ptr = t.data_ptr()
+            if ptr in params:
+                return _Saved(None, t)
+            if ptr not in live:
+                live[ptr] = [0, int(math.prod(t.shape)) * t.element_size()]
+                cur[0] += live[ptr][1]
+                self.activations_peak = max(self.activations_peak, cur[0])
+            live[ptr][0] += 1
+            return _Saved(ptr, t)
+
+        def unpack(s: Any) -> Any:
+            entry = live.get(s.ptr) if s.ptr is not None else None
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    cur[0] -= live.pop(s.ptr)[1]
+            return s.tensor
+
+        return paddle.autograd.saved_tensors_hooks(pack, unpack)
+
+    def observe(self, grads: Mapping[str, Any], opt: Any) -> None:
+        """Call after each optimizer step (cheap after the first)."""
+        if self.record is not None:
+            return
+        params = list(self.module.parameters())
+        opt_bytes, impl = optimizer_tensors_bytes(opt)
+        self.record = {
+            "rank": int(self.topo.rank),
+            "params_bytes": sum(_tensor_bytes(p) for p in params),
+            "grads_bytes": sum(_tensor_bytes(g) for g in grads.values()),
+            "optimizer_bytes": opt_bytes,
+            "optimizer": impl,
+            "param_tensors": len(params),
+            "activations_bytes": int(getattr(self, "activations_peak", 0)),
+        }
+
+    def gather(self, opt: Any) -> list[dict[str, Any]]:
+        """Every rank's record, in rank order.  Collective: call on every rank."""
+        import paddle
+
+        rec = dict(self.record or {"rank": int(self.topo.rank)})
+        rec["optimizer_bytes"], rec["optimizer"] = optimizer_tensors_bytes(opt)  # end-of-run state
+        keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        rec["total_bytes"] = sum(rec.get(k, 0) for k in keys)
+        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+            rec["peak_bytes"], rec["peak_kind"] = int(paddle.device.cuda.max_memory_allocated()), "max_memory_allocated"
+        else:
+            rec["peak_bytes"], rec["peak_kind"] = peak_host_bytes(), "peak_rss"
+        if self.topo.world_size == 1:
+            return [rec]
+        import paddle.distributed as dist
+
+        out: list[dict[str, Any]] = []
+        dist.all_gather_object(out, rec)
+        return sorted(out, key=lambda r: r["rank"])

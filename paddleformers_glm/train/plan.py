@@ -1,0 +1,632 @@
+"""``glm52 plan``: what one rank of a parallel layout holds, before any GPU is touched.
+
+Parameters, gradients and optimizer state come from the code that builds the model: for each
+(tp, ep, etp, sp, dtype) the planner constructs one ``GlmStage`` under ``paddle.LazyGuard`` (no
+weight is allocated) holding the embedding, the head, one decoder layer of every distinct kind
+(dense / MoE x full / shared indexer) and the MTP layers, under a :class:`Topology` that has the
+layout's sizes and rank coordinates but no process group (layers only read sizes and ranks while
+they are built).  A stage of the real run is the sum of its parts (layers of one kind have
+identical parameters), and the accounting is :func:`train.memory.state_bytes`, the rule the
+trainer's measured numbers are compared with.
+
+Activations are an estimate (:func:`activation_bytes`, formula in docs/scale.md), checked against
+the bytes the autograd graph really saves for a tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "LayerCounts",
+    "state_items",
+    "activation_bytes",
+    "layer_counts",
+    "plan_layout",
+    "register_plan",
+    "search_layouts",
+]
+
+GiB = 1024**3
+_ATTN_SAVE_ELEMS = 1 << 26  # the sparse attention's cap on kept keys + probabilities (modeling/attention.py)
+
+
+@dataclass
+class Layout:
+    """A parallel layout as ``glm52 train`` takes it (plus flags the planner understands ahead of the trainer)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sharding: int = 1
+    sharding_stage: int = 1
+    sharding_partition: str = "even"  # "fleet": whole tensors, Fleet's DygraphShardingOptimizer
+    sp: bool = False
+    recompute: str = "none"
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    global_batch_size: int = 0  # 0: one micro-batch per data-parallel rank per pipeline stage
+    dtype: str = "bfloat16"
+    attention: str = "eager"
+    pp_layout: str | None = None
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.sharding
+
+    @property
+    def data_parallel(self) -> int:
+        """All data-parallel replicas: plain dp x sharding ranks (sharding partitions state, not data)."""
+        return self.dp * self.sharding
+
+    def describe(self) -> str:
+        s = f"TP{self.tp} PP{self.pp} DP{self.dp} EP{self.ep}"
+        if self.etp > 1:
+            s += f" ETP{self.etp}"
+        if self.vpp > 1:
+            s += f" VPP{self.vpp}"
+        if self.sharding > 1:
+            s += f" SHARD{self.sharding}/s{self.sharding_stage}"
+        if self.sp:
+            s += " SP"
+        return s + f" recompute={self.recompute}"
+
+
+# --------------------------------------------------------------------------- exact state counts
+@dataclass
+class LayerCounts:
+    """Per-rank parameter lists ``[(name, numel, dtype, trainable, full_numel)]`` of each part of a stage."""
+
+    parts: dict[Any, list[tuple[str, int, str, bool, int]]]
+
+    def part(self, key: Any) -> list[tuple[str, int, str, bool, int]]:
+        return self.parts.get(key, [])
+
+
+def _layer_key(config: Any, i: int) -> Any:
+    L = config.num_hidden_layers
+    if i >= L:
+        return ("mtp", i)
+    return (config.mlp_layer_types[i], config.indexer_types[i])
+
+
+_CACHE: dict[tuple, LayerCounts] = {}
+
+
+def layer_counts(config: Any, lay: Layout) -> LayerCounts:
+    """Build (lazily) one probe stage for this layout's TP/EP/ETP/SP shapes and split its parameters
+    into parts: ``"embedding"``, ``"head"`` (final norm + LM head), and one entry per layer kind."""
+    import paddle
+
+    from ..parallel.layers import get_shard_spec
+    from ..parallel.pipeline import StageSpec
+    from ..parallel.topology import ParallelConfig, Topology, topology_override
+    from .glm_adapter import GlmStage
+    from .memory import dtype_name
+
+    key = (id(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype)
+    if key in _CACHE:
+        return _CACHE[key]
+    L = config.num_hidden_layers
+    reps: dict[Any, int] = {}
+    for i in range(L):
+        reps.setdefault(_layer_key(config, i), i)
+    # shapes depend on tp / ep / etp / sp only; dp is any size that makes the expert grid valid
+    pc = ParallelConfig(tp=lay.tp, pp=1, dp=lay.ep * lay.etp, ep=lay.ep, etp=lay.etp, sp=lay.sp)
+    topo = Topology(pc, rank=0)  # rank 0 of every group: TP/EP ranks hold equal shapes
+    spec = StageSpec(0, 1, tuple(sorted(reps.values())), True, True, config.num_mtp_layers > 0)
+    with topology_override(topo), paddle.LazyGuard():
+        stage = GlmStage(config, spec, lay.dtype)
+    sizes = {"tp": lay.tp, "etp": lay.etp}
+    parts: dict[Any, list[tuple[str, int, str, bool, int]]] = {}
+    for name, p in stage.named_parameters():
+        s = get_shard_spec(p)
+        numel = int(math.prod(p.shape))
+        full = numel * (sizes[s.group] if s.axis is not None else 1)
+        if s.expert:
+            full *= lay.ep  # the other EP ranks hold the other experts, same shapes
+        if name.startswith("model.layers."):
+            part = _layer_key(config, int(name.split(".")[2]))
+        elif name.startswith("model.embedding."):
+            part = "embedding"
+        else:
+            part = "head"
+        parts.setdefault(part, []).append((name, numel, dtype_name(p.dtype), not p.stop_gradient, full))
+    out = LayerCounts(parts)
+    _CACHE[key] = out
+    return out
+
+
+def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, str, bool, int]]:
+    """The parameters one rank of pipeline stage ``spec`` holds (from :func:`layer_counts`)."""
+    lc = layer_counts(config, lay)
+    out = []
+    if spec.has_embedding or spec.has_mtp:
+        out += lc.part("embedding")
+    L = config.num_hidden_layers
+    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
+    for i in ids:  # the representative layer's parameters under layer i's name
+        for name, *rest in lc.part(_layer_key(config, i)):
+            parts = name.split(".")
+            parts[2] = str(i)
+            out.append((".".join(parts), *rest))
+    if spec.has_head:
+        out += lc.part("head")
+    return out
+
+
+def state_items(
+    config: Any, params: list[tuple[str, int, str, bool, int]], *, stepped_only: bool = False
+) -> list[tuple[int, str, bool, bool]]:
+    """``(numel, dtype, trainable, has_state)`` for :func:`train.memory.state_bytes`.
+
+    The trainer creates Paddle AdamW's accumulators for every trainable parameter it owns before
+    the first step, so every trainable parameter has state.  ``stepped_only`` describes an
+    optimizer that creates state lazily for parameters that receive a gradient: without the
+    indexer KL loss (``indexer_loss_coeff`` 0) the indexer's top-k selection passes none, so its
+    parameters would have no state."""
+    frozen_indexer = stepped_only and not float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0
+    return [(n, d, tr, tr and not (frozen_indexer and ".indexer." in name)) for name, n, d, tr, _ in params]
+
+
+def total_params(config: Any, lay: Layout) -> int:
+    """Distinct parameters of the whole model (each layer once, the embedding once)."""
+    lc = layer_counts(config, lay)
+    L = config.num_hidden_layers
+    n = sum(f for *_, f in lc.part("embedding")) + sum(f for *_, f in lc.part("head"))
+    for i in range(L + config.num_mtp_layers):
+        n += sum(f for *_, f in lc.part(_layer_key(config, i)))
+    return n
+
+
+# --------------------------------------------------------------------------- activation estimate
+def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, float]:
+    """Bytes one micro-batch leaves saved for backward in one layer of ``kind`` (no recompute),
+    split into ``core`` (attention probabilities and scaled queries: what core recompute drops)
+    and ``other``.  Formula and assumptions: docs/scale.md."""
+    c = config
+    a = 2 if lay.dtype in ("bfloat16", "float16") else 4
+    b, s, h, t = lay.micro_batch_size, lay.seq_len, c.hidden_size, lay.tp
+    sb = s * b
+    sig = t if lay.sp else 1  # sequence-sharded tensors (norm inputs, residual) under SP
+    nh = c.num_attention_heads // t
+    dq, dn, dv, r = c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.qk_rope_head_dim
+    ql, kl = c.q_lora_rank, c.kv_lora_rank
+    mtp = kind[0] == "mtp"
+    has_indexer = (not mtp and kind[1] == "full") or mtp
+    mlp = "sparse" if mtp else kind[0]
+    other = 0.0
+    # attention block: norm input, normed input, latents and their norms, head projections,
+    # roped q / k, v, output
+    other += sb * h / sig + sb * h
+    other += 2 * sb * ql + sb * (kl + r) + sb * kl
+    other += sb * nh * dq + sb * nh * (dn + dv) + 2 * sb * nh * dq + sb * nh * dv + sb * nh * dv
+    other *= a
+    keys = min(s, int(c.index_topk)) if c.index_topk else s
+    core = 0.0
+    if lay.attention == "eager":
+        # scaled queries and the latent key table; the gathered keys and fp32 probabilities are
+        # kept for backward only up to the attention's save cap, else recomputed per chunk
+        lat = kl + r
+        core = a * sb * nh * dq + a * sb * lat + 4.0 * min(sb * keys * (lat + nh), _ATTN_SAVE_ELEMS)
+    else:  # a fused kernel keeps the queries and the log-sum-exp only
+        core = a * sb * nh * dq + 4.0 * sb * nh
+    if has_indexer and float(getattr(c, "indexer_loss_coeff", 0.0) or 0.0) > 0:
+        # the indexer is trained (KL loss): its queries, keys, head weights and fp32 scores over
+        # all keys are saved; without the loss its top-k is a non-differentiable selection
+        other += a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
+        other += 4.0 * b * s * s
+    # MLP block
+    other += a * (sb * h / sig + sb * h)
+    if mlp == "dense":
+        i = c.intermediate_size // t
+        other += a * sb * 3 * i
+    else:
+        k, E, I = c.num_experts_per_tok, c.n_routed_experts, c.moe_intermediate_size
+        routed = sb * k / t  # each rank computes its share of the routed token copies
+        other += 4.0 * 2 * sb * E / sig  # router logits and scores (fp32)
+        other += a * routed * (2 * h + 3 * I)  # dispatched inputs, gate|up, act, outputs
+        i_sh = I * c.n_shared_experts // t
+        other += a * sb * 3 * i_sh
+    if mtp:  # MTP: embedding norm, hidden norm, their concatenation and projection input
+        other += a * sb * (2 * h + 2 * h)
+    return {"core": core, "other": other}
+
+
+def head_activation_bytes(config: Any, lay: Layout) -> float:
+    """LM head per micro-batch: its input and fp32 vocab-parallel logits (and their softmax)."""
+    a = 2 if lay.dtype in ("bfloat16", "float16") else 4
+    sb = lay.seq_len * lay.micro_batch_size
+    v = config.vocab_size // lay.tp
+    heads = 1 + config.num_mtp_layers
+    return heads * (a * sb * config.hidden_size + 2 * 4.0 * sb * v)
+
+
+def in_flight(lay: Layout, stage: int, micro_batches: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B: pp - stage
+    (capped by the micro-batches of a step); interleaving (vpp > 1) adds (pp - 1 - stage) / vpp
+    micro-batch worth of chunks (Megatron's accounting)."""
+    n = min(lay.pp - stage, micro_batches)
+    if lay.vpp > 1:
+        n += (lay.pp - 1 - stage) / lay.vpp
+    return float(max(1, n))
+
+
+def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) -> int:
+    """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md)."""
+    L = config.num_hidden_layers
+    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
+    per = [layer_activation_elems(config, lay, _layer_key(config, i)) for i in ids]
+    a = 2 if lay.dtype in ("bfloat16", "float16") else 4
+    sb, h = lay.seq_len * lay.micro_batch_size, config.hidden_size
+    sig = lay.tp if lay.sp else 1
+    if lay.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
+        kept = len(ids) * a * sb * h / sig
+        extra = max((p["core"] + p["other"] for p in per), default=0.0)
+    elif lay.recompute == "core":
+        kept, extra = sum(p["other"] for p in per), max((p["core"] for p in per), default=0.0)
+    else:
+        kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
+    if spec.has_embedding:
+        kept += a * sb * h / sig
+    if spec.has_head:
+        kept += head_activation_bytes(config, lay)
+    return int(kept * in_flight(lay, spec.stage, micro_batches) + extra)
+
+
+# --------------------------------------------------------------------------- the plan
+def _load_config(model: str) -> Any:
+    from ..configuration import GlmMoeDsaConfig
+
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"--model {model}: no config.json in this folder")
+    return GlmMoeDsaConfig.from_pretrained(model)
+
+
+def check_layout(config: Any, lay: Layout) -> None:
+    """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
+    from ..parallel.topology import ParallelConfig, ParallelConfigError
+
+    if lay.recompute not in ("none", "core", "full"):
+        raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
+    if lay.sharding_stage not in (1, 2, 3):
+        raise ParallelConfigError(f"--sharding-stage must be 1, 2 or 3, got {lay.sharding_stage}")
+    pc = ParallelConfig(tp=lay.tp, pp=lay.pp, dp=lay.data_parallel, ep=lay.ep, etp=lay.etp, sp=lay.sp)
+    pc.validate(
+        num_attention_heads=config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        num_experts=config.n_routed_experts,
+        moe_intermediate_size=config.moe_intermediate_size,
+        num_layers=config.num_hidden_layers,
+    )
+    for what, v in (
+        ("intermediate_size", config.intermediate_size),
+        ("moe_intermediate_size * n_shared_experts", config.moe_intermediate_size * config.n_shared_experts),
+    ):
+        if v % lay.tp:
+            raise ParallelConfigError(f"GLM-5.2: --tp {lay.tp} does not divide {what} ({v})")
+    if lay.global_batch_size and lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
+        raise ParallelConfigError(
+            f"--global-batch-size {lay.global_batch_size} must be divisible by dp x sharding "
+            f"{lay.data_parallel} x --micro-batch-size {lay.micro_batch_size}"
+        )
+
+
+def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
+    """Stage-1 sharding as Fleet's ``DygraphShardingOptimizer`` lays it out: every trainable
+    tensor of the stage, in the optimizer's order, partitioned whole (``fleet_sharding_partition``);
+    the rank holds optimizer state for its own tensors only."""
+    from .memory import fleet_sharding_partition, state_bytes
+
+    items = state_items(config, params)
+    trainable = [i for i, it in enumerate(items) if it[2]]
+    part = fleet_sharding_partition([items[i][0] for i in trainable], lay.sharding)
+    owned = {trainable[j] for j in part[sharding_rank]}
+    full = state_bytes(items)
+    mine = state_bytes([it for i, it in enumerate(items) if i in owned])
+    return {
+        "params_bytes": full["params_bytes"],
+        "grads_bytes": full["grads_bytes"],
+        "optimizer_bytes": mine["optimizer_bytes"],
+    }
+
+
+def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, str, bool, int]]) -> dict[str, int]:
+    """:func:`train.memory.state_bytes` with sharding applied where replicas exist: dense tensors
+    are replicated over the sharding group (divided by its degree); an expert tensor only over its
+    expert-data-parallel replicas (edp = tp x dp x sharding / (ep x etp)), so it is divided by
+    gcd(sharding, edp) -- with ep x etp = tp x sharding an expert has no replica to shard over."""
+    from .memory import state_bytes
+
+    items = state_items(config, params)
+    sd = lay.sharding
+    stage = lay.sharding_stage if sd > 1 else 0
+    edp = lay.tp * lay.data_parallel // (lay.ep * lay.etp)
+    sd_e = math.gcd(sd, edp) if sd > 1 else 1
+    is_expert = [".mlp.experts." in name for name, *_ in params]
+    dense = state_bytes([it for it, e in zip(items, is_expert) if not e], sharding_degree=sd, sharding_stage=stage)
+    expert = state_bytes(
+        [it for it, e in zip(items, is_expert) if e], sharding_degree=sd_e, sharding_stage=stage if sd_e > 1 else 0
+    )
+    return {k: dense[k] + expert[k] for k in dense}
+
+
+def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
+    """Fleet's hybrid order (data, pipe, sharding, model; model fastest)."""
+    tp_r = rank % lay.tp
+    r = rank // lay.tp
+    sd_r = r % lay.sharding
+    r //= lay.sharding
+    return {"tp": tp_r, "sharding": sd_r, "pp": r % lay.pp, "dp": r // lay.pp}
+
+
+def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: float = 0.0) -> dict[str, Any]:
+    """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus ``reserve_gb``)."""
+    from ..parallel.pipeline import split_stages
+
+    check_layout(config, lay)
+    specs = split_stages(config.num_hidden_layers, lay.pp, layout=lay.pp_layout, has_mtp=config.num_mtp_layers > 0)
+    micro = (lay.global_batch_size // (lay.data_parallel * lay.micro_batch_size)) if lay.global_batch_size else lay.pp
+    kinds = []
+    for spec in specs:
+        params = stage_params(config, lay, spec)
+        st = _sharded_state_bytes(config, lay, params)
+        act = activation_bytes(config, lay, spec, micro)
+        row = {
+            "stage": spec.stage,
+            "layers": [spec.layers[0], spec.layers[-1]] if spec.layers else [],
+            "embedding": spec.has_embedding,
+            "head": spec.has_head,
+            "mtp": spec.has_mtp,
+            "num_params": sum(n for _, n, *_ in params),
+            **st,
+            "activations_bytes": act,
+        }
+        by_sd = [row["optimizer_bytes"]] * lay.sharding
+        if lay.sharding_partition == "fleet" and lay.sharding > 1:
+            by_sd = [_fleet_sharded_state_bytes(config, lay, params, r)["optimizer_bytes"] for r in range(lay.sharding)]
+            row["optimizer_bytes"] = max(by_sd)
+            row["optimizer_bytes_by_sharding_rank"] = by_sd
+        row["total_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] + act
+        kinds.append(row)
+    limit = (gpu_mem_gb - reserve_gb) * GiB
+    ranks = []
+    for rank in range(lay.world):
+        xy = rank_coords(lay, rank)
+        k = kinds[xy["pp"]]
+        r = {"rank": rank, "stage": k["stage"]} | {
+            f: k[f] for f in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        }
+        if "optimizer_bytes_by_sharding_rank" in k:
+            r["optimizer_bytes"] = k["optimizer_bytes_by_sharding_rank"][xy["sharding"]]
+        r["total_bytes"] = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
+        ranks.append(r)
+    worst = max(k["total_bytes"] for k in kinds)
+    return {
+        "model": getattr(config, "name_or_path", None),
+        "layout": lay.__dict__ | {"world": lay.world, "micro_batches_per_step": micro},
+        "total_params": total_params(config, lay),
+        "gpu_mem_gb": gpu_mem_gb,
+        "fits": bool(worst <= limit),
+        "max_rank_bytes": worst,
+        "kinds": kinds,
+        "ranks": ranks,
+    }
+
+
+def comm_cost(config: Any, lay: Layout) -> float:
+    """A rough per-rank, per-micro-batch communication volume (bytes) used only to order layouts:
+    TP (4 activation collectives per layer), EP (token all-to-all there and back), PP (one
+    activation per micro-batch per boundary), DP/sharding (one gradient reduction per step,
+    counted per micro-batch).  See docs/scale.md."""
+    a = 2
+    sb, h, L = lay.seq_len * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
+    per_stage = L / lay.pp
+    tp = 4 * sb * h * a * (lay.tp - 1) / lay.tp * per_stage
+    ep = 2 * sb * config.num_experts_per_tok * h * a * (lay.ep - 1) / lay.ep / lay.tp * per_stage
+    pp = 2 * sb * h * a if lay.pp > 1 else 0
+    return tp + ep + pp
+
+
+def search_layouts(
+    config: Any, gpus: int, base: Layout, gpu_mem_gb: float, reserve_gb: float = 0.0, limit: int = 20
+) -> list[dict[str, Any]]:
+    """Layouts of ``gpus`` ranks that fit, cheapest communication (then least recompute) first."""
+    from ..parallel.topology import ParallelConfigError
+
+    def pow2(n: int) -> list[int]:
+        return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
+
+    found = []
+    for tp in [t for t in pow2(gpus) if t <= 8]:
+        for pp in [p for p in pow2(gpus // tp) if p <= config.num_hidden_layers]:
+            dpt = gpus // (tp * pp)
+            for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt) % e == 0]:
+                for sharding in sorted({1, dpt}):
+                    for rc in ("none", "core", "full"):
+                        lay = Layout(**(base.__dict__ | {}))
+                        lay.tp, lay.pp, lay.ep, lay.etp, lay.recompute = tp, pp, ep, 1, rc
+                        lay.sharding, lay.dp = sharding, dpt // sharding
+                        lay.sp = tp > 1
+                        lay.vpp = 1
+                        try:
+                            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb)
+                        except (ParallelConfigError, ValueError):
+                            continue
+                        if p["fits"]:
+                            found.append(
+                                {
+                                    "layout": lay.describe(),
+                                    "flags": _flags(lay),
+                                    "max_rank_gib": p["max_rank_bytes"] / GiB,
+                                    "comm_bytes": comm_cost(config, lay),
+                                    "recompute_rank": ("none", "core", "full").index(rc),
+                                }
+                            )
+                            break  # the least recompute that fits
+    found.sort(key=lambda r: (r["comm_bytes"], r["recompute_rank"], r["max_rank_gib"]))
+    return found[:limit]
+
+
+def _flags(lay: Layout) -> str:
+    s = f"--tp {lay.tp} --pp {lay.pp} --dp {lay.dp} --ep {lay.ep}"
+    if lay.etp > 1:
+        s += f" --etp {lay.etp}"
+    if lay.sharding > 1:
+        s += f" --sharding {lay.sharding} --sharding-stage {lay.sharding_stage}"
+    if lay.sp:
+        s += " --sp"
+    return s + f" --recompute {lay.recompute}"
+
+
+def _table(plan: dict[str, Any]) -> str:
+    rows = [
+        f"{'stage':>5} {'layers':>9} {'params':>14} {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9} "
+        f"{'activ GiB':>9} {'total GiB':>9}  ranks"
+    ]
+    by_stage: dict[int, list[int]] = {}
+    for r in plan["ranks"]:
+        by_stage.setdefault(r["stage"], []).append(r["rank"])
+    for k in plan["kinds"]:
+        ids = by_stage.get(k["stage"], [])
+        lay = f"{k['layers'][0]}-{k['layers'][-1]}" if k["layers"] else "-"
+        tags = "".join(t for t, on in (("E", k["embedding"]), ("H", k["head"]), ("M", k["mtp"])) if on)
+        rng = f"{len(ids)} ranks ({ids[0]}..{ids[-1]})" if len(ids) > 1 else str(ids)
+        rows.append(
+            f"{k['stage']:>5} {lay + tags:>9} {k['num_params']:>14,} {k['params_bytes'] / GiB:>10.2f} "
+            f"{k['grads_bytes'] / GiB:>9.2f} {k['optimizer_bytes'] / GiB:>9.2f} {k['activations_bytes'] / GiB:>9.2f} "
+            f"{k['total_bytes'] / GiB:>9.2f}  {rng}"
+        )
+    return "\n".join(rows)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.part.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    from ..cpu_env import apply_mkl_default
+
+    apply_mkl_default()
+    from ..parallel.topology import ParallelConfigError
+
+    try:
+        config = _load_config(args.model)
+        lay = Layout(
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            dp=args.dp,
+            ep=args.ep,
+            etp=args.etp,
+            sharding=args.sharding,
+            sharding_stage=args.sharding_stage,
+            sharding_partition=args.sharding_partition,
+            sp=args.sp,
+            recompute=args.recompute,
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            dtype=args.dtype,
+            attention=args.attention,
+            pp_layout=args.pp_layout,
+        )
+        if args.search:
+            if not args.gpus:
+                raise ValueError("--search needs --gpus N")
+            found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top)
+            print(f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, cheapest communication first:")
+            for r in found:
+                print(
+                    f"  {r['layout']:<44} max {r['max_rank_gib']:6.1f} GiB  comm {r['comm_bytes'] / GiB:7.2f} GiB/mb  {r['flags']}"
+                )
+            if not found:
+                print("  none")
+            if args.json:
+                _write_json(args.json, {"gpus": args.gpus, "gpu_mem_gb": args.gpu_mem_gb, "layouts": found})
+            return 0 if found else 1
+        plan = plan_layout(config, lay, args.gpu_mem_gb, args.reserve_gb)
+    except (ValueError, FileNotFoundError, ParallelConfigError) as e:
+        print(f"glm52 plan: error: {e}", file=sys.stderr)
+        return 2
+    plan["seconds"] = time.perf_counter() - t0
+    print(f"{lay.describe()}  world {lay.world}  total params {plan['total_params']:,}")
+    print(_table(plan))
+    verdict = "fits" if plan["fits"] else "does NOT fit"
+    print(
+        f"max per rank {plan['max_rank_bytes'] / GiB:.2f} GiB: {verdict} in {args.gpu_mem_gb:g} GiB ({plan['seconds']:.1f} s)"
+    )
+    if args.json:
+        _write_json(args.json, plan)
+    return 0
+
+
+def register_plan(sub: argparse._SubParsersAction) -> None:
+    """Add ``plan`` to the glm52 CLI (see cli.COMMANDS)."""
+    p = sub.add_parser("plan", help="per-rank memory of a parallel layout (exact state, estimated activations)")
+    p.add_argument("--model", required=True, help="checkpoint or config folder with config.json")
+    g = p.add_argument_group("layout (as glm52 train)")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument(
+        "--vpp", type=int, default=1, help="virtual pipeline chunks (planner only: the trainer has none yet)"
+    )
+    g.add_argument("--dp", type=int, default=1)
+    g.add_argument("--ep", type=int, default=1)
+    g.add_argument("--etp", type=int, default=1)
+    g.add_argument(
+        "--sharding",
+        type=int,
+        default=1,
+        help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding)",
+    )
+    g.add_argument("--sharding-stage", type=int, default=1, help="1: optimizer state, 2: + gradients, 3: + parameters")
+    g.add_argument(
+        "--sharding-partition",
+        default="even",
+        choices=["even", "fleet"],
+        help="stage-1 state split: even (sharding V2 / Megatron style) or fleet (whole tensors, Fleet's "
+        "DygraphShardingOptimizer, what glm52 train's --sharding uses)",
+    )
+    g.add_argument("--sp", action="store_true")
+    g.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "core", "full"],
+        help="activation recompute (planner ahead of the trainer)",
+    )
+    g.add_argument("--pp-layout", default=None)
+    g.add_argument("--seq-len", type=int, default=4096)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=0, help="0: pp micro-batches per step")
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--attention",
+        default="eager",
+        choices=["eager", "flash"],
+        help="eager: this package's attention (fp32 probabilities saved); flash: a fused kernel",
+    )
+    g = p.add_argument_group("budget")
+    g.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU (GiB)")
+    g.add_argument("--reserve-gb", type=float, default=0.0, help="kept free for the allocator, NCCL and buffers")
+    g.add_argument("--search", action="store_true", help="list layouts of --gpus ranks that fit")
+    g.add_argument("--gpus", type=int, default=0)
+    g.add_argument("--top", type=int, default=20, help="layouts listed by --search")
+    g.add_argument("--json", default=None, help="write the plan here")
+    p.set_defaults(func=run_plan)
