@@ -14,7 +14,7 @@ import pytest
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint import CheckpointError, load_pretrained_state
 from paddleformers_glm.checkpoint.convert import convert_checkpoint
-from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.testing import SpecModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
