@@ -1,4 +1,4 @@
-"""Each bad input of issue 4 is refused with a message naming file, key and what was expected, and
+"""Each bad checkpoint input (truncated or corrupt files, wrong shapes, dtypes, keys or index) is refused with a message naming file, key and what was expected, and
 nothing is written: the model keeps its values, a conversion leaves no output folder."""
 
 from __future__ import annotations

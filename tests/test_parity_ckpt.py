@@ -1,4 +1,4 @@
-"""`glm52 check-ckpt`: every "Done when" case of issue 6 plus the refusals and the receipt."""
+"""`glm52 check-ckpt`: match, every mismatch class (naming, structural, value, config), the refusals and the receipt."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GlmMoeDsaModel and GlmMoeDsaForCausalLM: embedding -> decoder layers (top-k flows layer to layer)
 -> final norm -> lm_head, plus the MTP layers and the losses.
 
-Parameter names follow the Paddle/Fleet layout of REFERENCE §5 (`model.embedding.embed_tokens`,
+Parameter names follow the PaddleFormers / PaddleFleet layout (`model.embedding.embed_tokens`,
 `self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP `transformer_layer`); the checkpoint
 package maps them to and from the official HF names with Paddle's AOA engine.
 """
