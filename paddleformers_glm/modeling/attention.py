@@ -148,7 +148,7 @@ class MLAttention(nn.Layer):
 
         core = self.core_attention
         k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
-        form = choose_form(getattr(self.config, "attn_implementation", "auto"), B, S, k_sel, H, per_key)
+        form = choose_form(self.config.attn_implementation, B, S, k_sel, H, per_key)
         run_indexer = core.indexer is not None and not reuse_topk
         if run_indexer:  # the latent and dense forms need the selected set, not its score order
             keys = [] if cache is not None else None
