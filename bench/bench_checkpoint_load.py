@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.workdir, args.model_dtype)))
         return 0
 
-    from paddleformers_glm.checkpoint.testing import write_synthetic_checkpoint
+    from paddleformers_glm.testing import write_synthetic_checkpoint
 
     folder = args.workdir or tempfile.mkdtemp(prefix="glm52-bench-")
     cfg, size = synthetic_config(int(args.size_gb * 1e9))

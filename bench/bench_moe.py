@@ -4,7 +4,7 @@
 * padded: `MoE.grouped = True`, two batched matmuls over a zero-padded [E, capacity, H] layout;
 * kernel: the compiled grouped matmul (paddleformers_glm/ops/experts.py; the default for fp32 CPU tensors).
 
-Why: issue 7 asks for grouped expert compute "where Paddle allows" and to measure which form is
+Why: grouped expert compute is used where Paddle allows it; this measures which form is
 faster. All forms give the same routing.
 
     python bench/bench_moe.py [--tokens 512,2048,8192] [--threads 1]

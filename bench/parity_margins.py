@@ -3,7 +3,7 @@
 Why: the parity tests only say pass/fail; a performance change must not eat the margin under the
 1e-5 bounds, so we print the measured diffs before and after every optimisation.
 
-    python bench/parity_margins.py [--form auto|per-head|latent|dense-head]
+    python bench/parity_margins.py [--form auto|reference|dense|sparse|latent]
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ def _maxdiff(a: object, b: object) -> float:
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
 
 
-def margins(case: str) -> dict[str, float]:
+def margins(case: str, form: str = "auto") -> dict[str, float]:
     """Max abs diff per checked quantity (eval logits/loss, padding case, 4 SGD steps, gradients)."""
     ref = load_file(str(FIXTURES / case / "reference.safetensors"))
     t = paddle.to_tensor
     res: dict[str, float] = {}
-    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / case / "checkpoint", dtype="float32")
+    model = GlmMoeDsaForCausalLM.from_pretrained(
+        FIXTURES / case / "checkpoint", dtype="float32", attn_implementation=form
+    )
     model.eval()
     out = model(t(ref["input_ids"]), labels=t(ref["labels"]))
     res["logits (1e-5)"] = _maxdiff(out.logits.numpy(), ref["logits"])
@@ -65,24 +67,19 @@ def margins(case: str) -> dict[str, float]:
 def main() -> None:
     import argparse
 
-    from paddleformers_glm.modeling.attention import DSACoreAttention
+    from paddleformers_glm.modeling.attention_forms import FORMS
 
     ap = argparse.ArgumentParser(description="parity margins against the HF fixtures")
     ap.add_argument(
         "--form",
-        choices=["auto", "per-head", "latent", "dense-head"],
+        choices=FORMS,
         default="auto",
-        help="attention form: auto (what the model picks; per-head sparse at fixture sizes), or forced",
+        help="the attn_implementation to load with: auto (what the model picks; per-head sparse at "
+        "fixture sizes) or a set form",
     )
     form = ap.parse_args().form
-    if form == "per-head":
-        DSACoreAttention.latent, DSACoreAttention.dense = False, False
-    elif form == "latent":
-        DSACoreAttention.latent = True
-    elif form == "dense-head":
-        DSACoreAttention.dense = True
     for case in ("tiny", "tiny_pattern_yarn"):
-        for k, v in margins(case).items():
+        for k, v in margins(case, form).items():
             print(f"{case:18s} {k:22s} {v:.3e}")
 
 

@@ -117,6 +117,8 @@ _LIBRARY_DEFAULTS: dict[str, Any] = {
     "indexer_loss_coeff": 0.0,
     "indexer_k_norm_eps": 1e-6,
     "attention_chunk_size": 1024,
+    # which form of the sparse attention runs: auto (by size) | reference | dense | sparse | latent
+    "attn_implementation": "auto",
 }
 
 # Parallel / training layout: carried (written back only when the file had the key), form-checked.
@@ -130,6 +132,8 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
+# modeling/attention_forms.FORMS (the config cannot import the modeling package)
+_ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -325,6 +329,10 @@ class GlmMoeDsaConfig:
             raise _err("moe_router_dtype", f"only float32 routers are supported, got {self.moe_router_dtype!r}")
         if self.num_mtp_layers < 0:
             raise _err("num_nextn_predict_layers", f"must be >= 0, got {self.num_nextn_predict_layers}")
+        if self.attn_implementation not in _ATTN_IMPLEMENTATIONS:
+            raise _err(
+                "attn_implementation", f"must be one of {_ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
+            )
         if not self.use_qk_norm:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")
         self._validate_parallel()

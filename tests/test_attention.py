@@ -54,7 +54,8 @@ def test_whole_model_sparse_equals_dense_reference_with_padding():
     mask[1, :5] = 0
     mask = paddle.to_tensor(mask)
     a = model(ids, attention_mask=mask, labels=ids, compute_mtp=True)
-    b = model(ids, attention_mask=mask, labels=ids, compute_mtp=True, dense_reference=True)
+    model.set_attn_implementation("reference")
+    b = model(ids, attention_mask=mask, labels=ids, compute_mtp=True)
     np.testing.assert_allclose(a.logits.numpy(), b.logits.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(a.mtp_logits[0].numpy(), b.mtp_logits[0].numpy(), rtol=1e-5, atol=1e-5)
 

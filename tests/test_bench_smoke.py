@@ -1,4 +1,4 @@
-"""bench/bench_train_step.py runs end to end at a tiny size (issue 7).
+"""bench/bench_train_step.py runs end to end at a tiny size.
 
 The Paddle side is always asserted. The HF side needs torch + transformers (the `reference` extra):
 without them its test is skipped, explicitly, so a CI without torch never counts it as passed.

@@ -1,4 +1,4 @@
-"""Each bad input of issue 4 is refused with a message naming file, key and what was expected, and
+"""Each bad checkpoint input (truncated or corrupt files, wrong shapes, dtypes, keys or index) is refused with a message naming file, key and what was expected, and
 nothing is written: the model keeps its values, a conversion leaves no output folder."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint import CheckpointError, load_pretrained_state
 from paddleformers_glm.checkpoint.convert import convert_checkpoint
-from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.testing import SpecModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"

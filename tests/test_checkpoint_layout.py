@@ -1,5 +1,5 @@
 """The parameter-name contract, checked against sources that do not come from the code under test:
-the HF-written tiny fixture checkpoint, REFERENCE §2 shapes of the 744B model, and hand counts."""
+the HF-written tiny fixture checkpoint, the official index's shapes of the 744B model, and hand counts."""
 
 from __future__ import annotations
 

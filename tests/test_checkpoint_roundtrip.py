@@ -25,7 +25,7 @@ from paddleformers_glm.checkpoint import (
     save_pretrained_state,
 )
 from paddleformers_glm.checkpoint.safetensors_io import SafetensorsWriter
-from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.testing import SpecModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"

@@ -19,7 +19,7 @@ import pytest
 
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint import load_pretrained_state, save_pretrained_state
-from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.testing import SpecModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
@@ -82,7 +82,7 @@ import os, sys, time
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint import load_pretrained_state, save_pretrained_state, saver
 from paddleformers_glm.checkpoint.safetensors_io import SafetensorsWriter
-from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.testing import SpecModel
 
 src, out, point, flag = sys.argv[1:5]
 

@@ -47,7 +47,7 @@ def read_header(path: Path) -> tuple[dict, dict]:
 
 
 def schedule(cfg: dict) -> list[str]:
-    """Indexer schedule from the pattern, else freq/offset (REFERENCE §3)."""
+    """Indexer schedule from the pattern, else freq/offset: layer i is full iff max(i - offset + 1, 0) % freq == 0."""
     n = cfg["num_hidden_layers"]
     if cfg.get("index_topk_pattern"):
         return ["full" if c == "F" else "shared" for c in cfg["index_topk_pattern"]]
@@ -56,7 +56,7 @@ def schedule(cfg: dict) -> list[str]:
 
 
 def expected_keys(cfg: dict) -> dict[str, tuple]:
-    """Official key -> shape for the whole checkpoint, MTP layer included (REFERENCE §2)."""
+    """Official key -> shape for the whole checkpoint (the names of the official index), MTP layer included."""
     H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     nh, E = cfg["num_attention_heads"], cfg["n_routed_experts"]
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]

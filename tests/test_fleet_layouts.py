@@ -17,7 +17,7 @@ from paddleformers_glm.checkpoint import (
     paddlefleet_param_specs,
 )
 from paddleformers_glm.checkpoint.convert import convert_checkpoint
-from paddleformers_glm.checkpoint.testing import SpecModel
+from paddleformers_glm.testing import SpecModel
 
 from .conftest import FIXTURES
 

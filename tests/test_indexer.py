@@ -25,7 +25,7 @@ def _setup(B=2, S=24, seed=0, **changes):
 
 
 def _numpy_scores(cfg, idx, x, ql, cos, sin):
-    """Independent reference of REFERENCE §4 in numpy (interleaved rope on the first rope dims)."""
+    """Independent numpy reference of HF transformers' indexer scores (interleaved rope on the first rope dims)."""
     x, ql, cos, sin = x.numpy(), ql.numpy(), cos.numpy(), sin.numpy()
     Hi, Di, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     W = {n: p.numpy() for n, p in idx.named_parameters()}

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from paddleformers_glm import ops
-from paddleformers_glm.modeling.attention import DSACoreAttention
 from paddleformers_glm.ops import kernels
 
 from ._tiny import tiny_model, tokens
@@ -53,8 +52,7 @@ def test_disabled_reaches_every_op_forward_and_backward(monkeypatch, dense):
     backward) never touches the kernel library: the loader is replaced by one that fails."""
     model = tiny_model(seed=3, indexer_loss_coeff=0.01)
     model.train()
-    monkeypatch.setattr(DSACoreAttention, "dense", dense)
-    monkeypatch.setattr(DSACoreAttention, "latent", None if dense else True)
+    model.set_attn_implementation("dense" if dense else "latent")
 
     def no_kernels():
         raise AssertionError("an op asked for the compiled kernels inside disabled()")

@@ -1,4 +1,4 @@
-"""`glm52 check-ckpt`: every "Done when" case of issue 6 plus the refusals and the receipt."""
+"""`glm52 check-ckpt`: match, every mismatch class (naming, structural, value, config), the refusals and the receipt."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.checkpoint import load_pretrained_state, save_pretrained_state
-from paddleformers_glm.checkpoint.testing import SpecModel
 from paddleformers_glm.cli import main
+from paddleformers_glm.testing import SpecModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"

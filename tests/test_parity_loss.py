@@ -1,4 +1,4 @@
-"""`glm52 check-loss`: every "Done when" case of issue 6, malformed input, the receipt and the plot."""
+"""`glm52 check-loss`: pass and fail against the tolerances, malformed input, the receipt and the plot."""
 
 from __future__ import annotations
 

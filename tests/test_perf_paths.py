@@ -1,11 +1,11 @@
-"""The fast paths of issue 7 compute the same model as the reference paths.
+"""The fast attention and MoE forms compute the same model as the reference forms.
 
 * the latent (MQA) sparse attention equals the per-head sparse attention and the dense masked
   reference (outputs, padding rows, probabilities, gradients), also through the whole model;
-* `DSACoreAttention.latent=None` picks the per-head form (the association the HF fixtures pin)
+* `attn_implementation="auto"` picks the per-head form (the association the HF fixtures pin)
   for small problems and the latent form for large ones;
 * the MoE batched (`grouped`) form equals the per-expert loop;
-* the indexer's chunking and the top-k identity cache change nothing.
+* the indexer's chunking and the top-k selection cache change nothing.
 """
 
 import contextlib
@@ -14,8 +14,8 @@ import numpy as np
 import paddle
 import pytest
 
-from paddleformers_glm.modeling import attention as attn
-from paddleformers_glm.modeling.attention import DSACoreAttention, dense_masked_attention, sparse_latent_attention
+from paddleformers_glm.modeling import attention_forms as attn
+from paddleformers_glm.modeling.attention_forms import choose_form, dense_masked_attention, sparse_latent_attention
 from paddleformers_glm.modeling.moe import MoE
 
 from ._tiny import tiny_config, tiny_model, tokens
@@ -88,8 +88,8 @@ def test_latent_probs_sum_to_one_over_valid_slots(chunk_mode):
     assert np.all(p[idx.numpy() < 0] == 0)
 
 
-def _forward_backward(model, ids, mask, latent, monkeypatch):
-    monkeypatch.setattr(DSACoreAttention, "latent", latent)
+def _forward_backward(model, ids, mask, form):
+    model.set_attn_implementation(form)
     model.clear_gradients()
     out = model(ids, attention_mask=mask, labels=ids, compute_mtp=True)
     (out.loss + out.mtp_loss).backward()
@@ -97,15 +97,15 @@ def _forward_backward(model, ids, mask, latent, monkeypatch):
     return out.logits.numpy(), out.mtp_logits[0].numpy(), grads
 
 
-def test_whole_model_latent_equals_per_head_with_padding(chunk_mode, monkeypatch):
+def test_whole_model_latent_equals_per_head_with_padding(chunk_mode):
     model = tiny_model(seed=1)
     ids = tokens(2, 32, seed=2)
     mask = np.ones((2, 32), dtype="int64")
     mask[0, -6:] = 0
     mask[1, :5] = 0
     mask = paddle.to_tensor(mask)
-    lat = _forward_backward(model, ids, mask, True, monkeypatch)
-    ref = _forward_backward(model, ids, mask, False, monkeypatch)
+    lat = _forward_backward(model, ids, mask, "latent")
+    ref = _forward_backward(model, ids, mask, "sparse")
     np.testing.assert_allclose(lat[0], ref[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lat[1], ref[1], rtol=1e-5, atol=1e-5)
     assert lat[2].keys() == ref[2].keys()
@@ -114,9 +114,8 @@ def test_whole_model_latent_equals_per_head_with_padding(chunk_mode, monkeypatch
         np.testing.assert_allclose(lat[2][name], ref[2][name], atol=2e-5 * scale, err_msg=name)
 
 
-def test_indexer_kl_loss_works_on_the_latent_path(monkeypatch):
-    monkeypatch.setattr(DSACoreAttention, "latent", True)
-    model = tiny_model(seed=3, indexer_loss_coeff=0.5)
+def test_indexer_kl_loss_works_on_the_latent_path():
+    model = tiny_model(seed=3, indexer_loss_coeff=0.5, attn_implementation="latent")
     model.train()
     out = model(tokens(1, 24, seed=4), labels=tokens(1, 24, seed=4), add_mtp_loss=True)
     assert out.indexer_loss is not None and np.isfinite(float(out.indexer_loss))
@@ -124,11 +123,10 @@ def test_indexer_kl_loss_works_on_the_latent_path(monkeypatch):
 
 
 def test_auto_form_is_per_head_for_fixture_sizes_and_latent_for_long_sequences():
-    core = DSACoreAttention(tiny_config(), has_indexer=False)
-    assert core.latent is None
+    assert tiny_config().attn_implementation == "auto"
     per_key = 4 * (48 + 32)
-    assert not core.use_latent(2, 32, 8, per_key)  # the parity fixtures run the per-head form
-    assert core.use_latent(1, 8192, 64, 16 * 80)
+    assert choose_form("auto", 2, 32, 8, 4, per_key) == "sparse"  # the parity fixtures run the per-head form
+    assert choose_form("auto", 1, 8192, 64, 16, 16 * 80) == "latent"
 
 
 def test_moe_grouped_equals_loop(monkeypatch):
@@ -268,8 +266,7 @@ def test_fused_rms_norm_keeps_bf16_dtypes():
 
 
 def test_rope_heads_equals_apply_rope_bitwise():
-    from paddleformers_glm.modeling.indexer import rope_heads
-    from paddleformers_glm.modeling.rope import apply_rope
+    from paddleformers_glm.modeling.rope import apply_rope, rope_heads
 
     rng = np.random.default_rng(9)
     x = paddle.to_tensor(rng.standard_normal((2, 7, 3, 16)).astype("float32"))
@@ -283,12 +280,47 @@ def test_rope_heads_equals_apply_rope_bitwise():
 
 def test_prepared_topk_is_cached_per_tensor_and_not_shared_across_tensors():
     _, _, idx = _latent_case(empty_rows=1)
-    a = attn.prepare_topk(idx)
-    assert attn.prepare_topk(idx) is a
+    cache = attn.SelectionCache()
+    a = attn.prepare_topk(idx, cache)
+    assert attn.prepare_topk(idx, cache) is a
+    assert attn.prepare_topk(idx) is not a  # no cache: built afresh
     other = paddle.to_tensor(idx.numpy())
-    b = attn.prepare_topk(other)
+    b = attn.prepare_topk(other, cache)
     assert b is not a
     np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
+    cache.release()
+    assert attn.prepare_topk(other, cache) is not b
+
+
+def test_model_releases_the_selection_cache_after_each_forward():
+    """Layers share the model's cache while the forward runs; nothing of the top-k (nor its
+    S x S dense mask) stays alive after it."""
+    model = tiny_model(seed=1, attn_implementation="dense")
+    shared = model.model.selections
+    attns = [layer.self_attn for layer in model.model.decoder_layers]
+    attns += [m.transformer_layer.self_attn for m in model.model.mtp_layers]
+    assert all(a.selections is shared for a in attns)
+    seen = []
+    store = shared.store
+
+    def spy(topk, name, value):
+        seen.append(name)
+        store(topk, name, value)
+
+    shared.store = spy
+    model(tokens(1, 16, seed=2), labels=tokens(1, 16, seed=2))
+    assert "dense_mask" in seen  # the dense form cached its mask during the forward
+    assert shared._key is None and shared._forms == {}
+
+
+def test_attn_implementation_is_validated_and_saved_only_when_set(tmp_path):
+    with pytest.raises(ValueError, match="attn_implementation"):
+        tiny_config(attn_implementation="flash")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        tiny_model().set_attn_implementation("eager")
+    assert "attn_implementation" not in tiny_config().to_dict()
+    assert tiny_config(attn_implementation="latent").to_dict()["attn_implementation"] == "latent"
+    assert attn.FORMS == ("auto", "reference", "dense", "sparse", "latent")
 
 
 # ------------------------------------------------------------------ per-head dense form (short sequences)
@@ -331,20 +363,20 @@ def test_dense_head_gradients_equal_per_head_sparse_with_empty_rows():
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
-def test_dense_form_is_picked_for_short_sequences_within_budget(monkeypatch):
-    core = DSACoreAttention(tiny_config(), has_indexer=False)
-    assert core.use_dense(1, 64, 64, 16) and core.use_dense(1, 256, 128, 16)  # S <= 2 x top-k
-    assert not core.use_dense(1, 257, 128, 16)  # the selection is sparse enough to gather
-    assert not core.use_dense(4, 512, 512, 16)  # B·H·S² over DENSE_MAX_SCORES
-    assert not core.use_dense(2, 32, 8, 4)  # the parity fixtures keep the per-head sparse form
-    monkeypatch.setattr(DSACoreAttention, "latent", True)
-    assert not core.use_dense(1, 64, 64, 16)  # a forced latent form wins
-    monkeypatch.setattr(DSACoreAttention, "latent", None)
-    monkeypatch.setattr(DSACoreAttention, "dense", True)
-    assert core.use_dense(2, 32, 8, 4)
+def test_dense_form_is_picked_for_short_sequences_within_budget():
+    def auto(B, S, K, H):
+        return choose_form("auto", B, S, K, H, H * 80)
+
+    assert auto(1, 64, 64, 16) == auto(1, 256, 128, 16) == "dense"  # S <= 2 x top-k
+    assert auto(1, 257, 128, 16) != "dense"  # the selection is sparse enough to gather
+    assert auto(4, 512, 512, 16) != "dense"  # B·H·S² over DENSE_MAX_SCORES
+    assert auto(2, 32, 8, 4) == "sparse"  # the parity fixtures keep the per-head sparse form
+    for form in ("reference", "dense", "sparse", "latent"):  # a set form wins over the sizes
+        assert choose_form(form, 1, 64, 64, 16, 16 * 80) == form
+        assert choose_form(form, 2, 32, 8, 4, 4 * 80) == form
 
 
-def test_whole_model_dense_head_equals_per_head_sparse_with_padding(monkeypatch):
+def test_whole_model_dense_head_equals_per_head_sparse_with_padding():
     """The dense form against the per-head sparse form the HF fixtures pin, through the model with
     left and right padding, MTP, the indexer's KL loss and backward."""
     model = tiny_model(seed=1, indexer_loss_coeff=0.5)
@@ -354,9 +386,8 @@ def test_whole_model_dense_head_equals_per_head_sparse_with_padding(monkeypatch)
     mask[1, :5] = 0
     mask = paddle.to_tensor(mask)
     results = []
-    for dense in (True, False):
-        monkeypatch.setattr(DSACoreAttention, "dense", dense)
-        monkeypatch.setattr(DSACoreAttention, "latent", False)
+    for form in ("dense", "sparse"):
+        model.set_attn_implementation(form)
         model.clear_gradients()
         model.train()
         out = model(ids, attention_mask=mask, labels=ids, compute_mtp=True)

@@ -100,7 +100,7 @@ class TieError(RuntimeError):
 
 
 def schedule_from_freq(num_layers: int, freq: int, offset: int) -> list[str]:
-    """REFERENCE §3: layer i is full iff max(i - offset + 1, 0) % freq == 0."""
+    """Layer i is full iff max(i - offset + 1, 0) % freq == 0."""
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
 

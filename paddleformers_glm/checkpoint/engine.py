@@ -19,7 +19,7 @@ import dataclasses
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -347,13 +347,9 @@ def run_units(
     source keys the engine used and whether it transposed or cast (for classifying differences).
 
     ``plan_cache``: layers with the same program, shapes and dtypes up to their layer number (all
-    MoE layers of one indexer kind, say) get the engine's plan once, renamed per layer; the engine
-    spends ~0.1 s per statement-heavy layer on parsing, which would dominate a small model's load.
+    MoE layers of one indexer kind, say) get the engine's plan once, renamed per layer; the engine's
+    parsing of a statement-heavy layer would otherwise dominate a small model's load.
     """
-    import paddle
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight, ShardedWeightDesc
-    from paddle.distributed.flex_checkpoint.dcp.utils import assign_sharded_slice
-
     quiet_paddle_logs()
     produce = set(targets) if produce is None else set(produce)
     plans: dict[Any, Any] = {}
@@ -363,86 +359,123 @@ def run_units(
         wanted = [k for u in group for k in u.targets(direction) if k in produce]
         if not wanted:
             continue
-        src_keys = [k for u in group for k in u.sources(direction)]
-        src_meta = {k: source.meta(k) for k in src_keys}
-        src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
-        if direction == "hf_to_fleet":
-            for u in group:
-                for k, n in u.source_splits:
-                    src_info[k] = _column_shards(k, *src_meta[k], n)
-        # Every target of the group gets destination info (the engine needs the full output set);
-        # ones not wanted are described as unsharded and never materialised.
-        dst_info: dict[str, list[Any]] = {}
-        dst_dtypes: dict[str, str] = {}
-        for u in group:
-            for k in u.targets(direction):
-                t = targets.get(k)
-                if t is None:
-                    raise CheckpointError("internal: target of a selected unit has no spec", key=k)
-                dst_dtypes[k] = t.dtype
-                shards = t.all_shards or [t.local()]
-                dst_info[k] = [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in shards]
-        stmts = build_statements(group, direction, {k: d for k, (_, d) in src_meta.items()}, dst_dtypes)
-        planner = _planner_for(group, stmts, src_info, dst_info, plans if plan_cache else None)
+        planner = _group_planner(group, direction, source, targets, plans if plan_cache else None)
         for key in wanted:
-            t = targets[key]
-            local_shape, offset = t.local()
-            mappings = planner(ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype))
-            out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype)
-            dst = ShardedWeight(
-                key=key, local_tensor=out, local_shape=local_shape, global_shape=t.global_shape, global_offset=offset
-            )
-            covered = 0
-            if trace is not None:
-                pp = [p for m in mappings for p in (m.postprocess_list or [])]
-                trace[key] = {
-                    "sources": sorted({m.source_slice.key for m in mappings}),
-                    "transposed": any(str(p).startswith("[") for p in pp),
-                    "cast": any(not str(p).startswith("[") for p in pp),
-                }
-            out_np = numpy_view(out)
-            for m in mappings:
-                s = m.source_slice
-                if s.dtype != t.dtype and not (m.postprocess_list and t.dtype in m.postprocess_list):
-                    raise CheckpointError(
-                        "AOA program assigns across dtypes without a cast",
-                        key=key,
-                        expected=t.dtype,
-                        actual=f"{s.key}: {s.dtype}",
-                    )
-                covered += math.prod(m.target_slice.local_shape)
-                src_np = source.read_numpy(s.key, s.global_offset, s.local_shape)
-                if src_np is not None and out_np is not None:
-                    region = tuple(
-                        slice(g - o, g - o + n)
-                        for g, o, n in zip(m.target_slice.global_offset, offset, m.target_slice.local_shape)
-                    )
-                    if apply_entry_numpy(src_np, s.dtype, m.postprocess_list, out_np[region]):
-                        continue
-                # generic path: Paddle's own slice / transpose / cast / assign
-                if src_np is not None:
-                    piece = _to_paddle(src_np, s.dtype)
-                else:
-                    piece = source.read(s.key, s.global_offset, s.local_shape)
-                del src_np
-                src = ShardedWeight(
-                    key=s.key,
-                    local_tensor=piece,
-                    local_shape=s.local_shape,
-                    global_shape=s.global_shape,
-                    global_offset=s.global_offset,
-                )
-                assign_sharded_slice(s, src, m.target_slice, dst, m.postprocess_list)
-                del piece, src
-            for k in {m.source_slice.key for m in mappings}:
-                source.done(k)
-            if covered != math.prod(local_shape):
-                raise CheckpointError(
-                    "AOA mapping does not cover the whole target",
-                    key=key,
-                    expected=f"{math.prod(local_shape)} elements",
-                    actual=f"{covered} written",
-                )
+            out = _fill_target(key, targets[key], planner, source, trace)
             bar.update(sizes.get(key, 0))
             yield key, out
     bar.close()
+
+
+def _group_planner(
+    group: Sequence[MappingUnit],
+    direction: str,
+    source: Source,
+    targets: Mapping[str, TargetSpec],
+    plans: dict[Any, Any] | None,
+) -> Callable[[Any], list[Any]]:
+    """The engine's planner for one group of units: source and destination shard descriptions
+    and the group's AOA statements."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    src_keys = [k for u in group for k in u.sources(direction)]
+    src_meta = {k: source.meta(k) for k in src_keys}
+    src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
+    if direction == "hf_to_fleet":
+        for u in group:
+            for k, n in u.source_splits:
+                src_info[k] = _column_shards(k, *src_meta[k], n)
+    # Every target of the group gets destination info (the engine needs the full output set);
+    # ones not wanted are described as unsharded and never materialised.
+    dst_info: dict[str, list[Any]] = {}
+    dst_dtypes: dict[str, str] = {}
+    for u in group:
+        for k in u.targets(direction):
+            t = targets.get(k)
+            if t is None:
+                raise CheckpointError("internal: target of a selected unit has no spec", key=k)
+            dst_dtypes[k] = t.dtype
+            shards = t.all_shards or [t.local()]
+            dst_info[k] = [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in shards]
+    stmts = build_statements(group, direction, {k: d for k, (_, d) in src_meta.items()}, dst_dtypes)
+    return _planner_for(group, stmts, src_info, dst_info, plans)
+
+
+def _fill_target(
+    key: str,
+    t: TargetSpec,
+    planner: Callable[[Any], list[Any]],
+    source: Source,
+    trace: dict[str, dict[str, Any]] | None,
+) -> Any:
+    """Make (or fill in place) one target's local slice from the engine's entries for it; every
+    element must be written."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight, ShardedWeightDesc
+
+    local_shape, offset = t.local()
+    mappings = planner(ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype))
+    out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype)
+    dst = ShardedWeight(
+        key=key, local_tensor=out, local_shape=local_shape, global_shape=t.global_shape, global_offset=offset
+    )
+    if trace is not None:
+        pp = [p for m in mappings for p in (m.postprocess_list or [])]
+        trace[key] = {
+            "sources": sorted({m.source_slice.key for m in mappings}),
+            "transposed": any(str(p).startswith("[") for p in pp),
+            "cast": any(not str(p).startswith("[") for p in pp),
+        }
+    out_np = numpy_view(out)
+    covered = 0
+    for m in mappings:
+        covered += math.prod(m.target_slice.local_shape)
+        _apply_entry(key, t, m, source, offset, out_np, dst)
+    for k in {m.source_slice.key for m in mappings}:
+        source.done(k)
+    if covered != math.prod(local_shape):
+        raise CheckpointError(
+            "AOA mapping does not cover the whole target",
+            key=key,
+            expected=f"{math.prod(local_shape)} elements",
+            actual=f"{covered} written",
+        )
+    return out
+
+
+def _apply_entry(
+    key: str, t: TargetSpec, m: Any, source: Source, offset: tuple[int, ...], out_np: Any, dst: Any
+) -> None:
+    """Write one engine entry (a source slice, its transposes / casts) into the target: in numpy
+    when both sides allow it, else through Paddle's own slice / transpose / cast / assign."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+    from paddle.distributed.flex_checkpoint.dcp.utils import assign_sharded_slice
+
+    s = m.source_slice
+    if s.dtype != t.dtype and not (m.postprocess_list and t.dtype in m.postprocess_list):
+        raise CheckpointError(
+            "AOA program assigns across dtypes without a cast",
+            key=key,
+            expected=t.dtype,
+            actual=f"{s.key}: {s.dtype}",
+        )
+    src_np = source.read_numpy(s.key, s.global_offset, s.local_shape)
+    if src_np is not None and out_np is not None:
+        region = tuple(
+            slice(g - o, g - o + n) for g, o, n in zip(m.target_slice.global_offset, offset, m.target_slice.local_shape)
+        )
+        if apply_entry_numpy(src_np, s.dtype, m.postprocess_list, out_np[region]):
+            return
+    if src_np is not None:
+        piece = _to_paddle(src_np, s.dtype)
+    else:
+        piece = source.read(s.key, s.global_offset, s.local_shape)
+    del src_np
+    src = ShardedWeight(
+        key=s.key,
+        local_tensor=piece,
+        local_shape=s.local_shape,
+        global_shape=s.global_shape,
+        global_offset=s.global_offset,
+    )
+    assign_sharded_slice(s, src, m.target_slice, dst, m.postprocess_list)

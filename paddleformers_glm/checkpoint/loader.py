@@ -296,29 +296,7 @@ def load_pretrained_state(
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = _state_of(model)
-        # --- the model against the contract (with ``keys`` / ``key_filter``, a pipeline stage's
-        # module: it need only hold the selected keys)
-        selected = set(fleet)
-        if keys is not None:
-            keys = set(keys)
-            bad = sorted(keys - set(fleet))
-            if bad:
-                raise CheckpointError(f"keys to load are not Fleet parameter names: {format_keys(bad)}")
-            selected &= keys
-        if key_filter is not None:
-            selected = {k for k in selected if key_filter(k)}
-        extra_model = sorted(set(state) - set(fleet))
-        lacking_model = sorted(selected - set(state))
-        if strict and (extra_model or lacking_model):
-            parts = []
-            if lacking_model:
-                parts.append(f"model lacks {format_keys(lacking_model)}")
-            if extra_model:
-                parts.append(f"model has parameters outside the contract, {format_keys(extra_model)}")
-            raise CheckpointError(
-                "model state_dict does not match the GLM-5.2 Fleet parameter contract: " + "; ".join(parts)
-            )
-        want = set(state) & selected
+        want = _wanted_keys(state, fleet, keys, key_filter, strict)
         report.skipped = sorted((set(state) & set(fleet)) - want)
         # --- units: which targets can be produced from what the checkpoint has
         units = units_for(cfg, layout, expert_layout, fleet_format.fused_ffn_shards(ckpt) if layout == "fleet" else 1)
@@ -326,26 +304,9 @@ def load_pretrained_state(
         if layout != "hf" and shard_info:
             units = _relayout_fused(units, set(shard_info) & fused_keys(cfg))
         direction = "hf_to_fleet"
-        missing_src_set = set(missing_src)
-        usable, missing_targets = [], []
-        for u in units:
-            if not want & set(u.fleet):
-                continue
-            lacking = [k for k in u.hf if k in missing_src_set]
-            if lacking:
-                missing_targets.extend(k for k in u.fleet if k in want)
-            else:
-                usable.append(u)
-        needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src_set)
-        # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
-        # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
-        mtp_units = [u for u in units if u.layer is not None and u.layer >= cfg.num_hidden_layers]
-        mtp_src = {k for u in mtp_units for k in u.hf}
-        mtp_init: list[str] = []
-        if init_missing_mtp and mtp_src and mtp_src <= missing_src_set:
-            needed_missing = [k for k in needed_missing if k not in mtp_src]
-            mtp_init = sorted(k for u in mtp_units for k in u.fleet if k in want)
-            missing_targets = [k for k in missing_targets if k not in set(mtp_init)]
+        plan = _plan_units(units, want, set(missing_src), cfg, init_missing_mtp)
+        usable, missing_targets, needed_missing = plan.usable, plan.missing_targets, plan.needed_missing
+        mtp_init, mtp_src = plan.mtp_init, plan.mtp_src
         if strict and (needed_missing or unexpected):
             parts = []
             if needed_missing:
@@ -368,21 +329,7 @@ def load_pretrained_state(
             )
             report.warnings.append(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
-        # --- targets
-        targets: dict[str, TargetSpec] = {}
-        for u in usable:
-            for k in u.fleet:
-                if k not in want:
-                    continue
-                targets[k] = _target_spec(
-                    k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict, report.warnings
-                )
-        # units' other targets (not wanted) still need a spec for the engine's output set
-        for u in usable:
-            for k in u.fleet:
-                if k not in targets:
-                    shape, kind = fleet[k]
-                    targets[k] = TargetSpec(k, tuple(shape), _planned_dtype(kind, dtype, state.get(k)))
+        targets = _target_specs(usable, want, state, fleet, dtype, shard_info, strict, report.warnings)
         wanted_targets = {k: v for k, v in targets.items() if k in want}
         if backend == "engine":
             source = (
@@ -407,19 +354,120 @@ def load_pretrained_state(
         else:
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
         if mtp_init:
-            init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
-            report.initialized = mtp_init
-            msg = (
-                f"{path} has no MTP weights (the {len(mtp_src)} tensors of model.layers."
-                f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
-                f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
-                f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
-                "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
-            )
-            logger.warning(msg)
-            report.warnings.append(msg)
+            _init_missing_mtp(state, mtp_init, len(mtp_src), cfg, path, report)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _init_missing_mtp(
+    state: Mapping[str, Any], mtp_init: list[str], n_src: int, cfg: Any, path: str, report: LoadReport
+) -> None:
+    """Initialise the MTP layer of a checkpoint that has none of its tensors as HF initialises
+    missing weights, and say so (one logged warning, also in the report)."""
+    init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
+    report.initialized = mtp_init
+    msg = (
+        f"{path} has no MTP weights (the {n_src} tensors of model.layers."
+        f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
+        f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
+        f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
+        "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
+    )
+    logger.warning(msg)
+    report.warnings.append(msg)
+
+
+def _wanted_keys(
+    state: Mapping[str, Any],
+    fleet: Mapping[str, tuple[tuple[int, ...], str]],
+    keys: Iterable[str] | None,
+    key_filter: Callable[[str], bool] | None,
+    strict: bool,
+) -> set[str]:
+    """The Fleet keys to fill: the model's keys within the contract, narrowed by ``keys`` /
+    ``key_filter`` (a pipeline stage's module need only hold those). ``strict`` refuses a model
+    that lacks a selected key or holds one outside the contract."""
+    selected = set(fleet)
+    if keys is not None:
+        keys = set(keys)
+        bad = sorted(keys - set(fleet))
+        if bad:
+            raise CheckpointError(f"keys to load are not Fleet parameter names: {format_keys(bad)}")
+        selected &= keys
+    if key_filter is not None:
+        selected = {k for k in selected if key_filter(k)}
+    extra_model = sorted(set(state) - set(fleet))
+    lacking_model = sorted(selected - set(state))
+    if strict and (extra_model or lacking_model):
+        parts = []
+        if lacking_model:
+            parts.append(f"model lacks {format_keys(lacking_model)}")
+        if extra_model:
+            parts.append(f"model has parameters outside the contract, {format_keys(extra_model)}")
+        raise CheckpointError(
+            "model state_dict does not match the GLM-5.2 Fleet parameter contract: " + "; ".join(parts)
+        )
+    return set(state) & selected
+
+
+@dataclass
+class _UnitPlan:
+    usable: list[Any]  # units whose sources are all in the checkpoint and that produce a wanted key
+    missing_targets: list[str]  # wanted keys whose unit lacks a source
+    needed_missing: list[str]  # the lacking sources of those units
+    mtp_init: list[str]  # wanted MTP keys initialised as HF does (the checkpoint has no MTP tensor)
+    mtp_src: set[str]  # the MTP layer's source keys
+
+
+def _plan_units(units: list[Any], want: set[str], missing_src: set[str], cfg: Any, init_missing_mtp: bool) -> _UnitPlan:
+    """Which mapping units can run from what the checkpoint has, and what is missing."""
+    usable, missing_targets = [], []
+    for u in units:
+        if not want & set(u.fleet):
+            continue
+        lacking = [k for k in u.hf if k in missing_src]
+        if lacking:
+            missing_targets.extend(k for k in u.fleet if k in want)
+        else:
+            usable.append(u)
+    needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src)
+    # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
+    # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
+    mtp_units = [u for u in units if u.layer is not None and u.layer >= cfg.num_hidden_layers]
+    mtp_src = {k for u in mtp_units for k in u.hf}
+    mtp_init: list[str] = []
+    if init_missing_mtp and mtp_src and mtp_src <= missing_src:
+        needed_missing = [k for k in needed_missing if k not in mtp_src]
+        mtp_init = sorted(k for u in mtp_units for k in u.fleet if k in want)
+        missing_targets = [k for k in missing_targets if k not in set(mtp_init)]
+    return _UnitPlan(usable, missing_targets, needed_missing, mtp_init, mtp_src)
+
+
+def _target_specs(
+    usable: list[Any],
+    want: set[str],
+    state: Mapping[str, Any],
+    fleet: Mapping[str, tuple[tuple[int, ...], str]],
+    dtype: str | None,
+    shard_info: Mapping[str, Any] | None,
+    strict: bool,
+    warnings_out: list[str],
+) -> dict[str, TargetSpec]:
+    """Target specs of every output of the usable units: the wanted ones from the model's
+    parameters, the others (a unit's outputs nobody asked for) from the contract."""
+    targets: dict[str, TargetSpec] = {}
+    for u in usable:
+        for k in u.fleet:
+            if k not in want:
+                continue
+            targets[k] = _target_spec(k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict, warnings_out)
+    # units' other targets (not wanted) still need a spec for the engine's output set
+    for u in usable:
+        for k in u.fleet:
+            if k not in targets:
+                shape, kind = fleet[k]
+                targets[k] = TargetSpec(k, tuple(shape), _planned_dtype(kind, dtype, state.get(k)))
+    return targets
 
 
 def _dtype_changes(

@@ -143,6 +143,20 @@ def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str
     no overlap, no gap, and no trailing bytes after the last tensor. With a ``warnings`` list,
     trailing bytes (which no tensor's value depends on) are reported there instead of refused.
     """
+    raw, size = _read_header_bytes(file)
+    header = _decode_header(file, raw)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError("corrupt header: __metadata__ must map strings to strings", file=file, key="__metadata__")
+    data_start = 8 + len(raw)
+    data_size = size - data_start
+    infos = {key: _tensor_entry(file, key, entry, data_start, data_size) for key, entry in header.items()}
+    _check_data_coverage(file, infos, data_start, data_size, warnings)
+    return infos, dict(meta), data_start
+
+
+def _read_header_bytes(file: str) -> tuple[bytes, int]:
+    """(the header's bytes, the file size), after checking the 8-byte length prefix against the file."""
     try:
         size = os.path.getsize(file)
         with open(file, "rb") as f:
@@ -172,6 +186,11 @@ def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"cannot read safetensors file: {e}", file=file) from e
+    return raw, size
+
+
+def _decode_header(file: str, raw: bytes) -> dict[str, Any]:
+    """The header as a JSON object: UTF-8, starts with '{', valid JSON, no duplicate keys."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -184,55 +203,58 @@ def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str
         raise CheckpointError(f"corrupt header: not valid JSON ({e.msg} at byte {e.pos})", file=file) from e
     if not isinstance(header, dict):
         raise CheckpointError("corrupt header: not a JSON object", file=file, actual=type(header).__name__)
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise CheckpointError("corrupt header: __metadata__ must map strings to strings", file=file, key="__metadata__")
-    data_start = 8 + n
-    data_size = size - data_start
-    infos: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise CheckpointError(
-                "corrupt header: entry must have exactly dtype, shape, data_offsets",
-                file=file,
-                key=key,
-                actual=sorted(entry) if isinstance(entry, dict) else type(entry).__name__,
-            )
-        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in ST_DTYPES:
-            raise CheckpointError("unknown dtype name", file=file, key=key, expected=sorted(ST_DTYPES), actual=dtype)
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise CheckpointError(
-                "corrupt header: shape must be a list of non-negative integers", file=file, key=key, actual=shape
-            )
-        if not (
-            isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]
-        ):
-            raise CheckpointError(
-                "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end",
-                file=file,
-                key=key,
-                actual=offs,
-            )
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        want = numel * ST_DTYPES[dtype][0]
-        if offs[1] - offs[0] != want:
-            raise CheckpointError(
-                f"byte length does not match shape {shape} x {dtype}",
-                file=file,
-                key=key,
-                expected=want,
-                actual=offs[1] - offs[0],
-            )
-        if offs[1] > data_size:
-            raise CheckpointError(
-                "truncated safetensors file: tensor bytes lie beyond the end of the file",
-                file=file,
-                key=key,
-                expected=f"data end {offs[1]}",
-                actual=f"{data_size} data bytes",
-            )
-        infos[key] = TensorInfo(key, file, dtype, tuple(shape), data_start + offs[0], data_start + offs[1])
+    return header
+
+
+def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
+    """One tensor's header entry, validated: its fields, dtype, shape, offsets, byte length and range."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(
+            "corrupt header: entry must have exactly dtype, shape, data_offsets",
+            file=file,
+            key=key,
+            actual=sorted(entry) if isinstance(entry, dict) else type(entry).__name__,
+        )
+    dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in ST_DTYPES:
+        raise CheckpointError("unknown dtype name", file=file, key=key, expected=sorted(ST_DTYPES), actual=dtype)
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(
+            "corrupt header: shape must be a list of non-negative integers", file=file, key=key, actual=shape
+        )
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
+        raise CheckpointError(
+            "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end",
+            file=file,
+            key=key,
+            actual=offs,
+        )
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    want = numel * ST_DTYPES[dtype][0]
+    if offs[1] - offs[0] != want:
+        raise CheckpointError(
+            f"byte length does not match shape {shape} x {dtype}",
+            file=file,
+            key=key,
+            expected=want,
+            actual=offs[1] - offs[0],
+        )
+    if offs[1] > data_size:
+        raise CheckpointError(
+            "truncated safetensors file: tensor bytes lie beyond the end of the file",
+            file=file,
+            key=key,
+            expected=f"data end {offs[1]}",
+            actual=f"{data_size} data bytes",
+        )
+    return TensorInfo(key, file, dtype, tuple(shape), data_start + offs[0], data_start + offs[1])
+
+
+def _check_data_coverage(
+    file: str, infos: dict[str, TensorInfo], data_start: int, data_size: int, warnings: list[str] | None
+) -> None:
+    """The tensors tile the data area: no overlap, no gap; trailing bytes refused (or, with a
+    `warnings` list, reported there)."""
     pos, prev = 0, None
     for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
         b = info.begin - data_start
@@ -259,7 +281,6 @@ def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str
         if warnings is None:
             raise err
         warnings.append(str(err))
-    return infos, dict(meta), data_start
 
 
 class SafetensorsFile:

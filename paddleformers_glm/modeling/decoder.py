@@ -36,7 +36,6 @@ class DecoderLayer(nn.Layer):
         key_padding: paddle.Tensor | None,
         prev_topk: paddle.Tensor | None,
         reuse_topk: bool = False,
-        dense_reference: bool = False,
         cache: LayerCache | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
         """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], indexer KL loss or None).
@@ -56,7 +55,6 @@ class DecoderLayer(nn.Layer):
                 key_padding,
                 prev_topk,
                 reuse_topk=reuse_topk,
-                dense_reference=dense_reference,
                 cache=cache,
             )
         x = (residual + h.astype(residual.dtype)).astype(x.dtype)

@@ -27,8 +27,8 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import rope_concat, rope_heads  # noqa: F401  (rope_heads: attention.py imports it from here)
 from .norms import LayerNorm
+from .rope import rope_concat
 
 NEG_INF = float("-inf")
 # Largest per-chunk score block [C, Hi, keys] in elements (8 MB of fp32).

@@ -1,7 +1,7 @@
 """GlmMoeDsaModel and GlmMoeDsaForCausalLM: embedding -> decoder layers (top-k flows layer to layer)
 -> final norm -> lm_head, plus the MTP layers and the losses.
 
-Parameter names follow the Paddle/Fleet layout of REFERENCE §5 (`model.embedding.embed_tokens`,
+Parameter names follow the PaddleFormers / PaddleFleet layout (`model.embedding.embed_tokens`,
 `self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP `transformer_layer`); the checkpoint
 package maps them to and from the official HF names with Paddle's AOA engine.
 """
@@ -24,6 +24,7 @@ from ..ops import cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
 from ..parallel.topology import get_topology
+from .attention_forms import FORMS, SelectionCache
 from .cache import DSACache
 from .decoder import DecoderLayer
 from .mtp import MTPLayer
@@ -120,6 +121,16 @@ def build_layer(config: GlmMoeDsaConfig, index: int) -> DecoderLayer | MTPLayer:
     )
 
 
+def share_selections(layers: Iterator[DecoderLayer | MTPLayer]) -> SelectionCache:
+    """One cache of top-k index forms for all `layers` (a shared layer reuses its full layer's
+    top-k, so its forms are built once); the model releases it at the end of each forward."""
+    shared = SelectionCache()
+    for layer in layers:
+        block = layer.transformer_layer if isinstance(layer, MTPLayer) else layer
+        block.self_attn.selections = shared
+    return shared
+
+
 def _final_norm(config: GlmMoeDsaConfig) -> RMSNorm:
     norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
     mark_sequence_parallel(norm, enabled=get_topology().sequence_parallel)
@@ -135,6 +146,7 @@ class GlmMoeDsaModel(nn.Layer):
         L = config.num_hidden_layers
         self.embedding = Embedding(config)
         self.layers = nn.LayerList([build_layer(config, i) for i in range(L + config.num_mtp_layers)])
+        self.selections = share_selections(self.layers)
         self.norm = _final_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -161,7 +173,6 @@ class GlmMoeDsaModel(nn.Layer):
         topk: paddle.Tensor | None,
         start: int = 0,
         end: int | None = None,
-        dense_reference: bool = False,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
         """Decoder layers [start, end): hidden [B,S,H] and the top-k in effect flow from layer to layer.
 
@@ -170,9 +181,10 @@ class GlmMoeDsaModel(nn.Layer):
         end = self.config.num_hidden_layers if end is None else end
         kls = []
         for layer in list(self.layers)[start:end]:
-            hidden, topk, kl = layer(hidden, cos, sin, key_padding, topk, dense_reference=dense_reference)
+            hidden, topk, kl = layer(hidden, cos, sin, key_padding, topk)
             if kl is not None:
                 kls.append(kl)
+        self.selections.release()
         return hidden, topk, kls
 
     def forward(
@@ -180,12 +192,11 @@ class GlmMoeDsaModel(nn.Layer):
         input_ids: paddle.Tensor,
         attention_mask: paddle.Tensor | None = None,
         position_ids: paddle.Tensor | None = None,
-        dense_reference: bool = False,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
         """-> (final-normed hidden [B, S, H], top-k of the last decoder layer, indexer KL losses)."""
         cos, sin = self.rope(input_ids, position_ids)
         hidden = self.embedding(input_ids)
-        hidden, topk, kls = self.run_layers(hidden, cos, sin, attention_mask, None, dense_reference=dense_reference)
+        hidden, topk, kls = self.run_layers(hidden, cos, sin, attention_mask, None)
         return self.norm(hidden), topk, kls
 
 
@@ -206,6 +217,7 @@ class GlmMoeDsaStageModel(nn.Layer):
         if embedding:
             self.embedding = Embedding(config)
         self.layers = nn.LayerDict({str(i): build_layer(config, i) for i in self.layer_ids})
+        self.selections = share_selections(self.layers.values())
         if norm:
             self.norm = _final_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
@@ -351,6 +363,14 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ the usual model API
+    def set_attn_implementation(self, name: str) -> None:
+        """Pick the attention form for the following forwards (transformers' name): "auto" (by
+        size), "reference", "dense", "sparse" or "latent" (see modeling/attention_forms.py). It is
+        the config key `attn_implementation`, so a save after this records it."""
+        if name not in FORMS:
+            raise ValueError(f"attn_implementation must be one of {FORMS}, got {name!r}")
+        self.config.attn_implementation = name
+
     def get_input_embeddings(self) -> nn.Layer:
         """The token embedding layer (its `.weight` is [vocab, hidden])."""
         return self.model.embedding.embed_tokens
@@ -391,7 +411,6 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         cos: paddle.Tensor,
         sin: paddle.Tensor,
         attention_mask: paddle.Tensor | None,
-        dense_reference: bool = False,
     ) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
         """Per MTP depth d: logits [B, S, V] predicting token i+d+1, and indexer KL losses."""
         logits, kls = [], []
@@ -399,10 +418,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         for d, mtp in enumerate(self.model.mtp_layers, start=1):
             shifted = paddle.concat([input_ids[:, d:], paddle.zeros([B, min(d, S)], dtype=input_ids.dtype)], 1)[:, :S]
             emb = self.model.embedding(shifted)
-            hidden, _, kl = mtp(hidden, emb, cos, sin, attention_mask, main_topk, dense_reference=dense_reference)
+            hidden, _, kl = mtp(hidden, emb, cos, sin, attention_mask, main_topk)
             if kl is not None:
                 kls.append(kl)
             logits.append(self.logits(mtp.norm(hidden)))
+        self.model.selections.release()
         return logits, kls
 
     def forward(
@@ -413,7 +433,6 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         labels: paddle.Tensor | None = None,
         add_mtp_loss: bool = False,
         compute_mtp: bool | None = None,
-        dense_reference: bool = False,
         *,
         past_key_values: DSACache | None = None,
         use_cache: bool | None = None,
@@ -441,7 +460,6 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 labels,
                 add_mtp_loss,
                 compute_mtp,
-                dense_reference,
             )
         if logits_to_keep and out.logits is not None:
             out.logits = out.logits[:, -logits_to_keep:]
@@ -462,12 +480,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         labels: paddle.Tensor | None,
         add_mtp_loss: bool,
         compute_mtp: bool | None,
-        dense_reference: bool,
     ) -> CausalLMOutput:
         model = self.model
         hidden = model.embedding(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = model.rope(hidden, position_ids)
-        hidden, topk, kls = model.run_layers(hidden, cos, sin, attention_mask, None, dense_reference=dense_reference)
+        hidden, topk, kls = model.run_layers(hidden, cos, sin, attention_mask, None)
         hidden = model.norm(hidden)
         out = CausalLMOutput(logits=self.logits(hidden), last_hidden_state=hidden)
         if compute_mtp is None:
@@ -475,9 +492,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         if compute_mtp and model.mtp_layers:
             if input_ids is None:
                 raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
-            out.mtp_logits, mtp_kls = self.mtp_forward(
-                input_ids, hidden, topk, cos, sin, attention_mask, dense_reference=dense_reference
-            )
+            out.mtp_logits, mtp_kls = self.mtp_forward(input_ids, hidden, topk, cos, sin, attention_mask)
             kls += mtp_kls
         if kls:
             out.indexer_loss = paddle.add_n(kls)
@@ -520,6 +535,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         topk = None
         for layer, lc in zip(model.decoder_layers, cache.layers):
             hidden, topk, _ = layer(hidden, cos, sin, key_padding, topk, cache=lc)
+        model.selections.release()
         cache.advance(n)
         hidden = model.norm(hidden)
         keep = hidden[:, -logits_to_keep:] if logits_to_keep and labels is None else hidden  # the last rows only

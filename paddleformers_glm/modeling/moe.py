@@ -1,6 +1,6 @@
 """Feed-forward blocks: the dense SwiGLU MLP and the GLM-5.2 MoE (sigmoid router + noaux_tc).
 
-Router (always fp32, REFERENCE §1):
+Router (always fp32: the official config sets moe_router_dtype "float32"):
     s      = sigmoid(x W_gate)                       [N, E]
     choice = s + e_score_correction_bias             (bias only chooses; it is never a weight)
     group score = sum of the top-2 `choice` in each of n_group groups -> keep topk_group groups

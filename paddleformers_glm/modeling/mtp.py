@@ -46,11 +46,8 @@ class MTPLayer(nn.Layer):
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
         main_topk: paddle.Tensor | None,
-        dense_reference: bool = False,
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
         """-> (h_d [B, S, H] before `norm`, top-k used, indexer KL loss or None)."""
         x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
         reuse = self.share_topk and main_topk is not None
-        return self.transformer_layer(
-            x, cos, sin, key_padding, main_topk if reuse else None, reuse_topk=reuse, dense_reference=dense_reference
-        )
+        return self.transformer_layer(x, cos, sin, key_padding, main_topk if reuse else None, reuse_topk=reuse)

@@ -6,8 +6,6 @@ import paddle
 from paddle import nn
 
 from ..ops import rms_norm
-from ..ops.norm import building_graph  # noqa: F401  (attention.py and indexer.py import it from here)
-from ..ops.norm import cast as _as  # noqa: F401  (attention.py imports it from here)
 from ..ops.norm import mean_square as _mean_square
 
 

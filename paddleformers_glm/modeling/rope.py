@@ -12,6 +12,9 @@ import numpy as np
 import paddle
 
 from ..configuration import GlmMoeDsaConfig
+from ..ops import rope_concat, rope_heads
+
+__all__ = ["RotaryEmbedding", "apply_rope", "rope_concat", "rope_heads", "rope_inv_freq"]
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

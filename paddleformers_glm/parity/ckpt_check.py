@@ -327,16 +327,7 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
     }
     sides = {"ref": _open_side(ref_path), "cand": _open_side(cand_path)}
     for name, s in sides.items():
-        report[name].update(
-            {
-                "layout": s.layout,
-                "files": s.files,
-                "file_problems": s.problems,
-                "tensor_count": len(s.ckpt.tensors) if s.ckpt else None,
-                "tensor_bytes": sum(i.nbytes for i in s.ckpt.tensors.values()) if s.ckpt else None,
-                "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
-            }
-        )
+        report[name].update(_side_report(s))
         if s.error:
             report["errors"].append(f"{name}: {s.error}")
         for p in s.problems:
@@ -355,14 +346,10 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
             f"(ref: {ref.layout}, cand: {cand.layout})"
         )
         return _finish(report, EXIT_UNUSABLE, t0, sides)
-    cfg_ref, cfg_cand = dict(ref.config_json or {}), dict(cand.config_json or {})
-    if quant_mixed:  # the one expected config difference of a quantized copy
-        cfg_ref.pop("quantization_config", None)
-        cfg_cand.pop("quantization_config", None)
-    report["config_match"] = cfg_ref == cfg_cand
-    if not report["config_match"]:
-        diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
-        report["differences"].append({"class": "config", "keys": diff})
+    config_diff = _config_difference(ref, cand, quant_mixed)
+    report["config_match"] = config_diff is None
+    if config_diff is not None:
+        report["differences"].append(config_diff)
     pre: list[dict[str, Any]] = []
     try:
         canon = _canonical_cand(ref, cand, config, pre)
@@ -374,67 +361,7 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
     for d in pre:
         counts[d["class"]] += 1
     report["differences"].extend(pre)
-    naming_units: dict[tuple[str, ...], dict[str, Any]] = {}
-    quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
-    scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
-    for key in sorted((set(ref.ckpt.keys()) | set(canon)) - scales):
-        r = ref.ckpt.tensors.get(key)
-        c = canon.get(key)
-        if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
-            counts["quantization"] += 1
-            quant["tensors"] += 1
-            equal, mad = _compare_dequantized(ref, cand, key)
-            quant["max_abs_diff"] = max(quant["max_abs_diff"], mad)
-            if equal:
-                quant["equal_after_rounding"] += 1
-                counts["matched"] += 1
-            else:
-                counts["value"] += 1
-                quant["differing"].append({"key": key, "max_abs_diff": mad})
-            continue
-        if r is None:
-            counts["structural"] += 1
-            report["differences"].append(
-                {"class": "structural", "what": "only in candidate", "key": key, "cand_keys": c["native"]}
-            )  # type: ignore[index]
-            continue
-        if c is None:
-            counts["structural"] += 1
-            report["differences"].append(
-                {"class": "structural", "what": "missing in candidate", "key": key, "file": os.path.basename(r.file)}
-            )
-            continue
-        if c["dtype"] != r.dtype or tuple(c["shape"]) != r.shape or c["hash"] != ref.hashes[key]:
-            counts["value"] += 1
-            d: dict[str, Any] = {"class": "value", "key": key, "cand_keys": c["native"]}
-            if tuple(c["shape"]) != r.shape:
-                d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
-            else:
-                a = _as_float(_ref_array(ref, key), r.dtype)
-                if "array" in c:
-                    b = _as_float(c["array"], c["array_dtype"])
-                else:
-                    b = _as_float(cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
-                diff = np.abs(a - b)
-                d.update(
-                    what="dtype" if c["dtype"] != r.dtype else "bytes",
-                    expected=r.dtype,
-                    actual=c["dtype"],
-                    max_abs_diff=float(np.nanmax(diff))
-                    if diff.size and not np.isnan(diff).all()
-                    else (0.0 if not diff.size else math.nan),
-                    differing_elements=int(np.count_nonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))),
-                )
-            report["differences"].append(d)
-            continue
-        counts["matched"] += 1
-        if c["tags"]:
-            counts["naming"] += 1
-            group = naming_units.setdefault(
-                tuple(c["native"]), {"class": "naming", "ref_keys": [], "cand_keys": c["native"], "kinds": []}
-            )
-            group["ref_keys"].append(key)
-            group["kinds"] = sorted(set(group["kinds"]) | set(c["tags"]))
+    naming_units, quant = _compare_tensors(ref, cand, canon, quant_mixed, counts, report["differences"])
     report["differences"].extend(naming_units.values())
     if quant["tensors"]:
         quant["fp8_side"] = "ref" if ref.fp8 else "cand"
@@ -461,6 +388,111 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
         and (counts["naming"] == 0 or naming_ok)
     )
     return _finish(report, EXIT_MATCH if ok else EXIT_MISMATCH, t0, sides)
+
+
+def _side_report(s: _Side) -> dict[str, Any]:
+    """One side's part of the receipt: layout, files, refused files, tensor count, bytes and hash."""
+    return {
+        "layout": s.layout,
+        "files": s.files,
+        "file_problems": s.problems,
+        "tensor_count": len(s.ckpt.tensors) if s.ckpt else None,
+        "tensor_bytes": sum(i.nbytes for i in s.ckpt.tensors.values()) if s.ckpt else None,
+        "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
+    }
+
+
+def _config_difference(ref: _Side, cand: _Side, quant_mixed: bool) -> dict[str, Any] | None:
+    """The config difference entry (the differing keys), or None when the two config.json agree."""
+    cfg_ref, cfg_cand = dict(ref.config_json or {}), dict(cand.config_json or {})
+    if quant_mixed:  # the one expected config difference of a quantized copy
+        cfg_ref.pop("quantization_config", None)
+        cfg_cand.pop("quantization_config", None)
+    if cfg_ref == cfg_cand:
+        return None
+    diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
+    return {"class": "config", "keys": diff}
+
+
+def _compare_tensors(
+    ref: _Side,
+    cand: _Side,
+    canon: dict[str, dict[str, Any]],
+    quant_mixed: bool,
+    counts: dict[str, int],
+    differences: list[dict[str, Any]],
+) -> tuple[dict[tuple[str, ...], dict[str, Any]], dict[str, Any]]:
+    """Every tensor of either side, in the reference's layout: updates `counts`, appends structural
+    and value differences to `differences`; returns the naming groups and the quantization entry."""
+    assert ref.ckpt is not None
+    naming_units: dict[tuple[str, ...], dict[str, Any]] = {}
+    quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
+    scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
+    for key in sorted((set(ref.ckpt.keys()) | set(canon)) - scales):
+        r = ref.ckpt.tensors.get(key)
+        c = canon.get(key)
+        if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
+            counts["quantization"] += 1
+            quant["tensors"] += 1
+            equal, mad = _compare_dequantized(ref, cand, key)
+            quant["max_abs_diff"] = max(quant["max_abs_diff"], mad)
+            if equal:
+                quant["equal_after_rounding"] += 1
+                counts["matched"] += 1
+            else:
+                counts["value"] += 1
+                quant["differing"].append({"key": key, "max_abs_diff": mad})
+            continue
+        if r is None:
+            counts["structural"] += 1
+            differences.append(
+                {"class": "structural", "what": "only in candidate", "key": key, "cand_keys": c["native"]}
+            )  # type: ignore[index]
+            continue
+        if c is None:
+            counts["structural"] += 1
+            differences.append(
+                {"class": "structural", "what": "missing in candidate", "key": key, "file": os.path.basename(r.file)}
+            )
+            continue
+        if c["dtype"] != r.dtype or tuple(c["shape"]) != r.shape or c["hash"] != ref.hashes[key]:
+            counts["value"] += 1
+            differences.append(_value_difference(ref, cand, key, r, c))
+            continue
+        counts["matched"] += 1
+        if c["tags"]:
+            counts["naming"] += 1
+            group = naming_units.setdefault(
+                tuple(c["native"]), {"class": "naming", "ref_keys": [], "cand_keys": c["native"], "kinds": []}
+            )
+            group["ref_keys"].append(key)
+            group["kinds"] = sorted(set(group["kinds"]) | set(c["tags"]))
+    return naming_units, quant
+
+
+def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, Any]) -> dict[str, Any]:
+    """The entry of a tensor present on both sides that differs: its shape, or its dtype / bytes
+    with the max abs diff and the number of differing elements."""
+    d: dict[str, Any] = {"class": "value", "key": key, "cand_keys": c["native"]}
+    if tuple(c["shape"]) != r.shape:
+        d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
+        return d
+    a = _as_float(_ref_array(ref, key), r.dtype)
+    if "array" in c:
+        b = _as_float(c["array"], c["array_dtype"])
+    else:
+        b = _as_float(cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
+    diff = np.abs(a - b)
+    d.update(
+        what="dtype" if c["dtype"] != r.dtype else "bytes",
+        expected=r.dtype,
+        actual=c["dtype"],
+        max_abs_diff=float(np.nanmax(diff))
+        if diff.size and not np.isnan(diff).all()
+        else (0.0 if not diff.size else math.nan),
+        differing_elements=int(np.count_nonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))),
+    )
+    return d
 
 
 def _dequantized_or_plain(side: _Side, key: str) -> tuple[np.ndarray, str]:

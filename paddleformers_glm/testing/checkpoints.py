@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import fleet_param_specs, param_specs, resolve_dtype
+from ..checkpoint.layout import fleet_param_specs, param_specs, resolve_dtype
 
 __all__ = ["SpecModel", "random_array", "write_synthetic_checkpoint"]
 

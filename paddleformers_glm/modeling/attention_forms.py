@@ -1,0 +1,481 @@
+"""The forms of DSA's sparse attention, and `choose_form`, the one policy that picks among them.
+
+All forms compute softmax(q k_sel^T * scale) v_sel over each query's selected keys (top-k, -1 =
+empty; a query with no key gets the mean of all values, as HF eager's all-masked softmax gives):
+
+* ``reference`` (`dense_masked_attention`): HF eager's formulation, full S x S scores with an
+  additive mask; the yardstick the tests compare the others against;
+* ``dense`` (`dense_head_attention`): per-head scores against all S keys with the top-k as a mask,
+  same association as HF eager; for short sequences, where a few batched GEMMs beat any gather;
+* ``sparse`` (`sparse_attention`): gathers the H per-head keys and values of each selected key;
+  the association HF uses, which the HF parity fixtures (small S) pin;
+* ``latent`` (`sparse_latent_attention`), as DeepSeek-V3.2 runs DSA: since k_nope = W_uk c and
+  v = W_uv c, scores and outputs are taken against the single latent row [c, k_rot] shared by all
+  heads (H x fewer bytes per key than per-head keys and values); same maths, other rounding.
+
+The latent core is a PyLayer chunked over queries (chunks sized to stay in cache). A chunk gathers
+the k selected rows per query, or, while the selection covers a large share of the chunk's keys
+(all < the chunk's end: causal), runs one GEMM against all of them with the selection as an
+additive mask. Backward reuses the gathered keys when they are small and recomputes them
+otherwise: memory O(S x k), never S x S.
+
+A new form goes here: its function, its name in `FORMS`, its rule in `choose_form`, and its branch
+in `MLAttention.forward`. Measured speeds of each form: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import paddle
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from .. import ops
+from ..ops.norm import building_graph
+from ..ops.norm import cast as _as
+
+# A chunk of queries whose keys (all < c1, causal) number at most this many times k runs "dense":
+# one GEMM against all c1 keys with the selection as an additive mask, instead of gathering k keys
+# per query. Same result; cheaper while the selection covers a large share of the keys (short
+# sequences, early chunks), since a GEMM is far cheaper per score than a gather + batched GEMV.
+_DENSE_KEYS_PER_SLOT = 2.0
+# The values of the config key `attn_implementation`.
+FORMS = ("auto", "reference", "dense", "sparse", "latent")
+# `auto` takes the latent form once the per-head gather would pass this many floats (below it the
+# per-head form is kept: it is the association the HF parity fixtures pin).
+LATENT_MIN_ELEMS = 1 << 18
+# `auto` takes the per-head dense form while its [B, H, S, S] scores stay below this many floats and
+# the top-k covers at least 1 / _DENSE_KEYS_PER_SLOT of the last query's keys.
+DENSE_MAX_SCORES = 1 << 20
+
+
+def choose_form(implementation: str, batch: int, seq: int, topk: int, heads: int, per_key: int) -> str:
+    """The attention form one call runs: `implementation` itself unless it is "auto", which picks by size.
+
+    auto: per-head dense while the selection is dense enough and its scores small (`DENSE_MAX_SCORES`);
+    else latent once the per-head gather (batch x seq x topk x per_key floats) passes
+    `LATENT_MIN_ELEMS`; else per-head sparse. heads = this rank's heads; per_key = the per-head
+    key + value floats of one key (heads x (qk_head_dim + v_head_dim)).
+    """
+    if implementation not in FORMS:
+        raise ValueError(f"attn_implementation must be one of {FORMS}, got {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    if seq <= _DENSE_KEYS_PER_SLOT * topk and batch * heads * seq * seq <= DENSE_MAX_SCORES:
+        return "dense"
+    if batch * seq * topk * per_key > LATENT_MIN_ELEMS:
+        return "latent"
+    return "sparse"
+
+
+class SelectionCache:
+    """The index forms derived from one top-k (the latent form's tables, the dense form's S x S mask).
+
+    A shared DSA layer attends with its full layer's top-k, so these are built once per full layer
+    rather than once per layer. The model owns one cache for all its layers and releases it when
+    its forward ends (`release`); the backward keeps what it needs in its own saved state. It holds
+    at most one top-k, matched by identity; nothing is cached while a static graph is built
+    (tensors there are symbolic).
+    """
+
+    def __init__(self) -> None:
+        self._key: paddle.Tensor | None = None
+        self._forms: dict[str, object] = {}
+
+    @paddle.jit.not_to_static
+    def lookup(self, topk: paddle.Tensor, name: str) -> object:
+        """The `name` form stored for exactly this top-k tensor, or None."""
+        if building_graph() or self._key is not topk:
+            return None
+        return self._forms.get(name)
+
+    @paddle.jit.not_to_static
+    def store(self, topk: paddle.Tensor, name: str, value: object) -> None:
+        if building_graph():
+            return
+        if self._key is not topk:
+            self._key, self._forms = topk, {}
+        self._forms[name] = value
+
+    @paddle.jit.not_to_static
+    def release(self) -> None:
+        """Drop the held top-k and its forms (the end of a forward)."""
+        self._key, self._forms = None, {}
+
+
+def gather_keys(t: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
+    """t [B, T, ...] gathered at idx [B, C, k] (-1 -> row 0) -> [B, C, k, ...]."""
+    B, T = t.shape[0], t.shape[1]
+    C, K = idx.shape[1], idx.shape[2]
+    flat = (paddle.clip(idx, min=0) + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])).reshape([-1])
+    rest = t.shape[2:]
+    return paddle.gather(t.reshape([B * T, -1]), flat).reshape([B, C, K, *rest])
+
+
+def sparse_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    topk_idx: paddle.Tensor,
+    scale: float,
+    chunk_size: int = 1024,
+    return_probs: bool = False,
+) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """softmax(q k_sel^T * scale) v_sel over the selected keys only.
+
+    q, k [B, S, H, Dk]; v [B, S, H, Dv]; topk_idx [B, S, k] (-1 = empty slot).
+    Returns out [B, S, H, Dv] and, if asked, the head-averaged probabilities [B, S, k].
+    A query with no valid key at all (e.g. left padding) gets the mean of all values, which is what
+    an additive-mask softmax (HF eager) produces for a fully masked row.
+    """
+    B, S, H, _ = q.shape
+    chunk = max(1, min(S, chunk_size))
+    outs, probs_out = [], []
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        idx = topk_idx[:, c0:c1]  # [B, C, k]
+        valid = idx >= 0
+        k_sel = gather_keys(k[:, :c1], paddle.clip(idx, max=c1 - 1))  # [B, C, k, H, Dk]
+        v_sel = gather_keys(v[:, :c1], paddle.clip(idx, max=c1 - 1))  # [B, C, k, H, Dv]
+        qc = q[:, c0:c1].unsqueeze(3)  # [B, C, H, 1, Dk]
+        scores = paddle.matmul(qc, k_sel.transpose([0, 1, 3, 4, 2])).squeeze(3) * scale  # [B, C, H, k]
+        scores = scores.astype("float32")
+        mask = valid.unsqueeze(2)
+        scores = paddle.where(mask, scores, paddle.full_like(scores, float("-inf")))
+        any_valid = valid.any(axis=-1)  # [B, C]
+        # rows with no valid key: keep softmax finite, fixed below
+        scores = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), scores, paddle.zeros_like(scores))
+        probs = nn.functional.softmax(scores, axis=-1).astype(v.dtype)
+        out = paddle.matmul(probs.unsqueeze(3), v_sel.transpose([0, 1, 3, 2, 4])).squeeze(3)  # [B, C, H, Dv]
+        # no host sync on "any row empty?": the select is cheap next to the gather
+        mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, Dv]
+        out = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), out, mean_v.expand_as(out))
+        outs.append(out)
+        if return_probs:
+            probs_out.append(paddle.where(mask, probs.astype("float32"), paddle.zeros_like(probs, "float32")).mean(2))
+    out = paddle.concat(outs, axis=1) if len(outs) > 1 else outs[0]
+    probs = (paddle.concat(probs_out, axis=1) if len(probs_out) > 1 else probs_out[0]) if return_probs else None
+    return out, probs
+
+
+# Elements of the largest per-chunk intermediate ([rows, k, D] gathered keys or [rows, H, keys]
+# scores): 2M floats = 8 MB keeps each chunk's tensors in cache and below glibc's mmap threshold,
+# so they are neither streamed from DRAM nor page-faulted in afresh on every op.
+_CHUNK_ELEMS = 1 << 21
+# Backward reuses the forward's gathered keys and probabilities when they total at most this many
+# elements per call (64 MB); above it they are recomputed per chunk, so saved state stays O(S x k).
+_SAVE_ELEMS = 1 << 26
+
+
+class _Prepared(NamedTuple):
+    rows: paddle.Tensor  # [B*S, k] int64 table rows (see prepare_topk)
+    mask: paddle.Tensor  # [B*S, k] fp32 additive mask for the gathered slots
+    sel: paddle.Tensor  # [B*S, k] int64 key positions within the batch, -1 = empty
+    has_key: paddle.Tensor  # [B*S] bool: the query has at least one valid key
+    masks: dict  # (r0, r1, c1) -> the dense chunk's additive mask, (b, c1) -> its table rows; once per top-k
+
+
+def prepare_topk(topk_idx: paddle.Tensor, cache: SelectionCache | None = None) -> _Prepared:
+    """Index forms of a top-k [B, S, k] (-1 = empty) for `sparse_latent_attention`.
+
+    `rows` index the table [B*S keys; B mean rows]: a selected key j of batch b is row b*S + j; an
+    empty slot points at any key of its batch and gets mask -inf; a query with no key at all (left
+    padding) points all its slots at its batch's mean row with mask 0, so its softmax is uniform and
+    it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
+    The result depends on the top-k only, so layers sharing one top-k reuse it through `cache`.
+    """
+    hit = cache.lookup(topk_idx, "latent_tables") if cache is not None else None
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    B, S, K = topk_idx.shape
+    sel = topk_idx.reshape([B * S, K])
+    rows, mask, has_key = ops.topk_tables(topk_idx)
+    out = _Prepared(rows, mask, sel, has_key, {})
+    if cache is not None:
+        cache.store(topk_idx, "latent_tables", out)
+    return out
+
+
+class _Chunk(NamedTuple):
+    r0: int  # first query row (flattened B*S)
+    r1: int  # one past the last
+    b: int  # the batch the rows belong to
+    c1: int  # keys < c1 of batch b can be selected (causal)
+    dense: bool
+
+
+def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int) -> list[_Chunk]:
+    """Query chunks (never across batches) and whether each runs dense or gathered."""
+    rows = max(1, min(S, chunk_size, max(16, _CHUNK_ELEMS // max(K * max(D, H), 1))))
+    plan = []
+    for b in range(B):
+        for c0 in range(0, S, rows):
+            c1 = min(S, c0 + rows)
+            dense = c1 <= _DENSE_KEYS_PER_SLOT * K and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
+            plan.append(_Chunk(b * S + c0, b * S + c1, b, c1, dense))
+    return plan
+
+
+def _dense_keys(table: paddle.Tensor, ch: _Chunk, S: int, N: int) -> paddle.Tensor:
+    """The chunk's candidate keys [c1 + 1, D]: keys < c1 of its batch, then the batch's mean row."""
+    return paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
+
+
+def _chunk_probs(
+    qs: paddle.Tensor, table: paddle.Tensor, prep: _Prepared, ch: _Chunk, S: int, N: int
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(probabilities [C, H, keys], keys [C, k, D] gathered or [c1 + 1, D] dense) for one chunk."""
+    q = qs[ch.r0 : ch.r1]
+    C, H, D = q.shape
+    if ch.dense:
+        ks = _dense_keys(table, ch, S, N)
+        T = ch.c1 + 1
+        s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
+        m = prep.masks.get((ch.r0, ch.r1, ch.c1))
+        if m is None:  # layers sharing a top-k (and the backward) reuse it
+            m = prep.masks[(ch.r0, ch.r1, ch.c1)] = ops.candidate_mask(
+                prep.sel[ch.r0 : ch.r1], prep.has_key[ch.r0 : ch.r1], ch.c1
+            )
+    else:
+        rows = prep.rows[ch.r0 : ch.r1]
+        T = rows.shape[1]
+        ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
+        s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
+        m = prep.mask[ch.r0 : ch.r1]
+    return ops.masked_softmax_(s, m), ks
+
+
+def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
+    C, H, T = p.shape
+    if dense:
+        return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
+    return paddle.matmul(p, ks)
+
+
+def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.Tensor) -> paddle.Tensor:
+    """zeros_like(table) with grad_rows [..., D] summed into rows [...]: the embedding backward.
+
+    Paddle's dense embedding-grad kernel does this faster than `index_add`; `index_add` is the
+    fallback where that op is not exposed.
+    """
+    if _EMBEDDING_GRAD is not None:
+        return _EMBEDDING_GRAD(rows, table, grad_rows, -1, False)
+    return paddle.index_add(paddle.zeros_like(table), rows.reshape([-1]), 0, grad_rows.reshape([-1, table.shape[-1]]))
+
+
+_EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
+
+
+class _SparseLatentAttention(PyLayer):
+    """softmax(q . keys^T * scale + mask) keys over each query's selected rows of a key table.
+
+    Chunked over queries; each chunk gathers its k keys per query or, when the selection covers a
+    large share of the chunk's keys, runs dense against all of them with the selection as a mask
+    (see _plan). When small (_SAVE_ELEMS) the chunks' keys and probabilities are kept for
+    backward; otherwise backward recomputes them, so the saved state is O(S x (H x D + k)), never
+    the O(S x k x D) gathered keys.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: object,
+        q: paddle.Tensor,
+        table: paddle.Tensor,
+        prep: _Prepared,
+        plan: list[_Chunk],
+        S: int,
+        scale: float,
+        want_probs: bool,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        N, H, D = q.shape
+        K = prep.rows.shape[1]
+        qs = q * scale  # scaling the queries costs D/k of scaling the scores
+        keep = N * K * (D + H) <= _SAVE_ELEMS
+        outs, probs, kept = [], [], []
+        for ch in plan:
+            p, ks = _chunk_probs(qs, table, prep, ch, S, N)
+            outs.append(_chunk_out(p, ks, ch.dense))  # [C, H, D]
+            if want_probs:
+                pm = p.mean(axis=1)
+                if ch.dense:  # back to the k slots
+                    sel = prep.sel[ch.r0 : ch.r1]
+                    pm = paddle.take_along_axis(pm, paddle.where(sel >= 0, sel, paddle.zeros_like(sel)), axis=1)
+                probs.append(pm)
+            if keep:
+                kept.append((p, ks))
+        ctx.save_for_backward(qs, table)
+        ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
+        out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
+        pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pr)
+        return out, pr
+
+    @staticmethod
+    def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
+        qs, table = ctx.saved_tensor()
+        prep, plan, S, scale, kept = ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept
+        ctx.kept = []
+        N, H, D = qs.shape
+        dq, dtable = [], None
+        for i, ch in enumerate(plan):
+            p, ks = kept[i] if kept else _chunk_probs(qs, table, prep, ch, S, N)
+            qc, gc = qs[ch.r0 : ch.r1], g[ch.r0 : ch.r1]
+            C, T = ch.r1 - ch.r0, p.shape[-1]
+            if ch.dense:
+                dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
+            else:
+                dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
+            ds = ops.softmax_backward(p, dp)
+            dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
+            # d(keys) = ds^T qs + p^T g
+            if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
+                dks = paddle.matmul(ds.reshape([C * H, T]), qc.reshape([C * H, D]), transpose_x=True)
+                dks.add_(paddle.matmul(p.reshape([C * H, T]), gc.reshape([C * H, D]), transpose_x=True))
+                ids = prep.masks.get((ch.b, ch.c1))
+                if ids is None:  # the table rows of the candidates: keys < c1 of batch b, its mean row
+                    ids = prep.masks[(ch.b, ch.c1)] = paddle.concat(
+                        [paddle.arange(ch.b * S, ch.b * S + ch.c1, dtype="int64"), paddle.full([1], N + ch.b, "int64")]
+                    )
+                part = _scatter_rows(table, ids, dks)
+            else:  # one batched matmul over the stacked heads: the [C, k, D] result is written once
+                dks = paddle.matmul(paddle.concat([ds, p], axis=1), paddle.concat([qc, gc], axis=1), transpose_x=True)
+                part = _scatter_rows(table, prep.rows[ch.r0 : ch.r1], dks)
+            dtable = part if dtable is None else dtable.add_(part)
+        return (paddle.concat(dq, axis=0) if len(dq) > 1 else dq[0]), dtable
+
+
+def sparse_latent_attention(
+    q: paddle.Tensor,
+    kv: paddle.Tensor,
+    topk_idx: paddle.Tensor,
+    scale: float,
+    chunk_size: int = 1024,
+    return_probs: bool = False,
+    cache: SelectionCache | None = None,
+) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """Sparse attention with one key/value row shared by all heads (MLA's latent / MQA form).
+
+    q [B, S, H, D]; kv [B, S, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
+    Returns out [B, S, H, D] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
+    slots). A query with no valid key gets the mean of all values (HF eager's all-masked softmax).
+    """
+    B, S, H, D = q.shape
+    K = topk_idx.shape[-1]
+    prep = prepare_topk(topk_idx, cache)
+    table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
+    plan = _plan(B, S, H, D, K, chunk_size)
+    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs)
+    out = out.reshape([B, S, H, D])
+    if not return_probs:
+        return out, None
+    probs = paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
+    return out, probs
+
+
+def dense_masked_attention(
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, topk_idx: paddle.Tensor, scale: float
+) -> paddle.Tensor:
+    """Reference: full S x S scores with an additive mask that keeps only the selected keys (HF eager)."""
+    B, S, H, _ = q.shape
+    sel = paddle.zeros([B, S, S + 1], dtype="float32")
+    idx = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, S))
+    sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :S]
+    min_val = paddle.finfo(paddle.float32).min
+    mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, min_val)).unsqueeze(1)
+    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale + mask  # [B, H, S, S]
+    probs = nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
+    return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
+
+
+def dense_topk_mask(topk_idx: paddle.Tensor, S: int, cache: SelectionCache | None = None) -> paddle.Tensor:
+    """Additive mask [B, S, S] from a top-k [B, S, k] (-1 = empty): 0 at the selected keys, the
+    fp32 minimum elsewhere (HF's value, so a query without keys gets a uniform softmax: the mean of
+    all values). One flat scatter; layers sharing a top-k reuse it through `cache`."""
+    hit = cache.lookup(topk_idx, "dense_mask") if cache is not None else None
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    with paddle.no_grad():
+        B, _, K = topk_idx.shape
+        sel, fill = topk_idx.reshape([B * S, K]), float(paddle.finfo(paddle.float32).min)
+        m = ops.selection_mask(sel, S, fill).reshape([B, S, S])
+    if cache is not None:
+        cache.store(topk_idx, "dense_mask", m)
+    return m
+
+
+class _DenseHeadAttention(PyLayer):
+    """softmax(q k^T * scale + mask) v per head, over all S keys, with a hand-written backward.
+
+    The short-sequence form: while the top-k covers a large share of the causal keys, a few large
+    batched GEMMs over every key beat gathering; scores and probabilities are [B, H, S, S], so it
+    only runs below DENSE_MAX_SCORES (see choose_form). Same association as HF eager.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: object,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        mask: paddle.Tensor,
+        live: paddle.Tensor,
+        scale: float,
+        want_probs: bool,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        B, H, S, _ = q.shape
+        qs = q * scale  # scaling the queries costs dk/S of scaling the scores
+        s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
+        p = ops.masked_softmax_(s, mask)
+        out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
+        pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pm)
+        ctx.save_for_backward(qs, k, v, p, live)
+        ctx.scale = scale
+        return out, pm
+
+    @staticmethod
+    def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
+        qs, k, v, p, live = ctx.saved_tensor()
+        # A query without keys outputs the mean of all values: a function of v only, so its rows
+        # get no score gradient (q, k), as in the sparse forms; v still gets g / S from them.
+        g_live = g * live.expand(g.shape)
+        dp = _as(paddle.matmul(g_live, v, transpose_y=True), "float32")  # [B, H, S, S]
+        ds = ops.softmax_backward(p, dp)
+        if ds.dtype != qs.dtype:
+            ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
+        dq = paddle.matmul(ds, k).scale_(ctx.scale)
+        dk = paddle.matmul(ds, qs, transpose_x=True)
+        dv = paddle.matmul(p, g, transpose_x=True)
+        return dq, dk, dv, None, None
+
+
+def dense_head_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    topk_idx: paddle.Tensor,
+    scale: float,
+    return_probs: bool = False,
+    cache: SelectionCache | None = None,
+) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """Per-head attention over all keys with the top-k as a mask: q, k [B, S, H, dk], v [B, S, H, dv].
+
+    Returns out [B, S, H, dv] and, if asked, the head-averaged probabilities at the selected slots
+    [B, S, k] (0 on empty slots), as `sparse_attention` does.
+    """
+    B, S = q.shape[0], q.shape[1]
+    mask = dense_topk_mask(topk_idx, S, cache)
+    valid = topk_idx >= 0
+    live = valid.any(axis=-1).astype(q.dtype).reshape([B, 1, S, 1])  # 1 = the query has a key
+    perm = [0, 2, 1, 3]
+    out, pm = _DenseHeadAttention.apply(
+        q.transpose(perm), k.transpose(perm), v.transpose(perm), mask, live, float(scale), return_probs
+    )
+    out = out.transpose(perm)
+    if not return_probs:
+        return out, None
+    probs = paddle.take_along_axis(pm, paddle.where(valid, topk_idx, paddle.zeros_like(topk_idx)), axis=-1)
+    return out, paddle.where(valid, probs, paddle.zeros_like(probs))
