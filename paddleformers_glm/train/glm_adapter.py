@@ -90,6 +90,7 @@ class GlmStage(nn.Layer):
             if kls:
                 losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
             empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
+            self.model.selections.release()  # the stage's top-k tables and masks end with its forward
             return StageOutput(carry=(hidden, topk if topk is not None else empty), losses=losses or None)
         labels = batch["labels"]
         h = self.model.norm(hidden)
@@ -104,6 +105,7 @@ class GlmStage(nn.Layer):
             losses[f"mtp_{d}"] = _shifted_loss(self.lm_head(mtp.norm(h)), labels, d + 1)
         if kls:
             losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
+        self.model.selections.release()
         return StageOutput(losses=losses)
 
 
