@@ -294,7 +294,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     engine = PipelineEngine(module, topo, cfg.schedule)
-    memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
+    memory = MemoryMonitor(module, topo, count_saved=cfg.recompute == "none")  # per-rank bytes, loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()

@@ -129,8 +129,10 @@ class MemoryMonitor:
     optimizer's tensors; at the end the optimizer's tensors again and the peak memory
     (``max_memory_allocated`` on a GPU, peak RSS on the host) and gathers every rank's record."""
 
-    def __init__(self, module: Any, topo: Any) -> None:
-        self.module, self.topo = module, topo
+    def __init__(self, module: Any, topo: Any, count_saved: bool = True) -> None:
+        # count_saved=False under activation recompute: Fleet's recompute installs its own
+        # saved-tensor hooks and Paddle allows one pair at a time, so activations are not measured
+        self.module, self.topo, self.count_saved = module, topo, count_saved
         self.record: dict[str, Any] | None = None
 
     def track(self, first: bool) -> Any:
@@ -139,7 +141,7 @@ class MemoryMonitor:
         the planner's activation estimate describes."""
         import contextlib
 
-        if not first:
+        if not first or not self.count_saved:
             return contextlib.nullcontext()
         import paddle
 
