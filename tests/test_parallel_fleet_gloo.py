@@ -36,6 +36,12 @@ def test_stock_fleet_layers_match_one_process(fleet_results, prefix):
     assert got and all(v <= 1e-5 for v in got.values()), got
 
 
+def test_fleet_sequence_parallel_split_is_sequence_first(fleet_results):
+    # Why the model keeps its own sequence-parallel layers: Fleet's ScatterOp splits the first axis,
+    # which on the model's batch-first [B, S, H] activations is the batch, not the sequence.
+    assert fleet_results["probe_scatter_batch_first_shape"] == [1, 4, 8]  # [B/2, S, H], not [B, S/2, H]
+
+
 def test_install_is_a_no_op_off_gloo():
     from paddleformers_glm.parallel.fleet_gloo import install
 

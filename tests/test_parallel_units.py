@@ -15,6 +15,9 @@ from paddleformers_glm.parallel.experts import ExpertMLP, ExpertParallelDispatch
 from paddleformers_glm.parallel.grads import GradSynchronizer, clip_main_grads
 from paddleformers_glm.parallel.layers import (
     ColumnParallelLinear,
+    CommColumnParallelLinear,
+    CommRowParallelLinear,
+    CommVocabParallelEmbedding,
     ParallelLMHead,
     RowParallelLinear,
     ShardSpec,
@@ -39,10 +42,12 @@ from paddleformers_glm.parallel.state import shard_full_state
 from paddleformers_glm.parallel.topology import (
     ParallelConfig,
     ParallelConfigError,
+    Topology,
     expert_layout,
     get_topology,
     init_topology,
     set_topology,
+    topology_override,
 )
 
 
@@ -254,6 +259,20 @@ def test_parallel_linears_are_plain_linear_at_tp1():
         axis=0, chunks=2
     )
     assert get_shard_spec(row.weight).axis == 0 and get_shard_spec(row.bias).axis is None
+
+
+def test_a_topology_without_process_groups_gets_our_layers_with_local_shapes():
+    # Memory planning builds a stage under a tp 2 topology that has sizes but no groups: Fleet's
+    # layers need a live TP group, so the factories return ours, with the per-rank shapes and specs.
+    with topology_override(Topology(ParallelConfig(tp=2, sp=True))):
+        col = ColumnParallelLinear(8, 12, fuse_chunks=2)
+        row = RowParallelLinear(12, 8, has_bias=True, sequence_parallel=True)
+        emb = VocabParallelEmbedding(10, 4)
+    assert isinstance(col, CommColumnParallelLinear) and list(col.weight.shape) == [8, 6]
+    assert isinstance(row, CommRowParallelLinear) and list(row.weight.shape) == [6, 8]
+    assert isinstance(emb, CommVocabParallelEmbedding) and list(emb.weight.shape) == [5, 4]
+    assert get_shard_spec(col.weight) == ShardSpec(axis=1, chunks=2)
+    assert get_shard_spec(row.bias) == ShardSpec(sequence_parallel=True)
 
 
 def test_vocab_embedding_and_head_are_plain_at_tp1_with_torch_padding_semantics():

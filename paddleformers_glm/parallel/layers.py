@@ -1,22 +1,34 @@
 """Tensor-parallel layers: column / row parallel linear, vocab-parallel embedding, parallel LM head
-and vocab-parallel cross entropy.  Written on comm.py, so the same code runs on gloo and NCCL
-(fleet's mpu layers call C ops that have no CPU kernels in Paddle 3.3.1).
+and vocab-parallel cross entropy.
+
+The names the model uses (:func:`ColumnParallelLinear`, :func:`RowParallelLinear`,
+:func:`VocabParallelEmbedding`, :func:`ParallelLMHead`, :func:`parallel_cross_entropy`) are
+factories.  Under a real tensor-parallel group (Fleet initialised with ``mp_degree`` > 1) they
+return Fleet's stock ``paddle.distributed.fleet.meta_parallel`` layers (on CPU gloo through the
+compatibility ops of ``fleet_gloo.py``), with our :class:`ShardSpec` attached to their parameters.
+Otherwise they return the ``Comm*`` layers defined here, written on comm.py, which are
+
+* the plain ``paddle.nn`` computation at world size 1 (same op, same result bits);
+* the shape-only probe layers when a topology has sizes but no process groups (memory planning);
+* the sequence-parallel layers: Fleet's ``sequence_parallel_utils`` split and gather the *first*
+  axis (sequence-first ``[S, B, H]`` activations), while this model is batch-first ``[B, S, H]``
+  and splits the sequence axis 1 between the column-parallel input and the row-parallel output.
 
 Conventions:
 
 * weights are Paddle-layout ``[in, out]`` and named ``weight`` / ``bias``; under TP a layer holds
-  only its slice;
+  only its slice (a fused ``[gate | up]`` projection holds ``[gate_r | up_r]``);
 * every parameter carries a :class:`ShardSpec` (``param.shard_spec``; fleet's ``is_distributed`` /
   ``split_axis`` are set too) saying which axis of the *full* tensor is split over which group, so
   ``state.shard_full_state`` can slice a checkpoint and ``state.gather_full_state`` can rebuild it;
-* at tp=1 each layer is numerically the plain ``paddle.nn`` layer (same op, same result bits);
-* activations are ``[B, S, H]``; with sequence parallel the sequence axis (1) is split over TP
-  between the column-parallel input and the row-parallel output.
+* activations are ``[B, S, H]``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,17 +36,21 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
-from paddle.autograd import PyLayer
 
 from . import comm
 from .topology import get_topology
 
 __all__ = [
     "ColumnParallelLinear",
+    "CommColumnParallelLinear",
+    "CommParallelLMHead",
+    "CommRowParallelLinear",
+    "CommVocabParallelEmbedding",
     "ParallelLMHead",
     "RowParallelLinear",
     "ShardSpec",
     "VocabParallelEmbedding",
+    "fleet_tp_group",
     "get_shard_spec",
     "local_slice",
     "mark_expert",
@@ -147,7 +163,7 @@ def _tp_size_rank(group_name: str) -> tuple[int, int, Any]:
     return topo.size(group_name), topo.rank_in(group_name), topo.group(group_name)
 
 
-class ColumnParallelLinear(nn.Layer):
+class CommColumnParallelLinear(nn.Layer):
     """``y = x W + b`` with W's output columns split over TP: weight [in, out/tp].
 
     Input is replicated (or, with ``sequence_parallel``, sequence-sharded and all-gathered here).
@@ -209,7 +225,7 @@ class ColumnParallelLinear(nn.Layer):
         return f"in={self.in_features}, out={self.out_features}, {self.group_name}={self.world}, sp={self.sequence_parallel}"
 
 
-class RowParallelLinear(nn.Layer):
+class CommRowParallelLinear(nn.Layer):
     """``y = x W + b`` with W's input rows split over TP: weight [in/tp, out].
 
     Partial products are all-reduced (or reduce-scattered along the sequence with
@@ -267,7 +283,7 @@ class RowParallelLinear(nn.Layer):
         return f"in={self.in_features}, out={self.out_features}, {self.group_name}={self.world}, sp={self.sequence_parallel}"
 
 
-class VocabParallelEmbedding(nn.Layer):
+class CommVocabParallelEmbedding(nn.Layer):
     """Embedding with the vocabulary rows split over TP: weight [V/tp, H].
 
     Each rank looks up the ids it owns (zeros elsewhere) and the partial rows are summed:
@@ -321,7 +337,7 @@ class VocabParallelEmbedding(nn.Layer):
         return comm.reduce_from_tp(out, group=group)
 
 
-class ParallelLMHead(ColumnParallelLinear):
+class CommParallelLMHead(CommColumnParallelLinear):
     """Output projection [H, V] split over the vocabulary: returns vocab-parallel logits [B, S, V/tp].
 
     Feed them to :func:`parallel_cross_entropy`; gather them (``comm.gather_from_tp``) only to look at them.
@@ -340,34 +356,156 @@ class ParallelLMHead(ColumnParallelLinear):
         )
 
 
-class _VocabParallelCE(PyLayer):
-    @staticmethod
-    def forward(
-        ctx, logits: paddle.Tensor, labels: paddle.Tensor, start: int, group: Any, ignore_index: int
-    ) -> paddle.Tensor:
-        part = logits.shape[-1]
-        x = logits.astype("float32")
-        with paddle.no_grad():
-            gmax = comm.all_reduce(x.max(axis=-1, keepdim=True), group, op="max")
-            shifted = x - gmax
-            exp = paddle.exp(shifted)
-            sum_exp = comm.all_reduce(exp.sum(axis=-1, keepdim=True), group)
-            valid = labels != ignore_index
-            in_range = paddle.logical_and(paddle.logical_and(labels >= start, labels < start + part), valid)
-            local = paddle.where(in_range, labels - start, paddle.zeros_like(labels)).unsqueeze(-1)
-            picked = paddle.take_along_axis(shifted, local, axis=-1).squeeze(-1) * in_range.astype("float32")
-            picked = comm.all_reduce(picked, group)
-            loss = (paddle.log(sum_exp.squeeze(-1)) - picked) * valid.astype("float32")
-        ctx.save_for_backward(exp / sum_exp, local, in_range, valid)
-        ctx.in_dtype = logits.dtype
-        return loss
+def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False) -> Any:
+    """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply
+    (size 1, a topology without process groups, or sequence parallel: see the module docstring)."""
+    topo = get_topology()
+    if sequence_parallel or topo.size(group) == 1 or topo.backend == "single":
+        return None
+    return topo.group(group)
 
-    @staticmethod
-    def backward(ctx, dloss: paddle.Tensor) -> tuple[paddle.Tensor, None]:
-        softmax, local, in_range, valid = ctx.saved_tensor()
-        onehot = F.one_hot(local.squeeze(-1), softmax.shape[-1]) * in_range.unsqueeze(-1).astype("float32")
-        grad = (softmax - onehot) * (dloss.astype("float32") * valid.astype("float32")).unsqueeze(-1)
-        return grad.astype(ctx.in_dtype), None
+
+@contextmanager
+def _dtype_scope(dtype: str | None) -> Iterator[None]:
+    # Fleet's layers take the default dtype; ours take an argument.
+    if dtype is None:
+        yield
+        return
+    saved = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        paddle.set_default_dtype(saved)
+
+
+def _fleet_vocab_embedding_class() -> type:
+    from paddle.distributed.fleet.meta_parallel import VocabParallelEmbedding as FleetVocab
+
+    class _PaddedVocabParallelEmbedding(FleetVocab):
+        """Fleet's vocab-parallel embedding with torch's ``padding_idx``: the pad row is returned
+        (all-reduced like any row) but its positions pass no gradient back to the table."""
+
+        def __init__(self, *args: Any, padding_idx: int | None = None, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.padding_idx = padding_idx
+
+        def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+            out = super().forward(ids)
+            if self.padding_idx is None:
+                return out
+            return paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+
+    return _PaddedVocabParallelEmbedding
+
+
+def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer it returns
+    in_features: int,
+    out_features: int,
+    has_bias: bool = False,
+    gather_output: bool = False,
+    sequence_parallel: bool = False,
+    *,
+    fuse_chunks: int = 1,
+    group: str = "tp",
+    dtype: str | None = None,
+) -> nn.Layer:
+    """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``): Fleet's ``ColumnParallelLinear`` under a
+    TP group, else :class:`CommColumnParallelLinear`.  ``fuse_chunks`` only changes the ShardSpec
+    (each rank's slice is ``[chunk0_r | chunk1_r | ...]``); the layer itself is the same."""
+    g = fleet_tp_group(group, sequence_parallel)
+    if g is None:
+        return CommColumnParallelLinear(
+            in_features,
+            out_features,
+            has_bias,
+            gather_output,
+            sequence_parallel,
+            fuse_chunks=fuse_chunks,
+            group=group,
+            dtype=dtype,
+        )
+    if out_features % (g.nranks * fuse_chunks):
+        raise ValueError(
+            f"ColumnParallelLinear: out_features {out_features} not divisible by {group} {g.nranks} x fuse_chunks {fuse_chunks}"
+        )
+    if gather_output and fuse_chunks > 1:
+        raise ValueError("ColumnParallelLinear: gather_output with fuse_chunks > 1 would interleave the blocks")
+    from paddle.distributed.fleet import meta_parallel as mpu
+
+    with _dtype_scope(dtype):
+        layer = mpu.ColumnParallelLinear(
+            in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g
+        )
+    set_shard_spec(layer.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks))
+    if layer.bias is not None:
+        set_shard_spec(layer.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks))
+    return layer
+
+
+def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it returns
+    in_features: int,
+    out_features: int,
+    has_bias: bool = False,
+    input_is_parallel: bool = True,
+    sequence_parallel: bool = False,
+    *,
+    group: str = "tp",
+    dtype: str | None = None,
+) -> nn.Layer:
+    """Row-parallel ``y = x W + b`` (W ``[in/tp, out]``, partial products all-reduced, bias added
+    once): Fleet's ``RowParallelLinear`` under a TP group, else :class:`CommRowParallelLinear`."""
+    g = fleet_tp_group(group, sequence_parallel)
+    if g is None:
+        return CommRowParallelLinear(
+            in_features, out_features, has_bias, input_is_parallel, sequence_parallel, group=group, dtype=dtype
+        )
+    if in_features % g.nranks:
+        raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {g.nranks}")
+    from paddle.distributed.fleet import meta_parallel as mpu
+
+    with _dtype_scope(dtype):
+        layer = mpu.RowParallelLinear(
+            in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g
+        )
+    set_shard_spec(layer.weight, ShardSpec(axis=0, group=group))
+    if layer.bias is not None:
+        set_shard_spec(layer.bias, ShardSpec())
+    return layer
+
+
+def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the layer it returns
+    num_embeddings: int,
+    embedding_dim: int,
+    sequence_parallel: bool = False,
+    *,
+    padding_idx: int | None = None,
+    dtype: str | None = None,
+) -> nn.Layer:
+    """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``): Fleet's
+    ``VocabParallelEmbedding`` (plus torch's ``padding_idx``) under a TP group, else
+    :class:`CommVocabParallelEmbedding`."""
+    g = fleet_tp_group("tp", sequence_parallel)
+    if g is None:
+        return CommVocabParallelEmbedding(
+            num_embeddings, embedding_dim, sequence_parallel, padding_idx=padding_idx, dtype=dtype
+        )
+    if num_embeddings % g.nranks:
+        raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {g.nranks}")
+    with _dtype_scope(dtype):
+        layer = _fleet_vocab_embedding_class()(num_embeddings, embedding_dim, mp_group=g, padding_idx=padding_idx)
+    set_shard_spec(layer.weight, ShardSpec(axis=0))
+    return layer
+
+
+def ParallelLMHead(  # noqa: N802 - a layer factory, named like the layer it returns
+    hidden_size: int, vocab_size: int, sequence_parallel: bool = False, *, dtype: str | None = None
+) -> nn.Layer:
+    """Output projection ``[H, V]`` split over the vocabulary: returns vocab-parallel logits
+    ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a column-parallel linear without gather)."""
+    if fleet_tp_group("tp", sequence_parallel) is None:
+        return CommParallelLMHead(hidden_size, vocab_size, sequence_parallel, dtype=dtype)
+    return ColumnParallelLinear(hidden_size, vocab_size, has_bias=False, gather_output=False, dtype=dtype)
 
 
 def parallel_cross_entropy(
@@ -382,7 +520,7 @@ def parallel_cross_entropy(
     HF convention: tokens labelled ``ignore_index`` contribute nothing; ``reduction="mean"`` divides by
     the number of the other tokens (0 when there are none). ``"sum"`` and ``"none"`` (per token) are
     what a trainer that normalises over a whole global batch wants. No shifting happens here.
-    At tp=1 this is ``F.cross_entropy``.
+    At tp=1 this is ``F.cross_entropy``; under TP it is Fleet's ``ParallelCrossEntropy``.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"parallel_cross_entropy: reduction must be mean|sum|none, got {reduction!r}")
@@ -396,8 +534,10 @@ def parallel_cross_entropy(
             logits.astype("float32"), labels.unsqueeze(-1), ignore_index=ignore_index, reduction="none"
         ).squeeze(-1)
     else:
-        start = comm.group_rank(group) * logits.shape[-1]
-        per_tok = _VocabParallelCE.apply(logits, labels, start, group, ignore_index)
+        from paddle.distributed.fleet import meta_parallel as mpu
+
+        ce = mpu.ParallelCrossEntropy(mp_group=group, ignore_index=ignore_index)
+        per_tok = ce(logits.astype("float32"), labels.unsqueeze(-1)).squeeze(-1)
     if reduction == "none":
         return per_tok
     total = per_tok.sum()

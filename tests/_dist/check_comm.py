@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+from paddle.distributed.fleet import meta_parallel as mpu
 
 from paddleformers_glm.parallel import comm
 from paddleformers_glm.parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
@@ -180,6 +181,9 @@ for sp in (False, True):
     gb2 = comm.all_reduce(row.bias.grad, G).numpy() if sp else row.bias.grad.numpy()
     res[f"mlp_{tag}_db2"] = md(gb2, rgb2)
     res[f"mlp_{tag}_row_bias_marked"] = 0.0 if row.bias.shard_spec.sequence_parallel == sp else 1.0
+    # without SP the layers are Fleet's stock ones; with SP (batch-first sequence split) ours
+    fleet_layers = isinstance(col, mpu.ColumnParallelLinear) and isinstance(row, mpu.RowParallelLinear)
+    res[f"mlp_{tag}_fleet_layers_iff_not_sp"] = 0.0 if fleet_layers == (not sp) else 1.0
 
 # fused chunks: rank r holds [gate_r | up_r]
 Wg = rng.standard_normal((H, 2 * FF)).astype(np.float32)
@@ -219,6 +223,22 @@ for sp in (False, True):
     res[f"lm_{tag}_tok"] = md(tok.numpy(), rtok)
     res[f"lm_{tag}_dE"] = md(emb.weight.grad.numpy(), np.split(rge, N, 0)[R])
     res[f"lm_{tag}_dWout"] = md(head.weight.grad.numpy(), np.split(rgw, N, 1)[R])
+# torch padding_idx semantics on Fleet's vocab-parallel embedding: pad row returned, no gradient
+PAD = int(ids_np[0, 0])
+pemb = VocabParallelEmbedding(V, H, padding_idx=PAD)
+pemb.weight.set_value(local_slice(E_np, pemb.weight.shard_spec, R, N))
+g_emb = np.linspace(-1.0, 1.0, B * S * H, dtype=np.float32).reshape(B, S, H)
+pout = pemb(T(ids_np))
+(pout * T(g_emb)).sum().backward()
+e_ref = T(E_np, grad=True)
+o_ref = F.embedding(T(ids_np), e_ref)
+(o_ref * T(g_emb)).sum().backward()
+g_ref = e_ref.grad.numpy().copy()
+g_ref[PAD] = 0.0
+res["pad_emb_fwd"] = md(pout.numpy(), o_ref.numpy())
+res["pad_emb_dE"] = md(pemb.weight.grad.numpy(), np.split(g_ref, N, 0)[R])
+res["pad_emb_from_fleet"] = 0.0 if isinstance(pemb, mpu.VocabParallelEmbedding) else 1.0
+res["lm_head_from_fleet"] = 0.0 if isinstance(ParallelLMHead(H, V), mpu.ColumnParallelLinear) else 1.0
 res["ce_sum_vs_mean"] = abs(
     float(parallel_cross_entropy(T(np.ones((2, 8), np.float32)), T(np.array([1, -100])), reduction="sum"))
     - float(np.log(16.0))

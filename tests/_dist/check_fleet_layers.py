@@ -117,6 +117,10 @@ db2 = rrow.bias.grad.detach().clone()
 paddle.distributed.all_reduce(db2, group=topo.tp_group)
 res["sp_mlp_db2_summed"] = md(db2.numpy(), rdb2)
 
+# ---------------------------------------------------------------- probe: Fleet's SP split on batch-first input
+# The model's activations are [B, S, H]; Fleet's ScatterOp splits axis 0 whatever the layout.
+res["probe_scatter_batch_first_shape"] = list(spu.ScatterOp.apply(T(X)).shape)
+
 if R == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(res, f, indent=1)
