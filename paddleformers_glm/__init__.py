@@ -3,7 +3,7 @@
 from .configuration import GlmMoeDsaConfig
 
 __version__ = "0.1.0"
-__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel"]
+__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmTokenizer"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from . import modeling
 
         return getattr(modeling, name)
+    if name == "GlmTokenizer":  # needs the tokenizers library, not Paddle
+        from .tokenizer import GlmTokenizer
+
+        return GlmTokenizer
     raise AttributeError(name)
