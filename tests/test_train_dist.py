@@ -50,6 +50,7 @@ def ref(tmp_path_factory):
     """Single process (world 1, in this process)."""
     out = tmp_path_factory.mktemp("ref")
     cfg = TrainConfig(
+        model="toy",
         steps=STEPS, seq_len=SEQ, global_batch_size=GBS, micro_batch_size=MBS, lr=LR, warmup_steps=1, seed=7,
         out=str(out), export=True, progress=False, model_args={"seed": 7},
     )  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from paddleformers_glm.parallel.recompute import run_layer
-from paddleformers_glm.train import toy
+from paddleformers_glm.testing import toy
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses
 
@@ -22,6 +22,7 @@ def _run(tmp_path, mode: str, monkeypatch) -> tuple[dict, int]:
     monkeypatch.setattr(toy.ToyLayer, "forward", counted)
     out = tmp_path / mode
     cfg = TrainConfig(
+        model="toy",
         steps=2, seq_len=16, global_batch_size=2, micro_batch_size=1, lr=1e-3, warmup_steps=1, seed=5,
         out=str(out), progress=False, model_args={"seed": 5}, recompute=mode,
     )  # fmt: skip

@@ -26,7 +26,9 @@ __all__ = ["add_train_arguments", "config_from_args", "main", "register_train", 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument(
-        "--model", default="toy", help="checkpoint folder (GLM-5.2, HF layout) or 'toy' (the built-in stand-in)"
+        "--model",
+        required=True,
+        help="checkpoint folder (GLM-5.2, HF layout), or 'toy' (a small stand-in model for smoke runs)",
     )
     g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
     g = ap.add_argument_group("parallel layout")

@@ -45,7 +45,7 @@ __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 class TrainConfig:
     """Everything a run needs; serialisable (the launcher hands it to the workers as JSON)."""
 
-    model: str = "toy"  # adapter kind
+    model: str  # adapter kind (train/adapter.py): "glm" (model_args {"model_dir"}) or "toy" (test stand-in)
     model_args: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
