@@ -9,7 +9,6 @@ step's loss; rank 0 logs it and writes ``OUT/loss.json``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -24,6 +23,7 @@ import paddle
 import paddle.distributed as dist
 
 from .. import progress
+from .._io import write_json_atomic as _write_json_atomic
 from ..parallel import comm
 from ..parallel.export import export_trained
 from ..parallel.grads import GradSynchronizer, clip_main_grads
@@ -32,11 +32,11 @@ from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, init_topology, set_topology
 from .adapter import ModelAdapter, make_adapter, token_count
-from .checkpoint import load_checkpoint, save_checkpoint
 from .data import micro_batches, open_data
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
 from .optim import AdamW, make_lr_scheduler
+from .resume import load_resume_state, save_resume_state
 
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
@@ -109,12 +109,9 @@ class TrainConfig:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    """The trainer's JSON records (loss.json, per-rank load logs): one-space indent, keys in insertion
+    order, a final newline; anything JSON does not know is an error."""
+    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 def _versions() -> dict[str, str]:
@@ -235,7 +232,7 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
     this rank's slices are read), else sliced from the adapter's full state.  What was read goes to
     ``OUT/logs/load/rank<N>.json`` (the per-rank evidence that no rank loaded more than its share).
 
-    A resumed run reads nothing here: its checkpoint holds every state tensor (``load_checkpoint``
+    A resumed run reads nothing here: its checkpoint holds every state tensor (``load_resume_state``
     refuses one that lacks any), so the pretrained weights would only be overwritten."""
     t0 = time.perf_counter()
     if cfg.resume:
@@ -319,7 +316,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     start = 0
     ckpt_root = os.path.join(cfg.out, "checkpoints")
     if cfg.resume:
-        meta = load_checkpoint(cfg.resume, topo, module, opt, layout)
+        meta = load_resume_state(cfg.resume, topo, module, opt, layout)
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
@@ -441,7 +438,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": layout, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
-            path = save_checkpoint(ckpt_root, step + 1, topo, module, opt, meta)
+            path = save_resume_state(ckpt_root, step + 1, topo, module, opt, meta)
             if rank0:
                 log(f"[glm52 train] checkpoint {path}")
     if bar is not None:

@@ -16,13 +16,14 @@ the bytes the autograd graph really saves for a tiny model.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from .._io import write_json_atomic
 
 __all__ = [
     "LayerCounts",
@@ -511,12 +512,7 @@ def _table(plan: dict[str, Any]) -> str:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 def run_plan(args: argparse.Namespace) -> int:
