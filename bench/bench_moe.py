@@ -1,7 +1,7 @@
 """MoE routed-expert compute, three forms (forward + backward of one MoE layer, bench model's shape):
 
 * loop: one matmul pair per expert on its sorted rows (the form without compiled kernels: GPU, bf16);
-* padded: `MoE.grouped = True`, two batched matmuls over a zero-padded [E, capacity, H] layout;
+* padded: `MoE(config, routed_form="padded")`, two batched matmuls over a zero-padded [E, capacity, H] layout;
 * kernel: the compiled grouped matmul (paddleformers_glm/ops/experts.py; the default for fp32 CPU tensors).
 
 Why: grouped expert compute is used where Paddle allows it; this measures which form is
@@ -47,13 +47,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for prm in moe.parameters():
         prm.set_value(paddle.to_tensor((rng.standard_normal(prm.shape) * prm.shape[0] ** -0.5).astype("float32")))
+    padded = MoE(cfg, routed_form="padded")
+    padded.set_state_dict(moe.state_dict())  # the same weights in the padded form
     print(
         f"experts {cfg.n_routed_experts} top-{cfg.num_experts_per_tok} H {cfg.hidden_size} I {cfg.moe_intermediate_size}"
     )
-    forms = {  # name -> (MoE.grouped, kernels on)
-        "loop": (False, False),
-        "padded": (True, False),
-        "kernel": (False, True),
+    forms = {  # name -> (module, kernels on)
+        "loop": (moe, False),
+        "padded": (padded, False),
+        "kernel": (moe, True),
     }
     print("| tokens | loop ms | padded ms | kernel ms | loop / kernel |")
     print("|---:|---:|---:|---:|---:|")
@@ -62,13 +64,12 @@ def main() -> None:
         x.stop_gradient = False
         best: dict[str, float] = {}
         for rep in range(ns.repeats):
-            for name, (grouped, kernels) in forms.items():  # alternate the forms
-                MoE.grouped = grouped
+            for name, (module, kernels) in forms.items():  # alternate the forms
                 with contextlib.nullcontext() if kernels else cpu_kernels.disabled():
                     t0 = time.perf_counter()
-                    moe(x).sum().backward()
+                    module(x).sum().backward()
                     dt = time.perf_counter() - t0
-                moe.clear_gradients()
+                module.clear_gradients()
                 x.clear_gradient()
                 if rep:
                     best[name] = min(best.get(name, 1e9), dt)

@@ -15,6 +15,32 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 
+def _temp_beside(path: str) -> str:
+    """A unique temporary name in `path`'s folder (made if missing): same filesystem, atomic rename."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary path beside `path` for writers that take only a file name (``paddle.save``):
+    on a clean exit the file written there is flushed to disk and replaces `path`."""
+    path = os.fspath(path)
+    tmp = _temp_beside(path)
+    try:
+        yield tmp
+        if not os.path.isfile(tmp):
+            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`.
@@ -22,9 +48,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = _temp_beside(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with open(fd, mode, encoding=None if "b" in mode else encoding) as f:

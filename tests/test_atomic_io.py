@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from paddleformers_glm._io import atomic_open, atomic_write_bytes, write_json_atomic
+from paddleformers_glm._io import atomic_open, atomic_path, atomic_write_bytes, write_json_atomic
 
 
 def test_json_is_written_whole_and_replaces_the_old_file(tmp_path):
@@ -47,3 +47,23 @@ def test_only_whole_file_modes():
     with pytest.raises(ValueError, match="mode 'w' or 'wb', got 'a'"):
         with atomic_open("x", "a"):
             pass
+
+
+def test_atomic_path_serves_writers_that_take_a_file_name(tmp_path):
+    """``paddle.save`` and ``shutil.copyfile`` write to a name: the name is a temp beside the target."""
+    path = tmp_path / "state.bin"
+    atomic_write_bytes(path, b"old")
+    with atomic_path(path) as tmp:
+        assert os.path.dirname(tmp) == str(tmp_path) and not os.path.exists(tmp)
+        pathlib.Path(tmp).write_bytes(b"new")
+        assert path.read_bytes() == b"old"  # replaced only on a clean exit
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["state.bin"]
+    with pytest.raises(RuntimeError, match="crashed"):
+        with atomic_path(path) as tmp:
+            pathlib.Path(tmp).write_bytes(b"half")
+            raise RuntimeError("writer crashed")
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["state.bin"]
+    with pytest.raises(FileNotFoundError, match="nothing was written"):
+        with atomic_path(path):
+            pass  # a writer that silently wrote nothing must not pass for one that did
+    assert path.read_bytes() == b"new"

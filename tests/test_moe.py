@@ -72,9 +72,11 @@ def test_bias_is_a_buffer_and_router_is_fp32():
     assert moe.gate.weight.dtype == paddle.float32
 
 
-def test_moe_output_equals_explicit_per_token_sum():
+@pytest.mark.parametrize("form", ["sorted", "padded"])
+def test_moe_output_equals_explicit_per_token_sum(form):
+    """Both routed forms (chosen per module, no global switch) give the per-token sum."""
     cfg = tiny_config()
-    moe = MoE(cfg)
+    moe = MoE(cfg, routed_form=form)
     rng = np.random.default_rng(2)
     for p in moe.parameters():
         p.set_value(paddle.to_tensor((rng.standard_normal(p.shape) * 0.3).astype("float32")))
@@ -96,3 +98,8 @@ def test_router_weight_gets_gradient_through_weights_only():
     x = paddle.randn([4, 6, 64])
     moe(x).sum().backward()
     assert moe.gate.weight.grad is not None and float(moe.gate.weight.grad.abs().sum()) > 0
+
+
+def test_moe_rejects_an_unknown_routed_form():
+    with pytest.raises(ValueError, match="routed_form must be one of"):
+        MoE(tiny_config(), routed_form="grouped")

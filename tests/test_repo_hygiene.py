@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "paddleformers_glm"
@@ -48,3 +51,40 @@ def test_no_references_to_documents_outside_the_repository():
                 hits.append(f"{p.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
     assert hits == [], "\n".join(hits)
     assert len(_repo_text_files()) > 50  # the walk saw the repository
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module an ``import`` statement in ``path`` names (relative ones resolved), at any depth."""
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level else ""
+            mod = ".".join(p for p in (base, node.module or "") if p)
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def test_model_adapters_register_one_way():
+    """train/adapter.py names its built-in adapters as data and imports them only when asked; the
+    adapters import adapter.py, never the other way round (no import cycle)."""
+    adapter = PACKAGE / "train" / "adapter.py"
+    adapters = ["paddleformers_glm.train.glm_adapter", "paddleformers_glm.testing.toy"]
+    assert not set(adapters) & _imported_modules(adapter)
+    for mod in adapters:
+        path = ROOT.joinpath(*mod.split(".")).with_suffix(".py")
+        assert "paddleformers_glm.train.adapter" in _imported_modules(path), mod
+        assert "register_adapter" not in path.read_text(encoding="utf-8"), mod
+    # in a fresh interpreter: importing the contract loads no adapter; asking for a kind loads only it
+    code = (
+        "import sys; import paddleformers_glm.train.adapter as a; "
+        f"before = [m for m in {adapters!r} if m in sys.modules]; "
+        "f = a.get_adapter_factory('toy'); "
+        f"after = [m for m in {adapters!r} if m in sys.modules]; "
+        "print(before, after, f.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "['paddleformers_glm.testing.toy']", "paddleformers_glm.testing.toy"]

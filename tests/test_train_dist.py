@@ -19,7 +19,18 @@ from tests._dist.runner import losses, run_train_cli, worker_logs
 pytestmark = pytest.mark.slow
 
 STEPS, SEQ, GBS, MBS, LR = 4, 16, 4, 1, 2e-3
-COMMON = ["--steps", str(STEPS), "--seq-len", str(SEQ), "--global-batch-size", str(GBS), "--micro-batch-size", str(MBS)]
+COMMON = [
+    "--model",
+    "toy",
+    "--steps",
+    str(STEPS),
+    "--seq-len",
+    str(SEQ),
+    "--global-batch-size",
+    str(GBS),
+    "--micro-batch-size",
+    str(MBS),
+]
 COMMON += ["--lr", str(LR), "--warmup-steps", "1", "--seed", "7"]
 TOL = 1e-5
 # Trained weights: Adam divides by sqrt(v), so fp32 summation-order noise in a gradient that is a
@@ -50,6 +61,7 @@ def ref(tmp_path_factory):
     """Single process (world 1, in this process)."""
     out = tmp_path_factory.mktemp("ref")
     cfg = TrainConfig(
+        model="toy",
         steps=STEPS, seq_len=SEQ, global_batch_size=GBS, micro_batch_size=MBS, lr=LR, warmup_steps=1, seed=7,
         out=str(out), export=True, progress=False, model_args={"seed": 7},
     )  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from paddleformers_glm.parallel.recompute import run_layer
-from paddleformers_glm.train import toy
+from paddleformers_glm.testing import toy
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses
 
@@ -22,6 +22,7 @@ def _run(tmp_path, mode: str, monkeypatch) -> tuple[dict, int]:
     monkeypatch.setattr(toy.ToyLayer, "forward", counted)
     out = tmp_path / mode
     cfg = TrainConfig(
+        model="toy",
         steps=2, seq_len=16, global_batch_size=2, micro_batch_size=1, lr=1e-3, warmup_steps=1, seed=5,
         out=str(out), progress=False, model_args={"seed": 5}, recompute=mode,
     )  # fmt: skip
@@ -37,6 +38,8 @@ def test_full_recompute_is_bit_identical_and_replays_each_layer(tmp_path, monkey
         assert rec[key] == ref[key], (key, ref[key], rec[key])
     # 6 decoder layers + the MTP layer (not recomputed), 2 steps x 2 micro-batches
     assert n_ref == 2 * 2 * 7 and n_rec == n_ref + 2 * 2 * 6, (n_ref, n_rec)
+    # saved activations are counted with saved-tensor hooks, which recompute needs for itself
+    assert ref["memory"][0]["activations_bytes"] > 0 and rec["memory"][0]["activations_bytes"] is None
 
 
 def test_run_layer_rejects_unknown_mode():

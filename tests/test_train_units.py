@@ -16,6 +16,7 @@ import pytest
 
 from paddleformers_glm.parallel.pipeline import StageSpec, split_stages
 from paddleformers_glm.parallel.topology import get_topology
+from paddleformers_glm.testing.toy import ToyAdapter, ToyConfig, full_shapes
 from paddleformers_glm.train.adapter import LossSpec, token_count
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.data import micro_batches, open_data
@@ -29,7 +30,6 @@ from paddleformers_glm.train.launch import (
 )
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
-from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
 
 
 # ------------------------------------------------------------------ schedule and optimizer
@@ -273,14 +273,30 @@ def test_worker_env_sets_mkl_fast_path_on_amd_only_unless_user_did(monkeypatch, 
     ],
 )
 def test_cli_rejects_bad_layouts_before_launching(tmp_path, capsys, args, msg):
-    assert train_main([*args, "--out", str(tmp_path)]) == 2
+    assert train_main(["--model", "toy", *args, "--out", str(tmp_path)]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_cli_requires_a_model(tmp_path, capsys):
+    """`glm52 train` has no default model: a checkpoint folder or `toy` must be named."""
+    with pytest.raises(SystemExit) as e:
+        train_main(["--steps", "1", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--model" in capsys.readouterr().err
+    assert not (tmp_path / "loss.json").exists()
 
 
 # ------------------------------------------------------------------ world-1 runs
 def _cfg(out, **kw):
     base = dict(
-        steps=4, seq_len=16, global_batch_size=4, micro_batch_size=2, lr=2e-3, seed=11, progress=False, out=str(out)
+        model="toy",
+        steps=4,
+        seq_len=16,
+        global_batch_size=4,
+        micro_batch_size=2,
+        lr=2e-3,
+        seed=11,
+        progress=False,
+        out=str(out),
     )
     return TrainConfig(**{**base, **kw})
 

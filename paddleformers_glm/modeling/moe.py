@@ -13,9 +13,9 @@ inputs). On fp32 CPU tensors all experts then run as two grouped matmuls (one op
 and backward: ops/experts.py, one MKL GEMM per expert on its rows, as HF's `grouped_mm`);
 elsewhere (GPU, bf16, no compiled kernels) the sorted rows are split into per-expert views and
 each expert runs one matmul pair. Either way the weighted outputs are added into the result in
-ascending expert order per token, as HF's per-expert `index_add_` adds them. `MoE.grouped = True`
-runs all experts as two batched matmuls over a zero-padded [E, capacity, H] layout instead
-(bench/bench_moe.py compares).
+ascending expert order per token, as HF's per-expert `index_add_` adds them.
+`MoE(config, routed_form="padded")` runs all experts as two batched matmuls over a zero-padded
+[E, capacity, H] layout instead (bench/bench_moe.py compares).
 """
 
 from __future__ import annotations
@@ -236,8 +236,17 @@ class MoE(nn.Layer):
     gradient is summed over TP), the shared experts are split like a dense FFN.
     """
 
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    # "sorted" (default): the grouped kernel on fp32 CPU, else one matmul pair per expert on its sorted
+    # rows; "padded": batched matmuls over all experts. Same routing, same sums to rounding;
+    # bench/bench_moe.py measured the padded form slower than both (the padding and weight
+    # stacking cost what the fewer launches save).
+    ROUTED_FORMS = ("sorted", "padded")
+
+    def __init__(self, config: GlmMoeDsaConfig, routed_form: str = "sorted") -> None:
         super().__init__()
+        if routed_form not in self.ROUTED_FORMS:
+            raise ValueError(f"MoE routed_form must be one of {self.ROUTED_FORMS}, got {routed_form!r}")
+        self.routed_form = routed_form
         H, I = config.hidden_size, config.moe_intermediate_size
         topo = get_topology()
         self.num_experts = config.n_routed_experts
@@ -252,12 +261,6 @@ class MoE(nn.Layer):
     def expert(self, e: int) -> Expert:
         return self.experts[str(e)]
 
-    # False (default): the grouped kernel on fp32 CPU, else one matmul pair per expert on its sorted
-    # rows; True: padded batched matmuls over all experts. Same routing, same sums to rounding;
-    # bench/bench_moe.py measured the padded form slower than both (the padding and weight
-    # stacking cost what the fewer launches save).
-    grouped = False
-
     def routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
         """sum_k w_k * expert_{e_k}(x) for x [N, H], each token's terms added in ascending expert order
         (the order of HF's per-expert `index_add_`: the per-expert loop is bitwise HF's sums; the
@@ -269,8 +272,8 @@ class MoE(nn.Layer):
             flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
             order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
             counts = paddle.bincount(flat_e, minlength=self.num_experts)
-        if self.grouped:
-            return self._grouped(x, weights, expert_ids, order, counts)
+        if self.routed_form == "padded":
+            return self._padded(x, weights, expert_ids, order, counts)
         sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
         w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)  # [N*K] by expert
         experts = [self.expert(e) for e in range(self.num_experts)]
@@ -288,7 +291,7 @@ class MoE(nn.Layer):
             out = out + swiglu_ffn(x, self.expert(e)) * w_e.astype(x.dtype)
         return out
 
-    def _grouped(
+    def _padded(
         self,
         x: paddle.Tensor,
         weights: paddle.Tensor,

@@ -1,4 +1,4 @@
-"""The contract between the trainer and a model (the toy stand-in now, GLM-5.2 next).
+"""The contract between the trainer and a model (GLM-5.2; a small stand-in for tests).
 
 A model plugs in with a :class:`ModelAdapter`: it reports its sizes (for layout validation),
 builds the module of one pipeline stage, names its loss terms and how each is normalised, and
@@ -9,6 +9,7 @@ the trainer slices: ``full_state``, fine for small stand-ins).  Everything paral
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -109,24 +110,31 @@ class ModelAdapter:
         raise NotImplementedError(f"model {self.name!r} has no exporter")
 
 
+# Built-in kinds as "module:class", imported only when that kind is asked for: this module imports
+# no adapter (each adapter imports this one for ModelAdapter), so registration runs one way. "toy"
+# lives with the test stand-ins (paddleformers_glm/testing/), outside the library proper.
+_BUILTIN: dict[str, str] = {
+    "glm": "paddleformers_glm.train.glm_adapter:GlmAdapter",
+    "toy": "paddleformers_glm.testing.toy:ToyAdapter",
+}
 _REGISTRY: dict[str, Callable[..., ModelAdapter]] = {}
 
 
 def register_adapter(kind: str, factory: Callable[..., ModelAdapter]) -> None:
+    """Make ``kind`` name ``factory`` (an adapter class or a function returning an adapter)."""
     _REGISTRY[kind] = factory
 
 
 def get_adapter_factory(kind: str) -> Callable[..., ModelAdapter]:
+    """The factory registered for ``kind``, importing a built-in adapter's module on first use."""
+    if kind not in _REGISTRY and kind in _BUILTIN:
+        module, attr = _BUILTIN[kind].split(":")
+        try:
+            _REGISTRY[kind] = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            raise KeyError(f"model kind {kind!r} is not available: {e}") from e
     if kind not in _REGISTRY:
-        if kind == "toy":
-            from . import toy  # noqa: F401  (registers itself)
-        elif kind == "glm":
-            try:
-                from . import glm_adapter  # noqa: F401
-            except ImportError as e:
-                raise KeyError(f"model kind 'glm' is not available yet: {e}") from e
-    if kind not in _REGISTRY:
-        raise KeyError(f"unknown model kind {kind!r}; registered: {sorted(_REGISTRY)}")
+        raise KeyError(f"unknown model kind {kind!r}; known: {sorted(set(_REGISTRY) | set(_BUILTIN))}")
     return _REGISTRY[kind]
 
 

@@ -15,6 +15,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
+from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -26,7 +27,9 @@ __all__ = ["add_train_arguments", "config_from_args", "main", "register_train", 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument(
-        "--model", default="toy", help="checkpoint folder (GLM-5.2, HF layout) or 'toy' (the built-in stand-in)"
+        "--model",
+        required=True,
+        help="checkpoint folder (GLM-5.2, HF layout), or 'toy' (a small stand-in model for smoke runs)",
     )
     g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
     g = ap.add_argument_group("parallel layout")
@@ -256,8 +259,7 @@ def run_train(args: argparse.Namespace) -> int:
             return 1
         return 0
     run_json = os.path.join(cfg.out, "run_config.json")
-    with open(run_json, "w", encoding="utf-8") as f:
-        json.dump(cfg.__dict__, f, indent=1)
+    atomic_write_text(run_json, json.dumps(cfg.__dict__, indent=1))
     nproc = world // args.nnodes
     launcher_args = shlex.split(args.launcher_args)
     if args.nnodes > 1:

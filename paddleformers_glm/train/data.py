@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .._io import atomic_open
+
 __all__ = ["TokenData", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
 
 IGNORE_INDEX = -100
@@ -302,10 +304,8 @@ def prepare_jsonl(
                 f"{path}: {len(rows_ids)} conversations; {min_samples} are needed for the steps x global batch asked"
             )
         arrays = {"input_ids": np.stack(rows_ids), "labels": np.stack(rows_lab), "attention_mask": np.stack(rows_mask)}
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, out_path)
+    with atomic_open(out_path, "wb") as f:
+        np.savez(f, **arrays)
     return {"kind": kind, "records": len(records), "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
 
 

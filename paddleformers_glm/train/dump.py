@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import paddle
 
+from .._io import atomic_path
+
 __all__ = ["DUMP_KINDS", "adam_moments", "dump_training_state"]
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
@@ -116,9 +118,8 @@ def dump_training_state(
         tensors = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full.items()}
         save_pretrained_state(tensors, config, target, layout="hf", dtype="float32", max_shard_size="1000GB")
         if model_dir:  # the model's own config, byte for byte, so both sides' dumps carry the same one
-            tmp = os.path.join(target, f"config.json.part.{os.getpid()}")
-            shutil.copyfile(os.path.join(model_dir, "config.json"), tmp)
-            os.replace(tmp, os.path.join(target, "config.json"))
+            with atomic_path(os.path.join(target, "config.json")) as tmp:
+                shutil.copyfile(os.path.join(model_dir, "config.json"), tmp)
 
 
 def dump_after_step(

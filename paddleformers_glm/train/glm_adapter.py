@@ -25,7 +25,7 @@ from ..parallel.layers import parallel_cross_entropy
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
 from ..parallel.recompute import run_layer
 from ..parallel.topology import ParallelConfig, ParallelConfigError, Topology
-from .adapter import LossSpec, ModelAdapter, register_adapter
+from .adapter import LossSpec, ModelAdapter
 
 __all__ = ["GlmAdapter", "GlmStage"]
 
@@ -210,6 +210,3 @@ class GlmAdapter(ModelAdapter):
 
         state = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full_state.items()}
         save_pretrained_state(state, self.config, out_dir, layout="hf", dtype=self.config.model_dtype)
-
-
-register_adapter("glm", GlmAdapter)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
 
 __all__ = ["LaunchError", "diagnose", "launch_workers", "rank_states", "worker_env", "write_failure_record"]
@@ -277,10 +278,7 @@ def write_failure_record(log_dir: str, err: LaunchError, *, killed: str | None, 
         "seconds": round(seconds, 3),
         "time": time.time(),
     }
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rec, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(rec, indent=1))
     return path
 
 

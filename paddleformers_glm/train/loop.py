@@ -9,13 +9,13 @@ step's loss; rank 0 logs it and writes ``OUT/loss.json``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,6 +24,8 @@ import paddle
 import paddle.distributed as dist
 
 from .. import progress
+from .._io import write_json_atomic as _write_json_atomic
+from ..modeling.model import default_dtype
 from ..parallel import comm
 from ..parallel.export import export_trained
 from ..parallel.grads import GradSynchronizer, clip_main_grads
@@ -31,12 +33,12 @@ from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, val
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, init_topology, set_topology
-from .adapter import ModelAdapter, make_adapter, token_count
-from .checkpoint import load_checkpoint, save_checkpoint
+from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import micro_batches, open_data
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
 from .optim import AdamW, make_lr_scheduler
+from .resume import load_resume_state, save_resume_state
 
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
@@ -45,7 +47,7 @@ __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 class TrainConfig:
     """Everything a run needs; serialisable (the launcher hands it to the workers as JSON)."""
 
-    model: str = "toy"  # adapter kind
+    model: str  # adapter kind (train/adapter.py): "glm" (model_args {"model_dir"}) or "toy" (test stand-in)
     model_args: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
@@ -109,12 +111,9 @@ class TrainConfig:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    """The trainer's JSON records (loss.json, per-rank load logs): one-space indent, keys in insertion
+    order, a final newline; anything JSON does not know is an error."""
+    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 def _versions() -> dict[str, str]:
@@ -235,7 +234,7 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
     this rank's slices are read), else sliced from the adapter's full state.  What was read goes to
     ``OUT/logs/load/rank<N>.json`` (the per-rank evidence that no rank loaded more than its share).
 
-    A resumed run reads nothing here: its checkpoint holds every state tensor (``load_checkpoint``
+    A resumed run reads nothing here: its checkpoint holds every state tensor (``load_resume_state``
     refuses one that lacks any), so the pretrained weights would only be overwritten."""
     t0 = time.perf_counter()
     if cfg.resume:
@@ -268,20 +267,51 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
         )
 
 
-def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
-    rank0 = topo.rank == 0
-    prev_dtype = paddle.get_default_dtype()
-    paddle.set_default_dtype(cfg.dtype)
+@dataclass
+class _Run:
+    """One rank's training state, built by :func:`_setup` and advanced by :func:`_step`."""
+
+    cfg: TrainConfig
+    adapter: ModelAdapter
+    topo: Any
+    specs: list[Any]
+    module: Any
+    sync: GradSynchronizer
+    opt: AdamW
+    engine: PipelineEngine
+    memory: MemoryMonitor
+    balancer: ExpertBalancer
+    data: Any
+    loss_specs: dict[str, LossSpec]
+    report_keys: list[str]
+    profile: dict[str, Any]  # loss.json's published layout keys
+    layout: dict[str, Any]  # the profile plus the sharding degree, recorded in the resume state
+    history: dict[str, list[float]]
+    start: int  # steps already done (a resumed run's step)
+    sched: Any
+    opt_bytes: list[int] = field(default_factory=list)  # optimizer-state bytes of every rank
+
+    @property
+    def rank0(self) -> bool:
+        return self.topo.rank == 0
+
+
+def _build_stage(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, spec: Any) -> Any:
+    """This rank's stage module, seeded and created in the run's dtype, with its recompute mode."""
     paddle.seed(cfg.seed)
     np.random.seed(cfg.seed % (2**32))
-    try:
-        module = adapter.build_stage(specs[topo.stage], topo)
-    finally:
-        paddle.set_default_dtype(prev_dtype)
+    with default_dtype(cfg.dtype):
+        module = adapter.build_stage(spec, topo)
     if hasattr(module, "recompute"):
         module.recompute = cfg.recompute
     elif cfg.recompute != "none":
         raise ValueError(f"--recompute {cfg.recompute}: the {cfg.model} stage module does not support recompute")
+    return module
+
+
+def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any]) -> _Run:
+    """Stage module, weights (initial or resumed), optimizer, pipeline engine, data and schedule."""
+    module = _build_stage(cfg, adapter, topo, specs[topo.stage])
     _load_initial_weights(cfg, adapter, module, topo, specs[topo.stage])
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
@@ -294,7 +324,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     engine = PipelineEngine(module, topo, cfg.schedule)
-    memory = MemoryMonitor(module, topo, count_saved=cfg.recompute == "none")  # per-rank bytes, loss.json "memory"
+    memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
@@ -312,148 +342,189 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         "seq_len": cfg.seq_len,
         "dtype": cfg.dtype,
     }
-    # loss.json's profile keeps its published keys; checkpoints also record the sharding degree
     layout = {**profile, "sharding": topo.pc.sharding}
     history: dict[str, list[float]] = {k: [] for k in report_keys}
     history.update(grad_norms=[], lrs=[])
     start = 0
-    ckpt_root = os.path.join(cfg.out, "checkpoints")
     if cfg.resume:
-        meta = load_checkpoint(cfg.resume, topo, module, opt, layout)
+        meta = load_resume_state(cfg.resume, topo, module, opt, layout)
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
-    opt_bytes: list[int] = []  # optimizer-state bytes of every rank
-    result: dict[str, Any] = {}
+    return _Run(
+        cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,
+        profile, layout, history, start, sched,
+    )  # fmt: skip
 
-    def snapshot(steps_done: int) -> dict[str, Any]:
-        out = {k: history[k] for k in report_keys}
-        out.update(
-            steps=steps_done,
-            profile=profile,
-            weights_loaded=bool(adapter.weights_loaded),
-            checkpoint=adapter.checkpoint_info(),
-            seed=cfg.seed,
-            versions=_versions(),
-            grad_norms=history["grad_norms"],
-            lrs=history["lrs"],
-            optimizer_state_bytes=opt_bytes,
-            run={
-                "model": cfg.model,
-                "pp_layout": layout_string(specs),
-                "schedule": cfg.schedule,
-                "data": data.describe,
-                "resumed_from_step": start if cfg.resume else None,
-                "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
-                "sharding": topo.pc.sharding,
-                "recompute": cfg.recompute,
-            },
+
+def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
+    """loss.json's content after ``steps_done`` steps."""
+    cfg = run.cfg
+    out: dict[str, Any] = {k: run.history[k] for k in run.report_keys}
+    out.update(
+        steps=steps_done,
+        profile=run.profile,
+        weights_loaded=bool(run.adapter.weights_loaded),
+        checkpoint=run.adapter.checkpoint_info(),
+        seed=cfg.seed,
+        versions=_versions(),
+        grad_norms=run.history["grad_norms"],
+        lrs=run.history["lrs"],
+        optimizer_state_bytes=run.opt_bytes,
+        run={
+            "model": cfg.model,
+            "pp_layout": layout_string(run.specs),
+            "schedule": cfg.schedule,
+            "data": run.data.describe,
+            "resumed_from_step": run.start if cfg.resume else None,
+            "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
+            "sharding": run.topo.pc.sharding,
+            "recompute": cfg.recompute,
+        },
+    )
+    out.update(run.balancer.report())
+    return out
+
+
+def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float]:
+    """Update ``step`` (0-based): forward/backward over this replica's micro-batches, gradient sync,
+    clip, AdamW; the step's losses are appended to the history. Returns (lr, grad norm)."""
+    cfg, topo = run.cfg, run.topo
+    _maybe_fault(cfg.fault, topo.rank, step + 1)
+    run.sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
+    lr = float(run.sched())
+    batch = run.data.global_batch(step, cfg.global_batch_size)
+    n_micro_global = cfg.global_batch_size // cfg.micro_batch_size
+    norms = {
+        name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
+        for name, s in run.loss_specs.items()
+    }
+    scales = {name: s.weight / max(norms[name], 1) for name, s in run.loss_specs.items()}
+    replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
+    mbs = [_to_tensors(mb) for mb in micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size)]
+    with run.memory.track(step == run.start):
+        totals = run.engine.run(mbs, scales)
+    grads, has_grad = run.sync.main_grads()
+    pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
+    gnorm = run.sync.global_norm(grads)
+    clip_main_grads(grads, gnorm, cfg.clip_grad)
+    run.opt.step(grads, has_grad, lr)
+    if pre_clip is not None:
+        from .dump import dump_after_step
+
+        dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
+    run.memory.observe(grads, run.opt)
+    run.module.clear_gradients()
+    run.balancer.after_step(step + 1)
+    if not run.opt_bytes:
+        run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)
+        log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
+    _record_losses(run, totals, norms)
+    run.history["grad_norms"].append(gnorm)
+    run.history["lrs"].append(lr)
+    return lr, gnorm
+
+
+def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[str, int]) -> None:
+    """Sum each loss term over pipeline stages and data replicas, check the token counts against
+    the labels, and append each reported loss (normalised, terms of one key averaged)."""
+    topo, loss_specs = run.topo, run.loss_specs
+    names = sorted(loss_specs)
+    vec = paddle.to_tensor(
+        np.array(
+            [totals.get(n, (0.0, 0))[0] for n in names] + [totals.get(n, (0.0, 0))[1] for n in names],
+            dtype=np.float64,
         )
-        out.update(balancer.report())
-        return out
+    )
+    vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
+    vals = vec.numpy().tolist()
+    sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
+    for n in names:
+        s = loss_specs[n]
+        if s.normalize == "tokens" and int(round(counts[n])) != norms[n]:
+            raise RuntimeError(
+                f"loss term {n!r}: the model counted {int(counts[n])} tokens, labels shifted by {s.shift} give {norms[n]}; "
+                "fix the model's count or the LossSpec shift"
+            )
+    for key in run.report_keys:
+        terms = [n for n in names if loss_specs[n].report == key]
+        if terms:
+            run.history[key].append(sum(sums[n] / max(norms[n], 1) for n in terms) / len(terms))
 
+
+def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
+    """The rank-0 log line of one step."""
+    cfg, history = run.cfg, run.history
+    parts = [f"step {step + 1}/{cfg.steps}", f"loss {history['losses'][-1]:.6f}"]
+    if history["mtp_losses"] and len(history["mtp_losses"]) == len(history["losses"]):
+        parts.append(f"mtp {history['mtp_losses'][-1]:.6f}")
+    parts += [
+        f"lr {lr:.3e}",
+        f"grad norm {gnorm:.4f}",
+        f"{cfg.global_batch_size * cfg.seq_len / dt:.0f} tok/s",
+        f"{dt:.2f} s",
+    ]
+    return " | ".join(parts)
+
+
+def _finish(run: _Run, result: dict[str, Any], log: Callable[[str], Any]) -> dict[str, Any] | None:
+    """Final loss.json with the gathered memory report, the optional export, a last barrier."""
+    cfg, topo = run.cfg, run.topo
+    memory_report = run.memory.gather(run.opt)  # collective
+    if run.rank0:
+        result = _snapshot(run, cfg.steps)
+        result["memory"] = memory_report
+        write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
+    if cfg.export:  # every rank writes the tensors it owns (parallel/export.py)
+        n_exported = export_trained(run.adapter, run.module, topo, os.path.join(cfg.out, "export"))
+        log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
+    if topo.world_size > 1:
+        dist.barrier()
+    return result if run.rank0 else None
+
+
+def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
+    """Setup, the steps (each logged and written to loss.json by rank 0, resume state every
+    ``--save-every`` steps), then finish."""
+    run = _setup(cfg, adapter, topo, specs)
     bar = None
-    if rank0 and cfg.progress:
+    if run.rank0 and cfg.progress:
         from tqdm import tqdm
 
         bar = tqdm(
-            total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, leave=True
+            total=cfg.steps,
+            initial=run.start,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            leave=True,
         )
-    log = (bar.write if bar is not None else print) if rank0 else (lambda *_: None)
-    if rank0:
+    log = (bar.write if bar is not None else print) if run.rank0 else (lambda *_: None)
+    if run.rank0:
         log(
-            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {cfg.schedule} data {data.describe}"
+            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {cfg.schedule} data {run.data.describe}"
         )
-    n_micro_global = cfg.global_batch_size // cfg.micro_batch_size
-    for step in range(start, cfg.steps):
+    result: dict[str, Any] = {}
+    for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()
-        _maybe_fault(cfg.fault, topo.rank, step + 1)
-        sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
-        lr = float(sched())
-        batch = data.global_batch(step, cfg.global_batch_size)
-        norms = {
-            name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
-            for name, s in loss_specs.items()
-        }
-        scales = {name: s.weight / max(norms[name], 1) for name, s in loss_specs.items()}
-        replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
-        mbs = [_to_tensors(mb) for mb in micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size)]
-        with memory.track(step == start):
-            totals = engine.run(mbs, scales)
-        grads, has_grad = sync.main_grads()
-        pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
-        gnorm = sync.global_norm(grads)
-        clip_main_grads(grads, gnorm, cfg.clip_grad)
-        opt.step(grads, has_grad, lr)
-        if pre_clip is not None:
-            from .dump import dump_after_step
-
-            dump_after_step(cfg.dump_steps, step + 1, module, opt, pre_clip, topo, adapter)
-        memory.observe(grads, opt)
-        module.clear_gradients()
-        balancer.after_step(step + 1)
-        if not opt_bytes:
-            opt_bytes = _gather_ints(opt.state_bytes(), topo)
-            log(f"[glm52 train] optimizer state bytes per rank: {opt_bytes}")
-
-        names = sorted(loss_specs)
-        vec = paddle.to_tensor(
-            np.array(
-                [totals.get(n, (0.0, 0))[0] for n in names] + [totals.get(n, (0.0, 0))[1] for n in names],
-                dtype=np.float64,
-            )
-        )
-        vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
-        vals = vec.numpy().tolist()
-        sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
-        for n in names:
-            s = loss_specs[n]
-            if s.normalize == "tokens" and int(round(counts[n])) != norms[n]:
-                raise RuntimeError(
-                    f"loss term {n!r}: the model counted {int(counts[n])} tokens, labels shifted by {s.shift} give {norms[n]}; "
-                    "fix the model's count or the LossSpec shift"
-                )
-        for key in report_keys:
-            terms = [n for n in names if loss_specs[n].report == key]
-            if terms:
-                history[key].append(sum(sums[n] / max(norms[n], 1) for n in terms) / len(terms))
-        history["grad_norms"].append(gnorm)
-        history["lrs"].append(lr)
+        lr, gnorm = _step(run, step, log)
         dt = time.perf_counter() - t0
-        if rank0:
-            parts = [f"step {step + 1}/{cfg.steps}", f"loss {history['losses'][-1]:.6f}"]
-            if history["mtp_losses"] and len(history["mtp_losses"]) == len(history["losses"]):
-                parts.append(f"mtp {history['mtp_losses'][-1]:.6f}")
-            parts += [
-                f"lr {lr:.3e}",
-                f"grad norm {gnorm:.4f}",
-                f"{cfg.global_batch_size * cfg.seq_len / dt:.0f} tok/s",
-                f"{dt:.2f} s",
-            ]
-            log(" | ".join(parts))
-            if not math.isfinite(history["losses"][-1]):
+        if run.rank0:
+            log(_step_line(run, step, lr, gnorm, dt))
+            if not math.isfinite(run.history["losses"][-1]):
                 log("[glm52 train] warning: non-finite loss")
-            result = snapshot(step + 1)
+            result = _snapshot(run, step + 1)
             write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            meta = {"profile": layout, "history": history, "seed": cfg.seed, "config": asdict(cfg)}
-            path = save_checkpoint(ckpt_root, step + 1, topo, module, opt, meta)
-            if rank0:
+            meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
+            path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
+            if run.rank0:
                 log(f"[glm52 train] checkpoint {path}")
     if bar is not None:
         bar.close()
-    memory_report = memory.gather(opt)  # collective
-    if rank0:
-        result = snapshot(cfg.steps)
-        result["memory"] = memory_report
-        write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
-    if cfg.export:  # every rank writes the tensors it owns (parallel/export.py)
-        n_exported = export_trained(adapter, module, topo, os.path.join(cfg.out, "export"))
-        log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
-    if topo.world_size > 1:
-        dist.barrier()
-    return result if rank0 else None
+    return _finish(run, result, log)

@@ -129,19 +129,23 @@ class MemoryMonitor:
     optimizer's tensors; at the end the optimizer's tensors again and the peak memory
     (``max_memory_allocated`` on a GPU, peak RSS on the host) and gathers every rank's record."""
 
-    def __init__(self, module: Any, topo: Any, count_saved: bool = True) -> None:
-        # count_saved=False under activation recompute: Fleet's recompute installs its own
-        # saved-tensor hooks and Paddle allows one pair at a time, so activations are not measured
-        self.module, self.topo, self.count_saved = module, topo, count_saved
+    def __init__(self, module: Any, topo: Any) -> None:
+        self.module, self.topo = module, topo
         self.record: dict[str, Any] | None = None
 
     def track(self, first: bool) -> Any:
         """Context for a step's forwards and backwards: on the first step, counts the peak bytes
         autograd keeps saved for backward (distinct storages, parameters excluded), the quantity
-        the planner's activation estimate describes."""
+        the planner's activation estimate describes.
+
+        Under recompute nothing is counted (``activations_bytes`` is None): the recomputed layers
+        install their own saved-tensor hooks and Paddle allows one pair at a time."""
         import contextlib
 
-        if not first or not self.count_saved:
+        if not first:
+            return contextlib.nullcontext()
+        if getattr(self.module, "recompute", "none") != "none":
+            self.activations_peak = None
             return contextlib.nullcontext()
         import paddle
 
@@ -177,6 +181,7 @@ class MemoryMonitor:
             return
         params = list(self.module.parameters())
         opt_bytes, impl = optimizer_tensors_bytes(opt)
+        peak = getattr(self, "activations_peak", 0)
         self.record = {
             "rank": int(self.topo.rank),
             "params_bytes": sum(_tensor_bytes(p) for p in params),
@@ -184,7 +189,7 @@ class MemoryMonitor:
             "optimizer_bytes": opt_bytes,
             "optimizer": impl,
             "param_tensors": len(params),
-            "activations_bytes": int(getattr(self, "activations_peak", 0)),
+            "activations_bytes": None if peak is None else int(peak),
         }
 
     def gather(self, opt: Any) -> list[dict[str, Any]]:
@@ -194,7 +199,7 @@ class MemoryMonitor:
         rec = dict(self.record or {"rank": int(self.topo.rank)})
         rec["optimizer_bytes"], rec["optimizer"] = optimizer_tensors_bytes(opt)  # end-of-run state
         keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
-        rec["total_bytes"] = sum(rec.get(k, 0) for k in keys)
+        rec["total_bytes"] = sum(rec.get(k) or 0 for k in keys)  # activations None: not measured
         if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
             rec["peak_bytes"], rec["peak_kind"] = int(paddle.device.cuda.max_memory_allocated()), "max_memory_allocated"
         else:

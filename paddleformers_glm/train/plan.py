@@ -512,7 +512,7 @@ def _table(plan: dict[str, Any]) -> str:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    write_json_atomic(path, obj, indent=1, sort_keys=False)
+    write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 def run_plan(args: argparse.Namespace) -> int:

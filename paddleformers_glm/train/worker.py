@@ -15,17 +15,14 @@ import sys
 import time
 import traceback
 
+from paddleformers_glm._io import atomic_write_text
+
 
 def _status(rank: int, suffix: str, payload: dict | None = None) -> None:
     d = os.environ.get("GLM52_STATUS_DIR")
     if not d:
         return
-    os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"rank{rank}.{suffix}")
-    with open(path + ".part", "w", encoding="utf-8") as f:
-        if payload is not None:
-            json.dump(payload, f)
-    os.replace(path + ".part", path)
+    atomic_write_text(os.path.join(d, f"rank{rank}.{suffix}"), "" if payload is None else json.dumps(payload))
 
 
 def _shorten(text: str, head: int = 300, tail: int = 500) -> str:

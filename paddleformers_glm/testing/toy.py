@@ -36,7 +36,7 @@ from ..parallel.layers import (
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
 from ..parallel.recompute import run_layer
 from ..parallel.topology import ParallelConfig, Topology, topology_override
-from .adapter import LossSpec, ModelAdapter, register_adapter
+from ..train.adapter import LossSpec, ModelAdapter
 
 __all__ = ["ToyAdapter", "ToyConfig", "ToyStage", "init_full_state"]
 
@@ -296,6 +296,3 @@ class ToyAdapter(ModelAdapter):
         )
         with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump({"model_type": "toy", **asdict(self.cfg)}, f, indent=2, sort_keys=True)
-
-
-register_adapter("toy", ToyAdapter)

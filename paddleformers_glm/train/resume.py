@@ -1,4 +1,7 @@
-"""Training checkpoints: per-rank model / optimizer / RNG state plus run metadata, saved atomically.
+"""Resume state: per-rank model / optimizer / RNG state plus run metadata, saved atomically.
+
+(Model weights in a release layout are paddleformers_glm/checkpoint/; this is the trainer's own
+state for ``--save-every`` / ``--resume``, valid for the same parallel layout only.)
 
 Layout: ``ROOT/step_00000004/{meta.json, rank_00000.pdstate, ...}`` and ``ROOT/latest`` naming the
 newest complete step.  Every rank writes its own file into ``step_*.tmp``; after a barrier rank 0
@@ -22,10 +25,11 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
+from .._io import atomic_path, atomic_write_bytes, atomic_write_text
 from ..parallel.topology import Topology
 from .optim import AdamW
 
-__all__ = ["load_checkpoint", "resolve_checkpoint", "save_checkpoint"]
+__all__ = ["load_resume_state", "resolve_resume_state", "save_resume_state"]
 
 
 def _barrier(topo: Topology) -> None:
@@ -44,7 +48,7 @@ def _set_rng_state(blob: bytes) -> None:
     random.setstate(st["python"])
 
 
-def save_checkpoint(
+def save_resume_state(
     root: str, step: int, topo: Topology, model: nn.Layer, optimizer: AdamW, meta: dict[str, Any]
 ) -> str:
     """Collective. Returns the final folder path."""
@@ -57,26 +61,23 @@ def save_checkpoint(
         "rank": topo.rank,
     }
     path = os.path.join(tmp, f"rank_{topo.rank:05d}.pdstate")
-    paddle.save(blob, path + ".part")
-    os.replace(path + ".part", path)
-    with open(path + ".rng.part", "wb") as f:  # paddle.save takes no bytes; RNG states are pickled apart
-        f.write(_rng_state())
-    os.replace(path + ".rng.part", path + ".rng")
+    with atomic_path(path) as tmp_file:  # paddle.save writes to a file name only
+        paddle.save(blob, tmp_file)
+    atomic_write_bytes(path + ".rng", _rng_state())  # paddle.save takes no bytes; RNG states are pickled apart
     _barrier(topo)
     if topo.rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump({**meta, "step": step, "world_size": topo.world_size}, f, indent=1)
+        atomic_write_text(
+            os.path.join(tmp, "meta.json"), json.dumps({**meta, "step": step, "world_size": topo.world_size}, indent=1)
+        )
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        with open(os.path.join(root, "latest.part"), "w", encoding="utf-8") as f:
-            f.write(os.path.basename(final) + "\n")
-        os.replace(os.path.join(root, "latest.part"), os.path.join(root, "latest"))
+        atomic_write_text(os.path.join(root, "latest"), os.path.basename(final) + "\n")
     _barrier(topo)
     return final
 
 
-def resolve_checkpoint(path: str) -> str:
+def resolve_resume_state(path: str) -> str:
     """A step folder, or a checkpoint root (its ``latest``)."""
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
@@ -86,15 +87,15 @@ def resolve_checkpoint(path: str) -> str:
             return os.path.join(path, f.read().strip())
     ckpt = os.path.join(path, "checkpoints")
     if os.path.isdir(ckpt):
-        return resolve_checkpoint(ckpt)
+        return resolve_resume_state(ckpt)
     raise FileNotFoundError(f"--resume {path}: no meta.json, latest, or checkpoints/ here")
 
 
-def load_checkpoint(
+def load_resume_state(
     path: str, topo: Topology, model: nn.Layer, optimizer: AdamW, expect_profile: dict[str, Any]
 ) -> dict[str, Any]:
     """Restore this rank's state; returns meta.json. The saved layout must equal ``expect_profile``."""
-    path = resolve_checkpoint(path)
+    path = resolve_resume_state(path)
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
     saved = meta.get("profile", {})
