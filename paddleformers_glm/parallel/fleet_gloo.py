@@ -28,7 +28,6 @@ from typing import Any
 
 import paddle
 import paddle.distributed as dist
-from paddle.autograd import PyLayer
 
 from . import comm
 from ._compat import PADDLE_VERSION, TESTED_PADDLE
@@ -51,19 +50,7 @@ def _group(group: Any) -> Any:
     return group
 
 
-class _Pair(PyLayer):
-    """forward fn(x), backward bwd(dy); closures carry the group."""
-
-    @staticmethod
-    def forward(ctx, x: paddle.Tensor, fwd: Any, bwd: Any) -> paddle.Tensor:
-        ctx.bwd = bwd
-        y = fwd(x)
-        return y.clone() if y is x else y
-
-    @staticmethod
-    def backward(ctx, dy: paddle.Tensor) -> paddle.Tensor:
-        g = ctx.bwd(dy)
-        return g.clone() if g is dy else g
+_Pair = comm._FwdBwd  # forward fn(x), backward bwd(dy); closures carry the group
 
 
 def c_identity(tensor: paddle.Tensor, group: Any = None, skip_c_identity_dynamic: bool = False) -> paddle.Tensor:
