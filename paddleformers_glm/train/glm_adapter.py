@@ -42,6 +42,17 @@ def _shifted_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> L
     return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
 
 
+def check_glm_sizes(config: Any, pc: ParallelConfig) -> None:
+    """The sizes only GLM-5.2 has (dense FFN, shared experts) against --tp; heads, vocabulary,
+    experts and the expert FFN are checked once, by ParallelConfig.validate with parallel_sizes()."""
+    for what, value in (
+        ("intermediate_size", config.intermediate_size),
+        ("moe_intermediate_size * n_shared_experts", config.moe_intermediate_size * config.n_shared_experts),
+    ):
+        if value % pc.tp:
+            raise ParallelConfigError(f"GLM-5.2: --tp {pc.tp} does not divide {what} ({value})")
+
+
 class GlmStage(nn.Layer):
     """One pipeline stage of GLM-5.2; ``forward(carry, batch) -> StageOutput``; carry = (hidden, top-k).
 
@@ -133,18 +144,7 @@ class GlmAdapter(ModelAdapter):
         }
 
     def check_layout(self, pc: ParallelConfig) -> None:
-        c = self.config
-        checks = [
-            ("--tp", pc.tp, "num_attention_heads", c.num_attention_heads),
-            ("--tp", pc.tp, "vocab_size", c.vocab_size),
-            ("--tp", pc.tp, "intermediate_size", c.intermediate_size),
-            ("--tp", pc.tp, "moe_intermediate_size * n_shared_experts", c.moe_intermediate_size * c.n_shared_experts),
-            ("--ep", pc.ep, "n_routed_experts", c.n_routed_experts),
-            ("--etp", pc.etp, "moe_intermediate_size", c.moe_intermediate_size),
-        ]
-        for flag, size, what, value in checks:
-            if value % size:
-                raise ParallelConfigError(f"GLM-5.2: {flag} {size} does not divide {what} ({value})")
+        check_glm_sizes(self.config, pc)
 
     def layer_kinds(self) -> list[str]:
         return list(self.config.indexer_types)

@@ -297,6 +297,7 @@ def _load_config(model: str) -> Any:
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
     from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from .glm_adapter import check_glm_sizes
 
     if lay.recompute not in ("none", "core", "full"):
         raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
@@ -310,12 +311,7 @@ def check_layout(config: Any, lay: Layout) -> None:
         moe_intermediate_size=config.moe_intermediate_size,
         num_layers=config.num_hidden_layers,
     )
-    for what, v in (
-        ("intermediate_size", config.intermediate_size),
-        ("moe_intermediate_size * n_shared_experts", config.moe_intermediate_size * config.n_shared_experts),
-    ):
-        if v % lay.tp:
-            raise ParallelConfigError(f"GLM-5.2: --tp {lay.tp} does not divide {what} ({v})")
+    check_glm_sizes(config, pc)
     if lay.global_batch_size and lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
         raise ParallelConfigError(
             f"--global-batch-size {lay.global_batch_size} must be divisible by dp x sharding "
