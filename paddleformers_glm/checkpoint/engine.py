@@ -9,14 +9,17 @@ engine the same questions and reads only the source slices the engine names, fro
 slice at a time. So a tensor-parallel rank whose target is a ``ShardedWeight`` (local slice of a
 global tensor) reads only its rows/columns, and peak memory is the model plus one source slice.
 
-Programs are built and run per layer: the engine's macro passes scan all source keys per
-statement, so one engine over a 744B model's 80k statements takes ~30 s, per layer it is linear.
+Programs are built and run per mapping unit (or per layer without the plan cache): the engine's
+macro passes scan all source keys per statement, so one engine over a 744B model's 80k statements
+takes ~30 s, per unit it is linear, and units that differ only in their key names (the routed
+experts) share one engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -244,60 +247,65 @@ def _pool() -> Any:
     return _POOL or None
 
 
-def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict, cache: dict | None):
-    """A function target-desc -> engine mapping entries for one group, from Paddle's AOAEngine.
-
-    With ``cache``, the engine built for the first layer of a given *shape* (program and metadata
-    with the layer number blanked out) serves every later layer of that shape, its entries renamed.
-    """
+def _build_engine(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict) -> Any:
     from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
 
-    layer = group[0].layer
+    try:
+        return AOAEngine({"aoa_statements": stmts, "enable_traceback": False}, src_info, dst_info)
+    except Exception as e:  # engine errors are asserts/KeyErrors without context
+        raise CheckpointError(
+            f"AOA engine rejected the program for {group[0].name}..{group[-1].name}: {type(e).__name__}: {e}"
+        ) from e
 
-    def build(stmts_: list[str], src_: dict, dst_: dict) -> Any:
-        try:
-            return AOAEngine({"aoa_statements": stmts_, "enable_traceback": False}, src_, dst_)
-        except Exception as e:  # engine errors are asserts/KeyErrors without context
-            raise CheckpointError(
-                f"AOA engine rejected the program for {group[0].name}..{group[-1].name}: {type(e).__name__}: {e}"
-            ) from e
 
-    if cache is None or layer is None or any(u.layer != layer for u in group):
-        engine = build(stmts, src_info, dst_info)
-        return engine.find_shard_sources
-    mine = f"model.layers.{layer}."
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
-    def blank(text: str) -> str:
-        return text.replace(mine, "model.layers.@.")
+
+def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict, cache: dict | None):
+    """A function target-desc -> engine mapping entries for ``group``, from Paddle's AOAEngine.
+
+    With ``cache``, the engine runs the program with every source and target key replaced by a
+    placeholder (``glm52_k0``, ``glm52_k1``... in order of appearance), so one engine serves every
+    group whose program and shard metadata are the same up to names — all routed experts of all
+    MoE layers, say — and its entries are renamed back per group. The engine's answer cannot depend
+    on the names: only programs without name patterns (``$`` macros, ``*`` wildcards) are shared.
+    """
+    if cache is None or any("$" in x or "*" in x for x in stmts):
+        return _build_engine(group, stmts, src_info, dst_info).find_shard_sources
+    names: dict[str, str] = {}
+    for k in (*src_info, *dst_info):
+        names.setdefault(k, f"glm52_k{len(names)}")
+    real = {v: k for k, v in names.items()}
+
+    def canon(info: dict) -> dict:
+        return {names[k]: [dataclasses.replace(d, key=names[k]) for d in v] for k, v in info.items()}
 
     def meta(info: dict) -> tuple:
         return tuple(
-            sorted(
-                (blank(k), tuple((d.local_shape, d.global_shape, d.global_offset, d.dtype) for d in v))
-                for k, v in info.items()
-            )
+            (k, tuple((d.local_shape, d.global_shape, d.global_offset, d.dtype) for d in v)) for k, v in info.items()
         )
 
-    sig = (tuple(blank(x) for x in stmts), meta(src_info), meta(dst_info))
+    c_stmts = [_IDENT.sub(lambda m: names.get(m.group(0), m.group(0)), x) for x in stmts]
+    c_src, c_dst = canon(src_info), canon(dst_info)
+    sig = (tuple(c_stmts), meta(c_src), meta(c_dst))
     if sig not in cache:
-        cache[sig] = (layer, build(stmts, src_info, dst_info), {})
-    tmpl_layer, engine, memo = cache[sig]
-    theirs = f"model.layers.{tmpl_layer}."
+        try:
+            engine = _build_engine(group, c_stmts, c_src, c_dst)
+        except CheckpointError:  # say it with the real names
+            _build_engine(group, stmts, src_info, dst_info)
+            raise
+        cache[sig] = (engine, {})
+    engine, memo = cache[sig]
 
-    def rename(desc: Any, old: str, new: str) -> Any:
-        return dataclasses.replace(desc, key=new + desc.key[len(old) :]) if desc.key.startswith(old) else desc
+    def rename(desc: Any) -> Any:
+        return dataclasses.replace(desc, key=real.get(desc.key, desc.key))
 
     def plan(desc: Any) -> list[Any]:
-        t_desc = rename(desc, mine, theirs)
-        key = (t_desc.key, t_desc.local_shape, t_desc.global_offset)
+        key = (names[desc.key], tuple(desc.local_shape), tuple(desc.global_offset))
         if key not in memo:
-            memo[key] = engine.find_shard_sources(t_desc)
-        if tmpl_layer == layer:
-            return memo[key]
+            memo[key] = engine.find_shard_sources(dataclasses.replace(desc, key=key[0]))
         return [
-            dataclasses.replace(
-                m, target_slice=rename(m.target_slice, theirs, mine), source_slice=rename(m.source_slice, theirs, mine)
-            )
+            dataclasses.replace(m, target_slice=rename(m.target_slice), source_slice=rename(m.source_slice))
             for m in memo[key]
         ]
 
@@ -346,24 +354,28 @@ def run_units(
     else :class:`CheckpointError` names the target. ``trace``, when given, receives per target the
     source keys the engine used and whether it transposed or cast (for classifying differences).
 
-    ``plan_cache``: layers with the same program, shapes and dtypes up to their layer number (all
-    MoE layers of one indexer kind, say) get the engine's plan once, renamed per layer; the engine's
-    parsing of a statement-heavy layer would otherwise dominate a small model's load.
+    ``plan_cache``: each unit runs as its own program, and units whose programs, shapes and dtypes
+    are the same up to key names (every routed expert of every MoE layer, each layer's norms) get
+    the engine's plan once, renamed per unit; the engine's statement parsing would otherwise
+    dominate a small model's load. Without it, one engine per layer with the real names.
     """
     quiet_paddle_logs()
     produce = set(targets) if produce is None else set(produce)
     plans: dict[Any, Any] = {}
     sizes = {k: math.prod(targets[k].local()[0]) * progress.itemsize(targets[k].dtype) for k in produce if k in targets}
     bar = progress.start("load" if isinstance(source, CheckpointSource) else "save", sum(sizes.values()), len(sizes))
-    for group in group_units(units):
-        wanted = [k for u in group for k in u.targets(direction) if k in produce]
-        if not wanted:
-            continue
-        planner = _group_planner(group, direction, source, targets, plans if plan_cache else None)
-        for key in wanted:
-            out = _fill_target(key, targets[key], planner, source, trace)
-            bar.update(sizes.get(key, 0))
-            yield key, out
+    for layer_group in group_units(units):
+        # with the cache, each unit is its own program: units are self-contained, and a unit's
+        # program recurs (every routed expert) far more often than a whole layer's does
+        for group in [[u] for u in layer_group] if plan_cache else [layer_group]:
+            wanted = [k for u in group for k in u.targets(direction) if k in produce]
+            if not wanted:
+                continue
+            planner = _group_planner(group, direction, source, targets, plans if plan_cache else None)
+            for key in wanted:
+                out = _fill_target(key, targets[key], planner, source, trace)
+                bar.update(sizes.get(key, 0))
+                yield key, out
     bar.close()
 
 
