@@ -76,6 +76,30 @@ def test_rounding_cast_is_left_to_paddle():
     assert not dst.astype("float32").numpy().any()  # untouched
 
 
+def test_large_plain_copies_split_over_threads_give_the_same_bytes():
+    """A copy above the split size runs in row chunks on the load threads (bf16 kept, bf16 -> fp32
+    widened, a destination region of a wider array); every element lands once, nothing else moves."""
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 65535, size=(1100, 2100), dtype=np.uint16)  # 4.4 MB, above the split size
+    assert src.nbytes >= E._PARALLEL_BYTES
+    same = np.zeros((1100, 2200), dtype=np.uint16)
+    assert E.apply_entry_numpy(src, "bfloat16", None, same[:, 50:2150]) is True
+    assert np.array_equal(same[:, 50:2150], src) and not same[:, :50].any() and not same[:, 2150:].any()
+    wide = np.full((1100, 2100), 7.0, dtype=np.float32)
+    assert E.apply_entry_numpy(src, "bfloat16", ["float32"], wide) is True
+    assert np.array_equal(wide.view(np.uint32), src.astype(np.uint32) << 16)
+
+
+def test_huge_page_advice_is_only_advice():
+    import sys
+
+    big = np.arange(3 << 20, dtype=np.float32)  # 12 MB
+    want = big.copy()
+    assert E.advise_huge_pages(big) is (sys.platform == "linux")
+    assert np.array_equal(big, want)
+    assert E.advise_huge_pages(np.zeros(16, np.float32)) is False  # small arrays: not worth a call
+
+
 def test_numpy_view_writes_through():
     import paddle
 

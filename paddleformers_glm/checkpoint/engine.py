@@ -136,6 +136,7 @@ class TargetSpec:
 
 
 _BLOCK_BYTES = 1 << 19  # transpose in source-row blocks of ~512 KiB: stays in cache on both sides
+_PARALLEL_BYTES = 4 << 20  # plain copies from this size are split over the load threads
 
 
 def numpy_view(tensor: Any) -> np.ndarray | None:
@@ -264,6 +265,10 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
         else:
             for r0 in starts:
                 block(r0)
+    elif perm == list(range(src.ndim)) and src.ndim >= 1 and src.nbytes >= _PARALLEL_BYTES and _pool() is not None:
+        # a large untransposed copy (the embedding): row chunks on the pool, like the transposes
+        rows = max(1, _BLOCK_BYTES // max(1, src.nbytes // max(1, src.shape[0])))
+        list(_pool().map(lambda r0: put((slice(r0, r0 + rows),), src[r0 : r0 + rows]), range(0, src.shape[0], rows)))
     else:
         put(Ellipsis, np.transpose(src, perm))
     return True
