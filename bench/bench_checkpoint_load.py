@@ -30,6 +30,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,35 @@ def rss_now_kb() -> int:
     return 0
 
 
+def _time_phases() -> dict[str, float]:
+    """Wrap the phases of ``from_pretrained`` to sum their CPU time (process-wide, so copies on the
+    load threads count): module construction, AOA engine planning, the data copies, and everything
+    of the load that is neither (header and index checks, key contracts, target views)."""
+    from paddleformers_glm import checkpoint as ck
+    from paddleformers_glm.checkpoint import engine
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    acc: dict[str, float] = {}
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*a, **k):
+            c = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.process_time() - c
+
+        setattr(owner, name, timed)
+
+    wrap(GlmMoeDsaForCausalLM, "__init__", "construct (no init)")
+    wrap(ck, "load_pretrained_state", "load (all)")
+    wrap(engine, "_group_planner", "load: AOA engine plans")
+    wrap(engine, "_apply_entry", "load: copies")
+    return acc
+
+
 def child(mode: str, folder: str, model_dtype: str) -> dict:
     """One measurement in this (fresh) process."""
     import glob
@@ -115,11 +145,14 @@ def child(mode: str, folder: str, model_dtype: str) -> dict:
     elif mode == "model":
         from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
+        phases = _time_phases() if os.environ.get("GLM52_BENCH_PHASES") == "1" else None
         base = rss_now_kb()
         c0, t0 = time.process_time(), time.perf_counter()
         model, rep = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=model_dtype, output_loading_info=True)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         n = len(rep.loaded)
+        if phases is not None:
+            print(json.dumps({"phases_cpu_seconds": phases}), file=sys.stderr)
     else:
         from paddleformers_glm.checkpoint.convert import empty_state
         from paddleformers_glm.checkpoint.loader import load_pretrained_state
@@ -212,6 +245,22 @@ def main(argv=None) -> int:
                 f"  {mode:5s} {r['seconds']:.2f}s (CPU {r['cpu_seconds']:.2f}s) peak {r['peak_rss_kb'] / 1e6:.2f} GB",
                 flush=True,
             )
+    if args.whole:  # one more model run with its phases timed (the wrappers cost a little)
+        env = dict(os.environ, GLM52_BENCH_PHASES="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", "model", "--workdir", folder, "--model-dtype", args.model_dtype],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        phases = next(json.loads(x) for x in out.stderr.splitlines() if x.startswith('{"phases_cpu_seconds"'))
+        total = json.loads(out.stdout.strip().splitlines()[-1])["cpu_seconds"]
+        print(
+            f"  phases of one from_pretrained, CPU s (total {total:.2f}): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in phases["phases_cpu_seconds"].items()),
+            flush=True,
+        )
     best = {m: min(rs, key=lambda r: r["seconds"]) for m, rs in runs.items()}
     peak = {m: max(r["peak_rss_kb"] for r in rs) * 1024 for m, rs in runs.items()}
     base = {m: min(r["baseline_rss_kb"] for r in rs) * 1024 for m, rs in runs.items()}
@@ -273,9 +322,19 @@ def main(argv=None) -> int:
             f"= {res['from_pretrained_over_plain']:.2f}x (target <= 2x); peak RSS {peak['model'] / gb:.2f} GB "
             f"(baseline {base['model'] / gb:.2f} GB), plain read peak RSS {peak['plain'] / gb:.2f} GB"
         )
+        # on a shared machine the load drifts between runs: the ratio within each round (plain, ours,
+        # model run back to back) is steadier than best-of over all rounds
+        rounds = [m["seconds"] / p["seconds"] for p, m in zip(runs["plain"], runs["model"])]
+        rounds_cpu = [m["cpu_seconds"] / p["cpu_seconds"] for p, m in zip(runs["plain"], runs["model"])]
+        res["round_ratios"], res["round_ratios_cpu"] = rounds, rounds_cpu
+        res["phases_cpu_seconds"] = {"total": total, **phases["phases_cpu_seconds"]}
         print(
             f"  in CPU time (all threads, best of {args.repeat}): {cpu['model']:.2f} s vs {cpu['plain']:.2f} s "
             f"= {res['from_pretrained_over_plain_cpu']:.2f}x"
+        )
+        print(
+            f"  per round (wall): median {statistics.median(rounds):.2f}x, min {min(rounds):.2f}x; "
+            f"(CPU): median {statistics.median(rounds_cpu):.2f}x, min {min(rounds_cpu):.2f}x"
         )
     if args.json:
         with open(args.json, "w") as f:
