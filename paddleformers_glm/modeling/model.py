@@ -356,10 +356,17 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
         """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
         for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
-        folder's tokenizer / generation config / chat template files along."""
+        folder's tokenizer / generation config / chat template files along. Built under a
+        multi-rank topology (tensor/expert parallel) it is collective: every rank writes the
+        tensors it owns (parallel/export.py ``save_pretrained_distributed``), no rank gathers the
+        model, and the files are the same bytes as a one-process save."""
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
+        if get_topology().world_size > 1:
+            from ..parallel.export import save_pretrained_distributed
+
+            return save_pretrained_distributed(self, save_directory, **kwargs)
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ the usual model API
