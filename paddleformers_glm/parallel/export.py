@@ -214,10 +214,11 @@ def export_distributed(
 
 def export_trained(adapter: Any, module: nn.Layer, topo: Topology, out_dir: str) -> int:
     """The trainer's ``--export``: distributed for an adapter with a GLM config (every rank writes
-    its own tensors), else the adapter's exporter on the state gathered to rank 0 (small models).
+    its own tensors; the source folder's tokenizer files come along, so the export is usable as
+    it stands), else the adapter's exporter on the state gathered to rank 0 (small models).
     Collective.  Returns the number of tensors written (by all ranks)."""
     if getattr(adapter, "name", None) == "glm":
-        info = export_distributed(module, adapter.config, out_dir, topo)
+        info = export_distributed(module, adapter.config, out_dir, topo, carry_from=getattr(adapter, "model_dir", None))
         return sum(_all_gather_object(info["tensors"], topo))
     from .state import gather_full_state
 
