@@ -66,7 +66,7 @@ def test_distributed_save_refuses_what_it_cannot_write(model, tmp_path, kwargs, 
 
 
 @pytest.mark.slow
-def test_tp2_ep2_save_pretrained_equals_the_one_process_save(tiny_ckpt, reference, tmp_path):
+def test_tp2_ep2_from_pretrained_then_save_pretrained_equals_the_one_process_save(tiny_ckpt, reference, tmp_path):
     p = launch_script(
         "check_save_dist.py",
         2,
@@ -77,7 +77,10 @@ def test_tp2_ep2_save_pretrained_equals_the_one_process_save(tiny_ckpt, referenc
     logs = "\n".join(f.read_text(errors="replace")[-2000:] for f in sorted((tmp_path / "logs").glob("workerlog.*")))
     assert p.returncode == 0, p.stderr[-2000:] + logs
     got = json.loads((tmp_path / "r.json").read_text())
-    # the ranks really held pieces: half the heads of q_b_proj, half the routed experts
+    # from_pretrained read rank 0's slices only, and the ranks really held pieces: half the heads
+    # of q_b_proj, half the routed experts
+    weights = sum(p.stat().st_size for p in tiny_ckpt.glob("*.safetensors"))
+    assert 0 < got["bytes_read"] < 0.6 * weights, (got["bytes_read"], weights)
     assert got["local"]["model.layers.0.self_attn.q_b_proj.weight"] == [48, 96]
     assert "model.layers.3.mlp.experts.4.up_gate_proj.weight" not in got["local"]
     _same_folder(tmp_path / "save", reference)
