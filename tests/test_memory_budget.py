@@ -46,9 +46,9 @@ def big_ckpt(tmp_path_factory) -> Path:
 
 
 def _records(prefix: Path, n: int) -> list[dict]:
-    recs = [json.loads(Path(f"{prefix}.rank{r}").read_text()) for r in range(n)]
-    assert all(r["peak_reset"] for r in recs), "the kernel did not allow resetting the peak RSS mark"
-    return recs
+    # where the kernel refuses to reset the peak mark (peak_reset false) the rise is over-counted,
+    # which can fail the budget but never pass it wrongly
+    return [json.loads(Path(f"{prefix}.rank{r}").read_text()) for r in range(n)]
 
 
 @pytest.mark.slow

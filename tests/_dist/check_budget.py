@@ -68,7 +68,7 @@ def main() -> None:
     gc.collect()
     exact = _reset_peak()
     base = _status()
-    base_rss = base["VmRSS"] if exact else base["VmHWM"]  # without a reset: the old peak (conservative)
+    base_rss = base["VmRSS"]  # without a reset the later peak may be an older, higher one: over-counts
 
     module = GlmStage(c, spec, "float32")
     load = adapter.load_stage(module, topo)
