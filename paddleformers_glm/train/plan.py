@@ -457,6 +457,8 @@ def search_layouts(
                         lay.sharding, lay.dp = sharding, dpt // sharding
                         lay.sp = tp > 1
                         lay.vpp = base.vpp if pp > 1 else 1  # --vpp: interleave every pipeline tried
+                        if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
+                            break  # fewer layers than virtual chunks
                         if lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
                             break  # the global batch does not split over this layout's replicas
                         try:
