@@ -25,13 +25,16 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt, tmp_path_factory):
-    """The single-process saver's export of the checkpoint's weights, in 1 MB files and in one file."""
+    """The single-process saver's export of the checkpoint's weights, in 1 MB files and in one file
+    (with the tokenizer files, as the trainer's export)."""
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
     model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
     root = tmp_path_factory.mktemp("ref")
     save_pretrained_state(model, model.config, root / "sharded", dtype=model.config.model_dtype, max_shard_size="1MB")
-    save_pretrained_state(model, model.config, root / "single", dtype=model.config.model_dtype)
+    save_pretrained_state(  # the trainer's export carries the source's tokenizer files
+        model, model.config, root / "single", dtype=model.config.model_dtype, carry_from=str(tiny_ckpt)
+    )
     return root
 
 

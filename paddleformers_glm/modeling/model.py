@@ -326,6 +326,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
 
+        Under a multi-rank topology (tensor/expert parallel, ``parallel.topology.init_topology``)
+        the model is built in its split shapes and each rank reads only its slices.
+
         ``dtype``: a name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or a Paddle dtype; ``"auto"``
         (default) is the config's dtype where the device computes it (an accelerator), else float32
         with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
@@ -344,7 +347,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         dtype = resolve_model_dtype(dtype, config)
         with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
             model = cls(config, dtype=dtype)
-        report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
+        if get_topology().world_size > 1:  # built split over ranks: read only this rank's slices
+            from ..parallel.state import sharded_state_dict
+
+            state, shard_info = sharded_state_dict(model)
+            report = load_pretrained_state(  # keys: expert parallel leaves the other ranks' experts out
+                state, path, dtype=None, strict=strict, config=config, keys=set(state), shard_info=shard_info
+            )
+        else:
+            report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
         params = model.state_dict()
         unfilled = set(params) - set(report.loaded) - set(report.initialized)
         if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does
@@ -356,10 +367,17 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
         """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
         for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
-        folder's tokenizer / generation config / chat template files along."""
+        folder's tokenizer / generation config / chat template files along. Built under a
+        multi-rank topology (tensor/expert parallel) it is collective: every rank writes the
+        tensors it owns (parallel/export.py ``save_pretrained_distributed``), no rank gathers the
+        model, and the files are the same bytes as a one-process save."""
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
+        if get_topology().world_size > 1:
+            from ..parallel.export import save_pretrained_distributed
+
+            return save_pretrained_distributed(self, save_directory, **kwargs)
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ the usual model API

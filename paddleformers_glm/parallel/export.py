@@ -30,7 +30,7 @@ from .layers import get_shard_spec, merge_slices
 from .state import to_numpy
 from .topology import Topology, get_topology
 
-__all__ = ["export_distributed", "export_trained"]
+__all__ = ["export_distributed", "export_trained", "save_pretrained_distributed"]
 
 
 def _owner_candidate(spec: Any, topo: Topology) -> bool:
@@ -70,10 +70,13 @@ def export_distributed(
     *,
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
+    carry_from: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Write ``module``'s weights (every rank's stage module; collective) as an HF-layout checkpoint.
 
-    Returns ``{"tensors": written by this rank, "bytes": their bytes, "files": [...]}``."""
+    ``carry_from``: a source folder whose tokenizer / generation-config / chat-template files rank 0
+    copies in (as the single-process saver does).  Returns ``{"tensors": written by this rank,
+    "bytes": their bytes, "files": [...]}``."""
     from ..checkpoint.aoa import checkpoint_units, quiet_paddle_logs
     from ..checkpoint.engine import StateDictSource, TargetSpec, run_units
     from ..checkpoint.errors import CheckpointError
@@ -86,7 +89,7 @@ def export_distributed(
         plan_header,
         shard_file_name,
     )
-    from ..checkpoint.saver import _publish, parse_size, plan_shards
+    from ..checkpoint.saver import _carry_files, _publish, _set_quantization_config, parse_size, plan_shards
 
     topo = topo or get_topology()
     quiet_paddle_logs()
@@ -196,6 +199,8 @@ def export_distributed(
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
         total = sum(ST_DTYPES[st][0] * (math.prod(shape) if shape else 1) for shape, st in entries.values())
         config.save_pretrained(tmp)
+        _set_quantization_config(os.path.join(tmp, "config.json"), None)  # the weights are not FP8
+        _carry_files(carry_from, tmp, out_dir)
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
             part = os.path.join(tmp, INDEX_NAME + ".part")
@@ -209,10 +214,11 @@ def export_distributed(
 
 def export_trained(adapter: Any, module: nn.Layer, topo: Topology, out_dir: str) -> int:
     """The trainer's ``--export``: distributed for an adapter with a GLM config (every rank writes
-    its own tensors), else the adapter's exporter on the state gathered to rank 0 (small models).
+    its own tensors; the source folder's tokenizer files come along, so the export is usable as
+    it stands), else the adapter's exporter on the state gathered to rank 0 (small models).
     Collective.  Returns the number of tensors written (by all ranks)."""
     if getattr(adapter, "name", None) == "glm":
-        info = export_distributed(module, adapter.config, out_dir, topo)
+        info = export_distributed(module, adapter.config, out_dir, topo, carry_from=getattr(adapter, "model_dir", None))
         return sum(_all_gather_object(info["tensors"], topo))
     from .state import gather_full_state
 
@@ -220,3 +226,58 @@ def export_trained(adapter: Any, module: nn.Layer, topo: Topology, out_dir: str)
     if topo.rank == 0:
         adapter.export(full, out_dir)
     return len(full) if full is not None else 0
+
+
+def save_pretrained_distributed(
+    model: nn.Layer,
+    save_directory: str | os.PathLike,
+    *,
+    config: Any = None,
+    layout: str = "hf",
+    max_shard_size: int | str = "5GB",
+    dtype: str | None = None,
+    quantization: str | None = None,
+    carry_from: str | os.PathLike | None = None,
+    metadata: Any = None,
+    expert_layout: str = "per-expert",
+    topo: Topology | None = None,
+) -> Any:
+    """``save_pretrained`` for a model split over ranks (tensor, expert or pipeline parallel):
+    collective, every rank calls it with its own part of the model (a ``GlmMoeDsaForCausalLM``
+    built under a multi-rank topology, or a trainer stage).  Each rank writes the official-layout
+    tensors it owns into the planned files (``export_distributed``: one writer per tensor, TP/ETP
+    pieces merged one unit at a time, the index last); the folder appears atomically.  The files
+    are byte-identical to ``save_pretrained`` of the same weights in one process.
+
+    Only the official layout without quantization is written this way (a Fleet-layout or FP8 save
+    of a split model is refused, not silently gathered).  Returns a ``SaveReport`` (the same on
+    every rank; ``tensors`` counts all ranks')."""
+    import time
+
+    from ..checkpoint.loader import normalize_dtype
+    from ..checkpoint.saver import SaveReport
+
+    dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes
+    dtype = None if dtype == "auto" else dtype
+    if layout != "hf":
+        raise ValueError(f"save_pretrained of a model split over ranks writes layout='hf' only, got {layout!r}")
+    if quantization not in (None, "none"):
+        raise ValueError(f"save_pretrained of a model split over ranks cannot quantize (got {quantization!r})")
+    if metadata is not None and dict(metadata) != {"format": "pt"}:
+        raise ValueError(
+            f"save_pretrained of a model split over ranks writes metadata {{'format': 'pt'}}, got {metadata!r}"
+        )
+    if expert_layout != "per-expert":
+        raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
+    t0 = time.perf_counter()
+    config = config if config is not None else model.config
+    topo = topo or get_topology()
+    out_dir = os.path.abspath(os.fspath(save_directory))
+    info = export_distributed(
+        model, config, out_dir, topo, dtype=dtype, max_shard_size=max_shard_size, carry_from=carry_from
+    )
+    counts = _all_gather_object([info["tensors"], info["bytes"]], topo)
+    files = [os.path.join(out_dir, f) for f in sorted(os.listdir(out_dir))]
+    return SaveReport(
+        out_dir, "hf", files, sum(c[0] for c in counts), sum(c[1] for c in counts), time.perf_counter() - t0
+    )

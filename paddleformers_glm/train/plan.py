@@ -422,24 +422,25 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
 
 
 def comm_cost(config: Any, lay: Layout) -> float:
-    """A rough per-rank, per-micro-batch communication volume (bytes) used only to order layouts:
-    TP (4 activation collectives per layer), EP (token all-to-all there and back), PP (one
-    activation per micro-batch per boundary), DP/sharding (one gradient reduction per step,
-    counted per micro-batch).  See docs/scale.md."""
-    a = 2
-    sb, h, L = lay.seq_len * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
-    per_stage = L / lay.pp
-    tp = 4 * sb * h * a * (lay.tp - 1) / lay.tp * per_stage
-    ep = 2 * sb * config.num_experts_per_tok * h * a * (lay.ep - 1) / lay.ep / lay.tp * per_stage
-    pp = 2 * sb * h * a if lay.pp > 1 else 0
-    return tp + ep + pp
+    """Per-rank bytes one micro-batch moves over TP, EP and PP (``plan_cost.comm_parts``)."""
+    from .plan_cost import comm_parts
+
+    return sum(comm_parts(config, lay).values())
 
 
 def search_layouts(
-    config: Any, gpus: int, base: Layout, gpu_mem_gb: float, reserve_gb: float = 0.0, limit: int = 20
+    config: Any,
+    gpus: int,
+    base: Layout,
+    gpu_mem_gb: float,
+    reserve_gb: float = 0.0,
+    limit: int = 20,
+    hardware: Any = None,
 ) -> list[dict[str, Any]]:
-    """Layouts of ``gpus`` ranks that fit, cheapest communication (then least recompute) first."""
+    """Layouts of ``gpus`` ranks that fit, the least estimated time per token first (pipeline
+    bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute."""
     from ..parallel.topology import ParallelConfigError
+    from .plan_cost import step_estimate
 
     def pow2(n: int) -> list[int]:
         return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
@@ -455,23 +456,32 @@ def search_layouts(
                         lay.tp, lay.pp, lay.ep, lay.etp, lay.recompute = tp, pp, ep, 1, rc
                         lay.sharding, lay.dp = sharding, dpt // sharding
                         lay.sp = tp > 1
-                        lay.vpp = 1
+                        lay.vpp = base.vpp if pp > 1 else 1  # --vpp: interleave every pipeline tried
+                        if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
+                            break  # fewer layers than virtual chunks
+                        if lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
+                            break  # the global batch does not split over this layout's replicas
                         try:
                             p = plan_layout(config, lay, gpu_mem_gb, reserve_gb)
                         except (ParallelConfigError, ValueError):
                             continue
                         if p["fits"]:
+                            micro = p["layout"]["micro_batches_per_step"]
+                            grad_params = max(k["num_params"] for k in p["kinds"])
+                            est = step_estimate(config, lay, micro, grad_params, hardware)
                             found.append(
                                 {
                                     "layout": lay.describe(),
                                     "flags": _flags(lay),
                                     "max_rank_gib": p["max_rank_bytes"] / GiB,
                                     "comm_bytes": comm_cost(config, lay),
+                                    "micro_batches": micro,
+                                    **est,
                                     "recompute_rank": ("none", "core", "full").index(rc),
                                 }
                             )
                             break  # the least recompute that fits
-    found.sort(key=lambda r: (r["comm_bytes"], r["recompute_rank"], r["max_rank_gib"]))
+    found.sort(key=lambda r: (r["s_per_token"], r["recompute_rank"], r["max_rank_gib"]))
     return found[:limit]
 
 
@@ -479,6 +489,8 @@ def _flags(lay: Layout) -> str:
     s = f"--tp {lay.tp} --pp {lay.pp} --dp {lay.dp} --ep {lay.ep}"
     if lay.etp > 1:
         s += f" --etp {lay.etp}"
+    if lay.vpp > 1:
+        s += f" --vpp {lay.vpp}"
     if lay.sharding > 1:
         s += f" --sharding {lay.sharding} --sharding-stage {lay.sharding_stage}"
     if lay.sp:
@@ -542,11 +554,17 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.search:
             if not args.gpus:
                 raise ValueError("--search needs --gpus N")
-            found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top)
-            print(f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, cheapest communication first:")
+            from .plan_cost import Hardware
+
+            hw = Hardware(args.gpu_tflops * 1e12, args.tp_bw_gbs * 1e9, args.net_bw_gbs * 1e9)
+            found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top, hw)
+            print(
+                f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, least estimated time per token first:"
+            )
             for r in found:
                 print(
-                    f"  {r['layout']:<44} max {r['max_rank_gib']:6.1f} GiB  comm {r['comm_bytes'] / GiB:7.2f} GiB/mb  {r['flags']}"
+                    f"  {r['layout']:<44} max {r['max_rank_gib']:6.1f} GiB  bubble {r['bubble']:5.1%}  "
+                    f"step {r['step_s']:9.4g} s  comm {r['comm_bytes'] / GiB:6.2f} GiB/mb  {r['flags']}"
                 )
             if not found:
                 print("  none")
@@ -620,5 +638,9 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--search", action="store_true", help="list layouts of --gpus ranks that fit")
     g.add_argument("--gpus", type=int, default=0)
     g.add_argument("--top", type=int, default=20, help="layouts listed by --search")
+    # --search ranking assumptions (train/plan_cost.py, docs/scale.md)
+    g.add_argument("--gpu-tflops", type=float, default=400.0, help="--search: sustained bf16 TFLOP/s per GPU")
+    g.add_argument("--tp-bw-gbs", type=float, default=160.0, help="--search: GB/s inside a node (TP collectives)")
+    g.add_argument("--net-bw-gbs", type=float, default=40.0, help="--search: GB/s per GPU between nodes (EP, PP, DP)")
     g.add_argument("--json", default=None, help="write the plan here")
     p.set_defaults(func=run_plan)

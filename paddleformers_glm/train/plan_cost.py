@@ -1,0 +1,99 @@
+"""How ``glm52 plan --search`` orders the layouts that fit: an estimated training time per token.
+
+Memory decides whether a layout fits; among those that fit, the ranking must weigh what each
+parallel dimension costs in time.  Pipeline parallelism sends little data but idles ranks (the
+bubble), tensor and expert parallelism move activations every layer, data parallelism reduces
+gradients once a step.  One step of a 1F1B pipeline with ``m`` micro-batches per pipeline and
+``v`` virtual chunks per rank takes ``(m + (pp - 1) / v)`` micro-batch slots, so its bubble
+fraction is ``(pp - 1) / (v * m)``; each slot costs one micro-batch's forward and backward on one
+stage (compute plus the communication it waits for); the gradient reduction comes on top.
+Dividing by the tokens of the step gives seconds per token, comparable between layouts with
+different global batches.  The formula and its constants are in docs/scale.md; it is a model to
+rank layouts, not a prediction of wall time (no overlap of communication with compute is assumed,
+attention's quadratic term and kernel efficiency differences are ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Hardware", "active_params", "bubble_fraction", "comm_parts", "step_estimate"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Throughputs the estimate assumes (per GPU): ``flops`` sustained bf16 FLOP/s, ``tp_bw`` the
+    bandwidth inside a node (tensor-parallel collectives) and ``net_bw`` between nodes (expert
+    all-to-all, pipeline sends, gradient reductions), bytes/s one way."""
+
+    flops: float = 400e12
+    tp_bw: float = 160e9
+    net_bw: float = 40e9
+
+
+def bubble_fraction(pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """Idle share of a 1F1B step relative to its useful work: (pp - 1) / (vpp * micro_batches)."""
+    if pp < 1 or micro_batches < 1 or vpp < 1:
+        raise ValueError(f"bubble_fraction: pp {pp}, micro-batches {micro_batches} and vpp {vpp} must be >= 1")
+    return (pp - 1) / (vpp * micro_batches)
+
+
+def comm_parts(config: Any, lay: Any) -> dict[str, float]:
+    """Per-rank bytes one micro-batch moves (forward and backward), by kind: ``tp`` (4 activation
+    collectives per layer, (t-1)/t of a hidden-state tensor each), ``ep`` (the routed tokens'
+    all-to-all there and back, the share leaving the rank), ``pp`` (the activation and its gradient
+    at a stage boundary)."""
+    a = 2  # bf16 activations on the wire
+    sb, h, L = lay.seq_len * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
+    per_stage = L / lay.pp
+    tp = 4 * sb * h * a * (lay.tp - 1) / lay.tp * per_stage
+    ep = 2 * sb * config.num_experts_per_tok * h * a * (lay.ep - 1) / lay.ep / lay.tp * per_stage
+    pp = 2 * sb * h * a if lay.pp > 1 else 0
+    return {"tp": float(tp), "ep": float(ep), "pp": float(pp)}
+
+
+def active_params(config: Any, lay: Any) -> int:
+    """Parameters one token runs through (what its matmul FLOPs scale with): every layer's,
+    routed experts only ``num_experts_per_tok`` of ``n_routed_experts``, the LM head once per
+    head (main + MTP), the embedding lookup not at all.  From the planner's probe counts."""
+    from .plan import _layer_key, layer_counts
+
+    lc = layer_counts(config, lay)
+    share = config.num_experts_per_tok / config.n_routed_experts
+    n = 0.0
+    for i in range(config.num_hidden_layers + config.num_mtp_layers):
+        for name, _, _, _, full in lc.part(_layer_key(config, i)):
+            routed = ".experts." in name and ".shared_experts." not in name
+            n += full * share if routed else full
+    n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
+    lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
+    return int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
+
+
+def step_estimate(
+    config: Any, lay: Any, micro_batches: int, grad_params: int, hw: Hardware | None = None
+) -> dict[str, float]:
+    """Estimated seconds of one training step of ``lay`` and seconds per token (see module doc).
+
+    ``micro_batches``: per pipeline per step; ``grad_params``: parameters of the largest rank
+    (its gradients are what the data-parallel reduction moves)."""
+    hw = hw or Hardware()
+    tokens_mb = lay.seq_len * lay.micro_batch_size
+    refactor = 4 / 3 if lay.recompute == "full" else 1.0  # full recompute: one more forward (2 of 6 FLOPs)
+    compute = 6 * active_params(config, lay) * tokens_mb * refactor / (lay.tp * lay.pp) / hw.flops
+    parts = comm_parts(config, lay)
+    comm = parts["tp"] / hw.tp_bw + (parts["ep"] + parts["pp"]) / hw.net_bw
+    r = lay.dp * lay.sharding
+    dp = 2 * (r - 1) / r * grad_params * 4 / hw.net_bw  # fp32 gradients, ring reduction
+    slots = micro_batches + (lay.pp - 1) / lay.vpp
+    step = slots * (compute + comm) + dp
+    tokens = micro_batches * r * tokens_mb
+    return {
+        "step_s": step,
+        "s_per_token": step / tokens,
+        "bubble": bubble_fraction(lay.pp, micro_batches, lay.vpp),
+        "compute_s": compute,
+        "comm_s": comm,
+        "dp_s": dp,
+    }

@@ -1,0 +1,87 @@
+"""``save_pretrained`` of a model split over ranks: every rank writes the official-layout tensors
+it owns (TP/EP pieces merged, one writer per tensor, the index last); the folder is byte-identical,
+file for file, to a one-process ``save_pretrained`` of the same weights (tokenizer files included)."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+import pytest
+
+from paddleformers_glm.parallel.export import save_pretrained_distributed
+from tests._dist.runner import launch_script
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    return GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "save"
+    model.save_pretrained(out, max_shard_size="1MB")
+    return out
+
+
+def _same_folder(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert not mismatch and not errors, (mismatch, errors)
+
+
+def test_one_rank_distributed_save_equals_save_pretrained(model, reference, tmp_path):
+    report = save_pretrained_distributed(model, tmp_path / "out", max_shard_size="1MB", carry_from=model.source_path)
+    assert len(list(reference.glob("*.safetensors"))) > 1  # the index is exercised
+    _same_folder(tmp_path / "out", reference)
+    index = json.loads((reference / "model.safetensors.index.json").read_text())
+    assert report.tensors == len(index["weight_map"])
+    assert report.total_size == index["metadata"]["total_size"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"layout": "fleet"}, "layout='hf' only"),
+        ({"quantization": "fp8"}, "cannot quantize"),
+        ({"metadata": {"format": "np"}}, "metadata"),
+    ],
+)
+def test_distributed_save_refuses_what_it_cannot_write(model, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        save_pretrained_distributed(model, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_tp2_ep2_from_pretrained_then_save_pretrained_equals_the_one_process_save(tiny_ckpt, reference, tmp_path):
+    p = launch_script(
+        "check_save_dist.py",
+        2,
+        [str(tiny_ckpt), str(tmp_path / "save"), str(tmp_path / "r.json"), "2", "2", "1MB"],
+        tmp_path / "logs",
+        timeout=300,
+    )
+    logs = "\n".join(f.read_text(errors="replace")[-2000:] for f in sorted((tmp_path / "logs").glob("workerlog.*")))
+    assert p.returncode == 0, p.stderr[-2000:] + logs
+    got = json.loads((tmp_path / "r.json").read_text())
+    # from_pretrained read rank 0's slices only, and the ranks really held pieces: half the heads
+    # of q_b_proj, half the routed experts
+    weights = sum(p.stat().st_size for p in tiny_ckpt.glob("*.safetensors"))
+    assert 0 < got["bytes_read"] < 0.6 * weights, (got["bytes_read"], weights)
+    assert got["local"]["model.layers.0.self_attn.q_b_proj.weight"] == [48, 96]
+    assert "model.layers.3.mlp.experts.4.up_gate_proj.weight" not in got["local"]
+    _same_folder(tmp_path / "save", reference)
+    assert got["tensors"] == len(json.loads((reference / "model.safetensors.index.json").read_text())["weight_map"])
