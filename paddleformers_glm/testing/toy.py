@@ -34,7 +34,7 @@ from ..parallel.layers import (
     parallel_cross_entropy,
 )
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
-from ..parallel.recompute import run_layer
+from ..parallel.recompute import run_core, run_layer
 from ..parallel.topology import ParallelConfig, Topology, topology_override
 from ..train.adapter import LossSpec, ModelAdapter
 
@@ -140,6 +140,15 @@ class ToyLayer(nn.Layer):
             t.reshape([B, S, self.local_heads, self.head_dim]).transpose([0, 2, 1, 3])
             for t in paddle.split(qkv, 3, axis=-1)
         )
+        o, topk = run_core(self._core, q, k, v, x, topk)  # [B, S, H/tp]; recomputed under --recompute core
+        h = h + self.o_proj(o)
+        return h + self.mlp(self.post_norm(h)), topk
+
+    def _core(
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, x: paddle.Tensor, topk: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The attention core: the indexer's top-k on full layers, then softmax attention over it."""
+        B, S = q.shape[0], q.shape[2]
         causal = paddle.tril(paddle.ones([S, S], dtype="bool"))
         if self.kind == "full":
             with paddle.no_grad():
@@ -155,8 +164,7 @@ class ToyLayer(nn.Layer):
         att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(self.head_dim)  # [B, h, S, S]
         att = att + paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
         o = paddle.matmul(F.softmax(att, axis=-1), v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
-        h = h + self.o_proj(o)
-        return h + self.mlp(self.post_norm(h)), topk
+        return o, topk
 
 
 class ToyMTP(nn.Layer):

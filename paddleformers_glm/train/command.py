@@ -70,8 +70,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--recompute",
         default="none",
-        choices=["none", "full"],
-        help="activation recompute: full = each decoder layer (fleet.utils.recompute)",
+        choices=["none", "full", "core"],
+        help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(

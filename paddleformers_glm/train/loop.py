@@ -54,7 +54,7 @@ class TrainConfig:
     dp: int | None = None  # None: world / (tp * pp * sharding)
     sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
     sharding_stage: int = 1
-    recompute: str = "none"  # none | full (each decoder layer, fleet.utils.recompute)
+    recompute: str = "none"  # none | full (each decoder layer) | core (attention core + indexer)
     ep: int = 1
     etp: int = 1
     sp: bool = False
