@@ -53,7 +53,7 @@ class TrainConfig:
     pp: int = 1
     dp: int | None = None  # None: world / (tp * pp * sharding)
     sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
-    sharding_stage: int = 1
+    sharding_stage: int = 1  # 2: gradients sharded too (each kept only on the sharding rank that updates it)
     recompute: str = "none"  # none | full (each decoder layer) | core (attention core + indexer)
     ep: int = 1
     etp: int = 1
@@ -323,6 +323,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         topo=topo,
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
+    if topo.pc.sharding_stage == 2 and topo.sharding_size > 1:  # gradients sharded too: each kept by its updater
+        sync.shard_gradients(opt.grad_owners())
     engine = PipelineEngine(module, topo, cfg.schedule)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)

@@ -9,7 +9,8 @@ The wrapper keeps three things the trainer needs and Paddle's optimizer does not
 * a parameter that got no gradient anywhere is left out of the step (torch semantics: its moments
   and its bias-correction power stay untouched), so every layout updates the same set;
 * with sharding ranks (``--sharding N``) Fleet's ``DygraphShardingOptimizer`` partitions the
-  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated;
+  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated
+  (stage 2 also keeps only that part's gradients: :meth:`AdamW.grad_owners`);
 * state is saved and restored by *structured* parameter name (``layers.3.mlp.gate.weight``), not
   by Paddle's generated tensor names, so a checkpoint does not depend on construction order.
 """
@@ -93,6 +94,14 @@ class AdamW:
             self.sharding = DygraphShardingOptimizer(self.opt, topo.hcg)
             self._sharding_group = topo.sharding_group
             self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
+
+    def grad_owners(self) -> dict[str, int]:
+        """Structured name -> the sharding rank that updates it (every name on rank 0 without sharding);
+        sharding stage 2 keeps each gradient there only (parallel/grads.py)."""
+        if self.sharding is None:
+            return {n: 0 for n, _ in self.params}
+        rank_of = {p.name: r for r, ps in self.sharding._rank2params.items() for p in ps}
+        return {n: rank_of[p.name] for n, p in self.params}
 
     @property
     def master(self) -> dict[str, paddle.Tensor]:
