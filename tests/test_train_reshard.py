@@ -32,6 +32,7 @@ def saved(tmp_path_factory):
     full = _cli(out, "--tp", "2", "--pp", "2", "--save-every", str(SAVE_AT))
     ckpt = out / "checkpoints" / f"step_{SAVE_AT:08d}"
     assert (ckpt / "flex").is_dir() and (ckpt / "meta.json").is_file(), sorted(p.name for p in ckpt.iterdir())
+    assert full["run"]["grad_clip"] == "HybridParallelClipGrad", full["run"]  # Fleet's clip at TP2 x PP2
     return full, ckpt
 
 

@@ -2,7 +2,8 @@
 updates them (Fleet's ``DygraphShardingOptimizer`` partition) and dropped elsewhere.  At
 ``--dp 2 --sharding 2`` (world 4) the run equals one process (losses, MTP losses, grad norms
 within 1e-5 at lr 1e-4), and each rank holds about half of the optimizer state and half of the
-fp32 gradients, as the trainer reports them."""
+fp32 gradients, as the trainer reports them.  The clip is Fleet's (``fleet.distributed_optimizer``
+swaps in ``HybridParallelClipGrad``), the one process's the trainer's own: they agree."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def test_dp2_sharding2_stage2_matches_one_process_and_halves_grads_and_state(tmp
     if p.returncode != 0:
         pytest.fail(f"stage 2 run failed (rc {p.returncode}) in {secs:.1f}s:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
     got = losses(out)
+    # the update ran Fleet's hybrid-parallel clip (fleet.distributed_optimizer); clipping is active
+    # (grad norms ~2.4 > 1.0), so a norm that counted a replica twice would move the losses
+    assert got["run"]["grad_clip"] == "HybridParallelClipGrad" and got["run"]["sharding_stage"] == 2, got["run"]
+    assert ref["run"]["grad_clip"] == "trainer_global_norm" and min(ref["grad_norms"]) > 1.0, ref
     for key in ("losses", "mtp_losses", "grad_norms"):
         d = max(abs(a - b) for a, b in zip(ref[key], got[key]))
         assert len(got[key]) == STEPS and d <= TOL, f"{key} differ by {d}: {ref[key]} vs {got[key]}"

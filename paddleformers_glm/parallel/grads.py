@@ -51,6 +51,9 @@ class GradSynchronizer:
         if len(set(names)) != len(names):
             raise ValueError("GradSynchronizer: duplicate parameter names in the stage module")
         self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
+        for n, p in self.params:  # Fleet's hybrid clip counts a pipeline-shared tensor on its first stage only
+            if n in self.holders:
+                p.is_firstly_shared = self.holders[n][0] == topo.stage
         self.grad_owner: dict[str, int] | None = None  # sharding stage 2: name -> sharding rank that keeps it
 
     def shard_gradients(self, owner: dict[str, int]) -> None:
