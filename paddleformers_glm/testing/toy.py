@@ -140,19 +140,23 @@ class ToyLayer(nn.Layer):
             t.reshape([B, S, self.local_heads, self.head_dim]).transpose([0, 2, 1, 3])
             for t in paddle.split(qkv, 3, axis=-1)
         )
-        o, topk = run_core(self._core, q, k, v, x, topk)  # [B, S, H/tp]; recomputed under --recompute core
+        xf = x.detach()  # the indexer's input: the full sequence, no gradient (gathered here, not in the core)
+        if self.kind == "full" and self.sp:
+            with paddle.no_grad():
+                xf = comm.gather_from_sp(xf, grad="split")  # [B, S, H]
+        o, topk = run_core(self._core, q, k, v, xf, topk)  # [B, S, H/tp]; recomputed under --recompute core
         h = h + self.o_proj(o)
         return h + self.mlp(self.post_norm(h)), topk
 
     def _core(
-        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, x: paddle.Tensor, topk: paddle.Tensor
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, xf: paddle.Tensor, topk: paddle.Tensor
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """The attention core: the indexer's top-k on full layers, then softmax attention over it."""
+        """The attention core: the indexer's top-k on full layers (from the full-sequence ``xf``),
+        then softmax attention over it.  No collective inside: its backward replay is local."""
         B, S = q.shape[0], q.shape[2]
         causal = paddle.tril(paddle.ones([S, S], dtype="bool"))
         if self.kind == "full":
             with paddle.no_grad():
-                xf = comm.gather_from_sp(x.detach(), grad="split") if self.sp else x.detach()  # [B, S, H]
                 scores = paddle.matmul(
                     paddle.matmul(xf, self.indexer_q), paddle.matmul(xf, self.indexer_k), transpose_y=True
                 )
