@@ -1,7 +1,11 @@
-"""``--recompute full``: every decoder layer runs again in backward (Fleet's recompute), and the
-fp32 losses, MTP losses and gradient norms are bit-identical to the run without recompute."""
+"""``--recompute full`` (every decoder layer runs again in backward) and ``--recompute core`` (only
+each layer's attention core: indexer + attention) through Fleet's recompute: the fp32 losses, MTP
+losses and gradient norms are bit-identical to the run without recompute."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -11,23 +15,23 @@ from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses
 
 
-def _run(tmp_path, mode: str, monkeypatch) -> tuple[dict, int]:
+def _run(tmp_path, mode: str, monkeypatch, counted_fn: str = "forward") -> tuple[dict, int]:
     calls = {"n": 0}
-    orig = toy.ToyLayer.forward
+    orig = getattr(toy.ToyLayer, counted_fn)
 
     def counted(self, *a, **k):
         calls["n"] += 1
         return orig(self, *a, **k)
 
-    monkeypatch.setattr(toy.ToyLayer, "forward", counted)
-    out = tmp_path / mode
+    monkeypatch.setattr(toy.ToyLayer, counted_fn, counted)
+    out = tmp_path / f"{mode}_{counted_fn}"
     cfg = TrainConfig(
         model="toy",
         steps=2, seq_len=16, global_batch_size=2, micro_batch_size=1, lr=1e-3, warmup_steps=1, seed=5,
         out=str(out), progress=False, model_args={"seed": 5}, recompute=mode,
     )  # fmt: skip
     run_training(cfg)
-    monkeypatch.setattr(toy.ToyLayer, "forward", orig)
+    monkeypatch.setattr(toy.ToyLayer, counted_fn, orig)
     return losses(out), calls["n"]
 
 
@@ -42,10 +46,72 @@ def test_full_recompute_is_bit_identical_and_replays_each_layer(tmp_path, monkey
     assert ref["memory"][0]["activations_bytes"] > 0 and rec["memory"][0]["activations_bytes"] is None
 
 
+def test_core_recompute_is_bit_identical_and_replays_only_the_attention_core(tmp_path, monkeypatch):
+    ref, n_ref = _run(tmp_path, "none", monkeypatch, "_core")
+    rec, n_rec = _run(tmp_path, "core", monkeypatch, "_core")
+    for key in ("losses", "mtp_losses", "grad_norms"):
+        assert rec[key] == ref[key], (key, ref[key], rec[key])
+    # each decoder layer's core runs twice (forward, backward replay); the MTP layer's once
+    assert n_ref == 2 * 2 * 7 and n_rec == n_ref + 2 * 2 * 6, (n_ref, n_rec)
+    _, n_layers = _run(tmp_path, "core", monkeypatch)  # the rest of the layer is not replayed
+    assert n_layers == n_ref, n_layers
+
+
+def test_run_core_recomputes_only_inside_a_core_recompute_layer():
+    import paddle
+
+    from paddleformers_glm.parallel.recompute import run_core
+
+    calls = []
+
+    def core(t):
+        calls.append(1)
+        return t * t
+
+    def layer(t):
+        return run_core(core, t).sum()
+
+    for mode, replays in (("none", 0), ("core", 1)):
+        calls.clear()
+        x = paddle.to_tensor([1.0, 2.0, 3.0], stop_gradient=False)
+        run_layer(layer, x, mode=mode).backward()
+        assert len(calls) == 1 + replays, (mode, calls)
+        assert x.grad.numpy().tolist() == [2.0, 4.0, 6.0]
+
+
 def test_run_layer_rejects_unknown_mode():
     import paddle
 
     x = paddle.ones([2])
     x.stop_gradient = False
     with pytest.raises(ValueError, match="--recompute must be one of"):
-        run_layer(lambda t: t * 2, x, mode="core")
+        run_layer(lambda t: t * 2, x, mode="attention")
+
+
+def test_glm_core_recompute_is_bit_identical(tmp_path, monkeypatch):
+    """The real model: its attention core (indexer + sparse attention form) replayed in backward."""
+    from paddleformers_glm.modeling.attention import MLAttention
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    calls = {"n": 0}
+    orig = MLAttention._core
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(MLAttention, "_core", counted)
+    out, n = {}, {}
+    for mode in ("none", "core"):
+        calls["n"] = 0
+        cfg = TrainConfig(
+            model="glm", model_args={"model_dir": str(ckpt)}, steps=2, seq_len=32, global_batch_size=2,
+            micro_batch_size=1, lr=1e-3, warmup_steps=1, out=str(tmp_path / mode), progress=False, recompute=mode,
+        )  # fmt: skip
+        out[mode], n[mode] = run_training(cfg), calls["n"]
+    for key in ("losses", "mtp_losses", "grad_norms"):
+        assert out["core"][key] == out["none"][key], (key, out["none"][key], out["core"][key])
+    layers = json.loads((Path(ckpt) / "config.json").read_text())["num_hidden_layers"]
+    # every decoder layer's core is replayed once per micro-batch (the MTP layer is not recomputed)
+    assert n["none"] > 0 and n["core"] - n["none"] == 2 * 2 * layers, (n, layers)

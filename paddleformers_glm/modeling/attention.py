@@ -28,6 +28,7 @@ from .. import ops
 from ..configuration import GlmMoeDsaConfig
 from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from ..parallel.recompute import run_core
 from ..parallel.topology import get_topology
 from .attention_forms import (
     SelectionCache,
@@ -140,28 +141,61 @@ class MLAttention(nn.Layer):
         c = self.kv_a_layernorm(c)
         x_full, q_latent_full = self._replicated_full(x), self._replicated_full(q_latent)
         q_latent, c, k_rot = self._enter_tp(q_latent), self._enter_tp(c), self._enter_tp(k_rot)  # [B, S, ...]
-        B, S = q_latent.shape[0], q_latent.shape[1]
         if cache is not None:
             if self.tp > 1:
                 raise NotImplementedError("decoding with a cache runs with tensor parallel size 1")
             cache.put_latent(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S, kv_lora + rope]
 
         core = self.core_attention
+        run_indexer = core.indexer is not None and not reuse_topk
+        if not run_indexer and prev_topk is None:
+            raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
+        want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
+        # the core (indexer + sparse attention) is the one hook of --recompute core
+        out, topk, probs = run_core(
+            self._core, q_latent, c, k_rot, cos, sin, x_full, q_latent_full, key_padding, prev_topk,
+            run_indexer, want_kl, cache, active=cache is None,
+        )  # fmt: skip
+        out = self._exit_tp(out)  # [B, S_local, hidden]
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        kl = None
+        if want_kl:
+            if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
+                probs = comm.all_reduce(probs.detach() * H, get_topology().tp_group) / self.total_heads
+            kl = core.indexer.kl_loss(x_full, q_latent_full, cos, sin, topk, probs)
+        return out, topk, kl
+
+    def _core(
+        self,
+        q_latent: paddle.Tensor,
+        c: paddle.Tensor,
+        k_rot: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        x_full: paddle.Tensor,
+        q_latent_full: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+        prev_topk: paddle.Tensor | None,
+        run_indexer: bool,
+        want_kl: bool,
+        cache: LayerCache | None,
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
+        """The attention core -> (this rank's heads' o_proj output [B, S, hidden], top-k, probabilities
+        or None): the indexer's selection (full layers) and the sparse attention over it, in the form
+        `attention_forms.choose_form` picks."""
+        B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
+        core = self.core_attention
         k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
         form = choose_form(self.config.attn_implementation, B, S, k_sel, H, per_key)
-        run_indexer = core.indexer is not None and not reuse_topk
         if run_indexer:  # the latent and dense forms need the selected set, not its score order
             keys = [] if cache is not None else None
             ordered = form in ("sparse", "reference")
             topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=ordered, keys_out=keys)
             if keys:
                 cache.put_index_keys(keys[0])
-        elif prev_topk is None:
-            raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
             topk = prev_topk
-
-        want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
         if form == "latent":  # k_rot un-roped: the latent form ropes it into [c, k_rot] in one kernel
             out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
         else:
@@ -183,15 +217,7 @@ class MLAttention(nn.Layer):
             else:
                 out, probs = sparse_attention(query, key, v, topk, core.scale, core.chunk_size, return_probs=want_kl)
             out = nn.functional.linear(out.reshape([B, S, H * self.v_dim]), self.o_proj.weight)
-        out = self._exit_tp(out)  # [B, S_local, hidden]
-        if self.o_proj.bias is not None:
-            out = out + self.o_proj.bias
-        kl = None
-        if want_kl:
-            if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
-                probs = comm.all_reduce(probs.detach() * H, get_topology().tp_group) / self.total_heads
-            kl = core.indexer.kl_loss(x_full, q_latent_full, cos, sin, topk, probs)
-        return out, topk, kl
+        return out, topk, probs
 
     def _latent_attention(
         self,

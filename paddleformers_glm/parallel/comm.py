@@ -158,6 +158,16 @@ def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor
     return out
 
 
+def reduce(x: paddle.Tensor, dst: int, group: Any) -> paddle.Tensor:
+    """Sum of ``x`` over the group on global rank ``dst`` (other ranks get an unspecified value);
+    the input is not modified.  Nothing is sent for a zero-element tensor (as :func:`all_reduce`)."""
+    if not _live(group) or x.size == 0:
+        return x
+    y = _contig(x).clone()
+    dist.reduce(y, dst=dst, op=dist.ReduceOp.SUM, group=group)
+    return y
+
+
 def broadcast(x: paddle.Tensor, src: int, group: Any) -> paddle.Tensor:
     """In-place broadcast from global rank ``src``; returns ``x`` (nothing sent when empty)."""
     if _live(group) and x.size:

@@ -14,7 +14,11 @@ What it touches (module attributes, read in Paddle 3.3.1):
   ``_c_concat``, ``_c_softmax_with_cross_entropy`` (``mp_layers`` calls them through the module);
 * ``paddle.distributed.fleet.utils.sequence_parallel_utils``: ``all_gather``, ``reduce_scatter``
   (the Scatter/Gather/AllGather/ReduceScatter PyLayers call them through the module);
-* ``paddle.distributed.parallel.ParallelEnv._device_id`` (class default 0 when unset).
+* ``paddle.distributed.parallel.ParallelEnv._device_id`` (class default 0 when unset);
+* ``paddle.Tensor.cuda`` / ``paddle.Tensor.pin_memory``, only inside :func:`flex_checkpoint_on_cpu`
+  and only on a build without a GPU: flex-checkpoint's resharding load (``dist.load_state_dict``,
+  its ``BroadcastCommunicator`` and ``Resharder``) moves every slice it broadcasts to the GPU
+  unconditionally; on a CPU build the slice stays where it is (gloo broadcasts CPU tensors).
 
 Installed only for the gloo backend (:func:`~paddleformers_glm.parallel.topology.init_topology`
 calls it); on NCCL nothing is patched.  Guarded: each piece is skipped with a warning when the
@@ -23,7 +27,9 @@ attribute it replaces is missing, and the whole module warns outside the tested 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import paddle
@@ -32,7 +38,7 @@ import paddle.distributed as dist
 from . import comm
 from ._compat import PADDLE_VERSION, TESTED_PADDLE
 
-__all__ = ["install", "installed"]
+__all__ = ["flex_checkpoint_on_cpu", "install", "installed"]
 
 _INSTALLED: list[str] = []
 
@@ -143,6 +149,33 @@ def sp_all_gather(input: paddle.Tensor) -> paddle.Tensor:
 def sp_reduce_scatter(input: paddle.Tensor) -> paddle.Tensor:
     """Sequence-parallel reduce-scatter along axis 0 (all-reduce, keep my rows)."""
     return comm.reduce_scatter(input, _mp_group(), 0)
+
+
+@contextlib.contextmanager
+def flex_checkpoint_on_cpu() -> Iterator[None]:
+    """Run flex-checkpoint's stock load (``paddle.distributed.load_state_dict``) on a CPU-only build.
+
+    Paddle 3.3.1's resharder calls ``.cuda()`` on each tensor slice it broadcasts (and
+    ``pin_memory()`` on what it offloads); a CPU build raises "No available device found".  Inside
+    this context, and only when Paddle has no GPU, both return the tensor itself, so the same
+    stock code runs on gloo.  Outside it, and on GPU builds, nothing is changed."""
+    if paddle.is_compiled_with_cuda():
+        yield
+        return
+    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
+        warnings.warn(
+            f"paddleformers_glm: flex-checkpoint CPU shim on untested Paddle {paddle.__version__} "
+            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
+            stacklevel=3,
+        )
+    saved = {name: getattr(paddle.Tensor, name) for name in ("cuda", "pin_memory")}
+    try:
+        for name in saved:
+            setattr(paddle.Tensor, name, lambda self, *a, **k: self)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(paddle.Tensor, name, fn)
 
 
 def _replace(module: Any, attr: str, fn: Any, label: str) -> None:

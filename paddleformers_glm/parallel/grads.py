@@ -5,7 +5,10 @@ parameters reduce and clip in fp32) and summed over the ranks that hold a replic
 
 * sequence-parallel-marked parameters (norms, row bias, router under SP): over TP (each rank saw
   only its sequence slice);
-* every parameter: over the sharding group (Fleet's ``sharding_degree``: more data replicas);
+* every parameter: over the sharding group (Fleet's ``sharding_degree``: more data replicas); at
+  sharding stage 2 (:meth:`GradSynchronizer.shard_gradients`) each gradient is *reduced* to the
+  sharding rank that updates it (Fleet's ``DygraphShardingOptimizer`` partition) and the other
+  ranks drop it, so a rank keeps the fp32 gradients of its own part only;
 * dense parameters: over DP; expert parameters (``ShardSpec.expert``): over the expert-data-parallel
   group (their replicas: edp = tp x dp / (ep x etp));
 * parameters held by several pipeline stages under the same name (the embedding the MTP head reuses):
@@ -48,6 +51,18 @@ class GradSynchronizer:
         if len(set(names)) != len(names):
             raise ValueError("GradSynchronizer: duplicate parameter names in the stage module")
         self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
+        for n, p in self.params:  # Fleet's hybrid clip counts a pipeline-shared tensor on its first stage only
+            if n in self.holders:
+                p.is_firstly_shared = self.holders[n][0] == topo.stage
+        self.grad_owner: dict[str, int] | None = None  # sharding stage 2: name -> sharding rank that keeps it
+
+    def shard_gradients(self, owner: dict[str, int]) -> None:
+        """Sharding stage 2: keep each gradient only on the sharding rank ``owner[name]`` (the rank
+        whose optimizer updates it); the others drop theirs once it is reduced there."""
+        missing = {n for n, _ in self.params} - set(owner)
+        if missing:
+            raise ValueError(f"shard_gradients: no owner for {sorted(missing)[:5]}")
+        self.grad_owner = dict(owner)
 
     # ---------------------------------------------------------------- setup
     def _pp_holders(self, names: list[str]) -> dict[str, tuple[int, ...]]:
@@ -101,7 +116,8 @@ class GradSynchronizer:
         self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.dp_group)
         self._reduce([n for n, _ in self.params if specs[n].expert], grads, flags, topo.edp_group)
         # sharding ranks are more data-parallel replicas (Fleet's sharding_degree): every grad sums over them
-        self._reduce([n for n, _ in self.params], grads, flags, topo.sharding_group)
+        if self.grad_owner is None:
+            self._reduce([n for n, _ in self.params], grads, flags, topo.sharding_group)
         for stages, names in self._by_holder_set():  # pipeline-shared tensors: sum over the holder stages
             group, holders_only = self._set_group(stages)
             if holders_only and topo.stage not in stages:
@@ -118,14 +134,41 @@ class GradSynchronizer:
                 for i, n in enumerate(names):
                     grads[n] = parts[i].reshape(grads[n].shape)
                     flags[n] = parts[len(names) + i]
-        return grads, {n: bool(float(flags[n].numpy()[0]) > 0) for n in grads}
+        if self.grad_owner is not None:  # stage 2: after the stage sum, so every holder adds its part first
+            self._reduce_to_owners(grads, flags)
+        return grads, {n: bool(float(flags[n].numpy()[0]) > 0) for n, _ in self.params}
+
+    def _reduce_to_owners(self, grads: dict, flags: dict) -> None:
+        """Sum each gradient over the sharding group onto its owner; drop it elsewhere.  The
+        has-gradient flags are all-reduced (every rank needs them: the optimizer broadcasts every
+        updated parameter from its owner)."""
+        topo, owner = self.topo, self.grad_owner
+        names = [n for n, _ in self.params]
+        group = topo.sharding_group
+        if comm.group_size(group) > 1:
+            flat = comm.all_reduce(paddle.concat([flags[n].reshape([-1]) for n in names]), group)
+            for n, f in zip(names, paddle.split(flat, len(names)) if len(names) > 1 else [flat]):
+                flags[n] = f
+        for rank in range(topo.sharding_size):
+            mine = [n for n in names if owner[n] == rank]
+            for bucket in _buckets(mine, grads):
+                if comm.group_size(group) > 1:
+                    flat = comm.reduce(
+                        paddle.concat([grads[n].reshape([-1]) for n in bucket]), group.ranks[rank], group
+                    )
+                    if rank == topo.sharding_rank:
+                        for n, part in zip(bucket, self._split(flat, [grads[n] for n in bucket])):
+                            grads[n] = part.reshape(grads[n].shape)
+                if rank != topo.sharding_rank:
+                    for n in bucket:
+                        del grads[n]
 
     def global_norm(self, grads: dict[str, paddle.Tensor]) -> float:
         """L2 norm of the whole model's gradient, each distinct element counted once."""
         topo = self.topo
         total = paddle.zeros([1], dtype="float64")
         for n, p in self.params:
-            if self._owner(n, get_shard_spec(p)):
+            if self._owner(n, get_shard_spec(p)):  # at sharding stage 2 the owner is the one rank holding it
                 total = total + (grads[n] * grads[n]).sum().astype("float64")
         if topo.world_size > 1:
             dist.all_reduce(total)
@@ -134,7 +177,7 @@ class GradSynchronizer:
     # ---------------------------------------------------------------- helpers
     def _owner(self, name: str, spec) -> bool:
         topo = self.topo
-        if topo.sharding_rank != 0:
+        if topo.sharding_rank != (0 if self.grad_owner is None else self.grad_owner[name]):
             return False
         if spec.expert:
             if topo.edp_rank != 0:

@@ -34,7 +34,7 @@ from ..parallel.layers import (
     parallel_cross_entropy,
 )
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
-from ..parallel.recompute import run_layer
+from ..parallel.recompute import run_core, run_layer
 from ..parallel.topology import ParallelConfig, Topology, topology_override
 from ..train.adapter import LossSpec, ModelAdapter
 
@@ -140,10 +140,23 @@ class ToyLayer(nn.Layer):
             t.reshape([B, S, self.local_heads, self.head_dim]).transpose([0, 2, 1, 3])
             for t in paddle.split(qkv, 3, axis=-1)
         )
+        xf = x.detach()  # the indexer's input: the full sequence, no gradient (gathered here, not in the core)
+        if self.kind == "full" and self.sp:
+            with paddle.no_grad():
+                xf = comm.gather_from_sp(xf, grad="split")  # [B, S, H]
+        o, topk = run_core(self._core, q, k, v, xf, topk)  # [B, S, H/tp]; recomputed under --recompute core
+        h = h + self.o_proj(o)
+        return h + self.mlp(self.post_norm(h)), topk
+
+    def _core(
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, xf: paddle.Tensor, topk: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The attention core: the indexer's top-k on full layers (from the full-sequence ``xf``),
+        then softmax attention over it.  No collective inside: its backward replay is local."""
+        B, S = q.shape[0], q.shape[2]
         causal = paddle.tril(paddle.ones([S, S], dtype="bool"))
         if self.kind == "full":
             with paddle.no_grad():
-                xf = comm.gather_from_sp(x.detach(), grad="split") if self.sp else x.detach()  # [B, S, H]
                 scores = paddle.matmul(
                     paddle.matmul(xf, self.indexer_q), paddle.matmul(xf, self.indexer_k), transpose_y=True
                 )
@@ -155,8 +168,7 @@ class ToyLayer(nn.Layer):
         att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(self.head_dim)  # [B, h, S, S]
         att = att + paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
         o = paddle.matmul(F.softmax(att, axis=-1), v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
-        h = h + self.o_proj(o)
-        return h + self.mlp(self.post_norm(h)), topk
+        return o, topk
 
 
 class ToyMTP(nn.Layer):

@@ -43,7 +43,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Fleet sharding degree: more data replicas, each holding 1/N of the optimizer state",
     )
     g.add_argument(
-        "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded (2: not yet)"
+        "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded; 2: gradients too"
     )
     g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
@@ -70,8 +70,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--recompute",
         default="none",
-        choices=["none", "full"],
-        help="activation recompute: full = each decoder layer (fleet.utils.recompute)",
+        choices=["none", "full", "core"],
+        help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
     g.add_argument(
@@ -228,10 +228,6 @@ def run_train(args: argparse.Namespace) -> int:
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
         world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding
-        if cfg.sharding_stage == 2:
-            raise ParallelConfigError(
-                "--sharding-stage 2 (gradient sharding) is not implemented yet; use --sharding-stage 1"
-            )
         pc = parallel_config(cfg, world)
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())

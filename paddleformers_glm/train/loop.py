@@ -53,8 +53,8 @@ class TrainConfig:
     pp: int = 1
     dp: int | None = None  # None: world / (tp * pp * sharding)
     sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
-    sharding_stage: int = 1
-    recompute: str = "none"  # none | full (each decoder layer, fleet.utils.recompute)
+    sharding_stage: int = 1  # 2: gradients sharded too (each kept only on the sharding rank that updates it)
+    recompute: str = "none"  # none | full (each decoder layer) | core (attention core + indexer)
     ep: int = 1
     etp: int = 1
     sp: bool = False
@@ -321,8 +321,11 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
         topo=topo,
+        clip_norm=cfg.clip_grad,
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
+    if topo.pc.sharding_stage == 2 and topo.sharding_size > 1:  # gradients sharded too: each kept by its updater
+        sync.shard_gradients(opt.grad_owners())
     engine = PipelineEngine(module, topo, cfg.schedule)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
@@ -381,6 +384,8 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "resumed_from_step": run.start if cfg.resume else None,
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
             "sharding": run.topo.pc.sharding,
+            "sharding_stage": run.topo.pc.sharding_stage,
+            "grad_clip": run.opt.clip_name,
             "recompute": cfg.recompute,
         },
     )
@@ -408,8 +413,9 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         totals = run.engine.run(mbs, scales)
     grads, has_grad = run.sync.main_grads()
     pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
-    gnorm = run.sync.global_norm(grads)
-    clip_main_grads(grads, gnorm, cfg.clip_grad)
+    gnorm = run.sync.global_norm(grads)  # logged; the clip is Fleet's inside the update when opt.clips_itself
+    if not run.opt.clips_itself:
+        clip_main_grads(grads, gnorm, cfg.clip_grad)
     run.opt.step(grads, has_grad, lr)
     if pre_clip is not None:
         from .dump import dump_after_step

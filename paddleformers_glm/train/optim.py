@@ -9,7 +9,8 @@ The wrapper keeps three things the trainer needs and Paddle's optimizer does not
 * a parameter that got no gradient anywhere is left out of the step (torch semantics: its moments
   and its bias-correction power stay untouched), so every layout updates the same set;
 * with sharding ranks (``--sharding N``) Fleet's ``DygraphShardingOptimizer`` partitions the
-  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated;
+  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated
+  (stage 2 also keeps only that part's gradients: :meth:`AdamW.grad_owners`);
 * state is saved and restored by *structured* parameter name (``layers.3.mlp.gate.weight``), not
   by Paddle's generated tensor names, so a checkpoint does not depend on construction order.
 """
@@ -23,7 +24,7 @@ from typing import Any
 import paddle
 from paddle.optimizer import lr as lr_sched
 
-__all__ = ["AdamW", "lr_at", "make_lr_scheduler"]
+__all__ = ["AdamW", "fleet_clips", "lr_at", "make_lr_scheduler"]
 
 
 def make_lr_scheduler(max_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> lr_sched.LRScheduler:
@@ -47,6 +48,19 @@ def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_step
     return float(sched())
 
 
+def fleet_clips(topo: Any) -> bool:
+    """Whether ``fleet.distributed_optimizer``'s hybrid-parallel clip computes this layout's true
+    global norm.  It sums squared norms of ``is_distributed`` parameters over tensor, pipeline and
+    sharding ranks and of the others over pipeline and sharding ranks (a pipeline-shared tensor
+    counted on its ``is_firstly_shared`` stage), never over data-parallel ranks: right for TP, PP,
+    DP, sharding and SP.  Expert parameters under ``ep`` / ``etp`` > 1 are different tensors on
+    ranks that are data- or tensor-parallel peers for the rest of the model, which those rules
+    cannot express; those layouts (and one process) keep the trainer's own global-norm clip."""
+    if topo is None or topo.world_size == 1:
+        return False
+    return topo.pc.ep == 1 and topo.pc.etp == 1
+
+
 def default_decay(name: str, param: paddle.Tensor) -> bool:
     """Weight decay on matrices only (norm weights, biases, router bias stay undecayed; Megatron rule)."""
     return param.ndim >= 2
@@ -64,8 +78,11 @@ class AdamW:
         weight_decay: float = 0.0,
         decay: Callable[[str, paddle.Tensor], bool] = default_decay,
         topo: Any = None,
+        clip_norm: float = 0.0,
     ) -> None:
         self.params = list(named_params)
+        # Fleet's hybrid-parallel clip when its replica rules describe the layout (see fleet_clips)
+        self.clips_itself = clip_norm > 0 and fleet_clips(topo)
         self.decay = {n: bool(decay(n, p)) for n, p in self.params}
         decayed = {p.name for n, p in self.params if self.decay[n]}
         self.opt = paddle.optimizer.AdamW(
@@ -77,13 +94,29 @@ class AdamW:
             weight_decay=weight_decay,
             apply_decay_param_fun=lambda pname: pname in decayed,
             multi_precision=True,
-            grad_clip=None,  # clipping is done on the synced grads (true global norm)
+            # else the trainer clips the synced grads by their true global norm (parallel/grads.py)
+            grad_clip=paddle.nn.ClipGradByGlobalNorm(clip_norm) if self.clips_itself else None,
         )
         self._stepped: set[str] = set()
         self.sharding = None  # Fleet's DygraphShardingOptimizer when the topology has sharding ranks
+        self.hybrid = None  # fleet.distributed_optimizer's HybridParallelOptimizer (when it clips)
         self._sharding_group = None
         self._own = {p.name for _, p in self.params}
-        if topo is not None and topo.sharding_size > 1:
+        if self.clips_itself:
+            from paddle.distributed import fleet
+            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
+                DygraphShardingOptimizer,
+            )
+
+            # the stock wrapper: it builds the sharding optimizer (as below) and swaps the inner
+            # AdamW's ClipGradByGlobalNorm for HybridParallelClipGrad, which the update then runs
+            self.hybrid = fleet.distributed_optimizer(self.opt)
+            inner = getattr(self.hybrid, "_inner_opt", None)
+            if isinstance(inner, DygraphShardingOptimizer):
+                self.sharding = inner
+                self._sharding_group = topo.sharding_group
+                self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
+        elif topo is not None and topo.sharding_size > 1:
             from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
                 DygraphShardingOptimizer,
             )
@@ -93,6 +126,20 @@ class AdamW:
             self.sharding = DygraphShardingOptimizer(self.opt, topo.hcg)
             self._sharding_group = topo.sharding_group
             self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
+
+    @property
+    def clip_name(self) -> str:
+        """Which clip runs: Fleet's (the inner optimizer's ``grad_clip`` class) or the trainer's."""
+        clip = getattr(self.opt, "_grad_clip", None)
+        return type(clip).__name__ if self.clips_itself and clip is not None else "trainer_global_norm"
+
+    def grad_owners(self) -> dict[str, int]:
+        """Structured name -> the sharding rank that updates it (every name on rank 0 without sharding);
+        sharding stage 2 keeps each gradient there only (parallel/grads.py)."""
+        if self.sharding is None:
+            return {n: 0 for n, _ in self.params}
+        rank_of = {p.name: r for r, ps in self.sharding._rank2params.items() for p in ps}
+        return {n: rank_of[p.name] for n, p in self.params}
 
     @property
     def master(self) -> dict[str, paddle.Tensor]:

@@ -1,14 +1,27 @@
-"""Resume state: per-rank model / optimizer / RNG state plus run metadata, saved atomically.
+"""Resume state: model / optimizer / RNG state plus run metadata, saved atomically.
 
 (Model weights in a release layout are paddleformers_glm/checkpoint/; this is the trainer's own
-state for ``--save-every`` / ``--resume``, valid for the same parallel layout only.)
+state for ``--save-every`` / ``--resume``.)
 
-Layout: ``ROOT/step_00000004/{meta.json, rank_00000.pdstate, ...}`` and ``ROOT/latest`` naming the
-newest complete step.  Every rank writes its own file into ``step_*.tmp``; after a barrier rank 0
-writes meta.json and renames the folder, so a crash never leaves a half checkpoint under a
-final name.  Resuming needs the same parallel layout (the files hold local shards); the data
-position is the step number (data.py addresses batches by step).
-Multi-node: ROOT must be on a filesystem every node sees.
+Layout: ``ROOT/step_00000004/{meta.json, rank_00000.pdstate, ..., flex/}`` and ``ROOT/latest``
+naming the newest complete step.  Every rank writes its own file into ``step_*.tmp``; after a
+barrier rank 0 writes meta.json and renames the folder, so a crash never leaves a half
+checkpoint under a final name.  The data position is the step number (data.py addresses batches
+by step).  Multi-node: ROOT must be on a filesystem every node sees.
+
+Two copies of the same state are written:
+
+* ``rank_*.pdstate``: each rank's local tensors and RNG state.  A run with the *same* parallel
+  layout resumes from these, bit for bit.
+* ``flex/``: Paddle's flex-checkpoint (``paddle.distributed.save_state_dict``), every tensor
+  described by its place in the full tensor (``ShardedWeight``: global shape, offset; a fused
+  ``chunks`` axis such as gate|up as one key per block, since rank r holds ``[gate_r | up_r]``).
+  Optimizer moments and fp32 masters share their parameter's geometry; a sharding rank
+  contributes the state it owns.  A run with a *different* layout (TP2xPP2 -> PP4 or
+  DP2xSharding2, any world size) resumes from this: ``paddle.distributed.load_state_dict`` reads
+  and redistributes the slices each rank needs.  Parameter names are the same in every layout
+  (global layer and expert ids), so no renaming is involved.  The RNG state is not carried
+  across layouts (a rank's RNG stream belongs to its old role; training draws no random numbers).
 """
 
 from __future__ import annotations
@@ -26,10 +39,16 @@ import paddle.distributed as dist
 import paddle.nn as nn
 
 from .._io import atomic_path, atomic_write_bytes, atomic_write_text
+from ..checkpoint.aoa import quiet_paddle_logs
+from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
 from .optim import AdamW
 
-__all__ = ["load_resume_state", "resolve_resume_state", "save_resume_state"]
+__all__ = ["LAYOUT_KEYS", "load_resume_state", "resolve_resume_state", "save_resume_state"]
+
+# profile keys a resume may change (through flex/); the others (batch, sequence, dtype) must match
+LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding")
+FLEX_DIR = "flex"
 
 
 def _barrier(topo: Topology) -> None:
@@ -64,11 +83,11 @@ def save_resume_state(
     with atomic_path(path) as tmp_file:  # paddle.save writes to a file name only
         paddle.save(blob, tmp_file)
     atomic_write_bytes(path + ".rng", _rng_state())  # paddle.save takes no bytes; RNG states are pickled apart
+    stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
     _barrier(topo)
     if topo.rank == 0:
-        atomic_write_text(
-            os.path.join(tmp, "meta.json"), json.dumps({**meta, "step": step, "world_size": topo.world_size}, indent=1)
-        )
+        meta = {**meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
+        atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -100,11 +119,18 @@ def load_resume_state(
         meta = json.load(f)
     saved = meta.get("profile", {})
     diff = {k: (saved.get(k), v) for k, v in expect_profile.items() if saved.get(k) != v}
-    if diff:
+    fixed = {k: d for k, d in diff.items() if k not in LAYOUT_KEYS}
+    if fixed or (diff and "flex" not in meta):
+        why = fixed or diff
         raise ValueError(
-            f"--resume {path}: checkpoint layout differs from this run: "
-            + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in sorted(diff.items()))
+            f"--resume {path}: checkpoint "
+            + ("run settings" if fixed else "layout (and it has no flex/ copy to reshard)")
+            + " differ from this run: "
+            + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in sorted(why.items()))
         )
+    if diff:  # another parallel layout: reshard through flex-checkpoint
+        _load_flex(os.path.join(path, FLEX_DIR), topo, model, optimizer, set(meta["flex"]["stepped"]))
+        return meta
     file = os.path.join(path, f"rank_{topo.rank:05d}.pdstate")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"--resume {path}: no state for rank {topo.rank} ({file})")
@@ -120,3 +146,101 @@ def load_resume_state(
     with open(file + ".rng", "rb") as f:
         _set_rng_state(f.read())
     return meta
+
+
+# ---------------------------------------------------------------- flex-checkpoint (any layout)
+def _pieces(key: str, t: paddle.Tensor, spec: ShardSpec, topo: Topology) -> tuple[list[tuple], int | None]:
+    """``([(key, local shape, global shape, global offset)], axis)`` of one local tensor: one entry,
+    or one per fused block of a ``chunks`` axis (each block is split over the group on its own)."""
+    shape = tuple(int(d) for d in t.shape)
+    if spec.axis is None:
+        return [(key, shape, shape, (0,) * len(shape))], None
+    axis = spec.axis % len(shape)
+    size, rank = topo.size(spec.group), topo.rank_in(spec.group)
+    if shape[axis] % spec.chunks:
+        raise ValueError(f"resume state: {key!r} axis {axis} of {list(shape)} does not hold {spec.chunks} blocks")
+    block = shape[axis] // spec.chunks
+    local = shape[:axis] + (block,) + shape[axis + 1 :]
+    full = shape[:axis] + (block * size,) + shape[axis + 1 :]
+    offset = tuple(rank * block if a == axis else 0 for a in range(len(shape)))
+    keys = [key] if spec.chunks == 1 else [f"{key}#block{i}" for i in range(spec.chunks)]
+    return [(k, local, full, offset) for k in keys], axis
+
+
+def _flex_items(
+    topo: Topology, model: nn.Layer, optimizer: AdamW, stepped: set[str]
+) -> list[tuple[str, paddle.Tensor, ShardSpec]]:
+    """``(key, local tensor, shard spec)`` of everything this rank holds: model state, then the
+    optimizer state of the parameters it updates that have stepped (moments as their parameter,
+    beta powers replicated, fp32 masters as their parameter)."""
+    items = [(f"model/{n}", t, get_shard_spec(t)) for n, t in model.state_dict().items()]
+    acc = getattr(optimizer.opt, "_accumulators", {})
+    masters = getattr(optimizer.opt, "_master_weights", {}) or {}
+    for n, p in optimizer.params:
+        if n not in stepped or p.name not in optimizer._own:
+            continue
+        spec, key = get_shard_spec(p), optimizer._acc_key(p)
+        for kind in sorted(acc):
+            if key in acc[kind]:
+                t = acc[kind][key]
+                items.append((f"optimizer/{n}/{kind}", t, spec if list(t.shape) == list(p.shape) else ShardSpec()))
+        if p.name in masters:
+            items.append((f"optimizer/{n}/master", masters[p.name], spec))
+    return items
+
+
+def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -> list[str]:
+    """Collective: write ``folder`` with ``paddle.distributed.save_state_dict``; returns the names of
+    every parameter that has optimizer state on some rank (a resume asks only for those)."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    stepped = set(optimizer._stepped)
+    if topo.world_size > 1:
+        parts: list[list[str]] = []
+        dist.all_gather_object(parts, sorted(stepped))
+        stepped = set().union(*map(set, parts))
+    sd: dict[str, ShardedWeight] = {}
+    for key, t, spec in _flex_items(topo, model, optimizer, stepped):
+        pieces, axis = _pieces(key, t, spec, topo)
+        blocks = [t] if len(pieces) == 1 else paddle.split(t.detach(), len(pieces), axis=axis)
+        for (k, local, full, offset), b in zip(pieces, blocks):
+            sd[k] = ShardedWeight(
+                key=k, local_tensor=b.detach(), local_shape=local, global_shape=full, global_offset=offset
+            )
+    os.makedirs(folder, exist_ok=True)
+    quiet_paddle_logs()
+    dist.save_state_dict(sd, folder)
+    return sorted(stepped)
+
+
+def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, stepped: set[str]) -> None:
+    """Collective: this rank's slices of every tensor it holds, read and redistributed by
+    ``paddle.distributed.load_state_dict`` from a checkpoint of another layout."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    from ..parallel.fleet_gloo import flex_checkpoint_on_cpu
+
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--resume: no flex-checkpoint folder {folder} (needed to change the layout)")
+    unknown = stepped - {n for n, _ in optimizer.params}
+    if unknown and topo.pp_size == 1:
+        raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")
+    optimizer.prepare_state()
+    items = _flex_items(topo, model, optimizer, stepped)
+    sd: dict[str, ShardedWeight] = {}
+    buffers: list[tuple[paddle.Tensor, int | None, list[paddle.Tensor]]] = []
+    for key, t, spec in items:
+        pieces, axis = _pieces(key, t, spec, topo)
+        bufs = []
+        for k, local, full, offset in pieces:
+            b = paddle.zeros(list(local), dtype=t.dtype)
+            sd[k] = ShardedWeight(key=k, local_tensor=b, local_shape=local, global_shape=full, global_offset=offset)
+            bufs.append(b)
+        buffers.append((t, axis, bufs))
+    quiet_paddle_logs()
+    with flex_checkpoint_on_cpu():
+        dist.load_state_dict(sd, folder)
+    with paddle.no_grad():
+        for t, axis, bufs in buffers:
+            t.set_value(bufs[0] if len(bufs) == 1 else paddle.concat(bufs, axis=axis))
+    optimizer._stepped = {n for n, p in optimizer.params if n in stepped and p.name in optimizer._own}
