@@ -242,18 +242,18 @@ def cp_attention_forward(
     key_padding: paddle.Tensor | None,
     prev_topk: paddle.Tensor | None,
     reuse_topk: bool = False,
-) -> tuple[paddle.Tensor, paddle.Tensor, None]:
+) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
     """`MLAttention.forward` for this cp rank's tokens x [B, S_local(/tp under SP), hidden].
 
     The projections run on the local tokens; the latent rows [c, rope(k_rot)] and the indexer keys
     are all-gathered over the cp group; top-k and attention are taken for the local queries. Runs
     in the latent form (the same maths as the per-head forms, other rounding). cos / sin are the
-    local tokens' (global positions).
+    local tokens' (global positions). The indexer KL loss (when trained) is this rank's queries'
+    share of the whole sequence's mean: summed over the cp ranks (as the trainer sums every loss
+    term) it is the one-process loss.
     """
     topo = get_topology()
     group = topo.cp_group
-    if attn.indexer_loss_coeff > 0 and attn.training and attn.has_indexer and not reuse_topk:
-        raise NotImplementedError("context parallel with the indexer KL loss (indexer_loss_coeff > 0) is not supported")
     q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
     c, k_rot = paddle.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora, attn.rope_dim], axis=-1)
     c = attn.kv_a_layernorm(c)
@@ -272,8 +272,18 @@ def cp_attention_forward(
     def attend(q_lat: paddle.Tensor, kv_lat: paddle.Tensor, sel: paddle.Tensor, want: bool) -> tuple:
         return cp_latent_attention(q_lat, gather_sequence(kv_lat, group), sel, core.scale, core.chunk_size, want)
 
-    out, _ = attn._latent_attention(q_latent, c, k_rot, cos, sin, topk, False, attend=attend)
+    want_kl = core.indexer is not None and not reuse_topk and attn.indexer_loss_coeff > 0 and attn.training
+    out, probs = attn._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl, attend=attend)
     out = attn._exit_tp(out)
     if attn.o_proj.bias is not None:
         out = out + attn.o_proj.bias
-    return out, topk, None
+    kl = None
+    if want_kl:
+        if attn.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
+            probs = comm.all_reduce(probs.detach() * attn.num_heads, topo.tp_group) / attn.total_heads
+        kl = core.indexer.kl_loss(
+            x_full, q_latent_full, cos, sin, topk, probs,
+            all_keys=lambda k: gather_sequence(k, group),
+            total=lambda n: comm.all_reduce(n.detach(), group),
+        )  # fmt: skip
+    return out, topk, kl
