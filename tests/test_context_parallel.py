@@ -3,7 +3,8 @@
 recompute) against one process: losses and MTP losses within 1e-6 at lr 1e-5 over 5 steps, at
 seq 32 (zigzag chunks of index_topk keys) and seq 48 (chunks of 12 > index_topk = 8, so every
 rank's second chunk selects among keys held by the other rank, through the shared layers' carried
-top-k too); a repeat is bit-identical, a resume from step 2 bit-exact."""
+top-k too); a repeat is bit-identical, a resume from step 2 bit-exact; the indexer KL loss (whose
+key gradients cross the cp ranks) trains as in one process."""
 
 from __future__ import annotations
 
@@ -120,3 +121,21 @@ def test_cp_layouts_match_one_process(tiny_ckpt, single, tmp_path, seq, layout):
     if "--pp" in layout:
         assert got["run"]["pp_layout"] == "E,t*4|t*4,m,L"  # stage 1 starts on shared layer 4: the carried top-k
     _close(single[seq], got, layout)
+
+
+@pytest.mark.slow
+def test_cp2_trains_the_indexer_kl_loss_as_one_process(tiny_ckpt, tmp_path):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "kl_ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["indexer_loss_coeff"] = 0.1  # the indexer is trained: its keys' gradients cross the cp ranks
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ref = _single(ckpt, tmp_path / "single", 32)
+    got = _run(ckpt, tmp_path / "cp2", 32, "--cp", "2")
+    _close(ref, got, "cp2-kl")
+    assert len(got["indexer_losses"]) == STEPS and min(got["indexer_losses"]) > 0
+    diff = max(abs(a - b) for a, b in zip(ref["indexer_losses"], got["indexer_losses"]))
+    assert diff <= 1e-7, ("indexer_losses", diff)  # the KL is ~2e-4 here
