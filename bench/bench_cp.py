@@ -55,9 +55,8 @@ def run_one(ckpt: str, cp: int, seq: int, steps: int, out: Path, threads: int, t
         logs = "".join(f.read_text(errors="replace")[-2000:] for f in sorted((out / "logs").glob("workerlog.*")))
         raise RuntimeError(f"cp {cp} failed (rc {p.returncode}):\n{p.stderr[-3000:]}\n{logs}")
     result = json.loads((out / "loss.json").read_text())
-    log = p.stdout + p.stderr
-    if cp > 1:
-        log += (out / "logs" / "workerlog.0").read_text(errors="replace")
+    # rank 0's step lines: its worker log when launched (the launcher may echo it too: read one copy)
+    log = (out / "logs" / "workerlog.0").read_text(errors="replace") if cp > 1 else p.stdout + p.stderr
     times = [float(m) for m in re.findall(r"step \d+/\d+ \|.*\| ([0-9.]+) s$", log, flags=re.M)]
     mem = result["memory"]
     return {
