@@ -313,6 +313,7 @@ def test_world1_loss_json_schema_repeat_and_resume(tmp_path):
         "etp",
         "sp",
         "dp",
+        "cp",
         "world",
         "micro_batch_size",
         "global_batch_size",

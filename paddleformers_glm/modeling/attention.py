@@ -21,6 +21,8 @@ head instead, where that is cheaper). Decoding (`forward_decode`) always reads t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import paddle
 from paddle import nn
 
@@ -67,6 +69,7 @@ class MLAttention(nn.Layer):
         super().__init__()
         topo = get_topology()
         self.tp, self.sp = topo.tp_size, topo.sequence_parallel
+        self.cp = topo.cp_size  # context parallel: parallel/context.py runs the forward
         self.total_heads = config.num_attention_heads
         self.num_heads = config.num_attention_heads // self.tp  # this rank's heads
         self.nope = config.qk_nope_head_dim
@@ -134,6 +137,12 @@ class MLAttention(nn.Layer):
         always use `prev_topk`. With `cache` (a prefill: the cache is empty) the layer also stores
         its latent rows and indexer keys there; the computation itself is unchanged.
         """
+        if self.cp > 1:  # this rank holds a zigzag slice of the sequence
+            if cache is not None:
+                raise NotImplementedError("decoding with a cache runs with context parallel size 1")
+            from ..parallel.context import cp_attention_forward
+
+            return cp_attention_forward(self, x, cos, sin, key_padding, prev_topk, reuse_topk)
         H = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S_local, q_lora]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, S_local, kv_lora + rope]
@@ -228,9 +237,12 @@ class MLAttention(nn.Layer):
         sin: paddle.Tensor,
         topk: paddle.Tensor,
         want_probs: bool,
+        attend: Callable | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """The latent form (see the module doc) -> (o_proj output [B, S, hidden], probabilities or None).
         c [B, S, kv_lora] normed, k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]).
+        `attend(q_lat, kv_lat, topk, want_probs)` replaces the sparse latent core (context parallel
+        attends over the all-gathered latent rows).
 
         kv_b_proj is folded into the neighbouring weights once per step (products of small weight
         matrices), so every activation-sized op is a plain GEMM on contiguous data:
@@ -250,9 +262,12 @@ class MLAttention(nn.Layer):
         q_lat = rope_concat(q_abs, q_rot, cos, sin, self.interleave)  # [B, S, H, L + rope]
         kv_lat = rope_concat(c, k_rot, cos, sin, self.interleave)  # [B, S, L + rope]
         core = self.core_attention
-        o, probs = sparse_latent_attention(
-            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
-        )
+        if attend is not None:
+            o, probs = attend(q_lat, kv_lat, topk, want_probs)
+        else:
+            o, probs = sparse_latent_attention(
+                q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
+            )
         # this rank's heads' part (bias added by the caller)
         return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs
 

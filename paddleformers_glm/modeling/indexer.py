@@ -23,6 +23,8 @@ pipeline stages).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import paddle
 from paddle import nn
 
@@ -149,17 +151,24 @@ class DSAIndexer(nn.Layer):
         sin: paddle.Tensor,
         topk_idx: paddle.Tensor,
         target_probs: paddle.Tensor,
+        all_keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
         """KL(target || indexer) over the selected keys, mean over queries that have any.
 
         Inputs are detached so the gradient reaches only the indexer's own parameters;
         target_probs [B, S, k] is the head-averaged main attention over the same slots.
+        Context parallel passes `all_keys` (this rank's keys -> every key, differentiable) and
+        `total` (this rank's count of queries with keys -> the whole sequence's).
         """
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
+        if all_keys is not None:
+            k = all_keys(k)
         B, S, K = topk_idx.shape
+        T = k.shape[1]
         valid = topk_idx >= 0
-        flat = (paddle.clip(topk_idx, min=0) + (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1])).reshape([-1])
-        k_sel = paddle.gather(k.reshape([B * S, -1]), flat).reshape([B, S, K, -1])  # [B, S, k, Di]
+        flat = (paddle.clip(topk_idx, min=0) + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])).reshape([-1])
+        k_sel = paddle.gather(k.reshape([B * T, -1]), flat).reshape([B, S, K, -1])  # [B, S, k, Di]
         s = paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale  # [B, S, Hi, k]
         s = nn.functional.relu(s)
         scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
@@ -169,4 +178,5 @@ class DSAIndexer(nn.Layer):
         log_p = paddle.log(paddle.clip(p, min=1e-30))
         kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)  # [B, S]
         rows = valid.any(axis=-1).astype("float32")
-        return (kl * rows).sum() / paddle.clip(rows.sum(), min=1.0)
+        n = rows.sum() if total is None else total(rows.sum())
+        return (kl * rows).sum() / paddle.clip(n, min=1.0)

@@ -35,6 +35,8 @@ __all__ = ["export_distributed", "export_trained", "save_pretrained_distributed"
 
 def _owner_candidate(spec: Any, topo: Topology) -> bool:
     """A canonical holder: dp 0 / tp 0 (a TP-split tensor is merged there), edp 0 / etp 0 for experts."""
+    if topo.cp_rank != 0:  # context-parallel ranks hold replicas
+        return False
     if spec.expert:
         return topo.edp_rank == 0 and topo.etp_rank == 0
     return topo.dp_rank == 0 and topo.tp_rank == 0
@@ -42,6 +44,8 @@ def _owner_candidate(spec: Any, topo: Topology) -> bool:
 
 def _group_gathers(spec: Any, topo: Topology) -> bool:
     """Whether this rank's group takes part in merging (the same answer on every member)."""
+    if topo.cp_rank != 0:  # context-parallel ranks hold replicas
+        return False
     return topo.edp_rank == 0 if spec.expert else topo.dp_rank == 0
 
 

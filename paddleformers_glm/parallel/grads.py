@@ -9,6 +9,8 @@ parameters reduce and clip in fp32) and summed over the ranks that hold a replic
   sharding stage 2 (:meth:`GradSynchronizer.shard_gradients`) each gradient is *reduced* to the
   sharding rank that updates it (Fleet's ``DygraphShardingOptimizer`` partition) and the other
   ranks drop it, so a rank keeps the fp32 gradients of its own part only;
+* every parameter: over the context-parallel group (each cp rank holds a slice of every sequence,
+  no weight slice);
 * dense parameters: over DP; expert parameters (``ShardSpec.expert``): over the expert-data-parallel
   group (their replicas: edp = tp x dp / (ep x etp));
 * parameters held by several pipeline stages under the same name (the embedding the MTP head reuses):
@@ -19,7 +21,7 @@ A parameter that got no gradient anywhere (an expert no token chose) is reported
 optimizer can skip it as torch's AdamW does, identically in every layout.
 
 The global norm counts each distinct tensor element once: a replicated tensor only on its
-canonical owner (dp rank 0, tp rank 0 unless TP-split, edp rank 0 for experts, the first stage
+canonical owner (dp, sharding and cp rank 0, tp rank 0 unless TP-split, edp rank 0 for experts, the first stage
 holding a pipeline-shared name), then one all-reduce over the world.
 """
 
@@ -118,6 +120,8 @@ class GradSynchronizer:
         # sharding ranks are more data-parallel replicas (Fleet's sharding_degree): every grad sums over them
         if self.grad_owner is None:
             self._reduce([n for n, _ in self.params], grads, flags, topo.sharding_group)
+        # context parallel: no weight is split over cp; each cp rank's gradient covers its own tokens
+        self._reduce([n for n, _ in self.params], grads, flags, topo.cp_group)
         for stages, names in self._by_holder_set():  # pipeline-shared tensors: sum over the holder stages
             group, holders_only = self._set_group(stages)
             if holders_only and topo.stage not in stages:
@@ -177,7 +181,7 @@ class GradSynchronizer:
     # ---------------------------------------------------------------- helpers
     def _owner(self, name: str, spec) -> bool:
         topo = self.topo
-        if topo.sharding_rank != (0 if self.grad_owner is None else self.grad_owner[name]):
+        if topo.cp_rank != 0 or topo.sharding_rank != (0 if self.grad_owner is None else self.grad_owner[name]):
             return False
         if spec.expert:
             if topo.edp_rank != 0:

@@ -31,7 +31,7 @@ def to_numpy(t: paddle.Tensor) -> np.ndarray:
 
 def _is_owner(spec: Any, topo: Topology) -> bool:
     """The one rank (per distinct full tensor) that contributes it to the gathered state."""
-    if topo.sharding_rank != 0:
+    if topo.sharding_rank != 0 or topo.cp_rank != 0:
         return False
     if spec.expert:
         return topo.edp_rank == 0 and topo.etp_rank == 0

@@ -32,7 +32,7 @@ __all__ = [
     "topology_override",
 ]
 
-GROUP_NAMES = ("tp", "pp", "dp", "sharding", "ep", "etp", "edp")
+GROUP_NAMES = ("tp", "pp", "dp", "sharding", "ep", "etp", "edp", "cp")
 
 
 class ParallelConfigError(ValueError):
@@ -55,10 +55,11 @@ class ParallelConfig:
     sp: bool = False
     sharding: int = 1
     sharding_stage: int = 1
+    cp: int = 1  # context parallel: each rank of a cp group holds a zigzag slice of every sequence
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.sharding
+        return self.tp * self.pp * self.dp * self.sharding * self.cp
 
     @property
     def replicas(self) -> int:
@@ -83,6 +84,7 @@ class ParallelConfig:
         dp: int | None = None,
         sharding: int = 1,
         sharding_stage: int = 1,
+        cp: int = 1,
     ) -> ParallelConfig:
         """Derive dp from the world size (the launcher's process count) and check the product."""
         for name, v in (
@@ -91,20 +93,23 @@ class ParallelConfig:
             ("ep", ep),
             ("etp", etp),
             ("sharding", sharding),
+            ("cp", cp),
             ("world size", world_size),
         ):
             if not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if dp is None:
-            n = tp * pp * sharding
+            n = tp * pp * sharding * cp
             if world_size % n:
                 raise ParallelConfigError(
                     f"world size {world_size} is not a multiple of tp {tp} x pp {pp}"
-                    f"{f' x sharding {sharding}' if sharding > 1 else ''} = {n}; "
+                    f"{f' x sharding {sharding}' if sharding > 1 else ''}{f' x cp {cp}' if cp > 1 else ''} = {n}; "
                     f"launch a multiple of {n} processes"
                 )
             dp = world_size // n
-        pc = cls(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, sp=bool(sp), sharding=sharding, sharding_stage=sharding_stage)
+        pc = cls(
+            tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, sp=bool(sp), sharding=sharding, sharding_stage=sharding_stage, cp=cp
+        )
         pc.validate(world_size)
         return pc
 
@@ -124,12 +129,13 @@ class ParallelConfig:
         Model sizes are arguments (not a config object) so the same check serves the toy model,
         GLM-5.2 and anything else; pass the ones the model has.
         """
-        for name in ("tp", "pp", "dp", "ep", "etp", "sharding"):
+        for name in ("tp", "pp", "dp", "ep", "etp", "sharding", "cp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if world_size is not None and world_size != self.world_size:
             shard = f" x sharding {self.sharding}" if self.sharding > 1 else ""
+            shard += f" x cp {self.cp}" if self.cp > 1 else ""
             raise ParallelConfigError(
                 f"world size {world_size} != tp {self.tp} x pp {self.pp} x dp {self.dp}{shard} = {self.world_size}"
             )
@@ -237,6 +243,7 @@ class Topology:
             "ep": self.pc.ep,
             "etp": self.pc.etp,
             "edp": self.pc.edp,
+            "cp": self.pc.cp,
         }[name]
 
     def group(self, name: str) -> Any:
@@ -260,6 +267,9 @@ class Topology:
     ep_group = property(lambda self: self.group("ep"))
     etp_group = property(lambda self: self.group("etp"))
     edp_group = property(lambda self: self.group("edp"))
+    cp_group = property(lambda self: self.group("cp"))
+    cp_rank = property(lambda self: self._ranks["cp"])
+    cp_size = property(lambda self: self.pc.cp)
     tp_rank = property(lambda self: self._ranks["tp"])
     pp_rank = property(lambda self: self._ranks["pp"])
     dp_rank = property(lambda self: self._ranks["dp"])
@@ -296,10 +306,11 @@ class Topology:
     def describe(self) -> str:
         r = self._ranks
         shard = f" sharding {r['sharding']}/{self.pc.sharding}" if self.pc.sharding > 1 else ""
+        cp = f" cp {r['cp']}/{self.pc.cp}" if self.pc.cp > 1 else ""
         return (
             f"rank {self.rank}/{self.world_size} [{self.backend}] stage {r['pp']}/{self.pc.pp} tp {r['tp']}/{self.pc.tp} "
             f"dp {r['dp']}/{self.pc.dp}{shard} ep {r['ep']}/{self.pc.ep} etp {r['etp']}/{self.pc.etp} "
-            f"edp {r['edp']}/{self.pc.edp}{' sp' if self.pc.sp else ''}"
+            f"edp {r['edp']}/{self.pc.edp}{cp}{' sp' if self.pc.sp else ''}"
         )
 
     def __repr__(self) -> str:
@@ -391,6 +402,9 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         "mp_degree": pc.tp,
         "pp_degree": pc.pp,
         "sharding_degree": pc.sharding,
+        # context parallel: Fleet's "sep" axis (see docs/parallel.md: Paddle 3.3's cp_degree builds
+        # its group only in the expert-parallel HCG, which insists on dp 1 and carves cp out of sharding)
+        "sep_degree": pc.cp,
     }
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
@@ -412,7 +426,10 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         "pp": hcg.get_stage_id(),
         "dp": hcg.get_data_parallel_rank(),
         "sharding": hcg.get_sharding_parallel_rank(),
+        "cp": hcg.get_sep_parallel_rank() if pc.cp > 1 else 0,
     }
+    if pc.cp > 1:
+        groups["cp"] = hcg.get_sep_parallel_group()
     stage_ranks = [rank_at(pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
@@ -429,13 +446,17 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         if size == 1:
             continue
         lists: dict[tuple[int, ...], None] = {}
-        for p, sh in ((p, sh) for p in range(pc.pp) for sh in range(pc.sharding)):
+        # one expert layout per (stage, sharding rank, context-parallel rank): the cp ranks of a
+        # stage are expert replicas like data replicas, their gradients summed over the cp group
+        for p, sh, c in ((p, sh, c) for p in range(pc.pp) for sh in range(pc.sharding) for c in range(pc.cp)):
             members: dict[tuple[int, int], list[int]] = {}
             for d in range(pc.dp):
                 for t in range(pc.tp):
                     edp_r, ep_r, etp_r = expert_layout(pc, d, t)
                     key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
-                    members.setdefault(key, []).append(_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh))
+                    members.setdefault(key, []).append(
+                        _coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c)
+                    )
             for m in members.values():
                 lists[tuple(sorted(m))] = None
         for r in lists:
@@ -455,11 +476,11 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
             stage_sets += [(p, p + 1) for p in range(pc.pp - 1)]
         stage_sets.append((0, pc.pp - 1))
     stage_groups: dict[tuple[int, ...], Any] = {}
-    for sh in range(pc.sharding):
+    for sh, c in ((sh, c) for sh in range(pc.sharding) for c in range(pc.cp)):
         for d in range(pc.dp):
             for t in range(pc.tp):
                 for ss in stage_sets:
-                    members = [_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh) for p in ss]
+                    members = [_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c) for p in ss]
                     g = dist.new_group(members)
                     if rank in members:
                         stage_groups[ss] = g

@@ -45,6 +45,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded; 2: gradients too"
     )
+    g.add_argument("--cp", type=int, default=1, help="context parallel size: zigzag sequence slices (world = ... x cp)")
     g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
@@ -139,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dp=args.dp,
         sharding=args.sharding,
         sharding_stage=args.sharding_stage,
+        cp=args.cp,
         recompute=args.recompute,
         ep=args.ep,
         etp=args.etp,
@@ -227,7 +229,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
-        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding
+        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
         pc = parallel_config(cfg, world)
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())

@@ -42,6 +42,16 @@ def _shifted_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> L
     return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
 
 
+def _loss_term(logits: paddle.Tensor, batch: Mapping[str, paddle.Tensor], shift: int) -> LossTerm:
+    """The loss at ``shift``; under context parallel the batch carries the targets already shifted
+    over the whole sequence (``cp_target_<shift>``, parallel/context.py), sliced to this rank."""
+    target = batch.get(f"cp_target_{shift}")
+    if target is None:
+        return _shifted_loss(logits, batch["labels"], shift)
+    per_tok = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")
+    return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
+
+
 def check_glm_sizes(config: Any, pc: ParallelConfig) -> None:
     """The sizes only GLM-5.2 has (dense FFN, shared experts) against --tp; heads, vocabulary,
     experts and the expert FFN are checked once, by ParallelConfig.validate with parallel_sizes()."""
@@ -103,17 +113,18 @@ class GlmStage(nn.Layer):
             empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
             self.model.selections.release()  # the stage's top-k tables and masks end with its forward
             return StageOutput(carry=(hidden, topk if topk is not None else empty), losses=losses or None)
-        labels = batch["labels"]
         h = self.model.norm(hidden)
-        losses["lm"] = _shifted_loss(self.lm_head(h), labels, 1)
+        losses["lm"] = _loss_term(self.lm_head(h), batch, 1)
         B, S = ids.shape
         for d, li in enumerate(self.mtp_ids, start=1):  # as GlmMoeDsaForCausalLM.mtp_forward
             mtp = self.model.layers[str(li)]
-            shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
+            shifted = batch.get(f"cp_ids_{d}")  # context parallel: shifted over the whole sequence
+            if shifted is None:
+                shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
             h, _, kl = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
             if kl is not None:
                 kls.append(kl)
-            losses[f"mtp_{d}"] = _shifted_loss(self.lm_head(mtp.norm(h)), labels, d + 1)
+            losses[f"mtp_{d}"] = _loss_term(self.lm_head(mtp.norm(h)), batch, d + 1)
         if kls:
             losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
         self.model.selections.release()
@@ -124,6 +135,7 @@ class GlmAdapter(ModelAdapter):
     """``--model DIR``: an official-layout (or Fleet-layout) GLM-5.2 checkpoint folder."""
 
     name = "glm"
+    supports_context_parallel = True  # GlmStage reads the cp_* batch keys (parallel/context.py)
 
     def __init__(self, model_dir: str, dtype: str = "float32") -> None:
         from ..configuration import GlmMoeDsaConfig

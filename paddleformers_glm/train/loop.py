@@ -27,6 +27,7 @@ from .. import progress
 from .._io import write_json_atomic as _write_json_atomic
 from ..modeling.model import default_dtype
 from ..parallel import comm
+from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
@@ -55,6 +56,7 @@ class TrainConfig:
     sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
     sharding_stage: int = 1  # 2: gradients sharded too (each kept only on the sharding rank that updates it)
     recompute: str = "none"  # none | full (each decoder layer) | core (attention core + indexer)
+    cp: int = 1  # context parallel (parallel/context.py): each cp rank holds a zigzag slice of every sequence
     ep: int = 1
     etp: int = 1
     sp: bool = False
@@ -187,6 +189,7 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
         dp=cfg.dp,
         sharding=cfg.sharding,
         sharding_stage=cfg.sharding_stage,
+        cp=cfg.cp,
     )
 
 
@@ -197,6 +200,7 @@ def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
             f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
             f"x --micro-batch-size {cfg.micro_batch_size}"
         )
+    check_seq_len(cfg.seq_len, pc.cp)
 
 
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
@@ -214,6 +218,12 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
                 "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
             )
     check_batch(cfg, pc)
+    if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
+        raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
+    if pc.cp > 1 and cfg.moe_aux_loss_coeff > 0:
+        raise ValueError(
+            "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
+        )
     specs = stage_specs(cfg, adapter, pc.pp)
     kinds = adapter.layer_kinds()
     if kinds is not None:
@@ -339,6 +349,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         "etp": topo.pc.etp,
         "sp": topo.pc.sp,
         "dp": topo.pc.dp,
+        "cp": topo.pc.cp,
         "world": topo.world_size,
         "micro_batch_size": cfg.micro_batch_size,
         "global_batch_size": cfg.global_batch_size,
@@ -408,7 +419,11 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     }
     scales = {name: s.weight / max(norms[name], 1) for name, s in run.loss_specs.items()}
     replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
-    mbs = [_to_tensors(mb) for mb in micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size)]
+    mbs = list(micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size))
+    if topo.cp_size > 1:  # context parallel: this rank's zigzag slice, labels shifted over whole sequences
+        shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
+        mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
+    mbs = [_to_tensors(mb) for mb in mbs]
     with run.memory.track(step == run.start):
         totals = run.engine.run(mbs, scales)
     grads, has_grad = run.sync.main_grads()
@@ -445,6 +460,7 @@ def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[
         )
     )
     vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
+    vec = comm.all_reduce(vec, topo.cp_group)  # context parallel: each cp rank summed its own tokens
     vals = vec.numpy().tolist()
     sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
     for n in names:

@@ -108,6 +108,7 @@ class ExpertBalancer:
         topo = self.topo
         if not pp_only:
             t = comm.all_reduce(t, topo.dp_group, op)
+            t = comm.all_reduce(t, topo.cp_group, op)  # context parallel: each cp rank routed its own tokens
             if topo.sequence_parallel:
                 t = comm.all_reduce(t, topo.tp_group, op)
         return comm.all_reduce(t, topo.pp_group, op)

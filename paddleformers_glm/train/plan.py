@@ -54,6 +54,7 @@ class Layout:
     sharding_partition: str = "even"  # "fleet": whole tensors, Fleet's DygraphShardingOptimizer
     sp: bool = False
     recompute: str = "none"
+    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sequence
     seq_len: int = 4096
     micro_batch_size: int = 1
     global_batch_size: int = 0  # 0: one micro-batch per data-parallel rank per pipeline stage
@@ -63,7 +64,12 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.sharding
+        return self.tp * self.pp * self.dp * self.sharding * self.cp
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of a sequence one rank holds (its zigzag slice under context parallel)."""
+        return self.seq_len // self.cp
 
     @property
     def data_parallel(self) -> int:
@@ -78,6 +84,8 @@ class Layout:
             s += f" VPP{self.vpp}"
         if self.sharding > 1:
             s += f" SHARD{self.sharding}/s{self.sharding_stage}"
+        if self.cp > 1:
+            s += f" CP{self.cp}"
         if self.sp:
             s += " SP"
         return s + f" recompute={self.recompute}"
@@ -197,8 +205,9 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     and ``other``.  Formula and assumptions: docs/scale.md."""
     c = config
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
-    b, s, h, t = lay.micro_batch_size, lay.seq_len, c.hidden_size, lay.tp
+    b, s, h, t = lay.micro_batch_size, lay.local_seq, c.hidden_size, lay.tp
     sb = s * b
+    s_all = lay.seq_len  # keys: under context parallel the latent rows of the whole sequence are gathered
     sig = t if lay.sp else 1  # sequence-sharded tensors (norm inputs, residual) under SP
     nh = c.num_attention_heads // t
     dq, dn, dv, r = c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.qk_rope_head_dim
@@ -213,20 +222,20 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     other += 2 * sb * ql + sb * (kl + r) + sb * kl
     other += sb * nh * dq + sb * nh * (dn + dv) + 2 * sb * nh * dq + sb * nh * dv + sb * nh * dv
     other *= a
-    keys = min(s, int(c.index_topk)) if c.index_topk else s
+    keys = min(s_all, int(c.index_topk)) if c.index_topk else s_all
     core = 0.0
     if lay.attention == "eager":
         # scaled queries and the latent key table; the gathered keys and fp32 probabilities are
         # kept for backward only up to the attention's save cap, else recomputed per chunk
         lat = kl + r
-        core = a * sb * nh * dq + a * sb * lat + 4.0 * min(sb * keys * (lat + nh), _ATTN_SAVE_ELEMS)
+        core = a * sb * nh * dq + a * s_all * b * lat + 4.0 * min(sb * keys * (lat + nh), _ATTN_SAVE_ELEMS)
     else:  # a fused kernel keeps the queries and the log-sum-exp only
         core = a * sb * nh * dq + 4.0 * sb * nh
     if has_indexer and float(getattr(c, "indexer_loss_coeff", 0.0) or 0.0) > 0:
         # the indexer is trained (KL loss): its queries, keys, head weights and fp32 scores over
         # all keys are saved; without the loss its top-k is a non-differentiable selection
         other += a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
-        other += 4.0 * b * s * s
+        other += 4.0 * b * s * s_all
     # MLP block
     other += a * (sb * h / sig + sb * h)
     if mlp == "dense":
@@ -247,7 +256,7 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
 def head_activation_bytes(config: Any, lay: Layout) -> float:
     """LM head per micro-batch: its input and fp32 vocab-parallel logits (and their softmax)."""
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
-    sb = lay.seq_len * lay.micro_batch_size
+    sb = lay.local_seq * lay.micro_batch_size
     v = config.vocab_size // lay.tp
     heads = 1 + config.num_mtp_layers
     return heads * (a * sb * config.hidden_size + 2 * 4.0 * sb * v)
@@ -269,7 +278,7 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
     ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
     per = [layer_activation_elems(config, lay, _layer_key(config, i)) for i in ids]
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
-    sb, h = lay.seq_len * lay.micro_batch_size, config.hidden_size
+    sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
     sig = lay.tp if lay.sp else 1
     if lay.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
         kept = len(ids) * a * sb * h / sig
@@ -303,7 +312,10 @@ def check_layout(config: Any, lay: Layout) -> None:
         raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
     if lay.sharding_stage not in (1, 2, 3):
         raise ParallelConfigError(f"--sharding-stage must be 1, 2 or 3, got {lay.sharding_stage}")
-    pc = ParallelConfig(tp=lay.tp, pp=lay.pp, dp=lay.data_parallel, ep=lay.ep, etp=lay.etp, sp=lay.sp)
+    pc = ParallelConfig(tp=lay.tp, pp=lay.pp, dp=lay.data_parallel, ep=lay.ep, etp=lay.etp, sp=lay.sp, cp=lay.cp)
+    from ..parallel.context import check_seq_len
+
+    check_seq_len(lay.seq_len, lay.cp)
     pc.validate(
         num_attention_heads=config.num_attention_heads,
         vocab_size=config.vocab_size,
@@ -359,12 +371,14 @@ def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, 
 
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
-    """Fleet's hybrid order (data, pipe, sharding, model; model fastest)."""
+    """Fleet's hybrid order (data, pipe, sharding, sep = context parallel, model; model fastest)."""
     tp_r = rank % lay.tp
     r = rank // lay.tp
+    cp_r = r % lay.cp
+    r //= lay.cp
     sd_r = r % lay.sharding
     r //= lay.sharding
-    return {"tp": tp_r, "sharding": sd_r, "pp": r % lay.pp, "dp": r // lay.pp}
+    return {"tp": tp_r, "cp": cp_r, "sharding": sd_r, "pp": r % lay.pp, "dp": r // lay.pp}
 
 
 def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: float = 0.0) -> dict[str, Any]:
@@ -493,6 +507,8 @@ def _flags(lay: Layout) -> str:
         s += f" --vpp {lay.vpp}"
     if lay.sharding > 1:
         s += f" --sharding {lay.sharding} --sharding-stage {lay.sharding_stage}"
+    if lay.cp > 1:
+        s += f" --cp {lay.cp}"
     if lay.sp:
         s += " --sp"
     return s + f" --recompute {lay.recompute}"
@@ -544,6 +560,7 @@ def run_plan(args: argparse.Namespace) -> int:
             sharding_partition=args.sharding_partition,
             sp=args.sp,
             recompute=args.recompute,
+            cp=args.cp,
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
@@ -615,6 +632,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "DygraphShardingOptimizer, what glm52 train's --sharding uses)",
     )
     g.add_argument("--sp", action="store_true")
+    g.add_argument("--cp", type=int, default=1, help="context parallel size (world = tp x pp x dp x sharding x cp)")
     g.add_argument(
         "--recompute",
         default="none",

@@ -43,14 +43,19 @@ def comm_parts(config: Any, lay: Any) -> dict[str, float]:
     """Per-rank bytes one micro-batch moves (forward and backward), by kind: ``tp`` (4 activation
     collectives per layer, (t-1)/t of a hidden-state tensor each), ``ep`` (the routed tokens'
     all-to-all there and back, the share leaving the rank), ``pp`` (the activation and its gradient
-    at a stage boundary)."""
+    at a stage boundary), ``cp`` (context parallel: each layer's latent rows all-gathered and their
+    gradients reduce-scattered, the indexer keys all-gathered).  Token counts are the rank's own
+    (its sequence slice under context parallel)."""
     a = 2  # bf16 activations on the wire
-    sb, h, L = lay.seq_len * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
+    cp = getattr(lay, "cp", 1)
+    sb, h, L = lay.seq_len // cp * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
     per_stage = L / lay.pp
     tp = 4 * sb * h * a * (lay.tp - 1) / lay.tp * per_stage
     ep = 2 * sb * config.num_experts_per_tok * h * a * (lay.ep - 1) / lay.ep / lay.tp * per_stage
     pp = 2 * sb * h * a if lay.pp > 1 else 0
-    return {"tp": float(tp), "ep": float(ep), "pp": float(pp)}
+    lat = config.kv_lora_rank + config.qk_rope_head_dim
+    cpb = sb * (cp - 1) * a * (2 * lat + config.index_head_dim) * per_stage
+    return {"tp": float(tp), "ep": float(ep), "pp": float(pp), "cp": float(cpb)}
 
 
 def active_params(config: Any, lay: Any) -> int:
@@ -79,11 +84,12 @@ def step_estimate(
     ``micro_batches``: per pipeline per step; ``grad_params``: parameters of the largest rank
     (its gradients are what the data-parallel reduction moves)."""
     hw = hw or Hardware()
-    tokens_mb = lay.seq_len * lay.micro_batch_size
+    tokens_mb = lay.seq_len * lay.micro_batch_size  # one micro-batch's tokens (all cp ranks together)
+    local_mb = tokens_mb / getattr(lay, "cp", 1)  # the share one rank computes
     refactor = 4 / 3 if lay.recompute == "full" else 1.0  # full recompute: one more forward (2 of 6 FLOPs)
-    compute = 6 * active_params(config, lay) * tokens_mb * refactor / (lay.tp * lay.pp) / hw.flops
+    compute = 6 * active_params(config, lay) * local_mb * refactor / (lay.tp * lay.pp) / hw.flops
     parts = comm_parts(config, lay)
-    comm = parts["tp"] / hw.tp_bw + (parts["ep"] + parts["pp"]) / hw.net_bw
+    comm = parts["tp"] / hw.tp_bw + (parts["ep"] + parts["pp"] + parts["cp"]) / hw.net_bw
     r = lay.dp * lay.sharding
     dp = 2 * (r - 1) / r * grad_params * 4 / hw.net_bw  # fp32 gradients, ring reduction
     slots = micro_batches + (lay.pp - 1) / lay.vpp

@@ -1,0 +1,165 @@
+"""Context parallel (--cp): the zigzag split and its whole-sequence shifts (in process), and GLM-5.2
+(tiny official-layout checkpoint) trained with --cp 2, --tp 2 --cp 2 --sp and --pp 2 --cp 2 (with
+recompute) against one process: losses and MTP losses within 1e-6 at lr 1e-5 over 5 steps, at
+seq 32 (zigzag chunks of index_topk keys) and seq 48 (chunks of 12 > index_topk = 8, so every
+rank's second chunk selects among keys held by the other rank, through the shared layers' carried
+top-k too); a repeat is bit-identical, a resume from step 2 bit-exact; the indexer KL loss (whose
+key gradients cross the cp ranks) trains as in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddleformers_glm.parallel.context import split_micro_batch, zigzag_positions
+from paddleformers_glm.parallel.topology import ParallelConfigError
+from paddleformers_glm.train.loop import TrainConfig, run_training
+from tests._dist.runner import losses, run_train_cli, worker_logs
+
+STEPS, GBS, LR = 5, 2, 1e-5
+
+
+def test_zigzag_ranks_hold_chunk_r_and_its_mirror():
+    assert zigzag_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    every = np.sort(np.concatenate([zigzag_positions(24, 3, r) for r in range(3)]))
+    assert every.tolist() == list(range(24))
+    with pytest.raises(ParallelConfigError, match="divisible by 2 x cp = 4"):
+        zigzag_positions(18, 2, 0)
+
+
+def test_split_shifts_labels_and_mtp_ids_over_the_whole_sequence():
+    S = 8
+    ids = np.arange(100, 100 + S, dtype=np.int64)[None]
+    labels = np.arange(200, 200 + S, dtype=np.int64)[None]
+    labels[0, 4] = -100
+    mask = np.ones([1, S], dtype=np.int64)
+    r0 = split_micro_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, 2, 0, [1, 2], 1)
+    r1 = split_micro_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, 2, 1, [1, 2], 1)
+    # rank 0 holds positions 0,1,6,7; rank 1 holds 2,3,4,5
+    assert r0["input_ids"].tolist() == [[100, 101, 106, 107]] and r1["input_ids"].tolist() == [[102, 103, 104, 105]]
+    assert r0["position_ids"].tolist() == [[0, 1, 6, 7]] and r1["position_ids"].tolist() == [[2, 3, 4, 5]]
+    # position 1 (rank 0) predicts label 2, held by rank 1; the last position has no target
+    assert r0["cp_target_1"].tolist() == [[201, 202, 207, -100]]
+    assert r1["cp_target_1"].tolist() == [[203, -100, 205, 206]]
+    assert r0["cp_target_2"].tolist() == [[202, 203, -100, -100]]
+    assert r1["cp_target_2"].tolist() == [[-100, 205, 206, 207]]
+    assert r0["cp_ids_1"].tolist() == [[101, 102, 107, 0]] and r1["cp_ids_1"].tolist() == [[103, 104, 105, 106]]
+    assert r0["attention_mask"].shape == (1, S)  # key padding stays indexed by global position
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+def _single(ckpt, out, seq):
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(ckpt)}, steps=STEPS, seq_len=seq, global_batch_size=GBS,
+        micro_batch_size=1, lr=LR, out=str(out), progress=False,
+    )  # fmt: skip
+    return run_training(cfg)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_ckpt, tmp_path_factory):
+    return {seq: _single(tiny_ckpt, tmp_path_factory.mktemp(f"single{seq}"), seq) for seq in (32, 48)}
+
+
+def _run(ckpt, out, seq, *layout):
+    args = ["--model", str(ckpt), "--steps", str(STEPS), "--seq-len", str(seq), "--global-batch-size", str(GBS)]
+    args += ["--micro-batch-size", "1", "--lr", str(LR), "--out", str(out), *layout]
+    p, _ = run_train_cli(args, timeout=300)
+    if p.returncode != 0:
+        pytest.fail(f"glm {layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
+    return losses(out)
+
+
+def _close(ref, got, what):
+    diffs = {k: max(abs(a - b) for a, b in zip(ref[k], got[k])) for k in ("losses", "mtp_losses", "grad_norms")}
+    print(f"[cp vs one process] {what}: {diffs}")  # the numbers docs/parallel.md quotes (pytest -s)
+    for key in ("losses", "mtp_losses"):
+        diff = max(abs(a - b) for a, b in zip(ref[key], got[key]))
+        assert len(got[key]) == STEPS and diff <= 1e-6, (what, key, diff)
+    # grad norms: relative, the bound of the other GLM layout tests (--tp 2 --sp alone, without
+    # cp, differs from one process by 4.1e-6 relative here: TP's own summation order)
+    rel = max(abs(a - b) / abs(a) for a, b in zip(ref["grad_norms"], got["grad_norms"]))
+    assert rel <= 1e-5, (what, "grad_norms", rel)
+
+
+def _plan_matches_measured(ckpt, got, seq):
+    """glm52 plan --cp 2: every rank's parameter and gradient bytes as measured (no weight is split
+    over cp), the activation estimate within a factor of 2 of the measured saved bytes (the bound of
+    the planner's other layouts), and below the one-process estimate."""
+    from paddleformers_glm.configuration import GlmMoeDsaConfig
+    from paddleformers_glm.parallel.pipeline import split_stages
+    from paddleformers_glm.train import plan as planmod
+
+    config = GlmMoeDsaConfig.from_pretrained(str(ckpt))
+    lay = planmod.Layout(cp=2, seq_len=seq, dtype="float32", global_batch_size=GBS)
+    plan = planmod.plan_layout(config, lay)
+    assert plan["layout"]["world"] == 2 and [planmod.rank_coords(lay, r)["cp"] for r in (0, 1)] == [0, 1]
+    spec = split_stages(config.num_hidden_layers, 1, has_mtp=True)[0]
+    est = planmod.activation_bytes(config, lay, spec, GBS)
+    one = planmod.activation_bytes(config, planmod.Layout(seq_len=seq, dtype="float32"), spec, GBS)
+    assert est < 0.6 * one
+    for m, p in zip(got["memory"], plan["ranks"]):
+        assert (m["params_bytes"], m["grads_bytes"]) == (p["params_bytes"], p["grads_bytes"]), (m, p)
+        assert 0.5 <= est / m["activations_bytes"] <= 2.0, (m["rank"], est, m["activations_bytes"])
+
+
+@pytest.mark.slow
+def test_cp2_matches_one_process_repeats_and_resumes_bit_exact(tiny_ckpt, single, tmp_path):
+    a = _run(tiny_ckpt, tmp_path / "a", 32, "--cp", "2")
+    assert a["profile"]["cp"] == 2 and a["profile"]["world"] == 2
+    _close(single[32], a, "cp2")
+    _plan_matches_measured(tiny_ckpt, a, 32)
+    b = _run(tiny_ckpt, tmp_path / "b", 32, "--cp", "2", "--save-every", "2")
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+        assert a[key] == b[key], key  # a repeat is bit-identical
+    ckpt = tmp_path / "b" / "checkpoints" / "step_00000002"
+    c = _run(tiny_ckpt, tmp_path / "c", 32, "--cp", "2", "--resume", str(ckpt))
+    assert c["run"]["resumed_from_step"] == 2
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+        assert c[key] == b[key], key  # resume continues the uninterrupted run bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "seq,layout",
+    [
+        (48, ("--cp", "2")),
+        (48, ("--tp", "2", "--cp", "2", "--sp")),
+        (48, ("--pp", "2", "--cp", "2", "--recompute", "full")),
+    ],
+    ids=["cp2-seq48", "tp2-cp2-sp-seq48", "pp2-cp2-recompute-seq48"],
+)
+def test_cp_layouts_match_one_process(tiny_ckpt, single, tmp_path, seq, layout):
+    got = _run(tiny_ckpt, tmp_path, seq, *layout)
+    assert got["profile"]["cp"] == 2
+    if "--pp" in layout:
+        assert got["run"]["pp_layout"] == "E,t*4|t*4,m,L"  # stage 1 starts on shared layer 4: the carried top-k
+    _close(single[seq], got, layout)
+
+
+@pytest.mark.slow
+def test_cp2_trains_the_indexer_kl_loss_as_one_process(tiny_ckpt, tmp_path):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "kl_ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["indexer_loss_coeff"] = 0.1  # the indexer is trained: its keys' gradients cross the cp ranks
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ref = _single(ckpt, tmp_path / "single", 32)
+    got = _run(ckpt, tmp_path / "cp2", 32, "--cp", "2")
+    _close(ref, got, "cp2-kl")
+    assert len(got["indexer_losses"]) == STEPS and min(got["indexer_losses"]) > 0
+    diff = max(abs(a - b) for a, b in zip(ref["indexer_losses"], got["indexer_losses"]))
+    assert diff <= 1e-7, ("indexer_losses", diff)  # the KL is ~2e-4 here
