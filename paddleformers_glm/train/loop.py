@@ -28,6 +28,7 @@ from .._io import write_json_atomic as _write_json_atomic
 from ..modeling.model import default_dtype
 from ..parallel import comm
 from ..parallel.export import export_trained
+from ..parallel.fleet_pipeline import FleetPipeline, rank_spec
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
@@ -51,6 +52,7 @@ class TrainConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
+    vpp: int = 1  # virtual pipeline stages per rank (Fleet's interleaved schedule)
     dp: int | None = None  # None: world / (tp * pp * sharding)
     sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
     sharding_stage: int = 1
@@ -102,6 +104,13 @@ class TrainConfig:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
+        if int(self.vpp) < 1:
+            raise ValueError(f"--vpp must be >= 1, got {self.vpp}")
+        if self.vpp > 1 and (self.pp < 2 or self.schedule != "1f1b"):
+            raise ValueError(
+                f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2 and --schedule 1f1b "
+                f"(got --pp {self.pp}, --schedule {self.schedule})"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -163,11 +172,12 @@ def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
 
 
 def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
-    """The pipeline stages of this run (``--pp``, ``--pp-layout``, first/last stage sizes, MTP);
-    the launcher calls it too, to refuse a bad split before any process starts."""
+    """The pipeline chunks of this run (``--pp`` x ``--vpp``, ``--pp-layout``, first/last stage
+    sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``.
+    The launcher calls it too, to refuse a bad split before any process starts."""
     return split_stages(
         adapter.num_layers,
-        pp,
+        pp * cfg.vpp,
         first_stage_layers=cfg.first_stage_layers,
         last_stage_layers=cfg.last_stage_layers,
         layout=cfg.pp_layout,
@@ -191,11 +201,18 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
 
 
 def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
-    """The global batch splits evenly over the dp x sharding replicas and their micro-batches."""
+    """The global batch splits evenly over the dp x sharding replicas and their micro-batches;
+    an interleaved pipeline gets at least ``pp`` micro-batches per replica (Fleet's condition)."""
     if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
         raise ValueError(
             f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
             f"x --micro-batch-size {cfg.micro_batch_size}"
+        )
+    micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
+    if cfg.vpp > 1 and micro < pc.pp:
+        raise ValueError(
+            f"--vpp {cfg.vpp}: each replica runs {micro} micro-batches per step, the interleaved schedule "
+            f"needs at least --pp {pc.pp}; raise --global-batch-size or lower --micro-batch-size"
         )
 
 
@@ -218,7 +235,12 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
-    topo = init_topology(pc, **adapter.parallel_sizes())
+    topo = init_topology(
+        pc,
+        accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
+        micro_batch_size=cfg.micro_batch_size,
+        **adapter.parallel_sizes(),
+    )
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         return _train(cfg, adapter, topo, specs)
@@ -274,11 +296,11 @@ class _Run:
     cfg: TrainConfig
     adapter: ModelAdapter
     topo: Any
-    specs: list[Any]
+    specs: list[Any]  # the pipeline chunks (one per stage, or pp x vpp)
     module: Any
     sync: GradSynchronizer
     opt: AdamW
-    engine: PipelineEngine
+    engine: PipelineEngine | FleetPipeline
     memory: MemoryMonitor
     balancer: ExpertBalancer
     data: Any
@@ -310,9 +332,19 @@ def _build_stage(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, spec: Any) 
 
 
 def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any]) -> _Run:
-    """Stage module, weights (initial or resumed), optimizer, pipeline engine, data and schedule."""
-    module = _build_stage(cfg, adapter, topo, specs[topo.stage])
-    _load_initial_weights(cfg, adapter, module, topo, specs[topo.stage])
+    """Stage module, pipeline engine, weights (initial or resumed), optimizer, data and schedule.
+
+    With ``--pp`` > 1 (1F1B, or interleaved with ``--vpp``) the engine is Fleet's pipeline over
+    this rank's chunks; it is built before the weights are loaded, because wrapping broadcasts
+    the replicated parameters.  One stage (or ``--schedule gpipe``) runs on :class:`PipelineEngine`."""
+    spec = rank_spec(specs, topo.pc.pp, topo.stage)
+    module = _build_stage(cfg, adapter, topo, spec)
+    micro = cfg.global_batch_size // (topo.pc.replicas * cfg.micro_batch_size)
+    if topo.pc.pp > 1 and cfg.schedule == "1f1b":
+        engine: PipelineEngine | FleetPipeline = FleetPipeline(module, specs, topo, micro)
+    else:
+        engine = PipelineEngine(module, topo, cfg.schedule)
+    _load_initial_weights(cfg, adapter, module, topo, spec)
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
     opt = AdamW(
@@ -323,7 +355,6 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         topo=topo,
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
-    engine = PipelineEngine(module, topo, cfg.schedule)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
@@ -376,7 +407,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
         run={
             "model": cfg.model,
             "pp_layout": layout_string(run.specs),
-            "schedule": cfg.schedule,
+            "schedule": cfg.schedule if cfg.vpp == 1 else f"interleaved (vpp {cfg.vpp})",
             "data": run.data.describe,
             "resumed_from_step": run.start if cfg.resume else None,
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
