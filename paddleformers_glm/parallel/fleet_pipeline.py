@@ -193,7 +193,17 @@ class FleetPipeline:
         )
         from paddle.distributed import fleet
 
-        self.model = fleet.distributed_model(layer)
+        if vpp > 1 and pp == 2:
+            self.model = _two_stage_interleave(layer, num_micro)
+        else:
+            self.model = fleet.distributed_model(layer)
+
+    @property
+    def name(self) -> str:
+        """The Fleet engine class running this pipeline (for the run record)."""
+        cls = type(self.model)
+        fleet_cls = next(c for c in cls.__mro__ if c.__module__.startswith("paddle."))
+        return fleet_cls.__name__ if fleet_cls is cls else f"{cls.__name__}({fleet_cls.__name__})"
 
     def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
         if len(micro_batches) != self.num_micro:
@@ -208,3 +218,29 @@ class FleetPipeline:
         out = {k: (float(v.numpy()), self.ledger.counts[k]) for k, v in self.ledger.sums.items()}
         self.ledger.reset({})
         return out
+
+
+def _two_stage_interleave(layer: nn.Layer, num_micro: int) -> Any:
+    """Fleet's interleaved engine at ``pp == 2``, which ``fleet.distributed_model`` refuses.
+
+    Fleet's ``_check_sanity`` asserts more than two stages; the interleaved schedule itself only
+    needs every rank to run its chunks in the same micro-batch order, which holds for two stages
+    (Megatron runs it), and the trainer checks the micro-batch count before launch.  The class
+    is the one ``distributed_model`` picks for the micro-batch count (``>= 2 pp``: interleaved
+    1F1B, else interleaved F-then-B); only the stage-count assertion is dropped.
+    """
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_parallel import (
+        PipelineParallelWithInterleave,
+        PipelineParallelWithInterleaveFthenB,
+    )
+
+    base = PipelineParallelWithInterleave if num_micro >= 4 else PipelineParallelWithInterleaveFthenB
+
+    class TwoStageInterleave(base):  # type: ignore[misc, valid-type]
+        def _check_sanity(self) -> None:
+            if self.num_stages != 2:
+                raise ValueError(f"TwoStageInterleave is for 2 pipeline stages, got {self.num_stages}")
+
+    strategy = fleet.fleet._user_defined_strategy  # what fleet.distributed_model passes
+    return TwoStageInterleave(layer, fleet.get_hybrid_communicate_group(), strategy=strategy)

@@ -390,6 +390,10 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     )  # fmt: skip
 
 
+def _schedule_name(cfg: TrainConfig) -> str:
+    return cfg.schedule if cfg.vpp == 1 else f"interleaved 1f1b (vpp {cfg.vpp})"
+
+
 def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
     """loss.json's content after ``steps_done`` steps."""
     cfg = run.cfg
@@ -407,7 +411,8 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
         run={
             "model": cfg.model,
             "pp_layout": layout_string(run.specs),
-            "schedule": cfg.schedule if cfg.vpp == 1 else f"interleaved (vpp {cfg.vpp})",
+            "schedule": _schedule_name(cfg),
+            "pipeline_engine": getattr(run.engine, "name", type(run.engine).__name__),
             "data": run.data.describe,
             "resumed_from_step": run.start if cfg.resume else None,
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
@@ -536,7 +541,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     log = (bar.write if bar is not None else print) if run.rank0 else (lambda *_: None)
     if run.rank0:
         log(
-            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {cfg.schedule} data {run.data.describe}"
+            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
         )
     result: dict[str, Any] = {}
     for step in range(run.start, cfg.steps):
