@@ -378,3 +378,30 @@ def test_grad_sync_world1_flags_and_true_norm():
     coef = clip_main_grads(grads, norm, max_norm=norm / 2)
     assert abs(coef - 0.5) < 1e-6 and abs(sync.global_norm(grads) - norm / 2) < 1e-5
     assert clip_main_grads(grads, 0.1, 1.0) == 1.0
+
+
+# ------------------------------------------------------------------ Fleet pipeline chunks
+def test_vpp_chunks_go_round_robin_and_a_rank_builds_the_union_of_its_chunks():
+    from paddleformers_glm.parallel.fleet_pipeline import chunk_ranks, rank_spec
+
+    chunks = split_stages(6, 4, layout="E,t|t*2|t*2|t,m,L", has_mtp=True)  # pp 2 x vpp 2
+    assert chunk_ranks(4, 2) == [0, 1, 0, 1]
+    r0, r1 = rank_spec(chunks, 2, 0), rank_spec(chunks, 2, 1)
+    assert r0 == StageSpec(0, 2, (0, 3, 4), True, False, False)
+    assert r1 == StageSpec(1, 2, (1, 2, 5), False, True, True)
+    # without interleaving a rank's spec is its stage
+    plain = split_stages(6, 2, layout="E,t*3|t*3,m,L", has_mtp=True)
+    assert [rank_spec(plain, 2, s) for s in (0, 1)] == plain
+
+
+def test_a_loss_attached_to_the_carry_gets_gradient_one_and_leaves_the_carry_alone():
+    from paddleformers_glm.parallel.fleet_pipeline import _AttachObjective
+
+    x = paddle.to_tensor(np.arange(6, dtype="float32").reshape(2, 3), stop_gradient=False)
+    w = paddle.to_tensor(np.float32(3.0), stop_gradient=False)
+    objective = (w * w).sum()  # d/dw = 2w = 6
+    y = _AttachObjective.apply(x * 2.0, objective)
+    np.testing.assert_array_equal(y.numpy(), x.numpy() * 2.0)
+    paddle.autograd.backward([y], [paddle.full_like(y, 0.5)])
+    np.testing.assert_array_equal(x.grad.numpy(), np.full([2, 3], 1.0, dtype="float32"))
+    assert float(w.grad) == 6.0

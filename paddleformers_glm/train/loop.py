@@ -33,7 +33,7 @@ from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
-from ..parallel.topology import ParallelConfig, init_topology, set_topology
+from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import micro_batches, open_data
 from .memory import MemoryMonitor
@@ -175,14 +175,21 @@ def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
     """The pipeline chunks of this run (``--pp`` x ``--vpp``, ``--pp-layout``, first/last stage
     sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``.
     The launcher calls it too, to refuse a bad split before any process starts."""
-    return split_stages(
-        adapter.num_layers,
-        pp * cfg.vpp,
-        first_stage_layers=cfg.first_stage_layers,
-        last_stage_layers=cfg.last_stage_layers,
-        layout=cfg.pp_layout,
-        has_mtp=adapter.has_mtp,
-    )
+    try:
+        return split_stages(
+            adapter.num_layers,
+            pp * cfg.vpp,
+            first_stage_layers=cfg.first_stage_layers,
+            last_stage_layers=cfg.last_stage_layers,
+            layout=cfg.pp_layout,
+            has_mtp=adapter.has_mtp,
+        )
+    except ParallelConfigError as e:
+        if cfg.vpp == 1:
+            raise
+        raise ParallelConfigError(
+            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pp} x --vpp {cfg.vpp} chunks)"
+        ) from e
 
 
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
