@@ -30,11 +30,8 @@ from paddleformers_glm.parallel.layers import (
 )
 from paddleformers_glm.parallel.pipeline import (
     StageSpec,
-    build_schedule,
     layout_string,
     parse_pp_layout,
-    simulate_programs,
-    simulate_schedule,
     split_stages,
     validate_shared_layer_starts,
 )
@@ -175,72 +172,6 @@ def test_shared_layer_starts_are_fine_with_topk_carried_and_named_without():
     with pytest.raises(ParallelConfigError) as e:
         validate_shared_layer_starts(specs, kinds, carry_topk=False)
     assert "stage 1 starts on shared layer 4" in str(e.value) and "'2,6'" in str(e.value)
-
-
-# ------------------------------------------------------------------ schedules
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-def test_schedules_never_deadlock_with_blocking_p2p(kind):
-    for P in range(1, 9):
-        for M in range(1, 17):
-            simulate_schedule(kind, P, M)
-
-
-def test_simulator_detects_a_deadlock():
-    gpipe = [
-        [
-            ("fwd", 0),
-            ("send_fwd", 0),
-            ("fwd", 1),
-            ("send_fwd", 1),
-            ("recv_bwd", 0),
-            ("bwd", 0),
-            ("recv_bwd", 1),
-            ("bwd", 1),
-        ],
-        [
-            ("recv_fwd", 0),
-            ("fwd", 0),
-            ("recv_fwd", 1),
-            ("fwd", 1),
-            ("bwd", 0),
-            ("send_bwd", 0),
-            ("bwd", 1),
-            ("send_bwd", 1),
-        ],
-    ]
-    simulate_programs(gpipe, 2)
-    # naive 1F1B: stage 1 returns mb 0's gradient while stage 0 is still sending mb 1 -> both block (gloo)
-    naive = [
-        gpipe[0],
-        [
-            ("recv_fwd", 0),
-            ("fwd", 0),
-            ("bwd", 0),
-            ("send_bwd", 0),
-            ("recv_fwd", 1),
-            ("fwd", 1),
-            ("bwd", 1),
-            ("send_bwd", 1),
-        ],
-    ]
-    with pytest.raises(RuntimeError, match="deadlock"):
-        simulate_programs(naive, 2)
-    with pytest.raises(RuntimeError, match="backward of micro-batch 0 before its forward"):
-        simulate_programs([[("bwd", 0), ("fwd", 0)]], 1)
-
-
-def test_1f1b_bounds_in_flight_micro_batches():
-    def peak(ops):
-        live = best = 0
-        for op, _ in ops:
-            live += op == "fwd"
-            live -= op == "bwd"
-            best = max(best, live)
-        return best
-
-    P, M = 4, 12
-    assert [peak(build_schedule("1f1b", P, s, M)) for s in range(P)] == [4, 3, 2, 1]
-    assert all(peak(build_schedule("gpipe", P, s, M)) == M for s in range(P))
 
 
 # ------------------------------------------------------------------ layers at world 1 are the plain layers

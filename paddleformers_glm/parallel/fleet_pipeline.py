@@ -37,7 +37,7 @@ from typing import Any
 import paddle
 import paddle.nn as nn
 
-from .pipeline import LossTerm, StageSpec, _normalise_output
+from .pipeline import LossLedger, StageSpec, _normalise_output
 from .topology import ParallelConfigError, Topology
 
 __all__ = ["FleetPipeline", "PipelineChunk", "chunk_ranks", "rank_spec"]
@@ -76,33 +76,6 @@ class _AttachObjective(paddle.autograd.PyLayer):
         return dy, paddle.ones(ctx.shape, dtype=ctx.dtype)
 
 
-class _Ledger:
-    """Per-step state the chunks share with the trainer: the loss scales and the term totals."""
-
-    def __init__(self) -> None:
-        self.batch_keys: list[str] = []
-        self.scales: dict[str, float] = {}
-        self.sums: dict[str, paddle.Tensor] = {}
-        self.counts: dict[str, int] = {}
-
-    def reset(self, scales: dict[str, float]) -> None:
-        self.scales, self.sums, self.counts = dict(scales), {}, {}
-
-    def objective(self, losses: dict[str, LossTerm], where: str) -> paddle.Tensor | None:
-        """Sum of ``scale * sum`` over the terms (recording each term's float64 total)."""
-        objective = None
-        for name, term in losses.items():
-            if name not in self.scales:
-                raise KeyError(f"{where} returned loss term {name!r}; the trainer knows {sorted(self.scales)}")
-            s = term.sum.astype("float32")
-            contrib = s * self.scales[name]
-            objective = contrib if objective is None else objective + contrib
-            s64 = s.detach().astype("float64")
-            self.sums[name] = self.sums[name] + s64 if name in self.sums else s64
-            self.counts[name] = self.counts.get(name, 0) + int(term.count)
-        return objective
-
-
 class PipelineChunk(nn.Layer):
     """One ``LayerDesc`` of the ``PipelineLayer``: chunk ``spec`` of this rank's stage module.
 
@@ -111,7 +84,7 @@ class PipelineChunk(nn.Layer):
     on the last chunk the micro-batch objective (a scalar).
     """
 
-    def __init__(self, stage: nn.Layer, spec: StageSpec, ledger: _Ledger) -> None:
+    def __init__(self, stage: nn.Layer, spec: StageSpec, ledger: LossLedger) -> None:
         super().__init__()
         self.stage, self.spec = stage, spec
         self._ledger = ledger
@@ -177,7 +150,7 @@ class FleetPipeline:
             raise ParallelConfigError(f"{len(chunks)} pipeline chunks do not split over pp {pp}")
         vpp = len(chunks) // pp
         self.topo, self.num_micro = topo, num_micro
-        self.ledger = _Ledger()
+        self.ledger = LossLedger()
         n = len(chunks)
         descs = [
             LayerDesc(PipelineChunk, stage=stage, spec=replace(c, stage=i, num_stages=n), ledger=self.ledger)
@@ -215,7 +188,7 @@ class FleetPipeline:
         model.set_virtual_pipeline_rank(0)
         with paddle.amp.auto_cast(enable=False):
             model.forward_backward_pipeline(_MicroBatches(micro_batches, self.ledger.batch_keys), None)
-        out = {k: (float(v.numpy()), self.ledger.counts[k]) for k, v in self.ledger.sums.items()}
+        out = self.ledger.totals()
         self.ledger.reset({})
         return out
 

@@ -59,7 +59,9 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=1,
         help="virtual pipeline stages per rank (Fleet's interleaved schedule; --pp-layout then lists pp x vpp chunks)",
     )
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    g.add_argument(
+        "--schedule", default="1f1b", choices=["1f1b"], help="pipeline schedule (Fleet's 1F1B; --vpp interleaves it)"
+    )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=5)
     g.add_argument("--seq-len", type=int, default=64)

@@ -1,7 +1,7 @@
 """The training loop every rank runs: topology -> stage module -> weights -> steps -> loss.json.
 
 One step: the global batch of the step (same for every layout) -> this data-parallel rank's
-micro-batches -> pipeline engine (forward + backward; each loss term scaled by its weight over
+micro-batches -> pipeline engine (Fleet's with ``--pp`` > 1; forward + backward; each loss term scaled by its weight over
 its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> Paddle's AdamW (train/optim.py).
 Loss sums are reduced over pipeline stages and data-parallel ranks, so every rank knows the
 step's loss; rank 0 logs it and writes ``OUT/loss.json``.
@@ -30,7 +30,7 @@ from ..parallel import comm
 from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec
 from ..parallel.grads import GradSynchronizer, clip_main_grads
-from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
+from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
@@ -102,15 +102,14 @@ class TrainConfig:
         for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
+        if self.schedule != "1f1b":
+            raise ValueError(
+                f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
+            )
         if int(self.vpp) < 1:
             raise ValueError(f"--vpp must be >= 1, got {self.vpp}")
-        if self.vpp > 1 and (self.pp < 2 or self.schedule != "1f1b"):
-            raise ValueError(
-                f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2 and --schedule 1f1b "
-                f"(got --pp {self.pp}, --schedule {self.schedule})"
-            )
+        if self.vpp > 1 and self.pp < 2:
+            raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -307,7 +306,7 @@ class _Run:
     module: Any
     sync: GradSynchronizer
     opt: AdamW
-    engine: PipelineEngine | FleetPipeline
+    engine: SingleStageEngine | FleetPipeline
     memory: MemoryMonitor
     balancer: ExpertBalancer
     data: Any
@@ -341,16 +340,16 @@ def _build_stage(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, spec: Any) 
 def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any]) -> _Run:
     """Stage module, pipeline engine, weights (initial or resumed), optimizer, data and schedule.
 
-    With ``--pp`` > 1 (1F1B, or interleaved with ``--vpp``) the engine is Fleet's pipeline over
+    With ``--pp`` > 1 the engine is Fleet's pipeline (1F1B, or interleaved with ``--vpp``) over
     this rank's chunks; it is built before the weights are loaded, because wrapping broadcasts
-    the replicated parameters.  One stage (or ``--schedule gpipe``) runs on :class:`PipelineEngine`."""
+    the replicated parameters.  One stage runs on :class:`SingleStageEngine`."""
     spec = rank_spec(specs, topo.pc.pp, topo.stage)
     module = _build_stage(cfg, adapter, topo, spec)
     micro = cfg.global_batch_size // (topo.pc.replicas * cfg.micro_batch_size)
-    if topo.pc.pp > 1 and cfg.schedule == "1f1b":
-        engine: PipelineEngine | FleetPipeline = FleetPipeline(module, specs, topo, micro)
+    if topo.pc.pp > 1:
+        engine: SingleStageEngine | FleetPipeline = FleetPipeline(module, specs, topo, micro)
     else:
-        engine = PipelineEngine(module, topo, cfg.schedule)
+        engine = SingleStageEngine(module)
     _load_initial_weights(cfg, adapter, module, topo, spec)
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
@@ -419,7 +418,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "model": cfg.model,
             "pp_layout": layout_string(run.specs),
             "schedule": _schedule_name(cfg),
-            "pipeline_engine": getattr(run.engine, "name", type(run.engine).__name__),
+            "pipeline_engine": run.engine.name,
             "data": run.data.describe,
             "resumed_from_step": run.start if cfg.resume else None,
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
