@@ -153,6 +153,17 @@ def test_pp2_vpp2_interleaved_matches_single_process(ref, runs):
     print(f"pp2 vpp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
 
+def test_pp3_vpp2_stock_interleaved_engine_matches_single_process(runs):
+    # six one-layer chunks on three ranks, 6 micro-batches (= 2 pp): the class fleet.distributed_model
+    # picks itself, with chunk 5 -> chunk 0 p2p wrapping from the last rank to the first
+    gbs = ["--global-batch-size", "6"]
+    one, _ = _cli(runs / "one_gbs6", *gbs)
+    a, secs = _cli(runs / "pp3vpp2", *gbs, "--pp", "3", "--vpp", "2", "--pp-layout", "E,t|t|t|t|t|t,m,L")
+    assert a["profile"]["world"] == 3 and a["run"]["pipeline_engine"] == "PipelineParallelWithInterleave"
+    _assert_close(one, a, "pp3 vpp2")
+    print(f"pp3 vpp2: loss diff {_max_diff(one, a, 'losses'):.3g}, {secs:.1f}s")
+
+
 def test_ep2_matches_ep1(ref, runs):
     a, secs = _cli(runs / "dp2ep2", "--dp", "2", "--ep", "2")
     _assert_close(ref[0], a, "dp2 ep2")

@@ -272,7 +272,8 @@ def test_worker_env_sets_mkl_fast_path_on_amd_only_unless_user_did(monkeypatch, 
         (["--global-batch-size", "3", "--dp", "2"], "must be divisible by dp 2"),
         (["--vpp", "2"], "needs --pp >= 2"),
         (["--pp", "2", "--vpp", "2", "--pp-layout", "E,t*3|t*3,m,L"], "lists --pp 2 x --vpp 2 chunks"),
-        (["--pp", "2", "--vpp", "2", "--global-batch-size", "1"], "needs at least --pp 2"),
+        (["--pp", "2", "--vpp", "2", "--global-batch-size", "1"], "need exactly --pp 2 or at least 2 x --pp = 4"),
+        (["--pp", "3", "--vpp", "2", "--global-batch-size", "4"], "need exactly --pp 3 or at least 2 x --pp = 6"),
     ],
 )
 def test_cli_rejects_bad_layouts_before_launching(tmp_path, capsys, args, msg):

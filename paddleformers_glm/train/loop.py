@@ -208,17 +208,19 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
 
 def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
     """The global batch splits evenly over the dp x sharding replicas and their micro-batches;
-    an interleaved pipeline gets at least ``pp`` micro-batches per replica (Fleet's condition)."""
+    an interleaved pipeline gets ``pp`` or at least ``2 pp`` micro-batches per replica (Fleet's
+    F-then-B and 1F1B interleaved engines)."""
     if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
         raise ValueError(
             f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
             f"x --micro-batch-size {cfg.micro_batch_size}"
         )
     micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
-    if cfg.vpp > 1 and micro < pc.pp:
+    if cfg.vpp > 1 and not (micro == pc.pp or micro >= 2 * pc.pp):
         raise ValueError(
-            f"--vpp {cfg.vpp}: each replica runs {micro} micro-batches per step, the interleaved schedule "
-            f"needs at least --pp {pc.pp}; raise --global-batch-size or lower --micro-batch-size"
+            f"--vpp {cfg.vpp}: each replica runs {micro} micro-batches per step; Fleet's interleaved schedules "
+            f"need exactly --pp {pc.pp} or at least 2 x --pp = {2 * pc.pp}; change --global-batch-size or "
+            "--micro-batch-size"
         )
 
 
