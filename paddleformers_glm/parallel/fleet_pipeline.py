@@ -196,9 +196,9 @@ class FleetPipeline:
 def _two_stage_interleave(layer: nn.Layer, num_micro: int) -> Any:
     """Fleet's interleaved engine at ``pp == 2``, which ``fleet.distributed_model`` refuses.
 
-    Fleet's ``_check_sanity`` asserts more than two stages; the interleaved schedule itself only
-    needs every rank to run its chunks in the same micro-batch order, which holds for two stages
-    (Megatron runs it), and the trainer checks the micro-batch count before launch.  The class
+    Fleet's ``_check_sanity`` asserts more than two stages; the schedule's own code paths handle
+    two (the trainer's ``--pp 2 --vpp 2`` test equals one process, and ``--pp 2`` without
+    interleaving bit for bit), and the trainer checks the micro-batch count before launch.  The class
     is the one ``distributed_model`` picks for the micro-batch count (``>= 2 pp``: interleaved
     1F1B, else interleaved F-then-B); only the stage-count assertion is dropped.
     """
