@@ -30,11 +30,8 @@ from paddleformers_glm.parallel.layers import (
 )
 from paddleformers_glm.parallel.pipeline import (
     StageSpec,
-    build_schedule,
     layout_string,
     parse_pp_layout,
-    simulate_programs,
-    simulate_schedule,
     split_stages,
     validate_shared_layer_starts,
 )
@@ -177,72 +174,6 @@ def test_shared_layer_starts_are_fine_with_topk_carried_and_named_without():
     assert "stage 1 starts on shared layer 4" in str(e.value) and "'2,6'" in str(e.value)
 
 
-# ------------------------------------------------------------------ schedules
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-def test_schedules_never_deadlock_with_blocking_p2p(kind):
-    for P in range(1, 9):
-        for M in range(1, 17):
-            simulate_schedule(kind, P, M)
-
-
-def test_simulator_detects_a_deadlock():
-    gpipe = [
-        [
-            ("fwd", 0),
-            ("send_fwd", 0),
-            ("fwd", 1),
-            ("send_fwd", 1),
-            ("recv_bwd", 0),
-            ("bwd", 0),
-            ("recv_bwd", 1),
-            ("bwd", 1),
-        ],
-        [
-            ("recv_fwd", 0),
-            ("fwd", 0),
-            ("recv_fwd", 1),
-            ("fwd", 1),
-            ("bwd", 0),
-            ("send_bwd", 0),
-            ("bwd", 1),
-            ("send_bwd", 1),
-        ],
-    ]
-    simulate_programs(gpipe, 2)
-    # naive 1F1B: stage 1 returns mb 0's gradient while stage 0 is still sending mb 1 -> both block (gloo)
-    naive = [
-        gpipe[0],
-        [
-            ("recv_fwd", 0),
-            ("fwd", 0),
-            ("bwd", 0),
-            ("send_bwd", 0),
-            ("recv_fwd", 1),
-            ("fwd", 1),
-            ("bwd", 1),
-            ("send_bwd", 1),
-        ],
-    ]
-    with pytest.raises(RuntimeError, match="deadlock"):
-        simulate_programs(naive, 2)
-    with pytest.raises(RuntimeError, match="backward of micro-batch 0 before its forward"):
-        simulate_programs([[("bwd", 0), ("fwd", 0)]], 1)
-
-
-def test_1f1b_bounds_in_flight_micro_batches():
-    def peak(ops):
-        live = best = 0
-        for op, _ in ops:
-            live += op == "fwd"
-            live -= op == "bwd"
-            best = max(best, live)
-        return best
-
-    P, M = 4, 12
-    assert [peak(build_schedule("1f1b", P, s, M)) for s in range(P)] == [4, 3, 2, 1]
-    assert all(peak(build_schedule("gpipe", P, s, M)) == M for s in range(P))
-
-
 # ------------------------------------------------------------------ layers at world 1 are the plain layers
 def test_parallel_linears_are_plain_linear_at_tp1():
     for has_bias in (False, True):
@@ -378,3 +309,30 @@ def test_grad_sync_world1_flags_and_true_norm():
     coef = clip_main_grads(grads, norm, max_norm=norm / 2)
     assert abs(coef - 0.5) < 1e-6 and abs(sync.global_norm(grads) - norm / 2) < 1e-5
     assert clip_main_grads(grads, 0.1, 1.0) == 1.0
+
+
+# ------------------------------------------------------------------ Fleet pipeline chunks
+def test_vpp_chunks_go_round_robin_and_a_rank_builds_the_union_of_its_chunks():
+    from paddleformers_glm.parallel.fleet_pipeline import chunk_ranks, rank_spec
+
+    chunks = split_stages(6, 4, layout="E,t|t*2|t*2|t,m,L", has_mtp=True)  # pp 2 x vpp 2
+    assert chunk_ranks(4, 2) == [0, 1, 0, 1]
+    r0, r1 = rank_spec(chunks, 2, 0), rank_spec(chunks, 2, 1)
+    assert r0 == StageSpec(0, 2, (0, 3, 4), True, False, False)
+    assert r1 == StageSpec(1, 2, (1, 2, 5), False, True, True)
+    # without interleaving a rank's spec is its stage
+    plain = split_stages(6, 2, layout="E,t*3|t*3,m,L", has_mtp=True)
+    assert [rank_spec(plain, 2, s) for s in (0, 1)] == plain
+
+
+def test_a_loss_attached_to_the_carry_gets_gradient_one_and_leaves_the_carry_alone():
+    from paddleformers_glm.parallel.fleet_pipeline import _AttachObjective
+
+    x = paddle.to_tensor(np.arange(6, dtype="float32").reshape(2, 3), stop_gradient=False)
+    w = paddle.to_tensor(np.float32(3.0), stop_gradient=False)
+    objective = (w * w).sum()  # d/dw = 2w = 6
+    y = _AttachObjective.apply(x * 2.0, objective)
+    np.testing.assert_array_equal(y.numpy(), x.numpy() * 2.0)
+    paddle.autograd.backward([y], [paddle.full_like(y, 0.5)])
+    np.testing.assert_array_equal(x.grad.numpy(), np.full([2, 3], 1.0, dtype="float32"))
+    assert float(w.grad) == 6.0

@@ -107,6 +107,7 @@ def test_pp2_stage_starting_on_shared_layer_matches_pp1(ref, runs):
     # layer 3 is a "shared" indexer layer: stage 1 needs layer 1's top-k, carried with the activations
     a, secs = _cli(runs / "pp2", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--save-every", "2")
     assert a["run"]["pp_layout"] == "E,t*3|t*3,m,L"
+    assert a["run"]["pipeline_engine"] == "PipelineParallel"  # Fleet's 1F1B engine
     _assert_close(ref[0], a, "pp2")
     print(f"pp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
@@ -115,10 +116,7 @@ def test_resume_reproduces_uninterrupted_bit_for_bit(runs):
     full = losses(runs / "pp2")  # saved a checkpoint at step 2 while running 4 steps
     ckpt = runs / "pp2" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir(), "the pp2 run saved no step-2 checkpoint"
-    # also a different schedule: GPipe and 1F1B accumulate the same micro-batches in the same order
-    r, _ = _cli(
-        runs / "pp2_resumed", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--resume", str(ckpt), "--schedule", "gpipe"
-    )
+    r, _ = _cli(runs / "pp2_resumed", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--resume", str(ckpt))
     assert r["run"]["resumed_from_step"] == 2
     for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
         assert r[key] == full[key], f"{key}: resumed {r[key]} != uninterrupted {full[key]}"
@@ -142,6 +140,28 @@ def test_pp4_world4_every_later_stage_starts_on_a_shared_layer(ref, runs):
     e = _export_tensors(runs / "pp4")
     assert set(e) == set(ref[1])
     assert max(float(np.max(np.abs(e[k] - ref[1][k]))) for k in e) <= WTOL
+
+
+def test_pp2_vpp2_interleaved_matches_single_process(ref, runs):
+    # four chunks on two ranks (chunk c on rank c % 2): rank 0 runs E,t0 and t3,t4; rank 1 runs
+    # t1,t2 and t5,m,L; chunks start on layers 1 (full), 3 and 5 (shared: top-k carried)
+    a, secs = _cli(runs / "pp2vpp2", "--pp", "2", "--vpp", "2", "--pp-layout", "E,t|t*2|t*2|t,m,L")
+    assert a["run"]["pp_layout"] == "E,t|t*2|t*2|t,m,L"
+    assert a["run"]["schedule"] == "interleaved 1f1b (vpp 2)"
+    assert "PipelineParallelWithInterleave" in a["run"]["pipeline_engine"], a["run"]["pipeline_engine"]
+    _assert_close(ref[0], a, "pp2 vpp2")
+    print(f"pp2 vpp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
+
+
+def test_pp3_vpp2_stock_interleaved_engine_matches_single_process(runs):
+    # six one-layer chunks on three ranks, 6 micro-batches (= 2 pp): the class fleet.distributed_model
+    # picks itself, with chunk 5 -> chunk 0 p2p wrapping from the last rank to the first
+    gbs = ["--global-batch-size", "6"]
+    one, _ = _cli(runs / "one_gbs6", *gbs)
+    a, secs = _cli(runs / "pp3vpp2", *gbs, "--pp", "3", "--vpp", "2", "--pp-layout", "E,t|t|t|t|t|t,m,L")
+    assert a["profile"]["world"] == 3 and a["run"]["pipeline_engine"] == "PipelineParallelWithInterleave"
+    _assert_close(one, a, "pp3 vpp2")
+    print(f"pp3 vpp2: loss diff {_max_diff(one, a, 'losses'):.3g}, {secs:.1f}s")
 
 
 def test_ep2_matches_ep1(ref, runs):

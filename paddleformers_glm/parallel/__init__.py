@@ -4,6 +4,7 @@ See docs/parallel.md for how the dimensions map onto the model and for the CPU c
 """
 
 from .experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
+from .fleet_pipeline import FleetPipeline
 from .grads import GradSynchronizer, clip_main_grads
 from .layers import (
     ColumnParallelLinear,
@@ -21,13 +22,11 @@ from .layers import (
 )
 from .pipeline import (
     LossTerm,
-    PipelineEngine,
+    SingleStageEngine,
     StageOutput,
     StageSpec,
-    build_schedule,
     layout_string,
     parse_pp_layout,
-    simulate_schedule,
     split_stages,
     validate_shared_layer_starts,
 )
@@ -38,20 +37,20 @@ __all__ = [
     "ColumnParallelLinear",
     "ExpertMLP",
     "ExpertParallelDispatcher",
+    "FleetPipeline",
     "GradSynchronizer",
     "LocalExperts",
     "LossTerm",
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelLMHead",
-    "PipelineEngine",
     "RowParallelLinear",
     "ShardSpec",
+    "SingleStageEngine",
     "StageOutput",
     "StageSpec",
     "Topology",
     "VocabParallelEmbedding",
-    "build_schedule",
     "clip_main_grads",
     "gather_full_state",
     "get_shard_spec",
@@ -68,7 +67,6 @@ __all__ = [
     "set_topology",
     "shard_full_state",
     "sharded_state_dict",
-    "simulate_schedule",
     "split_stages",
     "validate_shared_layer_starts",
 ]

@@ -19,6 +19,12 @@ What it touches (module attributes, read in Paddle 3.3.1):
   and only on a build without a GPU: flex-checkpoint's resharding load (``dist.load_state_dict``,
   its ``BroadcastCommunicator`` and ``Resharder``) moves every slice it broadcasts to the GPU
   unconditionally; on a CPU build the slice stays where it is (gloo broadcasts CPU tensors).
+* ``paddle.distributed.fleet.meta_parallel.pp_utils.p2p_communication.paddle``: the pipeline
+  engine's view of ``paddle``, whose ``distributed.send/recv/isend/irecv`` move a transfer in the
+  pipeline group onto the 2-rank group of its two stages (gloo's p2p tags count per group, so
+  p2p inside a group of more than two ranks desynchronises it).  With
+  ``pp_configs.use_batch_p2p_comm = False`` (set by ``init_topology`` on gloo) Fleet's 1F1B and
+  interleaved schedules then run unchanged.
 
 Installed only for the gloo backend (:func:`~paddleformers_glm.parallel.topology.init_topology`
 calls it); on NCCL nothing is patched.  Guarded: each piece is skipped with a warning when the
@@ -178,6 +184,60 @@ def flex_checkpoint_on_cpu() -> Iterator[None]:
             setattr(paddle.Tensor, name, fn)
 
 
+def _pair_group(group: Any, peer: int) -> Any:
+    """The 2-rank group of this stage and the stage at global rank ``peer``, when ``group`` is the
+    pipeline group and such a group exists; else ``group`` unchanged."""
+    from .topology import get_topology
+
+    topo = get_topology()
+    pp_group = topo.pp_group
+    if group is None or pp_group is None or getattr(group, "id", None) != getattr(pp_group, "id", None):
+        return group
+    if peer not in topo.stage_ranks:
+        return group
+    g = topo.stage_group((topo.stage, topo.stage_ranks.index(peer)))
+    return g if g is not None else group
+
+
+class _PipelineP2P:
+    """``paddle.distributed`` as Fleet's pipeline p2p module sees it on gloo.
+
+    Gloo tags point-to-point messages with a per-group counter, so send/recv between two members
+    of a larger group (the pipeline group at pp >= 3) desynchronises it; here they go over the
+    2-rank group of the two stages instead.  Everything else is ``paddle.distributed`` itself.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def send(self, tensor: paddle.Tensor, dst: int = 0, group: Any = None, sync_op: bool = True) -> Any:
+        return self._real.send(tensor, dst=dst, group=_pair_group(group, dst), sync_op=sync_op)
+
+    def recv(self, tensor: paddle.Tensor, src: int = 0, group: Any = None, sync_op: bool = True) -> Any:
+        return self._real.recv(tensor, src=src, group=_pair_group(group, src), sync_op=sync_op)
+
+    def isend(self, tensor: paddle.Tensor, dst: int, group: Any = None) -> Any:
+        return self._real.isend(tensor, dst, _pair_group(group, dst))
+
+    def irecv(self, tensor: paddle.Tensor, src: int | None = None, group: Any = None) -> Any:
+        return self._real.irecv(tensor, src, _pair_group(group, src))
+
+
+class _PaddleView:
+    """The ``paddle`` module with ``distributed`` replaced by :class:`_PipelineP2P`."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.distributed = _PipelineP2P(real.distributed)
+        self._glm52_gloo = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 def _replace(module: Any, attr: str, fn: Any, label: str) -> None:
     if not hasattr(module, attr):
         warnings.warn(
@@ -205,6 +265,7 @@ def install(backend: str) -> list[str]:
         )
     from paddle.distributed import parallel
     from paddle.distributed.fleet.layers.mpu import mp_ops
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
     from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
     _replace(mp_ops, "_c_identity", c_identity, "mp_ops._c_identity")
@@ -216,6 +277,7 @@ def install(backend: str) -> list[str]:
     )
     _replace(spu, "all_gather", sp_all_gather, "sequence_parallel_utils.all_gather")
     _replace(spu, "reduce_scatter", sp_reduce_scatter, "sequence_parallel_utils.reduce_scatter")
+    _replace(p2p, "paddle", _PaddleView(paddle), "p2p_communication.paddle (pipeline p2p on pair groups)")
     if not hasattr(parallel.ParallelEnv, "_device_id"):  # CPU builds never set it; PipelineLayer reads it
         parallel.ParallelEnv._device_id = 0
         _INSTALLED.append("ParallelEnv._device_id")

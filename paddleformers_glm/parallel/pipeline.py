@@ -1,11 +1,8 @@
-"""Pipeline parallelism: stage layouts, micro-batch schedules, and a point-to-point engine that
-carries a *tuple* of tensors across stage boundaries.
+"""Pipeline parallelism: the stage layout language, the stage contract, and the single-stage engine.
 
-Why our own engine and not fleet's PipelineLayer: (1) fleet's batched p2p has no gloo kernels,
-(2) a stage that starts on a DSA "shared" layer needs the previous full layer's top-k indices
-([B, S, k] int64, no grad) next to the activations, and fleet (like Megatron and slime) carries
-one float tensor.  Here anything a stage returns travels: float tensors that need grad get their
-gradient sent back, the rest (integer top-k, masks) travel forward only.
+The pipeline engine for ``--pp`` > 1 is Fleet's (``PipelineLayer`` + ``PipelineParallel``, 1F1B or
+interleaved): :mod:`~paddleformers_glm.parallel.fleet_pipeline`.  This module holds what both use:
+stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's output and the loss ledger.
 
 Layout syntax (``--pp-layout``)
 -------------------------------
@@ -24,12 +21,10 @@ stage 1.  A list of per-stage layer counts (``"3,5"`` or ``[3, 5]``) is the same
 first and ``m``/``L`` on the last stage.  ``first_stage_layers`` / ``last_stage_layers`` fix the
 two ends and split the rest evenly (the released GLM-5.2 recipe uses PP8 with 14 / 16).
 
-Schedules
----------
-``gpipe`` (all forwards, then all backwards) and ``1f1b`` (Megatron's one-forward-one-backward;
-activation memory bounded by the stage count).  Gloo's send blocks until the peer receives, so
-where 1F1B pairs a send with a receive on the same link, even stages send first and odd stages
-receive first; :func:`simulate_schedule` checks every schedule against that blocking model.
+Stages and the top-k carry
+--------------------------
+What a stage returns to the next travels as a tuple (GLM: hidden states and the int64 top-k of
+the last full indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
 """
 
 from __future__ import annotations
@@ -42,19 +37,16 @@ from typing import Any, NamedTuple
 import paddle
 import paddle.nn as nn
 
-from . import comm
-from .topology import ParallelConfigError, Topology
+from .topology import ParallelConfigError
 
 __all__ = [
+    "LossLedger",
     "LossTerm",
-    "PipelineEngine",
+    "SingleStageEngine",
     "StageOutput",
     "StageSpec",
-    "build_schedule",
     "layout_string",
     "parse_pp_layout",
-    "simulate_programs",
-    "simulate_schedule",
     "split_stages",
     "validate_shared_layer_starts",
 ]
@@ -270,126 +262,6 @@ def validate_shared_layer_starts(
     )
 
 
-# ------------------------------------------------------------------------------ schedules
-Op = tuple[str, int]
-
-
-def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int) -> list[Op]:
-    """The ordered operations of ``stage``: (op, micro-batch) with op in
-    recv_fwd, fwd, send_fwd, recv_bwd, bwd, send_bwd."""
-    if num_micro < 1:
-        raise ValueError(f"need at least one micro-batch, got {num_micro}")
-    first, last = stage == 0, stage == num_stages - 1
-    ops: list[Op] = []
-
-    def rf(j: int) -> None:
-        if not first:
-            ops.append(("recv_fwd", j))
-
-    def sf(j: int) -> None:
-        if not last:
-            ops.append(("send_fwd", j))
-
-    def rb(j: int) -> None:
-        if not last:
-            ops.append(("recv_bwd", j))
-
-    def sb(j: int) -> None:
-        if not first:
-            ops.append(("send_bwd", j))
-
-    if kind == "gpipe":
-        for j in range(num_micro):
-            rf(j)
-            ops.append(("fwd", j))
-            sf(j)
-        for j in range(num_micro):
-            rb(j)
-            ops.append(("bwd", j))
-            sb(j)
-        return ops
-    if kind != "1f1b":
-        raise ValueError(f"pipeline schedule must be 'gpipe' or '1f1b', got {kind!r}")
-    send_first = stage % 2 == 0
-    warm = min(num_stages - stage - 1, num_micro)
-    for j in range(warm):
-        rf(j)
-        ops.append(("fwd", j))
-        sf(j)
-    steady = num_micro - warm
-    if steady:
-        rf(warm)
-    for k in range(steady):
-        jf, jb = warm + k, k
-        ops.append(("fwd", jf))
-        if send_first:
-            sf(jf)
-            rb(jb)
-        else:
-            rb(jb)
-            sf(jf)
-        ops.append(("bwd", jb))
-        if k == steady - 1:
-            sb(jb)
-        elif send_first:
-            sb(jb)
-            rf(jf + 1)
-        else:
-            rf(jf + 1)
-            sb(jb)
-    for jb in range(steady, num_micro):
-        rb(jb)
-        ops.append(("bwd", jb))
-        sb(jb)
-    return ops
-
-
-def simulate_schedule(kind: str, num_stages: int, num_micro: int) -> None:
-    """Run all stages' programs against *blocking* send/recv (gloo); raise on deadlock or mismatch."""
-    simulate_programs([build_schedule(kind, num_stages, s, num_micro) for s in range(num_stages)], num_micro, kind)
-
-
-def simulate_programs(progs: list[list[Op]], num_micro: int, kind: str = "program") -> None:
-    """Execute per-stage op lists with rendezvous send/recv semantics; raise on deadlock or mismatch."""
-    num_stages = len(progs)
-    pc = [0] * num_stages
-
-    def cur(s: int) -> Op | None:
-        return progs[s][pc[s]] if pc[s] < len(progs[s]) else None
-
-    while any(pc[s] < len(progs[s]) for s in range(num_stages)):
-        moved = False
-        for s in range(num_stages):
-            while cur(s) and cur(s)[0] in ("fwd", "bwd"):  # type: ignore[index]
-                pc[s] += 1
-                moved = True
-        for s in range(num_stages):
-            op = cur(s)
-            if op is None or op[0] not in ("send_fwd", "send_bwd"):
-                continue
-            peer = s + 1 if op[0] == "send_fwd" else s - 1
-            want = "recv_fwd" if op[0] == "send_fwd" else "recv_bwd"
-            other = cur(peer)
-            if other is not None and other[0] == want:
-                if other[1] != op[1]:
-                    raise RuntimeError(
-                        f"{kind} P={num_stages} M={num_micro}: stage {s} sends mb {op[1]}, stage {peer} expects {other[1]}"
-                    )
-                pc[s] += 1
-                pc[peer] += 1
-                moved = True
-        if not moved:
-            state = {s: cur(s) for s in range(num_stages)}
-            raise RuntimeError(f"{kind} P={num_stages} M={num_micro}: deadlock with blocking p2p at {state}")
-    for s in range(num_stages):
-        done = [op for op in progs[s] if op[0] in ("fwd", "bwd")]
-        if sorted(done) != sorted([("fwd", j) for j in range(num_micro)] + [("bwd", j) for j in range(num_micro)]):
-            raise RuntimeError(f"{kind}: stage {s} does not run every micro-batch forward and backward exactly once")
-        for j in range(num_micro):
-            if progs[s].index(("fwd", j)) > progs[s].index(("bwd", j)):
-                raise RuntimeError(f"{kind}: stage {s} runs backward of micro-batch {j} before its forward")
-
-
 # ------------------------------------------------------------------------------ engine
 @dataclass
 class StageOutput:
@@ -427,85 +299,61 @@ def _normalise_output(out: Any, last: bool, stage: int) -> StageOutput:
     return StageOutput(carry, losses)
 
 
-class PipelineEngine:
-    """Runs one optimizer step's micro-batches through this rank's stage, forward and backward.
+class LossLedger:
+    """The step's loss scales and, per term, the float64 total of the sums and the token count.
 
-    ``module(carry, batch)``: ``carry`` is None on the first stage, else the tuple the previous
-    stage returned (received); ``batch`` is the micro-batch dict (every stage gets it: the last
-    needs labels, MTP needs input ids, every stage may need positions / masks). It returns a
-    :class:`StageOutput` (shorthands: a tuple of tensors = carry; a dict = losses).
-    Each loss term contributes ``scales[name] * sum`` to the objective backpropagated on the stage
-    that produced it. Gradients accumulate in the parameters; the optimizer is not stepped here.
+    ``objective(losses)`` turns one micro-batch's terms into the scalar that is backpropagated:
+    ``sum(scales[name] * sum)`` (each scale is the term's weight over its *global* normaliser),
+    recording each term's sum and count for the trainer's loss report.
     """
 
-    def __init__(self, module: nn.Layer, topo: Topology, schedule: str = "1f1b") -> None:
-        if schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"pipeline schedule must be 'gpipe' or '1f1b', got {schedule!r}")
-        self.module, self.topo, self.schedule = module, topo, schedule
+    def __init__(self) -> None:
+        self.batch_keys: list[str] = []
+        self.scales: dict[str, float] = {}
+        self.sums: dict[str, paddle.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def reset(self, scales: dict[str, float]) -> None:
+        self.scales, self.sums, self.counts = dict(scales), {}, {}
+
+    def objective(self, losses: dict[str, LossTerm], where: str) -> paddle.Tensor | None:
+        objective = None
+        for name, term in losses.items():
+            if name not in self.scales:
+                raise KeyError(f"{where} returned loss term {name!r}; the trainer knows {sorted(self.scales)}")
+            s = term.sum.astype("float32")
+            contrib = s * self.scales[name]
+            objective = contrib if objective is None else objective + contrib
+            s64 = s.detach().astype("float64")
+            self.sums[name] = self.sums[name] + s64 if name in self.sums else s64
+            self.counts[name] = self.counts.get(name, 0) + int(term.count)
+        return objective
+
+    def totals(self) -> dict[str, tuple[float, int]]:
+        """{term: (sum, count)} of the step so far."""
+        return {k: (float(v.numpy()), self.counts[k]) for k, v in self.sums.items()}
+
+
+class SingleStageEngine:
+    """One pipeline stage (``--pp 1``): forward and backward of each micro-batch in turn.
+
+    ``module(None, batch)`` returns the stage's :class:`StageOutput` (losses only); gradients
+    accumulate in the parameters; the optimizer is not stepped here.  With ``--pp`` > 1 the
+    trainer uses Fleet's pipeline (:mod:`~paddleformers_glm.parallel.fleet_pipeline`) with the
+    same ``run`` contract.
+    """
+
+    name = "single stage"
+
+    def __init__(self, module: nn.Layer) -> None:
+        self.module = module
+        self.ledger = LossLedger()
 
     def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
-        """Forward + backward of every micro-batch; returns this rank's {term: (sum, count)} totals
-        (sums in float64, of the terms produced on this stage)."""
-        topo, n = self.topo, len(micro_batches)
-        first, last = topo.is_first_stage, topo.is_last_stage
-        prev_g = topo.p2p_group(topo.stage - 1) if not first else None
-        next_g = topo.p2p_group(topo.stage + 1) if not last else None
-        prev_r, next_r = topo.prev_stage_rank, topo.next_stage_rank
-        inputs: dict[int, tuple[paddle.Tensor, ...]] = {}
-        carries: dict[int, tuple[paddle.Tensor, ...]] = {}
-        objectives: dict[int, paddle.Tensor | None] = {}
-        grads_in: dict[int, list[paddle.Tensor]] = {}
-        grads_out: dict[int, list[paddle.Tensor]] = {}
-        sums: dict[str, paddle.Tensor] = {}
-        counts: dict[str, int] = {}
-        for op, j in build_schedule(self.schedule, topo.pp_size, topo.stage, n):
-            if op == "recv_fwd":
-                inputs[j] = tuple(comm.recv_tensors(prev_r, prev_g))
-            elif op == "fwd":
-                out = _normalise_output(self.module(None if first else inputs[j], micro_batches[j]), last, topo.stage)
-                objective = None
-                for name, term in out.losses.items():
-                    if name not in scales:
-                        raise KeyError(
-                            f"stage {topo.stage} returned loss term {name!r}; the trainer knows {sorted(scales)}"
-                        )
-                    s = term.sum.astype("float32")
-                    contrib = s * scales[name]
-                    objective = contrib if objective is None else objective + contrib
-                    s64 = s.detach().astype("float64")
-                    sums[name] = sums[name] + s64 if name in sums else s64
-                    counts[name] = counts.get(name, 0) + int(term.count)
-                objectives[j] = objective
-                if not last:
-                    carries[j] = out.carry
-            elif op == "send_fwd":
-                comm.send_tensors(carries[j], next_r, next_g)
-            elif op == "recv_bwd":
-                grads_in[j] = comm.recv_tensors(next_r, next_g)
-            elif op == "bwd":
-                roots, root_grads = [], []
-                objective = objectives.pop(j)
-                if objective is not None:
-                    roots.append(objective)
-                    root_grads.append(paddle.ones_like(objective))
-                if not last:
-                    needs = [t for t in carries.pop(j) if not t.stop_gradient]
-                    got = grads_in.pop(j)
-                    if len(got) != len(needs):
-                        raise RuntimeError(
-                            f"stage {topo.stage}: {len(got)} gradients received for {len(needs)} outputs that need one"
-                        )
-                    roots += needs
-                    root_grads += [g.astype(t.dtype) for t, g in zip(needs, got)]
-                if roots:
-                    paddle.autograd.backward(roots, root_grads)
-                if not first:
-                    ins = inputs.pop(j)
-                    grads_out[j] = [
-                        (t.grad if t.grad is not None else paddle.zeros_like(t)).detach()
-                        for t in ins
-                        if not t.stop_gradient
-                    ]
-            elif op == "send_bwd":
-                comm.send_tensors(grads_out.pop(j), prev_r, prev_g)
-        return {k: (float(sums[k].numpy()), counts[k]) for k in sums}
+        """Forward + backward of every micro-batch; returns {term: (sum, count)} (sums in float64)."""
+        self.ledger.reset(scales)
+        for mb in micro_batches:
+            out = _normalise_output(self.module(None, mb), True, 0)
+            objective = self.ledger.objective(out.losses, "stage 0")
+            paddle.autograd.backward([objective], [paddle.ones_like(objective)])
+        return self.ledger.totals()

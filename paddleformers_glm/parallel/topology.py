@@ -368,11 +368,15 @@ def _coord_rank(ftopo: Any, me: Any, **coords: int) -> int:
     return ftopo.get_rank(**{**fields, **{k: v for k, v in coords.items() if k in fields}})
 
 
-def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
+def init_topology(
+    pc: ParallelConfig, *, accumulate_steps: int = 1, micro_batch_size: int = 1, **model_sizes: int | None
+) -> Topology:
     """Initialise fleet (when world > 1) and every group for ``pc``; install and return the topology.
 
     ``model_sizes`` (num_attention_heads, vocab_size, num_experts, ...) go to
     :meth:`ParallelConfig.validate` so a bad layout fails here with a clear message, on every rank.
+    ``accumulate_steps`` / ``micro_batch_size`` (micro-batches per replica per step and their size)
+    go to Fleet's ``pipeline_configs``, which its pipeline engine reads.
     """
     world = _env_world_size()
     pc.validate(world, **model_sizes)
@@ -406,6 +410,14 @@ def init_topology(pc: ParallelConfig, **model_sizes: int | None) -> Topology:
         # its group only in the expert-parallel HCG, which insists on dp 1 and carves cp out of sharding)
         "sep_degree": pc.cp,
     }
+    strategy.pipeline_configs = {"accumulate_steps": accumulate_steps, "micro_batch_size": micro_batch_size}
+    if pc.pp > 1:
+        pp_configs = strategy.hybrid_configs["pp_configs"]
+        # The trainer's loss scales already normalise over the global batch: Fleet must not divide
+        # each micro-batch's loss by the micro-batch count again.
+        pp_configs.delay_scale_loss = True
+        if backend == "gloo":  # gloo has no batched (calc-stream) p2p kernels; plain send/recv works
+            pp_configs.use_batch_p2p_comm = False
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     ftopo = hcg.topology()

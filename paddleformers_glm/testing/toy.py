@@ -210,21 +210,28 @@ class ToyStage(nn.Layer):
         if spec.has_mtp:
             self.mtp = ToyMTP(cfg, sp, topo)
 
-    def forward(self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor]) -> StageOutput:
+    def forward(
+        self,
+        carry: tuple[paddle.Tensor, ...] | None,
+        batch: Mapping[str, paddle.Tensor],
+        part: StageSpec | None = None,
+    ) -> StageOutput:
+        """``part``: run only that chunk of the stage (a virtual pipeline stage); default all of it."""
+        spec = part or self.spec
         ids = batch["input_ids"]  # [B, S]
-        if self.spec.has_embedding:
+        if spec.has_embedding:
             h = self.embed_tokens(ids)  # [B, S', H]
             topk = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
         else:
             h, topk = carry
-        for i in self.spec.layers:
+        for i in spec.layers:
             h, topk = run_layer(self.layers[str(i)], h, topk, mode=self.recompute)
-        if not self.spec.has_head:
+        if not spec.has_head:
             return StageOutput(carry=(h, topk))
         labels = batch["labels"]
         hn = self.norm(h)
         losses = {"lm": _causal_loss(self.lm_head(hn), labels, 1)}
-        if self.spec.has_mtp:
+        if spec.has_mtp:
             nxt = paddle.concat([ids[:, 1:], paddle.zeros([ids.shape[0], 1], dtype=ids.dtype)], axis=1)
             e = self.embed_tokens(nxt)
             x = paddle.matmul(paddle.concat([self.mtp.enorm(e), self.mtp.hnorm(hn)], axis=-1), self.mtp.eh_proj)

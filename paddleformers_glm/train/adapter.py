@@ -79,7 +79,12 @@ class ModelAdapter:
         raise NotImplementedError
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
-        """The module of one pipeline stage; its parameter names must equal the full model's."""
+        """The module of one pipeline stage; its parameter names must equal the full model's.
+
+        Its ``forward(carry, batch, part=None)`` returns a ``StageOutput``; ``part`` (a spec whose
+        layers and ends are a subset of ``spec``) runs only that chunk: with ``--vpp`` a rank's
+        module holds several pipeline chunks and Fleet's interleaved engine runs them in turn.
+        """
         raise NotImplementedError
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any] | None:

@@ -54,7 +54,15 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
     g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    g.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual pipeline stages per rank (Fleet's interleaved schedule; --pp-layout then lists pp x vpp chunks)",
+    )
+    g.add_argument(
+        "--schedule", default="1f1b", choices=["1f1b"], help="pipeline schedule (Fleet's 1F1B; --vpp interleaves it)"
+    )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=5)
     g.add_argument("--seq-len", type=int, default=64)
@@ -137,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model_args=model_args,
         tp=args.tp,
         pp=args.pp,
+        vpp=args.vpp,
         dp=args.dp,
         sharding=args.sharding,
         sharding_stage=args.sharding_stage,

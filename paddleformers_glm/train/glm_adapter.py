@@ -89,25 +89,32 @@ class GlmStage(nn.Layer):
             if spec.has_head:
                 self.lm_head = build_lm_head(config)
 
-    def forward(self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor]) -> StageOutput:
+    def forward(
+        self,
+        carry: tuple[paddle.Tensor, ...] | None,
+        batch: Mapping[str, paddle.Tensor],
+        part: StageSpec | None = None,
+    ) -> StageOutput:
+        """``part``: run only that chunk of the stage (a virtual pipeline stage); default all of it."""
+        spec = part or self.spec
         ids = batch["input_ids"]  # [B, S]
         mask = batch.get("attention_mask")
         pos = batch.get("position_ids")
         if pos is None:
             pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
         cos, sin = self.model.rotary_emb(pos)
-        if self.spec.has_embedding:
+        if spec.has_embedding:
             hidden, topk = self.model.embedding(ids), None  # [B, S, H]
         else:
             hidden, topk = carry
             topk = topk if topk.shape[-1] else None
         kls = []
-        for i in self.spec.layers:
+        for i in spec.layers:
             hidden, topk, kl = run_layer(self.model.layers[str(i)], hidden, cos, sin, mask, topk, mode=self.recompute)
             if kl is not None:
                 kls.append(kl)
         losses: dict[str, LossTerm] = {}
-        if not self.spec.has_head:
+        if not spec.has_head:
             if kls:
                 losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
             empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
@@ -116,7 +123,7 @@ class GlmStage(nn.Layer):
         h = self.model.norm(hidden)
         losses["lm"] = _loss_term(self.lm_head(h), batch, 1)
         B, S = ids.shape
-        for d, li in enumerate(self.mtp_ids, start=1):  # as GlmMoeDsaForCausalLM.mtp_forward
+        for d, li in enumerate(self.mtp_ids if spec.has_mtp else [], start=1):  # as GlmMoeDsaForCausalLM.mtp_forward
             mtp = self.model.layers[str(li)]
             shifted = batch.get(f"cp_ids_{d}")  # context parallel: shifted over the whole sequence
             if shifted is None:

@@ -1,7 +1,7 @@
 """The training loop every rank runs: topology -> stage module -> weights -> steps -> loss.json.
 
 One step: the global batch of the step (same for every layout) -> this data-parallel rank's
-micro-batches -> pipeline engine (forward + backward; each loss term scaled by its weight over
+micro-batches -> pipeline engine (Fleet's with ``--pp`` > 1; forward + backward; each loss term scaled by its weight over
 its *global* normaliser) -> gradient sync over replicas -> true global norm -> clip -> Paddle's AdamW (train/optim.py).
 Loss sums are reduced over pipeline stages and data-parallel ranks, so every rank knows the
 step's loss; rank 0 logs it and writes ``OUT/loss.json``.
@@ -29,11 +29,12 @@ from ..modeling.model import default_dtype
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
+from ..parallel.fleet_pipeline import FleetPipeline, rank_spec
 from ..parallel.grads import GradSynchronizer, clip_main_grads
-from ..parallel.pipeline import PipelineEngine, layout_string, split_stages, validate_shared_layer_starts
+from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
-from ..parallel.topology import ParallelConfig, init_topology, set_topology
+from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import micro_batches, open_data
 from .memory import MemoryMonitor
@@ -52,6 +53,7 @@ class TrainConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
+    vpp: int = 1  # virtual pipeline stages per rank (Fleet's interleaved schedule)
     dp: int | None = None  # None: world / (tp * pp * sharding)
     sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
     sharding_stage: int = 1  # 2: gradients sharded too (each kept only on the sharding rank that updates it)
@@ -102,8 +104,14 @@ class TrainConfig:
         for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
+        if self.schedule != "1f1b":
+            raise ValueError(
+                f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
+            )
+        if int(self.vpp) < 1:
+            raise ValueError(f"--vpp must be >= 1, got {self.vpp}")
+        if self.vpp > 1 and self.pp < 2:
+            raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -165,16 +173,24 @@ def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
 
 
 def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
-    """The pipeline stages of this run (``--pp``, ``--pp-layout``, first/last stage sizes, MTP);
-    the launcher calls it too, to refuse a bad split before any process starts."""
-    return split_stages(
-        adapter.num_layers,
-        pp,
-        first_stage_layers=cfg.first_stage_layers,
-        last_stage_layers=cfg.last_stage_layers,
-        layout=cfg.pp_layout,
-        has_mtp=adapter.has_mtp,
-    )
+    """The pipeline chunks of this run (``--pp`` x ``--vpp``, ``--pp-layout``, first/last stage
+    sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``.
+    The launcher calls it too, to refuse a bad split before any process starts."""
+    try:
+        return split_stages(
+            adapter.num_layers,
+            pp * cfg.vpp,
+            first_stage_layers=cfg.first_stage_layers,
+            last_stage_layers=cfg.last_stage_layers,
+            layout=cfg.pp_layout,
+            has_mtp=adapter.has_mtp,
+        )
+    except ParallelConfigError as e:
+        if cfg.vpp == 1:
+            raise
+        raise ParallelConfigError(
+            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pp} x --vpp {cfg.vpp} chunks)"
+        ) from e
 
 
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
@@ -194,13 +210,22 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
 
 
 def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
-    """The global batch splits evenly over the dp x sharding replicas and their micro-batches."""
+    """The global batch splits evenly over the dp x sharding replicas and their micro-batches;
+    an interleaved pipeline gets ``pp`` or at least ``2 pp`` micro-batches per replica (Fleet's
+    F-then-B and 1F1B interleaved engines)."""
     if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
         raise ValueError(
             f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
             f"x --micro-batch-size {cfg.micro_batch_size}"
         )
     check_seq_len(cfg.seq_len, pc.cp)
+    micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
+    if cfg.vpp > 1 and not (micro == pc.pp or micro >= 2 * pc.pp):
+        raise ValueError(
+            f"--vpp {cfg.vpp}: each replica runs {micro} micro-batches per step; Fleet's interleaved schedules "
+            f"need exactly --pp {pc.pp} or at least 2 x --pp = {2 * pc.pp}; change --global-batch-size or "
+            "--micro-batch-size"
+        )
 
 
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
@@ -228,7 +253,12 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
-    topo = init_topology(pc, **adapter.parallel_sizes())
+    topo = init_topology(
+        pc,
+        accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
+        micro_batch_size=cfg.micro_batch_size,
+        **adapter.parallel_sizes(),
+    )
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         return _train(cfg, adapter, topo, specs)
@@ -284,11 +314,11 @@ class _Run:
     cfg: TrainConfig
     adapter: ModelAdapter
     topo: Any
-    specs: list[Any]
+    specs: list[Any]  # the pipeline chunks (one per stage, or pp x vpp)
     module: Any
     sync: GradSynchronizer
     opt: AdamW
-    engine: PipelineEngine
+    engine: SingleStageEngine | FleetPipeline
     memory: MemoryMonitor
     balancer: ExpertBalancer
     data: Any
@@ -320,9 +350,19 @@ def _build_stage(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, spec: Any) 
 
 
 def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any]) -> _Run:
-    """Stage module, weights (initial or resumed), optimizer, pipeline engine, data and schedule."""
-    module = _build_stage(cfg, adapter, topo, specs[topo.stage])
-    _load_initial_weights(cfg, adapter, module, topo, specs[topo.stage])
+    """Stage module, pipeline engine, weights (initial or resumed), optimizer, data and schedule.
+
+    With ``--pp`` > 1 the engine is Fleet's pipeline (1F1B, or interleaved with ``--vpp``) over
+    this rank's chunks; it is built before the weights are loaded, because wrapping broadcasts
+    the replicated parameters.  One stage runs on :class:`SingleStageEngine`."""
+    spec = rank_spec(specs, topo.pc.pp, topo.stage)
+    module = _build_stage(cfg, adapter, topo, spec)
+    micro = cfg.global_batch_size // (topo.pc.replicas * cfg.micro_batch_size)
+    if topo.pc.pp > 1:
+        engine: SingleStageEngine | FleetPipeline = FleetPipeline(module, specs, topo, micro)
+    else:
+        engine = SingleStageEngine(module)
+    _load_initial_weights(cfg, adapter, module, topo, spec)
     sync = GradSynchronizer(module, topo)
     sync.sync_shared_parameters()
     opt = AdamW(
@@ -336,7 +376,6 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     if topo.pc.sharding_stage == 2 and topo.sharding_size > 1:  # gradients sharded too: each kept by its updater
         sync.shard_gradients(opt.grad_owners())
-    engine = PipelineEngine(module, topo, cfg.schedule)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
     balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
@@ -373,6 +412,10 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     )  # fmt: skip
 
 
+def _schedule_name(cfg: TrainConfig) -> str:
+    return cfg.schedule if cfg.vpp == 1 else f"interleaved 1f1b (vpp {cfg.vpp})"
+
+
 def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
     """loss.json's content after ``steps_done`` steps."""
     cfg = run.cfg
@@ -390,7 +433,8 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
         run={
             "model": cfg.model,
             "pp_layout": layout_string(run.specs),
-            "schedule": cfg.schedule,
+            "schedule": _schedule_name(cfg),
+            "pipeline_engine": run.engine.name,
             "data": run.data.describe,
             "resumed_from_step": run.start if cfg.resume else None,
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
@@ -527,7 +571,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     log = (bar.write if bar is not None else print) if run.rank0 else (lambda *_: None)
     if run.rank0:
         log(
-            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {cfg.schedule} data {run.data.describe}"
+            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
         )
     result: dict[str, Any] = {}
     for step in range(run.start, cfg.steps):
