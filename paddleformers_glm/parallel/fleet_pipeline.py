@@ -101,8 +101,10 @@ class PipelineChunk(nn.Layer):
         objective = self._ledger.objective(out.losses or {}, where)
         if last:
             return objective
-        # Fleet frees the data of what a stage sends; never send (and so free) one of our inputs.
-        carry_out = [t.clone() if any(t is i for i in x) else t for t in out.carry]
+        # Fleet frees the data of what a stage sends; never send (and so free) one of our inputs, nor
+        # a tensor without gradient (the top-k a shared layer passes through is also the saved input
+        # of that layer's recompute replay).
+        carry_out = [t.clone() if t.stop_gradient or any(t is i for i in x) else t for t in out.carry]
         if objective is not None:
             k = next((j for j, t in enumerate(carry_out) if not t.stop_gradient), None)
             if k is None:
