@@ -263,6 +263,7 @@ def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsy
     base = [5.0 - 0.01 * i for i in range(6)]
     gaps = [{"indexer": {"min": 1e-3}}] * 6
     gaps[4] = {"indexer": {"min": 0.0, "min_nonzero": 3e-8}, "router_expert": {"min": 2e-4, "min_nonzero": 2e-4}}
+    gaps[4]["router_group"] = {"min": 0.0, "min_nonzero": math.inf}  # only exact ties: no nonzero margin
     args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run"]
 
     same = tmp_path / "same"
@@ -272,7 +273,7 @@ def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsy
     v = json.loads((same / "receipt" / "verdict.json").read_text())
     assert v["result"] == "aligned" and v["comparisons"]["losses"]["consistent_steps"] == 6
     assert v["tolerances"]["step1_weight_atol"] == pytest.approx(1e-6)  # a tenth of the step-1 lr
-    assert v["near_ties"] == [{"step": 4, "min_gaps": {"indexer": 0.0}}]
+    assert v["near_ties"] == [{"step": 4, "min_gaps": {"indexer": 0.0, "router_group": 0.0}}]
     assert (same / "receipt" / "loss.png").is_file() and (same / "receipt" / "check_ckpt_step1_grads.json").is_file()
 
     flip = tmp_path / "flip"

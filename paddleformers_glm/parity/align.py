@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -145,7 +146,11 @@ def explain_jump(jump: dict[str, Any], margins: list[dict[str, Any]]) -> dict[st
         jump = dict(jump, reference_min_gaps=gaps, near_tie=any(g < NEAR_TIE for g in gaps.values()))
         # exact ties (margin 0) of equal values break alike on both sides; the smallest margin that
         # is not one is the decision rounding can flip (recorded by newer reference runs)
-        nonzero = {cat: m["min_nonzero"] for cat, m in margins[step].items() if "min_nonzero" in m}
+        nonzero = {
+            cat: m["min_nonzero"]
+            for cat, m in margins[step].items()
+            if math.isfinite(m.get("min_nonzero", math.inf))  # inf: every margin was an exact tie
+        }
         if nonzero:
             jump["reference_min_nonzero_gaps"] = nonzero
     return jump
