@@ -262,7 +262,8 @@ def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsy
 
     base = [5.0 - 0.01 * i for i in range(6)]
     gaps = [{"indexer": {"min": 1e-3}}] * 6
-    gaps[4] = {"indexer": {"min": 0.0}, "router_expert": {"min": 2e-4}}
+    gaps[4] = {"indexer": {"min": 0.0, "min_nonzero": 3e-8}, "router_expert": {"min": 2e-4, "min_nonzero": 2e-4}}
+    gaps[4]["router_group"] = {"min": 0.0, "min_nonzero": math.inf}  # only exact ties: no nonzero margin
     args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run"]
 
     same = tmp_path / "same"
@@ -272,7 +273,7 @@ def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsy
     v = json.loads((same / "receipt" / "verdict.json").read_text())
     assert v["result"] == "aligned" and v["comparisons"]["losses"]["consistent_steps"] == 6
     assert v["tolerances"]["step1_weight_atol"] == pytest.approx(1e-6)  # a tenth of the step-1 lr
-    assert v["near_ties"] == [{"step": 4, "min_gaps": {"indexer": 0.0}}]
+    assert v["near_ties"] == [{"step": 4, "min_gaps": {"indexer": 0.0, "router_group": 0.0}}]
     assert (same / "receipt" / "loss.png").is_file() and (same / "receipt" / "check_ckpt_step1_grads.json").is_file()
 
     flip = tmp_path / "flip"
@@ -284,6 +285,9 @@ def test_align_verdict_and_receipt_from_finished_runs(tiny_ckpt, tmp_path, capsy
     v = json.loads((flip / "receipt" / "verdict.json").read_text())
     jump = v["comparisons"]["losses"]["jumps"][0]
     assert jump["step"] == 4 and jump["near_tie"] is True and jump["reference_min_gaps"]["indexer"] == 0.0
+    # the smallest margin that is not an exact tie (the one rounding can flip) is named beside it
+    assert jump["reference_min_nonzero_gaps"] == {"indexer": 3e-8, "router_expert": 2e-4}
+    assert "smallest nonzero {'indexer': 3e-08" in out
     # 2e-6 on values of order 1: within the relative 1e-5 and the last-step 1e-5, beyond the step-1 1e-6
     assert v["comparisons"]["step1_grads"]["pass"] and v["comparisons"]["final_weights"]["pass"]
     assert not v["comparisons"]["step1_weights"]["pass"] and v["exit_code"] == 1

@@ -103,3 +103,60 @@ def test_router_weight_gets_gradient_through_weights_only():
 def test_moe_rejects_an_unknown_routed_form():
     with pytest.raises(ValueError, match="routed_form must be one of"):
         MoE(tiny_config(), routed_form="grouped")
+
+
+# Exact ties: logits on a 0.25 grid (x = the unit vectors, so row j of the router weight *is* token
+# j's logits, every value exact), so many tokens have bitwise-equal expert scores and equal group
+# scores at the selection boundary.  The expected experts below are what HF's
+# GlmMoeDsaTopkRouter (torch.topk on CPU, torch 2.13) chose for these rows; neither "lowest index
+# wins" nor "highest index wins" reproduces them (9 and 28 rows differ), so the test tells a
+# tie-break rule apart.
+_TIE_LOGITS_SEED = 7
+_TORCH_TIE_CHOICE = [
+    [0, 3], [4, 7], [1, 3], [0, 2], [1, 3], [4, 5], [4, 7], [0, 1], [4, 6], [4, 5], [2, 3], [0, 1], [1, 3],
+    [2, 3], [4, 5], [4, 6], [5, 6], [1, 2], [6, 7], [1, 3], [2, 3], [1, 2], [6, 7], [2, 3], [4, 6], [1, 3],
+    [1, 2], [0, 2], [0, 3], [4, 7], [0, 2], [6, 7], [5, 6], [0, 1], [4, 7], [4, 7], [2, 3], [6, 7], [6, 7],
+    [1, 2], [4, 5], [0, 2], [4, 7], [4, 6], [1, 3], [0, 1], [0, 1], [4, 6], [2, 3], [5, 6], [1, 3], [5, 7],
+    [0, 1], [5, 6], [1, 3], [0, 1], [1, 2], [0, 1], [1, 3], [5, 7], [4, 6], [4, 7], [0, 1], [5, 6],
+]  # fmt: skip
+
+
+def _tie_logits(hidden: int, experts: int) -> np.ndarray:
+    return (np.random.default_rng(_TIE_LOGITS_SEED).integers(0, 4, size=(hidden, experts)) * 0.25).astype("float32")
+
+
+def _tie_router_choice() -> np.ndarray:
+    cfg = tiny_config(n_group=2, topk_group=1, num_experts_per_tok=2, norm_topk_prob=True)
+    moe = MoE(cfg)
+    W = _tie_logits(cfg.hidden_size, cfg.n_routed_experts)
+    moe.gate.weight.set_value(paddle.to_tensor(W))
+    _, _, ids = moe.gate(paddle.eye(cfg.hidden_size, dtype="float32"))
+    return np.sort(ids.numpy(), -1)
+
+
+def test_router_breaks_exact_ties_like_the_torch_reference():
+    """A tie at the group or expert boundary goes to the same experts as in HF's router on CPU
+    (paddle.topk and torch.topk order equal values alike there), so two runs whose scores are
+    bitwise equal route every token the same way."""
+    W = _tie_logits(64, 8)
+    s = 1 / (1 + np.exp(-W.astype(np.float64)))
+    third = np.sort(s.reshape(64, 2, 4), -1)[..., -3]
+    second = np.sort(s.reshape(64, 2, 4), -1)[..., -2]
+    assert (second == third).any(-1).sum() >= 20  # the fixture does hold exact ties
+    np.testing.assert_array_equal(_tie_router_choice(), np.array(_TORCH_TIE_CHOICE))
+
+
+def test_tie_fixture_is_what_the_torch_router_chooses():
+    """The recorded choice above is re-derived from HF's router when the reference extra is installed."""
+    torch = pytest.importorskip("torch", reason="the reference extra (torch) is not installed")
+    hf = pytest.importorskip(
+        "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", reason="transformers with glm_moe_dsa is not installed"
+    )
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as HFConfig
+
+    cfg = HFConfig(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+    router = hf.GlmMoeDsaTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(_tie_logits(64, 8).T.copy()))
+    _, _, ids = router(torch.eye(64))
+    np.testing.assert_array_equal(np.sort(ids.numpy(), -1), np.array(_TORCH_TIE_CHOICE))

@@ -295,6 +295,9 @@ class TopkMargins:
     Why: a margin below the two frameworks' rounding noise (~1e-7 in fp32) is a near tie that the
     runs may break differently; the selected tokens or experts then differ and the losses part in
     one step.  ``glm52 align`` names such a step as a jump and shows the margin found here.
+    ``min_nonzero`` is the smallest margin that is not an exact tie: exact ties of equal values are
+    common at the indexer (its ``relu`` puts many keys at exactly 0) and both frameworks break them
+    alike, so a step's ``min`` of 0 would hide the near tie that can actually flip.
     """
 
     NEAR = 1e-6
@@ -327,8 +330,14 @@ class TopkMargins:
         xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
         srt = xs.sort(dim=-1, descending=True).values
         gaps = srt[:, k - 1] - srt[:, k]
-        st = self.step.setdefault(cat, {"min": math.inf, "near_ties": 0, "decisions": 0})
+        st = self.step.setdefault(
+            cat, {"min": math.inf, "min_nonzero": math.inf, "exact_ties": 0, "near_ties": 0, "decisions": 0}
+        )
         st["min"] = min(st["min"], float(gaps.min()))
+        nonzero = gaps[gaps > 0]
+        if nonzero.numel():
+            st["min_nonzero"] = min(st["min_nonzero"], float(nonzero.min()))
+        st["exact_ties"] += int((gaps == 0).sum())
         st["near_ties"] += int((gaps < self.NEAR).sum())
         st["decisions"] += int(rows.sum())
 

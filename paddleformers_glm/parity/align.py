@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -143,6 +144,15 @@ def explain_jump(jump: dict[str, Any], margins: list[dict[str, Any]]) -> dict[st
     if step < len(margins):
         gaps = {cat: m["min"] for cat, m in margins[step].items()}
         jump = dict(jump, reference_min_gaps=gaps, near_tie=any(g < NEAR_TIE for g in gaps.values()))
+        # exact ties (margin 0) of equal values break alike on both sides; the smallest margin that
+        # is not one is the decision rounding can flip (recorded by newer reference runs)
+        nonzero = {
+            cat: m["min_nonzero"]
+            for cat, m in margins[step].items()
+            if math.isfinite(m.get("min_nonzero", math.inf))  # inf: every margin was an exact tie
+        }
+        if nonzero:
+            jump["reference_min_nonzero_gaps"] = nonzero
     return jump
 
 
@@ -358,6 +368,8 @@ def run_align(args: argparse.Namespace) -> int:
                     if "reference_min_gaps" in j
                     else "no reference margins"
                 )
+                if "reference_min_nonzero_gaps" in j:
+                    why += f", smallest nonzero {j['reference_min_nonzero_gaps']}"
                 detail += f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why})"
         else:
             detail = f"worst {s['worst']['value']:.3g} ({s['worst']['key']}) tolerance {s['tolerance']:g}"
