@@ -6,7 +6,8 @@ rank's second chunk selects among keys held by the other rank, through the share
 top-k too); a repeat is bit-identical, a resume from step 2 bit-exact; the indexer KL loss (whose
 key gradients cross the cp ranks) trains as in one process.  Expert parallelism spans the cp ranks
 (--cp 2 --ep 2: each cp rank owns half the experts; --tp 2 --cp 2 --ep 4 --sp: every rank of the
-stage owns a quarter) with the same bound, and the planner's parameter bytes match those runs."""
+stage owns a quarter) with the same bound, the planner's parameter bytes match the --cp 2 --ep 2
+run, and its step-2 state resumes at --cp 2 (experts resharded) on the same curve."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def test_cp2_ep2_splits_the_experts_over_the_cp_ranks(tiny_ckpt, single, tmp_pat
     from paddleformers_glm.configuration import GlmMoeDsaConfig
     from paddleformers_glm.train import plan as planmod
 
-    got = _run(tiny_ckpt, tmp_path, 48, "--cp", "2", "--ep", "2")
+    got = _run(tiny_ckpt, tmp_path / "a", 48, "--cp", "2", "--ep", "2", "--save-every", "2")
     assert got["profile"]["cp"] == 2 and got["profile"]["world"] == 2
     _close(single[48], got, ("--cp", "2", "--ep", "2"))
     _plan_matches_measured(tiny_ckpt, got, 48, ep=2)
@@ -165,6 +166,14 @@ def test_cp2_ep2_splits_the_experts_over_the_cp_ranks(tiny_ckpt, single, tmp_pat
     config = GlmMoeDsaConfig.from_pretrained(str(tiny_ckpt))
     full = planmod.plan_layout(config, planmod.Layout(cp=2, seq_len=48, dtype="float32", global_batch_size=GBS))
     assert all(m["params_bytes"] < full["ranks"][0]["params_bytes"] for m in got["memory"])
+    # the step-2 state (each cp rank saved its own experts and their AdamW state) resumes at --cp 2
+    # without ep (every rank needs every expert: resharded) and continues the curve
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
+    r = _run(tiny_ckpt, tmp_path / "b", 48, "--cp", "2", "--resume", str(ckpt))
+    assert r["run"]["resumed_from_step"] == 2 and r["lrs"] == got["lrs"]
+    for key in ("losses", "mtp_losses"):
+        diff = max(abs(a - b) for a, b in zip(got[key][2:], r[key][2:]))
+        assert len(r[key]) == STEPS and diff <= 1e-6, (key, diff)
 
 
 def test_plan_accepts_expert_parallel_over_the_cp_ranks(tiny_ckpt):
