@@ -4,7 +4,10 @@ recompute) against one process: losses and MTP losses within 1e-6 at lr 1e-5 ove
 seq 32 (zigzag chunks of index_topk keys) and seq 48 (chunks of 12 > index_topk = 8, so every
 rank's second chunk selects among keys held by the other rank, through the shared layers' carried
 top-k too); a repeat is bit-identical, a resume from step 2 bit-exact; the indexer KL loss (whose
-key gradients cross the cp ranks) trains as in one process."""
+key gradients cross the cp ranks) trains as in one process.  Expert parallelism spans the cp ranks
+(--cp 2 --ep 2: each cp rank owns half the experts; --tp 2 --cp 2 --ep 4 --sp: every rank of the
+stage owns a quarter) with the same bound, the planner's parameter bytes match the --cp 2 --ep 2
+run, and its step-2 state resumes at --cp 2 (experts resharded) on the same curve."""
 
 from __future__ import annotations
 
@@ -92,22 +95,24 @@ def _close(ref, got, what):
     assert rel <= 1e-5, (what, "grad_norms", rel)
 
 
-def _plan_matches_measured(ckpt, got, seq):
-    """glm52 plan --cp 2: every rank's parameter and gradient bytes as measured (no weight is split
-    over cp), the activation estimate within a factor of 2 of the measured saved bytes (the bound of
-    the planner's other layouts), and below the one-process estimate."""
+def _plan_matches_measured(ckpt, got, seq, ep=1):
+    """glm52 plan --cp 2 [--ep]: every rank's parameter and gradient bytes as measured (no dense
+    weight is split over cp; with --ep the experts are), the activation estimate within a factor of
+    2 of the measured saved bytes (the bound of the planner's other layouts), and below the
+    one-process estimate."""
     from paddleformers_glm.configuration import GlmMoeDsaConfig
     from paddleformers_glm.parallel.pipeline import split_stages
     from paddleformers_glm.train import plan as planmod
 
     config = GlmMoeDsaConfig.from_pretrained(str(ckpt))
-    lay = planmod.Layout(cp=2, seq_len=seq, dtype="float32", global_batch_size=GBS)
+    lay = planmod.Layout(cp=2, ep=ep, seq_len=seq, dtype="float32", global_batch_size=GBS)
     plan = planmod.plan_layout(config, lay)
     assert plan["layout"]["world"] == 2 and [planmod.rank_coords(lay, r)["cp"] for r in (0, 1)] == [0, 1]
     spec = split_stages(config.num_hidden_layers, 1, has_mtp=True)[0]
     est = planmod.activation_bytes(config, lay, spec, GBS)
     one = planmod.activation_bytes(config, planmod.Layout(seq_len=seq, dtype="float32"), spec, GBS)
     assert est < 0.6 * one
+    assert len(got["memory"]) == 2
     for m, p in zip(got["memory"], plan["ranks"]):
         assert (m["params_bytes"], m["grads_bytes"]) == (p["params_bytes"], p["grads_bytes"]), (m, p)
         assert 0.5 <= est / m["activations_bytes"] <= 2.0, (m["rank"], est, m["activations_bytes"])
@@ -136,8 +141,9 @@ def test_cp2_matches_one_process_repeats_and_resumes_bit_exact(tiny_ckpt, single
         (48, ("--cp", "2")),
         (48, ("--tp", "2", "--cp", "2", "--sp")),
         (48, ("--pp", "2", "--cp", "2", "--recompute", "full")),
+        (48, ("--tp", "2", "--cp", "2", "--ep", "4", "--sp")),
     ],
-    ids=["cp2-seq48", "tp2-cp2-sp-seq48", "pp2-cp2-recompute-seq48"],
+    ids=["cp2-seq48", "tp2-cp2-sp-seq48", "pp2-cp2-recompute-seq48", "tp2-cp2-ep4-sp-seq48"],
 )
 def test_cp_layouts_match_one_process(tiny_ckpt, single, tmp_path, seq, layout):
     got = _run(tiny_ckpt, tmp_path, seq, *layout)
@@ -145,6 +151,40 @@ def test_cp_layouts_match_one_process(tiny_ckpt, single, tmp_path, seq, layout):
     if "--pp" in layout:
         assert got["run"]["pp_layout"] == "E,t*4|t*4,m,L"  # stage 1 starts on shared layer 4: the carried top-k
     _close(single[seq], got, layout)
+
+
+@pytest.mark.slow
+def test_cp2_ep2_splits_the_experts_over_the_cp_ranks(tiny_ckpt, single, tmp_path):
+    from paddleformers_glm.configuration import GlmMoeDsaConfig
+    from paddleformers_glm.train import plan as planmod
+
+    got = _run(tiny_ckpt, tmp_path / "a", 48, "--cp", "2", "--ep", "2", "--save-every", "2")
+    assert got["profile"]["cp"] == 2 and got["profile"]["world"] == 2
+    _close(single[48], got, ("--cp", "2", "--ep", "2"))
+    _plan_matches_measured(tiny_ckpt, got, 48, ep=2)
+    # each rank holds half the experts: fewer parameter bytes than a --cp 2 rank (every expert)
+    config = GlmMoeDsaConfig.from_pretrained(str(tiny_ckpt))
+    full = planmod.plan_layout(config, planmod.Layout(cp=2, seq_len=48, dtype="float32", global_batch_size=GBS))
+    assert all(m["params_bytes"] < full["ranks"][0]["params_bytes"] for m in got["memory"])
+    # the step-2 state (each cp rank saved its own experts and their AdamW state) resumes at --cp 2
+    # without ep (every rank needs every expert: resharded) and continues the curve
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
+    r = _run(tiny_ckpt, tmp_path / "b", 48, "--cp", "2", "--resume", str(ckpt))
+    assert r["run"]["resumed_from_step"] == 2 and r["lrs"] == got["lrs"]
+    for key in ("losses", "mtp_losses"):
+        diff = max(abs(a - b) for a, b in zip(got[key][2:], r[key][2:]))
+        assert len(r[key]) == STEPS and diff <= 1e-6, (key, diff)
+
+
+def test_plan_accepts_expert_parallel_over_the_cp_ranks(tiny_ckpt):
+    from paddleformers_glm.configuration import GlmMoeDsaConfig
+    from paddleformers_glm.train import plan as planmod
+
+    config = GlmMoeDsaConfig.from_pretrained(str(tiny_ckpt))
+    lay = planmod.Layout(cp=2, ep=2, seq_len=48, dtype="float32", global_batch_size=GBS)
+    assert planmod.plan_layout(config, lay)["layout"]["world"] == 2  # dp 1: ep 2 only fits over cp
+    with pytest.raises(ParallelConfigError, match=r"must divide tp 1 x dp 1 x cp 2 = 2"):
+        planmod.plan_layout(config, planmod.Layout(cp=2, ep=4, seq_len=48, global_batch_size=GBS))
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Distributed export: each rank writes the official-layout tensors it owns straight into the
 planned files; the result is byte-identical to the single-process saver's (files and index), and
-with TP2 x PP2 / TP2 x EP2 at lr 0 byte-identical to that of the unsplit model."""
+with TP2 x PP2 / TP2 x EP2 / CP2 x EP2 (experts split over the context-parallel ranks) at lr 0
+byte-identical to that of the unsplit model."""
 
 from __future__ import annotations
 
@@ -58,7 +59,11 @@ def test_single_rank_export_equals_the_saver_byte_for_byte(tiny_ckpt, reference,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("--tp", "2", "--pp", "2"), ("--tp", "2", "--ep", "2")], ids=["tp2-pp2", "tp2-ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [("--tp", "2", "--pp", "2"), ("--tp", "2", "--ep", "2"), ("--cp", "2", "--ep", "2")],
+    ids=["tp2-pp2", "tp2-ep2", "cp2-ep2"],  # cp2-ep2: each cp rank writes the experts it owns
+)
 def test_parallel_export_equals_the_single_process_export(tiny_ckpt, reference, tmp_path, layout):
     args = ["--model", str(tiny_ckpt), "--steps", "1", "--seq-len", "16", "--global-batch-size", "2"]
     args += ["--lr", "0", "--min-lr", "0", "--weight-decay", "0", *layout, "--out", str(tmp_path), "--export"]

@@ -58,6 +58,7 @@ from paddleformers_glm.parallel.topology import (
         (dict(tp=2, ep=2), dict(num_experts=6 + 1), "ep 2 does not divide n_routed_experts 7"),
         (dict(tp=2, etp=2), dict(moe_intermediate_size=7), "etp 2 does not divide moe_intermediate_size 7"),
         (dict(tp=2, ep=4), {}, "ep 4 x etp 1 = 4 must divide tp 2 x dp 1 = 2"),
+        (dict(tp=2, cp=2, ep=8), {}, "ep 8 x etp 1 = 8 must divide tp 2 x dp 1 x cp 2 = 4"),
         (dict(tp=1, sp=True), {}, "sequence parallel (--sp) needs tp > 1"),
         (dict(pp=4), dict(num_layers=3), "pp 4 > num_hidden_layers 3"),
         (dict(tp=0), {}, "tp must be an integer >= 1, got 0"),
@@ -93,6 +94,21 @@ def test_expert_layout_factors_the_stage_ranks():
     pc = ParallelConfig(tp=2, dp=2, ep=2)  # EP over the TP ranks, replicas across DP
     assert [expert_layout(pc, d, t) for d in range(2) for t in range(2)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
     assert pc.edp == 2
+
+
+def test_expert_layout_spans_the_context_parallel_ranks():
+    """The stage's dp x cp x tp ranks (tp fastest, then cp) are one expert grid: a cp rank owns
+    other experts, like a dp rank; the public TP4 CP8 EP32 layout at dp 1 is valid."""
+    pc = ParallelConfig(cp=2, ep=2)
+    pc.validate(2)
+    assert [expert_layout(pc, 0, 0, c) for c in range(2)] == [(0, 0, 0), (0, 1, 0)] and pc.edp == 1
+    pc = ParallelConfig(tp=2, dp=2, cp=2, ep=4)
+    got = [expert_layout(pc, d, t, c) for d in range(2) for c in range(2) for t in range(2)]
+    assert got == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 3, 0), (1, 0, 0), (1, 1, 0), (1, 2, 0), (1, 3, 0)]
+    assert pc.edp == 2  # the replicas of an expert are the two dp rows
+    big = ParallelConfig(tp=4, pp=8, cp=8, ep=32, sp=True)
+    big.validate(256, num_experts=256)
+    assert big.edp == 1
 
 
 def test_world1_topology_needs_no_distributed_init():

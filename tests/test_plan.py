@@ -168,3 +168,21 @@ def test_search_lists_fitting_layouts_fastest_first(tmp_path):
     assert not any(r["flags"].startswith("--tp 1 --pp 1 --dp 8 --ep 1 ") for r in found)
     assert cli_main(["plan", "--model", model, "--dp", "8", *budget, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["fits"] is False  # plain data parallel holds everything
+
+
+def test_search_with_cp_keeps_the_gpu_count_and_folds_experts_over_cp(tmp_path):
+    """``--search --gpus 8 --cp 2``: every listed layout has 8 ranks in all (cp included), and some
+    use an ep that only fits because the expert grid spans the cp ranks (ep > tp x dp x sharding)."""
+    out = tmp_path / "s.json"
+    budget = ["--gpu-mem-gb", str(10 / 1024), "--dtype", "float32", "--seq-len", "32"]
+    args = ["plan", "--model", str(TINY_CONFIG.parent), "--search", "--gpus", "8", "--cp", "2", "--top", "100"]
+    assert cli_main([*args, *budget, "--json", str(out)]) == 0
+    found = json.loads(out.read_text())["layouts"]
+    assert found
+    sizes = []
+    for r in found:
+        f = r["flags"].split()
+        get = {k[2:]: int(v) for k, v in zip(f, f[1:]) if k in ("--tp", "--pp", "--dp", "--ep", "--sharding", "--cp")}
+        assert get["cp"] == 2 and get["tp"] * get["pp"] * get["dp"] * get.get("sharding", 1) * 2 == 8, r["flags"]
+        sizes.append((get["ep"], get["tp"] * get["dp"] * get.get("sharding", 1)))
+    assert any(ep > tdp for ep, tdp in sizes), sizes

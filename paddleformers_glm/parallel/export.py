@@ -34,19 +34,18 @@ __all__ = ["export_distributed", "export_trained", "save_pretrained_distributed"
 
 
 def _owner_candidate(spec: Any, topo: Topology) -> bool:
-    """A canonical holder: dp 0 / tp 0 (a TP-split tensor is merged there), edp 0 / etp 0 for experts."""
-    if topo.cp_rank != 0:  # context-parallel ranks hold replicas
-        return False
+    """A canonical holder: dp 0 / cp 0 / tp 0 (a TP-split tensor is merged there), edp 0 / etp 0
+    for experts (the expert grid spans the cp ranks: a cp rank > 0 may own experts no other has)."""
     if spec.expert:
         return topo.edp_rank == 0 and topo.etp_rank == 0
-    return topo.dp_rank == 0 and topo.tp_rank == 0
+    return topo.dp_rank == 0 and topo.cp_rank == 0 and topo.tp_rank == 0
 
 
 def _group_gathers(spec: Any, topo: Topology) -> bool:
     """Whether this rank's group takes part in merging (the same answer on every member)."""
-    if topo.cp_rank != 0:  # context-parallel ranks hold replicas
-        return False
-    return topo.edp_rank == 0 if spec.expert else topo.dp_rank == 0
+    if spec.expert:  # an etp group shares its edp rank (it may span cp ranks)
+        return topo.edp_rank == 0
+    return topo.dp_rank == 0 and topo.cp_rank == 0  # context-parallel ranks hold dense replicas
 
 
 def _all_gather_object(obj: Any, topo: Topology) -> list[Any]:

@@ -9,10 +9,11 @@ parameters reduce and clip in fp32) and summed over the ranks that hold a replic
   sharding stage 2 (:meth:`GradSynchronizer.shard_gradients`) each gradient is *reduced* to the
   sharding rank that updates it (Fleet's ``DygraphShardingOptimizer`` partition) and the other
   ranks drop it, so a rank keeps the fp32 gradients of its own part only;
-* every parameter: over the context-parallel group (each cp rank holds a slice of every sequence,
-  no weight slice);
-* dense parameters: over DP; expert parameters (``ShardSpec.expert``): over the expert-data-parallel
-  group (their replicas: edp = tp x dp / (ep x etp));
+* dense parameters: over DP, then over the context-parallel group (each cp rank holds a slice of
+  every sequence, no weight slice); expert parameters (``ShardSpec.expert``): over the
+  expert-data-parallel group only (their replicas: edp = tp x dp x cp / (ep x etp)). The expert
+  grid spans the cp ranks, so a cp group holds *different* experts: summing an expert gradient
+  over it would add another expert's gradient;
 * parameters held by several pipeline stages under the same name (the embedding the MTP head reuses):
   over those stages, in stage order.
 
@@ -21,7 +22,8 @@ A parameter that got no gradient anywhere (an expert no token chose) is reported
 optimizer can skip it as torch's AdamW does, identically in every layout.
 
 The global norm counts each distinct tensor element once: a replicated tensor only on its
-canonical owner (dp, sharding and cp rank 0, tp rank 0 unless TP-split, edp rank 0 for experts, the first stage
+canonical owner (sharding rank 0; dp and cp rank 0 and tp rank 0 unless TP-split for dense tensors,
+edp rank 0 and etp rank 0 unless ETP-split for experts; the first stage
 holding a pipeline-shared name), then one all-reduce over the world.
 """
 
@@ -120,8 +122,9 @@ class GradSynchronizer:
         # sharding ranks are more data-parallel replicas (Fleet's sharding_degree): every grad sums over them
         if self.grad_owner is None:
             self._reduce([n for n, _ in self.params], grads, flags, topo.sharding_group)
-        # context parallel: no weight is split over cp; each cp rank's gradient covers its own tokens
-        self._reduce([n for n, _ in self.params], grads, flags, topo.cp_group)
+        # context parallel: no dense weight is split over cp; each cp rank's gradient covers its own
+        # tokens.  Experts are not: their edp group above already spans the cp ranks.
+        self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.cp_group)
         for stages, names in self._by_holder_set():  # pipeline-shared tensors: sum over the holder stages
             group, holders_only = self._set_group(stages)
             if holders_only and topo.stage not in stages:
@@ -181,15 +184,15 @@ class GradSynchronizer:
     # ---------------------------------------------------------------- helpers
     def _owner(self, name: str, spec) -> bool:
         topo = self.topo
-        if topo.cp_rank != 0 or topo.sharding_rank != (0 if self.grad_owner is None else self.grad_owner[name]):
+        if topo.sharding_rank != (0 if self.grad_owner is None else self.grad_owner[name]):
             return False
-        if spec.expert:
+        if spec.expert:  # edp spans the cp ranks: the cp rank says nothing about an expert replica
             if topo.edp_rank != 0:
                 return False
             if (spec.axis is None or spec.group != "etp") and topo.etp_rank != 0:
                 return False
         else:
-            if topo.dp_rank != 0:
+            if topo.dp_rank != 0 or topo.cp_rank != 0:
                 return False
             if (spec.axis is None or spec.group != "tp") and topo.tp_rank != 0:
                 return False

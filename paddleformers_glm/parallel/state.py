@@ -31,11 +31,11 @@ def to_numpy(t: paddle.Tensor) -> np.ndarray:
 
 def _is_owner(spec: Any, topo: Topology) -> bool:
     """The one rank (per distinct full tensor) that contributes it to the gathered state."""
-    if topo.sharding_rank != 0 or topo.cp_rank != 0:
+    if topo.sharding_rank != 0:
         return False
-    if spec.expert:
+    if spec.expert:  # the expert grid spans the cp ranks: edp rank 0 holds each expert once
         return topo.edp_rank == 0 and topo.etp_rank == 0
-    return topo.dp_rank == 0 and topo.tp_rank == 0
+    return topo.dp_rank == 0 and topo.cp_rank == 0 and topo.tp_rank == 0
 
 
 def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 0) -> dict[str, np.ndarray] | None:

@@ -1,9 +1,11 @@
 """Hybrid-parallel topology: which ranks share a tensor-, pipeline-, data- or expert-parallel group.
 
 Dense layout comes from ``paddle.distributed.fleet`` (order dp > pp > mp, mp fastest), so fleet
-utilities keep working. The expert layout is ours: inside one pipeline stage the ``dp x tp`` ranks
-are re-factored as ``edp x ep x etp`` (etp fastest), the Megatron-Core rule, so ``--tp 2 --pp 2
---ep 2`` runs on 4 ranks with experts spread over the two TP ranks.  Fleet's own EP group
+utilities keep working. The expert layout is ours: inside one pipeline stage the ``dp x cp x tp``
+ranks are re-factored as ``edp x ep x etp`` (etp fastest), the Megatron-Core rule, so ``--tp 2
+--pp 2 --ep 2`` runs on 4 ranks with experts spread over the two TP ranks and ``--cp 2 --ep 2`` on
+2 ranks with experts spread over the two context-parallel ranks (each holds other tokens, like a
+data-parallel replica).  Fleet's own EP group
 (``EPHybridCommunicateGroup``) is not used: it insists on dp == 1 and has no ETP.
 
 At world size 1 nothing distributed is initialised; every group is ``None`` and every size 1, so
@@ -68,8 +70,8 @@ class ParallelConfig:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: replicas of one expert shard inside a stage."""
-        return (self.tp * self.dp) // (self.ep * self.etp)
+        """Expert-data-parallel size: replicas of one expert shard inside a stage (over dp x cp x tp)."""
+        return (self.tp * self.dp * self.cp) // (self.ep * self.etp)
 
     @classmethod
     def from_world(
@@ -143,10 +145,11 @@ class ParallelConfig:
             raise ParallelConfigError(f"--sharding-stage must be 1 or 2, got {self.sharding_stage}")
         if self.sp and self.tp == 1:
             raise ParallelConfigError("sequence parallel (--sp) needs tp > 1, got tp 1")
-        if (self.tp * self.dp) % (self.ep * self.etp):
+        if (self.tp * self.dp * self.cp) % (self.ep * self.etp):
+            cp = f" x cp {self.cp}" if self.cp > 1 else ""
             raise ParallelConfigError(
-                f"ep {self.ep} x etp {self.etp} = {self.ep * self.etp} must divide tp {self.tp} x dp {self.dp} = "
-                f"{self.tp * self.dp} (experts are laid out over the tp x dp ranks of one pipeline stage)"
+                f"ep {self.ep} x etp {self.etp} = {self.ep * self.etp} must divide tp {self.tp} x dp {self.dp}{cp} = "
+                f"{self.tp * self.dp * self.cp} (experts are laid out over the tp x dp x cp ranks of one pipeline stage)"
             )
 
         def _div(what: str, size: int, n: int | None, n_name: str) -> None:
@@ -353,12 +356,13 @@ def _detect_backend() -> str:
     return "gloo"
 
 
-def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int) -> tuple[int, int, int]:
-    """(edp, ep, etp) ranks of the dense-plane position (dp_rank, tp_rank) of a stage.
+def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> tuple[int, int, int]:
+    """(edp, ep, etp) ranks of the dense-plane position (dp_rank, cp_rank, tp_rank) of a stage.
 
-    The stage's ranks are numbered i = dp_rank * tp + tp_rank and factored i = (edp * ep + ep_r) * etp + etp_r.
+    The stage's ranks are numbered i = (dp_rank * cp + cp_rank) * tp + tp_rank (tp fastest, then
+    cp, as Megatron's tp-cp-ep-dp order) and factored i = (edp * ep + ep_r) * etp + etp_r.
     """
-    i = dp_rank * pc.tp + tp_rank
+    i = (dp_rank * pc.cp + cp_rank) * pc.tp + tp_rank
     return i // (pc.ep * pc.etp), (i // pc.etp) % pc.ep, i % pc.etp
 
 
@@ -448,27 +452,28 @@ def init_topology(
     # collective over the world), reusing the fleet group when the rank lists coincide.
     existing = {
         tuple(sorted(r)): name
-        for name, lists in (("tp", ftopo.get_comm_list("model")), ("dp", ftopo.get_comm_list("data")))
+        for name, lists in (
+            ("tp", ftopo.get_comm_list("model")),
+            ("dp", ftopo.get_comm_list("data")),
+            ("cp", ftopo.get_comm_list("sep") if pc.cp > 1 else []),
+        )
         for r in lists
     }
-    e_ranks = expert_layout(pc, ranks["dp"], ranks["tp"])
+    e_ranks = expert_layout(pc, ranks["dp"], ranks["tp"], ranks["cp"])
     ranks.update(edp=e_ranks[0], ep=e_ranks[1], etp=e_ranks[2])
     created: dict[tuple[int, ...], Any] = {}
     for kind, size in (("ep", pc.ep), ("etp", pc.etp), ("edp", pc.edp)):
         if size == 1:
             continue
         lists: dict[tuple[int, ...], None] = {}
-        # one expert layout per (stage, sharding rank, context-parallel rank): the cp ranks of a
-        # stage are expert replicas like data replicas, their gradients summed over the cp group
-        for p, sh, c in ((p, sh, c) for p in range(pc.pp) for sh in range(pc.sharding) for c in range(pc.cp)):
+        # one expert layout per (stage, sharding rank) over the stage's dp x cp x tp ranks: a cp
+        # rank holds other tokens, like a dp rank, so it may own other experts (edp spans cp too)
+        for p, sh in ((p, sh) for p in range(pc.pp) for sh in range(pc.sharding)):
             members: dict[tuple[int, int], list[int]] = {}
-            for d in range(pc.dp):
-                for t in range(pc.tp):
-                    edp_r, ep_r, etp_r = expert_layout(pc, d, t)
-                    key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
-                    members.setdefault(key, []).append(
-                        _coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c)
-                    )
+            for d, c, t in ((d, c, t) for d in range(pc.dp) for c in range(pc.cp) for t in range(pc.tp)):
+                edp_r, ep_r, etp_r = expert_layout(pc, d, t, c)
+                key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
+                members.setdefault(key, []).append(_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c))
             for m in members.values():
                 lists[tuple(sorted(m))] = None
         for r in lists:

@@ -46,7 +46,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded; 2: gradients too"
     )
     g.add_argument("--cp", type=int, default=1, help="context parallel size: zigzag sequence slices (world = ... x cp)")
-    g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp)")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp x cp)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
     g.add_argument(

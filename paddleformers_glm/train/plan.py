@@ -353,14 +353,14 @@ def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_
 def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, str, bool, int]]) -> dict[str, int]:
     """:func:`train.memory.state_bytes` with sharding applied where replicas exist: dense tensors
     are replicated over the sharding group (divided by its degree); an expert tensor only over its
-    expert-data-parallel replicas (edp = tp x dp x sharding / (ep x etp)), so it is divided by
+    expert-data-parallel replicas (edp = tp x dp x sharding x cp / (ep x etp)), so it is divided by
     gcd(sharding, edp) -- with ep x etp = tp x sharding an expert has no replica to shard over."""
     from .memory import state_bytes
 
     items = state_items(config, params)
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
-    edp = lay.tp * lay.data_parallel // (lay.ep * lay.etp)
+    edp = lay.tp * lay.data_parallel * lay.cp // (lay.ep * lay.etp)
     sd_e = math.gcd(sd, edp) if sd > 1 else 1
     is_expert = [".mlp.experts." in name for name, *_ in params]
     dense = state_bytes([it for it, e in zip(items, is_expert) if not e], sharding_degree=sd, sharding_stage=stage)
@@ -462,8 +462,10 @@ def search_layouts(
     found = []
     for tp in [t for t in pow2(gpus) if t <= 8]:
         for pp in [p for p in pow2(gpus // tp) if p <= config.num_hidden_layers]:
-            dpt = gpus // (tp * pp)
-            for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt) % e == 0]:
+            if (gpus // (tp * pp)) % base.cp:
+                continue
+            dpt = gpus // (tp * pp * base.cp)  # data-parallel ranks (dp x sharding); --cp is kept as given
+            for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]:
                 for sharding in sorted({1, dpt}):
                     for rc in ("none", "core", "full"):
                         lay = Layout(**(base.__dict__ | {}))
