@@ -154,7 +154,8 @@ class FleetPipeline:
 
     ``run(micro_batches, scales)`` has the contract of the trainer's single-stage engine: forward
     and backward of every micro-batch (gradients accumulate in the parameters), returning this
-    rank's ``{term: (sum, count)}``.
+    rank's ``{term: (sum, count)}``.  ``train_batch`` runs the whole step, update included, as
+    Fleet's ``train_batch``.
     """
 
     def __init__(self, stage: nn.Layer, chunks: Sequence[StageSpec], topo: Topology, num_micro: int) -> None:
