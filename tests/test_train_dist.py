@@ -84,6 +84,7 @@ def test_reference_learns_and_reports_schema(ref):
     r, _ = ref
     assert set(r) >= {"losses", "mtp_losses", "steps", "profile", "weights_loaded", "checkpoint", "seed", "versions"}
     assert r["steps"] == STEPS and r["profile"]["world"] == 1 and r["profile"]["dtype"] == "float32"
+    assert r["run"]["step_engine"] == "trainer"  # one stage: the trainer's own loop and update
     assert all(isinstance(x, float) for x in r["losses"])
     assert r["losses"][-1] < r["losses"][0], r["losses"]
 
@@ -108,6 +109,7 @@ def test_pp2_stage_starting_on_shared_layer_matches_pp1(ref, runs):
     a, secs = _cli(runs / "pp2", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--save-every", "2")
     assert a["run"]["pp_layout"] == "E,t*3|t*3,m,L"
     assert a["run"]["pipeline_engine"] == "PipelineParallel"  # Fleet's 1F1B engine
+    assert a["run"]["step_engine"] == "train_batch"  # whole steps through Fleet's train_batch
     _assert_close(ref[0], a, "pp2")
     print(f"pp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
@@ -149,6 +151,7 @@ def test_pp2_vpp2_interleaved_matches_single_process(ref, runs):
     assert a["run"]["pp_layout"] == "E,t|t*2|t*2|t,m,L"
     assert a["run"]["schedule"] == "interleaved 1f1b (vpp 2)"
     assert "PipelineParallelWithInterleave" in a["run"]["pipeline_engine"], a["run"]["pipeline_engine"]
+    assert a["run"]["step_engine"] == "train_batch"
     _assert_close(ref[0], a, "pp2 vpp2")
     print(f"pp2 vpp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
@@ -160,6 +163,7 @@ def test_pp3_vpp2_stock_interleaved_engine_matches_single_process(runs):
     one, _ = _cli(runs / "one_gbs6", *gbs)
     a, secs = _cli(runs / "pp3vpp2", *gbs, "--pp", "3", "--vpp", "2", "--pp-layout", "E,t|t|t|t|t|t,m,L")
     assert a["profile"]["world"] == 3 and a["run"]["pipeline_engine"] == "PipelineParallelWithInterleave"
+    assert a["run"]["step_engine"] == "train_batch"  # 6 micro-batches: Fleet's division by 6 must not reach the update
     _assert_close(one, a, "pp3 vpp2")
     print(f"pp3 vpp2: loss diff {_max_diff(one, a, 'losses'):.3g}, {secs:.1f}s")
 

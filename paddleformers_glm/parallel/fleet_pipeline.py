@@ -23,14 +23,27 @@ elsewhere with a loss term (the indexer KL) ties its objective to the outgoing h
 with :class:`_AttachObjective`, whose backward seeds the objective's gradient with 1.  The
 per-term sums are recorded on the side for the trainer's loss report.
 
-The optimizer step stays the trainer's (gradient sync, global-norm clip, AdamW), so the engine
-is driven through ``forward_backward_pipeline`` (what ``train_batch`` runs before it calls a
-Fleet ``HybridParallelOptimizer``).
+The step: where the trainer's optimizer is Fleet's ``HybridParallelOptimizer`` (``fleet_clips``:
+expert layouts excepted), :meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``: its
+schedule, then its ``_optimizer_step`` calling ``step()`` and ``clear_grad()`` of the optimizer it
+is given.  The trainer's gradient sync (fp32 reductions over data, sharding, sequence-parallel,
+context-parallel and pipeline-shared replicas, has-gradient flags) runs at the point where Fleet
+syncs pipeline-shared gradients, ``PipelineLayer.allreduce_shared_weight_gradients`` (after the
+last backward of every schedule), *before* ``_optimizer_step``: with ``delay_scale_loss`` that
+step divides every local gradient by the micro-batch count, which the trainer's scales already
+did, so the trainer takes its synced copies first and Fleet's division touches only the local
+gradients it then clears.  The optimizer handed to ``train_batch`` (:func:`step_optimizer`) is a
+``HybridParallelOptimizer`` whose ``step()`` runs the trainer's clip and update (the inner AdamW
+with Fleet's ``HybridParallelClipGrad``); the stock ``step()`` is not called because its own
+gradient sync (an all-reduce in the parameter dtype over data-parallel ranks, no has-gradient
+flags) would replace the trainer's.  Expert layouts (``ep`` / ``etp`` > 1) keep the trainer's
+own clip outside any Fleet optimizer, so they drive the schedule alone through
+``forward_backward_pipeline`` (:meth:`FleetPipeline.run`) and step afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +53,7 @@ import paddle.nn as nn
 from .pipeline import LossLedger, StageSpec, _normalise_output
 from .topology import ParallelConfigError, Topology
 
-__all__ = ["FleetPipeline", "PipelineChunk", "chunk_ranks", "rank_spec"]
+__all__ = ["FleetPipeline", "PipelineChunk", "chunk_ranks", "rank_spec", "step_optimizer"]
 
 
 def chunk_ranks(num_chunks: int, pp: int) -> list[int]:
@@ -141,11 +154,12 @@ class FleetPipeline:
 
     ``run(micro_batches, scales)`` has the contract of the trainer's single-stage engine: forward
     and backward of every micro-batch (gradients accumulate in the parameters), returning this
-    rank's ``{term: (sum, count)}``.
+    rank's ``{term: (sum, count)}``.  ``train_batch`` runs the whole step, update included, as
+    Fleet's ``train_batch``.
     """
 
     def __init__(self, stage: nn.Layer, chunks: Sequence[StageSpec], topo: Topology, num_micro: int) -> None:
-        from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
+        from paddle.distributed.fleet.meta_parallel import LayerDesc
 
         pp = topo.pc.pp
         if len(chunks) % pp:
@@ -158,7 +172,7 @@ class FleetPipeline:
             LayerDesc(PipelineChunk, stage=stage, spec=replace(c, stage=i, num_stages=n), ledger=self.ledger)
             for i, c in enumerate(chunks)
         ]
-        layer = PipelineLayer(
+        layer = _sync_point_layer_class()(
             layers=descs,
             num_stages=pp,
             topology=topo.hcg.topology(),
@@ -193,6 +207,84 @@ class FleetPipeline:
         out = self.ledger.totals()
         self.ledger.reset({})
         return out
+
+    def train_batch(
+        self,
+        micro_batches: Sequence[dict[str, Any]],
+        scales: dict[str, float],
+        optimizer: Any,
+        after_backward: Callable[[], None],
+    ) -> dict[str, tuple[float, int]]:
+        """One whole step through Fleet's ``train_batch``: the schedule, ``after_backward()`` once
+        when every micro-batch's backward is done (the trainer's gradient sync), then Fleet's
+        optimizer step calling ``optimizer.step()`` and ``optimizer.clear_grad()``
+        (``optimizer`` from :func:`step_optimizer`).  Returns this rank's ``{term: (sum, count)}``."""
+        if len(micro_batches) != self.num_micro:
+            raise ValueError(f"the pipeline was built for {self.num_micro} micro-batches, got {len(micro_batches)}")
+        self.ledger.reset(scales)
+        self.ledger.batch_keys = sorted(micro_batches[0])
+        layers = self.model._layers
+        calls = []
+
+        def hook() -> None:
+            calls.append(1)
+            after_backward()
+
+        layers.after_backward = hook
+        try:
+            with paddle.amp.auto_cast(enable=False):
+                self.model.train_batch(_MicroBatches(micro_batches, self.ledger.batch_keys), optimizer)
+        finally:
+            layers.after_backward = None
+        if len(calls) != 1:
+            raise RuntimeError(
+                f"Fleet's schedule synced pipeline-shared gradients {len(calls)} times in one step, expected 1"
+            )
+        out = self.ledger.totals()
+        self.ledger.reset({})
+        return out
+
+
+def _sync_point_layer_class() -> type:
+    """``PipelineLayer`` whose ``allreduce_shared_weight_gradients`` (called by every Fleet schedule
+    after the last backward, before its optimizer step) then runs ``after_backward`` when set."""
+    from paddle.distributed.fleet.meta_parallel import PipelineLayer
+
+    class SyncPointPipelineLayer(PipelineLayer):  # type: ignore[misc, valid-type]
+        after_backward: Callable[[], None] | None = None
+
+        def allreduce_shared_weight_gradients(self) -> None:
+            super().allreduce_shared_weight_gradients()
+            if self.after_backward is not None:
+                self.after_backward()
+
+    return SyncPointPipelineLayer
+
+
+def step_optimizer(hybrid: Any, step: Callable[[], None], clear_grad: Callable[[], None]) -> Any:
+    """The optimizer handed to Fleet's ``train_batch``: a ``HybridParallelOptimizer`` (its
+    ``_prepare_training`` accepts no other) sharing ``hybrid``'s inner optimizer, whose ``step()``
+    and ``clear_grad()`` are the given callables (the trainer's clip and update on its synced
+    gradients, and its gradient reset)."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelOptimizer,
+    )
+
+    if not isinstance(hybrid, HybridParallelOptimizer):
+        raise TypeError(f"step_optimizer wraps Fleet's HybridParallelOptimizer, got {type(hybrid).__name__}")
+
+    class TrainerStep(HybridParallelOptimizer):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:  # no stock setup: the wrapped optimizer already did it
+            self._inner_opt = hybrid._inner_opt  # HybridParallelOptimizer.__getattr__ delegates here
+            self._hcg, self._strategy = hybrid._hcg, hybrid._strategy
+
+        def step(self) -> None:
+            step()
+
+        def clear_grad(self, set_to_zero: bool = True) -> None:
+            clear_grad()
+
+    return TrainerStep()
 
 
 def _two_stage_interleave(layer: nn.Layer, num_micro: int) -> Any:

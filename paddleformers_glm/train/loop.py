@@ -29,7 +29,7 @@ from ..modeling.model import default_dtype
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
-from ..parallel.fleet_pipeline import FleetPipeline, rank_spec
+from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
 from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
@@ -435,6 +435,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "pp_layout": layout_string(run.specs),
             "schedule": _schedule_name(cfg),
             "pipeline_engine": run.engine.name,
+            "step_engine": _step_engine(run),
             "data": run.data.describe,
             "resumed_from_step": run.start if cfg.resume else None,
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
@@ -448,9 +449,22 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
     return out
 
 
+def _step_engine(run: _Run) -> str:
+    """What runs a step: Fleet's ``train_batch`` (pipeline, optimizer wrapped by
+    ``fleet.distributed_optimizer``); ``forward_backward_pipeline`` then the trainer's update (pipeline
+    with expert layouts, whose clip is the trainer's); the trainer's own loop (one stage)."""
+    if not isinstance(run.engine, FleetPipeline):
+        return "trainer"
+    return "train_batch" if run.opt.hybrid is not None else "forward_backward_pipeline"
+
+
 def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float]:
     """Update ``step`` (0-based): forward/backward over this replica's micro-batches, gradient sync,
-    clip, AdamW; the step's losses are appended to the history. Returns (lr, grad norm)."""
+    clip, AdamW; the step's losses are appended to the history. Returns (lr, grad norm).
+
+    With Fleet's ``train_batch`` (:func:`_step_engine`) the same sync, clip and update run inside
+    Fleet's step: the sync when every backward is done, the clip and update as the optimizer's
+    ``step()`` (parallel/fleet_pipeline.py)."""
     cfg, topo = run.cfg, run.topo
     _maybe_fault(cfg.fault, topo.rank, step + 1)
     run.sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
@@ -468,20 +482,47 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
         mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
     mbs = [_to_tensors(mb) for mb in mbs]
+    # ---- the step engine: sync -> norm -> clip -> update, inline or inside Fleet's train_batch
+    done: dict[str, Any] = {}
+
+    def sync() -> None:  # every backward done: gradients summed over replicas (fp32), has-gradient flags
+        done["grads"], done["has_grad"] = run.sync.main_grads()
+
+    def update() -> None:
+        grads = done["grads"]
+        done["pre_clip"] = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
+        done["gnorm"] = run.sync.global_norm(grads)  # logged; Fleet's clip runs inside the update when clips_itself
+        if not run.opt.clips_itself:
+            clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
+        run.opt.step(grads, done["has_grad"], lr)
+
     with run.memory.track(step == run.start):
-        totals = run.engine.run(mbs, scales)
-    grads, has_grad = run.sync.main_grads()
-    pre_clip = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
-    gnorm = run.sync.global_norm(grads)  # logged; the clip is Fleet's inside the update when opt.clips_itself
-    if not run.opt.clips_itself:
-        clip_main_grads(grads, gnorm, cfg.clip_grad)
-    run.opt.step(grads, has_grad, lr)
+        if _step_engine(run) == "train_batch":
+
+            def sync_own_copies() -> None:
+                # Fleet's step then rescales the local gradients in place (delay_scale_loss): the
+                # synced gradients must not be those tensors
+                sync()
+                grads = done["grads"]
+                for n, p in run.sync.params:
+                    g = p.grad
+                    if g is not None and n in grads and grads[n].data_ptr() == g.data_ptr():
+                        grads[n] = grads[n].clone()
+
+            opt = step_optimizer(run.opt.hybrid, update, run.module.clear_gradients)
+            totals = run.engine.train_batch(mbs, scales, opt, sync_own_copies)
+        else:
+            totals = run.engine.run(mbs, scales)
+            sync()
+            update()
+            run.module.clear_gradients()
+    grads, gnorm, pre_clip = done["grads"], done["gnorm"], done["pre_clip"]
+    # ---- end of the step engine
     if pre_clip is not None:
         from .dump import dump_after_step
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
     run.memory.observe(grads, run.opt)
-    run.module.clear_gradients()
     run.balancer.after_step(step + 1)
     if not run.opt_bytes:
         run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)

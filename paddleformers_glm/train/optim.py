@@ -99,17 +99,18 @@ class AdamW:
         )
         self._stepped: set[str] = set()
         self.sharding = None  # Fleet's DygraphShardingOptimizer when the topology has sharding ranks
-        self.hybrid = None  # fleet.distributed_optimizer's HybridParallelOptimizer (when it clips)
+        self.hybrid = None  # fleet.distributed_optimizer's HybridParallelOptimizer (fleet_clips layouts)
         self._sharding_group = None
         self._own = {p.name for _, p in self.params}
-        if self.clips_itself:
+        if fleet_clips(topo):  # wrapped even without clipping: Fleet's pipeline train_batch steps it
             from paddle.distributed import fleet
             from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
                 DygraphShardingOptimizer,
             )
 
             # the stock wrapper: it builds the sharding optimizer (as below) and swaps the inner
-            # AdamW's ClipGradByGlobalNorm for HybridParallelClipGrad, which the update then runs
+            # AdamW's ClipGradByGlobalNorm (when clipping) for HybridParallelClipGrad, which the
+            # update then runs
             self.hybrid = fleet.distributed_optimizer(self.opt)
             inner = getattr(self.hybrid, "_inner_opt", None)
             if isinstance(inner, DygraphShardingOptimizer):
