@@ -30,7 +30,7 @@ from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
-from ..parallel.grads import GradSynchronizer, clip_main_grads
+from ..parallel.grads import GradSynchronizer, clear_step_gradients, clip_main_grads
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
@@ -458,6 +458,11 @@ def _step_engine(run: _Run) -> str:
     return "train_batch" if run.opt.hybrid is not None else "forward_backward_pipeline"
 
 
+def _dumps_at(cfg: TrainConfig, step: int) -> bool:
+    """Whether ``--dump-step`` asks for the state after update ``step`` (1-based)."""
+    return any(int(k) == step for _, k in cfg.dump_steps)
+
+
 def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float]:
     """Update ``step`` (0-based): forward/backward over this replica's micro-batches, gradient sync,
     clip, AdamW; the step's losses are appended to the history. Returns (lr, grad norm).
@@ -490,7 +495,8 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
 
     def update() -> None:
         grads = done["grads"]
-        done["pre_clip"] = dict(grads) if cfg.dump_steps else None  # clipping replaces the entries
+        # a copy: the trainer's clip replaces the entries, Fleet's clips the tensors in place
+        done["pre_clip"] = {n: g.clone() for n, g in grads.items()} if _dumps_at(cfg, step + 1) else None
         done["gnorm"] = run.sync.global_norm(grads)  # logged; Fleet's clip runs inside the update when clips_itself
         if not run.opt.clips_itself:
             clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
@@ -509,13 +515,13 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
                     if g is not None and n in grads and grads[n].data_ptr() == g.data_ptr():
                         grads[n] = grads[n].clone()
 
-            opt = step_optimizer(run.opt.hybrid, update, run.module.clear_gradients)
+            opt = step_optimizer(run.opt.hybrid, update, lambda: clear_step_gradients(run.module))
             totals = run.engine.train_batch(mbs, scales, opt, sync_own_copies)
         else:
             totals = run.engine.run(mbs, scales)
             sync()
             update()
-            run.module.clear_gradients()
+            clear_step_gradients(run.module)
     grads, gnorm, pre_clip = done["grads"], done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
     if pre_clip is not None:
