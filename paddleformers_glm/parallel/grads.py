@@ -45,16 +45,6 @@ __all__ = ["GradSynchronizer", "clip_main_grads"]
 _BUCKET_ELEMS = 32 * 1024 * 1024
 
 
-def clear_step_gradients(model: nn.Layer) -> None:
-    """Drop every gradient after an update (``.grad`` becomes ``None``, not zeros).
-
-    The has-gradient flags of :meth:`GradSynchronizer.main_grads` read ``grad is not None``; a
-    zeroed gradient kept from an earlier step would mark a parameter that got none this step
-    (an expert no token reached) as updated, and AdamW would decay its moments and weights where
-    the torch reference (``zero_grad(set_to_none=True)``) leaves it alone."""
-    model.clear_gradients(set_to_zero=False)
-
-
 class GradSynchronizer:
     """Prepared once per model; :meth:`main_grads` after each step's backward."""
 

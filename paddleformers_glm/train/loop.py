@@ -30,7 +30,7 @@ from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
-from ..parallel.grads import GradSynchronizer, clear_step_gradients, clip_main_grads
+from ..parallel.grads import GradSynchronizer, clip_main_grads
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
@@ -515,13 +515,13 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
                     if g is not None and n in grads and grads[n].data_ptr() == g.data_ptr():
                         grads[n] = grads[n].clone()
 
-            opt = step_optimizer(run.opt.hybrid, update, lambda: clear_step_gradients(run.module))
+            opt = step_optimizer(run.opt.hybrid, update, run.module.clear_gradients)
             totals = run.engine.train_batch(mbs, scales, opt, sync_own_copies)
         else:
             totals = run.engine.run(mbs, scales)
             sync()
             update()
-            clear_step_gradients(run.module)
+            run.module.clear_gradients()
     grads, gnorm, pre_clip = done["grads"], done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
     if pre_clip is not None:
