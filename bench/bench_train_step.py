@@ -191,15 +191,20 @@ def _set_threads_paddle(threads: int) -> None:
 
 def worker_prepare(ckpt: str, tiny: bool) -> dict[str, Any]:
     """Build the bench model with O(1) activations (like tests/_tiny.randomize) and save it (HF layout)."""
+    cfg = dict(BENCH_CONFIG, **(TINY_CHANGES if tiny else {}))
+    return {"params": build_random_checkpoint(cfg, ckpt), "config": cfg}
+
+
+def build_random_checkpoint(cfg: dict[str, Any], ckpt: str, dtype: str | None = None) -> int:
+    """A model of config ``cfg`` with O(1) activations at every layer (scaled normal matrices, norms
+    near 1), saved in the official HF layout (``dtype`` overrides the config's); returns its size."""
     import numpy as np
     import paddle
 
     from paddleformers_glm import GlmMoeDsaConfig
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
-    cfg = dict(BENCH_CONFIG, **(TINY_CHANGES if tiny else {}))
-    config = GlmMoeDsaConfig(**cfg)
-    model = GlmMoeDsaForCausalLM(config)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg))
     rng = np.random.default_rng(0)
     n_params = 0
     for name, p in model.state_dict().items():
@@ -214,8 +219,8 @@ def worker_prepare(ckpt: str, tiny: bool) -> dict[str, Any]:
         else:
             v = 1.0 + 0.1 * rng.standard_normal(shape)
         p.set_value(paddle.to_tensor(v.astype("float32")))
-    model.save_pretrained(ckpt)
-    return {"params": n_params, "config": cfg}
+    model.save_pretrained(ckpt, **({"dtype": dtype} if dtype else {}))
+    return n_params
 
 
 def topk_variant(ckpt: str, topk: int) -> str:
