@@ -30,7 +30,7 @@ code calls them unconditionally.  The sequence axis defaults to 1: activations a
 The sequence-parallel ones (``*_sp``) are Fleet's ``fleet.utils.sequence_parallel_utils`` PyLayers,
 which work on the first axis of Fleet's model-parallel group: :func:`to_sequence_first` moves the
 sequence axis to the front around them (a free reshape for a batch of one, a transposed copy
-otherwise) and they refuse any other group.
+otherwise).  On any other group (Fleet's ops cannot address one) the same pairs are built here.
 """
 
 from __future__ import annotations
@@ -319,16 +319,8 @@ def fleet_sp_group(group: Any = None) -> Any:
     return g if mp is g or getattr(mp, "id", None) == getattr(g, "id", None) else None
 
 
-def _sp_group(group: Any, what: str) -> Any:
-    g = _tp(group)
-    if not _live(g):
-        return None
-    if fleet_sp_group(g) is None:
-        raise ValueError(
-            f"{what}: sequence parallel runs on Fleet's model-parallel group "
-            f"(fleet.utils.sequence_parallel_utils); got group {getattr(g, 'id', g)!r} instead"
-        )
-    return g
+def _fleet_sp_op(op: Any, x: paddle.Tensor, axis: int) -> paddle.Tensor:
+    return to_batch_first(op.apply(to_sequence_first(x, axis)), list(x.shape), axis)
 
 
 def to_sequence_first(x: paddle.Tensor, axis: int = SEQ_AXIS) -> paddle.Tensor:
@@ -356,16 +348,17 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
     return _contig(paddle.transpose(y, perm))
 
 
-def _fleet_sp_op(op: Any, x: paddle.Tensor, axis: int) -> paddle.Tensor:
-    return to_batch_first(op.apply(to_sequence_first(x, axis)), list(x.shape), axis)
-
-
+# On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same
+# pairs are built here; the model itself only uses the model-parallel (TP) group.
 def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers).
     Fleet's ``ScatterOp`` on the sequence-first view."""
-    if _sp_group(group, "scatter_to_sp") is None:
+    g = _tp(group)
+    if not _live(g):
         return x
-    _check_axis(x, group_size(_tp(group)), axis, "scatter_to_sp")
+    _check_axis(x, g.nranks, axis, "scatter_to_sp")
+    if fleet_sp_group(g) is None:
+        return scatter_to_tp(x, axis, g)
     return _fleet_sp_op(spu.ScatterOp, x, axis)
 
 
@@ -381,17 +374,25 @@ def gather_from_sp(
     """
     if grad not in ("reduce_scatter", "split"):
         raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
-    if _sp_group(group, "gather_from_sp") is None:
+    g = _tp(group)
+    if not _live(g):
         return x
-    return _fleet_sp_op(spu.AllGatherOp if grad == "reduce_scatter" else spu.GatherOp, x, axis)
+    if fleet_sp_group(g) is not None:
+        return _fleet_sp_op(spu.AllGatherOp if grad == "reduce_scatter" else spu.GatherOp, x, axis)
+    if grad == "split":
+        return gather_from_tp(x, axis, g)
+    return _apply(x, lambda t: all_gather(t, g, axis), lambda d: reduce_scatter(d, g, axis))
 
 
 def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
     Fleet's ``ReduceScatterOp`` on the sequence-first view."""
-    if _sp_group(group, "reduce_scatter_to_sp") is None:
+    g = _tp(group)
+    if not _live(g):
         return x
-    _check_axis(x, group_size(_tp(group)), axis, "reduce_scatter_to_sp")
+    _check_axis(x, g.nranks, axis, "reduce_scatter_to_sp")
+    if fleet_sp_group(g) is None:
+        return _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))
     return _fleet_sp_op(spu.ReduceScatterOp, x, axis)
 
 

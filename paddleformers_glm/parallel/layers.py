@@ -4,15 +4,25 @@ and vocab-parallel cross entropy.
 The names the model uses (:func:`ColumnParallelLinear`, :func:`RowParallelLinear`,
 :func:`VocabParallelEmbedding`, :func:`ParallelLMHead`, :func:`parallel_cross_entropy`) are
 factories.  Under a real tensor-parallel group (Fleet initialised with ``mp_degree`` > 1) they
-return Fleet's stock ``paddle.distributed.fleet.meta_parallel`` layers (on CPU gloo through the
-compatibility ops of ``fleet_gloo.py``), with our :class:`ShardSpec` attached to their parameters.
+return Fleet's stock layers (on CPU gloo through the compatibility ops of ``fleet_gloo.py``), with
+our :class:`ShardSpec` attached to their parameters:
+
+* without sequence parallel, ``paddle.distributed.fleet.meta_parallel``'s;
+* with it, ``fleet.utils.sequence_parallel_utils``' ``ColumnSequenceParallelLinear`` /
+  ``RowSequenceParallelLinear`` through thin subclasses (:class:`BatchFirstColumnSequenceParallelLinear`,
+  :class:`BatchFirstRowSequenceParallelLinear`): Fleet's layers split and gather the *first* axis
+  (sequence-first ``[S, B, H]``), this model is batch-first ``[B, S, H]``, so the subclasses move
+  the sequence axis to the front and back around Fleet's forward (free for a batch of one, a
+  transposed copy otherwise); the embedding is Fleet's with its rows reduce-scattered by Fleet's
+  ``ReduceScatterOp`` into the sequence shard.
+
 Otherwise they return the ``Comm*`` layers defined here, written on comm.py, which are
 
 * the plain ``paddle.nn`` computation at world size 1 (same op, same result bits);
 * the shape-only probe layers when a topology has sizes but no process groups (memory planning);
-* the sequence-parallel layers: Fleet's ``sequence_parallel_utils`` split and gather the *first*
-  axis (sequence-first ``[S, B, H]`` activations), while this model is batch-first ``[B, S, H]``
-  and splits the sequence axis 1 between the column-parallel input and the row-parallel output.
+* sequence parallel over a group other than Fleet's model-parallel group (Fleet's SP utilities
+  always use that one; the model has none), and a sequence-parallel column layer that gathers
+  its output (Fleet's does not).
 
 Conventions:
 

@@ -123,6 +123,21 @@ for mode in ("reduce_scatter", "split"):
     exp_g = (w3[0] + w3[1])[:, 2 * R : 2 * R + 2] if mode == "reduce_scatter" else w3[R][:, 2 * R : 2 * R + 2]
     res[f"gather_from_sp_{mode}_fwd"] = md(y.numpy(), np.concatenate(x3, 1))
     res[f"gather_from_sp_{mode}_bwd"] = md(x.grad.numpy(), exp_g)
+# the same pairs on a group that is not Fleet's model-parallel group (built on comm.py, not Fleet's ops)
+G2 = paddle.distributed.new_group([0, 1])
+res["sp_fleet_group_only_hcg"] = 0.0 if comm.fleet_sp_group(G) is G and comm.fleet_sp_group(G2) is None else 1.0
+for mode in ("reduce_scatter", "split"):
+    x = T(x3[R], grad=True)
+    y = comm.gather_from_sp(x, group=G2, grad=mode)
+    (y * T(w3[R])).sum().backward()
+    exp_g = (w3[0] + w3[1])[:, 2 * R : 2 * R + 2] if mode == "reduce_scatter" else w3[R][:, 2 * R : 2 * R + 2]
+    res[f"own_gather_from_sp_{mode}"] = max(md(y.numpy(), np.concatenate(x3, 1)), md(x.grad.numpy(), exp_g))
+x = T(w3[R], grad=True)
+y = comm.reduce_scatter_to_sp(x, group=G2)
+(y * T(x3[R])).sum().backward()
+res["own_reduce_scatter_to_sp"] = max(
+    md(y.numpy(), (w3[0] + w3[1])[:, 2 * R : 2 * R + 2]), md(x.grad.numpy(), np.concatenate(x3, 1))
+)
 x = T(w3[R], grad=True)
 y = comm.reduce_scatter_to_sp(x, group=G)
 (y * T(x3[R])).sum().backward()
