@@ -306,7 +306,7 @@ def gather_from_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddl
 def fleet_sp_group(group: Any = None) -> Any:
     """``group`` (default: the TP group) when it is Fleet's hybrid model-parallel group, the one
     ``fleet.utils.sequence_parallel_utils`` always communicates over; None otherwise (size 1, no
-    Fleet, or another group such as expert tensor parallel), where no sequence-parallel op runs."""
+    Fleet, or another group such as expert tensor parallel), where the ``*_sp`` pairs are built here."""
     g = _tp(group)
     if not _live(g):
         return None
