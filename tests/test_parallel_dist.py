@@ -74,3 +74,23 @@ def test_parallel_mlp_and_lm_head(comm_results, tag):
         assert comm_results[f"mlp_{tag}_{k}"] <= 1e-5, (tag, k)
     for k in ("loss", "tok", "dE", "dWout"):
         assert comm_results[f"lm_{tag}_{k}"] <= 1e-5, (tag, k)
+
+
+def test_sequence_parallel_runs_on_fleets_layers_and_the_tiny_model_matches_one_process(comm_results):
+    # under tp 2 + SP the linears are Fleet's sequence_parallel_utils layers (batch-first adapters),
+    # the embedding Fleet's vocab-parallel one, and Fleet's SP flag marks what our ShardSpec marks
+    for k in (
+        "mlp_sp_fleet_layers",
+        "mlp_tp_fleet_layers",
+        "mlp_sp_row_bias_fleet_flag",
+        "mlp_tp_row_bias_fleet_flag",
+        "lm_sp_from_fleet",
+        "glm_sp_fleet_sp_linears",
+        "glm_sp_flags_agree",
+        "sp_fleet_group_only_hcg",
+    ):
+        assert comm_results[k] == 0.0, k
+    # the whole tiny GLM-5.2 (MLA + indexer, dense and MoE layers, MTP) at tp 2 + SP, batch 2
+    assert comm_results["glm_sp_loss"] <= 1e-5, comm_results["glm_sp_loss"]
+    assert comm_results["glm_sp_grads"] <= 1e-5, comm_results["glm_sp_grads"]
+    assert comm_results["pad_emb_sp_fwd"] == 0.0 and comm_results["pad_emb_sp_dE"] <= 1e-5

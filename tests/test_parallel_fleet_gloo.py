@@ -38,8 +38,9 @@ def test_stock_fleet_layers_match_one_process(fleet_results, prefix):
 
 
 def test_fleet_sequence_parallel_split_is_sequence_first(fleet_results):
-    # Why the model keeps its own sequence-parallel layers: Fleet's ScatterOp splits the first axis,
-    # which on the model's batch-first [B, S, H] activations is the batch, not the sequence.
+    # Why the model's sequence-parallel layers move the sequence axis to the front around Fleet's
+    # (comm.to_sequence_first): Fleet's ScatterOp splits the first axis, which on the model's
+    # batch-first [B, S, H] activations is the batch, not the sequence.
     assert fleet_results["probe_scatter_batch_first_shape"] == [1, 4, 8]  # [B/2, S, H], not [B, S/2, H]
 
 

@@ -268,6 +268,40 @@ def test_mark_sequence_parallel_only_on_replicated_params():
     assert not get_shard_spec(col.weight).sequence_parallel and get_shard_spec(norm_w).sequence_parallel
 
 
+def test_mark_sequence_parallel_sets_fleets_flag_too_and_unmarking_clears_it():
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
+
+    w = nn.Linear(4, 4).weight
+    mark_sequence_parallel(w)
+    assert is_sequence_parallel_parameter(w) and get_shard_spec(w).sequence_parallel
+    mark_sequence_parallel(w, enabled=False)
+    assert not is_sequence_parallel_parameter(w) and not get_shard_spec(w).sequence_parallel
+
+
+def test_fleets_sequence_parallel_flag_and_shard_spec_agree_on_the_tiny_glm_at_tp2_sp():
+    # Fleet's is_sequence_parallel_parameter (its allreduce hooks) and our ShardSpec (the trainer's
+    # gradient sync) must name the same parameters: norms, latent projections, router, row biases
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
+
+    from paddleformers_glm.parallel.pipeline import StageSpec
+    from paddleformers_glm.tiny import tiny_config
+    from paddleformers_glm.train.glm_adapter import GlmStage
+
+    cfg = tiny_config()
+    for sp in (True, False):
+        with topology_override(Topology(ParallelConfig(tp=2, sp=sp))), paddle.LazyGuard():
+            stage = GlmStage(cfg, StageSpec.whole(cfg.num_hidden_layers, has_mtp=True))
+        params = dict(stage.named_parameters())
+        fleet = {n for n, p in params.items() if is_sequence_parallel_parameter(p)}
+        ours = {n for n, p in params.items() if get_shard_spec(p).sequence_parallel}
+        assert fleet == ours
+        if sp:
+            assert "model.norm.weight" in ours and any(n.endswith("mlp.gate.weight") for n in ours), sorted(ours)
+            assert not any(get_shard_spec(params[n]).axis is not None for n in ours)  # replicated ones only
+        else:
+            assert not ours
+
+
 def test_shard_full_state_names_missing_and_mismatched_tensors():
     m = nn.LayerDict({"a": ColumnParallelLinear(4, 6), "b": RowParallelLinear(6, 4)})
     full = {"a.weight": np.ones((4, 6), np.float32), "b.weight": np.full((6, 4), 2.0, np.float32)}

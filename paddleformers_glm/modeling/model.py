@@ -417,7 +417,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Full-vocabulary logits [B, S, V] (the trainer feeds the vocab-parallel ones to a parallel CE)."""
         logits = self.lm_head(hidden)
-        if self.lm_head.world > 1:
+        if get_topology().tp_size > 1:
             logits = comm.gather_from_tp(logits, axis=-1)
         return logits
 

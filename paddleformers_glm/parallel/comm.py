@@ -15,9 +15,11 @@ Two layers:
   reduce_from_tp             all-reduce              identity
   scatter_to_tp(axis)        keep my slice           all-gather
   gather_from_tp(axis)       all-gather              keep my slice
-  reduce_scatter_to_sp(axis) reduce-scatter          all-gather
-  gather_from_sp(axis)       all-gather              reduce-scatter, or keep my slice when
-                                                     ``grad="split"`` (replicated consumers)
+  scatter_to_sp(axis)        keep my slice           all-gather        (Fleet ``ScatterOp``)
+  reduce_scatter_to_sp(axis) reduce-scatter          all-gather        (Fleet ``ReduceScatterOp``)
+  gather_from_sp(axis)       all-gather              reduce-scatter    (Fleet ``AllGatherOp``), or
+                                                     keep my slice when ``grad="split"``
+                                                     (replicated consumers; Fleet ``GatherOp``)
   all_to_all                 all-to-all (uneven)     all-to-all, splits swapped
   all_gather_varlen          all-gather uneven rows  reduce-scatter uneven rows
   reduce_scatter_varlen      reduce-scatter uneven   all-gather uneven rows
@@ -25,6 +27,10 @@ Two layers:
 
 Every function is a no-op (returns its input) when the group is None or has one rank, so model
 code calls them unconditionally.  The sequence axis defaults to 1: activations are [B, S, H].
+The sequence-parallel ones (``*_sp``) are Fleet's ``fleet.utils.sequence_parallel_utils`` PyLayers,
+which work on the first axis of Fleet's model-parallel group: :func:`to_sequence_first` moves the
+sequence axis to the front around them (a free reshape for a batch of one, a transposed copy
+otherwise).  On any other group (Fleet's ops cannot address one) the same pairs are built here.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
+from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from .topology import get_topology
 
@@ -51,6 +58,7 @@ __all__ = [
     "broadcast_object",
     "copy_to_tp",
     "exchange_counts",
+    "fleet_sp_group",
     "gather_from_sp",
     "gather_from_tp",
     "group_size",
@@ -66,6 +74,8 @@ __all__ = [
     "send_object",
     "send_tensors",
     "split_take",
+    "to_batch_first",
+    "to_sequence_first",
     "uses_emulation",
 ]
 
@@ -293,36 +303,97 @@ def gather_from_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddl
     return _apply(x, lambda t: all_gather(t, g, axis), lambda d: split_take(d, g, axis))
 
 
+def fleet_sp_group(group: Any = None) -> Any:
+    """``group`` (default: the TP group) when it is Fleet's hybrid model-parallel group, the one
+    ``fleet.utils.sequence_parallel_utils`` always communicates over; None otherwise (size 1, no
+    Fleet, or another group such as expert tensor parallel), where the ``*_sp`` pairs are built here."""
+    g = _tp(group)
+    if not _live(g):
+        return None
+    from paddle.distributed import fleet
+
+    hcg = getattr(fleet.fleet, "_hcg", None)  # the one sequence_parallel_utils asks for
+    if hcg is None:
+        return None
+    mp = hcg.get_model_parallel_group()
+    return g if mp is g or getattr(mp, "id", None) == getattr(g, "id", None) else None
+
+
+def _fleet_sp_op(op: Any, x: paddle.Tensor, axis: int) -> paddle.Tensor:
+    return to_batch_first(op.apply(to_sequence_first(x, axis)), list(x.shape), axis)
+
+
+def to_sequence_first(x: paddle.Tensor, axis: int = SEQ_AXIS) -> paddle.Tensor:
+    """Move the sequence axis of ``x`` to the front, as Fleet's sequence-parallel ops expect.
+
+    Free (a reshape) when every axis before it has size 1, e.g. a batch of one ``[1, S, H]``;
+    otherwise a transposed copy of the activation (and its gradient on the way back)."""
+    axis = axis % x.ndim
+    if axis == 0:
+        return x
+    if all(int(d) == 1 for d in x.shape[:axis]):
+        return x.reshape([x.shape[axis], *x.shape[:axis], *x.shape[axis + 1 :]])
+    perm = [axis, *range(axis), *range(axis + 1, x.ndim)]
+    return _contig(paddle.transpose(x, perm))
+
+
+def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> paddle.Tensor:
+    """Inverse of :func:`to_sequence_first`; ``like`` is the shape the input had (its leading axes)."""
+    axis = axis % len(like)
+    if axis == 0:
+        return y
+    if all(int(d) == 1 for d in like[:axis]):
+        return y.reshape([*like[:axis], y.shape[0], *y.shape[1 + axis :]])
+    perm = [*range(1, axis + 1), 0, *range(axis + 1, y.ndim)]
+    return _contig(paddle.transpose(y, perm))
+
+
+# On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same
+# pairs are built here; the model itself only uses the model-parallel (TP) group.
 def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
-    """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers)."""
-    return scatter_to_tp(x, axis, group)
+    """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers).
+    Fleet's ``ScatterOp`` on the sequence-first view."""
+    g = _tp(group)
+    if not _live(g):
+        return x
+    _check_axis(x, g.nranks, axis, "scatter_to_sp")
+    if fleet_sp_group(g) is None:
+        return scatter_to_tp(x, axis, g)
+    return _fleet_sp_op(spu.ScatterOp, x, axis)
 
 
 def gather_from_sp(
     x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None, grad: str = "reduce_scatter"
 ) -> paddle.Tensor:
-    """All-gather the sequence shards.
+    """All-gather the sequence shards (Fleet's ops on the sequence-first view).
 
-    ``grad="reduce_scatter"`` when the consumer is TP-partitioned (a column-parallel linear: each
-    rank's gradient is a partial sum); ``grad="split"`` when the consumer is replicated and computes
-    the same thing on every TP rank (e.g. a replicated indexer, the loss): summing would count it tp times.
+    ``grad="reduce_scatter"`` (Fleet's ``AllGatherOp``) when the consumer is TP-partitioned (a
+    column-parallel linear: each rank's gradient is a partial sum); ``grad="split"`` (Fleet's
+    ``GatherOp``) when the consumer is replicated and computes the same thing on every TP rank
+    (e.g. a replicated indexer, the loss): summing would count it tp times.
     """
+    if grad not in ("reduce_scatter", "split"):
+        raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
     g = _tp(group)
     if not _live(g):
         return x
-    if grad == "reduce_scatter":
-        return _apply(x, lambda t: all_gather(t, g, axis), lambda d: reduce_scatter(d, g, axis))
+    if fleet_sp_group(g) is not None:
+        return _fleet_sp_op(spu.AllGatherOp if grad == "reduce_scatter" else spu.GatherOp, x, axis)
     if grad == "split":
-        return _apply(x, lambda t: all_gather(t, g, axis), lambda d: split_take(d, g, axis))
-    raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
+        return gather_from_tp(x, axis, g)
+    return _apply(x, lambda t: all_gather(t, g, axis), lambda d: reduce_scatter(d, g, axis))
 
 
 def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
-    """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers)."""
+    """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
+    Fleet's ``ReduceScatterOp`` on the sequence-first view."""
     g = _tp(group)
     if not _live(g):
         return x
-    return _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))
+    _check_axis(x, g.nranks, axis, "reduce_scatter_to_sp")
+    if fleet_sp_group(g) is None:
+        return _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))
+    return _fleet_sp_op(spu.ReduceScatterOp, x, axis)
 
 
 def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:

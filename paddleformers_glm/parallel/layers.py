@@ -4,15 +4,25 @@ and vocab-parallel cross entropy.
 The names the model uses (:func:`ColumnParallelLinear`, :func:`RowParallelLinear`,
 :func:`VocabParallelEmbedding`, :func:`ParallelLMHead`, :func:`parallel_cross_entropy`) are
 factories.  Under a real tensor-parallel group (Fleet initialised with ``mp_degree`` > 1) they
-return Fleet's stock ``paddle.distributed.fleet.meta_parallel`` layers (on CPU gloo through the
-compatibility ops of ``fleet_gloo.py``), with our :class:`ShardSpec` attached to their parameters.
+return Fleet's stock layers (on CPU gloo through the compatibility ops of ``fleet_gloo.py``), with
+our :class:`ShardSpec` attached to their parameters:
+
+* without sequence parallel, ``paddle.distributed.fleet.meta_parallel``'s;
+* with it, ``fleet.utils.sequence_parallel_utils``' ``ColumnSequenceParallelLinear`` /
+  ``RowSequenceParallelLinear`` through thin subclasses (:class:`BatchFirstColumnSequenceParallelLinear`,
+  :class:`BatchFirstRowSequenceParallelLinear`): Fleet's layers split and gather the *first* axis
+  (sequence-first ``[S, B, H]``), this model is batch-first ``[B, S, H]``, so the subclasses move
+  the sequence axis to the front and back around Fleet's forward (free for a batch of one, a
+  transposed copy otherwise); the embedding is Fleet's with its rows reduce-scattered by Fleet's
+  ``ReduceScatterOp`` into the sequence shard.
+
 Otherwise they return the ``Comm*`` layers defined here, written on comm.py, which are
 
 * the plain ``paddle.nn`` computation at world size 1 (same op, same result bits);
 * the shape-only probe layers when a topology has sizes but no process groups (memory planning);
-* the sequence-parallel layers: Fleet's ``sequence_parallel_utils`` split and gather the *first*
-  axis (sequence-first ``[S, B, H]`` activations), while this model is batch-first ``[B, S, H]``
-  and splits the sequence axis 1 between the column-parallel input and the row-parallel output.
+* sequence parallel over a group other than Fleet's model-parallel group (Fleet's SP utilities
+  always use that one; the model has none), and a sequence-parallel column layer that gathers
+  its output (Fleet's does not).
 
 Conventions:
 
@@ -36,11 +46,14 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
+from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from . import comm
 from .topology import get_topology
 
 __all__ = [
+    "BatchFirstColumnSequenceParallelLinear",
+    "BatchFirstRowSequenceParallelLinear",
     "ColumnParallelLinear",
     "CommColumnParallelLinear",
     "CommParallelLMHead",
@@ -97,6 +110,11 @@ def set_shard_spec(param: paddle.Tensor, spec: ShardSpec) -> paddle.Tensor:
     param.is_distributed = spec.axis is not None and get_topology().size(spec.group) > 1
     if spec.axis is not None:
         param.split_axis = spec.axis
+    # Fleet's own flag (``is_sequence_parallel_parameter``, read by its allreduce hooks) says the same
+    if spec.sequence_parallel:
+        spu.mark_as_sequence_parallel_parameter(param)
+    elif spu.is_sequence_parallel_parameter(param):
+        param.sequence_parallel = False
     return param
 
 
@@ -112,7 +130,10 @@ def mark_sequence_parallel(obj: Any, enabled: bool = True) -> None:
     """Mark the replicated parameters of a layer (or a parameter) that run on SP-sharded activations.
 
     Call it for norms and any other replicated weight inside the sequence-parallel region; it
-    is harmless when sequence parallel is off (the flag is only read when it is on).
+    is harmless when sequence parallel is off (the flag is only read when it is on).  Sets both
+    ``ShardSpec.sequence_parallel`` and Fleet's ``mark_as_sequence_parallel_parameter`` flag, so
+    Fleet's ``is_sequence_parallel_parameter`` / ``register_sequence_parallel_allreduce_hooks``
+    see the same parameters as the trainer's gradient sync.
     """
     for p in _params_of(obj):
         spec = get_shard_spec(p)
@@ -357,12 +378,36 @@ class CommParallelLMHead(CommColumnParallelLinear):
 
 
 def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False) -> Any:
-    """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply
-    (size 1, a topology without process groups, or sequence parallel: see the module docstring)."""
+    """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply:
+    size 1, a topology without process groups, or sequence parallel over a group other than
+    Fleet's model-parallel group (its sequence-parallel utilities always use that one)."""
     topo = get_topology()
-    if sequence_parallel or topo.size(group) == 1 or topo.backend == "single":
+    if topo.size(group) == 1 or topo.backend == "single":
         return None
-    return topo.group(group)
+    g = topo.group(group)
+    return comm.fleet_sp_group(g) if sequence_parallel else g
+
+
+class BatchFirstColumnSequenceParallelLinear(spu.ColumnSequenceParallelLinear):
+    """Fleet's ``ColumnSequenceParallelLinear`` on batch-first activations:
+    ``[B, S/tp, in]`` -> ``[B, S, out/tp]``.
+
+    Fleet's layer all-gathers the first axis (sequence-first ``[S, B, H]``); the sequence axis is
+    moved there and back around it (:func:`comm.to_sequence_first`: free for a batch of one, a
+    transposed copy of the input and output otherwise).  Everything else is Fleet's forward.
+    """
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
+
+
+class BatchFirstRowSequenceParallelLinear(spu.RowSequenceParallelLinear):
+    """Fleet's ``RowSequenceParallelLinear`` on batch-first activations: ``[B, S, in/tp]`` ->
+    ``[B, S/tp, out]`` (reduce-scatter over the sequence, bias added after it; Fleet marks the
+    bias sequence-parallel).  Layout conversion as :class:`BatchFirstColumnSequenceParallelLinear`."""
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
 
 
 @contextmanager
@@ -380,21 +425,36 @@ def _dtype_scope(dtype: str | None) -> Iterator[None]:
 
 
 def _fleet_vocab_embedding_class() -> type:
+    from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel import VocabParallelEmbedding as FleetVocab
 
     class _PaddedVocabParallelEmbedding(FleetVocab):
         """Fleet's vocab-parallel embedding with torch's ``padding_idx``: the pad row is returned
-        (all-reduced like any row) but its positions pass no gradient back to the table."""
+        (summed like any row) but its positions pass no gradient back to the table.
 
-        def __init__(self, *args: Any, padding_idx: int | None = None, **kw: Any) -> None:
+        With ``sequence_parallel`` the partial rows of Fleet's lookup (``_c_lookup_table``) are
+        summed by Fleet's ``ReduceScatterOp`` over the sequence instead of its all-reduce: the
+        output is this rank's sequence shard ``[B, S/tp, H]``."""
+
+        def __init__(
+            self, *args: Any, padding_idx: int | None = None, sequence_parallel: bool = False, **kw: Any
+        ) -> None:
             super().__init__(*args, **kw)
             self.padding_idx = padding_idx
+            self.sequence_parallel = sequence_parallel
 
         def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-            out = super().forward(ids)
-            if self.padding_idx is None:
-                return out
-            return paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+            if not self.sequence_parallel:
+                out = super().forward(ids)
+                if self.padding_idx is None:
+                    return out
+                return paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+            part = mp_ops._c_lookup_table(
+                self.weight, ids, start_index=self.vocab_start_index, vocab_size=self.num_embeddings, name=self._name
+            )
+            if self.padding_idx is not None:
+                part = paddle.where((ids == self.padding_idx).unsqueeze(-1), part.detach(), part)
+            return comm.reduce_scatter_to_sp(part, group=self.model_parallel_group)
 
     return _PaddedVocabParallelEmbedding
 
@@ -411,10 +471,11 @@ def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer 
     dtype: str | None = None,
 ) -> nn.Layer:
     """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``): Fleet's ``ColumnParallelLinear`` under a
-    TP group, else :class:`CommColumnParallelLinear`.  ``fuse_chunks`` only changes the ShardSpec
-    (each rank's slice is ``[chunk0_r | chunk1_r | ...]``); the layer itself is the same."""
+    TP group (with ``sequence_parallel``: :class:`BatchFirstColumnSequenceParallelLinear`), else
+    :class:`CommColumnParallelLinear`.  ``fuse_chunks`` only changes the ShardSpec (each rank's
+    slice is ``[chunk0_r | chunk1_r | ...]``); the layer itself is the same."""
     g = fleet_tp_group(group, sequence_parallel)
-    if g is None:
+    if g is None or (sequence_parallel and gather_output):  # Fleet's SP column never gathers its output
         return CommColumnParallelLinear(
             in_features,
             out_features,
@@ -434,9 +495,14 @@ def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer 
     from paddle.distributed.fleet import meta_parallel as mpu
 
     with _dtype_scope(dtype):
-        layer = mpu.ColumnParallelLinear(
-            in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g
-        )
+        if sequence_parallel:
+            layer = BatchFirstColumnSequenceParallelLinear(
+                in_features, out_features, has_bias=has_bias, gather_output=False, mp_group=g
+            )
+        else:
+            layer = mpu.ColumnParallelLinear(
+                in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g
+            )
     set_shard_spec(layer.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks))
     if layer.bias is not None:
         set_shard_spec(layer.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks))
@@ -454,7 +520,9 @@ def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it 
     dtype: str | None = None,
 ) -> nn.Layer:
     """Row-parallel ``y = x W + b`` (W ``[in/tp, out]``, partial products all-reduced, bias added
-    once): Fleet's ``RowParallelLinear`` under a TP group, else :class:`CommRowParallelLinear`."""
+    once): Fleet's ``RowParallelLinear`` under a TP group (with ``sequence_parallel``:
+    :class:`BatchFirstRowSequenceParallelLinear`, output reduce-scattered over the sequence), else
+    :class:`CommRowParallelLinear`."""
     g = fleet_tp_group(group, sequence_parallel)
     if g is None:
         return CommRowParallelLinear(
@@ -462,15 +530,22 @@ def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it 
         )
     if in_features % g.nranks:
         raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {g.nranks}")
+    if sequence_parallel and not input_is_parallel:
+        raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
     from paddle.distributed.fleet import meta_parallel as mpu
 
     with _dtype_scope(dtype):
-        layer = mpu.RowParallelLinear(
-            in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g
-        )
+        if sequence_parallel:
+            layer = BatchFirstRowSequenceParallelLinear(
+                in_features, out_features, has_bias=has_bias, input_is_parallel=True, mp_group=g
+            )
+        else:
+            layer = mpu.RowParallelLinear(
+                in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g
+            )
     set_shard_spec(layer.weight, ShardSpec(axis=0, group=group))
-    if layer.bias is not None:
-        set_shard_spec(layer.bias, ShardSpec())
+    if layer.bias is not None:  # partial over TP under SP (Fleet marks it too)
+        set_shard_spec(layer.bias, ShardSpec(sequence_parallel=sequence_parallel))
     return layer
 
 
@@ -483,7 +558,8 @@ def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the laye
     dtype: str | None = None,
 ) -> nn.Layer:
     """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``): Fleet's
-    ``VocabParallelEmbedding`` (plus torch's ``padding_idx``) under a TP group, else
+    ``VocabParallelEmbedding`` (plus torch's ``padding_idx``; with ``sequence_parallel`` its rows
+    summed by Fleet's ``ReduceScatterOp`` into the sequence shard) under a TP group, else
     :class:`CommVocabParallelEmbedding`."""
     g = fleet_tp_group("tp", sequence_parallel)
     if g is None:
@@ -493,7 +569,9 @@ def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the laye
     if num_embeddings % g.nranks:
         raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {g.nranks}")
     with _dtype_scope(dtype):
-        layer = _fleet_vocab_embedding_class()(num_embeddings, embedding_dim, mp_group=g, padding_idx=padding_idx)
+        layer = _fleet_vocab_embedding_class()(
+            num_embeddings, embedding_dim, mp_group=g, padding_idx=padding_idx, sequence_parallel=sequence_parallel
+        )
     set_shard_spec(layer.weight, ShardSpec(axis=0))
     return layer
 
@@ -502,10 +580,13 @@ def ParallelLMHead(  # noqa: N802 - a layer factory, named like the layer it ret
     hidden_size: int, vocab_size: int, sequence_parallel: bool = False, *, dtype: str | None = None
 ) -> nn.Layer:
     """Output projection ``[H, V]`` split over the vocabulary: returns vocab-parallel logits
-    ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a column-parallel linear without gather)."""
+    ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a column-parallel linear without gather;
+    with ``sequence_parallel`` it all-gathers the sequence shards first, Fleet's SP column layer)."""
     if fleet_tp_group("tp", sequence_parallel) is None:
         return CommParallelLMHead(hidden_size, vocab_size, sequence_parallel, dtype=dtype)
-    return ColumnParallelLinear(hidden_size, vocab_size, has_bias=False, gather_output=False, dtype=dtype)
+    return ColumnParallelLinear(
+        hidden_size, vocab_size, has_bias=False, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype
+    )
 
 
 def parallel_cross_entropy(

@@ -415,6 +415,10 @@ def init_topology(
         "sep_degree": pc.cp,
     }
     strategy.pipeline_configs = {"accumulate_steps": accumulate_steps, "micro_batch_size": micro_batch_size}
+    if pc.sp:
+        # Fleet's sequence-parallel linears read mp_configs; keep the plain (non-overlapped) forward,
+        # the one whose collectives go through sequence_parallel_utils (and fleet_gloo on CPU)
+        strategy.hybrid_configs["mp_configs"].sp_async_reduce_scatter = False
     if pc.pp > 1:
         pp_configs = strategy.hybrid_configs["pp_configs"]
         # The trainer's loss scales already normalise over the global batch: Fleet must not divide

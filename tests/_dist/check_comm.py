@@ -12,6 +12,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle.distributed.fleet import meta_parallel as mpu
+from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from paddleformers_glm.parallel import comm
 from paddleformers_glm.parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
@@ -20,6 +21,7 @@ from paddleformers_glm.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    get_shard_spec,
     local_slice,
     parallel_cross_entropy,
 )
@@ -121,6 +123,21 @@ for mode in ("reduce_scatter", "split"):
     exp_g = (w3[0] + w3[1])[:, 2 * R : 2 * R + 2] if mode == "reduce_scatter" else w3[R][:, 2 * R : 2 * R + 2]
     res[f"gather_from_sp_{mode}_fwd"] = md(y.numpy(), np.concatenate(x3, 1))
     res[f"gather_from_sp_{mode}_bwd"] = md(x.grad.numpy(), exp_g)
+# the same pairs on a group that is not Fleet's model-parallel group (built on comm.py, not Fleet's ops)
+G2 = paddle.distributed.new_group([0, 1])
+res["sp_fleet_group_only_hcg"] = 0.0 if comm.fleet_sp_group(G) is G and comm.fleet_sp_group(G2) is None else 1.0
+for mode in ("reduce_scatter", "split"):
+    x = T(x3[R], grad=True)
+    y = comm.gather_from_sp(x, group=G2, grad=mode)
+    (y * T(w3[R])).sum().backward()
+    exp_g = (w3[0] + w3[1])[:, 2 * R : 2 * R + 2] if mode == "reduce_scatter" else w3[R][:, 2 * R : 2 * R + 2]
+    res[f"own_gather_from_sp_{mode}"] = max(md(y.numpy(), np.concatenate(x3, 1)), md(x.grad.numpy(), exp_g))
+x = T(w3[R], grad=True)
+y = comm.reduce_scatter_to_sp(x, group=G2)
+(y * T(x3[R])).sum().backward()
+res["own_reduce_scatter_to_sp"] = max(
+    md(y.numpy(), (w3[0] + w3[1])[:, 2 * R : 2 * R + 2]), md(x.grad.numpy(), np.concatenate(x3, 1))
+)
 x = T(w3[R], grad=True)
 y = comm.reduce_scatter_to_sp(x, group=G)
 (y * T(x3[R])).sum().backward()
@@ -181,9 +198,15 @@ for sp in (False, True):
     gb2 = comm.all_reduce(row.bias.grad, G).numpy() if sp else row.bias.grad.numpy()
     res[f"mlp_{tag}_db2"] = md(gb2, rgb2)
     res[f"mlp_{tag}_row_bias_marked"] = 0.0 if row.bias.shard_spec.sequence_parallel == sp else 1.0
-    # without SP the layers are Fleet's stock ones; with SP (batch-first sequence split) ours
-    fleet_layers = isinstance(col, mpu.ColumnParallelLinear) and isinstance(row, mpu.RowParallelLinear)
-    res[f"mlp_{tag}_fleet_layers_iff_not_sp"] = 0.0 if fleet_layers == (not sp) else 1.0
+    # Fleet's stock layers: meta_parallel's without SP, sequence_parallel_utils' with it
+    want = (
+        (spu.ColumnSequenceParallelLinear, spu.RowSequenceParallelLinear)
+        if sp
+        else (mpu.ColumnParallelLinear, mpu.RowParallelLinear)
+    )
+    res[f"mlp_{tag}_fleet_layers"] = 0.0 if isinstance(col, want[0]) and isinstance(row, want[1]) else 1.0
+    # Fleet's sequence-parallel flag agrees with the ShardSpec on the row bias
+    res[f"mlp_{tag}_row_bias_fleet_flag"] = 0.0 if spu.is_sequence_parallel_parameter(row.bias) == sp else 1.0
 
 # fused chunks: rank r holds [gate_r | up_r]
 Wg = rng.standard_normal((H, 2 * FF)).astype(np.float32)
@@ -238,7 +261,17 @@ g_ref[PAD] = 0.0
 res["pad_emb_fwd"] = md(pout.numpy(), o_ref.numpy())
 res["pad_emb_dE"] = md(pemb.weight.grad.numpy(), np.split(g_ref, N, 0)[R])
 res["pad_emb_from_fleet"] = 0.0 if isinstance(pemb, mpu.VocabParallelEmbedding) else 1.0
+# ... and under SP (rows reduce-scattered into this rank's sequence half)
+spemb = VocabParallelEmbedding(V, H, sequence_parallel=True, padding_idx=PAD)
+spemb.weight.set_value(local_slice(E_np, spemb.weight.shard_spec, R, N))
+sout = spemb(T(ids_np))
+(sout * T(np.split(g_emb, N, 1)[R])).sum().backward()
+res["pad_emb_sp_fwd"] = md(sout.numpy(), np.split(o_ref.numpy(), N, 1)[R])
+res["pad_emb_sp_dE"] = md(spemb.weight.grad.numpy(), np.split(g_ref, N, 0)[R])
 res["lm_head_from_fleet"] = 0.0 if isinstance(ParallelLMHead(H, V), mpu.ColumnParallelLinear) else 1.0
+res["lm_sp_from_fleet"] = (
+    0.0 if isinstance(head, spu.ColumnSequenceParallelLinear) and isinstance(emb, mpu.VocabParallelEmbedding) else 1.0
+)
 res["ce_sum_vs_mean"] = abs(
     float(parallel_cross_entropy(T(np.ones((2, 8), np.float32)), T(np.array([1, -100])), reduction="sum"))
     - float(np.log(16.0))
@@ -371,6 +404,72 @@ with topology_override(tp_etp):
     y0 = ExpertParallelDispatcher(E, topo=tp_etp)(zx, T(np.zeros((0, K), np.int64)), zw, ex0)
 (y0.sum() + zw.sum() * 0.0).backward()
 res["etp_no_tokens"] = 0.0 if list(y0.shape) == [0, HE] else 1.0
+
+
+# ---------------------------------------------------------------- tiny GLM-5.2 at tp 2 + SP vs one process
+def glm_run(tp: Topology, state: dict | None):
+    """Build the whole tiny model as one stage under ``tp`` (from ``state`` or a seeded init), run
+    a forward + backward of its summed mean losses; returns (stage, loss, {name: gradient})."""
+    from paddleformers_glm.parallel.pipeline import StageSpec
+    from paddleformers_glm.tiny import tiny_config
+    from paddleformers_glm.train.glm_adapter import GlmStage
+
+    cfg = tiny_config()
+    with topology_override(tp):
+        paddle.seed(0)
+        stage = GlmStage(cfg, StageSpec.whole(cfg.num_hidden_layers, has_mtp=cfg.num_mtp_layers > 0))
+        if state is not None:
+            shard_full_state(stage, state, tp)
+        ids = T(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16)))  # B = 2: the transposing path
+        out = stage(None, {"input_ids": ids, "labels": ids})
+        loss = paddle.add_n([t.sum / max(float(t.count), 1.0) for t in out.losses.values()])
+        loss.backward()
+    grads = {
+        n: (p.grad.numpy() if p.grad is not None else np.zeros(p.shape, np.float32))
+        for n, p in stage.named_parameters()
+    }
+    return stage, float(loss), grads
+
+
+with topology_override() as single:
+    ref_stage, ref_loss, ref_grads = glm_run(single, None)
+glm_state = {k: v.numpy() for k, v in ref_stage.state_dict().items()}
+tp_sp = Topology(
+    ParallelConfig(tp=2, sp=True),
+    rank=topo.rank,
+    backend=topo.backend,
+    groups={"tp": G},
+    ranks={"tp": R},
+    hcg=topo.hcg,
+)
+sp_stage, sp_loss, sp_grads = glm_run(tp_sp, glm_state)
+res["glm_sp_loss"] = abs(sp_loss - ref_loss)
+glm_dg = 0.0
+for n, p in sp_stage.named_parameters():
+    spec = get_shard_spec(p)
+    g = sp_grads[n]
+    # partial over the two ranks, summed as the trainer does: sequence-parallel parameters over TP,
+    # experts (each rank routed its own sequence half; ep = etp = 1) over the expert-data group
+    if spec.sequence_parallel or spec.expert:
+        g = comm.all_reduce(T(g), G).numpy()
+    want = local_slice(ref_grads[n], spec, tp_sp.rank_in(spec.group), tp_sp.size(spec.group))
+    d = md(g, want)
+    if not d <= 1e-5:
+        print("glm tp2+sp gradient differs:", n, list(g.shape), list(want.shape), d, flush=True)
+    glm_dg = max(glm_dg, d)
+res["glm_sp_grads"] = glm_dg
+layers = list(sp_stage.sublayers())
+n_col = sum(isinstance(m, spu.ColumnSequenceParallelLinear) for m in layers)
+n_row = sum(isinstance(m, spu.RowSequenceParallelLinear) for m in layers)
+own = [type(m).__name__ for m in layers if type(m).__name__.startswith("Comm")]
+print("glm tp2+sp: Fleet SP column", n_col, "row", n_row, "own layers", own, flush=True)
+res["glm_sp_fleet_sp_linears"] = 0.0 if n_col > 0 and n_row > 0 and not own else 1.0
+# Fleet's is_sequence_parallel_parameter and our ShardSpec name the same parameters
+fleet_sp = {n for n, p in sp_stage.named_parameters() if spu.is_sequence_parallel_parameter(p)}
+spec_sp = {
+    n for n, p in sp_stage.named_parameters() if getattr(p, "shard_spec", None) and p.shard_spec.sequence_parallel
+}
+res["glm_sp_flags_agree"] = 0.0 if fleet_sp == spec_sp and fleet_sp else 1.0
 
 
 # ---------------------------------------------------------------- full state round trip
