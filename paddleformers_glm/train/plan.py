@@ -511,7 +511,9 @@ def search_layouts(
                 continue
             dpt = gpus // (tp * pp * base.cp)  # data-parallel ranks (dp x sharding); --cp is kept as given
             for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]:
-                for sharding in sorted({1, dpt}):
+                # every split of the data-parallel ranks into dp x sharding: the expert grid spans
+                # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
+                for sharding in pow2(dpt):
                     for rc in ("none", "core", "full"):
                         lay = Layout(**(base.__dict__ | {}))
                         lay.tp, lay.pp, lay.ep, lay.etp, lay.recompute = tp, pp, ep, 1, rc
@@ -528,8 +530,10 @@ def search_layouts(
                             continue
                         if p["fits"]:
                             micro = p["layout"]["micro_batches_per_step"]
-                            grad_params = max(k["num_params"] for k in p["kinds"])
-                            est = step_estimate(config, lay, micro, grad_params, hardware)
+                            big = max(p["kinds"], key=lambda k: k["num_params"])
+                            est = step_estimate(
+                                config, lay, micro, big["num_params"], hardware, expert_params=big["expert_params"]
+                            )
                             found.append(
                                 {
                                     "layout": lay.describe(),
