@@ -36,12 +36,12 @@ def _train(ckpt, out, *layout):
     return losses(out)
 
 
-def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1, sharding=1):
+def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1, sharding=1, sharding_stage=1):
     config = GlmMoeDsaConfig.from_pretrained(str(ckpt))
     world = got["profile"]["world"]
     lay = planmod.Layout(
         tp=tp, pp=pp, dp=world // (tp * pp * sharding), ep=ep, dtype="float32", sp=bool(got["profile"]["sp"]),
-        seq_len=SEQ, sharding=sharding, sharding_stage=1, sharding_partition="fleet",
+        seq_len=SEQ, sharding=sharding, sharding_stage=sharding_stage, sharding_partition="fleet",
     )  # fmt: skip
     plan = planmod.plan_layout(config, lay)
     specs = split_stages(config.num_hidden_layers, pp, has_mtp=True)
@@ -79,17 +79,20 @@ def test_parallel_plan_equals_measured_and_ranks_read_their_shards(tiny_ckpt, tm
 
 
 @pytest.mark.slow
-def test_dp2_sharding2_plan_equals_measured(tiny_ckpt, tmp_path):
-    """Fleet's whole-tensor optimizer-state partition, rank by rank (needs the trainer's --sharding)."""
+@pytest.mark.parametrize("ep,stage", [(1, 1), (2, 2)], ids=["ep1-stage1", "ep2-stage2"])
+def test_dp2_sharding2_plan_equals_measured(tiny_ckpt, tmp_path, ep, stage):
+    """Fleet's whole-tensor optimizer-state partition, rank by rank (needs the trainer's --sharding);
+    with experts over the two dp ranks (each sharding rank holding both) and stage-2 gradients."""
     import argparse
 
     from paddleformers_glm.train.command import add_train_arguments
 
     if "--sharding" not in add_train_arguments(argparse.ArgumentParser())._option_string_actions:
         pytest.skip("this trainer has no --sharding")
-    got = _train(tiny_ckpt, tmp_path, "--dp", "2", "--sharding", "2")
+    layout = ["--dp", "2", "--sharding", "2", "--ep", str(ep), "--sharding-stage", str(stage)]
+    got = _train(tiny_ckpt, tmp_path, *layout)
     assert got["profile"]["world"] == 4
-    _check_plan_equals_measured(tiny_ckpt, got, sharding=2)
+    _check_plan_equals_measured(tiny_ckpt, got, ep=ep, sharding=2, sharding_stage=stage)
 
 
 # ---------------------------------------------------------------- expert grid x sharding, no processes
