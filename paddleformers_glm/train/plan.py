@@ -672,7 +672,8 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "--sharding",
         type=int,
         default=1,
-        help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding)",
+        help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding x cp); every sharding "
+        "rank holds the whole expert grid, which spans tp x dp x cp",
     )
     g.add_argument("--sharding-stage", type=int, default=1, help="1: optimizer state, 2: + gradients, 3: + parameters")
     g.add_argument(
