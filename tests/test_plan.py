@@ -171,8 +171,9 @@ def test_search_lists_fitting_layouts_fastest_first(tmp_path):
 
 
 def test_search_with_cp_keeps_the_gpu_count_and_folds_experts_over_cp(tmp_path):
-    """``--search --gpus 8 --cp 2``: every listed layout has 8 ranks in all (cp included), and some
-    use an ep that only fits because the expert grid spans the cp ranks (ep > tp x dp x sharding)."""
+    """``--search --gpus 8 --cp 2``: every listed layout has 8 ranks in all (cp included) and an
+    expert grid the trainer builds (ep divides tp x dp x cp: not the sharding ranks, which each hold
+    the whole grid); some use an ep that only fits because the grid spans the cp ranks (ep > tp x dp)."""
     out = tmp_path / "s.json"
     budget = ["--gpu-mem-gb", str(10 / 1024), "--dtype", "float32", "--seq-len", "32"]
     args = ["plan", "--model", str(TINY_CONFIG.parent), "--search", "--gpus", "8", "--cp", "2", "--top", "100"]
@@ -184,5 +185,7 @@ def test_search_with_cp_keeps_the_gpu_count_and_folds_experts_over_cp(tmp_path):
         f = r["flags"].split()
         get = {k[2:]: int(v) for k, v in zip(f, f[1:]) if k in ("--tp", "--pp", "--dp", "--ep", "--sharding", "--cp")}
         assert get["cp"] == 2 and get["tp"] * get["pp"] * get["dp"] * get.get("sharding", 1) * 2 == 8, r["flags"]
-        sizes.append((get["ep"], get["tp"] * get["dp"] * get.get("sharding", 1)))
+        assert (get["tp"] * get["dp"] * 2) % get["ep"] == 0, r["flags"]
+        sizes.append((get["ep"], get["tp"] * get["dp"]))
     assert any(ep > tdp for ep, tdp in sizes), sizes
+    assert any("--sharding" in r["flags"] and ep > 1 for r, (ep, _) in zip(found, sizes)), "sharding x EP listed"

@@ -89,3 +89,17 @@ def test_search_with_vpp_halves_each_pipelines_bubble(tmp_path):
     for r in found:
         pp, m = _flag(r["flags"], "--pp"), GBS // (_flag(r["flags"], "--dp") * _flag(r["flags"], "--sharding"))
         assert r["bubble"] == pytest.approx((pp - 1) / (2 * m) if pp > 1 else 0.0)
+
+
+@pytest.mark.parametrize("dp,sharding,cp,ep", [(4, 1, 1, 4), (2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 1), (4, 2, 1, 2)])
+def test_gradient_reduction_sums_dense_and_expert_gradients_over_their_own_replicas(dp, sharding, cp, ep):
+    """Dense gradients sum over dp x sharding x cp ranks, an expert's over its edp x sharding
+    replicas (edp = tp x dp x cp / ep): an expert with no replica moves nothing."""
+    c = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG)
+    hw = Hardware(flops=1e12, tp_bw=1e30, net_bw=1.0)  # 1 B/s: dp_s is the bytes each rank moves
+    lay = planmod.Layout(seq_len=32, dtype="float32", dp=dp, sharding=sharding, cp=cp, ep=ep)
+    dense, expert = 1000, 3000
+    got = step_estimate(c, lay, 4, dense + expert, hw, expert_params=expert)["dp_s"]
+    r_dense, r_expert = dp * sharding * cp, dp * cp // ep * sharding
+    ring = lambda r: 2 * (r - 1) / r  # noqa: E731
+    assert got == pytest.approx(4 * (ring(r_dense) * dense + ring(r_expert) * expert))

@@ -30,6 +30,7 @@ __all__ = [
     "state_items",
     "activation_bytes",
     "layer_counts",
+    "parallel_config",
     "plan_layout",
     "register_plan",
     "search_layouts",
@@ -303,38 +304,70 @@ def _load_config(model: str) -> Any:
     return GlmMoeDsaConfig.from_pretrained(model)
 
 
+def parallel_config(lay: Layout) -> Any:
+    """The trainer's :class:`ParallelConfig` for ``lay`` (what ``glm52 train`` builds from the same
+    flags): dp and sharding stay separate, because the trainer lays the expert grid out over the
+    ``tp x dp x cp`` ranks of a stage and repeats it on every sharding rank."""
+    from ..parallel.topology import ParallelConfig
+
+    return ParallelConfig(
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        ep=lay.ep,
+        etp=lay.etp,
+        sp=lay.sp,
+        sharding=lay.sharding,
+        sharding_stage=min(lay.sharding_stage, 2),  # stage 3: planner only, checked below
+        cp=lay.cp,
+    )
+
+
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
-    from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from ..parallel.topology import ParallelConfigError
     from .glm_adapter import check_glm_sizes
 
     if lay.recompute not in ("none", "core", "full"):
         raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
     if lay.sharding_stage not in (1, 2, 3):
         raise ParallelConfigError(f"--sharding-stage must be 1, 2 or 3, got {lay.sharding_stage}")
-    pc = ParallelConfig(tp=lay.tp, pp=lay.pp, dp=lay.data_parallel, ep=lay.ep, etp=lay.etp, sp=lay.sp, cp=lay.cp)
+    pc = parallel_config(lay)
     from ..parallel.context import check_seq_len
 
     check_seq_len(lay.seq_len, lay.cp)
-    pc.validate(
-        num_attention_heads=config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        num_experts=config.n_routed_experts,
-        moe_intermediate_size=config.moe_intermediate_size,
-        num_layers=config.num_hidden_layers,
-    )
+    try:
+        pc.validate(
+            lay.world,
+            num_attention_heads=config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            num_experts=config.n_routed_experts,
+            moe_intermediate_size=config.moe_intermediate_size,
+            num_layers=config.num_hidden_layers,
+        )
+    except ParallelConfigError as e:
+        if lay.sharding > 1 and str(e).startswith("ep "):
+            raise ParallelConfigError(
+                f"{e}; --sharding {lay.sharding} ranks are not part of the expert grid (each holds all of it)"
+            ) from e
+        raise
     check_glm_sizes(config, pc)
     if lay.global_batch_size and lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
         raise ParallelConfigError(
-            f"--global-batch-size {lay.global_batch_size} must be divisible by dp x sharding "
-            f"{lay.data_parallel} x --micro-batch-size {lay.micro_batch_size}"
+            f"--global-batch-size {lay.global_batch_size} must be divisible by dp {lay.dp} x sharding "
+            f"{lay.sharding} x --micro-batch-size {lay.micro_batch_size}"
         )
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
 def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
-    """Stage-1 sharding as Fleet's ``DygraphShardingOptimizer`` lays it out: every trainable
-    tensor of the stage, in the optimizer's order, partitioned whole (``fleet_sharding_partition``);
-    the rank holds optimizer state for its own tensors only."""
+    """Sharding as the trainer runs it (Fleet's ``DygraphShardingOptimizer``): every trainable
+    tensor of the stage, experts included (every sharding rank holds the same expert grid), in the
+    optimizer's order, partitioned whole (``fleet_sharding_partition``); the rank holds optimizer
+    state for its own tensors only, and at stage 2 only their fp32 gradients."""
     from .memory import fleet_sharding_partition, state_bytes
 
     items = state_items(config, params)
@@ -343,31 +376,31 @@ def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_
     owned = {trainable[j] for j in part[sharding_rank]}
     full = state_bytes(items)
     mine = state_bytes([it for i, it in enumerate(items) if i in owned])
+    mine_e = state_bytes([it for i, it in enumerate(items) if i in owned and _is_expert(params[i][0])])
     return {
         "params_bytes": full["params_bytes"],
-        "grads_bytes": full["grads_bytes"],
+        "grads_bytes": mine["grads_bytes"] if lay.sharding_stage >= 2 else full["grads_bytes"],
         "optimizer_bytes": mine["optimizer_bytes"],
+        "expert_optimizer_bytes": mine_e["optimizer_bytes"],
     }
 
 
 def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, str, bool, int]]) -> dict[str, int]:
-    """:func:`train.memory.state_bytes` with sharding applied where replicas exist: dense tensors
-    are replicated over the sharding group (divided by its degree); an expert tensor only over its
-    expert-data-parallel replicas (edp = tp x dp x sharding x cp / (ep x etp)), so it is divided by
-    gcd(sharding, edp) -- with ep x etp = tp x sharding an expert has no replica to shard over."""
+    """:func:`train.memory.state_bytes` with sharding applied (an even split over the sharding
+    degree).  Expert tensors divide like dense ones: the trainer repeats the whole expert grid
+    (laid out over tp x dp x cp) on every sharding rank, so each expert tensor has a replica on
+    every sharding rank to split its state with, besides its edp = tp x dp x cp / (ep x etp)
+    expert-data-parallel replicas, which each hold it whole."""
     from .memory import state_bytes
 
     items = state_items(config, params)
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
-    edp = lay.tp * lay.data_parallel * lay.cp // (lay.ep * lay.etp)
-    sd_e = math.gcd(sd, edp) if sd > 1 else 1
-    is_expert = [".mlp.experts." in name for name, *_ in params]
-    dense = state_bytes([it for it, e in zip(items, is_expert) if not e], sharding_degree=sd, sharding_stage=stage)
+    out = state_bytes(items, sharding_degree=sd, sharding_stage=stage)
     expert = state_bytes(
-        [it for it, e in zip(items, is_expert) if e], sharding_degree=sd_e, sharding_stage=stage if sd_e > 1 else 0
+        [it for it, (name, *_) in zip(items, params) if _is_expert(name)], sharding_degree=sd, sharding_stage=stage
     )
-    return {k: dense[k] + expert[k] for k in dense}
+    return out | {"expert_optimizer_bytes": expert["optimizer_bytes"]}
 
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
@@ -400,32 +433,44 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
             "head": spec.has_head,
             "mtp": spec.has_mtp,
             "num_params": sum(n for _, n, *_ in params),
+            "expert_params": sum(n for name, n, *_ in params if _is_expert(name)),
             **st,
             "activations_bytes": act,
         }
-        by_sd = [row["optimizer_bytes"]] * lay.sharding
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
-            by_sd = [_fleet_sharded_state_bytes(config, lay, params, r)["optimizer_bytes"] for r in range(lay.sharding)]
-            row["optimizer_bytes"] = max(by_sd)
-            row["optimizer_bytes_by_sharding_rank"] = by_sd
-        row["total_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] + act
+            by_sd = [_fleet_sharded_state_bytes(config, lay, params, r) for r in range(lay.sharding)]
+            for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
+                row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
+                row[f] = max(row[f + "_by_sharding_rank"])
+        # the stage's largest rank (under Fleet's partition the sharding ranks differ)
+        grads = row.get("grads_bytes_by_sharding_rank", [row["grads_bytes"]])
+        held = [g + o for g, o in zip(grads, row.get("optimizer_bytes_by_sharding_rank", [row["optimizer_bytes"]]))]
+        row["total_bytes"] = row["params_bytes"] + max(held) + act
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
     for rank in range(lay.world):
         xy = rank_coords(lay, rank)
         k = kinds[xy["pp"]]
-        r = {"rank": rank, "stage": k["stage"]} | {
-            f: k[f] for f in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
-        }
-        if "optimizer_bytes_by_sharding_rank" in k:
-            r["optimizer_bytes"] = k["optimizer_bytes_by_sharding_rank"][xy["sharding"]]
+        fields = ("expert_params", "params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes")
+        r = {"rank": rank, "stage": k["stage"]} | {f: k[f] for f in (*fields, "activations_bytes")}
+        for f in fields:
+            if f + "_by_sharding_rank" in k:
+                r[f] = k[f + "_by_sharding_rank"][xy["sharding"]]
         r["total_bytes"] = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
         ranks.append(r)
     worst = max(k["total_bytes"] for k in kinds)
     return {
         "model": getattr(config, "name_or_path", None),
-        "layout": lay.__dict__ | {"world": lay.world, "micro_batches_per_step": micro},
+        # edp: replicas of an expert shard inside one sharding rank's expert grid (tp x dp x cp /
+        # (ep x etp)); its gradient sums over those and the sharding ranks (expert_replicas)
+        "layout": lay.__dict__
+        | {
+            "world": lay.world,
+            "micro_batches_per_step": micro,
+            "edp": parallel_config(lay).edp,
+            "expert_replicas": parallel_config(lay).edp * lay.sharding,
+        },
         "total_params": total_params(config, lay),
         "gpu_mem_gb": gpu_mem_gb,
         "fits": bool(worst <= limit),
@@ -466,7 +511,9 @@ def search_layouts(
                 continue
             dpt = gpus // (tp * pp * base.cp)  # data-parallel ranks (dp x sharding); --cp is kept as given
             for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]:
-                for sharding in sorted({1, dpt}):
+                # every split of the data-parallel ranks into dp x sharding: the expert grid spans
+                # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
+                for sharding in pow2(dpt):
                     for rc in ("none", "core", "full"):
                         lay = Layout(**(base.__dict__ | {}))
                         lay.tp, lay.pp, lay.ep, lay.etp, lay.recompute = tp, pp, ep, 1, rc
@@ -483,8 +530,10 @@ def search_layouts(
                             continue
                         if p["fits"]:
                             micro = p["layout"]["micro_batches_per_step"]
-                            grad_params = max(k["num_params"] for k in p["kinds"])
-                            est = step_estimate(config, lay, micro, grad_params, hardware)
+                            big = max(p["kinds"], key=lambda k: k["num_params"])
+                            est = step_estimate(
+                                config, lay, micro, big["num_params"], hardware, expert_params=big["expert_params"]
+                            )
                             found.append(
                                 {
                                     "layout": lay.describe(),
@@ -623,7 +672,8 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "--sharding",
         type=int,
         default=1,
-        help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding)",
+        help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding x cp); every sharding "
+        "rank holds the whole expert grid, which spans tp x dp x cp",
     )
     g.add_argument("--sharding-stage", type=int, default=1, help="1: optimizer state, 2: + gradients, 3: + parameters")
     g.add_argument(

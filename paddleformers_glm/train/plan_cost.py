@@ -77,12 +77,20 @@ def active_params(config: Any, lay: Any) -> int:
 
 
 def step_estimate(
-    config: Any, lay: Any, micro_batches: int, grad_params: int, hw: Hardware | None = None
+    config: Any,
+    lay: Any,
+    micro_batches: int,
+    grad_params: int,
+    hw: Hardware | None = None,
+    expert_params: int = 0,
 ) -> dict[str, float]:
     """Estimated seconds of one training step of ``lay`` and seconds per token (see module doc).
 
     ``micro_batches``: per pipeline per step; ``grad_params``: parameters of the largest rank
-    (its gradients are what the data-parallel reduction moves)."""
+    (its gradients are what the data-parallel reduction moves), ``expert_params`` of them routed
+    experts.  As the trainer syncs them (parallel/grads.py), dense gradients sum over the
+    dp x sharding x cp ranks, expert gradients over their edp x sharding replicas only
+    (edp = tp x dp x cp / (ep x etp))."""
     hw = hw or Hardware()
     tokens_mb = lay.seq_len * lay.micro_batch_size  # one micro-batch's tokens (all cp ranks together)
     local_mb = tokens_mb / getattr(lay, "cp", 1)  # the share one rank computes
@@ -91,7 +99,12 @@ def step_estimate(
     parts = comm_parts(config, lay)
     comm = parts["tp"] / hw.tp_bw + (parts["ep"] + parts["pp"] + parts["cp"]) / hw.net_bw
     r = lay.dp * lay.sharding
-    dp = 2 * (r - 1) / r * grad_params * 4 / hw.net_bw  # fp32 gradients, ring reduction
+    cp = getattr(lay, "cp", 1)
+    r_dense = r * cp
+    r_expert = lay.tp * lay.dp * cp // (lay.ep * getattr(lay, "etp", 1)) * lay.sharding
+    # fp32 gradients, ring all-reduce: 2 (R - 1) / R of the buffer per rank
+    ring = [(2 * (n - 1) / n, k) for n, k in ((r_dense, grad_params - expert_params), (r_expert, expert_params))]
+    dp = sum(f * k for f, k in ring) * 4 / hw.net_bw
     slots = micro_batches + (lay.pp - 1) / lay.vpp
     step = slots * (compute + comm) + dp
     tokens = micro_batches * r * tokens_mb
