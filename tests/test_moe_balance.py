@@ -194,24 +194,19 @@ def skewed_ckpt(tmp_path_factory):
     for k in state:
         if k.endswith(BIAS):
             state[k] = np.linspace(0.08, -0.08, state[k].shape[0]).astype(np.float32)
-    state[f"model.layers.4.mlp.{BIAS}"][DEAD] = -10.0
+    state[f"model.layers.4.mlp.gate.{BIAS}"][DEAD] = -10.0
     out = tmp_path_factory.mktemp("skewed") / "ckpt"
     save_pretrained_state({k: paddle.to_tensor(v) for k, v in state.items()}, config, out, max_shard_size="1MB")
     return out
 
 
-def _expert_bytes(folder: Path, expert: int) -> dict[str, bytes]:
-    """Layer 4 expert ``expert``'s weights as stored (dtype and bytes)."""
-    from safetensors import safe_open
+def _expert(folder: Path, expert: int) -> dict[str, np.ndarray]:
+    """Layer 4 expert ``expert``'s tensors in a checkpoint or a step dump, as fp32."""
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
 
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "np") as h:
-            for k in h.keys():
-                if f"layers.4.mlp.experts.{expert}." in k:
-                    t = h.get_tensor(k)
-                    out[k] = t.dtype.str.encode() + t.tobytes()
-    return out
+    ckpt = Checkpoint(str(folder))
+    keys = [k for k in ckpt.keys() if f"layers.4.mlp.experts.{expert}." in k]
+    return {k: ckpt.paddle(k).astype("float32").numpy() for k in keys}  # bf16 in the checkpoint
 
 
 def _biases(folder: Path) -> dict[str, bytes]:
@@ -261,6 +256,7 @@ def test_bias_updates_move_biases_and_even_the_load(skewed_ckpt, tmp_path):
 def _run_cli(ckpt: Path, out: Path, *layout: str) -> dict:
     args = ["--model", str(ckpt), "--steps", "5", "--seq-len", "16", "--global-batch-size", "2"]
     args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--moe-aux-loss-coeff", "0.1"]
+    args += ["--dump-step", str(out / "dump"), "5"]  # fp32 weights and moments after the last update
     p, _ = run_train_cli([*args, "--out", str(out), "--export", *layout], timeout=240)
     if p.returncode != 0:
         pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
@@ -285,11 +281,16 @@ def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, one_process
     assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]  # each token counted once
     a, b = _biases(one_dir / "export"), _biases(tmp_path / "export")
     assert a == b and a != _biases(skewed_ckpt)  # the same bits, moved
-    # the expert no token reached in any step is never stepped (no weight decay) in either run
-    dead = _expert_bytes(skewed_ckpt, DEAD)
-    assert dead and _expert_bytes(one_dir / "export", DEAD) == dead == _expert_bytes(tmp_path / "export", DEAD)
-    assert _expert_bytes(tmp_path / "export", DEAD - 1) != _expert_bytes(skewed_ckpt, DEAD - 1)
-    assert got["expert_load"]["layers"][1] == 4 and got["expert_load"]["load_total"][1][DEAD] == 0  # no token
+    # the expert no token reached in any step is never stepped: no weight decay (fp32 master
+    # weights as loaded), no moments, in one process and in the layout
+    start = _expert(skewed_ckpt, DEAD)
+    assert start and got["expert_load"]["layers"][1] == 4 and got["expert_load"]["load_total"][1][DEAD] == 0
+    for run in (one_dir, tmp_path):
+        w, m = _expert(run / "dump" / "weights", DEAD), _expert(run / "dump" / "exp_avg", DEAD)
+        assert w.keys() == start.keys() and all(np.array_equal(w[k], start[k]) for k in start), run
+        assert all(not v.any() for v in m.values()), run
+        live = _expert(run / "dump" / "weights", 0)  # the most chosen expert: stepped, so decayed
+        assert live and not any(np.array_equal(v, _expert(skewed_ckpt, 0)[k]) for k, v in live.items()), run
     # the sequence aux loss (split over sequence slices under SP) and its gradient agree too
     diff = max(abs(x - y) for x, y in zip(one["expert_load"]["aux_losses"], got["expert_load"]["aux_losses"]))
     assert diff <= 1e-5, diff  # the layouts tolerance of the loss curves (tests/test_train_glm.py)
