@@ -112,7 +112,7 @@ class GradSynchronizer:
         for n, _ in self.params:
             if self.specs[n].expert:
                 m = _EXPERT.match(n)
-                moe = m.group(1) or "" if m else None
+                moe = (m.group(1) or "") if m else None
                 if m is None or moe not in self.routers:
                     raise ValueError(
                         f"expert parameter {n!r}: expected '<moe>.experts.<id>.' under a MoE module with a "
