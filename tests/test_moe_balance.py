@@ -20,6 +20,7 @@ from tests._dist.runner import losses, run_train_cli, worker_logs
 from tests._tiny import tiny_config
 
 BIAS = "e_score_correction_bias"
+DEAD = 5  # the expert of layer 4 that the skewed checkpoint's bias keeps every token from
 
 
 def _routers(n_experts: int = 4, layers: tuple[int, ...] = (3, 5)) -> nn.Layer:
@@ -83,6 +84,55 @@ def test_router_counts_training_forwards_only():
     assert not any("balance" in k or "counts" in k for k in r.state_dict())
 
 
+def _moe_step(m: nn.Layer, sync, opt, seed: int) -> dict[str, bool]:
+    """Forward, backward, gradient sync and update of a one-layer MoE; returns the has-gradient flags."""
+    x = paddle.to_tensor(np.random.default_rng(seed).standard_normal([2, 8, m.layers["3"].gate.weight.shape[0]]))
+    (m.layers["3"](x.astype("float32")) ** 2).mean().backward()
+    grads, has = sync.main_grads()
+    opt.step(grads, has, 1e-2)
+    sync.release()
+    return has
+
+
+def test_expert_without_routed_tokens_keeps_weights_and_moments():
+    """An expert no token reached in a step is not stepped (torch AdamW skips a parameter whose
+    gradient is None): its weight decay and moment decay do not run, though it stepped before."""
+    from paddleformers_glm.modeling.moe import MoE
+    from paddleformers_glm.parallel.grads import GradSynchronizer
+    from paddleformers_glm.parallel.topology import get_topology, set_topology
+    from paddleformers_glm.train.optim import AdamW
+
+    set_topology(None)
+    paddle.seed(0)
+    cfg = tiny_config(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2)
+    m = nn.Layer()
+    m.layers = nn.LayerDict({"3": MoE(cfg)})
+    m.train()
+    sync = GradSynchronizer(m, get_topology())
+    opt = AdamW(sync.params, weight_decay=0.1)
+    experts = [n for n, _ in sync.params if ".experts." in n]
+    has = _moe_step(m, sync, opt, seed=1)
+    assert all(has[n] for n in experts)  # 32 assignments over 4 experts: every one got tokens
+    dead = [n for n in experts if ".experts.0." in n]
+    live = [n for n in experts if ".experts.1." in n]
+    assert dead and live
+    bias = m.layers["3"].gate.e_score_correction_bias
+    bias.set_value(paddle.to_tensor([-10.0, 0.0, 0.0, 0.0]))  # expert 0 can no longer be chosen
+
+    def snapshot(names):
+        params = dict(sync.params)
+        return {n: [params[n].numpy().copy()] + [v.numpy().copy() for v in opt.state[n].values()] for n in names}
+
+    before = snapshot(dead + live)
+    has = _moe_step(m, sync, opt, seed=2)
+    after = snapshot(dead + live)
+    assert not any(has[n] for n in dead) and all(has[n] for n in live)
+    for n in dead:  # weight, both moments and both bias-correction powers: the same bits
+        assert all(np.array_equal(a, b) for a, b in zip(before[n], after[n])), n
+    for n in live:
+        assert not np.array_equal(before[n][0], after[n][0]), n
+
+
 def _aux_reference(scores: np.ndarray, ids: np.ndarray, B: int, E: int, K: int) -> float:
     """The DeepSeek-V3 formula, written out per sequence."""
     T = scores.shape[0] // B
@@ -133,7 +183,8 @@ def test_sequence_aux_loss_matches_the_formula_and_reaches_the_router():
 @pytest.fixture(scope="module")
 def skewed_ckpt(tmp_path_factory):
     """The tiny checkpoint (`glm52 make-tiny`'s weights) with router biases skewed from +0.08 to
-    -0.08 over the experts, as after a shift in the data: the first experts take most tokens."""
+    -0.08 over the experts, as after a shift in the data: the first experts take most tokens.
+    Expert ``DEAD`` of layer 4 gets a bias no update rate here undoes: no token reaches it."""
     from paddleformers_glm.checkpoint import save_pretrained_state
     from paddleformers_glm.tiny import init_state
     from paddleformers_glm.tiny import tiny_config as official_tiny
@@ -143,9 +194,19 @@ def skewed_ckpt(tmp_path_factory):
     for k in state:
         if k.endswith(BIAS):
             state[k] = np.linspace(0.08, -0.08, state[k].shape[0]).astype(np.float32)
+    state[f"model.layers.4.mlp.gate.{BIAS}"][DEAD] = -10.0
     out = tmp_path_factory.mktemp("skewed") / "ckpt"
     save_pretrained_state({k: paddle.to_tensor(v) for k, v in state.items()}, config, out, max_shard_size="1MB")
     return out
+
+
+def _expert(folder: Path, expert: int) -> dict[str, np.ndarray]:
+    """Layer 4 expert ``expert``'s tensors in a checkpoint or a step dump, as fp32."""
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+
+    ckpt = Checkpoint(str(folder))
+    keys = [k for k in ckpt.keys() if f"layers.4.mlp.experts.{expert}." in k]
+    return {k: ckpt.paddle(k).astype("float32").numpy() for k in keys}  # bf16 in the checkpoint
 
 
 def _biases(folder: Path) -> dict[str, bytes]:
@@ -195,6 +256,7 @@ def test_bias_updates_move_biases_and_even_the_load(skewed_ckpt, tmp_path):
 def _run_cli(ckpt: Path, out: Path, *layout: str) -> dict:
     args = ["--model", str(ckpt), "--steps", "5", "--seq-len", "16", "--global-batch-size", "2"]
     args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--moe-aux-loss-coeff", "0.1"]
+    args += ["--dump-step", str(out / "dump"), "5"]  # fp32 weights and moments after the last update
     p, _ = run_train_cli([*args, "--out", str(out), "--export", *layout], timeout=240)
     if p.returncode != 0:
         pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
@@ -219,6 +281,16 @@ def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, one_process
     assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]  # each token counted once
     a, b = _biases(one_dir / "export"), _biases(tmp_path / "export")
     assert a == b and a != _biases(skewed_ckpt)  # the same bits, moved
+    # the expert no token reached in any step is never stepped: no weight decay (fp32 master
+    # weights as loaded), no moments, in one process and in the layout
+    start = _expert(skewed_ckpt, DEAD)
+    assert start and got["expert_load"]["layers"][1] == 4 and got["expert_load"]["load_total"][1][DEAD] == 0
+    for run in (one_dir, tmp_path):
+        w, m = _expert(run / "dump" / "weights", DEAD), _expert(run / "dump" / "exp_avg", DEAD)
+        assert w.keys() == start.keys() and all(np.array_equal(w[k], start[k]) for k in start), run
+        assert all(not v.any() for v in m.values()), run
+        live = _expert(run / "dump" / "weights", 0)  # the most chosen expert: stepped, so decayed
+        assert live and not any(np.array_equal(v, _expert(skewed_ckpt, 0)[k]) for k, v in live.items()), run
     # the sequence aux loss (split over sequence slices under SP) and its gradient agree too
     diff = max(abs(x - y) for x, y in zip(one["expert_load"]["aux_losses"], got["expert_load"]["aux_losses"]))
     assert diff <= 1e-5, diff  # the layouts tolerance of the loss curves (tests/test_train_glm.py)

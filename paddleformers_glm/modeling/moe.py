@@ -136,14 +136,17 @@ class RouterBalance:
     """A router's training-time balancing state, kept out of the state dict.
 
     ``counts``: tokens routed to each expert [E] (int64) by the training forwards since the trainer
-    last took them (after each optimizer step; ``train/moe_balance.py``).  ``aux_loss_coeff`` > 0
-    adds the sequence-wise balance loss times ``aux_loss_scale`` per sequence (the trainer sets it
-    to 1 / global batch sequences, so the gradient is that of ``coeff * mean over sequences``);
+    last took them (after each optimizer step; ``train/moe_balance.py``); ``routed``: the same
+    counts since the gradient sync last took them (its has-gradient flags: an expert no token
+    reached is not stepped; ``parallel/grads.py``).  ``aux_loss_coeff`` > 0 adds the sequence-wise
+    balance loss times ``aux_loss_scale`` per sequence (the trainer sets it to 1 / global batch
+    sequences times its loss factor, so the gradient is that of ``coeff * mean over sequences``);
     ``aux_loss`` sums the unscaled per-sequence losses since the trainer last took them.
     """
 
     def __init__(self) -> None:
         self.counts: paddle.Tensor | None = None
+        self.routed: paddle.Tensor | None = None
         self.aux_loss_coeff = 0.0
         self.aux_loss_scale = 1.0
         self.aux_loss: paddle.Tensor | None = None
@@ -159,6 +162,7 @@ class RouterBalance:
         with paddle.no_grad():
             c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
             self.counts = c if self.counts is None else self.counts + c
+            self.routed = c if self.routed is None else self.routed + c
         if self.aux_loss_coeff <= 0:
             return weights
         topo = get_topology()
@@ -169,6 +173,11 @@ class RouterBalance:
         done = aux.detach()
         self.aux_loss = done if self.aux_loss is None else self.aux_loss + done
         return _AuxLossGrad.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale)
+
+    def take_routed(self) -> paddle.Tensor | None:
+        """Tokens routed to each expert since the last call; resets."""
+        out, self.routed = self.routed, None
+        return out
 
     def take(self) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
         """(counts, aux loss sum) since the last take; resets both."""

@@ -17,8 +17,9 @@ gradients back only for the float tensors that need one.
 
 Losses: every chunk adds its loss terms (``LossTerm`` sums) times the trainer's scales into one
 objective.  On the last chunk (final norm, LM head, MTP and their losses) that objective is what
-the chunk returns and Fleet backpropagates (``delay_scale_loss``: Fleet does not divide it by
-the micro-batch count; the trainer's scales already normalise over the global batch).  A chunk
+the chunk returns and Fleet backpropagates (``delay_scale_loss``: Fleet divides the gradients,
+not each objective, by the micro-batch count; the trainer's scales normalise over the global
+batch times that count and Fleet's replica averaging factor).  A chunk
 elsewhere with a loss term (the indexer KL) ties its objective to the outgoing hidden states
 with :class:`_AttachObjective`, whose backward seeds the objective's gradient with 1.  The
 per-term sums are recorded on the side for the trainer's loss report.
@@ -26,17 +27,18 @@ per-term sums are recorded on the side for the trainer's loss report.
 The step: where the trainer's optimizer is Fleet's ``HybridParallelOptimizer`` (``fleet_clips``:
 expert layouts excepted), :meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``: its
 schedule, then its ``_optimizer_step`` calling ``step()`` and ``clear_grad()`` of the optimizer it
-is given.  The trainer's gradient sync (fp32 reductions over data, sharding, sequence-parallel,
-context-parallel and pipeline-shared replicas, has-gradient flags) runs at the point where Fleet
-syncs pipeline-shared gradients, ``PipelineLayer.allreduce_shared_weight_gradients`` (after the
-last backward of every schedule), *before* ``_optimizer_step``: with ``delay_scale_loss`` that
-step divides every local gradient by the micro-batch count, which the trainer's scales already
-did, so the trainer takes its synced copies first and Fleet's division touches only the local
-gradients it then clears.  The optimizer handed to ``train_batch`` (:func:`step_optimizer`) is a
-``HybridParallelOptimizer`` whose ``step()`` runs the trainer's clip and update (the inner AdamW
-with Fleet's ``HybridParallelClipGrad``); the stock ``step()`` is not called because its own
-gradient sync (an all-reduce in the parameter dtype over data-parallel ranks, no has-gradient
-flags) would replace the trainer's.  Expert layouts (``ep`` / ``etp`` > 1) keep the trainer's
+is given.  The trainer's gradient sync (parallel/grads.py: Fleet's collectives over
+sequence-parallel, sharding, data, context-parallel, expert-data and pipeline-shared replicas,
+has-gradient flags) runs at the point where Fleet syncs pipeline-shared gradients,
+``PipelineLayer.allreduce_shared_weight_gradients`` (after the last backward of every schedule),
+*before* ``_optimizer_step``: with ``delay_scale_loss`` that step then divides every gradient
+(``main_grad`` or ``.grad``) by the micro-batch count, which the trainer's loss factor includes on
+this path, and the update reads the gradients from the parameters after it.  The optimizer handed
+to ``train_batch`` (:func:`step_optimizer`) is a ``HybridParallelOptimizer`` whose ``step()`` runs
+the trainer's clip and update (the inner AdamW with Fleet's ``HybridParallelClipGrad``) and whose
+``clear_grad()`` releases the gradients; the stock ``step()`` is not called because its
+``_hybrid_sync_grad`` would send expert gradients over data-parallel ranks that hold other
+experts and has no has-gradient flags.  Expert layouts (``ep`` / ``etp`` > 1) keep the trainer's
 own clip outside any Fleet optimizer, so they drive the schedule alone through
 ``forward_backward_pipeline`` (:meth:`FleetPipeline.run`) and step afterwards.
 """

@@ -1,37 +1,55 @@
-"""Gradient synchronisation across TP / DP / EP / PP and the *true* global gradient norm.
+"""Gradient synchronisation across TP / DP / CP / sharding / EP / PP on Fleet's collectives, the
+has-gradient flags, and the *true* global gradient norm.
 
-After backward every trainable parameter's gradient is copied into an fp32 "main grad" (so bf16
-parameters reduce and clip in fp32) and summed over the ranks that hold a replica of it:
+Fleet's conventions, adopted as they are:
 
-* sequence-parallel-marked parameters (norms, row bias, router under SP): over TP (each rank saw
-  only its sequence slice);
-* every parameter: over the sharding group (Fleet's ``sharding_degree``: more data replicas); at
-  sharding stage 2 (:meth:`GradSynchronizer.shard_gradients`) each gradient is *reduced* to the
-  sharding rank that updates it (Fleet's ``DygraphShardingOptimizer`` partition) and the other
-  ranks drop it, so a rank keeps the fp32 gradients of its own part only;
-* dense parameters: over DP, then over the context-parallel group (each cp rank holds a slice of
-  every sequence, no weight slice); expert parameters (``ShardSpec.expert``): over the
-  expert-data-parallel group only (their replicas: edp = tp x dp x cp / (ep x etp)). The expert
-  grid spans the cp ranks, so a cp group holds *different* experts: summing an expert gradient
-  over it would add another expert's gradient;
-* parameters held by several pipeline stages under the same name (the embedding the MTP head reuses):
-  over those stages, in stage order.
+* fp32 reduction for low-precision parameters through Fleet's ``main_grad``: a bf16 parameter's
+  gradient becomes an fp32 ``param.main_grad`` (its ``.grad`` released), which every Fleet
+  gradient collective reads instead of ``.grad``; fp32 parameters reduce their ``.grad`` in place.
+  A parameter that got no gradient gets a zero ``main_grad`` so every replica joins the same
+  collectives.
+* scaling: Fleet *averages* over data-parallel and sharding replicas and *sums* over the
+  context-parallel (Fleet's ``sep``) and model-parallel groups.  The trainer multiplies each local
+  loss by ``dp x sharding`` (:func:`loss_multiplier`), so the averages give the sum of the
+  per-token gradients over the global batch, the same math as one process.
 
-The loss is normalised by the *global* token count before backward, so every sync is a SUM.
-A parameter that got no gradient anywhere (an expert no token chose) is reported as such, so the
-optimizer can skip it as torch's AdamW does, identically in every layout.
+What runs, in order:
+
+1. sequence-parallel parameters (Fleet's ``is_sequence_parallel_parameter`` or
+   ``ShardSpec.sequence_parallel``: norms, router, row bias under SP) summed over TP by
+   ``fused_allreduce_gradients_with_group(params, mp_group, scale=1.0)``, as Fleet's
+   sequence-parallel hook does;
+2. parameters held by several pipeline stages under the same name (the embedding the MTP head
+   reuses): summed over those stages, in stage order (the trainer's own: the stage module holds the
+   full model's names rather than Fleet's ``SharedLayerDesc``);
+3. sharding: the sharding optimizer's ``reduce_gradients`` (mean over the sharding ranks, reduced
+   onto the rank that updates each parameter); at sharding stage 2 the other ranks then release it;
+4. dense parameters the rank updates: ``fused_allreduce_gradients(params, hcg)`` (mean over DP,
+   sum over CP, one all-reduce over Fleet's dp x sep group when both are > 1) -- steps 3 and 4 are
+   ``HybridParallelOptimizer._hybrid_sync_grad``;
+5. expert parameters (``ShardSpec.expert``) the rank updates: over the expert-data-parallel group
+   (their replicas: edp = tp x dp x cp / (ep x etp)) with
+   ``fused_allreduce_gradients_with_group(params, edp_group, scale=1/dp)``.  The expert grid spans
+   the cp ranks, so a cp group holds *different* experts, and Fleet's plain HCG has no such group.
+
+Has-gradient flags: a dense parameter has a gradient when backward produced one on any replica;
+an expert has one when the routers sent it at least one token this step anywhere (the global
+routed-token counts), the same answer in every layout.  The optimizer skips the others, as torch's
+AdamW skips a parameter whose gradient is ``None``.
 
 The global norm counts each distinct tensor element once: a replicated tensor only on its
-canonical owner (sharding rank 0; dp and cp rank 0 and tp rank 0 unless TP-split for dense tensors,
-edp rank 0 and etp rank 0 unless ETP-split for experts; the first stage
+canonical owner (the sharding rank that updates it; dp and cp rank 0 and tp rank 0 unless
+TP-split for dense tensors, edp rank 0 and etp rank 0 unless ETP-split for experts; the first stage
 holding a pipeline-shared name), then one all-reduce over the world.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from typing import Any
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
@@ -40,9 +58,39 @@ from . import comm
 from .layers import get_shard_spec
 from .topology import Topology
 
-__all__ = ["GradSynchronizer", "clip_main_grads"]
+__all__ = ["GradSynchronizer", "clip_main_grads", "loss_multiplier"]
 
-_BUCKET_ELEMS = 32 * 1024 * 1024
+_EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
+
+
+def loss_multiplier(topo: Topology) -> int:
+    """The factor on each rank's loss that Fleet's averaging sync expects: dp x sharding replicas."""
+    return int(topo.pc.dp) * int(topo.pc.sharding)
+
+
+def _is_sp_param(p: paddle.Tensor) -> bool:
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
+
+    return bool(is_sequence_parallel_parameter(p)) or get_shard_spec(p).sequence_parallel
+
+
+def _release(p: paddle.Tensor) -> None:
+    """Drop the parameter's gradient and its fp32 main gradient (Fleet's ``main_grad`` convention)."""
+    p.clear_gradient(False)
+    _drop_main_grad(p)
+
+
+def _drop_main_grad(p: paddle.Tensor) -> None:
+    """Remove the attribute itself: Fleet's collectives take any ``main_grad`` attribute, even
+    ``None``, as "this parameter uses main_grad" (and then assert ``.grad`` is empty)."""
+    if hasattr(p, "main_grad"):
+        del p.main_grad
+
+
+def _grad(p: paddle.Tensor) -> paddle.Tensor | None:
+    """Fleet's rule: ``main_grad`` when set, else ``.grad``."""
+    g = getattr(p, "main_grad", None)
+    return g if g is not None else p.grad
 
 
 class GradSynchronizer:
@@ -54,19 +102,41 @@ class GradSynchronizer:
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
             raise ValueError("GradSynchronizer: duplicate parameter names in the stage module")
+        self.specs = {n: get_shard_spec(p) for n, p in self.params}
+        self.routers = _routers(model)  # MoE module name -> (its RouterBalance, number of experts)
+        offsets, total = {}, 0
+        for moe, (_, n_experts) in self.routers.items():
+            offsets[moe], total = total, total + n_experts
+        self.num_slots = total  # one routed-token count per (MoE module, global expert id)
+        self.expert_slot: dict[str, int] = {}  # expert parameter -> its slot
+        for n, _ in self.params:
+            if self.specs[n].expert:
+                m = _EXPERT.match(n)
+                moe = (m.group(1) or "") if m else None
+                if m is None or moe not in self.routers:
+                    raise ValueError(
+                        f"expert parameter {n!r}: expected '<moe>.experts.<id>.' under a MoE module with a "
+                        f"router that counts routed tokens (found {sorted(self.routers)[:4]})"
+                    )
+                e = int(m.group(2))
+                if e >= self.routers[moe][1]:
+                    raise ValueError(f"expert parameter {n!r}: id {e} >= {self.routers[moe][1]} experts")
+                self.expert_slot[n] = offsets[moe] + e
         self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
         for n, p in self.params:  # Fleet's hybrid clip counts a pipeline-shared tensor on its first stage only
             if n in self.holders:
                 p.is_firstly_shared = self.holders[n][0] == topo.stage
-        self.grad_owner: dict[str, int] | None = None  # sharding stage 2: name -> sharding rank that keeps it
+        self.sharding: Any = None  # Fleet's DygraphShardingOptimizer (its reduce_gradients)
+        self.grad_owner: dict[str, int] | None = None  # name -> sharding rank that updates it
+        self.drop_others = False  # sharding stage 2: release the gradients other ranks update
 
-    def shard_gradients(self, owner: dict[str, int]) -> None:
-        """Sharding stage 2: keep each gradient only on the sharding rank ``owner[name]`` (the rank
-        whose optimizer updates it); the others drop theirs once it is reduced there."""
+    def use_sharding(self, sharding: Any, owner: dict[str, int], stage: int) -> None:
+        """Reduce gradients with Fleet's sharding optimizer onto the rank ``owner[name]`` that
+        updates each parameter; at ``stage`` 2 the others release theirs after the reduce."""
         missing = {n for n, _ in self.params} - set(owner)
         if missing:
-            raise ValueError(f"shard_gradients: no owner for {sorted(missing)[:5]}")
-        self.grad_owner = dict(owner)
+            raise ValueError(f"use_sharding: no owner for {sorted(missing)[:5]}")
+        self.sharding, self.grad_owner, self.drop_others = sharding, dict(owner), stage == 2
 
     # ---------------------------------------------------------------- setup
     def _pp_holders(self, names: list[str]) -> dict[str, tuple[int, ...]]:
@@ -105,77 +175,133 @@ class GradSynchronizer:
                     params[n].set_value(part.reshape(params[n].shape).astype(params[n].dtype))
 
     # ---------------------------------------------------------------- per step
+    @paddle.no_grad()
     def main_grads(self) -> tuple[dict[str, paddle.Tensor], dict[str, bool]]:
-        """fp32 gradients summed over every replica, and whether each got a gradient anywhere."""
+        """fp32 gradients synced over every replica (Fleet's scaling: see the module docstring),
+        and whether each got a gradient anywhere (experts: any routed token this step)."""
         topo = self.topo
-        grads: dict[str, paddle.Tensor] = {}
-        flags: dict[str, paddle.Tensor] = {}
+        local = self._to_main_grads()
+        flags = self._flags(local)
+        if topo.world_size == 1:
+            return self.current_grads(), flags
+        from paddle.distributed.fleet.utils.hybrid_parallel_util import (
+            fused_allreduce_gradients,
+            fused_allreduce_gradients_with_group,
+        )
+
+        params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor
+        names = {id(p): n for n, p in self.params}
+        if topo.sequence_parallel and topo.tp_size > 1:  # partial over the sequence slices: a plain sum
+            sp = [p for p in params if _is_sp_param(p)]
+            if sp:
+                fused_allreduce_gradients_with_group(sp, topo.tp_group, scale=1.0)
+        self._sum_shared(flags)
+        if self.sharding is not None:  # mean over the sharding ranks, onto each parameter's updater
+            self.sharding.reduce_gradients(params, topo.hcg)
+            params = self.sharding.filter_parameters(params, topo.hcg)
+            if self.drop_others:
+                for n, p in self.params:
+                    if self.grad_owner[n] != topo.sharding_rank:
+                        _release(p)
+        dense = [p for p in params if not self.specs[names[id(p)]].expert]
+        if dense and (topo.dp_size > 1 or topo.cp_size > 1):  # mean over dp, sum over cp (Fleet's sep)
+            fused_allreduce_gradients(dense, topo.hcg)
+        experts = [p for p in params if self.specs[names[id(p)]].expert]  # (ShardSpec.expert)
+        if experts and topo.dp_size > 1:  # the dp mean of Fleet's convention, summed over the expert replicas
+            if comm.group_size(topo.edp_group) > 1:
+                fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
+            else:
+                for p in experts:
+                    _grad(p).scale_(1.0 / topo.dp_size)
+        elif experts and comm.group_size(topo.edp_group) > 1:
+            fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0)
+        return self.current_grads(), flags
+
+    def current_grads(self) -> dict[str, paddle.Tensor]:
+        """Each kept gradient by name (``main_grad`` when set, else ``.grad``), read from the
+        parameters now: Fleet's pipeline step may have rescaled them since the sync."""
+        out = {}
+        for n, p in self.params:
+            g = _grad(p)
+            if g is not None:
+                out[n] = g
+        return out
+
+    def release(self) -> None:
+        """Drop every gradient after the update (a parameter that gets none next step stays ``None``)."""
+        for _, p in self.params:
+            _release(p)
+
+    def _to_main_grads(self) -> dict[str, bool]:
+        """Fleet's ``main_grad`` for low-precision and gradient-less parameters; local has-gradient flags."""
+        local = {}
         for n, p in self.params:
             g = p.grad
-            grads[n] = g.astype("float32") if g is not None else paddle.zeros(p.shape, dtype="float32")
-            flags[n] = paddle.to_tensor([1.0 if g is not None else 0.0], dtype="float32")
-        specs = {n: get_shard_spec(p) for n, p in self.params}
-        if topo.sequence_parallel and topo.tp_size > 1:
-            self._reduce([n for n, _ in self.params if specs[n].sequence_parallel], grads, flags, topo.tp_group)
-        self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.dp_group)
-        self._reduce([n for n, _ in self.params if specs[n].expert], grads, flags, topo.edp_group)
-        # sharding ranks are more data-parallel replicas (Fleet's sharding_degree): every grad sums over them
-        if self.grad_owner is None:
-            self._reduce([n for n, _ in self.params], grads, flags, topo.sharding_group)
-        # context parallel: no dense weight is split over cp; each cp rank's gradient covers its own
-        # tokens.  Experts are not: their edp group above already spans the cp ranks.
-        self._reduce([n for n, _ in self.params if not specs[n].expert], grads, flags, topo.cp_group)
-        for stages, names in self._by_holder_set():  # pipeline-shared tensors: sum over the holder stages
+            local[n] = g is not None
+            if g is None:
+                p.main_grad = paddle.zeros(p.shape, dtype="float32")
+            elif g.dtype != paddle.float32 or n in self.holders:
+                # fp32 copy (and for pipeline-shared ones a tensor of their own: their sum is rebound)
+                p.main_grad = g.astype("float32") if g.dtype != paddle.float32 else g.clone()
+                p.clear_gradient(False)
+            else:
+                _drop_main_grad(p)
+        return local
+
+    def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
+        """Has-gradient flags, the same on every replica.  Dense parameter: backward produced a
+        gradient on some rank of this stage (pipeline-shared names: on some holder stage, in
+        :meth:`_sum_shared`).  Expert: this step's routed-token count, summed over every rank of the
+        stage (each routes its own tokens, or under TP without SP the same ones: only > 0 matters),
+        is positive.  Whether an untouched expert's local gradient is ``None`` or zeros depends on
+        the MoE form and the rank, so it cannot decide."""
+        topo = self.topo
+        dense = [n for n, _ in self.params if n not in self.expert_slot]
+        counts = np.zeros([self.num_slots], dtype=np.float64)
+        at = 0
+        for balance, n_experts in self.routers.values():
+            c = balance.take_routed()
+            if c is not None:
+                counts[at : at + n_experts] = c.numpy()
+            at += n_experts
+        vec = np.concatenate([np.array([1.0 if local[n] else 0.0 for n in dense], dtype=np.float64), counts])
+        if vec.size == 0:
+            return {}
+        t = paddle.to_tensor(vec)
+        for group in (topo.tp_group, topo.dp_group, topo.sharding_group, topo.cp_group):  # the stage's ranks
+            t = comm.all_reduce(t, group)
+        vec = t.numpy()
+        flags = {n: bool(v > 0) for n, v in zip(dense, vec[: len(dense)].tolist())}
+        for n, slot in self.expert_slot.items():
+            flags[n] = bool(vec[len(dense) + slot] > 0)
+        return flags
+
+    def _sum_shared(self, flags: dict[str, bool]) -> None:
+        """Pipeline-shared parameters: gradients and flags summed over the holder stages."""
+        topo = self.topo
+        params = dict(self.params)
+        for stages, names in self._by_holder_set():
             group, holders_only = self._set_group(stages)
             if holders_only and topo.stage not in stages:
                 continue
             mine = topo.stage in stages
+            fl = [paddle.to_tensor([1.0 if flags[n] else 0.0], dtype="float32") if mine else None for n in names]
             flat = self._flat(
-                [grads[n] if mine else None for n in names] + [flags[n] if mine else None for n in names],
-                names + names,
-                flags_from=len(names),
+                [params[n].main_grad if mine else None for n in names] + fl, names + names, flags_from=len(names)
             )
             flat = comm.all_reduce(flat, group)
             if mine:
                 parts = self._split_sizes(flat, names + names, flags_from=len(names))
                 for i, n in enumerate(names):
-                    grads[n] = parts[i].reshape(grads[n].shape)
-                    flags[n] = parts[len(names) + i]
-        if self.grad_owner is not None:  # stage 2: after the stage sum, so every holder adds its part first
-            self._reduce_to_owners(grads, flags)
-        return grads, {n: bool(float(flags[n].numpy()[0]) > 0) for n, _ in self.params}
-
-    def _reduce_to_owners(self, grads: dict, flags: dict) -> None:
-        """Sum each gradient over the sharding group onto its owner; drop it elsewhere.  The
-        has-gradient flags are all-reduced (every rank needs them: the optimizer broadcasts every
-        updated parameter from its owner)."""
-        topo, owner = self.topo, self.grad_owner
-        names = [n for n, _ in self.params]
-        group = topo.sharding_group
-        if comm.group_size(group) > 1:
-            flat = comm.all_reduce(paddle.concat([flags[n].reshape([-1]) for n in names]), group)
-            for n, f in zip(names, paddle.split(flat, len(names)) if len(names) > 1 else [flat]):
-                flags[n] = f
-        for rank in range(topo.sharding_size):
-            mine = [n for n in names if owner[n] == rank]
-            for bucket in _buckets(mine, grads):
-                if comm.group_size(group) > 1:
-                    flat = comm.reduce(
-                        paddle.concat([grads[n].reshape([-1]) for n in bucket]), group.ranks[rank], group
-                    )
-                    if rank == topo.sharding_rank:
-                        for n, part in zip(bucket, self._split(flat, [grads[n] for n in bucket])):
-                            grads[n] = part.reshape(grads[n].shape)
-                if rank != topo.sharding_rank:
-                    for n in bucket:
-                        del grads[n]
+                    params[n].main_grad = parts[i].reshape(params[n].shape)
+                    flags[n] = bool(float(parts[len(names) + i].numpy()[0]) > 0)
 
     def global_norm(self, grads: dict[str, paddle.Tensor]) -> float:
         """L2 norm of the whole model's gradient, each distinct element counted once."""
         topo = self.topo
         total = paddle.zeros([1], dtype="float64")
-        for n, p in self.params:
-            if self._owner(n, get_shard_spec(p)):  # at sharding stage 2 the owner is the one rank holding it
+        for n, _ in self.params:
+            if self._owner(n, self.specs[n]):
                 total = total + (grads[n] * grads[n]).sum().astype("float64")
         if topo.world_size > 1:
             dist.all_reduce(total)
@@ -206,22 +332,6 @@ class GradSynchronizer:
             sets.setdefault(self.holders[n], []).append(n)
         return sorted(sets.items())
 
-    @staticmethod
-    def _split(flat: paddle.Tensor, like: list[paddle.Tensor]) -> list[paddle.Tensor]:
-        sizes = [int(v.size) for v in like]
-        return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
-
-    def _reduce(self, names: list[str], grads: dict, flags: dict, group) -> None:
-        if comm.group_size(group) == 1 or not names:
-            return
-        for bucket in _buckets(names, grads):
-            vals = [grads[n] for n in bucket] + [flags[n] for n in bucket]
-            flat = comm.all_reduce(paddle.concat([v.reshape([-1]) for v in vals]), group)
-            parts = self._split(flat, vals)
-            for i, n in enumerate(bucket):
-                grads[n] = parts[i].reshape(grads[n].shape)
-                flags[n] = parts[len(bucket) + i]
-
     def _numel(self, name: str, flag: bool) -> int:
         return 1 if flag else self.shared_numel[name]
 
@@ -238,16 +348,18 @@ class GradSynchronizer:
         return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
 
 
-def _buckets(names: list[str], grads: dict) -> Iterable[list[str]]:
-    cur, size = [], 0
-    for n in names:
-        cur.append(n)
-        size += int(grads[n].size)
-        if size >= _BUCKET_ELEMS:
-            yield cur
-            cur, size = [], 0
-    if cur:
-        yield cur
+def _routers(model: nn.Layer) -> dict[str, tuple[Any, int]]:
+    """MoE module name -> (the ``RouterBalance`` counting its routed tokens, its expert count) (a router sublayer
+    named ``gate`` counts for its parent, a MoE layer may also hold the counter itself)."""
+    from ..modeling.moe import RouterBalance
+
+    out: dict[str, Any] = {}
+    for name, layer in model.named_sublayers(include_self=True):
+        balance = getattr(layer, "balance", None)
+        if isinstance(balance, RouterBalance):
+            moe = name if hasattr(layer, "experts") else name.rpartition(".")[0]
+            out[moe] = (balance, int(layer.num_experts))
+    return dict(sorted(out.items()))
 
 
 def clip_main_grads(grads: dict[str, paddle.Tensor], total_norm: float, max_norm: float) -> float:

@@ -23,6 +23,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from ..modeling.moe import RouterBalance
 from ..parallel import comm
 from ..parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import (
@@ -96,7 +97,9 @@ class ToyMoE(nn.Layer):
     def __init__(self, cfg: ToyConfig, sp: bool, topo: Topology) -> None:
         super().__init__()
         self.k = cfg.experts_per_token
+        self.num_experts = cfg.num_experts
         self.router = self.create_parameter([cfg.hidden_size, cfg.num_experts], dtype="float32")
+        self.balance = RouterBalance()  # routed-token counts: the trainer steps only experts that got tokens
         mark_sequence_parallel(self.router)
         self.dispatcher = ExpertParallelDispatcher(cfg.num_experts, topo=topo)
         self.experts = LocalExperts(
@@ -110,6 +113,8 @@ class ToyMoE(nn.Layer):
         probs = F.softmax(paddle.matmul(flat.astype("float32"), self.router), axis=-1)  # fp32 router
         w, ids = paddle.topk(probs, self.k, axis=-1)  # [T, K]
         w = w / w.sum(axis=-1, keepdim=True)
+        if self.training and paddle.is_grad_enabled():
+            w = self.balance.track(probs, ids, w, None)
         y = self.dispatcher(flat, ids, w, self.experts)
         return y.reshape(shape) + self.shared(x)
 

@@ -30,7 +30,7 @@ from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
-from ..parallel.grads import GradSynchronizer, clip_main_grads
+from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
@@ -329,6 +329,7 @@ class _Run:
     history: dict[str, list[float]]
     start: int  # steps already done (a resumed run's step)
     sched: Any
+    loss_mult: float  # see _loss_multiplier
     opt_bytes: list[int] = field(default_factory=list)  # optimizer-state bytes of every rank
 
     @property
@@ -374,10 +375,13 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         clip_norm=cfg.clip_grad,
     )
     opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
-    if topo.pc.sharding_stage == 2 and topo.sharding_size > 1:  # gradients sharded too: each kept by its updater
-        sync.shard_gradients(opt.grad_owners())
+    if opt.sharding is not None:  # Fleet's sharding reduce onto each updater (stage 2: the others release)
+        sync.use_sharding(opt.sharding, opt.grad_owners(), topo.pc.sharding_stage)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
-    balancer = ExpertBalancer(module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size)
+    mult = _loss_multiplier(topo, isinstance(engine, FleetPipeline) and opt.hybrid is not None, micro)
+    balancer = ExpertBalancer(
+        module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size, loss_multiplier=mult
+    )
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
     report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
@@ -408,8 +412,16 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
     return _Run(
         cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,
-        profile, layout, history, start, sched,
+        profile, layout, history, start, sched, mult,
     )  # fmt: skip
+
+
+def _loss_multiplier(topo: Any, train_batch: bool, micro: int) -> float:
+    """The factor on every local loss that makes Fleet's gradient conventions give the global
+    batch's summed per-token gradient: Fleet's sync averages over the dp x sharding replicas
+    (parallel/grads.py), and inside its ``train_batch`` the step divides the gradients by the
+    micro-batch count (``delay_scale_loss``).  1 in one process."""
+    return float(loss_multiplier(topo) * (micro if train_batch else 1))
 
 
 def _schedule_name(cfg: TrainConfig) -> str:
@@ -480,7 +492,8 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
         for name, s in run.loss_specs.items()
     }
-    scales = {name: s.weight / max(norms[name], 1) for name, s in run.loss_specs.items()}
+    # each term's weight over its global normaliser, times the factor Fleet's gradient sync expects
+    scales = {name: s.weight * run.loss_mult / max(norms[name], 1) for name, s in run.loss_specs.items()}
     replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
     mbs = list(micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size))
     if topo.cp_size > 1:  # context parallel: this rank's zigzag slice, labels shifted over whole sequences
@@ -490,45 +503,35 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     # ---- the step engine: sync -> norm -> clip -> update, inline or inside Fleet's train_batch
     done: dict[str, Any] = {}
 
-    def sync() -> None:  # every backward done: gradients summed over replicas (fp32), has-gradient flags
+    def sync() -> None:  # every backward done: gradients synced over replicas (fp32), has-gradient flags
         done["grads"], done["has_grad"] = run.sync.main_grads()
 
     def update() -> None:
-        grads = done["grads"]
+        grads = run.sync.current_grads()  # as Fleet's train_batch step left them (delay_scale_loss)
         # a copy: the trainer's clip replaces the entries, Fleet's clips the tensors in place
         done["pre_clip"] = {n: g.clone() for n, g in grads.items()} if _dumps_at(cfg, step + 1) else None
         done["gnorm"] = run.sync.global_norm(grads)  # logged; Fleet's clip runs inside the update when clips_itself
         if not run.opt.clips_itself:
             clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
         run.opt.step(grads, done["has_grad"], lr)
+        done["grads"] = grads
+        run.memory.observe(grads, run.opt)  # before the release below
 
     with run.memory.track(step == run.start):
         if _step_engine(run) == "train_batch":
-
-            def sync_own_copies() -> None:
-                # Fleet's step then rescales the local gradients in place (delay_scale_loss): the
-                # synced gradients must not be those tensors
-                sync()
-                grads = done["grads"]
-                for n, p in run.sync.params:
-                    g = p.grad
-                    if g is not None and n in grads and grads[n].data_ptr() == g.data_ptr():
-                        grads[n] = grads[n].clone()
-
-            opt = step_optimizer(run.opt.hybrid, update, run.module.clear_gradients)
-            totals = run.engine.train_batch(mbs, scales, opt, sync_own_copies)
+            opt = step_optimizer(run.opt.hybrid, update, run.sync.release)
+            totals = run.engine.train_batch(mbs, scales, opt, sync)
         else:
             totals = run.engine.run(mbs, scales)
             sync()
             update()
-            run.module.clear_gradients()
-    grads, gnorm, pre_clip = done["grads"], done["gnorm"], done["pre_clip"]
+            run.sync.release()
+    gnorm, pre_clip = done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
     if pre_clip is not None:
         from .dump import dump_after_step
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
-    run.memory.observe(grads, run.opt)
     run.balancer.after_step(step + 1)
     if not run.opt_bytes:
         run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)

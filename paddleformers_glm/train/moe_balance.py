@@ -11,7 +11,7 @@ Megatron-Core's ``moe_router_bias_update_rate`` rule (docs/model.md, "MoE balanc
 Each token must be counted exactly once, in every layout.  The router runs before expert
 dispatch, on the tokens of its own rank:
 
-* data-parallel ranks see distinct micro-batches: summed over DP;
+* data-parallel and sharding ranks see distinct micro-batches: summed over both;
 * tensor-parallel ranks see the same tokens without sequence parallel (counted on one of them,
   i.e. not summed) and distinct sequence slices with it: summed over TP;
 * expert-parallel groups re-factor the DP x TP ranks of a stage, so they add nothing;
@@ -72,6 +72,7 @@ class ExpertBalancer:
         bias_update_rate: float = 0.0,
         aux_loss_coeff: float = 0.0,
         global_sequences: int = 1,
+        loss_multiplier: float = 1.0,
     ) -> None:
         if bias_update_rate < 0:
             raise ValueError(f"--moe-bias-update-rate must be >= 0, got {bias_update_rate}")
@@ -84,7 +85,8 @@ class ExpertBalancer:
         self.global_sequences = max(int(global_sequences), 1)
         for r in self.routers.values():
             r.balance.aux_loss_coeff = self.aux_coeff
-            r.balance.aux_loss_scale = 1.0 / self.global_sequences
+            # the factor the trainer puts on every local loss for Fleet's averaging gradient sync
+            r.balance.aux_loss_scale = float(loss_multiplier) / self.global_sequences
         self.num_experts = next(iter(self.routers.values())).num_experts if self.routers else 0
         # rows: every layer number any stage holds (the same answer on every rank)
         top = np.array([max(self.routers, default=-1) + 1, self.num_experts], dtype=np.float64)
@@ -108,6 +110,7 @@ class ExpertBalancer:
         topo = self.topo
         if not pp_only:
             t = comm.all_reduce(t, topo.dp_group, op)
+            t = comm.all_reduce(t, topo.sharding_group, op)  # sharding ranks are data replicas too
             t = comm.all_reduce(t, topo.cp_group, op)  # context parallel: each cp rank routed its own tokens
             if topo.sequence_parallel:
                 t = comm.all_reduce(t, topo.tp_group, op)
