@@ -71,7 +71,22 @@ def _single(ckpt, out, seq):
 
 @pytest.fixture(scope="module")
 def single(tiny_ckpt, tmp_path_factory):
-    return {seq: _single(tiny_ckpt, tmp_path_factory.mktemp(f"single{seq}"), seq) for seq in (32, 48)}
+    return {48: _single(tiny_ckpt, tmp_path_factory.mktemp("single48"), 48)}
+
+
+@pytest.fixture(scope="module")
+def kl_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with the indexer KL loss on: the indexer is trained, so its keys'
+    gradients cross the cp ranks."""
+    import json
+    import shutil
+
+    ckpt = tmp_path_factory.mktemp("kl") / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["indexer_loss_coeff"] = 0.1
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
 
 
 def _run(ckpt, out, seq, *layout):
@@ -119,18 +134,25 @@ def _plan_matches_measured(ckpt, got, seq, ep=1):
 
 
 @pytest.mark.slow
-def test_cp2_matches_one_process_repeats_and_resumes_bit_exact(tiny_ckpt, single, tmp_path):
-    a = _run(tiny_ckpt, tmp_path / "a", 32, "--cp", "2")
+def test_cp2_trains_the_indexer_kl_loss_as_one_process_repeats_and_resumes_bit_exact(kl_ckpt, tmp_path):
+    """--cp 2 at seq 32 with the indexer KL loss on (the runs without it: the seq-48 layouts below):
+    within the bounds of one process, indexer KL losses too; a repeat bit-identical; a resume from
+    step 2 bit-exact."""
+    ref = _single(kl_ckpt, tmp_path / "single", 32)
+    a = _run(kl_ckpt, tmp_path / "a", 32, "--cp", "2")
     assert a["profile"]["cp"] == 2 and a["profile"]["world"] == 2
-    _close(single[32], a, "cp2")
-    _plan_matches_measured(tiny_ckpt, a, 32)
-    b = _run(tiny_ckpt, tmp_path / "b", 32, "--cp", "2", "--save-every", "2")
-    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+    _close(ref, a, "cp2-kl")
+    assert len(a["indexer_losses"]) == STEPS and min(a["indexer_losses"]) > 0
+    diff = max(abs(x - y) for x, y in zip(ref["indexer_losses"], a["indexer_losses"]))
+    assert diff <= 1e-7, ("indexer_losses", diff)  # the KL is ~2e-4 here
+    _plan_matches_measured(kl_ckpt, a, 32)
+    b = _run(kl_ckpt, tmp_path / "b", 32, "--cp", "2", "--save-every", "2")
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs", "indexer_losses"):
         assert a[key] == b[key], key  # a repeat is bit-identical
     ckpt = tmp_path / "b" / "checkpoints" / "step_00000002"
-    c = _run(tiny_ckpt, tmp_path / "c", 32, "--cp", "2", "--resume", str(ckpt))
+    c = _run(kl_ckpt, tmp_path / "c", 32, "--cp", "2", "--resume", str(ckpt))
     assert c["run"]["resumed_from_step"] == 2
-    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs", "indexer_losses"):
         assert c[key] == b[key], key  # resume continues the uninterrupted run bit for bit
 
 
@@ -185,21 +207,3 @@ def test_plan_accepts_expert_parallel_over_the_cp_ranks(tiny_ckpt):
     assert planmod.plan_layout(config, lay)["layout"]["world"] == 2  # dp 1: ep 2 only fits over cp
     with pytest.raises(ParallelConfigError, match=r"must divide tp 1 x dp 1 x cp 2 = 2"):
         planmod.plan_layout(config, planmod.Layout(cp=2, ep=4, seq_len=48, global_batch_size=GBS))
-
-
-@pytest.mark.slow
-def test_cp2_trains_the_indexer_kl_loss_as_one_process(tiny_ckpt, tmp_path):
-    import json
-    import shutil
-
-    ckpt = tmp_path / "kl_ckpt"
-    shutil.copytree(tiny_ckpt, ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["indexer_loss_coeff"] = 0.1  # the indexer is trained: its keys' gradients cross the cp ranks
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    ref = _single(ckpt, tmp_path / "single", 32)
-    got = _run(ckpt, tmp_path / "cp2", 32, "--cp", "2")
-    _close(ref, got, "cp2-kl")
-    assert len(got["indexer_losses"]) == STEPS and min(got["indexer_losses"]) > 0
-    diff = max(abs(a - b) for a, b in zip(ref["indexer_losses"], got["indexer_losses"]))
-    assert diff <= 1e-7, ("indexer_losses", diff)  # the KL is ~2e-4 here
