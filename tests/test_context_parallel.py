@@ -54,6 +54,60 @@ def test_split_shifts_labels_and_mtp_ids_over_the_whole_sequence():
     assert r0["attention_mask"].shape == (1, S)  # key padding stays indexed by global position
 
 
+def test_topk_tables_over_a_longer_key_sequence_index_every_key():
+    """A cp rank's 2 queries per batch over all 6 keys: table rows b*6 + j, empty slots on the
+    batch's first key (masked), a query without keys on its batch's mean row 12 + b (unmasked)."""
+    import paddle
+
+    from paddleformers_glm.ops.selection import topk_tables
+
+    topk = paddle.to_tensor(np.array([[[5, -1], [-1, -1]], [[0, 4], [3, -1]]], np.int64))
+    rows, mask, has_key = topk_tables(topk, n_keys=6)
+    assert rows.numpy().tolist() == [[5, 0], [12, 12], [6, 10], [9, 6]]
+    inf = float("-inf")
+    assert mask.numpy().tolist() == [[0.0, inf], [0.0, 0.0], [0.0, 0.0], [0.0, inf]]
+    assert has_key.numpy().tolist() == [True, False, True, True]
+
+
+def test_cp_latent_attention_of_a_rank_equals_its_rows_of_one_process():
+    """Each zigzag rank's queries over every key give the one-process rows (which run the dense
+    chunks here): outputs, probabilities and gradients, with empty slots and a query without keys."""
+    import paddle
+
+    from paddleformers_glm.modeling.attention_forms import sparse_latent_attention
+    from paddleformers_glm.parallel.context import cp_latent_attention
+
+    rng = np.random.default_rng(3)
+    B, S, H, D, K = 2, 16, 2, 8, 4
+    q_np = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    kv_np = rng.standard_normal((B, S, D)).astype(np.float32)
+    gy = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    topk = np.full((B, S, K), -1, np.int64)
+    for b in range(B):
+        for i in range(S):
+            n = min(i + 1, K) - (i % 3 == 0)
+            topk[b, i, :n] = rng.choice(i + 1, n, replace=False)
+    topk[0, 0] = -1  # no key at all: the mean of every value
+
+    def run(fn, pos):
+        q, kv = paddle.to_tensor(q_np[:, pos]), paddle.to_tensor(kv_np)
+        q.stop_gradient = kv.stop_gradient = False
+        out, probs = fn(q, kv, paddle.to_tensor(topk[:, pos]), 0.3, 1024, True)
+        (out * paddle.to_tensor(gy[:, pos])).sum().backward()
+        return out.numpy(), probs.numpy(), q.grad.numpy(), kv.grad.numpy()
+
+    full = run(sparse_latent_attention, np.arange(S))
+    kv_grad = np.zeros_like(kv_np)
+    for r in range(2):
+        pos = zigzag_positions(S, 2, r)
+        out, probs, dq, dkv = run(cp_latent_attention, pos)
+        np.testing.assert_allclose(out, full[0][:, pos], atol=1e-6, err_msg=f"rank {r} out")
+        np.testing.assert_allclose(probs, full[1][:, pos], atol=1e-6, err_msg=f"rank {r} probs")
+        np.testing.assert_allclose(dq, full[2][:, pos], atol=1e-6, err_msg=f"rank {r} dq")
+        kv_grad += dkv
+    np.testing.assert_allclose(kv_grad, full[3], atol=1e-5, err_msg="dkv summed over the ranks")
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     from paddleformers_glm.tiny import make_tiny_checkpoint

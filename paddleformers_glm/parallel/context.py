@@ -201,37 +201,9 @@ def cp_latent_attention(
     shortcut of the one-process form assumes queries and keys share positions). A query with no
     valid key gets the mean of all S values, as in one process.
     """
-    from ..modeling.attention_forms import _CHUNK_ELEMS as ATT_CHUNK
-    from ..modeling.attention_forms import _Chunk, _Prepared, _SparseLatentAttention
+    from ..modeling.attention_forms import sparse_latent_attention
 
-    B, Sq, H, D = q.shape
-    S, K = kv.shape[1], topk_idx.shape[-1]
-    with paddle.no_grad():
-        valid = topk_idx >= 0
-        has_key = valid.any(axis=-1)
-        has_k = has_key.unsqueeze(-1).expand([B, Sq, K])
-        base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, Sq, K])
-        mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, Sq, K])
-        rows = paddle.where(valid, topk_idx + base, paddle.where(has_k, base, mean_row))
-        live = paddle.logical_or(valid, paddle.logical_not(has_k))
-        mask = paddle.where(
-            live, paddle.zeros([B, Sq, K], "float32"), paddle.full([B, Sq, K], float("-inf"), "float32")
-        )
-    prep = _Prepared(rows.reshape([B * Sq, K]), mask.reshape([B * Sq, K]), topk_idx.reshape([B * Sq, K]),
-                     has_key.reshape([B * Sq]), {})  # fmt: skip
-    table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
-    rows_per = max(1, min(Sq, chunk_size, max(16, ATT_CHUNK // max(K * max(D, H), 1))))
-    plan = [
-        _Chunk(b * Sq + c0, b * Sq + min(Sq, c0 + rows_per), b, S, False)
-        for b in range(B)
-        for c0 in range(0, Sq, rows_per)
-    ]
-    out, probs = _SparseLatentAttention.apply(q.reshape([B * Sq, H, D]), table, prep, plan, S, scale, return_probs)
-    out = out.reshape([B, Sq, H, D])
-    if not return_probs:
-        return out, None
-    probs = paddle.where(valid, probs.reshape([B, Sq, K]), paddle.zeros([B, Sq, K], probs.dtype))
-    return out, probs
+    return sparse_latent_attention(q, kv, topk_idx, scale, chunk_size, return_probs)
 
 
 def cp_attention_forward(
