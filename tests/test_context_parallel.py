@@ -69,13 +69,13 @@ def test_topk_tables_over_a_longer_key_sequence_index_every_key():
     assert has_key.numpy().tolist() == [True, False, True, True]
 
 
-def test_cp_latent_attention_of_a_rank_equals_its_rows_of_one_process():
-    """Each zigzag rank's queries over every key give the one-process rows (which run the dense
-    chunks here): outputs, probabilities and gradients, with empty slots and a query without keys."""
+def test_latent_attention_of_a_cp_rank_equals_its_rows_of_one_process():
+    """The latent form for one zigzag rank's queries over every key (as --cp runs it) gives the
+    one-process rows (which run the dense chunks here): outputs, probabilities and gradients, with
+    empty slots and a query without keys."""
     import paddle
 
     from paddleformers_glm.modeling.attention_forms import sparse_latent_attention
-    from paddleformers_glm.parallel.context import cp_latent_attention
 
     rng = np.random.default_rng(3)
     B, S, H, D, K = 2, 16, 2, 8, 4
@@ -100,7 +100,7 @@ def test_cp_latent_attention_of_a_rank_equals_its_rows_of_one_process():
     kv_grad = np.zeros_like(kv_np)
     for r in range(2):
         pos = zigzag_positions(S, 2, r)
-        out, probs, dq, dkv = run(cp_latent_attention, pos)
+        out, probs, dq, dkv = run(sparse_latent_attention, pos)
         np.testing.assert_allclose(out, full[0][:, pos], atol=1e-6, err_msg=f"rank {r} out")
         np.testing.assert_allclose(probs, full[1][:, pos], atol=1e-6, err_msg=f"rank {r} probs")
         np.testing.assert_allclose(dq, full[2][:, pos], atol=1e-6, err_msg=f"rank {r} dq")

@@ -15,10 +15,11 @@ needs from the other ranks' tokens:
 
 Each rank then scores its own queries against all keys, causal by *global* position
 (`zigzag_positions`), takes its top-k (shared indexer layers reuse the carried top-k, which is
-per query and so already local), and attends in the latent form (`cp_latent_attention`). The
-batch side (`split_micro_batch`) gives each rank its tokens, their global position ids, the
-global key-padding mask, and every label / MTP input already shifted over the *whole* sequence,
-so a shift that crosses a chunk boundary reads the neighbouring rank's token.
+per query and so already local), and attends in the latent form (`sparse_latent_attention` over
+the whole sequence's latent rows, every chunk gathered). The batch side (`split_micro_batch`)
+gives each rank its tokens, their global position ids, the global key-padding mask, and every
+label / MTP input already shifted over the *whole* sequence, so a shift that crosses a chunk
+boundary reads the neighbouring rank's token.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from .topology import ParallelConfigError, get_topology
 __all__ = [
     "check_seq_len",
     "cp_attention_forward",
-    "cp_latent_attention",
     "cp_topk",
     "gather_sequence",
     "split_micro_batch",
@@ -186,26 +186,6 @@ def cp_topk(
 
 
 # ------------------------------------------------------------------------------ attention
-def cp_latent_attention(
-    q: paddle.Tensor,
-    kv: paddle.Tensor,
-    topk_idx: paddle.Tensor,
-    scale: float,
-    chunk_size: int = 1024,
-    return_probs: bool = False,
-) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-    """`sparse_latent_attention` for local queries over the whole sequence's latent rows.
-
-    q [B, Sq, H, D] (this rank's queries); kv [B, S, D] (every key, global order); topk_idx
-    [B, Sq, k] global key positions (-1 = empty). Every chunk gathers its selected rows (the dense
-    shortcut of the one-process form assumes queries and keys share positions). A query with no
-    valid key gets the mean of all S values, as in one process.
-    """
-    from ..modeling.attention_forms import sparse_latent_attention
-
-    return sparse_latent_attention(q, kv, topk_idx, scale, chunk_size, return_probs)
-
-
 def cp_attention_forward(
     attn: Any,
     x: paddle.Tensor,
@@ -224,6 +204,8 @@ def cp_attention_forward(
     share of the whole sequence's mean: summed over the cp ranks (as the trainer sums every loss
     term) it is the one-process loss.
     """
+    from ..modeling.attention_forms import sparse_latent_attention
+
     topo = get_topology()
     group = topo.cp_group
     q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
@@ -242,7 +224,8 @@ def cp_attention_forward(
         topk = prev_topk
 
     def attend(q_lat: paddle.Tensor, kv_lat: paddle.Tensor, sel: paddle.Tensor, want: bool) -> tuple:
-        return cp_latent_attention(q_lat, gather_sequence(kv_lat, group), sel, core.scale, core.chunk_size, want)
+        # this rank's queries over every key (global positions): the latent form's gathered chunks
+        return sparse_latent_attention(q_lat, gather_sequence(kv_lat, group), sel, core.scale, core.chunk_size, want)
 
     want_kl = core.indexer is not None and not reuse_topk and attn.indexer_loss_coeff > 0 and attn.training
     out, probs = attn._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl, attend=attend)
