@@ -1,10 +1,11 @@
 """Context parallel (--cp): the zigzag split and its whole-sequence shifts (in process), and GLM-5.2
 (tiny official-layout checkpoint) trained with --cp 2, --tp 2 --cp 2 --sp and --pp 2 --cp 2 (with
 recompute) against one process: losses and MTP losses within 1e-6 at lr 1e-5 over 5 steps, at
-seq 32 (zigzag chunks of index_topk keys) and seq 48 (chunks of 12 > index_topk = 8, so every
-rank's second chunk selects among keys held by the other rank, through the shared layers' carried
-top-k too); a repeat is bit-identical, a resume from step 2 bit-exact; the indexer KL loss (whose
-key gradients cross the cp ranks) trains as in one process.  Expert parallelism spans the cp ranks
+seq 32 (zigzag chunks of index_topk keys; the indexer KL loss on, whose key gradients cross the
+cp ranks: it trains as in one process) and seq 48 (chunks of 12 > index_topk = 8, so every rank's
+second chunk selects among keys held by the other rank, through the shared layers' carried top-k
+too); a repeat is bit-identical, a resume from step 2 bit-exact.  The latent attention of one
+rank's queries over every key equals those rows of one process (in process).  Expert parallelism spans the cp ranks
 (--cp 2 --ep 2: each cp rank owns half the experts; --tp 2 --cp 2 --ep 4 --sp: every rank of the
 stage owns a quarter) with the same bound, the planner's parameter bytes match the --cp 2 --ep 2
 run, and its step-2 state resumes at --cp 2 (experts resharded) on the same curve."""
