@@ -5,4 +5,4 @@ set -euo pipefail
 export MKL_DEBUG_CPU_TYPE="${MKL_DEBUG_CPU_TYPE:-5}"
 ruff check .
 ruff format --check .
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=30 "$@"

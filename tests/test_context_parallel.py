@@ -1,10 +1,11 @@
 """Context parallel (--cp): the zigzag split and its whole-sequence shifts (in process), and GLM-5.2
 (tiny official-layout checkpoint) trained with --cp 2, --tp 2 --cp 2 --sp and --pp 2 --cp 2 (with
 recompute) against one process: losses and MTP losses within 1e-6 at lr 1e-5 over 5 steps, at
-seq 32 (zigzag chunks of index_topk keys) and seq 48 (chunks of 12 > index_topk = 8, so every
-rank's second chunk selects among keys held by the other rank, through the shared layers' carried
-top-k too); a repeat is bit-identical, a resume from step 2 bit-exact; the indexer KL loss (whose
-key gradients cross the cp ranks) trains as in one process.  Expert parallelism spans the cp ranks
+seq 32 (zigzag chunks of index_topk keys; the indexer KL loss on, whose key gradients cross the
+cp ranks: it trains as in one process) and seq 48 (chunks of 12 > index_topk = 8, so every rank's
+second chunk selects among keys held by the other rank, through the shared layers' carried top-k
+too); a repeat is bit-identical, a resume from step 2 bit-exact.  The latent attention of one
+rank's queries over every key equals those rows of one process (in process).  Expert parallelism spans the cp ranks
 (--cp 2 --ep 2: each cp rank owns half the experts; --tp 2 --cp 2 --ep 4 --sp: every rank of the
 stage owns a quarter) with the same bound, the planner's parameter bytes match the --cp 2 --ep 2
 run, and its step-2 state resumes at --cp 2 (experts resharded) on the same curve."""
@@ -54,6 +55,60 @@ def test_split_shifts_labels_and_mtp_ids_over_the_whole_sequence():
     assert r0["attention_mask"].shape == (1, S)  # key padding stays indexed by global position
 
 
+def test_topk_tables_over_a_longer_key_sequence_index_every_key():
+    """A cp rank's 2 queries per batch over all 6 keys: table rows b*6 + j, empty slots on the
+    batch's first key (masked), a query without keys on its batch's mean row 12 + b (unmasked)."""
+    import paddle
+
+    from paddleformers_glm.ops.selection import topk_tables
+
+    topk = paddle.to_tensor(np.array([[[5, -1], [-1, -1]], [[0, 4], [3, -1]]], np.int64))
+    rows, mask, has_key = topk_tables(topk, n_keys=6)
+    assert rows.numpy().tolist() == [[5, 0], [12, 12], [6, 10], [9, 6]]
+    inf = float("-inf")
+    assert mask.numpy().tolist() == [[0.0, inf], [0.0, 0.0], [0.0, 0.0], [0.0, inf]]
+    assert has_key.numpy().tolist() == [True, False, True, True]
+
+
+def test_latent_attention_of_a_cp_rank_equals_its_rows_of_one_process():
+    """The latent form for one zigzag rank's queries over every key (as --cp runs it) gives the
+    one-process rows (which run the dense chunks here): outputs, probabilities and gradients, with
+    empty slots and a query without keys."""
+    import paddle
+
+    from paddleformers_glm.modeling.attention_forms import sparse_latent_attention
+
+    rng = np.random.default_rng(3)
+    B, S, H, D, K = 2, 16, 2, 8, 4
+    q_np = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    kv_np = rng.standard_normal((B, S, D)).astype(np.float32)
+    gy = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    topk = np.full((B, S, K), -1, np.int64)
+    for b in range(B):
+        for i in range(S):
+            n = min(i + 1, K) - (i % 3 == 0)
+            topk[b, i, :n] = rng.choice(i + 1, n, replace=False)
+    topk[0, 0] = -1  # no key at all: the mean of every value
+
+    def run(fn, pos):
+        q, kv = paddle.to_tensor(q_np[:, pos]), paddle.to_tensor(kv_np)
+        q.stop_gradient = kv.stop_gradient = False
+        out, probs = fn(q, kv, paddle.to_tensor(topk[:, pos]), 0.3, 1024, True)
+        (out * paddle.to_tensor(gy[:, pos])).sum().backward()
+        return out.numpy(), probs.numpy(), q.grad.numpy(), kv.grad.numpy()
+
+    full = run(sparse_latent_attention, np.arange(S))
+    kv_grad = np.zeros_like(kv_np)
+    for r in range(2):
+        pos = zigzag_positions(S, 2, r)
+        out, probs, dq, dkv = run(sparse_latent_attention, pos)
+        np.testing.assert_allclose(out, full[0][:, pos], atol=1e-6, err_msg=f"rank {r} out")
+        np.testing.assert_allclose(probs, full[1][:, pos], atol=1e-6, err_msg=f"rank {r} probs")
+        np.testing.assert_allclose(dq, full[2][:, pos], atol=1e-6, err_msg=f"rank {r} dq")
+        kv_grad += dkv
+    np.testing.assert_allclose(kv_grad, full[3], atol=1e-5, err_msg="dkv summed over the ranks")
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     from paddleformers_glm.tiny import make_tiny_checkpoint
@@ -71,7 +126,22 @@ def _single(ckpt, out, seq):
 
 @pytest.fixture(scope="module")
 def single(tiny_ckpt, tmp_path_factory):
-    return {seq: _single(tiny_ckpt, tmp_path_factory.mktemp(f"single{seq}"), seq) for seq in (32, 48)}
+    return {48: _single(tiny_ckpt, tmp_path_factory.mktemp("single48"), 48)}
+
+
+@pytest.fixture(scope="module")
+def kl_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with the indexer KL loss on: the indexer is trained, so its keys'
+    gradients cross the cp ranks."""
+    import json
+    import shutil
+
+    ckpt = tmp_path_factory.mktemp("kl") / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["indexer_loss_coeff"] = 0.1
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
 
 
 def _run(ckpt, out, seq, *layout):
@@ -119,18 +189,25 @@ def _plan_matches_measured(ckpt, got, seq, ep=1):
 
 
 @pytest.mark.slow
-def test_cp2_matches_one_process_repeats_and_resumes_bit_exact(tiny_ckpt, single, tmp_path):
-    a = _run(tiny_ckpt, tmp_path / "a", 32, "--cp", "2")
+def test_cp2_trains_the_indexer_kl_loss_as_one_process_repeats_and_resumes_bit_exact(kl_ckpt, tmp_path):
+    """--cp 2 at seq 32 with the indexer KL loss on (the runs without it: the seq-48 layouts below):
+    within the bounds of one process, indexer KL losses too; a repeat bit-identical; a resume from
+    step 2 bit-exact."""
+    ref = _single(kl_ckpt, tmp_path / "single", 32)
+    a = _run(kl_ckpt, tmp_path / "a", 32, "--cp", "2")
     assert a["profile"]["cp"] == 2 and a["profile"]["world"] == 2
-    _close(single[32], a, "cp2")
-    _plan_matches_measured(tiny_ckpt, a, 32)
-    b = _run(tiny_ckpt, tmp_path / "b", 32, "--cp", "2", "--save-every", "2")
-    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+    _close(ref, a, "cp2-kl")
+    assert len(a["indexer_losses"]) == STEPS and min(a["indexer_losses"]) > 0
+    diff = max(abs(x - y) for x, y in zip(ref["indexer_losses"], a["indexer_losses"]))
+    assert diff <= 1e-7, ("indexer_losses", diff)  # the KL is ~2e-4 here
+    _plan_matches_measured(kl_ckpt, a, 32)
+    b = _run(kl_ckpt, tmp_path / "b", 32, "--cp", "2", "--save-every", "2")
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs", "indexer_losses"):
         assert a[key] == b[key], key  # a repeat is bit-identical
     ckpt = tmp_path / "b" / "checkpoints" / "step_00000002"
-    c = _run(tiny_ckpt, tmp_path / "c", 32, "--cp", "2", "--resume", str(ckpt))
+    c = _run(kl_ckpt, tmp_path / "c", 32, "--cp", "2", "--resume", str(ckpt))
     assert c["run"]["resumed_from_step"] == 2
-    for key in ("losses", "mtp_losses", "grad_norms", "lrs"):
+    for key in ("losses", "mtp_losses", "grad_norms", "lrs", "indexer_losses"):
         assert c[key] == b[key], key  # resume continues the uninterrupted run bit for bit
 
 
@@ -185,21 +262,3 @@ def test_plan_accepts_expert_parallel_over_the_cp_ranks(tiny_ckpt):
     assert planmod.plan_layout(config, lay)["layout"]["world"] == 2  # dp 1: ep 2 only fits over cp
     with pytest.raises(ParallelConfigError, match=r"must divide tp 1 x dp 1 x cp 2 = 2"):
         planmod.plan_layout(config, planmod.Layout(cp=2, ep=4, seq_len=48, global_batch_size=GBS))
-
-
-@pytest.mark.slow
-def test_cp2_trains_the_indexer_kl_loss_as_one_process(tiny_ckpt, tmp_path):
-    import json
-    import shutil
-
-    ckpt = tmp_path / "kl_ckpt"
-    shutil.copytree(tiny_ckpt, ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["indexer_loss_coeff"] = 0.1  # the indexer is trained: its keys' gradients cross the cp ranks
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    ref = _single(ckpt, tmp_path / "single", 32)
-    got = _run(ckpt, tmp_path / "cp2", 32, "--cp", "2")
-    _close(ref, got, "cp2-kl")
-    assert len(got["indexer_losses"]) == STEPS and min(got["indexer_losses"]) > 0
-    diff = max(abs(a - b) for a, b in zip(ref["indexer_losses"], got["indexer_losses"]))
-    assert diff <= 1e-7, ("indexer_losses", diff)  # the KL is ~2e-4 here

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from paddleformers_glm.parallel.export import save_pretrained_distributed
-from tests._dist.runner import launch_script
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +65,16 @@ def test_distributed_save_refuses_what_it_cannot_write(model, tmp_path, kwargs, 
 
 
 @pytest.mark.slow
-def test_tp2_ep2_from_pretrained_then_save_pretrained_equals_the_one_process_save(tiny_ckpt, reference, tmp_path):
-    p = launch_script(
-        "check_save_dist.py",
-        2,
-        [str(tiny_ckpt), str(tmp_path / "save"), str(tmp_path / "r.json"), "2", "2", "1MB"],
-        tmp_path / "logs",
-        timeout=300,
-    )
-    logs = "\n".join(f.read_text(errors="replace")[-2000:] for f in sorted((tmp_path / "logs").glob("workerlog.*")))
-    assert p.returncode == 0, p.stderr[-2000:] + logs
-    got = json.loads((tmp_path / "r.json").read_text())
+def test_tp2_ep2_from_pretrained_then_save_pretrained_equals_the_one_process_save(dist_save_and_flex_probe, reference):
+    run = dist_save_and_flex_probe  # the launch (shared with the flex-checkpoint probe): conftest.py
+    p, d, tiny_ckpt = run["proc"], run["dir"], run["ckpt"]
+    assert p.returncode == 0, p.stderr[-2000:] + run["logs"][-4000:]
+    got = json.loads((d / "r.json").read_text())
     # from_pretrained read rank 0's slices only, and the ranks really held pieces: half the heads
     # of q_b_proj, half the routed experts
     weights = sum(p.stat().st_size for p in tiny_ckpt.glob("*.safetensors"))
     assert 0 < got["bytes_read"] < 0.6 * weights, (got["bytes_read"], weights)
     assert got["local"]["model.layers.0.self_attn.q_b_proj.weight"] == [48, 96]
     assert "model.layers.3.mlp.experts.4.up_gate_proj.weight" not in got["local"]
-    _same_folder(tmp_path / "save", reference)
+    _same_folder(d / "save", reference)
     assert got["tensors"] == len(json.loads((reference / "model.safetensors.index.json").read_text())["weight_map"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from tests._dist.runner import launch_script, losses, run_train_cli, worker_logs
+from tests._dist.runner import losses, run_train_cli, worker_logs
 
 pytestmark = pytest.mark.slow
 
@@ -81,11 +81,11 @@ def test_resume_refuses_changed_run_settings(saved, tmp_path):
         run_training(cfg)
 
 
-def test_flex_checkpoint_stock_load_needs_the_cpu_shim(tmp_path):
+def test_flex_checkpoint_stock_load_needs_the_cpu_shim(dist_save_and_flex_probe):
     """Paddle's resharding load moves every broadcast slice to a GPU; on a CPU build the stock call
-    fails, and inside ``flex_checkpoint_on_cpu`` the same call reshards rows into columns exactly."""
-    p = launch_script("check_flex_cpu.py", 2, [str(tmp_path / "ck")], tmp_path / "logs", timeout=120)
-    logs = "\n".join((tmp_path / "logs" / f"workerlog.{r}").read_text(errors="replace") for r in range(2))
+    fails, and inside ``flex_checkpoint_on_cpu`` the same call reshards rows into columns exactly.
+    (The probe runs at the end of a two-rank launch shared with another test: conftest.py.)"""
+    p, logs = dist_save_and_flex_probe["proc"], dist_save_and_flex_probe["logs"]
     assert p.returncode == 0, f"{p.stdout[-2000:]}\n{logs[-4000:]}"
     assert logs.count("NO_SHIM ValueError: No available device found") == 2, logs[-3000:]
     assert logs.count("SHIM ok=True") == 2, logs[-3000:]

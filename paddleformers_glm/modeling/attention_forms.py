@@ -176,24 +176,26 @@ class _Prepared(NamedTuple):
     masks: dict  # (r0, r1, c1) -> the dense chunk's additive mask, (b, c1) -> its table rows; once per top-k
 
 
-def prepare_topk(topk_idx: paddle.Tensor, cache: SelectionCache | None = None) -> _Prepared:
+def prepare_topk(topk_idx: paddle.Tensor, cache: SelectionCache | None = None, n_keys: int | None = None) -> _Prepared:
     """Index forms of a top-k [B, S, k] (-1 = empty) for `sparse_latent_attention`.
 
-    `rows` index the table [B*S keys; B mean rows]: a selected key j of batch b is row b*S + j; an
-    empty slot points at any key of its batch and gets mask -inf; a query with no key at all (left
-    padding) points all its slots at its batch's mean row with mask 0, so its softmax is uniform and
-    it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
+    `rows` index the table [B*T keys; B mean rows] (T = ``n_keys``, default S): a selected key j of
+    batch b is row b*T + j; an empty slot points at any key of its batch and gets mask -inf; a
+    query with no key at all (left padding) points all its slots at its batch's mean row with mask
+    0, so its softmax is uniform and it gets the mean of all values, as an all-masked additive-mask
+    softmax (HF eager) gives (`ops.topk_tables`).
     The result depends on the top-k only, so layers sharing one top-k reuse it through `cache`.
     """
-    hit = cache.lookup(topk_idx, "latent_tables") if cache is not None else None
+    name = "latent_tables" if n_keys is None else f"latent_tables_{n_keys}"
+    hit = cache.lookup(topk_idx, name) if cache is not None else None
     if hit is not None:
         return hit  # type: ignore[return-value]
     B, S, K = topk_idx.shape
     sel = topk_idx.reshape([B * S, K])
-    rows, mask, has_key = ops.topk_tables(topk_idx)
+    rows, mask, has_key = ops.topk_tables(topk_idx, n_keys)
     out = _Prepared(rows, mask, sel, has_key, {})
     if cache is not None:
-        cache.store(topk_idx, "latent_tables", out)
+        cache.store(topk_idx, name, out)
     return out
 
 
@@ -205,13 +207,18 @@ class _Chunk(NamedTuple):
     dense: bool
 
 
-def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int) -> list[_Chunk]:
-    """Query chunks (never across batches) and whether each runs dense or gathered."""
+def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int, n_keys: int | None = None) -> list[_Chunk]:
+    """Query chunks (never across batches) and whether each runs dense or gathered.  With
+    ``n_keys`` (queries that are a share of a longer key sequence: a context-parallel rank's) every
+    chunk is gathered: the dense shortcut assumes queries and keys share positions."""
     rows = max(1, min(S, chunk_size, max(16, _CHUNK_ELEMS // max(K * max(D, H), 1))))
     plan = []
     for b in range(B):
         for c0 in range(0, S, rows):
             c1 = min(S, c0 + rows)
+            if n_keys is not None:
+                plan.append(_Chunk(b * S + c0, b * S + c1, b, n_keys, False))
+                continue
             dense = c1 <= _DENSE_KEYS_PER_SLOT * K and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
             plan.append(_Chunk(b * S + c0, b * S + c1, b, c1, dense))
     return plan
@@ -357,16 +364,19 @@ def sparse_latent_attention(
 ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
     """Sparse attention with one key/value row shared by all heads (MLA's latent / MQA form).
 
-    q [B, S, H, D]; kv [B, S, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
+    q [B, S, H, D]; kv [B, T, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
+    T = S, or T > S where the queries are a share of the whole sequence's (a context-parallel rank's:
+    topk_idx then holds positions among all T keys, and every chunk gathers its selected rows).
     Returns out [B, S, H, D] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
     slots). A query with no valid key gets the mean of all values (HF eager's all-masked softmax).
     """
     B, S, H, D = q.shape
-    K = topk_idx.shape[-1]
-    prep = prepare_topk(topk_idx, cache)
-    table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
-    plan = _plan(B, S, H, D, K, chunk_size)
-    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, S, scale, return_probs)
+    T, K = kv.shape[1], topk_idx.shape[-1]
+    n_keys = None if T == S else T
+    prep = prepare_topk(topk_idx, cache, n_keys)
+    table = paddle.concat([kv.reshape([B * T, D]), kv.mean(axis=1)], axis=0)  # [B*T + B, D]
+    plan = _plan(B, S, H, D, K, chunk_size, n_keys)
+    out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, T, scale, return_probs)
     out = out.reshape([B, S, H, D])
     if not return_probs:
         return out, None

@@ -7,25 +7,30 @@ import paddle
 from .kernels import usable
 
 
-def topk_tables(topk_idx: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+def topk_tables(
+    topk_idx: paddle.Tensor, n_keys: int | None = None
+) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """(rows [B*S, k] int64, mask [B*S, k] fp32, has_key [B*S] bool) for a top-k [B, S, k].
 
-    `rows` index the table [B*S keys; B mean rows]: a selected key j of batch b is row b*S + j; an
-    empty slot points at any key of its batch and gets mask -inf; a query with no key at all (left
-    padding) points all its slots at its batch's mean row with mask 0, so its softmax is uniform
-    and it gets the mean of all values, as an all-masked additive-mask softmax (HF eager) gives.
-    One compiled pass where usable, else about fifteen Paddle ops.
+    `rows` index the table [B*T keys; B mean rows], T = ``n_keys`` (default S: the queries are the
+    keys): a selected key j of batch b is row b*T + j; an empty slot points at any key of its batch
+    and gets mask -inf; a query with no key at all (left padding) points all its slots at its
+    batch's mean row with mask 0, so its softmax is uniform and it gets the mean of all values, as
+    an all-masked additive-mask softmax (HF eager) gives.  ``n_keys`` other than S: the queries are
+    a share of a longer key sequence (a context-parallel rank's queries over every key).
+    One compiled pass where usable (T = S), else about fifteen Paddle ops.
     """
     B, S, K = topk_idx.shape
-    ops = usable(topk_idx)
+    T = S if n_keys is None else int(n_keys)
+    ops = usable(topk_idx) if T == S else None
     if ops is not None:
         return tuple(ops.glm_topk_tables(topk_idx.reshape([B * S, K]), S))  # type: ignore[return-value]
     with paddle.no_grad():
         valid = topk_idx >= 0
         has_key = valid.any(axis=-1)
         has_k = has_key.unsqueeze(-1).expand([B, S, K])
-        base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, S, K])
-        mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, S, K])
+        base = (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1]).expand([B, S, K])
+        mean_row = (paddle.arange(B, dtype="int64") + B * T).reshape([B, 1, 1]).expand([B, S, K])
         rows = paddle.where(valid, topk_idx + base, paddle.where(has_k, base, mean_row))
         live = paddle.logical_or(valid, paddle.logical_not(has_k))
         mask = paddle.where(live, paddle.zeros([B, S, K], "float32"), paddle.full([B, S, K], float("-inf"), "float32"))

@@ -15,10 +15,11 @@ needs from the other ranks' tokens:
 
 Each rank then scores its own queries against all keys, causal by *global* position
 (`zigzag_positions`), takes its top-k (shared indexer layers reuse the carried top-k, which is
-per query and so already local), and attends in the latent form (`cp_latent_attention`). The
-batch side (`split_micro_batch`) gives each rank its tokens, their global position ids, the
-global key-padding mask, and every label / MTP input already shifted over the *whole* sequence,
-so a shift that crosses a chunk boundary reads the neighbouring rank's token.
+per query and so already local), and attends in the latent form (`sparse_latent_attention` over
+the whole sequence's latent rows, every chunk gathered). The batch side (`split_micro_batch`)
+gives each rank its tokens, their global position ids, the global key-padding mask, and every
+label / MTP input already shifted over the *whole* sequence, so a shift that crosses a chunk
+boundary reads the neighbouring rank's token.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from .topology import ParallelConfigError, get_topology
 __all__ = [
     "check_seq_len",
     "cp_attention_forward",
-    "cp_latent_attention",
     "cp_topk",
     "gather_sequence",
     "split_micro_batch",
@@ -186,54 +186,6 @@ def cp_topk(
 
 
 # ------------------------------------------------------------------------------ attention
-def cp_latent_attention(
-    q: paddle.Tensor,
-    kv: paddle.Tensor,
-    topk_idx: paddle.Tensor,
-    scale: float,
-    chunk_size: int = 1024,
-    return_probs: bool = False,
-) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-    """`sparse_latent_attention` for local queries over the whole sequence's latent rows.
-
-    q [B, Sq, H, D] (this rank's queries); kv [B, S, D] (every key, global order); topk_idx
-    [B, Sq, k] global key positions (-1 = empty). Every chunk gathers its selected rows (the dense
-    shortcut of the one-process form assumes queries and keys share positions). A query with no
-    valid key gets the mean of all S values, as in one process.
-    """
-    from ..modeling.attention_forms import _CHUNK_ELEMS as ATT_CHUNK
-    from ..modeling.attention_forms import _Chunk, _Prepared, _SparseLatentAttention
-
-    B, Sq, H, D = q.shape
-    S, K = kv.shape[1], topk_idx.shape[-1]
-    with paddle.no_grad():
-        valid = topk_idx >= 0
-        has_key = valid.any(axis=-1)
-        has_k = has_key.unsqueeze(-1).expand([B, Sq, K])
-        base = (paddle.arange(B, dtype="int64") * S).reshape([B, 1, 1]).expand([B, Sq, K])
-        mean_row = (paddle.arange(B, dtype="int64") + B * S).reshape([B, 1, 1]).expand([B, Sq, K])
-        rows = paddle.where(valid, topk_idx + base, paddle.where(has_k, base, mean_row))
-        live = paddle.logical_or(valid, paddle.logical_not(has_k))
-        mask = paddle.where(
-            live, paddle.zeros([B, Sq, K], "float32"), paddle.full([B, Sq, K], float("-inf"), "float32")
-        )
-    prep = _Prepared(rows.reshape([B * Sq, K]), mask.reshape([B * Sq, K]), topk_idx.reshape([B * Sq, K]),
-                     has_key.reshape([B * Sq]), {})  # fmt: skip
-    table = paddle.concat([kv.reshape([B * S, D]), kv.mean(axis=1)], axis=0)  # [B*S + B, D]
-    rows_per = max(1, min(Sq, chunk_size, max(16, ATT_CHUNK // max(K * max(D, H), 1))))
-    plan = [
-        _Chunk(b * Sq + c0, b * Sq + min(Sq, c0 + rows_per), b, S, False)
-        for b in range(B)
-        for c0 in range(0, Sq, rows_per)
-    ]
-    out, probs = _SparseLatentAttention.apply(q.reshape([B * Sq, H, D]), table, prep, plan, S, scale, return_probs)
-    out = out.reshape([B, Sq, H, D])
-    if not return_probs:
-        return out, None
-    probs = paddle.where(valid, probs.reshape([B, Sq, K]), paddle.zeros([B, Sq, K], probs.dtype))
-    return out, probs
-
-
 def cp_attention_forward(
     attn: Any,
     x: paddle.Tensor,
@@ -252,6 +204,8 @@ def cp_attention_forward(
     share of the whole sequence's mean: summed over the cp ranks (as the trainer sums every loss
     term) it is the one-process loss.
     """
+    from ..modeling.attention_forms import sparse_latent_attention
+
     topo = get_topology()
     group = topo.cp_group
     q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
@@ -270,7 +224,8 @@ def cp_attention_forward(
         topk = prev_topk
 
     def attend(q_lat: paddle.Tensor, kv_lat: paddle.Tensor, sel: paddle.Tensor, want: bool) -> tuple:
-        return cp_latent_attention(q_lat, gather_sequence(kv_lat, group), sel, core.scale, core.chunk_size, want)
+        # this rank's queries over every key (global positions): the latent form's gathered chunks
+        return sparse_latent_attention(q_lat, gather_sequence(kv_lat, group), sel, core.scale, core.chunk_size, want)
 
     want_kl = core.indexer is not None and not reuse_topk and attn.indexer_loss_coeff > 0 and attn.training
     out, probs = attn._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl, attend=attend)

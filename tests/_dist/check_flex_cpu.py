@@ -1,7 +1,9 @@
 """Probe (2 gloo ranks): flex-checkpoint's stock resharding load on a CPU build.
 
 Saves a [8, 4] tensor split by rows, loads it split by columns.  Prints ``NO_SHIM <error>`` for
-the stock load alone and ``SHIM ok=<bool>`` for the same load inside ``flex_checkpoint_on_cpu``."""
+the stock load alone and ``SHIM ok=<bool>`` for the same load inside ``flex_checkpoint_on_cpu``.
+Run alone under ``paddle.distributed.launch`` (``check_flex_cpu.py DIR``), or as ``probe(DIR)``
+at the end of another two-rank check (one launch less)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ def _by_columns(r: int) -> tuple[paddle.Tensor, dict]:
     }
 
 
-def main() -> None:
-    dist.init_parallel_env()
-    r, path = dist.get_rank(), sys.argv[1]
+def probe(path: str) -> None:
+    """The probe on an initialised two-rank process group."""
+    r = dist.get_rank()
     full = np.arange(32, dtype="float32").reshape(8, 4)
     rows = paddle.to_tensor(full[4 * r : 4 * r + 4])
     dist.save_state_dict(
@@ -48,6 +50,11 @@ def main() -> None:
         dist.load_state_dict(sd, path)
     print(f"SHIM ok={np.array_equal(t.numpy(), full[:, 2 * r : 2 * r + 2])} rank {r}", flush=True)
     assert paddle.Tensor.cuda is not None and "lambda" not in repr(paddle.Tensor.cuda)  # restored
+
+
+def main() -> None:
+    dist.init_parallel_env()
+    probe(sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Run under ``paddle.distributed.launch --nproc_per_node 2``: ``GlmMoeDsaForCausalLM.from_pretrained``
 under a two-rank topology (``--tp``/``--ep`` from argv: each rank reads its shards of the
 checkpoint), then ``save_pretrained`` on every rank.  Rank 0 writes the returned report to OUT_JSON.
+With FLEX_DIR, the flex-checkpoint CPU probe (``check_flex_cpu.probe``) runs after it in the same
+processes (a launch less for the suite).
 
-usage: check_save_dist.py CKPT SAVE_DIR OUT_JSON TP EP MAX_SHARD_SIZE
+usage: check_save_dist.py CKPT SAVE_DIR OUT_JSON TP EP MAX_SHARD_SIZE [FLEX_DIR]
 """
 
 from __future__ import annotations
@@ -32,3 +34,8 @@ if topo.rank == 0:
             },
             f,
         )
+
+if len(sys.argv) > 7:
+    from tests._dist.check_flex_cpu import probe
+
+    probe(sys.argv[7])
