@@ -292,6 +292,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             self.model = GlmMoeDsaModel(config)
             # vocabulary split over TP: vocab-parallel logits, gathered below for `out.logits`
             self.lm_head = build_lm_head(config)
+            # decided here, not per call: paddle.jit.to_static's bytecode tracer crashes (SIGSEGV)
+            # simulating the topology lookup inside a traced forward
+            self.vocab_parallel = get_topology().tp_size > 1
         self.compute_dtype = dtype
 
     # ------------------------------------------------------------------ construction / IO
@@ -417,7 +420,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Full-vocabulary logits [B, S, V] (the trainer feeds the vocab-parallel ones to a parallel CE)."""
         logits = self.lm_head(hidden)
-        if get_topology().tp_size > 1:
+        if self.vocab_parallel:
             logits = comm.gather_from_tp(logits, axis=-1)
         return logits
 
