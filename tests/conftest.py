@@ -23,7 +23,7 @@ def _cpu_fp32():
     paddle.set_default_dtype("float32")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # tests/ is one package: one launch for both users
 def dist_save_and_flex_probe(tmp_path_factory) -> dict:
     """One two-rank launch shared by two tests: ``from_pretrained`` + ``save_pretrained`` of the
     tiny checkpoint at TP2 x EP2 (``tests/_dist/check_save_dist.py``), then, in the same processes,
