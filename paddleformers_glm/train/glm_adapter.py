@@ -52,6 +52,17 @@ def _loss_term(logits: paddle.Tensor, batch: Mapping[str, paddle.Tensor], shift:
     return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
 
 
+def glm_parallel_sizes(config: Any) -> dict[str, int | None]:
+    """The model sizes ``ParallelConfig.validate`` checks a layout against (trainer and planner)."""
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+        "num_experts": config.n_routed_experts,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "num_layers": config.num_hidden_layers,
+    }
+
+
 def check_glm_sizes(config: Any, pc: ParallelConfig) -> None:
     """The sizes only GLM-5.2 has (dense FFN, shared experts) against --tp; heads, vocabulary,
     experts and the expert FFN are checked once, by ParallelConfig.validate with parallel_sizes()."""
@@ -153,14 +164,7 @@ class GlmAdapter(ModelAdapter):
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
 
     def parallel_sizes(self) -> dict[str, int | None]:
-        c = self.config
-        return {
-            "num_attention_heads": c.num_attention_heads,
-            "vocab_size": c.vocab_size,
-            "num_experts": c.n_routed_experts,
-            "moe_intermediate_size": c.moe_intermediate_size,
-            "num_layers": c.num_hidden_layers,
-        }
+        return glm_parallel_sizes(self.config)
 
     def check_layout(self, pc: ParallelConfig) -> None:
         check_glm_sizes(self.config, pc)

@@ -326,7 +326,7 @@ def parallel_config(lay: Layout) -> Any:
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
     from ..parallel.topology import ParallelConfigError
-    from .glm_adapter import check_glm_sizes
+    from .glm_adapter import check_glm_sizes, glm_parallel_sizes
 
     if lay.recompute not in ("none", "core", "full"):
         raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
@@ -337,14 +337,7 @@ def check_layout(config: Any, lay: Layout) -> None:
 
     check_seq_len(lay.seq_len, lay.cp)
     try:
-        pc.validate(
-            lay.world,
-            num_attention_heads=config.num_attention_heads,
-            vocab_size=config.vocab_size,
-            num_experts=config.n_routed_experts,
-            moe_intermediate_size=config.moe_intermediate_size,
-            num_layers=config.num_hidden_layers,
-        )
+        pc.validate(lay.world, **glm_parallel_sizes(config))
     except ParallelConfigError as e:
         if lay.sharding > 1 and str(e).startswith("ep "):
             raise ParallelConfigError(
