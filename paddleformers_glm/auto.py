@@ -1,8 +1,8 @@
 """Optional registration with PaddleFormers' Auto classes, so that `AutoConfig.from_pretrained` and
 `AutoModelForCausalLM.from_pretrained` resolve `model_type: glm_moe_dsa` to this package's classes.
 
-PaddleFormers is not a dependency: `paddleformers_glm.modeling` calls `register_auto_classes()` on
-import only when the `paddleformers` package is installed. Its Auto classes follow the HF API
+PaddleFormers is not a dependency, and importing this package registers nothing: registration is
+the one explicit call `paddleformers_glm.register_auto_classes()`. PaddleFormers' Auto classes follow the HF API
 (`AutoConfig.register(model_type, config_class, exist_ok=...)`,
 `AutoModelForCausalLM.register(config_class, model_class, exist_ok=...)`); any registry with that API
 can be passed explicitly.
@@ -11,7 +11,6 @@ can be passed explicitly.
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from typing import Any
 
 from .configuration import GlmMoeDsaConfig
@@ -33,13 +32,3 @@ def register_auto_classes(auto_config: Any = None, auto_model_for_causal_lm: Any
     auto_config.register(GlmMoeDsaConfig.model_type, GlmMoeDsaConfig, exist_ok=True)
     auto_model_for_causal_lm.register(GlmMoeDsaConfig, GlmMoeDsaForCausalLM, exist_ok=True)
     return True
-
-
-def register_if_installed() -> None:
-    """`register_auto_classes()` when PaddleFormers is installed; a broken install only warns."""
-    if importlib.util.find_spec("paddleformers") is None:
-        return
-    try:
-        register_auto_classes()
-    except Exception as err:  # noqa: BLE001 - an optional integration must not break the import
-        warnings.warn(f"paddleformers_glm: could not register with PaddleFormers' Auto classes: {err}", stacklevel=2)

@@ -138,7 +138,8 @@ def _stub_registry():
     return AutoConfig, AutoModelForCausalLM
 
 
-def test_auto_classes_resolve_glm_moe_dsa(monkeypatch):
+def _install_stub_paddleformers(monkeypatch):
+    """A ``paddleformers`` package in sys.modules whose Auto classes are :func:`_stub_registry`'s."""
     AutoConfig, AutoModelForCausalLM = _stub_registry()
     pkg = types.ModuleType("paddleformers")
     pkg.__spec__ = importlib.machinery.ModuleSpec("paddleformers", None)
@@ -147,6 +148,11 @@ def test_auto_classes_resolve_glm_moe_dsa(monkeypatch):
     pkg.transformers = sub
     monkeypatch.setitem(sys.modules, "paddleformers", pkg)
     monkeypatch.setitem(sys.modules, "paddleformers.transformers", sub)
+    return AutoConfig, AutoModelForCausalLM
+
+
+def test_auto_classes_resolve_glm_moe_dsa(monkeypatch):
+    AutoConfig, AutoModelForCausalLM = _install_stub_paddleformers(monkeypatch)
     assert register_auto_classes() is True
     ckpt = FIXTURES / "tiny" / "checkpoint"
     assert isinstance(AutoConfig.from_pretrained(ckpt), GlmMoeDsaConfig)
@@ -155,6 +161,20 @@ def test_auto_classes_resolve_glm_moe_dsa(monkeypatch):
     ids = tokens(1, 8)
     direct = GlmMoeDsaForCausalLM.from_pretrained(ckpt)
     np.testing.assert_array_equal(model(ids).logits.numpy(), direct(ids).logits.numpy())
+
+
+def test_importing_the_model_registers_nothing(monkeypatch):
+    """Registration is the explicit call only: re-importing modeling with a PaddleFormers registry
+    installed leaves it empty."""
+    AutoConfig, AutoModelForCausalLM = _install_stub_paddleformers(monkeypatch)
+    import paddleformers_glm.modeling
+
+    importlib.reload(paddleformers_glm.modeling)
+    assert AutoConfig.mapping == {} and AutoModelForCausalLM.mapping == {}
+    import paddleformers_glm
+
+    assert paddleformers_glm.register_auto_classes() is True
+    assert AutoModelForCausalLM.mapping[GlmMoeDsaConfig] is GlmMoeDsaForCausalLM
 
 
 def test_auto_registration_is_optional(monkeypatch):
