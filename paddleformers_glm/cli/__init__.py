@@ -22,7 +22,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("demo", "paddleformers_glm.demo:register_demo"),
     ("train", "paddleformers_glm.train.command:register_train"),
     ("plot-experts", "paddleformers_glm.parity.expert_plot:register_plot_experts"),
-    ("generate", "paddleformers_glm.generation:register_generate"),
+    ("generate", "paddleformers_glm.cli.generate:register_generate"),
     ("align", "paddleformers_glm.parity.align:register_align"),
     ("plan", "paddleformers_glm.train.plan:register_plan"),
 ]
