@@ -31,7 +31,7 @@ from ..configuration import GlmMoeDsaConfig
 from ..parallel import comm
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.recompute import run_core
-from ..parallel.topology import get_topology
+from ..parallel.topology import Topology
 from .attention_forms import (
     SelectionCache,
     choose_form,
@@ -65,10 +65,10 @@ class MLAttention(nn.Layer):
     sequence parallel the latents are computed on this rank's tokens and all-gathered before the
     head-split part; the output is reduce-scattered back to the shard."""
 
-    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, topo: Topology | None = None) -> None:
         super().__init__()
-        topo = get_topology()
-        self.tp, self.sp = topo.tp_size, topo.sequence_parallel
+        topo = topo or Topology.single()
+        self.tp, self.sp, self.tp_group = topo.tp_size, topo.sequence_parallel, topo.tp_group
         self.cp = topo.cp_size  # context parallel: parallel/context.py runs the forward
         self.total_heads = config.num_attention_heads
         self.num_heads = config.num_attention_heads // self.tp  # this rank's heads
@@ -82,12 +82,12 @@ class MLAttention(nn.Layer):
         H, nH = config.hidden_size, config.num_attention_heads
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias_attr=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank)
-        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, nH * self.qk_dim)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, nH * self.qk_dim, topo=topo)
         self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora + self.rope_dim, bias_attr=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, nH * (self.nope + self.v_dim))
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, nH * (self.nope + self.v_dim), topo=topo)
         self.o_proj = RowParallelLinear(
-            nH * self.v_dim, H, has_bias=bool(config.attention_bias), sequence_parallel=self.sp
+            nH * self.v_dim, H, has_bias=bool(config.attention_bias), sequence_parallel=self.sp, topo=topo
         )
         mark_sequence_parallel(
             [self.q_a_proj, self.q_a_layernorm, self.kv_a_proj_with_mqa, self.kv_a_layernorm], enabled=self.sp
@@ -105,17 +105,18 @@ class MLAttention(nn.Layer):
         sequence shard under SP)."""
         if self.tp == 1:
             return t
-        return comm.gather_from_sp(t, grad="reduce_scatter") if self.sp else comm.copy_to_tp(t)
+        g = self.tp_group
+        return comm.gather_from_sp(t, group=g, grad="reduce_scatter") if self.sp else comm.copy_to_tp(t, g)
 
     def _exit_tp(self, t: paddle.Tensor) -> paddle.Tensor:
         """Out of the head-split region: sum the heads' partial outputs (to the sequence shard under SP)."""
         if self.tp == 1:
             return t
-        return comm.reduce_scatter_to_sp(t) if self.sp else comm.reduce_from_tp(t)
+        return comm.reduce_scatter_to_sp(t, group=self.tp_group) if self.sp else comm.reduce_from_tp(t, self.tp_group)
 
     def _replicated_full(self, t: paddle.Tensor) -> paddle.Tensor:
         """The full sequence for the replicated indexer (no gradient flows back through it)."""
-        return comm.gather_from_sp(t.detach(), grad="split") if self.tp > 1 and self.sp else t
+        return comm.gather_from_sp(t.detach(), group=self.tp_group, grad="split") if self.tp > 1 and self.sp else t
 
     @property
     def has_indexer(self) -> bool:
@@ -171,7 +172,7 @@ class MLAttention(nn.Layer):
         kl = None
         if want_kl:
             if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
-                probs = comm.all_reduce(probs.detach() * H, get_topology().tp_group) / self.total_heads
+                probs = comm.all_reduce(probs.detach() * H, self.tp_group) / self.total_heads
             kl = core.indexer.kl_loss(x_full, q_latent_full, cos, sin, topk, probs)
         return out, topk, kl
 

@@ -7,7 +7,7 @@ from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
 from ..parallel.layers import mark_sequence_parallel
-from ..parallel.topology import get_topology
+from ..parallel.topology import Topology
 from .attention import MLAttention
 from .cache import LayerCache
 from .moe import MoE, SwiGLUMLP
@@ -15,18 +15,18 @@ from .norms import RMSNorm
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, mlp_type: str) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, mlp_type: str, topo: Topology | None = None) -> None:
         super().__init__()
+        topo = topo or Topology.single()
         H = config.hidden_size
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, has_indexer)
+        self.self_attn = MLAttention(config, has_indexer, topo)
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.mlp_type = mlp_type
-        self.mlp = MoE(config) if mlp_type == "sparse" else SwiGLUMLP(H, config.intermediate_size)
+        self.mlp = MoE(config, topo) if mlp_type == "sparse" else SwiGLUMLP(H, config.intermediate_size, topo)
         self.fp32_residual = bool(config.fp32_residual_connection)
         # under sequence parallel the norms see this rank's tokens only: their gradients are summed over TP
-        sp = get_topology().sequence_parallel
-        mark_sequence_parallel([self.input_layernorm, self.post_attention_layernorm], enabled=sp)
+        mark_sequence_parallel([self.input_layernorm, self.post_attention_layernorm], enabled=topo.sequence_parallel)
 
     def forward(
         self,

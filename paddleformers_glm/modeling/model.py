@@ -23,7 +23,7 @@ from ..configuration import GlmMoeDsaConfig
 from ..ops import cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
-from ..parallel.topology import get_topology
+from ..parallel.topology import Topology
 from .attention_forms import FORMS, SelectionCache
 from .cache import DSACache
 from .decoder import DecoderLayer
@@ -96,26 +96,26 @@ class Embedding(nn.Layer):
     (Paddle's own `padding_idx` would return zeros and break parity with the reference).
     """
 
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, topo: Topology) -> None:
         super().__init__()
         pad = config.pad_token_id if isinstance(config.pad_token_id, int) else None
-        sp = get_topology().sequence_parallel
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, sp, padding_idx=pad)
+        sp = topo.sequence_parallel
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, sp, padding_idx=pad, topo=topo
+        )
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         return self.embed_tokens(input_ids)
 
 
-def build_layer(config: GlmMoeDsaConfig, index: int) -> DecoderLayer | MTPLayer:
+def build_layer(config: GlmMoeDsaConfig, index: int, topo: Topology) -> DecoderLayer | MTPLayer:
     """Layer ``index`` of the stack (a decoder layer below ``num_hidden_layers``, else an MTP layer),
     built on its own so a pipeline stage can make just its layers."""
     L = config.num_hidden_layers
     if 0 <= index < L:
-        return DecoderLayer(
-            config, has_indexer=config.indexer_types[index] == "full", mlp_type=config.mlp_layer_types[index]
-        )
+        return DecoderLayer(config, config.indexer_types[index] == "full", config.mlp_layer_types[index], topo)
     if L <= index < L + config.num_mtp_layers:
-        return MTPLayer(config)
+        return MTPLayer(config, topo)
     raise IndexError(
         f"layer {index} does not exist: {L} decoder layers (0..{L - 1}) and {config.num_mtp_layers} MTP layers"
     )
@@ -131,23 +131,23 @@ def share_selections(layers: Iterator[DecoderLayer | MTPLayer]) -> SelectionCach
     return shared
 
 
-def _final_norm(config: GlmMoeDsaConfig) -> RMSNorm:
+def _final_norm(config: GlmMoeDsaConfig, topo: Topology) -> RMSNorm:
     norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    mark_sequence_parallel(norm, enabled=get_topology().sequence_parallel)
+    mark_sequence_parallel(norm, enabled=topo.sequence_parallel)
     return norm
 
 
 class GlmMoeDsaModel(nn.Layer):
     """The decoder stack. `layers` holds the L decoder layers followed by the MTP layers (index L+j)."""
 
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, topo: Topology) -> None:
         super().__init__()
         self.config = config
         L = config.num_hidden_layers
-        self.embedding = Embedding(config)
-        self.layers = nn.LayerList([build_layer(config, i) for i in range(L + config.num_mtp_layers)])
+        self.embedding = Embedding(config, topo)
+        self.layers = nn.LayerList([build_layer(config, i, topo) for i in range(L + config.num_mtp_layers)])
         self.selections = share_selections(self.layers)
-        self.norm = _final_norm(config)
+        self.norm = _final_norm(config, topo)
         self.rotary_emb = RotaryEmbedding(config)
 
     @property
@@ -208,24 +208,26 @@ class GlmMoeDsaStageModel(nn.Layer):
     allocates the other stages' layers, not even transiently.
     """
 
-    def __init__(self, config: GlmMoeDsaConfig, layer_ids: Sequence[int], *, embedding: bool, norm: bool) -> None:
+    def __init__(
+        self, config: GlmMoeDsaConfig, layer_ids: Sequence[int], *, embedding: bool, norm: bool, topo: Topology
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_ids = [int(i) for i in layer_ids]
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"GlmMoeDsaStageModel: layer ids repeat: {self.layer_ids}")
         if embedding:
-            self.embedding = Embedding(config)
-        self.layers = nn.LayerDict({str(i): build_layer(config, i) for i in self.layer_ids})
+            self.embedding = Embedding(config, topo)
+        self.layers = nn.LayerDict({str(i): build_layer(config, i, topo) for i in self.layer_ids})
         self.selections = share_selections(self.layers.values())
         if norm:
-            self.norm = _final_norm(config)
+            self.norm = _final_norm(config, topo)
         self.rotary_emb = RotaryEmbedding(config)
 
 
-def build_lm_head(config: GlmMoeDsaConfig) -> ParallelLMHead:
+def build_lm_head(config: GlmMoeDsaConfig, topo: Topology) -> ParallelLMHead:
     """The output projection [H, V], vocabulary split over TP (vocab-parallel logits)."""
-    return ParallelLMHead(config.hidden_size, config.vocab_size, get_topology().sequence_parallel)
+    return ParallelLMHead(config.hidden_size, config.vocab_size, topo.sequence_parallel, topo=topo)
 
 
 @contextmanager
@@ -285,16 +287,17 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     base_model_prefix = "model"
     main_input_name = "input_ids"
 
-    def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32") -> None:
+    def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32", *, topology: Topology | None = None) -> None:
+        topo = topology or Topology.single()
         with default_dtype(dtype):
             super().__init__()
             self.config = config
-            self.model = GlmMoeDsaModel(config)
+            self.model = GlmMoeDsaModel(config, topo)
             # vocabulary split over TP: vocab-parallel logits, gathered below for `out.logits`
-            self.lm_head = build_lm_head(config)
-            # decided here, not per call: paddle.jit.to_static's bytecode tracer crashes (SIGSEGV)
-            # simulating the topology lookup inside a traced forward
-            self.vocab_parallel = get_topology().tp_size > 1
+            self.lm_head = build_lm_head(config, topo)
+            self.tp_group = topo.tp_group
+            self.distributed = topo.world_size > 1
+        self.topology = topo
         self.compute_dtype = dtype
 
     # ------------------------------------------------------------------ construction / IO
@@ -325,11 +328,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         strict: bool = True,
         output_loading_info: bool = False,
         config: GlmMoeDsaConfig | None = None,
+        *,
+        topology: Topology | None = None,
         **config_overrides,
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
 
-        Under a multi-rank topology (tensor/expert parallel, ``parallel.topology.init_topology``)
+        With a multi-rank ``topology`` (tensor/expert parallel, from ``parallel.topology.init_topology``)
         the model is built in its split shapes and each rank reads only its slices.
 
         ``dtype``: a name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or a Paddle dtype; ``"auto"``
@@ -349,11 +354,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             )
         dtype = resolve_model_dtype(dtype, config)
         with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
-            model = cls(config, dtype=dtype)
-        if get_topology().world_size > 1:  # built split over ranks: read only this rank's slices
+            model = cls(config, dtype=dtype, topology=topology)
+        if model.distributed:  # built split over ranks: read only this rank's slices
             from ..parallel.state import sharded_state_dict
 
-            state, shard_info = sharded_state_dict(model)
+            state, shard_info = sharded_state_dict(model, model.topology)
             report = load_pretrained_state(  # keys: expert parallel leaves the other ranks' experts out
                 state, path, dtype=None, strict=strict, config=config, keys=set(state), shard_info=shard_info
             )
@@ -377,10 +382,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
-        if get_topology().world_size > 1:
+        if self.distributed:
             from ..parallel.export import save_pretrained_distributed
 
-            return save_pretrained_distributed(self, save_directory, **kwargs)
+            return save_pretrained_distributed(self, save_directory, topo=self.topology, **kwargs)
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ the usual model API
@@ -419,10 +424,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     # ------------------------------------------------------------------ forward
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Full-vocabulary logits [B, S, V] (the trainer feeds the vocab-parallel ones to a parallel CE)."""
-        logits = self.lm_head(hidden)
-        if self.vocab_parallel:
-            logits = comm.gather_from_tp(logits, axis=-1)
-        return logits
+        return comm.gather_from_tp(self.lm_head(hidden), axis=-1, group=self.tp_group)
 
     def mtp_forward(
         self,

@@ -26,9 +26,10 @@ from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
 from ..ops import routed_experts, swiglu
+from ..parallel import comm
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
-from ..parallel.topology import get_topology
+from ..parallel.topology import Topology
 
 
 class SwiGLUMLP(nn.Layer):
@@ -39,16 +40,16 @@ class SwiGLUMLP(nn.Layer):
     At TP 1 the layers are plain linears.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, topo: Topology | None = None) -> None:
         super().__init__()
-        topo = get_topology()
+        topo = topo or Topology.single()
         sp = topo.sequence_parallel
         self.tensor_parallel = topo.tp_size > 1
         self.intermediate_size = intermediate_size
         self.up_gate_proj = ColumnParallelLinear(
-            hidden_size, 2 * intermediate_size, sequence_parallel=sp, fuse_chunks=2
+            hidden_size, 2 * intermediate_size, sequence_parallel=sp, fuse_chunks=2, topo=topo
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, sequence_parallel=sp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, sequence_parallel=sp, topo=topo)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.tensor_parallel:  # the parallel layers bring their communication
@@ -60,14 +61,13 @@ class Expert(nn.Layer):
     """One routed expert, split over expert tensor parallel with no communication of its own (the
     dispatcher pools tokens before and reduce-scatters after); names as the Fleet layout."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, etp: int = 1) -> None:
         super().__init__()
-        etp = get_topology().etp_size
         local = intermediate_size // etp
         self.up_gate_proj = nn.Linear(hidden_size, 2 * local, bias_attr=False)
         self.down_proj = nn.Linear(local, hidden_size, bias_attr=False)
-        set_shard_spec(self.up_gate_proj.weight, ShardSpec(axis=1, group="etp", chunks=2, expert=True))
-        set_shard_spec(self.down_proj.weight, ShardSpec(axis=0, group="etp", expert=True))
+        set_shard_spec(self.up_gate_proj.weight, ShardSpec(axis=1, group="etp", chunks=2, expert=True), etp)
+        set_shard_spec(self.down_proj.weight, ShardSpec(axis=0, group="etp", expert=True), etp)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return swiglu_ffn(x, self)
@@ -110,8 +110,6 @@ def sequence_aux_loss(
         flat = (seq * E + expert_ids).reshape([-1])
         counts = paddle.bincount(flat, minlength=B * E).astype("float32").reshape([B, E])
         if tp_group is not None:
-            from ..parallel import comm
-
             counts = comm.all_reduce(counts, tp_group)
         f = counts * (float(num_experts) / (K * T))
     return (f * P).sum()
@@ -142,9 +140,13 @@ class RouterBalance:
     balance loss times ``aux_loss_scale`` per sequence (the trainer sets it to 1 / global batch
     sequences times its loss factor, so the gradient is that of ``coeff * mean over sequences``);
     ``aux_loss`` sums the unscaled per-sequence losses since the trainer last took them.
+    ``topo``: under sequence parallel the router sees a slice of every sequence, and the loss sums
+    the expert counts over the TP group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, topo: Topology | None = None) -> None:
+        sp = topo is not None and topo.sequence_parallel and topo.tp_size > 1
+        self.sp_group, self.sp_size = (topo.tp_group, topo.tp_size) if sp else (None, 1)
         self.counts: paddle.Tensor | None = None
         self.routed: paddle.Tensor | None = None
         self.aux_loss_coeff = 0.0
@@ -165,11 +167,7 @@ class RouterBalance:
             self.routed = c if self.routed is None else self.routed + c
         if self.aux_loss_coeff <= 0:
             return weights
-        topo = get_topology()
-        sp = topo.sequence_parallel and topo.tp_size > 1
-        aux = sequence_aux_loss(
-            scores, expert_ids, batch_shape, E, topo.tp_group if sp else None, topo.tp_size if sp else 1
-        )
+        aux = sequence_aux_loss(scores, expert_ids, batch_shape, E, self.sp_group, self.sp_size)
         done = aux.detach()
         self.aux_loss = done if self.aux_loss is None else self.aux_loss + done
         return _AuxLossGrad.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale)
@@ -187,7 +185,7 @@ class RouterBalance:
 
 
 class TopkRouter(nn.Layer):
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, topo: Topology | None = None) -> None:
         super().__init__()
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
@@ -202,7 +200,7 @@ class TopkRouter(nn.Layer):
         )
         # A persistable fp32 buffer: updated by aux-loss-free balancing rules, never by the optimizer.
         self.register_buffer("e_score_correction_bias", paddle.zeros([self.num_experts], dtype="float32"))
-        self.balance = RouterBalance()  # training-time load counts and aux loss; not in the state dict
+        self.balance = RouterBalance(topo)  # training-time load counts and aux loss; not in the state dict
 
     def forward(
         self, x: paddle.Tensor, batch_shape: tuple[int, int] | None = None
@@ -251,21 +249,21 @@ class MoE(nn.Layer):
     # stacking cost what the fewer launches save).
     ROUTED_FORMS = ("sorted", "padded")
 
-    def __init__(self, config: GlmMoeDsaConfig, routed_form: str = "sorted") -> None:
+    def __init__(self, config: GlmMoeDsaConfig, topo: Topology | None = None, routed_form: str = "sorted") -> None:
         super().__init__()
+        topo = topo or Topology.single()
         if routed_form not in self.ROUTED_FORMS:
             raise ValueError(f"MoE routed_form must be one of {self.ROUTED_FORMS}, got {routed_form!r}")
         self.routed_form = routed_form
         H, I = config.hidden_size, config.moe_intermediate_size
-        topo = get_topology()
         self.num_experts = config.n_routed_experts
-        self.gate = TopkRouter(config)
+        self.gate = TopkRouter(config, topo)
         mark_sequence_parallel(self.gate, enabled=topo.sequence_parallel)
         distributed = topo.tp_size > 1 or topo.ep_size > 1 or topo.etp_size > 1
         self.dispatcher = ExpertParallelDispatcher(self.num_experts, topo=topo) if distributed else None
         ids = self.dispatcher.local_expert_ids if self.dispatcher else list(range(self.num_experts))
-        self.experts = LocalExperts(ids, lambda _e: Expert(H, I))
-        self.shared_experts = SwiGLUMLP(H, I * config.n_shared_experts) if config.n_shared_experts else None
+        self.experts = LocalExperts(ids, lambda _e: Expert(H, I, topo.etp_size))
+        self.shared_experts = SwiGLUMLP(H, I * config.n_shared_experts, topo) if config.n_shared_experts else None
 
     def expert(self, e: int) -> Expert:
         return self.experts[str(e)]

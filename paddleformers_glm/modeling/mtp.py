@@ -19,24 +19,24 @@ from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
 from ..parallel.layers import mark_sequence_parallel
-from ..parallel.topology import get_topology
+from ..parallel.topology import Topology
 from .decoder import DecoderLayer
 from .norms import RMSNorm
 
 
 class MTPLayer(nn.Layer):
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, topo: Topology | None = None) -> None:
         super().__init__()
+        topo = topo or Topology.single()
         H = config.hidden_size
         self.enorm = RMSNorm(H, config.rms_norm_eps)
         self.hnorm = RMSNorm(H, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias_attr=False)
-        self.transformer_layer = DecoderLayer(config, has_indexer=True, mlp_type="sparse")
+        self.transformer_layer = DecoderLayer(config, has_indexer=True, mlp_type="sparse", topo=topo)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.share_topk = bool(config.index_share_for_mtp_iteration)
         # replicated, applied to this rank's sequence shard under sequence parallel
-        sp = get_topology().sequence_parallel
-        mark_sequence_parallel([self.enorm, self.hnorm, self.eh_proj, self.norm], enabled=sp)
+        mark_sequence_parallel([self.enorm, self.hnorm, self.eh_proj, self.norm], enabled=topo.sequence_parallel)
 
     def forward(
         self,

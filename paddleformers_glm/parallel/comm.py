@@ -26,7 +26,7 @@ Two layers:
   =========================  ======================  ======================
 
 Every function is a no-op (returns its input) when the group is None or has one rank, so model
-code calls them unconditionally.  The sequence axis defaults to 1: activations are [B, S, H].
+code calls them unconditionally with the groups it was built with.  The sequence axis defaults to 1: activations are [B, S, H].
 The sequence-parallel ones (``*_sp``) are Fleet's ``fleet.utils.sequence_parallel_utils`` PyLayers,
 which work on the first axis of Fleet's model-parallel group: :func:`to_sequence_first` moves the
 sequence axis to the front around them (a free reshape for a batch of one, a transposed copy
@@ -46,8 +46,6 @@ import paddle.distributed as dist
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
-from .topology import get_topology
-
 __all__ = [
     "all_gather",
     "all_gather_varlen",
@@ -57,6 +55,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "copy_to_tp",
+    "detect_backend",
     "exchange_counts",
     "fleet_sp_group",
     "gather_from_sp",
@@ -95,11 +94,18 @@ def _live(group: Any) -> bool:
     return group is not None and group.nranks > 1
 
 
+def detect_backend() -> str:
+    """'nccl' where Paddle sees a GPU, else 'gloo': the backend the trainer's topology initialises."""
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return "nccl"
+    return "gloo"
+
+
 def uses_emulation() -> bool:
     """True on gloo (CPU), or anywhere with GLM52_EMULATE_COLLECTIVES=1 (to test the emulation on GPU)."""
     if os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1":
         return True
-    return get_topology().backend != "nccl"
+    return detect_backend() != "nccl"
 
 
 def _contig(x: paddle.Tensor) -> paddle.Tensor:
@@ -267,13 +273,9 @@ def _apply(x: paddle.Tensor, fwd: Callable, bwd: Callable) -> paddle.Tensor:
     return _FwdBwd.apply(x, fwd, bwd)
 
 
-def _tp(group: Any) -> Any:
-    return get_topology().tp_group if group is None else group
-
-
 def copy_to_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
     """f: enter a TP region with a replicated input (identity forward, all-reduce of grads)."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     return _apply(x, lambda t: t, lambda d: all_reduce(d, g))
@@ -281,7 +283,7 @@ def copy_to_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
 
 def reduce_from_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
     """g: leave a TP region by summing partial results (all-reduce forward, identity backward)."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     return _apply(x, lambda t: all_reduce(t, g), lambda d: d)
@@ -289,7 +291,7 @@ def reduce_from_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
 
 def scatter_to_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
     """Keep this rank's slice of a replicated tensor; backward all-gathers the slices."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     return _apply(x, lambda t: split_take(t, g, axis), lambda d: all_gather(d, g, axis))
@@ -297,17 +299,17 @@ def scatter_to_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle
 
 def gather_from_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
     """All-gather slices into a replicated tensor; backward keeps this rank's slice of the grad."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     return _apply(x, lambda t: all_gather(t, g, axis), lambda d: split_take(d, g, axis))
 
 
 def fleet_sp_group(group: Any = None) -> Any:
-    """``group`` (default: the TP group) when it is Fleet's hybrid model-parallel group, the one
+    """``group`` when it is Fleet's hybrid model-parallel group, the one
     ``fleet.utils.sequence_parallel_utils`` always communicates over; None otherwise (size 1, no
     Fleet, or another group such as expert tensor parallel), where the ``*_sp`` pairs are built here."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return None
     from paddle.distributed import fleet
@@ -353,7 +355,7 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
 def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers).
     Fleet's ``ScatterOp`` on the sequence-first view."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     _check_axis(x, g.nranks, axis, "scatter_to_sp")
@@ -374,7 +376,7 @@ def gather_from_sp(
     """
     if grad not in ("reduce_scatter", "split"):
         raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     if fleet_sp_group(g) is not None:
@@ -387,7 +389,7 @@ def gather_from_sp(
 def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
     Fleet's ``ReduceScatterOp`` on the sequence-first view."""
-    g = _tp(group)
+    g = group
     if not _live(g):
         return x
     _check_axis(x, g.nranks, axis, "reduce_scatter_to_sp")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import paddle
@@ -184,12 +184,16 @@ def flex_checkpoint_on_cpu() -> Iterator[None]:
             setattr(paddle.Tensor, name, fn)
 
 
+# The process's topology, as ``install`` was given it (this module sits below topology.py).
+_TOPOLOGY: list[Callable[[], Any]] = []
+
+
 def _pair_group(group: Any, peer: int) -> Any:
     """The 2-rank group of this stage and the stage at global rank ``peer``, when ``group`` is the
     pipeline group and such a group exists; else ``group`` unchanged."""
-    from .topology import get_topology
-
-    topo = get_topology()
+    if not _TOPOLOGY:
+        return group
+    topo = _TOPOLOGY[0]()
     pp_group = topo.pp_group
     if group is None or pp_group is None or getattr(group, "id", None) != getattr(pp_group, "id", None):
         return group
@@ -253,10 +257,13 @@ def _replace(module: Any, attr: str, fn: Any, label: str) -> None:
     _INSTALLED.append(label)
 
 
-def install(backend: str) -> list[str]:
-    """Replace the Fleet internals listed in the module doc when ``backend`` is gloo; returns them."""
+def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str]:
+    """Replace the Fleet internals listed in the module doc when ``backend`` is gloo; returns them.
+    ``topology()`` gives the process's topology, whose pair groups carry pipeline p2p."""
     if backend != "gloo":
         return []
+    if topology is not None:
+        _TOPOLOGY[:] = [topology]
     if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
         warnings.warn(
             f"paddleformers_glm: Fleet gloo ops installed on untested Paddle {paddle.__version__} "

@@ -349,14 +349,13 @@ class GradSynchronizer:
 
 
 def _routers(model: nn.Layer) -> dict[str, tuple[Any, int]]:
-    """MoE module name -> (the ``RouterBalance`` counting its routed tokens, its expert count) (a router sublayer
-    named ``gate`` counts for its parent, a MoE layer may also hold the counter itself)."""
-    from ..modeling.moe import RouterBalance
-
+    """MoE module name -> (the counter of its routed tokens, its expert count): a sublayer whose
+    ``balance`` has ``take_routed()`` (the model's ``RouterBalance``; a router sublayer named ``gate``
+    counts for its parent, a MoE layer may also hold the counter itself)."""
     out: dict[str, Any] = {}
     for name, layer in model.named_sublayers(include_self=True):
         balance = getattr(layer, "balance", None)
-        if isinstance(balance, RouterBalance):
+        if callable(getattr(balance, "take_routed", None)):
             moe = name if hasattr(layer, "experts") else name.rpartition(".")[0]
             out[moe] = (balance, int(layer.num_experts))
     return dict(sorted(out.items()))

@@ -49,7 +49,7 @@ import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from . import comm
-from .topology import get_topology
+from .topology import Topology, get_topology
 
 __all__ = [
     "BatchFirstColumnSequenceParallelLinear",
@@ -102,12 +102,16 @@ def get_shard_spec(param: paddle.Tensor) -> ShardSpec:
     return getattr(param, "shard_spec", _REPLICATED)
 
 
-def set_shard_spec(param: paddle.Tensor, spec: ShardSpec) -> paddle.Tensor:
-    """Attach ``spec`` (and fleet's is_distributed / split_axis) to ``param``."""
+def set_shard_spec(param: paddle.Tensor, spec: ShardSpec, split: int | None = None) -> paddle.Tensor:
+    """Attach ``spec`` (and fleet's is_distributed / split_axis) to ``param``; ``split`` is the size of
+    the group ``spec.axis`` is split over (None: keep what the parameter says already, 1 if nothing)."""
     if spec.group not in ("tp", "etp"):
         raise ValueError(f"ShardSpec.group must be 'tp' or 'etp', got {spec.group!r}")
     param.shard_spec = spec
-    param.is_distributed = spec.axis is not None and get_topology().size(spec.group) > 1
+    if split is not None:
+        param.is_distributed = spec.axis is not None and split > 1
+    elif not hasattr(param, "is_distributed"):
+        param.is_distributed = False
     if spec.axis is not None:
         param.split_axis = spec.axis
     # Fleet's own flag (``is_sequence_parallel_parameter``, read by its allreduce hooks) says the same
@@ -179,9 +183,10 @@ def _xavier(shape: list[int], fan_in: int, fan_out: int, dtype: str) -> nn.initi
     return nn.initializer.Uniform(-limit, limit)
 
 
-def _tp_size_rank(group_name: str) -> tuple[int, int, Any]:
-    topo = get_topology()
-    return topo.size(group_name), topo.rank_in(group_name), topo.group(group_name)
+def _topology(topo: Topology | None) -> Topology:
+    """The topology a layer is built for: the one given, else the process's (world size 1 when
+    nothing was initialised). The model passes its own; tests and stand-ins may rely on the default."""
+    return topo if topo is not None else get_topology()
 
 
 class CommColumnParallelLinear(nn.Layer):
@@ -203,9 +208,12 @@ class CommColumnParallelLinear(nn.Layer):
         fuse_chunks: int = 1,
         group: str = "tp",
         dtype: str | None = None,
+        topo: Topology | None = None,
     ) -> None:
         super().__init__()
-        size, rank, _ = _tp_size_rank(group)
+        topo = _topology(topo)
+        size, rank = topo.size(group), topo.rank_in(group)
+        self.group = topo.group(group)
         if out_features % (size * fuse_chunks):
             raise ValueError(
                 f"ColumnParallelLinear: out_features {out_features} not divisible by {group} {size} x fuse_chunks {fuse_chunks}"
@@ -222,17 +230,17 @@ class CommColumnParallelLinear(nn.Layer):
             dtype=dtype,
             default_initializer=_xavier([in_features, local], in_features, out_features, dtype),
         )
-        set_shard_spec(self.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks))
+        set_shard_spec(self.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks), size)
         if has_bias:
             self.bias = self.create_parameter([local], dtype=dtype, is_bias=True)
-            set_shard_spec(self.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks))
+            set_shard_spec(self.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks), size)
         else:
             self.bias = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
             return F.linear(x, self.weight, self.bias)
-        group = get_topology().group(self.group_name)
+        group = self.group
         if self.sequence_parallel:
             x = comm.gather_from_sp(x, group=group, grad="reduce_scatter")  # [B, S/tp, H] -> [B, S, H]
         else:
@@ -263,9 +271,12 @@ class CommRowParallelLinear(nn.Layer):
         *,
         group: str = "tp",
         dtype: str | None = None,
+        topo: Topology | None = None,
     ) -> None:
         super().__init__()
-        size, rank, _ = _tp_size_rank(group)
+        topo = _topology(topo)
+        size, rank = topo.size(group), topo.rank_in(group)
+        self.group = topo.group(group)
         if in_features % size:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {size}")
         if sequence_parallel and not input_is_parallel:
@@ -280,17 +291,17 @@ class CommRowParallelLinear(nn.Layer):
             dtype=dtype,
             default_initializer=_xavier([local, out_features], in_features, out_features, dtype),
         )
-        set_shard_spec(self.weight, ShardSpec(axis=0, group=group))
+        set_shard_spec(self.weight, ShardSpec(axis=0, group=group), size)
         if has_bias:
             self.bias = self.create_parameter([out_features], dtype=dtype, is_bias=True)
-            set_shard_spec(self.bias, ShardSpec(sequence_parallel=sequence_parallel))
+            set_shard_spec(self.bias, ShardSpec(sequence_parallel=sequence_parallel), size)
         else:
             self.bias = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
             return F.linear(x, self.weight, self.bias)
-        group = get_topology().group(self.group_name)
+        group = self.group
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, axis=-1, group=group)
         y = F.linear(x, self.weight)  # partial sum [..., out]
@@ -320,9 +331,12 @@ class CommVocabParallelEmbedding(nn.Layer):
         *,
         padding_idx: int | None = None,
         dtype: str | None = None,
+        topo: Topology | None = None,
     ) -> None:
         super().__init__()
-        size, rank, _ = _tp_size_rank("tp")
+        topo = _topology(topo)
+        size, rank = topo.tp_size, topo.tp_rank
+        self.group = topo.tp_group
         if num_embeddings % size:
             raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {size}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -336,7 +350,7 @@ class CommVocabParallelEmbedding(nn.Layer):
             dtype=dtype,
             default_initializer=_xavier([self.per_rank, embedding_dim], num_embeddings, embedding_dim, dtype),
         )
-        set_shard_spec(self.weight, ShardSpec(axis=0))
+        set_shard_spec(self.weight, ShardSpec(axis=0), size)
 
     def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
@@ -352,10 +366,9 @@ class CommVocabParallelEmbedding(nn.Layer):
             out = paddle.where((ids == self.padding_idx).unsqueeze(-1), frozen, out)
         if self.world == 1:
             return out
-        group = get_topology().tp_group
         if self.sequence_parallel:
-            return comm.reduce_scatter_to_sp(out, group=group)
-        return comm.reduce_from_tp(out, group=group)
+            return comm.reduce_scatter_to_sp(out, group=self.group)
+        return comm.reduce_from_tp(out, group=self.group)
 
 
 class CommParallelLMHead(CommColumnParallelLinear):
@@ -365,7 +378,13 @@ class CommParallelLMHead(CommColumnParallelLinear):
     """
 
     def __init__(
-        self, hidden_size: int, vocab_size: int, sequence_parallel: bool = False, *, dtype: str | None = None
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        sequence_parallel: bool = False,
+        *,
+        dtype: str | None = None,
+        topo: Topology | None = None,
     ) -> None:
         super().__init__(
             hidden_size,
@@ -374,14 +393,15 @@ class CommParallelLMHead(CommColumnParallelLinear):
             gather_output=False,
             sequence_parallel=sequence_parallel,
             dtype=dtype,
+            topo=topo,
         )
 
 
-def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False) -> Any:
+def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Topology | None = None) -> Any:
     """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply:
     size 1, a topology without process groups, or sequence parallel over a group other than
     Fleet's model-parallel group (its sequence-parallel utilities always use that one)."""
-    topo = get_topology()
+    topo = _topology(topo)
     if topo.size(group) == 1 or topo.backend == "single":
         return None
     g = topo.group(group)
@@ -469,12 +489,13 @@ def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer 
     fuse_chunks: int = 1,
     group: str = "tp",
     dtype: str | None = None,
+    topo: Topology | None = None,
 ) -> nn.Layer:
     """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``): Fleet's ``ColumnParallelLinear`` under a
     TP group (with ``sequence_parallel``: :class:`BatchFirstColumnSequenceParallelLinear`), else
     :class:`CommColumnParallelLinear`.  ``fuse_chunks`` only changes the ShardSpec (each rank's
     slice is ``[chunk0_r | chunk1_r | ...]``); the layer itself is the same."""
-    g = fleet_tp_group(group, sequence_parallel)
+    g = fleet_tp_group(group, sequence_parallel, topo)
     if g is None or (sequence_parallel and gather_output):  # Fleet's SP column never gathers its output
         return CommColumnParallelLinear(
             in_features,
@@ -485,6 +506,7 @@ def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer 
             fuse_chunks=fuse_chunks,
             group=group,
             dtype=dtype,
+            topo=topo,
         )
     if out_features % (g.nranks * fuse_chunks):
         raise ValueError(
@@ -503,9 +525,9 @@ def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer 
             layer = mpu.ColumnParallelLinear(
                 in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g
             )
-    set_shard_spec(layer.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks))
+    set_shard_spec(layer.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks), g.nranks)
     if layer.bias is not None:
-        set_shard_spec(layer.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks))
+        set_shard_spec(layer.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks), g.nranks)
     return layer
 
 
@@ -518,15 +540,23 @@ def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it 
     *,
     group: str = "tp",
     dtype: str | None = None,
+    topo: Topology | None = None,
 ) -> nn.Layer:
     """Row-parallel ``y = x W + b`` (W ``[in/tp, out]``, partial products all-reduced, bias added
     once): Fleet's ``RowParallelLinear`` under a TP group (with ``sequence_parallel``:
     :class:`BatchFirstRowSequenceParallelLinear`, output reduce-scattered over the sequence), else
     :class:`CommRowParallelLinear`."""
-    g = fleet_tp_group(group, sequence_parallel)
+    g = fleet_tp_group(group, sequence_parallel, topo)
     if g is None:
         return CommRowParallelLinear(
-            in_features, out_features, has_bias, input_is_parallel, sequence_parallel, group=group, dtype=dtype
+            in_features,
+            out_features,
+            has_bias,
+            input_is_parallel,
+            sequence_parallel,
+            group=group,
+            dtype=dtype,
+            topo=topo,
         )
     if in_features % g.nranks:
         raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {g.nranks}")
@@ -543,9 +573,9 @@ def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it 
             layer = mpu.RowParallelLinear(
                 in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g
             )
-    set_shard_spec(layer.weight, ShardSpec(axis=0, group=group))
+    set_shard_spec(layer.weight, ShardSpec(axis=0, group=group), g.nranks)
     if layer.bias is not None:  # partial over TP under SP (Fleet marks it too)
-        set_shard_spec(layer.bias, ShardSpec(sequence_parallel=sequence_parallel))
+        set_shard_spec(layer.bias, ShardSpec(sequence_parallel=sequence_parallel), g.nranks)
     return layer
 
 
@@ -556,15 +586,16 @@ def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the laye
     *,
     padding_idx: int | None = None,
     dtype: str | None = None,
+    topo: Topology | None = None,
 ) -> nn.Layer:
     """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``): Fleet's
     ``VocabParallelEmbedding`` (plus torch's ``padding_idx``; with ``sequence_parallel`` its rows
     summed by Fleet's ``ReduceScatterOp`` into the sequence shard) under a TP group, else
     :class:`CommVocabParallelEmbedding`."""
-    g = fleet_tp_group("tp", sequence_parallel)
+    g = fleet_tp_group("tp", sequence_parallel, topo)
     if g is None:
         return CommVocabParallelEmbedding(
-            num_embeddings, embedding_dim, sequence_parallel, padding_idx=padding_idx, dtype=dtype
+            num_embeddings, embedding_dim, sequence_parallel, padding_idx=padding_idx, dtype=dtype, topo=topo
         )
     if num_embeddings % g.nranks:
         raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {g.nranks}")
@@ -572,20 +603,31 @@ def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the laye
         layer = _fleet_vocab_embedding_class()(
             num_embeddings, embedding_dim, mp_group=g, padding_idx=padding_idx, sequence_parallel=sequence_parallel
         )
-    set_shard_spec(layer.weight, ShardSpec(axis=0))
+    set_shard_spec(layer.weight, ShardSpec(axis=0), g.nranks)
     return layer
 
 
 def ParallelLMHead(  # noqa: N802 - a layer factory, named like the layer it returns
-    hidden_size: int, vocab_size: int, sequence_parallel: bool = False, *, dtype: str | None = None
+    hidden_size: int,
+    vocab_size: int,
+    sequence_parallel: bool = False,
+    *,
+    dtype: str | None = None,
+    topo: Topology | None = None,
 ) -> nn.Layer:
     """Output projection ``[H, V]`` split over the vocabulary: returns vocab-parallel logits
     ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a column-parallel linear without gather;
     with ``sequence_parallel`` it all-gathers the sequence shards first, Fleet's SP column layer)."""
-    if fleet_tp_group("tp", sequence_parallel) is None:
-        return CommParallelLMHead(hidden_size, vocab_size, sequence_parallel, dtype=dtype)
+    if fleet_tp_group("tp", sequence_parallel, topo) is None:
+        return CommParallelLMHead(hidden_size, vocab_size, sequence_parallel, dtype=dtype, topo=topo)
     return ColumnParallelLinear(
-        hidden_size, vocab_size, has_bias=False, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype
+        hidden_size,
+        vocab_size,
+        has_bias=False,
+        gather_output=False,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        topo=topo,
     )
 
 

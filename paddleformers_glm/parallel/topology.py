@@ -20,14 +20,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import paddle
-
 __all__ = [
     "GROUP_NAMES",
     "ParallelConfig",
     "ParallelConfigError",
     "Topology",
-    "comm_backend",
     "get_topology",
     "init_topology",
     "set_topology",
@@ -168,18 +165,6 @@ class ParallelConfig:
         return asdict(self)
 
 
-def comm_backend() -> str:
-    """'single' (no distributed init), 'gloo' (CPU) or 'nccl' (GPU).
-
-    ``GLM52_EMULATE_COLLECTIVES=1`` makes comm.py take the gloo code paths on a GPU too, so the
-    emulations can be checked on a cluster.
-    """
-    topo = _CURRENT
-    if topo is None or topo.world_size == 1:
-        return "single"
-    return topo.backend
-
-
 class Topology:
     """Groups and ranks of this process. Use :func:`init_topology`; build directly only in tests."""
 
@@ -228,6 +213,11 @@ class Topology:
         """Group for send/recv with ``peer_stage`` (an adjacent stage)."""
         g = self.stage_group((self.stage, peer_stage))
         return g if g is not None else self.pp_group
+
+    @classmethod
+    def single(cls) -> Topology:
+        """One process: every group None, every size 1 (what a model is built for by default)."""
+        return cls(ParallelConfig())
 
     # ---------------------------------------------------------------- sizes / ranks / groups
     @property
@@ -325,7 +315,7 @@ _CURRENT: Topology | None = None
 
 def get_topology() -> Topology:
     """The topology set by :func:`init_topology`, or a single-process one (model code at world 1)."""
-    return _CURRENT if _CURRENT is not None else Topology(ParallelConfig())
+    return _CURRENT if _CURRENT is not None else Topology.single()
 
 
 def set_topology(topo: Topology | None) -> None:
@@ -348,12 +338,6 @@ def topology_override(topo: Topology | None = None) -> Iterator[Topology]:
 
 def _env_world_size() -> int:
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
-
-
-def _detect_backend() -> str:
-    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-        return "nccl"
-    return "gloo"
 
 
 def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> tuple[int, int, int]:
@@ -396,14 +380,16 @@ def init_topology(
     import paddle.distributed as dist
     from paddle.distributed import fleet
 
-    backend = _detect_backend()
+    from .comm import detect_backend
+
+    backend = detect_backend()
     if backend == "gloo":
         from ._compat import apply_gloo_subgroup_store_fix
 
         apply_gloo_subgroup_store_fix()
         from .fleet_gloo import install
 
-        install(backend)  # Fleet's stock TP/SP layers on CPU: the ops its CPU build lacks
+        install(backend, get_topology)  # Fleet's stock TP/SP layers on CPU: the ops its CPU build lacks
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {
         "dp_degree": pc.dp,

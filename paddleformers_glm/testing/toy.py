@@ -99,7 +99,7 @@ class ToyMoE(nn.Layer):
         self.k = cfg.experts_per_token
         self.num_experts = cfg.num_experts
         self.router = self.create_parameter([cfg.hidden_size, cfg.num_experts], dtype="float32")
-        self.balance = RouterBalance()  # routed-token counts: the trainer steps only experts that got tokens
+        self.balance = RouterBalance(topo)  # routed-token counts: the trainer steps only experts that got tokens
         mark_sequence_parallel(self.router)
         self.dispatcher = ExpertParallelDispatcher(cfg.num_experts, topo=topo)
         self.experts = LocalExperts(
@@ -125,7 +125,7 @@ class ToyLayer(nn.Layer):
     def __init__(self, cfg: ToyConfig, kind: str, mlp: str, sp: bool, topo: Topology) -> None:
         super().__init__()
         H = cfg.hidden_size
-        self.kind, self.sp, self.topk = kind, sp, cfg.index_topk
+        self.kind, self.sp, self.topk, self.tp_group = kind, sp, cfg.index_topk, topo.tp_group
         self.local_heads = cfg.num_heads // topo.tp_size
         self.head_dim = H // cfg.num_heads
         self.input_norm = RMSNorm(H, cfg.rms_eps)
@@ -148,7 +148,7 @@ class ToyLayer(nn.Layer):
         xf = x.detach()  # the indexer's input: the full sequence, no gradient (gathered here, not in the core)
         if self.kind == "full" and self.sp:
             with paddle.no_grad():
-                xf = comm.gather_from_sp(xf, grad="split")  # [B, S, H]
+                xf = comm.gather_from_sp(xf, group=self.tp_group, grad="split")  # [B, S, H]
         o, topk = run_core(self._core, q, k, v, xf, topk)  # [B, S, H/tp]; recomputed under --recompute core
         h = h + self.o_proj(o)
         return h + self.mlp(self.post_norm(h)), topk

@@ -82,10 +82,12 @@ class GlmStage(nn.Layer):
     rank's TP/EP-local shapes and under the full model's parameter names.
     """
 
-    def __init__(self, config: Any, spec: StageSpec, dtype: str = "float32") -> None:
+    def __init__(self, config: Any, spec: StageSpec, dtype: str = "float32", topo: Topology | None = None) -> None:
         super().__init__()
         from ..modeling.model import GlmMoeDsaStageModel, build_lm_head, default_dtype
+        from ..parallel.topology import get_topology
 
+        topo = topo or get_topology()
         self.config, self.spec = config, spec
         self.recompute = "none"  # the trainer sets --recompute
         L = config.num_hidden_layers
@@ -96,9 +98,10 @@ class GlmStage(nn.Layer):
                 list(spec.layers) + self.mtp_ids,
                 embedding=spec.has_embedding or spec.has_mtp,
                 norm=spec.has_head,
+                topo=topo,
             )
             if spec.has_head:
-                self.lm_head = build_lm_head(config)
+                self.lm_head = build_lm_head(config, topo)
 
     def forward(
         self,
@@ -186,7 +189,7 @@ class GlmAdapter(ModelAdapter):
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         self.check_layout(topo.pc)
-        return GlmStage(self.config, spec, self.dtype)
+        return GlmStage(self.config, spec, self.dtype, topo)
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
         """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.

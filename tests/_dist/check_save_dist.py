@@ -19,7 +19,7 @@ from paddleformers_glm.train.glm_adapter import GlmAdapter
 ckpt, save_dir, out_json, tp, ep, shard = sys.argv[1:7]
 adapter = GlmAdapter(ckpt)
 topo = init_topology(ParallelConfig.from_world(2, tp=int(tp), ep=int(ep)), **adapter.parallel_sizes())
-model, load = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", output_loading_info=True)
+model, load = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", output_loading_info=True, topology=topo)
 local = {k: list(v.shape) for k, v in model.state_dict().items()}
 report = model.save_pretrained(save_dir, max_shard_size=shard)
 if topo.rank == 0:
