@@ -10,7 +10,8 @@ import pytest
 from paddleformers_glm.cli import main as cli_main
 from paddleformers_glm.configuration import GlmMoeDsaConfig
 from paddleformers_glm.train import plan as planmod
-from paddleformers_glm.train.plan_cost import Hardware, active_params, bubble_fraction, step_estimate
+from paddleformers_glm.train.plan import active_params
+from paddleformers_glm.train.plan_cost import Hardware, bubble_fraction, step_estimate
 
 from .conftest import TINY_CONFIG
 
@@ -40,14 +41,15 @@ def test_active_params_count_k_of_n_routed_experts_and_each_head():
 def test_step_estimate_is_bubble_times_compute_when_communication_is_free():
     c = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG)
     hw = Hardware(flops=1e12, tp_bw=1e30, net_bw=1e30)
-    one = step_estimate(c, planmod.Layout(seq_len=32, dtype="float32"), 16, 10**6, hw)
-    pp4 = step_estimate(c, planmod.Layout(seq_len=32, dtype="float32", pp=4), 4, 10**6, hw)
-    vpp = step_estimate(c, planmod.Layout(seq_len=32, dtype="float32", pp=4, vpp=2), 4, 10**6, hw)
+    active = active_params(c, planmod.Layout(dtype="float32"))
+    one = step_estimate(c, planmod.Layout(seq_len=32, dtype="float32"), 16, 10**6, active, hw)
+    pp4 = step_estimate(c, planmod.Layout(seq_len=32, dtype="float32", pp=4), 4, 10**6, active, hw)
+    vpp = step_estimate(c, planmod.Layout(seq_len=32, dtype="float32", pp=4, vpp=2), 4, 10**6, active, hw)
     assert one["bubble"] == 0 and pp4["bubble"] == 3 / 4 and vpp["bubble"] == 3 / 8
     # one rank, 16 micro-batches vs 4 stages, 4 micro-batches: the same tokens of work per rank
     assert one["s_per_token"] == pytest.approx(4 * pp4["s_per_token"] / (1 + 3 / 4))
     assert vpp["s_per_token"] == pytest.approx(pp4["s_per_token"] * (1 + 3 / 8) / (1 + 3 / 4))
-    assert one["step_s"] == pytest.approx(16 * 6 * active_params(c, planmod.Layout(dtype="float32")) * 32 / 1e12)
+    assert one["step_s"] == pytest.approx(16 * 6 * active * 32 / 1e12)
 
 
 def _search(tmp_path, *extra):
@@ -99,7 +101,7 @@ def test_gradient_reduction_sums_dense_and_expert_gradients_over_their_own_repli
     hw = Hardware(flops=1e12, tp_bw=1e30, net_bw=1.0)  # 1 B/s: dp_s is the bytes each rank moves
     lay = planmod.Layout(seq_len=32, dtype="float32", dp=dp, sharding=sharding, cp=cp, ep=ep)
     dense, expert = 1000, 3000
-    got = step_estimate(c, lay, 4, dense + expert, hw, expert_params=expert)["dp_s"]
+    got = step_estimate(c, lay, 4, dense + expert, active_params(c, lay), hw, expert_params=expert)["dp_s"]
     r_dense, r_expert = dp * sharding * cp, dp * cp // ep * sharding
     ring = lambda r: 2 * (r - 1) / r  # noqa: E731
     assert got == pytest.approx(4 * (ring(r_dense) * dense + ring(r_expert) * expert))

@@ -27,6 +27,7 @@ from .._io import write_json_atomic
 
 __all__ = [
     "LayerCounts",
+    "active_params",
     "state_items",
     "activation_bytes",
     "layer_counts",
@@ -197,6 +198,22 @@ def total_params(config: Any, lay: Layout) -> int:
     for i in range(L + config.num_mtp_layers):
         n += sum(f for *_, f in lc.part(_layer_key(config, i)))
     return n
+
+
+def active_params(config: Any, lay: Any) -> int:
+    """Parameters one token runs through (what its matmul FLOPs scale with): every layer's,
+    routed experts only ``num_experts_per_tok`` of ``n_routed_experts``, the LM head once per
+    head (main + MTP), the embedding lookup not at all.  From the planner's probe counts."""
+    lc = layer_counts(config, lay)
+    share = config.num_experts_per_tok / config.n_routed_experts
+    n = 0.0
+    for i in range(config.num_hidden_layers + config.num_mtp_layers):
+        for name, _, _, _, full in lc.part(_layer_key(config, i)):
+            routed = ".experts." in name and ".shared_experts." not in name
+            n += full * share if routed else full
+    n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
+    lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
+    return int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
 
 
 # --------------------------------------------------------------------------- activation estimate
@@ -525,7 +542,13 @@ def search_layouts(
                             micro = p["layout"]["micro_batches_per_step"]
                             big = max(p["kinds"], key=lambda k: k["num_params"])
                             est = step_estimate(
-                                config, lay, micro, big["num_params"], hardware, expert_params=big["expert_params"]
+                                config,
+                                lay,
+                                micro,
+                                big["num_params"],
+                                active_params(config, lay),
+                                hardware,
+                                expert_params=big["expert_params"],
                             )
                             found.append(
                                 {

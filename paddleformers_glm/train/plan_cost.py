@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Hardware", "active_params", "bubble_fraction", "comm_parts", "step_estimate"]
+__all__ = ["Hardware", "bubble_fraction", "comm_parts", "step_estimate"]
 
 
 @dataclass(frozen=True)
@@ -58,35 +58,19 @@ def comm_parts(config: Any, lay: Any) -> dict[str, float]:
     return {"tp": float(tp), "ep": float(ep), "pp": float(pp), "cp": float(cpb)}
 
 
-def active_params(config: Any, lay: Any) -> int:
-    """Parameters one token runs through (what its matmul FLOPs scale with): every layer's,
-    routed experts only ``num_experts_per_tok`` of ``n_routed_experts``, the LM head once per
-    head (main + MTP), the embedding lookup not at all.  From the planner's probe counts."""
-    from .plan import _layer_key, layer_counts
-
-    lc = layer_counts(config, lay)
-    share = config.num_experts_per_tok / config.n_routed_experts
-    n = 0.0
-    for i in range(config.num_hidden_layers + config.num_mtp_layers):
-        for name, _, _, _, full in lc.part(_layer_key(config, i)):
-            routed = ".experts." in name and ".shared_experts." not in name
-            n += full * share if routed else full
-    n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
-    lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
-    return int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
-
-
 def step_estimate(
     config: Any,
     lay: Any,
     micro_batches: int,
     grad_params: int,
+    active: int,
     hw: Hardware | None = None,
     expert_params: int = 0,
 ) -> dict[str, float]:
     """Estimated seconds of one training step of ``lay`` and seconds per token (see module doc).
 
-    ``micro_batches``: per pipeline per step; ``grad_params``: parameters of the largest rank
+    ``micro_batches``: per pipeline per step; ``active``: the parameters one token runs through
+    (``plan.active_params``); ``grad_params``: parameters of the largest rank
     (its gradients are what the data-parallel reduction moves), ``expert_params`` of them routed
     experts.  As the trainer syncs them (parallel/grads.py), dense gradients sum over the
     dp x sharding x cp ranks, expert gradients over their edp x sharding replicas only
@@ -95,7 +79,7 @@ def step_estimate(
     tokens_mb = lay.seq_len * lay.micro_batch_size  # one micro-batch's tokens (all cp ranks together)
     local_mb = tokens_mb / getattr(lay, "cp", 1)  # the share one rank computes
     refactor = 4 / 3 if lay.recompute == "full" else 1.0  # full recompute: one more forward (2 of 6 FLOPs)
-    compute = 6 * active_params(config, lay) * local_mb * refactor / (lay.tp * lay.pp) / hw.flops
+    compute = 6 * active * local_mb * refactor / (lay.tp * lay.pp) / hw.flops
     parts = comm_parts(config, lay)
     comm = parts["tp"] / hw.tp_bw + (parts["ep"] + parts["pp"] + parts["cp"]) / hw.net_bw
     r = lay.dp * lay.sharding
