@@ -21,14 +21,14 @@ head instead, where that is cheaper). Decoding (`forward_decode`) always reads t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import numpy as np
 import paddle
 from paddle import nn
 
 from .. import ops
 from ..configuration import GlmMoeDsaConfig
 from ..parallel import comm
+from ..parallel.context import gather_sequence, zigzag_positions
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from ..parallel.recompute import run_core
 from ..parallel.topology import Topology
@@ -42,7 +42,7 @@ from .attention_forms import (
     sparse_latent_attention,
 )
 from .cache import LayerCache
-from .indexer import DSAIndexer, key_validity
+from .indexer import DSAIndexer
 from .norms import RMSNorm
 from .rope import rope_concat, rope_heads
 
@@ -69,7 +69,8 @@ class MLAttention(nn.Layer):
         super().__init__()
         topo = topo or Topology.single()
         self.tp, self.sp, self.tp_group = topo.tp_size, topo.sequence_parallel, topo.tp_group
-        self.cp = topo.cp_size  # context parallel: parallel/context.py runs the forward
+        # context parallel: this rank holds a zigzag slice of every sequence (parallel/context.py)
+        self.cp, self.cp_rank, self.cp_group = topo.cp_size, topo.cp_rank, topo.cp_group
         self.total_heads = config.num_attention_heads
         self.num_heads = config.num_attention_heads // self.tp  # this rank's heads
         self.nope = config.qk_nope_head_dim
@@ -114,6 +115,11 @@ class MLAttention(nn.Layer):
             return t
         return comm.reduce_scatter_to_sp(t, group=self.tp_group) if self.sp else comm.reduce_from_tp(t, self.tp_group)
 
+    def _all_keys(self, t: paddle.Tensor) -> paddle.Tensor:
+        """Every key of the sequence [B, S, ...] from this rank's keys: the cp ranks' zigzag slices
+        all-gathered in sequence order (differentiable: the key gradients go back to their owners)."""
+        return gather_sequence(t, self.cp_group) if self.cp > 1 else t
+
     def _replicated_full(self, t: paddle.Tensor) -> paddle.Tensor:
         """The full sequence for the replicated indexer (no gradient flows back through it)."""
         return comm.gather_from_sp(t.detach(), group=self.tp_group, grad="split") if self.tp > 1 and self.sp else t
@@ -137,13 +143,16 @@ class MLAttention(nn.Layer):
         Full layers run their own indexer unless `reuse_topk` (MTP with index sharing); shared layers
         always use `prev_topk`. With `cache` (a prefill: the cache is empty) the layer also stores
         its latent rows and indexer keys there; the computation itself is unchanged.
-        """
-        if self.cp > 1:  # this rank holds a zigzag slice of the sequence
-            if cache is not None:
-                raise NotImplementedError("decoding with a cache runs with context parallel size 1")
-            from ..parallel.context import cp_attention_forward
 
-            return cp_attention_forward(self, x, cos, sin, key_padding, prev_topk, reuse_topk)
+        Under context parallel x holds this rank's zigzag slice of the sequence (cos / sin of its
+        global positions): the projections run on the local tokens, the indexer keys and the
+        latent rows [c, rope(k_rot)] of every token are all-gathered over the cp group, and the
+        local queries select and attend over all of them in the latent form. The indexer KL loss
+        is then this rank's queries' share of the whole sequence's mean (summed over the cp ranks,
+        as the trainer sums every loss term, it is the one-process loss).
+        """
+        if self.cp > 1 and cache is not None:
+            raise NotImplementedError("decoding with a cache runs with context parallel size 1")
         H = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S_local, q_lora]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, S_local, kv_lora + rope]
@@ -173,7 +182,12 @@ class MLAttention(nn.Layer):
         if want_kl:
             if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
                 probs = comm.all_reduce(probs.detach() * H, self.tp_group) / self.total_heads
-            kl = core.indexer.kl_loss(x_full, q_latent_full, cos, sin, topk, probs)
+            cp = self.cp > 1
+            kl = core.indexer.kl_loss(
+                x_full, q_latent_full, cos, sin, topk, probs,
+                all_keys=self._all_keys if cp else None,
+                total=(lambda n: comm.all_reduce(n.detach(), self.cp_group)) if cp else None,
+            )  # fmt: skip
         return out, topk, kl
 
     def _core(
@@ -197,13 +211,17 @@ class MLAttention(nn.Layer):
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         core = self.core_attention
         k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
-        form = choose_form(self.config.attn_implementation, B, S, k_sel, H, per_key)
+        positions, keys = None, None
+        if self.cp > 1:  # the latent form: the only one over a longer key table
+            form, positions = "latent", zigzag_positions(S * self.cp, self.cp, self.cp_rank)
+            keys = self._all_keys
+        else:
+            form = choose_form(self.config.attn_implementation, B, S, k_sel, H, per_key)
+        if cache is not None:  # a prefill keeps the indexer keys for decoding
+            keys = cache.index_keys_through
         if run_indexer:  # the latent and dense forms need the selected set, not its score order
-            keys = [] if cache is not None else None
-            ordered = form in ("sparse", "reference")
-            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered=ordered, keys_out=keys)
-            if keys:
-                cache.put_index_keys(keys[0])
+            ordered = form in ("sparse", "reference") or self.cp > 1
+            topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered, positions=positions, keys=keys)
         else:
             topk = prev_topk
         if form == "latent":  # k_rot un-roped: the latent form ropes it into [c, k_rot] in one kernel
@@ -238,12 +256,10 @@ class MLAttention(nn.Layer):
         sin: paddle.Tensor,
         topk: paddle.Tensor,
         want_probs: bool,
-        attend: Callable | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """The latent form (see the module doc) -> (o_proj output [B, S, hidden], probabilities or None).
-        c [B, S, kv_lora] normed, k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]).
-        `attend(q_lat, kv_lat, topk, want_probs)` replaces the sparse latent core (context parallel
-        attends over the all-gathered latent rows).
+        c [B, S, kv_lora] normed, k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]);
+        under context parallel the queries attend over every rank's latent rows.
 
         kv_b_proj is folded into the neighbouring weights once per step (products of small weight
         matrices), so every activation-sized op is a plain GEMM on contiguous data:
@@ -261,14 +277,11 @@ class MLAttention(nn.Layer):
         q_abs = paddle.matmul(q_latent, w_q.transpose([1, 0, 2]).reshape([QL, H * L])).reshape([B, S, H, L])
         q_rot = paddle.matmul(q_latent, wq_rot.reshape([QL, H * dr])).reshape([B, S, H, dr])
         q_lat = rope_concat(q_abs, q_rot, cos, sin, self.interleave)  # [B, S, H, L + rope]
-        kv_lat = rope_concat(c, k_rot, cos, sin, self.interleave)  # [B, S, L + rope]
+        kv_lat = self._all_keys(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S (all cp ranks'), L + rope]
         core = self.core_attention
-        if attend is not None:
-            o, probs = attend(q_lat, kv_lat, topk, want_probs)
-        else:
-            o, probs = sparse_latent_attention(
-                q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
-            )
+        o, probs = sparse_latent_attention(
+            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
+        )
         # this rank's heads' part (bias added by the caller)
         return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs
 
@@ -304,16 +317,9 @@ class MLAttention(nn.Layer):
         c, k_rot = paddle.split(self.kv_a_proj_with_mqa(x), [L, dr], axis=-1)
         cache.put_latent(rope_concat(self.kv_a_layernorm(c), k_rot, cos, sin, self.interleave))
         core = self.core_attention
-        if core.indexer is not None:
-            with paddle.no_grad():
-                qi, ki, wi = core.indexer.project(x, q_latent, cos, sin)
-                cache.put_index_keys(ki)
-                scores = core.indexer.chunk_scores(qi, cache.keys_upto(T), wi)  # [B, n, T]
-                valid = key_validity(paddle.arange(start, T, dtype="int64"), T, key_valid).expand([B, n, T])
-                scores = paddle.where(valid, scores, paddle.full_like(scores, float("-inf")))
-                kk = min(core.topk, T)
-                vals, idx = paddle.topk(scores, kk, axis=-1)
-                topk = paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+        if core.indexer is not None:  # the new queries over the T cached keys
+            positions = np.arange(start, T, dtype=np.int64)
+            topk = core.indexer(x, q_latent, cos, sin, key_valid, positions=positions, keys=cache.index_keys_through)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:

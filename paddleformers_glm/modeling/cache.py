@@ -53,8 +53,11 @@ class LayerCache:
     def latent_upto(self, end: int) -> paddle.Tensor:
         return self.latent[:, :end]  # type: ignore[index]
 
-    def keys_upto(self, end: int) -> paddle.Tensor:
-        return self.index_keys[:, :end]  # type: ignore[index]
+    def index_keys_through(self, keys: paddle.Tensor) -> paddle.Tensor:
+        """Store the indexer keys [B, n, Di] of the tokens being processed and return every cached
+        key through them [B, length + n, Di] (what the indexer scores its new queries against)."""
+        self.put_index_keys(keys)
+        return self.index_keys[:, : self.owner.length + keys.shape[1]]  # type: ignore[index]
 
 
 class DSACache:

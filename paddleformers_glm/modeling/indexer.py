@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -99,48 +100,56 @@ class DSAIndexer(nn.Layer):
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
         ordered: bool = True,
-        keys_out: list | None = None,
+        *,
+        positions: np.ndarray | None = None,
+        keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
-        """top-k key indices [B, S, min(index_topk, S)] int64, -1 where the slot holds no valid key.
+        """top-k key indices [B, S, min(index_topk, T)] int64 for the S queries of ``x`` over T keys,
+        -1 where the slot holds no valid key. The one selection prefill, decoding and context
+        parallel all run.
+
+        ``positions`` (int64 [S], default arange(S)): each query's position in the sequence; a query
+        sees the keys at positions <= its own (and not ``key_padding`` [B, T]). ``keys`` maps this
+        call's keys [B, S, Di] to all T keys (default: themselves, T = S): decoding appends them to
+        its cache and returns the cache, context parallel all-gathers the ranks' slices.
 
         A row's selected keys come in descending score order (as HF's top-k gives them). With
-        `ordered=False` the caller only needs the set: the first k_out queries (which, without
-        padding, see at most k_out keys and so select all of them) are then neither scored nor
-        sorted, and get their keys in ascending order.
+        `ordered=False` the caller only needs the set: the first k_out queries of a plain forward
+        (which, without padding, see at most k_out keys and so select all of them) are then
+        neither scored nor sorted, and get their keys in ascending order.
         """
         with paddle.no_grad():
             q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
-            if keys_out is not None:  # a prefill keeps the keys for decoding
-                keys_out.append(k)
-            B, S = x.shape[0], x.shape[1]
-            k_out = min(self.topk, S)
-            # chunks of at most S/4 queries: keys < c1 only, so smaller chunks skip more of the
-            # causal upper triangle; at most 8 MB of scores each
-            chunk = max(1, min(S, self.chunk_size, max(16, min(_CHUNK_ELEMS // (self.n_heads * S), S // 4))))
+            k = keys(k) if keys is not None else k  # [B, T, Di]
+            B, S, T = x.shape[0], x.shape[1], k.shape[1]
+            pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
+            k_out = min(self.topk, T)
+            # chunks of at most S/4 queries: keys up to the chunk's last query only, so smaller chunks
+            # skip more of the causal upper triangle; at most 8 MB of scores each
+            chunk = max(1, min(S, self.chunk_size, max(16, min(_CHUNK_ELEMS // (self.n_heads * T), S // 4))))
             pad = None if key_padding is None else key_padding.astype("bool")
             pieces = []
             start = 0
-            if not ordered and pad is None:
+            if not ordered and pad is None and positions is None:
                 start = k_out  # query i < k_out selects keys 0..i: no scores needed
                 j = paddle.arange(k_out, dtype="int64")
                 all_keys = paddle.where(j.unsqueeze(0) <= j.unsqueeze(1), j.unsqueeze(0).expand([k_out, k_out]), -1)
                 pieces.append(all_keys.unsqueeze(0).expand([B, k_out, k_out]))
-            for c0 in range(start, S, chunk):
-                c1 = min(S, c0 + chunk)
-                C = c1 - c0
-                # causal: queries < c1 see keys < c1 only
-                scores = self.chunk_scores(q[:, c0:c1], k[:, :c1], w[:, c0:c1])  # [B, C, c1]
-                valid = key_validity(paddle.arange(c0, c1, dtype="int64"), c1, None).expand([B, C, c1])
-                if pad is not None:
-                    valid = paddle.logical_and(valid, pad[:, :c1].unsqueeze(1).expand([B, C, c1]))
-                scores = paddle.where(valid, scores, paddle.full([B, C, c1], NEG_INF, scores.dtype))
-                if c1 < S:  # one top-k over all S keys of a row, as HF takes it: equal scores (relu
-                    # zeros) then break the same way whatever the chunking (keys >= c1 are masked)
-                    scores = paddle.concat([scores, paddle.full([B, C, S - c1], NEG_INF, scores.dtype)], axis=-1)
-                kk = k_out
-                vals, idx = paddle.topk(scores, kk, axis=-1)
-                idx = paddle.where(paddle.isinf(vals), paddle.full([B, C, kk], -1, dtype="int64"), idx)
-                pieces.append(idx)
+            # runs of consecutive positions (a context-parallel rank holds two), chunked
+            breaks = [start] + [r for r in range(start + 1, S) if pos[r] != pos[r - 1] + 1] + [S]
+            for lo, hi in zip(breaks, breaks[1:]):
+                for c0 in range(lo, hi, chunk):
+                    c1 = min(hi, c0 + chunk)
+                    C, kend = c1 - c0, int(pos[c1 - 1]) + 1  # causal: keys past the chunk's last query are invisible
+                    scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # [B, C, kend]
+                    qpos = paddle.arange(c0, c1, dtype="int64") if positions is None else paddle.to_tensor(pos[c0:c1])
+                    valid = key_validity(qpos, kend, pad).expand([B, C, kend])
+                    scores = paddle.where(valid, scores, paddle.full([B, C, kend], NEG_INF, scores.dtype))
+                    if kend < T:  # one top-k over all T keys of a row, as HF takes it: equal scores (relu
+                        # zeros) then break the same way whatever the chunking (keys >= kend are masked)
+                        scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
+                    vals, idx = paddle.topk(scores, k_out, axis=-1)
+                    pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
     def kl_loss(

@@ -5,8 +5,8 @@ cp rank r holds chunks r and 2N-1-r, in that order, so every rank holds as many 
 as late (expensive) causal queries and does the same attention work.
 
 Everything outside the attention core is token-wise (norms, projections, MoE, LM head), so it runs
-unchanged on the local tokens. The attention core all-gathers over the cp group only what DSA
-needs from the other ranks' tokens:
+unchanged on the local tokens. The attention (``modeling/attention.py``, built with the cp group)
+all-gathers over the cp group only what DSA needs from the other ranks' tokens:
 
 * the MLA latent row of every key, [c, rope(k_rot)] (kv_lora_rank + qk_rope_head_dim values a
   token, shared by all heads), differentiable: its backward reduce-scatters the key gradients
@@ -14,9 +14,10 @@ needs from the other ranks' tokens:
 * the indexer keys (no gradient: selection runs without one).
 
 Each rank then scores its own queries against all keys, causal by *global* position
-(`zigzag_positions`), takes its top-k (shared indexer layers reuse the carried top-k, which is
-per query and so already local), and attends in the latent form (`sparse_latent_attention` over
-the whole sequence's latent rows, every chunk gathered). The batch side (`split_micro_batch`)
+(`zigzag_positions`; the indexer's one top-k selection), takes its top-k (shared indexer layers
+reuse the carried top-k, which is per query and so already local), and attends in the latent form
+(`sparse_latent_attention` over the whole sequence's latent rows, every chunk gathered). This
+module holds the primitives: the split, the gather, and the batch side (`split_micro_batch`)
 gives each rank its tokens, their global position ids, the global key-padding mask, and every
 label / MTP input already shifted over the *whole* sequence, so a shift that crosses a chunk
 boundary reads the neighbouring rank's token.
@@ -31,20 +32,11 @@ import numpy as np
 import paddle
 
 from . import comm
-from .topology import ParallelConfigError, get_topology
+from .topology import ParallelConfigError
 
-__all__ = [
-    "check_seq_len",
-    "cp_attention_forward",
-    "cp_topk",
-    "gather_sequence",
-    "split_micro_batch",
-    "zigzag_positions",
-]
+__all__ = ["check_seq_len", "gather_sequence", "split_micro_batch", "zigzag_positions"]
 
 IGNORE_INDEX = -100
-# Largest per-chunk indexer score block [C, Hi, S] in elements (as the one-process indexer).
-_CHUNK_ELEMS = 1 << 21
 
 
 def check_seq_len(seq_len: int, cp: int) -> None:
@@ -117,14 +109,15 @@ def _global_to_rank_major(chunks: list[paddle.Tensor], n: int) -> list[paddle.Te
     return out
 
 
-def gather_sequence(x: paddle.Tensor, group: Any = None, axis: int = 1) -> paddle.Tensor:
-    """All ranks' zigzag slices of ``x`` along ``axis``, in global sequence order.
+def gather_sequence(x: paddle.Tensor, group: Any, axis: int = 1) -> paddle.Tensor:
+    """All ranks' zigzag slices of ``x`` along ``axis``, in global sequence order (``group``: the
+    context-parallel group).
 
     Differentiable: the backward sums every rank's gradient of the whole sequence and keeps this
     rank's chunks (a reduce-scatter; all-reduce + slice on gloo). Without a gradient it is a plain
     all-gather. Identity at cp size 1.
     """
-    g = get_topology().cp_group if group is None else group
+    g = group
     if g is None or g.nranks == 1:
         return x
     n = g.nranks
@@ -138,107 +131,3 @@ def gather_sequence(x: paddle.Tensor, group: Any = None, axis: int = 1) -> paddl
         return comm.reduce_scatter(d, g, axis)
 
     return comm._apply(x, fwd, bwd)
-
-
-# ------------------------------------------------------------------------------ selection
-def cp_topk(
-    indexer: Any,
-    x: paddle.Tensor,
-    q_latent: paddle.Tensor,
-    cos: paddle.Tensor,
-    sin: paddle.Tensor,
-    key_padding: paddle.Tensor | None,
-    positions: np.ndarray,
-    group: Any = None,
-) -> paddle.Tensor:
-    """The indexer's top-k [B, S_local, min(index_topk, S)] for this rank's queries over all S keys.
-
-    Key indices are global positions; -1 marks an empty slot, as in `DSAIndexer.forward`. A query
-    at global position p sees keys <= p (and not padding); its row holds scores over all S keys
-    (-inf where invisible), so `paddle.topk` sees the same row as in one process.
-    """
-    from ..modeling.indexer import NEG_INF, key_validity
-
-    with paddle.no_grad():
-        q, k, w = indexer.project(x.detach(), q_latent.detach(), cos, sin)
-        k_all = gather_sequence(k, group)  # [B, S, Di]
-        B, S_loc = x.shape[0], x.shape[1]
-        S = k_all.shape[1]
-        k_out = min(indexer.topk, S)
-        chunk = max(1, min(S_loc, indexer.chunk_size, max(16, _CHUNK_ELEMS // (indexer.n_heads * S))))
-        pad = None if key_padding is None else key_padding.astype("bool")
-        half = S_loc // 2  # the two contiguous runs of global positions
-        pieces = []
-        for lo, hi in ((0, half), (half, S_loc)):
-            for c0 in range(lo, hi, chunk):
-                c1 = min(hi, c0 + chunk)
-                C = c1 - c0
-                kend = int(positions[c1 - 1]) + 1  # causal: keys past the chunk's last query are invisible
-                scores = indexer.chunk_scores(q[:, c0:c1], k_all[:, :kend], w[:, c0:c1])  # [B, C, kend]
-                qpos = paddle.to_tensor(positions[c0:c1])
-                valid = key_validity(qpos, kend, pad).expand([B, C, kend])
-                scores = paddle.where(valid, scores, paddle.full([B, C, kend], NEG_INF, scores.dtype))
-                if kend < S:
-                    scores = paddle.concat([scores, paddle.full([B, C, S - kend], NEG_INF, scores.dtype)], axis=-1)
-                vals, idx = paddle.topk(scores, k_out, axis=-1)
-                pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
-        return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
-
-
-# ------------------------------------------------------------------------------ attention
-def cp_attention_forward(
-    attn: Any,
-    x: paddle.Tensor,
-    cos: paddle.Tensor,
-    sin: paddle.Tensor,
-    key_padding: paddle.Tensor | None,
-    prev_topk: paddle.Tensor | None,
-    reuse_topk: bool = False,
-) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
-    """`MLAttention.forward` for this cp rank's tokens x [B, S_local(/tp under SP), hidden].
-
-    The projections run on the local tokens; the latent rows [c, rope(k_rot)] and the indexer keys
-    are all-gathered over the cp group; top-k and attention are taken for the local queries. Runs
-    in the latent form (the same maths as the per-head forms, other rounding). cos / sin are the
-    local tokens' (global positions). The indexer KL loss (when trained) is this rank's queries'
-    share of the whole sequence's mean: summed over the cp ranks (as the trainer sums every loss
-    term) it is the one-process loss.
-    """
-    from ..modeling.attention_forms import sparse_latent_attention
-
-    topo = get_topology()
-    group = topo.cp_group
-    q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
-    c, k_rot = paddle.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora, attn.rope_dim], axis=-1)
-    c = attn.kv_a_layernorm(c)
-    x_full, q_latent_full = attn._replicated_full(x), attn._replicated_full(q_latent)
-    q_latent, c, k_rot = attn._enter_tp(q_latent), attn._enter_tp(c), attn._enter_tp(k_rot)  # [B, S_local, ...]
-    S_loc = q_latent.shape[1]
-    positions = zigzag_positions(S_loc * topo.cp_size, topo.cp_size, topo.cp_rank)
-    core = attn.core_attention
-    if core.indexer is not None and not reuse_topk:
-        topk = cp_topk(core.indexer, x_full, q_latent_full, cos, sin, key_padding, positions, group)
-    elif prev_topk is None:
-        raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
-    else:
-        topk = prev_topk
-
-    def attend(q_lat: paddle.Tensor, kv_lat: paddle.Tensor, sel: paddle.Tensor, want: bool) -> tuple:
-        # this rank's queries over every key (global positions): the latent form's gathered chunks
-        return sparse_latent_attention(q_lat, gather_sequence(kv_lat, group), sel, core.scale, core.chunk_size, want)
-
-    want_kl = core.indexer is not None and not reuse_topk and attn.indexer_loss_coeff > 0 and attn.training
-    out, probs = attn._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl, attend=attend)
-    out = attn._exit_tp(out)
-    if attn.o_proj.bias is not None:
-        out = out + attn.o_proj.bias
-    kl = None
-    if want_kl:
-        if attn.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
-            probs = comm.all_reduce(probs.detach() * attn.num_heads, topo.tp_group) / attn.total_heads
-        kl = core.indexer.kl_loss(
-            x_full, q_latent_full, cos, sin, topk, probs,
-            all_keys=lambda k: gather_sequence(k, group),
-            total=lambda n: comm.all_reduce(n.detach(), group),
-        )  # fmt: skip
-    return out, topk, kl
