@@ -26,7 +26,10 @@ from typing import Any
 
 from ._io import atomic_write_text
 
-__all__ = ["GlmMoeDsaConfig", "indexer_types_from_schedule"]
+__all__ = ["IGNORE_INDEX", "GlmMoeDsaConfig", "indexer_types_from_schedule"]
+
+# The label no loss counts (HF's convention): padding, and what a chat sample does not train on.
+IGNORE_INDEX = -100
 
 # HF-file keys and defaults (transformers 5.2x `GlmMoeDsaConfig`; GLM-5.2 values where HF has none).
 _FILE_DEFAULTS: dict[str, Any] = {

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from paddleformers_glm.checkpoint import save_pretrained_state
+from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 from paddleformers_glm.parallel.export import export_distributed
 from paddleformers_glm.parallel.pipeline import StageSpec
-from paddleformers_glm.train.glm_adapter import GlmAdapter, GlmStage
+from paddleformers_glm.train.glm_adapter import GlmAdapter
 from tests._dist.runner import run_train_cli, worker_logs
 
 
@@ -51,7 +52,7 @@ def test_single_rank_export_equals_the_saver_byte_for_byte(tiny_ckpt, reference,
     c = adapter.config
     from paddleformers_glm.parallel.topology import get_topology
 
-    stage = GlmStage(c, StageSpec.whole(c.num_hidden_layers, True), "float32")
+    stage = GlmMoeDsaForCausalLM(c, "float32", stage=StageSpec.whole(c.num_hidden_layers, True))
     adapter.load_stage(stage, get_topology())
     info = export_distributed(stage, c, str(tmp_path / "out"), max_shard_size="1MB")
     assert len(info["files"]) > 2 and info["files"][-1] == "model.safetensors.index.json"

@@ -283,14 +283,15 @@ def test_fleets_sequence_parallel_flag_and_shard_spec_agree_on_the_tiny_glm_at_t
     # gradient sync) must name the same parameters: norms, latent projections, router, row biases
     from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
 
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
     from paddleformers_glm.parallel.pipeline import StageSpec
     from paddleformers_glm.tiny import tiny_config
-    from paddleformers_glm.train.glm_adapter import GlmStage
 
     cfg = tiny_config()
     for sp in (True, False):
-        with topology_override(Topology(ParallelConfig(tp=2, sp=sp))), paddle.LazyGuard():
-            stage = GlmStage(cfg, StageSpec.whole(cfg.num_hidden_layers, has_mtp=True))
+        with paddle.LazyGuard():
+            topo = Topology(ParallelConfig(tp=2, sp=sp))
+            stage = GlmMoeDsaForCausalLM(cfg, topology=topo, stage=StageSpec.whole(cfg.num_hidden_layers, has_mtp=True))
         params = dict(stage.named_parameters())
         fleet = {n for n, p in params.items() if is_sequence_parallel_parameter(p)}
         ours = {n for n, p in params.items() if get_shard_spec(p).sequence_parallel}

@@ -116,9 +116,9 @@ def _trainer_expert_view(config, pc, rank_coord):
 
     import paddle
 
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
     from paddleformers_glm.parallel.layers import get_shard_spec
-    from paddleformers_glm.parallel.topology import Topology, expert_layout, topology_override
-    from paddleformers_glm.train.glm_adapter import GlmStage
+    from paddleformers_glm.parallel.topology import Topology, expert_layout
     from paddleformers_glm.train.memory import dtype_name
 
     specs = split_stages(config.num_hidden_layers, pc.pp, has_mtp=True)
@@ -130,8 +130,8 @@ def _trainer_expert_view(config, pc, rank_coord):
         if key not in built:
             ranks = {"tp": c.model, "pp": c.pipe, "dp": c.data, "sharding": c.sharding, "cp": c.sep}
             topo = Topology(pc, ranks=ranks | {"edp": edp_r, "ep": ep_r, "etp": etp_r})
-            with topology_override(topo), paddle.LazyGuard():
-                stage = GlmStage(config, specs[c.pipe], "bfloat16")
+            with paddle.LazyGuard():
+                stage = GlmMoeDsaForCausalLM(config, "bfloat16", topology=topo, stage=specs[c.pipe])
             built[key] = [
                 (int(math.prod(p.shape)), dtype_name(p.dtype))
                 for _, p in stage.named_parameters()

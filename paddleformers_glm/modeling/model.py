@@ -1,16 +1,27 @@
-"""GlmMoeDsaModel and GlmMoeDsaForCausalLM: embedding -> decoder layers (top-k flows layer to layer)
--> final norm -> lm_head, plus the MTP layers and the losses.
+"""GLM-5.2 (`glm_moe_dsa`) as one stage-aware model: embedding -> decoder layers (the top-k flows from
+layer to layer) -> final norm -> LM head, the MTP layers, and one loss function.
+
+A `GlmMoeDsaForCausalLM` is built from a `StageSpec` (the decoder layer ids it owns; whether it
+embeds tokens, holds the final norm and LM head, and the MTP layers), by default the whole model,
+and from the `Topology` whose groups its layers use (default: one process). Everything runs
+through one body over the pipeline carry (hidden states [B, S, H] and the int64 top-k of the last
+full indexer layer, so a stage may start on a shared indexer layer) and one loss function
+(`causal_lm_losses`: the LM loss, each MTP depth's, the indexer KL). The HF-API `forward`
+(logits, HF-convention mean losses, the decoding cache), a pipeline stage of the trainer
+(`forward_stage`: loss sums and token counts over vocab-parallel logits), context parallel (the
+attention's cp group) and `generate` are this model configured.
 
 Parameter names follow the PaddleFormers / PaddleFleet layout (`model.embedding.embed_tokens`,
-`self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP `transformer_layer`); the checkpoint
-package maps them to and from the official HF names with Paddle's AOA engine.
+`model.layers.<global id>`, `self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP
+`transformer_layer`) whatever the stage holds; the checkpoint package maps them to and from the
+official HF names with Paddle's AOA engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -19,19 +30,19 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from ..configuration import GlmMoeDsaConfig
+from ..configuration import IGNORE_INDEX, GlmMoeDsaConfig
 from ..ops import cross_entropy_sum
 from ..parallel import comm
-from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
+from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel, parallel_cross_entropy
+from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.recompute import run_layer
 from ..parallel.topology import Topology
 from .attention_forms import FORMS, SelectionCache
-from .cache import DSACache
+from .cache import DSACache, LayerCache
 from .decoder import DecoderLayer
 from .mtp import MTPLayer
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -77,17 +88,67 @@ class CausalLMOutput:
         return len(self.keys())
 
 
+# ---------------------------------------------------------------------------------------------- losses
+def shift_labels(labels: paddle.Tensor, shift: int) -> paddle.Tensor:
+    """HF's causal shift: position i's target is labels[i + shift] ([B, S]; past the end: ignored)."""
+    B, S = labels.shape
+    return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)[
+        :, :S
+    ]
+
+
+def token_loss(logits: paddle.Tensor, target: paddle.Tensor, vocab_parallel: bool, group: Any = None) -> LossTerm:
+    """Summed cross entropy of logits [B, S, V(/tp)] against target [B, S] and the count of targets
+    that are not IGNORE_INDEX.
+
+    ``vocab_parallel``: the LM head's raw output (the trainer's stages: split over the TP ``group``,
+    Fleet's parallel cross entropy; ``F.cross_entropy`` at tp 1, whose rounding every layout of the
+    trainer shares); else full-vocabulary logits (the HF-API forward: the fused CPU op
+    ``ops.cross_entropy_sum``, the one the parity fixtures were measured with)."""
+    if vocab_parallel:
+        total = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none", group=group).sum()
+    else:
+        flat = logits.reshape([-1, logits.shape[-1]]).astype("float32")
+        total = cross_entropy_sum(flat, target.reshape([-1]).astype("int64"), IGNORE_INDEX)
+    return LossTerm(total, (target != IGNORE_INDEX).astype("int64").sum())
+
+
+def mean_loss(term: LossTerm) -> paddle.Tensor:
+    """HF convention: the sum over the counted tokens (a term without any is 0)."""
+    return term.sum / paddle.clip(term.count.astype("float32"), min=1.0)
+
+
 def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1) -> paddle.Tensor:
-    """HF convention: position i predicts labels[i + shift]; mean over labels that are not -100."""
-    B, S, V = logits.shape
-    target = paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)
-    target = target[:, :S].reshape([-1]).astype("int64")
-    flat = logits.reshape([-1, V]).astype("float32")
-    loss_sum = cross_entropy_sum(flat, target, IGNORE_INDEX)
-    n = (target != IGNORE_INDEX).astype("float32").sum()
-    return loss_sum / paddle.clip(n, min=1.0)
+    """HF convention on full-vocabulary logits: position i predicts labels[i + shift]; the mean over
+    labels that are not IGNORE_INDEX."""
+    return mean_loss(token_loss(logits, shift_labels(labels, shift), vocab_parallel=False))
 
 
+def causal_lm_losses(
+    logits: Sequence[paddle.Tensor],
+    batch: Mapping[str, paddle.Tensor],
+    indexer_kls: Sequence[paddle.Tensor],
+    vocab_parallel: bool,
+    group: Any = None,
+) -> dict[str, LossTerm]:
+    """The model's one loss function: ``lm`` (``logits[0]``: position i predicts labels[i + 1]),
+    ``mtp_<d>`` (``logits[d]``, MTP depth d: labels[i + d + 1]) and ``indexer_kl`` (the sum of the
+    layers' indexer KL losses, one term per micro-batch).
+
+    Under context parallel the batch carries each shift's targets already shifted over the whole
+    sequence and sliced to this rank (``cp_target_<shift>``, parallel/context.py)."""
+    losses: dict[str, LossTerm] = {}
+    for d, lg in enumerate(logits):
+        target = batch.get(f"cp_target_{d + 1}")
+        if target is None:
+            target = shift_labels(batch["labels"], d + 1)
+        losses["lm" if d == 0 else f"mtp_{d}"] = token_loss(lg, target, vocab_parallel, group)
+    if indexer_kls:
+        losses["indexer_kl"] = LossTerm(paddle.add_n(list(indexer_kls)), 1)
+    return losses
+
+
+# ---------------------------------------------------------------------------------------------- layers
 class Embedding(nn.Layer):
     """Token embedding under the Fleet name `embedding.embed_tokens` (vocabulary split over TP;
     under sequence parallel its output is this rank's sequence shard).
@@ -131,32 +192,53 @@ def share_selections(layers: Iterator[DecoderLayer | MTPLayer]) -> SelectionCach
     return shared
 
 
-def _final_norm(config: GlmMoeDsaConfig, topo: Topology) -> RMSNorm:
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    mark_sequence_parallel(norm, enabled=topo.sequence_parallel)
-    return norm
+class Layers(nn.LayerDict):
+    """The layers a model owns, keyed by their global id (``layers.<id>.*``, the full model's names);
+    ``layers[i]`` takes the id as an int too."""
+
+    def __getitem__(self, key: int | str) -> nn.Layer:
+        return super().__getitem__(str(key))
 
 
 class GlmMoeDsaModel(nn.Layer):
-    """The decoder stack. `layers` holds the L decoder layers followed by the MTP layers (index L+j)."""
+    """The decoder stack, or the part of it one pipeline stage holds: the decoder and MTP layers
+    ``layer_ids`` (default all: the L decoder layers, then the MTP layers as ids L + j), the
+    embedding and the final norm where asked. Only those are constructed: a stage of a 744B model
+    never allocates the other stages' layers, not even transiently."""
 
-    def __init__(self, config: GlmMoeDsaConfig, topo: Topology) -> None:
+    def __init__(
+        self,
+        config: GlmMoeDsaConfig,
+        topo: Topology | None = None,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        embedding: bool = True,
+        norm: bool = True,
+    ) -> None:
         super().__init__()
+        topo = topo or Topology.single()
         self.config = config
         L = config.num_hidden_layers
-        self.embedding = Embedding(config, topo)
-        self.layers = nn.LayerList([build_layer(config, i, topo) for i in range(L + config.num_mtp_layers)])
-        self.selections = share_selections(self.layers)
-        self.norm = _final_norm(config, topo)
+        ids = list(range(L + config.num_mtp_layers)) if layer_ids is None else [int(i) for i in layer_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"GlmMoeDsaModel: layer ids repeat: {ids}")
+        if embedding:
+            self.embedding = Embedding(config, topo)
+        self.layers = Layers({str(i): build_layer(config, i, topo) for i in ids})
+        self.layer_ids = ids
+        self.selections = share_selections(self.layers.values())
+        if norm:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            mark_sequence_parallel(self.norm, enabled=topo.sequence_parallel)
         self.rotary_emb = RotaryEmbedding(config)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
-        return list(self.layers)[: self.config.num_hidden_layers]
+        return [self.layers[i] for i in self.layer_ids if i < self.config.num_hidden_layers]
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
-        return list(self.layers)[self.config.num_hidden_layers :]
+        return [self.layers[i] for i in self.layer_ids if i >= self.config.num_hidden_layers]
 
     def rope(self, input_ids: paddle.Tensor, position_ids: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos/sin for position_ids, or for arange(S) where S = input_ids.shape[1] (ids or embeddings)."""
@@ -166,25 +248,27 @@ class GlmMoeDsaModel(nn.Layer):
 
     def run_layers(
         self,
+        layer_ids: Sequence[int],
         hidden: paddle.Tensor,
         cos: paddle.Tensor,
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
         topk: paddle.Tensor | None,
-        start: int = 0,
-        end: int | None = None,
+        *,
+        caches: Sequence[LayerCache] | None = None,
+        recompute: str = "none",
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
-        """Decoder layers [start, end): hidden [B,S,H] and the top-k in effect flow from layer to layer.
-
-        A pipeline stage that starts on a shared layer passes in the top-k carried from the stage before.
-        """
-        end = self.config.num_hidden_layers if end is None else end
+        """Decoder layers ``layer_ids`` in turn: hidden [B, S, H] and the top-k in effect flow from
+        layer to layer (``topk``: the one carried from the stage before, None on the first).
+        -> (hidden, top-k, indexer KL losses). ``caches``: the decoding cache of every decoder layer."""
         kls = []
-        for layer in list(self.layers)[start:end]:
-            hidden, topk, kl = layer(hidden, cos, sin, key_padding, topk)
+        for i in layer_ids:
+            if caches is not None:
+                hidden, topk, kl = self.layers[i](hidden, cos, sin, key_padding, topk, cache=caches[i])
+            else:
+                hidden, topk, kl = run_layer(self.layers[i], hidden, cos, sin, key_padding, topk, mode=recompute)
             if kl is not None:
                 kls.append(kl)
-        self.selections.release()
         return hidden, topk, kls
 
     def forward(
@@ -195,39 +279,10 @@ class GlmMoeDsaModel(nn.Layer):
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
         """-> (final-normed hidden [B, S, H], top-k of the last decoder layer, indexer KL losses)."""
         cos, sin = self.rope(input_ids, position_ids)
-        hidden = self.embedding(input_ids)
-        hidden, topk, kls = self.run_layers(hidden, cos, sin, attention_mask, None)
+        ids = [i for i in self.layer_ids if i < self.config.num_hidden_layers]
+        hidden, topk, kls = self.run_layers(ids, self.embedding(input_ids), cos, sin, attention_mask, None)
+        self.selections.release()
         return self.norm(hidden), topk, kls
-
-
-class GlmMoeDsaStageModel(nn.Layer):
-    """The part of :class:`GlmMoeDsaModel` one pipeline stage holds, under the same parameter names
-    (``layers.<global index>``, ``embedding.*``, ``norm.*``) so checkpoints map onto it unchanged.
-
-    Only ``layer_ids`` are constructed (decoder and/or MTP layers): a stage of a 744B model never
-    allocates the other stages' layers, not even transiently.
-    """
-
-    def __init__(
-        self, config: GlmMoeDsaConfig, layer_ids: Sequence[int], *, embedding: bool, norm: bool, topo: Topology
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_ids = [int(i) for i in layer_ids]
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"GlmMoeDsaStageModel: layer ids repeat: {self.layer_ids}")
-        if embedding:
-            self.embedding = Embedding(config, topo)
-        self.layers = nn.LayerDict({str(i): build_layer(config, i, topo) for i in self.layer_ids})
-        self.selections = share_selections(self.layers.values())
-        if norm:
-            self.norm = _final_norm(config, topo)
-        self.rotary_emb = RotaryEmbedding(config)
-
-
-def build_lm_head(config: GlmMoeDsaConfig, topo: Topology) -> ParallelLMHead:
-    """The output projection [H, V], vocabulary split over TP (vocab-parallel logits)."""
-    return ParallelLMHead(config.hidden_size, config.vocab_size, topo.sequence_parallel, topo=topo)
 
 
 @contextmanager
@@ -275,30 +330,50 @@ def _skip_random_init() -> Iterator[None]:
 
 
 class GlmMoeDsaForCausalLM(nn.Layer):
-    """GLM-5.2 with its LM head, MTP heads and losses.
+    """GLM-5.2 with its LM head, MTP heads and losses; the whole model or one pipeline stage of it.
 
     `out = model(input_ids, attention_mask=None, position_ids=None, labels=None)` gives `out.logits`
     [B, S, V]; with labels, `out.loss` (HF convention) and `out.mtp_loss` when MTP layers exist.
     `add_mtp_loss=True` adds `mtp_loss_scaling_factor * mtp_loss` (and the indexer KL loss when
     `indexer_loss_coeff` > 0) into `out.loss`.
+
+    ``stage`` (default the whole model) says which layers it owns and whether it embeds tokens,
+    holds the head and the MTP layers; ``topology`` (default one process) the groups its layers are
+    split over. The trainer runs a stage through :meth:`forward_stage`.
     """
 
     config_class = GlmMoeDsaConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
 
-    def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32", *, topology: Topology | None = None) -> None:
+    def __init__(
+        self,
+        config: GlmMoeDsaConfig,
+        dtype: str = "float32",
+        *,
+        topology: Topology | None = None,
+        stage: StageSpec | None = None,
+    ) -> None:
         topo = topology or Topology.single()
+        L, D = config.num_hidden_layers, config.num_mtp_layers
+        stage = stage or StageSpec.whole(L, D > 0)
+        mtp_ids = list(range(L, L + D)) if stage.has_mtp else []
         with default_dtype(dtype):
             super().__init__()
             self.config = config
-            self.model = GlmMoeDsaModel(config, topo)
-            # vocabulary split over TP: vocab-parallel logits, gathered below for `out.logits`
-            self.lm_head = build_lm_head(config, topo)
-            self.tp_group = topo.tp_group
-            self.distributed = topo.world_size > 1
-        self.topology = topo
+            self.model = GlmMoeDsaModel(
+                config,
+                topo,
+                layer_ids=list(stage.layers) + mtp_ids,
+                embedding=stage.has_embedding or stage.has_mtp,  # MTP embeds the shifted tokens
+                norm=stage.has_head,
+            )
+            if stage.has_head:  # vocabulary split over TP: vocab-parallel logits
+                self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, topo.sequence_parallel, topo=topo)
+        self.stage, self.topology, self.tp_group = stage, topo, topo.tp_group
+        self.distributed = topo.world_size > 1
         self.compute_dtype = dtype
+        self.recompute = "none"  # the trainer's --recompute (parallel/recompute.py)
 
     # ------------------------------------------------------------------ construction / IO
     def init_weights(self, seed: int | None = None) -> None:
@@ -421,32 +496,82 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             total += int(np.prod(p.shape)) if p.shape else 1
         return total
 
-    # ------------------------------------------------------------------ forward
-    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """Full-vocabulary logits [B, S, V] (the trainer feeds the vocab-parallel ones to a parallel CE)."""
-        return comm.gather_from_tp(self.lm_head(hidden), axis=-1, group=self.tp_group)
-
-    def mtp_forward(
+    # ------------------------------------------------------------------ the forward
+    def _run(
         self,
-        input_ids: paddle.Tensor,
-        hidden: paddle.Tensor,
-        main_topk: paddle.Tensor | None,
+        part: StageSpec,
+        batch: Mapping[str, paddle.Tensor],
+        hidden: paddle.Tensor | None,
+        topk: paddle.Tensor | None,
         cos: paddle.Tensor,
         sin: paddle.Tensor,
-        attention_mask: paddle.Tensor | None,
-    ) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
-        """Per MTP depth d: logits [B, S, V] predicting token i+d+1, and indexer KL losses."""
-        logits, kls = [], []
-        B, S = input_ids.shape
-        for d, mtp in enumerate(self.model.mtp_layers, start=1):
-            shifted = paddle.concat([input_ids[:, d:], paddle.zeros([B, min(d, S)], dtype=input_ids.dtype)], 1)[:, :S]
-            emb = self.model.embedding(shifted)
-            hidden, _, kl = mtp(hidden, emb, cos, sin, attention_mask, main_topk)
-            if kl is not None:
-                kls.append(kl)
-            logits.append(self.logits(mtp.norm(hidden)))
-        self.model.selections.release()
-        return logits, kls
+        *,
+        caches: Sequence[LayerCache] | None = None,
+        with_mtp: bool = True,
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor], list[paddle.Tensor]]:
+        """The one body every path runs, over ``part`` of the model (its layers, and the embedding,
+        head and MTP where ``part`` has them): -> (hidden [B, S, H], final-normed on a part with
+        the head; the top-k in effect; indexer KL losses; per MTP depth d the normed hidden state
+        that predicts token i + d + 1).
+
+        ``hidden`` / ``topk``: the carry from the stage before (or the caller's embeddings);
+        ``batch``: ``input_ids``, ``attention_mask`` (key padding) and, under context parallel,
+        ``cp_ids_<d>`` (the ids shifted by d over the whole sequence) for MTP."""
+        mask = batch.get("attention_mask")
+        if part.has_embedding and hidden is None:
+            hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
+        hidden, topk, kls = self.model.run_layers(
+            part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute
+        )
+        mtp_hidden: list[paddle.Tensor] = []
+        if part.has_head:
+            hidden = self.model.norm(hidden)
+            if part.has_mtp and with_mtp:
+                ids = batch["input_ids"]
+                B, S = ids.shape
+                h = hidden
+                for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
+                    shifted = batch.get(f"cp_ids_{d}")
+                    if shifted is None:
+                        shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
+                    h, _, kl = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
+                    if kl is not None:
+                        kls.append(kl)
+                    mtp_hidden.append(mtp.norm(h))
+        self.model.selections.release()  # the top-k's index forms end with the forward
+        return hidden, topk, kls, mtp_hidden
+
+    def forward_stage(
+        self,
+        carry: tuple[paddle.Tensor, ...] | None,
+        batch: Mapping[str, paddle.Tensor],
+        part: StageSpec | None = None,
+    ) -> StageOutput:
+        """The trainer's stage contract: ``carry`` = (hidden, top-k) from the stage before (None on a
+        stage that embeds), ``batch`` the micro-batch tensors; ``part`` runs only that chunk of the
+        stage (a virtual pipeline stage), default all of it. -> the carry for the next stage, or on
+        the last stage the loss terms (sums and token counts over vocab-parallel logits)."""
+        spec = part or self.stage
+        ids = batch["input_ids"]  # [B, S]
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
+        cos, sin = self.model.rotary_emb(pos)
+        hidden, topk = None, None
+        if not spec.has_embedding:
+            hidden, topk = carry
+            topk = topk if topk.shape[-1] else None
+        hidden, topk, kls, mtp_hidden = self._run(spec, batch, hidden, topk, cos, sin)
+        if not spec.has_head:
+            empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
+            losses = causal_lm_losses([], batch, kls, True)
+            return StageOutput(carry=(hidden, topk if topk is not None else empty), losses=losses or None)
+        logits = [self.lm_head(h) for h in [hidden, *mtp_hidden]]  # vocab-parallel [B, S, V/tp]
+        return StageOutput(losses=causal_lm_losses(logits, batch, kls, True, self.tp_group))
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Full-vocabulary logits [B, S, V] (the vocab-parallel ones gathered over TP)."""
+        return comm.gather_from_tp(self.lm_head(hidden), axis=-1, group=self.tp_group)
 
     def forward(
         self,
@@ -470,20 +595,48 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         of the last n positions only. `return_dict=False` returns `out.to_tuple()`."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
-        if use_cache or past_key_values is not None:
-            out = self._forward_cached(
-                input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, labels, logits_to_keep
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        cache = past_key_values
+        if use_cache or cache is not None:  # decoding: no MTP
+            B, n = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+            cache = cache if cache is not None else DSACache.for_config(self.config, B)
+            if cache.batch_size != B:
+                raise ValueError(f"past_key_values holds {cache.batch_size} rows, the input has {B}")
+            positions, key_valid = cache.begin(attention_mask, n)
+            cos, sin = self.model.rotary_emb(positions if position_ids is None else position_ids)
+            if cache.length > 0:  # new tokens against the cache: padding marked per cached slot
+                batch["attention_mask"] = key_valid
+            hidden, _, kls, mtp_hidden = self._run(
+                self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=False
             )
+            cache.advance(n)
         else:
-            out = self._forward_full(
-                input_ids,
-                inputs_embeds,
-                attention_mask,
-                position_ids,
-                labels,
-                add_mtp_loss,
-                compute_mtp,
+            if compute_mtp is None:
+                compute_mtp = labels is not None
+            if compute_mtp and self.model.mtp_layers and input_ids is None:
+                raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
+            cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
+            hidden, _, kls, mtp_hidden = self._run(
+                self.stage, batch, inputs_embeds, None, cos, sin, with_mtp=compute_mtp
             )
+        keep = hidden[:, -logits_to_keep:] if cache is not None and logits_to_keep and labels is None else hidden
+        out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
+        out.mtp_logits = [self.logits(h) for h in mtp_hidden]
+        terms = causal_lm_losses([out.logits, *out.mtp_logits] if labels is not None else [], batch, kls, False)
+        if "indexer_kl" in terms:
+            out.indexer_loss = terms["indexer_kl"].sum
+        if labels is not None:
+            out.loss = mean_loss(terms["lm"])
+            if out.mtp_logits:
+                depth_losses = [mean_loss(terms[f"mtp_{d}"]) for d in range(1, len(out.mtp_logits) + 1)]
+                out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
+            if add_mtp_loss:
+                total = out.loss
+                if out.mtp_loss is not None:
+                    total = total + self.config.mtp_loss_scaling_factor * out.mtp_loss
+                if out.indexer_loss is not None:
+                    total = total + self.config.indexer_loss_coeff * out.indexer_loss
+                out.loss = total
         if logits_to_keep and out.logits is not None:
             out.logits = out.logits[:, -logits_to_keep:]
         if return_dict is None or return_dict:
@@ -493,79 +646,6 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         fields_ = (out.loss, out.logits, out.past_key_values, out.mtp_loss, out.mtp_logits or None)
         fields_ += (out.indexer_loss, out.last_hidden_state)
         return tuple(v for v in fields_ if v is not None)
-
-    def _forward_full(
-        self,
-        input_ids: paddle.Tensor | None,
-        inputs_embeds: paddle.Tensor | None,
-        attention_mask: paddle.Tensor | None,
-        position_ids: paddle.Tensor | None,
-        labels: paddle.Tensor | None,
-        add_mtp_loss: bool,
-        compute_mtp: bool | None,
-    ) -> CausalLMOutput:
-        model = self.model
-        hidden = model.embedding(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = model.rope(hidden, position_ids)
-        hidden, topk, kls = model.run_layers(hidden, cos, sin, attention_mask, None)
-        hidden = model.norm(hidden)
-        out = CausalLMOutput(logits=self.logits(hidden), last_hidden_state=hidden)
-        if compute_mtp is None:
-            compute_mtp = labels is not None
-        if compute_mtp and model.mtp_layers:
-            if input_ids is None:
-                raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
-            out.mtp_logits, mtp_kls = self.mtp_forward(input_ids, hidden, topk, cos, sin, attention_mask)
-            kls += mtp_kls
-        if kls:
-            out.indexer_loss = paddle.add_n(kls)
-        if labels is not None:
-            out.loss = causal_lm_loss(out.logits, labels)
-            if out.mtp_logits:
-                depth_losses = [causal_lm_loss(lg, labels, shift=d + 1) for d, lg in enumerate(out.mtp_logits, 1)]
-                out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
-            if add_mtp_loss:
-                total = out.loss
-                if out.mtp_loss is not None:
-                    total = total + self.config.mtp_loss_scaling_factor * out.mtp_loss
-                if out.indexer_loss is not None:
-                    total = total + self.config.indexer_loss_coeff * out.indexer_loss
-                out.loss = total
-        return out
-
-    def _forward_cached(
-        self,
-        input_ids: paddle.Tensor | None,
-        inputs_embeds: paddle.Tensor | None,
-        attention_mask: paddle.Tensor | None,
-        position_ids: paddle.Tensor | None,
-        cache: DSACache | None,
-        labels: paddle.Tensor | None,
-        logits_to_keep: int = 0,
-    ) -> CausalLMOutput:
-        """The decoding forward (no MTP): prefill into an empty cache, or n new tokens on a filled one."""
-        model = self.model
-        hidden = model.embedding(input_ids) if inputs_embeds is None else inputs_embeds
-        B, n = hidden.shape[0], hidden.shape[1]
-        if cache is None:
-            cache = DSACache.for_config(self.config, B)
-        if cache.batch_size != B:
-            raise ValueError(f"past_key_values holds {cache.batch_size} rows, the input has {B}")
-        prefill = cache.length == 0
-        positions, key_valid = cache.begin(attention_mask, n)
-        cos, sin = model.rotary_emb(positions if position_ids is None else position_ids)
-        key_padding = attention_mask if prefill else key_valid
-        topk = None
-        for layer, lc in zip(model.decoder_layers, cache.layers):
-            hidden, topk, _ = layer(hidden, cos, sin, key_padding, topk, cache=lc)
-        model.selections.release()
-        cache.advance(n)
-        hidden = model.norm(hidden)
-        keep = hidden[:, -logits_to_keep:] if logits_to_keep and labels is None else hidden  # the last rows only
-        out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
-        if labels is not None:
-            out.loss = causal_lm_loss(out.logits, labels)
-        return out
 
     # ------------------------------------------------------------------ generation
     def generate(

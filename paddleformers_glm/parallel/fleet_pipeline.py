@@ -7,7 +7,7 @@ The layout language stays ours (:func:`~paddleformers_glm.parallel.pipeline.spli
 ``c % pp`` (Fleet's interleaved placement).  Each rank builds ONE stage module holding every
 layer of its chunks (under the full model's parameter names, so loading, checkpoints, export and
 gradient sync are unchanged); each chunk of the ``PipelineLayer`` is a :class:`PipelineChunk`
-``LayerDesc`` that runs the chunk's part of that module (``module(carry, batch, part=chunk_spec)``).
+``LayerDesc`` that runs the chunk's part of that module (``module.forward_stage(carry, batch, part=chunk_spec)``).
 
 What crosses a stage boundary is a tuple: the micro-batch tensors (input ids, labels, positions,
 masks: integers with ``stop_gradient``), then the model's carry (GLM: hidden states and the
@@ -111,7 +111,7 @@ class PipelineChunk(nn.Layer):
         carry = tuple(x[len(keys) :]) or None
         last = self.spec.is_last
         where = f"pipeline chunk {self.spec.stage}"
-        out = self.stage(None if self.spec.has_embedding else carry, batch, part=self.spec)
+        out = self.stage.forward_stage(None if self.spec.has_embedding else carry, batch, part=self.spec)
         out = _normalise_output(out, last, self.spec.stage)
         objective = self._ledger.objective(out.losses or {}, where)
         if last:

@@ -337,7 +337,7 @@ class LossLedger:
 class SingleStageEngine:
     """One pipeline stage (``--pp 1``): forward and backward of each micro-batch in turn.
 
-    ``module(None, batch)`` returns the stage's :class:`StageOutput` (losses only); gradients
+    ``module.forward_stage(None, batch)`` returns the stage's :class:`StageOutput` (losses only); gradients
     accumulate in the parameters; the optimizer is not stepped here.  With ``--pp`` > 1 the
     trainer uses Fleet's pipeline (:mod:`~paddleformers_glm.parallel.fleet_pipeline`) with the
     same ``run`` contract.
@@ -353,7 +353,7 @@ class SingleStageEngine:
         """Forward + backward of every micro-batch; returns {term: (sum, count)} (sums in float64)."""
         self.ledger.reset(scales)
         for mb in micro_batches:
-            out = _normalise_output(self.module(None, mb), True, 0)
+            out = _normalise_output(self.module.forward_stage(None, mb), True, 0)
             objective = self.ledger.objective(out.losses, "stage 0")
             paddle.autograd.backward([objective], [paddle.ones_like(objective)])
         return self.ledger.totals()

@@ -197,7 +197,7 @@ def _causal_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> Lo
 
 
 class ToyStage(nn.Layer):
-    """One pipeline stage of the toy model. ``forward(carry, batch) -> StageOutput``."""
+    """One pipeline stage of the toy model. ``forward_stage(carry, batch) -> StageOutput``."""
 
     def __init__(self, cfg: ToyConfig, spec: StageSpec, topo: Topology) -> None:
         super().__init__()
@@ -215,7 +215,7 @@ class ToyStage(nn.Layer):
         if spec.has_mtp:
             self.mtp = ToyMTP(cfg, sp, topo)
 
-    def forward(
+    def forward_stage(
         self,
         carry: tuple[paddle.Tensor, ...] | None,
         batch: Mapping[str, paddle.Tensor],

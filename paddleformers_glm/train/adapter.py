@@ -81,7 +81,7 @@ class ModelAdapter:
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         """The module of one pipeline stage; its parameter names must equal the full model's.
 
-        Its ``forward(carry, batch, part=None)`` returns a ``StageOutput``; ``part`` (a spec whose
+        Its ``forward_stage(carry, batch, part=None)`` returns a ``StageOutput``; ``part`` (a spec whose
         layers and ends are a subset of ``spec``) runs only that chunk: with ``--vpp`` a rank's
         module holds several pipeline chunks and Fleet's interleaved engine runs them in turn.
         """

@@ -1,10 +1,11 @@
-"""GLM-5.2 behind the trainer (``glm52 train --model DIR``), built from the modeling package's own
-submodules.
+"""GLM-5.2 behind the trainer (``glm52 train --model DIR``): each pipeline stage is the model itself
+(``GlmMoeDsaForCausalLM`` built for the stage's layers and the run's topology, run through its
+``forward_stage``).
 
 Every layout: tensor parallel (MLA heads, dense/shared-expert FFN and vocabulary split; the
 indexer replicated), sequence parallel, expert parallel and expert tensor parallel (the modeling
-package builds its layers from ``parallel.layers`` / ``parallel.experts`` under the current
-topology), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
+package builds its layers from ``parallel.layers`` / ``parallel.experts`` with the topology it
+is given), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
 on a shared indexer layer), data parallel, MTP and the indexer KL loss.  Each rank builds only
 its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the checkpoint
 (``load_stage``): no rank ever holds a full-size model or tensor.
@@ -21,35 +22,11 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 
-from ..parallel.layers import parallel_cross_entropy
-from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
-from ..parallel.recompute import run_layer
+from ..parallel.pipeline import StageSpec
 from ..parallel.topology import ParallelConfig, ParallelConfigError, Topology
 from .adapter import LossSpec, ModelAdapter
 
-__all__ = ["GlmAdapter", "GlmStage"]
-
-IGNORE_INDEX = -100
-
-
-def _shifted_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> LossTerm:
-    """HF causal-LM loss as (sum, count): position i predicts labels[i + shift]."""
-    B, S = labels.shape
-    target = paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)[
-        :, :S
-    ]
-    per_tok = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")
-    return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
-
-
-def _loss_term(logits: paddle.Tensor, batch: Mapping[str, paddle.Tensor], shift: int) -> LossTerm:
-    """The loss at ``shift``; under context parallel the batch carries the targets already shifted
-    over the whole sequence (``cp_target_<shift>``, parallel/context.py), sliced to this rank."""
-    target = batch.get(f"cp_target_{shift}")
-    if target is None:
-        return _shifted_loss(logits, batch["labels"], shift)
-    per_tok = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")
-    return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
+__all__ = ["GlmAdapter", "check_glm_sizes", "glm_parallel_sizes"]
 
 
 def glm_parallel_sizes(config: Any) -> dict[str, int | None]:
@@ -74,89 +51,11 @@ def check_glm_sizes(config: Any, pc: ParallelConfig) -> None:
             raise ParallelConfigError(f"GLM-5.2: --tp {pc.tp} does not divide {what} ({value})")
 
 
-class GlmStage(nn.Layer):
-    """One pipeline stage of GLM-5.2; ``forward(carry, batch) -> StageOutput``; carry = (hidden, top-k).
-
-    Builds only what the stage runs (its decoder layers, the MTP layers on an MTP stage, the
-    embedding where tokens are embedded, final norm and LM head on the last stage), in this
-    rank's TP/EP-local shapes and under the full model's parameter names.
-    """
-
-    def __init__(self, config: Any, spec: StageSpec, dtype: str = "float32", topo: Topology | None = None) -> None:
-        super().__init__()
-        from ..modeling.model import GlmMoeDsaStageModel, build_lm_head, default_dtype
-        from ..parallel.topology import get_topology
-
-        topo = topo or get_topology()
-        self.config, self.spec = config, spec
-        self.recompute = "none"  # the trainer sets --recompute
-        L = config.num_hidden_layers
-        self.mtp_ids = list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else []
-        with default_dtype(dtype):
-            self.model = GlmMoeDsaStageModel(
-                config,
-                list(spec.layers) + self.mtp_ids,
-                embedding=spec.has_embedding or spec.has_mtp,
-                norm=spec.has_head,
-                topo=topo,
-            )
-            if spec.has_head:
-                self.lm_head = build_lm_head(config, topo)
-
-    def forward(
-        self,
-        carry: tuple[paddle.Tensor, ...] | None,
-        batch: Mapping[str, paddle.Tensor],
-        part: StageSpec | None = None,
-    ) -> StageOutput:
-        """``part``: run only that chunk of the stage (a virtual pipeline stage); default all of it."""
-        spec = part or self.spec
-        ids = batch["input_ids"]  # [B, S]
-        mask = batch.get("attention_mask")
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
-        cos, sin = self.model.rotary_emb(pos)
-        if spec.has_embedding:
-            hidden, topk = self.model.embedding(ids), None  # [B, S, H]
-        else:
-            hidden, topk = carry
-            topk = topk if topk.shape[-1] else None
-        kls = []
-        for i in spec.layers:
-            hidden, topk, kl = run_layer(self.model.layers[str(i)], hidden, cos, sin, mask, topk, mode=self.recompute)
-            if kl is not None:
-                kls.append(kl)
-        losses: dict[str, LossTerm] = {}
-        if not spec.has_head:
-            if kls:
-                losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
-            empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
-            self.model.selections.release()  # the stage's top-k tables and masks end with its forward
-            return StageOutput(carry=(hidden, topk if topk is not None else empty), losses=losses or None)
-        h = self.model.norm(hidden)
-        losses["lm"] = _loss_term(self.lm_head(h), batch, 1)
-        B, S = ids.shape
-        for d, li in enumerate(self.mtp_ids if spec.has_mtp else [], start=1):  # as GlmMoeDsaForCausalLM.mtp_forward
-            mtp = self.model.layers[str(li)]
-            shifted = batch.get(f"cp_ids_{d}")  # context parallel: shifted over the whole sequence
-            if shifted is None:
-                shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
-            h, _, kl = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
-            if kl is not None:
-                kls.append(kl)
-            losses[f"mtp_{d}"] = _loss_term(self.lm_head(mtp.norm(h)), batch, d + 1)
-        if kls:
-            losses["indexer_kl"] = LossTerm(paddle.add_n(kls), 1)
-        self.model.selections.release()
-        return StageOutput(losses=losses)
-
-
 class GlmAdapter(ModelAdapter):
     """``--model DIR``: an official-layout (or Fleet-layout) GLM-5.2 checkpoint folder."""
 
     name = "glm"
-    supports_context_parallel = True  # GlmStage reads the cp_* batch keys (parallel/context.py)
+    supports_context_parallel = True  # the model reads the cp_* batch keys (parallel/context.py)
 
     def __init__(self, model_dir: str, dtype: str = "float32") -> None:
         from ..configuration import GlmMoeDsaConfig
@@ -188,8 +87,11 @@ class GlmAdapter(ModelAdapter):
         return specs
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
+        """The model itself, built for ``spec`` (its layers, embedding / head / MTP) and ``topo``."""
+        from ..modeling.model import GlmMoeDsaForCausalLM
+
         self.check_layout(topo.pc)
-        return GlmStage(self.config, spec, self.dtype, topo)
+        return GlmMoeDsaForCausalLM(self.config, self.dtype, topology=topo, stage=spec)
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
         """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.

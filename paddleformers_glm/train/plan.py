@@ -1,7 +1,7 @@
 """``glm52 plan``: what one rank of a parallel layout holds, before any GPU is touched.
 
 Parameters, gradients and optimizer state come from the code that builds the model: for each
-(tp, ep, etp, sp, dtype) the planner constructs one ``GlmStage`` under ``paddle.LazyGuard`` (no
+(tp, ep, etp, sp, dtype) the planner constructs one stage of the model under ``paddle.LazyGuard`` (no
 weight is allocated) holding the embedding, the head, one decoder layer of every distinct kind
 (dense / MoE x full / shared indexer) and the MTP layers, under a :class:`Topology` that has the
 layout's sizes and rank coordinates but no process group (layers only read sizes and ranks while
@@ -119,10 +119,10 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     into parts: ``"embedding"``, ``"head"`` (final norm + LM head), and one entry per layer kind."""
     import paddle
 
+    from ..modeling.model import GlmMoeDsaForCausalLM
     from ..parallel.layers import get_shard_spec
     from ..parallel.pipeline import StageSpec
-    from ..parallel.topology import ParallelConfig, Topology, topology_override
-    from .glm_adapter import GlmStage
+    from ..parallel.topology import ParallelConfig, Topology
     from .memory import dtype_name
 
     key = (id(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype)
@@ -136,8 +136,8 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     pc = ParallelConfig(tp=lay.tp, pp=1, dp=lay.ep * lay.etp, ep=lay.ep, etp=lay.etp, sp=lay.sp)
     topo = Topology(pc, rank=0)  # rank 0 of every group: TP/EP ranks hold equal shapes
     spec = StageSpec(0, 1, tuple(sorted(reps.values())), True, True, config.num_mtp_layers > 0)
-    with topology_override(topo), paddle.LazyGuard():
-        stage = GlmStage(config, spec, lay.dtype)
+    with paddle.LazyGuard():
+        stage = GlmMoeDsaForCausalLM(config, lay.dtype, topology=topo, stage=spec)
     sizes = {"tp": lay.tp, "etp": lay.etp}
     parts: dict[Any, list[tuple[str, int, str, bool, int]]] = {}
     for name, p in stage.named_parameters():

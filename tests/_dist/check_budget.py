@@ -50,10 +50,11 @@ def main() -> None:
     import paddle  # noqa: F401  (imported before the baseline)
 
     from paddleformers_glm.checkpoint import aoa  # noqa: F401
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
     from paddleformers_glm.parallel.export import export_distributed
     from paddleformers_glm.parallel.pipeline import StageSpec, split_stages
     from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
-    from paddleformers_glm.train.glm_adapter import GlmAdapter, GlmStage
+    from paddleformers_glm.train.glm_adapter import GlmAdapter
 
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
     adapter = GlmAdapter(a.ckpt)
@@ -70,7 +71,7 @@ def main() -> None:
     base = _status()
     base_rss = base["VmRSS"]  # without a reset the later peak may be an older, higher one: over-counts
 
-    module = GlmStage(c, spec, "float32")
+    module = GlmMoeDsaForCausalLM(c, "float32", topology=topo, stage=spec)
     load = adapter.load_stage(module, topo)
     after_load = _status()["VmHWM"]
     params = sum(int(p.numel()) * p.element_size() for p in module.parameters())

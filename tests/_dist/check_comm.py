@@ -410,18 +410,19 @@ res["etp_no_tokens"] = 0.0 if list(y0.shape) == [0, HE] else 1.0
 def glm_run(tp: Topology, state: dict | None):
     """Build the whole tiny model as one stage under ``tp`` (from ``state`` or a seeded init), run
     a forward + backward of its summed mean losses; returns (stage, loss, {name: gradient})."""
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
     from paddleformers_glm.parallel.pipeline import StageSpec
     from paddleformers_glm.tiny import tiny_config
-    from paddleformers_glm.train.glm_adapter import GlmStage
 
     cfg = tiny_config()
     with topology_override(tp):
         paddle.seed(0)
-        stage = GlmStage(cfg, StageSpec.whole(cfg.num_hidden_layers, has_mtp=cfg.num_mtp_layers > 0))
+        whole = StageSpec.whole(cfg.num_hidden_layers, has_mtp=cfg.num_mtp_layers > 0)
+        stage = GlmMoeDsaForCausalLM(cfg, topology=tp, stage=whole)
         if state is not None:
             shard_full_state(stage, state, tp)
         ids = T(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16)))  # B = 2: the transposing path
-        out = stage(None, {"input_ids": ids, "labels": ids})
+        out = stage.forward_stage(None, {"input_ids": ids, "labels": ids})
         loss = paddle.add_n([t.sum / max(float(t.count), 1.0) for t in out.losses.values()])
         loss.backward()
     grads = {
