@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from paddleformers_glm.parallel.recompute import run_layer
-from paddleformers_glm.testing import toy
+from paddleformers_glm.train import toy
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses
 

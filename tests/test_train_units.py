@@ -16,7 +16,6 @@ import pytest
 
 from paddleformers_glm.parallel.pipeline import StageSpec, split_stages
 from paddleformers_glm.parallel.topology import get_topology
-from paddleformers_glm.testing.toy import ToyAdapter, ToyConfig, full_shapes
 from paddleformers_glm.train.adapter import LossSpec, token_count
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.data import micro_batches, open_data
@@ -30,6 +29,7 @@ from paddleformers_glm.train.launch import (
 )
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
+from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
 
 
 # ------------------------------------------------------------------ schedule and optimizer
@@ -192,7 +192,7 @@ def test_toy_stage_params_are_named_like_the_full_model():
     )  # shared layers
     assert ad.loss_specs() == {
         "lm": LossSpec("tokens", 1, 1.0, "losses"),
-        "mtp": LossSpec("tokens", 2, 0.3, "mtp_losses"),
+        "mtp_1": LossSpec("tokens", 2, 0.3, "mtp_losses"),
     }
 
 

@@ -116,11 +116,10 @@ class ModelAdapter:
 
 
 # Built-in kinds as "module:class", imported only when that kind is asked for: this module imports
-# no adapter (each adapter imports this one for ModelAdapter), so registration runs one way. "toy"
-# lives with the test stand-ins (paddleformers_glm/testing/), outside the library proper.
+# no adapter (each adapter imports this one for ModelAdapter), so registration runs one way.
 _BUILTIN: dict[str, str] = {
     "glm": "paddleformers_glm.train.glm_adapter:GlmAdapter",
-    "toy": "paddleformers_glm.testing.toy:ToyAdapter",
+    "toy": "paddleformers_glm.train.toy:ToyAdapter",
 }
 _REGISTRY: dict[str, Callable[..., ModelAdapter]] = {}
 

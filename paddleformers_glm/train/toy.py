@@ -1,4 +1,5 @@
-"""A small stand-in transformer with every feature the GLM-5.2 wiring needs, for tests and demos.
+"""A small stand-in transformer with every feature the GLM-5.2 wiring needs (``glm52 train --model toy``):
+seconds-long engine tests and smoke runs of every layout.
 
 Per layer: RMSNorm -> attention with heads split over TP (fused q|k|v column-parallel, row-parallel
 output) restricted to top-k keys chosen by a no-grad "indexer" on *full* layers and reused by
@@ -7,7 +8,9 @@ top-k experts through the expert-parallel dispatcher, TP shared expert).  Vocab-
 embedding and head, an MTP block on the last stage that reuses the embedding (so the embedding
 lives on the first *and* last pipeline stage) and the top-k carried from the main model.
 
-A pipeline stage is built from a StageSpec; the carry between stages is (hidden, top-k int64).
+A pipeline stage is built from a StageSpec and a topology; it keeps the model's stage contract
+(``forward_stage``, the carry (hidden, top-k int64) between stages) and its loss function
+(``modeling.model.causal_lm_losses``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from ..modeling.model import causal_lm_losses
 from ..modeling.moe import RouterBalance
 from ..parallel import comm
 from ..parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
@@ -32,16 +36,13 @@ from ..parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
-    parallel_cross_entropy,
 )
-from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.pipeline import StageOutput, StageSpec
 from ..parallel.recompute import run_core, run_layer
-from ..parallel.topology import ParallelConfig, Topology, topology_override
-from ..train.adapter import LossSpec, ModelAdapter
+from ..parallel.topology import Topology
+from .adapter import LossSpec, ModelAdapter
 
 __all__ = ["ToyAdapter", "ToyConfig", "ToyStage", "init_full_state"]
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -84,17 +85,20 @@ class RMSNorm(nn.Layer):
 
 
 class ToyMLP(nn.Layer):
-    def __init__(self, hidden: int, ffn: int, sp: bool) -> None:
+    def __init__(self, hidden: int, ffn: int, topo: Topology) -> None:
         super().__init__()
-        self.up = ColumnParallelLinear(hidden, ffn, has_bias=True, sequence_parallel=sp)
-        self.down = RowParallelLinear(ffn, hidden, has_bias=True, input_is_parallel=True, sequence_parallel=sp)
+        sp = topo.sequence_parallel
+        self.up = ColumnParallelLinear(hidden, ffn, has_bias=True, sequence_parallel=sp, topo=topo)
+        self.down = RowParallelLinear(
+            ffn, hidden, has_bias=True, input_is_parallel=True, sequence_parallel=sp, topo=topo
+        )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down(F.gelu(self.up(x)))
 
 
 class ToyMoE(nn.Layer):
-    def __init__(self, cfg: ToyConfig, sp: bool, topo: Topology) -> None:
+    def __init__(self, cfg: ToyConfig, topo: Topology) -> None:
         super().__init__()
         self.k = cfg.experts_per_token
         self.num_experts = cfg.num_experts
@@ -105,7 +109,7 @@ class ToyMoE(nn.Layer):
         self.experts = LocalExperts(
             self.dispatcher.local_expert_ids, lambda e: ExpertMLP(cfg.hidden_size, cfg.expert_ffn, topo=topo)
         )
-        self.shared = ToyMLP(cfg.hidden_size, cfg.expert_ffn, sp)
+        self.shared = ToyMLP(cfg.hidden_size, cfg.expert_ffn, topo)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         shape = x.shape
@@ -122,20 +126,20 @@ class ToyMoE(nn.Layer):
 class ToyLayer(nn.Layer):
     """Decoder layer; ``kind`` "full" runs the indexer, "shared" reuses the incoming top-k."""
 
-    def __init__(self, cfg: ToyConfig, kind: str, mlp: str, sp: bool, topo: Topology) -> None:
+    def __init__(self, cfg: ToyConfig, kind: str, mlp: str, topo: Topology) -> None:
         super().__init__()
-        H = cfg.hidden_size
+        H, sp = cfg.hidden_size, topo.sequence_parallel
         self.kind, self.sp, self.topk, self.tp_group = kind, sp, cfg.index_topk, topo.tp_group
         self.local_heads = cfg.num_heads // topo.tp_size
         self.head_dim = H // cfg.num_heads
         self.input_norm = RMSNorm(H, cfg.rms_eps)
-        self.qkv = ColumnParallelLinear(H, 3 * H, sequence_parallel=sp, fuse_chunks=3)
-        self.o_proj = RowParallelLinear(H, H, input_is_parallel=True, sequence_parallel=sp)
+        self.qkv = ColumnParallelLinear(H, 3 * H, sequence_parallel=sp, fuse_chunks=3, topo=topo)
+        self.o_proj = RowParallelLinear(H, H, input_is_parallel=True, sequence_parallel=sp, topo=topo)
         if kind == "full":  # replicated over TP, no gradient (as HF's indexer under the main loss)
             self.indexer_q = self.create_parameter([H, cfg.index_dim])
             self.indexer_k = self.create_parameter([H, cfg.index_dim])
         self.post_norm = RMSNorm(H, cfg.rms_eps)
-        self.mlp = ToyMoE(cfg, sp, topo) if mlp == "moe" else ToyMLP(H, cfg.ffn_size, sp)
+        self.mlp = ToyMoE(cfg, topo) if mlp == "moe" else ToyMLP(H, cfg.ffn_size, topo)
 
     def forward(self, h: paddle.Tensor, topk: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         x = self.input_norm(h)  # [B, S', H], S' = S/tp under SP
@@ -177,23 +181,13 @@ class ToyLayer(nn.Layer):
 
 
 class ToyMTP(nn.Layer):
-    def __init__(self, cfg: ToyConfig, sp: bool, topo: Topology) -> None:
+    def __init__(self, cfg: ToyConfig, topo: Topology) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.enorm, self.hnorm, self.norm = RMSNorm(H, cfg.rms_eps), RMSNorm(H, cfg.rms_eps), RMSNorm(H, cfg.rms_eps)
         self.eh_proj = self.create_parameter([2 * H, H])  # replicated
         mark_sequence_parallel(self.eh_proj)
-        self.layer = ToyLayer(cfg, "shared", "moe", sp, topo)  # reuses the main model's last top-k
-
-
-def _causal_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int) -> LossTerm:
-    """Sum of per-token CE where position i predicts labels[i + shift], and the token count."""
-    B, S = labels.shape
-    target = paddle.concat(
-        [labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], axis=1
-    )[:, :S]
-    per_tok = parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")  # [B, S]
-    return LossTerm(per_tok.sum(), int((target != IGNORE_INDEX).astype("int64").sum()))
+        self.layer = ToyLayer(cfg, "shared", "moe", topo)  # reuses the main model's last top-k
 
 
 class ToyStage(nn.Layer):
@@ -203,17 +197,18 @@ class ToyStage(nn.Layer):
         super().__init__()
         self.cfg, self.spec = cfg, spec
         self.recompute = "none"  # the trainer sets --recompute
+        self.tp_group = topo.tp_group
         sp = topo.sequence_parallel
         if spec.has_embedding or spec.has_mtp:
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, sequence_parallel=sp)
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, sequence_parallel=sp, topo=topo)
         self.layers = nn.LayerDict(
-            {str(i): ToyLayer(cfg, cfg.layer_kinds[i], cfg.mlp_kinds[i], sp, topo) for i in spec.layers}
+            {str(i): ToyLayer(cfg, cfg.layer_kinds[i], cfg.mlp_kinds[i], topo) for i in spec.layers}
         )
         if spec.has_head:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, sequence_parallel=sp)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, sequence_parallel=sp, topo=topo)
         if spec.has_mtp:
-            self.mtp = ToyMTP(cfg, sp, topo)
+            self.mtp = ToyMTP(cfg, topo)
 
     def forward_stage(
         self,
@@ -233,23 +228,21 @@ class ToyStage(nn.Layer):
             h, topk = run_layer(self.layers[str(i)], h, topk, mode=self.recompute)
         if not spec.has_head:
             return StageOutput(carry=(h, topk))
-        labels = batch["labels"]
         hn = self.norm(h)
-        losses = {"lm": _causal_loss(self.lm_head(hn), labels, 1)}
+        logits = [self.lm_head(hn)]  # vocab-parallel
         if spec.has_mtp:
             nxt = paddle.concat([ids[:, 1:], paddle.zeros([ids.shape[0], 1], dtype=ids.dtype)], axis=1)
             e = self.embed_tokens(nxt)
             x = paddle.matmul(paddle.concat([self.mtp.enorm(e), self.mtp.hnorm(hn)], axis=-1), self.mtp.eh_proj)
             hm, _ = self.mtp.layer(x, topk)
-            losses["mtp"] = _causal_loss(self.lm_head(self.mtp.norm(hm)), labels, 2)
-        return StageOutput(losses=losses)
+            logits.append(self.lm_head(self.mtp.norm(hm)))
+        return StageOutput(losses=causal_lm_losses(logits, batch, [], True, self.tp_group))
 
 
 def full_shapes(cfg: ToyConfig) -> dict[str, list[int]]:
     """Names and shapes of the whole (pp=1, tp=1) model, the names every layout uses."""
-    with topology_override(Topology(ParallelConfig())) as single:
-        m = ToyStage(cfg, StageSpec.whole(cfg.num_layers, cfg.mtp), single)
-        return {n: list(t.shape) for n, t in m.state_dict().items()}
+    m = ToyStage(cfg, StageSpec.whole(cfg.num_layers, cfg.mtp), Topology.single())
+    return {n: list(t.shape) for n, t in m.state_dict().items()}
 
 
 def init_full_state(cfg: ToyConfig, seed: int) -> dict[str, np.ndarray]:
@@ -295,7 +288,7 @@ class ToyAdapter(ModelAdapter):
     def loss_specs(self) -> dict[str, LossSpec]:
         specs = {"lm": LossSpec("tokens", shift=1, weight=1.0, report="losses")}
         if self.cfg.mtp:
-            specs["mtp"] = LossSpec("tokens", shift=2, weight=self.cfg.mtp_weight, report="mtp_losses")
+            specs["mtp_1"] = LossSpec("tokens", shift=2, weight=self.cfg.mtp_weight, report="mtp_losses")
         return specs
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
