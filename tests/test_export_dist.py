@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from paddleformers_glm.checkpoint import save_pretrained_state
+from paddleformers_glm.checkpoint.distributed import export_distributed
 from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
-from paddleformers_glm.parallel.export import export_distributed
 from paddleformers_glm.parallel.pipeline import StageSpec
 from paddleformers_glm.train.glm_adapter import GlmAdapter
 from tests._dist.runner import run_train_cli, worker_logs

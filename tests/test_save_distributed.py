@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paddleformers_glm.parallel.export import save_pretrained_distributed
+from paddleformers_glm.checkpoint.distributed import save_pretrained_distributed
 
 
 @pytest.fixture(scope="module")

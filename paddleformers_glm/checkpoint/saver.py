@@ -212,9 +212,9 @@ def save_pretrained_state(
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         config.save_pretrained(tmp)
-        _set_quantization_config(os.path.join(tmp, "config.json"), FP8_CONFIG if quantization else None)
-        carried = _carry_files(carry_from, tmp, out_dir)
-        _publish(tmp, out_dir)
+        set_quantization_config(os.path.join(tmp, "config.json"), FP8_CONFIG if quantization else None)
+        carried = carry_files(carry_from, tmp, out_dir)
+        publish(tmp, out_dir)
     except BaseException:
         for w in writers.values():
             try:
@@ -229,7 +229,7 @@ def save_pretrained_state(
     )
 
 
-def _set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
+def set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
     """config.json says how its weights are stored: add ``quantization_config`` for an FP8 save,
     remove one inherited from an FP8 source for a plain save."""
     with open(path, encoding="utf-8") as f:
@@ -256,7 +256,7 @@ CARRIED_FILES = (
 _OWN_WEIGHT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
-def _carry_files(src: str | os.PathLike | None, tmp: str, out_dir: str) -> list[str]:
+def carry_files(src: str | os.PathLike | None, tmp: str, out_dir: str) -> list[str]:
     """Copy the source folder's non-weight files into the new checkpoint (not onto themselves)."""
     if src is None:
         return []
@@ -349,7 +349,7 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _publish(tmp: str, out_dir: str) -> None:
+def publish(tmp: str, out_dir: str) -> None:
     """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing.
 
     Absent or empty target: one rename. Otherwise every entry of the target that this save does

@@ -452,13 +452,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
         folder's tokenizer / generation config / chat template files along. Built under a
         multi-rank topology (tensor/expert parallel) it is collective: every rank writes the
-        tensors it owns (parallel/export.py ``save_pretrained_distributed``), no rank gathers the
+        tensors it owns (checkpoint/distributed.py ``save_pretrained_distributed``), no rank gathers the
         model, and the files are the same bytes as a one-process save."""
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         if self.distributed:
-            from ..parallel.export import save_pretrained_distributed
+            from ..checkpoint.distributed import save_pretrained_distributed
 
             return save_pretrained_distributed(self, save_directory, topo=self.topology, **kwargs)
         return save_pretrained_state(self, self.config, save_directory, **kwargs)

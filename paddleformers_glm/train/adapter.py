@@ -114,6 +114,16 @@ class ModelAdapter:
         """Write ``full_state`` in the model's release layout (``--export``)."""
         raise NotImplementedError(f"model {self.name!r} has no exporter")
 
+    def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
+        """The trainer's ``--export`` (collective): by default the state gathered to rank 0 and
+        :meth:`export` (small models); returns the number of tensors written by all ranks."""
+        from ..parallel.state import gather_full_state
+
+        full = gather_full_state(module, topo)
+        if topo.rank == 0:
+            self.export(full, out_dir)
+        return len(full) if full is not None else 0
+
 
 # Built-in kinds as "module:class", imported only when that kind is asked for: this module imports
 # no adapter (each adapter imports this one for ModelAdapter), so registration runs one way.

@@ -133,6 +133,14 @@ class GlmAdapter(ModelAdapter):
                 info["revision"] = f.read().strip()
         return info
 
+    def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
+        """Every rank writes the official-layout tensors it owns (``checkpoint.distributed``), the
+        source folder's tokenizer files come along: the export is usable as it stands."""
+        from ..checkpoint.distributed import all_gather_object, export_distributed
+
+        info = export_distributed(module, self.config, out_dir, topo, carry_from=self.model_dir)
+        return sum(all_gather_object(info["tensors"], topo))
+
     def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
         from ..checkpoint import save_pretrained_state
 

@@ -28,7 +28,6 @@ from .._io import write_json_atomic as _write_json_atomic
 from ..modeling.model import default_dtype
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
-from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
 from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
@@ -593,8 +592,8 @@ def _finish(run: _Run, result: dict[str, Any], log: Callable[[str], Any]) -> dic
         result = _snapshot(run, cfg.steps)
         result["memory"] = memory_report
         write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
-    if cfg.export:  # every rank writes the tensors it owns (parallel/export.py)
-        n_exported = export_trained(run.adapter, run.module, topo, os.path.join(cfg.out, "export"))
+    if cfg.export:  # collective: GLM's ranks each write the tensors they own (checkpoint/distributed.py)
+        n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"))
         log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
     if topo.world_size > 1:
         dist.barrier()

@@ -50,8 +50,8 @@ def main() -> None:
     import paddle  # noqa: F401  (imported before the baseline)
 
     from paddleformers_glm.checkpoint import aoa  # noqa: F401
+    from paddleformers_glm.checkpoint.distributed import export_distributed
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
-    from paddleformers_glm.parallel.export import export_distributed
     from paddleformers_glm.parallel.pipeline import StageSpec, split_stages
     from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
     from paddleformers_glm.train.glm_adapter import GlmAdapter

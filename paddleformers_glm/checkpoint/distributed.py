@@ -26,11 +26,18 @@ from typing import Any
 import paddle
 import paddle.nn as nn
 
-from .layers import get_shard_spec, merge_slices
-from .state import to_numpy
-from .topology import Topology, get_topology
+from ..parallel.layers import get_shard_spec, merge_slices
+from ..parallel.state import to_numpy
+from ..parallel.topology import Topology
+from .aoa import checkpoint_units, quiet_paddle_logs
+from .engine import StateDictSource, TargetSpec, run_units
+from .errors import CheckpointError
+from .layout import fleet_param_specs, param_specs, resolve_dtype
+from .loader import normalize_dtype
+from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, paddle_to_st_dtype, plan_header, shard_file_name
+from .saver import SaveReport, carry_files, parse_size, plan_shards, publish, set_quantization_config
 
-__all__ = ["export_distributed", "export_trained", "save_pretrained_distributed"]
+__all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
 
 def _owner_candidate(spec: Any, topo: Topology) -> bool:
@@ -48,7 +55,8 @@ def _group_gathers(spec: Any, topo: Topology) -> bool:
     return topo.dp_rank == 0 and topo.cp_rank == 0  # context-parallel ranks hold dense replicas
 
 
-def _all_gather_object(obj: Any, topo: Topology) -> list[Any]:
+def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
+    """``obj`` of every rank, in rank order (collective; the object itself at world size 1)."""
     if topo.world_size == 1:
         return [obj]
     import paddle.distributed as dist
@@ -80,21 +88,7 @@ def export_distributed(
     ``carry_from``: a source folder whose tokenizer / generation-config / chat-template files rank 0
     copies in (as the single-process saver does).  Returns ``{"tensors": written by this rank,
     "bytes": their bytes, "files": [...]}``."""
-    from ..checkpoint.aoa import checkpoint_units, quiet_paddle_logs
-    from ..checkpoint.engine import StateDictSource, TargetSpec, run_units
-    from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.layout import fleet_param_specs, param_specs, resolve_dtype
-    from ..checkpoint.safetensors_io import (
-        INDEX_NAME,
-        SINGLE_NAME,
-        ST_DTYPES,
-        paddle_to_st_dtype,
-        plan_header,
-        shard_file_name,
-    )
-    from ..checkpoint.saver import _carry_files, _publish, _set_quantization_config, parse_size, plan_shards
-
-    topo = topo or get_topology()
+    topo = topo or Topology.single()
     quiet_paddle_logs()
     out_dir = os.path.abspath(out_dir)
     model_dtype = dtype or config.model_dtype
@@ -114,7 +108,7 @@ def export_distributed(
     state = module.state_dict()
     mine = [k for k, t in state.items() if _owner_candidate(get_shard_spec(t), topo)]
     writer: dict[str, int] = {}
-    for r, keys in enumerate(_all_gather_object(mine, topo)):
+    for r, keys in enumerate(all_gather_object(mine, topo)):
         for k in keys:
             writer.setdefault(k, r)
     lacking = sorted(set(fleet_param_specs(config)) - set(writer))
@@ -189,7 +183,7 @@ def export_distributed(
             os.fsync(fd)
             os.close(fd)
 
-    every = _all_gather_object(written, topo)
+    every = all_gather_object(written, topo)
     if topo.rank == 0:
         seen: dict[str, int] = {}
         for r, keys in enumerate(every):
@@ -202,33 +196,17 @@ def export_distributed(
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
         total = sum(ST_DTYPES[st][0] * (math.prod(shape) if shape else 1) for shape, st in entries.values())
         config.save_pretrained(tmp)
-        _set_quantization_config(os.path.join(tmp, "config.json"), None)  # the weights are not FP8
-        _carry_files(carry_from, tmp, out_dir)
+        set_quantization_config(os.path.join(tmp, "config.json"), None)  # the weights are not FP8
+        carry_files(carry_from, tmp, out_dir)
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
             part = os.path.join(tmp, INDEX_NAME + ".part")
             with open(part, "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
             os.replace(part, os.path.join(tmp, INDEX_NAME))
-        _publish(tmp, out_dir)
+        publish(tmp, out_dir)
     _barrier(topo)
     return {"tensors": len(written), "bytes": nbytes, "files": names + ([INDEX_NAME] if n > 1 else [])}
-
-
-def export_trained(adapter: Any, module: nn.Layer, topo: Topology, out_dir: str) -> int:
-    """The trainer's ``--export``: distributed for an adapter with a GLM config (every rank writes
-    its own tensors; the source folder's tokenizer files come along, so the export is usable as
-    it stands), else the adapter's exporter on the state gathered to rank 0 (small models).
-    Collective.  Returns the number of tensors written (by all ranks)."""
-    if getattr(adapter, "name", None) == "glm":
-        info = export_distributed(module, adapter.config, out_dir, topo, carry_from=getattr(adapter, "model_dir", None))
-        return sum(_all_gather_object(info["tensors"], topo))
-    from .state import gather_full_state
-
-    full = gather_full_state(module, topo)
-    if topo.rank == 0:
-        adapter.export(full, out_dir)
-    return len(full) if full is not None else 0
 
 
 def save_pretrained_distributed(
@@ -257,9 +235,6 @@ def save_pretrained_distributed(
     every rank; ``tensors`` counts all ranks')."""
     import time
 
-    from ..checkpoint.loader import normalize_dtype
-    from ..checkpoint.saver import SaveReport
-
     dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes
     dtype = None if dtype == "auto" else dtype
     if layout != "hf":
@@ -274,12 +249,12 @@ def save_pretrained_distributed(
         raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
     t0 = time.perf_counter()
     config = config if config is not None else model.config
-    topo = topo or get_topology()
+    topo = topo or Topology.single()
     out_dir = os.path.abspath(os.fspath(save_directory))
     info = export_distributed(
         model, config, out_dir, topo, dtype=dtype, max_shard_size=max_shard_size, carry_from=carry_from
     )
-    counts = _all_gather_object([info["tensors"], info["bytes"]], topo)
+    counts = all_gather_object([info["tensors"], info["bytes"]], topo)
     files = [os.path.join(out_dir, f) for f in sorted(os.listdir(out_dir))]
     return SaveReport(
         out_dir, "hf", files, sum(c[0] for c in counts), sum(c[1] for c in counts), time.perf_counter() - t0
