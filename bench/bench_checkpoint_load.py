@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.workdir, args.model_dtype)))
         return 0
 
-    from paddleformers_glm.checkpoint import fast_copy
+    from paddleformers_glm.ops import transpose as fast_copy
     from paddleformers_glm.testing import write_synthetic_checkpoint
 
     # the compiled transpose is built once per machine (user cache); build it here, not in a timed child

@@ -247,7 +247,7 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
         out[region] = a if conv is None else _convert(a, src_dtype, conv)
 
     if src.ndim == 2 and perm == [1, 0] and (conv is None or zero):
-        from .fast_copy import transpose_into  # compiled tiled transpose; False -> numpy below
+        from ..ops.transpose import transpose_into  # compiled tiled transpose; False -> numpy below
 
         pool = _pool()
         if transpose_into(src, dst, widen_bf16=zero, run=(lambda f, xs: list(pool.map(f, xs))) if pool else None):

@@ -4,16 +4,18 @@
 // each (docs/performance.md, items 7 and 8), so at short sequences they, not the GEMMs, decide
 // the step time. Each kernel here is one pass per row, rows split over OpenMP threads (the
 // libiomp5 that Paddle's MKL already runs, so the two share one thread pool); the matmul kernels
-// call MKL's sgemm directly. Loaded by kernels/cpu.py; every caller keeps a Paddle-op fallback
-// with the same maths.
+// call MKL's sgemm directly. Built and loaded by ops/kernels.py; every caller keeps a Paddle-op
+// fallback with the same maths. The file is the package's one native build: its last section holds
+// the checkpoint loader's transposes, plain C entry points on numpy buffers (ops/transpose.py).
 //
 // Floating tensors are fp32, index tensors int64; all contiguous, on the CPU (checked by
-// kernels/cpu.py's `usable`).
+// ops/kernels.py's `usable`).
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -820,3 +822,148 @@ PD_BUILD_OP(glm_head_matmul_backward)
     .SetInferShapeFn(PD_INFER_SHAPE(HeadMatmulBackwardShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
 #endif
+
+// ------------------------------------------------------------------------------ checkpoint copies
+// Cache-blocked 2-D transposes for the checkpoint load (HF [out, in] -> Paddle [in, out]). Nearly
+// every GLM weight is transposed on load, and numpy copies a transpose element by element through
+// strided memory: for 2-byte elements a few hundred MB/s. These move 8 x 8 blocks of 16-bit values
+// (4 x 4 of 32-bit ones) through SSE2 registers inside 64 x 64 tiles (cache-resident on both
+// sides), with a scalar loop for the edges and for machines without SSE2; bf16 -> fp32 widening
+// (the bits shifted into the high half) happens in the same pass. Plain C entry points on raw
+// numpy buffers, called through ctypes (ops/transpose.py), which releases the GIL, so the loader's
+// thread pool runs row chunks in parallel.
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define GLM_HAVE_SSE2 1
+#endif
+#define GLM_TILE 64
+#define GLM_MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* dst[c * ldd + r] = f(src[r * lds + c]) for r in [r0, r1), c in [c0, c1) (strides in elements) */
+#define EDGE(NAME, S, D, F) \
+static void NAME(const S *src, D *dst, size_t r0, size_t r1, size_t c0, size_t c1, size_t lds, size_t ldd) { \
+  for (size_t r = r0; r < r1; ++r) { \
+    const S *s = src + r * lds; \
+    for (size_t c = c0; c < c1; ++c) dst[c * ldd + r] = F(s[c]); \
+  } \
+}
+#define SAME(x) (x)
+#define WIDEN(x) (((uint32_t)(x)) << 16)
+EDGE(edge16, uint16_t, uint16_t, SAME)
+EDGE(edge16w, uint16_t, uint32_t, WIDEN)
+EDGE(edge32, uint32_t, uint32_t, SAME)
+EDGE(edge64, uint64_t, uint64_t, SAME)
+
+#ifdef GLM_HAVE_SSE2
+/* rows s[0], s[lds], ... s[7 * lds] (8 values each) -> o[i] = column i */
+static inline void t8x8(const uint16_t *s, size_t lds, __m128i o[8]) {
+  __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * lds));
+  __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * lds));
+  __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * lds));
+  __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * lds));
+  __m128i a4 = _mm_loadu_si128((const __m128i *)(s + 4 * lds));
+  __m128i a5 = _mm_loadu_si128((const __m128i *)(s + 5 * lds));
+  __m128i a6 = _mm_loadu_si128((const __m128i *)(s + 6 * lds));
+  __m128i a7 = _mm_loadu_si128((const __m128i *)(s + 7 * lds));
+  __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+  __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+  __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
+  __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
+  __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
+  __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+  __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
+  __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
+  o[0] = _mm_unpacklo_epi64(c0, c4); o[1] = _mm_unpackhi_epi64(c0, c4);
+  o[2] = _mm_unpacklo_epi64(c1, c5); o[3] = _mm_unpackhi_epi64(c1, c5);
+  o[4] = _mm_unpacklo_epi64(c2, c6); o[5] = _mm_unpackhi_epi64(c2, c6);
+  o[6] = _mm_unpacklo_epi64(c3, c7); o[7] = _mm_unpackhi_epi64(c3, c7);
+}
+#endif
+
+/* Each function tiles [rows, cols]; the vector part of a tile is [r0, rv) x [c0, cv), the two
+   edge calls cover [r0, rv) x [cv, c1) and [rv, r1) x [c0, c1): every element exactly once. */
+extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
+  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
+    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
+    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
+      size_t c1 = GLM_MIN(c0 + GLM_TILE, cols), rv = r0, cv = c0;
+#ifdef GLM_HAVE_SSE2
+      rv = r0 + (r1 - r0) / 8 * 8;
+      cv = c0 + (c1 - c0) / 8 * 8;
+      for (size_t r = r0; r < rv; r += 8)
+        for (size_t c = c0; c < cv; c += 8) {
+          __m128i o[8];
+          t8x8(src + r * lds + c, lds, o);
+          uint16_t *d = dst + c * ldd + r;
+          for (int i = 0; i < 8; ++i) _mm_storeu_si128((__m128i *)(d + i * ldd), o[i]);
+        }
+#endif
+      edge16(src, dst, r0, rv, cv, c1, lds, ldd);
+      edge16(src, dst, rv, r1, c0, c1, lds, ldd);
+    }
+  }
+}
+
+extern "C" void glm52_transpose_bf16_f32(const uint16_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
+  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
+    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
+    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
+      size_t c1 = GLM_MIN(c0 + GLM_TILE, cols), rv = r0, cv = c0;
+#ifdef GLM_HAVE_SSE2
+      const __m128i zero = _mm_setzero_si128();
+      rv = r0 + (r1 - r0) / 8 * 8;
+      cv = c0 + (c1 - c0) / 8 * 8;
+      for (size_t r = r0; r < rv; r += 8)
+        for (size_t c = c0; c < cv; c += 8) {
+          __m128i o[8];
+          t8x8(src + r * lds + c, lds, o);
+          uint32_t *d = dst + c * ldd + r;
+          for (int i = 0; i < 8; ++i) { /* zero low halves: bf16 bits become the fp32's high half */
+            _mm_storeu_si128((__m128i *)(d + i * ldd), _mm_unpacklo_epi16(zero, o[i]));
+            _mm_storeu_si128((__m128i *)(d + i * ldd + 4), _mm_unpackhi_epi16(zero, o[i]));
+          }
+        }
+#endif
+      edge16w(src, dst, r0, rv, cv, c1, lds, ldd);
+      edge16w(src, dst, rv, r1, c0, c1, lds, ldd);
+    }
+  }
+}
+
+extern "C" void glm52_transpose32(const uint32_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
+  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
+    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
+    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
+      size_t c1 = GLM_MIN(c0 + GLM_TILE, cols), rv = r0, cv = c0;
+#ifdef GLM_HAVE_SSE2
+      rv = r0 + (r1 - r0) / 4 * 4;
+      cv = c0 + (c1 - c0) / 4 * 4;
+      for (size_t r = r0; r < rv; r += 4)
+        for (size_t c = c0; c < cv; c += 4) {
+          const uint32_t *s = src + r * lds + c;
+          __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * lds));
+          __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * lds));
+          __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * lds));
+          __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * lds));
+          __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3);
+          __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
+          uint32_t *d = dst + c * ldd + r;
+          _mm_storeu_si128((__m128i *)(d + 0 * ldd), _mm_unpacklo_epi64(t0, t1));
+          _mm_storeu_si128((__m128i *)(d + 1 * ldd), _mm_unpackhi_epi64(t0, t1));
+          _mm_storeu_si128((__m128i *)(d + 2 * ldd), _mm_unpacklo_epi64(t2, t3));
+          _mm_storeu_si128((__m128i *)(d + 3 * ldd), _mm_unpackhi_epi64(t2, t3));
+        }
+#endif
+      edge32(src, dst, r0, rv, cv, c1, lds, ldd);
+      edge32(src, dst, rv, r1, c0, c1, lds, ldd);
+    }
+  }
+}
+
+extern "C" void glm52_transpose64(const uint64_t *src, uint64_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
+  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
+    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
+    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) edge64(src, dst, r0, r1, c0, GLM_MIN(c0 + GLM_TILE, cols), lds, ldd);
+  }
+}

@@ -50,7 +50,7 @@ CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trappi
 # Paddle's extension loader logs through this logger (and the root logger) on every load
 _PADDLE_LOGGER = "utils.cpp_extension"
 
-_state: dict[str, object] = {"tried": False, "ops": None, "error": None, "off": 0}
+_state: dict[str, object] = {"tried": False, "ops": None, "error": None, "off": 0, "path": None}
 _lock = threading.Lock()
 
 
@@ -208,7 +208,15 @@ def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
             if not done.exists():  # another process may have built it while this one waited
                 _compile(source, folder, name, cflags, ldflags, log)
                 done.touch()
-    return _load_built(folder, name, log)
+    module = _load_built(folder, name, log)
+    _state["path"] = folder / name / f"{name}.so"
+    return module
+
+
+def library_path() -> Path | None:
+    """The built shared library (for its plain C entry points, e.g. ops/transpose.py), or None
+    when the kernels are switched off or could not be built."""
+    return _state["path"] if cpu_ops() is not None else None  # type: ignore[return-value]
 
 
 def cpu_ops() -> ModuleType | None:

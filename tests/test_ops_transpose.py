@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paddleformers_glm.checkpoint import fast_copy
+from paddleformers_glm.ops import transpose as fast_copy
 
 pytestmark = pytest.mark.skipif(not fast_copy.available(), reason="no C compiler for the fast transpose")
 
