@@ -31,12 +31,11 @@ from typing import Any
 import numpy as np
 import paddle
 
+from ..configuration import IGNORE_INDEX
 from . import comm
 from .topology import ParallelConfigError
 
 __all__ = ["check_seq_len", "gather_sequence", "split_micro_batch", "zigzag_positions"]
-
-IGNORE_INDEX = -100
 
 
 def check_seq_len(seq_len: int, cp: int) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import paddle
 import paddle.distributed as dist
 
+from ..configuration import IGNORE_INDEX
 from . import comm
 from ._compat import PADDLE_VERSION, TESTED_PADDLE
 
@@ -111,7 +112,7 @@ def c_softmax_with_cross_entropy(
     label: paddle.Tensor,
     group: Any = None,
     return_softmax: bool = False,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> Any:
     """Cross entropy over vocabulary-split logits (last axis split over the group); loss [..., 1].
 

@@ -48,6 +48,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
+from ..configuration import IGNORE_INDEX
 from . import comm
 from .topology import Topology, get_topology
 
@@ -634,7 +635,7 @@ def ParallelLMHead(  # noqa: N802 - a layer factory, named like the layer it ret
 def parallel_cross_entropy(
     logits: paddle.Tensor,
     labels: paddle.Tensor,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     group: Any = None,
 ) -> paddle.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import paddle.nn as nn
 
+from ..configuration import IGNORE_INDEX
 from ..parallel.pipeline import StageSpec
 from ..parallel.topology import Topology
 
@@ -47,7 +48,7 @@ class LossSpec:
             raise ValueError(f"LossSpec.normalize must be 'tokens' or 'micro_batches', got {self.normalize!r}")
 
 
-def token_count(labels: np.ndarray, shift: int, ignore_index: int = -100) -> int:
+def token_count(labels: np.ndarray, shift: int, ignore_index: int = IGNORE_INDEX) -> int:
     """Tokens a causal-LM loss with this label shift averages over (``labels[:, shift:] != ignore``)."""
     return int((np.asarray(labels)[:, shift:] != ignore_index).sum())
 

@@ -32,10 +32,9 @@ from typing import Any
 import numpy as np
 
 from .._io import atomic_open
+from ..configuration import IGNORE_INDEX
 
 __all__ = ["TokenData", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
-
-IGNORE_INDEX = -100
 
 
 class TokenData:
