@@ -33,7 +33,13 @@ from paddle import nn
 from ..configuration import IGNORE_INDEX, GlmMoeDsaConfig
 from ..ops import cross_entropy_sum
 from ..parallel import comm
-from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel, parallel_cross_entropy
+from ..parallel.layers import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    default_dtype,
+    mark_sequence_parallel,
+    parallel_cross_entropy,
+)
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
 from ..parallel.recompute import run_layer
 from ..parallel.topology import Topology
@@ -283,17 +289,6 @@ class GlmMoeDsaModel(nn.Layer):
         hidden, topk, kls = self.run_layers(ids, self.embedding(input_ids), cos, sin, attention_mask, None)
         self.selections.release()
         return self.norm(hidden), topk, kls
-
-
-@contextmanager
-def default_dtype(dtype: str) -> Iterator[None]:
-    """Create parameters in ``dtype`` (Paddle takes it from the global default) and restore it after."""
-    prev = paddle.get_default_dtype()
-    paddle.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        paddle.set_default_dtype(prev)
 
 
 _LOG = logging.getLogger("paddleformers_glm.checkpoint")

@@ -836,6 +836,10 @@ PD_BUILD_OP(glm_head_matmul_backward)
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define GLM_HAVE_SSE2 1
+#define GLM_VEC __m128i
+#else
+struct GlmNoVector {};  // without SSE2 the tile loops run the scalar edges only
+#define GLM_VEC GlmNoVector
 #endif
 #define GLM_TILE 64
 #define GLM_MIN(a, b) ((a) < (b) ? (a) : (b))
@@ -883,7 +887,13 @@ static inline void t8x8(const uint16_t *s, size_t lds, __m128i o[8]) {
 
 /* Each function tiles [rows, cols]; the vector part of a tile is [r0, rv) x [c0, cv), the two
    edge calls cover [r0, rv) x [cv, c1) and [rv, r1) x [c0, c1): every element exactly once. */
-extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
+namespace {
+// The 16-bit transposes' one tile loop: 8 x 8 register blocks of [r0, rv) x [c0, cv), the edges
+// [r0, rv) x [cv, c1) and [rv, r1) x [c0, c1) by `edge`: every element exactly once. `store(d, o,
+// ldd)` writes the 8 transposed columns `o` of a block (as 16 bits, or widened to 32).
+template <class D, class Store, class Edge>
+void transpose16_tiles(const uint16_t *src, D *dst, size_t rows, size_t cols, size_t lds, size_t ldd, Store store,
+                       Edge edge) {
   for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
     size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
     for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
@@ -895,40 +905,42 @@ extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t row
         for (size_t c = c0; c < cv; c += 8) {
           __m128i o[8];
           t8x8(src + r * lds + c, lds, o);
-          uint16_t *d = dst + c * ldd + r;
-          for (int i = 0; i < 8; ++i) _mm_storeu_si128((__m128i *)(d + i * ldd), o[i]);
+          store(dst + c * ldd + r, o, ldd);
         }
 #endif
-      edge16(src, dst, r0, rv, cv, c1, lds, ldd);
-      edge16(src, dst, rv, r1, c0, c1, lds, ldd);
+      edge(src, dst, r0, rv, cv, c1, lds, ldd);
+      edge(src, dst, rv, r1, c0, c1, lds, ldd);
     }
   }
 }
+}  // namespace
 
-extern "C" void glm52_transpose_bf16_f32(const uint16_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
-  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
-    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
-    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
-      size_t c1 = GLM_MIN(c0 + GLM_TILE, cols), rv = r0, cv = c0;
+extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t rows, size_t cols, size_t lds,
+                                  size_t ldd) {
+  transpose16_tiles(
+      src, dst, rows, cols, lds, ldd,
+      [](uint16_t *d, const GLM_VEC *o, size_t ld) {
 #ifdef GLM_HAVE_SSE2
-      const __m128i zero = _mm_setzero_si128();
-      rv = r0 + (r1 - r0) / 8 * 8;
-      cv = c0 + (c1 - c0) / 8 * 8;
-      for (size_t r = r0; r < rv; r += 8)
-        for (size_t c = c0; c < cv; c += 8) {
-          __m128i o[8];
-          t8x8(src + r * lds + c, lds, o);
-          uint32_t *d = dst + c * ldd + r;
-          for (int i = 0; i < 8; ++i) { /* zero low halves: bf16 bits become the fp32's high half */
-            _mm_storeu_si128((__m128i *)(d + i * ldd), _mm_unpacklo_epi16(zero, o[i]));
-            _mm_storeu_si128((__m128i *)(d + i * ldd + 4), _mm_unpackhi_epi16(zero, o[i]));
-          }
+        for (int i = 0; i < 8; ++i) _mm_storeu_si128((__m128i *)(d + i * ld), o[i]);
+#endif
+      },
+      edge16);
+}
+
+extern "C" void glm52_transpose_bf16_f32(const uint16_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds,
+                                         size_t ldd) {
+  transpose16_tiles(
+      src, dst, rows, cols, lds, ldd,
+      [](uint32_t *d, const GLM_VEC *o, size_t ld) {
+#ifdef GLM_HAVE_SSE2
+        const __m128i zero = _mm_setzero_si128();
+        for (int i = 0; i < 8; ++i) {  // zero low halves: bf16 bits become the fp32's high half
+          _mm_storeu_si128((__m128i *)(d + i * ld), _mm_unpacklo_epi16(zero, o[i]));
+          _mm_storeu_si128((__m128i *)(d + i * ld + 4), _mm_unpackhi_epi16(zero, o[i]));
         }
 #endif
-      edge16w(src, dst, r0, rv, cv, c1, lds, ldd);
-      edge16w(src, dst, rv, r1, c0, c1, lds, ldd);
-    }
-  }
+      },
+      edge16w);
 }
 
 extern "C" void glm52_transpose32(const uint32_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {

@@ -184,6 +184,22 @@ def _xavier(shape: list[int], fan_in: int, fan_out: int, dtype: str) -> nn.initi
     return nn.initializer.Uniform(-limit, limit)
 
 
+def _check_column(out_features: int, size: int, fuse_chunks: int, gather_output: bool, group: str) -> None:
+    if out_features % (size * fuse_chunks):
+        raise ValueError(
+            f"ColumnParallelLinear: out_features {out_features} not divisible by {group} {size} x fuse_chunks {fuse_chunks}"
+        )
+    if gather_output and fuse_chunks > 1:
+        raise ValueError("ColumnParallelLinear: gather_output with fuse_chunks > 1 would interleave the blocks")
+
+
+def _check_row(in_features: int, size: int, sequence_parallel: bool, input_is_parallel: bool, group: str) -> None:
+    if in_features % size:
+        raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {size}")
+    if sequence_parallel and not input_is_parallel:
+        raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+
+
 def _topology(topo: Topology | None) -> Topology:
     """The topology a layer is built for: the one given, else the process's (world size 1 when
     nothing was initialised). The model passes its own; tests and stand-ins may rely on the default."""
@@ -215,12 +231,7 @@ class CommColumnParallelLinear(nn.Layer):
         topo = _topology(topo)
         size, rank = topo.size(group), topo.rank_in(group)
         self.group = topo.group(group)
-        if out_features % (size * fuse_chunks):
-            raise ValueError(
-                f"ColumnParallelLinear: out_features {out_features} not divisible by {group} {size} x fuse_chunks {fuse_chunks}"
-            )
-        if gather_output and fuse_chunks > 1:
-            raise ValueError("ColumnParallelLinear: gather_output with fuse_chunks > 1 would interleave the blocks")
+        _check_column(out_features, size, fuse_chunks, gather_output, group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.group_name, self.world, self.rank = group, size, rank
@@ -278,10 +289,7 @@ class CommRowParallelLinear(nn.Layer):
         topo = _topology(topo)
         size, rank = topo.size(group), topo.rank_in(group)
         self.group = topo.group(group)
-        if in_features % size:
-            raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {size}")
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        _check_row(in_features, size, sequence_parallel, input_is_parallel, group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.group_name, self.world, self.rank = group, size, rank
@@ -432,8 +440,9 @@ class BatchFirstRowSequenceParallelLinear(spu.RowSequenceParallelLinear):
 
 
 @contextmanager
-def _dtype_scope(dtype: str | None) -> Iterator[None]:
-    # Fleet's layers take the default dtype; ours take an argument.
+def default_dtype(dtype: str | None) -> Iterator[None]:
+    """Create parameters in ``dtype`` (Paddle takes it from the process-wide default: Fleet's
+    layers have no dtype argument) and restore the default after; None changes nothing."""
     if dtype is None:
         yield
         return
@@ -443,6 +452,16 @@ def _dtype_scope(dtype: str | None) -> Iterator[None]:
         yield
     finally:
         paddle.set_default_dtype(saved)
+
+
+def _fleet_layer(build: Any, dtype: str | None, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
+    """One of Fleet's layers, built in ``dtype``, with our specs on its weight and bias."""
+    with default_dtype(dtype):
+        layer = build()
+    set_shard_spec(layer.weight, weight, size)
+    if layer.bias is not None:
+        set_shard_spec(layer.bias, bias, size)
+    return layer
 
 
 def _fleet_vocab_embedding_class() -> type:
@@ -509,27 +528,17 @@ def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer 
             dtype=dtype,
             topo=topo,
         )
-    if out_features % (g.nranks * fuse_chunks):
-        raise ValueError(
-            f"ColumnParallelLinear: out_features {out_features} not divisible by {group} {g.nranks} x fuse_chunks {fuse_chunks}"
-        )
-    if gather_output and fuse_chunks > 1:
-        raise ValueError("ColumnParallelLinear: gather_output with fuse_chunks > 1 would interleave the blocks")
+    _check_column(out_features, g.nranks, fuse_chunks, gather_output, group)
     from paddle.distributed.fleet import meta_parallel as mpu
 
-    with _dtype_scope(dtype):
-        if sequence_parallel:
-            layer = BatchFirstColumnSequenceParallelLinear(
-                in_features, out_features, has_bias=has_bias, gather_output=False, mp_group=g
-            )
-        else:
-            layer = mpu.ColumnParallelLinear(
-                in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g
-            )
-    set_shard_spec(layer.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks), g.nranks)
-    if layer.bias is not None:
-        set_shard_spec(layer.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks), g.nranks)
-    return layer
+    cls = BatchFirstColumnSequenceParallelLinear if sequence_parallel else mpu.ColumnParallelLinear
+    return _fleet_layer(
+        lambda: cls(in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g),
+        dtype,
+        ShardSpec(axis=1, group=group, chunks=fuse_chunks),
+        ShardSpec(axis=0, group=group, chunks=fuse_chunks),
+        g.nranks,
+    )
 
 
 def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it returns
@@ -559,25 +568,17 @@ def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it 
             dtype=dtype,
             topo=topo,
         )
-    if in_features % g.nranks:
-        raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {g.nranks}")
-    if sequence_parallel and not input_is_parallel:
-        raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+    _check_row(in_features, g.nranks, sequence_parallel, input_is_parallel, group)
     from paddle.distributed.fleet import meta_parallel as mpu
 
-    with _dtype_scope(dtype):
-        if sequence_parallel:
-            layer = BatchFirstRowSequenceParallelLinear(
-                in_features, out_features, has_bias=has_bias, input_is_parallel=True, mp_group=g
-            )
-        else:
-            layer = mpu.RowParallelLinear(
-                in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g
-            )
-    set_shard_spec(layer.weight, ShardSpec(axis=0, group=group), g.nranks)
-    if layer.bias is not None:  # partial over TP under SP (Fleet marks it too)
-        set_shard_spec(layer.bias, ShardSpec(sequence_parallel=sequence_parallel), g.nranks)
-    return layer
+    cls = BatchFirstRowSequenceParallelLinear if sequence_parallel else mpu.RowParallelLinear
+    return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
+        lambda: cls(in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g),
+        dtype,
+        ShardSpec(axis=0, group=group),
+        ShardSpec(sequence_parallel=sequence_parallel),
+        g.nranks,
+    )
 
 
 def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the layer it returns
@@ -600,7 +601,7 @@ def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the laye
         )
     if num_embeddings % g.nranks:
         raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {g.nranks}")
-    with _dtype_scope(dtype):
+    with default_dtype(dtype):
         layer = _fleet_vocab_embedding_class()(
             num_embeddings, embedding_dim, mp_group=g, padding_idx=padding_idx, sequence_parallel=sequence_parallel
         )
