@@ -23,17 +23,12 @@ def _temp_beside(path: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """A temporary path beside `path` for writers that take only a file name (``paddle.save``):
-    on a clean exit the file written there is flushed to disk and replaces `path`."""
-    path = os.fspath(path)
+def _replacing(path: str) -> Iterator[str]:
+    """A temporary path beside `path` that replaces it when the block ends cleanly and is removed
+    when it raises (the caller has made its bytes durable)."""
     tmp = _temp_beside(path)
     try:
         yield tmp
-        if not os.path.isfile(tmp):
-            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -42,24 +37,30 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary path beside `path` for writers that take only a file name (``paddle.save``):
+    on a clean exit the file written there is flushed to disk and replaces `path`."""
+    path = os.fspath(path)
+    with _replacing(path) as tmp:
+        yield tmp
+        if not os.path.isfile(tmp):
+            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`.
     `mode` is "w" (text) or "wb"; missing parent folders are created."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
-    path = os.fspath(path)
-    tmp = _temp_beside(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
+    with _replacing(os.fspath(path)) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with open(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

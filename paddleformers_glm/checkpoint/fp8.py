@@ -219,24 +219,20 @@ def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
         return None
     if not isinstance(qc, Mapping):
         raise CheckpointError("quantization_config must be an object", file=file, actual=type(qc).__name__)
-    method = qc.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(
-            f"quantization method {method!r} is not supported (only block FP8 checkpoints can be loaded)",
-            file=file,
-            key="quantization_config.quant_method",
-            expected="fp8",
-            actual=method,
-        )
-    fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise CheckpointError(
-            f"FP8 format {fmt!r} is not supported",
-            file=file,
-            key="quantization_config.fmt",
-            expected="e4m3",
-            actual=fmt,
-        )
+    for key, default, expected, what in (
+        (
+            "quant_method",
+            None,
+            "fp8",
+            "quantization method {!r} is not supported (only block FP8 checkpoints can be loaded)",
+        ),
+        ("fmt", "e4m3", "e4m3", "FP8 format {!r} is not supported"),
+    ):
+        value = qc.get(key, default)
+        if value != expected:
+            raise CheckpointError(
+                what.format(value), file=file, key=f"quantization_config.{key}", expected=expected, actual=value
+            )
     bs = qc.get("weight_block_size", [128, 128])
     if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
         raise CheckpointError(

@@ -21,7 +21,7 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +143,13 @@ def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
     return GlmMoeDsaConfig.from_pretrained(folder)
 
 
-def _state_of(model: Any) -> Mapping[str, Any]:
+def _listing(*named: tuple[str, Sequence[str]]) -> str:
+    """'label keys; label keys' for the labelled key lists that are not empty."""
+    return "; ".join(f"{label} {format_keys(keys)}" for label, keys in named if keys)
+
+
+def state_of(model: Any) -> Mapping[str, Any]:
+    """A layer's state dict, or the mapping itself."""
     if isinstance(model, Mapping):
         return model
     if hasattr(model, "state_dict"):
@@ -295,7 +301,7 @@ def load_pretrained_state(
             report.warnings.append(msg)
         report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
-        state = _state_of(model)
+        state = state_of(model)
         want = _wanted_keys(state, fleet, keys, key_filter, strict)
         report.skipped = sorted((set(state) & set(fleet)) - want)
         # --- units: which targets can be produced from what the checkpoint has
@@ -308,14 +314,9 @@ def load_pretrained_state(
         usable, missing_targets, needed_missing = plan.usable, plan.missing_targets, plan.needed_missing
         mtp_init, mtp_src = plan.mtp_init, plan.mtp_src
         if strict and (needed_missing or unexpected):
-            parts = []
-            if needed_missing:
-                parts.append(f"missing {format_keys(needed_missing)}")
-            if unexpected:
-                parts.append(f"unexpected {format_keys(unexpected)}")
             raise CheckpointError(
                 f"checkpoint does not match the {layout} layout of this config: "
-                + "; ".join(parts)
+                + _listing(("missing", needed_missing), ("unexpected", unexpected))
                 + " (strict=False loads what is there and reports the rest; parameters without weights keep "
                 "their values)",
                 file=path,
@@ -399,13 +400,9 @@ def _wanted_keys(
     extra_model = sorted(set(state) - set(fleet))
     lacking_model = sorted(selected - set(state))
     if strict and (extra_model or lacking_model):
-        parts = []
-        if lacking_model:
-            parts.append(f"model lacks {format_keys(lacking_model)}")
-        if extra_model:
-            parts.append(f"model has parameters outside the contract, {format_keys(extra_model)}")
         raise CheckpointError(
-            "model state_dict does not match the GLM-5.2 Fleet parameter contract: " + "; ".join(parts)
+            "model state_dict does not match the GLM-5.2 Fleet parameter contract: "
+            + _listing(("model lacks", lacking_model), ("model has parameters outside the contract,", extra_model))
         )
     return set(state) & selected
 

@@ -30,7 +30,7 @@ from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import fleet_param_specs, param_specs, resolve_dtype
-from .loader import format_keys, normalize_dtype
+from .loader import format_keys, normalize_dtype, state_of
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
 __all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards"]
@@ -92,14 +92,6 @@ def plan_shards(entries: Mapping[str, tuple[tuple[int, ...], str]], max_shard_si
     return shards
 
 
-def _state_of(model: Any) -> Mapping[str, Any]:
-    if isinstance(model, Mapping):
-        return model
-    if hasattr(model, "state_dict"):
-        return model.state_dict()
-    raise TypeError(f"expected a paddle.nn.Layer or a state dict, got {type(model).__name__}")
-
-
 def _check_state(state: Mapping[str, Any], config: Any) -> None:
     fleet = fleet_param_specs(config)
     lacking, extra = sorted(set(fleet) - set(state)), sorted(set(state) - set(fleet))
@@ -151,7 +143,7 @@ def save_pretrained_state(
         raise ValueError(f"unknown layout {layout!r}; expected 'hf' or 'fleet'")
     out_dir = os.path.abspath(os.fspath(out_dir))
     limit = parse_size(max_shard_size)
-    state = _state_of(model_or_state_dict)
+    state = state_of(model_or_state_dict)
     _check_state(state, config)
     if quantization in (None, "none"):
         quantization = None

@@ -352,16 +352,19 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
 
 # On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same
 # pairs are built here; the model itself only uses the model-parallel (TP) group.
+def _split_sp(x: paddle.Tensor, axis: int, g: Any, what: str, fleet_op: Any, own: Callable) -> paddle.Tensor:
+    """A pair that leaves this rank's sequence slice: Fleet's ``fleet_op`` on Fleet's model-parallel
+    group, ``own()`` on any other."""
+    if not _live(g):
+        return x
+    _check_axis(x, g.nranks, axis, what)
+    return own() if fleet_sp_group(g) is None else _fleet_sp_op(fleet_op, x, axis)
+
+
 def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers).
     Fleet's ``ScatterOp`` on the sequence-first view."""
-    g = group
-    if not _live(g):
-        return x
-    _check_axis(x, g.nranks, axis, "scatter_to_sp")
-    if fleet_sp_group(g) is None:
-        return scatter_to_tp(x, axis, g)
-    return _fleet_sp_op(spu.ScatterOp, x, axis)
+    return _split_sp(x, axis, group, "scatter_to_sp", spu.ScatterOp, lambda: scatter_to_tp(x, axis, group))
 
 
 def gather_from_sp(
@@ -390,12 +393,8 @@ def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = No
     """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
     Fleet's ``ReduceScatterOp`` on the sequence-first view."""
     g = group
-    if not _live(g):
-        return x
-    _check_axis(x, g.nranks, axis, "reduce_scatter_to_sp")
-    if fleet_sp_group(g) is None:
-        return _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))
-    return _fleet_sp_op(spu.ReduceScatterOp, x, axis)
+    own = lambda: _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))  # noqa: E731
+    return _split_sp(x, axis, g, "reduce_scatter_to_sp", spu.ReduceScatterOp, own)
 
 
 def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:

@@ -206,7 +206,42 @@ def _topology(topo: Topology | None) -> Topology:
     return topo if topo is not None else get_topology()
 
 
-class CommColumnParallelLinear(nn.Layer):
+class _CommLinear(nn.Layer):
+    """What our column and row layers share: the group, a ``weight`` of this rank's shape
+    ``local`` (initialised as ``nn.Linear`` is, on the full fans), an optional ``bias``, their specs."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        local: list[int],
+        weight_spec: ShardSpec,
+        bias_size: int | None,
+        bias_spec: ShardSpec,
+        sequence_parallel: bool,
+        group: str,
+        dtype: str | None,
+        topo: Topology,
+    ) -> None:
+        super().__init__()
+        self.group, self.group_name = topo.group(group), group
+        self.world, self.rank = topo.size(group), topo.rank_in(group)
+        self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
+        dtype = dtype or paddle.get_default_dtype()
+        self.weight = self.create_parameter(
+            local, dtype=dtype, default_initializer=_xavier(local, in_features, out_features, dtype)
+        )
+        set_shard_spec(self.weight, weight_spec, self.world)
+        self.bias = None
+        if bias_size is not None:
+            self.bias = self.create_parameter([bias_size], dtype=dtype, is_bias=True)
+            set_shard_spec(self.bias, bias_spec, self.world)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.group_name}={self.world}, sp={self.sequence_parallel}"
+
+
+class CommColumnParallelLinear(_CommLinear):
     """``y = x W + b`` with W's output columns split over TP: weight [in, out/tp].
 
     Input is replicated (or, with ``sequence_parallel``, sequence-sharded and all-gathered here).
@@ -227,27 +262,16 @@ class CommColumnParallelLinear(nn.Layer):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        super().__init__()
         topo = _topology(topo)
-        size, rank = topo.size(group), topo.rank_in(group)
-        self.group = topo.group(group)
-        _check_column(out_features, size, fuse_chunks, gather_output, group)
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.group_name, self.world, self.rank = group, size, rank
-        local = out_features // size
-        dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(
-            [in_features, local],
-            dtype=dtype,
-            default_initializer=_xavier([in_features, local], in_features, out_features, dtype),
-        )
-        set_shard_spec(self.weight, ShardSpec(axis=1, group=group, chunks=fuse_chunks), size)
-        if has_bias:
-            self.bias = self.create_parameter([local], dtype=dtype, is_bias=True)
-            set_shard_spec(self.bias, ShardSpec(axis=0, group=group, chunks=fuse_chunks), size)
-        else:
-            self.bias = None
+        _check_column(out_features, topo.size(group), fuse_chunks, gather_output, group)
+        local = out_features // topo.size(group)
+        spec = ShardSpec(axis=1, group=group, chunks=fuse_chunks)
+        bias = local if has_bias else None
+        super().__init__(
+            in_features, out_features, [in_features, local], spec, bias, replace(spec, axis=0), sequence_parallel,
+            group, dtype, topo,
+        )  # fmt: skip
+        self.gather_output = gather_output
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
@@ -262,11 +286,8 @@ class CommColumnParallelLinear(nn.Layer):
             y = comm.gather_from_tp(y, axis=-1, group=group)
         return y
 
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.group_name}={self.world}, sp={self.sequence_parallel}"
 
-
-class CommRowParallelLinear(nn.Layer):
+class CommRowParallelLinear(_CommLinear):
     """``y = x W + b`` with W's input rows split over TP: weight [in/tp, out].
 
     Partial products are all-reduced (or reduce-scattered along the sequence with
@@ -285,27 +306,15 @@ class CommRowParallelLinear(nn.Layer):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        super().__init__()
         topo = _topology(topo)
-        size, rank = topo.size(group), topo.rank_in(group)
-        self.group = topo.group(group)
-        _check_row(in_features, size, sequence_parallel, input_is_parallel, group)
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.group_name, self.world, self.rank = group, size, rank
-        local = in_features // size
-        dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(
-            [local, out_features],
-            dtype=dtype,
-            default_initializer=_xavier([local, out_features], in_features, out_features, dtype),
-        )
-        set_shard_spec(self.weight, ShardSpec(axis=0, group=group), size)
-        if has_bias:
-            self.bias = self.create_parameter([out_features], dtype=dtype, is_bias=True)
-            set_shard_spec(self.bias, ShardSpec(sequence_parallel=sequence_parallel), size)
-        else:
-            self.bias = None
+        _check_row(in_features, topo.size(group), sequence_parallel, input_is_parallel, group)
+        local = [in_features // topo.size(group), out_features]
+        bias = out_features if has_bias else None
+        super().__init__(
+            in_features, out_features, local, ShardSpec(axis=0, group=group), bias,
+            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, dtype, topo,
+        )  # fmt: skip
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
@@ -319,9 +328,6 @@ class CommRowParallelLinear(nn.Layer):
         else:
             y = comm.reduce_from_tp(y, group=group)
         return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.group_name}={self.world}, sp={self.sequence_parallel}"
 
 
 class CommVocabParallelEmbedding(nn.Layer):
