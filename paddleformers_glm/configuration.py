@@ -493,10 +493,6 @@ class GlmMoeDsaConfig:
                     raise _err(key, f"must be true or false, got {v!r}")
             elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise _err(key, f"must be an integer >= 1, got {v!r}")
-        if self.context_parallel_size != 1:
-            raise _err(
-                "context_parallel_size", f"context parallel is not supported yet, got {self.context_parallel_size}"
-            )
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
@@ -568,8 +564,12 @@ class GlmMoeDsaConfig:
         new.validate()
         return new
 
-    def to_fleet_config(self) -> dict[str, Any]:
+    def to_fleet_config(self, layout: Any = None) -> dict[str, Any]:
         """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields.
+
+        The layout fields come from ``layout``, the run's layout (``parallel.topology.ParallelConfig``,
+        the type the trainer and ``glm52 plan`` use: tp, pp, ep, etp, sp, cp), else from the layout
+        the config file carried (one device when it carried none).
 
         The single place that maps this config onto Fleet's names (docs/config.md lists each name
         and the Fleet source revision it was read from). Fleet's rope type "rope" is transformers'
@@ -651,13 +651,26 @@ class GlmMoeDsaConfig:
                 "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
                 "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
                 "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
-                # layout
-                "tensor_model_parallel_size": self.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-                "expert_model_parallel_size": self.expert_model_parallel_size,
-                "expert_tensor_parallel_size": self.expert_tensor_model_parallel_size,
-                "sequence_parallel": bool(self.sequence_parallel),
-                "context_parallel_size": self.context_parallel_size,
+            }
+        )
+        if layout is None:  # the layout the file carried
+            p = self.parallel_settings()
+            tp, pp, ep = (
+                p["tensor_model_parallel_size"],
+                p["pipeline_model_parallel_size"],
+                p["expert_model_parallel_size"],
+            )
+            etp, sp, cp = p["expert_tensor_model_parallel_size"], p["sequence_parallel"], p["context_parallel_size"]
+        else:
+            tp, pp, ep, etp, sp, cp = layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp
+        d.update(
+            {
+                "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep,
+                "expert_tensor_parallel_size": etp,
+                "sequence_parallel": bool(sp),
+                "context_parallel_size": cp,
             }
         )
         return d

@@ -243,7 +243,7 @@ def test_invalid_configs_are_refused_naming_the_key(name, change, key):
         ({"pipeline_model_parallel_size": 0}, "pipeline_model_parallel_size"),
         ({"expert_tensor_model_parallel_size": "2"}, "expert_tensor_model_parallel_size"),
         ({"sequence_parallel": "yes"}, "sequence_parallel"),
-        ({"context_parallel_size": 2}, "context_parallel_size"),
+        ({"context_parallel_size": 0}, "context_parallel_size"),
     ],
 )
 def test_malformed_parallel_fields_are_refused(kwargs, key):
@@ -312,3 +312,27 @@ def test_overrides_win_over_keys_in_the_file(tmp_path):
     assert out["index_topk"] == src["index_topk"] // 2 and list(out) == list(src)
     cfg2 = GlmMoeDsaConfig.from_dict(src, max_position_embeddings=4096)
     assert cfg2.max_position_embeddings == 4096 and src["max_position_embeddings"] != 4096
+
+
+def test_fleet_config_takes_the_run_layout():
+    """``to_fleet_config(layout)`` fills Fleet's layout fields from the trainer's layout type; without
+    one, from what the file carried (context parallel included: the trainer runs it)."""
+    from paddleformers_glm.parallel.topology import ParallelConfig
+
+    cfg = GlmMoeDsaConfig.from_dict(official(), tensor_model_parallel_size=4, context_parallel_size=2)
+    assert (
+        cfg.to_fleet_config()["context_parallel_size"] == 2 and cfg.to_fleet_config()["tensor_model_parallel_size"] == 4
+    )
+    f = cfg.to_fleet_config(ParallelConfig(tp=2, pp=4, dp=2, ep=8, etp=2, sp=True, cp=2))
+    got = {
+        k: f[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+    }
+    got |= {k: f[k] for k in ("expert_tensor_parallel_size", "sequence_parallel", "context_parallel_size")}
+    assert got == {
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 4,
+        "expert_model_parallel_size": 8,
+        "expert_tensor_parallel_size": 2,
+        "sequence_parallel": True,
+        "context_parallel_size": 2,
+    }

@@ -58,7 +58,7 @@ def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1, sharding=1, shardin
         assert m["optimizer_bytes"] == want, (m, p)
         assert m["peak_bytes"] > 0 and m["peak_kind"] in ("peak_rss", "max_memory_allocated")
         # the activation estimate against the first step's peak saved bytes
-        micro = got["profile"]["global_batch_size"] // (lay.data_parallel * got["profile"]["micro_batch_size"])
+        micro = got["profile"]["global_batch_size"] // (lay.replicas * got["profile"]["micro_batch_size"])
         est = planmod.activation_bytes(config, lay, specs[p["stage"]], micro)
         assert 0.5 <= est / m["activations_bytes"] <= 2.0, (m["rank"], est, m["activations_bytes"])
 

@@ -36,6 +36,7 @@ Conventions:
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -505,137 +506,92 @@ def _fleet_vocab_embedding_class() -> type:
     return _PaddedVocabParallelEmbedding
 
 
-def ColumnParallelLinear(  # noqa: N802 - a layer factory, named like the layer it returns
-    in_features: int,
-    out_features: int,
-    has_bias: bool = False,
-    gather_output: bool = False,
-    sequence_parallel: bool = False,
-    *,
-    fuse_chunks: int = 1,
-    group: str = "tp",
-    dtype: str | None = None,
-    topo: Topology | None = None,
-) -> nn.Layer:
-    """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``): Fleet's ``ColumnParallelLinear`` under a
-    TP group (with ``sequence_parallel``: :class:`BatchFirstColumnSequenceParallelLinear`), else
-    :class:`CommColumnParallelLinear`.  ``fuse_chunks`` only changes the ShardSpec (each rank's
-    slice is ``[chunk0_r | chunk1_r | ...]``); the layer itself is the same."""
-    g = fleet_tp_group(group, sequence_parallel, topo)
-    if g is None or (sequence_parallel and gather_output):  # Fleet's SP column never gathers its output
-        return CommColumnParallelLinear(
-            in_features,
-            out_features,
-            has_bias,
-            gather_output,
-            sequence_parallel,
-            fuse_chunks=fuse_chunks,
-            group=group,
-            dtype=dtype,
-            topo=topo,
-        )
-    _check_column(out_features, g.nranks, fuse_chunks, gather_output, group)
+def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The factory's arguments by name, as ``cls`` (the layer it stands for) takes them."""
+    bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
+    """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``), arguments as
+    :class:`CommColumnParallelLinear`: Fleet's ``ColumnParallelLinear`` under a TP group (with
+    ``sequence_parallel``: :class:`BatchFirstColumnSequenceParallelLinear`), else ours.
+    ``fuse_chunks`` only changes the ShardSpec (each rank's slice is ``[chunk0_r | chunk1_r | ...]``);
+    the layer itself is the same."""
+    a = _bind(CommColumnParallelLinear, args, kwargs)
+    sp, group, gather, chunks = a["sequence_parallel"], a["group"], a["gather_output"], a["fuse_chunks"]
+    g = fleet_tp_group(group, sp, a["topo"])
+    if g is None or (sp and gather):  # Fleet's SP column never gathers its output
+        return CommColumnParallelLinear(*args, **kwargs)
+    _check_column(a["out_features"], g.nranks, chunks, gather, group)
     from paddle.distributed.fleet import meta_parallel as mpu
 
-    cls = BatchFirstColumnSequenceParallelLinear if sequence_parallel else mpu.ColumnParallelLinear
+    cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
     return _fleet_layer(
-        lambda: cls(in_features, out_features, has_bias=has_bias, gather_output=gather_output, mp_group=g),
-        dtype,
-        ShardSpec(axis=1, group=group, chunks=fuse_chunks),
-        ShardSpec(axis=0, group=group, chunks=fuse_chunks),
+        lambda: cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
+        a["dtype"],
+        ShardSpec(axis=1, group=group, chunks=chunks),
+        ShardSpec(axis=0, group=group, chunks=chunks),
         g.nranks,
     )
 
 
-def RowParallelLinear(  # noqa: N802 - a layer factory, named like the layer it returns
-    in_features: int,
-    out_features: int,
-    has_bias: bool = False,
-    input_is_parallel: bool = True,
-    sequence_parallel: bool = False,
-    *,
-    group: str = "tp",
-    dtype: str | None = None,
-    topo: Topology | None = None,
-) -> nn.Layer:
+def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
     """Row-parallel ``y = x W + b`` (W ``[in/tp, out]``, partial products all-reduced, bias added
-    once): Fleet's ``RowParallelLinear`` under a TP group (with ``sequence_parallel``:
-    :class:`BatchFirstRowSequenceParallelLinear`, output reduce-scattered over the sequence), else
-    :class:`CommRowParallelLinear`."""
-    g = fleet_tp_group(group, sequence_parallel, topo)
+    once), arguments as :class:`CommRowParallelLinear`: Fleet's ``RowParallelLinear`` under a TP
+    group (with ``sequence_parallel``: :class:`BatchFirstRowSequenceParallelLinear`, output
+    reduce-scattered over the sequence), else ours."""
+    a = _bind(CommRowParallelLinear, args, kwargs)
+    sp, group, parallel_in = a["sequence_parallel"], a["group"], a["input_is_parallel"]
+    g = fleet_tp_group(group, sp, a["topo"])
     if g is None:
-        return CommRowParallelLinear(
-            in_features,
-            out_features,
-            has_bias,
-            input_is_parallel,
-            sequence_parallel,
-            group=group,
-            dtype=dtype,
-            topo=topo,
-        )
-    _check_row(in_features, g.nranks, sequence_parallel, input_is_parallel, group)
+        return CommRowParallelLinear(*args, **kwargs)
+    _check_row(a["in_features"], g.nranks, sp, parallel_in, group)
     from paddle.distributed.fleet import meta_parallel as mpu
 
-    cls = BatchFirstRowSequenceParallelLinear if sequence_parallel else mpu.RowParallelLinear
+    cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
     return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
-        lambda: cls(in_features, out_features, has_bias=has_bias, input_is_parallel=input_is_parallel, mp_group=g),
-        dtype,
+        lambda: cls(
+            a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g
+        ),
+        a["dtype"],
         ShardSpec(axis=0, group=group),
-        ShardSpec(sequence_parallel=sequence_parallel),
+        ShardSpec(sequence_parallel=sp),
         g.nranks,
     )
 
 
-def VocabParallelEmbedding(  # noqa: N802 - a layer factory, named like the layer it returns
-    num_embeddings: int,
-    embedding_dim: int,
-    sequence_parallel: bool = False,
-    *,
-    padding_idx: int | None = None,
-    dtype: str | None = None,
-    topo: Topology | None = None,
-) -> nn.Layer:
-    """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``): Fleet's
-    ``VocabParallelEmbedding`` (plus torch's ``padding_idx``; with ``sequence_parallel`` its rows
-    summed by Fleet's ``ReduceScatterOp`` into the sequence shard) under a TP group, else
-    :class:`CommVocabParallelEmbedding`."""
-    g = fleet_tp_group("tp", sequence_parallel, topo)
+def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
+    """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``), arguments as
+    :class:`CommVocabParallelEmbedding`: Fleet's ``VocabParallelEmbedding`` (plus torch's
+    ``padding_idx``; with ``sequence_parallel`` its rows summed by Fleet's ``ReduceScatterOp`` into
+    the sequence shard) under a TP group, else ours."""
+    a = _bind(CommVocabParallelEmbedding, args, kwargs)
+    g = fleet_tp_group("tp", a["sequence_parallel"], a["topo"])
     if g is None:
-        return CommVocabParallelEmbedding(
-            num_embeddings, embedding_dim, sequence_parallel, padding_idx=padding_idx, dtype=dtype, topo=topo
-        )
-    if num_embeddings % g.nranks:
-        raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {g.nranks}")
-    with default_dtype(dtype):
+        return CommVocabParallelEmbedding(*args, **kwargs)
+    V = a["num_embeddings"]
+    if V % g.nranks:
+        raise ValueError(f"VocabParallelEmbedding: vocab size {V} not divisible by tp {g.nranks}")
+    with default_dtype(a["dtype"]):
         layer = _fleet_vocab_embedding_class()(
-            num_embeddings, embedding_dim, mp_group=g, padding_idx=padding_idx, sequence_parallel=sequence_parallel
+            V, a["embedding_dim"], mp_group=g, padding_idx=a["padding_idx"], sequence_parallel=a["sequence_parallel"]
         )
     set_shard_spec(layer.weight, ShardSpec(axis=0), g.nranks)
     return layer
 
 
-def ParallelLMHead(  # noqa: N802 - a layer factory, named like the layer it returns
-    hidden_size: int,
-    vocab_size: int,
-    sequence_parallel: bool = False,
-    *,
-    dtype: str | None = None,
-    topo: Topology | None = None,
-) -> nn.Layer:
-    """Output projection ``[H, V]`` split over the vocabulary: returns vocab-parallel logits
-    ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a column-parallel linear without gather;
-    with ``sequence_parallel`` it all-gathers the sequence shards first, Fleet's SP column layer)."""
-    if fleet_tp_group("tp", sequence_parallel, topo) is None:
-        return CommParallelLMHead(hidden_size, vocab_size, sequence_parallel, dtype=dtype, topo=topo)
+def ParallelLMHead(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
+    """Output projection ``[H, V]`` split over the vocabulary, arguments as :class:`CommParallelLMHead`:
+    returns vocab-parallel logits ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a
+    column-parallel linear without gather; with ``sequence_parallel`` it all-gathers the sequence
+    shards first, Fleet's SP column layer)."""
+    a = _bind(CommParallelLMHead, args, kwargs)
+    if fleet_tp_group("tp", a["sequence_parallel"], a["topo"]) is None:
+        return CommParallelLMHead(*args, **kwargs)
     return ColumnParallelLinear(
-        hidden_size,
-        vocab_size,
-        has_bias=False,
-        gather_output=False,
-        sequence_parallel=sequence_parallel,
-        dtype=dtype,
-        topo=topo,
+        a["hidden_size"], a["vocab_size"], sequence_parallel=a["sequence_parallel"], dtype=a["dtype"], topo=a["topo"]
     )
 
 

@@ -20,10 +20,11 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._io import write_json_atomic
+from ..parallel.topology import ParallelConfig
 
 __all__ = [
     "LayerCounts",
@@ -31,7 +32,6 @@ __all__ = [
     "state_items",
     "activation_bytes",
     "layer_counts",
-    "parallel_config",
     "plan_layout",
     "register_plan",
     "search_layouts",
@@ -41,22 +41,14 @@ GiB = 1024**3
 _ATTN_SAVE_ELEMS = 1 << 26  # the sparse attention's cap on kept keys + probabilities (modeling/attention.py)
 
 
-@dataclass
-class Layout:
-    """A parallel layout as ``glm52 train`` takes it (plus flags the planner understands ahead of the trainer)."""
+@dataclass(frozen=True)
+class Layout(ParallelConfig):
+    """A parallel layout: the trainer's own type (``ParallelConfig``: the sizes ``glm52 train`` lays a
+    run out by) plus the run settings the planner needs; ``sharding_stage`` 3 is the planner's only."""
 
-    tp: int = 1
-    pp: int = 1
     vpp: int = 1
-    dp: int = 1
-    ep: int = 1
-    etp: int = 1
-    sharding: int = 1
-    sharding_stage: int = 1
     sharding_partition: str = "even"  # "fleet": whole tensors, Fleet's DygraphShardingOptimizer
-    sp: bool = False
     recompute: str = "none"
-    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sequence
     seq_len: int = 4096
     micro_batch_size: int = 1
     global_batch_size: int = 0  # 0: one micro-batch per data-parallel rank per pipeline stage
@@ -65,32 +57,34 @@ class Layout:
     pp_layout: str | None = None
 
     @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.sharding * self.cp
-
-    @property
     def local_seq(self) -> int:
         """Tokens of a sequence one rank holds (its zigzag slice under context parallel)."""
         return self.seq_len // self.cp
 
-    @property
-    def data_parallel(self) -> int:
-        """All data-parallel replicas: plain dp x sharding ranks (sharding partitions state, not data)."""
-        return self.dp * self.sharding
+    def _parts(self) -> list[tuple[str, str]]:
+        """(summary, glm52 train flags) of each setting shown: tp, pp, dp, ep, recompute always,
+        the others where they are not the default."""
+        parts = [(f"TP{self.tp}", f"--tp {self.tp}"), (f"PP{self.pp}", f"--pp {self.pp}")]
+        parts += [(f"DP{self.dp}", f"--dp {self.dp}"), (f"EP{self.ep}", f"--ep {self.ep}")]
+        if self.etp > 1:
+            parts.append((f"ETP{self.etp}", f"--etp {self.etp}"))
+        if self.vpp > 1:
+            parts.append((f"VPP{self.vpp}", f"--vpp {self.vpp}"))
+        if self.sharding > 1:
+            s, st = self.sharding, self.sharding_stage
+            parts.append((f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}"))
+        if self.cp > 1:
+            parts.append((f"CP{self.cp}", f"--cp {self.cp}"))
+        if self.sp:
+            parts.append(("SP", "--sp"))
+        return parts + [(f"recompute={self.recompute}", f"--recompute {self.recompute}")]
 
     def describe(self) -> str:
-        s = f"TP{self.tp} PP{self.pp} DP{self.dp} EP{self.ep}"
-        if self.etp > 1:
-            s += f" ETP{self.etp}"
-        if self.vpp > 1:
-            s += f" VPP{self.vpp}"
-        if self.sharding > 1:
-            s += f" SHARD{self.sharding}/s{self.sharding_stage}"
-        if self.cp > 1:
-            s += f" CP{self.cp}"
-        if self.sp:
-            s += " SP"
-        return s + f" recompute={self.recompute}"
+        return " ".join(summary for summary, _ in self._parts())
+
+    def flags(self) -> str:
+        """The ``glm52 train`` flags of this layout."""
+        return " ".join(flags for _, flags in self._parts())
 
 
 # --------------------------------------------------------------------------- exact state counts
@@ -321,25 +315,6 @@ def _load_config(model: str) -> Any:
     return GlmMoeDsaConfig.from_pretrained(model)
 
 
-def parallel_config(lay: Layout) -> Any:
-    """The trainer's :class:`ParallelConfig` for ``lay`` (what ``glm52 train`` builds from the same
-    flags): dp and sharding stay separate, because the trainer lays the expert grid out over the
-    ``tp x dp x cp`` ranks of a stage and repeats it on every sharding rank."""
-    from ..parallel.topology import ParallelConfig
-
-    return ParallelConfig(
-        tp=lay.tp,
-        pp=lay.pp,
-        dp=lay.dp,
-        ep=lay.ep,
-        etp=lay.etp,
-        sp=lay.sp,
-        sharding=lay.sharding,
-        sharding_stage=min(lay.sharding_stage, 2),  # stage 3: planner only, checked below
-        cp=lay.cp,
-    )
-
-
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
     from ..parallel.topology import ParallelConfigError
@@ -349,12 +324,12 @@ def check_layout(config: Any, lay: Layout) -> None:
         raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
     if lay.sharding_stage not in (1, 2, 3):
         raise ParallelConfigError(f"--sharding-stage must be 1, 2 or 3, got {lay.sharding_stage}")
-    pc = parallel_config(lay)
+    pc = replace(lay, sharding_stage=min(lay.sharding_stage, 2))  # stage 3: planner only, checked above
     from ..parallel.context import check_seq_len
 
     check_seq_len(lay.seq_len, lay.cp)
     try:
-        pc.validate(lay.world, **glm_parallel_sizes(config))
+        pc.validate(lay.world_size, **glm_parallel_sizes(config))
     except ParallelConfigError as e:
         if lay.sharding > 1 and str(e).startswith("ep "):
             raise ParallelConfigError(
@@ -362,7 +337,7 @@ def check_layout(config: Any, lay: Layout) -> None:
             ) from e
         raise
     check_glm_sizes(config, pc)
-    if lay.global_batch_size and lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
+    if lay.global_batch_size and lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
         raise ParallelConfigError(
             f"--global-batch-size {lay.global_batch_size} must be divisible by dp {lay.dp} x sharding "
             f"{lay.sharding} x --micro-batch-size {lay.micro_batch_size}"
@@ -430,7 +405,7 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
 
     check_layout(config, lay)
     specs = split_stages(config.num_hidden_layers, lay.pp, layout=lay.pp_layout, has_mtp=config.num_mtp_layers > 0)
-    micro = (lay.global_batch_size // (lay.data_parallel * lay.micro_batch_size)) if lay.global_batch_size else lay.pp
+    micro = (lay.global_batch_size // (lay.replicas * lay.micro_batch_size)) if lay.global_batch_size else lay.pp
     kinds = []
     for spec in specs:
         params = stage_params(config, lay, spec)
@@ -459,7 +434,7 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
-    for rank in range(lay.world):
+    for rank in range(lay.world_size):
         xy = rank_coords(lay, rank)
         k = kinds[xy["pp"]]
         fields = ("expert_params", "params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes")
@@ -476,10 +451,10 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
         # (ep x etp)); its gradient sums over those and the sharding ranks (expert_replicas)
         "layout": lay.__dict__
         | {
-            "world": lay.world,
+            "world": lay.world_size,
             "micro_batches_per_step": micro,
-            "edp": parallel_config(lay).edp,
-            "expert_replicas": parallel_config(lay).edp * lay.sharding,
+            "edp": lay.edp,
+            "expert_replicas": lay.edp * lay.sharding,
         },
         "total_params": total_params(config, lay),
         "gpu_mem_gb": gpu_mem_gb,
@@ -525,14 +500,13 @@ def search_layouts(
                 # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
                 for sharding in pow2(dpt):
                     for rc in ("none", "core", "full"):
-                        lay = Layout(**(base.__dict__ | {}))
-                        lay.tp, lay.pp, lay.ep, lay.etp, lay.recompute = tp, pp, ep, 1, rc
-                        lay.sharding, lay.dp = sharding, dpt // sharding
-                        lay.sp = tp > 1
-                        lay.vpp = base.vpp if pp > 1 else 1  # --vpp: interleave every pipeline tried
+                        lay = replace(
+                            base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
+                            sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
+                        )  # fmt: skip
                         if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
                             break  # fewer layers than virtual chunks
-                        if lay.global_batch_size % (lay.data_parallel * lay.micro_batch_size):
+                        if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
                             break  # the global batch does not split over this layout's replicas
                         try:
                             p = plan_layout(config, lay, gpu_mem_gb, reserve_gb)
@@ -553,7 +527,7 @@ def search_layouts(
                             found.append(
                                 {
                                     "layout": lay.describe(),
-                                    "flags": _flags(lay),
+                                    "flags": lay.flags(),
                                     "max_rank_gib": p["max_rank_bytes"] / GiB,
                                     "comm_bytes": comm_cost(config, lay),
                                     "micro_batches": micro,
@@ -564,21 +538,6 @@ def search_layouts(
                             break  # the least recompute that fits
     found.sort(key=lambda r: (r["s_per_token"], r["recompute_rank"], r["max_rank_gib"]))
     return found[:limit]
-
-
-def _flags(lay: Layout) -> str:
-    s = f"--tp {lay.tp} --pp {lay.pp} --dp {lay.dp} --ep {lay.ep}"
-    if lay.etp > 1:
-        s += f" --etp {lay.etp}"
-    if lay.vpp > 1:
-        s += f" --vpp {lay.vpp}"
-    if lay.sharding > 1:
-        s += f" --sharding {lay.sharding} --sharding-stage {lay.sharding_stage}"
-    if lay.cp > 1:
-        s += f" --cp {lay.cp}"
-    if lay.sp:
-        s += " --sp"
-    return s + f" --recompute {lay.recompute}"
 
 
 def _table(plan: dict[str, Any]) -> str:
@@ -660,7 +619,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"glm52 plan: error: {e}", file=sys.stderr)
         return 2
     plan["seconds"] = time.perf_counter() - t0
-    print(f"{lay.describe()}  world {lay.world}  total params {plan['total_params']:,}")
+    print(f"{lay.describe()}  world {lay.world_size}  total params {plan['total_params']:,}")
     print(_table(plan))
     verdict = "fits" if plan["fits"] else "does NOT fit"
     print(
