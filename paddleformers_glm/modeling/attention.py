@@ -172,7 +172,7 @@ class MLAttention(nn.Layer):
         want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
         # the core (indexer + sparse attention) is the one hook of --recompute core
         out, topk, probs = run_core(
-            self._core, q_latent, c, k_rot, cos, sin, x_full, q_latent_full, key_padding, prev_topk,
+            self._core, q_latent, c, k_rot, (cos, sin), x_full, q_latent_full, key_padding, prev_topk,
             run_indexer, want_kl, cache, active=cache is None,
         )  # fmt: skip
         out = self._exit_tp(out)  # [B, S_local, hidden]
@@ -195,8 +195,7 @@ class MLAttention(nn.Layer):
         q_latent: paddle.Tensor,
         c: paddle.Tensor,
         k_rot: paddle.Tensor,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
         x_full: paddle.Tensor,
         q_latent_full: paddle.Tensor,
         key_padding: paddle.Tensor | None,
@@ -207,7 +206,8 @@ class MLAttention(nn.Layer):
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
         """The attention core -> (this rank's heads' o_proj output [B, S, hidden], top-k, probabilities
         or None): the indexer's selection (full layers) and the sparse attention over it, in the form
-        `attention_forms.choose_form` picks."""
+        `attention_forms.choose_form` picks. ``rope``: the (cos, sin) tables of the queries' positions."""
+        cos, sin = rope
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         core = self.core_attention
         k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
@@ -225,7 +225,7 @@ class MLAttention(nn.Layer):
         else:
             topk = prev_topk
         if form == "latent":  # k_rot un-roped: the latent form ropes it into [c, k_rot] in one kernel
-            out, probs = self._latent_attention(q_latent, c, k_rot, cos, sin, topk, want_kl)
+            out, probs = self._latent_attention(q_latent, c, k_rot, rope, topk, want_kl)
         else:
             k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
@@ -252,8 +252,7 @@ class MLAttention(nn.Layer):
         q_latent: paddle.Tensor,
         c: paddle.Tensor,
         k_rot: paddle.Tensor,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
         topk: paddle.Tensor,
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
@@ -267,6 +266,7 @@ class MLAttention(nn.Layer):
         (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat). With the
         compiled CPU kernels W_uv runs per head instead: out = [o_lat[h, :L] W_uv[h]]_h W_o.
         """
+        cos, sin = rope
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
         QL = q_latent.shape[-1]

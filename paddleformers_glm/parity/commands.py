@@ -15,23 +15,35 @@ def _write_json(path: str | None, report: dict[str, Any]) -> None:
     write_json_atomic(path, report)
 
 
+def _checker(sub: argparse._SubParsersAction, name: str, inputs: dict[str, str], run: Any, **text: str) -> Any:
+    """A checker's parser: its two inputs (name -> help), ``--json`` for the receipt, its runner."""
+    p = sub.add_parser(name, **text)
+    for arg, what in inputs.items():
+        p.add_argument(arg, help=what)
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON receipt here")
+    p.set_defaults(func=run)
+    return p
+
+
 def register_check_ckpt(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _checker(
+        sub,
         "check-ckpt",
+        {
+            "ref": "reference checkpoint folder (or .safetensors file)",
+            "cand": "candidate checkpoint folder (or .safetensors file)",
+        },
+        _run_check_ckpt,
         help="compare two checkpoints tensor for tensor (exit 0 match, 1 mismatch, 2 unusable input)",
         description="Strictly validate REF and CAND (headers, index, no symlink/hardlink/sparse file), hash every "
         "tensor canonically, and classify every key difference as naming, structural or value.",
     )
-    p.add_argument("ref", help="reference checkpoint folder (or .safetensors file)")
-    p.add_argument("cand", help="candidate checkpoint folder (or .safetensors file)")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON receipt here")
     p.add_argument(
         "--layout",
         choices=("hf", "fleet"),
         help="the candidate's layout; when it differs from REF's, naming differences explained by the AOA mapping pass",
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=_run_check_ckpt)
 
 
 def _run_check_ckpt(args: argparse.Namespace) -> int:
@@ -46,22 +58,21 @@ def _run_check_ckpt(args: argparse.Namespace) -> int:
 
 
 def register_check_loss(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _checker(
+        sub,
         "check-loss",
+        {"a": "loss.json of run A", "b": "loss.json of run B"},
+        _run_check_loss,
         help="compare two loss.json curves (exit 0 pass, 1 fail, 2 malformed input)",
         description="Read {'losses': [...]} from A and B and report length_match, enough_steps, consistent_steps, "
         "matching_steps, first_divergent_step (0-based), max_diff and bit_exact.",
     )
-    p.add_argument("a", help="loss.json of run A")
-    p.add_argument("b", help="loss.json of run B")
     p.add_argument("--steps", type=int, help="compare the first N steps; each file must have at least N")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--bit-exact", action="store_true", help="every compared loss must be identical (default)")
     mode.add_argument("--atol", type=float, help="absolute tolerance: |a-b| <= atol + rtol*|b|")
     p.add_argument("--rtol", type=float, help="relative tolerance (with --atol, or alone)")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON receipt here")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of both curves and |diff| per step")
-    p.set_defaults(func=_run_check_loss)
 
 
 def _run_check_loss(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ import json
 import os
 import shlex
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
@@ -21,7 +22,41 @@ from ..cpu_env import apply_mkl_default
 if TYPE_CHECKING:
     from .loop import TrainConfig
 
-__all__ = ["add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+__all__ = ["add_layout_arguments", "add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+
+
+def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> None:
+    """The parallel-layout flags ``glm52 train`` and ``glm52 plan`` share (one layout type:
+    ``parallel.topology.ParallelConfig``; the planner also knows sharding stage 3)."""
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp x sharding x cp)")
+    g.add_argument(
+        "--sharding",
+        type=int,
+        default=1,
+        help="Fleet sharding degree: more data replicas, each holding 1/N of the optimizer state",
+    )
+    g.add_argument(
+        "--sharding-stage",
+        type=int,
+        default=1,
+        choices=list(sharding_stages),
+        help="1: optimizer state sharded; 2: gradients too" + ("; 3: parameters too" if 3 in sharding_stages else ""),
+    )
+    g.add_argument("--cp", type=int, default=1, help="context parallel size: zigzag sequence slices (world = ... x cp)")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp x cp)")
+    g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+    g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
+    g.add_argument(
+        "--pp-layout", default=None, help="e.g. 'E,t*4|t*4,m,L' or per-stage layer counts '3,5' (docs/parallel.md)"
+    )
+    g.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual pipeline stages per rank (Fleet's interleaved schedule; --pp-layout then lists pp x vpp chunks)",
+    )
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,33 +68,9 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
     g = ap.add_argument_group("parallel layout")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    g.add_argument("--dp", type=int, default=1, help="data parallel size (world = tp x pp x dp x sharding)")
-    g.add_argument(
-        "--sharding",
-        type=int,
-        default=1,
-        help="Fleet sharding degree: more data replicas, each holding 1/N of the optimizer state",
-    )
-    g.add_argument(
-        "--sharding-stage", type=int, default=1, choices=[1, 2], help="1: optimizer state sharded; 2: gradients too"
-    )
-    g.add_argument("--cp", type=int, default=1, help="context parallel size: zigzag sequence slices (world = ... x cp)")
-    g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp x cp)")
-    g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
-    g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
-    g.add_argument(
-        "--pp-layout", default=None, help="e.g. 'E,t*4|t*4,m,L' or per-stage layer counts '3,5' (docs/parallel.md)"
-    )
+    add_layout_arguments(g)
     g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
     g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
-    g.add_argument(
-        "--vpp",
-        type=int,
-        default=1,
-        help="virtual pipeline stages per rank (Fleet's interleaved schedule; --pp-layout then lists pp x vpp chunks)",
-    )
     g.add_argument(
         "--schedule", default="1f1b", choices=["1f1b"], help="pipeline schedule (Fleet's 1F1B; --vpp interleaves it)"
     )

@@ -25,6 +25,7 @@ from typing import Any
 
 from .._io import write_json_atomic
 from ..parallel.topology import ParallelConfig
+from .command import add_layout_arguments
 
 __all__ = [
     "LayerCounts",
@@ -635,22 +636,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="per-rank memory of a parallel layout (exact state, estimated activations)")
     p.add_argument("--model", required=True, help="checkpoint or config folder with config.json")
     g = p.add_argument_group("layout (as glm52 train)")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--pp", type=int, default=1)
-    g.add_argument(
-        "--vpp", type=int, default=1, help="virtual pipeline chunks (planner only: the trainer has none yet)"
-    )
-    g.add_argument("--dp", type=int, default=1)
-    g.add_argument("--ep", type=int, default=1)
-    g.add_argument("--etp", type=int, default=1)
-    g.add_argument(
-        "--sharding",
-        type=int,
-        default=1,
-        help="optimizer-state sharding degree (ZeRO; world = tp x pp x dp x sharding x cp); every sharding "
-        "rank holds the whole expert grid, which spans tp x dp x cp",
-    )
-    g.add_argument("--sharding-stage", type=int, default=1, help="1: optimizer state, 2: + gradients, 3: + parameters")
+    add_layout_arguments(g, sharding_stages=(1, 2, 3))
     g.add_argument(
         "--sharding-partition",
         default="even",
@@ -658,15 +644,12 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         help="stage-1 state split: even (sharding V2 / Megatron style) or fleet (whole tensors, Fleet's "
         "DygraphShardingOptimizer, what glm52 train's --sharding uses)",
     )
-    g.add_argument("--sp", action="store_true")
-    g.add_argument("--cp", type=int, default=1, help="context parallel size (world = tp x pp x dp x sharding x cp)")
     g.add_argument(
         "--recompute",
         default="none",
         choices=["none", "core", "full"],
         help="activation recompute (planner ahead of the trainer)",
     )
-    g.add_argument("--pp-layout", default=None)
     g.add_argument("--seq-len", type=int, default=4096)
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=0, help="0: pp micro-batches per step")
