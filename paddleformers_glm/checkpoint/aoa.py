@@ -6,7 +6,7 @@ placeholders from the config's per-layer schedule (indexer only on "full" layers
 dense vs MoE MLP, the MTP wrapper prefix, one unit per routed expert) and adds cast lines; Paddle's
 ``AOAEngine`` parses and runs the statements. Macros are expanded here rather than by the engine
 because the engine's ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse
-direction on intermediate tensors (probes/paddle-aoa/README.md).
+direction on intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured).
 
 Three sets of units come out of the same file:
 
