@@ -120,14 +120,14 @@ def generate(
 def _mtp_step(model: paddle.nn.Layer, mtp: paddle.nn.Layer, cache: object, hidden: paddle.Tensor, ids: paddle.Tensor):
     """The MTP layer on n new positions i (main hidden h_i [B, n, H], token i+1 ids [B, n]) through
     its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V]."""
-    import paddle
 
-    x = mtp.eh_proj(paddle.concat([mtp.enorm(model.model.embedding(ids)), mtp.hnorm(hidden)], axis=-1))
     n = ids.shape[1]
     prefill = cache.length == 0
     positions, key_valid = cache.begin(None, n)
     cos, sin = model.model.rotary_emb(positions)
-    x, _, _ = mtp.transformer_layer(x, cos, sin, None if prefill else key_valid, None, cache=cache.layers[0])
+    x, _, _ = mtp(
+        hidden, model.model.embedding(ids), cos, sin, None if prefill else key_valid, None, cache=cache.layers[0]
+    )
     cache.advance(n)
     return model.logits(mtp.norm(x[:, -1:]))[:, -1]
 

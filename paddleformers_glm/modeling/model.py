@@ -445,7 +445,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
         """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
         for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
-        folder's tokenizer / generation config / chat template files along. Built under a
+        folder's tokenizer / generation config / chat template files along. Built for a
         multi-rank topology (tensor/expert parallel) it is collective: every rank writes the
         tensors it owns (checkpoint/distributed.py ``save_pretrained_distributed``), no rank gathers the
         model, and the files are the same bytes as a one-process save."""

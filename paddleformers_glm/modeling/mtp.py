@@ -20,6 +20,7 @@ from paddle import nn
 from ..configuration import GlmMoeDsaConfig
 from ..parallel.layers import mark_sequence_parallel
 from ..parallel.topology import Topology
+from .cache import LayerCache
 from .decoder import DecoderLayer
 from .norms import RMSNorm
 
@@ -46,8 +47,11 @@ class MTPLayer(nn.Layer):
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
         main_topk: paddle.Tensor | None,
+        cache: LayerCache | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
-        """-> (h_d [B, S, H] before `norm`, top-k used, indexer KL loss or None)."""
+        """-> (h_d [B, S, H] before `norm`, top-k used, indexer KL loss or None). ``cache``: the
+        layer's own decoding cache (speculative decoding drafts with it; it runs its own indexer)."""
         x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
         reuse = self.share_topk and main_topk is not None
-        return self.transformer_layer(x, cos, sin, key_padding, main_topk if reuse else None, reuse_topk=reuse)
+        topk = main_topk if reuse else None
+        return self.transformer_layer(x, cos, sin, key_padding, topk, reuse_topk=reuse, cache=cache)
