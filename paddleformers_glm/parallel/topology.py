@@ -186,6 +186,19 @@ class Topology:
         self._groups.update(groups or {})
         self._ranks = {name: 0 for name in GROUP_NAMES}
         self._ranks.update(ranks or {})
+        self._sizes = {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp, "sharding": pc.sharding, "ep": pc.ep}
+        self._sizes.update(etp=pc.etp, edp=pc.edp, cp=pc.cp)
+        # a topology is fixed once built: what layers read is plain data (size, rank, group per dimension)
+        r, g = self._ranks, {n: self._groups[n] if self._sizes[n] > 1 else None for n in GROUP_NAMES}
+        self.world_size, self.sequence_parallel, self.stage = pc.world_size, pc.sp, r["pp"]
+        self.tp_size, self.tp_rank, self.tp_group = pc.tp, r["tp"], g["tp"]
+        self.pp_size, self.pp_rank, self.pp_group = pc.pp, r["pp"], g["pp"]
+        self.dp_size, self.dp_rank, self.dp_group = pc.dp, r["dp"], g["dp"]
+        self.sharding_size, self.sharding_rank, self.sharding_group = pc.sharding, r["sharding"], g["sharding"]
+        self.ep_size, self.ep_rank, self.ep_group = pc.ep, r["ep"], g["ep"]
+        self.etp_size, self.etp_rank, self.etp_group = pc.etp, r["etp"], g["etp"]
+        self.edp_size, self.edp_rank, self.edp_group = pc.edp, r["edp"], g["edp"]
+        self.cp_size, self.cp_rank, self.cp_group = pc.cp, r["cp"], g["cp"]
         # global rank of every pipeline stage at this process's (dp, tp) coordinate
         self.stage_ranks = list(stage_ranks) if stage_ranks is not None else [rank]
         self.hcg = hcg
@@ -219,25 +232,12 @@ class Topology:
         """One process: every group None, every size 1 (what a model is built for by default)."""
         return cls(ParallelConfig())
 
-    # ---------------------------------------------------------------- sizes / ranks / groups
-    @property
-    def world_size(self) -> int:
-        return self.pc.world_size
-
+    # ---------------------------------------------------------------- sizes / ranks / groups by name
     def size(self, name: str) -> int:
         """Size of group ``name`` (one of GROUP_NAMES)."""
         if name not in GROUP_NAMES:
             raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
-        return {
-            "tp": self.pc.tp,
-            "pp": self.pc.pp,
-            "dp": self.pc.dp,
-            "sharding": self.pc.sharding,
-            "ep": self.pc.ep,
-            "etp": self.pc.etp,
-            "edp": self.pc.edp,
-            "cp": self.pc.cp,
-        }[name]
+        return self._sizes[name]
 
     def group(self, name: str) -> Any:
         """The ``paddle.distributed`` Group for ``name``, or None when that dimension has size 1."""
@@ -250,35 +250,6 @@ class Topology:
         if name not in GROUP_NAMES:
             raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
         return self._ranks[name]
-
-    tp_group = property(lambda self: self.group("tp"))
-    pp_group = property(lambda self: self.group("pp"))
-    dp_group = property(lambda self: self.group("dp"))
-    sharding_group = property(lambda self: self.group("sharding"))
-    sharding_rank = property(lambda self: self._ranks["sharding"])
-    sharding_size = property(lambda self: self.pc.sharding)
-    ep_group = property(lambda self: self.group("ep"))
-    etp_group = property(lambda self: self.group("etp"))
-    edp_group = property(lambda self: self.group("edp"))
-    cp_group = property(lambda self: self.group("cp"))
-    cp_rank = property(lambda self: self._ranks["cp"])
-    cp_size = property(lambda self: self.pc.cp)
-    tp_rank = property(lambda self: self._ranks["tp"])
-    pp_rank = property(lambda self: self._ranks["pp"])
-    dp_rank = property(lambda self: self._ranks["dp"])
-    ep_rank = property(lambda self: self._ranks["ep"])
-    etp_rank = property(lambda self: self._ranks["etp"])
-    edp_rank = property(lambda self: self._ranks["edp"])
-    tp_size = property(lambda self: self.pc.tp)
-    pp_size = property(lambda self: self.pc.pp)
-    dp_size = property(lambda self: self.pc.dp)
-    ep_size = property(lambda self: self.pc.ep)
-    etp_size = property(lambda self: self.pc.etp)
-    sequence_parallel = property(lambda self: self.pc.sp)
-
-    @property
-    def stage(self) -> int:
-        return self._ranks["pp"]
 
     @property
     def is_first_stage(self) -> bool:
