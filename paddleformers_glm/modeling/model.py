@@ -291,6 +291,13 @@ class GlmMoeDsaModel(nn.Layer):
         return self.norm(hidden), topk, kls
 
 
+def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its callers
+    config: GlmMoeDsaConfig, layer_ids: Sequence[int], *, embedding: bool, norm: bool, topo: Topology | None = None
+) -> GlmMoeDsaModel:
+    """The part of the stack one pipeline stage holds: :class:`GlmMoeDsaModel` built for ``layer_ids``."""
+    return GlmMoeDsaModel(config, topo, layer_ids=layer_ids, embedding=embedding, norm=norm)
+
+
 _LOG = logging.getLogger("paddleformers_glm.checkpoint")
 
 
