@@ -600,19 +600,20 @@ def parallel_cross_entropy(
     labels: paddle.Tensor,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
-    group: Any = None,
+    group: Any = "tp",
 ) -> paddle.Tensor:
     """Cross entropy over vocab-parallel logits [..., V/tp] and labels [...] (int64), in fp32.
 
     HF convention: tokens labelled ``ignore_index`` contribute nothing; ``reduction="mean"`` divides by
     the number of the other tokens (0 when there are none). ``"sum"`` and ``"none"`` (per token) are
     what a trainer that normalises over a whole global batch wants. No shifting happens here.
-    At tp=1 this is ``F.cross_entropy``; under TP it is Fleet's ``ParallelCrossEntropy``.
+    At tp=1 this is ``F.cross_entropy``; under TP it is Fleet's ``ParallelCrossEntropy``. ``group``:
+    the group the vocabulary is split over (None: not split), or the name of one of the process's.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"parallel_cross_entropy: reduction must be mean|sum|none, got {reduction!r}")
-    topo = get_topology()
-    group = topo.tp_group if group is None else group
+    if isinstance(group, str):  # a group name: the process's topology (the model passes its own group)
+        group = get_topology().group(group)
     if labels.ndim == logits.ndim:
         labels = labels.squeeze(-1)
     labels = labels.astype("int64")
