@@ -61,6 +61,7 @@ def generate(
     pad_token_id: int | None = None,
     seed: int | None = None,
     streamer: Callable[[np.ndarray], None] | None = None,
+    decode_step: Callable[..., paddle.Tensor] | None = None,
 ) -> paddle.Tensor:
     """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B, S + n] int64.
 
@@ -68,6 +69,9 @@ def generate(
     produced an EOS token (``eos_token_id``, default the config's; ``[]`` for none) continues with
     ``pad_token_id`` (default the config's, else 0); generation stops early once every row has
     finished. ``streamer`` is called with each step's new tokens [B] as they are chosen.
+    ``decode_step`` replaces ``model.decode_step`` (same arguments), e.g. by its
+    ``paddle.jit.to_static`` capture; the cache is allocated once for the whole generation, so the
+    step's shapes never change.
     """
     import paddle
 
@@ -94,10 +98,12 @@ def generate(
         with paddle.no_grad():
             cache = DSACache.for_config(config, B, capacity=S + max_new_tokens)
             out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits_t = out.logits[:, -1]
+            step_fn = decode_step or model.decode_step
             finished = np.zeros([B], dtype=bool)
             new: list[np.ndarray] = []
             for step in range(max_new_tokens):
-                logits = out.logits[:, -1].astype("float32").numpy().astype(np.float64)  # [B, V]
+                logits = logits_t.astype("float32").numpy().astype(np.float64)  # [B, V]: the one host read
                 if do_sample:
                     nxt = _sample(logits, temperature, top_k, top_p, rng)
                 else:
@@ -110,7 +116,9 @@ def generate(
                     streamer(nxt)
                 if finished.all() or step == max_new_tokens - 1:
                     break
-                out = model(paddle.to_tensor(nxt[:, None]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                positions, _ = cache.begin(None, 1)
+                logits_t = step_fn(paddle.to_tensor(nxt[:, None]), positions, cache.slots, cache)
+                cache.advance(1)
     finally:
         if was_training:
             model.train()

@@ -21,7 +21,8 @@ head instead, where that is cheaper). Decoding (`forward_decode`) always reads t
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NamedTuple
+
 import paddle
 from paddle import nn
 
@@ -37,7 +38,8 @@ from .attention_forms import (
     choose_form,
     dense_head_attention,
     dense_masked_attention,
-    gather_keys,
+    fold_pays,
+    latent_decode_attention,
     sparse_attention,
     sparse_latent_attention,
 )
@@ -294,55 +296,138 @@ class MLAttention(nn.Layer):
         key_valid: paddle.Tensor,
         prev_topk: paddle.Tensor | None,
         cache: LayerCache,
+        slots: paddle.Tensor | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """n new tokens x [B, n, hidden] against the cache's past -> (out [B, n, hidden], top-k [B, n, k]).
 
-        key_valid [B, T] (T = past + n) marks real tokens. The new latent rows and indexer keys are
-        appended first; the indexer scores the T cached keys (causal within the new tokens, padding
-        masked) and keeps min(index_topk, T), as HF's indexer does over its key cache; a shared
-        layer uses `prev_topk`, the full layer's selection of this same step. The attention then
-        reads only the k selected latent rows, with kv_b_proj absorbed:
+        ``slots`` [n]: the cache slots of the new tokens (default the cache's, from its ``begin``);
+        key_valid [B, capacity] marks real tokens. The new latent rows and indexer keys are written
+        first; the indexer scores the whole cache (a slot after a query's own, or not valid, is
+        masked) and keeps min(index_topk, capacity) slots, the ones HF's indexer keeps over its key
+        cache plus empty ones (-1); a shared layer uses `prev_topk`, the full layer's selection of
+        this same step. The attention then reads only the k selected latent rows, with kv_b_proj
+        absorbed (`prepare_decode_weights`, once per cache):
 
-            q_lat = [q_nope[h] W_uk[h]^T, rope(q_rot[h])]           [B, n, H, kv_lora + rope]
-            o_lat = softmax(q_lat . kv_sel^T * scale) kv_sel          kv_sel [B, n, k, kv_lora + rope]
+            q_lat = [q_nope[h] W_uk[h]^T, rope(q_rot[h])] * scale   [B, n, H, kv_lora + rope]
+            o_lat = softmax(q_lat . kv_sel^T) kv_sel                 kv_sel [B, n, k, kv_lora + rope]
             out   = o_proj([o_lat[h, :kv_lora] W_uv[h]]_h)
 
-        so a step costs O(k) in the attention (the indexer's O(T) scoring is its purpose).
+        so a step costs O(k) in the attention (the indexer's O(capacity) scoring is its purpose).
+        All shapes follow the capacity, and nothing is read back to the host: the step can be
+        traced once (``paddle.jit.to_static``) or captured (a CUDA graph) and replayed.
         """
-        B, n, H = x.shape[0], x.shape[1], self.num_heads
-        L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
-        start = cache.owner.length
-        T = start + n
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, n, q_lora]
-        c, k_rot = paddle.split(self.kv_a_proj_with_mqa(x), [L, dr], axis=-1)
-        cache.put_latent(rope_concat(self.kv_a_layernorm(c), k_rot, cos, sin, self.interleave))
-        core = self.core_attention
-        if core.indexer is not None:  # the new queries over the T cached keys
-            positions = np.arange(start, T, dtype=np.int64)
-            topk = core.indexer(x, q_latent, cos, sin, key_valid, positions=positions, keys=cache.index_keys_through)
+        if self.tp > 1 or self.cp > 1:
+            raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")
+        w = cache.decode_weights
+        if w is None:  # once per cache: the weights do not change while it decodes
+            with paddle.no_grad():
+                w = cache.decode_weights = prepare_decode_weights(self)
+        slots = cache.owner.slots if slots is None else slots
+        B, n = x.shape[0], x.shape[1]
+        H, L, dr = w.heads, w.kv_lora, w.rope_dim
+        xa = paddle.matmul(x, w.x_proj)  # q_a | c | k_rot (| indexer key | indexer head weights)
+        if w.x_bias is not None:
+            xa = xa + w.x_bias
+        parts = paddle.split(xa, w.x_split, axis=-1)
+        q_latent = ops.rms_norm(parts[0], w.q_norm, w.q_norm_eps)
+        c = ops.rms_norm(parts[1], w.kv_norm, w.kv_norm_eps)
+        latent = cache.write_latent(rope_concat(c, parts[2], cos, sin, self.interleave), slots)  # [B, cap, D]
+        q_parts = paddle.split(paddle.matmul(q_latent, w.q_proj), w.q_split, axis=-1)
+        indexer = w.indexer
+        if indexer is not None:  # the new queries over every cached key
+            iq, ik, iw = indexer.finish_projection(q_parts[2], parts[3], parts[4], cos, sin)
+            topk = indexer.select(
+                iq, ik, iw, key_valid, positions=slots, keys=lambda k: cache.write_index_keys(k, slots)
+            )
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
             topk = prev_topk
-
-        q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B * n, H, dn + dr])
-        q_nope, q_rot = paddle.split(q, [dn, dr], axis=-1)
-        wkv = self.kv_b_proj.weight.reshape([L, H, dn + dv]).transpose([1, 0, 2])  # [H, L, dn + v]
-        w_uk, w_uv = paddle.split(wkv, [dn, dv], axis=-1)  # [H, L, dn], [H, L, v]
-        q_abs = paddle.matmul(q_nope.transpose([1, 0, 2]), w_uk, transpose_y=True)  # [H, B*n, L]
-        q_abs = q_abs.transpose([1, 0, 2]).reshape([B, n, H, L])
-        q_lat = rope_concat(q_abs, q_rot.reshape([B, n, H, dr]), cos, sin, self.interleave)  # [B, n, H, L + rope]
-        valid = topk >= 0  # [B, n, k]
-        kv_sel = gather_keys(cache.latent_upto(T), topk)  # [B, n, k, L + rope]
-        s = paddle.matmul(q_lat, kv_sel, transpose_y=True).astype("float32") * core.scale  # [B, n, H, k]
-        any_valid = valid.any(axis=-1, keepdim=True).unsqueeze(2)  # [B, n, 1, 1]
-        s = paddle.where(valid.unsqueeze(2), s, paddle.full_like(s, float("-inf")))
-        s = paddle.where(any_valid, s, paddle.zeros_like(s))  # a query without keys: kept finite
-        p = nn.functional.softmax(s, axis=-1).astype(kv_sel.dtype)
-        o_lat = paddle.matmul(p, kv_sel)  # [B, n, H, L + rope]
-        o = o_lat[..., :L].reshape([B * n, H, L]).transpose([1, 0, 2])  # [H, B*n, L]
-        v = paddle.matmul(o, w_uv).transpose([1, 0, 2]).reshape([B, n, H * dv])
-        out = nn.functional.linear(v, self.o_proj.weight)
-        if self.o_proj.bias is not None:
-            out = out + self.o_proj.bias
+        if w.w_uk is None:  # W_uk folded into q_proj
+            q_abs = q_parts[0].reshape([B, n, H, L])
+        else:
+            q_abs = ops.head_matmul(q_parts[0].reshape([B * n, H, w.nope]), w.w_uk).reshape([B, n, H, L])
+        q_lat = rope_concat(q_abs, q_parts[1].reshape([B, n, H, dr]), cos, sin, self.interleave)
+        o = latent_decode_attention(q_lat, latent, topk)  # [B, n, H, L + rope]
+        if w.w_uv is None:  # W_uv folded into o_proj (zero rows for the rope columns)
+            out = paddle.matmul(o.reshape([B, n, H * (L + dr)]), w.o_proj)
+        else:
+            out = ops.latent_out_proj(o, w.w_uv, w.o_proj)
+        if w.o_bias is not None:
+            out = out + w.o_bias
         return out, topk
+
+
+class DecodeWeights(NamedTuple):
+    """What one attention layer's decode step multiplies by (`prepare_decode_weights`)."""
+
+    heads: int
+    kv_lora: int
+    rope_dim: int
+    nope: int
+    x_proj: paddle.Tensor  # [hidden, q_lora + kv_lora + rope (+ Di + Hi)]: everything computed from x
+    x_bias: paddle.Tensor | None
+    x_split: list[int]
+    q_norm: paddle.Tensor
+    q_norm_eps: float
+    kv_norm: paddle.Tensor
+    kv_norm_eps: float
+    q_proj: paddle.Tensor  # [q_lora, H (kv_lora or nope) + H rope (+ Hi Di)]: everything from q_latent
+    q_split: list[int]
+    w_uk: paddle.Tensor | None  # [H, nope, kv_lora] (scaled), or None when folded into q_proj
+    o_proj: paddle.Tensor  # [H (kv_lora + rope), hidden] with W_uv folded in, or W_o [H v, hidden]
+    w_uv: paddle.Tensor | None  # [H, kv_lora, v], or None when folded into o_proj
+    o_bias: paddle.Tensor | None
+    indexer: DSAIndexer | None
+
+
+def prepare_decode_weights(attn: MLAttention) -> DecodeWeights:
+    """A decode step's weights from the layer's parameters, made when a cache starts decoding and
+    kept by it (a generation's weights do not change; Paddle's in-place version counters do not
+    move on `set_value` or an optimizer step, so a copy kept across generations could go stale
+    unnoticed). The projections that read the same input are concatenated (one GEMM where there
+    were up to four), the softmax scale is folded into the query side, and kv_b_proj's halves
+    W_uk / W_uv are either folded into the query and output projections or kept per head,
+    whichever `attention_forms.fold_pays` finds cheaper (a folded weight saves the per-head GEMMs
+    and their dispatch but can hold many more floats: at the official widths W_uk folded into q
+    would more than double the query weights, so there they stay apart)."""
+    core = attn.core_attention
+    H, L, dn, dr, dv = attn.num_heads, attn.kv_lora, attn.nope, attn.rope_dim, attn.v_dim
+    hidden, QL = attn.q_a_proj.weight.shape[0], attn.q_a_proj.weight.shape[1]
+    scale = float(core.scale)
+    indexer = core.indexer
+    x_w = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
+    if indexer is not None:
+        x_w += [indexer.wk.weight, indexer.weights_proj.weight.astype(x_w[0].dtype)]
+    x_split = [QL, L, dr] + ([indexer.head_dim, indexer.n_heads] if indexer is not None else [])
+    x_bias = None
+    if attn.q_a_proj.bias is not None:
+        x_bias = paddle.concat(
+            [attn.q_a_proj.bias, attn.kv_a_proj_with_mqa.bias, paddle.zeros([sum(x_split[3:])], x_w[0].dtype)]
+        )
+    wq = attn.q_b_proj.weight.reshape([QL, H, dn + dr])
+    wq_nope, wq_rot = paddle.split(wq, [dn, dr], axis=-1)
+    wkv = attn.kv_b_proj.weight.reshape([L, H, dn + dv]).transpose([1, 0, 2])  # [H, L, dn + v]
+    w_uk, w_uv = paddle.split(wkv, [dn, dv], axis=-1)  # [H, L, dn], [H, L, v]
+    w_uk = (w_uk.transpose([0, 2, 1]) * scale).contiguous()  # [H, dn, L], the softmax scale folded in
+    q_w = [wq_rot.reshape([QL, H * dr]) * scale]
+    if fold_pays(QL * H * dn + H * dn * L, QL * H * L, ops_saved=1):
+        q_w.insert(0, paddle.matmul(wq_nope.transpose([1, 0, 2]), w_uk).transpose([1, 0, 2]).reshape([QL, H * L]))
+        w_uk = None
+    else:
+        q_w.insert(0, wq_nope.reshape([QL, H * dn]))
+    if indexer is not None:
+        q_w.append(indexer.wq_b.weight.astype(q_w[0].dtype))
+    w_o = attn.o_proj.weight  # [H v, hidden]
+    if fold_pays(H * L * dv + H * dv * hidden, H * (L + dr) * hidden, ops_saved=1):
+        folded = paddle.matmul(w_uv, w_o.reshape([H, dv, hidden]))  # [H, L, hidden]
+        o_w = paddle.concat([folded, paddle.zeros([H, dr, hidden], folded.dtype)], axis=1)
+        o_w, w_uv = o_w.reshape([H * (L + dr), hidden]), None
+    else:
+        o_w, w_uv = w_o, w_uv.contiguous()
+    qn, kvn = attn.q_a_layernorm, attn.kv_a_layernorm
+    return DecodeWeights(
+        H, L, dr, dn, paddle.concat(x_w, axis=1), x_bias, x_split, qn.weight, float(qn.eps), kvn.weight,
+        float(kvn.eps), paddle.concat(q_w, axis=1), [t.shape[1] for t in q_w], w_uk, o_w, w_uv,
+        attn.o_proj.bias, indexer,
+    )  # fmt: skip

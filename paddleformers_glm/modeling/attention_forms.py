@@ -69,6 +69,41 @@ def choose_form(implementation: str, batch: int, seq: int, topk: int, heads: int
     return "sparse"
 
 
+# What one dispatched op costs, in floats of weight streamed: ~5 us of dispatch at the ~13 GB/s a
+# one-row GEMM reads its weight with on one core (docs/performance.md, decoding).
+OP_COST_FLOATS = 1 << 14
+
+
+def fold_pays(unfolded_floats: int, folded_floats: int, ops_saved: int) -> bool:
+    """Whether a product of two weights, precomputed, is cheaper to multiply by than the two
+    factors in turn: a decode step streams every weight once per token, so the cost of a form is
+    the floats it reads plus `OP_COST_FLOATS` per op it dispatches."""
+    return folded_floats <= unfolded_floats + ops_saved * OP_COST_FLOATS
+
+
+def latent_decode_attention(q: paddle.Tensor, latent: paddle.Tensor, topk: paddle.Tensor) -> paddle.Tensor:
+    """The latent form for a decode step: q [B, n, H, D] (scale folded in) over the rows of a
+    whole cache latent [B, T, D] that topk [B, n, k] selects (-1 = empty) -> [B, n, H, D].
+
+    One gather of the k selected rows per query (shared by the H heads), two GEMMs and a masked
+    softmax; shapes follow T (the capacity), never the filled length. A query without any valid
+    slot (only a padding token fed at decode has none) attends uniformly to its k gathered rows
+    (its batch's slot 0), as an additive mask of the fp32 minimum gives."""
+    B, n, H, D = q.shape
+    T, K = latent.shape[1], topk.shape[-1]
+    rows = paddle.clip(topk, min=0)
+    if B > 1:
+        rows = rows + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])
+    kv = paddle.gather(latent.reshape([B * T, D]), rows.reshape([-1])).reshape([B * n, K, D])
+    s = paddle.matmul(q.reshape([B * n, H, D]), kv, transpose_y=True)  # [B n, H, k]
+    mask = (topk < 0).astype(q.dtype).scale_(_FP32_MIN).reshape([B * n, K])  # 0 or the fp32 minimum
+    p = ops.masked_softmax_(s, mask)
+    return paddle.matmul(p, kv).reshape([B, n, H, D])
+
+
+_FP32_MIN = float(paddle.finfo(paddle.float32).min)
+
+
 class SelectionCache:
     """The index forms derived from one top-k (the latent form's tables, the dense form's S x S mask).
 

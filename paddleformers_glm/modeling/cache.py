@@ -11,6 +11,12 @@ All rows of a batch advance together: a left-padded prompt occupies the same cac
 other rows, and ``key_valid`` marks the real-token slots so that neither the attention nor the
 indexer's top-k ever selects them. ``positions`` is each row's next rope position (the count of its
 real tokens), which is how a left-padded row decodes exactly as if it were alone.
+
+A decode step sees the cache through tensors only: the slots its new tokens fill (``slots``, from
+``begin``), the validity of every slot (``key_valid`` [B, capacity]) and the whole preallocated
+buffers, never the Python count ``length``. Its shapes depend on the capacity, not on the length,
+so one traced or captured step (``paddle.jit.to_static``, a CUDA graph) serves every step of a
+generation; ``begin`` grows the buffers (outside the step) when a forward would pass the capacity.
 """
 
 from __future__ import annotations
@@ -27,37 +33,66 @@ class LayerCache:
         self.has_indexer = has_indexer
         self.latent: paddle.Tensor | None = None
         self.index_keys: paddle.Tensor | None = None
+        # the layer's decode-step weights, prepared by the layer on its first decode step with this
+        # cache (attention.prepare_decode_weights) and kept while the cache lives
+        self.decode_weights: object = None
 
-    @staticmethod
-    def _write(buf: paddle.Tensor | None, new: paddle.Tensor, start: int, capacity: int) -> paddle.Tensor:
+    def _write(self, buf: paddle.Tensor | None, new: paddle.Tensor, start: int) -> paddle.Tensor:
         B, n, D = new.shape
+        capacity = self.owner.capacity_for(n)
         if buf is None or buf.shape[1] < start + n:
-            grown = paddle.zeros([B, max(capacity, start + n), D], dtype=new.dtype)
-            if buf is not None and start > 0:
-                grown[:, :start] = buf[:, :start]
-            buf = grown
+            buf = _grown(buf, [B, max(capacity, start + n), D], new.dtype, start)
         buf[:, start : start + n] = new
         return buf
 
     def put_latent(self, latent: paddle.Tensor) -> None:
         """Store the latent rows [B, n, kv_lora + rope] of the tokens being processed (slots
         [length, length + n) of the owner)."""
-        start, cap = self.owner.length, self.owner.capacity_for(latent.shape[1])
-        self.latent = self._write(self.latent, latent.detach(), start, cap)
+        self.latent = self._write(self.latent, latent.detach(), self.owner.length)
 
     def put_index_keys(self, keys: paddle.Tensor) -> None:
         """Store the indexer keys [B, n, index_head_dim] of the tokens being processed."""
-        start, cap = self.owner.length, self.owner.capacity_for(keys.shape[1])
-        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), start, cap)
-
-    def latent_upto(self, end: int) -> paddle.Tensor:
-        return self.latent[:, :end]  # type: ignore[index]
+        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), self.owner.length)
 
     def index_keys_through(self, keys: paddle.Tensor) -> paddle.Tensor:
         """Store the indexer keys [B, n, Di] of the tokens being processed and return every cached
-        key through them [B, length + n, Di] (what the indexer scores its new queries against)."""
+        key through them [B, length + n, Di] (what a prefill's indexer scores its queries against)."""
         self.put_index_keys(keys)
         return self.index_keys[:, : self.owner.length + keys.shape[1]]  # type: ignore[index]
+
+    # -------------------------------------------------------------- decode steps (tensor slots)
+    def write_latent(self, latent: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
+        """Write the new tokens' latent rows [B, n, D] into their slots (``slots`` [n] int64,
+        consecutive) in place; -> the whole buffer [B, capacity, D]."""
+        return _write_slots(self.latent, latent, slots)
+
+    def write_index_keys(self, keys: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
+        """Write the new tokens' indexer keys [B, n, Di] into their slots in place; -> the whole
+        buffer [B, capacity, Di] (what a decode step's indexer scores its queries against)."""
+        return _write_slots(self.index_keys, keys.astype("float32"), slots)
+
+    def grow(self, capacity: int, filled: int) -> None:
+        """Reallocate the buffers to ``capacity`` slots, keeping the first ``filled``."""
+        if self.latent is not None and self.latent.shape[1] < capacity:
+            self.latent = _grown(self.latent, [*self.latent.shape[:1], capacity, self.latent.shape[2]], None, filled)
+        if self.index_keys is not None and self.index_keys.shape[1] < capacity:
+            shape = [self.index_keys.shape[0], capacity, self.index_keys.shape[2]]
+            self.index_keys = _grown(self.index_keys, shape, None, filled)
+
+
+def _grown(buf: paddle.Tensor | None, shape: list[int], dtype: object, keep: int) -> paddle.Tensor:
+    grown = paddle.zeros(shape, dtype=dtype if buf is None else buf.dtype)
+    if buf is not None and keep > 0:
+        grown[:, :keep] = buf[:, :keep]
+    return grown
+
+
+def _write_slots(buf: paddle.Tensor | None, new: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
+    if buf is None:
+        raise RuntimeError("a decode step needs a prefilled cache (run the prompt through the model first)")
+    first = slots[:1]
+    buf[:, first : first + new.shape[1]] = new  # slice bounds as tensors: no host read, traceable
+    return buf
 
 
 class DSACache:
@@ -71,6 +106,8 @@ class DSACache:
         self.length = 0
         self.key_valid: paddle.Tensor | None = None  # [B, cap] bool: slot holds a real token
         self.positions = paddle.zeros([batch_size], dtype="int64")  # next rope position per row
+        self.slots: paddle.Tensor | None = None  # [n] int64: the slots of the forward in progress
+        self._slot_ids: paddle.Tensor | None = None  # arange(capacity), sliced into `slots`
 
     @classmethod
     def for_config(cls, config: object, batch_size: int, capacity: int = 0) -> DSACache:
@@ -91,10 +128,13 @@ class DSACache:
         real) covers the new tokens [B, n] or, as HF callers pass it, past and new [B, length + n]
         (its last n columns are used: the past's validity is already stored).
 
-        Returns (rope positions [B, n] int64, key validity [B, length + n] bool for the indexer)."""
+        Returns (rope positions [B, n] int64, key validity [B, capacity] bool: slots past the new
+        tokens are False or, after a rollback, stale, so readers also compare slots with the
+        queries'). ``slots`` becomes the new tokens' slots [n]."""
         B = self.batch_size
         if attention_mask is None:
-            new_valid = paddle.ones([B, n], dtype="bool")
+            new_valid = None
+            steps = self._steps(n)  # [1, n]: 1, 2, ..., n
         else:
             shape = list(attention_mask.shape)
             if shape not in ([B, n], [B, self.length + n]):
@@ -103,18 +143,26 @@ class DSACache:
                     f"[{B}, {self.length + n}] (cached + new tokens)"
                 )
             new_valid = attention_mask[:, shape[1] - n :].astype("bool")
-        steps = paddle.cumsum(new_valid.astype("int64"), axis=1)  # real tokens up to and including each slot
+            steps = paddle.cumsum(new_valid.astype("int64"), axis=1)  # real tokens up to and including each slot
         positions = self.positions.unsqueeze(1) + steps - 1
-        positions = paddle.where(new_valid, positions, paddle.zeros_like(positions))
+        if new_valid is not None:
+            positions = paddle.where(new_valid, positions, paddle.zeros_like(positions))
+        grew = self.length + n > self.capacity or self.key_valid is None
         cap = self.capacity_for(n)
-        if self.key_valid is None or self.key_valid.shape[1] < self.length + n:
-            grown = paddle.zeros([B, cap], dtype="bool")
-            if self.key_valid is not None and self.length > 0:
-                grown[:, : self.length] = self.key_valid[:, : self.length]
-            self.key_valid = grown
-        self.key_valid[:, self.length : self.length + n] = new_valid
+        if grew or self.key_valid.shape[1] < cap:
+            self.key_valid = _grown(self.key_valid, [B, cap], "bool", self.length)
+            for layer in self.layers:
+                layer.grow(cap, self.length)
+            self._slot_ids = paddle.arange(cap, dtype="int64")
+        self.key_valid[:, self.length : self.length + n] = True if new_valid is None else new_valid
+        self.slots = self._slot_ids[self.length : self.length + n]
         self._pending_positions = self.positions + steps[:, -1]
-        return positions, self.key_valid[:, : self.length + n]
+        return positions, self.key_valid
+
+    def _steps(self, n: int) -> paddle.Tensor:
+        if self._slot_ids is not None and n < self._slot_ids.shape[0]:
+            return self._slot_ids[1 : n + 1].unsqueeze(0)
+        return paddle.arange(1, n + 1, dtype="int64").unsqueeze(0)
 
     def advance(self, n: int) -> None:
         """The forward over n new tokens is complete: they become part of the past."""

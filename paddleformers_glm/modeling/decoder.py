@@ -5,6 +5,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
+from .. import ops
 from ..configuration import GlmMoeDsaConfig
 from ..parallel.layers import mark_sequence_parallel
 from ..parallel.topology import Topology
@@ -43,22 +44,36 @@ class DecoderLayer(nn.Layer):
         With `cache`: an empty cache is filled by this (prefill) forward; a cache holding past
         tokens makes x the new tokens only, attended against the past (`MLAttention.forward_decode`).
         """
-        residual = x.astype("float32") if self.fp32_residual else x
         if cache is not None and cache.owner.length > 0:
-            h, topk = self.self_attn.forward_decode(self.input_layernorm(x), cos, sin, key_padding, prev_topk, cache)
-            kl = None
-        else:
-            h, topk, kl = self.self_attn(
-                self.input_layernorm(x),
-                cos,
-                sin,
-                key_padding,
-                prev_topk,
-                reuse_topk=reuse_topk,
-                cache=cache,
-            )
+            x, topk = self.decode(x, cos, sin, key_padding, prev_topk, cache)
+            return x, topk, None
+        residual = x.astype("float32") if self.fp32_residual else x
+        h, topk, kl = self.self_attn(
+            self.input_layernorm(x), cos, sin, key_padding, prev_topk, reuse_topk=reuse_topk, cache=cache
+        )
         x = (residual + h.astype(residual.dtype)).astype(x.dtype)
         residual = x.astype("float32") if self.fp32_residual else x
         h = self.mlp(self.post_attention_layernorm(x))
         x = (residual + h.astype(residual.dtype)).astype(h.dtype)
         return x, topk, kl
+
+    def decode(
+        self,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        key_valid: paddle.Tensor,
+        prev_topk: paddle.Tensor | None,
+        cache: LayerCache,
+        slots: paddle.Tensor | None = None,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """A decode step of this layer: the new tokens x [B, n, H] at cache ``slots`` (default the
+        cache's current ones) against the past -> (x [B, n, H], top-k used)."""
+        residual = x.astype("float32") if self.fp32_residual else x
+        h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, topk = self.self_attn.forward_decode(h, cos, sin, key_valid, prev_topk, cache, slots)
+        x = (residual + h.astype(residual.dtype)).astype(x.dtype)
+        residual = x.astype("float32") if self.fp32_residual else x
+        h = self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps))
+        x = (residual + h.astype(residual.dtype)).astype(h.dtype)
+        return x, topk

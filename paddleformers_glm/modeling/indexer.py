@@ -68,15 +68,24 @@ class DSAIndexer(nn.Layer):
         self, x: paddle.Tensor, q_latent: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """q [B,S,Hi,Di], k [B,S,Di], head weights [B,S,Hi], all fp32."""
-        B, S = x.shape[0], x.shape[1]
-        q = self.wq_b(q_latent).reshape([B, S, self.n_heads, self.head_dim])
-        k = self.k_norm(self.wk(x)).unsqueeze(2)  # [B, S, 1, Di]
+        w = self.weights_proj(x.astype(self.weights_proj.weight.dtype))
+        return self.finish_projection(self.wq_b(q_latent), self.wk(x), w, cos, sin)
+
+    def finish_projection(
+        self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """`project` after its three matmuls (wq_b, wk, weights_proj outputs [B, S, Hi*Di], [B, S, Di],
+        [B, S, Hi]): the key norm, rope and the head-weight scale. A decode step computes the matmuls
+        fused with the attention's own and finishes them here."""
+        B, S = q.shape[0], q.shape[1]
+        q = q.reshape([B, S, self.n_heads, self.head_dim])
+        k = self.k_norm(k).unsqueeze(2)  # [B, S, 1, Di]
         r = self.rope_dim
         q_rot, q_pass = paddle.split(q, [r, self.head_dim - r], axis=-1)
         k_rot, k_pass = paddle.split(k, [r, self.head_dim - r], axis=-1)
         q = rope_concat(q_pass, q_rot, cos, sin, self.interleave, rope_first=True)
         k = rope_concat(k_pass, k_rot, cos, sin, self.interleave, rope_first=True).squeeze(2)
-        w = self.weights_proj(x.astype(self.weights_proj.weight.dtype)).astype("float32") * (self.n_heads**-0.5)
+        w = w.astype("float32") * (self.n_heads**-0.5)
         return q.astype("float32"), k.astype("float32"), w
 
     def chunk_scores(self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
@@ -101,12 +110,12 @@ class DSAIndexer(nn.Layer):
         key_padding: paddle.Tensor | None,
         ordered: bool = True,
         *,
-        positions: np.ndarray | None = None,
+        positions: np.ndarray | paddle.Tensor | None = None,
         keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
         """top-k key indices [B, S, min(index_topk, T)] int64 for the S queries of ``x`` over T keys,
         -1 where the slot holds no valid key. The one selection prefill, decoding and context
-        parallel all run.
+        parallel all run (`select` after `project`).
 
         ``positions`` (int64 [S], default arange(S)): each query's position in the sequence; a query
         sees the keys at positions <= its own (and not ``key_padding`` [B, T]). ``keys`` maps this
@@ -120,8 +129,33 @@ class DSAIndexer(nn.Layer):
         """
         with paddle.no_grad():
             q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
+            return self.select(q, k, w, key_padding, ordered, positions=positions, keys=keys)
+
+    def select(
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        w: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+        ordered: bool = True,
+        *,
+        positions: np.ndarray | paddle.Tensor | None = None,
+        keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+    ) -> paddle.Tensor:
+        """The selection of `forward` from the projected queries q [B, S, Hi, Di], keys k [B, S, Di]
+        and head weights w [B, S, Hi] (`project`).
+
+        ``positions`` as a tensor (a decode step's cache slots [S], consecutive): the keys are a
+        whole preallocated cache [B, T = capacity, Di] of which a query sees the slots <= its own
+        that ``key_padding`` [B, T] marks valid. The work then has fixed shapes (T, not the
+        filled length), reads no host value, and the top-k keeps min(index_topk, T) slots, those
+        past the filled length (or invalid) being -1: the same keys as HF's top-k over the filled
+        length selects."""
+        with paddle.no_grad():
             k = keys(k) if keys is not None else k  # [B, T, Di]
-            B, S, T = x.shape[0], x.shape[1], k.shape[1]
+            if isinstance(positions, paddle.Tensor):
+                return self._select_slots(q, k, w, key_padding, positions)
+            B, S, T = q.shape[0], q.shape[1], k.shape[1]
             pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
             k_out = min(self.topk, T)
             # chunks of at most S/4 queries: keys up to the chunk's last query only, so smaller chunks
@@ -151,6 +185,21 @@ class DSAIndexer(nn.Layer):
                     vals, idx = paddle.topk(scores, k_out, axis=-1)
                     pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+
+    def _select_slots(
+        self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, key_valid: paddle.Tensor, slots: paddle.Tensor
+    ) -> paddle.Tensor:
+        """`select` for queries at cache ``slots`` [S] over a whole cache k [B, T, Di]: one block
+        of scores [B, S, T], the visible slots (<= the query's, valid) kept, one top-k."""
+        T = k.shape[1]
+        scores = self.chunk_scores(q, k, w)  # [B, S, T]
+        key_ids = paddle.arange(T, dtype="int64")
+        visible = paddle.logical_and(
+            key_ids.unsqueeze(0) <= slots.unsqueeze(1), key_valid.astype("bool").unsqueeze(1)
+        )  # [B, S, T]
+        scores = paddle.where(visible, scores, paddle.full_like(scores, NEG_INF))
+        vals, idx = paddle.topk(scores, min(self.topk, T), axis=-1)
+        return paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
 
     def kl_loss(
         self,

@@ -649,6 +649,22 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         fields_ += (out.indexer_loss, out.last_hidden_state)
         return tuple(v for v in fields_ if v is not None)
 
+    # ------------------------------------------------------------------ decoding
+    def decode_step(
+        self, input_ids: paddle.Tensor, positions: paddle.Tensor, slots: paddle.Tensor, cache: DSACache
+    ) -> paddle.Tensor:
+        """One decode step: logits [B, V] of the last of the new tokens input_ids [B, n], which sit
+        at rope ``positions`` [B, n] and cache ``slots`` [n] (both from ``cache.begin``; the caller
+        then calls ``cache.advance(n)``). The same layers' code as ``forward`` with a filled cache,
+        without its output bookkeeping; it reads the cache only through tensors of fixed shapes
+        (its buffers and ``key_valid`` at their capacity), so ``paddle.jit.to_static`` captures it
+        once for every step of a generation (generation.py ``generate(..., decode_step=...)``)."""
+        cos, sin = self.model.rotary_emb(positions)
+        hidden, topk = self.model.embedding(input_ids), None
+        for i in self.stage.layers:
+            hidden, topk = self.model.layers[i].decode(hidden, cos, sin, cache.key_valid, topk, cache.layers[i], slots)
+        return self.logits(self.model.norm(hidden[:, -1:]))[:, -1]
+
     # ------------------------------------------------------------------ generation
     def generate(
         self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs

@@ -25,7 +25,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import routed_experts, swiglu
+from ..ops import route, routed_experts, routed_rows, swiglu
 from ..parallel import comm
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
@@ -211,26 +211,18 @@ class TopkRouter(nn.Layer):
         slice under sequence parallel); the sequence-wise balance loss needs it."""
         logits = paddle.matmul(x.astype("float32"), self.weight)
         scores = nn.functional.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias.detach()
-        with paddle.no_grad():
-            c = choice.detach()
-            if self.n_group > 1:
-                N = c.shape[0]
-                grouped = c.reshape([N, self.n_group, self.num_experts // self.n_group])
-                group_scores = paddle.topk(grouped, 2, axis=-1)[0].sum(-1)  # [N, G]
-                group_idx = paddle.topk(group_scores, self.topk_group, axis=-1)[1]
-                group_mask = paddle.put_along_axis(
-                    paddle.zeros_like(group_scores), group_idx, paddle.ones_like(group_idx, "float32"), axis=-1
-                )
-                expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape([N, self.num_experts]) > 0
-                c = paddle.where(expert_mask, c, paddle.full_like(c, float("-inf")))
-            expert_ids = paddle.topk(c, self.top_k, axis=-1)[1]
-        weights = paddle.take_along_axis(scores, expert_ids, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights, expert_ids = route(
+            scores,
+            self.e_score_correction_bias,
+            self.n_group,
+            self.topk_group,
+            self.top_k,
+            self.norm_topk_prob,
+            self.scaling,
+        )
         if self.training and paddle.is_grad_enabled():
             weights = self.balance.track(scores, expert_ids, weights, batch_shape)
-        return logits, weights * self.scaling, expert_ids
+        return logits, weights, expert_ids
 
 
 class MoE(nn.Layer):
@@ -275,6 +267,8 @@ class MoE(nn.Layer):
         N, K = expert_ids.shape
         if not paddle.in_dynamic_mode():  # a static graph (to_static) needs shapes known in advance
             return self._static_routed(x, weights, expert_ids)
+        if not paddle.is_grad_enabled() and N * K <= self.num_experts:  # decoding: a few assignments
+            return routed_rows(x, expert_ids, weights, *self._expert_weights())
         with paddle.no_grad():
             flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
             order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
@@ -283,9 +277,17 @@ class MoE(nn.Layer):
             return self._padded(x, weights, expert_ids, order, counts)
         sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
         w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)  # [N*K] by expert
-        experts = [self.expert(e) for e in range(self.num_experts)]
-        up_gate, down = [e.up_gate_proj.weight for e in experts], [e.down_proj.weight for e in experts]
-        return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
+        return routed_experts(x, order // K, sizes, w_sorted, *self._expert_weights())
+
+    def _expert_weights(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
+        """The experts' up_gate and down weights in expert order (the parameter objects, looked up
+        once: a load or an optimizer step changes their values, not the objects)."""
+        cached = self.__dict__.get("_weights")
+        if cached is None:
+            experts = [self.expert(e) for e in range(self.num_experts)]
+            cached = ([e.up_gate_proj.weight for e in experts], [e.down_proj.weight for e in experts])
+            self.__dict__["_weights"] = cached  # not a sublayer or parameter list
+        return cached
 
     def _static_routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
         """The routed sum with no data-dependent shape, for graphs built by paddle.jit.to_static:

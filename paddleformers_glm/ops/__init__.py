@@ -6,12 +6,13 @@ does so for the process (kernels.py: build, cache, switches).
 """
 
 from .activation import swiglu
-from .experts import routed_experts
+from .experts import routed_experts, routed_rows
 from .kernels import cpu_ops, disabled
 from .loss import cross_entropy_sum
 from .norm import rms_norm
-from .projection import latent_out_proj
+from .projection import head_matmul, latent_out_proj
 from .rope import rope_concat, rope_heads
+from .router import route
 from .selection import candidate_mask, selection_mask, topk_tables
 from .softmax import masked_softmax_, softmax_backward
 
@@ -20,12 +21,15 @@ __all__ = [
     "cpu_ops",
     "cross_entropy_sum",
     "disabled",
+    "head_matmul",
     "latent_out_proj",
     "masked_softmax_",
     "rms_norm",
     "rope_concat",
     "rope_heads",
+    "route",
     "routed_experts",
+    "routed_rows",
     "selection_mask",
     "softmax_backward",
     "swiglu",

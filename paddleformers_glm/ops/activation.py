@@ -14,9 +14,21 @@ def swiglu(h: paddle.Tensor) -> paddle.Tensor:
     else one split (whose gradient is one concat), silu and a product."""
     ops = usable(h)
     if ops is not None:
+        if not paddle.is_grad_enabled():  # no autograd node to record: the kernel alone (decoding)
+            return ops.glm_swiglu(h, _no_scale())
         return SwiGLUKernel.apply(h, None, ops)
     gate, up = paddle.split(h, 2, axis=-1)
     return nn.functional.silu(gate) * up
+
+
+_NO_SCALE: list[paddle.Tensor] = []
+
+
+def _no_scale() -> paddle.Tensor:
+    """The empty CPU tensor that tells the kernel "no per-row scale" (made once)."""
+    if not _NO_SCALE:
+        _NO_SCALE.append(paddle.empty([0], dtype="float32").cpu())
+    return _NO_SCALE[0]
 
 
 class SwiGLUKernel(PyLayer):

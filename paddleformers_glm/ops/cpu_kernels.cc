@@ -559,6 +559,84 @@ std::vector<paddle::DataType> TwoFloat32Of4(const paddle::DataType&,
   return {paddle::DataType::FLOAT32, paddle::DataType::FLOAT32};
 }
 
+
+// The MoE router's choice (sigmoid scores -> experts) for rows of scores [N, E] (the sigmoid of the
+// router logits) with the selection bias [E]: DeepSeek-V3's noaux_tc. choice = scores + bias; with
+// n_group > 1 each group scores the sum of its two largest choices, the topk_group best groups
+// stay and the others' experts are out; the top_k experts by choice follow (larger first, equal
+// values by lower index, as a stable sort gives), and their weights are the scores (not the
+// choices), divided by their sum + 1e-20 when `norm`, times `scaling`. -> (weights [N, K] fp32,
+// expert ids [N, K] int64), in choice order. The Paddle-op form of modeling/moe.py in one pass.
+std::vector<paddle::Tensor> RouterTopk(const paddle::Tensor& scores, const paddle::Tensor& bias, int64_t n_group,
+                                       int64_t topk_group, int64_t top_k, bool norm, float scaling) {
+  const int64_t N = scores.shape()[0], E = scores.shape()[1];
+  PD_CHECK(bias.numel() == E && n_group > 0 && E % n_group == 0 && top_k <= E && topk_group <= n_group,
+           "router top-k: ", E, " experts, ", n_group, " groups, top ", topk_group, " groups, top ", top_k);
+  auto weights = paddle::empty({N, top_k}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto ids = paddle::empty({N, top_k}, paddle::DataType::INT64, paddle::CPUPlace());
+  const float* sp = scores.data<float>();
+  const float* bp = bias.data<float>();
+  float* wp = weights.data<float>();
+  int64_t* ip = ids.data<int64_t>();
+  const int64_t per = E / n_group;
+  const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
+  for (int64_t r = 0; r < N; ++r) {
+    std::vector<float> choice(E);
+    std::vector<int64_t> order(std::max(E, n_group));
+    const float* s = sp + r * E;
+    for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + bp[e];
+    auto before = [](const std::vector<float>& v) {  // larger first, ties by lower index
+      return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+    };
+    if (n_group > 1) {
+      std::vector<float> group(n_group);
+      for (int64_t g = 0; g < n_group; ++g) {
+        float a = ninf, b = ninf;  // the two largest of the group, a >= b
+        for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+          const float v = choice[e];
+          if (v > a) {
+            b = a;
+            a = v;
+          } else if (v > b) {
+            b = v;
+          }
+        }
+        group[g] = per > 1 ? a + b : a;
+      }
+      for (int64_t g = 0; g < n_group; ++g) order[g] = g;
+      std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group, before(group));
+      std::vector<char> keep(n_group, 0);
+      for (int64_t j = 0; j < topk_group; ++j) keep[order[j]] = 1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!keep[e / per]) choice[e] = ninf;
+    }
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + E, before(choice));
+    float* w = wp + r * top_k;
+    int64_t* id = ip + r * top_k;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      id[j] = order[j];
+      w[j] = s[order[j]];
+      sum += w[j];
+    }
+    const float denom = sum + 1e-20f;
+    for (int64_t j = 0; j < top_k; ++j) w[j] = (norm ? w[j] / denom : w[j]) * scaling;
+  }
+  return {weights, ids};
+}
+
+std::vector<std::vector<int64_t>> RouterTopkShape(const std::vector<int64_t>& s, const std::vector<int64_t>& b,
+                                                  int64_t n_group, int64_t topk_group, int64_t top_k, bool norm,
+                                                  float scaling) {
+  return {{s[0], top_k}, {s[0], top_k}};
+}
+
+std::vector<paddle::DataType> RouterTopkDtype(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::INT64};
+}
+
 #ifdef GLM_WITH_MKL
 // MKL's CBLAS (libmklml_intel, shipped with Paddle and used by its own CPU matmul).
 extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha,
@@ -700,6 +778,60 @@ std::vector<std::vector<int64_t>> HeadMatmulBackwardShape(const std::vector<int6
                                                           const std::vector<int64_t>& dout) {
   return {a, w};
 }
+
+// The routed experts for a few tokens, read straight from the router's choice: x [N, Hd], expert
+// ids [N, K] int64 and weights [N, K] -> out [N, Hd], out[t] = sum over t's experts in ascending id
+// order of w * down_e(silu(gate_e(x[t])) * up_e(x[t])), each term rounded and added as HF's
+// per-expert `index_add_` adds it (the weight applied after the down projection). Each assignment
+// streams its expert's weights once (one-row GEMMs), so this is for decoding, where a step has
+// at most about as many assignments as experts; no sort, no counts read back, no per-expert
+// Python (the grouped matmuls serve larger batches).
+std::vector<paddle::Tensor> RoutedRows(const paddle::Tensor& x, const paddle::Tensor& ids,
+                                       const paddle::Tensor& weights, const std::vector<paddle::Tensor>& up_gate,
+                                       const std::vector<paddle::Tensor>& down) {
+  const int64_t N = x.shape()[0], Hd = x.shape()[1], K = ids.shape()[1], E = up_gate.size();
+  PD_CHECK(static_cast<int64_t>(down.size()) == E && ids.shape()[0] == N && weights.numel() == N * K,
+           "routed rows: ", E, " up_gate / ", down.size(), " down weights, ids [", ids.shape()[0], ", ", K, "]");
+  const int64_t I = E ? up_gate[0].shape()[1] / 2 : 0;
+  for (int64_t e = 0; e < E; ++e)
+    PD_CHECK(up_gate[e].shape()[0] == Hd && up_gate[e].shape()[1] == 2 * I && down[e].shape()[0] == I &&
+                 down[e].shape()[1] == Hd,
+             "routed rows: expert ", e, " weights are not [", Hd, ", ", 2 * I, "] and [", I, ", ", Hd, "]");
+  auto out = paddle::empty({N, Hd}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const int64_t* ip = ids.data<int64_t>();
+  const float* wp = weights.data<float>();
+  float* op = out.data<float>();
+  for (int64_t i = 0; i < N * K; ++i) PD_CHECK(ip[i] >= 0 && ip[i] < E, "routed rows: expert id ", ip[i], " of ", E);
+#pragma omp parallel for schedule(static) if (N * K * I * Hd >= (1 << 22))
+  for (int64_t t = 0; t < N; ++t) {
+    std::vector<float> h(2 * I), act(I), y(Hd);
+    std::vector<int64_t> order(K);
+    for (int64_t j = 0; j < K; ++j) order[j] = j;
+    const int64_t* id = ip + t * K;
+    std::sort(order.begin(), order.end(), [id](int64_t a, int64_t b) { return id[a] < id[b]; });
+    float* o = op + t * Hd;
+    std::memset(o, 0, sizeof(float) * Hd);
+    for (int64_t j : order) {
+      const int64_t e = id[j];
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, 1, 2 * I, Hd, 1.0f, xp + t * Hd, Hd, up_gate[e].data<float>(),
+                  2 * I, 0.0f, h.data(), 2 * I);
+      for (int64_t c = 0; c < I; ++c) act[c] = h[c] / (1.0f + exp_f32(-h[c])) * h[I + c];
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, 1, Hd, I, 1.0f, act.data(), I, down[e].data<float>(), Hd, 0.0f,
+                  y.data(), Hd);
+      const float w = wp[t * K + j];
+      for (int64_t c = 0; c < Hd; ++c) o[c] += y[c] * w;
+    }
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> RoutedRowsShape(const std::vector<int64_t>& x, const std::vector<int64_t>& ids,
+                                                  const std::vector<int64_t>& w,
+                                                  const std::vector<std::vector<int64_t>>& up_gate,
+                                                  const std::vector<std::vector<int64_t>>& down) {
+  return {x};
+}
 #endif  // GLM_WITH_MKL
 
 // Names must not end in "_grad" (Paddle reserves that suffix for registered gradient ops).
@@ -792,7 +924,21 @@ PD_BUILD_OP(glm_swiglu_backward)
     .SetInferShapeFn(PD_INFER_SHAPE(SwigluBackwardShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
 
+PD_BUILD_OP(glm_router_topk)
+    .Inputs({"Scores", "Bias"})
+    .Outputs({"Weights", "Ids"})
+    .Attrs({"n_group: int64_t", "topk_group: int64_t", "top_k: int64_t", "norm: bool", "scaling: float"})
+    .SetKernelFn(PD_KERNEL(RouterTopk))
+    .SetInferShapeFn(PD_INFER_SHAPE(RouterTopkShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RouterTopkDtype));
+
 #ifdef GLM_WITH_MKL
+PD_BUILD_OP(glm_routed_rows)
+    .Inputs({"X", "Ids", "Weights", paddle::Vec("UpGate"), paddle::Vec("Down")})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(RoutedRows))
+    .SetInferShapeFn(PD_INFER_SHAPE(RoutedRowsShape));
+
 PD_BUILD_OP(glm_grouped_matmul)
     .Inputs({"X", paddle::Vec("W")})
     .Outputs({"Y"})

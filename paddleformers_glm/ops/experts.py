@@ -50,6 +50,30 @@ def routed_experts(
     return out
 
 
+def routed_rows(
+    x: paddle.Tensor,
+    expert_ids: paddle.Tensor,
+    weights: paddle.Tensor,
+    up_gate: list[paddle.Tensor],
+    down: list[paddle.Tensor],
+) -> paddle.Tensor:
+    """`routed_experts` straight from the router's choice, for a few tokens without autograd
+    (decoding): x [N, H], expert_ids / weights [N, k] -> [N, H], each token's terms added in
+    ascending expert order with the weight applied after the down projection (HF's order).
+
+    On fp32 CPU tensors one compiled op, which reads the ids itself: no sort, no per-expert counts
+    read back to Python, each assignment a one-row GEMM pair. Elsewhere the sorted form."""
+    ops = usable(x, expert_ids, weights, up_gate[0])
+    if ops is not None and hasattr(ops, "glm_routed_rows"):
+        return ops.glm_routed_rows(x, expert_ids, weights.astype("float32"), up_gate, down)
+    K = expert_ids.shape[-1]
+    flat_e = expert_ids.reshape([-1])
+    order = paddle.argsort(flat_e, stable=True)
+    sizes = paddle.bincount(flat_e, minlength=len(up_gate)).tolist()
+    w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)
+    return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
+
+
 class _GroupedMatmul(PyLayer):
     """Rows of x [A, K] sorted by expert (`counts` per expert) times each expert's own weight
     [K, N], as one op forward and one backward (the compiled grouped matmul)."""

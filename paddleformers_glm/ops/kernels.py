@@ -258,6 +258,15 @@ def usable(*tensors: paddle.Tensor) -> ModuleType | None:
     if _state["off"]:
         return None
     for t in tensors:
-        if (t.is_floating_point() and t.dtype != paddle.float32) or not t.place.is_cpu_place() or not t.is_contiguous():
+        # dtype membership, not is_floating_point(): this check runs before every kernel call and
+        # the method costs several times the set lookup
+        if t.dtype in _OTHER_FLOATS or not t.is_contiguous() or not t.place.is_cpu_place():
             return None
     return cpu_ops()
+
+
+_OTHER_FLOATS = frozenset(
+    getattr(paddle, name)
+    for name in ("float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128")
+    if hasattr(paddle, name)
+)

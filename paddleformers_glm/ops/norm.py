@@ -67,6 +67,10 @@ def _constant(shape: list[int], value: float, like: paddle.Tensor) -> paddle.Ten
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32, cast back to x's dtype before the
     weight (HF's order): the fused CPU kernel each way where usable, else Paddle's ops."""
+    if not paddle.is_grad_enabled():  # no autograd node to record: the kernel alone (decoding)
+        ops = usable(x, weight)
+        if ops is not None:
+            return ops.glm_rms_norm(x, weight, float(eps))[0]
     return _RMSNorm.apply(x, weight, float(eps))
 
 

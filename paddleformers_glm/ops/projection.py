@@ -29,6 +29,21 @@ def latent_out_proj(o: paddle.Tensor, w_uv: paddle.Tensor, w_o: paddle.Tensor) -
     return paddle.matmul(o.reshape([B, S, H * D]), w)
 
 
+def head_matmul(a: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """out[n, h] = a[n, h, :Din] @ w[h] for a [N, H, D >= Din], w [H, Din, Dout] -> [N, H, Dout]:
+    the compiled per-head GEMMs where usable (no transposes), else a batched matmul over heads."""
+    ops = usable(a, w)
+    if ops is not None and hasattr(ops, "glm_head_matmul"):
+        if not paddle.is_grad_enabled():
+            return ops.glm_head_matmul(a, w)
+        return _HeadMatmul.apply(a, w, ops)
+    Din = w.shape[1]
+    heads = a.transpose([1, 0, 2])  # [H, N, D]
+    if Din < a.shape[2]:
+        heads = heads[:, :, :Din]
+    return paddle.matmul(heads, w).transpose([1, 0, 2])
+
+
 class _HeadMatmul(PyLayer):
     """out[n, h] = a[n, h, :Din] @ w[h] for a [N, H, D >= Din], w [H, Din, Dout]: the compiled
     per-head GEMMs, forward and backward."""

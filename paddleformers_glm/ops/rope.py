@@ -58,6 +58,9 @@ def rope_concat(
     r [B, S, (H,) Dr]: the fused CPU kernel (one pass, no concat) where usable, bitwise the same."""
     ops = usable(a, r, cos, sin)
     if ops is not None:
+        if not paddle.is_grad_enabled():  # no autograd node to record: the kernel alone (decoding)
+            H = a.shape[2] if a.ndim == 4 else 1
+            return ops.glm_rope_concat(a, r, cos, sin, H, a.shape[1], rope_first, interleave)
         return _RopeConcat.apply(a, r, cos, sin, interleave, rope_first, ops)
     roped = rope_heads(r if r.ndim == 4 else r.unsqueeze(2), cos, sin, interleave)
     roped = roped if r.ndim == 4 else roped.squeeze(2)
