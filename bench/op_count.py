@@ -7,8 +7,9 @@ shared machine does not blur).
     print(sum(ops.values()), ops.most_common(10))
 
 It runs the function once under Paddle's host profiler and counts its ``Operator`` events: every
-dygraph kernel launch (Python API, Tensor methods and operators, custom C++ ops alike), not the
-Python functions around them. ``python bench/op_count.py`` prints the count of one decode step of a
+dygraph op launched through Paddle's API, Tensor methods and operators, not the Python functions
+around them; the project's compiled CPU kernels (custom ops, which the profiler does not record
+as operators) are counted by wrapping their entry points for the call. ``python bench/op_count.py`` prints the count of one decode step of a
 small random model, op by op.
 """
 
@@ -26,19 +27,37 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, Counter]:
     """(fn(), Counter of operator name -> launches) for one call of ``fn``."""
     import paddle.profiler as profiler
 
+    from paddleformers_glm.ops.kernels import cpu_ops
+
+    counts: Counter = Counter()
+    kernels = cpu_ops()
+    originals = {}
+    if kernels is not None:
+        for name in dir(kernels):
+            if name.startswith("glm_") and callable(getattr(kernels, name)):
+                originals[name] = getattr(kernels, name)
+
+                def counted(*args: Any, _name: str = name, _fn: Any = originals[name], **kwargs: Any) -> Any:
+                    counts[_name] += 1
+                    return _fn(*args, **kwargs)
+
+                setattr(kernels, name, counted)
     prof = profiler.Profiler(targets=[profiler.ProfilerTarget.CPU], on_trace_ready=lambda _p: None)
     cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:  # the profiler may write a trace file into the cwd
-        os.chdir(tmp)
-        try:
-            prof.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:  # the profiler may write a trace file into the cwd
+            os.chdir(tmp)
             try:
-                result = fn()
+                prof.start()
+                try:
+                    result = fn()
+                finally:
+                    prof.stop()
             finally:
-                prof.stop()
-        finally:
-            os.chdir(cwd)
-    counts: Counter = Counter()
+                os.chdir(cwd)
+    finally:
+        for name, f in originals.items():
+            setattr(kernels, name, f)
     operator = profiler.TracerEventType.Operator
 
     def walk(node: Any, inside_op: bool) -> None:

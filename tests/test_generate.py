@@ -6,6 +6,7 @@ prompt alone, on the committed tiny checkpoints.
 """
 
 import contextlib
+import importlib.util
 import time
 
 import numpy as np
@@ -13,8 +14,9 @@ import paddle
 import pytest
 from safetensors.numpy import load_file
 
-from paddleformers_glm.generation import generate_speculative
+from paddleformers_glm.generation import generate, generate_speculative
 from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+from paddleformers_glm.modeling import attention as attention_mod
 from paddleformers_glm.modeling.cache import DSACache
 from paddleformers_glm.ops import kernels as cpu_kernels
 
@@ -63,10 +65,14 @@ def test_left_padded_rows_equal_rows_alone():
 
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("step", [1, 5])
-def test_cached_decoding_logits_equal_full_forward(kernels, step):
+@pytest.mark.parametrize("fold", [None, True, False])
+def test_cached_decoding_logits_equal_full_forward(kernels, step, fold, monkeypatch):
     """Prefill 24 tokens, then feed the rest `step` at a time through the cache: every position's
     logits equal the plain forward over the whole sequence (the absorbed top-k form vs the forms
-    the forward uses), with the kernels on and off."""
+    the forward uses), with the kernels on and off, and with W_uk / W_uv folded into the query and
+    output projections or kept per head (`fold`: forced either way; None: the cost rule's choice)."""
+    if fold is not None:
+        monkeypatch.setattr(attention_mod, "fold_pays", lambda *a, **k: fold)
     model = tiny_model(seed=1)
     model.eval()
     ids = tokens(2, 44, seed=4)
@@ -220,3 +226,93 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
     np.testing.assert_array_equal(out.numpy()[0], greedy)
     assert stats["accepted"] >= 3 and stats["main_forwards"] == 1 + stats["drafted"]
     assert stats["drafted"] + stats["accepted"] <= 14 and stats["main_forwards"] < 14
+
+
+def _op_counter():
+    spec = importlib.util.spec_from_file_location("op_count", FIXTURES.parents[1] / "bench" / "op_count.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.count_ops
+
+
+def _decode_ops(model, context: int) -> int:
+    count_ops = _op_counter()
+    with paddle.no_grad():
+        cache = DSACache.for_config(model.config, 1, capacity=context + 8)
+        model(tokens(1, context, seed=5), past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+        def step():
+            positions, _ = cache.begin(None, 1)
+            model.decode_step(paddle.to_tensor([[7]]), positions, cache.slots, cache)
+            cache.advance(1)
+
+        step()
+        _, ops = count_ops(step)
+    return sum(ops.values())
+
+
+def test_a_decode_step_launches_few_ops_whatever_the_context():
+    """The operators one decode step launches (bench/op_count.py: Paddle ops and the compiled
+    kernels) are the per-token cost of a small model. They do not depend on how much is cached,
+    and stay under 60 per decoder layer (the step before the absorbed, concatenated decode weights,
+    the sync-free router and routed-rows kernels and the fixed-capacity cache: 128 per layer on
+    the bench's small checkpoint)."""
+    model = tiny_model(seed=2, index_topk=8)
+    model.eval()
+    short, long = _decode_ops(model, 16), _decode_ops(model, 200)
+    assert short == long
+    assert short <= 60 * model.config.num_hidden_layers, short
+
+
+_HOST_READS = ("numpy", "tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+
+def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch):
+    """No tensor value reaches Python inside a decode step (the chosen token is read between steps,
+    by generate): every host read of a Paddle tensor raises while the step runs."""
+    model = tiny_model(seed=3)
+    model.eval()
+    with paddle.no_grad():
+        cache = DSACache.for_config(model.config, 2, capacity=40)
+        model(tokens(2, 20, seed=6), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        positions, _ = cache.begin(None, 1)
+        ids = paddle.to_tensor([[5], [9]])
+
+        def refuse(*_a, **_k):
+            raise AssertionError("a host read inside the decode step")
+
+        for name in _HOST_READS:
+            monkeypatch.setattr(paddle.Tensor, name, refuse)
+        logits = model.decode_step(ids, positions, cache.slots, cache)
+        monkeypatch.undo()
+    assert list(logits.shape) == [2, model.config.vocab_size]
+
+
+def test_decode_weights_are_prepared_per_cache_so_a_new_generation_sees_new_weights():
+    """The absorbed decode weights are made by each prefill: weights changed in place between two
+    generations (set_value, as a load or an optimizer step changes them) are the ones the second
+    generation decodes with."""
+    model, fresh = tiny_model(seed=4), tiny_model(seed=5)
+    ids = tokens(1, 12, seed=7)
+    before = generate(model, ids, max_new_tokens=6, eos_token_id=[]).numpy()
+    model.set_state_dict(fresh.state_dict())
+    after = generate(model, ids, max_new_tokens=6, eos_token_id=[]).numpy()
+    np.testing.assert_array_equal(after, generate(fresh, ids, max_new_tokens=6, eos_token_id=[]).numpy())
+    assert not np.array_equal(before, after)
+
+
+@pytest.mark.slow  # building the graph takes tens of seconds
+def test_to_static_captures_the_decode_step_once_and_decodes_the_same_tokens():
+    """paddle.jit.to_static (whole-graph translation) of `decode_step`: one program serves every
+    step of a generation (the step's shapes follow the cache's capacity, its inputs are tensors)
+    and greedy decoding gives the eager tokens. Kernels off: the translated graph runs Paddle's
+    ops (and MoE its static-shape form)."""
+    model = tiny_model(seed=2, num_nextn_predict_layers=0)
+    model.eval()
+    ids = tokens(2, 20, seed=3)
+    with cpu_kernels.disabled():
+        eager = generate(model, ids, max_new_tokens=6, eos_token_id=[]).numpy()
+        static = paddle.jit.to_static(model.decode_step, full_graph=True)
+        captured = generate(model, ids, max_new_tokens=6, eos_token_id=[], decode_step=static).numpy()
+    np.testing.assert_array_equal(captured, eager)
+    assert len(static.program_cache) == 1

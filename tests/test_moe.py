@@ -160,3 +160,66 @@ def test_tie_fixture_is_what_the_torch_router_chooses():
         router.weight.copy_(torch.from_numpy(_tie_logits(64, 8).T.copy()))
     _, _, ids = router(torch.eye(64))
     np.testing.assert_array_equal(np.sort(ids.numpy(), -1), np.array(_TORCH_TIE_CHOICE))
+
+
+def _random_router(n_group, topk_group, top_k, norm, seed=0, grid=False):
+    cfg = tiny_config(n_group=n_group, topk_group=topk_group, num_experts_per_tok=top_k, norm_topk_prob=norm)
+    moe = MoE(cfg)
+    rng = np.random.default_rng(seed)
+    W = _tie_logits(cfg.hidden_size, 8) if grid else rng.standard_normal((cfg.hidden_size, 8)).astype("float32")
+    moe.gate.weight.set_value(paddle.to_tensor(W))
+    if not grid:
+        moe.gate.e_score_correction_bias.set_value(paddle.to_tensor((rng.standard_normal(8) * 0.1).astype("float32")))
+    return moe
+
+
+@pytest.mark.parametrize(
+    "n_group,topk_group,top_k,norm,grid",
+    [
+        (2, 1, 2, True, True),
+        (4, 2, 3, False, False),
+        (1, 1, 2, True, False),
+        (1, 1, 8, True, True),
+        (2, 2, 4, True, True),
+    ],
+)
+def test_router_without_autograd_routes_exactly_like_with_it(n_group, topk_group, top_k, norm, grid):
+    """Decoding routes through the compiled router (no autograd), training through Paddle's ops:
+    the same experts in the same order, ties included (`grid`: logits on a 0.25 grid, the tie
+    fixture above), and the same weights to an ulp."""
+    moe = _random_router(n_group, topk_group, top_k, norm, grid=grid)
+    x = (
+        paddle.eye(64, dtype="float32")
+        if grid
+        else paddle.to_tensor(np.random.default_rng(3).standard_normal((64, 64)).astype("float32"))
+    )
+    _, w_ops, ids_ops = moe.gate(x)
+    with paddle.no_grad():
+        _, w_fast, ids_fast = moe.gate(x)
+    np.testing.assert_array_equal(ids_fast.numpy(), ids_ops.numpy())
+    np.testing.assert_allclose(w_fast.numpy(), w_ops.numpy(), rtol=3e-7, atol=0)
+
+
+def test_decoding_moe_equals_the_per_token_sum_and_the_training_form():
+    """A few tokens without autograd (a decode step: the routed-rows kernel, weight applied after
+    the down projection as HF does) against the explicit per-token sum and the sorted form."""
+    cfg = tiny_config()
+    moe = MoE(cfg)
+    rng = np.random.default_rng(4)
+    for p in moe.parameters():
+        p.set_value(paddle.to_tensor((rng.standard_normal(p.shape) * 0.3).astype("float32")))
+    x = paddle.to_tensor(rng.standard_normal((1, 3, cfg.hidden_size)).astype("float32"))
+    assert 3 * cfg.num_experts_per_tok <= cfg.n_routed_experts  # the decoding form applies
+    trained = moe(x).numpy()[0]
+    with paddle.no_grad():
+        decoded = moe(x).numpy()[0]
+        flat = x.reshape([3, -1])
+        _, w, ids = moe.gate(flat)
+        shared = moe.shared_experts(flat).numpy()
+        for t in range(3):
+            expect = shared[t].copy()
+            for j in np.argsort(ids.numpy()[t]):  # ascending expert id, as HF adds them
+                e = int(ids[t, j])
+                expect += moe.expert(e)(flat[t : t + 1]).numpy()[0] * float(w[t, j])
+            np.testing.assert_allclose(decoded[t], expect, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(decoded, trained, rtol=2e-6, atol=2e-5)

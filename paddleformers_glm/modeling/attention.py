@@ -21,7 +21,7 @@ head instead, where that is cheaper). Decoding (`forward_decode`) always reads t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import paddle
 from paddle import nn
@@ -166,6 +166,9 @@ class MLAttention(nn.Layer):
             if self.tp > 1:
                 raise NotImplementedError("decoding with a cache runs with tensor parallel size 1")
             cache.put_latent(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S, kv_lora + rope]
+            if cache.decode_weights is None:  # here, eagerly: the decode steps may be a traced graph
+                with paddle.no_grad():
+                    cache.decode_weights = prepare_decode_weights(self)
 
         core = self.core_attention
         run_indexer = core.indexer is not None and not reuse_topk
@@ -306,7 +309,7 @@ class MLAttention(nn.Layer):
         masked) and keeps min(index_topk, capacity) slots, the ones HF's indexer keeps over its key
         cache plus empty ones (-1); a shared layer uses `prev_topk`, the full layer's selection of
         this same step. The attention then reads only the k selected latent rows, with kv_b_proj
-        absorbed (`prepare_decode_weights`, once per cache):
+        absorbed (`prepare_decode_weights`, made by the prefill once per cache):
 
             q_lat = [q_nope[h] W_uk[h]^T, rope(q_rot[h])] * scale   [B, n, H, kv_lora + rope]
             o_lat = softmax(q_lat . kv_sel^T) kv_sel                 kv_sel [B, n, k, kv_lora + rope]
@@ -318,10 +321,9 @@ class MLAttention(nn.Layer):
         """
         if self.tp > 1 or self.cp > 1:
             raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")
-        w = cache.decode_weights
-        if w is None:  # once per cache: the weights do not change while it decodes
-            with paddle.no_grad():
-                w = cache.decode_weights = prepare_decode_weights(self)
+        w = cache.decode_weights  # prepared by the prefill, once per cache
+        if w is None:
+            raise RuntimeError("a decode step needs a prefilled cache (run the prompt through the model first)")
         slots = cache.owner.slots if slots is None else slots
         B, n = x.shape[0], x.shape[1]
         H, L, dr = w.heads, w.kv_lora, w.rope_dim
@@ -336,9 +338,8 @@ class MLAttention(nn.Layer):
         indexer = w.indexer
         if indexer is not None:  # the new queries over every cached key
             iq, ik, iw = indexer.finish_projection(q_parts[2], parts[3], parts[4], cos, sin)
-            topk = indexer.select(
-                iq, ik, iw, key_valid, positions=slots, keys=lambda k: cache.write_index_keys(k, slots)
-            )
+            keys = cache.write_index_keys(ik, slots)  # [B, capacity, Di]
+            topk = indexer.select(iq, keys, iw, key_valid, slots=slots)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:
@@ -358,8 +359,11 @@ class MLAttention(nn.Layer):
         return out, topk
 
 
-class DecodeWeights(NamedTuple):
-    """What one attention layer's decode step multiplies by (`prepare_decode_weights`)."""
+@dataclass
+class DecodeWeights:
+    """What one attention layer's decode step multiplies by (`prepare_decode_weights`). A
+    dataclass, not a NamedTuple: paddle.jit.to_static's bytecode tracer reads a NamedTuple as a
+    plain tuple and loses its field names."""
 
     heads: int
     kv_lora: int

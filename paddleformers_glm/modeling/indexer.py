@@ -110,7 +110,7 @@ class DSAIndexer(nn.Layer):
         key_padding: paddle.Tensor | None,
         ordered: bool = True,
         *,
-        positions: np.ndarray | paddle.Tensor | None = None,
+        positions: np.ndarray | None = None,
         keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
         """top-k key indices [B, S, min(index_topk, T)] int64 for the S queries of ``x`` over T keys,
@@ -139,22 +139,23 @@ class DSAIndexer(nn.Layer):
         key_padding: paddle.Tensor | None,
         ordered: bool = True,
         *,
-        positions: np.ndarray | paddle.Tensor | None = None,
+        positions: np.ndarray | None = None,
         keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        slots: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """The selection of `forward` from the projected queries q [B, S, Hi, Di], keys k [B, S, Di]
         and head weights w [B, S, Hi] (`project`).
 
-        ``positions`` as a tensor (a decode step's cache slots [S], consecutive): the keys are a
-        whole preallocated cache [B, T = capacity, Di] of which a query sees the slots <= its own
-        that ``key_padding`` [B, T] marks valid. The work then has fixed shapes (T, not the
+        ``slots`` instead of ``positions`` (a decode step's cache slots [S] int64, a tensor): the
+        keys are a whole preallocated cache [B, T = capacity, Di] of which a query sees the slots
+        <= its own that ``key_padding`` [B, T] marks valid. The work then has fixed shapes (T, not the
         filled length), reads no host value, and the top-k keeps min(index_topk, T) slots, those
         past the filled length (or invalid) being -1: the same keys as HF's top-k over the filled
         length selects."""
         with paddle.no_grad():
             k = keys(k) if keys is not None else k  # [B, T, Di]
-            if isinstance(positions, paddle.Tensor):
-                return self._select_slots(q, k, w, key_padding, positions)
+            if slots is not None:
+                return self._select_slots(q, k, w, key_padding, slots)
             B, S, T = q.shape[0], q.shape[1], k.shape[1]
             pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
             k_out = min(self.topk, T)

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -560,17 +561,40 @@ std::vector<paddle::DataType> TwoFloat32Of4(const paddle::DataType&,
 }
 
 
+namespace {
+// The indices of the k largest of v[0..n) in the order Paddle's CPU top-k returns them, ties
+// included: the same std::partial_sort (k * 64 < n) or std::nth_element + std::sort of the first
+// k - 1 on (value, index) pairs with the same comparator, so a tie goes to the same index.
+void PaddleTopkOrder(const float* v, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& pairs,
+                     int64_t* out) {
+  pairs.clear();
+  for (int64_t j = 0; j < n; ++j) pairs.emplace_back(v[j], j);
+  auto larger = [](const std::pair<float, int64_t>& l, const std::pair<float, int64_t>& r) {
+    return (std::isnan(static_cast<double>(l.first)) && !std::isnan(static_cast<double>(r.first))) ||
+           (l.first > r.first);
+  };
+  if (k * 64 < n) {
+    std::partial_sort(pairs.begin(), pairs.begin() + k, pairs.end(), larger);
+  } else {
+    std::nth_element(pairs.begin(), pairs.begin() + k - 1, pairs.end(), larger);
+    std::sort(pairs.begin(), pairs.begin() + k - 1, larger);
+  }
+  for (int64_t j = 0; j < k; ++j) out[j] = pairs[j].second;
+}
+}  // namespace
+
 // The MoE router's choice (sigmoid scores -> experts) for rows of scores [N, E] (the sigmoid of the
 // router logits) with the selection bias [E]: DeepSeek-V3's noaux_tc. choice = scores + bias; with
 // n_group > 1 each group scores the sum of its two largest choices, the topk_group best groups
-// stay and the others' experts are out; the top_k experts by choice follow (larger first, equal
-// values by lower index, as a stable sort gives), and their weights are the scores (not the
-// choices), divided by their sum + 1e-20 when `norm`, times `scaling`. -> (weights [N, K] fp32,
-// expert ids [N, K] int64), in choice order. The Paddle-op form of modeling/moe.py in one pass.
+// stay and the others' experts are out; then the top_k experts by choice, and their weights are
+// the scores (not the choices), divided by their sum + 1e-20 when `norm`, times `scaling`.
+// -> (weights [N, K] fp32, expert ids [N, K] int64) in the order Paddle's top-k gives (ties too:
+// `PaddleTopkOrder`), so a row routes exactly as the Paddle-op form of ops/router.py routes it.
 std::vector<paddle::Tensor> RouterTopk(const paddle::Tensor& scores, const paddle::Tensor& bias, int64_t n_group,
                                        int64_t topk_group, int64_t top_k, bool norm, float scaling) {
   const int64_t N = scores.shape()[0], E = scores.shape()[1];
-  PD_CHECK(bias.numel() == E && n_group > 0 && E % n_group == 0 && top_k <= E && topk_group <= n_group,
+  PD_CHECK(bias.numel() == E && n_group > 0 && E % n_group == 0 && top_k <= E && topk_group <= n_group &&
+               (n_group == 1 || E / n_group >= 2),
            "router top-k: ", E, " experts, ", n_group, " groups, top ", topk_group, " groups, top ", top_k);
   auto weights = paddle::empty({N, top_k}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto ids = paddle::empty({N, top_k}, paddle::DataType::INT64, paddle::CPUPlace());
@@ -582,43 +606,29 @@ std::vector<paddle::Tensor> RouterTopk(const paddle::Tensor& scores, const paddl
   const float ninf = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
   for (int64_t r = 0; r < N; ++r) {
-    std::vector<float> choice(E);
-    std::vector<int64_t> order(std::max(E, n_group));
+    std::vector<float> choice(E), group(n_group);
+    std::vector<std::pair<float, int64_t>> pairs;
+    std::vector<int64_t> best(std::max<int64_t>(top_k, std::max<int64_t>(topk_group, 2)));
+    pairs.reserve(E);
     const float* s = sp + r * E;
     for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + bp[e];
-    auto before = [](const std::vector<float>& v) {  // larger first, ties by lower index
-      return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
-    };
     if (n_group > 1) {
-      std::vector<float> group(n_group);
-      for (int64_t g = 0; g < n_group; ++g) {
-        float a = ninf, b = ninf;  // the two largest of the group, a >= b
-        for (int64_t e = g * per; e < (g + 1) * per; ++e) {
-          const float v = choice[e];
-          if (v > a) {
-            b = a;
-            a = v;
-          } else if (v > b) {
-            b = v;
-          }
-        }
-        group[g] = per > 1 ? a + b : a;
+      for (int64_t g = 0; g < n_group; ++g) {  // the sum of the group's top-2, in top-k order
+        PaddleTopkOrder(choice.data() + g * per, per, 2, pairs, best.data());
+        group[g] = choice[g * per + best[0]] + choice[g * per + best[1]];
       }
-      for (int64_t g = 0; g < n_group; ++g) order[g] = g;
-      std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group, before(group));
+      PaddleTopkOrder(group.data(), n_group, topk_group, pairs, best.data());
       std::vector<char> keep(n_group, 0);
-      for (int64_t j = 0; j < topk_group; ++j) keep[order[j]] = 1;
+      for (int64_t j = 0; j < topk_group; ++j) keep[best[j]] = 1;
       for (int64_t e = 0; e < E; ++e)
         if (!keep[e / per]) choice[e] = ninf;
     }
-    for (int64_t e = 0; e < E; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + E, before(choice));
-    float* w = wp + r * top_k;
     int64_t* id = ip + r * top_k;
+    PaddleTopkOrder(choice.data(), E, top_k, pairs, id);
+    float* w = wp + r * top_k;
     float sum = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) {
-      id[j] = order[j];
-      w[j] = s[order[j]];
+      w[j] = s[id[j]];
       sum += w[j];
     }
     const float denom = sum + 1e-20f;
