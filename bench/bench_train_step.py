@@ -144,9 +144,13 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
-def run_worker(args: list[str], env: dict[str, str], mem_limit_gb: float, timeout_s: float) -> dict[str, Any]:
-    """Run one measurement subprocess; kill it (and report OOM) if its RSS passes the limit."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+def run_worker(
+    args: list[str], env: dict[str, str], mem_limit_gb: float, timeout_s: float, script: Path | None = None
+) -> dict[str, Any]:
+    """Run one measurement subprocess (this script, or ``script``, with ``args``); kill it (and
+    report OOM, with how long it ran) if its RSS passes the limit."""
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), *args]
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     state = {"oom": False, "peak_kb": 0}
 
@@ -170,7 +174,14 @@ def run_worker(args: list[str], env: dict[str, str], mem_limit_gb: float, timeou
         return {"error": f"timeout after {timeout_s:.0f} s"}
     watcher.join()
     if state["oom"]:
-        return {"error": f"OOM: RSS passed {mem_limit_gb:g} GB", "peak_gb": state["peak_kb"] / 2**20}
+        killed_after = time.perf_counter() - t0
+        phases = [ln[len("PHASE ") :] for ln in (out or "").splitlines() if ln.startswith("PHASE ")]
+        return {
+            "error": f"OOM: RSS passed {mem_limit_gb:g} GB after {killed_after:.0f} s",
+            "peak_gb": state["peak_kb"] / 2**20,
+            "killed_after_s": killed_after,
+            "last_phase": phases[-1] if phases else None,  # a worker's "PHASE <name>" progress lines
+        }
     for line in reversed(out.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])

@@ -17,6 +17,7 @@ import pytest
 from paddleformers_glm.modeling import attention_forms as attn
 from paddleformers_glm.modeling.attention_forms import choose_form, dense_masked_attention, sparse_latent_attention
 from paddleformers_glm.modeling.moe import MoE
+from paddleformers_glm.ops import kernels as cpu_kernels
 
 from ._tiny import tiny_config, tiny_model, tokens
 from .test_attention import _random_case
@@ -122,11 +123,53 @@ def test_indexer_kl_loss_works_on_the_latent_path():
     out.loss.backward()
 
 
+# q_lora, kv_lora, nope, rope, v of bench/bench_train_step.py's model and of the official config
+BENCH_WIDTHS = (128, 64, 32, 16, 32)
+OFFICIAL_WIDTHS = (2048, 512, 192, 64, 256)
+
+
 def test_auto_form_is_per_head_for_fixture_sizes_and_latent_for_long_sequences():
     assert tiny_config().attn_implementation == "auto"
-    per_key = 4 * (48 + 32)
-    assert choose_form("auto", 2, 32, 8, 4, per_key) == "sparse"  # the parity fixtures run the per-head form
-    assert choose_form("auto", 1, 8192, 64, 16, 16 * 80) == "latent"
+    fixture = attn.AttentionShape(2, 32, 8, 4, 48, 32, 32, 16, 32)
+    assert choose_form("auto", fixture) == "sparse"  # the parity fixtures run the per-head form
+    assert choose_form("auto", attn.AttentionShape(1, 8192, 64, 16, *BENCH_WIDTHS)) == "latent"
+
+
+def test_form_by_cost_dense_near_the_top_k_latent_when_it_is_a_small_share():
+    """At the official widths the per-head dense form (query chunks, no gather) costs about half
+    the latent form's work while the top-k (2048) is close to the sequence (the latent form's
+    rows are 576 wide and read twice by each of 64 heads: 2.25x the per-head 512 per key), and
+    the latent form wins once k / S is small enough; `auto` takes the cheaper."""
+    for S, want in ((2304, "dense"), (4096, "dense"), (8192, "dense"), (32768, "latent")):
+        shape = attn.AttentionShape(1, S, 2048, 64, *OFFICIAL_WIDTHS)
+        costs = attn.form_costs(shape)
+        assert choose_form("auto", shape) == want == min(costs, key=costs.get), (S, costs)
+    near_k = attn.form_costs(attn.AttentionShape(1, 2304, 2048, 64, *OFFICIAL_WIDTHS))
+    assert near_k["latent"] > 1.5 * near_k["dense"] and near_k["sparse"] > near_k["latent"]
+    for form in ("reference", "dense", "sparse", "latent"):  # a set form wins over the sizes
+        assert choose_form(form, attn.AttentionShape(1, 2304, 2048, 64, *OFFICIAL_WIDTHS)) == form
+
+
+def test_chunks_stay_within_the_byte_budget_at_any_width_and_length():
+    """Every chunked form sizes its chunks from `CHUNK_BYTES`, down to one query row: the latent
+    form's gathered [rows, k, 576] rows and dense-chunk scores, the per-head dense form's
+    [heads, rows, keys] scores stay within it at the official widths up to S = 131072 (a floor of
+    16 rows would gather 75 MB per latent chunk), the indexer's [rows, Hi, keys] scores up to
+    S = 65536 (one row of its 32 heads' scores over all keys is the floor)."""
+    from paddleformers_glm.modeling.indexer import DSAIndexer
+
+    budget = attn.CHUNK_BYTES
+    indexer = DSAIndexer(tiny_config(index_n_heads=32, index_head_dim=128, q_lora_rank=64))
+    for S in (2304, 8192, 131072):
+        for ch in attn._plan(1, S, 64, 576, 2048, 1024):
+            if ch.dense:
+                assert (ch.r1 - ch.r0) * 64 * (ch.c1 + 1) * 4 <= 2 * budget
+            else:
+                assert (ch.r1 - ch.r0) * 2048 * 576 * 4 <= budget
+        for _b, r0, r1, groups in attn._dense_plan(1, S, 64):
+            assert (r1 - r0) * max(h1 - h0 for h0, h1 in groups) * r1 * 4 <= budget
+        if S <= 65536:
+            assert indexer.chunk_rows(S, S) * 32 * S * 4 <= budget
 
 
 def test_moe_grouped_equals_loop():
@@ -323,12 +366,23 @@ def test_attn_implementation_is_validated_and_saved_only_when_set(tmp_path):
     assert attn.FORMS == ("auto", "reference", "dense", "sparse", "latent")
 
 
-# ------------------------------------------------------------------ per-head dense form (short sequences)
+# ------------------------------------------------------------------ per-head dense form
 def _per_head_case(empty_rows=0):
     return _random_case(B=2, S=24, H=3, D=10, Dv=6, K=9, seed=11, empty_rows=empty_rows)
 
 
-def test_dense_head_equals_dense_masked_and_per_head_sparse_with_empty_rows():
+@pytest.fixture(params=["whole", "chunked", "chunked_ops"])
+def dense_blocks(request, monkeypatch):
+    """The per-head dense form as one block, or in query chunks of 10 rows and one head per tile
+    (a budget of 1 KB), with the compiled tile kernels or their Paddle-op forms."""
+    if request.param != "whole":
+        monkeypatch.setattr(attn, "CHUNK_BYTES", 1024)
+        assert len(attn._dense_plan(2, 24, 3)) == 6 and attn._dense_plan(2, 24, 3)[0][3] == [(0, 1), (1, 2), (2, 3)]
+    with cpu_kernels.disabled() if request.param == "chunked_ops" else contextlib.nullcontext():
+        yield request.param
+
+
+def test_dense_head_equals_dense_masked_and_per_head_sparse_with_empty_rows(dense_blocks):
     """Outputs (queries without any key included: the mean of all values, as HF eager) and the
     head-averaged probabilities at the selected slots (0 on empty slots)."""
     from paddleformers_glm.modeling.attention import dense_head_attention, sparse_attention
@@ -344,7 +398,7 @@ def test_dense_head_equals_dense_masked_and_per_head_sparse_with_empty_rows():
     assert np.all(probs.numpy()[idx.numpy() < 0] == 0)
 
 
-def test_dense_head_gradients_equal_per_head_sparse_with_empty_rows():
+def test_dense_head_gradients_equal_per_head_sparse_with_empty_rows(dense_blocks):
     """Queries without keys output the mean of the values: no score gradient (q, k) from them, v
     still gets g / S (the sparse forms' true gradient; the additive-mask reference would give a
     formal non-zero q gradient through `scores + finfo.min`)."""
@@ -364,16 +418,15 @@ def test_dense_head_gradients_equal_per_head_sparse_with_empty_rows():
 
 
 def test_dense_form_is_picked_for_short_sequences_within_budget():
-    def auto(B, S, K, H):
-        return choose_form("auto", B, S, K, H, H * 80)
+    def auto(B, S, K, H, widths=BENCH_WIDTHS):
+        return choose_form("auto", attn.AttentionShape(B, S, K, H, *widths))
 
     assert auto(1, 64, 64, 16) == auto(1, 256, 128, 16) == "dense"  # S <= 2 x top-k
-    assert auto(1, 257, 128, 16) != "dense"  # the selection is sparse enough to gather
-    assert auto(4, 512, 512, 16) != "dense"  # B·H·S² over DENSE_MAX_SCORES
-    assert auto(2, 32, 8, 4) == "sparse"  # the parity fixtures keep the per-head sparse form
+    assert auto(1, 2048, 64, 16) == "latent"  # the selection is a small share: gather it
+    assert auto(2, 32, 8, 4, (48, 32, 32, 16, 32)) == "sparse"  # the parity fixtures keep the per-head sparse form
     for form in ("reference", "dense", "sparse", "latent"):  # a set form wins over the sizes
-        assert choose_form(form, 1, 64, 64, 16, 16 * 80) == form
-        assert choose_form(form, 2, 32, 8, 4, 4 * 80) == form
+        assert choose_form(form, attn.AttentionShape(1, 64, 64, 16, *BENCH_WIDTHS)) == form
+        assert choose_form(form, attn.AttentionShape(2, 32, 8, 4, 48, 32, 32, 16, 32)) == form
 
 
 def test_whole_model_dense_head_equals_per_head_sparse_with_padding():

@@ -34,6 +34,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequ
 from ..parallel.recompute import run_core
 from ..parallel.topology import Topology
 from .attention_forms import (
+    AttentionShape,
     SelectionCache,
     choose_form,
     dense_head_attention,
@@ -215,13 +216,16 @@ class MLAttention(nn.Layer):
         cos, sin = rope
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         core = self.core_attention
-        k_sel, per_key = min(core.topk, S), H * (self.qk_dim + self.v_dim)
+        k_sel = min(core.topk, S)
         positions, keys = None, None
         if self.cp > 1:  # the latent form: the only one over a longer key table
             form, positions = "latent", zigzag_positions(S * self.cp, self.cp, self.cp_rank)
             keys = self._all_keys
         else:
-            form = choose_form(self.config.attn_implementation, B, S, k_sel, H, per_key)
+            shape = AttentionShape(
+                B, S, k_sel, H, q_latent.shape[-1], self.kv_lora, self.nope, self.rope_dim, self.v_dim
+            )
+            form = choose_form(self.config.attn_implementation, shape)
         if cache is not None:  # a prefill keeps the indexer keys for decoding
             keys = cache.index_keys_through
         if run_indexer:  # the latent and dense forms need the selected set, not its score order

@@ -42,31 +42,106 @@ from ..ops.norm import cast as _as
 _DENSE_KEYS_PER_SLOT = 2.0
 # The values of the config key `attn_implementation`.
 FORMS = ("auto", "reference", "dense", "sparse", "latent")
-# `auto` takes the latent form once the per-head gather would pass this many floats (below it the
-# per-head form is kept: it is the association the HF parity fixtures pin).
+# Below this much per-head gathering (batch x seq x topk x per-key floats) `auto` keeps the small-
+# problem rule: per-head dense for short sequences, else per-head sparse (the association the HF
+# parity fixtures pin); above it, the cheapest form by `form_costs`.
 LATENT_MIN_ELEMS = 1 << 18
-# `auto` takes the per-head dense form while its [B, H, S, S] scores stay below this many floats and
-# the top-k covers at least 1 / _DENSE_KEYS_PER_SLOT of the last query's keys.
+# The per-head dense form runs as one block (no chunks) while its [B, H, S, S] scores stay below
+# this many floats; `auto` picks it for short sequences (S <= 2 top-k) within it.
 DENSE_MAX_SCORES = 1 << 20
+# Every chunked form sizes its chunks so that the largest per-chunk intermediate (gathered key rows
+# [rows, k, D], scores [heads, rows, keys]) stays within this many bytes, at any width and length
+# (down to one query row): below glibc's mmap threshold, so chunk buffers are reused rather than
+# page-faulted in afresh.
+CHUNK_BYTES = 8 << 20
+# The per-head dense form's chunks keep at least this many query rows (its GEMMs lose speed below),
+# running a chunk's heads in groups when all of them would pass `CHUNK_BYTES`.
+_DENSE_MIN_ROWS = 32
+# Cost-model constants, in multiply-adds (MACs) of a large fp32 GEMM (about 46 G MAC/s on one core
+# of the development machine; docs/performance.md): gathering one float of key rows, and one
+# score's masked softmax (add, exp, sum, scale: memory passes, not MACs).
+GATHER_MACS = 10.0
+SOFTMAX_MACS = 16.0
 
 
-def choose_form(implementation: str, batch: int, seq: int, topk: int, heads: int, per_key: int) -> str:
-    """The attention form one call runs: `implementation` itself unless it is "auto", which picks by size.
+class AttentionShape(NamedTuple):
+    """What the attention form's cost depends on (this rank's heads)."""
 
-    auto: per-head dense while the selection is dense enough and its scores small (`DENSE_MAX_SCORES`);
-    else latent once the per-head gather (batch x seq x topk x per_key floats) passes
-    `LATENT_MIN_ELEMS`; else per-head sparse. heads = this rank's heads; per_key = the per-head
-    key + value floats of one key (heads x (qk_head_dim + v_head_dim)).
+    batch: int
+    seq: int
+    topk: int  # min(index_topk, keys)
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+
+    @property
+    def head_key_value(self) -> int:
+        """The per-head key + value floats of one key, over the heads."""
+        return self.heads * (self.nope + self.rope + self.v)
+
+
+def _selected_keys(S: int, K: int) -> float:
+    """Mean over the S queries of a causal sequence of the keys each selects: min(K, i + 1)."""
+    if S <= K:
+        return (S + 1) / 2
+    return (K * (K + 1) / 2 + (S - K) * K) / S
+
+
+def form_costs(shape: AttentionShape) -> dict[str, float]:
+    """Estimated multiply-add equivalents of one forward of each chunked form (the projections
+    that differ between them included, the shared ones not), from the chunk plans they run:
+
+    * dense: q_b and kv_b, then per head and query one score and one output row against every
+      key of its chunk (keys < the chunk's end): H (S + C) / 2 (dk + dv) per query;
+    * sparse: the same projections, then k gathered per-head keys and values per query;
+    * latent: W_uk folded into the query and W_uv per head, then per query its k latent rows
+      (gathered once for all heads, or all keys of a dense chunk), each used twice by every head.
+    """
+    B, S, K, H = shape.batch, shape.seq, shape.topk, shape.heads
+    L, dn, dr, dv, QL = shape.kv_lora, shape.nope, shape.rope, shape.v, shape.q_lora
+    dk, Lr = dn + dr, shape.kv_lora + shape.rope
+    tokens = B * S
+    head_proj = tokens * (QL * H * dk + L * H * (dn + dv))
+    latent_proj = tokens * (QL * H * L + QL * H * dr + H * L * dv)
+    dense_keys = sum((r1 - r0) * r1 for _b, r0, r1, _g in _dense_plan(1, S, H)) * B  # query x key pairs
+    k_avg = _selected_keys(S, K)
+    latent_pairs = 0.0
+    for ch in _plan(1, S, H, Lr, K, S):
+        rows = ch.r1 - ch.r0
+        if ch.dense:
+            latent_pairs += rows * (ch.c1 + 1) * (H * (2 * Lr + SOFTMAX_MACS))
+        else:
+            latent_pairs += rows * K * (H * (2 * Lr + SOFTMAX_MACS) + GATHER_MACS * Lr)
+    return {
+        "dense": head_proj + dense_keys * H * (dk + dv + SOFTMAX_MACS),
+        "sparse": head_proj + tokens * k_avg * H * ((dk + dv) * (1 + GATHER_MACS) + SOFTMAX_MACS),
+        "latent": latent_proj + B * latent_pairs,
+    }
+
+
+def choose_form(implementation: str, shape: AttentionShape) -> str:
+    """The attention form one call runs: `implementation` itself unless it is "auto".
+
+    auto: small problems (per-head gathering up to `LATENT_MIN_ELEMS` floats) keep the rule the
+    HF parity fixtures were measured with: per-head dense for short sequences (S <= 2 top-k,
+    scores within `DENSE_MAX_SCORES`), else per-head sparse. Larger ones take the cheapest form by
+    `form_costs` (work and bytes from k / S, the heads and the latent width): the per-head dense
+    form while the top-k is close to the sequence, the latent form once it is a small share of it.
     """
     if implementation not in FORMS:
         raise ValueError(f"attn_implementation must be one of {FORMS}, got {implementation!r}")
     if implementation != "auto":
         return implementation
-    if seq <= _DENSE_KEYS_PER_SLOT * topk and batch * heads * seq * seq <= DENSE_MAX_SCORES:
-        return "dense"
-    if batch * seq * topk * per_key > LATENT_MIN_ELEMS:
-        return "latent"
-    return "sparse"
+    B, S, K, H = shape.batch, shape.seq, shape.topk, shape.heads
+    if B * S * K * shape.head_key_value <= LATENT_MIN_ELEMS:
+        if S <= _DENSE_KEYS_PER_SLOT * K and B * H * S * S <= DENSE_MAX_SCORES:
+            return "dense"
+        return "sparse"
+    costs = form_costs(shape)
+    return min(costs, key=costs.__getitem__)
 
 
 # What one dispatched op costs, in floats of weight streamed: ~5 us of dispatch at the ~13 GB/s a
@@ -164,8 +239,10 @@ def sparse_attention(
     A query with no valid key at all (e.g. left padding) gets the mean of all values, which is what
     an additive-mask softmax (HF eager) produces for a fully masked row.
     """
-    B, S, H, _ = q.shape
-    chunk = max(1, min(S, chunk_size))
+    B, S, H, dk = q.shape
+    K = topk_idx.shape[-1]
+    per_row = K * H * (dk + v.shape[-1]) * q.element_size()  # the gathered keys and values of one query
+    chunk = max(1, min(S, chunk_size, CHUNK_BYTES // max(per_row, 1)))
     outs, probs_out = [], []
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
@@ -194,10 +271,9 @@ def sparse_attention(
     return out, probs
 
 
-# Elements of the largest per-chunk intermediate ([rows, k, D] gathered keys or [rows, H, keys]
-# scores): 2M floats = 8 MB keeps each chunk's tensors in cache and below glibc's mmap threshold,
-# so they are neither streamed from DRAM nor page-faulted in afresh on every op.
-_CHUNK_ELEMS = 1 << 21
+# Floats of the largest per-chunk intermediate of the latent form ([rows, k, D] gathered keys or
+# [rows, H, keys] scores), from `CHUNK_BYTES`.
+_CHUNK_ELEMS = CHUNK_BYTES // 4
 # Backward reuses the forward's gathered keys and probabilities when they total at most this many
 # elements per call (64 MB); above it they are recomputed per chunk, so saved state stays O(S x k).
 _SAVE_ELEMS = 1 << 26
@@ -246,7 +322,7 @@ def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int, n_keys: int |
     """Query chunks (never across batches) and whether each runs dense or gathered.  With
     ``n_keys`` (queries that are a share of a longer key sequence: a context-parallel rank's) every
     chunk is gathered: the dense shortcut assumes queries and keys share positions."""
-    rows = max(1, min(S, chunk_size, max(16, _CHUNK_ELEMS // max(K * max(D, H), 1))))
+    rows = max(1, min(S, chunk_size, _CHUNK_ELEMS // max(K * max(D, H), 1)))
     plan = []
     for b in range(B):
         for c0 in range(0, S, rows):
@@ -497,6 +573,107 @@ class _DenseHeadAttention(PyLayer):
         return dq, dk, dv, None, None
 
 
+def _dense_plan(B: int, S: int, H: int) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+    """The per-head dense form's tiles: (batch, first row, end row, head groups) per query chunk.
+    A chunk's rows see the keys before its end (causal); its scores [group heads, rows, keys] stay
+    within `CHUNK_BYTES` with at least `_DENSE_MIN_ROWS` rows, by splitting the heads into groups."""
+    elems = CHUNK_BYTES // 4
+    g = H if elems // (H * S) >= _DENSE_MIN_ROWS else max(1, elems // (_DENSE_MIN_ROWS * S))
+    n_groups = -(-H // g)
+    g = -(-H // n_groups)  # balanced groups
+    rows = max(1, min(S, elems // (g * S)))
+    groups = [(h, min(H, h + g)) for h in range(0, H, g)]
+    return [(b, r0, min(S, r0 + rows), groups) for b in range(B) for r0 in range(0, S, rows)]
+
+
+class _DenseChunkAttention(PyLayer):
+    """softmax(q k^T * scale + mask) v per head, over each query chunk's keys (those before the
+    chunk's end), with the selection as an additive mask: the per-head dense form for sequences
+    whose [B, H, S, S] scores would not fit one block. Tiles of `_dense_plan` run on q, k, v in
+    the projections' [B, S, H, d] layout (`ops.head_scores` / `head_context_` / `head_accum_`),
+    so neither a transpose nor a key prefix is copied; the probabilities are kept for backward
+    when small (`_SAVE_ELEMS`), else recomputed per tile: memory O(chunk), never S x S.
+
+    A query without any key gets the mean of all values (HF eager's all-masked softmax): its row
+    runs with a uniform mask and is replaced afterwards; its gradient reaches only v."""
+
+    @staticmethod
+    def forward(
+        ctx: object,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        topk: paddle.Tensor,
+        live: paddle.Tensor,
+        scale: float,
+        want_probs: bool,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        B, S, H, _ = q.shape
+        K = topk.shape[-1]
+        qs = (q * scale).contiguous()
+        k, v = k.contiguous(), v.contiguous()
+        plan = _dense_plan(B, S, H)
+        keep = sum(r1 * (r1 - r0) for _b, r0, r1, _g in plan) * H <= _SAVE_ELEMS
+        out = paddle.empty([B, S, H, v.shape[-1]], dtype=v.dtype)
+        kept, probs = [], []
+        for b, r0, r1, groups in plan:
+            mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)  # [1, C, r1]
+            pm = None
+            for h0, h1 in groups:
+                p = _masked_probs(ops.head_scores(qs, k, b, r0, r1, r1, h0, h1), mask)  # [G, C, r1]
+                ops.head_context_(p, v, out, b, r0, h0)
+                if want_probs:
+                    pm = p.sum(axis=0) if pm is None else pm.add_(p.sum(axis=0))
+                if keep:
+                    kept.append(p)
+            if want_probs:  # the head mean at the selected slots [C, K]
+                sel = topk[b, r0:r1]
+                probs.append(paddle.take_along_axis(pm, paddle.clip(sel, min=0), axis=1) / H)
+        mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]
+        out = paddle.where(live.unsqueeze(-1).unsqueeze(-1) > 0, out, mean_v.expand(out.shape))
+        ctx.save_for_backward(qs, k, v, topk, live)
+        ctx.scale, ctx.kept = scale, kept
+        pr = paddle.concat(probs, axis=0).reshape([B, S, K]) if want_probs else paddle.zeros([1])
+        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
+            ctx.mark_non_differentiable(pr)
+        return out, pr
+
+    @staticmethod
+    def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
+        qs, k, v, topk, live = ctx.saved_tensor()
+        kept, scale = ctx.kept, ctx.scale
+        ctx.kept = []
+        B, S, H, _ = qs.shape
+        live4 = live.unsqueeze(-1).unsqueeze(-1)  # [B, S, 1, 1]
+        g_live = (g * live4.astype(g.dtype)).contiguous()
+        dq, dk, dv = paddle.empty(qs.shape, qs.dtype), paddle.zeros(k.shape, k.dtype), paddle.zeros(v.shape, v.dtype)
+        i = 0
+        for b, r0, r1, groups in _dense_plan(B, S, H):
+            mask = None
+            for h0, h1 in groups:
+                if kept:
+                    p = kept[i]
+                    i += 1
+                else:
+                    if mask is None:
+                        mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)
+                    p = _masked_probs(ops.head_scores(qs, k, b, r0, r1, r1, h0, h1), mask)
+                ds = ops.softmax_backward(p, ops.head_scores(g_live, v, b, r0, r1, r1, h0, h1))
+                ops.head_context_(ds, k, dq, b, r0, h0, scale)
+                ops.head_accum_(ds, qs, dk, b, r0, h0)
+                ops.head_accum_(p, g_live, dv, b, r0, h0)
+        # a query without keys output the mean of all values: g / S to every value of its batch
+        dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]
+        dv = dv + dead.expand(dv.shape)
+        return dq, dk, dv, None, None
+
+
+def _masked_probs(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
+    """softmax(s + mask) over the keys for scores s [G, C, n] and a mask [1, C, n] shared by the G heads."""
+    G, C, n = s.shape
+    return ops.masked_softmax_(s.reshape([1, G, C, n]), mask).reshape([G, C, n])
+
+
 def dense_head_attention(
     q: paddle.Tensor,
     k: paddle.Tensor,
@@ -509,11 +686,18 @@ def dense_head_attention(
     """Per-head attention over all keys with the top-k as a mask: q, k [B, S, H, dk], v [B, S, H, dv].
 
     Returns out [B, S, H, dv] and, if asked, the head-averaged probabilities at the selected slots
-    [B, S, k] (0 on empty slots), as `sparse_attention` does.
+    [B, S, k] (0 on empty slots), as `sparse_attention` does. Scores within `CHUNK_BYTES` run as
+    one block (a few batched GEMMs); longer sequences in query chunks (`_DenseChunkAttention`).
     """
-    B, S = q.shape[0], q.shape[1]
-    mask = dense_topk_mask(topk_idx, S, cache)
+    B, S, H = q.shape[0], q.shape[1], q.shape[2]
     valid = topk_idx >= 0
+    if B * H * S * S * q.element_size() > CHUNK_BYTES:
+        live = valid.any(axis=-1).astype("int32")  # [B, S]: 1 = the query has a key
+        out, pm = _DenseChunkAttention.apply(q, k, v, topk_idx, live, float(scale), return_probs)
+        if not return_probs:
+            return out, None
+        return out, paddle.where(valid, pm, paddle.zeros_like(pm))
+    mask = dense_topk_mask(topk_idx, S, cache)
     live = valid.any(axis=-1).astype(q.dtype).reshape([B, 1, S, 1])  # 1 = the query has a key
     perm = [0, 2, 1, 3]
     out, pm = _DenseHeadAttention.apply(

@@ -12,7 +12,7 @@ layers reuse the top-k of the nearest full layer before them (see configuration.
 
 Queries are processed in chunks so memory is O(S x chunk), never O(S^2); a chunk of queries
 [c0, c1) is scored against keys < c1 only (causality), so the work is ~S^2/2, and the chunk is sized
-to keep its [C, Hi, c1] scores at a few MB (cache-resident, no page faults). Selection runs without
+to keep its [C, Hi, keys] scores within `attention_forms.CHUNK_BYTES` (cache-resident, no page faults). Selection runs without
 gradient (as in HF): the main loss trains no indexer weight. The optional KL "indexer loss"
 (DeepSeek-V3.2 / Megatron `dsa_indexer_loss_coeff`) trains it against the detached main attention.
 
@@ -30,12 +30,11 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
+from .attention_forms import CHUNK_BYTES
 from .norms import LayerNorm
 from .rope import rope_concat
 
 NEG_INF = float("-inf")
-# Largest per-chunk score block [C, Hi, keys] in elements (8 MB of fp32).
-_CHUNK_ELEMS = 1 << 21
 
 
 def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tensor | None) -> paddle.Tensor:
@@ -159,9 +158,7 @@ class DSAIndexer(nn.Layer):
             B, S, T = q.shape[0], q.shape[1], k.shape[1]
             pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
             k_out = min(self.topk, T)
-            # chunks of at most S/4 queries: keys up to the chunk's last query only, so smaller chunks
-            # skip more of the causal upper triangle; at most 8 MB of scores each
-            chunk = max(1, min(S, self.chunk_size, max(16, min(_CHUNK_ELEMS // (self.n_heads * T), S // 4))))
+            chunk = self.chunk_rows(S, T)
             pad = None if key_padding is None else key_padding.astype("bool")
             pieces = []
             start = 0
@@ -186,6 +183,12 @@ class DSAIndexer(nn.Layer):
                     vals, idx = paddle.topk(scores, k_out, axis=-1)
                     pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+
+    def chunk_rows(self, S: int, T: int) -> int:
+        """Query rows per chunk of a selection over T keys: at most max(16, S / 4) (a chunk scores
+        keys up to its last query only, so smaller chunks skip more of the causal upper triangle),
+        and the chunk's scores [rows, Hi, T] within `CHUNK_BYTES` (down to one row, at any length)."""
+        return max(1, min(S, self.chunk_size, CHUNK_BYTES // 4 // (self.n_heads * T), max(16, S // 4)))
 
     def _select_slots(
         self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, key_valid: paddle.Tensor, slots: paddle.Tensor

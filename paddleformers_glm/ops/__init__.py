@@ -7,6 +7,7 @@ does so for the process (kernels.py: build, cache, switches).
 
 from .activation import swiglu
 from .experts import routed_experts, routed_rows
+from .heads import head_accum_, head_context_, head_scores
 from .kernels import cpu_ops, disabled
 from .loss import cross_entropy_sum
 from .norm import rms_norm
@@ -21,7 +22,10 @@ __all__ = [
     "cpu_ops",
     "cross_entropy_sum",
     "disabled",
+    "head_accum_",
+    "head_context_",
     "head_matmul",
+    "head_scores",
     "latent_out_proj",
     "masked_softmax_",
     "rms_norm",

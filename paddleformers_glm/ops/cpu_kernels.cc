@@ -842,6 +842,73 @@ std::vector<std::vector<int64_t>> RoutedRowsShape(const std::vector<int64_t>& x,
                                                   const std::vector<std::vector<int64_t>>& down) {
   return {x};
 }
+
+// Per-head GEMMs on tiles of head-interleaved activations [B, S, H, d] (what the projections
+// produce: no transposes to head-major, no copies of key prefixes), for the per-head dense
+// attention's query chunks (modeling/attention_forms.py): one strided MKL sgemm per head of the
+// tile, the heads split over the threads.
+//
+// HeadScores: s[g, i, j] = x[b, r0 + i, h0 + g, :] . y[b, j, h0 + g, :] for i < r1 - r0, j < n,
+// g < h1 - h0 -> s [h1 - h0, r1 - r0, n].
+std::vector<paddle::Tensor> HeadScores(const paddle::Tensor& x, const paddle::Tensor& y, int64_t b, int64_t r0,
+                                       int64_t r1, int64_t n, int64_t h0, int64_t h1) {
+  const int64_t S = x.shape()[1], H = x.shape()[2], d = x.shape()[3], T = y.shape()[1];
+  PD_CHECK(y.shape()[2] == H && y.shape()[3] == d && b < x.shape()[0] && b < y.shape()[0] && 0 <= r0 && r0 < r1 &&
+               r1 <= S && 0 < n && n <= T && 0 <= h0 && h0 < h1 && h1 <= H,
+           "head scores: tile b ", b, " rows [", r0, ", ", r1, ") keys ", n, " heads [", h0, ", ", h1, ")");
+  const int64_t M = r1 - r0, G = h1 - h0;
+  auto s = paddle::empty({G, M, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>() + ((b * S + r0) * H + h0) * d;
+  const float* yp = y.data<float>() + (b * T * H + h0) * d;
+  float* sp = s.data<float>();
+#pragma omp parallel for schedule(static) if (G > 1 && G * M * n * d >= (1 << 20))
+  for (int64_t g = 0; g < G; ++g)
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, M, n, d, 1.0f, xp + g * d, H * d, yp + g * d, H * d, 0.0f,
+                sp + g * M * n, n);
+  return {s};
+}
+
+// HeadContext: out[b, r0 + i, h0 + g, :] = alpha * p[g, i, :] @ y[b, :n, h0 + g, :], written in place
+// into out [B, S, H, dy] (p [G, M, n]).
+void HeadContext(const paddle::Tensor& p, const paddle::Tensor& y, paddle::Tensor& out, int64_t b, int64_t r0,
+                 int64_t h0, float alpha) {
+  const int64_t G = p.shape()[0], M = p.shape()[1], n = p.shape()[2];
+  const int64_t T = y.shape()[1], H = y.shape()[2], dy = y.shape()[3], S = out.shape()[1];
+  PD_CHECK(out.shape()[2] == H && out.shape()[3] == dy && n <= T && r0 + M <= S && h0 + G <= H &&
+               b < y.shape()[0] && b < out.shape()[0],
+           "head context: p [", G, ", ", M, ", ", n, "] at b ", b, " row ", r0, " head ", h0);
+  const float* pp = p.data<float>();
+  const float* yp = y.data<float>() + (b * T * H + h0) * dy;
+  float* op = out.data<float>() + ((b * S + r0) * H + h0) * dy;
+#pragma omp parallel for schedule(static) if (G > 1 && G * M * n * dy >= (1 << 20))
+  for (int64_t g = 0; g < G; ++g)
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, M, dy, n, alpha, pp + g * M * n, n, yp + g * dy, H * dy, 0.0f,
+                op + g * dy, H * dy);
+}
+
+// HeadAccum: z[b, j, h0 + g, :] += sum_i p[g, i, j] x[b, r0 + i, h0 + g, :] for j < n, in place into
+// z [B, T, H, d] (p [G, M, n]): the key / value gradients of a query chunk.
+void HeadAccum(const paddle::Tensor& p, const paddle::Tensor& x, paddle::Tensor& z, int64_t b, int64_t r0,
+               int64_t h0) {
+  const int64_t G = p.shape()[0], M = p.shape()[1], n = p.shape()[2];
+  const int64_t S = x.shape()[1], H = x.shape()[2], d = x.shape()[3], T = z.shape()[1];
+  PD_CHECK(z.shape()[2] == H && z.shape()[3] == d && n <= T && r0 + M <= S && h0 + G <= H && b < x.shape()[0] &&
+               b < z.shape()[0],
+           "head accum: p [", G, ", ", M, ", ", n, "] at b ", b, " row ", r0, " head ", h0);
+  const float* pp = p.data<float>();
+  const float* xp = x.data<float>() + ((b * S + r0) * H + h0) * d;
+  float* zp = z.data<float>() + (b * T * H + h0) * d;
+#pragma omp parallel for schedule(static) if (G > 1 && G * M * n * d >= (1 << 20))
+  for (int64_t g = 0; g < G; ++g)
+    cblas_sgemm(kRowMajor, kTrans, kNoTrans, n, d, M, 1.0f, pp + g * M * n, n, xp + g * d, H * d, 1.0f, zp + g * d,
+                H * d);
+}
+
+std::vector<std::vector<int64_t>> HeadScoresShape(const std::vector<int64_t>& x, const std::vector<int64_t>& y,
+                                                  int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t h0,
+                                                  int64_t h1) {
+  return {{h1 - h0, r1 - r0, n}};
+}
 #endif  // GLM_WITH_MKL
 
 // Names must not end in "_grad" (Paddle reserves that suffix for registered gradient ops).
@@ -963,6 +1030,28 @@ PD_BUILD_OP(glm_grouped_matmul_backward)
     .Attrs({"counts: std::vector<int64_t>"})
     .SetKernelFn(PD_KERNEL(GroupedMatmulBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulBackwardShape));
+
+PD_BUILD_OP(glm_head_scores)
+    .Inputs({"X", "Y"})
+    .Outputs({"S"})
+    .Attrs({"b: int64_t", "r0: int64_t", "r1: int64_t", "n: int64_t", "h0: int64_t", "h1: int64_t"})
+    .SetKernelFn(PD_KERNEL(HeadScores))
+    .SetInferShapeFn(PD_INFER_SHAPE(HeadScoresShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
+
+PD_BUILD_OP(glm_head_context)
+    .Inputs({"P", "Y", "Out"})
+    .Outputs({"OutOut"})
+    .SetInplaceMap({{"Out", "OutOut"}})
+    .Attrs({"b: int64_t", "r0: int64_t", "h0: int64_t", "alpha: float"})
+    .SetKernelFn(PD_KERNEL(HeadContext));
+
+PD_BUILD_OP(glm_head_accum)
+    .Inputs({"P", "X", "Z"})
+    .Outputs({"ZOut"})
+    .SetInplaceMap({{"Z", "ZOut"}})
+    .Attrs({"b: int64_t", "r0: int64_t", "h0: int64_t"})
+    .SetKernelFn(PD_KERNEL(HeadAccum));
 
 PD_BUILD_OP(glm_head_matmul)
     .Inputs({"A", "W"})
