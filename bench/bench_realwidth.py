@@ -66,6 +66,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=12288,
         vocab_size=16384,
     ),
+    # the official per-head and latent widths and top-k with a quarter of the heads: the forms'
+    # costs relative to each other as at the official widths (all linear in the heads), ~1 GB
+    "medium": dict(
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=192,
+        qk_head_dim=256,
+        head_dim=64,
+        v_head_dim=256,
+        index_n_heads=8,
+        index_head_dim=128,
+        index_topk=2048,
+        moe_intermediate_size=1024,
+        intermediate_size=4096,
+        vocab_size=8192,
+    ),
     # the same ratios (k / S at S = 288, heads : latent : head widths) at an eighth of the widths
     "small": dict(
         hidden_size=768,

@@ -629,10 +629,12 @@ class _DenseChunkAttention(PyLayer):
             if want_probs:  # the head mean at the selected slots [C, K]
                 sel = topk[b, r0:r1]
                 probs.append(paddle.take_along_axis(pm, paddle.clip(sel, min=0), axis=1) / H)
-        mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]
-        out = paddle.where(live.unsqueeze(-1).unsqueeze(-1) > 0, out, mean_v.expand(out.shape))
+        dead = not bool(live.min())  # any query without keys (left padding): one host read
+        if dead:
+            mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]
+            out = paddle.where(live.unsqueeze(-1).unsqueeze(-1) > 0, out, mean_v.expand(out.shape))
         ctx.save_for_backward(qs, k, v, topk, live)
-        ctx.scale, ctx.kept = scale, kept
+        ctx.scale, ctx.kept, ctx.dead = scale, kept, dead
         pr = paddle.concat(probs, axis=0).reshape([B, S, K]) if want_probs else paddle.zeros([1])
         if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
             ctx.mark_non_differentiable(pr)
@@ -645,7 +647,7 @@ class _DenseChunkAttention(PyLayer):
         ctx.kept = []
         B, S, H, _ = qs.shape
         live4 = live.unsqueeze(-1).unsqueeze(-1)  # [B, S, 1, 1]
-        g_live = (g * live4.astype(g.dtype)).contiguous()
+        g_live = (g * live4.astype(g.dtype)).contiguous() if ctx.dead else g.contiguous()
         dq, dk, dv = paddle.empty(qs.shape, qs.dtype), paddle.zeros(k.shape, k.dtype), paddle.zeros(v.shape, v.dtype)
         i = 0
         for b, r0, r1, groups in _dense_plan(B, S, H):
@@ -662,9 +664,9 @@ class _DenseChunkAttention(PyLayer):
                 ops.head_context_(ds, k, dq, b, r0, h0, scale)
                 ops.head_accum_(ds, qs, dk, b, r0, h0)
                 ops.head_accum_(p, g_live, dv, b, r0, h0)
-        # a query without keys output the mean of all values: g / S to every value of its batch
-        dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]
-        dv = dv + dead.expand(dv.shape)
+        if ctx.dead:  # a query without keys output the mean of all values: g / S to each value
+            dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]
+            dv = dv + dead.expand(dv.shape)
         return dq, dk, dv, None, None
 
 
