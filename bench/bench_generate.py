@@ -143,25 +143,41 @@ def _peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def worker_ours(ckpt: str, prompt: int, new_tokens: int, threads: int, count: bool) -> dict[str, Any]:
+def worker_ours(
+    ckpt: str,
+    prompt: int,
+    new_tokens: int,
+    threads: int,
+    count: bool,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cuda_graph: bool = False,
+) -> dict[str, Any]:
     import numpy as np
     import paddle
 
-    paddle.set_device("cpu")
+    paddle.set_device(device)
     from paddle.base import core
 
     if hasattr(core, "set_num_threads"):
         core.set_num_threads(threads)
+    from paddleformers_glm.generation import CudaGraphDecodeStep
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
-    model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32")
+    model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=dtype)
     ids = paddle.to_tensor(_prompt(prompt, model.config.vocab_size))
+
+    def step() -> Any:  # a CUDA graph is captured per generation (per cache)
+        return CudaGraphDecodeStep(model) if cuda_graph else None
+
     clock = _Clock()
-    model.generate(ids[:, :16], max_new_tokens=4, eos_token_id=[])  # warm-up: kernels built, code paths seen
+    model.generate(ids[:, :16], max_new_tokens=4, eos_token_id=[], decode_step=step())  # warm-up
     clock.start()
-    out = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=[], streamer=lambda _t: clock.stamp())
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, eos_token_id=[], streamer=lambda _t: clock.stamp(), decode_step=step()
+    )
     res = dict(clock.result(), tokens=np.asarray(out.numpy()[0, prompt:]).tolist(), peak_gb=_peak_gb())
-    if count:
+    if count and device == "cpu":
         from op_count import count_ops
 
         from paddleformers_glm.modeling.cache import DSACache
@@ -177,15 +193,18 @@ def worker_ours(ckpt: str, prompt: int, new_tokens: int, threads: int, count: bo
     return res
 
 
-def worker_hf(ckpt: str, prompt: int, new_tokens: int, threads: int) -> dict[str, Any]:
+def worker_hf(
+    ckpt: str, prompt: int, new_tokens: int, threads: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    dev = torch.device("cuda" if device == "gpu" else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).to(dev)
     model.eval()
-    ids = torch.from_numpy(_prompt(prompt, model.config.vocab_size))
+    ids = torch.from_numpy(_prompt(prompt, model.config.vocab_size)).to(dev)
     clock = _Clock()
 
     class Streamer:  # transformers' streamer protocol: put(prompt), put(token) per step, end()
@@ -205,7 +224,7 @@ def worker_hf(ckpt: str, prompt: int, new_tokens: int, threads: int) -> dict[str
         model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
         clock.start()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=Streamer(), **kw)
-    return dict(clock.result(), tokens=out[0, prompt:].tolist(), peak_gb=_peak_gb())
+    return dict(clock.result(), tokens=out[0, prompt:].tolist(), peak_gb=_peak_gb())  # peak: host RSS
 
 
 WORKERS = {"prepare": worker_prepare, "ours": worker_ours, "hf": worker_hf}

@@ -21,8 +21,13 @@ What it runs, and why this way:
   MTP head and realises DSA with a dense S x S mask; ours trains the MTP layer too (more work);
 * every side runs in its own process, so one side's allocator cache never counts against the other.
 
+It then decodes with each checkpoint (`--decode-tokens` greedy tokens after a `--decode-prompt`
+prompt, bench/bench_generate.py's workers): our `generate` eagerly and with its decode step captured
+as a CUDA graph (`generation.CudaGraphDecodeStep`), beside HF's `generate` with its cache, ms per
+token and tokens/s, and whether the tokens agree (bf16 rounding may part them).
+
 `--device cpu --dtype float32 --sizes tiny` runs the same code on a CPU in seconds (the smoke test
-in tests/test_bench_gpu_train.py); numbers from it say nothing about a GPU.
+in tests/test_bench_gpu_train.py; no CUDA graph there); numbers from it say nothing about a GPU.
 Needs torch + transformers for the HF side (`--skip-hf` runs ours only).
 """
 
@@ -42,6 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_generate import run_worker as run_generate_worker  # noqa: E402
 from bench_train_step import BENCH_CONFIG, TINY_CHANGES  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -191,6 +197,39 @@ def run_hf(ckpt: Path, ns: argparse.Namespace, env: dict[str, str], timeout_s: f
     return dict(json.loads(line[len("RESULT ") :]), wall_s=time.perf_counter() - t0)
 
 
+def run_decode(ckpt: Path, ns: argparse.Namespace, env: dict[str, str], left: Any) -> dict[str, Any]:
+    """Greedy decoding with the checkpoint: ours eager, ours with a CUDA graph (GPU), HF."""
+    common = [str(ckpt), ns.decode_prompt, ns.decode_tokens, 1]
+    out: dict[str, Any] = {"prompt": ns.decode_prompt, "new": ns.decode_tokens}
+    out["ours"] = run_generate_worker("ours", [*common, False, ns.device, ns.dtype, False], env, left())
+    if ns.device == "gpu" and left() > 0:
+        out["ours_graph"] = run_generate_worker("ours", [*common, False, ns.device, ns.dtype, True], env, left())
+    if not ns.skip_hf and left() > 0:
+        out["hf"] = run_generate_worker("hf", [*common, ns.device, ns.dtype], env, left())
+        ok = [out.get(k) for k in ("ours", "hf")]
+        if all(r and "error" not in r for r in ok):
+            out["tokens_equal"] = out["ours"]["tokens"] == out["hf"]["tokens"]
+    return out
+
+
+def decode_table(rows: list[dict[str, Any]]) -> str:
+    head = "| size | prompt | new | ours ms/token | ours + CUDA graph ms/token | HF ms/token | ours tok/s | HF tok/s | ours / HF | tokens equal |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        d = r.get("decode")
+        if not d:
+            continue
+        o, g, h = d.get("ours"), d.get("ours_graph"), d.get("hf")
+        best = min((x["ms_per_token"] for x in (o, g) if x and "error" not in x), default=None)
+        ratio = f"{h['ms_per_token'] / best:.2f}x" if best and h and "error" not in h else "-"
+        tok = lambda x: f"{1e3 / x['ms_per_token']:.1f}" if x and "error" not in x else _cell(x, "", "")  # noqa: E731
+        lines.append(
+            f"| {r['size']} | {d['prompt']} | {d['new']} | {_cell(o, 'ms_per_token', '.2f')} | {_cell(g, 'ms_per_token', '.2f')} "
+            f"| {_cell(h, 'ms_per_token', '.2f')} | {tok(o)} | {tok(h)} | {ratio} | {d.get('tokens_equal', '-')} |"
+        )
+    return "\n".join(lines)
+
+
 def _cell(res: dict[str, Any] | None, key: str, fmt: str) -> str:
     if res is None:
         return "skipped"
@@ -223,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new runs after this many seconds")
+    p.add_argument("--decode-prompt", type=int, default=512, help="decoding: prompt tokens")
+    p.add_argument("--decode-tokens", type=int, default=64, help="decoding: new tokens (0: no decoding)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     p.add_argument("--json", default=None)
@@ -254,14 +295,21 @@ def main(argv: list[str] | None = None) -> int:
             row["ours"] = run_ours(ckpt, ns, work / f"out_{size}", env, left())
             if not ns.skip_hf and left() > 0:
                 row["hf"] = run_hf(ckpt, ns, env, left())
-            print(f"[bench_gpu_train] {size}: {json.dumps({k: row.get(k) for k in ('ours', 'hf')})}", flush=True)
+            if ns.decode_tokens > 0 and left() > 0:
+                row["decode"] = run_decode(ckpt, ns, env, left)
+            print(
+                f"[bench_gpu_train] {size}: {json.dumps({k: row.get(k) for k in ('ours', 'hf', 'decode')})}", flush=True
+            )
     result = {"device": ns.device, "recompute": ns.recompute, "rows": rows, "wall_s": time.perf_counter() - start}
     if ns.json:
         tmp_json = f"{ns.json}.{os.getpid()}"
         Path(tmp_json).write_text(json.dumps(result, indent=2))
         os.replace(tmp_json, ns.json)
     print(table(rows))
+    if any(r.get("decode") for r in rows):
+        print(decode_table(rows))
     failed = [r for r in rows if "error" in r or "error" in (r.get("ours") or {})]
+    failed += [r for r in rows if "error" in ((r.get("decode") or {}).get("ours") or {})]
     return 1 if failed else 0
 
 

@@ -125,6 +125,44 @@ def generate(
     return paddle.concat([input_ids, paddle.to_tensor(np.stack(new, axis=1))], axis=1)
 
 
+class CudaGraphDecodeStep:
+    """`model.decode_step` captured once as a CUDA graph and replayed for every later step:
+    ``generate(model, ids, decode_step=CudaGraphDecodeStep(model))`` on a GPU.
+
+    The step's shapes follow the cache's capacity and it reads nothing back to the host (the
+    cache writes by device-side index_put, MoE in its static-shape form while capturing), so one
+    capture serves the whole generation; each call copies the step's inputs into the captured
+    ones. The first call runs eagerly (its logits are returned) and captures; it binds to that
+    call's cache. Not exercised without a GPU (the CPU build has no CUDA graphs).
+    """
+
+    def __init__(self, model: paddle.nn.Layer) -> None:
+        self.model = model
+        self.cache: object = None
+        self.graph: object = None
+
+    def __call__(self, input_ids: paddle.Tensor, positions: paddle.Tensor, slots: paddle.Tensor, cache: object):
+        import paddle
+        from paddle.device.cuda.graphs import CUDAGraph
+
+        if self.graph is None:
+            self.cache = cache
+            self.inputs = [input_ids.clone(), positions.clone(), slots.clone()]
+            logits = self.model.decode_step(*self.inputs, cache)
+            graph = CUDAGraph()
+            graph.capture_begin()
+            self.logits = self.model.decode_step(*self.inputs, cache)
+            graph.capture_end()
+            self.graph = graph
+            return logits
+        if cache is not self.cache:
+            raise ValueError("CudaGraphDecodeStep: captured for another cache; make one per generation")
+        for held, new in zip(self.inputs, (input_ids, positions, slots)):
+            paddle.assign(new, output=held)
+        self.graph.replay()
+        return self.logits
+
+
 def _mtp_step(model: paddle.nn.Layer, mtp: paddle.nn.Layer, cache: object, hidden: paddle.Tensor, ids: paddle.Tensor):
     """The MTP layer on n new positions i (main hidden h_i [B, n, H], token i+1 ids [B, n]) through
     its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V]."""

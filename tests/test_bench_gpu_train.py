@@ -2,7 +2,8 @@
 
 The GPU numbers it exists for are recorded in docs when a GPU is lent; this test keeps the script
 itself working: checkpoint build, our trainer at world size 1 with recompute, the step-line parse,
-the peak-memory read, the table. The HF side needs torch + transformers (the `reference` extra).
+the peak-memory read, the table, and the decoding part (our `generate` and HF's on the same
+checkpoint, greedy tokens compared). The HF side needs torch + transformers (the `reference` extra).
 """
 
 import importlib.util
@@ -21,6 +22,7 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "gpu_train.json"
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--dtype", "float32", "--sizes", "tiny"]
     cmd += ["--seq-len", "32", "--warmup", "1", "--steps", "1", "--workdir", str(tmp_path), "--json", str(out)]
+    cmd += ["--decode-prompt", "16", "--decode-tokens", "4"]
     proc = subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| size | params | ours tok/s | HF tok/s |" in proc.stdout
@@ -33,6 +35,10 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     report = json.loads((tmp_path / "out_tiny" / "loss.json").read_text())
     assert report["run"]["recompute"] == "full"
     assert row["params"] > 100_000
+    decoded = row["decode"]["ours"]
+    assert "error" not in decoded, decoded
+    assert decoded["ms_per_token"] > 0 and len(decoded["tokens"]) == 4
+    assert "| size | prompt | new | ours ms/token |" in proc.stdout
     return row
 
 
@@ -47,6 +53,8 @@ def test_gpu_script_paddle_side_runs_on_cpu(tmp_path):
     reason="HF side NOT run: torch/transformers (the `reference` extra) not installed",
 )
 def test_gpu_script_hf_side_runs_on_cpu(tmp_path):
-    hf = _run(tmp_path)["hf"]
+    row = _run(tmp_path)
+    hf = row["hf"]
     assert "error" not in hf, hf
     assert hf["tok_s"] > 0 and hf["peak_gb"] > 0 and len(hf["losses"]) == 2
+    assert row["decode"]["tokens_equal"] is True  # fp32 greedy decoding: HF's tokens

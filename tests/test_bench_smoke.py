@@ -53,3 +53,68 @@ def test_bench_hf_side_runs_and_matches_the_loss(tmp_path):
     assert hf["step_s"] > 0 and hf["peak_gb"] > 0
     # same weights, same batch: the training loss agrees (fp32, different kernels)
     assert abs(hf["loss"] - row["ours"]["loss"]) < 1e-4
+
+
+_HAVE_HF = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+
+
+def _bench(tmp_path: Path, script: str, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args, "--workdir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(not _HAVE_HF, reason="the generate bench's checkpoint is made by transformers: not installed")
+def test_generate_bench_runs_and_both_sides_decode_the_same_tokens(tmp_path):
+    (row,) = _bench(
+        tmp_path, "bench_generate.py", "--sizes", "small", "--prompt", "32", "--new-tokens", "4", "--runs", "1"
+    )["rows"]
+    assert row["tokens_equal"] is True and len(row["ours"]["tokens"]) == 4
+    assert row["ours"]["ms_per_token"] > 0 and row["hf"]["ms_per_token"] > 0
+    assert 0 < row["ours"]["ops_per_step"] < 400
+
+
+def test_realwidth_bench_paddle_side_runs(tmp_path):
+    res = _bench(
+        tmp_path,
+        "bench_realwidth.py",
+        "--preset",
+        "small",
+        "--seqlens",
+        "64",
+        "--layers",
+        "2",
+        "--train-layers",
+        "1",
+        "--skip-hf",
+        "--threads",
+        "1",
+    )
+    fwd, train = res["rows"]
+    assert fwd["mode"] == "forward" and fwd["ours"]["seconds"] > 0 and fwd["ours"]["peak_gb"] > 0
+    assert train["mode"] == "train" and 0 < train["ours"]["loss"] < 20
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(not _HAVE_HF, reason="HF comparison NOT run: torch/transformers not installed")
+def test_realwidth_bench_hf_side_agrees(tmp_path):
+    res = _bench(
+        tmp_path,
+        "bench_realwidth.py",
+        "--preset",
+        "small",
+        "--seqlens",
+        "64",
+        "--layers",
+        "2",
+        "--modes",
+        "forward",
+        "--threads",
+        "1",
+    )
+    (fwd,) = res["rows"]
+    assert fwd["compare"]["argmax_agree"] == 1.0 and fwd["compare"]["logits_max_diff"] < 1e-4
+    assert fwd["hf"]["seconds"] > 0 and fwd["hf"]["peak_gb"] > 0

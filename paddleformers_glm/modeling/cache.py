@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import paddle
 
+from ..ops.norm import capturing_cuda_graph
+
 
 class LayerCache:
     """One decoder layer's cache: latent rows [B, cap, kv_lora + rope] and, for a layer with its
@@ -90,8 +92,13 @@ def _grown(buf: paddle.Tensor | None, shape: list[int], dtype: object, keep: int
 def _write_slots(buf: paddle.Tensor | None, new: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
     if buf is None:
         raise RuntimeError("a decode step needs a prefilled cache (run the prompt through the model first)")
+    if capturing_cuda_graph():  # index tensors on the device: a slice's tensor bounds are read on the host
+        B, n = new.shape[0], new.shape[1]
+        rows = paddle.arange(B, dtype="int64").unsqueeze(1).expand([B, n]).reshape([-1])
+        buf.index_put_((rows, slots.unsqueeze(0).expand([B, n]).reshape([-1])), new.reshape([B * n, -1]))
+        return buf
     first = slots[:1]
-    buf[:, first : first + new.shape[1]] = new  # slice bounds as tensors: no host read, traceable
+    buf[:, first : first + new.shape[1]] = new  # slice bounds as tensors: traceable (to_static)
     return buf
 
 

@@ -26,6 +26,7 @@ from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
 from ..ops import route, routed_experts, routed_rows, swiglu
+from ..ops.norm import capturing_cuda_graph
 from ..parallel import comm
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
@@ -265,7 +266,7 @@ class MoE(nn.Layer):
         (the order of HF's per-expert `index_add_`: the per-expert loop is bitwise HF's sums; the
         grouped kernel applies w_k before the down projection, so it rounds differently)."""
         N, K = expert_ids.shape
-        if not paddle.in_dynamic_mode():  # a static graph (to_static) needs shapes known in advance
+        if not paddle.in_dynamic_mode() or capturing_cuda_graph():  # shapes known in advance, no host read
             return self._static_routed(x, weights, expert_ids)
         if not paddle.is_grad_enabled() and N * K <= self.num_experts:  # decoding: a few assignments
             return routed_rows(x, expert_ids, weights, *self._expert_weights())
@@ -290,7 +291,8 @@ class MoE(nn.Layer):
         return cached
 
     def _static_routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
-        """The routed sum with no data-dependent shape, for graphs built by paddle.jit.to_static:
+        """The routed sum with no data-dependent shape, for graphs built by paddle.jit.to_static or
+        captured as CUDA graphs:
         every expert runs on every token and is weighted by its routing weight (0 when not chosen),
         added in ascending expert order like the per-expert loop. E / K times the flops: an
         export form, not a training one."""

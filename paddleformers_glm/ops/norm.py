@@ -44,6 +44,15 @@ except ImportError:  # pragma: no cover - older Paddle
         return False
 
 
+_CUDA_GRAPH_CAPTURING = getattr(paddle.base.core, "is_cuda_graph_capturing", None)
+
+
+def capturing_cuda_graph() -> bool:
+    """True while a CUDA graph is being captured: the code must then read no value back to the
+    host and give every tensor a shape known in advance."""
+    return bool(_CUDA_GRAPH_CAPTURING()) if _CUDA_GRAPH_CAPTURING is not None else False
+
+
 def building_graph() -> bool:
     """True while paddle.jit.to_static builds a graph (either mode): eager-side caches keyed by
     tensor identity or place must then be bypassed, the tensors being symbolic."""
