@@ -18,8 +18,9 @@ What it measures, and why this way:
 * the checkpoint is written once in the official HF layout (bf16, shard by shard, never a whole
   model in memory; matrices N(0, 1 / fan_in), norms near 1), and each side loads it with its own
   `from_pretrained` in fp32;
-* every measurement is its own subprocess with pinned, equal threads (`--threads`); peak memory is
-  the child's `ru_maxrss` (load included); a watchdog kills a child whose RSS passes
+* every measurement is its own subprocess with pinned, equal threads (`--threads`); time is wall
+  clock and the process's CPU time (`cpu s`: all its threads; less blurred by other processes on a
+  shared machine); peak memory is the child's `ru_maxrss` (load included); a watchdog kills a child whose RSS passes
   `--mem-limit-gb` (20) and reports where it stopped (seconds and the phase it was in), so HF's
   dense S x S scores at long S never take the machine down;
 * forward: the logits of every position, no gradient; the two sides' logits are compared (max
@@ -230,12 +231,12 @@ def worker_ours(folder: str, mode: str, S: int, threads: int, out_npz: str) -> d
     load_gb = _peak_gb()
     ids = paddle.to_tensor(_ids(S, model.config.vocab_size))
     _phase(mode)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if mode == "forward":
         model.eval()
         with paddle.no_grad():
             logits = model(ids).logits
-        seconds = time.perf_counter() - t0
+        seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         np.savez(out_npz, last=logits[0, -8:].numpy(), argmax=logits[0].argmax(-1).numpy())
         res = {}
     else:
@@ -243,9 +244,9 @@ def worker_ours(folder: str, mode: str, S: int, threads: int, out_npz: str) -> d
         out = model(ids, labels=ids, compute_mtp=False)
         out.loss.backward()
         loss = float(out.loss)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         res = {"loss": loss}
-    return dict(res, seconds=seconds, peak_gb=_peak_gb(), load_gb=load_gb)
+    return dict(res, seconds=seconds, cpu_s=cpu_s, peak_gb=_peak_gb(), load_gb=load_gb)
 
 
 def worker_hf(folder: str, mode: str, S: int, threads: int, out_npz: str) -> dict[str, Any]:
@@ -259,12 +260,12 @@ def worker_hf(folder: str, mode: str, S: int, threads: int, out_npz: str) -> dic
     load_gb = _peak_gb()
     ids = torch.from_numpy(_ids(S, model.config.vocab_size))
     _phase(mode)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if mode == "forward":
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=ids).logits
-        seconds = time.perf_counter() - t0
+        seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         np.savez(out_npz, last=logits[0, -8:].numpy(), argmax=logits[0].argmax(-1).numpy())
         res = {}
     else:
@@ -272,9 +273,9 @@ def worker_hf(folder: str, mode: str, S: int, threads: int, out_npz: str) -> dic
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         loss = float(out.loss)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         res = {"loss": loss}
-    return dict(res, seconds=seconds, peak_gb=_peak_gb(), load_gb=load_gb)
+    return dict(res, seconds=seconds, cpu_s=cpu_s, peak_gb=_peak_gb(), load_gb=load_gb)
 
 
 WORKERS = {"prepare": worker_prepare, "ours": worker_ours, "hf": worker_hf}
@@ -301,17 +302,22 @@ def _cell(r: dict[str, Any] | None, key: str, fmt: str) -> str:
 
 
 def table(rows: list[dict[str, Any]], limit_gb: float) -> str:
-    head = "| mode | S | layers | ours s | HF s | speed ours/HF | ours peak GB | HF peak GB | memory ours/HF | logits max diff | argmax agree |"
-    lines = [head, "|" + "---|" * 11]
+    head = (
+        "| mode | S | layers | ours s | HF s | speed ours/HF | ours cpu s | HF cpu s | on CPU time | ours peak GB "
+        "| HF peak GB | memory ours/HF | logits max diff | argmax agree |"
+    )
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         o, h = r["ours"], r.get("hf")
         ok = h is not None and "error" not in o and "error" not in h
         speed = f"**{h['seconds'] / o['seconds']:.2f}x**" if ok else "-"
+        cpu = f"{h['cpu_s'] / o['cpu_s']:.2f}x" if ok else "-"
         mem = f"**{o['peak_gb'] / h['peak_gb']:.2f}**" if ok else "-"
         cmp_ = r.get("compare") or {}
         lines.append(
             f"| {r['mode']} | {r['S']} | {r['layers']} | {_cell(o, 'seconds', '.1f')} | {_cell(h, 'seconds', '.1f')} "
-            f"| {speed} | {_cell(o, 'peak_gb', '.2f')} | {_cell(h, 'peak_gb', '.2f')} | {mem} "
+            f"| {speed} | {_cell(o, 'cpu_s', '.1f')} | {_cell(h, 'cpu_s', '.1f')} | {cpu} "
+            f"| {_cell(o, 'peak_gb', '.2f')} | {_cell(h, 'peak_gb', '.2f')} | {mem} "
             f"| {cmp_.get('logits_max_diff', float('nan')):.2e} | {cmp_.get('argmax_agree', float('nan')):.4f} |"
         )
     return "\n".join(lines) + f"\n(memory limit per run: {limit_gb:g} GB RSS)"

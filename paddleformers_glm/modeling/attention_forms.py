@@ -54,9 +54,10 @@ DENSE_MAX_SCORES = 1 << 20
 # (down to one query row): below glibc's mmap threshold, so chunk buffers are reused rather than
 # page-faulted in afresh.
 CHUNK_BYTES = 8 << 20
-# The per-head dense form's chunks keep at least this many query rows (its GEMMs lose speed below),
-# running a chunk's heads in groups when all of them would pass `CHUNK_BYTES`.
-_DENSE_MIN_ROWS = 32
+# The per-head dense form's tiles aim at this many query rows before they take more than one head:
+# each tile re-reads its heads' key and value prefix (and its backward re-writes their gradients),
+# so that traffic falls with the rows per tile, while the GEMMs gain nothing from more heads.
+_DENSE_TILE_ROWS = 256
 # Cost-model constants, in multiply-adds (MACs) of a large fp32 GEMM (about 46 G MAC/s on one core
 # of the development machine; docs/performance.md): gathering one float of key rows, and one
 # score's masked softmax (add, exp, sum, scale: memory passes, not MACs).
@@ -575,10 +576,11 @@ class _DenseHeadAttention(PyLayer):
 
 def _dense_plan(B: int, S: int, H: int) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
     """The per-head dense form's tiles: (batch, first row, end row, head groups) per query chunk.
-    A chunk's rows see the keys before its end (causal); its scores [group heads, rows, keys] stay
-    within `CHUNK_BYTES` with at least `_DENSE_MIN_ROWS` rows, by splitting the heads into groups."""
+    A chunk's rows see the keys before its end (causal); a tile's scores [group heads, rows, keys]
+    stay within `CHUNK_BYTES`: as many heads per tile as leave it `_DENSE_TILE_ROWS` rows (one
+    head, and fewer rows, at long sequences), balanced groups."""
     elems = CHUNK_BYTES // 4
-    g = H if elems // (H * S) >= _DENSE_MIN_ROWS else max(1, elems // (_DENSE_MIN_ROWS * S))
+    g = max(1, min(H, elems // (min(S, _DENSE_TILE_ROWS) * S)))
     n_groups = -(-H // g)
     g = -(-H // n_groups)  # balanced groups
     rows = max(1, min(S, elems // (g * S)))
@@ -610,8 +612,7 @@ class _DenseChunkAttention(PyLayer):
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         B, S, H, _ = q.shape
         K = topk.shape[-1]
-        qs = (q * scale).contiguous()
-        k, v = k.contiguous(), v.contiguous()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the scale goes into the GEMMs
         plan = _dense_plan(B, S, H)
         keep = sum(r1 * (r1 - r0) for _b, r0, r1, _g in plan) * H <= _SAVE_ELEMS
         out = paddle.empty([B, S, H, v.shape[-1]], dtype=v.dtype)
@@ -620,7 +621,7 @@ class _DenseChunkAttention(PyLayer):
             mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)  # [1, C, r1]
             pm = None
             for h0, h1 in groups:
-                p = _masked_probs(ops.head_scores(qs, k, b, r0, r1, r1, h0, h1), mask)  # [G, C, r1]
+                p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)  # [G, C, r1]
                 ops.head_context_(p, v, out, b, r0, h0)
                 if want_probs:
                     pm = p.sum(axis=0) if pm is None else pm.add_(p.sum(axis=0))
@@ -633,7 +634,7 @@ class _DenseChunkAttention(PyLayer):
         if dead:
             mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]
             out = paddle.where(live.unsqueeze(-1).unsqueeze(-1) > 0, out, mean_v.expand(out.shape))
-        ctx.save_for_backward(qs, k, v, topk, live)
+        ctx.save_for_backward(q, k, v, topk, live)
         ctx.scale, ctx.kept, ctx.dead = scale, kept, dead
         pr = paddle.concat(probs, axis=0).reshape([B, S, K]) if want_probs else paddle.zeros([1])
         if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
@@ -642,13 +643,13 @@ class _DenseChunkAttention(PyLayer):
 
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
-        qs, k, v, topk, live = ctx.saved_tensor()
+        q, k, v, topk, live = ctx.saved_tensor()
         kept, scale = ctx.kept, ctx.scale
         ctx.kept = []
-        B, S, H, _ = qs.shape
+        B, S, H, _ = q.shape
         live4 = live.unsqueeze(-1).unsqueeze(-1)  # [B, S, 1, 1]
         g_live = (g * live4.astype(g.dtype)).contiguous() if ctx.dead else g.contiguous()
-        dq, dk, dv = paddle.empty(qs.shape, qs.dtype), paddle.zeros(k.shape, k.dtype), paddle.zeros(v.shape, v.dtype)
+        dq, dk, dv = paddle.empty(q.shape, q.dtype), paddle.zeros(k.shape, k.dtype), paddle.zeros(v.shape, v.dtype)
         i = 0
         for b, r0, r1, groups in _dense_plan(B, S, H):
             mask = None
@@ -659,10 +660,10 @@ class _DenseChunkAttention(PyLayer):
                 else:
                     if mask is None:
                         mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)
-                    p = _masked_probs(ops.head_scores(qs, k, b, r0, r1, r1, h0, h1), mask)
+                    p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)
                 ds = ops.softmax_backward(p, ops.head_scores(g_live, v, b, r0, r1, r1, h0, h1))
                 ops.head_context_(ds, k, dq, b, r0, h0, scale)
-                ops.head_accum_(ds, qs, dk, b, r0, h0)
+                ops.head_accum_(ds, q, dk, b, r0, h0, scale)
                 ops.head_accum_(p, g_live, dv, b, r0, h0)
         if ctx.dead:  # a query without keys output the mean of all values: g / S to each value
             dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]

@@ -848,10 +848,16 @@ std::vector<std::vector<int64_t>> RoutedRowsShape(const std::vector<int64_t>& x,
 // attention's query chunks (modeling/attention_forms.py): one strided MKL sgemm per head of the
 // tile, the heads split over the threads.
 //
-// HeadScores: s[g, i, j] = x[b, r0 + i, h0 + g, :] . y[b, j, h0 + g, :] for i < r1 - r0, j < n,
-// g < h1 - h0 -> s [h1 - h0, r1 - r0, n].
+// Heads run on threads of their own (each sgemm single-threaded) when there are enough of them to
+// share out evenly; otherwise one after the other, each sgemm on MKL's threads.
+inline bool HeadsOnThreads(int64_t heads, int64_t work) {
+  return heads >= 2 * omp_get_max_threads() && work >= (1 << 20);
+}
+
+// HeadScores: s[g, i, j] = alpha * x[b, r0 + i, h0 + g, :] . y[b, j, h0 + g, :] for i < r1 - r0,
+// j < n, g < h1 - h0 -> s [h1 - h0, r1 - r0, n].
 std::vector<paddle::Tensor> HeadScores(const paddle::Tensor& x, const paddle::Tensor& y, int64_t b, int64_t r0,
-                                       int64_t r1, int64_t n, int64_t h0, int64_t h1) {
+                                       int64_t r1, int64_t n, int64_t h0, int64_t h1, float alpha) {
   const int64_t S = x.shape()[1], H = x.shape()[2], d = x.shape()[3], T = y.shape()[1];
   PD_CHECK(y.shape()[2] == H && y.shape()[3] == d && b < x.shape()[0] && b < y.shape()[0] && 0 <= r0 && r0 < r1 &&
                r1 <= S && 0 < n && n <= T && 0 <= h0 && h0 < h1 && h1 <= H,
@@ -861,9 +867,9 @@ std::vector<paddle::Tensor> HeadScores(const paddle::Tensor& x, const paddle::Te
   const float* xp = x.data<float>() + ((b * S + r0) * H + h0) * d;
   const float* yp = y.data<float>() + (b * T * H + h0) * d;
   float* sp = s.data<float>();
-#pragma omp parallel for schedule(static) if (G > 1 && G * M * n * d >= (1 << 20))
+#pragma omp parallel for schedule(static) if (HeadsOnThreads(G, G * M * n * d))
   for (int64_t g = 0; g < G; ++g)
-    cblas_sgemm(kRowMajor, kNoTrans, kTrans, M, n, d, 1.0f, xp + g * d, H * d, yp + g * d, H * d, 0.0f,
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, M, n, d, alpha, xp + g * d, H * d, yp + g * d, H * d, 0.0f,
                 sp + g * M * n, n);
   return {s};
 }
@@ -880,16 +886,16 @@ void HeadContext(const paddle::Tensor& p, const paddle::Tensor& y, paddle::Tenso
   const float* pp = p.data<float>();
   const float* yp = y.data<float>() + (b * T * H + h0) * dy;
   float* op = out.data<float>() + ((b * S + r0) * H + h0) * dy;
-#pragma omp parallel for schedule(static) if (G > 1 && G * M * n * dy >= (1 << 20))
+#pragma omp parallel for schedule(static) if (HeadsOnThreads(G, G * M * n * dy))
   for (int64_t g = 0; g < G; ++g)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, M, dy, n, alpha, pp + g * M * n, n, yp + g * dy, H * dy, 0.0f,
                 op + g * dy, H * dy);
 }
 
-// HeadAccum: z[b, j, h0 + g, :] += sum_i p[g, i, j] x[b, r0 + i, h0 + g, :] for j < n, in place into
-// z [B, T, H, d] (p [G, M, n]): the key / value gradients of a query chunk.
+// HeadAccum: z[b, j, h0 + g, :] += alpha * sum_i p[g, i, j] x[b, r0 + i, h0 + g, :] for j < n, in
+// place into z [B, T, H, d] (p [G, M, n]): the key / value gradients of a query chunk.
 void HeadAccum(const paddle::Tensor& p, const paddle::Tensor& x, paddle::Tensor& z, int64_t b, int64_t r0,
-               int64_t h0) {
+               int64_t h0, float alpha) {
   const int64_t G = p.shape()[0], M = p.shape()[1], n = p.shape()[2];
   const int64_t S = x.shape()[1], H = x.shape()[2], d = x.shape()[3], T = z.shape()[1];
   PD_CHECK(z.shape()[2] == H && z.shape()[3] == d && n <= T && r0 + M <= S && h0 + G <= H && b < x.shape()[0] &&
@@ -898,15 +904,15 @@ void HeadAccum(const paddle::Tensor& p, const paddle::Tensor& x, paddle::Tensor&
   const float* pp = p.data<float>();
   const float* xp = x.data<float>() + ((b * S + r0) * H + h0) * d;
   float* zp = z.data<float>() + (b * T * H + h0) * d;
-#pragma omp parallel for schedule(static) if (G > 1 && G * M * n * d >= (1 << 20))
+#pragma omp parallel for schedule(static) if (HeadsOnThreads(G, G * M * n * d))
   for (int64_t g = 0; g < G; ++g)
-    cblas_sgemm(kRowMajor, kTrans, kNoTrans, n, d, M, 1.0f, pp + g * M * n, n, xp + g * d, H * d, 1.0f, zp + g * d,
+    cblas_sgemm(kRowMajor, kTrans, kNoTrans, n, d, M, alpha, pp + g * M * n, n, xp + g * d, H * d, 1.0f, zp + g * d,
                 H * d);
 }
 
 std::vector<std::vector<int64_t>> HeadScoresShape(const std::vector<int64_t>& x, const std::vector<int64_t>& y,
                                                   int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t h0,
-                                                  int64_t h1) {
+                                                  int64_t h1, float alpha) {
   return {{h1 - h0, r1 - r0, n}};
 }
 #endif  // GLM_WITH_MKL
@@ -1034,7 +1040,7 @@ PD_BUILD_OP(glm_grouped_matmul_backward)
 PD_BUILD_OP(glm_head_scores)
     .Inputs({"X", "Y"})
     .Outputs({"S"})
-    .Attrs({"b: int64_t", "r0: int64_t", "r1: int64_t", "n: int64_t", "h0: int64_t", "h1: int64_t"})
+    .Attrs({"b: int64_t", "r0: int64_t", "r1: int64_t", "n: int64_t", "h0: int64_t", "h1: int64_t", "alpha: float"})
     .SetKernelFn(PD_KERNEL(HeadScores))
     .SetInferShapeFn(PD_INFER_SHAPE(HeadScoresShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
@@ -1050,7 +1056,7 @@ PD_BUILD_OP(glm_head_accum)
     .Inputs({"P", "X", "Z"})
     .Outputs({"ZOut"})
     .SetInplaceMap({{"Z", "ZOut"}})
-    .Attrs({"b: int64_t", "r0: int64_t", "h0: int64_t"})
+    .Attrs({"b: int64_t", "r0: int64_t", "h0: int64_t", "alpha: float"})
     .SetKernelFn(PD_KERNEL(HeadAccum));
 
 PD_BUILD_OP(glm_head_matmul)

@@ -10,16 +10,17 @@ from .kernels import usable
 
 
 def head_scores(
-    x: paddle.Tensor, y: paddle.Tensor, b: int, r0: int, r1: int, n: int, h0: int, h1: int
+    x: paddle.Tensor, y: paddle.Tensor, b: int, r0: int, r1: int, n: int, h0: int, h1: int, alpha: float = 1.0
 ) -> paddle.Tensor:
-    """s[g, i, j] = x[b, r0 + i, h0 + g] . y[b, j, h0 + g] for rows [r0, r1), keys j < n, heads
-    [h0, h1) -> [h1 - h0, r1 - r0, n] (x [B, S, H, d], y [B, T, H, d])."""
+    """s[g, i, j] = alpha * x[b, r0 + i, h0 + g] . y[b, j, h0 + g] for rows [r0, r1), keys j < n,
+    heads [h0, h1) -> [h1 - h0, r1 - r0, n] (x [B, S, H, d], y [B, T, H, d])."""
     ops = usable(x, y)
     if ops is not None and hasattr(ops, "glm_head_scores"):
-        return ops.glm_head_scores(x, y, b, r0, r1, n, h0, h1)
+        return ops.glm_head_scores(x, y, b, r0, r1, n, h0, h1, float(alpha))
     xs = x[b, r0:r1, h0:h1].transpose([1, 0, 2])  # [G, C, d]
     ys = y[b, :n, h0:h1].transpose([1, 0, 2])  # [G, n, d]
-    return paddle.matmul(xs, ys, transpose_y=True)
+    s = paddle.matmul(xs, ys, transpose_y=True)
+    return s * alpha if alpha != 1.0 else s
 
 
 def head_context_(
@@ -37,14 +38,18 @@ def head_context_(
     return out
 
 
-def head_accum_(p: paddle.Tensor, x: paddle.Tensor, z: paddle.Tensor, b: int, r0: int, h0: int) -> paddle.Tensor:
-    """z[b, j, h0 + g] += sum_i p[g, i, j] x[b, r0 + i, h0 + g] for keys j < n, in place into
-    z [B, T, H, d], for p [G, C, n] (a query chunk's key or value gradients); returns z."""
+def head_accum_(
+    p: paddle.Tensor, x: paddle.Tensor, z: paddle.Tensor, b: int, r0: int, h0: int, alpha: float = 1.0
+) -> paddle.Tensor:
+    """z[b, j, h0 + g] += alpha * sum_i p[g, i, j] x[b, r0 + i, h0 + g] for keys j < n, in place
+    into z [B, T, H, d], for p [G, C, n] (a query chunk's key or value gradients); returns z."""
     G, C, n = p.shape
     ops = usable(p, x, z)
     if ops is not None and hasattr(ops, "glm_head_accum"):
-        ops.glm_head_accum(p, x, z, b, r0, h0)
+        ops.glm_head_accum(p, x, z, b, r0, h0, float(alpha))
         return z
     part = paddle.matmul(p, x[b, r0 : r0 + C, h0 : h0 + G].transpose([1, 0, 2]), transpose_x=True)  # [G, n, d]
+    if alpha != 1.0:
+        part = part * alpha
     z[b, :n, h0 : h0 + G] = z[b, :n, h0 : h0 + G] + part.transpose([1, 0, 2])
     return z
