@@ -49,7 +49,9 @@ def test_out_of_vocab_token_late_in_npy_is_refused_before_any_step(tmp_path):
     toks = np.arange(400, dtype=np.int32) % V
     toks[150] = V + 7
     np.save(tmp_path / "d.npy", toks)
-    with pytest.raises(ValueError, match=rf"d\.npy: token {V + 7} at position 150 is outside the vocabulary \[0, {V}\)"):
+    with pytest.raises(
+        ValueError, match=rf"d\.npy: token {V + 7} at position 150 is outside the vocabulary \[0, {V}\)"
+    ):
         open_data(str(tmp_path / "d.npy"), 16, V, 0).validate()
     t0 = time.monotonic()
     line = _cli_error(tmp_path, *TOY, "--steps", "2", "--data", str(tmp_path / "d.npy"))
@@ -73,7 +75,9 @@ def test_bin_tokens_past_the_vocab_and_odd_length(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00" * 40 + b"\x01")
     with pytest.raises(ValueError, match=r"odd\.bin: 81 bytes is not a whole number of uint16 tokens \(2 bytes each\)"):
         open_data(str(tmp_path / "odd.bin"), 16, V, 0)
-    with pytest.raises(ValueError, match=r"--data-dtype must be auto or one of uint16, uint32, int32, int64, got 'float8'"):
+    with pytest.raises(
+        ValueError, match=r"--data-dtype must be auto or one of uint16, uint32, int32, int64, got 'float8'"
+    ):
         open_data(str(tmp_path / "t.bin"), 16, V, 0, data_dtype="float8")
 
 
@@ -236,7 +240,9 @@ def test_nan_fp8_scale_is_refused_by_from_pretrained_and_named_by_check_ckpt(tmp
     shutil.copytree(FIXTURES / "tiny_fp8" / "checkpoint", folder)
     scale = "model.layers.0.mlp.gate_proj.weight_scale_inv"
     _plant_nan(folder, scale)
-    with pytest.raises(NonFiniteError, match=r"hold NaN or Inf: model\.layers\.0\.mlp\.up_gate_proj\.weight \(8192 values\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"hold NaN or Inf: model\.layers\.0\.mlp\.up_gate_proj\.weight \(8192 values\)"
+    ):
         GlmMoeDsaForCausalLM.from_pretrained(folder)
     ref = FIXTURES / "tiny_fp8" / "checkpoint"
     rc = main(["check-ckpt", str(ref), str(folder), "--quiet"])

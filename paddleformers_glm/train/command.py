@@ -21,7 +21,14 @@ from ..cpu_env import apply_mkl_default
 if TYPE_CHECKING:
     from .loop import TrainConfig
 
-__all__ = ["add_train_arguments", "check_inputs_before_launch", "config_from_args", "main", "register_train", "run_train"]
+__all__ = [
+    "add_train_arguments",
+    "check_inputs_before_launch",
+    "config_from_args",
+    "main",
+    "register_train",
+    "run_train",
+]
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
