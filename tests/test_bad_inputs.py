@@ -10,23 +10,24 @@ weights and FP8 scales loading silently, and tokenizer files failing without the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 import struct
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from paddleformers_glm.checkpoint.finite import NonFiniteError, count_nonfinite_raw
 from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
 from paddleformers_glm.configuration import GlmMoeDsaConfig, indexer_types_from_schedule
 from paddleformers_glm.tokenizer import GlmTokenizer, TokenizerError
 from paddleformers_glm.train.data import open_data
-from tests._dist.runner import run_train_cli
+from tests._dist.runner import error_lines, run_train_cli
 from tests.conftest import FIXTURES, TINY_CONFIG
-from tests.test_resume_hostile import error_lines
 
 TOY = ["--model", "toy", "--seq-len", "16", "--global-batch-size", "2", "--seed", "3"]
 V = 64  # the toy model's vocabulary
@@ -119,8 +120,8 @@ def test_npz_labels_and_mask_are_checked(tmp_path):
         open_data(str(tmp_path / "q.npz"), 16, V, 0).validate()
 
 
-def test_token_scan_is_chunked_and_cheap(tmp_path):
-    """The whole-file scan reads each token once in bounded chunks (32M tokens, several chunks)."""
+def test_token_scan_finds_the_last_token_of_a_multi_chunk_file(tmp_path):
+    """The whole-file scan covers every chunk (32M tokens: two chunks of 16M), the bad token last."""
     toks = np.memmap(tmp_path / "big.bin", dtype="<u2", mode="w+", shape=(1 << 25,))
     toks[:] = 5
     toks[-1] = 40000
@@ -133,6 +134,28 @@ def test_token_scan_is_chunked_and_cheap(tmp_path):
 
 
 # ---------------------------------------------------------------- config
+@contextlib.contextmanager
+def answers_without_building_anything(limit_bytes: int = 1 << 20, liveness_s: int = 60):
+    """The block allocates under ``limit_bytes`` at its peak (a per-layer list of 10**9 entries
+    would take gigabytes); SIGALRM after ``liveness_s`` turns a spin (the earlier code's minutes)
+    into a failure instead of a hung suite. A liveness bound, not a speed measurement."""
+
+    def spun(*_):
+        raise TimeoutError(f"still running after {liveness_s} s")
+
+    old = signal.signal(signal.SIGALRM, spun)
+    signal.alarm(liveness_s)
+    tracemalloc.start()
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert peak < limit_bytes, f"peak allocation {peak} bytes"
+
+
 def _tiny_dict() -> dict:
     return json.loads(TINY_CONFIG.read_text())
 
@@ -162,10 +185,8 @@ def test_config_values_are_checked_per_key_naming_the_file(tmp_path, key, value,
         d[key] = value + ["shared"] * (d["num_hidden_layers"] - len(value))
     f = tmp_path / "config.json"
     f.write_text(json.dumps(d))
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError) as e:
+    with answers_without_building_anything(), pytest.raises(ValueError) as e:
         GlmMoeDsaConfig.from_pretrained(f)
-    assert time.perf_counter() - t0 < 1.0, "config validation must answer at once"
     msg = str(e.value)
     assert f"`{key}" in msg and expected in msg and str(f) in msg, msg
 
@@ -178,10 +199,8 @@ def test_rope_numbers_are_numbers(tmp_path):
 
 
 def test_schedule_builder_refuses_absurd_layer_counts_at_once():
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="num_hidden_layers"):
+    with answers_without_building_anything(), pytest.raises(ValueError, match="num_hidden_layers"):
         indexer_types_from_schedule(10**9, 4, 3)
-    assert time.perf_counter() - t0 < 0.5
 
 
 def test_config_not_utf8_is_named(tmp_path):
@@ -223,6 +242,7 @@ def nan_tiny(tmp_path) -> Path:
 
 def test_from_pretrained_refuses_nan_weights_by_name(nan_tiny):
     from paddleformers_glm import GlmMoeDsaForCausalLM
+    from paddleformers_glm.checkpoint.finite import NonFiniteError
 
     with pytest.raises(NonFiniteError) as e:
         GlmMoeDsaForCausalLM.from_pretrained(nan_tiny)
@@ -234,6 +254,7 @@ def test_from_pretrained_refuses_nan_weights_by_name(nan_tiny):
 
 def test_nan_fp8_scale_is_refused_by_from_pretrained_and_named_by_check_ckpt(tmp_path, capsys):
     from paddleformers_glm import GlmMoeDsaForCausalLM
+    from paddleformers_glm.checkpoint.finite import NonFiniteError
     from paddleformers_glm.cli import main
 
     folder = tmp_path / "fp8"
@@ -277,6 +298,8 @@ def test_raw_nonfinite_test_agrees_with_a_decode_of_every_bit_pattern(dtype):
     exactly where Paddle's (bf16, fp8) or numpy's (fp16) decoding to float32 is NaN or Inf."""
     import paddle
 
+    from paddleformers_glm.checkpoint.finite import count_nonfinite_raw
+
     if dtype == "F16":
         bits = np.arange(1 << 16, dtype=np.uint16)
         decoded = bits.view(np.float16).astype(np.float32)
@@ -294,6 +317,8 @@ def test_raw_nonfinite_test_agrees_with_a_decode_of_every_bit_pattern(dtype):
 
 
 def test_raw_nonfinite_count_of_wide_floats():
+    from paddleformers_glm.checkpoint.finite import count_nonfinite_raw
+
     vals = np.array([0.0, 1.5, -2.0, np.nan, np.inf, -np.inf, 3.0])
     for dtype, np_dtype in (("F32", np.float32), ("F64", np.float64)):
         assert count_nonfinite_raw(vals.astype(np_dtype), dtype) == 3

@@ -25,7 +25,7 @@ from paddleformers_glm.train.state_files import (
     resolve_resume_state,
     restricted_unpickle,
 )
-from tests._dist.runner import run_train_cli
+from tests._dist.runner import error_lines, run_train_cli
 
 ARGS = ["--model", "toy", "--steps", "2", "--seq-len", "16", "--global-batch-size", "2", "--seed", "3"]
 STEP = "step_00000002"
@@ -52,19 +52,6 @@ def saved(tmp_path_factory) -> Path:
     p, _ = run_train_cli([*ARGS, "--save-every", "1", "--out", str(out)], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return out / "checkpoints"
-
-
-def error_lines(stderr: str) -> list[str]:
-    """stderr without Paddle's own import-time warning (no ccache: a message line and its
-    ``warnings.warn(...)`` source line), which is not the CLI's output."""
-    out, after_warning = [], False
-    for ln in stderr.strip().splitlines():
-        if "No ccache found" in ln or (after_warning and ln.strip().startswith("warnings.warn(")):
-            after_warning = "No ccache found" in ln
-            continue
-        after_warning = False
-        out.append(ln)
-    return out
 
 
 def _files(root: Path) -> list[str]:
