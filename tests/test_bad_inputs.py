@@ -380,3 +380,21 @@ def test_bad_tokenizer_through_train_is_one_line(tok_dir, tmp_path):
     data.write_text(json.dumps({"text": "hello there"}) + "\n")
     line = _cli_error(tmp_path, *TOY, "--steps", "1", "--data", str(data), "--tokenizer", str(d))
     assert f"{d / 'tokenizer_config.json'}: expected a JSON object, got a list" in line, line
+
+
+# ---------------------------------------------------------------- checkpoint index
+@pytest.mark.parametrize("name", ["../model-00001-of-00002.safetensors", "/etc/passwd", "sub/x.safetensors"])
+def test_index_naming_a_file_outside_the_folder_is_refused(tmp_path, name):
+    """The index's weight_map may only name files in the checkpoint folder (no path traversal)."""
+    from paddleformers_glm.checkpoint.errors import CheckpointError
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny" / "checkpoint", folder)
+    idx = folder / "model.safetensors.index.json"
+    d = json.loads(idx.read_text())
+    key = sorted(d["weight_map"])[0]
+    d["weight_map"][key] = name
+    idx.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="index names a file outside the folder") as e:
+        Checkpoint(str(folder))
+    assert e.value.key == name and e.value.file == str(idx)
