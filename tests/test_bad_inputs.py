@@ -120,6 +120,20 @@ def test_npz_labels_and_mask_are_checked(tmp_path):
         open_data(str(tmp_path / "q.npz"), 16, V, 0).validate()
 
 
+def test_pickled_npy_is_refused_not_loaded(tmp_path):
+    """An object-dtype .npy is a pickle; the data reader never unpickles (allow_pickle=False)."""
+    import os
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    np.save(tmp_path / "o.npy", np.array([Payload()], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match=r"o\.npy: not a readable \.npy array file"):
+        open_data(str(tmp_path / "o.npy"), 16, V, 0)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_token_scan_finds_the_last_token_of_a_multi_chunk_file(tmp_path):
     """The whole-file scan covers every chunk (32M tokens: two chunks of 16M), the bad token last."""
     toks = np.memmap(tmp_path / "big.bin", dtype="<u2", mode="w+", shape=(1 << 25,))
@@ -398,3 +412,28 @@ def test_index_naming_a_file_outside_the_folder_is_refused(tmp_path, name):
     with pytest.raises(CheckpointError, match="index names a file outside the folder") as e:
         Checkpoint(str(folder))
     assert e.value.key == name and e.value.file == str(idx)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ raise_exception.__globals__['os'].system('touch MARKER') }}",
+        "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
+        "{% set x = messages.append(1) %}{{ x }}",
+    ],
+    ids=["subclasses", "function-globals", "cycler-globals", "mutate-input"],
+)
+def test_chat_template_runs_in_a_sandbox(tok_dir, tmp_path, template, monkeypatch):
+    """A template from a checkpoint folder cannot reach Python internals nor change its input
+    (jinja2's immutable sandbox): each escape attempt raises, nothing runs."""
+    from jinja2.exceptions import SecurityError, UndefinedError
+
+    monkeypatch.chdir(tmp_path)
+    d = _tok_copy(tok_dir, tmp_path)
+    (d / "chat_template.jinja").write_text(template)
+    tok = GlmTokenizer.from_pretrained(d)
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises((SecurityError, UndefinedError)):
+        tok.render_chat(msgs)
+    assert not (tmp_path / "MARKER").exists() and msgs == [{"role": "user", "content": "hi"}]
