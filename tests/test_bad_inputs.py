@@ -45,6 +45,7 @@ def _cli_error(tmp_path: Path, *args: str) -> str:
 
 
 # ---------------------------------------------------------------- data
+@pytest.mark.slow  # a glm52 train process
 def test_out_of_vocab_token_late_in_npy_is_refused_before_any_step(tmp_path):
     """A token past the vocabulary at position 150 (batch 4 of 2 x 16 tokens): named before launch."""
     toks = np.arange(400, dtype=np.int32) % V
@@ -82,6 +83,7 @@ def test_bin_tokens_past_the_vocab_and_odd_length(tmp_path):
         open_data(str(tmp_path / "t.bin"), 16, V, 0, data_dtype="float8")
 
 
+@pytest.mark.slow  # a glm52 train process
 def test_odd_length_bin_through_the_cli_is_one_line(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00" * 40 + b"\x01")
     line = _cli_error(tmp_path, *TOY, "--steps", "1", "--data", str(tmp_path / "odd.bin"))
@@ -100,6 +102,7 @@ def test_jsonl_labels_longer_than_input_ids_are_refused(tmp_path):
         open_data(str(f), 16, V, 0)
 
 
+@pytest.mark.slow  # a glm52 train process
 def test_jsonl_not_utf8_is_named_with_its_line(tmp_path):
     f = tmp_path / "u.jsonl"
     f.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [1, 2], "x": "\xff"}\n')
@@ -301,6 +304,7 @@ def test_check_ckpt_refuses_identical_nan_checkpoints(nan_tiny, tmp_path, capsys
     assert "cand: tensor model.layers.0.input_layernorm.weight (BF16" in out, out
 
 
+@pytest.mark.slow  # a glm52 train process
 def test_train_refuses_nan_weights_naming_the_tensor(nan_tiny, tmp_path):
     line = _cli_error(tmp_path, "--model", str(nan_tiny), "--steps", "1", "--seq-len", "16", "--global-batch-size", "1")
     assert "model.layers.0.input_layernorm.weight (1 values)" in line and str(nan_tiny) in line, line
@@ -387,6 +391,7 @@ def test_chat_template_syntax_error_names_file_and_line(tok_dir, tmp_path):
         tok.render_chat([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.slow  # a glm52 train process
 def test_bad_tokenizer_through_train_is_one_line(tok_dir, tmp_path):
     d = _tok_copy(tok_dir, tmp_path)
     (d / "tokenizer_config.json").write_text("[1, 2]")
