@@ -165,7 +165,7 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
             "moe_layer_freq",
             "attention_chunk_size",
         )
-    },  # fmt: skip
+    },
     "num_hidden_layers": ("int", 1, MAX_LAYERS),
     "first_k_dense_replace": ("int", 0, MAX_DIM),
     "n_shared_experts": ("int", 0, MAX_DIM),
@@ -195,7 +195,7 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
             "use_qk_norm",
             "fp32_residual_connection",
         )
-    },  # fmt: skip
+    },
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
 }
@@ -209,7 +209,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> list[str]:
     """The index-sharing rule: 0-based layer i is full iff max(i - offset + 1, 0) % freq == 0 (offset 0 acts as 1)."""
     if not 0 <= num_layers <= MAX_LAYERS:
-        raise _err("num_hidden_layers", f"expected an integer in [1, {MAX_LAYERS}], got {num_layers!r}")
+        raise _err("num_hidden_layers", f"expected an integer in [0, {MAX_LAYERS}], got {num_layers!r}")
     offset = max(int(offset), 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
