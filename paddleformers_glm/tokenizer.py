@@ -30,6 +30,29 @@ class TokenizerError(ValueError):
     """A tokenizer folder or a conversation that cannot be used (the message names the file or message)."""
 
 
+def _utf8_text(path: Path) -> str:
+    """A text file of the tokenizer folder; bytes that are not UTF-8 are an error naming the file."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise TokenizerError(f"{path}: not UTF-8 text (line {line}, byte {err.start})") from err
+
+
+def _template_text(value: Any, where: str) -> str | None:
+    """The chat template: a string, or HF's list of ``{"name", "template"}`` (the "default" one, else
+    the first); anything else is an error naming where it came from."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+            raise TokenizerError(f'{where}: a list of chat templates must hold {{"name", "template": string}} objects')
+        named = {t.get("name"): t["template"] for t in value}
+        return named.get("default") or next(iter(named.values()), None)
+    raise TokenizerError(f"{where}: the chat template must be a string, got a {type(value).__name__}")
+
+
 def _token_text(v: Any) -> str | None:
     if isinstance(v, dict):  # AddedToken serialised by transformers
         return v.get("content")
@@ -39,13 +62,22 @@ def _token_text(v: Any) -> str | None:
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
-    def __init__(self, tokenizer: Any, config: dict | None = None, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        config: dict | None = None,
+        chat_template: str | None = None,
+        *,
+        template_source: str = "tokenizer_config.json 'chat_template'",
+    ) -> None:
         self.tokenizer = tokenizer
+        if config is not None and not isinstance(config, dict):
+            raise TokenizerError(f"tokenizer config: expected a JSON object, got a {type(config).__name__}")
         self.config = dict(config or {})
-        self.chat_template = chat_template if chat_template is not None else self.config.get("chat_template")
-        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in self.chat_template}
-            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.template_source = template_source  # where the template came from, named by its errors
+        self.chat_template = _template_text(
+            chat_template if chat_template is not None else self.config.get("chat_template"), self.template_source
+        )
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -66,13 +98,15 @@ class GlmTokenizer:
         cfg_file = folder / CONFIG_FILE
         if cfg_file.is_file():
             try:
-                config = json.loads(cfg_file.read_text(encoding="utf-8"))
+                config = json.loads(_utf8_text(cfg_file))
             except json.JSONDecodeError as err:
                 raise TokenizerError(f"{cfg_file}: invalid JSON: {err}") from err
-        template = None
+            if not isinstance(config, dict):
+                raise TokenizerError(f"{cfg_file}: expected a JSON object, got a {type(config).__name__}")
+        template, source = None, f"{cfg_file} 'chat_template'"
         if (folder / TEMPLATE_FILE).is_file():
-            template = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
-        return cls(tok, config, template)
+            template, source = _utf8_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
+        return cls(tok, config, template, template_source=source)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
         """Write tokenizer.json and tokenizer_config.json (with the chat template), atomically."""
@@ -136,7 +170,7 @@ class GlmTokenizer:
         cached = getattr(self, "_template_cache", None)
         if cached is not None and cached[0] == self.chat_template:
             return cached[1]
-        from jinja2.exceptions import TemplateError
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
@@ -147,7 +181,12 @@ class GlmTokenizer:
             x, indent=indent, ensure_ascii=ensure_ascii
         )
         env.globals["raise_exception"] = raise_exception
-        compiled = env.from_string(self.chat_template)
+        try:
+            compiled = env.from_string(self.chat_template)
+        except TemplateSyntaxError as err:
+            raise TokenizerError(
+                f"{self.template_source}: chat template syntax error at line {err.lineno}: {err.message}"
+            ) from err
         self._template_cache = (self.chat_template, compiled)
         return compiled
 

@@ -325,6 +325,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         strict: bool = True,
         output_loading_info: bool = False,
         config: GlmMoeDsaConfig | None = None,
+        check_finite: bool = True,
         **config_overrides,
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
@@ -336,7 +337,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         (default) is the config's dtype where the device computes it (an accelerator), else float32
         with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
         info line, warnings as warnings); ``output_loading_info=True`` returns ``(model, report)``
-        as transformers does.
+        as transformers does. ``check_finite`` (default) refuses weights holding NaN or Inf, naming
+        them (checkpoint/finite.py; its cost per GB is in docs/checkpoints.md).
         """
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
@@ -363,6 +365,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         unfilled = set(params) - set(report.loaded) - set(report.initialized)
         if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does
             init_like_hf({k: params[k] for k in sorted(unfilled)}, config.initializer_range)
+        if check_finite:
+            from ..checkpoint.finite import check_finite_state
+
+            check_finite_state(params, os.path.abspath(os.fspath(path)))
         _LOG.info("%s", report.summary())
         model.source_path = os.path.abspath(os.fspath(path))
         return (model, report) if output_loading_info else model

@@ -31,6 +31,11 @@ def register_check_ckpt(sub: argparse._SubParsersAction) -> None:
         help="the candidate's layout; when it differs from REF's, naming differences explained by the AOA mapping pass",
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="report tensors holding NaN/Inf (weights or FP8 scales) as warnings instead of refusing the input",
+    )
     p.set_defaults(func=_run_check_ckpt)
 
 
@@ -39,7 +44,7 @@ def _run_check_ckpt(args: argparse.Namespace) -> int:
     from .ckpt_check import check_checkpoints, summary_lines
 
     progress.set_quiet(True if args.quiet else None)
-    report = check_checkpoints(args.ref, args.cand, layout=args.layout)
+    report = check_checkpoints(args.ref, args.cand, layout=args.layout, allow_nonfinite=args.allow_nonfinite)
     _write_json(args.json_out, report)
     print("\n".join(summary_lines(report)))
     return int(report["exit_code"])

@@ -21,7 +21,14 @@ from ..cpu_env import apply_mkl_default
 if TYPE_CHECKING:
     from .loop import TrainConfig
 
-__all__ = ["add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+__all__ = [
+    "add_train_arguments",
+    "check_inputs_before_launch",
+    "config_from_args",
+    "main",
+    "register_train",
+    "run_train",
+]
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -210,7 +217,24 @@ def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -
             f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
         )
         cfg.data = out
-    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
+
+
+def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
+    """Everything the run reads from disk, checked in this process before any worker starts, so a
+    bad file is one named error instead of a worker dying at the step that first touches it:
+
+    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
+      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
+      ``labels`` one per ``input_ids``); text/chat jsonl is tokenized here;
+    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
+      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
+    """
+    _prepare_data(cfg, args, vocab_size)
+    if cfg.resume:
+        from .state_files import check_resume_state
+
+        check_resume_state(cfg.resume)
 
 
 def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -251,7 +275,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
-        _prepare_data(cfg, args, adapter.vocab_size)
+        check_inputs_before_launch(cfg, args, adapter.vocab_size)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2

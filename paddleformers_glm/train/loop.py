@@ -25,6 +25,7 @@ import paddle.distributed as dist
 
 from .. import progress
 from .._io import write_json_atomic as _write_json_atomic
+from ..checkpoint.finite import check_finite_state
 from ..modeling.model import default_dtype
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
@@ -408,6 +409,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
+    check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
     return _Run(
