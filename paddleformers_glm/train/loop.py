@@ -236,12 +236,9 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
-        from ..parallel._compat import bf16_compute_supported
+        from ..ops import cpu_bf16
 
-        if not bf16_compute_supported():
-            raise ValueError(
-                "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
-            )
+        cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
     check_batch(cfg, pc)
     if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
         raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
