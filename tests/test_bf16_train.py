@@ -5,6 +5,7 @@ export stores every tensor in the dtype the official checkpoint uses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from paddleformers_glm.checkpoint.safetensors_io import parse_header
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses, run_train_cli, worker_logs
+from tests.test_cpu_bf16 import MODEL_PATH_OPS
 
 SEQ, GBS, MBS, STEPS = 32, 4, 1, 5
 
@@ -64,7 +66,8 @@ def _router_elements(ckpt):
 
 
 @pytest.mark.slow
-def test_glm_bf16_headline_layout_trains_and_exports_official_dtypes(tiny_ckpt, fp32_run, tmp_path):
+def test_glm_bf16_headline_layout_trains_and_exports_official_dtypes(tiny_ckpt, fp32_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("GLM52_CPU_BF16_RECORD", str(tmp_path / "converted"))  # every rank lists its ops
     args = ["--model", str(tiny_ckpt), "--steps", str(STEPS), "--seq-len", str(SEQ), "--global-batch-size", str(GBS)]
     args += ["--micro-batch-size", str(MBS), "--dtype", "bfloat16", "--tp", "2", "--pp", "2", "--sp"]
     args += ["--out", str(tmp_path), "--export"]
@@ -76,6 +79,11 @@ def test_glm_bf16_headline_layout_trains_and_exports_official_dtypes(tiny_ckpt, 
     assert len(got["losses"]) == STEPS and all(np.isfinite(got["losses"] + got["mtp_losses"]))
     for key in ("losses", "mtp_losses"):  # bf16 rounding, not a different model: measured 1.0e-3
         assert max(abs(a - b) for a, b in zip(got[key], fp32_run[key])) < 5e-3, key
+    # every op a rank routed through ops/cpu_bf16 is one whose fp32-and-round result is checked
+    converted = set()
+    for f in (tmp_path / "converted").glob("converted-*.json"):
+        converted |= set(json.loads(f.read_text()))
+    assert {"linear", "c_embedding", "adamw_"} <= converted and converted <= MODEL_PATH_OPS, converted
     # the export stores each tensor in the source checkpoint's dtype (official: BF16, the correction
     # bias F32; the fp32 routers go back to BF16)
     src = {}

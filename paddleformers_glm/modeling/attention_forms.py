@@ -396,8 +396,8 @@ def dense_masked_attention(
     sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :S]
     min_val = paddle.finfo(paddle.float32).min
     mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, min_val)).unsqueeze(1)
-    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale + mask  # [B, H, S, S]
-    probs = nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
+    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, S]
+    probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1).astype(v.dtype)  # fp32 softmax
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
 
 

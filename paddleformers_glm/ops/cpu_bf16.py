@@ -37,6 +37,7 @@ installed build's own kernel registry, so a build that gains bf16 kernels is wra
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -59,14 +60,18 @@ __all__ = [
 ]
 
 ENV_SWITCH = "GLM52_CPU_BF16"
+# A folder: each process keeps there the list of ops it routed through fp32 (converted-<pid>.json,
+# rewritten when an op converts for the first time; training workers leave with os._exit)
+ENV_RECORD = "GLM52_CPU_BF16_RECORD"
 TESTED_PADDLE = ((3, 3, 0), (3, 4, 0))  # [low, high): builds whose registry and op signatures were read
 # Ops the registry does not list (eager composites) -> the kernels they run.
 COMPOSITES = {"linear": ("matmul", "add")}
 # Ops whose CPU bf16 kernel exists but does not return the fp32 result rounded to bf16, as the GPU
-# kernel does (measured on Paddle 3.3.1; tests/test_cpu_bf16.py shows each difference): ``scale``
-# rounds its factor and bias to bf16 first (a GPU computes them in fp32), the logarithms and
-# ``elementwise_pow`` are several ulps off.
-INEXACT = ("scale", "elementwise_pow", "log", "log1p", "log2", "log10")
+# kernel does (Paddle 3.3.1, tests/test_cpu_bf16.py): ``scale`` (also ``x * 0.5``, ``x + 1``)
+# rounds its factor and bias to bf16 first, the GPU kernel keeps them in fp32. The other stock
+# bf16 arithmetic (multiply, subtract, sum, add_n, maximum, the logarithms, elementwise_pow) gives
+# the rounded fp32 result and stays Paddle's.
+INEXACT = ("scale",)
 # Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar).
 _OPERATORS = {
     "__add__": ("add", "scale"),
@@ -99,6 +104,7 @@ class _State:
         self.patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to undo
         self.wrapped: list[str] = []
         self.calls: dict[str, int] = {}
+        self.record: str | None = None  # ENV_RECORD's folder
 
 
 _STATE = _State()
@@ -228,7 +234,10 @@ def _down(out: Any, copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]], cast
 
 
 def _count(name: str) -> None:
+    first = name not in _STATE.calls
     _STATE.calls[name] = _STATE.calls.get(name, 0) + 1
+    if first and _STATE.record:
+        _record(_STATE.record)
 
 
 def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -346,6 +355,7 @@ def install() -> list[str]:
             setattr(c_ops, op, fn)
             _STATE.wrapped.append(op)
         _replace_aliases(originals)
+        _STATE.record = os.environ.get(ENV_RECORD) or None
         need = set(missing_kernels(reg)) | set(INEXACT)
         for attr, (tensor_kernel, scalar_kernel) in _OPERATORS.items():
             orig = getattr(paddle.Tensor, attr, None)
@@ -376,6 +386,14 @@ def _replace_aliases(originals: dict[int, Callable[..., Any]]) -> None:
                 continue
             _STATE.patched.append((owner, attr, value))
             setattr(owner, attr, fn)
+
+
+def _record(folder: str) -> None:
+    """Write the names of the ops this process converted so far to ``folder/converted-<pid>.json``."""
+    from .._io import atomic_write_text
+
+    os.makedirs(folder, exist_ok=True)
+    atomic_write_text(os.path.join(folder, f"converted-{os.getpid()}.json"), json.dumps(sorted(_STATE.calls)))
 
 
 def uninstall() -> None:
