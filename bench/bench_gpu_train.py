@@ -128,6 +128,9 @@ def run_ours(ckpt: Path, ns: argparse.Namespace, out: Path, env: dict[str, str],
         return {"error": f"no step lines after warm-up in: {proc.stdout[-800:]}"}
     report = json.loads((out / "loss.json").read_text())
     mem = report.get("memory") or [{}]
+    converted = report["run"].get("cpu_bf16_ops", 0)
+    if ns.device != "cpu" and converted:  # a GPU run computes with Paddle's own bf16 kernels
+        return {"error": f"ops/cpu_bf16 routed {converted} ops through fp32 on a GPU run"}
     return {
         "tok_s": sum(s[2] for s in timed) / len(timed),
         "step_s": sum(s[3] for s in timed) / len(timed),
@@ -135,6 +138,7 @@ def run_ours(ckpt: Path, ns: argparse.Namespace, out: Path, env: dict[str, str],
         "peak_gb": (mem[0].get("peak_bytes") or 0) / 2**30,
         "peak_kind": mem[0].get("peak_kind"),
         "wall_s": wall,
+        "cpu_bf16_ops": converted,
     }
 
 

@@ -26,6 +26,7 @@ import paddle.distributed as dist
 from .. import progress
 from .._io import write_json_atomic as _write_json_atomic
 from ..modeling.model import default_dtype
+from ..ops import cpu_bf16
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
@@ -236,8 +237,6 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
-        from ..ops import cpu_bf16
-
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
     check_batch(cfg, pc)
     if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
@@ -452,6 +451,8 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "sharding_stage": run.topo.pc.sharding_stage,
             "grad_clip": run.opt.clip_name,
             "recompute": cfg.recompute,
+            # ops Paddle runs through ops/cpu_bf16's fp32 route here (0: its own kernels, e.g. any GPU build)
+            "cpu_bf16_ops": len(cpu_bf16.installed()),
         },
     )
     out.update(run.balancer.report())
