@@ -93,3 +93,41 @@ def test_glm_bf16_headline_layout_trains_and_exports_official_dtypes(tiny_ckpt, 
     assert out == src
     assert {d for k, d in out.items() if k.endswith("e_score_correction_bias")} == {"F32"}
     assert {d for k, d in out.items() if not k.endswith("e_score_correction_bias")} == {"BF16"}
+
+
+def _reference_extra() -> str | None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return f"the reference extra (torch + transformers) is not installed: {e}"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+def test_align_runs_in_bf16_and_reports_the_drift(tiny_ckpt, tmp_path):
+    """``glm52 align --dtype bfloat16``: both runs in bf16 (fp32 masters), every comparison made and
+    reported; no 100/100 requirement. The losses stay within bf16 drift of the reference (measured:
+    2.4e-3 over 20 steps, as far as the reference's own bf16 run is from its fp32 run, 2.9e-3)."""
+    import subprocess
+    import sys
+
+    from tests._dist.runner import env as dist_env
+
+    out = tmp_path / "align"
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(tiny_ckpt), "--out", str(out)]
+    cmd += ["--steps", "5", "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "10"]
+    cmd += ["--dtype", "bfloat16"]
+    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode in (0, 1), p.stdout[-4000:] + p.stderr[-4000:]  # 2 would be a failed run
+    v = json.loads((out / "receipt" / "verdict.json").read_text())
+    assert v["training"]["dtype"] == "bfloat16"
+    assert all(r["exit_code"] == 0 for r in v["runs"].values())
+    assert losses(out / "reference")["dtype"] == "bfloat16"
+    assert losses(out / "paddle")["profile"]["dtype"] == "bfloat16"
+    for key in ("losses", "mtp_losses"):
+        c = v["comparisons"][key]
+        assert len(c["diff_per_step"]) == 5 and max(c["diff_per_step"]) < 5e-3, (key, c["diff_per_step"])
+    assert {f"step1_{k}" for k in ("grads", "exp_avg", "exp_avg_sq", "weights")} <= set(v["comparisons"])
