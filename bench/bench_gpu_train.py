@@ -12,7 +12,8 @@ What it runs, and why this way:
   costs) and `1b` (~1.06B parameters: hidden 2048, 6 layers, 20 routed experts of width 1024, MLA
   ranks 768 / 512, DSA indexer 16 x 128 with top-k 512, one MTP layer);
 * ours is the trainer users run, `glm52 train --dtype bfloat16 --recompute full` at world size 1
-  (Fleet's recompute, Paddle's AdamW with fp32 master weights, clip 1.0), as a subprocess; tokens/s
+  (Fleet's recompute, Paddle's AdamW with fp32 master weights, clip 1.0, Paddle's own bf16 kernels:
+  a GPU run whose loss.json reports `run.cpu_bf16_ops` > 0 is an error), as a subprocess; tokens/s
   are read from its step lines after the warm-up steps, peak memory from its loss.json
   (`max_memory_allocated`);
 * HF transformers loads the same folder in bf16 with `gradient_checkpointing_enable()` (its

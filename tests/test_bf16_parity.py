@@ -89,3 +89,21 @@ def test_bf16_one_sgd_step_matches_hf_bf16(case):
     tol = max(LOSS_TOL, meta["hf_bf16_spread"]["train_loss_after_step"])
     assert abs(losses[1] - float(ref["train_losses"][1])) <= tol, (losses, ref["train_losses"].tolist(), tol)
     assert losses[1] < losses[0] - 0.3  # the step really trains
+
+
+def test_bf16_generate_pads_like_rows_alone_and_starts_from_the_forward():
+    """bf16 greedy decoding on the fixture prompts: the left-padded batch generates what each row
+    generates alone, and the first new token is the bf16 forward's choice on the prompt."""
+    g = load_file(str(FIXTURES / "generate" / "tiny.safetensors"))
+    model = _model("tiny")
+    ids, mask = paddle.to_tensor(g["gen_input_ids"]), paddle.to_tensor(g["gen_attention_mask"])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, eos_token_id=[]).numpy()
+    S = ids.shape[1]
+    assert out.shape == (3, S + 8) and np.array_equal(out[:, :S], g["gen_input_ids"])
+    for b in range(3):
+        n = int(g["gen_attention_mask"][b].sum())
+        prompt = g["gen_input_ids"][b, S - n :][None]
+        alone = model.generate(paddle.to_tensor(prompt), max_new_tokens=8, pad_token_id=0, eos_token_id=[]).numpy()
+        assert np.array_equal(out[b, S - n :], alone[0])
+        first = model(paddle.to_tensor(prompt)).logits[0, -1].astype("float32").numpy().argmax()
+        assert alone[0, n] == first
