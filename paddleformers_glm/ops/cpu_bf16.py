@@ -17,16 +17,20 @@ What it touches (read in Paddle 3.3.1):
   each op whose CPU kernel registry (``core._get_registered_phi_kernels``) has an fp32 kernel but
   no bf16 one, forward or gradient (:func:`missing_kernels`), plus ``linear`` (a composite of
   ``matmul`` and ``add`` that has no kernel of its own);
+* ``scale`` (:data:`INEXACT`), whose CPU bf16 kernel exists but rounds its factor and bias to
+  bf16 first; the GPU kernel keeps them fp32;
 * the ``paddle.Tensor`` operators Paddle implements in C++ (``__add__``, ``__matmul__``,
-  ``__truediv__``...) whose op is in that set;
+  ``__truediv__``...) whose op is in that set (with a Python scalar they run ``scale``);
 * ``adamw_`` with an fp32 master weight (``multi_precision``): the CPU kernel ignores the master
   weight, so the update runs on the master (fp32 moments, fp32 grad) and the bf16 parameter is
   then the master rounded to bf16, which is what the GPU kernel writes.
 
 A wrapped op converts only when its floating tensor inputs are all bf16; mixed bf16/fp32 inputs
 reach Paddle unchanged (its own type promotion or its own error, as on a GPU), and fp32 tensors
-never see a difference.  In-place ops (``add_``...) run on the fp32 copy and the result is
-assigned back into the bf16 tensor (an autograd-recorded assign).
+get Paddle's result unchanged (a dtype check per call is all they pay once it is installed).
+In-place ops (``add_``...) run on the fp32 copy and the result is assigned back into the bf16
+tensor (an autograd-recorded assign).  ``converted_calls`` counts what converted;
+``GLM52_CPU_BF16_RECORD=DIR`` keeps each process's list in ``DIR``.
 
 Installed by :func:`install`: on a CPU-only build only (``paddle.is_compiled_with_cuda()`` builds
 keep Paddle's stock kernels, installing is a no-op there), once per process, by the model when it
@@ -69,8 +73,8 @@ COMPOSITES = {"linear": ("matmul", "add")}
 # Ops whose CPU bf16 kernel exists but does not return the fp32 result rounded to bf16, as the GPU
 # kernel does (Paddle 3.3.1, tests/test_cpu_bf16.py): ``scale`` (also ``x * 0.5``, ``x + 1``)
 # rounds its factor and bias to bf16 first, the GPU kernel keeps them in fp32. The other stock
-# bf16 arithmetic (multiply, subtract, sum, add_n, maximum, the logarithms, elementwise_pow) gives
-# the rounded fp32 result and stays Paddle's.
+# bf16 arithmetic the model meets (multiply, subtract, sum, add_n, maximum) gives the rounded
+# fp32 result and stays Paddle's.
 INEXACT = ("scale",)
 # Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar).
 _OPERATORS = {
@@ -270,10 +274,14 @@ def _wrap_adamw(orig: Callable[..., Any]) -> Callable[..., Any]:
         if param.dtype is not _BF16 or master is None:
             return generic(param, grad, lr, m1, m2, m2max, b1p, b2p, master, *rest)
         _count("adamw_")
-        rest = list(rest)
-        found_inf, attrs = rest[0], rest[1:]
-        # attrs: beta1, beta2, epsilon, lr_ratio, coeff, with_decay, lazy_mode,
-        #        min_row_size_to_use_multithread, multi_precision, use_global_beta_pow, amsgrad
+        found_inf, attrs = rest[0], list(rest[1:])
+        # attrs (Paddle 3.3): beta1, beta2, epsilon, lr_ratio, coeff, with_decay, lazy_mode,
+        #                     min_row_size_to_use_multithread, multi_precision, use_global_beta_pow, amsgrad
+        if len(attrs) != 11 or not isinstance(attrs[8], bool):
+            raise RuntimeError(
+                f"paddleformers_glm.ops.cpu_bf16: _C_ops.adamw_ takes {len(rest) + 9} arguments in Paddle "
+                f"{paddle.__version__}, not the 21 of the tested builds; set GLM52_CPU_BF16=0 or train in float32"
+            )
         attrs[8] = False  # multi_precision: the fp32 master *is* the parameter of this update
         g32 = grad.astype(_FP32) if grad.dtype is _BF16 else grad
         outs = orig(master, g32, lr, m1, m2, m2max, b1p, b2p, None, found_inf, *attrs)
