@@ -22,7 +22,10 @@ Writes ``OUT/loss.json`` with the trainer's schema (losses, mtp_losses, grad_nor
 step K in the checkpoint's official names (``DIR/{grads,exp_avg,exp_avg_sq,weights}/``), so
 ``glm52 check-ckpt`` and ``glm52 align`` compare them with the Paddle run's.
 
-Needs the ``reference`` extra (torch + transformers). fp32 on CPU.
+Needs the ``reference`` extra (torch + transformers). fp32 on CPU; ``--dtype bfloat16`` runs bf16
+weights and activations (HF's own policy; the routers fp32 as the official ``moe_router_dtype``)
+with fp32 master weights and fp32 gradient accumulation, the mixed-precision recipe the Paddle
+trainer follows.
 """
 
 from __future__ import annotations
@@ -78,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after step K write gradients (before clipping), AdamW moments and weights to DIR (repeatable)",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: bf16 weights and activations (HF's dtype policy, the routers and correction biases "
+        "fp32), fp32 master weights, gradients accumulated in fp32",
+    )
     args = ap.parse_args(argv)
     for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
         if getattr(args, k) < 1:
@@ -157,7 +167,7 @@ def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
 class Reference:
     """HF main model + hand-assembled MTP layers, with the official name of every parameter."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
         import torch
         from torch import nn
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -220,10 +230,27 @@ class Reference:
             sd = _layer_state(self.ckpt, p, E, drop_indexer=self.share_topk)
             m["layer"].load_state_dict({k: v for k, v in sd.items() if not k.startswith(heads)}, strict=True)
             self.mtp.append(m)
+        if dtype == "bfloat16":
+            self._to_bf16()
         self._taps: dict = {}
         self.model.model.norm.register_forward_hook(lambda mod, a, out: self._taps.__setitem__("h0", out))
         self.model.model.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True)
         self.model.model.layers[-1].register_forward_hook(lambda mod, a, out: self._taps.__setitem__("topk", out[1]))
+
+    def _to_bf16(self) -> None:
+        """bf16 weights, as HF's ``from_pretrained(dtype=bfloat16)`` gives them, except the routers'
+        weights, kept fp32 like the correction bias (the official ``moe_router_dtype``, and the
+        Paddle model's: HF's router computes in fp32 from a bf16 weight, the same values at load)."""
+        import torch
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+        for mod in (self.model, self.mtp):
+            routers = [m for m in mod.modules() if isinstance(m, GlmMoeDsaTopkRouter)]
+            keep = [(m.weight.data.clone(), m.e_score_correction_bias.clone()) for m in routers]
+            mod.to(torch.bfloat16)
+            for m, (w, b) in zip(routers, keep):
+                m.weight.data = w
+                m.e_score_correction_bias = b
 
     def _pre(self, mod, args, kwargs):
         self._taps["kw"] = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")}
@@ -399,10 +426,14 @@ def train(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(args.seed)
-    ref = Reference(args.model)
+    ref = Reference(args.model, args.dtype)
     ref.model.train()
     ref.mtp.train()
-    params = ref.named_parameters()
+    model_params = ref.named_parameters()
+    # the optimizer steps fp32 masters of bf16 parameters (an fp32 parameter is its own master);
+    # gradients accumulate into the masters in fp32, micro-batch by micro-batch
+    params = [(n, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)) for n, p in model_params]
+    low = [(p, m) for (_, p), (_, m) in zip(model_params, params) if p is not m]
     decay = [p for _, p in params if p.ndim >= 2]
     no_decay = [p for _, p in params if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -440,6 +471,11 @@ def train(args: argparse.Namespace) -> dict:
             for d, t in enumerate(mtps):
                 obj = obj + (ref.mtp_weight / ref.D) * t / n_mtp[d]
             obj.backward()
+            with torch.no_grad():
+                for p, m in low:
+                    if p.grad is not None:
+                        m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                        p.grad = None
             lm_total += float(lm.detach())
             for d, t in enumerate(mtps):
                 mtp_total[d] += float(t.detach())
@@ -457,6 +493,9 @@ def train(args: argparse.Namespace) -> dict:
             g["lr"] = lr
         opt.step()
         opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in low:
+                p.copy_(m.to(p.dtype))  # the bf16 weight is its master rounded
         hist["losses"].append(lm_total / n_lm)
         if ref.D:
             hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
@@ -488,7 +527,8 @@ def train(args: argparse.Namespace) -> dict:
             topk_min_gaps=gaps,
             steps=step + 1,
             seed=args.seed,
-            reference="torch + transformers GlmMoeDsaForCausalLM (eager, fp32) + torch MTP",
+            reference=f"torch + transformers GlmMoeDsaForCausalLM (eager, {args.dtype}) + torch MTP",
+            dtype=args.dtype,
             versions={
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

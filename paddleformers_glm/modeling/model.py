@@ -20,7 +20,7 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import cross_entropy_sum
+from ..ops import cpu_bf16, cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import ParallelLMHead, VocabParallelEmbedding, mark_sequence_parallel
 from ..parallel.topology import get_topology
@@ -286,6 +286,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     main_input_name = "input_ids"
 
     def __init__(self, config: GlmMoeDsaConfig, dtype: str = "float32") -> None:
+        if str(dtype).replace("paddle.", "") == "bfloat16":
+            cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
         with default_dtype(dtype):
             super().__init__()
             self.config = config

@@ -59,6 +59,7 @@ TRAIN_FLAGS = (
     ("clip_grad", float, 1.0),
     ("seed", int, 1234),
     ("data", str, None),
+    ("dtype", str, "float32"),  # bfloat16: both runs in bf16 with fp32 master weights (docs/parity.md: drift)
 )
 
 
@@ -398,7 +399,8 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pp-layout", default=None)
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
-        g.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default)
+        choices = ("float32", "bfloat16") if name == "dtype" else None
+        g.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, choices=choices)
     g = p.add_argument_group("tolerances (docs/parity.md)")
     g.add_argument("--loss-atol", type=float, default=LOSS_ATOL, help="per-step |loss difference| (losses and MTP)")
     g.add_argument("--rel-tol", type=float, default=REL_TOL, help="step-1 grads / moments: max|diff| / max|ref|")

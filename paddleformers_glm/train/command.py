@@ -89,7 +89,12 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["none", "full", "core"],
         help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: bf16 weights and activations, fp32 master weights (on a CPU build through ops/cpu_bf16)",
+    )
     g.add_argument(
         "--data",
         default=None,

@@ -27,6 +27,7 @@ from .. import progress
 from .._io import write_json_atomic as _write_json_atomic
 from ..checkpoint.finite import check_finite_state
 from ..modeling.model import default_dtype
+from ..ops import cpu_bf16
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
@@ -237,12 +238,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
-        from ..parallel._compat import bf16_compute_supported
-
-        if not bf16_compute_supported():
-            raise ValueError(
-                "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
-            )
+        cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
     check_batch(cfg, pc)
     if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
         raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
@@ -457,6 +453,8 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "sharding_stage": run.topo.pc.sharding_stage,
             "grad_clip": run.opt.clip_name,
             "recompute": cfg.recompute,
+            # ops Paddle runs through ops/cpu_bf16's fp32 route here (0: its own kernels, e.g. any GPU build)
+            "cpu_bf16_ops": len(cpu_bf16.installed()),
         },
     )
     out.update(run.balancer.report())
