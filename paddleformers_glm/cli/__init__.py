@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -54,16 +56,39 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return sub.choices[name]
 
 
+class _Interrupts:
+    """Ctrl-C as one line: the SIGINT handler remembers that it fired, because an interrupt that
+    lands inside Paddle's C++ (its import, an op) comes back as another exception type."""
+
+    fired = False
+
+    @classmethod
+    def handler(cls, signum: int, frame: object) -> None:
+        cls.fired = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        cls.fired = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, cls.handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     # Paddle's import warns about a compiler cache on every run; it says nothing about the command.
     warnings.filterwarnings("ignore", message="No ccache found")
-    parser = build_parser()
-    args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
-    if extra:  # the subcommand's usage, not the top level's
-        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+    _Interrupts.install()
+    command = "command"
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+        command = args.command
+        if extra:  # the subcommand's usage, not the top level's
+            _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print(f"\nglm52 {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as err:
+        if isinstance(err, KeyboardInterrupt) or _Interrupts.fired:
+            print(f"\nglm52 {command}: interrupted", file=sys.stderr)
+            return 130
+        raise

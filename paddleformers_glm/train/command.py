@@ -21,7 +21,10 @@ from ..cpu_env import apply_mkl_default
 if TYPE_CHECKING:
     from .loop import TrainConfig
 
-__all__ = ["add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+__all__ = ["TRAIN_DEFAULTS", "add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+
+# defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
+TRAIN_DEFAULTS = {"seq_len": 64, "global_batch_size": 4, "dtype": "float32"}
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,8 +68,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=5)
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--global-batch-size", type=int, default=4)
+    g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
+    g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
@@ -82,7 +85,9 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["none", "full", "core"],
         help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
+    g.add_argument(
+        "--dtype", default=TRAIN_DEFAULTS["dtype"], choices=["float32", "bfloat16"], help="bfloat16 needs a GPU"
+    )
     g.add_argument(
         "--data",
         default=None,
