@@ -106,7 +106,17 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar nor checkpoint load/export progress (the bar is drawn on a terminal only)",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="relay Paddle's set-up logging (communication groups, the printed model, modified flags) to the "
+        "console too; it is always in OUT/logs/workerlog.*",
+    )
     g.add_argument(
         "--dump-step",
         nargs=2,
@@ -142,8 +152,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
         )
     else:
-        if not os.path.isdir(args.model):
-            raise FileNotFoundError(f"--model {args.model}: not a folder (give a checkpoint folder or 'toy')")
+        from ..cli._common import model_folder_error
+
+        bad = model_folder_error(args.model)
+        if bad:
+            raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
     cfg = TrainConfig(
         model=model,
@@ -289,6 +302,7 @@ def run_train(args: argparse.Namespace) -> int:
             launcher_args=launcher_args,
             node_rank_offset=offset,
             timeout_s=args.job_timeout,
+            quiet_launcher=not args.verbose,
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:
