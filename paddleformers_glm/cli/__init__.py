@@ -68,17 +68,24 @@ class _Interrupts:
         raise KeyboardInterrupt
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls) -> object:
+        """Install the handler (main thread only); returns the previous one, for :meth:`restore`."""
         cls.fired = False
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, cls.handler)
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, cls.handler)
+
+    @staticmethod
+    def restore(previous: object) -> None:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     # Paddle's import warns about a compiler cache on every run; it says nothing about the command.
     warnings.filterwarnings("ignore", message="No ccache found")
-    _Interrupts.install()
+    previous = _Interrupts.install()
     command = "command"
     try:
         parser = build_parser()
@@ -92,3 +99,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nglm52 {command}: interrupted", file=sys.stderr)
             return 130
         raise
+    finally:
+        _Interrupts.restore(previous)

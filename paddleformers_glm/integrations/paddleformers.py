@@ -350,7 +350,9 @@ def register(replace: bool | None = None) -> list[str]:
 
     _wrap(AutoModelForCausalLM, "from_pretrained", model_cls.from_pretrained)
     _wrap(AutoModelForCausalLM, "from_config", model_cls._from_config)
-    _wrap(AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **kw))
+    _wrap(
+        AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
+    )
     replaced = [
         ("AutoConfig", "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaConfig", "paddleformers_glm GlmMoeDsaConfig"),
         (
