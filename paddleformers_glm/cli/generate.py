@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tokenizer import GlmTokenizer, TokenizerError
 
     def fail(msg: str) -> int:
-        print(f"glm52 generate: error: {msg}", file=sys.stderr)
+        print(f"glm52 generate: error: {msg.removeprefix('generate: ')}", file=sys.stderr)
         return 2
 
     bad = check_arguments(args)

@@ -674,6 +674,12 @@ def _write_json(path: str, obj: Any) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    from ..cli._common import model_folder_error
+
+    bad = model_folder_error(args.model)
+    if bad:  # before Paddle is imported: a typo is answered at once
+        print(f"glm52 plan: error: {bad}", file=sys.stderr)
+        return 2
     from ..cpu_env import apply_mkl_default
 
     apply_mkl_default()
