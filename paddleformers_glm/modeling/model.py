@@ -574,10 +574,24 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return out
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs
-    ) -> paddle.Tensor:
-        """Prompt + new tokens [B, S + n] int64; see `paddleformers_glm.generation.generate`."""
+    @property
+    def generation_config(self):
+        """`generate`'s defaults (a `generation.GenerationConfig`): the checkpoint's
+        generation_config.json, else the config's special tokens; assign one to change them."""
+        if self.__dict__.get("_generation_config") is None:
+            from ..generation import generation_config_of
+
+            self.__dict__["_generation_config"] = generation_config_of(self)
+        return self.__dict__["_generation_config"]
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self.__dict__["_generation_config"] = value
+
+    def generate(self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs):
+        """Prompt + new tokens [B, S + n] int64 (HF's options; defaults from `generation_config`);
+        see `paddleformers_glm.generation.generate`."""
         from ..generation import generate
 
+        kwargs.setdefault("generation_config", self.generation_config)
         return generate(self, input_ids, attention_mask, **kwargs)

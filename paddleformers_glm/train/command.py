@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .loop import TrainConfig
 
 __all__ = [
+    "TRAIN_DEFAULTS",
     "add_train_arguments",
     "check_inputs_before_launch",
     "config_from_args",
@@ -29,6 +30,9 @@ __all__ = [
     "register_train",
     "run_train",
 ]
+
+# defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
+TRAIN_DEFAULTS = {"seq_len": 64, "global_batch_size": 4, "dtype": "float32"}
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -72,8 +76,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=5)
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--global-batch-size", type=int, default=4)
+    g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
+    g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
@@ -91,7 +95,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--dtype",
-        default="float32",
+        default=TRAIN_DEFAULTS["dtype"],
         choices=["float32", "bfloat16"],
         help="bfloat16: bf16 weights and activations, fp32 master weights (on a CPU build through ops/cpu_bf16)",
     )
@@ -113,7 +117,17 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar nor checkpoint load/export progress (the bar is drawn on a terminal only)",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="relay Paddle's set-up logging (communication groups, the printed model, modified flags) to the "
+        "console too; it is always in OUT/logs/workerlog.*",
+    )
     g.add_argument(
         "--dump-step",
         nargs=2,
@@ -149,8 +163,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
         )
     else:
-        if not os.path.isdir(args.model):
-            raise FileNotFoundError(f"--model {args.model}: not a folder (give a checkpoint folder or 'toy')")
+        from ..cli._common import model_folder_error
+
+        bad = model_folder_error(args.model)
+        if bad:
+            raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
     cfg = TrainConfig(
         model=model,
@@ -313,6 +330,7 @@ def run_train(args: argparse.Namespace) -> int:
             launcher_args=launcher_args,
             node_rank_offset=offset,
             timeout_s=args.job_timeout,
+            quiet_launcher=not args.verbose,
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:

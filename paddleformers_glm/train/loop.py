@@ -606,7 +606,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     ``--save-every`` steps), then finish."""
     run = _setup(cfg, adapter, topo, specs)
     bar = None
-    if run.rank0 and cfg.progress:
+    if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm
 
         bar = tqdm(
