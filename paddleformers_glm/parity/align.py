@@ -145,7 +145,7 @@ def compare_dumps(
         near_ok = True
         if k in second and second[k].shape == a.shape and a.size:
             v2 = second[k].astype(np.float64)
-            small = (v2 > 0) & (np.sqrt(v2 / near_eps[1]) < NEAR_EPS_SQRT_V)
+            small = (v2 > 0) & (np.sqrt(np.maximum(v2, 0.0) / near_eps[1]) < NEAR_EPS_SQRT_V)
             if small.any():
                 dn = float(np.max(diff[small]))
                 near["elements"] += int(small.sum())
