@@ -243,6 +243,8 @@ class AdamW:
 
     @staticmethod
     def bias_correction_step(state: dict[str, paddle.Tensor], beta1: float) -> int:
-        """The step count implied by a parameter's beta1 power accumulator (for logs and checks)."""
+        """The updates a parameter has taken, from its beta1 power accumulator (for logs and checks):
+        Paddle's AdamW starts it at beta1 and multiplies it by beta1 after each update, so after t
+        updates it holds beta1^(t + 1), the power the next update divides by."""
         b1p = float(state["beta1_pow_acc"].numpy().reshape([-1])[0])
-        return int(round(math.log(b1p) / math.log(beta1)))
+        return int(round(math.log(b1p) / math.log(beta1))) - 1
