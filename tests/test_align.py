@@ -249,6 +249,33 @@ def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckp
     assert os.path.isfile(out / "receipt" / "check_ckpt_step1_grads.json")
 
 
+@pytest.mark.slow
+@pytest.mark.reference
+@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+def test_align_with_idle_experts_bias_updates_and_the_indexer_kl_matches_the_reference(tmp_path):
+    """One process, sequence 16 (experts go idle), the expert-bias updates and the indexer KL loss
+    on: the reference trainer implements both from the trainer's documented rules, and every loss
+    curve, the idle experts of every step and the dumps after updates 1-3 (router biases included)
+    agree."""
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    ckpt = Path(make_tiny_checkpoint(tmp_path / "ckpt", indexer_loss_coeff=0.1))
+    out = tmp_path / "align"
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(ckpt), "--out", str(out)]
+    cmd += ["--steps", "4", "--seq-len", "16", "--global-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "10"]
+    cmd += ["--seed", "3", "--moe-bias-update-rate", "0.01", "--tp", "1", "--pp", "1", "--no-sp"]
+    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    v = json.loads((out / "receipt" / "verdict.json").read_text())
+    assert v["training"]["indexer_loss_coeff"] == 0.1 and v["training"]["moe_bias_update_rate"] == 0.01
+    assert v["comparisons"]["indexer_losses"]["consistent_steps"] == 4
+    idle = v["comparisons"]["idle_experts"]
+    assert idle["pass"] and idle["steps_with_idle"]["reference"] >= 1
+    assert v["dump_steps"] == [1, 2, 3] and v["first_difference"] is None
+    ref = json.loads((out / "receipt" / "reference_loss.json").read_text())
+    assert min(ref["indexer_losses"]) > 0 and ref["expert_load"]["bias_update_rate"] == 0.01
+
+
 # ------------------------------------------------------------------ indexer ties
 
 
