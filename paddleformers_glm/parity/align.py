@@ -11,7 +11,8 @@ the last update, then checks:
   difference curve;
 * the experts each MoE layer left idle, step by step: the same on both sides;
 * after each dump step K, per tensor: gradients (before clipping) and both AdamW moments within
-  ``rel_tol`` relative (max abs diff / max abs reference value), updated weights within
+  ``rel_tol`` (K = 1) or ``later_rel_tol`` (K >= 2) relative (max abs diff / max abs reference
+  value; indexer tensors INDEXER_REL_TOL), updated weights within
   ``weight_atol`` absolute (default a tenth of the learning rates summed over steps 1..K: Adam's
   update moves a weight by lr x m / (sqrt(v) + eps) per step, so gradients near eps turn their
   rounding into a fraction of lr); the first step and tensor beyond tolerance are named;
@@ -56,6 +57,10 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 # defaults; docs/parity.md says why each is what it is and what was measured
 LOSS_ATOL = 1e-4
 REL_TOL = 1e-5
+# grads / moments after update K >= 2: the weights they come from may already differ by up to ~0.2 x
+# lr_1 where Adam's first step met a gradient near eps (see NEAR_EPS_SQRT_V); measured 1.24e-5
+# relative in a step-2 gradient after such a 2.0e-6 offset (docs/parity.md)
+LATER_REL_TOL = 5e-5
 WEIGHT_REL_LR = 0.1  # step-K weights: absolute tolerance = this x the learning rates of steps 1..K
 FINAL_WEIGHT_ATOL = 1e-5
 DUMP_STEPS = (1, 2, 3)  # an expert that got tokens at step 1 and none at step 2 shows from step 2 on
@@ -442,9 +447,10 @@ def run_align(args: argparse.Namespace) -> int:
     verdict["tolerances"] = {
         "loss_atol": args.loss_atol,
         "rel_tol": args.rel_tol,
+        "later_rel_tol": args.later_rel_tol,
         **{f"step{k}_weight_atol": v for k, v in weight_atol.items()},
         "final_weight_atol": args.final_weight_atol,
-        "indexer_rel_tol": max(args.rel_tol, INDEXER_REL_TOL),
+        "indexer_rel_tol": max(args.later_rel_tol, INDEXER_REL_TOL),
         "near_eps_sqrt_v": NEAR_EPS_SQRT_V,
         "near_eps_weight_atol": f"{NEAR_EPS_REL_LR} x the learning rates of steps 1..K",
     }
@@ -460,7 +466,8 @@ def run_align(args: argparse.Namespace) -> int:
                 loose = NEAR_EPS_REL_LR * math.fsum(lrs[:step])
                 t = {"atol": weight_atol[step], "near_eps": (v_ref, 1.0 - ADAM_BETA2**step, loose)}
             else:
-                t = {"rel_tol": args.rel_tol, "loose_rel": (".indexer.", max(args.rel_tol, INDEXER_REL_TOL))}
+                rel = args.rel_tol if step == 1 else args.later_rel_tol
+                t = {"rel_tol": rel, "loose_rel": (".indexer.", max(rel, INDEXER_REL_TOL))}
             c = compare_dumps(r, p, **t)
             ck = check_checkpoints(r, p)
             _write_json(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck)
@@ -593,7 +600,10 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     )
     g = p.add_argument_group("tolerances (docs/parity.md)")
     g.add_argument("--loss-atol", type=float, default=LOSS_ATOL, help="per-step |loss difference| (losses and MTP)")
-    g.add_argument("--rel-tol", type=float, default=REL_TOL, help="step-K grads / moments: max|diff| / max|ref|")
+    g.add_argument("--rel-tol", type=float, default=REL_TOL, help="step-1 grads / moments: max|diff| / max|ref|")
+    g.add_argument(
+        "--later-rel-tol", type=float, default=LATER_REL_TOL, help="the same after updates 2, 3, ... (--dump-step)"
+    )
     g.add_argument(
         "--weight-atol",
         type=float,
