@@ -138,8 +138,9 @@ class RouterBalance:
 
     ``counts``: tokens routed to each expert [E] (int64) by the training forwards since the trainer
     last took them (after each optimizer step; ``train/moe_balance.py``); ``routed``: the same
-    counts since the gradient sync last took them (its has-gradient flags: an expert no token
-    reached is not stepped; ``parallel/grads.py``).  ``aux_loss_coeff`` > 0 adds the sequence-wise
+    counts since the gradient sync last took them (its has-gradient flags: a layer whose experts got
+    no token is not stepped, and with ``--expert-update routed-only`` an expert no token reached;
+    ``parallel/grads.py``).  ``aux_loss_coeff`` > 0 adds the sequence-wise
     balance loss times ``aux_loss_scale`` per sequence (the trainer sets it to 1 / global batch
     sequences times its loss factor, so the gradient is that of ``coeff * mean over sequences``);
     ``aux_loss`` sums the unscaled per-sequence losses since the trainer last took them.

@@ -99,7 +99,7 @@ class ToyMoE(nn.Layer):
         self.k = cfg.experts_per_token
         self.num_experts = cfg.num_experts
         self.router = self.create_parameter([cfg.hidden_size, cfg.num_experts], dtype="float32")
-        self.balance = RouterBalance()  # routed-token counts: the trainer steps only experts that got tokens
+        self.balance = RouterBalance()  # routed-token counts: the trainer steps the layer if any expert got tokens
         mark_sequence_parallel(self.router)
         self.dispatcher = ExpertParallelDispatcher(cfg.num_experts, topo=topo)
         self.experts = LocalExperts(

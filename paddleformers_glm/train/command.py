@@ -88,6 +88,13 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument(
+        "--expert-update",
+        default="fused",
+        choices=["fused", "routed-only"],
+        help="fused (default, the reference's semantics): every expert of an MoE layer that routed any token is "
+        "stepped, idle ones with a zero gradient; routed-only: only experts that got tokens (docs/parity.md)",
+    )
+    g.add_argument(
         "--recompute",
         default="none",
         choices=["none", "full", "core"],
@@ -207,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         moe_bias_update_rate=args.moe_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        expert_update=args.expert_update,
         fault=args.fault,
         dump_steps=_dump_steps(args),
     )

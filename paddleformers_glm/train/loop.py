@@ -32,7 +32,7 @@ from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
-from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
+from ..parallel.grads import EXPERT_UPDATES, GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
@@ -91,6 +91,7 @@ class TrainConfig:
     progress: bool = True
     moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
     moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
+    expert_update: str = "fused"  # fused: every expert of a layer that routed a token | routed-only (grads.py)
     fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop"
     dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
 
@@ -120,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.expert_update not in EXPERT_UPDATES:
+            raise ValueError(f"--expert-update must be one of {', '.join(EXPERT_UPDATES)}, got {self.expert_update!r}")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -361,7 +364,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     else:
         engine = SingleStageEngine(module)
     _load_initial_weights(cfg, adapter, module, topo, spec)
-    sync = GradSynchronizer(module, topo)
+    sync = GradSynchronizer(module, topo, cfg.expert_update)
     sync.sync_shared_parameters()
     opt = AdamW(
         sync.params,
@@ -528,11 +531,11 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
             run.sync.release()
     gnorm, pre_clip = done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
+    run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
     if pre_clip is not None:
         from .dump import dump_after_step
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
-    run.balancer.after_step(step + 1)
     if not run.opt_bytes:
         run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
