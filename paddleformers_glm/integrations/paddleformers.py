@@ -43,8 +43,6 @@ __all__ = [
     "is_registered",
     "paddleformers_model_runs",
     "register",
-    "release_idle_expert_grads",
-    "trainer_callback",
     "unregister",
 ]
 
@@ -245,51 +243,8 @@ def _classes() -> dict[str, Any]:
             own.setdefault("dtype", self.compute_dtype)  # what was trained, not the release's bf16
             return super().save_pretrained(save_directory, **own)
 
-    from paddleformers.trainer import TrainerCallback
-
-    class GlmTrainerCallback(TrainerCallback):
-        """glm52 train's update rule in PaddleFormers' Trainer: before each optimizer step the
-        gradients of experts no token reached this step are released, so AdamW leaves them alone
-        (no momentum step, no weight decay), as glm52 train does and as torch does for an expert
-        whose weights got no gradient. Without it the Trainer steps such an expert with a zero
-        gradient (the compiled CPU expert kernel returns zeros for it)."""
-
-        def on_optimizer_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            if model is not None:
-                release_idle_expert_grads(model)
-
-    _CLASSES.update(
-        config=GlmMoeDsaConfig, model=GlmMoeDsaForCausalLM, output=GlmCausalLMOutput, callback=GlmTrainerCallback
-    )
+    _CLASSES.update(config=GlmMoeDsaConfig, model=GlmMoeDsaForCausalLM, output=GlmCausalLMOutput)
     return _CLASSES
-
-
-def release_idle_expert_grads(model: Any) -> int:
-    """Release the gradients of the routed experts that no token reached since the last call
-    (each router's count of routed tokens, which this call resets); returns how many experts."""
-    params = dict(model.named_parameters())
-    idle = 0
-    for name, layer in model.named_sublayers():
-        balance = getattr(layer, "balance", None)
-        if balance is None or not name.endswith(".gate"):
-            continue
-        counts = balance.take_routed()
-        if counts is None:
-            continue
-        prefix = name[: -len("gate")] + "experts."
-        for e in (counts.numpy() == 0).nonzero()[0].tolist():  # one process: expert e is experts.e
-            idle += 1
-            for pname, p in params.items():
-                if pname.startswith(f"{prefix}{e}."):
-                    p.clear_gradient(False)
-    return idle
-
-
-def trainer_callback() -> Any:
-    """A PaddleFormers ``TrainerCallback`` that gives the Trainer glm52 train's update rule for
-    experts no token reached (see ``GlmTrainerCallback``): ``Trainer(..., callbacks=[trainer_callback()])``."""
-    _require_paddleformers()
-    return _classes()["callback"]()
 
 
 # --------------------------------------------------------------------------- registration
