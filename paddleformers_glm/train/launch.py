@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
+from .console import PaddleChatter
 
 __all__ = ["LaunchError", "diagnose", "launch_workers", "rank_states", "worker_env", "write_failure_record"]
 
@@ -216,10 +217,14 @@ def launch_workers(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
     )
 
+    chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
+
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if quiet_launcher and (line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line):
+                continue
+            if quiet_launcher and not chatter.keep(line):
                 continue
             stream.write(line)
             stream.flush()
