@@ -216,16 +216,26 @@ def test_plan_takes_a_train_command_line_with_a_note(tmp_path, capsys):
     assert "usage: glm52 plan" in err and "--stepz" in err
 
 
-def test_plan_help_describes_vpp_as_the_trainers():
+def _help(command: str) -> str:
     import contextlib
     import io
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
-        cli_main(["plan", "--help"])
-    text = " ".join(buf.getvalue().split())
-    assert "glm52 train --vpp" in text and "has none" not in text
-    assert "(default: 80.0)" in text  # --gpu-mem-gb: help shows defaults
+        cli_main([command, "--help"])
+    return " ".join(buf.getvalue().split())
+
+
+def test_plan_help_describes_vpp_as_the_trainers():
+    """plan and train share their layout flags: plan's --vpp help is the trainer's, word for word
+    (it once said the trainer had no --vpp)."""
+    import re
+
+    plan, train = _help("plan"), _help("train")
+    vpp = re.compile(r"--vpp VPP (.*?) \(default: 1\)")
+    assert vpp.search(plan) and vpp.search(plan).group(1) == vpp.search(train).group(1)
+    assert "interleaved" in vpp.search(plan).group(1) and "has none" not in plan
+    assert "(default: 80.0)" in plan  # --gpu-mem-gb: help shows defaults
 
 
 @pytest.mark.parametrize(
