@@ -272,11 +272,12 @@ def test_summed_parts_equal_the_tensor_by_tensor_account(lay):
 def test_search_of_256_gpus_builds_few_probes_and_reports_progress(monkeypatch, capsys):
     """The search is arithmetic over layouts: one probe per tensor-parallel shape (expert-parallel
     ranks reuse it), each layer kind summed once, never the tensors of every layer per layout."""
-    from paddleformers_glm.train import glm_adapter, memory
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+    from paddleformers_glm.train import memory
 
     planmod._CACHE.clear()
     built, summed = [], [0]
-    real_init, real_bytes = glm_adapter.GlmStage.__init__, memory.state_bytes
+    real_init, real_bytes = GlmMoeDsaForCausalLM.__init__, memory.state_bytes
 
     def counting_init(self, *a, **k):
         built.append(1)
@@ -286,7 +287,7 @@ def test_search_of_256_gpus_builds_few_probes_and_reports_progress(monkeypatch, 
         summed[0] += 1
         return real_bytes(*a, **k)
 
-    monkeypatch.setattr(glm_adapter.GlmStage, "__init__", counting_init)
+    monkeypatch.setattr(GlmMoeDsaForCausalLM, "__init__", counting_init)
     monkeypatch.setattr(memory, "state_bytes", counting_bytes)
     rc = cli_main(["plan", "--model", str(OFFICIAL_CONFIG.parent), "--search", "--gpus", "256", "--top", "5"])
     cap = capsys.readouterr()
