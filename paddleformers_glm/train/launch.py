@@ -16,6 +16,10 @@ hangs on a dead or frozen peer.
 
 Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
 through ``launcher_args``; every node runs the same command.
+
+``python -m paddleformers_glm.train.launch ARGS`` is ``python -m paddle.distributed.launch ARGS``
+(Paddle's own launcher, in this module's ``__main__``) that leaves through ``_exit.exit_now`` once
+Paddle's launcher has joined its workers: the job ends without the launcher's interpreter teardown.
 """
 
 from __future__ import annotations
@@ -31,10 +35,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._exit import exit_code, exit_now
 from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
 
-__all__ = ["LaunchError", "diagnose", "launch_workers", "rank_states", "worker_env", "write_failure_record"]
+__all__ = [
+    "LaunchError",
+    "diagnose",
+    "launch_workers",
+    "launcher_command",
+    "rank_states",
+    "run_paddle_launcher",
+    "worker_env",
+    "write_failure_record",
+]
 
 _COMM_MARKERS = (
     "gloo",
@@ -175,6 +189,21 @@ def diagnose(
     return None, "the launcher failed before any worker reported (see the launcher output above)"
 
 
+def launcher_command(nproc_per_node: int, log_dir: str, args: Sequence[str]) -> list[str]:
+    """The command line of Paddle's launcher for ``nproc_per_node`` local processes logging to
+    ``log_dir``; ``args`` are further launcher options, then the script and its arguments."""
+    return [
+        sys.executable,
+        "-m",
+        "paddleformers_glm.train.launch",
+        "--nproc_per_node",
+        str(nproc_per_node),
+        "--log_dir",
+        log_dir,
+        *args,
+    ]
+
+
 def launch_workers(
     worker_args: Sequence[str],
     nproc_per_node: int,
@@ -199,16 +228,7 @@ def launch_workers(
     for old in glob.glob(os.path.join(log_dir, "status", "rank*")):
         os.remove(old)
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "paddle.distributed.launch",
-        "--nproc_per_node",
-        str(nproc_per_node),
-        "--log_dir",
-        log_dir,
-    ]
-    cmd += list(launcher_args) + [worker, *worker_args]
+    cmd = launcher_command(nproc_per_node, log_dir, [*launcher_args, worker, *worker_args])
     env = worker_env(nproc_per_node)
     env.update(extra_env or {})
     env["GLM52_STATUS_DIR"] = os.path.join(log_dir, "status")
@@ -293,3 +313,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def run_paddle_launcher() -> None:
+    """Paddle's ``python -m paddle.distributed.launch`` with this process's ``sys.argv``; its exit
+    status (``sys.exit`` in its controller) becomes this process's, without the teardown."""
+    from paddle.distributed.launch.main import launch
+
+    try:
+        launch()
+        code = 0
+    except SystemExit as e:
+        code = exit_code(e)
+    exit_now(code)
+
+
+if __name__ == "__main__":
+    run_paddle_launcher()
