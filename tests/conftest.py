@@ -10,6 +10,45 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
 
+# Files whose tests share a package-scoped launch (conftest fixtures below), by the file that
+# starts it.  Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadfile``) each file runs in one
+# worker, so that its module fixtures are built once, and these files in the same worker, so that
+# each shared launch still happens once.
+SHARED_LAUNCH_FILES = {
+    "test_parallel_fleet_gloo.py": "test_parallel_dist.py",  # tp2_script_results
+    "test_train_reshard.py": "test_save_distributed.py",  # dist_save_and_flex_probe
+}
+
+
+def _file_group(path: str) -> str:
+    name = path.split("::", 1)[0].replace("\\", "/").rsplit("/", 1)[-1]
+    return SHARED_LAUNCH_FILES.get(name, name)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``--dist loadfile``, with the files of SHARED_LAUNCH_FILES as one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LoadFileSharingLaunches(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _file_group(nodeid)
+
+    return LoadFileSharingLaunches(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    # the files with the most multi-process tests first, so that no long one starts last
+    slow: dict[str, int] = {}
+    for item in items:
+        g = _file_group(item.nodeid)
+        slow[g] = slow.get(g, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[_file_group(item.nodeid)])
+
 
 @pytest.fixture(autouse=True)
 def _cpu_fp32():
