@@ -10,6 +10,7 @@ the number of test items (parametrized cases counted one by one) and of those ma
     python tools/count_assertions.py              # table + totals
     python tools/count_assertions.py --items      # + collected items (a few seconds: imports the tests)
     python tools/count_assertions.py --json       # machine-readable
+    python tools/count_assertions.py --root DIR   # another checkout (e.g. the commit before a change)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,13 +79,14 @@ def scan_file(path: Path) -> dict:
     return {"tests": tests, "helpers": helpers}
 
 
-def collect_items() -> dict[str, dict[str, int]]:
+def collect_items(root: Path) -> dict[str, dict[str, int]]:
     """Per file: collected items, and those selected by ``-m slow`` (from pytest itself)."""
 
     def run(*extra: str) -> dict[str, int]:
         p = subprocess.run(
             [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *extra],
-            cwd=ROOT,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
             capture_output=True,
             text=True,
         )
@@ -102,15 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--items", action="store_true", help="also collect the suite for the test item counts")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to count (default: this one)")
     args = ap.parse_args(argv)
-    files = sorted((ROOT / "tests").glob("test_*.py"))
-    support = [ROOT / "tests" / "conftest.py", *sorted((ROOT / "tests").glob("_*.py"))]
-    support += sorted((ROOT / "tests" / "_dist").glob("*.py"))
+    root = args.root.resolve()
+    files = sorted((root / "tests").glob("test_*.py"))
+    support = [root / "tests" / "conftest.py", *sorted((root / "tests").glob("_*.py"))]
+    support += sorted((root / "tests" / "_dist").glob("*.py"))
     rows = {}
     for f in files:
         s = scan_file(f)
         t = s["tests"].values()
-        rows[str(f.relative_to(ROOT))] = {
+        rows[str(f.relative_to(root))] = {
             "tests": len(s["tests"]),
             "assert": sum(c["assert"] for c in t),
             "raises": sum(c["raises"] for c in t),
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             c = count_checks(ast.parse(f.read_text(encoding="utf-8")))
             sup["assert"] += c["assert"]
             sup["raises"] += c["raises"]
-    items = collect_items() if args.items else {}
+    items = collect_items(root) if args.items else {}
     for f, r in rows.items():
         if items:
             r.update(items.get(f, {"items": 0, "slow": 0}))
