@@ -32,6 +32,8 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # keep the collection order: heaviest files first (below)
+
     class LoadFileSharingLaunches(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _file_group(nodeid)
