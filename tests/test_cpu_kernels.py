@@ -216,6 +216,7 @@ def test_a_compile_error_is_raised_by_build_and_logged_to_its_file(tmp_path, cap
     assert len(logs) == 1 and "this is not C++" in logs[0].read_text()
     assert "bad.cc:2" in str(err.value)  # the compiler's error line, in the message
     out, errs = capfd.readouterr()
+    errs = "\n".join(ln for ln in errs.splitlines() if not ln.startswith("[glm52] building"))  # our announcement
     assert "this is not C++" not in out + errs and "error" not in (out + errs).lower()
 
 
@@ -432,3 +433,26 @@ def test_rope_concat_is_bitwise_rope_heads_and_concat(ops, interleave, rope_firs
     np.testing.assert_array_equal(res[1][0], res[0][0])
     np.testing.assert_array_equal(res[1][1], res[0][1])
     np.testing.assert_allclose(res[1][2], res[0][2], rtol=1e-6, atol=1e-7)
+
+
+def test_a_build_says_so_while_it_runs(tmp_path, capfd, monkeypatch):
+    """A first use compiles for a while: one line says so before the compiler starts (and says
+    nothing under GLM52_QUIET=1)."""
+    bad = tmp_path / "bad.cc"
+    bad.write_text('#include "paddle/extension.h"\nthis is not C++;\n')
+    seen = {}
+    real = cpu_kernels._compile
+
+    def spy(*a, **k):
+        seen["err_before_compiler"] = capfd.readouterr().err
+        return real(*a, **k)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", spy)
+    monkeypatch.delenv("GLM52_QUIET", raising=False)
+    with pytest.raises(RuntimeError):
+        cpu_kernels.build(source=bad, cache_root=str(tmp_path / "cache"))
+    assert "[glm52] building the CPU kernels" in seen["err_before_compiler"]
+    monkeypatch.setenv("GLM52_QUIET", "1")
+    with pytest.raises(RuntimeError):
+        cpu_kernels.build(source=bad, cache_root=str(tmp_path / "cache2"))
+    assert "building" not in seen["err_before_compiler"]

@@ -3,7 +3,3 @@
 from .model import CausalLMOutput, GlmMoeDsaForCausalLM, GlmMoeDsaModel, GlmMoeDsaStageModel, causal_lm_loss
 
 __all__ = ["CausalLMOutput", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmMoeDsaStageModel", "causal_lm_loss"]
-
-from ..auto import register_if_installed as _register_if_installed  # noqa: E402
-
-_register_if_installed()

@@ -250,10 +250,11 @@ def _chunk_probs(
         ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
         s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
         m = prep.mask[ch.r0 : ch.r1]
-    return ops.masked_softmax_(s, m), ks
+    return ops.masked_softmax_(_as(s, "float32"), m), ks  # the softmax in fp32 whatever q's dtype
 
 
 def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
+    p = _as(p, ks.dtype)  # fp32 probabilities meet bf16 keys in the keys' dtype (HF casts them back)
     C, H, T = p.shape
     if dense:
         return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
@@ -334,7 +335,8 @@ class _SparseLatentAttention(PyLayer):
                 dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
             else:
                 dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
-            ds = ops.softmax_backward(p, dp)
+            ds = _as(ops.softmax_backward(p, _as(dp, p.dtype)), qc.dtype)
+            p = _as(p, qc.dtype)
             dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
             # d(keys) = ds^T qs + p^T g
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
@@ -394,8 +396,8 @@ def dense_masked_attention(
     sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :S]
     min_val = paddle.finfo(paddle.float32).min
     mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, min_val)).unsqueeze(1)
-    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale + mask  # [B, H, S, S]
-    probs = nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
+    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, S]
+    probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1).astype(v.dtype)  # fp32 softmax
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
 
 
@@ -435,15 +437,20 @@ class _DenseHeadAttention(PyLayer):
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         B, H, S, _ = q.shape
-        qs = q * scale  # scaling the queries costs dk/S of scaling the scores
-        s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
-        p = ops.masked_softmax_(s, mask)
+        low = q.dtype in (paddle.bfloat16, paddle.float16)
+        if low:  # HF eager's rounding: the product in q's dtype, then scaled (rounded again)
+            qs = q
+            s = _as(paddle.matmul(q, k, transpose_y=True) * scale, "float32")  # [B, H, S, S]
+        else:
+            qs = q * scale  # scaling the queries costs dk/S of scaling the scores
+            s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
+        p = ops.masked_softmax_(s, mask)  # fp32 whatever q's dtype
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
         if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
             ctx.mark_non_differentiable(pm)
         ctx.save_for_backward(qs, k, v, p, live)
-        ctx.scale = scale
+        ctx.scale, ctx.low = scale, low
         return out, pm
 
     @staticmethod
@@ -456,7 +463,11 @@ class _DenseHeadAttention(PyLayer):
         ds = ops.softmax_backward(p, dp)
         if ds.dtype != qs.dtype:
             ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
-        dq = paddle.matmul(ds, k).scale_(ctx.scale)
+        if ctx.low:  # the scale's gradient in q's dtype, before both products (the forward's order)
+            ds = ds * ctx.scale
+            dq = paddle.matmul(ds, k)
+        else:
+            dq = paddle.matmul(ds, k).scale_(ctx.scale)
         dk = paddle.matmul(ds, qs, transpose_x=True)
         dv = paddle.matmul(p, g, transpose_x=True)
         return dq, dk, dv, None, None

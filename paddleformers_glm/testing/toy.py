@@ -99,7 +99,7 @@ class ToyMoE(nn.Layer):
         self.k = cfg.experts_per_token
         self.num_experts = cfg.num_experts
         self.router = self.create_parameter([cfg.hidden_size, cfg.num_experts], dtype="float32")
-        self.balance = RouterBalance()  # routed-token counts: the trainer steps only experts that got tokens
+        self.balance = RouterBalance()  # routed-token counts: the trainer steps the layer if any expert got tokens
         mark_sequence_parallel(self.router)
         self.dispatcher = ExpertParallelDispatcher(cfg.num_experts, topo=topo)
         self.experts = LocalExperts(
@@ -171,8 +171,9 @@ class ToyLayer(nn.Layer):
             raise RuntimeError("ToyLayer: a shared layer got no top-k (the stage's carry lost it)")
         allowed = paddle.logical_and(F.one_hot(topk, S).sum(axis=-2) > 0, causal)  # [B, S, S]
         att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(self.head_dim)  # [B, h, S, S]
-        att = att + paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
-        o = paddle.matmul(F.softmax(att, axis=-1), v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
+        mask = paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
+        probs = F.softmax(att.astype("float32") + mask, axis=-1).astype(v.dtype)  # softmax in fp32, as the model
+        o = paddle.matmul(probs, v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
         return o, topk
 
 

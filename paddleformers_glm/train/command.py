@@ -21,7 +21,18 @@ from ..cpu_env import apply_mkl_default
 if TYPE_CHECKING:
     from .loop import TrainConfig
 
-__all__ = ["add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+__all__ = [
+    "TRAIN_DEFAULTS",
+    "add_train_arguments",
+    "check_inputs_before_launch",
+    "config_from_args",
+    "main",
+    "register_train",
+    "run_train",
+]
+
+# defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
+TRAIN_DEFAULTS = {"seq_len": 64, "global_batch_size": 4, "dtype": "float32"}
 
 
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,8 +76,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=5)
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--global-batch-size", type=int, default=4)
+    g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
+    g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
@@ -77,12 +88,24 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument(
+        "--expert-update",
+        default="fused",
+        choices=["fused", "routed-only"],
+        help="fused (default, the reference's semantics): every expert of an MoE layer that routed any token is "
+        "stepped, idle ones with a zero gradient; routed-only: only experts that got tokens (docs/parity.md)",
+    )
+    g.add_argument(
         "--recompute",
         default="none",
         choices=["none", "full", "core"],
         help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
+    g.add_argument(
+        "--dtype",
+        default=TRAIN_DEFAULTS["dtype"],
+        choices=["float32", "bfloat16"],
+        help="bfloat16: bf16 weights and activations, fp32 master weights (on a CPU build through ops/cpu_bf16)",
+    )
     g.add_argument(
         "--data",
         default=None,
@@ -101,7 +124,17 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar nor checkpoint load/export progress (the bar is drawn on a terminal only)",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="relay Paddle's set-up logging (communication groups, the printed model, modified flags) to the "
+        "console too; it is always in OUT/logs/workerlog.*",
+    )
     g.add_argument(
         "--dump-step",
         nargs=2,
@@ -137,8 +170,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
         )
     else:
-        if not os.path.isdir(args.model):
-            raise FileNotFoundError(f"--model {args.model}: not a folder (give a checkpoint folder or 'toy')")
+        from ..cli._common import model_folder_error
+
+        bad = model_folder_error(args.model)
+        if bad:
+            raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
     cfg = TrainConfig(
         model=model,
@@ -178,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         moe_bias_update_rate=args.moe_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        expert_update=args.expert_update,
         fault=args.fault,
         dump_steps=_dump_steps(args),
     )
@@ -210,7 +247,24 @@ def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -
             f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
         )
         cfg.data = out
-    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
+
+
+def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
+    """Everything the run reads from disk, checked in this process before any worker starts, so a
+    bad file is one named error instead of a worker dying at the step that first touches it:
+
+    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
+      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
+      ``labels`` one per ``input_ids``); text/chat jsonl is tokenized here;
+    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
+      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
+    """
+    _prepare_data(cfg, args, vocab_size)
+    if cfg.resume:
+        from .state_files import check_resume_state
+
+        check_resume_state(cfg.resume)
 
 
 def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -280,7 +334,7 @@ def run_train(args: argparse.Namespace) -> int:
                 raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
             if world % args.nnodes:
                 raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
-            _prepare_data(cfg, args, adapter.vocab_size)
+            check_inputs_before_launch(cfg, args, adapter.vocab_size)
         except (ValueError, FileNotFoundError, KeyError) as e:
             print(f"glm52 train: error: {e}", file=sys.stderr)
             return 2
@@ -301,6 +355,7 @@ def run_train(args: argparse.Namespace) -> int:
                 **job,
                 node_rank_offset=(args.node_rank or 0) * job["nproc_per_node"],
                 timeout_s=args.job_timeout,
+                quiet_launcher=not args.verbose,
                 pending=launch,
             )
         except LaunchError as e:

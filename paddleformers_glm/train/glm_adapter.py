@@ -155,9 +155,10 @@ class GlmAdapter(ModelAdapter):
     name = "glm"
     supports_context_parallel = True  # GlmStage reads the cp_* batch keys (parallel/context.py)
 
-    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, dtype: str | None = None) -> None:
         from ..configuration import GlmMoeDsaConfig
 
+        # None: the run's dtype (the trainer builds stages inside ``default_dtype(--dtype)``)
         self.model_dir, self.dtype = model_dir, dtype
         self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
         c = self.config
@@ -186,7 +187,7 @@ class GlmAdapter(ModelAdapter):
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         self.check_layout(topo.pc)
-        return GlmStage(self.config, spec, self.dtype)
+        return GlmStage(self.config, spec, self.dtype or paddle.get_default_dtype())
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
         """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.

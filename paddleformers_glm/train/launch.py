@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from .._exit import exit_code, exit_now
 from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
+from .console import PaddleChatter
 
 __all__ = [
     "LaunchError",
@@ -315,10 +316,14 @@ def launch_workers(
     else:
         proc = _launcher_process(*args, gated=False)
 
+    chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
+
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if quiet_launcher and (line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line):
+                continue
+            if quiet_launcher and not chatter.keep(line):
                 continue
             stream.write(line)
             stream.flush()

@@ -25,12 +25,14 @@ import paddle.distributed as dist
 
 from .. import progress
 from .._io import write_json_atomic as _write_json_atomic
+from ..checkpoint.finite import check_finite_state
 from ..modeling.model import default_dtype
+from ..ops import cpu_bf16
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.export import export_trained
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
-from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
+from ..parallel.grads import EXPERT_UPDATES, GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
@@ -89,6 +91,7 @@ class TrainConfig:
     progress: bool = True
     moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
     moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
+    expert_update: str = "fused"  # fused: every expert of a layer that routed a token | routed-only (grads.py)
     fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop"
     dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
 
@@ -118,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.expert_update not in EXPERT_UPDATES:
+            raise ValueError(f"--expert-update must be one of {', '.join(EXPERT_UPDATES)}, got {self.expert_update!r}")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -236,12 +241,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
-        from ..parallel._compat import bf16_compute_supported
-
-        if not bf16_compute_supported():
-            raise ValueError(
-                "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
-            )
+        cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
     check_batch(cfg, pc)
     if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
         raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
@@ -364,7 +364,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     else:
         engine = SingleStageEngine(module)
     _load_initial_weights(cfg, adapter, module, topo, spec)
-    sync = GradSynchronizer(module, topo)
+    sync = GradSynchronizer(module, topo, cfg.expert_update)
     sync.sync_shared_parameters()
     opt = AdamW(
         sync.params,
@@ -408,6 +408,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
+    check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
     return _Run(
@@ -455,6 +456,8 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "sharding_stage": run.topo.pc.sharding_stage,
             "grad_clip": run.opt.clip_name,
             "recompute": cfg.recompute,
+            # ops Paddle runs through ops/cpu_bf16's fp32 route here (0: its own kernels, e.g. any GPU build)
+            "cpu_bf16_ops": len(cpu_bf16.installed()),
         },
     )
     out.update(run.balancer.report())
@@ -528,11 +531,11 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
             run.sync.release()
     gnorm, pre_clip = done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
+    run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
     if pre_clip is not None:
         from .dump import dump_after_step
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
-    run.balancer.after_step(step + 1)
     if not run.opt_bytes:
         run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
@@ -606,7 +609,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     ``--save-every`` steps), then finish."""
     run = _setup(cfg, adapter, topo, specs)
     bar = None
-    if run.rank0 and cfg.progress:
+    if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm
 
         bar = tqdm(

@@ -65,6 +65,8 @@ def active_params(config: Any, lay: Any) -> int:
     from .plan import _layer_key, layer_counts
 
     lc = layer_counts(config, lay)
+    if ("active_params", id(config)) in lc.memo:  # the same for every layout of this probe
+        return lc.memo[("active_params", id(config))]
     share = config.num_experts_per_tok / config.n_routed_experts
     n = 0.0
     for i in range(config.num_hidden_layers + config.num_mtp_layers):
@@ -73,7 +75,10 @@ def active_params(config: Any, lay: Any) -> int:
             n += full * share if routed else full
     n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
     lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
-    return int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
+    lc.memo[("active_params", id(config))] = int(
+        n + lm_head * config.num_mtp_layers
+    )  # each MTP depth runs the head again
+    return lc.memo[("active_params", id(config))]
 
 
 def step_estimate(

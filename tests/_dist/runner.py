@@ -75,6 +75,19 @@ def run_train_cli(args: list[str], timeout: float = 150) -> tuple[subprocess.Com
     return p, time.monotonic() - t
 
 
+def error_lines(stderr: str) -> list[str]:
+    """stderr without Paddle's own import-time warning (no ccache: a message line and its
+    ``warnings.warn(...)`` source line), which is not the CLI's output."""
+    out, after_warning = [], False
+    for ln in stderr.strip().splitlines():
+        if "No ccache found" in ln or (after_warning and ln.strip().startswith("warnings.warn(")):
+            after_warning = "No ccache found" in ln
+            continue
+        after_warning = False
+        out.append(ln)
+    return out
+
+
 def losses(out: Path) -> dict:
     with open(out / "loss.json", encoding="utf-8") as f:
         return json.load(f)
