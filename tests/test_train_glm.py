@@ -75,12 +75,23 @@ def single_mbs1(tiny_ckpt, tmp_path_factory):
     return _run(tiny_ckpt, tmp_path_factory.mktemp("glm_single"))
 
 
+HEADLINE = ("--tp", "2", "--pp", "2", "--sp")
+
+
+@pytest.fixture(scope="module")
+def headline_runs(tiny_ckpt, tmp_path_factory):
+    """The headline layout (TP2 x PP2 x SP, world 4) run twice: the pair for the bit-reproducibility
+    test, the first also the headline case of the layouts test (one launch fewer)."""
+    root = tmp_path_factory.mktemp("glm_headline")
+    return root, _run(tiny_ckpt, root / "a", *HEADLINE), _run(tiny_ckpt, root / "b", *HEADLINE)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [
         ("--tp", "2"),
-        ("--tp", "2", "--pp", "2", "--sp"),
+        HEADLINE,
         ("--dp", "2", "--ep", "2"),
         ("--tp", "2", "--etp", "2"),
         ("--tp", "2", "--ep", "2"),
@@ -88,8 +99,8 @@ def single_mbs1(tiny_ckpt, tmp_path_factory):
     ],
     ids=["tp2", "tp2-pp2-sp", "dp2-ep2", "tp2-etp2", "tp2-ep2", "tp2-pp2-ep2-sp"],
 )
-def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout):
-    got = _run(tiny_ckpt, tmp_path, *layout)
+def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout, request):
+    got = request.getfixturevalue("headline_runs")[1] if layout == HEADLINE else _run(tiny_ckpt, tmp_path, *layout)
     for key in ("losses", "mtp_losses", "grad_norms"):
         diff = max(abs(a - b) for a, b in zip(single_mbs1[key], got[key]))
         assert len(got[key]) == STEPS and diff <= 1e-5, (layout, key, diff)
@@ -99,13 +110,12 @@ def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_p
 
 
 @pytest.mark.slow
-def test_glm_headline_layout_is_bit_reproducible(tiny_ckpt, tmp_path):
-    a = _run(tiny_ckpt, tmp_path / "a", "--tp", "2", "--pp", "2", "--sp")
-    b = _run(tiny_ckpt, tmp_path / "b", "--tp", "2", "--pp", "2", "--sp")
+def test_glm_headline_layout_is_bit_reproducible(headline_runs):
+    root, a, b = headline_runs
     assert a["losses"] == b["losses"] and a["mtp_losses"] == b["mtp_losses"]
     assert a["profile"]["tp"] == 2 and a["profile"]["pp"] == 2 and a["profile"]["sp"] is True
-    fa = (tmp_path / "a" / "export" / "model.safetensors").read_bytes()
-    assert fa == (tmp_path / "b" / "export" / "model.safetensors").read_bytes()
+    fa = (root / "a" / "export" / "model.safetensors").read_bytes()
+    assert fa == (root / "b" / "export" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow

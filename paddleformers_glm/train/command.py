@@ -294,46 +294,14 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
     return out
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Run (world 1) or launch (world > 1) the training; returns the exit code."""
-    apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
-    from ..parallel.topology import ParallelConfigError
-    from .adapter import make_adapter
-    from .launch import LaunchError, launch_workers
-    from .loop import check_batch, parallel_config, stage_specs
-
-    try:  # reject a layout that cannot work before any process starts
-        cfg = config_from_args(args)
-        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
-        pc = parallel_config(cfg, world)
-        adapter = make_adapter(cfg.model, **cfg.model_args)
-        pc.validate(world, **adapter.parallel_sizes())
-        adapter.check_layout(pc)
-        stage_specs(cfg, adapter, pc.pp)
-        check_batch(cfg, pc)
-        if args.job_timeout is not None and args.job_timeout <= 0:
-            raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
-        if args.comm_timeout <= 0:
-            raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
-        if world % args.nnodes:
-            raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
-        check_inputs_before_launch(cfg, args, adapter.vocab_size)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"glm52 train: error: {e}", file=sys.stderr)
-        return 2
-    os.makedirs(cfg.out, exist_ok=True)
+def _launch_args(args: argparse.Namespace) -> dict | None:
+    """``launch_workers`` arguments of the job ``args`` describe, from the flags alone (no Paddle,
+    nothing validated yet); None when it runs in this process (world 1, one node)."""
+    world = args.tp * args.pp * args.dp * args.sharding * args.cp
     if world == 1 and args.nnodes == 1:
-        from .loop import run_training
-
-        try:
-            run_training(cfg, adapter)
-        except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
-            print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        return 0
-    run_json = os.path.join(cfg.out, "run_config.json")
-    atomic_write_text(run_json, json.dumps(cfg.__dict__, indent=1))
-    nproc = world // args.nnodes
+        return None
+    out = os.path.abspath(args.out)
+    nproc = max(1, world // args.nnodes)
     launcher_args = shlex.split(args.launcher_args)
     if args.nnodes > 1:
         launcher_args = ["--nnodes", str(args.nnodes)] + launcher_args
@@ -341,22 +309,76 @@ def run_train(args: argparse.Namespace) -> int:
             launcher_args += ["--master", args.master]
         if args.node_rank is not None:
             launcher_args += ["--rank", str(args.node_rank)]
-    offset = (args.node_rank or 0) * nproc
+    return {
+        "worker_args": ["--config", os.path.join(out, "run_config.json")],
+        "nproc_per_node": nproc,
+        "log_dir": os.path.join(out, "logs"),
+        "launcher_args": launcher_args,
+        "extra_env": {"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
+    }
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run (world 1) or launch (world > 1) the training; returns the exit code."""
+    apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
+    from .launch import LaunchError, launch_workers, prestart_launcher
+
+    job = _launch_args(args)
+    # Paddle's launcher loads Paddle on another core while this process loads it to check the job
+    pending = prestart_launcher(**job) if job is not None else None
     try:
-        launch_workers(
-            ["--config", run_json],
-            nproc,
-            os.path.join(cfg.out, "logs"),
-            launcher_args=launcher_args,
-            node_rank_offset=offset,
-            timeout_s=args.job_timeout,
-            quiet_launcher=not args.verbose,
-            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
-        )
-    except LaunchError as e:
-        print(f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr)
-        return e.returncode or 1
-    return 0
+        from ..parallel.topology import ParallelConfigError
+        from .adapter import make_adapter
+        from .loop import check_batch, parallel_config, stage_specs
+
+        try:  # reject a layout that cannot work before any worker starts
+            cfg = config_from_args(args)
+            world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
+            pc = parallel_config(cfg, world)
+            adapter = make_adapter(cfg.model, **cfg.model_args)
+            pc.validate(world, **adapter.parallel_sizes())
+            adapter.check_layout(pc)
+            stage_specs(cfg, adapter, pc.pp)
+            check_batch(cfg, pc)
+            if args.job_timeout is not None and args.job_timeout <= 0:
+                raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
+            if args.comm_timeout <= 0:
+                raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
+            if world % args.nnodes:
+                raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
+            check_inputs_before_launch(cfg, args, adapter.vocab_size)
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            print(f"glm52 train: error: {e}", file=sys.stderr)
+            return 2
+        os.makedirs(cfg.out, exist_ok=True)
+        if job is None:
+            from .loop import run_training
+
+            try:
+                run_training(cfg, adapter)
+            except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
+                print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
+                return 1
+            return 0
+        atomic_write_text(job["worker_args"][1], json.dumps(cfg.__dict__, indent=1))
+        launch, pending = pending, None  # launch_workers owns it now
+        try:
+            launch_workers(
+                **job,
+                node_rank_offset=(args.node_rank or 0) * job["nproc_per_node"],
+                timeout_s=args.job_timeout,
+                quiet_launcher=not args.verbose,
+                pending=launch,
+            )
+        except LaunchError as e:
+            print(
+                f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr
+            )
+            return e.returncode or 1
+        return 0
+    finally:
+        if pending is not None:  # the job did not start: the launcher ends without starting anything
+            pending.cancel()
 
 
 def register_train(sub: argparse._SubParsersAction) -> None:

@@ -16,6 +16,12 @@ hangs on a dead or frozen peer.
 
 Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
 through ``launcher_args``; every node runs the same command.
+
+``python -m paddleformers_glm.train.launch ARGS`` is ``python -m paddle.distributed.launch ARGS``
+(Paddle's own launcher, in this module's ``__main__``) that leaves through ``_exit.exit_now`` once
+Paddle's launcher has joined its workers: the job ends without the launcher's interpreter teardown.
+:func:`prestart_launcher` starts it before the command has validated its arguments: it imports
+Paddle meanwhile (on another core) and starts no worker until :func:`launch_workers` lets it go.
 """
 
 from __future__ import annotations
@@ -31,11 +37,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._exit import exit_code, exit_now
 from .._io import atomic_write_text
 from ..cpu_env import apply_mkl_default
 from .console import PaddleChatter
 
-__all__ = ["LaunchError", "diagnose", "launch_workers", "rank_states", "worker_env", "write_failure_record"]
+__all__ = [
+    "LaunchError",
+    "diagnose",
+    "launch_workers",
+    "launcher_command",
+    "prestart_launcher",
+    "rank_states",
+    "run_paddle_launcher",
+    "worker_env",
+    "write_failure_record",
+]
 
 _COMM_MARKERS = (
     "gloo",
@@ -176,6 +193,95 @@ def diagnose(
     return None, "the launcher failed before any worker reported (see the launcher output above)"
 
 
+def launcher_command(nproc_per_node: int, log_dir: str, args: Sequence[str]) -> list[str]:
+    """The command line of Paddle's launcher for ``nproc_per_node`` local processes logging to
+    ``log_dir``; ``args`` are further launcher options, then the script and its arguments."""
+    return [
+        sys.executable,
+        "-m",
+        "paddleformers_glm.train.launch",
+        "--nproc_per_node",
+        str(nproc_per_node),
+        "--log_dir",
+        log_dir,
+        *args,
+    ]
+
+
+_GATE = "--wait-for-go"  # first argument of a pre-started launcher: wait for "go" on stdin
+
+
+def _launcher_process(
+    worker_args: Sequence[str],
+    nproc_per_node: int,
+    log_dir: str,
+    launcher_args: Sequence[str],
+    extra_env: dict[str, str] | None,
+    gated: bool,
+) -> subprocess.Popen:
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+    cmd = launcher_command(nproc_per_node, log_dir, [*launcher_args, worker, *worker_args])
+    if gated:
+        cmd.insert(3, _GATE)
+    env = worker_env(nproc_per_node)
+    env.update(extra_env or {})
+    env["GLM52_STATUS_DIR"] = os.path.join(log_dir, "status")
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.PIPE if gated else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        bufsize=1,
+    )
+
+
+class PendingLaunch:
+    """Paddle's launcher started ahead (:func:`prestart_launcher`), waiting to start the workers."""
+
+    def __init__(self, proc: subprocess.Popen, args: tuple) -> None:
+        self.proc, self.args = proc, args
+
+    def go(self) -> subprocess.Popen:
+        """Let the launcher start the workers."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):  # it already ended: launch_workers reports its exit
+            pass
+        return self.proc
+
+    def cancel(self) -> None:
+        """The job will not run: stop the launcher, which has started nothing yet."""
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        _kill_group(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def prestart_launcher(
+    worker_args: Sequence[str],
+    nproc_per_node: int,
+    log_dir: str,
+    *,
+    launcher_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+) -> PendingLaunch:
+    """Start Paddle's launcher for :func:`launch_workers` (same arguments) before the job is known
+    to be valid: its Paddle import overlaps the caller's checks.  Pass the result to
+    ``launch_workers(..., pending=...)``, or call ``cancel()`` on it."""
+    log_dir = os.path.abspath(log_dir)
+    args = (tuple(worker_args), nproc_per_node, log_dir, tuple(launcher_args), dict(extra_env or {}))
+    return PendingLaunch(_launcher_process(*args, gated=True), args)
+
+
 def launch_workers(
     worker_args: Sequence[str],
     nproc_per_node: int,
@@ -188,34 +294,27 @@ def launch_workers(
     quiet_launcher: bool = True,
     stream=None,
     extra_env: dict[str, str] | None = None,
+    pending: PendingLaunch | None = None,
 ) -> None:
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
 
     Raises :class:`LaunchError` naming the failing rank; returns when every rank finished cleanly.
-    ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).
+    ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).  ``pending``: the
+    launcher :func:`prestart_launcher` started with the same arguments.
     """
     stream = stream or sys.stdout
     log_dir = os.path.abspath(log_dir)
     os.makedirs(os.path.join(log_dir, "status"), exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "status", "rank*")):
         os.remove(old)
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "paddle.distributed.launch",
-        "--nproc_per_node",
-        str(nproc_per_node),
-        "--log_dir",
-        log_dir,
-    ]
-    cmd += list(launcher_args) + [worker, *worker_args]
-    env = worker_env(nproc_per_node)
-    env.update(extra_env or {})
-    env["GLM52_STATUS_DIR"] = os.path.join(log_dir, "status")
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
-    )
+    args = (tuple(worker_args), nproc_per_node, log_dir, tuple(launcher_args), dict(extra_env or {}))
+    if pending is not None:
+        if pending.args != args:
+            pending.cancel()
+            raise ValueError(f"launch_workers{args} differs from the pre-started launcher's {pending.args}")
+        proc = pending.go()
+    else:
+        proc = _launcher_process(*args, gated=False)
 
     chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
 
@@ -298,3 +397,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def run_paddle_launcher() -> None:
+    """Paddle's ``python -m paddle.distributed.launch`` with this process's ``sys.argv``; its exit
+    status (``sys.exit`` in its controller) becomes this process's, without the teardown."""
+    from paddle.distributed.launch.main import launch
+
+    if len(sys.argv) > 1 and sys.argv[1] == _GATE:  # pre-started: Paddle is loaded, now wait
+        del sys.argv[1]
+        if sys.stdin.readline().strip() != "go":  # cancelled (or the caller died): start nothing
+            exit_now(0)
+    try:
+        launch()
+        code = 0
+    except SystemExit as e:
+        code = exit_code(e)
+    exit_now(code)
+
+
+if __name__ == "__main__":
+    run_paddle_launcher()

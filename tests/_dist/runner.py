@@ -21,13 +21,45 @@ def env() -> dict[str, str]:
     return e
 
 
+def launch_scripts(
+    nproc: int, scripts: list[tuple[str, list[str]]], log_dir: Path, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """One launch of Paddle's launcher (as the trainer starts it: ``train.launch.launcher_command``)
+    that runs the tests/_dist ``scripts`` [(script, args)] one after another in the same ``nproc``
+    processes (tests/_dist/multi.py); killed after ``timeout`` s."""
+    from paddleformers_glm.train.launch import launcher_command
+
+    log_dir = Path(log_dir)
+    spec = log_dir.parent / f"{log_dir.name}.scripts.json"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps([[s, list(a)] for s, a in scripts]), encoding="utf-8")
+    cmd = launcher_command(nproc, str(log_dir), [str(ROOT / "tests" / "_dist" / "multi.py"), str(spec)])
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
 def launch_script(
     script: str, nproc: int, args: list[str], log_dir: Path, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """``python -m paddle.distributed.launch`` a script from tests/_dist (killed after ``timeout`` s)."""
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", str(log_dir)]
-    cmd += [str(ROOT / "tests" / "_dist" / script), *args]
-    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    """One tests/_dist script on ``nproc`` launched processes (see :func:`launch_scripts`)."""
+    return launch_scripts(nproc, [(script, args)], log_dir, timeout)
+
+
+def script_logs(log_dir: Path, nproc: int, tail: int = 3000) -> str:
+    """The last ``tail`` characters of each rank's log of a launch."""
+    logs = [Path(log_dir) / f"workerlog.{r}" for r in range(nproc)]
+    return "\n".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-tail:] for f in logs if f.is_file())
+
+
+def script_result(launch: dict, name: str) -> dict:
+    """The JSON one script of a shared launch (a conftest fixture: ``proc``, ``dir``, ``logs``)
+    wrote, or a test failure showing the launch's output."""
+    import pytest
+
+    f = Path(launch["dir"]) / name
+    p = launch["proc"]
+    if p.returncode != 0 or not f.is_file():
+        pytest.fail(f"the launch writing {name} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{launch['logs']}")
+    return json.loads(f.read_text())
 
 
 def run_train_cli(args: list[str], timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
