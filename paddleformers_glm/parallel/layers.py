@@ -48,6 +48,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
+from ..ops.loss import with_nonfinite_rows
 from . import comm
 from .topology import get_topology
 
@@ -614,6 +615,7 @@ def parallel_cross_entropy(
         per_tok = F.cross_entropy(
             logits.astype("float32"), labels.unsqueeze(-1), ignore_index=ignore_index, reduction="none"
         ).squeeze(-1)
+        per_tok = with_nonfinite_rows(per_tok, logits, labels, ignore_index)  # Paddle's CPU op hides NaN/inf
     else:
         from paddle.distributed.fleet import meta_parallel as mpu
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
 from typing import TYPE_CHECKING
 
-from .._io import atomic_write_text
+from .._io import write_json_atomic
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -76,6 +77,12 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
+    g.add_argument(
+        "--skip-nonfinite-steps",
+        type=int,
+        default=0,
+        help="skip up to N steps whose loss or grad norm is not finite (no update); the next one stops the run",
+    )
     g.add_argument(
         "--recompute",
         default="none",
@@ -178,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         moe_bias_update_rate=args.moe_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        skip_nonfinite_steps=args.skip_nonfinite_steps,
         fault=args.fault,
         dump_steps=_dump_steps(args),
     )
@@ -229,7 +237,16 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run (world 1) or launch (world > 1) the training; returns the exit code."""
+    """Run (world 1) or launch (world > 1) the training; returns the exit code.  Ctrl-C before
+    the launch is one line too (exit 130)."""
+    try:
+        return _run_train(args)
+    except KeyboardInterrupt:
+        print("glm52 train: interrupted (SIGINT) before the job started", file=sys.stderr)
+        return 130
+
+
+def _run_train(args: argparse.Namespace) -> int:
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
     from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
@@ -245,10 +262,10 @@ def run_train(args: argparse.Namespace) -> int:
         adapter.check_layout(pc)
         stage_specs(cfg, adapter, pc.pp)
         check_batch(cfg, pc)
-        if args.job_timeout is not None and args.job_timeout <= 0:
-            raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
-        if args.comm_timeout <= 0:
-            raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
+        if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
+            raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")
+        if not (math.isfinite(args.comm_timeout) and args.comm_timeout > 0):
+            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
         _prepare_data(cfg, args, adapter.vocab_size)
@@ -257,16 +274,9 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(cfg.out, exist_ok=True)
     if world == 1 and args.nnodes == 1:
-        from .loop import run_training
-
-        try:
-            run_training(cfg, adapter)
-        except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
-            print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        return 0
+        return _run_in_process(cfg, adapter, args.job_timeout)
     run_json = os.path.join(cfg.out, "run_config.json")
-    atomic_write_text(run_json, json.dumps(cfg.__dict__, indent=1))
+    write_json_atomic(run_json, cfg.__dict__, indent=1, sort_keys=False, default=None)
     nproc = world // args.nnodes
     launcher_args = shlex.split(args.launcher_args)
     if args.nnodes > 1:
@@ -287,9 +297,73 @@ def run_train(args: argparse.Namespace) -> int:
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:
-        print(f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr)
+        record = os.path.join(cfg.out, "logs", "failure.json")
+        if e.cause == "signal":  # a user's stop: one line
+            print(f"glm52 train: {e}; every process of the job ended (failure record: {record})", file=sys.stderr)
+        else:
+            print(f"glm52 train: {e}\n(failure record: {record})", file=sys.stderr)
         return e.returncode or 1
     return 0
+
+
+class _Stopped(BaseException):
+    """A stop signal or the job timeout, raised in the main thread of an in-process run."""
+
+    def __init__(self, stopped_by: dict) -> None:
+        super().__init__(stopped_by["text"])
+        self.stopped_by = stopped_by
+
+
+def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None) -> int:
+    """World 1: train in this process; a stop signal, the job timeout or a non-finite step ends it
+    with one line and ``OUT/logs/failure.json``, as a launched job would."""
+    import signal
+    import time
+
+    from .job_status import Diagnosis
+    from .launch import LaunchError, write_failure_record
+    from .loop import run_training
+    from .nonfinite import NonFiniteStep
+
+    def stop(num: int, _frame: object) -> None:
+        if num == signal.SIGALRM:
+            raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
+        name = signal.Signals(num).name
+        raise _Stopped({"kind": "signal", "signal": name, "text": f"{name} to glm52 train (pid {os.getpid()})"})
+
+    stoppers = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGALRM,) if job_timeout else ())
+    old = {s: signal.signal(s, stop) for s in stoppers}
+    if job_timeout:
+        signal.setitimer(signal.ITIMER_REAL, job_timeout)
+    t0 = time.monotonic()
+    log_dir = os.path.join(cfg.out, "logs")
+    try:
+        run_training(cfg, adapter)
+        return 0
+    except (_Stopped, KeyboardInterrupt) as e:
+        stopped_by = (
+            e.stopped_by
+            if isinstance(e, _Stopped)
+            else {"kind": "signal", "signal": "SIGINT", "text": f"SIGINT to glm52 train (pid {os.getpid()})"}
+        )
+        rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
+        diag = Diagnosis(None, f"stopped by {stopped_by['text']}", stopped_by["kind"])
+    except NonFiniteStep as e:
+        diag, stopped_by, rc = Diagnosis(e.record["rank"], str(e), "nonfinite", e.record), None, 1
+    except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
+        diag, stopped_by, rc = Diagnosis(0, f"{type(e).__name__}: {e}", "error"), None, 1
+    finally:
+        if job_timeout:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for s, h in old.items():
+            signal.signal(s, h)
+    err = LaunchError(diag.rank, diag.message, rc, diag.cause)
+    path = write_failure_record(log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t0, diagnosis=diag)
+    print(
+        f"glm52 train: {'error: ' if diag.cause == 'error' else ''}{diag.message} (failure record: {path})",
+        file=sys.stderr,
+    )
+    return rc
 
 
 def register_train(sub: argparse._SubParsersAction) -> None:
