@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
+from paddleformers_glm.train.launch import job_processes
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from tests._dist.runner import losses, run_train_cli, worker_logs
+from tests._dist.runner import env, losses, run_train_cli, worker_logs
 
 pytestmark = pytest.mark.slow
 
@@ -199,6 +205,29 @@ def test_dp2_sharding2_world4_matches_single_process(ref, runs):
     assert a["run"]["sharding"] == 2 and a["profile"]["world"] == 4
 
 
+def _strict(path):
+    def refuse(token):
+        raise ValueError(f"{path}: not strict JSON: {token}")
+
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+
+
+def _no_job_process_left(out, within_s=10.0):
+    """Every process of the job (found by the job id in its environment) is gone within ``within_s``."""
+    job = _strict(out / "logs" / "job.json")["job_id"]
+    t0 = time.monotonic()
+    while job_processes(job) and time.monotonic() - t0 < within_s:
+        time.sleep(0.1)
+    assert job_processes(job) == [], f"processes of the job still running {within_s:.0f} s later"
+
+
+def _failure(out):
+    """failure.json and every status record of the job, parsed as strict JSON."""
+    for rec in (out / "logs" / "status").glob("*.json"):
+        _strict(rec)
+    return _strict(out / "logs" / "failure.json")
+
+
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_dying_rank_ends_job_with_named_error(runs, kind):
     out = runs / f"fault_{kind}"
@@ -212,27 +241,101 @@ def test_dying_rank_ends_job_with_named_error(runs, kind):
         assert "rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in msg, msg[-2000:]
     else:
         assert "rank 1 died without a Python error" in msg, msg[-2000:]
+    rec = _failure(out)
+    assert (rec["rank"], rec["cause"]) == (1, "error" if kind == "raise" else "died"), rec
+    _no_job_process_left(out)
 
 
 def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
-    """SIGSTOP on rank 1: rank 0 times out in gloo (30 s); the launcher saw rank 1 frozen and names it."""
+    """SIGSTOP on rank 1: rank 0 times out in gloo (30 s) and records rank 1 in state T first."""
     out = runs / "fault_stop"
     p, secs = run_train_cli(
         [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=2,kind=stop"], timeout=150
     )
     assert p.returncode != 0
     assert "rank 1 was stopped" in p.stderr and "rank(s) 0 then timed out" in p.stderr, p.stderr[-2000:]
-    rec = json.loads((out / "logs" / "failure.json").read_text())
-    assert rec["rank"] == 1 and rec["message"].startswith("rank 1 was stopped")
+    rec = _failure(out)
+    assert (rec["rank"], rec["cause"]) == (1, "stopped") and rec["message"].startswith("rank 1 was stopped")
     assert secs < 100, f"the job took {secs:.0f}s to end after rank 1 froze"
+    _no_job_process_left(out)
 
 
-def test_job_timeout_stops_a_hung_job_and_records_it(runs):
+def test_job_timeout_stops_a_hung_job_and_names_the_rank_behind(runs):
     out = runs / "fault_timeout"
     p, secs = run_train_cli(
         [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "20"],
         timeout=120,
     )
-    assert p.returncode != 0 and secs < 65, (p.returncode, secs)  # not the 30 s gloo timeout + 45 s grace
-    rec = json.loads((out / "logs" / "failure.json").read_text())
-    assert "--job-timeout 20" in rec["stopped_by_launcher"], rec
+    assert p.returncode == 124 and secs < 65, (p.returncode, secs)  # not the 30 s gloo timeout + 45 s grace
+    rec = _failure(out)
+    assert "--job-timeout 20" in rec["stopped_by_launcher"] and rec["stopped_by"]["kind"] == "timeout", rec
+    assert (rec["rank"], rec["cause"]) == (1, "hung") and "rank 1 made no progress" in rec["message"], rec
+    _no_job_process_left(out)
+
+
+def test_nonfinite_steps_two_ranks_skip_then_stop_before_the_update(runs):
+    """Rank 1's gradients are NaN at steps 2 and 3; one skip allowed: step 2 is skipped (logged,
+    loss.json flags its grad norm), step 3 stops the job before the update: non-zero exit,
+    failure.json naming step, rank and first non-finite gradient, no export, checkpoints kept."""
+    out = runs / "nonfinite"
+    faults = "rank=1,step=2,kind=nan;rank=1,step=3,kind=nan"
+    p, _ = run_train_cli(
+        [*COMMON, "--tp", "2", "--out", str(out), "--fault", faults, "--skip-nonfinite-steps", "1",
+         "--save-every", "1", "--export"],
+        timeout=150,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr[-2000:]
+    log0 = (out / "logs" / "workerlog.0").read_text()
+    assert "warning: step 2: non-finite grad norm (nan); first non-finite gradient: " in log0, log0[-2000:]
+    assert "step skipped, no update (1 of --skip-nonfinite-steps 1)" in log0
+    rec = _failure(out)
+    # the TP ranks' gradients are synced: both hold NaN, the first of them is named
+    assert (rec["cause"], rec["step"], rec["rank"], rec["quantity"]) == ("nonfinite", 3, 0, "grad norm"), rec
+    assert rec["first_nonfinite_grad"]["rank"] == 0 and rec["first_nonfinite_grad"]["name"]
+    assert "rank(s) 0, 1 hold some" in rec["message"]
+    assert rec["skipped_before"] == [2] and rec["last_checkpoint"].endswith("step_00000002")
+    assert not (out / "export").exists() and not (out / "checkpoints" / "step_00000003").exists()
+    loss = _strict(out / "loss.json")
+    assert loss["steps"] == 2 and loss["skipped_steps"] == [2] and loss["nonfinite"] == ["grad_norms[1]"]
+    _no_job_process_left(out)
+
+
+def _start_and_wait_for_step(out, step=2):
+    """``--tp 2`` training for many steps; returns the launcher once rank 1 has begun ``step``."""
+    cmd = [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *COMMON, "--steps", "10000"]
+    p = subprocess.Popen([*cmd, "--tp", "2", "--out", str(out)], env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    beat = out / "logs" / "status" / "rank1.beat"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 120:
+        try:
+            if json.loads(beat.read_text())["step"] >= step:
+                return p
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    p.kill()
+    pytest.fail(f"rank 1 never reached step {step}:\n{worker_logs(out)}")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_signal_to_the_launcher_ends_every_process_of_the_job(runs, sig):
+    """SIGTERM / SIGINT: one line (no traceback), exit 128 + signal, failure.json naming the sender;
+    SIGKILL (no cleanup code runs): the workers die with it.  Either way no process of the job
+    is left 10 s later, nor 15 s later."""
+    out = runs / f"signal_{sig}"
+    p = _start_and_wait_for_step(out)
+    t0 = time.monotonic()
+    os.kill(p.pid, getattr(signal, sig))
+    _no_job_process_left(out, within_s=10.0)
+    _, err = p.communicate(timeout=30)
+    time.sleep(max(0.0, 15.0 - (time.monotonic() - t0)))
+    _no_job_process_left(out, within_s=0.0)
+    if sig == "SIGKILL":
+        assert p.returncode == -signal.SIGKILL
+        return
+    assert p.returncode == 128 + getattr(signal, sig), err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("glm52 train") or "Traceback" in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"glm52 train: stopped by {sig} to the launcher"), err[-2000:]
+    rec = _failure(out)
+    assert (rec["rank"], rec["cause"]) == (None, "signal") and rec["stopped_by"]["sender_pid"] == os.getpid(), rec

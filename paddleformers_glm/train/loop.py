@@ -166,10 +166,13 @@ def _versions() -> dict[str, str]:
 
 
 def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
-    """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``);
-    ``kind=nan`` returns True: this rank's gradients of the step are then NaN."""
+    """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``,
+    several joined by ``;``); ``kind=nan`` returns True: this rank's gradients of the step are
+    then NaN."""
     if not spec:
         return False
+    if ";" in spec:
+        return any([_maybe_fault(one, rank, step) for one in spec.split(";") if one])
     kv = dict(part.split("=", 1) for part in spec.split(","))
     if int(kv.get("rank", -1)) != rank or int(kv.get("step", -1)) != step:
         return False
@@ -612,9 +615,10 @@ def _nonfinite_step(
     record["last_checkpoint"] = run.last_checkpoint
     if len(run.skipped) < run.cfg.skip_nonfinite_steps:
         run.skipped.append(step)
+        text = record["message"].split("; stopped before")[0]
         log(
-            f"[glm52 train] warning: {record['message'].replace('stopped before', 'skipped')} "
-            f"(skipped {len(run.skipped)} of --skip-nonfinite-steps {run.cfg.skip_nonfinite_steps})"
+            f"[glm52 train] warning: {text}; step skipped, no update "
+            f"({len(run.skipped)} of --skip-nonfinite-steps {run.cfg.skip_nonfinite_steps})"
         )
         return True
     if run.skipped:

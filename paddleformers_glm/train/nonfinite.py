@@ -100,16 +100,16 @@ def nonfinite_record(step: int, grad_norm: float, reports: list[dict[str, Any]])
     else:  # every element finite, their squared sum overflowed
         culprit, value = reports[0], _value(grad_norm)
         quantity = "grad norm (overflow: every gradient element is finite)"
-    where = (
-        f"first non-finite gradient: {first_grad['name']} on rank {first_grad['rank']}"
-        if first_grad
-        else ("no gradient element is non-finite")
-    )
-    norm = f"; grad norm {_value(grad_norm)}" if with_loss else ""
-    message = (
-        f"step {step}: non-finite {quantity} ({value}) on rank {culprit['rank']}; {where}{norm}; "
-        "stopped before the optimizer step (no update, no export)"
-    )
+    if first_grad:
+        holders = ", ".join(str(r["rank"]) for r in with_grad)
+        where = f"first non-finite gradient: {first_grad['name']} on rank {first_grad['rank']} (rank(s) {holders} hold some)"
+    else:
+        where = "no gradient element is non-finite"
+    if with_loss:
+        what = f"non-finite {quantity} ({value}) on rank {culprit['rank']}; {where}; grad norm {_value(grad_norm)}"
+    else:  # gradients synced over replicas and tensor-parallel ranks: their first rank, not their origin
+        what = f"non-finite {quantity} ({value}); {where}"
+    message = f"step {step}: {what}; stopped before the optimizer step (no update, no export)"
     return {
         "kind": "nonfinite",
         "rank": culprit["rank"],
