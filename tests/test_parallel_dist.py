@@ -41,7 +41,7 @@ EXACT = (
 @pytest.fixture(scope="module")
 def comm_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("comm")
-    p = launch_script("check_comm.py", 2, [str(d / "res.json")], d / "logs", timeout=120)
+    p = launch_script("check_comm.py", 2, [str(d / "res.json")], d / "logs", timeout=300)
     if p.returncode != 0:
         logs = "\n".join((d / "logs" / f"workerlog.{r}").read_text(errors="replace")[-3000:] for r in range(2))
         pytest.fail(f"check_comm.py failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{logs}")

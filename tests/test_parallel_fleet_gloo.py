@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fleet_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet")
-    p = launch_script("check_fleet_layers.py", 2, [str(d / "res.json")], d / "logs", timeout=120)
+    p = launch_script("check_fleet_layers.py", 2, [str(d / "res.json")], d / "logs", timeout=300)
     if p.returncode != 0:
         logs = "\n".join((d / "logs" / f"workerlog.{r}").read_text(errors="replace")[-3000:] for r in range(2))
         pytest.fail(f"check_fleet_layers.py failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{logs}")

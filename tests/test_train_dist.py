@@ -44,7 +44,7 @@ TOL = 1e-5
 WTOL = 0.05 * LR
 
 
-def _cli(out, *extra, timeout=150):
+def _cli(out, *extra, timeout=300):
     p, secs = run_train_cli([*COMMON, "--out", str(out), *extra], timeout=timeout)
     if p.returncode != 0:
         pytest.fail(f"train {extra} failed (rc {p.returncode}) in {secs:.1f}s:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
@@ -228,14 +228,17 @@ def _failure(out):
     return _strict(out / "logs" / "failure.json")
 
 
+def _ended_after_last_beat(out, rank, rec):
+    """Seconds from ``rank``'s last heartbeat (just before its fault) to the failure record: how
+    long the job took to end, without its start-up (which a loaded machine stretches)."""
+    return rec["time"] - _strict(out / "logs" / "status" / f"rank{rank}.beat")["time"]
+
+
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_dying_rank_ends_job_with_named_error(runs, kind):
     out = runs / f"fault_{kind}"
-    p, secs = run_train_cli(
-        [*COMMON, "--tp", "2", "--out", str(out), "--fault", f"rank=1,step=2,kind={kind}"], timeout=120
-    )
+    p, _ = run_train_cli([*COMMON, "--tp", "2", "--out", str(out), "--fault", f"rank=1,step=2,kind={kind}"])
     assert p.returncode != 0
-    assert secs < 60, f"the job took {secs:.0f}s to end after rank 1 died"
     msg = p.stderr
     if kind == "raise":
         assert "rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in msg, msg[-2000:]
@@ -243,30 +246,31 @@ def test_dying_rank_ends_job_with_named_error(runs, kind):
         assert "rank 1 died without a Python error" in msg, msg[-2000:]
     rec = _failure(out)
     assert (rec["rank"], rec["cause"]) == (1, "error" if kind == "raise" else "died"), rec
+    ended = _ended_after_last_beat(out, 1, rec)  # not the 30 s gloo timeout nor the 45 s grace
+    assert ended < 25, f"the job took {ended:.0f} s to end after rank 1 died"
     _no_job_process_left(out)
 
 
 def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
     """SIGSTOP on rank 1: rank 0 times out in gloo (30 s) and records rank 1 in state T first."""
     out = runs / "fault_stop"
-    p, secs = run_train_cli(
-        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=2,kind=stop"], timeout=150
-    )
+    p, _ = run_train_cli([*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=2,kind=stop"])
     assert p.returncode != 0
-    assert "rank 1 was stopped" in p.stderr and "rank(s) 0 then timed out" in p.stderr, p.stderr[-2000:]
+    assert "rank 1 was stopped" in p.stderr, p.stderr[-2000:]
     rec = _failure(out)
     assert (rec["rank"], rec["cause"]) == (1, "stopped") and rec["message"].startswith("rank 1 was stopped")
-    assert secs < 100, f"the job took {secs:.0f}s to end after rank 1 froze"
+    # ended by rank 0's gloo timeout (30 s), or at worst the launcher's 45 s watchdog on a frozen rank
+    ended = _ended_after_last_beat(out, 1, rec)
+    assert ended < 75, f"the job took {ended:.0f} s to end after rank 1 froze"
     _no_job_process_left(out)
 
 
 def test_job_timeout_stops_a_hung_job_and_names_the_rank_behind(runs):
     out = runs / "fault_timeout"
-    p, secs = run_train_cli(
-        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "20"],
-        timeout=120,
+    p, _ = run_train_cli(
+        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "20"]
     )
-    assert p.returncode == 124 and secs < 65, (p.returncode, secs)  # not the 30 s gloo timeout + 45 s grace
+    assert p.returncode == 124, p.stderr[-2000:]  # the launcher's timeout, not gloo's 30 s
     rec = _failure(out)
     assert "--job-timeout 20" in rec["stopped_by_launcher"] and rec["stopped_by"]["kind"] == "timeout", rec
     assert (rec["rank"], rec["cause"]) == (1, "hung") and "rank 1 made no progress" in rec["message"], rec
@@ -282,7 +286,6 @@ def test_nonfinite_steps_two_ranks_skip_then_stop_before_the_update(runs):
     p, _ = run_train_cli(
         [*COMMON, "--tp", "2", "--out", str(out), "--fault", faults, "--skip-nonfinite-steps", "1",
          "--save-every", "1", "--export"],
-        timeout=150,
     )  # fmt: skip
     assert p.returncode == 1, p.stderr[-2000:]
     log0 = (out / "logs" / "workerlog.0").read_text()
