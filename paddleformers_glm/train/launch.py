@@ -191,7 +191,7 @@ def _signal_all(proc: subprocess.Popen, pids: Sequence[int], sig: int) -> None:
 def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
     """End every process of the job: SIGTERM, then SIGKILL to what is left ``TERM_WAIT_S`` later.
     The workers are found by the job id in their environment and by their pid records (each is
-    in a session of its own, out of reach of a group signal)."""
+    started with setsid, out of reach of a group signal)."""
 
     def targets() -> list[int]:
         pids = set(job_processes(job_id))

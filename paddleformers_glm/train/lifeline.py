@@ -1,7 +1,7 @@
 """Tie a process's life to its parent's, so that no part of a training job outlives its launcher.
 
 The process tree of a launched job is ``glm52 train`` (our launcher) -> ``paddle.distributed.launch``
--> one worker per local rank, each of the last two in a session of its own (ours, so that a
+-> one worker per local rank, each of the last two started with setsid (ours, so that a
 terminal's Ctrl-C reaches only the launcher; Paddle's, per worker).  Killing the top therefore
 reaches nobody below it by itself.  On Linux each child asks the kernel for SIGKILL when its
 parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere the worker's watchdog (worker.py) polls the
