@@ -14,7 +14,6 @@ launcher's pid.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -31,7 +30,7 @@ def tie_to_parent(parent_pid: int | None = None) -> bool:
     tied = False
     if sys.platform.startswith("linux"):
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc = ctypes.CDLL(None, use_errno=True)  # the loaded libc (find_library would spawn ldconfig)
             tied = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
         except (OSError, AttributeError):
             tied = False
