@@ -238,3 +238,15 @@ def test_lifeline_child_dies_with_its_parent_and_the_job_id_finds_it(tmp_path):
     while job_processes("lifeline-test") and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     assert job_processes("lifeline-test") == [], "the child outlived its parent"
+
+
+def test_job_timeout_holds_in_one_process_too(tmp_path, capsys):
+    """World 1 trains in this process: --job-timeout still ends it (SIGALRM), one line, exit 124."""
+    from paddleformers_glm.train.command import main as train_main
+
+    args = ["--model", "toy", "--steps", "1000000", "--seq-len", "16", "--no-progress", "--job-timeout", "4"]
+    assert train_main([*args, "--out", str(tmp_path)]) == 124
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("glm52 train: job exceeded --job-timeout 4 s; stopped"), err
+    rec = json.loads((tmp_path / "logs" / "failure.json").read_text(), parse_constant=_refuse)
+    assert (rec["rank"], rec["cause"], rec["returncode"]) == (None, "timeout", 124)

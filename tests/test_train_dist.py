@@ -266,14 +266,23 @@ def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
 
 
 def test_job_timeout_stops_a_hung_job_and_names_the_rank_behind(runs):
+    """Rank 1 hangs at step 1; ``--job-timeout 30`` ends the job (exit 124) before gloo's own
+    30 s timeout can (that one starts only when rank 0 enters its collective).  The culprit is
+    the rank behind in its heartbeat; were the machine so slow that rank 0 had not begun step 1
+    either at 30 s, nobody would be behind and no culprit is invented: the test follows the
+    recorded heartbeats, never the clock."""
     out = runs / "fault_timeout"
     p, _ = run_train_cli(
-        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "20"]
+        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "30"]
     )
-    assert p.returncode == 124, p.stderr[-2000:]  # the launcher's timeout, not gloo's 30 s
+    assert p.returncode == 124, p.stderr[-2000:]
     rec = _failure(out)
-    assert "--job-timeout 20" in rec["stopped_by_launcher"] and rec["stopped_by"]["kind"] == "timeout", rec
-    assert (rec["rank"], rec["cause"]) == (1, "hung") and "rank 1 made no progress" in rec["message"], rec
+    assert "--job-timeout 30" in rec["stopped_by_launcher"] and rec["stopped_by"]["kind"] == "timeout", rec
+    beats = [_strict(out / "logs" / "status" / f"rank{r}.beat") for r in (0, 1)]
+    if (beats[0]["step"], beats[0]["phase"]) != (beats[1]["step"], beats[1]["phase"]):
+        assert (rec["rank"], rec["cause"]) == (1, "hung") and "rank 1 made no progress" in rec["message"], rec
+    else:  # pragma: no cover - a machine too slow to start the job in 30 s
+        assert (rec["rank"], rec["cause"]) == (None, "timeout"), (rec, beats)
     _no_job_process_left(out)
 
 

@@ -347,7 +347,8 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
             else {"kind": "signal", "signal": "SIGINT", "text": f"SIGINT to glm52 train (pid {os.getpid()})"}
         )
         rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
-        diag = Diagnosis(None, f"stopped by {stopped_by['text']}", stopped_by["kind"])
+        text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
+        diag = Diagnosis(None, text, stopped_by["kind"])
     except NonFiniteStep as e:
         diag, stopped_by, rc = Diagnosis(e.record["rank"], str(e), "nonfinite", e.record), None, 1
     except Exception as e:  # noqa: BLE001 - one line and a non-zero exit

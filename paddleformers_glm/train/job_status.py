@@ -9,9 +9,9 @@ does not: the first worker to fail looks at its peers while nothing has been kil
 Files (``<N>`` = global rank; all strict JSON, each replaced atomically):
 
 * ``rank<N>.pid``: at start (rank, pid, job id);
-* ``rank<N>.beat``: the heartbeat, rewritten at each phase of each step (step, phase, time);
-  cheap: a rename of an 80-byte file, no fsync (a killed process's writes survive, a lost
-  machine is not what it is for);
+* ``rank<N>.beat``: the heartbeat, rewritten in place at each phase of each step (step, phase,
+  time); a few microseconds, no fsync (a killed process's writes survive; a lost machine is not
+  what it is for);
 * ``rank<N>.error.json``: the worker's exception, plus ``peers``, the snapshot it took of every
   local rank (process state, whether it had left a record) at that moment;
 * ``rank<N>.signal.json``: the worker ended on a signal (which, sent by which process) or on its
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._io import dumps_json, write_json_atomic
+from .._io import write_json_atomic
 
 __all__ = [
     "ENV_DEADLINE",
@@ -111,26 +111,39 @@ def write_record(status_dir: str | None, rank: int, suffix: str, payload: dict |
 
 
 _BEAT: dict[str, Any] = {}
+_BEAT_WIDTH = 160  # bytes: every heartbeat overwrites the same bytes of the file
 
 
 def beat(step: int, phase: str) -> None:
-    """Record this worker's progress (``rank<N>.beat``); a no-op outside a launched job."""
-    if "path" not in _BEAT:
+    """Record this worker's progress (``rank<N>.beat``); a no-op outside a launched job.
+
+    One ``pwrite`` of a space-padded record into a file kept open (a few microseconds; creating
+    and renaming a file per heartbeat cost milliseconds on a busy machine).  A reader racing the
+    write may see a torn record (it then counts as no heartbeat): the diagnosis reads the
+    heartbeats after the job has ended."""
+    if "fd" not in _BEAT:
         d = os.environ.get(ENV_STATUS_DIR)
         rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
-        _BEAT.update(path=os.path.join(d, f"rank{rank}.beat") if d else None, rank=rank)
-    path = _BEAT["path"]
-    if path is None:
+        fd = None
+        if d:
+            try:
+                fd = os.open(os.path.join(d, f"rank{rank}.beat"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError:  # no heartbeat: the diagnosis then knows less, training goes on
+                fd = None
+        _BEAT.update(fd=fd, rank=rank)
+    fd = _BEAT["fd"]
+    if fd is None:
         return
-    text = dumps_json(
-        {"rank": _BEAT["rank"], "pid": os.getpid(), "step": int(step), "phase": phase, "time": time.time()}
-    )
-    tmp = f"{path}.{os.getpid()}.tmp"
+    if phase not in PHASES:
+        raise ValueError(f"heartbeat phase must be one of {PHASES}, got {phase!r}")
+    rank, pid, t = _BEAT["rank"], os.getpid(), time.time()
+    text = f'{{"rank": {rank}, "pid": {pid}, "step": {int(step)}, "phase": "{phase}", "time": {t:.6f}}}'
+    data = text.ljust(_BEAT_WIDTH).encode()
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:  # a full disk must not stop training; the diagnosis then knows less
+        os.pwrite(fd, data, 0)
+        if len(data) > _BEAT_WIDTH:
+            os.ftruncate(fd, len(data))
+    except OSError:
         pass
 
 

@@ -167,8 +167,8 @@ def _versions() -> dict[str, str]:
 
 def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
     """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``,
-    several joined by ``;``); ``kind=nan`` returns True: this rank's gradients of the step are
-    then NaN."""
+    several joined by ``;``); ``kind=nan`` returns True: this rank's loss terms are then scaled by
+    NaN (on a rank that computes a loss: the last pipeline stage), so its gradients are NaN."""
     if not spec:
         return False
     if ";" in spec:
