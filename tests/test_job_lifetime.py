@@ -250,3 +250,38 @@ def test_job_timeout_holds_in_one_process_too(tmp_path, capsys):
     assert err[-1].startswith("glm52 train: job exceeded --job-timeout 4 s; stopped"), err
     rec = json.loads((tmp_path / "logs" / "failure.json").read_text(), parse_constant=_refuse)
     assert (rec["rank"], rec["cause"], rec["returncode"]) == (None, "timeout", 124)
+
+
+def test_stop_listener_names_the_sender_although_paddle_runs_a_thread_of_its_own():
+    """Paddle's import starts a thread that blocks no signal; the listener, started before it,
+    still takes every stop signal (with its sender) and interrupts the main thread."""
+    code = textwrap.dedent(
+        """
+        import json, os, sys, time
+        from paddleformers_glm.train.stop_signals import listen
+        listener = listen()
+        import paddle  # noqa: F401  - its threads inherit the blocked mask
+        import threading
+        waiter = [t.native_id for t in threading.enumerate() if t.name == "glm52-stop-signals"]
+        for t in os.listdir("/proc/self/task"):  # every other thread blocks SIGTERM (bit 15 of SigBlk)
+            if int(t) in waiter:  # in sigwaitinfo: the kernel shows its waited signals unblocked
+                continue
+            blk = [ln for ln in open(f"/proc/self/task/{t}/status") if ln.startswith("SigBlk")][0]
+            assert int(blk.split()[1], 16) & (1 << 14), (t, blk)
+        t0 = time.monotonic()
+        try:
+            print("ready", len(os.listdir("/proc/self/task")), flush=True)
+            while time.monotonic() - t0 < 60:  # Python at work, as training is
+                sum(range(1000))
+        except KeyboardInterrupt:
+            print(json.dumps(listener.caught), flush=True)
+        """
+    )
+    e = {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}  # Paddle's own thread pool
+    p = subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE, text=True)
+    ready = p.stdout.readline().split()
+    assert ready[0] == "ready" and int(ready[1]) >= 3, ready  # main, listener, Paddle's
+    os.kill(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    caught = json.loads(out.strip().splitlines()[-1])
+    assert caught["signal"] == "SIGTERM" and caught["sender_pid"] == os.getpid(), caught

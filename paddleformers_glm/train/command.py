@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
     from .loop import TrainConfig
+    from .stop_signals import StopListener
 
 __all__ = ["add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
 
@@ -237,13 +239,26 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run (world 1) or launch (world > 1) the training; returns the exit code.  Ctrl-C before
-    the launch is one line too (exit 130)."""
+    """Run (world 1) or launch (world > 1) the training; returns the exit code.  A stop signal
+    before the launch is one line too (exit 128 + signal)."""
+    from .stop_signals import listen
+
+    listener = listen()  # before Paddle starts its threads: they inherit the blocked stop signals
     try:
         return _run_train(args)
-    except KeyboardInterrupt:
-        print("glm52 train: interrupted (SIGINT) before the job started", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        stop = _stopped_by(listener, e)
+        print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
+        return 128 + int(signal.Signals[stop["signal"]])
+
+
+def _stopped_by(listener: StopListener, e: KeyboardInterrupt) -> dict:
+    """The stop signal behind a KeyboardInterrupt: the listener's record (with the sender), else
+    the signal the handler named (SIGINT when none)."""
+    if listener.caught is not None:
+        return listener.caught
+    name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+    return {"kind": "signal", "signal": name, "sender_pid": None, "text": f"{name} to glm52 train (pid {os.getpid()})"}
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -317,7 +332,6 @@ class _Stopped(BaseException):
 def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None) -> int:
     """World 1: train in this process; a stop signal, the job timeout or a non-finite step ends it
     with one line and ``OUT/logs/failure.json``, as a launched job would."""
-    import signal
     import time
 
     from .job_status import Diagnosis
@@ -325,14 +339,13 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     from .loop import run_training
     from .nonfinite import NonFiniteStep
 
-    def stop(num: int, _frame: object) -> None:
-        if num == signal.SIGALRM:
-            raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
-        name = signal.Signals(num).name
-        raise _Stopped({"kind": "signal", "signal": name, "text": f"{name} to glm52 train (pid {os.getpid()})"})
+    def timeout(_num: int, _frame: object) -> None:
+        raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
 
-    stoppers = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGALRM,) if job_timeout else ())
-    old = {s: signal.signal(s, stop) for s in stoppers}
+    from .stop_signals import listen
+
+    listener = listen()
+    old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None
     if job_timeout:
         signal.setitimer(signal.ITIMER_REAL, job_timeout)
     t0 = time.monotonic()
@@ -341,11 +354,7 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         run_training(cfg, adapter)
         return 0
     except (_Stopped, KeyboardInterrupt) as e:
-        stopped_by = (
-            e.stopped_by
-            if isinstance(e, _Stopped)
-            else {"kind": "signal", "signal": "SIGINT", "text": f"SIGINT to glm52 train (pid {os.getpid()})"}
-        )
+        stopped_by = e.stopped_by if isinstance(e, _Stopped) else _stopped_by(listener, e)
         rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
         text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
         diag = Diagnosis(None, text, stopped_by["kind"])
@@ -356,8 +365,7 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     finally:
         if job_timeout:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        for s, h in old.items():
-            signal.signal(s, h)
+            signal.signal(signal.SIGALRM, old)
     err = LaunchError(diag.rank, diag.message, rc, diag.cause)
     path = write_failure_record(log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t0, diagnosis=diag)
     print(

@@ -49,6 +49,7 @@ from .job_status import (
     read_records,
     snapshot,
 )
+from .stop_signals import listen
 
 __all__ = [
     "LaunchError",
@@ -60,7 +61,6 @@ __all__ = [
     "write_failure_record",
 ]
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 TERM_WAIT_S = 3.0  # SIGTERM, then SIGKILL this much later
 
 
@@ -112,64 +112,30 @@ def job_processes(job_id: str) -> list[int]:
     return sorted(out)
 
 
-class _StopSignals:
-    """SIGTERM / SIGINT / SIGHUP to the launcher while the job runs: noted (with the sender where
-    ``sigtimedwait`` gives it), never a traceback.  The signals are blocked in this thread and
-    waited for with ``sigtimedwait``; a Python handler catches one delivered to another thread."""
+class _StopWatch:
+    """Stop signals while the job runs, polled by the launch loop: from the process's listener
+    (stop_signals.py: with the sender) when it runs, else from the ``KeyboardInterrupt`` that
+    SIGINT (and, under the listener's handlers, SIGTERM / SIGHUP) raises in the main thread."""
 
     def __init__(self) -> None:
+        self.listener = listen()
         self.caught: dict[str, Any] | None = None
-        self._old: dict[int, Any] = {}
-        self._blocked = False
 
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in STOP_SIGNALS:
-                self._old[s] = signal.signal(s, self._handler)
+    def __enter__(self) -> _StopWatch:
+        self.listener.polled = True
         return self
 
-    def block(self) -> None:
-        """Take the signals through ``sigtimedwait`` from now on; call it after starting the
-        children (a blocked mask is inherited across exec, a Python handler is not)."""
-        if self._old and hasattr(signal, "sigtimedwait"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            self._blocked = True
-
-    def _handler(self, num: int, _frame: Any) -> None:
-        self._note(num, None)
-
-    def _note(self, num: int, sender: int | None) -> None:
-        if self.caught is not None:
-            return
-        name = signal.Signals(num).name
-        who = ""
-        if sender:
-            from .worker import process_name
-
-            who = f" from pid {sender}" + (f" ({process_name(sender)})" if process_name(sender) else "")
-        self.caught = {
-            "kind": "signal",
-            "signal": name,
-            "sender_pid": sender,
-            "text": f"{name} to the launcher (pid {os.getpid()}){who}",
-        }
-
     def wait(self, seconds: float) -> dict[str, Any] | None:
-        if self._blocked:
-            info = signal.sigtimedwait(STOP_SIGNALS, seconds)
-            if info is not None:
-                self._note(int(info.si_signo), int(info.si_pid))
-        else:
+        try:
             time.sleep(seconds)
+        except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
+            name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+            self.listener.note(int(signal.Signals[name]), None)
+        self.caught = self.listener.caught
         return self.caught
 
     def __exit__(self, *exc: Any) -> None:
-        if self._blocked:
-            while signal.sigtimedwait(STOP_SIGNALS, 0) is not None:  # a second Ctrl-C while stopping
-                pass
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        for s, old in self._old.items():
-            signal.signal(s, old)
+        pass  # stays polled: the launcher is ending the job and then itself
 
 
 def _gone(pid: int) -> bool:
@@ -279,11 +245,10 @@ def launch_workers(
     snapshots: list[dict[str, Any]] = []
     seen_signs: set[str] = set()
     stopped_since: dict[str, float] = {}  # rank -> when first seen frozen
-    with _StopSignals() as signals:
+    with _StopWatch() as signals:
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
         )
-        signals.block()
 
         def pump() -> None:
             assert proc.stdout is not None

@@ -45,7 +45,9 @@ def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m paddleformers_glm.train.lifeline MODULE [ARGS...]")
     from .job_status import ENV_LAUNCHER_PID
+    from .stop_signals import unblock
 
+    unblock()  # the glm52 launcher blocks its stop signals (stop_signals.py); this process must get them
     expected = os.environ.get(ENV_LAUNCHER_PID)
     tie_to_parent(int(expected) if expected else None)
     module = sys.argv[1]

@@ -36,8 +36,8 @@ from paddleformers_glm.train.job_status import (
     write_record,
 )
 from paddleformers_glm.train.lifeline import tie_to_parent
+from paddleformers_glm.train.stop_signals import STOP_SIGNALS, process_name
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # past the job deadline the launcher stops the job itself; the worker acts only if it did not
 DEADLINE_GRACE_S = 15.0
 # after a communication error, how long the peers' snapshot waits for a dying peer to show as exited
@@ -50,15 +50,6 @@ def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
     if len(text) <= head + tail + 5:
         return text
     return f"{text[:head]} ... {text[-tail:]}"
-
-
-def process_name(pid: int) -> str:
-    """A process's command line (shortened), or '' when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return _shorten(f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip(), 120, 60)
-    except OSError:
-        return ""
 
 
 def _start_time(pid: int) -> str | None:
@@ -89,16 +80,16 @@ class WorkerLife:
             os._exit(1)
         tie_to_parent()
         if hasattr(signal, "sigwaitinfo") and threading.current_thread() is threading.main_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             threading.Thread(target=self._wait_signals, name="glm52-signals", daemon=True).start()
         else:  # no sigwaitinfo: the main thread's handler (runs between bytecodes)
-            for s in _STOP_SIGNALS:
+            for s in STOP_SIGNALS:
                 signal.signal(s, lambda num, _frame: self.end({"signal": signal.Signals(num).name}, 128 + num))
         if self.launcher_pid is not None or self.deadline is not None:
             threading.Thread(target=self._watch, name="glm52-watchdog", daemon=True).start()
 
     def _wait_signals(self) -> None:
-        info = signal.sigwaitinfo(_STOP_SIGNALS)
+        info = signal.sigwaitinfo(STOP_SIGNALS)
         sender = int(info.si_pid)
         self.end(
             {"signal": signal.Signals(info.si_signo).name, "sender_pid": sender, "sender": process_name(sender)},
