@@ -12,8 +12,10 @@ Faults (``--tp 2``, rank 1, toy model):
 * ``kill``    SIGKILL of itself at step 2                 -> rank 1, cause "died"
 * ``stop``    SIGSTOP of itself at step 2 (gloo timeout)  -> rank 1, cause "stopped"
 * ``hang``    sleeps at step 2 (gloo timeout on rank 0)   -> rank 1, cause "hung"
-* ``timeout`` sleeps at step 1, ``--job-timeout 30``      -> rank 1, cause "hung" (30 s: past the
-  job's start-up on a loaded machine, before gloo's 30 s timeout counted from rank 0's collective)
+* ``timeout`` sleeps at step 1, ``--job-timeout 45``      -> rank 1, cause "hung", whichever
+  ends the job: the job timeout, or gloo's 30 s timeout counted from rank 0's first collective
+  (a job timeout that fires before rank 0 has begun step 1 finds nobody behind: on a loaded
+  2-core machine start-up alone reached 30 s)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ FAULTS = {
     "kill": (["--fault", "rank=1,step=2,kind=kill"], (1, "died")),
     "stop": (["--fault", "rank=1,step=2,kind=stop"], (1, "stopped")),
     "hang": (["--fault", "rank=1,step=2,kind=hang"], (1, "hung")),
-    "timeout": (["--fault", "rank=1,step=1,kind=hang", "--job-timeout", "30"], (1, "hung")),
+    "timeout": (["--fault", "rank=1,step=1,kind=hang", "--job-timeout", "45"], (1, "hung")),
 }
 COMMON = ["--model", "toy", "--tp", "2", "--steps", "4", "--seq-len", "16", "--global-batch-size", "4", "--no-progress"]
 
