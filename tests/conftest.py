@@ -95,5 +95,5 @@ def tp2_script_results(tmp_path_factory) -> dict:
 
     d = tmp_path_factory.mktemp("tp2_scripts")
     scripts = [("check_comm.py", [str(d / "comm.json")]), ("check_fleet_layers.py", [str(d / "fleet.json")])]
-    p = launch_scripts(2, scripts, d / "logs", timeout=180)
+    p = launch_scripts(2, scripts, d / "logs", timeout=300)
     return {"proc": p, "dir": d, "logs": script_logs(d / "logs", 2)}

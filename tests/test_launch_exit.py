@@ -1,17 +1,14 @@
-"""How processes start and end: the pre-started launcher waits for the command's go (and starts
-nothing when the job is cancelled), our entry points leave through ``os._exit`` with their status
-and flushed output, and Paddle's launcher run through ``paddleformers_glm.train.launch`` passes
-on the exit status Paddle's controller gives."""
+"""How processes end: our entry points leave through ``os._exit`` with their status and flushed
+output, and Paddle's launcher run through ``paddleformers_glm.train.lifeline`` (as the trainer runs
+it) passes on the exit status Paddle's controller gives."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
-from paddleformers_glm.train.launch import launch_workers, prestart_launcher
 from tests._dist.runner import env
 
 
@@ -31,23 +28,6 @@ def test_cli_module_exit_status_and_usage_errors():
         timeout=60,
     )
     assert p.returncode == 2 and "--model" in p.stderr, (p.returncode, p.stderr[-500:])
-
-
-def test_prestarted_launcher_without_go_starts_nothing(tmp_path):
-    pending = prestart_launcher(["--config", str(tmp_path / "run.json")], 2, str(tmp_path / "logs"))
-    assert pending.proc.poll() is None  # waiting (importing Paddle, then reading stdin)
-    pending.proc.stdin.close()  # the command died before its go: EOF
-    assert pending.proc.wait(timeout=120) == 0
-    assert not (tmp_path / "logs").exists()  # Paddle's launcher never ran: no log folder, no worker
-
-
-def test_launch_refuses_a_prestarted_launcher_for_another_job(tmp_path):
-    pending = prestart_launcher(["--config", str(tmp_path / "a.json")], 2, str(tmp_path / "logs"))
-    t = time.monotonic()
-    with pytest.raises(ValueError, match="differs from the pre-started launcher"):
-        launch_workers(["--config", str(tmp_path / "b.json")], 2, str(tmp_path / "logs"), pending=pending)
-    assert pending.proc.wait(timeout=30) is not None and time.monotonic() - t < 30  # cancelled: stopped
-    assert not list((tmp_path / "logs").glob("workerlog.*"))
 
 
 @pytest.mark.slow

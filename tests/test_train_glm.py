@@ -124,7 +124,7 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
     assert kinds[4] == "shared"  # an even PP2 split starts stage 1 on layer 4
     args = ["--model", str(tiny_ckpt), "--pp", "2", "--steps", str(STEPS), "--seq-len", str(SEQ)]
     args += ["--global-batch-size", str(GBS), "--micro-batch-size", str(MBS), "--out", str(tmp_path), "--export"]
-    p, _ = run_train_cli(args, timeout=150)
+    p, _ = run_train_cli(args, timeout=300)
     if p.returncode != 0:
         pytest.fail(f"glm pp2 failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
     got = losses(tmp_path)

@@ -321,10 +321,12 @@ class GradSynchronizer:
                     params[n].main_grad = parts[i].reshape(params[n].shape)
                     flags[n] = bool(float(parts[len(names) + i].numpy()[0]) > 0)
 
-    def global_norm(self, grads: dict[str, paddle.Tensor]) -> float:
-        """L2 norm of the whole model's gradient, each distinct element counted once."""
+    def global_norm(self, grads: dict[str, paddle.Tensor], local_extra: paddle.Tensor | None = None) -> float:
+        """L2 norm of the whole model's gradient, each distinct element counted once.
+        ``local_extra`` (float64 [1]) joins this rank's sum before the all-reduce: the trainer's
+        non-finite loss flag (0 or NaN, train/nonfinite.py) reaches every rank with the norm."""
         topo = self.topo
-        total = paddle.zeros([1], dtype="float64")
+        total = paddle.zeros([1], dtype="float64") if local_extra is None else local_extra
         for n, _ in self.params:
             if self._owner(n, self.specs[n]):
                 total = total + (grads[n] * grads[n]).sum().astype("float64")

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._io import write_json_atomic
+
 __all__ = [
     "compare_dumps",
     "compare_idle_experts",
@@ -91,12 +93,7 @@ TRAIN_FLAGS = (
 
 
 def _write_json(path: str, obj: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj, indent=1, sort_keys=True, default=str)  # strict JSON: inf ratios -> null
 
 
 def _tensor_file(folder: str) -> str:

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._io import atomic_write_text
+from .._io import write_json_atomic
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
     from .loop import TrainConfig
+    from .stop_signals import StopListener
 
 __all__ = [
     "TRAIN_DEFAULTS",
@@ -105,6 +108,12 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["fused", "routed-only"],
         help="fused (default, the reference's semantics): every expert of an MoE layer that routed any token is "
         "stepped, idle ones with a zero gradient; routed-only: only experts that got tokens (docs/parity.md)",
+    )
+    g.add_argument(
+        "--skip-nonfinite-steps",
+        type=int,
+        default=0,
+        help="skip up to N steps whose loss or grad norm is not finite (no update); the next one stops the run",
     )
     g.add_argument(
         "--recompute",
@@ -227,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_bias_update_rate=args.moe_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         expert_update=args.expert_update,
+        skip_nonfinite_steps=args.skip_nonfinite_steps,
         fault=args.fault,
         dump_steps=_dump_steps(args),
     )
@@ -294,14 +304,61 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
     return out
 
 
-def _launch_args(args: argparse.Namespace) -> dict | None:
-    """``launch_workers`` arguments of the job ``args`` describe, from the flags alone (no Paddle,
-    nothing validated yet); None when it runs in this process (world 1, one node)."""
-    world = args.tp * args.pp * args.dp * args.sharding * args.cp
+def run_train(args: argparse.Namespace) -> int:
+    """Run (world 1) or launch (world > 1) the training; returns the exit code.  A stop signal
+    before the launch is one line too (exit 128 + signal)."""
+    from .stop_signals import listen
+
+    listener = listen()  # before Paddle starts its threads: they inherit the blocked stop signals
+    try:
+        return _run_train(args)
+    except KeyboardInterrupt as e:
+        stop = _stopped_by(listener, e)
+        print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
+        return 128 + int(signal.Signals[stop["signal"]])
+
+
+def _stopped_by(listener: StopListener, e: KeyboardInterrupt) -> dict:
+    """The stop signal behind a KeyboardInterrupt: the listener's record (with the sender), else
+    the signal the handler named (SIGINT when none)."""
+    if listener.caught is not None:
+        return listener.caught
+    name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+    return {"kind": "signal", "signal": name, "sender_pid": None, "text": f"{name} to glm52 train (pid {os.getpid()})"}
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
+    from ..parallel.topology import ParallelConfigError
+    from .adapter import make_adapter
+    from .launch import LaunchError, launch_workers
+    from .loop import check_batch, parallel_config, stage_specs
+
+    try:  # reject a layout that cannot work before any process starts
+        cfg = config_from_args(args)
+        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
+        pc = parallel_config(cfg, world)
+        adapter = make_adapter(cfg.model, **cfg.model_args)
+        pc.validate(world, **adapter.parallel_sizes())
+        adapter.check_layout(pc)
+        stage_specs(cfg, adapter, pc.pp)
+        check_batch(cfg, pc)
+        if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
+            raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")
+        if not (math.isfinite(args.comm_timeout) and args.comm_timeout > 0):
+            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
+        if world % args.nnodes:
+            raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
+        check_inputs_before_launch(cfg, args, adapter.vocab_size)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"glm52 train: error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(cfg.out, exist_ok=True)
     if world == 1 and args.nnodes == 1:
-        return None
-    out = os.path.abspath(args.out)
-    nproc = max(1, world // args.nnodes)
+        return _run_in_process(cfg, adapter, args.job_timeout)
+    run_json = os.path.join(cfg.out, "run_config.json")
+    write_json_atomic(run_json, cfg.__dict__, indent=1, sort_keys=False, default=None)
+    nproc = world // args.nnodes
     launcher_args = shlex.split(args.launcher_args)
     if args.nnodes > 1:
         launcher_args = ["--nnodes", str(args.nnodes)] + launcher_args
@@ -309,76 +366,80 @@ def _launch_args(args: argparse.Namespace) -> dict | None:
             launcher_args += ["--master", args.master]
         if args.node_rank is not None:
             launcher_args += ["--rank", str(args.node_rank)]
-    return {
-        "worker_args": ["--config", os.path.join(out, "run_config.json")],
-        "nproc_per_node": nproc,
-        "log_dir": os.path.join(out, "logs"),
-        "launcher_args": launcher_args,
-        "extra_env": {"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
-    }
-
-
-def run_train(args: argparse.Namespace) -> int:
-    """Run (world 1) or launch (world > 1) the training; returns the exit code."""
-    apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
-    from .launch import LaunchError, launch_workers, prestart_launcher
-
-    job = _launch_args(args)
-    # Paddle's launcher loads Paddle on another core while this process loads it to check the job
-    pending = prestart_launcher(**job) if job is not None else None
+    offset = (args.node_rank or 0) * nproc
     try:
-        from ..parallel.topology import ParallelConfigError
-        from .adapter import make_adapter
-        from .loop import check_batch, parallel_config, stage_specs
+        launch_workers(
+            ["--config", run_json],
+            nproc,
+            os.path.join(cfg.out, "logs"),
+            launcher_args=launcher_args,
+            node_rank_offset=offset,
+            timeout_s=args.job_timeout,
+            quiet_launcher=not args.verbose,
+            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
+        )
+    except LaunchError as e:
+        record = os.path.join(cfg.out, "logs", "failure.json")
+        if e.cause == "signal":  # a user's stop: one line
+            print(f"glm52 train: {e}; every process of the job ended (failure record: {record})", file=sys.stderr)
+        else:
+            print(f"glm52 train: {e}\n(failure record: {record})", file=sys.stderr)
+        return e.returncode or 1
+    return 0
 
-        try:  # reject a layout that cannot work before any worker starts
-            cfg = config_from_args(args)
-            world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
-            pc = parallel_config(cfg, world)
-            adapter = make_adapter(cfg.model, **cfg.model_args)
-            pc.validate(world, **adapter.parallel_sizes())
-            adapter.check_layout(pc)
-            stage_specs(cfg, adapter, pc.pp)
-            check_batch(cfg, pc)
-            if args.job_timeout is not None and args.job_timeout <= 0:
-                raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
-            if args.comm_timeout <= 0:
-                raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
-            if world % args.nnodes:
-                raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
-            check_inputs_before_launch(cfg, args, adapter.vocab_size)
-        except (ValueError, FileNotFoundError, KeyError) as e:
-            print(f"glm52 train: error: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(cfg.out, exist_ok=True)
-        if job is None:
-            from .loop import run_training
 
-            try:
-                run_training(cfg, adapter)
-            except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
-                print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
-                return 1
-            return 0
-        atomic_write_text(job["worker_args"][1], json.dumps(cfg.__dict__, indent=1))
-        launch, pending = pending, None  # launch_workers owns it now
-        try:
-            launch_workers(
-                **job,
-                node_rank_offset=(args.node_rank or 0) * job["nproc_per_node"],
-                timeout_s=args.job_timeout,
-                quiet_launcher=not args.verbose,
-                pending=launch,
-            )
-        except LaunchError as e:
-            print(
-                f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr
-            )
-            return e.returncode or 1
+class _Stopped(BaseException):
+    """A stop signal or the job timeout, raised in the main thread of an in-process run."""
+
+    def __init__(self, stopped_by: dict) -> None:
+        super().__init__(stopped_by["text"])
+        self.stopped_by = stopped_by
+
+
+def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None) -> int:
+    """World 1: train in this process; a stop signal, the job timeout or a non-finite step ends it
+    with one line and ``OUT/logs/failure.json``, as a launched job would."""
+    import time
+
+    from .job_status import Diagnosis
+    from .launch import LaunchError, write_failure_record
+    from .loop import run_training
+    from .nonfinite import NonFiniteStep
+
+    def timeout(_num: int, _frame: object) -> None:
+        raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
+
+    from .stop_signals import listen
+
+    listener = listen()
+    old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None
+    if job_timeout:
+        signal.setitimer(signal.ITIMER_REAL, job_timeout)
+    t0 = time.monotonic()
+    log_dir = os.path.join(cfg.out, "logs")
+    try:
+        run_training(cfg, adapter)
         return 0
+    except (_Stopped, KeyboardInterrupt) as e:
+        stopped_by = e.stopped_by if isinstance(e, _Stopped) else _stopped_by(listener, e)
+        rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
+        text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
+        diag = Diagnosis(None, text, stopped_by["kind"])
+    except NonFiniteStep as e:
+        diag, stopped_by, rc = Diagnosis(e.record["rank"], str(e), "nonfinite", e.record), None, 1
+    except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
+        diag, stopped_by, rc = Diagnosis(0, f"{type(e).__name__}: {e}", "error"), None, 1
     finally:
-        if pending is not None:  # the job did not start: the launcher ends without starting anything
-            pending.cancel()
+        if job_timeout:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    err = LaunchError(diag.rank, diag.message, rc, diag.cause)
+    path = write_failure_record(log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t0, diagnosis=diag)
+    print(
+        f"glm52 train: {'error: ' if diag.cause == 'error' else ''}{diag.message} (failure record: {path})",
+        file=sys.stderr,
+    )
+    return rc
 
 
 def register_train(sub: argparse._SubParsersAction) -> None:

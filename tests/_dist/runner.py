@@ -24,7 +24,7 @@ def env() -> dict[str, str]:
 def launch_scripts(
     nproc: int, scripts: list[tuple[str, list[str]]], log_dir: Path, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """One launch of Paddle's launcher (as the trainer starts it: ``train.launch.launcher_command``)
+    """One launch of Paddle's launcher (as the trainer starts it: ``train.launch.launcher_command``, through lifeline.py)
     that runs the tests/_dist ``scripts`` [(script, args)] one after another in the same ``nproc``
     processes (tests/_dist/multi.py); killed after ``timeout`` s."""
     from paddleformers_glm.train.launch import launcher_command
@@ -38,7 +38,7 @@ def launch_scripts(
 
 
 def launch_script(
-    script: str, nproc: int, args: list[str], log_dir: Path, timeout: float = 120
+    script: str, nproc: int, args: list[str], log_dir: Path, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """One tests/_dist script on ``nproc`` launched processes (see :func:`launch_scripts`)."""
     return launch_scripts(nproc, [(script, args)], log_dir, timeout)
@@ -62,8 +62,9 @@ def script_result(launch: dict, name: str) -> dict:
     return json.loads(f.read_text())
 
 
-def run_train_cli(args: list[str], timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
-    """``python -m paddleformers_glm.train ARGS``; returns the process and its wall time."""
+def run_train_cli(args: list[str], timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m paddleformers_glm.train ARGS``; returns the process and its wall time.  The
+    timeout only catches a hung job: generous, as a shared machine can be slow."""
     t = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *args],
