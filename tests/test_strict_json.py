@@ -70,7 +70,9 @@ def test_check_loss_receipt_with_an_infinite_jump_ratio(tmp_path, capsys):
 
 
 def test_check_ckpt_receipt_with_nan_weights(tmp_path, capsys):
-    """Two checkpoint files whose tensor holds NaN / inf on one side: the diffs are non-finite."""
+    """Two checkpoint files whose tensor holds NaN / inf on one side: refused by default (exit 2,
+    the tensor named), compared with --allow-nonfinite, whose diffs are non-finite; both receipts
+    are strict JSON."""
     from safetensors.numpy import save_file
 
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -78,11 +80,10 @@ def test_check_ckpt_receipt_with_nan_weights(tmp_path, capsys):
     bad[0, 0], bad[1, 1] = np.nan, np.inf
     save_file({"model.w": w}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     save_file({"model.w": bad}, str(tmp_path / "cand.safetensors"), metadata={"format": "pt"})
-    rc = cli_main(
-        ["check-ckpt", str(tmp_path / "ref.safetensors"), str(tmp_path / "cand.safetensors"), "--quiet",
-         "--json", str(tmp_path / "r.json")]
-    )  # fmt: skip
-    assert rc == 1
+    args = ["check-ckpt", str(tmp_path / "ref.safetensors"), str(tmp_path / "cand.safetensors"), "--quiet"]
+    assert cli_main([*args, "--json", str(tmp_path / "refused.json")]) == 2
+    assert strict_load(tmp_path / "refused.json")["exit_code"] == 2
+    assert cli_main([*args, "--allow-nonfinite", "--json", str(tmp_path / "r.json")]) == 1
     r = strict_load(tmp_path / "r.json")
     assert r["exit_code"] == 1 and r.get("nonfinite"), r
 

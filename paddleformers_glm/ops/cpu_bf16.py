@@ -41,7 +41,6 @@ installed build's own kernel registry, so a build that gains bf16 kernels is wra
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -398,10 +397,10 @@ def _replace_aliases(originals: dict[int, Callable[..., Any]]) -> None:
 
 def _record(folder: str) -> None:
     """Write the names of the ops this process converted so far to ``folder/converted-<pid>.json``."""
-    from .._io import atomic_write_text
+    from .._io import atomic_write_text, dumps_json
 
     os.makedirs(folder, exist_ok=True)
-    atomic_write_text(os.path.join(folder, f"converted-{os.getpid()}.json"), json.dumps(sorted(_STATE.calls)))
+    atomic_write_text(os.path.join(folder, f"converted-{os.getpid()}.json"), dumps_json(sorted(_STATE.calls)))
 
 
 def uninstall() -> None:

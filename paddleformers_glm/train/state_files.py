@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_path, atomic_write_text
+from .._io import atomic_path, write_json_atomic
 
 __all__ = [
     "FORMAT",
@@ -329,7 +329,7 @@ def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: M
             writer.abort()
             raise
         writer.close()
-    atomic_write_text(json_file, json.dumps({"format": FORMAT, "rank": rank, **info}, indent=1) + "\n")
+    write_json_atomic(json_file, {"format": FORMAT, "rank": rank, **info}, indent=1, sort_keys=False, default=None)
 
 
 def _read_rank_json(file: str, rank: int) -> dict[str, Any]:

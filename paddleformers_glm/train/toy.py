@@ -26,6 +26,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .._io import write_json_atomic
 from ..modeling.model import causal_lm_losses
 from ..modeling.moe import RouterBalance
 from ..parallel import comm
@@ -302,7 +303,6 @@ class ToyAdapter(ModelAdapter):
         return {"path": None, "config": asdict(self.cfg), "init_seed": self.seed}
 
     def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
-        import json
         import os
 
         from safetensors.numpy import save_file
@@ -312,5 +312,4 @@ class ToyAdapter(ModelAdapter):
             {k: np.ascontiguousarray(v) for k, v in sorted(full_state.items())},
             os.path.join(out_dir, "model.safetensors"),
         )
-        with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({"model_type": "toy", **asdict(self.cfg)}, f, indent=2, sort_keys=True)
+        write_json_atomic(os.path.join(out_dir, "config.json"), {"model_type": "toy", **asdict(self.cfg)})
