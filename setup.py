@@ -44,6 +44,11 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
         "reference": ["torch==2.13.0", "transformers==5.23.0"],
         "plot": ["matplotlib>=3.7"],
+        # PaddleFormers' Auto classes and Trainer (integrations/paddleformers.py). Its own pins
+        # clash: fast-dataindex wants numpy<=1.26.4 while the newest pyarrow needs NumPy 2;
+        # pyarrow<21 keeps one consistent set (NumPy 1.26). Install it in its own virtualenv:
+        # it also brings transformers 5.3, not the `reference` extra's 5.23.
+        "paddleformers": ["paddleformers==1.2.0", "pyarrow<21"],
     },
     entry_points={"console_scripts": ["glm52=paddleformers_glm.cli:main"]},
 )

@@ -12,7 +12,8 @@ What it runs, and why this way:
   costs) and `1b` (~1.06B parameters: hidden 2048, 6 layers, 20 routed experts of width 1024, MLA
   ranks 768 / 512, DSA indexer 16 x 128 with top-k 512, one MTP layer);
 * ours is the trainer users run, `glm52 train --dtype bfloat16 --recompute full` at world size 1
-  (Fleet's recompute, Paddle's AdamW with fp32 master weights, clip 1.0), as a subprocess; tokens/s
+  (Fleet's recompute, Paddle's AdamW with fp32 master weights, clip 1.0, Paddle's own bf16 kernels:
+  a GPU run whose loss.json reports `run.cpu_bf16_ops` > 0 is an error), as a subprocess; tokens/s
   are read from its step lines after the warm-up steps, peak memory from its loss.json
   (`max_memory_allocated`);
 * HF transformers loads the same folder in bf16 with `gradient_checkpointing_enable()` (its
@@ -134,6 +135,9 @@ def run_ours(ckpt: Path, ns: argparse.Namespace, out: Path, env: dict[str, str],
         return {"error": f"no step lines after warm-up in: {proc.stdout[-800:]}"}
     report = json.loads((out / "loss.json").read_text())
     mem = report.get("memory") or [{}]
+    converted = report["run"].get("cpu_bf16_ops", 0)
+    if ns.device != "cpu" and converted:  # a GPU run computes with Paddle's own bf16 kernels
+        return {"error": f"ops/cpu_bf16 routed {converted} ops through fp32 on a GPU run"}
     return {
         "tok_s": sum(s[2] for s in timed) / len(timed),
         "step_s": sum(s[3] for s in timed) / len(timed),
@@ -141,6 +145,7 @@ def run_ours(ckpt: Path, ns: argparse.Namespace, out: Path, env: dict[str, str],
         "peak_gb": (mem[0].get("peak_bytes") or 0) / 2**30,
         "peak_kind": mem[0].get("peak_kind"),
         "wall_s": wall,
+        "cpu_bf16_ops": converted,
     }
 
 

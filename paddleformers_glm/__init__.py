@@ -3,7 +3,7 @@
 from .configuration import GlmMoeDsaConfig
 
 __version__ = "0.1.0"
-__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmTokenizer", "register_auto_classes"]
+__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmTokenizer"]
 
 
 def __getattr__(name: str):
@@ -16,8 +16,4 @@ def __getattr__(name: str):
         from .tokenizer import GlmTokenizer
 
         return GlmTokenizer
-    if name == "register_auto_classes":  # the one place registration with PaddleFormers happens
-        from .auto import register_auto_classes
-
-        return register_auto_classes
     raise AttributeError(name)

@@ -3,12 +3,20 @@
 Each write goes to a uniquely named temporary file in the destination's folder (same filesystem,
 so the rename is atomic), is flushed to disk, and then renamed over the destination; on any error
 the temporary file is removed and the destination is left as it was.
+
+Every JSON record the project writes goes through :func:`dumps_json` (or :func:`write_json_atomic`):
+strict JSON, which has no NaN or Infinity.  Python's ``json`` would write the bare tokens ``NaN`` and
+``Infinity``, which strict parsers (browsers, ``jq``, Go, Rust) refuse; here a non-finite number is
+written as ``null`` and the record (a JSON object) lists where in ``"nonfinite"``, e.g.
+``["losses[3]", "memory.peak"]``, so a reader can tell a missing value from a NaN.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import numbers
 import os
 import uuid
 from collections.abc import Iterator
@@ -75,9 +83,52 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
         f.write(text)
 
 
+NONFINITE_KEY = "nonfinite"
+
+
+def strict_json_value(obj: Any, default: Any = None, _path: str = "", _found: list[str] | None = None) -> Any:
+    """`obj` with every non-finite number replaced by None (and numpy scalars by Python numbers);
+    the path of each replaced number is appended to `_found`. Values JSON does not know go through
+    `default` (None: left for ``json`` to refuse)."""
+    found = _found if _found is not None else []
+    if obj is None or isinstance(obj, (str, bool)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        f = float(obj)
+        if math.isfinite(f):
+            return f
+        found.append(_path or "$")
+        return None
+    if isinstance(obj, dict):
+        return {k: strict_json_value(v, default, f"{_path}.{k}" if _path else str(k), found) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json_value(v, default, f"{_path}[{i}]", found) for i, v in enumerate(obj)]
+    if default is not None:
+        return strict_json_value(default(obj), None, _path, found)
+    return obj
+
+
+def dumps_json(obj: Any, *, indent: int | None = 2, sort_keys: bool = True, default: Any = None) -> str:
+    """`obj` as strict JSON: a non-finite number becomes ``null`` and its path is listed under
+    ``"nonfinite"`` of the top-level object (an object that already has that key, or a non-finite
+    number outside any object, is refused: the flag would be lost)."""
+    found: list[str] = []
+    clean = strict_json_value(obj, default, "", found)
+    if found:
+        if not isinstance(clean, dict) or NONFINITE_KEY in clean:
+            raise ValueError(
+                f"non-finite numbers at {found[:5]} cannot be flagged: the record must be a JSON object "
+                f"without a {NONFINITE_KEY!r} key"
+            )
+        clean[NONFINITE_KEY] = found
+    return json.dumps(clean, indent=indent, sort_keys=sort_keys, allow_nan=False)
+
+
 def write_json_atomic(
     path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = True, default: Any = str
 ) -> None:
-    """`obj` as JSON (plus a final newline) to `path` atomically; values JSON does not know are
-    written with `default` (str)."""
-    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")
+    """`obj` as strict JSON (:func:`dumps_json`, plus a final newline) to `path` atomically;
+    values JSON does not know are written with `default` (str)."""
+    atomic_write_text(path, dumps_json(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")

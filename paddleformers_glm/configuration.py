@@ -134,6 +134,75 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
     "context_parallel_size": 1,
 }
 
+# Per-key form of the settings the model reads: checked before any is used, so a wrong type or range
+# is named with its key, the expected and the actual value instead of failing deep in a layer.
+# ("int", lo, hi): an integer (bools are not) in [lo, hi]; ("num", lo, hi, lo_open): a finite number;
+# ("bool",); ("str",); "|None" suffix: null allowed. Sizes stop at MAX_DIM (one tensor axis) and the
+# layer count at MAX_LAYERS: per-layer lists are built from it, and a value like 10**9 would spin.
+MAX_DIM = 2**31 - 1
+MAX_LAYERS = 10_000
+_KEY_FORMS: dict[str, tuple[Any, ...]] = {
+    **{
+        k: ("int", 1, MAX_DIM)
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "max_position_embeddings",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "head_dim",
+            "index_head_dim",
+            "index_n_heads",
+            "index_topk",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+            "moe_layer_freq",
+            "attention_chunk_size",
+        )
+    },
+    "num_hidden_layers": ("int", 1, MAX_LAYERS),
+    "first_k_dense_replace": ("int", 0, MAX_DIM),
+    "n_shared_experts": ("int", 0, MAX_DIM),
+    "num_nextn_predict_layers": ("int|None", 0, MAX_LAYERS),
+    "index_topk_freq": ("int|None", 1, MAX_DIM),
+    "index_skip_topk_offset": ("int|None", 0, MAX_DIM),
+    "qk_head_dim": ("int|None", 1, MAX_DIM),
+    "bos_token_id": ("int|None", 0, MAX_DIM),
+    "pad_token_id": ("int|None", 0, MAX_DIM),
+    "rms_norm_eps": ("num", 0.0, math.inf, True),
+    "indexer_k_norm_eps": ("num", 0.0, math.inf, True),
+    "routed_scaling_factor": ("num", 0.0, math.inf, True),
+    "initializer_range": ("num", 0.0, math.inf, False),
+    "mtp_loss_scaling_factor": ("num", 0.0, math.inf, False),
+    "indexer_loss_coeff": ("num", 0.0, math.inf, False),
+    "attention_dropout": ("num", 0.0, 1.0, False),
+    **{
+        k: ("bool",)
+        for k in (
+            "attention_bias",
+            "tie_word_embeddings",
+            "use_cache",
+            "norm_topk_prob",
+            "rope_interleave",
+            "indexer_rope_interleave",
+            "index_share_for_mtp_iteration",
+            "use_qk_norm",
+            "fp32_residual_connection",
+        )
+    },
+    **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
+    "dtype": ("str|None",),
+}
+
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 # modeling/attention_forms.FORMS (the config cannot import the modeling package)
 _ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
@@ -142,8 +211,44 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> list[str]:
     """The index-sharing rule: 0-based layer i is full iff max(i - offset + 1, 0) % freq == 0 (offset 0 acts as 1)."""
+    if not 0 <= num_layers <= MAX_LAYERS:
+        raise _err("num_hidden_layers", f"expected an integer in [0, {MAX_LAYERS}], got {num_layers!r}")
     offset = max(int(offset), 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return (text[:60] + "...") if len(text) > 60 else text
+
+
+def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
+    """``value`` of ``key`` has the form ``form`` (see _KEY_FORMS), else an error naming both."""
+    kind = form[0]
+    if kind.endswith("|None"):
+        if value is None:
+            return
+        kind = kind[: -len("|None")]
+    actual = f"{_shown(value)} ({type(value).__name__})"
+    if kind == "int":
+        lo, hi = form[1], form[2]
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise _err(key, f"expected an integer in [{lo}, {hi}], got {actual}")
+    elif kind == "num":
+        lo, hi, lo_open = form[1], form[2], form[3]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < lo or (lo_open and value == lo) or value > hi:
+            bound = f"> {lo}" if lo_open else f">= {lo}"
+            raise _err(
+                key,
+                f"expected a finite number {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {actual}",
+            )
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise _err(key, f"expected true or false, got {actual}")
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise _err(key, f"expected a string, got {actual}")
 
 
 def _err(key: str, msg: str) -> ValueError:
@@ -282,11 +387,22 @@ class GlmMoeDsaConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Normalise derived fields and refuse inconsistent settings with the key named."""
+        for key, form in _KEY_FORMS.items():
+            _check_form(key, getattr(self, key), form)
+        eos = self.eos_token_id
+        if eos is not None and not isinstance(eos, list):
+            _check_form("eos_token_id", eos, ("int", 0, MAX_DIM))
+        elif isinstance(eos, list):
+            for i, e in enumerate(eos):
+                _check_form(f"eos_token_id[{i}]", e, ("int", 0, MAX_DIM))
+        if self.hidden_act != "silu":
+            raise _err(
+                "hidden_act",
+                f"only 'silu' is supported (the experts and dense MLP are SwiGLU), got {self.hidden_act!r}",
+            )
         self._normalise_rope()
         self._normalise_dtype()
-        L = int(self.num_hidden_layers)
-        if L < 1:
-            raise _err("num_hidden_layers", f"must be >= 1, got {L}")
+        L = self.num_hidden_layers
         # head dims
         expect_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self._given_qk_head_dim is not None and self._given_qk_head_dim != expect_qk:
@@ -365,6 +481,9 @@ class GlmMoeDsaConfig:
             src = "rope_scaling"
         if "rope_type" not in rope:
             rope["rope_type"] = rope.get("type", "default")
+        for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
+            if value is not None:
+                _check_form(name, value, ("num", 0.0, math.inf, True))
         if "rope_theta" not in rope:
             if self.rope_theta is None:
                 raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
@@ -375,14 +494,23 @@ class GlmMoeDsaConfig:
         # PaddleFormers writes its default (0.5) for GLM-5.2 too, and the rope dimension here is
         # always `qk_rope_head_dim` (docs/config.md).
         rtype = rope["rope_type"]
-        if rtype not in _ROPE_TYPES:
+        if not isinstance(rtype, str) or rtype not in _ROPE_TYPES:
             raise _err(f"{src}.rope_type", f"unknown rope type {rtype!r}; expected one of {_ROPE_TYPES}")
         if rtype != "default" and rope.get("factor") is None:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        if float(rope["rope_theta"]) <= 0:
-            raise _err(f"{src}.rope_theta", f"must be > 0, got {rope['rope_theta']}")
+        for key, form in (
+            ("rope_theta", ("num", 0.0, math.inf, True)),
+            ("factor", ("num", 0.0, math.inf, True)),
+            ("original_max_position_embeddings", ("int", 1, MAX_DIM)),
+            ("beta_fast", ("num", 0.0, math.inf, False)),
+            ("beta_slow", ("num", 0.0, math.inf, False)),
+            ("mscale", ("num", 0.0, math.inf, False)),
+            ("mscale_all_dim", ("num", 0.0, math.inf, False)),
+        ):
+            if rope.get(key) is not None:
+                _check_form(f"{src}.{key}", rope[key], form)
         self._rope = rope
 
     def _check_rope_aliases(self) -> None:
@@ -448,7 +576,11 @@ class GlmMoeDsaConfig:
         else:
             derived, source = None, None
         if given is not None:
-            if not isinstance(given, (list, tuple)) or set(given) - {"full", "shared"}:
+            if (
+                not isinstance(given, (list, tuple))
+                or not all(isinstance(t, str) for t in given)
+                or set(given) - {"full", "shared"}
+            ):
                 raise _err("indexer_types", f"must be a list of 'full'/'shared', got {given!r}")
             if len(given) != L:
                 raise _err("indexer_types", f"has {len(given)} entries, num_hidden_layers is {L}")
@@ -470,7 +602,11 @@ class GlmMoeDsaConfig:
         derived = ["dense" if i < k or (i - k) % freq else "sparse" for i in range(L)]
         given = self._given_mlp_layer_types
         if given is not None:
-            if not isinstance(given, (list, tuple)) or set(given) - {"dense", "sparse"}:
+            if (
+                not isinstance(given, (list, tuple))
+                or not all(isinstance(t, str) for t in given)
+                or set(given) - {"dense", "sparse"}
+            ):
                 raise _err("mlp_layer_types", f"must be a list of 'dense'/'sparse', got {given!r}")
             if len(given) != L:
                 raise _err("mlp_layer_types", f"has {len(given)} entries, num_hidden_layers is {L}")
@@ -509,11 +645,14 @@ class GlmMoeDsaConfig:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"GlmMoeDsaConfig: no config file at {file}")
-        with open(file, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"GlmMoeDsaConfig: {file} is not valid JSON: {e}") from e
+        with open(file, "rb") as f:
+            raw = f.read()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"GlmMoeDsaConfig: {file} is not UTF-8 text (byte {e.start})") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"GlmMoeDsaConfig: {file} is not valid JSON: {e}") from e
         if not isinstance(data, dict):
             raise ValueError(f"GlmMoeDsaConfig: {file} holds a {type(data).__name__}, expected a JSON object")
         try:

@@ -91,6 +91,15 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
         receipts[name] = rep
         for line in summary_lines(rep)[:3]:
             print(f"      {name}: {line}")
+    c_hf, c_fl = receipts["hf"].get("counts", {}), receipts["fleet"].get("counts", {})
+    print(
+        f"      hf: no tolerance: every one of the {c_hf.get('ref_tensors')} tensors hashes equal to the source's "
+        f"(hash_match={receipts['hf'].get('hash_match')}): the export writes the loaded values back unchanged"
+    )
+    print(
+        f"      fleet: no tolerance: the same tensors under PaddleFleet's names ({c_fl.get('naming')} renamings the "
+        f"AOA mapping explains, structural={c_fl.get('structural')}, value={c_fl.get('value')})"
+    )
     summary["check_ckpt_hf"] = {
         "exit_code": receipts["hf"]["exit_code"],
         "hash_match": receipts["hf"].get("hash_match"),
@@ -140,6 +149,10 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join("      " + ln for ln in lines[-n:])
 
 
+LOSS_ATOL = 1e-5  # check-loss bound between layouts (fp32; docs/parity.md, "Which tolerance")
+TRAIN_LR = 3e-4
+
+
 def run_training_parity(
     out: Path, layout: list[str], steps: int = 5, seq: int = 64, gbs: int = 4, seed: int = 1234
 ) -> dict[str, Any]:
@@ -149,7 +162,7 @@ def run_training_parity(
 
     src = out / "tiny-official"
     common = ["--model", str(src), "--steps", str(steps), "--seq-len", str(seq), "--global-batch-size", str(gbs)]
-    common += ["--micro-batch-size", "1", "--seed", str(seed), "--export", "--no-progress"]
+    common += ["--micro-batch-size", "1", "--seed", str(seed), "--lr", str(TRAIN_LR), "--export"]
     runs = {"parallel": layout, "single": []}
     result: dict[str, Any] = {"layout": " ".join(layout)}
     for name, extra in runs.items():
@@ -167,31 +180,44 @@ def run_training_parity(
             f"      glm52 train {' '.join(extra) or '(1 process)'}: {secs} s, losses {', '.join(f'{x:.6f}' for x in losses)}"
         )
 
-    loss_rep = check_losses(
-        str(out / "single" / "loss.json"),
-        str(out / "parallel" / "loss.json"),
-        steps=steps,
-        atol=1e-5,
-        rtol=0.0,
-        plot=str(out / "loss-parallel-vs-single.png"),
-    )
+    plot = str(out / "loss-parallel-vs-single.png")
+    loss_args = (str(out / "single" / "loss.json"), str(out / "parallel" / "loss.json"))
+    loss_rep = check_losses(*loss_args, steps=steps, atol=LOSS_ATOL, rtol=0.0, plot=plot)
+    if loss_rep["exit_code"] == 2 and loss_rep.get("plot", "") is None:  # no matplotlib: the comparison stands
+        print(f"      (no loss plot: {loss_rep['errors'][-1]})")
+        loss_rep = check_losses(*loss_args, steps=steps, atol=LOSS_ATOL, rtol=0.0)
     _write_json(out / "check-loss.json", loss_rep)
     result["check_loss"] = {k: loss_rep.get(k) for k in ("exit_code", "max_diff", "consistent_steps", "bit_exact")}
-    print(f"      check-loss single vs parallel: exit {loss_rep['exit_code']}, max_diff {loss_rep.get('max_diff'):.3g}")
+    verdict = "pass" if loss_rep["exit_code"] == 0 else "FAIL"
+    print(
+        f"      check-loss single vs parallel: max |loss diff| {loss_rep.get('max_diff', float('nan')):.3g} over "
+        f"{loss_rep.get('steps_compared')} steps, bound atol {LOSS_ATOL:g}: {verdict} (the layouts sum in different "
+        "orders, fp32 rounding; a routing flip would be a jump, not this)"
+    )
 
     ck = check_checkpoints(str(out / "single" / "export"), str(out / "parallel" / "export"))
     _write_json(out / "check-ckpt-trained.json", ck)
     counts = ck.get("counts", {})
     worst = max((d.get("max_abs_diff", 0.0) for d in ck.get("differences", []) if d["class"] == "value"), default=0.0)
+    # each AdamW step moves a weight by at most about lr (betas 0.9 / 0.95): two runs of `steps`
+    # steps from the same weights stay within 2 x steps x lr of each other, whatever their rounding
+    bound = 2 * steps * TRAIN_LR
     result["check_ckpt_trained"] = {"exit_code": ck["exit_code"], "counts": counts, "max_abs_diff": worst}
-    print(f"      {summary_lines(ck)[1].strip()}  max_abs_diff={worst:.3g}")
-    result["ok"] = (
-        loss_rep["exit_code"] == 0
-        and ck["exit_code"] in (0, 1)
+    result["check_ckpt_trained"]["bound"] = bound
+    same_layout = (
+        ck["exit_code"] in (0, 1)
         and counts.get("structural", 1) == 0
         and counts.get("naming", 1) == 0
         and counts.get("ref_tensors") == counts.get("cand_tensors")
     )
+    print(f"      trained exports: {summary_lines(ck)[1].strip()}")
+    print(
+        f"      trained exports: same keys, shapes and dtypes: {'yes' if same_layout else 'NO'}; weights differ by "
+        f"at most {worst:.3g} <= {bound:.3g} = 2 x {steps} steps x lr {TRAIN_LR:g} (AdamW turns rounding-level "
+        f"gradient differences into weight steps of up to lr, so bitwise equality is not expected): "
+        f"{'pass' if worst <= bound else 'FAIL'}"
+    )
+    result["ok"] = loss_rep["exit_code"] == 0 and same_layout and worst <= bound
     return result
 
 

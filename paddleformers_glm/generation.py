@@ -1,17 +1,38 @@
-"""Text generation for GlmMoeDsaForCausalLM: a prefill into the decoding cache, then one token per
-step (``modeling/cache.py``, ``MLAttention.forward_decode``).
+"""Text generation for GlmMoeDsaForCausalLM, with transformers' ``generate`` contract: a prefill
+into the decoding cache, then one token per step (``modeling/cache.py``, ``MLAttention.forward_decode``).
 
-Greedy decoding gives HF transformers' ``generate`` tokens (tests/test_generate.py holds it to the
-HF fixtures). Sampling applies, as HF's default processors do, temperature, then top-k, then
-top-p, and draws from a NumPy generator seeded by ``seed`` (reproducible, independent of Paddle's
-global RNG). Left padding is supported: rope positions count each row's real tokens and padding
-slots are never selected, so a padded row generates what it generates alone.
+Defaults come from a :class:`GenerationConfig`, read from the checkpoint's ``generation_config.json``
+(HF's file and key names) and completed with HF's global defaults; keyword arguments override
+them for one call, as in transformers. Supported: greedy decoding and sampling (temperature, then
+top-k, then top-p, as HF's warpers), ``repetition_penalty``, ``min_new_tokens`` / ``min_length``,
+``max_new_tokens`` / ``max_length``, ``num_return_sequences`` (sampling), ``stop_strings`` (with
+``tokenizer=``), ``use_cache``, ``return_dict_in_generate`` with ``output_scores`` /
+``output_logits``. Anything else HF knows (beam search, contrastive search, ...) is refused with
+that list, never silently ignored.
+
+The logits never leave the device: the processors, the warpers and the draw run on Paddle tensors,
+and only the chosen ids (plus one "all rows finished" flag) are copied to the host each step. The
+draw inverts the CDF with one uniform number per row from a NumPy generator seeded by ``seed``, so
+a seeded run is reproducible and independent of Paddle's global RNG.
+
+Greedy decoding gives HF transformers' tokens (tests/test_generate.py holds it to the HF
+fixtures). Left padding is supported: rope positions count each row's real tokens, padding slots
+are never selected, and padding is not penalised by ``repetition_penalty`` (HF's processor also
+penalises the pad id of a padded row), so a padded row generates what it generates alone.
+
+Lengths are checked before anything is allocated: prompt + new tokens may not exceed the model's
+``max_position_embeddings``.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,59 +40,469 @@ if TYPE_CHECKING:
     import paddle
 # paddle is imported inside the functions: the CLI imports this module at start-up
 
+__all__ = [
+    "GENERATION_CONFIG_FILE",
+    "GenerateDecoderOnlyOutput",
+    "CudaGraphDecodeStep",
+    "GenerationConfig",
+    "check_generation_length",
+    "generate",
+    "generate_speculative",
+]
 
-def eos_ids(eos_token_id: int | Sequence[int] | None, config: object) -> list[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# HF's global defaults (transformers GenerationConfig._get_default_generation_params) for the keys
+# this generate implements; a key unset by the call and by generation_config.json takes these.
+HF_DEFAULTS: dict[str, Any] = {
+    "max_length": 20,
+    "min_length": 0,
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "num_return_sequences": 1,
+    "num_beams": 1,
+    "use_cache": True,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+}
+
+# HF generation options this generate does not implement, with the value that turns each off: a
+# generation_config.json may carry them at that value; anything else is refused by name.
+UNSUPPORTED_OFF: dict[str, Any] = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "penalty_alpha": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "constraints": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "prompt_lookup_num_tokens": None,
+    "assistant_model": None,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "max_time": None,
+}
+# keys of generation_config.json that describe the file, not the decoding
+_FILE_METADATA = ("_from_model_config", "transformers_version", "decoder_start_token_id", "cache_implementation")
+
+
+@dataclass
+class GenerationConfig:
+    """Generation defaults with HF's key names; ``None`` means "not set here" (a lower layer, and
+    finally HF's global default, decides). ``extra`` keeps the file's other keys, so a save writes
+    back what was read."""
+
+    max_new_tokens: int | None = None
+    max_length: int | None = None
+    min_new_tokens: int | None = None
+    min_length: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    num_return_sequences: int | None = None
+    num_beams: int | None = None
+    use_cache: bool | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    stop_strings: str | list[str] | None = None
+    return_dict_in_generate: bool | None = None
+    output_scores: bool | None = None
+    output_logits: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The generation options this package implements (HF's names)."""
+        return tuple(f.name for f in fields(cls) if f.name != "extra")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "generation config") -> GenerationConfig:
+        """Known keys into fields, the rest into ``extra`` (checked when used, see :meth:`check_supported`)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        known = set(cls.keys())
+        gc = cls(**{k: v for k, v in d.items() if k in known})
+        gc.extra = {k: v for k, v in d.items() if k not in known}
+        gc.extra.setdefault("_source", source)
+        return gc
+
+    @classmethod
+    def from_model_config(cls, config: Any) -> GenerationConfig:
+        """What HF derives when a checkpoint has no generation_config.json: the special tokens."""
+        return cls(
+            eos_token_id=getattr(config, "eos_token_id", None),
+            pad_token_id=getattr(config, "pad_token_id", None),
+            bos_token_id=getattr(config, "bos_token_id", None),
+        )
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, config: Any = None) -> GenerationConfig:
+        """``folder/generation_config.json`` (a folder without one: :meth:`from_model_config` of
+        ``config``). Special tokens the file does not set come from ``config``."""
+        path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
+        if not os.path.isfile(path):
+            return cls.from_model_config(config) if config is not None else cls()
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable JSON file: {err}") from err
+        gc = cls.from_dict(data, source=path)
+        if config is not None:
+            base = cls.from_model_config(config)
+            for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
+                if getattr(gc, k) is None:
+                    setattr(gc, k, getattr(base, k))
+        return gc
+
+    def to_dict(self) -> dict[str, Any]:
+        """The set keys (and the file's other keys), as HF writes them."""
+        out = {k: getattr(self, k) for k in self.keys() if getattr(self, k) is not None}
+        out.update({k: v for k, v in self.extra.items() if not k.startswith("_source")})
+        return out
+
+    def save_pretrained(self, folder: str | os.PathLike) -> str:
+        """Write ``folder/generation_config.json`` atomically; returns its path."""
+        from ._io import write_json_atomic
+
+        path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
+        write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
+        return path
+
+    def update(self, **kwargs: Any) -> GenerationConfig:
+        """A copy with ``kwargs`` set (unknown names refused with the supported list)."""
+        _refuse_unknown(kwargs)
+        d = {k: getattr(self, k) for k in self.keys()} | kwargs
+        return GenerationConfig(**d, extra=dict(self.extra))
+
+    # ------------------------------------------------------------------ checks
+    def check_supported(self) -> None:
+        """Refuse options this generate does not implement (beam search, ...), naming where they
+        were set and what is supported."""
+        src = self.extra.get("_source", "generation config")
+        if self.num_beams not in (None, 1):
+            raise ValueError(
+                f"{src}: num_beams={self.num_beams}: beam search is not supported; supported options: "
+                f"{', '.join(self.keys())}"
+            )
+        for k, v in self.extra.items():
+            if k in UNSUPPORTED_OFF and v != UNSUPPORTED_OFF[k]:
+                raise ValueError(
+                    f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); supported "
+                    f"options: {', '.join(self.keys())}"
+                )
+
+
+def _refuse_unknown(kwargs: dict[str, Any]) -> None:
+    for k, v in kwargs.items():
+        if k in UNSUPPORTED_OFF and k not in GenerationConfig.keys():
+            if v == UNSUPPORTED_OFF[k]:
+                continue
+            what = "beam search" if k in ("num_beam_groups", "diversity_penalty", "length_penalty") else k
+            raise ValueError(
+                f"generate: {what} ({k}={v!r}) is not supported; supported options: {', '.join(GenerationConfig.keys())}"
+            )
+        if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF:
+            raise TypeError(
+                f"generate: unknown option {k!r}; supported options: {', '.join(GenerationConfig.keys())} "
+                "(and seed, streamer, tokenizer, generation_config)"
+            )
+
+
+def generation_config_of(model: Any) -> GenerationConfig:
+    """The model's generation defaults: the checkpoint folder's generation_config.json when the
+    model was loaded from one (``model.source_path``), else its config's special tokens."""
+    src = getattr(model, "source_path", None)
+    if src and os.path.isdir(src):
+        return GenerationConfig.from_pretrained(src, model.config)
+    return GenerationConfig.from_model_config(model.config)
+
+
+# --------------------------------------------------------------------------- resolution
+@dataclass
+class _Settings:
+    """Every option with its value for one call (call > model's generation config > HF default)."""
+
+    new_tokens: int
+    min_new: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    num_return_sequences: int
+    use_cache: bool
+    eos: list[int]
+    pad: int
+    stop_strings: list[str]
+    return_dict: bool
+    output_scores: bool
+    output_logits: bool
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _finite_number(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
+        raise ValueError(f"generate: {name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _eos_list(v: Any) -> list[int]:
+    if v is None:
         return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    if _is_int(v):
+        return [int(v)]
+    if isinstance(v, (list, tuple)) and all(_is_int(e) for e in v):
+        return [int(e) for e in v]
+    raise ValueError(f"generate: eos_token_id must be an int or a list of ints, got {v!r}")
 
 
-def _sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """One token per row from logits [B, V] (float64)."""
-    x = logits / max(float(temperature), 1e-6)
-    if top_k and top_k < x.shape[-1]:
-        kth = np.sort(x, axis=-1)[:, -top_k][:, None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(axis=-1, keepdims=True)
-    p = np.exp(x)
-    p /= p.sum(axis=-1, keepdims=True)
-    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        drop_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p >= top_p
-        drop = np.zeros_like(drop_sorted)
-        np.put_along_axis(drop, order, drop_sorted, axis=-1)
-        p = np.where(drop, 0.0, p)
-        p /= p.sum(axis=-1, keepdims=True)
-    return np.array([rng.choice(p.shape[-1], p=row) for row in p], dtype=np.int64)
+def check_generation_length(
+    config: Any, prompt_len: int, max_new_tokens: int | None = None, max_length: int | None = None
+) -> int:
+    """The number of new tokens for a prompt of ``prompt_len`` tokens (``max_new_tokens`` wins
+    over ``max_length``; neither: HF's 20), refused when prompt + new tokens exceed the model's
+    ``max_position_embeddings`` or an explicit ``max_length``. No tensor exists yet when this runs."""
+    if max_new_tokens is not None:
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        n = int(max_new_tokens)
+    elif max_length is not None:
+        if not _is_int(max_length) or max_length < 1:
+            raise ValueError(f"generate: max_length must be an integer >= 1, got {max_length!r}")
+        if max_length <= prompt_len:
+            raise ValueError(
+                f"generate: max_length {max_length} leaves no room after the {prompt_len}-token prompt "
+                "(max_length counts the prompt; use max_new_tokens to count new tokens only)"
+            )
+        n = int(max_length) - prompt_len
+    else:
+        n = HF_DEFAULTS["max_length"]
+    limit = getattr(config, "max_position_embeddings", None)
+    if _is_int(limit) and prompt_len + n > limit:
+        raise ValueError(
+            f"generate: prompt ({prompt_len} tokens) + {n} new tokens = {prompt_len + n} exceeds the model's "
+            f"max_position_embeddings {limit}; ask for at most {max(limit - prompt_len, 0)} new tokens"
+        )
+    return n
 
 
+def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwargs: dict, prompt_len: int) -> _Settings:
+    _refuse_unknown(kwargs)
+    base = generation_config_of(model) if generation_config is None else generation_config
+    if isinstance(base, dict):
+        base = GenerationConfig.from_dict(base, source="generation_config argument")
+    base.check_supported()
+    call = {k: v for k, v in kwargs.items() if k in GenerationConfig.keys() and v is not None}
+    if "num_beams" in call and call["num_beams"] != 1:
+        GenerationConfig(num_beams=call["num_beams"], extra={"_source": "generate"}).check_supported()
+
+    def get(k: str) -> Any:
+        if k in call:
+            return call[k]
+        v = getattr(base, k)
+        return HF_DEFAULTS.get(k) if v is None else v
+
+    # lengths: the call's own max_* beats the file's; within one layer max_new_tokens wins (HF)
+    if "max_new_tokens" in call or "max_length" in call:
+        mnt, ml = call.get("max_new_tokens"), call.get("max_length")
+        if mnt is not None and ml is not None:
+            warnings.warn(
+                f"generate: both max_new_tokens ({mnt}) and max_length ({ml}) given; max_new_tokens wins", stacklevel=3
+            )
+    else:
+        mnt, ml = base.max_new_tokens, base.max_length
+    new = check_generation_length(model.config, prompt_len, mnt, ml)
+    mn = call.get("min_new_tokens", base.min_new_tokens if "min_length" not in call else None)
+    ml_min = get("min_length")
+    for name, v in (("min_new_tokens", mn), ("min_length", ml_min)):
+        if v is not None and (not _is_int(v) or v < 0):
+            raise ValueError(f"generate: {name} must be an integer >= 0, got {v!r}")
+    min_new = int(mn) if mn is not None else max(0, int(ml_min) - prompt_len)
+
+    do_sample = get("do_sample")
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"generate: do_sample must be True or False, got {do_sample!r}")
+    temperature = _finite_number("temperature", get("temperature"))
+    if temperature <= 0:
+        raise ValueError(f"generate: temperature must be > 0 (use do_sample=False for greedy), got {temperature}")
+    top_k = get("top_k")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"generate: top_k must be an integer >= 0 (0: off), got {top_k!r}")
+    top_p = _finite_number("top_p", get("top_p"))
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1] (1: off), got {top_p}")
+    rp = _finite_number("repetition_penalty", get("repetition_penalty"))
+    if rp <= 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0 (1: off), got {rp}")
+    nrs = get("num_return_sequences")
+    if not _is_int(nrs) or nrs < 1:
+        raise ValueError(f"generate: num_return_sequences must be an integer >= 1, got {nrs!r}")
+    if nrs > 1 and not do_sample:
+        raise ValueError(
+            f"generate: num_return_sequences={nrs} needs do_sample=True (greedy decoding returns one sequence "
+            "per prompt; beam search is not supported)"
+        )
+    eos = _eos_list(kwargs["eos_token_id"] if kwargs.get("eos_token_id") is not None else base.eos_token_id)
+    pad = kwargs.get("pad_token_id", None)
+    if pad is None:
+        pad = base.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0  # HF: pad with the first EOS id
+    if not _is_int(pad):
+        raise ValueError(f"generate: pad_token_id must be an int, got {pad!r}")
+    stops = get("stop_strings") or []
+    stops = [stops] if isinstance(stops, str) else list(stops)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
+    flags = {}
+    for k in ("use_cache", "return_dict_in_generate", "output_scores", "output_logits"):
+        flags[k] = get(k)
+        if not isinstance(flags[k], bool):
+            raise ValueError(f"generate: {k} must be True or False, got {flags[k]!r}")
+    return _Settings(
+        new_tokens=new,
+        min_new=min_new,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=int(top_k),
+        top_p=top_p,
+        repetition_penalty=rp,
+        num_return_sequences=int(nrs),
+        use_cache=flags["use_cache"],
+        eos=eos,
+        pad=int(pad),
+        stop_strings=stops,
+        return_dict=flags["return_dict_in_generate"],
+        output_scores=flags["output_scores"],
+        output_logits=flags["output_logits"],
+    )
+
+
+# --------------------------------------------------------------------------- processors (on the device)
+def _penalise(logits: paddle.Tensor, seen: paddle.Tensor, penalty: float) -> paddle.Tensor:
+    """HF's repetition penalty: a seen token's logit is divided by ``penalty`` when positive and
+    multiplied by it when negative. ``seen`` [B, V] bool."""
+    import paddle
+
+    penalised = paddle.where(logits < 0, logits * penalty, logits / penalty)
+    return paddle.where(seen, penalised, logits)
+
+
+def _warp(logits: paddle.Tensor, s: _Settings) -> paddle.Tensor:
+    """Temperature, then top-k (ties with the k-th kept), then top-p (the smallest set of most
+    likely tokens whose probability reaches top_p), as HF's warpers: removed tokens get -inf."""
+    import paddle
+
+    neg_inf = paddle.full_like(logits, -math.inf)
+    x = logits / s.temperature if s.temperature != 1.0 else logits
+    V = x.shape[-1]
+    if s.top_k and s.top_k < V:
+        kth = paddle.topk(x, s.top_k, axis=-1)[0][:, -1:]
+        x = paddle.where(x < kth, neg_inf, x)
+    if s.top_p < 1.0:
+        p = paddle.nn.functional.softmax(x, axis=-1)
+        sorted_p, order = paddle.sort(p, axis=-1, descending=True), paddle.argsort(p, axis=-1, descending=True)
+        drop_sorted = (paddle.cumsum(sorted_p, axis=-1) - sorted_p) >= s.top_p
+        drop = paddle.put_along_axis(paddle.zeros_like(p), order, drop_sorted.astype(p.dtype), axis=-1) > 0
+        x = paddle.where(drop, neg_inf, x)
+    return x
+
+
+def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
+    """One token per row from the softmax of ``scores`` [B, V] by inverting its CDF at the given
+    uniform numbers [B] in [0, 1): the only host data is those B numbers."""
+    import paddle
+
+    p = paddle.nn.functional.softmax(scores, axis=-1)
+    # exact zeros for removed tokens (Paddle's CPU softmax gives exp(-inf) as ~1e-28, not 0)
+    p = paddle.where(paddle.isinf(scores), paddle.zeros_like(p), p)
+    cdf = paddle.cumsum(p, axis=-1)
+    target = paddle.to_tensor(uniforms.astype(np.float32)[:, None]) * cdf[:, -1:]
+    idx = paddle.searchsorted(cdf, target, right=True).squeeze(-1)  # first token whose CDF exceeds the target
+    # rounding can put the target at the CDF's end: take the last token with probability then
+    V = p.shape[-1]
+    last = (V - 1) - paddle.argmax(paddle.flip((p > 0).astype("int32"), axis=[-1]), axis=-1)
+    return paddle.where(idx >= V, last, idx).astype("int64")
+
+
+@dataclass
+class GenerateDecoderOnlyOutput:
+    """``return_dict_in_generate=True``: ``sequences`` [B, S + n]; per step the processed scores
+    (``output_scores``) and the raw logits (``output_logits``), each [B, V], as HF returns them."""
+
+    sequences: Any
+    scores: tuple | None = None
+    logits: tuple | None = None
+    past_key_values: Any = None
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+
+def _stream(streamer: Any, ids: np.ndarray) -> None:
+    if hasattr(streamer, "put"):  # transformers' streamer protocol (TextStreamer): put(), then end()
+        streamer.put(ids)
+    else:
+        streamer(ids)
+
+
+# --------------------------------------------------------------------------- generate
 def generate(
     model: paddle.nn.Layer,
     input_ids: paddle.Tensor,
     attention_mask: paddle.Tensor | None = None,
-    max_new_tokens: int = 20,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
+    generation_config: GenerationConfig | dict | None = None,
+    *,
     seed: int | None = None,
-    streamer: Callable[[np.ndarray], None] | None = None,
+    streamer: Callable[[np.ndarray], None] | Any | None = None,
+    tokenizer: Any = None,
     decode_step: Callable[..., paddle.Tensor] | None = None,
-) -> paddle.Tensor:
-    """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B, S + n] int64.
+    **kwargs: Any,
+) -> paddle.Tensor | GenerateDecoderOnlyOutput:
+    """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences,
+    S + n] int64 (or a :class:`GenerateDecoderOnlyOutput` with ``return_dict_in_generate=True``).
 
-    ``attention_mask`` [B, S] (1 = token, 0 = padding) allows left-padded batches. A row that
-    produced an EOS token (``eos_token_id``, default the config's; ``[]`` for none) continues with
-    ``pad_token_id`` (default the config's, else 0); generation stops early once every row has
-    finished. ``streamer`` is called with each step's new tokens [B] as they are chosen.
-    ``decode_step`` replaces ``model.decode_step`` (same arguments), e.g. by its
-    ``paddle.jit.to_static`` capture; the cache is allocated once for the whole generation, so the
-    step's shapes never change.
+    ``kwargs`` are generation options with HF's names (see :class:`GenerationConfig`); unset ones
+    come from ``generation_config`` (default: the checkpoint's generation_config.json), then HF's
+    defaults. ``attention_mask`` [B, S] (1 = token, 0 = padding) allows left-padded batches. A row
+    that produced an EOS token (``eos_token_id``; ``[]`` for none) or one of ``stop_strings``
+    (decoded with ``tokenizer``) continues with ``pad_token_id``; generation stops once every row
+    has finished. ``streamer`` is called with each step's new tokens [B] as they are chosen (or,
+    for an object with ``put``/``end`` such as transformers' ``TextStreamer``, fed as HF feeds it).
+    Each new token after the first goes through ``model.decode_step`` (or ``decode_step``, same
+    arguments, e.g. its ``paddle.jit.to_static`` capture or a :class:`CudaGraphDecodeStep`); the
+    cache is allocated once for the whole generation, so the step's shapes never change.
     """
     import paddle
 
@@ -79,50 +510,130 @@ def generate(
 
     if input_ids.ndim != 2:
         raise ValueError(f"generate: input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
-    if max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-    config = model.config
-    input_ids = input_ids.astype("int64")
     B, S = input_ids.shape
+    s = _resolve(model, generation_config, kwargs, S)  # before any allocation
     if attention_mask is not None and list(attention_mask.shape) != [B, S]:
         raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
-    eos = eos_ids(eos_token_id, config)
-    if pad_token_id is None:
-        pad_token_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
+    if s.stop_strings and tokenizer is None:
+        raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
+    input_ids = input_ids.astype("int64")
+    if s.num_return_sequences > 1:
+        input_ids = paddle.repeat_interleave(input_ids, s.num_return_sequences, axis=0)
+        if attention_mask is not None:
+            attention_mask = paddle.repeat_interleave(attention_mask, s.num_return_sequences, axis=0)
+        B = input_ids.shape[0]
     rng = np.random.default_rng(seed)
-    if max_new_tokens == 0:
-        return input_ids
+    if streamer is not None and hasattr(streamer, "put"):
+        streamer.put(input_ids.numpy())
+    if s.new_tokens == 0:
+        if streamer is not None and hasattr(streamer, "end"):
+            streamer.end()
+        return GenerateDecoderOnlyOutput(input_ids) if s.return_dict else input_ids
+    config = model.config
+    V = int(config.vocab_size)
+    eos_t = paddle.to_tensor(s.eos, dtype="int64") if s.eos else None
+    eos_vocab = None
+    if s.eos and s.min_new:
+        mark = np.zeros([V], dtype=bool)
+        mark[[e for e in s.eos if 0 <= e < V]] = True
+        eos_vocab = paddle.to_tensor(mark)
+    seen = None
+    if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
+        valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
+        seen = paddle.put_along_axis(paddle.zeros([B, V], dtype="int64"), input_ids, valid, axis=1, reduce="add") > 0
     was_training = model.training
     model.eval()
+    scores: list = []
+    raw: list = []
+    new: list = []
+    host_new: list[np.ndarray] = []
+    cache = None
     try:
         with paddle.no_grad():
-            cache = DSACache.for_config(config, B, capacity=S + max_new_tokens)
-            out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits_t = out.logits[:, -1]
-            step_fn = decode_step or model.decode_step
-            finished = np.zeros([B], dtype=bool)
-            new: list[np.ndarray] = []
-            for step in range(max_new_tokens):
-                logits = logits_t.astype("float32").numpy().astype(np.float64)  # [B, V]: the one host read
-                if do_sample:
-                    nxt = _sample(logits, temperature, top_k, top_p, rng)
+            if s.use_cache:
+                cache = DSACache.for_config(config, B, capacity=S + s.new_tokens)
+                out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                step_fn = decode_step or model.decode_step
+            else:
+                seq, mask = input_ids, attention_mask
+                out = _full_forward(model, seq, mask)
+            last = out.logits[:, -1]
+            finished = paddle.zeros([B], dtype="bool")
+            for step in range(s.new_tokens):
+                logits = last.astype("float32")  # [B, V], stays on the device
+                if s.output_logits:
+                    raw.append(logits)
+                x = logits
+                if seen is not None:
+                    x = _penalise(x, seen, s.repetition_penalty)
+                if eos_vocab is not None and step < s.min_new:
+                    x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
+                if s.do_sample:
+                    x = _warp(x, s)
+                    nxt = _draw(x, rng.random(B))
                 else:
-                    nxt = logits.argmax(axis=-1).astype(np.int64)
-                nxt = np.where(finished, pad_token_id, nxt)
-                if eos:
-                    finished |= np.isin(nxt, eos)
+                    nxt = paddle.argmax(x, axis=-1).astype("int64")
+                if s.output_scores:
+                    scores.append(x)
+                nxt = paddle.where(finished, paddle.full_like(nxt, s.pad), nxt)
+                if eos_t is not None:
+                    finished = paddle.logical_or(finished, paddle.isin(nxt, eos_t))
                 new.append(nxt)
-                if streamer is not None:
-                    streamer(nxt)
-                if finished.all() or step == max_new_tokens - 1:
+                if seen is not None:
+                    seen = paddle.logical_or(seen, paddle.nn.functional.one_hot(nxt, V) > 0)
+                if streamer is not None or s.stop_strings:
+                    host = nxt.numpy()  # the chosen ids only
+                    host_new.append(host)
+                    if streamer is not None:
+                        _stream(streamer, host)
+                    if s.stop_strings:
+                        finished = paddle.logical_or(finished, paddle.to_tensor(_stopped(host_new, s, tokenizer)))
+                if step == s.new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
                     break
-                positions, _ = cache.begin(None, 1)
-                logits_t = step_fn(paddle.to_tensor(nxt[:, None]), positions, cache.slots, cache)
-                cache.advance(1)
+                if s.use_cache:
+                    positions, _ = cache.begin(None, 1)
+                    last = step_fn(nxt[:, None], positions, cache.slots, cache)
+                    cache.advance(1)
+                else:
+                    seq = paddle.concat([seq, nxt[:, None]], axis=1)
+                    if mask is not None:
+                        mask = paddle.concat([mask, paddle.ones([B, 1], dtype=mask.dtype)], axis=1)
+                    last = _full_forward(model, seq, mask).logits[:, -1]
     finally:
         if was_training:
             model.train()
-    return paddle.concat([input_ids, paddle.to_tensor(np.stack(new, axis=1))], axis=1)
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
+    sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)
+    if not s.return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(scores) if s.output_scores else None,
+        logits=tuple(raw) if s.output_logits else None,
+        past_key_values=cache,
+    )
+
+
+def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tensor | None):
+    """``use_cache=False``: the whole sequence again, positions counting each row's real tokens
+    (as HF's prepare_inputs_for_generation makes them from the attention mask)."""
+    import paddle
+
+    pos = None
+    if mask is not None:
+        pos = paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
+    return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+
+
+def _stopped(host_new: list[np.ndarray], s: _Settings, tokenizer: Any) -> np.ndarray:
+    """Per row: whether the text of its new tokens holds one of the stop strings."""
+    ids = np.stack(host_new, axis=1)  # [B, n]
+    out = np.zeros(ids.shape[0], dtype=bool)
+    for b in range(ids.shape[0]):
+        text = tokenizer.decode([int(t) for t in ids[b]])
+        out[b] = any(stop in text for stop in s.stop_strings)
+    return out
 
 
 class CudaGraphDecodeStep:
@@ -163,10 +674,10 @@ class CudaGraphDecodeStep:
         return self.logits
 
 
+# --------------------------------------------------------------------------- speculative decoding
 def _mtp_step(model: paddle.nn.Layer, mtp: paddle.nn.Layer, cache: object, hidden: paddle.Tensor, ids: paddle.Tensor):
     """The MTP layer on n new positions i (main hidden h_i [B, n, H], token i+1 ids [B, n]) through
     its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V]."""
-
     n = ids.shape[1]
     prefill = cache.length == 0
     positions, key_valid = cache.begin(None, n)
@@ -201,10 +712,11 @@ def generate_speculative(
         raise ValueError(f"generate_speculative: one row [1, seq] expected, got shape {list(input_ids.shape)}")
     if not model.model.mtp_layers:
         raise ValueError("generate_speculative: the model has no MTP layer (num_nextn_predict_layers = 0)")
-    mtp = model.model.mtp_layers[0]
-    eos = set(eos_ids(eos_token_id, model.config))
-    input_ids = input_ids.astype("int64")
     S = input_ids.shape[1]
+    check_generation_length(model.config, S, max_new_tokens)
+    mtp = model.model.mtp_layers[0]
+    eos = set(_eos_list(model.config.eos_token_id if eos_token_id is None else eos_token_id))
+    input_ids = input_ids.astype("int64")
     stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}
     new: list[int] = []
     was_training = model.training

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "human_bytes", "itemsize", "set_quiet", "start"]
+__all__ = ["Progress", "human_bytes", "itemsize", "on_terminal", "set_quiet", "start"]
 
 _QUIET: bool | None = None
 
@@ -202,6 +202,11 @@ def _isatty(stream: TextIO) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
+
+
+def on_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal, where a redrawn bar belongs (a log file or a pipe gets lines)."""
+    return _isatty(stream)
 
 
 def start(

@@ -47,14 +47,19 @@ def init_state(config: GlmMoeDsaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def make_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, max_shard_size: str = "1MB") -> str:
+def make_tiny_checkpoint(
+    out_dir: str | os.PathLike, seed: int = 0, max_shard_size: str = "1MB", indexer_loss_coeff: float = 0.0
+) -> str:
     """Write the tiny official-layout checkpoint to `out_dir` (atomic), with its tokenizer
-    (tokenizer.json, tokenizer_config.json incl. the chat template), and return its path."""
+    (tokenizer.json, tokenizer_config.json incl. the chat template), and return its path.
+    `indexer_loss_coeff` > 0 goes into config.json: training then adds the indexer KL loss."""
     import paddle
 
     from .checkpoint import save_pretrained_state
 
-    config = tiny_config()
+    if indexer_loss_coeff < 0:
+        raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
+    config = tiny_config(indexer_loss_coeff=indexer_loss_coeff) if indexer_loss_coeff else tiny_config()
     state = {k: paddle.to_tensor(v) for k, v in init_state(config, seed).items()}
     save_pretrained_state(state, config, out_dir, layout="hf", max_shard_size=max_shard_size)
     make_tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
@@ -137,9 +142,17 @@ def register_make_tiny(sub) -> None:
     p.add_argument("out", help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="1MB", help="shard size limit (default 1MB: two shards)")
+    p.add_argument(
+        "--indexer-loss-coeff",
+        type=float,
+        default=0.0,
+        help="indexer_loss_coeff in config.json (> 0: training adds the DSA indexer KL loss)",
+    )
 
     def run(args) -> int:
-        path = make_tiny_checkpoint(args.out, seed=args.seed, max_shard_size=args.max_shard_size)
+        path = make_tiny_checkpoint(
+            args.out, seed=args.seed, max_shard_size=args.max_shard_size, indexer_loss_coeff=args.indexer_loss_coeff
+        )
         files = sorted(os.listdir(path))
         print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(files)}")
         return 0

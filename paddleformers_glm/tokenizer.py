@@ -6,6 +6,13 @@ exports keep the template there; it wins over the config's). The template is ren
 in a sandbox, with the variables HF passes (``messages``, ``add_generation_prompt``, the special
 tokens, ``tools``), and ``raise_exception`` for template-side validation.
 
+The call follows transformers' tokenizers: ``tok(texts, padding=..., truncation=..., max_length=...,
+return_tensors="pd" | "np")`` gives a :class:`BatchEncoding` with ``input_ids`` and
+``attention_mask``, padded on ``padding_side`` ("right" unless tokenizer_config.json or the caller
+says "left", which is what batched ``generate`` wants); ``batch_decode``, ``pad`` (for data
+collators) and ``apply_chat_template(..., tokenize=, return_tensors=, return_dict=)`` behave as in
+transformers 5.
+
 ``assistant_mask`` finds which tokens of a conversation the assistant wrote, for training with loss
 on those tokens only: the template is rendered for growing prefixes of the conversation, and an
 assistant message's span is what its turn adds after the generation prompt. It needs a template
@@ -30,6 +37,76 @@ class TokenizerError(ValueError):
     """A tokenizer folder or a conversation that cannot be used (the message names the file or message)."""
 
 
+def _utf8_text(path: Path) -> str:
+    """A text file of the tokenizer folder; bytes that are not UTF-8 are an error naming the file."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise TokenizerError(f"{path}: not UTF-8 text (line {line}, byte {err.start})") from err
+
+
+def _template_text(value: Any, where: str) -> str | None:
+    """The chat template: a string, or HF's list of ``{"name", "template"}`` (the "default" one, else
+    the first); anything else is an error naming where it came from."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+            raise TokenizerError(f'{where}: a list of chat templates must hold {{"name", "template": string}} objects')
+        named = {t.get("name"): t["template"] for t in value}
+        return named.get("default") or next(iter(named.values()), None)
+    raise TokenizerError(f"{where}: the chat template must be a string, got a {type(value).__name__}")
+
+
+TENSOR_TYPES = ("pd", "paddle", "np")
+# transformers' "no limit" value of model_max_length (int(1e30))
+_VERY_LARGE = int(1e30)
+
+
+class BatchEncoding(dict):
+    """What the tokenizer call returns: a dict (``input_ids``, ``attention_mask``) whose keys are
+    also attributes, so ``model.generate(**enc)`` and ``enc.input_ids`` both work."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _as_tensor(rows: list[list[int]], return_tensors: str | None, what: str) -> Any:
+    if return_tensors is None:
+        return rows
+    if return_tensors not in TENSOR_TYPES:
+        raise ValueError(f"return_tensors must be one of {TENSOR_TYPES} or None, got {return_tensors!r}")
+    import numpy as np
+
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError(
+            f"{what}: rows of different lengths ({sorted({len(r) for r in rows})}) cannot form one tensor; "
+            "pass padding=True (or truncation with max_length)"
+        )
+    arr = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+    if return_tensors == "np":
+        return arr
+    import paddle
+
+    return paddle.to_tensor(arr)
+
+
+def _id_list(ids: Any) -> list[int]:
+    """Token ids of one sequence from a list, a NumPy array or a Paddle tensor."""
+    if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)):
+        ids = ids.numpy()
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids]
+
+
 def _token_text(v: Any) -> str | None:
     if isinstance(v, dict):  # AddedToken serialised by transformers
         return v.get("content")
@@ -39,18 +116,44 @@ def _token_text(v: Any) -> str | None:
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
-    def __init__(self, tokenizer: Any, config: dict | None = None, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        config: dict | None = None,
+        chat_template: str | None = None,
+        *,
+        template_source: str = "tokenizer_config.json 'chat_template'",
+        padding_side: str | None = None,
+        truncation_side: str | None = None,
+        model_max_length: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        if config is not None and not isinstance(config, dict):
+            raise TokenizerError(f"tokenizer config: expected a JSON object, got a {type(config).__name__}")
         self.config = dict(config or {})
-        self.chat_template = chat_template if chat_template is not None else self.config.get("chat_template")
-        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in self.chat_template}
-            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.template_source = template_source  # where the template came from, named by its errors
+        self.chat_template = _template_text(
+            chat_template if chat_template is not None else self.config.get("chat_template"), self.template_source
+        )
+        self.padding_side = padding_side or self.config.get("padding_side") or "right"
+        self.truncation_side = truncation_side or self.config.get("truncation_side") or "right"
+        for name, side in (("padding_side", self.padding_side), ("truncation_side", self.truncation_side)):
+            if side not in ("left", "right"):
+                raise TokenizerError(f"{name} must be 'left' or 'right', got {side!r}")
+        mml = model_max_length if model_max_length is not None else self.config.get("model_max_length")
+        self.model_max_length = int(mml) if isinstance(mml, (int, float)) and not isinstance(mml, bool) else _VERY_LARGE
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> GlmTokenizer:
-        """Load from a checkpoint folder (or a tokenizer.json path); never touches the network."""
+    def from_pretrained(cls, path: str | os.PathLike, **options: Any) -> GlmTokenizer:
+        """Load from a checkpoint folder (or a tokenizer.json path); never touches the network.
+        ``options``: ``padding_side``, ``truncation_side``, ``model_max_length`` (over the files')."""
+        unknown = set(options) - {"padding_side", "truncation_side", "model_max_length"}
+        if unknown:
+            raise TypeError(
+                f"GlmTokenizer.from_pretrained: unknown options {sorted(unknown)} "
+                "(padding_side, truncation_side, model_max_length)"
+            )
         from tokenizers import Tokenizer
 
         p = Path(path)
@@ -66,13 +169,15 @@ class GlmTokenizer:
         cfg_file = folder / CONFIG_FILE
         if cfg_file.is_file():
             try:
-                config = json.loads(cfg_file.read_text(encoding="utf-8"))
+                config = json.loads(_utf8_text(cfg_file))
             except json.JSONDecodeError as err:
                 raise TokenizerError(f"{cfg_file}: invalid JSON: {err}") from err
-        template = None
+            if not isinstance(config, dict):
+                raise TokenizerError(f"{cfg_file}: expected a JSON object, got a {type(config).__name__}")
+        template, source = None, f"{cfg_file} 'chat_template'"
         if (folder / TEMPLATE_FILE).is_file():
-            template = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
-        return cls(tok, config, template)
+            template, source = _utf8_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
+        return cls(tok, config, template, template_source=source, **options)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
         """Write tokenizer.json and tokenizer_config.json (with the chat template), atomically."""
@@ -123,11 +228,121 @@ class GlmTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        """Text of one sequence (a list, NumPy array or Paddle tensor of ids)."""
+        return self.tokenizer.decode(_id_list(ids), skip_special_tokens=skip_special_tokens)
 
-    def __call__(self, text: str) -> list[int]:
-        return self.encode(text)
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
+        """Text of each row of ``sequences`` ([B, S] tensor or array, or a list of id lists)."""
+        if hasattr(sequences, "numpy") and not isinstance(sequences, (list, tuple)):
+            sequences = sequences.numpy()
+        return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in sequences]
+
+    def _max_length(self, max_length: int | None, why: str) -> int | None:
+        if max_length is not None:
+            if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+                raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
+            return max_length
+        if self.model_max_length >= _VERY_LARGE:
+            raise ValueError(f"{why} needs max_length (the tokenizer has no model_max_length)")
+        return self.model_max_length
+
+    def __call__(
+        self,
+        text: str | Sequence[str],
+        padding: bool | str = False,
+        truncation: bool | str = False,
+        max_length: int | None = None,
+        return_tensors: str | None = None,
+        add_special_tokens: bool = True,
+        return_attention_mask: bool = True,
+        padding_side: str | None = None,
+        pad_to_multiple_of: int | None = None,
+    ) -> BatchEncoding:
+        """transformers' call: ``input_ids`` and ``attention_mask`` of one text (lists) or a batch
+        of texts (a list per text; ``return_tensors`` "pd" / "np" gives [B, S] int64, a single
+        text [1, S]). ``padding``: False, True / "longest", "max_length"; ``truncation``: True
+        cuts to ``max_length`` (default ``model_max_length``) on ``truncation_side``."""
+        single = isinstance(text, str)
+        texts = [text] if single else list(text)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("GlmTokenizer: text must be a string or a list of strings")
+        rows = [list(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        if truncation not in (False, "do_not_truncate", None):
+            if truncation not in (True, "longest_first", "only_first"):
+                raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
+            limit = self._max_length(max_length, "truncation=True")
+            cut = (lambda r: r[-limit:]) if self.truncation_side == "left" else (lambda r: r[:limit])
+            rows = [cut(r) if len(r) > limit else r for r in rows]
+        enc = self._pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side)
+        if not return_attention_mask:
+            enc.pop("attention_mask")
+        if return_tensors is not None:
+            return BatchEncoding({k: _as_tensor(v, return_tensors, "GlmTokenizer") for k, v in enc.items()})
+        if single:
+            return BatchEncoding({k: v[0] for k, v in enc.items()})
+        return enc
+
+    def _pad(
+        self,
+        enc: dict[str, list[list[int]]],
+        padding: bool | str,
+        max_length: int | None,
+        pad_to_multiple_of: int | None,
+        padding_side: str | None,
+    ) -> BatchEncoding:
+        rows = [list(r) for r in enc["input_ids"]]
+        masks = [list(m) for m in enc["attention_mask"]] if "attention_mask" in enc else [[1] * len(r) for r in rows]
+        if padding in (True, "longest"):
+            target = max((len(r) for r in rows), default=0)
+        elif padding == "max_length":
+            target = self._max_length(max_length, "padding='max_length'")
+        elif padding in (False, "do_not_pad", None):
+            target = None
+        else:
+            raise ValueError(f"padding must be True, False, 'longest', 'max_length' or 'do_not_pad', got {padding!r}")
+        if target is not None:
+            if pad_to_multiple_of:
+                target = -(-target // pad_to_multiple_of) * pad_to_multiple_of
+            side = padding_side or self.padding_side
+            if side not in ("left", "right"):
+                raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
+            pad_id = self.pad_token_id
+            if pad_id is None and any(len(r) < target for r in rows):
+                raise TokenizerError("padding needs a pad token (tokenizer_config.json 'pad_token')")
+            for i, r in enumerate(rows):
+                n = target - len(r)
+                if n > 0:
+                    rows[i] = [pad_id] * n + r if side == "left" else r + [pad_id] * n
+                    masks[i] = [0] * n + masks[i] if side == "left" else masks[i] + [0] * n
+        return BatchEncoding(input_ids=rows, attention_mask=masks)
+
+    def pad(
+        self,
+        encoded_inputs: Any,
+        padding: bool | str = True,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        return_tensors: str | None = None,
+        padding_side: str | None = None,
+    ) -> BatchEncoding:
+        """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
+        as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
+        equal length are passed through."""
+        if isinstance(encoded_inputs, (list, tuple)):
+            if not encoded_inputs:
+                raise ValueError("pad: nothing to pad")
+            encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
+        if "input_ids" not in encoded_inputs:
+            raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
+        base = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items() if k in ("input_ids", "attention_mask")}
+        out = self._pad(base, padding, max_length, pad_to_multiple_of, padding_side)
+        for k, v in encoded_inputs.items():
+            if k not in out:
+                out[k] = [_id_list(r) for r in v]
+        if return_tensors is not None:
+            return BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
+        return out
 
     # ------------------------------------------------------------------ chat
     def _compiled_template(self) -> Any:
@@ -136,7 +351,7 @@ class GlmTokenizer:
         cached = getattr(self, "_template_cache", None)
         if cached is not None and cached[0] == self.chat_template:
             return cached[1]
-        from jinja2.exceptions import TemplateError
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
@@ -147,7 +362,12 @@ class GlmTokenizer:
             x, indent=indent, ensure_ascii=ensure_ascii
         )
         env.globals["raise_exception"] = raise_exception
-        compiled = env.from_string(self.chat_template)
+        try:
+            compiled = env.from_string(self.chat_template)
+        except TemplateSyntaxError as err:
+            raise TokenizerError(
+                f"{self.template_source}: chat template syntax error at line {err.lineno}: {err.message}"
+            ) from err
         self._template_cache = (self.chat_template, compiled)
         return compiled
 
@@ -162,11 +382,37 @@ class GlmTokenizer:
         )
 
     def apply_chat_template(
-        self, messages: Sequence[dict], tokenize: bool = True, add_generation_prompt: bool = False, **extra: Any
-    ) -> list[int] | str:
-        """HF's call: the rendered conversation, as token ids (default) or as text."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
-        return self.encode(text) if tokenize else text
+        self,
+        conversation: Sequence[dict] | Sequence[Sequence[dict]],
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        padding: bool | str = False,
+        truncation: bool = False,
+        max_length: int | None = None,
+        return_tensors: str | None = None,
+        return_dict: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """transformers 5's call: a conversation (or a list of them) rendered by the chat template;
+        ``tokenize=False`` gives the text, else the tokenizer's :class:`BatchEncoding` of it
+        (``return_dict=False``: its ``input_ids`` only), with ``padding`` / ``truncation`` /
+        ``return_tensors`` as in the tokenizer call. Template variables go in ``extra``."""
+        if not conversation:
+            raise TokenizerError("apply_chat_template: the conversation is empty")
+        batched = isinstance(conversation[0], (list, tuple))
+        convs = list(conversation) if batched else [conversation]
+        texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, **extra) for c in convs]
+        if not tokenize:
+            return texts if batched else texts[0]
+        enc = self(
+            texts if batched else texts[0],
+            padding=padding,
+            truncation=truncation,
+            max_length=max_length,
+            return_tensors=return_tensors,
+            add_special_tokens=False,
+        )
+        return enc if return_dict else enc["input_ids"]
 
     def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(rendered conversation, character spans written by the assistant): for each assistant

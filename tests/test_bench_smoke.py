@@ -36,18 +36,28 @@ def _check_ours(res: dict) -> dict:
     return row
 
 
-def test_bench_paddle_side_runs(tmp_path):
-    row = _check_ours(_run(tmp_path, "--skip-hf"))
-    assert row["hf"] is None
+HAVE_HF = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> dict:
+    """One run serves both tests: with the HF side when torch + transformers are installed (our
+    side runs the same in both), else with --skip-hf."""
+    return _run(tmp_path_factory.mktemp("bench"), *([] if HAVE_HF else ["--skip-hf"]))
+
+
+def test_bench_paddle_side_runs(bench):
+    row = _check_ours(bench)
+    if not HAVE_HF:  # --skip-hf: no HF row
+        assert row["hf"] is None
 
 
 @pytest.mark.reference
 @pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
-    reason="HF comparison NOT run: torch/transformers (the `reference` extra) not installed",
+    not HAVE_HF, reason="HF comparison NOT run: torch/transformers (the `reference` extra) not installed"
 )
-def test_bench_hf_side_runs_and_matches_the_loss(tmp_path):
-    row = _check_ours(_run(tmp_path))
+def test_bench_hf_side_runs_and_matches_the_loss(bench):
+    row = _check_ours(bench)
     hf = row["hf"]
     assert hf is not None and "error" not in hf, hf
     assert hf["step_s"] > 0 and hf["peak_gb"] > 0

@@ -46,15 +46,21 @@ def test_demo_command_passes_and_leaves_receipts(tmp_path, capsys):
     gen = summary["generate"]  # a few tokens generated from a text prompt with the tiny tokenizer
     assert len(gen["new_ids"]) == 8 and gen["prompt_ids"] and all(0 <= t < 256 for t in gen["new_ids"])
     assert gen["text"] != ""
-    assert (out / "check-ckpt-hf.json").is_file() and "PASSED" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert (out / "check-ckpt-hf.json").is_file() and "PASSED" in printed
+    # the exports' checks say what they hold the export to and why it passes
+    assert "hf: no tolerance: every one of the 296 tensors hashes equal" in printed
+    assert "fleet: no tolerance: the same tensors under PaddleFleet's names" in printed
 
 
 @pytest.mark.slow
-def test_readme_main_job_trains_tp2_pp2_sp_and_matches_one_process(tmp_path):
+def test_readme_main_job_trains_tp2_pp2_sp_and_matches_one_process(tmp_path, capsys):
     """`bash scripts/demo.sh` runs exactly `glm52 demo` with its defaults."""
     assert "glm52 demo" in (ROOT / "scripts" / "demo.sh").read_text()
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "bound atol 1e-05: pass" in printed and "= 2 x 5 steps x lr 0.0003" in printed
     summary = json.loads((out / "summary.json").read_text())
     train = summary["training"]
     assert train["layout"] == "--tp 2 --pp 2 --sp" and train["ok"] is True
@@ -67,3 +73,11 @@ def test_readme_main_job_trains_tp2_pp2_sp_and_matches_one_process(tmp_path):
     assert run["profile"]["tp"] == 2 and run["profile"]["pp"] == 2 and run["profile"]["sp"] is True
     assert run["profile"]["world"] == 4 and run["weights_loaded"] is True
     assert (out / "loss-parallel-vs-single.png").stat().st_size > 1000
+    # the printed tolerance lines name the bound and the reason; the weights' bound is checked
+    assert train["check_ckpt_trained"]["max_abs_diff"] <= train["check_ckpt_trained"]["bound"]
+    # the parallel run's console log: the run's own lines, no Paddle set-up logging, no redrawn bar
+    log = (out / "train-parallel.log").read_text()
+    assert "step 5/5" in log and "[glm52 train]" in log
+    for chatter in ("pp_layers.py", "DecoderLayer(", "Modified FLAGS", "comm group(s) create", "step/s", "\r"):
+        assert chatter not in log, chatter
+    assert "DecoderLayer(" in (out / "parallel" / "logs" / "workerlog.0").read_text()  # kept in the worker log

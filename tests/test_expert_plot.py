@@ -50,3 +50,13 @@ def test_plot_experts_refuses_a_run_without_expert_load(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "loss.json" in err and "expert_load" in err
     assert not (out / "expert_load.png").exists()
+
+
+def test_plot_experts_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = _loss_json(tmp_path / "run")
+    assert main(["plot-experts", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "paddleformers_glm[plot]" in err and "Traceback" not in err

@@ -145,9 +145,31 @@ def test_file_set(case):
     files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
     want = sorted(
         ["meta.json", "reference.safetensors", "checkpoint/config.json", "checkpoint/model.safetensors.index.json"]
+        + ["meta_bf16.json", "reference_bf16.safetensors"]
         + [f"checkpoint/{s}" for s in SHARDS]
     )
     assert files == want
+
+
+def test_bf16_reference_layout(case):
+    """HF's bf16 run: bf16 logits, fp32 losses, and the spread of HF's own bf16 results recorded."""
+    header, _ = read_header(case["dir"] / "reference_bf16.safetensors")
+    V = case["cfg"]["vocab_size"]
+    want = {
+        "logits": ("BF16", [B, S, V]),
+        "pad_logits": ("BF16", [B, S, V]),
+        "loss": ("F32", []),
+        "pad_loss": ("F32", []),
+        "train_losses": ("F32", [2]),
+    }
+    assert {k: (v["dtype"], v["shape"]) for k, v in header.items()} == want
+    meta = json.loads((case["dir"] / "meta_bf16.json").read_text())
+    assert meta["experts_implementation"] == "grouped_mm"
+    # HF keeps only the router's correction bias in fp32 in a bf16 model (weights_proj is bf16)
+    assert all(k.endswith("e_score_correction_bias") for k in meta["parameter_dtypes_not_bf16"])
+    assert set(meta["other_experts_implementations"]) == {"eager", "batched_mm"}
+    spread = meta["hf_bf16_spread"]
+    assert all(spread[k] >= 0 for k in ("loss", "pad_loss", "train_loss_after_step", "logits_max_abs"))
 
 
 def test_total_size_budget():

@@ -7,7 +7,6 @@ prompt alone, on the committed tiny checkpoints.
 
 import contextlib
 import importlib.util
-import time
 
 import numpy as np
 import paddle
@@ -148,28 +147,6 @@ def test_shared_layers_reuse_the_full_layers_topk_at_decode():
         else:
             np.testing.assert_array_equal(seen[i], full)
     assert len({seen[i].tobytes() for i, k in enumerate(cfg.indexer_types) if k == "full"}) > 1
-
-
-def test_decode_step_cost_does_not_grow_with_context():
-    """Per-token decode time with 2048 cached tokens vs 256, top-k 64: within 1.5x (the attention
-    reads the k selected latent rows only). Steps of the two caches are interleaved and the
-    fastest of each is compared, so load on the machine affects both alike."""
-    model = tiny_model(index_topk=64)
-    model.eval()
-    caches = {}
-    with paddle.no_grad():
-        for S in (256, 2048):
-            caches[S] = DSACache.for_config(model.config, 1, capacity=S + 64)
-            model(tokens(1, S), use_cache=True, past_key_values=caches[S], logits_to_keep=1)
-        times = {256: [], 2048: []}
-        nxt = paddle.to_tensor([[5]])
-        for _ in range(25):
-            for S, cache in caches.items():
-                t = time.perf_counter()
-                model(nxt, past_key_values=cache, logits_to_keep=1)
-                times[S].append(time.perf_counter() - t)
-    ratio = min(times[2048]) / min(times[256])
-    assert ratio <= 1.5, (ratio, min(times[2048]), min(times[256]))
 
 
 def test_sampling_eos_and_pad():
@@ -316,3 +293,228 @@ def test_to_static_captures_the_decode_step_once_and_decodes_the_same_tokens():
         captured = generate(model, ids, max_new_tokens=6, eos_token_id=[], decode_step=static).numpy()
     np.testing.assert_array_equal(captured, eager)
     assert len(static.program_cache) == 1
+
+
+# ---------------------------------------------------------------------- transformers' generate contract
+def _ckpt_copy(tmp_path, case="tiny", gen_config=None):
+    import json
+    import shutil
+
+    dst = tmp_path / case
+    shutil.copytree(FIXTURES / case / "checkpoint", dst)
+    if gen_config is not None:
+        (dst / "generation_config.json").write_text(json.dumps(gen_config))
+    return dst
+
+
+def test_generation_config_json_gives_the_defaults(tmp_path):
+    """A non-default generation_config.json: its values are generate's defaults, a call's
+    keyword wins over them, and the file's max_new_tokens sets the length."""
+    from paddleformers_glm.generation import GenerationConfig
+
+    file = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "max_new_tokens": 7}
+    file |= {"repetition_penalty": 1.2, "eos_token_id": [], "transformers_version": "5.23.0"}
+    model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=file), dtype="float32")
+    gc = model.generation_config
+    assert (gc.do_sample, gc.temperature, gc.top_k, gc.top_p, gc.max_new_tokens) == (True, 0.7, 20, 0.9, 7)
+    assert gc.to_dict()["transformers_version"] == "5.23.0"  # kept for a save
+    ids = tokens(2, 9, seed=3)
+    out = model.generate(ids, seed=5)
+    assert list(out.shape) == [2, 16]  # the file's max_new_tokens
+    explicit = model.generate(
+        ids, seed=5, generation_config=GenerationConfig(), eos_token_id=[], **{k: file[k] for k in list(file)[:6]}
+    )
+    np.testing.assert_array_equal(out.numpy(), explicit.numpy())
+    greedy = model.generate(ids, do_sample=False, max_new_tokens=3)  # keywords win over the file
+    plain = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path / "b"), dtype="float32")
+    assert plain.generation_config.do_sample is None  # no file: the config's special tokens only
+    np.testing.assert_array_equal(
+        greedy.numpy(), plain.generate(ids, max_new_tokens=3, repetition_penalty=1.2, eos_token_id=[]).numpy()
+    )
+    assert not np.array_equal(out.numpy()[:, 9:12], greedy.numpy()[:, 9:])  # the file's sampling was used
+
+
+def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):
+    model = tiny_model(seed=1)
+    ids = tokens(1, 6)
+    with pytest.raises(ValueError, match="beam search.*supported options: max_new_tokens"):
+        model.generate(ids, num_beams=4)
+    with pytest.raises(TypeError, match="unknown option 'top_z'"):
+        model.generate(ids, top_z=3)
+    with pytest.raises(ValueError, match="num_return_sequences=2 needs do_sample=True"):
+        model.generate(ids, num_return_sequences=2)
+    with pytest.raises(ValueError, match="stop_strings need tokenizer"):
+        model.generate(ids, stop_strings=["x"])
+    for bad, msg in (({"temperature": float("nan")}, "finite"), ({"top_p": 2.0}, "top_p"), ({"top_k": -1}, "top_k")):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(ids, do_sample=True, **bad)
+    assert model.generate(ids, num_beams=1, max_new_tokens=2).shape[1] == 8  # the off value is fine
+    path = _ckpt_copy(tmp_path, gen_config={"num_beams": 3, "no_repeat_ngram_size": 0})
+    loaded = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    with pytest.raises(ValueError, match=r"generation_config.json: num_beams=3: beam search"):
+        loaded.generate(ids)
+
+
+def test_lengths_are_bounded_before_any_allocation(monkeypatch):
+    from paddleformers_glm.modeling import cache as cache_mod
+
+    model = tiny_model(seed=1)
+    limit = model.config.max_position_embeddings
+    ids = tokens(1, 6)
+    assert model.generate(ids, max_length=10, eos_token_id=[]).shape[1] == 10
+    with pytest.raises(ValueError, match="max_length 6 leaves no room"):
+        model.generate(ids, max_length=6)
+
+    def no_cache(*a, **k):
+        raise AssertionError("a cache was allocated")
+
+    monkeypatch.setattr(cache_mod.DSACache, "for_config", no_cache)
+    with pytest.raises(ValueError, match=f"exceeds the model's max_position_embeddings {limit}"):
+        model.generate(ids, max_new_tokens=limit - 5)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        model.generate(ids, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate_speculative(model, ids, max_new_tokens=10**8)
+
+
+def test_sampling_copies_only_the_chosen_ids_to_the_host(monkeypatch):
+    """Only [B] ids (and the all-finished flag) leave the device per step, never [B, V] logits."""
+    model = tiny_model(seed=2)
+    ids = tokens(3, 8, seed=1)
+    copied = []
+    real = paddle.Tensor.numpy
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        copied.append(out.size)
+        return out
+
+    monkeypatch.setattr(paddle.Tensor, "numpy", spy)
+    seen = []
+    model.generate(ids, max_new_tokens=5, do_sample=True, top_p=0.8, seed=0, streamer=lambda t: seen.append(t))
+    monkeypatch.setattr(paddle.Tensor, "numpy", real)
+    assert len(seen) == 5 and all(t.shape == (3,) for t in seen)
+    assert copied and max(copied) <= 3 * 8, copied  # the prompt at most; a [B, V] copy would be 3 * 256
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_removed_token():
+    from paddleformers_glm.generation import _draw
+
+    logits = np.array([2.0, 1.0, 0.0, -np.inf, 0.5], dtype=np.float32)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    n = 40000
+    u = np.random.default_rng(0).random(n)
+    got = _draw(paddle.to_tensor(np.tile(logits, (n, 1))), u).numpy()
+    freq = np.bincount(got, minlength=5) / n
+    assert freq[3] == 0.0
+    assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() * (1 - p.max()) / n)  # 4 sigma
+    # u at the very top: the last token that has probability, not the removed one after it
+    edge = np.array([[0.0, 0.0, -np.inf, -np.inf]], dtype=np.float32)
+    assert _draw(paddle.to_tensor(edge), np.array([np.nextafter(1.0, 0.0)])).numpy().tolist() == [1]
+
+
+def test_num_return_sequences_and_return_dict():
+    model = tiny_model(seed=3)
+    ids = tokens(2, 7, seed=2)
+    out = model.generate(ids, do_sample=True, num_return_sequences=3, max_new_tokens=6, seed=1, eos_token_id=[])
+    assert list(out.shape) == [6, 13]
+    for b in range(2):  # rows b*3 .. b*3+2 continue prompt b
+        assert (out.numpy()[3 * b : 3 * b + 3, :7] == ids.numpy()[b]).all()
+    assert len({out.numpy()[i, 7:].tobytes() for i in range(3)}) > 1
+    res = model.generate(
+        ids, max_new_tokens=4, eos_token_id=[], return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    plain = model.generate(ids, max_new_tokens=4, eos_token_id=[])
+    np.testing.assert_array_equal(res.sequences.numpy(), plain.numpy())
+    assert len(res.scores) == len(res.logits) == 4 and list(res["scores"][0].shape) == [2, model.config.vocab_size]
+    for i, s in enumerate(res.scores):  # greedy: each new token is its step's argmax
+        np.testing.assert_array_equal(s.numpy().argmax(-1), plain.numpy()[:, 7 + i])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_use_cache_false_gives_hf_tokens_too(case):
+    model, ref = _fixture(case)
+    seqs = ref["gen_sequences"]
+    n_new = seqs.shape[1] - ref["gen_input_ids"].shape[1]
+    out = model.generate(
+        paddle.to_tensor(ref["gen_input_ids"]),
+        paddle.to_tensor(ref["gen_attention_mask"]),
+        max_new_tokens=n_new,
+        use_cache=False,
+        eos_token_id=[],
+    )
+    np.testing.assert_array_equal(out.numpy(), seqs)
+
+
+def test_min_new_tokens_holds_eos_back_and_stop_strings_end_a_row(tmp_path):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+    from paddleformers_glm.tokenizer import GlmTokenizer
+
+    folder = make_tiny_checkpoint(tmp_path / "ckpt")
+    model = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32")
+    tok = GlmTokenizer.from_pretrained(folder)
+    ids = paddle.to_tensor([tok.encode("The capital of France is")])
+    S = ids.shape[1]
+    free = model.generate(ids, max_new_tokens=12, eos_token_id=[]).numpy()[0, S:]
+    eos = int(free[2])  # pretend the third new token is an EOS
+    stopped = model.generate(ids, max_new_tokens=12, eos_token_id=[eos]).numpy()[0, S:]
+    assert len(stopped) == 3 and stopped[-1] == eos
+    held = model.generate(ids, max_new_tokens=12, eos_token_id=[eos], min_new_tokens=5).numpy()[0, S:]
+    assert eos not in held[:5].tolist() and len(held) > 3
+    text = tok.decode(free)
+    stop = text[len(tok.decode(free[:5])) - 1 :][:2]  # two characters the 5th token completes or starts
+    out = model.generate(ids, max_new_tokens=12, eos_token_id=[], stop_strings=[stop], tokenizer=tok).numpy()[0, S:]
+    got = tok.decode(out)
+    assert stop in got and stop not in tok.decode(out[:-1]) and len(out) < 12
+
+
+@pytest.mark.reference
+def test_repetition_penalty_and_min_new_tokens_equal_hf_generate():
+    """HF transformers' generate on the same checkpoint: greedy with repetition_penalty 1.5 and
+    min_new_tokens, one prompt at a time (HF also penalises a padded row's pad id; we do not)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, ref = _fixture("tiny")
+    for b in range(2):
+        row = ref[f"gen_row{b}_sequence"][: ref["gen_attention_mask"][b].sum()]
+        kw = {"max_new_tokens": 8, "repetition_penalty": 1.5, "min_new_tokens": 4, "do_sample": False}
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor(row[None]),
+                eos_token_id=[int(row[-1])],
+                pad_token_id=0,
+                **kw,
+                return_dict_in_generate=True,
+                output_scores=True,
+            )
+        gaps = [float(s.topk(2).values[0, 0] - s.topk(2).values[0, 1]) for s in want.scores]
+        n = next((i for i, g in enumerate(gaps) if g < 1e-4), len(gaps))  # compare up to a near-tie
+        got = model.generate(paddle.to_tensor(row[None]), eos_token_id=[int(row[-1])], pad_token_id=0, **kw)
+        assert n >= 4
+        np.testing.assert_array_equal(got.numpy()[0, : len(row) + n], want.sequences.numpy()[0, : len(row) + n])
+
+
+@pytest.mark.reference
+def test_warpers_equal_hf_logits_processors():
+    """temperature -> top-k -> top-p on the device equals HF's warpers (which tokens stay, their scores)."""
+    torch = pytest.importorskip("torch")
+    gen = pytest.importorskip("transformers.generation.logits_process")
+    from paddleformers_glm.generation import _Settings, _warp
+
+    logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32) * 3
+    for t, k, p in ((0.7, 20, 0.9), (1.3, 0, 0.5), (1.0, 5, 1.0)):
+        s = _Settings(1, 0, True, t, k, p, 1.0, 1, True, [], 0, [], False, False, False)
+        ours = _warp(paddle.to_tensor(logits), s).numpy()
+        x = torch.tensor(logits)
+        x = gen.TemperatureLogitsWarper(t)(None, x)
+        if k:
+            x = gen.TopKLogitsWarper(k)(None, x)
+        if p < 1.0:
+            x = gen.TopPLogitsWarper(p)(None, x)
+        want = x.numpy()
+        np.testing.assert_array_equal(np.isinf(ours), np.isinf(want))
+        np.testing.assert_allclose(ours[~np.isinf(ours)], want[~np.isinf(want)], rtol=1e-6)

@@ -1,23 +1,19 @@
 """The model API users of PaddleFormers / transformers reach for: output access, forward options,
-embedding accessors, parameter counts, paddle.jit.to_static, and Auto-class registration."""
+embedding accessors, parameter counts, paddle.jit.to_static, and that registration is explicit."""
 
-import importlib.machinery
-import json
+import importlib.util
 import sys
-import types
 
 import numpy as np
 import paddle
 import pytest
 
 from paddleformers_glm import GlmMoeDsaConfig
-from paddleformers_glm.auto import register_auto_classes
 from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 from paddleformers_glm.modeling.cache import DSACache
 from paddleformers_glm.ops import kernels as cpu_kernels
 
 from ._tiny import tiny_model, tokens
-from .conftest import FIXTURES
 
 
 def test_outputs_by_name_position_and_tuple():
@@ -104,79 +100,20 @@ def test_to_static_forward_with_kernels_off(full_graph):
     assert np.abs(out[0].numpy() - ref).max() <= 1e-5
 
 
-def _stub_registry():
-    """A stand-in for paddleformers.transformers' Auto classes with their (HF) register API."""
+def test_paddleformers_registration_is_explicit_and_optional(monkeypatch):
+    """Importing the model registers nothing anywhere (no PaddleFormers import); asking for the
+    PaddleFormers integration without PaddleFormers names the extra to install."""
+    import subprocess
 
-    class AutoConfig:
-        mapping: dict = {}
+    code = (
+        "import sys; import paddleformers_glm.modeling; "
+        "print(any(m.startswith(('paddleformers.', 'paddleformers_glm.integrations')) or m == 'paddleformers' "
+        "for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    from paddleformers_glm.integrations import paddleformers as pf_glm
 
-        @classmethod
-        def register(cls, model_type, config_class, exist_ok=False):
-            if model_type in cls.mapping and not exist_ok:
-                raise ValueError(f"{model_type} already registered")
-            cls.mapping[model_type] = config_class
-
-        @classmethod
-        def from_pretrained(cls, path):
-            d = json.loads((path / "config.json").read_text())
-            return cls.mapping[d["model_type"]].from_dict(d)
-
-    class AutoModelForCausalLM:
-        mapping: dict = {}
-
-        @classmethod
-        def register(cls, config_class, model_class, exist_ok=False):
-            if getattr(model_class, "config_class", config_class) is not config_class:
-                raise ValueError("config_class mismatch")
-            cls.mapping[config_class] = model_class
-
-        @classmethod
-        def from_pretrained(cls, path, **kwargs):
-            config = AutoConfig.from_pretrained(path)
-            return cls.mapping[type(config)].from_pretrained(path, config=config, **kwargs)
-
-    return AutoConfig, AutoModelForCausalLM
-
-
-def _install_stub_paddleformers(monkeypatch):
-    """A ``paddleformers`` package in sys.modules whose Auto classes are :func:`_stub_registry`'s."""
-    AutoConfig, AutoModelForCausalLM = _stub_registry()
-    pkg = types.ModuleType("paddleformers")
-    pkg.__spec__ = importlib.machinery.ModuleSpec("paddleformers", None)
-    sub = types.ModuleType("paddleformers.transformers")
-    sub.AutoConfig, sub.AutoModelForCausalLM = AutoConfig, AutoModelForCausalLM
-    pkg.transformers = sub
-    monkeypatch.setitem(sys.modules, "paddleformers", pkg)
-    monkeypatch.setitem(sys.modules, "paddleformers.transformers", sub)
-    return AutoConfig, AutoModelForCausalLM
-
-
-def test_auto_classes_resolve_glm_moe_dsa(monkeypatch):
-    AutoConfig, AutoModelForCausalLM = _install_stub_paddleformers(monkeypatch)
-    assert register_auto_classes() is True
-    ckpt = FIXTURES / "tiny" / "checkpoint"
-    assert isinstance(AutoConfig.from_pretrained(ckpt), GlmMoeDsaConfig)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32")
-    assert type(model) is GlmMoeDsaForCausalLM
-    ids = tokens(1, 8)
-    direct = GlmMoeDsaForCausalLM.from_pretrained(ckpt)
-    np.testing.assert_array_equal(model(ids).logits.numpy(), direct(ids).logits.numpy())
-
-
-def test_importing_the_model_registers_nothing(monkeypatch):
-    """Registration is the explicit call only: re-importing modeling with a PaddleFormers registry
-    installed leaves it empty."""
-    AutoConfig, AutoModelForCausalLM = _install_stub_paddleformers(monkeypatch)
-    import paddleformers_glm.modeling
-
-    importlib.reload(paddleformers_glm.modeling)
-    assert AutoConfig.mapping == {} and AutoModelForCausalLM.mapping == {}
-    import paddleformers_glm
-
-    assert paddleformers_glm.register_auto_classes() is True
-    assert AutoModelForCausalLM.mapping[GlmMoeDsaConfig] is GlmMoeDsaForCausalLM
-
-
-def test_auto_registration_is_optional(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    assert register_auto_classes() is False
+    with pytest.raises(ImportError, match=r"paddleformers_glm\[paddleformers\]"):
+        pf_glm.register()

@@ -3,11 +3,9 @@ full-state gather/shard on 2 gloo processes, against single-process references."
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests._dist.runner import launch_script
+from tests._dist.runner import script_result
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +37,9 @@ EXACT = (
 
 
 @pytest.fixture(scope="module")
-def comm_results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("comm")
-    p = launch_script("check_comm.py", 2, [str(d / "res.json")], d / "logs", timeout=120)
-    if p.returncode != 0:
-        logs = "\n".join((d / "logs" / f"workerlog.{r}").read_text(errors="replace")[-3000:] for r in range(2))
-        pytest.fail(f"check_comm.py failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{logs}")
-    return json.loads((d / "res.json").read_text())
+def comm_results(tp2_script_results):
+    # tests/_dist/check_comm.py, in the TP2 launch it shares with test_parallel_fleet_gloo.py (conftest.py)
+    return script_result(tp2_script_results, "comm.json")
 
 
 def test_every_check_ran(comm_results):

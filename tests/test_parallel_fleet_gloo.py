@@ -3,23 +3,17 @@ compatibility ops (paddleformers_glm/parallel/fleet_gloo.py), against one proces
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests._dist.runner import launch_script
+from tests._dist.runner import script_result
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fleet_results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fleet")
-    p = launch_script("check_fleet_layers.py", 2, [str(d / "res.json")], d / "logs", timeout=120)
-    if p.returncode != 0:
-        logs = "\n".join((d / "logs" / f"workerlog.{r}").read_text(errors="replace")[-3000:] for r in range(2))
-        pytest.fail(f"check_fleet_layers.py failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{logs}")
-    return json.loads((d / "res.json").read_text())
+def fleet_results(tp2_script_results):
+    # tests/_dist/check_fleet_layers.py, in the TP2 launch it shares with test_parallel_dist.py (conftest.py)
+    return script_result(tp2_script_results, "fleet.json")
 
 
 def test_compat_ops_are_installed_on_gloo(fleet_results):

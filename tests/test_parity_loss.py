@@ -115,3 +115,46 @@ def test_plot_png(tmp_path, capsys):
 def test_compare_losses_direct():
     r = compare_losses([1.0, 2.0, 3.0], [1.0, 2.5, 3.0])
     assert (r["consistent_steps"], r["matching_steps"], r["first_divergent_step"], r["max_diff"]) == (1, 2, 1, 0.5)
+
+
+def test_steps_n_compares_the_first_n_whatever_the_lengths(tmp_path, capsys):
+    """Two runs of different lengths that agree on their first 3 steps pass `--steps 3`."""
+    a = _loss(tmp_path, "a.json", [1.0, 0.9, 0.8])
+    b = _loss(tmp_path, "b.json", [1.0, 0.9, 0.8, 0.7, 0.6])
+    code, r, text = _check(tmp_path, capsys, a, b, "--steps", "3")
+    assert code == 0 and r["result"] == "pass" and r["bit_exact"] is True and r["length_match"] is False
+    assert "every loss identical" in text.out  # the rule the verdict applied
+    code, r, text = _check(tmp_path, capsys, a, b, "--steps", "3", "--atol", "1e-9")
+    assert code == 0 and "|a-b| <= 1e-09 + 0*|b| at every step" in text.out
+    c = _loss(tmp_path, "c.json", [1.0, 0.9, 0.8000001, 0.7, 0.6])
+    code, r, _ = _check(tmp_path, capsys, a, c, "--steps", "3")
+    assert code == 1 and r["first_divergent_step"] == 2
+
+
+def test_plot_without_matplotlib_names_the_extra_exits_2_and_keeps_the_receipt(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    a = _loss(tmp_path, "a.json", [1.0, 0.9])
+    code, r, text = _check(tmp_path, capsys, a, a, "--plot", tmp_path / "p.png")
+    assert code == 2
+    assert r["result"] == "pass" and r["plot"] is None  # the comparison itself stands in the receipt
+    assert "paddleformers_glm[plot]" in r["errors"][0] and "paddleformers_glm[plot]" in text.err
+    assert "Traceback" not in text.err and "check-loss: pass" in text.out
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_names_runs_by_folder_and_shows_tolerance_and_verdict(tmp_path):
+    pytest.importorskip("matplotlib")
+    from paddleformers_glm.parity.loss_check import loss_figure, run_labels
+
+    assert run_labels("/r/demo/single/loss.json", "/r/demo/parallel/loss.json") == ("single", "parallel")
+    assert run_labels("/x/run/loss.json", "/y/run/loss.json") == ("x/run", "y/run")
+    assert run_labels("/r/a.json", "/r/b.json") == ("a.json", "b.json")
+    fig = loss_figure([1.0, 0.9, 0.8], [1.0, 0.9, 0.80001], ("single", "parallel"), (1e-4, 0.0), "pass")
+    top, bottom = fig.axes
+    assert [t.get_text() for t in top.get_legend().get_texts()] == ["single", "parallel"]
+    assert any("tolerance 0.0001" in t.get_text() for t in bottom.get_legend().get_texts())
+    title = fig._suptitle.get_text()
+    assert "PASS" in title and "|A - B| <= 0.0001" in title

@@ -75,14 +75,15 @@ def test_chat_template_text():
     assert text == (
         "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat is the capital of France?<|assistant|>\n"
     )
-    assert tok.apply_chat_template(CHAT[:2], add_generation_prompt=True) == tok.encode(text)
+    assert tok.apply_chat_template(CHAT[:2], add_generation_prompt=True)["input_ids"] == tok.encode(text)
+    assert tok.apply_chat_template(CHAT[:2], add_generation_prompt=True, return_dict=False) == tok.encode(text)
 
 
 def test_assistant_mask_covers_exactly_the_assistant_turns():
     tok = make_tiny_tokenizer()
     ids, mask = tok.encode_chat_for_training(CHAT)
     assert len(ids) == len(mask)
-    assert ids == tok.apply_chat_template(CHAT)
+    assert ids == tok.apply_chat_template(CHAT, return_dict=False)
     # the masked tokens, read back: each assistant answer and the <|endoftext|> that closes its turn
     pieces, cur = [], []
     for i, m in zip(ids, mask):
@@ -124,15 +125,17 @@ def test_generate_command_streams_the_greedy_text(tiny_dir, capsys):
 
     tok = GlmTokenizer.from_pretrained(tiny_dir)
     model = GlmMoeDsaForCausalLM.from_pretrained(tiny_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False)
     out = model.generate(paddle.to_tensor([ids]), max_new_tokens=6, eos_token_id=[1, 2]).numpy()[0, len(ids) :]
     out = out[: np.argmax(np.isin(out, [1, 2])) + 1] if np.isin(out, [1, 2]).any() else out
     assert printed == tok.decode(out.tolist(), skip_special_tokens=True) + "\n"
 
 
 def test_generate_command_without_tokenizer_fails_cleanly(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_dict()))
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
-    assert "tokenizer.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and len(err.strip().splitlines()) == 1
 
 
 def test_generate_command_speculative_prints_the_same_text(tiny_dir, capsys):
@@ -143,3 +146,104 @@ def test_generate_command_speculative_prints_the_same_text(tiny_dir, capsys):
     cap = capsys.readouterr()
     assert cap.out == plain
     assert "acceptance rate" in cap.err
+
+
+# ---------------------------------------------------------------------- the transformers-style call
+TEXTS = ["Hello there", "The capital of France is Paris.", "Two plus two is four. Thank you for reading this text."]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_batch_call_pads_with_a_mask_and_decodes_back(side):
+    tok = make_tiny_tokenizer()
+    alone = [tok.encode(t) for t in TEXTS]
+    enc = tok(TEXTS, padding=True, return_tensors="np", padding_side=side)
+    ids, mask = enc["input_ids"], enc.attention_mask
+    S = max(len(a) for a in alone)
+    assert ids.shape == mask.shape == (3, S) and ids.dtype == np.int64
+    for row, m, a in zip(ids, mask, alone):
+        assert m.sum() == len(a)
+        real = row[m == 1].tolist()
+        assert real == a
+        assert (row[m == 0] == tok.pad_token_id).all()
+        pads = np.flatnonzero(m == 0)
+        if len(pads):  # the padding sits on the asked side
+            assert (pads < len(row) - len(a)).all() if side == "left" else (pads >= len(a)).all()
+    assert tok.batch_decode(ids, skip_special_tokens=True) == TEXTS
+    pd = tok(TEXTS, padding="longest", return_tensors="pd", padding_side=side)
+    assert isinstance(pd["input_ids"], paddle.Tensor) and (pd["input_ids"].numpy() == ids).all()
+
+
+def test_single_text_gives_lists_or_a_one_row_tensor():
+    tok = make_tiny_tokenizer()
+    enc = tok("Hello there")
+    assert enc["input_ids"] == tok.encode("Hello there") and enc["attention_mask"] == [1] * len(enc["input_ids"])
+    assert list(tok("Hello there", return_tensors="pd")["input_ids"].shape) == [1, len(enc["input_ids"])]
+
+
+def test_truncation_and_max_length_padding():
+    tok = make_tiny_tokenizer()
+    full = tok.encode(TEXTS[2])
+    assert tok(TEXTS[2], truncation=True, max_length=4)["input_ids"] == full[:4]
+    tok.truncation_side = "left"
+    assert tok(TEXTS[2], truncation=True, max_length=4)["input_ids"] == full[-4:]
+    enc = tok(TEXTS[:2], padding="max_length", max_length=20, return_tensors="np")
+    assert enc["input_ids"].shape == (2, 20)
+    assert tok(TEXTS[:1], padding=True, pad_to_multiple_of=8)["input_ids"][0][-1] == tok.pad_token_id
+    with pytest.raises(ValueError, match="different lengths"):
+        tok(TEXTS, return_tensors="np")
+    with pytest.raises(ValueError, match="return_tensors"):
+        tok(TEXTS, padding=True, return_tensors="pt2")
+
+
+def test_pad_for_data_collators():
+    tok = make_tiny_tokenizer()
+    feats = [{"input_ids": tok.encode(t)} for t in TEXTS[:2]]
+    out = tok.pad(feats, return_tensors="np", padding_side="left")
+    assert out["input_ids"].shape[0] == 2 and out["attention_mask"][0].sum() == len(feats[0]["input_ids"])
+
+
+def test_chat_template_batch_with_tensors():
+    tok = make_tiny_tokenizer()
+    convs = [CHAT[:2], [{"role": "user", "content": "Hi"}]]
+    enc = tok.apply_chat_template(convs, add_generation_prompt=True, padding=True, return_tensors="pd")
+    texts = tok.apply_chat_template(convs, add_generation_prompt=True, tokenize=False)
+    assert len(texts) == 2 and list(enc["input_ids"].shape)[0] == 2
+    assert tok.batch_decode(enc["input_ids"].numpy()[1][enc["attention_mask"].numpy()[1] == 1][None]) == [texts[1]]
+    one = tok.apply_chat_template(CHAT[:2], add_generation_prompt=True, return_tensors="np", return_dict=False)
+    assert one.shape == (1, len(tok.encode(texts[0])))
+
+
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(tiny_dir):
+    """A batch of texts -> left-padded tensors -> generate -> text: each row as that prompt alone."""
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    tok = GlmTokenizer.from_pretrained(tiny_dir, padding_side="left")
+    model = GlmMoeDsaForCausalLM.from_pretrained(tiny_dir)
+    enc = tok(TEXTS, padding=True, return_tensors="pd")
+    out = model.generate(**enc, max_new_tokens=5, eos_token_id=[])
+    S = enc["input_ids"].shape[1]
+    texts = tok.batch_decode(out[:, S:])
+    for t, got in zip(TEXTS, texts):
+        ids = paddle.to_tensor([tok.encode(t)])
+        alone = model.generate(ids, max_new_tokens=5, eos_token_id=[])
+        assert got == tok.decode(alone[0, ids.shape[1] :])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_call_equals_transformers_fast_tokenizer(tiny_dir, side):
+    """The same files through transformers' PreTrainedTokenizerFast: ids, masks, truncation, chat."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_dir, padding_side=side)
+    ours = GlmTokenizer.from_pretrained(tiny_dir, padding_side=side)
+    for kw in ({"padding": True}, {"padding": "max_length", "max_length": 24}, {"truncation": True, "max_length": 5}):
+        a = hf(TEXTS, return_tensors="np", **kw) if "padding" in kw else hf(TEXTS, **kw)
+        b = ours(TEXTS, return_tensors="np", **kw) if "padding" in kw else ours(TEXTS, **kw)
+        for key in ("input_ids", "attention_mask"):
+            np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+    conv = [CHAT[:2], CHAT[:4]]
+    a = hf.apply_chat_template(conv, padding=True, return_tensors="np")
+    b = ours.apply_chat_template(conv, padding=True, return_tensors="np")
+    for key in ("input_ids", "attention_mask"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert hf.batch_decode(a["input_ids"]) == ours.batch_decode(b["input_ids"])

@@ -75,12 +75,23 @@ def single_mbs1(tiny_ckpt, tmp_path_factory):
     return _run(tiny_ckpt, tmp_path_factory.mktemp("glm_single"))
 
 
+HEADLINE = ("--tp", "2", "--pp", "2", "--sp")
+
+
+@pytest.fixture(scope="module")
+def headline_runs(tiny_ckpt, tmp_path_factory):
+    """The headline layout (TP2 x PP2 x SP, world 4) run twice: the pair for the bit-reproducibility
+    test, the first also the headline case of the layouts test (one launch fewer)."""
+    root = tmp_path_factory.mktemp("glm_headline")
+    return root, _run(tiny_ckpt, root / "a", *HEADLINE), _run(tiny_ckpt, root / "b", *HEADLINE)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [
         ("--tp", "2"),
-        ("--tp", "2", "--pp", "2", "--sp"),
+        HEADLINE,
         ("--dp", "2", "--ep", "2"),
         ("--tp", "2", "--etp", "2"),
         ("--tp", "2", "--ep", "2"),
@@ -88,8 +99,8 @@ def single_mbs1(tiny_ckpt, tmp_path_factory):
     ],
     ids=["tp2", "tp2-pp2-sp", "dp2-ep2", "tp2-etp2", "tp2-ep2", "tp2-pp2-ep2-sp"],
 )
-def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout):
-    got = _run(tiny_ckpt, tmp_path, *layout)
+def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout, request):
+    got = request.getfixturevalue("headline_runs")[1] if layout == HEADLINE else _run(tiny_ckpt, tmp_path, *layout)
     for key in ("losses", "mtp_losses", "grad_norms"):
         diff = max(abs(a - b) for a, b in zip(single_mbs1[key], got[key]))
         assert len(got[key]) == STEPS and diff <= 1e-5, (layout, key, diff)
@@ -99,13 +110,12 @@ def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_p
 
 
 @pytest.mark.slow
-def test_glm_headline_layout_is_bit_reproducible(tiny_ckpt, tmp_path):
-    a = _run(tiny_ckpt, tmp_path / "a", "--tp", "2", "--pp", "2", "--sp")
-    b = _run(tiny_ckpt, tmp_path / "b", "--tp", "2", "--pp", "2", "--sp")
+def test_glm_headline_layout_is_bit_reproducible(headline_runs):
+    root, a, b = headline_runs
     assert a["losses"] == b["losses"] and a["mtp_losses"] == b["mtp_losses"]
     assert a["profile"]["tp"] == 2 and a["profile"]["pp"] == 2 and a["profile"]["sp"] is True
-    fa = (tmp_path / "a" / "export" / "model.safetensors").read_bytes()
-    assert fa == (tmp_path / "b" / "export" / "model.safetensors").read_bytes()
+    fa = (root / "a" / "export" / "model.safetensors").read_bytes()
+    assert fa == (root / "b" / "export" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow
@@ -114,7 +124,7 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
     assert kinds[4] == "shared"  # an even PP2 split starts stage 1 on layer 4
     args = ["--model", str(tiny_ckpt), "--pp", "2", "--steps", str(STEPS), "--seq-len", str(SEQ)]
     args += ["--global-batch-size", str(GBS), "--micro-batch-size", str(MBS), "--out", str(tmp_path), "--export"]
-    p, _ = run_train_cli(args, timeout=150)
+    p, _ = run_train_cli(args, timeout=300)
     if p.returncode != 0:
         pytest.fail(f"glm pp2 failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
     got = losses(tmp_path)

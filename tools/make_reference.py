@@ -355,10 +355,11 @@ class GapMonitor:
     """Sees the exact tensors HF hands to `topk` inside every indexer and router call (through a
     TorchFunctionMode) and records the margin at the selection boundary."""
 
-    def __init__(self):
+    def __init__(self, min_gap: float | None = MIN_GAP):
         import torch
 
         self.torch = torch
+        self.min_gap = min_gap  # None: record the margins only
         self.stack: list[list] = []  # [kind, topk-call counter]
         self.mins = {"indexer": math.inf, "router_expert": math.inf, "router_group": math.inf}
         self.counts = {"indexer": 0, "router_expert": 0, "router_group": 0}
@@ -423,8 +424,8 @@ class GapMonitor:
         self.mins[cat] = min(self.mins[cat], gap)
         pm = self.phase_mins.setdefault(self.phase, {})
         pm[cat] = min(pm.get(cat, math.inf), gap)
-        if not gap >= MIN_GAP:
-            raise TieError(f"{cat} gap {gap:.3e} < {MIN_GAP} in phase {self.phase!r}")
+        if self.min_gap is not None and not gap >= self.min_gap:
+            raise TieError(f"{cat} gap {gap:.3e} < {self.min_gap} in phase {self.phase!r}")
 
     def mode(self):
         import torch
@@ -1060,6 +1061,156 @@ def build_generate_fixture(name: str, out_dir: Path, max_attempts: int = MAX_ATT
 
 
 # ----------------------------------------------------------------------------------------------
+# bf16 fixtures: HF in bfloat16 on the committed checkpoints and the fp32 fixture's inputs
+
+BF16_FILE = "reference_bf16.safetensors"
+BF16_META = "meta_bf16.json"
+
+
+def _hf_bf16_run(ckpt: Path, fp32: dict, experts_implementation: str | None, mon: GapMonitor | None) -> dict:
+    """One HF bf16 run on the fixture inputs: eval and padded logits / losses, the loss before and
+    after one ``torch.optim.SGD`` step (lr LR)."""
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+
+    ids, labels = torch.from_numpy(fp32["input_ids"]), torch.from_numpy(fp32["labels"])
+    pmask, pids = torch.from_numpy(fp32["pad_attention_mask"]), torch.from_numpy(fp32["pad_input_ids"])
+    plabels = torch.from_numpy(fp32["pad_labels"])
+    kw = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+
+    def load():
+        m = GlmMoeDsaForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16, attn_implementation="eager", **kw)
+        assert m.config._attn_implementation == "eager"
+        if mon is not None:
+            mon.attach(m)
+        return m
+
+    model = load()
+    run = {"experts_implementation": str(model.config._experts_implementation)}
+    run["dtypes"] = {k: str(p.dtype).replace("torch.", "") for k, p in model.state_dict().items()}
+    mode = mon.mode() if mon is not None else torch.no_grad()
+    with mode, torch.no_grad():
+        model.eval()
+        if mon is not None:
+            mon.phase = "eval"
+        out = model(input_ids=ids, labels=labels)
+        run["logits"], run["loss"] = out.logits, out.loss.float().reshape(())
+        if mon is not None:
+            mon.phase = "pad"
+        out = model(input_ids=pids, attention_mask=pmask, labels=plabels)
+        run["pad_logits"], run["pad_loss"] = out.logits, out.loss.float().reshape(())
+    model = load()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0, weight_decay=0.0)
+    losses = []
+    mode = mon.mode() if mon is not None else torch.enable_grad()
+    with mode:
+        for step in range(2):  # the loss before the update and after it
+            if mon is not None:
+                mon.phase = f"train_step{step}"
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            losses.append(float(loss.detach()))
+            if step == 0:
+                loss.backward()
+                opt.step()
+    run["train_losses"] = torch.tensor(losses, dtype=torch.float32)
+    return run
+
+
+def build_bf16_fixture(name: str, out_dir: Path) -> dict:
+    """``<case>/reference_bf16.safetensors`` (+ ``meta_bf16.json``): HF transformers with bf16
+    weights and activations (``from_pretrained(dtype=bfloat16)``: HF's own dtype policy, eager
+    attention, its default experts form) on the case's committed checkpoint and the fp32 fixture's
+    inputs: eval logits / loss, the padded batch, and the loss before and after one SGD step
+    (lr 0.1, ``torch.optim.SGD`` on the bf16 parameters). The fp32 counterparts are the fp32
+    fixture's own tensors.
+
+    The same runs with HF's two other experts forms (``eager``, ``batched_mm``: the same maths,
+    other rounding) give the spread of HF's own bf16 results, recorded in ``meta_bf16.json``:
+    the scale on which another bf16 implementation can be compared. Top-k margins are recorded,
+    not enforced: bf16 rounding moves them by more than any threshold the fp32 fixtures use."""
+    import torch
+    from safetensors.numpy import load_file as load_numpy
+    from safetensors.torch import save_file
+
+    case_dir = out_dir / name
+    ckpt = case_dir / "checkpoint"
+    fp32 = load_numpy(str(case_dir / "reference.safetensors"))
+    mon = GapMonitor(min_gap=None)
+    main = _hf_bf16_run(ckpt, fp32, None, mon)
+    keys = ("logits", "loss", "pad_logits", "pad_loss", "train_losses")
+    ref = {k: main[k].detach().contiguous() for k in keys}
+    save_file(dict(sorted(ref.items())), str(case_dir / BF16_FILE))
+
+    def maxdiff(a, b) -> float:
+        a = a.to(torch.float64).numpy()
+        b = b.to(torch.float64).numpy() if isinstance(b, torch.Tensor) else b.astype("float64")
+        return float(abs(a - b).max())
+
+    def scalars(run: dict) -> dict:
+        return {
+            "loss": float(run["loss"]),
+            "pad_loss": float(run["pad_loss"]),
+            "train_losses": [float(x) for x in run["train_losses"]],
+        }
+
+    others = {}
+    for impl in ("eager", "batched_mm"):
+        if impl == main["experts_implementation"]:
+            continue
+        run = _hf_bf16_run(ckpt, fp32, impl, None)
+        others[impl] = {
+            **scalars(run),
+            "logits_max_abs_vs_default": maxdiff(run["logits"], ref["logits"]),
+            "pad_logits_max_abs_vs_default": maxdiff(run["pad_logits"], ref["pad_logits"]),
+        }
+    runs = [scalars(main), *others.values()]
+
+    def spread(f) -> float:
+        vals = [f(r) for r in runs]
+        return max(vals) - min(vals)
+
+    info = {
+        "description": "HF transformers GlmMoeDsaForCausalLM in bfloat16 (from_pretrained dtype=bfloat16, eager "
+        "attention) on CPU, one thread, on the committed checkpoint and the fp32 fixture's inputs",
+        "experts_implementation": main["experts_implementation"],
+        "parameter_dtypes_not_bf16": {k: v for k, v in sorted(main["dtypes"].items()) if v != "bfloat16"},
+        "training": {
+            "optimizer": "torch.optim.SGD (its bf16 update uses the learning rate rounded to bf16)",
+            "lr": LR,
+            "steps": 1,
+            "train_losses": "before, after the step",
+        },
+        "hf_bf16_vs_fp32": {
+            "logits_max_abs": maxdiff(ref["logits"], fp32["logits"]),
+            "loss_abs": abs(float(ref["loss"]) - float(fp32["loss"])),
+            "pad_logits_max_abs": maxdiff(ref["pad_logits"], fp32["pad_logits"]),
+            "pad_loss_abs": abs(float(ref["pad_loss"]) - float(fp32["pad_loss"])),
+            "train_losses_abs": [
+                abs(float(a) - float(b)) for a, b in zip(ref["train_losses"], fp32["train_losses"][:2])
+            ],
+        },
+        "other_experts_implementations": others,
+        "hf_bf16_spread": {
+            "loss": spread(lambda r: r["loss"]),
+            "pad_loss": spread(lambda r: r["pad_loss"]),
+            "train_loss_after_step": spread(lambda r: r["train_losses"][1]),
+            "logits_max_abs": max([0.0] + [o["logits_max_abs_vs_default"] for o in others.values()]),
+            "pad_logits_max_abs": max([0.0] + [o["pad_logits_max_abs_vs_default"] for o in others.values()]),
+        },
+        "topk_min_gaps": {"min": mon.mins, "by_phase": mon.phase_mins},
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in sorted(ref.items())
+        },
+        "values": scalars(main),
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+    }
+    write_json(case_dir / BF16_META, info)
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def setup_torch() -> None:
@@ -1085,6 +1236,7 @@ def generate(out: Path, cases: list[str], search: bool = False, max_attempts: in
     for name in cases:
         if name != FP8_CASE:
             build_generate_fixture(name, out)
+            build_bf16_fixture(name, out)
     return metas
 
 
@@ -1135,7 +1287,20 @@ def main(argv=None) -> int:
         action="store_true",
         help="only (re)write generate/<case>.safetensors from the committed checkpoints",
     )
+    ap.add_argument(
+        "--bf16-only",
+        action="store_true",
+        help="only (re)write <case>/reference_bf16.safetensors from the committed checkpoints",
+    )
     args = ap.parse_args(argv)
+
+    if args.bf16_only:
+        setup_torch()
+        for name in args.cases:
+            if name != FP8_CASE:
+                info = build_bf16_fixture(name, args.out)
+                print(name, json.dumps({k: info[k] for k in ("hf_bf16_vs_fp32", "hf_bf16_spread")}))
+        return 0
 
     if args.generate_only:
         setup_torch()

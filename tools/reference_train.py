@@ -11,18 +11,37 @@ the Paddle trainer, from the contract the trainer documents:
   so both runs read the very same token ids in the same order and micro-batches;
 * objective: LM cross-entropy summed over the micro-batch and divided by the token count of the
   whole global batch, plus ``mtp_loss_scaling_factor / D`` times each MTP depth's loss (same
-  normalisation); one backward per micro-batch, gradients accumulate;
+  normalisation), plus, with ``--indexer-loss-coeff C`` > 0 (default: the checkpoint's
+  ``indexer_loss_coeff``), ``C`` times the micro-batch's indexer KL loss (summed over the layers
+  that run their own indexer) divided by the global number of micro-batches; one backward per
+  micro-batch, gradients accumulate;
+* indexer KL, per layer with an indexer (DeepSeek-V3.2 / Megatron ``dsa_indexer_loss_coeff``):
+  ``KL(p || softmax(s))`` over each query's selected keys, ``p`` the main attention's
+  probabilities at those keys averaged over heads (detached), ``s`` the indexer's scores of those
+  keys recomputed with gradient from HF's indexer modules on detached inputs; a selected slot whose
+  key is masked (causal, padding) takes no part; mean over the queries that have a valid slot;
 * clipping: true global L2 norm over every gradient, scale ``clip / (norm + 1e-6)`` when below 1;
 * ``torch.optim.AdamW`` (decoupled decay) with decay on parameters of 2+ dims only, betas
-  (0.9, 0.95), eps 1e-8; a parameter that never got a gradient is skipped (torch semantics);
+  (0.9, 0.95), eps 1e-8; a parameter that never got a gradient is skipped (torch semantics); the
+  experts of a layer are HF's fused ``gate_up_proj`` / ``down_proj`` tensors, so every expert of a
+  layer is stepped whenever any of them got a token (an idle one with a zero-gradient slice);
+* ``--moe-bias-update-rate R`` > 0: after each optimizer step every router's
+  ``e_score_correction_bias`` moves by ``float32(R) * sign(mean - load)`` in float32, ``load`` the
+  step's (token, k) assignments per expert over the global batch, ``mean = sum(load) / E``
+  (docs/model.md, "MoE balancing");
 * schedule: linear warmup to ``--lr`` over ``--warmup-steps``, then cosine to ``--min-lr``.
 
-Writes ``OUT/loss.json`` with the trainer's schema (losses, mtp_losses, grad_norms, lrs);
+Writes ``OUT/loss.json`` with the trainer's schema (losses, mtp_losses, grad_norms, lrs, with the
+KL on indexer_losses, and ``expert_load.idle_experts``: per step, MoE layer -> experts no token
+reached);
 ``--dump-step DIR K`` writes gradients (before clipping), AdamW moments and updated weights after
 step K in the checkpoint's official names (``DIR/{grads,exp_avg,exp_avg_sq,weights}/``), so
 ``glm52 check-ckpt`` and ``glm52 align`` compare them with the Paddle run's.
 
-Needs the ``reference`` extra (torch + transformers). fp32 on CPU.
+Needs the ``reference`` extra (torch + transformers). fp32 on CPU; ``--dtype bfloat16`` runs bf16
+weights and activations (HF's own policy; the routers fp32 as the official ``moe_router_dtype``)
+with fp32 master weights and fp32 gradient accumulation, the mixed-precision recipe the Paddle
+trainer follows.
 """
 
 from __future__ import annotations
@@ -66,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
+    ap.add_argument(
+        "--indexer-loss-coeff",
+        type=float,
+        default=None,
+        help="indexer KL loss weight (default: the checkpoint config's indexer_loss_coeff, as glm52 train reads it)",
+    )
     ap.add_argument("--data", default=None, help=".npy / .bin / .jsonl (default: synthetic)")
     ap.add_argument("--data-dtype", default="auto")
     ap.add_argument("--out", required=True)
@@ -78,12 +104,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after step K write gradients (before clipping), AdamW moments and weights to DIR (repeatable)",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: bf16 weights and activations (HF's dtype policy, the routers and correction biases "
+        "fp32), fp32 master weights, gradients accumulated in fp32",
+    )
     args = ap.parse_args(argv)
     for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if args.global_batch_size % args.micro_batch_size:
         ap.error("--global-batch-size must be divisible by --micro-batch-size")
+    if args.moe_bias_update_rate < 0:
+        ap.error("--moe-bias-update-rate must be >= 0")
+    if args.indexer_loss_coeff is not None and args.indexer_loss_coeff < 0:
+        ap.error("--indexer-loss-coeff must be >= 0")
     try:
         args.dump_step = [(os.path.abspath(d), int(k)) for d, k in args.dump_step]
     except ValueError:
@@ -157,7 +194,7 @@ def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
 class Reference:
     """HF main model + hand-assembled MTP layers, with the official name of every parameter."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, dtype: str = "float32", indexer_loss_coeff: float | None = None) -> None:
         import torch
         from torch import nn
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -174,10 +211,9 @@ class Reference:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", self.mtp_weight))
-        if float(raw.get("indexer_loss_coeff", 0.0) or 0.0) > 0:
-            raise ValueError(
-                f"{model_dir}/config.json: indexer_loss_coeff > 0 has no HF reference (HF trains no indexer loss)"
-            )
+        if indexer_loss_coeff is None:  # the trainer reads it from config.json (either spelling)
+            indexer_loss_coeff = raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0))
+        self.indexer_coeff = float(indexer_loss_coeff or 0.0)
         self.share_topk = bool(conf.index_share_for_mtp_iteration)
         self.ckpt = read_checkpoint(model_dir)
         torch.manual_seed(0)
@@ -220,10 +256,106 @@ class Reference:
             sd = _layer_state(self.ckpt, p, E, drop_indexer=self.share_topk)
             m["layer"].load_state_dict({k: v for k, v in sd.items() if not k.startswith(heads)}, strict=True)
             self.mtp.append(m)
+        if dtype == "bfloat16":
+            self._to_bf16()
         self._taps: dict = {}
         self.model.model.norm.register_forward_hook(lambda mod, a, out: self._taps.__setitem__("h0", out))
         self.model.model.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True)
         self.model.model.layers[-1].register_forward_hook(lambda mod, a, out: self._taps.__setitem__("topk", out[1]))
+        # MoE layer number (the MTP layers after the decoder layers) -> (its decoder layer, its router)
+        layers = [(i, layer) for i, layer in enumerate(self.model.model.layers)]
+        layers += [(L + j, m["layer"]) for j, m in enumerate(self.mtp)]
+        self.routers = {i: layer.mlp.gate for i, layer in layers if hasattr(layer.mlp, "gate")}
+        self.num_experts = E
+        self.load: dict[int, object] = {}  # this step's (token, k) assignments per expert, per MoE layer
+        for i, gate in self.routers.items():
+            gate.register_forward_hook(lambda mod, a, out, i=i: self._count(i, out[2]))
+        self.kls: list = []  # this micro-batch's indexer KL losses, one per layer that ran its indexer
+        if self.indexer_coeff > 0:
+            for _, layer in layers:
+                if layer.self_attn.indexer is not None:
+                    layer.self_attn.register_forward_hook(self._indexer_kl, with_kwargs=True)
+
+    def _count(self, layer: int, topk_indices) -> None:
+        import torch
+
+        c = torch.bincount(topk_indices.reshape(-1), minlength=self.num_experts).to(torch.float64)
+        self.load[layer] = c if layer not in self.load else self.load[layer] + c
+
+    def _indexer_kl(self, attn, args, kwargs, out) -> None:
+        """The indexer KL loss of one attention call (see the module docstring), appended to ``kls``."""
+        import torch
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+        _, probs, topk = out  # eager attention: probabilities [B, nH, S, T]; the selected keys [B, S, k]
+        ix = attn.indexer
+        x = kwargs["hidden_states"].detach()
+        cos, sin = kwargs["position_embeddings"]
+        mask = kwargs["attention_mask"][:, 0]  # [B, S, T]: True / 0.0 where the key is visible
+        with torch.no_grad():
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        B, S, _ = x.shape
+        q = ix.wq_b(q_resid).view(B, S, ix.n_heads, ix.head_dim)
+        q_rot, q_pass = torch.split(q, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+        k = ix.k_norm(ix.wk(x)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)  # [B, S, Hi, Di]
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # [B, T, Di]
+        idx = topk.long()
+        k_sel = torch.gather(
+            k.unsqueeze(1).expand(B, S, *k.shape[1:]), 2, idx.unsqueeze(-1).expand(*idx.shape, k.shape[-1])
+        )
+        s = torch.relu(torch.matmul(q, k_sel.transpose(-1, -2)) * ix.softmax_scale)  # [B, S, Hi, k]
+        w = ix.weights_proj(x).to(s.dtype) * (ix.n_heads**-0.5)  # [B, S, Hi]
+        scores = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        valid = torch.gather(visible.expand(B, S, visible.shape[-1]), -1, idx)
+        p = torch.gather(probs.detach().to(s.dtype).mean(1), -1, idx)
+        p = torch.where(valid, p, torch.zeros_like(p))
+        log_q = torch.log_softmax(torch.where(valid, scores, torch.full_like(scores, -1e30)), dim=-1)
+        kl = torch.where(valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p)).sum(-1)
+        rows = valid.any(-1).float()
+        self.kls.append((kl * rows).sum() / rows.sum().clamp_min(1.0))
+
+    def update_router_biases(self, rate: float) -> None:
+        """The expert-bias rule after an optimizer step (docs/model.md, "MoE balancing"), in float32."""
+        import numpy as np
+        import torch
+
+        r = np.float32(rate)
+        with torch.no_grad():
+            for i, gate in self.routers.items():
+                load = self.load[i].numpy()  # exact integer counts (float64)
+                sign = np.sign(load.sum() / self.num_experts - load).astype(np.float32)
+                bias = gate.e_score_correction_bias
+                new = (bias.detach().numpy().astype(np.float32) + r * sign).astype(np.float32)
+                bias.copy_(torch.from_numpy(new))
+
+    def take_idle_experts(self) -> dict[str, list[int]]:
+        """MoE layer -> the experts no token reached this step (layers with any); resets the counts."""
+        out = {}
+        for i in sorted(self.load):
+            idle = [int(e) for e in (self.load[i] == 0).nonzero().reshape(-1).tolist()]
+            if idle:
+                out[str(i)] = idle
+        self.load = {}
+        return out
+
+    def _to_bf16(self) -> None:
+        """bf16 weights, as HF's ``from_pretrained(dtype=bfloat16)`` gives them, except the routers'
+        weights, kept fp32 like the correction bias (the official ``moe_router_dtype``, and the
+        Paddle model's: HF's router computes in fp32 from a bf16 weight, the same values at load)."""
+        import torch
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+        for mod in (self.model, self.mtp):
+            routers = [m for m in mod.modules() if isinstance(m, GlmMoeDsaTopkRouter)]
+            keep = [(m.weight.data.clone(), m.e_score_correction_bias.clone()) for m in routers]
+            mod.to(torch.bfloat16)
+            for m, (w, b) in zip(routers, keep):
+                m.weight.data = w
+                m.e_score_correction_bias = b
 
     def _pre(self, mod, args, kwargs):
         self._taps["kw"] = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")}
@@ -232,6 +364,12 @@ class Reference:
         """(HF-style unique name, parameter): main model names, MTP under ``mtp.{j}.``."""
         out = list(self.model.named_parameters())
         out += [(f"mtp.{n}", p) for n, p in self.mtp.named_parameters()]
+        return out
+
+    def router_biases(self) -> list[tuple[str, object]]:
+        """(HF-style unique name, buffer) of every router's correction bias (moved by the bias updates)."""
+        out = [(n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias")]
+        out += [(f"mtp.{n}", b) for n, b in self.mtp.named_buffers() if n.endswith("e_score_correction_bias")]
         return out
 
     def official(self, name: str, t) -> list[tuple[str, object]]:
@@ -399,10 +537,14 @@ def train(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(args.seed)
-    ref = Reference(args.model)
+    ref = Reference(args.model, args.dtype, args.indexer_loss_coeff)
     ref.model.train()
     ref.mtp.train()
-    params = ref.named_parameters()
+    model_params = ref.named_parameters()
+    # the optimizer steps fp32 masters of bf16 parameters (an fp32 parameter is its own master);
+    # gradients accumulate into the masters in fp32, micro-batch by micro-batch
+    params = [(n, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)) for n, p in model_params]
+    low = [(p, m) for (_, p), (_, m) in zip(model_params, params) if p is not m]
     decay = [p for _, p in params if p.ndim >= 2]
     no_decay = [p for _, p in params if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -415,6 +557,9 @@ def train(args: argparse.Namespace) -> dict:
     data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
     min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
+    if ref.indexer_coeff > 0:
+        hist["indexer_losses"] = []
+    idle_experts: list[dict[str, list[int]]] = []
     margins = TopkMargins([ref.model, ref.mtp])
     gaps: list[dict] = []
     dumps: dict[int, list[str]] = {}
@@ -428,9 +573,11 @@ def train(args: argparse.Namespace) -> dict:
         labels_np = batch["labels"]
         n_lm = max(int((labels_np[:, 1:] != -100).sum()), 1)
         n_mtp = [max(int((labels_np[:, d + 1 :] != -100).sum()), 1) for d in range(1, ref.D + 1)]
-        lm_total, mtp_total = 0.0, [0.0] * ref.D
+        lm_total, mtp_total, kl_total = 0.0, [0.0] * ref.D, 0.0
+        n_micro = G // M
         margins.reset()
         for mb in micro_batches(batch, 0, 1, M):
+            ref.kls = []
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
@@ -439,7 +586,16 @@ def train(args: argparse.Namespace) -> dict:
             obj = lm / n_lm
             for d, t in enumerate(mtps):
                 obj = obj + (ref.mtp_weight / ref.D) * t / n_mtp[d]
+            if ref.kls:  # the indexer KL: a per-micro-batch mean, over the global number of micro-batches
+                kl = torch.stack(ref.kls).sum()
+                obj = obj + ref.indexer_coeff * kl / n_micro
+                kl_total += float(kl.detach())
             obj.backward()
+            with torch.no_grad():
+                for p, m in low:
+                    if p.grad is not None:
+                        m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                        p.grad = None
             lm_total += float(lm.detach())
             for d, t in enumerate(mtps):
                 mtp_total[d] += float(t.detach())
@@ -457,6 +613,14 @@ def train(args: argparse.Namespace) -> dict:
             g["lr"] = lr
         opt.step()
         opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in low:
+                p.copy_(m.to(p.dtype))  # the bf16 weight is its master rounded
+        if args.moe_bias_update_rate > 0:  # after the update: step 1 routes with the loaded biases
+            ref.update_router_biases(args.moe_bias_update_rate)
+        idle_experts.append(ref.take_idle_experts())
+        if "indexer_losses" in hist:
+            hist["indexer_losses"].append(kl_total / n_micro)
         hist["losses"].append(lm_total / n_lm)
         if ref.D:
             hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
@@ -475,6 +639,8 @@ def train(args: argparse.Namespace) -> dict:
                 ):
                     if src is not None:
                         tensors[kind].update(ref.official(n, src))
+            for n, b in ref.router_biases():  # buffers: moved by the bias updates, never by the optimizer
+                tensors["weights"].update(ref.official(n, b))
             for d in dumps[step + 1]:
                 write_dump(ref, d, tensors)
         mtp_txt = f" mtp {hist['mtp_losses'][-1]:.6f}" if ref.D else ""
@@ -486,9 +652,12 @@ def train(args: argparse.Namespace) -> dict:
         result = dict(
             hist,
             topk_min_gaps=gaps,
+            expert_load={"idle_experts": idle_experts, "bias_update_rate": args.moe_bias_update_rate},
+            indexer_loss_coeff=ref.indexer_coeff,
             steps=step + 1,
             seed=args.seed,
-            reference="torch + transformers GlmMoeDsaForCausalLM (eager, fp32) + torch MTP",
+            reference=f"torch + transformers GlmMoeDsaForCausalLM (eager, {args.dtype}) + torch MTP",
+            dtype=args.dtype,
             versions={
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

@@ -17,7 +17,6 @@ rank must see the output folder (one filesystem, as for the trainer's checkpoint
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Any
 import paddle
 import paddle.nn as nn
 
+from .._io import dumps_json
 from ..parallel.layers import get_shard_spec, merge_slices
 from ..parallel.state import to_numpy
 from ..parallel.topology import Topology
@@ -202,7 +202,7 @@ def export_distributed(
             index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
             part = os.path.join(tmp, INDEX_NAME + ".part")
             with open(part, "w", encoding="utf-8") as f:
-                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                f.write(dumps_json(index, indent=2, sort_keys=True) + "\n")
             os.replace(part, os.path.join(tmp, INDEX_NAME))
         publish(tmp, out_dir)
     _barrier(topo)

@@ -4,15 +4,24 @@ To add a subcommand, append ``("name", "module.path:register_function")`` to ``C
 function receives argparse's subparsers object, adds its parser and sets ``func`` (returning the
 exit code). Modules are imported when the CLI starts, so keep their top level light (import heavy
 dependencies such as paddle inside ``func``). The command modules import nothing from this
-package, so there is no import cycle; ``python -m paddleformers_glm.cli`` runs it too.
+package but ``cli._common`` (help formatting, the ``--model`` folder message), so there is no
+import cycle; ``python -m paddleformers_glm.cli`` runs it too.
+
+Every subcommand's help shows its defaults; an unknown flag is reported with the subcommand's
+usage; Ctrl-C ends any command with one line and exit status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+import sys
+import threading
 import warnings
 from collections.abc import Sequence
+
+from ._common import HelpFormatter, show_defaults
 
 COMMANDS: list[tuple[str, str]] = [
     ("check-ckpt", "paddleformers_glm.parity.commands:register_check_ckpt"),
@@ -29,19 +38,66 @@ COMMANDS: list[tuple[str, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glm52", description="GLM-5.2 (glm_moe_dsa) for PaddlePaddle")
+    parser = argparse.ArgumentParser(
+        prog="glm52", description="GLM-5.2 (glm_moe_dsa) for PaddlePaddle", formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, target in COMMANDS:
         module, func = target.split(":")
         getattr(importlib.import_module(module), func)(sub)
         if name not in sub.choices:  # the list names what each register function adds
             raise RuntimeError(f"glm52: {target} did not register the subcommand {name!r} that COMMANDS lists for it")
+        show_defaults(sub.choices[name])
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+class _Interrupts:
+    """Ctrl-C as one line: the SIGINT handler remembers that it fired, because an interrupt that
+    lands inside Paddle's C++ (its import, an op) comes back as another exception type."""
+
+    fired = False
+
+    @classmethod
+    def handler(cls, signum: int, frame: object) -> None:
+        cls.fired = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> object:
+        """Install the handler (main thread only); returns the previous one, for :meth:`restore`."""
+        cls.fired = False
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, cls.handler)
+
+    @staticmethod
+    def restore(previous: object) -> None:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     # Paddle's import warns about a compiler cache on every run; it says nothing about the command.
     warnings.filterwarnings("ignore", message="No ccache found")
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
-    return int(args.func(args) or 0)
+    previous = _Interrupts.install()
+    command = "command"
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+        command = args.command
+        if extra:  # the subcommand's usage, not the top level's
+            _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+        return int(args.func(args) or 0)
+    except (Exception, KeyboardInterrupt) as err:
+        if isinstance(err, KeyboardInterrupt) or _Interrupts.fired:
+            print(f"\nglm52 {command}: interrupted", file=sys.stderr)
+            return 130
+        raise
+    finally:
+        _Interrupts.restore(previous)

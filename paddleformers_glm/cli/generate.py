@@ -1,103 +1,182 @@
-"""``glm52 generate``: stream text from a checkpoint folder with its tokenizer (greedy, sampled or
-speculative with the MTP layer), thin over ``generation.generate`` / ``generate_speculative``."""
+"""``glm52 generate``: stream text from a checkpoint folder with its tokenizer.
+
+Every argument is checked before Paddle is imported or the model is read: values (ranges,
+finiteness) and the length bound (prompt + new tokens against the checkpoint's
+``max_position_embeddings``), each refusal one line and exit 2. Unset options take the
+checkpoint's ``generation_config.json``, then transformers' defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 
-import numpy as np
+from ._common import HelpFormatter, model_folder_error
+
+
+def _options(args: argparse.Namespace) -> dict:
+    """The generation options given on the command line (HF names); unset ones are left out."""
+    opts = {
+        "max_new_tokens": args.max_new_tokens,
+        "max_length": args.max_length,
+        "do_sample": args.do_sample,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "repetition_penalty": args.repetition_penalty,
+        "stop_strings": args.stop or None,
+    }
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """A one-line complaint about a value no run could use, or None."""
+    for flag, v, low, inclusive, high in (
+        ("--max-new-tokens", args.max_new_tokens, 0, True, None),
+        ("--max-length", args.max_length, 1, True, None),
+        ("--top-k", args.top_k, 0, True, None),
+        ("--temperature", args.temperature, 0.0, False, None),
+        ("--top-p", args.top_p, 0.0, False, 1.0),
+        ("--repetition-penalty", args.repetition_penalty, 0.0, False, None),
+    ):
+        if v is None:
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{flag} must be a finite number, got {v}"
+        bad = v < low if inclusive else v <= low
+        if bad or (high is not None and v > high):
+            rng = f"{'>=' if inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+            return f"{flag} must be {rng}, got {v}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ..configuration import GlmMoeDsaConfig
+    from ..generation import GenerationConfig, check_generation_length
+    from ..tokenizer import GlmTokenizer, TokenizerError
+
+    def fail(msg: str) -> int:
+        print(f"glm52 generate: error: {msg.removeprefix('generate: ')}", file=sys.stderr)
+        return 2
+
+    bad = check_arguments(args)
+    if bad:
+        return fail(bad)
+    missing = model_folder_error(args.model)
+    if missing:
+        return fail(missing)
+    try:
+        config = GlmMoeDsaConfig.from_pretrained(args.model)
+        defaults = GenerationConfig.from_pretrained(args.model, config)
+        tok = GlmTokenizer.from_pretrained(args.model)
+        if args.chat:
+            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+        else:
+            ids = tok.encode(args.prompt)
+        if not ids:
+            return fail("the prompt encodes to no tokens")
+        if max(ids) >= config.vocab_size:
+            return fail(f"token id {max(ids)} >= vocab_size {config.vocab_size} of {args.model}/config.json")
+        opts = _options(args)
+        if "max_new_tokens" in opts or "max_length" in opts:
+            check_generation_length(config, len(ids), opts.get("max_new_tokens"), opts.get("max_length"))
+        else:
+            check_generation_length(config, len(ids), defaults.max_new_tokens, defaults.max_length)
+        defaults.check_supported()
+    except (TokenizerError, ValueError, OSError) as err:
+        return fail(str(err))
+
+    import paddle
+
+    from ..generation import generate, generate_speculative
+    from ..modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    eos = list(defaults.eos_token_id) if isinstance(defaults.eos_token_id, list) else []
+    if isinstance(defaults.eos_token_id, int):
+        eos = [defaults.eos_token_id]
+    if tok.eos_token_id is not None and tok.eos_token_id not in eos:
+        eos.append(tok.eos_token_id)
+    new: list[int] = []
+    shown = ""
+
+    def stream(step_tokens: np.ndarray) -> None:
+        nonlocal shown
+        new.append(int(step_tokens[0]))
+        text = tok.decode(new, skip_special_tokens=True)
+        if text.startswith(shown):  # print what this token added (a character may span tokens)
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+
+    prompt = paddle.to_tensor([ids], dtype="int64")
+    if args.speculative:
+        if opts.get("do_sample"):
+            return fail("--speculative decodes greedily; drop --do-sample")
+        n = check_generation_length(config, len(ids), opts.get("max_new_tokens"), opts.get("max_length"))
+        out, stats = generate_speculative(model, prompt, n, eos_token_id=eos)
+        for t in out.numpy()[0, len(ids) :]:
+            stream(np.asarray([t]))
+        sys.stdout.write("\n")
+        print(
+            f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
+            f"(acceptance rate {stats['acceptance_rate']:.2f}), {stats['main_forwards']} main forwards",
+            file=sys.stderr,
+        )
+        return 0
+    try:
+        generate(
+            model,
+            prompt,
+            generation_config=defaults,
+            eos_token_id=eos,
+            seed=args.seed,
+            streamer=stream,
+            tokenizer=tok,
+            **opts,
+        )
+    except ValueError as err:
+        return fail(str(err))
+    sys.stdout.write("\n")
+    return 0
 
 
 def register_generate(sub: argparse._SubParsersAction) -> None:
     """Add ``generate`` to the glm52 CLI (see cli.COMMANDS)."""
-    p = sub.add_parser("generate", help="generate text from a checkpoint folder with its tokenizer (streamed)")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a checkpoint folder with its tokenizer (streamed)",
+        description="Unset options take the checkpoint's generation_config.json, then transformers' defaults.",
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="new tokens at most (unset: the checkpoint's, else 20)"
+    )
+    p.add_argument("--max-length", type=int, default=None, help="prompt + new tokens at most")
+    p.add_argument(
+        "--do-sample",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sample instead of greedy decoding (unset: the checkpoint's do_sample, else greedy)",
+    )
+    p.add_argument("--temperature", type=float, default=None, help="> 0 (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="in (0, 1] (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0, 1 = off")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row at this text (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling draws")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
         "--speculative", action="store_true", help="greedy, drafting with the MTP layer (acceptance rate on stderr)"
     )
-
-    def run(args: argparse.Namespace) -> int:
-        import sys
-
-        import paddle
-
-        from ..generation import eos_ids, generate, generate_speculative
-        from ..modeling.model import GlmMoeDsaForCausalLM
-        from ..tokenizer import GlmTokenizer, TokenizerError
-
-        try:
-            tok = GlmTokenizer.from_pretrained(args.model)
-            if args.chat:
-                msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                    {"role": "user", "content": args.prompt}
-                ]
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
-            else:
-                ids = tok.encode(args.prompt)
-        except TokenizerError as err:
-            print(f"glm52 generate: {err}", file=sys.stderr)
-            return 2
-        if not ids:
-            print("glm52 generate: the prompt encodes to no tokens", file=sys.stderr)
-            return 2
-        model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
-        if max(ids) >= model.config.vocab_size:
-            print(f"glm52 generate: token id {max(ids)} >= vocab_size {model.config.vocab_size}", file=sys.stderr)
-            return 2
-        eos = eos_ids(None, model.config)
-        if tok.eos_token_id is not None and tok.eos_token_id not in eos:
-            eos.append(tok.eos_token_id)
-        new: list[int] = []
-        shown = ""
-
-        def stream(step_tokens: np.ndarray) -> None:
-            nonlocal shown
-            new.append(int(step_tokens[0]))
-            text = tok.decode(new, skip_special_tokens=True)
-            if text.startswith(shown):  # print what this token added (a character may span tokens)
-                sys.stdout.write(text[len(shown) :])
-                sys.stdout.flush()
-                shown = text
-
-        if args.speculative:
-            if args.do_sample:
-                print("glm52 generate: --speculative decodes greedily; drop --do-sample", file=sys.stderr)
-                return 2
-            out, stats = generate_speculative(
-                model, paddle.to_tensor([ids], dtype="int64"), args.max_new_tokens, eos_token_id=eos
-            )
-            for t in out.numpy()[0, len(ids) :]:
-                stream(np.asarray([t]))
-            sys.stdout.write("\n")
-            print(
-                f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
-                f"(acceptance rate {stats['acceptance_rate']:.2f}), {stats['main_forwards']} main forwards",
-                file=sys.stderr,
-            )
-            return 0
-        generate(
-            model,
-            paddle.to_tensor([ids], dtype="int64"),
-            max_new_tokens=args.max_new_tokens,
-            do_sample=args.do_sample,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            eos_token_id=eos,
-            seed=args.seed,
-            streamer=stream,
-        )
-        sys.stdout.write("\n")
-        return 0
-
     p.set_defaults(func=run)

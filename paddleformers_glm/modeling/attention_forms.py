@@ -171,10 +171,10 @@ def latent_decode_attention(q: paddle.Tensor, latent: paddle.Tensor, topk: paddl
     if B > 1:
         rows = rows + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])
     kv = paddle.gather(latent.reshape([B * T, D]), rows.reshape([-1])).reshape([B * n, K, D])
-    s = paddle.matmul(q.reshape([B * n, H, D]), kv, transpose_y=True)  # [B n, H, k]
-    mask = (topk < 0).astype(q.dtype).scale_(_FP32_MIN).reshape([B * n, K])  # 0 or the fp32 minimum
-    p = ops.masked_softmax_(s, mask)
-    return paddle.matmul(p, kv).reshape([B, n, H, D])
+    s = _as(paddle.matmul(q.reshape([B * n, H, D]), kv, transpose_y=True), "float32")  # [B n, H, k]
+    mask = (topk < 0).astype("float32").scale_(_FP32_MIN).reshape([B * n, K])  # 0 or the fp32 minimum
+    p = ops.masked_softmax_(s, mask)  # fp32 whatever q's dtype, as the prefill's forms
+    return paddle.matmul(_as(p, kv.dtype), kv).reshape([B, n, H, D])
 
 
 _FP32_MIN = float(paddle.finfo(paddle.float32).min)
@@ -362,10 +362,11 @@ def _chunk_probs(
         ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
         s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
         m = prep.mask[ch.r0 : ch.r1]
-    return ops.masked_softmax_(s, m), ks
+    return ops.masked_softmax_(_as(s, "float32"), m), ks  # the softmax in fp32 whatever q's dtype
 
 
 def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
+    p = _as(p, ks.dtype)  # fp32 probabilities meet bf16 keys in the keys' dtype (HF casts them back)
     C, H, T = p.shape
     if dense:
         return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
@@ -446,7 +447,8 @@ class _SparseLatentAttention(PyLayer):
                 dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
             else:
                 dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
-            ds = ops.softmax_backward(p, dp)
+            ds = _as(ops.softmax_backward(p, _as(dp, p.dtype)), qc.dtype)
+            p = _as(p, qc.dtype)
             dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
             # d(keys) = ds^T qs + p^T g
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
@@ -506,8 +508,8 @@ def dense_masked_attention(
     sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :S]
     min_val = paddle.finfo(paddle.float32).min
     mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, min_val)).unsqueeze(1)
-    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale + mask  # [B, H, S, S]
-    probs = nn.functional.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
+    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, S]
+    probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1).astype(v.dtype)  # fp32 softmax
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
 
 
@@ -547,15 +549,20 @@ class _DenseHeadAttention(PyLayer):
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         B, H, S, _ = q.shape
-        qs = q * scale  # scaling the queries costs dk/S of scaling the scores
-        s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
-        p = ops.masked_softmax_(s, mask)
+        low = q.dtype in (paddle.bfloat16, paddle.float16)
+        if low:  # HF eager's rounding: the product in q's dtype, then scaled (rounded again)
+            qs = q
+            s = _as(paddle.matmul(q, k, transpose_y=True) * scale, "float32")  # [B, H, S, S]
+        else:
+            qs = q * scale  # scaling the queries costs dk/S of scaling the scores
+            s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
+        p = ops.masked_softmax_(s, mask)  # fp32 whatever q's dtype
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
         if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
             ctx.mark_non_differentiable(pm)
         ctx.save_for_backward(qs, k, v, p, live)
-        ctx.scale = scale
+        ctx.scale, ctx.low = scale, low
         return out, pm
 
     @staticmethod
@@ -568,7 +575,11 @@ class _DenseHeadAttention(PyLayer):
         ds = ops.softmax_backward(p, dp)
         if ds.dtype != qs.dtype:
             ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
-        dq = paddle.matmul(ds, k).scale_(ctx.scale)
+        if ctx.low:  # the scale's gradient in q's dtype, before both products (the forward's order)
+            ds = ds * ctx.scale
+            dq = paddle.matmul(ds, k)
+        else:
+            dq = paddle.matmul(ds, k).scale_(ctx.scale)
         dk = paddle.matmul(ds, qs, transpose_x=True)
         dv = paddle.matmul(p, g, transpose_x=True)
         return dq, dk, dv, None, None
@@ -621,8 +632,8 @@ class _DenseChunkAttention(PyLayer):
             mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)  # [1, C, r1]
             pm = None
             for h0, h1 in groups:
-                p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)  # [G, C, r1]
-                ops.head_context_(p, v, out, b, r0, h0)
+                p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)  # [G, C, r1] fp32
+                ops.head_context_(_as(p, v.dtype), v, out, b, r0, h0)
                 if want_probs:
                     pm = p.sum(axis=0) if pm is None else pm.add_(p.sum(axis=0))
                 if keep:
@@ -661,10 +672,11 @@ class _DenseChunkAttention(PyLayer):
                     if mask is None:
                         mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)
                     p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)
-                ds = ops.softmax_backward(p, ops.head_scores(g_live, v, b, r0, r1, r1, h0, h1))
+                dp = _as(ops.head_scores(g_live, v, b, r0, r1, r1, h0, h1), p.dtype)
+                ds = _as(ops.softmax_backward(p, dp), q.dtype)  # fp32 probabilities, as the forward's
                 ops.head_context_(ds, k, dq, b, r0, h0, scale)
                 ops.head_accum_(ds, q, dk, b, r0, h0, scale)
-                ops.head_accum_(p, g_live, dv, b, r0, h0)
+                ops.head_accum_(_as(p, g_live.dtype), g_live, dv, b, r0, h0)
         if ctx.dead:  # a query without keys output the mean of all values: g / S to each value
             dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]
             dv = dv + dead.expand(dv.shape)
@@ -672,9 +684,10 @@ class _DenseChunkAttention(PyLayer):
 
 
 def _masked_probs(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
-    """softmax(s + mask) over the keys for scores s [G, C, n] and a mask [1, C, n] shared by the G heads."""
+    """softmax(s + mask) over the keys for scores s [G, C, n] and a mask [1, C, n] shared by the G
+    heads, in fp32 whatever the scores' dtype (as HF's eager softmax)."""
     G, C, n = s.shape
-    return ops.masked_softmax_(s.reshape([1, G, C, n]), mask).reshape([G, C, n])
+    return ops.masked_softmax_(_as(s, "float32").reshape([1, G, C, n]), mask).reshape([G, C, n])
 
 
 def dense_head_attention(

@@ -31,7 +31,7 @@ import paddle
 from paddle import nn
 
 from ..configuration import IGNORE_INDEX, GlmMoeDsaConfig
-from ..ops import cross_entropy_sum
+from ..ops import cpu_bf16, cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import (
     ParallelLMHead,
@@ -360,6 +360,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         L, D = config.num_hidden_layers, config.num_mtp_layers
         stage = stage or StageSpec.whole(L, D > 0)
         mtp_ids = list(range(L, L + D)) if stage.has_mtp else []
+        if str(dtype).replace("paddle.", "") == "bfloat16":
+            cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
         with default_dtype(dtype):
             super().__init__()
             self.config = config
@@ -407,6 +409,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         config: GlmMoeDsaConfig | None = None,
         *,
         topology: Topology | None = None,
+        check_finite: bool = True,
         **config_overrides,
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
@@ -418,7 +421,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         (default) is the config's dtype where the device computes it (an accelerator), else float32
         with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
         info line, warnings as warnings); ``output_loading_info=True`` returns ``(model, report)``
-        as transformers does.
+        as transformers does. ``check_finite`` (default) refuses weights holding NaN or Inf, naming
+        them (checkpoint/finite.py; its cost per GB is in docs/checkpoints.md).
         """
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
@@ -445,6 +449,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         unfilled = set(params) - set(report.loaded) - set(report.initialized)
         if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does
             init_like_hf({k: params[k] for k in sorted(unfilled)}, config.initializer_range)
+        if check_finite:
+            from ..checkpoint.finite import check_finite_state
+
+            check_finite_state(params, os.path.abspath(os.fspath(path)))
         _LOG.info("%s", report.summary())
         model.source_path = os.path.abspath(os.fspath(path))
         return (model, report) if output_loading_info else model
@@ -666,10 +674,24 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return self.logits(self.model.norm(hidden[:, -1:]))[:, -1]
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs
-    ) -> paddle.Tensor:
-        """Prompt + new tokens [B, S + n] int64; see `paddleformers_glm.generation.generate`."""
+    @property
+    def generation_config(self):
+        """`generate`'s defaults (a `generation.GenerationConfig`): the checkpoint's
+        generation_config.json, else the config's special tokens; assign one to change them."""
+        if self.__dict__.get("_generation_config") is None:
+            from ..generation import generation_config_of
+
+            self.__dict__["_generation_config"] = generation_config_of(self)
+        return self.__dict__["_generation_config"]
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self.__dict__["_generation_config"] = value
+
+    def generate(self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs):
+        """Prompt + new tokens [B, S + n] int64 (HF's options; defaults from `generation_config`);
+        see `paddleformers_glm.generation.generate`."""
         from ..generation import generate
 
+        kwargs.setdefault("generation_config", self.generation_config)
         return generate(self, input_ids, attention_mask, **kwargs)

@@ -26,7 +26,7 @@ from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
 from ..ops import route, routed_experts, routed_rows, swiglu
-from ..ops.norm import capturing_cuda_graph
+from ..ops.norm import capturing_cuda_graph, cast
 from ..parallel import comm
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
@@ -136,8 +136,9 @@ class RouterBalance:
 
     ``counts``: tokens routed to each expert [E] (int64) by the training forwards since the trainer
     last took them (after each optimizer step; ``train/moe_balance.py``); ``routed``: the same
-    counts since the gradient sync last took them (its has-gradient flags: an expert no token
-    reached is not stepped; ``parallel/grads.py``).  ``aux_loss_coeff`` > 0 adds the sequence-wise
+    counts since the gradient sync last took them (its has-gradient flags: a layer whose experts got
+    no token is not stepped, and with ``--expert-update routed-only`` an expert no token reached;
+    ``parallel/grads.py``).  ``aux_loss_coeff`` > 0 adds the sequence-wise
     balance loss times ``aux_loss_scale`` per sequence (the trainer sets it to 1 / global batch
     sequences times its loss factor, so the gradient is that of ``coeff * mean over sequences``);
     ``aux_loss`` sums the unscaled per-sequence losses since the trainer last took them.
@@ -277,7 +278,7 @@ class MoE(nn.Layer):
         if self.routed_form == "padded":
             return self._padded(x, weights, expert_ids, order, counts)
         sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
-        w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)  # [N*K] by expert
+        w_sorted = paddle.gather(weights.reshape([-1]), order)  # [N*K] by expert, fp32
         return routed_experts(x, order // K, sizes, w_sorted, *self._expert_weights())
 
     def _expert_weights(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
@@ -299,7 +300,7 @@ class MoE(nn.Layer):
         out = paddle.zeros_like(x)
         for e in range(self.num_experts):
             w_e = paddle.where(expert_ids == e, weights, paddle.zeros_like(weights)).sum(axis=-1, keepdim=True)
-            out = out + swiglu_ffn(x, self.expert(e)) * w_e.astype(x.dtype)
+            out = out + cast(cast(swiglu_ffn(x, self.expert(e)), w_e.dtype) * w_e, x.dtype)
         return out
 
     def _padded(
@@ -332,8 +333,9 @@ class MoE(nn.Layer):
         w2 = paddle.stack([e.down_proj.weight for e in experts])  # [E, I, H]
         gate, up = paddle.split(paddle.matmul(x_pad, w1), 2, axis=-1)
         y = paddle.matmul(nn.functional.silu(gate) * up, w2)  # [E, cap, H]
-        w = paddle.take_along_axis(weights, perm, axis=-1).astype(x.dtype)  # [N, K]
-        y = paddle.gather(y.reshape([E * cap, H]), slot_of_assign).reshape([N, K, H]) * w.unsqueeze(-1)
+        w = paddle.take_along_axis(weights, perm, axis=-1)  # [N, K] fp32
+        y = paddle.gather(y.reshape([E * cap, H]), slot_of_assign).reshape([N, K, H])
+        y = cast(cast(y, w.dtype) * w.unsqueeze(-1), x.dtype)  # the weight product in fp32, as HF
         parts = paddle.unbind(y, axis=1)
         out = parts[0]
         for part in parts[1:]:

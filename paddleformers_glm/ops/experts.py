@@ -8,6 +8,7 @@ from paddle.autograd import PyLayer
 
 from .activation import SwiGLUKernel, swiglu
 from .kernels import usable
+from .norm import cast
 
 
 def routed_experts(
@@ -21,9 +22,12 @@ def routed_experts(
     """sum over a token's assignments of w * down_e(swiglu(up_gate_e(x))), for x [N, H].
 
     The assignments arrive sorted by expert: `tokens` [A] is each assignment's token, `sizes` the
-    number of assignments per expert (Python ints), `row_weights` [A] the routing weights in x's
-    dtype; `up_gate` / `down` hold each expert's [H, 2I] / [I, H] weight. Each token's terms are
-    added in ascending expert order, as HF's per-expert `index_add_` adds them.
+    number of assignments per expert (Python ints), `row_weights` [A] the routing weights (the
+    router's fp32); `up_gate` / `down` hold each expert's [H, 2I] / [I, H] weight. Each token's
+    terms are added in ascending expert order.
+
+    For a low-precision x (bf16) the products w * ffn and their sum per token are taken in fp32
+    and rounded to x's dtype once, as HF's default experts form (``grouped_mm``) does.
 
     On fp32 CPU tensors all experts run as two grouped matmuls (one compiled op each way, one MKL
     GEMM per expert on its rows) with the routing weight applied inside the SwiGLU kernel, before
@@ -31,7 +35,7 @@ def routed_experts(
     elsewhere each expert runs one matmul pair on its rows (bitwise HF's sums).
     """
     x_sorted = paddle.gather(x, tokens)
-    ops = usable(x, up_gate[0])
+    ops = usable(x, up_gate[0], row_weights)
     if ops is not None and hasattr(ops, "glm_grouped_matmul"):
         act = SwiGLUKernel.apply(_GroupedMatmul.apply(sizes, ops, x_sorted, *up_gate), row_weights, ops)
         y = _GroupedMatmul.apply(sizes, ops, act, *down)
@@ -42,12 +46,12 @@ def routed_experts(
     xs = paddle.split(x_sorted, sizes) if len(sizes) > 1 else [x_sorted]
     row_weights = row_weights.unsqueeze(-1)
     ws = paddle.split(row_weights, sizes) if len(sizes) > 1 else [row_weights]
-    out = paddle.zeros_like(x)
+    out = paddle.zeros(x.shape, dtype=row_weights.dtype)
     for e, n in enumerate(sizes):
         if n:
             ffn = nn.functional.linear(swiglu(nn.functional.linear(xs[e], up_gate[e])), down[e])
-            out = out.index_add_(token_parts[e], 0, ffn * ws[e])
-    return out
+            out = out.index_add_(token_parts[e], 0, cast(ffn, ws[e].dtype) * ws[e])
+    return cast(out, x.dtype)
 
 
 def routed_rows(
@@ -70,7 +74,7 @@ def routed_rows(
     flat_e = expert_ids.reshape([-1])
     order = paddle.argsort(flat_e, stable=True)
     sizes = paddle.bincount(flat_e, minlength=len(up_gate)).tolist()
-    w_sorted = paddle.gather(weights.reshape([-1]), order).astype(x.dtype)
+    w_sorted = paddle.gather(weights.reshape([-1]), order)  # fp32, as routed_experts takes them
     return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
 
 

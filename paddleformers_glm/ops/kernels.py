@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,8 +207,11 @@ def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
     if not done.exists():
         with _exclusive(folder / ".lock"):
             if not done.exists():  # another process may have built it while this one waited
+                _say(f"building the CPU kernels (once per Paddle version and CPU; log {log}) ...")
+                t0 = time.monotonic()
                 _compile(source, folder, name, cflags, ldflags, log)
                 done.touch()
+                _say(f"CPU kernels built in {time.monotonic() - t0:.0f} s, cached in {folder}")
     module = _load_built(folder, name, log)
     _state["path"] = folder / name / f"{name}.so"
     return module
@@ -217,6 +221,12 @@ def library_path() -> Path | None:
     """The built shared library (for its plain C entry points, e.g. ops/transpose.py), or None
     when the kernels are switched off or could not be built."""
     return _state["path"] if cpu_ops() is not None else None  # type: ignore[return-value]
+
+
+def _say(line: str) -> None:
+    """A line on stderr while a first use compiles (silent under GLM52_QUIET=1)."""
+    if os.environ.get("GLM52_QUIET", "") in ("", "0"):
+        print(f"[glm52] {line}", file=sys.stderr, flush=True)
 
 
 def cpu_ops() -> ModuleType | None:

@@ -101,8 +101,11 @@ class _RMSNorm(PyLayer):
             return y
         h = cast(x, "float32")
         r = paddle.rsqrt(mean_square(h) + eps)  # [..., 1]
-        n = cast(h * r.expand(h.shape), x.dtype)  # normalised, in the input dtype (as HF casts back)
-        ctx.save_for_backward(n, r, weight)
+        n32 = h * r.expand(h.shape)
+        n = cast(n32, x.dtype)  # normalised, in the input dtype (as HF casts back)
+        # fp32: n itself; a low-precision x instead, from which backward rebuilds the fp32
+        # normalised values HF's autograd differentiates through (n is their rounding)
+        ctx.save_for_backward(n if n is n32 else x, r, weight)
         return weight.expand(n.shape) * n
 
     @staticmethod
@@ -116,13 +119,23 @@ class _RMSNorm(PyLayer):
 
 
 def _rms_norm_backward_ops(
-    n: paddle.Tensor, r: paddle.Tensor, weight: paddle.Tensor, dy: paddle.Tensor
+    saved: paddle.Tensor, r: paddle.Tensor, weight: paddle.Tensor, dy: paddle.Tensor
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """The backward with Paddle's ops, from the normalised input n and 1 / rms r [..., 1]."""
-    H = n.shape[-1]
-    rows = math.prod(n.shape[:-1])
-    n32 = cast(n, "float32")
-    dw = paddle.matmul(_constant([1, rows], 1.0, n32), (cast(dy, "float32") * n32).reshape([rows, H]))
+    """The backward with Paddle's ops, from 1 / rms r [..., 1] and what the forward saved: the
+    normalised input (fp32) or the input itself (a low-precision one, see the forward).
+
+    Low precision follows the rounding of HF's autograd through its op-by-op form: the weight
+    gradient sums the products dy * n rounded to the input dtype, the input gradient comes from the
+    fp32 normalised values."""
+    H = saved.shape[-1]
+    rows = math.prod(saved.shape[:-1])
+    if saved.dtype == paddle.float32:
+        n32 = saved
+        prod = cast(dy, "float32") * n32
+    else:
+        n32 = cast(saved, "float32") * r.expand(saved.shape)
+        prod = cast(dy * cast(n32, saved.dtype), "float32")
+    dw = paddle.matmul(_constant([1, rows], 1.0, n32), prod.reshape([rows, H]))
     gn = cast(dy * weight.expand(dy.shape), "float32")
     # d/dh of h * rsqrt(mean(h^2) + eps) applied to gn: r * (gn - n * mean(gn * n))
     dot = mean_last(gn * n32)

@@ -20,7 +20,7 @@ import warnings
 
 import paddle
 
-__all__ = ["PADDLE_VERSION", "TESTED_PADDLE", "apply_gloo_subgroup_store_fix", "bf16_compute_supported"]
+__all__ = ["PADDLE_VERSION", "TESTED_PADDLE", "apply_gloo_subgroup_store_fix"]
 
 
 def _parse_version(v: str) -> tuple[int, int, int]:
@@ -105,8 +105,3 @@ def apply_gloo_subgroup_store_fix() -> bool:
     _new_process_group_impl._glm52_patched = True  # type: ignore[attr-defined]
     collective._new_process_group_impl = _new_process_group_impl
     return True
-
-
-def bf16_compute_supported() -> bool:
-    """Paddle 3.3.1 CPU has bf16 casts but no bf16 add/matmul kernels: bf16 training needs a GPU."""
-    return bool(paddle.is_compiled_with_cuda()) and paddle.get_device().startswith("gpu")

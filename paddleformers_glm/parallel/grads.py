@@ -32,10 +32,18 @@ What runs, in order:
    ``fused_allreduce_gradients_with_group(params, edp_group, scale=1/dp)``.  The expert grid spans
    the cp ranks, so a cp group holds *different* experts, and Fleet's plain HCG has no such group.
 
-Has-gradient flags: a dense parameter has a gradient when backward produced one on any replica;
-an expert has one when the routers sent it at least one token this step anywhere (the global
-routed-token counts), the same answer in every layout.  The optimizer skips the others, as torch's
-AdamW skips a parameter whose gradient is ``None``.
+Has-gradient flags: a dense parameter has a gradient when backward produced one on any replica.
+Experts follow the reference, which holds a layer's experts as fused tensors (HF's
+``gate_up_proj`` [E, 2I, H] and ``down_proj``, as Megatron's and PaddleFleet's grouped-GEMM experts
+do): torch's AdamW steps such a tensor whenever it has a gradient, so *every* expert of an MoE layer
+is stepped when the layer's router sent any token anywhere this step, an idle expert with a zero
+gradient (its moments decay, the moment-driven update and the weight decay go on, and its Adam
+step count stays the fused tensor's).  The decision is per layer, from the global routed-token
+counts, so it is the same on every rank of every layout.  ``expert_update="routed-only"`` keeps the
+per-expert rule instead (an expert is stepped only when tokens reached it this step: cheaper for
+very sparse routing, but a different optimizer trajectory from the fused reference).  The
+optimizer skips every parameter whose flag is false, as torch's AdamW skips a parameter whose
+gradient is ``None``.
 
 The global norm counts each distinct tensor element once: a replicated tensor only on its
 canonical owner (the sharding rank that updates it; dp and cp rank 0 and tp rank 0 unless
@@ -58,7 +66,11 @@ from . import comm
 from .layers import get_shard_spec
 from .topology import Topology
 
-__all__ = ["GradSynchronizer", "clip_main_grads", "loss_multiplier"]
+__all__ = ["EXPERT_UPDATES", "GradSynchronizer", "clip_main_grads", "loss_multiplier"]
+
+# how experts are stepped (see the module docstring): "fused" = every expert of a layer that routed
+# any token (the reference's fused-tensor AdamW); "routed-only" = only experts that got tokens
+EXPERT_UPDATES = ("fused", "routed-only")
 
 _EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
 
@@ -96,8 +108,11 @@ def _grad(p: paddle.Tensor) -> paddle.Tensor | None:
 class GradSynchronizer:
     """Prepared once per model; :meth:`main_grads` after each step's backward."""
 
-    def __init__(self, model: nn.Layer, topo: Topology) -> None:
+    def __init__(self, model: nn.Layer, topo: Topology, expert_update: str = "fused") -> None:
+        if expert_update not in EXPERT_UPDATES:
+            raise ValueError(f"expert_update must be one of {', '.join(EXPERT_UPDATES)}, got {expert_update!r}")
         self.topo = topo
+        self.expert_update = expert_update
         self.params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
@@ -108,7 +123,9 @@ class GradSynchronizer:
         for moe, (_, n_experts) in self.routers.items():
             offsets[moe], total = total, total + n_experts
         self.num_slots = total  # one routed-token count per (MoE module, global expert id)
+        self.layer_slots = {moe: (offsets[moe], offsets[moe] + n) for moe, (_, n) in self.routers.items()}
         self.expert_slot: dict[str, int] = {}  # expert parameter -> its slot
+        self.expert_layer: dict[str, str] = {}  # expert parameter -> its MoE module
         for n, _ in self.params:
             if self.specs[n].expert:
                 m = _EXPERT.match(n)
@@ -122,6 +139,7 @@ class GradSynchronizer:
                 if e >= self.routers[moe][1]:
                     raise ValueError(f"expert parameter {n!r}: id {e} >= {self.routers[moe][1]} experts")
                 self.expert_slot[n] = offsets[moe] + e
+                self.expert_layer[n] = moe
         self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
         for n, p in self.params:  # Fleet's hybrid clip counts a pipeline-shared tensor on its first stage only
             if n in self.holders:
@@ -178,7 +196,8 @@ class GradSynchronizer:
     @paddle.no_grad()
     def main_grads(self) -> tuple[dict[str, paddle.Tensor], dict[str, bool]]:
         """fp32 gradients synced over every replica (Fleet's scaling: see the module docstring),
-        and whether each got a gradient anywhere (experts: any routed token this step)."""
+        and whether each is stepped (got a gradient anywhere; experts: their layer routed any token
+        this step, or with ``routed-only`` the expert itself got one)."""
         topo = self.topo
         local = self._to_main_grads()
         flags = self._flags(local)
@@ -251,10 +270,11 @@ class GradSynchronizer:
     def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
         """Has-gradient flags, the same on every replica.  Dense parameter: backward produced a
         gradient on some rank of this stage (pipeline-shared names: on some holder stage, in
-        :meth:`_sum_shared`).  Expert: this step's routed-token count, summed over every rank of the
-        stage (each routes its own tokens, or under TP without SP the same ones: only > 0 matters),
-        is positive.  Whether an untouched expert's local gradient is ``None`` or zeros depends on
-        the MoE form and the rank, so it cannot decide."""
+        :meth:`_sum_shared`).  Expert: from this step's routed-token counts, summed over every rank
+        of the stage (each routes its own tokens, or under TP without SP the same ones: only > 0
+        matters): any count of its layer positive (``fused``), or its own (``routed-only``).
+        Whether an untouched expert's local gradient is ``None`` or zeros depends on the MoE form
+        and the rank, so it cannot decide; the synced counts are the same on every rank."""
         topo = self.topo
         dense = [n for n, _ in self.params if n not in self.expert_slot]
         counts = np.zeros([self.num_slots], dtype=np.float64)
@@ -272,8 +292,13 @@ class GradSynchronizer:
             t = comm.all_reduce(t, group)
         vec = t.numpy()
         flags = {n: bool(v > 0) for n, v in zip(dense, vec[: len(dense)].tolist())}
+        routed = vec[len(dense) :]
+        layer_routed = {moe: bool(routed[a:b].sum() > 0) for moe, (a, b) in self.layer_slots.items()}
         for n, slot in self.expert_slot.items():
-            flags[n] = bool(vec[len(dense) + slot] > 0)
+            if self.expert_update == "fused":
+                flags[n] = layer_routed[self.expert_layer[n]]
+            else:
+                flags[n] = bool(routed[slot] > 0)
         return flags
 
     def _sum_shared(self, flags: dict[str, bool]) -> None:
@@ -296,10 +321,12 @@ class GradSynchronizer:
                     params[n].main_grad = parts[i].reshape(params[n].shape)
                     flags[n] = bool(float(parts[len(names) + i].numpy()[0]) > 0)
 
-    def global_norm(self, grads: dict[str, paddle.Tensor]) -> float:
-        """L2 norm of the whole model's gradient, each distinct element counted once."""
+    def global_norm(self, grads: dict[str, paddle.Tensor], local_extra: paddle.Tensor | None = None) -> float:
+        """L2 norm of the whole model's gradient, each distinct element counted once.
+        ``local_extra`` (float64 [1]) joins this rank's sum before the all-reduce: the trainer's
+        non-finite loss flag (0 or NaN, train/nonfinite.py) reaches every rank with the norm."""
         topo = self.topo
-        total = paddle.zeros([1], dtype="float64")
+        total = paddle.zeros([1], dtype="float64") if local_extra is None else local_extra
         for n, _ in self.params:
             if self._owner(n, self.specs[n]):
                 total = total + (grads[n] * grads[n]).sum().astype("float64")

@@ -50,6 +50,7 @@ import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from ..configuration import IGNORE_INDEX
+from ..ops.loss import with_nonfinite_rows
 from . import comm
 from .topology import Topology, get_topology
 
@@ -621,6 +622,7 @@ def parallel_cross_entropy(
         per_tok = F.cross_entropy(
             logits.astype("float32"), labels.unsqueeze(-1), ignore_index=ignore_index, reduction="none"
         ).squeeze(-1)
+        per_tok = with_nonfinite_rows(per_tok, logits, labels, ignore_index)  # Paddle's CPU op hides NaN/inf
     else:
         from paddle.distributed.fleet import meta_parallel as mpu
 

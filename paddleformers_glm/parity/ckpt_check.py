@@ -15,7 +15,11 @@ Why each step:
 * a block-FP8 checkpoint (F8_E4M3 weights + ``<name>_scale_inv``) against an unquantized one is
   compared by dequantized value: each FP8 weight, dequantized in fp32 and rounded to the other
   side's dtype, must equal that side's tensor. These pairs form their own **quantization** class
-  (counted apart; the scale tensors and ``quantization_config`` are part of it, not differences).
+  (counted apart; the scale tensors and ``quantization_config`` are part of it, not differences);
+* every floating-point tensor (FP8 weights and their scales included) is scanned for NaN/Inf while
+  its bytes are read for the hash: identical NaN bytes hash alike, so without the scan two broken
+  checkpoints would "match". Such tensors make the input unusable (exit 2), each named with its file
+  and count, unless ``allow_nonfinite`` (``--allow-nonfinite``) reports them as warnings.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 
 from .. import progress
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.finite import count_nonfinite_raw
 from ..checkpoint.fp8 import Fp8Source, fp8_pairs, quantization_of
 from ..checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
 
@@ -143,6 +148,7 @@ class _Side:
     error: str | None = None
     fp8: dict[str, str] = field(default_factory=dict)  # FP8 weight -> its scale tensor
     block: tuple[int, int] = (128, 128)
+    nonfinite: dict[str, int] = field(default_factory=dict)  # tensor -> NaN/Inf elements
 
 
 def _open_side(path: str) -> _Side:
@@ -182,7 +188,12 @@ def _open_side(path: str) -> _Side:
             "check-ckpt hash", sum(i.nbytes for i in side.ckpt.tensors.values()), len(side.ckpt.tensors)
         )
         for k, info in side.ckpt.tensors.items():
-            side.hashes[k] = tensor_hash(info.dtype, info.shape, side.ckpt.raw(k))
+            raw = side.ckpt.raw(k)
+            side.hashes[k] = tensor_hash(info.dtype, info.shape, raw)
+            bad = count_nonfinite_raw(raw, info.dtype)
+            if bad:
+                side.nonfinite[k] = bad
+            del raw
             side.ckpt.file_of(k).release(k)
             bar.update(info.nbytes)
     except (CheckpointError, OSError, ValueError) as e:
@@ -307,7 +318,9 @@ def _ref_array(ref: _Side, key: str) -> np.ndarray:
     return ref.ckpt.numpy(key)
 
 
-def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) -> dict[str, Any]:
+def check_checkpoints(
+    ref_path: str, cand_path: str, layout: str | None = None, *, allow_nonfinite: bool = False
+) -> dict[str, Any]:
     """Compare two checkpoints; returns the receipt (``exit_code`` 0 match, 1 mismatch, 2 unusable).
 
     ``layout`` declares the candidate's layout (``hf``/``fleet``). When it differs from the
@@ -324,6 +337,7 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
         "declared_cand_layout": layout,
         "differences": [],
         "errors": [],
+        "warnings": [],
     }
     sides = {"ref": _open_side(ref_path), "cand": _open_side(cand_path)}
     for name, s in sides.items():
@@ -332,6 +346,14 @@ def check_checkpoints(ref_path: str, cand_path: str, layout: str | None = None) 
             report["errors"].append(f"{name}: {s.error}")
         for p in s.problems:
             report["errors"].append(f"{name}: refused {p['problem']}: {p['file']} ({p['detail']})")
+        for key, count in sorted(s.nonfinite.items()):
+            where = report["warnings"] if allow_nonfinite else report["errors"]
+            assert s.ckpt is not None
+            info = s.ckpt.info(key)
+            kind = "FP8 scale" if key in s.fp8.values() else "tensor"
+            where.append(
+                f"{name}: {kind} {key} ({info.dtype}, file {s.ckpt.file_of(key).file}) holds {count} NaN/Inf values"
+            )
     ref, cand = sides["ref"], sides["cand"]
     if report["errors"]:
         return _finish(report, EXIT_UNUSABLE, t0, sides)
@@ -399,6 +421,7 @@ def _side_report(s: _Side) -> dict[str, Any]:
         "tensor_count": len(s.ckpt.tensors) if s.ckpt else None,
         "tensor_bytes": sum(i.nbytes for i in s.ckpt.tensors.values()) if s.ckpt else None,
         "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
+        "nonfinite": dict(sorted(s.nonfinite.items())),
     }
 
 
@@ -546,6 +569,8 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
     lines = [f"check-ckpt: {report['result']} (exit {report['exit_code']})"]
     for e in report.get("errors", []):
         lines.append(f"  error: {e}")
+    for w in report.get("warnings", []):
+        lines.append(f"  warning: {w}")
     if "counts" in report:
         c = report["counts"]
         lines.append(

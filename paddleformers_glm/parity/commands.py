@@ -44,6 +44,11 @@ def register_check_ckpt(sub: argparse._SubParsersAction) -> None:
         help="the candidate's layout; when it differs from REF's, naming differences explained by the AOA mapping pass",
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="report tensors holding NaN/Inf (weights or FP8 scales) as warnings instead of refusing the input",
+    )
 
 
 def _run_check_ckpt(args: argparse.Namespace) -> int:
@@ -51,7 +56,7 @@ def _run_check_ckpt(args: argparse.Namespace) -> int:
     from .ckpt_check import check_checkpoints, summary_lines
 
     progress.set_quiet(True if args.quiet else None)
-    report = check_checkpoints(args.ref, args.cand, layout=args.layout)
+    report = check_checkpoints(args.ref, args.cand, layout=args.layout, allow_nonfinite=args.allow_nonfinite)
     _write_json(args.json_out, report)
     print("\n".join(summary_lines(report)))
     return int(report["exit_code"])
@@ -63,16 +68,23 @@ def register_check_loss(sub: argparse._SubParsersAction) -> None:
         "check-loss",
         {"a": "loss.json of run A", "b": "loss.json of run B"},
         _run_check_loss,
-        help="compare two loss.json curves (exit 0 pass, 1 fail, 2 malformed input)",
+        help="compare two loss.json curves (exit 0 pass, 1 fail, 2 malformed input or no plot)",
         description="Read {'losses': [...]} from A and B and report length_match, enough_steps, consistent_steps, "
         "matching_steps, first_divergent_step (0-based), max_diff and bit_exact.",
     )
-    p.add_argument("--steps", type=int, help="compare the first N steps; each file must have at least N")
+    p.add_argument(
+        "--steps", type=int, help="compare the first N steps; each file must have at least N (longer ones are fine)"
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--bit-exact", action="store_true", help="every compared loss must be identical (default)")
     mode.add_argument("--atol", type=float, help="absolute tolerance: |a-b| <= atol + rtol*|b|")
     p.add_argument("--rtol", type=float, help="relative tolerance (with --atol, or alone)")
-    p.add_argument("--plot", metavar="OUT.png", help="write a PNG of both curves and |diff| per step")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="write a PNG of both curves (labelled by run folder) and |diff| per step against the tolerance; "
+        "needs the plot extra (without it: exit 2, the JSON receipt is still written)",
+    )
 
 
 def _run_check_loss(args: argparse.Namespace) -> int:
@@ -85,10 +97,9 @@ def _run_check_loss(args: argparse.Namespace) -> int:
         args.a, args.b, steps=args.steps, bit_exact=args.bit_exact, atol=args.atol, rtol=args.rtol, plot=args.plot
     )
     _write_json(args.json_out, report)
-    if report["exit_code"] == 2:
-        for e in report["errors"]:
-            print(f"check-loss: {e}", file=sys.stderr)
-    else:
+    for e in report["errors"]:
+        print(f"check-loss: {e}", file=sys.stderr)
+    if report["result"] != "unusable input":
         keys = (
             "length_match",
             "enough_steps",
@@ -98,7 +109,14 @@ def _run_check_loss(args: argparse.Namespace) -> int:
             "max_diff",
             "bit_exact",
         )
-        print(f"check-loss: {report['result']} ({report['mode']}) " + " ".join(f"{k}={report[k]}" for k in keys))
+        rule = (
+            "every loss identical"
+            if report["mode"] == "bit-exact"
+            else (f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step")
+        )
+        print(
+            f"check-loss: {report['result']} ({report['mode']}: {rule}) " + " ".join(f"{k}={report[k]}" for k in keys)
+        )
         for j in report.get("jumps", []):
             print(
                 f"check-loss: jump at step {j['step']}: |diff| {j['diff']:.3g} after at most {j['previous_max_diff']:.3g} "

@@ -38,6 +38,7 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     import numpy as np
 
     el = _expert_load(loss_json)
+    run = os.path.basename(os.path.dirname(os.path.abspath(loss_json)))
     load = np.asarray(el["load_total"], dtype=np.float64)  # [layers, experts]
     mean = load.mean(axis=1, keepdims=True)
     rel = np.divide(load, mean, out=np.zeros_like(load), where=mean > 0)
@@ -59,6 +60,7 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     rate = el.get("bias_update_rate", 0.0)
     ax_c.set_title(f"balance (bias update rate {rate:g})")
     ax_c.legend(loc="upper right")
+    fig.suptitle(f"expert load of run {run!r} ({loss_json})", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     tmp = f"{png}.part.{os.getpid()}.png"
@@ -73,6 +75,9 @@ def _run(args: argparse.Namespace) -> int:
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(loss_json)), "expert_load.png")
     try:
         plot_expert_load(loss_json, png)
+    except ImportError:
+        print("plot-experts: plotting needs matplotlib: pip install 'paddleformers_glm[plot]'", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         print(f"plot-experts: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,9 @@ __all__ = [
     "compare_losses",
     "detect_jumps",
     "check_losses",
+    "loss_figure",
     "plot_losses",
+    "run_labels",
 ]
 
 EXIT_PASS, EXIT_FAIL, EXIT_UNUSABLE = 0, 1, 2
@@ -72,7 +74,8 @@ def compare_losses(
     """Step-by-step agreement of two curves: ``|a-b| <= atol + rtol*|b|`` (atol=rtol=0: bit-exact).
 
     With ``steps`` only the first ``steps`` losses are compared and each curve must have that many
-    (``enough_steps``); without it all common steps are compared and one step is enough.
+    (``enough_steps``); their lengths beyond that do not matter. Without it all common steps are
+    compared, one step is enough, and the curves must be as long as each other.
     """
     n_common = min(len(a), len(b))
     n = min(n_common, steps) if steps is not None else n_common
@@ -91,7 +94,7 @@ def compare_losses(
         "matching_steps": sum(agree),
         "first_divergent_step": consistent if consistent < n else None,
         "max_diff": max(diffs) if diffs else 0.0,
-        "bit_exact": len(a) == len(b) and all(a[i] == b[i] for i in range(n_common)),
+        "bit_exact": (len(a) == len(b) or steps is not None) and all(a[i] == b[i] for i in range(n)),
         "atol": atol,
         "rtol": rtol,
     }
@@ -158,19 +161,50 @@ def check_losses(
     report.update(compare_losses(curves["a"], curves["b"], steps, *tol))
     report["jumps"] = detect_jumps(curves["a"], curves["b"])
     ok = (
-        report["length_match"]
+        (report["length_match"] or steps is not None)
         and report["enough_steps"]
         and report["matching_steps"] == report["steps_compared"]
         and (report["bit_exact"] or report["mode"] == "tolerance")
     )
-    if plot:
-        report["plot"] = plot_losses(curves["a"], curves["b"], plot, labels=(path_a, path_b))
     report.update(exit_code=EXIT_PASS if ok else EXIT_FAIL, result="pass" if ok else "fail")
+    if plot:
+        try:
+            report["plot"] = plot_losses(
+                curves["a"], curves["b"], plot, labels=(path_a, path_b), tolerance=tol, verdict=report["result"]
+            )
+        except ImportError:
+            # the comparison stands (result, receipt); exit 2: the asked-for output could not be made
+            report["errors"].append(f"--plot {plot}: {PLOT_EXTRA_HINT}")
+            report.update(exit_code=EXIT_UNUSABLE, plot=None)
     return report
 
 
-def plot_losses(a: Sequence[float], b: Sequence[float], out: str, labels: tuple[str, str] = ("A", "B")) -> str:
-    """PNG with both curves (top) and |a - b| per step (bottom); needs the ``plot`` extra."""
+PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
+
+
+def run_labels(path_a: str, path_b: str) -> tuple[str, str]:
+    """Names that tell two runs apart in a legend: a run's folder (runs write OUT/loss.json), with
+    as many parent folders as it takes to differ."""
+    pa, pb = (os.path.abspath(p).split(os.sep) for p in (path_a, path_b))
+    for parts in (pa, pb):
+        if len(parts) > 1 and parts[-1] == "loss.json":
+            parts.pop()
+    for n in range(1, max(len(pa), len(pb)) + 1):
+        la, lb = os.sep.join(pa[-n:]), os.sep.join(pb[-n:])
+        if la != lb:
+            return la, lb
+    return "A: " + os.sep.join(pa[-1:]), "B: " + os.sep.join(pb[-1:])
+
+
+def loss_figure(
+    a: Sequence[float],
+    b: Sequence[float],
+    labels: tuple[str, str] = ("A", "B"),
+    tolerance: tuple[float, float] = (0.0, 0.0),
+    verdict: str | None = None,
+) -> Any:
+    """The matplotlib figure of :func:`plot_losses`: both curves labelled by run (top), |a - b| per
+    step with the tolerance it is held to (bottom), the verdict in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,19 +212,47 @@ def plot_losses(a: Sequence[float], b: Sequence[float], out: str, labels: tuple[
 
     n = min(len(a), len(b))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, dpi=100)
-    ax1.plot(range(len(a)), a, label=os.path.basename(labels[0]) or "A", lw=1.5)
-    ax1.plot(range(len(b)), b, label=os.path.basename(labels[1]) or "B", lw=1.0, ls="--")
+    ax1.plot(range(len(a)), a, label=labels[0] or "A", lw=1.5)
+    ax1.plot(range(len(b)), b, label=labels[1] or "B", lw=1.0, ls="--")
     ax1.set_ylabel("loss")
     ax1.legend(loc="best")
     ax1.grid(alpha=0.3)
     diff = [abs(a[i] - b[i]) for i in range(n)]
-    ax2.plot(range(n), diff, color="tab:red", marker="o", ms=2, lw=1)
-    if any(d > 0 for d in diff):
-        ax2.set_yscale("symlog", linthresh=max(min((d for d in diff if d > 0), default=1e-12), 1e-300))
+    ax2.plot(range(n), diff, color="tab:red", marker="o", ms=2, lw=1, label="|A - B|")
+    atol, rtol = tolerance
+    if atol == 0 and rtol == 0:
+        rule = "bit-exact (|A - B| = 0)"
+    else:
+        rule = f"|A - B| <= {atol:g} + {rtol:g} x |B|"
+        bound = [atol + rtol * abs(b[i]) for i in range(n)]
+        ax2.plot(range(n), bound, color="black", ls=":", lw=1, label=f"tolerance {atol:g} + {rtol:g}|B|")
+    positive = [d for d in diff if d > 0] + ([atol] if atol > 0 else [])
+    if positive:
+        ax2.set_yscale("symlog", linthresh=max(min(positive), 1e-300))
     ax2.set_xlabel("step")
     ax2.set_ylabel("|A - B|")
+    ax2.legend(loc="best")
     ax2.grid(alpha=0.3)
+    head = f"check-loss {verdict.upper()}: " if verdict else ""
+    fig.suptitle(f"{head}{rule}, max |A - B| {max(diff, default=0.0):.3g} over {n} steps", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_losses(
+    a: Sequence[float],
+    b: Sequence[float],
+    out: str,
+    labels: tuple[str, str] = ("A", "B"),
+    tolerance: tuple[float, float] = (0.0, 0.0),
+    verdict: str | None = None,
+) -> str:
+    """PNG with both curves (top) and |a - b| per step against the tolerance (bottom); ``labels``
+    are the loss files' paths (the legend names their run folders). Needs the ``plot`` extra
+    (ImportError without matplotlib)."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(a, b, run_labels(*labels), tolerance, verdict)
     from .._io import atomic_open
 
     with atomic_open(out, "wb") as f:

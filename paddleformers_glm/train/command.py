@@ -10,19 +10,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._io import atomic_write_text
+from .._io import write_json_atomic
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
     from .loop import TrainConfig
+    from .stop_signals import StopListener
 
-__all__ = ["add_layout_arguments", "add_train_arguments", "config_from_args", "main", "register_train", "run_train"]
+__all__ = [
+    "TRAIN_DEFAULTS",
+    "add_layout_arguments",
+    "add_train_arguments",
+    "check_inputs_before_launch",
+    "config_from_args",
+    "main",
+    "register_train",
+    "run_train",
+]
+
+# defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
+TRAIN_DEFAULTS = {"seq_len": 64, "global_batch_size": 4, "dtype": "float32"}
 
 
 def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> None:
@@ -76,8 +91,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=5)
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--global-batch-size", type=int, default=4)
+    g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
+    g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
@@ -88,12 +103,30 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument(
+        "--expert-update",
+        default="fused",
+        choices=["fused", "routed-only"],
+        help="fused (default, the reference's semantics): every expert of an MoE layer that routed any token is "
+        "stepped, idle ones with a zero gradient; routed-only: only experts that got tokens (docs/parity.md)",
+    )
+    g.add_argument(
+        "--skip-nonfinite-steps",
+        type=int,
+        default=0,
+        help="skip up to N steps whose loss or grad norm is not finite (no update); the next one stops the run",
+    )
+    g.add_argument(
         "--recompute",
         default="none",
         choices=["none", "full", "core"],
         help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 needs a GPU")
+    g.add_argument(
+        "--dtype",
+        default=TRAIN_DEFAULTS["dtype"],
+        choices=["float32", "bfloat16"],
+        help="bfloat16: bf16 weights and activations, fp32 master weights (on a CPU build through ops/cpu_bf16)",
+    )
     g.add_argument(
         "--data",
         default=None,
@@ -112,7 +145,17 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar nor checkpoint load/export progress")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar nor checkpoint load/export progress (the bar is drawn on a terminal only)",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="relay Paddle's set-up logging (communication groups, the printed model, modified flags) to the "
+        "console too; it is always in OUT/logs/workerlog.*",
+    )
     g.add_argument(
         "--dump-step",
         nargs=2,
@@ -148,8 +191,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
         )
     else:
-        if not os.path.isdir(args.model):
-            raise FileNotFoundError(f"--model {args.model}: not a folder (give a checkpoint folder or 'toy')")
+        from ..cli._common import model_folder_error
+
+        bad = model_folder_error(args.model)
+        if bad:
+            raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
     cfg = TrainConfig(
         model=model,
@@ -189,6 +235,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         moe_bias_update_rate=args.moe_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        expert_update=args.expert_update,
+        skip_nonfinite_steps=args.skip_nonfinite_steps,
         fault=args.fault,
         dump_steps=_dump_steps(args),
     )
@@ -221,7 +269,24 @@ def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -
             f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
         )
         cfg.data = out
-    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
+
+
+def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
+    """Everything the run reads from disk, checked in this process before any worker starts, so a
+    bad file is one named error instead of a worker dying at the step that first touches it:
+
+    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
+      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
+      ``labels`` one per ``input_ids``); text/chat jsonl is tokenized here;
+    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
+      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
+    """
+    _prepare_data(cfg, args, vocab_size)
+    if cfg.resume:
+        from .state_files import check_resume_state
+
+        check_resume_state(cfg.resume)
 
 
 def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -240,7 +305,29 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run (world 1) or launch (world > 1) the training; returns the exit code."""
+    """Run (world 1) or launch (world > 1) the training; returns the exit code.  A stop signal
+    before the launch is one line too (exit 128 + signal)."""
+    from .stop_signals import listen
+
+    listener = listen()  # before Paddle starts its threads: they inherit the blocked stop signals
+    try:
+        return _run_train(args)
+    except KeyboardInterrupt as e:
+        stop = _stopped_by(listener, e)
+        print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
+        return 128 + int(signal.Signals[stop["signal"]])
+
+
+def _stopped_by(listener: StopListener, e: KeyboardInterrupt) -> dict:
+    """The stop signal behind a KeyboardInterrupt: the listener's record (with the sender), else
+    the signal the handler named (SIGINT when none)."""
+    if listener.caught is not None:
+        return listener.caught
+    name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+    return {"kind": "signal", "signal": name, "sender_pid": None, "text": f"{name} to glm52 train (pid {os.getpid()})"}
+
+
+def _run_train(args: argparse.Namespace) -> int:
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
     from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
@@ -256,28 +343,21 @@ def run_train(args: argparse.Namespace) -> int:
         adapter.check_layout(pc)
         stage_specs(cfg, adapter, pc.pp)
         check_batch(cfg, pc)
-        if args.job_timeout is not None and args.job_timeout <= 0:
-            raise ValueError(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
-        if args.comm_timeout <= 0:
-            raise ValueError(f"--comm-timeout must be > 0 seconds, got {args.comm_timeout}")
+        if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
+            raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")
+        if not (math.isfinite(args.comm_timeout) and args.comm_timeout > 0):
+            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
-        _prepare_data(cfg, args, adapter.vocab_size)
+        check_inputs_before_launch(cfg, args, adapter.vocab_size)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(cfg.out, exist_ok=True)
     if world == 1 and args.nnodes == 1:
-        from .loop import run_training
-
-        try:
-            run_training(cfg, adapter)
-        except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
-            print(f"glm52 train: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        return 0
+        return _run_in_process(cfg, adapter, args.job_timeout)
     run_json = os.path.join(cfg.out, "run_config.json")
-    atomic_write_text(run_json, json.dumps(cfg.__dict__, indent=1))
+    write_json_atomic(run_json, cfg.__dict__, indent=1, sort_keys=False, default=None)
     nproc = world // args.nnodes
     launcher_args = shlex.split(args.launcher_args)
     if args.nnodes > 1:
@@ -295,12 +375,71 @@ def run_train(args: argparse.Namespace) -> int:
             launcher_args=launcher_args,
             node_rank_offset=offset,
             timeout_s=args.job_timeout,
+            quiet_launcher=not args.verbose,
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:
-        print(f"glm52 train: {e}\n(failure record: {os.path.join(cfg.out, 'logs', 'failure.json')})", file=sys.stderr)
+        record = os.path.join(cfg.out, "logs", "failure.json")
+        if e.cause == "signal":  # a user's stop: one line
+            print(f"glm52 train: {e}; every process of the job ended (failure record: {record})", file=sys.stderr)
+        else:
+            print(f"glm52 train: {e}\n(failure record: {record})", file=sys.stderr)
         return e.returncode or 1
     return 0
+
+
+class _Stopped(BaseException):
+    """A stop signal or the job timeout, raised in the main thread of an in-process run."""
+
+    def __init__(self, stopped_by: dict) -> None:
+        super().__init__(stopped_by["text"])
+        self.stopped_by = stopped_by
+
+
+def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None) -> int:
+    """World 1: train in this process; a stop signal, the job timeout or a non-finite step ends it
+    with one line and ``OUT/logs/failure.json``, as a launched job would."""
+    import time
+
+    from .job_status import Diagnosis
+    from .launch import LaunchError, write_failure_record
+    from .loop import run_training
+    from .nonfinite import NonFiniteStep
+
+    def timeout(_num: int, _frame: object) -> None:
+        raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
+
+    from .stop_signals import listen
+
+    listener = listen()
+    old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None
+    if job_timeout:
+        signal.setitimer(signal.ITIMER_REAL, job_timeout)
+    t0 = time.monotonic()
+    log_dir = os.path.join(cfg.out, "logs")
+    try:
+        run_training(cfg, adapter)
+        return 0
+    except (_Stopped, KeyboardInterrupt) as e:
+        stopped_by = e.stopped_by if isinstance(e, _Stopped) else _stopped_by(listener, e)
+        rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
+        text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
+        diag = Diagnosis(None, text, stopped_by["kind"])
+    except NonFiniteStep as e:
+        diag, stopped_by, rc = Diagnosis(e.record["rank"], str(e), "nonfinite", e.record), None, 1
+    except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
+        diag, stopped_by, rc = Diagnosis(0, f"{type(e).__name__}: {e}", "error"), None, 1
+    finally:
+        if job_timeout:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    err = LaunchError(diag.rank, diag.message, rc, diag.cause)
+    path = write_failure_record(log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t0, diagnosis=diag)
+    print(
+        f"glm52 train: {'error: ' if diag.cause == 'error' else ''}{diag.message} (failure record: {path})",
+        file=sys.stderr,
+    )
+    return rc
 
 
 def register_train(sub: argparse._SubParsersAction) -> None:

@@ -34,7 +34,9 @@ import numpy as np
 from .._io import atomic_open
 from ..configuration import IGNORE_INDEX
 
-__all__ = ["TokenData", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
+__all__ = ["TokenData", "check_token_range", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
+
+BIN_DTYPES = ("uint16", "uint32", "int32", "int64")  # .bin token widths --data-dtype may name
 
 
 class TokenData:
@@ -47,6 +49,11 @@ class TokenData:
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def validate(self) -> None:
+        """Check every token of the source against the vocabulary now, not when its batch is drawn
+        (the launcher calls it once, before any worker starts). Sources checked as they are read
+        (jsonl, synthetic) have nothing left to check."""
 
     def global_batch(self, step: int, global_batch_size: int, shuffle: bool = True) -> dict[str, np.ndarray]:
         """Rows of step ``step`` (same on every rank and layout)."""
@@ -107,30 +114,29 @@ class _Stream(TokenData):
         toks = np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len], dtype=np.int64)
         return {"input_ids": toks, "labels": toks.copy()}
 
+    def validate(self) -> None:
+        check_token_range(self.tokens, self.vocab_size, self.describe)
+
 
 class _Jsonl(TokenData):
     def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int, pad_id: int) -> None:
         super().__init__(seq_len, vocab_size, seed, path)
         self.records: list[dict[str, Any]] = []
-        with open(path, encoding="utf-8") as f:
-            for ln, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{ln}: not JSON: {e}") from e
-                if not isinstance(rec, dict) or not isinstance(rec.get("input_ids"), list) or not rec["input_ids"]:
-                    hint = ""
-                    if isinstance(rec, dict) and ("text" in rec or "messages" in rec):
-                        hint = " (text and chat records are tokenized first: `glm52 train` does it, or prepare_jsonl)"
-                    raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`{hint}")
-                _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
-                if "labels" in rec:
-                    _check_labels(rec["labels"], vocab_size, f"{path}:{ln}: labels")
-                self.records.append(rec)
-        if not self.records:
-            raise ValueError(f"{path}: no records")
+        for ln, rec in _read_jsonl(path):
+            if not isinstance(rec, dict) or not isinstance(rec.get("input_ids"), list) or not rec["input_ids"]:
+                hint = ""
+                if isinstance(rec, dict) and ("text" in rec or "messages" in rec):
+                    hint = " (text and chat records are tokenized first: `glm52 train` does it, or prepare_jsonl)"
+                raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`{hint}")
+            _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
+            if "labels" in rec:
+                _check_labels(rec["labels"], vocab_size, f"{path}:{ln}: labels")
+                if len(rec["labels"]) != len(rec["input_ids"]):
+                    raise ValueError(
+                        f"{path}:{ln}: labels has {len(rec['labels'])} entries, input_ids {len(rec['input_ids'])}: "
+                        f"one label per input token ({IGNORE_INDEX} to leave a position out of the loss)"
+                    )
+            self.records.append(rec)
         self.num_samples = len(self.records)
         self.pad_id, self.has_mask = pad_id, True
 
@@ -146,6 +152,38 @@ class _Jsonl(TokenData):
         }
         out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
         return out
+
+
+_SCAN_CHUNK = 1 << 24  # tokens per vectorised min/max (a bounded temporary whatever the file size)
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str, *, allow: int | None = None) -> None:
+    """Every token in [0, ``vocab_size``) (or equal to ``allow``, e.g. the ignore index of labels):
+    a chunked min/max over a (memory-mapped) array, so a file is read once and never held whole;
+    the first offending token and its position are named."""
+    flat = tokens.reshape(-1)
+    for lo in range(0, flat.shape[0], _SCAN_CHUNK):
+        chunk = np.asarray(flat[lo : lo + _SCAN_CHUNK])
+        if chunk.size == 0:
+            continue
+        lo_v, hi_v = chunk.min(), chunk.max()
+        if lo_v >= 0 and hi_v < vocab_size:
+            continue
+        bad = (chunk < 0) | (chunk >= vocab_size)
+        if allow is not None:
+            bad &= chunk != allow
+        hits = np.flatnonzero(bad)
+        if hits.size:
+            pos = lo + int(hits[0])
+            at = (
+                f"position {pos}"
+                if tokens.ndim == 1
+                else f"row {pos // tokens.shape[-1]} column {pos % tokens.shape[-1]}"
+            )
+            raise ValueError(
+                f"{where}: token {int(flat[pos])} at {at} is outside the vocabulary [0, {vocab_size})"
+                + (f" ({int(bad.sum())} such tokens in this chunk of {chunk.size})" if hits.size > 1 else "")
+            )
 
 
 def _check_ids(ids: Any, vocab_size: int, where: str) -> None:
@@ -169,7 +207,7 @@ class _Packed(TokenData):
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int) -> None:
         super().__init__(seq_len, vocab_size, seed, path)
-        with np.load(path) as z:
+        with _load_npy(path) as z:
             missing = {"input_ids", "labels", "attention_mask"} - set(z.files)
             if missing:
                 raise ValueError(f"{path}: missing arrays {sorted(missing)} (have {sorted(z.files)})")
@@ -187,11 +225,23 @@ class _Packed(TokenData):
     def sample(self, i: int) -> dict[str, np.ndarray]:
         return {k: v[i].copy() for k, v in self.arrays.items()}
 
+    def validate(self) -> None:
+        check_token_range(self.arrays["input_ids"], self.vocab_size, f"{self.describe}: input_ids")
+        check_token_range(self.arrays["labels"], self.vocab_size, f"{self.describe}: labels", allow=IGNORE_INDEX)
+        mask = self.arrays["attention_mask"]
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError(f"{self.describe}: attention_mask holds values other than 0 and 1")
+
 
 def _read_jsonl(path: str) -> list[tuple[int, Any]]:
+    """(line number, record) of every non-empty line; a line that is not UTF-8 or not JSON is named."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for ln, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{ln}: not UTF-8 text (byte {e.start} of the line)") from e
             if not line.strip():
                 continue
             try:
@@ -308,6 +358,14 @@ def prepare_jsonl(
     return {"kind": kind, "records": len(records), "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
 
 
+def _load_npy(path: str, **kw: Any) -> Any:
+    """``np.load`` (never unpickling) with its errors naming the file."""
+    try:
+        return np.load(path, allow_pickle=False, **kw)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable {os.path.splitext(path)[1]} array file: {e}") from e
+
+
 def open_data(
     path: str | None, seq_len: int, vocab_size: int, seed: int, *, data_dtype: str = "auto", pad_id: int = 0
 ) -> TokenData:
@@ -319,12 +377,21 @@ def open_data(
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--data: no file {path}")
     if path.endswith(".npy"):
-        arr = np.load(path, mmap_mode="r")
+        arr = _load_npy(path, mmap_mode="r")
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{path}: expected integer tokens, got dtype {arr.dtype}")
         return _Stream(arr, seq_len, vocab_size, seed, path)
     if path.endswith(".bin"):
+        if data_dtype not in BIN_DTYPES and data_dtype != "auto":
+            raise ValueError(f"--data-dtype must be auto or one of {', '.join(BIN_DTYPES)}, got {data_dtype!r}")
         dtype = data_dtype if data_dtype != "auto" else ("uint16" if vocab_size <= 65536 else "uint32")
+        item = np.dtype(dtype).itemsize
+        size = os.path.getsize(path)
+        if size == 0 or size % item:
+            raise ValueError(
+                f"{path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each)"
+                + (" (an empty file)" if size == 0 else "; a truncated file, or the wrong --data-dtype")
+            )
         return _Stream(
             np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r"),
             seq_len,

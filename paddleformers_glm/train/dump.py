@@ -13,8 +13,10 @@ loss does not reach, the router's correction bias, a buffer) is written as zeros
 and moment dumps, the same convention the reference uses.
 
 What a parameter's moments are is read through :func:`adam_moments`, the only place that knows the
-optimizer's storage.  Memory: rank 0 gathers each full tensor (like ``--export``); meant for the
-small models a parity run uses.
+optimizer's storage.  With sharding ranks each parameter's moments (and at stage 2 its gradient)
+live on the sharding rank that updates it only: every value is first broadcast from that rank, so
+the dump holds them whichever rank owns them.  Memory: rank 0 gathers each full tensor (like
+``--export``); meant for the small models a parity run uses.
 """
 
 from __future__ import annotations
@@ -87,11 +89,14 @@ def dump_training_state(
     ``GradSynchronizer.main_grads`` returns them).
     """
     from ..checkpoint import save_pretrained_state
+    from ..parallel import comm
     from ..parallel.layers import get_shard_spec
     from ..parallel.state import gather_full_state
 
     state = module.state_dict()
     params = dict(module.named_parameters())
+    # sharding: the rank that updates a parameter holds its moments (and, at stage 2, its gradient)
+    owners = opt.grad_owners() if getattr(opt, "sharding", None) is not None else {}
     for kind in DUMP_KINDS:
         local: dict[str, paddle.Tensor] = {}
         for n, t in state.items():
@@ -104,6 +109,8 @@ def dump_training_state(
                 m = adam_moments(opt, n, p) if p is not None else (None, None)
                 v = m[0] if kind == "exp_avg" else m[1]
             v = paddle.zeros(t.shape, "float32") if v is None else v.detach().astype("float32").clone()
+            if n in owners:  # the same names in the same order on every sharding rank of the stage
+                comm.broadcast(v, topo.sharding_group.ranks[owners[n]], topo.sharding_group)
             v.shard_spec = get_shard_spec(t)  # how this rank's piece sits in the full tensor
             local[n] = v
 

@@ -57,9 +57,10 @@ class GlmAdapter(ModelAdapter):
     name = "glm"
     supports_context_parallel = True  # the model reads the cp_* batch keys (parallel/context.py)
 
-    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, dtype: str | None = None) -> None:
         from ..configuration import GlmMoeDsaConfig
 
+        # None: the run's dtype (the trainer builds stages inside ``default_dtype(--dtype)``)
         self.model_dir, self.dtype = model_dir, dtype
         self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
         c = self.config
@@ -91,7 +92,7 @@ class GlmAdapter(ModelAdapter):
         from ..modeling.model import GlmMoeDsaForCausalLM
 
         self.check_layout(topo.pc)
-        return GlmMoeDsaForCausalLM(self.config, self.dtype, topology=topo, stage=spec)
+        return GlmMoeDsaForCausalLM(self.config, self.dtype or paddle.get_default_dtype(), topology=topo, stage=spec)
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
         """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.

@@ -1,69 +1,86 @@
-"""Start the local worker processes through ``python -m paddle.distributed.launch`` and turn a
-failure into one line that names the rank that caused it.
+"""Start the local worker processes through ``python -m paddle.distributed.launch``, keep the
+job's lifetime the launcher's, and turn a failure into one line that names the rank that caused it.
 
 Paddle's launcher, when one worker dies, reports whichever container it noticed first (often a
-*survivor* that failed in communication afterwards).  So each worker records its own fate in
-``LOG/status/``: ``rank<N>.error.json`` (exception, traceback, time, whether it looks like a
-communication failure) or ``rank<N>.ok``.  After the launcher exits we pick the culprit:
-the earliest non-communication error, else a rank the launcher saw frozen (process state T, e.g.
-SIGSTOP), else a rank that left no record (killed by a signal or the OS), else the earliest
-communication error.  Every failure also leaves ``LOG/failure.json`` (culprit, message, how the job
-ended).  A watchdog stops the whole process group when a
-rank has failed but the launcher has not exited ``grace_s`` later (default: past the 30 s gloo
-timeout), or when a rank stays frozen that long (on NCCL its peers would otherwise wait for the
-process-group timeout), and ``timeout_s`` (``--job-timeout``) bounds the whole job, so it never
-hangs on a dead or frozen peer.
+*survivor* that failed in communication afterwards), and tears the rest down at once.  So each
+worker records its own life in ``LOG/status/`` (job_status.py: pid, heartbeats, its error or the
+signal that ended it, each failing worker's snapshot of its peers) and the culprit is read from
+those records afterwards (:func:`job_status.diagnose`): the same answer on every run of the same
+fault.  Every failure also leaves ``LOG/failure.json`` (culprit, cause, message, how the job ended).
+
+One job, one lifetime: SIGTERM, SIGINT or SIGHUP to the launcher stops every process of the job
+(SIGTERM, then SIGKILL 3 s later) and records who sent it; the launcher's death kills Paddle's
+launcher and the workers (``prctl(PR_SET_PDEATHSIG)``, lifeline.py, and the workers' watchdog);
+every process of the job carries the job id in its environment, so none is missed.  A watchdog
+stops the job when a rank has failed but the job has not ended ``grace_s`` later (default: past
+the 30 s gloo timeout), when a rank stays frozen that long (on NCCL its peers would otherwise wait
+for the process-group timeout), and at ``timeout_s`` (``--job-timeout``); past that deadline the
+workers end themselves if the launcher could not.
 
 Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
 through ``launcher_args``; every node runs the same command.
+
+Paddle's launcher runs as ``python -m paddleformers_glm.train.lifeline paddle.distributed.launch
+ARGS``: tied to this process, and leaving through ``_exit.exit_now`` once it has joined its
+workers (the job ends without the launcher's interpreter teardown).
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .._io import atomic_write_text
+from .._io import write_json_atomic
 from ..cpu_env import apply_mkl_default
-
-__all__ = ["LaunchError", "diagnose", "launch_workers", "rank_states", "worker_env", "write_failure_record"]
-
-_COMM_MARKERS = (
-    "gloo",
-    "TIMEOUT",
-    "Connection reset",
-    "Connection closed",
-    "Connection refused",
-    "Broken pipe",
-    "NCCL",
-    "ProcessGroup",
-    "socket",
-    "peer",
+from .console import PaddleChatter
+from .job_status import (
+    ENV_DEADLINE,
+    ENV_JOB_ID,
+    ENV_LAUNCHER_PID,
+    ENV_STATUS_DIR,
+    Diagnosis,
+    diagnose,
+    is_comm_error,
+    proc_state,
+    read_records,
+    snapshot,
 )
+from .stop_signals import listen
+
+__all__ = [
+    "LaunchError",
+    "diagnose",
+    "is_comm_error",
+    "job_processes",
+    "launch_workers",
+    "launcher_command",
+    "worker_env",
+    "write_failure_record",
+]
+
+TERM_WAIT_S = 3.0  # SIGTERM, then SIGKILL this much later
 
 
 @dataclass
 class LaunchError(RuntimeError):
-    """A distributed job failed; ``rank`` is the culprit (None when unknown)."""
+    """A distributed job failed; ``rank`` is the culprit (None when unknown or a user stopped it)."""
 
     rank: int | None
     message: str
     returncode: int
+    cause: str = "error"
 
     def __str__(self) -> str:
         return self.message
-
-
-def is_comm_error(text: str) -> bool:
-    return any(m.lower() in text.lower() for m in _COMM_MARKERS)
 
 
 def _repo_root() -> str:
@@ -82,97 +99,115 @@ def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[
     return env
 
 
-def _tail(path: str, n: int = 12) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.rstrip() for ln in f.readlines() if ln.strip()]
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
-def _proc_state(pid: int) -> str | None:
-    """One-letter Linux process state (R, S, D, T = stopped, t = traced, Z), or None when gone/unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def rank_states(log_dir: str) -> dict[int, str]:
-    """Process state of every local rank that recorded its pid and is still alive."""
-    out: dict[int, str] = {}
-    for path in glob.glob(os.path.join(log_dir, "status", "rank*.pid")):
-        try:
-            with open(path, encoding="utf-8") as f:
-                rec = json.load(f)
-        except (OSError, json.JSONDecodeError):
+def job_processes(job_id: str) -> list[int]:
+    """Pids of every live process whose environment carries ``GLM52_JOB_ID=job_id`` (Linux /proc;
+    an empty list elsewhere): Paddle's launcher, the workers and anything they started."""
+    needle = f"{ENV_JOB_ID}={job_id}".encode()
+    out = []
+    for d in glob.glob("/proc/[0-9]*"):
+        pid = int(os.path.basename(d))
+        if pid == os.getpid():
             continue
-        st = _proc_state(int(rec["pid"]))
-        if st is not None and st != "Z":
-            out[int(rec["rank"])] = st
-    return out
-
-
-def diagnose(
-    log_dir: str, world_local: list[int], stopped: Sequence[int] = (), killed_by_us: bool = False
-) -> tuple[int | None, str]:
-    """(culprit rank, message) from the status files of the local ranks ``world_local``.
-
-    ``stopped``: ranks the launcher saw frozen (process state T/t: SIGSTOP, a debugger) while the
-    job was failing; such a rank outranks the peers that timed out waiting for it.
-    ``killed_by_us``: the launcher stopped the job (job timeout), so a rank without a record is not
-    a culprit by itself.
-    """
-    status = os.path.join(log_dir, "status")
-    errors = []
-    for path in glob.glob(os.path.join(status, "rank*.error.json")):
         try:
-            with open(path, encoding="utf-8") as f:
-                errors.append(json.load(f))
-        except (OSError, json.JSONDecodeError):
+            with open(os.path.join(d, "environ"), "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
             continue
-    ok = {int(os.path.basename(p)[4:-3]) for p in glob.glob(os.path.join(status, "rank*.ok"))}
-    reported = {e["rank"] for e in errors} | ok
-    silent = [r for r in world_local if r not in reported]
-    errors.sort(key=lambda e: e["time"])
-    primary = [e for e in errors if not e["comm"]]
-    others = ""
-    if primary:
-        e = primary[0]
-        rest = sorted({x["rank"] for x in errors if x is not e})
-        if rest:
-            others = f" (then rank(s) {', '.join(map(str, rest))} failed too)"
-        return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}{others}\n{e['traceback_tail']}"
-    frozen = [r for r in stopped if r not in reported]
-    if frozen:
-        r = frozen[0]
-        comm_ranks = sorted({x["rank"] for x in errors})
-        if comm_ranks:
-            others = f"; rank(s) {', '.join(map(str, comm_ranks))} then timed out waiting for it"
-        return r, (
-            f"rank {r} was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering{others}. "
-            f"Last lines of {os.path.join(log_dir, f'workerlog.{r}')}:\n{_tail(os.path.join(log_dir, f'workerlog.{r}'), 6)}"
-        )
-    if silent and not killed_by_us:
-        r = silent[0]
-        tail = _tail(os.path.join(log_dir, f"workerlog.{r}"), 6)
-        comm_ranks = sorted({x["rank"] for x in errors})
-        if comm_ranks:
-            others = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer"
-        return r, (
-            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory){others}. "
-            f"Last lines of {os.path.join(log_dir, f'workerlog.{r}')}:\n{tail}"
-        )
-    if errors:
-        e = errors[0]
-        return e[
-            "rank"
-        ], f"rank {e['rank']} failed in communication: {e['type']}: {e['message']}\n{e['traceback_tail']}"
-    if killed_by_us:
-        return None, "no rank reported an error or was seen stopped (a slow or hung job; see OUT/logs/workerlog.*)"
-    return None, "the launcher failed before any worker reported (see the launcher output above)"
+        if needle in env and proc_state(pid) not in (None, "Z"):
+            out.append(pid)
+    return sorted(out)
+
+
+class _StopWatch:
+    """Stop signals while the job runs, polled by the launch loop: from the process's listener
+    (stop_signals.py: with the sender) when it runs, else from the ``KeyboardInterrupt`` that
+    SIGINT (and, under the listener's handlers, SIGTERM / SIGHUP) raises in the main thread."""
+
+    def __init__(self) -> None:
+        self.listener = listen()
+        self.caught: dict[str, Any] | None = None
+
+    def __enter__(self) -> _StopWatch:
+        self.listener.polled = True
+        return self
+
+    def wait(self, seconds: float) -> dict[str, Any] | None:
+        try:
+            time.sleep(seconds)
+        except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
+            name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+            self.listener.note(int(signal.Signals[name]), None)
+        self.caught = self.listener.caught
+        return self.caught
+
+    def __exit__(self, *exc: Any) -> None:
+        pass  # stays polled: the launcher is ending the job and then itself
+
+
+def _gone(pid: int) -> bool:
+    return proc_state(pid) in (None, "Z")
+
+
+def _signal_all(proc: subprocess.Popen, pids: Sequence[int], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # Paddle's launcher and anything left in its group
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
+    """End every process of the job: SIGTERM, then SIGKILL to what is left ``TERM_WAIT_S`` later.
+    The workers are found by the job id in their environment and by their pid records (each is
+    started with setsid, out of reach of a group signal)."""
+
+    def targets() -> list[int]:
+        pids = set(job_processes(job_id))
+        for rec in read_records(status_dir).values():
+            pid = (rec.get("pid") or {}).get("pid")
+            if pid and rec["pid"].get("job") == job_id and not _gone(int(pid)):
+                pids.add(int(pid))
+        return sorted(pids)
+
+    for sig, wait in ((signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, TERM_WAIT_S)):
+        pids = targets()
+        if proc.poll() is not None and not pids:
+            break
+        _signal_all(proc, pids, sig)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait:
+            if proc.poll() is not None and all(_gone(p) for p in pids):
+                break
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=TERM_WAIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _trouble(snap: dict[str, Any]) -> list[str]:
+    """What in a snapshot is a sign of trouble: a record of failure, a stopped or vanished rank."""
+    signs = []
+    for r, s in snap["ranks"].items():
+        if s["record"] in ("error", "signal"):
+            signs.append(f"rank {r} {s['record']}")
+        elif s["state"] in ("T", "t"):
+            signs.append(f"rank {r} stopped")
+        elif s["state"] == "gone" and s["record"] is None:
+            signs.append(f"rank {r} gone")
+    return signs
+
+
+def launcher_command(nproc_per_node: int, log_dir: str, args: Sequence[str]) -> list[str]:
+    """The command line of Paddle's launcher (``python -m paddle.distributed.launch``, through
+    lifeline.py) for ``nproc_per_node`` local processes logging to ``log_dir``; ``args`` are further
+    launcher options, then the script and its arguments."""
+    lifeline = [sys.executable, "-m", "paddleformers_glm.train.lifeline", "paddle.distributed.launch"]
+    return [*lifeline, "--nproc_per_node", str(nproc_per_node), "--log_dir", log_dir, *args]
 
 
 def launch_workers(
@@ -191,105 +226,145 @@ def launch_workers(
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
 
     Raises :class:`LaunchError` naming the failing rank; returns when every rank finished cleanly.
-    ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).
+    ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).  Call it from
+    the main thread: the parent-death signal of Paddle's launcher follows the thread that started it.
     """
     stream = stream or sys.stdout
     log_dir = os.path.abspath(log_dir)
-    os.makedirs(os.path.join(log_dir, "status"), exist_ok=True)
-    for old in glob.glob(os.path.join(log_dir, "status", "rank*")):
+    status_dir = os.path.join(log_dir, "status")
+    os.makedirs(status_dir, exist_ok=True)
+    for old in glob.glob(os.path.join(status_dir, "rank*")) + glob.glob(os.path.join(status_dir, "launcher.json")):
         os.remove(old)
+    job_id = uuid.uuid4().hex
+    t_wall = time.time()
+    deadline = t_wall + timeout_s if timeout_s is not None else None
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "paddle.distributed.launch",
-        "--nproc_per_node",
-        str(nproc_per_node),
-        "--log_dir",
-        log_dir,
-    ]
-    cmd += list(launcher_args) + [worker, *worker_args]
+    cmd = launcher_command(nproc_per_node, log_dir, [*launcher_args, worker, *worker_args])
     env = worker_env(nproc_per_node)
     env.update(extra_env or {})
-    env["GLM52_STATUS_DIR"] = os.path.join(log_dir, "status")
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
+    env.update({ENV_STATUS_DIR: status_dir, ENV_JOB_ID: job_id, ENV_LAUNCHER_PID: str(os.getpid())})
+    if deadline is not None:
+        env[ENV_DEADLINE] = repr(deadline)
+    write_json_atomic(
+        os.path.join(log_dir, "job.json"),
+        {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline},
+        indent=1,
+        sort_keys=False,
     )
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if quiet_launcher and (line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line):
-                continue
-            stream.write(line)
-            stream.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    t_start, first_failure, killed = time.monotonic(), None, None
-    stopped_since: dict[int, float] = {}  # rank -> when first seen frozen
-    last_poll = 0.0
-    while proc.poll() is None:
-        time.sleep(0.2)
-        now = time.monotonic()
-        if first_failure is None and glob.glob(os.path.join(log_dir, "status", "rank*.error.json")):
-            first_failure = now
-        if now - last_poll >= 1.0:  # a frozen rank hangs its peers (NCCL: up to the process-group timeout)
-            last_poll = now
-            states = rank_states(log_dir)
-            for r, st in states.items():
-                if st in ("T", "t"):
-                    stopped_since.setdefault(r, now)
-                else:
-                    stopped_since.pop(r, None)
-        frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
-        if first_failure is not None and now - first_failure > grace_s:
-            killed = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
-        elif frozen:
-            killed = f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job"
-        elif timeout_s is not None and now - t_start > timeout_s:
-            killed = f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"
-        if killed:
-            _kill_group(proc)
-            break
-    proc.wait()
-    reader.join(timeout=5)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
-    if proc.returncode == 0 and not killed:
+    t_start, first_failure = time.monotonic(), None
+    stopped_by: dict[str, Any] | None = None
+    snapshots: list[dict[str, Any]] = []
+    seen_signs: set[str] = set()
+    stopped_since: dict[str, float] = {}  # rank -> when first seen frozen
+    with _StopWatch() as signals:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
+        )
+
+        chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if quiet_launcher and (
+                    line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
+                ):
+                    continue
+                if quiet_launcher and not chatter.keep(line):
+                    continue
+                stream.write(line)
+                stream.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            while proc.poll() is None:
+                caught = signals.wait(0.2)
+                if caught:
+                    stopped_by = caught
+                    break
+                now = time.monotonic()
+                snap = snapshot(status_dir, by="launcher")
+                signs = [x for x in _trouble(snap) if x not in seen_signs]
+                if signs:  # evidence, taken before the launcher kills anything
+                    seen_signs.update(signs)
+                    snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
+                if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
+                    first_failure = now
+                for r, s in snap["ranks"].items():
+                    if s["state"] in ("T", "t"):
+                        stopped_since.setdefault(r, now)
+                    else:
+                        stopped_since.pop(r, None)
+                frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
+                if first_failure is not None and now - first_failure > grace_s:
+                    stopped_by = {
+                        "kind": "grace",
+                        "text": f"ranks still running {grace_s:.0f} s after a failure; stopped the job",
+                    }
+                elif frozen:
+                    stopped_by = {
+                        "kind": "frozen",
+                        "text": f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job",
+                    }
+                elif timeout_s is not None and now - t_start > timeout_s:
+                    stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}
+                if stopped_by:
+                    break
+        finally:
+            if stopped_by is not None:
+                snapshots.append(
+                    {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
+                )
+            stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
+            reader.join(timeout=5)
+    write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
+    if proc.returncode == 0 and stopped_by is None:
         return
-    timed_out = bool(killed) and "--job-timeout" in killed
-    rank, msg = diagnose(log_dir, local, stopped=sorted(stopped_since, key=stopped_since.get), killed_by_us=timed_out)
-    if killed:
-        msg = f"{msg}\n({killed})"
-    err = LaunchError(rank, msg, proc.returncode if proc.returncode else 1)
-    write_failure_record(log_dir, err, killed=killed, seconds=time.monotonic() - t_start)
+    diag = diagnose(log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots)
+    msg = diag.message
+    if stopped_by and stopped_by["kind"] != "signal":
+        msg = f"{msg}\n({stopped_by['text']})"
+    if stopped_by and stopped_by["kind"] == "signal":
+        rc = 128 + int(signal.Signals[stopped_by["signal"]])
+    elif stopped_by and stopped_by["kind"] == "timeout":
+        rc = 124
+    else:
+        rc = proc.returncode if proc.returncode and proc.returncode > 0 else 1
+    err = LaunchError(diag.rank, msg, rc, diag.cause)
+    write_failure_record(
+        log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t_start, diagnosis=diag, job_id=job_id
+    )
     raise err
 
 
-def write_failure_record(log_dir: str, err: LaunchError, *, killed: str | None, seconds: float) -> str:
-    """``LOG/failure.json``: the culprit rank, the message and how the job ended (for schedulers and
-    post-mortems; a job stopped by the watchdog or the job timeout leaves no other trace of why)."""
+def write_failure_record(
+    log_dir: str,
+    err: LaunchError,
+    *,
+    stopped_by: dict[str, Any] | None,
+    seconds: float,
+    diagnosis: Diagnosis | None = None,
+    job_id: str | None = None,
+) -> str:
+    """``LOG/failure.json``: the culprit rank, the cause, the message and how the job ended (for
+    schedulers and post-mortems; a job stopped by the watchdog, the job timeout or a signal leaves
+    no other trace of why).  A non-finite step adds its step, quantity and first non-finite
+    gradient (train/nonfinite.py)."""
     path = os.path.join(log_dir, "failure.json")
-    rec = {
+    rec: dict[str, Any] = {
         "rank": err.rank,
+        "cause": err.cause,
         "message": err.message,
         "returncode": err.returncode,
-        "stopped_by_launcher": killed,
+        "stopped_by": stopped_by,
+        "stopped_by_launcher": stopped_by["text"] if stopped_by else None,
         "seconds": round(seconds, 3),
         "time": time.time(),
+        "job_id": job_id,
     }
-    atomic_write_text(path, json.dumps(rec, indent=1))
+    for k, v in ((diagnosis.detail if diagnosis else None) or {}).items():
+        rec.setdefault(k, v)
+    write_json_atomic(path, rec, indent=1, sort_keys=False)
     return path
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -25,19 +25,23 @@ import paddle.distributed as dist
 
 from .. import progress
 from .._io import write_json_atomic as _write_json_atomic
+from ..checkpoint.finite import check_finite_state
 from ..modeling.model import default_dtype
+from ..ops import cpu_bf16
 from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
-from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
+from ..parallel.grads import EXPERT_UPDATES, GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import micro_batches, open_data
+from .job_status import beat
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
+from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
 
@@ -88,7 +92,9 @@ class TrainConfig:
     progress: bool = True
     moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
     moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
-    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop"
+    expert_update: str = "fused"  # fused: every expert of a layer that routed a token | routed-only (grads.py)
+    skip_nonfinite_steps: int = 0  # steps with a non-finite loss / grad norm skipped before the run stops
+    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop|nan"
     dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
 
     @classmethod
@@ -117,6 +123,32 @@ class TrainConfig:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.expert_update not in EXPERT_UPDATES:
+            raise ValueError(f"--expert-update must be one of {', '.join(EXPERT_UPDATES)}, got {self.expert_update!r}")
+        if int(self.skip_nonfinite_steps) < 0:
+            raise ValueError(f"--skip-nonfinite-steps must be >= 0, got {self.skip_nonfinite_steps}")
+        check_finite_settings(self)
+
+
+# float settings that must be finite numbers and >= 0 (None allowed where marked)
+_NONNEGATIVE_FLOATS = (
+    "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
+)  # fmt: skip
+
+
+def check_finite_settings(cfg: TrainConfig) -> None:
+    """Every float setting is a finite number in its range (``--lr nan`` would train on NaN)."""
+    for k in (*_NONNEGATIVE_FLOATS, "adam_beta1", "adam_beta2"):
+        v = getattr(cfg, k)
+        if v is None and k == "min_lr":
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{flag} must be a finite number, got {v!r}")
+        if k in _NONNEGATIVE_FLOATS and v < 0:
+            raise ValueError(f"{flag} must be >= 0, got {v}")
+        if k.startswith("adam_beta") and not 0 <= v < 1:
+            raise ValueError(f"{flag} must be in [0, 1), got {v}")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -137,14 +169,20 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _maybe_fault(spec: str | None, rank: int, step: int) -> None:
-    """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``)."""
+def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
+    """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``,
+    several joined by ``;``); ``kind=nan`` returns True: this rank's loss terms are then scaled by
+    NaN (on a rank that computes a loss: the last pipeline stage), so its gradients are NaN."""
     if not spec:
-        return
+        return False
+    if ";" in spec:
+        return any([_maybe_fault(one, rank, step) for one in spec.split(";") if one])
     kv = dict(part.split("=", 1) for part in spec.split(","))
     if int(kv.get("rank", -1)) != rank or int(kv.get("step", -1)) != step:
-        return
+        return False
     kind = kv.get("kind", "raise")
+    if kind == "nan":
+        return True
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if kind == "kill":
@@ -155,7 +193,7 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(10_000)
-    raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop, got {kind!r}")
+    raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop|nan, got {kind!r}")
 
 
 def _gather_ints(value: int, topo: Any) -> list[int]:
@@ -235,12 +273,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc = parallel_config(cfg, world)
     adapter.check_layout(pc)
     if cfg.dtype == "bfloat16":
-        from ..parallel._compat import bf16_compute_supported
-
-        if not bf16_compute_supported():
-            raise ValueError(
-                "--dtype bfloat16 needs a GPU: Paddle 3.3.1 has no bf16 compute kernels on CPU; use float32"
-            )
+        cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
     check_batch(cfg, pc)
     if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
         raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
@@ -330,6 +363,8 @@ class _Run:
     sched: Any
     loss_mult: float  # see _loss_multiplier
     opt_bytes: list[int] = field(default_factory=list)  # optimizer-state bytes of every rank
+    skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss / grad norm
+    last_checkpoint: str | None = None  # the newest resume state this run saved
 
     @property
     def rank0(self) -> bool:
@@ -363,7 +398,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     else:
         engine = SingleStageEngine(module)
     _load_initial_weights(cfg, adapter, module, topo, spec)
-    sync = GradSynchronizer(module, topo)
+    sync = GradSynchronizer(module, topo, cfg.expert_update)
     sync.sync_shared_parameters()
     opt = AdamW(
         sync.params,
@@ -407,6 +442,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
+    check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
     return _Run(
@@ -454,7 +490,10 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "sharding_stage": run.topo.pc.sharding_stage,
             "grad_clip": run.opt.clip_name,
             "recompute": cfg.recompute,
+            # ops Paddle runs through ops/cpu_bf16's fp32 route here (0: its own kernels, e.g. any GPU build)
+            "cpu_bf16_ops": len(cpu_bf16.installed()),
         },
+        skipped_steps=list(run.skipped),
     )
     out.update(run.balancer.report())
     return out
@@ -482,7 +521,8 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     Fleet's step: the sync when every backward is done, the clip and update as the optimizer's
     ``step()`` (parallel/fleet_pipeline.py)."""
     cfg, topo = run.cfg, run.topo
-    _maybe_fault(cfg.fault, topo.rank, step + 1)
+    poison = _maybe_fault(cfg.fault, topo.rank, step + 1)
+    beat(step + 1, "data")
     run.sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
     lr = float(run.sched())
     batch = run.data.global_batch(step, cfg.global_batch_size)
@@ -493,12 +533,15 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     }
     # each term's weight over its global normaliser, times the factor Fleet's gradient sync expects
     scales = {name: s.weight * run.loss_mult / max(norms[name], 1) for name, s in run.loss_specs.items()}
+    if poison:  # --fault kind=nan: this rank's objective (not its reported loss sums) is NaN
+        scales = {name: v * float("nan") for name, v in scales.items()}
     replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
     mbs = list(micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size))
     if topo.cp_size > 1:  # context parallel: this rank's zigzag slice, labels shifted over whole sequences
         shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
         mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
     mbs = [_to_tensors(mb) for mb in mbs]
+    beat(step + 1, "forward")
     # ---- the step engine: sync -> norm -> clip -> update, inline or inside Fleet's train_batch
     done: dict[str, Any] = {}
 
@@ -506,10 +549,17 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         done["grads"], done["has_grad"] = run.sync.main_grads()
 
     def update() -> None:
+        beat(step + 1, "update")
         grads = run.sync.current_grads()  # as Fleet's train_batch step left them (delay_scale_loss)
         # a copy: the trainer's clip replaces the entries, Fleet's clips the tensors in place
         done["pre_clip"] = {n: g.clone() for n, g in grads.items()} if _dumps_at(cfg, step + 1) else None
-        done["gnorm"] = run.sync.global_norm(grads)  # logged; Fleet's clip runs inside the update when clips_itself
+        # logged; Fleet's clip runs inside the update when clips_itself. The loss flag makes it
+        # non-finite on every rank when any rank's loss is (train/nonfinite.py)
+        done["gnorm"] = run.sync.global_norm(grads, loss_flag(_local_loss_sums(run, done)))
+        done["skipped"] = not math.isfinite(done["gnorm"]) and _nonfinite_step(run, step + 1, done, grads, log)
+        if done["skipped"]:
+            done["grads"] = grads
+            return
         if not run.opt.clips_itself:
             clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
         run.opt.step(grads, done["has_grad"], lr)
@@ -521,24 +571,62 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
             opt = step_optimizer(run.opt.hybrid, update, run.sync.release)
             totals = run.engine.train_batch(mbs, scales, opt, sync)
         else:
-            totals = run.engine.run(mbs, scales)
+            totals = done["totals"] = run.engine.run(mbs, scales)
             sync()
             update()
             run.sync.release()
     gnorm, pre_clip = done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
+    if not done["skipped"]:  # a skipped step moves nothing, the router biases included
+        run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
     if pre_clip is not None:
         from .dump import dump_after_step
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
-    run.balancer.after_step(step + 1)
     if not run.opt_bytes:
         run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
     _record_losses(run, totals, norms)
     run.history["grad_norms"].append(gnorm)
     run.history["lrs"].append(lr)
+    beat(step + 1, "done")
     return lr, gnorm
+
+
+def _local_loss_sums(run: _Run, done: dict[str, Any]) -> list[Any]:
+    """This rank's loss sums of the step so far (on the last pipeline stage; none elsewhere):
+    floats from the trainer's engine, the ledger's tensors inside Fleet's ``train_batch``."""
+    if "totals" in done:
+        return [v[0] for v in done["totals"].values()]
+    return list(run.engine.ledger.sums.values())
+
+
+def _nonfinite_step(
+    run: _Run, step: int, done: dict[str, Any], grads: dict[str, Any], log: Callable[[str], Any]
+) -> bool:
+    """The global norm of ``step`` is not finite: gather where (every rank, collectively); skip
+    the update (True) while ``--skip-nonfinite-steps`` allows, else raise :class:`NonFiniteStep`."""
+    totals = done.get("totals")
+    if totals is None:
+        totals = run.engine.ledger.totals()
+    sums = {name: float(v[0]) for name, v in totals.items()}
+    order = [n for n, _ in run.sync.params]
+    reports = gather_json(local_report(run.topo.rank, sums, grads, order), run.topo.world_size)
+    record = nonfinite_record(step, done["gnorm"], reports)
+    record["skipped_before"] = list(run.skipped)
+    record["last_checkpoint"] = run.last_checkpoint
+    if len(run.skipped) < run.cfg.skip_nonfinite_steps:
+        run.skipped.append(step)
+        text = record["message"].split("; stopped before")[0]
+        log(
+            f"[glm52 train] warning: {text}; step skipped, no update "
+            f"({len(run.skipped)} of --skip-nonfinite-steps {run.cfg.skip_nonfinite_steps})"
+        )
+        return True
+    if run.skipped:
+        record["message"] += f"; {len(run.skipped)} earlier step(s) skipped: {run.skipped}"
+    record["message"] += f"; last checkpoint: {run.last_checkpoint or 'none saved'}"
+    raise NonFiniteStep(record)
 
 
 def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[str, int]) -> None:
@@ -603,9 +691,10 @@ def _finish(run: _Run, result: dict[str, Any], log: Callable[[str], Any]) -> dic
 def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
     """Setup, the steps (each logged and written to loss.json by rank 0, resume state every
     ``--save-every`` steps), then finish."""
+    beat(0, "setup")
     run = _setup(cfg, adapter, topo, specs)
     bar = None
-    if run.rank0 and cfg.progress:
+    if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm
 
         bar = tqdm(
@@ -637,9 +726,12 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
+            beat(step + 1, "save")
             path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
+            run.last_checkpoint = path
             if run.rank0:
                 log(f"[glm52 train] checkpoint {path}")
     if bar is not None:
         bar.close()
+    beat(cfg.steps, "finish")
     return _finish(run, result, log)

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "fleet_sharding_partition", "state_bytes"]
+__all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "fleet_sharding_partition", "shard_totals", "state_bytes"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
@@ -64,14 +64,19 @@ def state_bytes(
             g_bytes += numel * 4
         if stepped:
             o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + (8 if beta_pows else 0)
-    sd = sharding_degree
-    if sharding_stage >= 1 and sd > 1:
-        o_bytes = math.ceil(o_bytes / sd)
-    if sharding_stage >= 2 and sd > 1:
-        g_bytes = math.ceil(g_bytes / sd)
-    if sharding_stage >= 3 and sd > 1:
-        p_bytes = math.ceil(p_bytes / sd)
-    return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes}
+    totals = {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes}
+    return shard_totals(totals, sharding_degree, sharding_stage)
+
+
+def shard_totals(totals: Mapping[str, int], sharding_degree: int, sharding_stage: int) -> dict[str, int]:
+    """Unsharded :func:`state_bytes` totals on one sharding rank (an even split, rounded up):
+    optimizer state from stage 1, gradients from stage 2, parameters from stage 3. Totals add up
+    over parts, so a planner can sum them per layer kind first and split once."""
+    sd, out = sharding_degree, dict(totals)
+    for key, stage in (("optimizer_bytes", 1), ("grads_bytes", 2), ("params_bytes", 3)):
+        if sharding_stage >= stage and sd > 1 and key in out:
+            out[key] = math.ceil(out[key] / sd)
+    return out
 
 
 def fleet_sharding_partition(numels: Sequence[int], degree: int) -> list[list[int]]:

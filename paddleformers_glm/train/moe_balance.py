@@ -96,6 +96,7 @@ class ExpertBalancer:
         self.steps: list[int] = []
         self.max_mean_ratio: list[list[float]] = []
         self.unused_fraction: list[list[float]] = []
+        self.idle_experts: list[dict[str, list[int]]] = []  # per step: MoE layer -> experts that got no token
         self.aux_losses: list[float] = []
         self.load_total: np.ndarray | None = None
         self.load_last: np.ndarray | None = None
@@ -146,6 +147,9 @@ class ExpertBalancer:
         self.steps.append(int(step))
         self.max_mean_ratio.append([s["max_mean_ratio"] for s in stats])
         self.unused_fraction.append([s["unused_fraction"] for s in stats])
+        self.idle_experts.append(
+            {str(i): np.flatnonzero(row == 0).tolist() for i, row in zip(self.layers, rows) if (row == 0).any()}
+        )
         if self.aux_coeff > 0:
             n = max(1, len(self.layers))
             self.aux_losses.append(float(mat[self.layers, E].sum()) / n / self.global_sequences)
@@ -165,6 +169,7 @@ class ExpertBalancer:
             "steps": self.steps,
             "max_mean_ratio": self.max_mean_ratio,
             "unused_fraction": self.unused_fraction,
+            "idle_experts": self.idle_experts,
             "load_total": self.load_total.astype(np.int64).tolist(),
             "load_last": self.load_last.astype(np.int64).tolist(),
         }

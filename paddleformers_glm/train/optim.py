@@ -7,7 +7,9 @@ The wrapper keeps three things the trainer needs and Paddle's optimizer does not
   clipping (parallel/grads.py), handed over explicitly (``_apply_optimize`` with
   ``(param, grad)`` pairs, the same entry Fleet's sharding optimizer uses);
 * a parameter that got no gradient anywhere is left out of the step (torch semantics: its moments
-  and its bias-correction power stay untouched), so every layout updates the same set;
+  and its bias-correction power stay untouched), so every layout updates the same set; experts are
+  stepped per MoE layer, an idle one with a zero gradient, as torch steps a fused expert tensor
+  (the has-gradient flags of parallel/grads.py decide);
 * with sharding ranks (``--sharding N``) Fleet's ``DygraphShardingOptimizer`` partitions the
   parameters; each rank keeps moments and masters for its part only and broadcasts what it updated
   (stage 2 also keeps only that part's gradients: :meth:`AdamW.grad_owners`);
@@ -241,6 +243,8 @@ class AdamW:
 
     @staticmethod
     def bias_correction_step(state: dict[str, paddle.Tensor], beta1: float) -> int:
-        """The step count implied by a parameter's beta1 power accumulator (for logs and checks)."""
+        """The updates a parameter has taken, from its beta1 power accumulator (for logs and checks):
+        Paddle's AdamW starts it at beta1 and multiplies it by beta1 after each update, so after t
+        updates it holds beta1^(t + 1), the power the next update divides by."""
         b1p = float(state["beta1_pow_acc"].numpy().reshape([-1])[0])
-        return int(round(math.log(b1p) / math.log(beta1)))
+        return int(round(math.log(b1p) / math.log(beta1))) - 1

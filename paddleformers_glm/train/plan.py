@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
+import re
 import sys
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._io import write_json_atomic
@@ -56,6 +57,8 @@ class Layout(ParallelConfig):
     dtype: str = "bfloat16"
     attention: str = "eager"
     pp_layout: str | None = None
+    first_stage_layers: int | None = None  # decoder layers on the first / last pipeline stage
+    last_stage_layers: int | None = None
 
     @property
     def local_seq(self) -> int:
@@ -91,12 +94,33 @@ class Layout(ParallelConfig):
 # --------------------------------------------------------------------------- exact state counts
 @dataclass
 class LayerCounts:
-    """Per-rank parameter lists ``[(name, numel, dtype, trainable, full_numel)]`` of each part of a stage."""
+    """Per-rank parameter lists ``[(name, numel, dtype, trainable, full_numel)]`` of each part of a
+    stage, and per part the sums a plan needs (:meth:`totals`), computed once: a stage is the sum
+    of its parts, so a plan never walks the parameters of every layer."""
 
     parts: dict[Any, list[tuple[str, int, str, bool, int]]]
+    memo: dict[Any, Any] = field(default_factory=dict)
 
     def part(self, key: Any) -> list[tuple[str, int, str, bool, int]]:
         return self.parts.get(key, [])
+
+    def totals(self, config: Any, key: Any) -> dict[str, int]:
+        """Unsharded :func:`train.memory.state_bytes` of part ``key`` (all its tensors, and its
+        routed experts' optimizer bytes), its parameter counts (this rank's, routed experts', the
+        whole model's)."""
+        if ("totals", key) not in self.memo:
+            from .memory import state_bytes
+
+            params = self.part(key)
+            items = state_items(config, params)
+            expert = [it for it, (name, *_) in zip(items, params) if _is_expert(name)]
+            self.memo[("totals", key)] = state_bytes(items) | {
+                "expert_optimizer_bytes": state_bytes(expert)["optimizer_bytes"],
+                "num_params": sum(n for _, n, *_ in params),
+                "expert_params": sum(n for name, n, *_ in params if _is_expert(name)),
+                "full_params": sum(f for *_, f in params),
+            }
+        return self.memo[("totals", key)]
 
 
 def _layer_key(config: Any, i: int) -> Any:
@@ -122,6 +146,20 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
 
     key = (id(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype)
     if key in _CACHE:
+        return _CACHE[key]
+    if lay.ep > 1 and config.n_routed_experts % lay.ep == 0:
+        # an EP rank holds experts 0 .. E/ep - 1 of the ep = 1 probe (same shapes, local numbering;
+        # tests/test_plan.py compares with building the stage): no second probe per ep
+        base, keep = layer_counts(config, replace(lay, ep=1)), config.n_routed_experts // lay.ep
+        parts = {}
+        for part, items in base.parts.items():
+            parts[part] = [
+                (name, n, d, tr, full * lay.ep if idx is not None else full)
+                for name, n, d, tr, full in items
+                for idx in [_expert_index(name)]
+                if idx is None or idx < keep
+            ]
+        _CACHE[key] = LayerCounts(parts)
         return _CACHE[key]
     L = config.num_hidden_layers
     reps: dict[Any, int] = {}
@@ -151,6 +189,27 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     out = LayerCounts(parts)
     _CACHE[key] = out
     return out
+
+
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def _expert_index(name: str) -> int | None:
+    """The routed expert a parameter belongs to (its local index), None for any other parameter."""
+    m = _EXPERT_INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _stage_parts(config: Any, spec: Any) -> Counter:
+    """How many times each part (embedding, layer kind, head) a stage holds."""
+    L = config.num_hidden_layers
+    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
+    parts: Counter = Counter(_layer_key(config, i) for i in ids)
+    if spec.has_embedding or spec.has_mtp:
+        parts["embedding"] += 1
+    if spec.has_head:
+        parts["head"] += 1
+    return parts
 
 
 def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, str, bool, int]]:
@@ -189,10 +248,9 @@ def total_params(config: Any, lay: Layout) -> int:
     """Distinct parameters of the whole model (each layer once, the embedding once)."""
     lc = layer_counts(config, lay)
     L = config.num_hidden_layers
-    n = sum(f for *_, f in lc.part("embedding")) + sum(f for *_, f in lc.part("head"))
-    for i in range(L + config.num_mtp_layers):
-        n += sum(f for *_, f in lc.part(_layer_key(config, i)))
-    return n
+    parts = Counter(_layer_key(config, i) for i in range(L + config.num_mtp_layers))
+    parts.update(["embedding", "head"])
+    return sum(lc.totals(config, k)["full_params"] * m for k, m in parts.items())
 
 
 def active_params(config: Any, lay: Any) -> int:
@@ -200,6 +258,9 @@ def active_params(config: Any, lay: Any) -> int:
     routed experts only ``num_experts_per_tok`` of ``n_routed_experts``, the LM head once per
     head (main + MTP), the embedding lookup not at all.  From the planner's probe counts."""
     lc = layer_counts(config, lay)
+    key = ("active_params", id(config))
+    if key in lc.memo:  # the same for every layout of this probe
+        return lc.memo[key]
     share = config.num_experts_per_tok / config.n_routed_experts
     n = 0.0
     for i in range(config.num_hidden_layers + config.num_mtp_layers):
@@ -208,7 +269,8 @@ def active_params(config: Any, lay: Any) -> int:
             n += full * share if routed else full
     n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
     lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
-    return int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
+    lc.memo[key] = int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
+    return lc.memo[key]
 
 
 # --------------------------------------------------------------------------- activation estimate
@@ -309,10 +371,12 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
 
 # --------------------------------------------------------------------------- the plan
 def _load_config(model: str) -> Any:
+    from ..cli._common import model_folder_error
     from ..configuration import GlmMoeDsaConfig
 
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise FileNotFoundError(f"--model {model}: no config.json in this folder")
+    bad = model_folder_error(model)
+    if bad:
+        raise FileNotFoundError(bad)
     return GlmMoeDsaConfig.from_pretrained(model)
 
 
@@ -371,22 +435,28 @@ def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_
     }
 
 
-def _sharded_state_bytes(config: Any, lay: Layout, params: list[tuple[str, int, str, bool, int]]) -> dict[str, int]:
-    """:func:`train.memory.state_bytes` with sharding applied (an even split over the sharding
-    degree).  Expert tensors divide like dense ones: the trainer repeats the whole expert grid
-    (laid out over tp x dp x cp) on every sharding rank, so each expert tensor has a replica on
-    every sharding rank to split its state with, besides its edp = tp x dp x cp / (ep x etp)
-    expert-data-parallel replicas, which each hold it whole."""
-    from .memory import state_bytes
+def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
+    """:func:`train.memory.state_bytes` of stage ``spec`` with sharding applied (an even split over
+    the sharding degree), summed from its parts' totals.  Expert tensors divide like dense ones:
+    the trainer repeats the whole expert grid (laid out over tp x dp x cp) on every sharding rank,
+    so each expert tensor has a replica on every sharding rank to split its state with, besides
+    its edp = tp x dp x cp / (ep x etp) expert-data-parallel replicas, which each hold it whole."""
+    from .memory import shard_totals
 
-    items = state_items(config, params)
+    lc = layer_counts(config, lay)
+    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes", "num_params", "expert_params")
+    raw = dict.fromkeys(keys, 0)
+    for part, m in _stage_parts(config, spec).items():
+        t = lc.totals(config, part)
+        for k in keys:
+            raw[k] += t[k] * m
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
-    out = state_bytes(items, sharding_degree=sd, sharding_stage=stage)
-    expert = state_bytes(
-        [it for it, (name, *_) in zip(items, params) if _is_expert(name)], sharding_degree=sd, sharding_stage=stage
-    )
-    return out | {"expert_optimizer_bytes": expert["optimizer_bytes"]}
+    out = shard_totals(raw, sd, stage)
+    out["expert_optimizer_bytes"] = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)[
+        "optimizer_bytes"
+    ]
+    return out
 
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
@@ -400,17 +470,27 @@ def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
     return {"tp": tp_r, "cp": cp_r, "sharding": sd_r, "pp": r % lay.pp, "dp": r // lay.pp}
 
 
-def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: float = 0.0) -> dict[str, Any]:
-    """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus ``reserve_gb``)."""
+def plan_layout(
+    config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: float = 0.0, per_rank: bool = True
+) -> dict[str, Any]:
+    """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus
+    ``reserve_gb``); ``per_rank=False`` leaves out the row of every rank (``--search`` needs the
+    verdict and the stages only)."""
     from ..parallel.pipeline import split_stages
 
     check_layout(config, lay)
-    specs = split_stages(config.num_hidden_layers, lay.pp, layout=lay.pp_layout, has_mtp=config.num_mtp_layers > 0)
+    specs = split_stages(
+        config.num_hidden_layers,
+        lay.pp,
+        first_stage_layers=lay.first_stage_layers,
+        last_stage_layers=lay.last_stage_layers,
+        layout=lay.pp_layout,
+        has_mtp=config.num_mtp_layers > 0,
+    )
     micro = (lay.global_batch_size // (lay.replicas * lay.micro_batch_size)) if lay.global_batch_size else lay.pp
     kinds = []
     for spec in specs:
-        params = stage_params(config, lay, spec)
-        st = _sharded_state_bytes(config, lay, params)
+        st = _sharded_state_bytes(config, lay, spec)
         act = activation_bytes(config, lay, spec, micro)
         row = {
             "stage": spec.stage,
@@ -418,12 +498,13 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
             "embedding": spec.has_embedding,
             "head": spec.has_head,
             "mtp": spec.has_mtp,
-            "num_params": sum(n for _, n, *_ in params),
-            "expert_params": sum(n for name, n, *_ in params if _is_expert(name)),
+            "num_params": st.pop("num_params"),
+            "expert_params": st.pop("expert_params"),
             **st,
             "activations_bytes": act,
         }
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
+            params = stage_params(config, lay, spec)
             by_sd = [_fleet_sharded_state_bytes(config, lay, params, r) for r in range(lay.sharding)]
             for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
                 row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
@@ -435,7 +516,7 @@ def plan_layout(config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: 
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
-    for rank in range(lay.world_size):
+    for rank in range(lay.world_size if per_rank else 0):
         xy = rank_coords(lay, rank)
         k = kinds[xy["pp"]]
         fields = ("expert_params", "params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes")
@@ -481,9 +562,11 @@ def search_layouts(
     reserve_gb: float = 0.0,
     limit: int = 20,
     hardware: Any = None,
+    progress: Any = None,
 ) -> list[dict[str, Any]]:
     """Layouts of ``gpus`` ranks that fit, the least estimated time per token first (pipeline
-    bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute."""
+    bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute.
+    ``progress(line)`` is told after each tensor-parallel size how far the search is."""
     from ..parallel.topology import ParallelConfigError
     from .plan_cost import step_estimate
 
@@ -491,7 +574,14 @@ def search_layouts(
         return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
 
     found = []
-    for tp in [t for t in pow2(gpus) if t <= 8]:
+    t0, checked = time.perf_counter(), 0
+    tps = [t for t in pow2(gpus) if t <= 8]
+    for tp_i, tp in enumerate(tps):
+        if progress is not None and tp_i:
+            progress(
+                f"tp {tps[tp_i - 1]} done ({tp_i}/{len(tps)}): {checked} layouts checked, {len(found)} fit, "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         for pp in [p for p in pow2(gpus // tp) if p <= config.num_hidden_layers]:
             if (gpus // (tp * pp)) % base.cp:
                 continue
@@ -509,8 +599,9 @@ def search_layouts(
                             break  # fewer layers than virtual chunks
                         if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
                             break  # the global batch does not split over this layout's replicas
+                        checked += 1
                         try:
-                            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb)
+                            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb, per_rank=False)
                         except (ParallelConfigError, ValueError):
                             continue
                         if p["fits"]:
@@ -537,6 +628,8 @@ def search_layouts(
                                 }
                             )
                             break  # the least recompute that fits
+    if progress is not None:
+        progress(f"searched {checked} layouts of {gpus} GPUs in {time.perf_counter() - t0:.1f} s: {len(found)} fit")
     found.sort(key=lambda r: (r["s_per_token"], r["recompute_rank"], r["max_rank_gib"]))
     return found[:limit]
 
@@ -568,11 +661,20 @@ def _write_json(path: str, obj: Any) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    from ..cli._common import model_folder_error
+
+    bad = model_folder_error(args.model)
+    if bad:  # before Paddle is imported: a typo is answered at once
+        print(f"glm52 plan: error: {bad}", file=sys.stderr)
+        return 2
     from ..cpu_env import apply_mkl_default
 
     apply_mkl_default()
     from ..parallel.topology import ParallelConfigError
 
+    note = _train_line_note(args)
+    if note:
+        print(f"glm52 plan: note: {note}", file=sys.stderr)
     try:
         config = _load_config(args.model)
         lay = Layout(
@@ -594,6 +696,8 @@ def run_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             attention=args.attention,
             pp_layout=args.pp_layout,
+            first_stage_layers=args.first_stage_layers,
+            last_stage_layers=args.last_stage_layers,
         )
         if args.search:
             if not args.gpus:
@@ -601,7 +705,16 @@ def run_plan(args: argparse.Namespace) -> int:
             from .plan_cost import Hardware
 
             hw = Hardware(args.gpu_tflops * 1e12, args.tp_bw_gbs * 1e9, args.net_bw_gbs * 1e9)
-            found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top, hw)
+            found = search_layouts(
+                config,
+                args.gpus,
+                lay,
+                args.gpu_mem_gb,
+                args.reserve_gb,
+                args.top,
+                hw,
+                progress=lambda line: print(f"[glm52 plan] {line}", file=sys.stderr, flush=True),
+            )
             print(
                 f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, least estimated time per token first:"
             )
@@ -631,9 +744,39 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# flags both commands have, whose defaults differ: plan's describe a production run; a glm52 train
+# command line planned as it is keeps the trainer's
+_PLAN_DEFAULTS = {"seq_len": 4096, "global_batch_size": 0, "dtype": "bfloat16"}
+_TRAIN_ONLY_PREFIX = "train_only_"
+
+
+def _train_line_note(args: argparse.Namespace) -> str | None:
+    """Resolve the shared flags' defaults and say what a glm52 train command line leaves out."""
+    given = sorted(
+        flag for dest, flag in getattr(args, "_train_only_flags", {}).items() if getattr(args, dest) is not None
+    )
+    from .command import TRAIN_DEFAULTS
+
+    unset = [k for k in _PLAN_DEFAULTS if getattr(args, k) is None]
+    for k in unset:
+        setattr(args, k, TRAIN_DEFAULTS[k] if given else _PLAN_DEFAULTS[k])
+    if not given:
+        return None
+    used = ", ".join(f"--{k.replace('_', '-')} {TRAIN_DEFAULTS[k]}" for k in unset)
+    return f"a glm52 train command line: {', '.join(given)} ignored (they do not change a rank's memory)" + (
+        f"; unset flags take glm52 train's defaults: {used}" if used else ""
+    )
+
+
 def register_plan(sub: argparse._SubParsersAction) -> None:
     """Add ``plan`` to the glm52 CLI (see cli.COMMANDS)."""
-    p = sub.add_parser("plan", help="per-rank memory of a parallel layout (exact state, estimated activations)")
+    p = sub.add_parser(
+        "plan",
+        help="per-rank memory of a parallel layout (exact state, estimated activations)",
+        description="Per-rank parameter, gradient, optimizer and activation bytes of a glm52 train layout and "
+        "whether it fits. A whole glm52 train command line is accepted as it is (swap 'train' for 'plan'): its "
+        "layout flags are planned, the others (--steps, --lr, --out, ...) ignored with a note.",
+    )
     p.add_argument("--model", required=True, help="checkpoint or config folder with config.json")
     g = p.add_argument_group("layout (as glm52 train)")
     add_layout_arguments(g, sharding_stages=(1, 2, 3))
@@ -648,12 +791,24 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "--recompute",
         default="none",
         choices=["none", "core", "full"],
-        help="activation recompute (planner ahead of the trainer)",
+        help="activation recompute, as glm52 train --recompute",
     )
-    g.add_argument("--seq-len", type=int, default=4096)
+    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
+    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
+    g.add_argument("--seq-len", type=int, default=None, help="default 4096 (glm52 train's 64 for a train line)")
     g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=0, help="0: pp micro-batches per step")
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="default 0: pp micro-batches per step (glm52 train's 4 for a train line)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="default bfloat16 (glm52 train's float32 for a train line)",
+    )
     g.add_argument(
         "--attention",
         default="eager",
@@ -671,4 +826,30 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tp-bw-gbs", type=float, default=160.0, help="--search: GB/s inside a node (TP collectives)")
     g.add_argument("--net-bw-gbs", type=float, default=40.0, help="--search: GB/s per GPU between nodes (EP, PP, DP)")
     g.add_argument("--json", default=None, help="write the plan here")
+    _accept_train_flags(p)
     p.set_defaults(func=run_plan)
+
+
+def _accept_train_flags(p: argparse.ArgumentParser) -> None:
+    """Every glm52 train flag plan lacks, accepted and recorded (not shown in help): a train command
+    line can be planned as it is."""
+    import copy
+
+    from .command import add_train_arguments
+
+    ours = {s for a in p._actions for s in a.option_strings}
+    train = add_train_arguments(argparse.ArgumentParser(add_help=False))
+    seen: dict[str, str] = {}
+    for a in train._actions:
+        if not a.option_strings or any(s in ours for s in a.option_strings):
+            continue
+        extra = copy.copy(a)
+        extra.dest, extra.required, extra.default, extra.help = (
+            _TRAIN_ONLY_PREFIX + a.dest,
+            False,
+            None,
+            argparse.SUPPRESS,
+        )
+        p._add_action(extra)
+        seen[extra.dest] = a.option_strings[0]
+    p.set_defaults(_train_only_flags=seen)

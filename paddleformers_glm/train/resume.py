@@ -3,18 +3,21 @@
 (Model weights in a release layout are paddleformers_glm/checkpoint/; this is the trainer's own
 state for ``--save-every`` / ``--resume``.)
 
-Layout: ``ROOT/step_00000004/{meta.json, rank_00000.pdstate, ..., flex/}`` and ``ROOT/latest``
-naming the newest complete step.  Every rank writes its own file into ``step_*.tmp``; after a
-barrier rank 0 writes meta.json and renames the folder, so a crash never leaves a half
-checkpoint under a final name.  The data position is the step number (data.py addresses batches
-by step).  Multi-node: ROOT must be on a filesystem every node sees.
+Layout (file formats in state_files.py: safetensors + JSON, nothing unpickled but Paddle's
+flex metadata, and that through an allow-list): ``ROOT/step_00000004/{meta.json,
+rank_00000.safetensors, rank_00000.json, ..., flex/}`` and ``ROOT/latest`` naming the newest
+complete step.  Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes
+meta.json and renames the folder, so a crash never leaves a half checkpoint under a final name.
+The data position is the step number (data.py addresses batches by step), and the learning rate a
+pure function of the step.  Multi-node: ROOT must be on a filesystem every node sees.
 
 Two copies of the same state are written:
 
-* ``rank_*.pdstate``: each rank's local tensors and RNG state.  A run with the *same* parallel
-  layout resumes from these, bit for bit.
-* ``flex/``: Paddle's flex-checkpoint (``paddle.distributed.save_state_dict``), every tensor
-  described by its place in the full tensor (``ShardedWeight``: global shape, offset; a fused
+* ``rank_*.safetensors`` / ``rank_*.json``: each rank's local tensors (model, optimizer moments,
+  beta powers, fp32 masters) and RNG state.  A run with the *same* parallel layout resumes from
+  these, bit for bit.
+* ``flex/``: Paddle's flex-checkpoint (``paddle.distributed.save_state_dict(..., safetensors=True)``),
+  every tensor described by its place in the full tensor (``ShardedWeight``: global shape, offset; a fused
   ``chunks`` axis such as gate|up as one key per block, since rank r holds ``[gate_r | up_r]``).
   Optimizer moments and fp32 masters share their parameter's geometry; a sharding rank
   contributes the state it owns.  A run with a *different* layout (TP2xPP2 -> PP4 or
@@ -26,10 +29,7 @@ Two copies of the same state are written:
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
-import random
 import shutil
 from typing import Any
 
@@ -38,17 +38,30 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
-from .._io import atomic_path, atomic_write_bytes, atomic_write_text
+from .._io import atomic_write_text, write_json_atomic
 from ..checkpoint.aoa import quiet_paddle_logs
+from ..checkpoint.safetensors_io import bf16_bits_to_float32
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
 from .optim import AdamW
+from .state_files import (
+    FLEX_DIR,
+    FORMAT,
+    ResumeStateError,
+    check_resume_state,
+    rank_files,
+    read_rank_state,
+    resolve_resume_state,
+    rng_state,
+    set_rng_state,
+    validated_flex_folder,
+    write_rank_state,
+)
 
 __all__ = ["LAYOUT_KEYS", "load_resume_state", "resolve_resume_state", "save_resume_state"]
 
 # profile keys a resume may change (through flex/); the others (batch, sequence, dtype) must match
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding")
-FLEX_DIR = "flex"
 
 
 def _barrier(topo: Topology) -> None:
@@ -56,15 +69,13 @@ def _barrier(topo: Topology) -> None:
         dist.barrier()
 
 
-def _rng_state() -> bytes:
-    return pickle.dumps({"paddle": paddle.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()})
-
-
-def _set_rng_state(blob: bytes) -> None:
-    st = pickle.loads(blob)
-    paddle.set_rng_state(st["paddle"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
+def _rank_tensors(model: nn.Layer, optimizer: AdamW) -> dict[str, paddle.Tensor]:
+    """``model/<name>`` and ``optimizer/<name>/<kind>`` (moments, beta powers, ``master``) of this rank."""
+    out = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
+    for n, st in optimizer.state_dict().items():
+        for kind, t in st.items():
+            out[f"optimizer/{n}/{kind}"] = t
+    return out
 
 
 def save_resume_state(
@@ -74,20 +85,12 @@ def save_resume_state(
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
-    blob = {
-        "model": {k: v.detach() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "rank": topo.rank,
-    }
-    path = os.path.join(tmp, f"rank_{topo.rank:05d}.pdstate")
-    with atomic_path(path) as tmp_file:  # paddle.save writes to a file name only
-        paddle.save(blob, tmp_file)
-    atomic_write_bytes(path + ".rng", _rng_state())  # paddle.save takes no bytes; RNG states are pickled apart
+    write_rank_state(tmp, topo.rank, _rank_tensors(model, optimizer), {"rng": rng_state()})
     stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
     _barrier(topo)
     if topo.rank == 0:
-        meta = {**meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
-        atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
+        write_json_atomic(os.path.join(tmp, "meta.json"), meta, indent=1, sort_keys=False, default=None)  # strict
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -96,55 +99,60 @@ def save_resume_state(
     return final
 
 
-def resolve_resume_state(path: str) -> str:
-    """A step folder, or a checkpoint root (its ``latest``)."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            return os.path.join(path, f.read().strip())
-    ckpt = os.path.join(path, "checkpoints")
-    if os.path.isdir(ckpt):
-        return resolve_resume_state(ckpt)
-    raise FileNotFoundError(f"--resume {path}: no meta.json, latest, or checkpoints/ here")
+def _to_paddle(arr: np.ndarray, st_dtype: str, like: paddle.Tensor) -> paddle.Tensor:
+    """A stored array as a tensor of ``like``'s dtype (bf16 widened exactly through fp32)."""
+    if st_dtype == "BF16":
+        arr = bf16_bits_to_float32(arr)
+    return paddle.to_tensor(np.array(arr)).astype(like.dtype)
 
 
 def load_resume_state(
     path: str, topo: Topology, model: nn.Layer, optimizer: AdamW, expect_profile: dict[str, Any]
 ) -> dict[str, Any]:
-    """Restore this rank's state; returns meta.json. The saved layout must equal ``expect_profile``."""
-    path = resolve_resume_state(path)
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    saved = meta.get("profile", {})
+    """Restore this rank's state; returns meta.json. The saved layout must equal ``expect_profile``
+    (or differ only in :data:`LAYOUT_KEYS`: then the state is resharded from ``flex/``).  Every file
+    of the state is checked first (state_files.check_resume_state); nothing is unpickled but
+    flex-checkpoint's metadata, through an allow-list."""
+    path, meta = check_resume_state(path)
+    saved = meta["profile"]
     diff = {k: (saved.get(k), v) for k, v in expect_profile.items() if saved.get(k) != v}
     fixed = {k: d for k, d in diff.items() if k not in LAYOUT_KEYS}
-    if fixed or (diff and "flex" not in meta):
-        why = fixed or diff
+    if fixed:
         raise ValueError(
-            f"--resume {path}: checkpoint "
-            + ("run settings" if fixed else "layout (and it has no flex/ copy to reshard)")
-            + " differ from this run: "
-            + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in sorted(why.items()))
+            f"--resume {path}: checkpoint run settings differ from this run: "
+            + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in sorted(fixed.items()))
         )
     if diff:  # another parallel layout: reshard through flex-checkpoint
         _load_flex(os.path.join(path, FLEX_DIR), topo, model, optimizer, set(meta["flex"]["stepped"]))
         return meta
-    file = os.path.join(path, f"rank_{topo.rank:05d}.pdstate")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"--resume {path}: no state for rank {topo.rank} ({file})")
-    blob = paddle.load(file)
-    state = model.state_dict()
-    missing = set(state) - set(blob["model"])
-    if missing:
-        raise KeyError(f"--resume {file}: model tensors missing: {sorted(missing)[:5]}")
-    for k, t in state.items():
-        v = blob["model"][k]
-        t.set_value((v if isinstance(v, paddle.Tensor) else paddle.to_tensor(v)).astype(t.dtype))
-    optimizer.set_state_dict(blob["optimizer"])
-    with open(file + ".rng", "rb") as f:
-        _set_rng_state(f.read())
+    reader, doc, file = read_rank_state(path, topo.rank)
+    with reader:
+        tensors = reader.tensors
+        state = model.state_dict()
+        missing = sorted(f"model/{k}" for k in state if f"model/{k}" not in tensors)
+        if missing:
+            raise ResumeStateError(f"{file}: model tensors missing: {missing[:5]}")
+        for k, t in state.items():
+            info = tensors[f"model/{k}"]
+            if list(info.shape) != [int(d) for d in t.shape]:
+                raise ResumeStateError(f"{file}: `model/{k}` has shape {list(info.shape)}, this model {list(t.shape)}")
+            t.set_value(_to_paddle(reader.numpy(info.key), info.dtype, t))
+        opt: dict[str, dict[str, paddle.Tensor]] = {}
+        for key, info in tensors.items():
+            if key.startswith("model/"):
+                continue
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "optimizer":
+                raise ResumeStateError(f"{file}: unexpected tensor {key!r} (model/<name> or optimizer/<name>/<kind>)")
+            arr = reader.numpy(key)
+            opt.setdefault(parts[1], {})[parts[2]] = paddle.to_tensor(
+                np.array(bf16_bits_to_float32(arr) if info.dtype == "BF16" else arr)
+            )
+        try:
+            optimizer.set_state_dict(opt)
+        except KeyError as e:
+            raise ResumeStateError(f"{file}: {e.args[0]}") from e
+    set_rng_state(doc["rng"], rank_files(path, topo.rank)[1])
     return meta
 
 
@@ -209,7 +217,7 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
             )
     os.makedirs(folder, exist_ok=True)
     quiet_paddle_logs()
-    dist.save_state_dict(sd, folder)
+    dist.save_state_dict(sd, folder, safetensors=True)  # tensors as safetensors; Paddle's metadata is a pickle
     return sorted(stepped)
 
 
@@ -238,8 +246,8 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
             bufs.append(b)
         buffers.append((t, axis, bufs))
     quiet_paddle_logs()
-    with flex_checkpoint_on_cpu():
-        dist.load_state_dict(sd, folder)
+    with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():
+        dist.load_state_dict(sd, private, safetensors=True)
     with paddle.no_grad():
         for t, axis, bufs in buffers:
             t.set_value(bufs[0] if len(bufs) == 1 else paddle.concat(bufs, axis=axis))

@@ -26,6 +26,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .._io import write_json_atomic
 from ..modeling.model import causal_lm_losses
 from ..modeling.moe import RouterBalance
 from ..parallel import comm
@@ -103,7 +104,7 @@ class ToyMoE(nn.Layer):
         self.k = cfg.experts_per_token
         self.num_experts = cfg.num_experts
         self.router = self.create_parameter([cfg.hidden_size, cfg.num_experts], dtype="float32")
-        self.balance = RouterBalance(topo)  # routed-token counts: the trainer steps only experts that got tokens
+        self.balance = RouterBalance(topo)  # routed-token counts: the trainer steps the layer if any expert got tokens
         mark_sequence_parallel(self.router)
         self.dispatcher = ExpertParallelDispatcher(cfg.num_experts, topo=topo)
         self.experts = LocalExperts(
@@ -175,8 +176,9 @@ class ToyLayer(nn.Layer):
             raise RuntimeError("ToyLayer: a shared layer got no top-k (the stage's carry lost it)")
         allowed = paddle.logical_and(F.one_hot(topk, S).sum(axis=-2) > 0, causal)  # [B, S, S]
         att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(self.head_dim)  # [B, h, S, S]
-        att = att + paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
-        o = paddle.matmul(F.softmax(att, axis=-1), v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
+        mask = paddle.where(allowed, paddle.zeros([1], "float32"), paddle.full([1], -1e9, "float32")).unsqueeze(1)
+        probs = F.softmax(att.astype("float32") + mask, axis=-1).astype(v.dtype)  # softmax in fp32, as the model
+        o = paddle.matmul(probs, v).transpose([0, 2, 1, 3]).reshape([B, S, -1])  # [B, S, H/tp]
         return o, topk
 
 
@@ -301,7 +303,6 @@ class ToyAdapter(ModelAdapter):
         return {"path": None, "config": asdict(self.cfg), "init_seed": self.seed}
 
     def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
-        import json
         import os
 
         from safetensors.numpy import save_file
@@ -311,5 +312,4 @@ class ToyAdapter(ModelAdapter):
             {k: np.ascontiguousarray(v) for k, v in sorted(full_state.items())},
             os.path.join(out_dir, "model.safetensors"),
         )
-        with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({"model_type": "toy", **asdict(self.cfg)}, f, indent=2, sort_keys=True)
+        write_json_atomic(os.path.join(out_dir, "config.json"), {"model_type": "toy", **asdict(self.cfg)})

@@ -1,9 +1,16 @@
 """Entry point of one launched training process: ``worker.py --config RUN.json``.
 
-Records its own outcome for the launcher (launch.py): ``rank<N>.pid`` at start (so the launcher can
-tell a frozen rank from a busy one), then ``rank<N>.ok`` or ``rank<N>.error.json`` with the
-exception and traceback, then leaves with ``os._exit`` so no gloo/NCCL destructor can
-hang the process after a peer died.
+Records its own life for the launcher (job_status.py): ``rank<N>.pid`` at start, heartbeats while
+training, then ``rank<N>.ok``, ``rank<N>.error.json`` (the exception, plus a snapshot of its
+peers taken before anything is torn down) or ``rank<N>.signal.json`` (ended by a signal or by
+its watchdog), then leaves with ``os._exit`` so no gloo/NCCL destructor can hang the process
+after a peer died.
+
+Its lifetime is the job's: SIGKILL when Paddle's launcher (its parent) dies (lifeline.py), a
+watchdog thread that ends it when the glm52 launcher is gone or the job's deadline
+(``--job-timeout``) has passed unanswered, and SIGTERM / SIGINT / SIGHUP taken by a thread of
+their own (``sigwaitinfo``), so the record names the sender even while the main thread waits in
+a collective.
 """
 
 from __future__ import annotations
@@ -11,18 +18,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
-from paddleformers_glm._io import atomic_write_text
+from paddleformers_glm.train.job_status import (
+    ENV_DEADLINE,
+    ENV_JOB_ID,
+    ENV_LAUNCHER_PID,
+    ENV_STATUS_DIR,
+    beat,
+    is_comm_error,
+    proc_state,
+    snapshot,
+    write_record,
+)
+from paddleformers_glm.train.lifeline import tie_to_parent
+from paddleformers_glm.train.stop_signals import STOP_SIGNALS, process_name
 
-
-def _status(rank: int, suffix: str, payload: dict | None = None) -> None:
-    d = os.environ.get("GLM52_STATUS_DIR")
-    if not d:
-        return
-    atomic_write_text(os.path.join(d, f"rank{rank}.{suffix}"), "" if payload is None else json.dumps(payload))
+# past the job deadline the launcher stops the job itself; the worker acts only if it did not
+DEADLINE_GRACE_S = 15.0
+# after a communication error, how long the peers' snapshot waits for a dying peer to show as exited
+# (Paddle's launcher kills the survivors >= 3.6 s after it sees a worker exit)
+PEER_SETTLE_S = 2.0
 
 
 def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
@@ -32,12 +52,148 @@ def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
     return f"{text[:head]} ... {text[-tail:]}"
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (/proc stat field 22): tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class WorkerLife:
+    """The worker's end, whichever comes first: its own outcome, a stop signal, the launcher's
+    death, the job deadline.  Only one of them writes a record (``_lock``)."""
+
+    def __init__(self, rank: int, status_dir: str | None) -> None:
+        self.rank, self.status_dir = rank, status_dir
+        self._lock = threading.Lock()
+        launcher = os.environ.get(ENV_LAUNCHER_PID)
+        self.launcher_pid = int(launcher) if launcher else None
+        self.launcher_start = _start_time(self.launcher_pid) if self.launcher_pid else None
+        deadline = os.environ.get(ENV_DEADLINE)
+        self.deadline = float(deadline) if deadline else None
+
+    def start(self) -> None:
+        """Before anything else (Paddle's threads inherit the blocked signals)."""
+        if os.getppid() == 1:  # Paddle's launcher died before this process got here
+            os._exit(1)
+        tie_to_parent()
+        if hasattr(signal, "sigwaitinfo") and threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            threading.Thread(target=self._wait_signals, name="glm52-signals", daemon=True).start()
+        else:  # no sigwaitinfo: the main thread's handler (runs between bytecodes)
+            for s in STOP_SIGNALS:
+                signal.signal(s, lambda num, _frame: self.end({"signal": signal.Signals(num).name}, 128 + num))
+        if self.launcher_pid is not None or self.deadline is not None:
+            threading.Thread(target=self._watch, name="glm52-watchdog", daemon=True).start()
+
+    def _wait_signals(self) -> None:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        sender = int(info.si_pid)
+        self.end(
+            {"signal": signal.Signals(info.si_signo).name, "sender_pid": sender, "sender": process_name(sender)},
+            128 + int(info.si_signo),
+        )
+
+    def _launcher_gone(self) -> bool:
+        pid = self.launcher_pid
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's: a reused pid
+            return True
+        if proc_state(pid) == "Z":
+            return True
+        return self.launcher_start is not None and _start_time(pid) != self.launcher_start
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if self._launcher_gone():
+                self.end({"watchdog": f"the glm52 launcher (pid {self.launcher_pid}) is gone"}, 1)
+            if self.deadline is not None and time.time() > self.deadline + DEADLINE_GRACE_S:
+                self.end({"watchdog": "the job deadline (--job-timeout) passed and the launcher did not stop it"}, 124)
+
+    def end(self, reason: dict, code: int) -> None:
+        """Record why this worker ends (``rank<N>.signal.json``) and leave now."""
+        if not self._lock.acquire(timeout=5.0):  # the main thread is writing its own record
+            os._exit(code)
+        try:
+            write_record(
+                self.status_dir,
+                self.rank,
+                "signal.json",
+                {"rank": self.rank, "time": time.time(), **reason, "peers": self._peers()},
+            )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _peers(self, settle_s: float = 0.0) -> dict | None:
+        """Every local rank as it is now.  With ``settle_s`` (after a communication error) the
+        snapshot is retaken until a peer without a record shows as gone or stopped, for at most
+        that long: a peer killed a moment ago has closed its sockets (hence the error here) some
+        milliseconds before the kernel shows it as exited."""
+        if not self.status_dir:
+            return None
+        t_end = time.monotonic() + settle_s
+        while True:
+            try:
+                snap = snapshot(self.status_dir, by=f"rank {self.rank}")
+            except Exception:  # noqa: BLE001 - the record matters more than the snapshot
+                return None
+            peers = [v for k, v in snap["ranks"].items() if k != str(self.rank) and v["record"] is None]
+            if time.monotonic() >= t_end or any(v["state"] in ("gone", "T", "t") for v in peers):
+                return snap
+            time.sleep(0.05)
+
+    def failed(self, e: BaseException) -> None:
+        """Record the exception (with the peers as they are now), print it, leave with 1."""
+        self._lock.acquire(timeout=5.0)
+        tb = traceback.format_exc()
+        msg = str(e).strip().splitlines()
+        text = _shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
+        comm = is_comm_error(f"{type(e).__name__} {e} {tb}")  # the whole text: gloo puts TIMEOUT first
+        record = {
+            "rank": self.rank,
+            "time": time.time(),
+            "type": type(e).__name__,
+            "message": text,
+            "comm": comm,
+            "traceback_tail": "\n".join(tb.strip().splitlines()[-8:]),
+            "detail": getattr(e, "record", None),
+            "peers": self._peers(settle_s=PEER_SETTLE_S if comm else 0.0),
+        }
+        try:
+            write_record(self.status_dir, self.rank, "error.json", record)
+        finally:
+            # a non-finite step is not a bug: its message says all (the traceback is noise)
+            sys.stderr.write(f"{type(e).__name__}: {e}\n" if record["detail"] else tb)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="glm52 training worker (started by the launcher)")
     ap.add_argument("--config", required=True, help="TrainConfig as JSON")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
-    _status(rank, "pid", {"rank": rank, "pid": os.getpid()})  # lets the launcher see a frozen rank
+    status_dir = os.environ.get(ENV_STATUS_DIR)
+    life = WorkerLife(rank, status_dir)
+    life.start()
+    write_record(
+        status_dir,
+        rank,
+        "pid",
+        {"rank": rank, "pid": os.getpid(), "job": os.environ.get(ENV_JOB_ID), "time": time.time()},
+    )
+    beat(0, "start")
     try:
         from paddleformers_glm.train.loop import TrainConfig, run_training
 
@@ -45,29 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = TrainConfig.from_dict(json.load(f))
         run_training(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then the process ends
-        from paddleformers_glm.train.launch import is_comm_error
-
-        tb = traceback.format_exc()
-        msg = str(e).strip().splitlines()
-        text = _shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
-        _status(
-            rank,
-            "error.json",
-            {
-                "rank": rank,
-                "time": time.time(),
-                "type": type(e).__name__,
-                "message": text,
-                # classified on the whole text: gloo puts its TIMEOUT words at the start of a long message
-                "comm": is_comm_error(f"{type(e).__name__} {e} {tb}"),
-                "traceback_tail": "\n".join(tb.strip().splitlines()[-8:]),
-            },
-        )
-        sys.stderr.write(tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
-    _status(rank, "ok")
+        life.failed(e)
+    write_record(status_dir, rank, "ok")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

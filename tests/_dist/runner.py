@@ -21,17 +21,50 @@ def env() -> dict[str, str]:
     return e
 
 
-def launch_script(
-    script: str, nproc: int, args: list[str], log_dir: Path, timeout: float = 120
+def launch_scripts(
+    nproc: int, scripts: list[tuple[str, list[str]]], log_dir: Path, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """``python -m paddle.distributed.launch`` a script from tests/_dist (killed after ``timeout`` s)."""
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", str(log_dir)]
-    cmd += [str(ROOT / "tests" / "_dist" / script), *args]
+    """One launch of Paddle's launcher (as the trainer starts it: ``train.launch.launcher_command``, through lifeline.py)
+    that runs the tests/_dist ``scripts`` [(script, args)] one after another in the same ``nproc``
+    processes (tests/_dist/multi.py); killed after ``timeout`` s."""
+    from paddleformers_glm.train.launch import launcher_command
+
+    log_dir = Path(log_dir)
+    spec = log_dir.parent / f"{log_dir.name}.scripts.json"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps([[s, list(a)] for s, a in scripts]), encoding="utf-8")
+    cmd = launcher_command(nproc, str(log_dir), [str(ROOT / "tests" / "_dist" / "multi.py"), str(spec)])
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def run_train_cli(args: list[str], timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
-    """``python -m paddleformers_glm.train ARGS``; returns the process and its wall time."""
+def launch_script(
+    script: str, nproc: int, args: list[str], log_dir: Path, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """One tests/_dist script on ``nproc`` launched processes (see :func:`launch_scripts`)."""
+    return launch_scripts(nproc, [(script, args)], log_dir, timeout)
+
+
+def script_logs(log_dir: Path, nproc: int, tail: int = 3000) -> str:
+    """The last ``tail`` characters of each rank's log of a launch."""
+    logs = [Path(log_dir) / f"workerlog.{r}" for r in range(nproc)]
+    return "\n".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-tail:] for f in logs if f.is_file())
+
+
+def script_result(launch: dict, name: str) -> dict:
+    """The JSON one script of a shared launch (a conftest fixture: ``proc``, ``dir``, ``logs``)
+    wrote, or a test failure showing the launch's output."""
+    import pytest
+
+    f = Path(launch["dir"]) / name
+    p = launch["proc"]
+    if p.returncode != 0 or not f.is_file():
+        pytest.fail(f"the launch writing {name} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{launch['logs']}")
+    return json.loads(f.read_text())
+
+
+def run_train_cli(args: list[str], timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m paddleformers_glm.train ARGS``; returns the process and its wall time.  The
+    timeout only catches a hung job: generous, as a shared machine can be slow."""
     t = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *args],
@@ -41,6 +74,19 @@ def run_train_cli(args: list[str], timeout: float = 150) -> tuple[subprocess.Com
         timeout=timeout,
     )
     return p, time.monotonic() - t
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without Paddle's own import-time warning (no ccache: a message line and its
+    ``warnings.warn(...)`` source line), which is not the CLI's output."""
+    out, after_warning = [], False
+    for ln in stderr.strip().splitlines():
+        if "No ccache found" in ln or (after_warning and ln.strip().startswith("warnings.warn(")):
+            after_warning = "No ccache found" in ln
+            continue
+        after_warning = False
+        out.append(ln)
+    return out
 
 
 def losses(out: Path) -> dict:

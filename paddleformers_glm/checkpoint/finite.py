@@ -1,0 +1,119 @@
+"""Non-finite values (NaN, Inf) in weights: found by tensor name, before they reach a forward pass.
+
+A NaN or Inf weight (or FP8 scale) loads without complaint and turns every loss and gradient it
+touches into NaN; the run then trains on nothing.  Two places look:
+
+* :func:`count_nonfinite_raw`: the stored bytes of a safetensors tensor, per dtype, without
+  converting it (``glm52 check-ckpt`` runs it over every tensor it already reads for hashing,
+  FP8 weights and their ``scale_inv`` tensors included);
+* :func:`check_finite_state`: the tensors of a loaded state dict (``from_pretrained(check_finite=True)``,
+  ``glm52 train`` after each rank has its weights; each rank checks only what it holds, and an FP8
+  checkpoint's NaN scale shows in the weight it dequantized).
+
+Bit patterns (IEEE-754 and the OCP FP8 formats): BF16, F16, F32 and F64 are non-finite when their
+exponent bits are all ones; ``F8_E5M2`` likewise; ``F8_E4M3`` (the "fn" variant, no infinities) only
+at ``S.1111.111``; ``F8_E8M0`` (an exponent alone) at ``0xFF``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+
+__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw", "nonfinite_tensors"]
+
+_CHUNK_BYTES = 1 << 18  # raw bytes per vectorised test: the temporary stays in cache
+
+# safetensors dtype -> (unsigned view dtype, mask clearing the sign, threshold): an element is NaN or
+# Inf exactly when (bits & mask) >= threshold (exponent all ones; for F8_E4M3 the one NaN code
+# S.1111.111, for F8_E8M0 0xFF), so a chunk needs one AND and one max, and a count only if it fails.
+_BIT_TESTS: dict[str, tuple[Any, int, int]] = {
+    "BF16": (np.uint16, 0x7FFF, 0x7F80),
+    "F16": (np.uint16, 0x7FFF, 0x7C00),
+    "F32": (np.uint32, 0x7FFFFFFF, 0x7F800000),
+    "F64": (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+    "F8_E5M2": (np.uint8, 0x7F, 0x7C),
+    "F8_E4M3": (np.uint8, 0x7F, 0x7F),
+    "F8_E8M0": (np.uint8, 0xFF, 0xFF),
+}
+_PADDLE_TO_ST = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+class NonFiniteError(CheckpointError):
+    """Weights that hold NaN or Inf; ``key`` names the first such tensor, ``counts`` all of them."""
+
+    counts: dict[str, int] = {}
+
+
+def count_nonfinite_raw(data: memoryview | bytes | np.ndarray, st_dtype: str) -> int:
+    """How many elements of a tensor's raw little-endian bytes (safetensors dtype ``st_dtype``)
+    are NaN or Inf; 0 for integer and boolean dtypes."""
+    test = _BIT_TESTS.get(st_dtype)
+    if test is None:
+        return 0
+    view_dtype, mask, threshold = test
+    vd = np.dtype(view_dtype).newbyteorder("<")
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    bits_all = raw[: raw.shape[0] - raw.shape[0] % vd.itemsize].view(vd)
+    step = _CHUNK_BYTES // vd.itemsize
+    tmp = np.empty(min(step, bits_all.shape[0]), dtype=vd)
+    m, t = vd.type(mask), vd.type(threshold)
+    total = 0
+    for lo in range(0, bits_all.shape[0], step):
+        bits = bits_all[lo : lo + step]
+        part = tmp[: bits.shape[0]]
+        np.bitwise_and(bits, m, out=part)
+        if part.max() >= t:
+            total += int(np.count_nonzero(part >= t))
+    return total
+
+
+def nonfinite_tensors(state: Mapping[str, Any]) -> dict[str, int]:
+    """``{name: count of NaN/Inf elements}`` of the floating-point tensors of a state dict (Paddle
+    tensors, on whatever device they live; ``ShardedWeight`` values are checked by their local
+    tensor).  A CPU tensor is tested on its own memory (a numpy view: the raw bit test), any other
+    with ``paddle.isfinite`` where it lives; nothing is copied to the host but the counts."""
+    import paddle
+
+    from .engine import numpy_view
+
+    out: dict[str, int] = {}
+    for name, t in state.items():
+        t = getattr(t, "local_tensor", t)
+        if not isinstance(t, paddle.Tensor) or not t.is_floating_point() or t.numel() == 0:
+            continue
+        view = numpy_view(t.detach())  # CPU: the bit test on the tensor's own memory, no copy
+        st = _PADDLE_TO_ST.get(str(t.dtype).replace("paddle.", ""))
+        if view is not None and st is not None:
+            bad = count_nonfinite_raw(view, st)
+        else:  # an accelerator's tensor (or another dtype): Paddle's own test where it lives
+            finite = paddle.isfinite(t)
+            bad = 0 if bool(finite.all()) else int((~finite).astype("int64").sum())
+        if bad:
+            out[name] = bad
+    return out
+
+
+def check_finite_state(state: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`NonFiniteError` naming the tensors of ``state`` that hold NaN or Inf (``where``:
+    the checkpoint they came from, for the message)."""
+    bad = nonfinite_tensors(state)
+    if not bad:
+        return
+    names = sorted(bad)
+    listed = ", ".join(f"{n} ({bad[n]} values)" for n in names[:5]) + (
+        f", ... (+{len(names) - 5} more)" if len(names) > 5 else ""
+    )
+    err = NonFiniteError(
+        f"{len(names)} weight tensor(s) loaded from {where} hold NaN or Inf: {listed}; "
+        "a block-FP8 checkpoint shows a NaN/Inf scale_inv here as its dequantized weight "
+        "(`glm52 check-ckpt` names the stored tensor)",
+        file=where,
+        key=names[0],
+    )
+    err.counts = bad
+    raise err

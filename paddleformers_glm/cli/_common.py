@@ -1,0 +1,51 @@
+"""What every ``glm52`` subcommand shares: help pages that show defaults, and the one message for
+a ``--model`` that is not a checkpoint folder (missing, a file, or a Hugging Face Hub id)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+__all__ = ["HelpFormatter", "model_folder_error", "show_defaults"]
+
+# owner/name, as the Hub spells repository ids
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, minus the noise: no "(default: None)" or "(default: False)",
+    nothing added to a help text that already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default" in text.lower():
+            return text
+        if action.default in (None, False, [], argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
+            return text
+        return super()._get_help_string(action)
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` the :class:`HelpFormatter` and a help line to every option that has a
+    default but no help text (argparse prints nothing for those)."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if action.help is None and action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+            action.help = "default: %(default)s"
+
+
+def model_folder_error(model: str, what: str = "--model") -> str | None:
+    """Why ``model`` is not a checkpoint folder this package can read, or None when it is one."""
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            return f"{what} {model}: no config.json in this folder (not a checkpoint folder)"
+        return None
+    if os.path.exists(model):
+        return f"{what} {model}: a file, not a checkpoint folder"
+    if _HUB_ID.match(model) and not model.startswith((".", "/")):
+        return (
+            f"{what} {model}: no such folder; it looks like a Hugging Face Hub id, and glm52 reads local folders "
+            f"only (download it first, e.g. `huggingface-cli download {model} --local-dir DIR`, then {what} DIR)"
+        )
+    return f"{what} {model}: no such folder"

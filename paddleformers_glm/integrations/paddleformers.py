@@ -1,0 +1,346 @@
+"""PaddleFormers integration: its ``AutoConfig``, ``AutoModelForCausalLM`` and ``AutoTokenizer``
+resolve a GLM-5.2 checkpoint folder (``model_type: glm_moe_dsa``) to this package, and its
+``Trainer`` trains and saves our model. Opt-in, one call::
+
+    from paddleformers_glm.integrations import paddleformers as pf_glm
+    pf_glm.register()              # ours where PaddleFormers' own GLM-5.2 cannot run (no paddlefleet)
+    pf_glm.register(replace=True)  # ours even where it can
+
+PaddleFormers ships its own ``GlmMoeDsaConfig`` / ``GlmMoeDsaForCausalLM``; its model needs
+``paddlefleet`` (its ``AutoModelForCausalLM`` raises ``ImportError`` without it). ``register()``
+never replaces silently: every replacement is announced with a :class:`ReplacementWarning` that
+names the PaddleFormers class replaced and why, and :func:`unregister` restores PaddleFormers' own
+resolution. Importing this module registers nothing and does not import PaddleFormers.
+
+Why these hooks: PaddleFormers' ``AutoConfig`` has a registry (``AutoConfig.register``) that wins
+over its own mapping, so the config goes through it. Its ``AutoModelForCausalLM`` picks the class
+from the ``architectures`` of config.json and imports PaddleFormers' module for it, consulting its
+registry only when that fails, and its ``AutoTokenizer`` is transformers' (``tokenizer_class`` of
+tokenizer_config.json); for those two the ``from_pretrained`` / ``from_config`` class methods are
+wrapped: a local folder whose config.json says ``glm_moe_dsa`` loads ours, anything else goes to
+PaddleFormers unchanged.
+
+What the Trainer gets (:class:`GlmMoeDsaForCausalLM` of this module, a subclass of ours): a
+forward that returns a dict-like output (the Trainer reads ``outputs["loss"]``) and, in train mode,
+the objective ``glm52 train`` optimises (LM loss + ``mtp_loss_scaling_factor`` x MTP loss +
+``indexer_loss_coeff`` x indexer KL; in eval mode the LM loss, HF's convention), and a
+``save_pretrained`` that accepts the Trainer's arguments and writes the official HF layout, which
+our ``from_pretrained`` reads back. Tested with PaddleFormers 1.2.0 (``tests/test_paddleformers.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import warnings
+from typing import Any
+
+__all__ = [
+    "PADDLEFORMERS_TESTED",
+    "ReplacementWarning",
+    "is_registered",
+    "paddleformers_model_runs",
+    "register",
+    "unregister",
+]
+
+PADDLEFORMERS_TESTED = "1.2.0"
+MODEL_TYPE = "glm_moe_dsa"
+
+# PaddleFormers' loading arguments that say where to download from, which carry no meaning for a
+# local folder (``from_pretrained`` of ours reads local folders only)
+_LOADER_KWARGS = frozenset(
+    {
+        "cache_dir",
+        "subfolder",
+        "download_hub",
+        "from_hf_hub",
+        "from_aistudio",
+        "from_modelscope",
+        "force_download",
+        "local_files_only",
+        "revision",
+        "token",
+        "use_auth_token",
+        "trust_remote_code",
+        "return_unused_kwargs",
+        "_from_auto",
+        "_commit_hash",
+        "use_fast",
+        "convert_from_hf",
+        "convert_from_torch",
+        "load_checkpoint_format",
+        "low_cpu_mem_usage",
+        "use_safetensors",
+        "proxies",
+        "resume_download",
+    }
+)
+
+
+class ReplacementWarning(UserWarning):
+    """A PaddleFormers resolution now gives this package's class instead of PaddleFormers' own."""
+
+
+def paddleformers_model_runs() -> bool:
+    """Whether PaddleFormers' own GLM-5.2 model can be built here (it needs ``paddlefleet``)."""
+    return importlib.util.find_spec("paddlefleet") is not None
+
+
+def _require_paddleformers() -> None:
+    if importlib.util.find_spec("paddleformers") is None:
+        raise ImportError(
+            "paddleformers_glm.integrations.paddleformers: PaddleFormers is not installed; "
+            f'pip install "paddleformers_glm[paddleformers]" (tested with paddleformers=={PADDLEFORMERS_TESTED})'
+        )
+
+
+def _glm_folder(path: Any) -> bool:
+    """A local checkpoint folder whose config.json says ``model_type: glm_moe_dsa``."""
+    try:
+        folder = os.fspath(path)
+    except TypeError:
+        return False
+    file = os.path.join(folder, "config.json")
+    if not os.path.isfile(file):
+        return False
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type") == MODEL_TYPE
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k not in _LOADER_KWARGS}
+
+
+# --------------------------------------------------------------------------- the classes PaddleFormers gets
+_CLASSES: dict[str, Any] = {}
+
+
+def _classes() -> dict[str, Any]:
+    """Config, model and output classes for PaddleFormers (built once: they subclass PaddleFormers'
+    ``ModelOutput``, which is imported only here)."""
+    if _CLASSES:
+        return _CLASSES
+    from dataclasses import dataclass
+
+    import paddle
+    from paddleformers.transformers.model_outputs import ModelOutput
+
+    from ..configuration import GlmMoeDsaConfig as _Config
+    from ..modeling import GlmMoeDsaForCausalLM as _Model
+
+    class GlmMoeDsaConfig(_Config):
+        """Our config, read by PaddleFormers' ``AutoConfig`` (its loading arguments dropped)."""
+
+        @classmethod
+        def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+            return super().from_dict(config_dict, **_split_kwargs(kwargs))
+
+        @classmethod
+        def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any):
+            return super().from_pretrained(path, **_split_kwargs(kwargs))
+
+    @dataclass
+    class GlmCausalLMOutput(ModelOutput):
+        """The forward's outputs as PaddleFormers' ``ModelOutput`` (a dict: ``out["loss"]``)."""
+
+        loss: paddle.Tensor | None = None
+        logits: paddle.Tensor | None = None
+        past_key_values: Any = None
+        mtp_loss: paddle.Tensor | None = None
+        indexer_loss: paddle.Tensor | None = None
+        last_hidden_state: paddle.Tensor | None = None
+
+    class GlmMoeDsaForCausalLM(_Model):
+        """Our model as PaddleFormers' ``Trainer`` and ``AutoModelForCausalLM`` use it."""
+
+        config_class = GlmMoeDsaConfig
+
+        @classmethod
+        def from_pretrained(cls, path: Any, *model_args: Any, **kwargs: Any):
+            if model_args:
+                raise TypeError(f"GlmMoeDsaForCausalLM.from_pretrained: unexpected positional arguments {model_args}")
+            kwargs = _split_kwargs(kwargs)
+            if "paddle_dtype" in kwargs:  # PaddleFormers' older name
+                kwargs.setdefault("dtype", kwargs.pop("paddle_dtype"))
+            if isinstance(kwargs.get("config"), _Config) and not isinstance(kwargs["config"], GlmMoeDsaConfig):
+                kwargs["config"] = GlmMoeDsaConfig.from_dict(kwargs["config"].to_dict())
+            if kwargs.get("config") is None:
+                kwargs["config"] = GlmMoeDsaConfig.from_pretrained(path)
+            return super().from_pretrained(path, **kwargs)
+
+        @classmethod
+        def _from_config(cls, config: Any, **kwargs: Any):
+            kwargs = _split_kwargs(kwargs)
+            dtype = kwargs.pop("dtype", None) or "float32"
+            return cls.from_config(config, dtype=dtype, **kwargs)
+
+        def forward(
+            self,
+            input_ids: paddle.Tensor | None = None,
+            attention_mask: paddle.Tensor | None = None,
+            position_ids: paddle.Tensor | None = None,
+            labels: paddle.Tensor | None = None,
+            inputs_embeds: paddle.Tensor | None = None,
+            past_key_values: Any = None,
+            use_cache: bool | None = None,
+            return_dict: bool | None = None,
+            logits_to_keep: int = 0,
+        ):
+            out = super().forward(
+                input_ids,
+                attention_mask,
+                position_ids,
+                labels,
+                add_mtp_loss=self.training and labels is not None,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                inputs_embeds=inputs_embeds,
+                logits_to_keep=logits_to_keep,
+            )
+            result = GlmCausalLMOutput(
+                loss=out.loss,
+                logits=out.logits,
+                past_key_values=out.past_key_values,
+                mtp_loss=out.mtp_loss,
+                indexer_loss=out.indexer_loss,
+                last_hidden_state=out.last_hidden_state,
+            )
+            return result if return_dict is None or return_dict else result.to_tuple()
+
+        def get_model_flops(self, *args: Any, **kwargs: Any) -> float:
+            """The Trainer's speed log asks; no FLOP count is claimed (the Trainer then logs none)."""
+            raise NotImplementedError("paddleformers_glm does not report FLOPs per token")
+
+        get_hardware_flops = get_model_flops
+
+        def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> str | None:
+            """Our save (official HF layout, atomic, in the dtype the model computes in, so a save
+            of fp32 training reloads bit for bit) behind the Trainer's call: ``is_main_process``
+            (second positional or keyword) False writes nothing; ``state_dict`` (the Trainer's
+            sharding path) is saved instead of the model's own tensors; ``max_shard_size`` is kept;
+            the Trainer's other options (``save_function``, ``merge_tensor_parallel``,
+            ``save_to_hf``, ``save_checkpoint_format``, ``variant`` ...) do not apply to one
+            process writing the HF layout and are ignored."""
+            is_main = kwargs.pop("is_main_process", args[0] if args else True)
+            if not is_main:
+                return None
+            own = {k: kwargs.pop(k) for k in ("layout", "quantization", "max_shard_size", "dtype") if k in kwargs}
+            state = kwargs.pop("state_dict", None)
+            if state is not None and set(state) != set(self.state_dict()):
+                raise ValueError(
+                    "GlmMoeDsaForCausalLM.save_pretrained: the Trainer's state_dict does not hold this model's "
+                    f"tensors (missing {sorted(set(self.state_dict()) - set(state))[:5]})"
+                )
+            if own.get("max_shard_size") in ("1024GB",):  # PaddleFormers' "no sharding" default
+                own.pop("max_shard_size")
+            own.setdefault("dtype", self.compute_dtype)  # what was trained, not the release's bf16
+            return super().save_pretrained(save_directory, **own)
+
+    _CLASSES.update(config=GlmMoeDsaConfig, model=GlmMoeDsaForCausalLM, output=GlmCausalLMOutput)
+    return _CLASSES
+
+
+# --------------------------------------------------------------------------- registration
+_ORIGINALS: dict[str, Any] = {}
+_REPLACED = ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer")
+
+
+def is_registered() -> bool:
+    """Whether :func:`register` has replaced PaddleFormers' resolution (and not been undone)."""
+    return bool(_ORIGINALS)
+
+
+def register(replace: bool | None = None) -> list[str]:
+    """Make PaddleFormers' ``AutoConfig``, ``AutoModelForCausalLM`` and ``AutoTokenizer`` resolve
+    a local ``glm_moe_dsa`` folder to this package's classes.
+
+    ``replace=None`` (default): only when PaddleFormers' own GLM-5.2 model cannot run here
+    (``paddlefleet`` missing); ``True``: always; ``False``: never (returns ``[]``). Returns the
+    PaddleFormers entry points now resolved to ours; each replacement is announced with a
+    :class:`ReplacementWarning`. Calling it again changes nothing."""
+    _require_paddleformers()
+    if replace is None:
+        replace = not paddleformers_model_runs()
+        reason = "PaddleFormers' own GlmMoeDsaForCausalLM needs paddlefleet, which is not installed"
+    else:
+        reason = "register(replace=True) was called"
+    if not replace:
+        return []
+    if is_registered():
+        return list(_REPLACED)
+    from paddleformers.transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from paddleformers.transformers.auto.configuration import CONFIG_MAPPING
+
+    from ..tokenizer import GlmTokenizer
+
+    c = _classes()
+    model_cls = c["model"]
+    _ORIGINALS["AutoConfig"] = CONFIG_MAPPING._extra_content.get(MODEL_TYPE)
+    AutoConfig.register(MODEL_TYPE, c["config"], exist_ok=True)
+
+    def _wrap(auto: Any, name: str, ours: Any) -> None:
+        own = auto.__dict__.get(name)  # None: inherited from PaddleFormers' base Auto class
+        _ORIGINALS[f"{auto.__name__}.{name}"] = (auto, name, own)
+        func = inspect.getattr_static(auto, name).__func__
+
+        def wrapped(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+            if name == "from_config":
+                if getattr(path, "model_type", None) == MODEL_TYPE:
+                    return ours(path, *args, **kwargs)
+            elif _glm_folder(path):
+                return ours(path, *args, **kwargs)
+            return func(cls, path, *args, **kwargs)
+
+        wrapped.__doc__ = (
+            f"{func.__doc__ or ''}\n(paddleformers_glm: a local glm_moe_dsa folder loads {ours.__qualname__})"
+        )
+        setattr(auto, name, classmethod(wrapped))
+
+    _wrap(AutoModelForCausalLM, "from_pretrained", model_cls.from_pretrained)
+    _wrap(AutoModelForCausalLM, "from_config", model_cls._from_config)
+    _wrap(
+        AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
+    )
+    replaced = [
+        ("AutoConfig", "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaConfig", "paddleformers_glm GlmMoeDsaConfig"),
+        (
+            "AutoModelForCausalLM",
+            "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaForCausalLM",
+            "paddleformers_glm GlmMoeDsaForCausalLM",
+        ),
+        ("AutoTokenizer", "transformers' tokenizer for the folder", "paddleformers_glm GlmTokenizer"),
+    ]
+    for auto, theirs, ours in replaced:
+        warnings.warn(
+            f"paddleformers_glm: PaddleFormers' {auto} now resolves model_type 'glm_moe_dsa' folders to {ours} "
+            f"instead of {theirs} ({reason}); paddleformers_glm.integrations.paddleformers.unregister() undoes it",
+            ReplacementWarning,
+            stacklevel=2,
+        )
+    return list(_REPLACED)
+
+
+def unregister() -> None:
+    """Undo :func:`register`: PaddleFormers resolves ``glm_moe_dsa`` as it did before."""
+    if not _ORIGINALS:
+        return
+    from paddleformers.transformers.auto.configuration import CONFIG_MAPPING
+
+    previous = _ORIGINALS.pop("AutoConfig", None)
+    if previous is None:
+        CONFIG_MAPPING._extra_content.pop(MODEL_TYPE, None)
+    else:
+        CONFIG_MAPPING._extra_content[MODEL_TYPE] = previous
+    for key in list(_ORIGINALS):
+        auto, name, own = _ORIGINALS.pop(key)
+        if own is None:
+            delattr(auto, name)
+        else:
+            setattr(auto, name, own)

@@ -1,0 +1,413 @@
+"""bfloat16 compute on Paddle's CPU build, supplied underneath Paddle's own API.
+
+Paddle 3.3's CPU build stores bf16 tensors and has bf16 kernels for casts, copies, gathers,
+reshapes, products and a few others, but none for most arithmetic (``add``, ``matmul``,
+``divide``, ``exp``, ``softmax``, ``where``, ``topk``, ``layer_norm``, ``adamw``...) and none for
+many gradients (``concat_grad``, ``add_grad``, ``matmul_grad``...), so a bf16 model fails at its
+first layer.  :func:`install` fills exactly those gaps the way a GPU's bf16 kernels compute: the
+op runs on fp32 copies of its bf16 inputs and its floating outputs are rounded back to bf16 (fp32
+accumulation, bf16 result, as cuBLAS bf16 GEMMs and Paddle's GPU elementwise kernels do).  The
+backward follows by itself: autograd records cast -> fp32 op -> cast, and the casts' gradients
+are casts, so every gradient is also computed in fp32 and rounded to bf16.
+
+What it touches (read in Paddle 3.3.1):
+
+* ``paddle._C_ops.<op>``, the function every Python API calls, and every alias of it bound in a
+  loaded ``paddle`` module or on ``paddle.Tensor`` (``from paddle._C_ops import exp`` style), for
+  each op whose CPU kernel registry (``core._get_registered_phi_kernels``) has an fp32 kernel but
+  no bf16 one, forward or gradient (:func:`missing_kernels`), plus ``linear`` (a composite of
+  ``matmul`` and ``add`` that has no kernel of its own);
+* ``scale`` (:data:`INEXACT`), whose CPU bf16 kernel exists but rounds its factor and bias to
+  bf16 first; the GPU kernel keeps them fp32;
+* the ``paddle.Tensor`` operators Paddle implements in C++ (``__add__``, ``__matmul__``,
+  ``__truediv__``...) whose op is in that set (with a Python scalar they run ``scale``);
+* ``adamw_`` with an fp32 master weight (``multi_precision``): the CPU kernel ignores the master
+  weight, so the update runs on the master (fp32 moments, fp32 grad) and the bf16 parameter is
+  then the master rounded to bf16, which is what the GPU kernel writes.
+
+A wrapped op converts only when its floating tensor inputs are all bf16; mixed bf16/fp32 inputs
+reach Paddle unchanged (its own type promotion or its own error, as on a GPU), and fp32 tensors
+get Paddle's result unchanged (a dtype check per call is all they pay once it is installed).
+In-place ops (``add_``...) run on the fp32 copy and the result is assigned back into the bf16
+tensor (an autograd-recorded assign).  ``converted_calls`` counts what converted;
+``GLM52_CPU_BF16_RECORD=DIR`` keeps each process's list in ``DIR``.
+
+Installed by :func:`install`: on a CPU-only build only (``paddle.is_compiled_with_cuda()`` builds
+keep Paddle's stock kernels, installing is a no-op there), once per process, by the model when it
+is built in bf16 and by the trainer for ``--dtype bfloat16``.  ``GLM52_CPU_BF16=0`` leaves Paddle
+untouched.  Guarded: outside the tested Paddle versions it warns; the covered set is read from the
+installed build's own kernel registry, so a build that gains bf16 kernels is wrapped less.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import paddle
+
+__all__ = [
+    "COMPOSITES",
+    "INEXACT",
+    "TESTED_PADDLE",
+    "KernelGap",
+    "converted_calls",
+    "install",
+    "installed",
+    "missing_kernels",
+    "uninstall",
+]
+
+ENV_SWITCH = "GLM52_CPU_BF16"
+# A folder: each process keeps there the list of ops it routed through fp32 (converted-<pid>.json,
+# rewritten when an op converts for the first time; training workers leave with os._exit)
+ENV_RECORD = "GLM52_CPU_BF16_RECORD"
+TESTED_PADDLE = ((3, 3, 0), (3, 4, 0))  # [low, high): builds whose registry and op signatures were read
+# Ops the registry does not list (eager composites) -> the kernels they run.
+COMPOSITES = {"linear": ("matmul", "add")}
+# Ops whose CPU bf16 kernel exists but does not return the fp32 result rounded to bf16, as the GPU
+# kernel does (Paddle 3.3.1, tests/test_cpu_bf16.py): ``scale`` (also ``x * 0.5``, ``x + 1``)
+# rounds its factor and bias to bf16 first, the GPU kernel keeps them in fp32. The other stock
+# bf16 arithmetic the model meets (multiply, subtract, sum, add_n, maximum) gives the rounded
+# fp32 result and stays Paddle's.
+INEXACT = ("scale",)
+# Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar).
+_OPERATORS = {
+    "__add__": ("add", "scale"),
+    "__radd__": ("add", "scale"),
+    "__sub__": ("subtract", "scale"),
+    "__rsub__": ("subtract", "scale"),
+    "__mul__": ("multiply", "scale"),
+    "__rmul__": ("multiply", "scale"),
+    "__div__": ("divide", "scale"),
+    "__truediv__": ("divide", "scale"),
+    "__rdiv__": ("divide", "divide"),
+    "__rtruediv__": ("divide", "divide"),
+    "__pow__": ("elementwise_pow", "pow"),
+    "__rpow__": ("elementwise_pow", "elementwise_pow"),
+    "__matmul__": ("matmul", "matmul"),
+    "__rmatmul__": ("matmul", "matmul"),
+}
+
+
+class KernelGap(NamedTuple):
+    """Which bf16 CPU kernels an op lacks (each True only where an fp32 one exists)."""
+
+    forward: bool
+    backward: bool
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to undo
+        self.wrapped: list[str] = []
+        self.calls: dict[str, int] = {}
+        self.record: str | None = None  # ENV_RECORD's folder
+
+
+_STATE = _State()
+
+
+def _registry() -> dict[str, list[str]]:
+    from paddle.base import core
+
+    return core._get_registered_phi_kernels("all")
+
+
+def _has(reg: dict[str, list[str]], kernel: str, dtype: str) -> bool:
+    return any(k.startswith("(CPU,") and k.endswith(f", {dtype})") for k in reg.get(kernel, ()))
+
+
+def missing_kernels(registry: dict[str, list[str]] | None = None) -> dict[str, KernelGap]:
+    """Kernel name -> its bf16 gap on CPU, for every kernel with an fp32 CPU kernel and no bf16
+    one, forward (``op``) or gradient (``op_grad``); read from Paddle's kernel registry."""
+    reg = _registry() if registry is None else registry
+    out: dict[str, KernelGap] = {}
+    for name in reg:
+        if name.endswith("_grad"):
+            continue
+        fwd = _has(reg, name, "float32") and not _has(reg, name, "bfloat16")
+        g = f"{name}_grad"
+        bwd = _has(reg, g, "float32") and not _has(reg, g, "bfloat16")
+        if fwd or bwd:
+            out[name] = KernelGap(fwd, bwd)
+    return out
+
+
+def _kernel_of(op: str, reg: dict[str, list[str]]) -> str | None:
+    """The registry's kernel name of a ``_C_ops`` function (``add_`` runs ``add``)."""
+    if op in reg:
+        return op
+    if op.endswith("_") and op[:-1] in reg:
+        return op[:-1]
+    return None
+
+
+def _covered_ops(c_ops: Any, reg: dict[str, list[str]]) -> dict[str, str]:
+    """``_C_ops`` name -> the missing kernel that makes it need the fp32 route."""
+    gaps = missing_kernels(reg)
+    out = {}
+    for op in dir(c_ops):
+        if op.startswith("_") or op.endswith("_grad") or not callable(getattr(c_ops, op, None)):
+            continue
+        k = _kernel_of(op, reg)
+        if k is not None and (k in gaps or k in INEXACT):
+            out[op] = k
+        elif op in COMPOSITES and any(part in gaps for part in COMPOSITES[op]):
+            out[op] = op
+    return out
+
+
+_BF16 = paddle.bfloat16
+_FP32 = paddle.float32
+_WIDE = (paddle.float32, paddle.float64, paddle.float16)
+_WIDE_IDS = frozenset(id(d) for d in _WIDE)  # Tensor.dtype returns these singletons; `==` costs ~1.6 us
+
+
+def _var_bf16() -> Any:
+    try:
+        from paddle.base import core
+
+        return core.VarDesc.VarType.BF16
+    except AttributeError:  # pragma: no cover - a build without the legacy enum
+        return None
+
+
+_BF16_VAR = _var_bf16()
+
+
+def _scan(values: Any) -> int:
+    """0: no bf16 tensor; 1: bf16 tensors and no other floating one; 2: bf16 mixed with fp32/fp64/fp16."""
+    bf16 = wide = False
+    for v in values:
+        if isinstance(v, paddle.Tensor):
+            d = v.dtype
+            if d is _BF16:
+                bf16 = True
+            elif id(d) in _WIDE_IDS:
+                wide = True
+        elif isinstance(v, (list, tuple)) and v and isinstance(v[0], paddle.Tensor):
+            for t in v:
+                d = t.dtype
+                if d is _BF16:
+                    bf16 = True
+                elif id(d) in _WIDE_IDS:
+                    wide = True
+    return (2 if wide else 1) if bf16 else 0
+
+
+def _up(v: Any, copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]]) -> Any:
+    """v with bf16 tensors replaced by fp32 copies (recorded in ``copies``), bf16 dtypes by fp32."""
+    if isinstance(v, paddle.Tensor):
+        if v.dtype is _BF16:
+            c = v.astype(_FP32)
+            copies[id(c)] = (c, v)
+            return c
+        return v
+    if isinstance(v, (list, tuple)) and v and isinstance(v[0], paddle.Tensor):
+        return type(v)(_up(t, copies) for t in v)
+    if v is _BF16 or (_BF16_VAR is not None and isinstance(v, type(_BF16_VAR)) and v == _BF16_VAR):
+        return _FP32
+    return v
+
+
+def _wide_dtype_arg(values: Any) -> bool:
+    """An explicit non-bf16 floating dtype among the arguments: the op's output dtype is chosen."""
+    return any(isinstance(v, paddle.dtype) and id(v) in _WIDE_IDS for v in values)
+
+
+def _down(out: Any, copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]], cast: bool) -> Any:
+    """Results back to bf16: an fp32 copy that was updated in place is assigned into its bf16
+    original (which is returned instead); other fp32 results are rounded when ``cast``."""
+    if isinstance(out, paddle.Tensor):
+        hit = copies.get(id(out))
+        if hit is not None and hit[0] is out:
+            original = hit[1]
+            paddle.assign(out.astype(_BF16), original)
+            return original
+        return out.astype(_BF16) if cast and out.dtype is _FP32 else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_down(o, copies, cast) for o in out)
+    return out
+
+
+def _count(name: str) -> None:
+    first = name not in _STATE.calls
+    _STATE.calls[name] = _STATE.calls.get(name, 0) + 1
+    if first and _STATE.record:
+        _record(_STATE.record)
+
+
+def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig`` that runs in fp32 when its floating tensor inputs are all bf16."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        if _scan((*args, *kwargs.values()) if kwargs else args) != 1:
+            return orig(*args, **kwargs)
+        _count(name)
+        copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}
+        up_args = [_up(a, copies) for a in args]
+        up_kwargs = {k: _up(v, copies) for k, v in kwargs.items()}
+        out = orig(*up_args, **up_kwargs)
+        cast = not _wide_dtype_arg(args) and not _wide_dtype_arg(kwargs.values())
+        return _down(out, copies, cast)
+
+    op.__name__ = getattr(orig, "__name__", name)
+    op.__doc__ = getattr(orig, "__doc__", None)
+    op._glm52_bf16 = orig  # type: ignore[attr-defined]
+    return op
+
+
+def _wrap_adamw(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``adamw_`` for a bf16 parameter with an fp32 master weight: the update runs on the master
+    (Paddle's CPU kernel would ignore it) and the parameter becomes the master rounded to bf16."""
+    generic = _wrap("adamw_", orig)
+
+    def adamw_(param: paddle.Tensor, grad: paddle.Tensor, lr: Any, m1: Any, m2: Any, m2max: Any, b1p: Any,
+               b2p: Any, master: Any, *rest: Any) -> Any:  # fmt: skip
+        if param.dtype is not _BF16 or master is None:
+            return generic(param, grad, lr, m1, m2, m2max, b1p, b2p, master, *rest)
+        _count("adamw_")
+        found_inf, attrs = rest[0], list(rest[1:])
+        # attrs (Paddle 3.3): beta1, beta2, epsilon, lr_ratio, coeff, with_decay, lazy_mode,
+        #                     min_row_size_to_use_multithread, multi_precision, use_global_beta_pow, amsgrad
+        if len(attrs) != 11 or not isinstance(attrs[8], bool):
+            raise RuntimeError(
+                f"paddleformers_glm.ops.cpu_bf16: _C_ops.adamw_ takes {len(rest) + 9} arguments in Paddle "
+                f"{paddle.__version__}, not the 21 of the tested builds; set GLM52_CPU_BF16=0 or train in float32"
+            )
+        attrs[8] = False  # multi_precision: the fp32 master *is* the parameter of this update
+        g32 = grad.astype(_FP32) if grad.dtype is _BF16 else grad
+        outs = orig(master, g32, lr, m1, m2, m2max, b1p, b2p, None, found_inf, *attrs)
+        paddle.assign(master.astype(_BF16), param)
+        return (param, *outs[1:6], master)
+
+    adamw_._glm52_bf16 = orig  # type: ignore[attr-defined]
+    return adamw_
+
+
+def _wrap_operator(name: str, orig: Callable[..., Any], tensor_op: bool, scalar_op: bool) -> Callable[..., Any]:
+    """A C++ Tensor operator (``__add__``...) that runs in fp32 for all-bf16 operands, where the
+    op it runs for that operand kind (``tensor_op`` / ``scalar_op``: covered or not) needs it."""
+
+    def operator(self: paddle.Tensor, other: Any) -> Any:
+        if not (tensor_op if isinstance(other, paddle.Tensor) else scalar_op) or _scan((self, other)) != 1:
+            return orig(self, other)
+        _count(name)
+        a = self.astype(_FP32)
+        b = other.astype(_FP32) if isinstance(other, paddle.Tensor) and other.dtype is _BF16 else other
+        out = orig(a, b)
+        return out.astype(_BF16) if isinstance(out, paddle.Tensor) and out.dtype is _FP32 else out
+
+    operator.__name__ = name
+    operator._glm52_bf16 = orig  # type: ignore[attr-defined]
+    return operator
+
+
+def _paddle_version() -> tuple[int, ...]:
+    """Paddle's (major, minor, patch); a develop build (0.0.0) counts as newer than any tested."""
+    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in paddle.__version__.split(".")[:3]]
+    v = tuple(parts + [0] * (3 - len(parts)))
+    return (99, 0, 0) if v == (0, 0, 0) else v
+
+
+def _tested() -> bool:
+    return TESTED_PADDLE[0] <= _paddle_version() < TESTED_PADDLE[1]
+
+
+def installed() -> list[str]:
+    """The ``_C_ops`` functions and Tensor operators routed through fp32 in this process (empty
+    when not installed: a CUDA build, ``GLM52_CPU_BF16=0``, or not asked for yet)."""
+    return list(_STATE.wrapped)
+
+
+def converted_calls(reset: bool = False) -> dict[str, int]:
+    """How many calls of each wrapped op ran in fp32 since install (or the last reset)."""
+    out = dict(_STATE.calls)
+    if reset:
+        _STATE.calls.clear()
+    return out
+
+
+def install() -> list[str]:
+    """Route the ops Paddle's CPU build lacks bf16 kernels for through fp32 (see the module doc).
+
+    No-op (returns []) on a build compiled with CUDA, or with ``GLM52_CPU_BF16=0``. Idempotent:
+    a second call returns what the first installed."""
+    if paddle.is_compiled_with_cuda() or os.environ.get(ENV_SWITCH, "1") == "0":
+        return []
+    with _STATE.lock:
+        if _STATE.wrapped:
+            return list(_STATE.wrapped)
+        if not _tested():
+            warnings.warn(
+                f"paddleformers_glm: CPU bf16 kernels supplied on untested Paddle {paddle.__version__} "
+                f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]}); the covered ops come from its own registry",
+                stacklevel=2,
+            )
+        c_ops = paddle._C_ops
+        reg = _registry()
+        covered = _covered_ops(c_ops, reg)
+        originals: dict[int, Callable[..., Any]] = {}
+        for op in sorted(covered):
+            orig = getattr(c_ops, op)
+            fn = _wrap_adamw(orig) if op == "adamw_" else _wrap(op, orig)
+            originals[id(orig)] = fn
+            _STATE.patched.append((c_ops, op, orig))
+            setattr(c_ops, op, fn)
+            _STATE.wrapped.append(op)
+        _replace_aliases(originals)
+        _STATE.record = os.environ.get(ENV_RECORD) or None
+        need = set(missing_kernels(reg)) | set(INEXACT)
+        for attr, (tensor_kernel, scalar_kernel) in _OPERATORS.items():
+            orig = getattr(paddle.Tensor, attr, None)
+            tensor_op, scalar_op = tensor_kernel in need, scalar_kernel in need
+            if orig is None or not (tensor_op or scalar_op) or getattr(orig, "_glm52_bf16", None) is not None:
+                continue
+            _STATE.patched.append((paddle.Tensor, attr, orig))
+            setattr(paddle.Tensor, attr, _wrap_operator(attr, orig, tensor_op, scalar_op))
+            _STATE.wrapped.append(f"Tensor.{attr}")
+        return list(_STATE.wrapped)
+
+
+def _replace_aliases(originals: dict[int, Callable[..., Any]]) -> None:
+    """Point every loaded paddle module attribute and Tensor method that *is* a wrapped
+    ``_C_ops`` function (bound by ``from paddle._C_ops import ...``) at its wrapper."""
+    owners: list[Any] = [m for n, m in list(sys.modules.items()) if n.startswith("paddle") and m is not None]
+    owners.append(paddle.Tensor)
+    for owner in owners:
+        try:
+            items = list(vars(owner).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            fn = originals.get(id(value))
+            if fn is None or attr.startswith("__") or getattr(owner, attr, None) is not value:
+                continue
+            if owner is paddle._C_ops:
+                continue
+            _STATE.patched.append((owner, attr, value))
+            setattr(owner, attr, fn)
+
+
+def _record(folder: str) -> None:
+    """Write the names of the ops this process converted so far to ``folder/converted-<pid>.json``."""
+    from .._io import atomic_write_text, dumps_json
+
+    os.makedirs(folder, exist_ok=True)
+    atomic_write_text(os.path.join(folder, f"converted-{os.getpid()}.json"), dumps_json(sorted(_STATE.calls)))
+
+
+def uninstall() -> None:
+    """Restore everything :func:`install` replaced (for tests)."""
+    with _STATE.lock:
+        for owner, attr, orig in reversed(_STATE.patched):
+            setattr(owner, attr, orig)
+        _STATE.patched.clear()
+        _STATE.wrapped.clear()
+        _STATE.calls.clear()

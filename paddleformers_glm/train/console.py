@@ -1,0 +1,45 @@
+"""What ``glm52 train`` relays from its workers to the console: the run's own lines (``[glm52
+train] ...``, the step lines, errors and warnings), not Paddle's set-up chatter. Paddle's
+distributed logger writes an INFO record per communication group, per pipeline segment and, for
+each pipeline chunk, the whole printed model (hundreds of lines for the tiny model); its parallel
+init writes a "Modified FLAGS detected" banner. Those stay in ``OUT/logs/workerlog.*`` (the full
+record) and reach the console with ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["PaddleChatter"]
+
+# Paddle's logging format: "[2026-01-01 12:00:00,000] [    INFO] file.py:123 - message"
+_RECORD = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[\s*([A-Z]+)\] ")
+_BANNER = "======================= Modified FLAGS detected ======================="
+_BANNER_END = "=" * 71
+
+
+class PaddleChatter:
+    """A line filter for one worker stream: ``keep(line)`` is False for Paddle's INFO records
+    (with their continuation lines, such as a printed model) and for the modified-flags banner."""
+
+    def __init__(self) -> None:
+        self._in_record = False
+        self._in_banner = False
+
+    def keep(self, line: str) -> bool:
+        text = line.rstrip("\n")
+        if self._in_banner:
+            if text.strip() == _BANNER_END:
+                self._in_banner = False
+            return False
+        if text.strip() == _BANNER:
+            self._in_banner = True
+            return False
+        m = _RECORD.match(text)
+        if m:
+            self._in_record = m.group(1) in ("INFO", "DEBUG")
+            return not self._in_record
+        if self._in_record and (text[:1].isspace() or text.startswith(")") or not text.strip()):
+            return False  # a continuation of the INFO record (the printed model's lines)
+        self._in_record = False
+        return True

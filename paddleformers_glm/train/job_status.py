@@ -1,0 +1,370 @@
+"""The job's status folder (``OUT/logs/status``): what every worker records about itself while it
+runs, and the diagnosis of a failed job from those records alone.
+
+Why records and not the launcher's own sampling: Paddle's launcher tears the whole job down as
+soon as one worker exits, so whatever the launcher samples afterwards (which processes are
+alive, which one is frozen) depends on who was faster.  A record written *before* the teardown
+does not: the first worker to fail looks at its peers while nothing has been killed yet.
+
+Files (``<N>`` = global rank; all strict JSON, each replaced atomically):
+
+* ``rank<N>.pid``: at start (rank, pid, job id);
+* ``rank<N>.beat``: the heartbeat, rewritten in place at each phase of each step (step, phase,
+  time); a few microseconds, no fsync (a killed process's writes survive; a lost machine is not
+  what it is for);
+* ``rank<N>.error.json``: the worker's exception, plus ``peers``, the snapshot it took of every
+  local rank (process state, whether it had left a record) at that moment;
+* ``rank<N>.signal.json``: the worker ended on a signal (which, sent by which process) or on its
+  watchdog (launcher gone, job deadline passed), plus ``peers``;
+* ``rank<N>.ok``: the worker finished cleanly;
+* ``launcher.json``: the launcher's snapshots, taken at the first sign of trouble and before it
+  stops the job itself.
+
+:func:`diagnose` reads only these, so every run of the same fault gives the same answer.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._io import write_json_atomic
+
+__all__ = [
+    "ENV_DEADLINE",
+    "ENV_JOB_ID",
+    "ENV_LAUNCHER_PID",
+    "ENV_STATUS_DIR",
+    "PHASES",
+    "Diagnosis",
+    "beat",
+    "diagnose",
+    "is_comm_error",
+    "proc_state",
+    "read_records",
+    "snapshot",
+    "write_record",
+]
+
+ENV_STATUS_DIR = "GLM52_STATUS_DIR"  # the status folder, set by the launcher for its workers
+ENV_JOB_ID = "GLM52_JOB_ID"  # one id per job: every process of the job carries it in its environment
+ENV_LAUNCHER_PID = "GLM52_LAUNCHER_PID"  # the glm52 launcher: workers end when it is gone
+ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (seconds since the epoch)
+
+# the phases of a step, in order: a rank's progress is (step, index of its last phase)
+PHASES = ("start", "setup", "data", "forward", "update", "done", "save", "finish")
+
+_COMM_MARKERS = (
+    "gloo",
+    "TIMEOUT",
+    "Connection reset",
+    "Connection closed",
+    "Connection refused",
+    "Broken pipe",
+    "NCCL",
+    "ProcessGroup",
+    "socket",
+    "peer",
+)
+
+
+def is_comm_error(text: str) -> bool:
+    """Whether an exception's text looks like a failed collective (a peer gone or too slow)."""
+    return any(m.lower() in text.lower() for m in _COMM_MARKERS)
+
+
+def proc_state(pid: int) -> str | None:
+    """One-letter Linux process state (R, S, D, T = stopped, t = traced, Z = zombie), or None when
+    the process is gone or the state is unknown (no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _read_json(path: str) -> Any:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(status_dir: str | None, rank: int, suffix: str, payload: dict | None = None) -> None:
+    """``rank<N>.<suffix>`` in `status_dir` (no-op without one): strict JSON, atomic."""
+    if not status_dir:
+        return
+    path = os.path.join(status_dir, f"rank{rank}.{suffix}")
+    if payload is None:
+        from .._io import atomic_write_text
+
+        atomic_write_text(path, "")
+    else:
+        write_json_atomic(path, payload, indent=None, sort_keys=False, default=str)
+
+
+_BEAT: dict[str, Any] = {}
+_BEAT_WIDTH = 160  # bytes: every heartbeat overwrites the same bytes of the file
+
+
+def beat(step: int, phase: str) -> None:
+    """Record this worker's progress (``rank<N>.beat``); a no-op outside a launched job.
+
+    One ``pwrite`` of a space-padded record into a file kept open (a few microseconds; creating
+    and renaming a file per heartbeat cost milliseconds on a busy machine).  A reader racing the
+    write may see a torn record (it then counts as no heartbeat): the diagnosis reads the
+    heartbeats after the job has ended."""
+    if "fd" not in _BEAT:
+        d = os.environ.get(ENV_STATUS_DIR)
+        rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
+        fd = None
+        if d:
+            try:
+                fd = os.open(os.path.join(d, f"rank{rank}.beat"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError:  # no heartbeat: the diagnosis then knows less, training goes on
+                fd = None
+        _BEAT.update(fd=fd, rank=rank)
+    fd = _BEAT["fd"]
+    if fd is None:
+        return
+    if phase not in PHASES:
+        raise ValueError(f"heartbeat phase must be one of {PHASES}, got {phase!r}")
+    rank, pid, t = _BEAT["rank"], os.getpid(), time.time()
+    text = f'{{"rank": {rank}, "pid": {pid}, "step": {int(step)}, "phase": "{phase}", "time": {t:.6f}}}'
+    data = text.ljust(_BEAT_WIDTH).encode()
+    try:
+        os.pwrite(fd, data, 0)
+        if len(data) > _BEAT_WIDTH:
+            os.ftruncate(fd, len(data))
+    except OSError:
+        pass
+
+
+def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
+    """Every rank's records: ``{rank: {"pid", "beat", "error", "signal", "ok"}}`` (absent: None)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in glob.glob(os.path.join(status_dir, "rank*.*")):
+        name = os.path.basename(path)
+        head, _, kind = name.partition(".")
+        if not head[4:].isdigit() or kind.endswith(".tmp") or kind.startswith("beat."):
+            continue
+        rank = int(head[4:])
+        rec = out.setdefault(rank, {"pid": None, "beat": None, "error": None, "signal": None, "ok": False})
+        if kind == "ok":
+            rec["ok"] = True
+        elif kind in ("pid", "beat"):
+            rec[kind] = _read_json(path)
+        elif kind in ("error.json", "signal.json"):
+            rec[kind.split(".")[0]] = _read_json(path)
+    return out
+
+
+def _record_kind(rec: dict[str, Any]) -> str | None:
+    if rec.get("error"):
+        return "error"
+    if rec.get("signal"):
+        return "signal"
+    return "ok" if rec.get("ok") else None
+
+
+def snapshot(status_dir: str, by: str) -> dict[str, Any]:
+    """What is known now of every rank that recorded its pid: process state ("gone" when it has
+    exited), the record it left (error / signal / ok / None) and its last heartbeat."""
+    ranks: dict[str, Any] = {}
+    for r, rec in sorted(read_records(status_dir).items()):
+        pid = (rec.get("pid") or {}).get("pid")
+        st = proc_state(int(pid)) if pid else None
+        b = rec.get("beat") or {}
+        ranks[str(r)] = {
+            "state": "gone" if st in (None, "Z") and pid else (st or "unknown"),
+            "record": _record_kind(rec),
+            "beat": [b.get("step"), b.get("phase")] if b else None,
+        }
+    return {"by": by, "time": time.time(), "ranks": ranks}
+
+
+# ---------------------------------------------------------------- diagnosis
+
+
+@dataclass
+class Diagnosis:
+    """The culprit rank (None when there is none, e.g. a user stopped the job), a one-paragraph
+    message, the cause (error, nonfinite, stopped, died, hung, comm, signal, timeout, launcher)
+    and structured details for failure.json."""
+
+    rank: int | None
+    message: str
+    cause: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _progress(b: dict | None) -> tuple[int, int]:
+    if not b:
+        return (-1, -1)
+    phase = b.get("phase")
+    return (int(b.get("step") or 0), PHASES.index(phase) if phase in PHASES else -1)
+
+
+def _beat_text(b: dict | None) -> str:
+    if not b:
+        return "no heartbeat"
+    return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}"
+
+
+def _tail(path: str, n: int = 6) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.rstrip() for ln in f.readlines() if ln.strip()]
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def _observations(records: dict[int, dict], launcher: Sequence[dict]) -> list[dict]:
+    """Every snapshot taken while the job was failing, oldest first: the peers a failing worker
+    saw (its own record time), the launcher's."""
+    obs = []
+    for r, rec in records.items():
+        for kind in ("error", "signal"):
+            e = rec.get(kind)
+            if e and isinstance(e.get("peers"), dict):
+                obs.append({"by": f"rank {r}", "time": float(e.get("time") or 0), "ranks": e["peers"].get("ranks", {})})
+    obs += [o for o in launcher if isinstance(o, dict) and isinstance(o.get("ranks"), dict)]
+    return sorted(obs, key=lambda o: float(o.get("time") or 0))
+
+
+def diagnose(
+    log_dir: str,
+    local_ranks: Sequence[int],
+    *,
+    stopped_by: dict[str, Any] | None = None,
+    launcher_snapshots: Sequence[dict] = (),
+) -> Diagnosis:
+    """The culprit of a failed job from its status records, first rule that applies:
+
+    1. the earliest error that is not a communication failure (a non-finite step names the
+       rank where the first non-finite value was seen), unless the failing rank's own snapshot
+       shows a peer already stopped or dead (then rule 2 or 3: that peer came first);
+    2. a rank some snapshot saw stopped (process state T: SIGSTOP, a debugger), its peers having
+       timed out waiting for it;
+    3. a rank some snapshot saw gone without a record while another rank was still running
+       (SIGKILL, os._exit, the OOM killer);
+    4. the job was stopped by a signal to the launcher: nobody's fault but the sender's;
+    5. a rank behind the others in its heartbeat (hung: its peers waited in a collective);
+    6. a rank that left no record at all (when the launcher did not stop the job itself);
+    7. the earliest communication failure; else the launcher's own reason.
+
+    ``stopped_by``: why the launcher stopped the job itself (``{"kind": "timeout" | "signal" |
+    "grace" | "frozen", ...}``), None when the job ended by itself.
+    """
+    status = os.path.join(log_dir, "status")
+    records = read_records(status)
+    errors = sorted(
+        ((r, rec["error"]) for r, rec in records.items() if rec.get("error")),
+        key=lambda x: float(x[1].get("time") or 0),
+    )
+    obs = _observations(records, launcher_snapshots)
+    beats = {r: rec.get("beat") for r, rec in records.items()}
+
+    def log_tail(r: int) -> str:
+        p = os.path.join(log_dir, f"workerlog.{r}")
+        return f"Last lines of {p}:\n{_tail(p)}"
+
+    comm_ranks = sorted({r for r, e in errors if e.get("comm")})
+    own_record = {r for r, rec in records.items() if rec.get("error") or rec.get("ok")}
+    stopped: dict[int, str] = {}  # rank -> who saw it stopped
+    died: dict[int, str] = {}  # rank -> who saw it gone without a record while others ran
+    for o in obs:
+        for key, s in o["ranks"].items():
+            r = int(key)
+            if r in own_record or not isinstance(s, dict):
+                continue
+            if s.get("state") in ("T", "t"):
+                stopped.setdefault(r, o["by"])
+            elif s.get("state") == "gone" and s.get("record") is None:
+                running = [
+                    k for k, v in o["ranks"].items() if k != key and isinstance(v, dict) and v.get("state") != "gone"
+                ]
+                if running or o["by"].startswith("rank"):
+                    died.setdefault(r, o["by"])
+    primary = [(r, e) for r, e in errors if not e.get("comm")]
+    if primary:  # 1, unless its own snapshot shows a peer that was already stopped or dead
+        r, e = primary[0]
+        seen = (e.get("peers") or {}).get("ranks", {})
+        earlier = [int(k) for k, v in seen.items() if isinstance(v, dict) and int(k) in set(stopped) | set(died)]
+        if not earlier:
+            detail = e.get("detail") or {}
+            if detail.get("message"):
+                rank = int(detail["rank"]) if detail.get("rank") is not None else r
+                return Diagnosis(rank, str(detail["message"]), str(detail.get("kind") or "error"), detail)
+            rest = sorted({x for x, _ in errors} - {r})
+            others = f" (then rank(s) {', '.join(map(str, rest))} failed too)" if rest else ""
+            return Diagnosis(
+                r,
+                f"rank {r} failed: {e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}",
+                "error",
+            )
+    if stopped:  # 2
+        r = sorted(stopped)[0]
+        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then timed out waiting for it" if comm_ranks else ""
+        return Diagnosis(
+            r,
+            f"rank {r} was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering "
+            f"(seen by {stopped[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}",
+            "stopped",
+        )
+    if died:  # 3
+        r = sorted(died)[0]
+        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer" if comm_ranks else ""
+        return Diagnosis(
+            r,
+            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory; "
+            f"seen gone by {died[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}",
+            "died",
+        )
+    if stopped_by and stopped_by.get("kind") == "signal":  # 4
+        return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
+    progress = {r: _progress(beats.get(r)) for r in local_ranks}
+    if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # 5
+        low = min(progress.values())
+        behind = sorted(r for r, p in progress.items() if p == low)
+        r = behind[0]
+        ahead = sorted(r2 for r2 in progress if r2 not in behind)
+        waited = "timed out waiting for it" if comm_ranks else "waited for it"
+        return Diagnosis(
+            r,
+            f"rank {r} made no progress ({_beat_text(beats.get(r))}, behind rank(s) {', '.join(map(str, ahead))}: "
+            f"hung, or far slower than its peers); rank(s) {', '.join(map(str, ahead))} {waited}. {log_tail(r)}",
+            "hung",
+        )
+    silent = [r for r in local_ranks if not _record_kind(records.get(r, {}))]
+    if silent and not stopped_by:  # 6
+        r = silent[0]
+        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer" if comm_ranks else ""
+        return Diagnosis(
+            r,
+            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory)"
+            f"{tail}. {log_tail(r)}",
+            "died",
+        )
+    if errors:  # 7
+        r, e = errors[0]
+        return Diagnosis(
+            r,
+            f"rank {r} failed in communication: {e.get('type')}: {e.get('message')}\n{e.get('traceback_tail', '')}",
+            "comm",
+        )
+    if stopped_by:
+        return Diagnosis(
+            None,
+            "no rank reported an error, was seen stopped or fell behind (a slow or hung job; see OUT/logs/workerlog.*)",
+            str(stopped_by.get("kind")),
+        )
+    return Diagnosis(None, "the launcher failed before any worker reported (see the launcher output above)", "launcher")

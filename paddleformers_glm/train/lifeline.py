@@ -1,0 +1,66 @@
+"""Tie a process's life to its parent's, so that no part of a training job outlives its launcher.
+
+The process tree of a launched job is ``glm52 train`` (our launcher) -> ``paddle.distributed.launch``
+-> one worker per local rank, each of the last two started with setsid (ours, so that a
+terminal's Ctrl-C reaches only the launcher; Paddle's, per worker).  Killing the top therefore
+reaches nobody below it by itself.  On Linux each child asks the kernel for SIGKILL when its
+parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere the worker's watchdog (worker.py) polls the
+launcher's pid.
+
+``python -m paddleformers_glm.train.lifeline MODULE ARGS...`` ties itself to its parent and then runs
+``python -m MODULE ARGS...`` in the same process (the launcher starts Paddle's launcher this way),
+then leaves with the module's exit status without the interpreter's teardown (``_exit.exit_now``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+__all__ = ["tie_to_parent"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def tie_to_parent(parent_pid: int | None = None) -> bool:
+    """Ask for SIGKILL when the parent (the thread that started this process) exits; if the
+    parent is already gone (it is not `parent_pid`, or this process was re-parented), exit now.
+    Returns whether the kernel took the request (Linux only)."""
+    tied = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)  # the loaded libc (find_library would spawn ldconfig)
+            tied = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            tied = False
+    if parent_pid is not None and os.getppid() != parent_pid:  # it died before the request
+        os._exit(1)
+    return tied
+
+
+def main() -> None:
+    import runpy
+
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m paddleformers_glm.train.lifeline MODULE [ARGS...]")
+    from .._exit import exit_code, exit_now
+    from .job_status import ENV_LAUNCHER_PID
+    from .stop_signals import unblock
+
+    unblock()  # the glm52 launcher blocks its stop signals (stop_signals.py); this process must get them
+    expected = os.environ.get(ENV_LAUNCHER_PID)
+    tie_to_parent(int(expected) if expected else None)
+    module = sys.argv[1]
+    sys.argv = [module, *sys.argv[2:]]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:  # Paddle's launcher ends with sys.exit(status)
+        code = exit_code(e)
+    exit_now(code)  # its workers are joined: skip the interpreter's teardown of Paddle
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,522 @@
+"""The files of a resume state, read as data and never as code.
+
+A resume folder comes from disk, and a file that deserialises into code (a pickle) would run
+whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors)
+plus JSON (everything else), and nothing in this module unpickles a file outside an allow-list.
+
+``ROOT/step_00000004/``
+  * ``meta.json``: ``format``, ``step``, ``world_size``, the run's layout (``profile``), its loss
+    history, seed and settings, the parameters with optimizer state (``flex.stepped``).  The learning
+    rate is a pure function of the step and the settings, the data position is the step.
+  * ``rank_00000.safetensors``: that rank's model tensors (``model/<name>``) and optimizer state
+    (``optimizer/<name>/<kind>``: AdamW moments, beta powers, fp32 ``master`` weights), read by the
+    strict reader of checkpoint/safetensors_io.py (every header checked, nothing beyond the data).
+  * ``rank_00000.json``: ``format``, ``rank`` and the RNG states (Paddle's generator state, numpy's
+    MT19937 keys, Python's ``random`` state) as plain JSON numbers and strings.
+  * ``flex/``: Paddle's flex-checkpoint, written with ``safetensors=True`` (tensor files
+    ``<rank>_<id>.safetensors``) plus Paddle's own ``<id>.metadata``, which *is* a pickle (of
+    ``Metadata`` / ``LocalTensorMetadata`` / ``LocalTensorIndex``), and which Paddle's
+    ``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
+    found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (those three
+    classes and the pickle protocol's own containers, nothing else, as ``torch.load(weights_only=True)``
+    does), checks every field's type and every file name it points at, and
+    :func:`validated_flex_folder` gives Paddle a private folder holding that validated object
+    re-saved plus links to the tensor files.
+* ``ROOT/latest``: the name of the newest complete step folder (``step_00000004``), and nothing
+  else: an absolute path, ``..``, a link, a name leaving the root or a missing folder is refused.
+
+Resume states of the earlier pickle format (``rank_*.pdstate``, ``*.pdstate.rng``, ``flex/*.distcp``)
+are refused by name: they cannot be read without unpickling them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._io import atomic_path, write_json_atomic
+
+__all__ = [
+    "FORMAT",
+    "FLEX_METADATA_CLASSES",
+    "AllowListUnpickler",
+    "ResumeStateError",
+    "check_resume_state",
+    "read_flex_metadata",
+    "read_meta",
+    "read_rank_state",
+    "resolve_resume_state",
+    "restricted_unpickle",
+    "rng_state",
+    "set_rng_state",
+    "validated_flex_folder",
+    "write_rank_state",
+]
+
+FORMAT = "glm52-train-state/2"  # meta.json and rank_*.json say which format they are
+STEP_NAME = re.compile(r"step_\d{8}")
+FLEX_DIR = "flex"
+_FLEX_DATA_NAME = re.compile(r"\d+_\d+\.safetensors")
+_FLEX_META_NAME = re.compile(r"\d+\.metadata")
+_LATEST_MAX_BYTES = 256
+_FLEX_MODULE = "paddle.distributed.flex_checkpoint.dcp.metadata"
+FLEX_METADATA_CLASSES = frozenset({(_FLEX_MODULE, n) for n in ("Metadata", "LocalTensorMetadata", "LocalTensorIndex")})
+_OLD_FORMAT = re.compile(r"rank_\d+\.pdstate(\.rng)?|.*\.distcp")
+
+
+class ResumeStateError(ValueError):
+    """A resume folder or file that cannot be used; the message starts with the file it is about."""
+
+
+def rank_files(folder: str, rank: int) -> tuple[str, str]:
+    """(tensor file, JSON file) of ``rank`` in a step folder."""
+    stem = os.path.join(folder, f"rank_{rank:05d}")
+    return stem + ".safetensors", stem + ".json"
+
+
+# ---------------------------------------------------------------- JSON
+def _read_json(file: str, what: str) -> Any:
+    """A JSON file's value; any unreadable, non-UTF-8 or non-JSON content is an error naming the file."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ResumeStateError(f"{file}: cannot read the {what}: {e.strerror}") from e
+    if not raw:
+        raise ResumeStateError(f"{file}: the {what} is empty (0 bytes)")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ResumeStateError(f"{file}: the {what} is not UTF-8 text (byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise ResumeStateError(f"{file}: the {what} is not JSON ({e.msg}, line {e.lineno} column {e.colno})") from e
+
+
+def _require(ok: bool, file: str, key: str, expected: str, actual: Any) -> None:
+    if not ok:
+        shown = repr(actual)
+        raise ResumeStateError(
+            f"{file}: `{key}` must be {expected}, got {shown[:80] + '...' if len(shown) > 80 else shown}"
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_format(doc: Any, file: str, what: str) -> dict[str, Any]:
+    _require(isinstance(doc, dict), file, "(top level)", f"a JSON object ({what})", type(doc).__name__)
+    fmt = doc.get("format")
+    if fmt != FORMAT:
+        raise ResumeStateError(
+            f"{file}: `format` is {fmt!r}, this version reads {FORMAT!r}"
+            + (" (a state written before resume files were safetensors + JSON)" if fmt is None else "")
+        )
+    return doc
+
+
+# ---------------------------------------------------------------- where the state is
+def resolve_resume_state(path: str) -> str:
+    """A step folder, or a checkpoint root (its ``latest``), or an output folder (its ``checkpoints/``)."""
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.lexists(latest):
+        return _follow_latest(path, latest)
+    ckpt = os.path.join(path, "checkpoints")
+    if os.path.isdir(ckpt):
+        return resolve_resume_state(ckpt)
+    raise FileNotFoundError(f"--resume {path}: no meta.json, latest, or checkpoints/ here")
+
+
+def _follow_latest(root: str, latest: str) -> str:
+    """The step folder ``latest`` names: a ``step_NNNNNNNN`` folder directly inside ``root``."""
+    if os.path.islink(latest) or not os.path.isfile(latest):
+        raise ResumeStateError(f"{latest}: must be a regular file naming a step folder, not a link or a folder")
+    with open(latest, "rb") as f:
+        raw = f.read(_LATEST_MAX_BYTES + 1)
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or len(raw) > _LATEST_MAX_BYTES or not STEP_NAME.fullmatch(name):
+        shown = raw[:60].decode("utf-8", "replace").strip()
+        raise ResumeStateError(
+            f"{latest}: must hold a step folder name such as step_00000004 (a folder inside {root}), got {shown!r}"
+        )
+    folder = os.path.join(root, name)
+    if os.path.islink(folder) or os.path.dirname(os.path.realpath(folder)) != os.path.realpath(root):
+        raise ResumeStateError(f"{latest}: names {name}, a link that leaves the checkpoint root {root}")
+    if not os.path.isdir(folder):
+        raise ResumeStateError(f"{latest}: names {name}, which is not a folder in {root}")
+    return folder
+
+
+def read_meta(folder: str) -> dict[str, Any]:
+    """``meta.json`` of a step folder, its form checked (the old pickle format refused by name)."""
+    _refuse_old_format(folder)
+    file = os.path.join(folder, "meta.json")
+    meta = _check_format(_read_json(file, "resume metadata"), file, "resume metadata")
+    _require(_is_int(meta.get("step")) and meta["step"] >= 1, file, "step", "an integer >= 1", meta.get("step"))
+    ws = meta.get("world_size")
+    _require(_is_int(ws) and ws >= 1, file, "world_size", "an integer >= 1", ws)
+    _require(isinstance(meta.get("profile"), dict), file, "profile", "an object", meta.get("profile"))
+    flex = meta.get("flex")
+    stepped = flex.get("stepped") if isinstance(flex, dict) else None
+    _require(
+        isinstance(stepped, list) and all(isinstance(s, str) for s in stepped),
+        file,
+        "flex.stepped",
+        "a list of parameter names",
+        stepped,
+    )
+    history = meta.get("history", {})
+    _require(
+        isinstance(history, dict)
+        and all(
+            isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
+        ),
+        file,
+        "history",
+        "an object of number lists",
+        history,
+    )
+    return meta
+
+
+def _refuse_old_format(folder: str) -> None:
+    for sub in (folder, os.path.join(folder, FLEX_DIR)):
+        names = sorted(os.listdir(sub)) if os.path.isdir(sub) else []
+        old = [n for n in names if _OLD_FORMAT.fullmatch(n)]
+        if old:
+            raise ResumeStateError(
+                f"{os.path.join(sub, old[0])}: a resume state of the earlier pickle format; resume reads "
+                "safetensors + JSON only and does not unpickle it. Start from the model weights instead, "
+                "or resume it with the version that wrote it and save again"
+            )
+
+
+def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
+    """(step folder, meta.json) after checking every file of the state: meta.json, each rank's JSON
+    and safetensors header, the flex-checkpoint metadata (restricted unpickling) and its tensor
+    files' headers.  Nothing is loaded into a model; the launcher calls it before any worker starts."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.safetensors_io import parse_header
+
+    folder = resolve_resume_state(path)
+    meta = read_meta(folder)
+    for rank in range(meta["world_size"]):
+        st_file, json_file = rank_files(folder, rank)
+        _read_rank_json(json_file, rank)
+        if not os.path.isfile(st_file):
+            raise ResumeStateError(f"{st_file}: missing (rank {rank} of the {meta['world_size']} that saved)")
+        try:
+            parse_header(st_file)
+        except CheckpointError as e:
+            raise ResumeStateError(f"{st_file}: {e}") from e
+    read_flex_metadata(os.path.join(folder, FLEX_DIR))
+    return folder, meta
+
+
+# ---------------------------------------------------------------- one rank's state
+def _encode_rng_field(x: Any) -> Any:
+    if x is None or _is_int(x) or isinstance(x, float):
+        return x
+    if isinstance(x, (list, tuple)) and all(_is_int(b) and 0 <= b < 256 for b in x):
+        return {"latin1": bytes(x).decode("latin-1")}
+    raise TypeError(f"RNG state field of type {type(x).__name__}")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as JSON values: Paddle's generators (their pickled fields), numpy's
+    MT19937 and Python's ``random``."""
+    import paddle
+
+    try:
+        gens: list[Any] | None = [[_encode_rng_field(f) for f in g.__getstate__()] for g in paddle.get_rng_state()]
+    except (TypeError, AttributeError):  # a generator whose state is not plain numbers: not carried
+        gens = None
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, state, gauss_next = random.getstate()
+    return {
+        "paddle": gens,
+        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": gauss},
+        "python": {"version": version, "state": list(state), "gauss_next": gauss_next},
+    }
+
+
+def set_rng_state(state: Mapping[str, Any], file: str) -> None:
+    """Restore :func:`rng_state`'s output (read from ``file``); a malformed field is named."""
+    import paddle
+
+    def field(x: Any, key: str) -> Any:
+        if isinstance(x, dict):
+            _require(set(x) == {"latin1"} and isinstance(x["latin1"], str), file, key, '{"latin1": text}', x)
+            try:
+                return list(x["latin1"].encode("latin-1"))
+            except UnicodeEncodeError as e:
+                raise ResumeStateError(f"{file}: `{key}` is not latin-1 text") from e
+        _require(x is None or _is_int(x) or isinstance(x, float), file, key, "a number or null", x)
+        return x
+
+    gens = state.get("paddle")
+    if gens is not None:
+        _require(isinstance(gens, list) and all(isinstance(g, list) for g in gens), file, "rng.paddle", "lists", gens)
+        restored = []
+        for i, g in enumerate(gens):
+            st = paddle.base.core.GeneratorState.__new__(paddle.base.core.GeneratorState)
+            try:
+                st.__setstate__(tuple(field(x, f"rng.paddle[{i}]") for x in g))
+            except (TypeError, RuntimeError, ValueError) as e:
+                raise ResumeStateError(f"{file}: `rng.paddle[{i}]` is not a Paddle generator state: {e}") from e
+            restored.append(st)
+        paddle.set_rng_state(restored)
+    npst = state.get("numpy")
+    _require(isinstance(npst, dict), file, "rng.numpy", "an object", npst)
+    keys = npst.get("keys")
+    _require(
+        isinstance(keys, list) and len(keys) == 624 and all(_is_int(k) and 0 <= k < 2**32 for k in keys),
+        file,
+        "rng.numpy.keys",
+        "624 unsigned 32-bit integers",
+        keys,
+    )
+    try:
+        np.random.set_state(
+            (npst["kind"], np.asarray(keys, dtype=np.uint32), npst["pos"], npst["has_gauss"], npst["gauss"])
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ResumeStateError(f"{file}: `rng.numpy` is not a numpy RNG state: {e}") from e
+    py = state.get("python")
+    _require(isinstance(py, dict), file, "rng.python", "an object", py)
+    pst = py.get("state")
+    _require(
+        isinstance(pst, list) and len(pst) == 625 and all(_is_int(k) and 0 <= k < 2**32 for k in pst),
+        file,
+        "rng.python.state",
+        "625 unsigned 32-bit integers",
+        pst,
+    )
+    try:
+        random.setstate((py["version"], tuple(pst), py["gauss_next"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ResumeStateError(f"{file}: `rng.python` is not a Python RNG state: {e}") from e
+
+
+def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+    """``rank_N.safetensors`` (``tensors``: name -> Paddle tensor, written one at a time) and
+    ``rank_N.json`` (``info`` plus the format and the rank), each atomically."""
+    from ..checkpoint.safetensors_io import SafetensorsWriter, paddle_to_st_dtype
+
+    st_file, json_file = rank_files(folder, rank)
+    entries = [(k, paddle_to_st_dtype(t.dtype), [int(d) for d in t.shape]) for k, t in tensors.items()]
+    with atomic_path(st_file) as tmp:
+        writer = SafetensorsWriter(tmp, entries, metadata={"format": FORMAT})
+        try:
+            for (k, dtype, _), t in zip(entries, tensors.values()):
+                writer.write(k, np.asarray(t.detach().numpy()), dtype)  # bf16 arrives as its uint16 bits
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+    write_json_atomic(json_file, {"format": FORMAT, "rank": rank, **info}, indent=1, sort_keys=False, default=None)
+
+
+def _read_rank_json(file: str, rank: int) -> dict[str, Any]:
+    if not os.path.isfile(file):
+        raise ResumeStateError(f"{file}: missing (the state of rank {rank})")
+    doc = _check_format(_read_json(file, "rank state"), file, "rank state")
+    _require(doc.get("rank") == rank, file, "rank", str(rank), doc.get("rank"))
+    _require(isinstance(doc.get("rng"), dict), file, "rng", "an object", doc.get("rng"))
+    return doc
+
+
+def read_rank_state(folder: str, rank: int) -> tuple[Any, dict[str, Any], str]:
+    """(the strict safetensors reader of ``rank_N.safetensors``, ``rank_N.json``, the tensor file)."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.safetensors_io import SafetensorsFile
+
+    st_file, json_file = rank_files(folder, rank)
+    doc = _read_rank_json(json_file, rank)
+    if not os.path.isfile(st_file):
+        raise ResumeStateError(f"{st_file}: missing (the tensors of rank {rank})")
+    try:
+        return SafetensorsFile(st_file), doc, st_file
+    except CheckpointError as e:
+        raise ResumeStateError(f"{st_file}: {e}") from e
+
+
+# ---------------------------------------------------------------- restricted unpickling
+class AllowListUnpickler(pickle.Unpickler):
+    """An unpickler that builds only the classes on its allow-list.
+
+    A pickle runs code by naming a callable (``os.system``, ``builtins.eval``, any class's
+    constructor) that the loader imports and calls; every such name goes through ``find_class``,
+    so refusing every name but a few plain data classes leaves only the protocol's own values
+    (numbers, strings, bytes, tuples, lists, dicts, sets) and those classes. Persistent ids
+    (references to objects outside the stream) are refused as well."""
+
+    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]], file: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.allowed, self.file = allowed, file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return super().find_class(module, name)
+        raise ResumeStateError(
+            f"{self.file}: refused to unpickle `{module}.{name}`: only "
+            + ", ".join(sorted(f"{m}.{n}" for m, n in self.allowed))
+            + " may be loaded from this file (it would otherwise run code)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise ResumeStateError(f"{self.file}: refused a persistent reference in a pickle ({str(pid)[:60]!r})")
+
+
+def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
+    """The value pickled in ``file``, built through :class:`AllowListUnpickler`; any refusal or
+    malformed stream is a :class:`ResumeStateError` naming the file."""
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ResumeStateError(f"{file}: cannot read: {e.strerror}") from e
+    if not data:
+        raise ResumeStateError(f"{file}: empty (0 bytes)")
+    try:
+        return AllowListUnpickler(data, allowed, file).load()
+    except ResumeStateError:
+        raise
+    except RecursionError as e:
+        raise ResumeStateError(f"{file}: not a readable pickle (nested too deeply)") from e
+    except Exception as e:  # noqa: BLE001 - a malformed stream raises anything; it is named, not run
+        raise ResumeStateError(f"{file}: not a readable pickle ({type(e).__name__}: {e})") from e
+
+
+def _fields_ok(obj: Any, cls: type) -> bool:
+    import dataclasses
+
+    return type(obj) is cls and set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
+
+
+def _int_tuple(x: Any) -> bool:
+    return isinstance(x, tuple) and all(_is_int(d) and d >= 0 for d in x)
+
+
+def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
+    """The tensor files a validated flex ``Metadata`` points at (each a plain name in ``folder``)."""
+    from paddle.distributed.flex_checkpoint.dcp.metadata import LocalTensorIndex, LocalTensorMetadata, Metadata
+
+    _require(_fields_ok(md, Metadata), file, "(top level)", "a flex-checkpoint Metadata", type(md).__name__)
+    sdm, storage, flat = md.state_dict_metadata, md.storage_metadata, md.flat_mapping
+    _require(isinstance(sdm, dict), file, "state_dict_metadata", "a dict", type(sdm).__name__)
+    for key, entries in sdm.items():
+        ok = isinstance(key, str) and isinstance(entries, list)
+        for m in entries if ok else ():
+            ok = ok and (
+                _fields_ok(m, LocalTensorMetadata)
+                and _int_tuple(m.global_offset)
+                and _int_tuple(m.local_shape)
+                and isinstance(m.dtype, str)
+                and (m.global_shape is None or _int_tuple(m.global_shape))
+                and isinstance(m.is_flattened, bool)
+                and (m.flattened_range is None or _int_tuple(m.flattened_range))
+            )
+        _require(ok, file, f"state_dict_metadata[{key!r}]", "a list of LocalTensorMetadata", entries)
+    _require(isinstance(storage, dict), file, "storage_metadata", "a dict", type(storage).__name__)
+    files: set[str] = set()
+    for idx, name in storage.items():
+        ok = (
+            _fields_ok(idx, LocalTensorIndex)
+            and isinstance(idx.tensor_key, str)
+            and _int_tuple(idx.global_offset)
+            and isinstance(idx.is_flattened, bool)
+            and (idx.flattened_range is None or _int_tuple(idx.flattened_range))
+            and (idx.replica_id is None or _is_int(idx.replica_id))
+            and (idx.local_shape is None or _int_tuple(idx.local_shape))
+        )
+        _require(ok, file, "storage_metadata", "LocalTensorIndex keys", idx)
+        _require(
+            isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None,
+            file,
+            f"storage_metadata[{idx.tensor_key!r}]",
+            "a tensor file name <rank>_<id>.safetensors in the same folder",
+            name,
+        )
+        path = os.path.join(folder, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise ResumeStateError(
+                f"{file}: tensor {idx.tensor_key!r} is stored in {name}, which is not a file in {folder}"
+            )
+        files.add(name)
+    _require(
+        flat is None
+        or (
+            isinstance(flat, dict)
+            and all(
+                isinstance(k, str) and isinstance(v, tuple) and all(isinstance(s, str) for s in v)
+                for k, v in flat.items()
+            )
+        ),
+        file,
+        "flat_mapping",
+        "a dict of string tuples",
+        flat,
+    )
+    return sorted(files)
+
+
+def read_flex_metadata(folder: str) -> tuple[Any, str, list[str]]:
+    """(validated ``Metadata``, its file, the tensor files) of a flex-checkpoint folder written with
+    ``safetensors=True``: the metadata pickle through the allow-list, the tensor files' headers by
+    the strict reader, every key the metadata places in a file present in that file."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.safetensors_io import parse_header
+
+    if not os.path.isdir(folder):
+        raise ResumeStateError(f"{folder}: missing (the flex-checkpoint copy of the state)")
+    names = sorted(os.listdir(folder))
+    metas = [n for n in names if _FLEX_META_NAME.fullmatch(n)]
+    if len(metas) != 1:
+        raise ResumeStateError(f"{folder}: expected one <id>.metadata file, found {metas or 'none'}")
+    file = os.path.join(folder, metas[0])
+    if os.path.islink(file):
+        raise ResumeStateError(f"{file}: a link; the metadata must be a file of the checkpoint")
+    md = restricted_unpickle(file, FLEX_METADATA_CLASSES)
+    files = _check_flex_metadata(md, file, folder)
+    keys: dict[str, set[str]] = {}
+    for n in files:
+        try:
+            keys[n] = set(parse_header(os.path.join(folder, n))[0])
+        except CheckpointError as e:
+            raise ResumeStateError(f"{os.path.join(folder, n)}: {e}") from e
+    for idx, n in md.storage_metadata.items():
+        if idx.tensor_key not in keys[n]:
+            raise ResumeStateError(f"{file}: places {idx.tensor_key!r} in {n}, which has no such tensor")
+    return md, file, files
+
+
+@contextlib.contextmanager
+def validated_flex_folder(folder: str) -> Iterator[str]:
+    """A private folder for ``paddle.distributed.load_state_dict``: the validated metadata re-saved
+    by this process (so what Paddle unpickles is what passed the allow-list, not the file, which
+    could change in between) and links to the checkpoint's tensor files."""
+    import paddle
+
+    md, file, files = read_flex_metadata(folder)
+    real = os.path.realpath(folder)
+    with tempfile.TemporaryDirectory(prefix="glm52-resume-flex-") as tmp:
+        for n in files:
+            os.symlink(os.path.join(real, n), os.path.join(tmp, n))
+        paddle.save(md, os.path.join(tmp, os.path.basename(file)))
+        yield tmp

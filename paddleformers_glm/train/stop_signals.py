@@ -1,0 +1,109 @@
+"""SIGTERM, SIGINT and SIGHUP to a ``glm52 train`` process, with the process that sent them.
+
+A Python signal handler never learns the sender, and ``sigtimedwait`` in the main thread misses
+a signal the kernel hands to another thread (Paddle starts one at import, with no signal blocked).
+So :func:`listen` blocks the three signals before any other thread exists (every later thread
+inherits the mask) and one listener thread takes them with ``sigwaitinfo``: it records the signal
+and its sender, then interrupts the main thread (``KeyboardInterrupt``) unless a launch loop
+polls :attr:`StopListener.caught` instead.  Children inherit the blocked mask across exec:
+lifeline.py unblocks it first thing in Paddle's launcher.  Where ``sigwaitinfo`` is missing, or
+the process already has other threads, the plain handlers are kept (no sender then).  As with
+any signal Python handles, a main thread inside one long system call (a ``sleep``) notices the
+interruption when that call returns.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import threading
+from typing import Any
+
+__all__ = ["STOP_SIGNALS", "StopListener", "listen", "process_name", "stop_text"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def process_name(pid: int) -> str:
+    """A process's command line (shortened), or '' when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    return text if len(text) <= 185 else f"{text[:120]} ... {text[-60:]}"
+
+
+def stop_text(signum: int, sender: int | None, target: str) -> str:
+    """'SIGTERM to <target> from pid N (its command line)' (sender 0: the kernel, e.g. a terminal's Ctrl-C)."""
+    name = signal.Signals(signum).name
+    if sender is None:
+        return f"{name} to {target}"
+    if sender == 0:
+        return f"{name} to {target} from the kernel (a terminal's Ctrl-C or hang-up)"
+    who = process_name(sender)
+    return f"{name} to {target} from pid {sender}" + (f" ({who})" if who else "")
+
+
+class StopListener:
+    """The first stop signal this process received (``caught``), and whether a loop polls for it."""
+
+    def __init__(self) -> None:
+        self.caught: dict[str, Any] | None = None
+        self.polled = False  # True: a launch loop reads `caught`; the main thread is not interrupted
+        self.active = False
+
+    def note(self, signum: int, sender: int | None) -> None:
+        if self.caught is None:
+            target = f"the launcher (pid {os.getpid()})"
+            self.caught = {
+                "kind": "signal",
+                "signal": signal.Signals(signum).name,
+                "sender_pid": sender,
+                "text": stop_text(signum, sender, target),
+            }
+
+    def _listen(self) -> None:
+        while True:
+            info = signal.sigwaitinfo(STOP_SIGNALS)
+            self.note(int(info.si_signo), int(info.si_pid))
+            if not self.polled:
+                _thread.interrupt_main(int(info.si_signo))
+
+
+_LISTENER = StopListener()
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def listen() -> StopListener:
+    """Start the listener once per process (from the main thread, before Paddle is imported);
+    returns it.  SIGTERM and SIGHUP then interrupt the main thread like SIGINT does."""
+    if _LISTENER.active:
+        return _LISTENER
+    if threading.current_thread() is not threading.main_thread():
+        return _LISTENER
+    for s in (signal.SIGTERM, signal.SIGHUP):  # what interrupt_main(signum) runs in the main thread
+        signal.signal(s, _raise_interrupt)
+    if hasattr(signal, "sigwaitinfo") and threading.active_count() == 1 and _only_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        threading.Thread(target=_LISTENER._listen, name="glm52-stop-signals", daemon=True).start()
+    _LISTENER.active = True
+    return _LISTENER
+
+
+def _only_thread() -> bool:
+    """No native thread either (a library's worker pool would take signals the mask cannot block)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return True
+
+
+def unblock() -> None:
+    """Undo an inherited block of the stop signals (a child of a listening process)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

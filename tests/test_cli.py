@@ -1,0 +1,164 @@
+"""What every `glm52` command does at its edges: help pages with defaults, the subcommand's usage
+for a bad flag, one line for Ctrl-C, one message for a --model that is no checkpoint folder (a
+typo, a Hugging Face Hub id), and `generate` arguments checked before anything is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from paddleformers_glm import cli
+from paddleformers_glm.cli import main
+
+from .conftest import OFFICIAL_CONFIG, TINY_CONFIG
+
+
+def _subparsers():
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_every_help_page_shows_the_defaults():
+    missing = []
+    for name, p in _subparsers().items():
+        fmt = p.formatter_class(prog=p.prog)
+        for a in p._actions:
+            if not a.option_strings or a.help == argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+                continue
+            if a.default in (None, False, [], argparse.SUPPRESS):
+                continue
+            if "default" not in fmt._get_help_string(a).lower():
+                missing.append(f"{name} {a.option_strings[0]}")
+    assert not missing, missing
+    text = _subparsers()["train"].format_help()
+    assert "default: 1234" in text  # --seed, which has no help text of its own
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--model", "m", "--prompt", "p"],
+        ["check-loss", "a.json", "b.json"],
+        ["plan", "--model", "m"],
+        ["train", "--model", "m", "--out", "o"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_a_bad_flag_shows_the_subcommands_usage(args, capsys):
+    command = args[0]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--no-such-flag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: glm52 {command}") and "--no-such-flag" in err
+
+
+def test_an_interrupt_that_comes_back_as_another_exception_is_one_line(monkeypatch, capsys):
+    """Ctrl-C inside Paddle's C++ (its import, an op) surfaces as ImportError / RuntimeError."""
+
+    def interrupted_inside_cpp(args):
+        cli._Interrupts.fired = True
+        raise ImportError("initialization failed")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(_plan_parser(parser), "_defaults", {"func": interrupted_inside_cpp})
+    assert main(["plan", "--model", "x"]) == 130
+    assert capsys.readouterr().err.strip() == "glm52 plan: interrupted"
+    monkeypatch.setattr(_plan_parser(parser), "_defaults", {"func": lambda a: (_ for _ in ()).throw(ValueError("x"))})
+    with pytest.raises(ValueError):  # anything else is not an interrupt
+        main(["plan", "--model", "x"])
+
+
+def _plan_parser(parser):
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["plan"]
+
+
+def test_ctrl_c_during_a_search_is_one_line():
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", "plan", "--model", str(OFFICIAL_CONFIG.parent)]
+    p = subprocess.Popen([*cmd, "--search", "--gpus", "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    assert p.stderr is not None
+    lines = []
+    for line in p.stderr:  # wait until the search runs, then press Ctrl-C
+        lines.append(line)
+        if line.startswith("[glm52 plan] tp 1 done") or time.monotonic() > deadline:
+            break
+    p.send_signal(signal.SIGINT)
+    rest = p.stderr.read()
+    rc = p.wait(timeout=60)
+    meaningful = [ln for ln in rest.splitlines() if ln.strip() and "ccache" not in ln and "warnings.warn" not in ln]
+    assert rc == 130, (rc, rest[-2000:])
+    assert meaningful == ["glm52 plan: interrupted"], rest[-2000:]
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["generate", "plan", "train"])
+def test_a_missing_folder_and_a_hub_id_get_their_own_messages(command, tmp_path, capsys):
+    extra = {"generate": ["--prompt", "hi"], "plan": [], "train": ["--out", str(tmp_path / "o")]}[command]
+    assert main([command, "--model", str(tmp_path / "tinyy"), *extra]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "tinyy: no such folder" in line and "tokenizer" not in line
+    assert main([command, "--model", "zai-org/GLM-5.2", *extra]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "Hugging Face Hub id" in line and "huggingface-cli download zai-org/GLM-5.2" in line
+    (tmp_path / "empty").mkdir()
+    assert main([command, "--model", str(tmp_path / "empty"), *extra]) == 2
+    assert "no config.json" in _one_line(capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+        (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+        (["--top-p", "2"], "--top-p must be > 0.0 and <= 1.0, got 2.0"),
+        (["--top-k", "-3"], "--top-k must be >= 0"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be > 0.0"),
+    ],
+)
+def test_generate_refuses_bad_values_in_one_line(tiny_dir, flags, needle, capsys):
+    assert main(["generate", "--model", tiny_dir, "--prompt", "Hello", *flags]) == 2
+    assert needle in _one_line(capsys.readouterr().err)
+
+
+def test_generate_refuses_a_huge_length_before_loading_anything(tiny_dir):
+    """The old failure grew to 12 GB and was OOM-killed; now a bound on the length, before Paddle
+    is even imported (the run is short; its time is printed by the test for the report)."""
+    code = (
+        "import sys, time; t = time.perf_counter(); from paddleformers_glm.cli import main; "
+        f"rc = main(['generate', '--model', {tiny_dir!r}, '--prompt', 'Hello', '--max-new-tokens', '100000000']); "
+        "print(json.dumps({'rc': rc, 'paddle': 'paddle' in sys.modules, 's': time.perf_counter() - t}))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["rc"] == 2 and res["paddle"] is False, (res, p.stderr)
+    line = _one_line(p.stderr)
+    assert "exceeds the model's max_position_embeddings 4096" in line
+    print(f"refused in {res['s']:.2f} s")
+
+
+def test_plan_accepts_a_tiny_model_folder(capsys):
+    assert main(["plan", "--model", str(TINY_CONFIG.parent), "--tp", "2"]) == 0

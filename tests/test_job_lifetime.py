@@ -1,0 +1,287 @@
+"""A training job's life and its post-mortem, without launching one: the diagnosis read from the
+status records (the same answer whatever the process table shows afterwards), the worker's
+watchdog and stop signals, the parent-death tie, the job's processes found by its id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from paddleformers_glm.train.job_status import diagnose, is_comm_error, snapshot
+from paddleformers_glm.train.launch import LaunchError, job_processes, write_failure_record
+from tests._dist.runner import ROOT, env
+
+NO_PID = 2**22 + 12345  # beyond the kernel's pid_max: never a live process
+
+
+def _rec(d, r, suffix, payload=None):
+    os.makedirs(d / "status", exist_ok=True)
+    (d / "status" / f"rank{r}.{suffix}").write_text("" if payload is None else json.dumps(payload))
+
+
+def _err(d, r, t, message, comm, peers=None, **extra):
+    _rec(
+        d,
+        r,
+        "error.json",
+        {"rank": r, "time": t, "type": "RuntimeError", "message": message, "comm": comm, "traceback_tail": "tb",
+         "peers": peers, **extra},
+    )  # fmt: skip
+
+
+def _peers(by, t, **ranks):
+    """A snapshot as a worker takes it: rank -> (state, record, beat)."""
+    return {
+        "by": by,
+        "time": t,
+        "ranks": {k[1:]: {"state": s, "record": rec, "beat": b} for k, (s, rec, b) in ranks.items()},
+    }
+
+
+def _beats(d, **progress):
+    for k, (step, phase) in progress.items():
+        _rec(d, int(k[1:]), "beat", {"rank": int(k[1:]), "pid": NO_PID, "step": step, "phase": phase, "time": 1.0})
+
+
+TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:80] TIMEOUT"
+
+
+def test_first_python_error_is_the_culprit_not_the_peer_that_lost_it(tmp_path):
+    t = time.time()
+    _err(tmp_path, 0, t + 1, TIMEOUT, True)
+    _err(tmp_path, 1, t + 2, "bad shape", False)
+    d = diagnose(str(tmp_path), [0, 1])
+    assert (d.rank, d.cause) == (1, "error") and d.message.startswith("rank 1 failed: RuntimeError: bad shape")
+    assert "(then rank(s) 0 failed too)" in d.message
+    assert is_comm_error("RuntimeError [gloo/transport/tcp/pair.cc:584] TIMEOUT") and not is_comm_error("bad shape")
+
+
+def test_stopped_rank_is_read_from_the_peers_snapshot_not_the_process_table(tmp_path):
+    """SIGSTOP on rank 1: rank 0 times out and records rank 1 in state T before anything is
+    killed; by the time of the diagnosis rank 1 is long gone and left no record itself."""
+    t = time.time()
+    _err(
+        tmp_path, 0, t, TIMEOUT, True, _peers("rank 0", t, r0=("R", None, [2, "forward"]), r1=("T", None, [1, "done"]))
+    )
+    _rec(tmp_path, 1, "pid", {"rank": 1, "pid": NO_PID})
+    (tmp_path / "workerlog.1").write_text("step 1\n")
+    d = diagnose(str(tmp_path), [0, 1])
+    assert (d.rank, d.cause) == (1, "stopped"), d
+    assert d.message.startswith("rank 1 was stopped") and "rank(s) 0 then timed out waiting for it" in d.message
+
+
+def test_killed_rank_seen_gone_by_its_peer(tmp_path):
+    t = time.time()
+    _err(
+        tmp_path,
+        0,
+        t,
+        "Connection reset by peer",
+        True,
+        _peers("rank 0", t, r0=("R", None, None), r1=("gone", None, None)),
+    )
+    d = diagnose(str(tmp_path), [0, 1])
+    assert (d.rank, d.cause) == (1, "died") and "rank(s) 0 then lost their peer" in d.message, d
+
+
+def test_a_hung_rank_is_the_one_behind_in_its_heartbeat(tmp_path):
+    """Rank 1 sleeps (state S, alive): no state tells it from its waiting peer; the heartbeat does."""
+    t = time.time()
+    _err(tmp_path, 0, t, TIMEOUT, True, _peers("rank 0", t, r0=("R", None, None), r1=("S", None, None)))
+    _beats(tmp_path, r0=(2, "forward"), r1=(1, "done"))
+    d = diagnose(str(tmp_path), [0, 1])
+    assert (d.rank, d.cause) == (1, "hung") and "step 1 phase 'done'" in d.message, d
+    # the same hang ended by --job-timeout: no error at all, the launcher stopped the job
+    (tmp_path / "status" / "rank0.error.json").unlink()
+    d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "timeout", "text": "x"})
+    assert (d.rank, d.cause) == (1, "hung"), d
+    _beats(tmp_path, r0=(1, "done"), r1=(1, "done"))  # nobody behind: no culprit is invented
+    d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "timeout", "text": "x"})
+    assert d.rank is None and "no rank reported an error" in d.message
+
+
+def test_a_user_signal_blames_nobody_and_its_victims_are_not_culprits(tmp_path):
+    t = time.time()
+    for r in (0, 1):
+        _rec(tmp_path, r, "signal.json", {"rank": r, "time": t, "signal": "SIGTERM", "peers": None})
+    d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "signal", "text": "SIGTERM to the launcher"})
+    assert (d.rank, d.cause) == (None, "signal") and d.message == "stopped by SIGTERM to the launcher"
+
+
+def test_an_error_after_a_peer_died_blames_the_dead_peer(tmp_path):
+    """A survivor's error need not look like a communication failure: its own snapshot shows
+    that rank 1 was gone first."""
+    t = time.time()
+    _err(tmp_path, 0, t, "unexpected shape", False, _peers("rank 0", t, r0=("R", None, None), r1=("gone", None, None)))
+    assert diagnose(str(tmp_path), [0, 1]).rank == 1
+
+
+def test_launcher_snapshots_count_only_while_another_rank_still_runs(tmp_path):
+    both_gone = _peers("launcher", 1.0, r0=("gone", None, None), r1=("gone", None, None))
+    one_gone = _peers("launcher", 2.0, r0=("S", None, None), r1=("gone", None, None))
+    _beats(tmp_path, r0=(2, "forward"), r1=(2, "forward"))
+    d = diagnose(str(tmp_path), [0, 1], launcher_snapshots=[both_gone])  # no evidence of order
+    assert (d.rank, d.cause) == (0, "died")  # the fallback: the first rank without any record
+    d = diagnose(str(tmp_path), [0, 1], launcher_snapshots=[both_gone, one_gone])
+    assert (d.rank, d.cause) == (1, "died")
+
+
+def test_a_nonfinite_step_names_the_rank_of_the_first_nonfinite_value(tmp_path):
+    detail = {"kind": "nonfinite", "rank": 1, "step": 3, "message": "step 3: non-finite lm loss (nan) on rank 1"}
+    t = time.time()
+    _err(tmp_path, 0, t, "step 3", False, None, detail=detail)  # every rank raises the same
+    _err(tmp_path, 1, t + 0.1, "step 3", False, None, detail=detail)
+    d = diagnose(str(tmp_path), [0, 1])
+    assert (d.rank, d.cause, d.message) == (1, "nonfinite", detail["message"])
+    path = write_failure_record(
+        str(tmp_path), LaunchError(1, d.message, 1, d.cause), stopped_by=None, seconds=1, diagnosis=d
+    )
+    rec = json.loads(open(path, encoding="utf-8").read(), parse_constant=_refuse)
+    assert rec["step"] == 3 and rec["cause"] == "nonfinite" and rec["rank"] == 1
+
+
+def _refuse(token):
+    raise ValueError(f"not strict JSON: {token}")
+
+
+def test_snapshot_reads_live_and_gone_processes(tmp_path):
+    _rec(tmp_path, 0, "pid", {"rank": 0, "pid": os.getpid()})
+    _rec(tmp_path, 1, "pid", {"rank": 1, "pid": NO_PID})
+    _rec(tmp_path, 1, "ok")
+    s = snapshot(str(tmp_path / "status"), by="test")["ranks"]
+    assert s["0"]["state"] in "RSD" and s["0"]["record"] is None
+    assert s["1"] == {"state": "gone", "record": "ok", "beat": None}
+
+
+# ------------------------------------------------------------------ the worker's own end
+_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from paddleformers_glm.train import worker
+    worker.DEADLINE_GRACE_S = 0.0
+    life = worker.WorkerLife(3, sys.argv[1])
+    life.start()
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _worker(tmp_path, **extra_env):
+    (tmp_path / "status").mkdir(exist_ok=True)
+    e = {**env(), **extra_env}
+    p = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, str(tmp_path / "status")], env=e, stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _signal_record(tmp_path):
+    return json.loads((tmp_path / "status" / "rank3.signal.json").read_text(), parse_constant=_refuse)
+
+
+def test_worker_names_the_sender_of_a_stop_signal_while_its_main_thread_sleeps(tmp_path):
+    p = _worker(tmp_path)
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    rec = _signal_record(tmp_path)
+    assert rec["signal"] == "SIGTERM" and rec["sender_pid"] == os.getpid() and "pytest" in rec["sender"], rec
+
+
+def test_worker_ends_itself_past_the_job_deadline(tmp_path):
+    p = _worker(tmp_path, GLM52_JOB_DEADLINE=repr(time.time() - 1))
+    assert p.wait(timeout=30) == 124
+    assert "--job-timeout" in _signal_record(tmp_path)["watchdog"]
+
+
+def test_worker_ends_itself_when_the_launcher_is_gone(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p = _worker(tmp_path, GLM52_LAUNCHER_PID=str(launcher.pid))
+    launcher.kill()
+    launcher.wait()
+    assert p.wait(timeout=30) == 1
+    assert f"pid {launcher.pid}" in _signal_record(tmp_path)["watchdog"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux only")
+def test_lifeline_child_dies_with_its_parent_and_the_job_id_finds_it(tmp_path):
+    """parent -> ``python -m paddleformers_glm.train.lifeline sleeper``: SIGKILL of the parent ends the
+    child (no cleanup code of the parent runs); ``job_processes`` finds it by its job id until then."""
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(60)\n")
+    parent_code = textwrap.dedent(
+        """
+        import os, subprocess, sys, time
+        env = dict(os.environ, GLM52_LAUNCHER_PID=str(os.getpid()))
+        c = subprocess.Popen([sys.executable, "-m", "paddleformers_glm.train.lifeline", "sleeper"], env=env)
+        print(c.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    e = {**env(), "GLM52_JOB_ID": "lifeline-test", "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=e, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    t0 = time.monotonic()
+    while child not in job_processes("lifeline-test") and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    assert child in job_processes("lifeline-test") and parent.pid in job_processes("lifeline-test")
+    parent.kill()
+    parent.wait()
+    t0 = time.monotonic()
+    while job_processes("lifeline-test") and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert job_processes("lifeline-test") == [], "the child outlived its parent"
+
+
+def test_job_timeout_holds_in_one_process_too(tmp_path, capsys):
+    """World 1 trains in this process: --job-timeout still ends it (SIGALRM), one line, exit 124."""
+    from paddleformers_glm.train.command import main as train_main
+
+    args = ["--model", "toy", "--steps", "1000000", "--seq-len", "16", "--no-progress", "--job-timeout", "4"]
+    assert train_main([*args, "--out", str(tmp_path)]) == 124
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("glm52 train: job exceeded --job-timeout 4 s; stopped"), err
+    rec = json.loads((tmp_path / "logs" / "failure.json").read_text(), parse_constant=_refuse)
+    assert (rec["rank"], rec["cause"], rec["returncode"]) == (None, "timeout", 124)
+
+
+def test_stop_listener_names_the_sender_although_paddle_runs_a_thread_of_its_own():
+    """Paddle's import starts a thread that blocks no signal; the listener, started before it,
+    still takes every stop signal (with its sender) and interrupts the main thread."""
+    code = textwrap.dedent(
+        """
+        import json, os, sys, time
+        from paddleformers_glm.train.stop_signals import listen
+        listener = listen()
+        import paddle  # noqa: F401  - its threads inherit the blocked mask
+        import threading
+        waiter = [t.native_id for t in threading.enumerate() if t.name == "glm52-stop-signals"]
+        for t in os.listdir("/proc/self/task"):  # every other thread blocks SIGTERM (bit 15 of SigBlk)
+            if int(t) in waiter:  # in sigwaitinfo: the kernel shows its waited signals unblocked
+                continue
+            blk = [ln for ln in open(f"/proc/self/task/{t}/status") if ln.startswith("SigBlk")][0]
+            assert int(blk.split()[1], 16) & (1 << 14), (t, blk)
+        t0 = time.monotonic()
+        try:
+            print("ready", len(os.listdir("/proc/self/task")), flush=True)
+            while time.monotonic() - t0 < 60:  # Python at work, as training is
+                sum(range(1000))
+        except KeyboardInterrupt:
+            print(json.dumps(listener.caught), flush=True)
+        """
+    )
+    e = {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}  # Paddle's own thread pool
+    p = subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE, text=True)
+    ready = p.stdout.readline().split()
+    assert ready[0] == "ready" and int(ready[1]) >= 3, ready  # main, listener, Paddle's
+    os.kill(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    caught = json.loads(out.strip().splitlines()[-1])
+    assert caught["signal"] == "SIGTERM" and caught["sender_pid"] == os.getpid(), caught

@@ -1,0 +1,272 @@
+"""Resume loads data, never code: hostile, corrupt and old-format resume folders are refused by name.
+
+A checkpoint written by ``glm52 train --save-every`` is attacked file by file: a pickle whose
+unpickling would create a marker file (shown to work by unpickling it once on purpose) replaces each
+file that is not a tensor file, and each tensor file too; every resume through the CLI must exit
+non-zero with one line naming the planted file, and the marker must never appear.  ``latest`` may
+only name a step folder inside the root.  Before this, ``rank_*.pdstate.rng`` was read with
+``pickle.loads`` and ``latest`` was followed anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from paddleformers_glm.train.state_files import (
+    FLEX_METADATA_CLASSES,
+    ResumeStateError,
+    check_resume_state,
+    resolve_resume_state,
+    restricted_unpickle,
+)
+from tests._dist.runner import error_lines, run_train_cli
+
+ARGS = ["--model", "toy", "--steps", "2", "--seq-len", "16", "--global-batch-size", "2", "--seed", "3"]
+STEP = "step_00000002"
+
+
+class _Payload:
+    """Unpickling this runs ``touch MARKER`` (``os.system`` is what pickle calls)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def payload(marker: Path) -> bytes:
+    return pickle.dumps(_Payload(marker))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """OUT/checkpoints of a real two-step ``glm52 train --save-every 1`` run."""
+    out = tmp_path_factory.mktemp("saved")
+    p, _ = run_train_cli([*ARGS, "--save-every", "1", "--out", str(out)], timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out / "checkpoints"
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_the_payload_runs_when_unpickled(tmp_path):
+    """Control: the planted bytes do execute under a plain unpickler (so their not running below means something)."""
+    marker = tmp_path / "ran"
+    pickle.loads(payload(marker))
+    assert marker.exists()
+
+
+def test_a_checkpoint_holds_tensor_files_json_and_one_allow_listed_pickle(saved):
+    """What a step folder holds; the only pickle in it is flex-checkpoint's metadata (Paddle's format)."""
+    assert _files(saved / STEP) == [
+        "flex/0.metadata",
+        "flex/0_0.safetensors",
+        "meta.json",
+        "rank_00000.json",
+        "rank_00000.safetensors",
+    ]
+    assert (saved / "latest").read_text() == STEP + "\n"
+    md = restricted_unpickle(str(saved / STEP / "flex" / "0.metadata"), FLEX_METADATA_CLASSES)
+    assert type(md).__name__ == "Metadata" and md.storage_metadata
+
+
+@pytest.mark.slow
+def test_a_planted_pickle_in_any_file_runs_nothing_and_is_refused_by_name(saved, tmp_path):
+    """Each file of the checkpoint (latest, meta.json, the rank's JSON and tensors, flex metadata and
+    tensors) replaced by the payload in turn: the CLI resume exits non-zero with one line naming
+    that file, and no marker appears."""
+    targets = ["latest"] + [f"{STEP}/{f}" for f in _files(saved / STEP)]
+    assert len(targets) == 6
+    for i, rel in enumerate(targets):
+        root = tmp_path / f"case{i}" / "checkpoints"
+        shutil.copytree(saved, root)
+        marker = tmp_path / f"marker{i}"
+        (root / rel).write_bytes(payload(marker))
+        p, _ = run_train_cli([*ARGS, "--resume", str(root), "--out", str(tmp_path / f"out{i}")], timeout=200)
+        lines = error_lines(p.stderr)
+        assert p.returncode != 0, (rel, p.stdout[-2000:])
+        assert not marker.exists(), f"{rel}: the planted pickle ran"
+        assert len(lines) == 1 and lines[0].startswith("glm52 train: error:"), (rel, p.stderr[-3000:])
+        assert str(root / rel) in lines[0], (rel, lines[0])
+        assert "Traceback" not in p.stderr
+
+
+def test_payload_in_every_file_at_once_runs_nothing(saved, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    marker = tmp_path / "marker"
+    for rel in _files(root):
+        if not rel.endswith(".safetensors") and rel != "latest":
+            (root / rel).write_bytes(payload(marker))
+    with pytest.raises(ResumeStateError) as e:
+        check_resume_state(str(root))
+    assert str(root / STEP) in str(e.value)
+    assert not marker.exists()
+
+
+def test_flex_metadata_nested_payload_is_refused(saved, tmp_path):
+    """A genuine Metadata object carrying the payload inside: the allow-list refuses ``os.system``
+    wherever it sits in the stream."""
+    folder = tmp_path / "step"
+    shutil.copytree(saved / STEP, folder)
+    meta_file = folder / "flex" / "0.metadata"
+    md = restricted_unpickle(str(meta_file), FLEX_METADATA_CLASSES)
+    marker = tmp_path / "marker"
+    md.flat_mapping = {"x": (_Payload(marker),)}
+    meta_file.write_bytes(pickle.dumps(md))
+    with pytest.raises(ResumeStateError, match=r"0\.metadata: refused to unpickle `posix\.system`"):
+        check_resume_state(str(folder))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("../etc", "refused-name"),
+        ("/etc", "refused-name"),
+        ("step_00000002/../..", "refused-name"),
+        ("step_00000009", "missing"),
+        ("", "refused-name"),
+        (b"\xff\xfe", "refused-name"),
+    ],
+    ids=["dotdot", "absolute", "inside-then-out", "missing", "empty", "not-utf8"],
+)
+def test_latest_names_only_a_step_folder_inside_the_root(saved, tmp_path, name, why):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    (root / "latest").write_bytes(name if isinstance(name, bytes) else name.encode())
+    with pytest.raises(ResumeStateError) as e:
+        resolve_resume_state(str(root))
+    msg = str(e.value)
+    assert msg.startswith(f"{root / 'latest'}:"), msg
+    assert ("not a folder in" in msg) if why == "missing" else ("must hold a step folder name" in msg), msg
+
+
+def test_latest_may_not_follow_a_link_out_of_the_root(saved, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(root / STEP), str(elsewhere))
+    os.symlink(elsewhere, root / STEP)  # a well-formed name whose folder is a link leaving the root
+    with pytest.raises(ResumeStateError, match="a link that leaves the checkpoint root"):
+        resolve_resume_state(str(root))
+    os.remove(root / STEP)
+    os.remove(root / "latest")
+    os.symlink("/etc/hostname", root / "latest")
+    with pytest.raises(ResumeStateError, match="latest: must be a regular file"):
+        resolve_resume_state(str(root))
+
+
+@pytest.mark.slow
+def test_cli_refuses_latest_pointing_at_etc(saved, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    (root / "latest").write_text("/etc\n")
+    p, secs = run_train_cli([*ARGS, "--resume", str(root), "--out", str(tmp_path / "out")], timeout=200)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr) == [
+        f"glm52 train: error: {root / 'latest'}: must hold a step folder name such as step_00000004 "
+        f"(a folder inside {root}), got '/etc'"
+    ]
+    assert not (tmp_path / "out" / "loss.json").exists()
+
+
+def _corrupt(folder: Path, rel: str, how: str) -> None:
+    f = folder / rel
+    data = f.read_bytes()
+    if how == "empty":
+        f.write_bytes(b"")
+    elif how == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    elif how == "not-utf8":
+        f.write_bytes(b"\xff" + data)
+    elif how == "list":
+        f.write_text("[1, 2]")
+
+
+@pytest.mark.parametrize(
+    "rel, how, expect",
+    [
+        ("meta.json", "empty", "the resume metadata is empty (0 bytes)"),
+        ("meta.json", "truncated", "the resume metadata is not JSON"),
+        ("meta.json", "not-utf8", "the resume metadata is not UTF-8 text"),
+        ("meta.json", "list", "must be a JSON object"),
+        ("rank_00000.json", "empty", "the rank state is empty (0 bytes)"),
+        ("rank_00000.json", "truncated", "the rank state is not JSON"),
+        ("rank_00000.safetensors", "empty", "truncated safetensors file"),
+        ("rank_00000.safetensors", "truncated", "truncated safetensors file"),
+        ("flex/0.metadata", "empty", "empty (0 bytes)"),
+        ("flex/0.metadata", "truncated", "not a readable pickle"),
+        ("flex/0_0.safetensors", "truncated", "truncated safetensors file"),
+    ],
+)
+def test_corrupt_state_files_are_named(saved, tmp_path, rel, how, expect):
+    """Zero-byte, truncated and garbled state files: an error naming the file (an EOFError or a
+    UnpicklingError without a name before)."""
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    _corrupt(folder, rel, how)
+    with pytest.raises(ResumeStateError) as e:
+        check_resume_state(str(folder))
+    assert str(e.value).startswith(str(folder / rel)), str(e.value)
+    assert expect in str(e.value), str(e.value)
+
+
+def test_meta_json_fields_are_checked_by_name(saved, tmp_path):
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    good = json.loads((folder / "meta.json").read_text())
+    for key, value, expect in [
+        ("step", "2", "`step` must be an integer >= 1, got '2'"),
+        ("world_size", 0, "`world_size` must be an integer >= 1, got 0"),
+        ("profile", [], "`profile` must be an object"),
+        ("format", None, "`format` is None"),
+    ]:
+        (folder / "meta.json").write_text(json.dumps({**good, key: value}))
+        with pytest.raises(ResumeStateError) as e:
+            check_resume_state(str(folder))
+        assert str(e.value).startswith(str(folder / "meta.json")) and expect in str(e.value), str(e.value)
+
+
+def test_old_pickle_format_is_refused_without_unpickling(saved, tmp_path):
+    """A state folder of the earlier format (rank_*.pdstate + .rng pickles): refused by name, the
+    pickles (payloads here) never opened."""
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["format"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    for f in ("rank_00000.safetensors", "rank_00000.json"):
+        os.remove(folder / f)
+    marker = tmp_path / "marker"
+    (folder / "rank_00000.pdstate").write_bytes(payload(marker))
+    (folder / "rank_00000.pdstate.rng").write_bytes(payload(marker))
+    with pytest.raises(ResumeStateError, match="a resume state of the earlier pickle format") as e:
+        check_resume_state(str(folder))
+    assert str(e.value).startswith(str(folder / "rank_00000.pdstate"))
+    assert not marker.exists()
+
+
+def test_flex_metadata_pointing_outside_its_folder_is_refused(saved, tmp_path):
+    """The allow-listed classes may still carry a hostile file name (flex's loader joins it to the
+    folder): a name other than <rank>_<id>.safetensors in the folder is refused."""
+    import dataclasses
+
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    meta_file = folder / "flex" / "0.metadata"
+    md = restricted_unpickle(str(meta_file), FLEX_METADATA_CLASSES)
+    idx = next(iter(md.storage_metadata))
+    md.storage_metadata[dataclasses.replace(idx, tensor_key="evil")] = "../../rank_00000.safetensors"
+    meta_file.write_bytes(pickle.dumps(md))
+    with pytest.raises(ResumeStateError, match=r"a tensor file name <rank>_<id>\.safetensors in the same folder"):
+        check_resume_state(str(folder))
