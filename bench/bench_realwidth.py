@@ -25,7 +25,11 @@ What it measures, and why this way:
   dense S x S scores at long S never take the machine down;
 * forward: the logits of every position, no gradient; the two sides' logits are compared (max
   abs difference of the last 8 positions, argmax agreement over all);
-* train step: forward + backward of the causal-LM loss (no optimizer), as bench/bench_train_step.py.
+* train step: forward + backward of the causal-LM loss (no optimizer), as bench/bench_train_step.py;
+* `KMP_BLOCKTIME=0` (`--kmp-blocktime`): Paddle's OpenMP runtime (libiomp5) otherwise keeps its
+  threads spinning long after each parallel region, torch's libgomp only briefly; on a machine
+  shared with other processes the spinning threads take the cores the work needs (each op here
+  is large, so waking the threads costs nothing measurable). docs/performance.md has both.
 
 Ratios: ours / HF speed (HF time over ours) and memory (ours over HF).
 """
@@ -334,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-limit-gb", type=float, default=20.0, help="kill a run whose RSS passes this")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
     p.add_argument("--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"])
+    p.add_argument(
+        "--kmp-blocktime",
+        default="0",
+        help="KMP_BLOCKTIME for both sides ('unset': the runtime's default; see the module doc)",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     p.add_argument("--json", default=None)
@@ -344,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(WORKERS[kind](*json.loads(args))), flush=True)
         return 0
     env = bench_env(ns.threads, ns.mkl_cpu_type)
+    if ns.kmp_blocktime != "unset":
+        env["KMP_BLOCKTIME"] = ns.kmp_blocktime
     script = Path(__file__).resolve()
 
     def run(kind: str, args: list[Any]) -> dict[str, Any]:
