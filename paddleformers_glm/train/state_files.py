@@ -281,36 +281,30 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
                 raise ResumeStateError(f"{file}: `rng.paddle[{i}]` is not a Paddle generator state: {e}") from e
             restored.append(st)
         paddle.set_rng_state(restored)
-    npst = state.get("numpy")
-    _require(isinstance(npst, dict), file, "rng.numpy", "an object", npst)
-    keys = npst.get("keys")
-    _require(
-        isinstance(keys, list) and len(keys) == 624 and all(_is_int(k) and 0 <= k < 2**32 for k in keys),
-        file,
-        "rng.numpy.keys",
-        "624 unsigned 32-bit integers",
-        keys,
-    )
-    try:
-        np.random.set_state(
-            (npst["kind"], np.asarray(keys, dtype=np.uint32), npst["pos"], npst["has_gauss"], npst["gauss"])
+
+    # numpy's and Python's generators are both MT19937: a list of unsigned 32-bit words and a few scalars
+    def restore_numpy(o: dict, words: list) -> None:
+        np.random.set_state((o["kind"], np.asarray(words, dtype=np.uint32), o["pos"], o["has_gauss"], o["gauss"]))
+
+    def restore_python(o: dict, words: list) -> None:
+        random.setstate((o["version"], tuple(words), o["gauss_next"]))
+
+    mt_states = (("numpy", "keys", 624, "numpy", restore_numpy), ("python", "state", 625, "Python", restore_python))
+    for name, words_key, n, what, restore in mt_states:
+        obj = state.get(name)
+        _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
+        words = obj.get(words_key)
+        _require(
+            isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words),
+            file,
+            f"rng.{name}.{words_key}",
+            f"{n} unsigned 32-bit integers",
+            words,
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ResumeStateError(f"{file}: `rng.numpy` is not a numpy RNG state: {e}") from e
-    py = state.get("python")
-    _require(isinstance(py, dict), file, "rng.python", "an object", py)
-    pst = py.get("state")
-    _require(
-        isinstance(pst, list) and len(pst) == 625 and all(_is_int(k) and 0 <= k < 2**32 for k in pst),
-        file,
-        "rng.python.state",
-        "625 unsigned 32-bit integers",
-        pst,
-    )
-    try:
-        random.setstate((py["version"], tuple(pst), py["gauss_next"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ResumeStateError(f"{file}: `rng.python` is not a Python RNG state: {e}") from e
+        try:
+            restore(obj, words)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ResumeStateError(f"{file}: `rng.{name}` is not a {what} RNG state: {e}") from e
 
 
 def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: Mapping[str, Any]) -> None:
