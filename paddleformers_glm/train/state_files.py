@@ -85,15 +85,21 @@ def rank_files(folder: str, rank: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- JSON
-def _read_json(file: str, what: str) -> Any:
-    """A JSON file's value; any unreadable, non-UTF-8 or non-JSON content is an error naming the file."""
+def _read_bytes(file: str, what: str) -> bytes:
+    """The file's bytes; unreadable or empty is an error naming the file and what it should hold."""
     try:
         with open(file, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ResumeStateError(f"{file}: cannot read the {what}: {e.strerror}") from e
+        raise ResumeStateError(f"{file}: cannot read {what}: {e.strerror}") from e
     if not raw:
-        raise ResumeStateError(f"{file}: the {what} is empty (0 bytes)")
+        raise ResumeStateError(f"{file}: {what} is empty (0 bytes)")
+    return raw
+
+
+def _read_json(file: str, what: str) -> Any:
+    """A JSON file's value; any unreadable, non-UTF-8 or non-JSON content is an error naming the file."""
+    raw = _read_bytes(file, f"the {what}")
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -380,13 +386,7 @@ class AllowListUnpickler(pickle.Unpickler):
 def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
     """The value pickled in ``file``, built through :class:`AllowListUnpickler`; any refusal or
     malformed stream is a :class:`ResumeStateError` naming the file."""
-    try:
-        with open(file, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ResumeStateError(f"{file}: cannot read: {e.strerror}") from e
-    if not data:
-        raise ResumeStateError(f"{file}: empty (0 bytes)")
+    data = _read_bytes(file, "the pickled state")
     try:
         return AllowListUnpickler(data, allowed, file).load()
     except ResumeStateError:
