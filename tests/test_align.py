@@ -446,3 +446,28 @@ def test_adam_moments_reads_paddle_adamw_accumulators_too():
     m, v = adam_moments(opt, "weight", w)
     np.testing.assert_allclose(m.numpy(), 0.1 * g, rtol=1e-6)
     np.testing.assert_allclose(v.numpy(), 0.05 * g * g, rtol=1e-5)
+
+
+def test_align_without_the_reference_extra_says_so_in_one_line(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """The torch reference is a module of the package (``-m paddleformers_glm.parity.reference.train``);
+    without torch or transformers align stops before running anything, naming the extra."""
+    import importlib.util
+
+    from paddleformers_glm.cli import main as cli_main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    assert cli_main(["align", "--model", str(tiny_ckpt), "--out", str(tmp_path / "a"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "paddleformers_glm[reference]" in err[0] and "torch" in err[0], err
+    assert not (tmp_path / "a" / "reference" / "loss.json").exists()
+
+
+def test_align_runs_the_reference_as_a_package_module(tiny_ckpt, tmp_path):
+    """The command align records for the reference run is the package module, never a file under tools/."""
+    from paddleformers_glm.cli import main as cli_main
+
+    out = tmp_path / "a"
+    cli_main(["align", "--model", str(tiny_ckpt), "--out", str(out), "--steps", "1", "--timeout", "0.001"])
+    cmd = json.loads((out / "receipt" / "verdict.json").read_text())["commands"]["reference"]
+    assert " -m paddleformers_glm.parity.reference.train " in cmd and "tools" not in cmd.split(), cmd

@@ -1,6 +1,6 @@
 """``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
 
-It runs tools/reference_train.py (HF transformers + torch MTP, torch AdamW, one process) and
+It runs the torch reference (``parity/reference/train.py``: HF transformers + torch MTP, torch AdamW, one process) and
 ``glm52 train`` in any layout (default the headline TP2 x PP2 + SP) on the same checkpoint, data
 and hyper-parameters, both dumping their full state after each ``--dump-step`` update (default
 1, 2 and 3: an expert idle at step 2 after tokens at step 1 shows only from step 2 on) and after
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_SCRIPT = ROOT / "tools" / "reference_train.py"
+REFERENCE_MODULE = "paddleformers_glm.parity.reference.train"
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 # defaults; docs/parity.md says why each is what it is and what was measured
@@ -220,7 +220,8 @@ def explain_jump(jump: dict[str, Any], margins: list[dict[str, Any]]) -> dict[st
         nonzero = {
             cat: m["min_nonzero"]
             for cat, m in margins[step].items()
-            if math.isfinite(m.get("min_nonzero", math.inf))  # inf: every margin was an exact tie
+            # inf (null in strict JSON): every margin was an exact tie
+            if m.get("min_nonzero") is not None and math.isfinite(m["min_nonzero"])
         }
         if nonzero:
             jump["reference_min_nonzero_gaps"] = nonzero
@@ -316,6 +317,19 @@ def _run(cmd: list[str], log: str, env: dict[str, str], timeout: float | None) -
     return rc, time.monotonic() - t0
 
 
+def _missing_reference_extra() -> str | None:
+    """One line naming the ``reference`` extra when torch or transformers is not installed."""
+    import importlib.util
+
+    absent = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return (
+        f"the torch reference needs the reference extra ({' and '.join(absent)} not installed): "
+        "pip install 'paddleformers_glm[reference]'"
+    )
+
+
 def _tail(path: str, n: int = 15) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -338,11 +352,9 @@ def run_align(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"glm52 align: error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
-    if not REFERENCE_SCRIPT.is_file():
-        print(
-            f"glm52 align: error: the reference script {REFERENCE_SCRIPT} is missing (a source checkout has it)",
-            file=sys.stderr,
-        )
+    missing = _missing_reference_extra()
+    if missing:
+        print(f"glm52 align: error: {missing}", file=sys.stderr)
         return 2
     N = args.steps
     dump_steps = sorted({int(k) for k in (args.dump_step or DUMP_STEPS) if 1 <= int(k) <= N})
@@ -352,7 +364,6 @@ def run_align(args: argparse.Namespace) -> int:
         return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     common = _train_args(args)
     layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--ep", str(args.ep)]
     layout += ["--etp", str(args.etp), "--cp", str(args.cp), "--vpp", str(args.vpp)]
@@ -361,7 +372,7 @@ def run_align(args: argparse.Namespace) -> int:
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
     runs = {
-        "reference": [sys.executable, str(REFERENCE_SCRIPT), *common, "--out", ref_out]
+        "reference": [sys.executable, "-m", REFERENCE_MODULE, *common, "--out", ref_out]
         + [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(ref_out, f"dump_{k}"), str(s))],
         "paddle": [sys.executable, "-m", "paddleformers_glm.cli", "train", *common, *layout, "--out", pd_out]
         + ["--no-progress"]
@@ -561,7 +572,7 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "align",
         help="train with Paddle and with the torch reference, prove they agree (losses, grads, moments, weights)",
-        description="Runs tools/reference_train.py and glm52 train on the same checkpoint and data, compares "
+        description="Runs the torch reference (python -m paddleformers_glm.parity.reference.train) and glm52 train on the same checkpoint and data, compares "
         "losses, MTP losses, step-1 gradients / AdamW moments / weights and the final weights, writes OUT/receipt/.",
     )
     p.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")

@@ -7,7 +7,7 @@ After update K the trainer writes, in the checkpoint's official (HF) names and f
 * ``DIR/weights/``: the updated weights (the fp32 master copy when parameters are bf16).
 
 Each is a ``model.safetensors`` plus a byte copy of the model's ``config.json``, so ``glm52
-check-ckpt`` compares a dump with the torch reference's (tools/reference_train.py) and
+check-ckpt`` compares a dump with the torch reference's (paddleformers_glm/parity/reference/train.py) and
 ``glm52 align`` checks them against tolerances.  A tensor that gets no gradient (an indexer the
 loss does not reach, the router's correction bias, a buffer) is written as zeros in the gradient
 and moment dumps, the same convention the reference uses.

@@ -1,5 +1,5 @@
-#!/usr/bin/env python
-"""The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both).
+"""The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both):
+``python -m paddleformers_glm.parity.reference.train --model DIR --out OUT [training flags]``.
 
 One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
 MTP layers, which transformers drops, are assembled here from HF's own building blocks
@@ -54,12 +54,8 @@ import platform
 import shutil
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "tools")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from ..._io import write_json_atomic as _write_json_atomic
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
@@ -441,7 +437,7 @@ class TopkMargins:
     NEAR = 1e-6
 
     def __init__(self, modules) -> None:
-        from make_reference import GapMonitor  # same hooks as the fixtures' tie screening
+        from .topk_gaps import GapMonitor  # same hooks as the fixtures' tie screening
 
         monitor = self
 
@@ -516,12 +512,10 @@ def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
 
 
 def write_json_atomic(path: str, obj) -> None:
+    """Strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
+    decision an exact tie, is written as null and listed under "nonfinite")."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -677,7 +671,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        print(f"reference_train: needs the reference extra (torch + transformers): {e}", file=sys.stderr)
+        print(
+            f"paddleformers_glm.parity.reference.train: needs the reference extra (torch + transformers): {e}",
+            file=sys.stderr,
+        )
         return 2
     os.makedirs(args.out, exist_ok=True)
     train(args)
