@@ -69,7 +69,8 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
 
 def _master_weight(opt: Any, name: str, param: paddle.Tensor) -> paddle.Tensor:
     if hasattr(opt, "master_weight"):
-        return opt.master_weight(name)
+        w = opt.master_weight(name)
+        return param if w is None else w  # a frozen parameter (the indexer's warm-up) is not the optimizer's
     inner = getattr(opt, "_inner_opt", opt)
     return getattr(inner, "_master_weights", {}).get(param.name, param)
 
