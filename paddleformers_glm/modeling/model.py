@@ -19,6 +19,7 @@ official HF names with Paddle's AOA engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -574,27 +575,33 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         ``hidden`` / ``topk``: the carry from the stage before (or the caller's embeddings);
         ``batch``: ``input_ids``, ``attention_mask`` (key padding) and, under context parallel,
         ``cp_ids_<d>`` (the ids shifted by d over the whole sequence) for MTP."""
-        mask = batch.get("attention_mask")
-        if part.has_embedding and hidden is None:
-            hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
-        hidden, topk, records = self.model.run_layers(
-            part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute
-        )
-        mtp_hidden: list[paddle.Tensor] = []
-        if part.has_head:
-            hidden = self.model.norm(hidden)
-            if part.has_mtp and with_mtp:
-                ids = batch["input_ids"]
-                B, S = ids.shape
-                h = hidden
-                for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
-                    shifted = batch.get(f"cp_ids_{d}")
-                    if shifted is None:
-                        shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
-                    h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
-                    if rec is not None:
-                        records.append((self.config.num_hidden_layers + d - 1, rec))
-                    mtp_hidden.append(mtp.norm(h))
+        # the indexer's warm-up: every layer is frozen, so they record no graph (the indexers' KL,
+        # taken below from the layers' detached records, is the step's only graph)
+        frozen = self.training and self.indexer_training.dense
+        with paddle.no_grad() if frozen else contextlib.nullcontext():
+            mask = batch.get("attention_mask")
+            if part.has_embedding and hidden is None:
+                hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
+            hidden, topk, records = self.model.run_layers(
+                part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute
+            )
+            mtp_hidden: list[paddle.Tensor] = []
+            if part.has_head:
+                hidden = self.model.norm(hidden)
+                if part.has_mtp and with_mtp:
+                    ids = batch["input_ids"]
+                    B, S = ids.shape
+                    h = hidden
+                    for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
+                        shifted = batch.get(f"cp_ids_{d}")
+                        if shifted is None:
+                            shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[
+                                :, :S
+                            ]
+                        h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
+                        if rec is not None:
+                            records.append((self.config.num_hidden_layers + d - 1, rec))
+                        mtp_hidden.append(mtp.norm(h))
         terms = indexer_terms(records, self.model.indexer_run.training)
         self.model.selections.release()  # the top-k's index forms end with the forward
         self.model.indexer_run.release()

@@ -45,6 +45,7 @@ from .._io import write_json_atomic
 __all__ = [
     "compare_dumps",
     "compare_idle_experts",
+    "compare_indexer",
     "explain_jump",
     "first_difference",
     "near_ties",
@@ -89,7 +90,10 @@ TRAIN_FLAGS = (
     ("moe_bias_update_rate", float, 0.0),
     ("data", str, None),
     ("dtype", str, "float32"),  # bfloat16: both runs in bf16 with fp32 master weights (docs/parity.md: drift)
+    ("indexer_stage", str, None),  # none | warmup | sparse (docs/indexer.md); None: the checkpoint's default
+    ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
 )
+INDEXER_STAGES = ("none", "warmup", "sparse")
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -234,6 +238,43 @@ def _idle(doc: dict[str, Any]) -> list[dict[str, list[int]]] | None:
     return load.get("idle_experts")
 
 
+def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol: float) -> dict[str, Any] | None:
+    """The indexer's per-layer top-k recall and KL, step by step (loss.json's ``indexer`` block; None
+    when neither run trained the indexer): the mean recall as a curve (``consistent_steps`` as for
+    the losses), and per layer the largest |difference| of its recall and of its KL over the run,
+    each within ``atol``.  Both sides must report the same stage and layers."""
+    from .loss_check import compare_losses
+
+    a, b = ref.get("indexer"), cand.get("indexer")
+    if not a and not b:
+        return None
+    if not a or not b or a.get("stage") == "none":
+        return {
+            "pass": False,
+            "reason": "only one run trained the indexer",
+            "consistent_steps": 0,
+            "max_diff": math.inf,
+            "jumps": [],
+        }
+    c = compare_losses(b["mean_recall"], a["mean_recall"], steps=steps, atol=atol)
+    c.update(stage={"reference": a["stage"], "paddle": b["stage"]}, layers=a["layers"], jumps=[])
+    same = a["stage"] == b["stage"] and a["layers"] == b["layers"]
+    per_layer = {}
+    if same:
+        for j, layer in enumerate(a["layers"]):
+            n = min(len(a["recall"]), len(b["recall"]), steps)
+            per_layer[str(layer)] = {
+                "recall_max_diff": max((abs(a["recall"][s][j] - b["recall"][s][j]) for s in range(n)), default=0.0),
+                "kl_max_diff": max((abs(a["kl"][s][j] - b["kl"][s][j]) for s in range(n)), default=0.0),
+                "recall_first": a["recall"][0][j] if n else None,
+                "recall_last": a["recall"][n - 1][j] if n else None,
+            }
+    c["per_layer"] = per_layer
+    worst = max((max(v["recall_max_diff"], v["kl_max_diff"]) for v in per_layer.values()), default=0.0)
+    c["pass"] = same and c["enough_steps"] and c["consistent_steps"] == steps and worst <= atol
+    return c
+
+
 def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any] | None:
     """The experts each MoE layer left idle, step by step, on both sides (None when either run did
     not record them).  A step where they differ is a step where the two runs routed differently."""
@@ -301,6 +342,8 @@ def _train_args(args: argparse.Namespace) -> list[str]:
         v = getattr(args, name)
         if v is not None:
             out += [f"--{name.replace('_', '-')}", str(v)]
+    if args.indexer_shared_supervision:
+        out.append("--indexer-shared-supervision")
     return out
 
 
@@ -389,7 +432,9 @@ def run_align(args: argparse.Namespace) -> int:
         "runs": {},
         "comparisons": {},
     }
-    verdict["training"]["indexer_loss_coeff"] = _indexer_loss_coeff(args.model)
+    if args.indexer_loss_coeff is None:
+        verdict["training"]["indexer_loss_coeff"] = _indexer_loss_coeff(args.model)
+    verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
     model_files = sorted(
         f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
     )
@@ -446,6 +491,9 @@ def run_align(args: argparse.Namespace) -> int:
         except ImportError as e:  # the plot extra is optional; the numbers are the verdict
             c["plot"] = f"not drawn: {e}"
         comps[key] = c
+    indexer = compare_indexer(ref_doc, pd_doc, N, args.loss_atol)
+    if indexer is not None:
+        comps["indexer_recall"] = indexer
     idle = compare_idle_experts(ref_doc, pd_doc)
     if idle is not None:
         comps["idle_experts"] = idle
@@ -597,8 +645,13 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     )
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
-        choices = ("float32", "bfloat16") if name == "dtype" else None
+        choices = {"dtype": ("float32", "bfloat16"), "indexer_stage": INDEXER_STAGES}.get(name)
         g.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, choices=choices)
+    g.add_argument(
+        "--indexer-shared-supervision",
+        action="store_true",
+        help="both runs: a full layer's indexer target averages the shared layers reusing its top-k (docs/indexer.md)",
+    )
     g.add_argument(
         "--dump-step",
         type=int,
