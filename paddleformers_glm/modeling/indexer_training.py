@@ -48,6 +48,8 @@ __all__ = [
     "causal_selection",
     "indexer_terms",
     "is_indexer_parameter",
+    "own_indexer_layers",
+    "trains_in_warmup",
     "kl_term",
     "recall_term",
 ]
@@ -58,6 +60,27 @@ INDEXER_STAGES = ("none", "warmup", "sparse")
 def is_indexer_parameter(name: str) -> bool:
     """A DSA indexer's parameter (``...self_attn.core_attention.indexer.*``, main and MTP layers)."""
     return ".indexer." in name
+
+
+def own_indexer_layers(config: Any) -> list[int]:
+    """The layers that run their own indexer: the full layers, and the MTP layers unless they reuse
+    the main model's top-k (``index_share_for_mtp_iteration``: their indexer weights are kept in the
+    checkpoint but never run, so nothing trains them)."""
+    own = [i for i, k in enumerate(config.indexer_types) if k == "full"]
+    if not bool(getattr(config, "index_share_for_mtp_iteration", False)):
+        L = int(config.num_hidden_layers)
+        own += list(range(L, L + int(getattr(config, "num_mtp_layers", 0) or 0)))
+    return own
+
+
+def trains_in_warmup(name: str, own_layers: Sequence[int]) -> bool:
+    """Whether the dense warm-up trains parameter ``name`` (``model.layers.<i>....``): an indexer
+    parameter of a layer in ``own_layers``."""
+    if not is_indexer_parameter(name):
+        return False
+    parts = name.split(".")
+    i = parts.index("layers") if "layers" in parts else -1
+    return 0 <= i < len(parts) - 1 and parts[i + 1].isdigit() and int(parts[i + 1]) in own_layers
 
 
 @dataclass(frozen=True)

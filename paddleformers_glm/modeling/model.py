@@ -53,10 +53,12 @@ from .indexer_training import (
     IndexerTerms,
     IndexerTraining,
     indexer_terms,
-    is_indexer_parameter,
     kl_term,
+    own_indexer_layers,
     recall_term,
+    trains_in_warmup,
 )
+from .moe import frozen_training_forward
 from .mtp import MTPLayer
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -510,16 +512,18 @@ class GlmMoeDsaForCausalLM(nn.Layer):
 
     def set_indexer_training(self, training: IndexerTraining | str) -> None:
         """Train the indexer in ``training``'s stage (modeling/indexer_training.py): ``"warmup"``
-        attends densely and freezes every parameter but the indexers' (``stop_gradient``: no
-        gradient, and the trainer's optimizer holds no state for them); ``"sparse"`` and ``"none"``
+        attends densely and freezes every parameter but the indexers that run (``stop_gradient``: no
+        gradient, and the trainer's optimizer holds no state for them; an MTP layer that reuses the
+        main model's top-k keeps its indexer frozen); ``"sparse"`` and ``"none"``
         leave every parameter trainable.  Training forwards (``model.train()``) then leave the
         indexer's KL and top-k recall per layer (``forward_stage``'s ``indexer_*`` loss terms,
         ``out.indexer_loss`` / ``out.indexer_recall``)."""
         if isinstance(training, str):
             training = IndexerTraining(training)
         self.model.indexer_run.training = training
+        own = own_indexer_layers(self.config)
         for name, p in self.named_parameters():
-            p.stop_gradient = training.dense and not is_indexer_parameter(name)
+            p.stop_gradient = training.dense and not trains_in_warmup(name, own)
 
     def set_attn_implementation(self, name: str) -> None:
         """Pick the attention form for the following forwards (transformers' name): "auto" (by
@@ -578,7 +582,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         # the indexer's warm-up: every layer is frozen, so they record no graph (the indexers' KL,
         # taken below from the layers' detached records, is the step's only graph)
         frozen = self.training and self.indexer_training.dense
-        with paddle.no_grad() if frozen else contextlib.nullcontext():
+        with frozen_training_forward() if frozen else contextlib.nullcontext():  # routers still count
             mask = batch.get("attention_mask")
             if part.has_embedding and hidden is None:
                 hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
