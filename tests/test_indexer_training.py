@@ -1,9 +1,10 @@
 """Training the DSA indexer (modeling/indexer_training.py, train/indexer_stage.py, docs/indexer.md):
 
 * the dense warm-up attends to every causal key (the forward equals a model whose top-k covers every
-  key), freezes every parameter but the indexers (the planner's gradient / optimizer bytes equal the
-  run's measured ones) and its dense KL is KL(target || softmax(index scores)) over every visible key,
-  computed here independently in numpy;
+  key), freezes every parameter but the indexers that run (the MTP layer's, unused under top-k
+  sharing, stays frozen; the planner's gradient / optimizer bytes equal the run's measured ones), its
+  frozen layers' routers still count their load, and its dense KL is KL(target || softmax(index
+  scores)) over every visible key, computed here independently in numpy;
 * the sparse stage's KL reaches no backbone weight (the backbone's gradients of LM + c x KL are those
   of LM alone, bit for bit);
 * the top-k recall is 1 where the top-k covers every key, and the first full layer's recall is the
@@ -12,8 +13,9 @@
   the model's own indexer loss, the same for micro-batch sizes 1, 2 and 4;
 * a run resumes in the next stage (warm-up -> sparse and back): weights whole, the indexers'
   moments carried, the backbone's fresh, the learning-rate schedule restarted;
-* on a trained tiny backbone with a re-initialised indexer, a warm-up run raises the mean top-k
-  recall and changes only indexer tensors (the export's other tensors are the source's bytes);
+* on a backbone with peaked attention (a stand-in for a trained one) under a random indexer, a
+  warm-up run raises the mean top-k recall and changes only the trained indexer tensors (the
+  export's other tensors are the source's bytes);
 * ``glm52 plot-indexer`` draws the heatmap and curves, or without matplotlib names the extra and
   still writes the JSON.
 """
