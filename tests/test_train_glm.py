@@ -135,7 +135,7 @@ def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_p
     if stage != "none":
         assert_indexer_matches(ref, got, layout)
     else:
-        assert "indexer" not in got and "indexer_losses" not in got
+        assert "indexer_losses" not in got and got["indexer"]["stage"] == "none" and got["indexer"]["layers"] == []
     if "--pp" in layout:  # expert layouts clip outside Fleet's optimizer: its schedule alone, then the trainer's step
         want = "forward_backward_pipeline" if "--ep" in layout else "train_batch"
         assert got["run"]["step_engine"] == want, got["run"]
@@ -165,7 +165,8 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1_warmup, tmp
     """The second stage starts on shared layer 4 (it reuses layer 2's top-k, carried from stage 0),
     in the indexer's dense warm-up: losses, grad norms (the indexers' alone), the indexer KL and
     per-layer KL and recall equal one process; the export holds the official key set, and every
-    tensor but the trained indexers' (layers 0, 1, 2, 6) is the source's bytes."""
+    tensor but the trained indexers' (layers 0, 1, 2, 6) is the source's bytes (the MTP layer's
+    indexer, unused under top-k sharing, included)."""
     kinds = json.loads((tiny_ckpt / "config.json").read_text())["indexer_types"]
     assert kinds[4] == "shared"  # an even PP2 split starts stage 1 on layer 4
     args = ["--model", str(tiny_ckpt), "--pp", "2", "--steps", str(STEPS), "--seq-len", str(SEQ), *WARMUP]
@@ -180,19 +181,17 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1_warmup, tmp
     for key in ("losses", "mtp_losses", "grad_norms"):
         assert max(abs(a - b) for a, b in zip(pp1_warmup[key], got[key])) <= 1e-5, key
     assert_indexer_matches(pp1_warmup, got, "pp2 warmup")
-    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    from safetensors import safe_open
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
 
-    changed = set()
-    with safe_open(str(tmp_path / "export" / "model.safetensors"), "np") as f:
-        assert set(f.keys()) == set(index)  # the official HF key set, MTP indexer included
-        for key, shard in index.items():
-            with safe_open(str(tiny_ckpt / shard), "np") as src:
-                a, b = src.get_tensor(key), f.get_tensor(key)
-            if a.dtype != b.dtype or a.tobytes() != b.tobytes():
-                changed.add(key)
+    with Checkpoint(str(tiny_ckpt)) as src, Checkpoint(str(tmp_path / "export")) as exp:
+        index = set(src.keys())
+        assert set(exp.keys()) == index  # the official HF key set, MTP indexer included
+        changed = {k for k in index if src.info(k).dtype != exp.info(k).dtype or bytes(src.raw(k)) != bytes(exp.raw(k))}
     trained = {k for k in index if ".indexer." in k and k.split(".")[2] in ("0", "1", "2", "6")}
-    assert changed == trained, sorted(changed ^ trained)
+    # the export is bf16, as the source: 3 updates of 1e-3 move the LayerNorm weights (about 1) by
+    # less than half a bf16 step (2^-7), so they round back to the source's bytes
+    projections = {k for k in trained if ".k_norm." not in k}
+    assert projections <= changed <= trained, (sorted(changed - trained), sorted(projections - changed))
 
 
 def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp_path, monkeypatch):
