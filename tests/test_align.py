@@ -287,7 +287,7 @@ def test_align_indexer_warmup_with_shared_supervision_matches_the_reference(tiny
     (the sparse stage: the KL test above, whose checkpoint's coefficient selects it)."""
     out = tmp_path / "align"
     cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(tiny_ckpt), "--out", str(out)]
-    cmd += ["--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-3", "--warmup-steps", "1"]
+    cmd += ["--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1"]
     cmd += ["--indexer-stage", "warmup", "--indexer-shared-supervision", "--tp", "1", "--pp", "1", "--no-sp"]
     p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
