@@ -41,7 +41,7 @@ setup(
     install_requires=["numpy>=1.24", "safetensors>=0.4.3", "tqdm>=4.60", "tokenizers>=0.19", "jinja2>=3.1"],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6"],
         "reference": ["torch==2.13.0", "transformers==5.23.0"],
         "plot": ["matplotlib>=3.7"],
         # PaddleFormers' Auto classes and Trainer (integrations/paddleformers.py). Its own pins

@@ -16,21 +16,6 @@ from paddleformers_glm.parallel.pipeline import split_stages
 from ._tiny import tiny_model, tokens
 
 
-def _kl_taps(model: GlmMoeDsaForCausalLM, taps: dict[int, list]) -> dict[int, list]:
-    """Fill ``taps``: layer id -> the indexer KL losses its forwards return (decoder and MTP layers)."""
-    L = model.config.num_hidden_layers
-    for i in model.model.layer_ids:
-        layer = model.model.layers[i]
-        block = layer.transformer_layer if i >= L else layer
-
-        def hook(_layer, _inputs, out, i=i):
-            if out[2] is not None:
-                taps.setdefault(i, []).append(out[2])
-
-        block.register_forward_post_hook(hook)
-    return taps
-
-
 def _same(a: paddle.Tensor, b: paddle.Tensor, what: str) -> None:
     np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=what)
 
@@ -55,7 +40,6 @@ def test_two_stage_split_chains_to_the_full_forward_bit_for_bit(mtp_shares_topk)
     # the whole model's hidden states and top-k leaving layer 3, where stage 1 ends
     boundary = {}
     full.model.layers[3].register_forward_post_hook(lambda _l, _i, out: boundary.update(hidden=out[0], topk=out[1]))
-    kl_full, kl_split = _kl_taps(full, {}), _kl_taps(stages[1], _kl_taps(stages[0], {}))
     ids = tokens(2, 32, seed=5)
     batch = {"input_ids": ids, "labels": ids}
     ref = full.forward_stage(None, batch)
@@ -65,16 +49,22 @@ def test_two_stage_split_chains_to_the_full_forward_bit_for_bit(mtp_shares_topk)
     hidden, topk = first.carry
     _same(hidden, boundary["hidden"], "carried hidden states")
     _same(topk, boundary["topk"], "carried top-k")
-    assert sorted(last.losses) == ["indexer_kl", "lm", "mtp_1"] and sorted(first.losses) == ["indexer_kl"]
+    # every layer that runs its own indexer reports its KL and top-k recall on the stage holding it
+    own = [i for i, k in enumerate(cfg.indexer_types) if k == "full"] + ([] if mtp_shares_topk else [8])
+    per_layer = {i: (f"indexer_kl@{i}", f"indexer_recall@{i}") for i in own}
+    on = {id(st): [i for i in own if i in st.layers or (i == 8 and st.has_mtp)] for st in (s0, s1)}
+    for out, spec in ((first, s0), (last, s1)):
+        names = {"indexer_kl", *(n for i in on[id(spec)] for n in per_layer[i])}
+        assert set(out.losses) == names | ({"lm", "mtp_1"} if spec.has_head else set()), spec
     for name in ("lm", "mtp_1"):
         _same(last.losses[name].sum, ref.losses[name].sum, f"{name} loss sum")
         assert int(last.losses[name].count) == int(ref.losses[name].count) > 0
-    # every layer's KL loss, and each stage's term is the sum over its own layers
-    own = [i for i, k in enumerate(cfg.indexer_types) if k == "full"] + ([] if mtp_shares_topk else [8])
-    assert sorted(kl_split) == sorted(kl_full) == own
-    for i in kl_full:
-        _same(kl_split[i][0], kl_full[i][0], f"indexer KL of layer {i}")
+    split = {**first.losses, **last.losses}
+    for i in own:
+        for name in per_layer[i]:
+            _same(split[name].sum, ref.losses[name].sum, f"{name} of layer {i}")
+    # each stage's objective term is the sum of its own layers' KLs
     for out, spec in ((first, s0), (last, s1)):
-        mine = [kl_full[i][0] for i in (*spec.layers, 8) if i in kl_full and (i < 8 or spec.has_mtp)]
+        mine = [ref.losses[f"indexer_kl@{i}"].sum for i in on[id(spec)]]
         _same(out.losses["indexer_kl"].sum, paddle.add_n(mine), f"stage {spec.stage} indexer KL")
-    _same(ref.losses["indexer_kl"].sum, paddle.add_n([kl_full[i][0] for i in sorted(kl_full)]), "whole KL")
+    _same(ref.losses["indexer_kl"].sum, paddle.add_n([ref.losses[f"indexer_kl@{i}"].sum for i in own]), "whole KL")

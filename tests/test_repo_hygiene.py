@@ -91,3 +91,24 @@ def test_model_adapters_register_one_way():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["[]", "['paddleformers_glm.train.toy']", "paddleformers_glm.train.toy"]
+
+
+def test_the_library_never_runs_a_tools_script():
+    """tools/ holds fixture generators and developer scripts, which an installed package does not
+    have: no string in the library's code (docstrings aside) names a path under tools/."""
+    offenders = []
+    for p in PACKAGE.rglob("*.py"):
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+                if re.search(r"(^|[/\\])tools([/\\]|$)", n.value):
+                    offenders.append(f"{p.relative_to(ROOT)}:{n.lineno}: {n.value!r}")
+    assert offenders == []

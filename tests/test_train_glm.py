@@ -3,7 +3,10 @@ the step-1 loss is the model's own HF-convention loss over the global batch; a P
 second stage starts on a *shared* indexer layer, TP2, the headline TP2 x PP2 with sequence
 parallel (world 4), EP2, ETP2, TP2 x EP2 and TP2 x PP2 x EP2 with SP match the single-process run
 within 1e-5 (losses, MTP losses, grad norms); the headline run twice gives bit-identical losses
-and exported bytes."""
+and exported bytes.  The same launches train the DSA indexer's stages (docs/indexer.md): the
+headline and TP2 x EP2 in the sparse stage, DP2 x EP2, TP2 x PP2 x EP2 x SP and the PP2 split
+starting on a shared layer in the dense warm-up; their indexer KL losses and per-layer KL and
+top-k recall equal the single-process run of the same stage."""
 
 from __future__ import annotations
 
@@ -18,9 +21,12 @@ import pytest
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.glm_adapter import GlmAdapter
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from tests._dist.runner import losses, run_train_cli, worker_logs
+from tests._dist.runner import assert_indexer_matches, losses, run_train_cli, worker_logs
 
 SEQ, GBS, MBS, STEPS = 32, 4, 2, 3
+# the indexer stages the layout runs train (docs/indexer.md); the checkpoint's indexer_loss_coeff is 0
+SPARSE = ("--indexer-stage", "sparse", "--indexer-loss-coeff", "0.1")
+WARMUP = ("--indexer-stage", "warmup", "--lr", "1e-3")
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +81,33 @@ def single_mbs1(tiny_ckpt, tmp_path_factory):
     return _run(tiny_ckpt, tmp_path_factory.mktemp("glm_single"))
 
 
-HEADLINE = ("--tp", "2", "--pp", "2", "--sp")
+HEADLINE = ("--tp", "2", "--pp", "2", "--sp", *SPARSE)
+
+
+@pytest.fixture(scope="module")
+def single_stages(tiny_ckpt, tmp_path_factory):
+    """One process (in this process, no launch), micro-batch 1, per indexer stage: the references of
+    the layouts that train the indexer."""
+    out = {}
+    for name, kw in (("sparse", {"indexer_loss_coeff": 0.1}), ("warmup", {"lr": 1e-3})):
+        cfg = TrainConfig(
+            model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=STEPS, seq_len=SEQ, global_batch_size=GBS,
+            micro_batch_size=1, out=str(tmp_path_factory.mktemp(f"glm_single_{name}")), progress=False,
+            indexer_stage=name, **kw,
+        )  # fmt: skip
+        out[name] = run_training(cfg)
+    return out
+
+
+def _stage_of(layout) -> str:
+    return layout[layout.index("--indexer-stage") + 1] if "--indexer-stage" in layout else "none"
 
 
 @pytest.fixture(scope="module")
 def headline_runs(tiny_ckpt, tmp_path_factory):
-    """The headline layout (TP2 x PP2 x SP, world 4) run twice: the pair for the bit-reproducibility
-    test, the first also the headline case of the layouts test (one launch fewer)."""
+    """The headline layout (TP2 x PP2 x SP, world 4, the indexer's sparse stage) run twice: the pair
+    for the bit-reproducibility test, the first also the headline case of the layouts test (one
+    launch fewer)."""
     root = tmp_path_factory.mktemp("glm_headline")
     return root, _run(tiny_ckpt, root / "a", *HEADLINE), _run(tiny_ckpt, root / "b", *HEADLINE)
 
@@ -92,18 +118,24 @@ def headline_runs(tiny_ckpt, tmp_path_factory):
     [
         ("--tp", "2"),
         HEADLINE,
-        ("--dp", "2", "--ep", "2"),
+        ("--dp", "2", "--ep", "2", *WARMUP),
         ("--tp", "2", "--etp", "2"),
-        ("--tp", "2", "--ep", "2"),
-        ("--tp", "2", "--pp", "2", "--ep", "2", "--sp"),
+        ("--tp", "2", "--ep", "2", *SPARSE),
+        ("--tp", "2", "--pp", "2", "--ep", "2", "--sp", *WARMUP),
     ],
-    ids=["tp2", "tp2-pp2-sp", "dp2-ep2", "tp2-etp2", "tp2-ep2", "tp2-pp2-ep2-sp"],
+    ids=["tp2", "tp2-pp2-sp-sparse", "dp2-ep2-warmup", "tp2-etp2", "tp2-ep2-sparse", "tp2-pp2-ep2-sp-warmup"],
 )
 def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_path, layout, request):
     got = request.getfixturevalue("headline_runs")[1] if layout == HEADLINE else _run(tiny_ckpt, tmp_path, *layout)
+    stage = _stage_of(layout)
+    ref = single_mbs1 if stage == "none" else request.getfixturevalue("single_stages")[stage]
     for key in ("losses", "mtp_losses", "grad_norms"):
-        diff = max(abs(a - b) for a, b in zip(single_mbs1[key], got[key]))
+        diff = max(abs(a - b) for a, b in zip(ref[key], got[key]))
         assert len(got[key]) == STEPS and diff <= 1e-5, (layout, key, diff)
+    if stage != "none":
+        assert_indexer_matches(ref, got, layout)
+    else:
+        assert "indexer_losses" not in got and got["indexer"]["stage"] == "none" and got["indexer"]["layers"] == []
     if "--pp" in layout:  # expert layouts clip outside Fleet's optimizer: its schedule alone, then the trainer's step
         want = "forward_backward_pipeline" if "--ep" in layout else "train_batch"
         assert got["run"]["step_engine"] == want, got["run"]
@@ -118,11 +150,26 @@ def test_glm_headline_layout_is_bit_reproducible(headline_runs):
     assert fa == (root / "b" / "export" / "model.safetensors").read_bytes()
 
 
+@pytest.fixture(scope="module")
+def pp1_warmup(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("glm_pp1_warmup")
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=STEPS, seq_len=SEQ, global_batch_size=GBS,
+        micro_batch_size=MBS, out=str(out), progress=False, indexer_stage="warmup", lr=1e-3,
+    )  # fmt: skip
+    return run_training(cfg)
+
+
 @pytest.mark.slow
-def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
+def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1_warmup, tmp_path):
+    """The second stage starts on shared layer 4 (it reuses layer 2's top-k, carried from stage 0),
+    in the indexer's dense warm-up: losses, grad norms (the indexers' alone), the indexer KL and
+    per-layer KL and recall equal one process; the export holds the official key set, and every
+    tensor but the trained indexers' (layers 0, 1, 2, 6) is the source's bytes (the MTP layer's
+    indexer, unused under top-k sharing, included)."""
     kinds = json.loads((tiny_ckpt / "config.json").read_text())["indexer_types"]
     assert kinds[4] == "shared"  # an even PP2 split starts stage 1 on layer 4
-    args = ["--model", str(tiny_ckpt), "--pp", "2", "--steps", str(STEPS), "--seq-len", str(SEQ)]
+    args = ["--model", str(tiny_ckpt), "--pp", "2", "--steps", str(STEPS), "--seq-len", str(SEQ), *WARMUP]
     args += ["--global-batch-size", str(GBS), "--micro-batch-size", str(MBS), "--out", str(tmp_path), "--export"]
     p, _ = run_train_cli(args, timeout=300)
     if p.returncode != 0:
@@ -132,12 +179,19 @@ def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1, tmp_path):
     recs = _check_load_records(tiny_ckpt, tmp_path, got["profile"])
     assert [r["layers"] for r in recs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for key in ("losses", "mtp_losses", "grad_norms"):
-        assert max(abs(a - b) for a, b in zip(pp1[key], got[key])) <= 1e-5, key
-    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    from safetensors import safe_open
+        assert max(abs(a - b) for a, b in zip(pp1_warmup[key], got[key])) <= 1e-5, key
+    assert_indexer_matches(pp1_warmup, got, "pp2 warmup")
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
 
-    with safe_open(str(tmp_path / "export" / "model.safetensors"), "np") as f:
-        assert set(f.keys()) == set(index)  # the official HF key set, MTP indexer included
+    with Checkpoint(str(tiny_ckpt)) as src, Checkpoint(str(tmp_path / "export")) as exp:
+        index = set(src.keys())
+        assert set(exp.keys()) == index  # the official HF key set, MTP indexer included
+        changed = {k for k in index if src.info(k).dtype != exp.info(k).dtype or bytes(src.raw(k)) != bytes(exp.raw(k))}
+    trained = {k for k in index if ".indexer." in k and k.split(".")[2] in ("0", "1", "2", "6")}
+    # the export is bf16, as the source: 3 updates of 1e-3 move the LayerNorm weights (about 1) by
+    # less than half a bf16 step (2^-7), so they round back to the source's bytes
+    projections = {k for k in trained if ".k_norm." not in k}
+    assert projections <= changed <= trained, (sorted(changed - trained), sorted(projections - changed))
 
 
 def test_glm_resume_continues_the_uninterrupted_curve_bit_for_bit(tiny_ckpt, tmp_path, monkeypatch):

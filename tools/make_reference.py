@@ -35,10 +35,11 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
+from paddleformers_glm.parity.reference.topk_gaps import MIN_GAP, GapMonitor, TieError
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "configs" / "glm52-tiny" / "config.json"
 
-MIN_GAP = 1e-4
 BATCH, SEQ = 2, 32
 RIGHT_PAD, LEFT_PAD = 5, 4  # row 0: last 5 positions padded; row 1: first 4 positions padded
 LR = 0.1
@@ -89,10 +90,6 @@ CASES: dict[str, dict] = {
         },
     },
 }
-
-
-class TieError(RuntimeError):
-    """A top-k selection boundary is closer than MIN_GAP: the seed is rejected."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,103 +342,6 @@ def verify_load_back(ckpt: Path, cfg: dict, state: dict) -> dict:
         "unexpected_key_prefixes": sorted({mtp_prefix} if unexpected else set()),
         "hf_layers_with_indexer": indexer_layers,
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# top-k gap monitor
-
-
-class GapMonitor:
-    """Sees the exact tensors HF hands to `topk` inside every indexer and router call (through a
-    TorchFunctionMode) and records the margin at the selection boundary."""
-
-    def __init__(self, min_gap: float | None = MIN_GAP):
-        import torch
-
-        self.torch = torch
-        self.min_gap = min_gap  # None: record the margins only
-        self.stack: list[list] = []  # [kind, topk-call counter]
-        self.mins = {"indexer": math.inf, "router_expert": math.inf, "router_group": math.inf}
-        self.counts = {"indexer": 0, "router_expert": 0, "router_group": 0}
-        self.calls = {"indexer": 0, "router": 0}
-        self.phase = ""
-        self.phase_mins: dict[str, dict] = {}
-
-    def attach(self, module) -> None:
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaTopkRouter
-
-        for m in module.modules():
-            kind = (
-                "indexer"
-                if isinstance(m, GlmMoeDsaIndexer)
-                else "router"
-                if isinstance(m, GlmMoeDsaTopkRouter)
-                else None
-            )
-            if kind is None:
-                continue
-            m.register_forward_pre_hook(lambda mod, args, kind=kind: self._enter(kind))
-            m.register_forward_hook(lambda mod, args, out, kind=kind: self._leave(kind))
-
-    def _enter(self, kind):
-        self.stack.append([kind, 0])
-        self.calls[kind] += 1
-
-    def _leave(self, kind):
-        top = self.stack.pop()
-        assert top[0] == kind
-        want = 1 if kind == "indexer" else 3
-        assert top[1] == want, f"{kind} made {top[1]} topk calls, expected {want}"
-
-    def on_topk(self, scores, k: int) -> None:
-        if not self.stack:
-            return
-        top = self.stack[-1]
-        kind, n = top
-        top[1] += 1
-        torch = self.torch
-        x = scores.detach().to(torch.float32)
-        if kind == "indexer":
-            valid = x > torch.finfo(torch.float32).min / 2  # masked keys carry finfo.min (+ score)
-            self._gap("indexer", x, valid, k)
-        elif n == 1:  # group selection over group scores [T, n_group]
-            self._gap("router_group", x, torch.ones_like(x, dtype=torch.bool), k)
-        elif n == 2:  # expert selection over biased scores, -inf outside the chosen groups
-            self._gap("router_expert", x, torch.isfinite(x), k)
-
-    def _gap(self, cat: str, x, valid, k: int) -> None:
-        torch = self.torch
-        x = x.reshape(-1, x.shape[-1])
-        valid = valid.reshape(-1, x.shape[-1])
-        nvalid = valid.sum(-1)
-        rows = nvalid > k
-        if not bool(rows.any()):
-            return
-        xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
-        srt = xs.sort(dim=-1, descending=True).values
-        gap = float((srt[:, k - 1] - srt[:, k]).min())
-        self.counts[cat] += int(rows.sum())
-        self.mins[cat] = min(self.mins[cat], gap)
-        pm = self.phase_mins.setdefault(self.phase, {})
-        pm[cat] = min(pm.get(cat, math.inf), gap)
-        if self.min_gap is not None and not gap >= self.min_gap:
-            raise TieError(f"{cat} gap {gap:.3e} < {self.min_gap} in phase {self.phase!r}")
-
-    def mode(self):
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        monitor = self
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func is torch.topk or func is torch.Tensor.topk:
-                    k = args[1] if len(args) > 1 else kwargs["k"]
-                    monitor.on_topk(args[0], int(k))
-                return func(*args, **kwargs)
-
-        return _Mode()
 
 
 # ----------------------------------------------------------------------------------------------

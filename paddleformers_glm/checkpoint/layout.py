@@ -185,44 +185,41 @@ def _hf_decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool) -> dict[st
     return out
 
 
-def model_param_specs(config: Any) -> dict[str, ParamSpec]:
-    """Every key of the Paddle model's ``state_dict()`` with its shape ([in, out] linears) and dtype kind."""
+def _whole_model_specs(config: Any, model_layout: bool) -> dict[str, ParamSpec]:
+    """The same tensors in either spelling: the embedding, final norm and head, then every layer
+    (MTP layers with their extra norms and ``eh_proj``); ``model_layout`` picks the model's names and
+    ``[in, out]`` linears, else the official names and ``[out, in]``."""
     d = _dims(config)
-    bias = bool(config.attention_bias)
+    H, V, M = d["H"], d["V"], "model"
+
+    def linear(n_in: int, n_out: int) -> tuple[int, int]:
+        return (n_in, n_out) if model_layout else (n_out, n_in)
+
     out: dict[str, ParamSpec] = {
-        "model.embedding.embed_tokens.weight": ((d["V"], d["H"]), "model"),
-        "model.norm.weight": ((d["H"],), "model"),
-        "lm_head.weight": ((d["H"], d["V"]), "model"),
+        "model.embedding.embed_tokens.weight" if model_layout else "model.embed_tokens.weight": ((V, H), M),
+        "model.norm.weight": ((H,), M),
+        "lm_head.weight": (linear(H, V), M),
     }
+    decoder = _fleet_decoder if model_layout else _hf_decoder
     for lp in layer_plan(config):
         if lp.mtp:
             p = lp.hf_prefix
-            out[f"{p}.enorm.weight"] = ((d["H"],), "model")
-            out[f"{p}.hnorm.weight"] = ((d["H"],), "model")
-            out[f"{p}.eh_proj.weight"] = ((2 * d["H"], d["H"]), "model")
-            out[f"{p}.norm.weight"] = ((d["H"],), "model")
-        out.update(_fleet_decoder(lp.fleet_prefix, lp, d, bias))
+            out[f"{p}.enorm.weight"] = ((H,), M)
+            out[f"{p}.hnorm.weight"] = ((H,), M)
+            out[f"{p}.eh_proj.weight"] = (linear(2 * H, H), M)
+            out[f"{p}.norm.weight" if model_layout else f"{p}.shared_head.norm.weight"] = ((H,), M)
+        out.update(decoder(lp.fleet_prefix if model_layout else lp.hf_prefix, lp, d, bool(config.attention_bias)))
     return out
+
+
+def model_param_specs(config: Any) -> dict[str, ParamSpec]:
+    """Every key of the Paddle model's ``state_dict()`` with its shape ([in, out] linears) and dtype kind."""
+    return _whole_model_specs(config, model_layout=True)
 
 
 def hf_param_specs(config: Any) -> dict[str, ParamSpec]:
     """Every key of the official checkpoint with its torch-layout shape and dtype kind."""
-    d = _dims(config)
-    bias = bool(config.attention_bias)
-    out: dict[str, ParamSpec] = {
-        "model.embed_tokens.weight": ((d["V"], d["H"]), "model"),
-        "model.norm.weight": ((d["H"],), "model"),
-        "lm_head.weight": ((d["V"], d["H"]), "model"),
-    }
-    for lp in layer_plan(config):
-        if lp.mtp:
-            p = lp.hf_prefix
-            out[f"{p}.enorm.weight"] = ((d["H"],), "model")
-            out[f"{p}.hnorm.weight"] = ((d["H"],), "model")
-            out[f"{p}.eh_proj.weight"] = ((d["H"], 2 * d["H"]), "model")
-            out[f"{p}.shared_head.norm.weight"] = ((d["H"],), "model")
-        out.update(_hf_decoder(lp.hf_prefix, lp, d, bias))
-    return out
+    return _whole_model_specs(config, model_layout=False)
 
 
 fleet_param_specs = model_param_specs  # the model's state dict; the name predates the PaddleFleet layout

@@ -31,6 +31,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("demo", "paddleformers_glm.demo:register_demo"),
     ("train", "paddleformers_glm.train.command:register_train"),
     ("plot-experts", "paddleformers_glm.parity.expert_plot:register_plot_experts"),
+    ("plot-indexer", "paddleformers_glm.train.indexer_plot:register_plot_indexer"),
     ("generate", "paddleformers_glm.cli.generate:register_generate"),
     ("align", "paddleformers_glm.parity.align:register_align"),
     ("plan", "paddleformers_glm.train.plan:register_plan"),

@@ -21,8 +21,10 @@ head instead, where that is cheaper). Decoding (`forward_decode`) always reads t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -45,7 +47,8 @@ from .attention_forms import (
     sparse_latent_attention,
 )
 from .cache import LayerCache
-from .indexer import DSAIndexer
+from .indexer import DSAIndexer, key_validity
+from .indexer_training import IndexerRecord, IndexerRun, IndexerTraining
 from .norms import RMSNorm
 from .rope import rope_concat, rope_heads
 
@@ -101,7 +104,8 @@ class MLAttention(nn.Layer):
         # Index forms of the top-k, shared by the layers of one model (it replaces this one with its
         # own and releases it after each forward); a layer used on its own keeps this private one.
         self.selections = SelectionCache()
-        self.indexer_loss_coeff = float(config.indexer_loss_coeff)
+        # how a training forward trains the indexer (modeling/indexer_training.py); the model shares one
+        self.indexer_run = IndexerRun(IndexerTraining.from_config(config))
 
     def _enter_tp(self, t: paddle.Tensor) -> paddle.Tensor:
         """Into the head-split region: the full sequence on every rank; the gradients coming back
@@ -140,8 +144,9 @@ class MLAttention(nn.Layer):
         prev_topk: paddle.Tensor | None,
         reuse_topk: bool = False,
         cache: LayerCache | None = None,
-    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
-        """x [B, S, hidden] -> (out [B, S, hidden], top-k used [B, S, k], indexer KL loss or None).
+    ) -> tuple[paddle.Tensor, paddle.Tensor, IndexerRecord | None]:
+        """x [B, S, hidden] -> (out [B, S, hidden], top-k used [B, S, k], what the indexer's training
+        needs from this call or None: modeling/indexer_training.py).
 
         Full layers run their own indexer unless `reuse_topk` (MTP with index sharing); shared layers
         always use `prev_topk`. With `cache` (a prefill: the cache is empty) the layer also stores
@@ -150,9 +155,13 @@ class MLAttention(nn.Layer):
         Under context parallel x holds this rank's zigzag slice of the sequence (cos / sin of its
         global positions): the projections run on the local tokens, the indexer keys and the
         latent rows [c, rope(k_rot)] of every token are all-gathered over the cp group, and the
-        local queries select and attend over all of them in the latent form. The indexer KL loss
-        is then this rank's queries' share of the whole sequence's mean (summed over the cp ranks,
+        local queries select and attend over all of them in the latent form. The indexer's losses
+        are then this rank's queries' share of the whole sequence's mean (summed over the cp ranks,
         as the trainer sums every loss term, it is the one-process loss).
+
+        In the indexer's dense warm-up (a training forward) the layer attends to every causal key;
+        its record still carries the indexer's own top-k (for the recall, and for the layers that
+        reuse it).
         """
         if self.cp > 1 and cache is not None:
             raise NotImplementedError("decoding with a cache runs with context parallel size 1")
@@ -175,26 +184,43 @@ class MLAttention(nn.Layer):
         run_indexer = core.indexer is not None and not reuse_topk
         if not run_indexer and prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
-        want_kl = run_indexer and self.indexer_loss_coeff > 0 and self.training
+        train = self.indexer_run.training
+        record_it = train.active and self.training and cache is None and (run_indexer or train.shared_supervision)
+        S = q_latent.shape[1]
+        positions = zigzag_positions(S * self.cp, self.cp, self.cp_rank) if self.cp > 1 else np.arange(S)
+        dense_sel = None
+        if train.dense and self.training and cache is None:  # the warm-up: every causal key
+            dense_sel = self.indexer_run.dense_selection(q_latent.shape[0], S * self.cp, positions, key_padding)
         # the core (indexer + sparse attention) is the one hook of --recompute core
         out, topk, probs = run_core(
             self._core, q_latent, c, k_rot, (cos, sin), x_full, q_latent_full, key_padding, prev_topk,
-            run_indexer, want_kl, cache, active=cache is None,
+            run_indexer, record_it, cache, dense_sel, active=cache is None,
         )  # fmt: skip
         out = self._exit_tp(out)  # [B, S_local, hidden]
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias
-        kl = None
-        if want_kl:
-            if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
-                probs = comm.all_reduce(probs.detach() * H, self.tp_group) / self.total_heads
+        if not record_it:
+            return out, topk, None
+        if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
+            probs = comm.all_reduce(probs.detach() * H, self.tp_group) / self.total_heads
+        if probs is None:
+            raise ValueError(
+                f"attn_implementation {self.config.attn_implementation!r} returns no attention probabilities, "
+                "which the indexer's training needs; use another form"
+            )
+        rec = IndexerRecord(topk=topk, probs=probs.detach())
+        if not train.dense:  # the recall needs the dense attention the sparse stage does not compute
+            rec.dense = self._dense_probs_fn(q_latent, c, k_rot, (cos, sin), positions, key_padding)
+        if run_indexer:
             cp = self.cp > 1
-            kl = core.indexer.kl_loss(
-                x_full, q_latent_full, cos, sin, topk, probs,
-                all_keys=self._all_keys if cp else None,
-                total=(lambda n: comm.all_reduce(n.detach(), self.cp_group)) if cp else None,
-            )  # fmt: skip
-        return out, topk, kl
+            rec.indexer = core.indexer
+            rec.inputs = {
+                "x": x_full, "q_latent": q_latent_full, "cos": cos, "sin": sin, "key_padding": key_padding,
+                "positions": positions if cp else None, "all_keys": self._all_keys if cp else None,
+                "total": (lambda n: comm.all_reduce(n.detach(), self.cp_group)) if cp else None,
+                "chunk": core.chunk_size,
+            }  # fmt: skip
+        return out, topk, rec
 
     def _core(
         self,
@@ -209,14 +235,17 @@ class MLAttention(nn.Layer):
         run_indexer: bool,
         want_kl: bool,
         cache: LayerCache | None,
+        dense_sel: paddle.Tensor | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
         """The attention core -> (this rank's heads' o_proj output [B, S, hidden], top-k, probabilities
         or None): the indexer's selection (full layers) and the sparse attention over it, in the form
-        `attention_forms.choose_form` picks. ``rope``: the (cos, sin) tables of the queries' positions."""
+        `attention_forms.choose_form` picks. ``rope``: the (cos, sin) tables of the queries' positions.
+        ``dense_sel`` (the indexer's warm-up): attend over it (every causal key) instead of the top-k,
+        which is still selected and returned."""
         cos, sin = rope
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         core = self.core_attention
-        k_sel = min(core.topk, S)
+        k_sel = min(core.topk, S) if dense_sel is None else dense_sel.shape[-1]
         positions, keys = None, None
         if self.cp > 1:  # the latent form: the only one over a longer key table
             form, positions = "latent", zigzag_positions(S * self.cp, self.cp, self.cp_rank)
@@ -233,8 +262,9 @@ class MLAttention(nn.Layer):
             topk = core.indexer(x_full, q_latent_full, cos, sin, key_padding, ordered, positions=positions, keys=keys)
         else:
             topk = prev_topk
+        sel = topk if dense_sel is None else dense_sel  # what the attention reads
         if form == "latent":  # k_rot un-roped: the latent form ropes it into [c, k_rot] in one kernel
-            out, probs = self._latent_attention(q_latent, c, k_rot, rope, topk, want_kl)
+            out, probs = self._latent_attention(q_latent, c, k_rot, rope, sel, want_kl)
         else:
             k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
@@ -246,13 +276,13 @@ class MLAttention(nn.Layer):
             query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
             key = paddle.concat([k_nope, k_rot.expand([B, S, H, self.rope_dim])], axis=-1)
             if form == "reference":
-                out, probs = dense_masked_attention(query, key, v, topk, core.scale), None
+                out, probs = dense_masked_attention(query, key, v, sel, core.scale), None
             elif form == "dense":
                 out, probs = dense_head_attention(
-                    query, key, v, topk, core.scale, return_probs=want_kl, cache=self.selections
+                    query, key, v, sel, core.scale, return_probs=want_kl, cache=self.selections
                 )
             else:
-                out, probs = sparse_attention(query, key, v, topk, core.scale, core.chunk_size, return_probs=want_kl)
+                out, probs = sparse_attention(query, key, v, sel, core.scale, core.chunk_size, return_probs=want_kl)
             out = nn.functional.linear(out.reshape([B, S, H * self.v_dim]), self.o_proj.weight)
         return out, topk, probs
 
@@ -275,6 +305,19 @@ class MLAttention(nn.Layer):
         (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat). With the
         compiled CPU kernels W_uv runs per head instead: out = [o_lat[h, :L] W_uv[h]]_h W_o.
         """
+        q_lat, kv_lat, w_uv = self._latent_qk(q_latent, c, k_rot, rope)
+        core = self.core_attention
+        o, probs = sparse_latent_attention(
+            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
+        )
+        # this rank's heads' part (bias added by the caller)
+        return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs
+
+    def _latent_qk(
+        self, q_latent: paddle.Tensor, c: paddle.Tensor, k_rot: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """The latent form's queries q_lat [B, S, H, L + rope] (W_uk folded into q_b_proj), the key
+        rows kv_lat [B, T, L + rope] (every cp rank's) and W_uv [H, L, v]."""
         cos, sin = rope
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
@@ -287,12 +330,45 @@ class MLAttention(nn.Layer):
         q_rot = paddle.matmul(q_latent, wq_rot.reshape([QL, H * dr])).reshape([B, S, H, dr])
         q_lat = rope_concat(q_abs, q_rot, cos, sin, self.interleave)  # [B, S, H, L + rope]
         kv_lat = self._all_keys(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S (all cp ranks'), L + rope]
-        core = self.core_attention
-        o, probs = sparse_latent_attention(
-            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
-        )
-        # this rank's heads' part (bias added by the caller)
-        return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs
+        return q_lat, kv_lat, w_uv
+
+    def _dense_probs_fn(
+        self,
+        q_latent: paddle.Tensor,
+        c: paddle.Tensor,
+        k_rot: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
+        positions: np.ndarray,
+        key_padding: paddle.Tensor | None,
+    ) -> Callable[[int, int], paddle.Tensor]:
+        """``(c0, c1) -> [B, c1 - c0, T]``: the head-mean attention of queries c0..c1 over every key
+        they see (all heads: this rank's summed over the tensor-parallel group), computed when called
+        (the indexer's recall in the sparse stage, which attends over the top-k only). Inputs are
+        detached now; the latent scores are formed per chunk of queries, never [S, T] at once."""
+        q_latent, c, k_rot = q_latent.detach(), c.detach(), k_rot.detach()
+        rope = (rope[0].detach(), rope[1].detach())
+        pad = None if key_padding is None else key_padding.detach().astype("bool")
+        cache: list = []
+
+        def probs(c0: int, c1: int) -> paddle.Tensor:
+            with paddle.no_grad():
+                if not cache:
+                    q_lat, kv_lat, _ = self._latent_qk(q_latent, c, k_rot, rope)
+                    cache.extend([q_lat.astype("float32"), kv_lat.astype("float32")])
+                q_lat, kv_lat = cache
+                B, _, H, D = q_lat.shape
+                C, T = c1 - c0, kv_lat.shape[1]
+                s = paddle.matmul(q_lat[:, c0:c1].reshape([B, C * H, D]), kv_lat, transpose_y=True)
+                s = s.reshape([B, C, H, T]) * self.core_attention.scale
+                valid = key_validity(paddle.to_tensor(np.asarray(positions[c0:c1])), T, pad)  # [B|1, C, T]
+                valid = valid.unsqueeze(2).expand([B, C, H, T])
+                p = nn.functional.softmax(paddle.where(valid, s, paddle.full_like(s, float("-inf"))), axis=-1)
+                p = paddle.where(valid, p, paddle.zeros_like(p)).sum(2)  # [B, C, T]: a query without keys gets 0
+                if self.tp > 1:
+                    p = comm.all_reduce(p, self.tp_group)
+                return p / self.total_heads
+
+        return probs
 
     # ------------------------------------------------------------------ decoding
     def forward_decode(

@@ -11,6 +11,7 @@ from ..parallel.layers import mark_sequence_parallel
 from ..parallel.topology import Topology
 from .attention import MLAttention
 from .cache import LayerCache
+from .indexer_training import IndexerRecord
 from .moe import MoE, SwiGLUMLP
 from .norms import RMSNorm
 
@@ -38,8 +39,9 @@ class DecoderLayer(nn.Layer):
         prev_topk: paddle.Tensor | None,
         reuse_topk: bool = False,
         cache: LayerCache | None = None,
-    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
-        """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], indexer KL loss or None).
+    ) -> tuple[paddle.Tensor, paddle.Tensor, IndexerRecord | None]:
+        """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], the indexer-training record
+        of its attention or None: modeling/indexer_training.py).
 
         With `cache`: an empty cache is filled by this (prefill) forward; a cache holding past
         tokens makes x the new tokens only, attended against the past (`MLAttention.forward_decode`).
@@ -48,14 +50,14 @@ class DecoderLayer(nn.Layer):
             x, topk = self.decode(x, cos, sin, key_padding, prev_topk, cache)
             return x, topk, None
         residual = x.astype("float32") if self.fp32_residual else x
-        h, topk, kl = self.self_attn(
+        h, topk, rec = self.self_attn(
             self.input_layernorm(x), cos, sin, key_padding, prev_topk, reuse_topk=reuse_topk, cache=cache
         )
         x = (residual + h.astype(residual.dtype)).astype(x.dtype)
         residual = x.astype("float32") if self.fp32_residual else x
         h = self.mlp(self.post_attention_layernorm(x))
         x = (residual + h.astype(residual.dtype)).astype(h.dtype)
-        return x, topk, kl
+        return x, topk, rec
 
     def decode(
         self,

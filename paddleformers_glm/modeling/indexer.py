@@ -242,3 +242,57 @@ class DSAIndexer(nn.Layer):
         rows = valid.any(axis=-1).astype("float32")
         n = rows.sum() if total is None else total(rows.sum())
         return (kl * rows).sum() / paddle.clip(n, min=1.0)
+
+    def dense_kl_loss(
+        self,
+        x: paddle.Tensor,
+        q_latent: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        target_probs: paddle.Tensor,
+        key_padding: paddle.Tensor | None,
+        *,
+        positions: np.ndarray | None = None,
+        all_keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+    ) -> paddle.Tensor:
+        """KL(target || softmax(index scores)) over *every* key a query sees (the dense warm-up),
+        mean over the queries that see any.
+
+        ``target_probs`` [B, S, T]: per key, the main attention summed over heads and L1-normalised
+        (0 on keys the query does not see). The index scores of a chunk of queries are one GEMM
+        against the keys up to the chunk's last position (as the selection scores them), so the
+        scores are never [S, T] at once; inputs are detached (only the indexer's parameters get a
+        gradient). ``positions``, ``all_keys`` and ``total`` as in :meth:`forward` and :meth:`kl_loss`
+        (context parallel: this rank's queries over every rank's keys)."""
+        q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
+        if all_keys is not None:
+            k = all_keys(k)  # [B, T, Di]
+        B, S, Hi, Di = q.shape
+        pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
+        T = k.shape[1]
+        chunk = max(1, min(S, self.chunk_size, max(16, CHUNK_BYTES // 4 // (Hi * T))))
+        pad = None if key_padding is None else key_padding.astype("bool")
+        p_all = target_probs.detach().astype("float32")
+        kl_sum, row_sum = None, None
+        breaks = [0] + [r for r in range(1, S) if pos[r] != pos[r - 1] + 1] + [S]
+        for lo, hi in zip(breaks, breaks[1:]):
+            for c0 in range(lo, hi, chunk):
+                c1 = min(hi, c0 + chunk)
+                C, kend = c1 - c0, int(pos[c1 - 1]) + 1
+                s = paddle.matmul(q[:, c0:c1].reshape([B, C * Hi, Di]), k[:, :kend], transpose_y=True)
+                s = nn.functional.relu(s).reshape([B * C, Hi, kend])  # [B*C, Hi, kend]
+                wc = (w[:, c0:c1] * self.softmax_scale).reshape([B * C, 1, Hi])
+                scores = paddle.matmul(wc, s).reshape([B, C, kend])  # index scores, with gradient
+                qpos = paddle.to_tensor(pos[c0:c1])
+                valid = key_validity(qpos, kend, pad).expand([B, C, kend])
+                log_q = nn.functional.log_softmax(paddle.where(valid, scores, paddle.full_like(scores, -1e30)), -1)
+                p = p_all[:, c0:c1, :kend]
+                log_p = paddle.log(paddle.clip(p, min=1e-30))
+                kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)  # [B, C]
+                rows = valid.any(axis=-1).astype("float32")
+                part, n = (kl * rows).sum(), rows.sum()
+                kl_sum = part if kl_sum is None else kl_sum + part
+                row_sum = n if row_sum is None else row_sum + n
+        n = row_sum if total is None else total(row_sum)
+        return kl_sum / paddle.clip(n, min=1.0)

@@ -19,6 +19,7 @@ official HF names with Paddle's AOA engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,6 +47,18 @@ from ..parallel.topology import Topology
 from .attention_forms import FORMS, SelectionCache
 from .cache import DSACache, LayerCache
 from .decoder import DecoderLayer
+from .indexer_training import (
+    IndexerRecord,
+    IndexerRun,
+    IndexerTerms,
+    IndexerTraining,
+    indexer_terms,
+    kl_term,
+    own_indexer_layers,
+    recall_term,
+    trains_in_warmup,
+)
+from .moe import frozen_training_forward
 from .mtp import MTPLayer
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -64,6 +77,7 @@ class CausalLMOutput:
     mtp_logits: list[paddle.Tensor] = field(default_factory=list)  # per depth [B, S, V]
     indexer_loss: paddle.Tensor | None = None  # sum of per-layer indexer KL losses, unscaled
     last_hidden_state: paddle.Tensor | None = None  # after the final norm
+    indexer_recall: paddle.Tensor | None = None  # mean over the indexer layers of the top-k recall
 
     def keys(self) -> list[str]:
         """Names of the fields that are set (None and empty lists are not)."""
@@ -133,13 +147,14 @@ def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1)
 def causal_lm_losses(
     logits: Sequence[paddle.Tensor],
     batch: Mapping[str, paddle.Tensor],
-    indexer_kls: Sequence[paddle.Tensor],
+    indexer: IndexerTerms | None,
     vocab_parallel: bool,
     group: Any = None,
 ) -> dict[str, LossTerm]:
     """The model's one loss function: ``lm`` (``logits[0]``: position i predicts labels[i + 1]),
-    ``mtp_<d>`` (``logits[d]``, MTP depth d: labels[i + d + 1]) and ``indexer_kl`` (the sum of the
-    layers' indexer KL losses, one term per micro-batch).
+    ``mtp_<d>`` (``logits[d]``, MTP depth d: labels[i + d + 1]) and, from the indexer's training,
+    ``indexer_kl`` (the sum of the layers' indexer KL losses, one term per micro-batch) and per layer
+    ``indexer_kl@<id>`` (its KL, detached: a report) and ``indexer_recall@<id>`` (its top-k recall).
 
     Under context parallel the batch carries each shift's targets already shifted over the whole
     sequence and sliced to this rank (``cp_target_<shift>``, parallel/context.py)."""
@@ -149,8 +164,11 @@ def causal_lm_losses(
         if target is None:
             target = shift_labels(batch["labels"], d + 1)
         losses["lm" if d == 0 else f"mtp_{d}"] = token_loss(lg, target, vocab_parallel, group)
-    if indexer_kls:
-        losses["indexer_kl"] = LossTerm(paddle.add_n(list(indexer_kls)), 1)
+    if indexer:
+        losses["indexer_kl"] = LossTerm(indexer.kl_sum(), 1)
+        for i in sorted(indexer.kl):
+            losses[kl_term(i)] = LossTerm(indexer.kl[i].detach(), 1)
+            losses[recall_term(i)] = LossTerm(indexer.recall[i], 1)
     return losses
 
 
@@ -188,14 +206,17 @@ def build_layer(config: GlmMoeDsaConfig, index: int, topo: Topology) -> DecoderL
     )
 
 
-def share_selections(layers: Iterator[DecoderLayer | MTPLayer]) -> SelectionCache:
+def share_selections(layers: Iterator[DecoderLayer | MTPLayer]) -> tuple[SelectionCache, IndexerRun]:
     """One cache of top-k index forms for all `layers` (a shared layer reuses its full layer's
-    top-k, so its forms are built once); the model releases it at the end of each forward."""
-    shared = SelectionCache()
+    top-k, so its forms are built once) and one indexer-training state (the stage, the warm-up's
+    dense selection); the model releases both at the end of each forward."""
+    shared, run = SelectionCache(), None
     for layer in layers:
         block = layer.transformer_layer if isinstance(layer, MTPLayer) else layer
+        run = run or IndexerRun(block.self_attn.indexer_run.training)
         block.self_attn.selections = shared
-    return shared
+        block.self_attn.indexer_run = run
+    return shared, run or IndexerRun()
 
 
 class Layers(nn.LayerDict):
@@ -232,7 +253,7 @@ class GlmMoeDsaModel(nn.Layer):
             self.embedding = Embedding(config, topo)
         self.layers = Layers({str(i): build_layer(config, i, topo) for i in ids})
         self.layer_ids = ids
-        self.selections = share_selections(self.layers.values())
+        self.selections, self.indexer_run = share_selections(self.layers.values())
         if norm:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             mark_sequence_parallel(self.norm, enabled=topo.sequence_parallel)
@@ -263,19 +284,20 @@ class GlmMoeDsaModel(nn.Layer):
         *,
         caches: Sequence[LayerCache] | None = None,
         recompute: str = "none",
-    ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor]]:
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[tuple[int, IndexerRecord]]]:
         """Decoder layers ``layer_ids`` in turn: hidden [B, S, H] and the top-k in effect flow from
         layer to layer (``topk``: the one carried from the stage before, None on the first).
-        -> (hidden, top-k, indexer KL losses). ``caches``: the decoding cache of every decoder layer."""
-        kls = []
+        -> (hidden, top-k, (layer id, indexer-training record) of each layer that left one).
+        ``caches``: the decoding cache of every decoder layer."""
+        records = []
         for i in layer_ids:
             if caches is not None:
-                hidden, topk, kl = self.layers[i](hidden, cos, sin, key_padding, topk, cache=caches[i])
+                hidden, topk, rec = self.layers[i](hidden, cos, sin, key_padding, topk, cache=caches[i])
             else:
-                hidden, topk, kl = run_layer(self.layers[i], hidden, cos, sin, key_padding, topk, mode=recompute)
-            if kl is not None:
-                kls.append(kl)
-        return hidden, topk, kls
+                hidden, topk, rec = run_layer(self.layers[i], hidden, cos, sin, key_padding, topk, mode=recompute)
+            if rec is not None:
+                records.append((i, rec))
+        return hidden, topk, records
 
     def forward(
         self,
@@ -286,9 +308,11 @@ class GlmMoeDsaModel(nn.Layer):
         """-> (final-normed hidden [B, S, H], top-k of the last decoder layer, indexer KL losses)."""
         cos, sin = self.rope(input_ids, position_ids)
         ids = [i for i in self.layer_ids if i < self.config.num_hidden_layers]
-        hidden, topk, kls = self.run_layers(ids, self.embedding(input_ids), cos, sin, attention_mask, None)
+        hidden, topk, records = self.run_layers(ids, self.embedding(input_ids), cos, sin, attention_mask, None)
+        terms = indexer_terms(records, self.indexer_run.training)
         self.selections.release()
-        return self.norm(hidden), topk, kls
+        self.indexer_run.release()
+        return self.norm(hidden), topk, [terms.kl[i] for i in sorted(terms.kl)]
 
 
 def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its callers
@@ -474,6 +498,33 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     # ------------------------------------------------------------------ the usual model API
+    @property
+    def indexer_training(self) -> IndexerTraining:
+        """How training forwards train the DSA indexer (default: the sparse stage when the config's
+        ``indexer_loss_coeff`` > 0, else none); see :meth:`set_indexer_training`."""
+        return self.model.indexer_run.training
+
+    @property
+    def carry_takes_gradient(self) -> bool:
+        """Whether the hidden states a pipeline stage hands on take a gradient: not while every
+        parameter that makes them is frozen (the indexer's warm-up; parallel/fleet_pipeline.py)."""
+        return not self.indexer_training.dense
+
+    def set_indexer_training(self, training: IndexerTraining | str) -> None:
+        """Train the indexer in ``training``'s stage (modeling/indexer_training.py): ``"warmup"``
+        attends densely and freezes every parameter but the indexers that run (``stop_gradient``: no
+        gradient, and the trainer's optimizer holds no state for them; an MTP layer that reuses the
+        main model's top-k keeps its indexer frozen); ``"sparse"`` and ``"none"``
+        leave every parameter trainable.  Training forwards (``model.train()``) then leave the
+        indexer's KL and top-k recall per layer (``forward_stage``'s ``indexer_*`` loss terms,
+        ``out.indexer_loss`` / ``out.indexer_recall``)."""
+        if isinstance(training, str):
+            training = IndexerTraining(training)
+        self.model.indexer_run.training = training
+        own = own_indexer_layers(self.config)
+        for name, p in self.named_parameters():
+            p.stop_gradient = training.dense and not trains_in_warmup(name, own)
+
     def set_attn_implementation(self, name: str) -> None:
         """Pick the attention form for the following forwards (transformers' name): "auto" (by
         size), "reference", "dense", "sparse" or "latent" (see modeling/attention_forms.py). It is
@@ -518,38 +569,47 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         *,
         caches: Sequence[LayerCache] | None = None,
         with_mtp: bool = True,
-    ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[paddle.Tensor], list[paddle.Tensor]]:
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None, IndexerTerms, list[paddle.Tensor]]:
         """The one body every path runs, over ``part`` of the model (its layers, and the embedding,
         head and MTP where ``part`` has them): -> (hidden [B, S, H], final-normed on a part with
-        the head; the top-k in effect; indexer KL losses; per MTP depth d the normed hidden state
-        that predicts token i + d + 1).
+        the head; the top-k in effect; the indexer's losses (a training forward with an indexer
+        stage: modeling/indexer_training.py, taken once every layer reusing a top-k has run); per
+        MTP depth d the normed hidden state that predicts token i + d + 1).
 
         ``hidden`` / ``topk``: the carry from the stage before (or the caller's embeddings);
         ``batch``: ``input_ids``, ``attention_mask`` (key padding) and, under context parallel,
         ``cp_ids_<d>`` (the ids shifted by d over the whole sequence) for MTP."""
-        mask = batch.get("attention_mask")
-        if part.has_embedding and hidden is None:
-            hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
-        hidden, topk, kls = self.model.run_layers(
-            part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute
-        )
-        mtp_hidden: list[paddle.Tensor] = []
-        if part.has_head:
-            hidden = self.model.norm(hidden)
-            if part.has_mtp and with_mtp:
-                ids = batch["input_ids"]
-                B, S = ids.shape
-                h = hidden
-                for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
-                    shifted = batch.get(f"cp_ids_{d}")
-                    if shifted is None:
-                        shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[:, :S]
-                    h, _, kl = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
-                    if kl is not None:
-                        kls.append(kl)
-                    mtp_hidden.append(mtp.norm(h))
+        # the indexer's warm-up: every layer is frozen, so they record no graph (the indexers' KL,
+        # taken below from the layers' detached records, is the step's only graph)
+        frozen = self.training and self.indexer_training.dense
+        with frozen_training_forward() if frozen else contextlib.nullcontext():  # routers still count
+            mask = batch.get("attention_mask")
+            if part.has_embedding and hidden is None:
+                hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
+            hidden, topk, records = self.model.run_layers(
+                part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute
+            )
+            mtp_hidden: list[paddle.Tensor] = []
+            if part.has_head:
+                hidden = self.model.norm(hidden)
+                if part.has_mtp and with_mtp:
+                    ids = batch["input_ids"]
+                    B, S = ids.shape
+                    h = hidden
+                    for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
+                        shifted = batch.get(f"cp_ids_{d}")
+                        if shifted is None:
+                            shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[
+                                :, :S
+                            ]
+                        h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
+                        if rec is not None:
+                            records.append((self.config.num_hidden_layers + d - 1, rec))
+                        mtp_hidden.append(mtp.norm(h))
+        terms = indexer_terms(records, self.model.indexer_run.training)
         self.model.selections.release()  # the top-k's index forms end with the forward
-        return hidden, topk, kls, mtp_hidden
+        self.model.indexer_run.release()
+        return hidden, topk, terms, mtp_hidden
 
     def forward_stage(
         self,
@@ -571,13 +631,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         if not spec.has_embedding:
             hidden, topk = carry
             topk = topk if topk.shape[-1] else None
-        hidden, topk, kls, mtp_hidden = self._run(spec, batch, hidden, topk, cos, sin)
+        hidden, topk, terms, mtp_hidden = self._run(spec, batch, hidden, topk, cos, sin)
         if not spec.has_head:
             empty = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
-            losses = causal_lm_losses([], batch, kls, True)
+            losses = causal_lm_losses([], batch, terms, True)
             return StageOutput(carry=(hidden, topk if topk is not None else empty), losses=losses or None)
         logits = [self.lm_head(h) for h in [hidden, *mtp_hidden]]  # vocab-parallel [B, S, V/tp]
-        return StageOutput(losses=causal_lm_losses(logits, batch, kls, True, self.tp_group))
+        return StageOutput(losses=causal_lm_losses(logits, batch, terms, True, self.tp_group))
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Full-vocabulary logits [B, S, V] (the vocab-parallel ones gathered over TP)."""
@@ -616,7 +676,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             cos, sin = self.model.rotary_emb(positions if position_ids is None else position_ids)
             if cache.length > 0:  # new tokens against the cache: padding marked per cached slot
                 batch["attention_mask"] = key_valid
-            hidden, _, kls, mtp_hidden = self._run(
+            hidden, _, terms, mtp_hidden = self._run(
                 self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=False
             )
             cache.advance(n)
@@ -626,19 +686,20 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             if compute_mtp and self.model.mtp_layers and input_ids is None:
                 raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
-            hidden, _, kls, mtp_hidden = self._run(
+            hidden, _, terms, mtp_hidden = self._run(
                 self.stage, batch, inputs_embeds, None, cos, sin, with_mtp=compute_mtp
             )
         keep = hidden[:, -logits_to_keep:] if cache is not None and logits_to_keep and labels is None else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
         out.mtp_logits = [self.logits(h) for h in mtp_hidden]
-        terms = causal_lm_losses([out.logits, *out.mtp_logits] if labels is not None else [], batch, kls, False)
-        if "indexer_kl" in terms:
-            out.indexer_loss = terms["indexer_kl"].sum
+        losses = causal_lm_losses([out.logits, *out.mtp_logits] if labels is not None else [], batch, terms, False)
+        if "indexer_kl" in losses:
+            out.indexer_loss = losses["indexer_kl"].sum
+            out.indexer_recall = paddle.add_n([terms.recall[i] for i in sorted(terms.recall)]) / len(terms.recall)
         if labels is not None:
-            out.loss = mean_loss(terms["lm"])
+            out.loss = mean_loss(losses["lm"])
             if out.mtp_logits:
-                depth_losses = [mean_loss(terms[f"mtp_{d}"]) for d in range(1, len(out.mtp_logits) + 1)]
+                depth_losses = [mean_loss(losses[f"mtp_{d}"]) for d in range(1, len(out.mtp_logits) + 1)]
                 out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
             if add_mtp_loss:
                 total = out.loss
@@ -654,7 +715,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
         # cannot call their methods
         fields_ = (out.loss, out.logits, out.past_key_values, out.mtp_loss, out.mtp_logits or None)
-        fields_ += (out.indexer_loss, out.last_hidden_state)
+        fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
 
     # ------------------------------------------------------------------ decoding

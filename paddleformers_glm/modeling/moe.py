@@ -20,6 +20,9 @@ ascending expert order per token, as HF's per-expert `index_add_` adds them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
@@ -131,6 +134,23 @@ class _AuxLossGrad(PyLayer):
         return dw, paddle.full(ctx.shape, ctx.scale, dtype=ctx.dtype)
 
 
+_FROZEN_TRAINING_FORWARDS = [0]
+
+
+@contextlib.contextmanager
+def frozen_training_forward() -> Iterator[None]:
+    """A training forward run under ``no_grad`` because every weight it touches is frozen (the
+    indexer's dense warm-up): the routers still count their load.  Elsewhere a training forward
+    without gradients is the first pass of a recomputed layer, which the routers skip (its
+    re-forward in the backward counts the tokens once)."""
+    _FROZEN_TRAINING_FORWARDS[0] += 1
+    try:
+        with paddle.no_grad():
+            yield
+    finally:
+        _FROZEN_TRAINING_FORWARDS[0] -= 1
+
+
 class RouterBalance:
     """A router's training-time balancing state, kept out of the state dict.
 
@@ -222,7 +242,7 @@ class TopkRouter(nn.Layer):
             self.norm_topk_prob,
             self.scaling,
         )
-        if self.training and paddle.is_grad_enabled():
+        if self.training and (paddle.is_grad_enabled() or _FROZEN_TRAINING_FORWARDS[0]):
             weights = self.balance.track(scores, expert_ids, weights, batch_shape)
         return logits, weights, expert_ids
 

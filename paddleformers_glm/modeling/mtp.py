@@ -22,6 +22,7 @@ from ..parallel.layers import mark_sequence_parallel
 from ..parallel.topology import Topology
 from .cache import LayerCache
 from .decoder import DecoderLayer
+from .indexer_training import IndexerRecord
 from .norms import RMSNorm
 
 
@@ -48,8 +49,8 @@ class MTPLayer(nn.Layer):
         key_padding: paddle.Tensor | None,
         main_topk: paddle.Tensor | None,
         cache: LayerCache | None = None,
-    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
-        """-> (h_d [B, S, H] before `norm`, top-k used, indexer KL loss or None). ``cache``: the
+    ) -> tuple[paddle.Tensor, paddle.Tensor, IndexerRecord | None]:
+        """-> (h_d [B, S, H] before `norm`, top-k used, its attention's indexer-training record or None). ``cache``: the
         layer's own decoding cache (speculative decoding drafts with it; it runs its own indexer)."""
         x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
         reuse = self.share_topk and main_topk is not None

@@ -97,30 +97,50 @@ class PipelineChunk(nn.Layer):
     Input: the tuple from the previous chunk (micro-batch tensors, then the carry), or on the
     first chunk the micro-batch tensors alone.  Output: the same tuple with the new carry, or
     on the last chunk the micro-batch objective (a scalar).
+
+    ``grad_anchor``: the stage's carry takes no gradient (its module says so with
+    ``carry_takes_gradient``: a frozen backbone, the indexer's warm-up), so Fleet would have nothing to
+    backpropagate between stages, yet a chunk's own loss terms (its indexers' KL) must be.  The
+    carry then ends with an anchor, a float [1] that takes a gradient: each chunk ties its objective
+    to it (:class:`_AttachObjective`) and the last adds ``0 x anchor`` to its own, so Fleet's
+    backward runs through every chunk, carrying one number per micro-batch, and no chunk records
+    a graph through its frozen layers.
     """
 
-    def __init__(self, stage: nn.Layer, spec: StageSpec, ledger: LossLedger) -> None:
+    def __init__(self, stage: nn.Layer, spec: StageSpec, ledger: LossLedger, grad_anchor: bool = False) -> None:
         super().__init__()
         self.stage, self.spec = stage, spec
         self._ledger = ledger
+        self.grad_anchor = grad_anchor
 
     def forward(self, x: Any) -> Any:
         x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
         keys = self._ledger.batch_keys
         batch = dict(zip(keys, x[: len(keys)]))
-        carry = tuple(x[len(keys) :]) or None
+        rest, anchor = x[len(keys) :], None
+        if self.grad_anchor and not self.spec.has_embedding:
+            rest, anchor = rest[:-1], rest[-1]
+        carry = tuple(rest) or None
         last = self.spec.is_last
         where = f"pipeline chunk {self.spec.stage}"
         out = self.stage.forward_stage(None if self.spec.has_embedding else carry, batch, part=self.spec)
         out = _normalise_output(out, last, self.spec.stage)
         objective = self._ledger.objective(out.losses or {}, where)
         if last:
+            if anchor is not None:  # the backward reaches every chunk's objective through the anchor
+                objective = anchor.sum() * 0.0 if objective is None else objective + anchor.sum() * 0.0
             return objective
         # Fleet frees the data of what a stage sends; never send (and so free) one of our inputs, nor
         # a tensor without gradient (the top-k a shared layer passes through is also the saved input
         # of that layer's recompute replay).
         carry_out = [t.clone() if t.stop_gradient or any(t is i for i in x) else t for t in out.carry]
-        if objective is not None:
+        if self.grad_anchor:  # the objective rides on the anchor, which chains every chunk's
+            if anchor is None:
+                anchor = paddle.zeros([1], dtype="float32")
+                anchor.stop_gradient = False
+            trains = objective is not None and not objective.stop_gradient
+            carry_out.append(_AttachObjective.apply(anchor, objective) if trains else anchor.clone())
+        elif objective is not None:
             k = next((j for j, t in enumerate(carry_out) if not t.stop_gradient), None)
             if k is None:
                 raise RuntimeError(f"{where}: a loss term but no carry tensor that takes a gradient to attach it to")
@@ -170,8 +190,15 @@ class FleetPipeline:
         self.topo, self.num_micro = topo, num_micro
         self.ledger = LossLedger()
         n = len(chunks)
+        anchor = not getattr(stage, "carry_takes_gradient", True)
         descs = [
-            LayerDesc(PipelineChunk, stage=stage, spec=replace(c, stage=i, num_stages=n), ledger=self.ledger)
+            LayerDesc(
+                PipelineChunk,
+                stage=stage,
+                spec=replace(c, stage=i, num_stages=n),
+                ledger=self.ledger,
+                grad_anchor=anchor,
+            )
             for i, c in enumerate(chunks)
         ]
         layer = _sync_point_layer_class()(

@@ -1,6 +1,6 @@
 """``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
 
-It runs tools/reference_train.py (HF transformers + torch MTP, torch AdamW, one process) and
+It runs the torch reference (``parity/reference/train.py``: HF transformers + torch MTP, torch AdamW, one process) and
 ``glm52 train`` in any layout (default the headline TP2 x PP2 + SP) on the same checkpoint, data
 and hyper-parameters, both dumping their full state after each ``--dump-step`` update (default
 1, 2 and 3: an expert idle at step 2 after tokens at step 1 shows only from step 2 on) and after
@@ -45,6 +45,7 @@ from .._io import write_json_atomic
 __all__ = [
     "compare_dumps",
     "compare_idle_experts",
+    "compare_indexer",
     "explain_jump",
     "first_difference",
     "near_ties",
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_SCRIPT = ROOT / "tools" / "reference_train.py"
+REFERENCE_MODULE = "paddleformers_glm.parity.reference.train"
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 # defaults; docs/parity.md says why each is what it is and what was measured
@@ -89,7 +90,10 @@ TRAIN_FLAGS = (
     ("moe_bias_update_rate", float, 0.0),
     ("data", str, None),
     ("dtype", str, "float32"),  # bfloat16: both runs in bf16 with fp32 master weights (docs/parity.md: drift)
+    ("indexer_stage", str, None),  # none | warmup | sparse (docs/indexer.md); None: the checkpoint's default
+    ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
 )
+INDEXER_STAGES = ("none", "warmup", "sparse")
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -220,7 +224,8 @@ def explain_jump(jump: dict[str, Any], margins: list[dict[str, Any]]) -> dict[st
         nonzero = {
             cat: m["min_nonzero"]
             for cat, m in margins[step].items()
-            if math.isfinite(m.get("min_nonzero", math.inf))  # inf: every margin was an exact tie
+            # inf (null in strict JSON): every margin was an exact tie
+            if m.get("min_nonzero") is not None and math.isfinite(m["min_nonzero"])
         }
         if nonzero:
             jump["reference_min_nonzero_gaps"] = nonzero
@@ -231,6 +236,43 @@ def _idle(doc: dict[str, Any]) -> list[dict[str, list[int]]] | None:
     """Per step, MoE layer -> the experts no token reached (loss.json's ``expert_load.idle_experts``)."""
     load = doc.get("expert_load") or {}
     return load.get("idle_experts")
+
+
+def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol: float) -> dict[str, Any] | None:
+    """The indexer's per-layer top-k recall and KL, step by step (loss.json's ``indexer`` block; None
+    when neither run trained the indexer): the mean recall as a curve (``consistent_steps`` as for
+    the losses), and per layer the largest |difference| of its recall and of its KL over the run,
+    each within ``atol``.  Both sides must report the same stage and layers."""
+    from .loss_check import compare_losses
+
+    a, b = ref.get("indexer"), cand.get("indexer")
+    if not a and not b:
+        return None
+    if not a or not b or a.get("stage") == "none":
+        return {
+            "pass": False,
+            "reason": "only one run trained the indexer",
+            "consistent_steps": 0,
+            "max_diff": math.inf,
+            "jumps": [],
+        }
+    c = compare_losses(b["mean_recall"], a["mean_recall"], steps=steps, atol=atol)
+    c.update(stage={"reference": a["stage"], "paddle": b["stage"]}, layers=a["layers"], jumps=[])
+    same = a["stage"] == b["stage"] and a["layers"] == b["layers"]
+    per_layer = {}
+    if same:
+        for j, layer in enumerate(a["layers"]):
+            n = min(len(a["recall"]), len(b["recall"]), steps)
+            per_layer[str(layer)] = {
+                "recall_max_diff": max((abs(a["recall"][s][j] - b["recall"][s][j]) for s in range(n)), default=0.0),
+                "kl_max_diff": max((abs(a["kl"][s][j] - b["kl"][s][j]) for s in range(n)), default=0.0),
+                "recall_first": a["recall"][0][j] if n else None,
+                "recall_last": a["recall"][n - 1][j] if n else None,
+            }
+    c["per_layer"] = per_layer
+    worst = max((max(v["recall_max_diff"], v["kl_max_diff"]) for v in per_layer.values()), default=0.0)
+    c["pass"] = same and c["enough_steps"] and c["consistent_steps"] == steps and worst <= atol
+    return c
 
 
 def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any] | None:
@@ -300,6 +342,8 @@ def _train_args(args: argparse.Namespace) -> list[str]:
         v = getattr(args, name)
         if v is not None:
             out += [f"--{name.replace('_', '-')}", str(v)]
+    if args.indexer_shared_supervision:
+        out.append("--indexer-shared-supervision")
     return out
 
 
@@ -314,6 +358,19 @@ def _run(cmd: list[str], log: str, env: dict[str, str], timeout: float | None) -
             f.write(f"\n[glm52 align] stopped after {timeout} s\n")
             rc = 124
     return rc, time.monotonic() - t0
+
+
+def _missing_reference_extra() -> str | None:
+    """One line naming the ``reference`` extra when torch or transformers is not installed."""
+    import importlib.util
+
+    absent = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return (
+        f"the torch reference needs the reference extra ({' and '.join(absent)} not installed): "
+        "pip install 'paddleformers_glm[reference]'"
+    )
 
 
 def _tail(path: str, n: int = 15) -> str:
@@ -338,11 +395,9 @@ def run_align(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"glm52 align: error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
-    if not REFERENCE_SCRIPT.is_file():
-        print(
-            f"glm52 align: error: the reference script {REFERENCE_SCRIPT} is missing (a source checkout has it)",
-            file=sys.stderr,
-        )
+    missing = None if args.no_run else _missing_reference_extra()  # --no-run compares finished runs only
+    if missing:
+        print(f"glm52 align: error: {missing}", file=sys.stderr)
         return 2
     N = args.steps
     dump_steps = sorted({int(k) for k in (args.dump_step or DUMP_STEPS) if 1 <= int(k) <= N})
@@ -352,7 +407,6 @@ def run_align(args: argparse.Namespace) -> int:
         return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     common = _train_args(args)
     layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--ep", str(args.ep)]
     layout += ["--etp", str(args.etp), "--cp", str(args.cp), "--vpp", str(args.vpp)]
@@ -361,7 +415,7 @@ def run_align(args: argparse.Namespace) -> int:
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
     runs = {
-        "reference": [sys.executable, str(REFERENCE_SCRIPT), *common, "--out", ref_out]
+        "reference": [sys.executable, "-m", REFERENCE_MODULE, *common, "--out", ref_out]
         + [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(ref_out, f"dump_{k}"), str(s))],
         "paddle": [sys.executable, "-m", "paddleformers_glm.cli", "train", *common, *layout, "--out", pd_out]
         + ["--no-progress"]
@@ -378,7 +432,9 @@ def run_align(args: argparse.Namespace) -> int:
         "runs": {},
         "comparisons": {},
     }
-    verdict["training"]["indexer_loss_coeff"] = _indexer_loss_coeff(args.model)
+    if args.indexer_loss_coeff is None:
+        verdict["training"]["indexer_loss_coeff"] = _indexer_loss_coeff(args.model)
+    verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
     model_files = sorted(
         f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
     )
@@ -435,6 +491,9 @@ def run_align(args: argparse.Namespace) -> int:
         except ImportError as e:  # the plot extra is optional; the numbers are the verdict
             c["plot"] = f"not drawn: {e}"
         comps[key] = c
+    indexer = compare_indexer(ref_doc, pd_doc, N, args.loss_atol)
+    if indexer is not None:
+        comps["indexer_recall"] = indexer
     idle = compare_idle_experts(ref_doc, pd_doc)
     if idle is not None:
         comps["idle_experts"] = idle
@@ -561,7 +620,7 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "align",
         help="train with Paddle and with the torch reference, prove they agree (losses, grads, moments, weights)",
-        description="Runs tools/reference_train.py and glm52 train on the same checkpoint and data, compares "
+        description="Runs the torch reference (python -m paddleformers_glm.parity.reference.train) and glm52 train on the same checkpoint and data, compares "
         "losses, MTP losses, step-1 gradients / AdamW moments / weights and the final weights, writes OUT/receipt/.",
     )
     p.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
@@ -586,8 +645,13 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     )
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
-        choices = ("float32", "bfloat16") if name == "dtype" else None
+        choices = {"dtype": ("float32", "bfloat16"), "indexer_stage": INDEXER_STAGES}.get(name)
         g.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, choices=choices)
+    g.add_argument(
+        "--indexer-shared-supervision",
+        action="store_true",
+        help="both runs: a full layer's indexer target averages the shared layers reusing its top-k (docs/indexer.md)",
+    )
     g.add_argument(
         "--dump-step",
         type=int,

@@ -79,6 +79,19 @@ class ModelAdapter:
     def loss_specs(self) -> dict[str, LossSpec]:
         raise NotImplementedError
 
+    def set_indexer_training(
+        self, stage: str | None, loss_coeff: float | None = None, shared_supervision: bool = False
+    ) -> None:
+        """``--indexer-stage`` / ``--indexer-loss-coeff`` / ``--indexer-shared-supervision`` (train/indexer_stage.py);
+        called before :meth:`loss_specs` and :meth:`build_stage`. A model without a DSA indexer takes
+        none of them."""
+        if stage not in (None, "none") or loss_coeff is not None or shared_supervision:
+            raise ValueError(f"--indexer-stage {stage}: the {self.name} model has no DSA indexer to train")
+
+    def indexer_info(self) -> dict[str, Any] | None:
+        """The run's indexer training for loss.json (stage, loss weight, layers), or None."""
+        return None
+
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         """The module of one pipeline stage; its parameter names must equal the full model's.
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRAIN_DEFAULTS",
+    "add_indexer_arguments",
     "add_layout_arguments",
     "add_train_arguments",
     "check_inputs_before_launch",
@@ -74,6 +75,29 @@ def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> Non
     )
 
 
+INDEXER_STAGE_HELP = (
+    "how the DSA indexer trains (docs/indexer.md): warmup = dense attention, every parameter but the indexers "
+    "frozen, the dense KL alone; sparse = top-k attention, the whole model, plus --indexer-loss-coeff x the KL "
+    "over the selected keys; none = no indexer loss (default: sparse when the checkpoint's indexer_loss_coeff > 0)"
+)
+
+
+def add_indexer_arguments(g: Any) -> None:
+    """The indexer-training flags ``glm52 train`` and ``glm52 align`` share (train/indexer_stage.py)."""
+    g.add_argument("--indexer-stage", default=None, choices=["none", "warmup", "sparse"], help=INDEXER_STAGE_HELP)
+    g.add_argument(
+        "--indexer-loss-coeff",
+        type=float,
+        default=None,
+        help="the sparse stage's KL weight (default: the checkpoint's indexer_loss_coeff)",
+    )
+    g.add_argument(
+        "--indexer-shared-supervision",
+        action="store_true",
+        help="a full layer's indexer target also averages the attention of the shared layers reusing its top-k",
+    )
+
+
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument(
@@ -115,6 +139,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=0,
         help="skip up to N steps whose loss or grad norm is not finite (no update); the next one stops the run",
     )
+    add_indexer_arguments(g)
     g.add_argument(
         "--recompute",
         default="none",
@@ -237,6 +262,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         expert_update=args.expert_update,
         skip_nonfinite_steps=args.skip_nonfinite_steps,
+        indexer_stage=args.indexer_stage,
+        indexer_loss_coeff=args.indexer_loss_coeff,
+        indexer_shared_supervision=args.indexer_shared_supervision,
         fault=args.fault,
         dump_steps=_dump_steps(args),
     )
@@ -332,7 +360,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
     from .launch import LaunchError, launch_workers
-    from .loop import check_batch, parallel_config, stage_specs
+    from .loop import check_batch, configure_indexer_training, parallel_config, stage_specs
 
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
@@ -341,7 +369,7 @@ def _run_train(args: argparse.Namespace) -> int:
         adapter = make_adapter(cfg.model, **cfg.model_args)
         pc.validate(world, **adapter.parallel_sizes())
         adapter.check_layout(pc)
-        stage_specs(cfg, adapter, pc.pp)
+        configure_indexer_training(cfg, adapter, stage_specs(cfg, adapter, pc.pp))
         check_batch(cfg, pc)
         if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
             raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")

@@ -7,7 +7,7 @@ After update K the trainer writes, in the checkpoint's official (HF) names and f
 * ``DIR/weights/``: the updated weights (the fp32 master copy when parameters are bf16).
 
 Each is a ``model.safetensors`` plus a byte copy of the model's ``config.json``, so ``glm52
-check-ckpt`` compares a dump with the torch reference's (tools/reference_train.py) and
+check-ckpt`` compares a dump with the torch reference's (paddleformers_glm/parity/reference/train.py) and
 ``glm52 align`` checks them against tolerances.  A tensor that gets no gradient (an indexer the
 loss does not reach, the router's correction bias, a buffer) is written as zeros in the gradient
 and moment dumps, the same convention the reference uses.
@@ -69,7 +69,8 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
 
 def _master_weight(opt: Any, name: str, param: paddle.Tensor) -> paddle.Tensor:
     if hasattr(opt, "master_weight"):
-        return opt.master_weight(name)
+        w = opt.master_weight(name)
+        return param if w is None else w  # a frozen parameter (the indexer's warm-up) is not the optimizer's
     inner = getattr(opt, "_inner_opt", opt)
     return getattr(inner, "_master_weights", {}).get(param.name, param)
 

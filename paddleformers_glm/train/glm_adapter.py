@@ -6,7 +6,8 @@ Every layout: tensor parallel (MLA heads, dense/shared-expert FFN and vocabulary
 indexer replicated), sequence parallel, expert parallel and expert tensor parallel (the modeling
 package builds its layers from ``parallel.layers`` / ``parallel.experts`` with the topology it
 is given), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
-on a shared indexer layer), data parallel, MTP and the indexer KL loss.  Each rank builds only
+on a shared indexer layer), data parallel, MTP and the indexer's training stages
+(train/indexer_stage.py).  Each rank builds only
 its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the checkpoint
 (``load_stage``): no rank ever holds a full-size model or tensor.
 """
@@ -25,6 +26,7 @@ import paddle.nn as nn
 from ..parallel.pipeline import StageSpec
 from ..parallel.topology import ParallelConfig, ParallelConfigError, Topology
 from .adapter import LossSpec, ModelAdapter
+from .indexer_stage import IndexerSettings, indexer_loss_specs
 
 __all__ = ["GlmAdapter", "check_glm_sizes", "glm_parallel_sizes"]
 
@@ -65,6 +67,7 @@ class GlmAdapter(ModelAdapter):
         self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
         c = self.config
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
+        self.indexer = IndexerSettings(c)  # the checkpoint's default until set_indexer_training
 
     def parallel_sizes(self) -> dict[str, int | None]:
         return glm_parallel_sizes(self.config)
@@ -75,16 +78,26 @@ class GlmAdapter(ModelAdapter):
     def layer_kinds(self) -> list[str]:
         return list(self.config.indexer_types)
 
+    def set_indexer_training(
+        self, stage: str | None, loss_coeff: float | None = None, shared_supervision: bool = False
+    ) -> None:
+        self.indexer = IndexerSettings(self.config, stage, loss_coeff, shared_supervision)
+
+    def indexer_info(self) -> dict[str, Any]:
+        return self.indexer.describe()
+
     def loss_specs(self) -> dict[str, LossSpec]:
+        """LM, each MTP depth, and the indexer's terms (train/indexer_stage.py); the indexer's
+        warm-up trains on its KL alone, the LM and MTP losses reported with weight 0."""
         c = self.config
-        specs = {"lm": LossSpec("tokens", shift=1, weight=1.0, report="losses")}
+        lm = 0.0 if self.indexer.stage == "warmup" else 1.0
+        specs = {"lm": LossSpec("tokens", shift=1, weight=lm, report="losses")}
         D = c.num_mtp_layers
         for d in range(1, D + 1):  # out.mtp_loss = mean over depths of each depth's token mean
             specs[f"mtp_{d}"] = LossSpec(
-                "tokens", shift=d + 1, weight=c.mtp_loss_scaling_factor / D, report="mtp_losses"
+                "tokens", shift=d + 1, weight=lm * c.mtp_loss_scaling_factor / D, report="mtp_losses"
             )
-        if c.indexer_loss_coeff > 0:
-            specs["indexer_kl"] = LossSpec("micro_batches", weight=c.indexer_loss_coeff, report="indexer_losses")
+        specs.update(indexer_loss_specs(self.indexer))
         return specs
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
@@ -92,7 +105,9 @@ class GlmAdapter(ModelAdapter):
         from ..modeling.model import GlmMoeDsaForCausalLM
 
         self.check_layout(topo.pc)
-        return GlmMoeDsaForCausalLM(self.config, self.dtype or paddle.get_default_dtype(), topology=topo, stage=spec)
+        model = GlmMoeDsaForCausalLM(self.config, self.dtype or paddle.get_default_dtype(), topology=topo, stage=spec)
+        model.set_indexer_training(self.indexer.training)  # the warm-up freezes all but the indexers
+        return model
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
         """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.

@@ -311,24 +311,25 @@ def diagnose(
                 f"rank {r} failed: {e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}",
                 "error",
             )
-    if stopped:  # 2
-        r = sorted(stopped)[0]
-        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then timed out waiting for it" if comm_ranks else ""
-        return Diagnosis(
-            r,
-            f"rank {r} was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering "
-            f"(seen by {stopped[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}",
+    lost_rules = (  # 2, then 3: a rank seen stopped or gone, named with who saw it and what its peers did
+        (
+            stopped,
             "stopped",
-        )
-    if died:  # 3
-        r = sorted(died)[0]
-        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer" if comm_ranks else ""
-        return Diagnosis(
-            r,
-            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory; "
-            f"seen gone by {died[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}",
+            "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering (seen by",
+            "timed out waiting for it",
+        ),
+        (
+            died,
             "died",
-        )
+            "died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory; seen gone by",
+            "lost their peer",
+        ),
+    )
+    for lost, kind, what, peers_then in lost_rules:
+        if lost:
+            r = min(lost)
+            tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then {peers_then}" if comm_ranks else ""
+            return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
     if stopped_by and stopped_by.get("kind") == "signal":  # 4
         return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
     progress = {r: _progress(beats.get(r)) for r in local_ranks}

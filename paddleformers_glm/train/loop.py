@@ -38,6 +38,7 @@ from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import micro_batches, open_data
+from .indexer_stage import INDEXER_STAGES, indexer_report, indexer_step_text, pop_indexer_history
 from .job_status import beat
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
@@ -94,6 +95,11 @@ class TrainConfig:
     moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
     expert_update: str = "fused"  # fused: every expert of a layer that routed a token | routed-only (grads.py)
     skip_nonfinite_steps: int = 0  # steps with a non-finite loss / grad norm skipped before the run stops
+    # the DSA indexer's training (train/indexer_stage.py): none | warmup | sparse (None: the checkpoint's
+    # default), the sparse stage's KL weight (None: the checkpoint's indexer_loss_coeff), shared-layer targets
+    indexer_stage: str | None = None
+    indexer_loss_coeff: float | None = None
+    indexer_shared_supervision: bool = False
     fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop|nan"
     dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
 
@@ -127,12 +133,15 @@ class TrainConfig:
             raise ValueError(f"--expert-update must be one of {', '.join(EXPERT_UPDATES)}, got {self.expert_update!r}")
         if int(self.skip_nonfinite_steps) < 0:
             raise ValueError(f"--skip-nonfinite-steps must be >= 0, got {self.skip_nonfinite_steps}")
+        if self.indexer_stage is not None and self.indexer_stage not in INDEXER_STAGES:
+            raise ValueError(f"--indexer-stage must be one of {', '.join(INDEXER_STAGES)}, got {self.indexer_stage!r}")
         check_finite_settings(self)
 
 
 # float settings that must be finite numbers and >= 0 (None allowed where marked)
 _NONNEGATIVE_FLOATS = (
     "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
+    "indexer_loss_coeff",
 )  # fmt: skip
 
 
@@ -140,7 +149,7 @@ def check_finite_settings(cfg: TrainConfig) -> None:
     """Every float setting is a finite number in its range (``--lr nan`` would train on NaN)."""
     for k in (*_NONNEGATIVE_FLOATS, "adam_beta1", "adam_beta2"):
         v = getattr(cfg, k)
-        if v is None and k == "min_lr":
+        if v is None and k in ("min_lr", "indexer_loss_coeff"):
             continue
         flag = f"--{k.replace('_', '-')}"
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -265,6 +274,29 @@ def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
         )
 
 
+def configure_indexer_training(cfg: TrainConfig, adapter: ModelAdapter, specs: list[Any]) -> None:
+    """Hand ``--indexer-*`` to the adapter and refuse what the stage cannot run: the warm-up freezes
+    the backbone (no router-bias updates nor balance loss); shared-layer supervision needs every
+    pipeline chunk to start on a full layer (a full layer's target includes the shared layers after
+    it, so they must run on its stage).  The launcher calls it too, before any process starts."""
+    adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
+    info = adapter.indexer_info() or {}
+    if info.get("stage") == "warmup" and (cfg.moe_bias_update_rate > 0 or cfg.moe_aux_loss_coeff > 0):
+        raise ValueError(
+            "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
+            "--moe-aux-loss-coeff must be 0"
+        )
+    kinds = adapter.layer_kinds()
+    if info.get("shared_supervision") and kinds is not None:
+        try:
+            validate_shared_layer_starts(specs, kinds, carry_topk=False)
+        except ParallelConfigError as e:
+            raise ParallelConfigError(
+                f"--indexer-shared-supervision: {e} (the shared layers that reuse a full layer's top-k must run on "
+                "its pipeline stage)"
+            ) from e
+
+
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
     """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
     cfg.validate()
@@ -285,6 +317,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
+    configure_indexer_training(cfg, adapter, specs)
     topo = init_topology(
         pc,
         accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
@@ -365,6 +398,9 @@ class _Run:
     opt_bytes: list[int] = field(default_factory=list)  # optimizer-state bytes of every rank
     skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss / grad norm
     last_checkpoint: str | None = None  # the newest resume state this run saved
+    indexer: dict[str, Any] | None = None  # the indexer's training (adapter.indexer_info()), or None
+    stage_start: int = 0  # steps done before this indexer stage began (its lr schedule starts there)
+    indexer_stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's first and last step
 
     @property
     def rank0(self) -> bool:
@@ -436,18 +472,26 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     layout = {**profile, "sharding": topo.pc.sharding}
     history: dict[str, list[float]] = {k: [] for k in report_keys}
     history.update(grad_norms=[], lrs=[])
-    start = 0
+    indexer = adapter.indexer_info()
+    stage = indexer["stage"] if indexer else None
+    start, stage_start, stages = 0, 0, []
     if cfg.resume:
-        meta = load_resume_state(cfg.resume, topo, module, opt, layout)
+        meta = load_resume_state(cfg.resume, topo, module, opt, layout, indexer_stage=stage)
         start = int(meta["step"])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
+        saved = meta.get("indexer") or {}
+        stages = [dict(st) for st in saved.get("stages", []) if st["first_step"] <= start]
+        for st in stages:
+            st["last_step"] = min(st["last_step"], start)
+        # a new stage starts its own learning-rate schedule (train/indexer_stage.py)
+        stage_start = int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else start
     check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
-    sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps)
+    sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps - stage_start)
     return _Run(
         cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,
-        profile, layout, history, start, sched, mult,
+        profile, layout, history, start, sched, mult, indexer=indexer, stage_start=stage_start, indexer_stages=stages,
     )  # fmt: skip
 
 
@@ -467,6 +511,14 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
     """loss.json's content after ``steps_done`` steps."""
     cfg = run.cfg
     out: dict[str, Any] = {k: run.history[k] for k in run.report_keys}
+    per_layer = pop_indexer_history(out)
+    for k in ("kl", "recall"):  # layers of an earlier stage's history this run no longer reports
+        for key, v in pop_indexer_history(dict(run.history))[k].items():
+            per_layer[k].setdefault(key, v)
+    if run.indexer is not None:
+        block = indexer_report(per_layer, run.history.get("indexer_steps", []), run.indexer_stages, run.indexer)
+        if block is not None:
+            out["indexer"] = block
     out.update(
         steps=steps_done,
         profile=run.profile,
@@ -523,7 +575,8 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     cfg, topo = run.cfg, run.topo
     poison = _maybe_fault(cfg.fault, topo.rank, step + 1)
     beat(step + 1, "data")
-    run.sched.step(step + 1)  # explicit step: Paddle's closed form, a pure function of the step
+    # explicit step: Paddle's closed form, a pure function of the step (counted from the indexer stage's start)
+    run.sched.step(step + 1 - run.stage_start)
     lr = float(run.sched())
     batch = run.data.global_batch(step, cfg.global_batch_size)
     n_micro_global = cfg.global_batch_size // cfg.micro_batch_size
@@ -589,6 +642,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     _record_losses(run, totals, norms)
     run.history["grad_norms"].append(gnorm)
     run.history["lrs"].append(lr)
+    _record_indexer_stage(run, step + 1)
     beat(step + 1, "done")
     return lr, gnorm
 
@@ -657,12 +711,40 @@ def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[
             run.history[key].append(sum(sums[n] / max(norms[n], 1) for n in terms) / len(terms))
 
 
+def _record_indexer_stage(run: _Run, step: int) -> None:
+    """The indexer stage of update ``step`` (1-based): the steps that trained the indexer and each
+    stage's first and last step."""
+    if run.indexer is None:
+        return
+    stage = run.indexer["stage"]
+    if stage != "none":
+        run.history.setdefault("indexer_steps", []).append(step)
+    if (
+        run.indexer_stages
+        and run.indexer_stages[-1]["stage"] == stage
+        and run.indexer_stages[-1]["last_step"] == step - 1
+    ):
+        run.indexer_stages[-1]["last_step"] = step
+    else:
+        run.indexer_stages.append({"stage": stage, "first_step": step, "last_step": step})
+
+
+def _indexer_meta(run: _Run) -> dict[str, Any] | None:
+    """What a resume needs to know of the indexer's training: the stage, where it began, the stages so far."""
+    if run.indexer is None:
+        return None
+    return {"stage": run.indexer["stage"], "stage_start": run.stage_start, "stages": run.indexer_stages}
+
+
 def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
     """The rank-0 log line of one step."""
     cfg, history = run.cfg, run.history
     parts = [f"step {step + 1}/{cfg.steps}", f"loss {history['losses'][-1]:.6f}"]
     if history["mtp_losses"] and len(history["mtp_losses"]) == len(history["losses"]):
         parts.append(f"mtp {history['mtp_losses'][-1]:.6f}")
+    recalls = [v[-1] for k, v in history.items() if k.startswith("indexer_recall@") and v]
+    if run.indexer is not None and run.indexer["stage"] != "none" and recalls:
+        parts.append(f"indexer kl {history['indexer_losses'][-1]:.5f} {indexer_step_text(recalls)}")
     parts += [
         f"lr {lr:.3e}",
         f"grad norm {gnorm:.4f}",
@@ -726,6 +808,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
+            meta["indexer"] = _indexer_meta(run)
             beat(step + 1, "save")
             path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
             run.last_checkpoint = path

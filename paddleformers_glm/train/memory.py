@@ -120,12 +120,23 @@ def peak_host_bytes() -> int:
 
 
 class _Saved:
-    """A tensor kept for backward (a plain object: PyLayers unpack tuples element-wise)."""
+    """A tensor kept for backward (a plain object: PyLayers unpack tuples element-wise).  It stops
+    counting (``release``, once) when its backward reads it, or when the graph node holding it lets
+    it go unread (a PyLayer that ran without gradient, e.g. the frozen layers of the indexer's
+    warm-up, saves its inputs but no backward ever unpacks them)."""
 
-    __slots__ = ("ptr", "tensor")
+    __slots__ = ("ptr", "release", "tensor")
 
-    def __init__(self, ptr: int | None, tensor: Any) -> None:
-        self.ptr, self.tensor = ptr, tensor
+    def __init__(self, ptr: int | None, tensor: Any, release: Any = None) -> None:
+        self.ptr, self.tensor, self.release = ptr, tensor, release
+
+    def done(self) -> None:
+        if self.release is not None:
+            release, self.release = self.release, None
+            release(self.ptr)
+
+    def __del__(self) -> None:
+        self.done()
 
 
 class MemoryMonitor:
@@ -159,6 +170,13 @@ class MemoryMonitor:
         cur = [0]
         self.activations_peak = 0
 
+        def release(ptr: int) -> None:
+            entry = live.get(ptr)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    cur[0] -= live.pop(ptr)[1]
+
         def pack(t: Any) -> Any:
             ptr = t.data_ptr()
             if ptr in params:
@@ -168,14 +186,10 @@ class MemoryMonitor:
                 cur[0] += live[ptr][1]
                 self.activations_peak = max(self.activations_peak, cur[0])
             live[ptr][0] += 1
-            return _Saved(ptr, t)
+            return _Saved(ptr, t, release)
 
         def unpack(s: Any) -> Any:
-            entry = live.get(s.ptr) if s.ptr is not None else None
-            if entry is not None:
-                entry[0] -= 1
-                if entry[0] == 0:
-                    cur[0] -= live.pop(s.ptr)[1]
+            s.done()
             return s.tensor
 
         return paddle.autograd.saved_tensors_hooks(pack, unpack)

@@ -167,9 +167,10 @@ class AdamW:
         mw = getattr(self.opt, "_master_weights", {}) or {}
         return mw[p.name].name if p.name in mw else p.name
 
-    def master_weight(self, name: str) -> paddle.Tensor:
-        """The fp32 value the update runs on (the parameter itself when it is fp32)."""
-        return self.master.get(name, dict(self.params)[name])
+    def master_weight(self, name: str) -> paddle.Tensor | None:
+        """The fp32 value the update runs on (the parameter itself when it is fp32); None for a
+        parameter the optimizer does not update (frozen)."""
+        return self.master.get(name, dict(self.params).get(name))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (moments, beta powers, master weights)."""
@@ -235,6 +236,17 @@ class AdamW:
                     dst = acc[kind][self._acc_key(p)]
                     dst.set_value(t.astype(dst.dtype))
         self._stepped = stepped
+        self.sync_masters({n for n in names if "master" not in sd.get(n, {})})
+
+    @paddle.no_grad()
+    def sync_masters(self, names: set[str]) -> None:
+        """Set the fp32 master weights of ``names`` from their (restored) parameters: a parameter whose
+        state a resume did not carry (e.g. the backbone after the indexer's warm-up) continues from its
+        weight, not from the value its master was created with."""
+        mw = getattr(self.opt, "_master_weights", {}) or {}
+        for n, p in self.params:
+            if n in names and p.name in mw:
+                mw[p.name].set_value(p.astype("float32"))
 
     def prepare_state(self) -> None:
         """Create every accumulator and master weight now (Paddle does it lazily on the first step); restoring state needs them first."""

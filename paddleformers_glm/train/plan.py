@@ -59,6 +59,10 @@ class Layout(ParallelConfig):
     pp_layout: str | None = None
     first_stage_layers: int | None = None  # decoder layers on the first / last pipeline stage
     last_stage_layers: int | None = None
+    # the indexer's training (train/indexer_stage.py): "warmup" freezes all but the indexers (no
+    # gradients, no optimizer state, no activations kept but the indexers' KL); None: the
+    # checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
+    indexer_stage: str | None = None
 
     @property
     def local_seq(self) -> int:
@@ -123,6 +127,13 @@ class LayerCounts:
         return self.memo[("totals", key)]
 
 
+def indexer_stage(config: Any, lay: Layout) -> str:
+    """The layout's indexer stage, the checkpoint's default resolved (as the trainer resolves it)."""
+    if lay.indexer_stage is not None:
+        return lay.indexer_stage
+    return "sparse" if float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0 else "none"
+
+
 def _layer_key(config: Any, i: int) -> Any:
     L = config.num_hidden_layers
     if i >= L:
@@ -144,7 +155,8 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     from ..parallel.topology import ParallelConfig, Topology
     from .memory import dtype_name
 
-    key = (id(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype)
+    stage_name = indexer_stage(config, lay)
+    key = (id(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
     if key in _CACHE:
         return _CACHE[key]
     if lay.ep > 1 and config.n_routed_experts % lay.ep == 0:
@@ -171,6 +183,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     spec = StageSpec(0, 1, tuple(sorted(reps.values())), True, True, config.num_mtp_layers > 0)
     with paddle.LazyGuard():
         stage = GlmMoeDsaForCausalLM(config, lay.dtype, topology=topo, stage=spec)
+    stage.set_indexer_training(stage_name)  # the warm-up's frozen parameters, as the trainer builds them
     sizes = {"tp": lay.tp, "etp": lay.etp}
     parts: dict[Any, list[tuple[str, int, str, bool, int]]] = {}
     for name, p in stage.named_parameters():
@@ -306,7 +319,19 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
         core = a * sb * nh * dq + a * s_all * b * lat + 4.0 * min(sb * keys * (lat + nh), _ATTN_SAVE_ELEMS)
     else:  # a fused kernel keeps the queries and the log-sum-exp only
         core = a * sb * nh * dq + 4.0 * sb * nh
-    if has_indexer and float(getattr(c, "indexer_loss_coeff", 0.0) or 0.0) > 0:
+    stage = indexer_stage(c, lay)
+    if stage == "warmup":
+        # the backbone is frozen: autograd keeps nothing of it; a layer that runs its indexer keeps
+        # the dense KL's inputs (queries, keys, head weights), per chunk of queries its fp32 head
+        # scores over the keys up to the chunk (index_n_heads x S^2 / 2 in all), the log-softmax and
+        # the target over every key
+        if not has_indexer:
+            return {"core": 0.0, "other": 0.0}
+        core = 0.0
+        other = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
+        other += 4.0 * b * s * s_all * (c.index_n_heads / 2 + 2)
+        return {"core": core, "other": other}
+    if has_indexer and stage == "sparse":
         # the indexer is trained (KL loss): its queries, keys, head weights and fp32 scores over
         # all keys are saved; without the loss its top-k is a non-differentiable selection
         other += a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
@@ -355,7 +380,9 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
     sig = lay.tp if lay.sp else 1
-    if lay.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
+    if indexer_stage(config, lay) == "warmup":  # nothing of the frozen layers is recomputed: the KLs are kept
+        kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
+    elif lay.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
         kept = len(ids) * a * sb * h / sig
         extra = max((p["core"] + p["other"] for p in per), default=0.0)
     elif lay.recompute == "core":
@@ -698,6 +725,7 @@ def run_plan(args: argparse.Namespace) -> int:
             pp_layout=args.pp_layout,
             first_stage_layers=args.first_stage_layers,
             last_stage_layers=args.last_stage_layers,
+            indexer_stage=args.indexer_stage,
         )
         if args.search:
             if not args.gpus:
@@ -795,6 +823,13 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
     g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
+    g.add_argument(
+        "--indexer-stage",
+        default=None,
+        choices=["none", "warmup", "sparse"],
+        help="as glm52 train --indexer-stage: warmup holds gradients and optimizer state for the indexers only "
+        "(default: the checkpoint's, sparse when its indexer_loss_coeff > 0)",
+    )
     g.add_argument("--seq-len", type=int, default=None, help="default 4096 (glm52 train's 64 for a train line)")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument(

@@ -107,13 +107,26 @@ def _to_paddle(arr: np.ndarray, st_dtype: str, like: paddle.Tensor) -> paddle.Te
 
 
 def load_resume_state(
-    path: str, topo: Topology, model: nn.Layer, optimizer: AdamW, expect_profile: dict[str, Any]
+    path: str,
+    topo: Topology,
+    model: nn.Layer,
+    optimizer: AdamW,
+    expect_profile: dict[str, Any],
+    indexer_stage: str | None = None,
 ) -> dict[str, Any]:
     """Restore this rank's state; returns meta.json. The saved layout must equal ``expect_profile``
     (or differ only in :data:`LAYOUT_KEYS`: then the state is resharded from ``flex/``).  Every file
     of the state is checked first (state_files.check_resume_state); nothing is unpickled but
-    flex-checkpoint's metadata, through an allow-list."""
+    flex-checkpoint's metadata, through an allow-list.
+
+    ``indexer_stage``: this run's (train/indexer_stage.py). A state written in another stage trained
+    another set of parameters: the weights come back whole, optimizer state only for the parameters
+    this run trains (the others' is dropped; a trained parameter without state starts fresh). In the
+    same stage every saved optimizer entry must belong to this run's parameters."""
     path, meta = check_resume_state(path)
+    saved_stage = (meta.get("indexer") or {}).get("stage")
+    new_stage = saved_stage is not None and indexer_stage is not None and saved_stage != indexer_stage
+    trained = {n for n, _ in optimizer.params}
     saved = meta["profile"]
     diff = {k: (saved.get(k), v) for k, v in expect_profile.items() if saved.get(k) != v}
     fixed = {k: d for k, d in diff.items() if k not in LAYOUT_KEYS}
@@ -123,7 +136,8 @@ def load_resume_state(
             + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in sorted(fixed.items()))
         )
     if diff:  # another parallel layout: reshard through flex-checkpoint
-        _load_flex(os.path.join(path, FLEX_DIR), topo, model, optimizer, set(meta["flex"]["stepped"]))
+        stepped = set(meta["flex"]["stepped"])
+        _load_flex(os.path.join(path, FLEX_DIR), topo, model, optimizer, stepped & trained if new_stage else stepped)
         return meta
     reader, doc, file = read_rank_state(path, topo.rank)
     with reader:
@@ -148,6 +162,8 @@ def load_resume_state(
             opt.setdefault(parts[1], {})[parts[2]] = paddle.to_tensor(
                 np.array(bf16_bits_to_float32(arr) if info.dtype == "BF16" else arr)
             )
+        if new_stage:  # another stage's trained set: keep the state of what this run trains
+            opt = {n: st for n, st in opt.items() if n in trained}
         try:
             optimizer.set_state_dict(opt)
         except KeyError as e:
@@ -252,3 +268,4 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
         for t, axis, bufs in buffers:
             t.set_value(bufs[0] if len(bufs) == 1 else paddle.concat(bufs, axis=axis))
     optimizer._stepped = {n for n, p in optimizer.params if n in stepped and p.name in optimizer._own}
+    optimizer.sync_masters({n for n, _ in optimizer.params} - stepped)  # no master in the state: from the weight

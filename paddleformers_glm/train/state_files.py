@@ -85,15 +85,21 @@ def rank_files(folder: str, rank: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- JSON
-def _read_json(file: str, what: str) -> Any:
-    """A JSON file's value; any unreadable, non-UTF-8 or non-JSON content is an error naming the file."""
+def _read_bytes(file: str, what: str) -> bytes:
+    """The file's bytes; unreadable or empty is an error naming the file and what it should hold."""
     try:
         with open(file, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ResumeStateError(f"{file}: cannot read the {what}: {e.strerror}") from e
+        raise ResumeStateError(f"{file}: cannot read {what}: {e.strerror}") from e
     if not raw:
-        raise ResumeStateError(f"{file}: the {what} is empty (0 bytes)")
+        raise ResumeStateError(f"{file}: {what} is empty (0 bytes)")
+    return raw
+
+
+def _read_json(file: str, what: str) -> Any:
+    """A JSON file's value; any unreadable, non-UTF-8 or non-JSON content is an error naming the file."""
+    raw = _read_bytes(file, f"the {what}")
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -281,36 +287,30 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
                 raise ResumeStateError(f"{file}: `rng.paddle[{i}]` is not a Paddle generator state: {e}") from e
             restored.append(st)
         paddle.set_rng_state(restored)
-    npst = state.get("numpy")
-    _require(isinstance(npst, dict), file, "rng.numpy", "an object", npst)
-    keys = npst.get("keys")
-    _require(
-        isinstance(keys, list) and len(keys) == 624 and all(_is_int(k) and 0 <= k < 2**32 for k in keys),
-        file,
-        "rng.numpy.keys",
-        "624 unsigned 32-bit integers",
-        keys,
-    )
-    try:
-        np.random.set_state(
-            (npst["kind"], np.asarray(keys, dtype=np.uint32), npst["pos"], npst["has_gauss"], npst["gauss"])
+
+    # numpy's and Python's generators are both MT19937: a list of unsigned 32-bit words and a few scalars
+    def restore_numpy(o: dict, words: list) -> None:
+        np.random.set_state((o["kind"], np.asarray(words, dtype=np.uint32), o["pos"], o["has_gauss"], o["gauss"]))
+
+    def restore_python(o: dict, words: list) -> None:
+        random.setstate((o["version"], tuple(words), o["gauss_next"]))
+
+    mt_states = (("numpy", "keys", 624, "numpy", restore_numpy), ("python", "state", 625, "Python", restore_python))
+    for name, words_key, n, what, restore in mt_states:
+        obj = state.get(name)
+        _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
+        words = obj.get(words_key)
+        _require(
+            isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words),
+            file,
+            f"rng.{name}.{words_key}",
+            f"{n} unsigned 32-bit integers",
+            words,
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ResumeStateError(f"{file}: `rng.numpy` is not a numpy RNG state: {e}") from e
-    py = state.get("python")
-    _require(isinstance(py, dict), file, "rng.python", "an object", py)
-    pst = py.get("state")
-    _require(
-        isinstance(pst, list) and len(pst) == 625 and all(_is_int(k) and 0 <= k < 2**32 for k in pst),
-        file,
-        "rng.python.state",
-        "625 unsigned 32-bit integers",
-        pst,
-    )
-    try:
-        random.setstate((py["version"], tuple(pst), py["gauss_next"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ResumeStateError(f"{file}: `rng.python` is not a Python RNG state: {e}") from e
+        try:
+            restore(obj, words)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ResumeStateError(f"{file}: `rng.{name}` is not a {what} RNG state: {e}") from e
 
 
 def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: Mapping[str, Any]) -> None:
@@ -386,13 +386,7 @@ class AllowListUnpickler(pickle.Unpickler):
 def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
     """The value pickled in ``file``, built through :class:`AllowListUnpickler`; any refusal or
     malformed stream is a :class:`ResumeStateError` naming the file."""
-    try:
-        with open(file, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ResumeStateError(f"{file}: cannot read: {e.strerror}") from e
-    if not data:
-        raise ResumeStateError(f"{file}: empty (0 bytes)")
+    data = _read_bytes(file, "the pickled state")
     try:
         return AllowListUnpickler(data, allowed, file).load()
     except ResumeStateError:

@@ -97,3 +97,22 @@ def losses(out: Path) -> dict:
 def worker_logs(out: Path) -> str:
     logs = sorted((out / "logs").glob("workerlog.*")) if (out / "logs").is_dir() else []
     return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in logs)
+
+
+def assert_indexer_matches(ref: dict, got: dict, what) -> None:
+    """Two runs of the tiny checkpoint (full layers 0, 1, 2, 6) in the same indexer stage: the
+    indexer's KL loss (the objective's term) and, per step and full layer, its KL and top-k recall
+    (loss.json's ``indexer`` block) agree.  The tiny checkpoint's KLs are 1e-4 to 4e-4 (sums of
+    terms that cancel): 1e-7 absolute is 3e-4 of them, and a wrong scaling (by a micro-batch, rank
+    or layer count) is off by a factor of 2 or more; recalls are shares of attention mass in [0, 1]."""
+    a, b = ref["indexer"], got["indexer"]
+    steps = len(ref["losses"])
+    assert a["layers"] == b["layers"] == [0, 1, 2, 6] and b["steps"] == list(range(1, steps + 1)), (what, b)
+    assert b["stage"] == a["stage"] and b["loss_weight"] == a["loss_weight"], what
+    diff = max(abs(x - y) for x, y in zip(ref["indexer_losses"], got["indexer_losses"]))
+    assert len(got["indexer_losses"]) == steps and min(got["indexer_losses"]) > 0 and diff <= 1e-7, (what, diff)
+    kl = max(abs(x - y) for ra, rb in zip(a["kl"], b["kl"]) for x, y in zip(ra, rb))
+    recall = max(abs(x - y) for ra, rb in zip(a["recall"], b["recall"]) for x, y in zip(ra, rb))
+    assert len(b["kl"]) == len(b["recall"]) == steps and all(len(r) == 4 for r in b["kl"] + b["recall"]), what
+    assert kl <= 1e-7 and recall <= 1e-6, (what, kl, recall)
+    assert 0.1 < min(min(r) for r in b["recall"]) and max(max(r) for r in b["recall"]) < 0.99  # the top-k drops keys

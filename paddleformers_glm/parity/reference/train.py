@@ -1,5 +1,5 @@
-#!/usr/bin/env python
-"""The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both).
+"""The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both):
+``python -m paddleformers_glm.parity.reference.train --model DIR --out OUT [training flags]``.
 
 One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
 MTP layers, which transformers drops, are assembled here from HF's own building blocks
@@ -54,12 +54,9 @@ import platform
 import shutil
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "tools")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from ..._io import write_json_atomic as _write_json_atomic
+from .indexer import ReferenceIndexer, resolve_indexer_stage
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
@@ -90,7 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--indexer-loss-coeff",
         type=float,
         default=None,
-        help="indexer KL loss weight (default: the checkpoint config's indexer_loss_coeff, as glm52 train reads it)",
+        help="the sparse stage's indexer KL weight (default: the checkpoint config's indexer_loss_coeff, as glm52 "
+        "train reads it)",
+    )
+    ap.add_argument(
+        "--indexer-stage",
+        default=None,
+        choices=["none", "warmup", "sparse"],
+        help="the indexer's training (parity/reference/indexer.py; default sparse when the coefficient > 0, else none)",
+    )
+    ap.add_argument(
+        "--indexer-shared-supervision",
+        action="store_true",
+        help="a full layer's indexer target also averages the shared layers that reuse its top-k",
     )
     ap.add_argument("--data", default=None, help=".npy / .bin / .jsonl (default: synthetic)")
     ap.add_argument("--data-dtype", default="auto")
@@ -194,7 +203,14 @@ def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
 class Reference:
     """HF main model + hand-assembled MTP layers, with the official name of every parameter."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", indexer_loss_coeff: float | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        indexer_loss_coeff: float | None = None,
+        indexer_stage: str | None = None,
+        indexer_shared_supervision: bool = False,
+    ) -> None:
         import torch
         from torch import nn
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -211,9 +227,10 @@ class Reference:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", self.mtp_weight))
-        if indexer_loss_coeff is None:  # the trainer reads it from config.json (either spelling)
-            indexer_loss_coeff = raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0))
-        self.indexer_coeff = float(indexer_loss_coeff or 0.0)
+        # the trainer reads the checkpoint's coefficient from config.json (either spelling)
+        saved = float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
+        self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(indexer_stage, indexer_loss_coeff, saved)
+        self.indexer_shared = bool(indexer_shared_supervision)
         self.share_topk = bool(conf.index_share_for_mtp_iteration)
         self.ckpt = read_checkpoint(model_dir)
         torch.manual_seed(0)
@@ -270,53 +287,14 @@ class Reference:
         self.load: dict[int, object] = {}  # this step's (token, k) assignments per expert, per MoE layer
         for i, gate in self.routers.items():
             gate.register_forward_hook(lambda mod, a, out, i=i: self._count(i, out[2]))
-        self.kls: list = []  # this micro-batch's indexer KL losses, one per layer that ran its indexer
-        if self.indexer_coeff > 0:
-            for _, layer in layers:
-                if layer.self_attn.indexer is not None:
-                    layer.self_attn.register_forward_hook(self._indexer_kl, with_kwargs=True)
+        # the indexer's training (its KL and recall per layer that runs its own indexer): parity/reference/indexer.py
+        self.indexer = ReferenceIndexer(layers, self.indexer_stage, self.indexer_shared)
 
     def _count(self, layer: int, topk_indices) -> None:
         import torch
 
         c = torch.bincount(topk_indices.reshape(-1), minlength=self.num_experts).to(torch.float64)
         self.load[layer] = c if layer not in self.load else self.load[layer] + c
-
-    def _indexer_kl(self, attn, args, kwargs, out) -> None:
-        """The indexer KL loss of one attention call (see the module docstring), appended to ``kls``."""
-        import torch
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
-        _, probs, topk = out  # eager attention: probabilities [B, nH, S, T]; the selected keys [B, S, k]
-        ix = attn.indexer
-        x = kwargs["hidden_states"].detach()
-        cos, sin = kwargs["position_embeddings"]
-        mask = kwargs["attention_mask"][:, 0]  # [B, S, T]: True / 0.0 where the key is visible
-        with torch.no_grad():
-            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-        B, S, _ = x.shape
-        q = ix.wq_b(q_resid).view(B, S, ix.n_heads, ix.head_dim)
-        q_rot, q_pass = torch.split(q, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
-        k = ix.k_norm(ix.wk(x)).unsqueeze(2)
-        k_rot, k_pass = torch.split(k, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
-        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q_pass], dim=-1)  # [B, S, Hi, Di]
-        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # [B, T, Di]
-        idx = topk.long()
-        k_sel = torch.gather(
-            k.unsqueeze(1).expand(B, S, *k.shape[1:]), 2, idx.unsqueeze(-1).expand(*idx.shape, k.shape[-1])
-        )
-        s = torch.relu(torch.matmul(q, k_sel.transpose(-1, -2)) * ix.softmax_scale)  # [B, S, Hi, k]
-        w = ix.weights_proj(x).to(s.dtype) * (ix.n_heads**-0.5)  # [B, S, Hi]
-        scores = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
-        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        valid = torch.gather(visible.expand(B, S, visible.shape[-1]), -1, idx)
-        p = torch.gather(probs.detach().to(s.dtype).mean(1), -1, idx)
-        p = torch.where(valid, p, torch.zeros_like(p))
-        log_q = torch.log_softmax(torch.where(valid, scores, torch.full_like(scores, -1e30)), dim=-1)
-        kl = torch.where(valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p)).sum(-1)
-        rows = valid.any(-1).float()
-        self.kls.append((kl * rows).sum() / rows.sum().clamp_min(1.0))
 
     def update_router_biases(self, rate: float) -> None:
         """The expert-bias rule after an optimizer step (docs/model.md, "MoE balancing"), in float32."""
@@ -441,7 +419,7 @@ class TopkMargins:
     NEAR = 1e-6
 
     def __init__(self, modules) -> None:
-        from make_reference import GapMonitor  # same hooks as the fixtures' tie screening
+        from .topk_gaps import GapMonitor  # same hooks as the fixtures' tie screening
 
         monitor = self
 
@@ -516,12 +494,10 @@ def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
 
 
 def write_json_atomic(path: str, obj) -> None:
+    """Strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
+    decision an exact tie, is written as null and listed under "nonfinite")."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.part.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,14 +513,22 @@ def train(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(args.seed)
-    ref = Reference(args.model, args.dtype, args.indexer_loss_coeff)
+    ref = Reference(
+        args.model, args.dtype, args.indexer_loss_coeff, args.indexer_stage, args.indexer_shared_supervision
+    )
     ref.model.train()
     ref.mtp.train()
     model_params = ref.named_parameters()
+    if ref.indexer_stage == "warmup":  # only the indexers train: the rest takes no gradient, has no state
+        for n, p in model_params:
+            p.requires_grad_(".indexer." in n)
+        trained = [(n, p) for n, p in model_params if p.requires_grad]
+    else:
+        trained = model_params
     # the optimizer steps fp32 masters of bf16 parameters (an fp32 parameter is its own master);
     # gradients accumulate into the masters in fp32, micro-batch by micro-batch
-    params = [(n, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)) for n, p in model_params]
-    low = [(p, m) for (_, p), (_, m) in zip(model_params, params) if p is not m]
+    params = [(n, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)) for n, p in trained]
+    low = [(p, m) for (_, p), (_, m) in zip(trained, params) if p is not m]
     decay = [p for _, p in params if p.ndim >= 2]
     no_decay = [p for _, p in params if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -557,8 +541,10 @@ def train(args: argparse.Namespace) -> dict:
     data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
     min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
-    if ref.indexer_coeff > 0:
+    if ref.indexer_stage != "none":
         hist["indexer_losses"] = []
+    layer_kl: dict[int, list[float]] = {i: [] for i in ref.indexer.layers}
+    layer_recall: dict[int, list[float]] = {i: [] for i in ref.indexer.layers}
     idle_experts: list[dict[str, list[int]]] = []
     margins = TopkMargins([ref.model, ref.mtp])
     gaps: list[dict] = []
@@ -574,22 +560,30 @@ def train(args: argparse.Namespace) -> dict:
         n_lm = max(int((labels_np[:, 1:] != -100).sum()), 1)
         n_mtp = [max(int((labels_np[:, d + 1 :] != -100).sum()), 1) for d in range(1, ref.D + 1)]
         lm_total, mtp_total, kl_total = 0.0, [0.0] * ref.D, 0.0
+        step_kl = dict.fromkeys(ref.indexer.layers, 0.0)
+        step_recall = dict.fromkeys(ref.indexer.layers, 0.0)
         n_micro = G // M
         margins.reset()
         for mb in micro_batches(batch, 0, 1, M):
-            ref.kls = []
+            ref.indexer.reset()
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
             with margins.monitor.mode():
                 lm, mtps = ref.forward_losses(ids, labels, mask)
-            obj = lm / n_lm
-            for d, t in enumerate(mtps):
-                obj = obj + (ref.mtp_weight / ref.D) * t / n_mtp[d]
-            if ref.kls:  # the indexer KL: a per-micro-batch mean, over the global number of micro-batches
-                kl = torch.stack(ref.kls).sum()
+            terms = ref.indexer.terms()  # layer -> (KL, recall): per-micro-batch means
+            # the warm-up trains on the indexer KL alone; otherwise LM + MTP (+ the sparse KL)
+            obj = torch.zeros(()) if ref.indexer_stage == "warmup" else lm / n_lm
+            if ref.indexer_stage != "warmup":
+                for d, t in enumerate(mtps):
+                    obj = obj + (ref.mtp_weight / ref.D) * t / n_mtp[d]
+            if terms:  # the indexer KL: a per-micro-batch mean, over the global number of micro-batches
+                kl = torch.stack([terms[i][0] for i in sorted(terms)]).sum()
                 obj = obj + ref.indexer_coeff * kl / n_micro
                 kl_total += float(kl.detach())
+                for i, (kl_i, recall_i) in terms.items():
+                    step_kl[i] += float(kl_i.detach()) / n_micro
+                    step_recall[i] += recall_i / n_micro
             obj.backward()
             with torch.no_grad():
                 for p, m in low:
@@ -621,6 +615,9 @@ def train(args: argparse.Namespace) -> dict:
         idle_experts.append(ref.take_idle_experts())
         if "indexer_losses" in hist:
             hist["indexer_losses"].append(kl_total / n_micro)
+            for i in ref.indexer.layers:
+                layer_kl[i].append(step_kl[i])
+                layer_recall[i].append(step_recall[i])
         hist["losses"].append(lm_total / n_lm)
         if ref.D:
             hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
@@ -644,6 +641,8 @@ def train(args: argparse.Namespace) -> dict:
             for d in dumps[step + 1]:
                 write_dump(ref, d, tensors)
         mtp_txt = f" mtp {hist['mtp_losses'][-1]:.6f}" if ref.D else ""
+        if ref.indexer.layers and ref.indexer_stage != "none":
+            mtp_txt += f" indexer kl {hist['indexer_losses'][-1]:.5f} recall {_mean(step_recall.values()):.4f}"
         print(
             f"[reference] step {step + 1}/{args.steps} loss {hist['losses'][-1]:.6f}{mtp_txt} lr {lr:.3e} "
             f"grad norm {gnorm:.4f} {time.perf_counter() - t0:.2f} s",
@@ -654,6 +653,7 @@ def train(args: argparse.Namespace) -> dict:
             topk_min_gaps=gaps,
             expert_load={"idle_experts": idle_experts, "bias_update_rate": args.moe_bias_update_rate},
             indexer_loss_coeff=ref.indexer_coeff,
+            **_indexer_block(ref, layer_kl, layer_recall, step + 1),
             steps=step + 1,
             seed=args.seed,
             reference=f"torch + transformers GlmMoeDsaForCausalLM (eager, {args.dtype}) + torch MTP",
@@ -671,13 +671,41 @@ def train(args: argparse.Namespace) -> dict:
     return result
 
 
+def _mean(values) -> float:
+    v = list(values)
+    return sum(v) / len(v) if v else math.nan
+
+
+def _indexer_block(ref: Reference, kl: dict, recall: dict, steps: int) -> dict:
+    """loss.json's ``indexer`` block, in the trainer's schema ([step][layer] matrices)."""
+    if ref.indexer_stage == "none":
+        return {}
+    layers = sorted(kl)
+    rec = [[recall[i][s] for i in layers] for s in range(steps)]
+    return {
+        "indexer": {
+            "stage": ref.indexer_stage,
+            "loss_weight": ref.indexer_coeff,
+            "shared_supervision": ref.indexer_shared,
+            "layers": layers,
+            "steps": list(range(1, steps + 1)),
+            "kl": [[kl[i][s] for i in layers] for s in range(steps)],
+            "recall": rec,
+            "mean_recall": [_mean(r) for r in rec],
+        }
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        print(f"reference_train: needs the reference extra (torch + transformers): {e}", file=sys.stderr)
+        print(
+            f"paddleformers_glm.parity.reference.train: needs the reference extra (torch + transformers): {e}",
+            file=sys.stderr,
+        )
         return 2
     os.makedirs(args.out, exist_ok=True)
     train(args)

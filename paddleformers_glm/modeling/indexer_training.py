@@ -1,0 +1,255 @@
+"""Training the DSA indexer: the two stages of DeepSeek-V3.2 / GLM-5, the indexer's targets, its KL
+losses and its top-k recall.
+
+The stage (a run setting, not the model's semantics) is an :class:`IndexerTraining`:
+
+* ``none``: nothing trains the indexer (its top-k selection passes no gradient);
+* ``warmup`` (dense warm-up): every attention layer attends to *all* causal keys; the target of a
+  full layer's indexer is its main attention summed over heads and L1-normalised over all causal
+  keys (each head's row sums to 1, so this is the head mean); the loss is
+  ``KL(target || softmax(index scores))`` over every visible key.  The trainer freezes every
+  parameter but the indexers' (``GlmMoeDsaForCausalLM.set_indexer_training``);
+* ``sparse``: attention over the top-k; the target is the head-mean attention over the selected
+  keys, the loss the KL over that set; the whole model trains (the indexer's inputs are detached, so
+  this loss reaches no backbone weight).
+
+``shared_supervision`` (off by default): the target of a full layer is the mean of its own and of
+the normalised head-summed attention of every shared layer that reuses its top-k (the MTP layer
+too when it reuses the main model's), so the selection is trained for every layer that uses it.
+
+Per full layer (and MTP layer with its own indexer) a training forward reports the KL and the
+**top-k recall**: the share of the layer's dense attention mass (the target over all causal keys,
+whatever the stage) that falls on the keys its indexer selected.  Both are means over the queries
+that have a visible key; under context parallel each rank holds its queries' share of that mean
+(the sums over the cp ranks are the whole sequence's).
+
+Each attention call in training leaves an :class:`IndexerRecord`; the model's body hands the
+records of one forward, in layer order, to :func:`indexer_terms` once every layer that reuses a
+top-k has run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import paddle
+
+from .indexer import key_validity
+
+__all__ = [
+    "INDEXER_STAGES",
+    "IndexerRecord",
+    "IndexerRun",
+    "IndexerTerms",
+    "IndexerTraining",
+    "causal_selection",
+    "indexer_terms",
+    "is_indexer_parameter",
+    "own_indexer_layers",
+    "trains_in_warmup",
+    "kl_term",
+    "recall_term",
+]
+
+INDEXER_STAGES = ("none", "warmup", "sparse")
+
+
+def is_indexer_parameter(name: str) -> bool:
+    """A DSA indexer's parameter (``...self_attn.core_attention.indexer.*``, main and MTP layers)."""
+    return ".indexer." in name
+
+
+def own_indexer_layers(config: Any) -> list[int]:
+    """The layers that run their own indexer: the full layers, and the MTP layers unless they reuse
+    the main model's top-k (``index_share_for_mtp_iteration``: their indexer weights are kept in the
+    checkpoint but never run, so nothing trains them)."""
+    own = [i for i, k in enumerate(config.indexer_types) if k == "full"]
+    if not bool(getattr(config, "index_share_for_mtp_iteration", False)):
+        L = int(config.num_hidden_layers)
+        own += list(range(L, L + int(getattr(config, "num_mtp_layers", 0) or 0)))
+    return own
+
+
+def trains_in_warmup(name: str, own_layers: Sequence[int]) -> bool:
+    """Whether the dense warm-up trains parameter ``name`` (``model.layers.<i>....``): an indexer
+    parameter of a layer in ``own_layers``."""
+    if not is_indexer_parameter(name):
+        return False
+    parts = name.split(".")
+    i = parts.index("layers") if "layers" in parts else -1
+    return 0 <= i < len(parts) - 1 and parts[i + 1].isdigit() and int(parts[i + 1]) in own_layers
+
+
+@dataclass(frozen=True)
+class IndexerTraining:
+    """How a training forward trains the indexer (see the module docstring)."""
+
+    stage: str = "none"
+    shared_supervision: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in INDEXER_STAGES:
+            raise ValueError(f"indexer stage must be one of {', '.join(INDEXER_STAGES)}, got {self.stage!r}")
+        if self.shared_supervision and self.stage == "none":
+            raise ValueError("shared-layer supervision needs an indexer stage (warmup or sparse), got none")
+
+    @property
+    def active(self) -> bool:
+        return self.stage != "none"
+
+    @property
+    def dense(self) -> bool:
+        """Attention runs over every causal key (the warm-up)."""
+        return self.stage == "warmup"
+
+    @classmethod
+    def from_config(cls, config: Any) -> IndexerTraining:
+        """The default of a model: the sparse stage when its config sets ``indexer_loss_coeff`` > 0."""
+        return cls("sparse" if float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0 else "none")
+
+
+def causal_selection(
+    batch: int, n_keys: int, positions: np.ndarray, key_padding: paddle.Tensor | None
+) -> paddle.Tensor:
+    """Every visible key as a selection: int64 [B, S, T], slot j holding key j when query i (at
+    ``positions[i]``) sees it (j <= position, not padding), else -1.  The dense warm-up attends with
+    it through the same attention forms as a top-k, and its probabilities come back per key."""
+    pos = paddle.to_tensor(np.asarray(positions, dtype=np.int64))
+    pad = None if key_padding is None else key_padding.astype("bool")
+    valid = key_validity(pos, n_keys, pad).expand([batch, len(positions), n_keys])
+    keys = paddle.arange(n_keys, dtype="int64").reshape([1, 1, n_keys]).expand(valid.shape)
+    return paddle.where(valid, keys, paddle.full(valid.shape, -1, dtype="int64"))
+
+
+class IndexerRun:
+    """The indexer training of one model, shared by its attention layers (like their
+    ``SelectionCache``): the stage, and the dense selection of the forward in progress (built once
+    for all layers; released when the forward ends)."""
+
+    def __init__(self, training: IndexerTraining | None = None) -> None:
+        self.training = training or IndexerTraining()
+        self._dense: tuple[tuple, paddle.Tensor] | None = None
+
+    def dense_selection(
+        self, batch: int, n_keys: int, positions: np.ndarray, key_padding: paddle.Tensor | None
+    ) -> paddle.Tensor:
+        key = (batch, n_keys, tuple(int(p) for p in positions), id(key_padding))
+        if self._dense is None or self._dense[0] != key:
+            with paddle.no_grad():
+                self._dense = (key, causal_selection(batch, n_keys, positions, key_padding))
+        return self._dense[1]
+
+    def release(self) -> None:
+        self._dense = None
+
+
+@dataclass
+class IndexerRecord:
+    """What one attention call of a training forward leaves for the indexer's losses.
+
+    ``topk``: the top-k the layer's indexer selected (a shared layer: the one it reused) [B, S, k];
+    ``probs``: the head-mean attention probabilities over all heads (TP-reduced, detached): at the
+    top-k slots [B, S, k] in the sparse stage, at every key [B, S, T] in the warm-up (slot = key);
+    ``dense``: ``(c0, c1) -> [B, c1 - c0, T]``, the head-mean attention over every visible key of
+    queries c0..c1 (the sparse stage's recall; computed when asked, chunk by chunk);
+    ``indexer`` and ``inputs``: a layer that runs its own indexer, and what its KL needs
+    (``x``, ``q_latent``, ``cos``, ``sin``, ``key_padding``, ``positions``, ``all_keys``, ``total``).
+    """
+
+    topk: paddle.Tensor
+    probs: paddle.Tensor | None = None
+    dense: Callable[[int, int], paddle.Tensor] | None = None
+    indexer: Any = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class IndexerTerms:
+    """A forward's indexer losses: per layer that ran its own indexer, the KL (with gradient to that
+    indexer) and the top-k recall (no gradient), each this rank's share of its mean."""
+
+    kl: dict[int, paddle.Tensor] = field(default_factory=dict)
+    recall: dict[int, paddle.Tensor] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.kl)
+
+    def kl_sum(self) -> paddle.Tensor:
+        return paddle.add_n([self.kl[i] for i in sorted(self.kl)])
+
+
+def indexer_terms(records: Sequence[tuple[int, IndexerRecord]], training: IndexerTraining) -> IndexerTerms:
+    """The KL and recall of every layer in ``records`` (layer id, record; in layer order) that ran its
+    own indexer.  With shared supervision a shared layer's record joins the full layer before it in
+    ``records`` (the one whose top-k it reused); a shared layer with none before it (a pipeline stage
+    that opens on it) supervises nothing here."""
+    groups: list[tuple[int, list[IndexerRecord]]] = []
+    for layer, rec in records:
+        if rec.indexer is not None:
+            groups.append((layer, [rec]))
+        elif training.shared_supervision and groups:
+            groups[-1][1].append(rec)
+    out = IndexerTerms()
+    for layer, members in groups:
+        out.kl[layer], out.recall[layer] = _group_terms(members, training)
+    return out
+
+
+def _mean(ts: list[paddle.Tensor]) -> paddle.Tensor:
+    return ts[0] if len(ts) == 1 else paddle.add_n(ts) / float(len(ts))
+
+
+def _group_terms(members: list[IndexerRecord], training: IndexerTraining) -> tuple[paddle.Tensor, paddle.Tensor]:
+    full = members[0]
+    inp = full.inputs
+    target = _mean([m.probs for m in members])  # [B, S, T] (warm-up) or [B, S, k] (sparse)
+    if training.dense:
+        kl = full.indexer.dense_kl_loss(
+            inp["x"], inp["q_latent"], inp["cos"], inp["sin"], target, inp["key_padding"],
+            positions=inp["positions"], all_keys=inp["all_keys"], total=inp["total"],
+        )  # fmt: skip
+        with paddle.no_grad():
+            mass = _selected_mass(target, full.topk)
+    else:
+        kl = full.indexer.kl_loss(
+            inp["x"], inp["q_latent"], inp["cos"], inp["sin"], full.topk, target,
+            all_keys=inp["all_keys"], total=inp["total"],
+        )  # fmt: skip
+        with paddle.no_grad():
+            mass = _dense_mass([m.dense for m in members], full.topk, inp["chunk"])
+    with paddle.no_grad():
+        rows = (full.topk >= 0).any(axis=-1).astype("float32")  # [B, S]: queries with a visible key
+        n = rows.sum() if inp["total"] is None else inp["total"](rows.sum())
+        recall = (mass * rows).sum() / paddle.clip(n, min=1.0)
+    return kl, recall
+
+
+def _selected_mass(dense: paddle.Tensor, topk: paddle.Tensor) -> paddle.Tensor:
+    """[B, S]: the mass of ``dense`` [B, S, T] (per key) on each query's selected keys."""
+    valid = topk >= 0
+    picked = paddle.take_along_axis(dense, paddle.where(valid, topk, paddle.zeros_like(topk)), axis=-1)
+    return paddle.where(valid, picked, paddle.zeros_like(picked)).sum(-1)
+
+
+def _dense_mass(dense_fns: list[Callable[[int, int], paddle.Tensor]], topk: paddle.Tensor, chunk: int) -> paddle.Tensor:
+    """[B, S]: the selected keys' share of the mean dense attention of the layers, chunk by chunk of
+    queries (never the whole [B, S, T] at once)."""
+    S = topk.shape[1]
+    parts = []
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        parts.append(_selected_mass(_mean([f(c0, c1) for f in dense_fns]), topk[:, c0:c1]))
+    return paddle.concat(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def kl_term(layer: int) -> str:
+    """The loss-term name of a layer's indexer KL report (``causal_lm_losses``)."""
+    return f"indexer_kl@{layer}"
+
+
+def recall_term(layer: int) -> str:
+    """The loss-term name of a layer's top-k recall (``causal_lm_losses``)."""
+    return f"indexer_recall@{layer}"

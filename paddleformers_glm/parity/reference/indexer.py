@@ -1,0 +1,201 @@
+"""The DSA indexer's training in the torch reference, written from the definitions (docs/indexer.md)
+on HF transformers' own modules, independently of the Paddle model:
+
+* ``warmup`` (dense warm-up): every HF indexer's ``index_topk`` is raised past the sequence, so HF
+  selects every key and its eager attention runs densely over all causal keys (the shared layers and
+  the MTP layer reuse that selection); the target of a full layer is HF's attention probabilities
+  summed over heads and L1-normalised over the visible keys; the loss is ``KL(target ||
+  softmax(index scores))`` over every visible key; only the indexers' parameters train.  The
+  indexer's own top-k (for the recall) is HF's indexer called again with its real ``index_topk``.
+* ``sparse``: HF's top-k attention; the target is the head-mean of HF's probabilities at the selected
+  keys, the KL over those keys (a slot whose key is masked takes no part); the whole model trains.
+* shared-layer supervision: a full layer's target is the mean of its own and the shared layers'
+  (the layers after it that reuse its top-k, the MTP layer included when it reuses the main model's).
+
+Index scores are recomputed with gradient from HF's indexer modules on detached inputs (HF runs its
+indexer under ``no_grad``).  Per layer the recall is the mass of the layer's dense target (warm-up:
+the target itself; sparse: HF's attention recomputed densely from the layer's own modules, with the
+causal and padding mask) on the indexer's selected keys.  KL and recall are means over the queries
+that see a key.
+
+Part of the ``reference`` extra: torch and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ReferenceIndexer", "resolve_indexer_stage"]
+
+STAGES = ("none", "warmup", "sparse")
+_ALL_KEYS = 1 << 30  # an index_topk past any sequence: HF's indexer then selects every key
+
+
+def resolve_indexer_stage(stage: str | None, coeff: float | None, config_coeff: float) -> tuple[str, float]:
+    """(stage, weight of the indexer KL in the objective) from the flags, as ``glm52 train`` documents
+    them: default stage sparse when the checkpoint's ``indexer_loss_coeff`` > 0, else none; the
+    warm-up's weight is 1, the sparse stage's ``--indexer-loss-coeff`` (default the checkpoint's)."""
+    if stage is None:
+        stage = "sparse" if config_coeff > 0 else "none"
+    if stage not in STAGES:
+        raise ValueError(f"--indexer-stage must be one of {STAGES}, got {stage!r}")
+    if coeff is not None and stage != "sparse":
+        raise ValueError(f"--indexer-loss-coeff weighs the sparse stage's KL, not --indexer-stage {stage}")
+    weight = {"none": 0.0, "warmup": 1.0, "sparse": config_coeff if coeff is None else float(coeff)}[stage]
+    if stage == "sparse" and not weight > 0:
+        raise ValueError("--indexer-stage sparse needs --indexer-loss-coeff > 0")
+    return stage, weight
+
+
+def _visible(mask: Any) -> Any:
+    """bool [B, S, T] from HF's 4D attention mask [B, 1, S, T] (bool, or additive with finfo.min)."""
+    import torch
+
+    m = mask[:, 0]
+    return m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+
+
+class ReferenceIndexer:
+    """Hooks on HF attention modules that record what each call needs, and the KL and recall of every
+    layer with its own indexer once the forward is done (:meth:`terms`)."""
+
+    def __init__(self, layers: list[tuple[int, Any]], stage: str, shared_supervision: bool) -> None:
+        self.stage, self.shared = stage, bool(shared_supervision)
+        self.records: list[dict[str, Any]] = []
+        self.layers: list[int] = []  # the layers that run their own indexer
+        if stage == "none":
+            return
+        for layer_id, layer in layers:
+            attn = layer.self_attn
+            own = attn.indexer is not None
+            if own:
+                self.layers.append(layer_id)
+                attn.indexer.real_topk = attn.indexer.index_topk
+                if stage == "warmup":
+                    attn.indexer.index_topk = _ALL_KEYS
+            if own or self.shared:
+                attn.register_forward_hook(
+                    lambda mod, args, kwargs, out, i=layer_id: self._record(i, mod, kwargs, out), with_kwargs=True
+                )
+
+    def reset(self) -> None:
+        self.records = []
+
+    def _record(self, layer_id: int, attn: Any, kwargs: dict, out: tuple) -> None:
+        import torch
+
+        _, probs, topk = out  # eager: probabilities [B, H, S, T]; the selection in effect [B, S, k]
+        x = kwargs["hidden_states"].detach()
+        rec = {"layer": layer_id, "attn": attn, "x": x, "pe": kwargs["position_embeddings"]}
+        rec["mask"], rec["probs"] = kwargs["attention_mask"], probs.detach().float()
+        ix = attn.indexer
+        if ix is not None and self.stage == "warmup":  # the indexer's own selection (HF's, real k)
+            with torch.no_grad():
+                q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+                ix.index_topk = ix.real_topk
+                try:
+                    topk = ix(x, q_resid, kwargs["position_embeddings"], kwargs["attention_mask"][:, 0, :, :], None)
+                finally:
+                    ix.index_topk = _ALL_KEYS
+        rec["topk"] = topk.long()
+        rec["own"] = ix is not None
+        self.records.append(rec)
+
+    # ------------------------------------------------------------------ after the forward
+    def terms(self) -> dict[int, tuple[Any, float]]:
+        """layer -> (KL with gradient to its indexer, recall) for this forward's records."""
+        groups: list[list[dict]] = []
+        for rec in self.records:
+            if rec["own"]:
+                groups.append([rec])
+            elif self.shared and groups:
+                groups[-1].append(rec)
+        out = {}
+        for g in groups:
+            out[g[0]["layer"]] = self._group(g)
+        self.records = []
+        return out
+
+    def _group(self, members: list[dict]) -> tuple[Any, float]:
+        import torch
+
+        full = members[0]
+        visible = _visible(full["mask"])  # [B, S, T]
+        B, S, T = visible.shape
+        idx = full["topk"]  # [B, S, k]
+        sel_valid = torch.gather(visible.expand(B, S, T), -1, idx)
+        rows = sel_valid.any(-1).float()
+        n = rows.sum().clamp_min(1.0)
+        scores = self._index_scores(full)  # [B, S, T], with gradient
+        if self.stage == "warmup":
+            target = torch.stack([m["probs"].mean(1) for m in members]).mean(0)  # [B, S, T]
+            target = torch.where(visible, target, torch.zeros_like(target))
+            log_q = torch.log_softmax(torch.where(visible, scores, torch.full_like(scores, -1e30)), -1)
+            kl = torch.where(visible, target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(target))
+            dense = target
+        else:
+            sel = [torch.gather(m["probs"].mean(1), -1, idx) for m in members]
+            p = torch.stack(sel).mean(0)
+            p = torch.where(sel_valid, p, torch.zeros_like(p))
+            s_sel = torch.gather(scores, -1, idx)
+            log_q = torch.log_softmax(torch.where(sel_valid, s_sel, torch.full_like(s_sel, -1e30)), -1)
+            kl = torch.where(sel_valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
+            with torch.no_grad():
+                dense = torch.stack([self._dense_probs(m) for m in members]).mean(0)
+        kl = (kl.sum(-1) * rows).sum() / n
+        with torch.no_grad():
+            mass = torch.where(sel_valid, torch.gather(dense, -1, idx), torch.zeros_like(idx, dtype=dense.dtype))
+            recall = float((mass.sum(-1) * rows).sum() / n)
+        return kl, recall
+
+    @staticmethod
+    def _index_scores(rec: dict) -> Any:
+        """HF's index scores [B, S, T] (relu(q . k * scale) weighted over the indexer heads), recomputed
+        with gradient to the indexer's parameters from the layer's detached input."""
+        import torch
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+        attn, x = rec["attn"], rec["x"]
+        ix = attn.indexer
+        cos, sin = rec["pe"]
+        with torch.no_grad():
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        B, S, _ = x.shape
+        r = ix.qk_rope_head_dim
+        q = ix.wq_b(q_resid).view(B, S, ix.n_heads, ix.head_dim)
+        q_rot, q_pass = torch.split(q, [r, ix.head_dim - r], dim=-1)
+        k = ix.k_norm(ix.wk(x)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [r, ix.head_dim - r], dim=-1)
+        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1).float()  # [B, S, Hi, Di]
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2).float()  # [B, T, Di]
+        s = torch.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * ix.softmax_scale)  # [B, S, Hi, T]
+        w = ix.weights_proj(x).float() * (ix.n_heads**-0.5)  # [B, S, Hi]
+        return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, T]
+
+    @staticmethod
+    def _dense_probs(rec: dict) -> Any:
+        """The layer's attention over every visible key, head mean [B, S, T]: HF's eager attention
+        recomputed from the layer's own modules with the causal / padding mask alone."""
+        import torch
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+        attn, x, mask = rec["attn"], rec["x"], rec["mask"]
+        B, S, _ = x.shape
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        q = attn.q_b_proj(q_resid).view(B, S, -1, attn.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        kv = attn.kv_a_proj_with_mqa(x)
+        kv_pass, k_rot = torch.split(kv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        k_pass = attn.kv_a_layernorm(kv_pass).view(B, 1, S, attn.kv_lora_rank)
+        k_rot = k_rot.view(B, 1, S, attn.qk_rope_head_dim)
+        cos, sin = rec["pe"]
+        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        key, _ = attn.expand_kv(k_pass, k_rot)
+        query = torch.cat((q_pass, q_rot), dim=-1)
+        scores = torch.matmul(query, key.transpose(2, 3)) * attn.scaling  # [B, H, S, T]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).mean(1)

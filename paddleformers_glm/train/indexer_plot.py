@@ -1,0 +1,142 @@
+"""``glm52 plot-indexer OUT``: how well the DSA indexer selects, drawn from ``OUT/loss.json``.
+
+Left: a layer x step heatmap of the top-k recall (the share of a layer's dense attention mass on
+the keys its indexer selected; 1 = the selection misses nothing).  Right: the indexer KL per layer
+per step (log scale), each stage's first step marked.  A warm-up should show recall rising and KL
+falling.  ``OUT/indexer.json`` gets the same numbers by layer (written first, so that a machine
+without matplotlib still gets them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["indexer_curves", "plot_indexer", "register_plot_indexer"]
+
+
+def _indexer_block(loss_json: str) -> dict[str, Any]:
+    with open(loss_json, encoding="utf-8") as f:
+        data = json.load(f)
+    block = data.get("indexer")
+    if not block:
+        raise ValueError(
+            f"{loss_json}: no 'indexer' block (a run with --indexer-stage none, or of a model without a DSA indexer?)"
+        )
+    for key in ("layers", "steps", "kl", "recall"):
+        if key not in block:
+            raise ValueError(f"{loss_json}: 'indexer' lacks {key!r}")
+    n, m = len(block["steps"]), len(block["layers"])
+    for key in ("kl", "recall"):
+        rows = block[key]
+        if len(rows) != n or any(len(r) != m for r in rows):
+            got = f"{len(rows)} x {sorted({len(r) for r in rows})}"
+            raise ValueError(f"{loss_json}: 'indexer.{key}' is {got}, expected [steps={n}][layers={m}]")
+    if not n:
+        raise ValueError(f"{loss_json}: 'indexer' has no steps (the run trained no indexer step)")
+    return block
+
+
+def indexer_curves(loss_json: str) -> dict[str, Any]:
+    """The run's indexer numbers by layer: ``recall_by_layer`` / ``kl_by_layer`` (layer id as a
+    string -> per step), ``mean_recall`` per step and its first and last value."""
+    block = _indexer_block(loss_json)
+    layers, steps = list(block["layers"]), list(block["steps"])
+    mean = block.get("mean_recall") or [sum(r) / len(r) for r in block["recall"]]
+    return {
+        "source": os.path.abspath(loss_json),
+        "stage": block.get("stage"),
+        "stages": block.get("stages", []),
+        "layers": layers,
+        "steps": steps,
+        "recall_by_layer": {str(i): [row[j] for row in block["recall"]] for j, i in enumerate(layers)},
+        "kl_by_layer": {str(i): [row[j] for row in block["kl"]] for j, i in enumerate(layers)},
+        "mean_recall": list(mean),
+        "recall_first_last": {"first": mean[0], "last": mean[-1]},
+    }
+
+
+def plot_indexer(curves: dict[str, Any], png: str) -> str:
+    """Draw the recall heatmap and KL curves of :func:`indexer_curves` into ``png`` (atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .._io import atomic_path
+
+    layers, steps = curves["layers"], curves["steps"]
+    recall = np.asarray([curves["recall_by_layer"][str(i)] for i in layers], dtype=np.float64)  # [layers, steps]
+    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    im = ax_h.imshow(recall, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax_h.set_yticks(range(len(layers)), [str(i) for i in layers])
+    tick = max(1, len(steps) // 10)
+    ax_h.set_xticks(range(0, len(steps), tick), [str(s) for s in steps[::tick]])
+    ax_h.set_xlabel("step")
+    ax_h.set_ylabel("layer")
+    first, last = curves["recall_first_last"]["first"], curves["recall_first_last"]["last"]
+    ax_h.set_title(f"top-k recall (mean {first:.3f} -> {last:.3f})")
+    fig.colorbar(im, ax=ax_h, label="attention mass on the selected keys")
+    for i in layers:
+        kl = np.asarray(curves["kl_by_layer"][str(i)], dtype=np.float64)
+        ax_c.plot(steps, np.maximum(kl, 1e-12), lw=1.2, label=f"layer {i}")
+    for st in curves["stages"][1:]:
+        ax_c.axvline(st["first_step"], ls="--", color="gray", lw=1)
+    ax_c.set_yscale("log")
+    ax_c.set_xlabel("step")
+    ax_c.set_ylabel("indexer KL")
+    names = " -> ".join(st["stage"] for st in curves["stages"]) or str(curves.get("stage"))
+    ax_c.set_title(f"indexer KL per layer ({names})")
+    ax_c.legend(loc="upper right", fontsize=8)
+    fig.suptitle(f"indexer of run {curves['source']}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return png
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .._io import write_json_atomic
+
+    loss_json = os.path.join(args.out, "loss.json") if os.path.isdir(args.out) else args.out
+    folder = os.path.dirname(os.path.abspath(loss_json))
+    png = args.png or os.path.join(folder, "indexer.png")
+    try:
+        curves = indexer_curves(loss_json)
+        write_json_atomic(os.path.join(folder, "indexer.json"), curves)
+    except (OSError, ValueError) as e:
+        print(f"plot-indexer: {e}", file=sys.stderr)
+        return 2
+    try:
+        plot_indexer(curves, png)
+    except ImportError:
+        print(
+            f"plot-indexer: wrote {os.path.join(folder, 'indexer.json')}; the PNG needs matplotlib: "
+            "pip install 'paddleformers_glm[plot]'",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as e:
+        print(f"plot-indexer: {e}", file=sys.stderr)
+        return 2
+    print(f"plot-indexer: wrote {png} (mean recall {curves['recall_first_last']['first']:.4f} -> "
+          f"{curves['recall_first_last']['last']:.4f})")  # fmt: skip
+    return 0
+
+
+def register_plot_indexer(sub: argparse._SubParsersAction) -> None:
+    """Add ``plot-indexer`` to the glm52 CLI (see cli.COMMANDS)."""
+    p = sub.add_parser(
+        "plot-indexer",
+        help="draw a training run's DSA indexer curves (layer x step recall heatmap, KL per layer) as a PNG",
+        description="Read OUT/loss.json of `glm52 train --indexer-stage ...`; write OUT/indexer.json and OUT/indexer.png.",
+    )
+    p.add_argument("out", help="training output folder (or its loss.json)")
+    p.add_argument("--png", default=None, help="where to write the PNG (default: OUT/indexer.png)")
+    p.set_defaults(func=_run)

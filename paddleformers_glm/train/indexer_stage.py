@@ -1,0 +1,153 @@
+"""The trainer's side of training the DSA indexer (``glm52 train --indexer-stage``): which stage a
+run trains, the loss terms and their weights, the per-layer report in ``loss.json``, and what a
+resume across stages keeps.  The model's side (dense warm-up, targets, KL, recall) is
+modeling/indexer_training.py; the recipe is docs/indexer.md.
+
+Stages (``--indexer-stage``; default: ``sparse`` when the checkpoint's ``indexer_loss_coeff`` > 0,
+else ``none``):
+
+* ``warmup``: only the indexers train (every full layer's, and the MTP layer's when it runs its
+  own); every other parameter is frozen: no gradient, no optimizer state.  The objective is the
+  dense KL alone (weight 1; the LM and MTP losses are reported with weight 0).
+* ``sparse``: the whole model trains on LM + MTP + ``--indexer-loss-coeff`` x the KL over the
+  selected keys.
+* ``none``: the LM and MTP losses only.
+
+Loss scaling (every stage; ``M`` = global batch / micro-batch size micro-batches, ``l`` over the
+layers with an indexer, ``i`` over a micro-batch's queries that see a key, ``N_m`` their number,
+summed over its sequences and over the context-parallel ranks):
+
+    L_indexer = w / M * sum_m sum_l (1 / N_m) sum_i KL_{m,l,i}
+
+Each micro-batch contributes its own per-query mean, whichever rank holds it: a pipeline stage
+adds the terms of its own layers, a context-parallel rank its queries' share of ``N_m`` (the
+count all-reduced over the cp group before dividing), a data-parallel or sharding replica its own
+micro-batches, and the trainer divides by the global ``M`` (times the factor Fleet's gradient
+averaging and ``delay_scale_loss`` expect, parallel/grads.py).  So the loss and its gradients are
+the same in every layout for a given micro-batch size; with padding, micro-batches weigh
+equally whatever their number of queries.  The per-layer KL and recall in ``loss.json`` are
+normalised the same way.
+
+Resume across stages: the weights come back whole; optimizer state comes back for the parameters
+this run trains and the checkpoint has state for (warm-up -> sparse: the indexers' moments and
+Adam step counts continue); parameters this run trains that the checkpoint has no state for start
+fresh (the backbone after a warm-up), state of parameters this run does not train is dropped.
+The learning-rate schedule (``--lr``, ``--warmup-steps``, cosine to ``--min-lr`` at ``--steps``)
+starts again at the first step of the new stage; the data continue where the checkpoint stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..modeling.indexer_training import INDEXER_STAGES, IndexerTraining, kl_term, recall_term
+from .adapter import LossSpec
+
+__all__ = [
+    "INDEXER_STAGES",
+    "IndexerSettings",
+    "indexer_loss_specs",
+    "indexer_report",
+    "indexer_step_text",
+    "pop_indexer_history",
+]
+
+_LAYER_KEY = re.compile(r"^indexer_(kl|recall)@(\d+)$")
+
+
+class IndexerSettings:
+    """A run's indexer training, resolved against the model's config: ``stage``, the KL's weight in
+    the objective, ``shared_supervision`` and the layers that run their own indexer."""
+
+    def __init__(
+        self,
+        config: Any,
+        stage: str | None = None,
+        loss_coeff: float | None = None,
+        shared_supervision: bool = False,
+    ) -> None:
+        saved = float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0)
+        if stage is None:
+            stage = "sparse" if saved > 0 else "none"
+        if stage not in INDEXER_STAGES:
+            raise ValueError(f"--indexer-stage must be one of {', '.join(INDEXER_STAGES)}, got {stage!r}")
+        if loss_coeff is not None and stage != "sparse":
+            raise ValueError(
+                f"--indexer-loss-coeff weighs the sparse stage's KL; --indexer-stage {stage} "
+                + ("trains on the dense KL alone (weight 1)" if stage == "warmup" else "has no indexer loss")
+            )
+        coeff = saved if loss_coeff is None else float(loss_coeff)
+        if stage == "sparse" and not coeff > 0:
+            raise ValueError(
+                "--indexer-stage sparse needs --indexer-loss-coeff > 0 (the checkpoint's indexer_loss_coeff is "
+                f"{saved:g}; PaddleFleet's default is 0.01, the GLM-5 recipe of Megatron-Bridge 0.001)"
+            )
+        self.training = IndexerTraining(stage, bool(shared_supervision))
+        self.stage = stage
+        self.weight = {"none": 0.0, "warmup": 1.0, "sparse": coeff}[stage]
+        self.shared_supervision = bool(shared_supervision)
+        L = int(config.num_hidden_layers)
+        own = [i for i, k in enumerate(config.indexer_types) if k == "full"]
+        if not bool(getattr(config, "index_share_for_mtp_iteration", False)):
+            own += list(range(L, L + int(getattr(config, "num_mtp_layers", 0) or 0)))
+        self.layers = own
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "loss_weight": self.weight,
+            "shared_supervision": self.shared_supervision,
+            "layers": list(self.layers),
+        }
+
+
+def indexer_loss_specs(settings: IndexerSettings) -> dict[str, LossSpec]:
+    """The indexer's loss terms: ``indexer_kl`` (the objective's, weight per stage) and per layer its
+    KL and recall (weight 0: reports), each a per-micro-batch mean (see the module docstring)."""
+    if settings.stage == "none":
+        return {}
+    specs = {"indexer_kl": LossSpec("micro_batches", weight=settings.weight, report="indexer_losses")}
+    for i in settings.layers:
+        specs[kl_term(i)] = LossSpec("micro_batches", weight=0.0, report=kl_term(i))
+        specs[recall_term(i)] = LossSpec("micro_batches", weight=0.0, report=recall_term(i))
+    return specs
+
+
+def pop_indexer_history(values: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
+    """Take the per-layer report keys (``indexer_kl@<id>``, ``indexer_recall@<id>``) out of a flat
+    loss dict: ``{"kl": {layer: [per step]}, "recall": {...}}``."""
+    out: dict[str, dict[int, list[float]]] = {"kl": {}, "recall": {}}
+    for key in [k for k in values if _LAYER_KEY.match(k)]:
+        kind, layer = _LAYER_KEY.match(key).groups()
+        out[kind][int(layer)] = list(values.pop(key))
+    return out
+
+
+def indexer_report(
+    per_layer: dict[str, dict[int, list[float]]], steps: list[int], stages: list[dict[str, Any]], settings: dict
+) -> dict[str, Any] | None:
+    """loss.json's ``indexer`` block: the stage settings, the steps that trained the indexer and per
+    step the KL and the top-k recall of every layer (``[step][layer]``, layers in ``layers`` order),
+    the mean recall per step, and each stage's first and last step."""
+    layers = sorted(per_layer["recall"])
+    if not layers and not stages:
+        return None
+    n = len(steps)
+    kl = [[per_layer["kl"][i][s] for i in layers] for s in range(n)]
+    recall = [[per_layer["recall"][i][s] for i in layers] for s in range(n)]
+    return {
+        **settings,
+        "layers": layers,
+        "steps": list(steps),
+        "kl": kl,
+        "recall": recall,
+        "mean_recall": [sum(r) / len(r) if r else math.nan for r in recall],
+        "stages": stages,
+    }
+
+
+def indexer_step_text(per_layer_recall: list[float]) -> str:
+    """The step line's part: the mean recall over the layers."""
+    return f"recall {sum(per_layer_recall) / len(per_layer_recall):.4f}"

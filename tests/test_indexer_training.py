@@ -1,0 +1,379 @@
+"""Training the DSA indexer (modeling/indexer_training.py, train/indexer_stage.py, docs/indexer.md):
+
+* the dense warm-up attends to every causal key (the forward equals a model whose top-k covers every
+  key), freezes every parameter but the indexers that run (the MTP layer's, unused under top-k
+  sharing, stays frozen; the planner's gradient / optimizer bytes equal the run's measured ones), its
+  frozen layers' routers still count their load, and its dense KL is KL(target || softmax(index
+  scores)) over every visible key, computed here independently in numpy;
+* the sparse stage's KL reaches no backbone weight (the backbone's gradients of LM + c x KL are those
+  of LM alone, bit for bit);
+* the top-k recall is 1 where the top-k covers every key, and the first full layer's recall is the
+  same from the warm-up's dense attention and from the sparse stage's recomputed one;
+* the loss scaling over micro-batches: the step's indexer loss is the mean over the micro-batches of
+  the model's own indexer loss, the same for micro-batch sizes 1, 2 and 4;
+* a run resumes in the next stage (warm-up -> sparse and back): weights whole, the indexers'
+  moments carried, the backbone's fresh, the learning-rate schedule restarted;
+* on a backbone with peaked attention (a stand-in for a trained one) under a random indexer, a
+  warm-up run raises the mean top-k recall and changes only the trained indexer tensors (the
+  export's other tensors are the source's bytes);
+* ``glm52 plot-indexer`` draws the heatmap and curves, or without matplotlib names the extra and
+  still writes the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+
+from paddleformers_glm.train.loop import TrainConfig, run_training
+
+from ._tiny import tiny_model, tokens
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+def _train(ckpt, out, steps=2, **kw) -> dict:
+    kw.setdefault("global_batch_size", 4)
+    kw.setdefault("micro_batch_size", 2)
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(ckpt)}, steps=steps, seq_len=SEQ, out=str(out), progress=False, **kw
+    )
+    return run_training(cfg)
+
+
+# ------------------------------------------------------------------ the model
+
+
+def _np_log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_dense_kl_is_the_kl_over_every_visible_key():
+    """``dense_kl_loss`` against numpy: index scores from the indexer's projections, causal and
+    padding mask, KL(target || softmax(scores)) per query, mean over queries that see a key."""
+    model = tiny_model(seed=4)
+    idx = model.model.layers[0].self_attn.core_attention.indexer
+    cfg = model.config
+    B, S = 2, 24
+    rng = np.random.default_rng(0)
+    x = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
+    ql = paddle.to_tensor(rng.standard_normal((B, S, cfg.q_lora_rank)).astype("float32"))
+    cos, sin = model.model.rope(x, None)
+    pad = np.ones((B, S), np.int64)
+    pad[1, :5] = 0  # left padding: queries 0..4 of row 1 see no key
+    q, k, w = (t.numpy() for t in idx.project(x, ql, cos, sin))
+    s = np.maximum(np.einsum("bshd,btd->bsht", q, k) * idx.softmax_scale, 0.0)
+    scores = np.einsum("bsh,bsht->bst", w, s)
+    visible = np.tril(np.ones((S, S), bool))[None] & (pad[:, None, :] > 0)
+    target = rng.random((B, S, S)) * visible
+    target = target / np.maximum(target.sum(-1, keepdims=True), 1e-30)
+    log_q = _np_log_softmax(np.where(visible, scores, -1e30))
+    kl = np.where(visible, target * (np.log(np.maximum(target, 1e-30)) - log_q), 0.0).sum(-1)
+    rows = visible.any(-1)
+    want = (kl * rows).sum() / rows.sum()
+    got = idx.dense_kl_loss(x, ql, cos, sin, paddle.to_tensor(target.astype("float32")), paddle.to_tensor(pad))
+    assert rows.sum() == B * S - 5 and abs(float(got) - want) <= 1e-5 * abs(want), (float(got), want)
+
+
+def test_warmup_attends_to_every_causal_key_and_freezes_all_but_the_indexers():
+    ids = tokens(2, SEQ, seed=5)
+    warm = tiny_model(seed=3)
+    warm.set_indexer_training("warmup")
+    warm.train()
+    dense = tiny_model(seed=3, index_topk=SEQ)  # HF's rule: a top-k over every key is dense attention
+    dense.eval()
+    a, b = warm(ids).logits.numpy(), dense(ids).logits.numpy()
+    assert np.abs(a - b).max() <= 1e-5
+    sparse = tiny_model(seed=3)
+    sparse.eval()
+    assert np.abs(a - sparse(ids).logits.numpy()).max() > 1e-3  # the tiny top-k (8 of 32) drops keys
+    trainable = {n for n, p in warm.named_parameters() if not p.stop_gradient}
+    indexers = {n for n, _ in warm.named_parameters() if ".indexer." in n}
+    assert len(indexers) == 5 * 5  # layers 0, 1, 2, 6 and the MTP layer (8) hold an indexer
+    # the MTP layer reuses the main model's top-k (index_share_for_mtp_iteration): its indexer never
+    # runs and stays frozen, as the reference drops it
+    assert trainable == {n for n in indexers if ".layers.8." not in n} and len(trainable) == 4 * 5
+    warm.set_indexer_training("sparse")
+    assert all(not p.stop_gradient for p in warm.parameters())
+
+
+def test_sparse_stage_kl_reaches_no_backbone_weight():
+    """The sparse stage trains the whole model on LM + c x KL; the KL's inputs are detached, so every
+    backbone gradient is the LM loss's alone, bit for bit, and the KL's gradients are the indexers'."""
+    ids = tokens(2, SEQ, seed=7)
+    model = tiny_model(seed=2)
+    model.set_indexer_training("sparse")
+    model.train()
+
+    def grads(with_kl: bool) -> dict[str, np.ndarray]:
+        model.clear_gradients()
+        out = model(ids, labels=ids, compute_mtp=False)
+        loss = out.loss + 0.5 * out.indexer_loss if with_kl else out.loss
+        loss.backward()
+        return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+    lm, both = grads(False), grads(True)
+    backbone = [n for n in lm if ".indexer." not in n]
+    assert backbone and all(np.array_equal(lm[n], both[n]) for n in backbone)
+    assert not any(".indexer." in n for n in lm)  # the LM loss trains no indexer (HF: no_grad top-k)
+    trained = {n for n in both if ".indexer." in n and np.abs(both[n]).max() > 0}
+    assert {int(n.split(".")[2]) for n in trained} == set(model.config.full_layer_ids)
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_recall_is_one_when_the_top_k_covers_every_key(stage):
+    model = tiny_model(seed=3, index_topk=SEQ)
+    model.set_indexer_training(stage)
+    model.train()
+    out = model.forward_stage(None, {"input_ids": tokens(2, SEQ, seed=1), "labels": tokens(2, SEQ, seed=1)})
+    recalls = {k: float(v.sum) for k, v in out.losses.items() if k.startswith("indexer_recall@")}
+    assert sorted(recalls) == [f"indexer_recall@{i}" for i in (0, 1, 2, 6)]
+    assert all(abs(r - 1.0) <= 1e-6 for r in recalls.values()), recalls
+
+
+def test_recall_from_the_warmups_dense_attention_equals_the_sparse_stages_recomputed_one():
+    """Layer 0 sees the same input in both stages: its recall from the warm-up's attention
+    probabilities (the attention form's, over every key) equals the sparse stage's, recomputed
+    densely from the latent queries and keys; below 1 (the top-k drops keys)."""
+    batch = {"input_ids": tokens(2, SEQ, seed=9), "labels": tokens(2, SEQ, seed=9)}
+    got = {}
+    for stage in ("warmup", "sparse"):
+        model = tiny_model(seed=6)
+        model.set_indexer_training(stage)
+        model.train()
+        got[stage] = float(model.forward_stage(None, batch).losses["indexer_recall@0"].sum)
+    assert 0.3 < got["warmup"] < 0.99 and abs(got["warmup"] - got["sparse"]) <= 1e-6, got
+
+
+def test_shared_supervision_averages_the_layers_reusing_a_top_k():
+    """With shared supervision a full layer's target is the mean of its own and its shared layers'
+    attention: layers 0 and 1 (no shared layer after them) keep their KL, layer 2 (shared 3, 4, 5)
+    and layer 6 (shared 7 and the MTP layer) change; the recall stays each full layer's own mass
+    when it is alone."""
+    from paddleformers_glm.modeling.indexer_training import IndexerTraining
+
+    batch = {"input_ids": tokens(2, SEQ, seed=3), "labels": tokens(2, SEQ, seed=3)}
+    out = {}
+    for shared in (False, True):
+        model = tiny_model(seed=8)
+        model.set_indexer_training(IndexerTraining("warmup", shared_supervision=shared))
+        model.train()
+        out[shared] = {k: float(v.sum) for k, v in model.forward_stage(None, batch).losses.items() if "@" in k}
+    for i in (0, 1):
+        assert out[True][f"indexer_kl@{i}"] == out[False][f"indexer_kl@{i}"]
+    for i in (2, 6):
+        assert abs(out[True][f"indexer_kl@{i}"] - out[False][f"indexer_kl@{i}"]) > 1e-6
+
+
+# ------------------------------------------------------------------ the trainer
+
+
+def test_stage_flags_are_checked_before_training(tiny_ckpt, tmp_path, capsys):
+    from paddleformers_glm.train.command import main as train_main
+
+    base = ["--model", str(tiny_ckpt), "--out", str(tmp_path), "--steps", "1"]
+    assert train_main([*base, "--indexer-stage", "sparse"]) == 2  # the checkpoint's coefficient is 0
+    assert "--indexer-loss-coeff > 0" in capsys.readouterr().err
+    assert train_main([*base, "--indexer-stage", "warmup", "--indexer-loss-coeff", "0.1"]) == 2
+    assert "weighs the sparse stage" in capsys.readouterr().err
+    assert train_main([*base, "--indexer-stage", "warmup", "--moe-bias-update-rate", "0.01"]) == 2
+    assert "freezes every parameter" in capsys.readouterr().err
+    # shared supervision: a stage opening on a shared layer (layer 4) cannot see its full layer's group
+    assert train_main([*base, "--indexer-stage", "warmup", "--indexer-shared-supervision", "--pp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--indexer-shared-supervision" in err and "starts on shared layer 4" in err and "'2,6'" in err
+
+
+def test_indexer_loss_is_the_mean_of_micro_batch_means_for_any_micro_batch_size(tiny_ckpt, tmp_path):
+    """L = 1/M sum_m KL_m (docs/indexer.md): step 1's indexer loss is the mean over the micro-batches
+    of the model's own indexer loss (no padding: every micro-batch has as many queries, so the
+    micro-batch size does not change it), and so are its gradients (the grad norm).  The tiny
+    checkpoint's KL is small (about 3e-4: a sum of terms that cancel), so fp32 rounding of a
+    different batching reaches 1e-5 of it; a wrong scaling is off by a factor of 2 or more."""
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+    from paddleformers_glm.train.data import open_data
+
+    runs = {m: _train(tiny_ckpt, tmp_path / f"mbs{m}", indexer_stage="warmup", micro_batch_size=m) for m in (1, 2, 4)}
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
+    model.set_indexer_training("warmup")
+    model.train()
+    batch = open_data(None, SEQ, model.config.vocab_size, 1234).global_batch(0, 4)
+    per_seq = [float(model(paddle.to_tensor(batch["input_ids"][i : i + 1])).indexer_loss) for i in range(4)]
+    want = sum(per_seq) / 4
+    for m, r in runs.items():
+        assert abs(r["indexer_losses"][0] - want) <= 1e-4 * want, (m, r["indexer_losses"][0], want)
+    for key in ("indexer_losses", "grad_norms"):
+        a, b, c = (np.asarray(runs[m][key]) for m in (1, 2, 4))
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max() and np.abs(a - c).max() <= 1e-4 * np.abs(a).max(), key
+    el = runs[2]["expert_load"]  # the frozen layers (run without a graph) still count their routers' load
+    assert el["layers"] == [3, 4, 5, 6, 7, 8] and all(sum(row) == 2 * 4 * SEQ * 2 for row in el["load_total"])
+    blk = runs[2]["indexer"]
+    assert blk["stage"] == "warmup" and blk["layers"] == [0, 1, 2, 6] and blk["steps"] == [1, 2]
+    assert len(blk["recall"]) == 2 and all(len(r) == 4 for r in blk["recall"])
+    assert abs(sum(blk["kl"][0]) - runs[2]["indexer_losses"][0]) <= 1e-6 * runs[2]["indexer_losses"][0]
+
+
+def test_planned_warmup_state_equals_the_runs_measured_state(tiny_ckpt, tmp_path):
+    """The warm-up's frozen backbone: gradients and optimizer state for the indexers only, as the
+    planner builds them from the model code; its activation estimate within 2x of the measured."""
+    from paddleformers_glm.configuration import GlmMoeDsaConfig
+    from paddleformers_glm.parallel.pipeline import split_stages
+    from paddleformers_glm.train import plan as planmod
+
+    got = _train(tiny_ckpt, tmp_path / "w", steps=1, indexer_stage="warmup")
+    full = _train(tiny_ckpt, tmp_path / "n", steps=1, indexer_stage="none")
+    config = GlmMoeDsaConfig.from_pretrained(str(tiny_ckpt))
+    m, mf = got["memory"][0], full["memory"][0]
+    for stage, mem in (("warmup", m), ("none", mf)):
+        lay = planmod.Layout(dtype="float32", seq_len=SEQ, micro_batch_size=2, global_batch_size=4, indexer_stage=stage)
+        p = planmod.plan_layout(config, lay)["ranks"][0]
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert p[key] == mem[key], (stage, key, p[key], mem[key])
+        est = planmod.activation_bytes(config, lay, split_stages(8, 1, has_mtp=True)[0], 2)
+        assert 0.5 <= est / mem["activations_bytes"] <= 2.0, (stage, est, mem["activations_bytes"])
+    indexer_numel = sum(
+        int(np.prod(p.shape))
+        for n, p in tiny_model().named_parameters()
+        if ".indexer." in n and int(n.split(".")[2]) in (0, 1, 2, 6)
+    )
+    assert m["grads_bytes"] == 4 * indexer_numel < mf["grads_bytes"] / 5  # the MTP indexer gets none: shared
+    assert m["optimizer_bytes"] < mf["optimizer_bytes"] / 5 and m["activations_bytes"] < mf["activations_bytes"] / 5
+
+
+def test_a_warmup_checkpoint_resumes_in_the_sparse_stage_and_back(tiny_ckpt, tmp_path):
+    """warm-up (2 steps, saved) -> sparse (steps 3-4): the indexers' moments continue (their Adam
+    step count is 3 after step 3), the backbone's start fresh (1), the learning-rate schedule starts
+    again at the stage's first step, loss.json lists both stages; sparse -> warm-up drops the
+    backbone's state. The same resume within a stage stays strict."""
+    from paddleformers_glm.train.state_files import read_rank_state
+
+    warm = tmp_path / "warm"
+    _train(tiny_ckpt, warm, steps=2, indexer_stage="warmup", save_every=2, lr=1e-3)
+    ckpt = warm / "checkpoints" / "step_00000002"
+    sparse = _train(
+        tiny_ckpt, tmp_path / "sparse", steps=4, indexer_stage="sparse", indexer_loss_coeff=0.1,
+        resume=str(ckpt), save_every=1, lr=1e-3,
+    )  # fmt: skip
+    fresh = _train(tiny_ckpt, tmp_path / "fresh", steps=2, indexer_stage="sparse", indexer_loss_coeff=0.1, lr=1e-3)
+    assert sparse["lrs"][2:] == fresh["lrs"]  # the schedule of a 2-step stage, started afresh
+    assert sparse["indexer"]["stages"] == [
+        {"stage": "warmup", "first_step": 1, "last_step": 2},
+        {"stage": "sparse", "first_step": 3, "last_step": 4},
+    ]
+    assert sparse["indexer"]["steps"] == [1, 2, 3, 4] and len(sparse["indexer"]["recall"]) == 4
+    reader, _, _ = read_rank_state(str(tmp_path / "sparse" / "checkpoints" / "step_00000003"), 0)
+    with reader:
+        b1 = {k: float(reader.numpy(k).reshape(-1)[0]) for k in reader.tensors if k.endswith("/beta1_pow_acc")}
+    steps = {k: round(math.log(v) / math.log(0.9)) - 1 for k, v in b1.items()}
+    idx = [k for k in steps if ".indexer." in k and ".layers.2." in k]
+    backbone = [k for k in steps if ".indexer." not in k and ".layers.2.self_attn.q_a_proj" in k]
+    assert idx and backbone and all(steps[k] == 3 for k in idx) and all(steps[k] == 1 for k in backbone), steps
+    # back: the sparse run's step-3 state (every parameter has moments) resumes as a warm-up, which
+    # keeps the indexers' state and leaves the backbone's weights as they are
+    s3 = tmp_path / "sparse" / "checkpoints" / "step_00000003"
+    back = _train(tiny_ckpt, tmp_path / "back", steps=4, indexer_stage="warmup", resume=str(s3), save_every=1, lr=1e-3)
+    assert [st["stage"] for st in back["indexer"]["stages"]] == ["warmup", "sparse", "warmup"]
+    reader, _, _ = read_rank_state(str(tmp_path / "back" / "checkpoints" / "step_00000004"), 0)
+    with reader:
+        names = list(reader.tensors)
+        assert not [k for k in names if k.startswith("optimizer/") and ".indexer." not in k]
+        w4 = reader.numpy("model/model.layers.2.self_attn.q_a_proj.weight")
+        b1 = float(
+            reader.numpy("optimizer/model.layers.2.self_attn.core_attention.indexer.wq_b.weight/beta1_pow_acc")[0]
+        )
+    reader, _, _ = read_rank_state(str(s3), 0)
+    with reader:
+        assert np.array_equal(w4, reader.numpy("model/model.layers.2.self_attn.q_a_proj.weight"))
+    assert round(math.log(b1) / math.log(0.9)) - 1 == 4
+
+
+def test_plot_indexer_writes_json_and_png_or_names_the_plot_extra(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from paddleformers_glm.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    block = {
+        "stage": "warmup", "loss_weight": 1.0, "shared_supervision": False, "layers": [0, 1, 2, 6],
+        "steps": [1, 2, 3], "kl": [[4.0, 3.0, 2.0, 1.0], [3.0, 2.5, 1.5, 0.8], [2.0, 2.0, 1.0, 0.5]],
+        "recall": [[0.4, 0.5, 0.6, 0.7], [0.6, 0.7, 0.8, 0.9], [0.8, 0.9, 0.95, 0.97]],
+        "mean_recall": [0.55, 0.75, 0.905], "stages": [{"stage": "warmup", "first_step": 1, "last_step": 3}],
+    }  # fmt: skip
+    (run / "loss.json").write_text(json.dumps({"losses": [1.0, 1.0, 1.0], "indexer": block}))
+    assert main(["plot-indexer", str(run)]) == 0
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(str(run / "indexer.png"))
+    assert img.ndim == 3 and img.shape[1] > 400 and float(np.std(img[..., :3])) > 0.05
+    doc = json.loads((run / "indexer.json").read_text())
+    assert doc["layers"] == [0, 1, 2, 6] and doc["recall_by_layer"]["6"] == [0.7, 0.9, 0.97]
+    assert doc["recall_first_last"] == {"first": 0.55, "last": 0.905}
+    (run / "indexer.json").unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    capsys.readouterr()
+    assert main(["plot-indexer", str(run), "--png", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "paddleformers_glm[plot]" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (run / "indexer.json").is_file() and not (tmp_path / "x.png").exists()
+    (run / "loss.json").write_text(json.dumps({"losses": [1.0]}))
+    assert main(["plot-indexer", str(run)]) == 2
+    assert "no 'indexer' block" in capsys.readouterr().err
+
+
+def _mean_recall(model_dir, batch) -> float:
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(model_dir), dtype="float32")
+    model.set_indexer_training("warmup")
+    model.train()
+    losses = model.forward_stage(None, batch).losses
+    recalls = [float(v.sum) for k, v in losses.items() if k.startswith("indexer_recall@")]
+    return sum(recalls) / len(recalls)
+
+
+def test_a_warmup_raises_the_recall_and_changes_only_the_trained_indexers(tiny_ckpt, tmp_path):
+    """A backbone with peaked attention (the tiny checkpoint in fp32, its query projections scaled
+    by 30: a stand-in for a trained backbone, whose attention is far from uniform) under a random
+    indexer: 8 warm-up steps raise the mean top-k recall on a fixed batch, and the export differs
+    from the source only in the indexer tensors of the full layers (0, 1, 2, 6): the backbone and
+    the MTP layer's unused indexer are the source's bytes."""
+    from safetensors.numpy import load_file, save_file
+
+    from paddleformers_glm.checkpoint.convert import convert_checkpoint
+
+    src = tmp_path / "peaked"
+    convert_checkpoint(tiny_ckpt, src, layout="hf", dtype="float32")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))  # the export keeps fp32
+    for f in src.glob("*.safetensors"):
+        t = load_file(str(f))
+        t = {k: v * 30 if k.endswith("self_attn.q_b_proj.weight") else v for k, v in t.items()}
+        save_file(t, str(f), metadata={"format": "pt"})
+    run = _train(src, tmp_path / "warm", steps=8, indexer_stage="warmup", lr=3e-2, warmup_steps=0, export=True)
+    assert run["indexer"]["stage"] == "warmup" and run["indexer_losses"][0] > 0.01  # peaked: a KL far from 0
+    batch = {"input_ids": tokens(4, SEQ, seed=11), "labels": tokens(4, SEQ, seed=11)}
+    before, after = _mean_recall(src, batch), _mean_recall(tmp_path / "warm" / "export", batch)
+    assert after > before + 0.004, (before, after)  # measured 0.5859 -> 0.5925
+    source, export = {}, {}
+    for f in src.glob("*.safetensors"):
+        source.update(load_file(str(f)))
+    for f in (tmp_path / "warm" / "export").glob("*.safetensors"):
+        export.update(load_file(str(f)))
+    assert set(source) == set(export)
+    changed = {k for k in source if source[k].dtype != export[k].dtype or source[k].tobytes() != export[k].tobytes()}
+    trained = {k for k in source if ".indexer." in k and k.split(".")[2] in ("0", "1", "2", "6")}
+    assert changed == trained, sorted(changed ^ trained)
