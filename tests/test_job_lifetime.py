@@ -115,6 +115,22 @@ def test_a_user_signal_blames_nobody_and_its_victims_are_not_culprits(tmp_path):
     assert (d.rank, d.cause) == (None, "signal") and d.message == "stopped by SIGTERM to the launcher"
 
 
+def test_a_peer_seen_gone_during_the_launchers_teardown_is_not_a_culprit(tmp_path):
+    """SIGINT to the launcher: while it tears the job down, rank 1 is stopped a moment after
+    rank 0 and records rank 0 gone.  That is the teardown, not a death: the signal is the cause
+    (seen once in the full suite before the launcher recorded when it began stopping)."""
+    t = time.time()
+    gone = _peers("rank 1", t + 0.5, r0=("gone", None, [2, "forward"]), r1=("R", None, [2, "forward"]))
+    _rec(tmp_path, 1, "signal.json", {"rank": 1, "time": t + 0.5, "signal": "SIGTERM", "peers": gone})
+    _rec(tmp_path, 0, "pid", {"rank": 0, "pid": NO_PID})
+    stop = {"kind": "signal", "text": "SIGINT to the launcher", "time": t}
+    d = diagnose(str(tmp_path), [0, 1], stopped_by=stop)
+    assert (d.rank, d.cause) == (None, "signal") and d.message == "stopped by SIGINT to the launcher", d
+    # the same observation made before the launcher began stopping is evidence of a death
+    d = diagnose(str(tmp_path), [0, 1], stopped_by={**stop, "time": t + 1.0})
+    assert (d.rank, d.cause) == (0, "died"), d
+
+
 def test_an_error_after_a_peer_died_blames_the_dead_peer(tmp_path):
     """A survivor's error need not look like a communication failure: its own snapshot shows
     that rank 1 was gone first."""

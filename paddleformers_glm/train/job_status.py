@@ -262,7 +262,8 @@ def diagnose(
     7. the earliest communication failure; else the launcher's own reason.
 
     ``stopped_by``: why the launcher stopped the job itself (``{"kind": "timeout" | "signal" |
-    "grace" | "frozen", ...}``), None when the job ended by itself.
+    "grace" | "frozen", "time": when it began stopping, ...}``), None when the job ended by itself;
+    what the ranks saw after ``time`` is the launcher's teardown and is not evidence of a fault.
     """
     status = os.path.join(log_dir, "status")
     records = read_records(status)
@@ -271,6 +272,10 @@ def diagnose(
         key=lambda x: float(x[1].get("time") or 0),
     )
     obs = _observations(records, launcher_snapshots)
+    if stopped_by and stopped_by.get("time") is not None:  # a rank that saw a peer gone after the
+        # launcher began stopping the job saw the launcher's own teardown, not a fault
+        t_stop = float(stopped_by["time"])
+        obs = [o for o in obs if not o["by"].startswith("rank") or float(o.get("time") or 0) <= t_stop]
     beats = {r: rec.get("beat") for r, rec in records.items()}
 
     def log_tail(r: int) -> str:

@@ -314,6 +314,7 @@ def launch_workers(
                     break
         finally:
             if stopped_by is not None:
+                stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
                 snapshots.append(
                     {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
                 )
