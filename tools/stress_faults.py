@@ -12,6 +12,8 @@ Faults (``--tp 2``, rank 1, toy model):
 * ``kill``    SIGKILL of itself at step 2                 -> rank 1, cause "died"
 * ``stop``    SIGSTOP of itself at step 2 (gloo timeout)  -> rank 1, cause "stopped"
 * ``hang``    sleeps at step 2 (gloo timeout on rank 0)   -> rank 1, cause "hung"
+* ``sigint`` / ``sigterm``: the signal to the launcher once rank 1 began step 2 -> no rank,
+  cause "signal" (the ranks' view of the teardown that follows is not a death)
 * ``timeout`` sleeps at step 1, ``--job-timeout 45``      -> rank 1, cause "hung", whichever
   ends the job: the job timeout, or gloo's 30 s timeout counted from rank 0's first collective
   (a job timeout that fires before rank 0 has begun step 1 finds nobody behind: on a loaded
@@ -26,6 +28,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +47,10 @@ FAULTS = {
     "stop": (["--fault", "rank=1,step=2,kind=stop"], (1, "stopped")),
     "hang": (["--fault", "rank=1,step=2,kind=hang"], (1, "hung")),
     "timeout": (["--fault", "rank=1,step=1,kind=hang", "--job-timeout", "45"], (1, "hung")),
+    "sigint": (["--steps", "10000"], (None, "signal")),
+    "sigterm": (["--steps", "10000"], (None, "signal")),
 }
+SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
 COMMON = ["--model", "toy", "--tp", "2", "--steps", "4", "--seq-len", "16", "--global-batch-size", "4", "--no-progress"]
 
 
@@ -59,13 +65,22 @@ def run_once(fault: str, out: Path, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, "-m", "paddleformers_glm.train", *COMMON, "--out", str(out), *FAULTS[fault][0]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    cmd = [sys.executable, "-m", "paddleformers_glm.train", *COMMON, "--out", str(out), *FAULTS[fault][0]]
+    if fault in SIGNALS:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        beat = out / "logs" / "status" / "rank1.beat"
+        while p.poll() is None and time.monotonic() - t0 < timeout_s:
+            try:
+                if int(json.loads(beat.read_text()).get("step") or 0) >= 2:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        p.send_signal(SIGNALS[fault])
+        _, stderr = p.communicate(timeout=timeout_s)
+        p = subprocess.CompletedProcess(cmd, p.returncode, "", stderr)
+    else:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     secs = time.monotonic() - t0
     try:
         rec = json.loads((out / "logs" / "failure.json").read_text())
