@@ -18,6 +18,7 @@ from paddleformers_glm.parity.align import compare_dumps
 from paddleformers_glm.parity.loss_check import check_losses, detect_jumps, read_curve
 from paddleformers_glm.train.command import main as train_main
 from tests._dist.runner import env as dist_env
+from tests._reference import missing_reference_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,18 +216,9 @@ def _bf16(bits: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ end to end against torch
 
 
-def _reference_extra() -> str | None:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        return f"the reference extra (torch + transformers) is not installed: {e}"
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.reference
-@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+@pytest.mark.skipif(missing_reference_extra() is not None, reason=str(missing_reference_extra()))
 def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckpt, tmp_path):
     out = tmp_path / "align"
     cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(tiny_ckpt), "--out", str(out)]
@@ -251,7 +243,7 @@ def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckp
 
 @pytest.mark.slow
 @pytest.mark.reference
-@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+@pytest.mark.skipif(missing_reference_extra() is not None, reason=str(missing_reference_extra()))
 def test_align_with_idle_experts_bias_updates_and_the_indexer_kl_matches_the_reference(tmp_path):
     """One process, sequence 16 (experts go idle), the expert-bias updates and the indexer KL loss
     on: the reference trainer implements both from the trainer's documented rules, and every loss
@@ -278,7 +270,7 @@ def test_align_with_idle_experts_bias_updates_and_the_indexer_kl_matches_the_ref
 
 @pytest.mark.slow
 @pytest.mark.reference
-@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+@pytest.mark.skipif(missing_reference_extra() is not None, reason=str(missing_reference_extra()))
 def test_align_indexer_warmup_with_shared_supervision_matches_the_reference(tiny_ckpt, tmp_path):
     """The indexer's dense warm-up (backbone frozen, dense attention, dense KL) with shared-layer
     supervision, one process, 3 steps at sequence 32 (> index_topk 8: the recall is below 1): the

@@ -14,6 +14,7 @@ import pytest
 from paddleformers_glm.checkpoint.safetensors_io import parse_header
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses, run_train_cli, worker_logs
+from tests._reference import missing_reference_extra
 from tests.test_cpu_bf16 import MODEL_PATH_OPS
 
 SEQ, GBS, MBS, STEPS = 32, 4, 1, 5
@@ -95,18 +96,9 @@ def test_glm_bf16_headline_layout_trains_and_exports_official_dtypes(tiny_ckpt, 
     assert {d for k, d in out.items() if not k.endswith("e_score_correction_bias")} == {"BF16"}
 
 
-def _reference_extra() -> str | None:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        return f"the reference extra (torch + transformers) is not installed: {e}"
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.reference
-@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+@pytest.mark.skipif(missing_reference_extra() is not None, reason=str(missing_reference_extra()))
 def test_align_runs_in_bf16_and_reports_the_drift(tiny_ckpt, tmp_path):
     """``glm52 align --dtype bfloat16``: both runs in bf16 (fp32 masters), every comparison made and
     reported; no 100/100 requirement. The losses stay within bf16 drift of the reference (measured:

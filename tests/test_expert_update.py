@@ -25,6 +25,7 @@ from paddleformers_glm.parallel.grads import GradSynchronizer
 from paddleformers_glm.parallel.topology import get_topology, set_topology
 from paddleformers_glm.train.dump import adam_moments
 from paddleformers_glm.train.optim import AdamW
+from tests._reference import missing_reference_extra
 from tests._tiny import tiny_config
 
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
@@ -54,16 +55,8 @@ def assert_close_rel(got: np.ndarray, want: np.ndarray, tol: float, what: str) -
     assert err <= tol, (what, err)
 
 
-def _reference_extra() -> str | None:
-    try:
-        import torch  # noqa: F401
-    except ImportError as e:
-        return f"torch is not installed: {e}"
-    return None
-
-
 @pytest.mark.reference
-@pytest.mark.skipif(_reference_extra() is not None, reason=str(_reference_extra()))
+@pytest.mark.skipif(missing_reference_extra(("torch",)) is not None, reason=str(missing_reference_extra(("torch",))))
 def test_fused_adamw_is_torch_adamw():
     import torch
 
