@@ -73,14 +73,19 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     report = os.path.join(args.out, "compare.json")
     weights = [os.path.join(finals[n], "weights") for n in ("plain", "perturbed")]
-    subprocess.run([sys.executable, "-m", "paddleformers_glm.cli", "check-ckpt", *weights, "--json", report, "--quiet"], stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "paddleformers_glm.cli", "check-ckpt", *weights, "--json", report, "--quiet"],
+        stdout=subprocess.DEVNULL,
+    )
     with open(report, encoding="utf-8") as f:
         diffs = [d for d in json.load(f)["differences"] if "max_abs_diff" in d]
     worst = max(diffs, key=lambda d: d["max_abs_diff"], default=None)
     if worst is None:
         print(f"{args.ulps:g} ulp in the target: last weights identical")
     else:
-        print(f"{args.ulps:g} ulp in the target: last weights differ by up to {worst['max_abs_diff']:.3g} ({worst['key']})")
+        print(
+            f"{args.ulps:g} ulp in the target: last weights differ by up to {worst['max_abs_diff']:.3g} ({worst['key']})"
+        )
     return 0
 
 
