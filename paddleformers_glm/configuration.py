@@ -255,6 +255,15 @@ def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"GlmMoeDsaConfig: `{key}`: {msg}")
 
 
+def _layer_list(key: str, given: Any, kinds: tuple[str, str], L: int) -> list[str]:
+    """A per-layer list from the config file, checked: one of ``kinds`` per decoder layer."""
+    if not isinstance(given, (list, tuple)) or not all(isinstance(t, str) for t in given) or set(given) - set(kinds):
+        raise _err(key, f"must be a list of '{kinds[0]}'/'{kinds[1]}', got {given!r}")
+    if len(given) != L:
+        raise _err(key, f"has {len(given)} entries, num_hidden_layers is {L}")
+    return list(given)
+
+
 def _resolve_aliases(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Move other producers' spellings onto this config's names; two spellings must agree.
 
@@ -576,22 +585,15 @@ class GlmMoeDsaConfig:
         else:
             derived, source = None, None
         if given is not None:
-            if (
-                not isinstance(given, (list, tuple))
-                or not all(isinstance(t, str) for t in given)
-                or set(given) - {"full", "shared"}
-            ):
-                raise _err("indexer_types", f"must be a list of 'full'/'shared', got {given!r}")
-            if len(given) != L:
-                raise _err("indexer_types", f"has {len(given)} entries, num_hidden_layers is {L}")
-            if derived is not None and list(given) != derived:
+            given = _layer_list("indexer_types", given, ("full", "shared"), L)
+            if derived is not None and given != derived:
                 diff = [i for i, (a, b) in enumerate(zip(given, derived)) if a != b]
                 raise _err(
                     "indexer_types",
                     f"disagrees with {source} at layers {diff[:8]}{'...' if len(diff) > 8 else ''} "
                     f"(list says {given[diff[0]]!r} at layer {diff[0]}, {source} says {derived[diff[0]]!r})",
                 )
-            derived = list(given)
+            derived = given
         if derived[0] != "full":
             raise _err("indexer_types", "layer 0 is 'shared' but must be 'full' (no earlier top-k to reuse)")
         self.indexer_types = derived
@@ -602,15 +604,7 @@ class GlmMoeDsaConfig:
         derived = ["dense" if i < k or (i - k) % freq else "sparse" for i in range(L)]
         given = self._given_mlp_layer_types
         if given is not None:
-            if (
-                not isinstance(given, (list, tuple))
-                or not all(isinstance(t, str) for t in given)
-                or set(given) - {"dense", "sparse"}
-            ):
-                raise _err("mlp_layer_types", f"must be a list of 'dense'/'sparse', got {given!r}")
-            if len(given) != L:
-                raise _err("mlp_layer_types", f"has {len(given)} entries, num_hidden_layers is {L}")
-            derived = list(given)
+            derived = _layer_list("mlp_layer_types", given, ("dense", "sparse"), L)
         self.mlp_layer_types = derived
 
     def _validate_parallel(self) -> None:
