@@ -109,12 +109,11 @@ class CausalLMOutput:
 
 
 # ---------------------------------------------------------------------------------------------- losses
-def shift_labels(labels: paddle.Tensor, shift: int) -> paddle.Tensor:
-    """HF's causal shift: position i's target is labels[i + shift] ([B, S]; past the end: ignored)."""
+def shift_labels(labels: paddle.Tensor, shift: int, fill: int = IGNORE_INDEX) -> paddle.Tensor:
+    """HF's causal shift: position i's target is labels[i + shift] ([B, S]; past the end: ``fill``,
+    ignored)."""
     B, S = labels.shape
-    return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)[
-        :, :S
-    ]
+    return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], fill, dtype=labels.dtype)], 1)[:, :S]
 
 
 def token_loss(logits: paddle.Tensor, target: paddle.Tensor, vocab_parallel: bool, group: Any = None) -> LossTerm:
@@ -593,15 +592,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             if part.has_head:
                 hidden = self.model.norm(hidden)
                 if part.has_mtp and with_mtp:
-                    ids = batch["input_ids"]
-                    B, S = ids.shape
                     h = hidden
                     for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
                         shifted = batch.get(f"cp_ids_{d}")
                         if shifted is None:
-                            shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[
-                                :, :S
-                            ]
+                            shifted = shift_labels(batch["input_ids"], d, fill=0)
                         h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
                         if rec is not None:
                             records.append((self.config.num_hidden_layers + d - 1, rec))
@@ -623,10 +618,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         the last stage the loss terms (sums and token counts over vocab-parallel logits)."""
         spec = part or self.stage
         ids = batch["input_ids"]  # [B, S]
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
-        cos, sin = self.model.rotary_emb(pos)
+        cos, sin = self.model.rope(ids, batch.get("position_ids"))
         hidden, topk = None, None
         if not spec.has_embedding:
             hidden, topk = carry
