@@ -1028,7 +1028,11 @@ PD_BUILD_OP(glm_head_matmul_backward)
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
-#define GLM_HAVE_SSE2 1  // without it the tile loops run the scalar edges only
+#define GLM_HAVE_SSE2 1
+#define GLM_VEC __m128i
+#else
+struct GlmNoVector {};  // without SSE2 the tile loops run the scalar edges only
+#define GLM_VEC GlmNoVector
 #endif
 #define GLM_TILE 64
 #define GLM_MIN(a, b) ((a) < (b) ? (a) : (b))
@@ -1099,16 +1103,29 @@ void transpose_tiles(const S *src, D *dst, size_t rows, size_t cols, size_t lds,
 }
 
 void no_block(const void *, size_t, void *, size_t) {}
+
+// The 16-bit transposes: 8 x 8 blocks through t8x8, whose 8 columns `o` `store(d, o, ldd)` writes (as 16
+// bits, or widened to 32).
+template <class D, class Store, class Edge>
+void transpose16(const uint16_t *src, D *dst, size_t rows, size_t cols, size_t lds, size_t ldd, Store store,
+                 Edge edge) {
+  auto block = [store](const uint16_t *s, size_t lds, D *d, size_t ldd) {
+#ifdef GLM_HAVE_SSE2
+    __m128i o[8];
+    t8x8(s, lds, o);
+    store(d, o, ldd);
+#endif
+  };
+  transpose_tiles<8>(src, dst, rows, cols, lds, ldd, block, edge);
+}
 }  // namespace
 
 extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t rows, size_t cols, size_t lds,
                                   size_t ldd) {
-  transpose_tiles<8>(
+  transpose16(
       src, dst, rows, cols, lds, ldd,
-      [](const uint16_t *s, size_t lds, uint16_t *d, size_t ldd) {
+      [](uint16_t *d, const GLM_VEC *o, size_t ldd) {
 #ifdef GLM_HAVE_SSE2
-        __m128i o[8];
-        t8x8(s, lds, o);
         for (int i = 0; i < 8; ++i) _mm_storeu_si128((__m128i *)(d + i * ldd), o[i]);
 #endif
       },
@@ -1117,12 +1134,10 @@ extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t row
 
 extern "C" void glm52_transpose_bf16_f32(const uint16_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds,
                                          size_t ldd) {
-  transpose_tiles<8>(
+  transpose16(
       src, dst, rows, cols, lds, ldd,
-      [](const uint16_t *s, size_t lds, uint32_t *d, size_t ldd) {
+      [](uint32_t *d, const GLM_VEC *o, size_t ldd) {
 #ifdef GLM_HAVE_SSE2
-        __m128i o[8];
-        t8x8(s, lds, o);
         const __m128i zero = _mm_setzero_si128();
         for (int i = 0; i < 8; ++i) {  // zero low halves: bf16 bits become the fp32's high half
           _mm_storeu_si128((__m128i *)(d + i * ldd), _mm_unpacklo_epi16(zero, o[i]));
