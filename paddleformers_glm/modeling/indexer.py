@@ -23,7 +23,7 @@ pipeline stages).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import paddle
@@ -46,6 +46,18 @@ def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tens
     if key_padding is not None:
         valid = paddle.logical_and(valid, key_padding[:, :n_keys].astype("bool").unsqueeze(1))
     return valid
+
+
+def _query_chunks(pos: np.ndarray, start: int, chunk: int) -> Iterator[tuple[int, int, int]]:
+    """(c0, c1, kend) for the queries start.. at positions ``pos``: the runs of consecutive positions
+    (a context-parallel rank holds two) cut into chunks of at most ``chunk``; a chunk's queries see
+    the keys < kend, its last query's position + 1 (causal)."""
+    S = len(pos)
+    breaks = [start] + [r for r in range(start + 1, S) if pos[r] != pos[r - 1] + 1] + [S]
+    for lo, hi in zip(breaks, breaks[1:]):
+        for c0 in range(lo, hi, chunk):
+            c1 = min(hi, c0 + chunk)
+            yield c0, c1, int(pos[c1 - 1]) + 1
 
 
 def _kl_rows(scores: paddle.Tensor, p: paddle.Tensor, valid: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -173,21 +185,17 @@ class DSAIndexer(nn.Layer):
                 j = paddle.arange(k_out, dtype="int64")
                 all_keys = paddle.where(j.unsqueeze(0) <= j.unsqueeze(1), j.unsqueeze(0).expand([k_out, k_out]), -1)
                 pieces.append(all_keys.unsqueeze(0).expand([B, k_out, k_out]))
-            # runs of consecutive positions (a context-parallel rank holds two), chunked
-            breaks = [start] + [r for r in range(start + 1, S) if pos[r] != pos[r - 1] + 1] + [S]
-            for lo, hi in zip(breaks, breaks[1:]):
-                for c0 in range(lo, hi, chunk):
-                    c1 = min(hi, c0 + chunk)
-                    C, kend = c1 - c0, int(pos[c1 - 1]) + 1  # causal: keys past the chunk's last query are invisible
-                    scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # [B, C, kend]
-                    qpos = paddle.arange(c0, c1, dtype="int64") if positions is None else paddle.to_tensor(pos[c0:c1])
-                    valid = key_validity(qpos, kend, pad).expand([B, C, kend])
-                    scores = paddle.where(valid, scores, paddle.full([B, C, kend], NEG_INF, scores.dtype))
-                    if kend < T:  # one top-k over all T keys of a row, as HF takes it: equal scores (relu
-                        # zeros) then break the same way whatever the chunking (keys >= kend are masked)
-                        scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
-                    vals, idx = paddle.topk(scores, k_out, axis=-1)
-                    pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
+            for c0, c1, kend in _query_chunks(pos, start, chunk):
+                C = c1 - c0
+                scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # [B, C, kend]
+                qpos = paddle.arange(c0, c1, dtype="int64") if positions is None else paddle.to_tensor(pos[c0:c1])
+                valid = key_validity(qpos, kend, pad).expand([B, C, kend])
+                scores = paddle.where(valid, scores, paddle.full([B, C, kend], NEG_INF, scores.dtype))
+                if kend < T:  # one top-k over all T keys of a row, as HF takes it: equal scores (relu
+                    # zeros) then break the same way whatever the chunking (keys >= kend are masked)
+                    scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
+                vals, idx = paddle.topk(scores, k_out, axis=-1)
+                pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
     def chunk_rows(self, S: int, T: int) -> int:
@@ -273,17 +281,12 @@ class DSAIndexer(nn.Layer):
         pad = None if key_padding is None else key_padding.astype("bool")
         p_all = target_probs.detach().astype("float32")
         kl_sum, row_sum = None, None
-        breaks = [0] + [r for r in range(1, S) if pos[r] != pos[r - 1] + 1] + [S]
-        for lo, hi in zip(breaks, breaks[1:]):
-            for c0 in range(lo, hi, chunk):
-                c1 = min(hi, c0 + chunk)
-                C, kend = c1 - c0, int(pos[c1 - 1]) + 1
-                scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # with gradient
-                qpos = paddle.to_tensor(pos[c0:c1])
-                valid = key_validity(qpos, kend, pad).expand([B, C, kend])
-                kl, rows = _kl_rows(scores, p_all[:, c0:c1, :kend], valid)
-                part, n = (kl * rows).sum(), rows.sum()
-                kl_sum = part if kl_sum is None else kl_sum + part
-                row_sum = n if row_sum is None else row_sum + n
+        for c0, c1, kend in _query_chunks(pos, 0, chunk):
+            scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # with gradient
+            valid = key_validity(paddle.to_tensor(pos[c0:c1]), kend, pad).expand([B, c1 - c0, kend])
+            kl, rows = _kl_rows(scores, p_all[:, c0:c1, :kend], valid)
+            part, n = (kl * rows).sum(), rows.sum()
+            kl_sum = part if kl_sum is None else kl_sum + part
+            row_sum = n if row_sum is None else row_sum + n
         n = row_sum if total is None else total(row_sum)
         return kl_sum / paddle.clip(n, min=1.0)
