@@ -60,6 +60,15 @@ def _query_chunks(pos: np.ndarray, start: int, chunk: int) -> Iterator[tuple[int
             yield c0, c1, int(pos[c1 - 1]) + 1
 
 
+def query_mean(
+    per_query: paddle.Tensor, rows: paddle.Tensor, total: Callable[[paddle.Tensor], paddle.Tensor] | None = None
+) -> paddle.Tensor:
+    """The mean of ``per_query`` [B, S] over the queries with a visible key (``rows`` 1.0, else 0.0);
+    ``total`` maps this rank's count of them to the whole sequence's (context parallel)."""
+    n = rows.sum() if total is None else total(rows.sum())
+    return (per_query * rows).sum() / paddle.clip(n, min=1.0)
+
+
 def _kl_rows(scores: paddle.Tensor, p: paddle.Tensor, valid: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
     """Per query of scores [B, C, n]: KL(p || softmax(scores)) over its valid keys, and 1.0 if it has
     any (else 0.0)."""
@@ -246,8 +255,7 @@ class DSAIndexer(nn.Layer):
         s = nn.functional.relu(s)
         scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
         kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), valid)
-        n = rows.sum() if total is None else total(rows.sum())
-        return (kl * rows).sum() / paddle.clip(n, min=1.0)
+        return query_mean(kl, rows, total)
 
     def dense_kl_loss(
         self,
