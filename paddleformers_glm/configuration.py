@@ -217,6 +217,11 @@ def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> list
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """Yarn's magnitude correction for a rope scaled by ``scale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _shown(v: Any) -> str:
     text = repr(v)
     return (text[:60] + "...") if len(text) > 60 else text
@@ -308,18 +313,11 @@ class GlmMoeDsaConfig:
         # Keys that to_dict() writes back, in the source's order. A config built in Python writes the
         # full canonical key set; one loaded from a file writes exactly the file's keys (parallel and
         # library keys included, at their place), plus overrides of model keys the file lacked.
+        skip = set(_PARALLEL_DEFAULTS) | set(_LIBRARY_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES)
         if from_file:
-            skip = set(_PARALLEL_DEFAULTS) | set(_LIBRARY_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES)
             self._file_keys = file_order + [k for k in overrides if k not in file_order and k not in skip]
         else:
-            src_keys = [
-                k
-                for k in kwargs
-                if k not in _PARALLEL_DEFAULTS
-                and k not in _LIBRARY_DEFAULTS
-                and k not in _KEY_ALIASES
-                and k not in _ROPE_ALIASES
-            ]
+            src_keys = [k for k in kwargs if k not in skip]
             canon = [k for k in _FILE_DEFAULTS if k not in ("qk_head_dim",)] + ["qk_head_dim"]
             if any(k in kwargs for k in ("rope_theta", "rope_scaling")) and "rope_parameters" not in kwargs:
                 canon.remove("rope_parameters")
@@ -388,8 +386,7 @@ class GlmMoeDsaConfig:
         scale = self.qk_head_dim**-0.5
         rope = self._rope
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-            factor = float(rope["factor"])
-            m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
+            m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
             scale = scale * m * m
         return scale
 
@@ -430,14 +427,10 @@ class GlmMoeDsaConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise _err("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads")
-        if self.index_topk < 1:
-            raise _err("index_topk", f"must be >= 1, got {self.index_topk}")
         self._derive_indexer_types(L)
         self._derive_mlp_layer_types(L)
         # MoE
         E, G = self.n_routed_experts, self.n_group
-        if G < 1:
-            raise _err("n_group", f"must be >= 1, got {G}")
         if E % G:
             raise _err("n_routed_experts", f"{E} is not divisible by n_group {G}")
         if not 1 <= self.topk_group <= G:
@@ -455,8 +448,6 @@ class GlmMoeDsaConfig:
             raise _err("scoring_func", f"only 'sigmoid' is supported, got {self.scoring_func!r}")
         if self.moe_router_dtype not in ("float32", "fp32"):
             raise _err("moe_router_dtype", f"only float32 routers are supported, got {self.moe_router_dtype!r}")
-        if self.num_mtp_layers < 0:
-            raise _err("num_nextn_predict_layers", f"must be >= 0, got {self.num_nextn_predict_layers}")
         if self.attn_implementation not in _ATTN_IMPLEMENTATIONS:
             raise _err(
                 "attn_implementation", f"must be one of {_ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
