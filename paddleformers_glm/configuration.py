@@ -201,6 +201,12 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     },
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
+    # The layout fields: only their form. A config file may carry the layout of the run that wrote it
+    # (PaddleFormers saves `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by
+    # `to_fleet_config()`. Whether a layout works for this model and a world size (TP divides heads
+    # and vocab, EP the experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run
+    # is launched: `parallel.topology.ParallelConfig.validate` with the model's sizes.
+    **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
@@ -454,7 +460,6 @@ class GlmMoeDsaConfig:
             )
         if not self.use_qk_norm:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")
-        self._validate_parallel()
 
     def _normalise_rope(self) -> None:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
@@ -559,10 +564,6 @@ class GlmMoeDsaConfig:
         given = self._given_indexer_types
         pattern = self.index_topk_pattern
         has_schedule = bool({"index_topk_freq", "index_skip_topk_offset"} & self._given_keys)
-        if self.index_topk_freq is not None and int(self.index_topk_freq) < 1:
-            raise _err("index_topk_freq", f"must be >= 1, got {self.index_topk_freq}")
-        if self.index_skip_topk_offset is not None and int(self.index_skip_topk_offset) < 0:
-            raise _err("index_skip_topk_offset", f"must be >= 0, got {self.index_skip_topk_offset}")
         if pattern is not None:
             if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
                 raise _err("index_topk_pattern", f"must be a string of 'F'/'S' letters, got {pattern!r}")
@@ -597,23 +598,6 @@ class GlmMoeDsaConfig:
         if given is not None:
             derived = _layer_list("mlp_layer_types", given, ("dense", "sparse"), L)
         self.mlp_layer_types = derived
-
-    def _validate_parallel(self) -> None:
-        """Only the form of the layout fields; whether a layout fits the model is training's check.
-
-        A config file may carry the layout of the run that wrote it (PaddleFormers saves
-        `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by `to_fleet_config()`.
-        Whether a layout works for this model and a world size (TP divides heads and vocab, EP the
-        experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run is launched:
-        `parallel.topology.ParallelConfig.validate` with the model's sizes.
-        """
-        for key in _PARALLEL_DEFAULTS:
-            v = getattr(self, key)
-            if key == "sequence_parallel":
-                if not isinstance(v, bool):
-                    raise _err(key, f"must be true or false, got {v!r}")
-            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise _err(key, f"must be an integer >= 1, got {v!r}")
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
