@@ -308,10 +308,16 @@ class GlmMoeDsaModel(nn.Layer):
         cos, sin = self.rope(input_ids, position_ids)
         ids = [i for i in self.layer_ids if i < self.config.num_hidden_layers]
         hidden, topk, records = self.run_layers(ids, self.embedding(input_ids), cos, sin, attention_mask, None)
+        terms = self.end_forward(records)
+        return self.norm(hidden), topk, [terms.kl[i] for i in sorted(terms.kl)]
+
+    def end_forward(self, records: list[tuple[int, IndexerRecord]]) -> IndexerTerms:
+        """The indexer's losses from a forward's records (``run_layers``); the state the layers
+        share for one forward (the top-k's index forms, the dense selection) is released."""
         terms = indexer_terms(records, self.indexer_run.training)
         self.selections.release()
         self.indexer_run.release()
-        return self.norm(hidden), topk, [terms.kl[i] for i in sorted(terms.kl)]
+        return terms
 
 
 def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its callers
@@ -601,10 +607,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                         if rec is not None:
                             records.append((self.config.num_hidden_layers + d - 1, rec))
                         mtp_hidden.append(mtp.norm(h))
-        terms = indexer_terms(records, self.model.indexer_run.training)
-        self.model.selections.release()  # the top-k's index forms end with the forward
-        self.model.indexer_run.release()
-        return hidden, topk, terms, mtp_hidden
+        return hidden, topk, self.model.end_forward(records), mtp_hidden
 
     def forward_stage(
         self,
