@@ -201,6 +201,12 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     },
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
+    # The layout fields: only their form. A config file may carry the layout of the run that wrote it
+    # (PaddleFormers saves `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by
+    # `to_fleet_config()`. Whether a layout works for this model and a world size (TP divides heads
+    # and vocab, EP the experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run
+    # is launched: `parallel.topology.ParallelConfig.validate` with the model's sizes.
+    **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
@@ -215,6 +221,11 @@ def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> list
         raise _err("num_hidden_layers", f"expected an integer in [0, {MAX_LAYERS}], got {num_layers!r}")
     offset = max(int(offset), 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """Yarn's magnitude correction for a rope scaled by ``scale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _shown(v: Any) -> str:
@@ -253,6 +264,15 @@ def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
 
 def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"GlmMoeDsaConfig: `{key}`: {msg}")
+
+
+def _layer_list(key: str, given: Any, kinds: tuple[str, str], L: int) -> list[str]:
+    """A per-layer list from the config file, checked: one of ``kinds`` per decoder layer."""
+    if not isinstance(given, (list, tuple)) or not all(isinstance(t, str) for t in given) or set(given) - set(kinds):
+        raise _err(key, f"must be a list of '{kinds[0]}'/'{kinds[1]}', got {given!r}")
+    if len(given) != L:
+        raise _err(key, f"has {len(given)} entries, num_hidden_layers is {L}")
+    return list(given)
 
 
 def _resolve_aliases(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -299,18 +319,11 @@ class GlmMoeDsaConfig:
         # Keys that to_dict() writes back, in the source's order. A config built in Python writes the
         # full canonical key set; one loaded from a file writes exactly the file's keys (parallel and
         # library keys included, at their place), plus overrides of model keys the file lacked.
+        skip = set(_PARALLEL_DEFAULTS) | set(_LIBRARY_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES)
         if from_file:
-            skip = set(_PARALLEL_DEFAULTS) | set(_LIBRARY_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES)
             self._file_keys = file_order + [k for k in overrides if k not in file_order and k not in skip]
         else:
-            src_keys = [
-                k
-                for k in kwargs
-                if k not in _PARALLEL_DEFAULTS
-                and k not in _LIBRARY_DEFAULTS
-                and k not in _KEY_ALIASES
-                and k not in _ROPE_ALIASES
-            ]
+            src_keys = [k for k in kwargs if k not in skip]
             canon = [k for k in _FILE_DEFAULTS if k not in ("qk_head_dim",)] + ["qk_head_dim"]
             if any(k in kwargs for k in ("rope_theta", "rope_scaling")) and "rope_parameters" not in kwargs:
                 canon.remove("rope_parameters")
@@ -379,8 +392,7 @@ class GlmMoeDsaConfig:
         scale = self.qk_head_dim**-0.5
         rope = self._rope
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-            factor = float(rope["factor"])
-            m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
+            m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
             scale = scale * m * m
         return scale
 
@@ -421,14 +433,10 @@ class GlmMoeDsaConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise _err("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads")
-        if self.index_topk < 1:
-            raise _err("index_topk", f"must be >= 1, got {self.index_topk}")
         self._derive_indexer_types(L)
         self._derive_mlp_layer_types(L)
         # MoE
         E, G = self.n_routed_experts, self.n_group
-        if G < 1:
-            raise _err("n_group", f"must be >= 1, got {G}")
         if E % G:
             raise _err("n_routed_experts", f"{E} is not divisible by n_group {G}")
         if not 1 <= self.topk_group <= G:
@@ -446,15 +454,12 @@ class GlmMoeDsaConfig:
             raise _err("scoring_func", f"only 'sigmoid' is supported, got {self.scoring_func!r}")
         if self.moe_router_dtype not in ("float32", "fp32"):
             raise _err("moe_router_dtype", f"only float32 routers are supported, got {self.moe_router_dtype!r}")
-        if self.num_mtp_layers < 0:
-            raise _err("num_nextn_predict_layers", f"must be >= 0, got {self.num_nextn_predict_layers}")
         if self.attn_implementation not in _ATTN_IMPLEMENTATIONS:
             raise _err(
                 "attn_implementation", f"must be one of {_ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
             )
         if not self.use_qk_norm:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")
-        self._validate_parallel()
 
     def _normalise_rope(self) -> None:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
@@ -559,10 +564,6 @@ class GlmMoeDsaConfig:
         given = self._given_indexer_types
         pattern = self.index_topk_pattern
         has_schedule = bool({"index_topk_freq", "index_skip_topk_offset"} & self._given_keys)
-        if self.index_topk_freq is not None and int(self.index_topk_freq) < 1:
-            raise _err("index_topk_freq", f"must be >= 1, got {self.index_topk_freq}")
-        if self.index_skip_topk_offset is not None and int(self.index_skip_topk_offset) < 0:
-            raise _err("index_skip_topk_offset", f"must be >= 0, got {self.index_skip_topk_offset}")
         if pattern is not None:
             if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
                 raise _err("index_topk_pattern", f"must be a string of 'F'/'S' letters, got {pattern!r}")
@@ -576,22 +577,15 @@ class GlmMoeDsaConfig:
         else:
             derived, source = None, None
         if given is not None:
-            if (
-                not isinstance(given, (list, tuple))
-                or not all(isinstance(t, str) for t in given)
-                or set(given) - {"full", "shared"}
-            ):
-                raise _err("indexer_types", f"must be a list of 'full'/'shared', got {given!r}")
-            if len(given) != L:
-                raise _err("indexer_types", f"has {len(given)} entries, num_hidden_layers is {L}")
-            if derived is not None and list(given) != derived:
+            given = _layer_list("indexer_types", given, ("full", "shared"), L)
+            if derived is not None and given != derived:
                 diff = [i for i, (a, b) in enumerate(zip(given, derived)) if a != b]
                 raise _err(
                     "indexer_types",
                     f"disagrees with {source} at layers {diff[:8]}{'...' if len(diff) > 8 else ''} "
                     f"(list says {given[diff[0]]!r} at layer {diff[0]}, {source} says {derived[diff[0]]!r})",
                 )
-            derived = list(given)
+            derived = given
         if derived[0] != "full":
             raise _err("indexer_types", "layer 0 is 'shared' but must be 'full' (no earlier top-k to reuse)")
         self.indexer_types = derived
@@ -602,33 +596,8 @@ class GlmMoeDsaConfig:
         derived = ["dense" if i < k or (i - k) % freq else "sparse" for i in range(L)]
         given = self._given_mlp_layer_types
         if given is not None:
-            if (
-                not isinstance(given, (list, tuple))
-                or not all(isinstance(t, str) for t in given)
-                or set(given) - {"dense", "sparse"}
-            ):
-                raise _err("mlp_layer_types", f"must be a list of 'dense'/'sparse', got {given!r}")
-            if len(given) != L:
-                raise _err("mlp_layer_types", f"has {len(given)} entries, num_hidden_layers is {L}")
-            derived = list(given)
+            derived = _layer_list("mlp_layer_types", given, ("dense", "sparse"), L)
         self.mlp_layer_types = derived
-
-    def _validate_parallel(self) -> None:
-        """Only the form of the layout fields; whether a layout fits the model is training's check.
-
-        A config file may carry the layout of the run that wrote it (PaddleFormers saves
-        `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by `to_fleet_config()`.
-        Whether a layout works for this model and a world size (TP divides heads and vocab, EP the
-        experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run is launched:
-        `parallel.topology.ParallelConfig.validate` with the model's sizes.
-        """
-        for key in _PARALLEL_DEFAULTS:
-            v = getattr(self, key)
-            if key == "sequence_parallel":
-                if not isinstance(v, bool):
-                    raise _err(key, f"must be true or false, got {v!r}")
-            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise _err(key, f"must be an integer >= 1, got {v!r}")
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

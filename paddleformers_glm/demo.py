@@ -19,11 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._io import write_json_atomic
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    write_json_atomic(path, obj)
+from ._io import write_json_atomic as _write_json
 
 
 def synthetic_batch(vocab: int, batch: int, seq: int, seed: int):
@@ -91,20 +87,19 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
         receipts[name] = rep
         for line in summary_lines(rep)[:3]:
             print(f"      {name}: {line}")
-    c_hf, c_fl = receipts["hf"].get("counts", {}), receipts["fleet"].get("counts", {})
+    c_hf, fleet_counts = receipts["hf"].get("counts", {}), receipts["fleet"].get("counts", {})
     print(
         f"      hf: no tolerance: every one of the {c_hf.get('ref_tensors')} tensors hashes equal to the source's "
         f"(hash_match={receipts['hf'].get('hash_match')}): the export writes the loaded values back unchanged"
     )
     print(
-        f"      fleet: no tolerance: the same tensors under PaddleFleet's names ({c_fl.get('naming')} renamings the "
-        f"AOA mapping explains, structural={c_fl.get('structural')}, value={c_fl.get('value')})"
+        f"      fleet: no tolerance: the same tensors under PaddleFleet's names ({fleet_counts.get('naming')} renamings "
+        f"the AOA mapping explains, structural={fleet_counts.get('structural')}, value={fleet_counts.get('value')})"
     )
     summary["check_ckpt_hf"] = {
         "exit_code": receipts["hf"]["exit_code"],
         "hash_match": receipts["hf"].get("hash_match"),
     }
-    fleet_counts = receipts["fleet"].get("counts", {})
     summary["check_ckpt_fleet"] = {"exit_code": receipts["fleet"]["exit_code"], "counts": fleet_counts}
 
     model.train()
@@ -202,8 +197,12 @@ def run_training_parity(
     # each AdamW step moves a weight by at most about lr (betas 0.9 / 0.95): two runs of `steps`
     # steps from the same weights stay within 2 x steps x lr of each other, whatever their rounding
     bound = 2 * steps * TRAIN_LR
-    result["check_ckpt_trained"] = {"exit_code": ck["exit_code"], "counts": counts, "max_abs_diff": worst}
-    result["check_ckpt_trained"]["bound"] = bound
+    result["check_ckpt_trained"] = {
+        "exit_code": ck["exit_code"],
+        "counts": counts,
+        "max_abs_diff": worst,
+        "bound": bound,
+    }
     same_layout = (
         ck["exit_code"] in (0, 1)
         and counts.get("structural", 1) == 0

@@ -271,9 +271,18 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def _finite_number(name: str, v: Any) -> float:
+def _integer(name: str, v: Any, least: int, note: str = "") -> int:
+    if not _is_int(v) or v < least:
+        raise ValueError(f"generate: {name} must be an integer >= {least}{note}, got {v!r}")
+    return int(v)
+
+
+def _number(name: str, v: Any, ok: Callable[[float], bool], need: str) -> float:
+    """``v`` as a finite float for which ``ok`` holds; else an error saying it must be ``need``."""
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
         raise ValueError(f"generate: {name} must be a finite number, got {v!r}")
+    if not ok(float(v)):
+        raise ValueError(f"generate: {name} must be {need}, got {float(v)}")
     return float(v)
 
 
@@ -294,13 +303,9 @@ def check_generation_length(
     over ``max_length``; neither: HF's 20), refused when prompt + new tokens exceed the model's
     ``max_position_embeddings`` or an explicit ``max_length``. No tensor exists yet when this runs."""
     if max_new_tokens is not None:
-        if not _is_int(max_new_tokens) or max_new_tokens < 0:
-            raise ValueError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        n = int(max_new_tokens)
+        n = _integer("max_new_tokens", max_new_tokens, 0)
     elif max_length is not None:
-        if not _is_int(max_length) or max_length < 1:
-            raise ValueError(f"generate: max_length must be an integer >= 1, got {max_length!r}")
-        if max_length <= prompt_len:
+        if _integer("max_length", max_length, 1) <= prompt_len:
             raise ValueError(
                 f"generate: max_length {max_length} leaves no room after the {prompt_len}-token prompt "
                 "(max_length counts the prompt; use max_new_tokens to count new tokens only)"
@@ -344,30 +349,18 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
         mnt, ml = base.max_new_tokens, base.max_length
     new = check_generation_length(model.config, prompt_len, mnt, ml)
     mn = call.get("min_new_tokens", base.min_new_tokens if "min_length" not in call else None)
-    ml_min = get("min_length")
-    for name, v in (("min_new_tokens", mn), ("min_length", ml_min)):
-        if v is not None and (not _is_int(v) or v < 0):
-            raise ValueError(f"generate: {name} must be an integer >= 0, got {v!r}")
-    min_new = int(mn) if mn is not None else max(0, int(ml_min) - prompt_len)
+    mn = None if mn is None else _integer("min_new_tokens", mn, 0)
+    min_length = _integer("min_length", get("min_length"), 0)
+    min_new = max(0, min_length - prompt_len) if mn is None else mn
 
     do_sample = get("do_sample")
     if not isinstance(do_sample, bool):
         raise ValueError(f"generate: do_sample must be True or False, got {do_sample!r}")
-    temperature = _finite_number("temperature", get("temperature"))
-    if temperature <= 0:
-        raise ValueError(f"generate: temperature must be > 0 (use do_sample=False for greedy), got {temperature}")
-    top_k = get("top_k")
-    if not _is_int(top_k) or top_k < 0:
-        raise ValueError(f"generate: top_k must be an integer >= 0 (0: off), got {top_k!r}")
-    top_p = _finite_number("top_p", get("top_p"))
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_p must be in (0, 1] (1: off), got {top_p}")
-    rp = _finite_number("repetition_penalty", get("repetition_penalty"))
-    if rp <= 0:
-        raise ValueError(f"generate: repetition_penalty must be > 0 (1: off), got {rp}")
-    nrs = get("num_return_sequences")
-    if not _is_int(nrs) or nrs < 1:
-        raise ValueError(f"generate: num_return_sequences must be an integer >= 1, got {nrs!r}")
+    temperature = _number("temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)")
+    top_k = _integer("top_k", get("top_k"), 0, " (0: off)")
+    top_p = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+    rp = _number("repetition_penalty", get("repetition_penalty"), lambda r: r > 0, "> 0 (1: off)")
+    nrs = _integer("num_return_sequences", get("num_return_sequences"), 1)
     if nrs > 1 and not do_sample:
         raise ValueError(
             f"generate: num_return_sequences={nrs} needs do_sample=True (greedy decoding returns one sequence "
@@ -395,10 +388,10 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
         min_new=min_new,
         do_sample=do_sample,
         temperature=temperature,
-        top_k=int(top_k),
+        top_k=top_k,
         top_p=top_p,
         repetition_penalty=rp,
-        num_return_sequences=int(nrs),
+        num_return_sequences=nrs,
         use_cache=flags["use_cache"],
         eos=eos,
         pad=int(pad),

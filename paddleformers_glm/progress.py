@@ -115,7 +115,7 @@ class Progress:
         self.lines = 0
         self.closed = False
         self.bar = None
-        if not self.quiet and _isatty(self.stream):
+        if not self.quiet and on_terminal(self.stream):
             from tqdm import tqdm
 
             self.bar = tqdm(
@@ -155,7 +155,7 @@ class Progress:
         """The structured log line for the current state."""
         el = time.monotonic() - self.t0
         rate = self.bytes / el if el > 0 else 0.0
-        parts = [f"{self.unit}={self.tensors}" + (f"/{self.total_tensors}" if self.total_tensors is not None else "")]
+        parts = [self._postfix()]
         parts.append(
             f"bytes={human_bytes(self.bytes)}" + (f"/{human_bytes(self.total_bytes)}" if self.total_bytes else "")
         )
@@ -197,16 +197,12 @@ def _size(stream: TextIO) -> tuple[int, int]:
     return cols or 100, rows or 20
 
 
-def _isatty(stream: TextIO) -> bool:
+def on_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal, where a redrawn bar belongs (a log file or a pipe gets lines)."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
-
-
-def on_terminal(stream: TextIO) -> bool:
-    """Whether ``stream`` is a terminal, where a redrawn bar belongs (a log file or a pipe gets lines)."""
-    return _isatty(stream)
 
 
 def start(

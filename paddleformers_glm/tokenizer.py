@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._io import atomic_write_text
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -181,20 +183,12 @@ class GlmTokenizer:
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
         """Write tokenizer.json and tokenizer_config.json (with the chat template), atomically."""
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
         config = dict(self.config)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        written = []
-        for name, text in (
-            (TOKENIZER_FILE, self.tokenizer.to_str(pretty=True)),
-            (CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"),
-        ):
-            tmp = out / f".{name}.tmp.{os.getpid()}"
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out / name)
-            written.append(str(out / name))
+        written = [str(Path(folder) / TOKENIZER_FILE), str(Path(folder) / CONFIG_FILE)]
+        atomic_write_text(written[0], self.tokenizer.to_str(pretty=True))
+        atomic_write_text(written[1], json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         return written
 
     # ------------------------------------------------------------------ special tokens

@@ -127,7 +127,7 @@ def _classes() -> dict[str, Any]:
     ``ModelOutput``, which is imported only here)."""
     if _CLASSES:
         return _CLASSES
-    from dataclasses import dataclass
+    from dataclasses import dataclass, fields
 
     import paddle
     from paddleformers.transformers.model_outputs import ModelOutput
@@ -204,14 +204,7 @@ def _classes() -> dict[str, Any]:
                 inputs_embeds=inputs_embeds,
                 logits_to_keep=logits_to_keep,
             )
-            result = GlmCausalLMOutput(
-                loss=out.loss,
-                logits=out.logits,
-                past_key_values=out.past_key_values,
-                mtp_loss=out.mtp_loss,
-                indexer_loss=out.indexer_loss,
-                last_hidden_state=out.last_hidden_state,
-            )
+            result = GlmCausalLMOutput(**{f.name: getattr(out, f.name) for f in fields(GlmCausalLMOutput)})
             return result if return_dict is None or return_dict else result.to_tuple()
 
         def get_model_flops(self, *args: Any, **kwargs: Any) -> float:

@@ -75,11 +75,10 @@ class LayerCache:
 
     def grow(self, capacity: int, filled: int) -> None:
         """Reallocate the buffers to ``capacity`` slots, keeping the first ``filled``."""
-        if self.latent is not None and self.latent.shape[1] < capacity:
-            self.latent = _grown(self.latent, [*self.latent.shape[:1], capacity, self.latent.shape[2]], None, filled)
-        if self.index_keys is not None and self.index_keys.shape[1] < capacity:
-            shape = [self.index_keys.shape[0], capacity, self.index_keys.shape[2]]
-            self.index_keys = _grown(self.index_keys, shape, None, filled)
+        for name in ("latent", "index_keys"):
+            buf = getattr(self, name)
+            if buf is not None and buf.shape[1] < capacity:
+                setattr(self, name, _grown(buf, [buf.shape[0], capacity, buf.shape[2]], None, filled))
 
 
 def _grown(buf: paddle.Tensor | None, shape: list[int], dtype: object, keep: int) -> paddle.Tensor:

@@ -49,15 +49,12 @@ class DecoderLayer(nn.Layer):
         if cache is not None and cache.owner.length > 0:
             x, topk = self.decode(x, cos, sin, key_padding, prev_topk, cache)
             return x, topk, None
-        residual = x.astype("float32") if self.fp32_residual else x
         h, topk, rec = self.self_attn(
             self.input_layernorm(x), cos, sin, key_padding, prev_topk, reuse_topk=reuse_topk, cache=cache
         )
-        x = (residual + h.astype(residual.dtype)).astype(x.dtype)
-        residual = x.astype("float32") if self.fp32_residual else x
+        x = self._residual(x, h, x.dtype)
         h = self.mlp(self.post_attention_layernorm(x))
-        x = (residual + h.astype(residual.dtype)).astype(h.dtype)
-        return x, topk, rec
+        return self._residual(x, h, h.dtype), topk, rec
 
     def decode(
         self,
@@ -71,11 +68,13 @@ class DecoderLayer(nn.Layer):
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """A decode step of this layer: the new tokens x [B, n, H] at cache ``slots`` (default the
         cache's current ones) against the past -> (x [B, n, H], top-k used)."""
-        residual = x.astype("float32") if self.fp32_residual else x
         h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         h, topk = self.self_attn.forward_decode(h, cos, sin, key_valid, prev_topk, cache, slots)
-        x = (residual + h.astype(residual.dtype)).astype(x.dtype)
-        residual = x.astype("float32") if self.fp32_residual else x
+        x = self._residual(x, h, x.dtype)
         h = self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps))
-        x = (residual + h.astype(residual.dtype)).astype(h.dtype)
-        return x, topk
+        return self._residual(x, h, h.dtype), topk
+
+    def _residual(self, x: paddle.Tensor, h: paddle.Tensor, dtype: paddle.dtype) -> paddle.Tensor:
+        """x + h in fp32 with `fp32_residual_connection`, else in x's dtype; the sum cast to ``dtype``."""
+        residual = x.astype("float32") if self.fp32_residual else x
+        return (residual + h.astype(residual.dtype)).astype(dtype)

@@ -23,14 +23,14 @@ pipeline stages).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
-from .attention_forms import CHUNK_BYTES
+from .attention_forms import CHUNK_BYTES, gather_keys
 from .norms import LayerNorm
 from .rope import rope_concat
 
@@ -46,6 +46,36 @@ def key_validity(query_pos: paddle.Tensor, n_keys: int, key_padding: paddle.Tens
     if key_padding is not None:
         valid = paddle.logical_and(valid, key_padding[:, :n_keys].astype("bool").unsqueeze(1))
     return valid
+
+
+def _query_chunks(pos: np.ndarray, start: int, chunk: int) -> Iterator[tuple[int, int, int]]:
+    """(c0, c1, kend) for the queries start.. at positions ``pos``: the runs of consecutive positions
+    (a context-parallel rank holds two) cut into chunks of at most ``chunk``; a chunk's queries see
+    the keys < kend, its last query's position + 1 (causal)."""
+    S = len(pos)
+    breaks = [start] + [r for r in range(start + 1, S) if pos[r] != pos[r - 1] + 1] + [S]
+    for lo, hi in zip(breaks, breaks[1:]):
+        for c0 in range(lo, hi, chunk):
+            c1 = min(hi, c0 + chunk)
+            yield c0, c1, int(pos[c1 - 1]) + 1
+
+
+def query_mean(
+    per_query: paddle.Tensor, rows: paddle.Tensor, total: Callable[[paddle.Tensor], paddle.Tensor] | None = None
+) -> paddle.Tensor:
+    """The mean of ``per_query`` [B, S] over the queries with a visible key (``rows`` 1.0, else 0.0);
+    ``total`` maps this rank's count of them to the whole sequence's (context parallel)."""
+    n = rows.sum() if total is None else total(rows.sum())
+    return (per_query * rows).sum() / paddle.clip(n, min=1.0)
+
+
+def _kl_rows(scores: paddle.Tensor, p: paddle.Tensor, valid: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Per query of scores [B, C, n]: KL(p || softmax(scores)) over its valid keys, and 1.0 if it has
+    any (else 0.0)."""
+    log_q = nn.functional.log_softmax(paddle.where(valid, scores, paddle.full_like(scores, -1e30)), axis=-1)
+    log_p = paddle.log(paddle.clip(p, min=1e-30))
+    kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)
+    return kl, valid.any(axis=-1).astype("float32")
 
 
 class DSAIndexer(nn.Layer):
@@ -96,7 +126,7 @@ class DSAIndexer(nn.Layer):
         B, C, Hi, Di = q.shape
         T = k.shape[1]
         s = paddle.matmul(q.reshape([B, C * Hi, Di]), k, transpose_y=True)  # [B, C*Hi, T]
-        s = nn.functional.relu_(s)
+        s = nn.functional.relu_(s) if s.stop_gradient else nn.functional.relu(s)  # in place when nothing trains
         w = (w * self.softmax_scale).reshape([B * C, 1, Hi])
         return paddle.matmul(w, s.reshape([B * C, Hi, T])).reshape([B, C, T])
 
@@ -108,27 +138,14 @@ class DSAIndexer(nn.Layer):
         sin: paddle.Tensor,
         key_padding: paddle.Tensor | None,
         ordered: bool = True,
-        *,
-        positions: np.ndarray | None = None,
-        keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        **where: object,
     ) -> paddle.Tensor:
         """top-k key indices [B, S, min(index_topk, T)] int64 for the S queries of ``x`` over T keys,
-        -1 where the slot holds no valid key. The one selection prefill, decoding and context
-        parallel all run (`select` after `project`).
-
-        ``positions`` (int64 [S], default arange(S)): each query's position in the sequence; a query
-        sees the keys at positions <= its own (and not ``key_padding`` [B, T]). ``keys`` maps this
-        call's keys [B, S, Di] to all T keys (default: themselves, T = S): decoding appends them to
-        its cache and returns the cache, context parallel all-gathers the ranks' slices.
-
-        A row's selected keys come in descending score order (as HF's top-k gives them). With
-        `ordered=False` the caller only needs the set: the first k_out queries of a plain forward
-        (which, without padding, see at most k_out keys and so select all of them) are then
-        neither scored nor sorted, and get their keys in ascending order.
-        """
+        -1 where the slot holds no valid key: `select` (``where``: its keyword options) after `project`,
+        the one selection prefill, decoding and context parallel all run."""
         with paddle.no_grad():
             q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
-            return self.select(q, k, w, key_padding, ordered, positions=positions, keys=keys)
+            return self.select(q, k, w, key_padding, ordered, **where)
 
     def select(
         self,
@@ -144,6 +161,16 @@ class DSAIndexer(nn.Layer):
     ) -> paddle.Tensor:
         """The selection of `forward` from the projected queries q [B, S, Hi, Di], keys k [B, S, Di]
         and head weights w [B, S, Hi] (`project`).
+
+        ``positions`` (int64 [S], default arange(S)): each query's position in the sequence; a query
+        sees the keys at positions <= its own (and not ``key_padding`` [B, T]). ``keys`` maps this
+        call's keys [B, S, Di] to all T keys (default: themselves, T = S): decoding appends them to
+        its cache and returns the cache, context parallel all-gathers the ranks' slices.
+
+        A row's selected keys come in descending score order (as HF's top-k gives them). With
+        `ordered=False` the caller only needs the set: the first k_out queries of a plain forward
+        (which, without padding, see at most k_out keys and so select all of them) are then
+        neither scored nor sorted, and get their keys in ascending order.
 
         ``slots`` instead of ``positions`` (a decode step's cache slots [S] int64, a tensor): the
         keys are a whole preallocated cache [B, T = capacity, Di] of which a query sees the slots
@@ -167,21 +194,17 @@ class DSAIndexer(nn.Layer):
                 j = paddle.arange(k_out, dtype="int64")
                 all_keys = paddle.where(j.unsqueeze(0) <= j.unsqueeze(1), j.unsqueeze(0).expand([k_out, k_out]), -1)
                 pieces.append(all_keys.unsqueeze(0).expand([B, k_out, k_out]))
-            # runs of consecutive positions (a context-parallel rank holds two), chunked
-            breaks = [start] + [r for r in range(start + 1, S) if pos[r] != pos[r - 1] + 1] + [S]
-            for lo, hi in zip(breaks, breaks[1:]):
-                for c0 in range(lo, hi, chunk):
-                    c1 = min(hi, c0 + chunk)
-                    C, kend = c1 - c0, int(pos[c1 - 1]) + 1  # causal: keys past the chunk's last query are invisible
-                    scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # [B, C, kend]
-                    qpos = paddle.arange(c0, c1, dtype="int64") if positions is None else paddle.to_tensor(pos[c0:c1])
-                    valid = key_validity(qpos, kend, pad).expand([B, C, kend])
-                    scores = paddle.where(valid, scores, paddle.full([B, C, kend], NEG_INF, scores.dtype))
-                    if kend < T:  # one top-k over all T keys of a row, as HF takes it: equal scores (relu
-                        # zeros) then break the same way whatever the chunking (keys >= kend are masked)
-                        scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
-                    vals, idx = paddle.topk(scores, k_out, axis=-1)
-                    pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
+            for c0, c1, kend in _query_chunks(pos, start, chunk):
+                C = c1 - c0
+                scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # [B, C, kend]
+                qpos = paddle.arange(c0, c1, dtype="int64") if positions is None else paddle.to_tensor(pos[c0:c1])
+                valid = key_validity(qpos, kend, pad).expand([B, C, kend])
+                scores = paddle.where(valid, scores, paddle.full([B, C, kend], NEG_INF, scores.dtype))
+                if kend < T:  # one top-k over all T keys of a row, as HF takes it: equal scores (relu
+                    # zeros) then break the same way whatever the chunking (keys >= kend are masked)
+                    scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
+                vals, idx = paddle.topk(scores, k_out, axis=-1)
+                pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
     def chunk_rows(self, S: int, T: int) -> int:
@@ -226,22 +249,13 @@ class DSAIndexer(nn.Layer):
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
             k = all_keys(k)
-        B, S, K = topk_idx.shape
-        T = k.shape[1]
         valid = topk_idx >= 0
-        flat = (paddle.clip(topk_idx, min=0) + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])).reshape([-1])
-        k_sel = paddle.gather(k.reshape([B * T, -1]), flat).reshape([B, S, K, -1])  # [B, S, k, Di]
+        k_sel = gather_keys(k, topk_idx)  # [B, S, k, Di]
         s = paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale  # [B, S, Hi, k]
         s = nn.functional.relu(s)
         scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
-        scores = paddle.where(valid, scores, paddle.full_like(scores, -1e30))
-        log_q = nn.functional.log_softmax(scores, axis=-1)
-        p = target_probs.detach().astype("float32")
-        log_p = paddle.log(paddle.clip(p, min=1e-30))
-        kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)  # [B, S]
-        rows = valid.any(axis=-1).astype("float32")
-        n = rows.sum() if total is None else total(rows.sum())
-        return (kl * rows).sum() / paddle.clip(n, min=1.0)
+        kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), valid)
+        return query_mean(kl, rows, total)
 
     def dense_kl_loss(
         self,
@@ -263,36 +277,24 @@ class DSAIndexer(nn.Layer):
         (0 on keys the query does not see). The index scores of a chunk of queries are one GEMM
         against the keys up to the chunk's last position (as the selection scores them), so the
         scores are never [S, T] at once; inputs are detached (only the indexer's parameters get a
-        gradient). ``positions``, ``all_keys`` and ``total`` as in :meth:`forward` and :meth:`kl_loss`
+        gradient). ``positions``, ``all_keys`` and ``total`` as in :meth:`select` and :meth:`kl_loss`
         (context parallel: this rank's queries over every rank's keys)."""
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
             k = all_keys(k)  # [B, T, Di]
-        B, S, Hi, Di = q.shape
+        B, S, Hi, _ = q.shape
         pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
         T = k.shape[1]
         chunk = max(1, min(S, self.chunk_size, max(16, CHUNK_BYTES // 4 // (Hi * T))))
         pad = None if key_padding is None else key_padding.astype("bool")
         p_all = target_probs.detach().astype("float32")
         kl_sum, row_sum = None, None
-        breaks = [0] + [r for r in range(1, S) if pos[r] != pos[r - 1] + 1] + [S]
-        for lo, hi in zip(breaks, breaks[1:]):
-            for c0 in range(lo, hi, chunk):
-                c1 = min(hi, c0 + chunk)
-                C, kend = c1 - c0, int(pos[c1 - 1]) + 1
-                s = paddle.matmul(q[:, c0:c1].reshape([B, C * Hi, Di]), k[:, :kend], transpose_y=True)
-                s = nn.functional.relu(s).reshape([B * C, Hi, kend])  # [B*C, Hi, kend]
-                wc = (w[:, c0:c1] * self.softmax_scale).reshape([B * C, 1, Hi])
-                scores = paddle.matmul(wc, s).reshape([B, C, kend])  # index scores, with gradient
-                qpos = paddle.to_tensor(pos[c0:c1])
-                valid = key_validity(qpos, kend, pad).expand([B, C, kend])
-                log_q = nn.functional.log_softmax(paddle.where(valid, scores, paddle.full_like(scores, -1e30)), -1)
-                p = p_all[:, c0:c1, :kend]
-                log_p = paddle.log(paddle.clip(p, min=1e-30))
-                kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)  # [B, C]
-                rows = valid.any(axis=-1).astype("float32")
-                part, n = (kl * rows).sum(), rows.sum()
-                kl_sum = part if kl_sum is None else kl_sum + part
-                row_sum = n if row_sum is None else row_sum + n
+        for c0, c1, kend in _query_chunks(pos, 0, chunk):
+            scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # with gradient
+            valid = key_validity(paddle.to_tensor(pos[c0:c1]), kend, pad).expand([B, c1 - c0, kend])
+            kl, rows = _kl_rows(scores, p_all[:, c0:c1, :kend], valid)
+            part, n = (kl * rows).sum(), rows.sum()
+            kl_sum = part if kl_sum is None else kl_sum + part
+            row_sum = n if row_sum is None else row_sum + n
         n = row_sum if total is None else total(row_sum)
         return kl_sum / paddle.clip(n, min=1.0)

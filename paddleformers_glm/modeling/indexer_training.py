@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from .indexer import key_validity
+from .indexer import key_validity, query_mean
 
 __all__ = [
     "INDEXER_STAGES",
@@ -221,9 +221,7 @@ def _group_terms(members: list[IndexerRecord], training: IndexerTraining) -> tup
         with paddle.no_grad():
             mass = _dense_mass([m.dense for m in members], full.topk, inp["chunk"])
     with paddle.no_grad():
-        rows = (full.topk >= 0).any(axis=-1).astype("float32")  # [B, S]: queries with a visible key
-        n = rows.sum() if inp["total"] is None else inp["total"](rows.sum())
-        recall = (mass * rows).sum() / paddle.clip(n, min=1.0)
+        recall = query_mean(mass, (full.topk >= 0).any(axis=-1).astype("float32"), inp["total"])
     return kl, recall
 
 

@@ -109,12 +109,11 @@ class CausalLMOutput:
 
 
 # ---------------------------------------------------------------------------------------------- losses
-def shift_labels(labels: paddle.Tensor, shift: int) -> paddle.Tensor:
-    """HF's causal shift: position i's target is labels[i + shift] ([B, S]; past the end: ignored)."""
+def shift_labels(labels: paddle.Tensor, shift: int, fill: int = IGNORE_INDEX) -> paddle.Tensor:
+    """HF's causal shift: position i's target is labels[i + shift] ([B, S]; past the end: ``fill``,
+    ignored)."""
     B, S = labels.shape
-    return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], IGNORE_INDEX, dtype=labels.dtype)], 1)[
-        :, :S
-    ]
+    return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], fill, dtype=labels.dtype)], 1)[:, :S]
 
 
 def token_loss(logits: paddle.Tensor, target: paddle.Tensor, vocab_parallel: bool, group: Any = None) -> LossTerm:
@@ -309,10 +308,16 @@ class GlmMoeDsaModel(nn.Layer):
         cos, sin = self.rope(input_ids, position_ids)
         ids = [i for i in self.layer_ids if i < self.config.num_hidden_layers]
         hidden, topk, records = self.run_layers(ids, self.embedding(input_ids), cos, sin, attention_mask, None)
+        terms = self.end_forward(records)
+        return self.norm(hidden), topk, [terms.kl[i] for i in sorted(terms.kl)]
+
+    def end_forward(self, records: list[tuple[int, IndexerRecord]]) -> IndexerTerms:
+        """The indexer's losses from a forward's records (``run_layers``); the state the layers
+        share for one forward (the top-k's index forms, the dense selection) is released."""
         terms = indexer_terms(records, self.indexer_run.training)
         self.selections.release()
         self.indexer_run.release()
-        return self.norm(hidden), topk, [terms.kl[i] for i in sorted(terms.kl)]
+        return terms
 
 
 def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its callers
@@ -593,23 +598,16 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             if part.has_head:
                 hidden = self.model.norm(hidden)
                 if part.has_mtp and with_mtp:
-                    ids = batch["input_ids"]
-                    B, S = ids.shape
                     h = hidden
                     for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
                         shifted = batch.get(f"cp_ids_{d}")
                         if shifted is None:
-                            shifted = paddle.concat([ids[:, d:], paddle.zeros([B, min(d, S)], dtype=ids.dtype)], 1)[
-                                :, :S
-                            ]
+                            shifted = shift_labels(batch["input_ids"], d, fill=0)
                         h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
                         if rec is not None:
                             records.append((self.config.num_hidden_layers + d - 1, rec))
                         mtp_hidden.append(mtp.norm(h))
-        terms = indexer_terms(records, self.model.indexer_run.training)
-        self.model.selections.release()  # the top-k's index forms end with the forward
-        self.model.indexer_run.release()
-        return hidden, topk, terms, mtp_hidden
+        return hidden, topk, self.model.end_forward(records), mtp_hidden
 
     def forward_stage(
         self,
@@ -623,10 +621,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         the last stage the loss terms (sums and token counts over vocab-parallel logits)."""
         spec = part or self.stage
         ids = batch["input_ids"]  # [B, S]
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
-        cos, sin = self.model.rotary_emb(pos)
+        cos, sin = self.model.rope(ids, batch.get("position_ids"))
         hidden, topk = None, None
         if not spec.has_embedding:
             hidden, topk = carry

@@ -11,14 +11,10 @@ import math
 import numpy as np
 import paddle
 
-from ..configuration import GlmMoeDsaConfig
+from ..configuration import GlmMoeDsaConfig, yarn_mscale
 from ..ops import rope_concat, rope_heads
 
 __all__ = ["RotaryEmbedding", "apply_rope", "rope_concat", "rope_heads", "rope_inv_freq"]
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_inv_freq(config: GlmMoeDsaConfig) -> tuple[np.ndarray, float]:
@@ -44,9 +40,9 @@ def rope_inv_freq(config: GlmMoeDsaConfig) -> tuple[np.ndarray, float]:
     if attention_factor is None:
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast = rope.get("beta_fast") or 32
     beta_slow = rope.get("beta_slow") or 1
 

@@ -917,161 +917,103 @@ std::vector<std::vector<int64_t>> HeadScoresShape(const std::vector<int64_t>& x,
 }
 #endif  // GLM_WITH_MKL
 
-// Names must not end in "_grad" (Paddle reserves that suffix for registered gradient ops).
+// Names must not end in "_grad" (Paddle reserves that suffix for registered gradient ops). Paddle's
+// build reads the op names from this file's text, so each registration spells out Paddle's macro.
+// An op that makes new tensors names its kernel with the functions giving their shapes and dtypes:
+#define GLM_KERNEL(KERNEL, SHAPE, DTYPE) \
+  SetKernelFn(PD_KERNEL(KERNEL)).SetInferShapeFn(PD_INFER_SHAPE(SHAPE)).SetInferDtypeFn(PD_INFER_DTYPE(DTYPE))
+
 PD_BUILD_OP(glm_masked_softmax)
-    .Inputs({"S", "Mask"})
-    .Outputs({"Out"})
-    .SetInplaceMap({{"S", "Out"}})
+    .Inputs({"S", "Mask"}).Outputs({"Out"}).SetInplaceMap({{"S", "Out"}})
     .SetKernelFn(PD_KERNEL(MaskedSoftmax));
 
 PD_BUILD_OP(glm_softmax_backward)
-    .Inputs({"P", "DP"})
-    .Outputs({"DS"})
-    .SetInplaceMap({{"DP", "DS"}})
+    .Inputs({"P", "DP"}).Outputs({"DS"}).SetInplaceMap({{"DP", "DS"}})
     .SetKernelFn(PD_KERNEL(SoftmaxBackward));
 
 PD_BUILD_OP(glm_rms_norm)
-    .Inputs({"X", "W"})
-    .Outputs({"Y", "R"})
-    .Attrs({"eps: float"})
-    .SetKernelFn(PD_KERNEL(RmsNorm))
-    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32));
+    .Inputs({"X", "W"}).Outputs({"Y", "R"}).Attrs({"eps: float"})
+    .GLM_KERNEL(RmsNorm, RmsNormShape, TwoFloat32);
 
 PD_BUILD_OP(glm_rms_norm_backward)
-    .Inputs({"X", "W", "R", "DY"})
-    .Outputs({"DX", "DW"})
-    .SetKernelFn(PD_KERNEL(RmsNormBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormBackwardShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of4));
+    .Inputs({"X", "W", "R", "DY"}).Outputs({"DX", "DW"})
+    .GLM_KERNEL(RmsNormBackward, RmsNormBackwardShape, TwoFloat32Of4);
 
 PD_BUILD_OP(glm_topk_tables)
-    .Inputs({"TopK"})
-    .Outputs({"Rows", "Mask", "HasKey"})
-    .Attrs({"S: int64_t"})
-    .SetKernelFn(PD_KERNEL(TopkTables))
-    .SetInferShapeFn(PD_INFER_SHAPE(TopkTablesShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TopkTablesDtype));
+    .Inputs({"TopK"}).Outputs({"Rows", "Mask", "HasKey"}).Attrs({"S: int64_t"})
+    .GLM_KERNEL(TopkTables, TopkTablesShape, TopkTablesDtype);
 
 PD_BUILD_OP(glm_selection_mask)
-    .Inputs({"Sel"})
-    .Outputs({"Mask"})
-    .Attrs({"width: int64_t", "fill: float", "mean_col: bool"})
-    .SetKernelFn(PD_KERNEL(SelectionMask))
-    .SetInferShapeFn(PD_INFER_SHAPE(SelectionMaskShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of1));
+    .Inputs({"Sel"}).Outputs({"Mask"}).Attrs({"width: int64_t", "fill: float", "mean_col: bool"})
+    .GLM_KERNEL(SelectionMask, SelectionMaskShape, OneFloat32Of1);
 
 PD_BUILD_OP(glm_rope_concat)
-    .Inputs({"A", "R", "Cos", "Sin"})
-    .Outputs({"Out"})
+    .Inputs({"A", "R", "Cos", "Sin"}).Outputs({"Out"})
     .Attrs({"H: int64_t", "S: int64_t", "rope_first: bool", "interleave: bool"})
-    .SetKernelFn(PD_KERNEL(RopeConcat))
-    .SetInferShapeFn(PD_INFER_SHAPE(RopeConcatShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of4));
+    .GLM_KERNEL(RopeConcat, RopeConcatShape, OneFloat32Of4);
 
 PD_BUILD_OP(glm_rope_concat_backward)
-    .Inputs({"DOut", "Cos", "Sin"})
-    .Outputs({"DA", "DR"})
+    .Inputs({"DOut", "Cos", "Sin"}).Outputs({"DA", "DR"})
     .Attrs({"Da: int64_t", "H: int64_t", "S: int64_t", "rope_first: bool", "interleave: bool"})
-    .SetKernelFn(PD_KERNEL(RopeConcatBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(RopeConcatBackwardShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
+    .GLM_KERNEL(RopeConcatBackward, RopeConcatBackwardShape, TwoFloat32Of3In);
 
 PD_BUILD_OP(glm_cross_entropy)
-    .Inputs({"Logits", "Target"})
-    .Outputs({"Loss", "LSE"})
-    .Attrs({"ignore_index: int64_t"})
-    .SetKernelFn(PD_KERNEL(CrossEntropy))
-    .SetInferShapeFn(PD_INFER_SHAPE(CrossEntropyShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32));
+    .Inputs({"Logits", "Target"}).Outputs({"Loss", "LSE"}).Attrs({"ignore_index: int64_t"})
+    .GLM_KERNEL(CrossEntropy, CrossEntropyShape, TwoFloat32);
 
 PD_BUILD_OP(glm_cross_entropy_backward)
-    .Inputs({"Logits", "Target", "LSE", "G"})
-    .Outputs({"DLogits"})
-    .Attrs({"ignore_index: int64_t"})
-    .SetKernelFn(PD_KERNEL(CrossEntropyBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(CrossEntropyBackwardShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of4));
+    .Inputs({"Logits", "Target", "LSE", "G"}).Outputs({"DLogits"}).Attrs({"ignore_index: int64_t"})
+    .GLM_KERNEL(CrossEntropyBackward, CrossEntropyBackwardShape, OneFloat32Of4);
 
 PD_BUILD_OP(glm_swiglu)
-    .Inputs({"H", "Scale"})
-    .Outputs({"Act"})
-    .SetKernelFn(PD_KERNEL(Swiglu))
-    .SetInferShapeFn(PD_INFER_SHAPE(SwigluShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
+    .Inputs({"H", "Scale"}).Outputs({"Act"})
+    .GLM_KERNEL(Swiglu, SwigluShape, OneFloat32Of2);
 
 PD_BUILD_OP(glm_swiglu_backward)
-    .Inputs({"H", "Scale", "DAct"})
-    .Outputs({"DH", "DScale"})
-    .SetKernelFn(PD_KERNEL(SwigluBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(SwigluBackwardShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
+    .Inputs({"H", "Scale", "DAct"}).Outputs({"DH", "DScale"})
+    .GLM_KERNEL(SwigluBackward, SwigluBackwardShape, TwoFloat32Of3In);
 
 PD_BUILD_OP(glm_router_topk)
-    .Inputs({"Scores", "Bias"})
-    .Outputs({"Weights", "Ids"})
+    .Inputs({"Scores", "Bias"}).Outputs({"Weights", "Ids"})
     .Attrs({"n_group: int64_t", "topk_group: int64_t", "top_k: int64_t", "norm: bool", "scaling: float"})
-    .SetKernelFn(PD_KERNEL(RouterTopk))
-    .SetInferShapeFn(PD_INFER_SHAPE(RouterTopkShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(RouterTopkDtype));
+    .GLM_KERNEL(RouterTopk, RouterTopkShape, RouterTopkDtype);
 
 #ifdef GLM_WITH_MKL
 PD_BUILD_OP(glm_routed_rows)
-    .Inputs({"X", "Ids", "Weights", paddle::Vec("UpGate"), paddle::Vec("Down")})
-    .Outputs({"Out"})
-    .SetKernelFn(PD_KERNEL(RoutedRows))
-    .SetInferShapeFn(PD_INFER_SHAPE(RoutedRowsShape));
+    .Inputs({"X", "Ids", "Weights", paddle::Vec("UpGate"), paddle::Vec("Down")}).Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(RoutedRows)).SetInferShapeFn(PD_INFER_SHAPE(RoutedRowsShape));
 
 PD_BUILD_OP(glm_grouped_matmul)
-    .Inputs({"X", paddle::Vec("W")})
-    .Outputs({"Y"})
-    .Attrs({"counts: std::vector<int64_t>"})
-    .SetKernelFn(PD_KERNEL(GroupedMatmul))
-    .SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulShape));
+    .Inputs({"X", paddle::Vec("W")}).Outputs({"Y"}).Attrs({"counts: std::vector<int64_t>"})
+    .SetKernelFn(PD_KERNEL(GroupedMatmul)).SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulShape));
 
 PD_BUILD_OP(glm_grouped_matmul_backward)
-    .Inputs({"X", paddle::Vec("W"), "DY", paddle::Vec("DWBuf")})
-    .Outputs({"DX", paddle::Vec("DW")})
-    .SetInplaceMap({{paddle::Vec("DWBuf"), paddle::Vec("DW")}})
-    .Attrs({"counts: std::vector<int64_t>"})
-    .SetKernelFn(PD_KERNEL(GroupedMatmulBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulBackwardShape));
+    .Inputs({"X", paddle::Vec("W"), "DY", paddle::Vec("DWBuf")}).Outputs({"DX", paddle::Vec("DW")})
+    .SetInplaceMap({{paddle::Vec("DWBuf"), paddle::Vec("DW")}}).Attrs({"counts: std::vector<int64_t>"})
+    .SetKernelFn(PD_KERNEL(GroupedMatmulBackward)).SetInferShapeFn(PD_INFER_SHAPE(GroupedMatmulBackwardShape));
 
 PD_BUILD_OP(glm_head_scores)
-    .Inputs({"X", "Y"})
-    .Outputs({"S"})
+    .Inputs({"X", "Y"}).Outputs({"S"})
     .Attrs({"b: int64_t", "r0: int64_t", "r1: int64_t", "n: int64_t", "h0: int64_t", "h1: int64_t", "alpha: float"})
-    .SetKernelFn(PD_KERNEL(HeadScores))
-    .SetInferShapeFn(PD_INFER_SHAPE(HeadScoresShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
+    .GLM_KERNEL(HeadScores, HeadScoresShape, OneFloat32Of2);
 
 PD_BUILD_OP(glm_head_context)
-    .Inputs({"P", "Y", "Out"})
-    .Outputs({"OutOut"})
-    .SetInplaceMap({{"Out", "OutOut"}})
+    .Inputs({"P", "Y", "Out"}).Outputs({"OutOut"}).SetInplaceMap({{"Out", "OutOut"}})
     .Attrs({"b: int64_t", "r0: int64_t", "h0: int64_t", "alpha: float"})
     .SetKernelFn(PD_KERNEL(HeadContext));
 
 PD_BUILD_OP(glm_head_accum)
-    .Inputs({"P", "X", "Z"})
-    .Outputs({"ZOut"})
-    .SetInplaceMap({{"Z", "ZOut"}})
+    .Inputs({"P", "X", "Z"}).Outputs({"ZOut"}).SetInplaceMap({{"Z", "ZOut"}})
     .Attrs({"b: int64_t", "r0: int64_t", "h0: int64_t", "alpha: float"})
     .SetKernelFn(PD_KERNEL(HeadAccum));
 
 PD_BUILD_OP(glm_head_matmul)
-    .Inputs({"A", "W"})
-    .Outputs({"Out"})
-    .SetKernelFn(PD_KERNEL(HeadMatmul))
-    .SetInferShapeFn(PD_INFER_SHAPE(HeadMatmulShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(OneFloat32Of2));
+    .Inputs({"A", "W"}).Outputs({"Out"})
+    .GLM_KERNEL(HeadMatmul, HeadMatmulShape, OneFloat32Of2);
 
 PD_BUILD_OP(glm_head_matmul_backward)
-    .Inputs({"A", "W", "DOut"})
-    .Outputs({"DA", "DW"})
-    .SetKernelFn(PD_KERNEL(HeadMatmulBackward))
-    .SetInferShapeFn(PD_INFER_SHAPE(HeadMatmulBackwardShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(TwoFloat32Of3In));
+    .Inputs({"A", "W", "DOut"}).Outputs({"DA", "DW"})
+    .GLM_KERNEL(HeadMatmulBackward, HeadMatmulBackwardShape, TwoFloat32Of3In);
 #endif
 
 // ------------------------------------------------------------------------------ checkpoint copies
@@ -1136,43 +1078,55 @@ static inline void t8x8(const uint16_t *s, size_t lds, __m128i o[8]) {
 }
 #endif
 
-/* Each function tiles [rows, cols]; the vector part of a tile is [r0, rv) x [c0, cv), the two
-   edge calls cover [r0, rv) x [cv, c1) and [rv, r1) x [c0, c1): every element exactly once. */
 namespace {
-// The 16-bit transposes' one tile loop: 8 x 8 register blocks of [r0, rv) x [c0, cv), the edges
-// [r0, rv) x [cv, c1) and [rv, r1) x [c0, c1) by `edge`: every element exactly once. `store(d, o,
-// ldd)` writes the 8 transposed columns `o` of a block (as 16 bits, or widened to 32).
-template <class D, class Store, class Edge>
-void transpose16_tiles(const uint16_t *src, D *dst, size_t rows, size_t cols, size_t lds, size_t ldd, Store store,
-                       Edge edge) {
+// The transposes' one tile loop over [rows, cols] in GLM_TILE x GLM_TILE tiles: B x B register blocks of
+// [r0, rv) x [c0, cv) by `block(s, lds, d, ldd)` (none where B = 0 or without SSE2), the edges
+// [r0, rv) x [cv, c1) and [rv, r1) x [c0, c1) by `edge`: every element exactly once.
+template <size_t B, class S, class D, class Block, class Edge>
+void transpose_tiles(const S *src, D *dst, size_t rows, size_t cols, size_t lds, size_t ldd, Block block, Edge edge) {
   for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
     size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
     for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
       size_t c1 = GLM_MIN(c0 + GLM_TILE, cols), rv = r0, cv = c0;
 #ifdef GLM_HAVE_SSE2
-      rv = r0 + (r1 - r0) / 8 * 8;
-      cv = c0 + (c1 - c0) / 8 * 8;
-      for (size_t r = r0; r < rv; r += 8)
-        for (size_t c = c0; c < cv; c += 8) {
-          __m128i o[8];
-          t8x8(src + r * lds + c, lds, o);
-          store(dst + c * ldd + r, o, ldd);
-        }
+      if constexpr (B > 0) {
+        rv = r0 + (r1 - r0) / B * B;
+        cv = c0 + (c1 - c0) / B * B;
+        for (size_t r = r0; r < rv; r += B)
+          for (size_t c = c0; c < cv; c += B) block(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+      }
 #endif
       edge(src, dst, r0, rv, cv, c1, lds, ldd);
       edge(src, dst, rv, r1, c0, c1, lds, ldd);
     }
   }
 }
+
+void no_block(const void *, size_t, void *, size_t) {}
+
+// The 16-bit transposes: 8 x 8 blocks through t8x8, whose 8 columns `o` `store(d, o, ldd)` writes (as 16
+// bits, or widened to 32).
+template <class D, class Store, class Edge>
+void transpose16(const uint16_t *src, D *dst, size_t rows, size_t cols, size_t lds, size_t ldd, Store store,
+                 Edge edge) {
+  auto block = [store](const uint16_t *s, size_t lds, D *d, size_t ldd) {
+#ifdef GLM_HAVE_SSE2
+    __m128i o[8];
+    t8x8(s, lds, o);
+    store(d, o, ldd);
+#endif
+  };
+  transpose_tiles<8>(src, dst, rows, cols, lds, ldd, block, edge);
+}
 }  // namespace
 
 extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t rows, size_t cols, size_t lds,
                                   size_t ldd) {
-  transpose16_tiles(
+  transpose16(
       src, dst, rows, cols, lds, ldd,
-      [](uint16_t *d, const GLM_VEC *o, size_t ld) {
+      [](uint16_t *d, const GLM_VEC *o, size_t ldd) {
 #ifdef GLM_HAVE_SSE2
-        for (int i = 0; i < 8; ++i) _mm_storeu_si128((__m128i *)(d + i * ld), o[i]);
+        for (int i = 0; i < 8; ++i) _mm_storeu_si128((__m128i *)(d + i * ldd), o[i]);
 #endif
       },
       edge16);
@@ -1180,14 +1134,14 @@ extern "C" void glm52_transpose16(const uint16_t *src, uint16_t *dst, size_t row
 
 extern "C" void glm52_transpose_bf16_f32(const uint16_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds,
                                          size_t ldd) {
-  transpose16_tiles(
+  transpose16(
       src, dst, rows, cols, lds, ldd,
-      [](uint32_t *d, const GLM_VEC *o, size_t ld) {
+      [](uint32_t *d, const GLM_VEC *o, size_t ldd) {
 #ifdef GLM_HAVE_SSE2
         const __m128i zero = _mm_setzero_si128();
         for (int i = 0; i < 8; ++i) {  // zero low halves: bf16 bits become the fp32's high half
-          _mm_storeu_si128((__m128i *)(d + i * ld), _mm_unpacklo_epi16(zero, o[i]));
-          _mm_storeu_si128((__m128i *)(d + i * ld + 4), _mm_unpackhi_epi16(zero, o[i]));
+          _mm_storeu_si128((__m128i *)(d + i * ldd), _mm_unpacklo_epi16(zero, o[i]));
+          _mm_storeu_si128((__m128i *)(d + i * ldd + 4), _mm_unpackhi_epi16(zero, o[i]));
         }
 #endif
       },
@@ -1195,38 +1149,25 @@ extern "C" void glm52_transpose_bf16_f32(const uint16_t *src, uint32_t *dst, siz
 }
 
 extern "C" void glm52_transpose32(const uint32_t *src, uint32_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
-  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
-    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
-    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) {
-      size_t c1 = GLM_MIN(c0 + GLM_TILE, cols), rv = r0, cv = c0;
+  transpose_tiles<4>(
+      src, dst, rows, cols, lds, ldd,
+      [](const uint32_t *s, size_t lds, uint32_t *d, size_t ldd) {
 #ifdef GLM_HAVE_SSE2
-      rv = r0 + (r1 - r0) / 4 * 4;
-      cv = c0 + (c1 - c0) / 4 * 4;
-      for (size_t r = r0; r < rv; r += 4)
-        for (size_t c = c0; c < cv; c += 4) {
-          const uint32_t *s = src + r * lds + c;
-          __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * lds));
-          __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * lds));
-          __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * lds));
-          __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * lds));
-          __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3);
-          __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
-          uint32_t *d = dst + c * ldd + r;
-          _mm_storeu_si128((__m128i *)(d + 0 * ldd), _mm_unpacklo_epi64(t0, t1));
-          _mm_storeu_si128((__m128i *)(d + 1 * ldd), _mm_unpackhi_epi64(t0, t1));
-          _mm_storeu_si128((__m128i *)(d + 2 * ldd), _mm_unpacklo_epi64(t2, t3));
-          _mm_storeu_si128((__m128i *)(d + 3 * ldd), _mm_unpackhi_epi64(t2, t3));
-        }
+        __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * lds));
+        __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * lds));
+        __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * lds));
+        __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * lds));
+        __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3);
+        __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
+        _mm_storeu_si128((__m128i *)(d + 0 * ldd), _mm_unpacklo_epi64(t0, t1));
+        _mm_storeu_si128((__m128i *)(d + 1 * ldd), _mm_unpackhi_epi64(t0, t1));
+        _mm_storeu_si128((__m128i *)(d + 2 * ldd), _mm_unpacklo_epi64(t2, t3));
+        _mm_storeu_si128((__m128i *)(d + 3 * ldd), _mm_unpackhi_epi64(t2, t3));
 #endif
-      edge32(src, dst, r0, rv, cv, c1, lds, ldd);
-      edge32(src, dst, rv, r1, c0, c1, lds, ldd);
-    }
-  }
+      },
+      edge32);
 }
 
 extern "C" void glm52_transpose64(const uint64_t *src, uint64_t *dst, size_t rows, size_t cols, size_t lds, size_t ldd) {
-  for (size_t r0 = 0; r0 < rows; r0 += GLM_TILE) {
-    size_t r1 = GLM_MIN(r0 + GLM_TILE, rows);
-    for (size_t c0 = 0; c0 < cols; c0 += GLM_TILE) edge64(src, dst, r0, r1, c0, GLM_MIN(c0 + GLM_TILE, cols), lds, ldd);
-  }
+  transpose_tiles<0>(src, dst, rows, cols, lds, ldd, no_block, edge64);
 }
