@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -160,9 +160,6 @@ class ParallelConfig:
         _div("etp", self.etp, moe_intermediate_size, "moe_intermediate_size")
         if num_layers is not None and self.pp > num_layers:
             raise ParallelConfigError(f"pp {self.pp} > num_hidden_layers {num_layers}: a stage would have no layer")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Topology:

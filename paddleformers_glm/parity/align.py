@@ -94,6 +94,8 @@ TRAIN_FLAGS = (
     ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
 )
 INDEXER_STAGES = ("none", "warmup", "sparse")
+# the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
+LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -408,9 +410,7 @@ def run_align(args: argparse.Namespace) -> int:
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
     env = dict(os.environ)
     common = _train_args(args)
-    layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--ep", str(args.ep)]
-    layout += ["--etp", str(args.etp), "--cp", str(args.cp), "--vpp", str(args.vpp)]
-    layout += ["--sharding", str(args.sharding), "--sharding-stage", str(args.sharding_stage)]
+    layout = [x for name in LAYOUT_FLAGS for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     layout += (["--sp"] if args.sp else []) + ["--expert-update", args.expert_update]
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
@@ -626,15 +626,9 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
     p.add_argument("--out", required=True, help="output folder (reference/, paddle/, receipt/)")
     g = p.add_argument_group("Paddle layout (default: the headline TP2 x PP2 + SP)")
-    g.add_argument("--tp", type=int, default=2)
-    g.add_argument("--pp", type=int, default=2)
-    g.add_argument("--vpp", type=int, default=1)
-    g.add_argument("--dp", type=int, default=1)
-    g.add_argument("--sharding", type=int, default=1)
-    g.add_argument("--sharding-stage", type=int, default=1, choices=[1, 2])
-    g.add_argument("--cp", type=int, default=1)
-    g.add_argument("--ep", type=int, default=1)
-    g.add_argument("--etp", type=int, default=1)
+    for name, default in LAYOUT_FLAGS.items():
+        choices = [1, 2] if name == "sharding_stage" else None
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, choices=choices)
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--pp-layout", default=None)
     g.add_argument(

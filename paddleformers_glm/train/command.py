@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAIN_DEFAULTS",
     "add_indexer_arguments",
+    "add_dump_argument",
     "add_layout_arguments",
+    "add_step_arguments",
     "add_train_arguments",
     "check_inputs_before_launch",
     "config_from_args",
@@ -98,6 +100,34 @@ def add_indexer_arguments(g: Any) -> None:
     )
 
 
+def add_step_arguments(g: Any) -> None:
+    """The batch, schedule and optimizer flags ``glm52 train`` and the torch reference run
+    (parity/reference/train.py) share: one set of defaults for both."""
+    g.add_argument("--steps", type=int, default=5)
+    g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
+    g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
+
+
+def add_dump_argument(g: Any) -> None:
+    """``--dump-step DIR K`` of ``glm52 train`` and the torch reference run (train/dump.py)."""
+    g.add_argument(
+        "--dump-step",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("DIR", "K"),
+        help="after update K write gradients (before clipping), AdamW moments and weights to DIR in HF names (repeatable)",
+    )
+
+
 def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument(
@@ -114,17 +144,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--schedule", default="1f1b", choices=["1f1b"], help="pipeline schedule (Fleet's 1F1B; --vpp interleaves it)"
     )
     g = ap.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=5)
-    g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
-    g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
+    add_step_arguments(g)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
     g.add_argument(
         "--expert-update",
@@ -181,14 +201,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="relay Paddle's set-up logging (communication groups, the printed model, modified flags) to the "
         "console too; it is always in OUT/logs/workerlog.*",
     )
-    g.add_argument(
-        "--dump-step",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("DIR", "K"),
-        help="after update K write gradients (before clipping), AdamW moments and weights to DIR in HF names (repeatable)",
-    )
+    add_dump_argument(g)
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
