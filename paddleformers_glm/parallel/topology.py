@@ -162,6 +162,12 @@ class ParallelConfig:
             raise ParallelConfigError(f"pp {self.pp} > num_hidden_layers {num_layers}: a stage would have no layer")
 
 
+def _known(name: str) -> str:
+    if name not in GROUP_NAMES:
+        raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
+    return name
+
+
 class Topology:
     """Groups and ranks of this process. Use :func:`init_topology`; build directly only in tests."""
 
@@ -232,21 +238,15 @@ class Topology:
     # ---------------------------------------------------------------- sizes / ranks / groups by name
     def size(self, name: str) -> int:
         """Size of group ``name`` (one of GROUP_NAMES)."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
-        return self._sizes[name]
+        return self._sizes[_known(name)]
 
     def group(self, name: str) -> Any:
         """The ``paddle.distributed`` Group for ``name``, or None when that dimension has size 1."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
         return self._groups[name] if self.size(name) > 1 else None
 
     def rank_in(self, name: str) -> int:
         """This process's rank inside group ``name``."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
-        return self._ranks[name]
+        return self._ranks[_known(name)]
 
     @property
     def is_first_stage(self) -> bool:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
+from ..train.command import add_expert_update_argument
 
 __all__ = [
     "compare_dumps",
@@ -247,10 +248,14 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     each within ``atol``.  Both sides must report the same stage and layers."""
     from .loss_check import compare_losses
 
-    a, b = ref.get("indexer"), cand.get("indexer")
+    def trained(doc: dict[str, Any]) -> dict[str, Any] | None:  # the trainer records a stage "none" too
+        block = doc.get("indexer")
+        return block if block and block.get("stage") != "none" else None
+
+    a, b = trained(ref), trained(cand)
     if not a and not b:
         return None
-    if not a or not b or a.get("stage") == "none":
+    if not a or not b:
         return {
             "pass": False,
             "reason": "only one run trained the indexer",
@@ -602,7 +607,7 @@ def run_align(args: argparse.Namespace) -> int:
     return int(verdict["exit_code"])
 
 
-LAYOUT_KEYS = ("tp", "pp", "vpp", "dp", "sharding", "sharding_stage", "cp", "ep", "etp", "sp", "pp_layout")
+LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
 def _indexer_loss_coeff(model: str) -> float:
@@ -631,12 +636,7 @@ def register_align(sub: argparse._SubParsersAction) -> None:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, choices=choices)
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--pp-layout", default=None)
-    g.add_argument(
-        "--expert-update",
-        default="fused",
-        choices=["fused", "routed-only"],
-        help="glm52 train --expert-update (routed-only departs from the reference; docs/parity.md)",
-    )
+    add_expert_update_argument(g)
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
         choices = {"dtype": ("float32", "bfloat16"), "indexer_stage": INDEXER_STAGES}.get(name)

@@ -792,8 +792,6 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         choices=["none", "core", "full"],
         help="activation recompute, as glm52 train --recompute",
     )
-    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
-    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
     g.add_argument(
         "--indexer-stage",
         default=None,

@@ -56,7 +56,7 @@ import sys
 import time
 
 from ..._io import write_json_atomic as _write_json_atomic
-from ...train.command import add_dump_argument, add_indexer_arguments, add_step_arguments
+from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
 from .indexer import ReferenceIndexer, resolve_indexer_stage
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
@@ -80,13 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     add_dump_argument(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="bfloat16: bf16 weights and activations (HF's dtype policy, the routers and correction biases "
-        "fp32), fp32 master weights, gradients accumulated in fp32",
-    )
+    add_dtype_argument(ap, "HF's dtype policy: the routers and correction biases fp32")
     args = ap.parse_args(argv)
     for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
         if getattr(args, k) < 1:
