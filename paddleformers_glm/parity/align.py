@@ -170,19 +170,11 @@ def compare_dumps(
             v, tol = d, float(atol or 0.0)
         ok = v <= tol and near_ok
         ratio = v / tol if tol > 0 else (0.0 if v == 0 else math.inf)
+        entry = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol}
         if worst["key"] is None or ratio > worst["ratio"]:  # nearest its own tolerance
-            worst = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol, "ratio": ratio}
+            worst = {**entry, "ratio": ratio}
         if not ok:
-            bad.append(
-                {
-                    "key": k,
-                    "value": v,
-                    "max_abs_diff": d,
-                    "max_abs_ref": scale,
-                    "tolerance": tol,
-                    "near_eps_ok": near_ok,
-                }
-            )
+            bad.append({**entry, "near_eps_ok": near_ok})
     extra = {"near_eps": near} if near_eps is not None else {}
     return {
         **extra,
