@@ -86,15 +86,8 @@ class ParallelConfig:
         cp: int = 1,
     ) -> ParallelConfig:
         """Derive dp from the world size (the launcher's process count) and check the product."""
-        for name, v in (
-            ("tp", tp),
-            ("pp", pp),
-            ("ep", ep),
-            ("etp", etp),
-            ("sharding", sharding),
-            ("cp", cp),
-            ("world size", world_size),
-        ):
+        sizes = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "sharding": sharding, "cp": cp, "world size": world_size}
+        for name, v in sizes.items():
             if not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if dp is None:
