@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -234,18 +234,7 @@ def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
 
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     """The layout of this run (``dp`` derived from the world size when not given)."""
-    return ParallelConfig.from_world(
-        world,
-        tp=cfg.tp,
-        pp=cfg.pp,
-        ep=cfg.ep,
-        etp=cfg.etp,
-        sp=cfg.sp,
-        dp=cfg.dp,
-        sharding=cfg.sharding,
-        sharding_stage=cfg.sharding_stage,
-        cp=cfg.cp,
-    )
+    return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
 
 
 def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
