@@ -73,6 +73,20 @@ def test_check_loss_receipt_and_cli_report_the_jump(tmp_path, capsys):
 # ------------------------------------------------------------------ tensor tolerances
 
 
+def test_an_indexer_block_of_stage_none_counts_as_no_indexer_training():
+    """glm52 train records its indexer stage history even at stage none; the reference writes no
+    block then.  Neither trained the indexer: nothing to compare; one side training it fails."""
+    from paddleformers_glm.parity.align import compare_indexer
+
+    none = {"indexer": {"stage": "none", "layers": [], "steps": [], "kl": [], "recall": [], "mean_recall": []}}
+    assert compare_indexer({}, none, 3, 1e-4) is None and compare_indexer(none, {}, 3, 1e-4) is None
+    sparse = {"indexer": {"stage": "sparse", "layers": [0], "steps": [1], "kl": [[0.5]], "recall": [[0.9]]}}
+    sparse["indexer"]["mean_recall"] = [0.9]
+    for ref, cand in ((sparse, none), (none, sparse), ({}, sparse)):
+        c = compare_indexer(ref, cand, 1, 1e-4)
+        assert not c["pass"] and c["reason"] == "only one run trained the indexer"
+
+
 def test_compare_dumps_relative_and_absolute_per_tensor(tmp_path):
     ref = {"w": np.array([1.0, -2.0, 4.0], np.float32), "z": np.zeros(3, np.float32)}
     close = {"w": ref["w"] + np.float32(2e-5), "z": np.zeros(3, np.float32)}

@@ -41,7 +41,7 @@ def test_plot_experts_writes_a_readable_png(tmp_path, capsys):
     other = tmp_path / "elsewhere" / "plot.png"
     assert main(["plot-experts", str(out / "loss.json"), "--png", str(other)]) == 0
     assert mpimg.imread(str(other)).shape == img.shape
-    assert not list(out.glob("*.part.*"))  # written atomically
+    assert not list(out.glob(".*.tmp"))  # written atomically (no temporary file left)
 
 
 def test_plot_experts_refuses_a_run_without_expert_load(tmp_path, capsys):

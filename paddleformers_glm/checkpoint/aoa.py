@@ -169,11 +169,6 @@ class MappingUnit:
     def statements(self, direction: str) -> tuple[str, ...]:
         return getattr(self, direction)
 
-    @property
-    def renames(self) -> bool:
-        """True when some tensor is stored differently on the two sides (not a pure identity)."""
-        return self.hf != self.fleet or any(self.hf_to_fleet) or any(self.fleet_to_hf)
-
 
 def _is_identity(stmt: str) -> bool:
     parts = [p.strip() for p in stmt.split("->")]
@@ -242,6 +237,17 @@ def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]
     return out
 
 
+def _layer_values(lp: Any) -> dict[str, str]:
+    """The placeholders of a layer's statements (``EXPERT_ID`` filled per expert)."""
+    return {
+        "HF": lp.hf_prefix,
+        "FLEET": lp.fleet_prefix,
+        "LAYER": lp.hf_prefix,
+        "LAYER_ID": str(lp.index),
+        "EXPERT_ID": "",
+    }
+
+
 def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
     """The model <-> PaddleFleet adapters, expanded: ``hf`` = PaddleFleet keys, ``fleet`` = model keys."""
     E = int(config.n_routed_experts)
@@ -262,13 +268,7 @@ def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list
             continue
         for lp in layer_plan(config):
             if a["scope"] == "decoder" and _applies(a, lp, config):
-                values = {
-                    "HF": lp.hf_prefix,
-                    "FLEET": lp.fleet_prefix,
-                    "LAYER": lp.hf_prefix,
-                    "LAYER_ID": str(lp.index),
-                }
-                out.append(_make(raw, {**values, "EXPERT_ID": ""}, (_MTP_TAG,) if lp.mtp else (), lp.index))
+                out.append(_make(raw, _layer_values(lp), (_MTP_TAG,) if lp.mtp else (), lp.index))
     return out
 
 
@@ -414,13 +414,7 @@ def _expand_units(config: Any, rules: Mapping[str, Any], layout: str) -> list[Ma
             units.append(_make(u, {}, (), None))
     E = int(config.n_routed_experts)
     for lp in layer_plan(config):
-        values = {
-            "HF": lp.hf_prefix,
-            "FLEET": lp.fleet_prefix,
-            "LAYER": lp.hf_prefix,
-            "LAYER_ID": str(lp.index),
-            "EXPERT_ID": "",
-        }
+        values = _layer_values(lp)
         extra = (_MTP_TAG,) if lp.mtp else ()
         for u in raw:
             if u["scope"] == "decoder" and _applies(u, lp, config):

@@ -104,84 +104,53 @@ def _dims(c: Any) -> dict[str, int]:
     }
 
 
-def _fleet_decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool) -> dict[str, ParamSpec]:
+def _decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool, model_layout: bool) -> dict[str, ParamSpec]:
+    """One decoder layer's tensors: the model's names, ``[in, out]`` linears, fused ``up_gate_proj``
+    and an fp32 router, or the official names, ``[out, in]`` linears and separate gate/up."""
     H, M = d["H"], "model"
+
+    def linear(n_in: int, n_out: int) -> tuple[int, int]:
+        return (n_in, n_out) if model_layout else (n_out, n_in)
+
     out: dict[str, ParamSpec] = {
         f"{p}.input_layernorm.weight": ((H,), M),
         f"{p}.post_attention_layernorm.weight": ((H,), M),
-        f"{p}.self_attn.q_a_proj.weight": ((H, d["qr"]), M),
+        f"{p}.self_attn.q_a_proj.weight": (linear(H, d["qr"]), M),
         f"{p}.self_attn.q_a_layernorm.weight": ((d["qr"],), M),
-        f"{p}.self_attn.q_b_proj.weight": ((d["qr"], d["nH"] * d["qk"]), M),
-        f"{p}.self_attn.kv_a_proj_with_mqa.weight": ((H, d["kvr"] + d["rope"]), M),
+        f"{p}.self_attn.q_b_proj.weight": (linear(d["qr"], d["nH"] * d["qk"]), M),
+        f"{p}.self_attn.kv_a_proj_with_mqa.weight": (linear(H, d["kvr"] + d["rope"]), M),
         f"{p}.self_attn.kv_a_layernorm.weight": ((d["kvr"],), M),
-        f"{p}.self_attn.kv_b_proj.weight": ((d["kvr"], d["nH"] * (d["nope"] + d["v"])), M),
-        f"{p}.self_attn.o_proj.weight": ((d["nH"] * d["v"], H), M),
+        f"{p}.self_attn.kv_b_proj.weight": (linear(d["kvr"], d["nH"] * (d["nope"] + d["v"])), M),
+        f"{p}.self_attn.o_proj.weight": (linear(d["nH"] * d["v"], H), M),
     }
     if bias:
         out[f"{p}.self_attn.q_a_proj.bias"] = ((d["qr"],), M)
         out[f"{p}.self_attn.kv_a_proj_with_mqa.bias"] = ((d["kvr"] + d["rope"],), M)
         out[f"{p}.self_attn.o_proj.bias"] = ((H,), M)
     if lp.indexer:
-        q = f"{p}.self_attn.core_attention.indexer"
-        out[f"{q}.wq_b.weight"] = ((d["qr"], d["iH"] * d["iD"]), M)
-        out[f"{q}.wk.weight"] = ((H, d["iD"]), M)
+        q = f"{p}.self_attn.core_attention.indexer" if model_layout else f"{p}.self_attn.indexer"
+        out[f"{q}.wq_b.weight"] = (linear(d["qr"], d["iH"] * d["iD"]), M)
+        out[f"{q}.wk.weight"] = (linear(H, d["iD"]), M)
         out[f"{q}.k_norm.weight"] = ((d["iD"],), M)
         out[f"{q}.k_norm.bias"] = ((d["iD"],), M)
-        out[f"{q}.weights_proj.weight"] = ((H, d["iH"]), M)
-    if not lp.moe:
-        out[f"{p}.mlp.up_gate_proj.weight"] = ((H, 2 * d["I"]), M)
-        out[f"{p}.mlp.down_proj.weight"] = ((d["I"], H), M)
-    else:
-        Im, E, Ns = d["Im"], d["E"], d["Ns"]
-        out[f"{p}.mlp.gate.weight"] = ((H, E), "float32")
-        out[f"{p}.mlp.gate.e_score_correction_bias"] = ((E,), "float32")
-        out[f"{p}.mlp.shared_experts.up_gate_proj.weight"] = ((H, 2 * Im * Ns), M)
-        out[f"{p}.mlp.shared_experts.down_proj.weight"] = ((Im * Ns, H), M)
-        for e in range(E):
-            out[f"{p}.mlp.experts.{e}.up_gate_proj.weight"] = ((H, 2 * Im), M)
-            out[f"{p}.mlp.experts.{e}.down_proj.weight"] = ((Im, H), M)
-    return out
+        out[f"{q}.weights_proj.weight"] = (linear(H, d["iH"]), M)
 
+    def gated_mlp(q: str, inter: int) -> None:
+        if model_layout:
+            out[f"{q}.up_gate_proj.weight"] = ((H, 2 * inter), M)
+        else:
+            out[f"{q}.gate_proj.weight"] = ((inter, H), M)
+            out[f"{q}.up_proj.weight"] = ((inter, H), M)
+        out[f"{q}.down_proj.weight"] = (linear(inter, H), M)
 
-def _hf_decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool) -> dict[str, ParamSpec]:
-    H, M = d["H"], "model"
-    out: dict[str, ParamSpec] = {
-        f"{p}.input_layernorm.weight": ((H,), M),
-        f"{p}.post_attention_layernorm.weight": ((H,), M),
-        f"{p}.self_attn.q_a_proj.weight": ((d["qr"], H), M),
-        f"{p}.self_attn.q_a_layernorm.weight": ((d["qr"],), M),
-        f"{p}.self_attn.q_b_proj.weight": ((d["nH"] * d["qk"], d["qr"]), M),
-        f"{p}.self_attn.kv_a_proj_with_mqa.weight": ((d["kvr"] + d["rope"], H), M),
-        f"{p}.self_attn.kv_a_layernorm.weight": ((d["kvr"],), M),
-        f"{p}.self_attn.kv_b_proj.weight": ((d["nH"] * (d["nope"] + d["v"]), d["kvr"]), M),
-        f"{p}.self_attn.o_proj.weight": ((H, d["nH"] * d["v"]), M),
-    }
-    if bias:
-        out[f"{p}.self_attn.q_a_proj.bias"] = ((d["qr"],), M)
-        out[f"{p}.self_attn.kv_a_proj_with_mqa.bias"] = ((d["kvr"] + d["rope"],), M)
-        out[f"{p}.self_attn.o_proj.bias"] = ((H,), M)
-    if lp.indexer:
-        q = f"{p}.self_attn.indexer"
-        out[f"{q}.wq_b.weight"] = ((d["iH"] * d["iD"], d["qr"]), M)
-        out[f"{q}.wk.weight"] = ((d["iD"], H), M)
-        out[f"{q}.k_norm.weight"] = ((d["iD"],), M)
-        out[f"{q}.k_norm.bias"] = ((d["iD"],), M)
-        out[f"{q}.weights_proj.weight"] = ((d["iH"], H), M)
     if not lp.moe:
-        out[f"{p}.mlp.gate_proj.weight"] = ((d["I"], H), M)
-        out[f"{p}.mlp.up_proj.weight"] = ((d["I"], H), M)
-        out[f"{p}.mlp.down_proj.weight"] = ((H, d["I"]), M)
+        gated_mlp(f"{p}.mlp", d["I"])
     else:
-        Im, E, Ns = d["Im"], d["E"], d["Ns"]
-        out[f"{p}.mlp.gate.weight"] = ((E, H), M)
-        out[f"{p}.mlp.gate.e_score_correction_bias"] = ((E,), "float32")
-        out[f"{p}.mlp.shared_experts.gate_proj.weight"] = ((Im * Ns, H), M)
-        out[f"{p}.mlp.shared_experts.up_proj.weight"] = ((Im * Ns, H), M)
-        out[f"{p}.mlp.shared_experts.down_proj.weight"] = ((H, Im * Ns), M)
-        for e in range(E):
-            out[f"{p}.mlp.experts.{e}.gate_proj.weight"] = ((Im, H), M)
-            out[f"{p}.mlp.experts.{e}.up_proj.weight"] = ((Im, H), M)
-            out[f"{p}.mlp.experts.{e}.down_proj.weight"] = ((H, Im), M)
+        out[f"{p}.mlp.gate.weight"] = (linear(H, d["E"]), "float32" if model_layout else M)
+        out[f"{p}.mlp.gate.e_score_correction_bias"] = ((d["E"],), "float32")
+        gated_mlp(f"{p}.mlp.shared_experts", d["Im"] * d["Ns"])
+        for e in range(d["E"]):
+            gated_mlp(f"{p}.mlp.experts.{e}", d["Im"])
     return out
 
 
@@ -200,7 +169,6 @@ def _whole_model_specs(config: Any, model_layout: bool) -> dict[str, ParamSpec]:
         "model.norm.weight": ((H,), M),
         "lm_head.weight": (linear(H, V), M),
     }
-    decoder = _fleet_decoder if model_layout else _hf_decoder
     for lp in layer_plan(config):
         if lp.mtp:
             p = lp.hf_prefix
@@ -208,7 +176,8 @@ def _whole_model_specs(config: Any, model_layout: bool) -> dict[str, ParamSpec]:
             out[f"{p}.hnorm.weight"] = ((H,), M)
             out[f"{p}.eh_proj.weight"] = (linear(2 * H, H), M)
             out[f"{p}.norm.weight" if model_layout else f"{p}.shared_head.norm.weight"] = ((H,), M)
-        out.update(decoder(lp.fleet_prefix if model_layout else lp.hf_prefix, lp, d, bool(config.attention_bias)))
+        prefix = lp.fleet_prefix if model_layout else lp.hf_prefix
+        out.update(_decoder(prefix, lp, d, bool(config.attention_bias), model_layout))
     return out
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import time
 import warnings
@@ -59,7 +58,6 @@ logger = logging.getLogger("paddleformers_glm.checkpoint")
 # INFO line must still reach handlers that ask for it
 if logger.level == logging.NOTSET:
     logger.setLevel(logging.INFO)
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -104,31 +102,13 @@ def format_keys(keys: Iterable[str], n: int = 5) -> str:
     return f"{len(ks)} key{'s' if len(ks) != 1 else ''}: {', '.join(ks[:n])}{more}"
 
 
-def detect_layout(keys: Iterable[str], config: Any, shape_of: Callable[[str], Any] | None = None) -> str:
-    """``"hf"``, ``"fleet"`` (PaddleFleet) or ``"fleet-legacy"``: see :func:`.fleet.detect_layout`."""
-    return fleet_format.detect_layout(keys, config, shape_of)
-
-
-def _layer_of(key: str) -> int | None:
-    m = _LAYER_RE.match(key)
-    return int(m.group(1)) if m else None
-
-
-def units_for(config: Any, layout: str, expert_layout: str = "per-expert", fused_shards: int = 1) -> list[MappingUnit]:
-    """The mapping units from a checkpoint of ``layout`` to the Fleet model."""
-    return checkpoint_units(config, layout, expert_layout, fused_shards)
+detect_layout = fleet_format.detect_layout
+units_for = checkpoint_units  # the mapping units from a checkpoint of ``layout`` to the model
 
 
 def fused_keys(config: Any) -> set[str]:
     """Fleet keys that fuse two HF tensors with ``fused_ffn`` (``up_gate_proj``: gate columns, then up)."""
     return {k for u in expand_units(config) if any("fused_ffn" in s for s in u.hf_to_fleet) for k in u.fleet}
-
-
-def _relayout_fused(units: list[MappingUnit], keys: set[str]) -> list[MappingUnit]:
-    """A Fleet-layout checkpoint holds fused weights globally as ``[gate | up]``; a rank whose
-    ``shard_info`` lists several pieces wants Fleet's per-rank ``[gate_r | up_r]``, which is what
-    ``fused_ffn`` gives from an HF checkpoint: :func:`.aoa.relayout_fused` re-runs the same macro."""
-    return relayout_fused(units, keys)
 
 
 def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
@@ -307,8 +287,8 @@ def load_pretrained_state(
         # --- units: which targets can be produced from what the checkpoint has
         units = units_for(cfg, layout, expert_layout, fleet_format.fused_ffn_shards(ckpt) if layout == "fleet" else 1)
         units = [u for u in units if not absent_mtp & set(u.hf)]
-        if layout != "hf" and shard_info:
-            units = _relayout_fused(units, set(shard_info) & fused_keys(cfg))
+        if layout != "hf" and shard_info:  # fused weights stored [gate | up]; a rank wants [gate_r | up_r]
+            units = relayout_fused(units, set(shard_info) & fused_keys(cfg))
         direction = "hf_to_fleet"
         plan = _plan_units(units, want, set(missing_src), cfg, init_missing_mtp)
         usable, missing_targets, needed_missing = plan.usable, plan.missing_targets, plan.needed_missing

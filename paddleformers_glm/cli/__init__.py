@@ -4,8 +4,9 @@ To add a subcommand, append ``("name", "module.path:register_function")`` to ``C
 function receives argparse's subparsers object, adds its parser and sets ``func`` (returning the
 exit code). Modules are imported when the CLI starts, so keep their top level light (import heavy
 dependencies such as paddle inside ``func``). The command modules import nothing from this
-package but ``cli._common`` (help formatting, the ``--model`` folder message), so there is no
-import cycle; ``python -m paddleformers_glm.cli`` runs it too.
+package but ``cli._common`` (help formatting, the ``--model`` folder message, the ``python -m``
+entry) and ``cli._plot`` (the plot commands' frame), so there is no import cycle;
+``python -m paddleformers_glm.cli`` runs it too.
 
 Every subcommand's help shows its defaults; an unknown flag is reported with the subcommand's
 usage; Ctrl-C ends any command with one line and exit status 130.

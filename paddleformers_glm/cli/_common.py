@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
+from typing import NoReturn
 
-__all__ = ["HelpFormatter", "model_folder_error", "show_defaults"]
+__all__ = ["HelpFormatter", "model_folder_error", "run_main", "show_defaults"]
 
 # owner/name, as the Hub spells repository ids
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -49,3 +51,15 @@ def model_folder_error(model: str, what: str = "--model") -> str | None:
             f"only (download it first, e.g. `huggingface-cli download {model} --local-dir DIR`, then {what} DIR)"
         )
     return f"{what} {model}: no such folder"
+
+
+def run_main(main: Callable[[], int]) -> NoReturn:
+    """A ``python -m`` entry point: run ``main`` and end the process with its exit code (argparse's
+    usage errors and ``--help`` too) without the interpreter's teardown (``_exit.py``)."""
+    from .._exit import exit_code, exit_now
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = exit_code(e)
+    exit_now(code)

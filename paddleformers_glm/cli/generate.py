@@ -17,16 +17,8 @@ from ._common import HelpFormatter, model_folder_error
 
 def _options(args: argparse.Namespace) -> dict:
     """The generation options given on the command line (HF names); unset ones are left out."""
-    opts = {
-        "max_new_tokens": args.max_new_tokens,
-        "max_length": args.max_length,
-        "do_sample": args.do_sample,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "repetition_penalty": args.repetition_penalty,
-        "stop_strings": args.stop or None,
-    }
+    names = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+    opts = {k: getattr(args, k) for k in names} | {"stop_strings": args.stop or None}
     return {k: v for k, v in opts.items() if v is not None}
 
 

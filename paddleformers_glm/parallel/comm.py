@@ -273,44 +273,36 @@ def _apply(x: paddle.Tensor, fwd: Callable, bwd: Callable) -> paddle.Tensor:
     return _FwdBwd.apply(x, fwd, bwd)
 
 
+def _pair(x: paddle.Tensor, group: Any, fwd: Callable, bwd: Callable) -> paddle.Tensor:
+    """``fwd`` forward and ``bwd`` backward over a group of more than one rank; else ``x`` itself."""
+    return _apply(x, fwd, bwd) if _live(group) else x
+
+
 def copy_to_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
     """f: enter a TP region with a replicated input (identity forward, all-reduce of grads)."""
-    g = group
-    if not _live(g):
-        return x
-    return _apply(x, lambda t: t, lambda d: all_reduce(d, g))
+    return _pair(x, group, lambda t: t, lambda d: all_reduce(d, group))
 
 
 def reduce_from_tp(x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
     """g: leave a TP region by summing partial results (all-reduce forward, identity backward)."""
-    g = group
-    if not _live(g):
-        return x
-    return _apply(x, lambda t: all_reduce(t, g), lambda d: d)
+    return _pair(x, group, lambda t: all_reduce(t, group), lambda d: d)
 
 
 def scatter_to_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
     """Keep this rank's slice of a replicated tensor; backward all-gathers the slices."""
-    g = group
-    if not _live(g):
-        return x
-    return _apply(x, lambda t: split_take(t, g, axis), lambda d: all_gather(d, g, axis))
+    return _pair(x, group, lambda t: split_take(t, group, axis), lambda d: all_gather(d, group, axis))
 
 
 def gather_from_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
     """All-gather slices into a replicated tensor; backward keeps this rank's slice of the grad."""
-    g = group
-    if not _live(g):
-        return x
-    return _apply(x, lambda t: all_gather(t, g, axis), lambda d: split_take(d, g, axis))
+    return _pair(x, group, lambda t: all_gather(t, group, axis), lambda d: split_take(d, group, axis))
 
 
 def fleet_sp_group(group: Any = None) -> Any:
     """``group`` when it is Fleet's hybrid model-parallel group, the one
     ``fleet.utils.sequence_parallel_utils`` always communicates over; None otherwise (size 1, no
     Fleet, or another group such as expert tensor parallel), where the ``*_sp`` pairs are built here."""
-    g = group
-    if not _live(g):
+    if not _live(group):
         return None
     from paddle.distributed import fleet
 
@@ -318,7 +310,7 @@ def fleet_sp_group(group: Any = None) -> Any:
     if hcg is None:
         return None
     mp = hcg.get_model_parallel_group()
-    return g if mp is g or getattr(mp, "id", None) == getattr(g, "id", None) else None
+    return group if mp is group or getattr(mp, "id", None) == getattr(group, "id", None) else None
 
 
 def _fleet_sp_op(op: Any, x: paddle.Tensor, axis: int) -> paddle.Tensor:
@@ -379,30 +371,30 @@ def gather_from_sp(
     """
     if grad not in ("reduce_scatter", "split"):
         raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
-    g = group
-    if not _live(g):
+    if not _live(group):
         return x
-    if fleet_sp_group(g) is not None:
+    if fleet_sp_group(group) is not None:
         return _fleet_sp_op(spu.AllGatherOp if grad == "reduce_scatter" else spu.GatherOp, x, axis)
     if grad == "split":
-        return gather_from_tp(x, axis, g)
-    return _apply(x, lambda t: all_gather(t, g, axis), lambda d: reduce_scatter(d, g, axis))
+        return gather_from_tp(x, axis, group)
+    return _apply(x, lambda t: all_gather(t, group, axis), lambda d: reduce_scatter(d, group, axis))
 
 
 def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
     Fleet's ``ReduceScatterOp`` on the sequence-first view."""
-    g = group
-    own = lambda: _apply(x, lambda t: reduce_scatter(t, g, axis), lambda d: all_gather(d, g, axis))  # noqa: E731
-    return _split_sp(x, axis, g, "reduce_scatter_to_sp", spu.ReduceScatterOp, own)
+
+    def own() -> paddle.Tensor:
+        return _apply(x, lambda t: reduce_scatter(t, group, axis), lambda d: all_gather(d, group, axis))
+
+    return _split_sp(x, axis, group, "reduce_scatter_to_sp", spu.ReduceScatterOp, own)
 
 
 def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:
     """Differentiable uneven all-to-all along axis 0 (token dispatch; ``reverse`` for the way back)."""
-    if not _live(group):
-        return x
-    return _apply(
+    return _pair(
         x,
+        group,
         lambda t: all_to_all_single(t, counts, group, reverse=reverse),
         lambda d: all_to_all_single(d, counts, group, reverse=not reverse),
     )

@@ -223,11 +223,14 @@ class FleetPipeline:
         fleet_cls = next(c for c in cls.__mro__ if c.__module__.startswith("paddle."))
         return fleet_cls.__name__ if fleet_cls is cls else f"{cls.__name__}({fleet_cls.__name__})"
 
-    def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
+    def _begin(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> None:
         if len(micro_batches) != self.num_micro:
             raise ValueError(f"the pipeline was built for {self.num_micro} micro-batches, got {len(micro_batches)}")
         self.ledger.reset(scales)
         self.ledger.batch_keys = sorted(micro_batches[0])
+
+    def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
+        self._begin(micro_batches, scales)
         model = self.model
         model._layers.train()
         model.set_virtual_pipeline_rank(0)
@@ -248,10 +251,7 @@ class FleetPipeline:
         when every micro-batch's backward is done (the trainer's gradient sync), then Fleet's
         optimizer step calling ``optimizer.step()`` and ``optimizer.clear_grad()``
         (``optimizer`` from :func:`step_optimizer`).  Returns this rank's ``{term: (sum, count)}``."""
-        if len(micro_batches) != self.num_micro:
-            raise ValueError(f"the pipeline was built for {self.num_micro} micro-batches, got {len(micro_batches)}")
-        self.ledger.reset(scales)
-        self.ledger.batch_keys = sorted(micro_batches[0])
+        self._begin(micro_batches, scales)
         layers = self.model._layers
         calls = []
 

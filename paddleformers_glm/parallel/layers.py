@@ -403,15 +403,8 @@ class CommParallelLMHead(CommColumnParallelLinear):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        super().__init__(
-            hidden_size,
-            vocab_size,
-            has_bias=False,
-            gather_output=False,
-            sequence_parallel=sequence_parallel,
-            dtype=dtype,
-            topo=topo,
-        )
+        # the column layer's defaults: no bias, logits left split over the vocabulary
+        super().__init__(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
 
 
 def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Topology | None = None) -> Any:

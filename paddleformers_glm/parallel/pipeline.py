@@ -30,7 +30,7 @@ the last full indexer layer), so a stage may start on a "shared" indexer layer t
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,6 +40,8 @@ import paddle.nn as nn
 from .topology import ParallelConfigError
 
 __all__ = [
+    "Batch",
+    "Carry",
     "LossLedger",
     "LossTerm",
     "SingleStageEngine",
@@ -47,6 +49,7 @@ __all__ = [
     "StageSpec",
     "layout_string",
     "parse_pp_layout",
+    "run_stages",
     "split_stages",
     "validate_shared_layer_starts",
 ]
@@ -167,6 +170,19 @@ def _specs_from_counts(counts: list[int], has_mtp: bool) -> list[StageSpec]:
     return specs
 
 
+def run_stages(run: Any, num_layers: int, chunks: int, has_mtp: bool) -> list[StageSpec]:
+    """:func:`split_stages` by a run's ``pp_layout``, ``first_stage_layers`` and ``last_stage_layers``
+    (the trainer's ``TrainConfig``, the planner's ``Layout``)."""
+    return split_stages(
+        num_layers,
+        chunks,
+        first_stage_layers=run.first_stage_layers,
+        last_stage_layers=run.last_stage_layers,
+        layout=run.pp_layout,
+        has_mtp=has_mtp,
+    )
+
+
 def split_stages(
     num_layers: int,
     pp: int,
@@ -263,6 +279,10 @@ def validate_shared_layer_starts(
 
 
 # ------------------------------------------------------------------------------ engine
+Carry = tuple[paddle.Tensor, ...]  # what a stage hands the next one (hidden states, top-k)
+Batch = Mapping[str, paddle.Tensor]  # a micro-batch's tensors by name
+
+
 @dataclass
 class StageOutput:
     """What a stage's forward returns.
@@ -273,7 +293,7 @@ class StageOutput:
             stage, auxiliary losses (indexer KL, MoE balance) on any stage.
     """
 
-    carry: tuple[paddle.Tensor, ...] | None = None
+    carry: Carry | None = None
     losses: dict[str, LossTerm] | None = None
 
 

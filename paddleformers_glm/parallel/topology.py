@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -86,15 +86,8 @@ class ParallelConfig:
         cp: int = 1,
     ) -> ParallelConfig:
         """Derive dp from the world size (the launcher's process count) and check the product."""
-        for name, v in (
-            ("tp", tp),
-            ("pp", pp),
-            ("ep", ep),
-            ("etp", etp),
-            ("sharding", sharding),
-            ("cp", cp),
-            ("world size", world_size),
-        ):
+        sizes = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "sharding": sharding, "cp": cp, "world size": world_size}
+        for name, v in sizes.items():
             if not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if dp is None:
@@ -161,8 +154,11 @@ class ParallelConfig:
         if num_layers is not None and self.pp > num_layers:
             raise ParallelConfigError(f"pp {self.pp} > num_hidden_layers {num_layers}: a stage would have no layer")
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+def _known(name: str) -> str:
+    if name not in GROUP_NAMES:
+        raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
+    return name
 
 
 class Topology:
@@ -235,21 +231,15 @@ class Topology:
     # ---------------------------------------------------------------- sizes / ranks / groups by name
     def size(self, name: str) -> int:
         """Size of group ``name`` (one of GROUP_NAMES)."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
-        return self._sizes[name]
+        return self._sizes[_known(name)]
 
     def group(self, name: str) -> Any:
         """The ``paddle.distributed`` Group for ``name``, or None when that dimension has size 1."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
         return self._groups[name] if self.size(name) > 1 else None
 
     def rank_in(self, name: str) -> int:
         """This process's rank inside group ``name``."""
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")
-        return self._ranks[name]
+        return self._ranks[_known(name)]
 
     @property
     def is_first_stage(self) -> bool:

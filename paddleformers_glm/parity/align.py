@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
+from ..train.command import add_expert_update_argument
 
 __all__ = [
     "compare_dumps",
@@ -94,6 +95,8 @@ TRAIN_FLAGS = (
     ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
 )
 INDEXER_STAGES = ("none", "warmup", "sparse")
+# the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
+LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -167,19 +170,11 @@ def compare_dumps(
             v, tol = d, float(atol or 0.0)
         ok = v <= tol and near_ok
         ratio = v / tol if tol > 0 else (0.0 if v == 0 else math.inf)
+        entry = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol}
         if worst["key"] is None or ratio > worst["ratio"]:  # nearest its own tolerance
-            worst = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol, "ratio": ratio}
+            worst = {**entry, "ratio": ratio}
         if not ok:
-            bad.append(
-                {
-                    "key": k,
-                    "value": v,
-                    "max_abs_diff": d,
-                    "max_abs_ref": scale,
-                    "tolerance": tol,
-                    "near_eps_ok": near_ok,
-                }
-            )
+            bad.append({**entry, "near_eps_ok": near_ok})
     extra = {"near_eps": near} if near_eps is not None else {}
     return {
         **extra,
@@ -245,10 +240,14 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     each within ``atol``.  Both sides must report the same stage and layers."""
     from .loss_check import compare_losses
 
-    a, b = ref.get("indexer"), cand.get("indexer")
+    def trained(doc: dict[str, Any]) -> dict[str, Any] | None:  # the trainer records a stage "none" too
+        block = doc.get("indexer")
+        return block if block and block.get("stage") != "none" else None
+
+    a, b = trained(ref), trained(cand)
     if not a and not b:
         return None
-    if not a or not b or a.get("stage") == "none":
+    if not a or not b:
         return {
             "pass": False,
             "reason": "only one run trained the indexer",
@@ -408,9 +407,7 @@ def run_align(args: argparse.Namespace) -> int:
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
     env = dict(os.environ)
     common = _train_args(args)
-    layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--ep", str(args.ep)]
-    layout += ["--etp", str(args.etp), "--cp", str(args.cp), "--vpp", str(args.vpp)]
-    layout += ["--sharding", str(args.sharding), "--sharding-stage", str(args.sharding_stage)]
+    layout = [x for name in LAYOUT_FLAGS for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     layout += (["--sp"] if args.sp else []) + ["--expert-update", args.expert_update]
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
@@ -602,7 +599,7 @@ def run_align(args: argparse.Namespace) -> int:
     return int(verdict["exit_code"])
 
 
-LAYOUT_KEYS = ("tp", "pp", "vpp", "dp", "sharding", "sharding_stage", "cp", "ep", "etp", "sp", "pp_layout")
+LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
 def _indexer_loss_coeff(model: str) -> float:
@@ -626,23 +623,12 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
     p.add_argument("--out", required=True, help="output folder (reference/, paddle/, receipt/)")
     g = p.add_argument_group("Paddle layout (default: the headline TP2 x PP2 + SP)")
-    g.add_argument("--tp", type=int, default=2)
-    g.add_argument("--pp", type=int, default=2)
-    g.add_argument("--vpp", type=int, default=1)
-    g.add_argument("--dp", type=int, default=1)
-    g.add_argument("--sharding", type=int, default=1)
-    g.add_argument("--sharding-stage", type=int, default=1, choices=[1, 2])
-    g.add_argument("--cp", type=int, default=1)
-    g.add_argument("--ep", type=int, default=1)
-    g.add_argument("--etp", type=int, default=1)
+    for name, default in LAYOUT_FLAGS.items():
+        choices = [1, 2] if name == "sharding_stage" else None
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, choices=choices)
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--pp-layout", default=None)
-    g.add_argument(
-        "--expert-update",
-        default="fused",
-        choices=["fused", "routed-only"],
-        help="glm52 train --expert-update (routed-only departs from the reference; docs/parity.md)",
-    )
+    add_expert_update_argument(g)
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
         choices = {"dtype": ("float32", "bfloat16"), "indexer_stage": INDEXER_STAGES}.get(name)

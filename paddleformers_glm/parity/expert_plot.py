@@ -9,32 +9,23 @@ max/mean load per step (each MoE layer thin, their mean thick); 1 is perfect bal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
+
+from ..cli._plot import TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
 
 __all__ = ["plot_expert_load", "register_plot_experts"]
 
 
 def _expert_load(loss_json: str) -> dict[str, Any]:
-    with open(loss_json, encoding="utf-8") as f:
-        data = json.load(f)
-    el = data.get("expert_load")
-    if not el:
-        raise ValueError(f"{loss_json}: no 'expert_load' block (a run of a model without MoE routers?)")
-    for key in ("layers", "steps", "max_mean_ratio", "load_total"):
-        if key not in el:
-            raise ValueError(f"{loss_json}: 'expert_load' lacks {key!r}")
-    return el
+    absent = "a run of a model without MoE routers?"
+    return read_block(loss_json, "expert_load", ("layers", "steps", "max_mean_ratio", "load_total"), absent)
 
 
 def plot_expert_load(loss_json: str, png: str) -> str:
     """Draw the heatmap and balance curve of ``loss_json`` into ``png`` (written atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     el = _expert_load(loss_json)
@@ -44,7 +35,7 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     rel = np.divide(load, mean, out=np.zeros_like(load), where=mean > 0)
     ratio = np.asarray(el["max_mean_ratio"], dtype=np.float64)  # [steps, layers]
     steps = el["steps"]
-    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    fig, (ax_h, ax_c) = plt.subplots(1, 2, **TWO_PANELS)
     im = ax_h.imshow(rel, aspect="auto", cmap="viridis", interpolation="nearest")
     ax_h.set_yticks(range(len(el["layers"])), [str(i) for i in el["layers"]])
     ax_h.set_xlabel("expert")
@@ -61,17 +52,11 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     ax_c.set_title(f"balance (bias update rate {rate:g})")
     ax_c.legend(loc="upper right")
     fig.suptitle(f"expert load of run {run!r} ({loss_json})", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
-    tmp = f"{png}.part.{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
-    return png
+    return save_png(fig, png)
 
 
 def _run(args: argparse.Namespace) -> int:
-    loss_json = os.path.join(args.out, "loss.json") if os.path.isdir(args.out) else args.out
+    loss_json = loss_json_of(args.out)
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(loss_json)), "expert_load.png")
     try:
         plot_expert_load(loss_json, png)
@@ -86,12 +71,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register_plot_experts(sub: argparse._SubParsersAction) -> None:
-    """Add ``plot-experts`` to the glm52 CLI (see cli.COMMANDS)."""
-    p = sub.add_parser(
+    register_plot(
+        sub,
         "plot-experts",
+        _run,
+        "expert_load.png",
         help="draw a training run's expert load (layer x expert heatmap, balance curve) as a PNG",
         description="Read OUT/loss.json of `glm52 train` and write OUT/expert_load.png.",
     )
-    p.add_argument("out", help="training output folder (or its loss.json)")
-    p.add_argument("--png", default=None, help="where to write the PNG (default: OUT/expert_load.png)")
-    p.set_defaults(func=_run)

@@ -1,10 +1,6 @@
 """``python -m paddleformers_glm.train ...`` = ``glm52 train ...``."""
 
-from .._exit import exit_code, exit_now
+from ..cli._common import run_main
 from .command import main
 
-try:
-    code = main()
-except SystemExit as e:  # argparse's usage errors and --help
-    code = exit_code(e)
-exit_now(code)
+run_main(main)

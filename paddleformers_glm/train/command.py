@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from .._io import write_json_atomic
@@ -28,7 +29,11 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAIN_DEFAULTS",
     "add_indexer_arguments",
+    "add_dtype_argument",
+    "add_dump_argument",
+    "add_expert_update_argument",
     "add_layout_arguments",
+    "add_step_arguments",
     "add_train_arguments",
     "check_inputs_before_launch",
     "config_from_args",
@@ -73,6 +78,8 @@ def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> Non
         default=1,
         help="virtual pipeline stages per rank (Fleet's interleaved schedule; --pp-layout then lists pp x vpp chunks)",
     )
+    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
+    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
 
 
 INDEXER_STAGE_HELP = (
@@ -98,22 +105,9 @@ def add_indexer_arguments(g: Any) -> None:
     )
 
 
-def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = ap.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint folder (GLM-5.2, HF layout), or 'toy' (a small stand-in model for smoke runs)",
-    )
-    g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
-    g = ap.add_argument_group("parallel layout")
-    add_layout_arguments(g)
-    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
-    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
-    g.add_argument(
-        "--schedule", default="1f1b", choices=["1f1b"], help="pipeline schedule (Fleet's 1F1B; --vpp interleaves it)"
-    )
-    g = ap.add_argument_group("training")
+def add_step_arguments(g: Any) -> None:
+    """The batch, schedule and optimizer flags ``glm52 train`` and the torch reference run
+    (parity/reference/train.py) share: one set of defaults for both."""
     g.add_argument("--steps", type=int, default=5)
     g.add_argument("--seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
     g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
@@ -125,7 +119,10 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
+
+
+def add_expert_update_argument(g: Any) -> None:
+    """``--expert-update`` of ``glm52 train``, which ``glm52 align`` passes on."""
     g.add_argument(
         "--expert-update",
         default="fused",
@@ -133,6 +130,48 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="fused (default, the reference's semantics): every expert of an MoE layer that routed any token is "
         "stepped, idle ones with a zero gradient; routed-only: only experts that got tokens (docs/parity.md)",
     )
+
+
+def add_dtype_argument(g: Any, how: str) -> None:
+    """``--dtype`` of ``glm52 train`` and the torch reference run: one mixed-precision recipe, ``how``
+    says how each runs it."""
+    g.add_argument(
+        "--dtype",
+        default=TRAIN_DEFAULTS["dtype"],
+        choices=["float32", "bfloat16"],
+        help=f"bfloat16: bf16 weights and activations, fp32 master weights and gradient accumulation ({how})",
+    )
+
+
+def add_dump_argument(g: Any) -> None:
+    """``--dump-step DIR K`` of ``glm52 train`` and the torch reference run (train/dump.py)."""
+    g.add_argument(
+        "--dump-step",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("DIR", "K"),
+        help="after update K write gradients (before clipping), AdamW moments and weights to DIR in HF names (repeatable)",
+    )
+
+
+def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = ap.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder (GLM-5.2, HF layout), or 'toy' (a small stand-in model for smoke runs)",
+    )
+    g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
+    g = ap.add_argument_group("parallel layout")
+    add_layout_arguments(g)
+    g.add_argument(
+        "--schedule", default="1f1b", choices=["1f1b"], help="pipeline schedule (Fleet's 1F1B; --vpp interleaves it)"
+    )
+    g = ap.add_argument_group("training")
+    add_step_arguments(g)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
+    add_expert_update_argument(g)
     g.add_argument(
         "--skip-nonfinite-steps",
         type=int,
@@ -146,12 +185,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["none", "full", "core"],
         help="activation recompute (fleet.utils.recompute): full = each decoder layer, core = its attention core and indexer",
     )
-    g.add_argument(
-        "--dtype",
-        default=TRAIN_DEFAULTS["dtype"],
-        choices=["float32", "bfloat16"],
-        help="bfloat16: bf16 weights and activations, fp32 master weights (on a CPU build through ops/cpu_bf16)",
-    )
+    add_dtype_argument(g, "on a CPU build through ops/cpu_bf16")
     g.add_argument(
         "--data",
         default=None,
@@ -181,14 +215,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="relay Paddle's set-up logging (communication groups, the printed model, modified flags) to the "
         "console too; it is always in OUT/logs/workerlog.*",
     )
-    g.add_argument(
-        "--dump-step",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("DIR", "K"),
-        help="after update K write gradients (before clipping), AdamW moments and weights to DIR in HF names (repeatable)",
-    )
+    add_dump_argument(g)
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
@@ -222,52 +249,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if bad:
             raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
-    cfg = TrainConfig(
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}  # flags by name
+    given.update(
         model=model,
         model_args=model_args,
-        tp=args.tp,
-        pp=args.pp,
-        vpp=args.vpp,
-        dp=args.dp,
-        sharding=args.sharding,
-        sharding_stage=args.sharding_stage,
-        cp=args.cp,
-        recompute=args.recompute,
-        ep=args.ep,
-        etp=args.etp,
-        sp=args.sp,
-        pp_layout=args.pp_layout,
-        first_stage_layers=args.first_stage_layers,
-        last_stage_layers=args.last_stage_layers,
-        schedule=args.schedule,
-        steps=args.steps,
-        seq_len=args.seq_len,
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
         data=os.path.abspath(args.data) if args.data else None,
-        data_dtype=args.data_dtype,
         out=os.path.abspath(args.out),
-        export=args.export,
-        save_every=args.save_every,
         resume=os.path.abspath(args.resume) if args.resume else None,
-        dtype=args.dtype,
         progress=not args.no_progress,
-        moe_bias_update_rate=args.moe_bias_update_rate,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        expert_update=args.expert_update,
-        skip_nonfinite_steps=args.skip_nonfinite_steps,
-        indexer_stage=args.indexer_stage,
-        indexer_loss_coeff=args.indexer_loss_coeff,
-        indexer_shared_supervision=args.indexer_shared_supervision,
-        fault=args.fault,
         dump_steps=_dump_steps(args),
     )
+    cfg = TrainConfig(**given)
     cfg.validate()
     return cfg
 

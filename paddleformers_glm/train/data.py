@@ -45,7 +45,6 @@ class TokenData:
     def __init__(self, seq_len: int, vocab_size: int, seed: int, describe: str) -> None:
         self.seq_len, self.vocab_size, self.seed, self.describe = seq_len, vocab_size, seed, describe
         self.num_samples: int | None = None
-        self.has_mask = False
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -138,7 +137,7 @@ class _Jsonl(TokenData):
                     )
             self.records.append(rec)
         self.num_samples = len(self.records)
-        self.pad_id, self.has_mask = pad_id, True
+        self.pad_id = pad_id
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         rec, S = self.records[i], self.seq_len
@@ -220,7 +219,6 @@ class _Packed(TokenData):
         self.num_samples = shape[0]
         if self.num_samples == 0:
             raise ValueError(f"{path}: no samples")
-        self.has_mask = True
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         return {k: v[i].copy() for k, v in self.arrays.items()}

@@ -10,25 +10,18 @@ without matplotlib still gets them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
+
+from ..cli._plot import TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
 
 __all__ = ["indexer_curves", "plot_indexer", "register_plot_indexer"]
 
 
 def _indexer_block(loss_json: str) -> dict[str, Any]:
-    with open(loss_json, encoding="utf-8") as f:
-        data = json.load(f)
-    block = data.get("indexer")
-    if not block:
-        raise ValueError(
-            f"{loss_json}: no 'indexer' block (a run with --indexer-stage none, or of a model without a DSA indexer?)"
-        )
-    for key in ("layers", "steps", "kl", "recall"):
-        if key not in block:
-            raise ValueError(f"{loss_json}: 'indexer' lacks {key!r}")
+    absent = "a run with --indexer-stage none, or of a model without a DSA indexer?"
+    block = read_block(loss_json, "indexer", ("layers", "steps", "kl", "recall"), absent)
     n, m = len(block["steps"]), len(block["layers"])
     for key in ("kl", "recall"):
         rows = block[key]
@@ -61,17 +54,12 @@ def indexer_curves(loss_json: str) -> dict[str, Any]:
 
 def plot_indexer(curves: dict[str, Any], png: str) -> str:
     """Draw the recall heatmap and KL curves of :func:`indexer_curves` into ``png`` (atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
-
-    from .._io import atomic_path
 
     layers, steps = curves["layers"], curves["steps"]
     recall = np.asarray([curves["recall_by_layer"][str(i)] for i in layers], dtype=np.float64)  # [layers, steps]
-    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    fig, (ax_h, ax_c) = plt.subplots(1, 2, **TWO_PANELS)
     im = ax_h.imshow(recall, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
     ax_h.set_yticks(range(len(layers)), [str(i) for i in layers])
     tick = max(1, len(steps) // 10)
@@ -93,18 +81,13 @@ def plot_indexer(curves: dict[str, Any], png: str) -> str:
     ax_c.set_title(f"indexer KL per layer ({names})")
     ax_c.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"indexer of run {curves['source']}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
-    with atomic_path(png) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return png
+    return save_png(fig, png)
 
 
 def _run(args: argparse.Namespace) -> int:
     from .._io import write_json_atomic
 
-    loss_json = os.path.join(args.out, "loss.json") if os.path.isdir(args.out) else args.out
+    loss_json = loss_json_of(args.out)
     folder = os.path.dirname(os.path.abspath(loss_json))
     png = args.png or os.path.join(folder, "indexer.png")
     try:
@@ -131,12 +114,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register_plot_indexer(sub: argparse._SubParsersAction) -> None:
-    """Add ``plot-indexer`` to the glm52 CLI (see cli.COMMANDS)."""
-    p = sub.add_parser(
+    register_plot(
+        sub,
         "plot-indexer",
+        _run,
+        "indexer.png",
         help="draw a training run's DSA indexer curves (layer x step recall heatmap, KL per layer) as a PNG",
         description="Read OUT/loss.json of `glm52 train --indexer-stage ...`; write OUT/indexer.json and OUT/indexer.png.",
     )
-    p.add_argument("out", help="training output folder (or its loss.json)")
-    p.add_argument("--png", default=None, help="where to write the PNG (default: OUT/indexer.png)")
-    p.set_defaults(func=_run)

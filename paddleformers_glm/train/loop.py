@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from ..parallel import comm
 from ..parallel.context import check_seq_len, split_micro_batch
 from ..parallel.fleet_pipeline import FleetPipeline, rank_spec, step_optimizer
 from ..parallel.grads import EXPERT_UPDATES, GradSynchronizer, clip_main_grads, loss_multiplier
-from ..parallel.pipeline import SingleStageEngine, layout_string, split_stages, validate_shared_layer_starts
+from ..parallel.pipeline import SingleStageEngine, layout_string, run_stages, validate_shared_layer_starts
 from ..parallel.recompute import RECOMPUTE_MODES
 from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
@@ -223,14 +223,7 @@ def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
     sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``.
     The launcher calls it too, to refuse a bad split before any process starts."""
     try:
-        return split_stages(
-            adapter.num_layers,
-            pp * cfg.vpp,
-            first_stage_layers=cfg.first_stage_layers,
-            last_stage_layers=cfg.last_stage_layers,
-            layout=cfg.pp_layout,
-            has_mtp=adapter.has_mtp,
-        )
+        return run_stages(cfg, adapter.num_layers, pp * cfg.vpp, adapter.has_mtp)
     except ParallelConfigError as e:
         if cfg.vpp == 1:
             raise
@@ -241,18 +234,7 @@ def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
 
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     """The layout of this run (``dp`` derived from the world size when not given)."""
-    return ParallelConfig.from_world(
-        world,
-        tp=cfg.tp,
-        pp=cfg.pp,
-        ep=cfg.ep,
-        etp=cfg.etp,
-        sp=cfg.sp,
-        dp=cfg.dp,
-        sharding=cfg.sharding,
-        sharding_stage=cfg.sharding_stage,
-        cp=cfg.cp,
-    )
+    return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
 
 
 def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:

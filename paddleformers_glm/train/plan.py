@@ -21,7 +21,7 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .._io import write_json_atomic
@@ -503,17 +503,10 @@ def plan_layout(
     """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus
     ``reserve_gb``); ``per_rank=False`` leaves out the row of every rank (``--search`` needs the
     verdict and the stages only)."""
-    from ..parallel.pipeline import split_stages
+    from ..parallel.pipeline import run_stages
 
     check_layout(config, lay)
-    specs = split_stages(
-        config.num_hidden_layers,
-        lay.pp,
-        first_stage_layers=lay.first_stage_layers,
-        last_stage_layers=lay.last_stage_layers,
-        layout=lay.pp_layout,
-        has_mtp=config.num_mtp_layers > 0,
-    )
+    specs = run_stages(lay, config.num_hidden_layers, lay.pp, config.num_mtp_layers > 0)
     micro = (lay.global_batch_size // (lay.replicas * lay.micro_batch_size)) if lay.global_batch_size else lay.pp
     kinds = []
     for spec in specs:
@@ -704,29 +697,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"glm52 plan: note: {note}", file=sys.stderr)
     try:
         config = _load_config(args.model)
-        lay = Layout(
-            tp=args.tp,
-            pp=args.pp,
-            vpp=args.vpp,
-            dp=args.dp,
-            ep=args.ep,
-            etp=args.etp,
-            sharding=args.sharding,
-            sharding_stage=args.sharding_stage,
-            sharding_partition=args.sharding_partition,
-            sp=args.sp,
-            recompute=args.recompute,
-            cp=args.cp,
-            seq_len=args.seq_len,
-            micro_batch_size=args.micro_batch_size,
-            global_batch_size=args.global_batch_size,
-            dtype=args.dtype,
-            attention=args.attention,
-            pp_layout=args.pp_layout,
-            first_stage_layers=args.first_stage_layers,
-            last_stage_layers=args.last_stage_layers,
-            indexer_stage=args.indexer_stage,
-        )
+        lay = Layout(**{f.name: getattr(args, f.name) for f in fields(Layout)})  # the flags by name
         if args.search:
             if not args.gpus:
                 raise ValueError("--search needs --gpus N")
@@ -821,8 +792,6 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         choices=["none", "core", "full"],
         help="activation recompute, as glm52 train --recompute",
     )
-    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
-    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
     g.add_argument(
         "--indexer-stage",
         default=None,

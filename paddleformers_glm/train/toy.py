@@ -38,7 +38,7 @@ from ..parallel.layers import (
     VocabParallelEmbedding,
     mark_sequence_parallel,
 )
-from ..parallel.pipeline import StageOutput, StageSpec
+from ..parallel.pipeline import Batch, Carry, StageOutput, StageSpec
 from ..parallel.recompute import run_core, run_layer
 from ..parallel.topology import Topology
 from .adapter import LossSpec, ModelAdapter
@@ -212,12 +212,7 @@ class ToyStage(nn.Layer):
         if spec.has_mtp:
             self.mtp = ToyMTP(cfg, topo)
 
-    def forward_stage(
-        self,
-        carry: tuple[paddle.Tensor, ...] | None,
-        batch: Mapping[str, paddle.Tensor],
-        part: StageSpec | None = None,
-    ) -> StageOutput:
+    def forward_stage(self, carry: Carry | None, batch: Batch, part: StageSpec | None = None) -> StageOutput:
         """``part``: run only that chunk of the stage (a virtual pipeline stage); default all of it."""
         spec = part or self.spec
         ids = batch["input_ids"]  # [B, S]

@@ -16,10 +16,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MIN_GAP", "GapMonitor", "TieError"]
+__all__ = ["MIN_GAP", "GapMonitor", "TieError", "boundary_gaps"]
 
 # the smallest top-k boundary gap a fixture seed may have (tools/make_reference.py)
 MIN_GAP = 1e-4
+
+
+def boundary_gaps(x: Any, valid: Any, k: int) -> Any:
+    """Per row of ``x`` with more than ``k`` valid entries, the k-th minus the (k+1)-th largest
+    valid value (None when no row has that many)."""
+    import torch
+
+    x = x.reshape(-1, x.shape[-1])
+    valid = valid.reshape(-1, x.shape[-1])
+    rows = valid.sum(-1) > k
+    if not bool(rows.any()):
+        return None
+    srt = torch.where(valid, x, torch.full_like(x, -math.inf))[rows].sort(dim=-1, descending=True).values
+    return srt[:, k - 1] - srt[:, k]
 
 
 class TieError(RuntimeError):
@@ -85,17 +99,11 @@ class GapMonitor:
             self._gap("router_expert", x, torch.isfinite(x), k)
 
     def _gap(self, cat: str, x, valid, k: int) -> None:
-        torch = self.torch
-        x = x.reshape(-1, x.shape[-1])
-        valid = valid.reshape(-1, x.shape[-1])
-        nvalid = valid.sum(-1)
-        rows = nvalid > k
-        if not bool(rows.any()):
+        gaps = boundary_gaps(x, valid, k)
+        if gaps is None:
             return
-        xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
-        srt = xs.sort(dim=-1, descending=True).values
-        gap = float((srt[:, k - 1] - srt[:, k]).min())
-        self.counts[cat] += int(rows.sum())
+        gap = float(gaps.min())
+        self.counts[cat] += gaps.numel()
         self.mins[cat] = min(self.mins[cat], gap)
         pm = self.phase_mins.setdefault(self.phase, {})
         pm[cat] = min(pm.get(cat, math.inf), gap)

@@ -56,6 +56,7 @@ import sys
 import time
 
 from ..._io import write_json_atomic as _write_json_atomic
+from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
 from .indexer import ReferenceIndexer, resolve_indexer_stage
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
@@ -72,54 +73,14 @@ def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, total: int) -> f
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="torch reference training run (HF transformers + MTP), one process")
     ap.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--global-batch-size", type=int, default=4)
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
-    ap.add_argument("--warmup-steps", type=int, default=0)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
-    ap.add_argument(
-        "--indexer-loss-coeff",
-        type=float,
-        default=None,
-        help="the sparse stage's indexer KL weight (default: the checkpoint config's indexer_loss_coeff, as glm52 "
-        "train reads it)",
-    )
-    ap.add_argument(
-        "--indexer-stage",
-        default=None,
-        choices=["none", "warmup", "sparse"],
-        help="the indexer's training (parity/reference/indexer.py; default sparse when the coefficient > 0, else none)",
-    )
-    ap.add_argument(
-        "--indexer-shared-supervision",
-        action="store_true",
-        help="a full layer's indexer target also averages the shared layers that reuse its top-k",
-    )
+    add_step_arguments(ap)
+    add_indexer_arguments(ap)
     ap.add_argument("--data", default=None, help=".npy / .bin / .jsonl (default: synthetic)")
     ap.add_argument("--data-dtype", default="auto")
     ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--dump-step",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("DIR", "K"),
-        help="after step K write gradients (before clipping), AdamW moments and weights to DIR (repeatable)",
-    )
+    add_dump_argument(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="bfloat16: bf16 weights and activations (HF's dtype policy, the routers and correction biases "
-        "fp32), fp32 master weights, gradients accumulated in fp32",
-    )
+    add_dtype_argument(ap, "HF's dtype policy: the routers and correction biases fp32")
     args = ap.parse_args(argv)
     for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
         if getattr(args, k) < 1:
@@ -203,20 +164,14 @@ def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
 class Reference:
     """HF main model + hand-assembled MTP layers, with the official name of every parameter."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        dtype: str = "float32",
-        indexer_loss_coeff: float | None = None,
-        indexer_stage: str | None = None,
-        indexer_shared_supervision: bool = False,
-    ) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
+        """``args`` of :func:`parse_args`: ``--model``, ``--dtype`` and the indexer flags."""
         import torch
         from torch import nn
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
 
-        self.model_dir = model_dir
+        self.model_dir = model_dir = args.model
         conf = GlmMoeDsaConfig.from_pretrained(model_dir)
         conf._attn_implementation = "eager"
         self.conf = conf
@@ -229,8 +184,10 @@ class Reference:
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", self.mtp_weight))
         # the trainer reads the checkpoint's coefficient from config.json (either spelling)
         saved = float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
-        self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(indexer_stage, indexer_loss_coeff, saved)
-        self.indexer_shared = bool(indexer_shared_supervision)
+        self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
+            args.indexer_stage, args.indexer_loss_coeff, saved
+        )
+        self.indexer_shared = bool(args.indexer_shared_supervision)
         self.share_topk = bool(conf.index_share_for_mtp_iteration)
         self.ckpt = read_checkpoint(model_dir)
         torch.manual_seed(0)
@@ -273,7 +230,7 @@ class Reference:
             sd = _layer_state(self.ckpt, p, E, drop_indexer=self.share_topk)
             m["layer"].load_state_dict({k: v for k, v in sd.items() if not k.startswith(heads)}, strict=True)
             self.mtp.append(m)
-        if dtype == "bfloat16":
+        if args.dtype == "bfloat16":
             self._to_bf16()
         self._taps: dict = {}
         self.model.model.norm.register_forward_hook(lambda mod, a, out: self._taps.__setitem__("h0", out))
@@ -436,16 +393,11 @@ class TopkMargins:
         self.step = {}
 
     def record(self, cat: str, x, valid, k: int) -> None:
-        import torch
+        from .topk_gaps import boundary_gaps
 
-        x = x.reshape(-1, x.shape[-1])
-        valid = valid.reshape(-1, x.shape[-1])
-        rows = valid.sum(-1) > k
-        if not bool(rows.any()):
+        gaps = boundary_gaps(x, valid, k)
+        if gaps is None:
             return
-        xs = torch.where(valid, x, torch.full_like(x, -math.inf))[rows]
-        srt = xs.sort(dim=-1, descending=True).values
-        gaps = srt[:, k - 1] - srt[:, k]
         st = self.step.setdefault(
             cat, {"min": math.inf, "min_nonzero": math.inf, "exact_ties": 0, "near_ties": 0, "decisions": 0}
         )
@@ -455,7 +407,7 @@ class TopkMargins:
             st["min_nonzero"] = min(st["min_nonzero"], float(nonzero.min()))
         st["exact_ties"] += int((gaps == 0).sum())
         st["near_ties"] += int((gaps < self.NEAR).sum())
-        st["decisions"] += int(rows.sum())
+        st["decisions"] += gaps.numel()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -513,9 +465,7 @@ def train(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(args.seed)
-    ref = Reference(
-        args.model, args.dtype, args.indexer_loss_coeff, args.indexer_stage, args.indexer_shared_supervision
-    )
+    ref = Reference(args)
     ref.model.train()
     ref.mtp.train()
     model_params = ref.named_parameters()

@@ -1,0 +1,57 @@
+"""What ``glm52 plot-experts`` and ``glm52 plot-indexer`` share: the ``OUT`` argument (a training
+output folder or its loss.json), reading one block of that loss.json, and the two-panel figure
+written atomically as a PNG.  matplotlib is imported only when drawing (the ``plot`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+# left a heatmap, right curves
+TWO_PANELS = {"figsize": (13, 4.8), "gridspec_kw": {"width_ratios": [1.3, 1]}}
+
+
+def register_plot(sub: argparse._SubParsersAction, name: str, run: Any, png_name: str, **text: str) -> None:
+    """Add the plot subcommand ``name`` (see cli.COMMANDS): ``OUT`` and ``--png`` (default ``OUT/png_name``)."""
+    p = sub.add_parser(name, **text)
+    p.add_argument("out", help="training output folder (or its loss.json)")
+    p.add_argument("--png", default=None, help=f"where to write the PNG (default: OUT/{png_name})")
+    p.set_defaults(func=run)
+
+
+def loss_json_of(out: str) -> str:
+    return os.path.join(out, "loss.json") if os.path.isdir(out) else out
+
+
+def read_block(loss_json: str, key: str, required: tuple[str, ...], absent: str) -> dict[str, Any]:
+    """``loss_json``'s block ``key``, which must hold ``required``; ``absent`` says why a run has none."""
+    with open(loss_json, encoding="utf-8") as f:
+        block = json.load(f).get(key)
+    if not block:
+        raise ValueError(f"{loss_json}: no {key!r} block ({absent})")
+    for k in required:
+        if k not in block:
+            raise ValueError(f"{loss_json}: {key!r} lacks {k!r}")
+    return block
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (raises ImportError without the ``plot`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig: Any, png: str) -> str:
+    from .._io import atomic_path
+
+    fig.tight_layout()
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    pyplot().close(fig)
+    return png
