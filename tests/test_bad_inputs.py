@@ -151,6 +151,27 @@ def test_token_scan_finds_the_last_token_of_a_multi_chunk_file(tmp_path):
 
 
 # ---------------------------------------------------------------- config
+@pytest.mark.slow  # glm52 train processes
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([*TOY, "--cp", "2"], "--cp 2: the toy model does not support context parallel"),
+        (
+            ["--model", str(FIXTURES / "tiny" / "checkpoint"), "--seq-len", "16", "--global-batch-size", "2"]
+            + ["--cp", "2", "--moe-aux-loss-coeff", "0.01"],
+            "--cp with --moe-aux-loss-coeff > 0 is not supported",
+        ),
+    ],
+    ids=["cp-unsupported-model", "cp-with-sequence-aux-loss"],
+)
+def test_a_context_parallel_setting_the_run_cannot_take_is_refused_before_launch(tmp_path, args, message):
+    """Settings every rank would refuse are refused by the command itself: exit 2, one line, and no
+    process launched (no OUT/logs, where the launcher puts the workers' logs)."""
+    line = _cli_error(tmp_path, *args, "--steps", "1")
+    assert message in line, line
+    assert not (tmp_path / "out" / "logs").exists()
+
+
 @contextlib.contextmanager
 def answers_without_building_anything(limit_bytes: int = 1 << 20, liveness_s: int = 60):
     """The block allocates under ``limit_bytes`` at its peak (a per-layer list of 10**9 entries

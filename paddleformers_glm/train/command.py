@@ -352,17 +352,13 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
     from .launch import LaunchError, launch_workers
-    from .loop import check_batch, configure_indexer_training, parallel_config, stage_specs
+    from .loop import check_run
 
     try:  # reject a layout that cannot work before any process starts
         cfg = config_from_args(args)
         world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
-        pc = parallel_config(cfg, world)
         adapter = make_adapter(cfg.model, **cfg.model_args)
-        pc.validate(world, **adapter.parallel_sizes())
-        adapter.check_layout(pc)
-        configure_indexer_training(cfg, adapter, stage_specs(cfg, adapter, pc.pp))
-        check_batch(cfg, pc)
+        check_run(cfg, adapter, world)
         if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
             raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")
         if not (math.isfinite(args.comm_timeout) and args.comm_timeout > 0):

@@ -220,8 +220,7 @@ def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
 
 def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
     """The pipeline chunks of this run (``--pp`` x ``--vpp``, ``--pp-layout``, first/last stage
-    sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``.
-    The launcher calls it too, to refuse a bad split before any process starts."""
+    sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``."""
     try:
         return run_stages(cfg, adapter.num_layers, pp * cfg.vpp, adapter.has_mtp)
     except ParallelConfigError as e:
@@ -256,11 +255,36 @@ def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
         )
 
 
+def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[ParallelConfig, list[Any]]:
+    """Every check of a run's settings against its model and world size, with nothing built or
+    started: the layout and the model sizes it must divide, the batch split, context parallel, the
+    pipeline split (a stage may open on a shared layer only because the top-k travels in the
+    carry) and the indexer stage.  ``glm52 train`` runs it before launching any process, so a bad
+    setting costs one line and exit 2; every rank runs it again (a run may start without the
+    command, e.g. ``run_training`` from Python).  Returns the layout and the pipeline chunks."""
+    pc = parallel_config(cfg, world)
+    pc.validate(world, **adapter.parallel_sizes())
+    adapter.check_layout(pc)
+    check_batch(cfg, pc)
+    if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
+        raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
+    if pc.cp > 1 and cfg.moe_aux_loss_coeff > 0:
+        raise ValueError(
+            "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
+        )
+    specs = stage_specs(cfg, adapter, pc.pp)
+    kinds = adapter.layer_kinds()
+    if kinds is not None:
+        validate_shared_layer_starts(specs, kinds, carry_topk=True)
+    configure_indexer_training(cfg, adapter, specs)
+    return pc, specs
+
+
 def configure_indexer_training(cfg: TrainConfig, adapter: ModelAdapter, specs: list[Any]) -> None:
     """Hand ``--indexer-*`` to the adapter and refuse what the stage cannot run: the warm-up freezes
     the backbone (no router-bias updates nor balance loss); shared-layer supervision needs every
     pipeline chunk to start on a full layer (a full layer's target includes the shared layers after
-    it, so they must run on its stage).  The launcher calls it too, before any process starts."""
+    it, so they must run on its stage)."""
     adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
     info = adapter.indexer_info() or {}
     if info.get("stage") == "warmup" and (cfg.moe_bias_update_rate > 0 or cfg.moe_aux_loss_coeff > 0):
@@ -284,22 +308,9 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     cfg.validate()
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
-    pc = parallel_config(cfg, world)
-    adapter.check_layout(pc)
+    pc, specs = check_run(cfg, adapter, world)
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
-    check_batch(cfg, pc)
-    if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
-        raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
-    if pc.cp > 1 and cfg.moe_aux_loss_coeff > 0:
-        raise ValueError(
-            "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
-        )
-    specs = stage_specs(cfg, adapter, pc.pp)
-    kinds = adapter.layer_kinds()
-    if kinds is not None:
-        validate_shared_layer_starts(specs, kinds, carry_topk=True)
-    configure_indexer_training(cfg, adapter, specs)
     topo = init_topology(
         pc,
         accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
