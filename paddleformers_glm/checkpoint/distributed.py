@@ -17,7 +17,6 @@ rank must see the output folder (one filesystem, as for the trainer's checkpoint
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from typing import Any
@@ -25,17 +24,16 @@ from typing import Any
 import paddle
 import paddle.nn as nn
 
-from .._io import dumps_json
 from ..parallel.layers import get_shard_spec, merge_slices
 from ..parallel.state import to_numpy
 from ..parallel.topology import Topology
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, run_units
 from .errors import CheckpointError
-from .layout import fleet_param_specs, param_specs, resolve_dtype
+from .layout import fleet_param_specs
 from .loader import normalize_dtype
-from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, paddle_to_st_dtype, plan_header, shard_file_name
-from .saver import SaveReport, carry_files, parse_size, plan_shards, publish, set_quantization_config
+from .safetensors_io import INDEX_NAME, paddle_to_st_dtype, plan_header
+from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shards
 
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
@@ -91,17 +89,12 @@ def export_distributed(
     topo = topo or Topology.single()
     quiet_paddle_logs()
     out_dir = os.path.abspath(out_dir)
-    model_dtype = dtype or config.model_dtype
-    specs = param_specs(config, "hf")
-    tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
-    entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
+    specs, tgt_dtypes, entries = plan_entries(config, "hf", dtype or config.model_dtype)
     shards = plan_shards(entries, parse_size(max_shard_size))
-    n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
-    file_of = {k: names[i] for i, keys in enumerate(shards) for k in keys}
+    file_of = {k: name for name, keys in shards.items() for k in keys}
     meta = {"format": "pt"}
     headers = {
-        name: plan_header([(k, entries[k][1], entries[k][0]) for k in keys], meta) for name, keys in zip(names, shards)
+        name: plan_header([(k, entries[k][1], entries[k][0]) for k in keys], meta) for name, keys in shards.items()
     }
 
     # one writer per Fleet tensor: the lowest rank among its canonical holders
@@ -194,19 +187,9 @@ def export_distributed(
         missing = sorted(set(entries) - set(seen))
         if missing:
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
-        total = sum(ST_DTYPES[st][0] * (math.prod(shape) if shape else 1) for shape, st in entries.values())
-        config.save_pretrained(tmp)
-        set_quantization_config(os.path.join(tmp, "config.json"), None)  # the weights are not FP8
-        carry_files(carry_from, tmp, out_dir)
-        if n > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
-            part = os.path.join(tmp, INDEX_NAME + ".part")
-            with open(part, "w", encoding="utf-8") as f:
-                f.write(dumps_json(index, indent=2, sort_keys=True) + "\n")
-            os.replace(part, os.path.join(tmp, INDEX_NAME))
-        publish(tmp, out_dir)
+        finish_save(tmp, out_dir, config, shards, entries, None, carry_from)  # the weights are not FP8
     _barrier(topo)
-    return {"tensors": len(written), "bytes": nbytes, "files": names + ([INDEX_NAME] if n > 1 else [])}
+    return {"tensors": len(written), "bytes": nbytes, "files": [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]}
 
 
 def save_pretrained_distributed(

@@ -24,21 +24,19 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .. import progress
 from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
-from .safetensors_io import Checkpoint, st_to_paddle_dtype
+from .safetensors_io import ST_DTYPES, Checkpoint, st_to_paddle_dtype
 
 __all__ = [
-    "Source",
     "CheckpointSource",
     "StateDictSource",
     "TargetSpec",
-    "group_units",
     "run_units",
     "dtype_name",
 ]
@@ -49,14 +47,8 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).replace("paddle.", "")
 
 
-class Source(Protocol):
-    """Where source tensors come from: metadata without reading, and slices on demand."""
-
-    def meta(self, key: str) -> tuple[tuple[int, ...], str]: ...
-
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> Any: ...
-
-    def read_numpy(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray | None: ...
+# A source (where source tensors come from) has ``meta(key) -> (shape, dtype)``, ``read_numpy(key,
+# offset, shape)`` (a numpy slice, or None to use ``read``, a Paddle slice) and ``done(key)``.
 
 
 @dataclass
@@ -70,27 +62,13 @@ class CheckpointSource:
         info = self.ckpt.info(key)
         return info.shape, st_to_paddle_dtype(info.dtype)
 
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> Any:
-        info = self.ckpt.info(key)
-        full = tuple(offset) == (0,) * len(offset) and tuple(shape) == info.shape
-        index = None if full else tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        t = self.ckpt.paddle(key, index)
-        self._count(key, shape)
-        return t
-
     def read_numpy(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray | None:
         """Zero-copy view of the slice in the file map (bf16 as uint16); pages are read on access."""
-        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        self._count(key, shape)
-        return self.ckpt.numpy(key, index)
+        self.bytes_read += math.prod(shape) * ST_DTYPES[self.ckpt.info(key).dtype][0]
+        return self.ckpt.numpy(key, tuple(slice(o, o + s) for o, s in zip(offset, shape)))
 
     def done(self, key: str) -> None:
         self.ckpt.file_of(key).release(key)
-
-    def _count(self, key: str, shape: Sequence[int]) -> None:
-        info = self.ckpt.info(key)
-        itemsize = info.nbytes // info.numel if info.numel else 0
-        self.bytes_read += math.prod(shape) * itemsize
 
 
 @dataclass
@@ -372,18 +350,10 @@ def _column_shards(key: str, shape: tuple[int, ...], dtype: str, n: int) -> list
     return [ShardedWeightDesc(key, local, shape, (0,) * (len(shape) - 1) + (r * w,), dtype) for r in range(n)]
 
 
-def group_units(units: Iterable[MappingUnit]) -> list[list[MappingUnit]]:
-    """Units grouped by layer (global units first), the granularity one engine runs at."""
-    groups: dict[int, list[MappingUnit]] = defaultdict(list)
-    for u in units:
-        groups[-1 if u.layer is None else u.layer].append(u)
-    return [groups[k] for k in sorted(groups)]
-
-
 def run_units(
     units: Sequence[MappingUnit],
     direction: str,
-    source: Source,
+    source: Any,
     targets: Mapping[str, TargetSpec],
     produce: Iterable[str] | None = None,
     trace: dict[str, dict[str, Any]] | None = None,
@@ -408,7 +378,10 @@ def run_units(
     plans: dict[Any, Any] = {}
     sizes = {k: math.prod(targets[k].local()[0]) * progress.itemsize(targets[k].dtype) for k in produce if k in targets}
     bar = progress.start("load" if isinstance(source, CheckpointSource) else "save", sum(sizes.values()), len(sizes))
-    for layer_group in group_units(units):
+    by_layer: dict[int, list[MappingUnit]] = defaultdict(list)  # global units (-1) first
+    for u in units:
+        by_layer[-1 if u.layer is None else u.layer].append(u)
+    for _, layer_group in sorted(by_layer.items()):
         # with the cache, each unit is its own program: units are self-contained, and a unit's
         # program recurs (every routed expert) far more often than a whole layer's does
         for group in [[u] for u in layer_group] if plan_cache else [layer_group]:
@@ -426,7 +399,7 @@ def run_units(
 def _group_planner(
     group: Sequence[MappingUnit],
     direction: str,
-    source: Source,
+    source: Any,
     targets: Mapping[str, TargetSpec],
     plans: dict[Any, Any] | None,
 ) -> Callable[[Any], list[Any]]:
@@ -461,7 +434,7 @@ def _fill_target(
     key: str,
     t: TargetSpec,
     planner: Callable[[Any], list[Any]],
-    source: Source,
+    source: Any,
     trace: dict[str, dict[str, Any]] | None,
 ) -> Any:
     """Make (or fill in place) one target's local slice from the engine's entries for it; every
@@ -501,9 +474,7 @@ def _fill_target(
     return out
 
 
-def _apply_entry(
-    key: str, t: TargetSpec, m: Any, source: Source, offset: tuple[int, ...], out_np: Any, dst: Any
-) -> None:
+def _apply_entry(key: str, t: TargetSpec, m: Any, source: Any, offset: tuple[int, ...], out_np: Any, dst: Any) -> None:
     """Write one engine entry (a source slice, its transposes / casts) into the target: in numpy
     when both sides allow it, else through Paddle's own slice / transpose / cast / assign."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight

@@ -56,16 +56,11 @@ FP8_CONFIG: dict[str, Any] = {
 
 def _e4m3_table() -> np.ndarray:
     """Value of every E4M3 (fn) byte: sign, 4 exponent bits (bias 7), 3 mantissa bits."""
-    out = np.empty(256, dtype=np.float32)
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        exp, man = (code >> 3) & 0xF, code & 0x7
-        if exp == 0xF and man == 0x7:
-            out[code] = np.nan
-        elif exp == 0:
-            out[code] = sign * man * 2.0**-9  # subnormal: (man / 8) * 2^(1 - 7)
-        else:
-            out[code] = sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7)
+    code = np.arange(256)
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    mag = np.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * 2.0 ** (exp - 7))  # subnormal: man/8 * 2^-6
+    out = np.where(code & 0x80, -mag, mag).astype(np.float32)
+    out[(code & 0x7F) == 0x7F] = np.nan
     return out
 
 
@@ -199,7 +194,6 @@ class Fp8Scheme:
     """The quantization a checkpoint declares (``quantization_config`` in its config.json)."""
 
     block: tuple[int, int] = (128, 128)
-    config: Mapping[str, Any] = field(default_factory=lambda: dict(FP8_CONFIG))
 
 
 def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
@@ -241,7 +235,7 @@ def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
             key="quantization_config.weight_block_size",
             actual=bs,
         )
-    return Fp8Scheme((bs[0], bs[1]), dict(qc))
+    return Fp8Scheme((bs[0], bs[1]))
 
 
 def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
@@ -311,13 +305,6 @@ class Fp8Source(CheckpointSource):
         scales = super().read_numpy(self.pairs[key], (rb0, cb0), (rb1 - rb0, cb1 - cb0))
         assert q is not None and scales is not None
         return dequantize(q, scales, self.block, (r0, c0))
-
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> Any:
-        if key not in self.pairs:
-            return super().read(key, offset, shape)
-        import paddle
-
-        return paddle.to_tensor(self.read_numpy(key, offset, shape), place=paddle.CPUPlace())
 
     def done(self, key: str) -> None:
         super().done(key)

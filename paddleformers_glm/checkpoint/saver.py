@@ -29,23 +29,15 @@ from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
-from .layout import fleet_param_specs, param_specs, resolve_dtype
+from .layout import ParamSpec, fleet_param_specs, param_specs, resolve_dtype
 from .loader import format_keys, normalize_dtype, state_of
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
-__all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards"]
+__all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards", "plan_entries", "finish_save"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+_UNITS = {"B": 1} | {
+    f"{p}{b}": base ** (i + 1) for b, base in (("B", 1000), ("IB", 1024)) for i, p in enumerate("KMGT")
 }
 
 
@@ -74,22 +66,58 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def plan_shards(entries: Mapping[str, tuple[tuple[int, ...], str]], max_shard_size: int) -> list[list[str]]:
-    """Keys in sorted order packed greedily into shards of at most ``max_shard_size`` tensor bytes.
+def _nbytes(entry: tuple[tuple[int, ...], str]) -> int:
+    return ST_DTYPES[entry[1]][0] * math.prod(entry[0])
 
-    A tensor larger than the limit gets a shard of its own (as HF does).
-    """
+
+def plan_shards(entries: Mapping[str, tuple[tuple[int, ...], str]], max_shard_size: int) -> dict[str, list[str]]:
+    """File name -> keys: keys in sorted order packed greedily into shards of at most ``max_shard_size``
+    tensor bytes. A tensor larger than the limit gets a shard of its own, one shard is a single
+    ``model.safetensors`` (as HF does)."""
     shards: list[list[str]] = [[]]
     size = 0
     for k in sorted(entries):
-        shape, st = entries[k]
-        n = ST_DTYPES[st][0] * (math.prod(shape) if shape else 1)
+        n = _nbytes(entries[k])
         if shards[-1] and size + n > max_shard_size:
             shards.append([])
             size = 0
         shards[-1].append(k)
         size += n
-    return shards
+    n = len(shards)
+    return {SINGLE_NAME if n == 1 else shard_file_name(i + 1, n): keys for i, keys in enumerate(shards)}
+
+
+def plan_entries(
+    config: Any, layout: str, model_dtype: str, expert_layout: str = "per-expert"
+) -> tuple[dict[str, ParamSpec], dict[str, str], dict[str, tuple[tuple[int, ...], str]]]:
+    """``(specs, dtype name per key, (shape, safetensors dtype) per key)`` of a checkpoint in ``layout``."""
+    specs = param_specs(config, layout, expert_layout)
+    dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
+    return specs, dtypes, {k: (tuple(shape), paddle_to_st_dtype(dtypes[k])) for k, (shape, _) in specs.items()}
+
+
+def finish_save(
+    tmp: str,
+    out_dir: str,
+    config: Any,
+    shards: Mapping[str, list[str]],
+    entries: Mapping[str, tuple[tuple[int, ...], str]],
+    quantization_config: Mapping[str, Any] | None,
+    carry_from: str | os.PathLike | None,
+) -> tuple[int, list[str]]:
+    """Write the index (several shards), ``config.json`` and the carried files into ``tmp``, then
+    publish it at ``out_dir``; returns (total tensor bytes, carried file names)."""
+    total = sum(_nbytes(e) for e in entries.values())
+    if len(shards) > 1:
+        weight_map = {k: name for name, keys in shards.items() for k in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config.save_pretrained(tmp)
+    set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
+    carried = carry_files(carry_from, tmp, out_dir)
+    publish(tmp, out_dir)
+    return total, carried
 
 
 def _check_state(state: Mapping[str, Any], config: Any) -> None:
@@ -155,9 +183,7 @@ def save_pretrained_state(
         raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
     dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes
     model_dtype = config.model_dtype if dtype in (None, "auto") else dtype
-    specs = param_specs(config, layout, expert_layout)
-    tgt_dtypes = {k: resolve_dtype(kind, model_dtype) for k, (_, kind) in specs.items()}
-    entries = {k: (tuple(shape), paddle_to_st_dtype(tgt_dtypes[k])) for k, (shape, _) in specs.items()}
+    specs, tgt_dtypes, entries = plan_entries(config, layout, model_dtype, expert_layout)
     fp8 = {k: scale_key(k) for k in specs if quantization and is_fp8_weight(k)}
     block = tuple(FP8_CONFIG["weight_block_size"])
     for k, sk in fp8.items():
@@ -166,9 +192,7 @@ def save_pretrained_state(
         entries[k] = (shape, "F8_E4M3")
         entries[sk] = (tuple(math.ceil(d / b) for d, b in zip(shape, block)), "F32")
     shards = plan_shards(entries, limit)
-    n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
-    file_of = {k: names[i] for i, keys in enumerate(shards) for k in keys}
+    file_of = {k: name for name, keys in shards.items() for k in keys}
     units = checkpoint_units(config, layout, expert_layout)
     targets = {k: TargetSpec(k, tuple(shape), tgt_dtypes[k]) for k, (shape, _) in specs.items()}
     tensors = {k: getattr(v, "local_tensor", v) for k, v in state.items()}
@@ -180,7 +204,7 @@ def save_pretrained_state(
     writers: dict[str, SafetensorsWriter] = {}
     try:
         meta = dict(metadata) if metadata is not None else {"format": "pt"}
-        for name, keys in zip(names, shards):
+        for name, keys in shards.items():
             writers[name] = SafetensorsWriter(
                 os.path.join(tmp, name), [(k, entries[k][1], entries[k][0]) for k in keys], meta
             )
@@ -198,15 +222,9 @@ def save_pretrained_state(
             del t
         for w in writers.values():
             w.close()
-        total = sum(ST_DTYPES[st][0] * (math.prod(shape) if shape else 1) for shape, st in entries.values())
-        if n > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": {k: file_of[k] for k in sorted(file_of)}}
-            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        config.save_pretrained(tmp)
-        set_quantization_config(os.path.join(tmp, "config.json"), FP8_CONFIG if quantization else None)
-        carried = carry_files(carry_from, tmp, out_dir)
-        publish(tmp, out_dir)
+        total, carried = finish_save(
+            tmp, out_dir, config, shards, entries, FP8_CONFIG if quantization else None, carry_from
+        )
     except BaseException:
         for w in writers.values():
             try:
@@ -215,7 +233,7 @@ def save_pretrained_state(
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    files = names + ([INDEX_NAME] if n > 1 else []) + ["config.json"] + carried
+    files = [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
     return SaveReport(
         out_dir, layout, [os.path.join(out_dir, f) for f in files], count, total, time.perf_counter() - t0
     )
