@@ -15,11 +15,8 @@ versions skip building it when the MTP layer shares the previous layer's top-k).
 from __future__ import annotations
 
 import warnings
-import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from .errors import CheckpointError
 from .layout import hf_param_specs, layer_plan, model_param_specs, paddlefleet_param_specs
@@ -32,7 +29,6 @@ __all__ = [
     "fused_ffn_shards",
     "mtp_indexer_keys",
     "absent_mtp_indexer",
-    "init_like_transformers",
     "warn_legacy",
 ]
 
@@ -129,32 +125,6 @@ def absent_mtp_indexer(config: Any, layout: str, missing: Iterable[str]) -> set[
         return set()
     gone = set(missing)
     return {k for keys in mtp_indexer_keys(config).values() if set(keys) <= gone for k in keys}
-
-
-def init_like_transformers(state: Mapping[str, Any], keys: Iterable[str], config: Any) -> list[str]:
-    """Fill ``keys`` of ``state`` as transformers initialises weights a checkpoint lacks.
-
-    Linear weights ~ N(0, ``initializer_range``), LayerNorm weight 1 and bias 0. The draw is seeded
-    by the key name, so two loads of the same file give the same model. Returns the keys filled.
-    """
-    import paddle
-
-    std = float(getattr(config, "initializer_range", 0.02))
-    done = []
-    for k in sorted(keys):
-        if k not in state:
-            continue
-        t = getattr(state[k], "local_tensor", state[k])
-        shape = [int(d) for d in t.shape]
-        if k.endswith("k_norm.weight"):
-            arr = np.ones(shape, np.float32)
-        elif k.endswith(".bias"):
-            arr = np.zeros(shape, np.float32)
-        else:
-            arr = np.random.default_rng(zlib.crc32(k.encode())).normal(0.0, std, shape).astype(np.float32)
-        t.set_value(paddle.to_tensor(arr).astype(t.dtype))
-        done.append(k)
-    return done
 
 
 def warn_legacy(report_warnings: list[str] | None = None) -> None:

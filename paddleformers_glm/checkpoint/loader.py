@@ -19,10 +19,13 @@ import os
 import tempfile
 import time
 import warnings
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from . import fleet as fleet_format
 from .aoa import (
@@ -30,7 +33,6 @@ from .aoa import (
     build_statements,
     checkpoint_units,
     expand_units,
-    identity_units,
     quiet_paddle_logs,
     relayout_fused,
 )
@@ -44,9 +46,7 @@ __all__ = [
     "LoadReport",
     "load_pretrained_state",
     "detect_layout",
-    "identity_units",
     "units_for",
-    "fused_keys",
     "format_keys",
     "load_config_for",
     "normalize_dtype",
@@ -104,11 +104,6 @@ def format_keys(keys: Iterable[str], n: int = 5) -> str:
 
 detect_layout = fleet_format.detect_layout
 units_for = checkpoint_units  # the mapping units from a checkpoint of ``layout`` to the model
-
-
-def fused_keys(config: Any) -> set[str]:
-    """Fleet keys that fuse two HF tensors with ``fused_ffn`` (``up_gate_proj``: gate columns, then up)."""
-    return {k for u in expand_units(config) if any("fused_ffn" in s for s in u.hf_to_fleet) for k in u.fleet}
 
 
 def load_config_for(path: str, model: Any = None, config: Any = None) -> Any:
@@ -195,9 +190,7 @@ def check_checkpoint_keys(
     present = set(ckpt.keys()) - set(fp8.values())
     for k in sorted(present & set(specs)):
         info = ckpt.info(k)
-        if k in fp8:
-            pass
-        elif info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+        if k not in fp8 and (info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8")):
             raise CheckpointError(
                 "non-float tensor where a weight is expected",
                 key=k,
@@ -255,7 +248,8 @@ def load_pretrained_state(
     # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
     # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
     with Checkpoint(path, strict=False) as ckpt:
-        fp8 = fp8_pairs(ckpt, quantization_of(ckpt.folder, cfg))
+        scheme = quantization_of(ckpt.folder, cfg)
+        fp8 = fp8_pairs(ckpt, scheme)
         weight_keys = set(ckpt.keys()) - set(fp8.values())
         layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
@@ -288,11 +282,12 @@ def load_pretrained_state(
         units = units_for(cfg, layout, expert_layout, fleet_format.fused_ffn_shards(ckpt) if layout == "fleet" else 1)
         units = [u for u in units if not absent_mtp & set(u.hf)]
         if layout != "hf" and shard_info:  # fused weights stored [gate | up]; a rank wants [gate_r | up_r]
-            units = relayout_fused(units, set(shard_info) & fused_keys(cfg))
-        direction = "hf_to_fleet"
-        plan = _plan_units(units, want, set(missing_src), cfg, init_missing_mtp)
-        usable, missing_targets, needed_missing = plan.usable, plan.missing_targets, plan.needed_missing
-        mtp_init, mtp_src = plan.mtp_init, plan.mtp_src
+            # the keys HF's gate/up are fused into with ``fused_ffn``
+            fused = {k for u in expand_units(cfg) if any("fused_ffn" in s for s in u.hf_to_fleet) for k in u.fleet}
+            units = relayout_fused(units, set(shard_info) & fused)
+        usable, missing_targets, needed_missing, mtp_init, n_mtp_src = _plan_units(
+            units, want, set(missing_src), cfg, init_missing_mtp
+        )
         if strict and (needed_missing or unexpected):
             raise CheckpointError(
                 f"checkpoint does not match the {layout} layout of this config: "
@@ -311,17 +306,10 @@ def load_pretrained_state(
             report.warnings.append(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
         targets = _target_specs(usable, want, state, fleet, dtype, shard_info, strict, report.warnings)
-        wanted_targets = {k: v for k, v in targets.items() if k in want}
         if backend == "engine":
-            source = (
-                Fp8Source(ckpt, pairs=fp8, block=quantization_of(ckpt.folder, cfg).block)  # type: ignore[union-attr]
-                if fp8
-                else CheckpointSource(ckpt)
-            )
-            for k, _ in run_units(usable, direction, source, targets, produce=want):
-                report.loaded.append(k)
+            source = Fp8Source(ckpt, pairs=fp8, block=scheme.block) if scheme and fp8 else CheckpointSource(ckpt)
+            report.loaded = [k for k, _ in run_units(usable, "hf_to_fleet", source, targets, produce=want)]
             report.bytes_read = source.bytes_read
-            fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
         elif backend == "paddle":
             if any(u.source_splits for u in usable):
                 raise ValueError(f"backend='paddle' cannot read tensor-parallel interleaved fused weights ({path})")
@@ -329,13 +317,14 @@ def load_pretrained_state(
                 raise CheckpointError(
                     "backend='paddle' cannot read block-FP8 weights; use the default engine backend", file=path
                 )
-            report.loaded, files = _load_with_paddle(ckpt, usable, direction, wanted_targets, targets)
-            fleet_format.init_like_transformers(state, absent_mtp & want, cfg)
+            report.loaded, files = _load_with_paddle(ckpt, usable, want, targets)
             report.bytes_read = sum(os.path.getsize(f) for f in files)  # whole files: that is what it reads
         else:
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
+        # seeded by key name: two loads of the same file give the same model
+        init_like_hf({k: state[k] for k in sorted(absent_mtp & want)}, cfg.initializer_range, seeded=True)
         if mtp_init:
-            _init_missing_mtp(state, mtp_init, len(mtp_src), cfg, path, report)
+            _init_missing_mtp(state, mtp_init, n_mtp_src, cfg, path, report)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -387,17 +376,12 @@ def _wanted_keys(
     return set(state) & selected
 
 
-@dataclass
-class _UnitPlan:
-    usable: list[Any]  # units whose sources are all in the checkpoint and that produce a wanted key
-    missing_targets: list[str]  # wanted keys whose unit lacks a source
-    needed_missing: list[str]  # the lacking sources of those units
-    mtp_init: list[str]  # wanted MTP keys initialised as HF does (the checkpoint has no MTP tensor)
-    mtp_src: set[str]  # the MTP layer's source keys
-
-
-def _plan_units(units: list[Any], want: set[str], missing_src: set[str], cfg: Any, init_missing_mtp: bool) -> _UnitPlan:
-    """Which mapping units can run from what the checkpoint has, and what is missing."""
+def _plan_units(
+    units: list[Any], want: set[str], missing_src: set[str], cfg: Any, init_missing_mtp: bool
+) -> tuple[list[Any], list[str], list[str], list[str], int]:
+    """Which mapping units can run from what the checkpoint has, and what is missing: (units whose
+    sources are all there and that produce a wanted key, wanted keys whose unit lacks a source, the
+    lacking sources of those units, wanted MTP keys to initialise as HF does, number of MTP sources)."""
     usable, missing_targets = [], []
     for u in units:
         if not want & set(u.fleet):
@@ -417,7 +401,7 @@ def _plan_units(units: list[Any], want: set[str], missing_src: set[str], cfg: An
         needed_missing = [k for k in needed_missing if k not in mtp_src]
         mtp_init = sorted(k for u in mtp_units for k in u.fleet if k in want)
         missing_targets = [k for k in missing_targets if k not in set(mtp_init)]
-    return _UnitPlan(usable, missing_targets, needed_missing, mtp_init, mtp_src)
+    return usable, missing_targets, needed_missing, mtp_init, len(mtp_src)
 
 
 def _target_specs(
@@ -433,17 +417,15 @@ def _target_specs(
     """Target specs of every output of the usable units: the wanted ones from the model's
     parameters, the others (a unit's outputs nobody asked for) from the contract."""
     targets: dict[str, TargetSpec] = {}
-    for u in usable:
-        for k in u.fleet:
-            if k not in want:
-                continue
+    for k in (k for u in usable for k in u.fleet):
+        if k in want:
             targets[k] = _target_spec(k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict, warnings_out)
-    # units' other targets (not wanted) still need a spec for the engine's output set
-    for u in usable:
-        for k in u.fleet:
-            if k not in targets:
-                shape, kind = fleet[k]
-                targets[k] = TargetSpec(k, tuple(shape), _planned_dtype(kind, dtype, state.get(k)))
+        elif k in state:  # a unit's output nobody asked for still needs a spec for the engine's output set
+            targets[k] = TargetSpec(
+                k, tuple(fleet[k][0]), dtype_name(getattr(state[k], "local_tensor", state[k]).dtype)
+            )
+        else:
+            targets[k] = TargetSpec(k, tuple(fleet[k][0]), resolve_dtype(fleet[k][1], dtype or "float32"))
     return targets
 
 
@@ -464,29 +446,26 @@ def _dtype_changes(
     return out
 
 
-def init_like_hf(params: Mapping[str, Any], std: float) -> None:
+def init_like_hf(params: Mapping[str, Any], std: float, seeded: bool = False) -> None:
     """HF's init for weights a checkpoint does not have: matrices normal(0, std), biases 0, norms 1.
 
-    Values of ``params`` may be tensors, parameters or ``ShardedWeight``s (their local piece)."""
+    Values of ``params`` may be tensors, parameters or ``ShardedWeight``s (their local piece).
+    ``seeded``: each matrix's draw is seeded by its key name (numpy), else Paddle's generator."""
     import paddle
 
     for k, v in params.items():
         t = getattr(v, "local_tensor", v)
         shape = [int(d) for d in t.shape]
-        if len(shape) >= 2:
+        if len(shape) >= 2 and seeded:
+            rng = np.random.default_rng(zlib.crc32(k.encode()))
+            val = paddle.to_tensor(rng.normal(0.0, std, shape).astype(np.float32)).astype(t.dtype)
+        elif len(shape) >= 2:
             val = paddle.normal(0.0, std, shape).astype(t.dtype)
         elif k.endswith("bias"):
             val = paddle.zeros(shape, dtype=t.dtype)
         else:
             val = paddle.ones(shape, dtype=t.dtype)
         paddle.assign(val, output=t)
-
-
-def _planned_dtype(kind: str, dtype: str | None, tensor: Any) -> str:
-    if tensor is not None:
-        t = getattr(tensor, "local_tensor", tensor)
-        return dtype_name(t.dtype)
-    return resolve_dtype(kind, dtype or "float32")
 
 
 def _target_spec(
@@ -529,11 +508,7 @@ def _target_spec(
 
 
 def _load_with_paddle(
-    ckpt: Checkpoint,
-    units: list[MappingUnit],
-    direction: str,
-    wanted: Mapping[str, TargetSpec],
-    all_targets: Mapping[str, TargetSpec],
+    ckpt: Checkpoint, units: list[MappingUnit], want: set[str], targets: Mapping[str, TargetSpec]
 ) -> tuple[list[str], set[str]]:
     """Drive ``paddle.distributed.load_state_dict(aoa_config=...)`` from a private folder of links."""
     import paddle
@@ -541,6 +516,8 @@ def _load_with_paddle(
     from paddle.distributed.flex_checkpoint.dcp.metadata import LocalTensorIndex, LocalTensorMetadata, Metadata
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import build_sharded_state_dict
 
+    direction = "hf_to_fleet"
+    wanted = {k: t for k, t in targets.items() if k in want}
     by_files: dict[frozenset[str], list[MappingUnit]] = defaultdict(list)
     for u in units:
         if any(k in wanted for k in u.fleet):
@@ -568,7 +545,7 @@ def _load_with_paddle(
                 os.path.join(folder, "private.auto_generated.metadata"),
             )
             src_dtypes = {k: st_to_paddle_dtype(ckpt.info(k).dtype) for u in group for k in u.sources(direction)}
-            dst_dtypes = {k: all_targets[k].dtype for u in group for k in u.targets(direction)}
+            dst_dtypes = {k: targets[k].dtype for u in group for k in u.targets(direction)}
             stmts = build_statements(group, direction, src_dtypes, dst_dtypes)
             sd = {k: wanted[k].tensor for u in group for k in u.targets(direction) if k in wanted}
             dist.load_state_dict(
