@@ -31,7 +31,7 @@ import numpy as np
 from .. import progress
 from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
-from .safetensors_io import ST_DTYPES, Checkpoint, st_to_paddle_dtype
+from .safetensors_io import ST_DTYPES, Checkpoint, st_to_paddle_dtype, to_paddle
 
 __all__ = [
     "CheckpointSource",
@@ -184,13 +184,6 @@ def _convert(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
     if src == "bfloat16":
         arr = (arr.astype(np.uint32) << 16).view(np.float32)
     return arr.astype(np.float64 if dst == "float64" else np.float32, copy=False)
-
-
-def _to_paddle(arr: np.ndarray, dtype: str) -> Any:
-    import paddle
-
-    t = paddle.to_tensor(np.ascontiguousarray(arr), place=paddle.CPUPlace())
-    return t if dtype_name(t.dtype) == dtype else t.view(dtype)
 
 
 def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str] | None, dst: np.ndarray) -> bool:
@@ -495,10 +488,7 @@ def _apply_entry(key: str, t: TargetSpec, m: Any, source: Any, offset: tuple[int
         )
         if apply_entry_numpy(src_np, s.dtype, m.postprocess_list, out_np[region]):
             return
-    if src_np is not None:
-        piece = _to_paddle(src_np, s.dtype)
-    else:
-        piece = source.read(s.key, s.global_offset, s.local_shape)
+    piece = to_paddle(src_np, s.dtype) if src_np is not None else source.read(s.key, s.global_offset, s.local_shape)
     del src_np
     src = ShardedWeight(
         key=s.key,

@@ -40,6 +40,7 @@ __all__ = [
     "st_to_paddle_dtype",
     "paddle_to_st_dtype",
     "bf16_bits_to_float32",
+    "to_paddle",
     "shard_file_name",
 ]
 
@@ -93,6 +94,14 @@ def paddle_to_st_dtype(dtype: Any) -> str:
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """Exact bf16 -> fp32 conversion from the raw uint16 bits (bf16 is the top half of fp32)."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_paddle(arr: np.ndarray, dtype: str) -> Any:
+    """A CPU Paddle tensor (a copy) of ``arr`` holding its bits as ``dtype`` (uint16 -> bfloat16)."""
+    import paddle
+
+    t = paddle.to_tensor(np.ascontiguousarray(arr), place=paddle.CPUPlace())
+    return t if str(t.dtype).replace("paddle.", "") == dtype else t.view(dtype)
 
 
 def shard_file_name(k: int, n: int, stem: str = "model") -> str:
@@ -229,8 +238,7 @@ def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: i
             key=key,
             actual=offs,
         )
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    want = numel * ST_DTYPES[dtype][0]
+    want = math.prod(shape) * ST_DTYPES[dtype][0]
     if offs[1] - offs[0] != want:
         raise CheckpointError(
             f"byte length does not match shape {shape} x {dtype}",
@@ -283,7 +291,15 @@ def _check_data_coverage(
         warnings.append(str(err))
 
 
-class SafetensorsFile:
+class _Closing:
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
+class SafetensorsFile(_Closing):
     """One validated safetensors file, read lazily through a read-only mmap."""
 
     def __init__(self, file: str | os.PathLike, warnings: list[str] | None = None) -> None:
@@ -347,14 +363,8 @@ class SafetensorsFile:
             self._fd.close()
             self._fd = None
 
-    def __enter__(self) -> SafetensorsFile:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Checkpoint:
+class Checkpoint(_Closing):
     """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set.
 
     Construction validates every header and the index against the shards, so a checkpoint object
@@ -379,22 +389,18 @@ class Checkpoint:
             files = self._files_from_folder()
         else:
             raise CheckpointError("checkpoint path does not exist", file=self.path)
-        self.files: dict[str, SafetensorsFile] = {}
-        for f in files:
-            self.files[f] = SafetensorsFile(f, None if strict else self.warnings)
+        self.files = {f: SafetensorsFile(f, None if strict else self.warnings) for f in files}
         self.tensors: dict[str, TensorInfo] = {}
-        owner: dict[str, str] = {}
         for f, sf in self.files.items():
             for k, info in sf.tensors.items():
-                if k in owner:
+                if k in self.tensors:
                     raise CheckpointError(
                         "key appears in two shards",
                         key=k,
                         file=f,
-                        expected=f"only in {os.path.basename(owner[k])}",
+                        expected=f"only in {os.path.basename(self.tensors[k].file)}",
                         actual="also here",
                     )
-                owner[k] = f
                 self.tensors[k] = info
         if self.index is not None:
             self._check_index()
@@ -563,17 +569,8 @@ class Checkpoint:
 
     def paddle(self, key: str, index: tuple[slice, ...] | None = None) -> Any:
         """A Paddle tensor (a copy) of the tensor or of a slice of it; bf16 stays bf16 bit for bit."""
-        import paddle
-
-        arr = self.numpy(key, index)
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        t = paddle.to_tensor(arr, place=paddle.CPUPlace())
-        del arr
+        t = to_paddle(self.numpy(key, index), st_to_paddle_dtype(self.info(key).dtype))
         self.file_of(key).release(key)
-        want = st_to_paddle_dtype(self.info(key).dtype)
-        if str(t.dtype).replace("paddle.", "") != want:  # uint16 numpy arrives as bfloat16 already
-            t = t.view(want) if hasattr(t, "view") else t.astype(want)
         return t
 
     def all_files(self) -> list[str]:
@@ -586,12 +583,6 @@ class Checkpoint:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------- writing
@@ -607,8 +598,7 @@ def plan_header(
     for key, dtype, shape in entries:
         if dtype not in ST_DTYPES:
             raise CheckpointError("unknown dtype name", key=key, expected=sorted(ST_DTYPES), actual=dtype)
-        n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-        end = pos + n * ST_DTYPES[dtype][0]
+        end = pos + math.prod(shape) * ST_DTYPES[dtype][0]
         header[key] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [pos, end]}
         offsets[key] = (pos, end)
         pos = end

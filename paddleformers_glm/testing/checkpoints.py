@@ -14,14 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.layout import fleet_param_specs, param_specs, resolve_dtype
+from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype, to_paddle
 
 __all__ = ["SpecModel", "random_array", "write_synthetic_checkpoint"]
-
-
-def _paddle():
-    import paddle
-
-    return paddle
 
 
 def SpecModel(config: Any, dtype: str = "float32") -> Any:  # noqa: N802 - acts as a class
@@ -30,7 +25,7 @@ def SpecModel(config: Any, dtype: str = "float32") -> Any:  # noqa: N802 - acts 
     Stands in for ``GlmMoeDsaForCausalLM`` in checkpoint tests: same names, shapes and dtypes
     (``"model"`` kinds in ``dtype``, router weight and correction bias in float32).
     """
-    paddle = _paddle()
+    import paddle
 
     class _SpecModel(paddle.nn.Layer):
         def __init__(self) -> None:
@@ -63,14 +58,6 @@ def random_array(rng: np.random.Generator, shape: tuple[int, ...], st_dtype: str
     raise ValueError(f"unsupported dtype {st_dtype}")
 
 
-def _to_paddle(arr: np.ndarray, st_dtype: str) -> Any:
-    paddle = _paddle()
-    t = paddle.to_tensor(arr)
-    if st_dtype == "BF16" and str(t.dtype) != "paddle.bfloat16":
-        t = t.view(paddle.bfloat16)
-    return t
-
-
 def write_synthetic_checkpoint(
     config: Any,
     out_dir: str,
@@ -87,7 +74,6 @@ def write_synthetic_checkpoint(
     """
     from safetensors.paddle import save_file
 
-    st_of = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
     specs = param_specs(config, layout)
     keys = sorted(specs)
     sizes = {k: math.prod(specs[k][0]) * (4 if resolve_dtype(specs[k][1], dtype) == "float32" else 2) for k in keys}
@@ -110,8 +96,8 @@ def write_synthetic_checkpoint(
     for name, group in zip(names, groups):
         tensors = {}
         for k in group:
-            st = st_of[resolve_dtype(specs[k][1], dtype)]
-            tensors[k] = _to_paddle(random_array(rng, specs[k][0], st), st)
+            st = paddle_to_st_dtype(resolve_dtype(specs[k][1], dtype))
+            tensors[k] = to_paddle(random_array(rng, specs[k][0], st), st_to_paddle_dtype(st))
             weight_map[k] = name
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
         del tensors
