@@ -29,12 +29,13 @@ import json
 import logging
 import os
 import re
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError
-from .layout import LayerPlan, layer_plan
+from .layout import EXPERT_LAYOUTS, LayerPlan, layer_plan, model_param_specs
 
 __all__ = [
     "DIRECTIONS",
@@ -181,18 +182,12 @@ def _subst(text: str, values: Mapping[str, str]) -> str:
 
 def _applies(unit: Mapping[str, Any], lp: LayerPlan | None, config: Any) -> bool:
     when = unit.get("when")
-    if when is None:
-        return True
-    if when == "attention_bias":
-        return bool(config.attention_bias)
+    if when in (None, "attention_bias"):
+        return when is None or bool(config.attention_bias)
+    if when not in ("indexer", "dense", "moe"):
+        raise ValueError(f"unit {unit['name']!r}: unknown condition {when!r}")
     assert lp is not None
-    if when == "indexer":
-        return lp.indexer
-    if when == "dense":
-        return not lp.moe
-    if when == "moe":
-        return lp.moe
-    raise ValueError(f"unit {unit['name']!r}: unknown condition {when!r}")
+    return {"indexer": lp.indexer, "dense": not lp.moe, "moe": lp.moe}[when]
 
 
 def _make(
@@ -294,8 +289,6 @@ def fleet_units(
     written by a tensor-parallel run whose ``fused_ffn`` weights (dense and shared-expert
     ``up_gate_proj``) hold ``[gate_0 | up_0 | gate_1 | up_1 | ...]``; the same macro un-interleaves them.
     """
-    from .layout import EXPERT_LAYOUTS, model_param_specs
-
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
     if fused_shards < 1:
@@ -346,8 +339,6 @@ def checkpoint_units(
     config: Any, layout: str, expert_layout: str = "per-expert", fused_shards: int = 1
 ) -> list[MappingUnit]:
     """Units from a checkpoint in ``layout`` (``hf`` side) to the model's ``state_dict()`` (``fleet`` side)."""
-    from .layout import model_param_specs
-
     if layout == "hf":
         return expand_units(config)
     if layout == "fleet":
@@ -378,32 +369,30 @@ def expand_units(
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
-    grouped_keys = {layer: set(a.fleet) for layer, a in adapters.items()}
-    out: list[MappingUnit] = []
-    merged: dict[int, list[MappingUnit]] = {}
+    out: list[MappingUnit | int] = []  # an int: where that layer's merged unit goes (its first expert unit)
+    merged: dict[int, list[MappingUnit]] = defaultdict(list)
     for u in units:
-        keys = grouped_keys.get(u.layer) if u.layer is not None else None
-        if keys is not None and set(u.fleet) <= keys:
-            if u.layer not in merged:
-                merged[u.layer] = []
-                out.append(u)  # placeholder, replaced below
-            merged[u.layer].append(u)
-        else:
+        a = adapters.get(u.layer)
+        if a is None or not set(u.fleet) <= set(a.fleet):
             out.append(u)
-    for i, u in enumerate(out):
-        group = merged.get(u.layer) if u.layer is not None else None
-        if group and u is group[0]:
-            a = adapters[u.layer]
-            out[i] = MappingUnit(
-                name=f"{a.name}",
-                tags=tuple(dict.fromkeys([t for g in group for t in g.tags] + list(a.tags))),
-                hf=tuple(k for g in group for k in g.hf),
-                fleet=a.hf,
-                hf_to_fleet=tuple(s for g in group for s in g.hf_to_fleet) + a.fleet_to_hf,
-                fleet_to_hf=a.hf_to_fleet + tuple(s for g in group for s in g.fleet_to_hf),
-                layer=u.layer,
-            )
-    return out
+            continue
+        if u.layer not in merged:
+            out.append(u.layer)
+        merged[u.layer].append(u)
+
+    def merge(layer: int) -> MappingUnit:
+        a, group = adapters[layer], merged[layer]
+        return MappingUnit(
+            name=a.name,
+            tags=tuple(dict.fromkeys([t for g in group for t in g.tags] + list(a.tags))),
+            hf=tuple(k for g in group for k in g.hf),
+            fleet=a.hf,
+            hf_to_fleet=tuple(s for g in group for s in g.hf_to_fleet) + a.fleet_to_hf,
+            fleet_to_hf=a.hf_to_fleet + tuple(s for g in group for s in g.fleet_to_hf),
+            layer=layer,
+        )
+
+    return [merge(u) if isinstance(u, int) else u for u in out]
 
 
 def _expand_units(config: Any, rules: Mapping[str, Any], layout: str) -> list[MappingUnit]:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointError
+from .safetensors_io import paddle_to_st_dtype
 
 __all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw", "nonfinite_tensors"]
 
@@ -40,7 +41,6 @@ _BIT_TESTS: dict[str, tuple[Any, int, int]] = {
     "F8_E4M3": (np.uint8, 0x7F, 0x7F),
     "F8_E8M0": (np.uint8, 0xFF, 0xFF),
 }
-_PADDLE_TO_ST = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
 class NonFiniteError(CheckpointError):
@@ -87,9 +87,8 @@ def nonfinite_tensors(state: Mapping[str, Any]) -> dict[str, int]:
         if not isinstance(t, paddle.Tensor) or not t.is_floating_point() or t.numel() == 0:
             continue
         view = numpy_view(t.detach())  # CPU: the bit test on the tensor's own memory, no copy
-        st = _PADDLE_TO_ST.get(str(t.dtype).replace("paddle.", ""))
-        if view is not None and st is not None:
-            bad = count_nonfinite_raw(view, st)
+        if view is not None:  # bf16 / f16 / f32 / f64
+            bad = count_nonfinite_raw(view, paddle_to_st_dtype(t.dtype))
         else:  # an accelerator's tensor (or another dtype): Paddle's own test where it lives
             finite = paddle.isfinite(t)
             bad = 0 if bool(finite.all()) else int((~finite).astype("int64").sum())

@@ -27,7 +27,6 @@ __all__ = [
     "detect_layout",
     "detect_expert_layout",
     "fused_ffn_shards",
-    "mtp_indexer_keys",
     "absent_mtp_indexer",
     "warn_legacy",
 ]
@@ -82,14 +81,9 @@ def detect_layout(keys: Iterable[str], config: Any, shape_of: Any = None) -> str
 
 def fused_ffn_shards(ckpt: Any) -> int:
     """How many tensor-parallel shards interleave the ``fused_ffn`` weights (1 = plain ``[gate | up]``)."""
-    values = []
-    index = getattr(ckpt, "index", None) or {}
-    if FUSED_FFN_KEY in (index.get("metadata") or {}):
-        values.append((getattr(ckpt, "index_file", None), index["metadata"][FUSED_FFN_KEY]))
-    for name, f in (getattr(ckpt, "files", None) or {}).items():
-        meta = getattr(f, "metadata", None) or {}
-        if FUSED_FFN_KEY in meta:
-            values.append((name, meta[FUSED_FFN_KEY]))
+    index_meta = (ckpt.index or {}).get("metadata") or {}
+    values = [(ckpt.index_file, index_meta[FUSED_FFN_KEY])] if FUSED_FFN_KEY in index_meta else []
+    values += [(name, f.metadata[FUSED_FFN_KEY]) for name, f in ckpt.files.items() if FUSED_FFN_KEY in f.metadata]
     out = {}
     for where, v in values:
         try:
@@ -106,15 +100,6 @@ def fused_ffn_shards(ckpt: Any) -> int:
     return next(iter(out.values()), 1)
 
 
-def mtp_indexer_keys(config: Any) -> dict[int, list[str]]:
-    """Per MTP layer, the 5 indexer tensors (same names in the PaddleFleet and model layouts)."""
-    return {
-        lp.index: [f"{lp.fleet_prefix}.self_attn.core_attention.indexer.{n}" for n in _INDEXER]
-        for lp in layer_plan(config)
-        if lp.mtp
-    }
-
-
 def absent_mtp_indexer(config: Any, layout: str, missing: Iterable[str]) -> set[str]:
     """MTP indexer tensors a PaddleFleet file left out entirely (all 5 of a layer), else nothing.
 
@@ -123,8 +108,12 @@ def absent_mtp_indexer(config: Any, layout: str, missing: Iterable[str]) -> set[
     """
     if layout != "fleet":
         return set()
-    gone = set(missing)
-    return {k for keys in mtp_indexer_keys(config).values() if set(keys) <= gone for k in keys}
+    gone, out = set(missing), set()
+    for lp in layer_plan(config):  # an MTP layer's indexer has the same names in the PaddleFleet and model layouts
+        keys = {f"{lp.fleet_prefix}.self_attn.core_attention.indexer.{n}" for n in _INDEXER}
+        if lp.mtp and keys <= gone:
+            out |= keys
+    return out
 
 
 def warn_legacy(report_warnings: list[str] | None = None) -> None:

@@ -296,7 +296,7 @@ class _Closing:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()
 
 
 class SafetensorsFile(_Closing):
