@@ -179,30 +179,37 @@ def resolve_model_dtype(dtype: Any, config: Any) -> str:
 def check_checkpoint_keys(
     ckpt: Checkpoint,
     specs: Mapping[str, tuple[tuple[int, ...], str]],
-    fp8: Mapping[str, str] | None = None,
-) -> tuple[list[str], list[str]]:
-    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing, unexpected).
+    fp8: Mapping[str, str],
+    model_dtype: str,
+) -> tuple[list[str], list[str], dict[str, str]]:
+    """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing,
+    unexpected, ``{key: "F16 where bfloat16 is expected"}`` for the tensors stored in another dtype
+    than the contract's ``model_dtype``).
 
-    ``fp8`` maps block-FP8 weights to their scale tensors: those weights may be F8_E4M3 and their
-    scales are part of them, not unexpected keys.
+    ``fp8`` maps block-FP8 weights to their scale tensors: those weights may be F8_E4M3 (listed in
+    ``quantized``, not as dtype changes) and their scales are part of them, not unexpected keys.
     """
-    fp8 = fp8 or {}
     present = set(ckpt.keys()) - set(fp8.values())
+    changes = {}
     for k in sorted(present & set(specs)):
         info = ckpt.info(k)
-        if k not in fp8 and (info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8")):
-            raise CheckpointError(
-                "non-float tensor where a weight is expected",
-                key=k,
-                file=info.file,
-                expected="F32/BF16/F16/F64",
-                actual=info.dtype,
-            )
+        if k not in fp8:
+            if info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+                raise CheckpointError(
+                    "non-float tensor where a weight is expected",
+                    key=k,
+                    file=info.file,
+                    expected="F32/BF16/F16/F64",
+                    actual=info.dtype,
+                )
+            want = resolve_dtype(specs[k][1], model_dtype)
+            if st_to_paddle_dtype(info.dtype) != want:
+                changes[k] = f"{info.dtype} where {want} is expected"
         if info.shape != tuple(specs[k][0]):
             raise CheckpointError(
                 "shape mismatch", key=k, file=info.file, expected=tuple(specs[k][0]), actual=info.shape
             )
-    return sorted(set(specs) - present), sorted(present - set(specs))
+    return sorted(set(specs) - present), sorted(present - set(specs)), changes
 
 
 def load_pretrained_state(
@@ -260,11 +267,12 @@ def load_pretrained_state(
         report.quantized = sorted(fp8)
         expert_layout = fleet_format.detect_expert_layout(weight_keys)
         src_specs = param_specs(cfg, layout, expert_layout)
-        missing_src, unexpected = check_checkpoint_keys(ckpt, src_specs, fp8)
+        missing_src, unexpected, report.dtype_changes = check_checkpoint_keys(
+            ckpt, src_specs, fp8, getattr(cfg, "model_dtype", "bfloat16")
+        )
         absent_mtp = fleet_format.absent_mtp_indexer(cfg, layout, missing_src)
         if absent_mtp:
             missing_src = [k for k in missing_src if k not in absent_mtp]
-        report.dtype_changes = _dtype_changes(ckpt, src_specs, fp8, cfg)
         if report.dtype_changes:
             kinds = sorted(set(report.dtype_changes.values()))
             msg = (
@@ -427,23 +435,6 @@ def _target_specs(
         else:
             targets[k] = TargetSpec(k, tuple(fleet[k][0]), resolve_dtype(fleet[k][1], dtype or "float32"))
     return targets
-
-
-def _dtype_changes(
-    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], fp8: Mapping[str, str], cfg: Any
-) -> dict[str, str]:
-    """``{key: "F16 where bfloat16 is expected"}`` for stored tensors whose dtype is not the contract's
-    (FP8 weights are listed in ``quantized`` instead)."""
-    out = {}
-    model_dtype = getattr(cfg, "model_dtype", "bfloat16")
-    for k in sorted(set(ckpt.keys()) & set(specs)):
-        if k in fp8:
-            continue
-        info = ckpt.info(k)
-        want = resolve_dtype(specs[k][1], model_dtype)
-        if st_to_paddle_dtype(info.dtype) != want:
-            out[k] = f"{info.dtype} where {want} is expected"
-    return out
 
 
 def init_like_hf(params: Mapping[str, Any], std: float, seeded: bool = False) -> None:
