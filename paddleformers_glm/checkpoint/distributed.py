@@ -32,7 +32,7 @@ from .engine import StateDictSource, TargetSpec, run_units
 from .errors import CheckpointError
 from .layout import fleet_param_specs
 from .loader import normalize_dtype
-from .safetensors_io import INDEX_NAME, paddle_to_st_dtype, plan_header
+from .safetensors_io import INDEX_NAME, le_bytes, paddle_to_st_dtype, plan_header
 from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shards
 
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
@@ -157,19 +157,16 @@ def export_distributed(
                 name = file_of[key]
                 head, offsets = headers[name]
                 b, e = offsets[key]
-                arr = out.numpy()
-                if arr.dtype.byteorder == ">":
-                    arr = arr.astype(arr.dtype.newbyteorder("<"))
-                data = arr.reshape(-1).view("uint8").tobytes()
-                if len(data) != e - b or paddle_to_st_dtype(out.dtype) != entries[key][1]:
+                data = le_bytes(out.numpy())
+                if data.nbytes != e - b or paddle_to_st_dtype(out.dtype) != entries[key][1]:
                     raise CheckpointError(
-                        "export: tensor does not match the plan", key=key, expected=e - b, actual=len(data)
+                        "export: tensor does not match the plan", key=key, expected=e - b, actual=data.nbytes
                     )
                 if name not in fds:
                     fds[name] = os.open(os.path.join(tmp, name), os.O_WRONLY)
                 os.pwrite(fds[name], data, len(head) + b)
                 written.append(key)
-                nbytes += len(data)
+                nbytes += data.nbytes
             del full
     finally:
         for fd in fds.values():

@@ -37,6 +37,7 @@ __all__ = [
     "Checkpoint",
     "SafetensorsWriter",
     "plan_header",
+    "le_bytes",
     "st_to_paddle_dtype",
     "paddle_to_st_dtype",
     "bf16_bits_to_float32",
@@ -607,6 +608,14 @@ def plan_header(
     return struct.pack("<Q", len(text)) + text, offsets
 
 
+def le_bytes(array: np.ndarray) -> np.ndarray:
+    """The array's bytes as safetensors stores them (little-endian), a flat uint8 array."""
+    arr = np.ascontiguousarray(array)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr.reshape(-1).view(np.uint8)
+
+
 class SafetensorsWriter:
     """Writes one safetensors file whose header is fixed up front; tensors may arrive in any order.
 
@@ -640,15 +649,13 @@ class SafetensorsWriter:
         if key in self.written:
             raise CheckpointError("tensor written twice", key=key, file=self.file)
         b, e = self.offsets[key]
-        arr = np.ascontiguousarray(array)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        if arr.nbytes != e - b:
+        data = le_bytes(array)
+        if data.nbytes != e - b:
             raise CheckpointError(
-                "tensor byte size does not match the plan", key=key, file=self.file, expected=e - b, actual=arr.nbytes
+                "tensor byte size does not match the plan", key=key, file=self.file, expected=e - b, actual=data.nbytes
             )
         self._f.seek(self.data_start + b)
-        self._f.write(arr.reshape(-1).view(np.uint8).data)
+        self._f.write(data.data)
         self.written.add(key)
 
     def close(self) -> None:
