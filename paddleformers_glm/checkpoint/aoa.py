@@ -8,17 +8,10 @@ dense vs MoE MLP, the MTP wrapper prefix, one unit per routed expert) and adds c
 because the engine's ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse
 direction on intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured).
 
-Three sets of units come out of the same file:
-
-* :func:`expand_units` — official HF checkpoint <-> the Paddle model's ``state_dict()``;
-  with ``layout="fleet"``, HF <-> PaddleFleet's checkpoint layout directly (what PaddleFleet's own
-  rules make: router and ``model.lm_head.weight`` untransposed, experts in ``expert_layout``).
-* :func:`fleet_units` — a PaddleFleet-layout checkpoint <-> the model's ``state_dict()`` (identity
-  except the router and head transposes, the expert grouping, and TP-interleaved fused weights).
-* :func:`checkpoint_units` — the right one of these for a checkpoint layout.
-
-In every unit the ``hf`` side is the checkpoint (or the official layout) and the ``fleet`` side the
-other end, so the loader and saver drive all of them with the same two directions.
+Three sets of units come out of the same file (:func:`expand_units`, :func:`fleet_units`, picked by
+:func:`checkpoint_units`). In every unit the ``hf`` side is the checkpoint (or the official layout)
+and the ``fleet`` side the other end, so the loader and saver drive all of them with the same two
+directions.
 """
 
 from __future__ import annotations

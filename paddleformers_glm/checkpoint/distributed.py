@@ -205,10 +205,7 @@ def save_pretrained_distributed(
 ) -> Any:
     """``save_pretrained`` for a model split over ranks (tensor, expert or pipeline parallel):
     collective, every rank calls it with its own part of the model (a ``GlmMoeDsaForCausalLM``
-    built for a multi-rank topology, or a trainer stage).  Each rank writes the official-layout
-    tensors it owns into the planned files (``export_distributed``: one writer per tensor, TP/ETP
-    pieces merged one unit at a time, the index last); the folder appears atomically.  The files
-    are byte-identical to ``save_pretrained`` of the same weights in one process.
+    built for a multi-rank topology, or a trainer stage), through :func:`export_distributed`.
 
     Only the official layout without quantization is written this way (a Fleet-layout or FP8 save
     of a split model is refused, not silently gathered).  Returns a ``SaveReport`` (the same on

@@ -361,10 +361,8 @@ def run_units(
     else :class:`CheckpointError` names the target. ``trace``, when given, receives per target the
     source keys the engine used and whether it transposed or cast (for classifying differences).
 
-    ``plan_cache``: each unit runs as its own program, and units whose programs, shapes and dtypes
-    are the same up to key names (every routed expert of every MoE layer, each layer's norms) get
-    the engine's plan once, renamed per unit; the engine's statement parsing would otherwise
-    dominate a small model's load. Without it, one engine per layer with the real names.
+    ``plan_cache``: one engine plan per unit program up to key names (:func:`_planner_for`);
+    without it, one engine per layer with the real names.
     """
     quiet_paddle_logs()
     produce = set(targets) if produce is None else set(produce)

@@ -14,6 +14,7 @@ beside the target and moved in only when complete: a failure leaves no partial c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -160,10 +161,9 @@ def save_pretrained_state(
 
     ``layout="hf"`` (default) writes the official layout, ``"fleet"`` the Paddle/Fleet names.
     ``dtype`` overrides ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and
-    in the Fleet layout the router weight, stay float32). If ``out_dir`` does not exist or is empty
-    the whole folder appears at once (rename); otherwise the finished files are moved in one by one
-    and stale weight files of an earlier checkpoint there are removed. ``expert_layout`` (fleet
-    layout only): PaddleFleet's ``per-expert``, ``grouped`` or ``stacked`` routed-expert tensors.
+    in the Fleet layout the router weight, stay float32). The folder appears all at once
+    (:func:`publish`). ``expert_layout`` (fleet layout only): PaddleFleet's ``per-expert``,
+    ``grouped`` or ``stacked`` routed-expert tensors.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
@@ -208,34 +208,29 @@ def save_pretrained_state(
             writers[name] = SafetensorsWriter(
                 os.path.join(tmp, name), [(k, entries[k][1], entries[k][0]) for k in keys], meta
             )
-        count = 0
         for key, t in run_units(units, "fleet_to_hf", StateDictSource(tensors), targets):
             if key in fp8:
                 q, scale = quantize_blocks(t.numpy(), block)
                 writers[file_of[key]].write(key, q, "F8_E4M3")
                 writers[file_of[fp8[key]]].write(fp8[key], scale, "F32")
-                count += 2
                 del q, scale
             else:
                 writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
-                count += 1
             del t
         for w in writers.values():
-            w.close()
+            w.close()  # refuses a file with a planned tensor missing: every entry is written once
         total, carried = finish_save(
             tmp, out_dir, config, shards, entries, FP8_CONFIG if quantization else None, carry_from
         )
     except BaseException:
         for w in writers.values():
-            try:
+            with contextlib.suppress(OSError):  # closing a file on a full disk fails again: the folder goes anyway
                 w.abort()
-            except OSError:  # closing a file on a full disk fails again: the folder goes anyway
-                pass
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
     return SaveReport(
-        out_dir, layout, [os.path.join(out_dir, f) for f in files], count, total, time.perf_counter() - t0
+        out_dir, layout, [os.path.join(out_dir, f) for f in files], len(entries), total, time.perf_counter() - t0
     )
 
 
