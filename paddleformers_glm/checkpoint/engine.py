@@ -31,7 +31,7 @@ import numpy as np
 from .. import progress
 from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
-from .safetensors_io import ST_DTYPES, Checkpoint, st_to_paddle_dtype, to_paddle
+from .safetensors_io import ST_DTYPES, Checkpoint, bf16_bits_to_float32, st_to_paddle_dtype, to_paddle
 
 __all__ = [
     "CheckpointSource",
@@ -179,10 +179,8 @@ _EXACT_CASTS = {
 
 def _convert(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
     """Exact (widening) casts in numpy; bf16 arrives as uint16 bits and widens by a bit shift."""
-    if src == dst:
-        return arr
     if src == "bfloat16":
-        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        arr = bf16_bits_to_float32(arr)
     return arr.astype(np.float64 if dst == "float64" else np.float32, copy=False)
 
 

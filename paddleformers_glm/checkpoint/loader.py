@@ -271,8 +271,7 @@ def load_pretrained_state(
             ckpt, src_specs, fp8, getattr(cfg, "model_dtype", "bfloat16")
         )
         absent_mtp = fleet_format.absent_mtp_indexer(cfg, layout, missing_src)
-        if absent_mtp:
-            missing_src = [k for k in missing_src if k not in absent_mtp]
+        missing_src = [k for k in missing_src if k not in absent_mtp]
         if report.dtype_changes:
             kinds = sorted(set(report.dtype_changes.values()))
             msg = (
@@ -522,15 +521,10 @@ def _load_with_paddle(
             storage: dict[Any, str] = {}
             for f in sorted(files):
                 os.symlink(f, os.path.join(folder, os.path.basename(f)))
-                for k, info in ckpt.files[f].tensors.items():
-                    sd_meta[k] = [
-                        LocalTensorMetadata(
-                            (0,) * len(info.shape), info.shape, st_to_paddle_dtype(info.dtype), info.shape, False
-                        )
-                    ]
-                    storage[LocalTensorIndex(k, (0,) * len(info.shape), False, None, None, info.shape)] = (
-                        os.path.basename(f)
-                    )
+                for k, i in ckpt.files[f].tensors.items():
+                    zero = (0,) * len(i.shape)
+                    sd_meta[k] = [LocalTensorMetadata(zero, i.shape, st_to_paddle_dtype(i.dtype), i.shape, False)]
+                    storage[LocalTensorIndex(k, zero, False, None, None, i.shape)] = os.path.basename(f)
             paddle.save(
                 Metadata(state_dict_metadata=sd_meta, storage_metadata=storage),
                 os.path.join(folder, "private.auto_generated.metadata"),
