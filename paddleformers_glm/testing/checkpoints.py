@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+import paddle
 
 from ..checkpoint.layout import fleet_param_specs, param_specs, resolve_dtype
 from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype, to_paddle
@@ -19,30 +20,26 @@ from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype, 
 __all__ = ["SpecModel", "random_array", "write_synthetic_checkpoint"]
 
 
-def SpecModel(config: Any, dtype: str = "float32") -> Any:  # noqa: N802 - acts as a class
+class SpecModel(paddle.nn.Layer):
     """A ``paddle.nn.Layer`` whose ``state_dict()`` is exactly ``fleet_param_specs(config)`` (zeros).
 
     Stands in for ``GlmMoeDsaForCausalLM`` in checkpoint tests: same names, shapes and dtypes
     (``"model"`` kinds in ``dtype``, router weight and correction bias in float32).
     """
-    import paddle
 
-    class _SpecModel(paddle.nn.Layer):
-        def __init__(self) -> None:
-            super().__init__()
-            self.config = config
-            self._names: dict[str, str] = {}
-            init = paddle.nn.initializer.Constant(0.0)
-            for k, (shape, kind) in fleet_param_specs(config).items():
-                attr = k.replace(".", "__")
-                p = self.create_parameter(list(shape), dtype=resolve_dtype(kind, dtype), default_initializer=init)
-                self.add_parameter(attr, p)
-                self._names[k] = attr
+    def __init__(self, config: Any, dtype: str = "float32") -> None:
+        super().__init__()
+        self.config = config
+        self._names: dict[str, str] = {}
+        init = paddle.nn.initializer.Constant(0.0)
+        for k, (shape, kind) in fleet_param_specs(config).items():
+            attr = k.replace(".", "__")
+            p = self.create_parameter(list(shape), dtype=resolve_dtype(kind, dtype), default_initializer=init)
+            self.add_parameter(attr, p)
+            self._names[k] = attr
 
-        def state_dict(self, *args: Any, **kwargs: Any) -> OrderedDict:  # type: ignore[override]
-            return OrderedDict((k, getattr(self, a)) for k, a in self._names.items())
-
-    return _SpecModel()
+    def state_dict(self, *args: Any, **kwargs: Any) -> OrderedDict:  # type: ignore[override]
+        return OrderedDict((k, getattr(self, a)) for k, a in self._names.items())
 
 
 def random_array(rng: np.random.Generator, shape: tuple[int, ...], st_dtype: str) -> np.ndarray:
