@@ -468,13 +468,12 @@ def _target_spec(
     warnings: list[str],
 ) -> TargetSpec:
     shape, kind = spec
-    local = getattr(value, "local_tensor", None)
-    tensor = local if local is not None else value
+    sharded = getattr(value, "local_tensor", None) is not None  # a ShardedWeight: fill its local piece
+    tensor = value.local_tensor if sharded else value
     if not getattr(tensor, "stop_gradient", True):
         # a trainable parameter refuses DLPack; a detached tensor shares its memory and does not,
         # so the copy takes the numpy fast path straight into the parameter
         tensor = tensor.detach()
-        local = tensor if local is not None else None
     global_shape = tuple(int(d) for d in (getattr(value, "global_shape", None) or tensor.shape))
     if global_shape != tuple(shape):
         raise CheckpointError(
@@ -490,11 +489,8 @@ def _target_spec(
             if strict:
                 raise err
             warnings.append(f"{err}; loaded as {have}")
-    if local is not None:
-        return TargetSpec(
-            key, global_shape, have, tuple(value.local_shape), tuple(value.global_offset), local, list(shards or [])
-        )
-    return TargetSpec(key, global_shape, have, None, None, tensor, list(shards or []))
+    local_shape, offset = (tuple(value.local_shape), tuple(value.global_offset)) if sharded else (None, None)
+    return TargetSpec(key, global_shape, have, local_shape, offset, tensor, list(shards or []))
 
 
 def _load_with_paddle(
