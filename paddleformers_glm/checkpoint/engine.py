@@ -225,24 +225,21 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
             return True
     if src.ndim == 2 and perm == [1, 0]:
         rows = max(1, _BLOCK_BYTES // max(1, src.shape[1] * src.itemsize))
-
-        def block(r0: int) -> None:  # numpy drops the GIL for these copies: blocks run in parallel
-            put((slice(None), slice(r0, r0 + rows)), src[r0 : r0 + rows].T)
-
-        starts = range(0, src.shape[0], rows)
-        pool = _pool()
-        if pool is not None and len(starts) > 1:
-            list(pool.map(block, starts))
-        else:
-            for r0 in starts:
-                block(r0)
+        _each(lambda r0: put((slice(None), slice(r0, r0 + rows)), src[r0 : r0 + rows].T), src.shape[0], rows)
     elif perm == list(range(src.ndim)) and src.ndim >= 1 and src.nbytes >= _PARALLEL_BYTES and _pool() is not None:
         # a large untransposed copy (the embedding): row chunks on the pool, like the transposes
         rows = max(1, _BLOCK_BYTES // max(1, src.nbytes // max(1, src.shape[0])))
-        list(_pool().map(lambda r0: put((slice(r0, r0 + rows),), src[r0 : r0 + rows]), range(0, src.shape[0], rows)))
+        _each(lambda r0: put((slice(r0, r0 + rows),), src[r0 : r0 + rows]), src.shape[0], rows)
     else:
         put(Ellipsis, np.transpose(src, perm))
     return True
+
+
+def _each(block: Callable[[int], None], n: int, step: int) -> None:
+    """``block(r0)`` for r0 in 0, step, ... < n; on the load threads when there are some (numpy drops
+    the GIL for these copies: blocks run in parallel)."""
+    pool, starts = _pool(), range(0, n, step)
+    list(pool.map(block, starts) if pool is not None and len(starts) > 1 else map(block, starts))
 
 
 _POOL: Any = None
