@@ -412,6 +412,10 @@ class Checkpoint(_Closing):
             raise err
         self.warnings.append(str(err))
 
+    def _stray(self, names: set[str], message: str) -> None:
+        for name in sorted(names):
+            self._problem(CheckpointError(message, file=os.path.join(self.folder, name)))
+
     def _files_from_folder(self) -> list[str]:
         listing = sorted(os.listdir(self.folder))
         st_files = [f for f in listing if f.endswith(".safetensors")]
@@ -448,22 +452,10 @@ class Checkpoint(_Closing):
                         actual="missing",
                     )
             self._check_series(named, idx)
-            for extra in sorted(set(st_files) - set(named)):
-                self._problem(
-                    CheckpointError(
-                        "safetensors file in the folder is not named by the index",
-                        file=os.path.join(self.folder, extra),
-                    )
-                )
+            self._stray(set(st_files) - set(named), "safetensors file in the folder is not named by the index")
             return [os.path.join(self.folder, n) for n in named]
         if SINGLE_NAME in st_files:
-            for extra in sorted(set(st_files) - {SINGLE_NAME}):
-                self._problem(
-                    CheckpointError(
-                        f"extra safetensors file beside {SINGLE_NAME} and no index",
-                        file=os.path.join(self.folder, extra),
-                    )
-                )
+            self._stray(set(st_files) - {SINGLE_NAME}, f"extra safetensors file beside {SINGLE_NAME} and no index")
             return [os.path.join(self.folder, SINGLE_NAME)]
         if st_files:
             self._check_series(st_files, self.folder)
