@@ -14,7 +14,6 @@ versions skip building it when the MTP layer shares the previous layer's top-k).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,7 +27,6 @@ __all__ = [
     "detect_expert_layout",
     "fused_ffn_shards",
     "absent_mtp_indexer",
-    "warn_legacy",
 ]
 
 FUSED_FFN_KEY = "fused_ffn_tp_degree"
@@ -114,10 +112,3 @@ def absent_mtp_indexer(config: Any, layout: str, missing: Iterable[str]) -> set[
         if lp.mtp and keys <= gone:
             out |= keys
     return out
-
-
-def warn_legacy(report_warnings: list[str] | None = None) -> None:
-    """Tell the user the file is in the old spelling (a FutureWarning, and in the load report)."""
-    warnings.warn(LEGACY_MESSAGE, FutureWarning, stacklevel=3)
-    if report_warnings is not None:
-        report_warnings.append(LEGACY_MESSAGE)

@@ -263,7 +263,8 @@ def load_pretrained_state(
         for w in ckpt.warnings:
             logger.warning("%s", w)
         if layout == "fleet-legacy":
-            fleet_format.warn_legacy(report.warnings)
+            warnings.warn(fleet_format.LEGACY_MESSAGE, FutureWarning, stacklevel=2)
+            report.warnings.append(fleet_format.LEGACY_MESSAGE)
         report.quantized = sorted(fp8)
         expert_layout = fleet_format.detect_expert_layout(weight_keys)
         src_specs = param_specs(cfg, layout, expert_layout)
