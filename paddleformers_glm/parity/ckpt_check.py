@@ -49,32 +49,22 @@ EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE = 0, 1, 2
 _MAX_LISTED = 200  # differences listed in full; counts are always complete
 
 
-def versions() -> dict[str, str]:
-    """Versions that a receipt should carry to be reproducible."""
-    out = {"python": platform.python_version()}
-    try:
-        from .. import __version__
+def versions(modules: tuple[str, ...] = ("paddle", "numpy", "safetensors")) -> dict[str, str]:
+    """Versions that a receipt should carry to be reproducible (a module not installed says so)."""
+    from .. import __version__
 
-        out["paddleformers_glm"] = __version__
-    except Exception:  # pragma: no cover
-        out["paddleformers_glm"] = "unknown"
-    for mod in ("paddle", "numpy", "safetensors"):
+    out = {"python": platform.python_version(), "paddleformers_glm": __version__}
+    for mod in modules:
         try:
             out[mod] = __import__(mod).__version__
-        except Exception:
+        except Exception:  # noqa: BLE001 - a receipt records what is missing too
             out[mod] = "not installed"
     return out
 
 
-def sha256_file(path: str, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str) -> str:
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tensor_hash(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> str:
@@ -111,21 +101,14 @@ def file_safety_problems(paths: list[str]) -> list[dict[str, str]]:
     for p in paths:
         st = os.lstat(p)
         if stat.S_ISLNK(st.st_mode):
-            problems.append({"file": p, "problem": "symlink", "detail": f"points to {os.readlink(p)}"})
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append({"file": p, "problem": "not a regular file", "detail": stat.filemode(st.st_mode)})
-            continue
-        if st.st_nlink > 1:
-            problems.append({"file": p, "problem": "hardlink", "detail": f"{st.st_nlink} links to this inode"})
-        if _is_sparse(p, st):
-            problems.append(
-                {
-                    "file": p,
-                    "problem": "sparse file",
-                    "detail": f"{st.st_blocks * 512} bytes allocated for {st.st_size}",
-                }
-            )
+            found = [("symlink", f"points to {os.readlink(p)}")]
+        elif not stat.S_ISREG(st.st_mode):
+            found = [("not a regular file", stat.filemode(st.st_mode))]
+        else:
+            found = [("hardlink", f"{st.st_nlink} links to this inode")] if st.st_nlink > 1 else []
+            if _is_sparse(p, st):
+                found.append(("sparse file", f"{st.st_blocks * 512} bytes allocated for {st.st_size}"))
+        problems += [{"file": p, "problem": what, "detail": detail} for what, detail in found]
     return problems
 
 
@@ -218,11 +201,14 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
     from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype
 
     assert cand.ckpt is not None and ref.ckpt is not None
-    out: dict[str, dict[str, Any]] = {}
+
+    def own(k: str) -> dict[str, Any]:  # a candidate tensor under its own name
+        info = cand.ckpt.tensors[k]  # type: ignore[union-attr]
+        return {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
+
     if cand.layout == ref.layout or "unknown" in (cand.layout, ref.layout):
-        for k, info in cand.ckpt.tensors.items():
-            out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
-        return out
+        return {k: own(k) for k in cand.ckpt.tensors}
+    out: dict[str, dict[str, Any]] = {}
     other = ref if cand.layout == "hf" else cand  # the non-official side picks the rules' target layout
     expert_layout = detect_expert_layout(other.ckpt.keys())
     if "hf" in (cand.layout, ref.layout):
@@ -250,15 +236,8 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
             continue
         bad_shape = [k for k in srcs if cand.ckpt.info(k).shape != tuple(cand_specs[k][0])]
         for k in bad_shape:
-            diffs.append(
-                {
-                    "class": "value",
-                    "what": "shape",
-                    "cand_key": k,
-                    "expected": list(cand_specs[k][0]),
-                    "actual": list(cand.ckpt.info(k).shape),
-                }
-            )
+            expected, actual = list(cand_specs[k][0]), list(cand.ckpt.info(k).shape)
+            diffs.append({"class": "value", "what": "shape", "cand_key": k, "expected": expected, "actual": actual})
         if not bad_shape:
             usable.append(u)
     targets = {}
@@ -287,10 +266,7 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         if ref_info is None or h != ref.hashes[key]:  # kept only for the max-abs-diff of a difference
             out[key]["array"], out[key]["array_dtype"] = exact, paddle_to_st_dtype(t.dtype)
         del t, arr, exact
-    for k in cand.ckpt.keys():  # tensors outside the contract keep their own name
-        if k not in consumed and k not in out:
-            info = cand.ckpt.info(k)
-            out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
+    out.update({k: own(k) for k in cand.ckpt.keys() if k not in consumed and k not in out})  # outside the contract
     return out
 
 
@@ -311,11 +287,6 @@ def _naming_kinds(key: str, native: list[str], transposed: bool) -> list[str]:
     if not kinds and native != [key]:
         kinds.append("rename")
     return kinds
-
-
-def _ref_array(ref: _Side, key: str) -> np.ndarray:
-    assert ref.ckpt is not None
-    return ref.ckpt.numpy(key)
 
 
 def check_checkpoints(
@@ -389,8 +360,7 @@ def check_checkpoints(
         quant["fp8_side"] = "ref" if ref.fp8 else "cand"
         quant["differing"] = quant["differing"][:_MAX_LISTED]
         report["differences"].insert(0, quant)
-    canon_hashes = {k: v["hash"] for k, v in canon.items()}
-    report["cand"]["canonical_hash"] = checkpoint_hash(canon_hashes)
+    report["cand"]["canonical_hash"] = checkpoint_hash({k: v["hash"] for k, v in canon.items()})
     report["ref"]["canonical_hash"] = report["ref"]["native_hash"]
     report["compare_layout"] = ref.layout
     report["hash_match"] = report["cand"]["canonical_hash"] == report["ref"]["canonical_hash"]
@@ -500,7 +470,7 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
     if tuple(c["shape"]) != r.shape:
         d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
         return d
-    a = _as_float(_ref_array(ref, key), r.dtype)
+    a = _as_float(ref.ckpt.numpy(key), r.dtype)  # type: ignore[union-attr]
     if "array" in c:
         b = _as_float(c["array"], c["array_dtype"])
     else:
