@@ -55,11 +55,14 @@ import shutil
 import sys
 import time
 
-from ..._io import write_json_atomic as _write_json_atomic
+from ..._io import write_json_atomic
 from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
 from .indexer import ReferenceIndexer, resolve_indexer_stage
+from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
+# an MTP layer's own modules -> their checkpoint names (``model.layers.{L+j}.<name>.weight``)
+MTP_HEAD = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -219,13 +222,8 @@ class Reference:
             )
             p = f"model.layers.{L + j}."
             with torch.no_grad():
-                for mod, key in (
-                    ("enorm", "enorm.weight"),
-                    ("hnorm", "hnorm.weight"),
-                    ("eh_proj", "eh_proj.weight"),
-                    ("shared_head_norm", "shared_head.norm.weight"),
-                ):
-                    m[mod].weight.copy_(self.ckpt[p + key])
+                for mod, key in MTP_HEAD.items():
+                    m[mod].weight.copy_(self.ckpt[f"{p}{key}.weight"])
             heads = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
             sd = _layer_state(self.ckpt, p, E, drop_indexer=self.share_topk)
             m["layer"].load_state_dict({k: v for k, v in sd.items() if not k.startswith(heads)}, strict=True)
@@ -312,14 +310,9 @@ class Reference:
         if name.startswith("mtp."):
             j, rest = name[4:].split(".", 1)
             p = f"model.layers.{self.L + int(j)}."
-            head = {
-                "enorm.weight": "enorm.weight",
-                "hnorm.weight": "hnorm.weight",
-                "eh_proj.weight": "eh_proj.weight",
-                "shared_head_norm.weight": "shared_head.norm.weight",
-            }
-            if rest in head:
-                return [(p + head[rest], t)]
+            head = rest.removesuffix(".weight")
+            if head in MTP_HEAD:
+                return [(f"{p}{MTP_HEAD[head]}.weight", t)]
             assert rest.startswith("layer."), rest
             return [(p + k, v) for k, v in _unfuse(rest[len("layer.") :], t, self.inter)]
         return _unfuse(name, t, self.inter)
@@ -360,7 +353,7 @@ class Reference:
         return lm, mtps
 
 
-class TopkMargins:
+class TopkMargins(GapMonitor):
     """The margin of every top-k decision at its selection boundary (k-th minus (k+1)-th score),
     for each DSA indexer and MoE router call (main model and MTP), via the HF modules' own
     ``torch.topk`` calls; the smallest per step goes to loss.json (``topk_min_gaps``).
@@ -376,25 +369,15 @@ class TopkMargins:
     NEAR = 1e-6
 
     def __init__(self, modules) -> None:
-        from .topk_gaps import GapMonitor  # same hooks as the fixtures' tie screening
-
-        monitor = self
-
-        class _Monitor(GapMonitor):
-            def _gap(self, cat, x, valid, k):
-                monitor.record(cat, x, valid, k)
-
-        self.monitor = _Monitor()
+        super().__init__(min_gap=None)  # the same hooks as the fixtures' tie screening
         for m in modules:
-            self.monitor.attach(m)
+            self.attach(m)
         self.step: dict = {}
 
     def reset(self) -> None:
         self.step = {}
 
-    def record(self, cat: str, x, valid, k: int) -> None:
-        from .topk_gaps import boundary_gaps
-
+    def _gap(self, cat: str, x, valid, k: int) -> None:
         gaps = boundary_gaps(x, valid, k)
         if gaps is None:
             return
@@ -443,13 +426,6 @@ def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
         shutil.copyfile(os.path.join(ref.model_dir, "config.json"), os.path.join(tmp, "config.json"))
         shutil.rmtree(d, ignore_errors=True)
         os.replace(tmp, d)
-
-
-def write_json_atomic(path: str, obj) -> None:
-    """Strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
-    decision an exact tie, is written as null and listed under "nonfinite")."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -519,7 +495,7 @@ def train(args: argparse.Namespace) -> dict:
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
-            with margins.monitor.mode():
+            with margins.mode():
                 lm, mtps = ref.forward_losses(ids, labels, mask)
             terms = ref.indexer.terms()  # layer -> (KL, recall): per-micro-batch means
             # the warm-up trains on the indexer KL alone; otherwise LM + MTP (+ the sparse KL)
@@ -617,7 +593,9 @@ def train(args: argparse.Namespace) -> dict:
             run={"data": data.describe, "tokens_per_step": G * args.seq_len, "micro_batch_size": M},
             checkpoint={"path": os.path.abspath(args.model)},
         )
-        write_json_atomic(os.path.join(args.out, "loss.json"), result)
+        # strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
+        # decision an exact tie, is written as null and listed under "nonfinite")
+        write_json_atomic(os.path.join(args.out, "loss.json"), result, indent=1, sort_keys=False, default=None)
     return result
 
 
