@@ -11,16 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
-from ..cli._plot import TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
+from ..cli._plot import PLOT_EXTRA_HINT, TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
 
 __all__ = ["plot_expert_load", "register_plot_experts"]
-
-
-def _expert_load(loss_json: str) -> dict[str, Any]:
-    absent = "a run of a model without MoE routers?"
-    return read_block(loss_json, "expert_load", ("layers", "steps", "max_mean_ratio", "load_total"), absent)
 
 
 def plot_expert_load(loss_json: str, png: str) -> str:
@@ -28,7 +22,8 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     plt = pyplot()
     import numpy as np
 
-    el = _expert_load(loss_json)
+    required = ("layers", "steps", "max_mean_ratio", "load_total")
+    el = read_block(loss_json, "expert_load", required, "a run of a model without MoE routers?")
     run = os.path.basename(os.path.dirname(os.path.abspath(loss_json)))
     load = np.asarray(el["load_total"], dtype=np.float64)  # [layers, experts]
     mean = load.mean(axis=1, keepdims=True)
@@ -61,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         plot_expert_load(loss_json, png)
     except ImportError:
-        print("plot-experts: plotting needs matplotlib: pip install 'paddleformers_glm[plot]'", file=sys.stderr)
+        print(f"plot-experts: {PLOT_EXTRA_HINT}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:
         print(f"plot-experts: {e}", file=sys.stderr)
