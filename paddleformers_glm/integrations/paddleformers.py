@@ -1,16 +1,8 @@
 """PaddleFormers integration: its ``AutoConfig``, ``AutoModelForCausalLM`` and ``AutoTokenizer``
 resolve a GLM-5.2 checkpoint folder (``model_type: glm_moe_dsa``) to this package, and its
-``Trainer`` trains and saves our model. Opt-in, one call::
-
-    from paddleformers_glm.integrations import paddleformers as pf_glm
-    pf_glm.register()              # ours where PaddleFormers' own GLM-5.2 cannot run (no paddlefleet)
-    pf_glm.register(replace=True)  # ours even where it can
-
-PaddleFormers ships its own ``GlmMoeDsaConfig`` / ``GlmMoeDsaForCausalLM``; its model needs
-``paddlefleet`` (its ``AutoModelForCausalLM`` raises ``ImportError`` without it). ``register()``
-never replaces silently: every replacement is announced with a :class:`ReplacementWarning` that
-names the PaddleFormers class replaced and why, and :func:`unregister` restores PaddleFormers' own
-resolution. Importing this module registers nothing and does not import PaddleFormers.
+``Trainer`` trains and saves our model; opt-in with :func:`register`, every replacement announced
+with a :class:`ReplacementWarning` (docs/model.md, "PaddleFormers").  Importing this module registers
+nothing and does not import PaddleFormers.
 
 Why these hooks: PaddleFormers' ``AutoConfig`` has a registry (``AutoConfig.register``) that wins
 over its own mapping, so the config goes through it. Its ``AutoModelForCausalLM`` picks the class
@@ -18,14 +10,7 @@ from the ``architectures`` of config.json and imports PaddleFormers' module for 
 registry only when that fails, and its ``AutoTokenizer`` is transformers' (``tokenizer_class`` of
 tokenizer_config.json); for those two the ``from_pretrained`` / ``from_config`` class methods are
 wrapped: a local folder whose config.json says ``glm_moe_dsa`` loads ours, anything else goes to
-PaddleFormers unchanged.
-
-What the Trainer gets (:class:`GlmMoeDsaForCausalLM` of this module, a subclass of ours): a
-forward that returns a dict-like output (the Trainer reads ``outputs["loss"]``) and, in train mode,
-the objective ``glm52 train`` optimises (LM loss + ``mtp_loss_scaling_factor`` x MTP loss +
-``indexer_loss_coeff`` x indexer KL; in eval mode the LM loss, HF's convention), and a
-``save_pretrained`` that accepts the Trainer's arguments and writes the official HF layout, which
-our ``from_pretrained`` reads back. Tested with PaddleFormers 1.2.0 (``tests/test_paddleformers.py``).
+PaddleFormers unchanged.  Tested with PaddleFormers 1.2.0 (``tests/test_paddleformers.py``).
 """
 
 from __future__ import annotations

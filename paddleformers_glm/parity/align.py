@@ -1,29 +1,13 @@
 """``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
 
-It runs the torch reference (``parity/reference/train.py``: HF transformers + torch MTP, torch AdamW, one process) and
-``glm52 train`` in any layout (default the headline TP2 x PP2 + SP) on the same checkpoint, data
-and hyper-parameters, both dumping their full state after each ``--dump-step`` update (default
-1, 2 and 3: an expert idle at step 2 after tokens at step 1 shows only from step 2 on) and after
-the last update, then checks:
-
-* losses, MTP losses (and indexer KL losses when on) step by step (``|paddle - torch| <=
-  loss_atol`` on every step) and looks for jumps (a near-tie top-k or routing flip) in either
-  difference curve;
-* the experts each MoE layer left idle, step by step: the same on both sides;
-* after each dump step K, per tensor: gradients (before clipping) and both AdamW moments within
-  ``rel_tol`` (K = 1) or ``later_rel_tol`` (K >= 2) relative (max abs diff / max abs reference
-  value; indexer tensors INDEXER_REL_TOL), updated weights within
-  ``weight_atol`` absolute (default a tenth of the learning rates summed over steps 1..K: Adam's
-  update moves a weight by lr x m / (sqrt(v) + eps) per step, so gradients near eps turn their
-  rounding into a fraction of lr); the first step and tensor beyond tolerance are named;
-* after the last update: weights within ``final_weight_atol`` absolute;
-* every tensor dump also through ``glm52 check-ckpt`` (bit-level receipt: names, shapes, hashes).
-
-The receipt folder ``OUT/receipt/`` holds ``verdict.json`` (every comparison, its tolerance, its
-measured value, pass/fail), ``loss.png`` and ``mtp_loss.png`` (curves and the difference per
-step), ``versions.json``, both ``loss.json`` and the check-ckpt receipts.  Exit 0 when every
-comparison is within tolerance, 1 when one is not, 2 when a run failed.  The tolerances and why
-they are what they are: docs/parity.md.
+It runs the torch reference (``parity/reference/train.py``) and ``glm52 train`` in any layout
+(default the headline TP2 x PP2 + SP) on the same checkpoint, data and hyper-parameters, both dumping
+their full state after each ``--dump-step`` update and after the last, then compares the loss curves
+(and looks for jumps: a near-tie top-k or routing flip), the idle experts of every step, and per
+tensor the gradients, AdamW moments and weights of every dump, each within the tolerance
+docs/parity.md derives, and leaves ``OUT/receipt/`` (``verdict.json``, the loss plots, the versions,
+both loss.json and the check-ckpt receipts).  Exit 0 when every comparison is within tolerance, 1
+when one is not, 2 when a run failed.
 """
 
 from __future__ import annotations
@@ -122,19 +106,13 @@ def compare_dumps(
 
     relative: max |cand - ref| / max |ref| per tensor (a tensor that is zero in the reference must
     be zero in the candidate); absolute: max |cand - ref| per tensor.  Reports the worst tensor (the
-    nearest its tolerance) and every tensor beyond the tolerance; names present on one side only
-    fail the comparison.
+    nearest its tolerance) and every tensor beyond it; a name on one side only fails.
 
-    ``near_eps = (reference exp_avg_sq dump, 1 - beta2**K, loose atol)`` (updated weights after
-    update K): an element whose bias-corrected second moment has ``0 < sqrt(v) < NEAR_EPS_SQRT_V``
-    (10 x Adam's eps) is held to the loose tolerance instead: there Adam divides the gradient, and
-    its rounding, by a number near eps, so a 1e-8 gradient rounded differently moves the weight by a
-    sizeable fraction of lr (measured: 0.11 x lr after update 1 for a gradient of 1.5e-8 in torch and
-    8.7e-9 in Paddle).  How many such elements there were and their largest difference are reported.
-
-    ``loose_rel = (name part, tolerance)``: tensors whose name contains the part are held to that
-    relative tolerance instead of ``rel_tol`` (the indexers' gradients from the KL loss, see
-    INDEXER_REL_TOL).
+    ``near_eps = (reference exp_avg_sq dump, 1 - beta2**K, loose atol)`` (weights after update K):
+    an element whose bias-corrected ``0 < sqrt(v) < NEAR_EPS_SQRT_V`` is held to the loose tolerance,
+    since there Adam divides the gradient's rounding by a number near eps (docs/parity.md); their
+    count and largest difference are reported.  ``loose_rel = (name part, tolerance)``: the relative
+    tolerance of the tensors whose name contains the part (INDEXER_REL_TOL).
     """
     import numpy as np
 

@@ -1,25 +1,13 @@
 """``glm52 check-ckpt``: prove a candidate checkpoint holds the same tensors as a reference.
 
-Why each step:
-
-* both sides are validated strictly (every safetensors header, the index) and every file is
-  refused if it is a symlink, a hardlink or sparse — a parity receipt must describe bytes that
-  really are in that folder, not bytes that can change under it;
-* tensors are compared through a *canonical* hash — sha256 over dtype, shape and raw bytes per
-  tensor, then over the sorted ``key<TAB>hash`` lines — so shard boundaries and key order do not
-  matter;
-* when the two sides use different layouts (HF vs Paddle/Fleet), the candidate is mapped into
-  the reference's layout by the same AOA rules the loader uses, so a renamed, fused or transposed
-  tensor is recognised as a **naming** difference, a tensor with no counterpart as
-  **structural**, and different numbers as **value** (with the max abs diff);
-* a block-FP8 checkpoint (F8_E4M3 weights + ``<name>_scale_inv``) against an unquantized one is
-  compared by dequantized value: each FP8 weight, dequantized in fp32 and rounded to the other
-  side's dtype, must equal that side's tensor. These pairs form their own **quantization** class
-  (counted apart; the scale tensors and ``quantization_config`` are part of it, not differences);
-* every floating-point tensor (FP8 weights and their scales included) is scanned for NaN/Inf while
-  its bytes are read for the hash: identical NaN bytes hash alike, so without the scan two broken
-  checkpoints would "match". Such tensors make the input unusable (exit 2), each named with its file
-  and count, unless ``allow_nonfinite`` (``--allow-nonfinite``) reports them as warnings.
+Both sides are validated strictly and a symlink, hardlink or sparse file is refused: a parity
+receipt must describe bytes that really are in that folder, not bytes that can change under it.
+Tensors are compared through canonical hashes, so shard boundaries and key order do not matter; a
+candidate in another layout is mapped into the reference's by the loader's AOA rules, so every
+difference is classified (naming, structural, value, config; block-FP8 against unquantized by
+dequantized value: quantization).  Every floating-point tensor is scanned for NaN/Inf while it is
+hashed, since identical NaN bytes hash alike (exit 2 unless ``allow_nonfinite``).  The steps, the
+classes and the receipt: docs/parity.md.
 """
 
 from __future__ import annotations

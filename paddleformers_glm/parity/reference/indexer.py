@@ -1,22 +1,10 @@
-"""The DSA indexer's training in the torch reference, written from the definitions (docs/indexer.md)
-on HF transformers' own modules, independently of the Paddle model:
+"""The DSA indexer's training in the torch reference, written from the definitions of docs/indexer.md
+on HF transformers' own modules, independently of the Paddle model.
 
-* ``warmup`` (dense warm-up): every HF indexer's ``index_topk`` is raised past the sequence, so HF
-  selects every key and its eager attention runs densely over all causal keys (the shared layers and
-  the MTP layer reuse that selection); the target of a full layer is HF's attention probabilities
-  summed over heads and L1-normalised over the visible keys; the loss is ``KL(target ||
-  softmax(index scores))`` over every visible key; only the indexers' parameters train.  The
-  indexer's own top-k (for the recall) is HF's indexer called again with its real ``index_topk``.
-* ``sparse``: HF's top-k attention; the target is the head-mean of HF's probabilities at the selected
-  keys, the KL over those keys (a slot whose key is masked takes no part); the whole model trains.
-* shared-layer supervision: a full layer's target is the mean of its own and the shared layers'
-  (the layers after it that reuse its top-k, the MTP layer included when it reuses the main model's).
-
-Index scores are recomputed with gradient from HF's indexer modules on detached inputs (HF runs its
-indexer under ``no_grad``).  Per layer the recall is the mass of the layer's dense target (warm-up:
-the target itself; sparse: HF's attention recomputed densely from the layer's own modules, with the
-causal and padding mask) on the indexer's selected keys.  KL and recall are means over the queries
-that see a key.
+``warmup``: every HF indexer's ``index_topk`` is raised past the sequence, so HF selects every key and
+its eager attention runs densely; the indexer's own top-k (for the recall) is HF's indexer called
+again with its real ``index_topk``.  ``sparse``: HF's top-k attention.  Index scores are recomputed
+with gradient from HF's indexer modules on detached inputs (HF runs its indexer under ``no_grad``).
 
 Part of the ``reference`` extra: torch and transformers are imported inside the functions.
 """

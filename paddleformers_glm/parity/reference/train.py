@@ -2,46 +2,17 @@
 ``python -m paddleformers_glm.parity.reference.train --model DIR --out OUT [training flags]``.
 
 One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
-MTP layers, which transformers drops, are assembled here from HF's own building blocks
-(``GlmMoeDsaRMSNorm``, ``GlmMoeDsaDecoderLayer``, ``nn.Linear``) and loaded from the checkpoint's
-``model.layers.{L+j}.`` keys.  Everything a training step does is written out here, independently of
-the Paddle trainer, from the contract the trainer documents:
+MTP layers, which transformers drops, are assembled here from HF's own building blocks and loaded
+from the checkpoint's ``model.layers.{L+j}.`` keys.  Every rule of a training step (loss scaling,
+indexer KL, clipping, AdamW and what it decays or skips, router bias updates, schedule) is written
+out here independently of the Paddle trainer, from the contract the trainer documents (docs/parity.md,
+"What the reference does in a step"); the data are the trainer's own numpy sources
+(``paddleformers_glm.train.data``), so both runs read the same token ids in the same micro-batches.
 
-* data: the trainer's own synthetic / file sources (``paddleformers_glm.train.data``, numpy only),
-  so both runs read the very same token ids in the same order and micro-batches;
-* objective: LM cross-entropy summed over the micro-batch and divided by the token count of the
-  whole global batch, plus ``mtp_loss_scaling_factor / D`` times each MTP depth's loss (same
-  normalisation), plus, with ``--indexer-loss-coeff C`` > 0 (default: the checkpoint's
-  ``indexer_loss_coeff``), ``C`` times the micro-batch's indexer KL loss (summed over the layers
-  that run their own indexer) divided by the global number of micro-batches; one backward per
-  micro-batch, gradients accumulate;
-* indexer KL, per layer with an indexer (DeepSeek-V3.2 / Megatron ``dsa_indexer_loss_coeff``):
-  ``KL(p || softmax(s))`` over each query's selected keys, ``p`` the main attention's
-  probabilities at those keys averaged over heads (detached), ``s`` the indexer's scores of those
-  keys recomputed with gradient from HF's indexer modules on detached inputs; a selected slot whose
-  key is masked (causal, padding) takes no part; mean over the queries that have a valid slot;
-* clipping: true global L2 norm over every gradient, scale ``clip / (norm + 1e-6)`` when below 1;
-* ``torch.optim.AdamW`` (decoupled decay) with decay on parameters of 2+ dims only, betas
-  (0.9, 0.95), eps 1e-8; a parameter that never got a gradient is skipped (torch semantics); the
-  experts of a layer are HF's fused ``gate_up_proj`` / ``down_proj`` tensors, so every expert of a
-  layer is stepped whenever any of them got a token (an idle one with a zero-gradient slice);
-* ``--moe-bias-update-rate R`` > 0: after each optimizer step every router's
-  ``e_score_correction_bias`` moves by ``float32(R) * sign(mean - load)`` in float32, ``load`` the
-  step's (token, k) assignments per expert over the global batch, ``mean = sum(load) / E``
-  (docs/model.md, "MoE balancing");
-* schedule: linear warmup to ``--lr`` over ``--warmup-steps``, then cosine to ``--min-lr``.
-
-Writes ``OUT/loss.json`` with the trainer's schema (losses, mtp_losses, grad_norms, lrs, with the
-KL on indexer_losses, and ``expert_load.idle_experts``: per step, MoE layer -> experts no token
-reached);
-``--dump-step DIR K`` writes gradients (before clipping), AdamW moments and updated weights after
-step K in the checkpoint's official names (``DIR/{grads,exp_avg,exp_avg_sq,weights}/``), so
-``glm52 check-ckpt`` and ``glm52 align`` compare them with the Paddle run's.
-
-Needs the ``reference`` extra (torch + transformers). fp32 on CPU; ``--dtype bfloat16`` runs bf16
-weights and activations (HF's own policy; the routers fp32 as the official ``moe_router_dtype``)
-with fp32 master weights and fp32 gradient accumulation, the mixed-precision recipe the Paddle
-trainer follows.
+Writes ``OUT/loss.json`` with the trainer's schema; ``--dump-step DIR K`` writes gradients (before
+clipping), AdamW moments and updated weights after step K in the checkpoint's official names.
+Needs the ``reference`` extra (torch + transformers); fp32 on CPU, or ``--dtype bfloat16`` with fp32
+master weights and gradient accumulation (HF's dtype policy, the routers fp32).
 """
 
 from __future__ import annotations
@@ -354,16 +325,11 @@ class Reference:
 
 
 class TopkMargins(GapMonitor):
-    """The margin of every top-k decision at its selection boundary (k-th minus (k+1)-th score),
-    for each DSA indexer and MoE router call (main model and MTP), via the HF modules' own
-    ``torch.topk`` calls; the smallest per step goes to loss.json (``topk_min_gaps``).
-
-    Why: a margin below the two frameworks' rounding noise (~1e-7 in fp32) is a near tie that the
-    runs may break differently; the selected tokens or experts then differ and the losses part in
-    one step.  ``glm52 align`` names such a step as a jump and shows the margin found here.
-    ``min_nonzero`` is the smallest margin that is not an exact tie: exact ties of equal values are
-    common at the indexer (its ``relu`` puts many keys at exactly 0) and both frameworks break them
-    alike, so a step's ``min`` of 0 would hide the near tie that can actually flip.
+    """The margin of every top-k decision at its selection boundary, each indexer and router call
+    (main model and MTP); per step to loss.json (``topk_min_gaps``).  A margin below the frameworks'
+    rounding noise is a near tie the runs may break differently (``glm52 align`` names the loss jump
+    it causes).  ``min_nonzero``: exact ties are common at the indexer (its ``relu``) and both
+    frameworks break them alike, so a ``min`` of 0 would hide the near tie that can actually flip.
     """
 
     NEAR = 1e-6
