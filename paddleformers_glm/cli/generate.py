@@ -12,7 +12,7 @@ import argparse
 import math
 import sys
 
-from ._common import HelpFormatter, model_folder_error
+from ._common import model_folder_error
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -90,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from ..modeling import GlmMoeDsaForCausalLM
 
     model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
-    eos = list(defaults.eos_token_id) if isinstance(defaults.eos_token_id, list) else []
-    if isinstance(defaults.eos_token_id, int):
-        eos = [defaults.eos_token_id]
+    eos = defaults.eos_token_id
+    eos = list(eos) if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
         eos.append(tok.eos_token_id)
     new: list[int] = []
@@ -145,7 +144,6 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from a checkpoint folder with its tokenizer (streamed)",
         description="Unset options take the checkpoint's generation_config.json, then transformers' defaults.",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", required=True, help="the prompt text")
