@@ -12,6 +12,7 @@ classes and the receipt: docs/parity.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -130,8 +131,7 @@ def _open_side(path: str) -> _Side:
         if not os.path.exists(side.path):
             raise CheckpointError("path does not exist", file=side.path)
         # the folder itself first: a linked folder makes every file in it a link
-        probes = [side.path] if os.path.islink(side.path) else []
-        side.problems = file_safety_problems(probes)
+        side.problems = file_safety_problems([side.path] if os.path.islink(side.path) else [])
         side.ckpt = Checkpoint(side.path, strict=True)
         folder = side.ckpt.folder
         cfg_file = os.path.join(folder, "config.json")
@@ -151,18 +151,15 @@ def _open_side(path: str) -> _Side:
             side.fp8 = fp8_pairs(side.ckpt, scheme)
             if scheme is not None:
                 side.block = scheme.block
-            try:
+            with contextlib.suppress(CheckpointError):  # else "unknown"
                 side.layout = detect_layout(set(side.ckpt.keys()) - set(side.fp8.values()), side.config)
-            except CheckpointError:
-                side.layout = "unknown"
         bar = progress.start(
             "check-ckpt hash", sum(i.nbytes for i in side.ckpt.tensors.values()), len(side.ckpt.tensors)
         )
         for k, info in side.ckpt.tensors.items():
             raw = side.ckpt.raw(k)
             side.hashes[k] = tensor_hash(info.dtype, info.shape, raw)
-            bad = count_nonfinite_raw(raw, info.dtype)
-            if bad:
+            if bad := count_nonfinite_raw(raw, info.dtype):
                 side.nonfinite[k] = bad
             del raw
             side.ckpt.file_of(k).release(k)

@@ -109,15 +109,9 @@ def _layer_state(state: dict, prefix: str, num_experts: int, drop_indexer: bool)
         sd = {k: v for k, v in sd.items() if ".indexer." not in k}
     out = {k: v for k, v in sd.items() if ".experts." not in k}
     if "mlp.experts.0.gate_proj.weight" in sd:
-        out["mlp.experts.gate_up_proj"] = torch.stack(
-            [
-                torch.cat([sd[f"mlp.experts.{e}.gate_proj.weight"], sd[f"mlp.experts.{e}.up_proj.weight"]], 0)
-                for e in range(num_experts)
-            ]
-        ).contiguous()
-        out["mlp.experts.down_proj"] = torch.stack(
-            [sd[f"mlp.experts.{e}.down_proj.weight"] for e in range(num_experts)]
-        ).contiguous()
+        w = [{n: sd[f"mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down")} for e in range(num_experts)]
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]], 0) for x in w]).contiguous()
+        out["mlp.experts.down_proj"] = torch.stack([x["down"] for x in w]).contiguous()
     return out
 
 
@@ -152,10 +146,9 @@ class Reference:
         L, E, H = conf.num_hidden_layers, conf.n_routed_experts, conf.hidden_size
         self.L, self.inter = L, conf.moe_intermediate_size
         self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
-        self.mtp_weight = float(getattr(conf, "mtp_loss_scaling_factor", 0.1))
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
-        self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", self.mtp_weight))
+        self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", getattr(conf, "mtp_loss_scaling_factor", 0.1)))
         # the trainer reads the checkpoint's coefficient from config.json (either spelling)
         saved = float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
         self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
@@ -435,8 +428,8 @@ def train(args: argparse.Namespace) -> dict:
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
     if ref.indexer_stage != "none":
         hist["indexer_losses"] = []
-    layer_kl: dict[int, list[float]] = {i: [] for i in ref.indexer.layers}
-    layer_recall: dict[int, list[float]] = {i: [] for i in ref.indexer.layers}
+    kl_rows: list[list[float]] = []  # [step][layer], ref.indexer.layers in order
+    recall_rows: list[list[float]] = []
     idle_experts: list[dict[str, list[int]]] = []
     margins = TopkMargins([ref.model, ref.mtp])
     gaps: list[dict] = []
@@ -507,9 +500,8 @@ def train(args: argparse.Namespace) -> dict:
         idle_experts.append(ref.take_idle_experts())
         if "indexer_losses" in hist:
             hist["indexer_losses"].append(kl_total / n_micro)
-            for i in ref.indexer.layers:
-                layer_kl[i].append(step_kl[i])
-                layer_recall[i].append(step_recall[i])
+            kl_rows.append([step_kl[i] for i in ref.indexer.layers])
+            recall_rows.append([step_recall[i] for i in ref.indexer.layers])
         hist["losses"].append(lm_total / n_lm)
         if ref.D:
             hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
@@ -545,7 +537,7 @@ def train(args: argparse.Namespace) -> dict:
             topk_min_gaps=gaps,
             expert_load={"idle_experts": idle_experts, "bias_update_rate": args.moe_bias_update_rate},
             indexer_loss_coeff=ref.indexer_coeff,
-            **_indexer_block(ref, layer_kl, layer_recall, step + 1),
+            **_indexer_block(ref, kl_rows, recall_rows, step + 1),
             steps=step + 1,
             seed=args.seed,
             reference=f"torch + transformers GlmMoeDsaForCausalLM (eager, {args.dtype}) + torch MTP",
@@ -570,22 +562,20 @@ def _mean(values) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
-def _indexer_block(ref: Reference, kl: dict, recall: dict, steps: int) -> dict:
+def _indexer_block(ref: Reference, kl: list, recall: list, steps: int) -> dict:
     """loss.json's ``indexer`` block, in the trainer's schema ([step][layer] matrices)."""
     if ref.indexer_stage == "none":
         return {}
-    layers = sorted(kl)
-    rec = [[recall[i][s] for i in layers] for s in range(steps)]
     return {
         "indexer": {
             "stage": ref.indexer_stage,
             "loss_weight": ref.indexer_coeff,
             "shared_supervision": ref.indexer_shared,
-            "layers": layers,
+            "layers": ref.indexer.layers,
             "steps": list(range(1, steps + 1)),
-            "kl": [[kl[i][s] for i in layers] for s in range(steps)],
-            "recall": rec,
-            "mean_recall": [_mean(r) for r in rec],
+            "kl": kl,
+            "recall": recall,
+            "mean_recall": [_mean(r) for r in recall],
         }
     }
 
