@@ -98,11 +98,8 @@ class ReferenceIndexer:
                 groups.append([rec])
             elif self.shared and groups:
                 groups[-1].append(rec)
-        out = {}
-        for g in groups:
-            out[g[0]["layer"]] = self._group(g)
         self.records = []
-        return out
+        return {g[0]["layer"]: self._group(g) for g in groups}
 
     def _group(self, members: list[dict]) -> tuple[Any, float]:
         import torch
@@ -115,21 +112,17 @@ class ReferenceIndexer:
         rows = sel_valid.any(-1).float()
         n = rows.sum().clamp_min(1.0)
         scores = self._index_scores(full)  # [B, S, T], with gradient
-        if self.stage == "warmup":
-            target = torch.stack([m["probs"].mean(1) for m in members]).mean(0)  # [B, S, T]
-            target = torch.where(visible, target, torch.zeros_like(target))
-            log_q = torch.log_softmax(torch.where(visible, scores, torch.full_like(scores, -1e30)), -1)
-            kl = torch.where(visible, target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(target))
-            dense = target
-        else:
-            sel = [torch.gather(m["probs"].mean(1), -1, idx) for m in members]
-            p = torch.stack(sel).mean(0)
-            p = torch.where(sel_valid, p, torch.zeros_like(p))
-            s_sel = torch.gather(scores, -1, idx)
-            log_q = torch.log_softmax(torch.where(sel_valid, s_sel, torch.full_like(s_sel, -1e30)), -1)
-            kl = torch.where(sel_valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
-            with torch.no_grad():
-                dense = torch.stack([self._dense_probs(m) for m in members]).mean(0)
+        if self.stage == "warmup":  # the target and the KL over every visible key
+            valid, s = visible, scores
+            p = torch.stack([m["probs"].mean(1) for m in members]).mean(0)  # [B, S, T]
+        else:  # over the selected keys
+            valid, s = sel_valid, torch.gather(scores, -1, idx)
+            p = torch.stack([torch.gather(m["probs"].mean(1), -1, idx) for m in members]).mean(0)
+        p = torch.where(valid, p, torch.zeros_like(p))
+        log_q = torch.log_softmax(torch.where(valid, s, torch.full_like(s, -1e30)), -1)
+        kl = torch.where(valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
+        with torch.no_grad():  # the recall's dense target: the warm-up's own, else recomputed
+            dense = p if self.stage == "warmup" else torch.stack([self._dense_probs(m) for m in members]).mean(0)
         kl = (kl.sum(-1) * rows).sum() / n
         with torch.no_grad():
             mass = torch.where(sel_valid, torch.gather(dense, -1, idx), torch.zeros_like(idx, dtype=dense.dtype))
