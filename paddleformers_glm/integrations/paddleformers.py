@@ -85,16 +85,9 @@ def _require_paddleformers() -> None:
 def _glm_folder(path: Any) -> bool:
     """A local checkpoint folder whose config.json says ``model_type: glm_moe_dsa``."""
     try:
-        folder = os.fspath(path)
-    except TypeError:
-        return False
-    file = os.path.join(folder, "config.json")
-    if not os.path.isfile(file):
-        return False
-    try:
-        with open(file, encoding="utf-8") as f:
+        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (TypeError, OSError, ValueError):  # not a path, no such file, not JSON
         return False
     return isinstance(data, dict) and data.get("model_type") == MODEL_TYPE
 
@@ -286,16 +279,13 @@ def register(replace: bool | None = None) -> list[str]:
     _wrap(
         AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
     )
-    replaced = [
-        ("AutoConfig", "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaConfig", "paddleformers_glm GlmMoeDsaConfig"),
-        (
-            "AutoModelForCausalLM",
-            "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaForCausalLM",
-            "paddleformers_glm GlmMoeDsaForCausalLM",
-        ),
-        ("AutoTokenizer", "transformers' tokenizer for the folder", "paddleformers_glm GlmTokenizer"),
-    ]
-    for auto, theirs, ours in replaced:
+    pf = "paddleformers.transformers.glm_moe_dsa."
+    replaced = {  # PaddleFormers' class -> ours
+        "AutoConfig": (f"{pf}GlmMoeDsaConfig", "paddleformers_glm GlmMoeDsaConfig"),
+        "AutoModelForCausalLM": (f"{pf}GlmMoeDsaForCausalLM", "paddleformers_glm GlmMoeDsaForCausalLM"),
+        "AutoTokenizer": ("transformers' tokenizer for the folder", "paddleformers_glm GlmTokenizer"),
+    }
+    for auto, (theirs, ours) in replaced.items():
         warnings.warn(
             f"paddleformers_glm: PaddleFormers' {auto} now resolves model_type 'glm_moe_dsa' folders to {ours} "
             f"instead of {theirs} ({reason}); paddleformers_glm.integrations.paddleformers.unregister() undoes it",
