@@ -382,7 +382,7 @@ def run_align(args: argparse.Namespace) -> int:
         "training": {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS},
         "dump_steps": dump_steps,
         "commands": {k: " ".join(v) for k, v in runs.items()},
-        "runs": {},
+        "runs": {name: {"reused": True} for name in runs} if args.no_run else {},
         "comparisons": {},
     }
     if args.indexer_loss_coeff is None:
@@ -393,10 +393,7 @@ def run_align(args: argparse.Namespace) -> int:
     )
     verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
     failed_run = False
-    for name, cmd in runs.items():
-        if args.no_run:
-            verdict["runs"][name] = {"reused": True}
-            continue
+    for name, cmd in {} if args.no_run else runs.items():
         print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
         log = os.path.join(out, f"{name}.log")
         rc, secs = _run(cmd, log, args.timeout)

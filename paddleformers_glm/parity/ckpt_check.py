@@ -407,8 +407,7 @@ def _compare_tensors(
     quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
     scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
     for key in sorted((set(ref.ckpt.keys()) | set(canon)) - scales):
-        r = ref.ckpt.tensors.get(key)
-        c = canon.get(key)
+        r, c = ref.ckpt.tensors.get(key), canon.get(key)
         if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
             counts["quantization"] += 1
             quant["tensors"] += 1
@@ -421,17 +420,13 @@ def _compare_tensors(
                 counts["value"] += 1
                 quant["differing"].append({"key": key, "max_abs_diff": mad})
             continue
-        if r is None:
+        if r is None or c is None:
             counts["structural"] += 1
-            differences.append(
-                {"class": "structural", "what": "only in candidate", "key": key, "cand_keys": c["native"]}
-            )  # type: ignore[index]
-            continue
-        if c is None:
-            counts["structural"] += 1
-            differences.append(
-                {"class": "structural", "what": "missing in candidate", "key": key, "file": os.path.basename(r.file)}
-            )
+            if r is None:
+                d = {"what": "only in candidate", "cand_keys": c["native"]}  # type: ignore[index]
+            else:
+                d = {"what": "missing in candidate", "file": os.path.basename(r.file)}
+            differences.append({"class": "structural", "key": key, **d})
             continue
         if c["dtype"] != r.dtype or tuple(c["shape"]) != r.shape or c["hash"] != ref.hashes[key]:
             counts["value"] += 1

@@ -259,15 +259,12 @@ class Reference:
 
     def named_parameters(self) -> list[tuple[str, object]]:
         """(HF-style unique name, parameter): main model names, MTP under ``mtp.{j}.``."""
-        out = list(self.model.named_parameters())
-        out += [(f"mtp.{n}", p) for n, p in self.mtp.named_parameters()]
-        return out
+        return [*self.model.named_parameters(), *((f"mtp.{n}", p) for n, p in self.mtp.named_parameters())]
 
     def router_biases(self) -> list[tuple[str, object]]:
         """(HF-style unique name, buffer) of every router's correction bias (moved by the bias updates)."""
-        out = [(n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias")]
-        out += [(f"mtp.{n}", b) for n, b in self.mtp.named_buffers() if n.endswith("e_score_correction_bias")]
-        return out
+        buffers = [*self.model.named_buffers(), *((f"mtp.{n}", b) for n, b in self.mtp.named_buffers())]
+        return [(n, b) for n, b in buffers if n.endswith("e_score_correction_bias")]
 
     def official(self, name: str, t) -> list[tuple[str, object]]:
         """Official checkpoint names (and views) of one parameter-shaped tensor."""
