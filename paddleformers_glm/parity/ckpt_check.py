@@ -51,9 +51,12 @@ def versions(modules: tuple[str, ...] = ("paddle", "numpy", "safetensors")) -> d
     return out
 
 
-def sha256_file(path: str) -> str:
+def sha256_file(path: str, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for b in iter(lambda: f.read(chunk), b""):
+            h.update(b)
+    return h.hexdigest()
 
 
 def tensor_hash(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> str:
@@ -382,14 +385,10 @@ def _side_report(s: _Side) -> dict[str, Any]:
 
 def _config_difference(ref: _Side, cand: _Side, quant_mixed: bool) -> dict[str, Any] | None:
     """The config difference entry (the differing keys), or None when the two config.json agree."""
-    cfg_ref, cfg_cand = dict(ref.config_json or {}), dict(cand.config_json or {})
-    if quant_mixed:  # the one expected config difference of a quantized copy
-        cfg_ref.pop("quantization_config", None)
-        cfg_cand.pop("quantization_config", None)
-    if cfg_ref == cfg_cand:
-        return None
+    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
+    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
     diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
-    return {"class": "config", "keys": diff}
+    return None if cfg_ref == cfg_cand else {"class": "config", "keys": diff}
 
 
 def _compare_tensors(
