@@ -25,6 +25,8 @@ from typing import Any
 
 from .._io import write_json_atomic
 from ..train.command import add_expert_update_argument
+from .reference.indexer import STAGES as INDEXER_STAGES
+from .reference.train import DUMP_KINDS
 
 __all__ = [
     "compare_dumps",
@@ -39,26 +41,18 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_MODULE = "paddleformers_glm.parity.reference.train"
-DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 # defaults; docs/parity.md says why each is what it is and what was measured
 LOSS_ATOL = 1e-4
 REL_TOL = 1e-5
-# grads / moments after update K >= 2: the weights they come from may already differ by up to ~0.2 x
-# lr_1 where Adam's first step met a gradient near eps (see NEAR_EPS_SQRT_V); measured 1.24e-5
-# relative in a step-2 gradient after such a 2.0e-6 offset (docs/parity.md)
-LATER_REL_TOL = 5e-5
+LATER_REL_TOL = 5e-5  # grads / moments after update K >= 2: their weights may already differ near eps
 WEIGHT_REL_LR = 0.1  # step-K weights: absolute tolerance = this x the learning rates of steps 1..K
 FINAL_WEIGHT_ATOL = 1e-5
 DUMP_STEPS = (1, 2, 3)  # an expert that got tokens at step 1 and none at step 2 shows from step 2 on
 NEAR_EPS_SQRT_V = 1e-7  # 10 x Adam's eps: below it a weight's update amplifies gradient rounding
 NEAR_EPS_REL_LR = 2.0  # ... so such weights are held to this x the learning rates of steps 1..K
 ADAM_BETA2 = 0.95  # both trainers' AdamW betas (0.9, 0.95)
-# indexer tensors' gradients and moments (trained by the indexer KL loss): fp32 rounding alone moves
-# them by up to 2.4e-5 relative (torch fp32 vs fp64, same code: the KL gradient is a difference of
-# two near-equal distributions), so two fp32 implementations differ by up to twice that, and the
-# second moment squares it
-INDEXER_REL_TOL = 2e-4
+INDEXER_REL_TOL = 2e-4  # indexer tensors: the KL's gradient is a difference of near-equal distributions
 
 TRAIN_FLAGS = (
     ("steps", int, 100),
@@ -77,7 +71,6 @@ TRAIN_FLAGS = (
     ("indexer_stage", str, None),  # none | warmup | sparse (docs/indexer.md); None: the checkpoint's default
     ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
 )
-INDEXER_STAGES = ("none", "warmup", "sparse")
 # the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
 LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
