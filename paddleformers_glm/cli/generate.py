@@ -76,10 +76,10 @@ def run(args: argparse.Namespace) -> int:
         if max(ids) >= config.vocab_size:
             return fail(f"token id {max(ids)} >= vocab_size {config.vocab_size} of {args.model}/config.json")
         opts = _options(args)
-        if "max_new_tokens" in opts or "max_length" in opts:
-            check_generation_length(config, len(ids), opts.get("max_new_tokens"), opts.get("max_length"))
-        else:
-            check_generation_length(config, len(ids), defaults.max_new_tokens, defaults.max_length)
+        limits = (
+            opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
+        )  # the flags, else the file
+        check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
