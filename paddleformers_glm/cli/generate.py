@@ -76,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if max(ids) >= config.vocab_size:
             return fail(f"token id {max(ids)} >= vocab_size {config.vocab_size} of {args.model}/config.json")
         opts = _options(args)
-        limits = (
-            opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
-        )  # the flags, else the file
+        limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
         check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
     except (TokenizerError, ValueError, OSError) as err:
