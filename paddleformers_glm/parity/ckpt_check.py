@@ -216,11 +216,8 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         have = [k for k in srcs if k in cand.ckpt]
         consumed.update(have)
         if len(have) != len(srcs):  # the reference's tensors show up as missing; say why here
-            lacking = [x for x in srcs if x not in cand.ckpt]
-            for k in have:
-                diffs.append(
-                    {"class": "structural", "what": "unmappable in candidate", "cand_key": k, "lacking": lacking}
-                )
+            lacking, what = [x for x in srcs if x not in cand.ckpt], "unmappable in candidate"
+            diffs += [{"class": "structural", "what": what, "cand_key": k, "lacking": lacking} for k in have]
             continue
         bad_shape = [k for k in srcs if cand.ckpt.info(k).shape != tuple(cand_specs[k][0])]
         for k in bad_shape:
@@ -244,13 +241,9 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
             if np.array_equal(cast.astype(t.dtype).numpy().view(np.uint8), arr.view(np.uint8)):
                 arr, dtype = cast.numpy(), ref_info.dtype
         h = tensor_hash(dtype, tuple(arr.shape), np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-        out[key] = {
-            "hash": h,
-            "dtype": dtype,
-            "shape": tuple(arr.shape),
-            "native": trace[key]["sources"],
-            "tags": _naming_kinds(key, trace[key]["sources"], trace[key]["transposed"]),
-        }
+        native = trace[key]["sources"]
+        tags = _naming_kinds(key, native, trace[key]["transposed"])
+        out[key] = {"hash": h, "dtype": dtype, "shape": tuple(arr.shape), "native": native, "tags": tags}
         if ref_info is None or h != ref.hashes[key]:  # kept only for the max-abs-diff of a difference
             out[key]["array"], out[key]["array_dtype"] = exact, paddle_to_st_dtype(t.dtype)
         del t, arr, exact
