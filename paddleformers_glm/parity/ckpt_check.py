@@ -509,10 +509,8 @@ def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _S
 def summary_lines(report: Mapping[str, Any]) -> list[str]:
     """A short human summary of a receipt."""
     lines = [f"check-ckpt: {report['result']} (exit {report['exit_code']})"]
-    for e in report.get("errors", []):
-        lines.append(f"  error: {e}")
-    for w in report.get("warnings", []):
-        lines.append(f"  warning: {w}")
+    lines += [f"  error: {e}" for e in report.get("errors", [])]
+    lines += [f"  warning: {w}" for w in report.get("warnings", [])]
     if "counts" in report:
         c = report["counts"]
         lines.append(

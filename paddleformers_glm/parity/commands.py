@@ -105,11 +105,8 @@ def _run_check_loss(args: argparse.Namespace) -> int:
             "max_diff",
             "bit_exact",
         )
-        rule = (
-            "every loss identical"
-            if report["mode"] == "bit-exact"
-            else (f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step")
-        )
+        rule = f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step"
+        rule = "every loss identical" if report["mode"] == "bit-exact" else rule
         print(
             f"check-loss: {report['result']} ({report['mode']}: {rule}) " + " ".join(f"{k}={report[k]}" for k in keys)
         )
