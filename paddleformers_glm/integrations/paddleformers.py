@@ -74,14 +74,6 @@ def paddleformers_model_runs() -> bool:
     return importlib.util.find_spec("paddlefleet") is not None
 
 
-def _require_paddleformers() -> None:
-    if importlib.util.find_spec("paddleformers") is None:
-        raise ImportError(
-            "paddleformers_glm.integrations.paddleformers: PaddleFormers is not installed; "
-            f'pip install "paddleformers_glm[paddleformers]" (tested with paddleformers=={PADDLEFORMERS_TESTED})'
-        )
-
-
 def _glm_folder(path: Any) -> bool:
     """A local checkpoint folder whose config.json says ``model_type: glm_moe_dsa``."""
     try:
@@ -236,7 +228,11 @@ def register(replace: bool | None = None) -> list[str]:
     (``paddlefleet`` missing); ``True``: always; ``False``: never (returns ``[]``). Returns the
     PaddleFormers entry points now resolved to ours; each replacement is announced with a
     :class:`ReplacementWarning`. Calling it again changes nothing."""
-    _require_paddleformers()
+    if importlib.util.find_spec("paddleformers") is None:
+        raise ImportError(
+            "paddleformers_glm.integrations.paddleformers: PaddleFormers is not installed; "
+            f'pip install "paddleformers_glm[paddleformers]" (tested with paddleformers=={PADDLEFORMERS_TESTED})'
+        )
     if replace is None:
         replace = not paddleformers_model_runs()
         reason = "PaddleFormers' own GlmMoeDsaForCausalLM needs paddlefleet, which is not installed"

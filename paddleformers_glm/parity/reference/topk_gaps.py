@@ -41,8 +41,7 @@ class TieError(RuntimeError):
 
 
 class GapMonitor:
-    """Sees the exact tensors HF hands to `topk` inside every indexer and router call (through a
-    TorchFunctionMode) and records the margin at the selection boundary."""
+    """The top-k margins of every indexer and router call (the module docstring says how)."""
 
     def __init__(self, min_gap: float | None = MIN_GAP):
         import torch

@@ -539,12 +539,8 @@ def train(args: argparse.Namespace) -> dict:
             seed=args.seed,
             reference=f"torch + transformers GlmMoeDsaForCausalLM (eager, {args.dtype}) + torch MTP",
             dtype=args.dtype,
-            versions={
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "numpy": np.__version__,
-                "python": platform.python_version(),
-            },
+            versions={m.__name__: m.__version__ for m in (torch, transformers, np)}
+            | {"python": platform.python_version()},
             run={"data": data.describe, "tokens_per_step": G * args.seq_len, "micro_batch_size": M},
             checkpoint={"path": os.path.abspath(args.model)},
         )
