@@ -55,11 +55,8 @@ def _run(args: argparse.Namespace) -> int:
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(loss_json)), "expert_load.png")
     try:
         plot_expert_load(loss_json, png)
-    except ImportError:
-        print(f"plot-experts: {PLOT_EXTRA_HINT}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
-        print(f"plot-experts: {e}", file=sys.stderr)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"plot-experts: {PLOT_EXTRA_HINT if isinstance(e, ImportError) else e}", file=sys.stderr)
         return 2
     print(f"plot-experts: wrote {png}")
     return 0
