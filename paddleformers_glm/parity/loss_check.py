@@ -207,9 +207,6 @@ def loss_figure(
     fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(8, 6), sharex=True, dpi=100)
     ax1.plot(range(len(a)), a, label=labels[0] or "A", lw=1.5)
     ax1.plot(range(len(b)), b, label=labels[1] or "B", lw=1.0, ls="--")
-    ax1.set_ylabel("loss")
-    ax1.legend(loc="best")
-    ax1.grid(alpha=0.3)
     diff = [abs(a[i] - b[i]) for i in range(n)]
     ax2.plot(range(n), diff, color="tab:red", marker="o", ms=2, lw=1, label="|A - B|")
     atol, rtol = tolerance
@@ -223,9 +220,10 @@ def loss_figure(
     if positive:
         ax2.set_yscale("symlog", linthresh=max(min(positive), 1e-300))
     ax2.set_xlabel("step")
-    ax2.set_ylabel("|A - B|")
-    ax2.legend(loc="best")
-    ax2.grid(alpha=0.3)
+    for ax, name in ((ax1, "loss"), (ax2, "|A - B|")):
+        ax.set_ylabel(name)
+        ax.legend(loc="best")
+        ax.grid(alpha=0.3)
     head = f"check-loss {verdict.upper()}: " if verdict else ""
     fig.suptitle(f"{head}{rule}, max |A - B| {max(diff, default=0.0):.3g} over {n} steps", fontsize=10)
     return fig
