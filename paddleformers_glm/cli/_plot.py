@@ -18,7 +18,7 @@ def register_plot(sub: argparse._SubParsersAction, name: str, run: Any, png_name
     """Add the plot subcommand ``name`` (see cli.COMMANDS): ``OUT`` and ``--png`` (default ``OUT/png_name``)."""
     p = sub.add_parser(name, **text)
     p.add_argument("out", help="training output folder (or its loss.json)")
-    p.add_argument("--png", default=None, help=f"where to write the PNG (default: OUT/{png_name})")
+    p.add_argument("--png", help=f"where to write the PNG (default: OUT/{png_name})")
     p.set_defaults(func=run)
 
 

@@ -146,23 +146,20 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=None, help="new tokens at most (unset: the checkpoint's, else 20)"
-    )
-    p.add_argument("--max-length", type=int, default=None, help="prompt + new tokens at most")
+    p.add_argument("--system", help="with --chat: a system message before the prompt")
+    p.add_argument("--max-new-tokens", type=int, help="new tokens at most (unset: the checkpoint's, else 20)")
+    p.add_argument("--max-length", type=int, help="prompt + new tokens at most")
     p.add_argument(
         "--do-sample",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="sample instead of greedy decoding (unset: the checkpoint's do_sample, else greedy)",
     )
-    p.add_argument("--temperature", type=float, default=None, help="> 0 (unset: the checkpoint's, else 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="in (0, 1] (unset: the checkpoint's, else 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0, 1 = off")
+    p.add_argument("--temperature", type=float, help="> 0 (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-p", type=float, help="in (0, 1] (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-k", type=int, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
+    p.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row at this text (repeatable)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling draws")
+    p.add_argument("--seed", type=int, help="seed of the sampling draws")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
         "--speculative", action="store_true", help="greedy, drafting with the MTP layer (acceptance rate on stderr)"

@@ -555,7 +555,7 @@ def register_align(sub: argparse._SubParsersAction) -> None:
         choices = [1, 2] if name == "sharding_stage" else None
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, choices=choices)
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--pp-layout", default=None)
+    g.add_argument("--pp-layout")
     add_expert_update_argument(g)
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
@@ -570,7 +570,6 @@ def register_align(sub: argparse._SubParsersAction) -> None:
         "--dump-step",
         type=int,
         nargs="+",
-        default=None,
         metavar="K",
         help=f"updates after which both runs dump grads, moments and weights for comparison "
         f"(default {' '.join(map(str, DUMP_STEPS))}; the last update's weights are always compared)",
@@ -584,10 +583,9 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--weight-atol",
         type=float,
-        default=None,
         help="step-K updated weights, absolute (default: 0.1 x the learning rates of steps 1..K summed)",
     )
     g.add_argument("--final-weight-atol", type=float, default=FINAL_WEIGHT_ATOL, help="last-step weights, absolute")
-    g.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
+    g.add_argument("--timeout", type=float, help="seconds per run (default: none)")
     g.add_argument("--no-run", action="store_true", help="compare the runs already in OUT (e.g. with other tolerances)")
     p.set_defaults(func=run_align)

@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
     add_step_arguments(ap)
     add_indexer_arguments(ap)
-    ap.add_argument("--data", default=None, help=".npy / .bin / .jsonl (default: synthetic)")
+    ap.add_argument("--data", help=".npy / .bin / .jsonl (default: synthetic)")
     ap.add_argument("--data-dtype", default="auto")
     ap.add_argument("--out", required=True)
     add_dump_argument(ap)
@@ -231,13 +231,9 @@ class Reference:
 
     def take_idle_experts(self) -> dict[str, list[int]]:
         """MoE layer -> the experts no token reached this step (layers with any); resets the counts."""
-        out = {}
-        for i in sorted(self.load):
-            idle = [int(e) for e in (self.load[i] == 0).nonzero().reshape(-1).tolist()]
-            if idle:
-                out[str(i)] = idle
+        idle = {str(i): [int(e) for e in (self.load[i] == 0).nonzero().reshape(-1).tolist()] for i in sorted(self.load)}
         self.load = {}
-        return out
+        return {k: v for k, v in idle.items() if v}
 
     def _to_bf16(self) -> None:
         """bf16 weights, as HF's ``from_pretrained(dtype=bfloat16)`` gives them, except the routers'
