@@ -53,11 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[name]
-
-
 class _Interrupts:
     """Ctrl-C as one line: the SIGINT handler remembers that it fired, because an interrupt that
     lands inside Paddle's C++ (its import, an op) comes back as another exception type."""
@@ -69,32 +64,22 @@ class _Interrupts:
         cls.fired = True
         raise KeyboardInterrupt
 
-    @classmethod
-    def install(cls) -> object:
-        """Install the handler (main thread only); returns the previous one, for :meth:`restore`."""
-        cls.fired = False
-        if threading.current_thread() is not threading.main_thread():
-            return None
-        return signal.signal(signal.SIGINT, cls.handler)
-
-    @staticmethod
-    def restore(previous: object) -> None:
-        if previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     # Paddle's import warns about a compiler cache on every run; it says nothing about the command.
     warnings.filterwarnings("ignore", message="No ccache found")
-    previous = _Interrupts.install()
+    _Interrupts.fired = False
+    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers live
+    previous = signal.signal(signal.SIGINT, _Interrupts.handler) if main_thread else None
     command = "command"
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
         command = args.command
         if extra:  # the subcommand's usage, not the top level's
-            _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as err:
         if isinstance(err, KeyboardInterrupt) or _Interrupts.fired:
@@ -102,4 +87,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         raise
     finally:
-        _Interrupts.restore(previous)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

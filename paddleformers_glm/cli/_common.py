@@ -20,12 +20,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     nothing added to a help text that already states its default."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" in text or "default" in text.lower():
-            return text
-        if action.default in (None, False, [], argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
-            return text
-        return super()._get_help_string(action)
+        text = action.help or ""  # "%(default)s" counts as stating it
+        quiet = action.default in (None, False, [], argparse.SUPPRESS) or isinstance(action, argparse._HelpAction)
+        return text if quiet or "default" in text.lower() else super()._get_help_string(action)
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:

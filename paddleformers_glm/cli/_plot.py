@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
 # left a heatmap, right curves
 TWO_PANELS = {"figsize": (13, 4.8), "gridspec_kw": {"width_ratios": [1.3, 1]}}
 
@@ -17,7 +18,7 @@ def register_plot(sub: argparse._SubParsersAction, name: str, run: Any, png_name
     """Add the plot subcommand ``name`` (see cli.COMMANDS): ``OUT`` and ``--png`` (default ``OUT/png_name``)."""
     p = sub.add_parser(name, **text)
     p.add_argument("out", help="training output folder (or its loss.json)")
-    p.add_argument("--png", default=None, help=f"where to write the PNG (default: OUT/{png_name})")
+    p.add_argument("--png", help=f"where to write the PNG (default: OUT/{png_name})")
     p.set_defaults(func=run)
 
 
@@ -47,11 +48,11 @@ def pyplot() -> Any:
     return plt
 
 
-def save_png(fig: Any, png: str) -> str:
+def save_png(fig: Any, png: str, dpi: int = 110) -> str:
     from .._io import atomic_path
 
     fig.tight_layout()
     with atomic_path(png) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
+        fig.savefig(tmp, dpi=dpi, format="png")
     pyplot().close(fig)
     return png

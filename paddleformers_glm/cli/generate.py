@@ -12,7 +12,7 @@ import argparse
 import math
 import sys
 
-from ._common import HelpFormatter, model_folder_error
+from ._common import model_folder_error
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -76,10 +76,8 @@ def run(args: argparse.Namespace) -> int:
         if max(ids) >= config.vocab_size:
             return fail(f"token id {max(ids)} >= vocab_size {config.vocab_size} of {args.model}/config.json")
         opts = _options(args)
-        if "max_new_tokens" in opts or "max_length" in opts:
-            check_generation_length(config, len(ids), opts.get("max_new_tokens"), opts.get("max_length"))
-        else:
-            check_generation_length(config, len(ids), defaults.max_new_tokens, defaults.max_length)
+        limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
+        check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
@@ -90,9 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from ..modeling import GlmMoeDsaForCausalLM
 
     model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
-    eos = list(defaults.eos_token_id) if isinstance(defaults.eos_token_id, list) else []
-    if isinstance(defaults.eos_token_id, int):
-        eos = [defaults.eos_token_id]
+    eos = defaults.eos_token_id
+    eos = list(eos) if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
         eos.append(tok.eos_token_id)
     new: list[int] = []
@@ -145,28 +142,24 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from a checkpoint folder with its tokenizer (streamed)",
         description="Unset options take the checkpoint's generation_config.json, then transformers' defaults.",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=None, help="new tokens at most (unset: the checkpoint's, else 20)"
-    )
-    p.add_argument("--max-length", type=int, default=None, help="prompt + new tokens at most")
+    p.add_argument("--system", help="with --chat: a system message before the prompt")
+    p.add_argument("--max-new-tokens", type=int, help="new tokens at most (unset: the checkpoint's, else 20)")
+    p.add_argument("--max-length", type=int, help="prompt + new tokens at most")
     p.add_argument(
         "--do-sample",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="sample instead of greedy decoding (unset: the checkpoint's do_sample, else greedy)",
     )
-    p.add_argument("--temperature", type=float, default=None, help="> 0 (unset: the checkpoint's, else 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="in (0, 1] (unset: the checkpoint's, else 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0, 1 = off")
+    p.add_argument("--temperature", type=float, help="> 0 (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-p", type=float, help="in (0, 1] (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-k", type=int, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
+    p.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row at this text (repeatable)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling draws")
+    p.add_argument("--seed", type=int, help="seed of the sampling draws")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
         "--speculative", action="store_true", help="greedy, drafting with the MTP layer (acceptance rate on stderr)"

@@ -1,16 +1,8 @@
 """PaddleFormers integration: its ``AutoConfig``, ``AutoModelForCausalLM`` and ``AutoTokenizer``
 resolve a GLM-5.2 checkpoint folder (``model_type: glm_moe_dsa``) to this package, and its
-``Trainer`` trains and saves our model. Opt-in, one call::
-
-    from paddleformers_glm.integrations import paddleformers as pf_glm
-    pf_glm.register()              # ours where PaddleFormers' own GLM-5.2 cannot run (no paddlefleet)
-    pf_glm.register(replace=True)  # ours even where it can
-
-PaddleFormers ships its own ``GlmMoeDsaConfig`` / ``GlmMoeDsaForCausalLM``; its model needs
-``paddlefleet`` (its ``AutoModelForCausalLM`` raises ``ImportError`` without it). ``register()``
-never replaces silently: every replacement is announced with a :class:`ReplacementWarning` that
-names the PaddleFormers class replaced and why, and :func:`unregister` restores PaddleFormers' own
-resolution. Importing this module registers nothing and does not import PaddleFormers.
+``Trainer`` trains and saves our model; opt-in with :func:`register`, every replacement announced
+with a :class:`ReplacementWarning` (docs/model.md, "PaddleFormers").  Importing this module registers
+nothing and does not import PaddleFormers.
 
 Why these hooks: PaddleFormers' ``AutoConfig`` has a registry (``AutoConfig.register``) that wins
 over its own mapping, so the config goes through it. Its ``AutoModelForCausalLM`` picks the class
@@ -18,14 +10,7 @@ from the ``architectures`` of config.json and imports PaddleFormers' module for 
 registry only when that fails, and its ``AutoTokenizer`` is transformers' (``tokenizer_class`` of
 tokenizer_config.json); for those two the ``from_pretrained`` / ``from_config`` class methods are
 wrapped: a local folder whose config.json says ``glm_moe_dsa`` loads ours, anything else goes to
-PaddleFormers unchanged.
-
-What the Trainer gets (:class:`GlmMoeDsaForCausalLM` of this module, a subclass of ours): a
-forward that returns a dict-like output (the Trainer reads ``outputs["loss"]``) and, in train mode,
-the objective ``glm52 train`` optimises (LM loss + ``mtp_loss_scaling_factor`` x MTP loss +
-``indexer_loss_coeff`` x indexer KL; in eval mode the LM loss, HF's convention), and a
-``save_pretrained`` that accepts the Trainer's arguments and writes the official HF layout, which
-our ``from_pretrained`` reads back. Tested with PaddleFormers 1.2.0 (``tests/test_paddleformers.py``).
+PaddleFormers unchanged.  Tested with PaddleFormers 1.2.0 (``tests/test_paddleformers.py``).
 """
 
 from __future__ import annotations
@@ -89,27 +74,12 @@ def paddleformers_model_runs() -> bool:
     return importlib.util.find_spec("paddlefleet") is not None
 
 
-def _require_paddleformers() -> None:
-    if importlib.util.find_spec("paddleformers") is None:
-        raise ImportError(
-            "paddleformers_glm.integrations.paddleformers: PaddleFormers is not installed; "
-            f'pip install "paddleformers_glm[paddleformers]" (tested with paddleformers=={PADDLEFORMERS_TESTED})'
-        )
-
-
 def _glm_folder(path: Any) -> bool:
     """A local checkpoint folder whose config.json says ``model_type: glm_moe_dsa``."""
     try:
-        folder = os.fspath(path)
-    except TypeError:
-        return False
-    file = os.path.join(folder, "config.json")
-    if not os.path.isfile(file):
-        return False
-    try:
-        with open(file, encoding="utf-8") as f:
+        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (TypeError, OSError, ValueError):  # not a path, no such file, not JSON
         return False
     return isinstance(data, dict) and data.get("model_type") == MODEL_TYPE
 
@@ -258,7 +228,11 @@ def register(replace: bool | None = None) -> list[str]:
     (``paddlefleet`` missing); ``True``: always; ``False``: never (returns ``[]``). Returns the
     PaddleFormers entry points now resolved to ours; each replacement is announced with a
     :class:`ReplacementWarning`. Calling it again changes nothing."""
-    _require_paddleformers()
+    if importlib.util.find_spec("paddleformers") is None:
+        raise ImportError(
+            "paddleformers_glm.integrations.paddleformers: PaddleFormers is not installed; "
+            f'pip install "paddleformers_glm[paddleformers]" (tested with paddleformers=={PADDLEFORMERS_TESTED})'
+        )
     if replace is None:
         replace = not paddleformers_model_runs()
         reason = "PaddleFormers' own GlmMoeDsaForCausalLM needs paddlefleet, which is not installed"
@@ -301,16 +275,13 @@ def register(replace: bool | None = None) -> list[str]:
     _wrap(
         AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
     )
-    replaced = [
-        ("AutoConfig", "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaConfig", "paddleformers_glm GlmMoeDsaConfig"),
-        (
-            "AutoModelForCausalLM",
-            "paddleformers.transformers.glm_moe_dsa.GlmMoeDsaForCausalLM",
-            "paddleformers_glm GlmMoeDsaForCausalLM",
-        ),
-        ("AutoTokenizer", "transformers' tokenizer for the folder", "paddleformers_glm GlmTokenizer"),
-    ]
-    for auto, theirs, ours in replaced:
+    pf = "paddleformers.transformers.glm_moe_dsa."
+    replaced = {  # PaddleFormers' class -> ours
+        "AutoConfig": (f"{pf}GlmMoeDsaConfig", "paddleformers_glm GlmMoeDsaConfig"),
+        "AutoModelForCausalLM": (f"{pf}GlmMoeDsaForCausalLM", "paddleformers_glm GlmMoeDsaForCausalLM"),
+        "AutoTokenizer": ("transformers' tokenizer for the folder", "paddleformers_glm GlmTokenizer"),
+    }
+    for auto, (theirs, ours) in replaced.items():
         warnings.warn(
             f"paddleformers_glm: PaddleFormers' {auto} now resolves model_type 'glm_moe_dsa' folders to {ours} "
             f"instead of {theirs} ({reason}); paddleformers_glm.integrations.paddleformers.unregister() undoes it",

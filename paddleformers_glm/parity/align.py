@@ -1,29 +1,13 @@
 """``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
 
-It runs the torch reference (``parity/reference/train.py``: HF transformers + torch MTP, torch AdamW, one process) and
-``glm52 train`` in any layout (default the headline TP2 x PP2 + SP) on the same checkpoint, data
-and hyper-parameters, both dumping their full state after each ``--dump-step`` update (default
-1, 2 and 3: an expert idle at step 2 after tokens at step 1 shows only from step 2 on) and after
-the last update, then checks:
-
-* losses, MTP losses (and indexer KL losses when on) step by step (``|paddle - torch| <=
-  loss_atol`` on every step) and looks for jumps (a near-tie top-k or routing flip) in either
-  difference curve;
-* the experts each MoE layer left idle, step by step: the same on both sides;
-* after each dump step K, per tensor: gradients (before clipping) and both AdamW moments within
-  ``rel_tol`` (K = 1) or ``later_rel_tol`` (K >= 2) relative (max abs diff / max abs reference
-  value; indexer tensors INDEXER_REL_TOL), updated weights within
-  ``weight_atol`` absolute (default a tenth of the learning rates summed over steps 1..K: Adam's
-  update moves a weight by lr x m / (sqrt(v) + eps) per step, so gradients near eps turn their
-  rounding into a fraction of lr); the first step and tensor beyond tolerance are named;
-* after the last update: weights within ``final_weight_atol`` absolute;
-* every tensor dump also through ``glm52 check-ckpt`` (bit-level receipt: names, shapes, hashes).
-
-The receipt folder ``OUT/receipt/`` holds ``verdict.json`` (every comparison, its tolerance, its
-measured value, pass/fail), ``loss.png`` and ``mtp_loss.png`` (curves and the difference per
-step), ``versions.json``, both ``loss.json`` and the check-ckpt receipts.  Exit 0 when every
-comparison is within tolerance, 1 when one is not, 2 when a run failed.  The tolerances and why
-they are what they are: docs/parity.md.
+It runs the torch reference (``parity/reference/train.py``) and ``glm52 train`` in any layout
+(default the headline TP2 x PP2 + SP) on the same checkpoint, data and hyper-parameters, both dumping
+their full state after each ``--dump-step`` update and after the last, then compares the loss curves
+(and looks for jumps: a near-tie top-k or routing flip), the idle experts of every step, and per
+tensor the gradients, AdamW moments and weights of every dump, each within the tolerance
+docs/parity.md derives, and leaves ``OUT/receipt/`` (``verdict.json``, the loss plots, the versions,
+both loss.json and the check-ckpt receipts).  Exit 0 when every comparison is within tolerance, 1
+when one is not, 2 when a run failed.
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -42,6 +25,8 @@ from typing import Any
 
 from .._io import write_json_atomic
 from ..train.command import add_expert_update_argument
+from .reference.indexer import STAGES as INDEXER_STAGES
+from .reference.train import DUMP_KINDS
 
 __all__ = [
     "compare_dumps",
@@ -56,26 +41,18 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_MODULE = "paddleformers_glm.parity.reference.train"
-DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 # defaults; docs/parity.md says why each is what it is and what was measured
 LOSS_ATOL = 1e-4
 REL_TOL = 1e-5
-# grads / moments after update K >= 2: the weights they come from may already differ by up to ~0.2 x
-# lr_1 where Adam's first step met a gradient near eps (see NEAR_EPS_SQRT_V); measured 1.24e-5
-# relative in a step-2 gradient after such a 2.0e-6 offset (docs/parity.md)
-LATER_REL_TOL = 5e-5
+LATER_REL_TOL = 5e-5  # grads / moments after update K >= 2: their weights may already differ near eps
 WEIGHT_REL_LR = 0.1  # step-K weights: absolute tolerance = this x the learning rates of steps 1..K
 FINAL_WEIGHT_ATOL = 1e-5
 DUMP_STEPS = (1, 2, 3)  # an expert that got tokens at step 1 and none at step 2 shows from step 2 on
 NEAR_EPS_SQRT_V = 1e-7  # 10 x Adam's eps: below it a weight's update amplifies gradient rounding
 NEAR_EPS_REL_LR = 2.0  # ... so such weights are held to this x the learning rates of steps 1..K
 ADAM_BETA2 = 0.95  # both trainers' AdamW betas (0.9, 0.95)
-# indexer tensors' gradients and moments (trained by the indexer KL loss): fp32 rounding alone moves
-# them by up to 2.4e-5 relative (torch fp32 vs fp64, same code: the KL gradient is a difference of
-# two near-equal distributions), so two fp32 implementations differ by up to twice that, and the
-# second moment squares it
-INDEXER_REL_TOL = 2e-4
+INDEXER_REL_TOL = 2e-4  # indexer tensors: the KL's gradient is a difference of near-equal distributions
 
 TRAIN_FLAGS = (
     ("steps", int, 100),
@@ -94,17 +71,19 @@ TRAIN_FLAGS = (
     ("indexer_stage", str, None),  # none | warmup | sparse (docs/indexer.md); None: the checkpoint's default
     ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
 )
-INDEXER_STAGES = ("none", "warmup", "sparse")
 # the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
+LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
 def _write_json(path: str, obj: Any) -> None:
     write_json_atomic(path, obj, indent=1, sort_keys=True, default=str)  # strict JSON: inf ratios -> null
 
 
-def _tensor_file(folder: str) -> str:
-    return os.path.join(folder, "model.safetensors")
+def _load(folder: str) -> dict[str, Any]:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
 
 
 def compare_dumps(
@@ -120,25 +99,18 @@ def compare_dumps(
 
     relative: max |cand - ref| / max |ref| per tensor (a tensor that is zero in the reference must
     be zero in the candidate); absolute: max |cand - ref| per tensor.  Reports the worst tensor (the
-    nearest its tolerance) and every tensor beyond the tolerance; names present on one side only
-    fail the comparison.
+    nearest its tolerance) and every tensor beyond it; a name on one side only fails.
 
-    ``near_eps = (reference exp_avg_sq dump, 1 - beta2**K, loose atol)`` (updated weights after
-    update K): an element whose bias-corrected second moment has ``0 < sqrt(v) < NEAR_EPS_SQRT_V``
-    (10 x Adam's eps) is held to the loose tolerance instead: there Adam divides the gradient, and
-    its rounding, by a number near eps, so a 1e-8 gradient rounded differently moves the weight by a
-    sizeable fraction of lr (measured: 0.11 x lr after update 1 for a gradient of 1.5e-8 in torch and
-    8.7e-9 in Paddle).  How many such elements there were and their largest difference are reported.
-
-    ``loose_rel = (name part, tolerance)``: tensors whose name contains the part are held to that
-    relative tolerance instead of ``rel_tol`` (the indexers' gradients from the KL loss, see
-    INDEXER_REL_TOL).
+    ``near_eps = (reference exp_avg_sq dump, 1 - beta2**K, loose atol)`` (weights after update K):
+    an element whose bias-corrected ``0 < sqrt(v) < NEAR_EPS_SQRT_V`` is held to the loose tolerance,
+    since there Adam divides the gradient's rounding by a number near eps (docs/parity.md); their
+    count and largest difference are reported.  ``loose_rel = (name part, tolerance)``: the relative
+    tolerance of the tensors whose name contains the part (INDEXER_REL_TOL).
     """
     import numpy as np
-    from safetensors.numpy import load_file
 
-    ref, cand = load_file(_tensor_file(ref_dir)), load_file(_tensor_file(cand_dir))
-    second = load_file(_tensor_file(near_eps[0])) if near_eps is not None else {}
+    ref, cand = _load(ref_dir), _load(cand_dir)
+    second = _load(near_eps[0]) if near_eps is not None else {}
     only_ref, only_cand = sorted(set(ref) - set(cand)), sorted(set(cand) - set(ref))
     worst: dict[str, Any] = {"key": None, "value": 0.0, "ratio": 0.0}
     bad, max_abs = [], 0.0
@@ -175,9 +147,8 @@ def compare_dumps(
             worst = {**entry, "ratio": ratio}
         if not ok:
             bad.append({**entry, "near_eps_ok": near_ok})
-    extra = {"near_eps": near} if near_eps is not None else {}
     return {
-        **extra,
+        **({"near_eps": near} if near_eps is not None else {}),
         "ref": os.path.abspath(ref_dir),
         "cand": os.path.abspath(cand_dir),
         "measure": "max|diff| / max|ref| per tensor" if rel_tol is not None else "max|diff| per tensor",
@@ -198,12 +169,8 @@ NEAR_TIE = 1e-6
 
 def near_ties(margins: list[dict[str, Any]], near: float = NEAR_TIE) -> list[dict[str, Any]]:
     """Steps (0-based) whose reference run made a top-k decision within ``near`` of a tie."""
-    out = []
-    for i, step in enumerate(margins):
-        close = {cat: m["min"] for cat, m in step.items() if m["min"] < near}
-        if close:
-            out.append({"step": i, "min_gaps": close})
-    return out
+    close = ({cat: m["min"] for cat, m in step.items() if m["min"] < near} for step in margins)
+    return [{"step": i, "min_gaps": c} for i, c in enumerate(close) if c]
 
 
 def explain_jump(jump: dict[str, Any], margins: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,12 +194,6 @@ def explain_jump(jump: dict[str, Any], margins: list[dict[str, Any]]) -> dict[st
     return jump
 
 
-def _idle(doc: dict[str, Any]) -> list[dict[str, list[int]]] | None:
-    """Per step, MoE layer -> the experts no token reached (loss.json's ``expert_load.idle_experts``)."""
-    load = doc.get("expert_load") or {}
-    return load.get("idle_experts")
-
-
 def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol: float) -> dict[str, Any] | None:
     """The indexer's per-layer top-k recall and KL, step by step (loss.json's ``indexer`` block; None
     when neither run trained the indexer): the mean recall as a curve (``consistent_steps`` as for
@@ -248,13 +209,8 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     if not a and not b:
         return None
     if not a or not b:
-        return {
-            "pass": False,
-            "reason": "only one run trained the indexer",
-            "consistent_steps": 0,
-            "max_diff": math.inf,
-            "jumps": [],
-        }
+        why = "only one run trained the indexer"
+        return {"pass": False, "reason": why, "consistent_steps": 0, "max_diff": math.inf, "jumps": []}
     c = compare_losses(b["mean_recall"], a["mean_recall"], steps=steps, atol=atol)
     c.update(stage={"reference": a["stage"], "paddle": b["stage"]}, layers=a["layers"], jumps=[])
     same = a["stage"] == b["stage"] and a["layers"] == b["layers"]
@@ -276,20 +232,18 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
 
 def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any] | None:
     """The experts each MoE layer left idle, step by step, on both sides (None when either run did
-    not record them).  A step where they differ is a step where the two runs routed differently."""
-    a, b = _idle(ref), _idle(cand)
+    not record them).  A step where they differ is a step where the two runs routed differently.
+    loss.json's ``expert_load.idle_experts``: per step, MoE layer -> the experts no token reached."""
+    sides = {"reference": ref, "paddle": cand}
+    sides = {k: (doc.get("expert_load") or {}).get("idle_experts") for k, doc in sides.items()}
+    a, b = sides["reference"], sides["paddle"]
     if a is None or b is None:
         return None
-    n = min(len(a), len(b))
-    first = next((i for i in range(n) if a[i] != b[i]), None)
+    first = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
     return {
-        "reference": a,
-        "paddle": b,
-        "steps_with_idle": {"reference": sum(1 for x in a if x), "paddle": sum(1 for x in b if x)},
-        "max_idle_per_step": {
-            "reference": max((sum(len(v) for v in x.values()) for x in a), default=0),
-            "paddle": max((sum(len(v) for v in x.values()) for x in b), default=0),
-        },
+        **sides,
+        "steps_with_idle": {k: sum(1 for x in v if x) for k, v in sides.items()},
+        "max_idle_per_step": {k: max((sum(map(len, x.values())) for x in v), default=0) for k, v in sides.items()},
         "first_mismatch_step": first,
         "length_match": len(a) == len(b),
         "pass": first is None and len(a) == len(b),
@@ -317,15 +271,9 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
 
 
 def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for mod in ("paddle", "torch", "transformers", "numpy", "safetensors"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a receipt records what is missing too
-            out[mod] = "not installed"
-    from .. import __version__
+    from .ckpt_check import versions
 
-    out["paddleformers_glm"] = __version__
+    out = versions(("paddle", "torch", "transformers", "numpy", "safetensors"))
     try:
         out["git_commit"] = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
@@ -346,13 +294,13 @@ def _train_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _run(cmd: list[str], log: str, env: dict[str, str], timeout: float | None) -> tuple[int, float]:
+def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             f.write(f"\n[glm52 align] stopped after {timeout} s\n")
             rc = 124
@@ -405,18 +353,19 @@ def run_align(args: argparse.Namespace) -> int:
         print(f"glm52 align: error: --dump-step {bad}: outside 1..--steps ({N})", file=sys.stderr)
         return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
-    env = dict(os.environ)
     common = _train_args(args)
     layout = [x for name in LAYOUT_FLAGS for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     layout += (["--sp"] if args.sp else []) + ["--expert-update", args.expert_update]
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
+
+    def dumped(root: str) -> list[str]:  # the same dumps from both runs
+        return [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(root, f"dump_{k}"), str(s))]
+
     runs = {
-        "reference": [sys.executable, "-m", REFERENCE_MODULE, *common, "--out", ref_out]
-        + [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(ref_out, f"dump_{k}"), str(s))],
+        "reference": [sys.executable, "-m", REFERENCE_MODULE, *common, "--out", ref_out, *dumped(ref_out)],
         "paddle": [sys.executable, "-m", "paddleformers_glm.cli", "train", *common, *layout, "--out", pd_out]
-        + ["--no-progress"]
-        + [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(pd_out, f"dump_{k}"), str(s))],
+        + ["--no-progress", *dumped(pd_out)],
     }
     verdict: dict[str, Any] = {
         "tool": "glm52 align",
@@ -426,7 +375,7 @@ def run_align(args: argparse.Namespace) -> int:
         "training": {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS},
         "dump_steps": dump_steps,
         "commands": {k: " ".join(v) for k, v in runs.items()},
-        "runs": {},
+        "runs": {name: {"reused": True} for name in runs} if args.no_run else {},
         "comparisons": {},
     }
     if args.indexer_loss_coeff is None:
@@ -437,13 +386,10 @@ def run_align(args: argparse.Namespace) -> int:
     )
     verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
     failed_run = False
-    for name, cmd in runs.items():
-        if args.no_run:
-            verdict["runs"][name] = {"reused": True}
-            continue
+    for name, cmd in {} if args.no_run else runs.items():
         print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
         log = os.path.join(out, f"{name}.log")
-        rc, secs = _run(cmd, log, env, args.timeout)
+        rc, secs = _run(cmd, log, args.timeout)
         verdict["runs"][name] = {"exit_code": rc, "seconds": round(secs, 1), "log": log}
         print(f"[glm52 align] {name}: exit {rc} in {secs:.0f} s", flush=True)
         if rc != 0:
@@ -461,10 +407,7 @@ def run_align(args: argparse.Namespace) -> int:
     ref_loss, pd_loss = os.path.join(ref_out, "loss.json"), os.path.join(pd_out, "loss.json")
     for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
         shutil.copyfile(f, os.path.join(receipt, dst))
-    with open(ref_loss, encoding="utf-8") as f:
-        ref_doc = json.load(f)
-    with open(pd_loss, encoding="utf-8") as f:
-        pd_doc = json.load(f)
+    ref_doc, pd_doc = (json.loads(Path(f).read_text(encoding="utf-8")) for f in (ref_loss, pd_loss))
     margins = ref_doc.get("topk_min_gaps") or []
     verdict["near_ties"] = near_ties(margins)
     curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]
@@ -525,18 +468,11 @@ def run_align(args: argparse.Namespace) -> int:
             c = compare_dumps(r, p, **t)
             ck = check_checkpoints(r, p)
             _write_json(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck)
-            c["check_ckpt"] = {
-                "result": ck["result"],
-                "counts": ck.get("counts"),
-                "ref_hash": ck["ref"].get("native_hash"),
-                "cand_hash": ck["cand"].get("native_hash"),
-            }
+            rh, ch = ck["ref"].get("native_hash"), ck["cand"].get("native_hash")
+            c["check_ckpt"] = {"result": ck["result"], "counts": ck.get("counts"), "ref_hash": rh, "cand_hash": ch}
             if ck.get("counts", {}).get("structural"):
                 c["pass"] = False  # names must match one to one
-            hashes[f"{tag}/{kind}"] = {
-                "reference": ck["ref"].get("native_hash"),
-                "paddle": ck["cand"].get("native_hash"),
-            }
+            hashes[f"{tag}/{kind}"] = {"reference": rh, "paddle": ch}
             comps[f"{tag}_{kind}"] = c
     verdict["checkpoint_hashes"] = hashes
     try:
@@ -566,21 +502,16 @@ def run_align(args: argparse.Namespace) -> int:
     for k, s in verdict["summary"].items():
         if "first_mismatch_step" in s:
             where = "the same every step" if s["pass"] else f"first differ at step {s['first_mismatch_step']}"
-            detail = (
-                f"steps with idle experts: reference {s['steps_with_idle']['reference']}/{N}, paddle "
-                f"{s['steps_with_idle']['paddle']}/{N}, at most {s['max_idle_per_step']['reference']} per step; {where}"
-            )
+            idle, most = s["steps_with_idle"], s["max_idle_per_step"]["reference"]
+            detail = f"steps with idle experts: reference {idle['reference']}/{N}, paddle {idle['paddle']}/{N}, "
+            detail += f"at most {most} per step; {where}"
         elif "consistent_steps" in s:
             detail = f"consistent_steps {s['consistent_steps']}/{N} max_diff {s['max_diff']:.3g} jumps {s['jumps']}"
             for j in comps[k]["jumps"]:
-                why = (
-                    f"reference top-k margins {j['reference_min_gaps']}"
-                    if "reference_min_gaps" in j
-                    else "no reference margins"
-                )
+                why = f"reference top-k margins {j['reference_min_gaps']}" if "reference_min_gaps" in j else ""
                 if "reference_min_nonzero_gaps" in j:
                     why += f", smallest nonzero {j['reference_min_nonzero_gaps']}"
-                detail += f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why})"
+                detail += f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why or 'no reference margins'})"
         else:
             tol = s["worst"].get("tolerance", s["tolerance"])
             detail = f"worst {s['worst']['value']:.3g} ({s['worst']['key']}) tolerance {tol:g}"
@@ -597,9 +528,6 @@ def run_align(args: argparse.Namespace) -> int:
         )
     print(f"[glm52 align] {verdict['result']}: receipt {receipt}")
     return int(verdict["exit_code"])
-
-
-LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
 def _indexer_loss_coeff(model: str) -> float:
@@ -627,7 +555,7 @@ def register_align(sub: argparse._SubParsersAction) -> None:
         choices = [1, 2] if name == "sharding_stage" else None
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, choices=choices)
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--pp-layout", default=None)
+    g.add_argument("--pp-layout")
     add_expert_update_argument(g)
     g = p.add_argument_group("training (same for both runs)")
     for name, typ, default in TRAIN_FLAGS:
@@ -642,7 +570,6 @@ def register_align(sub: argparse._SubParsersAction) -> None:
         "--dump-step",
         type=int,
         nargs="+",
-        default=None,
         metavar="K",
         help=f"updates after which both runs dump grads, moments and weights for comparison "
         f"(default {' '.join(map(str, DUMP_STEPS))}; the last update's weights are always compared)",
@@ -656,10 +583,9 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--weight-atol",
         type=float,
-        default=None,
         help="step-K updated weights, absolute (default: 0.1 x the learning rates of steps 1..K summed)",
     )
     g.add_argument("--final-weight-atol", type=float, default=FINAL_WEIGHT_ATOL, help="last-step weights, absolute")
-    g.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
+    g.add_argument("--timeout", type=float, help="seconds per run (default: none)")
     g.add_argument("--no-run", action="store_true", help="compare the runs already in OUT (e.g. with other tolerances)")
     p.set_defaults(func=run_align)

@@ -1,29 +1,18 @@
 """``glm52 check-ckpt``: prove a candidate checkpoint holds the same tensors as a reference.
 
-Why each step:
-
-* both sides are validated strictly (every safetensors header, the index) and every file is
-  refused if it is a symlink, a hardlink or sparse — a parity receipt must describe bytes that
-  really are in that folder, not bytes that can change under it;
-* tensors are compared through a *canonical* hash — sha256 over dtype, shape and raw bytes per
-  tensor, then over the sorted ``key<TAB>hash`` lines — so shard boundaries and key order do not
-  matter;
-* when the two sides use different layouts (HF vs Paddle/Fleet), the candidate is mapped into
-  the reference's layout by the same AOA rules the loader uses, so a renamed, fused or transposed
-  tensor is recognised as a **naming** difference, a tensor with no counterpart as
-  **structural**, and different numbers as **value** (with the max abs diff);
-* a block-FP8 checkpoint (F8_E4M3 weights + ``<name>_scale_inv``) against an unquantized one is
-  compared by dequantized value: each FP8 weight, dequantized in fp32 and rounded to the other
-  side's dtype, must equal that side's tensor. These pairs form their own **quantization** class
-  (counted apart; the scale tensors and ``quantization_config`` are part of it, not differences);
-* every floating-point tensor (FP8 weights and their scales included) is scanned for NaN/Inf while
-  its bytes are read for the hash: identical NaN bytes hash alike, so without the scan two broken
-  checkpoints would "match". Such tensors make the input unusable (exit 2), each named with its file
-  and count, unless ``allow_nonfinite`` (``--allow-nonfinite``) reports them as warnings.
+Both sides are validated strictly and a symlink, hardlink or sparse file is refused: a parity
+receipt must describe bytes that really are in that folder, not bytes that can change under it.
+Tensors are compared through canonical hashes, so shard boundaries and key order do not matter; a
+candidate in another layout is mapped into the reference's by the loader's AOA rules, so every
+difference is classified (naming, structural, value, config; block-FP8 against unquantized by
+dequantized value: quantization).  Every floating-point tensor is scanned for NaN/Inf while it is
+hashed, since identical NaN bytes hash alike (exit 2 unless ``allow_nonfinite``).  The steps, the
+classes and the receipt: docs/parity.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -49,19 +38,15 @@ EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE = 0, 1, 2
 _MAX_LISTED = 200  # differences listed in full; counts are always complete
 
 
-def versions() -> dict[str, str]:
-    """Versions that a receipt should carry to be reproducible."""
-    out = {"python": platform.python_version()}
-    try:
-        from .. import __version__
+def versions(modules: tuple[str, ...] = ("paddle", "numpy", "safetensors")) -> dict[str, str]:
+    """Versions that a receipt should carry to be reproducible (a module not installed says so)."""
+    from .. import __version__
 
-        out["paddleformers_glm"] = __version__
-    except Exception:  # pragma: no cover
-        out["paddleformers_glm"] = "unknown"
-    for mod in ("paddle", "numpy", "safetensors"):
+    out = {"python": platform.python_version(), "paddleformers_glm": __version__}
+    for mod in modules:
         try:
             out[mod] = __import__(mod).__version__
-        except Exception:
+        except Exception:  # noqa: BLE001 - a receipt records what is missing too
             out[mod] = "not installed"
     return out
 
@@ -69,10 +54,7 @@ def versions() -> dict[str, str]:
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
+        for b in iter(lambda: f.read(chunk), b""):
             h.update(b)
     return h.hexdigest()
 
@@ -111,21 +93,14 @@ def file_safety_problems(paths: list[str]) -> list[dict[str, str]]:
     for p in paths:
         st = os.lstat(p)
         if stat.S_ISLNK(st.st_mode):
-            problems.append({"file": p, "problem": "symlink", "detail": f"points to {os.readlink(p)}"})
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append({"file": p, "problem": "not a regular file", "detail": stat.filemode(st.st_mode)})
-            continue
-        if st.st_nlink > 1:
-            problems.append({"file": p, "problem": "hardlink", "detail": f"{st.st_nlink} links to this inode"})
-        if _is_sparse(p, st):
-            problems.append(
-                {
-                    "file": p,
-                    "problem": "sparse file",
-                    "detail": f"{st.st_blocks * 512} bytes allocated for {st.st_size}",
-                }
-            )
+            found = [("symlink", f"points to {os.readlink(p)}")]
+        elif not stat.S_ISREG(st.st_mode):
+            found = [("not a regular file", stat.filemode(st.st_mode))]
+        else:
+            found = [("hardlink", f"{st.st_nlink} links to this inode")] if st.st_nlink > 1 else []
+            if _is_sparse(p, st):
+                found.append(("sparse file", f"{st.st_blocks * 512} bytes allocated for {st.st_size}"))
+        problems += [{"file": p, "problem": what, "detail": detail} for what, detail in found]
     return problems
 
 
@@ -159,8 +134,7 @@ def _open_side(path: str) -> _Side:
         if not os.path.exists(side.path):
             raise CheckpointError("path does not exist", file=side.path)
         # the folder itself first: a linked folder makes every file in it a link
-        probes = [side.path] if os.path.islink(side.path) else []
-        side.problems = file_safety_problems(probes)
+        side.problems = file_safety_problems([side.path] if os.path.islink(side.path) else [])
         side.ckpt = Checkpoint(side.path, strict=True)
         folder = side.ckpt.folder
         cfg_file = os.path.join(folder, "config.json")
@@ -180,18 +154,15 @@ def _open_side(path: str) -> _Side:
             side.fp8 = fp8_pairs(side.ckpt, scheme)
             if scheme is not None:
                 side.block = scheme.block
-            try:
+            with contextlib.suppress(CheckpointError):  # else "unknown"
                 side.layout = detect_layout(set(side.ckpt.keys()) - set(side.fp8.values()), side.config)
-            except CheckpointError:
-                side.layout = "unknown"
         bar = progress.start(
             "check-ckpt hash", sum(i.nbytes for i in side.ckpt.tensors.values()), len(side.ckpt.tensors)
         )
         for k, info in side.ckpt.tensors.items():
             raw = side.ckpt.raw(k)
             side.hashes[k] = tensor_hash(info.dtype, info.shape, raw)
-            bad = count_nonfinite_raw(raw, info.dtype)
-            if bad:
+            if bad := count_nonfinite_raw(raw, info.dtype):
                 side.nonfinite[k] = bad
             del raw
             side.ckpt.file_of(k).release(k)
@@ -218,11 +189,14 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
     from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype
 
     assert cand.ckpt is not None and ref.ckpt is not None
-    out: dict[str, dict[str, Any]] = {}
+
+    def own(k: str) -> dict[str, Any]:  # a candidate tensor under its own name
+        info = cand.ckpt.tensors[k]  # type: ignore[union-attr]
+        return {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
+
     if cand.layout == ref.layout or "unknown" in (cand.layout, ref.layout):
-        for k, info in cand.ckpt.tensors.items():
-            out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
-        return out
+        return {k: own(k) for k in cand.ckpt.tensors}
+    out: dict[str, dict[str, Any]] = {}
     other = ref if cand.layout == "hf" else cand  # the non-official side picks the rules' target layout
     expert_layout = detect_expert_layout(other.ckpt.keys())
     if "hf" in (cand.layout, ref.layout):
@@ -242,23 +216,13 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         have = [k for k in srcs if k in cand.ckpt]
         consumed.update(have)
         if len(have) != len(srcs):  # the reference's tensors show up as missing; say why here
-            lacking = [x for x in srcs if x not in cand.ckpt]
-            for k in have:
-                diffs.append(
-                    {"class": "structural", "what": "unmappable in candidate", "cand_key": k, "lacking": lacking}
-                )
+            lacking, what = [x for x in srcs if x not in cand.ckpt], "unmappable in candidate"
+            diffs += [{"class": "structural", "what": what, "cand_key": k, "lacking": lacking} for k in have]
             continue
         bad_shape = [k for k in srcs if cand.ckpt.info(k).shape != tuple(cand_specs[k][0])]
         for k in bad_shape:
-            diffs.append(
-                {
-                    "class": "value",
-                    "what": "shape",
-                    "cand_key": k,
-                    "expected": list(cand_specs[k][0]),
-                    "actual": list(cand.ckpt.info(k).shape),
-                }
-            )
+            expected, actual = list(cand_specs[k][0]), list(cand.ckpt.info(k).shape)
+            diffs.append({"class": "value", "what": "shape", "cand_key": k, "expected": expected, "actual": actual})
         if not bad_shape:
             usable.append(u)
     targets = {}
@@ -277,20 +241,13 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
             if np.array_equal(cast.astype(t.dtype).numpy().view(np.uint8), arr.view(np.uint8)):
                 arr, dtype = cast.numpy(), ref_info.dtype
         h = tensor_hash(dtype, tuple(arr.shape), np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-        out[key] = {
-            "hash": h,
-            "dtype": dtype,
-            "shape": tuple(arr.shape),
-            "native": trace[key]["sources"],
-            "tags": _naming_kinds(key, trace[key]["sources"], trace[key]["transposed"]),
-        }
+        native = trace[key]["sources"]
+        tags = _naming_kinds(key, native, trace[key]["transposed"])
+        out[key] = {"hash": h, "dtype": dtype, "shape": tuple(arr.shape), "native": native, "tags": tags}
         if ref_info is None or h != ref.hashes[key]:  # kept only for the max-abs-diff of a difference
             out[key]["array"], out[key]["array_dtype"] = exact, paddle_to_st_dtype(t.dtype)
         del t, arr, exact
-    for k in cand.ckpt.keys():  # tensors outside the contract keep their own name
-        if k not in consumed and k not in out:
-            info = cand.ckpt.info(k)
-            out[k] = {"hash": cand.hashes[k], "dtype": info.dtype, "shape": info.shape, "native": [k], "tags": []}
+    out.update({k: own(k) for k in cand.ckpt.keys() if k not in consumed and k not in out})  # outside the contract
     return out
 
 
@@ -311,11 +268,6 @@ def _naming_kinds(key: str, native: list[str], transposed: bool) -> list[str]:
     if not kinds and native != [key]:
         kinds.append("rename")
     return kinds
-
-
-def _ref_array(ref: _Side, key: str) -> np.ndarray:
-    assert ref.ckpt is not None
-    return ref.ckpt.numpy(key)
 
 
 def check_checkpoints(
@@ -389,8 +341,7 @@ def check_checkpoints(
         quant["fp8_side"] = "ref" if ref.fp8 else "cand"
         quant["differing"] = quant["differing"][:_MAX_LISTED]
         report["differences"].insert(0, quant)
-    canon_hashes = {k: v["hash"] for k, v in canon.items()}
-    report["cand"]["canonical_hash"] = checkpoint_hash(canon_hashes)
+    report["cand"]["canonical_hash"] = checkpoint_hash({k: v["hash"] for k, v in canon.items()})
     report["ref"]["canonical_hash"] = report["ref"]["native_hash"]
     report["compare_layout"] = ref.layout
     report["hash_match"] = report["cand"]["canonical_hash"] == report["ref"]["canonical_hash"]
@@ -427,14 +378,10 @@ def _side_report(s: _Side) -> dict[str, Any]:
 
 def _config_difference(ref: _Side, cand: _Side, quant_mixed: bool) -> dict[str, Any] | None:
     """The config difference entry (the differing keys), or None when the two config.json agree."""
-    cfg_ref, cfg_cand = dict(ref.config_json or {}), dict(cand.config_json or {})
-    if quant_mixed:  # the one expected config difference of a quantized copy
-        cfg_ref.pop("quantization_config", None)
-        cfg_cand.pop("quantization_config", None)
-    if cfg_ref == cfg_cand:
-        return None
+    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
+    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
     diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
-    return {"class": "config", "keys": diff}
+    return None if cfg_ref == cfg_cand else {"class": "config", "keys": diff}
 
 
 def _compare_tensors(
@@ -452,8 +399,7 @@ def _compare_tensors(
     quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
     scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
     for key in sorted((set(ref.ckpt.keys()) | set(canon)) - scales):
-        r = ref.ckpt.tensors.get(key)
-        c = canon.get(key)
+        r, c = ref.ckpt.tensors.get(key), canon.get(key)
         if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
             counts["quantization"] += 1
             quant["tensors"] += 1
@@ -466,17 +412,13 @@ def _compare_tensors(
                 counts["value"] += 1
                 quant["differing"].append({"key": key, "max_abs_diff": mad})
             continue
-        if r is None:
+        if r is None or c is None:
             counts["structural"] += 1
-            differences.append(
-                {"class": "structural", "what": "only in candidate", "key": key, "cand_keys": c["native"]}
-            )  # type: ignore[index]
-            continue
-        if c is None:
-            counts["structural"] += 1
-            differences.append(
-                {"class": "structural", "what": "missing in candidate", "key": key, "file": os.path.basename(r.file)}
-            )
+            if r is None:
+                d = {"what": "only in candidate", "cand_keys": c["native"]}  # type: ignore[index]
+            else:
+                d = {"what": "missing in candidate", "file": os.path.basename(r.file)}
+            differences.append({"class": "structural", "key": key, **d})
             continue
         if c["dtype"] != r.dtype or tuple(c["shape"]) != r.shape or c["hash"] != ref.hashes[key]:
             counts["value"] += 1
@@ -500,7 +442,7 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
     if tuple(c["shape"]) != r.shape:
         d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
         return d
-    a = _as_float(_ref_array(ref, key), r.dtype)
+    a = _as_float(ref.ckpt.numpy(key), r.dtype)  # type: ignore[union-attr]
     if "array" in c:
         b = _as_float(c["array"], c["array_dtype"])
     else:
@@ -567,10 +509,8 @@ def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _S
 def summary_lines(report: Mapping[str, Any]) -> list[str]:
     """A short human summary of a receipt."""
     lines = [f"check-ckpt: {report['result']} (exit {report['exit_code']})"]
-    for e in report.get("errors", []):
-        lines.append(f"  error: {e}")
-    for w in report.get("warnings", []):
-        lines.append(f"  warning: {w}")
+    lines += [f"  error: {e}" for e in report.get("errors", [])]
+    lines += [f"  warning: {w}" for w in report.get("warnings", [])]
     if "counts" in report:
         c = report["counts"]
         lines.append(

@@ -9,12 +9,6 @@ from typing import Any
 from .._io import write_json_atomic
 
 
-def _write_json(path: str | None, report: dict[str, Any]) -> None:
-    if not path:
-        return
-    write_json_atomic(path, report)
-
-
 def _checker(sub: argparse._SubParsersAction, name: str, inputs: dict[str, str], run: Any, **text: str) -> Any:
     """A checker's parser: its two inputs (name -> help), ``--json`` for the receipt, its runner."""
     p = sub.add_parser(name, **text)
@@ -57,7 +51,8 @@ def _run_check_ckpt(args: argparse.Namespace) -> int:
 
     progress.set_quiet(True if args.quiet else None)
     report = check_checkpoints(args.ref, args.cand, layout=args.layout, allow_nonfinite=args.allow_nonfinite)
-    _write_json(args.json_out, report)
+    if args.json_out:
+        write_json_atomic(args.json_out, report)
     print("\n".join(summary_lines(report)))
     return int(report["exit_code"])
 
@@ -96,7 +91,8 @@ def _run_check_loss(args: argparse.Namespace) -> int:
     report = check_losses(
         args.a, args.b, steps=args.steps, bit_exact=args.bit_exact, atol=args.atol, rtol=args.rtol, plot=args.plot
     )
-    _write_json(args.json_out, report)
+    if args.json_out:
+        write_json_atomic(args.json_out, report)
     for e in report["errors"]:
         print(f"check-loss: {e}", file=sys.stderr)
     if report["result"] != "unusable input":
@@ -109,11 +105,8 @@ def _run_check_loss(args: argparse.Namespace) -> int:
             "max_diff",
             "bit_exact",
         )
-        rule = (
-            "every loss identical"
-            if report["mode"] == "bit-exact"
-            else (f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step")
-        )
+        rule = f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step"
+        rule = "every loss identical" if report["mode"] == "bit-exact" else rule
         print(
             f"check-loss: {report['result']} ({report['mode']}: {rule}) " + " ".join(f"{k}={report[k]}" for k in keys)
         )

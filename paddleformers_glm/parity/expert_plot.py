@@ -11,16 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
-from ..cli._plot import TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
+from ..cli._plot import PLOT_EXTRA_HINT, TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
 
 __all__ = ["plot_expert_load", "register_plot_experts"]
-
-
-def _expert_load(loss_json: str) -> dict[str, Any]:
-    absent = "a run of a model without MoE routers?"
-    return read_block(loss_json, "expert_load", ("layers", "steps", "max_mean_ratio", "load_total"), absent)
 
 
 def plot_expert_load(loss_json: str, png: str) -> str:
@@ -28,7 +22,8 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     plt = pyplot()
     import numpy as np
 
-    el = _expert_load(loss_json)
+    required = ("layers", "steps", "max_mean_ratio", "load_total")
+    el = read_block(loss_json, "expert_load", required, "a run of a model without MoE routers?")
     run = os.path.basename(os.path.dirname(os.path.abspath(loss_json)))
     load = np.asarray(el["load_total"], dtype=np.float64)  # [layers, experts]
     mean = load.mean(axis=1, keepdims=True)
@@ -38,18 +33,14 @@ def plot_expert_load(loss_json: str, png: str) -> str:
     fig, (ax_h, ax_c) = plt.subplots(1, 2, **TWO_PANELS)
     im = ax_h.imshow(rel, aspect="auto", cmap="viridis", interpolation="nearest")
     ax_h.set_yticks(range(len(el["layers"])), [str(i) for i in el["layers"]])
-    ax_h.set_xlabel("expert")
-    ax_h.set_ylabel("layer")
-    ax_h.set_title(f"tokens per expert / layer mean, steps {steps[0]}-{steps[-1]}")
+    ax_h.set(xlabel="expert", ylabel="layer", title=f"tokens per expert / layer mean, steps {steps[0]}-{steps[-1]}")
     fig.colorbar(im, ax=ax_h, label="load / mean")
     for j in range(ratio.shape[1]):
         ax_c.plot(steps, ratio[:, j], lw=0.7, alpha=0.5)
     ax_c.plot(steps, ratio.mean(axis=1), lw=2.2, color="black", label="mean over MoE layers")
     ax_c.axhline(1.0, ls="--", color="gray", lw=1)
-    ax_c.set_xlabel("step")
-    ax_c.set_ylabel("max / mean expert load")
     rate = el.get("bias_update_rate", 0.0)
-    ax_c.set_title(f"balance (bias update rate {rate:g})")
+    ax_c.set(xlabel="step", ylabel="max / mean expert load", title=f"balance (bias update rate {rate:g})")
     ax_c.legend(loc="upper right")
     fig.suptitle(f"expert load of run {run!r} ({loss_json})", fontsize=10)
     return save_png(fig, png)
@@ -60,11 +51,8 @@ def _run(args: argparse.Namespace) -> int:
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(loss_json)), "expert_load.png")
     try:
         plot_expert_load(loss_json, png)
-    except ImportError:
-        print("plot-experts: plotting needs matplotlib: pip install 'paddleformers_glm[plot]'", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
-        print(f"plot-experts: {e}", file=sys.stderr)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"plot-experts: {PLOT_EXTRA_HINT if isinstance(e, ImportError) else e}", file=sys.stderr)
         return 2
     print(f"plot-experts: wrote {png}")
     return 0

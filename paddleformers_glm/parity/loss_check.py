@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..cli._plot import PLOT_EXTRA_HINT, pyplot, save_png
 from .ckpt_check import sha256_file, versions
 
 __all__ = [
@@ -179,9 +180,6 @@ def check_losses(
     return report
 
 
-PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
-
-
 def run_labels(path_a: str, path_b: str) -> tuple[str, str]:
     """Names that tell two runs apart in a legend: a run's folder (runs write OUT/loss.json), with
     as many parent folders as it takes to differ."""
@@ -204,19 +202,11 @@ def loss_figure(
     verdict: str | None = None,
 ) -> Any:
     """The matplotlib figure of :func:`plot_losses`: both curves labelled by run (top), |a - b| per
-    step with the tolerance it is held to (bottom), the verdict in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    step with the tolerance it is held to (bottom), the verdict in the title; ``save_png`` lays it out."""
     n = min(len(a), len(b))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, dpi=100)
+    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(8, 6), sharex=True, dpi=100)
     ax1.plot(range(len(a)), a, label=labels[0] or "A", lw=1.5)
     ax1.plot(range(len(b)), b, label=labels[1] or "B", lw=1.0, ls="--")
-    ax1.set_ylabel("loss")
-    ax1.legend(loc="best")
-    ax1.grid(alpha=0.3)
     diff = [abs(a[i] - b[i]) for i in range(n)]
     ax2.plot(range(n), diff, color="tab:red", marker="o", ms=2, lw=1, label="|A - B|")
     atol, rtol = tolerance
@@ -230,12 +220,12 @@ def loss_figure(
     if positive:
         ax2.set_yscale("symlog", linthresh=max(min(positive), 1e-300))
     ax2.set_xlabel("step")
-    ax2.set_ylabel("|A - B|")
-    ax2.legend(loc="best")
-    ax2.grid(alpha=0.3)
+    for ax, name in ((ax1, "loss"), (ax2, "|A - B|")):
+        ax.set_ylabel(name)
+        ax.legend(loc="best")
+        ax.grid(alpha=0.3)
     head = f"check-loss {verdict.upper()}: " if verdict else ""
     fig.suptitle(f"{head}{rule}, max |A - B| {max(diff, default=0.0):.3g} over {n} steps", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
@@ -250,12 +240,5 @@ def plot_losses(
     """PNG with both curves (top) and |a - b| per step against the tolerance (bottom); ``labels``
     are the loss files' paths (the legend names their run folders). Needs the ``plot`` extra
     (ImportError without matplotlib)."""
-    import matplotlib.pyplot as plt
-
     fig = loss_figure(a, b, run_labels(*labels), tolerance, verdict)
-    from .._io import atomic_open
-
-    with atomic_open(out, "wb") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
-    return os.path.abspath(out)
+    return os.path.abspath(save_png(fig, out, dpi=100))

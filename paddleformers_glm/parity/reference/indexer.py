@@ -1,22 +1,10 @@
-"""The DSA indexer's training in the torch reference, written from the definitions (docs/indexer.md)
-on HF transformers' own modules, independently of the Paddle model:
+"""The DSA indexer's training in the torch reference, written from the definitions of docs/indexer.md
+on HF transformers' own modules, independently of the Paddle model.
 
-* ``warmup`` (dense warm-up): every HF indexer's ``index_topk`` is raised past the sequence, so HF
-  selects every key and its eager attention runs densely over all causal keys (the shared layers and
-  the MTP layer reuse that selection); the target of a full layer is HF's attention probabilities
-  summed over heads and L1-normalised over the visible keys; the loss is ``KL(target ||
-  softmax(index scores))`` over every visible key; only the indexers' parameters train.  The
-  indexer's own top-k (for the recall) is HF's indexer called again with its real ``index_topk``.
-* ``sparse``: HF's top-k attention; the target is the head-mean of HF's probabilities at the selected
-  keys, the KL over those keys (a slot whose key is masked takes no part); the whole model trains.
-* shared-layer supervision: a full layer's target is the mean of its own and the shared layers'
-  (the layers after it that reuse its top-k, the MTP layer included when it reuses the main model's).
-
-Index scores are recomputed with gradient from HF's indexer modules on detached inputs (HF runs its
-indexer under ``no_grad``).  Per layer the recall is the mass of the layer's dense target (warm-up:
-the target itself; sparse: HF's attention recomputed densely from the layer's own modules, with the
-causal and padding mask) on the indexer's selected keys.  KL and recall are means over the queries
-that see a key.
+``warmup``: every HF indexer's ``index_topk`` is raised past the sequence, so HF selects every key and
+its eager attention runs densely; the indexer's own top-k (for the recall) is HF's indexer called
+again with its real ``index_topk``.  ``sparse``: HF's top-k attention.  Index scores are recomputed
+with gradient from HF's indexer modules on detached inputs (HF runs its indexer under ``no_grad``).
 
 Part of the ``reference`` extra: torch and transformers are imported inside the functions.
 """
@@ -110,11 +98,8 @@ class ReferenceIndexer:
                 groups.append([rec])
             elif self.shared and groups:
                 groups[-1].append(rec)
-        out = {}
-        for g in groups:
-            out[g[0]["layer"]] = self._group(g)
         self.records = []
-        return out
+        return {g[0]["layer"]: self._group(g) for g in groups}
 
     def _group(self, members: list[dict]) -> tuple[Any, float]:
         import torch
@@ -127,21 +112,17 @@ class ReferenceIndexer:
         rows = sel_valid.any(-1).float()
         n = rows.sum().clamp_min(1.0)
         scores = self._index_scores(full)  # [B, S, T], with gradient
-        if self.stage == "warmup":
-            target = torch.stack([m["probs"].mean(1) for m in members]).mean(0)  # [B, S, T]
-            target = torch.where(visible, target, torch.zeros_like(target))
-            log_q = torch.log_softmax(torch.where(visible, scores, torch.full_like(scores, -1e30)), -1)
-            kl = torch.where(visible, target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(target))
-            dense = target
-        else:
-            sel = [torch.gather(m["probs"].mean(1), -1, idx) for m in members]
-            p = torch.stack(sel).mean(0)
-            p = torch.where(sel_valid, p, torch.zeros_like(p))
-            s_sel = torch.gather(scores, -1, idx)
-            log_q = torch.log_softmax(torch.where(sel_valid, s_sel, torch.full_like(s_sel, -1e30)), -1)
-            kl = torch.where(sel_valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
-            with torch.no_grad():
-                dense = torch.stack([self._dense_probs(m) for m in members]).mean(0)
+        if self.stage == "warmup":  # the target and the KL over every visible key
+            valid, s = visible, scores
+            p = torch.stack([m["probs"].mean(1) for m in members]).mean(0)  # [B, S, T]
+        else:  # over the selected keys
+            valid, s = sel_valid, torch.gather(scores, -1, idx)
+            p = torch.stack([torch.gather(m["probs"].mean(1), -1, idx) for m in members]).mean(0)
+        p = torch.where(valid, p, torch.zeros_like(p))
+        log_q = torch.log_softmax(torch.where(valid, s, torch.full_like(s, -1e30)), -1)
+        kl = torch.where(valid, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
+        with torch.no_grad():  # the recall's dense target: the warm-up's own, else recomputed
+            dense = p if self.stage == "warmup" else torch.stack([self._dense_probs(m) for m in members]).mean(0)
         kl = (kl.sum(-1) * rows).sum() / n
         with torch.no_grad():
             mass = torch.where(sel_valid, torch.gather(dense, -1, idx), torch.zeros_like(idx, dtype=dense.dtype))

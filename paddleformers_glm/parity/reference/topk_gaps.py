@@ -41,8 +41,7 @@ class TieError(RuntimeError):
 
 
 class GapMonitor:
-    """Sees the exact tensors HF hands to `topk` inside every indexer and router call (through a
-    TorchFunctionMode) and records the margin at the selection boundary."""
+    """The top-k margins of every indexer and router call (the module docstring says how)."""
 
     def __init__(self, min_gap: float | None = MIN_GAP):
         import torch
@@ -60,15 +59,9 @@ class GapMonitor:
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaTopkRouter
 
         for m in module.modules():
-            kind = (
-                "indexer"
-                if isinstance(m, GlmMoeDsaIndexer)
-                else "router"
-                if isinstance(m, GlmMoeDsaTopkRouter)
-                else None
-            )
-            if kind is None:
+            if not isinstance(m, (GlmMoeDsaIndexer, GlmMoeDsaTopkRouter)):
                 continue
+            kind = "indexer" if isinstance(m, GlmMoeDsaIndexer) else "router"
             m.register_forward_pre_hook(lambda mod, args, kind=kind: self._enter(kind))
             m.register_forward_hook(lambda mod, args, out, kind=kind: self._leave(kind))
 

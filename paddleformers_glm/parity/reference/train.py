@@ -2,46 +2,17 @@
 ``python -m paddleformers_glm.parity.reference.train --model DIR --out OUT [training flags]``.
 
 One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
-MTP layers, which transformers drops, are assembled here from HF's own building blocks
-(``GlmMoeDsaRMSNorm``, ``GlmMoeDsaDecoderLayer``, ``nn.Linear``) and loaded from the checkpoint's
-``model.layers.{L+j}.`` keys.  Everything a training step does is written out here, independently of
-the Paddle trainer, from the contract the trainer documents:
+MTP layers, which transformers drops, are assembled here from HF's own building blocks and loaded
+from the checkpoint's ``model.layers.{L+j}.`` keys.  Every rule of a training step (loss scaling,
+indexer KL, clipping, AdamW and what it decays or skips, router bias updates, schedule) is written
+out here independently of the Paddle trainer, from the contract the trainer documents (docs/parity.md,
+"What the reference does in a step"); the data are the trainer's own numpy sources
+(``paddleformers_glm.train.data``), so both runs read the same token ids in the same micro-batches.
 
-* data: the trainer's own synthetic / file sources (``paddleformers_glm.train.data``, numpy only),
-  so both runs read the very same token ids in the same order and micro-batches;
-* objective: LM cross-entropy summed over the micro-batch and divided by the token count of the
-  whole global batch, plus ``mtp_loss_scaling_factor / D`` times each MTP depth's loss (same
-  normalisation), plus, with ``--indexer-loss-coeff C`` > 0 (default: the checkpoint's
-  ``indexer_loss_coeff``), ``C`` times the micro-batch's indexer KL loss (summed over the layers
-  that run their own indexer) divided by the global number of micro-batches; one backward per
-  micro-batch, gradients accumulate;
-* indexer KL, per layer with an indexer (DeepSeek-V3.2 / Megatron ``dsa_indexer_loss_coeff``):
-  ``KL(p || softmax(s))`` over each query's selected keys, ``p`` the main attention's
-  probabilities at those keys averaged over heads (detached), ``s`` the indexer's scores of those
-  keys recomputed with gradient from HF's indexer modules on detached inputs; a selected slot whose
-  key is masked (causal, padding) takes no part; mean over the queries that have a valid slot;
-* clipping: true global L2 norm over every gradient, scale ``clip / (norm + 1e-6)`` when below 1;
-* ``torch.optim.AdamW`` (decoupled decay) with decay on parameters of 2+ dims only, betas
-  (0.9, 0.95), eps 1e-8; a parameter that never got a gradient is skipped (torch semantics); the
-  experts of a layer are HF's fused ``gate_up_proj`` / ``down_proj`` tensors, so every expert of a
-  layer is stepped whenever any of them got a token (an idle one with a zero-gradient slice);
-* ``--moe-bias-update-rate R`` > 0: after each optimizer step every router's
-  ``e_score_correction_bias`` moves by ``float32(R) * sign(mean - load)`` in float32, ``load`` the
-  step's (token, k) assignments per expert over the global batch, ``mean = sum(load) / E``
-  (docs/model.md, "MoE balancing");
-* schedule: linear warmup to ``--lr`` over ``--warmup-steps``, then cosine to ``--min-lr``.
-
-Writes ``OUT/loss.json`` with the trainer's schema (losses, mtp_losses, grad_norms, lrs, with the
-KL on indexer_losses, and ``expert_load.idle_experts``: per step, MoE layer -> experts no token
-reached);
-``--dump-step DIR K`` writes gradients (before clipping), AdamW moments and updated weights after
-step K in the checkpoint's official names (``DIR/{grads,exp_avg,exp_avg_sq,weights}/``), so
-``glm52 check-ckpt`` and ``glm52 align`` compare them with the Paddle run's.
-
-Needs the ``reference`` extra (torch + transformers). fp32 on CPU; ``--dtype bfloat16`` runs bf16
-weights and activations (HF's own policy; the routers fp32 as the official ``moe_router_dtype``)
-with fp32 master weights and fp32 gradient accumulation, the mixed-precision recipe the Paddle
-trainer follows.
+Writes ``OUT/loss.json`` with the trainer's schema; ``--dump-step DIR K`` writes gradients (before
+clipping), AdamW moments and updated weights after step K in the checkpoint's official names.
+Needs the ``reference`` extra (torch + transformers); fp32 on CPU, or ``--dtype bfloat16`` with fp32
+master weights and gradient accumulation (HF's dtype policy, the routers fp32).
 """
 
 from __future__ import annotations
@@ -55,11 +26,14 @@ import shutil
 import sys
 import time
 
-from ..._io import write_json_atomic as _write_json_atomic
+from ..._io import write_json_atomic
 from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
 from .indexer import ReferenceIndexer, resolve_indexer_stage
+from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
+# an MTP layer's own modules -> their checkpoint names (``model.layers.{L+j}.<name>.weight``)
+MTP_HEAD = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -75,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="checkpoint folder (official HF layout)")
     add_step_arguments(ap)
     add_indexer_arguments(ap)
-    ap.add_argument("--data", default=None, help=".npy / .bin / .jsonl (default: synthetic)")
+    ap.add_argument("--data", help=".npy / .bin / .jsonl (default: synthetic)")
     ap.add_argument("--data-dtype", default="auto")
     ap.add_argument("--out", required=True)
     add_dump_argument(ap)
@@ -135,15 +109,9 @@ def _layer_state(state: dict, prefix: str, num_experts: int, drop_indexer: bool)
         sd = {k: v for k, v in sd.items() if ".indexer." not in k}
     out = {k: v for k, v in sd.items() if ".experts." not in k}
     if "mlp.experts.0.gate_proj.weight" in sd:
-        out["mlp.experts.gate_up_proj"] = torch.stack(
-            [
-                torch.cat([sd[f"mlp.experts.{e}.gate_proj.weight"], sd[f"mlp.experts.{e}.up_proj.weight"]], 0)
-                for e in range(num_experts)
-            ]
-        ).contiguous()
-        out["mlp.experts.down_proj"] = torch.stack(
-            [sd[f"mlp.experts.{e}.down_proj.weight"] for e in range(num_experts)]
-        ).contiguous()
+        w = [{n: sd[f"mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down")} for e in range(num_experts)]
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]], 0) for x in w]).contiguous()
+        out["mlp.experts.down_proj"] = torch.stack([x["down"] for x in w]).contiguous()
     return out
 
 
@@ -178,10 +146,9 @@ class Reference:
         L, E, H = conf.num_hidden_layers, conf.n_routed_experts, conf.hidden_size
         self.L, self.inter = L, conf.moe_intermediate_size
         self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
-        self.mtp_weight = float(getattr(conf, "mtp_loss_scaling_factor", 0.1))
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
-        self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", self.mtp_weight))
+        self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", getattr(conf, "mtp_loss_scaling_factor", 0.1)))
         # the trainer reads the checkpoint's coefficient from config.json (either spelling)
         saved = float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
         self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
@@ -219,13 +186,8 @@ class Reference:
             )
             p = f"model.layers.{L + j}."
             with torch.no_grad():
-                for mod, key in (
-                    ("enorm", "enorm.weight"),
-                    ("hnorm", "hnorm.weight"),
-                    ("eh_proj", "eh_proj.weight"),
-                    ("shared_head_norm", "shared_head.norm.weight"),
-                ):
-                    m[mod].weight.copy_(self.ckpt[p + key])
+                for mod, key in MTP_HEAD.items():
+                    m[mod].weight.copy_(self.ckpt[f"{p}{key}.weight"])
             heads = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
             sd = _layer_state(self.ckpt, p, E, drop_indexer=self.share_topk)
             m["layer"].load_state_dict({k: v for k, v in sd.items() if not k.startswith(heads)}, strict=True)
@@ -269,13 +231,9 @@ class Reference:
 
     def take_idle_experts(self) -> dict[str, list[int]]:
         """MoE layer -> the experts no token reached this step (layers with any); resets the counts."""
-        out = {}
-        for i in sorted(self.load):
-            idle = [int(e) for e in (self.load[i] == 0).nonzero().reshape(-1).tolist()]
-            if idle:
-                out[str(i)] = idle
+        idle = {str(i): [int(e) for e in (self.load[i] == 0).nonzero().reshape(-1).tolist()] for i in sorted(self.load)}
         self.load = {}
-        return out
+        return {k: v for k, v in idle.items() if v}
 
     def _to_bf16(self) -> None:
         """bf16 weights, as HF's ``from_pretrained(dtype=bfloat16)`` gives them, except the routers'
@@ -297,29 +255,21 @@ class Reference:
 
     def named_parameters(self) -> list[tuple[str, object]]:
         """(HF-style unique name, parameter): main model names, MTP under ``mtp.{j}.``."""
-        out = list(self.model.named_parameters())
-        out += [(f"mtp.{n}", p) for n, p in self.mtp.named_parameters()]
-        return out
+        return [*self.model.named_parameters(), *((f"mtp.{n}", p) for n, p in self.mtp.named_parameters())]
 
     def router_biases(self) -> list[tuple[str, object]]:
         """(HF-style unique name, buffer) of every router's correction bias (moved by the bias updates)."""
-        out = [(n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias")]
-        out += [(f"mtp.{n}", b) for n, b in self.mtp.named_buffers() if n.endswith("e_score_correction_bias")]
-        return out
+        buffers = [*self.model.named_buffers(), *((f"mtp.{n}", b) for n, b in self.mtp.named_buffers())]
+        return [(n, b) for n, b in buffers if n.endswith("e_score_correction_bias")]
 
     def official(self, name: str, t) -> list[tuple[str, object]]:
         """Official checkpoint names (and views) of one parameter-shaped tensor."""
         if name.startswith("mtp."):
             j, rest = name[4:].split(".", 1)
             p = f"model.layers.{self.L + int(j)}."
-            head = {
-                "enorm.weight": "enorm.weight",
-                "hnorm.weight": "hnorm.weight",
-                "eh_proj.weight": "eh_proj.weight",
-                "shared_head_norm.weight": "shared_head.norm.weight",
-            }
-            if rest in head:
-                return [(p + head[rest], t)]
+            head = rest.removesuffix(".weight")
+            if head in MTP_HEAD:
+                return [(f"{p}{MTP_HEAD[head]}.weight", t)]
             assert rest.startswith("layer."), rest
             return [(p + k, v) for k, v in _unfuse(rest[len("layer.") :], t, self.inter)]
         return _unfuse(name, t, self.inter)
@@ -360,41 +310,26 @@ class Reference:
         return lm, mtps
 
 
-class TopkMargins:
-    """The margin of every top-k decision at its selection boundary (k-th minus (k+1)-th score),
-    for each DSA indexer and MoE router call (main model and MTP), via the HF modules' own
-    ``torch.topk`` calls; the smallest per step goes to loss.json (``topk_min_gaps``).
-
-    Why: a margin below the two frameworks' rounding noise (~1e-7 in fp32) is a near tie that the
-    runs may break differently; the selected tokens or experts then differ and the losses part in
-    one step.  ``glm52 align`` names such a step as a jump and shows the margin found here.
-    ``min_nonzero`` is the smallest margin that is not an exact tie: exact ties of equal values are
-    common at the indexer (its ``relu`` puts many keys at exactly 0) and both frameworks break them
-    alike, so a step's ``min`` of 0 would hide the near tie that can actually flip.
+class TopkMargins(GapMonitor):
+    """The margin of every top-k decision at its selection boundary, each indexer and router call
+    (main model and MTP); per step to loss.json (``topk_min_gaps``).  A margin below the frameworks'
+    rounding noise is a near tie the runs may break differently (``glm52 align`` names the loss jump
+    it causes).  ``min_nonzero``: exact ties are common at the indexer (its ``relu``) and both
+    frameworks break them alike, so a ``min`` of 0 would hide the near tie that can actually flip.
     """
 
     NEAR = 1e-6
 
     def __init__(self, modules) -> None:
-        from .topk_gaps import GapMonitor  # same hooks as the fixtures' tie screening
-
-        monitor = self
-
-        class _Monitor(GapMonitor):
-            def _gap(self, cat, x, valid, k):
-                monitor.record(cat, x, valid, k)
-
-        self.monitor = _Monitor()
+        super().__init__(min_gap=None)  # the same hooks as the fixtures' tie screening
         for m in modules:
-            self.monitor.attach(m)
+            self.attach(m)
         self.step: dict = {}
 
     def reset(self) -> None:
         self.step = {}
 
-    def record(self, cat: str, x, valid, k: int) -> None:
-        from .topk_gaps import boundary_gaps
-
+    def _gap(self, cat: str, x, valid, k: int) -> None:
         gaps = boundary_gaps(x, valid, k)
         if gaps is None:
             return
@@ -445,13 +380,6 @@ def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
         os.replace(tmp, d)
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """Strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
-    decision an exact tie, is written as null and listed under "nonfinite")."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
-
-
 # ----------------------------------------------------------------------------------------------
 # training
 
@@ -493,8 +421,8 @@ def train(args: argparse.Namespace) -> dict:
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
     if ref.indexer_stage != "none":
         hist["indexer_losses"] = []
-    layer_kl: dict[int, list[float]] = {i: [] for i in ref.indexer.layers}
-    layer_recall: dict[int, list[float]] = {i: [] for i in ref.indexer.layers}
+    kl_rows: list[list[float]] = []  # [step][layer], ref.indexer.layers in order
+    recall_rows: list[list[float]] = []
     idle_experts: list[dict[str, list[int]]] = []
     margins = TopkMargins([ref.model, ref.mtp])
     gaps: list[dict] = []
@@ -519,7 +447,7 @@ def train(args: argparse.Namespace) -> dict:
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
-            with margins.monitor.mode():
+            with margins.mode():
                 lm, mtps = ref.forward_losses(ids, labels, mask)
             terms = ref.indexer.terms()  # layer -> (KL, recall): per-micro-batch means
             # the warm-up trains on the indexer KL alone; otherwise LM + MTP (+ the sparse KL)
@@ -565,9 +493,8 @@ def train(args: argparse.Namespace) -> dict:
         idle_experts.append(ref.take_idle_experts())
         if "indexer_losses" in hist:
             hist["indexer_losses"].append(kl_total / n_micro)
-            for i in ref.indexer.layers:
-                layer_kl[i].append(step_kl[i])
-                layer_recall[i].append(step_recall[i])
+            kl_rows.append([step_kl[i] for i in ref.indexer.layers])
+            recall_rows.append([step_recall[i] for i in ref.indexer.layers])
         hist["losses"].append(lm_total / n_lm)
         if ref.D:
             hist["mtp_losses"].append(sum(mtp_total[d] / n_mtp[d] for d in range(ref.D)) / ref.D)
@@ -603,21 +530,19 @@ def train(args: argparse.Namespace) -> dict:
             topk_min_gaps=gaps,
             expert_load={"idle_experts": idle_experts, "bias_update_rate": args.moe_bias_update_rate},
             indexer_loss_coeff=ref.indexer_coeff,
-            **_indexer_block(ref, layer_kl, layer_recall, step + 1),
+            **_indexer_block(ref, kl_rows, recall_rows, step + 1),
             steps=step + 1,
             seed=args.seed,
             reference=f"torch + transformers GlmMoeDsaForCausalLM (eager, {args.dtype}) + torch MTP",
             dtype=args.dtype,
-            versions={
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "numpy": np.__version__,
-                "python": platform.python_version(),
-            },
+            versions={m.__name__: m.__version__ for m in (torch, transformers, np)}
+            | {"python": platform.python_version()},
             run={"data": data.describe, "tokens_per_step": G * args.seq_len, "micro_batch_size": M},
             checkpoint={"path": os.path.abspath(args.model)},
         )
-        write_json_atomic(os.path.join(args.out, "loss.json"), result)
+        # strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
+        # decision an exact tie, is written as null and listed under "nonfinite")
+        write_json_atomic(os.path.join(args.out, "loss.json"), result, indent=1, sort_keys=False, default=None)
     return result
 
 
@@ -626,22 +551,20 @@ def _mean(values) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
-def _indexer_block(ref: Reference, kl: dict, recall: dict, steps: int) -> dict:
+def _indexer_block(ref: Reference, kl: list, recall: list, steps: int) -> dict:
     """loss.json's ``indexer`` block, in the trainer's schema ([step][layer] matrices)."""
     if ref.indexer_stage == "none":
         return {}
-    layers = sorted(kl)
-    rec = [[recall[i][s] for i in layers] for s in range(steps)]
     return {
         "indexer": {
             "stage": ref.indexer_stage,
             "loss_weight": ref.indexer_coeff,
             "shared_supervision": ref.indexer_shared,
-            "layers": layers,
+            "layers": ref.indexer.layers,
             "steps": list(range(1, steps + 1)),
-            "kl": [[kl[i][s] for i in layers] for s in range(steps)],
-            "recall": rec,
-            "mean_recall": [_mean(r) for r in rec],
+            "kl": kl,
+            "recall": recall,
+            "mean_recall": [_mean(r) for r in recall],
         }
     }
 
