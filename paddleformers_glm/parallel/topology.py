@@ -218,11 +218,6 @@ class Topology:
         stages = tuple(sorted(stages))
         return len(stages) == self.pc.pp or stages in self._stage_sets
 
-    def p2p_group(self, peer_stage: int) -> Any:
-        """Group for send/recv with ``peer_stage`` (an adjacent stage)."""
-        g = self.stage_group((self.stage, peer_stage))
-        return g if g is not None else self.pp_group
-
     @classmethod
     def single(cls) -> Topology:
         """One process: every group None, every size 1 (what a model is built for by default)."""
@@ -240,22 +235,6 @@ class Topology:
     def rank_in(self, name: str) -> int:
         """This process's rank inside group ``name``."""
         return self._ranks[_known(name)]
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.pc.pp - 1
-
-    @property
-    def prev_stage_rank(self) -> int | None:
-        return None if self.is_first_stage else self.stage_ranks[self.stage - 1]
-
-    @property
-    def next_stage_rank(self) -> int | None:
-        return None if self.is_last_stage else self.stage_ranks[self.stage + 1]
 
     def describe(self) -> str:
         r = self._ranks
@@ -290,15 +269,11 @@ def topology_override(topo: Topology | None = None) -> Iterator[Topology]:
     """Temporarily install ``topo`` (default: single process), e.g. to build a full-size model
     for its parameter names and shapes while a distributed topology is active."""
     global _CURRENT
-    saved, _CURRENT = _CURRENT, topo if topo is not None else Topology(ParallelConfig())
+    saved, _CURRENT = _CURRENT, topo if topo is not None else Topology.single()
     try:
         yield _CURRENT
     finally:
         _CURRENT = saved
-
-
-def _env_world_size() -> int:
-    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
 
 
 def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> tuple[int, int, int]:
@@ -327,7 +302,7 @@ def init_topology(
     ``accumulate_steps`` / ``micro_batch_size`` (micro-batches per replica per step and their size)
     go to Fleet's ``pipeline_configs``, which its pipeline engine reads.
     """
-    world = _env_world_size()
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
     pc.validate(world, **model_sizes)
     if world == 1:
         topo = Topology(pc)
