@@ -1,46 +1,19 @@
 """Pipeline parallelism on Fleet's own engine: a ``PipelineLayer`` of ``LayerDesc`` chunks, run by
 ``fleet.distributed_model``'s 1F1B ``PipelineParallel`` or, with ``--vpp N``, its interleaved
-``PipelineParallelWithInterleave``.
+``PipelineParallelWithInterleave`` (docs/parallel.md section 3).
 
-The layout language stays ours (:func:`~paddleformers_glm.parallel.pipeline.split_stages`): with
-``vpp`` virtual stages ``--pp-layout`` lists ``pp x vpp`` chunks, chunk ``c`` runs on pipeline rank
-``c % pp`` (Fleet's interleaved placement).  Each rank builds ONE stage module holding every
-layer of its chunks (under the full model's parameter names, so loading, checkpoints, export and
-gradient sync are unchanged); each chunk of the ``PipelineLayer`` is a :class:`PipelineChunk`
-``LayerDesc`` that runs the chunk's part of that module (``module.forward_stage(carry, batch, part=chunk_spec)``).
+Chunk ``c`` of the ``--pp-layout`` runs on pipeline rank ``c % pp``; each rank builds ONE stage
+module holding every layer of its chunks under the full model's parameter names, so loading,
+checkpoints, export and gradient sync are unchanged.  What crosses a stage is a tuple: the
+micro-batch tensors, then the model's carry.  The last chunk returns the micro-batch objective;
+a chunk elsewhere with a loss term ties it to its outgoing carry (:class:`_AttachObjective`).
 
-What crosses a stage boundary is a tuple: the micro-batch tensors (input ids, labels, positions,
-masks: integers with ``stop_gradient``), then the model's carry (GLM: hidden states and the
-int64 top-k of the last full indexer layer, so a stage may start on a shared indexer layer).
-Fleet's p2p sends each tuple element's shape, dtype and ``stop_gradient`` in its meta and sends
-gradients back only for the float tensors that need one.
-
-Losses: every chunk adds its loss terms (``LossTerm`` sums) times the trainer's scales into one
-objective.  On the last chunk (final norm, LM head, MTP and their losses) that objective is what
-the chunk returns and Fleet backpropagates (``delay_scale_loss``: Fleet divides the gradients,
-not each objective, by the micro-batch count; the trainer's scales normalise over the global
-batch times that count and Fleet's replica averaging factor).  A chunk
-elsewhere with a loss term (the indexer KL) ties its objective to the outgoing hidden states
-with :class:`_AttachObjective`, whose backward seeds the objective's gradient with 1.  The
-per-term sums are recorded on the side for the trainer's loss report.
-
-The step: where the trainer's optimizer is Fleet's ``HybridParallelOptimizer`` (``fleet_clips``:
-expert layouts excepted), :meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``: its
-schedule, then its ``_optimizer_step`` calling ``step()`` and ``clear_grad()`` of the optimizer it
-is given.  The trainer's gradient sync (parallel/grads.py: Fleet's collectives over
-sequence-parallel, sharding, data, context-parallel, expert-data and pipeline-shared replicas,
-has-gradient flags) runs at the point where Fleet syncs pipeline-shared gradients,
-``PipelineLayer.allreduce_shared_weight_gradients`` (after the last backward of every schedule),
-*before* ``_optimizer_step``: with ``delay_scale_loss`` that step then divides every gradient
-(``main_grad`` or ``.grad``) by the micro-batch count, which the trainer's loss factor includes on
-this path, and the update reads the gradients from the parameters after it.  The optimizer handed
-to ``train_batch`` (:func:`step_optimizer`) is a ``HybridParallelOptimizer`` whose ``step()`` runs
-the trainer's clip and update (the inner AdamW with Fleet's ``HybridParallelClipGrad``) and whose
-``clear_grad()`` releases the gradients; the stock ``step()`` is not called because its
-``_hybrid_sync_grad`` would send expert gradients over data-parallel ranks that hold other
-experts and has no has-gradient flags.  Expert layouts (``ep`` / ``etp`` > 1) keep the trainer's
-own clip outside any Fleet optimizer, so they drive the schedule alone through
-``forward_backward_pipeline`` (:meth:`FleetPipeline.run`) and step afterwards.
+:meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``, with the trainer's gradient sync
+at ``allreduce_shared_weight_gradients`` (after the last backward, before the optimizer step) and
+an optimizer whose ``step()`` is the trainer's clip and update (:func:`step_optimizer`): the stock
+``step()`` would send expert gradients over data-parallel ranks that hold other experts.  Expert
+layouts (``ep`` / ``etp`` > 1) clip outside any Fleet optimizer, so they drive the schedule alone
+(:meth:`FleetPipeline.run`) and step afterwards.
 """
 
 from __future__ import annotations
@@ -148,11 +121,6 @@ class PipelineChunk(nn.Layer):
         return tuple(t.clone() for t in x[: len(keys)]) + tuple(carry_out)
 
 
-def _return_objective(objective: paddle.Tensor, labels: Any) -> paddle.Tensor:
-    """Fleet's ``loss_fn``: the last chunk already produced the micro-batch objective."""
-    return objective
-
-
 class _MicroBatches:
     """Fleet's micro dataset: ``next()`` gives ``(first-stage inputs, labels)`` of the next micro-batch."""
 
@@ -205,7 +173,7 @@ class FleetPipeline:
             layers=descs,
             num_stages=pp,
             topology=topo.hcg.topology(),
-            loss_fn=_return_objective,
+            loss_fn=lambda objective, labels: objective,  # the last chunk returns the objective
             seg_method="layer:PipelineChunk",  # one chunk per virtual stage
             num_virtual_pipeline_stages=vpp if vpp > 1 else None,
         )

@@ -1,54 +1,24 @@
 """Gradient synchronisation across TP / DP / CP / sharding / EP / PP on Fleet's collectives, the
-has-gradient flags, and the *true* global gradient norm.
+has-gradient flags, and the *true* global gradient norm (docs/parallel.md sections 4 and 8).
 
-Fleet's conventions, adopted as they are:
+Fleet's conventions, adopted as they are: a bf16 parameter's gradient becomes an fp32
+``param.main_grad``, which every Fleet collective reads instead of ``.grad``, and a parameter
+without a gradient gets a zero one so every replica joins the same collectives.  Fleet *averages*
+over data-parallel and sharding replicas and *sums* over context- and model-parallel ones; the
+trainer multiplies each local loss by ``dp x sharding`` (:func:`loss_multiplier`), so the result
+is the global batch's gradient, as in one process.
 
-* fp32 reduction for low-precision parameters through Fleet's ``main_grad``: a bf16 parameter's
-  gradient becomes an fp32 ``param.main_grad`` (its ``.grad`` released), which every Fleet
-  gradient collective reads instead of ``.grad``; fp32 parameters reduce their ``.grad`` in place.
-  A parameter that got no gradient gets a zero ``main_grad`` so every replica joins the same
-  collectives.
-* scaling: Fleet *averages* over data-parallel and sharding replicas and *sums* over the
-  context-parallel (Fleet's ``sep``) and model-parallel groups.  The trainer multiplies each local
-  loss by ``dp x sharding`` (:func:`loss_multiplier`), so the averages give the sum of the
-  per-token gradients over the global batch, the same math as one process.
+In order: sequence-parallel parameters summed over TP; pipeline-shared names (the embedding the
+MTP head reuses) summed over their holder stages; the sharding optimizer's ``reduce_gradients``;
+dense parameters through ``fused_allreduce_gradients``; experts over the expert-data-parallel
+group (it spans the cp ranks, which hold *different* experts; Fleet's HCG has no such group).
 
-What runs, in order:
-
-1. sequence-parallel parameters (Fleet's ``is_sequence_parallel_parameter`` or
-   ``ShardSpec.sequence_parallel``: norms, router, row bias under SP) summed over TP by
-   ``fused_allreduce_gradients_with_group(params, mp_group, scale=1.0)``, as Fleet's
-   sequence-parallel hook does;
-2. parameters held by several pipeline stages under the same name (the embedding the MTP head
-   reuses): summed over those stages, in stage order (the trainer's own: the stage module holds the
-   full model's names rather than Fleet's ``SharedLayerDesc``);
-3. sharding: the sharding optimizer's ``reduce_gradients`` (mean over the sharding ranks, reduced
-   onto the rank that updates each parameter); at sharding stage 2 the other ranks then release it;
-4. dense parameters the rank updates: ``fused_allreduce_gradients(params, hcg)`` (mean over DP,
-   sum over CP, one all-reduce over Fleet's dp x sep group when both are > 1) -- steps 3 and 4 are
-   ``HybridParallelOptimizer._hybrid_sync_grad``;
-5. expert parameters (``ShardSpec.expert``) the rank updates: over the expert-data-parallel group
-   (their replicas: edp = tp x dp x cp / (ep x etp)) with
-   ``fused_allreduce_gradients_with_group(params, edp_group, scale=1/dp)``.  The expert grid spans
-   the cp ranks, so a cp group holds *different* experts, and Fleet's plain HCG has no such group.
-
-Has-gradient flags: a dense parameter has a gradient when backward produced one on any replica.
-Experts follow the reference, which holds a layer's experts as fused tensors (HF's
-``gate_up_proj`` [E, 2I, H] and ``down_proj``, as Megatron's and PaddleFleet's grouped-GEMM experts
-do): torch's AdamW steps such a tensor whenever it has a gradient, so *every* expert of an MoE layer
-is stepped when the layer's router sent any token anywhere this step, an idle expert with a zero
-gradient (its moments decay, the moment-driven update and the weight decay go on, and its Adam
-step count stays the fused tensor's).  The decision is per layer, from the global routed-token
-counts, so it is the same on every rank of every layout.  ``expert_update="routed-only"`` keeps the
-per-expert rule instead (an expert is stepped only when tokens reached it this step: cheaper for
-very sparse routing, but a different optimizer trajectory from the fused reference).  The
-optimizer skips every parameter whose flag is false, as torch's AdamW skips a parameter whose
-gradient is ``None``.
-
-The global norm counts each distinct tensor element once: a replicated tensor only on its
-canonical owner (the sharding rank that updates it; dp and cp rank 0 and tp rank 0 unless
-TP-split for dense tensors, edp rank 0 and etp rank 0 unless ETP-split for experts; the first stage
-holding a pipeline-shared name), then one all-reduce over the world.
+Has-gradient flags: experts follow the reference's fused expert tensors, which torch's AdamW
+steps whenever the layer's router sent any token anywhere, so every expert of such a layer is
+stepped (an idle one with a zero gradient); ``expert_update="routed-only"`` steps only the
+experts that got tokens.  The decision comes from the global routed-token counts, the same on
+every rank of every layout.  The global norm counts each distinct element once, on its canonical
+owner, then one all-reduce over the world.
 """
 
 from __future__ import annotations

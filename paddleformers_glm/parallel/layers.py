@@ -1,37 +1,13 @@
 """Tensor-parallel layers: column / row parallel linear, vocab-parallel embedding, parallel LM head
-and vocab-parallel cross entropy.
+and vocab-parallel cross entropy (which layer is Fleet's and which ours, and why: docs/parallel.md
+section 2).
 
-The names the model uses (:func:`ColumnParallelLinear`, :func:`RowParallelLinear`,
-:func:`VocabParallelEmbedding`, :func:`ParallelLMHead`, :func:`parallel_cross_entropy`) are
-factories.  Under a real tensor-parallel group (Fleet initialised with ``mp_degree`` > 1) they
-return Fleet's stock layers (on CPU gloo through the compatibility ops of ``fleet_gloo.py``), with
-our :class:`ShardSpec` attached to their parameters:
-
-* without sequence parallel, ``paddle.distributed.fleet.meta_parallel``'s;
-* with it, ``fleet.utils.sequence_parallel_utils``' ``ColumnSequenceParallelLinear`` /
-  ``RowSequenceParallelLinear`` through thin subclasses (:class:`BatchFirstColumnSequenceParallelLinear`,
-  :class:`BatchFirstRowSequenceParallelLinear`): Fleet's layers split and gather the *first* axis
-  (sequence-first ``[S, B, H]``), this model is batch-first ``[B, S, H]``, so the subclasses move
-  the sequence axis to the front and back around Fleet's forward (free for a batch of one, a
-  transposed copy otherwise); the embedding is Fleet's with its rows reduce-scattered by Fleet's
-  ``ReduceScatterOp`` into the sequence shard.
-
-Otherwise they return the ``Comm*`` layers defined here, written on comm.py, which are
-
-* the plain ``paddle.nn`` computation at world size 1 (same op, same result bits);
-* the shape-only probe layers when a topology has sizes but no process groups (memory planning);
-* sequence parallel over a group other than Fleet's model-parallel group (Fleet's SP utilities
-  always use that one; the model has none), and a sequence-parallel column layer that gathers
-  its output (Fleet's does not).
-
-Conventions:
-
-* weights are Paddle-layout ``[in, out]`` and named ``weight`` / ``bias``; under TP a layer holds
-  only its slice (a fused ``[gate | up]`` projection holds ``[gate_r | up_r]``);
-* every parameter carries a :class:`ShardSpec` (``param.shard_spec``; fleet's ``is_distributed`` /
-  ``split_axis`` are set too) saying which axis of the *full* tensor is split over which group, so
-  ``state.shard_full_state`` can slice a checkpoint and ``state.gather_full_state`` can rebuild it;
-* activations are ``[B, S, H]``.
+The names the model uses (:func:`ColumnParallelLinear`, ...) are factories: under a real TP group
+they return Fleet's stock layers (with sequence parallel, the ``BatchFirst*`` subclasses that move
+the sequence axis of ``[B, S, H]`` activations to the front Fleet's SP layers split), else the
+``Comm*`` layers defined here (world size 1, shape-only probes, SP over another group).  Every
+parameter carries a :class:`ShardSpec` saying which axis of the *full* ``[in, out]`` tensor is
+split over which group, so checkpoints can be sliced and rebuilt.
 """
 
 from __future__ import annotations
@@ -180,8 +156,8 @@ def merge_slices(parts: list[np.ndarray], spec: ShardSpec) -> np.ndarray:
     return np.concatenate(blocks, axis=axis) if len(blocks) > 1 else blocks[0]
 
 
-def _xavier(shape: list[int], fan_in: int, fan_out: int, dtype: str) -> nn.initializer.Initializer:
-    # Same distribution as nn.Linear's default (XavierUniform on the *full* fans).
+def _xavier(fan_in: int, fan_out: int) -> nn.initializer.Initializer:
+    """nn.Linear's default distribution (XavierUniform) on the *full* fans."""
     limit = math.sqrt(6.0 / float(fan_in + fan_out))
     return nn.initializer.Uniform(-limit, limit)
 
@@ -200,12 +176,6 @@ def _check_row(in_features: int, size: int, sequence_parallel: bool, input_is_pa
         raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {size}")
     if sequence_parallel and not input_is_parallel:
         raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-
-
-def _topology(topo: Topology | None) -> Topology:
-    """The topology a layer is built for: the one given, else the process's (world size 1 when
-    nothing was initialised). The model passes its own; tests and stand-ins may rely on the default."""
-    return topo if topo is not None else get_topology()
 
 
 class _CommLinear(nn.Layer):
@@ -230,9 +200,7 @@ class _CommLinear(nn.Layer):
         self.world, self.rank = topo.size(group), topo.rank_in(group)
         self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
         dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(
-            local, dtype=dtype, default_initializer=_xavier(local, in_features, out_features, dtype)
-        )
+        self.weight = self.create_parameter(local, dtype=dtype, default_initializer=_xavier(in_features, out_features))
         set_shard_spec(self.weight, weight_spec, self.world)
         self.bias = None
         if bias_size is not None:
@@ -264,7 +232,7 @@ class CommColumnParallelLinear(_CommLinear):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        topo = _topology(topo)
+        topo = topo or get_topology()
         _check_column(out_features, topo.size(group), fuse_chunks, gather_output, group)
         local = out_features // topo.size(group)
         spec = ShardSpec(axis=1, group=group, chunks=fuse_chunks)
@@ -308,7 +276,7 @@ class CommRowParallelLinear(_CommLinear):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        topo = _topology(topo)
+        topo = topo or get_topology()
         _check_row(in_features, topo.size(group), sequence_parallel, input_is_parallel, group)
         local = [in_features // topo.size(group), out_features]
         bias = out_features if has_bias else None
@@ -351,7 +319,7 @@ class CommVocabParallelEmbedding(nn.Layer):
         topo: Topology | None = None,
     ) -> None:
         super().__init__()
-        topo = _topology(topo)
+        topo = topo or get_topology()
         size, rank = topo.tp_size, topo.tp_rank
         self.group = topo.tp_group
         if num_embeddings % size:
@@ -365,7 +333,7 @@ class CommVocabParallelEmbedding(nn.Layer):
         self.weight = self.create_parameter(
             [self.per_rank, embedding_dim],
             dtype=dtype,
-            default_initializer=_xavier([self.per_rank, embedding_dim], num_embeddings, embedding_dim, dtype),
+            default_initializer=_xavier(num_embeddings, embedding_dim),
         )
         set_shard_spec(self.weight, ShardSpec(axis=0), size)
 
@@ -411,7 +379,7 @@ def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Top
     """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply:
     size 1, a topology without process groups, or sequence parallel over a group other than
     Fleet's model-parallel group (its sequence-parallel utilities always use that one)."""
-    topo = _topology(topo)
+    topo = topo or get_topology()
     if topo.size(group) == 1 or topo.backend == "single":
         return None
     g = topo.group(group)

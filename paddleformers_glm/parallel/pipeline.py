@@ -1,30 +1,14 @@
 """Pipeline parallelism: the stage layout language, the stage contract, and the single-stage engine.
 
-The pipeline engine for ``--pp`` > 1 is Fleet's (``PipelineLayer`` + ``PipelineParallel``, 1F1B or
-interleaved): :mod:`~paddleformers_glm.parallel.fleet_pipeline`.  This module holds what both use:
-stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's output and the loss ledger.
+The engine for ``--pp`` > 1 is Fleet's (:mod:`~paddleformers_glm.parallel.fleet_pipeline`); this
+module holds what both use: stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's
+output and the loss ledger.
 
-Layout syntax (``--pp-layout``)
--------------------------------
-Stages are separated by ``|``; inside a stage, units are listed in order, separated by commas
-or spaces (optional):
-
-=====  ====================================================================
-``E``  the embedding (first stage, first unit)
-``t``  one decoder layer; ``t*4`` is four of them
-``m``  the MTP block(s) (last stage, before ``L``; only for models with MTP)
-``L``  final norm + LM head + loss (last stage, last unit)
-=====  ====================================================================
-
-``"E,t*4|t*4,L"`` puts layers 0-3 with the embedding on stage 0 and layers 4-7 with the head on
-stage 1.  A list of per-stage layer counts (``"3,5"`` or ``[3, 5]``) is the same with E on the
-first and ``m``/``L`` on the last stage.  ``first_stage_layers`` / ``last_stage_layers`` fix the
-two ends and split the rest evenly (the released GLM-5.2 recipe uses PP8 with 14 / 16).
-
-Stages and the top-k carry
---------------------------
-What a stage returns to the next travels as a tuple (GLM: hidden states and the int64 top-k of
-the last full indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
+``--pp-layout`` (docs/parallel.md section 3): stages separated by ``|``, units ``E`` (embedding,
+first), ``t`` (a decoder layer; ``t*4`` four), ``m`` (MTP, last stage before ``L``), ``L`` (norm +
+head + loss, last), e.g. ``"E,t*4|t*4,L"``; or per-stage layer counts (``"3,5"`` or ``[3, 5]``).
+What a stage hands the next is a tuple (GLM: hidden states and the int64 top-k of the last full
+indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
 """
 
 from __future__ import annotations
