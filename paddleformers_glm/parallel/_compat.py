@@ -20,23 +20,12 @@ import warnings
 
 import paddle
 
+from ..ops.cpu_bf16 import paddle_version
+
 __all__ = ["PADDLE_VERSION", "TESTED_PADDLE", "apply_gloo_subgroup_store_fix"]
 
 
-def _parse_version(v: str) -> tuple[int, int, int]:
-    parts = []
-    for p in v.split(".")[:3]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 3:
-        parts.append(0)
-    return tuple(parts)  # type: ignore[return-value]
-
-
-PADDLE_VERSION: tuple[int, int, int] = _parse_version(paddle.__version__)
-# A develop build reports 0.0.0: treat it as "newer than anything tested".
-if PADDLE_VERSION == (0, 0, 0):
-    PADDLE_VERSION = (99, 0, 0)
+PADDLE_VERSION = paddle_version()
 TESTED_PADDLE = ((3, 0, 0), (3, 4, 0))  # [low, high): versions whose internals were read
 
 _store_refs: list = []  # keep sub-group TCPStores alive for the process lifetime

@@ -76,10 +76,6 @@ def uses_emulation() -> bool:
     return detect_backend() != "nccl"
 
 
-def _contig(x: paddle.Tensor) -> paddle.Tensor:
-    return x.contiguous() if hasattr(x, "contiguous") else x
-
-
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -100,7 +96,7 @@ def all_reduce(x: paddle.Tensor, group: Any, op: str = "sum") -> paddle.Tensor:
     """
     if not _live(group) or x.size == 0:
         return x
-    y = _contig(x).clone()
+    y = x.contiguous().clone()
     low = uses_emulation() and y.dtype in (paddle.float16, paddle.bfloat16)
     if low:  # gloo's fp16 all_reduce gives wrong sums (probe t_fp16_ar); reduce in fp32
         y = y.astype("float32")
@@ -117,7 +113,7 @@ def all_gather(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
         shape[axis % x.ndim] *= group.nranks
         return paddle.zeros(shape, dtype=x.dtype)
     parts: list[paddle.Tensor] = []
-    dist.all_gather(parts, _contig(x), group=group)
+    dist.all_gather(parts, x.contiguous(), group=group)
     return paddle.concat(parts, axis=axis)
 
 
@@ -126,7 +122,7 @@ def split_take(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
     if not _live(group):
         return x
     axis = _check_axis(x, group.nranks, axis, "split_take")
-    return _contig(paddle.split(x, group.nranks, axis=axis)[group.rank]).clone()
+    return paddle.split(x, group.nranks, axis=axis)[group.rank].contiguous().clone()
 
 
 def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor:
@@ -136,7 +132,7 @@ def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor
     axis = _check_axis(x, group.nranks, axis, "reduce_scatter")
     if uses_emulation():
         return split_take(all_reduce(x, group), group, axis)
-    parts = [_contig(p) for p in paddle.split(x, group.nranks, axis=axis)]
+    parts = [p.contiguous() for p in paddle.split(x, group.nranks, axis=axis)]
     out = paddle.empty_like(parts[group.rank])
     dist.reduce_scatter(out, parts, group=group)
     return out
@@ -176,32 +172,26 @@ def all_to_all_single(x: paddle.Tensor, counts: list[list[int]], group: Any, rev
     tail = list(x.shape[1:])
     if not uses_emulation():
         out = paddle.empty([sum(recv)] + tail, dtype=x.dtype)
-        dist.alltoall_single(out, _contig(x), send, recv, group=group)
+        dist.alltoall_single(out, x.contiguous(), send, recv, group=group)
         return out
-    rows = max(max(sum(row) for row in m), 1)
-    buf = x
+    take = [(s, sum(m[s][:r]), sum(m[s][: r + 1])) for s in range(n)]
+    return _gather_rows(x, group, max(sum(row) for row in m), take)
+
+
+def _gather_rows(x: paddle.Tensor, group: Any, rows: int, take: list[tuple[int, int, int]]) -> paddle.Tensor:
+    """One all-gather of ``x`` padded to ``rows`` rows (gloo needs equal shapes), then the rows
+    ``[a, b)`` of rank ``s``'s block for each ``(s, a, b)`` in ``take``, concatenated."""
+    tail, rows = list(x.shape[1:]), max(rows, 1)
     if x.shape[0] < rows:
-        buf = paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], axis=0)
+        x = paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], axis=0)
     gathered: list[paddle.Tensor] = []
-    dist.all_gather(gathered, _contig(buf), group=group)
-    pieces = []
-    for s in range(n):
-        off = sum(m[s][:r])
-        if m[s][r]:
-            pieces.append(gathered[s][off : off + m[s][r]])
-    if not pieces:
-        return paddle.zeros([0] + tail, dtype=x.dtype)
-    return paddle.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0].clone()
+    dist.all_gather(gathered, x.contiguous(), group=group)
+    pieces = [gathered[s][a:b] for s, a, b in take if b > a]
+    return paddle.concat(pieces, axis=0) if pieces else paddle.zeros([0] + tail, dtype=x.dtype)
 
 
 def _varlen_gather(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
-    rows = max(max(sizes), 1)
-    tail = list(x.shape[1:])
-    buf = x if x.shape[0] == rows else paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], 0)
-    gathered: list[paddle.Tensor] = []
-    dist.all_gather(gathered, _contig(buf), group=group)
-    pieces = [g[:s] for g, s in zip(gathered, sizes) if s]
-    return paddle.concat(pieces, 0) if pieces else paddle.zeros([0] + tail, dtype=x.dtype)
+    return _gather_rows(x, group, max(sizes), [(s, 0, n) for s, n in enumerate(sizes)])
 
 
 def _varlen_take(x: paddle.Tensor, sizes: list[int], rank: int) -> paddle.Tensor:
@@ -286,7 +276,7 @@ def to_sequence_first(x: paddle.Tensor, axis: int = SEQ_AXIS) -> paddle.Tensor:
     if all(int(d) == 1 for d in x.shape[:axis]):
         return x.reshape([x.shape[axis], *x.shape[:axis], *x.shape[axis + 1 :]])
     perm = [axis, *range(axis), *range(axis + 1, x.ndim)]
-    return _contig(paddle.transpose(x, perm))
+    return paddle.transpose(x, perm).contiguous()
 
 
 def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> paddle.Tensor:
@@ -297,7 +287,7 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
     if all(int(d) == 1 for d in like[:axis]):
         return y.reshape([*like[:axis], y.shape[0], *y.shape[1 + axis :]])
     perm = [*range(1, axis + 1), 0, *range(axis + 1, y.ndim)]
-    return _contig(paddle.transpose(y, perm))
+    return paddle.transpose(y, perm).contiguous()
 
 
 # On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same

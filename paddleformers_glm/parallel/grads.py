@@ -196,25 +196,18 @@ class GradSynchronizer:
         if dense and (topo.dp_size > 1 or topo.cp_size > 1):  # mean over dp, sum over cp (Fleet's sep)
             fused_allreduce_gradients(dense, topo.hcg)
         experts = [p for p in params if self.specs[names[id(p)]].expert]  # (ShardSpec.expert)
-        if experts and topo.dp_size > 1:  # the dp mean of Fleet's convention, summed over the expert replicas
-            if comm.group_size(topo.edp_group) > 1:
-                fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
-            else:
-                for p in experts:
-                    _grad(p).scale_(1.0 / topo.dp_size)
-        elif experts and comm.group_size(topo.edp_group) > 1:
-            fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0)
+        # the dp mean of Fleet's convention, summed over the expert replicas
+        if experts and comm.group_size(topo.edp_group) > 1:
+            fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
+        elif experts and topo.dp_size > 1:
+            for p in experts:
+                _grad(p).scale_(1.0 / topo.dp_size)
         return self.current_grads(), flags
 
     def current_grads(self) -> dict[str, paddle.Tensor]:
         """Each kept gradient by name (``main_grad`` when set, else ``.grad``), read from the
         parameters now: Fleet's pipeline step may have rescaled them since the sync."""
-        out = {}
-        for n, p in self.params:
-            g = _grad(p)
-            if g is not None:
-                out[n] = g
-        return out
+        return {n: g for n, p in self.params if (g := _grad(p)) is not None}
 
     def release(self) -> None:
         """Drop every gradient after the update (a parameter that gets none next step stays ``None``)."""

@@ -387,22 +387,17 @@ def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Top
 
 
 class BatchFirstColumnSequenceParallelLinear(spu.ColumnSequenceParallelLinear):
-    """Fleet's ``ColumnSequenceParallelLinear`` on batch-first activations:
-    ``[B, S/tp, in]`` -> ``[B, S, out/tp]``.
-
-    Fleet's layer all-gathers the first axis (sequence-first ``[S, B, H]``); the sequence axis is
-    moved there and back around it (:func:`comm.to_sequence_first`: free for a batch of one, a
-    transposed copy of the input and output otherwise).  Everything else is Fleet's forward.
-    """
+    """Fleet's ``ColumnSequenceParallelLinear`` on batch-first activations, ``[B, S/tp, in]`` ->
+    ``[B, S, out/tp]``: the sequence axis moved to the front Fleet's layer gathers, and back
+    (:func:`comm.to_sequence_first`: free for a batch of one, a transposed copy otherwise)."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
 
 
 class BatchFirstRowSequenceParallelLinear(spu.RowSequenceParallelLinear):
-    """Fleet's ``RowSequenceParallelLinear`` on batch-first activations: ``[B, S, in/tp]`` ->
-    ``[B, S/tp, out]`` (reduce-scatter over the sequence, bias added after it; Fleet marks the
-    bias sequence-parallel).  Layout conversion as :class:`BatchFirstColumnSequenceParallelLinear`."""
+    """Fleet's ``RowSequenceParallelLinear`` on batch-first activations, ``[B, S, in/tp]`` ->
+    ``[B, S/tp, out]``, as :class:`BatchFirstColumnSequenceParallelLinear`."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))

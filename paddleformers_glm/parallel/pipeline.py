@@ -110,18 +110,10 @@ def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_m
         if not units:
             raise ParallelConfigError(f"--pp-layout {layout!r}: stage {i} is empty")
         n_t = units.count("t")
-        expected_order = (
-            (["E"] if "E" in units else [])
-            + ["t"] * n_t
-            + (["m"] if "m" in units else [])
-            + (["L"] if "L" in units else [])
-        )
-        if units != expected_order:
+        if units != [u for u in "EtmL" if u in units for _ in range(n_t if u == "t" else 1)]:
             raise ParallelConfigError(
-                f"--pp-layout {layout!r}: stage {i} units {''.join(units)} must be ordered E, t..., m, L"
+                f"--pp-layout {layout!r}: stage {i} units {''.join(units)} must be ordered E, t..., m, L (each once)"
             )
-        if units.count("E") > 1 or units.count("L") > 1 or units.count("m") > 1:
-            raise ParallelConfigError(f"--pp-layout {layout!r}: stage {i} repeats E, m or L")
         if "E" in units and i != 0:
             raise ParallelConfigError(f"--pp-layout {layout!r}: E (embedding) must be on stage 0, found on stage {i}")
         if ("L" in units or "m" in units) and i != pp - 1:

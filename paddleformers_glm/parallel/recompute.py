@@ -1,15 +1,10 @@
-"""Activation recompute through Fleet's ``fleet.utils.recompute``.
+"""Activation recompute through Fleet's ``fleet.utils.recompute`` (docs/parallel.md section 4).
 
-``--recompute full`` keeps only each decoder layer's inputs in forward and runs the layer again in
-backward.  ``--recompute core`` keeps the layer's projections and recomputes only its attention
-core (the indexer's top-k selection and the sparse softmax attention, whose probabilities and
-gathered keys are the largest activations of a long sequence); the model marks that part with
-:func:`run_core`, and :func:`run_layer` switches it on while a decoder layer runs.
-
-Fleet's hook-based form (``use_reentrant=False``) is used: inputs and outputs may be ``None`` or
-integer tensors (the carried top-k indices) and a layer may return a ``None`` loss term, which
-the PyLayer form cannot carry.  The RNG state is restored for the replay, so the recomputed
-forward is the same computation: fp32 losses and gradients are bit-identical to no recompute.
+``--recompute full`` replays each decoder layer in backward; ``--recompute core`` only its
+attention core, which the model marks with :func:`run_core` (:func:`run_layer` switches it on).
+Fleet's hook-based form (``use_reentrant=False``) is used because inputs and outputs may be
+``None`` or integer tensors (the carried top-k), which the PyLayer form cannot carry; the RNG state
+is restored for the replay, so fp32 losses and gradients are bit-identical to no recompute.
 """
 
 from __future__ import annotations
