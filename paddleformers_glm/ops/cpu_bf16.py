@@ -161,14 +161,8 @@ def _scan(values: Any) -> int:
     """0: no bf16 tensor; 1: bf16 tensors and no other floating one; 2: bf16 mixed with fp32/fp64/fp16."""
     bf16 = wide = False
     for v in values:
-        if isinstance(v, paddle.Tensor):
-            d = v.dtype
-            if d is _BF16:
-                bf16 = True
-            elif id(d) in _WIDE_IDS:
-                wide = True
-        elif isinstance(v, (list, tuple)) and v and isinstance(v[0], paddle.Tensor):
-            for t in v:
+        for t in v if isinstance(v, (list, tuple)) and v and isinstance(v[0], paddle.Tensor) else (v,):
+            if isinstance(t, paddle.Tensor):
                 d = t.dtype
                 if d is _BF16:
                     bf16 = True

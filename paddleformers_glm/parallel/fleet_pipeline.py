@@ -141,12 +141,8 @@ class _MicroBatches:
 
 class FleetPipeline:
     """This rank's ``PipelineLayer`` wrapped by ``fleet.distributed_model`` (1F1B or interleaved).
-
-    ``run(micro_batches, scales)`` has the contract of the trainer's single-stage engine: forward
-    and backward of every micro-batch (gradients accumulate in the parameters), returning this
-    rank's ``{term: (sum, count)}``.  ``train_batch`` runs the whole step, update included, as
-    Fleet's ``train_batch``.
-    """
+    ``run`` has the single-stage engine's contract; ``train_batch`` runs the whole step, update
+    included."""
 
     def __init__(self, stage: nn.Layer, chunks: Sequence[StageSpec], topo: Topology, num_micro: int) -> None:
         from paddle.distributed.fleet.meta_parallel import LayerDesc
@@ -285,14 +281,10 @@ def step_optimizer(hybrid: Any, step: Callable[[], None], clear_grad: Callable[[
 
 
 def _two_stage_interleave(layer: nn.Layer, num_micro: int) -> Any:
-    """Fleet's interleaved engine at ``pp == 2``, which ``fleet.distributed_model`` refuses.
-
-    Fleet's ``_check_sanity`` asserts more than two stages; the schedule's own code paths handle
-    two (the trainer's ``--pp 2 --vpp 2`` test equals one process, and ``--pp 2`` without
-    interleaving bit for bit), and the trainer checks the micro-batch count before launch.  The class
-    is the one ``distributed_model`` picks for the micro-batch count (``>= 2 pp``: interleaved
-    1F1B, else interleaved F-then-B); only the stage-count assertion is dropped.
-    """
+    """Fleet's interleaved engine at ``pp == 2``, which ``fleet.distributed_model`` refuses: its
+    ``_check_sanity`` asserts more than two stages, though the schedule handles two (the trainer's
+    ``--pp 2 --vpp 2`` test equals one process).  Same class choice as ``distributed_model``; only
+    that assertion is dropped."""
     from paddle.distributed import fleet
     from paddle.distributed.fleet.meta_parallel import (
         PipelineParallelWithInterleave,

@@ -35,7 +35,6 @@ __all__ = [
     "BatchFirstRowSequenceParallelLinear",
     "ColumnParallelLinear",
     "CommColumnParallelLinear",
-    "CommParallelLMHead",
     "CommRowParallelLinear",
     "CommVocabParallelEmbedding",
     "ParallelLMHead",
@@ -45,7 +44,6 @@ __all__ = [
     "fleet_tp_group",
     "get_shard_spec",
     "local_slice",
-    "mark_expert",
     "mark_sequence_parallel",
     "merge_slices",
     "parallel_cross_entropy",
@@ -123,12 +121,6 @@ def mark_sequence_parallel(obj: Any, enabled: bool = True) -> None:
         if spec.axis is not None and spec.group == "tp":
             continue  # TP-split params are not partial over TP
         set_shard_spec(p, replace(spec, sequence_parallel=enabled))
-
-
-def mark_expert(obj: Any) -> None:
-    """Mark EP-local expert parameters (their gradient sync group is the expert-data-parallel group)."""
-    for p in _params_of(obj):
-        set_shard_spec(p, replace(get_shard_spec(p), expert=True))
 
 
 def local_slice(full: np.ndarray, spec: ShardSpec, rank: int, size: int) -> np.ndarray:
@@ -356,25 +348,6 @@ class CommVocabParallelEmbedding(nn.Layer):
         return comm.reduce_from_tp(out, group=self.group)
 
 
-class CommParallelLMHead(CommColumnParallelLinear):
-    """Output projection [H, V] split over the vocabulary: returns vocab-parallel logits [B, S, V/tp].
-
-    Feed them to :func:`parallel_cross_entropy`; gather them (``comm.gather_from_tp``) only to look at them.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        vocab_size: int,
-        sequence_parallel: bool = False,
-        *,
-        dtype: str | None = None,
-        topo: Topology | None = None,
-    ) -> None:
-        # the column layer's defaults: no bias, logits left split over the vocabulary
-        super().__init__(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
-
-
 def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Topology | None = None) -> Any:
     """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply:
     size 1, a topology without process groups, or sequence parallel over a group other than
@@ -471,11 +444,8 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``), arguments as
-    :class:`CommColumnParallelLinear`: Fleet's ``ColumnParallelLinear`` under a TP group (with
-    ``sequence_parallel``: :class:`BatchFirstColumnSequenceParallelLinear`), else ours.
-    ``fuse_chunks`` only changes the ShardSpec (each rank's slice is ``[chunk0_r | chunk1_r | ...]``);
-    the layer itself is the same."""
+    """Column-parallel linear, arguments as :class:`CommColumnParallelLinear`: Fleet's layer under a TP
+    group, else ours.  ``fuse_chunks`` only changes the ShardSpec, not the layer."""
     a = _bind(CommColumnParallelLinear, args, kwargs)
     sp, group, gather, chunks = a["sequence_parallel"], a["group"], a["gather_output"], a["fuse_chunks"]
     g = fleet_tp_group(group, sp, a["topo"])
@@ -495,10 +465,8 @@ def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 -
 
 
 def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Row-parallel ``y = x W + b`` (W ``[in/tp, out]``, partial products all-reduced, bias added
-    once), arguments as :class:`CommRowParallelLinear`: Fleet's ``RowParallelLinear`` under a TP
-    group (with ``sequence_parallel``: :class:`BatchFirstRowSequenceParallelLinear`, output
-    reduce-scattered over the sequence), else ours."""
+    """Row-parallel linear, arguments as :class:`CommRowParallelLinear`: Fleet's layer under a TP
+    group, else ours."""
     a = _bind(CommRowParallelLinear, args, kwargs)
     sp, group, parallel_in = a["sequence_parallel"], a["group"], a["input_is_parallel"]
     g = fleet_tp_group(group, sp, a["topo"])
@@ -520,10 +488,8 @@ def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a 
 
 
 def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``), arguments as
-    :class:`CommVocabParallelEmbedding`: Fleet's ``VocabParallelEmbedding`` (plus torch's
-    ``padding_idx``; with ``sequence_parallel`` its rows summed by Fleet's ``ReduceScatterOp`` into
-    the sequence shard) under a TP group, else ours."""
+    """Vocab-parallel embedding, arguments as :class:`CommVocabParallelEmbedding`: Fleet's layer
+    (plus torch's ``padding_idx``) under a TP group, else ours."""
     a = _bind(CommVocabParallelEmbedding, args, kwargs)
     g = fleet_tp_group("tp", a["sequence_parallel"], a["topo"])
     if g is None:
@@ -539,17 +505,17 @@ def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802
     return layer
 
 
-def ParallelLMHead(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Output projection ``[H, V]`` split over the vocabulary, arguments as :class:`CommParallelLMHead`:
-    returns vocab-parallel logits ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a
-    column-parallel linear without gather; with ``sequence_parallel`` it all-gathers the sequence
-    shards first, Fleet's SP column layer)."""
-    a = _bind(CommParallelLMHead, args, kwargs)
-    if fleet_tp_group("tp", a["sequence_parallel"], a["topo"]) is None:
-        return CommParallelLMHead(*args, **kwargs)
-    return ColumnParallelLinear(
-        a["hidden_size"], a["vocab_size"], sequence_parallel=a["sequence_parallel"], dtype=a["dtype"], topo=a["topo"]
-    )
+def ParallelLMHead(  # noqa: N802 - a layer factory
+    hidden_size: int,
+    vocab_size: int,
+    sequence_parallel: bool = False,
+    *,
+    dtype: str | None = None,
+    topo: Topology | None = None,
+) -> nn.Layer:
+    """Output projection [H, V] split over the vocabulary: a column-parallel linear without bias or
+    gather, returning vocab-parallel logits [B, S, V/tp] for :func:`parallel_cross_entropy`."""
+    return ColumnParallelLinear(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
 
 
 def parallel_cross_entropy(

@@ -331,13 +331,8 @@ class LossLedger:
 
 
 class SingleStageEngine:
-    """One pipeline stage (``--pp 1``): forward and backward of each micro-batch in turn.
-
-    ``module.forward_stage(None, batch)`` returns the stage's :class:`StageOutput` (losses only); gradients
-    accumulate in the parameters; the optimizer is not stepped here.  With ``--pp`` > 1 the
-    trainer uses Fleet's pipeline (:mod:`~paddleformers_glm.parallel.fleet_pipeline`) with the
-    same ``run`` contract.
-    """
+    """One pipeline stage (``--pp 1``): forward and backward of each micro-batch in turn; gradients
+    accumulate in the parameters, the optimizer is not stepped here."""
 
     name = "single stage"
 

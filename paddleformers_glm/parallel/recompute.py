@@ -15,7 +15,7 @@ from typing import Any
 
 import paddle
 
-__all__ = ["RECOMPUTE_MODES", "core_recompute_active", "run_core", "run_layer"]
+__all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
 
 RECOMPUTE_MODES = ("none", "full", "core")
 
@@ -30,11 +30,6 @@ def _core_scope() -> Iterator[None]:
         yield
     finally:
         _core_depth -= 1
-
-
-def core_recompute_active() -> bool:
-    """Whether an attention core called now is recomputed in backward."""
-    return _core_depth > 0 and paddle.is_grad_enabled()
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -66,6 +61,6 @@ def run_core(fn: Callable[..., Any], *args: Any, active: bool = True) -> Any:
     """``fn(*args)``: the attention core of a layer.  Recomputed in backward when the layer runs
     under ``--recompute core`` and ``active`` (a caller filling a decoding cache passes False: the
     replay would write the cache twice)."""
-    if not (active and core_recompute_active() and _needs_grad(args)):
+    if not (active and _core_depth > 0 and paddle.is_grad_enabled() and _needs_grad(args)):
         return fn(*args)
     return _recompute(fn, *args)
