@@ -286,6 +286,15 @@ def paddle_version() -> tuple[int, ...]:
     return (99, 0, 0) if v == (0, 0, 0) else v
 
 
+def warn_untested(what: str, tested: tuple[tuple[int, int, int], tuple[int, int, int]], stacklevel: int = 3) -> None:
+    """Warn that ``what`` runs on a Paddle outside ``tested`` ([low, high): versions whose internals were read)."""
+    if not tested[0] <= paddle_version() < tested[1]:
+        warnings.warn(
+            f"paddleformers_glm: {what} on untested Paddle {paddle.__version__} (tested {tested[0]}..{tested[1]})",
+            stacklevel=stacklevel,
+        )
+
+
 def installed() -> list[str]:
     """The ``_C_ops`` functions and Tensor operators routed through fp32 in this process (empty
     when not installed: a CUDA build, ``GLM52_CPU_BF16=0``, or not asked for yet)."""
@@ -310,12 +319,7 @@ def install() -> list[str]:
     with _STATE.lock:
         if _STATE.wrapped:
             return list(_STATE.wrapped)
-        if not TESTED_PADDLE[0] <= paddle_version() < TESTED_PADDLE[1]:
-            warnings.warn(
-                f"paddleformers_glm: CPU bf16 kernels supplied on untested Paddle {paddle.__version__} "
-                f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]}); the covered ops come from its own registry",
-                stacklevel=2,
-            )
+        warn_untested("CPU bf16 kernels (the covered ops read from its own registry) supplied", TESTED_PADDLE)
         c_ops = paddle._C_ops
         reg = _registry()
         covered = _covered_ops(c_ops, reg)

@@ -20,12 +20,10 @@ import warnings
 
 import paddle
 
-from ..ops.cpu_bf16 import paddle_version
+from ..ops.cpu_bf16 import warn_untested
 
-__all__ = ["PADDLE_VERSION", "TESTED_PADDLE", "apply_gloo_subgroup_store_fix"]
+__all__ = ["TESTED_PADDLE", "apply_gloo_subgroup_store_fix"]
 
-
-PADDLE_VERSION = paddle_version()
 TESTED_PADDLE = ((3, 0, 0), (3, 4, 0))  # [low, high): versions whose internals were read
 
 _store_refs: list = []  # keep sub-group TCPStores alive for the process lifetime
@@ -69,12 +67,7 @@ def apply_gloo_subgroup_store_fix() -> bool:
             stacklevel=2,
         )
         return False
-    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
-        warnings.warn(
-            f"paddleformers_glm: gloo sub-group store fix applied on untested Paddle {paddle.__version__} "
-            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
-            stacklevel=2,
-        )
+    warn_untested("gloo sub-group store fix applied", TESTED_PADDLE)
     from paddle.base import core
 
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):

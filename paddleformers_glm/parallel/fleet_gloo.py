@@ -26,8 +26,9 @@ import paddle
 import paddle.distributed as dist
 
 from ..configuration import IGNORE_INDEX
+from ..ops.cpu_bf16 import warn_untested
 from . import comm
-from ._compat import PADDLE_VERSION, TESTED_PADDLE
+from ._compat import TESTED_PADDLE
 
 __all__ = ["flex_checkpoint_on_cpu", "install", "installed"]
 
@@ -147,12 +148,7 @@ def flex_checkpoint_on_cpu() -> Iterator[None]:
     if paddle.is_compiled_with_cuda():
         yield
         return
-    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
-        warnings.warn(
-            f"paddleformers_glm: flex-checkpoint CPU shim on untested Paddle {paddle.__version__} "
-            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
-            stacklevel=3,
-        )
+    warn_untested("flex-checkpoint CPU shim", TESTED_PADDLE, stacklevel=4)
     saved = {name: getattr(paddle.Tensor, name) for name in ("cuda", "pin_memory")}
     try:
         for name in saved:
@@ -243,12 +239,7 @@ def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str
         return []
     if topology is not None:
         _TOPOLOGY[:] = [topology]
-    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
-        warnings.warn(
-            f"paddleformers_glm: Fleet gloo ops installed on untested Paddle {paddle.__version__} "
-            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
-            stacklevel=2,
-        )
+    warn_untested("Fleet gloo ops installed", TESTED_PADDLE)
     from paddle.distributed import parallel
     from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
