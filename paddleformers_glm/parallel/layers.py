@@ -423,15 +423,17 @@ def _fleet_vocab_embedding_class() -> type:
         def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
             if not self.sequence_parallel:
                 out = super().forward(ids)
-                if self.padding_idx is None:
-                    return out
-                return paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
-            part = mp_ops._c_lookup_table(
-                self.weight, ids, start_index=self.vocab_start_index, vocab_size=self.num_embeddings, name=self._name
-            )
+            else:  # this rank's partial rows, summed below
+                out = mp_ops._c_lookup_table(
+                    self.weight,
+                    ids,
+                    start_index=self.vocab_start_index,
+                    vocab_size=self.num_embeddings,
+                    name=self._name,
+                )
             if self.padding_idx is not None:
-                part = paddle.where((ids == self.padding_idx).unsqueeze(-1), part.detach(), part)
-            return comm.reduce_scatter_to_sp(part, group=self.model_parallel_group)
+                out = paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+            return comm.reduce_scatter_to_sp(out, group=self.model_parallel_group) if self.sequence_parallel else out
 
     return _PaddedVocabParallelEmbedding
 
