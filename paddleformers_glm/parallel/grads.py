@@ -156,10 +156,11 @@ class GradSynchronizer:
             group, holders_only = self._set_group(stages)
             if holders_only and self.topo.stage not in stages:
                 continue
-            flat = self._flat([params[n].detach().astype("float32") if n in params else None for n in names], names)
+            sizes = [self.shared_numel[n] for n in names]
+            flat = _flat([params[n].detach().astype("float32") if n in params else None for n in names], sizes)
             comm.broadcast(flat, self.topo.stage_ranks[stages[0]], group)
             if self.topo.stage in stages:
-                for n, part in zip(names, self._split_sizes(flat, names)):
+                for n, part in zip(names, _split(flat, sizes)):
                     params[n].set_value(part.reshape(params[n].shape).astype(params[n].dtype))
 
     # ---------------------------------------------------------------- per step
@@ -274,12 +275,10 @@ class GradSynchronizer:
                 continue
             mine = topo.stage in stages
             fl = [paddle.to_tensor([1.0 if flags[n] else 0.0], dtype="float32") if mine else None for n in names]
-            flat = self._flat(
-                [params[n].main_grad if mine else None for n in names] + fl, names + names, flags_from=len(names)
-            )
-            flat = comm.all_reduce(flat, group)
+            sizes = [self.shared_numel[n] for n in names] + [1] * len(names)  # gradients, then flags
+            flat = comm.all_reduce(_flat([params[n].main_grad if mine else None for n in names] + fl, sizes), group)
             if mine:
-                parts = self._split_sizes(flat, names + names, flags_from=len(names))
+                parts = _split(flat, sizes)
                 for i, n in enumerate(names):
                     params[n].main_grad = parts[i].reshape(params[n].shape)
                     flags[n] = bool(float(parts[len(names) + i].numpy()[0]) > 0)
@@ -322,20 +321,16 @@ class GradSynchronizer:
             sets.setdefault(self.holders[n], []).append(n)
         return sorted(sets.items())
 
-    def _numel(self, name: str, flag: bool) -> int:
-        return 1 if flag else self.shared_numel[name]
 
-    def _flat(self, tensors: list, names: list[str], flags_from: int | None = None) -> paddle.Tensor:
-        """Concatenate (zeros where this stage does not hold the tensor: it still joins the all-reduce)."""
-        parts = []
-        for i, (t, n) in enumerate(zip(tensors, names)):
-            flag = flags_from is not None and i >= flags_from
-            parts.append(t.reshape([-1]) if t is not None else paddle.zeros([self._numel(n, flag)], dtype="float32"))
-        return paddle.concat(parts)
+def _flat(tensors: list, sizes: list[int]) -> paddle.Tensor:
+    """Concatenate (zeros where this stage does not hold the tensor: it still joins the collective)."""
+    return paddle.concat(
+        [t.reshape([-1]) if t is not None else paddle.zeros([n], "float32") for t, n in zip(tensors, sizes)]
+    )
 
-    def _split_sizes(self, flat: paddle.Tensor, names: list[str], flags_from: int | None = None) -> list[paddle.Tensor]:
-        sizes = [self._numel(n, flags_from is not None and i >= flags_from) for i, n in enumerate(names)]
-        return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
+
+def _split(flat: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
+    return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
 
 
 def _routers(model: nn.Layer) -> dict[str, tuple[Any, int]]:
