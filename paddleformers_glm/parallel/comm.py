@@ -33,7 +33,6 @@ __all__ = [
     "gather_from_sp",
     "gather_from_tp",
     "group_size",
-    "group_rank",
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_to_sp",
@@ -52,10 +51,6 @@ SEQ_AXIS = 1
 # ------------------------------------------------------------------------------ helpers
 def group_size(group: Any) -> int:
     return 1 if group is None else int(group.nranks)
-
-
-def group_rank(group: Any) -> int:
-    return 0 if group is None else int(group.rank)
 
 
 def _live(group: Any) -> bool:

@@ -104,7 +104,7 @@ def c_softmax_with_cross_entropy(
     if label.ndim == logits.ndim - 1:
         label = label.unsqueeze(-1)
     part = logits.shape[-1]
-    start = comm.group_rank(g) * part
+    start = int(g.rank) * part
     with paddle.no_grad():
         gmax = comm.all_reduce(logits.max(axis=-1, keepdim=True), g, op="max")
     shifted = logits - gmax

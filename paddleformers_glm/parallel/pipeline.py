@@ -71,20 +71,17 @@ class LossTerm(NamedTuple):
     count: Any
 
 
-_TOKEN = re.compile(r"([EtmL])(?:\*(\d+))?")
+_TOKEN = re.compile(r"\s*([EtmL])(?:\*(\d+))?")
 
 
 def _parse_units(stage_text: str, stage: int) -> list[str]:
     units: list[str] = []
-    pos, text = 0, stage_text.replace(",", " ")
+    pos, text = 0, stage_text.replace(",", " ").rstrip()
     while pos < len(text):
-        if text[pos].isspace():
-            pos += 1
-            continue
         m = _TOKEN.match(text, pos)
         if not m:
             raise ParallelConfigError(
-                f"--pp-layout: stage {stage}: cannot parse {text[pos:]!r} (units are E, t, m, L, optionally *N)"
+                f"--pp-layout: stage {stage}: cannot parse {text[pos:].lstrip()!r} (units are E, t, m, L, optionally *N)"
             )
         units += [m.group(1)] * int(m.group(2) or 1)
         pos = m.end()
