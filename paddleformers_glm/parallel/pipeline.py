@@ -193,17 +193,14 @@ def split_stages(
         )
     if free:
         base, extra = divmod(rest, len(free))
-        if first_stage_layers is not None or last_stage_layers is not None:
-            if extra:
-                raise ParallelConfigError(
-                    f"{rest} remaining layers do not split evenly over {len(free)} middle stages; "
-                    f"try last_stage_layers={last_stage_layers + extra if last_stage_layers is not None else extra + base}"
-                )
-        order = sorted(free, key=lambda i: (i in (0, pp - 1), i == pp - 1, i))
+        if extra and (first_stage_layers is not None or last_stage_layers is not None):
+            raise ParallelConfigError(
+                f"{rest} remaining layers do not split evenly over {len(free)} middle stages; "
+                f"try last_stage_layers={last_stage_layers + extra if last_stage_layers is not None else extra + base}"
+            )
+        plus_one = sorted(free, key=lambda i: (i in (0, pp - 1), i == pp - 1, i))[:extra]  # middle stages first
         for i in free:
-            counts[i] = base
-        for i in order[:extra]:
-            counts[i] += 1  # type: ignore[operator]
+            counts[i] = base + (i in plus_one)
     elif rest != 0:
         raise ParallelConfigError(f"stage sizes {counts} sum to {fixed}, the model has {num_layers} layers")
     return _specs_from_counts([int(c) for c in counts], has_mtp)  # type: ignore[arg-type]
@@ -271,20 +268,10 @@ class StageOutput:
 
 
 def _normalise_output(out: Any, last: bool, stage: int) -> StageOutput:
-    if isinstance(out, StageOutput):
-        res = out
-    elif isinstance(out, dict):
-        res = StageOutput(None, out)
-    elif isinstance(out, paddle.Tensor):
-        res = StageOutput((out,), None)
-    elif isinstance(out, (list, tuple)) and all(isinstance(t, paddle.Tensor) for t in out):
-        res = StageOutput(tuple(out), None)
-    else:
-        raise TypeError(
-            f"stage {stage} forward returned {type(out).__name__}; expected StageOutput, a dict of LossTerm or tensors"
-        )
-    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (res.losses or {}).items()}
-    carry = tuple(res.carry) if res.carry is not None else None
+    if not isinstance(out, StageOutput):
+        raise TypeError(f"stage {stage} forward returned {type(out).__name__}; expected StageOutput")
+    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (out.losses or {}).items()}
+    carry = tuple(out.carry) if out.carry is not None else None
     if last and not losses:
         raise TypeError(f"the last pipeline stage ({stage}) returned no losses")
     if not last and carry is None:
