@@ -13,12 +13,14 @@ MTP head reuses) summed over their holder stages; the sharding optimizer's ``red
 dense parameters through ``fused_allreduce_gradients``; experts over the expert-data-parallel
 group (it spans the cp ranks, which hold *different* experts; Fleet's HCG has no such group).
 
-Has-gradient flags: experts follow the reference's fused expert tensors, which torch's AdamW
-steps whenever the layer's router sent any token anywhere, so every expert of such a layer is
-stepped (an idle one with a zero gradient); ``expert_update="routed-only"`` steps only the
-experts that got tokens.  The decision comes from the global routed-token counts, the same on
-every rank of every layout.  The global norm counts each distinct element once, on its canonical
-owner, then one all-reduce over the world.
+Has-gradient flags (the optimizer skips a parameter whose flag is false, as torch's AdamW skips
+one whose gradient is ``None``): a dense parameter's says whether backward produced a gradient on
+any replica; experts follow the reference's fused expert tensors, which torch's AdamW steps
+whenever the layer's router sent any token anywhere, so every expert of such a layer is stepped
+(an idle one with a zero gradient); ``expert_update="routed-only"`` steps only the experts that
+got tokens.  The decision comes from the global routed-token counts, the same on every rank of
+every layout.  The global norm counts each distinct element once, on its canonical owner, then
+one all-reduce over the world.
 """
 
 from __future__ import annotations
