@@ -40,6 +40,14 @@ def _my_host() -> str:
     return ep.rsplit(":", 1)[0] if ":" in ep else "127.0.0.1"
 
 
+def _not_applied(what: str, note: str = "") -> bool:
+    warnings.warn(
+        f"paddleformers_glm: Paddle {paddle.__version__} {what}; gloo sub-group store fix not applied{note}",
+        stacklevel=3,
+    )
+    return False
+
+
 def apply_gloo_subgroup_store_fix() -> bool:
     """Give every gloo sub-group its own TCPStore (see module doc). Returns True when active.
 
@@ -50,23 +58,13 @@ def apply_gloo_subgroup_store_fix() -> bool:
 
     orig = getattr(collective, "_new_process_group_impl", None)
     if orig is None:
-        warnings.warn(
-            f"paddleformers_glm: Paddle {paddle.__version__} has no collective._new_process_group_impl; "
-            "gloo sub-group store fix not applied (fleet.init may race at world >= 3 on CPU)",
-            stacklevel=2,
-        )
-        return False
+        return _not_applied("has no collective._new_process_group_impl", " (fleet.init may race at world >= 3 on CPU)")
     if getattr(orig, "_glm52_patched", False):
         return True
     params = list(inspect.signature(orig).parameters)
     expected = ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id"]
     if params[: len(expected)] != expected:
-        warnings.warn(
-            f"paddleformers_glm: Paddle {paddle.__version__} changed _new_process_group_impl{tuple(params)}; "
-            "gloo sub-group store fix not applied",
-            stacklevel=2,
-        )
-        return False
+        return _not_applied(f"changed _new_process_group_impl{tuple(params)}")
     warn_untested("gloo sub-group store fix applied", TESTED_PADDLE)
     from paddle.base import core
 

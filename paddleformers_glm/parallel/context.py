@@ -90,10 +90,7 @@ def _rank_major_to_global(chunks: list[paddle.Tensor], n: int) -> list[paddle.Te
 
 
 def _global_to_rank_major(chunks: list[paddle.Tensor], n: int) -> list[paddle.Tensor]:
-    out = []
-    for r in range(n):
-        out += [chunks[r], chunks[2 * n - 1 - r]]
-    return out
+    return [chunks[i] for r in range(n) for i in (r, 2 * n - 1 - r)]
 
 
 def gather_sequence(x: paddle.Tensor, group: Any, axis: int = 1) -> paddle.Tensor:
