@@ -18,7 +18,7 @@ layouts (``ep`` / ``etp`` > 1) clip outside any Fleet optimizer, so they drive t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -121,22 +121,11 @@ class PipelineChunk(nn.Layer):
         return tuple(t.clone() for t in x[: len(keys)]) + tuple(carry_out)
 
 
-class _MicroBatches:
+def _micro_batches(micro_batches: Sequence[dict[str, paddle.Tensor]], keys: Sequence[str]) -> Iterator[tuple]:
     """Fleet's micro dataset: ``next()`` gives ``(first-stage inputs, labels)`` of the next micro-batch."""
-
-    def __init__(self, micro_batches: Sequence[dict[str, paddle.Tensor]], keys: Sequence[str]) -> None:
-        self._items = [(tuple(mb[k] for k in keys), mb.get("labels")) for mb in micro_batches]
-        self._i = 0
-
-    def __iter__(self) -> _MicroBatches:
-        return self
-
-    def __next__(self) -> tuple[tuple[paddle.Tensor, ...], Any]:
-        if self._i >= len(self._items):
-            raise RuntimeError("Fleet's pipeline asked for more micro-batches than the step has")
-        item = self._items[self._i]
-        self._i += 1
-        return item
+    for mb in micro_batches:
+        yield tuple(mb[k] for k in keys), mb.get("labels")
+    raise RuntimeError("Fleet's pipeline asked for more micro-batches than the step has")
 
 
 class FleetPipeline:
@@ -199,7 +188,7 @@ class FleetPipeline:
         model._layers.train()
         model.set_virtual_pipeline_rank(0)
         with paddle.amp.auto_cast(enable=False):
-            model.forward_backward_pipeline(_MicroBatches(micro_batches, self.ledger.batch_keys), None)
+            model.forward_backward_pipeline(_micro_batches(micro_batches, self.ledger.batch_keys), None)
         out = self.ledger.totals()
         self.ledger.reset({})
         return out
@@ -226,7 +215,7 @@ class FleetPipeline:
         layers.after_backward = hook
         try:
             with paddle.amp.auto_cast(enable=False):
-                self.model.train_batch(_MicroBatches(micro_batches, self.ledger.batch_keys), optimizer)
+                self.model.train_batch(_micro_batches(micro_batches, self.ledger.batch_keys), optimizer)
         finally:
             layers.after_backward = None
         if len(calls) != 1:
