@@ -39,15 +39,8 @@ def chunk_ranks(num_chunks: int, pp: int) -> list[int]:
 def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
     """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order)."""
     mine = [c for c, r in zip(chunks, chunk_ranks(len(chunks), pp)) if r == stage]
-    layers = tuple(i for c in mine for i in c.layers)
-    return StageSpec(
-        stage,
-        pp,
-        layers,
-        any(c.has_embedding for c in mine),
-        any(c.has_head for c in mine),
-        any(c.has_mtp for c in mine),
-    )
+    parts = (any(getattr(c, f) for c in mine) for f in ("has_embedding", "has_head", "has_mtp"))
+    return StageSpec(stage, pp, tuple(i for c in mine for i in c.layers), *parts)
 
 
 class _AttachObjective(paddle.autograd.PyLayer):
