@@ -17,7 +17,6 @@ EXACT = (
     "exchange_counts",
     "all_to_all_uneven",
     "all_to_all_roundtrip",
-    "p2p_tuple",
     "copy_to_tp_fwd",
     "scatter_to_tp_fwd",
     "scatter_to_tp_bwd",

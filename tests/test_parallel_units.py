@@ -119,7 +119,7 @@ def test_world1_topology_needs_no_distributed_init():
             topo.group(n) is None and topo.size(n) == 1 and topo.rank_in(n) == 0
             for n in ("tp", "pp", "dp", "ep", "etp", "edp")
         )
-        assert topo.is_first_stage and topo.is_last_stage and topo.prev_stage_rank is None
+        assert topo.stage == 0 and topo.stage_ranks == [0]
         with pytest.raises(KeyError, match="unknown group"):
             topo.group("mp")
         x = paddle.ones([2, 4])

@@ -1,42 +1,24 @@
-"""bfloat16 compute on Paddle's CPU build, supplied underneath Paddle's own API.
+"""bfloat16 compute on Paddle's CPU build, supplied underneath Paddle's own API (docs/model.md, "bf16 on
+a CPU").
 
-Paddle 3.3's CPU build stores bf16 tensors and has bf16 kernels for casts, copies, gathers,
-reshapes, products and a few others, but none for most arithmetic (``add``, ``matmul``,
-``divide``, ``exp``, ``softmax``, ``where``, ``topk``, ``layer_norm``, ``adamw``...) and none for
-many gradients (``concat_grad``, ``add_grad``, ``matmul_grad``...), so a bf16 model fails at its
-first layer.  :func:`install` fills exactly those gaps the way a GPU's bf16 kernels compute: the
-op runs on fp32 copies of its bf16 inputs and its floating outputs are rounded back to bf16 (fp32
-accumulation, bf16 result, as cuBLAS bf16 GEMMs and Paddle's GPU elementwise kernels do).  The
-backward follows by itself: autograd records cast -> fp32 op -> cast, and the casts' gradients
-are casts, so every gradient is also computed in fp32 and rounded to bf16.
+Paddle 3.3's CPU build stores bf16 tensors but has no bf16 kernel for most arithmetic and many
+gradients, so a bf16 model fails at its first layer.  :func:`install` fills exactly those gaps the
+way a GPU's bf16 kernels compute: the op runs on fp32 copies of its bf16 inputs and its floating
+outputs are rounded back to bf16; autograd records cast -> fp32 op -> cast, so every gradient is
+also computed in fp32 and rounded.  What it touches (read in Paddle 3.3.1):
 
-What it touches (read in Paddle 3.3.1):
+* ``paddle._C_ops.<op>`` and every alias of it bound in a loaded ``paddle`` module or on
+  ``paddle.Tensor``, for each op whose CPU kernel registry has an fp32 kernel but no bf16 one,
+  forward or gradient (:func:`missing_kernels`), plus the composite ``linear``;
+* ``scale`` (:data:`INEXACT`), whose CPU bf16 kernel rounds its factor and bias to bf16 first;
+* the C++ ``paddle.Tensor`` operators (``__add__``...) whose op is in that set;
+* ``adamw_`` with an fp32 master weight: the CPU kernel ignores the master, so the update runs on
+  it and the bf16 parameter becomes the master rounded, which is what the GPU kernel writes.
 
-* ``paddle._C_ops.<op>``, the function every Python API calls, and every alias of it bound in a
-  loaded ``paddle`` module or on ``paddle.Tensor`` (``from paddle._C_ops import exp`` style), for
-  each op whose CPU kernel registry (``core._get_registered_phi_kernels``) has an fp32 kernel but
-  no bf16 one, forward or gradient (:func:`missing_kernels`), plus ``linear`` (a composite of
-  ``matmul`` and ``add`` that has no kernel of its own);
-* ``scale`` (:data:`INEXACT`), whose CPU bf16 kernel exists but rounds its factor and bias to
-  bf16 first; the GPU kernel keeps them fp32;
-* the ``paddle.Tensor`` operators Paddle implements in C++ (``__add__``, ``__matmul__``,
-  ``__truediv__``...) whose op is in that set (with a Python scalar they run ``scale``);
-* ``adamw_`` with an fp32 master weight (``multi_precision``): the CPU kernel ignores the master
-  weight, so the update runs on the master (fp32 moments, fp32 grad) and the bf16 parameter is
-  then the master rounded to bf16, which is what the GPU kernel writes.
-
-A wrapped op converts only when its floating tensor inputs are all bf16; mixed bf16/fp32 inputs
-reach Paddle unchanged (its own type promotion or its own error, as on a GPU), and fp32 tensors
-get Paddle's result unchanged (a dtype check per call is all they pay once it is installed).
-In-place ops (``add_``...) run on the fp32 copy and the result is assigned back into the bf16
-tensor (an autograd-recorded assign).  ``converted_calls`` counts what converted;
-``GLM52_CPU_BF16_RECORD=DIR`` keeps each process's list in ``DIR``.
-
-Installed by :func:`install`: on a CPU-only build only (``paddle.is_compiled_with_cuda()`` builds
-keep Paddle's stock kernels, installing is a no-op there), once per process, by the model when it
-is built in bf16 and by the trainer for ``--dtype bfloat16``.  ``GLM52_CPU_BF16=0`` leaves Paddle
-untouched.  Guarded: outside the tested Paddle versions it warns; the covered set is read from the
-installed build's own kernel registry, so a build that gains bf16 kernels is wrapped less.
+Only all-bf16 floating inputs convert: mixed bf16/fp32 inputs and fp32 tensors reach Paddle
+unchanged.  In-place ops run on the fp32 copy, assigned back into the bf16 tensor.  CPU-only builds;
+``GLM52_CPU_BF16=0`` leaves Paddle untouched; ``GLM52_CPU_BF16_RECORD=DIR`` keeps each process's
+list of converted ops.
 """
 
 from __future__ import annotations
@@ -169,30 +151,18 @@ _WIDE = (paddle.float32, paddle.float64, paddle.float16)
 _WIDE_IDS = frozenset(id(d) for d in _WIDE)  # Tensor.dtype returns these singletons; `==` costs ~1.6 us
 
 
-def _var_bf16() -> Any:
-    try:
-        from paddle.base import core
-
-        return core.VarDesc.VarType.BF16
-    except AttributeError:  # pragma: no cover - a build without the legacy enum
-        return None
-
-
-_BF16_VAR = _var_bf16()
+try:  # the legacy dtype enum, which some APIs still pass
+    _BF16_VAR = paddle.base.core.VarDesc.VarType.BF16
+except AttributeError:  # pragma: no cover - a build without it
+    _BF16_VAR = None
 
 
 def _scan(values: Any) -> int:
     """0: no bf16 tensor; 1: bf16 tensors and no other floating one; 2: bf16 mixed with fp32/fp64/fp16."""
     bf16 = wide = False
     for v in values:
-        if isinstance(v, paddle.Tensor):
-            d = v.dtype
-            if d is _BF16:
-                bf16 = True
-            elif id(d) in _WIDE_IDS:
-                wide = True
-        elif isinstance(v, (list, tuple)) and v and isinstance(v[0], paddle.Tensor):
-            for t in v:
+        for t in v if isinstance(v, (list, tuple)) and v and isinstance(v[0], paddle.Tensor) else (v,):
+            if isinstance(t, paddle.Tensor):
                 d = t.dtype
                 if d is _BF16:
                     bf16 = True
@@ -309,15 +279,20 @@ def _wrap_operator(name: str, orig: Callable[..., Any], tensor_op: bool, scalar_
     return operator
 
 
-def _paddle_version() -> tuple[int, ...]:
-    """Paddle's (major, minor, patch); a develop build (0.0.0) counts as newer than any tested."""
+def paddle_version() -> tuple[int, ...]:
+    """Paddle's (major, minor, patch), read now; a develop build (0.0.0) counts as newer than any tested."""
     parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in paddle.__version__.split(".")[:3]]
     v = tuple(parts + [0] * (3 - len(parts)))
     return (99, 0, 0) if v == (0, 0, 0) else v
 
 
-def _tested() -> bool:
-    return TESTED_PADDLE[0] <= _paddle_version() < TESTED_PADDLE[1]
+def warn_untested(what: str, tested: tuple[tuple[int, int, int], tuple[int, int, int]], stacklevel: int = 3) -> None:
+    """Warn that ``what`` runs on a Paddle outside ``tested`` ([low, high): versions whose internals were read)."""
+    if not tested[0] <= paddle_version() < tested[1]:
+        warnings.warn(
+            f"paddleformers_glm: {what} on untested Paddle {paddle.__version__} (tested {tested[0]}..{tested[1]})",
+            stacklevel=stacklevel,
+        )
 
 
 def installed() -> list[str]:
@@ -344,12 +319,7 @@ def install() -> list[str]:
     with _STATE.lock:
         if _STATE.wrapped:
             return list(_STATE.wrapped)
-        if not _tested():
-            warnings.warn(
-                f"paddleformers_glm: CPU bf16 kernels supplied on untested Paddle {paddle.__version__} "
-                f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]}); the covered ops come from its own registry",
-                stacklevel=2,
-            )
+        warn_untested("CPU bf16 kernels (the covered ops read from its own registry) supplied", TESTED_PADDLE)
         c_ops = paddle._C_ops
         reg = _registry()
         covered = _covered_ops(c_ops, reg)

@@ -1,24 +1,15 @@
 """Loader of the fused, multi-threaded fp32 CPU kernels (cpu_kernels.cc), built on first use.
 
 Why: Paddle's CPU softmax, add, exp, ... run on one thread, one pass over memory each, so at
-short sequences they decide a training step's time (docs/performance.md). The kernels do the
-same maths in one multi-threaded pass per row, or as MKL sgemm calls without Python in between.
-Modeling code never asks for them: each function of this package (`paddleformers_glm.ops`) takes
-the kernel where `usable` says so and its Paddle-op fallback otherwise.
+short sequences they decide a training step's time (docs/performance.md). Each op of this package
+takes a kernel where :func:`usable` says so (contiguous CPU tensors, floating ones fp32) and its
+Paddle-op fallback otherwise; ``GLM52_CPU_KERNELS=0`` or :func:`disabled` turn them off.
 
-Control and guarantees:
-
-* used only for contiguous CPU tensors whose floating ones are fp32 (index tensors are int64);
-  anything else (GPU, bf16) takes the Paddle-op fallback (same maths, Paddle's rounding);
-* ``GLM52_CPU_KERNELS=0`` turns them off; ``disabled()`` does so inside a ``with`` block;
-* built once with ``paddle.utils.cpp_extension`` (a C++ compiler is needed) into
-  ``$GLM52_KERNEL_CACHE`` (default ``~/.cache/paddleformers_glm/kernels``), in a folder keyed by
-  the source, the flags, Paddle's version and the CPU's instruction sets (the build uses
-  ``-march=native``), under a file lock so that parallel processes build it once;
-* the build runs in a child process whose output goes to ``build.log`` in that folder; the
-  library is then loaded here with Paddle's loader messages sent to the same file (the process's
-  own stdout and stderr are never redirected);
-* a build that fails warns once, naming the error, and the fallbacks run.
+The library is built once with ``paddle.utils.cpp_extension`` in a child process (output to
+``build.log``) into ``$GLM52_KERNEL_CACHE`` (default ``~/.cache/paddleformers_glm/kernels``), in a
+folder keyed by the source, the flags, Paddle's version and the CPU's instruction sets (the build
+uses ``-march=native``), under a file lock so parallel processes build it once.  A failed build
+warns once and the fallbacks run.
 """
 
 from __future__ import annotations

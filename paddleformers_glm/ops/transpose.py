@@ -13,6 +13,7 @@ path; the bytes are the same either way (tested).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +25,12 @@ from .kernels import library_path
 __all__ = ["transpose_into", "available"]
 
 _NAMES = ("glm52_transpose16", "glm52_transpose32", "glm52_transpose64", "glm52_transpose_bf16_f32")
-_LIB: Any = None
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
 
 
-def _load() -> Any:
-    """The transposes of the package's native build (ops/kernels.py), or None."""
+@functools.cache
+def _lib() -> Any:
+    """The transposes of the package's native build (ops/kernels.py), or None (looked up once)."""
     if os.environ.get("GLM52_FAST_COPY", "1") == "0":
         return None
     path = library_path()
@@ -43,13 +44,6 @@ def _load() -> Any:
         return handle
     except (OSError, AttributeError):
         return None
-
-
-def _lib() -> Any:
-    global _LIB
-    if _LIB is None:
-        _LIB = _load() or False
-    return _LIB or None
 
 
 def available() -> bool:

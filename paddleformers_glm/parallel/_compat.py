@@ -20,23 +20,10 @@ import warnings
 
 import paddle
 
-__all__ = ["PADDLE_VERSION", "TESTED_PADDLE", "apply_gloo_subgroup_store_fix"]
+from ..ops.cpu_bf16 import warn_untested
 
+__all__ = ["TESTED_PADDLE", "apply_gloo_subgroup_store_fix"]
 
-def _parse_version(v: str) -> tuple[int, int, int]:
-    parts = []
-    for p in v.split(".")[:3]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 3:
-        parts.append(0)
-    return tuple(parts)  # type: ignore[return-value]
-
-
-PADDLE_VERSION: tuple[int, int, int] = _parse_version(paddle.__version__)
-# A develop build reports 0.0.0: treat it as "newer than anything tested".
-if PADDLE_VERSION == (0, 0, 0):
-    PADDLE_VERSION = (99, 0, 0)
 TESTED_PADDLE = ((3, 0, 0), (3, 4, 0))  # [low, high): versions whose internals were read
 
 _store_refs: list = []  # keep sub-group TCPStores alive for the process lifetime
@@ -53,6 +40,14 @@ def _my_host() -> str:
     return ep.rsplit(":", 1)[0] if ":" in ep else "127.0.0.1"
 
 
+def _not_applied(what: str, note: str = "") -> bool:
+    warnings.warn(
+        f"paddleformers_glm: Paddle {paddle.__version__} {what}; gloo sub-group store fix not applied{note}",
+        stacklevel=3,
+    )
+    return False
+
+
 def apply_gloo_subgroup_store_fix() -> bool:
     """Give every gloo sub-group its own TCPStore (see module doc). Returns True when active.
 
@@ -63,29 +58,14 @@ def apply_gloo_subgroup_store_fix() -> bool:
 
     orig = getattr(collective, "_new_process_group_impl", None)
     if orig is None:
-        warnings.warn(
-            f"paddleformers_glm: Paddle {paddle.__version__} has no collective._new_process_group_impl; "
-            "gloo sub-group store fix not applied (fleet.init may race at world >= 3 on CPU)",
-            stacklevel=2,
-        )
-        return False
+        return _not_applied("has no collective._new_process_group_impl", " (fleet.init may race at world >= 3 on CPU)")
     if getattr(orig, "_glm52_patched", False):
         return True
     params = list(inspect.signature(orig).parameters)
     expected = ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id"]
     if params[: len(expected)] != expected:
-        warnings.warn(
-            f"paddleformers_glm: Paddle {paddle.__version__} changed _new_process_group_impl{tuple(params)}; "
-            "gloo sub-group store fix not applied",
-            stacklevel=2,
-        )
-        return False
-    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
-        warnings.warn(
-            f"paddleformers_glm: gloo sub-group store fix applied on untested Paddle {paddle.__version__} "
-            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
-            stacklevel=2,
-        )
+        return _not_applied(f"changed _new_process_group_impl{tuple(params)}")
+    warn_untested("gloo sub-group store fix applied", TESTED_PADDLE)
     from paddle.base import core
 
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):

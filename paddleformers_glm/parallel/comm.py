@@ -1,42 +1,15 @@
-"""Collectives for model parallelism that work on CPU gloo and GPU NCCL alike.
+"""Collectives and Megatron's f / g autograd pairs for model parallelism, on CPU gloo and GPU NCCL.
 
-Two layers:
-
-* raw ops (no autograd): ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all_single``,
-  tensor / object point-to-point with a shape header.  On NCCL they call the native op; on gloo
-  (Paddle 3.3.1 CPU has no reduce_scatter / alltoall, and fp16 all_reduce is wrong) they are
-  emulated with all_reduce / all_gather, which gloo does implement.
-* autograd pairs (Megatron's f / g operators), built on the raw ops:
-
-  =========================  ======================  ======================
-  function                   forward                 backward
-  =========================  ======================  ======================
-  copy_to_tp                 identity                all-reduce
-  reduce_from_tp             all-reduce              identity
-  scatter_to_tp(axis)        keep my slice           all-gather
-  gather_from_tp(axis)       all-gather              keep my slice
-  scatter_to_sp(axis)        keep my slice           all-gather        (Fleet ``ScatterOp``)
-  reduce_scatter_to_sp(axis) reduce-scatter          all-gather        (Fleet ``ReduceScatterOp``)
-  gather_from_sp(axis)       all-gather              reduce-scatter    (Fleet ``AllGatherOp``), or
-                                                     keep my slice when ``grad="split"``
-                                                     (replicated consumers; Fleet ``GatherOp``)
-  all_to_all                 all-to-all (uneven)     all-to-all, splits swapped
-  all_gather_varlen          all-gather uneven rows  reduce-scatter uneven rows
-  reduce_scatter_varlen      reduce-scatter uneven   all-gather uneven rows
-  =========================  ======================  ======================
-
-Every function is a no-op (returns its input) when the group is None or has one rank, so model
-code calls them unconditionally with the groups it was built with.  The sequence axis defaults to 1: activations are [B, S, H].
-The sequence-parallel ones (``*_sp``) are Fleet's ``fleet.utils.sequence_parallel_utils`` PyLayers,
-which work on the first axis of Fleet's model-parallel group: :func:`to_sequence_first` moves the
-sequence axis to the front around them (a free reshape for a batch of one, a transposed copy
-otherwise).  On any other group (Fleet's ops cannot address one) the same pairs are built here.
+Raw ops (no autograd) use the native collective on NCCL and an emulation on gloo, whose Paddle 3.3.1
+CPU build lacks reduce_scatter / alltoall and sums fp16 wrongly; the pairs are built on them, and
+the sequence-parallel ones (``*_sp``) are Fleet's ``sequence_parallel_utils`` PyLayers on Fleet's
+model-parallel group.  Everything is a no-op at group size 1.  Table and rationale:
+docs/parallel.md section 2.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +26,6 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "broadcast",
-    "broadcast_object",
     "copy_to_tp",
     "detect_backend",
     "exchange_counts",
@@ -61,17 +33,12 @@ __all__ = [
     "gather_from_sp",
     "gather_from_tp",
     "group_size",
-    "group_rank",
-    "recv_object",
-    "recv_tensors",
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_to_sp",
     "reduce_scatter_varlen",
     "scatter_to_sp",
     "scatter_to_tp",
-    "send_object",
-    "send_tensors",
     "split_take",
     "to_batch_first",
     "to_sequence_first",
@@ -84,10 +51,6 @@ SEQ_AXIS = 1
 # ------------------------------------------------------------------------------ helpers
 def group_size(group: Any) -> int:
     return 1 if group is None else int(group.nranks)
-
-
-def group_rank(group: Any) -> int:
-    return 0 if group is None else int(group.rank)
 
 
 def _live(group: Any) -> bool:
@@ -106,10 +69,6 @@ def uses_emulation() -> bool:
     if os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1":
         return True
     return detect_backend() != "nccl"
-
-
-def _contig(x: paddle.Tensor) -> paddle.Tensor:
-    return x.contiguous() if hasattr(x, "contiguous") else x
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -132,7 +91,7 @@ def all_reduce(x: paddle.Tensor, group: Any, op: str = "sum") -> paddle.Tensor:
     """
     if not _live(group) or x.size == 0:
         return x
-    y = _contig(x).clone()
+    y = x.contiguous().clone()
     low = uses_emulation() and y.dtype in (paddle.float16, paddle.bfloat16)
     if low:  # gloo's fp16 all_reduce gives wrong sums (probe t_fp16_ar); reduce in fp32
         y = y.astype("float32")
@@ -149,7 +108,7 @@ def all_gather(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
         shape[axis % x.ndim] *= group.nranks
         return paddle.zeros(shape, dtype=x.dtype)
     parts: list[paddle.Tensor] = []
-    dist.all_gather(parts, _contig(x), group=group)
+    dist.all_gather(parts, x.contiguous(), group=group)
     return paddle.concat(parts, axis=axis)
 
 
@@ -158,7 +117,7 @@ def split_take(x: paddle.Tensor, group: Any, axis: int = -1) -> paddle.Tensor:
     if not _live(group):
         return x
     axis = _check_axis(x, group.nranks, axis, "split_take")
-    return _contig(paddle.split(x, group.nranks, axis=axis)[group.rank]).clone()
+    return paddle.split(x, group.nranks, axis=axis)[group.rank].contiguous().clone()
 
 
 def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor:
@@ -168,20 +127,10 @@ def reduce_scatter(x: paddle.Tensor, group: Any, axis: int = 0) -> paddle.Tensor
     axis = _check_axis(x, group.nranks, axis, "reduce_scatter")
     if uses_emulation():
         return split_take(all_reduce(x, group), group, axis)
-    parts = [_contig(p) for p in paddle.split(x, group.nranks, axis=axis)]
+    parts = [p.contiguous() for p in paddle.split(x, group.nranks, axis=axis)]
     out = paddle.empty_like(parts[group.rank])
     dist.reduce_scatter(out, parts, group=group)
     return out
-
-
-def reduce(x: paddle.Tensor, dst: int, group: Any) -> paddle.Tensor:
-    """Sum of ``x`` over the group on global rank ``dst`` (other ranks get an unspecified value);
-    the input is not modified.  Nothing is sent for a zero-element tensor (as :func:`all_reduce`)."""
-    if not _live(group) or x.size == 0:
-        return x
-    y = _contig(x).clone()
-    dist.reduce(y, dst=dst, op=dist.ReduceOp.SUM, group=group)
-    return y
 
 
 def broadcast(x: paddle.Tensor, src: int, group: Any) -> paddle.Tensor:
@@ -218,32 +167,26 @@ def all_to_all_single(x: paddle.Tensor, counts: list[list[int]], group: Any, rev
     tail = list(x.shape[1:])
     if not uses_emulation():
         out = paddle.empty([sum(recv)] + tail, dtype=x.dtype)
-        dist.alltoall_single(out, _contig(x), send, recv, group=group)
+        dist.alltoall_single(out, x.contiguous(), send, recv, group=group)
         return out
-    rows = max(max(sum(row) for row in m), 1)
-    buf = x
+    take = [(s, sum(m[s][:r]), sum(m[s][: r + 1])) for s in range(n)]
+    return _gather_rows(x, group, max(sum(row) for row in m), take)
+
+
+def _gather_rows(x: paddle.Tensor, group: Any, rows: int, take: list[tuple[int, int, int]]) -> paddle.Tensor:
+    """One all-gather of ``x`` padded to ``rows`` rows (gloo needs equal shapes), then the rows
+    ``[a, b)`` of rank ``s``'s block for each ``(s, a, b)`` in ``take``, concatenated."""
+    tail, rows = list(x.shape[1:]), max(rows, 1)
     if x.shape[0] < rows:
-        buf = paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], axis=0)
+        x = paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], axis=0)
     gathered: list[paddle.Tensor] = []
-    dist.all_gather(gathered, _contig(buf), group=group)
-    pieces = []
-    for s in range(n):
-        off = sum(m[s][:r])
-        if m[s][r]:
-            pieces.append(gathered[s][off : off + m[s][r]])
-    if not pieces:
-        return paddle.zeros([0] + tail, dtype=x.dtype)
-    return paddle.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0].clone()
+    dist.all_gather(gathered, x.contiguous(), group=group)
+    pieces = [gathered[s][a:b] for s, a, b in take if b > a]
+    return paddle.concat(pieces, axis=0) if pieces else paddle.zeros([0] + tail, dtype=x.dtype)
 
 
 def _varlen_gather(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
-    rows = max(max(sizes), 1)
-    tail = list(x.shape[1:])
-    buf = x if x.shape[0] == rows else paddle.concat([x, paddle.zeros([rows - x.shape[0]] + tail, dtype=x.dtype)], 0)
-    gathered: list[paddle.Tensor] = []
-    dist.all_gather(gathered, _contig(buf), group=group)
-    pieces = [g[:s] for g, s in zip(gathered, sizes) if s]
-    return paddle.concat(pieces, 0) if pieces else paddle.zeros([0] + tail, dtype=x.dtype)
+    return _gather_rows(x, group, max(sizes), [(s, 0, n) for s, n in enumerate(sizes)])
 
 
 def _varlen_take(x: paddle.Tensor, sizes: list[int], rank: int) -> paddle.Tensor:
@@ -328,7 +271,7 @@ def to_sequence_first(x: paddle.Tensor, axis: int = SEQ_AXIS) -> paddle.Tensor:
     if all(int(d) == 1 for d in x.shape[:axis]):
         return x.reshape([x.shape[axis], *x.shape[:axis], *x.shape[axis + 1 :]])
     perm = [axis, *range(axis), *range(axis + 1, x.ndim)]
-    return _contig(paddle.transpose(x, perm))
+    return paddle.transpose(x, perm).contiguous()
 
 
 def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> paddle.Tensor:
@@ -339,7 +282,7 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
     if all(int(d) == 1 for d in like[:axis]):
         return y.reshape([*like[:axis], y.shape[0], *y.shape[1 + axis :]])
     perm = [*range(1, axis + 1), 0, *range(axis + 1, y.ndim)]
-    return _contig(paddle.transpose(y, perm))
+    return paddle.transpose(y, perm).contiguous()
 
 
 # On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same
@@ -414,94 +357,3 @@ def reduce_scatter_varlen(x: paddle.Tensor, sizes: list[int], group: Any) -> pad
         return x
     r = group.rank
     return _apply(x, lambda t: _varlen_take(all_reduce(t, group), sizes, r), lambda d: _varlen_gather(d, sizes, group))
-
-
-# ------------------------------------------------------------------------------ point to point
-_DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "bool", "uint8", "int8"]
-HEADER_LEN = 128
-_MAGIC = 0x61AD
-
-
-def _dtype_code(t: paddle.Tensor) -> int:
-    name = str(t.dtype).replace("paddle.", "")
-    if name not in _DTYPES:
-        raise TypeError(f"send_tensors: unsupported dtype {t.dtype}")
-    return _DTYPES.index(name)
-
-
-def send_tensors(tensors: Sequence[paddle.Tensor], dst: int, group: Any) -> None:
-    """Send a tuple of tensors to global rank ``dst``: one int64 header (dtypes, shapes, needs-grad), then data.
-
-    Blocking: with gloo a send waits for the matching recv, so both sides must agree on order
-    (pipeline.py's schedules are built for that).  On gloo use a 2-rank ``group`` (or one in which
-    every member takes part in every operation): Paddle's gloo group tags p2p messages with a
-    per-group counter, so traffic between two members of a larger group desynchronises the rest.
-    """
-    header = [_MAGIC, len(tensors)]
-    for t in tensors:
-        header += [_dtype_code(t), 0 if t.stop_gradient else 1, t.ndim, *[int(s) for s in t.shape]]
-    if len(header) > HEADER_LEN:
-        raise ValueError(f"send_tensors: header for {len(tensors)} tensors needs {len(header)} > {HEADER_LEN} ints")
-    header += [0] * (HEADER_LEN - len(header))
-    dist.send(paddle.to_tensor(np.asarray(header, dtype=np.int64)), dst=dst, group=group)
-    for t in tensors:
-        if t.size == 0:
-            continue
-        data = t.detach()
-        if data.dtype == paddle.bool:
-            data = data.astype("uint8")
-        dist.send(_contig(data), dst=dst, group=group)
-
-
-def recv_tensors(src: int, group: Any) -> list[paddle.Tensor]:
-    """Receive what :func:`send_tensors` sent; float tensors sent with needs-grad come back with stop_gradient=False."""
-    header = paddle.zeros([HEADER_LEN], dtype="int64")
-    dist.recv(header, src=src, group=group)
-    h = header.numpy().tolist()
-    if h[0] != _MAGIC:
-        raise RuntimeError(f"recv_tensors: bad header from rank {src} (got {h[:4]}...); send/recv order mismatch")
-    n, pos, out = h[1], 2, []
-    for _ in range(n):
-        code, needs_grad, ndim = h[pos], h[pos + 1], h[pos + 2]
-        shape = h[pos + 3 : pos + 3 + ndim]
-        pos += 3 + ndim
-        dtype = _DTYPES[code]
-        wire = "uint8" if dtype == "bool" else dtype
-        t = paddle.empty(shape, dtype=wire) if int(np.prod(shape)) else paddle.zeros(shape, dtype=wire)
-        if t.size:
-            dist.recv(t, src=src, group=group)
-        if dtype == "bool":
-            t = t.astype("bool")
-        t.stop_gradient = not needs_grad
-        out.append(t)
-    return out
-
-
-def send_object(obj: Any, dst: int, group: Any = None) -> None:
-    """Pickle ``obj`` and send it to global rank ``dst`` (length, then bytes)."""
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    dist.send(paddle.to_tensor(np.asarray([data.size], dtype=np.int64)), dst=dst, group=group)
-    if data.size:
-        dist.send(paddle.to_tensor(data.copy()), dst=dst, group=group)
-
-
-def recv_object(src: int, group: Any = None) -> Any:
-    """Receive what :func:`send_object` sent."""
-    n = paddle.zeros([1], dtype="int64")
-    dist.recv(n, src=src, group=group)
-    size = int(n.numpy()[0])
-    buf = paddle.zeros([size], dtype="uint8")
-    if size:
-        dist.recv(buf, src=src, group=group)
-    return pickle.loads(buf.numpy().tobytes())
-
-
-def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
-    """``obj`` from global rank ``src`` on every rank of ``group`` (None: the world)."""
-    if group is None and dist.get_world_size() == 1:
-        return obj
-    if group is not None and not _live(group):
-        return obj
-    lst = [obj]
-    dist.broadcast_object_list(lst, src=src, group=group)
-    return lst[0]

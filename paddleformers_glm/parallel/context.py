@@ -1,26 +1,14 @@
-"""Context parallel (CP) for DSA attention: every rank of a cp group holds a slice of each sequence.
+"""Context parallel (CP) for DSA attention: every rank of a cp group holds a slice of each sequence
+(docs/parallel.md section 9).
 
-Load balance (zigzag): a sequence of S tokens is cut into 2N chunks of S / 2N (N = cp size);
-cp rank r holds chunks r and 2N-1-r, in that order, so every rank holds as many early (cheap)
-as late (expensive) causal queries and does the same attention work.
-
-Everything outside the attention core is token-wise (norms, projections, MoE, LM head), so it runs
-unchanged on the local tokens. The attention (``modeling/attention.py``, built with the cp group)
-all-gathers over the cp group only what DSA needs from the other ranks' tokens:
-
-* the MLA latent row of every key, [c, rope(k_rot)] (kv_lora_rank + qk_rope_head_dim values a
-  token, shared by all heads), differentiable: its backward reduce-scatters the key gradients
-  back to the owners (`gather_sequence`);
-* the indexer keys (no gradient: selection runs without one).
-
-Each rank then scores its own queries against all keys, causal by *global* position
-(`zigzag_positions`; the indexer's one top-k selection), takes its top-k (shared indexer layers
-reuse the carried top-k, which is per query and so already local), and attends in the latent form
-(`sparse_latent_attention` over the whole sequence's latent rows, every chunk gathered). This
-module holds the primitives: the split, the gather, and the batch side (`split_micro_batch`)
-gives each rank its tokens, their global position ids, the global key-padding mask, and every
-label / MTP input already shifted over the *whole* sequence, so a shift that crosses a chunk
-boundary reads the neighbouring rank's token.
+Load balance (zigzag): a sequence is cut into 2N chunks (N = cp size) and cp rank r holds chunks r
+and 2N-1-r, so every rank holds as many early (cheap) as late (expensive) causal queries.
+Everything outside the attention core is token-wise and runs on the local tokens; the attention
+all-gathers over the cp group only the MLA latent rows (:func:`gather_sequence`, whose backward
+reduce-scatters the key gradients to their owners) and the indexer keys.  :func:`split_micro_batch`
+gives each rank its tokens, their global positions, the whole key-padding mask, and every label /
+MTP input already shifted over the *whole* sequence (a shift across a chunk boundary reads the
+neighbouring rank's token).
 """
 
 from __future__ import annotations
@@ -102,10 +90,7 @@ def _rank_major_to_global(chunks: list[paddle.Tensor], n: int) -> list[paddle.Te
 
 
 def _global_to_rank_major(chunks: list[paddle.Tensor], n: int) -> list[paddle.Tensor]:
-    out = []
-    for r in range(n):
-        out += [chunks[r], chunks[2 * n - 1 - r]]
-    return out
+    return [chunks[i] for r in range(n) for i in (r, 2 * n - 1 - r)]
 
 
 def gather_sequence(x: paddle.Tensor, group: Any, axis: int = 1) -> paddle.Tensor:

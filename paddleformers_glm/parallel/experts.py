@@ -1,16 +1,11 @@
 """Expert parallelism: route each token's top-k assignments to the rank that owns the expert, run
-the local experts, and bring the results back (all-to-all both ways; differentiable).
-
-Layout (topology.py): inside a stage the tp x dp ranks are factored edp x ep x etp. Rank ``ep_rank``
-owns experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``; with etp > 1 each expert's FFN is split
-column/row-wise over the etp group, whose ranks first pool their received tokens.
+the local experts, and bring the results back (all-to-all both ways; differentiable).  Layout and
+rules: docs/parallel.md section 1 ("Expert layout").
 
 Tokens must be distinct across the ranks that exchange them. Under sequence parallel they are;
 without it the tp ranks hold the same tokens, so the dispatcher keeps 1/tp of them on each rank
-(backward all-gathers) and all-gathers the result: no expert work is duplicated and every expert
-gradient is a partial sum over the expert-data-parallel group (summed by the trainer).
-
-At ep = etp = tp = 1 the same code runs with every collective a no-op.
+and all-gathers the result: no expert work is duplicated and every expert gradient is a partial
+sum over the expert-data-parallel group.  At ep = etp = tp = 1 every collective is a no-op.
 """
 
 from __future__ import annotations

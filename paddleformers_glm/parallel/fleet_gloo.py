@@ -1,34 +1,18 @@
 """Fleet's tensor- and sequence-parallel ops on CPU gloo, supplied *under* Fleet's own APIs.
 
-Paddle 3.3.1's CPU build has no kernels for the collective ops that ``fleet.meta_parallel``'s
-``ColumnParallelLinear`` / ``RowParallelLinear`` / ``ParallelCrossEntropy`` and
-``fleet.utils.sequence_parallel_utils`` call (``c_identity``, ``mp_allreduce``, ``c_split``,
-``c_concat``, ``c_softmax_with_cross_entropy``, a stream ``reduce_scatter``), and ``PipelineLayer``
-reads a device id that a CPU build never sets.  :func:`install` replaces exactly these internals
-with equivalents built on the collectives gloo does implement (all-reduce, all-gather, broadcast),
-so the stock Fleet layers run unchanged on CPU and tests exercise the same layer code as NCCL.
+Paddle 3.3.1's CPU build has no kernels for the collectives Fleet's TP / SP layers call, and
+``PipelineLayer`` reads a device id a CPU build never sets.  :func:`install` replaces exactly these
+module attributes with equivalents built on what gloo implements, so the stock Fleet layers run
+unchanged on CPU and tests exercise the same layer code as NCCL (docs/parallel.md section 6):
+``mp_ops._c_identity`` / ``_mp_allreduce`` / ``_c_split`` / ``_c_concat`` /
+``_c_softmax_with_cross_entropy``, ``sequence_parallel_utils.all_gather`` / ``reduce_scatter``,
+``ParallelEnv._device_id``, and ``p2p_communication.paddle``, whose send/recv move a transfer in the
+pipeline group onto the 2-rank group of its two stages (gloo tags p2p messages per group, so p2p
+inside a larger group desynchronises it).  :func:`flex_checkpoint_on_cpu` makes
+``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's resharding load on a CPU-only build.
 
-What it touches (module attributes, read in Paddle 3.3.1):
-
-* ``paddle.distributed.fleet.layers.mpu.mp_ops``: ``_c_identity``, ``_mp_allreduce``, ``_c_split``,
-  ``_c_concat``, ``_c_softmax_with_cross_entropy`` (``mp_layers`` calls them through the module);
-* ``paddle.distributed.fleet.utils.sequence_parallel_utils``: ``all_gather``, ``reduce_scatter``
-  (the Scatter/Gather/AllGather/ReduceScatter PyLayers call them through the module);
-* ``paddle.distributed.parallel.ParallelEnv._device_id`` (class default 0 when unset);
-* ``paddle.Tensor.cuda`` / ``paddle.Tensor.pin_memory``, only inside :func:`flex_checkpoint_on_cpu`
-  and only on a build without a GPU: flex-checkpoint's resharding load (``dist.load_state_dict``,
-  its ``BroadcastCommunicator`` and ``Resharder``) moves every slice it broadcasts to the GPU
-  unconditionally; on a CPU build the slice stays where it is (gloo broadcasts CPU tensors).
-* ``paddle.distributed.fleet.meta_parallel.pp_utils.p2p_communication.paddle``: the pipeline
-  engine's view of ``paddle``, whose ``distributed.send/recv/isend/irecv`` move a transfer in the
-  pipeline group onto the 2-rank group of its two stages (gloo's p2p tags count per group, so
-  p2p inside a group of more than two ranks desynchronises it).  With
-  ``pp_configs.use_batch_p2p_comm = False`` (set by ``init_topology`` on gloo) Fleet's 1F1B and
-  interleaved schedules then run unchanged.
-
-Installed only for the gloo backend (:func:`~paddleformers_glm.parallel.topology.init_topology`
-calls it); on NCCL nothing is patched.  Guarded: each piece is skipped with a warning when the
-attribute it replaces is missing, and the whole module warns outside the tested Paddle versions.
+Installed for the gloo backend only, each piece skipped with a warning when its attribute is
+missing; a warning outside the tested Paddle versions.
 """
 
 from __future__ import annotations
@@ -42,8 +26,9 @@ import paddle
 import paddle.distributed as dist
 
 from ..configuration import IGNORE_INDEX
+from ..ops.cpu_bf16 import warn_untested
 from . import comm
-from ._compat import PADDLE_VERSION, TESTED_PADDLE
+from ._compat import TESTED_PADDLE
 
 __all__ = ["flex_checkpoint_on_cpu", "install", "installed"]
 
@@ -63,15 +48,18 @@ def _group(group: Any) -> Any:
     return group
 
 
-_Pair = comm._FwdBwd  # forward fn(x), backward bwd(dy); closures carry the group
+def _pair(tensor: paddle.Tensor, group: Any, fwd: Callable, bwd: Callable) -> paddle.Tensor | None:
+    """Forward ``fwd(t, g)``, backward ``bwd(dy, g)`` over ``group`` (None: the default group); None on
+    a rank outside the group, as Fleet's ops return."""
+    if group is not None and not group.is_member():
+        return None
+    g = _group(group)
+    return comm._FwdBwd.apply(tensor, lambda t: fwd(t, g), lambda d: bwd(d, g))
 
 
 def c_identity(tensor: paddle.Tensor, group: Any = None, skip_c_identity_dynamic: bool = False) -> paddle.Tensor:
     """Identity forward, sum of gradients over the group backward (Megatron's f)."""
-    if group is not None and not group.is_member():
-        return None
-    g = _group(group)
-    return _Pair.apply(tensor, lambda t: t, lambda d: comm.all_reduce(d, g))
+    return _pair(tensor, group, lambda t, g: t, comm.all_reduce)
 
 
 def mp_allreduce(
@@ -83,28 +71,19 @@ def mp_allreduce(
     skip_c_identity_dynamic: bool = False,
 ) -> paddle.Tensor:
     """Sum over the group forward, identity backward (Megatron's g)."""
-    if group is not None and not group.is_member():
-        return None
     if op != dist.ReduceOp.SUM:
         raise ValueError(f"fleet_gloo.mp_allreduce: only SUM is supported, got {op}")
-    g = _group(group)
-    return _Pair.apply(tensor, lambda t: comm.all_reduce(t, g), lambda d: d)
+    return _pair(tensor, group, comm.all_reduce, lambda d, g: d)
 
 
 def c_split(tensor: paddle.Tensor, group: Any = None) -> paddle.Tensor:
     """This rank's slice of the last axis; backward all-gathers."""
-    if group is not None and not group.is_member():
-        return None
-    g = _group(group)
-    return _Pair.apply(tensor, lambda t: comm.split_take(t, g, -1), lambda d: comm.all_gather(d, g, -1))
+    return _pair(tensor, group, lambda t, g: comm.split_take(t, g, -1), lambda d, g: comm.all_gather(d, g, -1))
 
 
 def c_concat(tensor: paddle.Tensor, group: Any = None) -> paddle.Tensor:
     """All-gather along the last axis; backward keeps this rank's slice."""
-    if group is not None and not group.is_member():
-        return None
-    g = _group(group)
-    return _Pair.apply(tensor, lambda t: comm.all_gather(t, g, -1), lambda d: comm.split_take(d, g, -1))
+    return _pair(tensor, group, lambda t, g: comm.all_gather(t, g, -1), lambda d, g: comm.split_take(d, g, -1))
 
 
 def c_softmax_with_cross_entropy(
@@ -125,7 +104,7 @@ def c_softmax_with_cross_entropy(
     if label.ndim == logits.ndim - 1:
         label = label.unsqueeze(-1)
     part = logits.shape[-1]
-    start = comm.group_rank(g) * part
+    start = int(g.rank) * part
     with paddle.no_grad():
         gmax = comm.all_reduce(logits.max(axis=-1, keepdim=True), g, op="max")
     shifted = logits - gmax
@@ -169,12 +148,7 @@ def flex_checkpoint_on_cpu() -> Iterator[None]:
     if paddle.is_compiled_with_cuda():
         yield
         return
-    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
-        warnings.warn(
-            f"paddleformers_glm: flex-checkpoint CPU shim on untested Paddle {paddle.__version__} "
-            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
-            stacklevel=3,
-        )
+    warn_untested("flex-checkpoint CPU shim", TESTED_PADDLE, stacklevel=4)
     saved = {name: getattr(paddle.Tensor, name) for name in ("cuda", "pin_memory")}
     try:
         for name in saved:
@@ -265,12 +239,7 @@ def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str
         return []
     if topology is not None:
         _TOPOLOGY[:] = [topology]
-    if not (TESTED_PADDLE[0] <= PADDLE_VERSION < TESTED_PADDLE[1]):
-        warnings.warn(
-            f"paddleformers_glm: Fleet gloo ops installed on untested Paddle {paddle.__version__} "
-            f"(tested {TESTED_PADDLE[0]}..{TESTED_PADDLE[1]})",
-            stacklevel=2,
-        )
+    warn_untested("Fleet gloo ops installed", TESTED_PADDLE)
     from paddle.distributed import parallel
     from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p

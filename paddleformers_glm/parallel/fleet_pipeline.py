@@ -1,51 +1,24 @@
 """Pipeline parallelism on Fleet's own engine: a ``PipelineLayer`` of ``LayerDesc`` chunks, run by
 ``fleet.distributed_model``'s 1F1B ``PipelineParallel`` or, with ``--vpp N``, its interleaved
-``PipelineParallelWithInterleave``.
+``PipelineParallelWithInterleave`` (docs/parallel.md section 3).
 
-The layout language stays ours (:func:`~paddleformers_glm.parallel.pipeline.split_stages`): with
-``vpp`` virtual stages ``--pp-layout`` lists ``pp x vpp`` chunks, chunk ``c`` runs on pipeline rank
-``c % pp`` (Fleet's interleaved placement).  Each rank builds ONE stage module holding every
-layer of its chunks (under the full model's parameter names, so loading, checkpoints, export and
-gradient sync are unchanged); each chunk of the ``PipelineLayer`` is a :class:`PipelineChunk`
-``LayerDesc`` that runs the chunk's part of that module (``module.forward_stage(carry, batch, part=chunk_spec)``).
+Chunk ``c`` of the ``--pp-layout`` runs on pipeline rank ``c % pp``; each rank builds ONE stage
+module holding every layer of its chunks under the full model's parameter names, so loading,
+checkpoints, export and gradient sync are unchanged.  What crosses a stage is a tuple: the
+micro-batch tensors, then the model's carry.  The last chunk returns the micro-batch objective;
+a chunk elsewhere with a loss term ties it to its outgoing carry (:class:`_AttachObjective`).
 
-What crosses a stage boundary is a tuple: the micro-batch tensors (input ids, labels, positions,
-masks: integers with ``stop_gradient``), then the model's carry (GLM: hidden states and the
-int64 top-k of the last full indexer layer, so a stage may start on a shared indexer layer).
-Fleet's p2p sends each tuple element's shape, dtype and ``stop_gradient`` in its meta and sends
-gradients back only for the float tensors that need one.
-
-Losses: every chunk adds its loss terms (``LossTerm`` sums) times the trainer's scales into one
-objective.  On the last chunk (final norm, LM head, MTP and their losses) that objective is what
-the chunk returns and Fleet backpropagates (``delay_scale_loss``: Fleet divides the gradients,
-not each objective, by the micro-batch count; the trainer's scales normalise over the global
-batch times that count and Fleet's replica averaging factor).  A chunk
-elsewhere with a loss term (the indexer KL) ties its objective to the outgoing hidden states
-with :class:`_AttachObjective`, whose backward seeds the objective's gradient with 1.  The
-per-term sums are recorded on the side for the trainer's loss report.
-
-The step: where the trainer's optimizer is Fleet's ``HybridParallelOptimizer`` (``fleet_clips``:
-expert layouts excepted), :meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``: its
-schedule, then its ``_optimizer_step`` calling ``step()`` and ``clear_grad()`` of the optimizer it
-is given.  The trainer's gradient sync (parallel/grads.py: Fleet's collectives over
-sequence-parallel, sharding, data, context-parallel, expert-data and pipeline-shared replicas,
-has-gradient flags) runs at the point where Fleet syncs pipeline-shared gradients,
-``PipelineLayer.allreduce_shared_weight_gradients`` (after the last backward of every schedule),
-*before* ``_optimizer_step``: with ``delay_scale_loss`` that step then divides every gradient
-(``main_grad`` or ``.grad``) by the micro-batch count, which the trainer's loss factor includes on
-this path, and the update reads the gradients from the parameters after it.  The optimizer handed
-to ``train_batch`` (:func:`step_optimizer`) is a ``HybridParallelOptimizer`` whose ``step()`` runs
-the trainer's clip and update (the inner AdamW with Fleet's ``HybridParallelClipGrad``) and whose
-``clear_grad()`` releases the gradients; the stock ``step()`` is not called because its
-``_hybrid_sync_grad`` would send expert gradients over data-parallel ranks that hold other
-experts and has no has-gradient flags.  Expert layouts (``ep`` / ``etp`` > 1) keep the trainer's
-own clip outside any Fleet optimizer, so they drive the schedule alone through
-``forward_backward_pipeline`` (:meth:`FleetPipeline.run`) and step afterwards.
+:meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``, with the trainer's gradient sync
+at ``allreduce_shared_weight_gradients`` (after the last backward, before the optimizer step) and
+an optimizer whose ``step()`` is the trainer's clip and update (:func:`step_optimizer`): the stock
+``step()`` would send expert gradients over data-parallel ranks that hold other experts.  Expert
+layouts (``ep`` / ``etp`` > 1) clip outside any Fleet optimizer, so they drive the schedule alone
+(:meth:`FleetPipeline.run`) and step afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -66,15 +39,8 @@ def chunk_ranks(num_chunks: int, pp: int) -> list[int]:
 def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
     """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order)."""
     mine = [c for c, r in zip(chunks, chunk_ranks(len(chunks), pp)) if r == stage]
-    layers = tuple(i for c in mine for i in c.layers)
-    return StageSpec(
-        stage,
-        pp,
-        layers,
-        any(c.has_embedding for c in mine),
-        any(c.has_head for c in mine),
-        any(c.has_mtp for c in mine),
-    )
+    parts = (any(getattr(c, f) for c in mine) for f in ("has_embedding", "has_head", "has_mtp"))
+    return StageSpec(stage, pp, tuple(i for c in mine for i in c.layers), *parts)
 
 
 class _AttachObjective(paddle.autograd.PyLayer):
@@ -148,37 +114,17 @@ class PipelineChunk(nn.Layer):
         return tuple(t.clone() for t in x[: len(keys)]) + tuple(carry_out)
 
 
-def _return_objective(objective: paddle.Tensor, labels: Any) -> paddle.Tensor:
-    """Fleet's ``loss_fn``: the last chunk already produced the micro-batch objective."""
-    return objective
-
-
-class _MicroBatches:
+def _micro_batches(micro_batches: Sequence[dict[str, paddle.Tensor]], keys: Sequence[str]) -> Iterator[tuple]:
     """Fleet's micro dataset: ``next()`` gives ``(first-stage inputs, labels)`` of the next micro-batch."""
-
-    def __init__(self, micro_batches: Sequence[dict[str, paddle.Tensor]], keys: Sequence[str]) -> None:
-        self._items = [(tuple(mb[k] for k in keys), mb.get("labels")) for mb in micro_batches]
-        self._i = 0
-
-    def __iter__(self) -> _MicroBatches:
-        return self
-
-    def __next__(self) -> tuple[tuple[paddle.Tensor, ...], Any]:
-        if self._i >= len(self._items):
-            raise RuntimeError("Fleet's pipeline asked for more micro-batches than the step has")
-        item = self._items[self._i]
-        self._i += 1
-        return item
+    for mb in micro_batches:
+        yield tuple(mb[k] for k in keys), mb.get("labels")
+    raise RuntimeError("Fleet's pipeline asked for more micro-batches than the step has")
 
 
 class FleetPipeline:
     """This rank's ``PipelineLayer`` wrapped by ``fleet.distributed_model`` (1F1B or interleaved).
-
-    ``run(micro_batches, scales)`` has the contract of the trainer's single-stage engine: forward
-    and backward of every micro-batch (gradients accumulate in the parameters), returning this
-    rank's ``{term: (sum, count)}``.  ``train_batch`` runs the whole step, update included, as
-    Fleet's ``train_batch``.
-    """
+    ``run`` has the single-stage engine's contract; ``train_batch`` runs the whole step, update
+    included."""
 
     def __init__(self, stage: nn.Layer, chunks: Sequence[StageSpec], topo: Topology, num_micro: int) -> None:
         from paddle.distributed.fleet.meta_parallel import LayerDesc
@@ -205,7 +151,7 @@ class FleetPipeline:
             layers=descs,
             num_stages=pp,
             topology=topo.hcg.topology(),
-            loss_fn=_return_objective,
+            loss_fn=lambda objective, labels: objective,  # the last chunk returns the objective
             seg_method="layer:PipelineChunk",  # one chunk per virtual stage
             num_virtual_pipeline_stages=vpp if vpp > 1 else None,
         )
@@ -235,7 +181,7 @@ class FleetPipeline:
         model._layers.train()
         model.set_virtual_pipeline_rank(0)
         with paddle.amp.auto_cast(enable=False):
-            model.forward_backward_pipeline(_MicroBatches(micro_batches, self.ledger.batch_keys), None)
+            model.forward_backward_pipeline(_micro_batches(micro_batches, self.ledger.batch_keys), None)
         out = self.ledger.totals()
         self.ledger.reset({})
         return out
@@ -262,7 +208,7 @@ class FleetPipeline:
         layers.after_backward = hook
         try:
             with paddle.amp.auto_cast(enable=False):
-                self.model.train_batch(_MicroBatches(micro_batches, self.ledger.batch_keys), optimizer)
+                self.model.train_batch(_micro_batches(micro_batches, self.ledger.batch_keys), optimizer)
         finally:
             layers.after_backward = None
         if len(calls) != 1:
@@ -317,14 +263,10 @@ def step_optimizer(hybrid: Any, step: Callable[[], None], clear_grad: Callable[[
 
 
 def _two_stage_interleave(layer: nn.Layer, num_micro: int) -> Any:
-    """Fleet's interleaved engine at ``pp == 2``, which ``fleet.distributed_model`` refuses.
-
-    Fleet's ``_check_sanity`` asserts more than two stages; the schedule's own code paths handle
-    two (the trainer's ``--pp 2 --vpp 2`` test equals one process, and ``--pp 2`` without
-    interleaving bit for bit), and the trainer checks the micro-batch count before launch.  The class
-    is the one ``distributed_model`` picks for the micro-batch count (``>= 2 pp``: interleaved
-    1F1B, else interleaved F-then-B); only the stage-count assertion is dropped.
-    """
+    """Fleet's interleaved engine at ``pp == 2``, which ``fleet.distributed_model`` refuses: its
+    ``_check_sanity`` asserts more than two stages, though the schedule handles two (the trainer's
+    ``--pp 2 --vpp 2`` test equals one process).  Same class choice as ``distributed_model``; only
+    that assertion is dropped."""
     from paddle.distributed import fleet
     from paddle.distributed.fleet.meta_parallel import (
         PipelineParallelWithInterleave,

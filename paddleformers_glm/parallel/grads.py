@@ -1,54 +1,26 @@
 """Gradient synchronisation across TP / DP / CP / sharding / EP / PP on Fleet's collectives, the
-has-gradient flags, and the *true* global gradient norm.
+has-gradient flags, and the *true* global gradient norm (docs/parallel.md sections 4 and 8).
 
-Fleet's conventions, adopted as they are:
+Fleet's conventions, adopted as they are: a bf16 parameter's gradient becomes an fp32
+``param.main_grad``, which every Fleet collective reads instead of ``.grad``, and a parameter
+without a gradient gets a zero one so every replica joins the same collectives.  Fleet *averages*
+over data-parallel and sharding replicas and *sums* over context- and model-parallel ones; the
+trainer multiplies each local loss by ``dp x sharding`` (:func:`loss_multiplier`), so the result
+is the global batch's gradient, as in one process.
 
-* fp32 reduction for low-precision parameters through Fleet's ``main_grad``: a bf16 parameter's
-  gradient becomes an fp32 ``param.main_grad`` (its ``.grad`` released), which every Fleet
-  gradient collective reads instead of ``.grad``; fp32 parameters reduce their ``.grad`` in place.
-  A parameter that got no gradient gets a zero ``main_grad`` so every replica joins the same
-  collectives.
-* scaling: Fleet *averages* over data-parallel and sharding replicas and *sums* over the
-  context-parallel (Fleet's ``sep``) and model-parallel groups.  The trainer multiplies each local
-  loss by ``dp x sharding`` (:func:`loss_multiplier`), so the averages give the sum of the
-  per-token gradients over the global batch, the same math as one process.
+In order: sequence-parallel parameters summed over TP; pipeline-shared names (the embedding the
+MTP head reuses) summed over their holder stages; the sharding optimizer's ``reduce_gradients``;
+dense parameters through ``fused_allreduce_gradients``; experts over the expert-data-parallel
+group (it spans the cp ranks, which hold *different* experts; Fleet's HCG has no such group).
 
-What runs, in order:
-
-1. sequence-parallel parameters (Fleet's ``is_sequence_parallel_parameter`` or
-   ``ShardSpec.sequence_parallel``: norms, router, row bias under SP) summed over TP by
-   ``fused_allreduce_gradients_with_group(params, mp_group, scale=1.0)``, as Fleet's
-   sequence-parallel hook does;
-2. parameters held by several pipeline stages under the same name (the embedding the MTP head
-   reuses): summed over those stages, in stage order (the trainer's own: the stage module holds the
-   full model's names rather than Fleet's ``SharedLayerDesc``);
-3. sharding: the sharding optimizer's ``reduce_gradients`` (mean over the sharding ranks, reduced
-   onto the rank that updates each parameter); at sharding stage 2 the other ranks then release it;
-4. dense parameters the rank updates: ``fused_allreduce_gradients(params, hcg)`` (mean over DP,
-   sum over CP, one all-reduce over Fleet's dp x sep group when both are > 1) -- steps 3 and 4 are
-   ``HybridParallelOptimizer._hybrid_sync_grad``;
-5. expert parameters (``ShardSpec.expert``) the rank updates: over the expert-data-parallel group
-   (their replicas: edp = tp x dp x cp / (ep x etp)) with
-   ``fused_allreduce_gradients_with_group(params, edp_group, scale=1/dp)``.  The expert grid spans
-   the cp ranks, so a cp group holds *different* experts, and Fleet's plain HCG has no such group.
-
-Has-gradient flags: a dense parameter has a gradient when backward produced one on any replica.
-Experts follow the reference, which holds a layer's experts as fused tensors (HF's
-``gate_up_proj`` [E, 2I, H] and ``down_proj``, as Megatron's and PaddleFleet's grouped-GEMM experts
-do): torch's AdamW steps such a tensor whenever it has a gradient, so *every* expert of an MoE layer
-is stepped when the layer's router sent any token anywhere this step, an idle expert with a zero
-gradient (its moments decay, the moment-driven update and the weight decay go on, and its Adam
-step count stays the fused tensor's).  The decision is per layer, from the global routed-token
-counts, so it is the same on every rank of every layout.  ``expert_update="routed-only"`` keeps the
-per-expert rule instead (an expert is stepped only when tokens reached it this step: cheaper for
-very sparse routing, but a different optimizer trajectory from the fused reference).  The
-optimizer skips every parameter whose flag is false, as torch's AdamW skips a parameter whose
-gradient is ``None``.
-
-The global norm counts each distinct tensor element once: a replicated tensor only on its
-canonical owner (the sharding rank that updates it; dp and cp rank 0 and tp rank 0 unless
-TP-split for dense tensors, edp rank 0 and etp rank 0 unless ETP-split for experts; the first stage
-holding a pipeline-shared name), then one all-reduce over the world.
+Has-gradient flags (the optimizer skips a parameter whose flag is false, as torch's AdamW skips
+one whose gradient is ``None``): a dense parameter's says whether backward produced a gradient on
+any replica; experts follow the reference's fused expert tensors, which torch's AdamW steps
+whenever the layer's router sent any token anywhere, so every expert of such a layer is stepped
+(an idle one with a zero gradient); ``expert_update="routed-only"`` steps only the experts that
+got tokens.  The decision comes from the global routed-token counts, the same on every rank of
+every layout.  The global norm counts each distinct element once, on its canonical owner, then
+one all-reduce over the world.
 """
 
 from __future__ import annotations
@@ -186,10 +158,11 @@ class GradSynchronizer:
             group, holders_only = self._set_group(stages)
             if holders_only and self.topo.stage not in stages:
                 continue
-            flat = self._flat([params[n].detach().astype("float32") if n in params else None for n in names], names)
+            sizes = [self.shared_numel[n] for n in names]
+            flat = _flat([params[n].detach().astype("float32") if n in params else None for n in names], sizes)
             comm.broadcast(flat, self.topo.stage_ranks[stages[0]], group)
             if self.topo.stage in stages:
-                for n, part in zip(names, self._split_sizes(flat, names)):
+                for n, part in zip(names, _split(flat, sizes)):
                     params[n].set_value(part.reshape(params[n].shape).astype(params[n].dtype))
 
     # ---------------------------------------------------------------- per step
@@ -226,25 +199,18 @@ class GradSynchronizer:
         if dense and (topo.dp_size > 1 or topo.cp_size > 1):  # mean over dp, sum over cp (Fleet's sep)
             fused_allreduce_gradients(dense, topo.hcg)
         experts = [p for p in params if self.specs[names[id(p)]].expert]  # (ShardSpec.expert)
-        if experts and topo.dp_size > 1:  # the dp mean of Fleet's convention, summed over the expert replicas
-            if comm.group_size(topo.edp_group) > 1:
-                fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
-            else:
-                for p in experts:
-                    _grad(p).scale_(1.0 / topo.dp_size)
-        elif experts and comm.group_size(topo.edp_group) > 1:
-            fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0)
+        # the dp mean of Fleet's convention, summed over the expert replicas
+        if experts and comm.group_size(topo.edp_group) > 1:
+            fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
+        elif experts and topo.dp_size > 1:
+            for p in experts:
+                _grad(p).scale_(1.0 / topo.dp_size)
         return self.current_grads(), flags
 
     def current_grads(self) -> dict[str, paddle.Tensor]:
         """Each kept gradient by name (``main_grad`` when set, else ``.grad``), read from the
         parameters now: Fleet's pipeline step may have rescaled them since the sync."""
-        out = {}
-        for n, p in self.params:
-            g = _grad(p)
-            if g is not None:
-                out[n] = g
-        return out
+        return {n: g for n, p in self.params if (g := _grad(p)) is not None}
 
     def release(self) -> None:
         """Drop every gradient after the update (a parameter that gets none next step stays ``None``)."""
@@ -311,12 +277,10 @@ class GradSynchronizer:
                 continue
             mine = topo.stage in stages
             fl = [paddle.to_tensor([1.0 if flags[n] else 0.0], dtype="float32") if mine else None for n in names]
-            flat = self._flat(
-                [params[n].main_grad if mine else None for n in names] + fl, names + names, flags_from=len(names)
-            )
-            flat = comm.all_reduce(flat, group)
+            sizes = [self.shared_numel[n] for n in names] + [1] * len(names)  # gradients, then flags
+            flat = comm.all_reduce(_flat([params[n].main_grad if mine else None for n in names] + fl, sizes), group)
             if mine:
-                parts = self._split_sizes(flat, names + names, flags_from=len(names))
+                parts = _split(flat, sizes)
                 for i, n in enumerate(names):
                     params[n].main_grad = parts[i].reshape(params[n].shape)
                     flags[n] = bool(float(parts[len(names) + i].numpy()[0]) > 0)
@@ -359,20 +323,16 @@ class GradSynchronizer:
             sets.setdefault(self.holders[n], []).append(n)
         return sorted(sets.items())
 
-    def _numel(self, name: str, flag: bool) -> int:
-        return 1 if flag else self.shared_numel[name]
 
-    def _flat(self, tensors: list, names: list[str], flags_from: int | None = None) -> paddle.Tensor:
-        """Concatenate (zeros where this stage does not hold the tensor: it still joins the all-reduce)."""
-        parts = []
-        for i, (t, n) in enumerate(zip(tensors, names)):
-            flag = flags_from is not None and i >= flags_from
-            parts.append(t.reshape([-1]) if t is not None else paddle.zeros([self._numel(n, flag)], dtype="float32"))
-        return paddle.concat(parts)
+def _flat(tensors: list, sizes: list[int]) -> paddle.Tensor:
+    """Concatenate (zeros where this stage does not hold the tensor: it still joins the collective)."""
+    return paddle.concat(
+        [t.reshape([-1]) if t is not None else paddle.zeros([n], "float32") for t, n in zip(tensors, sizes)]
+    )
 
-    def _split_sizes(self, flat: paddle.Tensor, names: list[str], flags_from: int | None = None) -> list[paddle.Tensor]:
-        sizes = [self._numel(n, flags_from is not None and i >= flags_from) for i, n in enumerate(names)]
-        return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
+
+def _split(flat: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
+    return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
 
 
 def _routers(model: nn.Layer) -> dict[str, tuple[Any, int]]:

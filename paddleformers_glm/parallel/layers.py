@@ -1,37 +1,13 @@
 """Tensor-parallel layers: column / row parallel linear, vocab-parallel embedding, parallel LM head
-and vocab-parallel cross entropy.
+and vocab-parallel cross entropy (which layer is Fleet's and which ours, and why: docs/parallel.md
+section 2).
 
-The names the model uses (:func:`ColumnParallelLinear`, :func:`RowParallelLinear`,
-:func:`VocabParallelEmbedding`, :func:`ParallelLMHead`, :func:`parallel_cross_entropy`) are
-factories.  Under a real tensor-parallel group (Fleet initialised with ``mp_degree`` > 1) they
-return Fleet's stock layers (on CPU gloo through the compatibility ops of ``fleet_gloo.py``), with
-our :class:`ShardSpec` attached to their parameters:
-
-* without sequence parallel, ``paddle.distributed.fleet.meta_parallel``'s;
-* with it, ``fleet.utils.sequence_parallel_utils``' ``ColumnSequenceParallelLinear`` /
-  ``RowSequenceParallelLinear`` through thin subclasses (:class:`BatchFirstColumnSequenceParallelLinear`,
-  :class:`BatchFirstRowSequenceParallelLinear`): Fleet's layers split and gather the *first* axis
-  (sequence-first ``[S, B, H]``), this model is batch-first ``[B, S, H]``, so the subclasses move
-  the sequence axis to the front and back around Fleet's forward (free for a batch of one, a
-  transposed copy otherwise); the embedding is Fleet's with its rows reduce-scattered by Fleet's
-  ``ReduceScatterOp`` into the sequence shard.
-
-Otherwise they return the ``Comm*`` layers defined here, written on comm.py, which are
-
-* the plain ``paddle.nn`` computation at world size 1 (same op, same result bits);
-* the shape-only probe layers when a topology has sizes but no process groups (memory planning);
-* sequence parallel over a group other than Fleet's model-parallel group (Fleet's SP utilities
-  always use that one; the model has none), and a sequence-parallel column layer that gathers
-  its output (Fleet's does not).
-
-Conventions:
-
-* weights are Paddle-layout ``[in, out]`` and named ``weight`` / ``bias``; under TP a layer holds
-  only its slice (a fused ``[gate | up]`` projection holds ``[gate_r | up_r]``);
-* every parameter carries a :class:`ShardSpec` (``param.shard_spec``; fleet's ``is_distributed`` /
-  ``split_axis`` are set too) saying which axis of the *full* tensor is split over which group, so
-  ``state.shard_full_state`` can slice a checkpoint and ``state.gather_full_state`` can rebuild it;
-* activations are ``[B, S, H]``.
+The names the model uses (:func:`ColumnParallelLinear`, ...) are factories: under a real TP group
+they return Fleet's stock layers (with sequence parallel, the ``BatchFirst*`` subclasses that move
+the sequence axis of ``[B, S, H]`` activations to the front Fleet's SP layers split), else the
+``Comm*`` layers defined here (world size 1, shape-only probes, SP over another group).  Every
+parameter carries a :class:`ShardSpec` saying which axis of the *full* ``[in, out]`` tensor is
+split over which group, so checkpoints can be sliced and rebuilt.
 """
 
 from __future__ import annotations
@@ -59,7 +35,6 @@ __all__ = [
     "BatchFirstRowSequenceParallelLinear",
     "ColumnParallelLinear",
     "CommColumnParallelLinear",
-    "CommParallelLMHead",
     "CommRowParallelLinear",
     "CommVocabParallelEmbedding",
     "ParallelLMHead",
@@ -69,7 +44,6 @@ __all__ = [
     "fleet_tp_group",
     "get_shard_spec",
     "local_slice",
-    "mark_expert",
     "mark_sequence_parallel",
     "merge_slices",
     "parallel_cross_entropy",
@@ -149,12 +123,6 @@ def mark_sequence_parallel(obj: Any, enabled: bool = True) -> None:
         set_shard_spec(p, replace(spec, sequence_parallel=enabled))
 
 
-def mark_expert(obj: Any) -> None:
-    """Mark EP-local expert parameters (their gradient sync group is the expert-data-parallel group)."""
-    for p in _params_of(obj):
-        set_shard_spec(p, replace(get_shard_spec(p), expert=True))
-
-
 def local_slice(full: np.ndarray, spec: ShardSpec, rank: int, size: int) -> np.ndarray:
     """Rank ``rank``'s slice of the full tensor (``size`` ranks in ``spec.group``)."""
     if spec.axis is None or size == 1:
@@ -180,8 +148,8 @@ def merge_slices(parts: list[np.ndarray], spec: ShardSpec) -> np.ndarray:
     return np.concatenate(blocks, axis=axis) if len(blocks) > 1 else blocks[0]
 
 
-def _xavier(shape: list[int], fan_in: int, fan_out: int, dtype: str) -> nn.initializer.Initializer:
-    # Same distribution as nn.Linear's default (XavierUniform on the *full* fans).
+def _xavier(fan_in: int, fan_out: int) -> nn.initializer.Initializer:
+    """nn.Linear's default distribution (XavierUniform) on the *full* fans."""
     limit = math.sqrt(6.0 / float(fan_in + fan_out))
     return nn.initializer.Uniform(-limit, limit)
 
@@ -200,12 +168,6 @@ def _check_row(in_features: int, size: int, sequence_parallel: bool, input_is_pa
         raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {group} {size}")
     if sequence_parallel and not input_is_parallel:
         raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-
-
-def _topology(topo: Topology | None) -> Topology:
-    """The topology a layer is built for: the one given, else the process's (world size 1 when
-    nothing was initialised). The model passes its own; tests and stand-ins may rely on the default."""
-    return topo if topo is not None else get_topology()
 
 
 class _CommLinear(nn.Layer):
@@ -230,9 +192,7 @@ class _CommLinear(nn.Layer):
         self.world, self.rank = topo.size(group), topo.rank_in(group)
         self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
         dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(
-            local, dtype=dtype, default_initializer=_xavier(local, in_features, out_features, dtype)
-        )
+        self.weight = self.create_parameter(local, dtype=dtype, default_initializer=_xavier(in_features, out_features))
         set_shard_spec(self.weight, weight_spec, self.world)
         self.bias = None
         if bias_size is not None:
@@ -264,7 +224,7 @@ class CommColumnParallelLinear(_CommLinear):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        topo = _topology(topo)
+        topo = topo or get_topology()
         _check_column(out_features, topo.size(group), fuse_chunks, gather_output, group)
         local = out_features // topo.size(group)
         spec = ShardSpec(axis=1, group=group, chunks=fuse_chunks)
@@ -308,7 +268,7 @@ class CommRowParallelLinear(_CommLinear):
         dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
-        topo = _topology(topo)
+        topo = topo or get_topology()
         _check_row(in_features, topo.size(group), sequence_parallel, input_is_parallel, group)
         local = [in_features // topo.size(group), out_features]
         bias = out_features if has_bias else None
@@ -351,7 +311,7 @@ class CommVocabParallelEmbedding(nn.Layer):
         topo: Topology | None = None,
     ) -> None:
         super().__init__()
-        topo = _topology(topo)
+        topo = topo or get_topology()
         size, rank = topo.tp_size, topo.tp_rank
         self.group = topo.tp_group
         if num_embeddings % size:
@@ -365,7 +325,7 @@ class CommVocabParallelEmbedding(nn.Layer):
         self.weight = self.create_parameter(
             [self.per_rank, embedding_dim],
             dtype=dtype,
-            default_initializer=_xavier([self.per_rank, embedding_dim], num_embeddings, embedding_dim, dtype),
+            default_initializer=_xavier(num_embeddings, embedding_dim),
         )
         set_shard_spec(self.weight, ShardSpec(axis=0), size)
 
@@ -388,30 +348,11 @@ class CommVocabParallelEmbedding(nn.Layer):
         return comm.reduce_from_tp(out, group=self.group)
 
 
-class CommParallelLMHead(CommColumnParallelLinear):
-    """Output projection [H, V] split over the vocabulary: returns vocab-parallel logits [B, S, V/tp].
-
-    Feed them to :func:`parallel_cross_entropy`; gather them (``comm.gather_from_tp``) only to look at them.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        vocab_size: int,
-        sequence_parallel: bool = False,
-        *,
-        dtype: str | None = None,
-        topo: Topology | None = None,
-    ) -> None:
-        # the column layer's defaults: no bias, logits left split over the vocabulary
-        super().__init__(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
-
-
 def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Topology | None = None) -> Any:
     """The process group Fleet's layers are built on, or None where the ``Comm*`` layers apply:
     size 1, a topology without process groups, or sequence parallel over a group other than
     Fleet's model-parallel group (its sequence-parallel utilities always use that one)."""
-    topo = _topology(topo)
+    topo = topo or get_topology()
     if topo.size(group) == 1 or topo.backend == "single":
         return None
     g = topo.group(group)
@@ -419,22 +360,17 @@ def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Top
 
 
 class BatchFirstColumnSequenceParallelLinear(spu.ColumnSequenceParallelLinear):
-    """Fleet's ``ColumnSequenceParallelLinear`` on batch-first activations:
-    ``[B, S/tp, in]`` -> ``[B, S, out/tp]``.
-
-    Fleet's layer all-gathers the first axis (sequence-first ``[S, B, H]``); the sequence axis is
-    moved there and back around it (:func:`comm.to_sequence_first`: free for a batch of one, a
-    transposed copy of the input and output otherwise).  Everything else is Fleet's forward.
-    """
+    """Fleet's ``ColumnSequenceParallelLinear`` on batch-first activations, ``[B, S/tp, in]`` ->
+    ``[B, S, out/tp]``: the sequence axis moved to the front Fleet's layer gathers, and back
+    (:func:`comm.to_sequence_first`: free for a batch of one, a transposed copy otherwise)."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
 
 
 class BatchFirstRowSequenceParallelLinear(spu.RowSequenceParallelLinear):
-    """Fleet's ``RowSequenceParallelLinear`` on batch-first activations: ``[B, S, in/tp]`` ->
-    ``[B, S/tp, out]`` (reduce-scatter over the sequence, bias added after it; Fleet marks the
-    bias sequence-parallel).  Layout conversion as :class:`BatchFirstColumnSequenceParallelLinear`."""
+    """Fleet's ``RowSequenceParallelLinear`` on batch-first activations, ``[B, S, in/tp]`` ->
+    ``[B, S/tp, out]``, as :class:`BatchFirstColumnSequenceParallelLinear`."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
@@ -487,15 +423,17 @@ def _fleet_vocab_embedding_class() -> type:
         def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
             if not self.sequence_parallel:
                 out = super().forward(ids)
-                if self.padding_idx is None:
-                    return out
-                return paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
-            part = mp_ops._c_lookup_table(
-                self.weight, ids, start_index=self.vocab_start_index, vocab_size=self.num_embeddings, name=self._name
-            )
+            else:  # this rank's partial rows, summed below
+                out = mp_ops._c_lookup_table(
+                    self.weight,
+                    ids,
+                    start_index=self.vocab_start_index,
+                    vocab_size=self.num_embeddings,
+                    name=self._name,
+                )
             if self.padding_idx is not None:
-                part = paddle.where((ids == self.padding_idx).unsqueeze(-1), part.detach(), part)
-            return comm.reduce_scatter_to_sp(part, group=self.model_parallel_group)
+                out = paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+            return comm.reduce_scatter_to_sp(out, group=self.model_parallel_group) if self.sequence_parallel else out
 
     return _PaddedVocabParallelEmbedding
 
@@ -508,11 +446,8 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Column-parallel ``y = x W + b`` (W ``[in, out/tp]``), arguments as
-    :class:`CommColumnParallelLinear`: Fleet's ``ColumnParallelLinear`` under a TP group (with
-    ``sequence_parallel``: :class:`BatchFirstColumnSequenceParallelLinear`), else ours.
-    ``fuse_chunks`` only changes the ShardSpec (each rank's slice is ``[chunk0_r | chunk1_r | ...]``);
-    the layer itself is the same."""
+    """Column-parallel linear, arguments as :class:`CommColumnParallelLinear`: Fleet's layer under a TP
+    group, else ours.  ``fuse_chunks`` only changes the ShardSpec, not the layer."""
     a = _bind(CommColumnParallelLinear, args, kwargs)
     sp, group, gather, chunks = a["sequence_parallel"], a["group"], a["gather_output"], a["fuse_chunks"]
     g = fleet_tp_group(group, sp, a["topo"])
@@ -532,10 +467,8 @@ def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 -
 
 
 def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Row-parallel ``y = x W + b`` (W ``[in/tp, out]``, partial products all-reduced, bias added
-    once), arguments as :class:`CommRowParallelLinear`: Fleet's ``RowParallelLinear`` under a TP
-    group (with ``sequence_parallel``: :class:`BatchFirstRowSequenceParallelLinear`, output
-    reduce-scattered over the sequence), else ours."""
+    """Row-parallel linear, arguments as :class:`CommRowParallelLinear`: Fleet's layer under a TP
+    group, else ours."""
     a = _bind(CommRowParallelLinear, args, kwargs)
     sp, group, parallel_in = a["sequence_parallel"], a["group"], a["input_is_parallel"]
     g = fleet_tp_group(group, sp, a["topo"])
@@ -557,10 +490,8 @@ def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a 
 
 
 def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Embedding with the vocabulary rows split over TP (weight ``[V/tp, H]``), arguments as
-    :class:`CommVocabParallelEmbedding`: Fleet's ``VocabParallelEmbedding`` (plus torch's
-    ``padding_idx``; with ``sequence_parallel`` its rows summed by Fleet's ``ReduceScatterOp`` into
-    the sequence shard) under a TP group, else ours."""
+    """Vocab-parallel embedding, arguments as :class:`CommVocabParallelEmbedding`: Fleet's layer
+    (plus torch's ``padding_idx``) under a TP group, else ours."""
     a = _bind(CommVocabParallelEmbedding, args, kwargs)
     g = fleet_tp_group("tp", a["sequence_parallel"], a["topo"])
     if g is None:
@@ -576,17 +507,17 @@ def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802
     return layer
 
 
-def ParallelLMHead(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
-    """Output projection ``[H, V]`` split over the vocabulary, arguments as :class:`CommParallelLMHead`:
-    returns vocab-parallel logits ``[B, S, V/tp]`` for :func:`parallel_cross_entropy` (a
-    column-parallel linear without gather; with ``sequence_parallel`` it all-gathers the sequence
-    shards first, Fleet's SP column layer)."""
-    a = _bind(CommParallelLMHead, args, kwargs)
-    if fleet_tp_group("tp", a["sequence_parallel"], a["topo"]) is None:
-        return CommParallelLMHead(*args, **kwargs)
-    return ColumnParallelLinear(
-        a["hidden_size"], a["vocab_size"], sequence_parallel=a["sequence_parallel"], dtype=a["dtype"], topo=a["topo"]
-    )
+def ParallelLMHead(  # noqa: N802 - a layer factory
+    hidden_size: int,
+    vocab_size: int,
+    sequence_parallel: bool = False,
+    *,
+    dtype: str | None = None,
+    topo: Topology | None = None,
+) -> nn.Layer:
+    """Output projection [H, V] split over the vocabulary: a column-parallel linear without bias or
+    gather, returning vocab-parallel logits [B, S, V/tp] for :func:`parallel_cross_entropy`."""
+    return ColumnParallelLinear(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
 
 
 def parallel_cross_entropy(

@@ -1,30 +1,14 @@
 """Pipeline parallelism: the stage layout language, the stage contract, and the single-stage engine.
 
-The pipeline engine for ``--pp`` > 1 is Fleet's (``PipelineLayer`` + ``PipelineParallel``, 1F1B or
-interleaved): :mod:`~paddleformers_glm.parallel.fleet_pipeline`.  This module holds what both use:
-stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's output and the loss ledger.
+The engine for ``--pp`` > 1 is Fleet's (:mod:`~paddleformers_glm.parallel.fleet_pipeline`); this
+module holds what both use: stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's
+output and the loss ledger.
 
-Layout syntax (``--pp-layout``)
--------------------------------
-Stages are separated by ``|``; inside a stage, units are listed in order, separated by commas
-or spaces (optional):
-
-=====  ====================================================================
-``E``  the embedding (first stage, first unit)
-``t``  one decoder layer; ``t*4`` is four of them
-``m``  the MTP block(s) (last stage, before ``L``; only for models with MTP)
-``L``  final norm + LM head + loss (last stage, last unit)
-=====  ====================================================================
-
-``"E,t*4|t*4,L"`` puts layers 0-3 with the embedding on stage 0 and layers 4-7 with the head on
-stage 1.  A list of per-stage layer counts (``"3,5"`` or ``[3, 5]``) is the same with E on the
-first and ``m``/``L`` on the last stage.  ``first_stage_layers`` / ``last_stage_layers`` fix the
-two ends and split the rest evenly (the released GLM-5.2 recipe uses PP8 with 14 / 16).
-
-Stages and the top-k carry
---------------------------
-What a stage returns to the next travels as a tuple (GLM: hidden states and the int64 top-k of
-the last full indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
+``--pp-layout`` (docs/parallel.md section 3): stages separated by ``|``, units ``E`` (embedding,
+first), ``t`` (a decoder layer; ``t*4`` four), ``m`` (MTP, last stage before ``L``), ``L`` (norm +
+head + loss, last), e.g. ``"E,t*4|t*4,L"``; or per-stage layer counts (``"3,5"`` or ``[3, 5]``).
+What a stage hands the next is a tuple (GLM: hidden states and the int64 top-k of the last full
+indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
 """
 
 from __future__ import annotations
@@ -87,20 +71,17 @@ class LossTerm(NamedTuple):
     count: Any
 
 
-_TOKEN = re.compile(r"([EtmL])(?:\*(\d+))?")
+_TOKEN = re.compile(r"\s*([EtmL])(?:\*(\d+))?")
 
 
 def _parse_units(stage_text: str, stage: int) -> list[str]:
     units: list[str] = []
-    pos, text = 0, stage_text.replace(",", " ")
+    pos, text = 0, stage_text.replace(",", " ").rstrip()
     while pos < len(text):
-        if text[pos].isspace():
-            pos += 1
-            continue
         m = _TOKEN.match(text, pos)
         if not m:
             raise ParallelConfigError(
-                f"--pp-layout: stage {stage}: cannot parse {text[pos:]!r} (units are E, t, m, L, optionally *N)"
+                f"--pp-layout: stage {stage}: cannot parse {text[pos:].lstrip()!r} (units are E, t, m, L, optionally *N)"
             )
         units += [m.group(1)] * int(m.group(2) or 1)
         pos = m.end()
@@ -126,18 +107,10 @@ def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_m
         if not units:
             raise ParallelConfigError(f"--pp-layout {layout!r}: stage {i} is empty")
         n_t = units.count("t")
-        expected_order = (
-            (["E"] if "E" in units else [])
-            + ["t"] * n_t
-            + (["m"] if "m" in units else [])
-            + (["L"] if "L" in units else [])
-        )
-        if units != expected_order:
+        if units != [u for u in "EtmL" if u in units for _ in range(n_t if u == "t" else 1)]:
             raise ParallelConfigError(
-                f"--pp-layout {layout!r}: stage {i} units {''.join(units)} must be ordered E, t..., m, L"
+                f"--pp-layout {layout!r}: stage {i} units {''.join(units)} must be ordered E, t..., m, L (each once)"
             )
-        if units.count("E") > 1 or units.count("L") > 1 or units.count("m") > 1:
-            raise ParallelConfigError(f"--pp-layout {layout!r}: stage {i} repeats E, m or L")
         if "E" in units and i != 0:
             raise ParallelConfigError(f"--pp-layout {layout!r}: E (embedding) must be on stage 0, found on stage {i}")
         if ("L" in units or "m" in units) and i != pp - 1:
@@ -220,17 +193,14 @@ def split_stages(
         )
     if free:
         base, extra = divmod(rest, len(free))
-        if first_stage_layers is not None or last_stage_layers is not None:
-            if extra:
-                raise ParallelConfigError(
-                    f"{rest} remaining layers do not split evenly over {len(free)} middle stages; "
-                    f"try last_stage_layers={last_stage_layers + extra if last_stage_layers is not None else extra + base}"
-                )
-        order = sorted(free, key=lambda i: (i in (0, pp - 1), i == pp - 1, i))
+        if extra and (first_stage_layers is not None or last_stage_layers is not None):
+            raise ParallelConfigError(
+                f"{rest} remaining layers do not split evenly over {len(free)} middle stages; "
+                f"try last_stage_layers={last_stage_layers + extra if last_stage_layers is not None else extra + base}"
+            )
+        plus_one = sorted(free, key=lambda i: (i in (0, pp - 1), i == pp - 1, i))[:extra]  # middle stages first
         for i in free:
-            counts[i] = base
-        for i in order[:extra]:
-            counts[i] += 1  # type: ignore[operator]
+            counts[i] = base + (i in plus_one)
     elif rest != 0:
         raise ParallelConfigError(f"stage sizes {counts} sum to {fixed}, the model has {num_layers} layers")
     return _specs_from_counts([int(c) for c in counts], has_mtp)  # type: ignore[arg-type]
@@ -298,20 +268,10 @@ class StageOutput:
 
 
 def _normalise_output(out: Any, last: bool, stage: int) -> StageOutput:
-    if isinstance(out, StageOutput):
-        res = out
-    elif isinstance(out, dict):
-        res = StageOutput(None, out)
-    elif isinstance(out, paddle.Tensor):
-        res = StageOutput((out,), None)
-    elif isinstance(out, (list, tuple)) and all(isinstance(t, paddle.Tensor) for t in out):
-        res = StageOutput(tuple(out), None)
-    else:
-        raise TypeError(
-            f"stage {stage} forward returned {type(out).__name__}; expected StageOutput, a dict of LossTerm or tensors"
-        )
-    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (res.losses or {}).items()}
-    carry = tuple(res.carry) if res.carry is not None else None
+    if not isinstance(out, StageOutput):
+        raise TypeError(f"stage {stage} forward returned {type(out).__name__}; expected StageOutput")
+    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (out.losses or {}).items()}
+    carry = tuple(out.carry) if out.carry is not None else None
     if last and not losses:
         raise TypeError(f"the last pipeline stage ({stage}) returned no losses")
     if not last and carry is None:
@@ -355,13 +315,8 @@ class LossLedger:
 
 
 class SingleStageEngine:
-    """One pipeline stage (``--pp 1``): forward and backward of each micro-batch in turn.
-
-    ``module.forward_stage(None, batch)`` returns the stage's :class:`StageOutput` (losses only); gradients
-    accumulate in the parameters; the optimizer is not stepped here.  With ``--pp`` > 1 the
-    trainer uses Fleet's pipeline (:mod:`~paddleformers_glm.parallel.fleet_pipeline`) with the
-    same ``run`` contract.
-    """
+    """One pipeline stage (``--pp 1``): forward and backward of each micro-batch in turn; gradients
+    accumulate in the parameters, the optimizer is not stepped here."""
 
     name = "single stage"
 

@@ -1,15 +1,10 @@
-"""Activation recompute through Fleet's ``fleet.utils.recompute``.
+"""Activation recompute through Fleet's ``fleet.utils.recompute`` (docs/parallel.md section 4).
 
-``--recompute full`` keeps only each decoder layer's inputs in forward and runs the layer again in
-backward.  ``--recompute core`` keeps the layer's projections and recomputes only its attention
-core (the indexer's top-k selection and the sparse softmax attention, whose probabilities and
-gathered keys are the largest activations of a long sequence); the model marks that part with
-:func:`run_core`, and :func:`run_layer` switches it on while a decoder layer runs.
-
-Fleet's hook-based form (``use_reentrant=False``) is used: inputs and outputs may be ``None`` or
-integer tensors (the carried top-k indices) and a layer may return a ``None`` loss term, which
-the PyLayer form cannot carry.  The RNG state is restored for the replay, so the recomputed
-forward is the same computation: fp32 losses and gradients are bit-identical to no recompute.
+``--recompute full`` replays each decoder layer in backward; ``--recompute core`` only its
+attention core, which the model marks with :func:`run_core` (:func:`run_layer` switches it on).
+Fleet's hook-based form (``use_reentrant=False``) is used because inputs and outputs may be
+``None`` or integer tensors (the carried top-k), which the PyLayer form cannot carry; the RNG state
+is restored for the replay, so fp32 losses and gradients are bit-identical to no recompute.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from typing import Any
 
 import paddle
 
-__all__ = ["RECOMPUTE_MODES", "core_recompute_active", "run_core", "run_layer"]
+__all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
 
 RECOMPUTE_MODES = ("none", "full", "core")
 
@@ -35,11 +30,6 @@ def _core_scope() -> Iterator[None]:
         yield
     finally:
         _core_depth -= 1
-
-
-def core_recompute_active() -> bool:
-    """Whether an attention core called now is recomputed in backward."""
-    return _core_depth > 0 and paddle.is_grad_enabled()
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -71,6 +61,6 @@ def run_core(fn: Callable[..., Any], *args: Any, active: bool = True) -> Any:
     """``fn(*args)``: the attention core of a layer.  Recomputed in backward when the layer runs
     under ``--recompute core`` and ``active`` (a caller filling a decoding cache passes False: the
     replay would write the cache twice)."""
-    if not (active and core_recompute_active() and _needs_grad(args)):
+    if not (active and _core_depth > 0 and paddle.is_grad_enabled() and _needs_grad(args)):
         return fn(*args)
     return _recompute(fn, *args)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import paddle
+import paddle.distributed as dist
 import paddle.nn as nn
 
 from .layers import get_shard_spec, local_slice, merge_slices
@@ -52,9 +53,7 @@ def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 
         if spec.axis is not None and topo.size(spec.group) > 1:
             group = topo.group(spec.group)
             parts: list[paddle.Tensor] = []
-            import paddle.distributed as dist
-
-            dist.all_gather(parts, t.detach().contiguous() if hasattr(t, "contiguous") else t.detach(), group=group)
+            dist.all_gather(parts, t.detach().contiguous(), group=group)
             full = merge_slices([to_numpy(p) for p in parts], spec)
         else:
             full = to_numpy(t.detach())
@@ -64,8 +63,6 @@ def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 
         return mine
     # Collectives over the world only: gloo p2p between two members of a larger group is unsafe
     # (per-group message tags), and every rank must join each broadcast in the same order.
-    import paddle.distributed as dist
-
     listing: list[list[tuple[str, list[int], str]]] = []
     dist.all_gather_object(listing, [(n, list(a.shape), str(a.dtype)) for n, a in mine.items()])
     out: dict[str, np.ndarray] | None = dict(mine) if topo.rank == dst else None

@@ -1,12 +1,9 @@
 """Hybrid-parallel topology: which ranks share a tensor-, pipeline-, data- or expert-parallel group.
 
 Dense layout comes from ``paddle.distributed.fleet`` (order dp > pp > mp, mp fastest), so fleet
-utilities keep working. The expert layout is ours: inside one pipeline stage the ``dp x cp x tp``
-ranks are re-factored as ``edp x ep x etp`` (etp fastest), the Megatron-Core rule, so ``--tp 2
---pp 2 --ep 2`` runs on 4 ranks with experts spread over the two TP ranks and ``--cp 2 --ep 2`` on
-2 ranks with experts spread over the two context-parallel ranks (each holds other tokens, like a
-data-parallel replica).  Fleet's own EP group
-(``EPHybridCommunicateGroup``) is not used: it insists on dp == 1 and has no ETP.
+utilities keep working. The expert layout is ours (docs/parallel.md section 1): inside one pipeline
+stage the ``dp x cp x tp`` ranks are re-factored as ``edp x ep x etp`` (etp fastest), the
+Megatron-Core rule; Fleet's ``EPHybridCommunicateGroup`` insists on dp == 1 and has no ETP.
 
 At world size 1 nothing distributed is initialised; every group is ``None`` and every size 1, so
 model code calls the same parallel layers in a unit test and on a cluster.
@@ -14,6 +11,7 @@ model code calls the same parallel layers in a unit test and on a cluster.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -218,11 +216,6 @@ class Topology:
         stages = tuple(sorted(stages))
         return len(stages) == self.pc.pp or stages in self._stage_sets
 
-    def p2p_group(self, peer_stage: int) -> Any:
-        """Group for send/recv with ``peer_stage`` (an adjacent stage)."""
-        g = self.stage_group((self.stage, peer_stage))
-        return g if g is not None else self.pp_group
-
     @classmethod
     def single(cls) -> Topology:
         """One process: every group None, every size 1 (what a model is built for by default)."""
@@ -240,22 +233,6 @@ class Topology:
     def rank_in(self, name: str) -> int:
         """This process's rank inside group ``name``."""
         return self._ranks[_known(name)]
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.pc.pp - 1
-
-    @property
-    def prev_stage_rank(self) -> int | None:
-        return None if self.is_first_stage else self.stage_ranks[self.stage - 1]
-
-    @property
-    def next_stage_rank(self) -> int | None:
-        return None if self.is_last_stage else self.stage_ranks[self.stage + 1]
 
     def describe(self) -> str:
         r = self._ranks
@@ -290,15 +267,11 @@ def topology_override(topo: Topology | None = None) -> Iterator[Topology]:
     """Temporarily install ``topo`` (default: single process), e.g. to build a full-size model
     for its parameter names and shapes while a distributed topology is active."""
     global _CURRENT
-    saved, _CURRENT = _CURRENT, topo if topo is not None else Topology(ParallelConfig())
+    saved, _CURRENT = _CURRENT, topo if topo is not None else Topology.single()
     try:
         yield _CURRENT
     finally:
         _CURRENT = saved
-
-
-def _env_world_size() -> int:
-    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
 
 
 def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> tuple[int, int, int]:
@@ -327,7 +300,7 @@ def init_topology(
     ``accumulate_steps`` / ``micro_batch_size`` (micro-batches per replica per step and their size)
     go to Fleet's ``pipeline_configs``, which its pipeline engine reads.
     """
-    world = _env_world_size()
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
     pc.validate(world, **model_sizes)
     if world == 1:
         topo = Topology(pc)
@@ -378,10 +351,6 @@ def init_topology(
     ftopo = hcg.topology()
     rank = dist.get_rank()
     me = ftopo.get_coord(rank)
-
-    def rank_at(**kw: int) -> int:
-        return ftopo.get_rank(**me._replace(**kw)._asdict())
-
     groups: dict[str, Any] = {
         "tp": hcg.get_model_parallel_group(),
         "pp": hcg.get_pipe_parallel_group(),
@@ -397,7 +366,7 @@ def init_topology(
     }
     if pc.cp > 1:
         groups["cp"] = hcg.get_sep_parallel_group()
-    stage_ranks = [rank_at(pipe=p) for p in range(pc.pp)]
+    stage_ranks = [_coord_rank(ftopo, me, pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
     # collective over the world), reusing the fleet group when the rank lists coincide.
@@ -419,9 +388,9 @@ def init_topology(
         lists: dict[tuple[int, ...], None] = {}
         # one expert layout per (stage, sharding rank) over the stage's dp x cp x tp ranks: a cp
         # rank holds other tokens, like a dp rank, so it may own other experts (edp spans cp too)
-        for p, sh in ((p, sh) for p in range(pc.pp) for sh in range(pc.sharding)):
+        for p, sh in itertools.product(range(pc.pp), range(pc.sharding)):
             members: dict[tuple[int, int], list[int]] = {}
-            for d, c, t in ((d, c, t) for d in range(pc.dp) for c in range(pc.cp) for t in range(pc.tp)):
+            for d, c, t in itertools.product(range(pc.dp), range(pc.cp), range(pc.tp)):
                 edp_r, ep_r, etp_r = expert_layout(pc, d, t, c)
                 key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
                 members.setdefault(key, []).append(_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c))
@@ -444,14 +413,11 @@ def init_topology(
             stage_sets += [(p, p + 1) for p in range(pc.pp - 1)]
         stage_sets.append((0, pc.pp - 1))
     stage_groups: dict[tuple[int, ...], Any] = {}
-    for sh, c in ((sh, c) for sh in range(pc.sharding) for c in range(pc.cp)):
-        for d in range(pc.dp):
-            for t in range(pc.tp):
-                for ss in stage_sets:
-                    members = [_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c) for p in ss]
-                    g = dist.new_group(members)
-                    if rank in members:
-                        stage_groups[ss] = g
+    for sh, c, d, t, ss in itertools.product(range(pc.sharding), range(pc.cp), range(pc.dp), range(pc.tp), stage_sets):
+        members = [_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c) for p in ss]
+        g = dist.new_group(members)
+        if rank in members:
+            stage_groups[ss] = g
     topo = Topology(pc, rank=rank, backend=backend, groups=groups, ranks=ranks, stage_ranks=stage_ranks, hcg=hcg)
     topo._stage_groups, topo._stage_sets = stage_groups, set(stage_sets)
     set_topology(topo)

@@ -67,29 +67,6 @@ exp = np.concatenate([rows[s][sum(send[s][:R]) : sum(send[s][: R + 1])] for s in
 res["all_to_all_uneven"] = md(got, exp)
 back = comm.all_to_all_single(T(got), counts, G, reverse=True).numpy()
 res["all_to_all_roundtrip"] = md(back, rows[R])
-# tensor tuple p2p: float needing grad, int64 top-k, an empty placeholder, a bool mask
-tup = [
-    rng.standard_normal((2, 3)).astype(np.float32),
-    rng.integers(0, 9, (2, 3, 4)),
-    np.zeros((2, 3, 0), np.int64),
-    rng.random((2, 3)) > 0.5,
-]
-if R == 0:
-    comm.send_tensors([T(tup[0], grad=True), T(tup[1]), T(tup[2]), T(tup[3])], 1, None)
-    comm.send_object({"hello": [1, 2.5]}, 1)
-else:
-    got = comm.recv_tensors(0, None)
-    ok = [md(g.numpy(), t) == 0 and list(g.shape) == list(t.shape) for g, t in zip(got, tup)]
-    ok += [
-        not got[0].stop_gradient,
-        got[1].stop_gradient,
-        str(got[1].dtype) == "paddle.int64",
-        str(got[3].dtype) == "paddle.bool",
-    ]
-    obj = comm.recv_object(0)
-    ok.append(obj == {"hello": [1, 2.5]})
-    comm.send_object(all(ok), 0)
-res["p2p_tuple"] = 0.0 if (R == 1 or comm.recv_object(1)) else 1.0
 
 # ---------------------------------------------------------------- autograd pairs
 W = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(N)]  # per-rank loss weights
