@@ -262,6 +262,10 @@ def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
             raise _err(key, f"expected a string, got {actual}")
 
 
+def _rope_type(rope: dict[str, Any]) -> Any:
+    return rope.get("rope_type", rope.get("type", "default"))  # older files say "type"
+
+
 def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"GlmMoeDsaConfig: `{key}`: {msg}")
 
@@ -470,22 +474,16 @@ class GlmMoeDsaConfig:
             rope = dict(self.rope_parameters)
             src = "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
-                scaling = self.rope_scaling
                 for key, a, b in (
-                    (
-                        "rope_type",
-                        rope.get("rope_type", rope.get("type", "default")),
-                        scaling.get("rope_type", scaling.get("type", "default")),
-                    ),
-                    ("factor", rope.get("factor"), scaling.get("factor")),
+                    ("rope_type", _rope_type(rope), _rope_type(self.rope_scaling)),
+                    ("factor", rope.get("factor"), self.rope_scaling.get("factor")),
                 ):
                     if a != b:
                         raise _err(f"rope_scaling.{key}", f"{b!r} disagrees with `rope_parameters.{key}` {a!r}")
         else:
             rope = dict(self.rope_scaling or {})
             src = "rope_scaling"
-        if "rope_type" not in rope:
-            rope["rope_type"] = rope.get("type", "default")
+        rope["rope_type"] = _rope_type(rope)
         for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
             if value is not None:
                 _check_form(name, value, ("num", 0.0, math.inf, True))
@@ -761,26 +759,12 @@ class GlmMoeDsaConfig:
                 "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
             }
         )
-        if layout is None:  # the layout the file carried
-            p = self.parallel_settings()
-            tp, pp, ep = (
-                p["tensor_model_parallel_size"],
-                p["pipeline_model_parallel_size"],
-                p["expert_model_parallel_size"],
-            )
-            etp, sp, cp = p["expert_tensor_model_parallel_size"], p["sequence_parallel"], p["context_parallel_size"]
-        else:
-            tp, pp, ep, etp, sp, cp = layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp
-        d.update(
-            {
-                "tensor_model_parallel_size": tp,
-                "pipeline_model_parallel_size": pp,
-                "expert_model_parallel_size": ep,
-                "expert_tensor_parallel_size": etp,
-                "sequence_parallel": bool(sp),
-                "context_parallel_size": cp,
-            }
-        )
+        p = self.parallel_settings()  # the layout the file carried, unless the run's is given
+        if layout is not None:
+            p = dict(zip(p, (layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp)))
+        p["sequence_parallel"] = bool(p["sequence_parallel"])
+        p["expert_tensor_parallel_size"] = p.pop("expert_tensor_model_parallel_size")  # Fleet's name
+        d.update(p)
         return d
 
     def __repr__(self) -> str:

@@ -1,27 +1,7 @@
-"""Text generation for GlmMoeDsaForCausalLM, with transformers' ``generate`` contract: a prefill
-into the decoding cache, then one token per step (``modeling/cache.py``, ``MLAttention.forward_decode``).
-
-Defaults come from a :class:`GenerationConfig`, read from the checkpoint's ``generation_config.json``
-(HF's file and key names) and completed with HF's global defaults; keyword arguments override
-them for one call, as in transformers. Supported: greedy decoding and sampling (temperature, then
-top-k, then top-p, as HF's warpers), ``repetition_penalty``, ``min_new_tokens`` / ``min_length``,
-``max_new_tokens`` / ``max_length``, ``num_return_sequences`` (sampling), ``stop_strings`` (with
-``tokenizer=``), ``use_cache``, ``return_dict_in_generate`` with ``output_scores`` /
-``output_logits``. Anything else HF knows (beam search, contrastive search, ...) is refused with
-that list, never silently ignored.
-
-The logits never leave the device: the processors, the warpers and the draw run on Paddle tensors,
-and only the chosen ids (plus one "all rows finished" flag) are copied to the host each step. The
-draw inverts the CDF with one uniform number per row from a NumPy generator seeded by ``seed``, so
-a seeded run is reproducible and independent of Paddle's global RNG.
-
-Greedy decoding gives HF transformers' tokens (tests/test_generate.py holds it to the HF
-fixtures). Left padding is supported: rope positions count each row's real tokens, padding slots
-are never selected, and padding is not penalised by ``repetition_penalty`` (HF's processor also
-penalises the pad id of a padded row), so a padded row generates what it generates alone.
-
-Lengths are checked before anything is allocated: prompt + new tokens may not exceed the model's
-``max_position_embeddings``.
+"""Text generation for GlmMoeDsaForCausalLM with transformers' ``generate`` contract: a prefill into
+the decoding cache, then one token per step. Options, defaults, padding and the on-device draw are
+described in docs/model.md ("Decoding"); HF options not implemented here are refused by name, never
+silently ignored.
 """
 
 from __future__ import annotations
@@ -258,11 +238,11 @@ class _Settings:
     top_p: float
     repetition_penalty: float
     num_return_sequences: int
-    use_cache: bool
     eos: list[int]
     pad: int
     stop_strings: list[str]
-    return_dict: bool
+    use_cache: bool
+    return_dict_in_generate: bool
     output_scores: bool
     output_logits: bool
 
@@ -378,28 +358,11 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     stops = [stops] if isinstance(stops, str) else list(stops)
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
-    flags = {}
-    for k in ("use_cache", "return_dict_in_generate", "output_scores", "output_logits"):
-        flags[k] = get(k)
-        if not isinstance(flags[k], bool):
-            raise ValueError(f"generate: {k} must be True or False, got {flags[k]!r}")
-    return _Settings(
-        new_tokens=new,
-        min_new=min_new,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=rp,
-        num_return_sequences=nrs,
-        use_cache=flags["use_cache"],
-        eos=eos,
-        pad=int(pad),
-        stop_strings=stops,
-        return_dict=flags["return_dict_in_generate"],
-        output_scores=flags["output_scores"],
-        output_logits=flags["output_logits"],
-    )
+    flags = {k: get(k) for k in ("use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"generate: {k} must be True or False, got {v!r}")
+    return _Settings(new, min_new, do_sample, temperature, top_k, top_p, rp, nrs, eos, int(pad), stops, **flags)
 
 
 # --------------------------------------------------------------------------- processors (on the device)
@@ -463,13 +426,6 @@ class GenerateDecoderOnlyOutput:
         return getattr(self, key)
 
 
-def _stream(streamer: Any, ids: np.ndarray) -> None:
-    if hasattr(streamer, "put"):  # transformers' streamer protocol (TextStreamer): put(), then end()
-        streamer.put(ids)
-    else:
-        streamer(ids)
-
-
 # --------------------------------------------------------------------------- generate
 def generate(
     model: paddle.nn.Layer,
@@ -521,7 +477,7 @@ def generate(
     if s.new_tokens == 0:
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
-        return GenerateDecoderOnlyOutput(input_ids) if s.return_dict else input_ids
+        return GenerateDecoderOnlyOutput(input_ids) if s.return_dict_in_generate else input_ids
     config = model.config
     V = int(config.vocab_size)
     eos_t = paddle.to_tensor(s.eos, dtype="int64") if s.eos else None
@@ -577,8 +533,10 @@ def generate(
                 if streamer is not None or s.stop_strings:
                     host = nxt.numpy()  # the chosen ids only
                     host_new.append(host)
-                    if streamer is not None:
-                        _stream(streamer, host)
+                    if hasattr(streamer, "put"):  # transformers' streamer protocol (TextStreamer): put(), then end()
+                        streamer.put(host)
+                    elif streamer is not None:
+                        streamer(host)
                     if s.stop_strings:
                         finished = paddle.logical_or(finished, paddle.to_tensor(_stopped(host_new, s, tokenizer)))
                 if step == s.new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
@@ -598,7 +556,7 @@ def generate(
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
     sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)
-    if not s.return_dict:
+    if not s.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
