@@ -1,24 +1,11 @@
 """DSA indexer (the "lightning indexer") of GLM-5.2: which keys each query attends to.
 
-Per full layer it scores every causal key with a few cheap heads and keeps the top-k; "shared"
-layers reuse the top-k of the nearest full layer before them (see configuration.indexer_types).
-
-    q   = wq_b(q_latent)            [B, S, Hi, Di]   q_latent = q_a_layernorm(q_a_proj(x)) from MLA
-    k   = k_norm(wk(x))             [B, S, Di]       LayerNorm with bias, eps 1e-6
-    rope on the first qk_rope_head_dim channels of q and k (interleaved per indexer_rope_interleave)
-    s   = relu(q . k^T * Di^-0.5)   [B, S, Hi, T]
-    w   = weights_proj(x) * Hi^-0.5 [B, S, Hi]
-    idx = sum_h w * s  (+ causal / padding mask)  -> top-k over keys, k = min(index_topk, T)
-
-Queries are processed in chunks so memory is O(S x chunk), never O(S^2); a chunk of queries
-[c0, c1) is scored against keys < c1 only (causality), so the work is ~S^2/2, and the chunk is sized
-to keep its [C, Hi, keys] scores within `attention_forms.CHUNK_BYTES` (cache-resident, no page faults). Selection runs without
-gradient (as in HF): the main loss trains no indexer weight. The optional KL "indexer loss"
-(DeepSeek-V3.2 / Megatron `dsa_indexer_loss_coeff`) trains it against the detached main attention.
-
-Selected positions that are not valid keys (in the future, padding, or fewer valid keys than k)
-are returned as index -1, so a single int64 tensor carries the whole selection (also across
-pipeline stages).
+Per full layer it scores every causal key with a few cheap heads and keeps the top-k (-1 = no valid
+key); "shared" layers reuse the top-k of the nearest full layer before them. The maths, as HF
+computes it, is in docs/model.md ("DSA numerics"). Queries run in chunks scored against the keys
+before the chunk's end only, each sized to keep its [C, Hi, keys] scores within
+`attention_forms.CHUNK_BYTES`: memory O(S x chunk), never O(S^2). Selection runs without gradient;
+the optional KL indexer loss trains it (modeling/indexer_training.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """GLM-5.2 (`glm_moe_dsa`) as one stage-aware model: embedding -> decoder layers (the top-k flows from
 layer to layer) -> final norm -> LM head, the MTP layers, and one loss function.
 
-A `GlmMoeDsaForCausalLM` is built from a `StageSpec` (the decoder layer ids it owns; whether it
-embeds tokens, holds the final norm and LM head, and the MTP layers), by default the whole model,
-and from the `Topology` whose groups its layers use (default: one process). Everything runs
-through one body over the pipeline carry (hidden states [B, S, H] and the int64 top-k of the last
-full indexer layer, so a stage may start on a shared indexer layer) and one loss function
-(`causal_lm_losses`: the LM loss, each MTP depth's, the indexer KL). The HF-API `forward`
-(logits, HF-convention mean losses, the decoding cache), a pipeline stage of the trainer
-(`forward_stage`: loss sums and token counts over vocab-parallel logits), context parallel (the
-attention's cp group) and `generate` are this model configured.
-
-Parameter names follow the PaddleFormers / PaddleFleet layout (`model.embedding.embed_tokens`,
-`model.layers.<global id>`, `self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP
-`transformer_layer`) whatever the stage holds; the checkpoint package maps them to and from the
-official HF names with Paddle's AOA engine.
+The HF-API `forward`, a trainer's pipeline stage (`forward_stage`), context parallel and `generate`
+all run one body (`_run`) over the pipeline carry (hidden states and the top-k of the last full
+indexer layer); docs/model.md ("One stage-aware model") lists the paths. Parameter names follow the
+PaddleFormers / PaddleFleet layout whatever the stage holds; the checkpoint package maps them to
+and from the official HF names.
 """
 
 from __future__ import annotations
