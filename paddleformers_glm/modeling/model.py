@@ -72,12 +72,8 @@ class CausalLMOutput:
 
     def keys(self) -> list[str]:
         """Names of the fields that are set (None and empty lists are not)."""
-        names = []
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is not None and not (isinstance(v, list) and not v):
-                names.append(f.name)
-        return names
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return [k for k, v in values.items() if v is not None and not (isinstance(v, list) and not v)]
 
     def to_tuple(self) -> tuple:
         return tuple(getattr(self, k) for k in self.keys())
@@ -434,15 +430,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
 
-        With a multi-rank ``topology`` (tensor/expert parallel, from ``parallel.topology.init_topology``)
-        the model is built in its split shapes and each rank reads only its slices.
-
-        ``dtype``: a name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or a Paddle dtype; ``"auto"``
-        (default) is the config's dtype where the device computes it (an accelerator), else float32
-        with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
-        info line, warnings as warnings); ``output_loading_info=True`` returns ``(model, report)``
-        as transformers does. ``check_finite`` (default) refuses weights holding NaN or Inf, naming
-        them (checkpoint/finite.py; its cost per GB is in docs/checkpoints.md).
+        With a multi-rank ``topology`` the model is built in its split shapes and each rank reads
+        only its slices. ``dtype`` ``"auto"`` is the config's dtype on an accelerator, else float32
+        (checkpoint.load_pretrained_state). ``output_loading_info=True`` returns ``(model, report)``
+        as transformers does; ``check_finite`` refuses weights holding NaN or Inf, naming them.
         """
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
@@ -478,12 +469,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return (model, report) if output_loading_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
-        """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
-        for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
-        folder's tokenizer / generation config / chat template files along. Built for a
-        multi-rank topology (tensor/expert parallel) it is collective: every rank writes the
-        tensors it owns (checkpoint/distributed.py ``save_pretrained_distributed``), no rank gathers the
-        model, and the files are the same bytes as a one-process save."""
+        """Official HF layout by default (`layout="fleet"`, `quantization="fp8"`: checkpoint package);
+        all or nothing, carrying a loaded folder's tokenizer and generation files along. Built for a
+        multi-rank topology it is collective: every rank writes the tensors it owns, no rank gathers
+        the model, and the files are the same bytes as a one-process save."""
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
@@ -507,13 +496,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return not self.indexer_training.dense
 
     def set_indexer_training(self, training: IndexerTraining | str) -> None:
-        """Train the indexer in ``training``'s stage (modeling/indexer_training.py): ``"warmup"``
-        attends densely and freezes every parameter but the indexers that run (``stop_gradient``: no
-        gradient, and the trainer's optimizer holds no state for them; an MTP layer that reuses the
-        main model's top-k keeps its indexer frozen); ``"sparse"`` and ``"none"``
-        leave every parameter trainable.  Training forwards (``model.train()``) then leave the
-        indexer's KL and top-k recall per layer (``forward_stage``'s ``indexer_*`` loss terms,
-        ``out.indexer_loss`` / ``out.indexer_recall``)."""
+        """Train the indexer in ``training``'s stage (modeling/indexer_training.py, docs/indexer.md):
+        ``"warmup"`` attends densely and freezes (``stop_gradient``) every parameter but the indexers
+        that run; ``"sparse"`` and ``"none"`` leave every parameter trainable."""
         if isinstance(training, str):
             training = IndexerTraining(training)
         self.model.indexer_run.training = training
@@ -544,14 +529,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         """Parameter count of this model (this rank's share under model parallelism)."""
         skip = set()
         if exclude_embeddings:
-            skip = {id(p) for p in self.get_input_embeddings().parameters()}
-            skip |= {id(p) for p in self.get_output_embeddings().parameters()}
-        total = 0
-        for p in self.parameters():
-            if id(p) in skip or (only_trainable and p.stop_gradient):
-                continue
-            total += int(np.prod(p.shape)) if p.shape else 1
-        return total
+            embeddings = [*self.get_input_embeddings().parameters(), *self.get_output_embeddings().parameters()]
+            skip = {id(p) for p in embeddings}
+        kept = [p for p in self.parameters() if id(p) not in skip and not (only_trainable and p.stop_gradient)]
+        return sum(int(np.prod(p.shape)) for p in kept)
 
     # ------------------------------------------------------------------ the forward
     def _run(
