@@ -42,14 +42,10 @@ class LayerCache:
         [length, length + n) of the owner)."""
         self.latent = self._write(self.latent, latent.detach(), self.owner.length)
 
-    def put_index_keys(self, keys: paddle.Tensor) -> None:
-        """Store the indexer keys [B, n, index_head_dim] of the tokens being processed."""
-        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), self.owner.length)
-
     def index_keys_through(self, keys: paddle.Tensor) -> paddle.Tensor:
         """Store the indexer keys [B, n, Di] of the tokens being processed and return every cached
         key through them [B, length + n, Di] (what a prefill's indexer scores its queries against)."""
-        self.put_index_keys(keys)
+        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), self.owner.length)
         return self.index_keys[:, : self.owner.length + keys.shape[1]]  # type: ignore[index]
 
     # -------------------------------------------------------------- decode steps (tensor slots)
