@@ -141,34 +141,11 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
 # layer count at MAX_LAYERS: per-layer lists are built from it, and a value like 10**9 would spin.
 MAX_DIM = 2**31 - 1
 MAX_LAYERS = 10_000
+_DEFAULTS = {**_FILE_DEFAULTS, **_LIBRARY_DEFAULTS}
 _KEY_FORMS: dict[str, tuple[Any, ...]] = {
-    **{
-        k: ("int", 1, MAX_DIM)
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "max_position_embeddings",
-            "kv_lora_rank",
-            "q_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "head_dim",
-            "index_head_dim",
-            "index_n_heads",
-            "index_topk",
-            "n_routed_experts",
-            "num_experts_per_tok",
-            "n_group",
-            "topk_group",
-            "moe_layer_freq",
-            "attention_chunk_size",
-        )
-    },
+    # by the default's type: sizes in [1, MAX_DIM] (eos_token_id may be a list: validate checks it)
+    **{k: ("int", 1, MAX_DIM) for k, v in _DEFAULTS.items() if type(v) is int and k != "eos_token_id"},
+    **{k: ("bool",) for k, v in _DEFAULTS.items() if isinstance(v, bool)},
     "num_hidden_layers": ("int", 1, MAX_LAYERS),
     "first_k_dense_replace": ("int", 0, MAX_DIM),
     "n_shared_experts": ("int", 0, MAX_DIM),
@@ -185,20 +162,6 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "mtp_loss_scaling_factor": ("num", 0.0, math.inf, False),
     "indexer_loss_coeff": ("num", 0.0, math.inf, False),
     "attention_dropout": ("num", 0.0, 1.0, False),
-    **{
-        k: ("bool",)
-        for k in (
-            "attention_bias",
-            "tie_word_embeddings",
-            "use_cache",
-            "norm_topk_prob",
-            "rope_interleave",
-            "indexer_rope_interleave",
-            "index_share_for_mtp_iteration",
-            "use_qk_norm",
-            "fp32_residual_connection",
-        )
-    },
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
     # The layout fields: only their form. A config file may carry the layout of the run that wrote it
