@@ -139,11 +139,6 @@ def _glm52(args: list[str], log: Path) -> int:
     return proc.returncode
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return "\n".join("      " + ln for ln in lines[-n:])
-
-
 LOSS_ATOL = 1e-5  # check-loss bound between layouts (fp32; docs/parity.md, "Which tolerance")
 TRAIN_LR = 3e-4
 
@@ -167,7 +162,8 @@ def run_training_parity(
         result[f"{name}_seconds"], result[f"{name}_exit"] = secs, rc
         if rc != 0:
             print(f"      glm52 train {' '.join(extra) or '(1 process)'} FAILED (exit {rc}):")
-            print(_tail(out / f"train-{name}.log"))
+            for line in (out / f"train-{name}.log").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]:
+                print("      " + line)
             result["ok"] = False
             return result
         losses = json.loads((out / name / "loss.json").read_text())["losses"]
