@@ -85,6 +85,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
     "output_hidden_states": False,
     "max_time": None,
 }
+_SPECIAL_TOKENS = ("eos_token_id", "pad_token_id", "bos_token_id")
 # keys of generation_config.json that describe the file, not the decoding
 _FILE_METADATA = ("_from_model_config", "transformers_version", "decoder_start_token_id", "cache_implementation")
 
@@ -136,11 +137,7 @@ class GenerationConfig:
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationConfig:
         """What HF derives when a checkpoint has no generation_config.json: the special tokens."""
-        return cls(
-            eos_token_id=getattr(config, "eos_token_id", None),
-            pad_token_id=getattr(config, "pad_token_id", None),
-            bos_token_id=getattr(config, "bos_token_id", None),
-        )
+        return cls(**{k: getattr(config, k, None) for k in _SPECIAL_TOKENS})
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, config: Any = None) -> GenerationConfig:
@@ -155,11 +152,9 @@ class GenerationConfig:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable JSON file: {err}") from err
         gc = cls.from_dict(data, source=path)
-        if config is not None:
-            base = cls.from_model_config(config)
-            for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
-                if getattr(gc, k) is None:
-                    setattr(gc, k, getattr(base, k))
+        for k in _SPECIAL_TOKENS if config is not None else ():
+            if getattr(gc, k) is None:
+                setattr(gc, k, getattr(config, k, None))
         return gc
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,19 +196,17 @@ class GenerationConfig:
 
 
 def _refuse_unknown(kwargs: dict[str, Any]) -> None:
+    supported = ", ".join(GenerationConfig.keys())
     for k, v in kwargs.items():
-        if k in UNSUPPORTED_OFF and k not in GenerationConfig.keys():
-            if v == UNSUPPORTED_OFF[k]:
-                continue
-            what = "beam search" if k in ("num_beam_groups", "diversity_penalty", "length_penalty") else k
-            raise ValueError(
-                f"generate: {what} ({k}={v!r}) is not supported; supported options: {', '.join(GenerationConfig.keys())}"
-            )
-        if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF:
+        if k in GenerationConfig.keys() or (k in UNSUPPORTED_OFF and v == UNSUPPORTED_OFF[k]):
+            continue
+        if k not in UNSUPPORTED_OFF:
             raise TypeError(
-                f"generate: unknown option {k!r}; supported options: {', '.join(GenerationConfig.keys())} "
+                f"generate: unknown option {k!r}; supported options: {supported} "
                 "(and seed, streamer, tokenizer, generation_config)"
             )
+        what = "beam search" if k in ("num_beam_groups", "diversity_penalty", "length_penalty") else k
+        raise ValueError(f"generate: {what} ({k}={v!r}) is not supported; supported options: {supported}")
 
 
 def generation_config_of(model: Any) -> GenerationConfig:
