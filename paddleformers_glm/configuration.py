@@ -634,17 +634,12 @@ class GlmMoeDsaConfig:
         return new
 
     def to_fleet_config(self, layout: Any = None) -> dict[str, Any]:
-        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields.
+        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields: the single place
+        that maps this config onto Fleet's names (docs/config.md lists each with its Fleet revision).
 
-        The layout fields come from ``layout``, the run's layout (``parallel.topology.ParallelConfig``,
-        the type the trainer and ``glm52 plan`` use: tp, pp, ep, etp, sp, cp), else from the layout
-        the config file carried (one device when it carried none).
-
-        The single place that maps this config onto Fleet's names (docs/config.md lists each name
-        and the Fleet source revision it was read from). Fleet's rope type "rope" is transformers'
-        "default"; the rope spans `qk_rope_head_dim` channels (`rotary_percent` 1.0) whatever a
-        `partial_rotary_factor` key says; `rope_theta` is Fleet's rope base and `rotary_base` its
-        older alias, which Fleet requires to be equal, so both are given.
+        The layout fields come from ``layout`` (a ``parallel.topology.ParallelConfig``), else from the
+        layout the config file carried. The rope spans `qk_rope_head_dim` channels whatever a
+        `partial_rotary_factor` says; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
         """
         rope = self._rope
         d: dict[str, Any] = {

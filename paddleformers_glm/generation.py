@@ -435,16 +435,11 @@ def generate(
     """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences,
     S + n] int64 (or a :class:`GenerateDecoderOnlyOutput` with ``return_dict_in_generate=True``).
 
-    ``kwargs`` are generation options with HF's names (see :class:`GenerationConfig`); unset ones
-    come from ``generation_config`` (default: the checkpoint's generation_config.json), then HF's
-    defaults. ``attention_mask`` [B, S] (1 = token, 0 = padding) allows left-padded batches. A row
-    that produced an EOS token (``eos_token_id``; ``[]`` for none) or one of ``stop_strings``
-    (decoded with ``tokenizer``) continues with ``pad_token_id``; generation stops once every row
-    has finished. ``streamer`` is called with each step's new tokens [B] as they are chosen (or,
-    for an object with ``put``/``end`` such as transformers' ``TextStreamer``, fed as HF feeds it).
-    Each new token after the first goes through ``model.decode_step`` (or ``decode_step``, same
-    arguments, e.g. its ``paddle.jit.to_static`` capture or a :class:`CudaGraphDecodeStep`); the
-    cache is allocated once for the whole generation, so the step's shapes never change.
+    ``kwargs`` are generation options with HF's names (docs/model.md, "Decoding"); unset ones come
+    from ``generation_config``, then HF's defaults. Each new token after the first goes through
+    ``model.decode_step`` (or ``decode_step``, same arguments, e.g. its ``paddle.jit.to_static``
+    capture or a :class:`CudaGraphDecodeStep`); the cache is allocated once for the whole
+    generation, so the step's shapes never change.
     """
     import paddle
 
@@ -639,14 +634,10 @@ def generate_speculative(
     max_new_tokens: int = 20,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> tuple[paddle.Tensor, dict]:
-    """Greedy decoding with the first MTP layer as the draft model (one row, no padding).
-
-    Each step the MTP layer drafts the token after the next from the main model's last hidden
-    state; the main model then scores [next, draft] in one forward and keeps the draft only if it
-    is its own greedy choice (a rejected draft's cache slot is rolled back). The tokens are
-    therefore greedy decoding's; the MTP layer, run with its own indexer and cache, only decides how
-    many forwards that takes. Returns (prompt + new tokens [1, S + n], {"drafted", "accepted",
-    "acceptance_rate", "main_forwards"}).
+    """Greedy decoding with the first MTP layer as the draft model (one row, no padding; docs/model.md):
+    the main model keeps a draft only if it is its own greedy choice, so the tokens are greedy
+    decoding's. Returns (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate",
+    "main_forwards"}).
     """
     import paddle
 

@@ -350,14 +350,9 @@ def _skip_random_init() -> Iterator[None]:
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses; the whole model or one pipeline stage of it.
 
-    `out = model(input_ids, attention_mask=None, position_ids=None, labels=None)` gives `out.logits`
-    [B, S, V]; with labels, `out.loss` (HF convention) and `out.mtp_loss` when MTP layers exist.
-    `add_mtp_loss=True` adds `mtp_loss_scaling_factor * mtp_loss` (and the indexer KL loss when
-    `indexer_loss_coeff` > 0) into `out.loss`.
-
     ``stage`` (default the whole model) says which layers it owns and whether it embeds tokens,
     holds the head and the MTP layers; ``topology`` (default one process) the groups its layers are
-    split over. The trainer runs a stage through :meth:`forward_stage`.
+    split over. `add_mtp_loss=True` adds the scaled MTP (and indexer KL) losses into `out.loss`.
     """
 
     config_class = GlmMoeDsaConfig
