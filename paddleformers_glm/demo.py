@@ -1,14 +1,7 @@
-"""`glm52 demo`: the main job on the embedded default, end to end, leaving receipts in OUT/.
-
-1. make the tiny official-layout checkpoint (deterministic, bf16, two shards, its BPE tokenizer)
-2. load it with `from_pretrained` (AOA engine, strict), run it, generate a few tokens from a text
-   prompt with the checkpoint's tokenizer, export it again in the official HF
-   layout and in the Paddle/Fleet layout, and prove with `check-ckpt` that the HF export equals
-   the source tensor for tensor and that the Fleet export differs by naming only
-3. train it with `glm52 train` in the headline layout (default TP2 / PP2 with sequence parallel,
-   4 CPU processes) and in one process, both exporting the official layout
-4. compare the two runs with `check-loss` (loss for loss, atol 1e-5, plot) and `check-ckpt`
-   (same keys, shapes and dtypes; value differences reported)
+"""`glm52 demo`: the main job on the embedded default, end to end, leaving receipts in OUT/ (README.md):
+make the tiny official-layout checkpoint, load, run, generate and export it (HF and Fleet layouts,
+each proven by `check-ckpt`), then train it in the headline layout and in one process and compare
+the two runs with `check-loss` and `check-ckpt`.
 """
 
 from __future__ import annotations
