@@ -86,8 +86,6 @@ UNSUPPORTED_OFF: dict[str, Any] = {
     "max_time": None,
 }
 _SPECIAL_TOKENS = ("eos_token_id", "pad_token_id", "bos_token_id")
-# keys of generation_config.json that describe the file, not the decoding
-_FILE_METADATA = ("_from_model_config", "transformers_version", "decoder_start_token_id", "cache_implementation")
 
 
 @dataclass
@@ -181,17 +179,13 @@ class GenerationConfig:
     def check_supported(self) -> None:
         """Refuse options this generate does not implement (beam search, ...), naming where they
         were set and what is supported."""
-        src = self.extra.get("_source", "generation config")
+        src, supported = self.extra.get("_source", "generation config"), f"supported options: {', '.join(self.keys())}"
         if self.num_beams not in (None, 1):
-            raise ValueError(
-                f"{src}: num_beams={self.num_beams}: beam search is not supported; supported options: "
-                f"{', '.join(self.keys())}"
-            )
+            raise ValueError(f"{src}: num_beams={self.num_beams}: beam search is not supported; {supported}")
         for k, v in self.extra.items():
             if k in UNSUPPORTED_OFF and v != UNSUPPORTED_OFF[k]:
                 raise ValueError(
-                    f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); supported "
-                    f"options: {', '.join(self.keys())}"
+                    f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); {supported}"
                 )
 
 
@@ -225,7 +219,6 @@ class _Settings:
 
     new_tokens: int
     min_new: int
-    do_sample: bool
     temperature: float
     top_k: int
     top_p: float
@@ -234,6 +227,7 @@ class _Settings:
     eos: list[int]
     pad: int
     stop_strings: list[str]
+    do_sample: bool
     use_cache: bool
     return_dict_in_generate: bool
     output_scores: bool
@@ -326,23 +320,22 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     min_length = _integer("min_length", get("min_length"), 0)
     min_new = max(0, min_length - prompt_len) if mn is None else mn
 
-    do_sample = get("do_sample")
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"generate: do_sample must be True or False, got {do_sample!r}")
+    flags = {k: get(k) for k in ("do_sample", "use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"generate: {k} must be True or False, got {v!r}")
     temperature = _number("temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)")
     top_k = _integer("top_k", get("top_k"), 0, " (0: off)")
     top_p = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
     rp = _number("repetition_penalty", get("repetition_penalty"), lambda r: r > 0, "> 0 (1: off)")
     nrs = _integer("num_return_sequences", get("num_return_sequences"), 1)
-    if nrs > 1 and not do_sample:
+    if nrs > 1 and not flags["do_sample"]:
         raise ValueError(
             f"generate: num_return_sequences={nrs} needs do_sample=True (greedy decoding returns one sequence "
             "per prompt; beam search is not supported)"
         )
-    eos = _eos_list(kwargs["eos_token_id"] if kwargs.get("eos_token_id") is not None else base.eos_token_id)
-    pad = kwargs.get("pad_token_id", None)
-    if pad is None:
-        pad = base.pad_token_id
+    eos = _eos_list(get("eos_token_id"))
+    pad = get("pad_token_id")
     if pad is None:
         pad = eos[0] if eos else 0  # HF: pad with the first EOS id
     if not _is_int(pad):
@@ -351,11 +344,7 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     stops = [stops] if isinstance(stops, str) else list(stops)
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
-    flags = {k: get(k) for k in ("use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
-    for k, v in flags.items():
-        if not isinstance(v, bool):
-            raise ValueError(f"generate: {k} must be True or False, got {v!r}")
-    return _Settings(new, min_new, do_sample, temperature, top_k, top_p, rp, nrs, eos, int(pad), stops, **flags)
+    return _Settings(new, min_new, temperature, top_k, top_p, rp, nrs, eos, int(pad), stops, **flags)
 
 
 # --------------------------------------------------------------------------- processors (on the device)
