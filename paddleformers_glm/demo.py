@@ -14,15 +14,6 @@ from typing import Any
 
 from ._io import write_json_atomic as _write_json
 
-
-def synthetic_batch(vocab: int, batch: int, seq: int, seed: int):
-    import numpy as np
-    import paddle
-
-    ids = np.random.default_rng(seed).integers(3, vocab, size=(batch, seq), dtype=np.int64)
-    return paddle.to_tensor(ids)
-
-
 DEMO_PROMPT = "Hello! What is the capital of France?"
 
 
@@ -41,6 +32,7 @@ def generate_from_text(model: Any, folder: Path, prompt: str, max_new_tokens: in
 
 
 def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> dict[str, Any]:
+    import numpy as np
     import paddle
 
     from .modeling import GlmMoeDsaForCausalLM
@@ -57,7 +49,7 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
 
     model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
     cfg = model.config
-    ids = synthetic_batch(cfg.vocab_size, 2, seq, seed)
+    ids = paddle.to_tensor(np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(2, seq), dtype=np.int64))
     model.eval()
     with paddle.no_grad():
         ev = model(ids, labels=ids)
