@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from ._io import atomic_write_text
@@ -575,10 +576,8 @@ class GlmMoeDsaConfig:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"GlmMoeDsaConfig: no config file at {file}")
-        with open(file, "rb") as f:
-            raw = f.read()
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(Path(file).read_bytes().decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ValueError(f"GlmMoeDsaConfig: {file} is not UTF-8 text (byte {e.start})") from e
         except json.JSONDecodeError as e:

@@ -295,9 +295,8 @@ class MoE(nn.Layer):
 
     def _static_routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
         """The routed sum with no data-dependent shape, for graphs built by paddle.jit.to_static or
-        captured as CUDA graphs: every expert runs on every token and is weighted by its routing weight (0 when not chosen),
-        added in ascending expert order like the per-expert loop. E / K times the flops: an
-        export form, not a training one."""
+        captured as CUDA graphs: every expert runs on every token, weighted by its routing weight
+        (0 when not chosen), in ascending expert order. E / K times the flops: an export form."""
         out = paddle.zeros_like(x)
         for e in range(self.num_experts):
             w_e = paddle.where(expert_ids == e, weights, paddle.zeros_like(weights)).sum(axis=-1, keepdim=True)
