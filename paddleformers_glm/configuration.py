@@ -308,10 +308,8 @@ class GlmMoeDsaConfig:
             setattr(self, key, kwargs.pop(key, copy.deepcopy(default)))
         for key, default in {**_LIBRARY_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
             setattr(self, key, kwargs.pop(key, default))
-        self.rope_theta = kwargs.pop("rope_theta", None)
-        self.rope_scaling = kwargs.pop("rope_scaling", None)
-        self.partial_rotary_factor = kwargs.pop("partial_rotary_factor", None)
-        self.torch_dtype = kwargs.pop("torch_dtype", None)
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"):  # other producers' keys
+            setattr(self, key, kwargs.pop(key, None))
         # Everything else is preserved verbatim (and readable as an attribute).
         self._extra: dict[str, Any] = kwargs
         self._given_indexer_types = self.indexer_types
