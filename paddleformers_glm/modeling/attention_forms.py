@@ -72,18 +72,6 @@ class AttentionShape(NamedTuple):
     rope: int
     v: int
 
-    @property
-    def head_key_value(self) -> int:
-        """The per-head key + value floats of one key, over the heads."""
-        return self.heads * (self.nope + self.rope + self.v)
-
-
-def _selected_keys(S: int, K: int) -> float:
-    """Mean over the S queries of a causal sequence of the keys each selects: min(K, i + 1)."""
-    if S <= K:
-        return (S + 1) / 2
-    return (K * (K + 1) / 2 + (S - K) * K) / S
-
 
 def form_costs(shape: AttentionShape) -> dict[str, float]:
     """Estimated multiply-add equivalents of one forward of each chunked form (the projections
@@ -102,7 +90,7 @@ def form_costs(shape: AttentionShape) -> dict[str, float]:
     head_proj = tokens * (QL * H * dk + L * H * (dn + dv))
     latent_proj = tokens * (QL * H * L + QL * H * dr + H * L * dv)
     dense_keys = sum((r1 - r0) * r1 for _b, r0, r1, _g in _dense_plan(1, S, H)) * B  # query x key pairs
-    k_avg = _selected_keys(S, K)
+    k_avg = (S + 1) / 2 if S <= K else (K * (K + 1) / 2 + (S - K) * K) / S  # mean over the queries of min(K, i + 1)
     latent_pairs = 0.0
     for ch in _plan(1, S, H, Lr, K, S):
         rows = ch.r1 - ch.r0
@@ -126,7 +114,7 @@ def choose_form(implementation: str, shape: AttentionShape) -> str:
     if implementation != "auto":
         return implementation
     B, S, K, H = shape.batch, shape.seq, shape.topk, shape.heads
-    if B * S * K * shape.head_key_value <= LATENT_MIN_ELEMS:
+    if B * S * K * (H * (shape.nope + shape.rope + shape.v)) <= LATENT_MIN_ELEMS:  # per-head key + value floats
         if S <= _DENSE_KEYS_PER_SLOT * K and B * H * S * S <= DENSE_MAX_SCORES:
             return "dense"
         return "sparse"
@@ -321,11 +309,6 @@ def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int, n_keys: int |
     return plan
 
 
-def _dense_keys(table: paddle.Tensor, ch: _Chunk, S: int, N: int) -> paddle.Tensor:
-    """The chunk's candidate keys [c1 + 1, D]: keys < c1 of its batch, then the batch's mean row."""
-    return paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
-
-
 def _chunk_probs(
     qs: paddle.Tensor, table: paddle.Tensor, prep: _Prepared, ch: _Chunk, S: int, N: int
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -333,7 +316,8 @@ def _chunk_probs(
     q = qs[ch.r0 : ch.r1]
     C, H, D = q.shape
     if ch.dense:
-        ks = _dense_keys(table, ch, S, N)
+        # the candidate keys [c1 + 1, D]: keys < c1 of the chunk's batch, then the batch's mean row
+        ks = paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
         T = ch.c1 + 1
         s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
         m = prep.masks.get((ch.r0, ch.r1, ch.c1))
