@@ -192,11 +192,6 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _shown(v: Any) -> str:
-    text = repr(v)
-    return (text[:60] + "...") if len(text) > 60 else text
-
-
 def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
     """``value`` of ``key`` has the form ``form`` (see _KEY_FORMS), else an error naming both."""
     kind = form[0]
@@ -204,7 +199,8 @@ def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
         if value is None:
             return
         kind = kind[: -len("|None")]
-    actual = f"{_shown(value)} ({type(value).__name__})"
+    text = repr(value)
+    actual = f"{text if len(text) <= 60 else text[:60] + '...'} ({type(value).__name__})"
     if kind == "int":
         lo, hi = form[1], form[2]
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

@@ -348,15 +348,6 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
 
 
 # --------------------------------------------------------------------------- processors (on the device)
-def _penalise(logits: paddle.Tensor, seen: paddle.Tensor, penalty: float) -> paddle.Tensor:
-    """HF's repetition penalty: a seen token's logit is divided by ``penalty`` when positive and
-    multiplied by it when negative. ``seen`` [B, V] bool."""
-    import paddle
-
-    penalised = paddle.where(logits < 0, logits * penalty, logits / penalty)
-    return paddle.where(seen, penalised, logits)
-
-
 def _warp(logits: paddle.Tensor, s: _Settings) -> paddle.Tensor:
     """Temperature, then top-k (ties with the k-th kept), then top-p (the smallest set of most
     likely tokens whose probability reaches top_p), as HF's warpers: removed tokens get -inf."""
@@ -490,8 +481,9 @@ def generate(
                 if s.output_logits:
                     raw.append(logits)
                 x = logits
-                if seen is not None:
-                    x = _penalise(x, seen, s.repetition_penalty)
+                if seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
+                    rp = s.repetition_penalty
+                    x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
                 if eos_vocab is not None and step < s.min_new:
                     x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
                 if s.do_sample:

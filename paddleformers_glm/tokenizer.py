@@ -95,12 +95,6 @@ def _id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _token_text(v: Any) -> str | None:
-    if isinstance(v, dict):  # AddedToken serialised by transformers
-        return v.get("content")
-    return v if isinstance(v, str) else None
-
-
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
@@ -179,7 +173,10 @@ class GlmTokenizer:
 
     # ------------------------------------------------------------------ special tokens
     def _special(self, key: str) -> str | None:
-        return _token_text(self.config.get(key))
+        v = self.config.get(key)
+        if isinstance(v, dict):  # AddedToken serialised by transformers
+            return v.get("content")
+        return v if isinstance(v, str) else None
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)

@@ -126,7 +126,9 @@ class DSACache:
         B = self.batch_size
         if attention_mask is None:
             new_valid = None
-            steps = self._steps(n)  # [1, n]: 1, 2, ..., n
+            ids = self._slot_ids  # arange(capacity): a slice of it, not a new arange per step
+            steps = ids[1 : n + 1] if ids is not None and n < ids.shape[0] else paddle.arange(1, n + 1, dtype="int64")
+            steps = steps.unsqueeze(0)  # [1, n]: 1, 2, ..., n
         else:
             shape = list(attention_mask.shape)
             if shape not in ([B, n], [B, self.length + n]):
@@ -150,11 +152,6 @@ class DSACache:
         self.slots = self._slot_ids[self.length : self.length + n]
         self._pending_positions = self.positions + steps[:, -1]
         return positions, self.key_valid
-
-    def _steps(self, n: int) -> paddle.Tensor:
-        if self._slot_ids is not None and n < self._slot_ids.shape[0]:
-            return self._slot_ids[1 : n + 1].unsqueeze(0)
-        return paddle.arange(1, n + 1, dtype="int64").unsqueeze(0)
 
     def advance(self, n: int) -> None:
         """The forward over n new tokens is complete: they become part of the past."""
