@@ -506,8 +506,10 @@ def generate(
                         streamer.put(host)
                     elif streamer is not None:
                         streamer(host)
-                    if s.stop_strings:
-                        finished = paddle.logical_or(finished, paddle.to_tensor(_stopped(host_new, s, tokenizer)))
+                    if s.stop_strings:  # per row: does the text of its new tokens hold a stop string
+                        texts = [tokenizer.decode([int(t) for t in row]) for row in np.stack(host_new, axis=1)]
+                        stopped = [any(stop in text for stop in s.stop_strings) for text in texts]
+                        finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
                 if step == s.new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
                     break
                 if s.use_cache:
@@ -544,16 +546,6 @@ def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tenso
     if mask is not None:
         pos = paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
     return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
-
-
-def _stopped(host_new: list[np.ndarray], s: _Settings, tokenizer: Any) -> np.ndarray:
-    """Per row: whether the text of its new tokens holds one of the stop strings."""
-    ids = np.stack(host_new, axis=1)  # [B, n]
-    out = np.zeros(ids.shape[0], dtype=bool)
-    for b in range(ids.shape[0]):
-        text = tokenizer.decode([int(t) for t in ids[b]])
-        out[b] = any(stop in text for stop in s.stop_strings)
-    return out
 
 
 class CudaGraphDecodeStep:
