@@ -23,18 +23,14 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 
-def _temp_beside(path: str) -> str:
-    """A unique temporary name in `path`'s folder (made if missing): same filesystem, atomic rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-
-
 @contextlib.contextmanager
 def _replacing(path: str) -> Iterator[str]:
-    """A temporary path beside `path` that replaces it when the block ends cleanly and is removed
-    when it raises (the caller has made its bytes durable)."""
-    tmp = _temp_beside(path)
+    """A unique temporary path in `path`'s folder (made if missing: same filesystem, atomic rename)
+    that replaces `path` when the block ends cleanly and is removed when it raises (the caller has
+    made its bytes durable)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)

@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from ._io import atomic_write_text
@@ -141,34 +142,11 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
 # layer count at MAX_LAYERS: per-layer lists are built from it, and a value like 10**9 would spin.
 MAX_DIM = 2**31 - 1
 MAX_LAYERS = 10_000
+_DEFAULTS = {**_FILE_DEFAULTS, **_LIBRARY_DEFAULTS}
 _KEY_FORMS: dict[str, tuple[Any, ...]] = {
-    **{
-        k: ("int", 1, MAX_DIM)
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "max_position_embeddings",
-            "kv_lora_rank",
-            "q_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "head_dim",
-            "index_head_dim",
-            "index_n_heads",
-            "index_topk",
-            "n_routed_experts",
-            "num_experts_per_tok",
-            "n_group",
-            "topk_group",
-            "moe_layer_freq",
-            "attention_chunk_size",
-        )
-    },
+    # by the default's type: sizes in [1, MAX_DIM] (eos_token_id may be a list: validate checks it)
+    **{k: ("int", 1, MAX_DIM) for k, v in _DEFAULTS.items() if type(v) is int and k != "eos_token_id"},
+    **{k: ("bool",) for k, v in _DEFAULTS.items() if isinstance(v, bool)},
     "num_hidden_layers": ("int", 1, MAX_LAYERS),
     "first_k_dense_replace": ("int", 0, MAX_DIM),
     "n_shared_experts": ("int", 0, MAX_DIM),
@@ -185,20 +163,6 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "mtp_loss_scaling_factor": ("num", 0.0, math.inf, False),
     "indexer_loss_coeff": ("num", 0.0, math.inf, False),
     "attention_dropout": ("num", 0.0, 1.0, False),
-    **{
-        k: ("bool",)
-        for k in (
-            "attention_bias",
-            "tie_word_embeddings",
-            "use_cache",
-            "norm_topk_prob",
-            "rope_interleave",
-            "indexer_rope_interleave",
-            "index_share_for_mtp_iteration",
-            "use_qk_norm",
-            "fp32_residual_connection",
-        )
-    },
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
     # The layout fields: only their form. A config file may carry the layout of the run that wrote it
@@ -228,11 +192,6 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _shown(v: Any) -> str:
-    text = repr(v)
-    return (text[:60] + "...") if len(text) > 60 else text
-
-
 def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
     """``value`` of ``key`` has the form ``form`` (see _KEY_FORMS), else an error naming both."""
     kind = form[0]
@@ -240,7 +199,8 @@ def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
         if value is None:
             return
         kind = kind[: -len("|None")]
-    actual = f"{_shown(value)} ({type(value).__name__})"
+    text = repr(value)
+    actual = f"{text if len(text) <= 60 else text[:60] + '...'} ({type(value).__name__})"
     if kind == "int":
         lo, hi = form[1], form[2]
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -260,6 +220,10 @@ def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
     elif kind == "str":
         if not isinstance(value, str):
             raise _err(key, f"expected a string, got {actual}")
+
+
+def _rope_type(rope: dict[str, Any]) -> Any:
+    return rope.get("rope_type", rope.get("type", "default"))  # older files say "type"
 
 
 def _err(key: str, msg: str) -> ValueError:
@@ -340,10 +304,8 @@ class GlmMoeDsaConfig:
             setattr(self, key, kwargs.pop(key, copy.deepcopy(default)))
         for key, default in {**_LIBRARY_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
             setattr(self, key, kwargs.pop(key, default))
-        self.rope_theta = kwargs.pop("rope_theta", None)
-        self.rope_scaling = kwargs.pop("rope_scaling", None)
-        self.partial_rotary_factor = kwargs.pop("partial_rotary_factor", None)
-        self.torch_dtype = kwargs.pop("torch_dtype", None)
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"):  # other producers' keys
+            setattr(self, key, kwargs.pop(key, None))
         # Everything else is preserved verbatim (and readable as an attribute).
         self._extra: dict[str, Any] = kwargs
         self._given_indexer_types = self.indexer_types
@@ -470,22 +432,16 @@ class GlmMoeDsaConfig:
             rope = dict(self.rope_parameters)
             src = "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
-                scaling = self.rope_scaling
                 for key, a, b in (
-                    (
-                        "rope_type",
-                        rope.get("rope_type", rope.get("type", "default")),
-                        scaling.get("rope_type", scaling.get("type", "default")),
-                    ),
-                    ("factor", rope.get("factor"), scaling.get("factor")),
+                    ("rope_type", _rope_type(rope), _rope_type(self.rope_scaling)),
+                    ("factor", rope.get("factor"), self.rope_scaling.get("factor")),
                 ):
                     if a != b:
                         raise _err(f"rope_scaling.{key}", f"{b!r} disagrees with `rope_parameters.{key}` {a!r}")
         else:
             rope = dict(self.rope_scaling or {})
             src = "rope_scaling"
-        if "rope_type" not in rope:
-            rope["rope_type"] = rope.get("type", "default")
+        rope["rope_type"] = _rope_type(rope)
         for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
             if value is not None:
                 _check_form(name, value, ("num", 0.0, math.inf, True))
@@ -614,10 +570,8 @@ class GlmMoeDsaConfig:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"GlmMoeDsaConfig: no config file at {file}")
-        with open(file, "rb") as f:
-            raw = f.read()
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(Path(file).read_bytes().decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ValueError(f"GlmMoeDsaConfig: {file} is not UTF-8 text (byte {e.start})") from e
         except json.JSONDecodeError as e:
@@ -673,17 +627,12 @@ class GlmMoeDsaConfig:
         return new
 
     def to_fleet_config(self, layout: Any = None) -> dict[str, Any]:
-        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields.
+        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields: the single place
+        that maps this config onto Fleet's names (docs/config.md lists each with its Fleet revision).
 
-        The layout fields come from ``layout``, the run's layout (``parallel.topology.ParallelConfig``,
-        the type the trainer and ``glm52 plan`` use: tp, pp, ep, etp, sp, cp), else from the layout
-        the config file carried (one device when it carried none).
-
-        The single place that maps this config onto Fleet's names (docs/config.md lists each name
-        and the Fleet source revision it was read from). Fleet's rope type "rope" is transformers'
-        "default"; the rope spans `qk_rope_head_dim` channels (`rotary_percent` 1.0) whatever a
-        `partial_rotary_factor` key says; `rope_theta` is Fleet's rope base and `rotary_base` its
-        older alias, which Fleet requires to be equal, so both are given.
+        The layout fields come from ``layout`` (a ``parallel.topology.ParallelConfig``), else from the
+        layout the config file carried. The rope spans `qk_rope_head_dim` channels whatever a
+        `partial_rotary_factor` says; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
         """
         rope = self._rope
         d: dict[str, Any] = {
@@ -761,26 +710,12 @@ class GlmMoeDsaConfig:
                 "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
             }
         )
-        if layout is None:  # the layout the file carried
-            p = self.parallel_settings()
-            tp, pp, ep = (
-                p["tensor_model_parallel_size"],
-                p["pipeline_model_parallel_size"],
-                p["expert_model_parallel_size"],
-            )
-            etp, sp, cp = p["expert_tensor_model_parallel_size"], p["sequence_parallel"], p["context_parallel_size"]
-        else:
-            tp, pp, ep, etp, sp, cp = layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp
-        d.update(
-            {
-                "tensor_model_parallel_size": tp,
-                "pipeline_model_parallel_size": pp,
-                "expert_model_parallel_size": ep,
-                "expert_tensor_parallel_size": etp,
-                "sequence_parallel": bool(sp),
-                "context_parallel_size": cp,
-            }
-        )
+        p = self.parallel_settings()  # the layout the file carried, unless the run's is given
+        if layout is not None:
+            p = dict(zip(p, (layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp)))
+        p["sequence_parallel"] = bool(p["sequence_parallel"])
+        p["expert_tensor_parallel_size"] = p.pop("expert_tensor_model_parallel_size")  # Fleet's name
+        d.update(p)
         return d
 
     def __repr__(self) -> str:

@@ -1,14 +1,7 @@
-"""`glm52 demo`: the main job on the embedded default, end to end, leaving receipts in OUT/.
-
-1. make the tiny official-layout checkpoint (deterministic, bf16, two shards, its BPE tokenizer)
-2. load it with `from_pretrained` (AOA engine, strict), run it, generate a few tokens from a text
-   prompt with the checkpoint's tokenizer, export it again in the official HF
-   layout and in the Paddle/Fleet layout, and prove with `check-ckpt` that the HF export equals
-   the source tensor for tensor and that the Fleet export differs by naming only
-3. train it with `glm52 train` in the headline layout (default TP2 / PP2 with sequence parallel,
-   4 CPU processes) and in one process, both exporting the official layout
-4. compare the two runs with `check-loss` (loss for loss, atol 1e-5, plot) and `check-ckpt`
-   (same keys, shapes and dtypes; value differences reported)
+"""`glm52 demo`: the main job on the embedded default, end to end, leaving receipts in OUT/ (README.md):
+make the tiny official-layout checkpoint, load, run, generate and export it (HF and Fleet layouts,
+each proven by `check-ckpt`), then train it in the headline layout and in one process and compare
+the two runs with `check-loss` and `check-ckpt`.
 """
 
 from __future__ import annotations
@@ -20,15 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from ._io import write_json_atomic as _write_json
-
-
-def synthetic_batch(vocab: int, batch: int, seq: int, seed: int):
-    import numpy as np
-    import paddle
-
-    ids = np.random.default_rng(seed).integers(3, vocab, size=(batch, seq), dtype=np.int64)
-    return paddle.to_tensor(ids)
-
 
 DEMO_PROMPT = "Hello! What is the capital of France?"
 
@@ -48,6 +32,7 @@ def generate_from_text(model: Any, folder: Path, prompt: str, max_new_tokens: in
 
 
 def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> dict[str, Any]:
+    import numpy as np
     import paddle
 
     from .modeling import GlmMoeDsaForCausalLM
@@ -64,7 +49,7 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
 
     model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
     cfg = model.config
-    ids = synthetic_batch(cfg.vocab_size, 2, seq, seed)
+    ids = paddle.to_tensor(np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(2, seq), dtype=np.int64))
     model.eval()
     with paddle.no_grad():
         ev = model(ids, labels=ids)
@@ -139,11 +124,6 @@ def _glm52(args: list[str], log: Path) -> int:
     return proc.returncode
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return "\n".join("      " + ln for ln in lines[-n:])
-
-
 LOSS_ATOL = 1e-5  # check-loss bound between layouts (fp32; docs/parity.md, "Which tolerance")
 TRAIN_LR = 3e-4
 
@@ -167,7 +147,8 @@ def run_training_parity(
         result[f"{name}_seconds"], result[f"{name}_exit"] = secs, rc
         if rc != 0:
             print(f"      glm52 train {' '.join(extra) or '(1 process)'} FAILED (exit {rc}):")
-            print(_tail(out / f"train-{name}.log"))
+            for line in (out / f"train-{name}.log").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]:
+                print("      " + line)
             result["ok"] = False
             return result
         losses = json.loads((out / name / "loss.json").read_text())["losses"]

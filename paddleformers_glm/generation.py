@@ -1,27 +1,7 @@
-"""Text generation for GlmMoeDsaForCausalLM, with transformers' ``generate`` contract: a prefill
-into the decoding cache, then one token per step (``modeling/cache.py``, ``MLAttention.forward_decode``).
-
-Defaults come from a :class:`GenerationConfig`, read from the checkpoint's ``generation_config.json``
-(HF's file and key names) and completed with HF's global defaults; keyword arguments override
-them for one call, as in transformers. Supported: greedy decoding and sampling (temperature, then
-top-k, then top-p, as HF's warpers), ``repetition_penalty``, ``min_new_tokens`` / ``min_length``,
-``max_new_tokens`` / ``max_length``, ``num_return_sequences`` (sampling), ``stop_strings`` (with
-``tokenizer=``), ``use_cache``, ``return_dict_in_generate`` with ``output_scores`` /
-``output_logits``. Anything else HF knows (beam search, contrastive search, ...) is refused with
-that list, never silently ignored.
-
-The logits never leave the device: the processors, the warpers and the draw run on Paddle tensors,
-and only the chosen ids (plus one "all rows finished" flag) are copied to the host each step. The
-draw inverts the CDF with one uniform number per row from a NumPy generator seeded by ``seed``, so
-a seeded run is reproducible and independent of Paddle's global RNG.
-
-Greedy decoding gives HF transformers' tokens (tests/test_generate.py holds it to the HF
-fixtures). Left padding is supported: rope positions count each row's real tokens, padding slots
-are never selected, and padding is not penalised by ``repetition_penalty`` (HF's processor also
-penalises the pad id of a padded row), so a padded row generates what it generates alone.
-
-Lengths are checked before anything is allocated: prompt + new tokens may not exceed the model's
-``max_position_embeddings``.
+"""Text generation for GlmMoeDsaForCausalLM with transformers' ``generate`` contract: a prefill into
+the decoding cache, then one token per step. Options, defaults, padding and the on-device draw are
+described in docs/model.md ("Decoding"); HF options not implemented here are refused by name, never
+silently ignored.
 """
 
 from __future__ import annotations
@@ -105,8 +85,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
     "output_hidden_states": False,
     "max_time": None,
 }
-# keys of generation_config.json that describe the file, not the decoding
-_FILE_METADATA = ("_from_model_config", "transformers_version", "decoder_start_token_id", "cache_implementation")
+_SPECIAL_TOKENS = ("eos_token_id", "pad_token_id", "bos_token_id")
 
 
 @dataclass
@@ -156,11 +135,7 @@ class GenerationConfig:
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationConfig:
         """What HF derives when a checkpoint has no generation_config.json: the special tokens."""
-        return cls(
-            eos_token_id=getattr(config, "eos_token_id", None),
-            pad_token_id=getattr(config, "pad_token_id", None),
-            bos_token_id=getattr(config, "bos_token_id", None),
-        )
+        return cls(**{k: getattr(config, k, None) for k in _SPECIAL_TOKENS})
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, config: Any = None) -> GenerationConfig:
@@ -175,11 +150,9 @@ class GenerationConfig:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable JSON file: {err}") from err
         gc = cls.from_dict(data, source=path)
-        if config is not None:
-            base = cls.from_model_config(config)
-            for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
-                if getattr(gc, k) is None:
-                    setattr(gc, k, getattr(base, k))
+        for k in _SPECIAL_TOKENS if config is not None else ():
+            if getattr(gc, k) is None:
+                setattr(gc, k, getattr(config, k, None))
         return gc
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,34 +179,28 @@ class GenerationConfig:
     def check_supported(self) -> None:
         """Refuse options this generate does not implement (beam search, ...), naming where they
         were set and what is supported."""
-        src = self.extra.get("_source", "generation config")
+        src, supported = self.extra.get("_source", "generation config"), f"supported options: {', '.join(self.keys())}"
         if self.num_beams not in (None, 1):
-            raise ValueError(
-                f"{src}: num_beams={self.num_beams}: beam search is not supported; supported options: "
-                f"{', '.join(self.keys())}"
-            )
+            raise ValueError(f"{src}: num_beams={self.num_beams}: beam search is not supported; {supported}")
         for k, v in self.extra.items():
             if k in UNSUPPORTED_OFF and v != UNSUPPORTED_OFF[k]:
                 raise ValueError(
-                    f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); supported "
-                    f"options: {', '.join(self.keys())}"
+                    f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); {supported}"
                 )
 
 
 def _refuse_unknown(kwargs: dict[str, Any]) -> None:
+    supported = ", ".join(GenerationConfig.keys())
     for k, v in kwargs.items():
-        if k in UNSUPPORTED_OFF and k not in GenerationConfig.keys():
-            if v == UNSUPPORTED_OFF[k]:
-                continue
-            what = "beam search" if k in ("num_beam_groups", "diversity_penalty", "length_penalty") else k
-            raise ValueError(
-                f"generate: {what} ({k}={v!r}) is not supported; supported options: {', '.join(GenerationConfig.keys())}"
-            )
-        if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF:
+        if k in GenerationConfig.keys() or (k in UNSUPPORTED_OFF and v == UNSUPPORTED_OFF[k]):
+            continue
+        if k not in UNSUPPORTED_OFF:
             raise TypeError(
-                f"generate: unknown option {k!r}; supported options: {', '.join(GenerationConfig.keys())} "
+                f"generate: unknown option {k!r}; supported options: {supported} "
                 "(and seed, streamer, tokenizer, generation_config)"
             )
+        what = "beam search" if k in ("num_beam_groups", "diversity_penalty", "length_penalty") else k
+        raise ValueError(f"generate: {what} ({k}={v!r}) is not supported; supported options: {supported}")
 
 
 def generation_config_of(model: Any) -> GenerationConfig:
@@ -252,17 +219,17 @@ class _Settings:
 
     new_tokens: int
     min_new: int
-    do_sample: bool
     temperature: float
     top_k: int
     top_p: float
     repetition_penalty: float
     num_return_sequences: int
-    use_cache: bool
     eos: list[int]
     pad: int
     stop_strings: list[str]
-    return_dict: bool
+    do_sample: bool
+    use_cache: bool
+    return_dict_in_generate: bool
     output_scores: bool
     output_logits: bool
 
@@ -353,23 +320,22 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     min_length = _integer("min_length", get("min_length"), 0)
     min_new = max(0, min_length - prompt_len) if mn is None else mn
 
-    do_sample = get("do_sample")
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"generate: do_sample must be True or False, got {do_sample!r}")
+    flags = {k: get(k) for k in ("do_sample", "use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"generate: {k} must be True or False, got {v!r}")
     temperature = _number("temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)")
     top_k = _integer("top_k", get("top_k"), 0, " (0: off)")
     top_p = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
     rp = _number("repetition_penalty", get("repetition_penalty"), lambda r: r > 0, "> 0 (1: off)")
     nrs = _integer("num_return_sequences", get("num_return_sequences"), 1)
-    if nrs > 1 and not do_sample:
+    if nrs > 1 and not flags["do_sample"]:
         raise ValueError(
             f"generate: num_return_sequences={nrs} needs do_sample=True (greedy decoding returns one sequence "
             "per prompt; beam search is not supported)"
         )
-    eos = _eos_list(kwargs["eos_token_id"] if kwargs.get("eos_token_id") is not None else base.eos_token_id)
-    pad = kwargs.get("pad_token_id", None)
-    if pad is None:
-        pad = base.pad_token_id
+    eos = _eos_list(get("eos_token_id"))
+    pad = get("pad_token_id")
     if pad is None:
         pad = eos[0] if eos else 0  # HF: pad with the first EOS id
     if not _is_int(pad):
@@ -378,40 +344,10 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     stops = [stops] if isinstance(stops, str) else list(stops)
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
-    flags = {}
-    for k in ("use_cache", "return_dict_in_generate", "output_scores", "output_logits"):
-        flags[k] = get(k)
-        if not isinstance(flags[k], bool):
-            raise ValueError(f"generate: {k} must be True or False, got {flags[k]!r}")
-    return _Settings(
-        new_tokens=new,
-        min_new=min_new,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=rp,
-        num_return_sequences=nrs,
-        use_cache=flags["use_cache"],
-        eos=eos,
-        pad=int(pad),
-        stop_strings=stops,
-        return_dict=flags["return_dict_in_generate"],
-        output_scores=flags["output_scores"],
-        output_logits=flags["output_logits"],
-    )
+    return _Settings(new, min_new, temperature, top_k, top_p, rp, nrs, eos, int(pad), stops, **flags)
 
 
 # --------------------------------------------------------------------------- processors (on the device)
-def _penalise(logits: paddle.Tensor, seen: paddle.Tensor, penalty: float) -> paddle.Tensor:
-    """HF's repetition penalty: a seen token's logit is divided by ``penalty`` when positive and
-    multiplied by it when negative. ``seen`` [B, V] bool."""
-    import paddle
-
-    penalised = paddle.where(logits < 0, logits * penalty, logits / penalty)
-    return paddle.where(seen, penalised, logits)
-
-
 def _warp(logits: paddle.Tensor, s: _Settings) -> paddle.Tensor:
     """Temperature, then top-k (ties with the k-th kept), then top-p (the smallest set of most
     likely tokens whose probability reaches top_p), as HF's warpers: removed tokens get -inf."""
@@ -463,13 +399,6 @@ class GenerateDecoderOnlyOutput:
         return getattr(self, key)
 
 
-def _stream(streamer: Any, ids: np.ndarray) -> None:
-    if hasattr(streamer, "put"):  # transformers' streamer protocol (TextStreamer): put(), then end()
-        streamer.put(ids)
-    else:
-        streamer(ids)
-
-
 # --------------------------------------------------------------------------- generate
 def generate(
     model: paddle.nn.Layer,
@@ -486,16 +415,11 @@ def generate(
     """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences,
     S + n] int64 (or a :class:`GenerateDecoderOnlyOutput` with ``return_dict_in_generate=True``).
 
-    ``kwargs`` are generation options with HF's names (see :class:`GenerationConfig`); unset ones
-    come from ``generation_config`` (default: the checkpoint's generation_config.json), then HF's
-    defaults. ``attention_mask`` [B, S] (1 = token, 0 = padding) allows left-padded batches. A row
-    that produced an EOS token (``eos_token_id``; ``[]`` for none) or one of ``stop_strings``
-    (decoded with ``tokenizer``) continues with ``pad_token_id``; generation stops once every row
-    has finished. ``streamer`` is called with each step's new tokens [B] as they are chosen (or,
-    for an object with ``put``/``end`` such as transformers' ``TextStreamer``, fed as HF feeds it).
-    Each new token after the first goes through ``model.decode_step`` (or ``decode_step``, same
-    arguments, e.g. its ``paddle.jit.to_static`` capture or a :class:`CudaGraphDecodeStep`); the
-    cache is allocated once for the whole generation, so the step's shapes never change.
+    ``kwargs`` are generation options with HF's names (docs/model.md, "Decoding"); unset ones come
+    from ``generation_config``, then HF's defaults. Each new token after the first goes through
+    ``model.decode_step`` (or ``decode_step``, same arguments, e.g. its ``paddle.jit.to_static``
+    capture or a :class:`CudaGraphDecodeStep`); the cache is allocated once for the whole
+    generation, so the step's shapes never change.
     """
     import paddle
 
@@ -521,7 +445,7 @@ def generate(
     if s.new_tokens == 0:
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
-        return GenerateDecoderOnlyOutput(input_ids) if s.return_dict else input_ids
+        return GenerateDecoderOnlyOutput(input_ids) if s.return_dict_in_generate else input_ids
     config = model.config
     V = int(config.vocab_size)
     eos_t = paddle.to_tensor(s.eos, dtype="int64") if s.eos else None
@@ -557,8 +481,9 @@ def generate(
                 if s.output_logits:
                     raw.append(logits)
                 x = logits
-                if seen is not None:
-                    x = _penalise(x, seen, s.repetition_penalty)
+                if seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
+                    rp = s.repetition_penalty
+                    x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
                 if eos_vocab is not None and step < s.min_new:
                     x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
                 if s.do_sample:
@@ -577,10 +502,14 @@ def generate(
                 if streamer is not None or s.stop_strings:
                     host = nxt.numpy()  # the chosen ids only
                     host_new.append(host)
-                    if streamer is not None:
-                        _stream(streamer, host)
-                    if s.stop_strings:
-                        finished = paddle.logical_or(finished, paddle.to_tensor(_stopped(host_new, s, tokenizer)))
+                    if hasattr(streamer, "put"):  # transformers' streamer protocol (TextStreamer): put(), then end()
+                        streamer.put(host)
+                    elif streamer is not None:
+                        streamer(host)
+                    if s.stop_strings:  # per row: does the text of its new tokens hold a stop string
+                        texts = [tokenizer.decode([int(t) for t in row]) for row in np.stack(host_new, axis=1)]
+                        stopped = [any(stop in text for stop in s.stop_strings) for text in texts]
+                        finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
                 if step == s.new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
                     break
                 if s.use_cache:
@@ -598,7 +527,7 @@ def generate(
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
     sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)
-    if not s.return_dict:
+    if not s.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
@@ -617,16 +546,6 @@ def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tenso
     if mask is not None:
         pos = paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
     return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
-
-
-def _stopped(host_new: list[np.ndarray], s: _Settings, tokenizer: Any) -> np.ndarray:
-    """Per row: whether the text of its new tokens holds one of the stop strings."""
-    ids = np.stack(host_new, axis=1)  # [B, n]
-    out = np.zeros(ids.shape[0], dtype=bool)
-    for b in range(ids.shape[0]):
-        text = tokenizer.decode([int(t) for t in ids[b]])
-        out[b] = any(stop in text for stop in s.stop_strings)
-    return out
 
 
 class CudaGraphDecodeStep:
@@ -688,14 +607,10 @@ def generate_speculative(
     max_new_tokens: int = 20,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> tuple[paddle.Tensor, dict]:
-    """Greedy decoding with the first MTP layer as the draft model (one row, no padding).
-
-    Each step the MTP layer drafts the token after the next from the main model's last hidden
-    state; the main model then scores [next, draft] in one forward and keeps the draft only if it
-    is its own greedy choice (a rejected draft's cache slot is rolled back). The tokens are
-    therefore greedy decoding's; the MTP layer, run with its own indexer and cache, only decides how
-    many forwards that takes. Returns (prompt + new tokens [1, S + n], {"drafted", "accepted",
-    "acceptance_rate", "main_forwards"}).
+    """Greedy decoding with the first MTP layer as the draft model (one row, no padding; docs/model.md):
+    the main model keeps a draft only if it is its own greedy choice, so the tokens are greedy
+    decoding's. Returns (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate",
+    "main_forwards"}).
     """
     import paddle
 

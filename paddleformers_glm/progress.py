@@ -1,16 +1,7 @@
 """Progress of long operations (load, save, convert, export, check-ckpt): what a user sees while a
-1.5 TB checkpoint streams.
-
-On a terminal: a tqdm bar with bytes and tensors, rate and ETA.  Otherwise (a log file, a
-launcher's captured output): one structured line every few seconds and one at the end, e.g.
-
-    [glm52 load] rank 3: tensors=120/1790 bytes=12.1GB/1.50TB rate=810MB/s elapsed=15s eta=30m
-
-(``rank N:`` in multi-process runs only).  Operations shorter than the interval print nothing
-without a terminal.  ``--quiet`` on the commands, :func:`set_quiet` or ``GLM52_QUIET=1`` silence
-everything; ``GLM52_PROGRESS_INTERVAL`` sets the seconds between log lines (default 5).
-
-The checkpoint engine reports per tensor through :func:`start`; callers need no other hook.
+1.5 TB checkpoint streams. A tqdm bar on a terminal, else one structured line every few seconds and
+one at the end (docs/checkpoints.md, "Progress"); the checkpoint engine reports per tensor through
+:func:`start`, callers need no other hook.
 """
 
 from __future__ import annotations
@@ -143,11 +134,9 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(self._postfix(), refresh=False)
             self.bar.update(int(nbytes))
-        elif not self.quiet:
-            now = time.monotonic()
-            if now - self.last >= self.interval:
-                self.last = now
-                self._line()
+        elif not self.quiet and (now := time.monotonic()) - self.last >= self.interval:
+            self.last = now
+            self._line()
         if self.total_tensors is not None and self.tensors >= self.total_tensors:
             self.close()
 
@@ -155,10 +144,8 @@ class Progress:
         """The structured log line for the current state."""
         el = time.monotonic() - self.t0
         rate = self.bytes / el if el > 0 else 0.0
-        parts = [self._postfix()]
-        parts.append(
-            f"bytes={human_bytes(self.bytes)}" + (f"/{human_bytes(self.total_bytes)}" if self.total_bytes else "")
-        )
+        total = f"/{human_bytes(self.total_bytes)}" if self.total_bytes else ""
+        parts = [self._postfix(), f"bytes={human_bytes(self.bytes)}{total}"]
         parts += [f"rate={human_bytes(rate)}/s", f"elapsed={_human_seconds(el)}"]
         if self.total_bytes and rate > 0 and not self.closed:
             parts.append(f"eta={_human_seconds((self.total_bytes - self.bytes) / rate)}")

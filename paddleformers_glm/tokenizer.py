@@ -1,23 +1,9 @@
 """The checkpoint's tokenizer and chat template, read from the checkpoint folder without network.
 
-Files (the HF layout): ``tokenizer.json`` (required; the ``tokenizers`` library's format),
-``tokenizer_config.json`` (special tokens, ``chat_template``), and ``chat_template.jinja`` (newer
-exports keep the template there; it wins over the config's). The template is rendered with jinja2
-in a sandbox, with the variables HF passes (``messages``, ``add_generation_prompt``, the special
-tokens, ``tools``), and ``raise_exception`` for template-side validation.
-
-The call follows transformers' tokenizers: ``tok(texts, padding=..., truncation=..., max_length=...,
-return_tensors="pd" | "np")`` gives a :class:`BatchEncoding` with ``input_ids`` and
-``attention_mask``, padded on ``padding_side`` ("right" unless tokenizer_config.json or the caller
-says "left", which is what batched ``generate`` wants); ``batch_decode``, ``pad`` (for data
-collators) and ``apply_chat_template(..., tokenize=, return_tensors=, return_dict=)`` behave as in
-transformers 5.
-
-``assistant_mask`` finds which tokens of a conversation the assistant wrote, for training with loss
-on those tokens only: the template is rendered for growing prefixes of the conversation, and an
-assistant message's span is what its turn adds after the generation prompt. It needs a template
-whose rendering of a prefix is a prefix of the whole (true of GLM's and of most chat templates) and
-says so when it is not.
+The call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 5 (docs/model.md,
+"Tokenizer and chat"). ``assistant_spans`` locates the assistant's tokens by rendering growing
+prefixes of the conversation, so it needs a template whose rendering of a prefix is a prefix of the
+whole (true of GLM's and most chat templates), and says so when it is not.
 """
 
 from __future__ import annotations
@@ -109,12 +95,6 @@ def _id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _token_text(v: Any) -> str | None:
-    if isinstance(v, dict):  # AddedToken serialised by transformers
-        return v.get("content")
-    return v if isinstance(v, str) else None
-
-
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
@@ -193,7 +173,10 @@ class GlmTokenizer:
 
     # ------------------------------------------------------------------ special tokens
     def _special(self, key: str) -> str | None:
-        return _token_text(self.config.get(key))
+        v = self.config.get(key)
+        if isinstance(v, dict):  # AddedToken serialised by transformers
+            return v.get("content")
+        return v if isinstance(v, str) else None
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)

@@ -507,7 +507,7 @@ def test_warpers_equal_hf_logits_processors():
 
     logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32) * 3
     for t, k, p in ((0.7, 20, 0.9), (1.3, 0, 0.5), (1.0, 5, 1.0)):
-        s = _Settings(1, 0, True, t, k, p, 1.0, 1, True, [], 0, [], False, False, False)
+        s = _Settings(1, 0, t, k, p, 1.0, 1, [], 0, [], True, True, False, False, False)
         ours = _warp(paddle.to_tensor(logits), s).numpy()
         x = torch.tensor(logits)
         x = gen.TemperatureLogitsWarper(t)(None, x)

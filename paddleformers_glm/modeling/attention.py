@@ -149,19 +149,12 @@ class MLAttention(nn.Layer):
         needs from this call or None: modeling/indexer_training.py).
 
         Full layers run their own indexer unless `reuse_topk` (MTP with index sharing); shared layers
-        always use `prev_topk`. With `cache` (a prefill: the cache is empty) the layer also stores
-        its latent rows and indexer keys there; the computation itself is unchanged.
-
-        Under context parallel x holds this rank's zigzag slice of the sequence (cos / sin of its
-        global positions): the projections run on the local tokens, the indexer keys and the
-        latent rows [c, rope(k_rot)] of every token are all-gathered over the cp group, and the
-        local queries select and attend over all of them in the latent form. The indexer's losses
-        are then this rank's queries' share of the whole sequence's mean (summed over the cp ranks,
-        as the trainer sums every loss term, it is the one-process loss).
-
-        In the indexer's dense warm-up (a training forward) the layer attends to every causal key;
-        its record still carries the indexer's own top-k (for the recall, and for the layers that
-        reuse it).
+        always use `prev_topk`. With `cache` (a prefill) the layer also stores its latent rows and
+        indexer keys there. Under context parallel x is this rank's zigzag slice: the latent rows
+        and indexer keys of every token are all-gathered over the cp group and the local queries
+        attend in the latent form (docs/parallel.md section 9); the indexer's losses are this rank's
+        share of the whole sequence's mean. In the indexer's dense warm-up the layer attends to
+        every causal key; its record still carries the indexer's own top-k.
         """
         if self.cp > 1 and cache is not None:
             raise NotImplementedError("decoding with a cache runs with context parallel size 1")
@@ -295,16 +288,10 @@ class MLAttention(nn.Layer):
         topk: paddle.Tensor,
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-        """The latent form (see the module doc) -> (o_proj output [B, S, hidden], probabilities or None).
+        """The latent form (module docstring) -> (o_proj output [B, S, hidden], probabilities or None).
         c [B, S, kv_lora] normed, k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]);
-        under context parallel the queries attend over every rank's latent rows.
-
-        kv_b_proj is folded into the neighbouring weights once per step (products of small weight
-        matrices), so every activation-sized op is a plain GEMM on contiguous data:
-        W_uk into q_b_proj (q_lat = q_latent [W_q_nope[h] W_uk[h]^T]_h) and W_uv into o_proj
-        (out = o_lat [W_uv[h] W_o[h]]_h, with zero rows for the rope part of o_lat). With the
-        compiled CPU kernels W_uv runs per head instead: out = [o_lat[h, :L] W_uv[h]]_h W_o.
-        """
+        under context parallel the queries attend over every rank's latent rows. kv_b_proj is folded
+        into the neighbouring weights once per step (products of small weight matrices)."""
         q_lat, kv_lat, w_uv = self._latent_qk(q_latent, c, k_rot, rope)
         core = self.core_attention
         o, probs = sparse_latent_attention(
@@ -383,21 +370,12 @@ class MLAttention(nn.Layer):
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """n new tokens x [B, n, hidden] against the cache's past -> (out [B, n, hidden], top-k [B, n, k]).
 
-        ``slots`` [n]: the cache slots of the new tokens (default the cache's, from its ``begin``);
-        key_valid [B, capacity] marks real tokens. The new latent rows and indexer keys are written
-        first; the indexer scores the whole cache (a slot after a query's own, or not valid, is
-        masked) and keeps min(index_topk, capacity) slots, the ones HF's indexer keeps over its key
-        cache plus empty ones (-1); a shared layer uses `prev_topk`, the full layer's selection of
-        this same step. The attention then reads only the k selected latent rows, with kv_b_proj
-        absorbed (`prepare_decode_weights`, made by the prefill once per cache):
-
-            q_lat = [q_nope[h] W_uk[h]^T, rope(q_rot[h])] * scale   [B, n, H, kv_lora + rope]
-            o_lat = softmax(q_lat . kv_sel^T) kv_sel                 kv_sel [B, n, k, kv_lora + rope]
-            out   = o_proj([o_lat[h, :kv_lora] W_uv[h]]_h)
-
-        so a step costs O(k) in the attention (the indexer's O(capacity) scoring is its purpose).
-        All shapes follow the capacity, and nothing is read back to the host: the step can be
-        traced once (``paddle.jit.to_static``) or captured (a CUDA graph) and replayed.
+        ``slots`` [n]: the new tokens' cache slots (default the cache's, from its ``begin``); key_valid
+        [B, capacity] marks real tokens. The indexer scores the whole cache and keeps
+        min(index_topk, capacity) slots (-1 = empty), as HF's indexer over its key cache; the
+        attention reads only the k selected latent rows with kv_b_proj absorbed
+        (`prepare_decode_weights`, see the module docstring), O(k) per step. All shapes follow the
+        capacity and nothing is read back to the host, so the step can be traced or captured once.
         """
         if self.tp > 1 or self.cp > 1:
             raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")

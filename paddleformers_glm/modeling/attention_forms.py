@@ -1,23 +1,17 @@
 """The forms of DSA's sparse attention, and `choose_form`, the one policy that picks among them.
 
-All forms compute softmax(q k_sel^T * scale) v_sel over each query's selected keys (top-k, -1 =
-empty; a query with no key gets the mean of all values, as HF eager's all-masked softmax gives):
-
-* ``reference`` (`dense_masked_attention`): HF eager's formulation, full S x S scores with an
-  additive mask; the yardstick the tests compare the others against;
-* ``dense`` (`dense_head_attention`): per-head scores against all S keys with the top-k as a mask,
-  same association as HF eager; for short sequences, where a few batched GEMMs beat any gather;
-* ``sparse`` (`sparse_attention`): gathers the H per-head keys and values of each selected key;
-  the association HF uses, which the HF parity fixtures (small S) pin;
-* ``latent`` (`sparse_latent_attention`), as DeepSeek-V3.2 runs DSA: since k_nope = W_uk c and
-  v = W_uv c, scores and outputs are taken against the single latent row [c, k_rot] shared by all
-  heads (H x fewer bytes per key than per-head keys and values); same maths, other rounding.
+All compute softmax(q k_sel^T * scale) v_sel over each query's selected keys (top-k, -1 = empty; a
+query with no key gets the mean of all values, as HF eager's all-masked softmax gives):
+``reference`` (`dense_masked_attention`: HF eager's S x S formulation, the tests' yardstick),
+``dense`` (`dense_head_attention`: per head against all keys with the top-k as a mask, for short
+sequences), ``sparse`` (`sparse_attention`: gathers the per-head keys and values, the association
+the HF parity fixtures pin) and ``latent`` (`sparse_latent_attention`, as DeepSeek-V3.2 runs DSA:
+against the latent row [c, k_rot] shared by all heads, H x fewer bytes per key; other rounding).
 
 The latent core is a PyLayer chunked over queries (chunks sized to stay in cache). A chunk gathers
-the k selected rows per query, or, while the selection covers a large share of the chunk's keys
-(all < the chunk's end: causal), runs one GEMM against all of them with the selection as an
-additive mask. Backward reuses the gathered keys when they are small and recomputes them
-otherwise: memory O(S x k), never S x S.
+the k selected rows per query, or, while the selection covers a large share of the chunk's keys,
+runs one GEMM against all of them with the selection as an additive mask. Backward reuses the
+gathered keys when they are small and recomputes them otherwise: memory O(S x k), never S x S.
 
 A new form goes here: its function, its name in `FORMS`, its rule in `choose_form`, and its branch
 in `MLAttention.forward`. Measured speeds of each form: docs/performance.md.
@@ -78,18 +72,6 @@ class AttentionShape(NamedTuple):
     rope: int
     v: int
 
-    @property
-    def head_key_value(self) -> int:
-        """The per-head key + value floats of one key, over the heads."""
-        return self.heads * (self.nope + self.rope + self.v)
-
-
-def _selected_keys(S: int, K: int) -> float:
-    """Mean over the S queries of a causal sequence of the keys each selects: min(K, i + 1)."""
-    if S <= K:
-        return (S + 1) / 2
-    return (K * (K + 1) / 2 + (S - K) * K) / S
-
 
 def form_costs(shape: AttentionShape) -> dict[str, float]:
     """Estimated multiply-add equivalents of one forward of each chunked form (the projections
@@ -108,7 +90,7 @@ def form_costs(shape: AttentionShape) -> dict[str, float]:
     head_proj = tokens * (QL * H * dk + L * H * (dn + dv))
     latent_proj = tokens * (QL * H * L + QL * H * dr + H * L * dv)
     dense_keys = sum((r1 - r0) * r1 for _b, r0, r1, _g in _dense_plan(1, S, H)) * B  # query x key pairs
-    k_avg = _selected_keys(S, K)
+    k_avg = (S + 1) / 2 if S <= K else (K * (K + 1) / 2 + (S - K) * K) / S  # mean over the queries of min(K, i + 1)
     latent_pairs = 0.0
     for ch in _plan(1, S, H, Lr, K, S):
         rows = ch.r1 - ch.r0
@@ -124,20 +106,15 @@ def form_costs(shape: AttentionShape) -> dict[str, float]:
 
 
 def choose_form(implementation: str, shape: AttentionShape) -> str:
-    """The attention form one call runs: `implementation` itself unless it is "auto".
-
-    auto: small problems (per-head gathering up to `LATENT_MIN_ELEMS` floats) keep the rule the
-    HF parity fixtures were measured with: per-head dense for short sequences (S <= 2 top-k,
-    scores within `DENSE_MAX_SCORES`), else per-head sparse. Larger ones take the cheapest form by
-    `form_costs` (work and bytes from k / S, the heads and the latent width): the per-head dense
-    form while the top-k is close to the sequence, the latent form once it is a small share of it.
-    """
+    """The attention form one call runs: `implementation` itself unless it is "auto", which keeps
+    the HF parity fixtures' rule for small problems (`LATENT_MIN_ELEMS`, `DENSE_MAX_SCORES`) and
+    takes the cheapest form by `form_costs` for larger ones."""
     if implementation not in FORMS:
         raise ValueError(f"attn_implementation must be one of {FORMS}, got {implementation!r}")
     if implementation != "auto":
         return implementation
     B, S, K, H = shape.batch, shape.seq, shape.topk, shape.heads
-    if B * S * K * shape.head_key_value <= LATENT_MIN_ELEMS:
+    if B * S * K * (H * (shape.nope + shape.rope + shape.v)) <= LATENT_MIN_ELEMS:  # per-head key + value floats
         if S <= _DENSE_KEYS_PER_SLOT * K and B * H * S * S <= DENSE_MAX_SCORES:
             return "dense"
         return "sparse"
@@ -233,13 +210,9 @@ def sparse_attention(
     chunk_size: int = 1024,
     return_probs: bool = False,
 ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-    """softmax(q k_sel^T * scale) v_sel over the selected keys only.
-
-    q, k [B, S, H, Dk]; v [B, S, H, Dv]; topk_idx [B, S, k] (-1 = empty slot).
-    Returns out [B, S, H, Dv] and, if asked, the head-averaged probabilities [B, S, k].
-    A query with no valid key at all (e.g. left padding) gets the mean of all values, which is what
-    an additive-mask softmax (HF eager) produces for a fully masked row.
-    """
+    """softmax(q k_sel^T * scale) v_sel over the selected keys only: q, k [B, S, H, Dk]; v [B, S, H, Dv];
+    topk_idx [B, S, k] (-1 = empty slot) -> out [B, S, H, Dv] and, if asked, the head-averaged
+    probabilities [B, S, k]. A query with no valid key gets the mean of all values."""
     B, S, H, dk = q.shape
     K = topk_idx.shape[-1]
     per_row = K * H * (dk + v.shape[-1]) * q.element_size()  # the gathered keys and values of one query
@@ -336,11 +309,6 @@ def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int, n_keys: int |
     return plan
 
 
-def _dense_keys(table: paddle.Tensor, ch: _Chunk, S: int, N: int) -> paddle.Tensor:
-    """The chunk's candidate keys [c1 + 1, D]: keys < c1 of its batch, then the batch's mean row."""
-    return paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
-
-
 def _chunk_probs(
     qs: paddle.Tensor, table: paddle.Tensor, prep: _Prepared, ch: _Chunk, S: int, N: int
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -348,7 +316,8 @@ def _chunk_probs(
     q = qs[ch.r0 : ch.r1]
     C, H, D = q.shape
     if ch.dense:
-        ks = _dense_keys(table, ch, S, N)
+        # the candidate keys [c1 + 1, D]: keys < c1 of the chunk's batch, then the batch's mean row
+        ks = paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
         T = ch.c1 + 1
         s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
         m = prep.masks.get((ch.r0, ch.r1, ch.c1))
@@ -479,10 +448,9 @@ def sparse_latent_attention(
     """Sparse attention with one key/value row shared by all heads (MLA's latent / MQA form).
 
     q [B, S, H, D]; kv [B, T, D] serves as both key and value; topk_idx [B, S, k] (-1 = empty).
-    T = S, or T > S where the queries are a share of the whole sequence's (a context-parallel rank's:
-    topk_idx then holds positions among all T keys, and every chunk gathers its selected rows).
-    Returns out [B, S, H, D] and, if asked, the head-averaged probabilities [B, S, k] (0 on empty
-    slots). A query with no valid key gets the mean of all values (HF eager's all-masked softmax).
+    T > S where the queries are a context-parallel rank's share (topk_idx then holds positions among
+    all T keys, and every chunk gathers). Returns out [B, S, H, D] and, if asked, the head-averaged
+    probabilities [B, S, k] (0 on empty slots).
     """
     B, S, H, D = q.shape
     T, K = kv.shape[1], topk_idx.shape[-1]
@@ -699,12 +667,9 @@ def dense_head_attention(
     return_probs: bool = False,
     cache: SelectionCache | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-    """Per-head attention over all keys with the top-k as a mask: q, k [B, S, H, dk], v [B, S, H, dv].
-
-    Returns out [B, S, H, dv] and, if asked, the head-averaged probabilities at the selected slots
-    [B, S, k] (0 on empty slots), as `sparse_attention` does. Scores within `CHUNK_BYTES` run as
-    one block (a few batched GEMMs); longer sequences in query chunks (`_DenseChunkAttention`).
-    """
+    """Per-head attention over all keys with the top-k as a mask: q, k [B, S, H, dk], v [B, S, H, dv]
+    -> as `sparse_attention`. Scores within `CHUNK_BYTES` run as one block (a few batched GEMMs);
+    longer sequences in query chunks (`_DenseChunkAttention`)."""
     B, S, H = q.shape[0], q.shape[1], q.shape[2]
     valid = topk_idx >= 0
     if B * H * S * S * q.element_size() > CHUNK_BYTES:

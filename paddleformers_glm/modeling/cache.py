@@ -1,22 +1,12 @@
-"""The decoding cache of GLM-5.2: per layer the MLA latent row of every past token and, on layers
-that own a DSA indexer, the indexer's key of every past token.
+"""The decoding cache of GLM-5.2: per layer the MLA latent row ``[c, rope(k_rot)]`` of every past
+token and, on layers that own a DSA indexer, the indexer's key; never per-head keys and values
+(docs/model.md, "Decoding").
 
-Per token and layer it holds ``kv_lora_rank + qk_rope_head_dim`` floats (the normed latent ``c``
-followed by the roped shared key ``k_rot``) plus ``index_head_dim`` floats on full layers: never
-the per-head keys and values (``kv_b_proj`` is absorbed into the query and the output at decode
-time, see ``MLAttention.forward_decode``). Buffers are preallocated to a capacity and filled in
-place, so a decode step copies only its own rows.
-
-All rows of a batch advance together: a left-padded prompt occupies the same cache slots as the
-other rows, and ``key_valid`` marks the real-token slots so that neither the attention nor the
-indexer's top-k ever selects them. ``positions`` is each row's next rope position (the count of its
-real tokens), which is how a left-padded row decodes exactly as if it were alone.
-
-A decode step sees the cache through tensors only: the slots its new tokens fill (``slots``, from
-``begin``), the validity of every slot (``key_valid`` [B, capacity]) and the whole preallocated
-buffers, never the Python count ``length``. Its shapes depend on the capacity, not on the length,
-so one traced or captured step (``paddle.jit.to_static``, a CUDA graph) serves every step of a
-generation; ``begin`` grows the buffers (outside the step) when a forward would pass the capacity.
+All rows of a batch advance together: left padding occupies slots that ``key_valid`` marks
+invalid, and ``positions`` counts each row's real tokens, so a padded row decodes as if alone. A
+decode step sees the cache through tensors of capacity-sized shapes only (``slots``,
+``key_valid``, the preallocated buffers), never the Python ``length``, so one traced or captured
+step serves every step of a generation; ``begin`` grows the buffers outside the step.
 """
 
 from __future__ import annotations
@@ -52,14 +42,10 @@ class LayerCache:
         [length, length + n) of the owner)."""
         self.latent = self._write(self.latent, latent.detach(), self.owner.length)
 
-    def put_index_keys(self, keys: paddle.Tensor) -> None:
-        """Store the indexer keys [B, n, index_head_dim] of the tokens being processed."""
-        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), self.owner.length)
-
     def index_keys_through(self, keys: paddle.Tensor) -> paddle.Tensor:
         """Store the indexer keys [B, n, Di] of the tokens being processed and return every cached
         key through them [B, length + n, Di] (what a prefill's indexer scores its queries against)."""
-        self.put_index_keys(keys)
+        self.index_keys = self._write(self.index_keys, keys.detach().astype("float32"), self.owner.length)
         return self.index_keys[:, : self.owner.length + keys.shape[1]]  # type: ignore[index]
 
     # -------------------------------------------------------------- decode steps (tensor slots)
@@ -140,7 +126,9 @@ class DSACache:
         B = self.batch_size
         if attention_mask is None:
             new_valid = None
-            steps = self._steps(n)  # [1, n]: 1, 2, ..., n
+            ids = self._slot_ids  # arange(capacity): a slice of it, not a new arange per step
+            steps = ids[1 : n + 1] if ids is not None and n < ids.shape[0] else paddle.arange(1, n + 1, dtype="int64")
+            steps = steps.unsqueeze(0)  # [1, n]: 1, 2, ..., n
         else:
             shape = list(attention_mask.shape)
             if shape not in ([B, n], [B, self.length + n]):
@@ -164,11 +152,6 @@ class DSACache:
         self.slots = self._slot_ids[self.length : self.length + n]
         self._pending_positions = self.positions + steps[:, -1]
         return positions, self.key_valid
-
-    def _steps(self, n: int) -> paddle.Tensor:
-        if self._slot_ids is not None and n < self._slot_ids.shape[0]:
-            return self._slot_ids[1 : n + 1].unsqueeze(0)
-        return paddle.arange(1, n + 1, dtype="int64").unsqueeze(0)
 
     def advance(self, n: int) -> None:
         """The forward over n new tokens is complete: they become part of the past."""

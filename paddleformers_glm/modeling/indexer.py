@@ -1,24 +1,11 @@
 """DSA indexer (the "lightning indexer") of GLM-5.2: which keys each query attends to.
 
-Per full layer it scores every causal key with a few cheap heads and keeps the top-k; "shared"
-layers reuse the top-k of the nearest full layer before them (see configuration.indexer_types).
-
-    q   = wq_b(q_latent)            [B, S, Hi, Di]   q_latent = q_a_layernorm(q_a_proj(x)) from MLA
-    k   = k_norm(wk(x))             [B, S, Di]       LayerNorm with bias, eps 1e-6
-    rope on the first qk_rope_head_dim channels of q and k (interleaved per indexer_rope_interleave)
-    s   = relu(q . k^T * Di^-0.5)   [B, S, Hi, T]
-    w   = weights_proj(x) * Hi^-0.5 [B, S, Hi]
-    idx = sum_h w * s  (+ causal / padding mask)  -> top-k over keys, k = min(index_topk, T)
-
-Queries are processed in chunks so memory is O(S x chunk), never O(S^2); a chunk of queries
-[c0, c1) is scored against keys < c1 only (causality), so the work is ~S^2/2, and the chunk is sized
-to keep its [C, Hi, keys] scores within `attention_forms.CHUNK_BYTES` (cache-resident, no page faults). Selection runs without
-gradient (as in HF): the main loss trains no indexer weight. The optional KL "indexer loss"
-(DeepSeek-V3.2 / Megatron `dsa_indexer_loss_coeff`) trains it against the detached main attention.
-
-Selected positions that are not valid keys (in the future, padding, or fewer valid keys than k)
-are returned as index -1, so a single int64 tensor carries the whole selection (also across
-pipeline stages).
+Per full layer it scores every causal key with a few cheap heads and keeps the top-k (-1 = no valid
+key); "shared" layers reuse the top-k of the nearest full layer before them. The maths, as HF
+computes it, is in docs/model.md ("DSA numerics"). Queries run in chunks scored against the keys
+before the chunk's end only, each sized to keep its [C, Hi, keys] scores within
+`attention_forms.CHUNK_BYTES`: memory O(S x chunk), never O(S^2). Selection runs without gradient;
+the optional KL indexer loss trains it (modeling/indexer_training.py).
 """
 
 from __future__ import annotations
@@ -160,24 +147,15 @@ class DSAIndexer(nn.Layer):
         slots: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """The selection of `forward` from the projected queries q [B, S, Hi, Di], keys k [B, S, Di]
-        and head weights w [B, S, Hi] (`project`).
+        and head weights w [B, S, Hi] (`project`), in descending score order (HF's top-k).
 
-        ``positions`` (int64 [S], default arange(S)): each query's position in the sequence; a query
-        sees the keys at positions <= its own (and not ``key_padding`` [B, T]). ``keys`` maps this
-        call's keys [B, S, Di] to all T keys (default: themselves, T = S): decoding appends them to
-        its cache and returns the cache, context parallel all-gathers the ranks' slices.
-
-        A row's selected keys come in descending score order (as HF's top-k gives them). With
-        `ordered=False` the caller only needs the set: the first k_out queries of a plain forward
-        (which, without padding, see at most k_out keys and so select all of them) are then
-        neither scored nor sorted, and get their keys in ascending order.
-
-        ``slots`` instead of ``positions`` (a decode step's cache slots [S] int64, a tensor): the
-        keys are a whole preallocated cache [B, T = capacity, Di] of which a query sees the slots
-        <= its own that ``key_padding`` [B, T] marks valid. The work then has fixed shapes (T, not the
-        filled length), reads no host value, and the top-k keeps min(index_topk, T) slots, those
-        past the filled length (or invalid) being -1: the same keys as HF's top-k over the filled
-        length selects."""
+        ``positions`` (int64 [S], default arange(S)): each query's position; a query sees the keys at
+        positions <= its own (and not ``key_padding`` [B, T]). ``keys`` maps this call's keys to all
+        T keys (decoding: its cache; context parallel: the ranks' slices all-gathered).
+        `ordered=False` (the caller needs the set only): the first k_out queries of a plain forward
+        see at most k_out keys, so they are neither scored nor sorted (keys in ascending order).
+        ``slots`` (a decode step's cache slots [S], a tensor): the keys are the whole cache
+        [B, capacity, Di]; fixed shapes, no host read, slots past the filled length are -1."""
         with paddle.no_grad():
             k = keys(k) if keys is not None else k  # [B, T, Di]
             if slots is not None:
@@ -239,12 +217,10 @@ class DSAIndexer(nn.Layer):
         all_keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
         total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
-        """KL(target || indexer) over the selected keys, mean over queries that have any.
-
-        Inputs are detached so the gradient reaches only the indexer's own parameters;
-        target_probs [B, S, k] is the head-averaged main attention over the same slots.
-        Context parallel passes `all_keys` (this rank's keys -> every key, differentiable) and
-        `total` (this rank's count of queries with keys -> the whole sequence's).
+        """KL(target || indexer) over the selected keys, mean over queries that have any; inputs are
+        detached so the gradient reaches only the indexer's parameters. target_probs [B, S, k]: the
+        head-mean main attention over the same slots. Context parallel passes `all_keys` (this
+        rank's keys -> every key, differentiable) and `total` (the count of queries -> the whole sequence's).
         """
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
@@ -271,14 +247,9 @@ class DSAIndexer(nn.Layer):
         total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
         """KL(target || softmax(index scores)) over *every* key a query sees (the dense warm-up),
-        mean over the queries that see any.
-
-        ``target_probs`` [B, S, T]: per key, the main attention summed over heads and L1-normalised
-        (0 on keys the query does not see). The index scores of a chunk of queries are one GEMM
-        against the keys up to the chunk's last position (as the selection scores them), so the
-        scores are never [S, T] at once; inputs are detached (only the indexer's parameters get a
-        gradient). ``positions``, ``all_keys`` and ``total`` as in :meth:`select` and :meth:`kl_loss`
-        (context parallel: this rank's queries over every rank's keys)."""
+        mean over the queries that see any. ``target_probs`` [B, S, T]: the head-mean main attention
+        per key. Scored chunk by chunk as the selection does (never [S, T] at once), inputs detached;
+        ``positions``, ``all_keys`` and ``total`` as in :meth:`select` and :meth:`kl_loss`."""
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
             k = all_keys(k)  # [B, T, Di]

@@ -1,31 +1,11 @@
-"""Training the DSA indexer: the two stages of DeepSeek-V3.2 / GLM-5, the indexer's targets, its KL
-losses and its top-k recall.
-
-The stage (a run setting, not the model's semantics) is an :class:`IndexerTraining`:
-
-* ``none``: nothing trains the indexer (its top-k selection passes no gradient);
-* ``warmup`` (dense warm-up): every attention layer attends to *all* causal keys; the target of a
-  full layer's indexer is its main attention summed over heads and L1-normalised over all causal
-  keys (each head's row sums to 1, so this is the head mean); the loss is
-  ``KL(target || softmax(index scores))`` over every visible key.  The trainer freezes every
-  parameter but the indexers' (``GlmMoeDsaForCausalLM.set_indexer_training``);
-* ``sparse``: attention over the top-k; the target is the head-mean attention over the selected
-  keys, the loss the KL over that set; the whole model trains (the indexer's inputs are detached, so
-  this loss reaches no backbone weight).
-
-``shared_supervision`` (off by default): the target of a full layer is the mean of its own and of
-the normalised head-summed attention of every shared layer that reuses its top-k (the MTP layer
-too when it reuses the main model's), so the selection is trained for every layer that uses it.
-
-Per full layer (and MTP layer with its own indexer) a training forward reports the KL and the
-**top-k recall**: the share of the layer's dense attention mass (the target over all causal keys,
-whatever the stage) that falls on the keys its indexer selected.  Both are means over the queries
-that have a visible key; under context parallel each rank holds its queries' share of that mean
-(the sums over the cp ranks are the whole sequence's).
+"""Training the DSA indexer: the stages of DeepSeek-V3.2 / GLM-5 (``none``, ``warmup``, ``sparse``: an
+:class:`IndexerTraining`, a run setting), the indexer's targets, its KL losses and its top-k recall,
+as docs/indexer.md defines them.
 
 Each attention call in training leaves an :class:`IndexerRecord`; the model's body hands the
 records of one forward, in layer order, to :func:`indexer_terms` once every layer that reuses a
-top-k has run.
+top-k has run (with shared supervision a full layer's target also averages the layers reusing its
+top-k). Under context parallel each rank's KL and recall are its queries' share of the mean.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """GLM-5.2 (`glm_moe_dsa`) as one stage-aware model: embedding -> decoder layers (the top-k flows from
 layer to layer) -> final norm -> LM head, the MTP layers, and one loss function.
 
-A `GlmMoeDsaForCausalLM` is built from a `StageSpec` (the decoder layer ids it owns; whether it
-embeds tokens, holds the final norm and LM head, and the MTP layers), by default the whole model,
-and from the `Topology` whose groups its layers use (default: one process). Everything runs
-through one body over the pipeline carry (hidden states [B, S, H] and the int64 top-k of the last
-full indexer layer, so a stage may start on a shared indexer layer) and one loss function
-(`causal_lm_losses`: the LM loss, each MTP depth's, the indexer KL). The HF-API `forward`
-(logits, HF-convention mean losses, the decoding cache), a pipeline stage of the trainer
-(`forward_stage`: loss sums and token counts over vocab-parallel logits), context parallel (the
-attention's cp group) and `generate` are this model configured.
-
-Parameter names follow the PaddleFormers / PaddleFleet layout (`model.embedding.embed_tokens`,
-`model.layers.<global id>`, `self_attn.core_attention.indexer`, fused `up_gate_proj`, MTP
-`transformer_layer`) whatever the stage holds; the checkpoint package maps them to and from the
-official HF names with Paddle's AOA engine.
+The HF-API `forward`, a trainer's pipeline stage (`forward_stage`), context parallel and `generate`
+all run one body (`_run`) over the pipeline carry (hidden states and the top-k of the last full
+indexer layer); docs/model.md ("One stage-aware model") lists the paths. Parameter names follow the
+PaddleFormers / PaddleFleet layout whatever the stage holds; the checkpoint package maps them to
+and from the official HF names.
 """
 
 from __future__ import annotations
@@ -81,12 +72,8 @@ class CausalLMOutput:
 
     def keys(self) -> list[str]:
         """Names of the fields that are set (None and empty lists are not)."""
-        names = []
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is not None and not (isinstance(v, list) and not v):
-                names.append(f.name)
-        return names
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return [k for k, v in values.items() if v is not None and not (isinstance(v, list) and not v)]
 
     def to_tuple(self) -> tuple:
         return tuple(getattr(self, k) for k in self.keys())
@@ -363,14 +350,9 @@ def _skip_random_init() -> Iterator[None]:
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses; the whole model or one pipeline stage of it.
 
-    `out = model(input_ids, attention_mask=None, position_ids=None, labels=None)` gives `out.logits`
-    [B, S, V]; with labels, `out.loss` (HF convention) and `out.mtp_loss` when MTP layers exist.
-    `add_mtp_loss=True` adds `mtp_loss_scaling_factor * mtp_loss` (and the indexer KL loss when
-    `indexer_loss_coeff` > 0) into `out.loss`.
-
     ``stage`` (default the whole model) says which layers it owns and whether it embeds tokens,
     holds the head and the MTP layers; ``topology`` (default one process) the groups its layers are
-    split over. The trainer runs a stage through :meth:`forward_stage`.
+    split over. `add_mtp_loss=True` adds the scaled MTP (and indexer KL) losses into `out.loss`.
     """
 
     config_class = GlmMoeDsaConfig
@@ -443,15 +425,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     ):
         """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
 
-        With a multi-rank ``topology`` (tensor/expert parallel, from ``parallel.topology.init_topology``)
-        the model is built in its split shapes and each rank reads only its slices.
-
-        ``dtype``: a name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or a Paddle dtype; ``"auto"``
-        (default) is the config's dtype where the device computes it (an accelerator), else float32
-        with an info line. See checkpoint.load_pretrained_state. The load report is logged (one
-        info line, warnings as warnings); ``output_loading_info=True`` returns ``(model, report)``
-        as transformers does. ``check_finite`` (default) refuses weights holding NaN or Inf, naming
-        them (checkpoint/finite.py; its cost per GB is in docs/checkpoints.md).
+        With a multi-rank ``topology`` the model is built in its split shapes and each rank reads
+        only its slices. ``dtype`` ``"auto"`` is the config's dtype on an accelerator, else float32
+        (checkpoint.load_pretrained_state). ``output_loading_info=True`` returns ``(model, report)``
+        as transformers does; ``check_finite`` refuses weights holding NaN or Inf, naming them.
         """
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
@@ -487,12 +464,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return (model, report) if output_loading_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
-        """Official HF layout by default (`layout="fleet"` for the Paddle names; `quantization="fp8"`
-        for the block-FP8 release format); all or nothing. A model loaded from a folder carries that
-        folder's tokenizer / generation config / chat template files along. Built for a
-        multi-rank topology (tensor/expert parallel) it is collective: every rank writes the
-        tensors it owns (checkpoint/distributed.py ``save_pretrained_distributed``), no rank gathers the
-        model, and the files are the same bytes as a one-process save."""
+        """Official HF layout by default (`layout="fleet"`, `quantization="fp8"`: checkpoint package);
+        all or nothing, carrying a loaded folder's tokenizer and generation files along. Built for a
+        multi-rank topology it is collective: every rank writes the tensors it owns, no rank gathers
+        the model, and the files are the same bytes as a one-process save."""
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
@@ -516,13 +491,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return not self.indexer_training.dense
 
     def set_indexer_training(self, training: IndexerTraining | str) -> None:
-        """Train the indexer in ``training``'s stage (modeling/indexer_training.py): ``"warmup"``
-        attends densely and freezes every parameter but the indexers that run (``stop_gradient``: no
-        gradient, and the trainer's optimizer holds no state for them; an MTP layer that reuses the
-        main model's top-k keeps its indexer frozen); ``"sparse"`` and ``"none"``
-        leave every parameter trainable.  Training forwards (``model.train()``) then leave the
-        indexer's KL and top-k recall per layer (``forward_stage``'s ``indexer_*`` loss terms,
-        ``out.indexer_loss`` / ``out.indexer_recall``)."""
+        """Train the indexer in ``training``'s stage (modeling/indexer_training.py, docs/indexer.md):
+        ``"warmup"`` attends densely and freezes (``stop_gradient``) every parameter but the indexers
+        that run; ``"sparse"`` and ``"none"`` leave every parameter trainable."""
         if isinstance(training, str):
             training = IndexerTraining(training)
         self.model.indexer_run.training = training
@@ -553,14 +524,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         """Parameter count of this model (this rank's share under model parallelism)."""
         skip = set()
         if exclude_embeddings:
-            skip = {id(p) for p in self.get_input_embeddings().parameters()}
-            skip |= {id(p) for p in self.get_output_embeddings().parameters()}
-        total = 0
-        for p in self.parameters():
-            if id(p) in skip or (only_trainable and p.stop_gradient):
-                continue
-            total += int(np.prod(p.shape)) if p.shape else 1
-        return total
+            embeddings = [*self.get_input_embeddings().parameters(), *self.get_output_embeddings().parameters()]
+            skip = {id(p) for p in embeddings}
+        kept = [p for p in self.parameters() if id(p) not in skip and not (only_trainable and p.stop_gradient)]
+        return sum(int(np.prod(p.shape)) for p in kept)
 
     # ------------------------------------------------------------------ the forward
     def _run(

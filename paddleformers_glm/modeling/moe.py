@@ -1,21 +1,13 @@
-"""Feed-forward blocks: the dense SwiGLU MLP and the GLM-5.2 MoE (sigmoid router + noaux_tc).
-
-Router (always fp32: the official config sets moe_router_dtype "float32"):
-    s      = sigmoid(x W_gate)                       [N, E]
-    choice = s + e_score_correction_bias             (bias only chooses; it is never a weight)
-    group score = sum of the top-2 `choice` in each of n_group groups -> keep topk_group groups
-    experts = top-k of `choice` inside the kept groups
-    weights = s[experts] (/ sum if norm_topk_prob) * routed_scaling_factor
-Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns first) like the Fleet layout.
+"""Feed-forward blocks: the dense SwiGLU MLP and the GLM-5.2 MoE (sigmoid router + noaux_tc, always
+fp32; docs/model.md "MoE"). Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns
+first) like the Fleet layout.
 
 Routed compute: the (token, expert) assignments are sorted by expert once (one gather of the
-inputs). On fp32 CPU tensors all experts then run as two grouped matmuls (one op each, forward
-and backward: ops/experts.py, one MKL GEMM per expert on its rows, as HF's `grouped_mm`);
-elsewhere (GPU, bf16, no compiled kernels) the sorted rows are split into per-expert views and
-each expert runs one matmul pair. Either way the weighted outputs are added into the result in
-ascending expert order per token, as HF's per-expert `index_add_` adds them.
-`MoE(config, routed_form="padded")` runs all experts as two batched matmuls over a zero-padded
-[E, capacity, H] layout instead (bench/bench_moe.py compares).
+inputs). On fp32 CPU tensors all experts then run as two grouped matmuls (ops/experts.py, one MKL
+GEMM per expert on its rows, as HF's `grouped_mm`); elsewhere each expert runs one matmul pair on
+its sorted rows. Either way the weighted outputs are added in ascending expert order per token, as
+HF's per-expert `index_add_` adds them. `MoE(config, routed_form="padded")` runs all experts as two
+batched matmuls over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
 """
 
 from __future__ import annotations
@@ -91,16 +83,11 @@ def sequence_aux_loss(
     tp_group: object = None,
     tp_size: int = 1,
 ) -> paddle.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, summed over this micro-batch's sequences.
+    """DeepSeek-V3's sequence-wise balance loss ``sum_i f_i * P_i`` (docs/model.md, "MoE balancing"),
+    summed over this micro-batch's sequences; the caller applies the coefficient and the mean.
 
-    Per sequence of T tokens: ``sum_i f_i * P_i`` with ``f_i = E / (K T) * #{t: i in top-k(t)}``
-    and ``P_i = 1/T sum_t s_ti / sum_j s_tj`` (sigmoid scores normalised over all experts).  The
-    coefficient and the mean over the global batch's sequences are applied by the caller.
-
-    Under sequence parallel each rank routes a slice of every sequence (``tp_group`` given): the
-    counts ``f`` are summed over the group (no gradient flows through them) and ``P`` is this
-    slice's share, so the ranks' terms add up to the whole sequence's loss and the router
-    gradient, summed over the group like every sequence-parallel parameter's, is the full one.
+    Under sequence parallel (``tp_group`` given) the counts ``f`` are summed over the group and
+    ``P`` is this slice's share, so the ranks' terms and router gradients add up to the full ones.
     """
     N, E = scores.shape
     K = expert_ids.shape[-1]
@@ -154,16 +141,11 @@ def frozen_training_forward() -> Iterator[None]:
 class RouterBalance:
     """A router's training-time balancing state, kept out of the state dict.
 
-    ``counts``: tokens routed to each expert [E] (int64) by the training forwards since the trainer
-    last took them (after each optimizer step; ``train/moe_balance.py``); ``routed``: the same
-    counts since the gradient sync last took them (its has-gradient flags: a layer whose experts got
-    no token is not stepped, and with ``--expert-update routed-only`` an expert no token reached;
-    ``parallel/grads.py``).  ``aux_loss_coeff`` > 0 adds the sequence-wise
-    balance loss times ``aux_loss_scale`` per sequence (the trainer sets it to 1 / global batch
-    sequences times its loss factor, so the gradient is that of ``coeff * mean over sequences``);
-    ``aux_loss`` sums the unscaled per-sequence losses since the trainer last took them.
-    ``topo``: under sequence parallel the router sees a slice of every sequence, and the loss sums
-    the expert counts over the TP group.
+    ``counts``: tokens routed to each expert [E] since the trainer last took them
+    (``train/moe_balance.py``); ``routed``: the same since the gradient sync last took them (a layer
+    or expert no token reached is not stepped; ``parallel/grads.py``). ``aux_loss_coeff`` > 0 adds
+    the sequence-wise balance loss times ``aux_loss_scale`` (set by the trainer so the gradient is
+    that of ``coeff * mean over sequences``); ``aux_loss`` sums the unscaled losses.
     """
 
     def __init__(self, topo: Topology | None = None) -> None:
@@ -313,10 +295,8 @@ class MoE(nn.Layer):
 
     def _static_routed(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
         """The routed sum with no data-dependent shape, for graphs built by paddle.jit.to_static or
-        captured as CUDA graphs:
-        every expert runs on every token and is weighted by its routing weight (0 when not chosen),
-        added in ascending expert order like the per-expert loop. E / K times the flops: an
-        export form, not a training one."""
+        captured as CUDA graphs: every expert runs on every token, weighted by its routing weight
+        (0 when not chosen), in ascending expert order. E / K times the flops: an export form."""
         out = paddle.zeros_like(x)
         for e in range(self.num_experts):
             w_e = paddle.where(expert_ids == e, weights, paddle.zeros_like(weights)).sum(axis=-1, keepdim=True)

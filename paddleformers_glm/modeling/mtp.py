@@ -1,15 +1,7 @@
-"""Multi-token prediction (MTP) layer, DeepSeek-V3 style, as GLM-5.2 ships it (decoder layer index L+j).
-
-For depth d (1-based), position i combines the previous depth's hidden state with the embedding of
-token i+d and predicts token i+d+1:
-
-    h_0 = final-normed hidden state of the main model                      [B, S, H]
-    x   = eh_proj(concat(enorm(embed(tokens shifted left by d)), hnorm(h_{d-1})))
-    h_d = transformer_layer(x)          (a full MoE decoder layer with its own indexer)
-    logits_d = lm_head(norm(h_d))       (`norm` is the checkpoint's `shared_head.norm`)
-
-With `index_share_for_mtp_iteration` the layer reuses the top-k of the main model's last decoder
-layer instead of running its own indexer (the checkpoint still carries that indexer).
+"""Multi-token prediction (MTP) layer, DeepSeek-V3 style, as GLM-5.2 ships it (decoder layer index L+j):
+depth d combines the previous depth's hidden state with the embedding of token i+d and predicts token
+i+d+1 (docs/model.md, "MTP"). With `index_share_for_mtp_iteration` the layer reuses the main model's
+last top-k instead of running its own indexer (the checkpoint still carries that indexer).
 """
 
 from __future__ import annotations
