@@ -105,8 +105,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
+        unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
         return cls(**d)
@@ -218,19 +217,6 @@ def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
     return {k: paddle.to_tensor(v) for k, v in mb.items()}
 
 
-def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
-    """The pipeline chunks of this run (``--pp`` x ``--vpp``, ``--pp-layout``, first/last stage
-    sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``."""
-    try:
-        return run_stages(cfg, adapter.num_layers, pp * cfg.vpp, adapter.has_mtp)
-    except ParallelConfigError as e:
-        if cfg.vpp == 1:
-            raise
-        raise ParallelConfigError(
-            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pp} x --vpp {cfg.vpp} chunks)"
-        ) from e
-
-
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     """The layout of this run (``dp`` derived from the world size when not given)."""
     return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
@@ -272,7 +258,14 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
         raise ValueError(
             "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
         )
-    specs = stage_specs(cfg, adapter, pc.pp)
+    try:  # the pipeline chunks: one per stage, or with --vpp N pp x N chunks, chunk c on rank c % pp
+        specs = run_stages(cfg, adapter.num_layers, pc.pp * cfg.vpp, adapter.has_mtp)
+    except ParallelConfigError as e:
+        if cfg.vpp == 1:
+            raise
+        raise ParallelConfigError(
+            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pc.pp} x --vpp {cfg.vpp} chunks)"
+        ) from e
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
@@ -448,20 +441,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
     report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
-    profile = {
-        "tp": topo.pc.tp,
-        "pp": topo.pc.pp,
-        "ep": topo.pc.ep,
-        "etp": topo.pc.etp,
-        "sp": topo.pc.sp,
-        "dp": topo.pc.dp,
-        "cp": topo.pc.cp,
-        "world": topo.world_size,
-        "micro_batch_size": cfg.micro_batch_size,
-        "global_batch_size": cfg.global_batch_size,
-        "seq_len": cfg.seq_len,
-        "dtype": cfg.dtype,
-    }
+    profile = {k: getattr(topo.pc, k) for k in ("tp", "pp", "ep", "etp", "sp", "dp", "cp")} | {"world": topo.world_size}
+    profile |= {k: getattr(cfg, k) for k in ("micro_batch_size", "global_batch_size", "seq_len", "dtype")}
     layout = {**profile, "sharding": topo.pc.sharding}
     history: dict[str, list[float]] = {k: [] for k in report_keys}
     history.update(grad_norms=[], lrs=[])
@@ -553,11 +534,6 @@ def _step_engine(run: _Run) -> str:
     return "train_batch" if run.opt.hybrid is not None else "forward_backward_pipeline"
 
 
-def _dumps_at(cfg: TrainConfig, step: int) -> bool:
-    """Whether ``--dump-step`` asks for the state after update ``step`` (1-based)."""
-    return any(int(k) == step for _, k in cfg.dump_steps)
-
-
 def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float]:
     """Update ``step`` (0-based): forward/backward over this replica's micro-batches, gradient sync,
     clip, AdamW; the step's losses are appended to the history. Returns (lr, grad norm).
@@ -598,7 +574,9 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         beat(step + 1, "update")
         grads = run.sync.current_grads()  # as Fleet's train_batch step left them (delay_scale_loss)
         # a copy: the trainer's clip replaces the entries, Fleet's clips the tensors in place
-        done["pre_clip"] = {n: g.clone() for n, g in grads.items()} if _dumps_at(cfg, step + 1) else None
+        done["pre_clip"] = (
+            {n: g.clone() for n, g in grads.items()} if any(int(k) == step + 1 for _, k in cfg.dump_steps) else None
+        )
         # logged; Fleet's clip runs inside the update when clips_itself. The loss flag makes it
         # non-finite on every rank when any rank's loss is (train/nonfinite.py)
         done["gnorm"] = run.sync.global_norm(grads, loss_flag(_local_loss_sums(run, done)))
@@ -653,9 +631,7 @@ def _nonfinite_step(
 ) -> bool:
     """The global norm of ``step`` is not finite: gather where (every rank, collectively); skip
     the update (True) while ``--skip-nonfinite-steps`` allows, else raise :class:`NonFiniteStep`."""
-    totals = done.get("totals")
-    if totals is None:
-        totals = run.engine.ledger.totals()
+    totals = done["totals"] if "totals" in done else run.engine.ledger.totals()
     sums = {name: float(v[0]) for name, v in totals.items()}
     order = [n for n, _ in run.sync.params]
     reports = gather_json(local_report(run.topo.rank, sums, grads, order), run.topo.world_size)
@@ -712,12 +688,9 @@ def _record_indexer_stage(run: _Run, step: int) -> None:
     stage = run.indexer["stage"]
     if stage != "none":
         run.history.setdefault("indexer_steps", []).append(step)
-    if (
-        run.indexer_stages
-        and run.indexer_stages[-1]["stage"] == stage
-        and run.indexer_stages[-1]["last_step"] == step - 1
-    ):
-        run.indexer_stages[-1]["last_step"] = step
+    last = run.indexer_stages[-1] if run.indexer_stages else {}
+    if last.get("stage") == stage and last.get("last_step") == step - 1:
+        last["last_step"] = step
     else:
         run.indexer_stages.append({"stage": stage, "first_step": step, "last_step": step})
 
@@ -772,15 +745,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm
 
-        bar = tqdm(
-            total=cfg.steps,
-            initial=run.start,
-            desc="train",
-            unit="step",
-            file=sys.stderr,
-            dynamic_ncols=True,
-            leave=True,
-        )
+        bar = tqdm(total=cfg.steps, initial=run.start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     log = (bar.write if bar is not None else print) if run.rank0 else (lambda *_: None)
     if run.rank0:
         log(

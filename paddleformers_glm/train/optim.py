@@ -104,31 +104,25 @@ class AdamW:
         self.hybrid = None  # fleet.distributed_optimizer's HybridParallelOptimizer (fleet_clips layouts)
         self._sharding_group = None
         self._own = {p.name for _, p in self.params}
-        if fleet_clips(topo):  # wrapped even without clipping: Fleet's pipeline train_batch steps it
+        if fleet_clips(topo) or (topo is not None and topo.sharding_size > 1):
             from paddle.distributed import fleet
             from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
                 DygraphShardingOptimizer,
             )
 
-            # the stock wrapper: it builds the sharding optimizer (as below) and swaps the inner
-            # AdamW's ClipGradByGlobalNorm (when clipping) for HybridParallelClipGrad, which the
-            # update then runs
-            self.hybrid = fleet.distributed_optimizer(self.opt)
-            inner = getattr(self.hybrid, "_inner_opt", None)
+            if fleet_clips(topo):  # wrapped even without clipping: Fleet's pipeline train_batch steps it
+                # the stock wrapper: it builds the sharding optimizer (as below) and swaps the inner
+                # AdamW's ClipGradByGlobalNorm (when clipping) for HybridParallelClipGrad, which the
+                # update then runs
+                self.hybrid = fleet.distributed_optimizer(self.opt)
+                inner = getattr(self.hybrid, "_inner_opt", None)
+            else:
+                # Fleet partitions the parameters over the sharding ranks (largest first, greedy) and
+                # narrows the inner AdamW to this rank's part: only that part gets moments / masters
+                inner = DygraphShardingOptimizer(self.opt, topo.hcg)
             if isinstance(inner, DygraphShardingOptimizer):
-                self.sharding = inner
-                self._sharding_group = topo.sharding_group
-                self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
-        elif topo is not None and topo.sharding_size > 1:
-            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
-                DygraphShardingOptimizer,
-            )
-
-            # Fleet partitions the parameters over the sharding ranks (largest first, greedy) and
-            # narrows the inner AdamW to this rank's part: only that part gets moments / masters
-            self.sharding = DygraphShardingOptimizer(self.opt, topo.hcg)
-            self._sharding_group = topo.sharding_group
-            self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
+                self.sharding, self._sharding_group = inner, topo.sharding_group
+                self._own = {p.name for p in inner._rank2params[topo.sharding_rank]}
 
     @property
     def clip_name(self) -> str:

@@ -116,7 +116,7 @@ class LayerCounts:
             from .memory import state_bytes
 
             params = self.part(key)
-            items = state_items(config, params)
+            items = state_items(params)
             expert = [it for it, (name, *_) in zip(items, params) if _is_expert(name)]
             self.memo[("totals", key)] = state_bytes(items) | {
                 "expert_optimizer_bytes": state_bytes(expert)["optimizer_bytes"],
@@ -243,18 +243,10 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
     return out
 
 
-def state_items(
-    config: Any, params: list[tuple[str, int, str, bool, int]], *, stepped_only: bool = False
-) -> list[tuple[int, str, bool, bool]]:
-    """``(numel, dtype, trainable, has_state)`` for :func:`train.memory.state_bytes`.
-
-    The trainer creates Paddle AdamW's accumulators for every trainable parameter it owns before
-    the first step, so every trainable parameter has state.  ``stepped_only`` describes an
-    optimizer that creates state lazily for parameters that receive a gradient: without the
-    indexer KL loss (``indexer_loss_coeff`` 0) the indexer's top-k selection passes none, so its
-    parameters would have no state."""
-    frozen_indexer = stepped_only and not float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0
-    return [(n, d, tr, tr and not (frozen_indexer and ".indexer." in name)) for name, n, d, tr, _ in params]
+def state_items(params: list[tuple[str, int, str, bool, int]]) -> list[tuple[int, str, bool]]:
+    """``(numel, dtype, trainable)`` for :func:`train.memory.state_bytes`: the trainer creates Paddle
+    AdamW's accumulators for every trainable parameter it owns before the first step."""
+    return [(n, d, tr) for _, n, d, tr, _ in params]
 
 
 def total_params(config: Any, lay: Layout) -> int:
@@ -447,7 +439,7 @@ def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_
     state for its own tensors only, and at stage 2 only their fp32 gradients."""
     from .memory import fleet_sharding_partition, state_bytes
 
-    items = state_items(config, params)
+    items = state_items(params)
     trainable = [i for i, it in enumerate(items) if it[2]]
     part = fleet_sharding_partition([items[i][0] for i in trainable], lay.sharding)
     owned = {trainable[j] for j in part[sharding_rank]}
