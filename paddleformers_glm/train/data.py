@@ -129,7 +129,7 @@ class _Jsonl(TokenData):
                 raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`{hint}")
             _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
             if "labels" in rec:
-                _check_labels(rec["labels"], vocab_size, f"{path}:{ln}: labels")
+                _check_ids(rec["labels"], vocab_size, f"{path}:{ln}: labels", allow=IGNORE_INDEX)
                 if len(rec["labels"]) != len(rec["input_ids"]):
                     raise ValueError(
                         f"{path}:{ln}: labels has {len(rec['labels'])} entries, input_ids {len(rec['input_ids'])}: "
@@ -185,20 +185,15 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str, *, allow:
             )
 
 
-def _check_ids(ids: Any, vocab_size: int, where: str) -> None:
+def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) -> None:
+    """A list of integer token ids in [0, ``vocab_size``); labels pass ``allow`` (the ignore index)."""
+    kind = "token id" if allow is None else "label"
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"{where}: expected a list of integer token ids")
-    bad = [t for t in ids if t < 0 or t >= vocab_size]
+        raise ValueError(f"{where}: expected a list of integer {kind}s")
+    bad = [t for t in ids if (t < 0 or t >= vocab_size) and t != allow]
     if bad:
-        raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-
-
-def _check_labels(labels: Any, vocab_size: int, where: str) -> None:
-    if not isinstance(labels, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in labels):
-        raise ValueError(f"{where}: expected a list of integer labels")
-    bad = [t for t in labels if t != IGNORE_INDEX and (t < 0 or t >= vocab_size)]
-    if bad:
-        raise ValueError(f"{where}: label {bad[0]} is neither {IGNORE_INDEX} nor in the vocabulary [0, {vocab_size})")
+        what = "outside the vocabulary" if allow is None else f"is neither {allow} nor in the vocabulary"
+        raise ValueError(f"{where}: {kind} {bad[0]} {what} [0, {vocab_size})")
 
 
 class _Packed(TokenData):
@@ -390,13 +385,8 @@ def open_data(
                 f"{path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each)"
                 + (" (an empty file)" if size == 0 else "; a truncated file, or the wrong --data-dtype")
             )
-        return _Stream(
-            np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r"),
-            seq_len,
-            vocab_size,
-            seed,
-            f"{path} ({dtype})",
-        )
+        tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+        return _Stream(tokens, seq_len, vocab_size, seed, f"{path} ({dtype})")
     if path.endswith(".jsonl"):
         return _Jsonl(path, seq_len, vocab_size, seed, pad_id)
     if path.endswith(".npz"):

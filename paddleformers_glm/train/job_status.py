@@ -77,12 +77,13 @@ def is_comm_error(text: str) -> bool:
     return any(m.lower() in text.lower() for m in _COMM_MARKERS)
 
 
-def proc_state(pid: int) -> str | None:
+def proc_state(pid: int, field: int = 0) -> str | None:
     """One-letter Linux process state (R, S, D, T = stopped, t = traced, Z = zombie), or None when
-    the process is gone or the state is unknown (no /proc)."""
+    the process is gone or the state is unknown (no /proc); ``field`` 19: its start time in clock
+    ticks (tells a reused pid apart)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[field]
     except (OSError, IndexError):
         return None
 

@@ -27,6 +27,7 @@ workers (the job ends without the launcher's interpreter teardown).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
@@ -54,7 +55,7 @@ from .job_status import (
     read_records,
     snapshot,
 )
-from .stop_signals import listen
+from .stop_signals import StopListener, listen
 
 __all__ = [
     "LaunchError",
@@ -118,30 +119,16 @@ def job_processes(job_id: str) -> list[int]:
     return sorted(out)
 
 
-class _StopWatch:
-    """Stop signals while the job runs, polled by the launch loop: from the process's listener
-    (stop_signals.py: with the sender) when it runs, else from the ``KeyboardInterrupt`` that
-    SIGINT (and, under the listener's handlers, SIGTERM / SIGHUP) raises in the main thread."""
-
-    def __init__(self) -> None:
-        self.listener = listen()
-        self.caught: dict[str, Any] | None = None
-
-    def __enter__(self) -> _StopWatch:
-        self.listener.polled = True
-        return self
-
-    def wait(self, seconds: float) -> dict[str, Any] | None:
-        try:
-            time.sleep(seconds)
-        except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
-            name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
-            self.listener.note(int(signal.Signals[name]), None)
-        self.caught = self.listener.caught
-        return self.caught
-
-    def __exit__(self, *exc: Any) -> None:
-        pass  # stays polled: the launcher is ending the job and then itself
+def _wait_for_stop(listener: StopListener, seconds: float) -> dict[str, Any] | None:
+    """Sleep ``seconds``; the stop signal caught so far: the listener's (stop_signals.py: with the
+    sender) when it runs, else from the ``KeyboardInterrupt`` that SIGINT (and, under the listener's
+    handlers, SIGTERM / SIGHUP) raises in the main thread."""
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
+        name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+        listener.note(int(signal.Signals[name]), None)
+    return listener.caught
 
 
 def _gone(pid: int) -> bool:
@@ -149,15 +136,11 @@ def _gone(pid: int) -> bool:
 
 
 def _signal_all(proc: subprocess.Popen, pids: Sequence[int], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)  # Paddle's launcher and anything left in its group
-    except (ProcessLookupError, PermissionError):
-        pass
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
@@ -183,10 +166,8 @@ def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
             if proc.poll() is not None and all(_gone(p) for p in pids):
                 break
             time.sleep(0.05)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=TERM_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _trouble(snap: dict[str, Any]) -> list[str]:
@@ -257,82 +238,73 @@ def launch_workers(
     snapshots: list[dict[str, Any]] = []
     seen_signs: set[str] = set()
     stopped_since: dict[str, float] = {}  # rank -> when first seen frozen
-    with _StopWatch() as signals:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
-        )
+    signals = listen()
+    signals.polled = True  # and stays so: the launcher is ending the job and then itself
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
+    )
 
-        chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
+    chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if quiet_launcher and (
-                    line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
-                ):
-                    continue
-                if quiet_launcher and not chatter.keep(line):
-                    continue
-                stream.write(line)
-                stream.flush()
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
+            if quiet_launcher and (noise or not chatter.keep(line)):
+                continue
+            stream.write(line)
+            stream.flush()
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            while proc.poll() is None:
-                caught = signals.wait(0.2)
-                if caught:
-                    stopped_by = caught
-                    break
-                now = time.monotonic()
-                snap = snapshot(status_dir, by="launcher")
-                signs = [x for x in _trouble(snap) if x not in seen_signs]
-                if signs:  # evidence, taken before the launcher kills anything
-                    seen_signs.update(signs)
-                    snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
-                if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
-                    first_failure = now
-                for r, s in snap["ranks"].items():
-                    if s["state"] in ("T", "t"):
-                        stopped_since.setdefault(r, now)
-                    else:
-                        stopped_since.pop(r, None)
-                frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
-                if first_failure is not None and now - first_failure > grace_s:
-                    stopped_by = {
-                        "kind": "grace",
-                        "text": f"ranks still running {grace_s:.0f} s after a failure; stopped the job",
-                    }
-                elif frozen:
-                    stopped_by = {
-                        "kind": "frozen",
-                        "text": f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job",
-                    }
-                elif timeout_s is not None and now - t_start > timeout_s:
-                    stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}
-                if stopped_by:
-                    break
-        finally:
-            if stopped_by is not None:
-                stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
-                snapshots.append(
-                    {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
-                )
-            stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
-            reader.join(timeout=5)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        while proc.poll() is None:
+            caught = _wait_for_stop(signals, 0.2)
+            if caught:
+                stopped_by = caught
+                break
+            now = time.monotonic()
+            snap = snapshot(status_dir, by="launcher")
+            signs = [x for x in _trouble(snap) if x not in seen_signs]
+            if signs:  # evidence, taken before the launcher kills anything
+                seen_signs.update(signs)
+                snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
+            if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
+                first_failure = now
+            for r, s in snap["ranks"].items():
+                if s["state"] in ("T", "t"):
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+            frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
+            if first_failure is not None and now - first_failure > grace_s:
+                text = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
+                stopped_by = {"kind": "grace", "text": text}
+            elif frozen:
+                text = f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job"
+                stopped_by = {"kind": "frozen", "text": text}
+            elif timeout_s is not None and now - t_start > timeout_s:
+                stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}
+            if stopped_by:
+                break
+    finally:
+        if stopped_by is not None:
+            stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
+            snapshots.append(
+                {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
+            )
+        stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
+        reader.join(timeout=5)
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
     if proc.returncode == 0 and stopped_by is None:
         return
     diag = diagnose(log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots)
-    msg = diag.message
-    if stopped_by and stopped_by["kind"] != "signal":
-        msg = f"{msg}\n({stopped_by['text']})"
-    if stopped_by and stopped_by["kind"] == "signal":
+    kind = stopped_by["kind"] if stopped_by else None
+    msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"
+    if kind == "signal":
         rc = 128 + int(signal.Signals[stopped_by["signal"]])
-    elif stopped_by and stopped_by["kind"] == "timeout":
-        rc = 124
     else:
-        rc = proc.returncode if proc.returncode and proc.returncode > 0 else 1
+        rc = 124 if kind == "timeout" else (proc.returncode if proc.returncode and proc.returncode > 0 else 1)
     err = LaunchError(diag.rank, msg, rc, diag.cause)
     write_failure_record(
         log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t_start, diagnosis=diag, job_id=job_id

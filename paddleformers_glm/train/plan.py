@@ -142,6 +142,7 @@ def _layer_key(config: Any, i: int) -> Any:
 
 
 _CACHE: dict[tuple, LayerCounts] = {}
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's local index
 
 
 def layer_counts(config: Any, lay: Layout) -> LayerCounts:
@@ -166,10 +167,10 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
         parts = {}
         for part, items in base.parts.items():
             parts[part] = [
-                (name, n, d, tr, full * lay.ep if idx is not None else full)
+                (name, n, d, tr, full * lay.ep if m else full)
                 for name, n, d, tr, full in items
-                for idx in [_expert_index(name)]
-                if idx is None or idx < keep
+                for m in [_EXPERT_INDEX.search(name)]
+                if m is None or int(m.group(1)) < keep
             ]
         _CACHE[key] = LayerCounts(parts)
         return _CACHE[key]
@@ -202,15 +203,6 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     out = LayerCounts(parts)
     _CACHE[key] = out
     return out
-
-
-_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")
-
-
-def _expert_index(name: str) -> int | None:
-    """The routed expert a parameter belongs to (its local index), None for any other parameter."""
-    m = _EXPERT_INDEX.search(name)
-    return int(m.group(1)) if m else None
 
 
 def _stage_parts(config: Any, spec: Any) -> Counter:
@@ -389,16 +381,6 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
 
 
 # --------------------------------------------------------------------------- the plan
-def _load_config(model: str) -> Any:
-    from ..cli._common import model_folder_error
-    from ..configuration import GlmMoeDsaConfig
-
-    bad = model_folder_error(model)
-    if bad:
-        raise FileNotFoundError(bad)
-    return GlmMoeDsaConfig.from_pretrained(model)
-
-
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
     from ..parallel.topology import ParallelConfigError
@@ -559,13 +541,6 @@ def plan_layout(
     }
 
 
-def comm_cost(config: Any, lay: Layout) -> float:
-    """Per-rank bytes one micro-batch moves over TP, EP and PP (``plan_cost.comm_parts``)."""
-    from .plan_cost import comm_parts
-
-    return sum(comm_parts(config, lay).values())
-
-
 def search_layouts(
     config: Any,
     gpus: int,
@@ -580,7 +555,7 @@ def search_layouts(
     bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute.
     ``progress(line)`` is told after each tensor-parallel size how far the search is."""
     from ..parallel.topology import ParallelConfigError
-    from .plan_cost import step_estimate
+    from .plan_cost import comm_parts, step_estimate
 
     def pow2(n: int) -> list[int]:
         return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
@@ -633,7 +608,7 @@ def search_layouts(
                                     "layout": lay.describe(),
                                     "flags": lay.flags(),
                                     "max_rank_gib": p["max_rank_bytes"] / GiB,
-                                    "comm_bytes": comm_cost(config, lay),
+                                    "comm_bytes": sum(comm_parts(config, lay).values()),  # per micro-batch
                                     "micro_batches": micro,
                                     **est,
                                     "recompute_rank": ("none", "core", "full").index(rc),
@@ -688,7 +663,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if note:
         print(f"glm52 plan: note: {note}", file=sys.stderr)
     try:
-        config = _load_config(args.model)
+        from ..configuration import GlmMoeDsaConfig
+
+        config = GlmMoeDsaConfig.from_pretrained(args.model)
         lay = Layout(**{f.name: getattr(args, f.name) for f in fields(Layout)})  # the flags by name
         if args.search:
             if not args.gpus:

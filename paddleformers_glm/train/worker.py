@@ -52,15 +52,6 @@ def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
     return f"{text[:head]} ... {text[-tail:]}"
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (/proc stat field 22): tells a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 class WorkerLife:
     """The worker's end, whichever comes first: its own outcome, a stop signal, the launcher's
     death, the job deadline.  Only one of them writes a record (``_lock``)."""
@@ -70,7 +61,7 @@ class WorkerLife:
         self._lock = threading.Lock()
         launcher = os.environ.get(ENV_LAUNCHER_PID)
         self.launcher_pid = int(launcher) if launcher else None
-        self.launcher_start = _start_time(self.launcher_pid) if self.launcher_pid else None
+        self.launcher_start = proc_state(self.launcher_pid, 19) if self.launcher_pid else None
         deadline = os.environ.get(ENV_DEADLINE)
         self.deadline = float(deadline) if deadline else None
 
@@ -102,13 +93,11 @@ class WorkerLife:
             return False
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's: a reused pid
+        except (ProcessLookupError, PermissionError):  # gone, or alive but another user's: a reused pid
             return True
         if proc_state(pid) == "Z":
             return True
-        return self.launcher_start is not None and _start_time(pid) != self.launcher_start
+        return self.launcher_start is not None and proc_state(pid, 19) != self.launcher_start
 
     def _watch(self) -> None:
         while True:
