@@ -179,24 +179,13 @@ def read_meta(folder: str) -> dict[str, Any]:
     _require(isinstance(meta.get("profile"), dict), file, "profile", "an object", meta.get("profile"))
     flex = meta.get("flex")
     stepped = flex.get("stepped") if isinstance(flex, dict) else None
-    _require(
-        isinstance(stepped, list) and all(isinstance(s, str) for s in stepped),
-        file,
-        "flex.stepped",
-        "a list of parameter names",
-        stepped,
-    )
+    ok = isinstance(stepped, list) and all(isinstance(s, str) for s in stepped)
+    _require(ok, file, "flex.stepped", "a list of parameter names", stepped)
     history = meta.get("history", {})
-    _require(
-        isinstance(history, dict)
-        and all(
-            isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
-        ),
-        file,
-        "history",
-        "an object of number lists",
-        history,
+    ok = isinstance(history, dict) and all(
+        isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
     )
+    _require(ok, file, "history", "an object of number lists", history)
     return meta
 
 
@@ -216,20 +205,10 @@ def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
     """(step folder, meta.json) after checking every file of the state: meta.json, each rank's JSON
     and safetensors header, the flex-checkpoint metadata (restricted unpickling) and its tensor
     files' headers.  Nothing is loaded into a model; the launcher calls it before any worker starts."""
-    from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.safetensors_io import parse_header
-
     folder = resolve_resume_state(path)
     meta = read_meta(folder)
     for rank in range(meta["world_size"]):
-        st_file, json_file = rank_files(folder, rank)
-        _read_rank_json(json_file, rank)
-        if not os.path.isfile(st_file):
-            raise ResumeStateError(f"{st_file}: missing (rank {rank} of the {meta['world_size']} that saved)")
-        try:
-            parse_header(st_file)
-        except CheckpointError as e:
-            raise ResumeStateError(f"{st_file}: {e}") from e
+        read_rank_state(folder, rank)  # the JSON and the safetensors header (nothing mapped yet)
     read_flex_metadata(os.path.join(folder, FLEX_DIR))
     return folder, meta
 
@@ -440,33 +419,22 @@ def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
             and (idx.local_shape is None or _int_tuple(idx.local_shape))
         )
         _require(ok, file, "storage_metadata", "LocalTensorIndex keys", idx)
-        _require(
-            isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None,
-            file,
-            f"storage_metadata[{idx.tensor_key!r}]",
-            "a tensor file name <rank>_<id>.safetensors in the same folder",
-            name,
-        )
+        ok = isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None
+        where = f"storage_metadata[{idx.tensor_key!r}]"
+        _require(ok, file, where, "a tensor file name <rank>_<id>.safetensors in the same folder", name)
         path = os.path.join(folder, name)
         if os.path.islink(path) or not os.path.isfile(path):
             raise ResumeStateError(
                 f"{file}: tensor {idx.tensor_key!r} is stored in {name}, which is not a file in {folder}"
             )
         files.add(name)
-    _require(
-        flat is None
-        or (
-            isinstance(flat, dict)
-            and all(
-                isinstance(k, str) and isinstance(v, tuple) and all(isinstance(s, str) for s in v)
-                for k, v in flat.items()
-            )
-        ),
-        file,
-        "flat_mapping",
-        "a dict of string tuples",
-        flat,
+    ok = flat is None or (
+        isinstance(flat, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, tuple) and all(isinstance(s, str) for s in v) for k, v in flat.items()
+        )
     )
+    _require(ok, file, "flat_mapping", "a dict of string tuples", flat)
     return sorted(files)
 
 
