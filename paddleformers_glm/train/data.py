@@ -1,21 +1,10 @@
 """Training data: the same global batches for any parallel layout, addressable by step.
 
-Sources
-  * synthetic (default): a deterministic stream from the seed; mostly a fixed random "next token"
-    table with some noise, so the loss visibly falls;
-  * ``.npy``: a 1-D integer token array (memory-mapped), cut into windows of ``seq_len``;
-  * ``.bin``: raw little-endian tokens, ``uint16`` when the vocabulary fits, else ``uint32``
-    (``data_dtype`` overrides);
-  * ``.jsonl``: one ``{"input_ids": [...]}`` per line (optional ``labels``), truncated or
-    right-padded to ``seq_len`` with labels -100 and an ``attention_mask``;
-  * ``.jsonl`` of text, ``{"text": "..."}`` per line, or of chat, ``{"messages": [{"role": ...,
-    "content": ...}, ...]}`` per line: tokenized once by ``prepare_jsonl`` (``glm52 train`` runs it
-    before any worker starts) into a ``.npz`` of ready samples. Text documents are joined with the
-    tokenizer's EOS after each and packed into ``seq_len`` windows (labels = inputs); each
-    conversation is rendered with the chat template into one sample, right-padded, with labels -100
-    on every token the assistant did not write;
-  * ``.npz``: ``input_ids``, ``labels``, ``attention_mask`` arrays [N, seq_len] (what
-    ``prepare_jsonl`` writes).
+Sources (docs/parallel.md, "The trainer"): synthetic (default; a fixed random "next token" table
+with some noise, so the loss visibly falls), ``.npy`` / ``.bin`` token streams cut into windows of
+``seq_len``, ``.jsonl`` of ``input_ids`` (right-padded, labels -100, an ``attention_mask``), and
+``.npz`` of ready samples ``[N, seq_len]``, which ``prepare_jsonl`` writes from a ``.jsonl`` of text
+or chat (tokenized once, before any worker starts).
 
 Global batch of step s (0-based) = samples s*G .. s*G+G-1 of an epoch-wise permutation (seeded);
 data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data

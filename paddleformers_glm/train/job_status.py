@@ -6,21 +6,10 @@ soon as one worker exits, so whatever the launcher samples afterwards (which pro
 alive, which one is frozen) depends on who was faster.  A record written *before* the teardown
 does not: the first worker to fail looks at its peers while nothing has been killed yet.
 
-Files (``<N>`` = global rank; all strict JSON, each replaced atomically):
-
-* ``rank<N>.pid``: at start (rank, pid, job id);
-* ``rank<N>.beat``: the heartbeat, rewritten in place at each phase of each step (step, phase,
-  time); a few microseconds, no fsync (a killed process's writes survive; a lost machine is not
-  what it is for);
-* ``rank<N>.error.json``: the worker's exception, plus ``peers``, the snapshot it took of every
-  local rank (process state, whether it had left a record) at that moment;
-* ``rank<N>.signal.json``: the worker ended on a signal (which, sent by which process) or on its
-  watchdog (launcher gone, job deadline passed), plus ``peers``;
-* ``rank<N>.ok``: the worker finished cleanly;
-* ``launcher.json``: the launcher's snapshots, taken at the first sign of trouble and before it
-  stops the job itself.
-
-:func:`diagnose` reads only these, so every run of the same fault gives the same answer.
+Files (``<N>`` = global rank; strict JSON, each replaced atomically; docs/failure-modes.md):
+``rank<N>.pid``, ``rank<N>.beat`` (rewritten in place at each phase of each step),
+``rank<N>.error.json`` / ``rank<N>.signal.json`` (with ``peers``, the snapshot the worker took of
+every local rank at that moment), ``rank<N>.ok`` and the launcher's ``launcher.json``.
 """
 
 from __future__ import annotations

@@ -3,26 +3,11 @@ job's lifetime the launcher's, and turn a failure into one line that names the r
 
 Paddle's launcher, when one worker dies, reports whichever container it noticed first (often a
 *survivor* that failed in communication afterwards), and tears the rest down at once.  So each
-worker records its own life in ``LOG/status/`` (job_status.py: pid, heartbeats, its error or the
-signal that ended it, each failing worker's snapshot of its peers) and the culprit is read from
-those records afterwards (:func:`job_status.diagnose`): the same answer on every run of the same
-fault.  Every failure also leaves ``LOG/failure.json`` (culprit, cause, message, how the job ended).
-
-One job, one lifetime: SIGTERM, SIGINT or SIGHUP to the launcher stops every process of the job
-(SIGTERM, then SIGKILL 3 s later) and records who sent it; the launcher's death kills Paddle's
-launcher and the workers (``prctl(PR_SET_PDEATHSIG)``, lifeline.py, and the workers' watchdog);
-every process of the job carries the job id in its environment, so none is missed.  A watchdog
-stops the job when a rank has failed but the job has not ended ``grace_s`` later (default: past
-the 30 s gloo timeout), when a rank stays frozen that long (on NCCL its peers would otherwise wait
-for the process-group timeout), and at ``timeout_s`` (``--job-timeout``); past that deadline the
-workers end themselves if the launcher could not.
-
-Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
-through ``launcher_args``; every node runs the same command.
-
-Paddle's launcher runs as ``python -m paddleformers_glm.train.lifeline paddle.distributed.launch
-ARGS``: tied to this process, and leaving through ``_exit.exit_now`` once it has joined its
-workers (the job ends without the launcher's interpreter teardown).
+worker records its own life in ``LOG/status/`` (job_status.py) and the culprit is read from those
+records afterwards: the same answer on every run of the same fault.  Every failure also leaves
+``LOG/failure.json``.  The job's lifetime (signals, parent death, the watchdog, ``--job-timeout``)
+is docs/failure-modes.md.  Multi-node: pass the launcher's own options (``--nnodes``, ``--master``,
+``--rank``, ``--ips``) through ``launcher_args``; every node runs the same command.
 """
 
 from __future__ import annotations
@@ -84,10 +69,6 @@ class LaunchError(RuntimeError):
         return self.message
 
 
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for the workers: our package importable, MKL fast path on AMD, one thread set per process."""
     env = dict(os.environ if base is None else base)
@@ -95,7 +76,8 @@ def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[
     cpus = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, nproc_per_node))))
     env.setdefault("GLOG_minloglevel", "2")
-    env["PYTHONPATH"] = os.pathsep.join([_repo_root()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's parent
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

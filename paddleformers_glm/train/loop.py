@@ -213,10 +213,6 @@ def _gather_ints(value: int, topo: Any) -> list[int]:
     return [int(p.numpy()[0]) for p in parts]
 
 
-def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
-    return {k: paddle.to_tensor(v) for k, v in mb.items()}
-
-
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     """The layout of this run (``dp`` derived from the world size when not given)."""
     return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
@@ -562,7 +558,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     if topo.cp_size > 1:  # context parallel: this rank's zigzag slice, labels shifted over whole sequences
         shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
         mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
-    mbs = [_to_tensors(mb) for mb in mbs]
+    mbs = [{k: paddle.to_tensor(v) for k, v in mb.items()} for mb in mbs]
     beat(step + 1, "forward")
     # ---- the step engine: sync -> norm -> clip -> update, inline or inside Fleet's train_batch
     done: dict[str, Any] = {}
@@ -579,7 +575,10 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         )
         # logged; Fleet's clip runs inside the update when clips_itself. The loss flag makes it
         # non-finite on every rank when any rank's loss is (train/nonfinite.py)
-        done["gnorm"] = run.sync.global_norm(grads, loss_flag(_local_loss_sums(run, done)))
+        # this rank's loss sums (last pipeline stage only): the trainer engine's floats, or inside
+        # Fleet's train_batch the ledger's tensors
+        sums = [v[0] for v in done["totals"].values()] if "totals" in done else run.engine.ledger.sums.values()
+        done["gnorm"] = run.sync.global_norm(grads, loss_flag(sums))
         done["skipped"] = not math.isfinite(done["gnorm"]) and _nonfinite_step(run, step + 1, done, grads, log)
         if done["skipped"]:
             done["grads"] = grads
@@ -616,14 +615,6 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     _record_indexer_stage(run, step + 1)
     beat(step + 1, "done")
     return lr, gnorm
-
-
-def _local_loss_sums(run: _Run, done: dict[str, Any]) -> list[Any]:
-    """This rank's loss sums of the step so far (on the last pipeline stage; none elsewhere):
-    floats from the trainer's engine, the ledger's tensors inside Fleet's ``train_batch``."""
-    if "totals" in done:
-        return [v[0] for v in done["totals"].values()]
-    return list(run.engine.ledger.sums.values())
 
 
 def _nonfinite_step(
@@ -695,13 +686,6 @@ def _record_indexer_stage(run: _Run, step: int) -> None:
         run.indexer_stages.append({"stage": stage, "first_step": step, "last_step": step})
 
 
-def _indexer_meta(run: _Run) -> dict[str, Any] | None:
-    """What a resume needs to know of the indexer's training: the stage, where it began, the stages so far."""
-    if run.indexer is None:
-        return None
-    return {"stage": run.indexer["stage"], "stage_start": run.stage_start, "stages": run.indexer_stages}
-
-
 def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
     """The rank-0 log line of one step."""
     cfg, history = run.cfg, run.history
@@ -766,7 +750,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
-            meta["indexer"] = _indexer_meta(run)
+            # a resume's indexer stage: where it began, the stages so far
+            stage = None if run.indexer is None else run.indexer["stage"]
+            meta["indexer"] = stage and {"stage": stage, "stage_start": run.stage_start, "stages": run.indexer_stages}
             beat(step + 1, "save")
             path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
             run.last_checkpoint = path

@@ -1,20 +1,8 @@
 """Per-rank memory: one accounting rule for parameters, gradients and optimizer state, shared by
 ``glm52 plan`` (which applies it to shapes built under ``paddle.LazyGuard``) and by the trainer
-(which measures the tensors it really holds and records both in ``loss.json``).
-
-The rule, per parameter of ``n`` elements and dtype ``d``:
-
-* parameter: ``n * bytes(d)``;
-* gradient: ``n * 4`` (the trainer syncs, clips and steps on fp32 "main grads", parallel/grads.py),
-  divided by the sharding degree at sharding stage 2 (reduce-scattered gradients);
-* optimizer state as ``paddle.optimizer.AdamW(multi_precision=True)`` holds it: moment1 and
-  moment2 in fp32 (``2 * n * 4``), an fp32 master weight when ``d`` is not fp32 (``n * 4``), and
-  the two beta-power accumulators (shape [1], fp32: 8 bytes); divided by the sharding degree at
-  sharding stage >= 1 (or, with Fleet's whole-tensor partition, only the rank's own tensors:
-  ``fleet_sharding_partition``).
-
-Sharded divisions are an even split (what Paddle's sharding V2 lays out, up to its alignment
-padding); at sharding degree 1 every number is exact.
+(which measures the tensors it really holds and records both in ``loss.json``).  The rule (fp32
+main grads, Paddle AdamW's multi-precision state, what sharding divides) is docs/scale.md; sharded
+divisions are an even split, so at sharding degree 1 every number is exact.
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ The wrapper keeps three things the trainer needs and Paddle's optimizer does not
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import paddle
@@ -63,11 +61,6 @@ def fleet_clips(topo: Any) -> bool:
     return topo.pc.ep == 1 and topo.pc.etp == 1
 
 
-def default_decay(name: str, param: paddle.Tensor) -> bool:
-    """Weight decay on matrices only (norm weights, biases, router bias stay undecayed; Megatron rule)."""
-    return param.ndim >= 2
-
-
 class AdamW:
     """``paddle.optimizer.AdamW`` over named parameters, stepped with given gradients and lr."""
 
@@ -78,14 +71,14 @@ class AdamW:
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        decay: Callable[[str, paddle.Tensor], bool] = default_decay,
         topo: Any = None,
         clip_norm: float = 0.0,
     ) -> None:
         self.params = list(named_params)
         # Fleet's hybrid-parallel clip when its replica rules describe the layout (see fleet_clips)
         self.clips_itself = clip_norm > 0 and fleet_clips(topo)
-        self.decay = {n: bool(decay(n, p)) for n, p in self.params}
+        # weight decay on matrices only (norm weights, biases, router bias stay undecayed; Megatron rule)
+        self.decay = {n: p.ndim >= 2 for n, p in self.params}
         decayed = {p.name for n, p in self.params if self.decay[n]}
         self.opt = paddle.optimizer.AdamW(
             learning_rate=1.0,  # set per step
@@ -246,11 +239,3 @@ class AdamW:
         """Create every accumulator and master weight now (Paddle does it lazily on the first step); restoring state needs them first."""
         block = paddle.static.default_main_program().global_block()
         self.opt._create_accumulators(block, [p for _, p in self.params if p.name in self._own])
-
-    @staticmethod
-    def bias_correction_step(state: dict[str, paddle.Tensor], beta1: float) -> int:
-        """The updates a parameter has taken, from its beta1 power accumulator (for logs and checks):
-        Paddle's AdamW starts it at beta1 and multiplies it by beta1 after each update, so after t
-        updates it holds beta1^(t + 1), the power the next update divides by."""
-        b1p = float(state["beta1_pow_acc"].numpy().reshape([-1])[0])
-        return int(round(math.log(b1p) / math.log(beta1))) - 1

@@ -1,16 +1,9 @@
 """How ``glm52 plan --search`` orders the layouts that fit: an estimated training time per token.
 
 Memory decides whether a layout fits; among those that fit, the ranking must weigh what each
-parallel dimension costs in time.  Pipeline parallelism sends little data but idles ranks (the
-bubble), tensor and expert parallelism move activations every layer, data parallelism reduces
-gradients once a step.  One step of a 1F1B pipeline with ``m`` micro-batches per pipeline and
-``v`` virtual chunks per rank takes ``(m + (pp - 1) / v)`` micro-batch slots, so its bubble
-fraction is ``(pp - 1) / (v * m)``; each slot costs one micro-batch's forward and backward on one
-stage (compute plus the communication it waits for); the gradient reduction comes on top.
-Dividing by the tokens of the step gives seconds per token, comparable between layouts with
-different global batches.  The formula and its constants are in docs/scale.md; it is a model to
-rank layouts, not a prediction of wall time (no overlap of communication with compute is assumed,
-attention's quadratic term and kernel efficiency differences are ignored).
+parallel dimension costs in time (the pipeline bubble, the activations tensor and expert parallelism
+move every layer, the gradient reduction).  The formula and its constants are in docs/scale.md; it is
+a model to rank layouts, not a prediction of wall time.
 """
 
 from __future__ import annotations

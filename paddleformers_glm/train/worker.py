@@ -1,16 +1,10 @@
 """Entry point of one launched training process: ``worker.py --config RUN.json``.
 
-Records its own life for the launcher (job_status.py): ``rank<N>.pid`` at start, heartbeats while
-training, then ``rank<N>.ok``, ``rank<N>.error.json`` (the exception, plus a snapshot of its
-peers taken before anything is torn down) or ``rank<N>.signal.json`` (ended by a signal or by
-its watchdog), then leaves with ``os._exit`` so no gloo/NCCL destructor can hang the process
-after a peer died.
-
-Its lifetime is the job's: SIGKILL when Paddle's launcher (its parent) dies (lifeline.py), a
-watchdog thread that ends it when the glm52 launcher is gone or the job's deadline
-(``--job-timeout``) has passed unanswered, and SIGTERM / SIGINT / SIGHUP taken by a thread of
-their own (``sigwaitinfo``), so the record names the sender even while the main thread waits in
-a collective.
+Records its own life for the launcher (job_status.py) and leaves with ``os._exit`` so no
+gloo/NCCL destructor can hang the process after a peer died.  Its lifetime is the job's
+(docs/failure-modes.md): SIGKILL when Paddle's launcher dies (lifeline.py), a watchdog for the
+glm52 launcher and the job deadline, and the stop signals taken by a thread of their own
+(``sigwaitinfo``), so the record names the sender even while the main thread waits in a collective.
 """
 
 from __future__ import annotations
