@@ -67,8 +67,10 @@ def test_rate_zero_leaves_the_bias_and_stats_still_count():
     assert m.layers["3"]["gate"].e_score_correction_bias.numpy().tolist() == [0.0] * 4
     assert b.report()["expert_load"]["max_mean_ratio"] == [[4.0, 4.0]]
     assert load_stats(np.array([0, 0, 2, 2]))["unused_fraction"] == 0.5
-    with pytest.raises(ValueError, match="moe-bias-update-rate"):
-        ExpertBalancer(m, get_topology(), bias_update_rate=-1)
+    with pytest.raises(ValueError, match="--moe-bias-update-rate must be >= 0, got -1"):
+        TrainConfig(model="toy", moe_bias_update_rate=-1).validate()
+    with pytest.raises(ValueError, match="--moe-aux-loss-coeff must be >= 0, got -1"):
+        TrainConfig(model="toy", moe_aux_loss_coeff=-1).validate()
 
 
 def test_router_counts_training_forwards_only():

@@ -130,16 +130,17 @@ class _Jsonl(TokenData):
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         rec, S = self.records[i], self.seq_len
-        ids = np.asarray(rec["input_ids"][:S], dtype=np.int64)
-        labels = np.asarray(rec.get("labels", rec["input_ids"])[:S], dtype=np.int64)
-        n = len(ids)
-        out = {
-            "input_ids": np.full(S, self.pad_id, dtype=np.int64),
-            "labels": np.full(S, IGNORE_INDEX, dtype=np.int64),
-            "attention_mask": np.zeros(S, dtype=np.int64),
-        }
-        out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
-        return out
+        return _padded(rec["input_ids"][:S], rec.get("labels", rec["input_ids"])[:S], S, self.pad_id)
+
+
+def _padded(ids: Any, labels: Any, S: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One sample of ``S`` tokens: ``ids`` right-padded with ``pad_id``, ``labels`` with the ignore
+    index, an ``attention_mask`` of 1 on the tokens."""
+    n = len(ids)
+    out = {"input_ids": np.full(S, pad_id, dtype=np.int64), "labels": np.full(S, IGNORE_INDEX, dtype=np.int64)}
+    out["attention_mask"] = np.zeros(S, dtype=np.int64)
+    out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
+    return out
 
 
 _SCAN_CHUNK = 1 << 24  # tokens per vectorised min/max (a bounded temporary whatever the file size)
@@ -297,7 +298,7 @@ def prepare_jsonl(
     else:
         pad = tokenizer.pad_token_id
         pad = 0 if pad is None else int(pad)
-        rows_ids, rows_lab, rows_mask = [], [], []
+        rows: list[dict[str, np.ndarray]] = []
         tokens = 0
         for ln, rec in records:
             msgs = rec["messages"]
@@ -305,11 +306,7 @@ def prepare_jsonl(
             if not isinstance(msgs, list) or not msgs:
                 raise ValueError(f'{where}: "messages" must be a non-empty list')
             for j, m in enumerate(msgs):
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("role"), str)
-                    or not isinstance(m.get("content"), str)
-                ):
+                if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
                     raise ValueError(f'{where}: message {j} must be an object with string "role" and "content"')
             if not any(m["role"] == "assistant" for m in msgs):
                 raise ValueError(f"{where}: no assistant message, so nothing to train on")
@@ -321,20 +318,14 @@ def prepare_jsonl(
             if not any(mine[:S]):
                 raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
             ids, mine = ids[:S], mine[:S]
-            row = np.full(S, pad, dtype=np.int64)
-            lab = np.full(S, IGNORE_INDEX, dtype=np.int64)
-            msk = np.zeros(S, dtype=np.int64)
-            row[: len(ids)], msk[: len(ids)] = ids, 1
-            lab[: len(ids)] = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
-            rows_ids.append(row)
-            rows_lab.append(lab)
-            rows_mask.append(msk)
+            labels = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
+            rows.append(_padded(ids, labels, S, pad))  # labels -100 on every token the assistant did not write
             tokens += len(ids)
-        if len(rows_ids) < min_samples:
+        if len(rows) < min_samples:
             raise ValueError(
-                f"{path}: {len(rows_ids)} conversations; {min_samples} are needed for the steps x global batch asked"
+                f"{path}: {len(rows)} conversations; {min_samples} are needed for the steps x global batch asked"
             )
-        arrays = {"input_ids": np.stack(rows_ids), "labels": np.stack(rows_lab), "attention_mask": np.stack(rows_mask)}
+        arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     with atomic_open(out_path, "wb") as f:
         np.savez(f, **arrays)
     return {"kind": kind, "records": len(records), "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}

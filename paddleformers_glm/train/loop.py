@@ -49,6 +49,9 @@ from .resume import load_resume_state, save_resume_state
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
 
+_POSITIVE_INTS = ("steps", "seq_len", "global_batch_size", "micro_batch_size", "vpp")
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs; serialisable (the launcher hands it to the workers as JSON)."""
@@ -111,29 +114,21 @@ class TrainConfig:
         return cls(**d)
 
     def validate(self) -> None:
-        for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
-            if int(getattr(self, k)) < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        for k in (*_POSITIVE_INTS, "save_every", "skip_nonfinite_steps"):  # counts: >= 1, else >= 0
+            lo = 1 if k in _POSITIVE_INTS else 0
+            if int(getattr(self, k)) < lo:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(self, k)}")
+        choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
+        for k, allowed in {**choices, "indexer_stage": INDEXER_STAGES}.items():
+            v = getattr(self, k)
+            if v not in allowed and not (k == "indexer_stage" and v is None):  # None: the checkpoint's stage
+                raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, got {v!r}")
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
             )
-        if int(self.vpp) < 1:
-            raise ValueError(f"--vpp must be >= 1, got {self.vpp}")
         if self.vpp > 1 and self.pp < 2:
             raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
-        if self.save_every < 0:
-            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
-        if self.expert_update not in EXPERT_UPDATES:
-            raise ValueError(f"--expert-update must be one of {', '.join(EXPERT_UPDATES)}, got {self.expert_update!r}")
-        if int(self.skip_nonfinite_steps) < 0:
-            raise ValueError(f"--skip-nonfinite-steps must be >= 0, got {self.skip_nonfinite_steps}")
-        if self.indexer_stage is not None and self.indexer_stage not in INDEXER_STAGES:
-            raise ValueError(f"--indexer-stage must be one of {', '.join(INDEXER_STAGES)}, got {self.indexer_stage!r}")
         check_finite_settings(self)
 
 
@@ -336,9 +331,7 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
         "rank": topo.rank,
         "stage": topo.stage,
         "layers": list(spec.layers),
-        "has_embedding": spec.has_embedding,
-        "has_head": spec.has_head,
-        "has_mtp": spec.has_mtp,
+        **{k: getattr(spec, k) for k in ("has_embedding", "has_head", "has_mtp")},
         "ranks": {g: topo.rank_in(g) for g in ("tp", "pp", "dp", "ep", "etp", "edp")},
         "state_tensors": len(state),  # parameters and persistent buffers (router correction bias)
         "state_elements": int(sum(math.prod(t.shape) for t in state.values())),

@@ -59,10 +59,6 @@ class ExpertBalancer:
         global_sequences: int = 1,
         loss_multiplier: float = 1.0,
     ) -> None:
-        if bias_update_rate < 0:
-            raise ValueError(f"--moe-bias-update-rate must be >= 0, got {bias_update_rate}")
-        if aux_loss_coeff < 0:
-            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {aux_loss_coeff}")
         self.topo = topo
         self.rate = float(bias_update_rate)
         self.aux_coeff = float(aux_loss_coeff)
