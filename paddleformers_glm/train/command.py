@@ -264,14 +264,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
-    """Validate the whole --data file before any process starts. A text or chat .jsonl is
-    tokenized here, once, into OUT/data/<name>.npz, which the workers then read (cfg.data)."""
+def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
+    """Everything the run reads from disk, checked in this process before any worker starts, so a
+    bad file is one named error instead of a worker dying at the step that first touches it:
+
+    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
+      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
+      ``labels`` one per ``input_ids``); a text/chat jsonl is tokenized here, once, into
+      ``OUT/data/<name>.seq<L>.npz``, which the workers then read (``cfg.data``);
+    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
+      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
+    """
     from .data import jsonl_kind, open_data, prepare_jsonl
 
-    if cfg.data is None:
-        return
-    if cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
+    if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
         from ..tokenizer import GlmTokenizer, TokenizerError
 
         tok_dir = args.tokenizer or cfg.model_args.get("model_dir")
@@ -289,20 +295,8 @@ def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -
             f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
         )
         cfg.data = out
-    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
-
-
-def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
-    """Everything the run reads from disk, checked in this process before any worker starts, so a
-    bad file is one named error instead of a worker dying at the step that first touches it:
-
-    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
-      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
-      ``labels`` one per ``input_ids``); text/chat jsonl is tokenized here;
-    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
-      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
-    """
-    _prepare_data(cfg, args, vocab_size)
+    if cfg.data is not None:
+        open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
     if cfg.resume:
         from .state_files import check_resume_state
 

@@ -208,6 +208,19 @@ def _beat_text(b: dict | None) -> str:
     return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}"
 
 
+_STOPPED = "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering"
+_DIED = "died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _error_text(e: dict[str, Any], others: str = "") -> str:
+    """A worker's error record: its type and message (``others``: who failed after it), its traceback's tail."""
+    return f"{e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}"
+
+
 def _tail(path: str, n: int = 6) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -300,30 +313,16 @@ def diagnose(
                 rank = int(detail["rank"]) if detail.get("rank") is not None else r
                 return Diagnosis(rank, str(detail["message"]), str(detail.get("kind") or "error"), detail)
             rest = sorted({x for x, _ in errors} - {r})
-            others = f" (then rank(s) {', '.join(map(str, rest))} failed too)" if rest else ""
-            return Diagnosis(
-                r,
-                f"rank {r} failed: {e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}",
-                "error",
-            )
+            others = f" (then rank(s) {_ranks(rest)} failed too)" if rest else ""
+            return Diagnosis(r, f"rank {r} failed: {_error_text(e, others)}", "error")
     lost_rules = (  # 2, then 3: a rank seen stopped or gone, named with who saw it and what its peers did
-        (
-            stopped,
-            "stopped",
-            "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering (seen by",
-            "timed out waiting for it",
-        ),
-        (
-            died,
-            "died",
-            "died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory; seen gone by",
-            "lost their peer",
-        ),
+        (stopped, "stopped", f"{_STOPPED} (seen by", "timed out waiting for it"),
+        (died, "died", f"{_DIED}; seen gone by", "lost their peer"),
     )
     for lost, kind, what, peers_then in lost_rules:
         if lost:
             r = min(lost)
-            tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then {peers_then}" if comm_ranks else ""
+            tail = f"; rank(s) {_ranks(comm_ranks)} then {peers_then}" if comm_ranks else ""
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
     if stopped_by and stopped_by.get("kind") == "signal":  # 4
         return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
@@ -336,27 +335,18 @@ def diagnose(
         waited = "timed out waiting for it" if comm_ranks else "waited for it"
         return Diagnosis(
             r,
-            f"rank {r} made no progress ({_beat_text(beats.get(r))}, behind rank(s) {', '.join(map(str, ahead))}: "
-            f"hung, or far slower than its peers); rank(s) {', '.join(map(str, ahead))} {waited}. {log_tail(r)}",
+            f"rank {r} made no progress ({_beat_text(beats.get(r))}, behind rank(s) {_ranks(ahead)}: "
+            f"hung, or far slower than its peers); rank(s) {_ranks(ahead)} {waited}. {log_tail(r)}",
             "hung",
         )
     silent = [r for r in local_ranks if not _record_kind(records.get(r, {}))]
     if silent and not stopped_by:  # 6
         r = silent[0]
-        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer" if comm_ranks else ""
-        return Diagnosis(
-            r,
-            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory)"
-            f"{tail}. {log_tail(r)}",
-            "died",
-        )
+        tail = f"; rank(s) {_ranks(comm_ranks)} then lost their peer" if comm_ranks else ""
+        return Diagnosis(r, f"rank {r} {_DIED}){tail}. {log_tail(r)}", "died")
     if errors:  # 7
         r, e = errors[0]
-        return Diagnosis(
-            r,
-            f"rank {r} failed in communication: {e.get('type')}: {e.get('message')}\n{e.get('traceback_tail', '')}",
-            "comm",
-        )
+        return Diagnosis(r, f"rank {r} failed in communication: {_error_text(e)}", "comm")
     if stopped_by:
         return Diagnosis(
             None,

@@ -1,16 +1,11 @@
 """``glm52 plan``: what one rank of a parallel layout holds, before any GPU is touched.
 
-Parameters, gradients and optimizer state come from the code that builds the model: for each
-(tp, ep, etp, sp, dtype) the planner constructs one stage of the model under ``paddle.LazyGuard`` (no
-weight is allocated) holding the embedding, the head, one decoder layer of every distinct kind
-(dense / MoE x full / shared indexer) and the MTP layers, under a :class:`Topology` that has the
-layout's sizes and rank coordinates but no process group (layers only read sizes and ranks while
-they are built).  A stage of the real run is the sum of its parts (layers of one kind have
-identical parameters), and the accounting is :func:`train.memory.state_bytes`, the rule the
-trainer's measured numbers are compared with.
-
-Activations are an estimate (:func:`activation_bytes`, formula in docs/scale.md), checked against
-the bytes the autograd graph really saves for a tiny model.
+Parameters, gradients and optimizer state come from the code that builds the model: one probe
+stage per (tp, ep, etp, sp, dtype), built under ``paddle.LazyGuard`` with a process-group-free
+:class:`Topology`, holding one decoder layer of every distinct kind; a stage of the real run is the
+sum of its parts, accounted by :func:`train.memory.state_bytes`, the rule the trainer's measured
+numbers are compared with.  Activations are an estimate (:func:`activation_bytes`).  Method,
+formulas and measurements: docs/scale.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """The files of a resume state, read as data and never as code.
 
 A resume folder comes from disk, and a file that deserialises into code (a pickle) would run
-whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors)
-plus JSON (everything else), and nothing in this module unpickles a file outside an allow-list.
+whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors,
+read by the strict reader of checkpoint/safetensors_io.py) plus JSON (everything else: ``meta.json``,
+each rank's RNG states in ``rank_N.json``, ``latest``); the layout is docs/parallel.md, "Checkpoints".
 
-``ROOT/step_00000004/``
-  * ``meta.json``: ``format``, ``step``, ``world_size``, the run's layout (``profile``), its loss
-    history, seed and settings, the parameters with optimizer state (``flex.stepped``).  The learning
-    rate is a pure function of the step and the settings, the data position is the step.
-  * ``rank_00000.safetensors``: that rank's model tensors (``model/<name>``) and optimizer state
-    (``optimizer/<name>/<kind>``: AdamW moments, beta powers, fp32 ``master`` weights), read by the
-    strict reader of checkpoint/safetensors_io.py (every header checked, nothing beyond the data).
-  * ``rank_00000.json``: ``format``, ``rank`` and the RNG states (Paddle's generator state, numpy's
-    MT19937 keys, Python's ``random`` state) as plain JSON numbers and strings.
-  * ``flex/``: Paddle's flex-checkpoint, written with ``safetensors=True`` (tensor files
-    ``<rank>_<id>.safetensors``) plus Paddle's own ``<id>.metadata``, which *is* a pickle (of
-    ``Metadata`` / ``LocalTensorMetadata`` / ``LocalTensorIndex``), and which Paddle's
-    ``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
-    found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (those three
-    classes and the pickle protocol's own containers, nothing else, as ``torch.load(weights_only=True)``
-    does), checks every field's type and every file name it points at, and
-    :func:`validated_flex_folder` gives Paddle a private folder holding that validated object
-    re-saved plus links to the tensor files.
-* ``ROOT/latest``: the name of the newest complete step folder (``step_00000004``), and nothing
-  else: an absolute path, ``..``, a link, a name leaving the root or a missing folder is refused.
-
-Resume states of the earlier pickle format (``rank_*.pdstate``, ``*.pdstate.rng``, ``flex/*.distcp``)
-are refused by name: they cannot be read without unpickling them.
+The one pickle is ``flex/<id>.metadata``, Paddle's flex-checkpoint metadata, which Paddle's
+``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
+found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (its three
+classes and the pickle protocol's own containers, as ``torch.load(weights_only=True)`` does),
+checks every field's type and every file name it points at, and :func:`validated_flex_folder`
+gives Paddle a private folder holding that validated object re-saved plus links to the tensor
+files.  ``latest`` may name only a step folder inside the root; resume states of the earlier
+pickle format (``rank_*.pdstate``, ``flex/*.distcp``) are refused by name.
 """
 
 from __future__ import annotations
