@@ -353,10 +353,9 @@ def _run_train(args: argparse.Namespace) -> int:
         world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
         adapter = make_adapter(cfg.model, **cfg.model_args)
         check_run(cfg, adapter, world)
-        if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
-            raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")
-        if not (math.isfinite(args.comm_timeout) and args.comm_timeout > 0):
-            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
+        for flag, v in (("--job-timeout", args.job_timeout), ("--comm-timeout", args.comm_timeout)):
+            if v is not None and not (math.isfinite(v) and v > 0):  # --job-timeout None: no limit
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
         check_inputs_before_launch(cfg, args, adapter.vocab_size)

@@ -208,12 +208,8 @@ def launch_workers(
     env.update({ENV_STATUS_DIR: status_dir, ENV_JOB_ID: job_id, ENV_LAUNCHER_PID: str(os.getpid())})
     if deadline is not None:
         env[ENV_DEADLINE] = repr(deadline)
-    write_json_atomic(
-        os.path.join(log_dir, "job.json"),
-        {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline},
-        indent=1,
-        sort_keys=False,
-    )
+    job = {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline}
+    write_json_atomic(os.path.join(log_dir, "job.json"), job, indent=1, sort_keys=False)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
     t_start, first_failure = time.monotonic(), None
     stopped_by: dict[str, Any] | None = None

@@ -199,15 +199,6 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
     raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop|nan, got {kind!r}")
 
 
-def _gather_ints(value: int, topo: Any) -> list[int]:
-    """``value`` of every rank, in rank order (one world all-gather)."""
-    if topo.world_size == 1:
-        return [int(value)]
-    parts: list[paddle.Tensor] = []
-    dist.all_gather(parts, paddle.to_tensor(np.asarray([value], dtype=np.int64)))
-    return [int(p.numpy()[0]) for p in parts]
-
-
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     """The layout of this run (``dp`` derived from the world size when not given)."""
     return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
@@ -600,7 +591,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
     if not run.opt_bytes:
-        run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)
+        run.opt_bytes = gather_json(int(run.opt.state_bytes()), topo.world_size)  # every rank's, in rank order
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
     _record_losses(run, totals, norms)
     run.history["grad_norms"].append(gnorm)

@@ -705,7 +705,6 @@ def run_plan(args: argparse.Namespace) -> int:
 # flags both commands have, whose defaults differ: plan's describe a production run; a glm52 train
 # command line planned as it is keeps the trainer's
 _PLAN_DEFAULTS = {"seq_len": 4096, "global_batch_size": 0, "dtype": "bfloat16"}
-_TRAIN_ONLY_PREFIX = "train_only_"
 
 
 def _train_line_note(args: argparse.Namespace) -> str | None:
@@ -807,12 +806,7 @@ def _accept_train_flags(p: argparse.ArgumentParser) -> None:
         if not a.option_strings or any(s in ours for s in a.option_strings):
             continue
         extra = copy.copy(a)
-        extra.dest, extra.required, extra.default, extra.help = (
-            _TRAIN_ONLY_PREFIX + a.dest,
-            False,
-            None,
-            argparse.SUPPRESS,
-        )
+        extra.dest, extra.required, extra.default, extra.help = "train_only_" + a.dest, False, None, argparse.SUPPRESS
         p._add_action(extra)
         seen[extra.dest] = a.option_strings[0]
     p.set_defaults(_train_only_flags=seen)
