@@ -153,26 +153,20 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str, *, allow:
     flat = tokens.reshape(-1)
     for lo in range(0, flat.shape[0], _SCAN_CHUNK):
         chunk = np.asarray(flat[lo : lo + _SCAN_CHUNK])
-        if chunk.size == 0:
-            continue
-        lo_v, hi_v = chunk.min(), chunk.max()
-        if lo_v >= 0 and hi_v < vocab_size:
+        if chunk.min() >= 0 and chunk.max() < vocab_size:
             continue
         bad = (chunk < 0) | (chunk >= vocab_size)
         if allow is not None:
             bad &= chunk != allow
         hits = np.flatnonzero(bad)
-        if hits.size:
-            pos = lo + int(hits[0])
-            at = (
-                f"position {pos}"
-                if tokens.ndim == 1
-                else f"row {pos // tokens.shape[-1]} column {pos % tokens.shape[-1]}"
-            )
-            raise ValueError(
-                f"{where}: token {int(flat[pos])} at {at} is outside the vocabulary [0, {vocab_size})"
-                + (f" ({int(bad.sum())} such tokens in this chunk of {chunk.size})" if hits.size > 1 else "")
-            )
+        if not hits.size:
+            continue
+        pos = lo + int(hits[0])
+        at = f"position {pos}" if tokens.ndim == 1 else f"row {pos // tokens.shape[-1]} column {pos % tokens.shape[-1]}"
+        raise ValueError(
+            f"{where}: token {int(flat[pos])} at {at} is outside the vocabulary [0, {vocab_size})"
+            + (f" ({int(bad.sum())} such tokens in this chunk of {chunk.size})" if hits.size > 1 else "")
+        )
 
 
 def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,23 +48,14 @@ ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (second
 # the phases of a step, in order: a rank's progress is (step, index of its last phase)
 PHASES = ("start", "setup", "data", "forward", "update", "done", "save", "finish")
 
-_COMM_MARKERS = (
-    "gloo",
-    "TIMEOUT",
-    "Connection reset",
-    "Connection closed",
-    "Connection refused",
-    "Broken pipe",
-    "NCCL",
-    "ProcessGroup",
-    "socket",
-    "peer",
+_COMM_MARKERS = re.compile(
+    r"gloo|timeout|connection (reset|closed|refused)|broken pipe|nccl|processgroup|socket|peer", re.I
 )
 
 
 def is_comm_error(text: str) -> bool:
     """Whether an exception's text looks like a failed collective (a peer gone or too slow)."""
-    return any(m.lower() in text.lower() for m in _COMM_MARKERS)
+    return _COMM_MARKERS.search(text) is not None
 
 
 def proc_state(pid: int, field: int = 0) -> str | None:

@@ -30,20 +30,13 @@ from paddleformers_glm.train.job_status import (
     write_record,
 )
 from paddleformers_glm.train.lifeline import tie_to_parent
-from paddleformers_glm.train.stop_signals import STOP_SIGNALS, process_name
+from paddleformers_glm.train.stop_signals import STOP_SIGNALS, process_name, shorten
 
 # past the job deadline the launcher stops the job itself; the worker acts only if it did not
 DEADLINE_GRACE_S = 15.0
 # after a communication error, how long the peers' snapshot waits for a dying peer to show as exited
 # (Paddle's launcher kills the survivors >= 3.6 s after it sees a worker exit)
 PEER_SETTLE_S = 2.0
-
-
-def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
-    """Head and tail of a long message: the head names the failing op, the tail the last frames."""
-    if len(text) <= head + tail + 5:
-        return text
-    return f"{text[:head]} ... {text[-tail:]}"
 
 
 class WorkerLife:
@@ -140,7 +133,7 @@ class WorkerLife:
         self._lock.acquire(timeout=5.0)
         tb = traceback.format_exc()
         msg = str(e).strip().splitlines()
-        text = _shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
+        text = shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
         comm = is_comm_error(f"{type(e).__name__} {e} {tb}")  # the whole text: gloo puts TIMEOUT first
         record = {
             "rank": self.rank,
