@@ -414,11 +414,10 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     from .launch import LaunchError, write_failure_record
     from .loop import run_training
     from .nonfinite import NonFiniteStep
+    from .stop_signals import listen
 
     def timeout(_num: int, _frame: object) -> None:
         raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
-
-    from .stop_signals import listen
 
     listener = listen()
     old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None

@@ -129,22 +129,19 @@ def beat(step: int, phase: str) -> None:
         pass
 
 
+_RECORD_FILE = re.compile(r"rank(\d+)\.(pid|beat|ok|error\.json|signal\.json)")
+
+
 def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
     """Every rank's records: ``{rank: {"pid", "beat", "error", "signal", "ok"}}`` (absent: None)."""
     out: dict[int, dict[str, Any]] = {}
     for path in glob.glob(os.path.join(status_dir, "rank*.*")):
-        name = os.path.basename(path)
-        head, _, kind = name.partition(".")
-        if not head[4:].isdigit() or kind.endswith(".tmp") or kind.startswith("beat."):
+        m = _RECORD_FILE.fullmatch(os.path.basename(path))
+        if m is None:
             continue
-        rank = int(head[4:])
-        rec = out.setdefault(rank, {"pid": None, "beat": None, "error": None, "signal": None, "ok": False})
-        if kind == "ok":
-            rec["ok"] = True
-        elif kind in ("pid", "beat"):
-            rec[kind] = _read_json(path)
-        elif kind in ("error.json", "signal.json"):
-            rec[kind.split(".")[0]] = _read_json(path)
+        rec = out.setdefault(int(m[1]), {"pid": None, "beat": None, "error": None, "signal": None, "ok": False})
+        kind = m[2].split(".")[0]  # error.json -> error
+        rec[kind] = True if kind == "ok" else _read_json(path)
     return out
 
 

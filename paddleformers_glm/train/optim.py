@@ -161,11 +161,8 @@ class AdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (moments, beta powers, master weights)."""
-        total = 0
-        for table in getattr(self.opt, "_accumulators", {}).values():
-            total += sum(int(t.size) * t.element_size() for t in table.values())
-        total += sum(int(t.size) * t.element_size() for t in self.master.values())
-        return total
+        acc = [t for table in getattr(self.opt, "_accumulators", {}).values() for t in table.values()]
+        return sum(int(t.size) * t.element_size() for t in [*acc, *self.master.values()])
 
     @paddle.no_grad()
     def step(self, grads: dict[str, paddle.Tensor], has_grad: dict[str, bool], lr: float) -> None:
