@@ -632,14 +632,11 @@ def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[
     the labels, and append each reported loss (normalised, terms of one key averaged)."""
     topo, loss_specs = run.topo, run.loss_specs
     names = sorted(loss_specs)
-    vec = paddle.to_tensor(
-        np.array(
-            [totals.get(n, (0.0, 0))[0] for n in names] + [totals.get(n, (0.0, 0))[1] for n in names],
-            dtype=np.float64,
-        )
-    )
-    vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
-    vec = comm.all_reduce(vec, topo.cp_group)  # context parallel: each cp rank summed its own tokens
+    pairs = [totals.get(n, (0.0, 0)) for n in names]
+    vec = paddle.to_tensor(np.array([s for s, _ in pairs] + [c for _, c in pairs], dtype=np.float64))
+    # summed over pipeline stages, data replicas and context-parallel ranks (each counted its own tokens)
+    for group in (topo.pp_group, topo.dp_group, topo.sharding_group, topo.cp_group):
+        vec = comm.all_reduce(vec, group)
     vals = vec.numpy().tolist()
     sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
     for n in names:
@@ -679,12 +676,8 @@ def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
     recalls = [v[-1] for k, v in history.items() if k.startswith("indexer_recall@") and v]
     if run.indexer is not None and run.indexer["stage"] != "none" and recalls:
         parts.append(f"indexer kl {history['indexer_losses'][-1]:.5f} {indexer_step_text(recalls)}")
-    parts += [
-        f"lr {lr:.3e}",
-        f"grad norm {gnorm:.4f}",
-        f"{cfg.global_batch_size * cfg.seq_len / dt:.0f} tok/s",
-        f"{dt:.2f} s",
-    ]
+    tok_s = cfg.global_batch_size * cfg.seq_len / dt
+    parts += [f"lr {lr:.3e}", f"grad norm {gnorm:.4f}", f"{tok_s:.0f} tok/s", f"{dt:.2f} s"]
     return " | ".join(parts)
 
 
