@@ -307,8 +307,8 @@ def test_single_stage_spec_runs_everything():
 
 
 def test_worker_keeps_the_head_of_a_long_error_message():
-    from paddleformers_glm.train.worker import _shorten
+    from paddleformers_glm.train.stop_signals import shorten
 
     text = "[gloo/transport/tcp/pair.cc:584] TIMEOUT waiting for peer " + "x" * 3000 + " last frame"
-    short = _shorten(text)
+    short = shorten(text)
     assert len(short) < 900 and "TIMEOUT" in short and short.endswith("last frame")

@@ -264,14 +264,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
-    """Validate the whole --data file before any process starts. A text or chat .jsonl is
-    tokenized here, once, into OUT/data/<name>.npz, which the workers then read (cfg.data)."""
+def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
+    """Everything the run reads from disk, checked in this process before any worker starts, so a
+    bad file is one named error instead of a worker dying at the step that first touches it:
+
+    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
+      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
+      ``labels`` one per ``input_ids``); a text/chat jsonl is tokenized here, once, into
+      ``OUT/data/<name>.seq<L>.npz``, which the workers then read (``cfg.data``);
+    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
+      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
+    """
     from .data import jsonl_kind, open_data, prepare_jsonl
 
-    if cfg.data is None:
-        return
-    if cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
+    if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
         from ..tokenizer import GlmTokenizer, TokenizerError
 
         tok_dir = args.tokenizer or cfg.model_args.get("model_dir")
@@ -289,20 +295,8 @@ def _prepare_data(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -
             f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
         )
         cfg.data = out
-    open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
-
-
-def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
-    """Everything the run reads from disk, checked in this process before any worker starts, so a
-    bad file is one named error instead of a worker dying at the step that first touches it:
-
-    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
-      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
-      ``labels`` one per ``input_ids``); text/chat jsonl is tokenized here;
-    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
-      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
-    """
-    _prepare_data(cfg, args, vocab_size)
+    if cfg.data is not None:
+        open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
     if cfg.resume:
         from .state_files import check_resume_state
 
@@ -359,10 +353,9 @@ def _run_train(args: argparse.Namespace) -> int:
         world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
         adapter = make_adapter(cfg.model, **cfg.model_args)
         check_run(cfg, adapter, world)
-        if args.job_timeout is not None and not (math.isfinite(args.job_timeout) and args.job_timeout > 0):
-            raise ValueError(f"--job-timeout must be a finite number of seconds > 0, got {args.job_timeout}")
-        if not (math.isfinite(args.comm_timeout) and args.comm_timeout > 0):
-            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
+        for flag, v in (("--job-timeout", args.job_timeout), ("--comm-timeout", args.comm_timeout)):
+            if v is not None and not (math.isfinite(v) and v > 0):  # --job-timeout None: no limit
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
         if world % args.nnodes:
             raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
         check_inputs_before_launch(cfg, args, adapter.vocab_size)
@@ -421,11 +414,10 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     from .launch import LaunchError, write_failure_record
     from .loop import run_training
     from .nonfinite import NonFiniteStep
+    from .stop_signals import listen
 
     def timeout(_num: int, _frame: object) -> None:
         raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
-
-    from .stop_signals import listen
 
     listener = listen()
     old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None

@@ -1,21 +1,10 @@
 """Training data: the same global batches for any parallel layout, addressable by step.
 
-Sources
-  * synthetic (default): a deterministic stream from the seed; mostly a fixed random "next token"
-    table with some noise, so the loss visibly falls;
-  * ``.npy``: a 1-D integer token array (memory-mapped), cut into windows of ``seq_len``;
-  * ``.bin``: raw little-endian tokens, ``uint16`` when the vocabulary fits, else ``uint32``
-    (``data_dtype`` overrides);
-  * ``.jsonl``: one ``{"input_ids": [...]}`` per line (optional ``labels``), truncated or
-    right-padded to ``seq_len`` with labels -100 and an ``attention_mask``;
-  * ``.jsonl`` of text, ``{"text": "..."}`` per line, or of chat, ``{"messages": [{"role": ...,
-    "content": ...}, ...]}`` per line: tokenized once by ``prepare_jsonl`` (``glm52 train`` runs it
-    before any worker starts) into a ``.npz`` of ready samples. Text documents are joined with the
-    tokenizer's EOS after each and packed into ``seq_len`` windows (labels = inputs); each
-    conversation is rendered with the chat template into one sample, right-padded, with labels -100
-    on every token the assistant did not write;
-  * ``.npz``: ``input_ids``, ``labels``, ``attention_mask`` arrays [N, seq_len] (what
-    ``prepare_jsonl`` writes).
+Sources (docs/parallel.md, "The trainer"): synthetic (default; a fixed random "next token" table
+with some noise, so the loss visibly falls), ``.npy`` / ``.bin`` token streams cut into windows of
+``seq_len``, ``.jsonl`` of ``input_ids`` (right-padded, labels -100, an ``attention_mask``), and
+``.npz`` of ready samples ``[N, seq_len]``, which ``prepare_jsonl`` writes from a ``.jsonl`` of text
+or chat (tokenized once, before any worker starts).
 
 Global batch of step s (0-based) = samples s*G .. s*G+G-1 of an epoch-wise permutation (seeded);
 data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data
@@ -129,7 +118,7 @@ class _Jsonl(TokenData):
                 raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`{hint}")
             _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
             if "labels" in rec:
-                _check_labels(rec["labels"], vocab_size, f"{path}:{ln}: labels")
+                _check_ids(rec["labels"], vocab_size, f"{path}:{ln}: labels", allow=IGNORE_INDEX)
                 if len(rec["labels"]) != len(rec["input_ids"]):
                     raise ValueError(
                         f"{path}:{ln}: labels has {len(rec['labels'])} entries, input_ids {len(rec['input_ids'])}: "
@@ -141,16 +130,17 @@ class _Jsonl(TokenData):
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         rec, S = self.records[i], self.seq_len
-        ids = np.asarray(rec["input_ids"][:S], dtype=np.int64)
-        labels = np.asarray(rec.get("labels", rec["input_ids"])[:S], dtype=np.int64)
-        n = len(ids)
-        out = {
-            "input_ids": np.full(S, self.pad_id, dtype=np.int64),
-            "labels": np.full(S, IGNORE_INDEX, dtype=np.int64),
-            "attention_mask": np.zeros(S, dtype=np.int64),
-        }
-        out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
-        return out
+        return _padded(rec["input_ids"][:S], rec.get("labels", rec["input_ids"])[:S], S, self.pad_id)
+
+
+def _padded(ids: Any, labels: Any, S: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One sample of ``S`` tokens: ``ids`` right-padded with ``pad_id``, ``labels`` with the ignore
+    index, an ``attention_mask`` of 1 on the tokens."""
+    n = len(ids)
+    out = {"input_ids": np.full(S, pad_id, dtype=np.int64), "labels": np.full(S, IGNORE_INDEX, dtype=np.int64)}
+    out["attention_mask"] = np.zeros(S, dtype=np.int64)
+    out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
+    return out
 
 
 _SCAN_CHUNK = 1 << 24  # tokens per vectorised min/max (a bounded temporary whatever the file size)
@@ -163,42 +153,31 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str, *, allow:
     flat = tokens.reshape(-1)
     for lo in range(0, flat.shape[0], _SCAN_CHUNK):
         chunk = np.asarray(flat[lo : lo + _SCAN_CHUNK])
-        if chunk.size == 0:
-            continue
-        lo_v, hi_v = chunk.min(), chunk.max()
-        if lo_v >= 0 and hi_v < vocab_size:
+        if chunk.min() >= 0 and chunk.max() < vocab_size:
             continue
         bad = (chunk < 0) | (chunk >= vocab_size)
         if allow is not None:
             bad &= chunk != allow
         hits = np.flatnonzero(bad)
-        if hits.size:
-            pos = lo + int(hits[0])
-            at = (
-                f"position {pos}"
-                if tokens.ndim == 1
-                else f"row {pos // tokens.shape[-1]} column {pos % tokens.shape[-1]}"
-            )
-            raise ValueError(
-                f"{where}: token {int(flat[pos])} at {at} is outside the vocabulary [0, {vocab_size})"
-                + (f" ({int(bad.sum())} such tokens in this chunk of {chunk.size})" if hits.size > 1 else "")
-            )
+        if not hits.size:
+            continue
+        pos = lo + int(hits[0])
+        at = f"position {pos}" if tokens.ndim == 1 else f"row {pos // tokens.shape[-1]} column {pos % tokens.shape[-1]}"
+        raise ValueError(
+            f"{where}: token {int(flat[pos])} at {at} is outside the vocabulary [0, {vocab_size})"
+            + (f" ({int(bad.sum())} such tokens in this chunk of {chunk.size})" if hits.size > 1 else "")
+        )
 
 
-def _check_ids(ids: Any, vocab_size: int, where: str) -> None:
+def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) -> None:
+    """A list of integer token ids in [0, ``vocab_size``); labels pass ``allow`` (the ignore index)."""
+    kind = "token id" if allow is None else "label"
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"{where}: expected a list of integer token ids")
-    bad = [t for t in ids if t < 0 or t >= vocab_size]
+        raise ValueError(f"{where}: expected a list of integer {kind}s")
+    bad = [t for t in ids if (t < 0 or t >= vocab_size) and t != allow]
     if bad:
-        raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-
-
-def _check_labels(labels: Any, vocab_size: int, where: str) -> None:
-    if not isinstance(labels, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in labels):
-        raise ValueError(f"{where}: expected a list of integer labels")
-    bad = [t for t in labels if t != IGNORE_INDEX and (t < 0 or t >= vocab_size)]
-    if bad:
-        raise ValueError(f"{where}: label {bad[0]} is neither {IGNORE_INDEX} nor in the vocabulary [0, {vocab_size})")
+        what = "outside the vocabulary" if allow is None else f"is neither {allow} nor in the vocabulary"
+        raise ValueError(f"{where}: {kind} {bad[0]} {what} [0, {vocab_size})")
 
 
 class _Packed(TokenData):
@@ -313,7 +292,7 @@ def prepare_jsonl(
     else:
         pad = tokenizer.pad_token_id
         pad = 0 if pad is None else int(pad)
-        rows_ids, rows_lab, rows_mask = [], [], []
+        rows: list[dict[str, np.ndarray]] = []
         tokens = 0
         for ln, rec in records:
             msgs = rec["messages"]
@@ -321,11 +300,7 @@ def prepare_jsonl(
             if not isinstance(msgs, list) or not msgs:
                 raise ValueError(f'{where}: "messages" must be a non-empty list')
             for j, m in enumerate(msgs):
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("role"), str)
-                    or not isinstance(m.get("content"), str)
-                ):
+                if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
                     raise ValueError(f'{where}: message {j} must be an object with string "role" and "content"')
             if not any(m["role"] == "assistant" for m in msgs):
                 raise ValueError(f"{where}: no assistant message, so nothing to train on")
@@ -337,20 +312,14 @@ def prepare_jsonl(
             if not any(mine[:S]):
                 raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
             ids, mine = ids[:S], mine[:S]
-            row = np.full(S, pad, dtype=np.int64)
-            lab = np.full(S, IGNORE_INDEX, dtype=np.int64)
-            msk = np.zeros(S, dtype=np.int64)
-            row[: len(ids)], msk[: len(ids)] = ids, 1
-            lab[: len(ids)] = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
-            rows_ids.append(row)
-            rows_lab.append(lab)
-            rows_mask.append(msk)
+            labels = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
+            rows.append(_padded(ids, labels, S, pad))  # labels -100 on every token the assistant did not write
             tokens += len(ids)
-        if len(rows_ids) < min_samples:
+        if len(rows) < min_samples:
             raise ValueError(
-                f"{path}: {len(rows_ids)} conversations; {min_samples} are needed for the steps x global batch asked"
+                f"{path}: {len(rows)} conversations; {min_samples} are needed for the steps x global batch asked"
             )
-        arrays = {"input_ids": np.stack(rows_ids), "labels": np.stack(rows_lab), "attention_mask": np.stack(rows_mask)}
+        arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     with atomic_open(out_path, "wb") as f:
         np.savez(f, **arrays)
     return {"kind": kind, "records": len(records), "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
@@ -390,13 +359,8 @@ def open_data(
                 f"{path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each)"
                 + (" (an empty file)" if size == 0 else "; a truncated file, or the wrong --data-dtype")
             )
-        return _Stream(
-            np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r"),
-            seq_len,
-            vocab_size,
-            seed,
-            f"{path} ({dtype})",
-        )
+        tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+        return _Stream(tokens, seq_len, vocab_size, seed, f"{path} ({dtype})")
     if path.endswith(".jsonl"):
         return _Jsonl(path, seq_len, vocab_size, seed, pad_id)
     if path.endswith(".npz"):

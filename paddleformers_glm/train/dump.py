@@ -39,25 +39,16 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
     """(first moment, second moment) of one parameter, or (None, None) before its first update.
 
-    The trainer's AdamW (a wrapper of ``paddle.optimizer.AdamW``) keeps them by structured name in
-    ``opt.state[name]``, under Paddle's accumulator kinds (``moment1`` / ``moment2``).
-    ``paddle.optimizer.AdamW`` keeps them as accumulators keyed by the parameter's (or, with
-    multi-precision, its fp32 master's) tensor name: ``opt._accumulators["moment1"|"moment2"]``
-    (prefixed with ``opt._name + "_"`` when the optimizer is named), reachable through
-    ``opt._get_accumulator_master``; moment2 is the plain (not square-rooted) average of g².
+    The trainer's AdamW keeps them by structured name in ``opt.state[name]`` under Paddle's
+    accumulator kinds (``moment1`` / ``moment2``); a bare ``paddle.optimizer.AdamW`` (possibly
+    wrapped by ``fleet.distributed_optimizer``) through ``_get_accumulator_master``.  moment2 is the
+    plain (not square-rooted) average of g².
     """
     state = getattr(opt, "state", None)
     if isinstance(state, Mapping):
-        st = state.get(name)
-        if not st:
-            return None, None
-        if "exp_avg" in st:
-            return st["exp_avg"], st["exp_avg_sq"]
-        # the trainer's wrapper of paddle.optimizer.AdamW: Paddle's accumulator kinds by name
-        m1 = next((v for k, v in st.items() if k.endswith("moment1")), None)
-        m2 = next((v for k, v in st.items() if k.endswith("moment2")), None)
-        return m1, m2
-    inner = getattr(opt, "_inner_opt", opt)  # fleet.distributed_optimizer wraps the Paddle optimizer
+        st = state.get(name) or {}
+        return tuple(next((v for k, v in st.items() if k.endswith(m)), None) for m in ("moment1", "moment2"))
+    inner = getattr(opt, "_inner_opt", opt)
     try:
         return (
             inner._get_accumulator_master(inner._moment1_acc_str, param),
@@ -65,14 +56,6 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
         )
     except Exception:  # noqa: BLE001 - Paddle raises a bare Exception for a parameter never updated
         return None, None
-
-
-def _master_weight(opt: Any, name: str, param: paddle.Tensor) -> paddle.Tensor:
-    if hasattr(opt, "master_weight"):
-        w = opt.master_weight(name)
-        return param if w is None else w  # a frozen parameter (the indexer's warm-up) is not the optimizer's
-    inner = getattr(opt, "_inner_opt", opt)
-    return getattr(inner, "_master_weights", {}).get(param.name, param)
 
 
 def dump_training_state(
@@ -102,13 +85,13 @@ def dump_training_state(
         local: dict[str, paddle.Tensor] = {}
         for n, t in state.items():
             p = params.get(n)
-            if kind == "weights":
-                v = _master_weight(opt, n, p) if p is not None else t
+            if kind == "weights":  # a frozen parameter (the indexer's warm-up) has no master: its weight
+                w = opt.master_weight(n) if p is not None else None
+                v = t if w is None else w
             elif kind == "grads":
                 v = grads.get(n) if p is not None else None
             else:
-                m = adam_moments(opt, n, p) if p is not None else (None, None)
-                v = m[0] if kind == "exp_avg" else m[1]
+                v = adam_moments(opt, n, p)[kind == "exp_avg_sq"] if p is not None else None
             v = paddle.zeros(t.shape, "float32") if v is None else v.detach().astype("float32").clone()
             if n in owners:  # the same names in the same order on every sharding rank of the stage
                 comm.broadcast(v, topo.sharding_group.ranks[owners[n]], topo.sharding_group)

@@ -104,7 +104,6 @@ class GlmAdapter(ModelAdapter):
         """The model itself, built for ``spec`` (its layers, embedding / head / MTP) and ``topo``."""
         from ..modeling.model import GlmMoeDsaForCausalLM
 
-        self.check_layout(topo.pc)
         model = GlmMoeDsaForCausalLM(self.config, self.dtype or paddle.get_default_dtype(), topology=topo, stage=spec)
         model.set_indexer_training(self.indexer.training)  # the warm-up freezes all but the indexers
         return model

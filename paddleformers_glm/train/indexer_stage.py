@@ -3,30 +3,8 @@ run trains, the loss terms and their weights, the per-layer report in ``loss.jso
 resume across stages keeps.  The model's side (dense warm-up, targets, KL, recall) is
 modeling/indexer_training.py; the recipe is docs/indexer.md.
 
-Stages (``--indexer-stage``; default: ``sparse`` when the checkpoint's ``indexer_loss_coeff`` > 0,
-else ``none``):
-
-* ``warmup``: only the indexers train (every full layer's, and the MTP layer's when it runs its
-  own); every other parameter is frozen: no gradient, no optimizer state.  The objective is the
-  dense KL alone (weight 1; the LM and MTP losses are reported with weight 0).
-* ``sparse``: the whole model trains on LM + MTP + ``--indexer-loss-coeff`` x the KL over the
-  selected keys.
-* ``none``: the LM and MTP losses only.
-
-Loss scaling (every stage; ``M`` = global batch / micro-batch size micro-batches, ``l`` over the
-layers with an indexer, ``i`` over a micro-batch's queries that see a key, ``N_m`` their number,
-summed over its sequences and over the context-parallel ranks):
-
-    L_indexer = w / M * sum_m sum_l (1 / N_m) sum_i KL_{m,l,i}
-
-Each micro-batch contributes its own per-query mean, whichever rank holds it: a pipeline stage
-adds the terms of its own layers, a context-parallel rank its queries' share of ``N_m`` (the
-count all-reduced over the cp group before dividing), a data-parallel or sharding replica its own
-micro-batches, and the trainer divides by the global ``M`` (times the factor Fleet's gradient
-averaging and ``delay_scale_loss`` expect, parallel/grads.py).  So the loss and its gradients are
-the same in every layout for a given micro-batch size; with padding, micro-batches weigh
-equally whatever their number of queries.  The per-layer KL and recall in ``loss.json`` are
-normalised the same way.
+The stages, their objectives and the loss scaling (the same loss and gradients in every layout) are
+docs/indexer.md.
 
 Resume across stages: the weights come back whole; optimizer state comes back for the parameters
 this run trains and the checkpoint has state for (warm-up -> sparse: the indexers' moments and

@@ -6,27 +6,17 @@ soon as one worker exits, so whatever the launcher samples afterwards (which pro
 alive, which one is frozen) depends on who was faster.  A record written *before* the teardown
 does not: the first worker to fail looks at its peers while nothing has been killed yet.
 
-Files (``<N>`` = global rank; all strict JSON, each replaced atomically):
-
-* ``rank<N>.pid``: at start (rank, pid, job id);
-* ``rank<N>.beat``: the heartbeat, rewritten in place at each phase of each step (step, phase,
-  time); a few microseconds, no fsync (a killed process's writes survive; a lost machine is not
-  what it is for);
-* ``rank<N>.error.json``: the worker's exception, plus ``peers``, the snapshot it took of every
-  local rank (process state, whether it had left a record) at that moment;
-* ``rank<N>.signal.json``: the worker ended on a signal (which, sent by which process) or on its
-  watchdog (launcher gone, job deadline passed), plus ``peers``;
-* ``rank<N>.ok``: the worker finished cleanly;
-* ``launcher.json``: the launcher's snapshots, taken at the first sign of trouble and before it
-  stops the job itself.
-
-:func:`diagnose` reads only these, so every run of the same fault gives the same answer.
+Files (``<N>`` = global rank; strict JSON, each replaced atomically; docs/failure-modes.md):
+``rank<N>.pid``, ``rank<N>.beat`` (rewritten in place at each phase of each step),
+``rank<N>.error.json`` / ``rank<N>.signal.json`` (with ``peers``, the snapshot the worker took of
+every local rank at that moment), ``rank<N>.ok`` and the launcher's ``launcher.json``.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,31 +48,23 @@ ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (second
 # the phases of a step, in order: a rank's progress is (step, index of its last phase)
 PHASES = ("start", "setup", "data", "forward", "update", "done", "save", "finish")
 
-_COMM_MARKERS = (
-    "gloo",
-    "TIMEOUT",
-    "Connection reset",
-    "Connection closed",
-    "Connection refused",
-    "Broken pipe",
-    "NCCL",
-    "ProcessGroup",
-    "socket",
-    "peer",
+_COMM_MARKERS = re.compile(
+    r"gloo|timeout|connection (reset|closed|refused)|broken pipe|nccl|processgroup|socket|peer", re.I
 )
 
 
 def is_comm_error(text: str) -> bool:
     """Whether an exception's text looks like a failed collective (a peer gone or too slow)."""
-    return any(m.lower() in text.lower() for m in _COMM_MARKERS)
+    return _COMM_MARKERS.search(text) is not None
 
 
-def proc_state(pid: int) -> str | None:
+def proc_state(pid: int, field: int = 0) -> str | None:
     """One-letter Linux process state (R, S, D, T = stopped, t = traced, Z = zombie), or None when
-    the process is gone or the state is unknown (no /proc)."""
+    the process is gone or the state is unknown (no /proc); ``field`` 19: its start time in clock
+    ticks (tells a reused pid apart)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[field]
     except (OSError, IndexError):
         return None
 
@@ -147,22 +129,19 @@ def beat(step: int, phase: str) -> None:
         pass
 
 
+_RECORD_FILE = re.compile(r"rank(\d+)\.(pid|beat|ok|error\.json|signal\.json)")
+
+
 def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
     """Every rank's records: ``{rank: {"pid", "beat", "error", "signal", "ok"}}`` (absent: None)."""
     out: dict[int, dict[str, Any]] = {}
     for path in glob.glob(os.path.join(status_dir, "rank*.*")):
-        name = os.path.basename(path)
-        head, _, kind = name.partition(".")
-        if not head[4:].isdigit() or kind.endswith(".tmp") or kind.startswith("beat."):
+        m = _RECORD_FILE.fullmatch(os.path.basename(path))
+        if m is None:
             continue
-        rank = int(head[4:])
-        rec = out.setdefault(rank, {"pid": None, "beat": None, "error": None, "signal": None, "ok": False})
-        if kind == "ok":
-            rec["ok"] = True
-        elif kind in ("pid", "beat"):
-            rec[kind] = _read_json(path)
-        elif kind in ("error.json", "signal.json"):
-            rec[kind.split(".")[0]] = _read_json(path)
+        rec = out.setdefault(int(m[1]), {"pid": None, "beat": None, "error": None, "signal": None, "ok": False})
+        kind = m[2].split(".")[0]  # error.json -> error
+        rec[kind] = True if kind == "ok" else _read_json(path)
     return out
 
 
@@ -216,6 +195,19 @@ def _beat_text(b: dict | None) -> str:
     if not b:
         return "no heartbeat"
     return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}"
+
+
+_STOPPED = "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering"
+_DIED = "died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _error_text(e: dict[str, Any], others: str = "") -> str:
+    """A worker's error record: its type and message (``others``: who failed after it), its traceback's tail."""
+    return f"{e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}"
 
 
 def _tail(path: str, n: int = 6) -> str:
@@ -310,30 +302,16 @@ def diagnose(
                 rank = int(detail["rank"]) if detail.get("rank") is not None else r
                 return Diagnosis(rank, str(detail["message"]), str(detail.get("kind") or "error"), detail)
             rest = sorted({x for x, _ in errors} - {r})
-            others = f" (then rank(s) {', '.join(map(str, rest))} failed too)" if rest else ""
-            return Diagnosis(
-                r,
-                f"rank {r} failed: {e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}",
-                "error",
-            )
+            others = f" (then rank(s) {_ranks(rest)} failed too)" if rest else ""
+            return Diagnosis(r, f"rank {r} failed: {_error_text(e, others)}", "error")
     lost_rules = (  # 2, then 3: a rank seen stopped or gone, named with who saw it and what its peers did
-        (
-            stopped,
-            "stopped",
-            "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering (seen by",
-            "timed out waiting for it",
-        ),
-        (
-            died,
-            "died",
-            "died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory; seen gone by",
-            "lost their peer",
-        ),
+        (stopped, "stopped", f"{_STOPPED} (seen by", "timed out waiting for it"),
+        (died, "died", f"{_DIED}; seen gone by", "lost their peer"),
     )
     for lost, kind, what, peers_then in lost_rules:
         if lost:
             r = min(lost)
-            tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then {peers_then}" if comm_ranks else ""
+            tail = f"; rank(s) {_ranks(comm_ranks)} then {peers_then}" if comm_ranks else ""
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
     if stopped_by and stopped_by.get("kind") == "signal":  # 4
         return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
@@ -346,27 +324,18 @@ def diagnose(
         waited = "timed out waiting for it" if comm_ranks else "waited for it"
         return Diagnosis(
             r,
-            f"rank {r} made no progress ({_beat_text(beats.get(r))}, behind rank(s) {', '.join(map(str, ahead))}: "
-            f"hung, or far slower than its peers); rank(s) {', '.join(map(str, ahead))} {waited}. {log_tail(r)}",
+            f"rank {r} made no progress ({_beat_text(beats.get(r))}, behind rank(s) {_ranks(ahead)}: "
+            f"hung, or far slower than its peers); rank(s) {_ranks(ahead)} {waited}. {log_tail(r)}",
             "hung",
         )
     silent = [r for r in local_ranks if not _record_kind(records.get(r, {}))]
     if silent and not stopped_by:  # 6
         r = silent[0]
-        tail = f"; rank(s) {', '.join(map(str, comm_ranks))} then lost their peer" if comm_ranks else ""
-        return Diagnosis(
-            r,
-            f"rank {r} died without a Python error (a signal, os._exit, or the OS killing it, e.g. out of memory)"
-            f"{tail}. {log_tail(r)}",
-            "died",
-        )
+        tail = f"; rank(s) {_ranks(comm_ranks)} then lost their peer" if comm_ranks else ""
+        return Diagnosis(r, f"rank {r} {_DIED}){tail}. {log_tail(r)}", "died")
     if errors:  # 7
         r, e = errors[0]
-        return Diagnosis(
-            r,
-            f"rank {r} failed in communication: {e.get('type')}: {e.get('message')}\n{e.get('traceback_tail', '')}",
-            "comm",
-        )
+        return Diagnosis(r, f"rank {r} failed in communication: {_error_text(e)}", "comm")
     if stopped_by:
         return Diagnosis(
             None,

@@ -3,30 +3,16 @@ job's lifetime the launcher's, and turn a failure into one line that names the r
 
 Paddle's launcher, when one worker dies, reports whichever container it noticed first (often a
 *survivor* that failed in communication afterwards), and tears the rest down at once.  So each
-worker records its own life in ``LOG/status/`` (job_status.py: pid, heartbeats, its error or the
-signal that ended it, each failing worker's snapshot of its peers) and the culprit is read from
-those records afterwards (:func:`job_status.diagnose`): the same answer on every run of the same
-fault.  Every failure also leaves ``LOG/failure.json`` (culprit, cause, message, how the job ended).
-
-One job, one lifetime: SIGTERM, SIGINT or SIGHUP to the launcher stops every process of the job
-(SIGTERM, then SIGKILL 3 s later) and records who sent it; the launcher's death kills Paddle's
-launcher and the workers (``prctl(PR_SET_PDEATHSIG)``, lifeline.py, and the workers' watchdog);
-every process of the job carries the job id in its environment, so none is missed.  A watchdog
-stops the job when a rank has failed but the job has not ended ``grace_s`` later (default: past
-the 30 s gloo timeout), when a rank stays frozen that long (on NCCL its peers would otherwise wait
-for the process-group timeout), and at ``timeout_s`` (``--job-timeout``); past that deadline the
-workers end themselves if the launcher could not.
-
-Multi-node: pass the launcher's own options (``--nnodes``, ``--master``, ``--rank``, ``--ips``)
-through ``launcher_args``; every node runs the same command.
-
-Paddle's launcher runs as ``python -m paddleformers_glm.train.lifeline paddle.distributed.launch
-ARGS``: tied to this process, and leaving through ``_exit.exit_now`` once it has joined its
-workers (the job ends without the launcher's interpreter teardown).
+worker records its own life in ``LOG/status/`` (job_status.py) and the culprit is read from those
+records afterwards: the same answer on every run of the same fault.  Every failure also leaves
+``LOG/failure.json``.  The job's lifetime (signals, parent death, the watchdog, ``--job-timeout``)
+is docs/failure-modes.md.  Multi-node: pass the launcher's own options (``--nnodes``, ``--master``,
+``--rank``, ``--ips``) through ``launcher_args``; every node runs the same command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
@@ -54,7 +40,7 @@ from .job_status import (
     read_records,
     snapshot,
 )
-from .stop_signals import listen
+from .stop_signals import StopListener, listen
 
 __all__ = [
     "LaunchError",
@@ -83,10 +69,6 @@ class LaunchError(RuntimeError):
         return self.message
 
 
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for the workers: our package importable, MKL fast path on AMD, one thread set per process."""
     env = dict(os.environ if base is None else base)
@@ -94,7 +76,8 @@ def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[
     cpus = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, nproc_per_node))))
     env.setdefault("GLOG_minloglevel", "2")
-    env["PYTHONPATH"] = os.pathsep.join([_repo_root()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's parent
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -118,30 +101,16 @@ def job_processes(job_id: str) -> list[int]:
     return sorted(out)
 
 
-class _StopWatch:
-    """Stop signals while the job runs, polled by the launch loop: from the process's listener
-    (stop_signals.py: with the sender) when it runs, else from the ``KeyboardInterrupt`` that
-    SIGINT (and, under the listener's handlers, SIGTERM / SIGHUP) raises in the main thread."""
-
-    def __init__(self) -> None:
-        self.listener = listen()
-        self.caught: dict[str, Any] | None = None
-
-    def __enter__(self) -> _StopWatch:
-        self.listener.polled = True
-        return self
-
-    def wait(self, seconds: float) -> dict[str, Any] | None:
-        try:
-            time.sleep(seconds)
-        except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
-            name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
-            self.listener.note(int(signal.Signals[name]), None)
-        self.caught = self.listener.caught
-        return self.caught
-
-    def __exit__(self, *exc: Any) -> None:
-        pass  # stays polled: the launcher is ending the job and then itself
+def _wait_for_stop(listener: StopListener, seconds: float) -> dict[str, Any] | None:
+    """Sleep ``seconds``; the stop signal caught so far: the listener's (stop_signals.py: with the
+    sender) when it runs, else from the ``KeyboardInterrupt`` that SIGINT (and, under the listener's
+    handlers, SIGTERM / SIGHUP) raises in the main thread."""
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
+        name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+        listener.note(int(signal.Signals[name]), None)
+    return listener.caught
 
 
 def _gone(pid: int) -> bool:
@@ -149,15 +118,11 @@ def _gone(pid: int) -> bool:
 
 
 def _signal_all(proc: subprocess.Popen, pids: Sequence[int], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)  # Paddle's launcher and anything left in its group
-    except (ProcessLookupError, PermissionError):
-        pass
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
@@ -183,10 +148,8 @@ def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
             if proc.poll() is not None and all(_gone(p) for p in pids):
                 break
             time.sleep(0.05)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=TERM_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _trouble(snap: dict[str, Any]) -> list[str]:
@@ -245,94 +208,81 @@ def launch_workers(
     env.update({ENV_STATUS_DIR: status_dir, ENV_JOB_ID: job_id, ENV_LAUNCHER_PID: str(os.getpid())})
     if deadline is not None:
         env[ENV_DEADLINE] = repr(deadline)
-    write_json_atomic(
-        os.path.join(log_dir, "job.json"),
-        {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline},
-        indent=1,
-        sort_keys=False,
-    )
+    job = {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline}
+    write_json_atomic(os.path.join(log_dir, "job.json"), job, indent=1, sort_keys=False)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
     t_start, first_failure = time.monotonic(), None
     stopped_by: dict[str, Any] | None = None
     snapshots: list[dict[str, Any]] = []
     seen_signs: set[str] = set()
     stopped_since: dict[str, float] = {}  # rank -> when first seen frozen
-    with _StopWatch() as signals:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
-        )
+    signals = listen()
+    signals.polled = True  # and stays so: the launcher is ending the job and then itself
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1
+    )
 
-        chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
+    chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if quiet_launcher and (
-                    line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
-                ):
-                    continue
-                if quiet_launcher and not chatter.keep(line):
-                    continue
-                stream.write(line)
-                stream.flush()
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
+            if quiet_launcher and (noise or not chatter.keep(line)):
+                continue
+            stream.write(line)
+            stream.flush()
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            while proc.poll() is None:
-                caught = signals.wait(0.2)
-                if caught:
-                    stopped_by = caught
-                    break
-                now = time.monotonic()
-                snap = snapshot(status_dir, by="launcher")
-                signs = [x for x in _trouble(snap) if x not in seen_signs]
-                if signs:  # evidence, taken before the launcher kills anything
-                    seen_signs.update(signs)
-                    snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
-                if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
-                    first_failure = now
-                for r, s in snap["ranks"].items():
-                    if s["state"] in ("T", "t"):
-                        stopped_since.setdefault(r, now)
-                    else:
-                        stopped_since.pop(r, None)
-                frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
-                if first_failure is not None and now - first_failure > grace_s:
-                    stopped_by = {
-                        "kind": "grace",
-                        "text": f"ranks still running {grace_s:.0f} s after a failure; stopped the job",
-                    }
-                elif frozen:
-                    stopped_by = {
-                        "kind": "frozen",
-                        "text": f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job",
-                    }
-                elif timeout_s is not None and now - t_start > timeout_s:
-                    stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}
-                if stopped_by:
-                    break
-        finally:
-            if stopped_by is not None:
-                stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
-                snapshots.append(
-                    {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
-                )
-            stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
-            reader.join(timeout=5)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        while proc.poll() is None:
+            caught = _wait_for_stop(signals, 0.2)
+            if caught:
+                stopped_by = caught
+                break
+            now = time.monotonic()
+            snap = snapshot(status_dir, by="launcher")
+            signs = [x for x in _trouble(snap) if x not in seen_signs]
+            if signs:  # evidence, taken before the launcher kills anything
+                seen_signs.update(signs)
+                snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
+            if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
+                first_failure = now
+            for r, s in snap["ranks"].items():
+                if s["state"] in ("T", "t"):
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+            frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
+            if first_failure is not None and now - first_failure > grace_s:
+                text = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
+                stopped_by = {"kind": "grace", "text": text}
+            elif frozen:
+                text = f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job"
+                stopped_by = {"kind": "frozen", "text": text}
+            elif timeout_s is not None and now - t_start > timeout_s:
+                stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}
+            if stopped_by:
+                break
+    finally:
+        if stopped_by is not None:
+            stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
+            snapshots.append(
+                {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
+            )
+        stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
+        reader.join(timeout=5)
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
     if proc.returncode == 0 and stopped_by is None:
         return
     diag = diagnose(log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots)
-    msg = diag.message
-    if stopped_by and stopped_by["kind"] != "signal":
-        msg = f"{msg}\n({stopped_by['text']})"
-    if stopped_by and stopped_by["kind"] == "signal":
+    kind = stopped_by["kind"] if stopped_by else None
+    msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"
+    if kind == "signal":
         rc = 128 + int(signal.Signals[stopped_by["signal"]])
-    elif stopped_by and stopped_by["kind"] == "timeout":
-        rc = 124
     else:
-        rc = proc.returncode if proc.returncode and proc.returncode > 0 else 1
+        rc = 124 if kind == "timeout" else (proc.returncode if proc.returncode and proc.returncode > 0 else 1)
     err = LaunchError(diag.rank, msg, rc, diag.cause)
     write_failure_record(
         log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t_start, diagnosis=diag, job_id=job_id

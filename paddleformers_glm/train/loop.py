@@ -49,6 +49,9 @@ from .resume import load_resume_state, save_resume_state
 __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
 
+_POSITIVE_INTS = ("steps", "seq_len", "global_batch_size", "micro_batch_size", "vpp")
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs; serialisable (the launcher hands it to the workers as JSON)."""
@@ -105,36 +108,27 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
+        unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
         return cls(**d)
 
     def validate(self) -> None:
-        for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
-            if int(getattr(self, k)) < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        for k in (*_POSITIVE_INTS, "save_every", "skip_nonfinite_steps"):  # counts: >= 1, else >= 0
+            lo = 1 if k in _POSITIVE_INTS else 0
+            if int(getattr(self, k)) < lo:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(self, k)}")
+        choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
+        for k, allowed in {**choices, "indexer_stage": INDEXER_STAGES}.items():
+            v = getattr(self, k)
+            if v not in allowed and not (k == "indexer_stage" and v is None):  # None: the checkpoint's stage
+                raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, got {v!r}")
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
             )
-        if int(self.vpp) < 1:
-            raise ValueError(f"--vpp must be >= 1, got {self.vpp}")
         if self.vpp > 1 and self.pp < 2:
             raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
-        if self.save_every < 0:
-            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
-        if self.expert_update not in EXPERT_UPDATES:
-            raise ValueError(f"--expert-update must be one of {', '.join(EXPERT_UPDATES)}, got {self.expert_update!r}")
-        if int(self.skip_nonfinite_steps) < 0:
-            raise ValueError(f"--skip-nonfinite-steps must be >= 0, got {self.skip_nonfinite_steps}")
-        if self.indexer_stage is not None and self.indexer_stage not in INDEXER_STAGES:
-            raise ValueError(f"--indexer-stage must be one of {', '.join(INDEXER_STAGES)}, got {self.indexer_stage!r}")
         check_finite_settings(self)
 
 
@@ -205,32 +199,6 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
     raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop|nan, got {kind!r}")
 
 
-def _gather_ints(value: int, topo: Any) -> list[int]:
-    """``value`` of every rank, in rank order (one world all-gather)."""
-    if topo.world_size == 1:
-        return [int(value)]
-    parts: list[paddle.Tensor] = []
-    dist.all_gather(parts, paddle.to_tensor(np.asarray([value], dtype=np.int64)))
-    return [int(p.numpy()[0]) for p in parts]
-
-
-def _to_tensors(mb: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
-    return {k: paddle.to_tensor(v) for k, v in mb.items()}
-
-
-def stage_specs(cfg: TrainConfig, adapter: ModelAdapter, pp: int) -> list[Any]:
-    """The pipeline chunks of this run (``--pp`` x ``--vpp``, ``--pp-layout``, first/last stage
-    sizes, MTP): one per stage, or with ``--vpp N`` ``pp x N`` chunks, chunk ``c`` on rank ``c % pp``."""
-    try:
-        return run_stages(cfg, adapter.num_layers, pp * cfg.vpp, adapter.has_mtp)
-    except ParallelConfigError as e:
-        if cfg.vpp == 1:
-            raise
-        raise ParallelConfigError(
-            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pp} x --vpp {cfg.vpp} chunks)"
-        ) from e
-
-
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     """The layout of this run (``dp`` derived from the world size when not given)."""
     return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
@@ -272,7 +240,14 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
         raise ValueError(
             "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
         )
-    specs = stage_specs(cfg, adapter, pc.pp)
+    try:  # the pipeline chunks: one per stage, or with --vpp N pp x N chunks, chunk c on rank c % pp
+        specs = run_stages(cfg, adapter.num_layers, pc.pp * cfg.vpp, adapter.has_mtp)
+    except ParallelConfigError as e:
+        if cfg.vpp == 1:
+            raise
+        raise ParallelConfigError(
+            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pc.pp} x --vpp {cfg.vpp} chunks)"
+        ) from e
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
@@ -347,9 +322,7 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
         "rank": topo.rank,
         "stage": topo.stage,
         "layers": list(spec.layers),
-        "has_embedding": spec.has_embedding,
-        "has_head": spec.has_head,
-        "has_mtp": spec.has_mtp,
+        **{k: getattr(spec, k) for k in ("has_embedding", "has_head", "has_mtp")},
         "ranks": {g: topo.rank_in(g) for g in ("tp", "pp", "dp", "ep", "etp", "edp")},
         "state_tensors": len(state),  # parameters and persistent buffers (router correction bias)
         "state_elements": int(sum(math.prod(t.shape) for t in state.values())),
@@ -448,20 +421,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
     report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
-    profile = {
-        "tp": topo.pc.tp,
-        "pp": topo.pc.pp,
-        "ep": topo.pc.ep,
-        "etp": topo.pc.etp,
-        "sp": topo.pc.sp,
-        "dp": topo.pc.dp,
-        "cp": topo.pc.cp,
-        "world": topo.world_size,
-        "micro_batch_size": cfg.micro_batch_size,
-        "global_batch_size": cfg.global_batch_size,
-        "seq_len": cfg.seq_len,
-        "dtype": cfg.dtype,
-    }
+    profile = {k: getattr(topo.pc, k) for k in ("tp", "pp", "ep", "etp", "sp", "dp", "cp")} | {"world": topo.world_size}
+    profile |= {k: getattr(cfg, k) for k in ("micro_batch_size", "global_batch_size", "seq_len", "dtype")}
     layout = {**profile, "sharding": topo.pc.sharding}
     history: dict[str, list[float]] = {k: [] for k in report_keys}
     history.update(grad_norms=[], lrs=[])
@@ -553,11 +514,6 @@ def _step_engine(run: _Run) -> str:
     return "train_batch" if run.opt.hybrid is not None else "forward_backward_pipeline"
 
 
-def _dumps_at(cfg: TrainConfig, step: int) -> bool:
-    """Whether ``--dump-step`` asks for the state after update ``step`` (1-based)."""
-    return any(int(k) == step for _, k in cfg.dump_steps)
-
-
 def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float]:
     """Update ``step`` (0-based): forward/backward over this replica's micro-batches, gradient sync,
     clip, AdamW; the step's losses are appended to the history. Returns (lr, grad norm).
@@ -586,7 +542,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     if topo.cp_size > 1:  # context parallel: this rank's zigzag slice, labels shifted over whole sequences
         shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
         mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
-    mbs = [_to_tensors(mb) for mb in mbs]
+    mbs = [{k: paddle.to_tensor(v) for k, v in mb.items()} for mb in mbs]
     beat(step + 1, "forward")
     # ---- the step engine: sync -> norm -> clip -> update, inline or inside Fleet's train_batch
     done: dict[str, Any] = {}
@@ -598,10 +554,15 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         beat(step + 1, "update")
         grads = run.sync.current_grads()  # as Fleet's train_batch step left them (delay_scale_loss)
         # a copy: the trainer's clip replaces the entries, Fleet's clips the tensors in place
-        done["pre_clip"] = {n: g.clone() for n, g in grads.items()} if _dumps_at(cfg, step + 1) else None
+        done["pre_clip"] = (
+            {n: g.clone() for n, g in grads.items()} if any(int(k) == step + 1 for _, k in cfg.dump_steps) else None
+        )
         # logged; Fleet's clip runs inside the update when clips_itself. The loss flag makes it
         # non-finite on every rank when any rank's loss is (train/nonfinite.py)
-        done["gnorm"] = run.sync.global_norm(grads, loss_flag(_local_loss_sums(run, done)))
+        # this rank's loss sums (last pipeline stage only): the trainer engine's floats, or inside
+        # Fleet's train_batch the ledger's tensors
+        sums = [v[0] for v in done["totals"].values()] if "totals" in done else run.engine.ledger.sums.values()
+        done["gnorm"] = run.sync.global_norm(grads, loss_flag(sums))
         done["skipped"] = not math.isfinite(done["gnorm"]) and _nonfinite_step(run, step + 1, done, grads, log)
         if done["skipped"]:
             done["grads"] = grads
@@ -630,7 +591,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
 
         dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
     if not run.opt_bytes:
-        run.opt_bytes = _gather_ints(run.opt.state_bytes(), topo)
+        run.opt_bytes = gather_json(int(run.opt.state_bytes()), topo.world_size)  # every rank's, in rank order
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
     _record_losses(run, totals, norms)
     run.history["grad_norms"].append(gnorm)
@@ -640,22 +601,12 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     return lr, gnorm
 
 
-def _local_loss_sums(run: _Run, done: dict[str, Any]) -> list[Any]:
-    """This rank's loss sums of the step so far (on the last pipeline stage; none elsewhere):
-    floats from the trainer's engine, the ledger's tensors inside Fleet's ``train_batch``."""
-    if "totals" in done:
-        return [v[0] for v in done["totals"].values()]
-    return list(run.engine.ledger.sums.values())
-
-
 def _nonfinite_step(
     run: _Run, step: int, done: dict[str, Any], grads: dict[str, Any], log: Callable[[str], Any]
 ) -> bool:
     """The global norm of ``step`` is not finite: gather where (every rank, collectively); skip
     the update (True) while ``--skip-nonfinite-steps`` allows, else raise :class:`NonFiniteStep`."""
-    totals = done.get("totals")
-    if totals is None:
-        totals = run.engine.ledger.totals()
+    totals = done["totals"] if "totals" in done else run.engine.ledger.totals()
     sums = {name: float(v[0]) for name, v in totals.items()}
     order = [n for n, _ in run.sync.params]
     reports = gather_json(local_report(run.topo.rank, sums, grads, order), run.topo.world_size)
@@ -681,14 +632,11 @@ def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[
     the labels, and append each reported loss (normalised, terms of one key averaged)."""
     topo, loss_specs = run.topo, run.loss_specs
     names = sorted(loss_specs)
-    vec = paddle.to_tensor(
-        np.array(
-            [totals.get(n, (0.0, 0))[0] for n in names] + [totals.get(n, (0.0, 0))[1] for n in names],
-            dtype=np.float64,
-        )
-    )
-    vec = comm.all_reduce(comm.all_reduce(comm.all_reduce(vec, topo.pp_group), topo.dp_group), topo.sharding_group)
-    vec = comm.all_reduce(vec, topo.cp_group)  # context parallel: each cp rank summed its own tokens
+    pairs = [totals.get(n, (0.0, 0)) for n in names]
+    vec = paddle.to_tensor(np.array([s for s, _ in pairs] + [c for _, c in pairs], dtype=np.float64))
+    # summed over pipeline stages, data replicas and context-parallel ranks (each counted its own tokens)
+    for group in (topo.pp_group, topo.dp_group, topo.sharding_group, topo.cp_group):
+        vec = comm.all_reduce(vec, group)
     vals = vec.numpy().tolist()
     sums, counts = dict(zip(names, vals[: len(names)])), dict(zip(names, vals[len(names) :]))
     for n in names:
@@ -712,21 +660,11 @@ def _record_indexer_stage(run: _Run, step: int) -> None:
     stage = run.indexer["stage"]
     if stage != "none":
         run.history.setdefault("indexer_steps", []).append(step)
-    if (
-        run.indexer_stages
-        and run.indexer_stages[-1]["stage"] == stage
-        and run.indexer_stages[-1]["last_step"] == step - 1
-    ):
-        run.indexer_stages[-1]["last_step"] = step
+    last = run.indexer_stages[-1] if run.indexer_stages else {}
+    if last.get("stage") == stage and last.get("last_step") == step - 1:
+        last["last_step"] = step
     else:
         run.indexer_stages.append({"stage": stage, "first_step": step, "last_step": step})
-
-
-def _indexer_meta(run: _Run) -> dict[str, Any] | None:
-    """What a resume needs to know of the indexer's training: the stage, where it began, the stages so far."""
-    if run.indexer is None:
-        return None
-    return {"stage": run.indexer["stage"], "stage_start": run.stage_start, "stages": run.indexer_stages}
 
 
 def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
@@ -738,12 +676,8 @@ def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
     recalls = [v[-1] for k, v in history.items() if k.startswith("indexer_recall@") and v]
     if run.indexer is not None and run.indexer["stage"] != "none" and recalls:
         parts.append(f"indexer kl {history['indexer_losses'][-1]:.5f} {indexer_step_text(recalls)}")
-    parts += [
-        f"lr {lr:.3e}",
-        f"grad norm {gnorm:.4f}",
-        f"{cfg.global_batch_size * cfg.seq_len / dt:.0f} tok/s",
-        f"{dt:.2f} s",
-    ]
+    tok_s = cfg.global_batch_size * cfg.seq_len / dt
+    parts += [f"lr {lr:.3e}", f"grad norm {gnorm:.4f}", f"{tok_s:.0f} tok/s", f"{dt:.2f} s"]
     return " | ".join(parts)
 
 
@@ -772,15 +706,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm
 
-        bar = tqdm(
-            total=cfg.steps,
-            initial=run.start,
-            desc="train",
-            unit="step",
-            file=sys.stderr,
-            dynamic_ncols=True,
-            leave=True,
-        )
+        bar = tqdm(total=cfg.steps, initial=run.start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     log = (bar.write if bar is not None else print) if run.rank0 else (lambda *_: None)
     if run.rank0:
         log(
@@ -801,7 +727,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
-            meta["indexer"] = _indexer_meta(run)
+            # a resume's indexer stage: where it began, the stages so far
+            stage = None if run.indexer is None else run.indexer["stage"]
+            meta["indexer"] = stage and {"stage": stage, "stage_start": run.stage_start, "stages": run.indexer_stages}
             beat(step + 1, "save")
             path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
             run.last_checkpoint = path

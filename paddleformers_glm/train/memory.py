@@ -1,22 +1,8 @@
 """Per-rank memory: one accounting rule for parameters, gradients and optimizer state, shared by
 ``glm52 plan`` (which applies it to shapes built under ``paddle.LazyGuard``) and by the trainer
-(which measures the tensors it really holds and records both in ``loss.json``).
-
-The rule, per parameter of ``n`` elements and dtype ``d``:
-
-* parameter: ``n * bytes(d)``;
-* gradient: ``n * 4`` (the trainer syncs, clips and steps on fp32 "main grads", parallel/grads.py),
-  divided by the sharding degree at sharding stage 2 (reduce-scattered gradients);
-* optimizer state as ``paddle.optimizer.AdamW(multi_precision=True)`` holds it: moment1 and
-  moment2 in fp32 (``2 * n * 4``), an fp32 master weight when ``d`` is not fp32 (``n * 4``), and
-  the two beta-power accumulators (shape [1], fp32: 8 bytes); divided by the sharding degree at
-  sharding stage >= 1 (or, with Fleet's whole-tensor partition, only the rank's own tensors:
-  ``fleet_sharding_partition``).  The trainer's own AdamW (before it moved onto Paddle's) kept a
-  Python int step instead of the beta powers (``beta_pows=False``) and created state only for
-  parameters that received a gradient.
-
-Sharded divisions are an even split (what Paddle's sharding V2 lays out, up to its alignment
-padding); at sharding degree 1 every number is exact.
+(which measures the tensors it really holds and records both in ``loss.json``).  The rule (fp32
+main grads, Paddle AdamW's multi-precision state, what sharding divides) is docs/scale.md; sharded
+divisions are an even split, so at sharding degree 1 every number is exact.
 """
 
 from __future__ import annotations
@@ -43,7 +29,6 @@ def state_bytes(
     *,
     sharding_degree: int = 1,
     sharding_stage: int = 0,
-    beta_pows: bool = True,
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state for ``params`` = ``(numel, dtype)`` or
     ``(numel, dtype, trainable)`` (a frozen parameter has no gradient and no optimizer state) or
@@ -63,7 +48,7 @@ def state_bytes(
         if trainable:
             g_bytes += numel * 4
         if stepped:
-            o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + (8 if beta_pows else 0)
+            o_bytes += 2 * numel * 4 + (numel * 4 if d != "float32" else 0) + 8
     totals = {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes}
     return shard_totals(totals, sharding_degree, sharding_stage)
 
@@ -95,28 +80,6 @@ def fleet_sharding_partition(numels: Sequence[int], degree: int) -> list[list[in
 
 def _tensor_bytes(t: Any) -> int:
     return int(math.prod(t.shape)) * DTYPE_BYTES[dtype_name(t.dtype)]
-
-
-def optimizer_tensors_bytes(opt: Any) -> tuple[int, str]:
-    """(bytes of every tensor the optimizer holds, which optimizer): Paddle's AdamW (wrapped, as
-    ``opt.opt``) or the trainer's own; counted from the live objects, not from a formula."""
-    inner = getattr(opt, "opt", None)
-    if inner is not None and hasattr(inner, "_accumulators"):
-        total = sum(_tensor_bytes(t) for table in inner._accumulators.values() for t in table.values())
-        total += sum(_tensor_bytes(t) for t in (getattr(inner, "_master_weights", {}) or {}).values())
-        return total, "paddle.optimizer.AdamW"
-    total = 0
-    for st in opt.state_dict().values():
-        for v in st.values():
-            if hasattr(v, "shape") and hasattr(v, "dtype"):
-                total += _tensor_bytes(v)
-    return total, type(opt).__module__ + "." + type(opt).__name__
-
-
-def peak_host_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
 
 class _Saved:
@@ -199,14 +162,13 @@ class MemoryMonitor:
         if self.record is not None:
             return
         params = list(self.module.parameters())
-        opt_bytes, impl = optimizer_tensors_bytes(opt)
         peak = getattr(self, "activations_peak", 0)
         self.record = {
             "rank": int(self.topo.rank),
             "params_bytes": sum(_tensor_bytes(p) for p in params),
             "grads_bytes": sum(_tensor_bytes(g) for g in grads.values()),
-            "optimizer_bytes": opt_bytes,
-            "optimizer": impl,
+            "optimizer_bytes": opt.state_bytes(),
+            "optimizer": "paddle.optimizer.AdamW",
             "param_tensors": len(params),
             "activations_bytes": None if peak is None else int(peak),
         }
@@ -216,13 +178,14 @@ class MemoryMonitor:
         import paddle
 
         rec = dict(self.record or {"rank": int(self.topo.rank)})
-        rec["optimizer_bytes"], rec["optimizer"] = optimizer_tensors_bytes(opt)  # end-of-run state
+        rec["optimizer_bytes"], rec["optimizer"] = opt.state_bytes(), "paddle.optimizer.AdamW"  # end-of-run state
         keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
         rec["total_bytes"] = sum(rec.get(k) or 0 for k in keys)  # activations None: not measured
         if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
             rec["peak_bytes"], rec["peak_kind"] = int(paddle.device.cuda.max_memory_allocated()), "max_memory_allocated"
-        else:
-            rec["peak_bytes"], rec["peak_kind"] = peak_host_bytes(), "peak_rss"
+        else:  # Linux reports KiB, macOS bytes
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            rec["peak_bytes"], rec["peak_kind"] = peak, "peak_rss"
         if self.topo.world_size == 1:
             return [rec]
         import paddle.distributed as dist

@@ -1,25 +1,10 @@
 """MoE balancing during training: expert-bias updates, the sequence aux loss's scale, load statistics.
 
-GLM-5.2 routes with ``e_score_correction_bias`` (DeepSeek-V3's auxiliary-loss-free balancing).
-After each optimizer step, every router's bias moves by a fixed rate toward equal load, with
-Megatron-Core's ``moe_router_bias_update_rate`` rule (docs/model.md, "MoE balancing"):
-
-    load   = tokens routed to each expert in this step's global batch (exact integer counts)
-    mean   = sum(load) / E                          (float64)
-    bias  <- fp32(bias + fp32(R) * sign(mean - load))   (sign(0) = 0)
-
-Each token must be counted exactly once, in every layout.  The router runs before expert
-dispatch, on the tokens of its own rank:
-
-* data-parallel and sharding ranks see distinct micro-batches: summed over both;
-* tensor-parallel ranks see the same tokens without sequence parallel (counted on one of them,
-  i.e. not summed) and distinct sequence slices with it: summed over TP;
-* expert-parallel groups re-factor the DP x TP ranks of a stage, so they add nothing;
-* pipeline stages own distinct layers: each rank fills its own layers' rows of one
-  [layers, experts] matrix, zeros elsewhere, and the sum over PP gives every rank all rows.
-
-The reduced counts are integers held in float64 (exact in any order), so every replica of a
-router computes the same update and the biases after N steps are the same bits in every layout.
+The rule (Megatron-Core's ``moe_router_bias_update_rate``: ``bias <- fp32(bias + fp32(R) *
+sign(mean - load))`` after each optimizer step) and what counts each token exactly once in every
+layout are docs/model.md, "MoE balancing".  The reduced counts are integers held in float64 (exact
+in any order), so every replica of a router computes the same update and the biases after N steps
+are the same bits in every layout.
 """
 
 from __future__ import annotations
@@ -74,10 +59,6 @@ class ExpertBalancer:
         global_sequences: int = 1,
         loss_multiplier: float = 1.0,
     ) -> None:
-        if bias_update_rate < 0:
-            raise ValueError(f"--moe-bias-update-rate must be >= 0, got {bias_update_rate}")
-        if aux_loss_coeff < 0:
-            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {aux_loss_coeff}")
         self.topo = topo
         self.rate = float(bias_update_rate)
         self.aux_coeff = float(aux_loss_coeff)

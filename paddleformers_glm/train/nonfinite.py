@@ -1,16 +1,11 @@
 """A training step whose loss or gradients are not finite stops the run before the optimizer
 step (or, with ``--skip-nonfinite-steps N``, is skipped up to N times): weights, optimizer state,
-checkpoints and the export never see a NaN.  Megatron-LM's ``check_for_nan_in_loss_and_grad``
-is the model.
+checkpoints and the export never see a NaN (Megatron-LM's ``check_for_nan_in_loss_and_grad``).
 
-Fast path, every step, every rank: this rank's loss sums (LM, MTP, indexer KL: whatever the
-adapter's loss terms are) are folded into its share of the squared gradient norm before that
-norm's all-reduce (:func:`loss_flag`: 0 when finite, NaN otherwise), so one non-finite value
-anywhere makes the global norm non-finite on every rank, with no collective and no device sync
-of its own.  Slow path, only then: every rank names its non-finite loss terms and its first
-non-finite parameter gradient, the reports are gathered (:func:`gather_json`) and every rank
-raises the same :class:`NonFiniteStep`, whose ``record`` the worker hands to the launcher
-(failure.json).
+Fast path, every step: this rank's loss sums are folded into its share of the squared gradient
+norm before that norm's all-reduce (:func:`loss_flag`), so one non-finite value anywhere makes the
+global norm non-finite on every rank with no collective of its own.  Slow path, only then: every
+rank reports where, the reports are gathered and every rank raises the same :class:`NonFiniteStep`.
 """
 
 from __future__ import annotations

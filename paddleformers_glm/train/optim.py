@@ -19,8 +19,6 @@ The wrapper keeps three things the trainer needs and Paddle's optimizer does not
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import paddle
@@ -63,11 +61,6 @@ def fleet_clips(topo: Any) -> bool:
     return topo.pc.ep == 1 and topo.pc.etp == 1
 
 
-def default_decay(name: str, param: paddle.Tensor) -> bool:
-    """Weight decay on matrices only (norm weights, biases, router bias stay undecayed; Megatron rule)."""
-    return param.ndim >= 2
-
-
 class AdamW:
     """``paddle.optimizer.AdamW`` over named parameters, stepped with given gradients and lr."""
 
@@ -78,14 +71,14 @@ class AdamW:
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        decay: Callable[[str, paddle.Tensor], bool] = default_decay,
         topo: Any = None,
         clip_norm: float = 0.0,
     ) -> None:
         self.params = list(named_params)
         # Fleet's hybrid-parallel clip when its replica rules describe the layout (see fleet_clips)
         self.clips_itself = clip_norm > 0 and fleet_clips(topo)
-        self.decay = {n: bool(decay(n, p)) for n, p in self.params}
+        # weight decay on matrices only (norm weights, biases, router bias stay undecayed; Megatron rule)
+        self.decay = {n: p.ndim >= 2 for n, p in self.params}
         decayed = {p.name for n, p in self.params if self.decay[n]}
         self.opt = paddle.optimizer.AdamW(
             learning_rate=1.0,  # set per step
@@ -104,31 +97,25 @@ class AdamW:
         self.hybrid = None  # fleet.distributed_optimizer's HybridParallelOptimizer (fleet_clips layouts)
         self._sharding_group = None
         self._own = {p.name for _, p in self.params}
-        if fleet_clips(topo):  # wrapped even without clipping: Fleet's pipeline train_batch steps it
+        if fleet_clips(topo) or (topo is not None and topo.sharding_size > 1):
             from paddle.distributed import fleet
             from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
                 DygraphShardingOptimizer,
             )
 
-            # the stock wrapper: it builds the sharding optimizer (as below) and swaps the inner
-            # AdamW's ClipGradByGlobalNorm (when clipping) for HybridParallelClipGrad, which the
-            # update then runs
-            self.hybrid = fleet.distributed_optimizer(self.opt)
-            inner = getattr(self.hybrid, "_inner_opt", None)
+            if fleet_clips(topo):  # wrapped even without clipping: Fleet's pipeline train_batch steps it
+                # the stock wrapper: it builds the sharding optimizer (as below) and swaps the inner
+                # AdamW's ClipGradByGlobalNorm (when clipping) for HybridParallelClipGrad, which the
+                # update then runs
+                self.hybrid = fleet.distributed_optimizer(self.opt)
+                inner = getattr(self.hybrid, "_inner_opt", None)
+            else:
+                # Fleet partitions the parameters over the sharding ranks (largest first, greedy) and
+                # narrows the inner AdamW to this rank's part: only that part gets moments / masters
+                inner = DygraphShardingOptimizer(self.opt, topo.hcg)
             if isinstance(inner, DygraphShardingOptimizer):
-                self.sharding = inner
-                self._sharding_group = topo.sharding_group
-                self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
-        elif topo is not None and topo.sharding_size > 1:
-            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
-                DygraphShardingOptimizer,
-            )
-
-            # Fleet partitions the parameters over the sharding ranks (largest first, greedy) and
-            # narrows the inner AdamW to this rank's part: only that part gets moments / masters
-            self.sharding = DygraphShardingOptimizer(self.opt, topo.hcg)
-            self._sharding_group = topo.sharding_group
-            self._own = {p.name for p in self.sharding._rank2params[topo.sharding_rank]}
+                self.sharding, self._sharding_group = inner, topo.sharding_group
+                self._own = {p.name for p in inner._rank2params[topo.sharding_rank]}
 
     @property
     def clip_name(self) -> str:
@@ -174,11 +161,8 @@ class AdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (moments, beta powers, master weights)."""
-        total = 0
-        for table in getattr(self.opt, "_accumulators", {}).values():
-            total += sum(int(t.size) * t.element_size() for t in table.values())
-        total += sum(int(t.size) * t.element_size() for t in self.master.values())
-        return total
+        acc = [t for table in getattr(self.opt, "_accumulators", {}).values() for t in table.values()]
+        return sum(int(t.size) * t.element_size() for t in [*acc, *self.master.values()])
 
     @paddle.no_grad()
     def step(self, grads: dict[str, paddle.Tensor], has_grad: dict[str, bool], lr: float) -> None:
@@ -252,11 +236,3 @@ class AdamW:
         """Create every accumulator and master weight now (Paddle does it lazily on the first step); restoring state needs them first."""
         block = paddle.static.default_main_program().global_block()
         self.opt._create_accumulators(block, [p for _, p in self.params if p.name in self._own])
-
-    @staticmethod
-    def bias_correction_step(state: dict[str, paddle.Tensor], beta1: float) -> int:
-        """The updates a parameter has taken, from its beta1 power accumulator (for logs and checks):
-        Paddle's AdamW starts it at beta1 and multiplies it by beta1 after each update, so after t
-        updates it holds beta1^(t + 1), the power the next update divides by."""
-        b1p = float(state["beta1_pow_acc"].numpy().reshape([-1])[0])
-        return int(round(math.log(b1p) / math.log(beta1))) - 1

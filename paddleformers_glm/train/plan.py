@@ -1,16 +1,11 @@
 """``glm52 plan``: what one rank of a parallel layout holds, before any GPU is touched.
 
-Parameters, gradients and optimizer state come from the code that builds the model: for each
-(tp, ep, etp, sp, dtype) the planner constructs one stage of the model under ``paddle.LazyGuard`` (no
-weight is allocated) holding the embedding, the head, one decoder layer of every distinct kind
-(dense / MoE x full / shared indexer) and the MTP layers, under a :class:`Topology` that has the
-layout's sizes and rank coordinates but no process group (layers only read sizes and ranks while
-they are built).  A stage of the real run is the sum of its parts (layers of one kind have
-identical parameters), and the accounting is :func:`train.memory.state_bytes`, the rule the
-trainer's measured numbers are compared with.
-
-Activations are an estimate (:func:`activation_bytes`, formula in docs/scale.md), checked against
-the bytes the autograd graph really saves for a tiny model.
+Parameters, gradients and optimizer state come from the code that builds the model: one probe
+stage per (tp, ep, etp, sp, dtype), built under ``paddle.LazyGuard`` with a process-group-free
+:class:`Topology`, holding one decoder layer of every distinct kind; a stage of the real run is the
+sum of its parts, accounted by :func:`train.memory.state_bytes`, the rule the trainer's measured
+numbers are compared with.  Activations are an estimate (:func:`activation_bytes`).  Method,
+formulas and measurements: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -116,7 +111,7 @@ class LayerCounts:
             from .memory import state_bytes
 
             params = self.part(key)
-            items = state_items(config, params)
+            items = state_items(params)
             expert = [it for it, (name, *_) in zip(items, params) if _is_expert(name)]
             self.memo[("totals", key)] = state_bytes(items) | {
                 "expert_optimizer_bytes": state_bytes(expert)["optimizer_bytes"],
@@ -142,6 +137,7 @@ def _layer_key(config: Any, i: int) -> Any:
 
 
 _CACHE: dict[tuple, LayerCounts] = {}
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's local index
 
 
 def layer_counts(config: Any, lay: Layout) -> LayerCounts:
@@ -166,10 +162,10 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
         parts = {}
         for part, items in base.parts.items():
             parts[part] = [
-                (name, n, d, tr, full * lay.ep if idx is not None else full)
+                (name, n, d, tr, full * lay.ep if m else full)
                 for name, n, d, tr, full in items
-                for idx in [_expert_index(name)]
-                if idx is None or idx < keep
+                for m in [_EXPERT_INDEX.search(name)]
+                if m is None or int(m.group(1)) < keep
             ]
         _CACHE[key] = LayerCounts(parts)
         return _CACHE[key]
@@ -204,15 +200,6 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     return out
 
 
-_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")
-
-
-def _expert_index(name: str) -> int | None:
-    """The routed expert a parameter belongs to (its local index), None for any other parameter."""
-    m = _EXPERT_INDEX.search(name)
-    return int(m.group(1)) if m else None
-
-
 def _stage_parts(config: Any, spec: Any) -> Counter:
     """How many times each part (embedding, layer kind, head) a stage holds."""
     L = config.num_hidden_layers
@@ -243,18 +230,10 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
     return out
 
 
-def state_items(
-    config: Any, params: list[tuple[str, int, str, bool, int]], *, stepped_only: bool = False
-) -> list[tuple[int, str, bool, bool]]:
-    """``(numel, dtype, trainable, has_state)`` for :func:`train.memory.state_bytes`.
-
-    The trainer creates Paddle AdamW's accumulators for every trainable parameter it owns before
-    the first step, so every trainable parameter has state.  ``stepped_only`` describes an
-    optimizer that creates state lazily for parameters that receive a gradient: without the
-    indexer KL loss (``indexer_loss_coeff`` 0) the indexer's top-k selection passes none, so its
-    parameters would have no state."""
-    frozen_indexer = stepped_only and not float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0
-    return [(n, d, tr, tr and not (frozen_indexer and ".indexer." in name)) for name, n, d, tr, _ in params]
+def state_items(params: list[tuple[str, int, str, bool, int]]) -> list[tuple[int, str, bool]]:
+    """``(numel, dtype, trainable)`` for :func:`train.memory.state_bytes`: the trainer creates Paddle
+    AdamW's accumulators for every trainable parameter it owns before the first step."""
+    return [(n, d, tr) for _, n, d, tr, _ in params]
 
 
 def total_params(config: Any, lay: Layout) -> int:
@@ -397,16 +376,6 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
 
 
 # --------------------------------------------------------------------------- the plan
-def _load_config(model: str) -> Any:
-    from ..cli._common import model_folder_error
-    from ..configuration import GlmMoeDsaConfig
-
-    bad = model_folder_error(model)
-    if bad:
-        raise FileNotFoundError(bad)
-    return GlmMoeDsaConfig.from_pretrained(model)
-
-
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
     from ..parallel.topology import ParallelConfigError
@@ -447,7 +416,7 @@ def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_
     state for its own tensors only, and at stage 2 only their fp32 gradients."""
     from .memory import fleet_sharding_partition, state_bytes
 
-    items = state_items(config, params)
+    items = state_items(params)
     trainable = [i for i, it in enumerate(items) if it[2]]
     part = fleet_sharding_partition([items[i][0] for i in trainable], lay.sharding)
     owned = {trainable[j] for j in part[sharding_rank]}
@@ -567,13 +536,6 @@ def plan_layout(
     }
 
 
-def comm_cost(config: Any, lay: Layout) -> float:
-    """Per-rank bytes one micro-batch moves over TP, EP and PP (``plan_cost.comm_parts``)."""
-    from .plan_cost import comm_parts
-
-    return sum(comm_parts(config, lay).values())
-
-
 def search_layouts(
     config: Any,
     gpus: int,
@@ -588,7 +550,7 @@ def search_layouts(
     bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute.
     ``progress(line)`` is told after each tensor-parallel size how far the search is."""
     from ..parallel.topology import ParallelConfigError
-    from .plan_cost import step_estimate
+    from .plan_cost import comm_parts, step_estimate
 
     def pow2(n: int) -> list[int]:
         return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
@@ -641,7 +603,7 @@ def search_layouts(
                                     "layout": lay.describe(),
                                     "flags": lay.flags(),
                                     "max_rank_gib": p["max_rank_bytes"] / GiB,
-                                    "comm_bytes": comm_cost(config, lay),
+                                    "comm_bytes": sum(comm_parts(config, lay).values()),  # per micro-batch
                                     "micro_batches": micro,
                                     **est,
                                     "recompute_rank": ("none", "core", "full").index(rc),
@@ -696,7 +658,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if note:
         print(f"glm52 plan: note: {note}", file=sys.stderr)
     try:
-        config = _load_config(args.model)
+        from ..configuration import GlmMoeDsaConfig
+
+        config = GlmMoeDsaConfig.from_pretrained(args.model)
         lay = Layout(**{f.name: getattr(args, f.name) for f in fields(Layout)})  # the flags by name
         if args.search:
             if not args.gpus:
@@ -704,16 +668,11 @@ def run_plan(args: argparse.Namespace) -> int:
             from .plan_cost import Hardware
 
             hw = Hardware(args.gpu_tflops * 1e12, args.tp_bw_gbs * 1e9, args.net_bw_gbs * 1e9)
-            found = search_layouts(
-                config,
-                args.gpus,
-                lay,
-                args.gpu_mem_gb,
-                args.reserve_gb,
-                args.top,
-                hw,
-                progress=lambda line: print(f"[glm52 plan] {line}", file=sys.stderr, flush=True),
-            )
+
+            def say(line: str) -> None:
+                print(f"[glm52 plan] {line}", file=sys.stderr, flush=True)
+
+            found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top, hw, progress=say)
             print(
                 f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, least estimated time per token first:"
             )
@@ -746,7 +705,6 @@ def run_plan(args: argparse.Namespace) -> int:
 # flags both commands have, whose defaults differ: plan's describe a production run; a glm52 train
 # command line planned as it is keeps the trainer's
 _PLAN_DEFAULTS = {"seq_len": 4096, "global_batch_size": 0, "dtype": "bfloat16"}
-_TRAIN_ONLY_PREFIX = "train_only_"
 
 
 def _train_line_note(args: argparse.Namespace) -> str | None:
@@ -848,12 +806,7 @@ def _accept_train_flags(p: argparse.ArgumentParser) -> None:
         if not a.option_strings or any(s in ours for s in a.option_strings):
             continue
         extra = copy.copy(a)
-        extra.dest, extra.required, extra.default, extra.help = (
-            _TRAIN_ONLY_PREFIX + a.dest,
-            False,
-            None,
-            argparse.SUPPRESS,
-        )
+        extra.dest, extra.required, extra.default, extra.help = "train_only_" + a.dest, False, None, argparse.SUPPRESS
         p._add_action(extra)
         seen[extra.dest] = a.option_strings[0]
     p.set_defaults(_train_only_flags=seen)

@@ -1,16 +1,9 @@
 """How ``glm52 plan --search`` orders the layouts that fit: an estimated training time per token.
 
 Memory decides whether a layout fits; among those that fit, the ranking must weigh what each
-parallel dimension costs in time.  Pipeline parallelism sends little data but idles ranks (the
-bubble), tensor and expert parallelism move activations every layer, data parallelism reduces
-gradients once a step.  One step of a 1F1B pipeline with ``m`` micro-batches per pipeline and
-``v`` virtual chunks per rank takes ``(m + (pp - 1) / v)`` micro-batch slots, so its bubble
-fraction is ``(pp - 1) / (v * m)``; each slot costs one micro-batch's forward and backward on one
-stage (compute plus the communication it waits for); the gradient reduction comes on top.
-Dividing by the tokens of the step gives seconds per token, comparable between layouts with
-different global batches.  The formula and its constants are in docs/scale.md; it is a model to
-rank layouts, not a prediction of wall time (no overlap of communication with compute is assumed,
-attention's quadratic term and kernel efficiency differences are ignored).
+parallel dimension costs in time (the pipeline bubble, the activations tensor and expert parallelism
+move every layer, the gradient reduction).  The formula and its constants are in docs/scale.md; it is
+a model to rank layouts, not a prediction of wall time.
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ def comm_parts(config: Any, lay: Any) -> dict[str, float]:
     at a stage boundary), ``cp`` (context parallel: each layer's latent rows all-gathered and their
     gradients reduce-scattered, the indexer keys all-gathered).  Token counts are the rank's own
     (its sequence slice under context parallel)."""
-    a = 2  # bf16 activations on the wire
-    cp = getattr(lay, "cp", 1)
+    a, cp = 2, lay.cp  # bf16 activations on the wire
     sb, h, L = lay.seq_len // cp * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
     per_stage = L / lay.pp
     tp = 4 * sb * h * a * (lay.tp - 1) / lay.tp * per_stage
@@ -77,15 +69,13 @@ def step_estimate(
     (edp = tp x dp x cp / (ep x etp))."""
     hw = hw or Hardware()
     tokens_mb = lay.seq_len * lay.micro_batch_size  # one micro-batch's tokens (all cp ranks together)
-    local_mb = tokens_mb / getattr(lay, "cp", 1)  # the share one rank computes
+    local_mb = tokens_mb / lay.cp  # the share one rank computes
     refactor = 4 / 3 if lay.recompute == "full" else 1.0  # full recompute: one more forward (2 of 6 FLOPs)
     compute = 6 * active * local_mb * refactor / (lay.tp * lay.pp) / hw.flops
     parts = comm_parts(config, lay)
     comm = parts["tp"] / hw.tp_bw + (parts["ep"] + parts["pp"] + parts["cp"]) / hw.net_bw
     r = lay.dp * lay.sharding
-    cp = getattr(lay, "cp", 1)
-    r_dense = r * cp
-    r_expert = lay.tp * lay.dp * cp // (lay.ep * getattr(lay, "etp", 1)) * lay.sharding
+    r_dense, r_expert = r * lay.cp, lay.edp * lay.sharding
     # fp32 gradients, ring all-reduce: 2 (R - 1) / R of the buffer per rank
     ring = [(2 * (n - 1) / n, k) for n, k in ((r_dense, grad_params - expert_params), (r_expert, expert_params))]
     dp = sum(f * k for f, k in ring) * 4 / hw.net_bw

@@ -1,15 +1,10 @@
-"""Resume state: model / optimizer / RNG state plus run metadata, saved atomically.
+"""Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata
+(file formats: state_files.py; weights in a release layout are paddleformers_glm/checkpoint/).
 
-(Model weights in a release layout are paddleformers_glm/checkpoint/; this is the trainer's own
-state for ``--save-every`` / ``--resume``.)
-
-Layout (file formats in state_files.py: safetensors + JSON, nothing unpickled but Paddle's
-flex metadata, and that through an allow-list): ``ROOT/step_00000004/{meta.json,
-rank_00000.safetensors, rank_00000.json, ..., flex/}`` and ``ROOT/latest`` naming the newest
-complete step.  Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes
-meta.json and renames the folder, so a crash never leaves a half checkpoint under a final name.
-The data position is the step number (data.py addresses batches by step), and the learning rate a
-pure function of the step.  Multi-node: ROOT must be on a filesystem every node sees.
+Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes meta.json and
+renames the folder, so a crash never leaves a half checkpoint under a final name.  The data
+position is the step number and the learning rate a pure function of the step.  Multi-node: ROOT
+must be on a filesystem every node sees.
 
 Two copies of the same state are written:
 
@@ -99,11 +94,9 @@ def save_resume_state(
     return final
 
 
-def _to_paddle(arr: np.ndarray, st_dtype: str, like: paddle.Tensor) -> paddle.Tensor:
-    """A stored array as a tensor of ``like``'s dtype (bf16 widened exactly through fp32)."""
-    if st_dtype == "BF16":
-        arr = bf16_bits_to_float32(arr)
-    return paddle.to_tensor(np.array(arr)).astype(like.dtype)
+def _to_paddle(arr: np.ndarray, st_dtype: str) -> paddle.Tensor:
+    """A stored array as a tensor (bf16 widened exactly to fp32)."""
+    return paddle.to_tensor(np.array(bf16_bits_to_float32(arr) if st_dtype == "BF16" else arr))
 
 
 def load_resume_state(
@@ -150,7 +143,7 @@ def load_resume_state(
             info = tensors[f"model/{k}"]
             if list(info.shape) != [int(d) for d in t.shape]:
                 raise ResumeStateError(f"{file}: `model/{k}` has shape {list(info.shape)}, this model {list(t.shape)}")
-            t.set_value(_to_paddle(reader.numpy(info.key), info.dtype, t))
+            t.set_value(_to_paddle(reader.numpy(info.key), info.dtype).astype(t.dtype))
         opt: dict[str, dict[str, paddle.Tensor]] = {}
         for key, info in tensors.items():
             if key.startswith("model/"):
@@ -158,10 +151,7 @@ def load_resume_state(
             parts = key.split("/")
             if len(parts) != 3 or parts[0] != "optimizer":
                 raise ResumeStateError(f"{file}: unexpected tensor {key!r} (model/<name> or optimizer/<name>/<kind>)")
-            arr = reader.numpy(key)
-            opt.setdefault(parts[1], {})[parts[2]] = paddle.to_tensor(
-                np.array(bf16_bits_to_float32(arr) if info.dtype == "BF16" else arr)
-            )
+            opt.setdefault(parts[1], {})[parts[2]] = _to_paddle(reader.numpy(key), info.dtype)
         if new_stage:  # another stage's trained set: keep the state of what this run trains
             opt = {n: st for n, st in opt.items() if n in trained}
         try:

@@ -1,32 +1,18 @@
 """The files of a resume state, read as data and never as code.
 
 A resume folder comes from disk, and a file that deserialises into code (a pickle) would run
-whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors)
-plus JSON (everything else), and nothing in this module unpickles a file outside an allow-list.
+whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors,
+read by the strict reader of checkpoint/safetensors_io.py) plus JSON (everything else: ``meta.json``,
+each rank's RNG states in ``rank_N.json``, ``latest``); the layout is docs/parallel.md, "Checkpoints".
 
-``ROOT/step_00000004/``
-  * ``meta.json``: ``format``, ``step``, ``world_size``, the run's layout (``profile``), its loss
-    history, seed and settings, the parameters with optimizer state (``flex.stepped``).  The learning
-    rate is a pure function of the step and the settings, the data position is the step.
-  * ``rank_00000.safetensors``: that rank's model tensors (``model/<name>``) and optimizer state
-    (``optimizer/<name>/<kind>``: AdamW moments, beta powers, fp32 ``master`` weights), read by the
-    strict reader of checkpoint/safetensors_io.py (every header checked, nothing beyond the data).
-  * ``rank_00000.json``: ``format``, ``rank`` and the RNG states (Paddle's generator state, numpy's
-    MT19937 keys, Python's ``random`` state) as plain JSON numbers and strings.
-  * ``flex/``: Paddle's flex-checkpoint, written with ``safetensors=True`` (tensor files
-    ``<rank>_<id>.safetensors``) plus Paddle's own ``<id>.metadata``, which *is* a pickle (of
-    ``Metadata`` / ``LocalTensorMetadata`` / ``LocalTensorIndex``), and which Paddle's
-    ``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
-    found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (those three
-    classes and the pickle protocol's own containers, nothing else, as ``torch.load(weights_only=True)``
-    does), checks every field's type and every file name it points at, and
-    :func:`validated_flex_folder` gives Paddle a private folder holding that validated object
-    re-saved plus links to the tensor files.
-* ``ROOT/latest``: the name of the newest complete step folder (``step_00000004``), and nothing
-  else: an absolute path, ``..``, a link, a name leaving the root or a missing folder is refused.
-
-Resume states of the earlier pickle format (``rank_*.pdstate``, ``*.pdstate.rng``, ``flex/*.distcp``)
-are refused by name: they cannot be read without unpickling them.
+The one pickle is ``flex/<id>.metadata``, Paddle's flex-checkpoint metadata, which Paddle's
+``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
+found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (its three
+classes and the pickle protocol's own containers, as ``torch.load(weights_only=True)`` does),
+checks every field's type and every file name it points at, and :func:`validated_flex_folder`
+gives Paddle a private folder holding that validated object re-saved plus links to the tensor
+files.  ``latest`` may name only a step folder inside the root; resume states of the earlier
+pickle format (``rank_*.pdstate``, ``flex/*.distcp``) are refused by name.
 """
 
 from __future__ import annotations
@@ -179,24 +165,13 @@ def read_meta(folder: str) -> dict[str, Any]:
     _require(isinstance(meta.get("profile"), dict), file, "profile", "an object", meta.get("profile"))
     flex = meta.get("flex")
     stepped = flex.get("stepped") if isinstance(flex, dict) else None
-    _require(
-        isinstance(stepped, list) and all(isinstance(s, str) for s in stepped),
-        file,
-        "flex.stepped",
-        "a list of parameter names",
-        stepped,
-    )
+    ok = isinstance(stepped, list) and all(isinstance(s, str) for s in stepped)
+    _require(ok, file, "flex.stepped", "a list of parameter names", stepped)
     history = meta.get("history", {})
-    _require(
-        isinstance(history, dict)
-        and all(
-            isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
-        ),
-        file,
-        "history",
-        "an object of number lists",
-        history,
+    ok = isinstance(history, dict) and all(
+        isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
     )
+    _require(ok, file, "history", "an object of number lists", history)
     return meta
 
 
@@ -216,20 +191,10 @@ def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
     """(step folder, meta.json) after checking every file of the state: meta.json, each rank's JSON
     and safetensors header, the flex-checkpoint metadata (restricted unpickling) and its tensor
     files' headers.  Nothing is loaded into a model; the launcher calls it before any worker starts."""
-    from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.safetensors_io import parse_header
-
     folder = resolve_resume_state(path)
     meta = read_meta(folder)
     for rank in range(meta["world_size"]):
-        st_file, json_file = rank_files(folder, rank)
-        _read_rank_json(json_file, rank)
-        if not os.path.isfile(st_file):
-            raise ResumeStateError(f"{st_file}: missing (rank {rank} of the {meta['world_size']} that saved)")
-        try:
-            parse_header(st_file)
-        except CheckpointError as e:
-            raise ResumeStateError(f"{st_file}: {e}") from e
+        read_rank_state(folder, rank)  # the JSON and the safetensors header (nothing mapped yet)
     read_flex_metadata(os.path.join(folder, FLEX_DIR))
     return folder, meta
 
@@ -440,33 +405,22 @@ def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
             and (idx.local_shape is None or _int_tuple(idx.local_shape))
         )
         _require(ok, file, "storage_metadata", "LocalTensorIndex keys", idx)
-        _require(
-            isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None,
-            file,
-            f"storage_metadata[{idx.tensor_key!r}]",
-            "a tensor file name <rank>_<id>.safetensors in the same folder",
-            name,
-        )
+        ok = isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None
+        where = f"storage_metadata[{idx.tensor_key!r}]"
+        _require(ok, file, where, "a tensor file name <rank>_<id>.safetensors in the same folder", name)
         path = os.path.join(folder, name)
         if os.path.islink(path) or not os.path.isfile(path):
             raise ResumeStateError(
                 f"{file}: tensor {idx.tensor_key!r} is stored in {name}, which is not a file in {folder}"
             )
         files.add(name)
-    _require(
-        flat is None
-        or (
-            isinstance(flat, dict)
-            and all(
-                isinstance(k, str) and isinstance(v, tuple) and all(isinstance(s, str) for s in v)
-                for k, v in flat.items()
-            )
-        ),
-        file,
-        "flat_mapping",
-        "a dict of string tuples",
-        flat,
+    ok = flat is None or (
+        isinstance(flat, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, tuple) and all(isinstance(s, str) for s in v) for k, v in flat.items()
+        )
     )
+    _require(ok, file, "flat_mapping", "a dict of string tuples", flat)
     return sorted(files)
 
 

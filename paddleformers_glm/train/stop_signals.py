@@ -20,7 +20,7 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "StopListener", "listen", "process_name", "stop_text"]
+__all__ = ["STOP_SIGNALS", "StopListener", "listen", "process_name", "shorten", "stop_text"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -32,7 +32,12 @@ def process_name(pid: int) -> str:
             text = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
     except OSError:
         return ""
-    return text if len(text) <= 185 else f"{text[:120]} ... {text[-60:]}"
+    return shorten(text, 120, 60)
+
+
+def shorten(text: str, head: int = 300, tail: int = 500) -> str:
+    """Head and tail of a long text (a message: the head names the failing op, the tail the last frames)."""
+    return text if len(text) <= head + tail + 5 else f"{text[:head]} ... {text[-tail:]}"
 
 
 def stop_text(signum: int, sender: int | None, target: str) -> str:

@@ -1,16 +1,10 @@
 """Entry point of one launched training process: ``worker.py --config RUN.json``.
 
-Records its own life for the launcher (job_status.py): ``rank<N>.pid`` at start, heartbeats while
-training, then ``rank<N>.ok``, ``rank<N>.error.json`` (the exception, plus a snapshot of its
-peers taken before anything is torn down) or ``rank<N>.signal.json`` (ended by a signal or by
-its watchdog), then leaves with ``os._exit`` so no gloo/NCCL destructor can hang the process
-after a peer died.
-
-Its lifetime is the job's: SIGKILL when Paddle's launcher (its parent) dies (lifeline.py), a
-watchdog thread that ends it when the glm52 launcher is gone or the job's deadline
-(``--job-timeout``) has passed unanswered, and SIGTERM / SIGINT / SIGHUP taken by a thread of
-their own (``sigwaitinfo``), so the record names the sender even while the main thread waits in
-a collective.
+Records its own life for the launcher (job_status.py) and leaves with ``os._exit`` so no
+gloo/NCCL destructor can hang the process after a peer died.  Its lifetime is the job's
+(docs/failure-modes.md): SIGKILL when Paddle's launcher dies (lifeline.py), a watchdog for the
+glm52 launcher and the job deadline, and the stop signals taken by a thread of their own
+(``sigwaitinfo``), so the record names the sender even while the main thread waits in a collective.
 """
 
 from __future__ import annotations
@@ -36,29 +30,13 @@ from paddleformers_glm.train.job_status import (
     write_record,
 )
 from paddleformers_glm.train.lifeline import tie_to_parent
-from paddleformers_glm.train.stop_signals import STOP_SIGNALS, process_name
+from paddleformers_glm.train.stop_signals import STOP_SIGNALS, process_name, shorten
 
 # past the job deadline the launcher stops the job itself; the worker acts only if it did not
 DEADLINE_GRACE_S = 15.0
 # after a communication error, how long the peers' snapshot waits for a dying peer to show as exited
 # (Paddle's launcher kills the survivors >= 3.6 s after it sees a worker exit)
 PEER_SETTLE_S = 2.0
-
-
-def _shorten(text: str, head: int = 300, tail: int = 500) -> str:
-    """Head and tail of a long message: the head names the failing op, the tail the last frames."""
-    if len(text) <= head + tail + 5:
-        return text
-    return f"{text[:head]} ... {text[-tail:]}"
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (/proc stat field 22): tells a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 class WorkerLife:
@@ -70,7 +48,7 @@ class WorkerLife:
         self._lock = threading.Lock()
         launcher = os.environ.get(ENV_LAUNCHER_PID)
         self.launcher_pid = int(launcher) if launcher else None
-        self.launcher_start = _start_time(self.launcher_pid) if self.launcher_pid else None
+        self.launcher_start = proc_state(self.launcher_pid, 19) if self.launcher_pid else None
         deadline = os.environ.get(ENV_DEADLINE)
         self.deadline = float(deadline) if deadline else None
 
@@ -102,13 +80,11 @@ class WorkerLife:
             return False
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's: a reused pid
+        except (ProcessLookupError, PermissionError):  # gone, or alive but another user's: a reused pid
             return True
         if proc_state(pid) == "Z":
             return True
-        return self.launcher_start is not None and _start_time(pid) != self.launcher_start
+        return self.launcher_start is not None and proc_state(pid, 19) != self.launcher_start
 
     def _watch(self) -> None:
         while True:
@@ -157,7 +133,7 @@ class WorkerLife:
         self._lock.acquire(timeout=5.0)
         tb = traceback.format_exc()
         msg = str(e).strip().splitlines()
-        text = _shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
+        text = shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
         comm = is_comm_error(f"{type(e).__name__} {e} {tb}")  # the whole text: gloo puts TIMEOUT first
         record = {
             "rank": self.rank,
