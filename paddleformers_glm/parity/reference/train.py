@@ -80,24 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def read_checkpoint(model_dir: str) -> dict:
-    """Every tensor of the official-layout checkpoint as fp32 torch tensors (tiny models only)."""
+    """Every tensor of the official-layout checkpoint as fp32 torch tensors (tiny models only),
+    read through the same validating reader the Paddle loader uses (bf16 widened bit-exactly)."""
     import torch
-    from safetensors import safe_open
 
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no .safetensors files")
-    state = {}
-    for name in files:
-        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-            for k in f.keys():
-                state[k] = f.get_tensor(k).to(torch.float32)
-    return state
+    from ...checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
+
+    with Checkpoint(model_dir, strict=False) as ckpt:
+        return {
+            k: torch.from_numpy(bf16_bits_to_float32(a) if i.dtype == "BF16" else a.astype("float32"))
+            for k, i in ckpt.tensors.items()
+            for a in [ckpt.numpy(k)]
+        }
 
 
 def _layer_state(state: dict, prefix: str, num_experts: int, drop_indexer: bool) -> dict:
