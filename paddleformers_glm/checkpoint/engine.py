@@ -168,20 +168,7 @@ def advise_huge_pages(arr: np.ndarray) -> bool:
 
 
 _NUMPY_OF = {"bfloat16": np.uint16, "float32": np.float32, "float16": np.float16, "float64": np.float64}
-_EXACT_CASTS = {
-    ("bfloat16", "float32"),
-    ("bfloat16", "float64"),
-    ("float16", "float32"),
-    ("float16", "float64"),
-    ("float32", "float64"),
-}
-
-
-def _convert(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """Exact (widening) casts in numpy; bf16 arrives as uint16 bits and widens by a bit shift."""
-    if src == "bfloat16":
-        arr = bf16_bits_to_float32(arr)
-    return arr.astype(np.float64 if dst == "float64" else np.float32, copy=False)
+_WIDTH = {"bfloat16": 1, "float16": 1, "float32": 2, "float64": 3}  # a cast to a wider float is exact
 
 
 def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str] | None, dst: np.ndarray) -> bool:
@@ -201,7 +188,7 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
             perm = [perm[i] for i in p]
         else:
             dtype = str(pp)
-    if dtype != src_dtype and (src_dtype, dtype) not in _EXACT_CASTS:
+    if dtype != src_dtype and not _WIDTH.get(src_dtype, 9) < _WIDTH.get(dtype, 0):
         return False
     if tuple(src.shape[i] for i in perm) != dst.shape or dst.dtype != _NUMPY_OF.get(dtype):
         return False
@@ -215,7 +202,9 @@ def apply_entry_numpy(src: np.ndarray, src_dtype: str, postprocess: Sequence[str
     def put(region: tuple[slice, ...] | Any, a: np.ndarray) -> None:
         if zero:  # block by block, so the block is still in cache when its high halves land
             dst[region] = 0
-        out[region] = a if conv is None else _convert(a, src_dtype, conv)
+        if conv is not None:  # bf16 arrives as uint16 bits and widens by a bit shift
+            a = (bf16_bits_to_float32(a) if src_dtype == "bfloat16" else a).astype(_NUMPY_OF[conv], copy=False)
+        out[region] = a
 
     if src.ndim == 2 and perm == [1, 0] and (conv is None or zero):
         from ..ops.transpose import transpose_into  # compiled tiled transpose; False -> numpy below
@@ -354,7 +343,7 @@ def run_units(
     target with ``tensor`` set is filled in place (its local slice); otherwise a new tensor of its
     local shape is made. Every element of every target must be written by some engine entry,
     else :class:`CheckpointError` names the target. ``trace``, when given, receives per target the
-    source keys the engine used and whether it transposed or cast (for classifying differences).
+    source keys the engine used and whether it transposed (for classifying differences).
 
     ``plan_cache``: one engine plan per unit program up to key names (:func:`_planner_for`);
     without it, one engine per layer with the real names.
@@ -439,7 +428,6 @@ def _fill_target(
         trace[key] = {
             "sources": sorted({m.source_slice.key for m in mappings}),
             "transposed": any(str(p).startswith("[") for p in pp),
-            "cast": any(not str(p).startswith("[") for p in pp),
         }
     out_np = numpy_view(out)
     if out_np is not None:
