@@ -481,20 +481,16 @@ class Checkpoint(_Closing):
         for (stem, n), ks in series.items():
             missing = sorted(set(range(1, n + 1)) - ks)
             if missing:
-                names_missing = [shard_file_name(k, n, stem) for k in missing]
-                first = os.path.join(self.folder, names_missing[0])
-                if os.path.exists(first):
-                    raise CheckpointError(
-                        f"shard(s) {names_missing[:4]} are in the folder but not named by {os.path.basename(where)}",
-                        file=first,
-                        expected=f"{n} shards named",
-                        actual=f"{len(ks)} named",
-                    )
+                some = [shard_file_name(k, n, stem) for k in missing[:4]]
+                first = os.path.join(self.folder, some[0])
+                there = os.path.exists(first)  # in the folder, but the index (or listing) does not name it
                 raise CheckpointError(
-                    f"missing shard(s) {names_missing[:4]}",
+                    f"shard(s) {some} are in the folder but not named by {os.path.basename(where)}"
+                    if there
+                    else f"missing shard(s) {some}",
                     file=first,
-                    expected=f"{n} shards",
-                    actual=f"{len(ks)} shards",
+                    expected=f"{n} shards named" if there else f"{n} shards",
+                    actual=f"{len(ks)} {'named' if there else 'shards'}",
                 )
             if any(k > n or k < 1 for k in ks):
                 raise CheckpointError(
