@@ -331,28 +331,20 @@ def load_pretrained_state(
             raise ValueError(f"unknown backend {backend!r}; expected 'engine' or 'paddle'")
         # seeded by key name: two loads of the same file give the same model
         init_like_hf({k: state[k] for k in sorted(absent_mtp & want)}, cfg.initializer_range, seeded=True)
-        if mtp_init:
-            _init_missing_mtp(state, mtp_init, n_mtp_src, cfg, path, report)
+        if mtp_init:  # no MTP tensor at all: initialised as HF initialises missing weights, said once
+            init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
+            report.initialized = mtp_init
+            msg = (
+                f"{path} has no MTP weights (the {n_mtp_src} tensors of model.layers."
+                f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
+                f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
+                f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
+                "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
+            )
+            logger.warning(msg)
+            report.warnings.append(msg)
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def _init_missing_mtp(
-    state: Mapping[str, Any], mtp_init: list[str], n_src: int, cfg: Any, path: str, report: LoadReport
-) -> None:
-    """Initialise the MTP layer of a checkpoint that has none of its tensors as HF initialises
-    missing weights, and say so (one logged warning, also in the report)."""
-    init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
-    report.initialized = mtp_init
-    msg = (
-        f"{path} has no MTP weights (the {n_src} tensors of model.layers."
-        f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
-        f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
-        f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
-        "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
-    )
-    logger.warning(msg)
-    report.warnings.append(msg)
 
 
 def _wanted_keys(
