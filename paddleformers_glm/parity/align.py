@@ -479,11 +479,9 @@ def run_align(args: argparse.Namespace) -> int:
         from ..checkpoint.safetensors_io import Checkpoint
         from .ckpt_check import tensor_hash
 
-        ck = Checkpoint(args.model, strict=True)
-        verdict["model"]["canonical_hash"] = checkpoint_hash(
-            {k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()}
-        )
-        ck.close()
+        with Checkpoint(args.model, strict=True) as ck:
+            model_hashes = {k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()}
+        verdict["model"]["canonical_hash"] = checkpoint_hash(model_hashes)
     except Exception as e:  # noqa: BLE001 - recorded, not fatal: the file hashes are there
         verdict["model"]["canonical_hash"] = f"unavailable: {e}"
     ok = all(c["pass"] for c in comps.values())
