@@ -31,7 +31,7 @@ import numpy as np
 from .. import progress
 from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
-from .safetensors_io import ST_DTYPES, Checkpoint, bf16_bits_to_float32, st_to_paddle_dtype, to_paddle
+from .safetensors_io import ST_DTYPES, Checkpoint, bf16_bits_to_float32, dtype_name, st_to_paddle_dtype, to_paddle
 
 __all__ = [
     "CheckpointSource",
@@ -40,11 +40,6 @@ __all__ = [
     "run_units",
     "dtype_name",
 ]
-
-
-def dtype_name(dtype: Any) -> str:
-    """``paddle.float32`` / ``"float32"`` / numpy dtype -> ``"float32"``."""
-    return str(dtype).replace("paddle.", "")
 
 
 # A source (where source tensors come from) has ``meta(key) -> (shape, dtype)``, ``read_numpy(key,

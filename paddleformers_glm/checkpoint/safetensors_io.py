@@ -74,6 +74,11 @@ _PADDLE_TO_ST = {p: s for s, (_, _, p) in ST_DTYPES.items() if p is not None}
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 
 
+def dtype_name(dtype: Any) -> str:
+    """``paddle.float32`` / ``"float32"`` / numpy dtype -> ``"float32"``."""
+    return str(dtype).replace("paddle.", "")
+
+
 def st_to_paddle_dtype(st_dtype: str) -> str:
     """Paddle dtype name of a safetensors dtype (e.g. ``BF16 -> bfloat16``)."""
     p = ST_DTYPES[st_dtype][2]
@@ -86,7 +91,7 @@ def st_to_paddle_dtype(st_dtype: str) -> str:
 
 def paddle_to_st_dtype(dtype: Any) -> str:
     """safetensors dtype name of a Paddle dtype or dtype name (``paddle.bfloat16`` / ``"bfloat16"``)."""
-    name = str(dtype).replace("paddle.", "")
+    name = dtype_name(dtype)
     if name not in _PADDLE_TO_ST:
         raise CheckpointError("unsupported dtype for safetensors", expected=sorted(_PADDLE_TO_ST), actual=name)
     return _PADDLE_TO_ST[name]
@@ -102,7 +107,7 @@ def to_paddle(arr: np.ndarray, dtype: str) -> Any:
     import paddle
 
     t = paddle.to_tensor(np.ascontiguousarray(arr), place=paddle.CPUPlace())
-    return t if str(t.dtype).replace("paddle.", "") == dtype else t.view(dtype)
+    return t if dtype_name(t.dtype) == dtype else t.view(dtype)
 
 
 def shard_file_name(k: int, n: int, stem: str = "model") -> str:

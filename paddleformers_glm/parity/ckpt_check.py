@@ -105,9 +105,13 @@ def file_safety_problems(paths: list[str]) -> list[dict[str, str]]:
 
 
 def _as_float(arr: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype in ("bfloat16", "BF16"):
-        return bf16_bits_to_float32(arr).astype(np.float64)
-    return arr.astype(np.float64)
+    return (bf16_bits_to_float32(arr) if dtype in ("bfloat16", "BF16") else arr).astype(np.float64)
+
+
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| ignoring NaN pairs' differences; 0 for empty tensors, NaN when every one is NaN."""
+    diff = np.abs(a - b)
+    return 0.0 if not diff.size else (math.nan if np.isnan(diff).all() else float(np.nanmax(diff)))
 
 
 @dataclass
@@ -447,14 +451,11 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
         b = _as_float(c["array"], c["array_dtype"])
     else:
         b = _as_float(cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
-    diff = np.abs(a - b)
     d.update(
         what="dtype" if c["dtype"] != r.dtype else "bytes",
         expected=r.dtype,
         actual=c["dtype"],
-        max_abs_diff=float(np.nanmax(diff))
-        if diff.size and not np.isnan(diff).all()
-        else (0.0 if not diff.size else math.nan),
+        max_abs_diff=_max_abs_diff(a, b),
         differing_elements=int(np.count_nonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))),
     )
     return d
@@ -489,8 +490,7 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
     else:
         r_bits = rounded.numpy()
     equal = r_bits.tobytes() == np.ascontiguousarray(b).tobytes()
-    diff = np.abs(_as_float(a, da) - _as_float(b, db))
-    return equal, float(np.nanmax(diff)) if diff.size else 0.0
+    return equal, _max_abs_diff(_as_float(a, da), _as_float(b, db))
 
 
 def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:
