@@ -117,18 +117,15 @@ def numpy_view(tensor: Any) -> np.ndarray | None:
     import paddle
 
     try:
-        if not tensor.place.is_cpu_place() or (hasattr(tensor, "is_contiguous") and not tensor.is_contiguous()):
-            return None
         name = dtype_name(tensor.dtype)
-        arr = None
-        if name == "bfloat16":
-            arr = np.from_dlpack(tensor.view(paddle.int16)).view(np.uint16)
-        elif name in ("float32", "float16", "float64"):
-            arr = np.from_dlpack(tensor)
+        if name not in _NUMPY_OF or not tensor.place.is_cpu_place():
+            return None
+        if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
+            return None
+        arr = np.from_dlpack(tensor.view(paddle.int16) if name == "bfloat16" else tensor).view(_NUMPY_OF[name])
     except Exception:  # no DLPack for this tensor: use the generic path
         return None
-    # NumPy < 2.1 makes DLPack imports read-only: the generic path then
-    return arr if arr is not None and arr.flags.writeable else None
+    return arr if arr.flags.writeable else None  # NumPy < 2.1 makes DLPack imports read-only
 
 
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
