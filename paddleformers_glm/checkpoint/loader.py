@@ -268,7 +268,7 @@ def load_pretrained_state(
         report.quantized = sorted(fp8)
         expert_layout = fleet_format.detect_expert_layout(weight_keys)
         src_specs = param_specs(cfg, layout, expert_layout)
-        missing_src, unexpected, report.dtype_changes = check_checkpoint_keys(
+        missing_src, report.unexpected, report.dtype_changes = check_checkpoint_keys(
             ckpt, src_specs, fp8, getattr(cfg, "model_dtype", "bfloat16")
         )
         absent_mtp = fleet_format.absent_mtp_indexer(cfg, layout, missing_src)
@@ -281,7 +281,6 @@ def load_pretrained_state(
             )
             logger.warning("%s", msg)
             report.warnings.append(msg)
-        report.unexpected = unexpected
         fleet = fleet_param_specs(cfg)
         state = state_of(model)
         want = _wanted_keys(state, fleet, keys, key_filter, strict)
@@ -296,10 +295,10 @@ def load_pretrained_state(
         usable, missing_targets, needed_missing, mtp_init, n_mtp_src = _plan_units(
             units, want, set(missing_src), cfg, init_missing_mtp
         )
-        if strict and (needed_missing or unexpected):
+        if strict and (needed_missing or report.unexpected):
             raise CheckpointError(
                 f"checkpoint does not match the {layout} layout of this config: "
-                + _listing(("missing", needed_missing), ("unexpected", unexpected))
+                + _listing(("missing", needed_missing), ("unexpected", report.unexpected))
                 + " (strict=False loads what is there and reports the rest; parameters without weights keep "
                 "their values)",
                 file=path,
