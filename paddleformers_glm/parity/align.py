@@ -385,7 +385,8 @@ def run_align(args: argparse.Namespace) -> int:
         f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
     )
     verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
-    failed_run = False
+    verdict["versions"] = _versions()
+    _write_json(os.path.join(receipt, "versions.json"), verdict["versions"])
     for name, cmd in {} if args.no_run else runs.items():
         print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
         log = os.path.join(out, f"{name}.log")
@@ -393,15 +394,10 @@ def run_align(args: argparse.Namespace) -> int:
         verdict["runs"][name] = {"exit_code": rc, "seconds": round(secs, 1), "log": log}
         print(f"[glm52 align] {name}: exit {rc} in {secs:.0f} s", flush=True)
         if rc != 0:
-            failed_run = True
             print(f"[glm52 align] {name} failed; last lines of {log}:\n{_tail(log)}", file=sys.stderr)
-            break
-    verdict["versions"] = _versions()
-    _write_json(os.path.join(receipt, "versions.json"), verdict["versions"])
-    if failed_run:
-        verdict.update(exit_code=2, result="a run failed")
-        _write_json(os.path.join(receipt, "verdict.json"), verdict)
-        return 2
+            verdict.update(exit_code=2, result="a run failed")
+            _write_json(os.path.join(receipt, "verdict.json"), verdict)
+            return 2
 
     comps = verdict["comparisons"]
     ref_loss, pd_loss = os.path.join(ref_out, "loss.json"), os.path.join(pd_out, "loss.json")
@@ -431,12 +427,9 @@ def run_align(args: argparse.Namespace) -> int:
         except ImportError as e:  # the plot extra is optional; the numbers are the verdict
             c["plot"] = f"not drawn: {e}"
         comps[key] = c
-    indexer = compare_indexer(ref_doc, pd_doc, N, args.loss_atol)
-    if indexer is not None:
-        comps["indexer_recall"] = indexer
-    idle = compare_idle_experts(ref_doc, pd_doc)
-    if idle is not None:
-        comps["idle_experts"] = idle
+    more = {"indexer_recall": compare_indexer(ref_doc, pd_doc, N, args.loss_atol)}
+    more["idle_experts"] = compare_idle_experts(ref_doc, pd_doc)
+    comps.update({k: c for k, c in more.items() if c is not None})
     lrs = [float(x) for x in ref_doc["lrs"]]
     weight_atol = {
         k: args.weight_atol if args.weight_atol is not None else WEIGHT_REL_LR * math.fsum(lrs[:k]) for k in dump_steps
