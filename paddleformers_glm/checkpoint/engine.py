@@ -1,18 +1,11 @@
-"""Running AOA programs on Paddle's engine with lazy, slice-exact reads.
+"""Running AOA programs on Paddle's engine with lazy, slice-exact reads (docs/checkpoints.md).
 
-Paddle's ``AOAEngine`` turns statements into, for every target slice, the list of source slices
-plus a post-process list (transposes, casts); ``assign_sharded_slice`` applies one such entry.
-``load_state_dict(aoa_config=...)`` and ``full_param`` are thin drivers around exactly these two
-calls, but the file driver reads *whole shard files* into memory (``safetensors.load_file``) and
-writes a metadata file into the checkpoint folder. This module is a third driver: it asks the
-engine the same questions and reads only the source slices the engine names, from an mmap, one
-slice at a time. So a tensor-parallel rank whose target is a ``ShardedWeight`` (local slice of a
-global tensor) reads only its rows/columns, and peak memory is the model plus one source slice.
-
-Programs are built and run per mapping unit (or per layer without the plan cache): the engine's
-macro passes scan all source keys per statement, so one engine over a 744B model's 80k statements
-takes ~30 s, per unit it is linear, and units that differ only in their key names (the routed
-experts) share one engine.
+Paddle's own drivers (``load_state_dict(aoa_config=...)``, ``full_param``) read *whole shard files*
+and write a metadata file into the checkpoint folder. This third driver asks ``AOAEngine`` the same
+questions and reads only the source slices it names, from an mmap, one at a time: a tensor-parallel
+rank reads only its rows/columns, and peak memory is the model plus one source slice. Programs run
+per mapping unit because the engine's macro passes scan every key per statement (~30 s for one
+744B program); units that differ only in key names share one engine.
 """
 
 from __future__ import annotations

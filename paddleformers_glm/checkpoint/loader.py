@@ -1,15 +1,10 @@
 """``load_pretrained_state``: fill a Paddle model's state dict from an official (or Fleet) checkpoint.
 
-Flow: validate the checkpoint (every header, the index), detect its layout, compare its keys,
-shapes and dtypes with the contract (:mod:`.layout`), compare the model's ``state_dict()`` with the
-Fleet contract, expand the AOA rules for the config, then let Paddle's AOA engine fill each target
-from lazily read source slices (:mod:`.engine`). Nothing is written anywhere near the checkpoint.
-
-``backend="paddle"`` instead drives ``paddle.distributed.load_state_dict(..., aoa_config=...,
-safetensors=True)`` itself, one call per group of shard files, against a private temporary folder
-of symlinks plus a metadata file written there (the engine would otherwise write
-``flex-ckpt.auto_generated.metadata`` into the checkpoint folder). It reads whole shard files, so
-it is the slower, hungrier path; it exists to show both Paddle entry points agree.
+Validate the checkpoint, detect its layout, check keys, shapes and dtypes against the contracts
+(:mod:`.layout`), then let Paddle's AOA engine fill each target from lazily read source slices
+(:mod:`.engine`); nothing is written near the checkpoint. ``backend="paddle"`` drives
+``paddle.distributed.load_state_dict(aoa_config=...)`` on a private folder of symlinks instead (it
+would write metadata into the checkpoint folder): slower, whole-file reads, kept to show both agree.
 """
 
 from __future__ import annotations
@@ -227,24 +222,16 @@ def load_pretrained_state(
 ) -> LoadReport:
     """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
 
-    ``dtype`` is what the model's "model"-dtype parameters must be (router weight and correction
-    bias are always float32); ``None`` accepts whatever the model has, and so does ``strict=False``
-    (each differing parameter is then filled in its own dtype and named in ``report.warnings``).
-    Sources of any float dtype are cast by the engine. ``strict`` refuses missing/unexpected keys (listing the first few and
-    the counts) and index inconsistencies; otherwise what can be loaded is, and the report lists the
-    rest. ``keys`` / ``key_filter`` restrict loading to some Fleet keys (a pipeline stage) — other
-    keys are neither read nor required, and the model need not hold them (a stage module). Values
-    of the state dict may be ``ShardedWeight``s (local slice of a global tensor, as a
-    tensor-parallel rank holds them): only that slice is read; ``shard_info`` gives, per key, the
-    (local_shape, global_offset) of *all* ranks' shards as plain slices of the global ``[gate | up]``
-    tensor, so ``fused_ffn`` lays out fused weights per rank as Fleet does (rank r: ``[gate_r | up_r]``)
-    from an HF checkpoint and, re-laid the same way, from a Fleet one.
-
-    ``strict`` concerns weights only: index bookkeeping problems (``metadata.total_size``, a stray
-    file, trailing bytes) are warnings in ``report.warnings``. When *every* MTP tensor is absent (a
-    folder written by transformers' ``save_pretrained``) and ``init_missing_mtp`` (default), the
-    MTP layer is initialised like HF initialises missing weights, listed in ``report.initialized``
-    and announced by one logged warning. Block-FP8 checkpoints are dequantized slice by slice.
+    ``dtype``: what the model's "model"-dtype parameters must be (routers fp32); ``None``, or
+    ``strict=False``, fills each parameter in its own dtype (a difference named in
+    ``report.warnings``). ``strict`` refuses missing / unexpected weights; index bookkeeping
+    (``total_size``, a stray file, trailing bytes) is only a warning. ``keys`` / ``key_filter``
+    restrict the load to some Fleet keys (a pipeline stage); ``ShardedWeight`` values are read as
+    their local slice, and ``shard_info`` (every rank's (local_shape, global_offset) per key) lays
+    fused weights out per rank as Fleet does (``[gate_r | up_r]``). A checkpoint without any MTP
+    tensor (transformers' ``save_pretrained``) gets its MTP layer initialised as HF does
+    (``init_missing_mtp``). Block-FP8 weights are dequantized slice by slice. Details:
+    docs/checkpoints.md, "Loading".
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
