@@ -1,13 +1,11 @@
 """``glm52 check-ckpt``: prove a candidate checkpoint holds the same tensors as a reference.
 
-Both sides are validated strictly and a symlink, hardlink or sparse file is refused: a parity
-receipt must describe bytes that really are in that folder, not bytes that can change under it.
-Tensors are compared through canonical hashes, so shard boundaries and key order do not matter; a
-candidate in another layout is mapped into the reference's by the loader's AOA rules, so every
-difference is classified (naming, structural, value, config; block-FP8 against unquantized by
-dequantized value: quantization).  Every floating-point tensor is scanned for NaN/Inf while it is
-hashed, since identical NaN bytes hash alike (exit 2 unless ``allow_nonfinite``).  The steps, the
-classes and the receipt: docs/parity.md.
+A symlink, hardlink or sparse file is refused (a receipt must describe bytes that really are in that
+folder). Tensors are compared by canonical hash, so shard boundaries and key order do not matter; a
+candidate in another layout is mapped by the loader's AOA rules, so each difference is classified
+(naming, structural, value, config; FP8 against unquantized by dequantized value: quantization).
+Every float tensor is scanned for NaN/Inf while hashed, since identical NaN bytes hash alike (exit 2
+unless ``allow_nonfinite``). Steps, classes and receipt: docs/parity.md.
 """
 
 from __future__ import annotations
