@@ -400,18 +400,40 @@ def _target_specs(
     strict: bool,
     warnings_out: list[str],
 ) -> dict[str, TargetSpec]:
-    """Target specs of every output of the usable units: the wanted ones from the model's
-    parameters, the others (a unit's outputs nobody asked for) from the contract."""
+    """Target specs of every output of the usable units: the wanted ones from the model's parameters
+    (shape checked against the contract, dtype against ``dtype``), the others (a unit's outputs nobody
+    asked for, which the engine's output set still needs) in the model's or the contract's dtype."""
     targets: dict[str, TargetSpec] = {}
     for k in (k for u in usable for k in u.fleet):
-        if k in want:
-            targets[k] = _target_spec(k, state[k], fleet[k], dtype, (shard_info or {}).get(k), strict, warnings_out)
-        elif k in state:  # a unit's output nobody asked for still needs a spec for the engine's output set
-            targets[k] = TargetSpec(
-                k, tuple(fleet[k][0]), dtype_name(getattr(state[k], "local_tensor", state[k]).dtype)
+        shape, kind = fleet[k]
+        value = state.get(k)
+        sharded = getattr(value, "local_tensor", None) is not None  # a ShardedWeight: fill its local piece
+        tensor = value.local_tensor if sharded else value
+        if k not in want:
+            have = resolve_dtype(kind, dtype or "float32") if tensor is None else dtype_name(tensor.dtype)
+            targets[k] = TargetSpec(k, tuple(shape), have)
+            continue
+        if not getattr(tensor, "stop_gradient", True):
+            # a trainable parameter refuses DLPack; a detached tensor shares its memory and does not,
+            # so the copy takes the numpy fast path straight into the parameter
+            tensor = tensor.detach()
+        global_shape = tuple(int(d) for d in (getattr(value, "global_shape", None) or tensor.shape))
+        if global_shape != tuple(shape):
+            raise CheckpointError(
+                "model parameter shape does not match the contract", key=k, expected=tuple(shape), actual=global_shape
             )
-        else:
-            targets[k] = TargetSpec(k, tuple(fleet[k][0]), resolve_dtype(fleet[k][1], dtype or "float32"))
+        have = dtype_name(tensor.dtype)
+        expected = have if dtype is None else resolve_dtype(kind, dtype)
+        if have != expected:
+            err = CheckpointError(
+                "model parameter dtype differs from the requested dtype", key=k, expected=expected, actual=have
+            )
+            if strict:
+                raise err
+            warnings_out.append(f"{err}; loaded as {have}")
+        local_shape, offset = (tuple(value.local_shape), tuple(value.global_offset)) if sharded else (None, None)
+        shards = list((shard_info or {}).get(k) or [])
+        targets[k] = TargetSpec(k, global_shape, have, local_shape, offset, tensor, shards)
     return targets
 
 
@@ -435,41 +457,6 @@ def init_like_hf(params: Mapping[str, Any], std: float, seeded: bool = False) ->
         else:
             val = paddle.ones(shape, dtype=t.dtype)
         paddle.assign(val, output=t)
-
-
-def _target_spec(
-    key: str,
-    value: Any,
-    spec: tuple[tuple[int, ...], str],
-    dtype: str | None,
-    shards: Any,
-    strict: bool,
-    warnings: list[str],
-) -> TargetSpec:
-    shape, kind = spec
-    sharded = getattr(value, "local_tensor", None) is not None  # a ShardedWeight: fill its local piece
-    tensor = value.local_tensor if sharded else value
-    if not getattr(tensor, "stop_gradient", True):
-        # a trainable parameter refuses DLPack; a detached tensor shares its memory and does not,
-        # so the copy takes the numpy fast path straight into the parameter
-        tensor = tensor.detach()
-    global_shape = tuple(int(d) for d in (getattr(value, "global_shape", None) or tensor.shape))
-    if global_shape != tuple(shape):
-        raise CheckpointError(
-            "model parameter shape does not match the contract", key=key, expected=tuple(shape), actual=global_shape
-        )
-    have = dtype_name(tensor.dtype)
-    if dtype is not None:
-        want = resolve_dtype(kind, dtype)
-        if have != want:
-            err = CheckpointError(
-                "model parameter dtype differs from the requested dtype", key=key, expected=want, actual=have
-            )
-            if strict:
-                raise err
-            warnings.append(f"{err}; loaded as {have}")
-    local_shape, offset = (tuple(value.local_shape), tuple(value.global_offset)) if sharded else (None, None)
-    return TargetSpec(key, global_shape, have, local_shape, offset, tensor, list(shards or []))
 
 
 def _load_with_paddle(
