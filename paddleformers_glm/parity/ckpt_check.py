@@ -301,13 +301,9 @@ def check_checkpoints(
         for p in s.problems:
             report["errors"].append(f"{name}: refused {p['problem']}: {p['file']} ({p['detail']})")
         for key, count in sorted(s.nonfinite.items()):
-            where = report["warnings"] if allow_nonfinite else report["errors"]
-            assert s.ckpt is not None
-            info = s.ckpt.info(key)
-            kind = "FP8 scale" if key in s.fp8.values() else "tensor"
-            where.append(
-                f"{name}: {kind} {key} ({info.dtype}, file {s.ckpt.file_of(key).file}) holds {count} NaN/Inf values"
-            )
+            info, kind = s.ckpt.info(key), "FP8 scale" if key in s.fp8.values() else "tensor"  # type: ignore[union-attr]
+            msg = f"{name}: {kind} {key} ({info.dtype}, file {info.file}) holds {count} NaN/Inf values"
+            report["warnings" if allow_nonfinite else "errors"].append(msg)
     ref, cand = sides["ref"], sides["cand"]
     if report["errors"]:
         return _finish(report, EXIT_UNUSABLE, t0, sides)
