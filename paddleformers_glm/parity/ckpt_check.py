@@ -28,7 +28,13 @@ from .. import progress
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.finite import count_nonfinite_raw
 from ..checkpoint.fp8 import Fp8Source, fp8_pairs, quantization_of
-from ..checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
+from ..checkpoint.safetensors_io import (
+    Checkpoint,
+    bf16_bits_to_float32,
+    paddle_to_st_dtype,
+    st_to_paddle_dtype,
+    to_paddle,
+)
 
 __all__ = ["check_checkpoints", "file_safety_problems", "tensor_hash", "checkpoint_hash", "versions"]
 
@@ -188,7 +194,6 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
     from ..checkpoint.fleet import detect_expert_layout
     from ..checkpoint.layout import param_specs
     from ..checkpoint.loader import units_for
-    from ..checkpoint.safetensors_io import paddle_to_st_dtype, st_to_paddle_dtype
 
     assert cand.ckpt is not None and ref.ckpt is not None
 
@@ -470,20 +475,14 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
     dtype rounds it), equals the other side's tensor; and the max abs diff of the values."""
     import paddle
 
-    from ..checkpoint.safetensors_io import st_to_paddle_dtype
-
     (a, da), (b, db) = _dequantized_or_plain(ref, key), _dequantized_or_plain(cand, key)
     if a.shape != b.shape:
         return False, math.inf
     if key in cand.fp8:
         (a, da), (b, db) = (b, db), (a, da)  # a: the FP8 side (fp32), b: the other side
     want = st_to_paddle_dtype(db)
-    rounded = paddle.to_tensor(np.ascontiguousarray(a), place=paddle.CPUPlace()).astype(want)
-    if want == "bfloat16":
-        r_bits = rounded.view(paddle.int16).numpy().view(np.uint16)
-    else:
-        r_bits = rounded.numpy()
-    equal = r_bits.tobytes() == np.ascontiguousarray(b).tobytes()
+    rounded = to_paddle(a, "float32").astype(want)  # as a load in that dtype rounds it
+    equal = (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
     return equal, _max_abs_diff(_as_float(a, da), _as_float(b, db))
 
 
