@@ -205,17 +205,15 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         return {k: own(k) for k in cand.ckpt.tensors}
     out: dict[str, dict[str, Any]] = {}
     other = ref if cand.layout == "hf" else cand  # the non-official side picks the rules' target layout
-    expert_layout = detect_expert_layout(other.ckpt.keys())
     if "hf" in (cand.layout, ref.layout):
         target = "fleet" if other.layout == "fleet" else "model"
-        hf_units = expand_units(config, layout=target, expert_layout=expert_layout)
+        hf_units = expand_units(config, layout=target, expert_layout=detect_expert_layout(other.ckpt.keys()))
         direction = "fleet_to_hf" if ref.layout == "hf" else "hf_to_fleet"
     else:  # PaddleFleet vs the old fleet spelling: the adapters between them (hf side = PaddleFleet)
         pf = ref if ref.layout == "fleet" else cand
         hf_units = units_for(config, "fleet", detect_expert_layout(pf.ckpt.keys()))
         direction = "fleet_to_hf" if ref.layout == "fleet" else "hf_to_fleet"
-    cand_specs = param_specs(config, cand.layout, detect_expert_layout(cand.ckpt.keys()))
-    ref_specs = param_specs(config, ref.layout, detect_expert_layout(ref.ckpt.keys()))
+    cand_specs, ref_specs = (param_specs(config, s.layout, detect_expert_layout(s.ckpt.keys())) for s in (cand, ref))  # type: ignore[union-attr]
     consumed: set[str] = set()
     usable = []
     for u in hf_units:
