@@ -11,7 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -171,8 +171,7 @@ class GenerationConfig:
     def update(self, **kwargs: Any) -> GenerationConfig:
         """A copy with ``kwargs`` set (unknown names refused with the supported list)."""
         _refuse_unknown(kwargs)
-        d = {k: getattr(self, k) for k in self.keys()} | kwargs
-        return GenerationConfig(**d, extra=dict(self.extra))
+        return replace(self, **kwargs, extra=dict(self.extra))
 
     # ------------------------------------------------------------------ checks
     def check_supported(self) -> None:

@@ -616,23 +616,19 @@ class _DenseChunkAttention(PyLayer):
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
         q, k, v, topk, live = ctx.saved_tensor()
-        kept, scale = ctx.kept, ctx.scale
+        kept, recompute, scale = iter(ctx.kept), not ctx.kept, ctx.scale
         ctx.kept = []
         B, S, H, _ = q.shape
         live4 = live.unsqueeze(-1).unsqueeze(-1)  # [B, S, 1, 1]
         g_live = (g * live4.astype(g.dtype)).contiguous() if ctx.dead else g.contiguous()
         dq, dk, dv = paddle.empty(q.shape, q.dtype), paddle.zeros(k.shape, k.dtype), paddle.zeros(v.shape, v.dtype)
-        i = 0
         for b, r0, r1, groups in _dense_plan(B, S, H):
-            mask = None
+            mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0) if recompute else None
             for h0, h1 in groups:
-                if kept:
-                    p = kept[i]
-                    i += 1
-                else:
-                    if mask is None:
-                        mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)
+                if recompute:
                     p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)
+                else:
+                    p = next(kept)
                 dp = _as(ops.head_scores(g_live, v, b, r0, r1, r1, h0, h1), p.dtype)
                 ds = _as(ops.softmax_backward(p, dp), q.dtype)  # fp32 probabilities, as the forward's
                 ops.head_context_(ds, k, dq, b, r0, h0, scale)
