@@ -126,10 +126,8 @@ class GenerationConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         known = set(cls.keys())
-        gc = cls(**{k: v for k, v in d.items() if k in known})
-        gc.extra = {k: v for k, v in d.items() if k not in known}
-        gc.extra.setdefault("_source", source)
-        return gc
+        extra = {"_source": source} | {k: v for k, v in d.items() if k not in known}
+        return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
 
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationConfig:

@@ -523,8 +523,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         """Parameter count of this model (this rank's share under model parallelism)."""
         skip = set()
         if exclude_embeddings:
-            embeddings = [*self.get_input_embeddings().parameters(), *self.get_output_embeddings().parameters()]
-            skip = {id(p) for p in embeddings}
+            skip = {id(p) for m in (self.get_input_embeddings(), self.get_output_embeddings()) for p in m.parameters()}
         kept = [p for p in self.parameters() if id(p) not in skip and not (only_trainable and p.stop_gradient)]
         return sum(int(np.prod(p.shape)) for p in kept)
 
