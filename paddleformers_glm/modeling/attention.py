@@ -376,12 +376,12 @@ class MLAttention(nn.Layer):
         parts = paddle.split(xa, w.x_split, axis=-1)
         q_latent = ops.rms_norm(parts[0], w.q_norm, w.q_norm_eps)
         c = ops.rms_norm(parts[1], w.kv_norm, w.kv_norm_eps)
-        latent = cache.write_latent(rope_concat(c, parts[2], cos, sin, self.interleave), slots)  # [B, cap, D]
+        latent = cache.write_slots("latent", rope_concat(c, parts[2], cos, sin, self.interleave), slots)  # [B, cap, D]
         q_parts = paddle.split(paddle.matmul(q_latent, w.q_proj), w.q_split, axis=-1)
         indexer = w.indexer
         if indexer is not None:  # the new queries over every cached key
             iq, ik, iw = indexer.finish_projection(q_parts[2], parts[3], parts[4], cos, sin)
-            keys = cache.write_index_keys(ik, slots)  # [B, capacity, Di]
+            keys = cache.write_slots("index_keys", ik.astype("float32"), slots)  # [B, capacity, Di]
             topk = indexer.select(iq, keys, iw, key_valid, slots=slots)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
