@@ -43,7 +43,6 @@ HF_DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "repetition_penalty": 1.0,
     "num_return_sequences": 1,
-    "num_beams": 1,
     "use_cache": True,
     "return_dict_in_generate": False,
     "output_scores": False,
