@@ -11,7 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,7 +43,6 @@ HF_DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "repetition_penalty": 1.0,
     "num_return_sequences": 1,
-    "num_beams": 1,
     "use_cache": True,
     "return_dict_in_generate": False,
     "output_scores": False,
@@ -53,7 +52,6 @@ HF_DEFAULTS: dict[str, Any] = {
 # HF generation options this generate does not implement, with the value that turns each off: a
 # generation_config.json may carry them at that value; anything else is refused by name.
 UNSUPPORTED_OFF: dict[str, Any] = {
-    "num_beams": 1,
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
     "length_penalty": 1.0,
@@ -127,10 +125,8 @@ class GenerationConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         known = set(cls.keys())
-        gc = cls(**{k: v for k, v in d.items() if k in known})
-        gc.extra = {k: v for k, v in d.items() if k not in known}
-        gc.extra.setdefault("_source", source)
-        return gc
+        extra = {"_source": source} | {k: v for k, v in d.items() if k not in known}
+        return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
 
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationConfig:
@@ -172,8 +168,7 @@ class GenerationConfig:
     def update(self, **kwargs: Any) -> GenerationConfig:
         """A copy with ``kwargs`` set (unknown names refused with the supported list)."""
         _refuse_unknown(kwargs)
-        d = {k: getattr(self, k) for k in self.keys()} | kwargs
-        return GenerationConfig(**d, extra=dict(self.extra))
+        return replace(self, **kwargs, extra=dict(self.extra))
 
     # ------------------------------------------------------------------ checks
     def check_supported(self) -> None:
@@ -440,30 +435,25 @@ def generate(
             attention_mask = paddle.repeat_interleave(attention_mask, s.num_return_sequences, axis=0)
         B = input_ids.shape[0]
     rng = np.random.default_rng(seed)
-    if streamer is not None and hasattr(streamer, "put"):
-        streamer.put(input_ids.numpy())
+    # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
+    # a plain callable gets each step's ids
+    put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
+    if hasattr(streamer, "put"):
+        put(input_ids.numpy())
     if s.new_tokens == 0:
-        if streamer is not None and hasattr(streamer, "end"):
-            streamer.end()
+        end()
         return GenerateDecoderOnlyOutput(input_ids) if s.return_dict_in_generate else input_ids
     config = model.config
     V = int(config.vocab_size)
     eos_t = paddle.to_tensor(s.eos, dtype="int64") if s.eos else None
-    eos_vocab = None
-    if s.eos and s.min_new:
-        mark = np.zeros([V], dtype=bool)
-        mark[[e for e in s.eos if 0 <= e < V]] = True
-        eos_vocab = paddle.to_tensor(mark)
+    eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos)) if s.eos and s.min_new else None
     seen = None
     if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
         valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
         seen = paddle.put_along_axis(paddle.zeros([B, V], dtype="int64"), input_ids, valid, axis=1, reduce="add") > 0
     was_training = model.training
     model.eval()
-    scores: list = []
-    raw: list = []
-    new: list = []
-    host_new: list[np.ndarray] = []
+    scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
     cache = None
     try:
         with paddle.no_grad():
@@ -502,10 +492,8 @@ def generate(
                 if streamer is not None or s.stop_strings:
                     host = nxt.numpy()  # the chosen ids only
                     host_new.append(host)
-                    if hasattr(streamer, "put"):  # transformers' streamer protocol (TextStreamer): put(), then end()
-                        streamer.put(host)
-                    elif streamer is not None:
-                        streamer(host)
+                    if put is not None:
+                        put(host)
                     if s.stop_strings:  # per row: does the text of its new tokens hold a stop string
                         texts = [tokenizer.decode([int(t) for t in row]) for row in np.stack(host_new, axis=1)]
                         stopped = [any(stop in text for stop in s.stop_strings) for text in texts]
@@ -524,8 +512,7 @@ def generate(
     finally:
         if was_training:
             model.train()
-    if streamer is not None and hasattr(streamer, "end"):
-        streamer.end()
+    end()
     sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)
     if not s.return_dict_in_generate:
         return sequences

@@ -257,7 +257,11 @@ class MLAttention(nn.Layer):
             topk = prev_topk
         sel = topk if dense_sel is None else dense_sel  # what the attention reads
         if form == "latent":  # k_rot un-roped: the latent form ropes it into [c, k_rot] in one kernel
-            out, probs = self._latent_attention(q_latent, c, k_rot, rope, sel, want_kl)
+            q_lat, kv_lat, w_uv = self._latent_qk(q_latent, c, k_rot, rope)
+            out, probs = sparse_latent_attention(
+                q_lat, kv_lat, sel, core.scale, core.chunk_size, return_probs=want_kl, cache=self.selections
+            )
+            out = ops.latent_out_proj(out, w_uv, self.o_proj.weight)  # this rank's heads' part
         else:
             k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
             q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
@@ -279,32 +283,13 @@ class MLAttention(nn.Layer):
             out = nn.functional.linear(out.reshape([B, S, H * self.v_dim]), self.o_proj.weight)
         return out, topk, probs
 
-    def _latent_attention(
-        self,
-        q_latent: paddle.Tensor,
-        c: paddle.Tensor,
-        k_rot: paddle.Tensor,
-        rope: tuple[paddle.Tensor, paddle.Tensor],
-        topk: paddle.Tensor,
-        want_probs: bool,
-    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-        """The latent form (module docstring) -> (o_proj output [B, S, hidden], probabilities or None).
-        c [B, S, kv_lora] normed, k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]);
-        under context parallel the queries attend over every rank's latent rows. kv_b_proj is folded
-        into the neighbouring weights once per step (products of small weight matrices)."""
-        q_lat, kv_lat, w_uv = self._latent_qk(q_latent, c, k_rot, rope)
-        core = self.core_attention
-        o, probs = sparse_latent_attention(
-            q_lat, kv_lat, topk, core.scale, core.chunk_size, return_probs=want_probs, cache=self.selections
-        )
-        # this rank's heads' part (bias added by the caller)
-        return ops.latent_out_proj(o, w_uv, self.o_proj.weight), probs
-
     def _latent_qk(
         self, q_latent: paddle.Tensor, c: paddle.Tensor, k_rot: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """The latent form's queries q_lat [B, S, H, L + rope] (W_uk folded into q_b_proj), the key
-        rows kv_lat [B, T, L + rope] (every cp rank's) and W_uv [H, L, v]."""
+        rows kv_lat [B, T, L + rope] (every cp rank's) and W_uv [H, L, v]. c [B, S, kv_lora] is normed,
+        k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]). kv_b_proj is folded into
+        the neighbouring weights once per step (products of small weight matrices)."""
         cos, sin = rope
         B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
         L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
@@ -391,12 +376,12 @@ class MLAttention(nn.Layer):
         parts = paddle.split(xa, w.x_split, axis=-1)
         q_latent = ops.rms_norm(parts[0], w.q_norm, w.q_norm_eps)
         c = ops.rms_norm(parts[1], w.kv_norm, w.kv_norm_eps)
-        latent = cache.write_latent(rope_concat(c, parts[2], cos, sin, self.interleave), slots)  # [B, cap, D]
+        latent = cache.write_slots("latent", rope_concat(c, parts[2], cos, sin, self.interleave), slots)  # [B, cap, D]
         q_parts = paddle.split(paddle.matmul(q_latent, w.q_proj), w.q_split, axis=-1)
         indexer = w.indexer
         if indexer is not None:  # the new queries over every cached key
             iq, ik, iw = indexer.finish_projection(q_parts[2], parts[3], parts[4], cos, sin)
-            keys = cache.write_index_keys(ik, slots)  # [B, capacity, Di]
+            keys = cache.write_slots("index_keys", ik.astype("float32"), slots)  # [B, capacity, Di]
             topk = indexer.select(iq, keys, iw, key_valid, slots=slots)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")

@@ -57,6 +57,7 @@ _DENSE_TILE_ROWS = 256
 # score's masked softmax (add, exp, sum, scale: memory passes, not MACs).
 GATHER_MACS = 10.0
 SOFTMAX_MACS = 16.0
+_FP32_MIN = paddle.finfo(paddle.float32).min
 
 
 class AttentionShape(NamedTuple):
@@ -143,18 +144,12 @@ def latent_decode_attention(q: paddle.Tensor, latent: paddle.Tensor, topk: paddl
     slot (only a padding token fed at decode has none) attends uniformly to its k gathered rows
     (its batch's slot 0), as an additive mask of the fp32 minimum gives."""
     B, n, H, D = q.shape
-    T, K = latent.shape[1], topk.shape[-1]
-    rows = paddle.clip(topk, min=0)
-    if B > 1:
-        rows = rows + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])
-    kv = paddle.gather(latent.reshape([B * T, D]), rows.reshape([-1])).reshape([B * n, K, D])
+    K = topk.shape[-1]
+    kv = gather_keys(latent, topk).reshape([B * n, K, D])
     s = _as(paddle.matmul(q.reshape([B * n, H, D]), kv, transpose_y=True), "float32")  # [B n, H, k]
     mask = (topk < 0).astype("float32").scale_(_FP32_MIN).reshape([B * n, K])  # 0 or the fp32 minimum
     p = ops.masked_softmax_(s, mask)  # fp32 whatever q's dtype, as the prefill's forms
     return paddle.matmul(_as(p, kv.dtype), kv).reshape([B, n, H, D])
-
-
-_FP32_MIN = float(paddle.finfo(paddle.float32).min)
 
 
 class SelectionCache:
@@ -194,11 +189,11 @@ class SelectionCache:
 
 def gather_keys(t: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
     """t [B, T, ...] gathered at idx [B, C, k] (-1 -> row 0) -> [B, C, k, ...]."""
-    B, T = t.shape[0], t.shape[1]
-    C, K = idx.shape[1], idx.shape[2]
-    flat = (paddle.clip(idx, min=0) + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])).reshape([-1])
-    rest = t.shape[2:]
-    return paddle.gather(t.reshape([B * T, -1]), flat).reshape([B, C, K, *rest])
+    B, T, C, K = t.shape[0], t.shape[1], idx.shape[1], idx.shape[2]
+    rows = paddle.clip(idx, min=0)
+    if B > 1:
+        rows = rows + (paddle.arange(B, dtype="int64") * T).reshape([B, 1, 1])
+    return paddle.gather(t.reshape([B * T, -1]), rows.reshape([-1])).reshape([B, C, K, *t.shape[2:]])
 
 
 def sparse_attention(
@@ -474,8 +469,7 @@ def dense_masked_attention(
     sel = paddle.zeros([B, S, S + 1], dtype="float32")
     idx = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, S))
     sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :S]
-    min_val = paddle.finfo(paddle.float32).min
-    mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, min_val)).unsqueeze(1)
+    mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, _FP32_MIN)).unsqueeze(1)
     scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, S]
     probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1).astype(v.dtype)  # fp32 softmax
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
@@ -490,8 +484,7 @@ def dense_topk_mask(topk_idx: paddle.Tensor, S: int, cache: SelectionCache | Non
         return hit  # type: ignore[return-value]
     with paddle.no_grad():
         B, _, K = topk_idx.shape
-        sel, fill = topk_idx.reshape([B * S, K]), float(paddle.finfo(paddle.float32).min)
-        m = ops.selection_mask(sel, S, fill).reshape([B, S, S])
+        m = ops.selection_mask(topk_idx.reshape([B * S, K]), S, _FP32_MIN).reshape([B, S, S])
     if cache is not None:
         cache.store(topk_idx, "dense_mask", m)
     return m
@@ -623,23 +616,19 @@ class _DenseChunkAttention(PyLayer):
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
         q, k, v, topk, live = ctx.saved_tensor()
-        kept, scale = ctx.kept, ctx.scale
+        kept, recompute, scale = iter(ctx.kept), not ctx.kept, ctx.scale
         ctx.kept = []
         B, S, H, _ = q.shape
         live4 = live.unsqueeze(-1).unsqueeze(-1)  # [B, S, 1, 1]
         g_live = (g * live4.astype(g.dtype)).contiguous() if ctx.dead else g.contiguous()
         dq, dk, dv = paddle.empty(q.shape, q.dtype), paddle.zeros(k.shape, k.dtype), paddle.zeros(v.shape, v.dtype)
-        i = 0
         for b, r0, r1, groups in _dense_plan(B, S, H):
-            mask = None
+            mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0) if recompute else None
             for h0, h1 in groups:
-                if kept:
-                    p = kept[i]
-                    i += 1
-                else:
-                    if mask is None:
-                        mask = ops.selection_mask(topk[b, r0:r1], r1, _FP32_MIN).unsqueeze(0)
+                if recompute:
                     p = _masked_probs(ops.head_scores(q, k, b, r0, r1, r1, h0, h1, scale), mask)
+                else:
+                    p = next(kept)
                 dp = _as(ops.head_scores(g_live, v, b, r0, r1, r1, h0, h1), p.dtype)
                 ds = _as(ops.softmax_backward(p, dp), q.dtype)  # fp32 probabilities, as the forward's
                 ops.head_context_(ds, k, dq, b, r0, h0, scale)

@@ -49,15 +49,21 @@ class LayerCache:
         return self.index_keys[:, : self.owner.length + keys.shape[1]]  # type: ignore[index]
 
     # -------------------------------------------------------------- decode steps (tensor slots)
-    def write_latent(self, latent: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
-        """Write the new tokens' latent rows [B, n, D] into their slots (``slots`` [n] int64,
-        consecutive) in place; -> the whole buffer [B, capacity, D]."""
-        return _write_slots(self.latent, latent, slots)
-
-    def write_index_keys(self, keys: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
-        """Write the new tokens' indexer keys [B, n, Di] into their slots in place; -> the whole
-        buffer [B, capacity, Di] (what a decode step's indexer scores its queries against)."""
-        return _write_slots(self.index_keys, keys.astype("float32"), slots)
+    def write_slots(self, name: str, new: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
+        """Write the new tokens' rows [B, n, D] (latent rows, or indexer keys in fp32) into their
+        slots (``slots`` [n] int64, consecutive) of buffer ``name`` ("latent" or "index_keys") in
+        place; -> the whole buffer [B, capacity, D], what the decode step reads."""
+        buf = getattr(self, name)
+        if buf is None:
+            raise RuntimeError("a decode step needs a prefilled cache (run the prompt through the model first)")
+        if capturing_cuda_graph():  # index tensors on the device: a slice's tensor bounds are read on the host
+            B, n = new.shape[0], new.shape[1]
+            rows = paddle.arange(B, dtype="int64").unsqueeze(1).expand([B, n]).reshape([-1])
+            buf.index_put_((rows, slots.unsqueeze(0).expand([B, n]).reshape([-1])), new.reshape([B * n, -1]))
+            return buf
+        first = slots[:1]
+        buf[:, first : first + new.shape[1]] = new  # slice bounds as tensors: traceable (to_static)
+        return buf
 
     def grow(self, capacity: int, filled: int) -> None:
         """Reallocate the buffers to ``capacity`` slots, keeping the first ``filled``."""
@@ -72,19 +78,6 @@ def _grown(buf: paddle.Tensor | None, shape: list[int], dtype: object, keep: int
     if buf is not None and keep > 0:
         grown[:, :keep] = buf[:, :keep]
     return grown
-
-
-def _write_slots(buf: paddle.Tensor | None, new: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
-    if buf is None:
-        raise RuntimeError("a decode step needs a prefilled cache (run the prompt through the model first)")
-    if capturing_cuda_graph():  # index tensors on the device: a slice's tensor bounds are read on the host
-        B, n = new.shape[0], new.shape[1]
-        rows = paddle.arange(B, dtype="int64").unsqueeze(1).expand([B, n]).reshape([-1])
-        buf.index_put_((rows, slots.unsqueeze(0).expand([B, n]).reshape([-1])), new.reshape([B * n, -1]))
-        return buf
-    first = slots[:1]
-    buf[:, first : first + new.shape[1]] = new  # slice bounds as tensors: traceable (to_static)
-    return buf
 
 
 class DSACache:
@@ -141,9 +134,8 @@ class DSACache:
         positions = self.positions.unsqueeze(1) + steps - 1
         if new_valid is not None:
             positions = paddle.where(new_valid, positions, paddle.zeros_like(positions))
-        grew = self.length + n > self.capacity or self.key_valid is None
         cap = self.capacity_for(n)
-        if grew or self.key_valid.shape[1] < cap:
+        if self.key_valid is None or self.key_valid.shape[1] < cap:
             self.key_valid = _grown(self.key_valid, [B, cap], "bool", self.length)
             for layer in self.layers:
                 layer.grow(cap, self.length)

@@ -191,16 +191,16 @@ def _group_terms(members: list[IndexerRecord], training: IndexerTraining) -> tup
             inp["x"], inp["q_latent"], inp["cos"], inp["sin"], target, inp["key_padding"],
             positions=inp["positions"], all_keys=inp["all_keys"], total=inp["total"],
         )  # fmt: skip
-        with paddle.no_grad():
-            mass = _selected_mass(target, full.topk)
     else:
         kl = full.indexer.kl_loss(
             inp["x"], inp["q_latent"], inp["cos"], inp["sin"], full.topk, target,
             all_keys=inp["all_keys"], total=inp["total"],
         )  # fmt: skip
-        with paddle.no_grad():
-            mass = _dense_mass([m.dense for m in members], full.topk, inp["chunk"])
     with paddle.no_grad():
+        if training.dense:
+            mass = _selected_mass(target, full.topk)
+        else:
+            mass = _dense_mass([m.dense for m in members], full.topk, inp["chunk"])
         recall = query_mean(mass, (full.topk >= 0).any(axis=-1).astype("float32"), inp["total"])
     return kl, recall
 

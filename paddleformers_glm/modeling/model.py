@@ -170,9 +170,8 @@ class Embedding(nn.Layer):
     def __init__(self, config: GlmMoeDsaConfig, topo: Topology) -> None:
         super().__init__()
         pad = config.pad_token_id if isinstance(config.pad_token_id, int) else None
-        sp = topo.sequence_parallel
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, sp, padding_idx=pad, topo=topo
+            config.vocab_size, config.hidden_size, topo.sequence_parallel, padding_idx=pad, topo=topo
         )
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
@@ -524,8 +523,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         """Parameter count of this model (this rank's share under model parallelism)."""
         skip = set()
         if exclude_embeddings:
-            embeddings = [*self.get_input_embeddings().parameters(), *self.get_output_embeddings().parameters()]
-            skip = {id(p) for p in embeddings}
+            skip = {id(p) for m in (self.get_input_embeddings(), self.get_output_embeddings()) for p in m.parameters()}
         kept = [p for p in self.parameters() if id(p) not in skip and not (only_trainable and p.stop_gradient)]
         return sum(int(np.prod(p.shape)) for p in kept)
 
@@ -663,13 +661,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             if out.mtp_logits:
                 depth_losses = [mean_loss(losses[f"mtp_{d}"]) for d in range(1, len(out.mtp_logits) + 1)]
                 out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
-            if add_mtp_loss:
-                total = out.loss
-                if out.mtp_loss is not None:
-                    total = total + self.config.mtp_loss_scaling_factor * out.mtp_loss
-                if out.indexer_loss is not None:
-                    total = total + self.config.indexer_loss_coeff * out.indexer_loss
-                out.loss = total
+            if add_mtp_loss and out.mtp_loss is not None:
+                out.loss = out.loss + self.config.mtp_loss_scaling_factor * out.mtp_loss
+            if add_mtp_loss and out.indexer_loss is not None:
+                out.loss = out.loss + self.config.indexer_loss_coeff * out.indexer_loss
         if logits_to_keep and out.logits is not None:
             out.logits = out.logits[:, -logits_to_keep:]
         if return_dict is None or return_dict:
