@@ -635,28 +635,22 @@ class GlmMoeDsaConfig:
         `partial_rotary_factor` says; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
         """
         rope = self._rope
+
+        def same(*keys: str, cast: Any = None) -> dict[str, Any]:  # fields Fleet names as this config does
+            return {k: cast(getattr(self, k)) if cast else getattr(self, k) for k in keys}
+
         d: dict[str, Any] = {
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "hidden_act": self.hidden_act,
+            **same("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"),
+            **same("intermediate_size", "vocab_size", "hidden_act"),
             "gated_linear_unit": True,
             "normalization": "RMSNorm",
             "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": bool(self.attention_bias),
-            "tie_word_embeddings": bool(self.tie_word_embeddings),
+            **same("attention_bias", "tie_word_embeddings", cast=bool),
             "params_dtype": self.model_dtype,
             "fp32_residual_connection": bool(self.fp32_residual_connection),
             # MLA (latent norms on the compressed q and kv: `use_qk_norm`)
             "multi_latent_attention": True,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
+            **same("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
             "use_qk_norm": bool(self.use_qk_norm),
             # RoPE
             "position_embedding_type": "rope",
@@ -667,49 +661,38 @@ class GlmMoeDsaConfig:
             "rotary_interleaved": bool(self.rope_interleave),
         }
         if rope["rope_type"] == "yarn":
-            d.update(
-                {
-                    "rotary_scaling_factor": rope["factor"],
-                    "original_max_position_embeddings": rope["original_max_position_embeddings"],
-                    "beta_fast": rope.get("beta_fast") or 32,
-                    "beta_slow": rope.get("beta_slow") or 1,
-                    "mscale": rope.get("mscale", 1.0),
-                    "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
-                }
-            )
+            d |= {
+                "rotary_scaling_factor": rope["factor"],
+                "original_max_position_embeddings": rope["original_max_position_embeddings"],
+                "beta_fast": rope.get("beta_fast") or 32,
+                "beta_slow": rope.get("beta_slow") or 1,
+                "mscale": rope.get("mscale", 1.0),
+                "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
+            }
         elif rope["rope_type"] != "default":
             raise _err("rope_parameters.rope_type", f"{rope['rope_type']!r} has no PaddleFleet equivalent")
-        d.update(
-            {
-                # MoE
-                "n_routed_experts": self.n_routed_experts,
-                "n_shared_experts": self.n_shared_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "scoring_func": self.scoring_func,
-                "topk_method": self.topk_method,
-                "n_group": self.n_group,
-                "topk_group": self.topk_group,
-                "routed_scaling_factor": self.routed_scaling_factor,
-                "norm_topk_prob": bool(self.norm_topk_prob),
-                "first_k_dense_replace": self.first_k_dense_replace,
-                "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
-                # MTP
-                "num_nextn_predict_layers": self.num_mtp_layers,
-                "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
-                # DSA indexer and cross-layer top-k sharing
-                "experimental_attention_variant": "dsa",
-                "dsa_index_n_heads": self.index_n_heads,
-                "dsa_index_head_dim": self.index_head_dim,
-                "dsa_index_topk": self.index_topk,
-                "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
-                "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
-                "dsa_indexer_types": list(self.indexer_types),
-                "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
-                "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
-                "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
-            }
-        )
+        d |= {
+            # MoE
+            **same("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size"),
+            **same("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor"),
+            "norm_topk_prob": bool(self.norm_topk_prob),
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
+            # MTP
+            "num_nextn_predict_layers": self.num_mtp_layers,
+            "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
+            # DSA indexer and cross-layer top-k sharing
+            "experimental_attention_variant": "dsa",
+            "dsa_index_n_heads": self.index_n_heads,
+            "dsa_index_head_dim": self.index_head_dim,
+            "dsa_index_topk": self.index_topk,
+            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
+            "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
+            "dsa_indexer_types": list(self.indexer_types),
+            "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
+            "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
+            "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
+        }
         p = self.parallel_settings()  # the layout the file carried, unless the run's is given
         if layout is not None:
             p = dict(zip(p, (layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp)))
