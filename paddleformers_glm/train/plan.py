@@ -67,20 +67,17 @@ class Layout(ParallelConfig):
     def _parts(self) -> list[tuple[str, str]]:
         """(summary, glm52 train flags) of each setting shown: tp, pp, dp, ep, recompute always,
         the others where they are not the default."""
-        parts = [(f"TP{self.tp}", f"--tp {self.tp}"), (f"PP{self.pp}", f"--pp {self.pp}")]
-        parts += [(f"DP{self.dp}", f"--dp {self.dp}"), (f"EP{self.ep}", f"--ep {self.ep}")]
-        if self.etp > 1:
-            parts.append((f"ETP{self.etp}", f"--etp {self.etp}"))
-        if self.vpp > 1:
-            parts.append((f"VPP{self.vpp}", f"--vpp {self.vpp}"))
-        if self.sharding > 1:
-            s, st = self.sharding, self.sharding_stage
-            parts.append((f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}"))
-        if self.cp > 1:
-            parts.append((f"CP{self.cp}", f"--cp {self.cp}"))
-        if self.sp:
-            parts.append(("SP", "--sp"))
-        return parts + [(f"recompute={self.recompute}", f"--recompute {self.recompute}")]
+        s, st = self.sharding, self.sharding_stage
+        parts = [(True, f"TP{self.tp}", f"--tp {self.tp}"), (True, f"PP{self.pp}", f"--pp {self.pp}")]
+        parts += [(True, f"DP{self.dp}", f"--dp {self.dp}"), (True, f"EP{self.ep}", f"--ep {self.ep}")]
+        parts += [
+            (self.etp > 1, f"ETP{self.etp}", f"--etp {self.etp}"),
+            (self.vpp > 1, f"VPP{self.vpp}", f"--vpp {self.vpp}"),
+        ]
+        parts += [(s > 1, f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}")]
+        parts += [(self.cp > 1, f"CP{self.cp}", f"--cp {self.cp}"), (self.sp, "SP", "--sp")]
+        parts += [(True, f"recompute={self.recompute}", f"--recompute {self.recompute}")]
+        return [(summary, flags) for shown, summary, flags in parts if shown]
 
     def describe(self) -> str:
         return " ".join(summary for summary, _ in self._parts())
@@ -200,11 +197,15 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     return out
 
 
+def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
+    """The decoder layers of a stage, then its MTP layers (numbered after the decoder's)."""
+    L = config.num_hidden_layers
+    return list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
+
+
 def _stage_parts(config: Any, spec: Any) -> Counter:
     """How many times each part (embedding, layer kind, head) a stage holds."""
-    L = config.num_hidden_layers
-    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
-    parts: Counter = Counter(_layer_key(config, i) for i in ids)
+    parts: Counter = Counter(_layer_key(config, i) for i in _stage_layer_ids(config, spec))
     if spec.has_embedding or spec.has_mtp:
         parts["embedding"] += 1
     if spec.has_head:
@@ -218,9 +219,7 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
     out = []
     if spec.has_embedding or spec.has_mtp:
         out += lc.part("embedding")
-    L = config.num_hidden_layers
-    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
-    for i in ids:  # the representative layer's parameters under layer i's name
+    for i in _stage_layer_ids(config, spec):  # the representative layer's parameters under layer i's name
         for name, *rest in lc.part(_layer_key(config, i)):
             parts = name.split(".")
             parts[2] = str(i)
@@ -280,8 +279,10 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     dq, dn, dv, r = c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.qk_rope_head_dim
     ql, kl = c.q_lora_rank, c.kv_lora_rank
     mtp = kind[0] == "mtp"
-    has_indexer = (not mtp and kind[1] == "full") or mtp
+    has_indexer = mtp or kind[1] == "full"
     mlp = "sparse" if mtp else kind[0]
+    # the indexer's queries, keys and head weights (kept when its KL trains)
+    indexer_inputs = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
     other = 0.0
     # attention block: norm input, normed input, latents and their norms, head projections,
     # roped q / k, v, output
@@ -306,14 +307,11 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
         # the target over every key
         if not has_indexer:
             return {"core": 0.0, "other": 0.0}
-        core = 0.0
-        other = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
-        other += 4.0 * b * s * s_all * (c.index_n_heads / 2 + 2)
-        return {"core": core, "other": other}
+        return {"core": 0.0, "other": indexer_inputs + 4.0 * b * s * s_all * (c.index_n_heads / 2 + 2)}
     if has_indexer and stage == "sparse":
         # the indexer is trained (KL loss): its queries, keys, head weights and fp32 scores over
         # all keys are saved; without the loss its top-k is a non-differentiable selection
-        other += a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
+        other += indexer_inputs
         other += 4.0 * b * s * s_all
     # MLP block
     other += a * (sb * h / sig + sb * h)
@@ -353,8 +351,7 @@ def in_flight(lay: Layout, stage: int, micro_batches: int) -> float:
 
 def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) -> int:
     """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md)."""
-    L = config.num_hidden_layers
-    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
+    ids = _stage_layer_ids(config, spec)
     per = [layer_activation_elems(config, lay, _layer_key(config, i)) for i in ids]
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
@@ -398,18 +395,17 @@ def check_layout(config: Any, lay: Layout) -> None:
             ) from e
         raise
     check_glm_sizes(config, pc)
-    if lay.global_batch_size and lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
-        raise ParallelConfigError(
-            f"--global-batch-size {lay.global_batch_size} must be divisible by dp {lay.dp} x sharding "
-            f"{lay.sharding} x --micro-batch-size {lay.micro_batch_size}"
-        )
+    if lay.global_batch_size:  # 0: pp micro-batches per replica, a split that always works
+        from .loop import check_batch
+
+        check_batch(lay, pc)
 
 
 def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
+def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
     """Sharding as the trainer runs it (Fleet's ``DygraphShardingOptimizer``): every trainable
     tensor of the stage, experts included (every sharding rank holds the same expert grid), in the
     optimizer's order, partitioned whole (``fleet_sharding_partition``); the rank holds optimizer
@@ -494,7 +490,7 @@ def plan_layout(
         }
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
             params = stage_params(config, lay, spec)
-            by_sd = [_fleet_sharded_state_bytes(config, lay, params, r) for r in range(lay.sharding)]
+            by_sd = [_fleet_sharded_state_bytes(lay, params, r) for r in range(lay.sharding)]
             for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
                 row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
                 row[f] = max(row[f + "_by_sharding_rank"])
