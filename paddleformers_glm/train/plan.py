@@ -748,22 +748,19 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--indexer-stage",
-        default=None,
         choices=["none", "warmup", "sparse"],
         help="as glm52 train --indexer-stage: warmup holds gradients and optimizer state for the indexers only "
         "(default: the checkpoint's, sparse when its indexer_loss_coeff > 0)",
     )
-    g.add_argument("--seq-len", type=int, default=None, help="default 4096 (glm52 train's 64 for a train line)")
+    g.add_argument("--seq-len", type=int, help="default 4096 (glm52 train's 64 for a train line)")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument(
         "--global-batch-size",
         type=int,
-        default=None,
         help="default 0: pp micro-batches per step (glm52 train's 4 for a train line)",
     )
     g.add_argument(
         "--dtype",
-        default=None,
         choices=["float32", "bfloat16"],
         help="default bfloat16 (glm52 train's float32 for a train line)",
     )
@@ -783,7 +780,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--gpu-tflops", type=float, default=400.0, help="--search: sustained bf16 TFLOP/s per GPU")
     g.add_argument("--tp-bw-gbs", type=float, default=160.0, help="--search: GB/s inside a node (TP collectives)")
     g.add_argument("--net-bw-gbs", type=float, default=40.0, help="--search: GB/s per GPU between nodes (EP, PP, DP)")
-    g.add_argument("--json", default=None, help="write the plan here")
+    g.add_argument("--json", help="write the plan here")
     _accept_train_flags(p)
     p.set_defaults(func=run_plan)
 
