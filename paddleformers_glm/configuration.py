@@ -143,6 +143,7 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
 MAX_DIM = 2**31 - 1
 MAX_LAYERS = 10_000
 _DEFAULTS = {**_FILE_DEFAULTS, **_LIBRARY_DEFAULTS}
+_POSITIVE, _NONNEGATIVE = ("num", 0.0, math.inf, True), ("num", 0.0, math.inf, False)
 _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     # by the default's type: sizes in [1, MAX_DIM] (eos_token_id may be a list: validate checks it)
     **{k: ("int", 1, MAX_DIM) for k, v in _DEFAULTS.items() if type(v) is int and k != "eos_token_id"},
@@ -156,12 +157,8 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "qk_head_dim": ("int|None", 1, MAX_DIM),
     "bos_token_id": ("int|None", 0, MAX_DIM),
     "pad_token_id": ("int|None", 0, MAX_DIM),
-    "rms_norm_eps": ("num", 0.0, math.inf, True),
-    "indexer_k_norm_eps": ("num", 0.0, math.inf, True),
-    "routed_scaling_factor": ("num", 0.0, math.inf, True),
-    "initializer_range": ("num", 0.0, math.inf, False),
-    "mtp_loss_scaling_factor": ("num", 0.0, math.inf, False),
-    "indexer_loss_coeff": ("num", 0.0, math.inf, False),
+    **dict.fromkeys(("rms_norm_eps", "indexer_k_norm_eps", "routed_scaling_factor"), _POSITIVE),
+    **dict.fromkeys(("initializer_range", "mtp_loss_scaling_factor", "indexer_loss_coeff"), _NONNEGATIVE),
     "attention_dropout": ("num", 0.0, 1.0, False),
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
@@ -300,10 +297,8 @@ class GlmMoeDsaConfig:
         if from_file and "index_topk_freq" not in kwargs:
             kwargs["index_topk_freq"] = 1  # HF: a file without the schedule has every layer full
 
-        for key, default in _FILE_DEFAULTS.items():
+        for key, default in {**_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
             setattr(self, key, kwargs.pop(key, copy.deepcopy(default)))
-        for key, default in {**_LIBRARY_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
-            setattr(self, key, kwargs.pop(key, default))
         for key in ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"):  # other producers' keys
             setattr(self, key, kwargs.pop(key, None))
         # Everything else is preserved verbatim (and readable as an attribute).
@@ -444,7 +439,7 @@ class GlmMoeDsaConfig:
         rope["rope_type"] = _rope_type(rope)
         for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
             if value is not None:
-                _check_form(name, value, ("num", 0.0, math.inf, True))
+                _check_form(name, value, _POSITIVE)
         if "rope_theta" not in rope:
             if self.rope_theta is None:
                 raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
@@ -461,15 +456,9 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        for key, form in (
-            ("rope_theta", ("num", 0.0, math.inf, True)),
-            ("factor", ("num", 0.0, math.inf, True)),
-            ("original_max_position_embeddings", ("int", 1, MAX_DIM)),
-            ("beta_fast", ("num", 0.0, math.inf, False)),
-            ("beta_slow", ("num", 0.0, math.inf, False)),
-            ("mscale", ("num", 0.0, math.inf, False)),
-            ("mscale_all_dim", ("num", 0.0, math.inf, False)),
-        ):
+        forms = {"rope_theta": _POSITIVE, "factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}
+        forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
+        for key, form in forms.items():
             if rope.get(key) is not None:
                 _check_form(f"{src}.{key}", rope[key], form)
         self._rope = rope
