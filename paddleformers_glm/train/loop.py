@@ -124,10 +124,7 @@ class TrainConfig:
             if int(getattr(self, k)) < lo:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(self, k)}")
         choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
-        for k, allowed in {**choices, "indexer_stage": INDEXER_STAGES}.items():
-            v = getattr(self, k)
-            if v not in allowed and not (k == "indexer_stage" and v is None):  # None: the checkpoint's stage
-                raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, got {v!r}")
+        check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES})
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
@@ -145,6 +142,15 @@ class TrainConfig:
                 raise ValueError(f"{flag} must be >= 0, got {v}")
             if k.startswith("adam_beta") and not 0 <= v < 1:
                 raise ValueError(f"{flag} must be in [0, 1), got {v}")
+
+
+def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
+    """Each setting named in ``choices`` is one of its values (``indexer_stage`` None: the checkpoint's
+    stage); the trainer's settings and the planner's layout."""
+    for k, allowed in choices.items():
+        v = getattr(settings, k)
+        if v not in allowed and not (k == "indexer_stage" and v is None):
+            raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, got {v!r}")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

@@ -11,6 +11,7 @@ formulas and measurements: docs/scale.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 import sys
@@ -192,9 +193,8 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
         else:
             part = "head"
         parts.setdefault(part, []).append((name, numel, dtype_name(p.dtype), not p.stop_gradient, full))
-    out = LayerCounts(parts)
-    _CACHE[key] = out
-    return out
+    _CACHE[key] = LayerCounts(parts)
+    return _CACHE[key]
 
 
 def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
@@ -375,17 +375,14 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
 # --------------------------------------------------------------------------- the plan
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
+    from ..parallel.recompute import RECOMPUTE_MODES
     from ..parallel.topology import ParallelConfigError
     from .glm_adapter import check_glm_sizes, glm_parallel_sizes
+    from .indexer_stage import INDEXER_STAGES
+    from .loop import check_batch, check_choices
 
-    if lay.recompute not in ("none", "core", "full"):
-        raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
-    if lay.sharding_stage not in (1, 2, 3):
-        raise ParallelConfigError(f"--sharding-stage must be 1, 2 or 3, got {lay.sharding_stage}")
+    check_choices(lay, {"recompute": RECOMPUTE_MODES, "sharding_stage": (1, 2, 3), "indexer_stage": INDEXER_STAGES})
     pc = replace(lay, sharding_stage=min(lay.sharding_stage, 2))  # stage 3: planner only, checked above
-    from ..parallel.context import check_seq_len
-
-    check_seq_len(lay.seq_len, lay.cp)
     try:
         pc.validate(lay.world_size, **glm_parallel_sizes(config))
     except ParallelConfigError as e:
@@ -395,10 +392,10 @@ def check_layout(config: Any, lay: Layout) -> None:
             ) from e
         raise
     check_glm_sizes(config, pc)
-    if lay.global_batch_size:  # 0: pp micro-batches per replica, a split that always works
-        from .loop import check_batch
-
-        check_batch(lay, pc)
+    # the batch split and sequence slices (a global batch of 0 is pp micro-batches per replica)
+    check_batch(
+        replace(lay, global_batch_size=lay.global_batch_size or lay.pp * lay.replicas * lay.micro_batch_size), pc
+    )
 
 
 def _is_expert(name: str) -> bool:
@@ -453,13 +450,10 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
     """Fleet's hybrid order (data, pipe, sharding, sep = context parallel, model; model fastest)."""
-    tp_r = rank % lay.tp
-    r = rank // lay.tp
-    cp_r = r % lay.cp
-    r //= lay.cp
-    sd_r = r % lay.sharding
-    r //= lay.sharding
-    return {"tp": tp_r, "cp": cp_r, "sharding": sd_r, "pp": r % lay.pp, "dp": r // lay.pp}
+    r, tp = divmod(rank, lay.tp)
+    r, cp = divmod(r, lay.cp)
+    r, sharding = divmod(r, lay.sharding)
+    return {"tp": tp, "cp": cp, "sharding": sharding, "pp": r % lay.pp, "dp": r // lay.pp}
 
 
 def plan_layout(
@@ -532,6 +526,9 @@ def plan_layout(
     }
 
 
+_RECOMPUTE_ORDER = ("none", "core", "full")  # the search tries the least recompute first
+
+
 def search_layouts(
     config: Any,
     gpus: int,
@@ -545,11 +542,31 @@ def search_layouts(
     """Layouts of ``gpus`` ranks that fit, the least estimated time per token first (pipeline
     bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute.
     ``progress(line)`` is told after each tensor-parallel size how far the search is."""
-    from ..parallel.topology import ParallelConfigError
     from .plan_cost import comm_parts, step_estimate
 
     def pow2(n: int) -> list[int]:
         return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
+
+    def fitting(lay: Layout) -> dict[str, Any] | None:  # the layout's row if it fits
+        try:
+            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb, per_rank=False)
+        except ValueError:  # ParallelConfigError too
+            return None
+        if not p["fits"]:
+            return None
+        micro = p["layout"]["micro_batches_per_step"]
+        big = max(p["kinds"], key=lambda k: k["num_params"])
+        active = active_params(config, lay)
+        est = step_estimate(config, lay, micro, big["num_params"], active, hardware, expert_params=big["expert_params"])
+        return {
+            "layout": lay.describe(),
+            "flags": lay.flags(),
+            "max_rank_gib": p["max_rank_bytes"] / GiB,
+            "comm_bytes": sum(comm_parts(config, lay).values()),  # per micro-batch
+            "micro_batches": micro,
+            **est,
+            "recompute_rank": _RECOMPUTE_ORDER.index(lay.recompute),
+        }
 
     found = []
     t0, checked = time.perf_counter(), 0
@@ -564,48 +581,24 @@ def search_layouts(
             if (gpus // (tp * pp)) % base.cp:
                 continue
             dpt = gpus // (tp * pp * base.cp)  # data-parallel ranks (dp x sharding); --cp is kept as given
-            for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]:
-                # every split of the data-parallel ranks into dp x sharding: the expert grid spans
-                # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
-                for sharding in pow2(dpt):
-                    for rc in ("none", "core", "full"):
-                        lay = replace(
-                            base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
-                            sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
-                        )  # fmt: skip
-                        if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
-                            break  # fewer layers than virtual chunks
-                        if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
-                            break  # the global batch does not split over this layout's replicas
-                        checked += 1
-                        try:
-                            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb, per_rank=False)
-                        except (ParallelConfigError, ValueError):
-                            continue
-                        if p["fits"]:
-                            micro = p["layout"]["micro_batches_per_step"]
-                            big = max(p["kinds"], key=lambda k: k["num_params"])
-                            est = step_estimate(
-                                config,
-                                lay,
-                                micro,
-                                big["num_params"],
-                                active_params(config, lay),
-                                hardware,
-                                expert_params=big["expert_params"],
-                            )
-                            found.append(
-                                {
-                                    "layout": lay.describe(),
-                                    "flags": lay.flags(),
-                                    "max_rank_gib": p["max_rank_bytes"] / GiB,
-                                    "comm_bytes": sum(comm_parts(config, lay).values()),  # per micro-batch
-                                    "micro_batches": micro,
-                                    **est,
-                                    "recompute_rank": ("none", "core", "full").index(rc),
-                                }
-                            )
-                            break  # the least recompute that fits
+            eps = [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]
+            # every split of the data-parallel ranks into dp x sharding: the expert grid spans
+            # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
+            for ep, sharding in itertools.product(eps, pow2(dpt)):
+                for rc in _RECOMPUTE_ORDER:
+                    lay = replace(
+                        base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
+                        sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
+                    )  # fmt: skip
+                    if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
+                        break  # fewer layers than virtual chunks
+                    if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
+                        break  # the global batch does not split over this layout's replicas
+                    checked += 1
+                    row = fitting(lay)
+                    if row is not None:
+                        found.append(row)
+                        break  # the least recompute that fits
     if progress is not None:
         progress(f"searched {checked} layouts of {gpus} GPUs in {time.perf_counter() - t0:.1f} s: {len(found)} fit")
     found.sort(key=lambda r: (r["s_per_token"], r["recompute_rank"], r["max_rank_gib"]))
