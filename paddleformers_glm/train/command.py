@@ -231,10 +231,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from .loop import TrainConfig
 
     if args.model == "toy":
-        model, model_args = (
-            "toy",
-            {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
-        )
+        model, model_args = "toy", {"config": json.loads(args.model_config or "{}"), "seed": args.seed}
     else:
         from ..cli._common import model_folder_error
 
