@@ -187,10 +187,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--data",
         help=".npy / .bin token stream, .npz samples, or .jsonl of input_ids, text or chat messages (default: synthetic)",
     )
-    g.add_argument(
-        "--tokenizer",
-        help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder)",
-    )
+    g.add_argument("--tokenizer", help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder)")
     g.add_argument(
         "--data-dtype", default="auto", help=".bin token dtype (auto: uint16 if the vocabulary fits, else uint32)"
     )

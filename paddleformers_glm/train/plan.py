@@ -732,10 +732,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "DygraphShardingOptimizer, what glm52 train's --sharding uses)",
     )
     g.add_argument(
-        "--recompute",
-        default="none",
-        choices=["none", "core", "full"],
-        help="activation recompute, as glm52 train --recompute",
+        "--recompute", default="none", choices=_RECOMPUTE_ORDER, help="activation recompute, as glm52 train --recompute"
     )
     g.add_argument(
         "--indexer-stage",
@@ -746,14 +743,10 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seq-len", type=int, help="default 4096 (glm52 train's 64 for a train line)")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument(
-        "--global-batch-size",
-        type=int,
-        help="default 0: pp micro-batches per step (glm52 train's 4 for a train line)",
+        "--global-batch-size", type=int, help="default 0: pp micro-batches per step (glm52 train's 4 for a train line)"
     )
     g.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        help="default bfloat16 (glm52 train's float32 for a train line)",
+        "--dtype", choices=["float32", "bfloat16"], help="default bfloat16 (glm52 train's float32 for a train line)"
     )
     g.add_argument(
         "--attention",
