@@ -101,7 +101,7 @@ class LayerCounts:
     def part(self, key: Any) -> list[tuple[str, int, str, bool, int]]:
         return self.parts.get(key, [])
 
-    def totals(self, config: Any, key: Any) -> dict[str, int]:
+    def totals(self, key: Any) -> dict[str, int]:
         """Unsharded :func:`train.memory.state_bytes` of part ``key`` (all its tensors, and its
         routed experts' optimizer bytes), its parameter counts (this rank's, routed experts', the
         whole model's)."""
@@ -241,7 +241,7 @@ def total_params(config: Any, lay: Layout) -> int:
     L = config.num_hidden_layers
     parts = Counter(_layer_key(config, i) for i in range(L + config.num_mtp_layers))
     parts.update(["embedding", "head"])
-    return sum(lc.totals(config, k)["full_params"] * m for k, m in parts.items())
+    return sum(lc.totals(k)["full_params"] * m for k, m in parts.items())
 
 
 def active_params(config: Any, lay: Any) -> int:
@@ -436,16 +436,13 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes", "num_params", "expert_params")
     raw = dict.fromkeys(keys, 0)
     for part, m in _stage_parts(config, spec).items():
-        t = lc.totals(config, part)
+        t = lc.totals(part)
         for k in keys:
             raw[k] += t[k] * m
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
-    out = shard_totals(raw, sd, stage)
-    out["expert_optimizer_bytes"] = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)[
-        "optimizer_bytes"
-    ]
-    return out
+    expert = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)["optimizer_bytes"]
+    return shard_totals(raw, sd, stage) | {"expert_optimizer_bytes": expert}
 
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
