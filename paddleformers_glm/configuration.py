@@ -162,11 +162,8 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "attention_dropout": ("num", 0.0, 1.0, False),
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
-    # The layout fields: only their form. A config file may carry the layout of the run that wrote it
-    # (PaddleFormers saves `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by
-    # `to_fleet_config()`. Whether a layout works for this model and a world size (TP divides heads
-    # and vocab, EP the experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run
-    # is launched: `parallel.topology.ParallelConfig.validate` with the model's sizes.
+    # The layout fields: only their form. Whether a layout works for this model and a world size is
+    # decided in one place, when a run is launched: `parallel.topology.ParallelConfig.validate`.
     **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
 }
 
