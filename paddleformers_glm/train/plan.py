@@ -283,15 +283,13 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     mlp = "sparse" if mtp else kind[0]
     # the indexer's queries, keys and head weights (kept when its KL trains)
     indexer_inputs = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
-    other = 0.0
     # attention block: norm input, normed input, latents and their norms, head projections,
     # roped q / k, v, output
-    other += sb * h / sig + sb * h
+    other = sb * h / sig + sb * h
     other += 2 * sb * ql + sb * (kl + r) + sb * kl
     other += sb * nh * dq + sb * nh * (dn + dv) + 2 * sb * nh * dq + sb * nh * dv + sb * nh * dv
     other *= a
     keys = min(s_all, int(c.index_topk)) if c.index_topk else s_all
-    core = 0.0
     if lay.attention == "eager":
         # scaled queries and the latent key table; the gathered keys and fp32 probabilities are
         # kept for backward only up to the attention's save cap, else recomputed per chunk
