@@ -188,32 +188,23 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
     """``value`` of ``key`` has the form ``form`` (see _KEY_FORMS), else an error naming both."""
-    kind = form[0]
-    if kind.endswith("|None"):
-        if value is None:
-            return
-        kind = kind[: -len("|None")]
+    kind = form[0].removesuffix("|None")
+    if value is None and kind != form[0]:
+        return
     text = repr(value)
     actual = f"{text if len(text) <= 60 else text[:60] + '...'} ({type(value).__name__})"
     if kind == "int":
-        lo, hi = form[1], form[2]
+        lo, hi = form[1:]
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
             raise _err(key, f"expected an integer in [{lo}, {hi}], got {actual}")
     elif kind == "num":
-        lo, hi, lo_open = form[1], form[2], form[3]
+        lo, hi, lo_open = form[1:]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or value < lo or (lo_open and value == lo) or value > hi:
-            bound = f"> {lo}" if lo_open else f">= {lo}"
-            raise _err(
-                key,
-                f"expected a finite number {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {actual}",
-            )
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise _err(key, f"expected true or false, got {actual}")
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise _err(key, f"expected a string, got {actual}")
+            upper = f" and <= {hi}" if hi != math.inf else ""
+            raise _err(key, f"expected a finite number {'>' if lo_open else '>='} {lo}{upper}, got {actual}")
+    elif not isinstance(value, {"bool": bool, "str": str}[kind]):
+        raise _err(key, f"expected {'true or false' if kind == 'bool' else 'a string'}, got {actual}")
 
 
 def _rope_type(rope: dict[str, Any]) -> Any:
