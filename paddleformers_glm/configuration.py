@@ -444,7 +444,7 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        forms = {"rope_theta": _POSITIVE, "factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}
+        forms = {"factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}  # rope_theta: above
         forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
         for key, form in forms.items():
             if rope.get(key) is not None:
