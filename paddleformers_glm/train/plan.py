@@ -22,7 +22,7 @@ from typing import Any
 
 from .._io import write_json_atomic
 from ..parallel.topology import ParallelConfig
-from .command import add_layout_arguments
+from .command import TRAIN_DEFAULTS, add_layout_arguments, add_train_arguments
 
 __all__ = [
     "LayerCounts",
@@ -694,8 +694,6 @@ def _train_line_note(args: argparse.Namespace) -> str | None:
     given = sorted(
         flag for dest, flag in getattr(args, "_train_only_flags", {}).items() if getattr(args, dest) is not None
     )
-    from .command import TRAIN_DEFAULTS
-
     unset = [k for k in _PLAN_DEFAULTS if getattr(args, k) is None]
     for k in unset:
         setattr(args, k, TRAIN_DEFAULTS[k] if given else _PLAN_DEFAULTS[k])
@@ -768,8 +766,6 @@ def _accept_train_flags(p: argparse.ArgumentParser) -> None:
     """Every glm52 train flag plan lacks, accepted and recorded (not shown in help): a train command
     line can be planned as it is."""
     import copy
-
-    from .command import add_train_arguments
 
     ours = {s for a in p._actions for s in a.option_strings}
     train = add_train_arguments(argparse.ArgumentParser(add_help=False))
