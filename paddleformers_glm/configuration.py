@@ -143,6 +143,7 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
 MAX_DIM = 2**31 - 1
 MAX_LAYERS = 10_000
 _DEFAULTS = {**_FILE_DEFAULTS, **_LIBRARY_DEFAULTS}
+_POSITIVE, _NONNEGATIVE = ("num", 0.0, math.inf, True), ("num", 0.0, math.inf, False)
 _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     # by the default's type: sizes in [1, MAX_DIM] (eos_token_id may be a list: validate checks it)
     **{k: ("int", 1, MAX_DIM) for k, v in _DEFAULTS.items() if type(v) is int and k != "eos_token_id"},
@@ -156,20 +157,13 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "qk_head_dim": ("int|None", 1, MAX_DIM),
     "bos_token_id": ("int|None", 0, MAX_DIM),
     "pad_token_id": ("int|None", 0, MAX_DIM),
-    "rms_norm_eps": ("num", 0.0, math.inf, True),
-    "indexer_k_norm_eps": ("num", 0.0, math.inf, True),
-    "routed_scaling_factor": ("num", 0.0, math.inf, True),
-    "initializer_range": ("num", 0.0, math.inf, False),
-    "mtp_loss_scaling_factor": ("num", 0.0, math.inf, False),
-    "indexer_loss_coeff": ("num", 0.0, math.inf, False),
+    **dict.fromkeys(("rms_norm_eps", "indexer_k_norm_eps", "routed_scaling_factor"), _POSITIVE),
+    **dict.fromkeys(("initializer_range", "mtp_loss_scaling_factor", "indexer_loss_coeff"), _NONNEGATIVE),
     "attention_dropout": ("num", 0.0, 1.0, False),
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
-    # The layout fields: only their form. A config file may carry the layout of the run that wrote it
-    # (PaddleFormers saves `tensor_model_parallel_size`); it is kept and handed to PaddleFleet by
-    # `to_fleet_config()`. Whether a layout works for this model and a world size (TP divides heads
-    # and vocab, EP the experts, ETP the expert FFN, SP needs TP) is decided in one place, when a run
-    # is launched: `parallel.topology.ParallelConfig.validate` with the model's sizes.
+    # The layout fields: only their form. Whether a layout works for this model and a world size is
+    # decided in one place, when a run is launched: `parallel.topology.ParallelConfig.validate`.
     **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
 }
 
@@ -194,32 +188,23 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _check_form(key: str, value: Any, form: tuple[Any, ...]) -> None:
     """``value`` of ``key`` has the form ``form`` (see _KEY_FORMS), else an error naming both."""
-    kind = form[0]
-    if kind.endswith("|None"):
-        if value is None:
-            return
-        kind = kind[: -len("|None")]
+    kind = form[0].removesuffix("|None")
+    if value is None and kind != form[0]:
+        return
     text = repr(value)
     actual = f"{text if len(text) <= 60 else text[:60] + '...'} ({type(value).__name__})"
     if kind == "int":
-        lo, hi = form[1], form[2]
+        lo, hi = form[1:]
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
             raise _err(key, f"expected an integer in [{lo}, {hi}], got {actual}")
     elif kind == "num":
-        lo, hi, lo_open = form[1], form[2], form[3]
+        lo, hi, lo_open = form[1:]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or value < lo or (lo_open and value == lo) or value > hi:
-            bound = f"> {lo}" if lo_open else f">= {lo}"
-            raise _err(
-                key,
-                f"expected a finite number {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {actual}",
-            )
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise _err(key, f"expected true or false, got {actual}")
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise _err(key, f"expected a string, got {actual}")
+            upper = f" and <= {hi}" if hi != math.inf else ""
+            raise _err(key, f"expected a finite number {'>' if lo_open else '>='} {lo}{upper}, got {actual}")
+    elif not isinstance(value, {"bool": bool, "str": str}[kind]):
+        raise _err(key, f"expected {'true or false' if kind == 'bool' else 'a string'}, got {actual}")
 
 
 def _rope_type(rope: dict[str, Any]) -> Any:
@@ -300,10 +285,8 @@ class GlmMoeDsaConfig:
         if from_file and "index_topk_freq" not in kwargs:
             kwargs["index_topk_freq"] = 1  # HF: a file without the schedule has every layer full
 
-        for key, default in _FILE_DEFAULTS.items():
+        for key, default in {**_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
             setattr(self, key, kwargs.pop(key, copy.deepcopy(default)))
-        for key, default in {**_LIBRARY_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
-            setattr(self, key, kwargs.pop(key, default))
         for key in ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"):  # other producers' keys
             setattr(self, key, kwargs.pop(key, None))
         # Everything else is preserved verbatim (and readable as an attribute).
@@ -444,7 +427,7 @@ class GlmMoeDsaConfig:
         rope["rope_type"] = _rope_type(rope)
         for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
             if value is not None:
-                _check_form(name, value, ("num", 0.0, math.inf, True))
+                _check_form(name, value, _POSITIVE)
         if "rope_theta" not in rope:
             if self.rope_theta is None:
                 raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
@@ -461,15 +444,9 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        for key, form in (
-            ("rope_theta", ("num", 0.0, math.inf, True)),
-            ("factor", ("num", 0.0, math.inf, True)),
-            ("original_max_position_embeddings", ("int", 1, MAX_DIM)),
-            ("beta_fast", ("num", 0.0, math.inf, False)),
-            ("beta_slow", ("num", 0.0, math.inf, False)),
-            ("mscale", ("num", 0.0, math.inf, False)),
-            ("mscale_all_dim", ("num", 0.0, math.inf, False)),
-        ):
+        forms = {"factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}  # rope_theta: above
+        forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
+        for key, form in forms.items():
             if rope.get(key) is not None:
                 _check_form(f"{src}.{key}", rope[key], form)
         self._rope = rope
@@ -635,28 +612,22 @@ class GlmMoeDsaConfig:
         `partial_rotary_factor` says; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
         """
         rope = self._rope
+
+        def same(*keys: str, cast: Any = None) -> dict[str, Any]:  # fields Fleet names as this config does
+            return {k: cast(getattr(self, k)) if cast else getattr(self, k) for k in keys}
+
         d: dict[str, Any] = {
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "hidden_act": self.hidden_act,
+            **same("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"),
+            **same("intermediate_size", "vocab_size", "hidden_act"),
             "gated_linear_unit": True,
             "normalization": "RMSNorm",
             "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": bool(self.attention_bias),
-            "tie_word_embeddings": bool(self.tie_word_embeddings),
+            **same("attention_bias", "tie_word_embeddings", cast=bool),
             "params_dtype": self.model_dtype,
             "fp32_residual_connection": bool(self.fp32_residual_connection),
             # MLA (latent norms on the compressed q and kv: `use_qk_norm`)
             "multi_latent_attention": True,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
+            **same("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
             "use_qk_norm": bool(self.use_qk_norm),
             # RoPE
             "position_embedding_type": "rope",
@@ -667,49 +638,38 @@ class GlmMoeDsaConfig:
             "rotary_interleaved": bool(self.rope_interleave),
         }
         if rope["rope_type"] == "yarn":
-            d.update(
-                {
-                    "rotary_scaling_factor": rope["factor"],
-                    "original_max_position_embeddings": rope["original_max_position_embeddings"],
-                    "beta_fast": rope.get("beta_fast") or 32,
-                    "beta_slow": rope.get("beta_slow") or 1,
-                    "mscale": rope.get("mscale", 1.0),
-                    "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
-                }
-            )
+            d |= {
+                "rotary_scaling_factor": rope["factor"],
+                "original_max_position_embeddings": rope["original_max_position_embeddings"],
+                "beta_fast": rope.get("beta_fast") or 32,
+                "beta_slow": rope.get("beta_slow") or 1,
+                "mscale": rope.get("mscale", 1.0),
+                "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
+            }
         elif rope["rope_type"] != "default":
             raise _err("rope_parameters.rope_type", f"{rope['rope_type']!r} has no PaddleFleet equivalent")
-        d.update(
-            {
-                # MoE
-                "n_routed_experts": self.n_routed_experts,
-                "n_shared_experts": self.n_shared_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "scoring_func": self.scoring_func,
-                "topk_method": self.topk_method,
-                "n_group": self.n_group,
-                "topk_group": self.topk_group,
-                "routed_scaling_factor": self.routed_scaling_factor,
-                "norm_topk_prob": bool(self.norm_topk_prob),
-                "first_k_dense_replace": self.first_k_dense_replace,
-                "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
-                # MTP
-                "num_nextn_predict_layers": self.num_mtp_layers,
-                "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
-                # DSA indexer and cross-layer top-k sharing
-                "experimental_attention_variant": "dsa",
-                "dsa_index_n_heads": self.index_n_heads,
-                "dsa_index_head_dim": self.index_head_dim,
-                "dsa_index_topk": self.index_topk,
-                "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
-                "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
-                "dsa_indexer_types": list(self.indexer_types),
-                "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
-                "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
-                "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
-            }
-        )
+        d |= {
+            # MoE
+            **same("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size"),
+            **same("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor"),
+            "norm_topk_prob": bool(self.norm_topk_prob),
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
+            # MTP
+            "num_nextn_predict_layers": self.num_mtp_layers,
+            "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
+            # DSA indexer and cross-layer top-k sharing
+            "experimental_attention_variant": "dsa",
+            "dsa_index_n_heads": self.index_n_heads,
+            "dsa_index_head_dim": self.index_head_dim,
+            "dsa_index_topk": self.index_topk,
+            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
+            "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
+            "dsa_indexer_types": list(self.indexer_types),
+            "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
+            "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
+            "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
+        }
         p = self.parallel_settings()  # the layout the file carried, unless the run's is given
         if layout is not None:
             p = dict(zip(p, (layout.tp, layout.pp, layout.ep, layout.etp, layout.sp, layout.cp)))

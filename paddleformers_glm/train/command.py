@@ -69,17 +69,15 @@ def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> Non
     g.add_argument("--ep", type=int, default=1, help="expert parallel size (ep x etp must divide tp x dp x cp)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
-    g.add_argument(
-        "--pp-layout", default=None, help="e.g. 'E,t*4|t*4,m,L' or per-stage layer counts '3,5' (docs/parallel.md)"
-    )
+    g.add_argument("--pp-layout", help="e.g. 'E,t*4|t*4,m,L' or per-stage layer counts '3,5' (docs/parallel.md)")
     g.add_argument(
         "--vpp",
         type=int,
         default=1,
         help="virtual pipeline stages per rank (Fleet's interleaved schedule; --pp-layout then lists pp x vpp chunks)",
     )
-    g.add_argument("--first-stage-layers", type=int, default=None, help="decoder layers on the first stage")
-    g.add_argument("--last-stage-layers", type=int, default=None, help="decoder layers on the last stage")
+    g.add_argument("--first-stage-layers", type=int, help="decoder layers on the first stage")
+    g.add_argument("--last-stage-layers", type=int, help="decoder layers on the last stage")
 
 
 INDEXER_STAGE_HELP = (
@@ -91,11 +89,10 @@ INDEXER_STAGE_HELP = (
 
 def add_indexer_arguments(g: Any) -> None:
     """The indexer-training flags ``glm52 train`` and ``glm52 align`` share (train/indexer_stage.py)."""
-    g.add_argument("--indexer-stage", default=None, choices=["none", "warmup", "sparse"], help=INDEXER_STAGE_HELP)
+    g.add_argument("--indexer-stage", choices=["none", "warmup", "sparse"], help=INDEXER_STAGE_HELP)
     g.add_argument(
         "--indexer-loss-coeff",
         type=float,
-        default=None,
         help="the sparse stage's KL weight (default: the checkpoint's indexer_loss_coeff)",
     )
     g.add_argument(
@@ -113,7 +110,7 @@ def add_step_arguments(g: Any) -> None:
     g.add_argument("--global-batch-size", type=int, default=TRAIN_DEFAULTS["global_batch_size"])
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 10)")
+    g.add_argument("--min-lr", type=float, help="cosine floor (default lr / 10)")
     g.add_argument("--warmup-steps", type=int, default=0)
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
@@ -162,7 +159,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         required=True,
         help="checkpoint folder (GLM-5.2, HF layout), or 'toy' (a small stand-in model for smoke runs)",
     )
-    g.add_argument("--model-config", default=None, help="JSON overrides for the toy model's config")
+    g.add_argument("--model-config", help="JSON overrides for the toy model's config")
     g = ap.add_argument_group("parallel layout")
     add_layout_arguments(g)
     g.add_argument(
@@ -188,14 +185,9 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_dtype_argument(g, "on a CPU build through ops/cpu_bf16")
     g.add_argument(
         "--data",
-        default=None,
         help=".npy / .bin token stream, .npz samples, or .jsonl of input_ids, text or chat messages (default: synthetic)",
     )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder)",
-    )
+    g.add_argument("--tokenizer", help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder)")
     g.add_argument(
         "--data-dtype", default="auto", help=".bin token dtype (auto: uint16 if the vocabulary fits, else uint32)"
     )
@@ -203,7 +195,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="output folder (loss.json, checkpoints/, export/, logs/)")
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
-    g.add_argument("--resume", default=None, help="checkpoint folder (step_* or its root) to continue from")
+    g.add_argument("--resume", help="checkpoint folder (step_* or its root) to continue from")
     g.add_argument(
         "--no-progress",
         action="store_true",
@@ -218,19 +210,17 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_dump_argument(g)
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
-    g.add_argument("--master", default=None, help="IP:PORT of the rendezvous (multi-node)")
-    g.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
+    g.add_argument("--master", help="IP:PORT of the rendezvous (multi-node)")
+    g.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
     g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
-    g.add_argument(
-        "--job-timeout", type=float, default=None, help="stop the whole job after this many seconds (default: none)"
-    )
+    g.add_argument("--job-timeout", type=float, help="stop the whole job after this many seconds (default: none)")
     g.add_argument(
         "--comm-timeout",
         type=float,
         default=600.0,
         help="NCCL process-group timeout in seconds (PADDLE_PG_TIMEOUT; gloo's is fixed at 30 s)",
     )
-    g.add_argument("--fault", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--fault", help=argparse.SUPPRESS)
     return ap
 
 
@@ -238,10 +228,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from .loop import TrainConfig
 
     if args.model == "toy":
-        model, model_args = (
-            "toy",
-            {"config": json.loads(args.model_config) if args.model_config else {}, "seed": args.seed},
-        )
+        model, model_args = "toy", {"config": json.loads(args.model_config or "{}"), "seed": args.seed}
     else:
         from ..cli._common import model_folder_error
 

@@ -50,6 +50,11 @@ __all__ = ["TrainConfig", "run_training", "write_json_atomic"]
 
 
 _POSITIVE_INTS = ("steps", "seq_len", "global_batch_size", "micro_batch_size", "vpp")
+# float settings that must be finite numbers and >= 0 (None allowed for min_lr and indexer_loss_coeff)
+_NONNEGATIVE_FLOATS = (
+    "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
+    "indexer_loss_coeff",
+)  # fmt: skip
 
 
 @dataclass
@@ -119,39 +124,33 @@ class TrainConfig:
             if int(getattr(self, k)) < lo:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(self, k)}")
         choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
-        for k, allowed in {**choices, "indexer_stage": INDEXER_STAGES}.items():
-            v = getattr(self, k)
-            if v not in allowed and not (k == "indexer_stage" and v is None):  # None: the checkpoint's stage
-                raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, got {v!r}")
+        check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES})
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
             )
         if self.vpp > 1 and self.pp < 2:
             raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
-        check_finite_settings(self)
+        for k in (*_NONNEGATIVE_FLOATS, "adam_beta1", "adam_beta2"):  # finite: --lr nan would train on NaN
+            v = getattr(self, k)
+            if v is None and k in ("min_lr", "indexer_loss_coeff"):
+                continue
+            flag = f"--{k.replace('_', '-')}"
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{flag} must be a finite number, got {v!r}")
+            if k in _NONNEGATIVE_FLOATS and v < 0:
+                raise ValueError(f"{flag} must be >= 0, got {v}")
+            if k.startswith("adam_beta") and not 0 <= v < 1:
+                raise ValueError(f"{flag} must be in [0, 1), got {v}")
 
 
-# float settings that must be finite numbers and >= 0 (None allowed where marked)
-_NONNEGATIVE_FLOATS = (
-    "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
-    "indexer_loss_coeff",
-)  # fmt: skip
-
-
-def check_finite_settings(cfg: TrainConfig) -> None:
-    """Every float setting is a finite number in its range (``--lr nan`` would train on NaN)."""
-    for k in (*_NONNEGATIVE_FLOATS, "adam_beta1", "adam_beta2"):
-        v = getattr(cfg, k)
-        if v is None and k in ("min_lr", "indexer_loss_coeff"):
-            continue
-        flag = f"--{k.replace('_', '-')}"
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"{flag} must be a finite number, got {v!r}")
-        if k in _NONNEGATIVE_FLOATS and v < 0:
-            raise ValueError(f"{flag} must be >= 0, got {v}")
-        if k.startswith("adam_beta") and not 0 <= v < 1:
-            raise ValueError(f"{flag} must be in [0, 1), got {v}")
+def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
+    """Each setting named in ``choices`` is one of its values (``indexer_stage`` None: the checkpoint's
+    stage); the trainer's settings and the planner's layout."""
+    for k, allowed in choices.items():
+        v = getattr(settings, k)
+        if v not in allowed and not (k == "indexer_stage" and v is None):
+            raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, got {v!r}")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -204,19 +203,19 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
 
 
-def check_batch(cfg: TrainConfig, pc: ParallelConfig) -> None:
+def check_batch(cfg: Any, pc: ParallelConfig) -> None:
     """The global batch splits evenly over the dp x sharding replicas and their micro-batches;
     an interleaved pipeline gets ``pp`` or at least ``2 pp`` micro-batches per replica (Fleet's
-    F-then-B and 1F1B interleaved engines)."""
+    F-then-B and 1F1B interleaved engines).  ``cfg``: a TrainConfig, or the planner's Layout."""
     if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
-        raise ValueError(
+        raise ParallelConfigError(
             f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
             f"x --micro-batch-size {cfg.micro_batch_size}"
         )
     check_seq_len(cfg.seq_len, pc.cp)
     micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
     if cfg.vpp > 1 and not (micro == pc.pp or micro >= 2 * pc.pp):
-        raise ValueError(
+        raise ParallelConfigError(
             f"--vpp {cfg.vpp}: each replica runs {micro} micro-batches per step; Fleet's interleaved schedules "
             f"need exactly --pp {pc.pp} or at least 2 x --pp = {2 * pc.pp}; change --global-batch-size or "
             "--micro-batch-size"

@@ -11,6 +11,7 @@ formulas and measurements: docs/scale.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 from .._io import write_json_atomic
 from ..parallel.topology import ParallelConfig
-from .command import add_layout_arguments
+from .command import TRAIN_DEFAULTS, add_layout_arguments, add_train_arguments
 
 __all__ = [
     "LayerCounts",
@@ -67,20 +68,17 @@ class Layout(ParallelConfig):
     def _parts(self) -> list[tuple[str, str]]:
         """(summary, glm52 train flags) of each setting shown: tp, pp, dp, ep, recompute always,
         the others where they are not the default."""
-        parts = [(f"TP{self.tp}", f"--tp {self.tp}"), (f"PP{self.pp}", f"--pp {self.pp}")]
-        parts += [(f"DP{self.dp}", f"--dp {self.dp}"), (f"EP{self.ep}", f"--ep {self.ep}")]
-        if self.etp > 1:
-            parts.append((f"ETP{self.etp}", f"--etp {self.etp}"))
-        if self.vpp > 1:
-            parts.append((f"VPP{self.vpp}", f"--vpp {self.vpp}"))
-        if self.sharding > 1:
-            s, st = self.sharding, self.sharding_stage
-            parts.append((f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}"))
-        if self.cp > 1:
-            parts.append((f"CP{self.cp}", f"--cp {self.cp}"))
-        if self.sp:
-            parts.append(("SP", "--sp"))
-        return parts + [(f"recompute={self.recompute}", f"--recompute {self.recompute}")]
+        s, st = self.sharding, self.sharding_stage
+        parts = [(True, f"TP{self.tp}", f"--tp {self.tp}"), (True, f"PP{self.pp}", f"--pp {self.pp}")]
+        parts += [(True, f"DP{self.dp}", f"--dp {self.dp}"), (True, f"EP{self.ep}", f"--ep {self.ep}")]
+        parts += [
+            (self.etp > 1, f"ETP{self.etp}", f"--etp {self.etp}"),
+            (self.vpp > 1, f"VPP{self.vpp}", f"--vpp {self.vpp}"),
+        ]
+        parts += [(s > 1, f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}")]
+        parts += [(self.cp > 1, f"CP{self.cp}", f"--cp {self.cp}"), (self.sp, "SP", "--sp")]
+        parts += [(True, f"recompute={self.recompute}", f"--recompute {self.recompute}")]
+        return [(summary, flags) for shown, summary, flags in parts if shown]
 
     def describe(self) -> str:
         return " ".join(summary for summary, _ in self._parts())
@@ -103,7 +101,7 @@ class LayerCounts:
     def part(self, key: Any) -> list[tuple[str, int, str, bool, int]]:
         return self.parts.get(key, [])
 
-    def totals(self, config: Any, key: Any) -> dict[str, int]:
+    def totals(self, key: Any) -> dict[str, int]:
         """Unsharded :func:`train.memory.state_bytes` of part ``key`` (all its tensors, and its
         routed experts' optimizer bytes), its parameter counts (this rank's, routed experts', the
         whole model's)."""
@@ -195,16 +193,19 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
         else:
             part = "head"
         parts.setdefault(part, []).append((name, numel, dtype_name(p.dtype), not p.stop_gradient, full))
-    out = LayerCounts(parts)
-    _CACHE[key] = out
-    return out
+    _CACHE[key] = LayerCounts(parts)
+    return _CACHE[key]
+
+
+def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
+    """The decoder layers of a stage, then its MTP layers (numbered after the decoder's)."""
+    L = config.num_hidden_layers
+    return list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
 
 
 def _stage_parts(config: Any, spec: Any) -> Counter:
     """How many times each part (embedding, layer kind, head) a stage holds."""
-    L = config.num_hidden_layers
-    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
-    parts: Counter = Counter(_layer_key(config, i) for i in ids)
+    parts: Counter = Counter(_layer_key(config, i) for i in _stage_layer_ids(config, spec))
     if spec.has_embedding or spec.has_mtp:
         parts["embedding"] += 1
     if spec.has_head:
@@ -218,9 +219,7 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
     out = []
     if spec.has_embedding or spec.has_mtp:
         out += lc.part("embedding")
-    L = config.num_hidden_layers
-    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
-    for i in ids:  # the representative layer's parameters under layer i's name
+    for i in _stage_layer_ids(config, spec):  # the representative layer's parameters under layer i's name
         for name, *rest in lc.part(_layer_key(config, i)):
             parts = name.split(".")
             parts[2] = str(i)
@@ -242,7 +241,7 @@ def total_params(config: Any, lay: Layout) -> int:
     L = config.num_hidden_layers
     parts = Counter(_layer_key(config, i) for i in range(L + config.num_mtp_layers))
     parts.update(["embedding", "head"])
-    return sum(lc.totals(config, k)["full_params"] * m for k, m in parts.items())
+    return sum(lc.totals(k)["full_params"] * m for k, m in parts.items())
 
 
 def active_params(config: Any, lay: Any) -> int:
@@ -280,17 +279,17 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     dq, dn, dv, r = c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.qk_rope_head_dim
     ql, kl = c.q_lora_rank, c.kv_lora_rank
     mtp = kind[0] == "mtp"
-    has_indexer = (not mtp and kind[1] == "full") or mtp
+    has_indexer = mtp or kind[1] == "full"
     mlp = "sparse" if mtp else kind[0]
-    other = 0.0
+    # the indexer's queries, keys and head weights (kept when its KL trains)
+    indexer_inputs = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
     # attention block: norm input, normed input, latents and their norms, head projections,
     # roped q / k, v, output
-    other += sb * h / sig + sb * h
+    other = sb * h / sig + sb * h
     other += 2 * sb * ql + sb * (kl + r) + sb * kl
     other += sb * nh * dq + sb * nh * (dn + dv) + 2 * sb * nh * dq + sb * nh * dv + sb * nh * dv
     other *= a
     keys = min(s_all, int(c.index_topk)) if c.index_topk else s_all
-    core = 0.0
     if lay.attention == "eager":
         # scaled queries and the latent key table; the gathered keys and fp32 probabilities are
         # kept for backward only up to the attention's save cap, else recomputed per chunk
@@ -306,14 +305,11 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
         # the target over every key
         if not has_indexer:
             return {"core": 0.0, "other": 0.0}
-        core = 0.0
-        other = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
-        other += 4.0 * b * s * s_all * (c.index_n_heads / 2 + 2)
-        return {"core": core, "other": other}
+        return {"core": 0.0, "other": indexer_inputs + 4.0 * b * s * s_all * (c.index_n_heads / 2 + 2)}
     if has_indexer and stage == "sparse":
         # the indexer is trained (KL loss): its queries, keys, head weights and fp32 scores over
         # all keys are saved; without the loss its top-k is a non-differentiable selection
-        other += a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
+        other += indexer_inputs
         other += 4.0 * b * s * s_all
     # MLP block
     other += a * (sb * h / sig + sb * h)
@@ -353,8 +349,7 @@ def in_flight(lay: Layout, stage: int, micro_batches: int) -> float:
 
 def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) -> int:
     """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md)."""
-    L = config.num_hidden_layers
-    ids = list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
+    ids = _stage_layer_ids(config, spec)
     per = [layer_activation_elems(config, lay, _layer_key(config, i)) for i in ids]
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
@@ -378,17 +373,14 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
 # --------------------------------------------------------------------------- the plan
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
+    from ..parallel.recompute import RECOMPUTE_MODES
     from ..parallel.topology import ParallelConfigError
     from .glm_adapter import check_glm_sizes, glm_parallel_sizes
+    from .indexer_stage import INDEXER_STAGES
+    from .loop import check_batch, check_choices
 
-    if lay.recompute not in ("none", "core", "full"):
-        raise ParallelConfigError(f"--recompute must be none, core or full, got {lay.recompute!r}")
-    if lay.sharding_stage not in (1, 2, 3):
-        raise ParallelConfigError(f"--sharding-stage must be 1, 2 or 3, got {lay.sharding_stage}")
+    check_choices(lay, {"recompute": RECOMPUTE_MODES, "sharding_stage": (1, 2, 3), "indexer_stage": INDEXER_STAGES})
     pc = replace(lay, sharding_stage=min(lay.sharding_stage, 2))  # stage 3: planner only, checked above
-    from ..parallel.context import check_seq_len
-
-    check_seq_len(lay.seq_len, lay.cp)
     try:
         pc.validate(lay.world_size, **glm_parallel_sizes(config))
     except ParallelConfigError as e:
@@ -398,18 +390,17 @@ def check_layout(config: Any, lay: Layout) -> None:
             ) from e
         raise
     check_glm_sizes(config, pc)
-    if lay.global_batch_size and lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
-        raise ParallelConfigError(
-            f"--global-batch-size {lay.global_batch_size} must be divisible by dp {lay.dp} x sharding "
-            f"{lay.sharding} x --micro-batch-size {lay.micro_batch_size}"
-        )
+    # the batch split and sequence slices (a global batch of 0 is pp micro-batches per replica)
+    check_batch(
+        replace(lay, global_batch_size=lay.global_batch_size or lay.pp * lay.replicas * lay.micro_batch_size), pc
+    )
 
 
 def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _fleet_sharded_state_bytes(config: Any, lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
+def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) -> dict[str, int]:
     """Sharding as the trainer runs it (Fleet's ``DygraphShardingOptimizer``): every trainable
     tensor of the stage, experts included (every sharding rank holds the same expert grid), in the
     optimizer's order, partitioned whole (``fleet_sharding_partition``); the rank holds optimizer
@@ -443,27 +434,21 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes", "num_params", "expert_params")
     raw = dict.fromkeys(keys, 0)
     for part, m in _stage_parts(config, spec).items():
-        t = lc.totals(config, part)
+        t = lc.totals(part)
         for k in keys:
             raw[k] += t[k] * m
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
-    out = shard_totals(raw, sd, stage)
-    out["expert_optimizer_bytes"] = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)[
-        "optimizer_bytes"
-    ]
-    return out
+    expert = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)["optimizer_bytes"]
+    return shard_totals(raw, sd, stage) | {"expert_optimizer_bytes": expert}
 
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
     """Fleet's hybrid order (data, pipe, sharding, sep = context parallel, model; model fastest)."""
-    tp_r = rank % lay.tp
-    r = rank // lay.tp
-    cp_r = r % lay.cp
-    r //= lay.cp
-    sd_r = r % lay.sharding
-    r //= lay.sharding
-    return {"tp": tp_r, "cp": cp_r, "sharding": sd_r, "pp": r % lay.pp, "dp": r // lay.pp}
+    r, tp = divmod(rank, lay.tp)
+    r, cp = divmod(r, lay.cp)
+    r, sharding = divmod(r, lay.sharding)
+    return {"tp": tp, "cp": cp, "sharding": sharding, "pp": r % lay.pp, "dp": r // lay.pp}
 
 
 def plan_layout(
@@ -494,7 +479,7 @@ def plan_layout(
         }
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
             params = stage_params(config, lay, spec)
-            by_sd = [_fleet_sharded_state_bytes(config, lay, params, r) for r in range(lay.sharding)]
+            by_sd = [_fleet_sharded_state_bytes(lay, params, r) for r in range(lay.sharding)]
             for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
                 row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
                 row[f] = max(row[f + "_by_sharding_rank"])
@@ -536,6 +521,9 @@ def plan_layout(
     }
 
 
+_RECOMPUTE_ORDER = ("none", "core", "full")  # the search tries the least recompute first
+
+
 def search_layouts(
     config: Any,
     gpus: int,
@@ -549,11 +537,31 @@ def search_layouts(
     """Layouts of ``gpus`` ranks that fit, the least estimated time per token first (pipeline
     bubble, compute, communication: ``plan_cost.step_estimate``), then least recompute.
     ``progress(line)`` is told after each tensor-parallel size how far the search is."""
-    from ..parallel.topology import ParallelConfigError
     from .plan_cost import comm_parts, step_estimate
 
     def pow2(n: int) -> list[int]:
         return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
+
+    def fitting(lay: Layout) -> dict[str, Any] | None:  # the layout's row if it fits
+        try:
+            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb, per_rank=False)
+        except ValueError:  # ParallelConfigError too
+            return None
+        if not p["fits"]:
+            return None
+        micro = p["layout"]["micro_batches_per_step"]
+        big = max(p["kinds"], key=lambda k: k["num_params"])
+        active = active_params(config, lay)
+        est = step_estimate(config, lay, micro, big["num_params"], active, hardware, expert_params=big["expert_params"])
+        return {
+            "layout": lay.describe(),
+            "flags": lay.flags(),
+            "max_rank_gib": p["max_rank_bytes"] / GiB,
+            "comm_bytes": sum(comm_parts(config, lay).values()),  # per micro-batch
+            "micro_batches": micro,
+            **est,
+            "recompute_rank": _RECOMPUTE_ORDER.index(lay.recompute),
+        }
 
     found = []
     t0, checked = time.perf_counter(), 0
@@ -568,48 +576,24 @@ def search_layouts(
             if (gpus // (tp * pp)) % base.cp:
                 continue
             dpt = gpus // (tp * pp * base.cp)  # data-parallel ranks (dp x sharding); --cp is kept as given
-            for ep in [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]:
-                # every split of the data-parallel ranks into dp x sharding: the expert grid spans
-                # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
-                for sharding in pow2(dpt):
-                    for rc in ("none", "core", "full"):
-                        lay = replace(
-                            base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
-                            sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
-                        )  # fmt: skip
-                        if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
-                            break  # fewer layers than virtual chunks
-                        if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
-                            break  # the global batch does not split over this layout's replicas
-                        checked += 1
-                        try:
-                            p = plan_layout(config, lay, gpu_mem_gb, reserve_gb, per_rank=False)
-                        except (ParallelConfigError, ValueError):
-                            continue
-                        if p["fits"]:
-                            micro = p["layout"]["micro_batches_per_step"]
-                            big = max(p["kinds"], key=lambda k: k["num_params"])
-                            est = step_estimate(
-                                config,
-                                lay,
-                                micro,
-                                big["num_params"],
-                                active_params(config, lay),
-                                hardware,
-                                expert_params=big["expert_params"],
-                            )
-                            found.append(
-                                {
-                                    "layout": lay.describe(),
-                                    "flags": lay.flags(),
-                                    "max_rank_gib": p["max_rank_bytes"] / GiB,
-                                    "comm_bytes": sum(comm_parts(config, lay).values()),  # per micro-batch
-                                    "micro_batches": micro,
-                                    **est,
-                                    "recompute_rank": ("none", "core", "full").index(rc),
-                                }
-                            )
-                            break  # the least recompute that fits
+            eps = [e for e in pow2(config.n_routed_experts) if (tp * dpt * base.cp) % e == 0]
+            # every split of the data-parallel ranks into dp x sharding: the expert grid spans
+            # tp x dp x cp, not the sharding ranks (the trainer's layout), so a large ep needs dp
+            for ep, sharding in itertools.product(eps, pow2(dpt)):
+                for rc in _RECOMPUTE_ORDER:
+                    lay = replace(
+                        base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
+                        sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
+                    )  # fmt: skip
+                    if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
+                        break  # fewer layers than virtual chunks
+                    if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
+                        break  # the global batch does not split over this layout's replicas
+                    checked += 1
+                    row = fitting(lay)
+                    if row is not None:
+                        found.append(row)
+                        break  # the least recompute that fits
     if progress is not None:
         progress(f"searched {checked} layouts of {gpus} GPUs in {time.perf_counter() - t0:.1f} s: {len(found)} fit")
     found.sort(key=lambda r: (r["s_per_token"], r["recompute_rank"], r["max_rank_gib"]))
@@ -652,8 +636,6 @@ def run_plan(args: argparse.Namespace) -> int:
     from ..cpu_env import apply_mkl_default
 
     apply_mkl_default()
-    from ..parallel.topology import ParallelConfigError
-
     note = _train_line_note(args)
     if note:
         print(f"glm52 plan: note: {note}", file=sys.stderr)
@@ -687,7 +669,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 _write_json(args.json, {"gpus": args.gpus, "gpu_mem_gb": args.gpu_mem_gb, "layouts": found})
             return 0 if found else 1
         plan = plan_layout(config, lay, args.gpu_mem_gb, args.reserve_gb)
-    except (ValueError, FileNotFoundError, ParallelConfigError) as e:
+    except (ValueError, FileNotFoundError) as e:  # a ParallelConfigError is a ValueError
         print(f"glm52 plan: error: {e}", file=sys.stderr)
         return 2
     plan["seconds"] = time.perf_counter() - t0
@@ -712,8 +694,6 @@ def _train_line_note(args: argparse.Namespace) -> str | None:
     given = sorted(
         flag for dest, flag in getattr(args, "_train_only_flags", {}).items() if getattr(args, dest) is not None
     )
-    from .command import TRAIN_DEFAULTS
-
     unset = [k for k in _PLAN_DEFAULTS if getattr(args, k) is None]
     for k in unset:
         setattr(args, k, TRAIN_DEFAULTS[k] if given else _PLAN_DEFAULTS[k])
@@ -745,31 +725,21 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "DygraphShardingOptimizer, what glm52 train's --sharding uses)",
     )
     g.add_argument(
-        "--recompute",
-        default="none",
-        choices=["none", "core", "full"],
-        help="activation recompute, as glm52 train --recompute",
+        "--recompute", default="none", choices=_RECOMPUTE_ORDER, help="activation recompute, as glm52 train --recompute"
     )
     g.add_argument(
         "--indexer-stage",
-        default=None,
         choices=["none", "warmup", "sparse"],
         help="as glm52 train --indexer-stage: warmup holds gradients and optimizer state for the indexers only "
         "(default: the checkpoint's, sparse when its indexer_loss_coeff > 0)",
     )
-    g.add_argument("--seq-len", type=int, default=None, help="default 4096 (glm52 train's 64 for a train line)")
+    g.add_argument("--seq-len", type=int, help="default 4096 (glm52 train's 64 for a train line)")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="default 0: pp micro-batches per step (glm52 train's 4 for a train line)",
+        "--global-batch-size", type=int, help="default 0: pp micro-batches per step (glm52 train's 4 for a train line)"
     )
     g.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16"],
-        help="default bfloat16 (glm52 train's float32 for a train line)",
+        "--dtype", choices=["float32", "bfloat16"], help="default bfloat16 (glm52 train's float32 for a train line)"
     )
     g.add_argument(
         "--attention",
@@ -787,7 +757,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--gpu-tflops", type=float, default=400.0, help="--search: sustained bf16 TFLOP/s per GPU")
     g.add_argument("--tp-bw-gbs", type=float, default=160.0, help="--search: GB/s inside a node (TP collectives)")
     g.add_argument("--net-bw-gbs", type=float, default=40.0, help="--search: GB/s per GPU between nodes (EP, PP, DP)")
-    g.add_argument("--json", default=None, help="write the plan here")
+    g.add_argument("--json", help="write the plan here")
     _accept_train_flags(p)
     p.set_defaults(func=run_plan)
 
@@ -796,8 +766,6 @@ def _accept_train_flags(p: argparse.ArgumentParser) -> None:
     """Every glm52 train flag plan lacks, accepted and recorded (not shown in help): a train command
     line can be planned as it is."""
     import copy
-
-    from .command import add_train_arguments
 
     ours = {s for a in p._actions for s in a.option_strings}
     train = add_train_arguments(argparse.ArgumentParser(add_help=False))
