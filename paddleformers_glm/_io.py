@@ -128,3 +128,10 @@ def write_json_atomic(
     """`obj` as strict JSON (:func:`dumps_json`, plus a final newline) to `path` atomically;
     values JSON does not know are written with `default` (str)."""
     atomic_write_text(path, dumps_json(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")
+
+
+def write_record(path: str | os.PathLike, obj: Any) -> None:
+    """A run record (loss.json, meta.json, run.json, plan.json, per-rank state and load logs): one-space
+    indent, keys in the order the writer built them, and a value JSON does not know is an error rather
+    than a string, so a record never holds something a reader cannot load back as it was."""
+    write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from .._io import write_json_atomic
+from .._io import write_record
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -353,7 +353,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if world == 1 and args.nnodes == 1:
         return _run_in_process(cfg, adapter, args.job_timeout)
     run_json = os.path.join(cfg.out, "run_config.json")
-    write_json_atomic(run_json, cfg.__dict__, indent=1, sort_keys=False, default=None)
+    write_record(run_json, cfg.__dict__)
     nproc = world // args.nnodes
     launcher_args = shlex.split(args.launcher_args)
     if args.nnodes > 1:

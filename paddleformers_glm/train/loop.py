@@ -24,7 +24,7 @@ import paddle
 import paddle.distributed as dist
 
 from .. import progress
-from .._io import write_json_atomic as _write_json_atomic
+from .._io import write_record
 from ..checkpoint.finite import check_finite_state
 from ..modeling.model import default_dtype
 from ..ops import cpu_bf16
@@ -46,7 +46,7 @@ from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonf
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
 
-__all__ = ["TrainConfig", "run_training", "write_json_atomic"]
+__all__ = ["TrainConfig", "run_training"]
 
 
 _POSITIVE_INTS = ("steps", "seq_len", "global_batch_size", "micro_batch_size", "vpp")
@@ -151,12 +151,6 @@ def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
         v = getattr(settings, k)
         if v not in allowed and not (k == "indexer_stage" and v is None):
             raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, got {v!r}")
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """The trainer's JSON records (loss.json, per-rank load logs): one-space indent, keys in insertion
-    order, a final newline; anything JSON does not know is an error."""
-    _write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
 def _versions() -> dict[str, str]:
@@ -328,7 +322,7 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
         "seconds": time.perf_counter() - t0,
         **info,
     }
-    write_json_atomic(os.path.join(cfg.out, "logs", "load", f"rank{topo.rank}.json"), record)
+    write_record(os.path.join(cfg.out, "logs", "load", f"rank{topo.rank}.json"), record)
     if topo.rank == 0 and "bytes_read" in info:
         print(
             f"[glm52 train] rank 0 loaded {record['state_elements']:,} local elements, read "
@@ -687,7 +681,7 @@ def _finish(run: _Run, result: dict[str, Any], log: Callable[[str], Any]) -> dic
     if run.rank0:
         result = _snapshot(run, cfg.steps)
         result["memory"] = memory_report
-        write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
+        write_record(os.path.join(cfg.out, "loss.json"), result)
     if cfg.export:  # collective: GLM's ranks each write the tensors they own (checkpoint/distributed.py)
         n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"))
         log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
@@ -721,7 +715,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             if not math.isfinite(run.history["losses"][-1]):
                 log("[glm52 train] warning: non-finite loss")
             result = _snapshot(run, step + 1)
-            write_json_atomic(os.path.join(cfg.out, "loss.json"), result)
+            write_record(os.path.join(cfg.out, "loss.json"), result)
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .._io import write_json_atomic
+from .._io import write_record
 from ..parallel.topology import ParallelConfig
 from .command import TRAIN_DEFAULTS, add_layout_arguments, add_train_arguments
 
@@ -621,10 +621,6 @@ def _table(plan: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _write_json(path: str, obj: Any) -> None:
-    write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
-
-
 def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from ..cli._common import model_folder_error
@@ -666,7 +662,7 @@ def run_plan(args: argparse.Namespace) -> int:
             if not found:
                 print("  none")
             if args.json:
-                _write_json(args.json, {"gpus": args.gpus, "gpu_mem_gb": args.gpu_mem_gb, "layouts": found})
+                write_record(args.json, {"gpus": args.gpus, "gpu_mem_gb": args.gpu_mem_gb, "layouts": found})
             return 0 if found else 1
         plan = plan_layout(config, lay, args.gpu_mem_gb, args.reserve_gb)
     except (ValueError, FileNotFoundError) as e:  # a ParallelConfigError is a ValueError
@@ -680,7 +676,7 @@ def run_plan(args: argparse.Namespace) -> int:
         f"max per rank {plan['max_rank_bytes'] / GiB:.2f} GiB: {verdict} in {args.gpu_mem_gb:g} GiB ({plan['seconds']:.1f} s)"
     )
     if args.json:
-        _write_json(args.json, plan)
+        write_record(args.json, plan)
     return 0
 
 

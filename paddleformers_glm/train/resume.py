@@ -33,7 +33,7 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
-from .._io import atomic_write_text, write_json_atomic
+from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.safetensors_io import bf16_bits_to_float32
 from ..parallel.layers import ShardSpec, get_shard_spec
@@ -85,7 +85,7 @@ def save_resume_state(
     _barrier(topo)
     if topo.rank == 0:
         meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
-        write_json_atomic(os.path.join(tmp, "meta.json"), meta, indent=1, sort_keys=False, default=None)  # strict
+        write_record(os.path.join(tmp, "meta.json"), meta)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

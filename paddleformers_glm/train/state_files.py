@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_path, write_json_atomic
+from .._io import atomic_path, write_record
 
 __all__ = [
     "FORMAT",
@@ -294,7 +294,7 @@ def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: M
             writer.abort()
             raise
         writer.close()
-    write_json_atomic(json_file, {"format": FORMAT, "rank": rank, **info}, indent=1, sort_keys=False, default=None)
+    write_record(json_file, {"format": FORMAT, "rank": rank, **info})
 
 
 def _read_rank_json(file: str, rank: int) -> dict[str, Any]:

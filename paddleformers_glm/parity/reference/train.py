@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 
-from ..._io import write_json_atomic
+from ..._io import write_record
 from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
 from .indexer import ReferenceIndexer, resolve_indexer_stage
 from .topk_gaps import GapMonitor, boundary_gaps
@@ -536,7 +536,7 @@ def train(args: argparse.Namespace) -> dict:
         )
         # strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
         # decision an exact tie, is written as null and listed under "nonfinite")
-        write_json_atomic(os.path.join(args.out, "loss.json"), result, indent=1, sort_keys=False, default=None)
+        write_record(os.path.join(args.out, "loss.json"), result)
     return result
 
 
