@@ -80,6 +80,14 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 
 
+@pytest.fixture(scope="module")
+def pp2_run(runs):
+    """PP2 whose stage 1 starts on a shared indexer layer, saving a checkpoint at step 2 of 4: one run
+    serves the parity test and the resume test, whichever of them a selection runs."""
+    # layer 3 is a "shared" indexer layer: stage 1 needs layer 1's top-k, carried with the activations
+    return _cli(runs / "pp2", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--save-every", "2")
+
+
 def _assert_close(ref_losses, got, what):
     for key in ("losses", "mtp_losses", "grad_norms"):
         d = _max_diff(ref_losses, got, key)
@@ -110,9 +118,8 @@ def test_tp2_matches_tp1_and_is_bit_reproducible(ref, runs):
     print(f"tp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, weights diff {wd:.3g}, {secs:.1f}s")
 
 
-def test_pp2_stage_starting_on_shared_layer_matches_pp1(ref, runs):
-    # layer 3 is a "shared" indexer layer: stage 1 needs layer 1's top-k, carried with the activations
-    a, secs = _cli(runs / "pp2", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--save-every", "2")
+def test_pp2_stage_starting_on_shared_layer_matches_pp1(ref, pp2_run):
+    a, secs = pp2_run
     assert a["run"]["pp_layout"] == "E,t*3|t*3,m,L"
     assert a["run"]["pipeline_engine"] == "PipelineParallel"  # Fleet's 1F1B engine
     assert a["run"]["step_engine"] == "train_batch"  # whole steps through Fleet's train_batch
@@ -120,8 +127,8 @@ def test_pp2_stage_starting_on_shared_layer_matches_pp1(ref, runs):
     print(f"pp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
 
-def test_resume_reproduces_uninterrupted_bit_for_bit(runs):
-    full = losses(runs / "pp2")  # saved a checkpoint at step 2 while running 4 steps
+def test_resume_reproduces_uninterrupted_bit_for_bit(runs, pp2_run):
+    full = pp2_run[0]  # saved a checkpoint at step 2 while running 4 steps
     ckpt = runs / "pp2" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir(), "the pp2 run saved no step-2 checkpoint"
     r, _ = _cli(runs / "pp2_resumed", "--pp", "2", "--pp-layout", "E,t*3|t*3,m,L", "--resume", str(ckpt))
