@@ -208,27 +208,6 @@ def generation_config_of(model: Any) -> GenerationConfig:
 
 
 # --------------------------------------------------------------------------- resolution
-@dataclass
-class _Settings:
-    """Every option with its value for one call (call > model's generation config > HF default)."""
-
-    new_tokens: int
-    min_new: int
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    num_return_sequences: int
-    eos: list[int]
-    pad: int
-    stop_strings: list[str]
-    do_sample: bool
-    use_cache: bool
-    return_dict_in_generate: bool
-    output_scores: bool
-    output_logits: bool
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
@@ -284,7 +263,11 @@ def check_generation_length(
     return n
 
 
-def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwargs: dict, prompt_len: int) -> _Settings:
+def _resolve(
+    model: Any, generation_config: GenerationConfig | dict | None, kwargs: dict, prompt_len: int
+) -> GenerationConfig:
+    """Every option with its value for one call (call > model's generation config > HF default): the
+    lengths as ``max_new_tokens`` / ``min_new_tokens``, ``eos_token_id`` a list, ``stop_strings`` a list."""
     _refuse_unknown(kwargs)
     base = generation_config_of(model) if generation_config is None else generation_config
     if isinstance(base, dict):
@@ -315,21 +298,23 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     min_length = _integer("min_length", get("min_length"), 0)
     min_new = max(0, min_length - prompt_len) if mn is None else mn
 
-    flags = {k: get(k) for k in ("do_sample", "use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
-    for k, v in flags.items():
+    r = {k: get(k) for k in ("do_sample", "use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
+    for k, v in r.items():
         if not isinstance(v, bool):
             raise ValueError(f"generate: {k} must be True or False, got {v!r}")
-    temperature = _number("temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)")
-    top_k = _integer("top_k", get("top_k"), 0, " (0: off)")
-    top_p = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
-    rp = _number("repetition_penalty", get("repetition_penalty"), lambda r: r > 0, "> 0 (1: off)")
-    nrs = _integer("num_return_sequences", get("num_return_sequences"), 1)
-    if nrs > 1 and not flags["do_sample"]:
+    r["temperature"] = _number(
+        "temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)"
+    )
+    r["top_k"] = _integer("top_k", get("top_k"), 0, " (0: off)")
+    r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+    r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")
+    nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
+    if nrs > 1 and not r["do_sample"]:
         raise ValueError(
             f"generate: num_return_sequences={nrs} needs do_sample=True (greedy decoding returns one sequence "
             "per prompt; beam search is not supported)"
         )
-    eos = _eos_list(get("eos_token_id"))
+    eos = r["eos_token_id"] = _eos_list(get("eos_token_id"))
     pad = get("pad_token_id")
     if pad is None:
         pad = eos[0] if eos else 0  # HF: pad with the first EOS id
@@ -339,11 +324,11 @@ def _resolve(model: Any, generation_config: GenerationConfig | dict | None, kwar
     stops = [stops] if isinstance(stops, str) else list(stops)
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
-    return _Settings(new, min_new, temperature, top_k, top_p, rp, nrs, eos, int(pad), stops, **flags)
+    return GenerationConfig(max_new_tokens=new, min_new_tokens=min_new, pad_token_id=int(pad), stop_strings=stops, **r)
 
 
 # --------------------------------------------------------------------------- processors (on the device)
-def _warp(logits: paddle.Tensor, s: _Settings) -> paddle.Tensor:
+def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
     """Temperature, then top-k (ties with the k-th kept), then top-p (the smallest set of most
     likely tokens whose probability reaches top_p), as HF's warpers: removed tokens get -inf."""
     import paddle
@@ -440,13 +425,13 @@ def generate(
     put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
     if hasattr(streamer, "put"):
         put(input_ids.numpy())
-    if s.new_tokens == 0:
+    if s.max_new_tokens == 0:
         end()
         return GenerateDecoderOnlyOutput(input_ids) if s.return_dict_in_generate else input_ids
     config = model.config
     V = int(config.vocab_size)
-    eos_t = paddle.to_tensor(s.eos, dtype="int64") if s.eos else None
-    eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos)) if s.eos and s.min_new else None
+    eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
+    eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
     seen = None
     if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
         valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
@@ -458,7 +443,7 @@ def generate(
     try:
         with paddle.no_grad():
             if s.use_cache:
-                cache = DSACache.for_config(config, B, capacity=S + s.new_tokens)
+                cache = DSACache.for_config(config, B, capacity=S + s.max_new_tokens)
                 out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 step_fn = decode_step or model.decode_step
             else:
@@ -466,7 +451,7 @@ def generate(
                 out = _full_forward(model, seq, mask)
             last = out.logits[:, -1]
             finished = paddle.zeros([B], dtype="bool")
-            for step in range(s.new_tokens):
+            for step in range(s.max_new_tokens):
                 logits = last.astype("float32")  # [B, V], stays on the device
                 if s.output_logits:
                     raw.append(logits)
@@ -474,7 +459,7 @@ def generate(
                 if seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
                     rp = s.repetition_penalty
                     x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
-                if eos_vocab is not None and step < s.min_new:
+                if eos_vocab is not None and step < s.min_new_tokens:
                     x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
                 if s.do_sample:
                     x = _warp(x, s)
@@ -483,7 +468,7 @@ def generate(
                     nxt = paddle.argmax(x, axis=-1).astype("int64")
                 if s.output_scores:
                     scores.append(x)
-                nxt = paddle.where(finished, paddle.full_like(nxt, s.pad), nxt)
+                nxt = paddle.where(finished, paddle.full_like(nxt, s.pad_token_id), nxt)
                 if eos_t is not None:
                     finished = paddle.logical_or(finished, paddle.isin(nxt, eos_t))
                 new.append(nxt)
@@ -498,7 +483,7 @@ def generate(
                         texts = [tokenizer.decode([int(t) for t in row]) for row in np.stack(host_new, axis=1)]
                         stopped = [any(stop in text for stop in s.stop_strings) for text in texts]
                         finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
-                if step == s.new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
+                if step == s.max_new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
                     break
                 if s.use_cache:
                     positions, _ = cache.begin(None, 1)

@@ -503,12 +503,11 @@ def test_warpers_equal_hf_logits_processors():
     """temperature -> top-k -> top-p on the device equals HF's warpers (which tokens stay, their scores)."""
     torch = pytest.importorskip("torch")
     gen = pytest.importorskip("transformers.generation.logits_process")
-    from paddleformers_glm.generation import _Settings, _warp
+    from paddleformers_glm.generation import GenerationConfig, _warp
 
     logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32) * 3
     for t, k, p in ((0.7, 20, 0.9), (1.3, 0, 0.5), (1.0, 5, 1.0)):
-        s = _Settings(1, 0, t, k, p, 1.0, 1, [], 0, [], True, True, False, False, False)
-        ours = _warp(paddle.to_tensor(logits), s).numpy()
+        ours = _warp(paddle.to_tensor(logits), GenerationConfig(temperature=t, top_k=k, top_p=p)).numpy()
         x = torch.tensor(logits)
         x = gen.TemperatureLogitsWarper(t)(None, x)
         if k:
