@@ -181,25 +181,11 @@ class GlmTokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
 
-    @property
-    def eos_token(self) -> str | None:
-        return self._special("eos_token")
-
-    @property
-    def pad_token(self) -> str | None:
-        return self._special("pad_token")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.token_to_id(self.eos_token)
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self.token_to_id(self.pad_token)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+    eos_token = property(lambda self: self._special("eos_token"))
+    pad_token = property(lambda self: self._special("pad_token"))
+    eos_token_id = property(lambda self: self.token_to_id(self.eos_token))
+    pad_token_id = property(lambda self: self.token_to_id(self.pad_token))
+    vocab_size = property(lambda self: self.tokenizer.get_vocab_size(with_added_tokens=True))
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
