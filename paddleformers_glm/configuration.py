@@ -379,7 +379,10 @@ class GlmMoeDsaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise _err("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads")
         self._derive_indexer_types(L)
-        self._derive_mlp_layer_types(L)
+        k, freq = min(int(self.first_k_dense_replace), L), int(self.moe_layer_freq or 1)
+        self.mlp_layer_types = ["dense" if i < k or (i - k) % freq else "sparse" for i in range(L)]
+        if self._given_mlp_layer_types is not None:
+            self.mlp_layer_types = _layer_list("mlp_layer_types", self._given_mlp_layer_types, ("dense", "sparse"), L)
         # MoE
         E, G = self.n_routed_experts, self.n_group
         if E % G:
@@ -522,15 +525,6 @@ class GlmMoeDsaConfig:
         if derived[0] != "full":
             raise _err("indexer_types", "layer 0 is 'shared' but must be 'full' (no earlier top-k to reuse)")
         self.indexer_types = derived
-
-    def _derive_mlp_layer_types(self, L: int) -> None:
-        k = min(int(self.first_k_dense_replace), L)
-        freq = int(self.moe_layer_freq or 1)
-        derived = ["dense" if i < k or (i - k) % freq else "sparse" for i in range(L)]
-        given = self._given_mlp_layer_types
-        if given is not None:
-            derived = _layer_list("mlp_layer_types", given, ("dense", "sparse"), L)
-        self.mlp_layer_types = derived
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

@@ -71,9 +71,8 @@ class MLAttention(nn.Layer):
     sequence parallel the latents are computed on this rank's tokens and all-gathered before the
     head-split part; the output is reduce-scattered back to the shard."""
 
-    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, topo: Topology | None = None) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, topo: Topology) -> None:
         super().__init__()
-        topo = topo or Topology.single()
         self.tp, self.sp, self.tp_group = topo.tp_size, topo.sequence_parallel, topo.tp_group
         # context parallel: this rank holds a zigzag slice of every sequence (parallel/context.py)
         self.cp, self.cp_rank, self.cp_group = topo.cp_size, topo.cp_rank, topo.cp_group

@@ -17,9 +17,8 @@ from .norms import RMSNorm
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, mlp_type: str, topo: Topology | None = None) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, mlp_type: str, topo: Topology) -> None:
         super().__init__()
-        topo = topo or Topology.single()
         H = config.hidden_size
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.self_attn = MLAttention(config, has_indexer, topo)

@@ -191,19 +191,6 @@ def build_layer(config: GlmMoeDsaConfig, index: int, topo: Topology) -> DecoderL
     )
 
 
-def share_selections(layers: Iterator[DecoderLayer | MTPLayer]) -> tuple[SelectionCache, IndexerRun]:
-    """One cache of top-k index forms for all `layers` (a shared layer reuses its full layer's
-    top-k, so its forms are built once) and one indexer-training state (the stage, the warm-up's
-    dense selection); the model releases both at the end of each forward."""
-    shared, run = SelectionCache(), None
-    for layer in layers:
-        block = layer.transformer_layer if isinstance(layer, MTPLayer) else layer
-        run = run or IndexerRun(block.self_attn.indexer_run.training)
-        block.self_attn.selections = shared
-        block.self_attn.indexer_run = run
-    return shared, run or IndexerRun()
-
-
 class Layers(nn.LayerDict):
     """The layers a model owns, keyed by their global id (``layers.<id>.*``, the full model's names);
     ``layers[i]`` takes the id as an int too."""
@@ -238,7 +225,15 @@ class GlmMoeDsaModel(nn.Layer):
             self.embedding = Embedding(config, topo)
         self.layers = Layers({str(i): build_layer(config, i, topo) for i in ids})
         self.layer_ids = ids
-        self.selections, self.indexer_run = share_selections(self.layers.values())
+        # one cache of top-k index forms for all layers (a shared layer reuses its full layer's top-k,
+        # so its forms are built once) and one indexer-training state (the stage, the warm-up's dense
+        # selection); both are released at the end of each forward
+        self.selections, run = SelectionCache(), None
+        for layer in self.layers.values():
+            attn = (layer.transformer_layer if isinstance(layer, MTPLayer) else layer).self_attn
+            run = run or IndexerRun(attn.indexer_run.training)
+            attn.selections, attn.indexer_run = self.selections, run
+        self.indexer_run = run or IndexerRun()
         if norm:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             mark_sequence_parallel(self.norm, enabled=topo.sequence_parallel)

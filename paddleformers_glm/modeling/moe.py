@@ -36,9 +36,8 @@ class SwiGLUMLP(nn.Layer):
     At TP 1 the layers are plain linears.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, topo: Topology | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, topo: Topology) -> None:
         super().__init__()
-        topo = topo or Topology.single()
         sp = topo.sequence_parallel
         self.tensor_parallel = topo.tp_size > 1
         self.intermediate_size = intermediate_size

@@ -19,9 +19,8 @@ from .norms import RMSNorm
 
 
 class MTPLayer(nn.Layer):
-    def __init__(self, config: GlmMoeDsaConfig, topo: Topology | None = None) -> None:
+    def __init__(self, config: GlmMoeDsaConfig, topo: Topology) -> None:
         super().__init__()
-        topo = topo or Topology.single()
         H = config.hidden_size
         self.enorm = RMSNorm(H, config.rms_norm_eps)
         self.hnorm = RMSNorm(H, config.rms_norm_eps)

@@ -121,15 +121,6 @@ def missing_kernels(registry: dict[str, list[str]] | None = None) -> dict[str, K
     return out
 
 
-def _kernel_of(op: str, reg: dict[str, list[str]]) -> str | None:
-    """The registry's kernel name of a ``_C_ops`` function (``add_`` runs ``add``)."""
-    if op in reg:
-        return op
-    if op.endswith("_") and op[:-1] in reg:
-        return op[:-1]
-    return None
-
-
 def _covered_ops(c_ops: Any, reg: dict[str, list[str]]) -> dict[str, str]:
     """``_C_ops`` name -> the missing kernel that makes it need the fp32 route."""
     gaps = missing_kernels(reg)
@@ -137,7 +128,7 @@ def _covered_ops(c_ops: Any, reg: dict[str, list[str]]) -> dict[str, str]:
     for op in dir(c_ops):
         if op.startswith("_") or op.endswith("_grad") or not callable(getattr(c_ops, op, None)):
             continue
-        k = _kernel_of(op, reg)
+        k = op if op in reg else op[:-1] if op.endswith("_") and op[:-1] in reg else None  # add_ runs add
         if k is not None and (k in gaps or k in INEXACT):
             out[op] = k
         elif op in COMPOSITES and any(part in gaps for part in COMPOSITES[op]):
@@ -279,16 +270,12 @@ def _wrap_operator(name: str, orig: Callable[..., Any], tensor_op: bool, scalar_
     return operator
 
 
-def paddle_version() -> tuple[int, ...]:
-    """Paddle's (major, minor, patch), read now; a develop build (0.0.0) counts as newer than any tested."""
-    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in paddle.__version__.split(".")[:3]]
-    v = tuple(parts + [0] * (3 - len(parts)))
-    return (99, 0, 0) if v == (0, 0, 0) else v
-
-
 def warn_untested(what: str, tested: tuple[tuple[int, int, int], tuple[int, int, int]], stacklevel: int = 3) -> None:
-    """Warn that ``what`` runs on a Paddle outside ``tested`` ([low, high): versions whose internals were read)."""
-    if not tested[0] <= paddle_version() < tested[1]:
+    """Warn that ``what`` runs on a Paddle outside ``tested`` ([low, high): versions whose internals were
+    read); a develop build (0.0.0) counts as newer than any tested."""
+    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in paddle.__version__.split(".")[:3]]
+    version = tuple(parts + [0] * (3 - len(parts)))
+    if not tested[0] <= (version if version != (0, 0, 0) else (99, 0, 0)) < tested[1]:
         warnings.warn(
             f"paddleformers_glm: {what} on untested Paddle {paddle.__version__} (tested {tested[0]}..{tested[1]})",
             stacklevel=stacklevel,
