@@ -50,38 +50,23 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 
 # HF generation options this generate does not implement, with the value that turns each off: a
-# generation_config.json may carry them at that value; anything else is refused by name.
+# generation_config.json may carry them at that value; anything else is refused by name. Grouped by off value.
 UNSUPPORTED_OFF: dict[str, Any] = {
-    "num_beam_groups": 1,
-    "diversity_penalty": 0.0,
-    "length_penalty": 1.0,
-    "early_stopping": False,
-    "penalty_alpha": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "min_p": None,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "encoder_repetition_penalty": 1.0,
-    "bad_words_ids": None,
-    "force_words_ids": None,
-    "constraints": None,
-    "sequence_bias": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "remove_invalid_values": False,
-    "guidance_scale": None,
-    "watermarking_config": None,
-    "prompt_lookup_num_tokens": None,
-    "assistant_model": None,
-    "output_attentions": False,
-    "output_hidden_states": False,
-    "max_time": None,
+    name: off
+    for off, names in (
+        (1, "num_beam_groups"),
+        (0, "no_repeat_ngram_size encoder_no_repeat_ngram_size"),
+        (0.0, "diversity_penalty epsilon_cutoff eta_cutoff"),
+        (1.0, "length_penalty typical_p encoder_repetition_penalty"),
+        (False, "early_stopping renormalize_logits remove_invalid_values output_attentions output_hidden_states"),
+        (
+            None,
+            "penalty_alpha min_p bad_words_ids force_words_ids constraints sequence_bias suppress_tokens "
+            "begin_suppress_tokens forced_bos_token_id forced_eos_token_id exponential_decay_length_penalty "
+            "guidance_scale watermarking_config prompt_lookup_num_tokens assistant_model max_time",
+        ),
+    )
+    for name in names.split()
 }
 _SPECIAL_TOKENS = ("eos_token_id", "pad_token_id", "bos_token_id")
 
