@@ -27,7 +27,6 @@ __all__ = [
     "IndexerTraining",
     "causal_selection",
     "indexer_terms",
-    "is_indexer_parameter",
     "own_indexer_layers",
     "trains_in_warmup",
     "kl_term",
@@ -35,11 +34,6 @@ __all__ = [
 ]
 
 INDEXER_STAGES = ("none", "warmup", "sparse")
-
-
-def is_indexer_parameter(name: str) -> bool:
-    """A DSA indexer's parameter (``...self_attn.core_attention.indexer.*``, main and MTP layers)."""
-    return ".indexer." in name
 
 
 def own_indexer_layers(config: Any) -> list[int]:
@@ -54,13 +48,11 @@ def own_indexer_layers(config: Any) -> list[int]:
 
 
 def trains_in_warmup(name: str, own_layers: Sequence[int]) -> bool:
-    """Whether the dense warm-up trains parameter ``name`` (``model.layers.<i>....``): an indexer
-    parameter of a layer in ``own_layers``."""
-    if not is_indexer_parameter(name):
-        return False
+    """Whether the dense warm-up trains parameter ``name`` (``model.layers.<i>....``): a DSA indexer's
+    parameter (``...self_attn.core_attention.indexer.*``) of a layer in ``own_layers``."""
     parts = name.split(".")
-    i = parts.index("layers") if "layers" in parts else -1
-    return 0 <= i < len(parts) - 1 and parts[i + 1].isdigit() and int(parts[i + 1]) in own_layers
+    layer = parts[parts.index("layers") + 1] if "layers" in parts[:-1] else ""
+    return ".indexer." in name and layer.isdigit() and int(layer) in own_layers
 
 
 @dataclass(frozen=True)
