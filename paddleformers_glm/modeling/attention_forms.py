@@ -257,15 +257,9 @@ class _Prepared(NamedTuple):
 
 
 def prepare_topk(topk_idx: paddle.Tensor, cache: SelectionCache | None = None, n_keys: int | None = None) -> _Prepared:
-    """Index forms of a top-k [B, S, k] (-1 = empty) for `sparse_latent_attention`.
-
-    `rows` index the table [B*T keys; B mean rows] (T = ``n_keys``, default S): a selected key j of
-    batch b is row b*T + j; an empty slot points at any key of its batch and gets mask -inf; a
-    query with no key at all (left padding) points all its slots at its batch's mean row with mask
-    0, so its softmax is uniform and it gets the mean of all values, as an all-masked additive-mask
-    softmax (HF eager) gives (`ops.topk_tables`).
-    The result depends on the top-k only, so layers sharing one top-k reuse it through `cache`.
-    """
+    """Index forms of a top-k [B, S, k] (-1 = empty) for `sparse_latent_attention`: the table rows
+    and masks of `ops.topk_tables` (T = ``n_keys``, default S) and the selection itself. They depend
+    on the top-k only, so layers sharing one top-k reuse them through `cache`."""
     name = "latent_tables" if n_keys is None else f"latent_tables_{n_keys}"
     hit = cache.lookup(topk_idx, name) if cache is not None else None
     if hit is not None:
@@ -352,14 +346,9 @@ _EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
 
 
 class _SparseLatentAttention(PyLayer):
-    """softmax(q . keys^T * scale + mask) keys over each query's selected rows of a key table.
-
-    Chunked over queries; each chunk gathers its k keys per query or, when the selection covers a
-    large share of the chunk's keys, runs dense against all of them with the selection as a mask
-    (see _plan). When small (_SAVE_ELEMS) the chunks' keys and probabilities are kept for
-    backward; otherwise backward recomputes them, so the saved state is O(S x (H x D + k)), never
-    the O(S x k x D) gathered keys.
-    """
+    """softmax(q . keys^T * scale + mask) keys over each query's selected rows of a key table, by the
+    chunks of `_plan` (the module docstring); the chunks' keys and probabilities are kept for backward
+    when small (`_SAVE_ELEMS`), else recomputed: saved state O(S x (H x D + k)), never O(S x k x D)."""
 
     @staticmethod
     def forward(

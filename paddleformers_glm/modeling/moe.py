@@ -2,12 +2,9 @@
 fp32; docs/model.md "MoE"). Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns
 first) like the Fleet layout.
 
-Routed compute: the (token, expert) assignments are sorted by expert once (one gather of the
-inputs). On fp32 CPU tensors all experts then run as two grouped matmuls (ops/experts.py, one MKL
-GEMM per expert on its rows, as HF's `grouped_mm`); elsewhere each expert runs one matmul pair on
-its sorted rows. Either way the weighted outputs are added in ascending expert order per token, as
-HF's per-expert `index_add_` adds them. `MoE(config, routed_form="padded")` runs all experts as two
-batched matmuls over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
+Routed compute: the (token, expert) assignments are sorted by expert once and `ops.routed_experts`
+runs them (`MoE.routed`); `MoE(config, routed_form="padded")` runs all experts as two batched matmuls
+over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
 """
 
 from __future__ import annotations

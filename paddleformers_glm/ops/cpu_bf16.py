@@ -1,11 +1,9 @@
 """bfloat16 compute on Paddle's CPU build, supplied underneath Paddle's own API (docs/model.md, "bf16 on
 a CPU").
 
-Paddle 3.3's CPU build stores bf16 tensors but has no bf16 kernel for most arithmetic and many
-gradients, so a bf16 model fails at its first layer.  :func:`install` fills exactly those gaps the
-way a GPU's bf16 kernels compute: the op runs on fp32 copies of its bf16 inputs and its floating
-outputs are rounded back to bf16; autograd records cast -> fp32 op -> cast, so every gradient is
-also computed in fp32 and rounded.  What it touches (read in Paddle 3.3.1):
+:func:`install` runs each op Paddle 3.3's CPU build has no bf16 kernel for (forward or gradient) on
+fp32 copies of its bf16 inputs and rounds its floating outputs back, as GPU bf16 kernels compute;
+autograd records cast -> fp32 op -> cast, so gradients too are fp32 rounded. It touches (Paddle 3.3.1):
 
 * ``paddle._C_ops.<op>`` and every alias of it bound in a loaded ``paddle`` module or on
   ``paddle.Tensor``, for each op whose CPU kernel registry has an fp32 kernel but no bf16 one,
