@@ -11,7 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -149,11 +149,6 @@ class GenerationConfig:
         path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
         write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
         return path
-
-    def update(self, **kwargs: Any) -> GenerationConfig:
-        """A copy with ``kwargs`` set (unknown names refused with the supported list)."""
-        _refuse_unknown(kwargs)
-        return replace(self, **kwargs, extra=dict(self.extra))
 
     # ------------------------------------------------------------------ checks
     def check_supported(self) -> None:
