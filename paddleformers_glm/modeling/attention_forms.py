@@ -499,13 +499,12 @@ class _DenseHeadAttention(PyLayer):
         want_probs: bool,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         B, H, S, _ = q.shape
+        # low precision: HF eager's rounding, the product in q's dtype, then scaled (rounded again);
+        # fp32: the queries scaled, which costs dk/S of scaling the scores
         low = q.dtype in (paddle.bfloat16, paddle.float16)
-        if low:  # HF eager's rounding: the product in q's dtype, then scaled (rounded again)
-            qs = q
-            s = _as(paddle.matmul(q, k, transpose_y=True) * scale, "float32")  # [B, H, S, S]
-        else:
-            qs = q * scale  # scaling the queries costs dk/S of scaling the scores
-            s = _as(paddle.matmul(qs, k, transpose_y=True), "float32")  # [B, H, S, S]
+        qs = q if low else q * scale
+        s = paddle.matmul(qs, k, transpose_y=True)  # [B, H, S, S]
+        s = _as(s * scale if low else s, "float32")
         p = ops.masked_softmax_(s, mask)  # fp32 whatever q's dtype
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
@@ -527,9 +526,7 @@ class _DenseHeadAttention(PyLayer):
             ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
         if ctx.low:  # the scale's gradient in q's dtype, before both products (the forward's order)
             ds = ds * ctx.scale
-            dq = paddle.matmul(ds, k)
-        else:
-            dq = paddle.matmul(ds, k).scale_(ctx.scale)
+        dq = paddle.matmul(ds, k) if ctx.low else paddle.matmul(ds, k).scale_(ctx.scale)
         dk = paddle.matmul(ds, qs, transpose_x=True)
         dv = paddle.matmul(p, g, transpose_x=True)
         return dq, dk, dv, None, None
