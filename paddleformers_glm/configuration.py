@@ -235,16 +235,13 @@ def _resolve_aliases(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     aliases = {k: v for k, v in d.items() if k in _KEY_ALIASES or k in _ROPE_ALIASES}
     came_from: dict[str, str] = {}
     for alias, value in aliases.items():
-        if alias in _ROPE_ALIASES:
-            continue
-        name = _KEY_ALIASES[alias]
-        if name in out:
-            if out[name] != value:
-                other = came_from.get(name, name)
-                raise _err(alias, f"{value!r} disagrees with `{other}` {out[name]!r} (both name `{name}`)")
-            continue
-        out[name] = value
-        came_from[name] = alias
+        name = _KEY_ALIASES.get(alias)  # None: a rope alias, checked against the normalised rope
+        if name in out and out[name] != value:
+            raise _err(
+                alias, f"{value!r} disagrees with `{came_from.get(name, name)}` {out[name]!r} (both name `{name}`)"
+            )
+        if name is not None and name not in out:
+            out[name], came_from[name] = value, alias
     if "rotary_base" in aliases and not {"rope_parameters", "rope_theta", "rope_scaling"} & set(out):
         out["rope_theta"] = aliases["rotary_base"]
     return out, aliases
