@@ -469,15 +469,13 @@ class GlmMoeDsaConfig:
 
     def _alias_value(self, key: str) -> Any:
         """The current value of an alias key: the file's own value unless the setting changed."""
+        written, rtype = self._alias_values[key], self._rope["rope_type"]
         if key == "rotary_base":
             current = self._rope["rope_theta"]
-        elif key == "rope_type":
-            current = _FLEET_ROPE_TYPES.get(self._rope["rope_type"], self._rope["rope_type"])
-            if self._alias_values[key] == self._rope["rope_type"]:
-                current = self._rope["rope_type"]
+        elif key == "rope_type":  # either spelling of the current type stays as written
+            current = written if written == rtype else _FLEET_ROPE_TYPES.get(rtype, rtype)
         else:
             current = getattr(self, _KEY_ALIASES[key])
-        written = self._alias_values[key]
         return copy.deepcopy(written if written == current else current)
 
     def _normalise_dtype(self) -> None:
