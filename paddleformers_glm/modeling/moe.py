@@ -333,10 +333,7 @@ class MoE(nn.Layer):
         y = paddle.gather(y.reshape([E * cap, H]), slot_of_assign).reshape([N, K, H])
         y = cast(cast(y, w.dtype) * w.unsqueeze(-1), x.dtype)  # the weight product in fp32, as HF
         parts = paddle.unbind(y, axis=1)
-        out = parts[0]
-        for part in parts[1:]:
-            out = out + part
-        return out
+        return sum(parts[1:], parts[0])  # a token's terms added left to right, in ascending expert order
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         shape = x.shape

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
@@ -21,14 +23,10 @@ def swiglu(h: paddle.Tensor) -> paddle.Tensor:
     return nn.functional.silu(gate) * up
 
 
-_NO_SCALE: list[paddle.Tensor] = []
-
-
+@functools.cache
 def _no_scale() -> paddle.Tensor:
     """The empty CPU tensor that tells the kernel "no per-row scale" (made once)."""
-    if not _NO_SCALE:
-        _NO_SCALE.append(paddle.empty([0], dtype="float32").cpu())
-    return _NO_SCALE[0]
+    return paddle.empty([0], dtype="float32").cpu()
 
 
 class SwiGLUKernel(PyLayer):
