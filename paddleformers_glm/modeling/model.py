@@ -169,9 +169,8 @@ class Embedding(nn.Layer):
 
     def __init__(self, config: GlmMoeDsaConfig, topo: Topology) -> None:
         super().__init__()
-        pad = config.pad_token_id if isinstance(config.pad_token_id, int) else None
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, topo.sequence_parallel, padding_idx=pad, topo=topo
+            config.vocab_size, config.hidden_size, topo.sequence_parallel, padding_idx=config.pad_token_id, topo=topo
         )
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
