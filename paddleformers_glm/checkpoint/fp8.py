@@ -32,7 +32,6 @@ from .errors import CheckpointError
 __all__ = [
     "E4M3_MAX",
     "E4M3_TABLE",
-    "Fp8Scheme",
     "Fp8Source",
     "decode_e4m3",
     "encode_e4m3",
@@ -189,16 +188,9 @@ def is_fp8_weight(key: str) -> bool:
     return key.startswith("model.layers.") and key.endswith(_FP8_LINEARS)
 
 
-@dataclass(frozen=True)
-class Fp8Scheme:
-    """The quantization a checkpoint declares (``quantization_config`` in its config.json)."""
-
-    block: tuple[int, int] = (128, 128)
-
-
-def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
-    """The checkpoint's quantization from ``quantization_config`` (config.json beside the weights, or
-    ``config``); None when there is none. Any method other than block FP8 (e4m3) is refused by name."""
+def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
+    """The block size of the checkpoint's block-FP8 quantization, from ``quantization_config`` (config.json
+    beside the weights, or ``config``); None when there is none. Any other method is refused by name."""
     qc = None
     file = os.path.join(folder, "config.json")
     if os.path.isfile(file):
@@ -235,10 +227,10 @@ def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
             key="quantization_config.weight_block_size",
             actual=bs,
         )
-    return Fp8Scheme((bs[0], bs[1]))
+    return bs[0], bs[1]
 
 
-def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
+def fp8_pairs(ckpt: Any, block: tuple[int, int] | None) -> dict[str, str]:
     """``{weight key: scale key}`` for every F8_E4M3 tensor, each checked against its scale tensor."""
     pairs: dict[str, str] = {}
     for k in ckpt.keys():
@@ -249,7 +241,7 @@ def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
             raise CheckpointError(
                 "FP8 variant not supported", key=k, file=info.file, expected="F8_E4M3", actual=info.dtype
             )
-        if scheme is None:
+        if block is None:
             raise CheckpointError(
                 "FP8 tensor in a checkpoint whose config.json has no quantization_config",
                 key=k,
@@ -265,10 +257,10 @@ def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
         if len(info.shape) != 2:
             raise CheckpointError("FP8 tensor is not 2-D", key=k, file=info.file, actual=info.shape)
         sinfo = ckpt.info(sk)
-        want = tuple(math.ceil(d / b) for d, b in zip(info.shape, scheme.block))
+        want = tuple(math.ceil(d / b) for d, b in zip(info.shape, block))
         if sinfo.dtype != "F32" or sinfo.shape != want:
             raise CheckpointError(
-                f"scale tensor does not match the {scheme.block[0]}x{scheme.block[1]} blocks of {k}",
+                f"scale tensor does not match the {block[0]}x{block[1]} blocks of {k}",
                 key=sk,
                 file=sinfo.file,
                 expected=("F32", want),

@@ -242,8 +242,8 @@ def load_pretrained_state(
     # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
     # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
     with Checkpoint(path, strict=False) as ckpt:
-        scheme = quantization_of(ckpt.folder, cfg)
-        fp8 = fp8_pairs(ckpt, scheme)
+        block = quantization_of(ckpt.folder, cfg)
+        fp8 = fp8_pairs(ckpt, block)
         weight_keys = set(ckpt.keys()) - set(fp8.values())
         layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
@@ -270,7 +270,7 @@ def load_pretrained_state(
             report.warnings.append(msg)
         fleet = fleet_param_specs(cfg)
         state = state_of(model)
-        want = _wanted_keys(state, fleet, keys, key_filter, strict)
+        want = wanted_keys(state, fleet, keys, key_filter, strict)
         report.skipped = sorted((set(state) & set(fleet)) - want)
         # --- units: which targets can be produced from what the checkpoint has
         units = units_for(cfg, layout, expert_layout, fleet_format.fused_ffn_shards(ckpt) if layout == "fleet" else 1)
@@ -301,7 +301,7 @@ def load_pretrained_state(
             warnings.warn(msg, UserWarning, stacklevel=2)
         targets = _target_specs(usable, want, state, fleet, dtype, shard_info, strict, report.warnings)
         if backend == "engine":
-            source = Fp8Source(ckpt, pairs=fp8, block=scheme.block) if scheme and fp8 else CheckpointSource(ckpt)
+            source = Fp8Source(ckpt, pairs=fp8, block=block) if block and fp8 else CheckpointSource(ckpt)
             report.loaded = [k for k, _ in run_units(usable, "hf_to_fleet", source, targets, produce=want)]
             report.bytes_read = source.bytes_read
         elif backend == "paddle":
@@ -333,12 +333,12 @@ def load_pretrained_state(
     return report
 
 
-def _wanted_keys(
+def wanted_keys(
     state: Mapping[str, Any],
     fleet: Mapping[str, tuple[tuple[int, ...], str]],
-    keys: Iterable[str] | None,
-    key_filter: Callable[[str], bool] | None,
-    strict: bool,
+    keys: Iterable[str] | None = None,
+    key_filter: Callable[[str], bool] | None = None,
+    strict: bool = True,
 ) -> set[str]:
     """The Fleet keys to fill: the model's keys within the contract, narrowed by ``keys`` /
     ``key_filter`` (a pipeline stage's module need only hold those). ``strict`` refuses a model

@@ -313,28 +313,18 @@ class SafetensorsFile(_Closing):
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            self._fd = open(self.file, "rb")
-            size = os.fstat(self._fd.fileno()).st_size
-            self._mm = mmap.mmap(self._fd.fileno(), size, access=mmap.ACCESS_READ) if size else None  # type: ignore[assignment]
-        return self._mm  # type: ignore[return-value]
-
     def raw(self, key: str) -> memoryview:
         """The tensor's bytes as a zero-copy view (for hashing)."""
+        if self._mm is None:  # a valid file is never empty: its header is at least 8 bytes
+            self._fd = open(self.file, "rb")
+            self._mm = mmap.mmap(self._fd.fileno(), 0, access=mmap.ACCESS_READ)
         info = self.tensors[key]
-        if info.nbytes == 0:
-            return memoryview(b"")
-        return memoryview(self._map())[info.begin : info.end]
+        return memoryview(self._mm)[info.begin : info.end]
 
     def numpy(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """A numpy view of the tensor (bf16 as uint16 bits); only the pages touched are read."""
         info = self.tensors[key]
-        np_dtype = ST_DTYPES[info.dtype][1]
-        if info.nbytes == 0:
-            arr = np.zeros(info.shape, dtype=np_dtype)
-        else:
-            arr = np.frombuffer(self.raw(key), dtype=np_dtype).reshape(info.shape)
+        arr = np.frombuffer(self.raw(key), dtype=ST_DTYPES[info.dtype][1]).reshape(info.shape)
         return arr[index] if index is not None else arr
 
     def release(self, key: str) -> None:

@@ -31,7 +31,7 @@ from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import ParamSpec, fleet_param_specs, param_specs, resolve_dtype
-from .loader import _listing, normalize_dtype, state_of
+from .loader import normalize_dtype, state_of, wanted_keys
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
 __all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards", "plan_entries", "finish_save"]
@@ -123,12 +123,7 @@ def finish_save(
 
 def _check_state(state: Mapping[str, Any], config: Any) -> None:
     fleet = fleet_param_specs(config)
-    lacking, extra = sorted(set(fleet) - set(state)), sorted(set(state) - set(fleet))
-    if lacking or extra:
-        raise CheckpointError(
-            "state dict does not match the GLM-5.2 Fleet parameter contract: "
-            + _listing(("lacks", lacking), ("has unknown", extra))
-        )
+    wanted_keys(state, fleet, strict=True)  # every key of the contract and no other
     for k, (shape, _) in fleet.items():
         t = getattr(state[k], "local_tensor", state[k])
         if tuple(int(d) for d in t.shape) != tuple(shape):

@@ -26,6 +26,7 @@ from typing import Any
 from .._io import write_json_atomic
 from ..train.command import add_expert_update_argument
 from .reference.indexer import STAGES as INDEXER_STAGES
+from .reference.indexer import saved_indexer_coeff
 from .reference.train import DUMP_KINDS
 
 __all__ = [
@@ -379,7 +380,7 @@ def run_align(args: argparse.Namespace) -> int:
         "comparisons": {},
     }
     if args.indexer_loss_coeff is None:
-        verdict["training"]["indexer_loss_coeff"] = _indexer_loss_coeff(args.model)
+        verdict["training"]["indexer_loss_coeff"] = saved_indexer_coeff(args.model)
     verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
     model_files = sorted(
         f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
@@ -481,32 +482,30 @@ def run_align(args: argparse.Namespace) -> int:
     verdict.update(exit_code=0 if ok else 1, result="aligned" if ok else "not aligned")
     verdict["first_difference"] = first_difference(comps, dump_steps)
 
-    def summary(c: dict[str, Any]) -> dict[str, Any]:
-        if "consistent_steps" in c:
-            return {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
+    verdict["summary"], lines = {}, []
+    for k, c in comps.items():
         if "first_mismatch_step" in c:
-            return {k: c[k] for k in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
-        return {"worst": c["worst"], "tolerance": c["tolerance"]}
-
-    verdict["summary"] = {k: {"pass": c["pass"], **summary(c)} for k, c in comps.items()}
-    _write_json(os.path.join(receipt, "verdict.json"), verdict)
-    for k, s in verdict["summary"].items():
-        if "first_mismatch_step" in s:
-            where = "the same every step" if s["pass"] else f"first differ at step {s['first_mismatch_step']}"
-            idle, most = s["steps_with_idle"], s["max_idle_per_step"]["reference"]
+            s = {x: c[x] for x in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
+            where = "the same every step" if c["pass"] else f"first differ at step {c['first_mismatch_step']}"
+            idle, most = c["steps_with_idle"], c["max_idle_per_step"]["reference"]
             detail = f"steps with idle experts: reference {idle['reference']}/{N}, paddle {idle['paddle']}/{N}, "
             detail += f"at most {most} per step; {where}"
-        elif "consistent_steps" in s:
-            detail = f"consistent_steps {s['consistent_steps']}/{N} max_diff {s['max_diff']:.3g} jumps {s['jumps']}"
-            for j in comps[k]["jumps"]:
+        elif "consistent_steps" in c:
+            s = {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
+            detail = f"consistent_steps {c['consistent_steps']}/{N} max_diff {c['max_diff']:.3g} jumps {s['jumps']}"
+            for j in c["jumps"]:
                 why = f"reference top-k margins {j['reference_min_gaps']}" if "reference_min_gaps" in j else ""
                 if "reference_min_nonzero_gaps" in j:
                     why += f", smallest nonzero {j['reference_min_nonzero_gaps']}"
                 detail += f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why or 'no reference margins'})"
         else:
-            tol = s["worst"].get("tolerance", s["tolerance"])
-            detail = f"worst {s['worst']['value']:.3g} ({s['worst']['key']}) tolerance {tol:g}"
-        print(f"[glm52 align] {'pass' if s['pass'] else 'FAIL'} {k}: {detail}")
+            s = {"worst": c["worst"], "tolerance": c["tolerance"]}
+            tol = c["worst"].get("tolerance", c["tolerance"])
+            detail = f"worst {c['worst']['value']:.3g} ({c['worst']['key']}) tolerance {tol:g}"
+        verdict["summary"][k] = {"pass": c["pass"], **s}
+        lines.append(f"[glm52 align] {'pass' if c['pass'] else 'FAIL'} {k}: {detail}")
+    _write_json(os.path.join(receipt, "verdict.json"), verdict)
+    print("\n".join(lines))
     first = verdict["first_difference"]
     if first is not None:
         at = f"after update {first['step']}" if first["step"] is not None else "after the last update"
@@ -519,16 +518,6 @@ def run_align(args: argparse.Namespace) -> int:
         )
     print(f"[glm52 align] {verdict['result']}: receipt {receipt}")
     return int(verdict["exit_code"])
-
-
-def _indexer_loss_coeff(model: str) -> float:
-    """The checkpoint's indexer KL weight (config.json), which both trainers read."""
-    try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return 0.0
-    return float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
 
 
 def register_align(sub: argparse._SubParsersAction) -> None:

@@ -158,10 +158,9 @@ def _open_side(path: str) -> _Side:
             with open(cfg_file, encoding="utf-8") as fh:
                 side.config_json = json.load(fh)
             side.config = GlmMoeDsaConfig.from_pretrained(cfg_file)
-            scheme = quantization_of(folder)
-            side.fp8 = fp8_pairs(side.ckpt, scheme)
-            if scheme is not None:
-                side.block = scheme.block
+            block = quantization_of(folder)
+            side.fp8 = fp8_pairs(side.ckpt, block)
+            side.block = block or side.block
             with contextlib.suppress(CheckpointError):  # else "unknown"
                 side.layout = detect_layout(set(side.ckpt.keys()) - set(side.fp8.values()), side.config)
         bar = progress.start(

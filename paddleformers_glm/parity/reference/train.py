@@ -27,8 +27,14 @@ import sys
 import time
 
 from ..._io import write_record
-from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
-from .indexer import ReferenceIndexer, resolve_indexer_stage
+from ...train.command import (
+    _dump_steps,
+    add_dtype_argument,
+    add_dump_argument,
+    add_indexer_arguments,
+    add_step_arguments,
+)
+from .indexer import ReferenceIndexer, resolve_indexer_stage, saved_indexer_coeff
 from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
@@ -66,12 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.indexer_loss_coeff is not None and args.indexer_loss_coeff < 0:
         ap.error("--indexer-loss-coeff must be >= 0")
     try:
-        args.dump_step = [(os.path.abspath(d), int(k)) for d, k in args.dump_step]
-    except ValueError:
-        ap.error("--dump-step takes DIR and an integer step K")
-    for _, k in args.dump_step:
-        if not 1 <= k <= args.steps:
-            ap.error(f"--dump-step step {k} is outside 1..{args.steps}")
+        args.dump_step = _dump_steps(args)  # glm52 train's own check of DIR K pairs
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -143,10 +146,8 @@ class Reference:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", getattr(conf, "mtp_loss_scaling_factor", 0.1)))
-        # the trainer reads the checkpoint's coefficient from config.json (either spelling)
-        saved = float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
         self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
-            args.indexer_stage, args.indexer_loss_coeff, saved
+            args.indexer_stage, args.indexer_loss_coeff, saved_indexer_coeff(model_dir)
         )
         self.indexer_shared = bool(args.indexer_shared_supervision)
         self.share_topk = bool(conf.index_share_for_mtp_iteration)
