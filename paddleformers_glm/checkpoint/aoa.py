@@ -1,17 +1,11 @@
-"""The HF <-> Fleet key mapping as data (``aoa_mappings/glm_moe_dsa.json``), expanded per config.
+"""The HF <-> Fleet key mapping as data (``aoa_mappings/glm_moe_dsa.json``), expanded per config
+(docs/checkpoints.md, "The mapping rules").
 
-The rules are statements of Paddle's AOA language grouped into *units* (a set of tensors that map
-onto each other: e.g. gate/up/down of one expert <-> up_gate/down). This module only substitutes
-placeholders from the config's per-layer schedule (indexer only on "full" layers and the MTP layer,
-dense vs MoE MLP, the MTP wrapper prefix, one unit per routed expert) and adds cast lines; Paddle's
-``AOAEngine`` parses and runs the statements. Macros are expanded here rather than by the engine
-because the engine's ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse
-direction on intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured).
-
-Three sets of units come out of the same file (:func:`expand_units`, :func:`fleet_units`, picked by
-:func:`checkpoint_units`). In every unit the ``hf`` side is the checkpoint (or the official layout)
-and the ``fleet`` side the other end, so the loader and saver drive all of them with the same two
-directions.
+Placeholders are substituted here from the config's per-layer schedule, not by Paddle's ``AOAEngine``:
+its ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse direction on
+intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured). In every unit the ``hf`` side is
+the checkpoint (or the official layout), so the loader and saver drive all unit sets
+(:func:`checkpoint_units`) with the same two directions.
 """
 
 from __future__ import annotations

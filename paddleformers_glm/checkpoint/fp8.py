@@ -1,18 +1,10 @@
-"""Block-FP8 checkpoints (the official release format): decode, dequantize lazily, re-quantize.
+"""Block-FP8 checkpoints (the official release format): decode, dequantize lazily, re-quantize
+(docs/checkpoints.md, "Block-FP8 checkpoints": a ``W`` stored as E4M3 bytes plus ``W_scale_inv``, one
+fp32 scale per block, valued ``float32(q) * scale_inv[block]``).
 
-Scheme: a quantized weight ``W`` (2-D, ``[rows, cols]``) is stored as ``F8_E4M3`` bytes ``q`` plus an
-``F32`` tensor ``W_scale_inv`` (``<name>_scale_inv``) of shape ``[ceil(rows/br), ceil(cols/bc)]``,
-one scale per ``br x bc`` block (``weight_block_size`` in ``quantization_config``; the last block
-of a dimension may be partial). The value is ``float32(q) * scale_inv[block]``, computed in fp32.
-
-numpy has no float8 type, so E4M3 bytes are decoded through an exact 256-entry table (the
-``e4m3fn`` variant: no infinities, ``0x7F``/``0xFF`` are NaN) and encoded by round-to-nearest-even
-against the same table (values from 464 on saturate to NaN, as torch's conversion does).
-
-Quantizing uses ``scale = block amax / 448`` (448 is the largest E4M3 value). A weight that came
-from an FP8 checkpoint of this scheme is re-quantized to exactly its source bytes: ``amax / 448``
-is within one fp32 ulp of the source scale, and the scale among those three candidates whose
-dequantization reproduces the block exactly is taken (see :func:`quantize_blocks`).
+numpy has no float8, so E4M3 (``e4m3fn``) bytes are decoded through an exact 256-entry table and
+encoded by round-to-nearest-even against the same table. Quantizing uses ``scale = block amax / 448``;
+a weight from an FP8 checkpoint of this scheme gets back exactly its source bytes (:func:`quantize_blocks`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""``save_pretrained_state``: write a model's weights as an official-layout (or Fleet-layout) checkpoint.
+"""``save_pretrained_state``: write a model's weights as an official-layout (or Fleet-layout) checkpoint
+(docs/checkpoints.md, "Saving").
 
-The official layout is the default so that files go back to users in the form they came: exactly
-the official key set (per-expert tensors, indexer only on full layers, the MTP layer with its
-indexer), torch shapes, ``config.model_dtype`` everywhere except the fp32 correction bias, shards
-``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json`` (one shard: a single
-``model.safetensors``, as HF does), and ``config.json`` through the config round trip.
-
-Tensors are produced one at a time by Paddle's AOA engine (fleet -> hf statements) and written
-straight into their planned place: the shard plan and every header are computed up front from the
-contract, so the bytes depend only on the weights. Everything is written into a temporary folder
-beside the target and moved in only when complete: a failure leaves no partial checkpoint.
+The shard plan and every header are computed up front from the contract and the engine's tensors
+written one at a time into their planned places, so the bytes depend only on the weights; it all
+goes into a temporary folder beside the target that replaces it only when complete (:func:`publish`).
 """
 
 from __future__ import annotations
@@ -350,15 +344,10 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def publish(tmp: str, out_dir: str) -> None:
-    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing.
-
-    Absent or empty target: one rename. Otherwise every entry of the target that this save does
-    not replace (other weights such as ``adapter_model.safetensors``, tokenizer files, folders) is
-    hard-linked (or copied) into ``tmp``, the two folders are exchanged in one atomic
-    ``renameat2(RENAME_EXCHANGE)``, and the old folder is removed. A save killed at any point leaves
-    the old checkpoint or the new one at ``out_dir``, never a mix; its temporary folder is removed
-    by the next save to the same target. Without an atomic exchange (some network filesystems) the
-    old folder is renamed aside first and put back by the next save if the kill came in between.
+    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing (docs/checkpoints.md,
+    "Saving"): an absent or empty target is one rename; otherwise the target's entries this save does
+    not replace are hard-linked into ``tmp`` and the two folders exchanged in one atomic ``renameat2``,
+    or, where there is none, the old folder is renamed aside (and put back by the next save after a kill).
     """
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir):

@@ -1,13 +1,9 @@
 """``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
 
-It runs the torch reference (``parity/reference/train.py``) and ``glm52 train`` in any layout
-(default the headline TP2 x PP2 + SP) on the same checkpoint, data and hyper-parameters, both dumping
-their full state after each ``--dump-step`` update and after the last, then compares the loss curves
-(and looks for jumps: a near-tie top-k or routing flip), the idle experts of every step, and per
-tensor the gradients, AdamW moments and weights of every dump, each within the tolerance
-docs/parity.md derives, and leaves ``OUT/receipt/`` (``verdict.json``, the loss plots, the versions,
-both loss.json and the check-ckpt receipts).  Exit 0 when every comparison is within tolerance, 1
-when one is not, 2 when a run failed.
+Both runs dump their full state after each ``--dump-step`` update and after the last; the loss
+curves (with their jumps), the idle experts and every dumped tensor are compared within the
+tolerances docs/parity.md derives, into ``OUT/receipt/``. Exit 0 when every comparison is within
+tolerance, 1 when one is not, 2 when a run failed.
 """
 
 from __future__ import annotations
