@@ -233,25 +233,18 @@ def _layer_values(lp: Any) -> dict[str, str]:
 def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
     """The model <-> PaddleFleet adapters, expanded: ``hf`` = PaddleFleet keys, ``fleet`` = model keys."""
     E = int(config.n_routed_experts)
-    out: list[MappingUnit] = []
-    for a in rules.get("fleet_adapters", []):
-        if a.get("expert_layout", expert_layout) != expert_layout:
-            continue
-        raw = {
-            "name": a["name"],
-            "tags": a.get("tags", []),
+    raw = [
+        {
+            **{k: a[k] for k in ("name", "scope", "tags", "when") if k in a},
             "hf": _expand_lists(a["fleet"], E, True),
             "fleet": _expand_lists(a["model"], E, True),
             "hf_to_fleet": _expand_lists(a["fleet_to_model"], E, False),
             "fleet_to_hf": _expand_lists(a["model_to_fleet"], E, False),
         }
-        if a["scope"] == "global":
-            out.append(_make(raw, {}, (), None))
-            continue
-        for lp in layer_plan(config):
-            if a["scope"] == "decoder" and _applies(a, lp, config):
-                out.append(_make(raw, _layer_values(lp), (_MTP_TAG,) if lp.mtp else (), lp.index))
-    return out
+        for a in rules.get("fleet_adapters", [])
+        if a.get("expert_layout", expert_layout) == expert_layout
+    ]
+    return _expand_units(config, raw)
 
 
 def _layer_of(key: str) -> int | None:
@@ -352,7 +345,7 @@ def expand_units(
     if layout not in ("model", "fleet"):
         raise ValueError(f"unknown target layout {layout!r}; expected 'model' or 'fleet'")
     rules = rules or load_rules()
-    units = _expand_units(config, rules, layout)
+    units = _expand_units(config, [_pf(u, layout) for u in rules["units"]])
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
@@ -382,12 +375,9 @@ def expand_units(
     return [merge(u) if isinstance(u, int) else u for u in out]
 
 
-def _expand_units(config: Any, rules: Mapping[str, Any], layout: str) -> list[MappingUnit]:
-    units: list[MappingUnit] = []
-    raw = [_pf(u, layout) for u in rules["units"]]
-    for u in raw:
-        if u["scope"] == "global" and _applies(u, None, config):
-            units.append(_make(u, {}, (), None))
+def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[MappingUnit]:
+    """The units written in ``raw``: global ones, then per layer (decoder, experts, MTP wrapper)."""
+    units = [_make(u, {}, (), None) for u in raw if u["scope"] == "global" and _applies(u, None, config)]
     E = int(config.n_routed_experts)
     for lp in layer_plan(config):
         values = _layer_values(lp)
