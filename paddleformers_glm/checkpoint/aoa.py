@@ -198,13 +198,6 @@ def _make(
     )
 
 
-def _pf(unit: Mapping[str, Any], layout: str) -> Mapping[str, Any]:
-    """The unit as written for ``layout``: its ``paddlefleet`` override merged in for "fleet"."""
-    if layout == "fleet" and "paddlefleet" in unit:
-        return {**unit, **unit["paddlefleet"]}
-    return unit
-
-
 def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]:
     """``<a.#.b>`` -> ``a.0.b, a.1.b, ...`` inside a statement; as a key-list item, one key each."""
     out: list[str] = []
@@ -217,17 +210,6 @@ def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]
                 _EXPERT_LIST.sub(lambda mm: ", ".join(mm.group(1).replace("#", str(e)) for e in range(n_experts)), s)
             )
     return out
-
-
-def _layer_values(lp: Any) -> dict[str, str]:
-    """The placeholders of a layer's statements (``EXPERT_ID`` filled per expert)."""
-    return {
-        "HF": lp.hf_prefix,
-        "FLEET": lp.fleet_prefix,
-        "LAYER": lp.hf_prefix,
-        "LAYER_ID": str(lp.index),
-        "EXPERT_ID": "",
-    }
 
 
 def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
@@ -247,14 +229,11 @@ def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list
     return _expand_units(config, raw)
 
 
-def _layer_of(key: str) -> int | None:
-    m = _LAYER_RE.match(key)
-    return int(m.group(1)) if m else None
-
-
 def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
     """One unit per tensor with no statements: a checkpoint already in the model's spelling."""
-    return [MappingUnit(k, (), (k,), (k,), (), (), _layer_of(k)) for k in sorted(keys)]
+    return [
+        MappingUnit(k, (), (k,), (k,), (), (), int(m[1]) if (m := _LAYER_RE.match(k)) else None) for k in sorted(keys)
+    ]
 
 
 def fleet_units(
@@ -345,7 +324,9 @@ def expand_units(
     if layout not in ("model", "fleet"):
         raise ValueError(f"unknown target layout {layout!r}; expected 'model' or 'fleet'")
     rules = rules or load_rules()
-    units = _expand_units(config, [_pf(u, layout) for u in rules["units"]])
+    # a unit as written for the PaddleFleet layout: its ``paddlefleet`` override merged in
+    raw = [{**u, **u["paddlefleet"]} if layout == "fleet" and "paddlefleet" in u else u for u in rules["units"]]
+    units = _expand_units(config, raw)
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
@@ -380,7 +361,8 @@ def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[Mapping
     units = [_make(u, {}, (), None) for u in raw if u["scope"] == "global" and _applies(u, None, config)]
     E = int(config.n_routed_experts)
     for lp in layer_plan(config):
-        values = _layer_values(lp)
+        # the placeholders of a layer's statements (``EXPERT_ID`` filled per expert)
+        values = dict(HF=lp.hf_prefix, FLEET=lp.fleet_prefix, LAYER=lp.hf_prefix, LAYER_ID=str(lp.index), EXPERT_ID="")
         extra = (_MTP_TAG,) if lp.mtp else ()
         for u in raw:
             if u["scope"] == "decoder" and _applies(u, lp, config):

@@ -266,11 +266,6 @@ def carry_files(src: str | os.PathLike | None, tmp: str, out_dir: str) -> list[s
     return out
 
 
-def _replaced_by_this_save(name: str) -> bool:
-    """Files of an earlier checkpoint at the target that this save replaces (and nothing else)."""
-    return name in (SINGLE_NAME, INDEX_NAME, "config.json") or bool(_OWN_WEIGHT_RE.match(name))
-
-
 def _temp_prefix(out_dir: str, kind: str) -> str:
     """``.<name>.<kind>-<pid>-``: the pid lets a later save tell a killed save's leftovers from a live one."""
     return f".{os.path.basename(out_dir)}.{kind}-{os.getpid()}-"
@@ -359,8 +354,8 @@ def publish(tmp: str, out_dir: str) -> None:
         raise CheckpointError("output path exists and is not a folder", file=out_dir)
     new = set(os.listdir(tmp))
     for name in sorted(os.listdir(out_dir)):
-        if name in new or _replaced_by_this_save(name):
-            continue
+        if name in new or name in (SINGLE_NAME, INDEX_NAME, "config.json") or _OWN_WEIGHT_RE.match(name):
+            continue  # what this save replaces
         _link_or_copy(os.path.join(out_dir, name), os.path.join(tmp, name))
     os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
     if _exchange(tmp, out_dir):

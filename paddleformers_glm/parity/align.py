@@ -9,6 +9,7 @@ tolerance, 1 when one is not, 2 when a run failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -304,19 +305,6 @@ def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
     return rc, time.monotonic() - t0
 
 
-def _missing_reference_extra() -> str | None:
-    """One line naming the ``reference`` extra when torch or transformers is not installed."""
-    import importlib.util
-
-    absent = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
-    if not absent:
-        return None
-    return (
-        f"the torch reference needs the reference extra ({' and '.join(absent)} not installed): "
-        "pip install 'paddleformers_glm[reference]'"
-    )
-
-
 def _tail(path: str, n: int = 15) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -339,9 +327,13 @@ def run_align(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"glm52 align: error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
-    missing = None if args.no_run else _missing_reference_extra()  # --no-run compares finished runs only
-    if missing:
-        print(f"glm52 align: error: {missing}", file=sys.stderr)
+    absent = [] if args.no_run else [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if absent:  # --no-run compares finished runs only
+        print(
+            f"glm52 align: error: the torch reference needs the reference extra ({' and '.join(absent)} not "
+            "installed): pip install 'paddleformers_glm[reference]'",
+            file=sys.stderr,
+        )
         return 2
     N = args.steps
     dump_steps = sorted({int(k) for k in (args.dump_step or DUMP_STEPS) if 1 <= int(k) <= N})
