@@ -326,16 +326,15 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    if os.path.isdir(src) and not os.path.islink(src):
-        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-        return
     if os.path.islink(src):
         os.symlink(os.readlink(src), dst)
-        return
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    elif os.path.isdir(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
 
 
 def publish(tmp: str, out_dir: str) -> None:

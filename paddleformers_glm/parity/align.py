@@ -281,17 +281,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _train_args(args: argparse.Namespace) -> list[str]:
-    out = ["--model", os.path.abspath(args.model)]
-    for name, _, _ in TRAIN_FLAGS:
-        v = getattr(args, name)
-        if v is not None:
-            out += [f"--{name.replace('_', '-')}", str(v)]
-    if args.indexer_shared_supervision:
-        out.append("--indexer-shared-supervision")
-    return out
-
-
 def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
@@ -342,7 +331,10 @@ def run_align(args: argparse.Namespace) -> int:
         print(f"glm52 align: error: --dump-step {bad}: outside 1..--steps ({N})", file=sys.stderr)
         return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
-    common = _train_args(args)
+    flags = {f"--{name.replace('_', '-')}": getattr(args, name) for name, _, _ in TRAIN_FLAGS}
+    common = ["--model", os.path.abspath(args.model)]
+    common += [x for f, v in flags.items() if v is not None for x in (f, str(v))]
+    common += ["--indexer-shared-supervision"] if args.indexer_shared_supervision else []
     layout = [x for name in LAYOUT_FLAGS for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     layout += (["--sp"] if args.sp else []) + ["--expert-update", args.expert_update]
     if args.pp_layout:

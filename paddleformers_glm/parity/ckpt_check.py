@@ -320,10 +320,12 @@ def check_checkpoints(
             f"(ref: {ref.layout}, cand: {cand.layout})"
         )
         return _finish(report, EXIT_UNUSABLE, t0, sides)
-    config_diff = _config_difference(ref, cand, quant_mixed)
-    report["config_match"] = config_diff is None
-    if config_diff is not None:
-        report["differences"].append(config_diff)
+    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
+    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
+    report["config_match"] = cfg_ref == cfg_cand
+    if cfg_ref != cfg_cand:
+        diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
+        report["differences"].append({"class": "config", "keys": diff})
     pre: list[dict[str, Any]] = []
     try:
         canon = _canonical_cand(ref, cand, config, pre)
@@ -374,14 +376,6 @@ def _side_report(s: _Side) -> dict[str, Any]:
         "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
         "nonfinite": dict(sorted(s.nonfinite.items())),
     }
-
-
-def _config_difference(ref: _Side, cand: _Side, quant_mixed: bool) -> dict[str, Any] | None:
-    """The config difference entry (the differing keys), or None when the two config.json agree."""
-    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
-    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
-    diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
-    return None if cfg_ref == cfg_cand else {"class": "config", "keys": diff}
 
 
 def _compare_tensors(

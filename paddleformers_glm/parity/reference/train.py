@@ -1,18 +1,11 @@
 """The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both):
 ``python -m paddleformers_glm.parity.reference.train --model DIR --out OUT [training flags]``.
 
-One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
-MTP layers, which transformers drops, are assembled here from HF's own building blocks and loaded
-from the checkpoint's ``model.layers.{L+j}.`` keys.  Every rule of a training step (loss scaling,
-indexer KL, clipping, AdamW and what it decays or skips, router bias updates, schedule) is written
-out here independently of the Paddle trainer, from the contract the trainer documents (docs/parity.md,
-"What the reference does in a step"); the data are the trainer's own numpy sources
-(``paddleformers_glm.train.data``), so both runs read the same token ids in the same micro-batches.
-
-Writes ``OUT/loss.json`` with the trainer's schema; ``--dump-step DIR K`` writes gradients (before
-clipping), AdamW moments and updated weights after step K in the checkpoint's official names.
-Needs the ``reference`` extra (torch + transformers); fp32 on CPU, or ``--dtype bfloat16`` with fp32
-master weights and gradient accumulation (HF's dtype policy, the routers fp32).
+HF transformers' ``GlmMoeDsaForCausalLM`` plus the MTP layers it drops, assembled from HF's own
+modules; every rule of a training step is written out here independently of the Paddle trainer,
+from the contract it documents (docs/parity.md, "What the reference does in a step"). The data are
+the trainer's own numpy sources, so both runs read the same token ids. Writes ``OUT/loss.json`` in
+the trainer's schema and the ``--dump-step`` dumps in the checkpoint's official names.
 """
 
 from __future__ import annotations
