@@ -197,19 +197,16 @@ def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
         return None
     if not isinstance(qc, Mapping):
         raise CheckpointError("quantization_config must be an object", file=file, actual=type(qc).__name__)
-    for key, default, expected, what in (
-        (
-            "quant_method",
-            None,
-            "fp8",
-            "quantization method {!r} is not supported (only block FP8 checkpoints can be loaded)",
-        ),
-        ("fmt", "e4m3", "e4m3", "FP8 format {!r} is not supported"),
-    ):
+    for key, default, expected in (("quant_method", None, "fp8"), ("fmt", "e4m3", "e4m3")):
         value = qc.get(key, default)
         if value != expected:
+            what = "quantization method" if key == "quant_method" else "FP8 format"
             raise CheckpointError(
-                what.format(value), file=file, key=f"quantization_config.{key}", expected=expected, actual=value
+                f"{what} {value!r} is not supported (only block FP8 e4m3 checkpoints can be loaded)",
+                file=file,
+                key=f"quantization_config.{key}",
+                expected=expected,
+                actual=value,
             )
     bs = qc.get("weight_block_size", [128, 128])
     if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):

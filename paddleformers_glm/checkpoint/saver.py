@@ -49,13 +49,11 @@ class SaveReport:
 def parse_size(size: int | str) -> int:
     """``"5GB"`` -> 5_000_000_000 (decimal units like HF; ``GiB`` binary); ints pass through."""
     if isinstance(size, int):
-        if size <= 0:
-            raise ValueError(f"max_shard_size must be > 0, got {size}")
-        return size
-    m = _SIZE_RE.match(str(size))
-    if not m:
+        n = size
+    elif m := _SIZE_RE.match(str(size)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
         raise ValueError(f"max_shard_size {size!r} is not a size like '5GB', '500MiB' or 1000000")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
     if n <= 0:
         raise ValueError(f"max_shard_size must be > 0, got {size!r}")
     return n
