@@ -198,13 +198,10 @@ def save_pretrained_distributed(
     expert_layout: str = "per-expert",
     topo: Topology | None = None,
 ) -> Any:
-    """``save_pretrained`` for a model split over ranks (tensor, expert or pipeline parallel):
-    collective, every rank calls it with its own part of the model (a ``GlmMoeDsaForCausalLM``
-    built for a multi-rank topology, or a trainer stage), through :func:`export_distributed`.
-
-    Only the official layout without quantization is written this way (a Fleet-layout or FP8 save
-    of a split model is refused, not silently gathered).  Returns a ``SaveReport`` (the same on
-    every rank; ``tensors`` counts all ranks')."""
+    """``save_pretrained`` for a model split over ranks: collective, every rank calls it with its own part
+    of the model, through :func:`export_distributed`. The official layout without quantization only (a
+    Fleet-layout or FP8 save of a split model is refused, not silently gathered). Returns the same
+    ``SaveReport`` on every rank (``tensors`` counts all ranks')."""
     import time
 
     dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes

@@ -220,18 +220,14 @@ def load_pretrained_state(
     shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
     init_missing_mtp: bool = True,
 ) -> LoadReport:
-    """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
+    """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report
+    (docs/checkpoints.md, "Loading" and "Partial loads").
 
-    ``dtype``: what the model's "model"-dtype parameters must be (routers fp32); ``None``, or
-    ``strict=False``, fills each parameter in its own dtype (a difference named in
-    ``report.warnings``). ``strict`` refuses missing / unexpected weights; index bookkeeping
-    (``total_size``, a stray file, trailing bytes) is only a warning. ``keys`` / ``key_filter``
-    restrict the load to some Fleet keys (a pipeline stage); ``ShardedWeight`` values are read as
-    their local slice, and ``shard_info`` (every rank's (local_shape, global_offset) per key) lays
-    fused weights out per rank as Fleet does (``[gate_r | up_r]``). A checkpoint without any MTP
-    tensor (transformers' ``save_pretrained``) gets its MTP layer initialised as HF does
-    (``init_missing_mtp``). Block-FP8 weights are dequantized slice by slice. Details:
-    docs/checkpoints.md, "Loading".
+    ``dtype``: what the model's "model"-dtype parameters must be; ``None``, or ``strict=False``, fills
+    each in its own dtype (named in ``report.warnings``). ``strict`` refuses missing / unexpected
+    weights (index bookkeeping is only a warning). ``keys`` / ``key_filter`` restrict the load to some
+    Fleet keys; ``shard_info`` (every rank's (local_shape, global_offset) per key) lays fused weights
+    out per rank as Fleet does; ``init_missing_mtp`` initialises an absent MTP layer as HF does.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()

@@ -357,14 +357,10 @@ class SafetensorsFile(_Closing):
 
 
 class Checkpoint(_Closing):
-    """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set.
-
-    Construction validates every header and the index against the shards, so a checkpoint object
-    that exists is consistent: each key in exactly one shard, the index naming exactly the keys each
-    shard holds, no shard missing from a ``-0000k-of-0000n`` series, ``total_size`` equal to the
-    tensor bytes. ``strict=False`` turns the last two, files the index does not name and trailing
-    bytes after a file's last tensor into warnings collected in ``warnings`` (none of them changes
-    a tensor's value).
+    """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set,
+    consistent once constructed: every header and the index are validated (docs/checkpoints.md,
+    "Loading"). ``strict=False`` turns what changes no tensor's value (a wrong ``total_size``, files the
+    index does not name, trailing bytes after a file's last tensor) into ``warnings``.
     """
 
     def __init__(self, path: str | os.PathLike, strict: bool = True) -> None:
