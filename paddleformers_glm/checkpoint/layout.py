@@ -146,21 +146,17 @@ def _whole_model_specs(config: Any, model_layout: bool) -> dict[str, ParamSpec]:
     ``[in, out]`` linears, else the official names and ``[out, in]``."""
     d = _dims(config)
     H, V, M = d["H"], d["V"], "model"
-
-    def linear(n_in: int, n_out: int) -> tuple[int, int]:
-        return (n_in, n_out) if model_layout else (n_out, n_in)
-
     out: dict[str, ParamSpec] = {
         "model.embedding.embed_tokens.weight" if model_layout else "model.embed_tokens.weight": ((V, H), M),
         "model.norm.weight": ((H,), M),
-        "lm_head.weight": (linear(H, V), M),
+        "lm_head.weight": ((H, V) if model_layout else (V, H), M),
     }
     for lp in layer_plan(config):
         if lp.mtp:
             p = lp.hf_prefix
             out[f"{p}.enorm.weight"] = ((H,), M)
             out[f"{p}.hnorm.weight"] = ((H,), M)
-            out[f"{p}.eh_proj.weight"] = (linear(2 * H, H), M)
+            out[f"{p}.eh_proj.weight"] = ((2 * H, H) if model_layout else (H, 2 * H), M)
             out[f"{p}.norm.weight" if model_layout else f"{p}.shared_head.norm.weight"] = ((H,), M)
         prefix = lp.fleet_prefix if model_layout else lp.hf_prefix
         out.update(_decoder(prefix, lp, d, bool(config.attention_bias), model_layout))

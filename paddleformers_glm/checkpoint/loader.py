@@ -364,16 +364,10 @@ def _plan_units(
     """Which mapping units can run from what the checkpoint has, and what is missing: (units whose
     sources are all there and that produce a wanted key, wanted keys whose unit lacks a source, the
     lacking sources of those units, wanted MTP keys to initialise as HF does, number of MTP sources)."""
-    usable, missing_targets = [], []
-    for u in units:
-        if not want & set(u.fleet):
-            continue
-        lacking = [k for k in u.hf if k in missing_src]
-        if lacking:
-            missing_targets.extend(k for k in u.fleet if k in want)
-        else:
-            usable.append(u)
-    needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src)
+    wanted = [u for u in units if want & set(u.fleet)]
+    usable = [u for u in wanted if not missing_src & set(u.hf)]
+    missing_targets = [k for u in wanted if missing_src & set(u.hf) for k in u.fleet if k in want]
+    needed_missing = sorted({k for u in wanted for k in u.hf} & missing_src)
     # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
     # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
     mtp_units = [u for u in units if u.layer is not None and u.layer >= cfg.num_hidden_layers]

@@ -232,11 +232,10 @@ def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str,
     """The experts each MoE layer left idle, step by step, on both sides (None when either run did
     not record them).  A step where they differ is a step where the two runs routed differently.
     loss.json's ``expert_load.idle_experts``: per step, MoE layer -> the experts no token reached."""
-    sides = {"reference": ref, "paddle": cand}
-    sides = {k: (doc.get("expert_load") or {}).get("idle_experts") for k, doc in sides.items()}
-    a, b = sides["reference"], sides["paddle"]
+    a, b = ((doc.get("expert_load") or {}).get("idle_experts") for doc in (ref, cand))
     if a is None or b is None:
         return None
+    sides = {"reference": a, "paddle": b}
     first = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
     return {
         **sides,

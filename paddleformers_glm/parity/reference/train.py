@@ -109,10 +109,8 @@ def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
     """HF tensor name (relative to a layer) -> official per-expert names."""
     if name.endswith("mlp.experts.gate_up_proj"):
         base = name[: -len("gate_up_proj")]
-        out = []
-        for e in range(t.shape[0]):
-            out += [(f"{base}{e}.gate_proj.weight", t[e, :inter]), (f"{base}{e}.up_proj.weight", t[e, inter:])]
-        return out
+        halves = (("gate", slice(None, inter)), ("up", slice(inter, None)))
+        return [(f"{base}{e}.{n}_proj.weight", t[e, part]) for e in range(t.shape[0]) for n, part in halves]
     if name.endswith("mlp.experts.down_proj"):
         base = name[: -len("down_proj")]
         return [(f"{base}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
@@ -187,7 +185,7 @@ class Reference:
         self.model.model.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True)
         self.model.model.layers[-1].register_forward_hook(lambda mod, a, out: self._taps.__setitem__("topk", out[1]))
         # MoE layer number (the MTP layers after the decoder layers) -> (its decoder layer, its router)
-        layers = [(i, layer) for i, layer in enumerate(self.model.model.layers)]
+        layers = list(enumerate(self.model.model.layers))
         layers += [(L + j, m["layer"]) for j, m in enumerate(self.mtp)]
         self.routers = {i: layer.mlp.gate for i, layer in layers if hasattr(layer.mlp, "gate")}
         self.num_experts = E
