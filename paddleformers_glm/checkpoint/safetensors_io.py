@@ -13,6 +13,7 @@ written as soon as it is produced and dropped; the file bytes depend only on the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -337,19 +338,14 @@ class SafetensorsFile(_Closing):
         info = self.tensors[key]
         if self._mm is None or info.nbytes == 0 or not hasattr(self._mm, "madvise"):
             return
-        page = mmap.PAGESIZE
-        start = (info.begin // page) * page
-        try:
+        start = (info.begin // mmap.PAGESIZE) * mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # advisory only
             self._mm.madvise(mmap.MADV_DONTNEED, start, min(info.end, len(self._mm)) - start)
-        except (OSError, ValueError):  # advisory only
-            pass
 
     def close(self) -> None:
         if self._mm is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a view: it closes when that is dropped
                 self._mm.close()
-            except BufferError:  # a caller still holds a view; the map closes when it is dropped
-                pass
             self._mm = None
         if self._fd is not None:
             self._fd.close()

@@ -144,13 +144,11 @@ def save_pretrained_state(
     quantization: str | None = None,
     carry_from: str | os.PathLike | None = None,
 ) -> SaveReport:
-    """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``.
-
-    ``layout="hf"`` (default) writes the official layout, ``"fleet"`` the Paddle/Fleet names.
-    ``dtype`` overrides ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and
-    in the Fleet layout the router weight, stay float32). The folder appears all at once
-    (:func:`publish`). ``expert_layout`` (fleet layout only): PaddleFleet's ``per-expert``,
-    ``grouped`` or ``stacked`` routed-expert tensors.
+    """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``, all at once
+    (:func:`publish`): the official layout (``layout="hf"``) or PaddleFleet's (``"fleet"``, its routed
+    experts ``expert_layout`` ``per-expert``, ``grouped`` or ``stacked``). ``dtype`` overrides
+    ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and in the Fleet layout the
+    router weight, stay float32).
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
