@@ -400,8 +400,7 @@ class Checkpoint(_Closing):
             self._problem(CheckpointError(message, file=os.path.join(self.folder, name)))
 
     def _files_from_folder(self) -> list[str]:
-        listing = sorted(os.listdir(self.folder))
-        st_files = [f for f in listing if f.endswith(".safetensors")]
+        st_files = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))
         idx = os.path.join(self.folder, INDEX_NAME)
         if os.path.exists(idx):
             self.index_file = idx
