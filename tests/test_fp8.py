@@ -76,12 +76,12 @@ def test_fp32_dequantization_is_bitwise_torch_reference(src):
     """Every FP8 tensor read whole equals torch's ``q.float() * scale_inv`` bit for bit."""
     want = META["dequantized_sha256"]
     with Checkpoint(src) as ckpt:
-        scheme = quantization_of(str(src))
-        assert scheme is not None and scheme.block == (128, 128)
-        pairs = fp8_pairs(ckpt, scheme)
+        block = quantization_of(str(src))
+        assert block == (128, 128)
+        pairs = fp8_pairs(ckpt, block)
         assert sorted(pairs) == sorted(want)
         assert any(k.startswith("model.layers.8.") for k in pairs)  # the MTP layer is FP8 too
-        source = Fp8Source(ckpt, pairs=pairs, block=scheme.block)
+        source = Fp8Source(ckpt, pairs=pairs, block=block)
         for k in sorted(pairs):
             shape = ckpt.info(k).shape
             arr = source.read_numpy(k, (0, 0), shape)

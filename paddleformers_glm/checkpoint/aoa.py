@@ -1,17 +1,11 @@
-"""The HF <-> Fleet key mapping as data (``aoa_mappings/glm_moe_dsa.json``), expanded per config.
+"""The HF <-> Fleet key mapping as data (``aoa_mappings/glm_moe_dsa.json``), expanded per config
+(docs/checkpoints.md, "The mapping rules").
 
-The rules are statements of Paddle's AOA language grouped into *units* (a set of tensors that map
-onto each other: e.g. gate/up/down of one expert <-> up_gate/down). This module only substitutes
-placeholders from the config's per-layer schedule (indexer only on "full" layers and the MTP layer,
-dense vs MoE MLP, the MTP wrapper prefix, one unit per routed expert) and adds cast lines; Paddle's
-``AOAEngine`` parses and runs the statements. Macros are expanded here rather than by the engine
-because the engine's ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse
-direction on intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured).
-
-Three sets of units come out of the same file (:func:`expand_units`, :func:`fleet_units`, picked by
-:func:`checkpoint_units`). In every unit the ``hf`` side is the checkpoint (or the official layout)
-and the ``fleet`` side the other end, so the loader and saver drive all of them with the same two
-directions.
+Placeholders are substituted here from the config's per-layer schedule, not by Paddle's ``AOAEngine``:
+its ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse direction on
+intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured). In every unit the ``hf`` side is
+the checkpoint (or the official layout), so the loader and saver drive all unit sets
+(:func:`checkpoint_units`) with the same two directions.
 """
 
 from __future__ import annotations
@@ -204,13 +198,6 @@ def _make(
     )
 
 
-def _pf(unit: Mapping[str, Any], layout: str) -> Mapping[str, Any]:
-    """The unit as written for ``layout``: its ``paddlefleet`` override merged in for "fleet"."""
-    if layout == "fleet" and "paddlefleet" in unit:
-        return {**unit, **unit["paddlefleet"]}
-    return unit
-
-
 def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]:
     """``<a.#.b>`` -> ``a.0.b, a.1.b, ...`` inside a statement; as a key-list item, one key each."""
     out: list[str] = []
@@ -225,49 +212,28 @@ def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]
     return out
 
 
-def _layer_values(lp: Any) -> dict[str, str]:
-    """The placeholders of a layer's statements (``EXPERT_ID`` filled per expert)."""
-    return {
-        "HF": lp.hf_prefix,
-        "FLEET": lp.fleet_prefix,
-        "LAYER": lp.hf_prefix,
-        "LAYER_ID": str(lp.index),
-        "EXPERT_ID": "",
-    }
-
-
 def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
     """The model <-> PaddleFleet adapters, expanded: ``hf`` = PaddleFleet keys, ``fleet`` = model keys."""
     E = int(config.n_routed_experts)
-    out: list[MappingUnit] = []
-    for a in rules.get("fleet_adapters", []):
-        if a.get("expert_layout", expert_layout) != expert_layout:
-            continue
-        raw = {
-            "name": a["name"],
-            "tags": a.get("tags", []),
+    raw = [
+        {
+            **{k: a[k] for k in ("name", "scope", "tags", "when") if k in a},
             "hf": _expand_lists(a["fleet"], E, True),
             "fleet": _expand_lists(a["model"], E, True),
             "hf_to_fleet": _expand_lists(a["fleet_to_model"], E, False),
             "fleet_to_hf": _expand_lists(a["model_to_fleet"], E, False),
         }
-        if a["scope"] == "global":
-            out.append(_make(raw, {}, (), None))
-            continue
-        for lp in layer_plan(config):
-            if a["scope"] == "decoder" and _applies(a, lp, config):
-                out.append(_make(raw, _layer_values(lp), (_MTP_TAG,) if lp.mtp else (), lp.index))
-    return out
-
-
-def _layer_of(key: str) -> int | None:
-    m = _LAYER_RE.match(key)
-    return int(m.group(1)) if m else None
+        for a in rules.get("fleet_adapters", [])
+        if a.get("expert_layout", expert_layout) == expert_layout
+    ]
+    return _expand_units(config, raw)
 
 
 def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
     """One unit per tensor with no statements: a checkpoint already in the model's spelling."""
-    return [MappingUnit(k, (), (k,), (k,), (), (), _layer_of(k)) for k in sorted(keys)]
+    return [
+        MappingUnit(k, (), (k,), (k,), (), (), int(m[1]) if (m := _LAYER_RE.match(k)) else None) for k in sorted(keys)
+    ]
 
 
 def fleet_units(
@@ -358,7 +324,9 @@ def expand_units(
     if layout not in ("model", "fleet"):
         raise ValueError(f"unknown target layout {layout!r}; expected 'model' or 'fleet'")
     rules = rules or load_rules()
-    units = _expand_units(config, rules, layout)
+    # a unit as written for the PaddleFleet layout: its ``paddlefleet`` override merged in
+    raw = [{**u, **u["paddlefleet"]} if layout == "fleet" and "paddlefleet" in u else u for u in rules["units"]]
+    units = _expand_units(config, raw)
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
@@ -388,15 +356,13 @@ def expand_units(
     return [merge(u) if isinstance(u, int) else u for u in out]
 
 
-def _expand_units(config: Any, rules: Mapping[str, Any], layout: str) -> list[MappingUnit]:
-    units: list[MappingUnit] = []
-    raw = [_pf(u, layout) for u in rules["units"]]
-    for u in raw:
-        if u["scope"] == "global" and _applies(u, None, config):
-            units.append(_make(u, {}, (), None))
+def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[MappingUnit]:
+    """The units written in ``raw``: global ones, then per layer (decoder, experts, MTP wrapper)."""
+    units = [_make(u, {}, (), None) for u in raw if u["scope"] == "global" and _applies(u, None, config)]
     E = int(config.n_routed_experts)
     for lp in layer_plan(config):
-        values = _layer_values(lp)
+        # the placeholders of a layer's statements (``EXPERT_ID`` filled per expert)
+        values = dict(HF=lp.hf_prefix, FLEET=lp.fleet_prefix, LAYER=lp.hf_prefix, LAYER_ID=str(lp.index), EXPERT_ID="")
         extra = (_MTP_TAG,) if lp.mtp else ()
         for u in raw:
             if u["scope"] == "decoder" and _applies(u, lp, config):

@@ -1,18 +1,13 @@
-"""Distributed export: every rank writes the official-layout (HF) tensors it owns, straight into
-the final safetensors files, so no process ever holds more than one merged tensor at a time.
+"""Distributed export: every rank writes the official-layout (HF) tensors it owns straight into the
+final safetensors files, so no process ever holds more than one merged tensor at a time
+(docs/checkpoints.md, "Saving").
 
-How: the shard plan (which tensor goes to which file, at which byte offset) is a pure function of
-the config, the dtype and the shard size, so every rank computes the same plan (the single-process
-saver's ``plan_shards`` / ``plan_header``).  Rank 0 writes each file's header and sizes the file;
-then, one mapping unit at a time, the ranks of a tensor-parallel (or expert-tensor-parallel) group
-all-gather the unit's slices, and the one owner of the unit (the lowest rank among the canonical
-holders: data-parallel rank 0 and TP rank 0, expert-data-parallel rank 0 and ETP rank 0 for an
-expert, the first stage for a tensor several stages hold) converts it with the same mapping
-program as the single-process saver and writes its bytes at their planned offsets.  Replicas
-write nothing.  After a barrier rank 0 checks that every tensor was written exactly once, writes
-``config.json`` and the index last and moves the folder into place (one rename when the target
-is new).  The files are byte-identical to ``save_pretrained_state`` of the same weights.  Every
-rank must see the output folder (one filesystem, as for the trainer's checkpoints).
+The shard plan (each tensor's file and byte offset) is a pure function of the config, dtype and
+shard size, so every rank computes the same one. Rank 0 writes the headers; per mapping unit a
+tensor-parallel group all-gathers its slices and the unit's one owner (:func:`_owner_candidate`)
+converts them with the single-process saver's program and writes them at their offsets; rank 0
+checks that every tensor was written once and publishes the folder. The files are byte-identical to
+``save_pretrained_state``'s; every rank must see the output folder.
 """
 
 from __future__ import annotations
@@ -203,13 +198,10 @@ def save_pretrained_distributed(
     expert_layout: str = "per-expert",
     topo: Topology | None = None,
 ) -> Any:
-    """``save_pretrained`` for a model split over ranks (tensor, expert or pipeline parallel):
-    collective, every rank calls it with its own part of the model (a ``GlmMoeDsaForCausalLM``
-    built for a multi-rank topology, or a trainer stage), through :func:`export_distributed`.
-
-    Only the official layout without quantization is written this way (a Fleet-layout or FP8 save
-    of a split model is refused, not silently gathered).  Returns a ``SaveReport`` (the same on
-    every rank; ``tensors`` counts all ranks')."""
+    """``save_pretrained`` for a model split over ranks: collective, every rank calls it with its own part
+    of the model, through :func:`export_distributed`. The official layout without quantization only (a
+    Fleet-layout or FP8 save of a split model is refused, not silently gathered). Returns the same
+    ``SaveReport`` on every rank (``tensors`` counts all ranks')."""
     import time
 
     dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes

@@ -1,14 +1,6 @@
-"""Non-finite values (NaN, Inf) in weights: found by tensor name, before they reach a forward pass.
-
-A NaN or Inf weight (or FP8 scale) loads without complaint and turns every loss and gradient it
-touches into NaN; the run then trains on nothing.  Two places look:
-
-* :func:`count_nonfinite_raw`: the stored bytes of a safetensors tensor, per dtype, without
-  converting it (``glm52 check-ckpt`` runs it over every tensor it already reads for hashing,
-  FP8 weights and their ``scale_inv`` tensors included);
-* :func:`check_finite_state`: the tensors of a loaded state dict (``from_pretrained(check_finite=True)``,
-  ``glm52 train`` after each rank has its weights; each rank checks only what it holds, and an FP8
-  checkpoint's NaN scale shows in the weight it dequantized).
+"""Non-finite values (NaN, Inf) in weights, found by tensor name before they reach a forward pass
+(docs/checkpoints.md, "Non-finite weights"): :func:`count_nonfinite_raw` tests a safetensors
+tensor's stored bytes (``glm52 check-ckpt``), :func:`check_finite_state` a loaded state dict.
 
 Bit patterns (IEEE-754 and the OCP FP8 formats): BF16, F16, F32 and F64 are non-finite when their
 exponent bits are all ones; ``F8_E5M2`` likewise; ``F8_E4M3`` (the "fn" variant, no infinities) only

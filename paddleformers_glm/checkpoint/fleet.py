@@ -1,15 +1,9 @@
-"""PaddleFleet-layout checkpoints: which layout a file is in, and what the loader does about it.
+"""PaddleFleet-layout checkpoints: which layout a file is in, and what the loader does about it
+(docs/checkpoints.md, "The PaddleFleet layout"; the old spelling reads as ``fleet-legacy``).
 
-A ``fleet`` checkpoint is in PaddleFleet's own layout (:func:`.layout.paddlefleet_param_specs`);
-its routed experts come per expert, grouped (``grouped_gemm_experts.weight1/2``) or stacked
-(``experts.up_gate_proj``). A file in the model's own spelling (router ``[H, E]``, ``lm_head.weight``
-``[H, V]``) is the layout this library called "fleet" before it matched PaddleFleet: it is read as
-``fleet-legacy`` with a :class:`FutureWarning` for one release, then refused.
-
-Two facts only the file can tell are read here: a tensor-parallel writer's per-shard interleave
-of ``fused_ffn`` weights (index ``metadata`` key :data:`FUSED_FFN_KEY`, or the same key in a single
-file's ``__metadata__``), and whether the MTP layer's indexer was written at all (some PaddleFleet
-versions skip building it when the MTP layer shares the previous layer's top-k).
+Two facts only the file can tell are read here: a tensor-parallel writer's per-shard interleave of
+``fused_ffn`` weights (:data:`FUSED_FFN_KEY` in the index ``metadata`` or a file's ``__metadata__``),
+and whether the MTP layer's indexer was written at all.
 """
 
 from __future__ import annotations

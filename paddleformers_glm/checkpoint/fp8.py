@@ -1,18 +1,10 @@
-"""Block-FP8 checkpoints (the official release format): decode, dequantize lazily, re-quantize.
+"""Block-FP8 checkpoints (the official release format): decode, dequantize lazily, re-quantize
+(docs/checkpoints.md, "Block-FP8 checkpoints": a ``W`` stored as E4M3 bytes plus ``W_scale_inv``, one
+fp32 scale per block, valued ``float32(q) * scale_inv[block]``).
 
-Scheme: a quantized weight ``W`` (2-D, ``[rows, cols]``) is stored as ``F8_E4M3`` bytes ``q`` plus an
-``F32`` tensor ``W_scale_inv`` (``<name>_scale_inv``) of shape ``[ceil(rows/br), ceil(cols/bc)]``,
-one scale per ``br x bc`` block (``weight_block_size`` in ``quantization_config``; the last block
-of a dimension may be partial). The value is ``float32(q) * scale_inv[block]``, computed in fp32.
-
-numpy has no float8 type, so E4M3 bytes are decoded through an exact 256-entry table (the
-``e4m3fn`` variant: no infinities, ``0x7F``/``0xFF`` are NaN) and encoded by round-to-nearest-even
-against the same table (values from 464 on saturate to NaN, as torch's conversion does).
-
-Quantizing uses ``scale = block amax / 448`` (448 is the largest E4M3 value). A weight that came
-from an FP8 checkpoint of this scheme is re-quantized to exactly its source bytes: ``amax / 448``
-is within one fp32 ulp of the source scale, and the scale among those three candidates whose
-dequantization reproduces the block exactly is taken (see :func:`quantize_blocks`).
+numpy has no float8, so E4M3 (``e4m3fn``) bytes are decoded through an exact 256-entry table and
+encoded by round-to-nearest-even against the same table. Quantizing uses ``scale = block amax / 448``;
+a weight from an FP8 checkpoint of this scheme gets back exactly its source bytes (:func:`quantize_blocks`).
 """
 
 from __future__ import annotations
@@ -32,7 +24,6 @@ from .errors import CheckpointError
 __all__ = [
     "E4M3_MAX",
     "E4M3_TABLE",
-    "Fp8Scheme",
     "Fp8Source",
     "decode_e4m3",
     "encode_e4m3",
@@ -189,16 +180,9 @@ def is_fp8_weight(key: str) -> bool:
     return key.startswith("model.layers.") and key.endswith(_FP8_LINEARS)
 
 
-@dataclass(frozen=True)
-class Fp8Scheme:
-    """The quantization a checkpoint declares (``quantization_config`` in its config.json)."""
-
-    block: tuple[int, int] = (128, 128)
-
-
-def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
-    """The checkpoint's quantization from ``quantization_config`` (config.json beside the weights, or
-    ``config``); None when there is none. Any method other than block FP8 (e4m3) is refused by name."""
+def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
+    """The block size of the checkpoint's block-FP8 quantization, from ``quantization_config`` (config.json
+    beside the weights, or ``config``); None when there is none. Any other method is refused by name."""
     qc = None
     file = os.path.join(folder, "config.json")
     if os.path.isfile(file):
@@ -213,19 +197,16 @@ def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
         return None
     if not isinstance(qc, Mapping):
         raise CheckpointError("quantization_config must be an object", file=file, actual=type(qc).__name__)
-    for key, default, expected, what in (
-        (
-            "quant_method",
-            None,
-            "fp8",
-            "quantization method {!r} is not supported (only block FP8 checkpoints can be loaded)",
-        ),
-        ("fmt", "e4m3", "e4m3", "FP8 format {!r} is not supported"),
-    ):
+    for key, default, expected in (("quant_method", None, "fp8"), ("fmt", "e4m3", "e4m3")):
         value = qc.get(key, default)
         if value != expected:
+            what = "quantization method" if key == "quant_method" else "FP8 format"
             raise CheckpointError(
-                what.format(value), file=file, key=f"quantization_config.{key}", expected=expected, actual=value
+                f"{what} {value!r} is not supported (only block FP8 e4m3 checkpoints can be loaded)",
+                file=file,
+                key=f"quantization_config.{key}",
+                expected=expected,
+                actual=value,
             )
     bs = qc.get("weight_block_size", [128, 128])
     if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
@@ -235,10 +216,10 @@ def quantization_of(folder: str, config: Any = None) -> Fp8Scheme | None:
             key="quantization_config.weight_block_size",
             actual=bs,
         )
-    return Fp8Scheme((bs[0], bs[1]))
+    return bs[0], bs[1]
 
 
-def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
+def fp8_pairs(ckpt: Any, block: tuple[int, int] | None) -> dict[str, str]:
     """``{weight key: scale key}`` for every F8_E4M3 tensor, each checked against its scale tensor."""
     pairs: dict[str, str] = {}
     for k in ckpt.keys():
@@ -249,7 +230,7 @@ def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
             raise CheckpointError(
                 "FP8 variant not supported", key=k, file=info.file, expected="F8_E4M3", actual=info.dtype
             )
-        if scheme is None:
+        if block is None:
             raise CheckpointError(
                 "FP8 tensor in a checkpoint whose config.json has no quantization_config",
                 key=k,
@@ -265,10 +246,10 @@ def fp8_pairs(ckpt: Any, scheme: Fp8Scheme | None) -> dict[str, str]:
         if len(info.shape) != 2:
             raise CheckpointError("FP8 tensor is not 2-D", key=k, file=info.file, actual=info.shape)
         sinfo = ckpt.info(sk)
-        want = tuple(math.ceil(d / b) for d, b in zip(info.shape, scheme.block))
+        want = tuple(math.ceil(d / b) for d, b in zip(info.shape, block))
         if sinfo.dtype != "F32" or sinfo.shape != want:
             raise CheckpointError(
-                f"scale tensor does not match the {scheme.block[0]}x{scheme.block[1]} blocks of {k}",
+                f"scale tensor does not match the {block[0]}x{block[1]} blocks of {k}",
                 key=sk,
                 file=sinfo.file,
                 expected=("F32", want),

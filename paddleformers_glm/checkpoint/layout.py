@@ -1,25 +1,11 @@
-"""The parameter-name contract: every tensor of a GLM-5.2 model, in both layouts, from the config.
+"""The parameter-name contract: every tensor of a GLM-5.2 model from the config, in the official
+(``hf``) layout, the model's own ``state_dict()`` and PaddleFleet's checkpoint layout
+(docs/checkpoints.md, "The parameter contract" and "The PaddleFleet layout").
 
-Two checkpoint layouts exist, and the model's own state dict:
-
-* **hf** — the official checkpoint: torch ``[out, in]`` linears, separate ``gate_proj``/``up_proj``,
-  ``self_attn.indexer.*``, the MTP decoder layer directly under ``model.layers.{L}.``.
-* **model** — the Paddle model's ``state_dict()`` (:func:`model_param_specs`, historically
-  :func:`fleet_param_specs`): ``[in, out]`` linears, fused ``up_gate_proj`` (gate columns first),
-  ``self_attn.core_attention.indexer.*``, the MTP decoder under ``model.layers.{L}.transformer_layer.``,
-  router ``[H, E]`` in float32, ``lm_head.weight`` ``[H, V]``.
-* **fleet** — PaddleFleet's checkpoint layout (:func:`paddlefleet_param_specs`): the model's names
-  and shapes except the router ``[E, H]`` (float32) and ``model.lm_head.weight`` ``[V, H]``, neither
-  transposed, and routed experts in one of three expert layouts (:data:`EXPERT_LAYOUTS`).
-  The model's own spelling written as a checkpoint is the old "fleet" layout, read as
-  ``"fleet-legacy"``.
-
-These functions are written out by hand from that description, *not* derived from the AOA rules in
-``aoa_mappings/``, so tests can check the rules against them (two independent statements of the
-same contract). The model's ``state_dict()`` must equal :func:`fleet_param_specs` key for key.
-
-A spec is ``(shape, dtype_kind)``; ``dtype_kind`` is ``"model"`` (the config's / requested dtype) or
-``"float32"`` (always fp32). Use :func:`resolve_dtype` to turn it into a dtype name.
+Written out by hand, *not* derived from the AOA rules in ``aoa_mappings/``, so tests can check the
+rules against them (two independent statements of the same contract). A spec is ``(shape,
+dtype_kind)``, ``dtype_kind`` ``"model"`` (the config's / requested dtype) or ``"float32"``
+(:func:`resolve_dtype`).
 """
 
 from __future__ import annotations
@@ -160,21 +146,17 @@ def _whole_model_specs(config: Any, model_layout: bool) -> dict[str, ParamSpec]:
     ``[in, out]`` linears, else the official names and ``[out, in]``."""
     d = _dims(config)
     H, V, M = d["H"], d["V"], "model"
-
-    def linear(n_in: int, n_out: int) -> tuple[int, int]:
-        return (n_in, n_out) if model_layout else (n_out, n_in)
-
     out: dict[str, ParamSpec] = {
         "model.embedding.embed_tokens.weight" if model_layout else "model.embed_tokens.weight": ((V, H), M),
         "model.norm.weight": ((H,), M),
-        "lm_head.weight": (linear(H, V), M),
+        "lm_head.weight": ((H, V) if model_layout else (V, H), M),
     }
     for lp in layer_plan(config):
         if lp.mtp:
             p = lp.hf_prefix
             out[f"{p}.enorm.weight"] = ((H,), M)
             out[f"{p}.hnorm.weight"] = ((H,), M)
-            out[f"{p}.eh_proj.weight"] = (linear(2 * H, H), M)
+            out[f"{p}.eh_proj.weight"] = ((2 * H, H) if model_layout else (H, 2 * H), M)
             out[f"{p}.norm.weight" if model_layout else f"{p}.shared_head.norm.weight"] = ((H,), M)
         prefix = lp.fleet_prefix if model_layout else lp.hf_prefix
         out.update(_decoder(prefix, lp, d, bool(config.attention_bias), model_layout))
@@ -195,14 +177,9 @@ fleet_param_specs = model_param_specs  # the model's state dict; the name predat
 
 
 def paddlefleet_param_specs(config: Any, expert_layout: str = "per-expert") -> dict[str, ParamSpec]:
-    """Every tensor of a PaddleFleet-layout checkpoint (what its AOA rules make from the official one).
-
-    Differs from :func:`model_param_specs` in the router (``[E, H]``, float32, not transposed), the
-    head (``model.lm_head.weight`` ``[V, H]``, not transposed) and, by ``expert_layout``, the routed
-    experts: ``per-expert`` keeps ``mlp.experts.{e}.{up_gate,down}_proj.weight``; ``grouped``
-    concatenates them on axis 0 into ``mlp.grouped_gemm_experts.weight1`` ``[E*H, 2*Im]`` and
-    ``weight2`` ``[E*Im, H]``; ``stacked`` does the same into ``mlp.experts.up_gate_proj`` and
-    ``mlp.experts.down_proj`` (no ``.weight`` suffix), PaddleFleet's fallback layout.
+    """Every tensor of a PaddleFleet-layout checkpoint (what its AOA rules make from the official one):
+    :func:`model_param_specs` but the router and head untransposed and, unless ``per-expert``, a layer's
+    routed experts concatenated on axis 0 (docs/checkpoints.md, "The PaddleFleet layout").
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}")

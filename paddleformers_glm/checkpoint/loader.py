@@ -220,18 +220,14 @@ def load_pretrained_state(
     shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
     init_missing_mtp: bool = True,
 ) -> LoadReport:
-    """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report.
+    """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report
+    (docs/checkpoints.md, "Loading" and "Partial loads").
 
-    ``dtype``: what the model's "model"-dtype parameters must be (routers fp32); ``None``, or
-    ``strict=False``, fills each parameter in its own dtype (a difference named in
-    ``report.warnings``). ``strict`` refuses missing / unexpected weights; index bookkeeping
-    (``total_size``, a stray file, trailing bytes) is only a warning. ``keys`` / ``key_filter``
-    restrict the load to some Fleet keys (a pipeline stage); ``ShardedWeight`` values are read as
-    their local slice, and ``shard_info`` (every rank's (local_shape, global_offset) per key) lays
-    fused weights out per rank as Fleet does (``[gate_r | up_r]``). A checkpoint without any MTP
-    tensor (transformers' ``save_pretrained``) gets its MTP layer initialised as HF does
-    (``init_missing_mtp``). Block-FP8 weights are dequantized slice by slice. Details:
-    docs/checkpoints.md, "Loading".
+    ``dtype``: what the model's "model"-dtype parameters must be; ``None``, or ``strict=False``, fills
+    each in its own dtype (named in ``report.warnings``). ``strict`` refuses missing / unexpected
+    weights (index bookkeeping is only a warning). ``keys`` / ``key_filter`` restrict the load to some
+    Fleet keys; ``shard_info`` (every rank's (local_shape, global_offset) per key) lays fused weights
+    out per rank as Fleet does; ``init_missing_mtp`` initialises an absent MTP layer as HF does.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
@@ -242,8 +238,8 @@ def load_pretrained_state(
     # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
     # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
     with Checkpoint(path, strict=False) as ckpt:
-        scheme = quantization_of(ckpt.folder, cfg)
-        fp8 = fp8_pairs(ckpt, scheme)
+        block = quantization_of(ckpt.folder, cfg)
+        fp8 = fp8_pairs(ckpt, block)
         weight_keys = set(ckpt.keys()) - set(fp8.values())
         layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)
         report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
@@ -270,7 +266,7 @@ def load_pretrained_state(
             report.warnings.append(msg)
         fleet = fleet_param_specs(cfg)
         state = state_of(model)
-        want = _wanted_keys(state, fleet, keys, key_filter, strict)
+        want = wanted_keys(state, fleet, keys, key_filter, strict)
         report.skipped = sorted((set(state) & set(fleet)) - want)
         # --- units: which targets can be produced from what the checkpoint has
         units = units_for(cfg, layout, expert_layout, fleet_format.fused_ffn_shards(ckpt) if layout == "fleet" else 1)
@@ -301,7 +297,7 @@ def load_pretrained_state(
             warnings.warn(msg, UserWarning, stacklevel=2)
         targets = _target_specs(usable, want, state, fleet, dtype, shard_info, strict, report.warnings)
         if backend == "engine":
-            source = Fp8Source(ckpt, pairs=fp8, block=scheme.block) if scheme and fp8 else CheckpointSource(ckpt)
+            source = Fp8Source(ckpt, pairs=fp8, block=block) if block and fp8 else CheckpointSource(ckpt)
             report.loaded = [k for k, _ in run_units(usable, "hf_to_fleet", source, targets, produce=want)]
             report.bytes_read = source.bytes_read
         elif backend == "paddle":
@@ -333,12 +329,12 @@ def load_pretrained_state(
     return report
 
 
-def _wanted_keys(
+def wanted_keys(
     state: Mapping[str, Any],
     fleet: Mapping[str, tuple[tuple[int, ...], str]],
-    keys: Iterable[str] | None,
-    key_filter: Callable[[str], bool] | None,
-    strict: bool,
+    keys: Iterable[str] | None = None,
+    key_filter: Callable[[str], bool] | None = None,
+    strict: bool = True,
 ) -> set[str]:
     """The Fleet keys to fill: the model's keys within the contract, narrowed by ``keys`` /
     ``key_filter`` (a pipeline stage's module need only hold those). ``strict`` refuses a model
@@ -368,16 +364,10 @@ def _plan_units(
     """Which mapping units can run from what the checkpoint has, and what is missing: (units whose
     sources are all there and that produce a wanted key, wanted keys whose unit lacks a source, the
     lacking sources of those units, wanted MTP keys to initialise as HF does, number of MTP sources)."""
-    usable, missing_targets = [], []
-    for u in units:
-        if not want & set(u.fleet):
-            continue
-        lacking = [k for k in u.hf if k in missing_src]
-        if lacking:
-            missing_targets.extend(k for k in u.fleet if k in want)
-        else:
-            usable.append(u)
-    needed_missing = sorted({k for u in units if want & set(u.fleet) for k in u.hf} & missing_src)
+    wanted = [u for u in units if want & set(u.fleet)]
+    usable = [u for u in wanted if not missing_src & set(u.hf)]
+    missing_targets = [k for u in wanted if missing_src & set(u.hf) for k in u.fleet if k in want]
+    needed_missing = sorted({k for u in wanted for k in u.hf} & missing_src)
     # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
     # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
     mtp_units = [u for u in units if u.layer is not None and u.layer >= cfg.num_hidden_layers]

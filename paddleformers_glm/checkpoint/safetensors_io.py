@@ -13,6 +13,7 @@ written as soon as it is produced and dropped; the file bytes depend only on the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -313,28 +314,18 @@ class SafetensorsFile(_Closing):
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            self._fd = open(self.file, "rb")
-            size = os.fstat(self._fd.fileno()).st_size
-            self._mm = mmap.mmap(self._fd.fileno(), size, access=mmap.ACCESS_READ) if size else None  # type: ignore[assignment]
-        return self._mm  # type: ignore[return-value]
-
     def raw(self, key: str) -> memoryview:
         """The tensor's bytes as a zero-copy view (for hashing)."""
+        if self._mm is None:  # a valid file is never empty: its header is at least 8 bytes
+            self._fd = open(self.file, "rb")
+            self._mm = mmap.mmap(self._fd.fileno(), 0, access=mmap.ACCESS_READ)
         info = self.tensors[key]
-        if info.nbytes == 0:
-            return memoryview(b"")
-        return memoryview(self._map())[info.begin : info.end]
+        return memoryview(self._mm)[info.begin : info.end]
 
     def numpy(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """A numpy view of the tensor (bf16 as uint16 bits); only the pages touched are read."""
         info = self.tensors[key]
-        np_dtype = ST_DTYPES[info.dtype][1]
-        if info.nbytes == 0:
-            arr = np.zeros(info.shape, dtype=np_dtype)
-        else:
-            arr = np.frombuffer(self.raw(key), dtype=np_dtype).reshape(info.shape)
+        arr = np.frombuffer(self.raw(key), dtype=ST_DTYPES[info.dtype][1]).reshape(info.shape)
         return arr[index] if index is not None else arr
 
     def release(self, key: str) -> None:
@@ -347,19 +338,14 @@ class SafetensorsFile(_Closing):
         info = self.tensors[key]
         if self._mm is None or info.nbytes == 0 or not hasattr(self._mm, "madvise"):
             return
-        page = mmap.PAGESIZE
-        start = (info.begin // page) * page
-        try:
+        start = (info.begin // mmap.PAGESIZE) * mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # advisory only
             self._mm.madvise(mmap.MADV_DONTNEED, start, min(info.end, len(self._mm)) - start)
-        except (OSError, ValueError):  # advisory only
-            pass
 
     def close(self) -> None:
         if self._mm is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a view: it closes when that is dropped
                 self._mm.close()
-            except BufferError:  # a caller still holds a view; the map closes when it is dropped
-                pass
             self._mm = None
         if self._fd is not None:
             self._fd.close()
@@ -367,14 +353,10 @@ class SafetensorsFile(_Closing):
 
 
 class Checkpoint(_Closing):
-    """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set.
-
-    Construction validates every header and the index against the shards, so a checkpoint object
-    that exists is consistent: each key in exactly one shard, the index naming exactly the keys each
-    shard holds, no shard missing from a ``-0000k-of-0000n`` series, ``total_size`` equal to the
-    tensor bytes. ``strict=False`` turns the last two, files the index does not name and trailing
-    bytes after a file's last tensor into warnings collected in ``warnings`` (none of them changes
-    a tensor's value).
+    """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set,
+    consistent once constructed: every header and the index are validated (docs/checkpoints.md,
+    "Loading"). ``strict=False`` turns what changes no tensor's value (a wrong ``total_size``, files the
+    index does not name, trailing bytes after a file's last tensor) into ``warnings``.
     """
 
     def __init__(self, path: str | os.PathLike, strict: bool = True) -> None:
@@ -418,8 +400,7 @@ class Checkpoint(_Closing):
             self._problem(CheckpointError(message, file=os.path.join(self.folder, name)))
 
     def _files_from_folder(self) -> list[str]:
-        listing = sorted(os.listdir(self.folder))
-        st_files = [f for f in listing if f.endswith(".safetensors")]
+        st_files = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))
         idx = os.path.join(self.folder, INDEX_NAME)
         if os.path.exists(idx):
             self.index_file = idx

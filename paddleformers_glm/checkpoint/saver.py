@@ -1,15 +1,9 @@
-"""``save_pretrained_state``: write a model's weights as an official-layout (or Fleet-layout) checkpoint.
+"""``save_pretrained_state``: write a model's weights as an official-layout (or Fleet-layout) checkpoint
+(docs/checkpoints.md, "Saving").
 
-The official layout is the default so that files go back to users in the form they came: exactly
-the official key set (per-expert tensors, indexer only on full layers, the MTP layer with its
-indexer), torch shapes, ``config.model_dtype`` everywhere except the fp32 correction bias, shards
-``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json`` (one shard: a single
-``model.safetensors``, as HF does), and ``config.json`` through the config round trip.
-
-Tensors are produced one at a time by Paddle's AOA engine (fleet -> hf statements) and written
-straight into their planned place: the shard plan and every header are computed up front from the
-contract, so the bytes depend only on the weights. Everything is written into a temporary folder
-beside the target and moved in only when complete: a failure leaves no partial checkpoint.
+The shard plan and every header are computed up front from the contract and the engine's tensors
+written one at a time into their planned places, so the bytes depend only on the weights; it all
+goes into a temporary folder beside the target that replaces it only when complete (:func:`publish`).
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import ParamSpec, fleet_param_specs, param_specs, resolve_dtype
-from .loader import _listing, normalize_dtype, state_of
+from .loader import normalize_dtype, state_of, wanted_keys
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
 
 __all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards", "plan_entries", "finish_save"]
@@ -55,13 +49,11 @@ class SaveReport:
 def parse_size(size: int | str) -> int:
     """``"5GB"`` -> 5_000_000_000 (decimal units like HF; ``GiB`` binary); ints pass through."""
     if isinstance(size, int):
-        if size <= 0:
-            raise ValueError(f"max_shard_size must be > 0, got {size}")
-        return size
-    m = _SIZE_RE.match(str(size))
-    if not m:
+        n = size
+    elif m := _SIZE_RE.match(str(size)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
         raise ValueError(f"max_shard_size {size!r} is not a size like '5GB', '500MiB' or 1000000")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
     if n <= 0:
         raise ValueError(f"max_shard_size must be > 0, got {size!r}")
     return n
@@ -123,12 +115,7 @@ def finish_save(
 
 def _check_state(state: Mapping[str, Any], config: Any) -> None:
     fleet = fleet_param_specs(config)
-    lacking, extra = sorted(set(fleet) - set(state)), sorted(set(state) - set(fleet))
-    if lacking or extra:
-        raise CheckpointError(
-            "state dict does not match the GLM-5.2 Fleet parameter contract: "
-            + _listing(("lacks", lacking), ("has unknown", extra))
-        )
+    wanted_keys(state, fleet, strict=True)  # every key of the contract and no other
     for k, (shape, _) in fleet.items():
         t = getattr(state[k], "local_tensor", state[k])
         if tuple(int(d) for d in t.shape) != tuple(shape):
@@ -157,13 +144,11 @@ def save_pretrained_state(
     quantization: str | None = None,
     carry_from: str | os.PathLike | None = None,
 ) -> SaveReport:
-    """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``.
-
-    ``layout="hf"`` (default) writes the official layout, ``"fleet"`` the Paddle/Fleet names.
-    ``dtype`` overrides ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and
-    in the Fleet layout the router weight, stay float32). The folder appears all at once
-    (:func:`publish`). ``expert_layout`` (fleet layout only): PaddleFleet's ``per-expert``,
-    ``grouped`` or ``stacked`` routed-expert tensors.
+    """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``, all at once
+    (:func:`publish`): the official layout (``layout="hf"``) or PaddleFleet's (``"fleet"``, its routed
+    experts ``expert_layout`` ``per-expert``, ``grouped`` or ``stacked``). ``dtype`` overrides
+    ``config.model_dtype`` for "model"-dtype tensors (the correction bias, and in the Fleet layout the
+    router weight, stay float32).
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
@@ -277,11 +262,6 @@ def carry_files(src: str | os.PathLike | None, tmp: str, out_dir: str) -> list[s
     return out
 
 
-def _replaced_by_this_save(name: str) -> bool:
-    """Files of an earlier checkpoint at the target that this save replaces (and nothing else)."""
-    return name in (SINGLE_NAME, INDEX_NAME, "config.json") or bool(_OWN_WEIGHT_RE.match(name))
-
-
 def _temp_prefix(out_dir: str, kind: str) -> str:
     """``.<name>.<kind>-<pid>-``: the pid lets a later save tell a killed save's leftovers from a live one."""
     return f".{os.path.basename(out_dir)}.{kind}-{os.getpid()}-"
@@ -342,28 +322,22 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    if os.path.isdir(src) and not os.path.islink(src):
-        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-        return
     if os.path.islink(src):
         os.symlink(os.readlink(src), dst)
-        return
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    elif os.path.isdir(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
 
 
 def publish(tmp: str, out_dir: str) -> None:
-    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing.
-
-    Absent or empty target: one rename. Otherwise every entry of the target that this save does
-    not replace (other weights such as ``adapter_model.safetensors``, tokenizer files, folders) is
-    hard-linked (or copied) into ``tmp``, the two folders are exchanged in one atomic
-    ``renameat2(RENAME_EXCHANGE)``, and the old folder is removed. A save killed at any point leaves
-    the old checkpoint or the new one at ``out_dir``, never a mix; its temporary folder is removed
-    by the next save to the same target. Without an atomic exchange (some network filesystems) the
-    old folder is renamed aside first and put back by the next save if the kill came in between.
+    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing (docs/checkpoints.md,
+    "Saving"): an absent or empty target is one rename; otherwise the target's entries this save does
+    not replace are hard-linked into ``tmp`` and the two folders exchanged in one atomic ``renameat2``,
+    or, where there is none, the old folder is renamed aside (and put back by the next save after a kill).
     """
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir):
@@ -375,8 +349,8 @@ def publish(tmp: str, out_dir: str) -> None:
         raise CheckpointError("output path exists and is not a folder", file=out_dir)
     new = set(os.listdir(tmp))
     for name in sorted(os.listdir(out_dir)):
-        if name in new or _replaced_by_this_save(name):
-            continue
+        if name in new or name in (SINGLE_NAME, INDEX_NAME, "config.json") or _OWN_WEIGHT_RE.match(name):
+            continue  # what this save replaces
         _link_or_copy(os.path.join(out_dir, name), os.path.join(tmp, name))
     os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
     if _exchange(tmp, out_dir):

@@ -1,18 +1,15 @@
 """``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
 
-It runs the torch reference (``parity/reference/train.py``) and ``glm52 train`` in any layout
-(default the headline TP2 x PP2 + SP) on the same checkpoint, data and hyper-parameters, both dumping
-their full state after each ``--dump-step`` update and after the last, then compares the loss curves
-(and looks for jumps: a near-tie top-k or routing flip), the idle experts of every step, and per
-tensor the gradients, AdamW moments and weights of every dump, each within the tolerance
-docs/parity.md derives, and leaves ``OUT/receipt/`` (``verdict.json``, the loss plots, the versions,
-both loss.json and the check-ckpt receipts).  Exit 0 when every comparison is within tolerance, 1
-when one is not, 2 when a run failed.
+Both runs dump their full state after each ``--dump-step`` update and after the last; the loss
+curves (with their jumps), the idle experts and every dumped tensor are compared within the
+tolerances docs/parity.md derives, into ``OUT/receipt/``. Exit 0 when every comparison is within
+tolerance, 1 when one is not, 2 when a run failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -26,6 +23,7 @@ from typing import Any
 from .._io import write_json_atomic
 from ..train.command import add_expert_update_argument
 from .reference.indexer import STAGES as INDEXER_STAGES
+from .reference.indexer import saved_indexer_coeff
 from .reference.train import DUMP_KINDS
 
 __all__ = [
@@ -234,11 +232,10 @@ def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str,
     """The experts each MoE layer left idle, step by step, on both sides (None when either run did
     not record them).  A step where they differ is a step where the two runs routed differently.
     loss.json's ``expert_load.idle_experts``: per step, MoE layer -> the experts no token reached."""
-    sides = {"reference": ref, "paddle": cand}
-    sides = {k: (doc.get("expert_load") or {}).get("idle_experts") for k, doc in sides.items()}
-    a, b = sides["reference"], sides["paddle"]
+    a, b = ((doc.get("expert_load") or {}).get("idle_experts") for doc in (ref, cand))
     if a is None or b is None:
         return None
+    sides = {"reference": a, "paddle": b}
     first = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
     return {
         **sides,
@@ -283,17 +280,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _train_args(args: argparse.Namespace) -> list[str]:
-    out = ["--model", os.path.abspath(args.model)]
-    for name, _, _ in TRAIN_FLAGS:
-        v = getattr(args, name)
-        if v is not None:
-            out += [f"--{name.replace('_', '-')}", str(v)]
-    if args.indexer_shared_supervision:
-        out.append("--indexer-shared-supervision")
-    return out
-
-
 def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
@@ -305,19 +291,6 @@ def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
             f.write(f"\n[glm52 align] stopped after {timeout} s\n")
             rc = 124
     return rc, time.monotonic() - t0
-
-
-def _missing_reference_extra() -> str | None:
-    """One line naming the ``reference`` extra when torch or transformers is not installed."""
-    import importlib.util
-
-    absent = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
-    if not absent:
-        return None
-    return (
-        f"the torch reference needs the reference extra ({' and '.join(absent)} not installed): "
-        "pip install 'paddleformers_glm[reference]'"
-    )
 
 
 def _tail(path: str, n: int = 15) -> str:
@@ -342,9 +315,13 @@ def run_align(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"glm52 align: error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
-    missing = None if args.no_run else _missing_reference_extra()  # --no-run compares finished runs only
-    if missing:
-        print(f"glm52 align: error: {missing}", file=sys.stderr)
+    absent = [] if args.no_run else [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if absent:  # --no-run compares finished runs only
+        print(
+            f"glm52 align: error: the torch reference needs the reference extra ({' and '.join(absent)} not "
+            "installed): pip install 'paddleformers_glm[reference]'",
+            file=sys.stderr,
+        )
         return 2
     N = args.steps
     dump_steps = sorted({int(k) for k in (args.dump_step or DUMP_STEPS) if 1 <= int(k) <= N})
@@ -353,7 +330,10 @@ def run_align(args: argparse.Namespace) -> int:
         print(f"glm52 align: error: --dump-step {bad}: outside 1..--steps ({N})", file=sys.stderr)
         return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
-    common = _train_args(args)
+    flags = {f"--{name.replace('_', '-')}": getattr(args, name) for name, _, _ in TRAIN_FLAGS}
+    common = ["--model", os.path.abspath(args.model)]
+    common += [x for f, v in flags.items() if v is not None for x in (f, str(v))]
+    common += ["--indexer-shared-supervision"] if args.indexer_shared_supervision else []
     layout = [x for name in LAYOUT_FLAGS for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     layout += (["--sp"] if args.sp else []) + ["--expert-update", args.expert_update]
     if args.pp_layout:
@@ -379,7 +359,7 @@ def run_align(args: argparse.Namespace) -> int:
         "comparisons": {},
     }
     if args.indexer_loss_coeff is None:
-        verdict["training"]["indexer_loss_coeff"] = _indexer_loss_coeff(args.model)
+        verdict["training"]["indexer_loss_coeff"] = saved_indexer_coeff(args.model)
     verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
     model_files = sorted(
         f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
@@ -481,32 +461,30 @@ def run_align(args: argparse.Namespace) -> int:
     verdict.update(exit_code=0 if ok else 1, result="aligned" if ok else "not aligned")
     verdict["first_difference"] = first_difference(comps, dump_steps)
 
-    def summary(c: dict[str, Any]) -> dict[str, Any]:
-        if "consistent_steps" in c:
-            return {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
+    verdict["summary"], lines = {}, []
+    for k, c in comps.items():
         if "first_mismatch_step" in c:
-            return {k: c[k] for k in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
-        return {"worst": c["worst"], "tolerance": c["tolerance"]}
-
-    verdict["summary"] = {k: {"pass": c["pass"], **summary(c)} for k, c in comps.items()}
-    _write_json(os.path.join(receipt, "verdict.json"), verdict)
-    for k, s in verdict["summary"].items():
-        if "first_mismatch_step" in s:
-            where = "the same every step" if s["pass"] else f"first differ at step {s['first_mismatch_step']}"
-            idle, most = s["steps_with_idle"], s["max_idle_per_step"]["reference"]
+            s = {x: c[x] for x in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
+            where = "the same every step" if c["pass"] else f"first differ at step {c['first_mismatch_step']}"
+            idle, most = c["steps_with_idle"], c["max_idle_per_step"]["reference"]
             detail = f"steps with idle experts: reference {idle['reference']}/{N}, paddle {idle['paddle']}/{N}, "
             detail += f"at most {most} per step; {where}"
-        elif "consistent_steps" in s:
-            detail = f"consistent_steps {s['consistent_steps']}/{N} max_diff {s['max_diff']:.3g} jumps {s['jumps']}"
-            for j in comps[k]["jumps"]:
+        elif "consistent_steps" in c:
+            s = {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
+            detail = f"consistent_steps {c['consistent_steps']}/{N} max_diff {c['max_diff']:.3g} jumps {s['jumps']}"
+            for j in c["jumps"]:
                 why = f"reference top-k margins {j['reference_min_gaps']}" if "reference_min_gaps" in j else ""
                 if "reference_min_nonzero_gaps" in j:
                     why += f", smallest nonzero {j['reference_min_nonzero_gaps']}"
                 detail += f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why or 'no reference margins'})"
         else:
-            tol = s["worst"].get("tolerance", s["tolerance"])
-            detail = f"worst {s['worst']['value']:.3g} ({s['worst']['key']}) tolerance {tol:g}"
-        print(f"[glm52 align] {'pass' if s['pass'] else 'FAIL'} {k}: {detail}")
+            s = {"worst": c["worst"], "tolerance": c["tolerance"]}
+            tol = c["worst"].get("tolerance", c["tolerance"])
+            detail = f"worst {c['worst']['value']:.3g} ({c['worst']['key']}) tolerance {tol:g}"
+        verdict["summary"][k] = {"pass": c["pass"], **s}
+        lines.append(f"[glm52 align] {'pass' if c['pass'] else 'FAIL'} {k}: {detail}")
+    _write_json(os.path.join(receipt, "verdict.json"), verdict)
+    print("\n".join(lines))
     first = verdict["first_difference"]
     if first is not None:
         at = f"after update {first['step']}" if first["step"] is not None else "after the last update"
@@ -519,16 +497,6 @@ def run_align(args: argparse.Namespace) -> int:
         )
     print(f"[glm52 align] {verdict['result']}: receipt {receipt}")
     return int(verdict["exit_code"])
-
-
-def _indexer_loss_coeff(model: str) -> float:
-    """The checkpoint's indexer KL weight (config.json), which both trainers read."""
-    try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return 0.0
-    return float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
 
 
 def register_align(sub: argparse._SubParsersAction) -> None:

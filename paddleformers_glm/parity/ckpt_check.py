@@ -108,8 +108,8 @@ def file_safety_problems(paths: list[str]) -> list[dict[str, str]]:
     return problems
 
 
-def _as_float(arr: np.ndarray, dtype: str) -> np.ndarray:
-    return (bf16_bits_to_float32(arr) if dtype in ("bfloat16", "BF16") else arr).astype(np.float64)
+def _as_float(arr: np.ndarray, st_dtype: str) -> np.ndarray:
+    return (bf16_bits_to_float32(arr) if st_dtype == "BF16" else arr).astype(np.float64)
 
 
 def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -158,10 +158,9 @@ def _open_side(path: str) -> _Side:
             with open(cfg_file, encoding="utf-8") as fh:
                 side.config_json = json.load(fh)
             side.config = GlmMoeDsaConfig.from_pretrained(cfg_file)
-            scheme = quantization_of(folder)
-            side.fp8 = fp8_pairs(side.ckpt, scheme)
-            if scheme is not None:
-                side.block = scheme.block
+            block = quantization_of(folder)
+            side.fp8 = fp8_pairs(side.ckpt, block)
+            side.block = block or side.block
             with contextlib.suppress(CheckpointError):  # else "unknown"
                 side.layout = detect_layout(set(side.ckpt.keys()) - set(side.fp8.values()), side.config)
         bar = progress.start(
@@ -321,10 +320,12 @@ def check_checkpoints(
             f"(ref: {ref.layout}, cand: {cand.layout})"
         )
         return _finish(report, EXIT_UNUSABLE, t0, sides)
-    config_diff = _config_difference(ref, cand, quant_mixed)
-    report["config_match"] = config_diff is None
-    if config_diff is not None:
-        report["differences"].append(config_diff)
+    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
+    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
+    report["config_match"] = cfg_ref == cfg_cand
+    if cfg_ref != cfg_cand:
+        diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
+        report["differences"].append({"class": "config", "keys": diff})
     pre: list[dict[str, Any]] = []
     try:
         canon = _canonical_cand(ref, cand, config, pre)
@@ -375,14 +376,6 @@ def _side_report(s: _Side) -> dict[str, Any]:
         "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
         "nonfinite": dict(sorted(s.nonfinite.items())),
     }
-
-
-def _config_difference(ref: _Side, cand: _Side, quant_mixed: bool) -> dict[str, Any] | None:
-    """The config difference entry (the differing keys), or None when the two config.json agree."""
-    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
-    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
-    diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
-    return None if cfg_ref == cfg_cand else {"class": "config", "keys": diff}
 
 
 def _compare_tensors(
@@ -458,30 +451,21 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
     return d
 
 
-def _dequantized_or_plain(side: _Side, key: str) -> tuple[np.ndarray, str]:
-    """(values, safetensors dtype): FP8 weights dequantized to fp32, other tensors as stored."""
-    assert side.ckpt is not None
-    info = side.ckpt.info(key)
-    if key in side.fp8:
-        src = Fp8Source(side.ckpt, pairs=side.fp8, block=side.block)
-        return src.read_numpy(key, (0,) * len(info.shape), info.shape), "F32"  # type: ignore[return-value]
-    return side.ckpt.numpy(key), info.dtype
-
-
 def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float]:
     """Whether the FP8 side's dequantized weight, rounded to the other side's dtype (as a load in that
     dtype rounds it), equals the other side's tensor; and the max abs diff of the values."""
     import paddle
 
-    (a, da), (b, db) = _dequantized_or_plain(ref, key), _dequantized_or_plain(cand, key)
+    fp8, plain = (cand, ref) if key in cand.fp8 else (ref, cand)
+    shape = fp8.ckpt.info(key).shape  # type: ignore[union-attr]
+    a = Fp8Source(fp8.ckpt, pairs=fp8.fp8, block=fp8.block).read_numpy(key, (0,) * len(shape), shape)  # type: ignore[arg-type]
+    b, db = plain.ckpt.numpy(key), plain.ckpt.info(key).dtype  # type: ignore[union-attr]
     if a.shape != b.shape:
         return False, math.inf
-    if key in cand.fp8:
-        (a, da), (b, db) = (b, db), (a, da)  # a: the FP8 side (fp32), b: the other side
     want = st_to_paddle_dtype(db)
-    rounded = to_paddle(a, "float32").astype(want)  # as a load in that dtype rounds it
+    rounded = to_paddle(a, "float32").astype(want)
     equal = (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
-    return equal, _max_abs_diff(_as_float(a, da), _as_float(b, db))
+    return equal, _max_abs_diff(_as_float(a, "F32"), _as_float(b, db))
 
 
 def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:

@@ -37,20 +37,13 @@ class LossFileError(ValueError):
     """A loss file that cannot be compared (not JSON, no ``losses``, a non-number, NaN/inf)."""
 
 
-def read_losses(path: str) -> list[float]:
-    """The ``losses`` list of a loss.json, refusing anything that is not a finite number."""
-    return read_curve(path, "losses")
-
-
 def read_curve(path: str, key: str = "losses") -> list[float]:
     """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only."""
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            data = json.load(f)
     except OSError as e:
         raise LossFileError(f"{path}: cannot read: {e}") from e
-    try:
-        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise LossFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
     if not isinstance(data, dict) or key not in data:
@@ -67,6 +60,9 @@ def read_curve(path: str, key: str = "losses") -> list[float]:
             raise LossFileError(f"{path}: {key}[{i}] is {v}, expected a finite number")
         out.append(float(v))
     return out
+
+
+read_losses = read_curve  # the ``losses`` list of a loss.json
 
 
 def compare_losses(

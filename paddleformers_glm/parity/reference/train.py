@@ -1,18 +1,11 @@
 """The torch reference training run that ``glm52 train`` must reproduce (``glm52 align`` runs both):
 ``python -m paddleformers_glm.parity.reference.train --model DIR --out OUT [training flags]``.
 
-One process, HF transformers' ``GlmMoeDsaForCausalLM`` (eager attention) for the main model; the
-MTP layers, which transformers drops, are assembled here from HF's own building blocks and loaded
-from the checkpoint's ``model.layers.{L+j}.`` keys.  Every rule of a training step (loss scaling,
-indexer KL, clipping, AdamW and what it decays or skips, router bias updates, schedule) is written
-out here independently of the Paddle trainer, from the contract the trainer documents (docs/parity.md,
-"What the reference does in a step"); the data are the trainer's own numpy sources
-(``paddleformers_glm.train.data``), so both runs read the same token ids in the same micro-batches.
-
-Writes ``OUT/loss.json`` with the trainer's schema; ``--dump-step DIR K`` writes gradients (before
-clipping), AdamW moments and updated weights after step K in the checkpoint's official names.
-Needs the ``reference`` extra (torch + transformers); fp32 on CPU, or ``--dtype bfloat16`` with fp32
-master weights and gradient accumulation (HF's dtype policy, the routers fp32).
+HF transformers' ``GlmMoeDsaForCausalLM`` plus the MTP layers it drops, assembled from HF's own
+modules; every rule of a training step is written out here independently of the Paddle trainer,
+from the contract it documents (docs/parity.md, "What the reference does in a step"). The data are
+the trainer's own numpy sources, so both runs read the same token ids. Writes ``OUT/loss.json`` in
+the trainer's schema and the ``--dump-step`` dumps in the checkpoint's official names.
 """
 
 from __future__ import annotations
@@ -27,8 +20,14 @@ import sys
 import time
 
 from ..._io import write_record
-from ...train.command import add_dtype_argument, add_dump_argument, add_indexer_arguments, add_step_arguments
-from .indexer import ReferenceIndexer, resolve_indexer_stage
+from ...train.command import (
+    _dump_steps,
+    add_dtype_argument,
+    add_dump_argument,
+    add_indexer_arguments,
+    add_step_arguments,
+)
+from .indexer import ReferenceIndexer, resolve_indexer_stage, saved_indexer_coeff
 from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
@@ -66,12 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.indexer_loss_coeff is not None and args.indexer_loss_coeff < 0:
         ap.error("--indexer-loss-coeff must be >= 0")
     try:
-        args.dump_step = [(os.path.abspath(d), int(k)) for d, k in args.dump_step]
-    except ValueError:
-        ap.error("--dump-step takes DIR and an integer step K")
-    for _, k in args.dump_step:
-        if not 1 <= k <= args.steps:
-            ap.error(f"--dump-step step {k} is outside 1..{args.steps}")
+        args.dump_step = _dump_steps(args)  # glm52 train's own check of DIR K pairs
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -113,10 +109,8 @@ def _unfuse(name: str, t, inter: int) -> list[tuple[str, object]]:
     """HF tensor name (relative to a layer) -> official per-expert names."""
     if name.endswith("mlp.experts.gate_up_proj"):
         base = name[: -len("gate_up_proj")]
-        out = []
-        for e in range(t.shape[0]):
-            out += [(f"{base}{e}.gate_proj.weight", t[e, :inter]), (f"{base}{e}.up_proj.weight", t[e, inter:])]
-        return out
+        halves = (("gate", slice(None, inter)), ("up", slice(inter, None)))
+        return [(f"{base}{e}.{n}_proj.weight", t[e, part]) for e in range(t.shape[0]) for n, part in halves]
     if name.endswith("mlp.experts.down_proj"):
         base = name[: -len("down_proj")]
         return [(f"{base}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
@@ -143,10 +137,8 @@ class Reference:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", getattr(conf, "mtp_loss_scaling_factor", 0.1)))
-        # the trainer reads the checkpoint's coefficient from config.json (either spelling)
-        saved = float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
         self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
-            args.indexer_stage, args.indexer_loss_coeff, saved
+            args.indexer_stage, args.indexer_loss_coeff, saved_indexer_coeff(model_dir)
         )
         self.indexer_shared = bool(args.indexer_shared_supervision)
         self.share_topk = bool(conf.index_share_for_mtp_iteration)
@@ -193,7 +185,7 @@ class Reference:
         self.model.model.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True)
         self.model.model.layers[-1].register_forward_hook(lambda mod, a, out: self._taps.__setitem__("topk", out[1]))
         # MoE layer number (the MTP layers after the decoder layers) -> (its decoder layer, its router)
-        layers = [(i, layer) for i, layer in enumerate(self.model.model.layers)]
+        layers = list(enumerate(self.model.model.layers))
         layers += [(L + j, m["layer"]) for j, m in enumerate(self.mtp)]
         self.routers = {i: layer.mlp.gate for i, layer in layers if hasattr(layer.mlp, "gate")}
         self.num_experts = E
