@@ -380,11 +380,8 @@ class BatchFirstRowSequenceParallelLinear(spu.RowSequenceParallelLinear):
 def default_dtype(dtype: str | None) -> Iterator[None]:
     """Create parameters in ``dtype`` (Paddle takes it from the process-wide default: Fleet's
     layers have no dtype argument) and restore the default after; None changes nothing."""
-    if dtype is None:
-        yield
-        return
     saved = paddle.get_default_dtype()
-    paddle.set_default_dtype(dtype)
+    paddle.set_default_dtype(dtype or saved)
     try:
         yield
     finally:
