@@ -38,17 +38,13 @@ from paddle.distributed.fleet.meta_parallel import (
 from .pipeline import LossLedger, StageSpec, _normalise_output
 from .topology import ParallelConfigError, Topology
 
-__all__ = ["FleetPipeline", "PipelineChunk", "chunk_ranks", "rank_spec", "step_optimizer"]
-
-
-def chunk_ranks(num_chunks: int, pp: int) -> list[int]:
-    """The pipeline rank of every chunk: chunk ``c`` runs on rank ``c % pp`` (Fleet's interleave)."""
-    return [c % pp for c in range(num_chunks)]
+__all__ = ["FleetPipeline", "PipelineChunk", "rank_spec", "step_optimizer"]
 
 
 def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
-    """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order)."""
-    mine = [c for c, r in zip(chunks, chunk_ranks(len(chunks), pp)) if r == stage]
+    """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order); chunk
+    ``c`` runs on rank ``c % pp`` (Fleet's interleave)."""
+    mine = chunks[stage::pp]
     parts = (any(getattr(c, f) for c in mine) for f in ("has_embedding", "has_head", "has_mtp"))
     return StageSpec(stage, pp, tuple(i for c in mine for i in c.layers), *parts)
 

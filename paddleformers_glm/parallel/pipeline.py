@@ -51,10 +51,6 @@ class StageSpec:
     has_mtp: bool = False
 
     @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
