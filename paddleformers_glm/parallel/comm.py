@@ -59,16 +59,12 @@ def _live(group: Any) -> bool:
 
 def detect_backend() -> str:
     """'nccl' where Paddle sees a GPU, else 'gloo': the backend the trainer's topology initialises."""
-    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-        return "nccl"
-    return "gloo"
+    return "nccl" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "gloo"
 
 
 def uses_emulation() -> bool:
     """True on gloo (CPU), or anywhere with GLM52_EMULATE_COLLECTIVES=1 (to test the emulation on GPU)."""
-    if os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1":
-        return True
-    return detect_backend() != "nccl"
+    return os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1" or detect_backend() != "nccl"
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

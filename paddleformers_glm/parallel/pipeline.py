@@ -175,11 +175,7 @@ def split_stages(
         if first_stage_layers not in (None, num_layers) or last_stage_layers not in (None, num_layers):
             raise ParallelConfigError(f"pp 1: first/last stage sizes must equal num_layers {num_layers}")
         return [StageSpec.whole(num_layers, has_mtp)]
-    counts: list[int | None] = [None] * pp
-    if first_stage_layers is not None:
-        counts[0] = first_stage_layers
-    if last_stage_layers is not None:
-        counts[-1] = last_stage_layers
+    counts = [first_stage_layers] + [None] * (pp - 2) + [last_stage_layers]
     fixed = sum(c for c in counts if c is not None)
     free = [i for i, c in enumerate(counts) if c is None]
     rest = num_layers - fixed
@@ -285,9 +281,7 @@ class LossLedger:
 
     def __init__(self) -> None:
         self.batch_keys: list[str] = []
-        self.scales: dict[str, float] = {}
-        self.sums: dict[str, paddle.Tensor] = {}
-        self.counts: dict[str, int] = {}
+        self.reset({})
 
     def reset(self, scales: dict[str, float]) -> None:
         self.scales, self.sums, self.counts = dict(scales), {}, {}
