@@ -1,15 +1,12 @@
 """Fleet's tensor- and sequence-parallel ops on CPU gloo, supplied *under* Fleet's own APIs.
 
 Paddle 3.3.1's CPU build has no kernels for the collectives Fleet's TP / SP layers call, and
-``PipelineLayer`` reads a device id a CPU build never sets.  :func:`install` replaces exactly these
-module attributes with equivalents built on what gloo implements, so the stock Fleet layers run
-unchanged on CPU and tests exercise the same layer code as NCCL (docs/parallel.md section 6):
-``mp_ops._c_identity`` / ``_mp_allreduce`` / ``_c_split`` / ``_c_concat`` /
-``_c_softmax_with_cross_entropy``, ``sequence_parallel_utils.all_gather`` / ``reduce_scatter``,
-``ParallelEnv._device_id``, and ``p2p_communication.paddle``, whose send/recv move a transfer in the
-pipeline group onto the 2-rank group of its two stages (gloo tags p2p messages per group, so p2p
-inside a larger group desynchronises it).  :func:`flex_checkpoint_on_cpu` makes
-``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's resharding load on a CPU-only build.
+``PipelineLayer`` reads a device id a CPU build never sets.  :func:`install` replaces exactly the
+module attributes it lists with equivalents built on what gloo implements, so the stock Fleet layers
+run unchanged on CPU and tests exercise the same layer code as NCCL (docs/parallel.md section 6);
+pipeline p2p goes over the 2-rank group of its two stages (:class:`_PipelineP2P`).
+:func:`flex_checkpoint_on_cpu` makes ``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's
+resharding load on a CPU-only build.
 
 Installed for the gloo backend only, each piece skipped with a warning when its attribute is
 missing; a warning outside the tested Paddle versions.

@@ -8,11 +8,6 @@ over data-parallel and sharding replicas and *sums* over context- and model-para
 trainer multiplies each local loss by ``dp x sharding`` (:func:`loss_multiplier`), so the result
 is the global batch's gradient, as in one process.
 
-In order: sequence-parallel parameters summed over TP; pipeline-shared names (the embedding the
-MTP head reuses) summed over their holder stages; the sharding optimizer's ``reduce_gradients``;
-dense parameters through ``fused_allreduce_gradients``; experts over the expert-data-parallel
-group (it spans the cp ranks, which hold *different* experts; Fleet's HCG has no such group).
-
 Has-gradient flags (the optimizer skips a parameter whose flag is false, as torch's AdamW skips
 one whose gradient is ``None``): a dense parameter's says whether backward produced a gradient on
 any replica; experts follow the reference's fused expert tensors, which torch's AdamW steps
@@ -41,8 +36,7 @@ from .topology import Topology
 
 __all__ = ["EXPERT_UPDATES", "GradSynchronizer", "clip_main_grads", "loss_multiplier"]
 
-# how experts are stepped (see the module docstring): "fused" = every expert of a layer that routed
-# any token (the reference's fused-tensor AdamW); "routed-only" = only experts that got tokens
+# how experts are stepped (module docstring): every expert of a layer that routed any token, or only those that got one
 EXPERT_UPDATES = ("fused", "routed-only")
 
 _EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
@@ -184,7 +178,8 @@ class GradSynchronizer:
         if dense and (topo.dp_size > 1 or topo.cp_size > 1):  # mean over dp, sum over cp (Fleet's sep)
             fused_allreduce_gradients(dense, topo.hcg)
         experts = [p for p in params if get_shard_spec(p).expert]
-        # the dp mean of Fleet's convention, summed over the expert replicas
+        # the dp mean of Fleet's convention, summed over the expert replicas: the edp group (it spans the cp
+        # ranks, which hold *different* experts; Fleet's HCG has no such group)
         if experts and comm.group_size(topo.edp_group) > 1:
             fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
         elif experts and topo.dp_size > 1:
@@ -219,13 +214,10 @@ class GradSynchronizer:
         return local
 
     def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
-        """Has-gradient flags, the same on every replica.  Dense parameter: backward produced a
-        gradient on some rank of this stage (pipeline-shared names: on some holder stage, in
-        :meth:`_sum_shared`).  Expert: from this step's routed-token counts, summed over every rank
-        of the stage (each routes its own tokens, or under TP without SP the same ones: only > 0
-        matters): any count of its layer positive (``fused``), or its own (``routed-only``).
-        Whether an untouched expert's local gradient is ``None`` or zeros depends on the MoE form
-        and the rank, so it cannot decide; the synced counts are the same on every rank."""
+        """Has-gradient flags, the same on every replica (module docstring).  Dense: from the stage's ranks
+        (pipeline-shared names finished in :meth:`_sum_shared`).  Experts: from this step's routed-token
+        counts summed over the stage (only > 0 matters): whether an untouched expert's local gradient is
+        ``None`` or zeros depends on the MoE form and the rank, so it cannot decide."""
         topo = self.topo
         dense = [n for n, _ in self.params if n not in self.expert_slot]
         counts = [

@@ -367,15 +367,8 @@ def init_topology(
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
     # collective over the world), reusing the fleet group when the rank lists coincide.
-    existing = {
-        tuple(sorted(r)): name
-        for name, lists in (
-            ("tp", ftopo.get_comm_list("model")),
-            ("dp", ftopo.get_comm_list("data")),
-            ("cp", ftopo.get_comm_list("sep") if pc.cp > 1 else []),
-        )
-        for r in lists
-    }
+    fleet_axes = {"tp": "model", "dp": "data", **({"cp": "sep"} if pc.cp > 1 else {})}
+    existing = {tuple(sorted(r)): name for name, axis in fleet_axes.items() for r in ftopo.get_comm_list(axis)}
     ranks.update(zip(("edp", "ep", "etp"), expert_layout(pc, ranks["dp"], ranks["tp"], ranks["cp"])))
     for kind, size in (("ep", pc.ep), ("etp", pc.etp), ("edp", pc.edp)):
         if size == 1:
