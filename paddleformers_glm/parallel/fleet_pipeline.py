@@ -141,14 +141,9 @@ class FleetPipeline:
         self.ledger = LossLedger()
         n = len(chunks)
         anchor = not getattr(stage, "carry_takes_gradient", True)
+        # PipelineChunk(stage, spec, ledger, grad_anchor) for each chunk
         descs = [
-            LayerDesc(
-                PipelineChunk,
-                stage=stage,
-                spec=replace(c, stage=i, num_stages=n),
-                ledger=self.ledger,
-                grad_anchor=anchor,
-            )
+            LayerDesc(PipelineChunk, stage, replace(c, stage=i, num_stages=n), self.ledger, anchor)
             for i, c in enumerate(chunks)
         ]
         layer = _SyncPointPipelineLayer(
@@ -159,10 +154,7 @@ class FleetPipeline:
             seg_method="layer:PipelineChunk",  # one chunk per virtual stage
             num_virtual_pipeline_stages=vpp if vpp > 1 else None,
         )
-        if vpp > 1 and pp == 2:
-            self.model = _two_stage_interleave(layer, num_micro)
-        else:
-            self.model = fleet.distributed_model(layer)
+        self.model = _two_stage_interleave(layer, num_micro) if vpp > 1 and pp == 2 else fleet.distributed_model(layer)
 
     @property
     def name(self) -> str:
