@@ -159,16 +159,13 @@ _TOPOLOGY: list[Callable[[], Any]] = []
 def _pair_group(group: Any, peer: int) -> Any:
     """The 2-rank group of this stage and the stage at global rank ``peer``, when ``group`` is the
     pipeline group and such a group exists; else ``group`` unchanged."""
-    if not _TOPOLOGY:
-        return group
-    topo = _TOPOLOGY[0]()
-    pp_group = topo.pp_group
+    topo = _TOPOLOGY[0]() if _TOPOLOGY else None
+    pp_group = topo.pp_group if topo is not None else None
     if group is None or pp_group is None or getattr(group, "id", None) != getattr(pp_group, "id", None):
         return group
     if peer not in topo.stage_ranks:
         return group
-    g = topo.stage_group((topo.stage, topo.stage_ranks.index(peer)))
-    return g if g is not None else group
+    return topo.stage_group((topo.stage, topo.stage_ranks.index(peer))) or group
 
 
 class _PipelineP2P:
