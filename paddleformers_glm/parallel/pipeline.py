@@ -221,10 +221,8 @@ def validate_shared_layer_starts(
         for i in s.layers:
             if layer_kinds[i] not in ("full", "shared"):
                 raise ParallelConfigError(f"layer {i}: indexer kind must be 'full' or 'shared', got {layer_kinds[i]!r}")
-    if carry_topk:
-        return
     bad = [s for s in specs if s.layers and layer_kinds[s.layers[0]] == "shared"]
-    if not bad:
+    if carry_topk or not bad:
         return
     full = [i for i, k in enumerate(layer_kinds) if k == "full"]
     starts = [s.layers[0] for s in specs if s.layers]
