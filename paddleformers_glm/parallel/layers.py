@@ -314,22 +314,16 @@ class CommVocabParallelEmbedding(nn.Layer):
     ) -> None:
         super().__init__()
         topo = topo or get_topology()
-        size, rank = topo.tp_size, topo.tp_rank
-        self.group = topo.tp_group
-        if num_embeddings % size:
-            raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {size}")
+        self.group, self.world, self.rank = topo.tp_group, topo.tp_size, topo.tp_rank
+        if num_embeddings % self.world:
+            raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {self.world}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel, self.padding_idx = sequence_parallel, padding_idx
-        self.world, self.rank = size, rank
-        self.per_rank = num_embeddings // size
-        self.start = rank * self.per_rank
-        dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(
-            [self.per_rank, embedding_dim],
-            dtype=dtype,
-            default_initializer=_xavier(num_embeddings, embedding_dim),
-        )
-        set_shard_spec(self.weight, ShardSpec(axis=0), size)
+        self.per_rank = num_embeddings // self.world
+        self.start = self.rank * self.per_rank
+        dtype, init = dtype or paddle.get_default_dtype(), _xavier(num_embeddings, embedding_dim)
+        self.weight = self.create_parameter([self.per_rank, embedding_dim], dtype=dtype, default_initializer=init)
+        set_shard_spec(self.weight, ShardSpec(axis=0), self.world)
 
     def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
