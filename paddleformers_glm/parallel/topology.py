@@ -232,14 +232,10 @@ class Topology:
         return self._ranks[_known(name)]
 
     def describe(self) -> str:
-        r = self._ranks
-        shard = f" sharding {r['sharding']}/{self.pc.sharding}" if self.pc.sharding > 1 else ""
-        cp = f" cp {r['cp']}/{self.pc.cp}" if self.pc.cp > 1 else ""
-        return (
-            f"rank {self.rank}/{self.world_size} [{self.backend}] stage {r['pp']}/{self.pc.pp} tp {r['tp']}/{self.pc.tp} "
-            f"dp {r['dp']}/{self.pc.dp}{shard} ep {r['ep']}/{self.pc.ep} etp {r['etp']}/{self.pc.etp} "
-            f"edp {r['edp']}/{self.pc.edp}{cp}{' sp' if self.pc.sp else ''}"
-        )
+        shown = ("pp", "tp", "dp", "sharding", "ep", "etp", "edp", "cp")
+        shown = [n for n in shown if self._sizes[n] > 1 or n not in ("sharding", "cp")]  # those two when used
+        dims = " ".join(f"{'stage' if n == 'pp' else n} {self._ranks[n]}/{self._sizes[n]}" for n in shown)
+        return f"rank {self.rank}/{self.world_size} [{self.backend}] {dims}{' sp' if self.pc.sp else ''}"
 
     def __repr__(self) -> str:
         return f"Topology({self.describe()})"
