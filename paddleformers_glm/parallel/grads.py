@@ -29,6 +29,11 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
+from paddle.distributed.fleet.utils.hybrid_parallel_util import (
+    fused_allreduce_gradients,
+    fused_allreduce_gradients_with_group,
+)
+from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
 
 from . import comm
 from .layers import get_shard_spec
@@ -48,8 +53,6 @@ def loss_multiplier(topo: Topology) -> int:
 
 
 def _is_sp_param(p: paddle.Tensor) -> bool:
-    from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
-
     return bool(is_sequence_parallel_parameter(p)) or get_shard_spec(p).sequence_parallel
 
 
@@ -156,11 +159,6 @@ class GradSynchronizer:
         flags = self._flags(local)
         if topo.world_size == 1:
             return self.current_grads(), flags
-        from paddle.distributed.fleet.utils.hybrid_parallel_util import (
-            fused_allreduce_gradients,
-            fused_allreduce_gradients_with_group,
-        )
-
         params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor
         if topo.sequence_parallel and topo.tp_size > 1:  # partial over the sequence slices: a plain sum
             sp = [p for p in params if _is_sp_param(p)]
