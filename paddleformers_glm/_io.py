@@ -67,12 +67,6 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
             os.fsync(f.fileno())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
     """Write `text` to `path` atomically."""
     with atomic_open(path, "w", encoding=encoding) as f:

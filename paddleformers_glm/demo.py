@@ -81,10 +81,7 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
         f"      fleet: no tolerance: the same tensors under PaddleFleet's names ({fleet_counts.get('naming')} renamings "
         f"the AOA mapping explains, structural={fleet_counts.get('structural')}, value={fleet_counts.get('value')})"
     )
-    summary["check_ckpt_hf"] = {
-        "exit_code": receipts["hf"]["exit_code"],
-        "hash_match": receipts["hf"].get("hash_match"),
-    }
+    summary["check_ckpt_hf"] = {k: receipts["hf"].get(k) for k in ("exit_code", "hash_match")}
     summary["check_ckpt_fleet"] = {"exit_code": receipts["fleet"]["exit_code"], "counts": fleet_counts}
 
     model.train()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, TextIO
@@ -16,27 +17,13 @@ __all__ = ["Progress", "human_bytes", "itemsize", "on_terminal", "set_quiet", "s
 
 _QUIET: bool | None = None
 
-_ITEMSIZE = {
-    "float64": 8,
-    "int64": 8,
-    "float32": 4,
-    "int32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "int16": 2,
-    "uint16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-
 
 def itemsize(dtype: Any) -> int:
-    """Bytes per element of a dtype name or Paddle / numpy dtype (2 when unknown)."""
+    """Bytes per element of a dtype name or Paddle / numpy dtype: the bit width in its name over 8
+    (``bfloat16`` 2, ``float8_e4m3fn`` 1), 1 for ``bool``, 2 for a name without one."""
     name = str(dtype).replace("paddle.", "").replace("torch.", "")
-    return _ITEMSIZE.get(name, 2)
+    bits = re.search(r"\d+", name)
+    return int(bits[0]) // 8 if bits else 1 if name == "bool" else 2
 
 
 def set_quiet(quiet: bool | None = True) -> bool | None:

@@ -120,3 +120,14 @@ def test_short_operations_print_nothing_without_a_terminal(monkeypatch):
     p = Progress("save", total_bytes=4_000_000, total_tensors=2, stream=buf)
     p.update(2_000_000)
     assert buf.getvalue().startswith("[glm52 save] tensors=1/2 bytes=2.0MB/4.0MB ") and "eta=" in buf.getvalue()
+
+
+def test_itemsize_reads_the_bit_width_of_every_dtype_spelling():
+    import numpy as np
+    import paddle
+
+    from paddleformers_glm.progress import itemsize
+
+    for dtype, n in (("float64", 8), (paddle.int64, 8), (np.float32, 4), ("paddle.bfloat16", 2), (paddle.float16, 2)):
+        assert itemsize(dtype) == n, dtype
+    assert [itemsize(d) for d in ("uint16", "float8_e4m3fn", "float8_e5m2", "uint8", "bool", "?")] == [2, 1, 1, 1, 1, 2]

@@ -303,7 +303,7 @@ def test_bf16_trains_on_cpu(tmp_path):
 
 def test_single_stage_spec_runs_everything():
     spec = StageSpec.whole(6, True)
-    assert spec.is_first and spec.is_last and spec.layers == tuple(range(6)) and spec.has_mtp
+    assert spec.stage == 0 and spec.is_last and spec.layers == tuple(range(6)) and spec.has_mtp
 
 
 def test_worker_keeps_the_head_of_a_long_error_message():

@@ -37,31 +37,10 @@ MODEL_TYPE = "glm_moe_dsa"
 # PaddleFormers' loading arguments that say where to download from, which carry no meaning for a
 # local folder (``from_pretrained`` of ours reads local folders only)
 _LOADER_KWARGS = frozenset(
-    {
-        "cache_dir",
-        "subfolder",
-        "download_hub",
-        "from_hf_hub",
-        "from_aistudio",
-        "from_modelscope",
-        "force_download",
-        "local_files_only",
-        "revision",
-        "token",
-        "use_auth_token",
-        "trust_remote_code",
-        "return_unused_kwargs",
-        "_from_auto",
-        "_commit_hash",
-        "use_fast",
-        "convert_from_hf",
-        "convert_from_torch",
-        "load_checkpoint_format",
-        "low_cpu_mem_usage",
-        "use_safetensors",
-        "proxies",
-        "resume_download",
-    }
+    "cache_dir subfolder download_hub from_hf_hub from_aistudio from_modelscope force_download local_files_only "
+    "revision token use_auth_token trust_remote_code return_unused_kwargs _from_auto _commit_hash use_fast "
+    "convert_from_hf convert_from_torch load_checkpoint_format low_cpu_mem_usage use_safetensors proxies "
+    "resume_download".split()
 )
 
 

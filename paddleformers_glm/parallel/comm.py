@@ -59,16 +59,12 @@ def _live(group: Any) -> bool:
 
 def detect_backend() -> str:
     """'nccl' where Paddle sees a GPU, else 'gloo': the backend the trainer's topology initialises."""
-    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-        return "nccl"
-    return "gloo"
+    return "nccl" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "gloo"
 
 
 def uses_emulation() -> bool:
     """True on gloo (CPU), or anywhere with GLM52_EMULATE_COLLECTIVES=1 (to test the emulation on GPU)."""
-    if os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1":
-        return True
-    return detect_backend() != "nccl"
+    return os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1" or detect_backend() != "nccl"
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -189,9 +185,9 @@ def _varlen_gather(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Ten
     return _gather_rows(x, group, max(sizes), [(s, 0, n) for s, n in enumerate(sizes)])
 
 
-def _varlen_take(x: paddle.Tensor, sizes: list[int], rank: int) -> paddle.Tensor:
-    off = sum(sizes[:rank])
-    return x[off : off + sizes[rank]].clone()
+def _varlen_sum_take(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+    off = sum(sizes[: group.rank])
+    return all_reduce(x, group)[off : off + sizes[group.rank]].clone()
 
 
 # ------------------------------------------------------------------------------ autograd pairs
@@ -287,19 +283,21 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
 
 # On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same
 # pairs are built here; the model itself only uses the model-parallel (TP) group.
-def _split_sp(x: paddle.Tensor, axis: int, g: Any, what: str, fleet_op: Any, own: Callable) -> paddle.Tensor:
-    """A pair that leaves this rank's sequence slice: Fleet's ``fleet_op`` on Fleet's model-parallel
-    group, ``own()`` on any other."""
+def _split_sp(x: paddle.Tensor, axis: int, g: Any, what: str, fleet_op: Any, keep: Callable) -> paddle.Tensor:
+    """A pair that leaves this rank's sequence slice (forward ``keep(x, g, axis)``, backward all-gather):
+    Fleet's ``fleet_op`` on Fleet's model-parallel group, built here on any other."""
     if not _live(g):
         return x
     _check_axis(x, g.nranks, axis, what)
-    return own() if fleet_sp_group(g) is None else _fleet_sp_op(fleet_op, x, axis)
+    if fleet_sp_group(g) is not None:
+        return _fleet_sp_op(fleet_op, x, axis)
+    return _apply(x, lambda t: keep(t, g, axis), lambda d: all_gather(d, g, axis))
 
 
 def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers).
     Fleet's ``ScatterOp`` on the sequence-first view."""
-    return _split_sp(x, axis, group, "scatter_to_sp", spu.ScatterOp, lambda: scatter_to_tp(x, axis, group))
+    return _split_sp(x, axis, group, "scatter_to_sp", spu.ScatterOp, split_take)
 
 
 def gather_from_sp(
@@ -326,11 +324,7 @@ def gather_from_sp(
 def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
     Fleet's ``ReduceScatterOp`` on the sequence-first view."""
-
-    def own() -> paddle.Tensor:
-        return _apply(x, lambda t: reduce_scatter(t, group, axis), lambda d: all_gather(d, group, axis))
-
-    return _split_sp(x, axis, group, "reduce_scatter_to_sp", spu.ReduceScatterOp, own)
+    return _split_sp(x, axis, group, "reduce_scatter_to_sp", spu.ReduceScatterOp, reduce_scatter)
 
 
 def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:
@@ -345,15 +339,9 @@ def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: b
 
 def all_gather_varlen(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
     """Concatenate uneven row blocks (``sizes[r]`` rows from rank r); backward sums and keeps my rows."""
-    if not _live(group):
-        return x
-    r = group.rank
-    return _apply(x, lambda t: _varlen_gather(t, sizes, group), lambda d: _varlen_take(all_reduce(d, group), sizes, r))
+    return _pair(x, group, lambda t: _varlen_gather(t, sizes, group), lambda d: _varlen_sum_take(d, sizes, group))
 
 
 def reduce_scatter_varlen(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
     """Sum ``x`` [sum(sizes), ...] over ranks, keep my ``sizes[r]`` rows; backward all-gathers."""
-    if not _live(group):
-        return x
-    r = group.rank
-    return _apply(x, lambda t: _varlen_take(all_reduce(t, group), sizes, r), lambda d: _varlen_gather(d, sizes, group))
+    return _pair(x, group, lambda t: _varlen_sum_take(t, sizes, group), lambda d: _varlen_gather(d, sizes, group))

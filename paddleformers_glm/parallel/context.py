@@ -101,17 +101,14 @@ def gather_sequence(x: paddle.Tensor, group: Any, axis: int = 1) -> paddle.Tenso
     rank's chunks (a reduce-scatter; all-reduce + slice on gloo). Without a gradient it is a plain
     all-gather. Identity at cp size 1.
     """
-    g = group
-    if g is None or g.nranks == 1:
-        return x
-    n = g.nranks
+    n = comm.group_size(group)
 
     def fwd(t: paddle.Tensor) -> paddle.Tensor:
-        full = comm.all_gather(t, g, axis)
+        full = comm.all_gather(t, group, axis)
         return paddle.concat(_rank_major_to_global(paddle.split(full, 2 * n, axis=axis), n), axis=axis)
 
     def bwd(d: paddle.Tensor) -> paddle.Tensor:
         d = paddle.concat(_global_to_rank_major(paddle.split(d, 2 * n, axis=axis), n), axis=axis)
-        return comm.reduce_scatter(d, g, axis)
+        return comm.reduce_scatter(d, group, axis)
 
-    return comm._apply(x, fwd, bwd)
+    return comm._pair(x, group, fwd, bwd)

@@ -27,27 +27,18 @@ ExpertFn = Callable[[paddle.Tensor, list[int]], paddle.Tensor]
 
 
 class ExpertParallelDispatcher:
-    """Dispatch / compute / combine for one MoE layer.
+    """Dispatch / compute / combine for one MoE layer (``num_experts``: the global count)."""
 
-    ``num_experts`` is the global count. ``tokens_replicated_over_tp`` defaults to "tp > 1 and not
-    sequence parallel" from the topology.
-    """
-
-    def __init__(
-        self, num_experts: int, *, topo: Topology | None = None, tokens_replicated_over_tp: bool | None = None
-    ) -> None:
+    def __init__(self, num_experts: int, *, topo: Topology | None = None) -> None:
         topo = topo or get_topology()
         ep = topo.ep_size
         if num_experts % ep:
             raise ValueError(f"ExpertParallelDispatcher: ep {ep} does not divide n_routed_experts {num_experts}")
-        self.num_experts = num_experts
-        self.ep_size, self.ep_rank = ep, topo.ep_rank
+        self.num_experts, self.ep_size = num_experts, ep
         self.num_local = num_experts // ep
-        self.local_start = self.ep_rank * self.num_local
+        self.local_start = topo.ep_rank * self.num_local
         self.ep_group, self.etp_group, self.tp_group = topo.ep_group, topo.etp_group, topo.tp_group
-        if tokens_replicated_over_tp is None:
-            tokens_replicated_over_tp = topo.tp_size > 1 and not topo.sequence_parallel
-        self.split_tp = bool(tokens_replicated_over_tp) and topo.tp_size > 1
+        self.split_tp = topo.tp_size > 1 and not topo.sequence_parallel  # the tp ranks hold the same tokens
 
     @property
     def local_expert_ids(self) -> list[int]:

@@ -1,15 +1,12 @@
 """Fleet's tensor- and sequence-parallel ops on CPU gloo, supplied *under* Fleet's own APIs.
 
 Paddle 3.3.1's CPU build has no kernels for the collectives Fleet's TP / SP layers call, and
-``PipelineLayer`` reads a device id a CPU build never sets.  :func:`install` replaces exactly these
-module attributes with equivalents built on what gloo implements, so the stock Fleet layers run
-unchanged on CPU and tests exercise the same layer code as NCCL (docs/parallel.md section 6):
-``mp_ops._c_identity`` / ``_mp_allreduce`` / ``_c_split`` / ``_c_concat`` /
-``_c_softmax_with_cross_entropy``, ``sequence_parallel_utils.all_gather`` / ``reduce_scatter``,
-``ParallelEnv._device_id``, and ``p2p_communication.paddle``, whose send/recv move a transfer in the
-pipeline group onto the 2-rank group of its two stages (gloo tags p2p messages per group, so p2p
-inside a larger group desynchronises it).  :func:`flex_checkpoint_on_cpu` makes
-``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's resharding load on a CPU-only build.
+``PipelineLayer`` reads a device id a CPU build never sets.  :func:`install` replaces exactly the
+module attributes it lists with equivalents built on what gloo implements, so the stock Fleet layers
+run unchanged on CPU and tests exercise the same layer code as NCCL (docs/parallel.md section 6);
+pipeline p2p goes over the 2-rank group of its two stages (:class:`_PipelineP2P`).
+:func:`flex_checkpoint_on_cpu` makes ``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's
+resharding load on a CPU-only build.
 
 Installed for the gloo backend only, each piece skipped with a warning when its attribute is
 missing; a warning outside the tested Paddle versions.
@@ -41,20 +38,16 @@ def installed() -> list[str]:
 
 
 def _group(group: Any) -> Any:
-    if group is None:
-        from paddle.distributed import collective
+    """``group``, None for the default one; False on a rank outside it (Fleet's ops then return None)."""
+    from paddle.distributed import collective
 
-        return collective._get_default_group()
-    return group
+    return collective._get_default_group() if group is None else group.is_member() and group
 
 
 def _pair(tensor: paddle.Tensor, group: Any, fwd: Callable, bwd: Callable) -> paddle.Tensor | None:
-    """Forward ``fwd(t, g)``, backward ``bwd(dy, g)`` over ``group`` (None: the default group); None on
-    a rank outside the group, as Fleet's ops return."""
-    if group is not None and not group.is_member():
-        return None
+    """Forward ``fwd(t, g)``, backward ``bwd(dy, g)`` over ``group`` (:func:`_group`)."""
     g = _group(group)
-    return comm._FwdBwd.apply(tensor, lambda t: fwd(t, g), lambda d: bwd(d, g))
+    return comm._FwdBwd.apply(tensor, lambda t: fwd(t, g), lambda d: bwd(d, g)) if g else None
 
 
 def c_identity(tensor: paddle.Tensor, group: Any = None, skip_c_identity_dynamic: bool = False) -> paddle.Tensor:
@@ -98,9 +91,9 @@ def c_softmax_with_cross_entropy(
     Max and sum of exponentials are reduced over the group; the label's logit comes from the rank
     whose vocabulary slice holds it.  Labels equal to ``ignore_index`` give a zero loss.
     """
-    if group is not None and not group.is_member():
-        return None
     g = _group(group)
+    if not g:
+        return None
     if label.ndim == logits.ndim - 1:
         label = label.unsqueeze(-1)
     part = logits.shape[-1]
@@ -166,16 +159,13 @@ _TOPOLOGY: list[Callable[[], Any]] = []
 def _pair_group(group: Any, peer: int) -> Any:
     """The 2-rank group of this stage and the stage at global rank ``peer``, when ``group`` is the
     pipeline group and such a group exists; else ``group`` unchanged."""
-    if not _TOPOLOGY:
-        return group
-    topo = _TOPOLOGY[0]()
-    pp_group = topo.pp_group
+    topo = _TOPOLOGY[0]() if _TOPOLOGY else None
+    pp_group = topo.pp_group if topo is not None else None
     if group is None or pp_group is None or getattr(group, "id", None) != getattr(pp_group, "id", None):
         return group
     if peer not in topo.stage_ranks:
         return group
-    g = topo.stage_group((topo.stage, topo.stage_ranks.index(peer)))
-    return g if g is not None else group
+    return topo.stage_group((topo.stage, topo.stage_ranks.index(peer))) or group
 
 
 class _PipelineP2P:
@@ -217,7 +207,7 @@ class _PaddleView:
         return getattr(self._real, name)
 
 
-def _replace(module: Any, attr: str, fn: Any, label: str) -> None:
+def _replace(module: Any, attr: str, fn: Any) -> None:
     if not hasattr(module, attr):
         warnings.warn(
             f"paddleformers_glm: Paddle {paddle.__version__} has no {module.__name__}.{attr}; "
@@ -229,7 +219,8 @@ def _replace(module: Any, attr: str, fn: Any, label: str) -> None:
         return
     fn._glm52_gloo = True
     setattr(module, attr, fn)
-    _INSTALLED.append(label)
+    label = f"{module.__name__.rpartition('.')[2]}.{attr}"
+    _INSTALLED.append(label + (" (pipeline p2p on pair groups)" if attr == "paddle" else ""))
 
 
 def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str]:
@@ -245,16 +236,17 @@ def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
     from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
-    _replace(mp_ops, "_c_identity", c_identity, "mp_ops._c_identity")
-    _replace(mp_ops, "_mp_allreduce", mp_allreduce, "mp_ops._mp_allreduce")
-    _replace(mp_ops, "_c_split", c_split, "mp_ops._c_split")
-    _replace(mp_ops, "_c_concat", c_concat, "mp_ops._c_concat")
-    _replace(
-        mp_ops, "_c_softmax_with_cross_entropy", c_softmax_with_cross_entropy, "mp_ops._c_softmax_with_cross_entropy"
-    )
-    _replace(spu, "all_gather", sp_all_gather, "sequence_parallel_utils.all_gather")
-    _replace(spu, "reduce_scatter", sp_reduce_scatter, "sequence_parallel_utils.reduce_scatter")
-    _replace(p2p, "paddle", _PaddleView(paddle), "p2p_communication.paddle (pipeline p2p on pair groups)")
+    for module, attr, fn in (
+        (mp_ops, "_c_identity", c_identity),
+        (mp_ops, "_mp_allreduce", mp_allreduce),
+        (mp_ops, "_c_split", c_split),
+        (mp_ops, "_c_concat", c_concat),
+        (mp_ops, "_c_softmax_with_cross_entropy", c_softmax_with_cross_entropy),
+        (spu, "all_gather", sp_all_gather),
+        (spu, "reduce_scatter", sp_reduce_scatter),
+        (p2p, "paddle", _PaddleView(paddle)),
+    ):
+        _replace(module, attr, fn)
     if not hasattr(parallel.ParallelEnv, "_device_id"):  # CPU builds never set it; PipelineLayer reads it
         parallel.ParallelEnv._device_id = 0
         _INSTALLED.append("ParallelEnv._device_id")

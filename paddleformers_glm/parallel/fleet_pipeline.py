@@ -24,21 +24,27 @@ from typing import Any
 
 import paddle
 import paddle.nn as nn
+from paddle.distributed import fleet
+from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+    HybridParallelOptimizer,
+)
+from paddle.distributed.fleet.meta_parallel import (
+    LayerDesc,
+    PipelineLayer,
+    PipelineParallelWithInterleave,
+    PipelineParallelWithInterleaveFthenB,
+)
 
 from .pipeline import LossLedger, StageSpec, _normalise_output
 from .topology import ParallelConfigError, Topology
 
-__all__ = ["FleetPipeline", "PipelineChunk", "chunk_ranks", "rank_spec", "step_optimizer"]
-
-
-def chunk_ranks(num_chunks: int, pp: int) -> list[int]:
-    """The pipeline rank of every chunk: chunk ``c`` runs on rank ``c % pp`` (Fleet's interleave)."""
-    return [c % pp for c in range(num_chunks)]
+__all__ = ["FleetPipeline", "PipelineChunk", "rank_spec", "step_optimizer"]
 
 
 def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
-    """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order)."""
-    mine = [c for c, r in zip(chunks, chunk_ranks(len(chunks), pp)) if r == stage]
+    """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order); chunk
+    ``c`` runs on rank ``c % pp`` (Fleet's interleave)."""
+    mine = chunks[stage::pp]
     parts = (any(getattr(c, f) for c in mine) for f in ("has_embedding", "has_head", "has_mtp"))
     return StageSpec(stage, pp, tuple(i for c in mine for i in c.layers), *parts)
 
@@ -127,8 +133,6 @@ class FleetPipeline:
     included."""
 
     def __init__(self, stage: nn.Layer, chunks: Sequence[StageSpec], topo: Topology, num_micro: int) -> None:
-        from paddle.distributed.fleet.meta_parallel import LayerDesc
-
         pp = topo.pc.pp
         if len(chunks) % pp:
             raise ParallelConfigError(f"{len(chunks)} pipeline chunks do not split over pp {pp}")
@@ -137,17 +141,12 @@ class FleetPipeline:
         self.ledger = LossLedger()
         n = len(chunks)
         anchor = not getattr(stage, "carry_takes_gradient", True)
+        # PipelineChunk(stage, spec, ledger, grad_anchor) for each chunk
         descs = [
-            LayerDesc(
-                PipelineChunk,
-                stage=stage,
-                spec=replace(c, stage=i, num_stages=n),
-                ledger=self.ledger,
-                grad_anchor=anchor,
-            )
+            LayerDesc(PipelineChunk, stage, replace(c, stage=i, num_stages=n), self.ledger, anchor)
             for i, c in enumerate(chunks)
         ]
-        layer = _sync_point_layer_class()(
+        layer = _SyncPointPipelineLayer(
             layers=descs,
             num_stages=pp,
             topology=topo.hcg.topology(),
@@ -155,12 +154,7 @@ class FleetPipeline:
             seg_method="layer:PipelineChunk",  # one chunk per virtual stage
             num_virtual_pipeline_stages=vpp if vpp > 1 else None,
         )
-        from paddle.distributed import fleet
-
-        if vpp > 1 and pp == 2:
-            self.model = _two_stage_interleave(layer, num_micro)
-        else:
-            self.model = fleet.distributed_model(layer)
+        self.model = _two_stage_interleave(layer, num_micro) if vpp > 1 and pp == 2 else fleet.distributed_model(layer)
 
     @property
     def name(self) -> str:
@@ -169,22 +163,22 @@ class FleetPipeline:
         fleet_cls = next(c for c in cls.__mro__ if c.__module__.startswith("paddle."))
         return fleet_cls.__name__ if fleet_cls is cls else f"{cls.__name__}({fleet_cls.__name__})"
 
-    def _begin(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> None:
+    def _step(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float], schedule: Callable) -> dict:
+        """``schedule(data)`` on Fleet's micro dataset of ``micro_batches``; this rank's ``{term: (sum, count)}``."""
         if len(micro_batches) != self.num_micro:
             raise ValueError(f"the pipeline was built for {self.num_micro} micro-batches, got {len(micro_batches)}")
         self.ledger.reset(scales)
         self.ledger.batch_keys = sorted(micro_batches[0])
-
-    def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
-        self._begin(micro_batches, scales)
-        model = self.model
-        model._layers.train()
-        model.set_virtual_pipeline_rank(0)
         with paddle.amp.auto_cast(enable=False):
-            model.forward_backward_pipeline(_micro_batches(micro_batches, self.ledger.batch_keys), None)
+            schedule(_micro_batches(micro_batches, self.ledger.batch_keys))
         out = self.ledger.totals()
         self.ledger.reset({})
         return out
+
+    def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
+        self.model._layers.train()
+        self.model.set_virtual_pipeline_rank(0)
+        return self._step(micro_batches, scales, lambda data: self.model.forward_backward_pipeline(data, None))
 
     def train_batch(
         self,
@@ -197,7 +191,6 @@ class FleetPipeline:
         when every micro-batch's backward is done (the trainer's gradient sync), then Fleet's
         optimizer step calling ``optimizer.step()`` and ``optimizer.clear_grad()``
         (``optimizer`` from :func:`step_optimizer`).  Returns this rank's ``{term: (sum, count)}``."""
-        self._begin(micro_batches, scales)
         layers = self.model._layers
         calls = []
 
@@ -207,33 +200,26 @@ class FleetPipeline:
 
         layers.after_backward = hook
         try:
-            with paddle.amp.auto_cast(enable=False):
-                self.model.train_batch(_micro_batches(micro_batches, self.ledger.batch_keys), optimizer)
+            out = self._step(micro_batches, scales, lambda data: self.model.train_batch(data, optimizer))
         finally:
             layers.after_backward = None
         if len(calls) != 1:
             raise RuntimeError(
                 f"Fleet's schedule synced pipeline-shared gradients {len(calls)} times in one step, expected 1"
             )
-        out = self.ledger.totals()
-        self.ledger.reset({})
         return out
 
 
-def _sync_point_layer_class() -> type:
+class _SyncPointPipelineLayer(PipelineLayer):  # type: ignore[misc, valid-type]
     """``PipelineLayer`` whose ``allreduce_shared_weight_gradients`` (called by every Fleet schedule
     after the last backward, before its optimizer step) then runs ``after_backward`` when set."""
-    from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
-    class SyncPointPipelineLayer(PipelineLayer):  # type: ignore[misc, valid-type]
-        after_backward: Callable[[], None] | None = None
+    after_backward: Callable[[], None] | None = None
 
-        def allreduce_shared_weight_gradients(self) -> None:
-            super().allreduce_shared_weight_gradients()
-            if self.after_backward is not None:
-                self.after_backward()
-
-    return SyncPointPipelineLayer
+    def allreduce_shared_weight_gradients(self) -> None:
+        super().allreduce_shared_weight_gradients()
+        if self.after_backward is not None:
+            self.after_backward()
 
 
 def step_optimizer(hybrid: Any, step: Callable[[], None], clear_grad: Callable[[], None]) -> Any:
@@ -241,10 +227,6 @@ def step_optimizer(hybrid: Any, step: Callable[[], None], clear_grad: Callable[[
     ``_prepare_training`` accepts no other) sharing ``hybrid``'s inner optimizer, whose ``step()``
     and ``clear_grad()`` are the given callables (the trainer's clip and update on its synced
     gradients, and its gradient reset)."""
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
-        HybridParallelOptimizer,
-    )
-
     if not isinstance(hybrid, HybridParallelOptimizer):
         raise TypeError(f"step_optimizer wraps Fleet's HybridParallelOptimizer, got {type(hybrid).__name__}")
 
@@ -267,12 +249,6 @@ def _two_stage_interleave(layer: nn.Layer, num_micro: int) -> Any:
     ``_check_sanity`` asserts more than two stages, though the schedule handles two (the trainer's
     ``--pp 2 --vpp 2`` test equals one process).  Same class choice as ``distributed_model``; only
     that assertion is dropped."""
-    from paddle.distributed import fleet
-    from paddle.distributed.fleet.meta_parallel import (
-        PipelineParallelWithInterleave,
-        PipelineParallelWithInterleaveFthenB,
-    )
-
     base = PipelineParallelWithInterleave if num_micro >= 4 else PipelineParallelWithInterleaveFthenB
 
     class TwoStageInterleave(base):  # type: ignore[misc, valid-type]

@@ -8,11 +8,6 @@ over data-parallel and sharding replicas and *sums* over context- and model-para
 trainer multiplies each local loss by ``dp x sharding`` (:func:`loss_multiplier`), so the result
 is the global batch's gradient, as in one process.
 
-In order: sequence-parallel parameters summed over TP; pipeline-shared names (the embedding the
-MTP head reuses) summed over their holder stages; the sharding optimizer's ``reduce_gradients``;
-dense parameters through ``fused_allreduce_gradients``; experts over the expert-data-parallel
-group (it spans the cp ranks, which hold *different* experts; Fleet's HCG has no such group).
-
 Has-gradient flags (the optimizer skips a parameter whose flag is false, as torch's AdamW skips
 one whose gradient is ``None``): a dense parameter's says whether backward produced a gradient on
 any replica; experts follow the reference's fused expert tensors, which torch's AdamW steps
@@ -27,12 +22,18 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
+from paddle.distributed.fleet.utils.hybrid_parallel_util import (
+    fused_allreduce_gradients,
+    fused_allreduce_gradients_with_group,
+)
+from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
 
 from . import comm
 from .layers import get_shard_spec
@@ -40,8 +41,7 @@ from .topology import Topology
 
 __all__ = ["EXPERT_UPDATES", "GradSynchronizer", "clip_main_grads", "loss_multiplier"]
 
-# how experts are stepped (see the module docstring): "fused" = every expert of a layer that routed
-# any token (the reference's fused-tensor AdamW); "routed-only" = only experts that got tokens
+# how experts are stepped (module docstring): every expert of a layer that routed any token, or only those that got one
 EXPERT_UPDATES = ("fused", "routed-only")
 
 _EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
@@ -53,8 +53,6 @@ def loss_multiplier(topo: Topology) -> int:
 
 
 def _is_sp_param(p: paddle.Tensor) -> bool:
-    from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
-
     return bool(is_sequence_parallel_parameter(p)) or get_shard_spec(p).sequence_parallel
 
 
@@ -91,27 +89,21 @@ class GradSynchronizer:
             raise ValueError("GradSynchronizer: duplicate parameter names in the stage module")
         self.specs = {n: get_shard_spec(p) for n, p in self.params}
         self.routers = _routers(model)  # MoE module name -> (its RouterBalance, number of experts)
-        offsets, total = {}, 0
-        for moe, (_, n_experts) in self.routers.items():
-            offsets[moe], total = total, total + n_experts
-        self.num_slots = total  # one routed-token count per (MoE module, global expert id)
-        self.layer_slots = {moe: (offsets[moe], offsets[moe] + n) for moe, (_, n) in self.routers.items()}
-        self.expert_slot: dict[str, int] = {}  # expert parameter -> its slot
-        self.expert_layer: dict[str, str] = {}  # expert parameter -> its MoE module
-        for n, _ in self.params:
-            if self.specs[n].expert:
-                m = _EXPERT.match(n)
-                moe = (m.group(1) or "") if m else None
-                if m is None or moe not in self.routers:
-                    raise ValueError(
-                        f"expert parameter {n!r}: expected '<moe>.experts.<id>.' under a MoE module with a "
-                        f"router that counts routed tokens (found {sorted(self.routers)[:4]})"
-                    )
-                e = int(m.group(2))
-                if e >= self.routers[moe][1]:
-                    raise ValueError(f"expert parameter {n!r}: id {e} >= {self.routers[moe][1]} experts")
-                self.expert_slot[n] = offsets[moe] + e
-                self.expert_layer[n] = moe
+        # one routed-token count per (MoE module, global expert id), the modules' slots one after another
+        starts = dict(zip(self.routers, np.cumsum([0] + [n for _, n in self.routers.values()]).tolist()))
+        self.expert_slot: dict[str, tuple[int, int, int]] = {}  # expert parameter -> its slot, its layer's [a, b)
+        for n in (n for n, _ in self.params if self.specs[n].expert):
+            m = _EXPERT.match(n)
+            moe = (m.group(1) or "") if m else None
+            if moe not in self.routers:
+                raise ValueError(
+                    f"expert parameter {n!r}: expected '<moe>.experts.<id>.' under a MoE module with a "
+                    f"router that counts routed tokens (found {sorted(self.routers)[:4]})"
+                )
+            e, n_experts = int(m.group(2)), self.routers[moe][1]
+            if e >= n_experts:
+                raise ValueError(f"expert parameter {n!r}: id {e} >= {n_experts} experts")
+            self.expert_slot[n] = (starts[moe] + e, starts[moe], starts[moe] + n_experts)
         self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
         for n, p in self.params:  # Fleet's hybrid clip counts a pipeline-shared tensor on its first stage only
             if n in self.holders:
@@ -145,19 +137,10 @@ class GradSynchronizer:
                 self.shared_numel[n] = numel
         return {n: tuple(s) for n, s in where.items() if len(s) > 1}
 
-    def _set_group(self, stages: tuple[int, ...]) -> tuple[object, bool]:
-        """(group, holders_only): the group over exactly ``stages`` if it exists, else the whole column."""
-        if self.topo.has_stage_group(stages):
-            return self.topo.stage_group(stages), True
-        return self.topo.pp_group, False
-
     def sync_shared_parameters(self) -> None:
         """Make pipeline-shared parameters equal to the first holder's values (call after loading)."""
         params = dict(self.params)
-        for stages, names in self._by_holder_set():
-            group, holders_only = self._set_group(stages)
-            if holders_only and self.topo.stage not in stages:
-                continue
+        for stages, names, group in self._holder_sets():
             sizes = [self.shared_numel[n] for n in names]
             flat = _flat([params[n].detach().astype("float32") if n in params else None for n in names], sizes)
             comm.broadcast(flat, self.topo.stage_ranks[stages[0]], group)
@@ -176,13 +159,7 @@ class GradSynchronizer:
         flags = self._flags(local)
         if topo.world_size == 1:
             return self.current_grads(), flags
-        from paddle.distributed.fleet.utils.hybrid_parallel_util import (
-            fused_allreduce_gradients,
-            fused_allreduce_gradients_with_group,
-        )
-
         params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor
-        names = {id(p): n for n, p in self.params}
         if topo.sequence_parallel and topo.tp_size > 1:  # partial over the sequence slices: a plain sum
             sp = [p for p in params if _is_sp_param(p)]
             if sp:
@@ -195,11 +172,12 @@ class GradSynchronizer:
                 for n, p in self.params:
                     if self.grad_owner[n] != topo.sharding_rank:
                         _release(p)
-        dense = [p for p in params if not self.specs[names[id(p)]].expert]
+        dense = [p for p in params if not get_shard_spec(p).expert]
         if dense and (topo.dp_size > 1 or topo.cp_size > 1):  # mean over dp, sum over cp (Fleet's sep)
             fused_allreduce_gradients(dense, topo.hcg)
-        experts = [p for p in params if self.specs[names[id(p)]].expert]  # (ShardSpec.expert)
-        # the dp mean of Fleet's convention, summed over the expert replicas
+        experts = [p for p in params if get_shard_spec(p).expert]
+        # the dp mean of Fleet's convention, summed over the expert replicas: the edp group (it spans the cp
+        # ranks, which hold *different* experts; Fleet's HCG has no such group)
         if experts and comm.group_size(topo.edp_group) > 1:
             fused_allreduce_gradients_with_group(experts, topo.edp_group, scale=1.0 / topo.dp_size)
         elif experts and topo.dp_size > 1:
@@ -234,23 +212,16 @@ class GradSynchronizer:
         return local
 
     def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
-        """Has-gradient flags, the same on every replica.  Dense parameter: backward produced a
-        gradient on some rank of this stage (pipeline-shared names: on some holder stage, in
-        :meth:`_sum_shared`).  Expert: from this step's routed-token counts, summed over every rank
-        of the stage (each routes its own tokens, or under TP without SP the same ones: only > 0
-        matters): any count of its layer positive (``fused``), or its own (``routed-only``).
-        Whether an untouched expert's local gradient is ``None`` or zeros depends on the MoE form
-        and the rank, so it cannot decide; the synced counts are the same on every rank."""
+        """Has-gradient flags, the same on every replica (module docstring).  Dense: from the stage's ranks
+        (pipeline-shared names finished in :meth:`_sum_shared`).  Experts: from this step's routed-token
+        counts summed over the stage (only > 0 matters): whether an untouched expert's local gradient is
+        ``None`` or zeros depends on the MoE form and the rank, so it cannot decide."""
         topo = self.topo
         dense = [n for n, _ in self.params if n not in self.expert_slot]
-        counts = np.zeros([self.num_slots], dtype=np.float64)
-        at = 0
-        for balance, n_experts in self.routers.values():
-            c = balance.take_routed()
-            if c is not None:
-                counts[at : at + n_experts] = c.numpy()
-            at += n_experts
-        vec = np.concatenate([np.array([1.0 if local[n] else 0.0 for n in dense], dtype=np.float64), counts])
+        counts = [
+            np.zeros([n]) if (c := balance.take_routed()) is None else c.numpy() for balance, n in self.routers.values()
+        ]
+        vec = np.concatenate([np.array([1.0 if local[n] else 0.0 for n in dense]), *counts]).astype(np.float64)
         if vec.size == 0:
             return {}
         t = paddle.to_tensor(vec)
@@ -259,22 +230,15 @@ class GradSynchronizer:
         vec = t.numpy()
         flags = {n: bool(v > 0) for n, v in zip(dense, vec[: len(dense)].tolist())}
         routed = vec[len(dense) :]
-        layer_routed = {moe: bool(routed[a:b].sum() > 0) for moe, (a, b) in self.layer_slots.items()}
-        for n, slot in self.expert_slot.items():
-            if self.expert_update == "fused":
-                flags[n] = layer_routed[self.expert_layer[n]]
-            else:
-                flags[n] = bool(routed[slot] > 0)
+        for n, (slot, a, b) in self.expert_slot.items():
+            flags[n] = bool((routed[a:b].sum() if self.expert_update == "fused" else routed[slot]) > 0)
         return flags
 
     def _sum_shared(self, flags: dict[str, bool]) -> None:
         """Pipeline-shared parameters: gradients and flags summed over the holder stages."""
         topo = self.topo
         params = dict(self.params)
-        for stages, names in self._by_holder_set():
-            group, holders_only = self._set_group(stages)
-            if holders_only and topo.stage not in stages:
-                continue
+        for stages, names, group in self._holder_sets():
             mine = topo.stage in stages
             fl = [paddle.to_tensor([1.0 if flags[n] else 0.0], dtype="float32") if mine else None for n in names]
             sizes = [self.shared_numel[n] for n in names] + [1] * len(names)  # gradients, then flags
@@ -299,29 +263,28 @@ class GradSynchronizer:
         return math.sqrt(float(total.numpy()[0]))
 
     # ---------------------------------------------------------------- helpers
-    def _owner(self, name: str, spec) -> bool:
+    def _owner(self, name: str, spec: Any) -> bool:
+        """Whether this rank counts ``name``'s elements in the global norm (one holder of each)."""
         topo = self.topo
-        if topo.sharding_rank != (0 if self.grad_owner is None else self.grad_owner[name]):
-            return False
+        split = spec.axis is not None and spec.group == ("etp" if spec.expert else "tp")  # each rank: its own slice
         if spec.expert:  # edp spans the cp ranks: the cp rank says nothing about an expert replica
-            if topo.edp_rank != 0:
-                return False
-            if (spec.axis is None or spec.group != "etp") and topo.etp_rank != 0:
-                return False
+            replica = topo.edp_rank == 0 and (split or topo.etp_rank == 0)
         else:
-            if topo.dp_rank != 0 or topo.cp_rank != 0:
-                return False
-            if (spec.axis is None or spec.group != "tp") and topo.tp_rank != 0:
-                return False
-        if name in self.holders and self.holders[name][0] != topo.stage:
-            return False
-        return True
+            replica = topo.dp_rank == 0 and topo.cp_rank == 0 and (split or topo.tp_rank == 0)
+        updater = 0 if self.grad_owner is None else self.grad_owner[name]
+        return replica and topo.sharding_rank == updater and self.holders.get(name, (topo.stage,))[0] == topo.stage
 
-    def _by_holder_set(self) -> list[tuple[tuple[int, ...], list[str]]]:
+    def _holder_sets(self) -> Iterator[tuple[tuple[int, ...], list[str], Any]]:
+        """(holder stages, the names they share, the group) for each set this rank joins: the group over
+        exactly those stages where one exists (its members join), else the whole pipeline column."""
         sets: dict[tuple[int, ...], list[str]] = {}
         for n in sorted(self.holders):
             sets.setdefault(self.holders[n], []).append(n)
-        return sorted(sets.items())
+        for stages, names in sorted(sets.items()):
+            if not self.topo.has_stage_group(stages):
+                yield stages, names, self.topo.pp_group
+            elif self.topo.stage in stages:
+                yield stages, names, self.topo.stage_group(stages)
 
 
 def _flat(tensors: list, sizes: list[int]) -> paddle.Tensor:

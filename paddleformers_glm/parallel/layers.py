@@ -23,6 +23,8 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
+from paddle.distributed.fleet import meta_parallel as mpu
+from paddle.distributed.fleet.layers.mpu import mp_ops
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from ..configuration import IGNORE_INDEX
@@ -312,22 +314,16 @@ class CommVocabParallelEmbedding(nn.Layer):
     ) -> None:
         super().__init__()
         topo = topo or get_topology()
-        size, rank = topo.tp_size, topo.tp_rank
-        self.group = topo.tp_group
-        if num_embeddings % size:
-            raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {size}")
+        self.group, self.world, self.rank = topo.tp_group, topo.tp_size, topo.tp_rank
+        if num_embeddings % self.world:
+            raise ValueError(f"VocabParallelEmbedding: vocab size {num_embeddings} not divisible by tp {self.world}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel, self.padding_idx = sequence_parallel, padding_idx
-        self.world, self.rank = size, rank
-        self.per_rank = num_embeddings // size
-        self.start = rank * self.per_rank
-        dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(
-            [self.per_rank, embedding_dim],
-            dtype=dtype,
-            default_initializer=_xavier(num_embeddings, embedding_dim),
-        )
-        set_shard_spec(self.weight, ShardSpec(axis=0), size)
+        self.per_rank = num_embeddings // self.world
+        self.start = self.rank * self.per_rank
+        dtype, init = dtype or paddle.get_default_dtype(), _xavier(num_embeddings, embedding_dim)
+        self.weight = self.create_parameter([self.per_rank, embedding_dim], dtype=dtype, default_initializer=init)
+        set_shard_spec(self.weight, ShardSpec(axis=0), self.world)
 
     def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
@@ -359,32 +355,29 @@ def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Top
     return comm.fleet_sp_group(g) if sequence_parallel else g
 
 
-class BatchFirstColumnSequenceParallelLinear(spu.ColumnSequenceParallelLinear):
-    """Fleet's ``ColumnSequenceParallelLinear`` on batch-first activations, ``[B, S/tp, in]`` ->
-    ``[B, S, out/tp]``: the sequence axis moved to the front Fleet's layer gathers, and back
-    (:func:`comm.to_sequence_first`: free for a batch of one, a transposed copy otherwise)."""
+class _BatchFirst:
+    """A Fleet sequence-parallel linear on batch-first activations: the sequence axis moved to the front,
+    where Fleet's layer gathers or scatters it, and back (:func:`comm.to_sequence_first`: free for a
+    batch of one, a transposed copy otherwise)."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
 
 
-class BatchFirstRowSequenceParallelLinear(spu.RowSequenceParallelLinear):
-    """Fleet's ``RowSequenceParallelLinear`` on batch-first activations, ``[B, S, in/tp]`` ->
-    ``[B, S/tp, out]``, as :class:`BatchFirstColumnSequenceParallelLinear`."""
+class BatchFirstColumnSequenceParallelLinear(_BatchFirst, spu.ColumnSequenceParallelLinear):
+    """Fleet's ``ColumnSequenceParallelLinear``, ``[B, S/tp, in]`` -> ``[B, S, out/tp]``."""
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
+
+class BatchFirstRowSequenceParallelLinear(_BatchFirst, spu.RowSequenceParallelLinear):
+    """Fleet's ``RowSequenceParallelLinear``, ``[B, S, in/tp]`` -> ``[B, S/tp, out]``."""
 
 
 @contextmanager
 def default_dtype(dtype: str | None) -> Iterator[None]:
     """Create parameters in ``dtype`` (Paddle takes it from the process-wide default: Fleet's
     layers have no dtype argument) and restore the default after; None changes nothing."""
-    if dtype is None:
-        yield
-        return
     saved = paddle.get_default_dtype()
-    paddle.set_default_dtype(dtype)
+    paddle.set_default_dtype(dtype or saved)
     try:
         yield
     finally:
@@ -401,41 +394,33 @@ def _fleet_layer(build: Any, dtype: str | None, weight: ShardSpec, bias: ShardSp
     return layer
 
 
-def _fleet_vocab_embedding_class() -> type:
-    from paddle.distributed.fleet.layers.mpu import mp_ops
-    from paddle.distributed.fleet.meta_parallel import VocabParallelEmbedding as FleetVocab
+class _PaddedVocabParallelEmbedding(mpu.VocabParallelEmbedding):
+    """Fleet's vocab-parallel embedding with torch's ``padding_idx``: the pad row is returned
+    (summed like any row) but its positions pass no gradient back to the table.
 
-    class _PaddedVocabParallelEmbedding(FleetVocab):
-        """Fleet's vocab-parallel embedding with torch's ``padding_idx``: the pad row is returned
-        (summed like any row) but its positions pass no gradient back to the table.
+    With ``sequence_parallel`` the partial rows of Fleet's lookup (``_c_lookup_table``) are
+    summed by Fleet's ``ReduceScatterOp`` over the sequence instead of its all-reduce: the
+    output is this rank's sequence shard ``[B, S/tp, H]``."""
 
-        With ``sequence_parallel`` the partial rows of Fleet's lookup (``_c_lookup_table``) are
-        summed by Fleet's ``ReduceScatterOp`` over the sequence instead of its all-reduce: the
-        output is this rank's sequence shard ``[B, S/tp, H]``."""
+    def __init__(self, *args: Any, padding_idx: int | None = None, sequence_parallel: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.padding_idx = padding_idx
+        self.sequence_parallel = sequence_parallel
 
-        def __init__(
-            self, *args: Any, padding_idx: int | None = None, sequence_parallel: bool = False, **kw: Any
-        ) -> None:
-            super().__init__(*args, **kw)
-            self.padding_idx = padding_idx
-            self.sequence_parallel = sequence_parallel
-
-        def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-            if not self.sequence_parallel:
-                out = super().forward(ids)
-            else:  # this rank's partial rows, summed below
-                out = mp_ops._c_lookup_table(
-                    self.weight,
-                    ids,
-                    start_index=self.vocab_start_index,
-                    vocab_size=self.num_embeddings,
-                    name=self._name,
-                )
-            if self.padding_idx is not None:
-                out = paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
-            return comm.reduce_scatter_to_sp(out, group=self.model_parallel_group) if self.sequence_parallel else out
-
-    return _PaddedVocabParallelEmbedding
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        if not self.sequence_parallel:
+            out = super().forward(ids)
+        else:  # this rank's partial rows, summed below
+            out = mp_ops._c_lookup_table(
+                self.weight,
+                ids,
+                start_index=self.vocab_start_index,
+                vocab_size=self.num_embeddings,
+                name=self._name,
+            )
+        if self.padding_idx is not None:
+            out = paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+        return comm.reduce_scatter_to_sp(out, group=self.model_parallel_group) if self.sequence_parallel else out
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -454,8 +439,6 @@ def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 -
     if g is None or (sp and gather):  # Fleet's SP column never gathers its output
         return CommColumnParallelLinear(*args, **kwargs)
     _check_column(a["out_features"], g.nranks, chunks, gather, group)
-    from paddle.distributed.fleet import meta_parallel as mpu
-
     cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
     return _fleet_layer(
         lambda: cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
@@ -475,8 +458,6 @@ def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a 
     if g is None:
         return CommRowParallelLinear(*args, **kwargs)
     _check_row(a["in_features"], g.nranks, sp, parallel_in, group)
-    from paddle.distributed.fleet import meta_parallel as mpu
-
     cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
     return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
         lambda: cls(
@@ -500,7 +481,7 @@ def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802
     if V % g.nranks:
         raise ValueError(f"VocabParallelEmbedding: vocab size {V} not divisible by tp {g.nranks}")
     with default_dtype(a["dtype"]):
-        layer = _fleet_vocab_embedding_class()(
+        layer = _PaddedVocabParallelEmbedding(
             V, a["embedding_dim"], mp_group=g, padding_idx=a["padding_idx"], sequence_parallel=a["sequence_parallel"]
         )
     set_shard_spec(layer.weight, ShardSpec(axis=0), g.nranks)
@@ -548,8 +529,6 @@ def parallel_cross_entropy(
         ).squeeze(-1)
         per_tok = with_nonfinite_rows(per_tok, logits, labels, ignore_index)  # Paddle's CPU op hides NaN/inf
     else:
-        from paddle.distributed.fleet import meta_parallel as mpu
-
         ce = mpu.ParallelCrossEntropy(mp_group=group, ignore_index=ignore_index)
         per_tok = ce(logits.astype("float32"), labels.unsqueeze(-1)).squeeze(-1)
     if reduction == "none":

@@ -51,10 +51,6 @@ class StageSpec:
     has_mtp: bool = False
 
     @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
@@ -179,11 +175,7 @@ def split_stages(
         if first_stage_layers not in (None, num_layers) or last_stage_layers not in (None, num_layers):
             raise ParallelConfigError(f"pp 1: first/last stage sizes must equal num_layers {num_layers}")
         return [StageSpec.whole(num_layers, has_mtp)]
-    counts: list[int | None] = [None] * pp
-    if first_stage_layers is not None:
-        counts[0] = first_stage_layers
-    if last_stage_layers is not None:
-        counts[-1] = last_stage_layers
+    counts = [first_stage_layers] + [None] * (pp - 2) + [last_stage_layers]
     fixed = sum(c for c in counts if c is not None)
     free = [i for i, c in enumerate(counts) if c is None]
     rest = num_layers - fixed
@@ -229,10 +221,8 @@ def validate_shared_layer_starts(
         for i in s.layers:
             if layer_kinds[i] not in ("full", "shared"):
                 raise ParallelConfigError(f"layer {i}: indexer kind must be 'full' or 'shared', got {layer_kinds[i]!r}")
-    if carry_topk:
-        return
     bad = [s for s in specs if s.layers and layer_kinds[s.layers[0]] == "shared"]
-    if not bad:
+    if carry_topk or not bad:
         return
     full = [i for i, k in enumerate(layer_kinds) if k == "full"]
     starts = [s.layers[0] for s in specs if s.layers]
@@ -289,9 +279,7 @@ class LossLedger:
 
     def __init__(self) -> None:
         self.batch_keys: list[str] = []
-        self.scales: dict[str, float] = {}
-        self.sums: dict[str, paddle.Tensor] = {}
-        self.counts: dict[str, int] = {}
+        self.reset({})
 
     def reset(self, scales: dict[str, float]) -> None:
         self.scales, self.sums, self.counts = dict(scales), {}, {}

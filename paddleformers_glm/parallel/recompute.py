@@ -9,8 +9,7 @@ is restored for the replay, so fp32 losses and gradients are bit-identical to no
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import paddle
@@ -20,16 +19,6 @@ __all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
 RECOMPUTE_MODES = ("none", "full", "core")
 
 _core_depth = 0  # > 0 while a decoder layer runs under --recompute core
-
-
-@contextlib.contextmanager
-def _core_scope() -> Iterator[None]:
-    global _core_depth
-    _core_depth += 1
-    try:
-        yield
-    finally:
-        _core_depth -= 1
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -50,8 +39,12 @@ def run_layer(layer: Callable[..., Any], *args: Any, mode: str = "none") -> Any:
     if mode == "none" or not paddle.is_grad_enabled():
         return layer(*args)
     if mode == "core":
-        with _core_scope():
+        global _core_depth
+        _core_depth += 1
+        try:
             return layer(*args)
+        finally:
+            _core_depth -= 1
     if not _needs_grad(args):
         return layer(*args)  # nothing to differentiate through the inputs: nothing to save either
     return _recompute(layer, *args)

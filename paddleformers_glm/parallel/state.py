@@ -102,8 +102,7 @@ def shard_full_state(
             continue
         spec = get_shard_spec(t)
         full = np.asarray(full_state[name])
-        size = topo.size(spec.group) if spec.axis is not None else 1
-        rank = topo.rank_in(spec.group) if spec.axis is not None else 0
+        size, rank = (topo.size(spec.group), topo.rank_in(spec.group)) if spec.axis is not None else (1, 0)
         part = local_slice(full, spec, rank, size)
         if list(part.shape) != list(t.shape):
             raise ValueError(

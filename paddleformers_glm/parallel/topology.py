@@ -176,14 +176,11 @@ class Topology:
         self.pc = pc
         self.rank = rank
         self.backend = backend
-        self._groups = {name: None for name in GROUP_NAMES}
-        self._groups.update(groups or {})
-        self._ranks = {name: 0 for name in GROUP_NAMES}
-        self._ranks.update(ranks or {})
-        self._sizes = {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp, "sharding": pc.sharding, "ep": pc.ep}
-        self._sizes.update(etp=pc.etp, edp=pc.edp, cp=pc.cp)
+        self._sizes = {n: getattr(pc, n) for n in GROUP_NAMES}
+        self._ranks = {n: (ranks or {}).get(n, 0) for n in GROUP_NAMES}
+        self._groups = {n: (groups or {}).get(n) if self._sizes[n] > 1 else None for n in GROUP_NAMES}
         # a topology is fixed once built: what layers read is plain data (size, rank, group per dimension)
-        r, g = self._ranks, {n: self._groups[n] if self._sizes[n] > 1 else None for n in GROUP_NAMES}
+        r, g = self._ranks, self._groups
         self.world_size, self.sequence_parallel, self.stage = pc.world_size, pc.sp, r["pp"]
         self.tp_size, self.tp_rank, self.tp_group = pc.tp, r["tp"], g["tp"]
         self.pp_size, self.pp_rank, self.pp_group = pc.pp, r["pp"], g["pp"]
@@ -228,21 +225,17 @@ class Topology:
 
     def group(self, name: str) -> Any:
         """The ``paddle.distributed`` Group for ``name``, or None when that dimension has size 1."""
-        return self._groups[name] if self.size(name) > 1 else None
+        return self._groups[_known(name)]
 
     def rank_in(self, name: str) -> int:
         """This process's rank inside group ``name``."""
         return self._ranks[_known(name)]
 
     def describe(self) -> str:
-        r = self._ranks
-        shard = f" sharding {r['sharding']}/{self.pc.sharding}" if self.pc.sharding > 1 else ""
-        cp = f" cp {r['cp']}/{self.pc.cp}" if self.pc.cp > 1 else ""
-        return (
-            f"rank {self.rank}/{self.world_size} [{self.backend}] stage {r['pp']}/{self.pc.pp} tp {r['tp']}/{self.pc.tp} "
-            f"dp {r['dp']}/{self.pc.dp}{shard} ep {r['ep']}/{self.pc.ep} etp {r['etp']}/{self.pc.etp} "
-            f"edp {r['edp']}/{self.pc.edp}{cp}{' sp' if self.pc.sp else ''}"
-        )
+        shown = ("pp", "tp", "dp", "sharding", "ep", "etp", "edp", "cp")
+        shown = [n for n in shown if self._sizes[n] > 1 or n not in ("sharding", "cp")]  # those two when used
+        dims = " ".join(f"{'stage' if n == 'pp' else n} {self._ranks[n]}/{self._sizes[n]}" for n in shown)
+        return f"rank {self.rank}/{self.world_size} [{self.backend}] {dims}{' sp' if self.pc.sp else ''}"
 
     def __repr__(self) -> str:
         return f"Topology({self.describe()})"
@@ -370,42 +363,25 @@ def init_topology(
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
     # collective over the world), reusing the fleet group when the rank lists coincide.
-    existing = {
-        tuple(sorted(r)): name
-        for name, lists in (
-            ("tp", ftopo.get_comm_list("model")),
-            ("dp", ftopo.get_comm_list("data")),
-            ("cp", ftopo.get_comm_list("sep") if pc.cp > 1 else []),
-        )
-        for r in lists
-    }
-    e_ranks = expert_layout(pc, ranks["dp"], ranks["tp"], ranks["cp"])
-    ranks.update(edp=e_ranks[0], ep=e_ranks[1], etp=e_ranks[2])
-    created: dict[tuple[int, ...], Any] = {}
+    fleet_axes = {"tp": "model", "dp": "data", **({"cp": "sep"} if pc.cp > 1 else {})}
+    existing = {tuple(sorted(r)): name for name, axis in fleet_axes.items() for r in ftopo.get_comm_list(axis)}
+    ranks.update(zip(("edp", "ep", "etp"), expert_layout(pc, ranks["dp"], ranks["tp"], ranks["cp"])))
     for kind, size in (("ep", pc.ep), ("etp", pc.etp), ("edp", pc.edp)):
         if size == 1:
             continue
-        lists: dict[tuple[int, ...], None] = {}
         # one expert layout per (stage, sharding rank) over the stage's dp x cp x tp ranks: a cp
         # rank holds other tokens, like a dp rank, so it may own other experts (edp spans cp too)
         for p, sh in itertools.product(range(pc.pp), range(pc.sharding)):
-            members: dict[tuple[int, int], list[int]] = {}
+            members: dict[tuple[int, ...], list[int]] = {}  # the other two expert ranks -> the group's ranks
             for d, c, t in itertools.product(range(pc.dp), range(pc.cp), range(pc.tp)):
-                edp_r, ep_r, etp_r = expert_layout(pc, d, t, c)
-                key = {"ep": (edp_r, etp_r), "etp": (edp_r, ep_r), "edp": (ep_r, etp_r)}[kind]
+                e = dict(zip(("edp", "ep", "etp"), expert_layout(pc, d, t, c)))
+                key = tuple(v for k, v in e.items() if k != kind)
                 members.setdefault(key, []).append(_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c))
-            for m in members.values():
-                lists[tuple(sorted(m))] = None
-        for r in lists:
-            if r in existing:
-                g = groups[existing[r]] if rank in r else None
-            elif r in created:
-                g = created[r]
-            else:
-                g = dist.new_group(list(r))
-                created[r] = g
-            if rank in r:
-                groups[kind] = g
+            for m in (tuple(sorted(m)) for m in members.values()):
+                if m not in existing:
+                    g = dist.new_group(list(m))
+                if rank in m:
+                    groups[kind] = groups[existing[m]] if m in existing else g
     # Sub-groups of pipeline columns (see Topology.stage_group); every rank creates all, in order.
     stage_sets: list[tuple[int, ...]] = []
     if pc.pp > 2:
