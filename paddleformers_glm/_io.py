@@ -4,6 +4,10 @@ Each write goes to a uniquely named temporary file in the destination's folder (
 so the rename is atomic), is flushed to disk, and then renamed over the destination; on any error
 the temporary file is removed and the destination is left as it was.
 
+Every JSON file the project reads goes through :func:`read_json` (text files: :func:`read_text`): one
+error, naming the file, what it holds and the problem, for a file that cannot be read, is not UTF-8,
+is not JSON or is not a JSON object.
+
 Every JSON record the project writes goes through :func:`dumps_json` (or :func:`write_json_atomic`):
 strict JSON, which has no NaN or Infinity.  Python's ``json`` would write the bare tokens ``NaN`` and
 ``Infinity``, which strict parsers (browsers, ``jq``, Go, Rust) refuse; here a non-finite number is
@@ -19,7 +23,8 @@ import math
 import numbers
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, Any
 
 
@@ -129,3 +134,44 @@ def write_record(path: str | os.PathLike, obj: Any) -> None:
     indent, keys in the order the writer built them, and a value JSON does not know is an error rather
     than a string, so a record never holds something a reader cannot load back as it was."""
     write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
+
+
+def read_text(
+    file: str | os.PathLike, what: str, error: Callable[[str], Exception] = ValueError, data: bytes | None = None
+) -> str:
+    """`file`'s text (or that of `data`, bytes read from it), which must be UTF-8; a file that cannot be
+    read or decoded raises ``error(message)``, the message naming the file, `what` it holds and the problem."""
+    try:
+        raw = Path(file).read_bytes() if data is None else data
+    except OSError as e:
+        raise error(f"{file}: cannot read {what}: {e.strerror or e}") from e
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise error(f"{file}: {what} is not UTF-8 text (line {line}, byte {e.start})") from e
+
+
+def read_json(
+    file: str | os.PathLike,
+    what: str,
+    expect: type | None = dict,
+    error: Callable[[str], Exception] = ValueError,
+    *,
+    data: bytes | None = None,
+    hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """The JSON value of `file` (or of `data`, bytes read from it), of type `expect` (None: any); it is
+    only parsed, never unpickled or evaluated. Any failure raises ``error(message)`` as :func:`read_text`
+    does, e.g. ``"out/meta.json: the resume metadata is not valid JSON (Expecting value at line 1 column 9)"``.
+    `hook` is ``json``'s ``object_pairs_hook``."""
+    text = read_text(file, what, error, data)
+    try:
+        value = json.loads(text, object_pairs_hook=hook)
+    except json.JSONDecodeError as e:
+        problem = f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})" if text else "is empty (0 bytes)"
+        raise error(f"{file}: {what} {problem}") from e
+    if expect is not None and not isinstance(value, expect):
+        name = {dict: "object", list: "array"}.get(expect, expect.__name__)
+        raise error(f"{file}: {what} must be a JSON {name}, got a {type(value).__name__}")
+    return value

@@ -22,10 +22,9 @@ import copy
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any
 
-from ._io import atomic_write_text
+from ._io import atomic_write_text, read_json
 
 __all__ = ["IGNORE_INDEX", "GlmMoeDsaConfig", "indexer_types_from_schedule"]
 
@@ -536,14 +535,7 @@ class GlmMoeDsaConfig:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"GlmMoeDsaConfig: no config file at {file}")
-        try:
-            data = json.loads(Path(file).read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"GlmMoeDsaConfig: {file} is not UTF-8 text (byte {e.start})") from e
-        except json.JSONDecodeError as e:
-            raise ValueError(f"GlmMoeDsaConfig: {file} is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise ValueError(f"GlmMoeDsaConfig: {file} holds a {type(data).__name__}, expected a JSON object")
+        data = read_json(file, "the model config")
         try:
             return cls.from_dict(data, **overrides)
         except ValueError as e:

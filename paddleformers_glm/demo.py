@@ -6,12 +6,12 @@ the two runs with `check-loss` and `check-ckpt`.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ._io import read_json
 from ._io import write_json_atomic as _write_json
 
 DEMO_PROMPT = "Hello! What is the capital of France?"
@@ -148,7 +148,7 @@ def run_training_parity(
                 print("      " + line)
             result["ok"] = False
             return result
-        losses = json.loads((out / name / "loss.json").read_text())["losses"]
+        losses = read_json(out / name / "loss.json", "the loss record")["losses"]
         print(
             f"      glm52 train {' '.join(extra) or '(1 process)'}: {secs} s, losses {', '.join(f'{x:.6f}' for x in losses)}"
         )

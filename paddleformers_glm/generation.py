@@ -6,7 +6,6 @@ silently ignored.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from ._io import read_json, write_json_atomic
 
 if TYPE_CHECKING:
     import paddle
@@ -125,12 +126,7 @@ class GenerationConfig:
         path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
         if not os.path.isfile(path):
             return cls.from_model_config(config) if config is not None else cls()
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a readable JSON file: {err}") from err
-        gc = cls.from_dict(data, source=path)
+        gc = cls.from_dict(read_json(path, "the generation config"), source=path)
         for k in _SPECIAL_TOKENS if config is not None else ():
             if getattr(gc, k) is None:
                 setattr(gc, k, getattr(config, k, None))
@@ -144,8 +140,6 @@ class GenerationConfig:
 
     def save_pretrained(self, folder: str | os.PathLike) -> str:
         """Write ``folder/generation_config.json`` atomically; returns its path."""
-        from ._io import write_json_atomic
-
         path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
         write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
         return path

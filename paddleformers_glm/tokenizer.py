@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._io import atomic_write_text
+from ._io import atomic_write_text, read_json, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -23,16 +23,6 @@ TEMPLATE_FILE = "chat_template.jinja"
 
 class TokenizerError(ValueError):
     """A tokenizer folder or a conversation that cannot be used (the message names the file or message)."""
-
-
-def _utf8_text(path: Path) -> str:
-    """A text file of the tokenizer folder; bytes that are not UTF-8 are an error naming the file."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise TokenizerError(f"{path}: not UTF-8 text (line {line}, byte {err.start})") from err
 
 
 def _template_text(value: Any, where: str) -> str | None:
@@ -147,18 +137,12 @@ class GlmTokenizer:
             tok = Tokenizer.from_file(str(tok_file))
         except Exception as err:  # the library's own message says what is wrong
             raise TokenizerError(f"{tok_file}: not a tokenizers file: {err}") from err
-        config: dict = {}
         cfg_file = folder / CONFIG_FILE
-        if cfg_file.is_file():
-            try:
-                config = json.loads(_utf8_text(cfg_file))
-            except json.JSONDecodeError as err:
-                raise TokenizerError(f"{cfg_file}: invalid JSON: {err}") from err
-            if not isinstance(config, dict):
-                raise TokenizerError(f"{cfg_file}: expected a JSON object, got a {type(config).__name__}")
+        config = read_json(cfg_file, "the tokenizer config", error=TokenizerError) if cfg_file.is_file() else {}
         template, source = None, f"{cfg_file} 'chat_template'"
         if (folder / TEMPLATE_FILE).is_file():
-            template, source = _utf8_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
+            source = str(folder / TEMPLATE_FILE)
+            template = read_text(source, "the chat template", TokenizerError)
         return cls(tok, config, template, template_source=source, **options)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:

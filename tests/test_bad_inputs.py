@@ -244,7 +244,7 @@ def test_schedule_builder_refuses_absurd_layer_counts_at_once():
 def test_config_not_utf8_is_named(tmp_path):
     f = tmp_path / "config.json"
     f.write_bytes(b'{"model_type": "glm_moe_dsa", "x": "\xff"}')
-    with pytest.raises(ValueError, match=rf"{f} is not UTF-8 text \(byte 36\)"):
+    with pytest.raises(ValueError, match=rf"{f}: the model config is not UTF-8 text \(line 1, byte 36\)"):
         GlmMoeDsaConfig.from_pretrained(f)
 
 
@@ -383,14 +383,18 @@ def _tok_copy(tok_dir: Path, tmp_path: Path) -> Path:
 def test_tokenizer_config_not_utf8_is_named(tok_dir, tmp_path):
     d = _tok_copy(tok_dir, tmp_path)
     (d / "tokenizer_config.json").write_bytes(b'{\n "eos_token": "\xff"\n}')
-    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: not UTF-8 text \(line 2"):
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer_config\.json: the tokenizer config is not UTF-8 text \(line 2"
+    ):
         GlmTokenizer.from_pretrained(d)
 
 
 def test_tokenizer_config_that_is_a_list_is_named(tok_dir, tmp_path):
     d = _tok_copy(tok_dir, tmp_path)
     (d / "tokenizer_config.json").write_text("[1, 2]")
-    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: expected a JSON object, got a list"):
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer_config\.json: the tokenizer config must be a JSON object, got a list"
+    ):
         GlmTokenizer.from_pretrained(d)
 
 
@@ -419,7 +423,7 @@ def test_bad_tokenizer_through_train_is_one_line(tok_dir, tmp_path):
     data = tmp_path / "t.jsonl"
     data.write_text(json.dumps({"text": "hello there"}) + "\n")
     line = _cli_error(tmp_path, *TOY, "--steps", "1", "--data", str(data), "--tokenizer", str(d))
-    assert f"{d / 'tokenizer_config.json'}: expected a JSON object, got a list" in line, line
+    assert f"{d / 'tokenizer_config.json'}: the tokenizer config must be a JSON object, got a list" in line, line
 
 
 # ---------------------------------------------------------------- checkpoint index

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._io import read_json
 from .errors import CheckpointError
 from .layout import EXPERT_LAYOUTS, LayerPlan, layer_plan, model_param_specs
 
@@ -108,8 +108,7 @@ def _with_inverse(entry: dict[str, Any], forward: str, reverse: str) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: str, mtime: float) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        rules = json.load(f)
+    rules = read_json(path, "the conversion rules")
     for u in rules.get("units", []):
         _with_inverse(u, "hf_to_fleet", "fleet_to_hf")
         if "paddlefleet" in u:

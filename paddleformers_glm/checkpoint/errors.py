@@ -31,7 +31,7 @@ class CheckpointError(ValueError):
         parts = [message]
         if key is not None:
             parts.append(f"key={key!r}")
-        if file is not None:
+        if file is not None and str(file) not in message:  # named once
             parts.append(f"file={file}")
         if expected is not None or actual is not None:
             parts.append(f"expected={expected!r}, actual={actual!r}")

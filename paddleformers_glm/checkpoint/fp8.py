@@ -9,7 +9,6 @@ a weight from an FP8 checkpoint of this scheme gets back exactly its source byte
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .._io import read_json
 from .engine import CheckpointSource
 from .errors import CheckpointError
 
@@ -187,9 +187,8 @@ def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
     file = os.path.join(folder, "config.json")
     if os.path.isfile(file):
         try:
-            with open(file, encoding="utf-8") as f:
-                qc = json.load(f).get("quantization_config")
-        except (OSError, ValueError, AttributeError):
+            qc = read_json(file, "the model config").get("quantization_config")
+        except ValueError:
             qc = None
     if qc is None and config is not None:
         qc = getattr(config, "quantization_config", None) if hasattr(config, "_extra") else None

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._io import read_json
 from .errors import CheckpointError
 
 __all__ = [
@@ -131,16 +132,18 @@ class TensorInfo:
         return self.end - self.begin
 
 
-def _no_duplicate_keys(file: str):
+def _read_json(file: str, what: str, data: bytes | None = None) -> dict[str, Any]:
+    """`file`'s JSON object (`data`: its header's bytes) without duplicate keys; a problem is a CheckpointError."""
+
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
             if k in out:
-                raise CheckpointError("duplicate key in the safetensors header", file=file, key=k)
+                raise CheckpointError(f"duplicate key in {what}", file=file, key=k)
             out[k] = v
         return out
 
-    return hook
+    return read_json(file, what, data=data, hook=hook, error=lambda m: CheckpointError(m, file=file))
 
 
 def _is_int(x: Any) -> bool:
@@ -156,7 +159,9 @@ def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str
     trailing bytes (which no tensor's value depends on) are reported there instead of refused.
     """
     raw, size = _read_header_bytes(file)
-    header = _decode_header(file, raw)
+    if not raw.startswith(b"{"):
+        raise CheckpointError("corrupt header: does not start with '{'", file=file, actual=raw[:16])
+    header = _read_json(file, "the safetensors header", raw)
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointError("corrupt header: __metadata__ must map strings to strings", file=file, key="__metadata__")
@@ -199,23 +204,6 @@ def _read_header_bytes(file: str) -> tuple[bytes, int]:
     except OSError as e:
         raise CheckpointError(f"cannot read safetensors file: {e}", file=file) from e
     return raw, size
-
-
-def _decode_header(file: str, raw: bytes) -> dict[str, Any]:
-    """The header as a JSON object: UTF-8, starts with '{', valid JSON, no duplicate keys."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"corrupt header: not UTF-8 ({e})", file=file) from e
-    if not text.startswith("{"):
-        raise CheckpointError("corrupt header: does not start with '{'", file=file, actual=text[:16])
-    try:
-        header = json.loads(text, object_pairs_hook=_no_duplicate_keys(file))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt header: not valid JSON ({e.msg} at byte {e.pos})", file=file) from e
-    if not isinstance(header, dict):
-        raise CheckpointError("corrupt header: not a JSON object", file=file, actual=type(header).__name__)
-    return header
 
 
 def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
@@ -404,14 +392,8 @@ class Checkpoint(_Closing):
         idx = os.path.join(self.folder, INDEX_NAME)
         if os.path.exists(idx):
             self.index_file = idx
-            try:
-                with open(idx, encoding="utf-8") as fh:
-                    index = json.load(fh, object_pairs_hook=_no_duplicate_keys(idx))
-            except (OSError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"cannot read the index: {e}", file=idx) from e
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"index is not valid JSON ({e.msg} at byte {e.pos})", file=idx) from e
-            wm = index.get("weight_map") if isinstance(index, dict) else None
+            index = _read_json(idx, "the index")
+            wm = index.get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
                 raise CheckpointError("index has no weight_map of key -> file name", file=idx, key="weight_map")
             meta = index.get("metadata", {})

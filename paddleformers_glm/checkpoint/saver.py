@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._io import read_json
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
@@ -222,8 +223,7 @@ def save_pretrained_state(
 def set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
     """config.json says how its weights are stored: add ``quantization_config`` for an FP8 save,
     remove one inherited from an FP8 source for a plain save."""
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = read_json(path, "the model config")
     if qc is None and "quantization_config" not in cfg:
         return
     if qc is None:

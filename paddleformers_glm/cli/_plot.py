@@ -5,9 +5,10 @@ written atomically as a PNG.  matplotlib is imported only when drawing (the ``pl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
+
+from .._io import atomic_path, read_json
 
 PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
 # left a heatmap, right curves
@@ -28,8 +29,7 @@ def loss_json_of(out: str) -> str:
 
 def read_block(loss_json: str, key: str, required: tuple[str, ...], absent: str) -> dict[str, Any]:
     """``loss_json``'s block ``key``, which must hold ``required``; ``absent`` says why a run has none."""
-    with open(loss_json, encoding="utf-8") as f:
-        block = json.load(f).get(key)
+    block = read_json(loss_json, "the loss record").get(key)
     if not block:
         raise ValueError(f"{loss_json}: no {key!r} block ({absent})")
     for k in required:
@@ -49,8 +49,6 @@ def pyplot() -> Any:
 
 
 def save_png(fig: Any, png: str, dpi: int = 110) -> str:
-    from .._io import atomic_path
-
     fig.tight_layout()
     with atomic_path(png) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import os
 import warnings
 from typing import Any
+
+from .._io import read_json
 
 __all__ = [
     "PADDLEFORMERS_TESTED",
@@ -56,11 +57,10 @@ def paddleformers_model_runs() -> bool:
 def _glm_folder(path: Any) -> bool:
     """A local checkpoint folder whose config.json says ``model_type: glm_moe_dsa``."""
     try:
-        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
-            data = json.load(f)
-    except (TypeError, OSError, ValueError):  # not a path, no such file, not JSON
+        data = read_json(os.path.join(os.fspath(path), "config.json"), "the model config")
+    except (TypeError, ValueError):  # not a path, no such file, not a JSON object
         return False
-    return isinstance(data, dict) and data.get("model_type") == MODEL_TYPE
+    return data.get("model_type") == MODEL_TYPE
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import shutil
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._io import write_json_atomic
+from .._io import read_json, write_json_atomic
 from ..train.command import add_expert_update_argument
 from .reference.indexer import STAGES as INDEXER_STAGES
 from .reference.indexer import saved_indexer_coeff
@@ -383,7 +382,7 @@ def run_align(args: argparse.Namespace) -> int:
     ref_loss, pd_loss = os.path.join(ref_out, "loss.json"), os.path.join(pd_out, "loss.json")
     for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
         shutil.copyfile(f, os.path.join(receipt, dst))
-    ref_doc, pd_doc = (json.loads(Path(f).read_text(encoding="utf-8")) for f in (ref_loss, pd_loss))
+    ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
     margins = ref_doc.get("topk_min_gaps") or []
     verdict["near_ties"] = near_ties(margins)
     curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]

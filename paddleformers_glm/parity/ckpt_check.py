@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import platform
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import progress
+from .._io import read_json
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.finite import count_nonfinite_raw
 from ..checkpoint.fp8 import Fp8Source, fp8_pairs, quantization_of
@@ -155,8 +155,7 @@ def _open_side(path: str) -> _Side:
         if os.path.isfile(cfg_file):
             from ..configuration import GlmMoeDsaConfig
 
-            with open(cfg_file, encoding="utf-8") as fh:
-                side.config_json = json.load(fh)
+            side.config_json = read_json(cfg_file, "the model config")
             side.config = GlmMoeDsaConfig.from_pretrained(cfg_file)
             block = quantization_of(folder)
             side.fp8 = fp8_pairs(side.ckpt, block)

@@ -8,13 +8,13 @@ Steps are 0-based: ``first_divergent_step`` 2 means the third loss differs.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from .._io import read_json
 from ..cli._plot import PLOT_EXTRA_HINT, pyplot, save_png
 from .ckpt_check import sha256_file, versions
 
@@ -39,13 +39,7 @@ class LossFileError(ValueError):
 
 def read_curve(path: str, key: str = "losses") -> list[float]:
     """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise LossFileError(f"{path}: cannot read: {e}") from e
-    except json.JSONDecodeError as e:
-        raise LossFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    data = read_json(path, "the loss record", None, LossFileError)
     if not isinstance(data, dict) or key not in data:
         got = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
         raise LossFileError(f"{path}: expected a JSON object with a {key!r} list, got {got}")

@@ -11,9 +11,10 @@ Part of the ``reference`` extra: torch and transformers are imported inside the 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from ..._io import read_json
 
 __all__ = ["ReferenceIndexer", "resolve_indexer_stage", "saved_indexer_coeff"]
 
@@ -24,9 +25,8 @@ _ALL_KEYS = 1 << 30  # an index_topk past any sequence: HF's indexer then select
 def saved_indexer_coeff(model_dir: str) -> float:
     """The checkpoint's indexer KL weight (config.json, either spelling), which both trainers read."""
     try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
+        raw = read_json(os.path.join(model_dir, "config.json"), "the model config")
+    except ValueError:  # no such file, or not a JSON object
         return 0.0
     return float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
 

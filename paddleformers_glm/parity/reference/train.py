@@ -11,7 +11,6 @@ the trainer's schema and the ``--dump-step`` dumps in the checkpoint's official 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -19,7 +18,7 @@ import shutil
 import sys
 import time
 
-from ..._io import write_record
+from ..._io import read_json, write_record
 from ...train.command import (
     _dump_steps,
     add_dtype_argument,
@@ -134,8 +133,7 @@ class Reference:
         L, E, H = conf.num_hidden_layers, conf.n_routed_experts, conf.hidden_size
         self.L, self.inter = L, conf.moe_intermediate_size
         self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = read_json(os.path.join(model_dir, "config.json"), "the model config")
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", getattr(conf, "mtp_loss_scaling_factor", 0.1)))
         self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
             args.indexer_stage, args.indexer_loss_coeff, saved_indexer_coeff(model_dir)
