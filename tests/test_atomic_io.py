@@ -1,4 +1,5 @@
-"""The one atomic-write helper: whole new file or the old one, never a part, no temp left."""
+"""The one atomic-write helper: whole new file or the old one, never a part, no temp left; and the one
+JSON reader, whose every error names the file, what it holds and the problem."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import stat
 
 import pytest
 
-from paddleformers_glm._io import atomic_open, atomic_path, write_json_atomic
+from paddleformers_glm._io import atomic_open, atomic_path, read_json, write_json_atomic
 
 
 def test_json_is_written_whole_and_replaces_the_old_file(tmp_path):
@@ -68,3 +69,34 @@ def test_atomic_path_serves_writers_that_take_a_file_name(tmp_path):
         with atomic_path(path):
             pass  # a writer that silently wrote nothing must not pass for one that did
     assert path.read_bytes() == b"new"
+
+
+class _Refused(ValueError):
+    pass
+
+
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (None, "cannot read the thing: No such file or directory"),
+        (b"", "the thing is empty (0 bytes)"),
+        (b'{"a":\n "\xff"}', "the thing is not UTF-8 text (line 2, byte 8)"),
+        (
+            b'{"a": 1,}',
+            "the thing is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 9)",
+        ),
+        (b"[1, 2]", "the thing must be a JSON object, got a list"),
+    ],
+)
+def test_read_json_names_file_what_and_problem(tmp_path, raw, problem):
+    path = tmp_path / "x.json"
+    if raw is not None:
+        path.write_bytes(raw)
+    with pytest.raises(_Refused) as e:
+        read_json(path, "the thing", error=_Refused)
+    assert str(e.value) == f"{path}: {problem}"
+
+
+def test_read_json_reads_bytes_given_and_any_type_when_asked(tmp_path):
+    assert read_json(tmp_path / "x", "the thing", list, data=b"[1, 2.5]") == [1, 2.5]
+    assert read_json(tmp_path / "x", "the thing", None, data=b'"s"') == "s"
