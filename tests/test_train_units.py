@@ -162,7 +162,7 @@ def test_token_files_npy_bin_jsonl(tmp_path):
 def test_bad_data_is_named(tmp_path):
     np.save(tmp_path / "big.npy", np.array([1, 2, 99, 4] * 8))
     with pytest.raises(ValueError, match="token 99 .* outside the vocabulary \\[0, 50\\)"):
-        open_data(str(tmp_path / "big.npy"), 4, 50, 0).global_batch(0, 8, shuffle=False)
+        open_data(str(tmp_path / "big.npy"), 4, 50, 0).global_batch(0, 8)
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(ValueError, match="unknown format"):
         open_data(str(tmp_path / "x.txt"), 4, 50, 0)

@@ -24,7 +24,6 @@ from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
     from .loop import TrainConfig
-    from .stop_signals import StopListener
 
 __all__ = [
     "TRAIN_DEFAULTS",
@@ -314,18 +313,9 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         return _run_train(args)
     except KeyboardInterrupt as e:
-        stop = _stopped_by(listener, e)
+        stop = listener.interrupted(e)
         print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
         return 128 + int(signal.Signals[stop["signal"]])
-
-
-def _stopped_by(listener: StopListener, e: KeyboardInterrupt) -> dict:
-    """The stop signal behind a KeyboardInterrupt: the listener's record (with the sender), else
-    the signal the handler named (SIGINT when none)."""
-    if listener.caught is not None:
-        return listener.caught
-    name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
-    return {"kind": "signal", "signal": name, "sender_pid": None, "text": f"{name} to glm52 train (pid {os.getpid()})"}
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -416,7 +406,7 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         run_training(cfg, adapter)
         return 0
     except (_Stopped, KeyboardInterrupt) as e:
-        stopped_by = e.stopped_by if isinstance(e, _Stopped) else _stopped_by(listener, e)
+        stopped_by = e.stopped_by if isinstance(e, _Stopped) else listener.interrupted(e)
         rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
         text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
         diag = Diagnosis(None, text, stopped_by["kind"])

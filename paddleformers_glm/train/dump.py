@@ -59,13 +59,7 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
 
 
 def dump_training_state(
-    out_dir: str,
-    module: paddle.nn.Layer,
-    opt: Any,
-    grads: Mapping[str, paddle.Tensor],
-    topo: Any,
-    config: Any,
-    model_dir: str | None,
+    out_dir: str, module: paddle.nn.Layer, opt: Any, grads: Mapping[str, paddle.Tensor], topo: Any, adapter: Any
 ) -> None:
     """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it).
 
@@ -107,22 +101,8 @@ def dump_training_state(
             continue
         target = os.path.join(out_dir, kind)
         tensors = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full.items()}
-        save_pretrained_state(tensors, config, target, layout="hf", dtype="float32", max_shard_size="1000GB")
+        save_pretrained_state(tensors, adapter.config, target, layout="hf", dtype="float32", max_shard_size="1000GB")
+        model_dir = getattr(adapter, "model_dir", None)
         if model_dir:  # the model's own config, byte for byte, so both sides' dumps carry the same one
             with atomic_path(os.path.join(target, "config.json")) as tmp:
                 shutil.copyfile(os.path.join(model_dir, "config.json"), tmp)
-
-
-def dump_after_step(
-    dump_steps: list,
-    step: int,
-    module: paddle.nn.Layer,
-    opt: Any,
-    grads: Mapping[str, paddle.Tensor],
-    topo: Any,
-    adapter: Any,
-) -> None:
-    """The trainer's hook: write every ``(DIR, K)`` of ``dump_steps`` whose K is ``step`` (1-based)."""
-    for out_dir, k in dump_steps:
-        if int(k) == step:
-            dump_training_state(out_dir, module, opt, grads, topo, adapter.config, getattr(adapter, "model_dir", None))

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import paddle
 import paddle.nn as nn
 
@@ -59,11 +57,10 @@ class GlmAdapter(ModelAdapter):
     name = "glm"
     supports_context_parallel = True  # the model reads the cp_* batch keys (parallel/context.py)
 
-    def __init__(self, model_dir: str, dtype: str | None = None) -> None:
+    def __init__(self, model_dir: str) -> None:
         from ..configuration import GlmMoeDsaConfig
 
-        # None: the run's dtype (the trainer builds stages inside ``default_dtype(--dtype)``)
-        self.model_dir, self.dtype = model_dir, dtype
+        self.model_dir = model_dir
         self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
         c = self.config
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
@@ -104,7 +101,8 @@ class GlmAdapter(ModelAdapter):
         """The model itself, built for ``spec`` (its layers, embedding / head / MTP) and ``topo``."""
         from ..modeling.model import GlmMoeDsaForCausalLM
 
-        model = GlmMoeDsaForCausalLM(self.config, self.dtype or paddle.get_default_dtype(), topology=topo, stage=spec)
+        # in the run's dtype: the trainer builds stages inside ``default_dtype(--dtype)``
+        model = GlmMoeDsaForCausalLM(self.config, paddle.get_default_dtype(), topology=topo, stage=spec)
         model.set_indexer_training(self.indexer.training)  # the warm-up freezes all but the indexers
         return model
 
@@ -155,9 +153,3 @@ class GlmAdapter(ModelAdapter):
 
         info = export_distributed(module, self.config, out_dir, topo, carry_from=self.model_dir)
         return sum(all_gather_object(info["tensors"], topo))
-
-    def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
-        from ..checkpoint import save_pretrained_state
-
-        state = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full_state.items()}
-        save_pretrained_state(state, self.config, out_dir, layout="hf", dtype=self.config.model_dtype)

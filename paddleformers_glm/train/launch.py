@@ -40,7 +40,7 @@ from .job_status import (
     read_records,
     snapshot,
 )
-from .stop_signals import StopListener, listen
+from .stop_signals import listen
 
 __all__ = [
     "LaunchError",
@@ -99,18 +99,6 @@ def job_processes(job_id: str) -> list[int]:
         if needle in env and proc_state(pid) not in (None, "Z"):
             out.append(pid)
     return sorted(out)
-
-
-def _wait_for_stop(listener: StopListener, seconds: float) -> dict[str, Any] | None:
-    """Sleep ``seconds``; the stop signal caught so far: the listener's (stop_signals.py: with the
-    sender) when it runs, else from the ``KeyboardInterrupt`` that SIGINT (and, under the listener's
-    handlers, SIGTERM / SIGHUP) raises in the main thread."""
-    try:
-        time.sleep(seconds)
-    except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
-        name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
-        listener.note(int(signal.Signals[name]), None)
-    return listener.caught
 
 
 def _gone(pid: int) -> bool:
@@ -237,9 +225,12 @@ def launch_workers(
     reader.start()
     try:
         while proc.poll() is None:
-            caught = _wait_for_stop(signals, 0.2)
-            if caught:
-                stopped_by = caught
+            try:  # a stop signal: the listener's (with the sender), or SIGINT's KeyboardInterrupt without one
+                time.sleep(0.2)
+            except KeyboardInterrupt as e:
+                signals.interrupted(e)
+            if signals.caught:
+                stopped_by = signals.caught
                 break
             now = time.monotonic()
             snap = snapshot(status_dir, by="launcher")

@@ -13,15 +13,11 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ..checkpoint.safetensors_io import ST_DTYPES, dtype_name
+
 __all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "fleet_sharding_partition", "shard_totals", "state_bytes"]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
-
-
-def dtype_name(dtype: Any) -> str:
-    """'float32' for paddle.float32 / 'paddle.float32' / numpy dtypes."""
-    s = str(dtype).replace("paddle.", "")
-    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(s, s)
+DTYPE_BYTES = {name: size for size, _, name in ST_DTYPES.values() if name}  # by Paddle dtype name
 
 
 def state_bytes(

@@ -69,6 +69,13 @@ class StopListener:
                 "text": stop_text(signum, sender, target),
             }
 
+    def interrupted(self, e: KeyboardInterrupt) -> dict[str, Any]:
+        """The stop signal behind ``e``: the listener's record (with the sender), else the signal a
+        plain handler named (SIGINT when none)."""
+        name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+        self.note(int(signal.Signals[name]), None)
+        return self.caught
+
     def _listen(self) -> None:
         while True:
             info = signal.sigwaitinfo(STOP_SIGNALS)
