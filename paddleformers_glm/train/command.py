@@ -251,16 +251,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
-    """Everything the run reads from disk, checked in this process before any worker starts, so a
-    bad file is one named error instead of a worker dying at the step that first touches it:
-
-    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
-      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
-      ``labels`` one per ``input_ids``); a text/chat jsonl is tokenized here, once, into
-      ``OUT/data/<name>.seq<L>.npz``, which the workers then read (``cfg.data``);
-    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
-      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
-    """
+    """Everything the run reads from disk (``--data``: data.py's checks; ``--resume``: every file of
+    the state, state_files.py), checked in this process before any worker starts, so a bad file is
+    one named error instead of a worker dying at the step that first touches it.  A text/chat jsonl
+    is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz``, which the workers then read."""
     from .data import jsonl_kind, open_data, prepare_jsonl
 
     if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":

@@ -13,13 +13,7 @@ from typing import Any
 from ..modeling.indexer_training import INDEXER_STAGES, IndexerTraining, kl_term, recall_term
 from .adapter import LossSpec
 
-__all__ = [
-    "INDEXER_STAGES",
-    "IndexerSettings",
-    "indexer_loss_specs",
-    "indexer_report",
-    "pop_indexer_history",
-]
+__all__ = ["INDEXER_STAGES", "IndexerSettings", "indexer_loss_specs", "indexer_report", "pop_indexer_history"]
 
 _LAYER_KEY = re.compile(r"^indexer_(kl|recall)@(\d+)$")
 
@@ -29,11 +23,7 @@ class IndexerSettings:
     the objective, ``shared_supervision`` and the layers that run their own indexer."""
 
     def __init__(
-        self,
-        config: Any,
-        stage: str | None = None,
-        loss_coeff: float | None = None,
-        shared_supervision: bool = False,
+        self, config: Any, stage: str | None = None, loss_coeff: float | None = None, shared_supervision: bool = False
     ) -> None:
         saved = float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0)
         stage = stage or IndexerTraining.from_config(config).stage  # None: the checkpoint's default

@@ -81,15 +81,9 @@ def _read_json(path: str) -> Any:
 
 def write_record(status_dir: str | None, rank: int, suffix: str, payload: dict | None = None) -> None:
     """``rank<N>.<suffix>`` in `status_dir` (no-op without one): strict JSON, atomic."""
-    if not status_dir:
-        return
-    path = os.path.join(status_dir, f"rank{rank}.{suffix}")
-    if payload is None:
-        from .._io import atomic_write_text
-
-        atomic_write_text(path, "")
-    else:
-        write_json_atomic(path, payload, indent=None, sort_keys=False, default=str)
+    if status_dir:
+        path = os.path.join(status_dir, f"rank{rank}.{suffix}")
+        write_json_atomic(path, payload or {}, indent=None, sort_keys=False, default=str)
 
 
 _BEAT: dict[str, Any] = {}

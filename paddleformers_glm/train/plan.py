@@ -122,9 +122,9 @@ class LayerCounts:
 
 def indexer_stage(config: Any, lay: Layout) -> str:
     """The layout's indexer stage, the checkpoint's default resolved (as the trainer resolves it)."""
-    if lay.indexer_stage is not None:
-        return lay.indexer_stage
-    return "sparse" if float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0 else "none"
+    from ..modeling.indexer_training import IndexerTraining
+
+    return lay.indexer_stage or IndexerTraining.from_config(config).stage
 
 
 def _layer_key(config: Any, i: int) -> Any:

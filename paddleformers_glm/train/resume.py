@@ -1,25 +1,13 @@
-"""Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata
-(file formats: state_files.py; weights in a release layout are paddleformers_glm/checkpoint/).
+"""Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata.
+Layout and guarantees: docs/parallel.md, "Checkpoints"; file formats: state_files.py.
 
 Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes meta.json and
 renames the folder, so a crash never leaves a half checkpoint under a final name.  The data
 position is the step number and the learning rate a pure function of the step.  Multi-node: ROOT
-must be on a filesystem every node sees.
-
-Two copies of the same state are written:
-
-* ``rank_*.safetensors`` / ``rank_*.json``: each rank's local tensors (model, optimizer moments,
-  beta powers, fp32 masters) and RNG state.  A run with the *same* parallel layout resumes from
-  these, bit for bit.
-* ``flex/``: Paddle's flex-checkpoint (``paddle.distributed.save_state_dict(..., safetensors=True)``),
-  every tensor described by its place in the full tensor (``ShardedWeight``: global shape, offset; a fused
-  ``chunks`` axis such as gate|up as one key per block, since rank r holds ``[gate_r | up_r]``).
-  Optimizer moments and fp32 masters share their parameter's geometry; a sharding rank
-  contributes the state it owns.  A run with a *different* layout (TP2xPP2 -> PP4 or
-  DP2xSharding2, any world size) resumes from this: ``paddle.distributed.load_state_dict`` reads
-  and redistributes the slices each rank needs.  Parameter names are the same in every layout
-  (global layer and expert ids), so no renaming is involved.  The RNG state is not carried
-  across layouts (a rank's RNG stream belongs to its old role; training draws no random numbers).
+must be on a filesystem every node sees.  Two copies of the state are written: each rank's local
+tensors and RNG state (``rank_*``: a run with the *same* layout resumes from these, bit for bit),
+and ``flex/``, Paddle's flex-checkpoint, which ``paddle.distributed.load_state_dict`` reshards
+for a run with a *different* layout (parameter names are global in every layout: no renaming).
 """
 
 from __future__ import annotations

@@ -297,22 +297,17 @@ def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: M
     write_record(json_file, {"format": FORMAT, "rank": rank, **info})
 
 
-def _read_rank_json(file: str, rank: int) -> dict[str, Any]:
-    if not os.path.isfile(file):
-        raise ResumeStateError(f"{file}: missing (the state of rank {rank})")
-    doc = _check_format(_read_json(file, "rank state"), file, "rank state")
-    _require(doc.get("rank") == rank, file, "rank", str(rank), doc.get("rank"))
-    _require(isinstance(doc.get("rng"), dict), file, "rng", "an object", doc.get("rng"))
-    return doc
-
-
 def read_rank_state(folder: str, rank: int) -> tuple[Any, dict[str, Any], str]:
     """(the strict safetensors reader of ``rank_N.safetensors``, ``rank_N.json``, the tensor file)."""
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.safetensors_io import SafetensorsFile
 
     st_file, json_file = rank_files(folder, rank)
-    doc = _read_rank_json(json_file, rank)
+    if not os.path.isfile(json_file):
+        raise ResumeStateError(f"{json_file}: missing (the state of rank {rank})")
+    doc = _check_format(_read_json(json_file, "rank state"), json_file, "rank state")
+    _require(doc.get("rank") == rank, json_file, "rank", str(rank), doc.get("rank"))
+    _require(isinstance(doc.get("rng"), dict), json_file, "rng", "an object", doc.get("rng"))
     if not os.path.isfile(st_file):
         raise ResumeStateError(f"{st_file}: missing (the tensors of rank {rank})")
     try:
