@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 TERM_WAIT_S = 3.0  # SIGTERM, then SIGKILL this much later
+GRACE_S = 45.0  # a job still running this long after a failure, or with a rank stopped this long, is stopped
 
 
 @dataclass
@@ -168,10 +169,8 @@ def launch_workers(
     *,
     launcher_args: Sequence[str] = (),
     node_rank_offset: int = 0,
-    grace_s: float = 45.0,
     timeout_s: float | None = None,
     quiet_launcher: bool = True,
-    stream=None,
     extra_env: dict[str, str] | None = None,
 ) -> None:
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
@@ -180,7 +179,6 @@ def launch_workers(
     ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).  Call it from
     the main thread: the parent-death signal of Paddle's launcher follows the thread that started it.
     """
-    stream = stream or sys.stdout
     log_dir = os.path.abspath(log_dir)
     status_dir = os.path.join(log_dir, "status")
     os.makedirs(status_dir, exist_ok=True)
@@ -218,8 +216,8 @@ def launch_workers(
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
-            stream.write(line)
-            stream.flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -245,12 +243,12 @@ def launch_workers(
                     stopped_since.setdefault(r, now)
                 else:
                     stopped_since.pop(r, None)
-            frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
-            if first_failure is not None and now - first_failure > grace_s:
-                text = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
+            frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > GRACE_S]
+            if first_failure is not None and now - first_failure > GRACE_S:
+                text = f"ranks still running {GRACE_S:.0f} s after a failure; stopped the job"
                 stopped_by = {"kind": "grace", "text": text}
             elif frozen:
-                text = f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job"
+                text = f"rank {frozen[0]} stayed stopped for {GRACE_S:.0f} s; stopped the job"
                 stopped_by = {"kind": "frozen", "text": text}
             elif timeout_s is not None and now - t_start > timeout_s:
                 stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}

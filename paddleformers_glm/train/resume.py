@@ -151,22 +151,23 @@ def load_resume_state(
 
 
 # ---------------------------------------------------------------- flex-checkpoint (any layout)
-def _pieces(key: str, t: paddle.Tensor, spec: ShardSpec, topo: Topology) -> tuple[list[tuple], int | None]:
-    """``([(key, local shape, global shape, global offset)], axis)`` of one local tensor: one entry,
-    or one per fused block of a ``chunks`` axis (each block is split over the group on its own)."""
+def _pieces(key: str, t: paddle.Tensor, spec: ShardSpec, topo: Topology) -> tuple[list[str], dict[str, Any], int]:
+    """``(keys, ShardedWeight geometry, axis)`` of one local tensor: one key, or one per fused block
+    of a ``chunks`` axis (each block is split over the group on its own, so all share the geometry)."""
     shape = tuple(int(d) for d in t.shape)
     if spec.axis is None:
-        return [(key, shape, shape, (0,) * len(shape))], None
+        return [key], {"local_shape": shape, "global_shape": shape, "global_offset": (0,) * len(shape)}, 0
     axis = spec.axis % len(shape)
     size, rank = topo.size(spec.group), topo.rank_in(spec.group)
     if shape[axis] % spec.chunks:
         raise ValueError(f"resume state: {key!r} axis {axis} of {list(shape)} does not hold {spec.chunks} blocks")
     block = shape[axis] // spec.chunks
-    local = shape[:axis] + (block,) + shape[axis + 1 :]
-    full = shape[:axis] + (block * size,) + shape[axis + 1 :]
-    offset = tuple(rank * block if a == axis else 0 for a in range(len(shape)))
-    keys = [key] if spec.chunks == 1 else [f"{key}#block{i}" for i in range(spec.chunks)]
-    return [(k, local, full, offset) for k in keys], axis
+    geometry = {
+        "local_shape": shape[:axis] + (block,) + shape[axis + 1 :],
+        "global_shape": shape[:axis] + (block * size,) + shape[axis + 1 :],
+        "global_offset": tuple(rank * block if a == axis else 0 for a in range(len(shape))),
+    }
+    return [key] if spec.chunks == 1 else [f"{key}#block{i}" for i in range(spec.chunks)], geometry, axis
 
 
 def _flex_items(
@@ -203,12 +204,10 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
         stepped = set().union(*map(set, parts))
     sd: dict[str, ShardedWeight] = {}
     for key, t, spec in _flex_items(topo, model, optimizer, stepped):
-        pieces, axis = _pieces(key, t, spec, topo)
-        blocks = [t] if len(pieces) == 1 else paddle.split(t.detach(), len(pieces), axis=axis)
-        for (k, local, full, offset), b in zip(pieces, blocks):
-            sd[k] = ShardedWeight(
-                key=k, local_tensor=b.detach(), local_shape=local, global_shape=full, global_offset=offset
-            )
+        keys, geometry, axis = _pieces(key, t, spec, topo)
+        blocks = [t.detach()] if len(keys) == 1 else paddle.split(t.detach(), len(keys), axis=axis)
+        for k, b in zip(keys, blocks):
+            sd[k] = ShardedWeight(key=k, local_tensor=b, **geometry)
     os.makedirs(folder, exist_ok=True)
     quiet_paddle_logs()
     dist.save_state_dict(sd, folder, safetensors=True)  # tensors as safetensors; Paddle's metadata is a pickle
@@ -230,14 +229,11 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
     optimizer.prepare_state()
     items = _flex_items(topo, model, optimizer, stepped)
     sd: dict[str, ShardedWeight] = {}
-    buffers: list[tuple[paddle.Tensor, int | None, list[paddle.Tensor]]] = []
+    buffers: list[tuple[paddle.Tensor, int, list[paddle.Tensor]]] = []
     for key, t, spec in items:
-        pieces, axis = _pieces(key, t, spec, topo)
-        bufs = []
-        for k, local, full, offset in pieces:
-            b = paddle.zeros(list(local), dtype=t.dtype)
-            sd[k] = ShardedWeight(key=k, local_tensor=b, local_shape=local, global_shape=full, global_offset=offset)
-            bufs.append(b)
+        keys, geometry, axis = _pieces(key, t, spec, topo)
+        bufs = [paddle.zeros(list(geometry["local_shape"]), dtype=t.dtype) for _ in keys]
+        sd.update({k: ShardedWeight(key=k, local_tensor=b, **geometry) for k, b in zip(keys, bufs)})
         buffers.append((t, axis, bufs))
     quiet_paddle_logs()
     with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():
