@@ -62,11 +62,9 @@ class TokenData:
         return out
 
     def _perm(self, epoch: int) -> np.ndarray:
-        cache = getattr(self, "_perm_cache", None)
-        if cache is None or cache[0] != epoch:
-            cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
-            self._perm_cache = cache
-        return cache[1]
+        if getattr(self, "_perm_cache", (None,))[0] != epoch:
+            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+        return self._perm_cache[1]
 
 
 class _Synthetic(TokenData):

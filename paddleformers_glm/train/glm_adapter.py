@@ -1,15 +1,9 @@
 """GLM-5.2 behind the trainer (``glm52 train --model DIR``): each pipeline stage is the model itself
 (``GlmMoeDsaForCausalLM`` built for the stage's layers and the run's topology, run through its
-``forward_stage``).
-
-Every layout: tensor parallel (MLA heads, dense/shared-expert FFN and vocabulary split; the
-indexer replicated), sequence parallel, expert parallel and expert tensor parallel (the modeling
-package builds its layers from ``parallel.layers`` / ``parallel.experts`` with the topology it
-is given), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
-on a shared indexer layer), data parallel, MTP and the indexer's training stages
-(train/indexer_stage.py).  Each rank builds only
-its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the checkpoint
-(``load_stage``): no rank ever holds a full-size model or tensor.
+``forward_stage``), so every layout the modeling package builds trains: TP, SP, EP, ETP, PP with
+any split (the top-k travels in the carry), DP, CP, MTP and the indexer's stages.  Each rank builds
+only its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the
+checkpoint (``load_stage``): no rank ever holds a full-size model or tensor.
 """
 
 from __future__ import annotations

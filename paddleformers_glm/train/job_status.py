@@ -14,6 +14,7 @@ every local rank at that moment), ``rank<N>.ok`` and the launcher's ``launcher.j
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -102,10 +103,8 @@ def beat(step: int, phase: str) -> None:
         rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
         fd = None
         if d:
-            try:
+            with contextlib.suppress(OSError):  # no heartbeat: the diagnosis then knows less, training goes on
                 fd = os.open(os.path.join(d, f"rank{rank}.beat"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            except OSError:  # no heartbeat: the diagnosis then knows less, training goes on
-                fd = None
         _BEAT.update(fd=fd, rank=rank)
     fd = _BEAT["fd"]
     if fd is None:
@@ -115,12 +114,10 @@ def beat(step: int, phase: str) -> None:
     rank, pid, t = _BEAT["rank"], os.getpid(), time.time()
     text = f'{{"rank": {rank}, "pid": {pid}, "step": {int(step)}, "phase": "{phase}", "time": {t:.6f}}}'
     data = text.ljust(_BEAT_WIDTH).encode()
-    try:
+    with contextlib.suppress(OSError):
         os.pwrite(fd, data, 0)
         if len(data) > _BEAT_WIDTH:
             os.ftruncate(fd, len(data))
-    except OSError:
-        pass
 
 
 _RECORD_FILE = re.compile(r"rank(\d+)\.(pid|beat|ok|error\.json|signal\.json)")

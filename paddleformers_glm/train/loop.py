@@ -536,7 +536,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     done: dict[str, Any] = {}
 
     def sync() -> None:  # every backward done: gradients synced over replicas (fp32), has-gradient flags
-        done["grads"], done["has_grad"] = run.sync.main_grads()
+        done["has_grad"] = run.sync.main_grads()[1]
 
     def update() -> None:
         beat(step + 1, "update")
@@ -553,12 +553,10 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         done["gnorm"] = run.sync.global_norm(grads, loss_flag(sums))
         done["skipped"] = not math.isfinite(done["gnorm"]) and _nonfinite_step(run, step + 1, done, grads, log)
         if done["skipped"]:
-            done["grads"] = grads
             return
         if not run.opt.clips_itself:
             clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
         run.opt.step(grads, done["has_grad"], lr)
-        done["grads"] = grads
         run.memory.observe(grads, run.opt)  # before the release below
 
     with run.memory.track(step == run.start):

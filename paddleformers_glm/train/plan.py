@@ -11,6 +11,7 @@ formulas and measurements: docs/scale.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import re
@@ -646,10 +647,7 @@ def run_plan(args: argparse.Namespace) -> int:
             from .plan_cost import Hardware
 
             hw = Hardware(args.gpu_tflops * 1e12, args.tp_bw_gbs * 1e9, args.net_bw_gbs * 1e9)
-
-            def say(line: str) -> None:
-                print(f"[glm52 plan] {line}", file=sys.stderr, flush=True)
-
+            say = functools.partial(print, "[glm52 plan]", file=sys.stderr, flush=True)
             found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top, hw, progress=say)
             print(
                 f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, least estimated time per token first:"

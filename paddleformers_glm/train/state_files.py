@@ -137,11 +137,8 @@ def _follow_latest(root: str, latest: str) -> str:
         raise ResumeStateError(f"{latest}: must be a regular file naming a step folder, not a link or a folder")
     with open(latest, "rb") as f:
         raw = f.read(_LATEST_MAX_BYTES + 1)
-    try:
-        name = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        name = None
-    if name is None or len(raw) > _LATEST_MAX_BYTES or not STEP_NAME.fullmatch(name):
+    name = raw.decode("utf-8", "replace").strip()  # a replaced byte never matches STEP_NAME
+    if len(raw) > _LATEST_MAX_BYTES or not STEP_NAME.fullmatch(name):
         shown = raw[:60].decode("utf-8", "replace").strip()
         raise ResumeStateError(
             f"{latest}: must hold a step folder name such as step_00000004 (a folder inside {root}), got {shown!r}"
@@ -265,13 +262,8 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
         obj = state.get(name)
         _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
         words = obj.get(words_key)
-        _require(
-            isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words),
-            file,
-            f"rng.{name}.{words_key}",
-            f"{n} unsigned 32-bit integers",
-            words,
-        )
+        ok = isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words)
+        _require(ok, file, f"rng.{name}.{words_key}", f"{n} unsigned 32-bit integers", words)
         try:
             restore(obj, words)
         except (KeyError, TypeError, ValueError) as e:
