@@ -20,7 +20,7 @@ from paddleformers_glm.train.data import micro_batches, open_data
 from paddleformers_glm.train.launch import worker_env
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
-from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
+from paddleformers_glm.train.toy import ToyAdapter, ToyConfig
 
 
 # ------------------------------------------------------------------ schedule and optimizer
@@ -174,8 +174,8 @@ def test_bad_data_is_named(tmp_path):
 # ------------------------------------------------------------------ toy model split
 def test_toy_stage_params_are_named_like_the_full_model():
     cfg = ToyConfig()
-    full = full_shapes(cfg)
     ad = ToyAdapter(cfg)
+    full = ad.full_state()  # the whole model's names
     specs = split_stages(cfg.num_layers, 3, layout="E,t*2|t*2|t*2,m,L", has_mtp=True)
     names = [set(ad.build_stage(s, get_topology()).state_dict()) for s in specs]
     assert set().union(*names) == set(full)

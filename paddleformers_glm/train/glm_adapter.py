@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from typing import Any
 
 import paddle
@@ -131,13 +132,11 @@ class GlmAdapter(ModelAdapter):
         return True
 
     def checkpoint_info(self) -> dict[str, Any]:
-        with open(os.path.join(self.model_dir, "config.json"), "rb") as f:
-            sha = hashlib.sha256(f.read()).hexdigest()
+        sha = hashlib.sha256(Path(self.model_dir, "config.json").read_bytes()).hexdigest()
         info: dict[str, Any] = {"path": os.path.abspath(self.model_dir), "config_sha256": sha}
-        rev = os.path.join(self.model_dir, "REVISION")
-        if os.path.isfile(rev):
-            with open(rev, encoding="utf-8") as f:
-                info["revision"] = f.read().strip()
+        rev = Path(self.model_dir, "REVISION")
+        if rev.is_file():
+            info["revision"] = rev.read_text(encoding="utf-8").strip()
         return info
 
     def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:

@@ -21,6 +21,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
@@ -64,8 +65,7 @@ def proc_state(pid: int, field: int = 0) -> str | None:
     the process is gone or the state is unknown (no /proc); ``field`` 19: its start time in clock
     ticks (tells a reused pid apart)."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[field]
+        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[field]
     except (OSError, IndexError):
         return None
 
@@ -74,8 +74,7 @@ def _read_json(path: str) -> Any:
     import json
 
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -203,11 +202,10 @@ def _error_text(e: dict[str, Any], others: str = "") -> str:
 
 def _tail(path: str, n: int = 6) -> str:
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.rstrip() for ln in f.readlines() if ln.strip()]
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(lines[-n:])
+    return "\n".join([ln.rstrip() for ln in text.splitlines() if ln.strip()][-n:])
 
 
 def _observations(records: dict[int, dict], launcher: Sequence[dict]) -> list[dict]:

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
@@ -93,8 +94,7 @@ def job_processes(job_id: str) -> list[int]:
         if pid == os.getpid():
             continue
         try:
-            with open(os.path.join(d, "environ"), "rb") as f:
-                env = f.read().split(b"\0")
+            env = Path(d, "environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if needle in env and proc_state(pid) not in (None, "Z"):

@@ -678,19 +678,16 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# flags both commands have, whose defaults differ: plan's describe a production run; a glm52 train
-# command line planned as it is keeps the trainer's
-_PLAN_DEFAULTS = {"seq_len": 4096, "global_batch_size": 0, "dtype": "bfloat16"}
-
-
 def _train_line_note(args: argparse.Namespace) -> str | None:
-    """Resolve the shared flags' defaults and say what a glm52 train command line leaves out."""
+    """Resolve the defaults of the flags both commands have but default differently (TRAIN_DEFAULTS:
+    plan's, the Layout's, describe a production run; a glm52 train command line planned as it is
+    keeps the trainer's) and say what a glm52 train command line leaves out."""
     given = sorted(
         flag for dest, flag in getattr(args, "_train_only_flags", {}).items() if getattr(args, dest) is not None
     )
-    unset = [k for k in _PLAN_DEFAULTS if getattr(args, k) is None]
+    unset = [k for k in TRAIN_DEFAULTS if getattr(args, k) is None]
     for k in unset:
-        setattr(args, k, TRAIN_DEFAULTS[k] if given else _PLAN_DEFAULTS[k])
+        setattr(args, k, TRAIN_DEFAULTS[k] if given else Layout.__dataclass_fields__[k].default)
     if not given:
         return None
     used = ", ".join(f"--{k.replace('_', '-')} {TRAIN_DEFAULTS[k]}" for k in unset)

@@ -26,6 +26,7 @@ import random
 import re
 import tempfile
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,8 +75,7 @@ def rank_files(folder: str, rank: int) -> tuple[str, str]:
 def _read_bytes(file: str, what: str) -> bytes:
     """The file's bytes; unreadable or empty is an error naming the file and what it should hold."""
     try:
-        with open(file, "rb") as f:
-            raw = f.read()
+        raw = Path(file).read_bytes()
     except OSError as e:
         raise ResumeStateError(f"{file}: cannot read {what}: {e.strerror}") from e
     if not raw:

@@ -18,6 +18,7 @@ import _thread
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 __all__ = ["STOP_SIGNALS", "StopListener", "listen", "process_name", "shorten", "stop_text"]
@@ -28,8 +29,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def process_name(pid: int) -> str:
     """A process's command line (shortened), or '' when it cannot be read."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            text = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
     except OSError:
         return ""
     return shorten(text, 120, 60)
