@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -91,12 +92,7 @@ def dump_training_state(
                 comm.broadcast(v, topo.sharding_group.ranks[owners[n]], topo.sharding_group)
             v.shard_spec = get_shard_spec(t)  # how this rank's piece sits in the full tensor
             local[n] = v
-
-        class _View:  # gather_full_state reads ``state_dict()``
-            def state_dict(self, _s=local):
-                return _s
-
-        full = gather_full_state(_View(), topo)
+        full = gather_full_state(SimpleNamespace(state_dict=lambda s=local: s), topo)  # it reads ``state_dict()``
         if full is None:
             continue
         target = os.path.join(out_dir, kind)

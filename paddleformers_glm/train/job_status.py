@@ -136,11 +136,7 @@ def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
 
 
 def _record_kind(rec: dict[str, Any]) -> str | None:
-    if rec.get("error"):
-        return "error"
-    if rec.get("signal"):
-        return "signal"
-    return "ok" if rec.get("ok") else None
+    return next((kind for kind in ("error", "signal", "ok") if rec.get(kind)), None)
 
 
 def snapshot(status_dir: str, by: str) -> dict[str, Any]:

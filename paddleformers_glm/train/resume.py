@@ -47,11 +47,6 @@ __all__ = ["LAYOUT_KEYS", "load_resume_state", "resolve_resume_state", "save_res
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding")
 
 
-def _barrier(topo: Topology) -> None:
-    if topo.world_size > 1:
-        dist.barrier()
-
-
 def _rank_tensors(model: nn.Layer, optimizer: AdamW) -> dict[str, paddle.Tensor]:
     """``model/<name>`` and ``optimizer/<name>/<kind>`` (moments, beta powers, ``master``) of this rank."""
     out = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
@@ -70,7 +65,8 @@ def save_resume_state(
     os.makedirs(tmp, exist_ok=True)
     write_rank_state(tmp, topo.rank, _rank_tensors(model, optimizer), {"rng": rng_state()})
     stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
-    _barrier(topo)
+    if topo.world_size > 1:
+        dist.barrier()
     if topo.rank == 0:
         meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
         write_record(os.path.join(tmp, "meta.json"), meta)
@@ -78,7 +74,8 @@ def save_resume_state(
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(os.path.join(root, "latest"), os.path.basename(final) + "\n")
-    _barrier(topo)
+    if topo.world_size > 1:
+        dist.barrier()
     return final
 
 

@@ -94,9 +94,7 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
 def listen() -> StopListener:
     """Start the listener once per process (from the main thread, before Paddle is imported);
     returns it.  SIGTERM and SIGHUP then interrupt the main thread like SIGINT does."""
-    if _LISTENER.active:
-        return _LISTENER
-    if threading.current_thread() is not threading.main_thread():
+    if _LISTENER.active or threading.current_thread() is not threading.main_thread():
         return _LISTENER
     for s in (signal.SIGTERM, signal.SIGHUP):  # what interrupt_main(signum) runs in the main thread
         signal.signal(s, _raise_interrupt)
