@@ -56,9 +56,7 @@ def fleet_clips(topo: Any) -> bool:
     DP, sharding and SP.  Expert parameters under ``ep`` / ``etp`` > 1 are different tensors on
     ranks that are data- or tensor-parallel peers for the rest of the model, which those rules
     cannot express; those layouts (and one process) keep the trainer's own global-norm clip."""
-    if topo is None or topo.world_size == 1:
-        return False
-    return topo.pc.ep == 1 and topo.pc.etp == 1
+    return topo is not None and topo.world_size > 1 and topo.pc.ep == 1 and topo.pc.etp == 1
 
 
 class AdamW:

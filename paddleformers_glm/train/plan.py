@@ -129,8 +129,7 @@ def indexer_stage(config: Any, lay: Layout) -> str:
 
 
 def _layer_key(config: Any, i: int) -> Any:
-    L = config.num_hidden_layers
-    if i >= L:
+    if i >= config.num_hidden_layers:
         return ("mtp", i)
     return (config.mlp_layer_types[i], config.indexer_types[i])
 
