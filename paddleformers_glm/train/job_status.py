@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import re
 import time
@@ -71,8 +72,6 @@ def proc_state(pid: int, field: int = 0) -> str | None:
 
 
 def _read_json(path: str) -> Any:
-    import json
-
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):

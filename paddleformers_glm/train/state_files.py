@@ -18,6 +18,7 @@ pickle format (``rank_*.pdstate``, ``flex/*.distcp``) are refused by name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -350,8 +351,6 @@ def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
 
 
 def _fields_ok(obj: Any, cls: type) -> bool:
-    import dataclasses
-
     return type(obj) is cls and set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
 
 
