@@ -20,7 +20,7 @@ from paddleformers_glm.train.data import micro_batches, open_data
 from paddleformers_glm.train.launch import worker_env
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
-from paddleformers_glm.train.toy import ToyAdapter, ToyConfig, full_shapes
+from paddleformers_glm.train.toy import ToyAdapter, ToyConfig
 
 
 # ------------------------------------------------------------------ schedule and optimizer
@@ -162,7 +162,7 @@ def test_token_files_npy_bin_jsonl(tmp_path):
 def test_bad_data_is_named(tmp_path):
     np.save(tmp_path / "big.npy", np.array([1, 2, 99, 4] * 8))
     with pytest.raises(ValueError, match="token 99 .* outside the vocabulary \\[0, 50\\)"):
-        open_data(str(tmp_path / "big.npy"), 4, 50, 0).global_batch(0, 8, shuffle=False)
+        open_data(str(tmp_path / "big.npy"), 4, 50, 0).global_batch(0, 8)
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(ValueError, match="unknown format"):
         open_data(str(tmp_path / "x.txt"), 4, 50, 0)
@@ -174,8 +174,8 @@ def test_bad_data_is_named(tmp_path):
 # ------------------------------------------------------------------ toy model split
 def test_toy_stage_params_are_named_like_the_full_model():
     cfg = ToyConfig()
-    full = full_shapes(cfg)
     ad = ToyAdapter(cfg)
+    full = ad.full_state()  # the whole model's names
     specs = split_stages(cfg.num_layers, 3, layout="E,t*2|t*2|t*2,m,L", has_mtp=True)
     names = [set(ad.build_stage(s, get_topology()).state_dict()) for s in specs]
     assert set().union(*names) == set(full)

@@ -24,7 +24,6 @@ from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
     from .loop import TrainConfig
-    from .stop_signals import StopListener
 
 __all__ = [
     "TRAIN_DEFAULTS",
@@ -252,16 +251,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
-    """Everything the run reads from disk, checked in this process before any worker starts, so a
-    bad file is one named error instead of a worker dying at the step that first touches it:
-
-    * ``--data``: every token of a .npy / .bin / .npz against the vocabulary (chunked min/max over
-      the memory map), .bin length a whole number of tokens, every jsonl line (UTF-8, JSON, fields,
-      ``labels`` one per ``input_ids``); a text/chat jsonl is tokenized here, once, into
-      ``OUT/data/<name>.seq<L>.npz``, which the workers then read (``cfg.data``);
-    * ``--resume``: every file of the state (train/state_files.py: JSON forms, safetensors headers,
-      the flex metadata through the allow-list unpickler, ``latest`` inside the root).
-    """
+    """Everything the run reads from disk (``--data``: data.py's checks; ``--resume``: every file of
+    the state, state_files.py), checked in this process before any worker starts, so a bad file is
+    one named error instead of a worker dying at the step that first touches it.  A text/chat jsonl
+    is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz``, which the workers then read."""
     from .data import jsonl_kind, open_data, prepare_jsonl
 
     if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
@@ -314,18 +307,9 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         return _run_train(args)
     except KeyboardInterrupt as e:
-        stop = _stopped_by(listener, e)
+        stop = listener.interrupted(e)
         print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
         return 128 + int(signal.Signals[stop["signal"]])
-
-
-def _stopped_by(listener: StopListener, e: KeyboardInterrupt) -> dict:
-    """The stop signal behind a KeyboardInterrupt: the listener's record (with the sender), else
-    the signal the handler named (SIGINT when none)."""
-    if listener.caught is not None:
-        return listener.caught
-    name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
-    return {"kind": "signal", "signal": name, "sender_pid": None, "text": f"{name} to glm52 train (pid {os.getpid()})"}
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -416,7 +400,7 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         run_training(cfg, adapter)
         return 0
     except (_Stopped, KeyboardInterrupt) as e:
-        stopped_by = e.stopped_by if isinstance(e, _Stopped) else _stopped_by(listener, e)
+        stopped_by = e.stopped_by if isinstance(e, _Stopped) else listener.interrupted(e)
         rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
         text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
         diag = Diagnosis(None, text, stopped_by["kind"])

@@ -43,17 +43,14 @@ class TokenData:
         (the launcher calls it once, before any worker starts). Sources checked as they are read
         (jsonl, synthetic) have nothing left to check."""
 
-    def global_batch(self, step: int, global_batch_size: int, shuffle: bool = True) -> dict[str, np.ndarray]:
+    def global_batch(self, step: int, global_batch_size: int) -> dict[str, np.ndarray]:
         """Rows of step ``step`` (same on every rank and layout)."""
         rows = []
-        for j in range(global_batch_size):
-            k = step * global_batch_size + j
-            if self.num_samples is None:
-                idx = k
-            else:
+        for k in range(step * global_batch_size, (step + 1) * global_batch_size):
+            if self.num_samples is not None:
                 epoch, pos = divmod(k, self.num_samples)
-                idx = int(self._perm(epoch)[pos]) if shuffle else pos
-            rows.append(self.sample(idx))
+                k = int(self._perm(epoch)[pos])
+            rows.append(self.sample(k))
         out = {key: np.stack([r[key] for r in rows]).astype(np.int64) for key in rows[0]}
         bad = (out["input_ids"] < 0) | (out["input_ids"] >= self.vocab_size)
         if bad.any():
@@ -65,11 +62,9 @@ class TokenData:
         return out
 
     def _perm(self, epoch: int) -> np.ndarray:
-        cache = getattr(self, "_perm_cache", None)
-        if cache is None or cache[0] != epoch:
-            cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
-            self._perm_cache = cache
-        return cache[1]
+        if getattr(self, "_perm_cache", (None,))[0] != epoch:
+            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+        return self._perm_cache[1]
 
 
 class _Synthetic(TokenData):

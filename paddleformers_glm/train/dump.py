@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -59,13 +60,7 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
 
 
 def dump_training_state(
-    out_dir: str,
-    module: paddle.nn.Layer,
-    opt: Any,
-    grads: Mapping[str, paddle.Tensor],
-    topo: Any,
-    config: Any,
-    model_dir: str | None,
+    out_dir: str, module: paddle.nn.Layer, opt: Any, grads: Mapping[str, paddle.Tensor], topo: Any, adapter: Any
 ) -> None:
     """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it).
 
@@ -97,32 +92,13 @@ def dump_training_state(
                 comm.broadcast(v, topo.sharding_group.ranks[owners[n]], topo.sharding_group)
             v.shard_spec = get_shard_spec(t)  # how this rank's piece sits in the full tensor
             local[n] = v
-
-        class _View:  # gather_full_state reads ``state_dict()``
-            def state_dict(self, _s=local):
-                return _s
-
-        full = gather_full_state(_View(), topo)
+        full = gather_full_state(SimpleNamespace(state_dict=lambda s=local: s), topo)  # it reads ``state_dict()``
         if full is None:
             continue
         target = os.path.join(out_dir, kind)
         tensors = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full.items()}
-        save_pretrained_state(tensors, config, target, layout="hf", dtype="float32", max_shard_size="1000GB")
+        save_pretrained_state(tensors, adapter.config, target, layout="hf", dtype="float32", max_shard_size="1000GB")
+        model_dir = getattr(adapter, "model_dir", None)
         if model_dir:  # the model's own config, byte for byte, so both sides' dumps carry the same one
             with atomic_path(os.path.join(target, "config.json")) as tmp:
                 shutil.copyfile(os.path.join(model_dir, "config.json"), tmp)
-
-
-def dump_after_step(
-    dump_steps: list,
-    step: int,
-    module: paddle.nn.Layer,
-    opt: Any,
-    grads: Mapping[str, paddle.Tensor],
-    topo: Any,
-    adapter: Any,
-) -> None:
-    """The trainer's hook: write every ``(DIR, K)`` of ``dump_steps`` whose K is ``step`` (1-based)."""
-    for out_dir, k in dump_steps:
-        if int(k) == step:
-            dump_training_state(out_dir, module, opt, grads, topo, adapter.config, getattr(adapter, "model_dir", None))

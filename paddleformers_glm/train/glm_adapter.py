@@ -1,25 +1,18 @@
 """GLM-5.2 behind the trainer (``glm52 train --model DIR``): each pipeline stage is the model itself
 (``GlmMoeDsaForCausalLM`` built for the stage's layers and the run's topology, run through its
-``forward_stage``).
-
-Every layout: tensor parallel (MLA heads, dense/shared-expert FFN and vocabulary split; the
-indexer replicated), sequence parallel, expert parallel and expert tensor parallel (the modeling
-package builds its layers from ``parallel.layers`` / ``parallel.experts`` with the topology it
-is given), pipeline parallel with any split (the top-k travels in the carry, so a stage may start
-on a shared indexer layer), data parallel, MTP and the indexer's training stages
-(train/indexer_stage.py).  Each rank builds only
-its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the checkpoint
-(``load_stage``): no rank ever holds a full-size model or tensor.
+``forward_stage``), so every layout the modeling package builds trains: TP, SP, EP, ETP, PP with
+any split (the top-k travels in the carry), DP, CP, MTP and the indexer's stages.  Each rank builds
+only its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the
+checkpoint (``load_stage``): no rank ever holds a full-size model or tensor.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import paddle
 import paddle.nn as nn
 
@@ -59,11 +52,10 @@ class GlmAdapter(ModelAdapter):
     name = "glm"
     supports_context_parallel = True  # the model reads the cp_* batch keys (parallel/context.py)
 
-    def __init__(self, model_dir: str, dtype: str | None = None) -> None:
+    def __init__(self, model_dir: str) -> None:
         from ..configuration import GlmMoeDsaConfig
 
-        # None: the run's dtype (the trainer builds stages inside ``default_dtype(--dtype)``)
-        self.model_dir, self.dtype = model_dir, dtype
+        self.model_dir = model_dir
         self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
         c = self.config
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
@@ -104,7 +96,8 @@ class GlmAdapter(ModelAdapter):
         """The model itself, built for ``spec`` (its layers, embedding / head / MTP) and ``topo``."""
         from ..modeling.model import GlmMoeDsaForCausalLM
 
-        model = GlmMoeDsaForCausalLM(self.config, self.dtype or paddle.get_default_dtype(), topology=topo, stage=spec)
+        # in the run's dtype: the trainer builds stages inside ``default_dtype(--dtype)``
+        model = GlmMoeDsaForCausalLM(self.config, paddle.get_default_dtype(), topology=topo, stage=spec)
         model.set_indexer_training(self.indexer.training)  # the warm-up freezes all but the indexers
         return model
 
@@ -124,8 +117,8 @@ class GlmAdapter(ModelAdapter):
         report = load_pretrained_state(
             state, self.model_dir, dtype=None, config=self.config, keys=set(state), shard_info=shard_info
         )
-        if sorted(report.loaded) != sorted(state):
-            missing = sorted(set(state) - set(report.loaded))
+        missing = sorted(set(state) - set(report.loaded))  # it loads no other key (keys=set(state))
+        if missing:
             raise RuntimeError(f"{self.model_dir}: stage tensors not loaded: {missing[:5]} ({len(missing)} in all)")
         return {
             "bytes_read": int(report.bytes_read),
@@ -139,13 +132,11 @@ class GlmAdapter(ModelAdapter):
         return True
 
     def checkpoint_info(self) -> dict[str, Any]:
-        with open(os.path.join(self.model_dir, "config.json"), "rb") as f:
-            sha = hashlib.sha256(f.read()).hexdigest()
+        sha = hashlib.sha256(Path(self.model_dir, "config.json").read_bytes()).hexdigest()
         info: dict[str, Any] = {"path": os.path.abspath(self.model_dir), "config_sha256": sha}
-        rev = os.path.join(self.model_dir, "REVISION")
-        if os.path.isfile(rev):
-            with open(rev, encoding="utf-8") as f:
-                info["revision"] = f.read().strip()
+        rev = Path(self.model_dir, "REVISION")
+        if rev.is_file():
+            info["revision"] = rev.read_text(encoding="utf-8").strip()
         return info
 
     def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
@@ -155,9 +146,3 @@ class GlmAdapter(ModelAdapter):
 
         info = export_distributed(module, self.config, out_dir, topo, carry_from=self.model_dir)
         return sum(all_gather_object(info["tensors"], topo))
-
-    def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
-        from ..checkpoint import save_pretrained_state
-
-        state = {k: paddle.to_tensor(np.ascontiguousarray(v)) for k, v in full_state.items()}
-        save_pretrained_state(state, self.config, out_dir, layout="hf", dtype=self.config.model_dtype)

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from ..cli._plot import TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
+from ..cli._plot import PLOT_EXTRA_HINT, TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
 
 __all__ = ["indexer_curves", "plot_indexer", "register_plot_indexer"]
 
@@ -90,26 +90,17 @@ def _run(args: argparse.Namespace) -> int:
     loss_json = loss_json_of(args.out)
     folder = os.path.dirname(os.path.abspath(loss_json))
     png = args.png or os.path.join(folder, "indexer.png")
+    json_file = os.path.join(folder, "indexer.json")
     try:
         curves = indexer_curves(loss_json)
-        write_json_atomic(os.path.join(folder, "indexer.json"), curves)
-    except (OSError, ValueError) as e:
-        print(f"plot-indexer: {e}", file=sys.stderr)
-        return 2
-    try:
+        write_json_atomic(json_file, curves)  # first: a machine without matplotlib still gets the numbers
         plot_indexer(curves, png)
-    except ImportError:
-        print(
-            f"plot-indexer: wrote {os.path.join(folder, 'indexer.json')}; the PNG needs matplotlib: "
-            "pip install 'paddleformers_glm[plot]'",
-            file=sys.stderr,
-        )
+    except (ImportError, OSError, ValueError) as e:
+        why = f"wrote {json_file}; {PLOT_EXTRA_HINT}" if isinstance(e, ImportError) else e
+        print(f"plot-indexer: {why}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"plot-indexer: {e}", file=sys.stderr)
-        return 2
-    print(f"plot-indexer: wrote {png} (mean recall {curves['recall_first_last']['first']:.4f} -> "
-          f"{curves['recall_first_last']['last']:.4f})")  # fmt: skip
+    first, last = curves["recall_first_last"]["first"], curves["recall_first_last"]["last"]
+    print(f"plot-indexer: wrote {png} (mean recall {first:.4f} -> {last:.4f})")
     return 0
 
 

@@ -1,17 +1,7 @@
 """The trainer's side of training the DSA indexer (``glm52 train --indexer-stage``): which stage a
-run trains, the loss terms and their weights, the per-layer report in ``loss.json``, and what a
-resume across stages keeps.  The model's side (dense warm-up, targets, KL, recall) is
-modeling/indexer_training.py; the recipe is docs/indexer.md.
-
-The stages, their objectives and the loss scaling (the same loss and gradients in every layout) are
-docs/indexer.md.
-
-Resume across stages: the weights come back whole; optimizer state comes back for the parameters
-this run trains and the checkpoint has state for (warm-up -> sparse: the indexers' moments and
-Adam step counts continue); parameters this run trains that the checkpoint has no state for start
-fresh (the backbone after a warm-up), state of parameters this run does not train is dropped.
-The learning-rate schedule (``--lr``, ``--warmup-steps``, cosine to ``--min-lr`` at ``--steps``)
-starts again at the first step of the new stage; the data continue where the checkpoint stopped.
+run trains, the loss terms and their weights, the per-layer report in ``loss.json``.  The model's
+side (dense warm-up, targets, KL, recall) is modeling/indexer_training.py; the stages, the loss
+scaling and what a resume across stages keeps are docs/indexer.md.
 """
 
 from __future__ import annotations
@@ -23,14 +13,7 @@ from typing import Any
 from ..modeling.indexer_training import INDEXER_STAGES, IndexerTraining, kl_term, recall_term
 from .adapter import LossSpec
 
-__all__ = [
-    "INDEXER_STAGES",
-    "IndexerSettings",
-    "indexer_loss_specs",
-    "indexer_report",
-    "indexer_step_text",
-    "pop_indexer_history",
-]
+__all__ = ["INDEXER_STAGES", "IndexerSettings", "indexer_loss_specs", "indexer_report", "pop_indexer_history"]
 
 _LAYER_KEY = re.compile(r"^indexer_(kl|recall)@(\d+)$")
 
@@ -40,17 +23,11 @@ class IndexerSettings:
     the objective, ``shared_supervision`` and the layers that run their own indexer."""
 
     def __init__(
-        self,
-        config: Any,
-        stage: str | None = None,
-        loss_coeff: float | None = None,
-        shared_supervision: bool = False,
+        self, config: Any, stage: str | None = None, loss_coeff: float | None = None, shared_supervision: bool = False
     ) -> None:
         saved = float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0)
-        if stage is None:
-            stage = "sparse" if saved > 0 else "none"
-        if stage not in INDEXER_STAGES:
-            raise ValueError(f"--indexer-stage must be one of {', '.join(INDEXER_STAGES)}, got {stage!r}")
+        stage = stage or IndexerTraining.from_config(config).stage  # None: the checkpoint's default
+        self.training = IndexerTraining(stage, bool(shared_supervision))  # checks the stage
         if loss_coeff is not None and stage != "sparse":
             raise ValueError(
                 f"--indexer-loss-coeff weighs the sparse stage's KL; --indexer-stage {stage} "
@@ -62,7 +39,6 @@ class IndexerSettings:
                 "--indexer-stage sparse needs --indexer-loss-coeff > 0 (the checkpoint's indexer_loss_coeff is "
                 f"{saved:g}; PaddleFleet's default is 0.01, the GLM-5 recipe of Megatron-Bridge 0.001)"
             )
-        self.training = IndexerTraining(stage, bool(shared_supervision))
         self.stage = stage
         self.weight = {"none": 0.0, "warmup": 1.0, "sparse": coeff}[stage]
         self.shared_supervision = bool(shared_supervision)
@@ -124,8 +100,3 @@ def indexer_report(
         "mean_recall": [sum(r) / len(r) if r else math.nan for r in recall],
         "stages": stages,
     }
-
-
-def indexer_step_text(per_layer_recall: list[float]) -> str:
-    """The step line's part: the mean recall over the layers."""
-    return f"recall {sum(per_layer_recall) / len(per_layer_recall):.4f}"

@@ -14,12 +14,15 @@ every local rank at that moment), ``rank<N>.ok`` and the launcher's ``launcher.j
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import os
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
@@ -63,33 +66,23 @@ def proc_state(pid: int, field: int = 0) -> str | None:
     the process is gone or the state is unknown (no /proc); ``field`` 19: its start time in clock
     ticks (tells a reused pid apart)."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[field]
+        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[field]
     except (OSError, IndexError):
         return None
 
 
 def _read_json(path: str) -> Any:
-    import json
-
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
 
 def write_record(status_dir: str | None, rank: int, suffix: str, payload: dict | None = None) -> None:
     """``rank<N>.<suffix>`` in `status_dir` (no-op without one): strict JSON, atomic."""
-    if not status_dir:
-        return
-    path = os.path.join(status_dir, f"rank{rank}.{suffix}")
-    if payload is None:
-        from .._io import atomic_write_text
-
-        atomic_write_text(path, "")
-    else:
-        write_json_atomic(path, payload, indent=None, sort_keys=False, default=str)
+    if status_dir:
+        path = os.path.join(status_dir, f"rank{rank}.{suffix}")
+        write_json_atomic(path, payload or {}, indent=None, sort_keys=False, default=str)
 
 
 _BEAT: dict[str, Any] = {}
@@ -108,10 +101,8 @@ def beat(step: int, phase: str) -> None:
         rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
         fd = None
         if d:
-            try:
+            with contextlib.suppress(OSError):  # no heartbeat: the diagnosis then knows less, training goes on
                 fd = os.open(os.path.join(d, f"rank{rank}.beat"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            except OSError:  # no heartbeat: the diagnosis then knows less, training goes on
-                fd = None
         _BEAT.update(fd=fd, rank=rank)
     fd = _BEAT["fd"]
     if fd is None:
@@ -121,12 +112,10 @@ def beat(step: int, phase: str) -> None:
     rank, pid, t = _BEAT["rank"], os.getpid(), time.time()
     text = f'{{"rank": {rank}, "pid": {pid}, "step": {int(step)}, "phase": "{phase}", "time": {t:.6f}}}'
     data = text.ljust(_BEAT_WIDTH).encode()
-    try:
+    with contextlib.suppress(OSError):
         os.pwrite(fd, data, 0)
         if len(data) > _BEAT_WIDTH:
             os.ftruncate(fd, len(data))
-    except OSError:
-        pass
 
 
 _RECORD_FILE = re.compile(r"rank(\d+)\.(pid|beat|ok|error\.json|signal\.json)")
@@ -146,11 +135,7 @@ def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
 
 
 def _record_kind(rec: dict[str, Any]) -> str | None:
-    if rec.get("error"):
-        return "error"
-    if rec.get("signal"):
-        return "signal"
-    return "ok" if rec.get("ok") else None
+    return next((kind for kind in ("error", "signal", "ok") if rec.get(kind)), None)
 
 
 def snapshot(status_dir: str, by: str) -> dict[str, Any]:
@@ -212,11 +197,10 @@ def _error_text(e: dict[str, Any], others: str = "") -> str:
 
 def _tail(path: str, n: int = 6) -> str:
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.rstrip() for ln in f.readlines() if ln.strip()]
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(lines[-n:])
+    return "\n".join([ln.rstrip() for ln in text.splitlines() if ln.strip()][-n:])
 
 
 def _observations(records: dict[int, dict], launcher: Sequence[dict]) -> list[dict]:

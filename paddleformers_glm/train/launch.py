@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
@@ -40,7 +41,7 @@ from .job_status import (
     read_records,
     snapshot,
 )
-from .stop_signals import StopListener, listen
+from .stop_signals import listen
 
 __all__ = [
     "LaunchError",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 TERM_WAIT_S = 3.0  # SIGTERM, then SIGKILL this much later
+GRACE_S = 45.0  # a job still running this long after a failure, or with a rank stopped this long, is stopped
 
 
 @dataclass
@@ -92,25 +94,12 @@ def job_processes(job_id: str) -> list[int]:
         if pid == os.getpid():
             continue
         try:
-            with open(os.path.join(d, "environ"), "rb") as f:
-                env = f.read().split(b"\0")
+            env = Path(d, "environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if needle in env and proc_state(pid) not in (None, "Z"):
             out.append(pid)
     return sorted(out)
-
-
-def _wait_for_stop(listener: StopListener, seconds: float) -> dict[str, Any] | None:
-    """Sleep ``seconds``; the stop signal caught so far: the listener's (stop_signals.py: with the
-    sender) when it runs, else from the ``KeyboardInterrupt`` that SIGINT (and, under the listener's
-    handlers, SIGTERM / SIGHUP) raises in the main thread."""
-    try:
-        time.sleep(seconds)
-    except KeyboardInterrupt as e:  # no listener thread: a plain handler raised in the main thread
-        name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
-        listener.note(int(signal.Signals[name]), None)
-    return listener.caught
 
 
 def _gone(pid: int) -> bool:
@@ -180,10 +169,8 @@ def launch_workers(
     *,
     launcher_args: Sequence[str] = (),
     node_rank_offset: int = 0,
-    grace_s: float = 45.0,
     timeout_s: float | None = None,
     quiet_launcher: bool = True,
-    stream=None,
     extra_env: dict[str, str] | None = None,
 ) -> None:
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
@@ -192,7 +179,6 @@ def launch_workers(
     ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).  Call it from
     the main thread: the parent-death signal of Paddle's launcher follows the thread that started it.
     """
-    stream = stream or sys.stdout
     log_dir = os.path.abspath(log_dir)
     status_dir = os.path.join(log_dir, "status")
     os.makedirs(status_dir, exist_ok=True)
@@ -230,16 +216,19 @@ def launch_workers(
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
-            stream.write(line)
-            stream.flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
         while proc.poll() is None:
-            caught = _wait_for_stop(signals, 0.2)
-            if caught:
-                stopped_by = caught
+            try:  # a stop signal: the listener's (with the sender), or SIGINT's KeyboardInterrupt without one
+                time.sleep(0.2)
+            except KeyboardInterrupt as e:
+                signals.interrupted(e)
+            if signals.caught:
+                stopped_by = signals.caught
                 break
             now = time.monotonic()
             snap = snapshot(status_dir, by="launcher")
@@ -254,12 +243,12 @@ def launch_workers(
                     stopped_since.setdefault(r, now)
                 else:
                     stopped_since.pop(r, None)
-            frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > grace_s]
-            if first_failure is not None and now - first_failure > grace_s:
-                text = f"ranks still running {grace_s:.0f} s after a failure; stopped the job"
+            frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > GRACE_S]
+            if first_failure is not None and now - first_failure > GRACE_S:
+                text = f"ranks still running {GRACE_S:.0f} s after a failure; stopped the job"
                 stopped_by = {"kind": "grace", "text": text}
             elif frozen:
-                text = f"rank {frozen[0]} stayed stopped for {grace_s:.0f} s; stopped the job"
+                text = f"rank {frozen[0]} stayed stopped for {GRACE_S:.0f} s; stopped the job"
                 stopped_by = {"kind": "frozen", "text": text}
             elif timeout_s is not None and now - t_start > timeout_s:
                 stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}

@@ -14,6 +14,7 @@ then leaves with the module's exit status without the interpreter's teardown (``
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -30,11 +31,9 @@ def tie_to_parent(parent_pid: int | None = None) -> bool:
     Returns whether the kernel took the request (Linux only)."""
     tied = False
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)  # the loaded libc (find_library would spawn ldconfig)
             tied = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            tied = False
     if parent_pid is not None and os.getppid() != parent_pid:  # it died before the request
         os._exit(1)
     return tied

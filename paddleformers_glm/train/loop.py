@@ -38,7 +38,7 @@ from ..parallel.state import shard_full_state
 from ..parallel.topology import ParallelConfig, ParallelConfigError, init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import micro_batches, open_data
-from .indexer_stage import INDEXER_STAGES, indexer_report, indexer_step_text, pop_indexer_history
+from .indexer_stage import INDEXER_STAGES, indexer_report, pop_indexer_history
 from .job_status import beat
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
@@ -353,7 +353,7 @@ class _Run:
     history: dict[str, list[float]]
     start: int  # steps already done (a resumed run's step)
     sched: Any
-    loss_mult: float  # see _loss_multiplier
+    loss_mult: float  # see _setup
     opt_bytes: list[int] = field(default_factory=list)  # optimizer-state bytes of every rank
     skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss / grad norm
     last_checkpoint: str | None = None  # the newest resume state this run saved
@@ -407,7 +407,10 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     if opt.sharding is not None:  # Fleet's sharding reduce onto each updater (stage 2: the others release)
         sync.use_sharding(opt.sharding, opt.grad_owners(), topo.pc.sharding_stage)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
-    mult = _loss_multiplier(topo, isinstance(engine, FleetPipeline) and opt.hybrid is not None, micro)
+    # the factor on every local loss that makes Fleet's gradient conventions give the global batch's
+    # summed per-token gradient: its sync averages over the dp x sharding replicas (parallel/grads.py),
+    # and inside its train_batch the step divides the gradients by the micro-batch count (delay_scale_loss)
+    mult = float(loss_multiplier(topo) * (micro if isinstance(engine, FleetPipeline) and opt.hybrid is not None else 1))
     balancer = ExpertBalancer(
         module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size, loss_multiplier=mult
     )
@@ -440,14 +443,6 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,
         profile, layout, history, start, sched, mult, indexer=indexer, stage_start=stage_start, indexer_stages=stages,
     )  # fmt: skip
-
-
-def _loss_multiplier(topo: Any, train_batch: bool, micro: int) -> float:
-    """The factor on every local loss that makes Fleet's gradient conventions give the global
-    batch's summed per-token gradient: Fleet's sync averages over the dp x sharding replicas
-    (parallel/grads.py), and inside its ``train_batch`` the step divides the gradients by the
-    micro-batch count (``delay_scale_loss``).  1 in one process."""
-    return float(loss_multiplier(topo) * (micro if train_batch else 1))
 
 
 def _schedule_name(cfg: TrainConfig) -> str:
@@ -541,7 +536,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     done: dict[str, Any] = {}
 
     def sync() -> None:  # every backward done: gradients synced over replicas (fp32), has-gradient flags
-        done["grads"], done["has_grad"] = run.sync.main_grads()
+        done["has_grad"] = run.sync.main_grads()[1]
 
     def update() -> None:
         beat(step + 1, "update")
@@ -558,13 +553,11 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         done["gnorm"] = run.sync.global_norm(grads, loss_flag(sums))
         done["skipped"] = not math.isfinite(done["gnorm"]) and _nonfinite_step(run, step + 1, done, grads, log)
         if done["skipped"]:
-            done["grads"] = grads
             return
         if not run.opt.clips_itself:
             clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
         run.opt.step(grads, done["has_grad"], lr)
-        done["grads"] = grads
-        run.memory.observe(grads, run.opt)  # before the release below
+        run.memory.observe(grads)  # before the release below
 
     with run.memory.track(step == run.start):
         if _step_engine(run) == "train_batch":
@@ -580,9 +573,10 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     if not done["skipped"]:  # a skipped step moves nothing, the router biases included
         run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
     if pre_clip is not None:
-        from .dump import dump_after_step
+        from .dump import dump_training_state
 
-        dump_after_step(cfg.dump_steps, step + 1, run.module, run.opt, pre_clip, topo, run.adapter)
+        for out_dir in [d for d, k in cfg.dump_steps if int(k) == step + 1]:
+            dump_training_state(out_dir, run.module, run.opt, pre_clip, topo, run.adapter)
     if not run.opt_bytes:
         run.opt_bytes = gather_json(int(run.opt.state_bytes()), topo.world_size)  # every rank's, in rank order
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
@@ -668,16 +662,17 @@ def _step_line(run: _Run, step: int, lr: float, gnorm: float, dt: float) -> str:
         parts.append(f"mtp {history['mtp_losses'][-1]:.6f}")
     recalls = [v[-1] for k, v in history.items() if k.startswith("indexer_recall@") and v]
     if run.indexer is not None and run.indexer["stage"] != "none" and recalls:
-        parts.append(f"indexer kl {history['indexer_losses'][-1]:.5f} {indexer_step_text(recalls)}")
+        parts.append(f"indexer kl {history['indexer_losses'][-1]:.5f} recall {sum(recalls) / len(recalls):.4f}")
     tok_s = cfg.global_batch_size * cfg.seq_len / dt
     parts += [f"lr {lr:.3e}", f"grad norm {gnorm:.4f}", f"{tok_s:.0f} tok/s", f"{dt:.2f} s"]
     return " | ".join(parts)
 
 
-def _finish(run: _Run, result: dict[str, Any], log: Callable[[str], Any]) -> dict[str, Any] | None:
+def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
     """Final loss.json with the gathered memory report, the optional export, a last barrier."""
     cfg, topo = run.cfg, run.topo
     memory_report = run.memory.gather(run.opt)  # collective
+    result = None
     if run.rank0:
         result = _snapshot(run, cfg.steps)
         result["memory"] = memory_report
@@ -687,7 +682,7 @@ def _finish(run: _Run, result: dict[str, Any], log: Callable[[str], Any]) -> dic
         log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
     if topo.world_size > 1:
         dist.barrier()
-    return result if run.rank0 else None
+    return result
 
 
 def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
@@ -705,7 +700,6 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
         log(
             f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
         )
-    result: dict[str, Any] = {}
     for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()
         lr, gnorm = _step(run, step, log)
@@ -714,8 +708,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             log(_step_line(run, step, lr, gnorm, dt))
             if not math.isfinite(run.history["losses"][-1]):
                 log("[glm52 train] warning: non-finite loss")
-            result = _snapshot(run, step + 1)
-            write_record(os.path.join(cfg.out, "loss.json"), result)
+            write_record(os.path.join(cfg.out, "loss.json"), _snapshot(run, step + 1))
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -731,4 +724,4 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
     if bar is not None:
         bar.close()
     beat(cfg.steps, "finish")
-    return _finish(run, result, log)
+    return _finish(run, log)

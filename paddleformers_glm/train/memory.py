@@ -13,15 +13,11 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ..checkpoint.safetensors_io import ST_DTYPES, dtype_name
+
 __all__ = ["DTYPE_BYTES", "MemoryMonitor", "dtype_name", "fleet_sharding_partition", "shard_totals", "state_bytes"]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
-
-
-def dtype_name(dtype: Any) -> str:
-    """'float32' for paddle.float32 / 'paddle.float32' / numpy dtypes."""
-    s = str(dtype).replace("paddle.", "")
-    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(s, s)
+DTYPE_BYTES = {name: size for size, _, name in ST_DTYPES.values() if name}  # by Paddle dtype name
 
 
 def state_bytes(
@@ -104,9 +100,9 @@ class _Saved:
 
 class MemoryMonitor:
     """The trainer's measurement: the first step's peak saved activations (:meth:`track`); after the
-    first optimizer step the parameters the rank holds, the fp32 main gradients and the
-    optimizer's tensors; at the end the optimizer's tensors again and the peak memory
-    (``max_memory_allocated`` on a GPU, peak RSS on the host) and gathers every rank's record."""
+    first optimizer step the parameters the rank holds and the fp32 main gradients; at the end the
+    optimizer's tensors and the peak memory (``max_memory_allocated`` on a GPU, peak RSS on the
+    host) and gathers every rank's record."""
 
     def __init__(self, module: Any, topo: Any) -> None:
         self.module, self.topo = module, topo
@@ -157,7 +153,7 @@ class MemoryMonitor:
 
         return paddle.autograd.saved_tensors_hooks(pack, unpack)
 
-    def observe(self, grads: Mapping[str, Any], opt: Any) -> None:
+    def observe(self, grads: Mapping[str, Any]) -> None:
         """Call after each optimizer step (cheap after the first)."""
         if self.record is not None:
             return
@@ -167,8 +163,6 @@ class MemoryMonitor:
             "rank": int(self.topo.rank),
             "params_bytes": sum(_tensor_bytes(p) for p in params),
             "grads_bytes": sum(_tensor_bytes(g) for g in grads.values()),
-            "optimizer_bytes": opt.state_bytes(),
-            "optimizer": "paddle.optimizer.AdamW",
             "param_tensors": len(params),
             "activations_bytes": None if peak is None else int(peak),
         }

@@ -121,8 +121,7 @@ class ExpertBalancer:
                     row = load[i]  # exact integer counts (float64)
                     step_sign = np.sign(row.sum() / E - row).astype(np.float32)
                     bias = r.e_score_correction_bias
-                    new = (bias.numpy().astype(np.float32) + rate * step_sign).astype(np.float32)
-                    bias.set_value(new)
+                    bias.set_value((bias.numpy().astype(np.float32) + rate * step_sign).astype(np.float32))
         rows = load[self.layers]
         stats = [load_stats(row) for row in rows]
         self.steps.append(int(step))

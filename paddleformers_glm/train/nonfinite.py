@@ -52,15 +52,9 @@ def local_report(
     """This rank's part: its non-finite loss terms and its first non-finite gradient (in the
     stage's parameter order) with the number of non-finite gradient tensors."""
     losses = {k: _value(v) for k, v in loss_sums.items() if not math.isfinite(v)}
-    first, count = None, 0
-    for name in order:
-        g = grads.get(name)
-        if g is None:
-            continue
-        if not bool(paddle.isfinite(g).all()):
-            count += 1
-            first = first or name
-    return {"rank": rank, "losses": losses, "first_nonfinite_grad": first, "nonfinite_grads": count}
+    bad = [n for n in order if grads.get(n) is not None and not bool(paddle.isfinite(grads[n]).all())]
+    first = bad[0] if bad else None
+    return {"rank": rank, "losses": losses, "first_nonfinite_grad": first, "nonfinite_grads": len(bad)}
 
 
 def gather_json(obj: Any, world_size: int) -> list[Any]:

@@ -56,9 +56,7 @@ def fleet_clips(topo: Any) -> bool:
     DP, sharding and SP.  Expert parameters under ``ep`` / ``etp`` > 1 are different tensors on
     ranks that are data- or tensor-parallel peers for the rest of the model, which those rules
     cannot express; those layouts (and one process) keep the trainer's own global-norm clip."""
-    if topo is None or topo.world_size == 1:
-        return False
-    return topo.pc.ep == 1 and topo.pc.etp == 1
+    return topo is not None and topo.world_size > 1 and topo.pc.ep == 1 and topo.pc.etp == 1
 
 
 class AdamW:
@@ -141,13 +139,8 @@ class AdamW:
     def state(self) -> dict[str, dict[str, paddle.Tensor]]:
         """Accumulators (moments, beta powers) by structured name, for parameters that stepped."""
         acc = getattr(self.opt, "_accumulators", {})
-        out: dict[str, dict[str, paddle.Tensor]] = {}
-        for n, p in self.params:
-            if n not in self._stepped:
-                continue
-            key = self._acc_key(p)
-            out[n] = {kind: table[key] for kind, table in acc.items() if key in table}
-        return out
+        keys = {n: self._acc_key(p) for n, p in self.params if n in self._stepped}
+        return {n: {kind: table[k] for kind, table in acc.items() if k in table} for n, k in keys.items()}
 
     def _acc_key(self, p: paddle.Tensor) -> str:
         """Paddle keys a bf16/fp16 parameter's moments by its fp32 master weight's name."""
@@ -167,13 +160,9 @@ class AdamW:
     @paddle.no_grad()
     def step(self, grads: dict[str, paddle.Tensor], has_grad: dict[str, bool], lr: float) -> None:
         """Update every parameter that got a gradient; ``grads`` are fp32 and already synced and clipped."""
-        pairs = []
-        for n, p in self.params:
-            if not has_grad.get(n, False) or p.name not in self._own:
-                continue
-            g = grads[n]
-            pairs.append((p, g if g.dtype == p.dtype else g.astype(p.dtype)))
-            self._stepped.add(n)
+        update = [(n, p) for n, p in self.params if has_grad.get(n, False) and p.name in self._own]
+        self._stepped.update(n for n, _ in update)
+        pairs = [(p, grads[n] if grads[n].dtype == p.dtype else grads[n].astype(p.dtype)) for n, p in update]
         if pairs:
             self.opt.set_lr(lr)
             self.opt._apply_optimize(loss=None, startup_program=None, params_grads=pairs)

@@ -11,6 +11,7 @@ formulas and measurements: docs/scale.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import re
@@ -122,14 +123,13 @@ class LayerCounts:
 
 def indexer_stage(config: Any, lay: Layout) -> str:
     """The layout's indexer stage, the checkpoint's default resolved (as the trainer resolves it)."""
-    if lay.indexer_stage is not None:
-        return lay.indexer_stage
-    return "sparse" if float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0 else "none"
+    from ..modeling.indexer_training import IndexerTraining
+
+    return lay.indexer_stage or IndexerTraining.from_config(config).stage
 
 
 def _layer_key(config: Any, i: int) -> Any:
-    L = config.num_hidden_layers
-    if i >= L:
+    if i >= config.num_hidden_layers:
         return ("mtp", i)
     return (config.mlp_layer_types[i], config.indexer_types[i])
 
@@ -646,10 +646,7 @@ def run_plan(args: argparse.Namespace) -> int:
             from .plan_cost import Hardware
 
             hw = Hardware(args.gpu_tflops * 1e12, args.tp_bw_gbs * 1e9, args.net_bw_gbs * 1e9)
-
-            def say(line: str) -> None:
-                print(f"[glm52 plan] {line}", file=sys.stderr, flush=True)
-
+            say = functools.partial(print, "[glm52 plan]", file=sys.stderr, flush=True)
             found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top, hw, progress=say)
             print(
                 f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, least estimated time per token first:"
@@ -680,19 +677,16 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# flags both commands have, whose defaults differ: plan's describe a production run; a glm52 train
-# command line planned as it is keeps the trainer's
-_PLAN_DEFAULTS = {"seq_len": 4096, "global_batch_size": 0, "dtype": "bfloat16"}
-
-
 def _train_line_note(args: argparse.Namespace) -> str | None:
-    """Resolve the shared flags' defaults and say what a glm52 train command line leaves out."""
+    """Resolve the defaults of the flags both commands have but default differently (TRAIN_DEFAULTS:
+    plan's, the Layout's, describe a production run; a glm52 train command line planned as it is
+    keeps the trainer's) and say what a glm52 train command line leaves out."""
     given = sorted(
         flag for dest, flag in getattr(args, "_train_only_flags", {}).items() if getattr(args, dest) is not None
     )
-    unset = [k for k in _PLAN_DEFAULTS if getattr(args, k) is None]
+    unset = [k for k in TRAIN_DEFAULTS if getattr(args, k) is None]
     for k in unset:
-        setattr(args, k, TRAIN_DEFAULTS[k] if given else _PLAN_DEFAULTS[k])
+        setattr(args, k, TRAIN_DEFAULTS[k] if given else Layout.__dataclass_fields__[k].default)
     if not given:
         return None
     used = ", ".join(f"--{k.replace('_', '-')} {TRAIN_DEFAULTS[k]}" for k in unset)

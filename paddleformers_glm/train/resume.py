@@ -1,25 +1,13 @@
-"""Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata
-(file formats: state_files.py; weights in a release layout are paddleformers_glm/checkpoint/).
+"""Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata.
+Layout and guarantees: docs/parallel.md, "Checkpoints"; file formats: state_files.py.
 
 Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes meta.json and
 renames the folder, so a crash never leaves a half checkpoint under a final name.  The data
 position is the step number and the learning rate a pure function of the step.  Multi-node: ROOT
-must be on a filesystem every node sees.
-
-Two copies of the same state are written:
-
-* ``rank_*.safetensors`` / ``rank_*.json``: each rank's local tensors (model, optimizer moments,
-  beta powers, fp32 masters) and RNG state.  A run with the *same* parallel layout resumes from
-  these, bit for bit.
-* ``flex/``: Paddle's flex-checkpoint (``paddle.distributed.save_state_dict(..., safetensors=True)``),
-  every tensor described by its place in the full tensor (``ShardedWeight``: global shape, offset; a fused
-  ``chunks`` axis such as gate|up as one key per block, since rank r holds ``[gate_r | up_r]``).
-  Optimizer moments and fp32 masters share their parameter's geometry; a sharding rank
-  contributes the state it owns.  A run with a *different* layout (TP2xPP2 -> PP4 or
-  DP2xSharding2, any world size) resumes from this: ``paddle.distributed.load_state_dict`` reads
-  and redistributes the slices each rank needs.  Parameter names are the same in every layout
-  (global layer and expert ids), so no renaming is involved.  The RNG state is not carried
-  across layouts (a rank's RNG stream belongs to its old role; training draws no random numbers).
+must be on a filesystem every node sees.  Two copies of the state are written: each rank's local
+tensors and RNG state (``rank_*``: a run with the *same* layout resumes from these, bit for bit),
+and ``flex/``, Paddle's flex-checkpoint, which ``paddle.distributed.load_state_dict`` reshards
+for a run with a *different* layout (parameter names are global in every layout: no renaming).
 """
 
 from __future__ import annotations
@@ -59,11 +47,6 @@ __all__ = ["LAYOUT_KEYS", "load_resume_state", "resolve_resume_state", "save_res
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding")
 
 
-def _barrier(topo: Topology) -> None:
-    if topo.world_size > 1:
-        dist.barrier()
-
-
 def _rank_tensors(model: nn.Layer, optimizer: AdamW) -> dict[str, paddle.Tensor]:
     """``model/<name>`` and ``optimizer/<name>/<kind>`` (moments, beta powers, ``master``) of this rank."""
     out = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
@@ -82,7 +65,8 @@ def save_resume_state(
     os.makedirs(tmp, exist_ok=True)
     write_rank_state(tmp, topo.rank, _rank_tensors(model, optimizer), {"rng": rng_state()})
     stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
-    _barrier(topo)
+    if topo.world_size > 1:
+        dist.barrier()
     if topo.rank == 0:
         meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
         write_record(os.path.join(tmp, "meta.json"), meta)
@@ -90,7 +74,8 @@ def save_resume_state(
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(os.path.join(root, "latest"), os.path.basename(final) + "\n")
-    _barrier(topo)
+    if topo.world_size > 1:
+        dist.barrier()
     return final
 
 
@@ -163,22 +148,23 @@ def load_resume_state(
 
 
 # ---------------------------------------------------------------- flex-checkpoint (any layout)
-def _pieces(key: str, t: paddle.Tensor, spec: ShardSpec, topo: Topology) -> tuple[list[tuple], int | None]:
-    """``([(key, local shape, global shape, global offset)], axis)`` of one local tensor: one entry,
-    or one per fused block of a ``chunks`` axis (each block is split over the group on its own)."""
+def _pieces(key: str, t: paddle.Tensor, spec: ShardSpec, topo: Topology) -> tuple[list[str], dict[str, Any], int]:
+    """``(keys, ShardedWeight geometry, axis)`` of one local tensor: one key, or one per fused block
+    of a ``chunks`` axis (each block is split over the group on its own, so all share the geometry)."""
     shape = tuple(int(d) for d in t.shape)
     if spec.axis is None:
-        return [(key, shape, shape, (0,) * len(shape))], None
+        return [key], {"local_shape": shape, "global_shape": shape, "global_offset": (0,) * len(shape)}, 0
     axis = spec.axis % len(shape)
     size, rank = topo.size(spec.group), topo.rank_in(spec.group)
     if shape[axis] % spec.chunks:
         raise ValueError(f"resume state: {key!r} axis {axis} of {list(shape)} does not hold {spec.chunks} blocks")
     block = shape[axis] // spec.chunks
-    local = shape[:axis] + (block,) + shape[axis + 1 :]
-    full = shape[:axis] + (block * size,) + shape[axis + 1 :]
-    offset = tuple(rank * block if a == axis else 0 for a in range(len(shape)))
-    keys = [key] if spec.chunks == 1 else [f"{key}#block{i}" for i in range(spec.chunks)]
-    return [(k, local, full, offset) for k in keys], axis
+    geometry = {
+        "local_shape": shape[:axis] + (block,) + shape[axis + 1 :],
+        "global_shape": shape[:axis] + (block * size,) + shape[axis + 1 :],
+        "global_offset": tuple(rank * block if a == axis else 0 for a in range(len(shape))),
+    }
+    return [key] if spec.chunks == 1 else [f"{key}#block{i}" for i in range(spec.chunks)], geometry, axis
 
 
 def _flex_items(
@@ -215,12 +201,10 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
         stepped = set().union(*map(set, parts))
     sd: dict[str, ShardedWeight] = {}
     for key, t, spec in _flex_items(topo, model, optimizer, stepped):
-        pieces, axis = _pieces(key, t, spec, topo)
-        blocks = [t] if len(pieces) == 1 else paddle.split(t.detach(), len(pieces), axis=axis)
-        for (k, local, full, offset), b in zip(pieces, blocks):
-            sd[k] = ShardedWeight(
-                key=k, local_tensor=b.detach(), local_shape=local, global_shape=full, global_offset=offset
-            )
+        keys, geometry, axis = _pieces(key, t, spec, topo)
+        blocks = [t.detach()] if len(keys) == 1 else paddle.split(t.detach(), len(keys), axis=axis)
+        for k, b in zip(keys, blocks):
+            sd[k] = ShardedWeight(key=k, local_tensor=b, **geometry)
     os.makedirs(folder, exist_ok=True)
     quiet_paddle_logs()
     dist.save_state_dict(sd, folder, safetensors=True)  # tensors as safetensors; Paddle's metadata is a pickle
@@ -242,14 +226,11 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
     optimizer.prepare_state()
     items = _flex_items(topo, model, optimizer, stepped)
     sd: dict[str, ShardedWeight] = {}
-    buffers: list[tuple[paddle.Tensor, int | None, list[paddle.Tensor]]] = []
+    buffers: list[tuple[paddle.Tensor, int, list[paddle.Tensor]]] = []
     for key, t, spec in items:
-        pieces, axis = _pieces(key, t, spec, topo)
-        bufs = []
-        for k, local, full, offset in pieces:
-            b = paddle.zeros(list(local), dtype=t.dtype)
-            sd[k] = ShardedWeight(key=k, local_tensor=b, local_shape=local, global_shape=full, global_offset=offset)
-            bufs.append(b)
+        keys, geometry, axis = _pieces(key, t, spec, topo)
+        bufs = [paddle.zeros(list(geometry["local_shape"]), dtype=t.dtype) for _ in keys]
+        sd.update({k: ShardedWeight(key=k, local_tensor=b, **geometry) for k, b in zip(keys, bufs)})
         buffers.append((t, axis, bufs))
     quiet_paddle_logs()
     with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():

@@ -18,6 +18,7 @@ pickle format (``rank_*.pdstate``, ``flex/*.distcp``) are refused by name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -26,6 +27,7 @@ import random
 import re
 import tempfile
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,8 +76,7 @@ def rank_files(folder: str, rank: int) -> tuple[str, str]:
 def _read_bytes(file: str, what: str) -> bytes:
     """The file's bytes; unreadable or empty is an error naming the file and what it should hold."""
     try:
-        with open(file, "rb") as f:
-            raw = f.read()
+        raw = Path(file).read_bytes()
     except OSError as e:
         raise ResumeStateError(f"{file}: cannot read {what}: {e.strerror}") from e
     if not raw:
@@ -137,11 +138,8 @@ def _follow_latest(root: str, latest: str) -> str:
         raise ResumeStateError(f"{latest}: must be a regular file naming a step folder, not a link or a folder")
     with open(latest, "rb") as f:
         raw = f.read(_LATEST_MAX_BYTES + 1)
-    try:
-        name = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        name = None
-    if name is None or len(raw) > _LATEST_MAX_BYTES or not STEP_NAME.fullmatch(name):
+    name = raw.decode("utf-8", "replace").strip()  # a replaced byte never matches STEP_NAME
+    if len(raw) > _LATEST_MAX_BYTES or not STEP_NAME.fullmatch(name):
         shown = raw[:60].decode("utf-8", "replace").strip()
         raise ResumeStateError(
             f"{latest}: must hold a step folder name such as step_00000004 (a folder inside {root}), got {shown!r}"
@@ -265,13 +263,8 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
         obj = state.get(name)
         _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
         words = obj.get(words_key)
-        _require(
-            isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words),
-            file,
-            f"rng.{name}.{words_key}",
-            f"{n} unsigned 32-bit integers",
-            words,
-        )
+        ok = isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words)
+        _require(ok, file, f"rng.{name}.{words_key}", f"{n} unsigned 32-bit integers", words)
         try:
             restore(obj, words)
         except (KeyError, TypeError, ValueError) as e:
@@ -297,22 +290,17 @@ def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: M
     write_record(json_file, {"format": FORMAT, "rank": rank, **info})
 
 
-def _read_rank_json(file: str, rank: int) -> dict[str, Any]:
-    if not os.path.isfile(file):
-        raise ResumeStateError(f"{file}: missing (the state of rank {rank})")
-    doc = _check_format(_read_json(file, "rank state"), file, "rank state")
-    _require(doc.get("rank") == rank, file, "rank", str(rank), doc.get("rank"))
-    _require(isinstance(doc.get("rng"), dict), file, "rng", "an object", doc.get("rng"))
-    return doc
-
-
 def read_rank_state(folder: str, rank: int) -> tuple[Any, dict[str, Any], str]:
     """(the strict safetensors reader of ``rank_N.safetensors``, ``rank_N.json``, the tensor file)."""
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.safetensors_io import SafetensorsFile
 
     st_file, json_file = rank_files(folder, rank)
-    doc = _read_rank_json(json_file, rank)
+    if not os.path.isfile(json_file):
+        raise ResumeStateError(f"{json_file}: missing (the state of rank {rank})")
+    doc = _check_format(_read_json(json_file, "rank state"), json_file, "rank state")
+    _require(doc.get("rank") == rank, json_file, "rank", str(rank), doc.get("rank"))
+    _require(isinstance(doc.get("rng"), dict), json_file, "rng", "an object", doc.get("rng"))
     if not os.path.isfile(st_file):
         raise ResumeStateError(f"{st_file}: missing (the tensors of rank {rank})")
     try:
@@ -363,8 +351,6 @@ def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
 
 
 def _fields_ok(obj: Any, cls: type) -> bool:
-    import dataclasses
-
     return type(obj) is cls and set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
 
 

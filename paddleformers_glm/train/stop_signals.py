@@ -18,6 +18,7 @@ import _thread
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 __all__ = ["STOP_SIGNALS", "StopListener", "listen", "process_name", "shorten", "stop_text"]
@@ -28,8 +29,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def process_name(pid: int) -> str:
     """A process's command line (shortened), or '' when it cannot be read."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            text = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
     except OSError:
         return ""
     return shorten(text, 120, 60)
@@ -69,6 +69,13 @@ class StopListener:
                 "text": stop_text(signum, sender, target),
             }
 
+    def interrupted(self, e: KeyboardInterrupt) -> dict[str, Any]:
+        """The stop signal behind ``e``: the listener's record (with the sender), else the signal a
+        plain handler named (SIGINT when none)."""
+        name = str(e.args[0]) if e.args and str(e.args[0]).startswith("SIG") else "SIGINT"
+        self.note(int(signal.Signals[name]), None)
+        return self.caught
+
     def _listen(self) -> None:
         while True:
             info = signal.sigwaitinfo(STOP_SIGNALS)
@@ -87,9 +94,7 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
 def listen() -> StopListener:
     """Start the listener once per process (from the main thread, before Paddle is imported);
     returns it.  SIGTERM and SIGHUP then interrupt the main thread like SIGINT does."""
-    if _LISTENER.active:
-        return _LISTENER
-    if threading.current_thread() is not threading.main_thread():
+    if _LISTENER.active or threading.current_thread() is not threading.main_thread():
         return _LISTENER
     for s in (signal.SIGTERM, signal.SIGHUP):  # what interrupt_main(signum) runs in the main thread
         signal.signal(s, _raise_interrupt)

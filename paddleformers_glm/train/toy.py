@@ -236,16 +236,13 @@ class ToyStage(nn.Layer):
         return StageOutput(losses=causal_lm_losses(logits, batch, [], True, self.tp_group))
 
 
-def full_shapes(cfg: ToyConfig) -> dict[str, list[int]]:
-    """Names and shapes of the whole (pp=1, tp=1) model, the names every layout uses."""
-    m = ToyStage(cfg, StageSpec.whole(cfg.num_layers, cfg.mtp), Topology.single())
-    return {n: list(t.shape) for n, t in m.state_dict().items()}
-
-
 def init_full_state(cfg: ToyConfig, seed: int) -> dict[str, np.ndarray]:
-    """Deterministic full weights: independent of Paddle's RNG and of the parallel layout."""
+    """Deterministic full weights of the whole (pp=1, tp=1) model, under the names every layout uses:
+    independent of Paddle's RNG and of the parallel layout."""
     out = {}
-    for name, shape in full_shapes(cfg).items():
+    whole = ToyStage(cfg, StageSpec.whole(cfg.num_layers, cfg.mtp), Topology.single())
+    for name, t in whole.state_dict().items():
+        shape = list(t.shape)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and leaf == "weight":

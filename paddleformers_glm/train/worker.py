@@ -99,12 +99,8 @@ class WorkerLife:
         if not self._lock.acquire(timeout=5.0):  # the main thread is writing its own record
             os._exit(code)
         try:
-            write_record(
-                self.status_dir,
-                self.rank,
-                "signal.json",
-                {"rank": self.rank, "time": time.time(), **reason, "peers": self._peers()},
-            )
+            record = {"rank": self.rank, "time": time.time(), **reason, "peers": self._peers()}
+            write_record(self.status_dir, self.rank, "signal.json", record)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -163,12 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     status_dir = os.environ.get(ENV_STATUS_DIR)
     life = WorkerLife(rank, status_dir)
     life.start()
-    write_record(
-        status_dir,
-        rank,
-        "pid",
-        {"rank": rank, "pid": os.getpid(), "job": os.environ.get(ENV_JOB_ID), "time": time.time()},
-    )
+    pid = {"rank": rank, "pid": os.getpid(), "job": os.environ.get(ENV_JOB_ID), "time": time.time()}
+    write_record(status_dir, rank, "pid", pid)
     beat(0, "start")
     try:
         from paddleformers_glm.train.loop import TrainConfig, run_training
