@@ -197,11 +197,11 @@ def _corrupt(folder: Path, rel: str, how: str) -> None:
     "rel, how, expect",
     [
         ("meta.json", "empty", "the resume metadata is empty (0 bytes)"),
-        ("meta.json", "truncated", "the resume metadata is not JSON"),
+        ("meta.json", "truncated", "the resume metadata is not valid JSON"),
         ("meta.json", "not-utf8", "the resume metadata is not UTF-8 text"),
         ("meta.json", "list", "must be a JSON object"),
         ("rank_00000.json", "empty", "the rank state is empty (0 bytes)"),
-        ("rank_00000.json", "truncated", "the rank state is not JSON"),
+        ("rank_00000.json", "truncated", "the rank state is not valid JSON"),
         ("rank_00000.safetensors", "empty", "truncated safetensors file"),
         ("rank_00000.safetensors", "truncated", "truncated safetensors file"),
         ("flex/0.metadata", "empty", "empty (0 bytes)"),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import re
 import time
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._io import write_json_atomic
+from .._io import read_json, write_json_atomic
 
 __all__ = [
     "ENV_DEADLINE",
@@ -73,8 +72,8 @@ def proc_state(pid: int, field: int = 0) -> str | None:
 
 def _read_json(path: str) -> Any:
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json(path, "the status record", None)
+    except ValueError:  # unreadable, or a heartbeat torn by a racing write
         return None
 
 

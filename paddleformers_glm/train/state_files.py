@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import pickle
 import random
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_path, write_record
+from .._io import atomic_path, read_json, write_record
 
 __all__ = [
     "FORMAT",
@@ -73,28 +72,6 @@ def rank_files(folder: str, rank: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- JSON
-def _read_bytes(file: str, what: str) -> bytes:
-    """The file's bytes; unreadable or empty is an error naming the file and what it should hold."""
-    try:
-        raw = Path(file).read_bytes()
-    except OSError as e:
-        raise ResumeStateError(f"{file}: cannot read {what}: {e.strerror}") from e
-    if not raw:
-        raise ResumeStateError(f"{file}: {what} is empty (0 bytes)")
-    return raw
-
-
-def _read_json(file: str, what: str) -> Any:
-    """A JSON file's value; any unreadable, non-UTF-8 or non-JSON content is an error naming the file."""
-    raw = _read_bytes(file, f"the {what}")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ResumeStateError(f"{file}: the {what} is not UTF-8 text (byte {e.start})") from e
-    except json.JSONDecodeError as e:
-        raise ResumeStateError(f"{file}: the {what} is not JSON ({e.msg}, line {e.lineno} column {e.colno})") from e
-
-
 def _require(ok: bool, file: str, key: str, expected: str, actual: Any) -> None:
     if not ok:
         shown = repr(actual)
@@ -107,8 +84,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_format(doc: Any, file: str, what: str) -> dict[str, Any]:
-    _require(isinstance(doc, dict), file, "(top level)", f"a JSON object ({what})", type(doc).__name__)
+def _read_state_json(file: str, what: str) -> dict[str, Any]:
+    """meta.json or rank_N.json: a JSON object (only parsed) in this version's format."""
+    doc = read_json(file, f"the {what}", dict, ResumeStateError)
     fmt = doc.get("format")
     if fmt != FORMAT:
         raise ResumeStateError(
@@ -156,7 +134,7 @@ def read_meta(folder: str) -> dict[str, Any]:
     """``meta.json`` of a step folder, its form checked (the old pickle format refused by name)."""
     _refuse_old_format(folder)
     file = os.path.join(folder, "meta.json")
-    meta = _check_format(_read_json(file, "resume metadata"), file, "resume metadata")
+    meta = _read_state_json(file, "resume metadata")
     _require(_is_int(meta.get("step")) and meta["step"] >= 1, file, "step", "an integer >= 1", meta.get("step"))
     ws = meta.get("world_size")
     _require(_is_int(ws) and ws >= 1, file, "world_size", "an integer >= 1", ws)
@@ -298,7 +276,7 @@ def read_rank_state(folder: str, rank: int) -> tuple[Any, dict[str, Any], str]:
     st_file, json_file = rank_files(folder, rank)
     if not os.path.isfile(json_file):
         raise ResumeStateError(f"{json_file}: missing (the state of rank {rank})")
-    doc = _check_format(_read_json(json_file, "rank state"), json_file, "rank state")
+    doc = _read_state_json(json_file, "rank state")
     _require(doc.get("rank") == rank, json_file, "rank", str(rank), doc.get("rank"))
     _require(isinstance(doc.get("rng"), dict), json_file, "rng", "an object", doc.get("rng"))
     if not os.path.isfile(st_file):
@@ -339,7 +317,12 @@ class AllowListUnpickler(pickle.Unpickler):
 def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
     """The value pickled in ``file``, built through :class:`AllowListUnpickler`; any refusal or
     malformed stream is a :class:`ResumeStateError` naming the file."""
-    data = _read_bytes(file, "the pickled state")
+    try:
+        data = Path(file).read_bytes()
+    except OSError as e:
+        raise ResumeStateError(f"{file}: cannot read the pickled state: {e.strerror}") from e
+    if not data:
+        raise ResumeStateError(f"{file}: the pickled state is empty (0 bytes)")
     try:
         return AllowListUnpickler(data, allowed, file).load()
     except ResumeStateError:

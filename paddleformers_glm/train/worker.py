@@ -10,7 +10,6 @@ glm52 launcher and the job deadline, and the stop signals taken by a thread of t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ import threading
 import time
 import traceback
 
+from paddleformers_glm._io import read_json
 from paddleformers_glm.train.job_status import (
     ENV_DEADLINE,
     ENV_JOB_ID,
@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from paddleformers_glm.train.loop import TrainConfig, run_training
 
-        with open(args.config, encoding="utf-8") as f:
-            cfg = TrainConfig.from_dict(json.load(f))
+        cfg = TrainConfig.from_dict(read_json(args.config, "the run config"))
         run_training(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then the process ends
         life.failed(e)
