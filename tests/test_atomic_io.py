@@ -4,11 +4,14 @@ JSON reader, whose every error names the file, what it holds and the problem."""
 import json
 import os
 import pathlib
+import re
 import stat
 
 import pytest
 
 from paddleformers_glm._io import atomic_open, atomic_path, read_json, write_json_atomic
+
+from .conftest import ROOT
 
 
 def test_json_is_written_whole_and_replaces_the_old_file(tmp_path):
@@ -100,3 +103,20 @@ def test_read_json_names_file_what_and_problem(tmp_path, raw, problem):
 def test_read_json_reads_bytes_given_and_any_type_when_asked(tmp_path):
     assert read_json(tmp_path / "x", "the thing", list, data=b"[1, 2.5]") == [1, 2.5]
     assert read_json(tmp_path / "x", "the thing", None, data=b'"s"') == "s"
+
+
+def test_no_other_json_file_reader_in_the_package():
+    """JSON files are read through _io.read_json (one message form); these parse JSON that is no file."""
+    allowed = {
+        "ops/kernels.py": "the build script's argv",
+        "train/nonfinite.py": "records gathered from the ranks",
+        "train/data.py": "jsonl, line by line (errors name file:line)",
+        "train/command.py": "--model-config's text",
+    }
+    pkg = ROOT / "paddleformers_glm"
+    found = {
+        p.relative_to(pkg).as_posix()
+        for p in pkg.rglob("*.py")
+        if re.search(r"\bjson\.loads?\(", p.read_text(encoding="utf-8")) and p.name != "_io.py"
+    }
+    assert found == set(allowed), f"JSON read around _io.read_json: {sorted(found - set(allowed))}"
