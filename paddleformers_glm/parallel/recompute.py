@@ -9,7 +9,8 @@ is restored for the replay, so fp32 losses and gradients are bit-identical to no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import paddle
@@ -19,6 +20,18 @@ __all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
 RECOMPUTE_MODES = ("none", "full", "core")
 
 _core_depth = 0  # > 0 while a decoder layer runs under --recompute core
+
+
+@contextlib.contextmanager
+def _core_scope() -> Iterator[None]:
+    """A context manager rather than the counter inline in run_layer: to_static's whole-graph
+    translation of a forward through run_layer fails on a ``global`` statement there."""
+    global _core_depth
+    _core_depth += 1
+    try:
+        yield
+    finally:
+        _core_depth -= 1
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -39,12 +52,8 @@ def run_layer(layer: Callable[..., Any], *args: Any, mode: str = "none") -> Any:
     if mode == "none" or not paddle.is_grad_enabled():
         return layer(*args)
     if mode == "core":
-        global _core_depth
-        _core_depth += 1
-        try:
+        with _core_scope():
             return layer(*args)
-        finally:
-            _core_depth -= 1
     if not _needs_grad(args):
         return layer(*args)  # nothing to differentiate through the inputs: nothing to save either
     return _recompute(layer, *args)
