@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._io import read_json, write_json_atomic
-from ..train.command import add_expert_update_argument
-from .reference.indexer import STAGES as INDEXER_STAGES
+from ..train.command import add_dtype_argument, add_expert_update_argument, add_indexer_arguments, add_step_arguments
 from .reference.indexer import saved_indexer_coeff
 from .reference.train import DUMP_KINDS
 
@@ -51,23 +50,11 @@ NEAR_EPS_REL_LR = 2.0  # ... so such weights are held to this x the learning rat
 ADAM_BETA2 = 0.95  # both trainers' AdamW betas (0.9, 0.95)
 INDEXER_REL_TOL = 2e-4  # indexer tensors: the KL's gradient is a difference of near-equal distributions
 
+# the training flags both runs get (glm52 train's own: train/command.py), passed on in this order
 TRAIN_FLAGS = (
-    ("steps", int, 100),
-    ("seq_len", int, 32),
-    ("global_batch_size", int, 4),
-    ("micro_batch_size", int, 1),
-    ("lr", float, 1e-4),
-    ("min_lr", float, None),
-    ("warmup_steps", int, 10),
-    ("weight_decay", float, 0.1),
-    ("clip_grad", float, 1.0),
-    ("seed", int, 1234),
-    ("moe_bias_update_rate", float, 0.0),
-    ("data", str, None),
-    ("dtype", str, "float32"),  # bfloat16: both runs in bf16 with fp32 master weights (docs/parity.md: drift)
-    ("indexer_stage", str, None),  # none | warmup | sparse (docs/indexer.md); None: the checkpoint's default
-    ("indexer_loss_coeff", float, None),  # the sparse stage's KL weight; None: the checkpoint's
-)
+    "steps seq_len global_batch_size micro_batch_size lr min_lr warmup_steps weight_decay clip_grad seed "
+    "moe_bias_update_rate data dtype indexer_stage indexer_loss_coeff"
+).split()
 # the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
 LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
@@ -329,7 +316,7 @@ def run_align(args: argparse.Namespace) -> int:
         print(f"glm52 align: error: --dump-step {bad}: outside 1..--steps ({N})", file=sys.stderr)
         return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
-    flags = {f"--{name.replace('_', '-')}": getattr(args, name) for name, _, _ in TRAIN_FLAGS}
+    flags = {f"--{name.replace('_', '-')}": getattr(args, name) for name in TRAIN_FLAGS}
     common = ["--model", os.path.abspath(args.model)]
     common += [x for f, v in flags.items() if v is not None for x in (f, str(v))]
     common += ["--indexer-shared-supervision"] if args.indexer_shared_supervision else []
@@ -351,7 +338,7 @@ def run_align(args: argparse.Namespace) -> int:
         "created_unix": int(time.time()),
         "model": {"path": os.path.abspath(args.model)},
         "layout": {k: getattr(args, k) for k in LAYOUT_KEYS},
-        "training": {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS},
+        "training": {name: getattr(args, name) for name in TRAIN_FLAGS},
         "dump_steps": dump_steps,
         "commands": {k: " ".join(v) for k, v in runs.items()},
         "runs": {name: {"reused": True} for name in runs} if args.no_run else {},
@@ -516,14 +503,11 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pp-layout")
     add_expert_update_argument(g)
     g = p.add_argument_group("training (same for both runs)")
-    for name, typ, default in TRAIN_FLAGS:
-        choices = {"dtype": ("float32", "bfloat16"), "indexer_stage": INDEXER_STAGES}.get(name)
-        g.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, choices=choices)
-    g.add_argument(
-        "--indexer-shared-supervision",
-        action="store_true",
-        help="both runs: a full layer's indexer target averages the shared layers reusing its top-k (docs/indexer.md)",
-    )
+    add_step_arguments(g)
+    g.add_argument("--data", help=".npy / .bin / .jsonl token data both runs read (default: synthetic)")
+    add_dtype_argument(g, "both runs; docs/parity.md says how far they drift apart")
+    add_indexer_arguments(g)
+    p.set_defaults(steps=100, seq_len=32, lr=1e-4, warmup_steps=10)  # align's own: a longer, gentler run
     g.add_argument(
         "--dump-step",
         type=int,

@@ -10,8 +10,9 @@ import math
 import re
 from typing import Any
 
-from ..modeling.indexer_training import INDEXER_STAGES, IndexerTraining, kl_term, recall_term
+from ..modeling.indexer_training import INDEXER_STAGES, IndexerTraining, kl_term, own_indexer_layers, recall_term
 from .adapter import LossSpec
+from .settings import indexer_stage_weight
 
 __all__ = ["INDEXER_STAGES", "IndexerSettings", "indexer_loss_specs", "indexer_report", "pop_indexer_history"]
 
@@ -25,28 +26,12 @@ class IndexerSettings:
     def __init__(
         self, config: Any, stage: str | None = None, loss_coeff: float | None = None, shared_supervision: bool = False
     ) -> None:
-        saved = float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0)
-        stage = stage or IndexerTraining.from_config(config).stage  # None: the checkpoint's default
-        self.training = IndexerTraining(stage, bool(shared_supervision))  # checks the stage
-        if loss_coeff is not None and stage != "sparse":
-            raise ValueError(
-                f"--indexer-loss-coeff weighs the sparse stage's KL; --indexer-stage {stage} "
-                + ("trains on the dense KL alone (weight 1)" if stage == "warmup" else "has no indexer loss")
-            )
-        coeff = saved if loss_coeff is None else float(loss_coeff)
-        if stage == "sparse" and not coeff > 0:
-            raise ValueError(
-                "--indexer-stage sparse needs --indexer-loss-coeff > 0 (the checkpoint's indexer_loss_coeff is "
-                f"{saved:g}; PaddleFleet's default is 0.01, the GLM-5 recipe of Megatron-Bridge 0.001)"
-            )
-        self.stage = stage
-        self.weight = {"none": 0.0, "warmup": 1.0, "sparse": coeff}[stage]
+        self.stage, self.weight = indexer_stage_weight(
+            stage, loss_coeff, float(getattr(config, "indexer_loss_coeff", 0) or 0)
+        )
+        self.training = IndexerTraining(self.stage, bool(shared_supervision))
         self.shared_supervision = bool(shared_supervision)
-        L = int(config.num_hidden_layers)
-        own = [i for i, k in enumerate(config.indexer_types) if k == "full"]
-        if not bool(getattr(config, "index_share_for_mtp_iteration", False)):
-            own += list(range(L, L + int(getattr(config, "num_mtp_layers", 0) or 0)))
-        self.layers = own
+        self.layers = own_indexer_layers(config)
 
     def describe(self) -> dict[str, Any]:
         return {

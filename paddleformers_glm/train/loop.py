@@ -45,16 +45,9 @@ from .moe_balance import ExpertBalancer
 from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
+from .settings import check_numbers
 
 __all__ = ["TrainConfig", "run_training"]
-
-
-_POSITIVE_INTS = ("steps", "seq_len", "global_batch_size", "micro_batch_size", "vpp")
-# float settings that must be finite numbers and >= 0 (None allowed for min_lr and indexer_loss_coeff)
-_NONNEGATIVE_FLOATS = (
-    "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
-    "indexer_loss_coeff",
-)  # fmt: skip
 
 
 @dataclass
@@ -119,10 +112,7 @@ class TrainConfig:
         return cls(**d)
 
     def validate(self) -> None:
-        for k in (*_POSITIVE_INTS, "save_every", "skip_nonfinite_steps"):  # counts: >= 1, else >= 0
-            lo = 1 if k in _POSITIVE_INTS else 0
-            if int(getattr(self, k)) < lo:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(self, k)}")
+        check_numbers(self)
         choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
         check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES})
         if self.schedule != "1f1b":
@@ -131,17 +121,6 @@ class TrainConfig:
             )
         if self.vpp > 1 and self.pp < 2:
             raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
-        for k in (*_NONNEGATIVE_FLOATS, "adam_beta1", "adam_beta2"):  # finite: --lr nan would train on NaN
-            v = getattr(self, k)
-            if v is None and k in ("min_lr", "indexer_loss_coeff"):
-                continue
-            flag = f"--{k.replace('_', '-')}"
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{flag} must be a finite number, got {v!r}")
-            if k in _NONNEGATIVE_FLOATS and v < 0:
-                raise ValueError(f"{flag} must be >= 0, got {v}")
-            if k.startswith("adam_beta") and not 0 <= v < 1:
-                raise ValueError(f"{flag} must be in [0, 1), got {v}")
 
 
 def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
@@ -283,8 +262,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
         pc,
         accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
         micro_batch_size=cfg.micro_batch_size,
-        **adapter.parallel_sizes(),
-    )
+    )  # the layout against the model's sizes: check_run above
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         return _train(cfg, adapter, topo, specs)

@@ -16,9 +16,8 @@ from typing import Any
 
 from ..._io import read_json
 
-__all__ = ["ReferenceIndexer", "resolve_indexer_stage", "saved_indexer_coeff"]
+__all__ = ["ReferenceIndexer", "saved_indexer_coeff"]
 
-STAGES = ("none", "warmup", "sparse")
 _ALL_KEYS = 1 << 30  # an index_topk past any sequence: HF's indexer then selects every key
 
 
@@ -29,22 +28,6 @@ def saved_indexer_coeff(model_dir: str) -> float:
     except ValueError:  # no such file, or not a JSON object
         return 0.0
     return float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
-
-
-def resolve_indexer_stage(stage: str | None, coeff: float | None, config_coeff: float) -> tuple[str, float]:
-    """(stage, weight of the indexer KL in the objective) from the flags, as ``glm52 train`` documents
-    them: default stage sparse when the checkpoint's ``indexer_loss_coeff`` > 0, else none; the
-    warm-up's weight is 1, the sparse stage's ``--indexer-loss-coeff`` (default the checkpoint's)."""
-    if stage is None:
-        stage = "sparse" if config_coeff > 0 else "none"
-    if stage not in STAGES:
-        raise ValueError(f"--indexer-stage must be one of {STAGES}, got {stage!r}")
-    if coeff is not None and stage != "sparse":
-        raise ValueError(f"--indexer-loss-coeff weighs the sparse stage's KL, not --indexer-stage {stage}")
-    weight = {"none": 0.0, "warmup": 1.0, "sparse": config_coeff if coeff is None else float(coeff)}[stage]
-    if stage == "sparse" and not weight > 0:
-        raise ValueError("--indexer-stage sparse needs --indexer-loss-coeff > 0")
-    return stage, weight
 
 
 def _visible(mask: Any) -> Any:

@@ -26,7 +26,8 @@ from ...train.command import (
     add_indexer_arguments,
     add_step_arguments,
 )
-from .indexer import ReferenceIndexer, resolve_indexer_stage, saved_indexer_coeff
+from ...train.settings import check_numbers, indexer_stage_weight
+from .indexer import ReferenceIndexer, saved_indexer_coeff
 from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
@@ -54,19 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
     add_dtype_argument(ap, "HF's dtype policy: the routers and correction biases fp32")
     args = ap.parse_args(argv)
-    for k in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
-        if getattr(args, k) < 1:
-            ap.error(f"--{k.replace('_', '-')} must be >= 1")
-    if args.global_batch_size % args.micro_batch_size:
-        ap.error("--global-batch-size must be divisible by --micro-batch-size")
-    if args.moe_bias_update_rate < 0:
-        ap.error("--moe-bias-update-rate must be >= 0")
-    if args.indexer_loss_coeff is not None and args.indexer_loss_coeff < 0:
-        ap.error("--indexer-loss-coeff must be >= 0")
-    try:
-        args.dump_step = _dump_steps(args)  # glm52 train's own check of DIR K pairs
+    try:  # glm52 train's own checks of the numbers and the DIR K pairs
+        check_numbers(args)
+        args.dump_step = _dump_steps(args)
     except ValueError as e:
         ap.error(str(e))
+    if args.global_batch_size % args.micro_batch_size:  # glm52 train's check_batch with one replica
+        ap.error("--global-batch-size must be divisible by --micro-batch-size")
     return args
 
 
@@ -135,7 +130,7 @@ class Reference:
         self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
         raw = read_json(os.path.join(model_dir, "config.json"), "the model config")
         self.mtp_weight = float(raw.get("mtp_loss_scaling_factor", getattr(conf, "mtp_loss_scaling_factor", 0.1)))
-        self.indexer_stage, self.indexer_coeff = resolve_indexer_stage(
+        self.indexer_stage, self.indexer_coeff = indexer_stage_weight(
             args.indexer_stage, args.indexer_loss_coeff, saved_indexer_coeff(model_dir)
         )
         self.indexer_shared = bool(args.indexer_shared_supervision)
