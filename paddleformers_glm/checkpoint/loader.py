@@ -35,7 +35,7 @@ from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import Fp8Source, fp8_pairs, quantization_of
 from .layout import fleet_param_specs, param_specs, resolve_dtype
-from .safetensors_io import FLOAT_DTYPES, Checkpoint, st_to_paddle_dtype
+from .safetensors_io import Checkpoint, st_to_paddle_dtype
 
 __all__ = [
     "LoadReport",
@@ -189,7 +189,7 @@ def check_checkpoint_keys(
     for k in sorted(present & set(specs)):
         info = ckpt.info(k)
         if k not in fp8:
-            if info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+            if info.dtype not in ("F32", "BF16", "F16", "F64"):
                 raise CheckpointError(
                     "non-float tensor where a weight is expected",
                     key=k,
@@ -442,10 +442,8 @@ def init_like_hf(params: Mapping[str, Any], std: float, seeded: bool = False) ->
             val = paddle.to_tensor(rng.normal(0.0, std, shape).astype(np.float32)).astype(t.dtype)
         elif len(shape) >= 2:
             val = paddle.normal(0.0, std, shape).astype(t.dtype)
-        elif k.endswith("bias"):
-            val = paddle.zeros(shape, dtype=t.dtype)
         else:
-            val = paddle.ones(shape, dtype=t.dtype)
+            val = paddle.full(shape, 0.0 if k.endswith("bias") else 1.0, dtype=t.dtype)
         paddle.assign(val, output=t)
 
 

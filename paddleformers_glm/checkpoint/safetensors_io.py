@@ -31,7 +31,6 @@ from .errors import CheckpointError
 
 __all__ = [
     "ST_DTYPES",
-    "FLOAT_DTYPES",
     "INDEX_NAME",
     "SINGLE_NAME",
     "TensorInfo",
@@ -71,7 +70,6 @@ ST_DTYPES: dict[str, tuple[int, Any, str | None]] = {
     "BOOL": (1, np.bool_, "bool"),
     "C64": (8, np.complex64, "complex64"),
 }
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
 _PADDLE_TO_ST = {p: s for s, (_, _, p) in ST_DTYPES.items() if p is not None}
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 
@@ -124,7 +122,7 @@ class TensorInfo:
     file: str
     dtype: str
     shape: tuple[int, ...]
-    begin: int  # absolute offset in the file
+    begin: int
     end: int
 
     @property
