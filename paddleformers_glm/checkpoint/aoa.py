@@ -153,9 +153,6 @@ class MappingUnit:
     def targets(self, direction: str) -> tuple[str, ...]:
         return self.fleet if direction == "hf_to_fleet" else self.hf
 
-    def statements(self, direction: str) -> tuple[str, ...]:
-        return getattr(self, direction)
-
 
 def _is_identity(stmt: str) -> bool:
     parts = [p.strip() for p in stmt.split("->")]
@@ -402,13 +399,13 @@ def build_statements(
         s_types = {k: src_dtypes[k] for k in srcs}
         t_types = {k: dst_dtypes[k] for k in tgts}
         if len(set(s_types.values())) <= 1:
-            out.extend(u.statements(direction))
+            out.extend(getattr(u, direction))
             s = next(iter(s_types.values()), None)
             out.extend(cast_line(k, s, t) for k, t in t_types.items() if s is not None and t != s)
         elif len(set(t_types.values())) == 1:
             t = next(iter(t_types.values()))
             out.extend(cast_line(k, s, t) for k, s in s_types.items() if s != t)
-            out.extend(u.statements(direction))
+            out.extend(getattr(u, direction))
         else:
             raise CheckpointError(
                 f"mapping unit {u.name} mixes source dtypes and target dtypes; cannot cast consistently",

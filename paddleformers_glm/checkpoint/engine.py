@@ -367,26 +367,22 @@ def _group_planner(
     and the group's AOA statements."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
-    src_keys = [k for u in group for k in u.sources(direction)]
-    src_meta = {k: source.meta(k) for k in src_keys}
+    src_meta = {k: source.meta(k) for u in group for k in u.sources(direction)}
     src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
     if direction == "hf_to_fleet":
         for u in group:
             for k, n in u.source_splits:
                 src_info[k] = _column_shards(k, *src_meta[k], n)
-    # Every target of the group gets destination info (the engine needs the full output set);
-    # ones not wanted are described as unsharded and never materialised.
-    dst_info: dict[str, list[Any]] = {}
-    dst_dtypes: dict[str, str] = {}
-    for u in group:
-        for k in u.targets(direction):
-            t = targets.get(k)
-            if t is None:
-                raise CheckpointError("internal: target of a selected unit has no spec", key=k)
-            dst_dtypes[k] = t.dtype
-            shards = t.all_shards or [t.local()]
-            dst_info[k] = [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in shards]
-    stmts = build_statements(group, direction, {k: d for k, (_, d) in src_meta.items()}, dst_dtypes)
+    # every target of the group is described (the engine needs the full output set); one not
+    # wanted is unsharded and never materialised
+    dst = {k: targets[k] for u in group for k in u.targets(direction)}
+    dst_info = {
+        k: [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in t.all_shards or [t.local()]]
+        for k, t in dst.items()
+    }
+    stmts = build_statements(
+        group, direction, {k: d for k, (_, d) in src_meta.items()}, {k: t.dtype for k, t in dst.items()}
+    )
     return _planner_for(group, stmts, src_info, dst_info, plans)
 
 
