@@ -236,7 +236,6 @@ def fleet_units(
     config: Any,
     expert_layout: str = "per-expert",
     fused_shards: int = 1,
-    rules: Mapping[str, Any] | None = None,
 ) -> list[MappingUnit]:
     """PaddleFleet-layout checkpoint (``hf`` side) <-> the Paddle model's ``state_dict()`` (``fleet`` side).
 
@@ -246,10 +245,7 @@ def fleet_units(
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
-    if fused_shards < 1:
-        raise ValueError(f"fused_shards must be >= 1, got {fused_shards}")
-    rules = rules or load_rules()
-    units = _adapters(config, expert_layout, rules)
+    units = _adapters(config, expert_layout, load_rules())
     covered = {k for u in units for k in u.fleet}
     for u in identity_units(k for k in model_param_specs(config) if k not in covered):
         k = u.fleet[0]
@@ -303,13 +299,7 @@ def checkpoint_units(
     raise ValueError(f"unknown checkpoint layout {layout!r}; expected 'hf', 'fleet' or 'fleet-legacy'")
 
 
-def expand_units(
-    config: Any,
-    rules: Mapping[str, Any] | None = None,
-    *,
-    layout: str = "model",
-    expert_layout: str = "per-expert",
-) -> list[MappingUnit]:
+def expand_units(config: Any, *, layout: str = "model", expert_layout: str = "per-expert") -> list[MappingUnit]:
     """All mapping units of a model: global ones, then per layer (decoder, experts, MTP wrapper).
 
     ``layout="model"``: official HF <-> the Paddle model's ``state_dict()``. ``layout="fleet"``:
@@ -319,7 +309,7 @@ def expand_units(
     """
     if layout not in ("model", "fleet"):
         raise ValueError(f"unknown target layout {layout!r}; expected 'model' or 'fleet'")
-    rules = rules or load_rules()
+    rules = load_rules()
     # a unit as written for the PaddleFleet layout: its ``paddlefleet`` override merged in
     raw = [{**u, **u["paddlefleet"]} if layout == "fleet" and "paddlefleet" in u else u for u in rules["units"]]
     units = _expand_units(config, raw)
@@ -376,7 +366,6 @@ def build_statements(
     direction: str,
     src_dtypes: Mapping[str, str],
     dst_dtypes: Mapping[str, str],
-    rules: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The AOA program for ``units`` in ``direction``, with casts where source and target dtypes differ.
 
@@ -387,8 +376,7 @@ def build_statements(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
-    rules = rules or load_rules()
-    cast = rules["cast"]
+    cast = load_rules()["cast"]
     out: list[str] = []
 
     def cast_line(key: str, a: str, b: str) -> str:
