@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import re
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -316,19 +315,14 @@ def expand_units(config: Any, *, layout: str = "model", expert_layout: str = "pe
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
-    out: list[MappingUnit | int] = []  # an int: where that layer's merged unit goes (its first expert unit)
-    merged: dict[int, list[MappingUnit]] = defaultdict(list)
+    # a layer's routed-expert units, merged, go where its first one is; every other unit stays alone
+    groups: dict[Any, list[MappingUnit]] = {}
     for u in units:
         a = adapters.get(u.layer)
-        if a is None or not set(u.fleet) <= set(a.fleet):
-            out.append(u)
-            continue
-        if u.layer not in merged:
-            out.append(u.layer)
-        merged[u.layer].append(u)
+        groups.setdefault(("layer", u.layer) if a and set(u.fleet) <= set(a.fleet) else id(u), []).append(u)
 
-    def merge(layer: int) -> MappingUnit:
-        a, group = adapters[layer], merged[layer]
+    def merge(layer: int, group: list[MappingUnit]) -> MappingUnit:
+        a = adapters[layer]
         return MappingUnit(
             name=a.name,
             tags=tuple(dict.fromkeys([t for g in group for t in g.tags] + list(a.tags))),
@@ -339,7 +333,7 @@ def expand_units(config: Any, *, layout: str = "model", expert_layout: str = "pe
             layer=layer,
         )
 
-    return [merge(u) if isinstance(u, int) else u for u in out]
+    return [merge(k[1], g) if isinstance(k, tuple) else g[0] for k, g in groups.items()]
 
 
 def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[MappingUnit]:

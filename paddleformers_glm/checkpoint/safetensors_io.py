@@ -149,13 +149,8 @@ def _is_int(x: Any) -> bool:
 
 
 def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
-    """Read and validate a safetensors header; returns (tensors, __metadata__, data start offset).
-
-    Checks: length prefix within the file, UTF-8 JSON object without duplicate keys, known dtype
-    names, integer shapes and offsets, byte length == numel x itemsize, ranges inside the data area,
-    no overlap, no gap, and no trailing bytes after the last tensor. With a ``warnings`` list,
-    trailing bytes (which no tensor's value depends on) are reported there instead of refused.
-    """
+    """Read and validate a safetensors header, every entry and the data area's tiling; returns
+    (tensors, __metadata__, data start offset)."""
     raw, size = _read_header_bytes(file)
     if not raw.startswith(b"{"):
         raise CheckpointError("corrupt header: does not start with '{'", file=file, actual=raw[:16])
@@ -565,11 +560,7 @@ def le_bytes(array: np.ndarray) -> np.ndarray:
 
 
 class SafetensorsWriter:
-    """Writes one safetensors file whose header is fixed up front; tensors may arrive in any order.
-
-    Every planned tensor must be written exactly once with the planned dtype and shape;
-    ``close()`` refuses to finish a file with a tensor missing.
-    """
+    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order."""
 
     def __init__(
         self, file: str, entries: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
