@@ -10,6 +10,7 @@ the checkpoint (or the official layout), so the loader and saver drive all unit 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -400,11 +401,7 @@ def build_statements(
 
 def quiet_paddle_logs() -> None:
     """Paddle's checkpoint code logs one INFO line per call; keep user output readable."""
+    with contextlib.suppress(Exception):  # its import sets its logger to INFO: import it first
+        import paddle.distributed.fleet.utils.log_util  # noqa: F401
     for name in ("paddle.distributed.flex_checkpoint", "paddle.distributed.fleet.utils.log_util", "root"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from paddle.distributed.fleet.utils.log_util import logger as fleet_logger
-
-        fleet_logger.setLevel(logging.WARNING)
-    except Exception:  # pragma: no cover - logging only
-        pass

@@ -256,9 +256,7 @@ def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict,
     """
     if cache is None or any("$" in x or "*" in x for x in stmts):
         return _build_engine(group, stmts, src_info, dst_info).find_shard_sources
-    names: dict[str, str] = {}
-    for k in (*src_info, *dst_info):
-        names.setdefault(k, f"glm52_k{len(names)}")
+    names = {k: f"glm52_k{i}" for i, k in enumerate(dict.fromkeys((*src_info, *dst_info)))}
     real = {v: k for k, v in names.items()}
 
     def canon(info: dict) -> dict:
