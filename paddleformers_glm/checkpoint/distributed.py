@@ -33,19 +33,17 @@ from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shard
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
 
-def _owner_candidate(spec: Any, topo: Topology) -> bool:
-    """A canonical holder: dp 0 / cp 0 / tp 0 (a TP-split tensor is merged there), edp 0 / etp 0
-    for experts (the expert grid spans the cp ranks: a cp rank > 0 may own experts no other has)."""
-    if spec.expert:
-        return topo.edp_rank == 0 and topo.etp_rank == 0
-    return topo.dp_rank == 0 and topo.cp_rank == 0 and topo.tp_rank == 0
-
-
 def _group_gathers(spec: Any, topo: Topology) -> bool:
     """Whether this rank's group takes part in merging (the same answer on every member)."""
     if spec.expert:  # an etp group shares its edp rank (it may span cp ranks)
         return topo.edp_rank == 0
     return topo.dp_rank == 0 and topo.cp_rank == 0  # context-parallel ranks hold dense replicas
+
+
+def _owner_candidate(spec: Any, topo: Topology) -> bool:
+    """A canonical holder: rank 0 of a merging group (a TP-split tensor is merged there); for experts
+    edp 0 / etp 0 (the expert grid spans the cp ranks: a cp rank > 0 may own experts no other has)."""
+    return _group_gathers(spec, topo) and (topo.etp_rank if spec.expert else topo.tp_rank) == 0
 
 
 def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
