@@ -242,13 +242,12 @@ def load_pretrained_state(
         fp8 = fp8_pairs(ckpt, block)
         weight_keys = set(ckpt.keys()) - set(fp8.values())
         layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)
-        report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
+        report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings), quantized=sorted(fp8))
         for w in ckpt.warnings:
             logger.warning("%s", w)
         if layout == "fleet-legacy":
             warnings.warn(fleet_format.LEGACY_MESSAGE, FutureWarning, stacklevel=2)
             report.warnings.append(fleet_format.LEGACY_MESSAGE)
-        report.quantized = sorted(fp8)
         expert_layout = fleet_format.detect_expert_layout(weight_keys)
         src_specs = param_specs(cfg, layout, expert_layout)
         missing_src, report.unexpected, report.dtype_changes = check_checkpoint_keys(
@@ -459,9 +458,8 @@ def _load_with_paddle(
     direction = "hf_to_fleet"
     wanted = {k: t for k, t in targets.items() if k in want}
     by_files: dict[frozenset[str], list[MappingUnit]] = defaultdict(list)
-    for u in units:
-        if any(k in wanted for k in u.fleet):
-            by_files[frozenset(ckpt.info(k).file for k in u.sources(direction))].append(u)
+    for u in units:  # each produces a wanted key (_plan_units)
+        by_files[frozenset(ckpt.info(k).file for k in u.sources(direction))].append(u)
     loaded: list[str] = []
     with tempfile.TemporaryDirectory(prefix="glm52-aoa-") as tmp:
         for i, (files, group) in enumerate(sorted(by_files.items(), key=lambda kv: sorted(kv[0]))):
