@@ -196,16 +196,12 @@ def _make(
 
 def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]:
     """``<a.#.b>`` -> ``a.0.b, a.1.b, ...`` inside a statement; as a key-list item, one key each."""
-    out: list[str] = []
-    for s in items:
-        m = _EXPERT_LIST.fullmatch(s.strip()) if keys else None
-        if m:
-            out.extend(m.group(1).replace("#", str(e)) for e in range(n_experts))
-        else:
-            out.append(
-                _EXPERT_LIST.sub(lambda mm: ", ".join(mm.group(1).replace("#", str(e)) for e in range(n_experts)), s)
-            )
-    return out
+
+    def each(m: re.Match) -> str:
+        return ", ".join(m.group(1).replace("#", str(e)) for e in range(n_experts))
+
+    out = [_EXPERT_LIST.sub(each, s) for s in items]
+    return [k.strip() for s in out for k in s.split(",")] if keys else out
 
 
 def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
