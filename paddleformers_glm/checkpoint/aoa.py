@@ -188,9 +188,8 @@ def _make(
         tags=tuple(dict.fromkeys([*unit.get("tags", []), *extra_tags])),
         hf=sub(unit["hf"]),
         fleet=sub(unit["fleet"]),
-        hf_to_fleet=stmts["hf_to_fleet"],
-        fleet_to_hf=stmts["fleet_to_hf"],
         layer=layer,
+        **stmts,
     )
 
 
