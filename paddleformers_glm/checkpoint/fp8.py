@@ -9,6 +9,7 @@ a weight from an FP8 checkpoint of this scheme gets back exactly its source byte
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -180,12 +181,10 @@ def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
     qc = None
     file = os.path.join(folder, "config.json")
     if os.path.isfile(file):
-        try:
+        with contextlib.suppress(ValueError):  # an unreadable config.json is the config loader's to refuse
             qc = read_json(file, "the model config").get("quantization_config")
-        except ValueError:
-            qc = None
-    if qc is None and config is not None:
-        qc = getattr(config, "quantization_config", None) if hasattr(config, "_extra") else None
+    if qc is None and hasattr(config, "_extra"):
+        qc = getattr(config, "quantization_config", None)
     if qc is None:
         return None
     if not isinstance(qc, Mapping):

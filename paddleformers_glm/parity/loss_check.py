@@ -91,12 +91,8 @@ def compare_losses(
     }
 
 
-JUMP_FACTOR = 10.0
-JUMP_FLOOR = 1e-6
-
-
 def detect_jumps(
-    a: Sequence[float], b: Sequence[float], factor: float = JUMP_FACTOR, floor: float = JUMP_FLOOR
+    a: Sequence[float], b: Sequence[float], factor: float = 10.0, floor: float = 1e-6
 ) -> list[dict[str, Any]]:
     """Steps where ``|a - b|`` leaps instead of growing smoothly.
 
