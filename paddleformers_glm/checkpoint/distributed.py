@@ -17,6 +17,7 @@ import shutil
 from typing import Any
 
 import paddle
+import paddle.distributed as dist
 import paddle.nn as nn
 
 from ..parallel.layers import get_shard_spec, merge_slices
@@ -50,8 +51,6 @@ def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
     """``obj`` of every rank, in rank order (collective; the object itself at world size 1)."""
     if topo.world_size == 1:
         return [obj]
-    import paddle.distributed as dist
-
     out: list[Any] = []
     dist.all_gather_object(out, obj)
     return out
@@ -59,8 +58,6 @@ def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
 
 def _barrier(topo: Topology) -> None:
     if topo.world_size > 1:
-        import paddle.distributed as dist
-
         dist.barrier()
 
 
@@ -134,8 +131,6 @@ def export_distributed(
                 if size > 1:
                     if not _group_gathers(spec, topo):
                         continue
-                    import paddle.distributed as dist
-
                     parts: list[paddle.Tensor] = []
                     dist.all_gather(parts, t.detach(), group=topo.group(spec.group))
                     if owner:
