@@ -11,6 +11,7 @@ per mapping unit because the engine's macro passes scan every key per statement 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -216,19 +217,14 @@ def _each(block: Callable[[int], None], n: int, step: int) -> None:
     list(pool.map(block, starts) if pool is not None and len(starts) > 1 else map(block, starts))
 
 
-_POOL: Any = None
-
-
+@functools.cache
 def _pool() -> Any:
     """Worker threads for block copies (``GLM52_LOAD_THREADS``, default: CPU count up to 8; 1 = off)."""
-    global _POOL
-    if _POOL is None:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
+    import os
+    from concurrent.futures import ThreadPoolExecutor
 
-        n = int(os.environ.get("GLM52_LOAD_THREADS", min(8, os.cpu_count() or 1)))
-        _POOL = ThreadPoolExecutor(n, thread_name_prefix="glm52-load") if n > 1 else False
-    return _POOL or None
+    n = int(os.environ.get("GLM52_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+    return ThreadPoolExecutor(n, thread_name_prefix="glm52-load") if n > 1 else None
 
 
 def _build_engine(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict) -> Any:
