@@ -10,12 +10,12 @@ the checkpoint (or the official layout), so the loader and saver drive all unit 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import re
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -153,9 +153,6 @@ class MappingUnit:
     def targets(self, direction: str) -> tuple[str, ...]:
         return self.fleet if direction == "hf_to_fleet" else self.hf
 
-    def statements(self, direction: str) -> tuple[str, ...]:
-        return getattr(self, direction)
-
 
 def _is_identity(stmt: str) -> bool:
     parts = [p.strip() for p in stmt.split("->")]
@@ -191,24 +188,19 @@ def _make(
         tags=tuple(dict.fromkeys([*unit.get("tags", []), *extra_tags])),
         hf=sub(unit["hf"]),
         fleet=sub(unit["fleet"]),
-        hf_to_fleet=stmts["hf_to_fleet"],
-        fleet_to_hf=stmts["fleet_to_hf"],
         layer=layer,
+        **stmts,
     )
 
 
 def _expand_lists(items: Iterable[str], n_experts: int, keys: bool) -> list[str]:
     """``<a.#.b>`` -> ``a.0.b, a.1.b, ...`` inside a statement; as a key-list item, one key each."""
-    out: list[str] = []
-    for s in items:
-        m = _EXPERT_LIST.fullmatch(s.strip()) if keys else None
-        if m:
-            out.extend(m.group(1).replace("#", str(e)) for e in range(n_experts))
-        else:
-            out.append(
-                _EXPERT_LIST.sub(lambda mm: ", ".join(mm.group(1).replace("#", str(e)) for e in range(n_experts)), s)
-            )
-    return out
+
+    def each(m: re.Match) -> str:
+        return ", ".join(m.group(1).replace("#", str(e)) for e in range(n_experts))
+
+    out = [_EXPERT_LIST.sub(each, s) for s in items]
+    return [k.strip() for s in out for k in s.split(",")] if keys else out
 
 
 def _adapters(config: Any, expert_layout: str, rules: Mapping[str, Any]) -> list[MappingUnit]:
@@ -239,7 +231,6 @@ def fleet_units(
     config: Any,
     expert_layout: str = "per-expert",
     fused_shards: int = 1,
-    rules: Mapping[str, Any] | None = None,
 ) -> list[MappingUnit]:
     """PaddleFleet-layout checkpoint (``hf`` side) <-> the Paddle model's ``state_dict()`` (``fleet`` side).
 
@@ -249,10 +240,7 @@ def fleet_units(
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}")
-    if fused_shards < 1:
-        raise ValueError(f"fused_shards must be >= 1, got {fused_shards}")
-    rules = rules or load_rules()
-    units = _adapters(config, expert_layout, rules)
+    units = _adapters(config, expert_layout, load_rules())
     covered = {k for u in units for k in u.fleet}
     for u in identity_units(k for k in model_param_specs(config) if k not in covered):
         k = u.fleet[0]
@@ -306,13 +294,7 @@ def checkpoint_units(
     raise ValueError(f"unknown checkpoint layout {layout!r}; expected 'hf', 'fleet' or 'fleet-legacy'")
 
 
-def expand_units(
-    config: Any,
-    rules: Mapping[str, Any] | None = None,
-    *,
-    layout: str = "model",
-    expert_layout: str = "per-expert",
-) -> list[MappingUnit]:
+def expand_units(config: Any, *, layout: str = "model", expert_layout: str = "per-expert") -> list[MappingUnit]:
     """All mapping units of a model: global ones, then per layer (decoder, experts, MTP wrapper).
 
     ``layout="model"``: official HF <-> the Paddle model's ``state_dict()``. ``layout="fleet"``:
@@ -322,26 +304,21 @@ def expand_units(
     """
     if layout not in ("model", "fleet"):
         raise ValueError(f"unknown target layout {layout!r}; expected 'model' or 'fleet'")
-    rules = rules or load_rules()
+    rules = load_rules()
     # a unit as written for the PaddleFleet layout: its ``paddlefleet`` override merged in
     raw = [{**u, **u["paddlefleet"]} if layout == "fleet" and "paddlefleet" in u else u for u in rules["units"]]
     units = _expand_units(config, raw)
     if layout == "model" or expert_layout == "per-expert":
         return units
     adapters = {a.layer: a for a in _adapters(config, expert_layout, rules) if a.layer is not None and len(a.fleet) > 1}
-    out: list[MappingUnit | int] = []  # an int: where that layer's merged unit goes (its first expert unit)
-    merged: dict[int, list[MappingUnit]] = defaultdict(list)
+    # a layer's routed-expert units, merged, go where its first one is; every other unit stays alone
+    groups: dict[Any, list[MappingUnit]] = {}
     for u in units:
         a = adapters.get(u.layer)
-        if a is None or not set(u.fleet) <= set(a.fleet):
-            out.append(u)
-            continue
-        if u.layer not in merged:
-            out.append(u.layer)
-        merged[u.layer].append(u)
+        groups.setdefault(("layer", u.layer) if a and set(u.fleet) <= set(a.fleet) else id(u), []).append(u)
 
-    def merge(layer: int) -> MappingUnit:
-        a, group = adapters[layer], merged[layer]
+    def merge(layer: int, group: list[MappingUnit]) -> MappingUnit:
+        a = adapters[layer]
         return MappingUnit(
             name=a.name,
             tags=tuple(dict.fromkeys([t for g in group for t in g.tags] + list(a.tags))),
@@ -352,7 +329,7 @@ def expand_units(
             layer=layer,
         )
 
-    return [merge(u) if isinstance(u, int) else u for u in out]
+    return [merge(k[1], g) if isinstance(k, tuple) else g[0] for k, g in groups.items()]
 
 
 def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[MappingUnit]:
@@ -379,7 +356,6 @@ def build_statements(
     direction: str,
     src_dtypes: Mapping[str, str],
     dst_dtypes: Mapping[str, str],
-    rules: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The AOA program for ``units`` in ``direction``, with casts where source and target dtypes differ.
 
@@ -390,8 +366,7 @@ def build_statements(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
-    rules = rules or load_rules()
-    cast = rules["cast"]
+    cast = load_rules()["cast"]
     out: list[str] = []
 
     def cast_line(key: str, a: str, b: str) -> str:
@@ -402,13 +377,13 @@ def build_statements(
         s_types = {k: src_dtypes[k] for k in srcs}
         t_types = {k: dst_dtypes[k] for k in tgts}
         if len(set(s_types.values())) <= 1:
-            out.extend(u.statements(direction))
+            out.extend(getattr(u, direction))
             s = next(iter(s_types.values()), None)
             out.extend(cast_line(k, s, t) for k, t in t_types.items() if s is not None and t != s)
         elif len(set(t_types.values())) == 1:
             t = next(iter(t_types.values()))
             out.extend(cast_line(k, s, t) for k, s in s_types.items() if s != t)
-            out.extend(u.statements(direction))
+            out.extend(getattr(u, direction))
         else:
             raise CheckpointError(
                 f"mapping unit {u.name} mixes source dtypes and target dtypes; cannot cast consistently",
@@ -421,11 +396,7 @@ def build_statements(
 
 def quiet_paddle_logs() -> None:
     """Paddle's checkpoint code logs one INFO line per call; keep user output readable."""
+    with contextlib.suppress(Exception):  # its import sets its logger to INFO: import it first
+        import paddle.distributed.fleet.utils.log_util  # noqa: F401
     for name in ("paddle.distributed.flex_checkpoint", "paddle.distributed.fleet.utils.log_util", "root"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from paddle.distributed.fleet.utils.log_util import logger as fleet_logger
-
-        fleet_logger.setLevel(logging.WARNING)
-    except Exception:  # pragma: no cover - logging only
-        pass

@@ -41,7 +41,6 @@ def register_convert(sub: argparse._SubParsersAction) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
     from .. import progress
     from .convert import convert_checkpoint
-    from .errors import CheckpointError
 
     progress.set_quiet(True if args.quiet else None)
 
@@ -55,7 +54,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             expert_layout=args.expert_layout,
             quantization=args.quantization,
         )
-    except (CheckpointError, ValueError) as e:
+    except ValueError as e:  # CheckpointError included
         print(f"convert: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a filesystem error (full disk, permissions): one line naming the path

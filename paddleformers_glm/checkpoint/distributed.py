@@ -17,6 +17,7 @@ import shutil
 from typing import Any
 
 import paddle
+import paddle.distributed as dist
 import paddle.nn as nn
 
 from ..parallel.layers import get_shard_spec, merge_slices
@@ -33,14 +34,6 @@ from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shard
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
 
-def _owner_candidate(spec: Any, topo: Topology) -> bool:
-    """A canonical holder: dp 0 / cp 0 / tp 0 (a TP-split tensor is merged there), edp 0 / etp 0
-    for experts (the expert grid spans the cp ranks: a cp rank > 0 may own experts no other has)."""
-    if spec.expert:
-        return topo.edp_rank == 0 and topo.etp_rank == 0
-    return topo.dp_rank == 0 and topo.cp_rank == 0 and topo.tp_rank == 0
-
-
 def _group_gathers(spec: Any, topo: Topology) -> bool:
     """Whether this rank's group takes part in merging (the same answer on every member)."""
     if spec.expert:  # an etp group shares its edp rank (it may span cp ranks)
@@ -48,12 +41,16 @@ def _group_gathers(spec: Any, topo: Topology) -> bool:
     return topo.dp_rank == 0 and topo.cp_rank == 0  # context-parallel ranks hold dense replicas
 
 
+def _owner_candidate(spec: Any, topo: Topology) -> bool:
+    """A canonical holder: rank 0 of a merging group (a TP-split tensor is merged there); for experts
+    edp 0 / etp 0 (the expert grid spans the cp ranks: a cp rank > 0 may own experts no other has)."""
+    return _group_gathers(spec, topo) and (topo.etp_rank if spec.expert else topo.tp_rank) == 0
+
+
 def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
     """``obj`` of every rank, in rank order (collective; the object itself at world size 1)."""
     if topo.world_size == 1:
         return [obj]
-    import paddle.distributed as dist
-
     out: list[Any] = []
     dist.all_gather_object(out, obj)
     return out
@@ -61,8 +58,6 @@ def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
 
 def _barrier(topo: Topology) -> None:
     if topo.world_size > 1:
-        import paddle.distributed as dist
-
         dist.barrier()
 
 
@@ -136,8 +131,6 @@ def export_distributed(
                 if size > 1:
                     if not _group_gathers(spec, topo):
                         continue
-                    import paddle.distributed as dist
-
                     parts: list[paddle.Tensor] = []
                     dist.all_gather(parts, t.detach(), group=topo.group(spec.group))
                     if owner:

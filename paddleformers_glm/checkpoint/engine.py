@@ -11,6 +11,7 @@ per mapping unit because the engine's macro passes scan every key per statement 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -216,19 +217,14 @@ def _each(block: Callable[[int], None], n: int, step: int) -> None:
     list(pool.map(block, starts) if pool is not None and len(starts) > 1 else map(block, starts))
 
 
-_POOL: Any = None
-
-
+@functools.cache
 def _pool() -> Any:
     """Worker threads for block copies (``GLM52_LOAD_THREADS``, default: CPU count up to 8; 1 = off)."""
-    global _POOL
-    if _POOL is None:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
+    import os
+    from concurrent.futures import ThreadPoolExecutor
 
-        n = int(os.environ.get("GLM52_LOAD_THREADS", min(8, os.cpu_count() or 1)))
-        _POOL = ThreadPoolExecutor(n, thread_name_prefix="glm52-load") if n > 1 else False
-    return _POOL or None
+    n = int(os.environ.get("GLM52_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+    return ThreadPoolExecutor(n, thread_name_prefix="glm52-load") if n > 1 else None
 
 
 def _build_engine(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict) -> Any:
@@ -256,9 +252,7 @@ def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict,
     """
     if cache is None or any("$" in x or "*" in x for x in stmts):
         return _build_engine(group, stmts, src_info, dst_info).find_shard_sources
-    names: dict[str, str] = {}
-    for k in (*src_info, *dst_info):
-        names.setdefault(k, f"glm52_k{len(names)}")
+    names = {k: f"glm52_k{i}" for i, k in enumerate(dict.fromkeys((*src_info, *dst_info)))}
     real = {v: k for k, v in names.items()}
 
     def canon(info: dict) -> dict:
@@ -367,26 +361,22 @@ def _group_planner(
     and the group's AOA statements."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
-    src_keys = [k for u in group for k in u.sources(direction)]
-    src_meta = {k: source.meta(k) for k in src_keys}
+    src_meta = {k: source.meta(k) for u in group for k in u.sources(direction)}
     src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
     if direction == "hf_to_fleet":
         for u in group:
             for k, n in u.source_splits:
                 src_info[k] = _column_shards(k, *src_meta[k], n)
-    # Every target of the group gets destination info (the engine needs the full output set);
-    # ones not wanted are described as unsharded and never materialised.
-    dst_info: dict[str, list[Any]] = {}
-    dst_dtypes: dict[str, str] = {}
-    for u in group:
-        for k in u.targets(direction):
-            t = targets.get(k)
-            if t is None:
-                raise CheckpointError("internal: target of a selected unit has no spec", key=k)
-            dst_dtypes[k] = t.dtype
-            shards = t.all_shards or [t.local()]
-            dst_info[k] = [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in shards]
-    stmts = build_statements(group, direction, {k: d for k, (_, d) in src_meta.items()}, dst_dtypes)
+    # every target of the group is described (the engine needs the full output set); one not
+    # wanted is unsharded and never materialised
+    dst = {k: targets[k] for u in group for k in u.targets(direction)}
+    dst_info = {
+        k: [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in t.all_shards or [t.local()]]
+        for k, t in dst.items()
+    }
+    stmts = build_statements(
+        group, direction, {k: d for k, (_, d) in src_meta.items()}, {k: t.dtype for k, t in dst.items()}
+    )
     return _planner_for(group, stmts, src_info, dst_info, plans)
 
 

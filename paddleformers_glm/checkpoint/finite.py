@@ -17,7 +17,7 @@ import numpy as np
 from .errors import CheckpointError
 from .safetensors_io import paddle_to_st_dtype
 
-__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw", "nonfinite_tensors"]
+__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw"]
 
 _CHUNK_BYTES = 1 << 18  # raw bytes per vectorised test: the temporary stays in cache
 
@@ -64,35 +64,28 @@ def count_nonfinite_raw(data: memoryview | bytes | np.ndarray, st_dtype: str) ->
     return total
 
 
-def nonfinite_tensors(state: Mapping[str, Any]) -> dict[str, int]:
-    """``{name: count of NaN/Inf elements}`` of the floating-point tensors of a state dict (Paddle
-    tensors, on whatever device they live; ``ShardedWeight`` values are checked by their local
-    tensor).  A CPU tensor is tested on its own memory (a numpy view: the raw bit test), any other
-    with ``paddle.isfinite`` where it lives; nothing is copied to the host but the counts."""
+def check_finite_state(state: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`NonFiniteError` naming the floating-point tensors of ``state`` that hold NaN or Inf
+    (``where``: the checkpoint they came from, for the message). Tensors are checked where they live
+    (``ShardedWeight`` values by their local tensor): a CPU one on its own memory (a numpy view, the raw
+    bit test), any other with ``paddle.isfinite``; nothing is copied to the host but the counts."""
     import paddle
 
     from .engine import numpy_view
 
-    out: dict[str, int] = {}
+    bad: dict[str, int] = {}
     for name, t in state.items():
         t = getattr(t, "local_tensor", t)
         if not isinstance(t, paddle.Tensor) or not t.is_floating_point() or t.numel() == 0:
             continue
-        view = numpy_view(t.detach())  # CPU: the bit test on the tensor's own memory, no copy
+        view = numpy_view(t.detach())
         if view is not None:  # bf16 / f16 / f32 / f64
-            bad = count_nonfinite_raw(view, paddle_to_st_dtype(t.dtype))
-        else:  # an accelerator's tensor (or another dtype): Paddle's own test where it lives
+            count = count_nonfinite_raw(view, paddle_to_st_dtype(t.dtype))
+        else:  # an accelerator's tensor (or another dtype)
             finite = paddle.isfinite(t)
-            bad = 0 if bool(finite.all()) else int((~finite).astype("int64").sum())
-        if bad:
-            out[name] = bad
-    return out
-
-
-def check_finite_state(state: Mapping[str, Any], where: str) -> None:
-    """Raise :class:`NonFiniteError` naming the tensors of ``state`` that hold NaN or Inf (``where``:
-    the checkpoint they came from, for the message)."""
-    bad = nonfinite_tensors(state)
+            count = 0 if bool(finite.all()) else int((~finite).astype("int64").sum())
+        if count:
+            bad[name] = count
     if not bad:
         return
     names = sorted(bad)

@@ -9,6 +9,7 @@ a weight from an FP8 checkpoint of this scheme gets back exactly its source byte
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -121,19 +122,14 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
     br, bc = block
     rows, cols = w.shape
     R, C = math.ceil(rows / br), math.ceil(cols / bc)
-    pad = np.zeros((R * br, C * bc), dtype=np.float32)
-    pad[:rows, :cols] = np.abs(w)
-    amax = pad.reshape(R, br, C, bc).max(axis=(1, 3))
-    del pad
+    padding = ((0, R * br - rows), (0, C * bc - cols))
+    amax = np.pad(np.abs(w), padding).reshape(R, br, C, bc).max(axis=(1, 3))
     scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
     scale[amax == 0] = np.float32(1.0)
     ri, ci = np.arange(rows) // br, np.arange(cols) // bc
 
     def exact_blocks(q_deq: np.ndarray) -> np.ndarray:
-        same = np.zeros((R * br, C * bc), dtype=bool)
-        same[:rows, :cols] = q_deq.view(np.uint32) == w.view(np.uint32)
-        same[rows:, :] = True
-        same[:, cols:] = True
+        same = np.pad(q_deq.view(np.uint32) == w.view(np.uint32), padding, constant_values=True)
         return same.reshape(R, br, C, bc).all(axis=(1, 3))
 
     best = scale.copy()
@@ -142,15 +138,14 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
     for step in (-np.inf, np.inf):  # the neighbours one ulp down, then up, where amax / 448 is not exact
         if done.all():
             break
-        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(np.float32)
-        cand[amax == 0] = np.float32(1.0)
+        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(
+            np.float32
+        )  # done ones (all-zero too) stay
         q2, deq2 = _quantize_with(w, cand[ri][:, ci])
         ok = exact_blocks(deq2) & ~done
-        if ok.any():
-            sel = ok[ri][:, ci]
-            q = np.where(sel, q2, q)
-            best = np.where(ok, cand, best)
-            done |= ok
+        q = np.where(ok[ri][:, ci], q2, q)
+        best = np.where(ok, cand, best)
+        done |= ok
     return q, best.astype(np.float32)
 
 
@@ -186,12 +181,10 @@ def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
     qc = None
     file = os.path.join(folder, "config.json")
     if os.path.isfile(file):
-        try:
+        with contextlib.suppress(ValueError):  # an unreadable config.json is the config loader's to refuse
             qc = read_json(file, "the model config").get("quantization_config")
-        except ValueError:
-            qc = None
-    if qc is None and config is not None:
-        qc = getattr(config, "quantization_config", None) if hasattr(config, "_extra") else None
+    if qc is None and hasattr(config, "_extra"):
+        qc = getattr(config, "quantization_config", None)
     if qc is None:
         return None
     if not isinstance(qc, Mapping):

@@ -35,7 +35,7 @@ from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import Fp8Source, fp8_pairs, quantization_of
 from .layout import fleet_param_specs, param_specs, resolve_dtype
-from .safetensors_io import FLOAT_DTYPES, Checkpoint, st_to_paddle_dtype
+from .safetensors_io import Checkpoint, st_to_paddle_dtype
 
 __all__ = [
     "LoadReport",
@@ -189,7 +189,7 @@ def check_checkpoint_keys(
     for k in sorted(present & set(specs)):
         info = ckpt.info(k)
         if k not in fp8:
-            if info.dtype not in FLOAT_DTYPES or info.dtype.startswith("F8"):
+            if info.dtype not in ("F32", "BF16", "F16", "F64"):
                 raise CheckpointError(
                     "non-float tensor where a weight is expected",
                     key=k,
@@ -242,13 +242,12 @@ def load_pretrained_state(
         fp8 = fp8_pairs(ckpt, block)
         weight_keys = set(ckpt.keys()) - set(fp8.values())
         layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)
-        report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings))
+        report = LoadReport(path=path, layout=layout, warnings=list(ckpt.warnings), quantized=sorted(fp8))
         for w in ckpt.warnings:
             logger.warning("%s", w)
         if layout == "fleet-legacy":
             warnings.warn(fleet_format.LEGACY_MESSAGE, FutureWarning, stacklevel=2)
             report.warnings.append(fleet_format.LEGACY_MESSAGE)
-        report.quantized = sorted(fp8)
         expert_layout = fleet_format.detect_expert_layout(weight_keys)
         src_specs = param_specs(cfg, layout, expert_layout)
         missing_src, report.unexpected, report.dtype_changes = check_checkpoint_keys(
@@ -442,10 +441,8 @@ def init_like_hf(params: Mapping[str, Any], std: float, seeded: bool = False) ->
             val = paddle.to_tensor(rng.normal(0.0, std, shape).astype(np.float32)).astype(t.dtype)
         elif len(shape) >= 2:
             val = paddle.normal(0.0, std, shape).astype(t.dtype)
-        elif k.endswith("bias"):
-            val = paddle.zeros(shape, dtype=t.dtype)
         else:
-            val = paddle.ones(shape, dtype=t.dtype)
+            val = paddle.full(shape, 0.0 if k.endswith("bias") else 1.0, dtype=t.dtype)
         paddle.assign(val, output=t)
 
 
@@ -461,9 +458,8 @@ def _load_with_paddle(
     direction = "hf_to_fleet"
     wanted = {k: t for k, t in targets.items() if k in want}
     by_files: dict[frozenset[str], list[MappingUnit]] = defaultdict(list)
-    for u in units:
-        if any(k in wanted for k in u.fleet):
-            by_files[frozenset(ckpt.info(k).file for k in u.sources(direction))].append(u)
+    for u in units:  # each produces a wanted key (_plan_units)
+        by_files[frozenset(ckpt.info(k).file for k in u.sources(direction))].append(u)
     loaded: list[str] = []
     with tempfile.TemporaryDirectory(prefix="glm52-aoa-") as tmp:
         for i, (files, group) in enumerate(sorted(by_files.items(), key=lambda kv: sorted(kv[0]))):
