@@ -70,12 +70,8 @@ class Layout(ParallelConfig):
         """(summary, glm52 train flags) of each setting shown: tp, pp, dp, ep, recompute always,
         the others where they are not the default."""
         s, st = self.sharding, self.sharding_stage
-        parts = [(True, f"TP{self.tp}", f"--tp {self.tp}"), (True, f"PP{self.pp}", f"--pp {self.pp}")]
-        parts += [(True, f"DP{self.dp}", f"--dp {self.dp}"), (True, f"EP{self.ep}", f"--ep {self.ep}")]
-        parts += [
-            (self.etp > 1, f"ETP{self.etp}", f"--etp {self.etp}"),
-            (self.vpp > 1, f"VPP{self.vpp}", f"--vpp {self.vpp}"),
-        ]
+        sizes = [(k, getattr(self, k)) for k in ("tp", "pp", "dp", "ep", "etp", "vpp")]
+        parts = [(k in ("tp", "pp", "dp", "ep") or n > 1, f"{k.upper()}{n}", f"--{k} {n}") for k, n in sizes]
         parts += [(s > 1, f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}")]
         parts += [(self.cp > 1, f"CP{self.cp}", f"--cp {self.cp}"), (self.sp, "SP", "--sp")]
         parts += [(True, f"recompute={self.recompute}", f"--recompute {self.recompute}")]
@@ -167,9 +163,8 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
             ]
         _CACHE[key] = LayerCounts(parts)
         return _CACHE[key]
-    L = config.num_hidden_layers
     reps: dict[Any, int] = {}
-    for i in range(L):
+    for i in range(config.num_hidden_layers):
         reps.setdefault(_layer_key(config, i), i)
     # shapes depend on tp / ep / etp / sp only; dp is any size that makes the expert grid valid
     pc = ParallelConfig(tp=lay.tp, pp=1, dp=lay.ep * lay.etp, ep=lay.ep, etp=lay.etp, sp=lay.sp)
@@ -238,8 +233,7 @@ def state_items(params: list[tuple[str, int, str, bool, int]]) -> list[tuple[int
 def total_params(config: Any, lay: Layout) -> int:
     """Distinct parameters of the whole model (each layer once, the embedding once)."""
     lc = layer_counts(config, lay)
-    L = config.num_hidden_layers
-    parts = Counter(_layer_key(config, i) for i in range(L + config.num_mtp_layers))
+    parts = Counter(_layer_key(config, i) for i in range(config.num_hidden_layers + config.num_mtp_layers))
     parts.update(["embedding", "head"])
     return sum(lc.totals(k)["full_params"] * m for k, m in parts.items())
 
@@ -431,12 +425,9 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     from .memory import shard_totals
 
     lc = layer_counts(config, lay)
-    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes", "num_params", "expert_params")
-    raw = dict.fromkeys(keys, 0)
+    raw: Counter = Counter()
     for part, m in _stage_parts(config, spec).items():
-        t = lc.totals(part)
-        for k in keys:
-            raw[k] += t[k] * m
+        raw.update({k: v * m for k, v in lc.totals(part).items() if k != "full_params"})
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
     expert = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)["optimizer_bytes"]
@@ -495,9 +486,7 @@ def plan_layout(
         k = kinds[xy["pp"]]
         fields = ("expert_params", "params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes")
         r = {"rank": rank, "stage": k["stage"]} | {f: k[f] for f in (*fields, "activations_bytes")}
-        for f in fields:
-            if f + "_by_sharding_rank" in k:
-                r[f] = k[f + "_by_sharding_rank"][xy["sharding"]]
+        r |= {f: k[f + "_by_sharding_rank"][xy["sharding"]] for f in fields if f + "_by_sharding_rank" in k}
         r["total_bytes"] = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
         ranks.append(r)
     worst = max(k["total_bytes"] for k in kinds)
