@@ -52,13 +52,7 @@ class TokenData:
                 k = int(self._perm(epoch)[pos])
             rows.append(self.sample(k))
         out = {key: np.stack([r[key] for r in rows]).astype(np.int64) for key in rows[0]}
-        bad = (out["input_ids"] < 0) | (out["input_ids"] >= self.vocab_size)
-        if bad.any():
-            r, c = np.argwhere(bad)[0]
-            raise ValueError(
-                f"{self.describe}: token {int(out['input_ids'][r, c])} at step {step} row {r} pos {c} "
-                f"outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_token_range(out["input_ids"], self.vocab_size, f"{self.describe}: step {step}")
         return out
 
     def _perm(self, epoch: int) -> np.ndarray:

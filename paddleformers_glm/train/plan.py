@@ -250,8 +250,7 @@ def active_params(config: Any, lay: Any) -> int:
     n = 0.0
     for i in range(config.num_hidden_layers + config.num_mtp_layers):
         for name, _, _, _, full in lc.part(_layer_key(config, i)):
-            routed = ".experts." in name and ".shared_experts." not in name
-            n += full * share if routed else full
+            n += full * share if _is_expert(name) else full  # routed experts: k of E per token
     n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
     lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
     lc.memo[key] = int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
@@ -322,25 +321,6 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     return {"core": core, "other": other}
 
 
-def head_activation_bytes(config: Any, lay: Layout) -> float:
-    """LM head per micro-batch: its input and fp32 vocab-parallel logits (and their softmax)."""
-    a = 2 if lay.dtype in ("bfloat16", "float16") else 4
-    sb = lay.local_seq * lay.micro_batch_size
-    v = config.vocab_size // lay.tp
-    heads = 1 + config.num_mtp_layers
-    return heads * (a * sb * config.hidden_size + 2 * 4.0 * sb * v)
-
-
-def in_flight(lay: Layout, stage: int, micro_batches: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B: pp - stage
-    (capped by the micro-batches of a step); interleaving (vpp > 1) adds (pp - 1 - stage) / vpp
-    micro-batch worth of chunks (Megatron's accounting)."""
-    n = min(lay.pp - stage, micro_batches)
-    if lay.vpp > 1:
-        n += (lay.pp - 1 - stage) / lay.vpp
-    return float(max(1, n))
-
-
 def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) -> int:
     """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md)."""
     ids = _stage_layer_ids(config, spec)
@@ -348,20 +328,25 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
     sig = lay.tp if lay.sp else 1
-    if indexer_stage(config, lay) == "warmup":  # nothing of the frozen layers is recomputed: the KLs are kept
-        kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
-    elif lay.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
+    # the indexer's warm-up recomputes nothing of the frozen layers: the KLs are kept
+    recompute = "none" if indexer_stage(config, lay) == "warmup" else lay.recompute
+    if recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
         kept = len(ids) * a * sb * h / sig
         extra = max((p["core"] + p["other"] for p in per), default=0.0)
-    elif lay.recompute == "core":
+    elif recompute == "core":
         kept, extra = sum(p["other"] for p in per), max((p["core"] for p in per), default=0.0)
     else:
         kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
     if spec.has_embedding:
         kept += a * sb * h / sig
-    if spec.has_head:
-        kept += head_activation_bytes(config, lay)
-    return int(kept * in_flight(lay, spec.stage, micro_batches) + extra)
+    if spec.has_head:  # each LM head (main + MTP): its input and fp32 vocab-parallel logits (and their softmax)
+        kept += (1 + config.num_mtp_layers) * (a * sb * h + 2 * 4.0 * sb * (config.vocab_size // lay.tp))
+    # the micro-batches whose activations the stage holds at its peak under 1F1B: pp - stage (capped by
+    # those of a step); interleaving adds (pp - 1 - stage) / vpp micro-batch worth of chunks (Megatron's)
+    n = min(lay.pp - spec.stage, micro_batches)
+    if lay.vpp > 1:
+        n += (lay.pp - 1 - spec.stage) / lay.vpp
+    return int(kept * float(max(1, n)) + extra)
 
 
 # --------------------------------------------------------------------------- the plan

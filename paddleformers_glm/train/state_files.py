@@ -230,21 +230,17 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
         paddle.set_rng_state(restored)
 
     # numpy's and Python's generators are both MT19937: a list of unsigned 32-bit words and a few scalars
-    def restore_numpy(o: dict, words: list) -> None:
-        np.random.set_state((o["kind"], np.asarray(words, dtype=np.uint32), o["pos"], o["has_gauss"], o["gauss"]))
-
-    def restore_python(o: dict, words: list) -> None:
-        random.setstate((o["version"], tuple(words), o["gauss_next"]))
-
-    mt_states = (("numpy", "keys", 624, "numpy", restore_numpy), ("python", "state", 625, "Python", restore_python))
-    for name, words_key, n, what, restore in mt_states:
+    for name, words_key, n, what in (("numpy", "keys", 624, "numpy"), ("python", "state", 625, "Python")):
         obj = state.get(name)
         _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
         words = obj.get(words_key)
         ok = isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words)
         _require(ok, file, f"rng.{name}.{words_key}", f"{n} unsigned 32-bit integers", words)
         try:
-            restore(obj, words)
+            if name == "numpy":
+                np.random.set_state((obj["kind"], np.uint32(words), obj["pos"], obj["has_gauss"], obj["gauss"]))
+            else:
+                random.setstate((obj["version"], tuple(words), obj["gauss_next"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ResumeStateError(f"{file}: `rng.{name}` is not a {what} RNG state: {e}") from e
 
