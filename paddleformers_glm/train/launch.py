@@ -106,14 +106,6 @@ def _gone(pid: int) -> bool:
     return proc_state(pid) in (None, "Z")
 
 
-def _signal_all(proc: subprocess.Popen, pids: Sequence[int], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # Paddle's launcher and anything left in its group
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
 def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
     """End every process of the job: SIGTERM, then SIGKILL to what is left ``TERM_WAIT_S`` later.
     The workers are found by the job id in their environment and by their pid records (each is
@@ -127,13 +119,16 @@ def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
                 pids.add(int(pid))
         return sorted(pids)
 
-    for sig, wait in ((signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, TERM_WAIT_S)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = targets()
         if proc.poll() is not None and not pids:
             break
-        _signal_all(proc, pids, sig)
+        # Paddle's launcher and anything left in its group, then each worker
+        for kill, pid in [(os.killpg, proc.pid), *((os.kill, p) for p in pids)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, sig)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < wait:
+        while time.monotonic() - t0 < TERM_WAIT_S:
             if proc.poll() is not None and all(_gone(p) for p in pids):
                 break
             time.sleep(0.05)
