@@ -184,8 +184,7 @@ def launch_workers(
     deadline = t_wall + timeout_s if timeout_s is not None else None
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
     cmd = launcher_command(nproc_per_node, log_dir, [*launcher_args, worker, *worker_args])
-    env = worker_env(nproc_per_node)
-    env.update(extra_env or {})
+    env = worker_env(nproc_per_node) | (extra_env or {})
     env.update({ENV_STATUS_DIR: status_dir, ENV_JOB_ID: job_id, ENV_LAUNCHER_PID: str(os.getpid())})
     if deadline is not None:
         env[ENV_DEADLINE] = repr(deadline)
