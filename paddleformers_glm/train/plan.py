@@ -153,16 +153,16 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
         # an EP rank holds experts 0 .. E/ep - 1 of the ep = 1 probe (same shapes, local numbering;
         # tests/test_plan.py compares with building the stage): no second probe per ep
         base, keep = layer_counts(config, replace(lay, ep=1)), config.n_routed_experts // lay.ep
-        parts = {}
-        for part, items in base.parts.items():
-            parts[part] = [
+        parts = {
+            part: [
                 (name, n, d, tr, full * lay.ep if m else full)
                 for name, n, d, tr, full in items
                 for m in [_EXPERT_INDEX.search(name)]
                 if m is None or int(m.group(1)) < keep
             ]
-        _CACHE[key] = LayerCounts(parts)
-        return _CACHE[key]
+            for part, items in base.parts.items()
+        }
+        return _CACHE.setdefault(key, LayerCounts(parts))
     reps: dict[Any, int] = {}
     for i in range(config.num_hidden_layers):
         reps.setdefault(_layer_key(config, i), i)
@@ -178,18 +178,13 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     for name, p in stage.named_parameters():
         s = get_shard_spec(p)
         numel = int(math.prod(p.shape))
-        full = numel * (sizes[s.group] if s.axis is not None else 1)
-        if s.expert:
-            full *= lay.ep  # the other EP ranks hold the other experts, same shapes
+        # a split tensor's whole; the other EP ranks hold the other experts, same shapes
+        full = numel * (sizes[s.group] if s.axis is not None else 1) * (lay.ep if s.expert else 1)
+        part = "embedding" if name.startswith("model.embedding.") else "head"
         if name.startswith("model.layers."):
             part = _layer_key(config, int(name.split(".")[2]))
-        elif name.startswith("model.embedding."):
-            part = "embedding"
-        else:
-            part = "head"
         parts.setdefault(part, []).append((name, numel, dtype_name(p.dtype), not p.stop_gradient, full))
-    _CACHE[key] = LayerCounts(parts)
-    return _CACHE[key]
+    return _CACHE.setdefault(key, LayerCounts(parts))
 
 
 def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
