@@ -210,8 +210,7 @@ def launch_workers(
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            print(line, end="", flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
