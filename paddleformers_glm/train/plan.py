@@ -574,11 +574,8 @@ def _table(plan: dict[str, Any]) -> str:
         f"{'stage':>5} {'layers':>9} {'params':>14} {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9} "
         f"{'activ GiB':>9} {'total GiB':>9}  ranks"
     ]
-    by_stage: dict[int, list[int]] = {}
-    for r in plan["ranks"]:
-        by_stage.setdefault(r["stage"], []).append(r["rank"])
     for k in plan["kinds"]:
-        ids = by_stage.get(k["stage"], [])
+        ids = [r["rank"] for r in plan["ranks"] if r["stage"] == k["stage"]]
         lay = f"{k['layers'][0]}-{k['layers'][-1]}" if k["layers"] else "-"
         tags = "".join(t for t, on in (("E", k["embedding"]), ("H", k["head"]), ("M", k["mtp"])) if on)
         rng = f"{len(ids)} ranks ({ids[0]}..{ids[-1]})" if len(ids) > 1 else str(ids)
