@@ -23,17 +23,12 @@ class PaddleChatter:
     (with their continuation lines, such as a printed model) and for the modified-flags banner."""
 
     def __init__(self) -> None:
-        self._in_record = False
-        self._in_banner = False
+        self._in_record = self._in_banner = False
 
     def keep(self, line: str) -> bool:
         text = line.rstrip("\n")
-        if self._in_banner:
-            if text.strip() == _BANNER_END:
-                self._in_banner = False
-            return False
-        if text.strip() == _BANNER:
-            self._in_banner = True
+        if self._in_banner or text.strip() == _BANNER:  # the banner, up to its closing line
+            self._in_banner = text.strip() != _BANNER_END
             return False
         m = _RECORD.match(text)
         if m:

@@ -52,13 +52,7 @@ class TokenData:
                 k = int(self._perm(epoch)[pos])
             rows.append(self.sample(k))
         out = {key: np.stack([r[key] for r in rows]).astype(np.int64) for key in rows[0]}
-        bad = (out["input_ids"] < 0) | (out["input_ids"] >= self.vocab_size)
-        if bad.any():
-            r, c = np.argwhere(bad)[0]
-            raise ValueError(
-                f"{self.describe}: token {int(out['input_ids'][r, c])} at step {step} row {r} pos {c} "
-                f"outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_token_range(out["input_ids"], self.vocab_size, f"{self.describe}: step {step}")
         return out
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -225,21 +219,16 @@ def _read_jsonl(path: str) -> list[tuple[int, Any]]:
     return out
 
 
-def _record_kind(rec: Any, where: str) -> str:
-    kinds = [k for k in ("input_ids", "text", "messages") if isinstance(rec, dict) and k in rec]
-    if len(kinds) != 1:
-        raise ValueError(f'{where}: expected an object with exactly one of "input_ids", "text" or "messages"')
-    return kinds[0]
-
-
 def jsonl_kind(path: str) -> str:
     """ "input_ids", "text" or "messages": what the file's records hold (one kind per file)."""
-    records = _read_jsonl(path)
-    first = _record_kind(records[0][1], f"{path}:{records[0][0]}")
-    for ln, rec in records[1:]:
-        kind = _record_kind(rec, f"{path}:{ln}")
-        if kind != first:
-            raise ValueError(f'{path}:{ln}: a "{kind}" record in a file of "{first}" records (one kind per file)')
+    first = ""
+    for ln, rec in _read_jsonl(path):
+        kinds = [k for k in ("input_ids", "text", "messages") if isinstance(rec, dict) and k in rec]
+        if len(kinds) != 1:
+            raise ValueError(f'{path}:{ln}: expected an object with exactly one of "input_ids", "text" or "messages"')
+        first = first or kinds[0]
+        if kinds[0] != first:
+            raise ValueError(f'{path}:{ln}: a "{kinds[0]}" record in a file of "{first}" records (one kind per file)')
     return first
 
 
@@ -285,8 +274,7 @@ def prepare_jsonl(
         arrays = {"input_ids": ids_arr, "labels": ids_arr.copy(), "attention_mask": np.ones_like(ids_arr)}
         tokens = len(stream)
     else:
-        pad = tokenizer.pad_token_id
-        pad = 0 if pad is None else int(pad)
+        pad = int(tokenizer.pad_token_id or 0)
         rows: list[dict[str, np.ndarray]] = []
         tokens = 0
         for ln, rec in records:

@@ -70,13 +70,6 @@ def proc_state(pid: int, field: int = 0) -> str | None:
         return None
 
 
-def _read_json(path: str) -> Any:
-    try:
-        return read_json(path, "the status record", None)
-    except ValueError:  # unreadable, or a heartbeat torn by a racing write
-        return None
-
-
 def write_record(status_dir: str | None, rank: int, suffix: str, payload: dict | None = None) -> None:
     """``rank<N>.<suffix>`` in `status_dir` (no-op without one): strict JSON, atomic."""
     if status_dir:
@@ -129,7 +122,10 @@ def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
             continue
         rec = out.setdefault(int(m[1]), {"pid": None, "beat": None, "error": None, "signal": None, "ok": False})
         kind = m[2].split(".")[0]  # error.json -> error
-        rec[kind] = True if kind == "ok" else _read_json(path)
+        try:
+            rec[kind] = True if kind == "ok" else read_json(path, "the status record", None)
+        except ValueError:  # unreadable, or a heartbeat torn by a racing write
+            rec[kind] = None
     return out
 
 
@@ -194,14 +190,6 @@ def _error_text(e: dict[str, Any], others: str = "") -> str:
     return f"{e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}"
 
 
-def _tail(path: str, n: int = 6) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join([ln.rstrip() for ln in text.splitlines() if ln.strip()][-n:])
-
-
 def _observations(records: dict[int, dict], launcher: Sequence[dict]) -> list[dict]:
     """Every snapshot taken while the job was failing, oldest first: the peers a failing worker
     saw (its own record time), the launcher's."""
@@ -255,7 +243,11 @@ def diagnose(
 
     def log_tail(r: int) -> str:
         p = os.path.join(log_dir, f"workerlog.{r}")
-        return f"Last lines of {p}:\n{_tail(p)}"
+        try:
+            text = Path(p).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        return f"Last lines of {p}:\n" + "\n".join([ln.rstrip() for ln in text.splitlines() if ln.strip()][-6:])
 
     comm_ranks = sorted({r for r, e in errors if e.get("comm")})
     own_record = {r for r, rec in records.items() if rec.get("error") or rec.get("ok")}

@@ -106,14 +106,6 @@ def _gone(pid: int) -> bool:
     return proc_state(pid) in (None, "Z")
 
 
-def _signal_all(proc: subprocess.Popen, pids: Sequence[int], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # Paddle's launcher and anything left in its group
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
 def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
     """End every process of the job: SIGTERM, then SIGKILL to what is left ``TERM_WAIT_S`` later.
     The workers are found by the job id in their environment and by their pid records (each is
@@ -127,13 +119,16 @@ def stop_job(proc: subprocess.Popen, job_id: str, status_dir: str) -> None:
                 pids.add(int(pid))
         return sorted(pids)
 
-    for sig, wait in ((signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, TERM_WAIT_S)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = targets()
         if proc.poll() is not None and not pids:
             break
-        _signal_all(proc, pids, sig)
+        # Paddle's launcher and anything left in its group, then each worker
+        for kill, pid in [(os.killpg, proc.pid), *((os.kill, p) for p in pids)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, sig)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < wait:
+        while time.monotonic() - t0 < TERM_WAIT_S:
             if proc.poll() is not None and all(_gone(p) for p in pids):
                 break
             time.sleep(0.05)
@@ -189,8 +184,7 @@ def launch_workers(
     deadline = t_wall + timeout_s if timeout_s is not None else None
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
     cmd = launcher_command(nproc_per_node, log_dir, [*launcher_args, worker, *worker_args])
-    env = worker_env(nproc_per_node)
-    env.update(extra_env or {})
+    env = worker_env(nproc_per_node) | (extra_env or {})
     env.update({ENV_STATUS_DIR: status_dir, ENV_JOB_ID: job_id, ENV_LAUNCHER_PID: str(os.getpid())})
     if deadline is not None:
         env[ENV_DEADLINE] = repr(deadline)
@@ -216,8 +210,7 @@ def launch_workers(
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            print(line, end="", flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()

@@ -74,10 +74,8 @@ class ExpertBalancer:
         top = self._reduce(paddle.to_tensor(top), op="max", pp_only=True).numpy()
         self.slots, self.num_experts = int(top[0]), int(top[1])
         self.layers: list[int] | None = None  # MoE layer numbers (rows that routed tokens)
-        self.steps: list[int] = []
-        self.max_mean_ratio: list[list[float]] = []
-        self.unused_fraction: list[list[float]] = []
-        self.idle_experts: list[dict[str, list[int]]] = []  # per step: MoE layer -> experts that got no token
+        # per step: its number, per MoE layer the load statistics, MoE layer -> experts that got no token
+        self.series: dict[str, list] = {k: [] for k in ("steps", "max_mean_ratio", "unused_fraction", "idle_experts")}
         self.aux_losses: list[float] = []
         self.load_total: np.ndarray | None = None
         self.load_last: np.ndarray | None = None
@@ -124,10 +122,10 @@ class ExpertBalancer:
                     bias.set_value((bias.numpy().astype(np.float32) + rate * step_sign).astype(np.float32))
         rows = load[self.layers]
         stats = [load_stats(row) for row in rows]
-        self.steps.append(int(step))
-        self.max_mean_ratio.append([s["max_mean_ratio"] for s in stats])
-        self.unused_fraction.append([s["unused_fraction"] for s in stats])
-        self.idle_experts.append(
+        self.series["steps"].append(int(step))
+        for k in ("max_mean_ratio", "unused_fraction"):
+            self.series[k].append([s[k] for s in stats])
+        self.series["idle_experts"].append(
             {str(i): np.flatnonzero(row == 0).tolist() for i, row in zip(self.layers, rows) if (row == 0).any()}
         )
         if self.aux_coeff > 0:
@@ -146,10 +144,7 @@ class ExpertBalancer:
             "bias_update_rate": self.rate,
             "aux_loss_coeff": self.aux_coeff,
             "dropped_tokens": 0,  # dropless routing: every assignment runs
-            "steps": self.steps,
-            "max_mean_ratio": self.max_mean_ratio,
-            "unused_fraction": self.unused_fraction,
-            "idle_experts": self.idle_experts,
+            **self.series,
             "load_total": self.load_total.astype(np.int64).tolist(),
             "load_last": self.load_last.astype(np.int64).tolist(),
         }

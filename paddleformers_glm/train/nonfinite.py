@@ -79,16 +79,13 @@ def nonfinite_record(step: int, grad_norm: float, reports: list[dict[str, Any]])
     with_loss = [r for r in reports if r["losses"]]
     with_grad = [r for r in reports if r["first_nonfinite_grad"]]
     first_grad = {"rank": with_grad[0]["rank"], "name": with_grad[0]["first_nonfinite_grad"]} if with_grad else None
+    culprit = (with_loss or with_grad or reports)[0]
     if with_loss:
-        culprit = with_loss[0]
         term, value = sorted(culprit["losses"].items())[0]
         quantity = f"{term} loss"
-    elif with_grad:
-        culprit, value = with_grad[0], _value(grad_norm)
-        quantity = "grad norm"
-    else:  # every element finite, their squared sum overflowed
-        culprit, value = reports[0], _value(grad_norm)
-        quantity = "grad norm (overflow: every gradient element is finite)"
+    else:  # with no non-finite gradient element: their squared sum overflowed
+        value = _value(grad_norm)
+        quantity = "grad norm" if with_grad else "grad norm (overflow: every gradient element is finite)"
     if first_grad:
         holders = ", ".join(str(r["rank"]) for r in with_grad)
         where = f"first non-finite gradient: {first_grad['name']} on rank {first_grad['rank']} (rank(s) {holders} hold some)"

@@ -70,12 +70,8 @@ class Layout(ParallelConfig):
         """(summary, glm52 train flags) of each setting shown: tp, pp, dp, ep, recompute always,
         the others where they are not the default."""
         s, st = self.sharding, self.sharding_stage
-        parts = [(True, f"TP{self.tp}", f"--tp {self.tp}"), (True, f"PP{self.pp}", f"--pp {self.pp}")]
-        parts += [(True, f"DP{self.dp}", f"--dp {self.dp}"), (True, f"EP{self.ep}", f"--ep {self.ep}")]
-        parts += [
-            (self.etp > 1, f"ETP{self.etp}", f"--etp {self.etp}"),
-            (self.vpp > 1, f"VPP{self.vpp}", f"--vpp {self.vpp}"),
-        ]
+        sizes = [(k, getattr(self, k)) for k in ("tp", "pp", "dp", "ep", "etp", "vpp")]
+        parts = [(k in ("tp", "pp", "dp", "ep") or n > 1, f"{k.upper()}{n}", f"--{k} {n}") for k, n in sizes]
         parts += [(s > 1, f"SHARD{s}/s{st}", f"--sharding {s} --sharding-stage {st}")]
         parts += [(self.cp > 1, f"CP{self.cp}", f"--cp {self.cp}"), (self.sp, "SP", "--sp")]
         parts += [(True, f"recompute={self.recompute}", f"--recompute {self.recompute}")]
@@ -157,19 +153,18 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
         # an EP rank holds experts 0 .. E/ep - 1 of the ep = 1 probe (same shapes, local numbering;
         # tests/test_plan.py compares with building the stage): no second probe per ep
         base, keep = layer_counts(config, replace(lay, ep=1)), config.n_routed_experts // lay.ep
-        parts = {}
-        for part, items in base.parts.items():
-            parts[part] = [
+        parts = {
+            part: [
                 (name, n, d, tr, full * lay.ep if m else full)
                 for name, n, d, tr, full in items
                 for m in [_EXPERT_INDEX.search(name)]
                 if m is None or int(m.group(1)) < keep
             ]
-        _CACHE[key] = LayerCounts(parts)
-        return _CACHE[key]
-    L = config.num_hidden_layers
+            for part, items in base.parts.items()
+        }
+        return _CACHE.setdefault(key, LayerCounts(parts))
     reps: dict[Any, int] = {}
-    for i in range(L):
+    for i in range(config.num_hidden_layers):
         reps.setdefault(_layer_key(config, i), i)
     # shapes depend on tp / ep / etp / sp only; dp is any size that makes the expert grid valid
     pc = ParallelConfig(tp=lay.tp, pp=1, dp=lay.ep * lay.etp, ep=lay.ep, etp=lay.etp, sp=lay.sp)
@@ -183,18 +178,13 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     for name, p in stage.named_parameters():
         s = get_shard_spec(p)
         numel = int(math.prod(p.shape))
-        full = numel * (sizes[s.group] if s.axis is not None else 1)
-        if s.expert:
-            full *= lay.ep  # the other EP ranks hold the other experts, same shapes
+        # a split tensor's whole; the other EP ranks hold the other experts, same shapes
+        full = numel * (sizes[s.group] if s.axis is not None else 1) * (lay.ep if s.expert else 1)
+        part = "embedding" if name.startswith("model.embedding.") else "head"
         if name.startswith("model.layers."):
             part = _layer_key(config, int(name.split(".")[2]))
-        elif name.startswith("model.embedding."):
-            part = "embedding"
-        else:
-            part = "head"
         parts.setdefault(part, []).append((name, numel, dtype_name(p.dtype), not p.stop_gradient, full))
-    _CACHE[key] = LayerCounts(parts)
-    return _CACHE[key]
+    return _CACHE.setdefault(key, LayerCounts(parts))
 
 
 def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
@@ -238,8 +228,7 @@ def state_items(params: list[tuple[str, int, str, bool, int]]) -> list[tuple[int
 def total_params(config: Any, lay: Layout) -> int:
     """Distinct parameters of the whole model (each layer once, the embedding once)."""
     lc = layer_counts(config, lay)
-    L = config.num_hidden_layers
-    parts = Counter(_layer_key(config, i) for i in range(L + config.num_mtp_layers))
+    parts = Counter(_layer_key(config, i) for i in range(config.num_hidden_layers + config.num_mtp_layers))
     parts.update(["embedding", "head"])
     return sum(lc.totals(k)["full_params"] * m for k, m in parts.items())
 
@@ -256,8 +245,7 @@ def active_params(config: Any, lay: Any) -> int:
     n = 0.0
     for i in range(config.num_hidden_layers + config.num_mtp_layers):
         for name, _, _, _, full in lc.part(_layer_key(config, i)):
-            routed = ".experts." in name and ".shared_experts." not in name
-            n += full * share if routed else full
+            n += full * share if _is_expert(name) else full  # routed experts: k of E per token
     n += sum(full for *_, full in lc.part("head"))  # final norm + LM head
     lm_head = sum(full for name, _, _, _, full in lc.part("head") if "lm_head" in name)
     lc.memo[key] = int(n + lm_head * config.num_mtp_layers)  # each MTP depth runs the shared head again
@@ -328,25 +316,6 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     return {"core": core, "other": other}
 
 
-def head_activation_bytes(config: Any, lay: Layout) -> float:
-    """LM head per micro-batch: its input and fp32 vocab-parallel logits (and their softmax)."""
-    a = 2 if lay.dtype in ("bfloat16", "float16") else 4
-    sb = lay.local_seq * lay.micro_batch_size
-    v = config.vocab_size // lay.tp
-    heads = 1 + config.num_mtp_layers
-    return heads * (a * sb * config.hidden_size + 2 * 4.0 * sb * v)
-
-
-def in_flight(lay: Layout, stage: int, micro_batches: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B: pp - stage
-    (capped by the micro-batches of a step); interleaving (vpp > 1) adds (pp - 1 - stage) / vpp
-    micro-batch worth of chunks (Megatron's accounting)."""
-    n = min(lay.pp - stage, micro_batches)
-    if lay.vpp > 1:
-        n += (lay.pp - 1 - stage) / lay.vpp
-    return float(max(1, n))
-
-
 def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) -> int:
     """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md)."""
     ids = _stage_layer_ids(config, spec)
@@ -354,20 +323,25 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
     sig = lay.tp if lay.sp else 1
-    if indexer_stage(config, lay) == "warmup":  # nothing of the frozen layers is recomputed: the KLs are kept
-        kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
-    elif lay.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
+    # the indexer's warm-up recomputes nothing of the frozen layers: the KLs are kept
+    recompute = "none" if indexer_stage(config, lay) == "warmup" else lay.recompute
+    if recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
         kept = len(ids) * a * sb * h / sig
         extra = max((p["core"] + p["other"] for p in per), default=0.0)
-    elif lay.recompute == "core":
+    elif recompute == "core":
         kept, extra = sum(p["other"] for p in per), max((p["core"] for p in per), default=0.0)
     else:
         kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
     if spec.has_embedding:
         kept += a * sb * h / sig
-    if spec.has_head:
-        kept += head_activation_bytes(config, lay)
-    return int(kept * in_flight(lay, spec.stage, micro_batches) + extra)
+    if spec.has_head:  # each LM head (main + MTP): its input and fp32 vocab-parallel logits (and their softmax)
+        kept += (1 + config.num_mtp_layers) * (a * sb * h + 2 * 4.0 * sb * (config.vocab_size // lay.tp))
+    # the micro-batches whose activations the stage holds at its peak under 1F1B: pp - stage (capped by
+    # those of a step); interleaving adds (pp - 1 - stage) / vpp micro-batch worth of chunks (Megatron's)
+    n = min(lay.pp - spec.stage, micro_batches)
+    if lay.vpp > 1:
+        n += (lay.pp - 1 - spec.stage) / lay.vpp
+    return int(kept * float(max(1, n)) + extra)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -431,12 +405,9 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     from .memory import shard_totals
 
     lc = layer_counts(config, lay)
-    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes", "num_params", "expert_params")
-    raw = dict.fromkeys(keys, 0)
+    raw: Counter = Counter()
     for part, m in _stage_parts(config, spec).items():
-        t = lc.totals(part)
-        for k in keys:
-            raw[k] += t[k] * m
+        raw.update({k: v * m for k, v in lc.totals(part).items() if k != "full_params"})
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
     expert = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)["optimizer_bytes"]
@@ -495,9 +466,7 @@ def plan_layout(
         k = kinds[xy["pp"]]
         fields = ("expert_params", "params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes")
         r = {"rank": rank, "stage": k["stage"]} | {f: k[f] for f in (*fields, "activations_bytes")}
-        for f in fields:
-            if f + "_by_sharding_rank" in k:
-                r[f] = k[f + "_by_sharding_rank"][xy["sharding"]]
+        r |= {f: k[f + "_by_sharding_rank"][xy["sharding"]] for f in fields if f + "_by_sharding_rank" in k}
         r["total_bytes"] = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
         ranks.append(r)
     worst = max(k["total_bytes"] for k in kinds)
@@ -605,11 +574,8 @@ def _table(plan: dict[str, Any]) -> str:
         f"{'stage':>5} {'layers':>9} {'params':>14} {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9} "
         f"{'activ GiB':>9} {'total GiB':>9}  ranks"
     ]
-    by_stage: dict[int, list[int]] = {}
-    for r in plan["ranks"]:
-        by_stage.setdefault(r["stage"], []).append(r["rank"])
     for k in plan["kinds"]:
-        ids = by_stage.get(k["stage"], [])
+        ids = [r["rank"] for r in plan["ranks"] if r["stage"] == k["stage"]]
         lay = f"{k['layers'][0]}-{k['layers'][-1]}" if k["layers"] else "-"
         tags = "".join(t for t, on in (("E", k["embedding"]), ("H", k["head"]), ("M", k["mtp"])) if on)
         rng = f"{len(ids)} ranks ({ids[0]}..{ids[-1]})" if len(ids) > 1 else str(ids)

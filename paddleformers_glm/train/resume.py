@@ -47,15 +47,6 @@ __all__ = ["LAYOUT_KEYS", "load_resume_state", "resolve_resume_state", "save_res
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding")
 
 
-def _rank_tensors(model: nn.Layer, optimizer: AdamW) -> dict[str, paddle.Tensor]:
-    """``model/<name>`` and ``optimizer/<name>/<kind>`` (moments, beta powers, ``master``) of this rank."""
-    out = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
-    for n, st in optimizer.state_dict().items():
-        for kind, t in st.items():
-            out[f"optimizer/{n}/{kind}"] = t
-    return out
-
-
 def save_resume_state(
     root: str, step: int, topo: Topology, model: nn.Layer, optimizer: AdamW, meta: dict[str, Any]
 ) -> str:
@@ -63,7 +54,10 @@ def save_resume_state(
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
-    write_rank_state(tmp, topo.rank, _rank_tensors(model, optimizer), {"rng": rng_state()})
+    # this rank's model/<name> and optimizer/<name>/<kind> (moments, beta powers, master)
+    tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
+    tensors |= {f"optimizer/{n}/{kind}": t for n, st in optimizer.state_dict().items() for kind, t in st.items()}
+    write_rank_state(tmp, topo.rank, tensors, {"rng": rng_state()})
     stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
     if topo.world_size > 1:
         dist.barrier()

@@ -135,9 +135,8 @@ def read_meta(folder: str) -> dict[str, Any]:
     _refuse_old_format(folder)
     file = os.path.join(folder, "meta.json")
     meta = _read_state_json(file, "resume metadata")
-    _require(_is_int(meta.get("step")) and meta["step"] >= 1, file, "step", "an integer >= 1", meta.get("step"))
-    ws = meta.get("world_size")
-    _require(_is_int(ws) and ws >= 1, file, "world_size", "an integer >= 1", ws)
+    for key in ("step", "world_size"):
+        _require(_is_int(meta.get(key)) and meta[key] >= 1, file, key, "an integer >= 1", meta.get(key))
     _require(isinstance(meta.get("profile"), dict), file, "profile", "an object", meta.get("profile"))
     flex = meta.get("flex")
     stepped = flex.get("stepped") if isinstance(flex, dict) else None
@@ -230,21 +229,17 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
         paddle.set_rng_state(restored)
 
     # numpy's and Python's generators are both MT19937: a list of unsigned 32-bit words and a few scalars
-    def restore_numpy(o: dict, words: list) -> None:
-        np.random.set_state((o["kind"], np.asarray(words, dtype=np.uint32), o["pos"], o["has_gauss"], o["gauss"]))
-
-    def restore_python(o: dict, words: list) -> None:
-        random.setstate((o["version"], tuple(words), o["gauss_next"]))
-
-    mt_states = (("numpy", "keys", 624, "numpy", restore_numpy), ("python", "state", 625, "Python", restore_python))
-    for name, words_key, n, what, restore in mt_states:
+    for name, words_key, n, what in (("numpy", "keys", 624, "numpy"), ("python", "state", 625, "Python")):
         obj = state.get(name)
         _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
         words = obj.get(words_key)
         ok = isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words)
         _require(ok, file, f"rng.{name}.{words_key}", f"{n} unsigned 32-bit integers", words)
         try:
-            restore(obj, words)
+            if name == "numpy":
+                np.random.set_state((obj["kind"], np.uint32(words), obj["pos"], obj["has_gauss"], obj["gauss"]))
+            else:
+                random.setstate((obj["version"], tuple(words), obj["gauss_next"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ResumeStateError(f"{file}: `rng.{name}` is not a {what} RNG state: {e}") from e
 
@@ -333,12 +328,25 @@ def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
         raise ResumeStateError(f"{file}: not a readable pickle ({type(e).__name__}: {e})") from e
 
 
-def _fields_ok(obj: Any, cls: type) -> bool:
-    return type(obj) is cls and set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
-
-
 def _int_tuple(x: Any) -> bool:
     return isinstance(x, tuple) and all(_is_int(d) and d >= 0 for d in x)
+
+
+_KINDS = {"t": _int_tuple, "s": lambda x: isinstance(x, str), "b": lambda x: isinstance(x, bool), "n": _is_int}
+# the fields of flex-checkpoint's metadata classes and what each holds: t a tuple of integers >= 0,
+# s a string, b a bool, n an integer; "?": or None
+_FLEX_FIELDS = {
+    "LocalTensorMetadata": "global_offset:t local_shape:t dtype:s global_shape:t? is_flattened:b flattened_range:t?",
+    "LocalTensorIndex": "tensor_key:s global_offset:t is_flattened:b flattened_range:t? replica_id:n? local_shape:t?",
+}
+
+
+def _fields_ok(obj: Any, cls: type) -> bool:
+    """``obj`` is a ``cls`` with exactly the dataclass's fields, each holding what :data:`_FLEX_FIELDS` says."""
+    if type(obj) is not cls or set(vars(obj)) != {f.name for f in dataclasses.fields(cls)}:
+        return False
+    kinds = [f.split(":") for f in _FLEX_FIELDS.get(cls.__name__, "").split()]
+    return all((k.endswith("?") and getattr(obj, f) is None) or _KINDS[k[0]](getattr(obj, f)) for f, k in kinds)
 
 
 def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
@@ -350,30 +358,12 @@ def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
     _require(isinstance(sdm, dict), file, "state_dict_metadata", "a dict", type(sdm).__name__)
     for key, entries in sdm.items():
         ok = isinstance(key, str) and isinstance(entries, list)
-        for m in entries if ok else ():
-            ok = ok and (
-                _fields_ok(m, LocalTensorMetadata)
-                and _int_tuple(m.global_offset)
-                and _int_tuple(m.local_shape)
-                and isinstance(m.dtype, str)
-                and (m.global_shape is None or _int_tuple(m.global_shape))
-                and isinstance(m.is_flattened, bool)
-                and (m.flattened_range is None or _int_tuple(m.flattened_range))
-            )
+        ok = ok and all(_fields_ok(m, LocalTensorMetadata) for m in entries)
         _require(ok, file, f"state_dict_metadata[{key!r}]", "a list of LocalTensorMetadata", entries)
     _require(isinstance(storage, dict), file, "storage_metadata", "a dict", type(storage).__name__)
     files: set[str] = set()
     for idx, name in storage.items():
-        ok = (
-            _fields_ok(idx, LocalTensorIndex)
-            and isinstance(idx.tensor_key, str)
-            and _int_tuple(idx.global_offset)
-            and isinstance(idx.is_flattened, bool)
-            and (idx.flattened_range is None or _int_tuple(idx.flattened_range))
-            and (idx.replica_id is None or _is_int(idx.replica_id))
-            and (idx.local_shape is None or _int_tuple(idx.local_shape))
-        )
-        _require(ok, file, "storage_metadata", "LocalTensorIndex keys", idx)
+        _require(_fields_ok(idx, LocalTensorIndex), file, "storage_metadata", "LocalTensorIndex keys", idx)
         ok = isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None
         where = f"storage_metadata[{idx.tensor_key!r}]"
         _require(ok, file, where, "a tensor file name <rank>_<id>.safetensors in the same folder", name)

@@ -16,6 +16,7 @@ A pipeline stage is built from a StageSpec and a topology; it keeps the model's 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -295,8 +296,6 @@ class ToyAdapter(ModelAdapter):
         return {"path": None, "config": asdict(self.cfg), "init_seed": self.seed}
 
     def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
-        import os
-
         from safetensors.numpy import save_file
 
         os.makedirs(out_dir, exist_ok=True)
