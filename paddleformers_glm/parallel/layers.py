@@ -240,15 +240,12 @@ class CommColumnParallelLinear(_CommLinear):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
             return F.linear(x, self.weight, self.bias)
-        group = self.group
         if self.sequence_parallel:
-            x = comm.gather_from_sp(x, group=group, grad="reduce_scatter")  # [B, S/tp, H] -> [B, S, H]
+            x = comm.gather_from_sp(x, group=self.group, grad="reduce_scatter")  # [B, S/tp, H] -> [B, S, H]
         else:
-            x = comm.copy_to_tp(x, group=group)
+            x = comm.copy_to_tp(x, group=self.group)
         y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
-        if self.gather_output:
-            y = comm.gather_from_tp(y, axis=-1, group=group)
-        return y
+        return comm.gather_from_tp(y, axis=-1, group=self.group) if self.gather_output else y
 
 
 class CommRowParallelLinear(_CommLinear):
@@ -283,14 +280,13 @@ class CommRowParallelLinear(_CommLinear):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
             return F.linear(x, self.weight, self.bias)
-        group = self.group
         if not self.input_is_parallel:
-            x = comm.scatter_to_tp(x, axis=-1, group=group)
+            x = comm.scatter_to_tp(x, axis=-1, group=self.group)
         y = F.linear(x, self.weight)  # partial sum [..., out]
         if self.sequence_parallel:
-            y = comm.reduce_scatter_to_sp(y, group=group)  # [B, S, H] -> [B, S/tp, H]
+            y = comm.reduce_scatter_to_sp(y, group=self.group)  # [B, S, H] -> [B, S/tp, H]
         else:
-            y = comm.reduce_from_tp(y, group=group)
+            y = comm.reduce_from_tp(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
 
