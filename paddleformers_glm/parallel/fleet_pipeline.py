@@ -1,19 +1,8 @@
 """Pipeline parallelism on Fleet's own engine: a ``PipelineLayer`` of ``LayerDesc`` chunks, run by
 ``fleet.distributed_model``'s 1F1B ``PipelineParallel`` or, with ``--vpp N``, its interleaved
-``PipelineParallelWithInterleave`` (docs/parallel.md section 3).
-
-Chunk ``c`` of the ``--pp-layout`` runs on pipeline rank ``c % pp``; each rank builds ONE stage
-module holding every layer of its chunks under the full model's parameter names, so loading,
-checkpoints, export and gradient sync are unchanged.  What crosses a stage is a tuple: the
-micro-batch tensors, then the model's carry.  The last chunk returns the micro-batch objective;
-a chunk elsewhere with a loss term ties it to its outgoing carry (:class:`_AttachObjective`).
-
-:meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``, with the trainer's gradient sync
-at ``allreduce_shared_weight_gradients`` (after the last backward, before the optimizer step) and
-an optimizer whose ``step()`` is the trainer's clip and update (:func:`step_optimizer`): the stock
-``step()`` would send expert gradients over data-parallel ranks that hold other experts.  Expert
-layouts (``ep`` / ``etp`` > 1) clip outside any Fleet optimizer, so they drive the schedule alone
-(:meth:`FleetPipeline.run`) and step afterwards.
+``PipelineParallelWithInterleave`` (docs/parallel.md section 3: chunk placement, what crosses a
+stage, where the gradient sync and the optimizer step run, and why expert layouts drive the
+schedule alone).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Pipeline parallelism: the stage layout language, the stage contract, and the single-stage engine.
 
 The engine for ``--pp`` > 1 is Fleet's (:mod:`~paddleformers_glm.parallel.fleet_pipeline`); this
-module holds what both use: stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's
-output and the loss ledger.
-
-``--pp-layout`` (docs/parallel.md section 3): stages separated by ``|``, units ``E`` (embedding,
-first), ``t`` (a decoder layer; ``t*4`` four), ``m`` (MTP, last stage before ``L``), ``L`` (norm +
-head + loss, last), e.g. ``"E,t*4|t*4,L"``; or per-stage layer counts (``"3,5"`` or ``[3, 5]``).
-What a stage hands the next is a tuple (GLM: hidden states and the int64 top-k of the last full
-indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
+module holds what both use: stage specs, ``--pp-layout`` parsing (syntax: docs/parallel.md
+section 3), the top-k carry check, a stage's output and the loss ledger.
 """
 
 from __future__ import annotations
@@ -85,7 +79,7 @@ def _parse_units(stage_text: str, stage: int) -> list[str]:
 
 
 def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_mtp: bool = False) -> list[StageSpec]:
-    """Stage specs from a ``--pp-layout`` string or a list of per-stage layer counts (see module doc)."""
+    """Stage specs from a ``--pp-layout`` string or a list of per-stage layer counts."""
     if not isinstance(layout, str) or re.fullmatch(r"[\d\s,]+", layout):
         counts = [int(c) for c in (layout.replace(",", " ").split() if isinstance(layout, str) else layout)]
         if len(counts) != pp:
