@@ -386,16 +386,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     # ------------------------------------------------------------------ construction / IO
     def init_weights(self, seed: int | None = None) -> None:
         """HF-style init: N(0, initializer_range) for matrices, ones for norms, zeros for biases."""
+        from ..checkpoint.loader import init_like_hf
+
         if seed is not None:
             paddle.seed(seed)
-        std = self.config.initializer_range
-        for name, p in self.named_parameters():
-            if len(p.shape) >= 2:
-                p.set_value(paddle.normal(0.0, std, p.shape).astype(p.dtype))
-            elif name.endswith(".bias"):
-                p.set_value(paddle.zeros_like(p))
-            else:  # RMSNorm / LayerNorm weights
-                p.set_value(paddle.ones_like(p))
+        init_like_hf(dict(self.named_parameters()), self.config.initializer_range)
 
     @classmethod
     def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):

@@ -18,7 +18,8 @@ __all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
 
 RECOMPUTE_MODES = ("none", "full", "core")
 
-_core_depth = 0  # > 0 while a decoder layer runs under --recompute core
+# > 0 while a decoder layer runs under --recompute core (a list: to_static cannot transform `global`)
+_core_depth = [0]
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -39,12 +40,11 @@ def run_layer(layer: Callable[..., Any], *args: Any, mode: str = "none") -> Any:
     if mode == "none" or not paddle.is_grad_enabled():
         return layer(*args)
     if mode == "core":
-        global _core_depth
-        _core_depth += 1
+        _core_depth[0] += 1
         try:
             return layer(*args)
         finally:
-            _core_depth -= 1
+            _core_depth[0] -= 1
     if not _needs_grad(args):
         return layer(*args)  # nothing to differentiate through the inputs: nothing to save either
     return _recompute(layer, *args)
@@ -54,6 +54,6 @@ def run_core(fn: Callable[..., Any], *args: Any, active: bool = True) -> Any:
     """``fn(*args)``: the attention core of a layer.  Recomputed in backward when the layer runs
     under ``--recompute core`` and ``active`` (a caller filling a decoding cache passes False: the
     replay would write the cache twice)."""
-    if not (active and _core_depth > 0 and paddle.is_grad_enabled() and _needs_grad(args)):
+    if not (active and _core_depth[0] > 0 and paddle.is_grad_enabled() and _needs_grad(args)):
         return fn(*args)
     return _recompute(fn, *args)
