@@ -186,19 +186,17 @@ class _CommLinear(nn.Layer):
         bias_spec: ShardSpec,
         sequence_parallel: bool,
         group: str,
-        dtype: str | None,
         topo: Topology,
     ) -> None:
         super().__init__()
         self.group, self.group_name = topo.group(group), group
         self.world, self.rank = topo.size(group), topo.rank_in(group)
         self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
-        dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(local, dtype=dtype, default_initializer=_xavier(in_features, out_features))
+        self.weight = self.create_parameter(local, default_initializer=_xavier(in_features, out_features))
         set_shard_spec(self.weight, weight_spec, self.world)
         self.bias = None
         if bias_size is not None:
-            self.bias = self.create_parameter([bias_size], dtype=dtype, is_bias=True)
+            self.bias = self.create_parameter([bias_size], is_bias=True)
             set_shard_spec(self.bias, bias_spec, self.world)
 
     def extra_repr(self) -> str:
@@ -223,7 +221,6 @@ class CommColumnParallelLinear(_CommLinear):
         *,
         fuse_chunks: int = 1,
         group: str = "tp",
-        dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
         topo = topo or get_topology()
@@ -233,7 +230,7 @@ class CommColumnParallelLinear(_CommLinear):
         bias = local if has_bias else None
         super().__init__(
             in_features, out_features, [in_features, local], spec, bias, replace(spec, axis=0), sequence_parallel,
-            group, dtype, topo,
+            group, topo,
         )  # fmt: skip
         self.gather_output = gather_output
 
@@ -264,7 +261,6 @@ class CommRowParallelLinear(_CommLinear):
         sequence_parallel: bool = False,
         *,
         group: str = "tp",
-        dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
         topo = topo or get_topology()
@@ -273,7 +269,7 @@ class CommRowParallelLinear(_CommLinear):
         bias = out_features if has_bias else None
         super().__init__(
             in_features, out_features, local, ShardSpec(axis=0, group=group), bias,
-            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, dtype, topo,
+            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, topo,
         )  # fmt: skip
         self.input_is_parallel = input_is_parallel
 
@@ -305,7 +301,6 @@ class CommVocabParallelEmbedding(nn.Layer):
         sequence_parallel: bool = False,
         *,
         padding_idx: int | None = None,
-        dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
         super().__init__()
@@ -317,8 +312,8 @@ class CommVocabParallelEmbedding(nn.Layer):
         self.sequence_parallel, self.padding_idx = sequence_parallel, padding_idx
         self.per_rank = num_embeddings // self.world
         self.start = self.rank * self.per_rank
-        dtype, init = dtype or paddle.get_default_dtype(), _xavier(num_embeddings, embedding_dim)
-        self.weight = self.create_parameter([self.per_rank, embedding_dim], dtype=dtype, default_initializer=init)
+        init = _xavier(num_embeddings, embedding_dim)
+        self.weight = self.create_parameter([self.per_rank, embedding_dim], default_initializer=init)
         set_shard_spec(self.weight, ShardSpec(axis=0), self.world)
 
     def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
@@ -380,10 +375,8 @@ def default_dtype(dtype: str | None) -> Iterator[None]:
         paddle.set_default_dtype(saved)
 
 
-def _fleet_layer(build: Any, dtype: str | None, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
-    """One of Fleet's layers, built in ``dtype``, with our specs on its weight and bias."""
-    with default_dtype(dtype):
-        layer = build()
+def _fleet_layer(layer: nn.Layer, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
+    """One of Fleet's layers with our specs on its weight and bias."""
     set_shard_spec(layer.weight, weight, size)
     if layer.bias is not None:
         set_shard_spec(layer.bias, bias, size)
@@ -437,8 +430,7 @@ def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 -
     _check_column(a["out_features"], g.nranks, chunks, gather, group)
     cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
     return _fleet_layer(
-        lambda: cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
-        a["dtype"],
+        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
         ShardSpec(axis=1, group=group, chunks=chunks),
         ShardSpec(axis=0, group=group, chunks=chunks),
         g.nranks,
@@ -456,10 +448,7 @@ def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a 
     _check_row(a["in_features"], g.nranks, sp, parallel_in, group)
     cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
     return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
-        lambda: cls(
-            a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g
-        ),
-        a["dtype"],
+        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g),
         ShardSpec(axis=0, group=group),
         ShardSpec(sequence_parallel=sp),
         g.nranks,
@@ -476,10 +465,9 @@ def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802
     V = a["num_embeddings"]
     if V % g.nranks:
         raise ValueError(f"VocabParallelEmbedding: vocab size {V} not divisible by tp {g.nranks}")
-    with default_dtype(a["dtype"]):
-        layer = _PaddedVocabParallelEmbedding(
-            V, a["embedding_dim"], mp_group=g, padding_idx=a["padding_idx"], sequence_parallel=a["sequence_parallel"]
-        )
+    layer = _PaddedVocabParallelEmbedding(
+        V, a["embedding_dim"], mp_group=g, padding_idx=a["padding_idx"], sequence_parallel=a["sequence_parallel"]
+    )
     set_shard_spec(layer.weight, ShardSpec(axis=0), g.nranks)
     return layer
 
@@ -489,12 +477,11 @@ def ParallelLMHead(  # noqa: N802 - a layer factory
     vocab_size: int,
     sequence_parallel: bool = False,
     *,
-    dtype: str | None = None,
     topo: Topology | None = None,
 ) -> nn.Layer:
     """Output projection [H, V] split over the vocabulary: a column-parallel linear without bias or
     gather, returning vocab-parallel logits [B, S, V/tp] for :func:`parallel_cross_entropy`."""
-    return ColumnParallelLinear(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
+    return ColumnParallelLinear(hidden_size, vocab_size, sequence_parallel=sequence_parallel, topo=topo)
 
 
 def parallel_cross_entropy(

@@ -251,16 +251,14 @@ class StageOutput:
     losses: dict[str, LossTerm] | None = None
 
 
-def _normalise_output(out: Any, last: bool, stage: int) -> StageOutput:
+def _checked_output(out: Any, last: bool, stage: int) -> StageOutput:
     if not isinstance(out, StageOutput):
         raise TypeError(f"stage {stage} forward returned {type(out).__name__}; expected StageOutput")
-    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (out.losses or {}).items()}
-    carry = tuple(out.carry) if out.carry is not None else None
-    if last and not losses:
+    if last and not out.losses:
         raise TypeError(f"the last pipeline stage ({stage}) returned no losses")
-    if not last and carry is None:
+    if not last and out.carry is None:
         raise TypeError(f"pipeline stage {stage} is not the last but returned no carry for the next stage")
-    return StageOutput(carry, losses)
+    return out
 
 
 class LossLedger:
@@ -310,7 +308,7 @@ class SingleStageEngine:
         """Forward + backward of every micro-batch; returns {term: (sum, count)} (sums in float64)."""
         self.ledger.reset(scales)
         for mb in micro_batches:
-            out = _normalise_output(self.module.forward_stage(None, mb), True, 0)
+            out = _checked_output(self.module.forward_stage(None, mb), True, 0)
             objective = self.ledger.objective(out.losses, "stage 0")
             paddle.autograd.backward([objective], [paddle.ones_like(objective)])
         return self.ledger.totals()
