@@ -227,12 +227,10 @@ class GlmMoeDsaModel(nn.Layer):
         # one cache of top-k index forms for all layers (a shared layer reuses its full layer's top-k,
         # so its forms are built once) and one indexer-training state (the stage, the warm-up's dense
         # selection); both are released at the end of each forward
-        self.selections, run = SelectionCache(), None
+        self.selections, self.indexer_run = SelectionCache(), IndexerRun(IndexerTraining.from_config(config))
         for layer in self.layers.values():
             attn = (layer.transformer_layer if isinstance(layer, MTPLayer) else layer).self_attn
-            run = run or IndexerRun(attn.indexer_run.training)
-            attn.selections, attn.indexer_run = self.selections, run
-        self.indexer_run = run or IndexerRun()
+            attn.selections, attn.indexer_run = self.selections, self.indexer_run
         if norm:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             mark_sequence_parallel(self.norm, enabled=topo.sequence_parallel)
