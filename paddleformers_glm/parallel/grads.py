@@ -42,10 +42,6 @@ def loss_multiplier(topo: Topology) -> int:
     return int(topo.pc.dp) * int(topo.pc.sharding)
 
 
-def _is_sp_param(p: paddle.Tensor) -> bool:
-    return bool(is_sequence_parallel_parameter(p)) or get_shard_spec(p).sequence_parallel
-
-
 def _release(p: paddle.Tensor) -> None:
     """Drop the parameter's gradient and its fp32 main gradient (Fleet's ``main_grad`` convention)."""
     p.clear_gradient(False)
@@ -151,7 +147,7 @@ class GradSynchronizer:
             return self.current_grads(), flags
         params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor
         if topo.sequence_parallel and topo.tp_size > 1:  # partial over the sequence slices: a plain sum
-            sp = [p for p in params if _is_sp_param(p)]
+            sp = [p for p in params if is_sequence_parallel_parameter(p) or get_shard_spec(p).sequence_parallel]
             if sp:
                 fused_allreduce_gradients_with_group(sp, topo.tp_group, scale=1.0)
         self._sum_shared(flags)
