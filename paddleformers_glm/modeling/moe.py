@@ -37,7 +37,6 @@ class SwiGLUMLP(nn.Layer):
         super().__init__()
         sp = topo.sequence_parallel
         self.tensor_parallel = topo.tp_size > 1
-        self.intermediate_size = intermediate_size
         self.up_gate_proj = ColumnParallelLinear(
             hidden_size, 2 * intermediate_size, sequence_parallel=sp, fuse_chunks=2, topo=topo
         )

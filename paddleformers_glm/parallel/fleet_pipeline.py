@@ -53,11 +53,9 @@ class _AttachObjective(paddle.autograd.PyLayer):
 
 
 class PipelineChunk(nn.Layer):
-    """One ``LayerDesc`` of the ``PipelineLayer``: chunk ``spec`` of this rank's stage module.
-
-    Input: the tuple from the previous chunk (micro-batch tensors, then the carry), or on the
-    first chunk the micro-batch tensors alone.  Output: the same tuple with the new carry, or
-    on the last chunk the micro-batch objective (a scalar).
+    """One ``LayerDesc`` of the ``PipelineLayer``: chunk ``spec`` of this rank's stage module; in, the
+    micro-batch tensors and then the carry; out, the same with the new carry, or on the last chunk
+    the micro-batch objective (docs/parallel.md section 3, "What crosses a stage").
 
     ``grad_anchor``: the stage's carry takes no gradient (its module says so with
     ``carry_takes_gradient``: a frozen backbone, the indexer's warm-up), so Fleet would have nothing to

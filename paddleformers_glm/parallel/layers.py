@@ -110,14 +110,9 @@ def _params_of(obj: Any) -> list[paddle.Tensor]:
 
 
 def mark_sequence_parallel(obj: Any, enabled: bool = True) -> None:
-    """Mark the replicated parameters of a layer (or a parameter) that run on SP-sharded activations.
-
-    Call it for norms and any other replicated weight inside the sequence-parallel region; it
-    is harmless when sequence parallel is off (the flag is only read when it is on).  Sets both
-    ``ShardSpec.sequence_parallel`` and Fleet's ``mark_as_sequence_parallel_parameter`` flag, so
-    Fleet's ``is_sequence_parallel_parameter`` / ``register_sequence_parallel_allreduce_hooks``
-    see the same parameters as the trainer's gradient sync.
-    """
+    """Mark the replicated parameters of a layer (or a parameter) that run on SP-sharded activations
+    (norms and any other replicated weight inside the sequence-parallel region): ``ShardSpec`` and
+    Fleet's flag both (:func:`set_shard_spec`, docs/parallel.md section 2)."""
     for p in _params_of(obj):
         spec = get_shard_spec(p)
         if spec.axis is not None and spec.group == "tp":
