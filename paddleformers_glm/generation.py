@@ -578,7 +578,7 @@ def generate_speculative(
     try:
         with paddle.no_grad():
             cache = DSACache.for_config(model.config, 1, capacity=S + max_new_tokens + 2)
-            mtp_cache = DSACache([True], 1, capacity=S + max_new_tokens + 2)
+            mtp_cache = DSACache(1, 1, capacity=S + max_new_tokens + 2)
             out = model(input_ids, past_key_values=cache, use_cache=True)
             h = out.last_hidden_state  # [1, S, H]
             nxt = int(out.logits[0, -1].argmax())

@@ -1,11 +1,6 @@
-"""Multi-head latent attention (MLA) with DSA sparse attention over the indexer's top-k keys.
-
-    q_latent = q_a_layernorm(q_a_proj(x))                  [B, S, q_lora]
-    q        = q_b_proj(q_latent)                          [B, S, H, nope+rope]
-    c, k_rot = split(kv_a_proj_with_mqa(x))                [B, S, kv_lora], [B, S, rope]
-    k_nope, v = split(kv_b_proj(kv_a_layernorm(c)))        [B, S, H, nope], [B, S, H, v]
-    rope on q[..., nope:] and the single shared k_rot (interleaved per rope_interleave)
-    out      = o_proj(sparse_attention(q, k, v, top-k))    [B, S, hidden]
+"""Multi-head latent attention (MLA) with DSA sparse attention over the indexer's top-k keys (its
+projections and shapes: docs/model.md, "Data flow and shapes"; rope on q's rope part and the one
+k_rot all heads share, interleaved per `rope_interleave`).
 
 The sparse softmax itself has several forms (attention_forms.py); the config key
 `attn_implementation` (auto | reference | dense | sparse | latent) and `choose_form` pick one per
@@ -155,8 +150,8 @@ class MLAttention(nn.Layer):
         share of the whole sequence's mean. In the indexer's dense warm-up the layer attends to
         every causal key; its record still carries the indexer's own top-k.
         """
-        if self.cp > 1 and cache is not None:
-            raise NotImplementedError("decoding with a cache runs with context parallel size 1")
+        if cache is not None and (self.tp > 1 or self.cp > 1):
+            raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")
         H = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S_local, q_lora]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, S_local, kv_lora + rope]
@@ -165,8 +160,6 @@ class MLAttention(nn.Layer):
         x_full, q_latent_full = self._replicated_full(x), self._replicated_full(q_latent)
         q_latent, c, k_rot = self._enter_tp(q_latent), self._enter_tp(c), self._enter_tp(k_rot)  # [B, S, ...]
         if cache is not None:
-            if self.tp > 1:
-                raise NotImplementedError("decoding with a cache runs with tensor parallel size 1")
             cache.put_latent(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S, kv_lora + rope]
             if cache.decode_weights is None:  # here, eagerly: the decode steps may be a traced graph
                 with paddle.no_grad():
@@ -193,13 +186,13 @@ class MLAttention(nn.Layer):
             out = out + self.o_proj.bias
         if not record_it:
             return out, topk, None
-        if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
-            probs = comm.all_reduce(probs.detach() * H, self.tp_group) / self.total_heads
         if probs is None:
             raise ValueError(
                 f"attn_implementation {self.config.attn_implementation!r} returns no attention probabilities, "
                 "which the indexer's training needs; use another form"
             )
+        if self.tp > 1:  # the target is the mean over all heads, this rank holds H / tp of them
+            probs = comm.all_reduce(probs.detach() * H, self.tp_group) / self.total_heads
         rec = IndexerRecord(topk=topk, probs=probs.detach())
         if not train.dense:  # the recall needs the dense attention the sparse stage does not compute
             rec.dense = self._dense_probs_fn(q_latent, c, k_rot, (cos, sin), positions, key_padding)

@@ -12,9 +12,7 @@ The latent core is a PyLayer chunked over queries (chunks sized to stay in cache
 the k selected rows per query, or, while the selection covers a large share of the chunk's keys,
 runs one GEMM against all of them with the selection as an additive mask. Backward reuses the
 gathered keys when they are small and recomputes them otherwise: memory O(S x k), never S x S.
-
-A new form goes here: its function, its name in `FORMS`, its rule in `choose_form`, and its branch
-in `MLAttention.forward`. Measured speeds of each form: docs/performance.md.
+Adding a form: docs/model.md; measured speeds of each: docs/performance.md.
 """
 
 from __future__ import annotations

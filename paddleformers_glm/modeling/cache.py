@@ -20,9 +20,8 @@ class LayerCache:
     """One decoder layer's cache: latent rows [B, cap, kv_lora + rope] and, for a layer with its
     own indexer, indexer keys [B, cap, index_head_dim]."""
 
-    def __init__(self, owner: DSACache, has_indexer: bool) -> None:
+    def __init__(self, owner: DSACache) -> None:
         self.owner = owner
-        self.has_indexer = has_indexer
         self.latent: paddle.Tensor | None = None
         self.index_keys: paddle.Tensor | None = None
         # the layer's decode-step weights, prepared by the layer on its first decode step with this
@@ -84,8 +83,8 @@ class DSACache:
     """The whole model's decoding cache (``past_key_values``). ``length`` slots are filled; the
     slots being written by the current forward are [length, length + n) until ``advance(n)``."""
 
-    def __init__(self, has_indexer: list[bool], batch_size: int, capacity: int = 0) -> None:
-        self.layers = [LayerCache(self, h) for h in has_indexer]
+    def __init__(self, num_layers: int, batch_size: int, capacity: int = 0) -> None:
+        self.layers = [LayerCache(self) for _ in range(num_layers)]
         self.batch_size = int(batch_size)
         self.capacity = int(capacity)
         self.length = 0
@@ -96,8 +95,7 @@ class DSACache:
 
     @classmethod
     def for_config(cls, config: object, batch_size: int, capacity: int = 0) -> DSACache:
-        types = list(config.indexer_types)  # type: ignore[attr-defined]
-        return cls([t == "full" for t in types], batch_size, capacity)
+        return cls(int(config.num_hidden_layers), batch_size, capacity)  # type: ignore[attr-defined]
 
     def get_seq_length(self) -> int:
         """Slots filled so far (padding slots included), as HF's ``Cache.get_seq_length``."""

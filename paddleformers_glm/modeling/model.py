@@ -227,12 +227,10 @@ class GlmMoeDsaModel(nn.Layer):
         # one cache of top-k index forms for all layers (a shared layer reuses its full layer's top-k,
         # so its forms are built once) and one indexer-training state (the stage, the warm-up's dense
         # selection); both are released at the end of each forward
-        self.selections, run = SelectionCache(), None
+        self.selections, self.indexer_run = SelectionCache(), IndexerRun(IndexerTraining.from_config(config))
         for layer in self.layers.values():
             attn = (layer.transformer_layer if isinstance(layer, MTPLayer) else layer).self_attn
-            run = run or IndexerRun(attn.indexer_run.training)
-            attn.selections, attn.indexer_run = self.selections, run
-        self.indexer_run = run or IndexerRun()
+            attn.selections, attn.indexer_run = self.selections, self.indexer_run
         if norm:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             mark_sequence_parallel(self.norm, enabled=topo.sequence_parallel)
@@ -386,16 +384,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     # ------------------------------------------------------------------ construction / IO
     def init_weights(self, seed: int | None = None) -> None:
         """HF-style init: N(0, initializer_range) for matrices, ones for norms, zeros for biases."""
+        from ..checkpoint.loader import init_like_hf
+
         if seed is not None:
             paddle.seed(seed)
-        std = self.config.initializer_range
-        for name, p in self.named_parameters():
-            if len(p.shape) >= 2:
-                p.set_value(paddle.normal(0.0, std, p.shape).astype(p.dtype))
-            elif name.endswith(".bias"):
-                p.set_value(paddle.zeros_like(p))
-            else:  # RMSNorm / LayerNorm weights
-                p.set_value(paddle.ones_like(p))
+        init_like_hf(dict(self.named_parameters()), self.config.initializer_range)
 
     @classmethod
     def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):

@@ -37,7 +37,6 @@ class SwiGLUMLP(nn.Layer):
         super().__init__()
         sp = topo.sequence_parallel
         self.tensor_parallel = topo.tp_size > 1
-        self.intermediate_size = intermediate_size
         self.up_gate_proj = ColumnParallelLinear(
             hidden_size, 2 * intermediate_size, sequence_parallel=sp, fuse_chunks=2, topo=topo
         )
@@ -338,20 +337,17 @@ class MoE(nn.Layer):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
-        if self.dispatcher is not None:
-            shared = self.shared_experts(x) if self.shared_experts is not None else None
-            if shared is not None:
-                # Collectives must run in the same order on every rank. The shared experts (TP
-                # group) and the dispatcher (EP / TP groups) are independent branches, and the
-                # ranks' graphs differ inside the dispatcher (each rank holds other experts and
-                # tokens), so backward could visit them in a different order per rank. A zero
-                # dependency makes the shared branch's backward run after the dispatcher's.
-                flat = flat + 0.0 * shared.reshape(flat.shape)
-            _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]))
-            out = self.dispatcher(flat, expert_ids, weights, self.experts).reshape(shape)
-            return out + shared if shared is not None else out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.dispatcher is not None and shared is not None:
+            # Collectives must run in the same order on every rank. The shared experts (TP group) and
+            # the dispatcher (EP / TP groups) are independent branches, and the ranks' graphs differ
+            # inside the dispatcher (each rank holds other experts and tokens), so backward could visit
+            # them in a different order per rank. A zero dependency makes the shared branch's backward
+            # run after the dispatcher's.
+            flat = flat + 0.0 * shared.reshape(flat.shape)
         _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]))
-        out = self.routed(flat, weights, expert_ids).reshape(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if self.dispatcher is not None:
+            out = self.dispatcher(flat, expert_ids, weights, self.experts).reshape(shape)
+        else:
+            out = self.routed(flat, weights, expert_ids).reshape(shape)
+        return out + shared if shared is not None else out

@@ -29,17 +29,6 @@ TESTED_PADDLE = ((3, 0, 0), (3, 4, 0))  # [low, high): versions whose internals 
 _store_refs: list = []  # keep sub-group TCPStores alive for the process lifetime
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _my_host() -> str:
-    ep = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
-    return ep.rsplit(":", 1)[0] if ":" in ep else "127.0.0.1"
-
-
 def _not_applied(what: str, note: str = "") -> bool:
     warnings.warn(
         f"paddleformers_glm: Paddle {paddle.__version__} {what}; gloo sub-group store fix not applied{note}",
@@ -71,8 +60,11 @@ def apply_gloo_subgroup_store_fix() -> bool:
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):
         if backend == "gloo" and group_id != 0:
             key = f"glm52/gloo_subgroup_store/{group_id}"
-            if rank == 0:
-                host, port = _my_host(), _free_port()
+            if rank == 0:  # this host (its endpoint's), a free port
+                host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rpartition(":")[0] or "127.0.0.1"
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("", 0))
+                    port = s.getsockname()[1]
                 store.set(key, f"{host}:{port}".encode())
             else:
                 store.wait(key)

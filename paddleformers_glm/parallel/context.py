@@ -84,15 +84,6 @@ def split_micro_batch(
 
 
 # ------------------------------------------------------------------------------ the key gather
-def _rank_major_to_global(chunks: list[paddle.Tensor], n: int) -> list[paddle.Tensor]:
-    """2n chunks in gathered order (rank r: its chunks r, 2n-1-r) -> in global order."""
-    return [chunks[2 * j] if j < n else chunks[2 * (2 * n - 1 - j) + 1] for j in range(2 * n)]
-
-
-def _global_to_rank_major(chunks: list[paddle.Tensor], n: int) -> list[paddle.Tensor]:
-    return [chunks[i] for r in range(n) for i in (r, 2 * n - 1 - r)]
-
-
 def gather_sequence(x: paddle.Tensor, group: Any, axis: int = 1) -> paddle.Tensor:
     """All ranks' zigzag slices of ``x`` along ``axis``, in global sequence order (``group``: the
     context-parallel group).
@@ -102,13 +93,16 @@ def gather_sequence(x: paddle.Tensor, group: Any, axis: int = 1) -> paddle.Tenso
     all-gather. Identity at cp size 1.
     """
     n = comm.group_size(group)
+    # where global chunk j sits among the all-gathered ones (rank r's chunks r, 2n-1-r, rank by rank)
+    gathered = [2 * j if j < n else 2 * (2 * n - 1 - j) + 1 for j in range(2 * n)]
 
     def fwd(t: paddle.Tensor) -> paddle.Tensor:
-        full = comm.all_gather(t, group, axis)
-        return paddle.concat(_rank_major_to_global(paddle.split(full, 2 * n, axis=axis), n), axis=axis)
+        chunks = paddle.split(comm.all_gather(t, group, axis), 2 * n, axis=axis)
+        return paddle.concat([chunks[i] for i in gathered], axis=axis)
 
     def bwd(d: paddle.Tensor) -> paddle.Tensor:
-        d = paddle.concat(_global_to_rank_major(paddle.split(d, 2 * n, axis=axis), n), axis=axis)
-        return comm.reduce_scatter(d, group, axis)
+        chunks = paddle.split(d, 2 * n, axis=axis)  # by global position, back to rank by rank
+        rank_major = paddle.concat([chunks[i] for r in range(n) for i in (r, 2 * n - 1 - r)], axis=axis)
+        return comm.reduce_scatter(rank_major, group, axis)
 
     return comm._pair(x, group, fwd, bwd)

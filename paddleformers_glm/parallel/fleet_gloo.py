@@ -207,22 +207,6 @@ class _PaddleView:
         return getattr(self._real, name)
 
 
-def _replace(module: Any, attr: str, fn: Any) -> None:
-    if not hasattr(module, attr):
-        warnings.warn(
-            f"paddleformers_glm: Paddle {paddle.__version__} has no {module.__name__}.{attr}; "
-            f"not replaced (the stock Fleet layer may fail on CPU gloo)",
-            stacklevel=3,
-        )
-        return
-    if getattr(getattr(module, attr), "_glm52_gloo", False):
-        return
-    fn._glm52_gloo = True
-    setattr(module, attr, fn)
-    label = f"{module.__name__.rpartition('.')[2]}.{attr}"
-    _INSTALLED.append(label + (" (pipeline p2p on pair groups)" if attr == "paddle" else ""))
-
-
 def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str]:
     """Replace the Fleet internals listed in the module doc when ``backend`` is gloo; returns them.
     ``topology()`` gives the process's topology, whose pair groups carry pipeline p2p."""
@@ -246,7 +230,17 @@ def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str
         (spu, "reduce_scatter", sp_reduce_scatter),
         (p2p, "paddle", _PaddleView(paddle)),
     ):
-        _replace(module, attr, fn)
+        if not hasattr(module, attr):
+            warnings.warn(
+                f"paddleformers_glm: Paddle {paddle.__version__} has no {module.__name__}.{attr}; "
+                f"not replaced (the stock Fleet layer may fail on CPU gloo)",
+                stacklevel=2,
+            )
+        elif not getattr(getattr(module, attr), "_glm52_gloo", False):
+            fn._glm52_gloo = True
+            setattr(module, attr, fn)
+            label = f"{module.__name__.rpartition('.')[2]}.{attr}"
+            _INSTALLED.append(label + (" (pipeline p2p on pair groups)" if attr == "paddle" else ""))
     if not hasattr(parallel.ParallelEnv, "_device_id"):  # CPU builds never set it; PipelineLayer reads it
         parallel.ParallelEnv._device_id = 0
         _INSTALLED.append("ParallelEnv._device_id")

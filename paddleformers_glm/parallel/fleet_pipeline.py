@@ -1,19 +1,8 @@
 """Pipeline parallelism on Fleet's own engine: a ``PipelineLayer`` of ``LayerDesc`` chunks, run by
 ``fleet.distributed_model``'s 1F1B ``PipelineParallel`` or, with ``--vpp N``, its interleaved
-``PipelineParallelWithInterleave`` (docs/parallel.md section 3).
-
-Chunk ``c`` of the ``--pp-layout`` runs on pipeline rank ``c % pp``; each rank builds ONE stage
-module holding every layer of its chunks under the full model's parameter names, so loading,
-checkpoints, export and gradient sync are unchanged.  What crosses a stage is a tuple: the
-micro-batch tensors, then the model's carry.  The last chunk returns the micro-batch objective;
-a chunk elsewhere with a loss term ties it to its outgoing carry (:class:`_AttachObjective`).
-
-:meth:`FleetPipeline.train_batch` runs Fleet's ``train_batch``, with the trainer's gradient sync
-at ``allreduce_shared_weight_gradients`` (after the last backward, before the optimizer step) and
-an optimizer whose ``step()`` is the trainer's clip and update (:func:`step_optimizer`): the stock
-``step()`` would send expert gradients over data-parallel ranks that hold other experts.  Expert
-layouts (``ep`` / ``etp`` > 1) clip outside any Fleet optimizer, so they drive the schedule alone
-(:meth:`FleetPipeline.run`) and step afterwards.
+``PipelineParallelWithInterleave`` (docs/parallel.md section 3: chunk placement, what crosses a
+stage, where the gradient sync and the optimizer step run, and why expert layouts drive the
+schedule alone).
 """
 
 from __future__ import annotations
@@ -35,7 +24,7 @@ from paddle.distributed.fleet.meta_parallel import (
     PipelineParallelWithInterleaveFthenB,
 )
 
-from .pipeline import LossLedger, StageSpec, _normalise_output
+from .pipeline import LossLedger, StageSpec, _checked_output
 from .topology import ParallelConfigError, Topology
 
 __all__ = ["FleetPipeline", "PipelineChunk", "rank_spec", "step_optimizer"]
@@ -64,11 +53,9 @@ class _AttachObjective(paddle.autograd.PyLayer):
 
 
 class PipelineChunk(nn.Layer):
-    """One ``LayerDesc`` of the ``PipelineLayer``: chunk ``spec`` of this rank's stage module.
-
-    Input: the tuple from the previous chunk (micro-batch tensors, then the carry), or on the
-    first chunk the micro-batch tensors alone.  Output: the same tuple with the new carry, or
-    on the last chunk the micro-batch objective (a scalar).
+    """One ``LayerDesc`` of the ``PipelineLayer``: chunk ``spec`` of this rank's stage module; in, the
+    micro-batch tensors and then the carry; out, the same with the new carry, or on the last chunk
+    the micro-batch objective (docs/parallel.md section 3, "What crosses a stage").
 
     ``grad_anchor``: the stage's carry takes no gradient (its module says so with
     ``carry_takes_gradient``: a frozen backbone, the indexer's warm-up), so Fleet would have nothing to
@@ -96,7 +83,7 @@ class PipelineChunk(nn.Layer):
         last = self.spec.is_last
         where = f"pipeline chunk {self.spec.stage}"
         out = self.stage.forward_stage(None if self.spec.has_embedding else carry, batch, part=self.spec)
-        out = _normalise_output(out, last, self.spec.stage)
+        out = _checked_output(out, last, self.spec.stage)
         objective = self._ledger.objective(out.losses or {}, where)
         if last:
             if anchor is not None:  # the backward reaches every chunk's objective through the anchor

@@ -1,21 +1,10 @@
 """Gradient synchronisation across TP / DP / CP / sharding / EP / PP on Fleet's collectives, the
 has-gradient flags, and the *true* global gradient norm (docs/parallel.md sections 4 and 8).
 
-Fleet's conventions, adopted as they are: a bf16 parameter's gradient becomes an fp32
-``param.main_grad``, which every Fleet collective reads instead of ``.grad``, and a parameter
-without a gradient gets a zero one so every replica joins the same collectives.  Fleet *averages*
-over data-parallel and sharding replicas and *sums* over context- and model-parallel ones; the
-trainer multiplies each local loss by ``dp x sharding`` (:func:`loss_multiplier`), so the result
-is the global batch's gradient, as in one process.
-
-Has-gradient flags (the optimizer skips a parameter whose flag is false, as torch's AdamW skips
-one whose gradient is ``None``): a dense parameter's says whether backward produced a gradient on
-any replica; experts follow the reference's fused expert tensors, which torch's AdamW steps
-whenever the layer's router sent any token anywhere, so every expert of such a layer is stepped
-(an idle one with a zero gradient); ``expert_update="routed-only"`` steps only the experts that
-got tokens.  The decision comes from the global routed-token counts, the same on every rank of
-every layout.  The global norm counts each distinct element once, on its canonical owner, then
-one all-reduce over the world.
+Fleet's conventions, adopted as they are: fp32 ``param.main_grad``, a zero gradient where backward
+made none (every replica joins the same collectives), the mean over data-parallel and sharding
+replicas (:func:`loss_multiplier` turns it into the global batch's sum). The has-gradient flags
+come from the global routed-token counts, the same on every rank of every layout.
 """
 
 from __future__ import annotations
@@ -41,7 +30,8 @@ from .topology import Topology
 
 __all__ = ["EXPERT_UPDATES", "GradSynchronizer", "clip_main_grads", "loss_multiplier"]
 
-# how experts are stepped (module docstring): every expert of a layer that routed any token, or only those that got one
+# how experts are stepped: every expert of a layer that routed any token (torch's AdamW steps the reference's
+# fused expert tensors then), or only those that got one (docs/parallel.md section 8)
 EXPERT_UPDATES = ("fused", "routed-only")
 
 _EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
@@ -50,10 +40,6 @@ _EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
 def loss_multiplier(topo: Topology) -> int:
     """The factor on each rank's loss that Fleet's averaging sync expects: dp x sharding replicas."""
     return int(topo.pc.dp) * int(topo.pc.sharding)
-
-
-def _is_sp_param(p: paddle.Tensor) -> bool:
-    return bool(is_sequence_parallel_parameter(p)) or get_shard_spec(p).sequence_parallel
 
 
 def _release(p: paddle.Tensor) -> None:
@@ -161,7 +147,7 @@ class GradSynchronizer:
             return self.current_grads(), flags
         params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor
         if topo.sequence_parallel and topo.tp_size > 1:  # partial over the sequence slices: a plain sum
-            sp = [p for p in params if _is_sp_param(p)]
+            sp = [p for p in params if is_sequence_parallel_parameter(p) or get_shard_spec(p).sequence_parallel]
             if sp:
                 fused_allreduce_gradients_with_group(sp, topo.tp_group, scale=1.0)
         self._sum_shared(flags)
@@ -212,7 +198,7 @@ class GradSynchronizer:
         return local
 
     def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
-        """Has-gradient flags, the same on every replica (module docstring).  Dense: from the stage's ranks
+        """Has-gradient flags, the same on every replica.  Dense: from the stage's ranks
         (pipeline-shared names finished in :meth:`_sum_shared`).  Experts: from this step's routed-token
         counts summed over the stage (only > 0 matters): whether an untouched expert's local gradient is
         ``None`` or zeros depends on the MoE form and the rank, so it cannot decide."""

@@ -110,14 +110,9 @@ def _params_of(obj: Any) -> list[paddle.Tensor]:
 
 
 def mark_sequence_parallel(obj: Any, enabled: bool = True) -> None:
-    """Mark the replicated parameters of a layer (or a parameter) that run on SP-sharded activations.
-
-    Call it for norms and any other replicated weight inside the sequence-parallel region; it
-    is harmless when sequence parallel is off (the flag is only read when it is on).  Sets both
-    ``ShardSpec.sequence_parallel`` and Fleet's ``mark_as_sequence_parallel_parameter`` flag, so
-    Fleet's ``is_sequence_parallel_parameter`` / ``register_sequence_parallel_allreduce_hooks``
-    see the same parameters as the trainer's gradient sync.
-    """
+    """Mark the replicated parameters of a layer (or a parameter) that run on SP-sharded activations
+    (norms and any other replicated weight inside the sequence-parallel region): ``ShardSpec`` and
+    Fleet's flag both (:func:`set_shard_spec`, docs/parallel.md section 2)."""
     for p in _params_of(obj):
         spec = get_shard_spec(p)
         if spec.axis is not None and spec.group == "tp":
@@ -186,19 +181,17 @@ class _CommLinear(nn.Layer):
         bias_spec: ShardSpec,
         sequence_parallel: bool,
         group: str,
-        dtype: str | None,
         topo: Topology,
     ) -> None:
         super().__init__()
         self.group, self.group_name = topo.group(group), group
         self.world, self.rank = topo.size(group), topo.rank_in(group)
         self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
-        dtype = dtype or paddle.get_default_dtype()
-        self.weight = self.create_parameter(local, dtype=dtype, default_initializer=_xavier(in_features, out_features))
+        self.weight = self.create_parameter(local, default_initializer=_xavier(in_features, out_features))
         set_shard_spec(self.weight, weight_spec, self.world)
         self.bias = None
         if bias_size is not None:
-            self.bias = self.create_parameter([bias_size], dtype=dtype, is_bias=True)
+            self.bias = self.create_parameter([bias_size], is_bias=True)
             set_shard_spec(self.bias, bias_spec, self.world)
 
     def extra_repr(self) -> str:
@@ -223,7 +216,6 @@ class CommColumnParallelLinear(_CommLinear):
         *,
         fuse_chunks: int = 1,
         group: str = "tp",
-        dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
         topo = topo or get_topology()
@@ -233,22 +225,19 @@ class CommColumnParallelLinear(_CommLinear):
         bias = local if has_bias else None
         super().__init__(
             in_features, out_features, [in_features, local], spec, bias, replace(spec, axis=0), sequence_parallel,
-            group, dtype, topo,
+            group, topo,
         )  # fmt: skip
         self.gather_output = gather_output
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
             return F.linear(x, self.weight, self.bias)
-        group = self.group
         if self.sequence_parallel:
-            x = comm.gather_from_sp(x, group=group, grad="reduce_scatter")  # [B, S/tp, H] -> [B, S, H]
+            x = comm.gather_from_sp(x, group=self.group, grad="reduce_scatter")  # [B, S/tp, H] -> [B, S, H]
         else:
-            x = comm.copy_to_tp(x, group=group)
+            x = comm.copy_to_tp(x, group=self.group)
         y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
-        if self.gather_output:
-            y = comm.gather_from_tp(y, axis=-1, group=group)
-        return y
+        return comm.gather_from_tp(y, axis=-1, group=self.group) if self.gather_output else y
 
 
 class CommRowParallelLinear(_CommLinear):
@@ -267,7 +256,6 @@ class CommRowParallelLinear(_CommLinear):
         sequence_parallel: bool = False,
         *,
         group: str = "tp",
-        dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
         topo = topo or get_topology()
@@ -276,21 +264,20 @@ class CommRowParallelLinear(_CommLinear):
         bias = out_features if has_bias else None
         super().__init__(
             in_features, out_features, local, ShardSpec(axis=0, group=group), bias,
-            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, dtype, topo,
+            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, topo,
         )  # fmt: skip
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.world == 1:
             return F.linear(x, self.weight, self.bias)
-        group = self.group
         if not self.input_is_parallel:
-            x = comm.scatter_to_tp(x, axis=-1, group=group)
+            x = comm.scatter_to_tp(x, axis=-1, group=self.group)
         y = F.linear(x, self.weight)  # partial sum [..., out]
         if self.sequence_parallel:
-            y = comm.reduce_scatter_to_sp(y, group=group)  # [B, S, H] -> [B, S/tp, H]
+            y = comm.reduce_scatter_to_sp(y, group=self.group)  # [B, S, H] -> [B, S/tp, H]
         else:
-            y = comm.reduce_from_tp(y, group=group)
+            y = comm.reduce_from_tp(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -309,7 +296,6 @@ class CommVocabParallelEmbedding(nn.Layer):
         sequence_parallel: bool = False,
         *,
         padding_idx: int | None = None,
-        dtype: str | None = None,
         topo: Topology | None = None,
     ) -> None:
         super().__init__()
@@ -321,8 +307,8 @@ class CommVocabParallelEmbedding(nn.Layer):
         self.sequence_parallel, self.padding_idx = sequence_parallel, padding_idx
         self.per_rank = num_embeddings // self.world
         self.start = self.rank * self.per_rank
-        dtype, init = dtype or paddle.get_default_dtype(), _xavier(num_embeddings, embedding_dim)
-        self.weight = self.create_parameter([self.per_rank, embedding_dim], dtype=dtype, default_initializer=init)
+        init = _xavier(num_embeddings, embedding_dim)
+        self.weight = self.create_parameter([self.per_rank, embedding_dim], default_initializer=init)
         set_shard_spec(self.weight, ShardSpec(axis=0), self.world)
 
     def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
@@ -384,10 +370,8 @@ def default_dtype(dtype: str | None) -> Iterator[None]:
         paddle.set_default_dtype(saved)
 
 
-def _fleet_layer(build: Any, dtype: str | None, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
-    """One of Fleet's layers, built in ``dtype``, with our specs on its weight and bias."""
-    with default_dtype(dtype):
-        layer = build()
+def _fleet_layer(layer: nn.Layer, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
+    """One of Fleet's layers with our specs on its weight and bias."""
     set_shard_spec(layer.weight, weight, size)
     if layer.bias is not None:
         set_shard_spec(layer.bias, bias, size)
@@ -441,8 +425,7 @@ def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 -
     _check_column(a["out_features"], g.nranks, chunks, gather, group)
     cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
     return _fleet_layer(
-        lambda: cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
-        a["dtype"],
+        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
         ShardSpec(axis=1, group=group, chunks=chunks),
         ShardSpec(axis=0, group=group, chunks=chunks),
         g.nranks,
@@ -460,10 +443,7 @@ def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a 
     _check_row(a["in_features"], g.nranks, sp, parallel_in, group)
     cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
     return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
-        lambda: cls(
-            a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g
-        ),
-        a["dtype"],
+        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g),
         ShardSpec(axis=0, group=group),
         ShardSpec(sequence_parallel=sp),
         g.nranks,
@@ -480,10 +460,9 @@ def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802
     V = a["num_embeddings"]
     if V % g.nranks:
         raise ValueError(f"VocabParallelEmbedding: vocab size {V} not divisible by tp {g.nranks}")
-    with default_dtype(a["dtype"]):
-        layer = _PaddedVocabParallelEmbedding(
-            V, a["embedding_dim"], mp_group=g, padding_idx=a["padding_idx"], sequence_parallel=a["sequence_parallel"]
-        )
+    layer = _PaddedVocabParallelEmbedding(
+        V, a["embedding_dim"], mp_group=g, padding_idx=a["padding_idx"], sequence_parallel=a["sequence_parallel"]
+    )
     set_shard_spec(layer.weight, ShardSpec(axis=0), g.nranks)
     return layer
 
@@ -493,12 +472,11 @@ def ParallelLMHead(  # noqa: N802 - a layer factory
     vocab_size: int,
     sequence_parallel: bool = False,
     *,
-    dtype: str | None = None,
     topo: Topology | None = None,
 ) -> nn.Layer:
     """Output projection [H, V] split over the vocabulary: a column-parallel linear without bias or
     gather, returning vocab-parallel logits [B, S, V/tp] for :func:`parallel_cross_entropy`."""
-    return ColumnParallelLinear(hidden_size, vocab_size, sequence_parallel=sequence_parallel, dtype=dtype, topo=topo)
+    return ColumnParallelLinear(hidden_size, vocab_size, sequence_parallel=sequence_parallel, topo=topo)
 
 
 def parallel_cross_entropy(

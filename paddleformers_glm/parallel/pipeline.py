@@ -1,14 +1,8 @@
 """Pipeline parallelism: the stage layout language, the stage contract, and the single-stage engine.
 
 The engine for ``--pp`` > 1 is Fleet's (:mod:`~paddleformers_glm.parallel.fleet_pipeline`); this
-module holds what both use: stage specs, ``--pp-layout`` parsing, the top-k carry check, a stage's
-output and the loss ledger.
-
-``--pp-layout`` (docs/parallel.md section 3): stages separated by ``|``, units ``E`` (embedding,
-first), ``t`` (a decoder layer; ``t*4`` four), ``m`` (MTP, last stage before ``L``), ``L`` (norm +
-head + loss, last), e.g. ``"E,t*4|t*4,L"``; or per-stage layer counts (``"3,5"`` or ``[3, 5]``).
-What a stage hands the next is a tuple (GLM: hidden states and the int64 top-k of the last full
-indexer layer), so a stage may start on a "shared" indexer layer that reuses it.
+module holds what both use: stage specs, ``--pp-layout`` parsing (syntax: docs/parallel.md
+section 3), the top-k carry check, a stage's output and the loss ledger.
 """
 
 from __future__ import annotations
@@ -85,7 +79,7 @@ def _parse_units(stage_text: str, stage: int) -> list[str]:
 
 
 def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_mtp: bool = False) -> list[StageSpec]:
-    """Stage specs from a ``--pp-layout`` string or a list of per-stage layer counts (see module doc)."""
+    """Stage specs from a ``--pp-layout`` string or a list of per-stage layer counts."""
     if not isinstance(layout, str) or re.fullmatch(r"[\d\s,]+", layout):
         counts = [int(c) for c in (layout.replace(",", " ").split() if isinstance(layout, str) else layout)]
         if len(counts) != pp:
@@ -257,16 +251,14 @@ class StageOutput:
     losses: dict[str, LossTerm] | None = None
 
 
-def _normalise_output(out: Any, last: bool, stage: int) -> StageOutput:
+def _checked_output(out: Any, last: bool, stage: int) -> StageOutput:
     if not isinstance(out, StageOutput):
         raise TypeError(f"stage {stage} forward returned {type(out).__name__}; expected StageOutput")
-    losses = {k: v if isinstance(v, LossTerm) else LossTerm(*v) for k, v in (out.losses or {}).items()}
-    carry = tuple(out.carry) if out.carry is not None else None
-    if last and not losses:
+    if last and not out.losses:
         raise TypeError(f"the last pipeline stage ({stage}) returned no losses")
-    if not last and carry is None:
+    if not last and out.carry is None:
         raise TypeError(f"pipeline stage {stage} is not the last but returned no carry for the next stage")
-    return StageOutput(carry, losses)
+    return out
 
 
 class LossLedger:
@@ -316,7 +308,7 @@ class SingleStageEngine:
         """Forward + backward of every micro-batch; returns {term: (sum, count)} (sums in float64)."""
         self.ledger.reset(scales)
         for mb in micro_batches:
-            out = _normalise_output(self.module.forward_stage(None, mb), True, 0)
+            out = _checked_output(self.module.forward_stage(None, mb), True, 0)
             objective = self.ledger.objective(out.losses, "stage 0")
             paddle.autograd.backward([objective], [paddle.ones_like(objective)])
         return self.ledger.totals()

@@ -9,8 +9,7 @@ is restored for the replay, so fp32 losses and gradients are bit-identical to no
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import paddle
@@ -19,19 +18,8 @@ __all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
 
 RECOMPUTE_MODES = ("none", "full", "core")
 
-_core_depth = 0  # > 0 while a decoder layer runs under --recompute core
-
-
-@contextlib.contextmanager
-def _core_scope() -> Iterator[None]:
-    """A context manager rather than the counter inline in run_layer: to_static's whole-graph
-    translation of a forward through run_layer fails on a ``global`` statement there."""
-    global _core_depth
-    _core_depth += 1
-    try:
-        yield
-    finally:
-        _core_depth -= 1
+# > 0 while a decoder layer runs under --recompute core (a list: to_static cannot transform `global`)
+_core_depth = [0]
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -52,8 +40,11 @@ def run_layer(layer: Callable[..., Any], *args: Any, mode: str = "none") -> Any:
     if mode == "none" or not paddle.is_grad_enabled():
         return layer(*args)
     if mode == "core":
-        with _core_scope():
+        _core_depth[0] += 1
+        try:
             return layer(*args)
+        finally:
+            _core_depth[0] -= 1
     if not _needs_grad(args):
         return layer(*args)  # nothing to differentiate through the inputs: nothing to save either
     return _recompute(layer, *args)
@@ -63,6 +54,6 @@ def run_core(fn: Callable[..., Any], *args: Any, active: bool = True) -> Any:
     """``fn(*args)``: the attention core of a layer.  Recomputed in backward when the layer runs
     under ``--recompute core`` and ``active`` (a caller filling a decoding cache passes False: the
     replay would write the cache twice)."""
-    if not (active and _core_depth > 0 and paddle.is_grad_enabled() and _needs_grad(args)):
+    if not (active and _core_depth[0] > 0 and paddle.is_grad_enabled() and _needs_grad(args)):
         return fn(*args)
     return _recompute(fn, *args)
