@@ -9,7 +9,6 @@ goes into a temporary folder beside the target that replaces it only when comple
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -20,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._io import read_json
+from .._io import read_json, write_json_atomic
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
@@ -100,18 +99,16 @@ def finish_save(
     carry_from: str | os.PathLike | None,
 ) -> tuple[int, list[str]]:
     """Write the index (several shards), ``config.json`` and the carried files into ``tmp``, then
-    publish it at ``out_dir``; returns (total tensor bytes, carried file names)."""
+    publish it at ``out_dir``; returns (total tensor bytes, the names of the files written)."""
     total = sum(_nbytes(e) for e in entries.values())
     if len(shards) > 1:
         weight_map = {k: name for name, keys in shards.items() for k in keys}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_json_atomic(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
     config.save_pretrained(tmp)
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
     carried = carry_files(carry_from, tmp, out_dir)
     publish(tmp, out_dir)
-    return total, carried
+    return total, [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
 
 
 def _check_state(state: Mapping[str, Any], config: Any) -> None:
@@ -205,7 +202,7 @@ def save_pretrained_state(
             del t
         for w in writers.values():
             w.close()  # refuses a file with a planned tensor missing: every entry is written once
-        total, carried = finish_save(
+        total, files = finish_save(
             tmp, out_dir, config, shards, entries, FP8_CONFIG if quantization else None, carry_from
         )
     except BaseException:
@@ -214,7 +211,6 @@ def save_pretrained_state(
                 w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    files = [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
     return SaveReport(
         out_dir, layout, [os.path.join(out_dir, f) for f in files], len(entries), total, time.perf_counter() - t0
     )
@@ -230,8 +226,7 @@ def set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
         cfg.pop("quantization_config")
     else:
         cfg["quantization_config"] = dict(qc)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(cfg, indent=2) + "\n")
+    write_json_atomic(path, cfg, sort_keys=False)
 
 
 CARRIED_FILES = (
@@ -273,7 +268,7 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
