@@ -60,10 +60,6 @@ LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1,
 LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
-def _write_json(path: str, obj: Any) -> None:
-    write_json_atomic(path, obj, indent=1, sort_keys=True, default=str)  # strict JSON: inf ratios -> null
-
-
 def _load(folder: str) -> dict[str, Any]:
     from safetensors.numpy import load_file
 
@@ -352,7 +348,7 @@ def run_align(args: argparse.Namespace) -> int:
     )
     verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
     verdict["versions"] = _versions()
-    _write_json(os.path.join(receipt, "versions.json"), verdict["versions"])
+    write_json_atomic(os.path.join(receipt, "versions.json"), verdict["versions"], indent=1)
     for name, cmd in {} if args.no_run else runs.items():
         print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
         log = os.path.join(out, f"{name}.log")
@@ -362,7 +358,7 @@ def run_align(args: argparse.Namespace) -> int:
         if rc != 0:
             print(f"[glm52 align] {name} failed; last lines of {log}:\n{_tail(log)}", file=sys.stderr)
             verdict.update(exit_code=2, result="a run failed")
-            _write_json(os.path.join(receipt, "verdict.json"), verdict)
+            write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
             return 2
 
     comps = verdict["comparisons"]
@@ -426,7 +422,7 @@ def run_align(args: argparse.Namespace) -> int:
                 t = {"rel_tol": rel, "loose_rel": (".indexer.", max(rel, INDEXER_REL_TOL))}
             c = compare_dumps(r, p, **t)
             ck = check_checkpoints(r, p)
-            _write_json(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck)
+            write_json_atomic(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck, indent=1)
             rh, ch = ck["ref"].get("native_hash"), ck["cand"].get("native_hash")
             c["check_ckpt"] = {"result": ck["result"], "counts": ck.get("counts"), "ref_hash": rh, "cand_hash": ch}
             if ck.get("counts", {}).get("structural"):
@@ -469,7 +465,7 @@ def run_align(args: argparse.Namespace) -> int:
             detail = f"worst {c['worst']['value']:.3g} ({c['worst']['key']}) tolerance {tol:g}"
         verdict["summary"][k] = {"pass": c["pass"], **s}
         lines.append(f"[glm52 align] {'pass' if c['pass'] else 'FAIL'} {k}: {detail}")
-    _write_json(os.path.join(receipt, "verdict.json"), verdict)
+    write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)  # strict JSON: inf ratios -> null
     print("\n".join(lines))
     first = verdict["first_difference"]
     if first is not None:

@@ -296,7 +296,15 @@ def check_checkpoints(
     }
     sides = {"ref": _open_side(ref_path), "cand": _open_side(cand_path)}
     for name, s in sides.items():
-        report[name].update(_side_report(s))
+        report[name].update(
+            layout=s.layout,
+            files=s.files,
+            file_problems=s.problems,
+            tensor_count=len(s.ckpt.tensors) if s.ckpt else None,
+            tensor_bytes=sum(i.nbytes for i in s.ckpt.tensors.values()) if s.ckpt else None,
+            native_hash=checkpoint_hash(s.hashes) if s.ckpt else None,
+            nonfinite=dict(sorted(s.nonfinite.items())),
+        )
         if s.error:
             report["errors"].append(f"{name}: {s.error}")
         for p in s.problems:
@@ -362,19 +370,6 @@ def check_checkpoints(
         and (counts["naming"] == 0 or naming_ok)
     )
     return _finish(report, EXIT_MATCH if ok else EXIT_MISMATCH, t0, sides)
-
-
-def _side_report(s: _Side) -> dict[str, Any]:
-    """One side's part of the receipt: layout, files, refused files, tensor count, bytes and hash."""
-    return {
-        "layout": s.layout,
-        "files": s.files,
-        "file_problems": s.problems,
-        "tensor_count": len(s.ckpt.tensors) if s.ckpt else None,
-        "tensor_bytes": sum(i.nbytes for i in s.ckpt.tensors.values()) if s.ckpt else None,
-        "native_hash": checkpoint_hash(s.hashes) if s.ckpt else None,
-        "nonfinite": dict(sorted(s.nonfinite.items())),
-    }
 
 
 def _compare_tensors(

@@ -96,19 +96,12 @@ def _run_check_loss(args: argparse.Namespace) -> int:
     for e in report["errors"]:
         print(f"check-loss: {e}", file=sys.stderr)
     if report["result"] != "unusable input":
-        keys = (
-            "length_match",
-            "enough_steps",
-            "consistent_steps",
-            "matching_steps",
-            "first_divergent_step",
-            "max_diff",
-            "bit_exact",
-        )
+        keys = "length_match enough_steps consistent_steps matching_steps first_divergent_step max_diff bit_exact"
         rule = f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step"
         rule = "every loss identical" if report["mode"] == "bit-exact" else rule
         print(
-            f"check-loss: {report['result']} ({report['mode']}: {rule}) " + " ".join(f"{k}={report[k]}" for k in keys)
+            f"check-loss: {report['result']} ({report['mode']}: {rule}) "
+            + " ".join(f"{k}={report[k]}" for k in keys.split())
         )
         for j in report.get("jumps", []):
             print(

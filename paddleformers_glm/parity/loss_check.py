@@ -70,9 +70,9 @@ def compare_losses(
     """
     n_common = min(len(a), len(b))
     n = min(n_common, steps) if steps is not None else n_common
-    agree = [abs(a[i] - b[i]) <= atol + rtol * abs(b[i]) for i in range(n)]
-    consistent = next((i for i, ok in enumerate(agree) if not ok), n)
     diffs = [abs(a[i] - b[i]) for i in range(n)]
+    agree = [d <= atol + rtol * abs(b[i]) for i, d in enumerate(diffs)]
+    consistent = next((i for i, ok in enumerate(agree) if not ok), n)
     need = steps if steps is not None else 1
     return {
         "len_a": len(a),
@@ -84,7 +84,7 @@ def compare_losses(
         "consistent_steps": consistent,
         "matching_steps": sum(agree),
         "first_divergent_step": consistent if consistent < n else None,
-        "max_diff": max(diffs) if diffs else 0.0,
+        "max_diff": max(diffs, default=0.0),
         "bit_exact": (len(a) == len(b) or steps is not None) and all(a[i] == b[i] for i in range(n)),
         "atol": atol,
         "rtol": rtol,
