@@ -386,7 +386,4 @@ class GlmTokenizer:
         conversation is tokenized at once, so the ids are exactly those of the rendered text."""
         text, spans = self.assistant_spans(messages)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
-        mask = []
-        for start, end in enc.offsets:
-            mask.append(any(a <= start < b for a, b in spans) and end > start)
-        return list(enc.ids), mask
+        return list(enc.ids), [end > start and any(a <= start < b for a, b in spans) for start, end in enc.offsets]
