@@ -167,8 +167,8 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
-# modeling/attention_forms.FORMS (the config cannot import the modeling package)
-_ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
+# The values of `attn_implementation`: the attention forms (modeling/attention_forms.py, which imports them)
+ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -352,7 +352,7 @@ class GlmMoeDsaConfig:
             ("hidden_act", ("silu",), "only 'silu' is supported (the experts and dense MLP are SwiGLU)"),
             ("scoring_func", ("sigmoid",), "only 'sigmoid' is supported"),
             ("moe_router_dtype", ("float32", "fp32"), "only float32 routers are supported"),
-            ("attn_implementation", _ATTN_IMPLEMENTATIONS, f"must be one of {_ATTN_IMPLEMENTATIONS}"),
+            ("attn_implementation", ATTN_IMPLEMENTATIONS, f"must be one of {ATTN_IMPLEMENTATIONS}"),
         ):
             if getattr(self, key) not in allowed:
                 raise _err(key, f"{what}, got {getattr(self, key)!r}")
