@@ -167,8 +167,8 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
-# modeling/attention_forms.FORMS (the config cannot import the modeling package)
-_ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
+# The values of `attn_implementation`: the attention forms (modeling/attention_forms.py, which imports them)
+ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -343,16 +343,19 @@ class GlmMoeDsaConfig:
         for key, form in _KEY_FORMS.items():
             _check_form(key, getattr(self, key), form)
         eos = self.eos_token_id
-        if eos is not None and not isinstance(eos, list):
-            _check_form("eos_token_id", eos, ("int", 0, MAX_DIM))
-        elif isinstance(eos, list):
+        if isinstance(eos, list):
             for i, e in enumerate(eos):
                 _check_form(f"eos_token_id[{i}]", e, ("int", 0, MAX_DIM))
-        if self.hidden_act != "silu":
-            raise _err(
-                "hidden_act",
-                f"only 'silu' is supported (the experts and dense MLP are SwiGLU), got {self.hidden_act!r}",
-            )
+        else:
+            _check_form("eos_token_id", eos, ("int|None", 0, MAX_DIM))
+        for key, allowed, what in (
+            ("hidden_act", ("silu",), "only 'silu' is supported (the experts and dense MLP are SwiGLU)"),
+            ("scoring_func", ("sigmoid",), "only 'sigmoid' is supported"),
+            ("moe_router_dtype", ("float32", "fp32"), "only float32 routers are supported"),
+            ("attn_implementation", ATTN_IMPLEMENTATIONS, f"must be one of {ATTN_IMPLEMENTATIONS}"),
+        ):
+            if getattr(self, key) not in allowed:
+                raise _err(key, f"{what}, got {getattr(self, key)!r}")
         self._normalise_rope()
         self._normalise_dtype()
         L = self.num_hidden_layers
@@ -393,14 +396,6 @@ class GlmMoeDsaConfig:
             raise _err(
                 "num_experts_per_tok",
                 f"{self.num_experts_per_tok} > experts in the chosen groups (topk_group {self.topk_group} x {E // G})",
-            )
-        if self.scoring_func != "sigmoid":
-            raise _err("scoring_func", f"only 'sigmoid' is supported, got {self.scoring_func!r}")
-        if self.moe_router_dtype not in ("float32", "fp32"):
-            raise _err("moe_router_dtype", f"only float32 routers are supported, got {self.moe_router_dtype!r}")
-        if self.attn_implementation not in _ATTN_IMPLEMENTATIONS:
-            raise _err(
-                "attn_implementation", f"must be one of {_ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
             )
         if not self.use_qk_norm:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")

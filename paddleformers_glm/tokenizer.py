@@ -282,11 +282,9 @@ class GlmTokenizer:
             encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
         if "input_ids" not in encoded_inputs:
             raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
-        base = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items() if k in ("input_ids", "attention_mask")}
-        out = self._pad(base, padding, max_length, pad_to_multiple_of, padding_side)
-        for k, v in encoded_inputs.items():
-            if k not in out:
-                out[k] = [_id_list(r) for r in v]
+        rows = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}
+        out = self._pad(rows, padding, max_length, pad_to_multiple_of, padding_side)
+        out.update({k: v for k, v in rows.items() if k not in out})  # other keys as given
         if return_tensors is not None:
             return BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
         return out
@@ -386,7 +384,4 @@ class GlmTokenizer:
         conversation is tokenized at once, so the ids are exactly those of the rendered text."""
         text, spans = self.assistant_spans(messages)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
-        mask = []
-        for start, end in enc.offsets:
-            mask.append(any(a <= start < b for a, b in spans) and end > start)
-        return list(enc.ids), mask
+        return list(enc.ids), [end > start and any(a <= start < b for a, b in spans) for start, end in enc.offsets]

@@ -24,6 +24,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from .. import ops
+from ..configuration import ATTN_IMPLEMENTATIONS as FORMS  # the values of the config key `attn_implementation`
 from ..ops.norm import building_graph
 from ..ops.norm import cast as _as
 
@@ -32,8 +33,6 @@ from ..ops.norm import cast as _as
 # per query. Same result; cheaper while the selection covers a large share of the keys (short
 # sequences, early chunks), since a GEMM is far cheaper per score than a gather + batched GEMV.
 _DENSE_KEYS_PER_SLOT = 2.0
-# The values of the config key `attn_implementation`.
-FORMS = ("auto", "reference", "dense", "sparse", "latent")
 # Below this much per-head gathering (batch x seq x topk x per-key floats) `auto` keeps the small-
 # problem rule: per-head dense for short sequences, else per-head sparse (the association the HF
 # parity fixtures pin); above it, the cheapest form by `form_costs`.

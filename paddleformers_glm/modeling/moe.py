@@ -323,9 +323,7 @@ class MoE(nn.Layer):
             slot_of_assign = paddle.take_along_axis(slot_of_assign, perm, axis=-1).reshape([-1])
         x_ext = paddle.concat([x, paddle.zeros([1, H], dtype=x.dtype)], axis=0)
         x_pad = paddle.gather(x_ext, token_of_slot).reshape([E, cap, H])
-        experts = [self.expert(e) for e in range(E)]
-        w1 = paddle.stack([e.up_gate_proj.weight for e in experts])  # [E, H, 2I]
-        w2 = paddle.stack([e.down_proj.weight for e in experts])  # [E, I, H]
+        w1, w2 = (paddle.stack(ws) for ws in self._expert_weights())  # [E, H, 2I], [E, I, H]
         gate, up = paddle.split(paddle.matmul(x_pad, w1), 2, axis=-1)
         y = paddle.matmul(nn.functional.silu(gate) * up, w2)  # [E, cap, H]
         w = paddle.take_along_axis(weights, perm, axis=-1)  # [N, K] fp32

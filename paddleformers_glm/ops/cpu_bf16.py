@@ -107,16 +107,9 @@ def missing_kernels(registry: dict[str, list[str]] | None = None) -> dict[str, K
     """Kernel name -> its bf16 gap on CPU, for every kernel with an fp32 CPU kernel and no bf16
     one, forward (``op``) or gradient (``op_grad``); read from Paddle's kernel registry."""
     reg = _registry() if registry is None else registry
-    out: dict[str, KernelGap] = {}
-    for name in reg:
-        if name.endswith("_grad"):
-            continue
-        fwd = _has(reg, name, "float32") and not _has(reg, name, "bfloat16")
-        g = f"{name}_grad"
-        bwd = _has(reg, g, "float32") and not _has(reg, g, "bfloat16")
-        if fwd or bwd:
-            out[name] = KernelGap(fwd, bwd)
-    return out
+    gap = {k: _has(reg, k, "float32") and not _has(reg, k, "bfloat16") for k in reg}
+    found = {k: KernelGap(gap[k], gap.get(f"{k}_grad", False)) for k in reg if not k.endswith("_grad")}
+    return {k: g for k, g in found.items() if g.forward or g.backward}
 
 
 def _covered_ops(c_ops: Any, reg: dict[str, list[str]]) -> dict[str, str]:
@@ -175,11 +168,6 @@ def _up(v: Any, copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]]) -> Any:
     return v
 
 
-def _wide_dtype_arg(values: Any) -> bool:
-    """An explicit non-bf16 floating dtype among the arguments: the op's output dtype is chosen."""
-    return any(isinstance(v, paddle.dtype) and id(v) in _WIDE_IDS for v in values)
-
-
 def _down(out: Any, copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]], cast: bool) -> Any:
     """Results back to bf16: an fp32 copy that was updated in place is assigned into its bf16
     original (which is returned instead); other fp32 results are rounded when ``cast``."""
@@ -196,9 +184,8 @@ def _down(out: Any, copies: dict[int, tuple[paddle.Tensor, paddle.Tensor]], cast
 
 
 def _count(name: str) -> None:
-    first = name not in _STATE.calls
     _STATE.calls[name] = _STATE.calls.get(name, 0) + 1
-    if first and _STATE.record:
+    if _STATE.calls[name] == 1 and _STATE.record:
         _record(_STATE.record)
 
 
@@ -213,7 +200,8 @@ def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         up_args = [_up(a, copies) for a in args]
         up_kwargs = {k: _up(v, copies) for k, v in kwargs.items()}
         out = orig(*up_args, **up_kwargs)
-        cast = not _wide_dtype_arg(args) and not _wide_dtype_arg(kwargs.values())
+        # an explicit non-bf16 floating dtype among the arguments chose the output's dtype: keep it
+        cast = not any(isinstance(v, paddle.dtype) and id(v) in _WIDE_IDS for v in (*args, *kwargs.values()))
         return _down(out, copies, cast)
 
     op.__name__ = getattr(orig, "__name__", name)
@@ -333,9 +321,8 @@ def install() -> list[str]:
 def _replace_aliases(originals: dict[int, Callable[..., Any]]) -> None:
     """Point every loaded paddle module attribute and Tensor method that *is* a wrapped
     ``_C_ops`` function (bound by ``from paddle._C_ops import ...``) at its wrapper."""
-    owners: list[Any] = [m for n, m in list(sys.modules.items()) if n.startswith("paddle") and m is not None]
-    owners.append(paddle.Tensor)
-    for owner in owners:
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith("paddle") and m not in (None, paddle._C_ops)]
+    for owner in [*modules, paddle.Tensor]:
         try:
             items = list(vars(owner).items())
         except TypeError:
@@ -343,8 +330,6 @@ def _replace_aliases(originals: dict[int, Callable[..., Any]]) -> None:
         for attr, value in items:
             fn = originals.get(id(value))
             if fn is None or attr.startswith("__") or getattr(owner, attr, None) is not value:
-                continue
-            if owner is paddle._C_ops:
                 continue
             _STATE.patched.append((owner, attr, value))
             setattr(owner, attr, fn)

@@ -42,9 +42,8 @@ def with_nonfinite_rows(
         kept = target != ignore_index
         nan_row = (paddle.isnan(m) | (m == float("inf")) | (m == float("-inf"))) & kept
         inf_row = (picked == float("-inf")) & kept & ~nan_row
-        zero, one = paddle.zeros_like(m), paddle.ones_like(m)
-        factor = paddle.where(nan_row, paddle.full_like(m, float("nan")), one).astype(rows.dtype)
-        offset = paddle.where(inf_row, paddle.full_like(m, float("inf")), zero).astype(rows.dtype)
+        factor = paddle.where(nan_row, paddle.full_like(m, float("nan")), paddle.ones_like(m)).astype(rows.dtype)
+        offset = paddle.where(inf_row, paddle.full_like(m, float("inf")), paddle.zeros_like(m)).astype(rows.dtype)
     return rows * factor + offset
 
 

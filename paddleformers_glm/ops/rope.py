@@ -16,20 +16,16 @@ def _expanded_table(
     cos: paddle.Tensor, sin: paddle.Tensor, B: int, S: int, H: int, r: int, dtype: paddle.dtype
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """cos/sin expanded to [B, S, H, r/2], cached per shape for the current table (eager only)."""
-    if building_graph():  # no eager cache for symbolic tensors
-        return (
-            cos.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2]),
-            sin.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2]),
-        )
+    eager = not building_graph()  # no eager cache for symbolic tensors
     shape = (B, S, H, r, dtype)
-    hit = _ROPE_CACHE.get(shape)  # one entry per shape: a layer ropes 1-, H- and Hi-head tensors in turn
+    hit = _ROPE_CACHE.get(shape) if eager else None  # one entry per shape: 1-, H- and Hi-head tensors in turn
     if hit is not None and hit[0] is cos and hit[1] is sin:  # type: ignore[index]
         return hit[2], hit[3]  # type: ignore[index]
-    if any(v[0] is not cos or v[1] is not sin for v in _ROPE_CACHE.values()):  # a new table: drop the old
-        _ROPE_CACHE.clear()
-    c = cos.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2])
-    s_ = sin.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2])
-    _ROPE_CACHE[shape] = (cos, sin, c, s_)
+    c, s_ = (t.unsqueeze(2).astype(dtype).expand([B, S, H, r // 2]) for t in (cos, sin))
+    if eager:
+        if any(v[0] is not cos or v[1] is not sin for v in _ROPE_CACHE.values()):  # a new table: drop the old
+            _ROPE_CACHE.clear()
+        _ROPE_CACHE[shape] = (cos, sin, c, s_)
     return c, s_
 
 

@@ -69,18 +69,11 @@ def transpose_into(
     if src.ndim != 2 or dst.shape != (src.shape[1], src.shape[0]) or not dst.flags.writeable:
         return False
     lds, ldd = _row_stride(src), _row_stride(dst)
-    if lds is None or ldd is None:
-        return False
     if widen_bf16:
-        if src.dtype != np.uint16 or dst.dtype != np.float32:
-            return False
-        name = "glm52_transpose_bf16_f32"
-    elif src.dtype != dst.dtype or src.itemsize not in (2, 4, 8):
-        return False
-    else:
-        name = {2: "glm52_transpose16", 4: "glm52_transpose32", 8: "glm52_transpose64"}[src.itemsize]
-    lib = _lib()
-    if lib is None:
+        ok, name = src.dtype == np.uint16 and dst.dtype == np.float32, "glm52_transpose_bf16_f32"
+    else:  # glm52_transpose16 / 32 / 64
+        ok, name = src.dtype == dst.dtype and src.itemsize in (2, 4, 8), f"glm52_transpose{8 * src.itemsize}"
+    if not ok or lds is None or ldd is None or (lib := _lib()) is None:
         return False
     fn = getattr(lib, name)
     rows, cols = src.shape
