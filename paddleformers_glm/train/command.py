@@ -80,16 +80,16 @@ def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> Non
     g.add_argument("--last-stage-layers", type=int, help="decoder layers on the last stage")
 
 
-INDEXER_STAGE_HELP = (
-    "how the DSA indexer trains (docs/indexer.md): warmup = dense attention, every parameter but the indexers "
-    "frozen, the dense KL alone; sparse = top-k attention, the whole model, plus --indexer-loss-coeff x the KL "
-    "over the selected keys; none = no indexer loss (default: sparse when the checkpoint's indexer_loss_coeff > 0)"
-)
-
-
 def add_indexer_arguments(g: Any) -> None:
     """The indexer-training flags ``glm52 train`` and ``glm52 align`` share (train/indexer_stage.py)."""
-    g.add_argument("--indexer-stage", choices=["none", "warmup", "sparse"], help=INDEXER_STAGE_HELP)
+    g.add_argument(
+        "--indexer-stage",
+        choices=["none", "warmup", "sparse"],
+        help="how the DSA indexer trains (docs/indexer.md): warmup = dense attention, every parameter but the "
+        "indexers frozen, the dense KL alone; sparse = top-k attention, the whole model, plus --indexer-loss-coeff x "
+        "the KL over the selected keys; none = no indexer loss (default: sparse when the checkpoint's "
+        "indexer_loss_coeff > 0)",
+    )
     g.add_argument(
         "--indexer-loss-coeff",
         type=float,

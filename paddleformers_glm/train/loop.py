@@ -532,24 +532,23 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
             sync()
             update()
             run.sync.release()
-    gnorm, pre_clip = done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
     if not done["skipped"]:  # a skipped step moves nothing, the router biases included
         run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
-    if pre_clip is not None:
+    if done["pre_clip"] is not None:
         from .dump import dump_training_state
 
         for out_dir in [d for d, k in cfg.dump_steps if int(k) == step + 1]:
-            dump_training_state(out_dir, run.module, run.opt, pre_clip, topo, run.adapter)
+            dump_training_state(out_dir, run.module, run.opt, done["pre_clip"], topo, run.adapter)
     if not run.opt_bytes:
         run.opt_bytes = gather_json(int(run.opt.state_bytes()), topo.world_size)  # every rank's, in rank order
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
     _record_losses(run, totals, norms)
-    run.history["grad_norms"].append(gnorm)
+    run.history["grad_norms"].append(done["gnorm"])
     run.history["lrs"].append(lr)
     _record_indexer_stage(run, step + 1)
     beat(step + 1, "done")
-    return lr, gnorm
+    return lr, done["gnorm"]
 
 
 def _nonfinite_step(
@@ -636,10 +635,8 @@ def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
     """Final loss.json with the gathered memory report, the optional export, a last barrier."""
     cfg, topo = run.cfg, run.topo
     memory_report = run.memory.gather(run.opt)  # collective
-    result = None
-    if run.rank0:
-        result = _snapshot(run, cfg.steps)
-        result["memory"] = memory_report
+    result = {**_snapshot(run, cfg.steps), "memory": memory_report} if run.rank0 else None
+    if result is not None:
         write_record(os.path.join(cfg.out, "loss.json"), result)
     if cfg.export:  # collective: GLM's ranks each write the tensors they own (checkpoint/distributed.py)
         n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"))
