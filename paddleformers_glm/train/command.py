@@ -15,6 +15,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
@@ -79,16 +80,16 @@ def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> Non
     g.add_argument("--last-stage-layers", type=int, help="decoder layers on the last stage")
 
 
-INDEXER_STAGE_HELP = (
-    "how the DSA indexer trains (docs/indexer.md): warmup = dense attention, every parameter but the indexers "
-    "frozen, the dense KL alone; sparse = top-k attention, the whole model, plus --indexer-loss-coeff x the KL "
-    "over the selected keys; none = no indexer loss (default: sparse when the checkpoint's indexer_loss_coeff > 0)"
-)
-
-
 def add_indexer_arguments(g: Any) -> None:
     """The indexer-training flags ``glm52 train`` and ``glm52 align`` share (train/indexer_stage.py)."""
-    g.add_argument("--indexer-stage", choices=["none", "warmup", "sparse"], help=INDEXER_STAGE_HELP)
+    g.add_argument(
+        "--indexer-stage",
+        choices=["none", "warmup", "sparse"],
+        help="how the DSA indexer trains (docs/indexer.md): warmup = dense attention, every parameter but the "
+        "indexers frozen, the dense KL alone; sparse = top-k attention, the whole model, plus --indexer-loss-coeff x "
+        "the KL over the selected keys; none = no indexer loss (default: sparse when the checkpoint's "
+        "indexer_loss_coeff > 0)",
+    )
     g.add_argument(
         "--indexer-loss-coeff",
         type=float,
@@ -360,10 +361,8 @@ def _run_train(args: argparse.Namespace) -> int:
         )
     except LaunchError as e:
         record = os.path.join(cfg.out, "logs", "failure.json")
-        if e.cause == "signal":  # a user's stop: one line
-            print(f"glm52 train: {e}; every process of the job ended (failure record: {record})", file=sys.stderr)
-        else:
-            print(f"glm52 train: {e}\n(failure record: {record})", file=sys.stderr)
+        sep = "; every process of the job ended " if e.cause == "signal" else "\n"  # a user's stop: one line
+        print(f"glm52 train: {e}{sep}(failure record: {record})", file=sys.stderr)
         return e.returncode or 1
     return 0
 
@@ -379,8 +378,6 @@ class _Stopped(BaseException):
 def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None) -> int:
     """World 1: train in this process; a stop signal, the job timeout or a non-finite step ends it
     with one line and ``OUT/logs/failure.json``, as a launched job would."""
-    import time
-
     from .job_status import Diagnosis
     from .launch import LaunchError, write_failure_record
     from .loop import run_training
@@ -395,7 +392,6 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     if job_timeout:
         signal.setitimer(signal.ITIMER_REAL, job_timeout)
     t0 = time.monotonic()
-    log_dir = os.path.join(cfg.out, "logs")
     try:
         run_training(cfg, adapter)
         return 0
@@ -413,7 +409,9 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
     err = LaunchError(diag.rank, diag.message, rc, diag.cause)
-    path = write_failure_record(log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t0, diagnosis=diag)
+    path = write_failure_record(
+        os.path.join(cfg.out, "logs"), err, stopped_by=stopped_by, seconds=time.monotonic() - t0, diagnosis=diag
+    )
     print(
         f"glm52 train: {'error: ' if diag.cause == 'error' else ''}{diag.message} (failure record: {path})",
         file=sys.stderr,
@@ -429,9 +427,7 @@ def register_train(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = add_train_arguments(
-        argparse.ArgumentParser(
-            prog="glm52 train", description="Train with TP/PP/EP/ETP/SP/DP on gloo (CPU) or NCCL (GPU)"
-        )
+    ap = argparse.ArgumentParser(
+        prog="glm52 train", description="Train with TP/PP/EP/ETP/SP/DP on gloo (CPU) or NCCL (GPU)"
     )
-    return run_train(ap.parse_args(argv))
+    return run_train(add_train_arguments(ap).parse_args(argv))

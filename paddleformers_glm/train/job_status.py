@@ -293,9 +293,8 @@ def diagnose(
     progress = {r: _progress(beats.get(r)) for r in local_ranks}
     if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # 5
         low = min(progress.values())
-        behind = sorted(r for r, p in progress.items() if p == low)
-        r = behind[0]
-        ahead = sorted(r2 for r2 in progress if r2 not in behind)
+        r = min(r for r, p in progress.items() if p == low)
+        ahead = sorted(r2 for r2, p in progress.items() if p != low)
         waited = "timed out waiting for it" if comm_ranks else "waited for it"
         return Diagnosis(
             r,

@@ -97,7 +97,7 @@ def job_processes(job_id: str) -> list[int]:
             env = Path(d, "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if needle in env and proc_state(pid) not in (None, "Z"):
+        if needle in env and not _gone(pid):
             out.append(pid)
     return sorted(out)
 
@@ -261,10 +261,9 @@ def launch_workers(
     diag = diagnose(log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots)
     kind = stopped_by["kind"] if stopped_by else None
     msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"
+    rc = 124 if kind == "timeout" else (proc.returncode if proc.returncode and proc.returncode > 0 else 1)
     if kind == "signal":
         rc = 128 + int(signal.Signals[stopped_by["signal"]])
-    else:
-        rc = 124 if kind == "timeout" else (proc.returncode if proc.returncode and proc.returncode > 0 else 1)
     err = LaunchError(diag.rank, msg, rc, diag.cause)
     write_failure_record(
         log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t_start, diagnosis=diag, job_id=job_id

@@ -160,12 +160,10 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
         return True
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if kind in ("kill", "stop"):  # stop: alive but frozen (SIGSTOP), its peers time out waiting for it
+        os.kill(os.getpid(), getattr(signal, f"SIG{kind.upper()}"))
     if kind == "exit":
         os._exit(3)
-    if kind == "stop":  # alive but frozen (SIGSTOP): its peers time out waiting for it
-        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(10_000)
     raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop|nan, got {kind!r}")
@@ -199,7 +197,7 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
     """Every check of a run's settings against its model and world size, with nothing built or
     started: the layout and the model sizes it must divide, the batch split, context parallel, the
     pipeline split (a stage may open on a shared layer only because the top-k travels in the
-    carry) and the indexer stage.  ``glm52 train`` runs it before launching any process, so a bad
+    carry) and the indexer training (handed to the adapter here).  ``glm52 train`` runs it before launching any process, so a bad
     setting costs one line and exit 2; every rank runs it again (a run may start without the
     command, e.g. ``run_training`` from Python).  Returns the layout and the pipeline chunks."""
     pc = parallel_config(cfg, world)
@@ -223,15 +221,8 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
-    configure_indexer_training(cfg, adapter, specs)
-    return pc, specs
-
-
-def configure_indexer_training(cfg: TrainConfig, adapter: ModelAdapter, specs: list[Any]) -> None:
-    """Hand ``--indexer-*`` to the adapter and refuse what the stage cannot run: the warm-up freezes
-    the backbone (no router-bias updates nor balance loss); shared-layer supervision needs every
-    pipeline chunk to start on a full layer (a full layer's target includes the shared layers after
-    it, so they must run on its stage)."""
+    # --indexer-*: the warm-up freezes the backbone (no router-bias updates nor balance loss); shared-layer
+    # supervision needs every chunk to start on a full layer (its target includes the shared layers after it)
     adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
     info = adapter.indexer_info() or {}
     if info.get("stage") == "warmup" and (cfg.moe_bias_update_rate > 0 or cfg.moe_aux_loss_coeff > 0):
@@ -239,7 +230,6 @@ def configure_indexer_training(cfg: TrainConfig, adapter: ModelAdapter, specs: l
             "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
             "--moe-aux-loss-coeff must be 0"
         )
-    kinds = adapter.layer_kinds()
     if info.get("shared_supervision") and kinds is not None:
         try:
             validate_shared_layer_starts(specs, kinds, carry_topk=False)
@@ -248,6 +238,7 @@ def configure_indexer_training(cfg: TrainConfig, adapter: ModelAdapter, specs: l
                 f"--indexer-shared-supervision: {e} (the shared layers that reuse a full layer's top-k must run on "
                 "its pipeline stage)"
             ) from e
+    return pc, specs
 
 
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
@@ -366,10 +357,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     spec = rank_spec(specs, topo.pc.pp, topo.stage)
     module = _build_stage(cfg, adapter, topo, spec)
     micro = cfg.global_batch_size // (topo.pc.replicas * cfg.micro_batch_size)
-    if topo.pc.pp > 1:
-        engine: SingleStageEngine | FleetPipeline = FleetPipeline(module, specs, topo, micro)
-    else:
-        engine = SingleStageEngine(module)
+    engine = FleetPipeline(module, specs, topo, micro) if topo.pc.pp > 1 else SingleStageEngine(module)
     _load_initial_weights(cfg, adapter, module, topo, spec)
     sync = GradSynchronizer(module, topo, cfg.expert_update)
     sync.sync_shared_parameters()
@@ -523,10 +511,8 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         done["pre_clip"] = (
             {n: g.clone() for n, g in grads.items()} if any(int(k) == step + 1 for _, k in cfg.dump_steps) else None
         )
-        # logged; Fleet's clip runs inside the update when clips_itself. The loss flag makes it
-        # non-finite on every rank when any rank's loss is (train/nonfinite.py)
-        # this rank's loss sums (last pipeline stage only): the trainer engine's floats, or inside
-        # Fleet's train_batch the ledger's tensors
+        # this rank's loss sums (last pipeline stage only; the trainer engine's floats or Fleet's ledger's
+        # tensors) flag the norm non-finite on every rank when any rank's loss is (train/nonfinite.py)
         sums = [v[0] for v in done["totals"].values()] if "totals" in done else run.engine.ledger.sums.values()
         done["gnorm"] = run.sync.global_norm(grads, loss_flag(sums))
         done["skipped"] = not math.isfinite(done["gnorm"]) and _nonfinite_step(run, step + 1, done, grads, log)
@@ -546,24 +532,23 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
             sync()
             update()
             run.sync.release()
-    gnorm, pre_clip = done["gnorm"], done["pre_clip"]
     # ---- end of the step engine
     if not done["skipped"]:  # a skipped step moves nothing, the router biases included
         run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
-    if pre_clip is not None:
+    if done["pre_clip"] is not None:
         from .dump import dump_training_state
 
         for out_dir in [d for d, k in cfg.dump_steps if int(k) == step + 1]:
-            dump_training_state(out_dir, run.module, run.opt, pre_clip, topo, run.adapter)
+            dump_training_state(out_dir, run.module, run.opt, done["pre_clip"], topo, run.adapter)
     if not run.opt_bytes:
         run.opt_bytes = gather_json(int(run.opt.state_bytes()), topo.world_size)  # every rank's, in rank order
         log(f"[glm52 train] optimizer state bytes per rank: {run.opt_bytes}")
     _record_losses(run, totals, norms)
-    run.history["grad_norms"].append(gnorm)
+    run.history["grad_norms"].append(done["gnorm"])
     run.history["lrs"].append(lr)
     _record_indexer_stage(run, step + 1)
     beat(step + 1, "done")
-    return lr, gnorm
+    return lr, done["gnorm"]
 
 
 def _nonfinite_step(
@@ -650,10 +635,8 @@ def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
     """Final loss.json with the gathered memory report, the optional export, a last barrier."""
     cfg, topo = run.cfg, run.topo
     memory_report = run.memory.gather(run.opt)  # collective
-    result = None
-    if run.rank0:
-        result = _snapshot(run, cfg.steps)
-        result["memory"] = memory_report
+    result = {**_snapshot(run, cfg.steps), "memory": memory_report} if run.rank0 else None
+    if result is not None:
         write_record(os.path.join(cfg.out, "loss.json"), result)
     if cfg.export:  # collective: GLM's ranks each write the tensors they own (checkpoint/distributed.py)
         n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"))
@@ -674,10 +657,9 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
 
         bar = tqdm(total=cfg.steps, initial=run.start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     log = (bar.write if bar is not None else print) if run.rank0 else (lambda *_: None)
-    if run.rank0:
-        log(
-            f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
-        )
+    log(  # a no-op off rank 0
+        f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
+    )
     for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()
         lr, gnorm = _step(run, step, log)
@@ -697,8 +679,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             beat(step + 1, "save")
             path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
             run.last_checkpoint = path
-            if run.rank0:
-                log(f"[glm52 train] checkpoint {path}")
+            log(f"[glm52 train] checkpoint {path}")
     if bar is not None:
         bar.close()
     beat(cfg.steps, "finish")

@@ -82,9 +82,10 @@ class WorkerLife:
             os.kill(pid, 0)
         except (ProcessLookupError, PermissionError):  # gone, or alive but another user's: a reused pid
             return True
-        if proc_state(pid) == "Z":
-            return True
-        return self.launcher_start is not None and proc_state(pid, 19) != self.launcher_start
+        # a zombie, or a new process under the old pid (another start time)
+        return proc_state(pid) == "Z" or (
+            self.launcher_start is not None and proc_state(pid, 19) != self.launcher_start
+        )
 
     def _watch(self) -> None:
         while True:
