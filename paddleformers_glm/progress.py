@@ -35,9 +35,7 @@ def set_quiet(quiet: bool | None = True) -> bool | None:
 
 
 def _quiet() -> bool:
-    if _QUIET is not None:
-        return _QUIET
-    return os.environ.get("GLM52_QUIET", "") not in ("", "0")
+    return _QUIET if _QUIET is not None else os.environ.get("GLM52_QUIET", "") not in ("", "0")
 
 
 def _interval() -> float:

@@ -227,7 +227,6 @@ def register(replace: bool | None = None) -> list[str]:
     from ..tokenizer import GlmTokenizer
 
     c = _classes()
-    model_cls = c["model"]
     _ORIGINALS["AutoConfig"] = CONFIG_MAPPING._extra_content.get(MODEL_TYPE)
     AutoConfig.register(MODEL_TYPE, c["config"], exist_ok=True)
 
@@ -237,20 +236,16 @@ def register(replace: bool | None = None) -> list[str]:
         func = inspect.getattr_static(auto, name).__func__
 
         def wrapped(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-            if name == "from_config":
-                if getattr(path, "model_type", None) == MODEL_TYPE:
-                    return ours(path, *args, **kwargs)
-            elif _glm_folder(path):
-                return ours(path, *args, **kwargs)
-            return func(cls, path, *args, **kwargs)
+            mine = getattr(path, "model_type", None) == MODEL_TYPE if name == "from_config" else _glm_folder(path)
+            return ours(path, *args, **kwargs) if mine else func(cls, path, *args, **kwargs)
 
         wrapped.__doc__ = (
             f"{func.__doc__ or ''}\n(paddleformers_glm: a local glm_moe_dsa folder loads {ours.__qualname__})"
         )
         setattr(auto, name, classmethod(wrapped))
 
-    _wrap(AutoModelForCausalLM, "from_pretrained", model_cls.from_pretrained)
-    _wrap(AutoModelForCausalLM, "from_config", model_cls._from_config)
+    _wrap(AutoModelForCausalLM, "from_pretrained", c["model"].from_pretrained)
+    _wrap(AutoModelForCausalLM, "from_config", c["model"]._from_config)
     _wrap(
         AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
     )

@@ -56,13 +56,7 @@ def random_array(rng: np.random.Generator, shape: tuple[int, ...], st_dtype: str
 
 
 def write_synthetic_checkpoint(
-    config: Any,
-    out_dir: str,
-    *,
-    layout: str = "hf",
-    n_shards: int = 2,
-    dtype: str = "bfloat16",
-    seed: int = 0,
+    config: Any, out_dir: str, *, layout: str = "hf", n_shards: int = 2, dtype: str = "bfloat16", seed: int = 0
 ) -> dict[str, str]:
     """Random weights for every tensor of ``layout`` in ``n_shards`` files + index + config.json.
 
@@ -84,11 +78,8 @@ def write_synthetic_checkpoint(
     groups = [g for g in groups if g]
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
+    n = len(groups)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else ["model.safetensors"]
     weight_map: dict[str, str] = {}
     for name, group in zip(names, groups):
         tensors = {}
@@ -97,8 +88,7 @@ def write_synthetic_checkpoint(
             tensors[k] = to_paddle(random_array(rng, specs[k][0], st), st_to_paddle_dtype(st))
             weight_map[k] = name
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-        del tensors
-    if len(groups) > 1:
+    if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
