@@ -15,6 +15,7 @@ PaddleFormers unchanged.  Tested with PaddleFormers 1.2.0 (``tests/test_paddlefo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -68,14 +69,10 @@ def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the classes PaddleFormers gets
-_CLASSES: dict[str, Any] = {}
-
-
+@functools.cache
 def _classes() -> dict[str, Any]:
     """Config, model and output classes for PaddleFormers (built once: they subclass PaddleFormers'
     ``ModelOutput``, which is imported only here)."""
-    if _CLASSES:
-        return _CLASSES
     from dataclasses import dataclass, fields
 
     import paddle
@@ -185,8 +182,7 @@ def _classes() -> dict[str, Any]:
             own.setdefault("dtype", self.compute_dtype)  # what was trained, not the release's bf16
             return super().save_pretrained(save_directory, **own)
 
-    _CLASSES.update(config=GlmMoeDsaConfig, model=GlmMoeDsaForCausalLM, output=GlmCausalLMOutput)
-    return _CLASSES
+    return {"config": GlmMoeDsaConfig, "model": GlmMoeDsaForCausalLM, "output": GlmCausalLMOutput}
 
 
 # --------------------------------------------------------------------------- registration
