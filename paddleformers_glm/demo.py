@@ -66,9 +66,8 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
 
     receipts = {}
     for name, cand, layout in (("hf", hf_out, None), ("fleet", fleet_out, "fleet")):
-        rep = check_checkpoints(str(src), str(cand), layout=layout)
+        receipts[name] = rep = check_checkpoints(str(src), str(cand), layout=layout)
         _write_json(out / f"check-ckpt-{name}.json", rep)
-        receipts[name] = rep
         for line in summary_lines(rep)[:3]:
             print(f"      {name}: {line}")
     c_hf, fleet_counts = receipts["hf"].get("counts", {}), receipts["fleet"].get("counts", {})
@@ -171,12 +170,7 @@ def run_training_parity(
     # each AdamW step moves a weight by at most about lr (betas 0.9 / 0.95): two runs of `steps`
     # steps from the same weights stay within 2 x steps x lr of each other, whatever their rounding
     bound = 2 * steps * TRAIN_LR
-    result["check_ckpt_trained"] = {
-        "exit_code": ck["exit_code"],
-        "counts": counts,
-        "max_abs_diff": worst,
-        "bound": bound,
-    }
+    result["check_ckpt_trained"] = dict(exit_code=ck["exit_code"], counts=counts, max_abs_diff=worst, bound=bound)
     same_layout = (
         ck["exit_code"] in (0, 1)
         and counts.get("structural", 1) == 0

@@ -151,8 +151,7 @@ def register_make_tiny(sub) -> None:
         path = make_tiny_checkpoint(
             args.out, seed=args.seed, max_shard_size=args.max_shard_size, indexer_loss_coeff=args.indexer_loss_coeff
         )
-        files = sorted(os.listdir(path))
-        print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(files)}")
+        print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(sorted(os.listdir(path)))}")
         return 0
 
     p.set_defaults(func=run)

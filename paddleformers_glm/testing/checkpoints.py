@@ -33,10 +33,9 @@ class SpecModel(paddle.nn.Layer):
         self._names: dict[str, str] = {}
         init = paddle.nn.initializer.Constant(0.0)
         for k, (shape, kind) in fleet_param_specs(config).items():
-            attr = k.replace(".", "__")
+            self._names[k] = attr = k.replace(".", "__")
             p = self.create_parameter(list(shape), dtype=resolve_dtype(kind, dtype), default_initializer=init)
             self.add_parameter(attr, p)
-            self._names[k] = attr
 
     def state_dict(self, *args: Any, **kwargs: Any) -> OrderedDict:  # type: ignore[override]
         return OrderedDict((k, getattr(self, a)) for k, a in self._names.items())
