@@ -55,8 +55,7 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
         ev = model(ids, labels=ids)
     summary["eval_loss"], summary["eval_mtp_loss"] = float(ev.loss), float(ev.mtp_loss)
     print(f"[2/5] loaded ({sum(int(p.numel()) for p in model.parameters())} params); eval loss {float(ev.loss):.6f}")
-    summary["generate"] = generate_from_text(model, src, DEMO_PROMPT, max_new_tokens=8)
-    gen = summary["generate"]
+    summary["generate"] = gen = generate_from_text(model, src, DEMO_PROMPT, max_new_tokens=8)
     print(f"      generate: {gen['prompt']!r} -> {gen['text']!r} ({len(gen['new_ids'])} new tokens)")
 
     # the exports are of the loaded weights, so they must equal the source tensor for tensor
@@ -67,9 +66,8 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
 
     receipts = {}
     for name, cand, layout in (("hf", hf_out, None), ("fleet", fleet_out, "fleet")):
-        rep = check_checkpoints(str(src), str(cand), layout=layout)
+        receipts[name] = rep = check_checkpoints(str(src), str(cand), layout=layout)
         _write_json(out / f"check-ckpt-{name}.json", rep)
-        receipts[name] = rep
         for line in summary_lines(rep)[:3]:
             print(f"      {name}: {line}")
     c_hf, fleet_counts = receipts["hf"].get("counts", {}), receipts["fleet"].get("counts", {})
@@ -117,8 +115,7 @@ def _glm52(args: list[str], log: Path) -> int:
     with open(log, "w", encoding="utf-8") as f:
         f.write("$ glm52 " + " ".join(args) + "\n")
         f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy())
-    return proc.returncode
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
 
 
 LOSS_ATOL = 1e-5  # check-loss bound between layouts (fp32; docs/parity.md, "Which tolerance")
@@ -135,23 +132,21 @@ def run_training_parity(
     src = out / "tiny-official"
     common = ["--model", str(src), "--steps", str(steps), "--seq-len", str(seq), "--global-batch-size", str(gbs)]
     common += ["--micro-batch-size", "1", "--seed", str(seed), "--lr", str(TRAIN_LR), "--export"]
-    runs = {"parallel": layout, "single": []}
     result: dict[str, Any] = {"layout": " ".join(layout)}
-    for name, extra in runs.items():
+    for name, extra in {"parallel": layout, "single": []}.items():
+        what = " ".join(extra) or "(1 process)"
         t = time.perf_counter()
         rc = _glm52(["train", *common, *extra, "--out", str(out / name)], out / f"train-{name}.log")
         secs = round(time.perf_counter() - t, 1)
         result[f"{name}_seconds"], result[f"{name}_exit"] = secs, rc
         if rc != 0:
-            print(f"      glm52 train {' '.join(extra) or '(1 process)'} FAILED (exit {rc}):")
+            print(f"      glm52 train {what} FAILED (exit {rc}):")
             for line in (out / f"train-{name}.log").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]:
                 print("      " + line)
             result["ok"] = False
             return result
         losses = read_json(out / name / "loss.json", "the loss record")["losses"]
-        print(
-            f"      glm52 train {' '.join(extra) or '(1 process)'}: {secs} s, losses {', '.join(f'{x:.6f}' for x in losses)}"
-        )
+        print(f"      glm52 train {what}: {secs} s, losses {', '.join(f'{x:.6f}' for x in losses)}")
 
     plot = str(out / "loss-parallel-vs-single.png")
     loss_args = (str(out / "single" / "loss.json"), str(out / "parallel" / "loss.json"))
@@ -175,12 +170,7 @@ def run_training_parity(
     # each AdamW step moves a weight by at most about lr (betas 0.9 / 0.95): two runs of `steps`
     # steps from the same weights stay within 2 x steps x lr of each other, whatever their rounding
     bound = 2 * steps * TRAIN_LR
-    result["check_ckpt_trained"] = {
-        "exit_code": ck["exit_code"],
-        "counts": counts,
-        "max_abs_diff": worst,
-        "bound": bound,
-    }
+    result["check_ckpt_trained"] = dict(exit_code=ck["exit_code"], counts=counts, max_abs_diff=worst, bound=bound)
     same_layout = (
         ck["exit_code"] in (0, 1)
         and counts.get("structural", 1) == 0

@@ -35,9 +35,7 @@ def set_quiet(quiet: bool | None = True) -> bool | None:
 
 
 def _quiet() -> bool:
-    if _QUIET is not None:
-        return _QUIET
-    return os.environ.get("GLM52_QUIET", "") not in ("", "0")
+    return _QUIET if _QUIET is not None else os.environ.get("GLM52_QUIET", "") not in ("", "0")
 
 
 def _interval() -> float:
@@ -164,8 +162,7 @@ def _size(stream: TextIO) -> tuple[int, int]:
     """The terminal's (columns, rows); a terminal that reports none (a fresh pseudo-terminal, where
     tqdm would draw nothing) gets 100 x 20."""
     try:
-        size = os.get_terminal_size(stream.fileno())
-        cols, rows = size.columns, size.lines
+        cols, rows = os.get_terminal_size(stream.fileno())  # (columns, lines)
     except (AttributeError, ValueError, OSError):
         cols = rows = 0
     return cols or 100, rows or 20

@@ -38,12 +38,10 @@ def init_state(config: GlmMoeDsaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     out = {}
     for name, (shape, _kind) in fleet_param_specs(config).items():
         if len(shape) == 2:
-            arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-        elif name.endswith(("k_norm.bias", "e_score_correction_bias")):
-            arr = np.zeros(shape, dtype=np.float32)
-        else:  # RMSNorm / LayerNorm weights
-            arr = np.ones(shape, dtype=np.float32)
-        out[name] = arr
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        else:
+            fill = 0.0 if name.endswith(("k_norm.bias", "e_score_correction_bias")) else 1.0  # else norm weights
+            out[name] = np.full(shape, fill, np.float32)
     return out
 
 
@@ -153,8 +151,7 @@ def register_make_tiny(sub) -> None:
         path = make_tiny_checkpoint(
             args.out, seed=args.seed, max_shard_size=args.max_shard_size, indexer_loss_coeff=args.indexer_loss_coeff
         )
-        files = sorted(os.listdir(path))
-        print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(files)}")
+        print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(sorted(os.listdir(path)))}")
         return 0
 
     p.set_defaults(func=run)

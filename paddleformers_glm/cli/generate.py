@@ -54,20 +54,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"glm52 generate: error: {msg.removeprefix('generate: ')}", file=sys.stderr)
         return 2
 
-    bad = check_arguments(args)
+    bad = check_arguments(args) or model_folder_error(args.model)
     if bad:
         return fail(bad)
-    missing = model_folder_error(args.model)
-    if missing:
-        return fail(missing)
     try:
         config = GlmMoeDsaConfig.from_pretrained(args.model)
         defaults = GenerationConfig.from_pretrained(args.model, config)
         tok = GlmTokenizer.from_pretrained(args.model)
         if args.chat:
-            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": args.prompt}
-            ]
+            msgs = [{"role": "system", "content": args.system}] if args.system else []
+            msgs.append({"role": "user", "content": args.prompt})
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
         else:
             ids = tok.encode(args.prompt)

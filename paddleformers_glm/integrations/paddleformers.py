@@ -15,6 +15,7 @@ PaddleFormers unchanged.  Tested with PaddleFormers 1.2.0 (``tests/test_paddlefo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -68,14 +69,10 @@ def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the classes PaddleFormers gets
-_CLASSES: dict[str, Any] = {}
-
-
+@functools.cache
 def _classes() -> dict[str, Any]:
     """Config, model and output classes for PaddleFormers (built once: they subclass PaddleFormers'
     ``ModelOutput``, which is imported only here)."""
-    if _CLASSES:
-        return _CLASSES
     from dataclasses import dataclass, fields
 
     import paddle
@@ -185,8 +182,7 @@ def _classes() -> dict[str, Any]:
             own.setdefault("dtype", self.compute_dtype)  # what was trained, not the release's bf16
             return super().save_pretrained(save_directory, **own)
 
-    _CLASSES.update(config=GlmMoeDsaConfig, model=GlmMoeDsaForCausalLM, output=GlmCausalLMOutput)
-    return _CLASSES
+    return {"config": GlmMoeDsaConfig, "model": GlmMoeDsaForCausalLM, "output": GlmCausalLMOutput}
 
 
 # --------------------------------------------------------------------------- registration
@@ -227,7 +223,6 @@ def register(replace: bool | None = None) -> list[str]:
     from ..tokenizer import GlmTokenizer
 
     c = _classes()
-    model_cls = c["model"]
     _ORIGINALS["AutoConfig"] = CONFIG_MAPPING._extra_content.get(MODEL_TYPE)
     AutoConfig.register(MODEL_TYPE, c["config"], exist_ok=True)
 
@@ -237,20 +232,16 @@ def register(replace: bool | None = None) -> list[str]:
         func = inspect.getattr_static(auto, name).__func__
 
         def wrapped(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-            if name == "from_config":
-                if getattr(path, "model_type", None) == MODEL_TYPE:
-                    return ours(path, *args, **kwargs)
-            elif _glm_folder(path):
-                return ours(path, *args, **kwargs)
-            return func(cls, path, *args, **kwargs)
+            mine = getattr(path, "model_type", None) == MODEL_TYPE if name == "from_config" else _glm_folder(path)
+            return ours(path, *args, **kwargs) if mine else func(cls, path, *args, **kwargs)
 
         wrapped.__doc__ = (
             f"{func.__doc__ or ''}\n(paddleformers_glm: a local glm_moe_dsa folder loads {ours.__qualname__})"
         )
         setattr(auto, name, classmethod(wrapped))
 
-    _wrap(AutoModelForCausalLM, "from_pretrained", model_cls.from_pretrained)
-    _wrap(AutoModelForCausalLM, "from_config", model_cls._from_config)
+    _wrap(AutoModelForCausalLM, "from_pretrained", c["model"].from_pretrained)
+    _wrap(AutoModelForCausalLM, "from_config", c["model"]._from_config)
     _wrap(
         AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
     )

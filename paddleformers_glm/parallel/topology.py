@@ -349,6 +349,7 @@ def init_topology(
         "pp": hcg.get_pipe_parallel_group(),
         "dp": hcg.get_data_parallel_group(),
         "sharding": hcg.get_sharding_parallel_group(),
+        "cp": hcg.get_sep_parallel_group() if pc.cp > 1 else None,
     }
     ranks = {
         "tp": hcg.get_model_parallel_rank(),
@@ -357,8 +358,6 @@ def init_topology(
         "sharding": hcg.get_sharding_parallel_rank(),
         "cp": hcg.get_sep_parallel_rank() if pc.cp > 1 else 0,
     }
-    if pc.cp > 1:
-        groups["cp"] = hcg.get_sep_parallel_group()
     stage_ranks = [_coord_rank(ftopo, me, pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
@@ -378,10 +377,9 @@ def init_topology(
                 key = tuple(v for k, v in e.items() if k != kind)
                 members.setdefault(key, []).append(_coord_rank(ftopo, me, pipe=p, data=d, model=t, sharding=sh, sep=c))
             for m in (tuple(sorted(m)) for m in members.values()):
-                if m not in existing:
-                    g = dist.new_group(list(m))
+                g = groups[existing[m]] if m in existing else dist.new_group(list(m))
                 if rank in m:
-                    groups[kind] = groups[existing[m]] if m in existing else g
+                    groups[kind] = g
     # Sub-groups of pipeline columns (see Topology.stage_group); every rank creates all, in order.
     stage_sets: list[tuple[int, ...]] = []
     if pc.pp > 2:

@@ -33,10 +33,9 @@ class SpecModel(paddle.nn.Layer):
         self._names: dict[str, str] = {}
         init = paddle.nn.initializer.Constant(0.0)
         for k, (shape, kind) in fleet_param_specs(config).items():
-            attr = k.replace(".", "__")
+            self._names[k] = attr = k.replace(".", "__")
             p = self.create_parameter(list(shape), dtype=resolve_dtype(kind, dtype), default_initializer=init)
             self.add_parameter(attr, p)
-            self._names[k] = attr
 
     def state_dict(self, *args: Any, **kwargs: Any) -> OrderedDict:  # type: ignore[override]
         return OrderedDict((k, getattr(self, a)) for k, a in self._names.items())
@@ -56,13 +55,7 @@ def random_array(rng: np.random.Generator, shape: tuple[int, ...], st_dtype: str
 
 
 def write_synthetic_checkpoint(
-    config: Any,
-    out_dir: str,
-    *,
-    layout: str = "hf",
-    n_shards: int = 2,
-    dtype: str = "bfloat16",
-    seed: int = 0,
+    config: Any, out_dir: str, *, layout: str = "hf", n_shards: int = 2, dtype: str = "bfloat16", seed: int = 0
 ) -> dict[str, str]:
     """Random weights for every tensor of ``layout`` in ``n_shards`` files + index + config.json.
 
@@ -84,11 +77,8 @@ def write_synthetic_checkpoint(
     groups = [g for g in groups if g]
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
+    n = len(groups)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else ["model.safetensors"]
     weight_map: dict[str, str] = {}
     for name, group in zip(names, groups):
         tensors = {}
@@ -97,8 +87,7 @@ def write_synthetic_checkpoint(
             tensors[k] = to_paddle(random_array(rng, specs[k][0], st), st_to_paddle_dtype(st))
             weight_map[k] = name
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-        del tensors
-    if len(groups) > 1:
+    if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
