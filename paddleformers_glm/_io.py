@@ -136,6 +136,11 @@ def write_record(path: str | os.PathLike, obj: Any) -> None:
     write_json_atomic(path, obj, indent=1, sort_keys=False, default=None)
 
 
+def is_int(x: Any) -> bool:
+    """A Python int and not a bool: a parsed record's integer field (``true`` parses to a bool, an int subclass)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def read_text(
     file: str | os.PathLike, what: str, error: Callable[[str], Exception] = ValueError, data: bytes | None = None
 ) -> str:

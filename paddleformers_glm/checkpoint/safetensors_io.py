@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import read_json
+from .._io import is_int, read_json
 from .errors import CheckpointError
 
 __all__ = [
@@ -144,10 +144,6 @@ def _read_json(file: str, what: str, data: bytes | None = None) -> dict[str, Any
     return read_json(file, what, data=data, hook=hook, error=lambda m: CheckpointError(m, file=file))
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """Read and validate a safetensors header, every entry and the data area's tiling; returns
     (tensors, __metadata__, data start offset)."""
@@ -211,11 +207,11 @@ def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: i
     dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in ST_DTYPES:
         raise CheckpointError("unknown dtype name", file=file, key=key, expected=sorted(ST_DTYPES), actual=dtype)
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(
             "corrupt header: shape must be a list of non-negative integers", file=file, key=key, actual=shape
         )
-    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
         raise CheckpointError(
             "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end",
             file=file,

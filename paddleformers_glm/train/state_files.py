@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_path, read_json, write_record
+from .._io import atomic_path, is_int, read_json, write_record
 
 __all__ = [
     "FORMAT",
@@ -78,10 +78,6 @@ def _require(ok: bool, file: str, key: str, expected: str, actual: Any) -> None:
         raise ResumeStateError(
             f"{file}: `{key}` must be {expected}, got {shown[:80] + '...' if len(shown) > 80 else shown}"
         )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _read_state_json(file: str, what: str) -> dict[str, Any]:
@@ -136,7 +132,7 @@ def read_meta(folder: str) -> dict[str, Any]:
     file = os.path.join(folder, "meta.json")
     meta = _read_state_json(file, "resume metadata")
     for key in ("step", "world_size"):
-        _require(_is_int(meta.get(key)) and meta[key] >= 1, file, key, "an integer >= 1", meta.get(key))
+        _require(is_int(meta.get(key)) and meta[key] >= 1, file, key, "an integer >= 1", meta.get(key))
     _require(isinstance(meta.get("profile"), dict), file, "profile", "an object", meta.get("profile"))
     flex = meta.get("flex")
     stepped = flex.get("stepped") if isinstance(flex, dict) else None
@@ -176,9 +172,9 @@ def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
 
 # ---------------------------------------------------------------- one rank's state
 def _encode_rng_field(x: Any) -> Any:
-    if x is None or _is_int(x) or isinstance(x, float):
+    if x is None or is_int(x) or isinstance(x, float):
         return x
-    if isinstance(x, (list, tuple)) and all(_is_int(b) and 0 <= b < 256 for b in x):
+    if isinstance(x, (list, tuple)) and all(is_int(b) and 0 <= b < 256 for b in x):
         return {"latin1": bytes(x).decode("latin-1")}
     raise TypeError(f"RNG state field of type {type(x).__name__}")
 
@@ -212,7 +208,7 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
                 return list(x["latin1"].encode("latin-1"))
             except UnicodeEncodeError as e:
                 raise ResumeStateError(f"{file}: `{key}` is not latin-1 text") from e
-        _require(x is None or _is_int(x) or isinstance(x, float), file, key, "a number or null", x)
+        _require(x is None or is_int(x) or isinstance(x, float), file, key, "a number or null", x)
         return x
 
     gens = state.get("paddle")
@@ -233,7 +229,7 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
         obj = state.get(name)
         _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
         words = obj.get(words_key)
-        ok = isinstance(words, list) and len(words) == n and all(_is_int(k) and 0 <= k < 2**32 for k in words)
+        ok = isinstance(words, list) and len(words) == n and all(is_int(k) and 0 <= k < 2**32 for k in words)
         _require(ok, file, f"rng.{name}.{words_key}", f"{n} unsigned 32-bit integers", words)
         try:
             if name == "numpy":
@@ -329,10 +325,10 @@ def restricted_unpickle(file: str, allowed: frozenset[tuple[str, str]]) -> Any:
 
 
 def _int_tuple(x: Any) -> bool:
-    return isinstance(x, tuple) and all(_is_int(d) and d >= 0 for d in x)
+    return isinstance(x, tuple) and all(is_int(d) and d >= 0 for d in x)
 
 
-_KINDS = {"t": _int_tuple, "s": lambda x: isinstance(x, str), "b": lambda x: isinstance(x, bool), "n": _is_int}
+_KINDS = {"t": _int_tuple, "s": lambda x: isinstance(x, str), "b": lambda x: isinstance(x, bool), "n": is_int}
 # the fields of flex-checkpoint's metadata classes and what each holds: t a tuple of integers >= 0,
 # s a string, b a bool, n an integer; "?": or None
 _FLEX_FIELDS = {
