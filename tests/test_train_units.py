@@ -17,7 +17,7 @@ from paddleformers_glm.parallel.topology import get_topology
 from paddleformers_glm.train.adapter import LossSpec, token_count
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.data import micro_batches, open_data
-from paddleformers_glm.train.launch import worker_env
+from paddleformers_glm.train.launch import listen_port_range, worker_env
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
 from paddleformers_glm.train.toy import ToyAdapter, ToyConfig
@@ -205,6 +205,24 @@ def test_worker_env_sets_mkl_fast_path_on_amd_only_unless_user_did(monkeypatch, 
         assert env.get("MKL_DEBUG_CPU_TYPE") == expect, vendor
         assert env["OMP_NUM_THREADS"] >= "1" and env["PYTHONPATH"]
         assert worker_env(4, base={"MKL_DEBUG_CPU_TYPE": "2"})["MKL_DEBUG_CPU_TYPE"] == "2"
+
+
+def test_launcher_ports_stay_out_of_the_kernels_ephemeral_range(tmp_path):
+    """A CI run aborted rank 0 creating the TCPStore: the port Paddle's launcher had probed (random in
+    35100-64000) was taken before the worker bound it, and Linux gives 32768-60999 to every outgoing
+    connection.  So the workers get a PORT_RANGE below the ephemeral range, unless the user set one."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert listen_port_range(str(ranges)) == "10000:32767"
+    ranges.write_text("11000 60999\n")  # too few ports below: leave Paddle's default
+    assert listen_port_range(str(ranges)) is None
+    assert listen_port_range(str(tmp_path / "absent")) is None
+    kernel = listen_port_range()
+    if kernel is not None:  # Linux: the live range, and the workers' environment carries it
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        assert int(kernel.split(":")[1]) < low
+        assert worker_env(2, base={})["PORT_RANGE"] == kernel
+    assert worker_env(2, base={"PORT_RANGE": "40000:41000"})["PORT_RANGE"] == "40000:41000"
 
 
 @pytest.mark.parametrize(

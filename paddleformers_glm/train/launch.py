@@ -50,6 +50,7 @@ __all__ = [
     "job_processes",
     "launch_workers",
     "launcher_command",
+    "listen_port_range",
     "worker_env",
     "write_failure_record",
 ]
@@ -81,7 +82,24 @@ def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's parent
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    ports = listen_port_range()
+    if ports:
+        env.setdefault("PORT_RANGE", ports)
     return env
+
+
+def listen_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> str | None:
+    """``PORT_RANGE`` for Paddle's launcher: ports below the kernel's ephemeral range, or None.
+
+    The launcher probes a free port at random in 35100-64000 and the workers bind it seconds
+    later; Linux hands out 32768-60999 to every outgoing connection, so any process's gloo or
+    store connection could take it first (rank 0 then aborts creating the TCPStore).
+    """
+    try:
+        low = int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"10000:{low - 1}" if low - 1 - 10000 >= 2000 else None
 
 
 def job_processes(job_id: str) -> list[int]:
