@@ -256,13 +256,12 @@ class GlmMoeDsaConfig:
         if from_file:
             self._file_keys = file_order + [k for k in overrides if k not in file_order and k not in skip]
         else:
-            src_keys = [k for k in kwargs if k not in skip]
             canon = [k for k in _FILE_DEFAULTS if k not in ("qk_head_dim",)] + ["qk_head_dim"]
             if any(k in kwargs for k in ("rope_theta", "rope_scaling")) and "rope_parameters" not in kwargs:
                 canon.remove("rope_parameters")
             if "torch_dtype" in kwargs and "dtype" not in kwargs:
                 canon.remove("dtype")
-            self._file_keys = canon + [k for k in src_keys if k not in canon]
+            self._file_keys = canon + [k for k in kwargs if k not in skip and k not in canon]
             if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(kwargs):
                 kwargs["rope_parameters"] = {"rope_theta": 8000000, "rope_type": "default"}
         self._given_keys = frozenset(kwargs)
@@ -394,8 +393,7 @@ class GlmMoeDsaConfig:
         if self.rope_parameters is not None:
             if not isinstance(self.rope_parameters, dict):
                 raise _err("rope_parameters", f"must be a dict, got {type(self.rope_parameters).__name__}")
-            rope = dict(self.rope_parameters)
-            src = "rope_parameters"
+            rope, src = dict(self.rope_parameters), "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
                 for key, a, b in (
                     ("rope_type", _rope_type(rope), _rope_type(self.rope_scaling)),
@@ -404,8 +402,7 @@ class GlmMoeDsaConfig:
                     if a != b:
                         raise _err(f"rope_scaling.{key}", f"{b!r} disagrees with `rope_parameters.{key}` {a!r}")
         else:
-            rope = dict(self.rope_scaling or {})
-            src = "rope_scaling"
+            rope, src = dict(self.rope_scaling or {}), "rope_scaling"
         rope["rope_type"] = _rope_type(rope)
         for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
             if value is not None:
@@ -470,8 +467,7 @@ class GlmMoeDsaConfig:
         self._model_dtype = name
 
     def _derive_indexer_types(self, L: int) -> None:
-        given = self._given_indexer_types
-        pattern = self.index_topk_pattern
+        given, pattern = self._given_indexer_types, self.index_topk_pattern
         has_schedule = bool({"index_topk_freq", "index_skip_topk_offset"} & self._given_keys)
         if pattern is not None:
             if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:

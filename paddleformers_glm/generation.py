@@ -309,8 +309,7 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
 
     neg_inf = paddle.full_like(logits, -math.inf)
     x = logits / s.temperature if s.temperature != 1.0 else logits
-    V = x.shape[-1]
-    if s.top_k and s.top_k < V:
+    if s.top_k and s.top_k < x.shape[-1]:
         kth = paddle.topk(x, s.top_k, axis=-1)[0][:, -1:]
         x = paddle.where(x < kth, neg_inf, x)
     if s.top_p < 1.0:
@@ -484,9 +483,7 @@ def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tenso
     (as HF's prepare_inputs_for_generation makes them from the attention mask)."""
     import paddle
 
-    pos = None
-    if mask is not None:
-        pos = paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
+    pos = None if mask is None else paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
     return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
 
 

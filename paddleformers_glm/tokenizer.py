@@ -126,8 +126,7 @@ class GlmTokenizer:
         from tokenizers import Tokenizer
 
         p = Path(path)
-        folder = p.parent if p.is_file() else p
-        tok_file = p if p.is_file() else p / TOKENIZER_FILE
+        folder, tok_file = (p.parent, p) if p.is_file() else (p, p / TOKENIZER_FILE)
         if not tok_file.is_file():
             raise TokenizerError(f"{tok_file}: no tokenizer.json in {folder} (the checkpoint has no tokenizer)")
         try:
