@@ -213,8 +213,7 @@ class GlmTokenizer:
             if truncation not in (True, "longest_first", "only_first"):
                 raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
             limit = self._max_length(max_length, "truncation=True")
-            cut = (lambda r: r[-limit:]) if self.truncation_side == "left" else (lambda r: r[:limit])
-            rows = [cut(r) if len(r) > limit else r for r in rows]
+            rows = [r[-limit:] if self.truncation_side == "left" else r[:limit] for r in rows]
         enc = self._pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side)
         if not return_attention_mask:
             enc.pop("attention_mask")
