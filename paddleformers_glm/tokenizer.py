@@ -51,9 +51,7 @@ class BatchEncoding(dict):
             raise AttributeError(name) from None
 
 
-def _as_tensor(rows: list[list[int]], return_tensors: str | None, what: str) -> Any:
-    if return_tensors is None:
-        return rows
+def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
     if return_tensors not in TENSOR_TYPES:
         raise ValueError(f"return_tensors must be one of {TENSOR_TYPES} or None, got {return_tensors!r}")
     import numpy as np
