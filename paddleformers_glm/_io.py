@@ -1,18 +1,13 @@
-"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never a part.
+"""Atomic file writes and the project's one JSON reader and writer.
 
-Each write goes to a uniquely named temporary file in the destination's folder (same filesystem,
-so the rename is atomic), is flushed to disk, and then renamed over the destination; on any error
-the temporary file is removed and the destination is left as it was.
-
-Every JSON file the project reads goes through :func:`read_json` (text files: :func:`read_text`): one
-error, naming the file, what it holds and the problem, for a file that cannot be read, is not UTF-8,
-is not JSON or is not a JSON object.
-
-Every JSON record the project writes goes through :func:`dumps_json` (or :func:`write_json_atomic`):
-strict JSON, which has no NaN or Infinity.  Python's ``json`` would write the bare tokens ``NaN`` and
-``Infinity``, which strict parsers (browsers, ``jq``, Go, Rust) refuse; here a non-finite number is
-written as ``null`` and the record (a JSON object) lists where in ``"nonfinite"``, e.g.
-``["losses[3]", "memory.peak"]``, so a reader can tell a missing value from a NaN.
+A write goes to a unique temporary file in the destination's folder (same filesystem, so the rename is
+atomic), is flushed to disk and renamed over the destination (on an error the temporary file is removed
+and the destination left as it was): a reader, or a crash, sees the old file or the new one, never a part.
+:func:`read_json` (text: :func:`read_text`) gives one error, naming the file, what it holds and the
+problem. :func:`dumps_json` (:func:`write_json_atomic`) writes strict JSON: Python's ``json`` would write
+bare ``NaN`` / ``Infinity``, which strict parsers (browsers, ``jq``, Go, Rust) refuse, so a non-finite
+number is written as ``null`` and listed under ``"nonfinite"`` (e.g. ``["losses[3]", "memory.peak"]``)
+of the record: a reader can tell a missing value from a NaN (docs/failure-modes.md, "Strict JSON").
 """
 
 from __future__ import annotations

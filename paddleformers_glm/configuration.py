@@ -1,19 +1,11 @@
 """GlmMoeDsaConfig: the GLM-5.2 (`glm_moe_dsa`) model configuration.
 
-Why this is not a plain attribute bag:
-
-* a ``config.json`` from any producer (transformers, PaddleFormers, a PaddleFleet run) must survive
-  load -> save as the *same JSON object*: every key is written back at its place (keys we do not
-  know, parallel keys and this library's keys included), keys the file did not have are not
-  invented, and the file's own spelling of a setting (``rope_parameters`` vs top-level
-  ``rope_theta`` / ``rope_scaling``, PaddleFleet's ``rotary_base`` ...) is written back;
-* several files in the wild describe the same model differently, so everything the model reads is
-  normalised once here (``rope``, ``model_dtype``, ``indexer_types``, ``mlp_layer_types``), and two
-  spellings of one setting must agree;
-* a run's layout (TP/PP/EP/ETP/SP) may ride along (the Fleet way) and is handed to PaddleFleet by
-  ``to_fleet_config()``; whether it fits the model is checked by the run, not here.
-
-See docs/config.md for the semantics of every derived field.
+Not a plain attribute bag: a ``config.json`` from any producer (transformers, PaddleFormers, a
+PaddleFleet run) must survive load -> save as the *same JSON object* (every key at its place and in
+the file's own spelling, nothing invented); files in the wild describe the same model differently,
+so what the model reads is normalised once here and two spellings of one setting must agree; a
+run's layout may ride along for ``to_fleet_config()``, but whether it fits is checked by the run.
+docs/config.md gives the contract and the semantics of every derived field.
 """
 
 from __future__ import annotations
@@ -148,14 +140,10 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     **{k: ("int", 1, MAX_DIM) for k, v in _DEFAULTS.items() if type(v) is int and k != "eos_token_id"},
     **{k: ("bool",) for k, v in _DEFAULTS.items() if isinstance(v, bool)},
     "num_hidden_layers": ("int", 1, MAX_LAYERS),
-    "first_k_dense_replace": ("int", 0, MAX_DIM),
-    "n_shared_experts": ("int", 0, MAX_DIM),
+    **dict.fromkeys(("first_k_dense_replace", "n_shared_experts"), ("int", 0, MAX_DIM)),
     "num_nextn_predict_layers": ("int|None", 0, MAX_LAYERS),
-    "index_topk_freq": ("int|None", 1, MAX_DIM),
-    "index_skip_topk_offset": ("int|None", 0, MAX_DIM),
-    "qk_head_dim": ("int|None", 1, MAX_DIM),
-    "bos_token_id": ("int|None", 0, MAX_DIM),
-    "pad_token_id": ("int|None", 0, MAX_DIM),
+    **dict.fromkeys(("index_topk_freq", "qk_head_dim"), ("int|None", 1, MAX_DIM)),
+    **dict.fromkeys(("index_skip_topk_offset", "bos_token_id", "pad_token_id"), ("int|None", 0, MAX_DIM)),
     **dict.fromkeys(("rms_norm_eps", "indexer_k_norm_eps", "routed_scaling_factor"), _POSITIVE),
     **dict.fromkeys(("initializer_range", "mtp_loss_scaling_factor", "indexer_loss_coeff"), _NONNEGATIVE),
     "attention_dropout": ("num", 0.0, 1.0, False),
@@ -268,13 +256,12 @@ class GlmMoeDsaConfig:
         if from_file:
             self._file_keys = file_order + [k for k in overrides if k not in file_order and k not in skip]
         else:
-            src_keys = [k for k in kwargs if k not in skip]
             canon = [k for k in _FILE_DEFAULTS if k not in ("qk_head_dim",)] + ["qk_head_dim"]
             if any(k in kwargs for k in ("rope_theta", "rope_scaling")) and "rope_parameters" not in kwargs:
                 canon.remove("rope_parameters")
             if "torch_dtype" in kwargs and "dtype" not in kwargs:
                 canon.remove("dtype")
-            self._file_keys = canon + [k for k in src_keys if k not in canon]
+            self._file_keys = canon + [k for k in kwargs if k not in skip and k not in canon]
             if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(kwargs):
                 kwargs["rope_parameters"] = {"rope_theta": 8000000, "rope_type": "default"}
         self._given_keys = frozenset(kwargs)
@@ -406,8 +393,7 @@ class GlmMoeDsaConfig:
         if self.rope_parameters is not None:
             if not isinstance(self.rope_parameters, dict):
                 raise _err("rope_parameters", f"must be a dict, got {type(self.rope_parameters).__name__}")
-            rope = dict(self.rope_parameters)
-            src = "rope_parameters"
+            rope, src = dict(self.rope_parameters), "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
                 for key, a, b in (
                     ("rope_type", _rope_type(rope), _rope_type(self.rope_scaling)),
@@ -416,8 +402,7 @@ class GlmMoeDsaConfig:
                     if a != b:
                         raise _err(f"rope_scaling.{key}", f"{b!r} disagrees with `rope_parameters.{key}` {a!r}")
         else:
-            rope = dict(self.rope_scaling or {})
-            src = "rope_scaling"
+            rope, src = dict(self.rope_scaling or {}), "rope_scaling"
         rope["rope_type"] = _rope_type(rope)
         for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
             if value is not None:
@@ -447,19 +432,15 @@ class GlmMoeDsaConfig:
 
     def _check_rope_aliases(self) -> None:
         """PaddleFleet's `rotary_base` / top-level `rope_type` must say what the rope settings say."""
-        values = self.__dict__.get("_alias_values", {})
-        if "rotary_base" in values and float(values["rotary_base"]) != float(self._rope["rope_theta"]):
+        values, base, rtype = self._alias_values, self._rope["rope_theta"], self._rope["rope_type"]
+        if "rotary_base" in values and float(values["rotary_base"]) != float(base):
+            raise _err("rotary_base", f"{values['rotary_base']} disagrees with the rope base {base}")
+        if "rope_type" in values and values["rope_type"] not in (_FLEET_ROPE_TYPES.get(rtype, rtype), rtype):
             raise _err(
-                "rotary_base", f"{values['rotary_base']} disagrees with the rope base {self._rope['rope_theta']}"
+                "rope_type",
+                f"{values['rope_type']!r} disagrees with the rope settings ({rtype!r}); "
+                "a yarn rope needs its fields in rope_parameters",
             )
-        if "rope_type" in values:
-            fleet = _FLEET_ROPE_TYPES.get(self._rope["rope_type"], self._rope["rope_type"])
-            if values["rope_type"] not in (fleet, self._rope["rope_type"]):
-                raise _err(
-                    "rope_type",
-                    f"{values['rope_type']!r} disagrees with the rope settings ({self._rope['rope_type']!r}); "
-                    "a yarn rope needs its fields in rope_parameters",
-                )
 
     def _alias_value(self, key: str) -> Any:
         """The current value of an alias key: the file's own value unless the setting changed."""
@@ -486,8 +467,7 @@ class GlmMoeDsaConfig:
         self._model_dtype = name
 
     def _derive_indexer_types(self, L: int) -> None:
-        given = self._given_indexer_types
-        pattern = self.index_topk_pattern
+        given, pattern = self._given_indexer_types, self.index_topk_pattern
         has_schedule = bool({"index_topk_freq", "index_skip_topk_offset"} & self._given_keys)
         if pattern is not None:
             if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
@@ -526,8 +506,7 @@ class GlmMoeDsaConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> GlmMoeDsaConfig:
         """Load `path/config.json` or a JSON file given directly."""
-        path = os.fspath(path)
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"GlmMoeDsaConfig: no config file at {file}")
         data = read_json(file, "the model config")
@@ -537,12 +516,8 @@ class GlmMoeDsaConfig:
             raise ValueError(f"{e} (in {file})") from e
 
     def to_dict(self) -> dict[str, Any]:
-        """The config.json object: the source's keys, in its order and spelling, nothing invented.
-
-        Parallel and library keys the file had are written back at their place; library keys it
-        lacked are added only when changed from the default; parallel settings given only as
-        overrides are never written (they describe a run, not the model).
-        """
+        """The config.json object: the source's keys, in its order and spelling, nothing invented
+        (docs/config.md, "Round trip", says which library and parallel keys are added or left out)."""
         out: dict[str, Any] = {}
         for key in self._file_keys:
             if key in self._alias_values:
@@ -563,9 +538,7 @@ class GlmMoeDsaConfig:
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:
         """Write `config.json` atomically (temp file + rename); returns its path."""
-        save_directory = os.fspath(save_directory)
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, "config.json")
+        path = os.path.join(save_directory, "config.json")  # atomic_write_text makes the folder
         atomic_write_text(path, self.to_json_string())
         return path
 
@@ -580,12 +553,9 @@ class GlmMoeDsaConfig:
         return new
 
     def to_fleet_config(self, layout: Any = None) -> dict[str, Any]:
-        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields: the single place
-        that maps this config onto Fleet's names (docs/config.md lists each with its Fleet revision).
-
-        The layout fields come from ``layout`` (a ``parallel.topology.ParallelConfig``), else from the
-        layout the config file carried. The rope spans `qk_rope_head_dim` channels whatever a
-        `partial_rotary_factor` says; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
+        """The model as PaddleFleet `TransformerConfig` / `ModelParallelConfig` fields, the layout from
+        ``layout`` (a ``ParallelConfig``) else the file's (docs/config.md, "PaddleFleet mapping"). The rope
+        spans `qk_rope_head_dim` channels; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
         """
         rope = self._rope
 

@@ -309,8 +309,7 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
 
     neg_inf = paddle.full_like(logits, -math.inf)
     x = logits / s.temperature if s.temperature != 1.0 else logits
-    V = x.shape[-1]
-    if s.top_k and s.top_k < V:
+    if s.top_k and s.top_k < x.shape[-1]:
         kth = paddle.topk(x, s.top_k, axis=-1)[0][:, -1:]
         x = paddle.where(x < kth, neg_inf, x)
     if s.top_p < 1.0:
@@ -366,14 +365,11 @@ def generate(
     decode_step: Callable[..., paddle.Tensor] | None = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
-    """The prompt followed by up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences,
-    S + n] int64 (or a :class:`GenerateDecoderOnlyOutput` with ``return_dict_in_generate=True``).
-
-    ``kwargs`` are generation options with HF's names (docs/model.md, "Decoding"); unset ones come
-    from ``generation_config``, then HF's defaults. Each new token after the first goes through
-    ``model.decode_step`` (or ``decode_step``, same arguments, e.g. its ``paddle.jit.to_static``
-    capture or a :class:`CudaGraphDecodeStep`); the cache is allocated once for the whole
-    generation, so the step's shapes never change.
+    """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
+    (a :class:`GenerateDecoderOnlyOutput` with ``return_dict_in_generate=True``); ``kwargs``: HF's options
+    (docs/model.md, "Decoding"). Each token after the first goes through ``model.decode_step`` (or
+    ``decode_step``, same arguments: its ``paddle.jit.to_static`` capture, a :class:`CudaGraphDecodeStep`)
+    on a cache allocated once for the whole generation, so the step's shapes never change.
     """
     import paddle
 
@@ -402,8 +398,7 @@ def generate(
     if s.max_new_tokens == 0:
         end()
         return GenerateDecoderOnlyOutput(input_ids) if s.return_dict_in_generate else input_ids
-    config = model.config
-    V = int(config.vocab_size)
+    V = int(model.config.vocab_size)
     eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
     eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
     seen = None
@@ -417,7 +412,7 @@ def generate(
     try:
         with paddle.no_grad():
             if s.use_cache:
-                cache = DSACache.for_config(config, B, capacity=S + s.max_new_tokens)
+                cache = DSACache.for_config(model.config, B, capacity=S + s.max_new_tokens)
                 out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 step_fn = decode_step or model.decode_step
             else:
@@ -488,9 +483,7 @@ def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tenso
     (as HF's prepare_inputs_for_generation makes them from the attention mask)."""
     import paddle
 
-    pos = None
-    if mask is not None:
-        pos = paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
+    pos = None if mask is None else paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
     return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
 
 
@@ -553,10 +546,9 @@ def generate_speculative(
     max_new_tokens: int = 20,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> tuple[paddle.Tensor, dict]:
-    """Greedy decoding with the first MTP layer as the draft model (one row, no padding; docs/model.md):
-    the main model keeps a draft only if it is its own greedy choice, so the tokens are greedy
-    decoding's. Returns (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate",
-    "main_forwards"}).
+    """Greedy decoding with the first MTP layer drafting (one row, no padding; docs/model.md): a draft is
+    kept only when it is the main model's own greedy choice, so the tokens are greedy decoding's. Returns
+    (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate", "main_forwards"}).
     """
     import paddle
 

@@ -1,7 +1,6 @@
 """Progress of long operations (load, save, convert, export, check-ckpt): what a user sees while a
-1.5 TB checkpoint streams. A tqdm bar on a terminal, else one structured line every few seconds and
-one at the end (docs/checkpoints.md, "Progress"); the checkpoint engine reports per tensor through
-:func:`start`, callers need no other hook.
+1.5 TB checkpoint streams (docs/checkpoints.md, "Progress"); the checkpoint engine reports per tensor
+through :func:`start`, callers need no other hook.
 """
 
 from __future__ import annotations
@@ -38,21 +37,14 @@ def _quiet() -> bool:
     return _QUIET if _QUIET is not None else os.environ.get("GLM52_QUIET", "") not in ("", "0")
 
 
-def _interval() -> float:
-    try:
-        return max(0.0, float(os.environ.get("GLM52_PROGRESS_INTERVAL", "5")))
-    except ValueError:
-        return 5.0
-
-
 def _rank_prefix() -> str:
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
     return f"rank {os.environ.get('PADDLE_TRAINER_ID', '0')}: " if world > 1 else ""
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1000
     return f"{n:.1f}TB"
@@ -87,7 +79,10 @@ class Progress:
         self.quiet = _quiet() if quiet is None else quiet
         self.bytes = self.tensors = 0
         self.t0 = self.last = time.monotonic()
-        self.interval = _interval()
+        try:  # seconds between lines; a malformed value keeps the default
+            self.interval = max(0.0, float(os.environ.get("GLM52_PROGRESS_INTERVAL", "5")))
+        except ValueError:
+            self.interval = 5.0
         self.lines = 0
         self.closed = False
         self.bar = None

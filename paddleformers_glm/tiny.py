@@ -15,10 +15,9 @@ import numpy as np
 
 from .configuration import GlmMoeDsaConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _CANDIDATES = [
     Path(__file__).resolve().parent / "_data" / "configs" / "glm52-tiny" / "config.json",  # installed wheel
-    REPO_ROOT / "configs" / "glm52-tiny" / "config.json",  # source tree / editable install
+    Path(__file__).resolve().parents[1] / "configs" / "glm52-tiny" / "config.json",  # source tree / editable install
 ]
 TINY_CONFIG = next((p for p in _CANDIDATES if p.is_file()), _CANDIDATES[-1])
 

@@ -1,9 +1,6 @@
-"""The checkpoint's tokenizer and chat template, read from the checkpoint folder without network.
-
-The call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 5 (docs/model.md,
-"Tokenizer and chat"). ``assistant_spans`` locates the assistant's tokens by rendering growing
-prefixes of the conversation, so it needs a template whose rendering of a prefix is a prefix of the
-whole (true of GLM's and most chat templates), and says so when it is not.
+"""The checkpoint's tokenizer and chat template, read from the checkpoint folder without network; the
+call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 5 (docs/model.md,
+"Tokenizer and chat").
 """
 
 from __future__ import annotations
@@ -54,9 +51,7 @@ class BatchEncoding(dict):
             raise AttributeError(name) from None
 
 
-def _as_tensor(rows: list[list[int]], return_tensors: str | None, what: str) -> Any:
-    if return_tensors is None:
-        return rows
+def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
     if return_tensors not in TENSOR_TYPES:
         raise ValueError(f"return_tensors must be one of {TENSOR_TYPES} or None, got {return_tensors!r}")
     import numpy as np
@@ -129,8 +124,7 @@ class GlmTokenizer:
         from tokenizers import Tokenizer
 
         p = Path(path)
-        folder = p.parent if p.is_file() else p
-        tok_file = p if p.is_file() else p / TOKENIZER_FILE
+        folder, tok_file = (p.parent, p) if p.is_file() else (p, p / TOKENIZER_FILE)
         if not tok_file.is_file():
             raise TokenizerError(f"{tok_file}: no tokenizer.json in {folder} (the checkpoint has no tokenizer)")
         try:
@@ -206,10 +200,8 @@ class GlmTokenizer:
         padding_side: str | None = None,
         pad_to_multiple_of: int | None = None,
     ) -> BatchEncoding:
-        """transformers' call: ``input_ids`` and ``attention_mask`` of one text (lists) or a batch
-        of texts (a list per text; ``return_tensors`` "pd" / "np" gives [B, S] int64, a single
-        text [1, S]). ``padding``: False, True / "longest", "max_length"; ``truncation``: True
-        cuts to ``max_length`` (default ``model_max_length``) on ``truncation_side``."""
+        """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
+        ``max_length`` (default ``model_max_length``) on ``truncation_side``."""
         single = isinstance(text, str)
         texts = [text] if single else list(text)
         if not all(isinstance(t, str) for t in texts):
@@ -219,8 +211,7 @@ class GlmTokenizer:
             if truncation not in (True, "longest_first", "only_first"):
                 raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
             limit = self._max_length(max_length, "truncation=True")
-            cut = (lambda r: r[-limit:]) if self.truncation_side == "left" else (lambda r: r[:limit])
-            rows = [cut(r) if len(r) > limit else r for r in rows]
+            rows = [r[-limit:] if self.truncation_side == "left" else r[:limit] for r in rows]
         enc = self._pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side)
         if not return_attention_mask:
             enc.pop("attention_mask")
@@ -338,10 +329,8 @@ class GlmTokenizer:
         return_dict: bool = True,
         **extra: Any,
     ) -> Any:
-        """transformers 5's call: a conversation (or a list of them) rendered by the chat template;
-        ``tokenize=False`` gives the text, else the tokenizer's :class:`BatchEncoding` of it
-        (``return_dict=False``: its ``input_ids`` only), with ``padding`` / ``truncation`` /
-        ``return_tensors`` as in the tokenizer call. Template variables go in ``extra``."""
+        """transformers 5's call (docs/model.md, "Tokenizer and chat"): a conversation or a list of them,
+        rendered by the chat template and (``tokenize=True``) encoded; template variables go in ``extra``."""
         if not conversation:
             raise TokenizerError("apply_chat_template: the conversation is empty")
         batched = isinstance(conversation[0], (list, tuple))
@@ -361,7 +350,9 @@ class GlmTokenizer:
 
     def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(rendered conversation, character spans written by the assistant): for each assistant
-        message, from the end of the generation prompt before it to the end of its turn."""
+        message, from the end of the generation prompt before it to the end of its turn. Found by
+        rendering growing prefixes, so the template's rendering of a prefix must be a prefix of the
+        whole (true of GLM's and most chat templates); the error says so when it is not."""
         full = self.render_chat(messages)
         spans = []
         for i, m in enumerate(messages):
