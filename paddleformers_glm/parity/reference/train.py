@@ -31,6 +31,7 @@ from .indexer import ReferenceIndexer, saved_indexer_coeff
 from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
+NEAR_TIE = 1e-6  # a top-k margin below it is within the two frameworks' fp32 rounding: a near tie
 # an MTP layer's own modules -> their checkpoint names (``model.layers.{L+j}.<name>.weight``)
 MTP_HEAD = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
 
@@ -297,8 +298,6 @@ class TopkMargins(GapMonitor):
     frameworks break them alike, so a ``min`` of 0 would hide the near tie that can actually flip.
     """
 
-    NEAR = 1e-6
-
     def __init__(self, modules) -> None:
         super().__init__(min_gap=None)  # the same hooks as the fixtures' tie screening
         for m in modules:
@@ -320,7 +319,7 @@ class TopkMargins(GapMonitor):
         if nonzero.numel():
             st["min_nonzero"] = min(st["min_nonzero"], float(nonzero.min()))
         st["exact_ties"] += int((gaps == 0).sum())
-        st["near_ties"] += int((gaps < self.NEAR).sum())
+        st["near_ties"] += int((gaps < NEAR_TIE).sum())
         st["decisions"] += gaps.numel()
 
 
