@@ -345,8 +345,7 @@ def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
                 full[k] = have[k].detach().to(torch.float32).contiguous().clone()
             else:
                 full[k] = v.clone() if kind == "weights" else torch.zeros_like(v)
-        extra = sorted(set(have) - set(ref.ckpt))
-        if extra:
+        if extra := sorted(set(have) - set(ref.ckpt)):
             raise RuntimeError(f"dump {kind}: names not in the checkpoint: {extra[:5]}")
         d = os.path.join(out_dir, kind)
         tmp = d + f".part.{os.getpid()}"
@@ -450,8 +449,7 @@ def train(args: argparse.Namespace) -> dict:
             for d, t in enumerate(mtps):
                 mtp_total[d] += float(t.detach())
         with torch.no_grad():
-            sq = sum(float((p.grad.double() ** 2).sum()) for _, p in params if p.grad is not None)
-            gnorm = math.sqrt(sq)
+            gnorm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for _, p in params if p.grad is not None))
             pre_clip = {n: p.grad.clone() for n, p in params if p.grad is not None} if (step + 1) in dumps else None
             if args.clip_grad > 0 and math.isfinite(gnorm):
                 coef = args.clip_grad / (gnorm + 1e-6)
@@ -483,12 +481,8 @@ def train(args: argparse.Namespace) -> dict:
             tensors: dict[str, dict] = {k: {} for k in DUMP_KINDS}
             for n, p in params:
                 st = opt.state.get(p, {})
-                for kind, src in (
-                    ("grads", pre_clip.get(n)),
-                    ("exp_avg", st.get("exp_avg")),
-                    ("exp_avg_sq", st.get("exp_avg_sq")),
-                    ("weights", p.detach()),
-                ):
+                srcs = (pre_clip.get(n), st.get("exp_avg"), st.get("exp_avg_sq"), p.detach())
+                for kind, src in zip(DUMP_KINDS, srcs):  # grads, exp_avg, exp_avg_sq, weights
                     if src is not None:
                         tensors[kind].update(ref.official(n, src))
             for n, b in ref.router_biases():  # buffers: moved by the bias updates, never by the optimizer
