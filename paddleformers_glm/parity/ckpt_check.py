@@ -252,20 +252,15 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
 def _naming_kinds(key: str, native: list[str], transposed: bool) -> list[str]:
     """Why a tensor is stored differently on the other side, from the names and the engine's trace."""
     names = " ".join([key, *native])
-    kinds = []
-    if "embed_tokens" in names and any(k != key for k in native):
-        kinds.append("embedding rename")
-    if "core_attention.indexer" in names:
-        kinds.append("indexer nesting")
-    if ".transformer_layer." in names or "shared_head." in names:
-        kinds.append("MTP wrapper prefix")
-    if "up_gate_proj" in names:
-        kinds.append("fused up_gate_proj")
-    if transposed:
-        kinds.append("transpose")
-    if not kinds and native != [key]:
-        kinds.append("rename")
-    return kinds
+    found = {
+        "embedding rename": "embed_tokens" in names and any(k != key for k in native),
+        "indexer nesting": "core_attention.indexer" in names,
+        "MTP wrapper prefix": ".transformer_layer." in names or "shared_head." in names,
+        "fused up_gate_proj": "up_gate_proj" in names,
+        "transpose": transposed,
+    }
+    kinds = [kind for kind, hit in found.items() if hit]
+    return kinds or (["rename"] if native != [key] else [])
 
 
 def check_checkpoints(

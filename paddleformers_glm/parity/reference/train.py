@@ -386,13 +386,8 @@ def train(args: argparse.Namespace) -> dict:
     low = [(p, m) for (_, p), (_, m) in zip(trained, params) if p is not m]
     decay = [p for _, p in params if p.ndim >= 2]
     no_decay = [p for _, p in params if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        foreach=False,
-    )
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
     min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
