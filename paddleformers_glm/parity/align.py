@@ -53,7 +53,6 @@ TRAIN_FLAGS = (
 ).split()
 # the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
-LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
 def _load(folder: str) -> dict[str, Any]:
@@ -313,7 +312,7 @@ def run_align(args: argparse.Namespace) -> int:
         "tool": "glm52 align",
         "created_unix": int(time.time()),
         "model": {"path": os.path.abspath(args.model)},
-        "layout": {k: getattr(args, k) for k in LAYOUT_KEYS},
+        "layout": {k: getattr(args, k) for k in (*LAYOUT_FLAGS, "sp", "pp_layout")},
         "training": {name: getattr(args, name) for name in TRAIN_FLAGS},
         "dump_steps": dump_steps,
         "commands": {k: " ".join(v) for k, v in runs.items()},

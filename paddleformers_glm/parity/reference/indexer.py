@@ -69,8 +69,6 @@ class ReferenceIndexer:
 
         _, probs, topk = out  # eager: probabilities [B, H, S, T]; the selection in effect [B, S, k]
         x = kwargs["hidden_states"].detach()
-        rec = {"layer": layer_id, "attn": attn, "x": x, "pe": kwargs["position_embeddings"]}
-        rec["mask"], rec["probs"] = kwargs["attention_mask"], probs.detach().float()
         ix = attn.indexer
         if ix is not None and self.stage == "warmup":  # the indexer's own selection (HF's, real k)
             with torch.no_grad():
@@ -80,8 +78,8 @@ class ReferenceIndexer:
                     topk = ix(x, q_resid, kwargs["position_embeddings"], kwargs["attention_mask"][:, 0, :, :], None)
                 finally:
                     ix.index_topk = _ALL_KEYS
-        rec["topk"] = topk.long()
-        rec["own"] = ix is not None
+        rec = {"layer": layer_id, "attn": attn, "x": x, "pe": kwargs["position_embeddings"], "own": ix is not None}
+        rec.update(mask=kwargs["attention_mask"], probs=probs.detach().float(), topk=topk.long())
         self.records.append(rec)
 
     # ------------------------------------------------------------------ after the forward

@@ -123,9 +123,8 @@ class Reference:
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
 
         self.model_dir = model_dir = args.model
-        conf = GlmMoeDsaConfig.from_pretrained(model_dir)
+        self.conf = conf = GlmMoeDsaConfig.from_pretrained(model_dir)
         conf._attn_implementation = "eager"
-        self.conf = conf
         L, E, H = conf.num_hidden_layers, conf.n_routed_experts, conf.hidden_size
         self.L, self.inter = L, conf.moe_intermediate_size
         self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
@@ -276,17 +275,9 @@ class Reference:
             tokens = torch.cat([ids[:, d:], ids.new_zeros(B, min(d, S))], dim=1)[:, :S]
             e = self.model.model.embed_tokens(tokens)
             x = m["eh_proj"](torch.cat([m["enorm"](e), m["hnorm"](h)], dim=-1))
-            x, _ = m["layer"](
-                x,
-                attention_mask=kw["attention_mask"],
-                position_embeddings=kw["position_embeddings"],
-                position_ids=kw["position_ids"],
-                past_key_values=None,
-                use_cache=False,
-                prev_topk_indices=self._taps["topk"] if self.share_topk else None,
-            )
-            h = x
-            mtps.append(ce_sum(self.model.lm_head(m["shared_head_norm"](x)), d + 1))
+            top = self._taps["topk"] if self.share_topk else None
+            h, _ = m["layer"](x, **kw, past_key_values=None, use_cache=False, prev_topk_indices=top)
+            mtps.append(ce_sum(self.model.lm_head(m["shared_head_norm"](h)), d + 1))
         return lm, mtps
 
 
