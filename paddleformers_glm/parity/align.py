@@ -173,11 +173,8 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     each within ``atol``.  Both sides must report the same stage and layers."""
     from .loss_check import compare_losses
 
-    def trained(doc: dict[str, Any]) -> dict[str, Any] | None:  # the trainer records a stage "none" too
-        block = doc.get("indexer")
-        return block if block and block.get("stage") != "none" else None
-
-    a, b = trained(ref), trained(cand)
+    blocks = (doc.get("indexer") for doc in (ref, cand))
+    a, b = (x if x and x.get("stage") != "none" else None for x in blocks)  # the trainer records a stage "none" too
     if not a and not b:
         return None
     if not a or not b:

@@ -5,8 +5,6 @@ on HF transformers' own modules, independently of the Paddle model.
 its eager attention runs densely; the indexer's own top-k (for the recall) is HF's indexer called
 again with its real ``index_topk``.  ``sparse``: HF's top-k attention.  Index scores are recomputed
 with gradient from HF's indexer modules on detached inputs (HF runs its indexer under ``no_grad``).
-
-Part of the ``reference`` extra: torch and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
