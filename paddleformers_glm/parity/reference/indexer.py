@@ -28,14 +28,6 @@ def saved_indexer_coeff(model_dir: str) -> float:
     return float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
 
 
-def _visible(mask: Any) -> Any:
-    """bool [B, S, T] from HF's 4D attention mask [B, 1, S, T] (bool, or additive with finfo.min)."""
-    import torch
-
-    m = mask[:, 0]
-    return m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
-
-
 class ReferenceIndexer:
     """Hooks on HF attention modules that record what each call needs, and the KL and recall of every
     layer with its own indexer once the forward is done (:meth:`terms`)."""
@@ -96,7 +88,8 @@ class ReferenceIndexer:
         import torch
 
         full = members[0]
-        visible = _visible(full["mask"])  # [B, S, T]
+        mask = full["mask"][:, 0]  # HF's 4D attention mask [B, 1, S, T]: bool, or additive with finfo.min
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # [B, S, T]
         B, S, T = visible.shape
         idx = full["topk"]  # [B, S, k]
         sel_valid = torch.gather(visible.expand(B, S, T), -1, idx)
