@@ -15,13 +15,6 @@ import sys
 from ._common import model_folder_error
 
 
-def _options(args: argparse.Namespace) -> dict:
-    """The generation options given on the command line (HF names); unset ones are left out."""
-    names = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
-    opts = {k: getattr(args, k) for k in names} | {"stop_strings": args.stop or None}
-    return {k: v for k, v in opts.items() if v is not None}
-
-
 def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
     for flag, v, low, inclusive, high in (
@@ -71,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
             return fail("the prompt encodes to no tokens")
         if max(ids) >= config.vocab_size:
             return fail(f"token id {max(ids)} >= vocab_size {config.vocab_size} of {args.model}/config.json")
-        opts = _options(args)
+        # the generation options given on the command line (HF names); unset ones are left out
+        names = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+        given = {k: getattr(args, k) for k in names} | {"stop_strings": args.stop or None}
+        opts = {k: v for k, v in given.items() if v is not None}
         limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
         check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()

@@ -1,8 +1,6 @@
-"""PaddleFormers integration: its ``AutoConfig``, ``AutoModelForCausalLM`` and ``AutoTokenizer``
-resolve a GLM-5.2 checkpoint folder (``model_type: glm_moe_dsa``) to this package, and its
-``Trainer`` trains and saves our model; opt-in with :func:`register`, every replacement announced
-with a :class:`ReplacementWarning` (docs/model.md, "PaddleFormers").  Importing this module registers
-nothing and does not import PaddleFormers.
+"""PaddleFormers integration: its Auto classes resolve a ``glm_moe_dsa`` folder to this package and its
+``Trainer`` trains our model, opt-in with :func:`register` (docs/model.md, "PaddleFormers").  Importing
+this module registers nothing and does not import PaddleFormers.
 
 Why these hooks: PaddleFormers' ``AutoConfig`` has a registry (``AutoConfig.register``) that wins
 over its own mapping, so the config goes through it. Its ``AutoModelForCausalLM`` picks the class

@@ -1,9 +1,5 @@
-"""``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt.
-
-Both runs dump their full state after each ``--dump-step`` update and after the last; the loss
-curves (with their jumps), the idle experts and every dumped tensor are compared within the
-tolerances docs/parity.md derives, into ``OUT/receipt/``. Exit 0 when every comparison is within
-tolerance, 1 when one is not, 2 when a run failed.
+"""``glm52 align``: prove a Paddle training run equals the torch reference run, and leave a receipt in
+``OUT/receipt/`` (what is compared, the tolerances and the exit codes: docs/parity.md, "glm52 align").
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from typing import Any
 from .._io import read_json, write_json_atomic
 from ..train.command import add_dtype_argument, add_expert_update_argument, add_indexer_arguments, add_step_arguments
 from .reference.indexer import saved_indexer_coeff
-from .reference.train import DUMP_KINDS
+from .reference.train import DUMP_KINDS, NEAR_TIE
 
 __all__ = [
     "compare_dumps",
@@ -57,7 +53,6 @@ TRAIN_FLAGS = (
 ).split()
 # the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
-LAYOUT_KEYS = (*LAYOUT_FLAGS, "sp", "pp_layout")
 
 
 def _load(folder: str) -> dict[str, Any]:
@@ -144,9 +139,6 @@ def compare_dumps(
     }
 
 
-NEAR_TIE = 1e-6
-
-
 def near_ties(margins: list[dict[str, Any]], near: float = NEAR_TIE) -> list[dict[str, Any]]:
     """Steps (0-based) whose reference run made a top-k decision within ``near`` of a tie."""
     close = ({cat: m["min"] for cat, m in step.items() if m["min"] < near} for step in margins)
@@ -181,11 +173,8 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     each within ``atol``.  Both sides must report the same stage and layers."""
     from .loss_check import compare_losses
 
-    def trained(doc: dict[str, Any]) -> dict[str, Any] | None:  # the trainer records a stage "none" too
-        block = doc.get("indexer")
-        return block if block and block.get("stage") != "none" else None
-
-    a, b = trained(ref), trained(cand)
+    blocks = (doc.get("indexer") for doc in (ref, cand))
+    a, b = (x if x and x.get("stage") != "none" else None for x in blocks)  # the trainer records a stage "none" too
     if not a and not b:
         return None
     if not a or not b:
@@ -249,19 +238,6 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
     return None
 
 
-def _versions() -> dict[str, str]:
-    from .ckpt_check import versions
-
-    out = versions(("paddle", "torch", "transformers", "numpy", "safetensors"))
-    try:
-        out["git_commit"] = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out["git_commit"] = ""
-    return out
-
-
 def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
@@ -285,7 +261,7 @@ def _tail(path: str, n: int = 15) -> str:
 
 def run_align(args: argparse.Namespace) -> int:
     """Both runs, every comparison, the receipt; returns the exit code (0 all within tolerance)."""
-    from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file
+    from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file, versions
     from .loss_check import compare_losses, detect_jumps, plot_losses, read_curve
 
     out = os.path.abspath(args.out)
@@ -333,7 +309,7 @@ def run_align(args: argparse.Namespace) -> int:
         "tool": "glm52 align",
         "created_unix": int(time.time()),
         "model": {"path": os.path.abspath(args.model)},
-        "layout": {k: getattr(args, k) for k in LAYOUT_KEYS},
+        "layout": {k: getattr(args, k) for k in (*LAYOUT_FLAGS, "sp", "pp_layout")},
         "training": {name: getattr(args, name) for name in TRAIN_FLAGS},
         "dump_steps": dump_steps,
         "commands": {k: " ".join(v) for k, v in runs.items()},
@@ -347,8 +323,13 @@ def run_align(args: argparse.Namespace) -> int:
         f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
     )
     verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
-    verdict["versions"] = _versions()
-    write_json_atomic(os.path.join(receipt, "versions.json"), verdict["versions"], indent=1)
+    verdict["versions"] = found = versions(("paddle", "torch", "transformers", "numpy", "safetensors"))
+    try:
+        git = ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
+        found["git_commit"] = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found["git_commit"] = ""
+    write_json_atomic(os.path.join(receipt, "versions.json"), found, indent=1)
     for name, cmd in {} if args.no_run else runs.items():
         print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
         log = os.path.join(out, f"{name}.log")

@@ -1,11 +1,6 @@
-"""``glm52 check-ckpt``: prove a candidate checkpoint holds the same tensors as a reference.
-
-A symlink, hardlink or sparse file is refused (a receipt must describe bytes that really are in that
-folder). Tensors are compared by canonical hash, so shard boundaries and key order do not matter; a
-candidate in another layout is mapped by the loader's AOA rules, so each difference is classified
-(naming, structural, value, config; FP8 against unquantized by dequantized value: quantization).
-Every float tensor is scanned for NaN/Inf while hashed, since identical NaN bytes hash alike (exit 2
-unless ``allow_nonfinite``). Steps, classes and receipt: docs/parity.md.
+"""``glm52 check-ckpt``: prove a candidate checkpoint holds the same tensors as a reference, whatever
+its shards, key order or layout (canonical hashes, each difference classified). The steps, what is
+refused and why (links, sparse files, NaN/Inf), the classes and the receipt: docs/parity.md.
 """
 
 from __future__ import annotations
@@ -257,20 +252,15 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
 def _naming_kinds(key: str, native: list[str], transposed: bool) -> list[str]:
     """Why a tensor is stored differently on the other side, from the names and the engine's trace."""
     names = " ".join([key, *native])
-    kinds = []
-    if "embed_tokens" in names and any(k != key for k in native):
-        kinds.append("embedding rename")
-    if "core_attention.indexer" in names:
-        kinds.append("indexer nesting")
-    if ".transformer_layer." in names or "shared_head." in names:
-        kinds.append("MTP wrapper prefix")
-    if "up_gate_proj" in names:
-        kinds.append("fused up_gate_proj")
-    if transposed:
-        kinds.append("transpose")
-    if not kinds and native != [key]:
-        kinds.append("rename")
-    return kinds
+    found = {
+        "embedding rename": "embed_tokens" in names and any(k != key for k in native),
+        "indexer nesting": "core_attention.indexer" in names,
+        "MTP wrapper prefix": ".transformer_layer." in names or "shared_head." in names,
+        "fused up_gate_proj": "up_gate_proj" in names,
+        "transpose": transposed,
+    }
+    kinds = [kind for kind, hit in found.items() if hit]
+    return kinds or (["rename"] if native != [key] else [])
 
 
 def check_checkpoints(
@@ -314,19 +304,17 @@ def check_checkpoints(
             msg = f"{name}: {kind} {key} ({info.dtype}, file {info.file}) holds {count} NaN/Inf values"
             report["warnings" if allow_nonfinite else "errors"].append(msg)
     ref, cand = sides["ref"], sides["cand"]
-    if report["errors"]:
-        return _finish(report, EXIT_UNUSABLE, t0, sides)
-    if layout is not None and cand.layout not in (layout, "unknown"):
-        report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
-        return _finish(report, EXIT_UNUSABLE, t0, sides)
-    config = ref.config or cand.config
     quant_mixed = bool(ref.fp8) != bool(cand.fp8)
-    if quant_mixed and ref.layout != cand.layout:
+    if not report["errors"] and layout is not None and cand.layout not in (layout, "unknown"):
+        report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
+    if not report["errors"] and quant_mixed and ref.layout != cand.layout:
         report["errors"].append(
             "an FP8 and an unquantized checkpoint are compared in the official layout only "
             f"(ref: {ref.layout}, cand: {cand.layout})"
         )
+    if report["errors"]:
         return _finish(report, EXIT_UNUSABLE, t0, sides)
+    config = ref.config or cand.config
     drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
     cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
     report["config_match"] = cfg_ref == cfg_cand

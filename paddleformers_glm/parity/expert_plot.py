@@ -1,9 +1,5 @@
-"""``glm52 plot-experts OUT``: the expert load of a training run, drawn from ``OUT/loss.json``.
-
-Left: a layer x expert heatmap of the tokens each expert received over the run, relative to the
-layer's mean (1 = its fair share), so hot and idle experts stand out.  Right: the balance curve,
-max/mean load per step (each MoE layer thin, their mean thick); 1 is perfect balance.  With
-``--moe-bias-update-rate`` the curve should fall as the router biases move.
+"""``glm52 plot-experts OUT``: the expert load of a training run, drawn from ``OUT/loss.json``: a layer x
+expert heatmap and the max/mean balance curve (docs/model.md, "MoE balancing").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``glm52 check-loss``: compare two training loss curves step by step.
-
-A ``loss.json`` holds ``{"losses": [l0, l1, ...]}`` with unrounded numbers (JSON doubles, so a
-bit-exact comparison is meaningful). The report says how long the two curves agree from the start
-(``consistent_steps``), how many steps agree at all, where they first part, and by how much.
-Steps are 0-based: ``first_divergent_step`` 2 means the third loss differs.
+"""``glm52 check-loss``: compare two training loss curves step by step, bit-exact or within a tolerance
+(steps 0-based; the input, the report's fields and the pass rule: docs/parity.md, "glm52 check-loss").
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ on HF transformers' own modules, independently of the Paddle model.
 its eager attention runs densely; the indexer's own top-k (for the recall) is HF's indexer called
 again with its real ``index_topk``.  ``sparse``: HF's top-k attention.  Index scores are recomputed
 with gradient from HF's indexer modules on detached inputs (HF runs its indexer under ``no_grad``).
-
-Part of the ``reference`` extra: torch and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -28,14 +26,6 @@ def saved_indexer_coeff(model_dir: str) -> float:
     except ValueError:  # no such file, or not a JSON object
         return 0.0
     return float(raw.get("indexer_loss_coeff", raw.get("dsa_indexer_loss_coeff", 0.0)) or 0.0)
-
-
-def _visible(mask: Any) -> Any:
-    """bool [B, S, T] from HF's 4D attention mask [B, 1, S, T] (bool, or additive with finfo.min)."""
-    import torch
-
-    m = mask[:, 0]
-    return m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
 
 
 class ReferenceIndexer:
@@ -69,8 +59,6 @@ class ReferenceIndexer:
 
         _, probs, topk = out  # eager: probabilities [B, H, S, T]; the selection in effect [B, S, k]
         x = kwargs["hidden_states"].detach()
-        rec = {"layer": layer_id, "attn": attn, "x": x, "pe": kwargs["position_embeddings"]}
-        rec["mask"], rec["probs"] = kwargs["attention_mask"], probs.detach().float()
         ix = attn.indexer
         if ix is not None and self.stage == "warmup":  # the indexer's own selection (HF's, real k)
             with torch.no_grad():
@@ -80,8 +68,8 @@ class ReferenceIndexer:
                     topk = ix(x, q_resid, kwargs["position_embeddings"], kwargs["attention_mask"][:, 0, :, :], None)
                 finally:
                     ix.index_topk = _ALL_KEYS
-        rec["topk"] = topk.long()
-        rec["own"] = ix is not None
+        rec = {"layer": layer_id, "attn": attn, "x": x, "pe": kwargs["position_embeddings"], "own": ix is not None}
+        rec.update(mask=kwargs["attention_mask"], probs=probs.detach().float(), topk=topk.long())
         self.records.append(rec)
 
     # ------------------------------------------------------------------ after the forward
@@ -100,7 +88,8 @@ class ReferenceIndexer:
         import torch
 
         full = members[0]
-        visible = _visible(full["mask"])  # [B, S, T]
+        mask = full["mask"][:, 0]  # HF's 4D attention mask [B, 1, S, T]: bool, or additive with finfo.min
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # [B, S, T]
         B, S, T = visible.shape
         idx = full["topk"]  # [B, S, k]
         sel_valid = torch.gather(visible.expand(B, S, T), -1, idx)

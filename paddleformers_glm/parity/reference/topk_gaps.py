@@ -7,8 +7,6 @@ two implementations (~1e-7 in fp32) is a near tie that they may break differentl
 generator (tools/make_reference.py) rejects a seed with a gap below :data:`MIN_GAP`, the torch
 reference trainer (``parity.reference.train``) records every step's smallest gap for
 ``glm52 align``.
-
-Part of the ``reference`` extra: torch and transformers are imported inside the methods only.
 """
 
 from __future__ import annotations
@@ -44,9 +42,6 @@ class GapMonitor:
     """The top-k margins of every indexer and router call (the module docstring says how)."""
 
     def __init__(self, min_gap: float | None = MIN_GAP):
-        import torch
-
-        self.torch = torch
         self.min_gap = min_gap  # None: record the margins only
         self.stack: list[list] = []  # [kind, topk-call counter]
         self.mins = {"indexer": math.inf, "router_expert": math.inf, "router_group": math.inf}
@@ -78,10 +73,11 @@ class GapMonitor:
     def on_topk(self, scores, k: int) -> None:
         if not self.stack:
             return
+        import torch
+
         top = self.stack[-1]
         kind, n = top
         top[1] += 1
-        torch = self.torch
         x = scores.detach().to(torch.float32)
         if kind == "indexer":
             valid = x > torch.finfo(torch.float32).min / 2  # masked keys carry finfo.min (+ score)

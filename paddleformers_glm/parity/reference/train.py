@@ -31,6 +31,7 @@ from .indexer import ReferenceIndexer, saved_indexer_coeff
 from .topk_gaps import GapMonitor, boundary_gaps
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
+NEAR_TIE = 1e-6  # a top-k margin below it is within the two frameworks' fp32 rounding: a near tie
 # an MTP layer's own modules -> their checkpoint names (``model.layers.{L+j}.<name>.weight``)
 MTP_HEAD = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
 
@@ -122,9 +123,8 @@ class Reference:
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
 
         self.model_dir = model_dir = args.model
-        conf = GlmMoeDsaConfig.from_pretrained(model_dir)
+        self.conf = conf = GlmMoeDsaConfig.from_pretrained(model_dir)
         conf._attn_implementation = "eager"
-        self.conf = conf
         L, E, H = conf.num_hidden_layers, conf.n_routed_experts, conf.hidden_size
         self.L, self.inter = L, conf.moe_intermediate_size
         self.D = int(getattr(conf, "num_nextn_predict_layers", 0) or 0)
@@ -275,17 +275,9 @@ class Reference:
             tokens = torch.cat([ids[:, d:], ids.new_zeros(B, min(d, S))], dim=1)[:, :S]
             e = self.model.model.embed_tokens(tokens)
             x = m["eh_proj"](torch.cat([m["enorm"](e), m["hnorm"](h)], dim=-1))
-            x, _ = m["layer"](
-                x,
-                attention_mask=kw["attention_mask"],
-                position_embeddings=kw["position_embeddings"],
-                position_ids=kw["position_ids"],
-                past_key_values=None,
-                use_cache=False,
-                prev_topk_indices=self._taps["topk"] if self.share_topk else None,
-            )
-            h = x
-            mtps.append(ce_sum(self.model.lm_head(m["shared_head_norm"](x)), d + 1))
+            top = self._taps["topk"] if self.share_topk else None
+            h, _ = m["layer"](x, **kw, past_key_values=None, use_cache=False, prev_topk_indices=top)
+            mtps.append(ce_sum(self.model.lm_head(m["shared_head_norm"](h)), d + 1))
         return lm, mtps
 
 
@@ -296,8 +288,6 @@ class TopkMargins(GapMonitor):
     it causes).  ``min_nonzero``: exact ties are common at the indexer (its ``relu``) and both
     frameworks break them alike, so a ``min`` of 0 would hide the near tie that can actually flip.
     """
-
-    NEAR = 1e-6
 
     def __init__(self, modules) -> None:
         super().__init__(min_gap=None)  # the same hooks as the fixtures' tie screening
@@ -320,7 +310,7 @@ class TopkMargins(GapMonitor):
         if nonzero.numel():
             st["min_nonzero"] = min(st["min_nonzero"], float(nonzero.min()))
         st["exact_ties"] += int((gaps == 0).sum())
-        st["near_ties"] += int((gaps < self.NEAR).sum())
+        st["near_ties"] += int((gaps < NEAR_TIE).sum())
         st["decisions"] += gaps.numel()
 
 
@@ -346,8 +336,7 @@ def write_dump(ref: Reference, out_dir: str, tensors: dict[str, dict]) -> None:
                 full[k] = have[k].detach().to(torch.float32).contiguous().clone()
             else:
                 full[k] = v.clone() if kind == "weights" else torch.zeros_like(v)
-        extra = sorted(set(have) - set(ref.ckpt))
-        if extra:
+        if extra := sorted(set(have) - set(ref.ckpt)):
             raise RuntimeError(f"dump {kind}: names not in the checkpoint: {extra[:5]}")
         d = os.path.join(out_dir, kind)
         tmp = d + f".part.{os.getpid()}"
@@ -388,13 +377,8 @@ def train(args: argparse.Namespace) -> dict:
     low = [(p, m) for (_, p), (_, m) in zip(trained, params) if p is not m]
     decay = [p for _, p in params if p.ndim >= 2]
     no_decay = [p for _, p in params if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        foreach=False,
-    )
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
     min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
@@ -451,8 +435,7 @@ def train(args: argparse.Namespace) -> dict:
             for d, t in enumerate(mtps):
                 mtp_total[d] += float(t.detach())
         with torch.no_grad():
-            sq = sum(float((p.grad.double() ** 2).sum()) for _, p in params if p.grad is not None)
-            gnorm = math.sqrt(sq)
+            gnorm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for _, p in params if p.grad is not None))
             pre_clip = {n: p.grad.clone() for n, p in params if p.grad is not None} if (step + 1) in dumps else None
             if args.clip_grad > 0 and math.isfinite(gnorm):
                 coef = args.clip_grad / (gnorm + 1e-6)
@@ -484,12 +467,8 @@ def train(args: argparse.Namespace) -> dict:
             tensors: dict[str, dict] = {k: {} for k in DUMP_KINDS}
             for n, p in params:
                 st = opt.state.get(p, {})
-                for kind, src in (
-                    ("grads", pre_clip.get(n)),
-                    ("exp_avg", st.get("exp_avg")),
-                    ("exp_avg_sq", st.get("exp_avg_sq")),
-                    ("weights", p.detach()),
-                ):
+                srcs = (pre_clip.get(n), st.get("exp_avg"), st.get("exp_avg_sq"), p.detach())
+                for kind, src in zip(DUMP_KINDS, srcs):  # grads, exp_avg, exp_avg_sq, weights
                     if src is not None:
                         tensors[kind].update(ref.official(n, src))
             for n, b in ref.router_biases():  # buffers: moved by the bias updates, never by the optimizer
