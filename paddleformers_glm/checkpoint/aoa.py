@@ -227,11 +227,7 @@ def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
     ]
 
 
-def fleet_units(
-    config: Any,
-    expert_layout: str = "per-expert",
-    fused_shards: int = 1,
-) -> list[MappingUnit]:
+def fleet_units(config: Any, expert_layout: str = "per-expert", fused_shards: int = 1) -> list[MappingUnit]:
     """PaddleFleet-layout checkpoint (``hf`` side) <-> the Paddle model's ``state_dict()`` (``fleet`` side).
 
     Every model tensor not touched by an adapter maps by name. ``fused_shards`` > 1: the file was
@@ -352,10 +348,7 @@ def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[Mapping
 
 
 def build_statements(
-    units: Sequence[MappingUnit],
-    direction: str,
-    src_dtypes: Mapping[str, str],
-    dst_dtypes: Mapping[str, str],
+    units: Sequence[MappingUnit], direction: str, src_dtypes: Mapping[str, str], dst_dtypes: Mapping[str, str]
 ) -> list[str]:
     """The AOA program for ``units`` in ``direction``, with casts where source and target dtypes differ.
 

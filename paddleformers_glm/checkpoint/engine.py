@@ -27,13 +27,7 @@ from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
 from .safetensors_io import ST_DTYPES, Checkpoint, bf16_bits_to_float32, dtype_name, st_to_paddle_dtype, to_paddle
 
-__all__ = [
-    "CheckpointSource",
-    "StateDictSource",
-    "TargetSpec",
-    "run_units",
-    "dtype_name",
-]
+__all__ = ["CheckpointSource", "StateDictSource", "TargetSpec", "run_units", "dtype_name"]
 
 
 # A source (where source tensors come from) has ``meta(key) -> (shape, dtype)``, ``read_numpy(key,
@@ -381,11 +375,7 @@ def _group_planner(
 
 
 def _fill_target(
-    key: str,
-    t: TargetSpec,
-    planner: Callable[[Any], list[Any]],
-    source: Any,
-    trace: dict[str, dict[str, Any]] | None,
+    key: str, t: TargetSpec, planner: Callable[[Any], list[Any]], source: Any, trace: dict[str, dict[str, Any]] | None
 ) -> Any:
     """Make (or fill in place) one target's local slice from the engine's entries for it; every
     element must be written."""
@@ -432,10 +422,7 @@ def _apply_entry(key: str, t: TargetSpec, m: Any, source: Any, offset: tuple[int
     s = m.source_slice
     if s.dtype != t.dtype and not (m.postprocess_list and t.dtype in m.postprocess_list):
         raise CheckpointError(
-            "AOA program assigns across dtypes without a cast",
-            key=key,
-            expected=t.dtype,
-            actual=f"{s.key}: {s.dtype}",
+            "AOA program assigns across dtypes without a cast", key=key, expected=t.dtype, actual=f"{s.key}: {s.dtype}"
         )
     src_np = source.read_numpy(s.key, s.global_offset, s.local_shape)
     if src_np is not None and out_np is not None:

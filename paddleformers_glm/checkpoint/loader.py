@@ -23,14 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import fleet as fleet_format
-from .aoa import (
-    MappingUnit,
-    build_statements,
-    checkpoint_units,
-    expand_units,
-    quiet_paddle_logs,
-    relayout_fused,
-)
+from .aoa import MappingUnit, build_statements, checkpoint_units, expand_units, quiet_paddle_logs, relayout_fused
 from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import Fp8Source, fp8_pairs, quantization_of
@@ -172,10 +165,7 @@ def resolve_model_dtype(dtype: Any, config: Any) -> str:
 
 
 def check_checkpoint_keys(
-    ckpt: Checkpoint,
-    specs: Mapping[str, tuple[tuple[int, ...], str]],
-    fp8: Mapping[str, str],
-    model_dtype: str,
+    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], fp8: Mapping[str, str], model_dtype: str
 ) -> tuple[list[str], list[str], dict[str, str]]:
     """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing,
     unexpected, ``{key: "F16 where bfloat16 is expected"}`` for the tensors stored in another dtype

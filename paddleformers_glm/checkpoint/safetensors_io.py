@@ -213,10 +213,7 @@ def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: i
         )
     if not (isinstance(offs, list) and len(offs) == 2 and all(is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
         raise CheckpointError(
-            "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end",
-            file=file,
-            key=key,
-            actual=offs,
+            "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end", file=file, key=key, actual=offs
         )
     want = math.prod(shape) * ST_DTYPES[dtype][0]
     if offs[1] - offs[0] != want:
