@@ -241,12 +241,8 @@ def fleet_units(config: Any, expert_layout: str = "per-expert", fused_shards: in
     for u in identity_units(k for k in model_param_specs(config) if k not in covered):
         k = u.fleet[0]
         if fused_shards > 1 and TP_FUSED_FFN.search(k) and ".experts." not in k:
-            u = dataclasses.replace(
-                u,
-                hf_to_fleet=(f"{k} -> {k}, fused_ffn, axis=1",),
-                fleet_to_hf=(f"{k} -> {k}, fused_ffn, axis=1",),
-                source_splits=((k, fused_shards),),
-            )
+            stmt = (f"{k} -> {k}, fused_ffn, axis=1",)
+            u = dataclasses.replace(u, hf_to_fleet=stmt, fleet_to_hf=stmt, source_splits=((k, fused_shards),))
         units.append(u)
     return sorted(units, key=lambda u: -1 if u.layer is None else u.layer)
 

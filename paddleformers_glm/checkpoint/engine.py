@@ -385,9 +385,7 @@ def _fill_target(
     local_shape, offset = t.local()
     mappings = planner(ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype))
     out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype)
-    dst = ShardedWeight(
-        key=key, local_tensor=out, local_shape=local_shape, global_shape=t.global_shape, global_offset=offset
-    )
+    dst = ShardedWeight(key, out, local_shape, t.global_shape, offset)
     if trace is not None:
         pp = [p for m in mappings for p in (m.postprocess_list or [])]
         trace[key] = {
@@ -433,11 +431,5 @@ def _apply_entry(key: str, t: TargetSpec, m: Any, source: Any, offset: tuple[int
             return
     piece = to_paddle(src_np, s.dtype) if src_np is not None else source.read(s.key, s.global_offset, s.local_shape)
     del src_np
-    src = ShardedWeight(
-        key=s.key,
-        local_tensor=piece,
-        local_shape=s.local_shape,
-        global_shape=s.global_shape,
-        global_offset=s.global_offset,
-    )
+    src = ShardedWeight(s.key, piece, s.local_shape, s.global_shape, s.global_offset)
     assign_sharded_slice(s, src, m.target_slice, dst, m.postprocess_list)

@@ -138,9 +138,8 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
     for step in (-np.inf, np.inf):  # the neighbours one ulp down, then up, where amax / 448 is not exact
         if done.all():
             break
-        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(
-            np.float32
-        )  # done ones (all-zero too) stay
+        # done ones (all-zero too) stay
+        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(np.float32)
         q2, deq2 = _quantize_with(w, cand[ri][:, ci])
         ok = exact_blocks(deq2) & ~done
         q = np.where(ok[ri][:, ci], q2, q)
