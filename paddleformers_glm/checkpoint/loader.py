@@ -1,10 +1,7 @@
-"""``load_pretrained_state``: fill a Paddle model's state dict from an official (or Fleet) checkpoint.
-
-Validate the checkpoint, detect its layout, check keys, shapes and dtypes against the contracts
+"""``load_pretrained_state``: fill a Paddle model's state dict from an official (or Fleet) checkpoint
+(docs/checkpoints.md, "Loading"): validate it, detect its layout, check it against the contracts
 (:mod:`.layout`), then let Paddle's AOA engine fill each target from lazily read source slices
-(:mod:`.engine`); nothing is written near the checkpoint. ``backend="paddle"`` drives
-``paddle.distributed.load_state_dict(aoa_config=...)`` on a private folder of symlinks instead (it
-would write metadata into the checkpoint folder): slower, whole-file reads, kept to show both agree.
+(:mod:`.engine`). ``backend="paddle"`` (whole-file reads through ``load_state_dict``) shows both agree.
 """
 
 from __future__ import annotations
