@@ -1,10 +1,8 @@
 """Block-FP8 checkpoints (the official release format): decode, dequantize lazily, re-quantize
 (docs/checkpoints.md, "Block-FP8 checkpoints": a ``W`` stored as E4M3 bytes plus ``W_scale_inv``, one
-fp32 scale per block, valued ``float32(q) * scale_inv[block]``).
-
-numpy has no float8, so E4M3 (``e4m3fn``) bytes are decoded through an exact 256-entry table and
-encoded by round-to-nearest-even against the same table. Quantizing uses ``scale = block amax / 448``;
-a weight from an FP8 checkpoint of this scheme gets back exactly its source bytes (:func:`quantize_blocks`).
+fp32 scale per block, valued ``float32(q) * scale_inv[block]``). numpy has no float8, so E4M3
+(``e4m3fn``) bytes are decoded through an exact 256-entry table and encoded by round-to-nearest-even
+against the same table (re-quantizing: :func:`quantize_blocks`).
 """
 
 from __future__ import annotations
