@@ -1,11 +1,8 @@
 """The HF <-> Fleet key mapping as data (``aoa_mappings/glm_moe_dsa.json``), expanded per config
-(docs/checkpoints.md, "The mapping rules").
-
-Placeholders are substituted here from the config's per-layer schedule, not by Paddle's ``AOAEngine``:
-its ``$EXPERT_ID`` expansion matches source keys only, which breaks the inverse direction on
-intermediate tensors (Paddle 3.3.1's ``flex_checkpoint``, measured). In every unit the ``hf`` side is
-the checkpoint (or the official layout), so the loader and saver drive all unit sets
-(:func:`checkpoint_units`) with the same two directions.
+(docs/checkpoints.md, "The mapping rules"): placeholders are substituted here, as Paddle's own
+``$EXPERT_ID`` expansion breaks the inverse direction. In every unit the ``hf`` side is the checkpoint
+(or the official layout), so the loader and saver drive all unit sets (:func:`checkpoint_units`)
+with the same two directions.
 """
 
 from __future__ import annotations
@@ -227,11 +224,7 @@ def identity_units(keys: Iterable[str]) -> list[MappingUnit]:
     ]
 
 
-def fleet_units(
-    config: Any,
-    expert_layout: str = "per-expert",
-    fused_shards: int = 1,
-) -> list[MappingUnit]:
+def fleet_units(config: Any, expert_layout: str = "per-expert", fused_shards: int = 1) -> list[MappingUnit]:
     """PaddleFleet-layout checkpoint (``hf`` side) <-> the Paddle model's ``state_dict()`` (``fleet`` side).
 
     Every model tensor not touched by an adapter maps by name. ``fused_shards`` > 1: the file was
@@ -245,31 +238,22 @@ def fleet_units(
     for u in identity_units(k for k in model_param_specs(config) if k not in covered):
         k = u.fleet[0]
         if fused_shards > 1 and TP_FUSED_FFN.search(k) and ".experts." not in k:
-            u = dataclasses.replace(
-                u,
-                hf_to_fleet=(f"{k} -> {k}, fused_ffn, axis=1",),
-                fleet_to_hf=(f"{k} -> {k}, fused_ffn, axis=1",),
-                source_splits=((k, fused_shards),),
-            )
+            stmt = (f"{k} -> {k}, fused_ffn, axis=1",)
+            u = dataclasses.replace(u, hf_to_fleet=stmt, fleet_to_hf=stmt, source_splits=((k, fused_shards),))
         units.append(u)
     return sorted(units, key=lambda u: -1 if u.layer is None else u.layer)
 
 
 def relayout_fused(units: Sequence[MappingUnit], keys: set[str]) -> list[MappingUnit]:
-    """Units whose model-side fused weights in ``keys`` come out per rank as ``[gate_r | up_r]``.
-
-    A checkpoint that stores a fused weight globally as ``[gate | up]`` (a PaddleFleet or old-spelling
-    file) gives a plain column slice to a rank unless ``fused_ffn`` re-lays it for the ranks listed in
-    ``shard_info`` (axis 1 of the model's ``[H, 2I]`` weight). A unit that maps by name gets that as
-    its only statement; a unit that makes the weight as an intermediate (grouped or stacked experts,
-    split from one tensor) gets it appended, on the intermediate.
-    """
+    """Units whose model-side fused weights in ``keys`` come out per rank as ``[gate_r | up_r]``: a
+    checkpoint storing ``[gate | up]`` globally gives a rank a plain column slice unless ``fused_ffn``
+    re-lays it for the ranks in ``shard_info`` (docs/checkpoints.md, "Partial loads")."""
     out = []
     for u in units:
         mine = [k for k in u.fleet if k in keys]
         if not mine:
             out.append(u)
-        elif len(u.fleet) == 1 and (not u.hf_to_fleet or u.source_splits):
+        elif len(u.fleet) == 1 and (not u.hf_to_fleet or u.source_splits):  # maps by name: the only statement
             out.append(dataclasses.replace(u, hf_to_fleet=(f"{mine[0]} -> {mine[0]}, fused_ffn, axis=1",)))
         else:  # the program makes k: make it under a temporary name, then re-lay that into k
             stmts = list(u.hf_to_fleet)
@@ -352,10 +336,7 @@ def _expand_units(config: Any, raw: Sequence[Mapping[str, Any]]) -> list[Mapping
 
 
 def build_statements(
-    units: Sequence[MappingUnit],
-    direction: str,
-    src_dtypes: Mapping[str, str],
-    dst_dtypes: Mapping[str, str],
+    units: Sequence[MappingUnit], direction: str, src_dtypes: Mapping[str, str], dst_dtypes: Mapping[str, str]
 ) -> list[str]:
     """The AOA program for ``units`` in ``direction``, with casts where source and target dtypes differ.
 

@@ -1,13 +1,8 @@
 """Distributed export: every rank writes the official-layout (HF) tensors it owns straight into the
 final safetensors files, so no process ever holds more than one merged tensor at a time
-(docs/checkpoints.md, "Saving").
-
-The shard plan (each tensor's file and byte offset) is a pure function of the config, dtype and
-shard size, so every rank computes the same one. Rank 0 writes the headers; per mapping unit a
-tensor-parallel group all-gathers its slices and the unit's one owner (:func:`_owner_candidate`)
-converts them with the single-process saver's program and writes them at their offsets; rank 0
-checks that every tensor was written once and publishes the folder. The files are byte-identical to
-``save_pretrained_state``'s; every rank must see the output folder.
+(docs/checkpoints.md, "Saving"). The shard plan (each tensor's file and offset) is a pure function of
+the config, dtype and shard size, so every rank computes the same one; rank 0 writes the headers,
+checks that every tensor was written once and publishes the folder, which every rank must see.
 """
 
 from __future__ import annotations

@@ -27,13 +27,7 @@ from .aoa import MappingUnit, build_statements, quiet_paddle_logs
 from .errors import CheckpointError
 from .safetensors_io import ST_DTYPES, Checkpoint, bf16_bits_to_float32, dtype_name, st_to_paddle_dtype, to_paddle
 
-__all__ = [
-    "CheckpointSource",
-    "StateDictSource",
-    "TargetSpec",
-    "run_units",
-    "dtype_name",
-]
+__all__ = ["CheckpointSource", "StateDictSource", "TargetSpec", "run_units", "dtype_name"]
 
 
 # A source (where source tensors come from) has ``meta(key) -> (shape, dtype)``, ``read_numpy(key,
@@ -381,11 +375,7 @@ def _group_planner(
 
 
 def _fill_target(
-    key: str,
-    t: TargetSpec,
-    planner: Callable[[Any], list[Any]],
-    source: Any,
-    trace: dict[str, dict[str, Any]] | None,
+    key: str, t: TargetSpec, planner: Callable[[Any], list[Any]], source: Any, trace: dict[str, dict[str, Any]] | None
 ) -> Any:
     """Make (or fill in place) one target's local slice from the engine's entries for it; every
     element must be written."""
@@ -395,9 +385,7 @@ def _fill_target(
     local_shape, offset = t.local()
     mappings = planner(ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype))
     out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype)
-    dst = ShardedWeight(
-        key=key, local_tensor=out, local_shape=local_shape, global_shape=t.global_shape, global_offset=offset
-    )
+    dst = ShardedWeight(key, out, local_shape, t.global_shape, offset)
     if trace is not None:
         pp = [p for m in mappings for p in (m.postprocess_list or [])]
         trace[key] = {
@@ -432,10 +420,7 @@ def _apply_entry(key: str, t: TargetSpec, m: Any, source: Any, offset: tuple[int
     s = m.source_slice
     if s.dtype != t.dtype and not (m.postprocess_list and t.dtype in m.postprocess_list):
         raise CheckpointError(
-            "AOA program assigns across dtypes without a cast",
-            key=key,
-            expected=t.dtype,
-            actual=f"{s.key}: {s.dtype}",
+            "AOA program assigns across dtypes without a cast", key=key, expected=t.dtype, actual=f"{s.key}: {s.dtype}"
         )
     src_np = source.read_numpy(s.key, s.global_offset, s.local_shape)
     if src_np is not None and out_np is not None:
@@ -446,11 +431,5 @@ def _apply_entry(key: str, t: TargetSpec, m: Any, source: Any, offset: tuple[int
             return
     piece = to_paddle(src_np, s.dtype) if src_np is not None else source.read(s.key, s.global_offset, s.local_shape)
     del src_np
-    src = ShardedWeight(
-        key=s.key,
-        local_tensor=piece,
-        local_shape=s.local_shape,
-        global_shape=s.global_shape,
-        global_offset=s.global_offset,
-    )
+    src = ShardedWeight(s.key, piece, s.local_shape, s.global_shape, s.global_offset)
     assign_sharded_slice(s, src, m.target_slice, dst, m.postprocess_list)

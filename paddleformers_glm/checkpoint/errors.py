@@ -16,13 +16,7 @@ class CheckpointError(ValueError):
     """A checkpoint (or a state dict) that cannot be used as asked; says where and why."""
 
     def __init__(
-        self,
-        message: str,
-        *,
-        file: str | None = None,
-        key: str | None = None,
-        expected: Any = None,
-        actual: Any = None,
+        self, message: str, *, file: str | None = None, key: str | None = None, expected: Any = None, actual: Any = None
     ) -> None:
         self.file = file
         self.key = key

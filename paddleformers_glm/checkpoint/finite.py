@@ -1,10 +1,6 @@
 """Non-finite values (NaN, Inf) in weights, found by tensor name before they reach a forward pass
 (docs/checkpoints.md, "Non-finite weights"): :func:`count_nonfinite_raw` tests a safetensors
 tensor's stored bytes (``glm52 check-ckpt``), :func:`check_finite_state` a loaded state dict.
-
-Bit patterns (IEEE-754 and the OCP FP8 formats): BF16, F16, F32 and F64 are non-finite when their
-exponent bits are all ones; ``F8_E5M2`` likewise; ``F8_E4M3`` (the "fn" variant, no infinities) only
-at ``S.1111.111``; ``F8_E8M0`` (an exponent alone) at ``0xFF``.
 """
 
 from __future__ import annotations
@@ -22,8 +18,9 @@ __all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw"]
 _CHUNK_BYTES = 1 << 18  # raw bytes per vectorised test: the temporary stays in cache
 
 # safetensors dtype -> (unsigned view dtype, mask clearing the sign, threshold): an element is NaN or
-# Inf exactly when (bits & mask) >= threshold (exponent all ones; for F8_E4M3 the one NaN code
-# S.1111.111, for F8_E8M0 0xFF), so a chunk needs one AND and one max, and a count only if it fails.
+# Inf exactly when (bits & mask) >= threshold (IEEE-754 and OCP FP8: exponent all ones; F8_E4M3, the
+# "fn" variant without infinities, only at S.1111.111; F8_E8M0, an exponent alone, at 0xFF), so a
+# chunk needs one AND and one max, and a count only if it fails.
 _BIT_TESTS: dict[str, tuple[Any, int, int]] = {
     "BF16": (np.uint16, 0x7FFF, 0x7F80),
     "F16": (np.uint16, 0x7FFF, 0x7C00),

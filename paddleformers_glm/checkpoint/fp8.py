@@ -1,10 +1,8 @@
 """Block-FP8 checkpoints (the official release format): decode, dequantize lazily, re-quantize
 (docs/checkpoints.md, "Block-FP8 checkpoints": a ``W`` stored as E4M3 bytes plus ``W_scale_inv``, one
-fp32 scale per block, valued ``float32(q) * scale_inv[block]``).
-
-numpy has no float8, so E4M3 (``e4m3fn``) bytes are decoded through an exact 256-entry table and
-encoded by round-to-nearest-even against the same table. Quantizing uses ``scale = block amax / 448``;
-a weight from an FP8 checkpoint of this scheme gets back exactly its source bytes (:func:`quantize_blocks`).
+fp32 scale per block, valued ``float32(q) * scale_inv[block]``). numpy has no float8, so E4M3
+(``e4m3fn``) bytes are decoded through an exact 256-entry table and encoded by round-to-nearest-even
+against the same table (re-quantizing: :func:`quantize_blocks`).
 """
 
 from __future__ import annotations
@@ -138,9 +136,8 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
     for step in (-np.inf, np.inf):  # the neighbours one ulp down, then up, where amax / 448 is not exact
         if done.all():
             break
-        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(
-            np.float32
-        )  # done ones (all-zero too) stay
+        # done ones (all-zero too) stay
+        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(np.float32)
         q2, deq2 = _quantize_with(w, cand[ri][:, ci])
         ok = exact_blocks(deq2) & ~done
         q = np.where(ok[ri][:, ci], q2, q)

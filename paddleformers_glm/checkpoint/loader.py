@@ -1,10 +1,7 @@
-"""``load_pretrained_state``: fill a Paddle model's state dict from an official (or Fleet) checkpoint.
-
-Validate the checkpoint, detect its layout, check keys, shapes and dtypes against the contracts
+"""``load_pretrained_state``: fill a Paddle model's state dict from an official (or Fleet) checkpoint
+(docs/checkpoints.md, "Loading"): validate it, detect its layout, check it against the contracts
 (:mod:`.layout`), then let Paddle's AOA engine fill each target from lazily read source slices
-(:mod:`.engine`); nothing is written near the checkpoint. ``backend="paddle"`` drives
-``paddle.distributed.load_state_dict(aoa_config=...)`` on a private folder of symlinks instead (it
-would write metadata into the checkpoint folder): slower, whole-file reads, kept to show both agree.
+(:mod:`.engine`). ``backend="paddle"`` (whole-file reads through ``load_state_dict``) shows both agree.
 """
 
 from __future__ import annotations
@@ -23,14 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import fleet as fleet_format
-from .aoa import (
-    MappingUnit,
-    build_statements,
-    checkpoint_units,
-    expand_units,
-    quiet_paddle_logs,
-    relayout_fused,
-)
+from .aoa import MappingUnit, build_statements, checkpoint_units, expand_units, quiet_paddle_logs, relayout_fused
 from .engine import CheckpointSource, TargetSpec, dtype_name, run_units
 from .errors import CheckpointError
 from .fp8 import Fp8Source, fp8_pairs, quantization_of
@@ -172,10 +162,7 @@ def resolve_model_dtype(dtype: Any, config: Any) -> str:
 
 
 def check_checkpoint_keys(
-    ckpt: Checkpoint,
-    specs: Mapping[str, tuple[tuple[int, ...], str]],
-    fp8: Mapping[str, str],
-    model_dtype: str,
+    ckpt: Checkpoint, specs: Mapping[str, tuple[tuple[int, ...], str]], fp8: Mapping[str, str], model_dtype: str
 ) -> tuple[list[str], list[str], dict[str, str]]:
     """Shapes and float dtypes of the checkpoint's tensors vs the contract; returns (missing,
     unexpected, ``{key: "F16 where bfloat16 is expected"}`` for the tensors stored in another dtype

@@ -1,14 +1,10 @@
-"""Strict, lazy safetensors reading and deterministic streaming writing, without torch.
+"""Strict, lazy safetensors reading and deterministic streaming writing, without torch (docs/checkpoints.md).
 
 Why not just ``safetensors.safe_open``: it accepts files we must refuse (trailing bytes after the
-last tensor, duplicate JSON keys) and its errors name neither the file nor the key. Here every
-header is validated against the format (https://github.com/huggingface/safetensors, "Format"),
-tensors are read from one read-only ``mmap`` per file (a view per tensor, so nothing is read that
-is not asked for, and a slice reads only its pages), and bf16 is handled as raw uint16 bits
-(``paddle.to_tensor`` of a uint16 array *is* a bfloat16 tensor, bit for bit).
-
-Writing is streaming: the header is computed up front from (dtype, shape) so each tensor can be
-written as soon as it is produced and dropped; the file bytes depend only on the tensors.
+last tensor, duplicate JSON keys) and its errors name neither the file nor the key. Tensors are read
+from one read-only ``mmap`` per file (a slice reads only its pages); bf16 is raw uint16 bits
+(``paddle.to_tensor`` of a uint16 array *is* a bfloat16 tensor, bit for bit). A writer's header is
+computed up front from (dtype, shape), so each tensor is written as soon as it is produced.
 """
 
 from __future__ import annotations
@@ -213,10 +209,7 @@ def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: i
         )
     if not (isinstance(offs, list) and len(offs) == 2 and all(is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
         raise CheckpointError(
-            "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end",
-            file=file,
-            key=key,
-            actual=offs,
+            "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end", file=file, key=key, actual=offs
         )
     want = math.prod(shape) * ST_DTYPES[dtype][0]
     if offs[1] - offs[0] != want:

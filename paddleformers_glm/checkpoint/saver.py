@@ -272,17 +272,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_saves(out_dir: str) -> list[str]:
+def clean_stale_saves(out_dir: str) -> None:
     """Remove temporary folders that killed saves to ``out_dir`` left beside it (their process is
     gone); if a save was killed between moving the old checkpoint aside and moving the new one in
     (only on filesystems without an atomic exchange), put the old checkpoint back first."""
     parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
     pat = re.compile(rf"^\.{re.escape(base)}\.(tmp|old)-(\d+)-")
-    removed = []
     try:
         names = sorted(os.listdir(parent))
     except OSError:
-        return removed
+        return
     for name in names:
         m = pat.match(name)
         if not m or _pid_alive(int(m.group(2))) and int(m.group(2)) != os.getpid():
@@ -292,8 +291,6 @@ def clean_stale_saves(out_dir: str) -> list[str]:
             os.rename(path, out_dir)
             continue
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -329,11 +326,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def publish(tmp: str, out_dir: str) -> None:
-    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing (docs/checkpoints.md,
-    "Saving"): an absent or empty target is one rename; otherwise the target's entries this save does
-    not replace are hard-linked into ``tmp`` and the two folders exchanged in one atomic ``renameat2``,
-    or, where there is none, the old folder is renamed aside (and put back by the next save after a kill).
-    """
+    """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing, keeping the
+    target's entries this save does not replace (docs/checkpoints.md, "Saving")."""
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir):
         os.rmdir(out_dir)
