@@ -1,14 +1,9 @@
-"""Everything here touches Paddle internals; each piece is guarded by Paddle version and signature.
+"""Patches of Paddle internals, each guarded by Paddle version and signature (measured on Paddle 3.3.1
+CPU; why: docs/parallel.md section 6).
 
-Measured on Paddle 3.3.1 CPU, with gloo worlds of 2-8 processes launched by
-``paddle.distributed.launch``:
-
-* ``ProcessGroupGloo`` connects every sub-group over the *global, un-prefixed* TCPStore, so sibling
-  groups created back to back (fleet.init creates many) overwrite each other's keys and ranks
-  connect to the wrong peer: "Connection reset by peer" / gloo TIMEOUT inside fleet.init at
-  world >= 3.  The fix gives each gloo sub-group its own TCPStore, hosted by the group's rank 0.
-
-Nothing here is needed, or applied, on NCCL.
+* Gloo sub-groups all connect over the global, un-prefixed TCPStore, so sibling groups race in
+  fleet.init at world >= 3: the fix gives each its own TCPStore, hosted by the group's rank 0.
+  Nothing here is needed, or applied, on NCCL.
 """
 
 from __future__ import annotations

@@ -281,8 +281,6 @@ def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> p
     return paddle.transpose(y, perm).contiguous()
 
 
-# On a group that is not Fleet's model-parallel group (Fleet's SP ops cannot address it) the same
-# pairs are built here; the model itself only uses the model-parallel (TP) group.
 def _split_sp(x: paddle.Tensor, axis: int, g: Any, what: str, fleet_op: Any, keep: Callable) -> paddle.Tensor:
     """A pair that leaves this rank's sequence slice (forward ``keep(x, g, axis)``, backward all-gather):
     Fleet's ``fleet_op`` on Fleet's model-parallel group, built here on any other."""

@@ -1,14 +1,5 @@
-"""Context parallel (CP) for DSA attention: every rank of a cp group holds a slice of each sequence
-(docs/parallel.md section 9).
-
-Load balance (zigzag): a sequence is cut into 2N chunks (N = cp size) and cp rank r holds chunks r
-and 2N-1-r, so every rank holds as many early (cheap) as late (expensive) causal queries.
-Everything outside the attention core is token-wise and runs on the local tokens; the attention
-all-gathers over the cp group only the MLA latent rows (:func:`gather_sequence`, whose backward
-reduce-scatters the key gradients to their owners) and the indexer keys.  :func:`split_micro_batch`
-gives each rank its tokens, their global positions, the whole key-padding mask, and every label /
-MTP input already shifted over the *whole* sequence (a shift across a chunk boundary reads the
-neighbouring rank's token).
+"""Context parallel (CP) for DSA attention: every rank of a cp group holds a zigzag slice of each
+sequence, as many early (cheap) as late (expensive) causal queries (docs/parallel.md section 9).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Fleet's tensor- and sequence-parallel ops on CPU gloo, supplied *under* Fleet's own APIs.
 
-Paddle 3.3.1's CPU build has no kernels for the collectives Fleet's TP / SP layers call, and
-``PipelineLayer`` reads a device id a CPU build never sets.  :func:`install` replaces exactly the
-module attributes it lists with equivalents built on what gloo implements, so the stock Fleet layers
-run unchanged on CPU and tests exercise the same layer code as NCCL (docs/parallel.md section 6);
-pipeline p2p goes over the 2-rank group of its two stages (:class:`_PipelineP2P`).
-:func:`flex_checkpoint_on_cpu` makes ``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's
-resharding load on a CPU-only build.
-
-Installed for the gloo backend only, each piece skipped with a warning when its attribute is
-missing; a warning outside the tested Paddle versions.
+Paddle 3.3.1's CPU build lacks the collectives Fleet's TP / SP layers call; :func:`install`
+replaces the module attributes it lists with equivalents built on what gloo implements, so the
+stock Fleet layers run unchanged on CPU (docs/parallel.md section 6); pipeline p2p goes over
+2-rank pair groups (:class:`_PipelineP2P`).  :func:`flex_checkpoint_on_cpu` makes
+``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's resharding load on a CPU-only build.
 """
 
 from __future__ import annotations
@@ -109,9 +104,7 @@ def c_softmax_with_cross_entropy(
     picked = paddle.take_along_axis(shifted, local, axis=-1) * mine.astype(logits.dtype)
     picked = mp_allreduce(picked, group=g)
     loss = (paddle.log(sum_exp) - picked) * (label != ignore_index).astype(logits.dtype)
-    if return_softmax:
-        return loss, exp / sum_exp
-    return loss
+    return (loss, exp / sum_exp) if return_softmax else loss
 
 
 def _mp_group() -> Any:
@@ -137,7 +130,7 @@ def flex_checkpoint_on_cpu() -> Iterator[None]:
     Paddle 3.3.1's resharder calls ``.cuda()`` on each tensor slice it broadcasts (and
     ``pin_memory()`` on what it offloads); a CPU build raises "No available device found".  Inside
     this context, and only when Paddle has no GPU, both return the tensor itself, so the same
-    stock code runs on gloo.  Outside it, and on GPU builds, nothing is changed."""
+    stock code runs on gloo."""
     if paddle.is_compiled_with_cuda():
         yield
         return
@@ -169,12 +162,8 @@ def _pair_group(group: Any, peer: int) -> Any:
 
 
 class _PipelineP2P:
-    """``paddle.distributed`` as Fleet's pipeline p2p module sees it on gloo.
-
-    Gloo tags point-to-point messages with a per-group counter, so send/recv between two members
-    of a larger group (the pipeline group at pp >= 3) desynchronises it; here they go over the
-    2-rank group of the two stages instead.  Everything else is ``paddle.distributed`` itself.
-    """
+    """``paddle.distributed`` as Fleet's pipeline p2p module sees it on gloo: send/recv go over the
+    2-rank group of the two stages (why: :meth:`Topology.stage_group`), the rest is unchanged."""
 
     def __init__(self, real: Any) -> None:
         self._real = real

@@ -68,9 +68,7 @@ class PipelineChunk(nn.Layer):
 
     def __init__(self, stage: nn.Layer, spec: StageSpec, ledger: LossLedger, grad_anchor: bool = False) -> None:
         super().__init__()
-        self.stage, self.spec = stage, spec
-        self._ledger = ledger
-        self.grad_anchor = grad_anchor
+        self.stage, self.spec, self._ledger, self.grad_anchor = stage, spec, ledger, grad_anchor
 
     def forward(self, x: Any) -> Any:
         x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -126,11 +124,10 @@ class FleetPipeline:
         vpp = len(chunks) // pp
         self.topo, self.num_micro = topo, num_micro
         self.ledger = LossLedger()
-        n = len(chunks)
         anchor = not getattr(stage, "carry_takes_gradient", True)
         # PipelineChunk(stage, spec, ledger, grad_anchor) for each chunk
         descs = [
-            LayerDesc(PipelineChunk, stage, replace(c, stage=i, num_stages=n), self.ledger, anchor)
+            LayerDesc(PipelineChunk, stage, replace(c, stage=i, num_stages=len(chunks)), self.ledger, anchor)
             for i, c in enumerate(chunks)
         ]
         layer = _SyncPointPipelineLayer(

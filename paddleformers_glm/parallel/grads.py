@@ -109,13 +109,12 @@ class GradSynchronizer:
     # ---------------------------------------------------------------- setup
     def _pp_holders(self, names: list[str]) -> dict[str, tuple[int, ...]]:
         """name -> stages holding it, for names on more than one stage (same answer on every stage)."""
-        topo = self.topo
         self.shared_numel: dict[str, int] = {}
-        if topo.pp_size == 1:
+        if self.topo.pp_size == 1:
             return {}
         mine = [(n, int(p.size)) for n, p in self.params]
         per_stage: list[list[tuple[str, int]]] = []
-        dist.all_gather_object(per_stage, mine, group=topo.pp_group)
+        dist.all_gather_object(per_stage, mine, group=self.topo.pp_group)
         where: dict[str, list[int]] = {}
         for stage, lst in enumerate(per_stage):
             for n, numel in lst:
@@ -131,7 +130,7 @@ class GradSynchronizer:
             flat = _flat([params[n].detach().astype("float32") if n in params else None for n in names], sizes)
             comm.broadcast(flat, self.topo.stage_ranks[stages[0]], group)
             if self.topo.stage in stages:
-                for n, part in zip(names, _split(flat, sizes)):
+                for n, part in zip(names, paddle.split(flat, sizes)):
                     params[n].set_value(part.reshape(params[n].shape).astype(params[n].dtype))
 
     # ---------------------------------------------------------------- per step
@@ -141,8 +140,7 @@ class GradSynchronizer:
         and whether each is stepped (got a gradient anywhere; experts: their layer routed any token
         this step, or with ``routed-only`` the expert itself got one)."""
         topo = self.topo
-        local = self._to_main_grads()
-        flags = self._flags(local)
+        flags = self._flags(self._to_main_grads())
         if topo.world_size == 1:
             return self.current_grads(), flags
         params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor
@@ -222,15 +220,14 @@ class GradSynchronizer:
 
     def _sum_shared(self, flags: dict[str, bool]) -> None:
         """Pipeline-shared parameters: gradients and flags summed over the holder stages."""
-        topo = self.topo
         params = dict(self.params)
         for stages, names, group in self._holder_sets():
-            mine = topo.stage in stages
+            mine = self.topo.stage in stages
             fl = [paddle.to_tensor([1.0 if flags[n] else 0.0], dtype="float32") if mine else None for n in names]
             sizes = [self.shared_numel[n] for n in names] + [1] * len(names)  # gradients, then flags
             flat = comm.all_reduce(_flat([params[n].main_grad if mine else None for n in names] + fl, sizes), group)
             if mine:
-                parts = _split(flat, sizes)
+                parts = paddle.split(flat, sizes)
                 for i, n in enumerate(names):
                     params[n].main_grad = parts[i].reshape(params[n].shape)
                     flags[n] = bool(float(parts[len(names) + i].numpy()[0]) > 0)
@@ -239,12 +236,11 @@ class GradSynchronizer:
         """L2 norm of the whole model's gradient, each distinct element counted once.
         ``local_extra`` (float64 [1]) joins this rank's sum before the all-reduce: the trainer's
         non-finite loss flag (0 or NaN, train/nonfinite.py) reaches every rank with the norm."""
-        topo = self.topo
         total = paddle.zeros([1], dtype="float64") if local_extra is None else local_extra
         for n, _ in self.params:
             if self._owner(n, self.specs[n]):
                 total = total + (grads[n] * grads[n]).sum().astype("float64")
-        if topo.world_size > 1:
+        if self.topo.world_size > 1:
             dist.all_reduce(total)
         return math.sqrt(float(total.numpy()[0]))
 
@@ -278,10 +274,6 @@ def _flat(tensors: list, sizes: list[int]) -> paddle.Tensor:
     return paddle.concat(
         [t.reshape([-1]) if t is not None else paddle.zeros([n], "float32") for t, n in zip(tensors, sizes)]
     )
-
-
-def _split(flat: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
-    return paddle.split(flat, sizes) if len(sizes) > 1 else [flat]
 
 
 def _routers(model: nn.Layer) -> dict[str, tuple[Any, int]]:

@@ -2,12 +2,10 @@
 and vocab-parallel cross entropy (which layer is Fleet's and which ours, and why: docs/parallel.md
 section 2).
 
-The names the model uses (:func:`ColumnParallelLinear`, ...) are factories: under a real TP group
-they return Fleet's stock layers (with sequence parallel, the ``BatchFirst*`` subclasses that move
-the sequence axis of ``[B, S, H]`` activations to the front Fleet's SP layers split), else the
-``Comm*`` layers defined here (world size 1, shape-only probes, SP over another group).  Every
-parameter carries a :class:`ShardSpec` saying which axis of the *full* ``[in, out]`` tensor is
-split over which group, so checkpoints can be sliced and rebuilt.
+The names the model uses (:func:`ColumnParallelLinear`, ...) are factories: Fleet's stock layers
+under a real TP group, else the ``Comm*`` layers defined here (world size 1, shape-only probes, SP
+over another group).  Every parameter carries a :class:`ShardSpec` saying which axis of the *full*
+``[in, out]`` tensor is split over which group, so checkpoints can be sliced and rebuilt.
 """
 
 from __future__ import annotations
@@ -222,10 +220,9 @@ class CommColumnParallelLinear(_CommLinear):
         _check_column(out_features, topo.size(group), fuse_chunks, gather_output, group)
         local = out_features // topo.size(group)
         spec = ShardSpec(axis=1, group=group, chunks=fuse_chunks)
-        bias = local if has_bias else None
         super().__init__(
-            in_features, out_features, [in_features, local], spec, bias, replace(spec, axis=0), sequence_parallel,
-            group, topo,
+            in_features, out_features, [in_features, local], spec, local if has_bias else None, replace(spec, axis=0),
+            sequence_parallel, group, topo,
         )  # fmt: skip
         self.gather_output = gather_output
 
@@ -261,9 +258,8 @@ class CommRowParallelLinear(_CommLinear):
         topo = topo or get_topology()
         _check_row(in_features, topo.size(group), sequence_parallel, input_is_parallel, group)
         local = [in_features // topo.size(group), out_features]
-        bias = out_features if has_bias else None
         super().__init__(
-            in_features, out_features, local, ShardSpec(axis=0, group=group), bias,
+            in_features, out_features, local, ShardSpec(axis=0, group=group), out_features if has_bias else None,
             ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, topo,
         )  # fmt: skip
         self.input_is_parallel = input_is_parallel
@@ -323,9 +319,7 @@ class CommVocabParallelEmbedding(nn.Layer):
         if self.padding_idx is not None:
             frozen = self._lookup(ids, self.weight.detach())
             out = paddle.where((ids == self.padding_idx).unsqueeze(-1), frozen, out)
-        if self.world == 1:
-            return out
-        if self.sequence_parallel:
+        if self.sequence_parallel:  # both no-ops without a group
             return comm.reduce_scatter_to_sp(out, group=self.group)
         return comm.reduce_from_tp(out, group=self.group)
 
@@ -343,8 +337,7 @@ def fleet_tp_group(group: str = "tp", sequence_parallel: bool = False, topo: Top
 
 class _BatchFirst:
     """A Fleet sequence-parallel linear on batch-first activations: the sequence axis moved to the front,
-    where Fleet's layer gathers or scatters it, and back (:func:`comm.to_sequence_first`: free for a
-    batch of one, a transposed copy otherwise)."""
+    where Fleet's layer gathers or scatters it, and back (:func:`comm.to_sequence_first`)."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return comm.to_batch_first(super().forward(comm.to_sequence_first(x)), list(x.shape))
@@ -379,12 +372,9 @@ def _fleet_layer(layer: nn.Layer, weight: ShardSpec, bias: ShardSpec, size: int)
 
 
 class _PaddedVocabParallelEmbedding(mpu.VocabParallelEmbedding):
-    """Fleet's vocab-parallel embedding with torch's ``padding_idx``: the pad row is returned
-    (summed like any row) but its positions pass no gradient back to the table.
-
-    With ``sequence_parallel`` the partial rows of Fleet's lookup (``_c_lookup_table``) are
-    summed by Fleet's ``ReduceScatterOp`` over the sequence instead of its all-reduce: the
-    output is this rank's sequence shard ``[B, S/tp, H]``."""
+    """Fleet's vocab-parallel embedding with torch's ``padding_idx`` (the pad row's positions pass no
+    gradient back to the table); with ``sequence_parallel`` the partial rows are reduce-scattered into
+    this rank's sequence shard ``[B, S/tp, H]`` instead of all-reduced."""
 
     def __init__(self, *args: Any, padding_idx: int | None = None, sequence_parallel: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)

@@ -1,10 +1,7 @@
 """Activation recompute through Fleet's ``fleet.utils.recompute`` (docs/parallel.md section 4).
 
-``--recompute full`` replays each decoder layer in backward; ``--recompute core`` only its
-attention core, which the model marks with :func:`run_core` (:func:`run_layer` switches it on).
-Fleet's hook-based form (``use_reentrant=False``) is used because inputs and outputs may be
-``None`` or integer tensors (the carried top-k), which the PyLayer form cannot carry; the RNG state
-is restored for the replay, so fp32 losses and gradients are bit-identical to no recompute.
+Fleet's hook-based form (``use_reentrant=False``): inputs and outputs may be ``None`` or integer
+tensors (the carried top-k), which the PyLayer form cannot carry.
 """
 
 from __future__ import annotations

@@ -173,9 +173,7 @@ class Topology:
         stage_ranks: list[int] | None = None,
         hcg: Any = None,
     ) -> None:
-        self.pc = pc
-        self.rank = rank
-        self.backend = backend
+        self.pc, self.rank, self.backend = pc, rank, backend
         self._sizes = {n: getattr(pc, n) for n in GROUP_NAMES}
         self._ranks = {n: (ranks or {}).get(n, 0) for n in GROUP_NAMES}
         self._groups = {n: (groups or {}).get(n) if self._sizes[n] > 1 else None for n in GROUP_NAMES}
@@ -197,12 +195,9 @@ class Topology:
         self._stage_sets: set[tuple[int, ...]] = set()  # which subsets have a group (in every column)
 
     def stage_group(self, stages: tuple[int, ...]) -> Any:
-        """A group of exactly the stages ``stages`` of this column, if one was created (else None).
-
-        Created at init: on gloo every adjacent pair (p2p must run on 2-rank groups: gloo tags
-        point-to-point messages with a per-group counter, so p2p between two members of a larger
-        group desynchronises), and (first, last) for the tensors both ends hold (embedding + MTP).
-        """
+        """A group of exactly the stages ``stages`` of this column, if one was created at init (else None):
+        on gloo every adjacent pair (gloo tags p2p messages per group, so p2p between two members of a
+        larger group desynchronises), and (first, last) for the tensors both ends hold (embedding + MTP)."""
         stages = tuple(sorted(stages))
         if len(stages) == self.pc.pp:
             return self.pp_group
@@ -311,21 +306,17 @@ def init_topology(
 
     backend = detect_backend()
     if backend == "gloo":
-        from ._compat import apply_gloo_subgroup_store_fix
+        from . import _compat, fleet_gloo
 
-        apply_gloo_subgroup_store_fix()
-        from .fleet_gloo import install
-
-        install(backend, get_topology)  # Fleet's stock TP/SP layers on CPU: the ops its CPU build lacks
+        _compat.apply_gloo_subgroup_store_fix()
+        fleet_gloo.install(backend, get_topology)  # Fleet's stock TP/SP layers on CPU: the ops its CPU build lacks
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {
         "dp_degree": pc.dp,
         "mp_degree": pc.tp,
         "pp_degree": pc.pp,
         "sharding_degree": pc.sharding,
-        # context parallel: Fleet's "sep" axis (see docs/parallel.md: Paddle 3.3's cp_degree builds
-        # its group only in the expert-parallel HCG, which insists on dp 1 and carves cp out of sharding)
-        "sep_degree": pc.cp,
+        "sep_degree": pc.cp,  # context parallel on Fleet's "sep" axis (why not cp_degree: docs/parallel.md 9)
     }
     strategy.pipeline_configs = {"accumulate_steps": accumulate_steps, "micro_batch_size": micro_batch_size}
     if pc.sp:
