@@ -1,10 +1,7 @@
 """Training data: the same global batches for any parallel layout, addressable by step.
 
-Sources (docs/parallel.md, "The trainer"): synthetic (default; a fixed random "next token" table
-with some noise, so the loss visibly falls), ``.npy`` / ``.bin`` token streams cut into windows of
-``seq_len``, ``.jsonl`` of ``input_ids`` (right-padded, labels -100, an ``attention_mask``), and
-``.npz`` of ready samples ``[N, seq_len]``, which ``prepare_jsonl`` writes from a ``.jsonl`` of text
-or chat (tokenized once, before any worker starts).
+Sources: docs/parallel.md, "The trainer" (the synthetic default is a fixed random "next token"
+table with some noise, so the loss visibly falls; ``prepare_jsonl`` writes the ``.npz`` of text or chat).
 
 Global batch of step s (0-based) = samples s*G .. s*G+G-1 of an epoch-wise permutation (seeded);
 data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data

@@ -4,12 +4,9 @@ runs, and the diagnosis of a failed job from those records alone.
 Why records and not the launcher's own sampling: Paddle's launcher tears the whole job down as
 soon as one worker exits, so whatever the launcher samples afterwards (which processes are
 alive, which one is frozen) depends on who was faster.  A record written *before* the teardown
-does not: the first worker to fail looks at its peers while nothing has been killed yet.
-
-Files (``<N>`` = global rank; strict JSON, each replaced atomically; docs/failure-modes.md):
-``rank<N>.pid``, ``rank<N>.beat`` (rewritten in place at each phase of each step),
-``rank<N>.error.json`` / ``rank<N>.signal.json`` (with ``peers``, the snapshot the worker took of
-every local rank at that moment), ``rank<N>.ok`` and the launcher's ``launcher.json``.
+does not: the first worker to fail looks at its peers while nothing has been killed yet.  The
+files (``rank<N>.pid``, ``.beat``, ``.error.json``, ``.signal.json``, ``.ok``, ``launcher.json``):
+docs/failure-modes.md, "Stopped, hung and killed ranks".
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 job's lifetime the launcher's, and turn a failure into one line that names the rank that caused it.
 
 Paddle's launcher, when one worker dies, reports whichever container it noticed first (often a
-*survivor* that failed in communication afterwards), and tears the rest down at once.  So each
-worker records its own life in ``LOG/status/`` (job_status.py) and the culprit is read from those
-records afterwards: the same answer on every run of the same fault.  Every failure also leaves
-``LOG/failure.json``.  The job's lifetime (signals, parent death, the watchdog, ``--job-timeout``)
-is docs/failure-modes.md.  Multi-node: pass the launcher's own options (``--nnodes``, ``--master``,
-``--rank``, ``--ips``) through ``launcher_args``; every node runs the same command.
+*survivor* that failed in communication afterwards), so the culprit is read from the workers' own
+records in ``LOG/status/`` (job_status.py); every failure also leaves ``LOG/failure.json``.  The
+job's lifetime: docs/failure-modes.md.  Multi-node: pass the launcher's own options (``--nnodes``,
+``--master``, ``--rank``, ``--ips``) through ``launcher_args``; every node runs the same command.
 """
 
 from __future__ import annotations

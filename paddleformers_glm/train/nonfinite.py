@@ -1,11 +1,7 @@
 """A training step whose loss or gradients are not finite stops the run before the optimizer
 step (or, with ``--skip-nonfinite-steps N``, is skipped up to N times): weights, optimizer state,
-checkpoints and the export never see a NaN (Megatron-LM's ``check_for_nan_in_loss_and_grad``).
-
-Fast path, every step: this rank's loss sums are folded into its share of the squared gradient
-norm before that norm's all-reduce (:func:`loss_flag`), so one non-finite value anywhere makes the
-global norm non-finite on every rank with no collective of its own.  Slow path, only then: every
-rank reports where, the reports are gathered and every rank raises the same :class:`NonFiniteStep`.
+checkpoints and the export never see a NaN (Megatron-LM's ``check_for_nan_in_loss_and_grad``).  How (:func:`loss_flag` every step, the
+reports gathered only then): docs/failure-modes.md, "Non-finite steps".
 """
 
 from __future__ import annotations

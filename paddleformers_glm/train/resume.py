@@ -1,13 +1,10 @@
 """Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata.
-Layout and guarantees: docs/parallel.md, "Checkpoints"; file formats: state_files.py.
+Layout, the two copies (``rank_*`` for the same layout, ``flex/`` for another) and guarantees:
+docs/parallel.md, "Checkpoints"; file formats: state_files.py.
 
 Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes meta.json and
-renames the folder, so a crash never leaves a half checkpoint under a final name.  The data
-position is the step number and the learning rate a pure function of the step.  Multi-node: ROOT
-must be on a filesystem every node sees.  Two copies of the state are written: each rank's local
-tensors and RNG state (``rank_*``: a run with the *same* layout resumes from these, bit for bit),
-and ``flex/``, Paddle's flex-checkpoint, which ``paddle.distributed.load_state_dict`` reshards
-for a run with a *different* layout (parameter names are global in every layout: no renaming).
+renames the folder, so a crash never leaves a half checkpoint under a final name.  Multi-node: ROOT
+must be on a filesystem every node sees.
 """
 
 from __future__ import annotations

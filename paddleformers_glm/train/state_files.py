@@ -1,18 +1,11 @@
-"""The files of a resume state, read as data and never as code.
+"""The files of a resume state, read as data and never as code (the layout: docs/parallel.md,
+"Checkpoints"; every check: docs/failure-modes.md, "Resume state: data only, never code").
 
 A resume folder comes from disk, and a file that deserialises into code (a pickle) would run
-whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors,
-read by the strict reader of checkpoint/safetensors_io.py) plus JSON (everything else: ``meta.json``,
-each rank's RNG states in ``rank_N.json``, ``latest``); the layout is docs/parallel.md, "Checkpoints".
-
-The one pickle is ``flex/<id>.metadata``, Paddle's flex-checkpoint metadata, which Paddle's
-``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
-found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (its three
-classes and the pickle protocol's own containers, as ``torch.load(weights_only=True)`` does),
-checks every field's type and every file name it points at, and :func:`validated_flex_folder`
-gives Paddle a private folder holding that validated object re-saved plus links to the tensor
-files.  ``latest`` may name only a step folder inside the root; resume states of the earlier
-pickle format (``rank_*.pdstate``, ``flex/*.distcp``) are refused by name.
+whatever it names the moment it is read: the trainer's own state is therefore safetensors plus
+JSON.  The one pickle, Paddle's flex-checkpoint metadata, is never handed to Paddle as found:
+:func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` and checks it, and
+:func:`validated_flex_folder` gives Paddle that validated object re-saved.
 """
 
 from __future__ import annotations
