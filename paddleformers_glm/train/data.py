@@ -232,14 +232,10 @@ def jsonl_kind(path: str) -> str:
 def prepare_jsonl(
     path: str, seq_len: int, vocab_size: int, tokenizer: Any, out_path: str, min_samples: int = 1
 ) -> dict[str, Any]:
-    """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic).
-
-    Every record is checked before anything is written: the kind (one per file), a non-empty
-    string ``text``, a ``messages`` list of ``{"role", "content"}`` with at least one assistant
-    message, token ids below ``vocab_size``; errors name the line. At least ``min_samples``
-    samples (the steps asked x the global batch) must result, else the error says how many tokens
-    are there and how many are needed. Returns a summary (kind, records, tokens, samples).
-    """
+    """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic); every
+    record is checked before anything is written (the checks: docs/parallel.md, "The trainer").  At least
+    ``min_samples`` samples (the steps asked x the global batch) must result.  Returns a summary
+    (kind, records, tokens, samples)."""
     kind = jsonl_kind(path)
     if kind == "input_ids":
         raise ValueError(f"{path}: holds token ids; open it with open_data directly")

@@ -266,9 +266,8 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
 
 def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, topo: Any, spec: Any) -> None:
     """This rank's weights: straight from the checkpoint when the adapter can (``load_stage``: only
-    this rank's slices are read), else sliced from the adapter's full state.  What was read goes to
+    this rank's slices are read), else sliced from the adapter's full state; what was read goes to
     ``OUT/logs/load/rank<N>.json`` (the per-rank evidence that no rank loaded more than its share).
-
     A resumed run reads nothing here: its checkpoint holds every state tensor (``load_resume_state``
     refuses one that lacks any), so the pretrained weights would only be overwritten."""
     t0 = time.perf_counter()

@@ -209,8 +209,6 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
 
     from ..parallel.fleet_gloo import flex_checkpoint_on_cpu
 
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"--resume: no flex-checkpoint folder {folder} (needed to change the layout)")
     unknown = stepped - {n for n, _ in optimizer.params}
     if unknown and topo.pp_size == 1:
         raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")

@@ -121,7 +121,15 @@ def _follow_latest(root: str, latest: str) -> str:
 
 def read_meta(folder: str) -> dict[str, Any]:
     """``meta.json`` of a step folder, its form checked (the old pickle format refused by name)."""
-    _refuse_old_format(folder)
+    for sub in (folder, os.path.join(folder, FLEX_DIR)):
+        names = sorted(os.listdir(sub)) if os.path.isdir(sub) else []
+        old = [n for n in names if _OLD_FORMAT.fullmatch(n)]
+        if old:
+            raise ResumeStateError(
+                f"{os.path.join(sub, old[0])}: a resume state of the earlier pickle format; resume reads "
+                "safetensors + JSON only and does not unpickle it. Start from the model weights instead, "
+                "or resume it with the version that wrote it and save again"
+            )
     file = os.path.join(folder, "meta.json")
     meta = _read_state_json(file, "resume metadata")
     for key in ("step", "world_size"):
@@ -137,18 +145,6 @@ def read_meta(folder: str) -> dict[str, Any]:
     )
     _require(ok, file, "history", "an object of number lists", history)
     return meta
-
-
-def _refuse_old_format(folder: str) -> None:
-    for sub in (folder, os.path.join(folder, FLEX_DIR)):
-        names = sorted(os.listdir(sub)) if os.path.isdir(sub) else []
-        old = [n for n in names if _OLD_FORMAT.fullmatch(n)]
-        if old:
-            raise ResumeStateError(
-                f"{os.path.join(sub, old[0])}: a resume state of the earlier pickle format; resume reads "
-                "safetensors + JSON only and does not unpickle it. Start from the model weights instead, "
-                "or resume it with the version that wrote it and save again"
-            )
 
 
 def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
