@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import atomic_open, is_int
 from ..configuration import IGNORE_INDEX
 
 __all__ = ["TokenData", "check_token_range", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
@@ -158,7 +158,7 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str, *, allow:
 def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) -> None:
     """A list of integer token ids in [0, ``vocab_size``); labels pass ``allow`` (the ignore index)."""
     kind = "token id" if allow is None else "label"
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise ValueError(f"{where}: expected a list of integer {kind}s")
     bad = [t for t in ids if (t < 0 or t >= vocab_size) and t != allow]
     if bad:

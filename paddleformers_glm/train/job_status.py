@@ -169,9 +169,7 @@ def _progress(b: dict | None) -> tuple[int, int]:
 
 
 def _beat_text(b: dict | None) -> str:
-    if not b:
-        return "no heartbeat"
-    return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}"
+    return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}" if b else "no heartbeat"
 
 
 _STOPPED = "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering"

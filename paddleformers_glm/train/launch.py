@@ -266,9 +266,7 @@ def launch_workers(
     finally:
         if stopped_by is not None:
             stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
-            snapshots.append(
-                {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
-            )
+            snapshots.append(snapshot(status_dir, by=f"launcher (before stopping: {stopped_by['kind']})"))
         stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
         reader.join(timeout=5)
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)

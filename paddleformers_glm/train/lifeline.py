@@ -46,10 +46,9 @@ def main() -> None:
     unblock()  # the glm52 launcher blocks its stop signals (stop_signals.py); this process must get them
     expected = os.environ.get(ENV_LAUNCHER_PID)
     tie_to_parent(int(expected) if expected else None)
-    module = sys.argv[1]
-    sys.argv = [module, *sys.argv[2:]]
+    sys.argv = sys.argv[1:]  # MODULE ARGS..., as ``python -m MODULE ARGS...`` would see them
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:  # Paddle's launcher ends with sys.exit(status)
         code = exit_code(e)

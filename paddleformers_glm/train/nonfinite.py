@@ -76,20 +76,19 @@ def nonfinite_record(step: int, grad_norm: float, reports: list[dict[str, Any]])
     with_grad = [r for r in reports if r["first_nonfinite_grad"]]
     first_grad = {"rank": with_grad[0]["rank"], "name": with_grad[0]["first_nonfinite_grad"]} if with_grad else None
     culprit = (with_loss or with_grad or reports)[0]
-    if with_loss:
-        term, value = sorted(culprit["losses"].items())[0]
-        quantity = f"{term} loss"
-    else:  # with no non-finite gradient element: their squared sum overflowed
-        value = _value(grad_norm)
-        quantity = "grad norm" if with_grad else "grad norm (overflow: every gradient element is finite)"
     if first_grad:
         holders = ", ".join(str(r["rank"]) for r in with_grad)
         where = f"first non-finite gradient: {first_grad['name']} on rank {first_grad['rank']} (rank(s) {holders} hold some)"
     else:
         where = "no gradient element is non-finite"
     if with_loss:
+        term, value = sorted(culprit["losses"].items())[0]
+        quantity = f"{term} loss"
         what = f"non-finite {quantity} ({value}) on rank {culprit['rank']}; {where}; grad norm {_value(grad_norm)}"
-    else:  # gradients synced over replicas and tensor-parallel ranks: their first rank, not their origin
+    else:  # with no non-finite gradient element: their squared sum overflowed
+        value = _value(grad_norm)
+        quantity = "grad norm" if with_grad else "grad norm (overflow: every gradient element is finite)"
+        # gradients synced over replicas and tensor-parallel ranks: their first rank, not their origin
         what = f"non-finite {quantity} ({value}); {where}"
     message = f"step {step}: {what}; stopped before the optimizer step (no update, no export)"
     return {

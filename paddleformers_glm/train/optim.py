@@ -26,9 +26,7 @@ def make_lr_scheduler(max_lr: float, min_lr: float, warmup_steps: int, total_ste
     pure function of the step (a resumed run gets the same learning rates bit for bit)."""
     span = max(1, total_steps - warmup_steps)
     cosine = lr_sched.CosineAnnealingDecay(learning_rate=max_lr, T_max=span, eta_min=min_lr)
-    if warmup_steps <= 0:
-        return cosine
-    return lr_sched.LinearWarmup(cosine, warmup_steps=warmup_steps, start_lr=0.0, end_lr=max_lr)
+    return cosine if warmup_steps <= 0 else lr_sched.LinearWarmup(cosine, warmup_steps, start_lr=0.0, end_lr=max_lr)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -158,11 +156,9 @@ class AdamW:
             self._broadcast_updated(has_grad)
 
     def _broadcast_updated(self, has_grad: dict[str, bool]) -> None:
-        """Every updated parameter from the sharding rank that owns it (Fleet's partition order).
-
-        Fleet's own ``_sharding_sync_parameters`` broadcasts the parameters that have a local
-        gradient, which differs between ranks when an expert got tokens on one replica only; the
-        synced ``has_grad`` is the same on every rank, so the broadcasts match."""
+        """Every updated parameter from the sharding rank that owns it (Fleet's partition order), by
+        the synced ``has_grad``, equal on every rank: not Fleet's own broadcast, whose local-gradient
+        rule can differ between ranks (docs/parallel.md, "Sharding")."""
         from ..parallel import comm
 
         by_name = {p.name: n for n, p in self.params}

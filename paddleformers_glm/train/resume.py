@@ -20,6 +20,7 @@ import paddle.nn as nn
 
 from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
+from ..checkpoint.distributed import all_gather_object
 from ..checkpoint.safetensors_io import bf16_bits_to_float32
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
@@ -88,10 +89,9 @@ def load_resume_state(
     of the state is checked first (state_files.check_resume_state); nothing is unpickled but
     flex-checkpoint's metadata, through an allow-list.
 
-    ``indexer_stage``: this run's (train/indexer_stage.py). A state written in another stage trained
-    another set of parameters: the weights come back whole, optimizer state only for the parameters
-    this run trains (the others' is dropped; a trained parameter without state starts fresh). In the
-    same stage every saved optimizer entry must belong to this run's parameters."""
+    ``indexer_stage``: this run's; a state written in another stage keeps optimizer state only for
+    the parameters this run trains (docs/indexer.md, "Resuming across stages"). In the same stage
+    every saved optimizer entry must belong to this run's parameters."""
     path, meta = check_resume_state(path)
     saved_stage = (meta.get("indexer") or {}).get("stage")
     new_stage = saved_stage is not None and indexer_stage is not None and saved_stage != indexer_stage
@@ -185,11 +185,7 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
     every parameter that has optimizer state on some rank (a resume asks only for those)."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-    stepped = set(optimizer._stepped)
-    if topo.world_size > 1:
-        parts: list[list[str]] = []
-        dist.all_gather_object(parts, sorted(stepped))
-        stepped = set().union(*map(set, parts))
+    stepped = set().union(*map(set, all_gather_object(sorted(optimizer._stepped), topo)))
     sd: dict[str, ShardedWeight] = {}
     for key, t, spec in _flex_items(topo, model, optimizer, stepped):
         keys, geometry, axis = _pieces(key, t, spec, topo)
