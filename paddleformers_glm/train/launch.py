@@ -247,11 +247,8 @@ def launch_workers(
                 snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
             if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
                 first_failure = now
-            for r, s in snap["ranks"].items():
-                if s["state"] in ("T", "t"):
-                    stopped_since.setdefault(r, now)
-                else:
-                    stopped_since.pop(r, None)
+            # a rank's records stay once written, so every rank seen before is in this snapshot too
+            stopped_since = {r: stopped_since.get(r, now) for r, s in snap["ranks"].items() if s["state"] in ("T", "t")}
             frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > GRACE_S]
             if first_failure is not None and now - first_failure > GRACE_S:
                 text = f"ranks still running {GRACE_S:.0f} s after a failure; stopped the job"

@@ -396,9 +396,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
         saved = meta.get("indexer") or {}
-        stages = [dict(st) for st in saved.get("stages", []) if st["first_step"] <= start]
-        for st in stages:
-            st["last_step"] = min(st["last_step"], start)
+        kept = [st for st in saved.get("stages", []) if st["first_step"] <= start]  # each cut at the resumed step
+        stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
         # a new stage starts its own learning-rate schedule (train/indexer_stage.py)
         stage_start = int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else start
     check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
