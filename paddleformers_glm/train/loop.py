@@ -385,8 +385,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     profile = {k: getattr(topo.pc, k) for k in ("tp", "pp", "ep", "etp", "sp", "dp", "cp")} | {"world": topo.world_size}
     profile |= {k: getattr(cfg, k) for k in ("micro_batch_size", "global_batch_size", "seq_len", "dtype")}
     layout = {**profile, "sharding": topo.pc.sharding}
-    history: dict[str, list[float]] = {k: [] for k in report_keys}
-    history.update(grad_norms=[], lrs=[])
+    history: dict[str, list[float]] = {k: [] for k in [*report_keys, "grad_norms", "lrs"]}
     indexer = adapter.indexer_info()
     stage = indexer["stage"] if indexer else None
     start, stage_start, stages = 0, 0, []

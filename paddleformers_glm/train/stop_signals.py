@@ -58,12 +58,11 @@ class StopListener:
 
     def note(self, signum: int, sender: int | None) -> None:
         if self.caught is None:
-            target = f"the launcher (pid {os.getpid()})"
             self.caught = {
                 "kind": "signal",
                 "signal": signal.Signals(signum).name,
                 "sender_pid": sender,
-                "text": stop_text(signum, sender, target),
+                "text": stop_text(signum, sender, f"the launcher (pid {os.getpid()})"),
             }
 
     def interrupted(self, e: KeyboardInterrupt) -> dict[str, Any]:
