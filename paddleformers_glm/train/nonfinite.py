@@ -1,7 +1,8 @@
 """A training step whose loss or gradients are not finite stops the run before the optimizer
 step (or, with ``--skip-nonfinite-steps N``, is skipped up to N times): weights, optimizer state,
 checkpoints and the export never see a NaN (Megatron-LM's ``check_for_nan_in_loss_and_grad``).
-How (:func:`loss_flag` every step, the reports gathered only then): docs/failure-modes.md.
+How: :func:`loss_flag` folds the loss sums into the gradient norm's all-reduce (no collective of
+its own); only then are the reports gathered (docs/failure-modes.md, "Non-finite steps").
 """
 
 from __future__ import annotations
