@@ -1,10 +1,7 @@
 """Training data: the same global batches for any parallel layout, addressable by step.
 
-Sources (docs/parallel.md, "The trainer"): synthetic (default; a fixed random "next token" table
-with some noise, so the loss visibly falls), ``.npy`` / ``.bin`` token streams cut into windows of
-``seq_len``, ``.jsonl`` of ``input_ids`` (right-padded, labels -100, an ``attention_mask``), and
-``.npz`` of ready samples ``[N, seq_len]``, which ``prepare_jsonl`` writes from a ``.jsonl`` of text
-or chat (tokenized once, before any worker starts).
+Sources: docs/parallel.md, "The trainer" (the synthetic default is a fixed random "next token"
+table with some noise, so the loss visibly falls; ``prepare_jsonl`` writes the ``.npz`` of text or chat).
 
 Global batch of step s (0-based) = samples s*G .. s*G+G-1 of an epoch-wise permutation (seeded);
 data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data
@@ -20,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import atomic_open, is_int
 from ..configuration import IGNORE_INDEX
 
 __all__ = ["TokenData", "check_token_range", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
@@ -161,7 +158,7 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str, *, allow:
 def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) -> None:
     """A list of integer token ids in [0, ``vocab_size``); labels pass ``allow`` (the ignore index)."""
     kind = "token id" if allow is None else "label"
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise ValueError(f"{where}: expected a list of integer {kind}s")
     bad = [t for t in ids if (t < 0 or t >= vocab_size) and t != allow]
     if bad:
@@ -235,14 +232,10 @@ def jsonl_kind(path: str) -> str:
 def prepare_jsonl(
     path: str, seq_len: int, vocab_size: int, tokenizer: Any, out_path: str, min_samples: int = 1
 ) -> dict[str, Any]:
-    """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic).
-
-    Every record is checked before anything is written: the kind (one per file), a non-empty
-    string ``text``, a ``messages`` list of ``{"role", "content"}`` with at least one assistant
-    message, token ids below ``vocab_size``; errors name the line. At least ``min_samples``
-    samples (the steps asked x the global batch) must result, else the error says how many tokens
-    are there and how many are needed. Returns a summary (kind, records, tokens, samples).
-    """
+    """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic); every
+    record is checked before anything is written (the checks: docs/parallel.md, "The trainer").  At least
+    ``min_samples`` samples (the steps asked x the global batch) must result.  Returns a summary
+    (kind, records, tokens, samples)."""
     kind = jsonl_kind(path)
     if kind == "input_ids":
         raise ValueError(f"{path}: holds token ids; open it with open_data directly")

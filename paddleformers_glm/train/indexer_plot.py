@@ -19,10 +19,13 @@ from ..cli._plot import PLOT_EXTRA_HINT, TWO_PANELS, loss_json_of, pyplot, read_
 __all__ = ["indexer_curves", "plot_indexer", "register_plot_indexer"]
 
 
-def _indexer_block(loss_json: str) -> dict[str, Any]:
+def indexer_curves(loss_json: str) -> dict[str, Any]:
+    """The run's indexer numbers by layer: ``recall_by_layer`` / ``kl_by_layer`` (layer id as a
+    string -> per step), ``mean_recall`` per step and its first and last value."""
     absent = "a run with --indexer-stage none, or of a model without a DSA indexer?"
     block = read_block(loss_json, "indexer", ("layers", "steps", "kl", "recall"), absent)
-    n, m = len(block["steps"]), len(block["layers"])
+    layers, steps = list(block["layers"]), list(block["steps"])
+    n, m = len(steps), len(layers)
     for key in ("kl", "recall"):
         rows = block[key]
         if len(rows) != n or any(len(r) != m for r in rows):
@@ -30,14 +33,6 @@ def _indexer_block(loss_json: str) -> dict[str, Any]:
             raise ValueError(f"{loss_json}: 'indexer.{key}' is {got}, expected [steps={n}][layers={m}]")
     if not n:
         raise ValueError(f"{loss_json}: 'indexer' has no steps (the run trained no indexer step)")
-    return block
-
-
-def indexer_curves(loss_json: str) -> dict[str, Any]:
-    """The run's indexer numbers by layer: ``recall_by_layer`` / ``kl_by_layer`` (layer id as a
-    string -> per step), ``mean_recall`` per step and its first and last value."""
-    block = _indexer_block(loss_json)
-    layers, steps = list(block["layers"]), list(block["steps"])
     mean = block.get("mean_recall") or [sum(r) / len(r) for r in block["recall"]]
     return {
         "source": os.path.abspath(loss_json),

@@ -4,12 +4,9 @@ runs, and the diagnosis of a failed job from those records alone.
 Why records and not the launcher's own sampling: Paddle's launcher tears the whole job down as
 soon as one worker exits, so whatever the launcher samples afterwards (which processes are
 alive, which one is frozen) depends on who was faster.  A record written *before* the teardown
-does not: the first worker to fail looks at its peers while nothing has been killed yet.
-
-Files (``<N>`` = global rank; strict JSON, each replaced atomically; docs/failure-modes.md):
-``rank<N>.pid``, ``rank<N>.beat`` (rewritten in place at each phase of each step),
-``rank<N>.error.json`` / ``rank<N>.signal.json`` (with ``peers``, the snapshot the worker took of
-every local rank at that moment), ``rank<N>.ok`` and the launcher's ``launcher.json``.
+does not: the first worker to fail looks at its peers while nothing has been killed yet.  The
+files (``rank<N>.pid``, ``.beat``, ``.error.json``, ``.signal.json``, ``.ok``, ``launcher.json``):
+docs/failure-modes.md, "Stopped, hung and killed ranks".
 """
 
 from __future__ import annotations
@@ -172,9 +169,7 @@ def _progress(b: dict | None) -> tuple[int, int]:
 
 
 def _beat_text(b: dict | None) -> str:
-    if not b:
-        return "no heartbeat"
-    return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}"
+    return f"last heartbeat step {b.get('step')} phase {b.get('phase')!r}" if b else "no heartbeat"
 
 
 _STOPPED = "was stopped (process state T: SIGSTOP, a debugger or job control) and stopped answering"
@@ -210,19 +205,14 @@ def diagnose(
     stopped_by: dict[str, Any] | None = None,
     launcher_snapshots: Sequence[dict] = (),
 ) -> Diagnosis:
-    """The culprit of a failed job from its status records, first rule that applies:
-
-    1. the earliest error that is not a communication failure (a non-finite step names the
-       rank where the first non-finite value was seen), unless the failing rank's own snapshot
-       shows a peer already stopped or dead (then rule 2 or 3: that peer came first);
-    2. a rank some snapshot saw stopped (process state T: SIGSTOP, a debugger), its peers having
-       timed out waiting for it;
-    3. a rank some snapshot saw gone without a record while another rank was still running
-       (SIGKILL, os._exit, the OOM killer);
-    4. the job was stopped by a signal to the launcher: nobody's fault but the sender's;
-    5. a rank behind the others in its heartbeat (hung: its peers waited in a collective);
-    6. a rank that left no record at all (when the launcher did not stop the job itself);
-    7. the earliest communication failure; else the launcher's own reason.
+    """The culprit of a failed job from its status records, first rule that applies (why each:
+    docs/failure-modes.md, "Stopped, hung and killed ranks"): 1. the earliest error that is not a
+    communication failure (a non-finite step names the rank where the first non-finite value was
+    seen), unless the failing rank's own snapshot shows a peer already stopped or dead (then 2 or
+    3); 2. a rank seen stopped (process state T); 3. a rank seen gone without a record while another
+    still ran; 4. a signal to the launcher; 5. a rank behind in its heartbeat (hung); 6. a rank that
+    left no record (when the launcher did not stop the job itself); 7. the earliest communication
+    failure; else the launcher's own reason.
 
     ``stopped_by``: why the launcher stopped the job itself (``{"kind": "timeout" | "signal" |
     "grace" | "frozen", "time": when it began stopping, ...}``), None when the job ended by itself;

@@ -2,12 +2,10 @@
 job's lifetime the launcher's, and turn a failure into one line that names the rank that caused it.
 
 Paddle's launcher, when one worker dies, reports whichever container it noticed first (often a
-*survivor* that failed in communication afterwards), and tears the rest down at once.  So each
-worker records its own life in ``LOG/status/`` (job_status.py) and the culprit is read from those
-records afterwards: the same answer on every run of the same fault.  Every failure also leaves
-``LOG/failure.json``.  The job's lifetime (signals, parent death, the watchdog, ``--job-timeout``)
-is docs/failure-modes.md.  Multi-node: pass the launcher's own options (``--nnodes``, ``--master``,
-``--rank``, ``--ips``) through ``launcher_args``; every node runs the same command.
+*survivor* that failed in communication afterwards), so the culprit is read from the workers' own
+records in ``LOG/status/`` (job_status.py); every failure also leaves ``LOG/failure.json``.  The
+job's lifetime: docs/failure-modes.md.  Multi-node: pass the launcher's own options (``--nnodes``,
+``--master``, ``--rank``, ``--ips``) through ``launcher_args``; every node runs the same command.
 """
 
 from __future__ import annotations
@@ -249,11 +247,8 @@ def launch_workers(
                 snapshots.append({**snap, "by": f"launcher (saw {', '.join(signs)})"})
             if first_failure is None and any(s["record"] == "error" for s in snap["ranks"].values()):
                 first_failure = now
-            for r, s in snap["ranks"].items():
-                if s["state"] in ("T", "t"):
-                    stopped_since.setdefault(r, now)
-                else:
-                    stopped_since.pop(r, None)
+            # a rank's records stay once written, so every rank seen before is in this snapshot too
+            stopped_since = {r: stopped_since.get(r, now) for r, s in snap["ranks"].items() if s["state"] in ("T", "t")}
             frozen = [r for r, t0 in sorted(stopped_since.items(), key=lambda kv: kv[1]) if now - t0 > GRACE_S]
             if first_failure is not None and now - first_failure > GRACE_S:
                 text = f"ranks still running {GRACE_S:.0f} s after a failure; stopped the job"
@@ -268,9 +263,7 @@ def launch_workers(
     finally:
         if stopped_by is not None:
             stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
-            snapshots.append(
-                {**snapshot(status_dir, by="launcher"), "by": f"launcher (before stopping: {stopped_by['kind']})"}
-            )
+            snapshots.append(snapshot(status_dir, by=f"launcher (before stopping: {stopped_by['kind']})"))
         stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
         reader.join(timeout=5)
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)

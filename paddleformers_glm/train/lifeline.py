@@ -1,11 +1,6 @@
-"""Tie a process's life to its parent's, so that no part of a training job outlives its launcher.
-
-The process tree of a launched job is ``glm52 train`` (our launcher) -> ``paddle.distributed.launch``
--> one worker per local rank, each of the last two started with setsid (ours, so that a
-terminal's Ctrl-C reaches only the launcher; Paddle's, per worker).  Killing the top therefore
-reaches nobody below it by itself.  On Linux each child asks the kernel for SIGKILL when its
-parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere the worker's watchdog (worker.py) polls the
-launcher's pid.
+"""Tie a process's life to its parent's, so that no part of a training job outlives its launcher:
+each process of the job is started with setsid, so killing the top reaches nobody below it by
+itself (the process tree: docs/failure-modes.md, "Signals and the launcher's lifetime").
 
 ``python -m paddleformers_glm.train.lifeline MODULE ARGS...`` ties itself to its parent and then runs
 ``python -m MODULE ARGS...`` in the same process (the launcher starts Paddle's launcher this way),
@@ -51,10 +46,9 @@ def main() -> None:
     unblock()  # the glm52 launcher blocks its stop signals (stop_signals.py); this process must get them
     expected = os.environ.get(ENV_LAUNCHER_PID)
     tie_to_parent(int(expected) if expected else None)
-    module = sys.argv[1]
-    sys.argv = [module, *sys.argv[2:]]
+    sys.argv = sys.argv[1:]  # MODULE ARGS..., as ``python -m MODULE ARGS...`` would see them
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:  # Paddle's launcher ends with sys.exit(status)
         code = exit_code(e)

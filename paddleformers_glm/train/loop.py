@@ -266,9 +266,8 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
 
 def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, topo: Any, spec: Any) -> None:
     """This rank's weights: straight from the checkpoint when the adapter can (``load_stage``: only
-    this rank's slices are read), else sliced from the adapter's full state.  What was read goes to
+    this rank's slices are read), else sliced from the adapter's full state; what was read goes to
     ``OUT/logs/load/rank<N>.json`` (the per-rank evidence that no rank loaded more than its share).
-
     A resumed run reads nothing here: its checkpoint holds every state tensor (``load_resume_state``
     refuses one that lacks any), so the pretrained weights would only be overwritten."""
     t0 = time.perf_counter()
@@ -386,8 +385,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     profile = {k: getattr(topo.pc, k) for k in ("tp", "pp", "ep", "etp", "sp", "dp", "cp")} | {"world": topo.world_size}
     profile |= {k: getattr(cfg, k) for k in ("micro_batch_size", "global_batch_size", "seq_len", "dtype")}
     layout = {**profile, "sharding": topo.pc.sharding}
-    history: dict[str, list[float]] = {k: [] for k in report_keys}
-    history.update(grad_norms=[], lrs=[])
+    history: dict[str, list[float]] = {k: [] for k in [*report_keys, "grad_norms", "lrs"]}
     indexer = adapter.indexer_info()
     stage = indexer["stage"] if indexer else None
     start, stage_start, stages = 0, 0, []
@@ -397,9 +395,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
         saved = meta.get("indexer") or {}
-        stages = [dict(st) for st in saved.get("stages", []) if st["first_step"] <= start]
-        for st in stages:
-            st["last_step"] = min(st["last_step"], start)
+        kept = [st for st in saved.get("stages", []) if st["first_step"] <= start]  # each cut at the resumed step
+        stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
         # a new stage starts its own learning-rate schedule (train/indexer_stage.py)
         stage_start = int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else start
     check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")

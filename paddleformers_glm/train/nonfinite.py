@@ -1,11 +1,8 @@
 """A training step whose loss or gradients are not finite stops the run before the optimizer
 step (or, with ``--skip-nonfinite-steps N``, is skipped up to N times): weights, optimizer state,
 checkpoints and the export never see a NaN (Megatron-LM's ``check_for_nan_in_loss_and_grad``).
-
-Fast path, every step: this rank's loss sums are folded into its share of the squared gradient
-norm before that norm's all-reduce (:func:`loss_flag`), so one non-finite value anywhere makes the
-global norm non-finite on every rank with no collective of its own.  Slow path, only then: every
-rank reports where, the reports are gathered and every rank raises the same :class:`NonFiniteStep`.
+How: :func:`loss_flag` folds the loss sums into the gradient norm's all-reduce (no collective of
+its own); only then are the reports gathered (docs/failure-modes.md, "Non-finite steps").
 """
 
 from __future__ import annotations
@@ -80,20 +77,19 @@ def nonfinite_record(step: int, grad_norm: float, reports: list[dict[str, Any]])
     with_grad = [r for r in reports if r["first_nonfinite_grad"]]
     first_grad = {"rank": with_grad[0]["rank"], "name": with_grad[0]["first_nonfinite_grad"]} if with_grad else None
     culprit = (with_loss or with_grad or reports)[0]
-    if with_loss:
-        term, value = sorted(culprit["losses"].items())[0]
-        quantity = f"{term} loss"
-    else:  # with no non-finite gradient element: their squared sum overflowed
-        value = _value(grad_norm)
-        quantity = "grad norm" if with_grad else "grad norm (overflow: every gradient element is finite)"
     if first_grad:
         holders = ", ".join(str(r["rank"]) for r in with_grad)
         where = f"first non-finite gradient: {first_grad['name']} on rank {first_grad['rank']} (rank(s) {holders} hold some)"
     else:
         where = "no gradient element is non-finite"
     if with_loss:
+        term, value = sorted(culprit["losses"].items())[0]
+        quantity = f"{term} loss"
         what = f"non-finite {quantity} ({value}) on rank {culprit['rank']}; {where}; grad norm {_value(grad_norm)}"
-    else:  # gradients synced over replicas and tensor-parallel ranks: their first rank, not their origin
+    else:  # with no non-finite gradient element: their squared sum overflowed
+        value = _value(grad_norm)
+        quantity = "grad norm" if with_grad else "grad norm (overflow: every gradient element is finite)"
+        # gradients synced over replicas and tensor-parallel ranks: their first rank, not their origin
         what = f"non-finite {quantity} ({value}); {where}"
     message = f"step {step}: {what}; stopped before the optimizer step (no update, no export)"
     return {

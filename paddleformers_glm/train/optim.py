@@ -1,20 +1,12 @@
 """The optimizer and learning-rate schedule, from Paddle: ``paddle.optimizer.AdamW`` (fp32 master
 weights via ``multi_precision``) and ``paddle.optimizer.lr`` linear warmup + cosine.
 
-The wrapper keeps three things the trainer needs and Paddle's optimizer does not do by itself:
-
-* the update consumes the gradients *after* the trainer's cross-rank sync and true-global-norm
-  clipping (parallel/grads.py), handed over explicitly (``_apply_optimize`` with
-  ``(param, grad)`` pairs, the same entry Fleet's sharding optimizer uses);
-* a parameter that got no gradient anywhere is left out of the step (torch semantics: its moments
-  and its bias-correction power stay untouched), so every layout updates the same set; experts are
-  stepped per MoE layer, an idle one with a zero gradient, as torch steps a fused expert tensor
-  (the has-gradient flags of parallel/grads.py decide);
-* with sharding ranks (``--sharding N``) Fleet's ``DygraphShardingOptimizer`` partitions the
-  parameters; each rank keeps moments and masters for its part only and broadcasts what it updated
-  (stage 2 also keeps only that part's gradients: :meth:`AdamW.grad_owners`);
-* state is saved and restored by *structured* parameter name (``layers.3.mlp.gate.weight``), not
-  by Paddle's generated tensor names, so a checkpoint does not depend on construction order.
+What the wrapper adds (docs/parallel.md, "AdamW" and "Sharding"): the update consumes the gradients
+*after* the trainer's sync and clip (``_apply_optimize`` with ``(param, grad)`` pairs, the entry
+Fleet's sharding optimizer uses); a parameter that got no gradient anywhere is left out of the
+step (torch semantics), so every layout updates the same set; sharding ranks keep and broadcast
+their own part; state is keyed by *structured* parameter name (``layers.3.mlp.gate.weight``), so a
+checkpoint does not depend on construction order.
 """
 
 from __future__ import annotations
@@ -34,9 +26,7 @@ def make_lr_scheduler(max_lr: float, min_lr: float, warmup_steps: int, total_ste
     pure function of the step (a resumed run gets the same learning rates bit for bit)."""
     span = max(1, total_steps - warmup_steps)
     cosine = lr_sched.CosineAnnealingDecay(learning_rate=max_lr, T_max=span, eta_min=min_lr)
-    if warmup_steps <= 0:
-        return cosine
-    return lr_sched.LinearWarmup(cosine, warmup_steps=warmup_steps, start_lr=0.0, end_lr=max_lr)
+    return cosine if warmup_steps <= 0 else lr_sched.LinearWarmup(cosine, warmup_steps, start_lr=0.0, end_lr=max_lr)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -50,12 +40,8 @@ def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_step
 
 def fleet_clips(topo: Any) -> bool:
     """Whether ``fleet.distributed_optimizer``'s hybrid-parallel clip computes this layout's true
-    global norm.  It sums squared norms of ``is_distributed`` parameters over tensor, pipeline and
-    sharding ranks and of the others over pipeline and sharding ranks (a pipeline-shared tensor
-    counted on its ``is_firstly_shared`` stage), never over data-parallel ranks: right for TP, PP,
-    DP, sharding and SP.  Expert parameters under ``ep`` / ``etp`` > 1 are different tensors on
-    ranks that are data- or tensor-parallel peers for the rest of the model, which those rules
-    cannot express; those layouts (and one process) keep the trainer's own global-norm clip."""
+    global norm: not for expert parameters under ``ep`` / ``etp`` > 1, which its replica rules cannot
+    express (docs/parallel.md, "Clipping"); those layouts (and one process) keep the trainer's clip."""
     return topo is not None and topo.world_size > 1 and topo.pc.ep == 1 and topo.pc.etp == 1
 
 
@@ -170,11 +156,9 @@ class AdamW:
             self._broadcast_updated(has_grad)
 
     def _broadcast_updated(self, has_grad: dict[str, bool]) -> None:
-        """Every updated parameter from the sharding rank that owns it (Fleet's partition order).
-
-        Fleet's own ``_sharding_sync_parameters`` broadcasts the parameters that have a local
-        gradient, which differs between ranks when an expert got tokens on one replica only; the
-        synced ``has_grad`` is the same on every rank, so the broadcasts match."""
+        """Every updated parameter from the sharding rank that owns it (Fleet's partition order), by
+        the synced ``has_grad``, equal on every rank: not Fleet's own broadcast, whose local-gradient
+        rule can differ between ranks (docs/parallel.md, "Sharding")."""
         from ..parallel import comm
 
         by_name = {p.name: n for n, p in self.params}

@@ -1,13 +1,10 @@
 """Resume state (``--save-every`` / ``--resume``): model, optimizer and RNG state plus run metadata.
-Layout and guarantees: docs/parallel.md, "Checkpoints"; file formats: state_files.py.
+Layout, the two copies (``rank_*`` for the same layout, ``flex/`` for another) and guarantees:
+docs/parallel.md, "Checkpoints"; file formats: state_files.py.
 
 Every rank writes its own files into ``step_*.tmp``; after a barrier rank 0 writes meta.json and
-renames the folder, so a crash never leaves a half checkpoint under a final name.  The data
-position is the step number and the learning rate a pure function of the step.  Multi-node: ROOT
-must be on a filesystem every node sees.  Two copies of the state are written: each rank's local
-tensors and RNG state (``rank_*``: a run with the *same* layout resumes from these, bit for bit),
-and ``flex/``, Paddle's flex-checkpoint, which ``paddle.distributed.load_state_dict`` reshards
-for a run with a *different* layout (parameter names are global in every layout: no renaming).
+renames the folder, so a crash never leaves a half checkpoint under a final name.  Multi-node: ROOT
+must be on a filesystem every node sees.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import paddle.nn as nn
 
 from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
+from ..checkpoint.distributed import all_gather_object
 from ..checkpoint.safetensors_io import bf16_bits_to_float32
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
@@ -91,10 +89,9 @@ def load_resume_state(
     of the state is checked first (state_files.check_resume_state); nothing is unpickled but
     flex-checkpoint's metadata, through an allow-list.
 
-    ``indexer_stage``: this run's (train/indexer_stage.py). A state written in another stage trained
-    another set of parameters: the weights come back whole, optimizer state only for the parameters
-    this run trains (the others' is dropped; a trained parameter without state starts fresh). In the
-    same stage every saved optimizer entry must belong to this run's parameters."""
+    ``indexer_stage``: this run's; a state written in another stage keeps optimizer state only for
+    the parameters this run trains (docs/indexer.md, "Resuming across stages"). In the same stage
+    every saved optimizer entry must belong to this run's parameters."""
     path, meta = check_resume_state(path)
     saved_stage = (meta.get("indexer") or {}).get("stage")
     new_stage = saved_stage is not None and indexer_stage is not None and saved_stage != indexer_stage
@@ -188,11 +185,7 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
     every parameter that has optimizer state on some rank (a resume asks only for those)."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-    stepped = set(optimizer._stepped)
-    if topo.world_size > 1:
-        parts: list[list[str]] = []
-        dist.all_gather_object(parts, sorted(stepped))
-        stepped = set().union(*map(set, parts))
+    stepped = set().union(*map(set, all_gather_object(sorted(optimizer._stepped), topo)))
     sd: dict[str, ShardedWeight] = {}
     for key, t, spec in _flex_items(topo, model, optimizer, stepped):
         keys, geometry, axis = _pieces(key, t, spec, topo)
@@ -212,8 +205,6 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
 
     from ..parallel.fleet_gloo import flex_checkpoint_on_cpu
 
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"--resume: no flex-checkpoint folder {folder} (needed to change the layout)")
     unknown = stepped - {n for n, _ in optimizer.params}
     if unknown and topo.pp_size == 1:
         raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")

@@ -1,18 +1,11 @@
-"""The files of a resume state, read as data and never as code.
+"""The files of a resume state, read as data and never as code (the layout: docs/parallel.md,
+"Checkpoints"; every check: docs/failure-modes.md, "Resume state: data only, never code").
 
 A resume folder comes from disk, and a file that deserialises into code (a pickle) would run
-whatever it names the moment it is read: the trainer's own state is therefore safetensors (tensors,
-read by the strict reader of checkpoint/safetensors_io.py) plus JSON (everything else: ``meta.json``,
-each rank's RNG states in ``rank_N.json``, ``latest``); the layout is docs/parallel.md, "Checkpoints".
-
-The one pickle is ``flex/<id>.metadata``, Paddle's flex-checkpoint metadata, which Paddle's
-``load_state_dict`` unpickles with ``paddle.load``.  It is therefore never handed to Paddle as
-found: :func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` (its three
-classes and the pickle protocol's own containers, as ``torch.load(weights_only=True)`` does),
-checks every field's type and every file name it points at, and :func:`validated_flex_folder`
-gives Paddle a private folder holding that validated object re-saved plus links to the tensor
-files.  ``latest`` may name only a step folder inside the root; resume states of the earlier
-pickle format (``rank_*.pdstate``, ``flex/*.distcp``) are refused by name.
+whatever it names the moment it is read: the trainer's own state is therefore safetensors plus
+JSON.  The one pickle, Paddle's flex-checkpoint metadata, is never handed to Paddle as found:
+:func:`read_flex_metadata` unpickles it through :class:`AllowListUnpickler` and checks it, and
+:func:`validated_flex_folder` gives Paddle that validated object re-saved.
 """
 
 from __future__ import annotations
@@ -128,7 +121,15 @@ def _follow_latest(root: str, latest: str) -> str:
 
 def read_meta(folder: str) -> dict[str, Any]:
     """``meta.json`` of a step folder, its form checked (the old pickle format refused by name)."""
-    _refuse_old_format(folder)
+    for sub in (folder, os.path.join(folder, FLEX_DIR)):
+        names = sorted(os.listdir(sub)) if os.path.isdir(sub) else []
+        old = [n for n in names if _OLD_FORMAT.fullmatch(n)]
+        if old:
+            raise ResumeStateError(
+                f"{os.path.join(sub, old[0])}: a resume state of the earlier pickle format; resume reads "
+                "safetensors + JSON only and does not unpickle it. Start from the model weights instead, "
+                "or resume it with the version that wrote it and save again"
+            )
     file = os.path.join(folder, "meta.json")
     meta = _read_state_json(file, "resume metadata")
     for key in ("step", "world_size"):
@@ -144,18 +145,6 @@ def read_meta(folder: str) -> dict[str, Any]:
     )
     _require(ok, file, "history", "an object of number lists", history)
     return meta
-
-
-def _refuse_old_format(folder: str) -> None:
-    for sub in (folder, os.path.join(folder, FLEX_DIR)):
-        names = sorted(os.listdir(sub)) if os.path.isdir(sub) else []
-        old = [n for n in names if _OLD_FORMAT.fullmatch(n)]
-        if old:
-            raise ResumeStateError(
-                f"{os.path.join(sub, old[0])}: a resume state of the earlier pickle format; resume reads "
-                "safetensors + JSON only and does not unpickle it. Start from the model weights instead, "
-                "or resume it with the version that wrote it and save again"
-            )
 
 
 def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:

@@ -2,14 +2,11 @@
 
 A Python signal handler never learns the sender, and ``sigtimedwait`` in the main thread misses
 a signal the kernel hands to another thread (Paddle starts one at import, with no signal blocked).
-So :func:`listen` blocks the three signals before any other thread exists (every later thread
-inherits the mask) and one listener thread takes them with ``sigwaitinfo``: it records the signal
-and its sender, then interrupts the main thread (``KeyboardInterrupt``) unless a launch loop
-polls :attr:`StopListener.caught` instead.  Children inherit the blocked mask across exec:
-lifeline.py unblocks it first thing in Paddle's launcher.  Where ``sigwaitinfo`` is missing, or
-the process already has other threads, the plain handlers are kept (no sender then).  As with
-any signal Python handles, a main thread inside one long system call (a ``sleep``) notices the
-interruption when that call returns.
+So :func:`listen` blocks the three signals before any other thread exists and one listener thread
+takes them with ``sigwaitinfo`` (docs/failure-modes.md, "Signals and the launcher's lifetime").
+Children inherit the blocked mask across exec: lifeline.py unblocks it.  Where ``sigwaitinfo`` is
+missing, or the process already has other threads, the plain handlers are kept (no sender then).
+A main thread inside one long system call (a ``sleep``) notices the interruption when it returns.
 """
 
 from __future__ import annotations
@@ -61,12 +58,11 @@ class StopListener:
 
     def note(self, signum: int, sender: int | None) -> None:
         if self.caught is None:
-            target = f"the launcher (pid {os.getpid()})"
             self.caught = {
                 "kind": "signal",
                 "signal": signal.Signals(signum).name,
                 "sender_pid": sender,
-                "text": stop_text(signum, sender, target),
+                "text": stop_text(signum, sender, f"the launcher (pid {os.getpid()})"),
             }
 
     def interrupted(self, e: KeyboardInterrupt) -> dict[str, Any]:
