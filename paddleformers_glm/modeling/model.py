@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -308,7 +307,7 @@ def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its c
 _LOG = logging.getLogger("paddleformers_glm.checkpoint")
 
 
-@contextmanager
+@contextlib.contextmanager
 def _skip_random_init() -> Iterator[None]:
     """Parameters created inside are allocated but not initialised (no random draw, no memset).
 
