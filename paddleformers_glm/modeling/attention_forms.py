@@ -578,8 +578,7 @@ class _DenseChunkAttention(PyLayer):
                 if keep:
                     kept.append(p)
             if want_probs:  # the head mean at the selected slots [C, K]
-                sel = topk[b, r0:r1]
-                probs.append(paddle.take_along_axis(pm, paddle.clip(sel, min=0), axis=1) / H)
+                probs.append(paddle.take_along_axis(pm, paddle.clip(topk[b, r0:r1], min=0), axis=1) / H)
         dead = not bool(live.min())  # any query without keys (left padding): one host read
         if dead:
             mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]

@@ -217,12 +217,10 @@ class DSAIndexer(nn.Layer):
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
             k = all_keys(k)
-        valid = topk_idx >= 0
         k_sel = gather_keys(k, topk_idx)  # [B, S, k, Di]
-        s = paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale  # [B, S, Hi, k]
-        s = nn.functional.relu(s)
+        s = nn.functional.relu(paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale)  # [B, S, Hi, k]
         scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
-        kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), valid)
+        kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), topk_idx >= 0)
         return query_mean(kl, rows, total)
 
     def dense_kl_loss(
