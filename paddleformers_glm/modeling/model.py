@@ -561,10 +561,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return hidden, topk, self.model.end_forward(records), mtp_hidden
 
     def forward_stage(
-        self,
-        carry: tuple[paddle.Tensor, ...] | None,
-        batch: Mapping[str, paddle.Tensor],
-        part: StageSpec | None = None,
+        self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor], part: StageSpec | None = None
     ) -> StageOutput:
         """The trainer's stage contract: ``carry`` = (hidden, top-k) from the stage before (None on a
         stage that embeds), ``batch`` the micro-batch tensors; ``part`` runs only that chunk of the
