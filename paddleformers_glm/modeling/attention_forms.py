@@ -287,11 +287,8 @@ def _plan(B: int, S: int, H: int, D: int, K: int, chunk_size: int, n_keys: int |
     for b in range(B):
         for c0 in range(0, S, rows):
             c1 = min(S, c0 + rows)
-            if n_keys is not None:
-                plan.append(_Chunk(b * S + c0, b * S + c1, b, n_keys, False))
-                continue
-            dense = c1 <= _DENSE_KEYS_PER_SLOT * K and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
-            plan.append(_Chunk(b * S + c0, b * S + c1, b, c1, dense))
+            dense = n_keys is None and c1 <= _DENSE_KEYS_PER_SLOT * K and (c1 - c0) * H * (c1 + 1) <= 2 * _CHUNK_ELEMS
+            plan.append(_Chunk(b * S + c0, b * S + c1, b, c1 if n_keys is None else n_keys, dense))
     return plan
 
 
@@ -443,8 +440,7 @@ def sparse_latent_attention(
     out = out.reshape([B, S, H, D])
     if not return_probs:
         return out, None
-    probs = paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
-    return out, probs
+    return out, paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
 
 
 def dense_masked_attention(
@@ -519,8 +515,7 @@ class _DenseHeadAttention(PyLayer):
         g_live = g * live.expand(g.shape)
         dp = _as(paddle.matmul(g_live, v, transpose_y=True), "float32")  # [B, H, S, S]
         ds = ops.softmax_backward(p, dp)
-        if ds.dtype != qs.dtype:
-            ds, p = ds.astype(qs.dtype), p.astype(qs.dtype)
+        ds, p = _as(ds, qs.dtype), _as(p, qs.dtype)
         if ctx.low:  # the scale's gradient in q's dtype, before both products (the forward's order)
             ds = ds * ctx.scale
         dq = paddle.matmul(ds, k) if ctx.low else paddle.matmul(ds, k).scale_(ctx.scale)
@@ -583,8 +578,7 @@ class _DenseChunkAttention(PyLayer):
                 if keep:
                     kept.append(p)
             if want_probs:  # the head mean at the selected slots [C, K]
-                sel = topk[b, r0:r1]
-                probs.append(paddle.take_along_axis(pm, paddle.clip(sel, min=0), axis=1) / H)
+                probs.append(paddle.take_along_axis(pm, paddle.clip(topk[b, r0:r1], min=0), axis=1) / H)
         dead = not bool(live.min())  # any query without keys (left padding): one host read
         if dead:
             mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]

@@ -158,9 +158,16 @@ class DSAIndexer(nn.Layer):
         [B, capacity, Di]; fixed shapes, no host read, slots past the filled length are -1."""
         with paddle.no_grad():
             k = keys(k) if keys is not None else k  # [B, T, Di]
-            if slots is not None:
-                return self._select_slots(q, k, w, key_padding, slots)
             B, S, T = q.shape[0], q.shape[1], k.shape[1]
+            if slots is not None:  # one block of scores [B, S, T]: the visible slots (<= the query's, valid)
+                scores = self.chunk_scores(q, k, w)
+                key_ids = paddle.arange(T, dtype="int64")
+                visible = paddle.logical_and(
+                    key_ids.unsqueeze(0) <= slots.unsqueeze(1), key_padding.astype("bool").unsqueeze(1)
+                )
+                scores = paddle.where(visible, scores, paddle.full_like(scores, NEG_INF))
+                vals, idx = paddle.topk(scores, min(self.topk, T), axis=-1)
+                return paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
             pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
             k_out = min(self.topk, T)
             chunk = self.chunk_rows(S, T)
@@ -191,21 +198,6 @@ class DSAIndexer(nn.Layer):
         and the chunk's scores [rows, Hi, T] within `CHUNK_BYTES` (down to one row, at any length)."""
         return max(1, min(S, self.chunk_size, CHUNK_BYTES // 4 // (self.n_heads * T), max(16, S // 4)))
 
-    def _select_slots(
-        self, q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, key_valid: paddle.Tensor, slots: paddle.Tensor
-    ) -> paddle.Tensor:
-        """`select` for queries at cache ``slots`` [S] over a whole cache k [B, T, Di]: one block
-        of scores [B, S, T], the visible slots (<= the query's, valid) kept, one top-k."""
-        T = k.shape[1]
-        scores = self.chunk_scores(q, k, w)  # [B, S, T]
-        key_ids = paddle.arange(T, dtype="int64")
-        visible = paddle.logical_and(
-            key_ids.unsqueeze(0) <= slots.unsqueeze(1), key_valid.astype("bool").unsqueeze(1)
-        )  # [B, S, T]
-        scores = paddle.where(visible, scores, paddle.full_like(scores, NEG_INF))
-        vals, idx = paddle.topk(scores, min(self.topk, T), axis=-1)
-        return paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
-
     def kl_loss(
         self,
         x: paddle.Tensor,
@@ -225,12 +217,10 @@ class DSAIndexer(nn.Layer):
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
             k = all_keys(k)
-        valid = topk_idx >= 0
         k_sel = gather_keys(k, topk_idx)  # [B, S, k, Di]
-        s = paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale  # [B, S, Hi, k]
-        s = nn.functional.relu(s)
+        s = nn.functional.relu(paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale)  # [B, S, Hi, k]
         scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
-        kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), valid)
+        kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), topk_idx >= 0)
         return query_mean(kl, rows, total)
 
     def dense_kl_loss(

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -308,7 +307,7 @@ def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its c
 _LOG = logging.getLogger("paddleformers_glm.checkpoint")
 
 
-@contextmanager
+@contextlib.contextmanager
 def _skip_random_init() -> Iterator[None]:
     """Parameters created inside are allocated but not initialised (no random draw, no memset).
 
@@ -562,10 +561,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return hidden, topk, self.model.end_forward(records), mtp_hidden
 
     def forward_stage(
-        self,
-        carry: tuple[paddle.Tensor, ...] | None,
-        batch: Mapping[str, paddle.Tensor],
-        part: StageSpec | None = None,
+        self, carry: tuple[paddle.Tensor, ...] | None, batch: Mapping[str, paddle.Tensor], part: StageSpec | None = None
     ) -> StageOutput:
         """The trainer's stage contract: ``carry`` = (hidden, top-k) from the stage before (None on a
         stage that embeds), ``batch`` the micro-batch tensors; ``part`` runs only that chunk of the

@@ -49,7 +49,6 @@ def head_accum_(
         ops.glm_head_accum(p, x, z, b, r0, h0, float(alpha))
         return z
     part = paddle.matmul(p, x[b, r0 : r0 + C, h0 : h0 + G].transpose([1, 0, 2]), transpose_x=True)  # [G, n, d]
-    if alpha != 1.0:
-        part = part * alpha
+    part = part * alpha if alpha != 1.0 else part
     z[b, :n, h0 : h0 + G] = z[b, :n, h0 : h0 + G] + part.transpose([1, 0, 2])
     return z

@@ -97,11 +97,9 @@ def _exclusive(path: Path) -> Iterator[None]:
 
             f.seek(0)
             while True:
-                try:
-                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)  # gives up after 10 s: retry
+                with contextlib.suppress(OSError):  # gives up after 10 s: retry
+                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)
                     break
-                except OSError:
-                    continue
             try:
                 yield
             finally:

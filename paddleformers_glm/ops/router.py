@@ -8,13 +8,7 @@ from .kernels import usable
 
 
 def route(
-    scores: paddle.Tensor,
-    bias: paddle.Tensor,
-    n_group: int,
-    topk_group: int,
-    top_k: int,
-    norm: bool,
-    scaling: float,
+    scores: paddle.Tensor, bias: paddle.Tensor, n_group: int, topk_group: int, top_k: int, norm: bool, scaling: float
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(weights [N, k] fp32, expert ids [N, k] int64) for sigmoid scores [N, E] fp32 and the
     selection bias [E] (it only chooses; it is never a weight):
