@@ -93,21 +93,14 @@ class ModelAdapter:
         return None
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
-        """The module of one pipeline stage; its parameter names must equal the full model's.
-
-        Its ``forward_stage(carry, batch, part=None)`` returns a ``StageOutput``; ``part`` (a spec whose
-        layers and ends are a subset of ``spec``) runs only that chunk: with ``--vpp`` a rank's
-        module holds several pipeline chunks and Fleet's interleaved engine runs them in turn.
-        """
+        """The module of one pipeline stage, parameter names as the full model's, with its
+        ``forward_stage(carry, batch, part=None) -> StageOutput`` (docs/parallel.md, "Stage module")."""
         raise NotImplementedError
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any] | None:
         """Fill ``module`` (this rank's stage, TP/EP-local shapes) in place from the model's weights,
-        reading only what this rank holds, so no rank ever holds a full-size copy.
-
-        Returns a summary for the run's logs (e.g. ``{"bytes_read": ..., "tensors": ...}``), or None
-        when the adapter does not implement it: the trainer then slices :meth:`full_state`.
-        """
+        reading only what this rank holds, so no rank ever holds a full-size copy; returns a summary
+        for the run's logs, or None (not implemented): the trainer then slices :meth:`full_state`."""
         return None
 
     def full_state(self) -> Mapping[str, Any]:

@@ -1,16 +1,8 @@
-"""Step dumps (``glm52 train --dump-step DIR K``): the full training state after one update.
-
-After update K the trainer writes, in the checkpoint's official (HF) names and fp32:
-
-* ``DIR/grads/``: the gradients of step K *before clipping* (summed over every replica);
-* ``DIR/exp_avg/`` and ``DIR/exp_avg_sq/``: AdamW's first and second moments after the update;
-* ``DIR/weights/``: the updated weights (the fp32 master copy when parameters are bf16).
-
-Each is a ``model.safetensors`` plus a byte copy of the model's ``config.json``, so ``glm52
-check-ckpt`` compares a dump with the torch reference's (paddleformers_glm/parity/reference/train.py) and
-``glm52 align`` checks them against tolerances.  A tensor that gets no gradient (an indexer the
-loss does not reach, the router's correction bias, a buffer) is written as zeros in the gradient
-and moment dumps, the same convention the reference uses.
+"""Step dumps (``glm52 train --dump-step DIR K``): the full training state after update K, in the
+checkpoint's official (HF) names and fp32: ``DIR/grads/`` (before clipping), ``DIR/exp_avg/``,
+``DIR/exp_avg_sq/`` and ``DIR/weights/``, each a ``model.safetensors`` plus a byte copy of the model's
+``config.json`` (what each holds and how ``glm52 align`` compares them with the torch reference's:
+docs/parity.md).
 
 What a parameter's moments are is read through :func:`adam_moments`, the only place that knows the
 optimizer's storage.  With sharding ranks each parameter's moments (and at stage 2 its gradient)

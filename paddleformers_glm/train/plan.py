@@ -193,16 +193,6 @@ def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
     return list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
 
 
-def _stage_parts(config: Any, spec: Any) -> Counter:
-    """How many times each part (embedding, layer kind, head) a stage holds."""
-    parts: Counter = Counter(_layer_key(config, i) for i in _stage_layer_ids(config, spec))
-    if spec.has_embedding or spec.has_mtp:
-        parts["embedding"] += 1
-    if spec.has_head:
-        parts["head"] += 1
-    return parts
-
-
 def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, str, bool, int]]:
     """The parameters one rank of pipeline stage ``spec`` holds (from :func:`layer_counts`)."""
     lc = layer_counts(config, lay)
@@ -389,7 +379,6 @@ def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) ->
     mine = state_bytes([it for i, it in enumerate(items) if i in owned])
     mine_e = state_bytes([it for i, it in enumerate(items) if i in owned and _is_expert(params[i][0])])
     return {
-        "params_bytes": full["params_bytes"],
         "grads_bytes": mine["grads_bytes"] if lay.sharding_stage >= 2 else full["grads_bytes"],
         "optimizer_bytes": mine["optimizer_bytes"],
         "expert_optimizer_bytes": mine_e["optimizer_bytes"],
@@ -405,8 +394,10 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     from .memory import shard_totals
 
     lc = layer_counts(config, lay)
+    parts = Counter(_layer_key(config, i) for i in _stage_layer_ids(config, spec))  # how often each part
+    parts.update(k for k, held in (("embedding", spec.has_embedding or spec.has_mtp), ("head", spec.has_head)) if held)
     raw: Counter = Counter()
-    for part, m in _stage_parts(config, spec).items():
+    for part, m in parts.items():
         raw.update({k: v * m for k, v in lc.totals(part).items() if k != "full_params"})
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
@@ -448,16 +439,15 @@ def plan_layout(
             **st,
             "activations_bytes": act,
         }
+        by_sd = [row]  # the stage's sharding ranks: they differ under Fleet's partition
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
             params = stage_params(config, lay, spec)
             by_sd = [_fleet_sharded_state_bytes(lay, params, r) for r in range(lay.sharding)]
             for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
                 row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
                 row[f] = max(row[f + "_by_sharding_rank"])
-        # the stage's largest rank (under Fleet's partition the sharding ranks differ)
-        grads = row.get("grads_bytes_by_sharding_rank", [row["grads_bytes"]])
-        held = [g + o for g, o in zip(grads, row.get("optimizer_bytes_by_sharding_rank", [row["optimizer_bytes"]]))]
-        row["total_bytes"] = row["params_bytes"] + max(held) + act
+        # the stage's largest rank
+        row["total_bytes"] = row["params_bytes"] + max(b["grads_bytes"] + b["optimizer_bytes"] for b in by_sd) + act
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
