@@ -224,9 +224,8 @@ def total_params(config: Any, lay: Layout) -> int:
 
 
 def active_params(config: Any, lay: Any) -> int:
-    """Parameters one token runs through (what its matmul FLOPs scale with): every layer's,
-    routed experts only ``num_experts_per_tok`` of ``n_routed_experts``, the LM head once per
-    head (main + MTP), the embedding lookup not at all.  From the planner's probe counts."""
+    """Parameters one token runs through (what its matmul FLOPs scale with; N_active of
+    docs/scale.md), from the planner's probe counts."""
     lc = layer_counts(config, lay)
     key = ("active_params", id(config))
     if key in lc.memo:  # the same for every layout of this probe
@@ -388,9 +387,7 @@ def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) ->
 def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     """:func:`train.memory.state_bytes` of stage ``spec`` with sharding applied (an even split over
     the sharding degree), summed from its parts' totals.  Expert tensors divide like dense ones:
-    the trainer repeats the whole expert grid (laid out over tp x dp x cp) on every sharding rank,
-    so each expert tensor has a replica on every sharding rank to split its state with, besides
-    its edp = tp x dp x cp / (ep x etp) expert-data-parallel replicas, which each hold it whole."""
+    every sharding rank holds the whole expert grid (docs/scale.md)."""
     from .memory import shard_totals
 
     lc = layer_counts(config, lay)
