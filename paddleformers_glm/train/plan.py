@@ -142,7 +142,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     from ..modeling.model import GlmMoeDsaForCausalLM
     from ..parallel.layers import get_shard_spec
     from ..parallel.pipeline import StageSpec
-    from ..parallel.topology import ParallelConfig, Topology
+    from ..parallel.topology import Topology
     from .memory import dtype_name
 
     stage_name = indexer_stage(config, lay)
@@ -163,9 +163,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
             for part, items in base.parts.items()
         }
         return _CACHE.setdefault(key, LayerCounts(parts))
-    reps: dict[Any, int] = {}
-    for i in range(config.num_hidden_layers):
-        reps.setdefault(_layer_key(config, i), i)
+    reps = {_layer_key(config, i): i for i in reversed(range(config.num_hidden_layers))}  # each kind's first layer
     # shapes depend on tp / ep / etp / sp only; dp is any size that makes the expert grid valid
     pc = ParallelConfig(tp=lay.tp, pp=1, dp=lay.ep * lay.etp, ep=lay.ep, etp=lay.etp, sp=lay.sp)
     topo = Topology(pc, rank=0)  # rank 0 of every group: TP/EP ranks hold equal shapes
