@@ -26,17 +26,12 @@ __all__ = ["LossSpec", "ModelAdapter", "get_adapter_factory", "make_adapter", "r
 
 @dataclass(frozen=True)
 class LossSpec:
-    """How the trainer normalises and reports one loss term a stage returns.
-
-    normalize: "tokens"        -> divided by the number of tokens in the *global* batch whose
-                                  label ``labels[:, shift:]`` is not -100 (HF convention over the
-                                  whole global batch, independent of the parallel layout);
-               "micro_batches" -> the term is already a per-micro-batch mean (indexer KL, aux
-                                  losses): divided by the global number of micro-batches.
-    weight:    coefficient of the normalised term in the optimised objective.
-    report:    key in loss.json ("losses", "mtp_losses", ...); several terms with the same key
-               are averaged (e.g. one term per MTP depth).
-    """
+    """How the trainer normalises and reports one loss term a stage returns (docs/parallel.md, "Loss
+    normalisation"): ``normalize`` "tokens" divides it by the tokens of the *global* batch whose label
+    ``labels[:, shift:]`` is not -100, "micro_batches" (a term that is already a per-micro-batch mean:
+    indexer KL, aux losses) by the global number of micro-batches; ``weight``: its coefficient in the
+    optimised objective; ``report``: its key in loss.json, where terms of one key are averaged (e.g.
+    one term per MTP depth)."""
 
     normalize: str = "tokens"
     shift: int = 1

@@ -347,14 +347,13 @@ def _run_train(args: argparse.Namespace) -> int:
             launcher_args += ["--master", args.master]
         if args.node_rank is not None:
             launcher_args += ["--rank", str(args.node_rank)]
-    offset = (args.node_rank or 0) * nproc
     try:
         launch_workers(
             ["--config", run_json],
             nproc,
             os.path.join(cfg.out, "logs"),
             launcher_args=launcher_args,
-            node_rank_offset=offset,
+            node_rank_offset=(args.node_rank or 0) * nproc,
             timeout_s=args.job_timeout,
             quiet_launcher=not args.verbose,
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},

@@ -54,8 +54,7 @@ class GlmAdapter(ModelAdapter):
         from ..configuration import GlmMoeDsaConfig
 
         self.model_dir = model_dir
-        self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
-        c = self.config
+        self.config = c = GlmMoeDsaConfig.from_pretrained(model_dir)
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
         self.indexer = IndexerSettings(c)  # the checkpoint's default until set_indexer_training
 
