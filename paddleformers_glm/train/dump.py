@@ -43,10 +43,7 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
         return tuple(next((v for k, v in st.items() if k.endswith(m)), None) for m in ("moment1", "moment2"))
     inner = getattr(opt, "_inner_opt", opt)
     try:
-        return (
-            inner._get_accumulator_master(inner._moment1_acc_str, param),
-            inner._get_accumulator_master(inner._moment2_acc_str, param),
-        )
+        return tuple(inner._get_accumulator_master(k, param) for k in (inner._moment1_acc_str, inner._moment2_acc_str))
     except Exception:  # noqa: BLE001 - Paddle raises a bare Exception for a parameter never updated
         return None, None
 

@@ -32,10 +32,8 @@ def load_stats(load: np.ndarray) -> dict[str, float]:
 
 class ExpertBalancer:
     """Collects every router's per-expert load after each optimizer step, updates the biases
-    (rate > 0) and keeps per-step, per-layer statistics for ``loss.json``.
-
-    A module without routers (the toy model) gives a balancer that does nothing and reports nothing.
-    """
+    (rate > 0) and keeps per-step, per-layer statistics for ``loss.json``; for a module without
+    routers (the toy model) it does nothing and reports nothing."""
 
     def __init__(
         self,

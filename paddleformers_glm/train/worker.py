@@ -129,8 +129,7 @@ class WorkerLife:
         """Record the exception (with the peers as they are now), print it, leave with 1."""
         self._lock.acquire(timeout=5.0)
         tb = traceback.format_exc()
-        msg = str(e).strip().splitlines()
-        text = shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
+        text = shorten(" | ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip()))
         comm = is_comm_error(f"{type(e).__name__} {e} {tb}")  # the whole text: gloo puts TIMEOUT first
         record = {
             "rank": self.rank,
