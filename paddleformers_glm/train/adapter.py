@@ -49,11 +49,9 @@ def token_count(labels: np.ndarray, shift: int, ignore_index: int = IGNORE_INDEX
 
 
 class ModelAdapter:
-    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md.
-
-    The constructor must be cheap (read a config, no weights): the CLI builds one in the parent
-    process only to validate the layout before launching workers.
-    """
+    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md.  The
+    constructor must be cheap (read a config, no weights): the CLI builds one in the parent process
+    only to validate the layout before launching workers."""
 
     name: str = "model"
     num_layers: int = 0  # decoder layers the pipeline splits (MTP excluded)

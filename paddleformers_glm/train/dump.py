@@ -30,13 +30,11 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 
 def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
-    """(first moment, second moment) of one parameter, or (None, None) before its first update.
-
-    The trainer's AdamW keeps them by structured name in ``opt.state[name]`` under Paddle's
+    """(first moment, second moment) of one parameter, or (None, None) before its first update:
+    the trainer's AdamW keeps them by structured name in ``opt.state[name]`` under Paddle's
     accumulator kinds (``moment1`` / ``moment2``); a bare ``paddle.optimizer.AdamW`` (possibly
     wrapped by ``fleet.distributed_optimizer``) through ``_get_accumulator_master``.  moment2 is the
-    plain (not square-rooted) average of g².
-    """
+    plain (not square-rooted) average of g²."""
     state = getattr(opt, "state", None)
     if isinstance(state, Mapping):
         st = state.get(name) or {}
@@ -51,11 +49,9 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
 def dump_training_state(
     out_dir: str, module: paddle.nn.Layer, opt: Any, grads: Mapping[str, paddle.Tensor], topo: Any, adapter: Any
 ) -> None:
-    """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it).
-
-    ``grads`` are the synced, not yet clipped gradients by structured name (as the trainer's
-    ``GradSynchronizer.main_grads`` returns them).
-    """
+    """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it); ``grads``:
+    the synced, not yet clipped gradients by structured name (as ``GradSynchronizer.main_grads``
+    returns them)."""
     from ..checkpoint import save_pretrained_state
     from ..parallel import comm
     from ..parallel.layers import get_shard_spec

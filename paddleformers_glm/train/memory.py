@@ -107,10 +107,9 @@ class MemoryMonitor:
     def track(self, first: bool) -> Any:
         """Context for a step's forwards and backwards: on the first step, counts the peak bytes
         autograd keeps saved for backward (distinct storages, parameters excluded), the quantity
-        the planner's activation estimate describes.
-
-        Under recompute nothing is counted (``activations_bytes`` is None): the recomputed layers
-        install their own saved-tensor hooks and Paddle allows one pair at a time."""
+        the planner's activation estimate describes.  Under recompute nothing is counted
+        (``activations_bytes`` is None): the recomputed layers install their own saved-tensor hooks
+        and Paddle allows one pair at a time."""
         import contextlib
 
         if not first:

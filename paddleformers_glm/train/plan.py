@@ -56,9 +56,8 @@ class Layout(ParallelConfig):
     pp_layout: str | None = None
     first_stage_layers: int | None = None  # decoder layers on the first / last pipeline stage
     last_stage_layers: int | None = None
-    # the indexer's training (train/indexer_stage.py): "warmup" freezes all but the indexers (no
-    # gradients, no optimizer state, no activations kept but the indexers' KL); None: the
-    # checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
+    # the indexer's training (train/indexer_stage.py; "warmup" freezes all but the indexers: docs/scale.md);
+    # None: the checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
     indexer_stage: str | None = None
 
     @property

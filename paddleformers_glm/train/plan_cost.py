@@ -55,8 +55,7 @@ def step_estimate(
     hw: Hardware | None = None,
     expert_params: int = 0,
 ) -> dict[str, float]:
-    """Estimated seconds of one training step of ``lay`` and seconds per token (docs/scale.md).
-
+    """Estimated seconds of one training step of ``lay`` and seconds per token (docs/scale.md):
     ``micro_batches``: per pipeline per step; ``active``: ``plan.active_params``; ``grad_params``:
     parameters of the largest rank (its gradients are what the data-parallel reduction moves),
     ``expert_params`` of them routed experts (synced over fewer replicas, as parallel/grads.py does)."""
