@@ -122,8 +122,7 @@ class ExpertBalancer:
             {str(i): np.flatnonzero(row == 0).tolist() for i, row in zip(self.layers, rows) if (row == 0).any()}
         )
         if self.aux_coeff > 0:
-            n = max(1, len(self.layers))
-            self.aux_losses.append(float(mat[self.layers, E].sum()) / n / self.global_sequences)
+            self.aux_losses.append(float(mat[self.layers, E].sum()) / max(1, len(self.layers)) / self.global_sequences)
         self.load_total = rows.copy() if self.load_total is None else self.load_total + rows
         self.load_last = rows
 

@@ -198,9 +198,8 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
         out += lc.part("embedding")
     for i in _stage_layer_ids(config, spec):  # the representative layer's parameters under layer i's name
         for name, *rest in lc.part(_layer_key(config, i)):
-            parts = name.split(".")
-            parts[2] = str(i)
-            out.append((".".join(parts), *rest))
+            model, layers, _, tail = name.split(".", 3)
+            out.append((f"{model}.{layers}.{i}.{tail}", *rest))
     if spec.has_head:
         out += lc.part("head")
     return out
@@ -254,7 +253,6 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     ql, kl = c.q_lora_rank, c.kv_lora_rank
     mtp = kind[0] == "mtp"
     has_indexer = mtp or kind[1] == "full"
-    mlp = "sparse" if mtp else kind[0]
     # the indexer's queries, keys and head weights (kept when its KL trains)
     indexer_inputs = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
     # attention block: norm input, normed input, latents and their norms, head projections,
@@ -287,7 +285,7 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
         other += 4.0 * b * s * s_all
     # MLP block
     other += a * (sb * h / sig + sb * h)
-    if mlp == "dense":
+    if not mtp and kind[0] == "dense":  # an MTP layer's MLP is MoE
         i = c.intermediate_size // t
         other += a * sb * 3 * i
     else:
