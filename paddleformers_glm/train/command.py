@@ -232,8 +232,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     else:
         from ..cli._common import model_folder_error
 
-        bad = model_folder_error(args.model)
-        if bad:
+        if bad := model_folder_error(args.model):
             raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}  # flags by name

@@ -573,15 +573,13 @@ def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from ..cli._common import model_folder_error
 
-    bad = model_folder_error(args.model)
-    if bad:  # before Paddle is imported: a typo is answered at once
+    if bad := model_folder_error(args.model):  # before Paddle is imported: a typo is answered at once
         print(f"glm52 plan: error: {bad}", file=sys.stderr)
         return 2
     from ..cpu_env import apply_mkl_default
 
     apply_mkl_default()
-    note = _train_line_note(args)
-    if note:
+    if note := _train_line_note(args):
         print(f"glm52 plan: note: {note}", file=sys.stderr)
     try:
         from ..configuration import GlmMoeDsaConfig
