@@ -26,17 +26,12 @@ __all__ = ["LossSpec", "ModelAdapter", "get_adapter_factory", "make_adapter", "r
 
 @dataclass(frozen=True)
 class LossSpec:
-    """How the trainer normalises and reports one loss term a stage returns.
-
-    normalize: "tokens"        -> divided by the number of tokens in the *global* batch whose
-                                  label ``labels[:, shift:]`` is not -100 (HF convention over the
-                                  whole global batch, independent of the parallel layout);
-               "micro_batches" -> the term is already a per-micro-batch mean (indexer KL, aux
-                                  losses): divided by the global number of micro-batches.
-    weight:    coefficient of the normalised term in the optimised objective.
-    report:    key in loss.json ("losses", "mtp_losses", ...); several terms with the same key
-               are averaged (e.g. one term per MTP depth).
-    """
+    """How the trainer normalises and reports one loss term a stage returns (docs/parallel.md, "Loss
+    normalisation"): ``normalize`` "tokens" divides it by the tokens of the *global* batch whose label
+    ``labels[:, shift:]`` is not -100, "micro_batches" (a term that is already a per-micro-batch mean:
+    indexer KL, aux losses) by the global number of micro-batches; ``weight``: its coefficient in the
+    optimised objective; ``report``: its key in loss.json, where terms of one key are averaged (e.g.
+    one term per MTP depth)."""
 
     normalize: str = "tokens"
     shift: int = 1
@@ -54,11 +49,9 @@ def token_count(labels: np.ndarray, shift: int, ignore_index: int = IGNORE_INDEX
 
 
 class ModelAdapter:
-    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md.
-
-    The constructor must be cheap (read a config, no weights): the CLI builds one in the parent
-    process only to validate the layout before launching workers.
-    """
+    """Subclass and register (``register_adapter("name", factory)``); see docs/parallel.md.  The
+    constructor must be cheap (read a config, no weights): the CLI builds one in the parent process
+    only to validate the layout before launching workers."""
 
     name: str = "model"
     num_layers: int = 0  # decoder layers the pipeline splits (MTP excluded)
@@ -93,21 +86,14 @@ class ModelAdapter:
         return None
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
-        """The module of one pipeline stage; its parameter names must equal the full model's.
-
-        Its ``forward_stage(carry, batch, part=None)`` returns a ``StageOutput``; ``part`` (a spec whose
-        layers and ends are a subset of ``spec``) runs only that chunk: with ``--vpp`` a rank's
-        module holds several pipeline chunks and Fleet's interleaved engine runs them in turn.
-        """
+        """The module of one pipeline stage, parameter names as the full model's, with its
+        ``forward_stage(carry, batch, part=None) -> StageOutput`` (docs/parallel.md, "Stage module")."""
         raise NotImplementedError
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any] | None:
         """Fill ``module`` (this rank's stage, TP/EP-local shapes) in place from the model's weights,
-        reading only what this rank holds, so no rank ever holds a full-size copy.
-
-        Returns a summary for the run's logs (e.g. ``{"bytes_read": ..., "tensors": ...}``), or None
-        when the adapter does not implement it: the trainer then slices :meth:`full_state`.
-        """
+        reading only what this rank holds, so no rank ever holds a full-size copy; returns a summary
+        for the run's logs, or None (not implemented): the trainer then slices :meth:`full_state`."""
         return None
 
     def full_state(self) -> Mapping[str, Any]:

@@ -232,8 +232,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     else:
         from ..cli._common import model_folder_error
 
-        bad = model_folder_error(args.model)
-        if bad:
+        if bad := model_folder_error(args.model):
             raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}  # flags by name
@@ -347,14 +346,13 @@ def _run_train(args: argparse.Namespace) -> int:
             launcher_args += ["--master", args.master]
         if args.node_rank is not None:
             launcher_args += ["--rank", str(args.node_rank)]
-    offset = (args.node_rank or 0) * nproc
     try:
         launch_workers(
             ["--config", run_json],
             nproc,
             os.path.join(cfg.out, "logs"),
             launcher_args=launcher_args,
-            node_rank_offset=offset,
+            node_rank_offset=(args.node_rank or 0) * nproc,
             timeout_s=args.job_timeout,
             quiet_launcher=not args.verbose,
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},

@@ -1,16 +1,8 @@
-"""Step dumps (``glm52 train --dump-step DIR K``): the full training state after one update.
-
-After update K the trainer writes, in the checkpoint's official (HF) names and fp32:
-
-* ``DIR/grads/``: the gradients of step K *before clipping* (summed over every replica);
-* ``DIR/exp_avg/`` and ``DIR/exp_avg_sq/``: AdamW's first and second moments after the update;
-* ``DIR/weights/``: the updated weights (the fp32 master copy when parameters are bf16).
-
-Each is a ``model.safetensors`` plus a byte copy of the model's ``config.json``, so ``glm52
-check-ckpt`` compares a dump with the torch reference's (paddleformers_glm/parity/reference/train.py) and
-``glm52 align`` checks them against tolerances.  A tensor that gets no gradient (an indexer the
-loss does not reach, the router's correction bias, a buffer) is written as zeros in the gradient
-and moment dumps, the same convention the reference uses.
+"""Step dumps (``glm52 train --dump-step DIR K``): the full training state after update K, in the
+checkpoint's official (HF) names and fp32: ``DIR/grads/`` (before clipping), ``DIR/exp_avg/``,
+``DIR/exp_avg_sq/`` and ``DIR/weights/``, each a ``model.safetensors`` plus a byte copy of the model's
+``config.json`` (what each holds and how ``glm52 align`` compares them with the torch reference's:
+docs/parity.md).
 
 What a parameter's moments are is read through :func:`adam_moments`, the only place that knows the
 optimizer's storage.  With sharding ranks each parameter's moments (and at stage 2 its gradient)
@@ -38,23 +30,18 @@ DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 
 def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
-    """(first moment, second moment) of one parameter, or (None, None) before its first update.
-
-    The trainer's AdamW keeps them by structured name in ``opt.state[name]`` under Paddle's
+    """(first moment, second moment) of one parameter, or (None, None) before its first update:
+    the trainer's AdamW keeps them by structured name in ``opt.state[name]`` under Paddle's
     accumulator kinds (``moment1`` / ``moment2``); a bare ``paddle.optimizer.AdamW`` (possibly
     wrapped by ``fleet.distributed_optimizer``) through ``_get_accumulator_master``.  moment2 is the
-    plain (not square-rooted) average of g².
-    """
+    plain (not square-rooted) average of g²."""
     state = getattr(opt, "state", None)
     if isinstance(state, Mapping):
         st = state.get(name) or {}
         return tuple(next((v for k, v in st.items() if k.endswith(m)), None) for m in ("moment1", "moment2"))
     inner = getattr(opt, "_inner_opt", opt)
     try:
-        return (
-            inner._get_accumulator_master(inner._moment1_acc_str, param),
-            inner._get_accumulator_master(inner._moment2_acc_str, param),
-        )
+        return tuple(inner._get_accumulator_master(k, param) for k in (inner._moment1_acc_str, inner._moment2_acc_str))
     except Exception:  # noqa: BLE001 - Paddle raises a bare Exception for a parameter never updated
         return None, None
 
@@ -62,11 +49,9 @@ def adam_moments(opt: Any, name: str, param: paddle.Tensor) -> tuple[paddle.Tens
 def dump_training_state(
     out_dir: str, module: paddle.nn.Layer, opt: Any, grads: Mapping[str, paddle.Tensor], topo: Any, adapter: Any
 ) -> None:
-    """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it).
-
-    ``grads`` are the synced, not yet clipped gradients by structured name (as the trainer's
-    ``GradSynchronizer.main_grads`` returns them).
-    """
+    """Write the four dumps of this step to ``out_dir`` (collective: every rank calls it); ``grads``:
+    the synced, not yet clipped gradients by structured name (as ``GradSynchronizer.main_grads``
+    returns them)."""
     from ..checkpoint import save_pretrained_state
     from ..parallel import comm
     from ..parallel.layers import get_shard_spec

@@ -1,9 +1,7 @@
 """GLM-5.2 behind the trainer (``glm52 train --model DIR``): each pipeline stage is the model itself
-(``GlmMoeDsaForCausalLM`` built for the stage's layers and the run's topology, run through its
-``forward_stage``), so every layout the modeling package builds trains: TP, SP, EP, ETP, PP with
-any split (the top-k travels in the carry), DP, CP, MTP and the indexer's stages.  Each rank builds
-only its stage's submodules, in its TP/EP-local shapes, and reads only its own slices of the
-checkpoint (``load_stage``): no rank ever holds a full-size model or tensor.
+(``GlmMoeDsaForCausalLM`` built for the stage's layers and the run's topology), so every layout the
+modeling package builds trains (the top-k travels in the carry); each rank reads only its own slices
+of the checkpoint (``load_stage``): no rank ever holds a full-size model or tensor (docs/parallel.md §5).
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ class GlmAdapter(ModelAdapter):
         from ..configuration import GlmMoeDsaConfig
 
         self.model_dir = model_dir
-        self.config = GlmMoeDsaConfig.from_pretrained(model_dir)
-        c = self.config
+        self.config = c = GlmMoeDsaConfig.from_pretrained(model_dir)
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
         self.indexer = IndexerSettings(c)  # the checkpoint's default until set_indexer_training
 
@@ -102,14 +99,9 @@ class GlmAdapter(ModelAdapter):
         return model
 
     def load_stage(self, module: nn.Layer, topo: Topology) -> dict[str, Any]:
-        """Read this rank's slices of its stage's tensors straight into ``module``'s parameters.
-
-        Each split parameter goes to the loader as a ``ShardedWeight`` (local piece, global shape
-        and offset from its ``ShardSpec``), fused ``up_gate_proj`` pieces with every rank's piece
-        in ``shard_info`` (the engine then lays rank r out as ``[gate_r | up_r]``, what
-        ``local_slice`` cuts); the engine reads only those slices (bf16 or fp32 sources, cast to
-        the parameter's dtype).  No full-size tensor exists on the rank at any time.
-        """
+        """Read this rank's slices of its stage's tensors straight into ``module``'s parameters (as
+        ``ShardedWeight`` pieces: docs/checkpoints.md, "In the trainer"); no full-size tensor exists
+        on the rank at any time."""
         from ..checkpoint import load_pretrained_state
         from ..parallel.state import sharded_state_dict
 

@@ -29,10 +29,7 @@ def state_bytes(
     """Bytes of parameters, gradients and optimizer state for ``params`` = ``(numel, dtype)`` or
     ``(numel, dtype, trainable)`` (a frozen parameter has no gradient and no optimizer state) or
     ``(numel, dtype, trainable, stepped)``: a trainable parameter that never receives a gradient
-    (the optimizer never steps it, so creates no state for it) still has its fp32 main-grad buffer.
-
-    The single place this rule lives: the planner's per-rank numbers and the trainer's comparison
-    both come from here (see the module docstring for the rule)."""
+    (the optimizer never steps it, so creates no state for it) still has its fp32 main-grad buffer."""
     if sharding_degree < 1 or sharding_stage not in (0, 1, 2, 3):
         raise ValueError(f"state_bytes: sharding degree {sharding_degree} / stage {sharding_stage} is not valid")
     p_bytes = g_bytes = o_bytes = 0
@@ -94,8 +91,7 @@ class _Saved:
             release, self.release = self.release, None
             release(self.ptr)
 
-    def __del__(self) -> None:
-        self.done()
+    __del__ = done  # the graph node let it go unread
 
 
 class MemoryMonitor:
@@ -111,10 +107,9 @@ class MemoryMonitor:
     def track(self, first: bool) -> Any:
         """Context for a step's forwards and backwards: on the first step, counts the peak bytes
         autograd keeps saved for backward (distinct storages, parameters excluded), the quantity
-        the planner's activation estimate describes.
-
-        Under recompute nothing is counted (``activations_bytes`` is None): the recomputed layers
-        install their own saved-tensor hooks and Paddle allows one pair at a time."""
+        the planner's activation estimate describes.  Under recompute nothing is counted
+        (``activations_bytes`` is None): the recomputed layers install their own saved-tensor hooks
+        and Paddle allows one pair at a time."""
         import contextlib
 
         if not first:

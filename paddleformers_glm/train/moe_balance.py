@@ -30,25 +30,10 @@ def load_stats(load: np.ndarray) -> dict[str, float]:
     }
 
 
-def _routers(module: Any) -> dict[int, Any]:
-    from ..modeling.moe import TopkRouter
-
-    out: dict[int, Any] = {}
-    for name, layer in module.named_sublayers():
-        if isinstance(layer, TopkRouter):
-            m = _LAYER.search(name + ".")
-            if m is None:
-                raise ValueError(f"router {name!r}: no layer number in its name (expected '...layers.<i>....')")
-            out[int(m.group(1))] = layer
-    return out
-
-
 class ExpertBalancer:
     """Collects every router's per-expert load after each optimizer step, updates the biases
-    (rate > 0) and keeps per-step, per-layer statistics for ``loss.json``.
-
-    A module without routers (the toy model) gives a balancer that does nothing and reports nothing.
-    """
+    (rate > 0) and keeps per-step, per-layer statistics for ``loss.json``; for a module without
+    routers (the toy model) it does nothing and reports nothing."""
 
     def __init__(
         self,
@@ -59,10 +44,18 @@ class ExpertBalancer:
         global_sequences: int = 1,
         loss_multiplier: float = 1.0,
     ) -> None:
+        from ..modeling.moe import TopkRouter
+
         self.topo = topo
+        self.routers: dict[int, Any] = {}  # by layer number
+        for name, layer in module.named_sublayers():
+            if isinstance(layer, TopkRouter):
+                m = _LAYER.search(name + ".")
+                if m is None:
+                    raise ValueError(f"router {name!r}: no layer number in its name (expected '...layers.<i>....')")
+                self.routers[int(m.group(1))] = layer
         self.rate = float(bias_update_rate)
         self.aux_coeff = float(aux_loss_coeff)
-        self.routers = _routers(module)
         self.global_sequences = max(int(global_sequences), 1)
         for r in self.routers.values():
             r.balance.aux_loss_coeff = self.aux_coeff
@@ -129,8 +122,7 @@ class ExpertBalancer:
             {str(i): np.flatnonzero(row == 0).tolist() for i, row in zip(self.layers, rows) if (row == 0).any()}
         )
         if self.aux_coeff > 0:
-            n = max(1, len(self.layers))
-            self.aux_losses.append(float(mat[self.layers, E].sum()) / n / self.global_sequences)
+            self.aux_losses.append(float(mat[self.layers, E].sum()) / max(1, len(self.layers)) / self.global_sequences)
         self.load_total = rows.copy() if self.load_total is None else self.load_total + rows
         self.load_last = rows
 

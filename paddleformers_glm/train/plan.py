@@ -56,9 +56,8 @@ class Layout(ParallelConfig):
     pp_layout: str | None = None
     first_stage_layers: int | None = None  # decoder layers on the first / last pipeline stage
     last_stage_layers: int | None = None
-    # the indexer's training (train/indexer_stage.py): "warmup" freezes all but the indexers (no
-    # gradients, no optimizer state, no activations kept but the indexers' KL); None: the
-    # checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
+    # the indexer's training (train/indexer_stage.py; "warmup" freezes all but the indexers: docs/scale.md);
+    # None: the checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
     indexer_stage: str | None = None
 
     @property
@@ -142,7 +141,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     from ..modeling.model import GlmMoeDsaForCausalLM
     from ..parallel.layers import get_shard_spec
     from ..parallel.pipeline import StageSpec
-    from ..parallel.topology import ParallelConfig, Topology
+    from ..parallel.topology import Topology
     from .memory import dtype_name
 
     stage_name = indexer_stage(config, lay)
@@ -163,9 +162,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
             for part, items in base.parts.items()
         }
         return _CACHE.setdefault(key, LayerCounts(parts))
-    reps: dict[Any, int] = {}
-    for i in range(config.num_hidden_layers):
-        reps.setdefault(_layer_key(config, i), i)
+    reps = {_layer_key(config, i): i for i in reversed(range(config.num_hidden_layers))}  # each kind's first layer
     # shapes depend on tp / ep / etp / sp only; dp is any size that makes the expert grid valid
     pc = ParallelConfig(tp=lay.tp, pp=1, dp=lay.ep * lay.etp, ep=lay.ep, etp=lay.etp, sp=lay.sp)
     topo = Topology(pc, rank=0)  # rank 0 of every group: TP/EP ranks hold equal shapes
@@ -193,16 +190,6 @@ def _stage_layer_ids(config: Any, spec: Any) -> list[int]:
     return list(spec.layers) + (list(range(L, L + config.num_mtp_layers)) if spec.has_mtp else [])
 
 
-def _stage_parts(config: Any, spec: Any) -> Counter:
-    """How many times each part (embedding, layer kind, head) a stage holds."""
-    parts: Counter = Counter(_layer_key(config, i) for i in _stage_layer_ids(config, spec))
-    if spec.has_embedding or spec.has_mtp:
-        parts["embedding"] += 1
-    if spec.has_head:
-        parts["head"] += 1
-    return parts
-
-
 def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, str, bool, int]]:
     """The parameters one rank of pipeline stage ``spec`` holds (from :func:`layer_counts`)."""
     lc = layer_counts(config, lay)
@@ -211,9 +198,8 @@ def stage_params(config: Any, lay: Layout, spec: Any) -> list[tuple[str, int, st
         out += lc.part("embedding")
     for i in _stage_layer_ids(config, spec):  # the representative layer's parameters under layer i's name
         for name, *rest in lc.part(_layer_key(config, i)):
-            parts = name.split(".")
-            parts[2] = str(i)
-            out.append((".".join(parts), *rest))
+            model, layers, _, tail = name.split(".", 3)
+            out.append((f"{model}.{layers}.{i}.{tail}", *rest))
     if spec.has_head:
         out += lc.part("head")
     return out
@@ -234,9 +220,8 @@ def total_params(config: Any, lay: Layout) -> int:
 
 
 def active_params(config: Any, lay: Any) -> int:
-    """Parameters one token runs through (what its matmul FLOPs scale with): every layer's,
-    routed experts only ``num_experts_per_tok`` of ``n_routed_experts``, the LM head once per
-    head (main + MTP), the embedding lookup not at all.  From the planner's probe counts."""
+    """Parameters one token runs through (what its matmul FLOPs scale with; N_active of
+    docs/scale.md), from the planner's probe counts."""
     lc = layer_counts(config, lay)
     key = ("active_params", id(config))
     if key in lc.memo:  # the same for every layout of this probe
@@ -268,7 +253,6 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     ql, kl = c.q_lora_rank, c.kv_lora_rank
     mtp = kind[0] == "mtp"
     has_indexer = mtp or kind[1] == "full"
-    mlp = "sparse" if mtp else kind[0]
     # the indexer's queries, keys and head weights (kept when its KL trains)
     indexer_inputs = a * (sb * c.index_n_heads * c.index_head_dim + sb * c.index_head_dim + sb * c.index_n_heads)
     # attention block: norm input, normed input, latents and their norms, head projections,
@@ -301,7 +285,7 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
         other += 4.0 * b * s * s_all
     # MLP block
     other += a * (sb * h / sig + sb * h)
-    if mlp == "dense":
+    if not mtp and kind[0] == "dense":  # an MTP layer's MLP is MoE
         i = c.intermediate_size // t
         other += a * sb * 3 * i
     else:
@@ -389,7 +373,6 @@ def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) ->
     mine = state_bytes([it for i, it in enumerate(items) if i in owned])
     mine_e = state_bytes([it for i, it in enumerate(items) if i in owned and _is_expert(params[i][0])])
     return {
-        "params_bytes": full["params_bytes"],
         "grads_bytes": mine["grads_bytes"] if lay.sharding_stage >= 2 else full["grads_bytes"],
         "optimizer_bytes": mine["optimizer_bytes"],
         "expert_optimizer_bytes": mine_e["optimizer_bytes"],
@@ -399,14 +382,14 @@ def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) ->
 def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     """:func:`train.memory.state_bytes` of stage ``spec`` with sharding applied (an even split over
     the sharding degree), summed from its parts' totals.  Expert tensors divide like dense ones:
-    the trainer repeats the whole expert grid (laid out over tp x dp x cp) on every sharding rank,
-    so each expert tensor has a replica on every sharding rank to split its state with, besides
-    its edp = tp x dp x cp / (ep x etp) expert-data-parallel replicas, which each hold it whole."""
+    every sharding rank holds the whole expert grid (docs/scale.md)."""
     from .memory import shard_totals
 
     lc = layer_counts(config, lay)
+    parts = Counter(_layer_key(config, i) for i in _stage_layer_ids(config, spec))  # how often each part
+    parts.update(k for k, held in (("embedding", spec.has_embedding or spec.has_mtp), ("head", spec.has_head)) if held)
     raw: Counter = Counter()
-    for part, m in _stage_parts(config, spec).items():
+    for part, m in parts.items():
         raw.update({k: v * m for k, v in lc.totals(part).items() if k != "full_params"})
     sd = lay.sharding
     stage = lay.sharding_stage if sd > 1 else 0
@@ -448,16 +431,15 @@ def plan_layout(
             **st,
             "activations_bytes": act,
         }
+        by_sd = [row]  # the stage's sharding ranks: they differ under Fleet's partition
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
             params = stage_params(config, lay, spec)
             by_sd = [_fleet_sharded_state_bytes(lay, params, r) for r in range(lay.sharding)]
             for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
                 row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
                 row[f] = max(row[f + "_by_sharding_rank"])
-        # the stage's largest rank (under Fleet's partition the sharding ranks differ)
-        grads = row.get("grads_bytes_by_sharding_rank", [row["grads_bytes"]])
-        held = [g + o for g, o in zip(grads, row.get("optimizer_bytes_by_sharding_rank", [row["optimizer_bytes"]]))]
-        row["total_bytes"] = row["params_bytes"] + max(held) + act
+        # the stage's largest rank
+        row["total_bytes"] = row["params_bytes"] + max(b["grads_bytes"] + b["optimizer_bytes"] for b in by_sd) + act
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
@@ -591,15 +573,13 @@ def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from ..cli._common import model_folder_error
 
-    bad = model_folder_error(args.model)
-    if bad:  # before Paddle is imported: a typo is answered at once
+    if bad := model_folder_error(args.model):  # before Paddle is imported: a typo is answered at once
         print(f"glm52 plan: error: {bad}", file=sys.stderr)
         return 2
     from ..cpu_env import apply_mkl_default
 
     apply_mkl_default()
-    note = _train_line_note(args)
-    if note:
+    if note := _train_line_note(args):
         print(f"glm52 plan: note: {note}", file=sys.stderr)
     try:
         from ..configuration import GlmMoeDsaConfig

@@ -33,12 +33,8 @@ def bubble_fraction(pp: int, micro_batches: int, vpp: int = 1) -> float:
 
 
 def comm_parts(config: Any, lay: Any) -> dict[str, float]:
-    """Per-rank bytes one micro-batch moves (forward and backward), by kind: ``tp`` (4 activation
-    collectives per layer, (t-1)/t of a hidden-state tensor each), ``ep`` (the routed tokens'
-    all-to-all there and back, the share leaving the rank), ``pp`` (the activation and its gradient
-    at a stage boundary), ``cp`` (context parallel: each layer's latent rows all-gathered and their
-    gradients reduce-scattered, the indexer keys all-gathered).  Token counts are the rank's own
-    (its sequence slice under context parallel)."""
+    """Per-rank bytes one micro-batch moves (forward and backward), by kind: ``tp``, ``ep``, ``pp``
+    and ``cp`` (C_tp .. C_cp of docs/scale.md; token counts are the rank's own, its sequence slice)."""
     a, cp = 2, lay.cp  # bf16 activations on the wire
     sb, h, L = lay.seq_len // cp * lay.micro_batch_size, config.hidden_size, config.num_hidden_layers
     per_stage = L / lay.pp
@@ -59,14 +55,10 @@ def step_estimate(
     hw: Hardware | None = None,
     expert_params: int = 0,
 ) -> dict[str, float]:
-    """Estimated seconds of one training step of ``lay`` and seconds per token (see module doc).
-
-    ``micro_batches``: per pipeline per step; ``active``: the parameters one token runs through
-    (``plan.active_params``); ``grad_params``: parameters of the largest rank
-    (its gradients are what the data-parallel reduction moves), ``expert_params`` of them routed
-    experts.  As the trainer syncs them (parallel/grads.py), dense gradients sum over the
-    dp x sharding x cp ranks, expert gradients over their edp x sharding replicas only
-    (edp = tp x dp x cp / (ep x etp))."""
+    """Estimated seconds of one training step of ``lay`` and seconds per token (docs/scale.md):
+    ``micro_batches``: per pipeline per step; ``active``: ``plan.active_params``; ``grad_params``:
+    parameters of the largest rank (its gradients are what the data-parallel reduction moves),
+    ``expert_params`` of them routed experts (synced over fewer replicas, as parallel/grads.py does)."""
     hw = hw or Hardware()
     tokens_mb = lay.seq_len * lay.micro_batch_size  # one micro-batch's tokens (all cp ranks together)
     local_mb = tokens_mb / lay.cp  # the share one rank computes

@@ -1,10 +1,9 @@
 """Entry point of one launched training process: ``worker.py --config RUN.json``.
 
 Records its own life for the launcher (job_status.py) and leaves with ``os._exit`` so no
-gloo/NCCL destructor can hang the process after a peer died.  Its lifetime is the job's
-(docs/failure-modes.md): SIGKILL when Paddle's launcher dies (lifeline.py), a watchdog for the
-glm52 launcher and the job deadline, and the stop signals taken by a thread of their own
-(``sigwaitinfo``), so the record names the sender even while the main thread waits in a collective.
+gloo/NCCL destructor can hang the process after a peer died.  Its lifetime is the job's: the
+parent-death signal, the watchdog and the stop-signal thread (``sigwaitinfo``, so the record names
+the sender even while the main thread waits in a collective) of docs/failure-modes.md.
 """
 
 from __future__ import annotations
@@ -129,8 +128,7 @@ class WorkerLife:
         """Record the exception (with the peers as they are now), print it, leave with 1."""
         self._lock.acquire(timeout=5.0)
         tb = traceback.format_exc()
-        msg = str(e).strip().splitlines()
-        text = shorten(" | ".join(ln.strip() for ln in msg if ln.strip()))
+        text = shorten(" | ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip()))
         comm = is_comm_error(f"{type(e).__name__} {e} {tb}")  # the whole text: gloo puts TIMEOUT first
         record = {
             "rank": self.rank,
