@@ -1,9 +1,7 @@
-"""What ``glm52 train`` relays from its workers to the console: the run's own lines (``[glm52
-train] ...``, the step lines, errors and warnings), not Paddle's set-up chatter. Paddle's
-distributed logger writes an INFO record per communication group, per pipeline segment and, for
-each pipeline chunk, the whole printed model (hundreds of lines for the tiny model); its parallel
-init writes a "Modified FLAGS detected" banner. Those stay in ``OUT/logs/workerlog.*`` (the full
-record) and reach the console with ``--verbose``.
+"""What ``glm52 train`` relays from its workers to the console: the run's own lines, not Paddle's
+set-up chatter (its INFO records, among them every pipeline chunk's printed model, hundreds of lines,
+and the modified-flags banner), which stays in ``OUT/logs/workerlog.*`` and reaches the console with
+``--verbose`` (docs/parallel.md, "Logging").
 """
 
 from __future__ import annotations

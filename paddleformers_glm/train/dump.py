@@ -1,14 +1,9 @@
-"""Step dumps (``glm52 train --dump-step DIR K``): the full training state after update K, in the
-checkpoint's official (HF) names and fp32: ``DIR/grads/`` (before clipping), ``DIR/exp_avg/``,
-``DIR/exp_avg_sq/`` and ``DIR/weights/``, each a ``model.safetensors`` plus a byte copy of the model's
-``config.json`` (what each holds and how ``glm52 align`` compares them with the torch reference's:
-docs/parity.md).
-
-What a parameter's moments are is read through :func:`adam_moments`, the only place that knows the
-optimizer's storage.  With sharding ranks each parameter's moments (and at stage 2 its gradient)
-live on the sharding rank that updates it only: every value is first broadcast from that rank, so
-the dump holds them whichever rank owns them.  Memory: rank 0 gathers each full tensor (like
-``--export``); meant for the small models a parity run uses.
+"""Step dumps (``glm52 train --dump-step DIR K``): the training state after update K, fp32, in the
+checkpoint's official names, one folder per :data:`DUMP_KINDS` (what each holds, and how ``glm52
+align`` compares them with the torch reference's: docs/parity.md).  :func:`adam_moments` is the only
+place that knows the optimizer's storage.  Under sharding every value is first broadcast from the
+rank that updates it; rank 0 gathers each full tensor (like ``--export``): meant for the small
+models a parity run uses.
 """
 
 from __future__ import annotations

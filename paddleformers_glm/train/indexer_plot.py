@@ -59,21 +59,16 @@ def plot_indexer(curves: dict[str, Any], png: str) -> str:
     ax_h.set_yticks(range(len(layers)), [str(i) for i in layers])
     tick = max(1, len(steps) // 10)
     ax_h.set_xticks(range(0, len(steps), tick), [str(s) for s in steps[::tick]])
-    ax_h.set_xlabel("step")
-    ax_h.set_ylabel("layer")
     first, last = curves["recall_first_last"]["first"], curves["recall_first_last"]["last"]
-    ax_h.set_title(f"top-k recall (mean {first:.3f} -> {last:.3f})")
+    ax_h.set(xlabel="step", ylabel="layer", title=f"top-k recall (mean {first:.3f} -> {last:.3f})")
     fig.colorbar(im, ax=ax_h, label="attention mass on the selected keys")
     for i in layers:
         kl = np.asarray(curves["kl_by_layer"][str(i)], dtype=np.float64)
         ax_c.plot(steps, np.maximum(kl, 1e-12), lw=1.2, label=f"layer {i}")
     for st in curves["stages"][1:]:
         ax_c.axvline(st["first_step"], ls="--", color="gray", lw=1)
-    ax_c.set_yscale("log")
-    ax_c.set_xlabel("step")
-    ax_c.set_ylabel("indexer KL")
     names = " -> ".join(st["stage"] for st in curves["stages"]) or str(curves.get("stage"))
-    ax_c.set_title(f"indexer KL per layer ({names})")
+    ax_c.set(yscale="log", xlabel="step", ylabel="indexer KL", title=f"indexer KL per layer ({names})")
     ax_c.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"indexer of run {curves['source']}", fontsize=10)
     return save_png(fig, png)

@@ -1,12 +1,8 @@
 """The optimizer and learning-rate schedule, from Paddle: ``paddle.optimizer.AdamW`` (fp32 master
-weights via ``multi_precision``) and ``paddle.optimizer.lr`` linear warmup + cosine.
-
-What the wrapper adds (docs/parallel.md, "AdamW" and "Sharding"): the update consumes the gradients
-*after* the trainer's sync and clip (``_apply_optimize`` with ``(param, grad)`` pairs, the entry
-Fleet's sharding optimizer uses); a parameter that got no gradient anywhere is left out of the
-step (torch semantics), so every layout updates the same set; sharding ranks keep and broadcast
-their own part; state is keyed by *structured* parameter name (``layers.3.mlp.gate.weight``), so a
-checkpoint does not depend on construction order.
+weights via ``multi_precision``) and ``paddle.optimizer.lr`` linear warmup + cosine.  The wrapper
+steps them on the trainer's synced, clipped gradients, splits them over sharding ranks and keys the
+state by structured parameter name, so a checkpoint does not depend on construction order (the
+rules and why: docs/parallel.md, "AdamW" and "Sharding").
 """
 
 from __future__ import annotations
