@@ -1,9 +1,7 @@
 """``glm52 train``: arguments, and the choice between running in this process (world 1) and
-launching workers through Paddle's launcher.
-
-The glm52 CLI mounts it with ``("train", "paddleformers_glm.train.command:register_train")``;
-``python -m paddleformers_glm.train ...`` runs it directly.  Top level stays light (no paddle):
-the CLI imports every subcommand module at start-up.
+launching workers through Paddle's launcher (``register_train`` in cli.COMMANDS; ``python -m
+paddleformers_glm.train`` runs :func:`main`).  Top level stays light (no paddle): the CLI imports
+every subcommand module at start-up.
 """
 
 from __future__ import annotations

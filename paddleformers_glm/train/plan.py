@@ -1,10 +1,8 @@
 """``glm52 plan``: what one rank of a parallel layout holds, before any GPU is touched.
 
-Parameters, gradients and optimizer state come from the code that builds the model: one probe
-stage per (tp, ep, etp, sp, dtype), built under ``paddle.LazyGuard`` with a process-group-free
-:class:`Topology`, holding one decoder layer of every distinct kind; a stage of the real run is the
-sum of its parts, accounted by :func:`train.memory.state_bytes`, the rule the trainer's measured
-numbers are compared with.  Activations are an estimate (:func:`activation_bytes`).  Method,
+Parameters, gradients and optimizer state are counted from lazily built probe stages of the model
+code (:func:`layer_counts`) by :func:`train.memory.state_bytes`, the rule the trainer's measured
+numbers are compared with; activations are an estimate (:func:`activation_bytes`).  Method,
 formulas and measurements: docs/scale.md.
 """
 
