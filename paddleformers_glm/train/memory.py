@@ -48,10 +48,11 @@ def state_bytes(
 
 def shard_totals(totals: Mapping[str, int], sharding_degree: int, sharding_stage: int) -> dict[str, int]:
     """Unsharded :func:`state_bytes` totals on one sharding rank (an even split, rounded up):
-    optimizer state from stage 1, gradients from stage 2, parameters from stage 3. Totals add up
-    over parts, so a planner can sum them per layer kind first and split once."""
+    optimizer state (and the planner's ``expert_optimizer_bytes``, its routed experts' part) from
+    stage 1, gradients from stage 2, parameters from stage 3. Totals add up over parts, so a planner
+    can sum them per layer kind first and split once."""
     sd, out = sharding_degree, dict(totals)
-    for key, stage in (("optimizer_bytes", 1), ("grads_bytes", 2), ("params_bytes", 3)):
+    for key, stage in (("optimizer_bytes", 1), ("expert_optimizer_bytes", 1), ("grads_bytes", 2), ("params_bytes", 3)):
         if sharding_stage >= stage and sd > 1 and key in out:
             out[key] = math.ceil(out[key] / sd)
     return out

@@ -389,10 +389,7 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     raw: Counter = Counter()
     for part, m in parts.items():
         raw.update({k: v * m for k, v in lc.totals(part).items() if k != "full_params"})
-    sd = lay.sharding
-    stage = lay.sharding_stage if sd > 1 else 0
-    expert = shard_totals({"optimizer_bytes": raw["expert_optimizer_bytes"]}, sd, stage)["optimizer_bytes"]
-    return shard_totals(raw, sd, stage) | {"expert_optimizer_bytes": expert}
+    return shard_totals(raw, lay.sharding, lay.sharding_stage)
 
 
 def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
