@@ -212,8 +212,7 @@ def diagnose(
     "grace" | "frozen", "time": when it began stopping, ...}``), None when the job ended by itself;
     what the ranks saw after ``time`` is the launcher's teardown and is not evidence of a fault.
     """
-    status = os.path.join(log_dir, "status")
-    records = read_records(status)
+    records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
         ((r, rec["error"]) for r, rec in records.items() if rec.get("error")),
         key=lambda x: float(x[1].get("time") or 0),
@@ -245,9 +244,9 @@ def diagnose(
             if s.get("state") in ("T", "t"):
                 stopped.setdefault(r, o["by"])
             elif s.get("state") == "gone" and s.get("record") is None:
-                running = [
-                    k for k, v in o["ranks"].items() if k != key and isinstance(v, dict) and v.get("state") != "gone"
-                ]
+                running = any(
+                    k != key and isinstance(v, dict) and v.get("state") != "gone" for k, v in o["ranks"].items()
+                )
                 if running or o["by"].startswith("rank"):
                     died.setdefault(r, o["by"])
     primary = [(r, e) for r, e in errors if not e.get("comm")]
