@@ -57,6 +57,8 @@ class ModelAdapter:
     num_layers: int = 0  # decoder layers the pipeline splits (MTP excluded)
     has_mtp: bool = False
     vocab_size: int = 0
+    weights_loaded: bool = False  # True when the initial weights come from a checkpoint (not a random init)
+    supports_context_parallel: bool = False  # True: the stage module reads the cp_* batch keys (parallel/context.py)
 
     def parallel_sizes(self) -> dict[str, int | None]:
         """Sizes for ParallelConfig.validate: num_attention_heads, vocab_size, num_experts, ..."""
@@ -104,11 +106,6 @@ class ModelAdapter:
     def checkpoint_info(self) -> dict[str, Any]:
         """For loss.json: {"path", "config_sha256", "revision"?} of the loaded weights, or {}."""
         return {}
-
-    @property
-    def weights_loaded(self) -> bool:
-        """True when ``full_state`` comes from a checkpoint (not a random init)."""
-        return False
 
     def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
         """Write ``full_state`` in the model's release layout (``--export``)."""

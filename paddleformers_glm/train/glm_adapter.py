@@ -48,7 +48,7 @@ class GlmAdapter(ModelAdapter):
     """``--model DIR``: an official-layout (or Fleet-layout) GLM-5.2 checkpoint folder."""
 
     name = "glm"
-    supports_context_parallel = True  # the model reads the cp_* batch keys (parallel/context.py)
+    supports_context_parallel = weights_loaded = True  # the model reads cp_* batch keys; a checkpoint's weights
 
     def __init__(self, model_dir: str) -> None:
         from ..configuration import GlmMoeDsaConfig
@@ -118,10 +118,6 @@ class GlmAdapter(ModelAdapter):
             "layout": report.layout,
             "load_seconds": report.seconds,
         }
-
-    @property
-    def weights_loaded(self) -> bool:
-        return True
 
     def checkpoint_info(self) -> dict[str, Any]:
         sha = hashlib.sha256(Path(self.model_dir, "config.json").read_bytes()).hexdigest()

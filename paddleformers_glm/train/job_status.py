@@ -205,21 +205,14 @@ def diagnose(
     stopped_by: dict[str, Any] | None = None,
     launcher_snapshots: Sequence[dict] = (),
 ) -> Diagnosis:
-    """The culprit of a failed job from its status records, first rule that applies (why each:
-    docs/failure-modes.md, "Stopped, hung and killed ranks"): 1. the earliest error that is not a
-    communication failure (a non-finite step names the rank where the first non-finite value was
-    seen), unless the failing rank's own snapshot shows a peer already stopped or dead (then 2 or
-    3); 2. a rank seen stopped (process state T); 3. a rank seen gone without a record while another
-    still ran; 4. a signal to the launcher; 5. a rank behind in its heartbeat (hung); 6. a rank that
-    left no record (when the launcher did not stop the job itself); 7. the earliest communication
-    failure; else the launcher's own reason.
+    """The culprit of a failed job from its status records, first rule that applies (the rules and
+    why each: docs/failure-modes.md, "Stopped, hung and killed ranks").
 
     ``stopped_by``: why the launcher stopped the job itself (``{"kind": "timeout" | "signal" |
     "grace" | "frozen", "time": when it began stopping, ...}``), None when the job ended by itself;
     what the ranks saw after ``time`` is the launcher's teardown and is not evidence of a fault.
     """
-    status = os.path.join(log_dir, "status")
-    records = read_records(status)
+    records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
         ((r, rec["error"]) for r, rec in records.items() if rec.get("error")),
         key=lambda x: float(x[1].get("time") or 0),
@@ -251,13 +244,13 @@ def diagnose(
             if s.get("state") in ("T", "t"):
                 stopped.setdefault(r, o["by"])
             elif s.get("state") == "gone" and s.get("record") is None:
-                running = [
-                    k for k, v in o["ranks"].items() if k != key and isinstance(v, dict) and v.get("state") != "gone"
-                ]
+                running = any(
+                    k != key and isinstance(v, dict) and v.get("state") != "gone" for k, v in o["ranks"].items()
+                )
                 if running or o["by"].startswith("rank"):
                     died.setdefault(r, o["by"])
     primary = [(r, e) for r, e in errors if not e.get("comm")]
-    if primary:  # 1, unless its own snapshot shows a peer that was already stopped or dead
+    if primary:  # the earliest error, unless its own snapshot shows a peer already stopped or dead
         r, e = primary[0]
         seen = (e.get("peers") or {}).get("ranks", {})
         earlier = [int(k) for k, v in seen.items() if isinstance(v, dict) and int(k) in set(stopped) | set(died)]
@@ -269,7 +262,7 @@ def diagnose(
             rest = sorted({x for x, _ in errors} - {r})
             others = f" (then rank(s) {_ranks(rest)} failed too)" if rest else ""
             return Diagnosis(r, f"rank {r} failed: {_error_text(e, others)}", "error")
-    lost_rules = (  # 2, then 3: a rank seen stopped or gone, named with who saw it and what its peers did
+    lost_rules = (  # a rank seen stopped, then one seen gone: named with who saw it and what its peers did
         (stopped, "stopped", f"{_STOPPED} (seen by", "timed out waiting for it"),
         (died, "died", f"{_DIED}; seen gone by", "lost their peer"),
     )
@@ -278,10 +271,10 @@ def diagnose(
             r = min(lost)
             tail = f"; rank(s) {_ranks(comm_ranks)} then {peers_then}" if comm_ranks else ""
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
-    if stopped_by and stopped_by.get("kind") == "signal":  # 4
+    if stopped_by and stopped_by.get("kind") == "signal":  # a signal to the launcher
         return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
     progress = {r: _progress(beats.get(r)) for r in local_ranks}
-    if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # 5
+    if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # a rank behind: hung
         low = min(progress.values())
         r = min(r for r, p in progress.items() if p == low)
         ahead = sorted(r2 for r2, p in progress.items() if p != low)
@@ -293,11 +286,11 @@ def diagnose(
             "hung",
         )
     silent = [r for r in local_ranks if not _record_kind(records.get(r, {}))]
-    if silent and not stopped_by:  # 6
+    if silent and not stopped_by:  # a rank that left no record
         r = silent[0]
         tail = f"; rank(s) {_ranks(comm_ranks)} then lost their peer" if comm_ranks else ""
         return Diagnosis(r, f"rank {r} {_DIED}){tail}. {log_tail(r)}", "died")
-    if errors:  # 7
+    if errors:  # the earliest communication failure
         r, e = errors[0]
         return Diagnosis(r, f"rank {r} failed in communication: {_error_text(e)}", "comm")
     if stopped_by:

@@ -132,18 +132,6 @@ def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
             raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, got {v!r}")
 
 
-def _versions() -> dict[str, str]:
-    from .. import __version__
-
-    return {
-        "paddleformers_glm": __version__,
-        "paddle": paddle.__version__,
-        "paddle_commit": str(getattr(paddle.version, "commit", "")),
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
     """Deliberate failure for the fault-handling tests (``--fault rank=1,step=2,kind=raise``,
     several joined by ``;``); ``kind=nan`` returns True: this rank's loss terms are then scaled by
@@ -204,7 +192,7 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
     pc.validate(world, **adapter.parallel_sizes())
     adapter.check_layout(pc)
     check_batch(cfg, pc)
-    if pc.cp > 1 and not getattr(adapter, "supports_context_parallel", False):
+    if pc.cp > 1 and not adapter.supports_context_parallel:
         raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
     if pc.cp > 1 and cfg.moe_aux_loss_coeff > 0:
         raise ValueError(
@@ -414,12 +402,12 @@ def _schedule_name(cfg: TrainConfig) -> str:
 
 def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
     """loss.json's content after ``steps_done`` steps."""
+    from .. import __version__
+
     cfg = run.cfg
     out: dict[str, Any] = {k: run.history[k] for k in run.report_keys}
-    per_layer = pop_indexer_history(out)
-    for k in ("kl", "recall"):  # layers of an earlier stage's history this run no longer reports
-        for key, v in pop_indexer_history(dict(run.history))[k].items():
-            per_layer[k].setdefault(key, v)
+    pop_indexer_history(out)  # per-layer keys, of this run and of an earlier stage's history: the block below
+    per_layer = pop_indexer_history(dict(run.history))
     if run.indexer is not None:
         block = indexer_report(per_layer, run.history.get("indexer_steps", []), run.indexer_stages, run.indexer)
         if block is not None:
@@ -427,10 +415,16 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
     out.update(
         steps=steps_done,
         profile=run.profile,
-        weights_loaded=bool(run.adapter.weights_loaded),
+        weights_loaded=run.adapter.weights_loaded,
         checkpoint=run.adapter.checkpoint_info(),
         seed=cfg.seed,
-        versions=_versions(),
+        versions={
+            "paddleformers_glm": __version__,
+            "paddle": paddle.__version__,
+            "paddle_commit": str(getattr(paddle.version, "commit", "")),
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
         grad_norms=run.history["grad_norms"],
         lrs=run.history["lrs"],
         optimizer_state_bytes=run.opt_bytes,
@@ -474,6 +468,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     ``step()`` (parallel/fleet_pipeline.py)."""
     cfg, topo = run.cfg, run.topo
     poison = _maybe_fault(cfg.fault, topo.rank, step + 1)
+    dumps = [d for d, k in cfg.dump_steps if int(k) == step + 1]  # --dump-step: train/dump.py after this update
     beat(step + 1, "data")
     # explicit step: Paddle's closed form, a pure function of the step (counted from the indexer stage's start)
     run.sched.step(step + 1 - run.stage_start)
@@ -505,9 +500,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         beat(step + 1, "update")
         grads = run.sync.current_grads()  # as Fleet's train_batch step left them (delay_scale_loss)
         # a copy: the trainer's clip replaces the entries, Fleet's clips the tensors in place
-        done["pre_clip"] = (
-            {n: g.clone() for n, g in grads.items()} if any(int(k) == step + 1 for _, k in cfg.dump_steps) else None
-        )
+        done["pre_clip"] = {n: g.clone() for n, g in grads.items()} if dumps else None
         # this rank's loss sums (last pipeline stage only; the trainer engine's floats or Fleet's ledger's
         # tensors) flag the norm non-finite on every rank when any rank's loss is (train/nonfinite.py)
         sums = [v[0] for v in done["totals"].values()] if "totals" in done else run.engine.ledger.sums.values()
@@ -532,10 +525,10 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     # ---- end of the step engine
     if not done["skipped"]:  # a skipped step moves nothing, the router biases included
         run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
-    if done["pre_clip"] is not None:
+    if dumps:
         from .dump import dump_training_state
 
-        for out_dir in [d for d, k in cfg.dump_steps if int(k) == step + 1]:
+        for out_dir in dumps:
             dump_training_state(out_dir, run.module, run.opt, done["pre_clip"], topo, run.adapter)
     if not run.opt_bytes:
         run.opt_bytes = gather_json(int(run.opt.state_bytes()), topo.world_size)  # every rank's, in rank order

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import paddle
 
+from ..parallel import comm
+
 __all__ = ["ExpertBalancer", "load_stats"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -64,7 +66,7 @@ class ExpertBalancer:
         self.num_experts = next(iter(self.routers.values())).num_experts if self.routers else 0
         # rows: every layer number any stage holds (the same answer on every rank)
         top = np.array([max(self.routers, default=-1) + 1, self.num_experts], dtype=np.float64)
-        top = self._reduce(paddle.to_tensor(top), op="max", pp_only=True).numpy()
+        top = comm.all_reduce(paddle.to_tensor(top), topo.pp_group, "max").numpy()
         self.slots, self.num_experts = int(top[0]), int(top[1])
         self.layers: list[int] | None = None  # MoE layer numbers (rows that routed tokens)
         # per step: its number, per MoE layer the load statistics, MoE layer -> experts that got no token
@@ -76,18 +78,6 @@ class ExpertBalancer:
     @property
     def active(self) -> bool:
         return self.slots > 0 and self.num_experts > 0
-
-    def _reduce(self, t: paddle.Tensor, op: str = "sum", pp_only: bool = False) -> paddle.Tensor:
-        from ..parallel import comm
-
-        topo = self.topo
-        if not pp_only:
-            t = comm.all_reduce(t, topo.dp_group, op)
-            t = comm.all_reduce(t, topo.sharding_group, op)  # sharding ranks are data replicas too
-            t = comm.all_reduce(t, topo.cp_group, op)  # context parallel: each cp rank routed its own tokens
-            if topo.sequence_parallel:
-                t = comm.all_reduce(t, topo.tp_group, op)
-        return comm.all_reduce(t, topo.pp_group, op)
 
     def after_step(self, step: int) -> None:
         """Reduce this step's counts, move the biases by the rule, record the statistics."""
@@ -101,7 +91,13 @@ class ExpertBalancer:
                 mat[i, :E] = counts.numpy()
             if aux is not None:
                 mat[i, E] = float(aux)
-        mat = self._reduce(paddle.to_tensor(mat)).numpy()
+        # summed over data replicas (sharding ranks too), context-parallel ranks and sequence-parallel
+        # TP ranks (each routed its own tokens) and over the pipeline stages (each holds its layers' rows)
+        t, topo = paddle.to_tensor(mat), self.topo
+        sp_group = topo.tp_group if topo.sequence_parallel else None
+        for g in (topo.dp_group, topo.sharding_group, topo.cp_group, sp_group, topo.pp_group):
+            t = comm.all_reduce(t, g)
+        mat = t.numpy()
         load = mat[:, :E]
         if self.layers is None:
             self.layers = [i for i in range(self.slots) if load[i].sum() > 0]

@@ -98,10 +98,15 @@ class WorkerLife:
         """Record why this worker ends (``rank<N>.signal.json``) and leave now."""
         if not self._lock.acquire(timeout=5.0):  # the main thread is writing its own record
             os._exit(code)
+        self.leave("signal.json", {"rank": self.rank, "time": time.time(), **reason, "peers": self._peers()}, code)
+
+    def leave(self, suffix: str, record: dict | None, code: int, text: str = "") -> None:
+        """Write ``rank<N>.<suffix>``, then ``text`` to stderr, and leave with ``code`` whatever
+        happens (``os._exit``: no teardown)."""
         try:
-            record = {"rank": self.rank, "time": time.time(), **reason, "peers": self._peers()}
-            write_record(self.status_dir, self.rank, "signal.json", record)
+            write_record(self.status_dir, self.rank, suffix, record)
         finally:
+            sys.stderr.write(text)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
@@ -140,14 +145,8 @@ class WorkerLife:
             "detail": getattr(e, "record", None),
             "peers": self._peers(settle_s=PEER_SETTLE_S if comm else 0.0),
         }
-        try:
-            write_record(self.status_dir, self.rank, "error.json", record)
-        finally:
-            # a non-finite step is not a bug: its message says all (the traceback is noise)
-            sys.stderr.write(f"{type(e).__name__}: {e}\n" if record["detail"] else tb)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            os._exit(1)
+        # a non-finite step is not a bug: its message says all (the traceback is noise)
+        self.leave("error.json", record, 1, f"{type(e).__name__}: {e}\n" if record["detail"] else tb)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,10 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         run_training(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then the process ends
         life.failed(e)
-    write_record(status_dir, rank, "ok")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    life.leave("ok", None, 0)
 
 
 if __name__ == "__main__":
