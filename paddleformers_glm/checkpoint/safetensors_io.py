@@ -549,18 +549,28 @@ def le_bytes(array: np.ndarray) -> np.ndarray:
 
 
 class SafetensorsWriter:
-    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order."""
+    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order.
+
+    ``create=False`` opens the file another process created with the same plan: a distributed export's
+    ranks each write their own tensors into it, and close with ``complete=False``.
+    """
 
     def __init__(
-        self, file: str, entries: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+        self,
+        file: str,
+        entries: Sequence[tuple[str, str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
+        create: bool = True,
     ) -> None:
         self.file = file
         self.entries = {k: (d, tuple(int(x) for x in s)) for k, d, s in entries}
         head, self.offsets = plan_header(entries, metadata)
         self.data_start = len(head)
         self.written: set[str] = set()
-        self._f = open(file, "wb")
-        self._f.write(head)
+        self._f = open(file, "wb" if create else "r+b")
+        if create:  # at its full size at once: every process can write its tensors into place
+            self._f.write(head)
+            self._f.truncate(self.data_start + max((e for _, e in self.offsets.values()), default=0))
 
     def write(self, key: str, array: np.ndarray, st_dtype: str) -> None:
         if key not in self.entries:
@@ -586,9 +596,11 @@ class SafetensorsWriter:
         self._f.write(data.data)
         self.written.add(key)
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
+        """Flush to disk; refuses a file with a planned tensor never written unless this process wrote
+        only its share (``complete=False``)."""
         missing = sorted(set(self.entries) - self.written)
-        if missing:
+        if missing and complete:
             self._f.close()
             raise CheckpointError(
                 f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}", file=self.file, key=missing[0]
