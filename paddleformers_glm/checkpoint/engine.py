@@ -235,8 +235,11 @@ def _build_engine(group: Sequence[MappingUnit], stmts: list[str], src_info: dict
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
-def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict, cache: dict | None):
-    """A function target-desc -> engine mapping entries for ``group``, from Paddle's AOAEngine.
+def _planner_for(
+    group: Sequence[MappingUnit], direction: str, source: Any, targets: Mapping[str, TargetSpec], cache: dict | None
+) -> Callable[[Any], list[Any]]:
+    """A function target-desc -> engine mapping entries for ``group``, from Paddle's AOAEngine given the
+    group's AOA statements and its source and destination shard descriptions.
 
     With ``cache``, the engine runs the program with every source and target key replaced by a
     placeholder (``glm52_k0``, ``glm52_k1``... in order of appearance), so one engine serves every
@@ -244,6 +247,24 @@ def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict,
     MoE layers, say — and its entries are renamed back per group. The engine's answer cannot depend
     on the names: only programs without name patterns (``$`` macros, ``*`` wildcards) are shared.
     """
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    src_meta = {k: source.meta(k) for u in group for k in u.sources(direction)}
+    src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
+    if direction == "hf_to_fleet":
+        for u in group:
+            for k, n in u.source_splits:
+                src_info[k] = _column_shards(k, *src_meta[k], n)
+    # every target of the group is described (the engine needs the full output set); one not
+    # wanted is unsharded and never materialised
+    dst = {k: targets[k] for u in group for k in u.targets(direction)}
+    dst_info = {
+        k: [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in t.all_shards or [t.local()]]
+        for k, t in dst.items()
+    }
+    stmts = build_statements(
+        group, direction, {k: d for k, (_, d) in src_meta.items()}, {k: t.dtype for k, t in dst.items()}
+    )
     if cache is None or any("$" in x or "*" in x for x in stmts):
         return _build_engine(group, stmts, src_info, dst_info).find_shard_sources
     names = {k: f"glm52_k{i}" for i, k in enumerate(dict.fromkeys((*src_info, *dst_info)))}
@@ -336,42 +357,12 @@ def run_units(
             wanted = [k for u in group for k in u.targets(direction) if k in produce]
             if not wanted:
                 continue
-            planner = _group_planner(group, direction, source, targets, plans if plan_cache else None)
+            planner = _planner_for(group, direction, source, targets, plans if plan_cache else None)
             for key in wanted:
                 out = _fill_target(key, targets[key], planner, source, trace)
                 bar.update(sizes.get(key, 0))
                 yield key, out
     bar.close()
-
-
-def _group_planner(
-    group: Sequence[MappingUnit],
-    direction: str,
-    source: Any,
-    targets: Mapping[str, TargetSpec],
-    plans: dict[Any, Any] | None,
-) -> Callable[[Any], list[Any]]:
-    """The engine's planner for one group of units: source and destination shard descriptions
-    and the group's AOA statements."""
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
-
-    src_meta = {k: source.meta(k) for u in group for k in u.sources(direction)}
-    src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
-    if direction == "hf_to_fleet":
-        for u in group:
-            for k, n in u.source_splits:
-                src_info[k] = _column_shards(k, *src_meta[k], n)
-    # every target of the group is described (the engine needs the full output set); one not
-    # wanted is unsharded and never materialised
-    dst = {k: targets[k] for u in group for k in u.targets(direction)}
-    dst_info = {
-        k: [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in t.all_shards or [t.local()]]
-        for k, t in dst.items()
-    }
-    stmts = build_statements(
-        group, direction, {k: d for k, (_, d) in src_meta.items()}, {k: t.dtype for k, t in dst.items()}
-    )
-    return _planner_for(group, stmts, src_info, dst_info, plans)
 
 
 def _fill_target(

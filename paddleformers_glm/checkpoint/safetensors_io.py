@@ -521,8 +521,11 @@ class Checkpoint(_Closing):
 
 
 # ---------------------------------------------------------------------- writing
+_Entry = tuple[str, str, Sequence[int]]  # (key, safetensors dtype, shape)
+
+
 def plan_header(
-    entries: Iterable[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+    entries: Iterable[_Entry], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Header bytes (padded to 8) and relative data offsets for tensors in the given order."""
     header: dict[str, Any] = {}
@@ -549,18 +552,11 @@ def le_bytes(array: np.ndarray) -> np.ndarray:
 
 
 class SafetensorsWriter:
-    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order.
-
-    ``create=False`` opens the file another process created with the same plan: a distributed export's
-    ranks each write their own tensors into it, and close with ``complete=False``.
-    """
+    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order
+    (``create=False``: into the file another process created with the same plan, as an export's ranks do)."""
 
     def __init__(
-        self,
-        file: str,
-        entries: Sequence[tuple[str, str, Sequence[int]]],
-        metadata: Mapping[str, str] | None = None,
-        create: bool = True,
+        self, file: str, entries: Sequence[_Entry], metadata: Mapping[str, str] | None = None, create: bool = True
     ) -> None:
         self.file = file
         self.entries = {k: (d, tuple(int(x) for x in s)) for k, d, s in entries}
@@ -597,8 +593,7 @@ class SafetensorsWriter:
         self.written.add(key)
 
     def close(self, complete: bool = True) -> None:
-        """Flush to disk; refuses a file with a planned tensor never written unless this process wrote
-        only its share (``complete=False``)."""
+        """Flush to disk; refuses a planned tensor never written unless this process wrote only its share."""
         missing = sorted(set(self.entries) - self.written)
         if missing and complete:
             self._f.close()
