@@ -100,8 +100,6 @@ def export_distributed(
             SafetensorsWriter(os.path.join(tmp, name), plan, _META).close(complete=False)
     _barrier(topo)
 
-    written: list[str] = []
-    nbytes = 0
     writers: dict[str, SafetensorsWriter] = {}
     try:
         for unit in checkpoint_units(config, "hf"):
@@ -137,16 +135,14 @@ def export_distributed(
                 name = file_of[key]
                 if name not in writers:
                     writers[name] = SafetensorsWriter(os.path.join(tmp, name), plans[name], _META, create=False)
-                data = out.numpy()
-                writers[name].write(key, data, paddle_to_st_dtype(out.dtype))
-                written.append(key)
-                nbytes += data.nbytes
+                writers[name].write(key, out.numpy(), paddle_to_st_dtype(out.dtype))
             del full
     finally:
         for w in writers.values():
             w.close(complete=False)
 
-    every = all_gather_object(written, topo)
+    written = {k: w.offsets[k][1] - w.offsets[k][0] for w in writers.values() for k in w.written}  # key -> bytes
+    every = all_gather_object(sorted(written), topo)
     if topo.rank == 0:
         seen: dict[str, int] = {}
         for r, keys in enumerate(every):
@@ -159,7 +155,8 @@ def export_distributed(
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
         finish_save(tmp, out_dir, config, shards, entries, None, carry_from)  # the weights are not FP8
     _barrier(topo)
-    return {"tensors": len(written), "bytes": nbytes, "files": [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]}
+    files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]
+    return {"tensors": len(written), "bytes": sum(written.values()), "files": files}
 
 
 def save_pretrained_distributed(
