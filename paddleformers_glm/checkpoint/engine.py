@@ -1,11 +1,9 @@
-"""Running AOA programs on Paddle's engine with lazy, slice-exact reads (docs/checkpoints.md).
+"""Running AOA programs on Paddle's engine with lazy, slice-exact reads (docs/checkpoints.md, "Loading").
 
-Paddle's own drivers (``load_state_dict(aoa_config=...)``, ``full_param``) read *whole shard files*
-and write a metadata file into the checkpoint folder. This third driver asks ``AOAEngine`` the same
-questions and reads only the source slices it names, from an mmap, one at a time: a tensor-parallel
-rank reads only its rows/columns, and peak memory is the model plus one source slice. Programs run
-per mapping unit because the engine's macro passes scan every key per statement (~30 s for one
-744B program); units that differ only in key names share one engine.
+Paddle's own drivers read *whole shard files* and write a metadata file into the checkpoint folder;
+this one asks ``AOAEngine`` the same questions and reads only the source slices it names, from an
+mmap, one at a time: peak memory is the model plus one source slice. Programs run per mapping unit
+(one engine over a whole program takes ~30 s, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -117,34 +115,31 @@ def numpy_view(tensor: Any) -> np.ndarray | None:
 
 
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
-_LIBC: Any = None
+
+
+@functools.cache
+def libc() -> Any:
+    """The C library through ctypes (``errno`` kept), or None where it cannot be loaded."""
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def advise_huge_pages(arr: np.ndarray) -> bool:
-    """Ask Linux to back ``arr``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)``).
+    """Ask Linux to back ``arr``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)``):
+    the load's copy is a fresh parameter's first write, one page fault per page (docs/checkpoints.md,
+    "Huge pages"). Advice only: False where it does not apply (not Linux, small arrays, no libc)."""
+    import ctypes
 
-    A parameter built without init has never been touched: the load's copy is its first write, and
-    with 4 KiB pages that is one page fault per 4 KiB; with 2 MiB pages the copy runs faster
-    (kernels whose THP mode is ``madvise`` need the hint; ``always`` does it anyway). Advice only:
-    no value changes, and False where it does not apply (not Linux, small arrays, no libc).
-    """
-    global _LIBC
-    if sys.platform != "linux" or arr.nbytes < (4 << 20):
-        return False
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except OSError:
-            _LIBC = False
-    if not _LIBC:
+    if sys.platform != "linux" or arr.nbytes < (4 << 20) or libc() is None:
         return False
     page = 4096
     start = arr.ctypes.data // page * page
-    return _LIBC.madvise(start, arr.ctypes.data + arr.nbytes - start, _MADV_HUGEPAGE) == 0
+    n = arr.ctypes.data + arr.nbytes - start
+    return libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(n), ctypes.c_int(_MADV_HUGEPAGE)) == 0
 
 
 _NUMPY_OF = {"bfloat16": np.uint16, "float32": np.float32, "float16": np.float16, "float64": np.float64}

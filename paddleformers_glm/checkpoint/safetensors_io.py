@@ -299,12 +299,8 @@ class SafetensorsFile(_Closing):
         return arr[index] if index is not None else arr
 
     def release(self, key: str) -> None:
-        """Drop this tensor's pages from the process (they stay in the page cache).
-
-        File-backed pages a process has touched count in its RSS for as long as the map lives;
-        after a tensor is copied out, this keeps a whole-checkpoint read from looking (and being
-        accounted) like a second copy of the model.
-        """
+        """Drop this tensor's pages from the process (they stay in the page cache): touched file pages
+        count in its RSS while the map lives, a second copy of the model (docs/checkpoints.md, "Loading")."""
         info = self.tensors[key]
         if self._mm is None or info.nbytes == 0 or not hasattr(self._mm, "madvise"):
             return
