@@ -23,10 +23,12 @@ from .engine import StateDictSource, TargetSpec, run_units
 from .errors import CheckpointError
 from .layout import fleet_param_specs
 from .loader import normalize_dtype
-from .safetensors_io import INDEX_NAME, le_bytes, paddle_to_st_dtype, plan_header
+from .safetensors_io import INDEX_NAME, SafetensorsWriter, paddle_to_st_dtype
 from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shards
 
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
+
+_META = {"format": "pt"}  # what save_pretrained writes by default, and the only metadata this export writes
 
 
 def _group_gathers(spec: Any, topo: Topology) -> bool:
@@ -77,10 +79,7 @@ def export_distributed(
     specs, tgt_dtypes, entries = plan_entries(config, "hf", dtype or config.model_dtype)
     shards = plan_shards(entries, parse_size(max_shard_size))
     file_of = {k: name for name, keys in shards.items() for k in keys}
-    meta = {"format": "pt"}
-    headers = {
-        name: plan_header([(k, entries[k][1], entries[k][0]) for k in keys], meta) for name, keys in shards.items()
-    }
+    plans = {name: [(k, entries[k][1], entries[k][0]) for k in keys] for name, keys in shards.items()}
 
     # one writer per Fleet tensor: the lowest rank among its canonical holders
     state = module.state_dict()
@@ -97,15 +96,11 @@ def export_distributed(
     if topo.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for name, (head, offsets) in headers.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(head)
-                f.truncate(len(head) + max((e for _, e in offsets.values()), default=0))
+        for name, plan in plans.items():
+            SafetensorsWriter(os.path.join(tmp, name), plan, _META).close(complete=False)
     _barrier(topo)
 
-    written: list[str] = []
-    nbytes = 0
-    fds: dict[str, int] = {}
+    writers: dict[str, SafetensorsWriter] = {}
     try:
         for unit in checkpoint_units(config, "hf"):
             keys = [k for k in unit.fleet if k in state]
@@ -138,25 +133,16 @@ def export_distributed(
             targets = {h: TargetSpec(h, tuple(specs[h][0]), tgt_dtypes[h]) for h in unit.hf}
             for key, out in run_units([unit], "fleet_to_hf", StateDictSource(full), targets):
                 name = file_of[key]
-                head, offsets = headers[name]
-                b, e = offsets[key]
-                data = le_bytes(out.numpy())
-                if data.nbytes != e - b or paddle_to_st_dtype(out.dtype) != entries[key][1]:
-                    raise CheckpointError(
-                        "export: tensor does not match the plan", key=key, expected=e - b, actual=data.nbytes
-                    )
-                if name not in fds:
-                    fds[name] = os.open(os.path.join(tmp, name), os.O_WRONLY)
-                os.pwrite(fds[name], data, len(head) + b)
-                written.append(key)
-                nbytes += data.nbytes
+                if name not in writers:
+                    writers[name] = SafetensorsWriter(os.path.join(tmp, name), plans[name], _META, create=False)
+                writers[name].write(key, out.numpy(), paddle_to_st_dtype(out.dtype))
             del full
     finally:
-        for fd in fds.values():
-            os.fsync(fd)
-            os.close(fd)
+        for w in writers.values():
+            w.close(complete=False)
 
-    every = all_gather_object(written, topo)
+    written = {k: w.offsets[k][1] - w.offsets[k][0] for w in writers.values() for k in w.written}  # key -> bytes
+    every = all_gather_object(sorted(written), topo)
     if topo.rank == 0:
         seen: dict[str, int] = {}
         for r, keys in enumerate(every):
@@ -169,7 +155,8 @@ def export_distributed(
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
         finish_save(tmp, out_dir, config, shards, entries, None, carry_from)  # the weights are not FP8
     _barrier(topo)
-    return {"tensors": len(written), "bytes": nbytes, "files": [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]}
+    files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]
+    return {"tensors": len(written), "bytes": sum(written.values()), "files": files}
 
 
 def save_pretrained_distributed(
@@ -198,7 +185,7 @@ def save_pretrained_distributed(
         raise ValueError(f"save_pretrained of a model split over ranks writes layout='hf' only, got {layout!r}")
     if quantization not in (None, "none"):
         raise ValueError(f"save_pretrained of a model split over ranks cannot quantize (got {quantization!r})")
-    if metadata is not None and dict(metadata) != {"format": "pt"}:
+    if metadata is not None and dict(metadata) != _META:
         raise ValueError(
             f"save_pretrained of a model split over ranks writes metadata {{'format': 'pt'}}, got {metadata!r}"
         )

@@ -1,11 +1,9 @@
-"""Running AOA programs on Paddle's engine with lazy, slice-exact reads (docs/checkpoints.md).
+"""Running AOA programs on Paddle's engine with lazy, slice-exact reads (docs/checkpoints.md, "Loading").
 
-Paddle's own drivers (``load_state_dict(aoa_config=...)``, ``full_param``) read *whole shard files*
-and write a metadata file into the checkpoint folder. This third driver asks ``AOAEngine`` the same
-questions and reads only the source slices it names, from an mmap, one at a time: a tensor-parallel
-rank reads only its rows/columns, and peak memory is the model plus one source slice. Programs run
-per mapping unit because the engine's macro passes scan every key per statement (~30 s for one
-744B program); units that differ only in key names share one engine.
+Paddle's own drivers read *whole shard files* and write a metadata file into the checkpoint folder;
+this one asks ``AOAEngine`` the same questions and reads only the source slices it names, from an
+mmap, one at a time: peak memory is the model plus one source slice. Programs run per mapping unit
+(one engine over a whole program takes ~30 s, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -117,34 +115,31 @@ def numpy_view(tensor: Any) -> np.ndarray | None:
 
 
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
-_LIBC: Any = None
+
+
+@functools.cache
+def libc() -> Any:
+    """The C library through ctypes (``errno`` kept), or None where it cannot be loaded."""
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def advise_huge_pages(arr: np.ndarray) -> bool:
-    """Ask Linux to back ``arr``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)``).
+    """Ask Linux to back ``arr``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)``):
+    the load's copy is a fresh parameter's first write, one page fault per page (docs/checkpoints.md,
+    "Huge pages"). Advice only: False where it does not apply (not Linux, small arrays, no libc)."""
+    import ctypes
 
-    A parameter built without init has never been touched: the load's copy is its first write, and
-    with 4 KiB pages that is one page fault per 4 KiB; with 2 MiB pages the copy runs faster
-    (kernels whose THP mode is ``madvise`` need the hint; ``always`` does it anyway). Advice only:
-    no value changes, and False where it does not apply (not Linux, small arrays, no libc).
-    """
-    global _LIBC
-    if sys.platform != "linux" or arr.nbytes < (4 << 20):
-        return False
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except OSError:
-            _LIBC = False
-    if not _LIBC:
+    if sys.platform != "linux" or arr.nbytes < (4 << 20) or libc() is None:
         return False
     page = 4096
     start = arr.ctypes.data // page * page
-    return _LIBC.madvise(start, arr.ctypes.data + arr.nbytes - start, _MADV_HUGEPAGE) == 0
+    n = arr.ctypes.data + arr.nbytes - start
+    return libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(n), ctypes.c_int(_MADV_HUGEPAGE)) == 0
 
 
 _NUMPY_OF = {"bfloat16": np.uint16, "float32": np.float32, "float16": np.float16, "float64": np.float64}
@@ -235,8 +230,11 @@ def _build_engine(group: Sequence[MappingUnit], stmts: list[str], src_info: dict
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
-def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict, dst_info: dict, cache: dict | None):
-    """A function target-desc -> engine mapping entries for ``group``, from Paddle's AOAEngine.
+def _planner_for(
+    group: Sequence[MappingUnit], direction: str, source: Any, targets: Mapping[str, TargetSpec], cache: dict | None
+) -> Callable[[Any], list[Any]]:
+    """A function target-desc -> engine mapping entries for ``group``, from Paddle's AOAEngine given the
+    group's AOA statements and its source and destination shard descriptions.
 
     With ``cache``, the engine runs the program with every source and target key replaced by a
     placeholder (``glm52_k0``, ``glm52_k1``... in order of appearance), so one engine serves every
@@ -244,6 +242,24 @@ def _planner_for(group: Sequence[MappingUnit], stmts: list[str], src_info: dict,
     MoE layers, say — and its entries are renamed back per group. The engine's answer cannot depend
     on the names: only programs without name patterns (``$`` macros, ``*`` wildcards) are shared.
     """
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    src_meta = {k: source.meta(k) for u in group for k in u.sources(direction)}
+    src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
+    if direction == "hf_to_fleet":
+        for u in group:
+            for k, n in u.source_splits:
+                src_info[k] = _column_shards(k, *src_meta[k], n)
+    # every target of the group is described (the engine needs the full output set); one not
+    # wanted is unsharded and never materialised
+    dst = {k: targets[k] for u in group for k in u.targets(direction)}
+    dst_info = {
+        k: [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in t.all_shards or [t.local()]]
+        for k, t in dst.items()
+    }
+    stmts = build_statements(
+        group, direction, {k: d for k, (_, d) in src_meta.items()}, {k: t.dtype for k, t in dst.items()}
+    )
     if cache is None or any("$" in x or "*" in x for x in stmts):
         return _build_engine(group, stmts, src_info, dst_info).find_shard_sources
     names = {k: f"glm52_k{i}" for i, k in enumerate(dict.fromkeys((*src_info, *dst_info)))}
@@ -336,42 +352,12 @@ def run_units(
             wanted = [k for u in group for k in u.targets(direction) if k in produce]
             if not wanted:
                 continue
-            planner = _group_planner(group, direction, source, targets, plans if plan_cache else None)
+            planner = _planner_for(group, direction, source, targets, plans if plan_cache else None)
             for key in wanted:
                 out = _fill_target(key, targets[key], planner, source, trace)
                 bar.update(sizes.get(key, 0))
                 yield key, out
     bar.close()
-
-
-def _group_planner(
-    group: Sequence[MappingUnit],
-    direction: str,
-    source: Any,
-    targets: Mapping[str, TargetSpec],
-    plans: dict[Any, Any] | None,
-) -> Callable[[Any], list[Any]]:
-    """The engine's planner for one group of units: source and destination shard descriptions
-    and the group's AOA statements."""
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
-
-    src_meta = {k: source.meta(k) for u in group for k in u.sources(direction)}
-    src_info = {k: [ShardedWeightDesc(k, s, s, (0,) * len(s), d)] for k, (s, d) in src_meta.items()}
-    if direction == "hf_to_fleet":
-        for u in group:
-            for k, n in u.source_splits:
-                src_info[k] = _column_shards(k, *src_meta[k], n)
-    # every target of the group is described (the engine needs the full output set); one not
-    # wanted is unsharded and never materialised
-    dst = {k: targets[k] for u in group for k in u.targets(direction)}
-    dst_info = {
-        k: [ShardedWeightDesc(k, ls, t.global_shape, off, t.dtype) for ls, off in t.all_shards or [t.local()]]
-        for k, t in dst.items()
-    }
-    stmts = build_statements(
-        group, direction, {k: d for k, (_, d) in src_meta.items()}, {k: t.dtype for k, t in dst.items()}
-    )
-    return _planner_for(group, stmts, src_info, dst_info, plans)
 
 
 def _fill_target(

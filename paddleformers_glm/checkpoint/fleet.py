@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .errors import CheckpointError
-from .layout import hf_param_specs, layer_plan, model_param_specs, paddlefleet_param_specs
+from .layout import LAYOUTS, layer_plan, param_specs
 
 __all__ = [
     "FUSED_FFN_KEY",
@@ -50,11 +50,8 @@ def detect_layout(keys: Iterable[str], config: Any, shape_of: Any = None) -> str
     Ties with the official layout and no overlap are refused.
     """
     ks = set(keys)
-    scores = {
-        "hf": len(ks & set(hf_param_specs(config))),
-        "fleet": len(ks & set(paddlefleet_param_specs(config, detect_expert_layout(ks)))),
-        "fleet-legacy": len(ks & set(model_param_specs(config))),
-    }
+    experts = detect_expert_layout(ks)
+    scores = {layout: len(ks & set(param_specs(config, layout, experts))) for layout in LAYOUTS}
     best = max(scores.values())
     winners = [k for k, v in scores.items() if v == best]
     if winners == ["fleet", "fleet-legacy"] and shape_of is not None:

@@ -299,12 +299,8 @@ class SafetensorsFile(_Closing):
         return arr[index] if index is not None else arr
 
     def release(self, key: str) -> None:
-        """Drop this tensor's pages from the process (they stay in the page cache).
-
-        File-backed pages a process has touched count in its RSS for as long as the map lives;
-        after a tensor is copied out, this keeps a whole-checkpoint read from looking (and being
-        accounted) like a second copy of the model.
-        """
+        """Drop this tensor's pages from the process (they stay in the page cache): touched file pages
+        count in its RSS while the map lives, a second copy of the model (docs/checkpoints.md, "Loading")."""
         info = self.tensors[key]
         if self._mm is None or info.nbytes == 0 or not hasattr(self._mm, "madvise"):
             return
@@ -521,8 +517,11 @@ class Checkpoint(_Closing):
 
 
 # ---------------------------------------------------------------------- writing
+_Entry = tuple[str, str, Sequence[int]]  # (key, safetensors dtype, shape)
+
+
 def plan_header(
-    entries: Iterable[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+    entries: Iterable[_Entry], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Header bytes (padded to 8) and relative data offsets for tensors in the given order."""
     header: dict[str, Any] = {}
@@ -549,18 +548,21 @@ def le_bytes(array: np.ndarray) -> np.ndarray:
 
 
 class SafetensorsWriter:
-    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order."""
+    """One safetensors file whose header is fixed up front; each planned tensor is written once, in any order
+    (``create=False``: into the file another process created with the same plan, as an export's ranks do)."""
 
     def __init__(
-        self, file: str, entries: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+        self, file: str, entries: Sequence[_Entry], metadata: Mapping[str, str] | None = None, create: bool = True
     ) -> None:
         self.file = file
         self.entries = {k: (d, tuple(int(x) for x in s)) for k, d, s in entries}
         head, self.offsets = plan_header(entries, metadata)
         self.data_start = len(head)
         self.written: set[str] = set()
-        self._f = open(file, "wb")
-        self._f.write(head)
+        self._f = open(file, "wb" if create else "r+b")
+        if create:  # at its full size at once: every process can write its tensors into place
+            self._f.write(head)
+            self._f.truncate(self.data_start + max((e for _, e in self.offsets.values()), default=0))
 
     def write(self, key: str, array: np.ndarray, st_dtype: str) -> None:
         if key not in self.entries:
@@ -586,9 +588,10 @@ class SafetensorsWriter:
         self._f.write(data.data)
         self.written.add(key)
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
+        """Flush to disk; refuses a planned tensor never written unless this process wrote only its share."""
         missing = sorted(set(self.entries) - self.written)
-        if missing:
+        if missing and complete:
             self._f.close()
             raise CheckpointError(
                 f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}", file=self.file, key=missing[0]

@@ -21,7 +21,7 @@ from typing import Any
 
 from .._io import read_json, write_json_atomic
 from .aoa import checkpoint_units, quiet_paddle_logs
-from .engine import StateDictSource, TargetSpec, dtype_name, run_units
+from .engine import StateDictSource, TargetSpec, dtype_name, libc, run_units
 from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import ParamSpec, fleet_param_specs, param_specs, resolve_dtype
@@ -298,10 +298,8 @@ def _exchange(a: str, b: str) -> bool:
     import ctypes
     import errno
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
+    fn = getattr(libc(), "renameat2", None)
+    if fn is None:
         return False
     at_fdcwd, rename_exchange = -100, 2
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
