@@ -18,7 +18,8 @@ from typing import Any
 from .._io import read_json, write_json_atomic
 from ..train.command import add_dtype_argument, add_expert_update_argument, add_indexer_arguments, add_step_arguments
 from .reference.indexer import saved_indexer_coeff
-from .reference.train import DUMP_KINDS, NEAR_TIE
+from .reference.topk_gaps import NEAR_TIE
+from .reference.train import DUMP_KINDS
 
 __all__ = [
     "compare_dumps",
