@@ -334,9 +334,7 @@ def train(args: argparse.Namespace) -> dict:
     if ref.indexer_stage == "warmup":  # only the indexers train: the rest takes no gradient, has no state
         for n, p in model_params:
             p.requires_grad_(".indexer." in n)
-        trained = [(n, p) for n, p in model_params if p.requires_grad]
-    else:
-        trained = model_params
+    trained = [(n, p) for n, p in model_params if p.requires_grad]
     # the optimizer steps fp32 masters of bf16 parameters (an fp32 parameter is its own master);
     # gradients accumulate into the masters in fp32, micro-batch by micro-batch
     params = [(n, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)) for n, p in trained]
@@ -374,7 +372,6 @@ def train(args: argparse.Namespace) -> dict:
         n_micro = G // M
         margins.step = {}
         for mb in micro_batches(batch, 0, 1, M):
-            ref.indexer.reset()
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
