@@ -18,7 +18,8 @@ from typing import Any
 from .._io import read_json, write_json_atomic
 from ..train.command import add_dtype_argument, add_expert_update_argument, add_indexer_arguments, add_step_arguments
 from .reference.indexer import saved_indexer_coeff
-from .reference.train import DUMP_KINDS, NEAR_TIE
+from .reference.topk_gaps import NEAR_TIE
+from .reference.train import DUMP_KINDS
 
 __all__ = [
     "compare_dumps",
@@ -238,27 +239,6 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
     return None
 
 
-def _run(cmd: list[str], log: str, timeout: float | None) -> tuple[int, float]:
-    t0 = time.monotonic()
-    with open(log, "w", encoding="utf-8") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            f.write(f"\n[glm52 align] stopped after {timeout} s\n")
-            rc = 124
-    return rc, time.monotonic() - t0
-
-
-def _tail(path: str, n: int = 15) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
 def run_align(args: argparse.Namespace) -> int:
     """Both runs, every comparison, the receipt; returns the exit code (0 all within tolerance)."""
     from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file, versions
@@ -332,12 +312,22 @@ def run_align(args: argparse.Namespace) -> int:
     write_json_atomic(os.path.join(receipt, "versions.json"), found, indent=1)
     for name, cmd in {} if args.no_run else runs.items():
         print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
-        log = os.path.join(out, f"{name}.log")
-        rc, secs = _run(cmd, log, args.timeout)
+        log, t0 = os.path.join(out, f"{name}.log"), time.monotonic()
+        with open(log, "w", encoding="utf-8") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                f.write(f"\n[glm52 align] stopped after {args.timeout} s\n")
+                rc = 124
+        secs = time.monotonic() - t0
         verdict["runs"][name] = {"exit_code": rc, "seconds": round(secs, 1), "log": log}
         print(f"[glm52 align] {name}: exit {rc} in {secs:.0f} s", flush=True)
         if rc != 0:
-            print(f"[glm52 align] {name} failed; last lines of {log}:\n{_tail(log)}", file=sys.stderr)
+            with open(log, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-15:])
+            print(f"[glm52 align] {name} failed; last lines of {log}:\n{tail}", file=sys.stderr)
             verdict.update(exit_code=2, result="a run failed")
             write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
             return 2

@@ -51,9 +51,6 @@ class ReferenceIndexer:
                     lambda mod, args, kwargs, out, i=layer_id: self._record(i, mod, kwargs, out), with_kwargs=True
                 )
 
-    def reset(self) -> None:
-        self.records = []
-
     def _record(self, layer_id: int, attn: Any, kwargs: dict, out: tuple) -> None:
         import torch
 

@@ -5,8 +5,8 @@ indexer and MoE router call (through a ``TorchFunctionMode`` and the modules' ow
 and records the gap between the k-th and the (k+1)-th value.  A gap below the rounding noise of
 two implementations (~1e-7 in fp32) is a near tie that they may break differently; the fixture
 generator (tools/make_reference.py) rejects a seed with a gap below :data:`MIN_GAP`, the torch
-reference trainer (``parity.reference.train``) records every step's smallest gap for
-``glm52 align``.
+reference trainer (``parity.reference.train``) records every step's margins (:attr:`GapMonitor.step`)
+for ``glm52 align``, which names the loss jump a near tie causes.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MIN_GAP", "GapMonitor", "TieError", "boundary_gaps"]
+__all__ = ["MIN_GAP", "NEAR_TIE", "GapMonitor", "TieError", "boundary_gaps"]
 
 # the smallest top-k boundary gap a fixture seed may have (tools/make_reference.py)
 MIN_GAP = 1e-4
+NEAR_TIE = 1e-6  # a top-k margin below it is within the two frameworks' fp32 rounding: a near tie
 
 
 def boundary_gaps(x: Any, valid: Any, k: int) -> Any:
@@ -49,6 +50,10 @@ class GapMonitor:
         self.calls = {"indexer": 0, "router": 0}
         self.phase = ""
         self.phase_mins: dict[str, dict] = {}
+        # category -> margins since the caller last emptied it (the reference trainer: each step, to
+        # loss.json's topk_min_gaps).  min_nonzero: exact ties are common at the indexer (its relu) and
+        # both frameworks break them alike, so a min of 0 would hide the near tie that can actually flip
+        self.step: dict[str, dict] = {}
 
     def attach(self, module: Any) -> None:
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaTopkRouter
@@ -96,6 +101,16 @@ class GapMonitor:
         self.mins[cat] = min(self.mins[cat], gap)
         pm = self.phase_mins.setdefault(self.phase, {})
         pm[cat] = min(pm.get(cat, math.inf), gap)
+        st = self.step.setdefault(
+            cat, {"min": math.inf, "min_nonzero": math.inf, "exact_ties": 0, "near_ties": 0, "decisions": 0}
+        )
+        st["min"] = min(st["min"], gap)
+        nonzero = gaps[gaps > 0]
+        if nonzero.numel():
+            st["min_nonzero"] = min(st["min_nonzero"], float(nonzero.min()))
+        st["exact_ties"] += int((gaps == 0).sum())
+        st["near_ties"] += int((gaps < NEAR_TIE).sum())
+        st["decisions"] += gaps.numel()
         if self.min_gap is not None and not gap >= self.min_gap:
             raise TieError(f"{cat} gap {gap:.3e} < {self.min_gap} in phase {self.phase!r}")
 

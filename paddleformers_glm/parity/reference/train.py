@@ -28,10 +28,9 @@ from ...train.command import (
 )
 from ...train.settings import check_numbers, indexer_stage_weight
 from .indexer import ReferenceIndexer, saved_indexer_coeff
-from .topk_gaps import GapMonitor, boundary_gaps
+from .topk_gaps import GapMonitor
 
 DUMP_KINDS = ("grads", "exp_avg", "exp_avg_sq", "weights")
-NEAR_TIE = 1e-6  # a top-k margin below it is within the two frameworks' fp32 rounding: a near tie
 # an MTP layer's own modules -> their checkpoint names (``model.layers.{L+j}.<name>.weight``)
 MTP_HEAD = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
 
@@ -281,39 +280,6 @@ class Reference:
         return lm, mtps
 
 
-class TopkMargins(GapMonitor):
-    """The margin of every top-k decision at its selection boundary, each indexer and router call
-    (main model and MTP); per step to loss.json (``topk_min_gaps``).  A margin below the frameworks'
-    rounding noise is a near tie the runs may break differently (``glm52 align`` names the loss jump
-    it causes).  ``min_nonzero``: exact ties are common at the indexer (its ``relu``) and both
-    frameworks break them alike, so a ``min`` of 0 would hide the near tie that can actually flip.
-    """
-
-    def __init__(self, modules) -> None:
-        super().__init__(min_gap=None)  # the same hooks as the fixtures' tie screening
-        for m in modules:
-            self.attach(m)
-        self.step: dict = {}
-
-    def reset(self) -> None:
-        self.step = {}
-
-    def _gap(self, cat: str, x, valid, k: int) -> None:
-        gaps = boundary_gaps(x, valid, k)
-        if gaps is None:
-            return
-        st = self.step.setdefault(
-            cat, {"min": math.inf, "min_nonzero": math.inf, "exact_ties": 0, "near_ties": 0, "decisions": 0}
-        )
-        st["min"] = min(st["min"], float(gaps.min()))
-        nonzero = gaps[gaps > 0]
-        if nonzero.numel():
-            st["min_nonzero"] = min(st["min_nonzero"], float(nonzero.min()))
-        st["exact_ties"] += int((gaps == 0).sum())
-        st["near_ties"] += int((gaps < NEAR_TIE).sum())
-        st["decisions"] += gaps.numel()
-
-
 # ----------------------------------------------------------------------------------------------
 # dumps
 
@@ -368,9 +334,7 @@ def train(args: argparse.Namespace) -> dict:
     if ref.indexer_stage == "warmup":  # only the indexers train: the rest takes no gradient, has no state
         for n, p in model_params:
             p.requires_grad_(".indexer." in n)
-        trained = [(n, p) for n, p in model_params if p.requires_grad]
-    else:
-        trained = model_params
+    trained = [(n, p) for n, p in model_params if p.requires_grad]
     # the optimizer steps fp32 masters of bf16 parameters (an fp32 parameter is its own master);
     # gradients accumulate into the masters in fp32, micro-batch by micro-batch
     params = [(n, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)) for n, p in trained]
@@ -387,7 +351,9 @@ def train(args: argparse.Namespace) -> dict:
     kl_rows: list[list[float]] = []  # [step][layer], ref.indexer.layers in order
     recall_rows: list[list[float]] = []
     idle_experts: list[dict[str, list[int]]] = []
-    margins = TopkMargins([ref.model, ref.mtp])
+    margins = GapMonitor(min_gap=None)  # the same hooks as the fixtures' tie screening
+    margins.attach(ref.model)
+    margins.attach(ref.mtp)
     gaps: list[dict] = []
     dumps: dict[int, list[str]] = {}
     for d, k in args.dump_step:
@@ -404,9 +370,8 @@ def train(args: argparse.Namespace) -> dict:
         step_kl = dict.fromkeys(ref.indexer.layers, 0.0)
         step_recall = dict.fromkeys(ref.indexer.layers, 0.0)
         n_micro = G // M
-        margins.reset()
+        margins.step = {}
         for mb in micro_batches(batch, 0, 1, M):
-            ref.indexer.reset()
             ids = torch.from_numpy(np.ascontiguousarray(mb["input_ids"]))
             labels = torch.from_numpy(np.ascontiguousarray(mb["labels"]))
             mask = torch.from_numpy(np.ascontiguousarray(mb["attention_mask"])) if "attention_mask" in mb else None
