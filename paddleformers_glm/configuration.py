@@ -559,29 +559,27 @@ class GlmMoeDsaConfig:
         """
         rope = self._rope
 
-        def same(*keys: str, cast: Any = None) -> dict[str, Any]:  # fields Fleet names as this config does
-            return {k: cast(getattr(self, k)) if cast else getattr(self, k) for k in keys}
+        def same(*keys: str) -> dict[str, Any]:  # fields Fleet names as this config does (bools validated)
+            return {k: getattr(self, k) for k in keys}
 
         d: dict[str, Any] = {
             **same("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"),
             **same("intermediate_size", "vocab_size", "hidden_act"),
             "gated_linear_unit": True,
             "normalization": "RMSNorm",
-            "rms_norm_eps": self.rms_norm_eps,
-            **same("attention_bias", "tie_word_embeddings", cast=bool),
+            **same("rms_norm_eps", "attention_bias", "tie_word_embeddings"),
             "params_dtype": self.model_dtype,
-            "fp32_residual_connection": bool(self.fp32_residual_connection),
+            "fp32_residual_connection": self.fp32_residual_connection,
             # MLA (latent norms on the compressed q and kv: `use_qk_norm`)
             "multi_latent_attention": True,
-            **same("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-            "use_qk_norm": bool(self.use_qk_norm),
+            **same("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "use_qk_norm"),
             # RoPE
             "position_embedding_type": "rope",
             "rope_type": _FLEET_ROPE_TYPES.get(rope["rope_type"], rope["rope_type"]),
             "rope_theta": rope["rope_theta"],
             "rotary_base": rope["rope_theta"],
             "rotary_percent": 1.0,
-            "rotary_interleaved": bool(self.rope_interleave),
+            "rotary_interleaved": self.rope_interleave,
         }
         if rope["rope_type"] == "yarn":
             d |= {
@@ -598,23 +596,16 @@ class GlmMoeDsaConfig:
             # MoE
             **same("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size"),
             **same("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor"),
-            "norm_topk_prob": bool(self.norm_topk_prob),
-            "first_k_dense_replace": self.first_k_dense_replace,
+            **same("norm_topk_prob", "first_k_dense_replace"),
             "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
             # MTP
             "num_nextn_predict_layers": self.num_mtp_layers,
             "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
-            # DSA indexer and cross-layer top-k sharing
+            # DSA indexer and cross-layer top-k sharing: Fleet's dsa_* names are those of _KEY_ALIASES
             "experimental_attention_variant": "dsa",
-            "dsa_index_n_heads": self.index_n_heads,
-            "dsa_index_head_dim": self.index_head_dim,
-            "dsa_index_topk": self.index_topk,
-            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
+            **{a: copy.deepcopy(getattr(self, k)) for a, k in _KEY_ALIASES.items() if a.startswith("dsa_")},
+            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),  # null: 1 and 0, every layer full
             "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
-            "dsa_indexer_types": list(self.indexer_types),
-            "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
-            "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
-            "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
         }
         p = self.parallel_settings()  # the layout the file carried, unless the run's is given
         if layout is not None:
