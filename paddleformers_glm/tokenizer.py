@@ -5,6 +5,7 @@ call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -78,6 +79,27 @@ def _id_list(ids: Any) -> list[int]:
     if isinstance(ids, int):
         return [ids]
     return [int(i) for i in ids]
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(text: str, source: str) -> Any:
+    """``text`` compiled once in jinja2's sandbox with HF's globals (a conversation renders it many
+    times); a syntax error names ``source``."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except TemplateSyntaxError as err:
+        raise TokenizerError(f"{source}: chat template syntax error at line {err.lineno}: {err.message}") from err
 
 
 class GlmTokenizer:
@@ -281,39 +303,15 @@ class GlmTokenizer:
         return out
 
     # ------------------------------------------------------------------ chat
-    def _compiled_template(self) -> Any:
-        if not self.chat_template:
-            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-        cached = getattr(self, "_template_cache", None)
-        if cached is not None and cached[0] == self.chat_template:
-            return cached[1]
-        from jinja2.exceptions import TemplateError, TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii
-        )
-        env.globals["raise_exception"] = raise_exception
-        try:
-            compiled = env.from_string(self.chat_template)
-        except TemplateSyntaxError as err:
-            raise TokenizerError(
-                f"{self.template_source}: chat template syntax error at line {err.lineno}: {err.message}"
-            ) from err
-        self._template_cache = (self.chat_template, compiled)
-        return compiled
-
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, **extra: Any) -> str:
         """The conversation as text, per the chat template."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
+        if not self.chat_template:
+            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
         specials = {k: self._special(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return self._compiled_template().render(
+        return _compile_template(self.chat_template, self.template_source).render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **extra
         )
 
