@@ -308,11 +308,9 @@ class GlmMoeDsaConfig:
         return [i for i, t in enumerate(self.indexer_types) if t == "full"]
 
     def full_layer_for(self, layer_idx: int) -> int:
-        """The full layer whose top-k a (shared) layer uses: the nearest full layer at or before it."""
-        for i in range(layer_idx, -1, -1):
-            if self.indexer_types[i] == "full":
-                return i
-        raise _err("indexer_types", f"layer {layer_idx} has no full layer at or before it")
+        """The full layer whose top-k a (shared) layer uses: the nearest full layer at or before it
+        (layer 0 is always full: validate refuses a first layer that is not)."""
+        return max(i for i in self.full_layer_ids if i <= layer_idx)
 
     @property
     def softmax_scale(self) -> float:
