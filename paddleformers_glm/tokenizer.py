@@ -232,7 +232,7 @@ class GlmTokenizer:
                 raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
             limit = self._max_length(max_length, "truncation=True")
             rows = [r[-limit:] if self.truncation_side == "left" else r[:limit] for r in rows]
-        enc = self._pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side)
+        enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
         if not return_attention_mask:
             enc.pop("attention_mask")
         if return_tensors is not None:
@@ -241,16 +241,27 @@ class GlmTokenizer:
             return BatchEncoding({k: v[0] for k, v in enc.items()})
         return enc
 
-    def _pad(
+    def pad(
         self,
-        enc: dict[str, list[list[int]]],
-        padding: bool | str,
-        max_length: int | None,
-        pad_to_multiple_of: int | None,
-        padding_side: str | None,
+        encoded_inputs: Any,
+        padding: bool | str = True,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        return_tensors: str | None = None,
+        padding_side: str | None = None,
     ) -> BatchEncoding:
-        rows = [list(r) for r in enc["input_ids"]]
-        masks = [list(m) for m in enc["attention_mask"]] if "attention_mask" in enc else [[1] * len(r) for r in rows]
+        """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
+        as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
+        equal length are passed through."""
+        if isinstance(encoded_inputs, (list, tuple)):
+            if not encoded_inputs:
+                raise ValueError("pad: nothing to pad")
+            encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
+        if "input_ids" not in encoded_inputs:
+            raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
+        given = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}  # fresh lists, padded in place
+        rows = given["input_ids"]
+        masks = given["attention_mask"] if "attention_mask" in given else [[1] * len(r) for r in rows]
         if padding in (True, "longest"):
             target = max((len(r) for r in rows), default=0)
         elif padding == "max_length":
@@ -273,29 +284,8 @@ class GlmTokenizer:
                 if n > 0:
                     rows[i] = [pad_id] * n + r if side == "left" else r + [pad_id] * n
                     masks[i] = [0] * n + masks[i] if side == "left" else masks[i] + [0] * n
-        return BatchEncoding(input_ids=rows, attention_mask=masks)
-
-    def pad(
-        self,
-        encoded_inputs: Any,
-        padding: bool | str = True,
-        max_length: int | None = None,
-        pad_to_multiple_of: int | None = None,
-        return_tensors: str | None = None,
-        padding_side: str | None = None,
-    ) -> BatchEncoding:
-        """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
-        as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
-        equal length are passed through."""
-        if isinstance(encoded_inputs, (list, tuple)):
-            if not encoded_inputs:
-                raise ValueError("pad: nothing to pad")
-            encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
-        if "input_ids" not in encoded_inputs:
-            raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
-        rows = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}
-        out = self._pad(rows, padding, max_length, pad_to_multiple_of, padding_side)
-        out.update({k: v for k, v in rows.items() if k not in out})  # other keys as given
+        out = BatchEncoding(input_ids=rows, attention_mask=masks)
+        out.update({k: v for k, v in given.items() if k not in out})  # other keys as given
         if return_tensors is not None:
             return BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
         return out
