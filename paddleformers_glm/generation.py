@@ -186,13 +186,10 @@ def _number(name: str, v: Any, ok: Callable[[float], bool], need: str) -> float:
 
 
 def _eos_list(v: Any) -> list[int]:
-    if v is None:
-        return []
-    if _is_int(v):
-        return [int(v)]
-    if isinstance(v, (list, tuple)) and all(_is_int(e) for e in v):
-        return [int(e) for e in v]
-    raise ValueError(f"generate: eos_token_id must be an int or a list of ints, got {v!r}")
+    ids = [] if v is None else [v] if _is_int(v) else v
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(e) for e in ids):
+        raise ValueError(f"generate: eos_token_id must be an int or a list of ints, got {v!r}")
+    return [int(e) for e in ids]
 
 
 def check_generation_length(
