@@ -149,6 +149,7 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "attention_dropout": ("num", 0.0, 1.0, False),
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
+    "rope_theta": ("num|None", 0.0, math.inf, True),  # a top-level base (rope settings: _normalise_rope)
     # The layout fields: only their form. Whether a layout works for this model and a world size is
     # decided in one place, when a run is launched: `parallel.topology.ParallelConfig.validate`.
     **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
@@ -386,11 +387,10 @@ class GlmMoeDsaConfig:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")
 
     def _normalise_rope(self) -> None:
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
-            raise _err("rope_scaling", f"must be a dict or null, got {type(self.rope_scaling).__name__}")
+        for key in ("rope_scaling", "rope_parameters"):
+            if not isinstance(getattr(self, key), (dict, type(None))):
+                raise _err(key, f"must be a dict or null, got {type(getattr(self, key)).__name__}")
         if self.rope_parameters is not None:
-            if not isinstance(self.rope_parameters, dict):
-                raise _err("rope_parameters", f"must be a dict, got {type(self.rope_parameters).__name__}")
             rope, src = dict(self.rope_parameters), "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
                 for key, a, b in (
@@ -402,9 +402,11 @@ class GlmMoeDsaConfig:
         else:
             rope, src = dict(self.rope_scaling or {}), "rope_scaling"
         rope["rope_type"] = _rope_type(rope)
-        for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
-            if value is not None:
-                _check_form(name, value, _POSITIVE)
+        forms = {"rope_theta": _POSITIVE, "factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}
+        forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
+        for key, form in forms.items():
+            if rope.get(key) is not None:
+                _check_form(f"{src}.{key}", rope[key], form)
         if "rope_theta" not in rope:
             if self.rope_theta is None:
                 raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
@@ -421,11 +423,6 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        forms = {"factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}  # rope_theta: above
-        forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
-        for key, form in forms.items():
-            if rope.get(key) is not None:
-                _check_form(f"{src}.{key}", rope[key], form)
         self._rope = rope
 
     def _check_rope_aliases(self) -> None:
