@@ -243,7 +243,7 @@ class GlmMoeDsaConfig:
     def __init__(self, **kwargs: Any) -> None:
         kwargs = copy.deepcopy(kwargs)
         from_file = kwargs.pop("_from_file", False)
-        overrides = copy.deepcopy(kwargs.pop("_overrides", None) or {})
+        overrides = kwargs.pop("_overrides", None) or {}
         file_order = list(kwargs)
         kwargs, self._alias_values = _resolve_aliases(kwargs)
         for key, value in overrides.items():  # an override wins over the file's value, in either spelling
