@@ -59,12 +59,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     `mode` is "w" (text) or "wb"; missing parent folders are created."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
-    with _replacing(os.fspath(path)) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        with open(fd, mode, encoding=None if "b" in mode else encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+    # "x": the temporary name is created, never opened through something already there
+    with atomic_path(path) as tmp, open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else encoding) as f:
+        yield f
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
