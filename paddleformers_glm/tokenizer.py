@@ -322,16 +322,10 @@ class GlmTokenizer:
         batched = isinstance(conversation[0], (list, tuple))
         convs = list(conversation) if batched else [conversation]
         texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, **extra) for c in convs]
+        text = texts if batched else texts[0]
         if not tokenize:
-            return texts if batched else texts[0]
-        enc = self(
-            texts if batched else texts[0],
-            padding=padding,
-            truncation=truncation,
-            max_length=max_length,
-            return_tensors=return_tensors,
-            add_special_tokens=False,
-        )
+            return text
+        enc = self(text, padding, truncation, max_length, return_tensors, add_special_tokens=False)
         return enc if return_dict else enc["input_ids"]
 
     def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
