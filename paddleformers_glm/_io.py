@@ -24,33 +24,25 @@ from typing import IO, Any
 
 
 @contextlib.contextmanager
-def _replacing(path: str) -> Iterator[str]:
-    """A unique temporary path in `path`'s folder (made if missing: same filesystem, atomic rename)
-    that replaces `path` when the block ends cleanly and is removed when it raises (the caller has
-    made its bytes durable)."""
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A unique temporary path beside `path` (its folder made if missing: same filesystem, atomic rename)
+    for writers that take only a file name (``paddle.save``): on a clean exit the file written there is
+    flushed to disk and replaces `path`; when the block raises it is removed."""
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
+        if not os.path.isfile(tmp):
+            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """A temporary path beside `path` for writers that take only a file name (``paddle.save``):
-    on a clean exit the file written there is flushed to disk and replaces `path`."""
-    path = os.fspath(path)
-    with _replacing(path) as tmp:
-        yield tmp
-        if not os.path.isfile(tmp):
-            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
