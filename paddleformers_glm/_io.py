@@ -65,11 +65,10 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
 NONFINITE_KEY = "nonfinite"
 
 
-def strict_json_value(obj: Any, default: Any = None, _path: str = "", _found: list[str] | None = None) -> Any:
+def strict_json_value(obj: Any, default: Any, path: str, found: list[str]) -> Any:
     """`obj` with every non-finite number replaced by None (and numpy scalars by Python numbers);
-    the path of each replaced number is appended to `_found`. Values JSON does not know go through
-    `default` (None: left for ``json`` to refuse)."""
-    found = _found if _found is not None else []
+    the path of each replaced number (`path` is obj's) is appended to `found`. Values JSON does not
+    know go through `default` (None: left for ``json`` to refuse)."""
     if obj is None or isinstance(obj, (str, bool)):
         return obj
     if isinstance(obj, numbers.Integral):
@@ -78,14 +77,14 @@ def strict_json_value(obj: Any, default: Any = None, _path: str = "", _found: li
         f = float(obj)
         if math.isfinite(f):
             return f
-        found.append(_path or "$")
+        found.append(path or "$")
         return None
     if isinstance(obj, dict):
-        return {k: strict_json_value(v, default, f"{_path}.{k}" if _path else str(k), found) for k, v in obj.items()}
+        return {k: strict_json_value(v, default, f"{path}.{k}" if path else str(k), found) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [strict_json_value(v, default, f"{_path}[{i}]", found) for i, v in enumerate(obj)]
+        return [strict_json_value(v, default, f"{path}[{i}]", found) for i, v in enumerate(obj)]
     if default is not None:
-        return strict_json_value(default(obj), None, _path, found)
+        return strict_json_value(default(obj), None, path, found)
     return obj
 
 
