@@ -24,15 +24,20 @@ from typing import IO, Any
 
 
 @contextlib.contextmanager
-def _replacing(path: str) -> Iterator[str]:
-    """A unique temporary path in `path`'s folder (made if missing: same filesystem, atomic rename)
-    that replaces `path` when the block ends cleanly and is removed when it raises (the caller has
-    made its bytes durable)."""
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A unique temporary path beside `path` (its folder made if missing: same filesystem, atomic rename)
+    for writers that take only a file name (``paddle.save``): on a clean exit the file written there is
+    flushed to disk and replaces `path`; when the block raises it is removed."""
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
+        if not os.path.isfile(tmp):
+            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -41,30 +46,14 @@ def _replacing(path: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """A temporary path beside `path` for writers that take only a file name (``paddle.save``):
-    on a clean exit the file written there is flushed to disk and replaces `path`."""
-    path = os.fspath(path)
-    with _replacing(path) as tmp:
-        yield tmp
-        if not os.path.isfile(tmp):
-            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-
-
-@contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`.
     `mode` is "w" (text) or "wb"; missing parent folders are created."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
-    with _replacing(os.fspath(path)) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        with open(fd, mode, encoding=None if "b" in mode else encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+    # "x": the temporary name is created, never opened through something already there
+    with atomic_path(path) as tmp, open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else encoding) as f:
+        yield f
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
@@ -76,11 +65,10 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
 NONFINITE_KEY = "nonfinite"
 
 
-def strict_json_value(obj: Any, default: Any = None, _path: str = "", _found: list[str] | None = None) -> Any:
+def strict_json_value(obj: Any, default: Any, path: str, found: list[str]) -> Any:
     """`obj` with every non-finite number replaced by None (and numpy scalars by Python numbers);
-    the path of each replaced number is appended to `_found`. Values JSON does not know go through
-    `default` (None: left for ``json`` to refuse)."""
-    found = _found if _found is not None else []
+    the path of each replaced number (`path` is obj's) is appended to `found`. Values JSON does not
+    know go through `default` (None: left for ``json`` to refuse)."""
     if obj is None or isinstance(obj, (str, bool)):
         return obj
     if isinstance(obj, numbers.Integral):
@@ -89,14 +77,14 @@ def strict_json_value(obj: Any, default: Any = None, _path: str = "", _found: li
         f = float(obj)
         if math.isfinite(f):
             return f
-        found.append(_path or "$")
+        found.append(path or "$")
         return None
     if isinstance(obj, dict):
-        return {k: strict_json_value(v, default, f"{_path}.{k}" if _path else str(k), found) for k, v in obj.items()}
+        return {k: strict_json_value(v, default, f"{path}.{k}" if path else str(k), found) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [strict_json_value(v, default, f"{_path}[{i}]", found) for i, v in enumerate(obj)]
+        return [strict_json_value(v, default, f"{path}[{i}]", found) for i, v in enumerate(obj)]
     if default is not None:
-        return strict_json_value(default(obj), None, _path, found)
+        return strict_json_value(default(obj), None, path, found)
     return obj
 
 

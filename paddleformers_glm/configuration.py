@@ -149,6 +149,7 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "attention_dropout": ("num", 0.0, 1.0, False),
     **{k: ("str",) for k in ("hidden_act", "topk_method", "scoring_func", "moe_router_dtype", "attn_implementation")},
     "dtype": ("str|None",),
+    "rope_theta": ("num|None", 0.0, math.inf, True),  # a top-level base (rope settings: _normalise_rope)
     # The layout fields: only their form. Whether a layout works for this model and a world size is
     # decided in one place, when a run is launched: `parallel.topology.ParallelConfig.validate`.
     **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
@@ -242,7 +243,7 @@ class GlmMoeDsaConfig:
     def __init__(self, **kwargs: Any) -> None:
         kwargs = copy.deepcopy(kwargs)
         from_file = kwargs.pop("_from_file", False)
-        overrides = copy.deepcopy(kwargs.pop("_overrides", None) or {})
+        overrides = kwargs.pop("_overrides", None) or {}
         file_order = list(kwargs)
         kwargs, self._alias_values = _resolve_aliases(kwargs)
         for key, value in overrides.items():  # an override wins over the file's value, in either spelling
@@ -308,11 +309,9 @@ class GlmMoeDsaConfig:
         return [i for i, t in enumerate(self.indexer_types) if t == "full"]
 
     def full_layer_for(self, layer_idx: int) -> int:
-        """The full layer whose top-k a (shared) layer uses: the nearest full layer at or before it."""
-        for i in range(layer_idx, -1, -1):
-            if self.indexer_types[i] == "full":
-                return i
-        raise _err("indexer_types", f"layer {layer_idx} has no full layer at or before it")
+        """The full layer whose top-k a (shared) layer uses: the nearest full layer at or before it
+        (layer 0 is always full: validate refuses a first layer that is not)."""
+        return max(i for i in self.full_layer_ids if i <= layer_idx)
 
     @property
     def softmax_scale(self) -> float:
@@ -388,11 +387,10 @@ class GlmMoeDsaConfig:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")
 
     def _normalise_rope(self) -> None:
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
-            raise _err("rope_scaling", f"must be a dict or null, got {type(self.rope_scaling).__name__}")
+        for key in ("rope_scaling", "rope_parameters"):
+            if not isinstance(getattr(self, key), (dict, type(None))):
+                raise _err(key, f"must be a dict or null, got {type(getattr(self, key)).__name__}")
         if self.rope_parameters is not None:
-            if not isinstance(self.rope_parameters, dict):
-                raise _err("rope_parameters", f"must be a dict, got {type(self.rope_parameters).__name__}")
             rope, src = dict(self.rope_parameters), "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
                 for key, a, b in (
@@ -404,9 +402,11 @@ class GlmMoeDsaConfig:
         else:
             rope, src = dict(self.rope_scaling or {}), "rope_scaling"
         rope["rope_type"] = _rope_type(rope)
-        for name, value in (("rope_theta", self.rope_theta), (f"{src}.rope_theta", rope.get("rope_theta"))):
-            if value is not None:
-                _check_form(name, value, _POSITIVE)
+        forms = {"rope_theta": _POSITIVE, "factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}
+        forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
+        for key, form in forms.items():
+            if rope.get(key) is not None:
+                _check_form(f"{src}.{key}", rope[key], form)
         if "rope_theta" not in rope:
             if self.rope_theta is None:
                 raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
@@ -423,11 +423,6 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        forms = {"factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}  # rope_theta: above
-        forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
-        for key, form in forms.items():
-            if rope.get(key) is not None:
-                _check_form(f"{src}.{key}", rope[key], form)
         self._rope = rope
 
     def _check_rope_aliases(self) -> None:
@@ -559,29 +554,27 @@ class GlmMoeDsaConfig:
         """
         rope = self._rope
 
-        def same(*keys: str, cast: Any = None) -> dict[str, Any]:  # fields Fleet names as this config does
-            return {k: cast(getattr(self, k)) if cast else getattr(self, k) for k in keys}
+        def same(*keys: str) -> dict[str, Any]:  # fields Fleet names as this config does (bools validated)
+            return {k: getattr(self, k) for k in keys}
 
         d: dict[str, Any] = {
             **same("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"),
             **same("intermediate_size", "vocab_size", "hidden_act"),
             "gated_linear_unit": True,
             "normalization": "RMSNorm",
-            "rms_norm_eps": self.rms_norm_eps,
-            **same("attention_bias", "tie_word_embeddings", cast=bool),
+            **same("rms_norm_eps", "attention_bias", "tie_word_embeddings"),
             "params_dtype": self.model_dtype,
-            "fp32_residual_connection": bool(self.fp32_residual_connection),
+            "fp32_residual_connection": self.fp32_residual_connection,
             # MLA (latent norms on the compressed q and kv: `use_qk_norm`)
             "multi_latent_attention": True,
-            **same("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-            "use_qk_norm": bool(self.use_qk_norm),
+            **same("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "use_qk_norm"),
             # RoPE
             "position_embedding_type": "rope",
             "rope_type": _FLEET_ROPE_TYPES.get(rope["rope_type"], rope["rope_type"]),
             "rope_theta": rope["rope_theta"],
             "rotary_base": rope["rope_theta"],
             "rotary_percent": 1.0,
-            "rotary_interleaved": bool(self.rope_interleave),
+            "rotary_interleaved": self.rope_interleave,
         }
         if rope["rope_type"] == "yarn":
             d |= {
@@ -598,23 +591,16 @@ class GlmMoeDsaConfig:
             # MoE
             **same("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size"),
             **same("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor"),
-            "norm_topk_prob": bool(self.norm_topk_prob),
-            "first_k_dense_replace": self.first_k_dense_replace,
+            **same("norm_topk_prob", "first_k_dense_replace"),
             "moe_layer_freq": [0 if t == "dense" else 1 for t in self.mlp_layer_types],
             # MTP
             "num_nextn_predict_layers": self.num_mtp_layers,
             "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor,
-            # DSA indexer and cross-layer top-k sharing
+            # DSA indexer and cross-layer top-k sharing: Fleet's dsa_* names are those of _KEY_ALIASES
             "experimental_attention_variant": "dsa",
-            "dsa_index_n_heads": self.index_n_heads,
-            "dsa_index_head_dim": self.index_head_dim,
-            "dsa_index_topk": self.index_topk,
-            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),
+            **{a: copy.deepcopy(getattr(self, k)) for a, k in _KEY_ALIASES.items() if a.startswith("dsa_")},
+            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),  # null: 1 and 0, every layer full
             "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
-            "dsa_indexer_types": list(self.indexer_types),
-            "dsa_index_share_for_mtp_iteration": bool(self.index_share_for_mtp_iteration),
-            "dsa_indexer_rotary_interleaved": bool(self.indexer_rope_interleave),
-            "dsa_indexer_loss_coeff": self.indexer_loss_coeff,
         }
         p = self.parallel_settings()  # the layout the file carried, unless the run's is given
         if layout is not None:

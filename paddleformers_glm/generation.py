@@ -124,10 +124,8 @@ class GenerationConfig:
         """``folder/generation_config.json`` (a folder without one: :meth:`from_model_config` of
         ``config``). Special tokens the file does not set come from ``config``."""
         path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
-        if not os.path.isfile(path):
-            return cls.from_model_config(config) if config is not None else cls()
-        gc = cls.from_dict(read_json(path, "the generation config"), source=path)
-        for k in _SPECIAL_TOKENS if config is not None else ():
+        gc = cls.from_dict(read_json(path, "the generation config"), source=path) if os.path.isfile(path) else cls()
+        for k in _SPECIAL_TOKENS:  # no config: getattr(None, k, None) leaves them unset
             if getattr(gc, k) is None:
                 setattr(gc, k, getattr(config, k, None))
         return gc
@@ -156,20 +154,6 @@ class GenerationConfig:
                 raise ValueError(
                     f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); {supported}"
                 )
-
-
-def _refuse_unknown(kwargs: dict[str, Any]) -> None:
-    supported = ", ".join(GenerationConfig.keys())
-    for k, v in kwargs.items():
-        if k in GenerationConfig.keys() or (k in UNSUPPORTED_OFF and v == UNSUPPORTED_OFF[k]):
-            continue
-        if k not in UNSUPPORTED_OFF:
-            raise TypeError(
-                f"generate: unknown option {k!r}; supported options: {supported} "
-                "(and seed, streamer, tokenizer, generation_config)"
-            )
-        what = "beam search" if k in ("num_beam_groups", "diversity_penalty", "length_penalty") else k
-        raise ValueError(f"generate: {what} ({k}={v!r}) is not supported; supported options: {supported}")
 
 
 def generation_config_of(model: Any) -> GenerationConfig:
@@ -202,13 +186,10 @@ def _number(name: str, v: Any, ok: Callable[[float], bool], need: str) -> float:
 
 
 def _eos_list(v: Any) -> list[int]:
-    if v is None:
-        return []
-    if _is_int(v):
-        return [int(v)]
-    if isinstance(v, (list, tuple)) and all(_is_int(e) for e in v):
-        return [int(e) for e in v]
-    raise ValueError(f"generate: eos_token_id must be an int or a list of ints, got {v!r}")
+    ids = [] if v is None else [v] if _is_int(v) else v
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(e) for e in ids):
+        raise ValueError(f"generate: eos_token_id must be an int or a list of ints, got {v!r}")
+    return [int(e) for e in ids]
 
 
 def check_generation_length(
@@ -242,14 +223,18 @@ def _resolve(
 ) -> GenerationConfig:
     """Every option with its value for one call (call > model's generation config > HF default): the
     lengths as ``max_new_tokens`` / ``min_new_tokens``, ``eos_token_id`` a list, ``stop_strings`` a list."""
-    _refuse_unknown(kwargs)
+    unknown = [k for k in kwargs if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF]
+    if unknown:
+        raise TypeError(
+            f"generate: unknown option {unknown[0]!r}; supported options: {', '.join(GenerationConfig.keys())} "
+            "(and seed, streamer, tokenizer, generation_config)"
+        )
+    GenerationConfig.from_dict(kwargs, source="generate").check_supported()  # the call's options, as a file's
     base = generation_config_of(model) if generation_config is None else generation_config
     if isinstance(base, dict):
         base = GenerationConfig.from_dict(base, source="generation_config argument")
     base.check_supported()
     call = {k: v for k, v in kwargs.items() if k in GenerationConfig.keys() and v is not None}
-    if "num_beams" in call and call["num_beams"] != 1:
-        GenerationConfig(num_beams=call["num_beams"], extra={"_source": "generate"}).check_supported()
 
     def get(k: str) -> Any:
         if k in call:

@@ -5,6 +5,7 @@ call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -80,6 +81,27 @@ def _id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
+@functools.lru_cache(maxsize=8)
+def _compile_template(text: str, source: str) -> Any:
+    """``text`` compiled once in jinja2's sandbox with HF's globals (a conversation renders it many
+    times); a syntax error names ``source``."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except TemplateSyntaxError as err:
+        raise TokenizerError(f"{source}: chat template syntax error at line {err.lineno}: {err.message}") from err
+
+
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
@@ -95,8 +117,6 @@ class GlmTokenizer:
         model_max_length: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        if config is not None and not isinstance(config, dict):
-            raise TokenizerError(f"tokenizer config: expected a JSON object, got a {type(config).__name__}")
         self.config = dict(config or {})
         self.template_source = template_source  # where the template came from, named by its errors
         self.chat_template = _template_text(
@@ -212,7 +232,7 @@ class GlmTokenizer:
                 raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
             limit = self._max_length(max_length, "truncation=True")
             rows = [r[-limit:] if self.truncation_side == "left" else r[:limit] for r in rows]
-        enc = self._pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side)
+        enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
         if not return_attention_mask:
             enc.pop("attention_mask")
         if return_tensors is not None:
@@ -221,16 +241,27 @@ class GlmTokenizer:
             return BatchEncoding({k: v[0] for k, v in enc.items()})
         return enc
 
-    def _pad(
+    def pad(
         self,
-        enc: dict[str, list[list[int]]],
-        padding: bool | str,
-        max_length: int | None,
-        pad_to_multiple_of: int | None,
-        padding_side: str | None,
+        encoded_inputs: Any,
+        padding: bool | str = True,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        return_tensors: str | None = None,
+        padding_side: str | None = None,
     ) -> BatchEncoding:
-        rows = [list(r) for r in enc["input_ids"]]
-        masks = [list(m) for m in enc["attention_mask"]] if "attention_mask" in enc else [[1] * len(r) for r in rows]
+        """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
+        as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
+        equal length are passed through."""
+        if isinstance(encoded_inputs, (list, tuple)):
+            if not encoded_inputs:
+                raise ValueError("pad: nothing to pad")
+            encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
+        if "input_ids" not in encoded_inputs:
+            raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
+        given = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}  # fresh lists, padded in place
+        rows = given["input_ids"]
+        masks = given["attention_mask"] if "attention_mask" in given else [[1] * len(r) for r in rows]
         if padding in (True, "longest"):
             target = max((len(r) for r in rows), default=0)
         elif padding == "max_length":
@@ -253,67 +284,22 @@ class GlmTokenizer:
                 if n > 0:
                     rows[i] = [pad_id] * n + r if side == "left" else r + [pad_id] * n
                     masks[i] = [0] * n + masks[i] if side == "left" else masks[i] + [0] * n
-        return BatchEncoding(input_ids=rows, attention_mask=masks)
-
-    def pad(
-        self,
-        encoded_inputs: Any,
-        padding: bool | str = True,
-        max_length: int | None = None,
-        pad_to_multiple_of: int | None = None,
-        return_tensors: str | None = None,
-        padding_side: str | None = None,
-    ) -> BatchEncoding:
-        """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
-        as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
-        equal length are passed through."""
-        if isinstance(encoded_inputs, (list, tuple)):
-            if not encoded_inputs:
-                raise ValueError("pad: nothing to pad")
-            encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
-        if "input_ids" not in encoded_inputs:
-            raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
-        rows = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}
-        out = self._pad(rows, padding, max_length, pad_to_multiple_of, padding_side)
-        out.update({k: v for k, v in rows.items() if k not in out})  # other keys as given
+        out = BatchEncoding(input_ids=rows, attention_mask=masks)
+        out.update({k: v for k, v in given.items() if k not in out})  # other keys as given
         if return_tensors is not None:
             return BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
         return out
 
     # ------------------------------------------------------------------ chat
-    def _compiled_template(self) -> Any:
-        if not self.chat_template:
-            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-        cached = getattr(self, "_template_cache", None)
-        if cached is not None and cached[0] == self.chat_template:
-            return cached[1]
-        from jinja2.exceptions import TemplateError, TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii
-        )
-        env.globals["raise_exception"] = raise_exception
-        try:
-            compiled = env.from_string(self.chat_template)
-        except TemplateSyntaxError as err:
-            raise TokenizerError(
-                f"{self.template_source}: chat template syntax error at line {err.lineno}: {err.message}"
-            ) from err
-        self._template_cache = (self.chat_template, compiled)
-        return compiled
-
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, **extra: Any) -> str:
         """The conversation as text, per the chat template."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
+        if not self.chat_template:
+            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
         specials = {k: self._special(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return self._compiled_template().render(
+        return _compile_template(self.chat_template, self.template_source).render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **extra
         )
 
@@ -336,16 +322,10 @@ class GlmTokenizer:
         batched = isinstance(conversation[0], (list, tuple))
         convs = list(conversation) if batched else [conversation]
         texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, **extra) for c in convs]
+        text = texts if batched else texts[0]
         if not tokenize:
-            return texts if batched else texts[0]
-        enc = self(
-            texts if batched else texts[0],
-            padding=padding,
-            truncation=truncation,
-            max_length=max_length,
-            return_tensors=return_tensors,
-            add_special_tokens=False,
-        )
+            return text
+        enc = self(text, padding, truncation, max_length, return_tensors, add_special_tokens=False)
         return enc if return_dict else enc["input_ids"]
 
     def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
