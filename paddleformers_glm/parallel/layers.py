@@ -363,14 +363,6 @@ def default_dtype(dtype: str | None) -> Iterator[None]:
         paddle.set_default_dtype(saved)
 
 
-def _fleet_layer(layer: nn.Layer, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
-    """One of Fleet's layers with our specs on its weight and bias."""
-    set_shard_spec(layer.weight, weight, size)
-    if layer.bias is not None:
-        set_shard_spec(layer.bias, bias, size)
-    return layer
-
-
 class _PaddedVocabParallelEmbedding(mpu.VocabParallelEmbedding):
     """Fleet's vocab-parallel embedding with torch's ``padding_idx`` (the pad row's positions pass no
     gradient back to the table); with ``sequence_parallel`` the partial rows are reduce-scattered into
@@ -404,40 +396,41 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound.arguments
 
 
+def _linear(comm_cls: type, args: tuple, kwargs: dict) -> nn.Layer:
+    """Fleet's column- or row-parallel linear (as ``comm_cls`` is) under a TP group, with our specs on
+    its weight and bias; else ``comm_cls`` itself."""
+    a = _bind(comm_cls, args, kwargs)
+    sp, group, column = a["sequence_parallel"], a["group"], comm_cls is CommColumnParallelLinear
+    g = fleet_tp_group(group, sp, a["topo"])
+    if g is None or (column and sp and a["gather_output"]):  # Fleet's SP column never gathers its output
+        return comm_cls(*args, **kwargs)
+    if column:
+        _check_column(a["out_features"], g.nranks, a["fuse_chunks"], a["gather_output"], group)
+        cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
+        weight = ShardSpec(axis=1, group=group, chunks=a["fuse_chunks"])
+        bias, extra = replace(weight, axis=0), {"gather_output": a["gather_output"]}
+    else:
+        _check_row(a["in_features"], g.nranks, sp, a["input_is_parallel"], group)
+        cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
+        weight, extra = ShardSpec(axis=0, group=group), {"input_is_parallel": a["input_is_parallel"]}
+        bias = ShardSpec(sequence_parallel=sp)  # the bias is partial over TP under SP (Fleet marks it too)
+    layer = cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], mp_group=g, **extra)
+    set_shard_spec(layer.weight, weight, g.nranks)
+    if layer.bias is not None:
+        set_shard_spec(layer.bias, bias, g.nranks)
+    return layer
+
+
 def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
     """Column-parallel linear, arguments as :class:`CommColumnParallelLinear`: Fleet's layer under a TP
     group, else ours.  ``fuse_chunks`` only changes the ShardSpec, not the layer."""
-    a = _bind(CommColumnParallelLinear, args, kwargs)
-    sp, group, gather, chunks = a["sequence_parallel"], a["group"], a["gather_output"], a["fuse_chunks"]
-    g = fleet_tp_group(group, sp, a["topo"])
-    if g is None or (sp and gather):  # Fleet's SP column never gathers its output
-        return CommColumnParallelLinear(*args, **kwargs)
-    _check_column(a["out_features"], g.nranks, chunks, gather, group)
-    cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
-    return _fleet_layer(
-        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
-        ShardSpec(axis=1, group=group, chunks=chunks),
-        ShardSpec(axis=0, group=group, chunks=chunks),
-        g.nranks,
-    )
+    return _linear(CommColumnParallelLinear, args, kwargs)
 
 
 def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
     """Row-parallel linear, arguments as :class:`CommRowParallelLinear`: Fleet's layer under a TP
     group, else ours."""
-    a = _bind(CommRowParallelLinear, args, kwargs)
-    sp, group, parallel_in = a["sequence_parallel"], a["group"], a["input_is_parallel"]
-    g = fleet_tp_group(group, sp, a["topo"])
-    if g is None:
-        return CommRowParallelLinear(*args, **kwargs)
-    _check_row(a["in_features"], g.nranks, sp, parallel_in, group)
-    cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
-    return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
-        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g),
-        ShardSpec(axis=0, group=group),
-        ShardSpec(sequence_parallel=sp),
-        g.nranks,
-    )
+    return _linear(CommRowParallelLinear, args, kwargs)
 
 
 def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
