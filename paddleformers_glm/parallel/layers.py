@@ -307,18 +307,15 @@ class CommVocabParallelEmbedding(nn.Layer):
         self.weight = self.create_parameter([self.per_rank, embedding_dim], default_initializer=init)
         set_shard_spec(self.weight, ShardSpec(axis=0), self.world)
 
-    def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        if self.world == 1:
-            return F.embedding(ids, weight)
-        mask = paddle.logical_and(ids >= self.start, ids < self.start + self.per_rank)
-        local = paddle.where(mask, ids - self.start, paddle.zeros_like(ids))
-        return F.embedding(local, weight) * mask.unsqueeze(-1).astype(weight.dtype)
-
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-        out = self._lookup(ids, self.weight)  # [B, S, H] (partial under TP)
+        if self.world == 1:
+            out = F.embedding(ids, self.weight)
+        else:  # this rank's rows, zeros for the ids it does not own: [B, S, H] partial under TP
+            mask = paddle.logical_and(ids >= self.start, ids < self.start + self.per_rank)
+            local = paddle.where(mask, ids - self.start, paddle.zeros_like(ids))
+            out = F.embedding(local, self.weight) * mask.unsqueeze(-1).astype(self.weight.dtype)
         if self.padding_idx is not None:
-            frozen = self._lookup(ids, self.weight.detach())
-            out = paddle.where((ids == self.padding_idx).unsqueeze(-1), frozen, out)
+            out = paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
         if self.sequence_parallel:  # both no-ops without a group
             return comm.reduce_scatter_to_sp(out, group=self.group)
         return comm.reduce_from_tp(out, group=self.group)
