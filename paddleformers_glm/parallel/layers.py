@@ -166,26 +166,17 @@ def _check_row(in_features: int, size: int, sequence_parallel: bool, input_is_pa
 
 
 class _CommLinear(nn.Layer):
-    """What our column and row layers share: the group, a ``weight`` of this rank's shape
-    ``local`` (initialised as ``nn.Linear`` is, on the full fans), an optional ``bias``, their specs."""
+    """What our column and row layers share: the group, a ``weight`` of this rank's shape (initialised
+    as ``nn.Linear`` is, on the full fans), an optional ``bias``, their specs (:meth:`_params`)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        local: list[int],
-        weight_spec: ShardSpec,
-        bias_size: int | None,
-        bias_spec: ShardSpec,
-        sequence_parallel: bool,
-        group: str,
-        topo: Topology,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, sp: bool, group: str, topo: Topology) -> None:
         super().__init__()
         self.group, self.group_name = topo.group(group), group
         self.world, self.rank = topo.size(group), topo.rank_in(group)
-        self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
-        self.weight = self.create_parameter(local, default_initializer=_xavier(in_features, out_features))
+        self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sp
+
+    def _params(self, local: list[int], weight_spec: ShardSpec, bias_size: int | None, bias_spec: ShardSpec) -> None:
+        self.weight = self.create_parameter(local, default_initializer=_xavier(self.in_features, self.out_features))
         set_shard_spec(self.weight, weight_spec, self.world)
         self.bias = None
         if bias_size is not None:
@@ -216,14 +207,10 @@ class CommColumnParallelLinear(_CommLinear):
         group: str = "tp",
         topo: Topology | None = None,
     ) -> None:
-        topo = topo or get_topology()
-        _check_column(out_features, topo.size(group), fuse_chunks, gather_output, group)
-        local = out_features // topo.size(group)
-        spec = ShardSpec(axis=1, group=group, chunks=fuse_chunks)
-        super().__init__(
-            in_features, out_features, [in_features, local], spec, local if has_bias else None, replace(spec, axis=0),
-            sequence_parallel, group, topo,
-        )  # fmt: skip
+        super().__init__(in_features, out_features, sequence_parallel, group, topo or get_topology())
+        _check_column(out_features, self.world, fuse_chunks, gather_output, group)
+        local, spec = out_features // self.world, ShardSpec(axis=1, group=group, chunks=fuse_chunks)
+        self._params([in_features, local], spec, local if has_bias else None, replace(spec, axis=0))
         self.gather_output = gather_output
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -255,13 +242,11 @@ class CommRowParallelLinear(_CommLinear):
         group: str = "tp",
         topo: Topology | None = None,
     ) -> None:
-        topo = topo or get_topology()
-        _check_row(in_features, topo.size(group), sequence_parallel, input_is_parallel, group)
-        local = [in_features // topo.size(group), out_features]
-        super().__init__(
-            in_features, out_features, local, ShardSpec(axis=0, group=group), out_features if has_bias else None,
-            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, topo,
-        )  # fmt: skip
+        super().__init__(in_features, out_features, sequence_parallel, group, topo or get_topology())
+        _check_row(in_features, self.world, sequence_parallel, input_is_parallel, group)
+        bias_size = out_features if has_bias else None
+        local = [in_features // self.world, out_features]
+        self._params(local, ShardSpec(axis=0, group=group), bias_size, ShardSpec(sequence_parallel=sequence_parallel))
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
