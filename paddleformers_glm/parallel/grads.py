@@ -43,15 +43,12 @@ def loss_multiplier(topo: Topology) -> int:
     return int(topo.pc.dp) * int(topo.pc.sharding)
 
 
-def _release(p: paddle.Tensor) -> None:
-    """Drop the parameter's gradient and its fp32 main gradient (Fleet's ``main_grad`` convention)."""
-    p.clear_gradient(False)
-    _drop_main_grad(p)
-
-
-def _drop_main_grad(p: paddle.Tensor) -> None:
-    """Remove the attribute itself: Fleet's collectives take any ``main_grad`` attribute, even
-    ``None``, as "this parameter uses main_grad" (and then assert ``.grad`` is empty)."""
+def _release(p: paddle.Tensor, grad: bool = True) -> None:
+    """Drop the parameter's fp32 main gradient (Fleet's ``main_grad`` convention) and, with ``grad``,
+    its gradient.  The attribute itself goes: Fleet's collectives take any ``main_grad`` attribute,
+    even ``None``, as "this parameter uses main_grad" (and then assert ``.grad`` is empty)."""
+    if grad:
+        p.clear_gradient(False)
     if hasattr(p, "main_grad"):
         del p.main_grad
 
@@ -193,7 +190,7 @@ class GradSynchronizer:
                 p.main_grad = g.astype("float32") if g.dtype != paddle.float32 else g.clone()
                 p.clear_gradient(False)
             else:
-                _drop_main_grad(p)
+                _release(p, grad=False)
         return local
 
     def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
