@@ -330,20 +330,15 @@ def init_topology(
     ftopo = hcg.topology()
     rank = dist.get_rank()
     me = ftopo.get_coord(rank)
-    groups: dict[str, Any] = {
-        "tp": hcg.get_model_parallel_group(),
-        "pp": hcg.get_pipe_parallel_group(),
-        "dp": hcg.get_data_parallel_group(),
-        "sharding": hcg.get_sharding_parallel_group(),
-        "cp": hcg.get_sep_parallel_group() if pc.cp > 1 else None,
+    getters = {  # our name -> Fleet's (group, rank) getters
+        "tp": (hcg.get_model_parallel_group, hcg.get_model_parallel_rank),
+        "pp": (hcg.get_pipe_parallel_group, hcg.get_stage_id),
+        "dp": (hcg.get_data_parallel_group, hcg.get_data_parallel_rank),
+        "sharding": (hcg.get_sharding_parallel_group, hcg.get_sharding_parallel_rank),
+        "cp": (hcg.get_sep_parallel_group, hcg.get_sep_parallel_rank) if pc.cp > 1 else (lambda: None, lambda: 0),
     }
-    ranks = {
-        "tp": hcg.get_model_parallel_rank(),
-        "pp": hcg.get_stage_id(),
-        "dp": hcg.get_data_parallel_rank(),
-        "sharding": hcg.get_sharding_parallel_rank(),
-        "cp": hcg.get_sep_parallel_rank() if pc.cp > 1 else 0,
-    }
+    groups: dict[str, Any] = {n: group() for n, (group, _) in getters.items()}
+    ranks = {n: rank() for n, (_, rank) in getters.items()}
     stage_ranks = [_coord_rank(ftopo, me, pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
