@@ -337,8 +337,8 @@ def init_topology(
         "sharding": (hcg.get_sharding_parallel_group, hcg.get_sharding_parallel_rank),
         "cp": (hcg.get_sep_parallel_group, hcg.get_sep_parallel_rank) if pc.cp > 1 else (lambda: None, lambda: 0),
     }
-    groups: dict[str, Any] = {n: group() for n, (group, _) in getters.items()}
-    ranks = {n: rank() for n, (_, rank) in getters.items()}
+    groups: dict[str, Any] = {n: get_group() for n, (get_group, _) in getters.items()}
+    ranks = {n: get_rank() for n, (_, get_rank) in getters.items()}
     stage_ranks = [_coord_rank(ftopo, me, pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
