@@ -262,9 +262,7 @@ def to_sequence_first(x: paddle.Tensor, axis: int = SEQ_AXIS) -> paddle.Tensor:
     Free (a reshape) when every axis before it has size 1, e.g. a batch of one ``[1, S, H]``;
     otherwise a transposed copy of the activation (and its gradient on the way back)."""
     axis = axis % x.ndim
-    if axis == 0:
-        return x
-    if all(int(d) == 1 for d in x.shape[:axis]):
+    if all(int(d) == 1 for d in x.shape[:axis]):  # also axis 0: a reshape to the same shape
         return x.reshape([x.shape[axis], *x.shape[:axis], *x.shape[axis + 1 :]])
     perm = [axis, *range(axis), *range(axis + 1, x.ndim)]
     return paddle.transpose(x, perm).contiguous()
@@ -273,29 +271,29 @@ def to_sequence_first(x: paddle.Tensor, axis: int = SEQ_AXIS) -> paddle.Tensor:
 def to_batch_first(y: paddle.Tensor, like: list[int], axis: int = SEQ_AXIS) -> paddle.Tensor:
     """Inverse of :func:`to_sequence_first`; ``like`` is the shape the input had (its leading axes)."""
     axis = axis % len(like)
-    if axis == 0:
-        return y
     if all(int(d) == 1 for d in like[:axis]):
         return y.reshape([*like[:axis], y.shape[0], *y.shape[1 + axis :]])
     perm = [*range(1, axis + 1), 0, *range(axis + 1, y.ndim)]
     return paddle.transpose(y, perm).contiguous()
 
 
-def _split_sp(x: paddle.Tensor, axis: int, g: Any, what: str, fleet_op: Any, keep: Callable) -> paddle.Tensor:
-    """A pair that leaves this rank's sequence slice (forward ``keep(x, g, axis)``, backward all-gather):
-    Fleet's ``fleet_op`` on Fleet's model-parallel group, built here on any other."""
+def _sp_pair(x: paddle.Tensor, axis: int, g: Any, fleet_op: Any, fwd: Callable, bwd: Callable, what: str = "") -> Any:
+    """A sequence-parallel pair: Fleet's ``fleet_op`` on Fleet's model-parallel group; on any other,
+    forward ``fwd(x, g, axis)`` and backward ``bwd(dy, g, axis)`` built here.  ``what``: the op,
+    named when ``x`` must split evenly along ``axis``."""
     if not _live(g):
         return x
-    _check_axis(x, g.nranks, axis, what)
+    if what:
+        _check_axis(x, g.nranks, axis, what)
     if fleet_sp_group(g) is not None:
         return _fleet_sp_op(fleet_op, x, axis)
-    return _apply(x, lambda t: keep(t, g, axis), lambda d: all_gather(d, g, axis))
+    return _apply(x, lambda t: fwd(t, g, axis), lambda d: bwd(d, g, axis))
 
 
 def scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Enter the sequence-parallel region: keep my sequence slice (backward all-gathers).
     Fleet's ``ScatterOp`` on the sequence-first view."""
-    return _split_sp(x, axis, group, "scatter_to_sp", spu.ScatterOp, split_take)
+    return _sp_pair(x, axis, group, spu.ScatterOp, split_take, all_gather, "scatter_to_sp")
 
 
 def gather_from_sp(
@@ -308,21 +306,16 @@ def gather_from_sp(
     ``GatherOp``) when the consumer is replicated and computes the same thing on every TP rank
     (e.g. a replicated indexer, the loss): summing would count it tp times.
     """
-    if grad not in ("reduce_scatter", "split"):
+    ops = {"reduce_scatter": (spu.AllGatherOp, reduce_scatter), "split": (spu.GatherOp, split_take)}
+    if grad not in ops:
         raise ValueError(f"gather_from_sp: grad must be 'reduce_scatter' or 'split', got {grad!r}")
-    if not _live(group):
-        return x
-    if fleet_sp_group(group) is not None:
-        return _fleet_sp_op(spu.AllGatherOp if grad == "reduce_scatter" else spu.GatherOp, x, axis)
-    if grad == "split":
-        return gather_from_tp(x, axis, group)
-    return _apply(x, lambda t: all_gather(t, group, axis), lambda d: reduce_scatter(d, group, axis))
+    return _sp_pair(x, axis, group, ops[grad][0], all_gather, ops[grad][1])
 
 
 def reduce_scatter_to_sp(x: paddle.Tensor, axis: int = SEQ_AXIS, group: Any = None) -> paddle.Tensor:
     """Leave a TP region into the sequence-parallel region (reduce-scatter; backward all-gathers).
     Fleet's ``ReduceScatterOp`` on the sequence-first view."""
-    return _split_sp(x, axis, group, "reduce_scatter_to_sp", spu.ReduceScatterOp, reduce_scatter)
+    return _sp_pair(x, axis, group, spu.ReduceScatterOp, reduce_scatter, all_gather, "reduce_scatter_to_sp")
 
 
 def all_to_all(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:

@@ -3,7 +3,7 @@
 Paddle 3.3.1's CPU build lacks the collectives Fleet's TP / SP layers call; :func:`install`
 replaces the module attributes it lists with equivalents built on what gloo implements, so the
 stock Fleet layers run unchanged on CPU (docs/parallel.md section 6); pipeline p2p goes over
-2-rank pair groups (:class:`_PipelineP2P`).  :func:`flex_checkpoint_on_cpu` makes
+2-rank pair groups (:func:`_pipeline_p2p`).  :func:`flex_checkpoint_on_cpu` makes
 ``Tensor.cuda`` / ``pin_memory`` no-ops for flex-checkpoint's resharding load on a CPU-only build.
 """
 
@@ -161,39 +161,34 @@ def _pair_group(group: Any, peer: int) -> Any:
     return topo.stage_group((topo.stage, topo.stage_ranks.index(peer))) or group
 
 
-class _PipelineP2P:
+class _View:
+    """Module ``real`` with the attributes ``over`` replaced, the rest unchanged."""
+
+    def __init__(self, real: Any, **over: Any) -> None:
+        self._real = real
+        self.__dict__.update(over)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _pipeline_p2p(real: Any) -> _View:
     """``paddle.distributed`` as Fleet's pipeline p2p module sees it on gloo: send/recv go over the
     2-rank group of the two stages (why: :meth:`Topology.stage_group`), the rest is unchanged."""
 
-    def __init__(self, real: Any) -> None:
-        self._real = real
+    def send(tensor: paddle.Tensor, dst: int = 0, group: Any = None, sync_op: bool = True) -> Any:
+        return real.send(tensor, dst=dst, group=_pair_group(group, dst), sync_op=sync_op)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+    def recv(tensor: paddle.Tensor, src: int = 0, group: Any = None, sync_op: bool = True) -> Any:
+        return real.recv(tensor, src=src, group=_pair_group(group, src), sync_op=sync_op)
 
-    def send(self, tensor: paddle.Tensor, dst: int = 0, group: Any = None, sync_op: bool = True) -> Any:
-        return self._real.send(tensor, dst=dst, group=_pair_group(group, dst), sync_op=sync_op)
+    def isend(tensor: paddle.Tensor, dst: int, group: Any = None) -> Any:
+        return real.isend(tensor, dst, _pair_group(group, dst))
 
-    def recv(self, tensor: paddle.Tensor, src: int = 0, group: Any = None, sync_op: bool = True) -> Any:
-        return self._real.recv(tensor, src=src, group=_pair_group(group, src), sync_op=sync_op)
+    def irecv(tensor: paddle.Tensor, src: int | None = None, group: Any = None) -> Any:
+        return real.irecv(tensor, src, _pair_group(group, src))
 
-    def isend(self, tensor: paddle.Tensor, dst: int, group: Any = None) -> Any:
-        return self._real.isend(tensor, dst, _pair_group(group, dst))
-
-    def irecv(self, tensor: paddle.Tensor, src: int | None = None, group: Any = None) -> Any:
-        return self._real.irecv(tensor, src, _pair_group(group, src))
-
-
-class _PaddleView:
-    """The ``paddle`` module with ``distributed`` replaced by :class:`_PipelineP2P`."""
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-        self.distributed = _PipelineP2P(real.distributed)
-        self._glm52_gloo = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+    return _View(real, send=send, recv=recv, isend=isend, irecv=irecv)
 
 
 def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str]:
@@ -217,7 +212,7 @@ def install(backend: str, topology: Callable[[], Any] | None = None) -> list[str
         (mp_ops, "_c_softmax_with_cross_entropy", c_softmax_with_cross_entropy),
         (spu, "all_gather", sp_all_gather),
         (spu, "reduce_scatter", sp_reduce_scatter),
-        (p2p, "paddle", _PaddleView(paddle)),
+        (p2p, "paddle", _View(paddle, distributed=_pipeline_p2p(paddle.distributed))),
     ):
         if not hasattr(module, attr):
             warnings.warn(

@@ -26,6 +26,7 @@ from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_p
 
 from . import comm
 from .layers import get_shard_spec
+from .state import first_replica
 from .topology import Topology
 
 __all__ = ["EXPERT_UPDATES", "GradSynchronizer", "clip_main_grads", "loss_multiplier"]
@@ -42,15 +43,12 @@ def loss_multiplier(topo: Topology) -> int:
     return int(topo.pc.dp) * int(topo.pc.sharding)
 
 
-def _release(p: paddle.Tensor) -> None:
-    """Drop the parameter's gradient and its fp32 main gradient (Fleet's ``main_grad`` convention)."""
-    p.clear_gradient(False)
-    _drop_main_grad(p)
-
-
-def _drop_main_grad(p: paddle.Tensor) -> None:
-    """Remove the attribute itself: Fleet's collectives take any ``main_grad`` attribute, even
-    ``None``, as "this parameter uses main_grad" (and then assert ``.grad`` is empty)."""
+def _release(p: paddle.Tensor, grad: bool = True) -> None:
+    """Drop the parameter's fp32 main gradient (Fleet's ``main_grad`` convention) and, with ``grad``,
+    its gradient.  The attribute itself goes: Fleet's collectives take any ``main_grad`` attribute,
+    even ``None``, as "this parameter uses main_grad" (and then assert ``.grad`` is empty)."""
+    if grad:
+        p.clear_gradient(False)
     if hasattr(p, "main_grad"):
         del p.main_grad
 
@@ -192,7 +190,7 @@ class GradSynchronizer:
                 p.main_grad = g.astype("float32") if g.dtype != paddle.float32 else g.clone()
                 p.clear_gradient(False)
             else:
-                _drop_main_grad(p)
+                _release(p, grad=False)
         return local
 
     def _flags(self, local: dict[str, bool]) -> dict[str, bool]:
@@ -249,12 +247,9 @@ class GradSynchronizer:
         """Whether this rank counts ``name``'s elements in the global norm (one holder of each)."""
         topo = self.topo
         split = spec.axis is not None and spec.group == ("etp" if spec.expert else "tp")  # each rank: its own slice
-        if spec.expert:  # edp spans the cp ranks: the cp rank says nothing about an expert replica
-            replica = topo.edp_rank == 0 and (split or topo.etp_rank == 0)
-        else:
-            replica = topo.dp_rank == 0 and topo.cp_rank == 0 and (split or topo.tp_rank == 0)
         updater = 0 if self.grad_owner is None else self.grad_owner[name]
-        return replica and topo.sharding_rank == updater and self.holders.get(name, (topo.stage,))[0] == topo.stage
+        first_stage = self.holders.get(name, (topo.stage,))[0] == topo.stage
+        return first_replica(spec, topo, split) and topo.sharding_rank == updater and first_stage
 
     def _holder_sets(self) -> Iterator[tuple[tuple[int, ...], list[str], Any]]:
         """(holder stages, the names they share, the group) for each set this rank joins: the group over

@@ -166,26 +166,17 @@ def _check_row(in_features: int, size: int, sequence_parallel: bool, input_is_pa
 
 
 class _CommLinear(nn.Layer):
-    """What our column and row layers share: the group, a ``weight`` of this rank's shape
-    ``local`` (initialised as ``nn.Linear`` is, on the full fans), an optional ``bias``, their specs."""
+    """What our column and row layers share: the group, a ``weight`` of this rank's shape (initialised
+    as ``nn.Linear`` is, on the full fans), an optional ``bias``, their specs (:meth:`_params`)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        local: list[int],
-        weight_spec: ShardSpec,
-        bias_size: int | None,
-        bias_spec: ShardSpec,
-        sequence_parallel: bool,
-        group: str,
-        topo: Topology,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, sp: bool, group: str, topo: Topology) -> None:
         super().__init__()
         self.group, self.group_name = topo.group(group), group
         self.world, self.rank = topo.size(group), topo.rank_in(group)
-        self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
-        self.weight = self.create_parameter(local, default_initializer=_xavier(in_features, out_features))
+        self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sp
+
+    def _params(self, local: list[int], weight_spec: ShardSpec, bias_size: int | None, bias_spec: ShardSpec) -> None:
+        self.weight = self.create_parameter(local, default_initializer=_xavier(self.in_features, self.out_features))
         set_shard_spec(self.weight, weight_spec, self.world)
         self.bias = None
         if bias_size is not None:
@@ -216,14 +207,10 @@ class CommColumnParallelLinear(_CommLinear):
         group: str = "tp",
         topo: Topology | None = None,
     ) -> None:
-        topo = topo or get_topology()
-        _check_column(out_features, topo.size(group), fuse_chunks, gather_output, group)
-        local = out_features // topo.size(group)
-        spec = ShardSpec(axis=1, group=group, chunks=fuse_chunks)
-        super().__init__(
-            in_features, out_features, [in_features, local], spec, local if has_bias else None, replace(spec, axis=0),
-            sequence_parallel, group, topo,
-        )  # fmt: skip
+        super().__init__(in_features, out_features, sequence_parallel, group, topo or get_topology())
+        _check_column(out_features, self.world, fuse_chunks, gather_output, group)
+        local, spec = out_features // self.world, ShardSpec(axis=1, group=group, chunks=fuse_chunks)
+        self._params([in_features, local], spec, local if has_bias else None, replace(spec, axis=0))
         self.gather_output = gather_output
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -255,13 +242,11 @@ class CommRowParallelLinear(_CommLinear):
         group: str = "tp",
         topo: Topology | None = None,
     ) -> None:
-        topo = topo or get_topology()
-        _check_row(in_features, topo.size(group), sequence_parallel, input_is_parallel, group)
-        local = [in_features // topo.size(group), out_features]
-        super().__init__(
-            in_features, out_features, local, ShardSpec(axis=0, group=group), out_features if has_bias else None,
-            ShardSpec(sequence_parallel=sequence_parallel), sequence_parallel, group, topo,
-        )  # fmt: skip
+        super().__init__(in_features, out_features, sequence_parallel, group, topo or get_topology())
+        _check_row(in_features, self.world, sequence_parallel, input_is_parallel, group)
+        bias_size = out_features if has_bias else None
+        local = [in_features // self.world, out_features]
+        self._params(local, ShardSpec(axis=0, group=group), bias_size, ShardSpec(sequence_parallel=sequence_parallel))
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -307,18 +292,15 @@ class CommVocabParallelEmbedding(nn.Layer):
         self.weight = self.create_parameter([self.per_rank, embedding_dim], default_initializer=init)
         set_shard_spec(self.weight, ShardSpec(axis=0), self.world)
 
-    def _lookup(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        if self.world == 1:
-            return F.embedding(ids, weight)
-        mask = paddle.logical_and(ids >= self.start, ids < self.start + self.per_rank)
-        local = paddle.where(mask, ids - self.start, paddle.zeros_like(ids))
-        return F.embedding(local, weight) * mask.unsqueeze(-1).astype(weight.dtype)
-
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-        out = self._lookup(ids, self.weight)  # [B, S, H] (partial under TP)
+        if self.world == 1:
+            out = F.embedding(ids, self.weight)
+        else:  # this rank's rows, zeros for the ids it does not own: [B, S, H] partial under TP
+            mask = paddle.logical_and(ids >= self.start, ids < self.start + self.per_rank)
+            local = paddle.where(mask, ids - self.start, paddle.zeros_like(ids))
+            out = F.embedding(local, self.weight) * mask.unsqueeze(-1).astype(self.weight.dtype)
         if self.padding_idx is not None:
-            frozen = self._lookup(ids, self.weight.detach())
-            out = paddle.where((ids == self.padding_idx).unsqueeze(-1), frozen, out)
+            out = paddle.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
         if self.sequence_parallel:  # both no-ops without a group
             return comm.reduce_scatter_to_sp(out, group=self.group)
         return comm.reduce_from_tp(out, group=self.group)
@@ -363,14 +345,6 @@ def default_dtype(dtype: str | None) -> Iterator[None]:
         paddle.set_default_dtype(saved)
 
 
-def _fleet_layer(layer: nn.Layer, weight: ShardSpec, bias: ShardSpec, size: int) -> nn.Layer:
-    """One of Fleet's layers with our specs on its weight and bias."""
-    set_shard_spec(layer.weight, weight, size)
-    if layer.bias is not None:
-        set_shard_spec(layer.bias, bias, size)
-    return layer
-
-
 class _PaddedVocabParallelEmbedding(mpu.VocabParallelEmbedding):
     """Fleet's vocab-parallel embedding with torch's ``padding_idx`` (the pad row's positions pass no
     gradient back to the table); with ``sequence_parallel`` the partial rows are reduce-scattered into
@@ -404,40 +378,41 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound.arguments
 
 
+def _linear(comm_cls: type, args: tuple, kwargs: dict) -> nn.Layer:
+    """Fleet's column- or row-parallel linear (as ``comm_cls`` is) under a TP group, with our specs on
+    its weight and bias; else ``comm_cls`` itself."""
+    a = _bind(comm_cls, args, kwargs)
+    sp, group, column = a["sequence_parallel"], a["group"], comm_cls is CommColumnParallelLinear
+    g = fleet_tp_group(group, sp, a["topo"])
+    if g is None or (column and sp and a["gather_output"]):  # Fleet's SP column never gathers its output
+        return comm_cls(*args, **kwargs)
+    if column:
+        _check_column(a["out_features"], g.nranks, a["fuse_chunks"], a["gather_output"], group)
+        cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
+        weight = ShardSpec(axis=1, group=group, chunks=a["fuse_chunks"])
+        bias, extra = replace(weight, axis=0), {"gather_output": a["gather_output"]}
+    else:
+        _check_row(a["in_features"], g.nranks, sp, a["input_is_parallel"], group)
+        cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
+        weight, extra = ShardSpec(axis=0, group=group), {"input_is_parallel": a["input_is_parallel"]}
+        bias = ShardSpec(sequence_parallel=sp)  # the bias is partial over TP under SP (Fleet marks it too)
+    layer = cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], mp_group=g, **extra)
+    set_shard_spec(layer.weight, weight, g.nranks)
+    if layer.bias is not None:
+        set_shard_spec(layer.bias, bias, g.nranks)
+    return layer
+
+
 def ColumnParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
     """Column-parallel linear, arguments as :class:`CommColumnParallelLinear`: Fleet's layer under a TP
     group, else ours.  ``fuse_chunks`` only changes the ShardSpec, not the layer."""
-    a = _bind(CommColumnParallelLinear, args, kwargs)
-    sp, group, gather, chunks = a["sequence_parallel"], a["group"], a["gather_output"], a["fuse_chunks"]
-    g = fleet_tp_group(group, sp, a["topo"])
-    if g is None or (sp and gather):  # Fleet's SP column never gathers its output
-        return CommColumnParallelLinear(*args, **kwargs)
-    _check_column(a["out_features"], g.nranks, chunks, gather, group)
-    cls = BatchFirstColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
-    return _fleet_layer(
-        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], gather_output=gather, mp_group=g),
-        ShardSpec(axis=1, group=group, chunks=chunks),
-        ShardSpec(axis=0, group=group, chunks=chunks),
-        g.nranks,
-    )
+    return _linear(CommColumnParallelLinear, args, kwargs)
 
 
 def RowParallelLinear(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory
     """Row-parallel linear, arguments as :class:`CommRowParallelLinear`: Fleet's layer under a TP
     group, else ours."""
-    a = _bind(CommRowParallelLinear, args, kwargs)
-    sp, group, parallel_in = a["sequence_parallel"], a["group"], a["input_is_parallel"]
-    g = fleet_tp_group(group, sp, a["topo"])
-    if g is None:
-        return CommRowParallelLinear(*args, **kwargs)
-    _check_row(a["in_features"], g.nranks, sp, parallel_in, group)
-    cls = BatchFirstRowSequenceParallelLinear if sp else mpu.RowParallelLinear
-    return _fleet_layer(  # the bias is partial over TP under SP (Fleet marks it too)
-        cls(a["in_features"], a["out_features"], has_bias=a["has_bias"], input_is_parallel=parallel_in, mp_group=g),
-        ShardSpec(axis=0, group=group),
-        ShardSpec(sequence_parallel=sp),
-        g.nranks,
-    )
+    return _linear(CommRowParallelLinear, args, kwargs)
 
 
 def VocabParallelEmbedding(*args: Any, **kwargs: Any) -> nn.Layer:  # noqa: N802 - a layer factory

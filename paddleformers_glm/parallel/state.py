@@ -30,13 +30,12 @@ def to_numpy(t: paddle.Tensor) -> np.ndarray:
     return np.asarray(t.numpy())
 
 
-def _is_owner(spec: Any, topo: Topology) -> bool:
-    """The one rank (per distinct full tensor) that contributes it to the gathered state."""
-    if topo.sharding_rank != 0:
-        return False
+def first_replica(spec: Any, topo: Topology, split: bool = False) -> bool:
+    """Whether this rank holds the first replica of a tensor (of its own slice with ``split``) over
+    the ranks that hold the same values (sharding aside): dp, cp and tp, or edp and etp for experts."""
     if spec.expert:  # the expert grid spans the cp ranks: edp rank 0 holds each expert once
-        return topo.edp_rank == 0 and topo.etp_rank == 0
-    return topo.dp_rank == 0 and topo.cp_rank == 0 and topo.tp_rank == 0
+        return topo.edp_rank == 0 and (split or topo.etp_rank == 0)
+    return topo.dp_rank == 0 and topo.cp_rank == 0 and (split or topo.tp_rank == 0)
 
 
 def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 0) -> dict[str, np.ndarray] | None:
@@ -57,7 +56,7 @@ def gather_full_state(model: nn.Layer, topo: Topology | None = None, dst: int = 
             full = merge_slices([to_numpy(p) for p in parts], spec)
         else:
             full = to_numpy(t.detach())
-        if _is_owner(spec, topo):
+        if topo.sharding_rank == 0 and first_replica(spec, topo):  # the one rank per full tensor
             mine[name] = full
     if topo.world_size == 1:
         return mine

@@ -177,17 +177,12 @@ class Topology:
         self._sizes = {n: getattr(pc, n) for n in GROUP_NAMES}
         self._ranks = {n: (ranks or {}).get(n, 0) for n in GROUP_NAMES}
         self._groups = {n: (groups or {}).get(n) if self._sizes[n] > 1 else None for n in GROUP_NAMES}
-        # a topology is fixed once built: what layers read is plain data (size, rank, group per dimension)
-        r, g = self._ranks, self._groups
-        self.world_size, self.sequence_parallel, self.stage = pc.world_size, pc.sp, r["pp"]
-        self.tp_size, self.tp_rank, self.tp_group = pc.tp, r["tp"], g["tp"]
-        self.pp_size, self.pp_rank, self.pp_group = pc.pp, r["pp"], g["pp"]
-        self.dp_size, self.dp_rank, self.dp_group = pc.dp, r["dp"], g["dp"]
-        self.sharding_size, self.sharding_rank, self.sharding_group = pc.sharding, r["sharding"], g["sharding"]
-        self.ep_size, self.ep_rank, self.ep_group = pc.ep, r["ep"], g["ep"]
-        self.etp_size, self.etp_rank, self.etp_group = pc.etp, r["etp"], g["etp"]
-        self.edp_size, self.edp_rank, self.edp_group = pc.edp, r["edp"], g["edp"]
-        self.cp_size, self.cp_rank, self.cp_group = pc.cp, r["cp"], g["cp"]
+        # a topology is fixed once built: what layers read is plain data, ``<name>_size``, ``<name>_rank``
+        # and ``<name>_group`` for each name of GROUP_NAMES (tp_size, tp_rank, tp_group, pp_size, ...)
+        for n in GROUP_NAMES:
+            for what, table in (("size", self._sizes), ("rank", self._ranks), ("group", self._groups)):
+                setattr(self, f"{n}_{what}", table[n])
+        self.world_size, self.sequence_parallel, self.stage = pc.world_size, pc.sp, self._ranks["pp"]
         # global rank of every pipeline stage at this process's (dp, tp) coordinate
         self.stage_ranks = list(stage_ranks) if stage_ranks is not None else [rank]
         self.hcg = hcg
@@ -335,20 +330,15 @@ def init_topology(
     ftopo = hcg.topology()
     rank = dist.get_rank()
     me = ftopo.get_coord(rank)
-    groups: dict[str, Any] = {
-        "tp": hcg.get_model_parallel_group(),
-        "pp": hcg.get_pipe_parallel_group(),
-        "dp": hcg.get_data_parallel_group(),
-        "sharding": hcg.get_sharding_parallel_group(),
-        "cp": hcg.get_sep_parallel_group() if pc.cp > 1 else None,
+    getters = {  # our name -> Fleet's (group, rank) getters
+        "tp": (hcg.get_model_parallel_group, hcg.get_model_parallel_rank),
+        "pp": (hcg.get_pipe_parallel_group, hcg.get_stage_id),
+        "dp": (hcg.get_data_parallel_group, hcg.get_data_parallel_rank),
+        "sharding": (hcg.get_sharding_parallel_group, hcg.get_sharding_parallel_rank),
+        "cp": (hcg.get_sep_parallel_group, hcg.get_sep_parallel_rank) if pc.cp > 1 else (lambda: None, lambda: 0),
     }
-    ranks = {
-        "tp": hcg.get_model_parallel_rank(),
-        "pp": hcg.get_stage_id(),
-        "dp": hcg.get_data_parallel_rank(),
-        "sharding": hcg.get_sharding_parallel_rank(),
-        "cp": hcg.get_sep_parallel_rank() if pc.cp > 1 else 0,
-    }
+    groups: dict[str, Any] = {n: get_group() for n, (get_group, _) in getters.items()}
+    ranks = {n: get_rank() for n, (_, get_rank) in getters.items()}
     stage_ranks = [_coord_rank(ftopo, me, pipe=p) for p in range(pc.pp)]
 
     # Expert groups: every rank enumerates every group in the same order (paddle's new_group is
