@@ -239,17 +239,13 @@ def _wrap_adamw(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_operator(name: str, orig: Callable[..., Any], tensor_op: bool, scalar_op: bool) -> Callable[..., Any]:
-    """A C++ Tensor operator (``__add__``...) that runs in fp32 for all-bf16 operands, where the
-    op it runs for that operand kind (``tensor_op`` / ``scalar_op``: covered or not) needs it."""
+    """A C++ Tensor operator (``__add__``...) that runs in fp32 (:func:`_wrap`) for all-bf16 operands,
+    where the op it runs for that operand kind (``tensor_op`` / ``scalar_op``: covered or not) needs it."""
+    converted = _wrap(name, orig)
 
     def operator(self: paddle.Tensor, other: Any) -> Any:
-        if not (tensor_op if isinstance(other, paddle.Tensor) else scalar_op) or _scan((self, other)) != 1:
-            return orig(self, other)
-        _count(name)
-        a = self.astype(_FP32)
-        b = other.astype(_FP32) if isinstance(other, paddle.Tensor) and other.dtype is _BF16 else other
-        out = orig(a, b)
-        return out.astype(_BF16) if isinstance(out, paddle.Tensor) and out.dtype is _FP32 else out
+        needed = tensor_op if isinstance(other, paddle.Tensor) else scalar_op
+        return converted(self, other) if needed else orig(self, other)
 
     operator.__name__ = name
     operator._glm52_bf16 = orig  # type: ignore[attr-defined]
