@@ -55,22 +55,17 @@ COMPOSITES = {"linear": ("matmul", "add")}
 # bf16 arithmetic the model meets (multiply, subtract, sum, add_n, maximum) gives the rounded
 # fp32 result and stays Paddle's.
 INEXACT = ("scale",)
-# Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar).
+# Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar);
+# an operator and its reflection run the same ops, but for a scalar divided or raised by a tensor.
 _OPERATORS = {
-    "__add__": ("add", "scale"),
-    "__radd__": ("add", "scale"),
-    "__sub__": ("subtract", "scale"),
-    "__rsub__": ("subtract", "scale"),
-    "__mul__": ("multiply", "scale"),
-    "__rmul__": ("multiply", "scale"),
-    "__div__": ("divide", "scale"),
-    "__truediv__": ("divide", "scale"),
-    "__rdiv__": ("divide", "divide"),
-    "__rtruediv__": ("divide", "divide"),
+    **dict.fromkeys(("__add__", "__radd__"), ("add", "scale")),
+    **dict.fromkeys(("__sub__", "__rsub__"), ("subtract", "scale")),
+    **dict.fromkeys(("__mul__", "__rmul__"), ("multiply", "scale")),
+    **dict.fromkeys(("__div__", "__truediv__"), ("divide", "scale")),
+    **dict.fromkeys(("__rdiv__", "__rtruediv__"), ("divide", "divide")),
     "__pow__": ("elementwise_pow", "pow"),
     "__rpow__": ("elementwise_pow", "elementwise_pow"),
-    "__matmul__": ("matmul", "matmul"),
-    "__rmatmul__": ("matmul", "matmul"),
+    **dict.fromkeys(("__matmul__", "__rmatmul__"), ("matmul", "matmul")),
 }
 
 
