@@ -2,9 +2,9 @@
 fp32; docs/model.md "MoE"). Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns
 first) like the Fleet layout.
 
-Routed compute: the (token, expert) assignments are sorted by expert once and `ops.routed_experts`
-runs them (`MoE.routed`); `MoE(config, routed_form="padded")` runs all experts as two batched matmuls
-over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
+Routed compute: `ops.routed_rows` sorts the (token, expert) assignments by expert once and
+`ops.routed_experts` runs them (`MoE.routed`); `MoE(config, routed_form="padded")` runs all experts as
+two batched matmuls over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
 """
 
 from __future__ import annotations
