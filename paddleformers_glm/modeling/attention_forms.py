@@ -297,12 +297,10 @@ def _chunk_probs(
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(probabilities [C, H, keys], keys [C, k, D] gathered or [c1 + 1, D] dense) for one chunk."""
     q = qs[ch.r0 : ch.r1]
-    C, H, D = q.shape
+    C, D = q.shape[0], q.shape[2]
     if ch.dense:
         # the candidate keys [c1 + 1, D]: keys < c1 of the chunk's batch, then the batch's mean row
         ks = paddle.concat([table[ch.b * S : ch.b * S + ch.c1], table[N + ch.b : N + ch.b + 1]], axis=0)
-        T = ch.c1 + 1
-        s = paddle.matmul(q.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
         m = prep.masks.get((ch.r0, ch.r1, ch.c1))
         if m is None:  # layers sharing a top-k (and the backward) reuse it
             m = prep.masks[(ch.r0, ch.r1, ch.c1)] = ops.candidate_mask(
@@ -310,19 +308,20 @@ def _chunk_probs(
             )
     else:
         rows = prep.rows[ch.r0 : ch.r1]
-        T = rows.shape[1]
-        ks = paddle.gather(table, rows.reshape([-1])).reshape([C, T, D])
-        s = paddle.matmul(q, ks, transpose_y=True)  # [C, H, k]
+        ks = paddle.gather(table, rows.reshape([-1])).reshape([C, rows.shape[1], D])
         m = prep.mask[ch.r0 : ch.r1]
+    s = _chunk_matmul(q, ks, transpose_y=True)  # [C, H, keys]
     return ops.masked_softmax_(_as(s, "float32"), m), ks  # the softmax in fp32 whatever q's dtype
 
 
-def _chunk_out(p: paddle.Tensor, ks: paddle.Tensor, dense: bool) -> paddle.Tensor:
-    p = _as(p, ks.dtype)  # fp32 probabilities meet bf16 keys in the keys' dtype (HF casts them back)
-    C, H, T = p.shape
-    if dense:
-        return paddle.matmul(p.reshape([C * H, T]), ks).reshape([C, H, ks.shape[-1]])
-    return paddle.matmul(p, ks)
+def _chunk_matmul(a: paddle.Tensor, ks: paddle.Tensor, transpose_y: bool = False) -> paddle.Tensor:
+    """a [C, H, n] times a chunk's keys (transposed: scores; else: outputs) -> [C, H, *]: one GEMM
+    over all C x H rows for a dense chunk's keys [c1 + 1, D], a batched one for gathered [C, k, D]."""
+    C, H, n = a.shape
+    if ks.ndim == 2:
+        out = paddle.matmul(a.reshape([C * H, n]), ks, transpose_y=transpose_y)
+        return out.reshape([C, H, out.shape[-1]])
+    return paddle.matmul(a, ks, transpose_y=transpose_y)
 
 
 def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.Tensor) -> paddle.Tensor:
@@ -362,7 +361,8 @@ class _SparseLatentAttention(PyLayer):
         outs, probs, kept = [], [], []
         for ch in plan:
             p, ks = _chunk_probs(qs, table, prep, ch, S, N)
-            outs.append(_chunk_out(p, ks, ch.dense))  # [C, H, D]
+            # fp32 probabilities meet bf16 keys in the keys' dtype (HF casts them back)
+            outs.append(_chunk_matmul(_as(p, ks.dtype), ks))  # [C, H, D]
             if want_probs:
                 pm = p.mean(axis=1)
                 if ch.dense:  # back to the k slots
@@ -390,13 +390,10 @@ class _SparseLatentAttention(PyLayer):
             p, ks = kept[i] if kept else _chunk_probs(qs, table, prep, ch, S, N)
             qc, gc = qs[ch.r0 : ch.r1], g[ch.r0 : ch.r1]
             C, T = ch.r1 - ch.r0, p.shape[-1]
-            if ch.dense:
-                dp = paddle.matmul(gc.reshape([C * H, D]), ks, transpose_y=True).reshape([C, H, T])
-            else:
-                dp = paddle.matmul(gc, ks, transpose_y=True)  # [C, H, k]
+            dp = _chunk_matmul(gc, ks, transpose_y=True)  # [C, H, keys]
             ds = _as(ops.softmax_backward(p, _as(dp, p.dtype)), qc.dtype)
             p = _as(p, qc.dtype)
-            dq.append(_chunk_out(ds, ks, ch.dense).scale_(scale))  # [C, H, D]
+            dq.append(_chunk_matmul(_as(ds, ks.dtype), ks).scale_(scale))  # [C, H, D]
             # d(keys) = ds^T qs + p^T g
             if ch.dense:  # the result [c1 + 1, D] is small: two GEMMs beat stacking their inputs
                 dks = paddle.matmul(ds.reshape([C * H, T]), qc.reshape([C * H, D]), transpose_x=True)

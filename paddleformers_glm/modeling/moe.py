@@ -2,9 +2,9 @@
 fp32; docs/model.md "MoE"). Experts keep per-expert fused `up_gate_proj` [H, 2I] (gate columns
 first) like the Fleet layout.
 
-Routed compute: the (token, expert) assignments are sorted by expert once and `ops.routed_experts`
-runs them (`MoE.routed`); `MoE(config, routed_form="padded")` runs all experts as two batched matmuls
-over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
+Routed compute: `ops.routed_rows` sorts the (token, expert) assignments by expert once and
+`ops.routed_experts` runs them (`MoE.routed`); `MoE(config, routed_form="padded")` runs all experts as
+two batched matmuls over a zero-padded [E, capacity, H] layout instead (bench/bench_moe.py compares).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import route, routed_experts, routed_rows, swiglu
+from ..ops import route, routed_rows, swiglu
 from ..ops.norm import capturing_cuda_graph, cast
 from ..parallel import comm
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
@@ -266,17 +266,10 @@ class MoE(nn.Layer):
         N, K = expert_ids.shape
         if not paddle.in_dynamic_mode() or capturing_cuda_graph():  # shapes known in advance, no host read
             return self._static_routed(x, weights, expert_ids)
-        if not paddle.is_grad_enabled() and N * K <= self.num_experts:  # decoding: a few assignments
-            return routed_rows(x, expert_ids, weights, *self._expert_weights())
-        with paddle.no_grad():
-            flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
-            order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
-            counts = paddle.bincount(flat_e, minlength=self.num_experts)
-        if self.routed_form == "padded":
-            return self._padded(x, weights, expert_ids, order, counts)
-        sizes = counts.tolist()  # split sizes must be Python ints: the one host read per layer
-        w_sorted = paddle.gather(weights.reshape([-1]), order)  # [N*K] by expert, fp32
-        return routed_experts(x, order // K, sizes, w_sorted, *self._expert_weights())
+        # decoding a few assignments takes routed_rows' compiled op in either form
+        if self.routed_form == "padded" and (paddle.is_grad_enabled() or N * K > self.num_experts):
+            return self._padded(x, weights, expert_ids)
+        return routed_rows(x, expert_ids, weights, *self._expert_weights())
 
     def _expert_weights(self) -> tuple[list[paddle.Tensor], list[paddle.Tensor]]:
         """The experts' up_gate and down weights in expert order (the parameter objects, looked up
@@ -298,21 +291,16 @@ class MoE(nn.Layer):
             out = out + cast(cast(swiglu_ffn(x, self.expert(e)), w_e.dtype) * w_e, x.dtype)
         return out
 
-    def _padded(
-        self,
-        x: paddle.Tensor,
-        weights: paddle.Tensor,
-        expert_ids: paddle.Tensor,
-        order: paddle.Tensor,
-        counts: paddle.Tensor,
-    ) -> paddle.Tensor:
+    def _padded(self, x: paddle.Tensor, weights: paddle.Tensor, expert_ids: paddle.Tensor) -> paddle.Tensor:
         """The routed sum from two batched matmuls over a zero-padded [E, capacity, H] layout."""
         E, H = self.num_experts, x.shape[-1]
         N, K = expert_ids.shape
         NK = N * K
-        cap = int(counts.max())  # the one host read: the padded block's shape
         with paddle.no_grad():
-            flat_e = expert_ids.reshape([-1])
+            flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
+            order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
+            counts = paddle.bincount(flat_e, minlength=E)
+            cap = int(counts.max())  # the one host read: the padded block's shape
             starts = paddle.cumsum(counts) - counts
             e_sorted = paddle.gather(flat_e, order)
             slot = e_sorted * cap + (paddle.arange(NK, dtype="int64") - paddle.gather(starts, e_sorted))

@@ -55,22 +55,17 @@ COMPOSITES = {"linear": ("matmul", "add")}
 # bf16 arithmetic the model meets (multiply, subtract, sum, add_n, maximum) gives the rounded
 # fp32 result and stays Paddle's.
 INEXACT = ("scale",)
-# Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar).
+# Paddle's C++ Tensor operators -> (the op each runs with a tensor operand, with a Python scalar);
+# an operator and its reflection run the same ops, but for a scalar divided or raised by a tensor.
 _OPERATORS = {
-    "__add__": ("add", "scale"),
-    "__radd__": ("add", "scale"),
-    "__sub__": ("subtract", "scale"),
-    "__rsub__": ("subtract", "scale"),
-    "__mul__": ("multiply", "scale"),
-    "__rmul__": ("multiply", "scale"),
-    "__div__": ("divide", "scale"),
-    "__truediv__": ("divide", "scale"),
-    "__rdiv__": ("divide", "divide"),
-    "__rtruediv__": ("divide", "divide"),
+    **dict.fromkeys(("__add__", "__radd__"), ("add", "scale")),
+    **dict.fromkeys(("__sub__", "__rsub__"), ("subtract", "scale")),
+    **dict.fromkeys(("__mul__", "__rmul__"), ("multiply", "scale")),
+    **dict.fromkeys(("__div__", "__truediv__"), ("divide", "scale")),
+    **dict.fromkeys(("__rdiv__", "__rtruediv__"), ("divide", "divide")),
     "__pow__": ("elementwise_pow", "pow"),
     "__rpow__": ("elementwise_pow", "elementwise_pow"),
-    "__matmul__": ("matmul", "matmul"),
-    "__rmatmul__": ("matmul", "matmul"),
+    **dict.fromkeys(("__matmul__", "__rmatmul__"), ("matmul", "matmul")),
 }
 
 
@@ -239,17 +234,13 @@ def _wrap_adamw(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_operator(name: str, orig: Callable[..., Any], tensor_op: bool, scalar_op: bool) -> Callable[..., Any]:
-    """A C++ Tensor operator (``__add__``...) that runs in fp32 for all-bf16 operands, where the
-    op it runs for that operand kind (``tensor_op`` / ``scalar_op``: covered or not) needs it."""
+    """A C++ Tensor operator (``__add__``...) that runs in fp32 (:func:`_wrap`) for all-bf16 operands,
+    where the op it runs for that operand kind (``tensor_op`` / ``scalar_op``: covered or not) needs it."""
+    converted = _wrap(name, orig)
 
     def operator(self: paddle.Tensor, other: Any) -> Any:
-        if not (tensor_op if isinstance(other, paddle.Tensor) else scalar_op) or _scan((self, other)) != 1:
-            return orig(self, other)
-        _count(name)
-        a = self.astype(_FP32)
-        b = other.astype(_FP32) if isinstance(other, paddle.Tensor) and other.dtype is _BF16 else other
-        out = orig(a, b)
-        return out.astype(_BF16) if isinstance(out, paddle.Tensor) and out.dtype is _FP32 else out
+        needed = tensor_op if isinstance(other, paddle.Tensor) else scalar_op
+        return converted(self, other) if needed else orig(self, other)
 
     operator.__name__ = name
     operator._glm52_bf16 = orig  # type: ignore[attr-defined]

@@ -61,20 +61,22 @@ def routed_rows(
     up_gate: list[paddle.Tensor],
     down: list[paddle.Tensor],
 ) -> paddle.Tensor:
-    """`routed_experts` straight from the router's choice, for a few tokens without autograd
-    (decoding): x [N, H], expert_ids / weights [N, k] -> [N, H], each token's terms added in
-    ascending expert order with the weight applied after the down projection (HF's order).
+    """`routed_experts` straight from the router's choice: x [N, H], expert_ids / weights [N, k] ->
+    [N, H], each token's terms added in ascending expert order.
 
-    On fp32 CPU tensors one compiled op, which reads the ids itself: no sort, no per-expert counts
-    read back to Python, each assignment a one-row GEMM pair. Elsewhere the sorted form."""
+    A few tokens without autograd (decoding: N k <= E) on fp32 CPU tensors run one compiled op,
+    which reads the ids itself: no sort, no per-expert counts read back to Python, each assignment
+    a one-row GEMM pair, the weight applied after the down projection (HF's order). Otherwise the
+    assignments are sorted by expert for `routed_experts` (the counts: the one host read)."""
+    N, K = expert_ids.shape
     ops = usable(x, expert_ids, weights, up_gate[0])
-    if ops is not None and hasattr(ops, "glm_routed_rows"):
+    if ops is not None and hasattr(ops, "glm_routed_rows") and not paddle.is_grad_enabled() and N * K <= len(up_gate):
         return ops.glm_routed_rows(x, expert_ids, weights.astype("float32"), up_gate, down)
-    K = expert_ids.shape[-1]
-    flat_e = expert_ids.reshape([-1])
-    order = paddle.argsort(flat_e, stable=True)
-    sizes = paddle.bincount(flat_e, minlength=len(up_gate)).tolist()
-    w_sorted = paddle.gather(weights.reshape([-1]), order)  # fp32, as routed_experts takes them
+    with paddle.no_grad():
+        flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
+        order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
+        sizes = paddle.bincount(flat_e, minlength=len(up_gate)).tolist()  # split sizes: Python ints
+    w_sorted = paddle.gather(weights.reshape([-1]), order)  # [N*K] by expert, fp32
     return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
 
 
