@@ -131,3 +131,18 @@ def test_itemsize_reads_the_bit_width_of_every_dtype_spelling():
     for dtype, n in (("float64", 8), (paddle.int64, 8), (np.float32, 4), ("paddle.bfloat16", 2), (paddle.float16, 2)):
         assert itemsize(dtype) == n, dtype
     assert [itemsize(d) for d in ("uint16", "float8_e4m3fn", "float8_e5m2", "uint8", "bool", "?")] == [2, 1, 1, 1, 1, 2]
+
+
+def test_a_quiet_subcommand_leaves_the_process_as_it_found_it(monkeypatch, tiny_ckpt, capsys):
+    """`glm52 check-ckpt --quiet` called in-process (cli.main) once left every later Progress of the
+    process silent: the flag must last as long as its command, whatever the command returns."""
+    from paddleformers_glm import cli, progress
+
+    monkeypatch.delenv("GLM52_QUIET", raising=False)
+    monkeypatch.setenv("GLM52_PROGRESS_INTERVAL", "0")
+    assert cli.main(["check-ckpt", str(tiny_ckpt), str(tiny_ckpt), "--quiet"]) == 0
+    assert cli.main(["check-ckpt", str(tiny_ckpt), str(tiny_ckpt / "missing"), "--quiet"]) != 0
+    capsys.readouterr()
+    buf = io.StringIO()
+    progress.Progress("save", total_bytes=10, total_tensors=1, stream=buf).update(10)
+    assert buf.getvalue().startswith("[glm52 save] tensors=1/1"), buf.getvalue()

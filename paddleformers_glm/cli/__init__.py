@@ -22,6 +22,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 
+from .. import progress
 from ._common import HelpFormatter, show_defaults
 
 COMMANDS: list[tuple[str, str]] = [
@@ -73,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers live
     previous = signal.signal(signal.SIGINT, _Interrupts.handler) if main_thread else None
     command = "command"
+    # A subcommand's --quiet lasts as long as the subcommand: main() may be called again in this process.
+    quiet = progress.set_quiet(None)
+    progress.set_quiet(quiet)
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
@@ -87,5 +91,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         raise
     finally:
+        progress.set_quiet(quiet)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
