@@ -98,7 +98,11 @@ class WorkerLife:
         """Record why this worker ends (``rank<N>.signal.json``) and leave now."""
         if not self._lock.acquire(timeout=5.0):  # the main thread is writing its own record
             os._exit(code)
-        self.leave("signal.json", {"rank": self.rank, "time": time.time(), **reason, "peers": self._peers()}, code)
+        record = {"rank": self.rank, "time": time.time(), **reason}
+        try:
+            record["peers"] = self._peers()
+        finally:  # leave even if the snapshot fails: a worker that outlives its signal is an orphan
+            self.leave("signal.json", record, code)
 
     def leave(self, suffix: str, record: dict | None, code: int, text: str = "") -> None:
         """Write ``rank<N>.<suffix>``, then ``text`` to stderr, and leave with ``code`` whatever
