@@ -62,7 +62,7 @@ def test_latent_sparse_gradients_equal_dense_masked(save, chunk_mode, monkeypatc
     their true gradient w.r.t. q is 0, which is what we give; the additive-mask reference yields a
     formal non-zero one through `scores + finfo.min`.)
     """
-    monkeypatch.setattr(attn, "_SAVE_ELEMS", 1 << 30 if save else 0)
+    monkeypatch.setattr(attn, "SAVE_ELEMS", 1 << 30 if save else 0)
     q, kv, idx = _latent_case(empty_rows=0)
     B, S, H, D = q.shape
     g = paddle.to_tensor(np.random.default_rng(5).standard_normal((B, S, H, D)).astype("float32"))

@@ -242,7 +242,7 @@ def sparse_attention(
 _CHUNK_ELEMS = CHUNK_BYTES // 4
 # Backward reuses the forward's gathered keys and probabilities when they total at most this many
 # elements per call (64 MB); above it they are recomputed per chunk, so saved state stays O(S x k).
-_SAVE_ELEMS = 1 << 26
+SAVE_ELEMS = 1 << 26
 
 
 class _Prepared(NamedTuple):
@@ -341,7 +341,7 @@ _EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
 class _SparseLatentAttention(PyLayer):
     """softmax(q . keys^T * scale + mask) keys over each query's selected rows of a key table, by the
     chunks of `_plan` (the module docstring); the chunks' keys and probabilities are kept for backward
-    when small (`_SAVE_ELEMS`), else recomputed: saved state O(S x (H x D + k)), never O(S x k x D)."""
+    when small (`SAVE_ELEMS`), else recomputed: saved state O(S x (H x D + k)), never O(S x k x D)."""
 
     @staticmethod
     def forward(
@@ -357,7 +357,7 @@ class _SparseLatentAttention(PyLayer):
         N, H, D = q.shape
         K = prep.rows.shape[1]
         qs = q * scale  # scaling the queries costs D/k of scaling the scores
-        keep = N * K * (D + H) <= _SAVE_ELEMS
+        keep = N * K * (D + H) <= SAVE_ELEMS
         outs, probs, kept = [], [], []
         for ch in plan:
             p, ks = _chunk_probs(qs, table, prep, ch, S, N)
@@ -541,7 +541,7 @@ class _DenseChunkAttention(PyLayer):
     whose [B, H, S, S] scores would not fit one block. Tiles of `_dense_plan` run on q, k, v in
     the projections' [B, S, H, d] layout (`ops.head_scores` / `head_context_` / `head_accum_`),
     so neither a transpose nor a key prefix is copied; the probabilities are kept for backward
-    when small (`_SAVE_ELEMS`), else recomputed per tile: memory O(chunk), never S x S.
+    when small (`SAVE_ELEMS`), else recomputed per tile: memory O(chunk), never S x S.
 
     A query without any key gets the mean of all values (HF eager's all-masked softmax): its row
     runs with a uniform mask and is replaced afterwards; its gradient reaches only v."""
@@ -561,7 +561,7 @@ class _DenseChunkAttention(PyLayer):
         K = topk.shape[-1]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the scale goes into the GEMMs
         plan = _dense_plan(B, S, H)
-        keep = sum(r1 * (r1 - r0) for _b, r0, r1, _g in plan) * H <= _SAVE_ELEMS
+        keep = sum(r1 * (r1 - r0) for _b, r0, r1, _g in plan) * H <= SAVE_ELEMS
         out = paddle.empty([B, S, H, v.shape[-1]], dtype=v.dtype)
         kept, probs = [], []
         for b, r0, r1, groups in plan:

@@ -35,7 +35,6 @@ __all__ = [
 ]
 
 GiB = 1024**3
-_ATTN_SAVE_ELEMS = 1 << 26  # the sparse attention's cap on kept keys + probabilities (modeling/attention.py)
 
 
 @dataclass(frozen=True)
@@ -240,6 +239,8 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     """Bytes one micro-batch leaves saved for backward in one layer of ``kind`` (no recompute),
     split into ``core`` (attention probabilities and scaled queries: what core recompute drops)
     and ``other``.  Formula and assumptions: docs/scale.md."""
+    from ..modeling.attention_forms import SAVE_ELEMS  # the sparse attention's cap on kept keys + probabilities
+
     c = config
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     b, s, h, t = lay.micro_batch_size, lay.local_seq, c.hidden_size, lay.tp
@@ -264,7 +265,7 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
         # scaled queries and the latent key table; the gathered keys and fp32 probabilities are
         # kept for backward only up to the attention's save cap, else recomputed per chunk
         lat = kl + r
-        core = a * sb * nh * dq + a * s_all * b * lat + 4.0 * min(sb * keys * (lat + nh), _ATTN_SAVE_ELEMS)
+        core = a * sb * nh * dq + a * s_all * b * lat + 4.0 * min(sb * keys * (lat + nh), SAVE_ELEMS)
     else:  # a fused kernel keeps the queries and the log-sum-exp only
         core = a * sb * nh * dq + 4.0 * sb * nh
     stage = indexer_stage(c, lay)
