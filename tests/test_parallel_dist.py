@@ -32,6 +32,13 @@ EXACT = (
     "mlp_sp_row_bias_marked",
     "varlen_no_rows",
     "etp_no_tokens",
+    "glm_sp_recompute_none_repeat",
+    "glm_sp_recompute_full_loss",
+    "glm_sp_recompute_full_grads",
+    "glm_sp_recompute_full_replays",
+    "glm_sp_recompute_core_loss",
+    "glm_sp_recompute_core_grads",
+    "glm_sp_recompute_core_replays",
 )
 
 
@@ -87,3 +94,15 @@ def test_sequence_parallel_runs_on_fleets_layers_and_the_tiny_model_matches_one_
     assert comm_results["glm_sp_loss"] <= 1e-5, comm_results["glm_sp_loss"]
     assert comm_results["glm_sp_grads"] <= 1e-5, comm_results["glm_sp_grads"]
     assert comm_results["pad_emb_sp_fwd"] == 0.0 and comm_results["pad_emb_sp_dE"] <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["full", "core"])
+def test_recompute_under_tp2_and_sp_is_bit_identical_and_replays_what_it_says(comm_results, mode):
+    """The tiny GLM-5.2 at tp 2 + SP under ``--recompute full`` (every decoder layer replayed in
+    backward, its SP gathers included) and ``core`` (the attention core only: its input is gathered
+    before it, so the replay holds no collective): the loss and every gradient equal the run without
+    recompute bit for bit, as at world size 1 (tests/test_train_recompute.py), and exactly the
+    decoder layers (full) or their cores (core) run once more."""
+    for part in ("loss", "grads", "replays"):
+        key = f"glm_sp_recompute_{mode}_{part}"
+        assert comm_results[key] == 0.0, (key, comm_results[key])

@@ -26,7 +26,9 @@ def _needs_grad(args: tuple[Any, ...]) -> bool:
 def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
     from paddle.distributed.fleet.utils import recompute
 
-    return recompute(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    from ._compat import saving_contiguous
+
+    return recompute(saving_contiguous(fn), *args, use_reentrant=False, preserve_rng_state=True)
 
 
 def run_layer(layer: Callable[..., Any], *args: Any, mode: str = "none") -> Any:

@@ -384,9 +384,10 @@ res["etp_no_tokens"] = 0.0 if list(y0.shape) == [0, HE] else 1.0
 
 
 # ---------------------------------------------------------------- tiny GLM-5.2 at tp 2 + SP vs one process
-def glm_run(tp: Topology, state: dict | None):
+def glm_run(tp: Topology, state: dict | None, recompute: str = "none"):
     """Build the whole tiny model as one stage under ``tp`` (from ``state`` or a seeded init), run
-    a forward + backward of its summed mean losses; returns (stage, loss, {name: gradient})."""
+    a forward + backward of its summed mean losses under the trainer's ``recompute`` mode; returns
+    (stage, loss, {name: gradient})."""
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
     from paddleformers_glm.parallel.pipeline import StageSpec
     from paddleformers_glm.tiny import tiny_config
@@ -398,6 +399,7 @@ def glm_run(tp: Topology, state: dict | None):
         stage = GlmMoeDsaForCausalLM(cfg, topology=tp, stage=whole)
         if state is not None:
             shard_full_state(stage, state, tp)
+        stage.recompute = recompute
         ids = T(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16)))  # B = 2: the transposing path
         out = stage.forward_stage(None, {"input_ids": ids, "labels": ids})
         loss = paddle.add_n([t.sum / max(float(t.count), 1.0) for t in out.losses.values()])
@@ -448,6 +450,55 @@ spec_sp = {
     n for n, p in sp_stage.named_parameters() if getattr(p, "shard_spec", None) and p.shard_spec.sequence_parallel
 }
 res["glm_sp_flags_agree"] = 0.0 if fleet_sp == spec_sp and fleet_sp else 1.0
+
+
+# ---------------------------------------------------------------- recompute at tp 2 + SP: bitwise, replays counted
+def counted_run(mode: str) -> tuple[float, dict, dict[str, int]]:
+    """``glm_run`` at tp 2 + SP under ``--recompute mode``, counting the decoder layers' forwards
+    and their attention cores' (a replay in backward runs them again)."""
+    from paddleformers_glm.modeling.attention import MLAttention
+    from paddleformers_glm.modeling.decoder import DecoderLayer
+
+    calls = {"layer": 0, "core": 0}
+    originals = {"layer": (DecoderLayer, "forward"), "core": (MLAttention, "_core")}
+
+    def counter(kind):
+        cls, name = originals[kind]
+        orig = getattr(cls, name)
+
+        def counted(self, *a, **k):
+            calls[kind] += 1
+            return orig(self, *a, **k)
+
+        return cls, name, orig, counted
+
+    patches = [counter(kind) for kind in originals]
+    for cls, name, _, counted in patches:
+        setattr(cls, name, counted)
+    try:
+        _, loss, grads = glm_run(tp_sp, glm_state, mode)
+    finally:
+        for cls, name, orig, _ in patches:
+            setattr(cls, name, orig)
+    return loss, grads, calls
+
+
+L_TINY = sp_stage.config.num_hidden_layers  # the MTP layer is not recomputed
+base_loss, base_grads, base_calls = counted_run("none")
+res["glm_sp_recompute_none_repeat"] = abs(base_loss - sp_loss)  # the counting itself changes nothing
+for mode, replayed in (("full", "layer"), ("core", "core")):
+    loss, grads, calls = counted_run(mode)
+    res[f"glm_sp_recompute_{mode}_loss"] = abs(loss - base_loss)
+    res[f"glm_sp_recompute_{mode}_grads"] = max(md(grads[n], base_grads[n]) for n in base_grads)
+    differ = [n for n in base_grads if md(grads[n], base_grads[n]) != 0.0]
+    if differ:
+        print(f"glm tp2+sp recompute {mode}: gradients differ from no recompute: {differ[:8]}", flush=True)
+    # each decoder layer (full) or its attention core (core) runs once more, in backward; nothing else
+    want = {k: base_calls[k] + (L_TINY if k == replayed else 0) for k in base_calls}
+    if mode == "full":
+        want["core"] = base_calls["core"] + L_TINY  # a replayed layer runs its core again
+    print(f"glm tp2+sp recompute {mode}: calls {calls} (none: {base_calls})", flush=True)
+    res[f"glm_sp_recompute_{mode}_replays"] = 0.0 if calls == want and base_calls["core"] > 0 else 1.0
 
 
 # ---------------------------------------------------------------- full state round trip
