@@ -32,13 +32,14 @@ def test_every_help_page_shows_the_defaults():
         for a in p._actions:
             if not a.option_strings or a.help == argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
                 continue
-            if a.default in (None, False, [], argparse.SUPPRESS):
-                continue
+            if a.default is None or a.default is False or a.default == [] or a.default is argparse.SUPPRESS:
+                continue  # by identity: a default of 0 or 0.0 equals False and is still a default to show
             if "default" not in fmt._get_help_string(a).lower():
                 missing.append(f"{name} {a.option_strings[0]}")
     assert not missing, missing
     text = _subparsers()["train"].format_help()
     assert "default: 1234" in text  # --seed, which has no help text of its own
+    assert "(0: frozen) (default: 0.0)" in text  # --moe-bias-update-rate: a zero default is shown too
 
 
 @pytest.mark.parametrize(

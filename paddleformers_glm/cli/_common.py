@@ -15,13 +15,19 @@ __all__ = ["HelpFormatter", "model_folder_error", "run_main", "show_defaults"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def _no_default(value: object) -> bool:
+    """None, False, [] or SUPPRESS: nothing worth printing. By identity, so that a default of 0 or
+    0.0 (which equal False) is still shown."""
+    return value is None or value is False or value is argparse.SUPPRESS or (isinstance(value, list) and not value)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's defaults formatter, minus the noise: no "(default: None)" or "(default: False)",
     nothing added to a help text that already states its default."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""  # "%(default)s" counts as stating it
-        quiet = action.default in (None, False, [], argparse.SUPPRESS) or isinstance(action, argparse._HelpAction)
+        quiet = _no_default(action.default) or isinstance(action, argparse._HelpAction)
         return text if quiet or "default" in text.lower() else super()._get_help_string(action)
 
 
@@ -30,7 +36,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
     default but no help text (argparse prints nothing for those)."""
     parser.formatter_class = HelpFormatter
     for action in parser._actions:
-        if action.help is None and action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+        if action.help is None and action.option_strings and not _no_default(action.default):
             action.help = "default: %(default)s"
 
 
