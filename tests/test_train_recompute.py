@@ -119,7 +119,7 @@ def test_glm_core_recompute_is_bit_identical(tmp_path, monkeypatch):
     assert n["none"] > 0 and n["core"] - n["none"] == 2 * 2 * layers, (n, layers)
 
 
-def _model_grads(model, mode: str, B: int, S: int) -> tuple[float, dict]:
+def _model_grads(model, mode: str, B: int, S: int) -> tuple[float, dict, list]:
     """One forward + backward of the tiny model's stage (LM + MTP losses) under ``--recompute mode``."""
     import paddle
 
@@ -131,10 +131,14 @@ def _model_grads(model, mode: str, B: int, S: int) -> tuple[float, dict]:
     out = model.forward_stage(None, {"input_ids": ids, "labels": ids})
     loss = paddle.add_n([t.sum / max(float(t.count), 1.0) for t in out.losses.values()])
     loss.backward()
-    return float(loss), {n: p.grad.numpy() if p.grad is not None else None for n, p in model.named_parameters()}
+    grads = {n: p.grad.numpy() if p.grad is not None else None for n, p in model.named_parameters()}
+    return float(loss), grads, sorted(out.losses)
 
 
-@pytest.mark.parametrize("form", ["dense", "dense-chunked", "sparse", "latent", "reference", "auto-short"])
+@pytest.mark.parametrize(
+    "form",
+    ["dense", "dense-chunked", "sparse", "latent", "reference", "auto-short", "dense-indexer-kl", "latent-indexer-kl"],
+)
 @pytest.mark.parametrize("mode", ["full", "core"])
 def test_every_gradient_is_bit_identical_under_recompute_in_every_attention_form(form, mode, monkeypatch):
     """Measured before the fix (Paddle 3.3.1): the dense form (what ``auto`` picks at the official widths
@@ -145,14 +149,17 @@ def test_every_gradient_is_bit_identical_under_recompute_in_every_attention_form
 
     from ._tiny import tiny_model
 
-    impl, B, S = {"dense-chunked": ("dense", 2, 16), "auto-short": ("auto", 2, 16)}.get(form, (form, 2, 16))
+    impl = form.split("-")[0]
     if form == "dense-chunked":  # the query-chunked dense path (long sequences): every chunk over the budget
         monkeypatch.setattr(attention_forms, "CHUNK_BYTES", 1)
-    model = tiny_model(seed=4, attn_implementation=impl)
+    kl = form.endswith("indexer-kl")  # the indexer's sparse stage: its KL loss and the attention's probabilities
+    model = tiny_model(seed=4, attn_implementation=impl, indexer_loss_coeff=0.1 if kl else 0.0)
     model.train()
-    loss0, want = _model_grads(model, "none", B, S)
-    loss1, got = _model_grads(model, mode, B, S)
-    assert loss1 == loss0
+    model.set_indexer_training("sparse" if kl else "none")
+    B, S = 2, 16
+    loss0, want, terms = _model_grads(model, "none", B, S)
+    loss1, got, _ = _model_grads(model, mode, B, S)
+    assert loss1 == loss0 and kl == ("indexer_kl" in terms), terms
     assert set(got) == set(want) and sum(g is not None for g in want.values()) > 100
     bad = {n: float(abs(got[n] - want[n]).max()) for n in want if want[n] is not None and (got[n] != want[n]).any()}
     assert not bad and all((got[n] is None) == (want[n] is None) for n in want), bad
