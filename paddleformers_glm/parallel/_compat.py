@@ -87,9 +87,11 @@ def apply_gloo_subgroup_store_fix() -> bool:
 _contiguous_saves = [0]
 
 
+@functools.cache
 def _install_contiguous_saves() -> bool:
     """Route ``PyLayerContext.save_for_backward`` through a copy of each non-contiguous tensor while
-    ``_contiguous_saves`` is set (stock behaviour otherwise). Guarded like the store fix."""
+    ``_contiguous_saves`` is set (stock behaviour otherwise). Guarded like the store fix; once per
+    process (every recomputed call asks)."""
     from paddle.autograd.py_layer import PyLayerContext
 
     orig = getattr(PyLayerContext, "save_for_backward", None)
