@@ -489,8 +489,9 @@ res["glm_sp_recompute_none_repeat"] = abs(base_loss - sp_loss)  # the counting i
 for mode in ("full", "core"):
     loss, grads, calls = counted_run(mode)
     res[f"glm_sp_recompute_{mode}_loss"] = abs(loss - base_loss)
-    res[f"glm_sp_recompute_{mode}_grads"] = max(md(grads[n], base_grads[n]) for n in base_grads)
-    differ = [n for n in base_grads if md(grads[n], base_grads[n]) != 0.0]
+    diffs = {n: md(grads[n], base_grads[n]) for n in base_grads}
+    res[f"glm_sp_recompute_{mode}_grads"] = max(diffs.values())
+    differ = [n for n, d in diffs.items() if d != 0.0]
     if differ:
         print(f"glm tp2+sp recompute {mode}: gradients differ from no recompute: {differ[:8]}", flush=True)
     # each decoder layer (full) or its attention core (core) runs once more, in backward; nothing else
