@@ -356,3 +356,42 @@ def test_aux_loss_in_training_is_reported_and_trains_the_router(skewed_ckpt, tmp
     for key in ("model.layers.3.mlp.gate.weight", "model.layers.3.self_attn.o_proj.weight"):
         # its gradient reached the router, and through the routing scores the hidden states
         assert bytes(a.raw(key)) != bytes(b.raw(key)), key
+
+
+def test_a_skipped_step_leaves_no_router_counts_to_the_next_step(skewed_ckpt, tmp_path):
+    """``--skip-nonfinite-steps``: a skipped step moves nothing, the router biases included, and
+    its tokens do not count towards the next step's bias update either: step 3's load is step 3's
+    own (B x S x K assignments per MoE layer), and its bias move is R x sign(mean - that load) on
+    top of step 1's biases.  Measured before the fix: step 3's load per layer summed to 128 (the
+    skipped step's 64 assignments included), the run's total to 192 over its two recorded steps,
+    and the aux loss of step 3 held both steps' sums."""
+    B, S, K, R = 2, 16, 2, 0.01
+
+    def run(out: Path, **kw) -> dict:
+        cfg = TrainConfig(
+            model="glm", model_args={"model_dir": str(skewed_ckpt)}, seq_len=S, global_batch_size=B,
+            micro_batch_size=1, out=str(out), progress=False, export=True, moe_bias_update_rate=R,
+            moe_aux_loss_coeff=0.1, **kw,
+        )  # fmt: skip
+        return run_training(cfg)
+
+    one = run(tmp_path / "one", steps=1)
+    skip = run(tmp_path / "skip", steps=3, skip_nonfinite_steps=1, fault="rank=0,step=2,kind=nan")
+    assert skip["skipped_steps"] == [2]
+    el = skip["expert_load"]
+    assert el["steps"] == [1, 3]
+    assert [sum(row) for row in el["load_last"]] == [B * S * K] * len(el["layers"])
+    assert [sum(row) for row in el["load_total"]] == [2 * B * S * K] * len(el["layers"])
+    # the aux loss of step 3 is a mean over its own sequences (at most E / K = 4)
+    assert all(0.0 < a < 4.0 for a in el["aux_losses"]), el["aux_losses"]
+    assert el["aux_losses"][0] == one["expert_load"]["aux_losses"][0]  # step 1 is the same in both runs
+    # step 3's bias move: float32(bias_1 + float32(R) * sign(mean - load_3)), bias_1 from the 1-step run
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+
+    b1, b3 = Checkpoint(str(tmp_path / "one" / "export")), Checkpoint(str(tmp_path / "skip" / "export"))
+    for layer, load in zip(el["layers"], el["load_last"]):
+        key = f"model.layers.{layer}.mlp.gate.{BIAS}"
+        load = np.asarray(load, dtype=np.float64)
+        sign = np.sign(load.sum() / load.size - load).astype(np.float32)
+        want = (b1.numpy(key).astype(np.float32) + np.float32(R) * sign).astype(np.float32)
+        np.testing.assert_array_equal(b3.numpy(key), want, err_msg=key)

@@ -525,6 +525,8 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     # ---- end of the step engine
     if not done["skipped"]:  # a skipped step moves nothing, the router biases included
         run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
+    else:  # and its routed tokens do not count towards the next step's update
+        run.balancer.discard()
     if dumps:
         from .dump import dump_training_state
 

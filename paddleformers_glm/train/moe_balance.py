@@ -122,6 +122,13 @@ class ExpertBalancer:
         self.load_total = rows.copy() if self.load_total is None else self.load_total + rows
         self.load_last = rows
 
+    def discard(self) -> None:
+        """Drop the counts and aux-loss sums of a step that made no update (``--skip-nonfinite-steps``):
+        the routers hold them until taken, so the next step's bias update would otherwise move the
+        biases by two steps' load. Local, no collective: every rank skips the same steps."""
+        for r in self.routers.values():
+            r.balance.take()
+
     def report(self) -> dict[str, Any]:
         """The ``expert_load`` block of loss.json (empty for a model without routers)."""
         if not self.active or self.layers is None:
