@@ -49,8 +49,35 @@ def _release(p: paddle.Tensor, grad: bool = True) -> None:
     even ``None``, as "this parameter uses main_grad" (and then assert ``.grad`` is empty)."""
     if grad:
         p.clear_gradient(False)
+        if hasattr(p, _FP32_ACC):
+            delattr(p, _FP32_ACC)
     if hasattr(p, "main_grad"):
         del p.main_grad
+
+
+# a low-precision parameter's gradient summed over the step's backward passes (micro-batches) in fp32
+_FP32_ACC = "_glm52_fp32_grad"
+
+
+def _accumulate_in_fp32(p: paddle.Tensor) -> Any:
+    """Gradient hook of a bf16/fp16 parameter: each backward's gradient is added, widened, to an fp32
+    sum and taken from ``.grad``, so micro-batches accumulate in fp32 (Paddle would add them in the
+    parameter's dtype: a micro-batch's contribution below half a bf16 ulp of the running sum was
+    lost).  Fleet's ``MixPrecisionLayer`` main-grad hook does the same; :meth:`GradSynchronizer.main_grads`
+    makes the sum the ``main_grad``."""
+
+    @paddle.no_grad()
+    def hook(g: paddle.Tensor) -> None:
+        if g is None or not g._is_initialized():
+            return
+        acc = getattr(p, _FP32_ACC, None)
+        if acc is None:
+            setattr(p, _FP32_ACC, g.astype("float32"))
+        else:
+            acc.add_(g.astype("float32"))
+        g._clear_data()
+
+    return hook
 
 
 def _grad(p: paddle.Tensor) -> paddle.Tensor | None:
@@ -68,6 +95,10 @@ class GradSynchronizer:
         self.topo = topo
         self.expert_update = expert_update
         self.params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+        for _, p in self.params:  # low-precision parameters accumulate their micro-batches in fp32
+            if p.dtype != paddle.float32 and not getattr(p, "_glm52_fp32_hook", False):
+                p._register_grad_hook(_accumulate_in_fp32(p))
+                p._glm52_fp32_hook = True
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
             raise ValueError("GradSynchronizer: duplicate parameter names in the stage module")
@@ -182,8 +213,13 @@ class GradSynchronizer:
         local = {}
         for n, p in self.params:
             g = p.grad
-            local[n] = g is not None
-            if g is None:
+            acc = getattr(p, _FP32_ACC, None)
+            local[n] = g is not None or acc is not None
+            if acc is not None:  # the fp32 sum of the backward passes (a tensor of its own)
+                delattr(p, _FP32_ACC)
+                p.main_grad = acc if g is None else acc + g.astype("float32")
+                p.clear_gradient(False)
+            elif g is None:
                 p.main_grad = paddle.zeros(p.shape, dtype="float32")
             elif g.dtype != paddle.float32 or n in self.holders:
                 # fp32 copy (and for pipeline-shared ones a tensor of their own: their sum is rebound)
