@@ -114,3 +114,32 @@ def test_strict_false_initialises_what_is_missing_like_hf_and_init_is_restored(s
     )
     # from_pretrained skips the random draw only while it builds its own model
     assert float(paddle.nn.Linear(64, 64).weight.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("layout", ["hf", "fleet"])
+def test_fewer_mtp_layers_than_the_checkpoint_loads_the_rest_with_a_warning(src, full, tmp_path, caplog, layout):
+    """num_nextn_predict_layers=0 (what the no-MTP warning suggests) on a checkpoint that has the MTP
+    layer: transformers ignores its tensors (`_keys_to_ignore_on_load_unexpected`); before the fix
+    the load was refused ("unexpected 47 keys: model.layers.8.eh_proj.weight, ...")."""
+    from paddleformers_glm.checkpoint.convert import convert_checkpoint
+
+    path = src
+    if layout == "fleet":
+        path = tmp_path / "fleet"
+        convert_checkpoint(src, path, layout="fleet")
+    caplog.set_level(logging.WARNING)
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(path, num_nextn_predict_layers=0, output_loading_info=True)
+    assert not rep.unexpected and not rep.missing and not rep.initialized
+    n = {"hf": 47, "fleet": 38}[layout]  # the MTP layer's tensors in each layout (Fleet fuses gate/up)
+    assert len(rep.warnings) == 1 and f"{n} keys" in rep.warnings[0] and "num_nextn_predict_layers=0" in rep.warnings[0]
+    assert _records(caplog) == rep.warnings
+    sd = model.state_dict()
+    assert set(sd) == {k for k in full if not k.startswith(MTP)}
+    for k, v in sd.items():
+        assert np.array_equal(v.numpy(), full[k]), k
+    if layout == "hf":  # another unexpected key is still refused
+        import paddle
+
+        _rewrite(src, add={"model.layers.3.mlp.extra.weight": paddle.to_tensor(full["model.norm.weight"])})
+        with pytest.raises(CheckpointError, match=r"unexpected 1 key: model\.layers\.3\.mlp\.extra\.weight"):
+            GlmMoeDsaForCausalLM.from_pretrained(src, num_nextn_predict_layers=0)
