@@ -143,3 +143,42 @@ def test_fewer_mtp_layers_than_the_checkpoint_loads_the_rest_with_a_warning(src,
         _rewrite(src, add={"model.layers.3.mlp.extra.weight": paddle.to_tensor(full["model.norm.weight"])})
         with pytest.raises(CheckpointError, match=r"unexpected 1 key: model\.layers\.3\.mlp\.extra\.weight"):
             GlmMoeDsaForCausalLM.from_pretrained(src, num_nextn_predict_layers=0)
+
+
+def test_no_shared_experts_saves_and_loads(tmp_path):
+    """n_shared_experts 0 (a valid config: the model then builds no shared expert) could be neither
+    saved nor loaded: the contracts still listed zero-width shared experts ("model lacks 12 keys:
+    model.layers.3.mlp.shared_experts.down_proj.weight, ..."). transformers builds zero-size ones and
+    its save_pretrained writes them ([0, 64] / [64, 0], 15 tensors on the tiny config, measured with
+    5.23): they are read as nothing."""
+    import paddle
+
+    from ._reference import missing_reference_extra
+    from ._tiny import tiny_model
+
+    model = tiny_model(seed=3, n_shared_experts=0)
+    model.save_pretrained(tmp_path / "ours")
+    back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "ours", dtype="float32")
+    want = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert not any("shared_experts" in k for k in want)
+    for k, v in back.state_dict().items():  # saved in the config's bf16, the correction bias in fp32
+        ref = want[k]
+        if not k.endswith("e_score_correction_bias"):
+            ref = paddle.to_tensor(ref).astype("bfloat16").astype("float32").numpy()
+        assert np.array_equal(v.numpy(), ref), k
+    if missing_reference_extra() is not None:
+        return
+    import torch
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as HfConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaForCausalLM as HfModel
+
+    d = json.loads((FIXTURE / "config.json").read_text())
+    d["n_shared_experts"] = 0
+    torch.manual_seed(0)
+    hf = HfModel(HfConfig(**d)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(3, 256, size=(1, 12))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    ours = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "hf", dtype="float32").eval()
+    assert np.abs(ours(paddle.to_tensor(ids)).logits.numpy() - ref).max() < 1e-5  # measured 2.3e-7

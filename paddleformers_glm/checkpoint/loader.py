@@ -240,6 +240,10 @@ def load_pretrained_state(
         missing_src, report.unexpected, report.dtype_changes = check_checkpoint_keys(
             ckpt, src_specs, fp8, getattr(cfg, "model_dtype", "bfloat16")
         )
+        if not int(cfg.n_shared_experts):  # transformers builds (and saves) zero-size shared experts then
+            report.unexpected = [
+                k for k in report.unexpected if not (".mlp.shared_experts." in k and 0 in ckpt.info(k).shape)
+            ]
         dropped = _dropped_mtp_layers(cfg, report.unexpected)
         if dropped:  # MTP layers the config does not build: not read, as transformers ignores them
             report.unexpected = [k for k in report.unexpected if k not in dropped]
