@@ -268,6 +268,8 @@ class GlmMoeDsaConfig:
         self._given_keys = frozenset(kwargs)
         if from_file and "index_topk_freq" not in kwargs:
             kwargs["index_topk_freq"] = 1  # HF: a file without the schedule has every layer full
+        elif from_file and kwargs["index_topk_freq"] is not None and "index_skip_topk_offset" not in kwargs:
+            kwargs["index_skip_topk_offset"] = 2  # HF's offset for a file that gives only the frequency
 
         for key, default in {**_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
             setattr(self, key, kwargs.pop(key, copy.deepcopy(default)))
@@ -326,6 +328,11 @@ class GlmMoeDsaConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Normalise derived fields and refuse inconsistent settings with the key named."""
+        for name in ("indexer_types", "mlp_layer_types"):
+            # a per-layer list set since the last validation (``copy(indexer_types=...)``, an attribute)
+            # is the given one now; else the derived list would silently replace it
+            if name in self.__dict__.get("_derived_lists", {}) and getattr(self, name) != self._derived_lists[name]:
+                setattr(self, f"_given_{name}", copy.deepcopy(getattr(self, name)))
         for key, form in _KEY_FORMS.items():
             _check_form(key, getattr(self, key), form)
         eos = self.eos_token_id
@@ -383,8 +390,17 @@ class GlmMoeDsaConfig:
                 "num_experts_per_tok",
                 f"{self.num_experts_per_tok} > experts in the chosen groups (topk_group {self.topk_group} x {E // G})",
             )
+        self._derived_lists = {n: list(getattr(self, n)) for n in ("indexer_types", "mlp_layer_types")}
         if not self.use_qk_norm:
             raise _err("use_qk_norm", "GLM-5.2 always applies the MLA latent norms (q_a_layernorm, kv_a_layernorm)")
+        if self.tie_word_embeddings:
+            # transformers ties lm_head to the embedding (and its save_pretrained omits lm_head.weight);
+            # this model always has its own lm_head, so a tied model would be computed (and trained) untied
+            raise _err(
+                "tie_word_embeddings",
+                "true is not supported: the model keeps a separate lm_head (GLM-5.2 sets false), "
+                "got true (transformers would share the embedding as the output head)",
+            )
 
     def _normalise_rope(self) -> None:
         for key in ("rope_scaling", "rope_parameters"):
@@ -463,7 +479,9 @@ class GlmMoeDsaConfig:
 
     def _derive_indexer_types(self, L: int) -> None:
         given, pattern = self._given_indexer_types, self.index_topk_pattern
-        has_schedule = bool({"index_topk_freq", "index_skip_topk_offset"} & self._given_keys)
+        # a schedule is a frequency the file gives (an offset alone means nothing); a null one is none
+        # (transformers writes both keys null beside the list, and its list wins)
+        has_schedule = "index_topk_freq" in self._given_keys and self.index_topk_freq is not None
         if pattern is not None:
             if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
                 raise _err("index_topk_pattern", f"must be a string of 'F'/'S' letters, got {pattern!r}")

@@ -114,3 +114,71 @@ def test_strict_false_initialises_what_is_missing_like_hf_and_init_is_restored(s
     )
     # from_pretrained skips the random draw only while it builds its own model
     assert float(paddle.nn.Linear(64, 64).weight.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("layout", ["hf", "fleet"])
+def test_fewer_mtp_layers_than_the_checkpoint_loads_the_rest_with_a_warning(src, full, tmp_path, caplog, layout):
+    """num_nextn_predict_layers=0 (what the no-MTP warning suggests) on a checkpoint that has the MTP
+    layer: transformers ignores its tensors (`_keys_to_ignore_on_load_unexpected`); before the fix
+    the load was refused ("unexpected 47 keys: model.layers.8.eh_proj.weight, ...")."""
+    from paddleformers_glm.checkpoint.convert import convert_checkpoint
+
+    path = src
+    if layout == "fleet":
+        path = tmp_path / "fleet"
+        convert_checkpoint(src, path, layout="fleet")
+    caplog.set_level(logging.WARNING)
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(path, num_nextn_predict_layers=0, output_loading_info=True)
+    assert not rep.unexpected and not rep.missing and not rep.initialized
+    n = {"hf": 47, "fleet": 38}[layout]  # the MTP layer's tensors in each layout (Fleet fuses gate/up)
+    assert len(rep.warnings) == 1 and f"{n} keys" in rep.warnings[0] and "num_nextn_predict_layers=0" in rep.warnings[0]
+    assert _records(caplog) == rep.warnings
+    sd = model.state_dict()
+    assert set(sd) == {k for k in full if not k.startswith(MTP)}
+    for k, v in sd.items():
+        assert np.array_equal(v.numpy(), full[k]), k
+    if layout == "hf":  # another unexpected key is still refused
+        import paddle
+
+        _rewrite(src, add={"model.layers.3.mlp.extra.weight": paddle.to_tensor(full["model.norm.weight"])})
+        with pytest.raises(CheckpointError, match=r"unexpected 1 key: model\.layers\.3\.mlp\.extra\.weight"):
+            GlmMoeDsaForCausalLM.from_pretrained(src, num_nextn_predict_layers=0)
+
+
+def test_no_shared_experts_saves_and_loads(tmp_path):
+    """n_shared_experts 0 (a valid config: the model then builds no shared expert) could be neither
+    saved nor loaded: the contracts still listed zero-width shared experts ("model lacks 12 keys:
+    model.layers.3.mlp.shared_experts.down_proj.weight, ..."). transformers builds zero-size ones and
+    its save_pretrained writes them ([0, 64] / [64, 0], 15 tensors on the tiny config, measured with
+    5.23): they are read as nothing."""
+    import paddle
+
+    from ._reference import missing_reference_extra
+    from ._tiny import tiny_model
+
+    model = tiny_model(seed=3, n_shared_experts=0)
+    model.save_pretrained(tmp_path / "ours")
+    back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "ours", dtype="float32")
+    want = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert not any("shared_experts" in k for k in want)
+    for k, v in back.state_dict().items():  # saved in the config's bf16, the correction bias in fp32
+        ref = want[k]
+        if not k.endswith("e_score_correction_bias"):
+            ref = paddle.to_tensor(ref).astype("bfloat16").astype("float32").numpy()
+        assert np.array_equal(v.numpy(), ref), k
+    if missing_reference_extra() is not None:
+        return
+    import torch
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as HfConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaForCausalLM as HfModel
+
+    d = json.loads((FIXTURE / "config.json").read_text())
+    d["n_shared_experts"] = 0
+    torch.manual_seed(0)
+    hf = HfModel(HfConfig(**d)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(3, 256, size=(1, 12))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    ours = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "hf", dtype="float32").eval()
+    assert np.abs(ours(paddle.to_tensor(ids)).logits.numpy() - ref).max() < 1e-5  # measured 2.3e-7

@@ -9,6 +9,7 @@ import pytest
 from paddleformers_glm import GlmMoeDsaConfig
 from paddleformers_glm.configuration import indexer_types_from_schedule
 
+from ._reference import missing_reference_extra
 from .conftest import OFFICIAL_CONFIG, TINY_CONFIG
 
 
@@ -336,3 +337,95 @@ def test_fleet_config_takes_the_run_layout():
         "sequence_parallel": True,
         "context_parallel_size": 2,
     }
+
+
+# Schedule variants of files in the wild, against transformers 5.23's GlmMoeDsaConfig (measured there:
+# a frequency without an offset takes offset 2; a list beside null freq/offset -- as transformers itself
+# writes them -- or beside an offset alone is the schedule). Before the fix the first case gave offset 3's
+# layers [0, 1, 2, 6] and the null cases were refused as disagreeing with an all-full schedule.
+_TINY_LIST = ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
+SCHEDULE_VARIANTS = [
+    ("freq only", {"index_skip_topk_offset": None, "indexer_types": None}, [0, 1, 5]),
+    (
+        "null freq and offset beside the list",
+        {"index_topk_freq": "null", "index_skip_topk_offset": "null"},
+        [0, 1, 2, 6],
+    ),
+    (
+        "null freq and offset beside another list",
+        {"index_topk_freq": "null", "index_skip_topk_offset": "null", "indexer_types": ["full", "shared"] * 4},
+        [0, 2, 4, 6],
+    ),
+    (
+        "an offset alone beside another list",
+        {"index_topk_freq": None, "indexer_types": ["full", "shared"] * 4},
+        [0, 2, 4, 6],
+    ),
+]
+
+
+@pytest.mark.parametrize("name,change,full", SCHEDULE_VARIANTS, ids=[c[0] for c in SCHEDULE_VARIANTS])
+def test_schedule_variants_read_as_transformers_reads_them(name, change, full):
+    d = json.loads(TINY_CONFIG.read_text())
+    assert d["indexer_types"] == _TINY_LIST
+    for k, v in change.items():  # None: key absent; "null": written as null
+        if v is None:
+            del d[k]
+        else:
+            d[k] = None if v == "null" else v
+    assert GlmMoeDsaConfig.from_dict(copy.deepcopy(d)).full_layer_ids == full
+    if missing_reference_extra() is None:  # the measurement, live
+        from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as HfConfig
+
+        hf = HfConfig(**copy.deepcopy(d)).indexer_types
+        assert [i for i, t in enumerate(hf) if t == "full"] == full
+
+
+def test_changed_per_layer_lists_are_kept_or_refused_never_reverted():
+    """copy() (and an attribute change then validate()) of indexer_types / mlp_layer_types: before the
+    fix the list was silently replaced by the one loaded from the file."""
+    cfg = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG)
+    moe = ["dense"] + ["sparse"] * 7
+    changed = cfg.copy(mlp_layer_types=moe)
+    assert changed.mlp_layer_types == moe and changed.to_dict()["mlp_layer_types"] == moe
+    assert cfg.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 5  # the source is untouched
+    every = ["full"] * 8
+    with pytest.raises(ValueError, match="`indexer_types`: disagrees with index_topk_freq"):
+        cfg.copy(indexer_types=every)  # the file's freq 4 / offset 3 says otherwise: refused, not ignored
+    both = cfg.copy(indexer_types=every, index_topk_freq=1)
+    assert both.indexer_types == every and both.to_dict()["indexer_types"] == every
+    cfg.mlp_layer_types = moe
+    cfg.validate()
+    assert cfg.mlp_layer_types == moe
+    cfg.first_k_dense_replace = 1  # no list changed: the list stays the file's (it wins, as in transformers)
+    cfg.validate()
+    assert cfg.mlp_layer_types == moe
+
+
+def test_tied_word_embeddings_are_refused_naming_the_key(tmp_path):
+    """transformers ties lm_head to the embedding and its save_pretrained then writes no lm_head.weight
+    (measured with 5.23 on the tiny config: 248 tensors, no lm_head.weight); this model has its own head.
+    Before the fix the config was accepted and the model computed (and trained) an untied head."""
+    with pytest.raises(ValueError, match="`tie_word_embeddings`"):
+        GlmMoeDsaConfig(tie_word_embeddings=True)
+    d = json.loads(TINY_CONFIG.read_text())
+    d["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="`tie_word_embeddings`") as e:
+        GlmMoeDsaConfig.from_pretrained(tmp_path)
+    assert str(tmp_path) in str(e.value)
+    if missing_reference_extra() is None:  # a folder transformers wrote for a tied model
+        import torch
+        from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as HfConfig
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaForCausalLM as HfModel
+
+        from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+        torch.manual_seed(0)
+        HfModel(HfConfig(**d)).save_pretrained(tmp_path / "hf")
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+        with pytest.raises(ValueError, match="`tie_word_embeddings`"):
+            GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "hf")

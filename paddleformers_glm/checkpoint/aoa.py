@@ -164,10 +164,11 @@ def _applies(unit: Mapping[str, Any], lp: LayerPlan | None, config: Any) -> bool
     when = unit.get("when")
     if when in (None, "attention_bias"):
         return when is None or bool(config.attention_bias)
-    if when not in ("indexer", "dense", "moe"):
+    if when not in ("indexer", "dense", "moe", "shared_experts"):
         raise ValueError(f"unit {unit['name']!r}: unknown condition {when!r}")
     assert lp is not None
-    return {"indexer": lp.indexer, "dense": not lp.moe, "moe": lp.moe}[when]
+    shared = lp.moe and int(config.n_shared_experts) > 0  # n_shared_experts 0: the model builds none
+    return {"indexer": lp.indexer, "dense": not lp.moe, "moe": lp.moe, "shared_experts": shared}[when]
 
 
 def _make(

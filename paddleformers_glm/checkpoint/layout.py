@@ -134,7 +134,8 @@ def _decoder(p: str, lp: LayerPlan, d: dict[str, int], bias: bool, model_layout:
     else:
         out[f"{p}.mlp.gate.weight"] = (linear(H, d["E"]), "float32" if model_layout else M)
         out[f"{p}.mlp.gate.e_score_correction_bias"] = ((d["E"],), "float32")
-        gated_mlp(f"{p}.mlp.shared_experts", d["Im"] * d["Ns"])
+        if d["Ns"]:  # n_shared_experts 0: no shared expert (the model builds none)
+            gated_mlp(f"{p}.mlp.shared_experts", d["Im"] * d["Ns"])
         for e in range(d["E"]):
             gated_mlp(f"{p}.mlp.experts.{e}", d["Im"])
     return out

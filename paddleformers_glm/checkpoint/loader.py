@@ -240,6 +240,20 @@ def load_pretrained_state(
         missing_src, report.unexpected, report.dtype_changes = check_checkpoint_keys(
             ckpt, src_specs, fp8, getattr(cfg, "model_dtype", "bfloat16")
         )
+        if not int(cfg.n_shared_experts):  # transformers builds (and saves) zero-size shared experts then
+            report.unexpected = [
+                k for k in report.unexpected if not (".mlp.shared_experts." in k and 0 in ckpt.info(k).shape)
+            ]
+        dropped = _dropped_mtp_layers(cfg, report.unexpected)
+        if dropped:  # MTP layers the config does not build: not read, as transformers ignores them
+            report.unexpected = [k for k in report.unexpected if k not in dropped]
+            msg = (
+                f"{path}: {format_keys(dropped, 3)} of MTP layer(s) "
+                f"{sorted({_layer_of(k) for k in dropped})} are not read: the config builds "
+                f"num_nextn_predict_layers={cfg.num_mtp_layers} (transformers ignores the MTP layer likewise)"
+            )
+            logger.warning("%s", msg)
+            report.warnings.append(msg)
         absent_mtp = fleet_format.absent_mtp_indexer(cfg, layout, missing_src)
         missing_src = [k for k in missing_src if k not in absent_mtp]
         if report.dtype_changes:
@@ -313,6 +327,19 @@ def load_pretrained_state(
             report.warnings.append(msg)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _layer_of(key: str) -> int | None:
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+
+
+def _dropped_mtp_layers(cfg: Any, unexpected: Iterable[str]) -> list[str]:
+    """The unexpected keys of decoder layers past the config's MTP layers (``model.layers.{j}.*``,
+    j >= num_hidden_layers + num_nextn_predict_layers): the MTP layers of a checkpoint loaded with
+    fewer of them (``num_nextn_predict_layers=0`` drops MTP), in either layout."""
+    first = int(cfg.num_hidden_layers) + int(cfg.num_mtp_layers)
+    return sorted(k for k in unexpected if (_layer_of(k) or -1) >= first)
 
 
 def wanted_keys(
