@@ -17,6 +17,7 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
+from ..ops import topk
 from .attention_forms import CHUNK_BYTES, gather_keys
 from .norms import LayerNorm
 from .rope import rope_concat
@@ -166,7 +167,7 @@ class DSAIndexer(nn.Layer):
                     key_ids.unsqueeze(0) <= slots.unsqueeze(1), key_padding.astype("bool").unsqueeze(1)
                 )
                 scores = paddle.where(visible, scores, paddle.full_like(scores, NEG_INF))
-                vals, idx = paddle.topk(scores, min(self.topk, T), axis=-1)
+                vals, idx = topk(scores, min(self.topk, T))
                 return paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
             pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
             k_out = min(self.topk, T)
@@ -188,7 +189,7 @@ class DSAIndexer(nn.Layer):
                 if kend < T:  # one top-k over all T keys of a row, as HF takes it: equal scores (relu
                     # zeros) then break the same way whatever the chunking (keys >= kend are masked)
                     scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
-                vals, idx = paddle.topk(scores, k_out, axis=-1)
+                vals, idx = topk(scores, k_out)  # ties as HF's torch.topk
                 pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 

@@ -14,7 +14,7 @@ from .norm import rms_norm
 from .projection import head_matmul, latent_out_proj
 from .rope import rope_concat, rope_heads
 from .router import route
-from .selection import candidate_mask, selection_mask, topk_tables
+from .selection import candidate_mask, selection_mask, topk, topk_tables
 from .softmax import masked_softmax_, softmax_backward
 
 __all__ = [
@@ -37,5 +37,6 @@ __all__ = [
     "selection_mask",
     "softmax_backward",
     "swiglu",
+    "topk",
     "topk_tables",
 ]

@@ -562,10 +562,12 @@ std::vector<paddle::DataType> TwoFloat32Of4(const paddle::DataType&,
 
 
 namespace {
-// The indices of the k largest of v[0..n) in the order Paddle's CPU top-k returns them, ties
-// included: the same std::partial_sort (k * 64 < n) or std::nth_element + std::sort of the first
-// k - 1 on (value, index) pairs with the same comparator, so a tie goes to the same index.
-void PaddleTopkOrder(const float* v, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& pairs,
+// The indices of the k largest of v[0..n) in the order torch's CPU top-k (HF's router) returns
+// them, ties included: the same std::partial_sort (k * 64 <= n) or std::nth_element + std::sort of
+// the first k - 1 on (value, index) pairs with the same comparator, so a tie goes to the same index.
+// Paddle's CPU top-k is the same but for taking partial_sort only when k * 64 < n; ops.topk (the
+// Paddle-op form's top-k) makes it torch's at n = 64 k (ops/selection.py).
+void TorchTopkOrder(const float* v, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& pairs,
                      int64_t* out) {
   pairs.clear();
   for (int64_t j = 0; j < n; ++j) pairs.emplace_back(v[j], j);
@@ -573,7 +575,7 @@ void PaddleTopkOrder(const float* v, int64_t n, int64_t k, std::vector<std::pair
     return (std::isnan(static_cast<double>(l.first)) && !std::isnan(static_cast<double>(r.first))) ||
            (l.first > r.first);
   };
-  if (k * 64 < n) {
+  if (k * 64 <= n) {
     std::partial_sort(pairs.begin(), pairs.begin() + k, pairs.end(), larger);
   } else {
     std::nth_element(pairs.begin(), pairs.begin() + k - 1, pairs.end(), larger);
@@ -588,8 +590,9 @@ void PaddleTopkOrder(const float* v, int64_t n, int64_t k, std::vector<std::pair
 // n_group > 1 each group scores the sum of its two largest choices, the topk_group best groups
 // stay and the others' experts are out; then the top_k experts by choice, and their weights are
 // the scores (not the choices), divided by their sum + 1e-20 when `norm`, times `scaling`.
-// -> (weights [N, K] fp32, expert ids [N, K] int64) in the order Paddle's top-k gives (ties too:
-// `PaddleTopkOrder`), so a row routes exactly as the Paddle-op form of ops/router.py routes it.
+// -> (weights [N, K] fp32, expert ids [N, K] int64) in the order torch's top-k gives (ties too:
+// `TorchTopkOrder`), so a row routes exactly as HF's router and the Paddle-op form of ops/router.py
+// route it.
 std::vector<paddle::Tensor> RouterTopk(const paddle::Tensor& scores, const paddle::Tensor& bias, int64_t n_group,
                                        int64_t topk_group, int64_t top_k, bool norm, float scaling) {
   const int64_t N = scores.shape()[0], E = scores.shape()[1];
@@ -614,17 +617,17 @@ std::vector<paddle::Tensor> RouterTopk(const paddle::Tensor& scores, const paddl
     for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + bp[e];
     if (n_group > 1) {
       for (int64_t g = 0; g < n_group; ++g) {  // the sum of the group's top-2, in top-k order
-        PaddleTopkOrder(choice.data() + g * per, per, 2, pairs, best.data());
+        TorchTopkOrder(choice.data() + g * per, per, 2, pairs, best.data());
         group[g] = choice[g * per + best[0]] + choice[g * per + best[1]];
       }
-      PaddleTopkOrder(group.data(), n_group, topk_group, pairs, best.data());
+      TorchTopkOrder(group.data(), n_group, topk_group, pairs, best.data());
       std::vector<char> keep(n_group, 0);
       for (int64_t j = 0; j < topk_group; ++j) keep[best[j]] = 1;
       for (int64_t e = 0; e < E; ++e)
         if (!keep[e / per]) choice[e] = ninf;
     }
     int64_t* id = ip + r * top_k;
-    PaddleTopkOrder(choice.data(), E, top_k, pairs, id);
+    TorchTopkOrder(choice.data(), E, top_k, pairs, id);
     float* w = wp + r * top_k;
     float sum = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import paddle
 
 from .kernels import usable
+from .selection import topk
 
 
 def route(
@@ -30,13 +31,13 @@ def route(
             N, E = c.shape
             grouped = c.reshape([N, n_group, E // n_group])
             group_scores = paddle.topk(grouped, 2, axis=-1)[0].sum(-1)  # [N, G]
-            group_idx = paddle.topk(group_scores, topk_group, axis=-1)[1]
+            group_idx = topk(group_scores, topk_group)[1]
             group_mask = paddle.put_along_axis(
                 paddle.zeros_like(group_scores), group_idx, paddle.ones_like(group_idx, "float32"), axis=-1
             )
             expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape([N, E]) > 0
             c = paddle.where(expert_mask, c, paddle.full_like(c, float("-inf")))
-        expert_ids = paddle.topk(c, top_k, axis=-1)[1]
+        expert_ids = topk(c, top_k)[1]  # ties: HF's choice
     weights = paddle.take_along_axis(scores, expert_ids, axis=-1)
     if norm:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -1,10 +1,28 @@
-"""Index tables and additive masks built from a top-k selection (-1 = empty slot)."""
+"""The top-k itself (ties broken as torch's), and index tables and additive masks built from a
+top-k selection (-1 = empty slot)."""
 
 from __future__ import annotations
 
 import paddle
 
 from .kernels import usable
+
+
+def topk(x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(values, indices) of the k largest of x over its last axis, largest first: ``paddle.topk``
+    with exact ties broken as ``torch.topk`` (HF's) breaks them on CPU.
+
+    Both CPU kernels sort (value, index) pairs with the same comparator (NaN largest) by the same
+    ``std::partial_sort`` or ``std::nth_element`` + ``std::sort``, so equal values go to the same
+    index, but they switch at different row lengths: torch takes partial_sort when k * 64 <= n,
+    Paddle when k * 64 < n. At n = 64 k exactly (the indexer's 2048 of 128K keys, the tiny
+    model's 8 of 512, a router's 1 of 64 experts) they then choose different sets among equal
+    values (tests/test_topk_ties.py: 95% of the tiny indexer's slots at S = 512). There one -inf
+    column is appended: Paddle then takes partial_sort too, whose heap never admits the -inf."""
+    n = x.shape[-1]
+    if k * 64 == n:
+        x = paddle.concat([x, paddle.full([*x.shape[:-1], 1], float("-inf"), x.dtype)], axis=-1)
+    return paddle.topk(x, k, axis=-1)
 
 
 def topk_tables(
