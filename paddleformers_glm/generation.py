@@ -511,15 +511,25 @@ class CudaGraphDecodeStep:
 
 
 # --------------------------------------------------------------------------- speculative decoding
-def _mtp_step(model: paddle.nn.Layer, mtp: paddle.nn.Layer, cache: object, hidden: paddle.Tensor, ids: paddle.Tensor):
+def _mtp_step(
+    model: paddle.nn.Layer,
+    mtp: paddle.nn.Layer,
+    cache: object,
+    hidden: paddle.Tensor,
+    ids: paddle.Tensor,
+    main_topk: paddle.Tensor,
+):
     """The MTP layer on n new positions i (main hidden h_i [B, n, H], token i+1 ids [B, n]) through
-    its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V]."""
+    its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V].
+    ``main_topk`` [B, n, k]: the main model's last top-k at the same positions (its cache slots are
+    the MTP cache's), which the layer attends with under index_share_for_mtp_iteration, as the
+    model's forward runs it; otherwise its own indexer selects."""
     n = ids.shape[1]
     prefill = cache.length == 0
     positions, key_valid = cache.begin(None, n)
     cos, sin = model.model.rotary_emb(positions)
     x, _, _ = mtp(
-        hidden, model.model.embedding(ids), cos, sin, None if prefill else key_valid, None, cache=cache.layers[0]
+        hidden, model.model.embedding(ids), cos, sin, None if prefill else key_valid, main_topk, cache=cache.layers[0]
     )
     cache.advance(n)
     return model.logits(mtp.norm(x[:, -1:]))[:, -1]
@@ -554,34 +564,35 @@ def generate_speculative(
     model.eval()
     try:
         with paddle.no_grad():
+            # one capacity for both caches: a main top-k's slots address the MTP cache's rows
             cache = DSACache.for_config(model.config, 1, capacity=S + max_new_tokens + 2)
-            mtp_cache = DSACache(1, 1, capacity=S + max_new_tokens + 2)
+            mtp_cache = DSACache(1, 1, capacity=cache.capacity)
             out = model(input_ids, past_key_values=cache, use_cache=True)
-            h = out.last_hidden_state  # [1, S, H]
+            h, topk = out.last_hidden_state, cache.topk  # [1, S, H], [1, S, k]
             nxt = int(out.logits[0, -1].argmax())
             if S > 1:  # MTP positions 0 .. S-2: (h_i, token i+1)
-                _mtp_step(model, mtp, mtp_cache, h[:, :-1], input_ids[:, 1:])
-            h_last = h[:, -1:]
+                _mtp_step(model, mtp, mtp_cache, h[:, :-1], input_ids[:, 1:], topk[:, :-1])
+            h_last, topk_last = h[:, -1:], topk[:, -1:]
             while len(new) < max_new_tokens:
                 new.append(nxt)
                 if nxt in eos or len(new) == max_new_tokens:
                     break
-                draft = int(_mtp_step(model, mtp, mtp_cache, h_last, paddle.to_tensor([[nxt]]))[0].argmax())
+                draft = int(_mtp_step(model, mtp, mtp_cache, h_last, paddle.to_tensor([[nxt]]), topk_last)[0].argmax())
                 stats["drafted"] += 1
                 out = model(paddle.to_tensor([[nxt, draft]]), past_key_values=cache)
                 stats["main_forwards"] += 1
                 y = out.logits[0].argmax(axis=-1).numpy()  # greedy after `nxt`, after `draft`
-                hs = out.last_hidden_state
+                hs, topk = out.last_hidden_state, cache.topk
                 if int(y[0]) == draft:
                     stats["accepted"] += 1
                     new.append(draft)
                     if draft in eos or len(new) == max_new_tokens:
                         break
-                    _mtp_step(model, mtp, mtp_cache, hs[:, :1], paddle.to_tensor([[draft]]))
-                    h_last, nxt = hs[:, 1:2], int(y[1])
+                    _mtp_step(model, mtp, mtp_cache, hs[:, :1], paddle.to_tensor([[draft]]), topk[:, :1])
+                    h_last, topk_last, nxt = hs[:, 1:2], topk[:, 1:2], int(y[1])
                 else:
                     cache.rollback(1)
-                    h_last, nxt = hs[:, :1], int(y[0])
+                    h_last, topk_last, nxt = hs[:, :1], topk[:, :1], int(y[0])
     finally:
         if was_training:
             model.train()

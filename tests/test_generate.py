@@ -192,8 +192,8 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
     greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
     real = generation._mtp_step
 
-    def oracle(model_, mtp, cache, hidden, ids):
-        logits = real(model_, mtp, cache, hidden, ids)
+    def oracle(model_, mtp, cache, hidden, ids, *rest):
+        logits = real(model_, mtp, cache, hidden, ids, *rest)
         target = cache.length + 1  # the draft is for the token after the one just fed
         want = int(greedy[target]) if target < len(greedy) and cache.length % 2 == 0 else 3
         return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
@@ -203,6 +203,38 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
     np.testing.assert_array_equal(out.numpy()[0], greedy)
     assert stats["accepted"] >= 3 and stats["main_forwards"] == 1 + stats["drafted"]
     assert stats["drafted"] + stats["accepted"] <= 14 and stats["main_forwards"] < 14
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_speculative_drafts_are_the_mtp_heads_own_predictions(share, monkeypatch):
+    """Every draft is the MTP head's prediction as the model's forward computes it (``mtp_logits``
+    of the final sequence at the drafted position), past index_topk too. With
+    index_share_for_mtp_iteration (the official setting) the MTP layer attends the main model's
+    last top-k at the same position, as training and inference engines run it, not a selection of
+    its own indexer (measured before the fix: drafts off by up to 3.7 in logits from position 4 on
+    with index_topk 4; 0 without sharing)."""
+    from paddleformers_glm import generation
+
+    model = tiny_model(seed=6, index_topk=4, index_share_for_mtp_iteration=share)
+    model.eval()
+    prompt = tokens(1, 3, seed=43)
+    greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
+    real, drafts = generation._mtp_step, {}
+
+    def spy(model_, mtp, cache, hidden, ids, *rest):  # records the MTP's logits, drafts right every other time
+        logits = real(model_, mtp, cache, hidden, ids, *rest)
+        drafts[cache.length - 1] = logits.numpy()[0]  # the MTP position of the last row fed
+        want = int(greedy[cache.length + 1]) if cache.length % 2 == 0 and cache.length + 1 < len(greedy) else 3
+        return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
+
+    monkeypatch.setattr(generation, "_mtp_step", spy)
+    out, stats = generate_speculative(model, prompt, 14, eos_token_id=[])
+    np.testing.assert_array_equal(out.numpy()[0], greedy)
+    with paddle.no_grad():
+        want = model(out, compute_mtp=True).mtp_logits[0].numpy()[0]  # position i predicts token i + 2
+    assert stats["accepted"] >= 3 and max(drafts) > 2 * model.config.index_topk
+    for pos, got in drafts.items():
+        np.testing.assert_allclose(got, want[pos], atol=2e-5, err_msg=f"MTP position {pos}")
 
 
 def _op_counter():
