@@ -36,6 +36,30 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
+def speculative_length(config: object, defaults: object, opts: dict, prompt_len: int) -> int:
+    """The new tokens of a --speculative run, resolved as the plain command resolves them (the
+    command line, then generation_config.json, then transformers' defaults); a ValueError for a
+    setting its greedy drafting would not apply (a repetition penalty, stop strings, a minimum
+    length), wherever it was set: the plain command would honour it, so its text would differ."""
+    from types import SimpleNamespace
+
+    from ..generation import _resolve
+
+    s = _resolve(SimpleNamespace(config=config), defaults, opts, prompt_len)
+    unsupported = {
+        "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
+        "stop_strings (--stop)": s.stop_strings or None,
+        "min_new_tokens / min_length": s.min_new_tokens or None,
+    }
+    for name, value in unsupported.items():
+        if value is not None:
+            raise ValueError(
+                f"--speculative decodes greedily without {name.split(' ')[0]}, which is set to {value!r} "
+                "(on the command line or in generation_config.json); run without --speculative"
+            )
+    return int(s.max_new_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -71,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
         check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
+        if args.speculative:
+            if opts.get("do_sample"):
+                return fail("--speculative decodes greedily; drop --do-sample")
+            spec_new = speculative_length(config, defaults, opts, len(ids))
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
 
@@ -98,10 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = paddle.to_tensor([ids], dtype="int64")
     if args.speculative:
-        if opts.get("do_sample"):
-            return fail("--speculative decodes greedily; drop --do-sample")
-        n = check_generation_length(config, len(ids), opts.get("max_new_tokens"), opts.get("max_length"))
-        out, stats = generate_speculative(model, prompt, n, eos_token_id=eos)
+        out, stats = generate_speculative(model, prompt, spec_new, eos_token_id=eos)
         for t in out.numpy()[0, len(ids) :]:
             stream(np.asarray([t]))
         sys.stdout.write("\n")
