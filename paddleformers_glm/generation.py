@@ -261,11 +261,14 @@ def _resolve(
     for k, v in r.items():
         if not isinstance(v, bool):
             raise ValueError(f"generate: {k} must be True or False, got {v!r}")
-    r["temperature"] = _number(
-        "temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)"
-    )
-    r["top_k"] = _integer("top_k", get("top_k"), 0, " (0: off)")
-    r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+    if r["do_sample"]:
+        r["temperature"] = _number(
+            "temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)"
+        )
+        r["top_k"] = _integer("top_k", get("top_k"), 0, " (0: off)")
+        r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+    else:  # greedy uses none of the warpers, so their settings (temperature 0.0 ...) are not checked, as in HF
+        r |= {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")
     nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
     if nrs > 1 and not r["do_sample"]:

@@ -366,6 +366,26 @@ def test_generation_config_json_gives_the_defaults(tmp_path):
     assert not np.array_equal(out.numpy()[:, 9:12], greedy.numpy()[:, 9:])  # the file's sampling was used
 
 
+def test_sampling_only_settings_do_not_stop_greedy_decoding(tmp_path):
+    """temperature 0.0 / top_p 0.0 / top_k 0 with do_sample false (a generation_config.json's way
+    of saying "greedy", or a call's): the sampling settings are unused, as in HF, whose generate
+    (5.23, measured on this checkpoint with prompt [5, 6, 7, 8]) returns the greedy tokens
+    [240, 211, 172, 53] and only warns. Before: ValueError "temperature must be > 0 (use
+    do_sample=False for greedy)" with do_sample already False."""
+    file = {"do_sample": False, "temperature": 0.0, "top_p": 0.0, "top_k": 0}
+    model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=file), dtype="float32")
+    plain = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path / "b"), dtype="float32")
+    ids = paddle.to_tensor([[5, 6, 7, 8]])
+    greedy = plain.generate(ids, max_new_tokens=4, eos_token_id=[]).numpy()
+    np.testing.assert_array_equal(greedy[0, 4:], [240, 211, 172, 53])
+    np.testing.assert_array_equal(model.generate(ids, max_new_tokens=4, eos_token_id=[]).numpy(), greedy)
+    np.testing.assert_array_equal(
+        plain.generate(ids, max_new_tokens=4, eos_token_id=[], temperature=0.0).numpy(), greedy
+    )
+    with pytest.raises(ValueError, match="temperature must be > 0"):  # sampling still needs a valid one
+        model.generate(ids, max_new_tokens=4, do_sample=True)
+
+
 def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):
     model = tiny_model(seed=1)
     ids = tokens(1, 6)
