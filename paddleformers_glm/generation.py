@@ -569,6 +569,7 @@ def generate_speculative(
         with paddle.no_grad():
             # one capacity for both caches: a main top-k's slots address the MTP cache's rows
             cache = DSACache.for_config(model.config, 1, capacity=S + max_new_tokens + 2)
+            cache.keep_topk = True  # the main top-k of each forward, for the MTP layer (_mtp_step)
             mtp_cache = DSACache(1, 1, capacity=cache.capacity)
             out = model(input_ids, past_key_values=cache, use_cache=True)
             h, topk = out.last_hidden_state, cache.topk  # [1, S, H], [1, S, k]
