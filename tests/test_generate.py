@@ -118,6 +118,7 @@ def test_cache_holds_latent_rows_and_indexer_keys_only():
             assert lc.index_keys is None, i
     # slots past the 20 filled ones are still empty (preallocated, written in place)
     assert float(paddle.abs(cache.layers[0].latent[:, 20:]).max()) == 0.0
+    assert cache.topk is None  # the prefill's top-k [B, S, k] is not held (only with keep_topk)
 
 
 def test_shared_layers_reuse_the_full_layers_topk_at_decode():
