@@ -377,6 +377,13 @@ def generate(
         if attention_mask is not None:
             attention_mask = paddle.repeat_interleave(attention_mask, s.num_return_sequences, axis=0)
         B = input_ids.shape[0]
+    # right padding: each row's first new token follows its last real token, not the padded end
+    # (HF continues from the pad position and warns); later tokens are real, the pads stay masked
+    last_real = None
+    if attention_mask is not None:
+        real = attention_mask.numpy() != 0  # one host read of the mask, before any step
+        if not real[:, -1].all():
+            last_real = paddle.to_tensor(np.where(real.any(1), S - 1 - np.argmax(real[:, ::-1], axis=1), S - 1))
     rng = np.random.default_rng(seed)
     # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
     # a plain callable gets each step's ids
@@ -406,7 +413,7 @@ def generate(
             else:
                 seq, mask = input_ids, attention_mask
                 out = _full_forward(model, seq, mask)
-            last = out.logits[:, -1]
+            last = out.logits[:, -1] if last_real is None else _logits_at(model, out.last_hidden_state, last_real)
             finished = paddle.zeros([B], dtype="bool")
             for step in range(s.max_new_tokens):
                 logits = last.astype("float32")  # [B, V], stays on the device
@@ -464,6 +471,15 @@ def generate(
         logits=tuple(raw) if s.output_logits else None,
         past_key_values=cache,
     )
+
+
+def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor) -> paddle.Tensor:
+    """The logits [B, V] of row b's position ``pos[b]`` from the final-normed hidden states [B, S, H]."""
+    import paddle
+
+    B, H = hidden.shape[0], hidden.shape[2]
+    rows = paddle.take_along_axis(hidden, pos.astype("int64").reshape([B, 1, 1]).expand([B, 1, H]), axis=1)
+    return model.logits(rows)[:, 0]
 
 
 def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tensor | None):

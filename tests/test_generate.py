@@ -62,6 +62,28 @@ def test_left_padded_rows_equal_rows_alone():
         np.testing.assert_array_equal(out.numpy()[b, S - len(r) :], alone)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_right_padded_rows_equal_rows_alone(use_cache):
+    """A right-padded batch (the tokenizer's default side, as HF's): each row continues from its
+    last real token, so it generates what it generates alone. HF transformers 5.23 (same weights in
+    fp32, eager) warns "right-padding was detected" and continues from the pad position: row 1
+    [210, 188, 229, 207, 10], alone [231, 188, 20, 211, 194]. This generate, before the fix,
+    silently: row 1 [210, 24, 252, 201, 63], row 2 [149, 163, 222, 76, 166] (alone [236, 49, 8,
+    201, 166]); now each row's own tokens."""
+    model = tiny_model(seed=6)
+    lens, S, n_new = [9, 4, 1], 9, 5
+    rows = [tokens(1, n, seed=1 + i).numpy()[0] for i, n in enumerate(lens)]
+    ids = np.full([3, S], 7, dtype=np.int64)  # pad slots hold a real-looking token
+    mask = np.zeros([3, S], dtype=np.int64)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)], mask[b, : len(r)] = r, 1
+    kw = {"max_new_tokens": n_new, "eos_token_id": [], "use_cache": use_cache}
+    out = model.generate(paddle.to_tensor(ids), paddle.to_tensor(mask), **kw).numpy()
+    for b, r in enumerate(rows):
+        alone = model.generate(paddle.to_tensor(r[None]), **kw).numpy()[0]
+        np.testing.assert_array_equal(out[b, S:], alone[len(r) :], err_msg=f"row {b}")
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("step", [1, 5])
 @pytest.mark.parametrize("fold", [None, True, False])
