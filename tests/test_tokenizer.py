@@ -171,6 +171,41 @@ def test_generate_command_speculative_takes_the_checkpoint_lengths_and_refuses_w
         assert name in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_generate_command_streams_characters_split_across_byte_tokens(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A byte-level BPE (as GLM's tokenizer is) splits an emoji or a rare character over several
+    tokens; decoding the tokens so far then ends in U+FFFD until the character is complete. The
+    streamed text is the decoded text whatever the split (before: the first partial character
+    was printed as U+FFFD and nothing after it, since no later text started with it: measured
+    '\ufffd' for 'é🙂a, done')."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from paddleformers_glm import generation
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(["hello"], trainers.BpeTrainer(vocab_size=256, initial_alphabet=alphabet))
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "tokenizer.json").write_text(bpe.to_str())  # ids < 256: the tiny model's vocabulary
+    text = "é🙂a, done"
+    ids = bpe.encode(text).ids
+    assert bpe.decode(ids[:1]).endswith("\ufffd") and len(ids) > len(text)
+
+    cut = next(k for k in range(len(ids), 0, -1) if bpe.decode(ids[:k]).endswith("\ufffd"))
+    for stream_ids in (ids, ids[:cut]):  # the whole text; one ending inside a character (flushed as is)
+
+        def fake_generate(model, prompt, *, streamer, _ids=stream_ids, **kwargs):  # streams these ids
+            for i in _ids:
+                streamer(np.asarray([i]))
+
+        monkeypatch.setattr(generation, "generate", fake_generate)
+        assert main(["generate", "--model", str(folder), "--prompt", "hello"]) == 0
+        assert capsys.readouterr().out == bpe.decode(stream_ids) + "\n"
+
+
 # ---------------------------------------------------------------------- the transformers-style call
 TEXTS = ["Hello there", "The capital of France is Paris.", "Two plus two is four. Thank you for reading this text."]
 

@@ -113,22 +113,28 @@ def run(args: argparse.Namespace) -> int:
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
         eos.append(tok.eos_token_id)
     new: list[int] = []
-    shown = ""
+    shown = 0  # characters of the new text printed so far
 
-    def stream(step_tokens: np.ndarray) -> None:
+    def stream(step_tokens: np.ndarray | None) -> None:
+        """Print what the text gained with this token (None: the end, print what is left). A
+        byte-level tokenizer splits some characters over tokens: until the rest arrives the text
+        ends in U+FFFD, held back (as transformers' TextStreamer holds back an unfinished word)."""
         nonlocal shown
-        new.append(int(step_tokens[0]))
+        if step_tokens is not None:
+            new.append(int(step_tokens[0]))
         text = tok.decode(new, skip_special_tokens=True)
-        if text.startswith(shown):  # print what this token added (a character may span tokens)
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
+        if step_tokens is not None and text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
 
     prompt = paddle.to_tensor([ids], dtype="int64")
     if args.speculative:
         out, stats = generate_speculative(model, prompt, spec_new, eos_token_id=eos)
         for t in out.numpy()[0, len(ids) :]:
             stream(np.asarray([t]))
+        stream(None)
         sys.stdout.write("\n")
         print(
             f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
@@ -149,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         return fail(str(err))
+    stream(None)
     sys.stdout.write("\n")
     return 0
 
