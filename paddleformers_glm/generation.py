@@ -261,11 +261,14 @@ def _resolve(
     for k, v in r.items():
         if not isinstance(v, bool):
             raise ValueError(f"generate: {k} must be True or False, got {v!r}")
-    r["temperature"] = _number(
-        "temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)"
-    )
-    r["top_k"] = _integer("top_k", get("top_k"), 0, " (0: off)")
-    r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+    if r["do_sample"]:
+        r["temperature"] = _number(
+            "temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)"
+        )
+        r["top_k"] = _integer("top_k", get("top_k"), 0, " (0: off)")
+        r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+    else:  # greedy uses none of the warpers, so their settings (temperature 0.0 ...) are not checked, as in HF
+        r |= {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")
     nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
     if nrs > 1 and not r["do_sample"]:
@@ -374,6 +377,13 @@ def generate(
         if attention_mask is not None:
             attention_mask = paddle.repeat_interleave(attention_mask, s.num_return_sequences, axis=0)
         B = input_ids.shape[0]
+    # right padding: each row's first new token follows its last real token, not the padded end
+    # (HF continues from the pad position and warns); later tokens are real, the pads stay masked
+    last_real = None
+    if attention_mask is not None:
+        real = attention_mask.numpy() != 0  # one host read of the mask, before any step
+        if not real[:, -1].all():
+            last_real = paddle.to_tensor(np.where(real.any(1), S - 1 - np.argmax(real[:, ::-1], axis=1), S - 1))
     rng = np.random.default_rng(seed)
     # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
     # a plain callable gets each step's ids
@@ -403,7 +413,7 @@ def generate(
             else:
                 seq, mask = input_ids, attention_mask
                 out = _full_forward(model, seq, mask)
-            last = out.logits[:, -1]
+            last = out.logits[:, -1] if last_real is None else _logits_at(model, out.last_hidden_state, last_real)
             finished = paddle.zeros([B], dtype="bool")
             for step in range(s.max_new_tokens):
                 logits = last.astype("float32")  # [B, V], stays on the device
@@ -463,6 +473,15 @@ def generate(
     )
 
 
+def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor) -> paddle.Tensor:
+    """The logits [B, V] of row b's position ``pos[b]`` from the final-normed hidden states [B, S, H]."""
+    import paddle
+
+    B, H = hidden.shape[0], hidden.shape[2]
+    rows = paddle.take_along_axis(hidden, pos.astype("int64").reshape([B, 1, 1]).expand([B, 1, H]), axis=1)
+    return model.logits(rows)[:, 0]
+
+
 def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tensor | None):
     """``use_cache=False``: the whole sequence again, positions counting each row's real tokens
     (as HF's prepare_inputs_for_generation makes them from the attention mask)."""
@@ -511,15 +530,25 @@ class CudaGraphDecodeStep:
 
 
 # --------------------------------------------------------------------------- speculative decoding
-def _mtp_step(model: paddle.nn.Layer, mtp: paddle.nn.Layer, cache: object, hidden: paddle.Tensor, ids: paddle.Tensor):
+def _mtp_step(
+    model: paddle.nn.Layer,
+    mtp: paddle.nn.Layer,
+    cache: object,
+    hidden: paddle.Tensor,
+    ids: paddle.Tensor,
+    main_topk: paddle.Tensor,
+):
     """The MTP layer on n new positions i (main hidden h_i [B, n, H], token i+1 ids [B, n]) through
-    its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V]."""
+    its own one-layer cache; -> logits of the last position (the draft for token i+2) [B, V].
+    ``main_topk`` [B, n, k]: the main model's last top-k at the same positions (its cache slots are
+    the MTP cache's), which the layer attends with under index_share_for_mtp_iteration, as the
+    model's forward runs it; otherwise its own indexer selects."""
     n = ids.shape[1]
     prefill = cache.length == 0
     positions, key_valid = cache.begin(None, n)
     cos, sin = model.model.rotary_emb(positions)
     x, _, _ = mtp(
-        hidden, model.model.embedding(ids), cos, sin, None if prefill else key_valid, None, cache=cache.layers[0]
+        hidden, model.model.embedding(ids), cos, sin, None if prefill else key_valid, main_topk, cache=cache.layers[0]
     )
     cache.advance(n)
     return model.logits(mtp.norm(x[:, -1:]))[:, -1]
@@ -554,34 +583,36 @@ def generate_speculative(
     model.eval()
     try:
         with paddle.no_grad():
+            # one capacity for both caches: a main top-k's slots address the MTP cache's rows
             cache = DSACache.for_config(model.config, 1, capacity=S + max_new_tokens + 2)
-            mtp_cache = DSACache(1, 1, capacity=S + max_new_tokens + 2)
+            cache.keep_topk = True  # the main top-k of each forward, for the MTP layer (_mtp_step)
+            mtp_cache = DSACache(1, 1, capacity=cache.capacity)
             out = model(input_ids, past_key_values=cache, use_cache=True)
-            h = out.last_hidden_state  # [1, S, H]
+            h, topk = out.last_hidden_state, cache.topk  # [1, S, H], [1, S, k]
             nxt = int(out.logits[0, -1].argmax())
             if S > 1:  # MTP positions 0 .. S-2: (h_i, token i+1)
-                _mtp_step(model, mtp, mtp_cache, h[:, :-1], input_ids[:, 1:])
-            h_last = h[:, -1:]
+                _mtp_step(model, mtp, mtp_cache, h[:, :-1], input_ids[:, 1:], topk[:, :-1])
+            h_last, topk_last = h[:, -1:], topk[:, -1:]
             while len(new) < max_new_tokens:
                 new.append(nxt)
                 if nxt in eos or len(new) == max_new_tokens:
                     break
-                draft = int(_mtp_step(model, mtp, mtp_cache, h_last, paddle.to_tensor([[nxt]]))[0].argmax())
+                draft = int(_mtp_step(model, mtp, mtp_cache, h_last, paddle.to_tensor([[nxt]]), topk_last)[0].argmax())
                 stats["drafted"] += 1
                 out = model(paddle.to_tensor([[nxt, draft]]), past_key_values=cache)
                 stats["main_forwards"] += 1
                 y = out.logits[0].argmax(axis=-1).numpy()  # greedy after `nxt`, after `draft`
-                hs = out.last_hidden_state
+                hs, topk = out.last_hidden_state, cache.topk
                 if int(y[0]) == draft:
                     stats["accepted"] += 1
                     new.append(draft)
                     if draft in eos or len(new) == max_new_tokens:
                         break
-                    _mtp_step(model, mtp, mtp_cache, hs[:, :1], paddle.to_tensor([[draft]]))
-                    h_last, nxt = hs[:, 1:2], int(y[1])
+                    _mtp_step(model, mtp, mtp_cache, hs[:, :1], paddle.to_tensor([[draft]]), topk[:, :1])
+                    h_last, topk_last, nxt = hs[:, 1:2], topk[:, 1:2], int(y[1])
                 else:
                     cache.rollback(1)
-                    h_last, nxt = hs[:, :1], int(y[0])
+                    h_last, topk_last, nxt = hs[:, :1], topk[:, :1], int(y[0])
     finally:
         if was_training:
             model.train()

@@ -62,6 +62,28 @@ def test_left_padded_rows_equal_rows_alone():
         np.testing.assert_array_equal(out.numpy()[b, S - len(r) :], alone)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_right_padded_rows_equal_rows_alone(use_cache):
+    """A right-padded batch (the tokenizer's default side, as HF's): each row continues from its
+    last real token, so it generates what it generates alone. HF transformers 5.23 (same weights in
+    fp32, eager) warns "right-padding was detected" and continues from the pad position: row 1
+    [210, 188, 229, 207, 10], alone [231, 188, 20, 211, 194]. This generate, before the fix,
+    silently: row 1 [210, 24, 252, 201, 63], row 2 [149, 163, 222, 76, 166] (alone [236, 49, 8,
+    201, 166]); now each row's own tokens."""
+    model = tiny_model(seed=6)
+    lens, S, n_new = [9, 4, 1], 9, 5
+    rows = [tokens(1, n, seed=1 + i).numpy()[0] for i, n in enumerate(lens)]
+    ids = np.full([3, S], 7, dtype=np.int64)  # pad slots hold a real-looking token
+    mask = np.zeros([3, S], dtype=np.int64)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)], mask[b, : len(r)] = r, 1
+    kw = {"max_new_tokens": n_new, "eos_token_id": [], "use_cache": use_cache}
+    out = model.generate(paddle.to_tensor(ids), paddle.to_tensor(mask), **kw).numpy()
+    for b, r in enumerate(rows):
+        alone = model.generate(paddle.to_tensor(r[None]), **kw).numpy()[0]
+        np.testing.assert_array_equal(out[b, S:], alone[len(r) :], err_msg=f"row {b}")
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("step", [1, 5])
 @pytest.mark.parametrize("fold", [None, True, False])
@@ -118,6 +140,7 @@ def test_cache_holds_latent_rows_and_indexer_keys_only():
             assert lc.index_keys is None, i
     # slots past the 20 filled ones are still empty (preallocated, written in place)
     assert float(paddle.abs(cache.layers[0].latent[:, 20:]).max()) == 0.0
+    assert cache.topk is None  # the prefill's top-k [B, S, k] is not held (only with keep_topk)
 
 
 def test_shared_layers_reuse_the_full_layers_topk_at_decode():
@@ -192,8 +215,8 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
     greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
     real = generation._mtp_step
 
-    def oracle(model_, mtp, cache, hidden, ids):
-        logits = real(model_, mtp, cache, hidden, ids)
+    def oracle(model_, mtp, cache, hidden, ids, *rest):
+        logits = real(model_, mtp, cache, hidden, ids, *rest)
         target = cache.length + 1  # the draft is for the token after the one just fed
         want = int(greedy[target]) if target < len(greedy) and cache.length % 2 == 0 else 3
         return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
@@ -203,6 +226,38 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
     np.testing.assert_array_equal(out.numpy()[0], greedy)
     assert stats["accepted"] >= 3 and stats["main_forwards"] == 1 + stats["drafted"]
     assert stats["drafted"] + stats["accepted"] <= 14 and stats["main_forwards"] < 14
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_speculative_drafts_are_the_mtp_heads_own_predictions(share, monkeypatch):
+    """Every draft is the MTP head's prediction as the model's forward computes it (``mtp_logits``
+    of the final sequence at the drafted position), past index_topk too. With
+    index_share_for_mtp_iteration (the official setting) the MTP layer attends the main model's
+    last top-k at the same position, as training and inference engines run it, not a selection of
+    its own indexer (measured before the fix: drafts off by up to 3.7 in logits from position 4 on
+    with index_topk 4; 0 without sharing)."""
+    from paddleformers_glm import generation
+
+    model = tiny_model(seed=6, index_topk=4, index_share_for_mtp_iteration=share)
+    model.eval()
+    prompt = tokens(1, 3, seed=43)
+    greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
+    real, drafts = generation._mtp_step, {}
+
+    def spy(model_, mtp, cache, hidden, ids, *rest):  # records the MTP's logits, drafts right every other time
+        logits = real(model_, mtp, cache, hidden, ids, *rest)
+        drafts[cache.length - 1] = logits.numpy()[0]  # the MTP position of the last row fed
+        want = int(greedy[cache.length + 1]) if cache.length % 2 == 0 and cache.length + 1 < len(greedy) else 3
+        return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
+
+    monkeypatch.setattr(generation, "_mtp_step", spy)
+    out, stats = generate_speculative(model, prompt, 14, eos_token_id=[])
+    np.testing.assert_array_equal(out.numpy()[0], greedy)
+    with paddle.no_grad():
+        want = model(out, compute_mtp=True).mtp_logits[0].numpy()[0]  # position i predicts token i + 2
+    assert stats["accepted"] >= 3 and max(drafts) > 2 * model.config.index_topk
+    for pos, got in drafts.items():
+        np.testing.assert_allclose(got, want[pos], atol=2e-5, err_msg=f"MTP position {pos}")
 
 
 def _op_counter():
@@ -332,6 +387,26 @@ def test_generation_config_json_gives_the_defaults(tmp_path):
         greedy.numpy(), plain.generate(ids, max_new_tokens=3, repetition_penalty=1.2, eos_token_id=[]).numpy()
     )
     assert not np.array_equal(out.numpy()[:, 9:12], greedy.numpy()[:, 9:])  # the file's sampling was used
+
+
+def test_sampling_only_settings_do_not_stop_greedy_decoding(tmp_path):
+    """temperature 0.0 / top_p 0.0 / top_k 0 with do_sample false (a generation_config.json's way
+    of saying "greedy", or a call's): the sampling settings are unused, as in HF, whose generate
+    (5.23, measured on this checkpoint with prompt [5, 6, 7, 8]) returns the greedy tokens
+    [240, 211, 172, 53] and only warns. Before: ValueError "temperature must be > 0 (use
+    do_sample=False for greedy)" with do_sample already False."""
+    file = {"do_sample": False, "temperature": 0.0, "top_p": 0.0, "top_k": 0}
+    model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=file), dtype="float32")
+    plain = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path / "b"), dtype="float32")
+    ids = paddle.to_tensor([[5, 6, 7, 8]])
+    greedy = plain.generate(ids, max_new_tokens=4, eos_token_id=[]).numpy()
+    np.testing.assert_array_equal(greedy[0, 4:], [240, 211, 172, 53])
+    np.testing.assert_array_equal(model.generate(ids, max_new_tokens=4, eos_token_id=[]).numpy(), greedy)
+    np.testing.assert_array_equal(
+        plain.generate(ids, max_new_tokens=4, eos_token_id=[], temperature=0.0).numpy(), greedy
+    )
+    with pytest.raises(ValueError, match="temperature must be > 0"):  # sampling still needs a valid one
+        model.generate(ids, max_new_tokens=4, do_sample=True)
 
 
 def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):

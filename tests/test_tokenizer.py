@@ -148,6 +148,64 @@ def test_generate_command_speculative_prints_the_same_text(tiny_dir, capsys):
     assert "acceptance rate" in cap.err
 
 
+def test_generate_command_speculative_takes_the_checkpoint_lengths_and_refuses_what_it_cannot_honour(
+    tiny_dir, tmp_path, capsys
+):
+    """--speculative generates as many tokens as the plain command (generation_config.json's
+    max_new_tokens: before, the default 20 instead of the file's 3), and refuses the options its
+    greedy drafting does not apply instead of dropping them (before: --repetition-penalty and --stop
+    were ignored, rc 0)."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    args = ["generate", "--model", str(folder), "--prompt", "Hello there"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative"]) == 0
+    assert capsys.readouterr().out == plain
+    for extra, name in ((["--repetition-penalty", "3.0"], "repetition"), (["--stop", "z"], "stop")):
+        assert main([*args, "--speculative", *extra]) == 2
+        err = capsys.readouterr().err
+        assert name in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_command_streams_characters_split_across_byte_tokens(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A byte-level BPE (as GLM's tokenizer is) splits an emoji or a rare character over several
+    tokens; decoding the tokens so far then ends in U+FFFD until the character is complete. The
+    streamed text is the decoded text whatever the split (before: the first partial character
+    was printed as U+FFFD and nothing after it, since no later text started with it: measured
+    '\ufffd' for 'é🙂a, done')."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from paddleformers_glm import generation
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(["hello"], trainers.BpeTrainer(vocab_size=256, initial_alphabet=alphabet))
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "tokenizer.json").write_text(bpe.to_str())  # ids < 256: the tiny model's vocabulary
+    text = "é🙂a, done"
+    ids = bpe.encode(text).ids
+    assert bpe.decode(ids[:1]).endswith("\ufffd") and len(ids) > len(text)
+
+    cut = next(k for k in range(len(ids), 0, -1) if bpe.decode(ids[:k]).endswith("\ufffd"))
+    for stream_ids in (ids, ids[:cut]):  # the whole text; one ending inside a character (flushed as is)
+
+        def fake_generate(model, prompt, *, streamer, _ids=stream_ids, **kwargs):  # streams these ids
+            for i in _ids:
+                streamer(np.asarray([i]))
+
+        monkeypatch.setattr(generation, "generate", fake_generate)
+        assert main(["generate", "--model", str(folder), "--prompt", "hello"]) == 0
+        assert capsys.readouterr().out == bpe.decode(stream_ids) + "\n"
+
+
 # ---------------------------------------------------------------------- the transformers-style call
 TEXTS = ["Hello there", "The capital of France is Paris.", "Two plus two is four. Thank you for reading this text."]
 

@@ -36,6 +36,30 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
+def speculative_length(config: object, defaults: object, opts: dict, prompt_len: int) -> int:
+    """The new tokens of a --speculative run, resolved as the plain command resolves them (the
+    command line, then generation_config.json, then transformers' defaults); a ValueError for a
+    setting its greedy drafting would not apply (a repetition penalty, stop strings, a minimum
+    length), wherever it was set: the plain command would honour it, so its text would differ."""
+    from types import SimpleNamespace
+
+    from ..generation import _resolve
+
+    s = _resolve(SimpleNamespace(config=config), defaults, opts, prompt_len)
+    unsupported = {
+        "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
+        "stop_strings (--stop)": s.stop_strings or None,
+        "min_new_tokens / min_length": s.min_new_tokens or None,
+    }
+    for name, value in unsupported.items():
+        if value is not None:
+            raise ValueError(
+                f"--speculative decodes greedily without {name.split(' ')[0]}, which is set to {value!r} "
+                "(on the command line or in generation_config.json); run without --speculative"
+            )
+    return int(s.max_new_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -71,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
         check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
+        if args.speculative:
+            if opts.get("do_sample"):
+                return fail("--speculative decodes greedily; drop --do-sample")
+            spec_new = speculative_length(config, defaults, opts, len(ids))
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
 
@@ -85,25 +113,28 @@ def run(args: argparse.Namespace) -> int:
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
         eos.append(tok.eos_token_id)
     new: list[int] = []
-    shown = ""
+    shown = 0  # characters of the new text printed so far
 
-    def stream(step_tokens: np.ndarray) -> None:
+    def stream(step_tokens: np.ndarray | None) -> None:
+        """Print what the text gained with this token (None: the end, print what is left). A
+        byte-level tokenizer splits some characters over tokens: until the rest arrives the text
+        ends in U+FFFD, held back (as transformers' TextStreamer holds back an unfinished word)."""
         nonlocal shown
-        new.append(int(step_tokens[0]))
+        if step_tokens is not None:
+            new.append(int(step_tokens[0]))
         text = tok.decode(new, skip_special_tokens=True)
-        if text.startswith(shown):  # print what this token added (a character may span tokens)
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
+        if step_tokens is not None and text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
 
     prompt = paddle.to_tensor([ids], dtype="int64")
     if args.speculative:
-        if opts.get("do_sample"):
-            return fail("--speculative decodes greedily; drop --do-sample")
-        n = check_generation_length(config, len(ids), opts.get("max_new_tokens"), opts.get("max_length"))
-        out, stats = generate_speculative(model, prompt, n, eos_token_id=eos)
+        out, stats = generate_speculative(model, prompt, spec_new, eos_token_id=eos)
         for t in out.numpy()[0, len(ids) :]:
             stream(np.asarray([t]))
+        stream(None)
         sys.stdout.write("\n")
         print(
             f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
@@ -124,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         return fail(str(err))
+    stream(None)
     sys.stdout.write("\n")
     return 0
 

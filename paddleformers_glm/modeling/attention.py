@@ -344,8 +344,11 @@ class MLAttention(nn.Layer):
         prev_topk: paddle.Tensor | None,
         cache: LayerCache,
         slots: paddle.Tensor | None = None,
+        reuse_topk: bool = False,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """n new tokens x [B, n, hidden] against the cache's past -> (out [B, n, hidden], top-k [B, n, k]).
+        ``reuse_topk``: attend with ``prev_topk`` even on a layer with its own indexer (an MTP layer
+        with index_share_for_mtp_iteration, as `forward`'s ``reuse_topk``).
 
         ``slots`` [n]: the new tokens' cache slots (default the cache's, from its ``begin``); key_valid
         [B, capacity] marks real tokens. The indexer scores the whole cache and keeps
@@ -370,7 +373,7 @@ class MLAttention(nn.Layer):
         c = ops.rms_norm(parts[1], w.kv_norm, w.kv_norm_eps)
         latent = cache.write_slots("latent", rope_concat(c, parts[2], cos, sin, self.interleave), slots)  # [B, cap, D]
         q_parts = paddle.split(paddle.matmul(q_latent, w.q_proj), w.q_split, axis=-1)
-        indexer = w.indexer
+        indexer = None if reuse_topk else w.indexer
         if indexer is not None:  # the new queries over every cached key
             iq, ik, iw = indexer.finish_projection(q_parts[2], parts[3], parts[4], cos, sin)
             keys = cache.write_slots("index_keys", ik.astype("float32"), slots)  # [B, capacity, Di]

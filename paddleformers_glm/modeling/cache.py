@@ -92,6 +92,12 @@ class DSACache:
         self.positions = paddle.zeros([batch_size], dtype="int64")  # next rope position per row
         self.slots: paddle.Tensor | None = None  # [n] int64: the slots of the forward in progress
         self._slot_ids: paddle.Tensor | None = None  # arange(capacity), sliced into `slots`
+        # with keep_topk (speculative decoding sets it), the top-k [B, n, k] (cache slots) the last
+        # decoder layer used in the latest `forward` over this cache: what an MTP layer with
+        # index_share_for_mtp_iteration attends with. Off by default: a prefill's is [B, S, k] int64
+        # (2 GiB per row at 128K tokens and k 2048), not to be held for a whole generation.
+        self.keep_topk = False
+        self.topk: paddle.Tensor | None = None
 
     @classmethod
     def for_config(cls, config: object, batch_size: int, capacity: int = 0) -> DSACache:

@@ -46,7 +46,7 @@ class DecoderLayer(nn.Layer):
         tokens makes x the new tokens only, attended against the past (`MLAttention.forward_decode`).
         """
         if cache is not None and cache.owner.length > 0:
-            x, topk = self.decode(x, cos, sin, key_padding, prev_topk, cache)
+            x, topk = self.decode(x, cos, sin, key_padding, prev_topk, cache, reuse_topk=reuse_topk)
             return x, topk, None
         h, topk, rec = self.self_attn(
             self.input_layernorm(x), cos, sin, key_padding, prev_topk, reuse_topk=reuse_topk, cache=cache
@@ -64,11 +64,13 @@ class DecoderLayer(nn.Layer):
         prev_topk: paddle.Tensor | None,
         cache: LayerCache,
         slots: paddle.Tensor | None = None,
+        reuse_topk: bool = False,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """A decode step of this layer: the new tokens x [B, n, H] at cache ``slots`` (default the
-        cache's current ones) against the past -> (x [B, n, H], top-k used)."""
+        cache's current ones) against the past -> (x [B, n, H], top-k used). ``reuse_topk``: a
+        layer with an indexer attends with ``prev_topk`` instead (MTP with index sharing)."""
         h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
-        h, topk = self.self_attn.forward_decode(h, cos, sin, key_valid, prev_topk, cache, slots)
+        h, topk = self.self_attn.forward_decode(h, cos, sin, key_valid, prev_topk, cache, slots, reuse_topk)
         x = self._residual(x, h, x.dtype)
         h = self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps))
         return self._residual(x, h, h.dtype), topk

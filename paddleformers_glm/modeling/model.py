@@ -619,9 +619,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             cos, sin = self.model.rotary_emb(positions if position_ids is None else position_ids)
             if cache.length > 0:  # new tokens against the cache: padding marked per cached slot
                 batch["attention_mask"] = key_valid
-            hidden, _, terms, mtp_hidden = self._run(
+            hidden, topk, terms, mtp_hidden = self._run(
                 self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=False
             )
+            cache.topk = topk if cache.keep_topk else None
             cache.advance(n)
         else:
             if compute_mtp is None:

@@ -42,7 +42,8 @@ class MTPLayer(nn.Layer):
         cache: LayerCache | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, IndexerRecord | None]:
         """-> (h_d [B, S, H] before `norm`, top-k used, its attention's indexer-training record or None). ``cache``: the
-        layer's own decoding cache (speculative decoding drafts with it; it runs its own indexer)."""
+        layer's own decoding cache (speculative decoding drafts with it; ``main_topk`` then holds the
+        main model's slots of the same positions, which the MTP cache's slots equal)."""
         x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
         reuse = self.share_topk and main_topk is not None
         topk = main_topk if reuse else None
