@@ -172,6 +172,13 @@ def check_batch(cfg: Any, pc: ParallelConfig) -> None:
             f"x --micro-batch-size {cfg.micro_batch_size}"
         )
     check_seq_len(cfg.seq_len, pc.cp)
+    local = cfg.seq_len // pc.cp  # the tokens of a sequence one cp rank holds
+    if pc.sp and local % pc.tp:  # Fleet's sequence-parallel ops cut equal slices (they refuse any other)
+        held = f" / cp {pc.cp} = {local} tokens per cp rank" if pc.cp > 1 else ""
+        raise ParallelConfigError(
+            f"--seq-len {cfg.seq_len}{held} must be divisible by tp {pc.tp} under --sp (each tp rank holds an equal "
+            "slice of the sequence); change --seq-len or drop --sp"
+        )
     micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
     if cfg.vpp > 1 and not (micro == pc.pp or micro >= 2 * pc.pp):
         raise ParallelConfigError(
