@@ -20,7 +20,7 @@ import pytest
 
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.glm_adapter import GlmAdapter
-from paddleformers_glm.train.loop import TrainConfig, run_training
+from paddleformers_glm.train.loop import TrainConfig, check_run, run_training
 from tests._dist.runner import assert_indexer_matches, losses, run_train_cli, worker_logs
 
 SEQ, GBS, MBS, STEPS = 32, 4, 2, 3
@@ -63,6 +63,24 @@ def test_glm_rejects_a_layout_that_cannot_split_the_model(tiny_ckpt, tmp_path, c
     assert train_main(["--model", str(tiny_ckpt), "--tp", "8", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "8" in err and "num_attention_heads" in err
+
+
+def test_glm_warmup_with_sharding_rejects_a_stage_that_trains_nothing(tiny_ckpt, tmp_path, capsys):
+    """In the indexer's warm-up a stage of shared layers only (4, 5) has no parameter to train, and
+    Fleet's sharding optimizer cannot be built over none: refused before any process starts (it
+    launched, and the stage's ranks died building it: ``IndexError: list index out of range`` in
+    DygraphShardingOptimizer, the others timing out); the same layout without sharding trains."""
+    lay = ["--pp", "3", "--pp-layout", "E,t*4|t*2|t*2,m,L", "--indexer-stage", "warmup"]
+    assert train_main(["--model", str(tiny_ckpt), *lay, "--sharding", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline stage 1 (layers [4, 5]) holds no layer with its own indexer" in err, err
+    assert "one of the layers [0, 1, 2, 6]" in err, err
+    # every stage holding a full layer (2; 6; stage 0: 0, 1) passes the same checks
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(tiny_ckpt)}, pp=3, pp_layout="E,t*2|t*4|t*2,m,L",
+        indexer_stage="warmup", sharding=2, out=str(tmp_path),
+    )  # fmt: skip
+    check_run(cfg, GlmAdapter(str(tiny_ckpt)), 6)
 
 
 def _run(tiny_ckpt, out, *layout):

@@ -225,6 +225,20 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
             "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
             "--moe-aux-loss-coeff must be 0"
         )
+    if info.get("stage") == "warmup" and pc.sharding > 1:
+        # the warm-up trains the indexers of info["layers"] only; Fleet's sharding optimizer cannot be built
+        # over no parameter (DygraphShardingOptimizer reads its first one), so every pipeline rank needs one
+        trains = set(info.get("layers") or [])
+        for stage in range(pc.pp):
+            rs = rank_spec(specs, pc.pp, stage)
+            held = set(rs.layers) | ({i for i in trains if i >= adapter.num_layers} if rs.has_mtp else set())
+            if not held & trains:
+                raise ParallelConfigError(
+                    f"--indexer-stage warmup with --sharding {pc.sharding}: pipeline stage {stage} (layers "
+                    f"{list(rs.layers)}) holds no layer with its own indexer, so it trains nothing, and Fleet's "
+                    f"sharding optimizer needs a parameter on every rank; give every stage one of the layers "
+                    f"{sorted(trains)} (--pp-layout) or drop --sharding"
+                )
     if info.get("shared_supervision") and kinds is not None:
         try:
             validate_shared_layer_starts(specs, kinds, carry_topk=False)
