@@ -80,7 +80,16 @@ def test_glm_warmup_with_sharding_rejects_a_stage_that_trains_nothing(tiny_ckpt,
         model="glm", model_args={"model_dir": str(tiny_ckpt)}, pp=3, pp_layout="E,t*2|t*4|t*2,m,L",
         indexer_stage="warmup", sharding=2, out=str(tmp_path),
     )  # fmt: skip
-    check_run(cfg, GlmAdapter(str(tiny_ckpt)), 6)
+    adapter = GlmAdapter(str(tiny_ckpt))
+    check_run(cfg, adapter, 6)
+    # glm52 plan refuses what the trainer refuses
+    from paddleformers_glm.parallel.topology import ParallelConfigError
+    from paddleformers_glm.train.plan import Layout, check_layout
+
+    plan = dict(pp=3, sharding=2, indexer_stage="warmup", seq_len=SEQ, global_batch_size=GBS, dtype="float32")
+    with pytest.raises(ParallelConfigError, match=r"pipeline stage 1 \(layers \[4, 5\]\)"):
+        check_layout(adapter.config, Layout(pp_layout="E,t*4|t*2|t*2,m,L", **plan))
+    check_layout(adapter.config, Layout(pp_layout="E,t*2|t*4|t*2,m,L", **plan))
 
 
 def _run(tiny_ckpt, out, *layout):

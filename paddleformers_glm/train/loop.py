@@ -188,6 +188,25 @@ def check_batch(cfg: Any, pc: ParallelConfig) -> None:
         )
 
 
+def check_warmup_sharding(chunks: list[Any], pc: ParallelConfig, trains: list[int], num_layers: int) -> None:
+    """The indexer's warm-up trains the indexers of layers ``trains`` only (MTP layers numbered from
+    ``num_layers``), so a pipeline rank whose ``chunks`` hold none of them trains nothing; Fleet's
+    sharding optimizer cannot be built over no parameter (DygraphShardingOptimizer reads its first),
+    so under ``--sharding`` every pipeline rank needs one.  (Trainer and planner.)"""
+    if pc.sharding == 1:
+        return
+    for stage in range(pc.pp):
+        rs = rank_spec(chunks, pc.pp, stage)
+        held = set(rs.layers) | ({i for i in trains if i >= num_layers} if rs.has_mtp else set())
+        if not held & set(trains):
+            raise ParallelConfigError(
+                f"--indexer-stage warmup with --sharding {pc.sharding}: pipeline stage {stage} (layers "
+                f"{list(rs.layers)}) holds no layer with its own indexer, so it trains nothing, and Fleet's "
+                f"sharding optimizer needs a parameter on every rank; give every stage one of the layers "
+                f"{sorted(trains)} (--pp-layout) or drop --sharding"
+            )
+
+
 def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[ParallelConfig, list[Any]]:
     """Every check of a run's settings against its model and world size, with nothing built or
     started: the layout and the model sizes it must divide, the batch split, context parallel, the
@@ -225,20 +244,8 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
             "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
             "--moe-aux-loss-coeff must be 0"
         )
-    if info.get("stage") == "warmup" and pc.sharding > 1:
-        # the warm-up trains the indexers of info["layers"] only; Fleet's sharding optimizer cannot be built
-        # over no parameter (DygraphShardingOptimizer reads its first one), so every pipeline rank needs one
-        trains = set(info.get("layers") or [])
-        for stage in range(pc.pp):
-            rs = rank_spec(specs, pc.pp, stage)
-            held = set(rs.layers) | ({i for i in trains if i >= adapter.num_layers} if rs.has_mtp else set())
-            if not held & trains:
-                raise ParallelConfigError(
-                    f"--indexer-stage warmup with --sharding {pc.sharding}: pipeline stage {stage} (layers "
-                    f"{list(rs.layers)}) holds no layer with its own indexer, so it trains nothing, and Fleet's "
-                    f"sharding optimizer needs a parameter on every rank; give every stage one of the layers "
-                    f"{sorted(trains)} (--pp-layout) or drop --sharding"
-                )
+    if info.get("stage") == "warmup":
+        check_warmup_sharding(specs, pc, info.get("layers") or [], adapter.num_layers)
     if info.get("shared_supervision") and kinds is not None:
         try:
             validate_shared_layer_starts(specs, kinds, carry_topk=False)
