@@ -68,6 +68,27 @@ def test_expert_dispatch_forward_and_gradients(comm_results, kind):
         assert comm_results[f"{kind}_{part}"] <= 1e-5, (kind, part, comm_results[f"{kind}_{part}"])
 
 
+@pytest.mark.parametrize("kind", ["ep_replicated_odd", "tp_replicated_odd", "tp_one_token"])
+def test_expert_dispatch_splits_any_replicated_token_count_over_tp(comm_results, kind):
+    """Without SP the tp ranks hold the same tokens and the dispatcher shares them out: 5 tokens
+    split 3 / 2 at tp 2 (ep 2, and ep 1 as ``--tp 2`` alone runs), 1 token leaves rank 1 none; the
+    result and every gradient equal one process (the former equal split refused a count tp does
+    not divide: ``--tp 2 --seq-len 9`` at micro-batch 1 died at its first MoE layer)."""
+    for part in ("fwd", "dweights", "dexperts"):
+        assert comm_results.get(f"{kind}_{part}", float("inf")) <= 1e-5, (
+            kind,
+            part,
+            comm_results.get(f"{kind}_{part}"),
+        )
+
+
+def test_tiny_glm_at_tp2_without_sp_trains_an_odd_token_count_as_one_process(comm_results):
+    """The tiny GLM-5.2 at tp 2 (no SP) on one sequence of 9 tokens: loss and every gradient equal
+    one process (experts summed over the expert-data group, as the trainer does)."""
+    assert comm_results["glm_tp_odd_tokens_loss"] <= 1e-5, comm_results["glm_tp_odd_tokens_loss"]
+    assert comm_results["glm_tp_odd_tokens_grads"] <= 1e-5, comm_results["glm_tp_odd_tokens_grads"]
+
+
 @pytest.mark.parametrize("tag", ["tp", "sp"])
 def test_parallel_mlp_and_lm_head(comm_results, tag):
     for k in ("fwd", "dx", "dW1", "db1", "dW2", "db2"):

@@ -1,10 +1,10 @@
 """The trainer on the real GLM-5.2 model (tiny official-layout checkpoint) through the GLM adapter:
-the step-1 loss is the model's own HF-convention loss over the global batch; a PP2 split whose
-second stage starts on a *shared* indexer layer, TP2, the headline TP2 x PP2 with sequence
+the step-1 loss is the model's own HF-convention loss over the global batch; a PP3 split whose
+second stage starts on a *shared* indexer layer (and holds no indexer of its own), TP2, the headline TP2 x PP2 with sequence
 parallel (world 4), EP2, ETP2, TP2 x EP2 and TP2 x PP2 x EP2 with SP match the single-process run
 within 1e-5 (losses, MTP losses, grad norms); the headline run twice gives bit-identical losses
 and exported bytes.  The same launches train the DSA indexer's stages (docs/indexer.md): the
-headline and TP2 x EP2 in the sparse stage, DP2 x EP2, TP2 x PP2 x EP2 x SP and the PP2 split
+headline and TP2 x EP2 in the sparse stage, DP2 x EP2, TP2 x PP2 x EP2 x SP and the PP3 split
 starting on a shared layer in the dense warm-up; their indexer KL losses and per-layer KL and
 top-k recall equal the single-process run of the same stage."""
 
@@ -20,7 +20,7 @@ import pytest
 
 from paddleformers_glm.train.command import main as train_main
 from paddleformers_glm.train.glm_adapter import GlmAdapter
-from paddleformers_glm.train.loop import TrainConfig, run_training
+from paddleformers_glm.train.loop import TrainConfig, check_run, run_training
 from tests._dist.runner import assert_indexer_matches, losses, run_train_cli, worker_logs
 
 SEQ, GBS, MBS, STEPS = 32, 4, 2, 3
@@ -63,6 +63,33 @@ def test_glm_rejects_a_layout_that_cannot_split_the_model(tiny_ckpt, tmp_path, c
     assert train_main(["--model", str(tiny_ckpt), "--tp", "8", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "8" in err and "num_attention_heads" in err
+
+
+def test_glm_warmup_with_sharding_rejects_a_stage_that_trains_nothing(tiny_ckpt, tmp_path, capsys):
+    """In the indexer's warm-up a stage of shared layers only (4, 5) has no parameter to train, and
+    Fleet's sharding optimizer cannot be built over none: refused before any process starts (it
+    launched, and the stage's ranks died building it: ``IndexError: list index out of range`` in
+    DygraphShardingOptimizer, the others timing out); the same layout without sharding trains."""
+    lay = ["--pp", "3", "--pp-layout", "E,t*4|t*2|t*2,m,L", "--indexer-stage", "warmup"]
+    assert train_main(["--model", str(tiny_ckpt), *lay, "--sharding", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline stage 1 (layers [4, 5]) holds no layer with its own indexer" in err, err
+    assert "one of the layers [0, 1, 2, 6]" in err, err
+    # every stage holding a full layer (2; 6; stage 0: 0, 1) passes the same checks
+    cfg = TrainConfig(
+        model="glm", model_args={"model_dir": str(tiny_ckpt)}, pp=3, pp_layout="E,t*2|t*4|t*2,m,L",
+        indexer_stage="warmup", sharding=2, out=str(tmp_path),
+    )  # fmt: skip
+    adapter = GlmAdapter(str(tiny_ckpt))
+    check_run(cfg, adapter, 6)
+    # glm52 plan refuses what the trainer refuses
+    from paddleformers_glm.parallel.topology import ParallelConfigError
+    from paddleformers_glm.train.plan import Layout, check_layout
+
+    plan = dict(pp=3, sharding=2, indexer_stage="warmup", seq_len=SEQ, global_batch_size=GBS, dtype="float32")
+    with pytest.raises(ParallelConfigError, match=r"pipeline stage 1 \(layers \[4, 5\]\)"):
+        check_layout(adapter.config, Layout(pp_layout="E,t*4|t*2|t*2,m,L", **plan))
+    check_layout(adapter.config, Layout(pp_layout="E,t*2|t*4|t*2,m,L", **plan))
 
 
 def _run(tiny_ckpt, out, *layout):
@@ -161,26 +188,30 @@ def pp1_warmup(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_glm_pp2_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1_warmup, tmp_path):
-    """The second stage starts on shared layer 4 (it reuses layer 2's top-k, carried from stage 0),
-    in the indexer's dense warm-up: losses, grad norms (the indexers' alone), the indexer KL and
-    per-layer KL and recall equal one process; the export holds the official key set, and every
-    tensor but the trained indexers' (layers 0, 1, 2, 6) is the source's bytes (the MTP layer's
-    indexer, unused under top-k sharing, included)."""
+def test_glm_pp3_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1_warmup, tmp_path):
+    """The second stage starts on shared layer 4 (it reuses layer 2's top-k, carried from stage 0)
+    and holds only shared layers (4, 5), in the indexer's dense warm-up, where that stage has
+    nothing to train: losses, grad norms (the indexers' alone), the indexer KL and per-layer KL
+    and recall equal one process; the export holds the official key set, and every tensor but the
+    trained indexers' (layers 0, 1, 2, 6) is the source's bytes (the MTP layer's indexer, unused
+    under top-k sharing, included).  (A stage with nothing to update skipped the all-reduces of
+    Fleet's clip that the others ran: the job died at the first update, gloo aborting on the
+    mismatched collectives.)"""
     kinds = json.loads((tiny_ckpt / "config.json").read_text())["indexer_types"]
-    assert kinds[4] == "shared"  # an even PP2 split starts stage 1 on layer 4
-    args = ["--model", str(tiny_ckpt), "--pp", "2", "--steps", str(STEPS), "--seq-len", str(SEQ), *WARMUP]
-    args += ["--global-batch-size", str(GBS), "--micro-batch-size", str(MBS), "--out", str(tmp_path), "--export"]
+    assert kinds[4] == kinds[5] == "shared"  # stage 1 starts on layer 4 and runs no indexer of its own
+    args = ["--model", str(tiny_ckpt), "--pp", "3", "--pp-layout", "E,t*4|t*2|t*2,m,L", "--steps", str(STEPS)]
+    args += ["--seq-len", str(SEQ), *WARMUP, "--global-batch-size", str(GBS), "--micro-batch-size", str(MBS)]
+    args += ["--out", str(tmp_path), "--export"]
     p, _ = run_train_cli(args, timeout=300)
     if p.returncode != 0:
-        pytest.fail(f"glm pp2 failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
+        pytest.fail(f"glm pp3 failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
     got = losses(tmp_path)
-    assert got["run"]["pp_layout"] == "E,t*4|t*4,m,L"
+    assert got["run"]["pp_layout"] == "E,t*4|t*2|t*2,m,L"
     recs = _check_load_records(tiny_ckpt, tmp_path, got["profile"])
-    assert [r["layers"] for r in recs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [r["layers"] for r in recs] == [[0, 1, 2, 3], [4, 5], [6, 7]]
     for key in ("losses", "mtp_losses", "grad_norms"):
         assert max(abs(a - b) for a, b in zip(pp1_warmup[key], got[key])) <= 1e-5, key
-    assert_indexer_matches(pp1_warmup, got, "pp2 warmup")
+    assert_indexer_matches(pp1_warmup, got, "pp3 warmup")
     from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
 
     with Checkpoint(str(tiny_ckpt)) as src, Checkpoint(str(tmp_path / "export")) as exp:

@@ -233,6 +233,9 @@ def test_launcher_ports_stay_out_of_the_kernels_ephemeral_range(tmp_path):
         (["--dp", "2", "--ep", "2", "--model-config", '{"num_experts": 5}'], "ep 2 does not divide n_routed_experts 5"),
         (["--pp", "2", "--pp-layout", "E,t*2|t*3,m,L"], "places 5 decoder layers"),
         (["--sp"], "needs tp > 1"),
+        # Fleet's sequence-parallel ops cut equal slices: refused here, not by the workers' first embedding
+        (["--tp", "2", "--sp", "--seq-len", "9"], "--seq-len 9 must be divisible by tp 2 under --sp"),
+        (["--tp", "4", "--cp", "2", "--sp", "--seq-len", "12"], "--seq-len 12 / cp 2 = 6 tokens per cp rank must be"),
         (["--global-batch-size", "3", "--dp", "2"], "must be divisible by dp 2"),
         (["--vpp", "2"], "needs --pp >= 2"),
         (["--pp", "2", "--vpp", "2", "--pp-layout", "E,t*3|t*3,m,L"], "lists --pp 2 x --vpp 2 chunks"),

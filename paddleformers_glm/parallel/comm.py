@@ -32,11 +32,14 @@ __all__ = [
     "fleet_sp_group",
     "gather_from_sp",
     "gather_from_tp",
+    "gather_rows_from_tp",
     "group_size",
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_to_sp",
     "reduce_scatter_varlen",
+    "row_split",
+    "scatter_rows_to_tp",
     "scatter_to_sp",
     "scatter_to_tp",
     "split_take",
@@ -235,6 +238,32 @@ def scatter_to_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle
 def gather_from_tp(x: paddle.Tensor, axis: int = -1, group: Any = None) -> paddle.Tensor:
     """All-gather slices into a replicated tensor; backward keeps this rank's slice of the grad."""
     return _pair(x, group, lambda t: all_gather(t, group, axis), lambda d: split_take(d, group, axis))
+
+
+def row_split(rows: int, group: Any) -> list[int]:
+    """Rows of each rank when ``rows`` rows are shared out over ``group`` as evenly as they go (the
+    first ``rows % n`` ranks one more): any count splits, a rank may get none."""
+    n = group_size(group)
+    return [rows // n + (r < rows % n) for r in range(n)]
+
+
+def _my_rows(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+    off = sum(sizes[: group.rank])
+    return x[off : off + sizes[group.rank]].clone()
+
+
+def scatter_rows_to_tp(x: paddle.Tensor, sizes: list[int], group: Any = None) -> paddle.Tensor:
+    """Keep this rank's ``sizes[r]`` rows (axis 0) of a replicated tensor, sizes uneven allowed
+    (:func:`row_split`); backward all-gathers every rank's row gradients (:func:`scatter_to_tp` for
+    row blocks of any size)."""
+    return _pair(x, group, lambda t: _my_rows(t, sizes, group), lambda d: _varlen_gather(d, sizes, group))
+
+
+def gather_rows_from_tp(x: paddle.Tensor, sizes: list[int], group: Any = None) -> paddle.Tensor:
+    """All-gather uneven row blocks (``sizes[r]`` rows from rank r) into a replicated tensor;
+    backward keeps this rank's rows of the gradient, no sum (:func:`gather_from_tp` for row blocks
+    of any size; :func:`all_gather_varlen` sums instead, for a consumer that is not replicated)."""
+    return _pair(x, group, lambda t: _varlen_gather(t, sizes, group), lambda d: _my_rows(d, sizes, group))
 
 
 def fleet_sp_group(group: Any = None) -> Any:

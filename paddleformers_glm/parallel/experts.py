@@ -62,18 +62,17 @@ class ExpertParallelDispatcher:
             )
         out_dtype = hidden.dtype
         if self.split_tp:
-            if hidden.shape[0] % comm.group_size(self.tp_group):
-                raise ValueError(
-                    f"dispatcher: {hidden.shape[0]} tokens not divisible by tp {comm.group_size(self.tp_group)} "
-                    "(needed to split replicated tokens over the tp ranks)"
-                )
+            # each tp rank takes its share of the replicated tokens, as evenly as they go: any count
+            # splits (an odd micro-batch x sequence at tp 2; a rank may get none)
+            tp_rows = comm.row_split(hidden.shape[0], self.tp_group)
             # hidden and weights travel as ONE tensor: two independent scatters would be two
             # all-gathers in backward whose order may differ per rank (fatal on gloo)
             H = hidden.shape[-1]
             joint = paddle.concat([hidden.astype(topk_weights.dtype), topk_weights], axis=-1)
-            joint = comm.scatter_to_tp(joint, axis=0, group=self.tp_group)
+            joint = comm.scatter_rows_to_tp(joint, tp_rows, self.tp_group)
             hidden, topk_weights = joint[:, :H].astype(out_dtype), joint[:, H:]
-            topk_ids = comm.split_take(topk_ids, self.tp_group, axis=0)
+            off = sum(tp_rows[: self.tp_group.rank])
+            topk_ids = topk_ids[off : off + tp_rows[self.tp_group.rank]]
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape([-1]).astype("int64")  # [t*K]
         order = paddle.argsort(flat_ids, stable=True)  # assignments grouped by expert (hence by owner rank)
@@ -107,7 +106,7 @@ class ExpertParallelDispatcher:
         # explicit H: Paddle reads a 0 in a reshape target as "keep that input dim" (t = 0 tokens)
         y = paddle.gather(y, paddle.argsort(order)).reshape([t, k, y.shape[-1]]).sum(axis=1).astype(out_dtype)
         if self.split_tp:
-            y = comm.gather_from_tp(y, axis=0, group=self.tp_group)
+            y = comm.gather_rows_from_tp(y, tp_rows, self.tp_group)
         return y
 
 

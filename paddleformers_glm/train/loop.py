@@ -172,6 +172,13 @@ def check_batch(cfg: Any, pc: ParallelConfig) -> None:
             f"x --micro-batch-size {cfg.micro_batch_size}"
         )
     check_seq_len(cfg.seq_len, pc.cp)
+    local = cfg.seq_len // pc.cp  # the tokens of a sequence one cp rank holds
+    if pc.sp and local % pc.tp:  # Fleet's sequence-parallel ops cut equal slices (they refuse any other)
+        held = f" / cp {pc.cp} = {local} tokens per cp rank" if pc.cp > 1 else ""
+        raise ParallelConfigError(
+            f"--seq-len {cfg.seq_len}{held} must be divisible by tp {pc.tp} under --sp (each tp rank holds an equal "
+            "slice of the sequence); change --seq-len or drop --sp"
+        )
     micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
     if cfg.vpp > 1 and not (micro == pc.pp or micro >= 2 * pc.pp):
         raise ParallelConfigError(
@@ -179,6 +186,25 @@ def check_batch(cfg: Any, pc: ParallelConfig) -> None:
             f"need exactly --pp {pc.pp} or at least 2 x --pp = {2 * pc.pp}; change --global-batch-size or "
             "--micro-batch-size"
         )
+
+
+def check_warmup_sharding(chunks: list[Any], pc: ParallelConfig, trains: list[int], num_layers: int) -> None:
+    """The indexer's warm-up trains the indexers of layers ``trains`` only (MTP layers numbered from
+    ``num_layers``), so a pipeline rank whose ``chunks`` hold none of them trains nothing; Fleet's
+    sharding optimizer cannot be built over no parameter (DygraphShardingOptimizer reads its first),
+    so under ``--sharding`` every pipeline rank needs one.  (Trainer and planner.)"""
+    if pc.sharding == 1:
+        return
+    for stage in range(pc.pp):
+        rs = rank_spec(chunks, pc.pp, stage)
+        held = set(rs.layers) | ({i for i in trains if i >= num_layers} if rs.has_mtp else set())
+        if not held & set(trains):
+            raise ParallelConfigError(
+                f"--indexer-stage warmup with --sharding {pc.sharding}: pipeline stage {stage} (layers "
+                f"{list(rs.layers)}) holds no layer with its own indexer, so it trains nothing, and Fleet's "
+                f"sharding optimizer needs a parameter on every rank; give every stage one of the layers "
+                f"{sorted(trains)} (--pp-layout) or drop --sharding"
+            )
 
 
 def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[ParallelConfig, list[Any]]:
@@ -218,6 +244,8 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
             "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
             "--moe-aux-loss-coeff must be 0"
         )
+    if info.get("stage") == "warmup":
+        check_warmup_sharding(specs, pc, info.get("layers") or [], adapter.num_layers)
     if info.get("shared_supervision") and kinds is not None:
         try:
             validate_shared_layer_starts(specs, kinds, carry_topk=False)

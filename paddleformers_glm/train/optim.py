@@ -148,6 +148,12 @@ class AdamW:
         if pairs:
             self.opt.set_lr(lr)
             self.opt._apply_optimize(loss=None, startup_program=None, params_grads=pairs)
+        elif self.clips_itself:
+            # Fleet's hybrid clip, which the update runs, all-reduces the squared norms over the pipeline,
+            # tensor and sharding groups: a rank with nothing to update (a pipeline stage whose layers are
+            # all frozen, e.g. only shared-indexer layers in the indexer's warm-up) joins with zeros, else
+            # its peers wait in those all-reduces while it runs the step's next collective
+            self.opt._grad_clip([])
         if self.sharding is not None:
             self._broadcast_updated(has_grad)
 

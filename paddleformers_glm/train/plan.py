@@ -330,11 +330,13 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) ->
 # --------------------------------------------------------------------------- the plan
 def check_layout(config: Any, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
+    from ..modeling.indexer_training import own_indexer_layers
+    from ..parallel.pipeline import run_stages
     from ..parallel.recompute import RECOMPUTE_MODES
     from ..parallel.topology import ParallelConfigError
     from .glm_adapter import check_glm_sizes, glm_parallel_sizes
     from .indexer_stage import INDEXER_STAGES
-    from .loop import check_batch, check_choices
+    from .loop import check_batch, check_choices, check_warmup_sharding
 
     check_choices(lay, {"recompute": RECOMPUTE_MODES, "sharding_stage": (1, 2, 3), "indexer_stage": INDEXER_STAGES})
     pc = replace(lay, sharding_stage=min(lay.sharding_stage, 2))  # stage 3: planner only, checked above
@@ -351,6 +353,9 @@ def check_layout(config: Any, lay: Layout) -> None:
     check_batch(
         replace(lay, global_batch_size=lay.global_batch_size or lay.pp * lay.replicas * lay.micro_batch_size), pc
     )
+    if indexer_stage(config, lay) == "warmup":  # the pipeline chunks, as the trainer splits them
+        chunks = run_stages(lay, config.num_hidden_layers, lay.pp * lay.vpp, config.num_mtp_layers > 0)
+        check_warmup_sharding(chunks, pc, own_indexer_layers(config), config.num_hidden_layers)
 
 
 def _is_expert(name: str) -> bool:

@@ -273,17 +273,17 @@ def make_experts(tp: Topology, ids: list[int]) -> LocalExperts:
     return ex
 
 
-def reference(token_sets: list[int]):
-    """Single process, all experts, the tokens of ranks in token_sets (one backward over their sum)."""
+def reference(token_sets: list[int], rows: int = 6):
+    """Single process, all experts, the first ``rows`` tokens of ranks in token_sets (one backward over their sum)."""
     with topology_override() as single:
         ex = make_experts(single, list(range(E)))
         disp = ExpertParallelDispatcher(E, topo=single)
         outs, wts = [], []
         total = None
         for s in token_sets:
-            x, w = T(Xt[s], grad=True), T(wt[s], grad=True)
-            y = disp(x, T(ids_t[s]), w, ex)
-            loss = (y * T(gy_t[s])).sum()
+            x, w = T(Xt[s][:rows], grad=True), T(wt[s][:rows], grad=True)
+            y = disp(x, T(ids_t[s][:rows]), w, ex)
+            loss = (y * T(gy_t[s][:rows])).sum()
             total = loss if total is None else total + loss
             outs.append(y.numpy())
             wts.append(w)
@@ -299,13 +299,13 @@ def reference(token_sets: list[int]):
         )
 
 
-def run_parallel(tp: Topology, token_rank: int):
+def run_parallel(tp: Topology, token_rank: int, rows: int = 6):
     ex = make_experts(tp, ExpertParallelDispatcher(E, topo=tp).local_expert_ids)
     disp = ExpertParallelDispatcher(E, topo=tp)
-    x, w = T(Xt[token_rank], grad=True), T(wt[token_rank], grad=True)
+    x, w = T(Xt[token_rank][:rows], grad=True), T(wt[token_rank][:rows], grad=True)
     with topology_override(tp):
-        y = disp(x, T(ids_t[token_rank]), w, ex)
-    (y * T(gy_t[token_rank])).sum().backward()
+        y = disp(x, T(ids_t[token_rank][:rows]), w, ex)
+    (y * T(gy_t[token_rank][:rows])).sum().backward()
     return (
         y.numpy(),
         w.grad.numpy(),
@@ -362,6 +362,31 @@ res["ep_replicated_dexperts"] = max(
     for e, gs in eg.items()
 )
 
+# (c2) replicated tokens that tp does not divide (an odd micro-batch x sequence without SP): the ranks take
+# 3 and 2 of 5 tokens, at ep 2 and at ep 1 (--tp 2 alone: every rank holds every expert, its gradient
+# is partial, summed over the expert-data group = the tp ranks); 1 token: rank 1 takes none
+tp_only = Topology(ParallelConfig(tp=2), rank=R, backend=topo.backend, groups={"tp": G}, ranks={"tp": R})
+for name, lay, rows in (
+    ("ep_replicated_odd", tp_rep, 5),
+    ("tp_replicated_odd", tp_only, 5),
+    ("tp_one_token", tp_only, 1),
+):
+    try:
+        r_out, r_wg, r_eg = reference([0], rows)
+        y, wg, eg = run_parallel(lay, 0, rows)
+        res[f"{name}_fwd"], res[f"{name}_dweights"] = md(y, r_out[0]), md(wg, r_wg[0])
+
+        def summed(g, e, i, lay=lay, r_eg=r_eg):
+            g = T(g.numpy() if g is not None else 0 * r_eg[e][i])
+            return (comm.all_reduce(g, G) if lay.ep_size == 1 else g).numpy()
+
+        res[f"{name}_dexperts"] = max(
+            max(md(summed(gs[i], e, i), r_eg[e][i]) for i in range(2)) for e, gs in sorted(eg.items())
+        )
+    except Exception as e:  # noqa: BLE001 - recorded as a failed check, the job goes on
+        print(f"{name} failed:", type(e).__name__, e, flush=True)
+        res[f"{name}_fwd"] = float("inf")
+
 
 # (d) an expert-tensor-parallel group that received no token at all (with ep > 1 every token may go
 # to the other ep rank's experts): no collective may carry a zero-element tensor (gloo aborts)
@@ -384,7 +409,7 @@ res["etp_no_tokens"] = 0.0 if list(y0.shape) == [0, HE] else 1.0
 
 
 # ---------------------------------------------------------------- tiny GLM-5.2 at tp 2 + SP vs one process
-def glm_run(tp: Topology, state: dict | None, recompute: str = "none"):
+def glm_run(tp: Topology, state: dict | None, recompute: str = "none", shape: tuple[int, int] = (2, 16)):
     """Build the whole tiny model as one stage under ``tp`` (from ``state`` or a seeded init), run
     a forward + backward of its summed mean losses under the trainer's ``recompute`` mode; returns
     (stage, loss, {name: gradient})."""
@@ -400,7 +425,7 @@ def glm_run(tp: Topology, state: dict | None, recompute: str = "none"):
         if state is not None:
             shard_full_state(stage, state, tp)
         stage.recompute = recompute
-        ids = T(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16)))  # B = 2: the transposing path
+        ids = T(np.random.default_rng(1).integers(0, cfg.vocab_size, shape))  # B = 2: the transposing path
         out = stage.forward_stage(None, {"input_ids": ids, "labels": ids})
         loss = paddle.add_n([t.sum / max(float(t.count), 1.0) for t in out.losses.values()])
         loss.backward()
@@ -450,6 +475,28 @@ spec_sp = {
     n for n, p in sp_stage.named_parameters() if getattr(p, "shard_spec", None) and p.shard_spec.sequence_parallel
 }
 res["glm_sp_flags_agree"] = 0.0 if fleet_sp == spec_sp and fleet_sp else 1.0
+
+# ... and at tp 2 without SP on one sequence of 9 tokens: the MoE layers' dispatcher splits the replicated
+# tokens 5 / 4 over the tp ranks (an odd micro-batch x sequence)
+try:
+    with topology_override() as single:
+        _, odd_ref_loss, odd_ref_grads = glm_run(single, glm_state, shape=(1, 9))
+    tp_plain = Topology(
+        ParallelConfig(tp=2), rank=topo.rank, backend=topo.backend, groups={"tp": G}, ranks={"tp": R}, hcg=topo.hcg
+    )
+    odd_stage, odd_loss, odd_grads = glm_run(tp_plain, glm_state, shape=(1, 9))
+    res["glm_tp_odd_tokens_loss"] = abs(odd_loss - odd_ref_loss)
+    odd_dg = 0.0
+    for n, p in odd_stage.named_parameters():
+        spec = get_shard_spec(p)
+        g = comm.all_reduce(T(odd_grads[n]), G).numpy() if spec.expert else odd_grads[n]  # experts: over edp = tp
+        odd_dg = max(
+            odd_dg, md(g, local_slice(odd_ref_grads[n], spec, tp_plain.rank_in(spec.group), tp_plain.size(spec.group)))
+        )
+    res["glm_tp_odd_tokens_grads"] = odd_dg
+except Exception as e:  # noqa: BLE001 - recorded as a failed check, the job goes on
+    print("glm tp2 odd tokens failed:", type(e).__name__, e, flush=True)
+    res["glm_tp_odd_tokens_loss"] = float("inf")
 
 
 # ---------------------------------------------------------------- recompute at tp 2 + SP: bitwise, replays counted
