@@ -55,3 +55,28 @@ def tiny_model(seed: int = 0, **changes) -> GlmMoeDsaForCausalLM:
 
 def tokens(B: int, S: int, vocab: int = 256, seed: int = 0) -> paddle.Tensor:
     return paddle.to_tensor(np.random.default_rng(seed).integers(3, vocab, size=(B, S)).astype("int64"))
+
+
+def tied_index_scores(qp: paddle.Tensor, kp: paddle.Tensor) -> paddle.Tensor:
+    """Index scores of query position ``qp`` against key position ``kp``: a relu of a pattern, full of
+    exact zeros and equal values (the ties a top-k must break as HF's does)."""
+    return paddle.nn.functional.relu(paddle.remainder(qp * 7 + kp * 3, paddle.to_tensor(5.0)) - 2.0)
+
+
+def score_indexer_by_position(ix, B: int, S: int, setattr_=setattr) -> paddle.Tensor:
+    """Make indexer ``ix`` score [B, S] positions by :func:`tied_index_scores` (positions ride in the
+    first element of its q and k); -> the positions [S] float32."""
+    pos = paddle.arange(S, dtype="float32")
+
+    def project(x, q_latent, cos, sin):
+        q = paddle.zeros([B, S, ix.n_heads, ix.head_dim])
+        q[:, :, 0, 0] = pos
+        kk = paddle.zeros([B, S, ix.head_dim])
+        kk[:, :, 0] = pos
+        return q, kk, paddle.ones([B, S, ix.n_heads])
+
+    setattr_(ix, "project", project)
+    setattr_(
+        ix, "chunk_scores", lambda q, kk, w: tied_index_scores(q[:, :, 0, 0].unsqueeze(-1), kk[:, :, 0].unsqueeze(1))
+    )
+    return pos

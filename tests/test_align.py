@@ -323,31 +323,15 @@ def test_indexer_breaks_exact_ties_as_one_top_k_over_the_whole_row(monkeypatch):
     import paddle
 
     from paddleformers_glm.modeling.indexer import DSAIndexer
-    from tests._tiny import tiny_config
+    from tests._tiny import score_indexer_by_position, tied_index_scores, tiny_config
 
     cfg = tiny_config()
     ix = DSAIndexer(cfg)
     B, S, k = 2, 32, cfg.index_topk
-    pos = paddle.arange(S, dtype="float32")
-
-    def project(x, q_latent, cos, sin):  # positions ride in the first element of q and k
-        q = paddle.zeros([B, S, ix.n_heads, ix.head_dim])
-        q[:, :, 0, 0] = pos
-        kk = paddle.zeros([B, S, ix.head_dim])
-        kk[:, :, 0] = pos
-        return q, kk, paddle.ones([B, S, ix.n_heads])
-
-    def rule(qp, kp):  # plenty of exact zeros and equal values
-        return paddle.nn.functional.relu(paddle.remainder(qp * 7 + kp * 3, paddle.to_tensor(5.0)) - 2.0)
-
-    def chunk_scores(q, kk, w):
-        return rule(q[:, :, 0, 0].unsqueeze(-1), kk[:, :, 0].unsqueeze(1))
-
-    monkeypatch.setattr(ix, "project", project)
-    monkeypatch.setattr(ix, "chunk_scores", chunk_scores)
+    pos = score_indexer_by_position(ix, B, S, monkeypatch.setattr)
     x = paddle.zeros([B, S, cfg.hidden_size])
     got = ix(x, paddle.zeros([B, S, cfg.q_lora_rank]), None, None, None).numpy()
-    full = rule(pos.reshape([S, 1]), pos.reshape([1, S]))
+    full = tied_index_scores(pos.reshape([S, 1]), pos.reshape([1, S]))
     full = paddle.where(paddle.tril(paddle.ones([S, S])) > 0, full, paddle.full([S, S], float("-inf")))
     vals, want = paddle.topk(full, k, axis=-1)
     want = paddle.where(paddle.isinf(vals), paddle.full_like(want, -1), want).numpy()

@@ -19,7 +19,7 @@ from paddleformers_glm import ops
 from paddleformers_glm.modeling.indexer import DSAIndexer
 from paddleformers_glm.modeling.moe import TopkRouter
 
-from ._tiny import tiny_config
+from ._tiny import score_indexer_by_position, tied_index_scores, tiny_config
 
 torch = pytest.importorskip("torch", reason="the reference extra (torch) is not installed")
 
@@ -49,22 +49,9 @@ def test_indexer_breaks_ties_as_hf_at_a_sequence_of_64_topk():
     ix = DSAIndexer(cfg)
     k = cfg.index_topk
     B, S = 1, 64 * k
-    pos = paddle.arange(S, dtype="float32")
-
-    def project(x, q_latent, cos, sin):  # positions ride in the first element of q and k
-        q = paddle.zeros([B, S, ix.n_heads, ix.head_dim])
-        q[:, :, 0, 0] = pos
-        kk = paddle.zeros([B, S, ix.head_dim])
-        kk[:, :, 0] = pos
-        return q, kk, paddle.ones([B, S, ix.n_heads])
-
-    def rule(qp, kp):  # relu of a pattern: exact zeros and equal values everywhere
-        return paddle.nn.functional.relu(paddle.remainder(qp * 7 + kp * 3, paddle.to_tensor(5.0)) - 2.0)
-
-    ix.project = project
-    ix.chunk_scores = lambda q, kk, w: rule(q[:, :, 0, 0].unsqueeze(-1), kk[:, :, 0].unsqueeze(1))
+    pos = score_indexer_by_position(ix, B, S)
     got = ix(paddle.zeros([B, S, cfg.hidden_size]), paddle.zeros([B, S, cfg.q_lora_rank]), None, None, None)
-    full = torch.from_numpy(rule(pos.reshape([S, 1]), pos.reshape([1, S])).numpy())
+    full = torch.from_numpy(tied_index_scores(pos.reshape([S, 1]), pos.reshape([1, S])).numpy())
     causal = torch.full((S, S), torch.finfo(torch.float32).min).triu(1)
     want = (full + causal).topk(k, dim=-1).indices.numpy()
     got = got.numpy()[0]
