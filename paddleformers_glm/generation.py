@@ -29,6 +29,7 @@ __all__ = [
     "check_generation_length",
     "generate",
     "generate_speculative",
+    "resolve_settings",
 ]
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -218,11 +219,12 @@ def check_generation_length(
     return n
 
 
-def _resolve(
-    model: Any, generation_config: GenerationConfig | dict | None, kwargs: dict, prompt_len: int
+def resolve_settings(
+    config: Any, generation_config: GenerationConfig | dict, kwargs: dict, prompt_len: int
 ) -> GenerationConfig:
-    """Every option with its value for one call (call > model's generation config > HF default): the
-    lengths as ``max_new_tokens`` / ``min_new_tokens``, ``eos_token_id`` a list, ``stop_strings`` a list."""
+    """Every option with its value for one call (call > ``generation_config`` > HF default): the
+    lengths as ``max_new_tokens`` / ``min_new_tokens``, ``eos_token_id`` a list, ``stop_strings`` a list.
+    ``generate`` and ``glm52 generate --speculative`` both resolve through it, so they agree."""
     unknown = [k for k in kwargs if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF]
     if unknown:
         raise TypeError(
@@ -230,7 +232,7 @@ def _resolve(
             "(and seed, streamer, tokenizer, generation_config)"
         )
     GenerationConfig.from_dict(kwargs, source="generate").check_supported()  # the call's options, as a file's
-    base = generation_config_of(model) if generation_config is None else generation_config
+    base = generation_config
     if isinstance(base, dict):
         base = GenerationConfig.from_dict(base, source="generation_config argument")
     base.check_supported()
@@ -251,7 +253,7 @@ def _resolve(
             )
     else:
         mnt, ml = base.max_new_tokens, base.max_length
-    new = check_generation_length(model.config, prompt_len, mnt, ml)
+    new = check_generation_length(config, prompt_len, mnt, ml)
     mn = call.get("min_new_tokens", base.min_new_tokens if "min_length" not in call else None)
     mn = None if mn is None else _integer("min_new_tokens", mn, 0)
     min_length = _integer("min_length", get("min_length"), 0)
@@ -366,7 +368,8 @@ def generate(
     if input_ids.ndim != 2:
         raise ValueError(f"generate: input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
     B, S = input_ids.shape
-    s = _resolve(model, generation_config, kwargs, S)  # before any allocation
+    gc = generation_config_of(model) if generation_config is None else generation_config
+    s = resolve_settings(model.config, gc, kwargs, S)  # before any allocation
     if attention_mask is not None and list(attention_mask.shape) != [B, S]:
         raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
     if s.stop_strings and tokenizer is None:

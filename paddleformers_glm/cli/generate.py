@@ -41,11 +41,9 @@ def speculative_length(config: object, defaults: object, opts: dict, prompt_len:
     command line, then generation_config.json, then transformers' defaults); a ValueError for a
     setting its greedy drafting would not apply (a repetition penalty, stop strings, a minimum
     length), wherever it was set: the plain command would honour it, so its text would differ."""
-    from types import SimpleNamespace
+    from ..generation import resolve_settings
 
-    from ..generation import _resolve
-
-    s = _resolve(SimpleNamespace(config=config), defaults, opts, prompt_len)
+    s = resolve_settings(config, defaults, opts, prompt_len)
     unsupported = {
         "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
         "stop_strings (--stop)": s.stop_strings or None,
