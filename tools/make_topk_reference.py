@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""How torch (the reference) breaks exact ties in a top-k: tests/fixtures/topk_ties/torch_topk.json.
+
+torch.topk's indices on rows full of equal values at row lengths 64 k - 1, 64 k and 64 k + 1 (the
+length where Paddle's and torch's CPU kernels pick different algorithms, ops.topk), and HF's
+router choice (1 of 64 experts) on tied scores. The inputs come from fixed numpy seeds; their
+sha256 is recorded so a numpy that draws other numbers is caught before any index is compared.
+tests/test_topk_ties.py holds ops.topk and the router to these indices without torch.
+
+    python tools/make_topk_reference.py            # rewrite the fixture
+    python tools/make_topk_reference.py --check    # compare with the committed file, exit 1 if it differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "topk_ties" / "torch_topk.json"
+ROWS = 64
+ROUTER_SEED, ROUTER_WIDTH = 5, 64
+
+
+def tied_rows(k: int, extra: int) -> np.ndarray:
+    """ROWS rows of 64 k + extra values in {0, 1, 2, 3}; row 0 half -inf, row 1 one NaN."""
+    n = 64 * k + extra
+    v = np.random.default_rng(k).integers(0, 4, size=(ROWS, n)).astype(np.float32)
+    v[0, : n // 2] = -np.inf
+    v[1, 3] = np.nan
+    return v
+
+
+def router_weight() -> np.ndarray:
+    """[hidden 64, experts 64] router weight of tied values; the router's inputs are the identity."""
+    w = np.random.default_rng(ROUTER_SEED).integers(0, 4, size=(ROUTER_WIDTH, ROUTER_WIDTH)) * 0.25
+    return w.astype("float32")
+
+
+def sha(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def build() -> dict:
+    import torch
+    import transformers
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+    cases = []
+    for k in (1, 2, 8):
+        for extra in (-1, 0, 1):
+            v = tied_rows(k, extra)
+            idx = torch.topk(torch.from_numpy(v), k, dim=-1).indices.numpy()
+            cases.append({"k": k, "extra": extra, "input_sha256": sha(v), "indices": idx.tolist()})
+    w = router_weight()
+    cfg = GlmMoeDsaConfig(hidden_size=ROUTER_WIDTH, n_routed_experts=ROUTER_WIDTH, num_experts_per_tok=1)
+    cfg.n_group = cfg.topk_group = 1
+    router = GlmMoeDsaTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(w.T.copy()))
+        _, _, choice = router(torch.eye(ROUTER_WIDTH))
+    return {
+        "torch": torch.__version__.split("+")[0],
+        "transformers": transformers.__version__,
+        "topk": cases,
+        "router": {"weight_sha256": sha(w), "choice": choice.numpy().tolist()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    text = json.dumps(build(), separators=(",", ":"), sort_keys=True) + "\n"
+    if args.check:
+        same = OUT.read_text() == text
+        print(f"{OUT}: {'equal' if same else 'DIFFERS'}")
+        return 0 if same else 1
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    tmp = OUT.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(OUT)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
