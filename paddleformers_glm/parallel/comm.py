@@ -34,6 +34,7 @@ __all__ = [
     "gather_from_tp",
     "gather_rows_from_tp",
     "group_size",
+    "my_rows",
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_to_sp",
@@ -247,7 +248,8 @@ def row_split(rows: int, group: Any) -> list[int]:
     return [rows // n + (r < rows % n) for r in range(n)]
 
 
-def _my_rows(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+def my_rows(x: paddle.Tensor, sizes: list[int], group: Any) -> paddle.Tensor:
+    """This rank's ``sizes[rank]`` rows (axis 0) of a tensor split by :func:`row_split`, no communication."""
     off = sum(sizes[: group.rank])
     return x[off : off + sizes[group.rank]].clone()
 
@@ -256,14 +258,14 @@ def scatter_rows_to_tp(x: paddle.Tensor, sizes: list[int], group: Any = None) ->
     """Keep this rank's ``sizes[r]`` rows (axis 0) of a replicated tensor, sizes uneven allowed
     (:func:`row_split`); backward all-gathers every rank's row gradients (:func:`scatter_to_tp` for
     row blocks of any size)."""
-    return _pair(x, group, lambda t: _my_rows(t, sizes, group), lambda d: _varlen_gather(d, sizes, group))
+    return _pair(x, group, lambda t: my_rows(t, sizes, group), lambda d: _varlen_gather(d, sizes, group))
 
 
 def gather_rows_from_tp(x: paddle.Tensor, sizes: list[int], group: Any = None) -> paddle.Tensor:
     """All-gather uneven row blocks (``sizes[r]`` rows from rank r) into a replicated tensor;
     backward keeps this rank's rows of the gradient, no sum (:func:`gather_from_tp` for row blocks
     of any size; :func:`all_gather_varlen` sums instead, for a consumer that is not replicated)."""
-    return _pair(x, group, lambda t: _varlen_gather(t, sizes, group), lambda d: _my_rows(d, sizes, group))
+    return _pair(x, group, lambda t: _varlen_gather(t, sizes, group), lambda d: my_rows(d, sizes, group))
 
 
 def fleet_sp_group(group: Any = None) -> Any:

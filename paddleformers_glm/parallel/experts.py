@@ -71,8 +71,7 @@ class ExpertParallelDispatcher:
             joint = paddle.concat([hidden.astype(topk_weights.dtype), topk_weights], axis=-1)
             joint = comm.scatter_rows_to_tp(joint, tp_rows, self.tp_group)
             hidden, topk_weights = joint[:, :H].astype(out_dtype), joint[:, H:]
-            off = sum(tp_rows[: self.tp_group.rank])
-            topk_ids = topk_ids[off : off + tp_rows[self.tp_group.rank]]
+            topk_ids = comm.my_rows(topk_ids, tp_rows, self.tp_group)
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape([-1]).astype("int64")  # [t*K]
         order = paddle.argsort(flat_ids, stable=True)  # assignments grouped by expert (hence by owner rank)
