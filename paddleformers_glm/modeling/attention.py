@@ -42,7 +42,7 @@ from .attention_forms import (
     sparse_latent_attention,
 )
 from .cache import LayerCache
-from .indexer import DSAIndexer, key_validity
+from .indexer import DSAIndexer, key_validity, query_validity
 from .indexer_training import IndexerRecord, IndexerRun, IndexerTraining
 from .norms import RMSNorm
 from .rope import rope_concat, rope_heads
@@ -203,7 +203,7 @@ class MLAttention(nn.Layer):
                 "x": x_full, "q_latent": q_latent_full, "cos": cos, "sin": sin, "key_padding": key_padding,
                 "positions": positions if cp else None, "all_keys": self._all_keys if cp else None,
                 "total": (lambda n: comm.all_reduce(n.detach(), self.cp_group)) if cp else None,
-                "chunk": core.chunk_size,
+                "chunk": core.chunk_size, "query_valid": query_validity(key_padding, positions),
             }  # fmt: skip
         return out, topk, rec
 

@@ -48,10 +48,21 @@ def _query_chunks(pos: np.ndarray, start: int, chunk: int) -> Iterator[tuple[int
             yield c0, c1, int(pos[c1 - 1]) + 1
 
 
+def query_validity(key_padding: paddle.Tensor | None, positions: np.ndarray) -> paddle.Tensor | None:
+    """float32 [B, S]: 1.0 where the query at ``positions[i]`` is a real token, 0.0 where it is padding
+    (``key_padding`` [B, T] indexed by position; None: no padding, every query is real).  A right-padded
+    query still sees the real keys before it, so only this keeps it out of the indexer's losses."""
+    if key_padding is None:
+        return None
+    pos = paddle.to_tensor(np.asarray(positions, dtype=np.int64))
+    return paddle.index_select(key_padding, pos, axis=1).astype("float32")
+
+
 def query_mean(
     per_query: paddle.Tensor, rows: paddle.Tensor, total: Callable[[paddle.Tensor], paddle.Tensor] | None = None
 ) -> paddle.Tensor:
-    """The mean of ``per_query`` [B, S] over the queries with a visible key (``rows`` 1.0, else 0.0);
+    """The mean of ``per_query`` [B, S] over the queries counted (``rows`` 1.0, else 0.0: real queries
+    with a visible key);
     ``total`` maps this rank's count of them to the whole sequence's (context parallel)."""
     n = rows.sum() if total is None else total(rows.sum())
     return (per_query * rows).sum() / paddle.clip(n, min=1.0)
@@ -209,8 +220,10 @@ class DSAIndexer(nn.Layer):
         target_probs: paddle.Tensor,
         all_keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
         total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        query_valid: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
-        """KL(target || indexer) over the selected keys, mean over queries that have any; inputs are
+        """KL(target || indexer) over the selected keys, mean over the real queries that have any
+        (``query_valid`` [B, S], `query_validity`: 0.0 on padding queries; None: all real); inputs are
         detached so the gradient reaches only the indexer's parameters. target_probs [B, S, k]: the
         head-mean main attention over the same slots. Context parallel passes `all_keys` (this
         rank's keys -> every key, differentiable) and `total` (the count of queries -> the whole sequence's).
@@ -222,6 +235,8 @@ class DSAIndexer(nn.Layer):
         s = nn.functional.relu(paddle.matmul(q, k_sel, transpose_y=True) * self.softmax_scale)  # [B, S, Hi, k]
         scores = paddle.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, k]
         kl, rows = _kl_rows(scores, target_probs.detach().astype("float32"), topk_idx >= 0)
+        if query_valid is not None:
+            rows = rows * query_valid
         return query_mean(kl, rows, total)
 
     def dense_kl_loss(
@@ -238,7 +253,7 @@ class DSAIndexer(nn.Layer):
         total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
         """KL(target || softmax(index scores)) over *every* key a query sees (the dense warm-up),
-        mean over the queries that see any. ``target_probs`` [B, S, T]: the head-mean main attention
+        mean over the real (not padding) queries that see any. ``target_probs`` [B, S, T]: the head-mean main attention
         per key. Scored chunk by chunk as the selection does (never [S, T] at once), inputs detached;
         ``positions``, ``all_keys`` and ``total`` as in :meth:`select` and :meth:`kl_loss`."""
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
@@ -250,11 +265,14 @@ class DSAIndexer(nn.Layer):
         chunk = max(1, min(S, self.chunk_size, max(16, CHUNK_BYTES // 4 // (Hi * T))))
         pad = None if key_padding is None else key_padding.astype("bool")
         p_all = target_probs.detach().astype("float32")
+        real = query_validity(key_padding, pos)  # [B, S]: padding queries (right padding sees real keys) do not count
         kl_sum, row_sum = None, None
         for c0, c1, kend in _query_chunks(pos, 0, chunk):
             scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # with gradient
             valid = key_validity(paddle.to_tensor(pos[c0:c1]), kend, pad).expand([B, c1 - c0, kend])
             kl, rows = _kl_rows(scores, p_all[:, c0:c1, :kend], valid)
+            if real is not None:
+                rows = rows * real[:, c0:c1]
             part, n = (kl * rows).sum(), rows.sum()
             kl_sum = part if kl_sum is None else kl_sum + part
             row_sum = n if row_sum is None else row_sum + n

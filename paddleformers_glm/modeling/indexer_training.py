@@ -128,7 +128,8 @@ class IndexerRecord:
     ``dense``: ``(c0, c1) -> [B, c1 - c0, T]``, the head-mean attention over every visible key of
     queries c0..c1 (the sparse stage's recall; computed when asked, chunk by chunk);
     ``indexer`` and ``inputs``: a layer that runs its own indexer, and what its KL needs
-    (``x``, ``q_latent``, ``cos``, ``sin``, ``key_padding``, ``positions``, ``all_keys``, ``total``).
+    (``x``, ``q_latent``, ``cos``, ``sin``, ``key_padding``, ``positions``, ``all_keys``, ``total``,
+    ``query_valid``: 1.0 on the real queries, 0.0 on padding, or None without padding).
     """
 
     topk: paddle.Tensor
@@ -186,14 +187,17 @@ def _group_terms(members: list[IndexerRecord], training: IndexerTraining) -> tup
     else:
         kl = full.indexer.kl_loss(
             inp["x"], inp["q_latent"], inp["cos"], inp["sin"], full.topk, target,
-            all_keys=inp["all_keys"], total=inp["total"],
+            all_keys=inp["all_keys"], total=inp["total"], query_valid=inp["query_valid"],
         )  # fmt: skip
     with paddle.no_grad():
         if training.dense:
             mass = _selected_mass(target, full.topk)
         else:
             mass = _dense_mass([m.dense for m in members], full.topk, inp["chunk"])
-        recall = query_mean(mass, (full.topk >= 0).any(axis=-1).astype("float32"), inp["total"])
+        rows = (full.topk >= 0).any(axis=-1).astype("float32")
+        if inp["query_valid"] is not None:  # padding queries do not count (they see real keys when right-padded)
+            rows = rows * inp["query_valid"]
+        recall = query_mean(mass, rows, inp["total"])
     return kl, recall
 
 

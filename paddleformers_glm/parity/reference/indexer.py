@@ -90,7 +90,10 @@ class ReferenceIndexer:
         B, S, T = visible.shape
         idx = full["topk"]  # [B, S, k]
         sel_valid = torch.gather(visible.expand(B, S, T), -1, idx)
-        rows = sel_valid.any(-1).float()
+        # a query counts when it is a real token (it sees its own key; a right-padded query sees the
+        # real keys before it but not itself) and has a selected key
+        real = torch.diagonal(visible.expand(B, S, T)[:, :, T - S :], dim1=-2, dim2=-1)  # [B, S]
+        rows = (sel_valid.any(-1) & real).float()
         n = rows.sum().clamp_min(1.0)
         scores = self._index_scores(full)  # [B, S, T], with gradient
         if self.stage == "warmup":  # the target and the KL over every visible key
