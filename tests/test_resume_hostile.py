@@ -270,3 +270,102 @@ def test_flex_metadata_pointing_outside_its_folder_is_refused(saved, tmp_path):
     meta_file.write_bytes(pickle.dumps(md))
     with pytest.raises(ResumeStateError, match=r"a tensor file name <rank>_<id>\.safetensors in the same folder"):
         check_resume_state(str(folder))
+
+
+# ------------------------------------------------------------------ the tensors inside a rank file
+def _toy(out, **kw):
+    from paddleformers_glm.train.loop import TrainConfig
+
+    base = dict(model="toy", steps=3, seq_len=16, global_batch_size=4, micro_batch_size=2, lr=2e-3, seed=11)
+    return TrainConfig(**{**base, "progress": False, "out": str(out), **kw})
+
+
+@pytest.fixture(scope="module")
+def toy_step2(tmp_path_factory) -> tuple[Path, list[float]]:
+    """A step-2 resume state of a three-step toy run (in process) and the run's losses."""
+    from paddleformers_glm.train.loop import run_training
+
+    out = tmp_path_factory.mktemp("toy_state")
+    full = run_training(_toy(out, save_every=2))
+    return out / "checkpoints" / STEP, full["losses"]
+
+
+def _rewrite_rank_file(folder: Path, change) -> None:
+    """rank_00000.safetensors with its tensors (name -> numpy array) passed through ``change``."""
+    import numpy as np
+
+    from paddleformers_glm.checkpoint.safetensors_io import SafetensorsFile, SafetensorsWriter
+
+    file = folder / "rank_00000.safetensors"
+    with SafetensorsFile(str(file)) as r:
+        tensors = {k: r.numpy(k).copy() for k in r.keys()}
+    tensors = change(tensors)
+    st = {np.dtype(d): s for d, s in [("float32", "F32"), ("int64", "I64"), ("int32", "I32")]}
+    w = SafetensorsWriter(str(file), [(k, st[v.dtype], list(v.shape)) for k, v in tensors.items()], {"format": "x"})
+    for k, v in tensors.items():
+        w.write(k, v, st[v.dtype])
+    w.close()
+
+
+M1 = "optimizer/embed_tokens.weight/moment1"
+
+
+@pytest.mark.parametrize(
+    "case, change, expect",
+    [
+        ("model int", lambda t: {**t, "model/embed_tokens.weight": t["model/embed_tokens.weight"].astype("int64")},
+         "`model/embed_tokens.weight` is I64, this run's is F32"),
+        ("moment int", lambda t: {**t, M1: t[M1].astype("int32")}, f"`{M1}` is I32, this run's is F32"),
+        ("moment shape", lambda t: {**t, M1: t[M1].reshape(-1)}, f"`{M1}` has shape [2048], this run's [64, 32]"),
+        ("moment missing", lambda t: {k: v for k, v in t.items() if k != M1},
+         "`optimizer/embed_tokens.weight` lacks moment1 (has beta1_pow_acc, beta2_pow_acc, moment2)"),
+        ("unknown kind", lambda t: {**t, "optimizer/embed_tokens.weight/moment3": t[M1]},
+         "`optimizer/embed_tokens.weight/moment3`: no such optimizer state (beta1_pow_acc, beta2_pow_acc, moment1, "
+         "moment2)"),
+    ],
+)  # fmt: skip
+def test_a_state_tensor_of_another_dtype_shape_or_kind_is_refused_by_name(toy_step2, tmp_path, case, change, expect):
+    """A rank file whose tensors are not this run's state: refused naming the file and the tensor.
+    Before, an integer model tensor or moment was cast silently (measured: the step-3 loss 4.7478 for
+    the uninterrupted 4.6749 with an I64 embedding), a missing moment restarted from zero (step-4 loss
+    4.489652 for 4.489375), a moment of another shape failed in Paddle's ``set_value`` with Paddle's
+    variable name (``comm_vocab_parallel_embedding_1.w_0_moment1_0``), an unknown kind as a bare
+    ``KeyError`` text."""
+    from paddleformers_glm.train.loop import run_training
+
+    folder = tmp_path / STEP
+    shutil.copytree(toy_step2[0], folder)
+    _rewrite_rank_file(folder, change)
+    with pytest.raises(ResumeStateError) as e:
+        run_training(_toy(tmp_path / "out", resume=str(folder)))
+    assert str(e.value).startswith(str(folder / "rank_00000.safetensors")), str(e.value)
+    assert expect in str(e.value), str(e.value)
+
+
+def test_nonfinite_optimizer_state_is_refused_naming_the_tensor(toy_step2, tmp_path):
+    """A NaN moment (or master weight) is refused at the load like a NaN weight; before, the resumed
+    run took its step-3 update with it and finished with NaN weights (a four-step run stopped at
+    step 4 on a non-finite loss blamed on the gradients)."""
+    import numpy as np
+
+    from paddleformers_glm.checkpoint.finite import NonFiniteError
+    from paddleformers_glm.train.loop import run_training
+
+    folder = tmp_path / STEP
+    shutil.copytree(toy_step2[0], folder)
+
+    def one_nan(t):
+        m = t[M1].copy()
+        m.reshape(-1)[5] = np.nan
+        return {**t, M1: m}
+
+    _rewrite_rank_file(folder, one_nan)
+    with pytest.raises(NonFiniteError, match=r"hold NaN or Inf: optimizer/embed_tokens\.weight/moment1 \(1 values\)"):
+        run_training(_toy(tmp_path / "out", resume=str(folder)))
+
+
+def test_the_toy_state_resumes_bit_for_bit(toy_step2, tmp_path):
+    """Control for the two tests above: the untouched state continues the run exactly."""
+    from paddleformers_glm.train.loop import run_training
+
+    assert run_training(_toy(tmp_path / "out", resume=str(toy_step2[0])))["losses"] == toy_step2[1]

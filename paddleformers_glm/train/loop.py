@@ -415,7 +415,10 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
         stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
         # a new stage starts its own learning-rate schedule (train/indexer_stage.py)
         stage_start = int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else start
-    check_finite_state(module.state_dict(), cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
+    state = module.state_dict()
+    if cfg.resume:  # the optimizer's too: a NaN moment or fp32 master would poison the first update
+        state |= {f"optimizer/{n}/{k}": t for n, st in opt.state_dict().items() for k, t in st.items()}
+    check_finite_state(state, cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps - stage_start)
     return _Run(

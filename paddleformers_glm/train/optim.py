@@ -177,6 +177,22 @@ class AdamW:
             out.setdefault(n, {})["master"] = w
         return out
 
+    def state_layout(self) -> dict[str, dict[str, paddle.Tensor]]:
+        """``{structured name: {kind: tensor}}`` of every state tensor :meth:`set_state_dict` may fill on
+        this rank (moments, beta powers, ``master``), created now if not yet: what a resume state must match."""
+        self.prepare_state()
+        acc = getattr(self.opt, "_accumulators", {})
+        masters = getattr(self.opt, "_master_weights", {}) or {}
+        out: dict[str, dict[str, paddle.Tensor]] = {}
+        for n, p in self.params:
+            key = self._acc_key(p)
+            st = {kind: table[key] for kind, table in acc.items() if key in table}
+            if p.name in masters:
+                st["master"] = masters[p.name]
+            if st:
+                out[n] = st
+        return out
+
     def set_state_dict(self, sd: dict[str, dict[str, paddle.Tensor | int]]) -> None:
         names = dict(self.params)
         unknown = set(sd) - set(names)

@@ -21,7 +21,7 @@ import paddle.nn as nn
 from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
-from ..checkpoint.safetensors_io import bf16_bits_to_float32
+from ..checkpoint.safetensors_io import bf16_bits_to_float32, paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
 from .optim import AdamW
@@ -117,25 +117,58 @@ def load_resume_state(
             raise ResumeStateError(f"{file}: model tensors missing: {missing[:5]}")
         for k, t in state.items():
             info = tensors[f"model/{k}"]
-            if list(info.shape) != [int(d) for d in t.shape]:
-                raise ResumeStateError(f"{file}: `model/{k}` has shape {list(info.shape)}, this model {list(t.shape)}")
+            _check_like(file, f"model/{k}", info, t)
             t.set_value(_to_paddle(reader.numpy(info.key), info.dtype).astype(t.dtype))
-        opt: dict[str, dict[str, paddle.Tensor]] = {}
+        infos: dict[str, dict[str, Any]] = {}
         for key, info in tensors.items():
             if key.startswith("model/"):
                 continue
             parts = key.split("/")
             if len(parts) != 3 or parts[0] != "optimizer":
                 raise ResumeStateError(f"{file}: unexpected tensor {key!r} (model/<name> or optimizer/<name>/<kind>)")
-            opt.setdefault(parts[1], {})[parts[2]] = _to_paddle(reader.numpy(key), info.dtype)
+            infos.setdefault(parts[1], {})[parts[2]] = info
         if new_stage:  # another stage's trained set: keep the state of what this run trains
-            opt = {n: st for n, st in opt.items() if n in trained}
+            infos = {n: st for n, st in infos.items() if n in trained}
+        _check_optimizer_state(file, infos, optimizer.state_layout())
+        opt = {n: {kind: _to_paddle(reader.numpy(i.key), i.dtype) for kind, i in st.items()} for n, st in infos.items()}
         try:
             optimizer.set_state_dict(opt)
         except KeyError as e:
             raise ResumeStateError(f"{file}: {e.args[0]}") from e
     set_rng_state(doc["rng"], rank_files(path, topo.rank)[1])
     return meta
+
+
+def _check_like(file: str, key: str, info: Any, t: paddle.Tensor) -> None:
+    """The stored tensor ``key`` has the shape and the dtype of this run's ``t`` (the run's dtype is
+    the state's: checked with the profile), so nothing is cast or reshaped on the way in."""
+    if list(info.shape) != [int(d) for d in t.shape]:
+        raise ResumeStateError(f"{file}: `{key}` has shape {list(info.shape)}, this run's {list(t.shape)}")
+    want = paddle_to_st_dtype(t.dtype)
+    if info.dtype != want:
+        raise ResumeStateError(f"{file}: `{key}` is {info.dtype}, this run's is {want}")
+
+
+def _check_optimizer_state(file: str, infos: dict[str, dict[str, Any]], layout: dict[str, dict[str, Any]]) -> None:
+    """Every stored optimizer tensor is one this rank's optimizer holds (``layout``, AdamW.state_layout),
+    of its shape and dtype, and a parameter with saved moments has all of them (and its fp32 master
+    when it has one): a partial entry would restart the missing part silently."""
+    unknown = sorted(set(infos) - set(layout))
+    if unknown:
+        raise ResumeStateError(f"{file}: optimizer state for parameters this run does not update: {unknown[:5]}")
+    for n, st in infos.items():
+        for kind, info in st.items():
+            if kind not in layout[n]:
+                raise ResumeStateError(
+                    f"{file}: `optimizer/{n}/{kind}`: no such optimizer state ({', '.join(sorted(layout[n]))})"
+                )
+            _check_like(file, f"optimizer/{n}/{kind}", info, layout[n][kind])
+        if set(st) - {"master"}:  # it stepped: every accumulator, and the master it steps
+            lacking = sorted(set(layout[n]) - set(st))
+            if lacking:
+                raise ResumeStateError(
+                    f"{file}: `optimizer/{n}` lacks {', '.join(lacking)} (has {', '.join(sorted(st))})"
+                )
 
 
 # ---------------------------------------------------------------- flex-checkpoint (any layout)
