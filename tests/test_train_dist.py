@@ -137,6 +137,21 @@ def test_resume_reproduces_uninterrupted_bit_for_bit(runs, pp2_run):
         assert r[key] == full[key], f"{key}: resumed {r[key]} != uninterrupted {full[key]}"
 
 
+def test_resume_with_another_pipeline_split_reshards(runs, pp2_run):
+    """The same degrees with another --pp-layout put other layers on each rank: the state comes
+    from flex/ and continues the curve.  Before, the split was not part of the saved layout, so each
+    rank read its own rank file of the old split and the resume failed (measured with
+    E,t*2|t*4,m,L on this run's E,t*3|t*3,m,L state: rank 0 "optimizer state has parameters this
+    model lacks: ['layers.2.input_norm.weight', ...]")."""
+    full = pp2_run[0]
+    ckpt = runs / "pp2" / "checkpoints" / "step_00000002"
+    r, _ = _cli(runs / "pp2_split", "--pp", "2", "--pp-layout", "E,t*2|t*4,m,L", "--resume", str(ckpt))
+    assert r["run"]["resumed_from_step"] == 2 and r["run"]["pp_layout"] == "E,t*2|t*4,m,L"
+    for key in ("losses", "mtp_losses", "grad_norms"):
+        assert _max_diff(full, r, key) <= TOL, (key, full[key], r[key])
+    assert r["lrs"] == full["lrs"]
+
+
 def test_tp2_pp2_sequence_parallel_world4_matches_single_process(ref, runs):
     a, secs = _cli(runs / "tp2pp2sp", "--tp", "2", "--pp", "2", "--sp", "--export", timeout=200)
     assert a["profile"] == {**a["profile"], "tp": 2, "pp": 2, "sp": True, "world": 4}

@@ -400,7 +400,9 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
     profile = {k: getattr(topo.pc, k) for k in ("tp", "pp", "ep", "etp", "sp", "dp", "cp")} | {"world": topo.world_size}
     profile |= {k: getattr(cfg, k) for k in ("micro_batch_size", "global_batch_size", "seq_len", "dtype")}
-    layout = {**profile, "sharding": topo.pc.sharding}
+    # plus what decides which tensors each rank holds beyond the degrees: the pipeline split (its
+    # chunks, --pp-layout / --vpp), so a resume with another split reshards through flex/
+    layout = {**profile, "sharding": topo.pc.sharding, "pp_layout": layout_string(specs)}
     history: dict[str, list[float]] = {k: [] for k in [*report_keys, "grad_norms", "lrs"]}
     indexer = adapter.indexer_info()
     stage = indexer["stage"] if indexer else None

@@ -42,7 +42,7 @@ from .state_files import (
 __all__ = ["LAYOUT_KEYS", "load_resume_state", "resolve_resume_state", "save_resume_state"]
 
 # profile keys a resume may change (through flex/); the others (batch, sequence, dtype) must match
-LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding")
+LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding", "pp_layout")
 
 
 def save_resume_state(
@@ -97,6 +97,7 @@ def load_resume_state(
     new_stage = saved_stage is not None and indexer_stage is not None and saved_stage != indexer_stage
     trained = {n for n, _ in optimizer.params}
     saved = meta["profile"]
+    saved = {"pp_layout": expect_profile.get("pp_layout"), **saved}  # a state from before the split was recorded
     diff = {k: (saved.get(k), v) for k, v in expect_profile.items() if saved.get(k) != v}
     fixed = {k: d for k, d in diff.items() if k not in LAYOUT_KEYS}
     if fixed:
