@@ -333,3 +333,21 @@ def test_worker_keeps_the_head_of_a_long_error_message():
     text = "[gloo/transport/tcp/pair.cc:584] TIMEOUT waiting for peer " + "x" * 3000 + " last frame"
     short = shorten(text)
     assert len(short) < 900 and "TIMEOUT" in short and short.endswith("last frame")
+
+
+def test_resume_refuses_steps_below_the_state_and_carries_the_skipped_steps(tmp_path):
+    """``--steps`` below the resume state's step: refused by name (before, the run trained nothing,
+    exited 0 and wrote a loss.json saying ``steps: 2`` over 4 losses; --steps is the run's total).
+    The steps skipped before the resume stay in loss.json's ``skipped_steps`` (before, a resumed
+    run listed none while its grad_norms kept the skipped step's null); the allowance restarts."""
+    a = run_training(_cfg(tmp_path / "a", save_every=2, skip_nonfinite_steps=1, fault="rank=0,step=1,kind=nan"))
+    assert a["skipped_steps"] == [1] and a["grad_norms"][0] != a["grad_norms"][0]  # NaN
+    with pytest.raises(ValueError, match=r"--steps 3: the resume state .*step_00000004 is at step 4 already"):
+        run_training(_cfg(tmp_path / "b", steps=3, resume=str(tmp_path / "a" / "checkpoints")))
+    c = run_training(
+        _cfg(tmp_path / "c", skip_nonfinite_steps=1, resume=str(tmp_path / "a" / "checkpoints" / "step_00000002"))
+    )
+    assert c["losses"] == a["losses"] and c["skipped_steps"] == [1]
+    d = run_training(_cfg(tmp_path / "d", steps=6, skip_nonfinite_steps=1, fault="rank=0,step=5,kind=nan",
+                          resume=str(tmp_path / "a" / "checkpoints")))  # fmt: skip
+    assert d["skipped_steps"] == [1, 5] and len(d["losses"]) == 6  # one more skip allowed after the resume

@@ -276,9 +276,10 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     if cfg.data is not None:
         open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
     if cfg.resume:
+        from .loop import check_resume_steps
         from .state_files import check_resume_state
 
-        check_resume_state(cfg.resume)
+        check_resume_steps(cfg.steps, *check_resume_state(cfg.resume))
 
 
 def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:

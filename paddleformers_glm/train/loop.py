@@ -46,6 +46,7 @@ from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonf
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
 from .settings import check_numbers
+from .state_files import read_meta, resolve_resume_state
 
 __all__ = ["TrainConfig", "run_training"]
 
@@ -280,6 +281,16 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
             set_topology(None)
 
 
+def check_resume_steps(steps: int, path: str, meta: dict[str, Any]) -> None:
+    """``--steps`` counts every step of the run, those of the resume state included: one below the
+    state's step would train nothing and report fewer steps than its history holds."""
+    if steps < meta["step"]:
+        raise ValueError(
+            f"--steps {steps}: the resume state {path} is at step {meta['step']} already (--steps is the "
+            f"run's total, the resumed steps included: --steps {meta['step'] + steps} trains {steps} more)"
+        )
+
+
 def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, topo: Any, spec: Any) -> None:
     """This rank's weights: straight from the checkpoint when the adapter can (``load_stage``: only
     this rank's slices are read), else sliced from the adapter's full state; what was read goes to
@@ -340,6 +351,7 @@ class _Run:
     loss_mult: float  # see _setup
     opt_bytes: list[int] = field(default_factory=list)  # optimizer-state bytes of every rank
     skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss / grad norm
+    skipped_earlier: list[int] = field(default_factory=list)  # those skipped before the resume (loss.json only)
     last_checkpoint: str | None = None  # the newest resume state this run saved
     indexer: dict[str, Any] | None = None  # the indexer's training (adapter.indexer_info()), or None
     stage_start: int = 0  # steps done before this indexer stage began (its lr schedule starts there)
@@ -406,10 +418,13 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     history: dict[str, list[float]] = {k: [] for k in [*report_keys, "grad_norms", "lrs"]}
     indexer = adapter.indexer_info()
     stage = indexer["stage"] if indexer else None
-    start, stage_start, stages = 0, 0, []
+    start, stage_start, stages, skipped_earlier = 0, 0, [], []
     if cfg.resume:
+        folder = resolve_resume_state(cfg.resume)
+        check_resume_steps(cfg.steps, folder, read_meta(folder))
         meta = load_resume_state(cfg.resume, topo, module, opt, layout, indexer_stage=stage)
         start = int(meta["step"])
+        skipped_earlier = [s for s in meta.get("skipped_steps", []) if s <= start]
         for k, v in meta.get("history", {}).items():
             history[k] = list(v)[:start]
         saved = meta.get("indexer") or {}
@@ -426,6 +441,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     return _Run(
         cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,
         profile, layout, history, start, sched, mult, indexer=indexer, stage_start=stage_start, indexer_stages=stages,
+        skipped_earlier=skipped_earlier,
     )  # fmt: skip
 
 
@@ -477,7 +493,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             # ops Paddle runs through ops/cpu_bf16's fp32 route here (0: its own kernels, e.g. any GPU build)
             "cpu_bf16_ops": len(cpu_bf16.installed()),
         },
-        skipped_steps=list(run.skipped),
+        skipped_steps=run.skipped_earlier + run.skipped,
     )
     out.update(run.balancer.report())
     return out
@@ -586,7 +602,7 @@ def _nonfinite_step(
     order = [n for n, _ in run.sync.params]
     reports = gather_json(local_report(run.topo.rank, sums, grads, order), run.topo.world_size)
     record = nonfinite_record(step, done["gnorm"], reports)
-    record["skipped_before"] = list(run.skipped)
+    record["skipped_before"] = run.skipped_earlier + run.skipped
     record["last_checkpoint"] = run.last_checkpoint
     if len(run.skipped) < run.cfg.skip_nonfinite_steps:
         run.skipped.append(step)
@@ -698,6 +714,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
+            meta["skipped_steps"] = run.skipped_earlier + run.skipped
             # a resume's indexer stage: where it began, the stages so far
             stage = None if run.indexer is None else run.indexer["stage"]
             meta["indexer"] = stage and {"stage": stage, "stage_start": run.stage_start, "stages": run.indexer_stages}

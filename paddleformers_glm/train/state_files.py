@@ -144,6 +144,9 @@ def read_meta(folder: str) -> dict[str, Any]:
         isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
     )
     _require(ok, file, "history", "an object of number lists", history)
+    skipped = meta.get("skipped_steps", [])
+    ok = isinstance(skipped, list) and all(is_int(s) and s >= 1 for s in skipped)
+    _require(ok, file, "skipped_steps", "a list of step numbers", skipped)
     return meta
 
 
