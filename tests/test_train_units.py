@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import paddle
@@ -351,3 +352,30 @@ def test_resume_refuses_steps_below_the_state_and_carries_the_skipped_steps(tmp_
     d = run_training(_cfg(tmp_path / "d", steps=6, skip_nonfinite_steps=1, fault="rank=0,step=5,kind=nan",
                           resume=str(tmp_path / "a" / "checkpoints")))  # fmt: skip
     assert d["skipped_steps"] == [1, 5] and len(d["losses"]) == 6  # one more skip allowed after the resume
+
+
+def test_resaving_a_step_killed_while_deleting_the_old_state_keeps_a_resumable_state(tmp_path, monkeypatch):
+    """A run resumed from step 2 into its own OUT saves step 4 again, replacing the old step_00000004
+    that ``latest`` names.  Killed while that old state is being deleted (a large state takes long):
+    before, the delete came first, so ``latest`` named a half-deleted folder (here its meta.json
+    gone) and the new state sat unnamed in step_00000004.tmp; now the old one is moved aside, the
+    new one named, and only then is the old deleted."""
+    from paddleformers_glm.train import resume as resume_mod
+    from paddleformers_glm.train.state_files import check_resume_state
+
+    out = tmp_path / "a"
+    run_training(_cfg(out, save_every=2))
+    real_rmtree = resume_mod.shutil.rmtree
+
+    def killed_while_deleting(path, *a, **k):
+        if os.path.isfile(os.path.join(path, "meta.json")):  # a real state, not a leftover
+            os.remove(os.path.join(path, "meta.json"))
+            raise KeyboardInterrupt("killed while deleting")
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(resume_mod.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_cfg(out, save_every=2, resume=str(out / "checkpoints" / "step_00000002")))
+    monkeypatch.setattr(resume_mod.shutil, "rmtree", real_rmtree)
+    folder, meta = check_resume_state(str(out / "checkpoints"))
+    assert os.path.basename(folder) == "step_00000004" and meta["step"] == 4

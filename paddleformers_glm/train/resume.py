@@ -62,10 +62,16 @@ def save_resume_state(
     if topo.rank == 0:
         meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
         write_record(os.path.join(tmp, "meta.json"), meta)
+        # a state of this step already there (a run resumed from an earlier step into the same OUT):
+        # moved aside by one rename and deleted only once the new one is in place and named, so a
+        # process killed during the (long) delete leaves the new state whole, not a half-deleted one
+        old = final + ".old"
         if os.path.exists(final):
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         atomic_write_text(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+        shutil.rmtree(old, ignore_errors=True)
     if topo.world_size > 1:
         dist.barrier()
     return final
