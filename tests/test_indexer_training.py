@@ -408,3 +408,19 @@ def test_a_warmup_raises_the_recall_and_changes_only_the_trained_indexers(tiny_c
     changed = {k for k in source if source[k].dtype != export[k].dtype or source[k].tobytes() != export[k].tobytes()}
     trained = {k for k in source if ".indexer." in k and k.split(".")[2] in ("0", "1", "2", "6")}
     assert changed == trained, sorted(changed ^ trained)
+
+
+def test_a_resume_without_indexer_stage_continues_the_saved_stage(tiny_ckpt, tmp_path):
+    """--indexer-stage left unset on a resume: the state's stage (here the warm-up, which trains
+    only the indexers), not the checkpoint's default (none: every parameter trains). Before, the
+    resumed warm-up silently trained the whole model from step 3 on."""
+    from paddleformers_glm.train.state_files import read_rank_state
+
+    warm = _train(tiny_ckpt, tmp_path / "warm", steps=3, indexer_stage="warmup", save_every=2, lr=1e-3)
+    ckpt = tmp_path / "warm" / "checkpoints" / "step_00000002"
+    out = _train(tiny_ckpt, tmp_path / "more", steps=3, resume=str(ckpt), save_every=3, lr=1e-3)
+    assert [st["stage"] for st in out["indexer"]["stages"]] == ["warmup"] and out["losses"] == warm["losses"]
+    reader, _, _ = read_rank_state(str(tmp_path / "more" / "checkpoints" / "step_00000003"), 0)
+    with reader:
+        trained = [k for k in reader.tensors if k.startswith("optimizer/")]
+    assert trained and all(".indexer." in k for k in trained)

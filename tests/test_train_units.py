@@ -349,7 +349,7 @@ def test_resume_refuses_steps_below_the_state_and_carries_the_skipped_steps(tmp_
         _cfg(tmp_path / "c", skip_nonfinite_steps=1, resume=str(tmp_path / "a" / "checkpoints" / "step_00000002"))
     )
     assert c["losses"] == a["losses"] and c["skipped_steps"] == [1]
-    d = run_training(_cfg(tmp_path / "d", steps=6, skip_nonfinite_steps=1, fault="rank=0,step=5,kind=nan",
+    d = run_training(_cfg(tmp_path / "d", steps=6, skip_nonfinite_steps=1, fault="rank=0,step=5,kind=nan", resume_override=["steps"],
                           resume=str(tmp_path / "a" / "checkpoints")))  # fmt: skip
     assert d["skipped_steps"] == [1, 5] and len(d["losses"]) == 6  # one more skip allowed after the resume
 
@@ -379,3 +379,26 @@ def test_resaving_a_step_killed_while_deleting_the_old_state_keeps_a_resumable_s
     monkeypatch.setattr(resume_mod.shutil, "rmtree", real_rmtree)
     folder, meta = check_resume_state(str(out / "checkpoints"))
     assert os.path.basename(folder) == "step_00000004" and meta["step"] == 4
+
+
+def test_resume_refuses_changed_run_settings_unless_overridden(tmp_path):
+    """A resume continues the saved run: another --lr, --seed or data (each would change the
+    continuation: the lr schedule, the data order, the samples) is refused naming saved and new
+    values (before: taken silently, so a "resumed" curve was another run's); ``--resume-override``
+    names the ones changed on purpose, and the run then uses them."""
+    a = run_training(_cfg(tmp_path / "a", save_every=2))
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    with pytest.raises(ValueError, match=r"lr saved 0\.002, now 0\.001; min-lr saved 0\.0002, now 0\.0001.*"
+                       r"--resume-override lr,min-lr\)"):  # fmt: skip
+        run_training(_cfg(tmp_path / "b", lr=1e-3, resume=ckpt))
+    with pytest.raises(ValueError, match=r"seed saved 11, now 12"):
+        run_training(_cfg(tmp_path / "b", seed=12, resume=ckpt))
+    tokens = np.random.default_rng(0).integers(0, 64, size=16 * 8)
+    np.save(tmp_path / "tokens.npy", tokens)
+    with pytest.raises(ValueError, match=r"data saved 'other samples'"):
+        run_training(_cfg(tmp_path / "b", data=str(tmp_path / "tokens.npy"), resume=ckpt))
+    with pytest.raises(ValueError, match=r"--resume-override wamup: not a run setting"):
+        run_training(_cfg(tmp_path / "b", lr=1e-3, resume=ckpt, resume_override=["wamup"]))
+    b = run_training(_cfg(tmp_path / "b", lr=1e-3, resume=ckpt, resume_override=["lr", "min-lr"]))
+    assert b["losses"][:2] == a["losses"][:2] and b["losses"][2:] != a["losses"][2:]
+    assert b["lrs"][2] < a["lrs"][2]  # the new schedule from the resumed step on

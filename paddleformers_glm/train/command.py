@@ -195,6 +195,13 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", help="checkpoint folder (step_* or its root) to continue from")
     g.add_argument(
+        "--resume-override",
+        metavar="KEYS",
+        default="",
+        help="comma-separated run settings a resume may change on purpose (lr, steps, seed, data ...; "
+        "others are refused: docs/parallel.md, 'Checkpoints')",
+    )
+    g.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar nor checkpoint load/export progress (the bar is drawn on a terminal only)",
@@ -240,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data=os.path.abspath(args.data) if args.data else None,
         out=os.path.abspath(args.out),
         resume=os.path.abspath(args.resume) if args.resume else None,
+        resume_override=[k.strip() for k in getattr(args, "resume_override", "").split(",") if k.strip()],
         progress=not args.no_progress,
         dump_steps=_dump_steps(args),
     )
@@ -273,13 +281,13 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
             f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
         )
         cfg.data = out
-    if cfg.data is not None:
-        open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype).validate()
+    data = open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+    data.validate()
     if cfg.resume:
-        from .loop import check_resume_steps
+        from .resume import check_resume_run
         from .state_files import check_resume_state
 
-        check_resume_steps(cfg.steps, *check_resume_state(cfg.resume))
+        check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint())
 
 
 def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:

@@ -11,6 +11,7 @@ shifts them, HF convention).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -39,6 +40,17 @@ class TokenData:
         """Check every token of the source against the vocabulary now, not when its batch is drawn
         (the launcher calls it once, before any worker starts). Sources checked as they are read
         (jsonl, synthetic) have nothing left to check."""
+
+    def fingerprint(self) -> str:
+        """What a resume compares to tell the saved run's data from another file, tokenizer or seed:
+        a hash of the sample count, the sequence length and the first, middle and last samples (the
+        first of an unbounded source), so a large file is not read whole."""
+        n = self.num_samples
+        h = hashlib.sha256(f"{n}:{self.seq_len}".encode())
+        for i in sorted({0, n // 2, n - 1}) if n else [0]:
+            for key, v in sorted(self.sample(i).items()):
+                h.update(key.encode() + np.ascontiguousarray(v, dtype=np.int64).tobytes())
+        return h.hexdigest()[:16]
 
     def global_batch(self, step: int, global_batch_size: int) -> dict[str, np.ndarray]:
         """Rows of step ``step`` (same on every rank and layout)."""

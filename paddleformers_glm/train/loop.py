@@ -44,7 +44,7 @@ from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
 from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
 from .optim import AdamW, make_lr_scheduler
-from .resume import load_resume_state, save_resume_state
+from .resume import check_resume_run, load_resume_state, save_resume_state
 from .settings import check_numbers
 from .state_files import read_meta, resolve_resume_state
 
@@ -91,6 +91,7 @@ class TrainConfig:
     export: bool = False
     save_every: int = 0
     resume: str | None = None
+    resume_override: list = field(default_factory=list)  # RESUME_SETTINGS a resume may change (train/resume.py)
     dtype: str = "float32"
     progress: bool = True
     moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
@@ -236,6 +237,9 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
+    if cfg.resume:  # before the indexer training is set: an unset --indexer-stage takes the state's
+        folder = resolve_resume_state(cfg.resume)
+        check_resume_run(cfg, folder, read_meta(folder))
     # --indexer-*: the warm-up freezes the backbone (no router-bias updates nor balance loss); shared-layer
     # supervision needs every chunk to start on a full layer (its target includes the shared layers after it)
     adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
@@ -279,16 +283,6 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
             progress.set_quiet(was_quiet)
         if world == 1:
             set_topology(None)
-
-
-def check_resume_steps(steps: int, path: str, meta: dict[str, Any]) -> None:
-    """``--steps`` counts every step of the run, those of the resume state included: one below the
-    state's step would train nothing and report fewer steps than its history holds."""
-    if steps < meta["step"]:
-        raise ValueError(
-            f"--steps {steps}: the resume state {path} is at step {meta['step']} already (--steps is the "
-            f"run's total, the resumed steps included: --steps {meta['step'] + steps} trains {steps} more)"
-        )
 
 
 def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, topo: Any, spec: Any) -> None:
@@ -421,7 +415,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     start, stage_start, stages, skipped_earlier = 0, 0, [], []
     if cfg.resume:
         folder = resolve_resume_state(cfg.resume)
-        check_resume_steps(cfg.steps, folder, read_meta(folder))
+        check_resume_run(cfg, folder, read_meta(folder), data.fingerprint())
         meta = load_resume_state(cfg.resume, topo, module, opt, layout, indexer_stage=stage)
         start = int(meta["step"])
         skipped_earlier = [s for s in meta.get("skipped_steps", []) if s <= start]
@@ -714,6 +708,7 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, An
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
+            meta["data"] = run.data.fingerprint()  # a resume's data must be these samples (check_resume_run)
             meta["skipped_steps"] = run.skipped_earlier + run.skipped
             # a resume's indexer stage: where it began, the stages so far
             stage = None if run.indexer is None else run.indexer["stage"]
