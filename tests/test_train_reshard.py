@@ -74,8 +74,8 @@ def test_tp2pp2_checkpoint_resumes_in_one_process(saved, tmp_path):
 def test_resume_refuses_changed_run_settings(saved, tmp_path):
     _, ckpt = saved
     cfg = TrainConfig(
-        model="toy", steps=STEPS, seq_len=32, global_batch_size=4, micro_batch_size=1, lr=LR, seed=7,
-        out=str(tmp_path), progress=False, model_args={"seed": 7}, resume=str(ckpt),
+        model="toy", steps=STEPS, seq_len=32, global_batch_size=4, micro_batch_size=1, lr=LR, warmup_steps=1,
+        seed=7, out=str(tmp_path), progress=False, model_args={"seed": 7}, resume=str(ckpt),
     )  # fmt: skip
     with pytest.raises(ValueError, match="run settings differ from this run: seq_len saved 16 vs now 32"):
         run_training(cfg)

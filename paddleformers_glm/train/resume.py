@@ -86,7 +86,8 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
         if d.get("min_lr") is None and d.get("lr") is not None:
             d["min_lr"] = d["lr"] / 10
     diff = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
-    if data_fingerprint is not None and meta.get("data") not in (None, data_fingerprint):
+    same_rows = saved.get("seq_len") == cfg.seq_len  # else the layout check names --seq-len (load_resume_state)
+    if data_fingerprint is not None and same_rows and meta.get("data") not in (None, data_fingerprint):
         diff["data"] = ("other samples", "these")
     stage = (meta.get("indexer") or {}).get("stage")
     if cfg.indexer_stage is None and stage is not None:
