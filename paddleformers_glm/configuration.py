@@ -371,8 +371,10 @@ class GlmMoeDsaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise _err("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads")
         self._derive_indexer_types(L)
-        k, freq = min(int(self.first_k_dense_replace), L), int(self.moe_layer_freq or 1)
-        self.mlp_layer_types = ["dense" if i < k or (i - k) % freq else "sparse" for i in range(L)]
+        # as transformers' glm_moe_dsa (5.23, measured): the first `first_k_dense_replace` layers are
+        # dense, every later one MoE; `moe_layer_freq` is kept for a round trip but places no layer
+        k = min(int(self.first_k_dense_replace), L)
+        self.mlp_layer_types = ["dense" if i < k else "sparse" for i in range(L)]
         if self._given_mlp_layer_types is not None:
             self.mlp_layer_types = _layer_list("mlp_layer_types", self._given_mlp_layer_types, ("dense", "sparse"), L)
         # MoE

@@ -429,3 +429,21 @@ def test_tied_word_embeddings_are_refused_naming_the_key(tmp_path):
             assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
         with pytest.raises(ValueError, match="`tie_word_embeddings`"):
             GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+# Which layers are MoE for a file without `mlp_layer_types`, against transformers 5.23's GlmMoeDsaConfig
+# (measured there: layer i is MoE iff i >= first_k_dense_replace; moe_layer_freq places no layer). Before
+# the fix the library made layer i dense also where (i - first_k_dense_replace) % moe_layer_freq != 0
+# (freq 2, k 3 -> DDDSDSDS where transformers builds DDDSSSSS: other weights than the checkpoint's).
+@pytest.mark.parametrize("k,freq,want", [(3, 2, "DDDSSSSS"), (1, 2, "DSSSSSSS"), (0, 3, "SSSSSSSS"), (3, 1, "DDDSSSSS")])
+def test_moe_layers_without_a_list_are_placed_as_transformers_places_them(k, freq, want):
+    d = json.loads(TINY_CONFIG.read_text())
+    del d["mlp_layer_types"]
+    d.update(first_k_dense_replace=k, moe_layer_freq=freq)
+    cfg = GlmMoeDsaConfig.from_dict(copy.deepcopy(d))
+    assert "".join("D" if t == "dense" else "S" for t in cfg.mlp_layer_types) == want
+    assert cfg.to_dict()["moe_layer_freq"] == freq  # kept for the round trip
+    if missing_reference_extra() is None:  # the measurement, live
+        from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig as HfConfig
+
+        assert HfConfig(**copy.deepcopy(d)).mlp_layer_types == cfg.mlp_layer_types
