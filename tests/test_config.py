@@ -435,7 +435,9 @@ def test_tied_word_embeddings_are_refused_naming_the_key(tmp_path):
 # (measured there: layer i is MoE iff i >= first_k_dense_replace; moe_layer_freq places no layer). Before
 # the fix the library made layer i dense also where (i - first_k_dense_replace) % moe_layer_freq != 0
 # (freq 2, k 3 -> DDDSDSDS where transformers builds DDDSSSSS: other weights than the checkpoint's).
-@pytest.mark.parametrize("k,freq,want", [(3, 2, "DDDSSSSS"), (1, 2, "DSSSSSSS"), (0, 3, "SSSSSSSS"), (3, 1, "DDDSSSSS")])
+@pytest.mark.parametrize(
+    "k,freq,want", [(3, 2, "DDDSSSSS"), (1, 2, "DSSSSSSS"), (0, 3, "SSSSSSSS"), (3, 1, "DDDSSSSS")]
+)
 def test_moe_layers_without_a_list_are_placed_as_transformers_places_them(k, freq, want):
     d = json.loads(TINY_CONFIG.read_text())
     del d["mlp_layer_types"]
