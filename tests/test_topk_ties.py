@@ -92,3 +92,76 @@ def test_router_breaks_ties_as_hf_with_64_experts_per_choice(grad):
     with paddle.set_grad_enabled(grad):
         _, _, got = router(paddle.to_tensor(np.eye(H, dtype=np.float32)))
     np.testing.assert_array_equal(got.numpy(), np.array(TORCH["router"]["choice"]))
+
+
+def _official_ratio_model(tmp_path, index_topk: int):
+    """A small model with the official width ratios (nope : rope : v : index_head_dim = 3 : 1 : 4 : 2)
+    and 4 indexer heads, whose relu scores are exactly 0 on about 1 key in 16 (ties at the k-th slot
+    are common), saved and loaded into HF transformers (eager, fp32)."""
+    torch = pytest.importorskip("torch", reason="the reference extra (torch) is not installed")
+    transformers = pytest.importorskip("transformers")
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    from ._tiny import randomize
+
+    cfg = tiny_config(
+        dtype="float32", num_hidden_layers=4, first_k_dense_replace=1, index_topk_pattern="FSFS",
+        num_nextn_predict_layers=0, mlp_layer_types=["dense"] + ["sparse"] * 3, qk_nope_head_dim=24,
+        qk_rope_head_dim=8, v_head_dim=32, qk_head_dim=32, head_dim=24, q_lora_rank=64,
+        index_head_dim=16, index_n_heads=4, index_topk=index_topk, moe_intermediate_size=16,
+    )  # fmt: skip
+    model = randomize(GlmMoeDsaForCausalLM(cfg), 0)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return model, hf
+
+
+@pytest.mark.reference
+def test_decode_over_a_cache_with_spare_capacity_breaks_ties_as_hf_dynamic_cache(tmp_path):
+    """A prompt of 5 tokens (one row left-padded by 3), then 43 tokens one by one, into a cache of
+    capacity 78 (generate's: prompt + new tokens): the logits of every real position are HF's with
+    its DynamicCache fed the same way. HF's indexer takes its top-k over the keys cached so far;
+    std::nth_element picks among equal scores by the row's length, so a top-k over the whole
+    capacity (-inf past the filled slots) chose other keys at tied k-th slots. Both paths: the
+    model's forward over the cache and `decode_step` (generate's). Before the fix: 8 of 96
+    positions off, by up to 0.68 in the logits (each path); after: <= 1e-5."""
+    torch = pytest.importorskip("torch", reason="the reference extra (torch) is not installed")
+    from transformers import DynamicCache
+
+    from paddleformers_glm.modeling.cache import DSACache
+
+    model, hf = _official_ratio_model(tmp_path, index_topk=16)
+    B, P, total = 2, 5, 48
+    ids = np.random.default_rng(9).integers(3, 256, size=(B, total))
+    mask = np.ones((B, total), "int64")
+    mask[1, :3] = 0
+    pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)  # HF generate's positions; ours count real tokens alike
+    splits = [P] + [1] * (total - P)
+    hc, t, want = DynamicCache(config=hf.config), 0, []
+    with torch.no_grad():
+        for n in splits:
+            sl = slice(t, t + n)
+            o = hf(torch.tensor(ids[:, sl]), attention_mask=torch.tensor(mask[:, : t + n]),
+                   position_ids=torch.tensor(pos[:, sl]), past_key_values=hc, use_cache=True)  # fmt: skip
+            want.append(o.logits.numpy())
+            t += n
+    want = np.concatenate(want, 1)
+    for path in ("forward", "decode_step"):
+        cache, t, got = DSACache.for_config(model.config, B, capacity=total + 30), 0, []
+        with paddle.no_grad():
+            for n in splits:
+                x = paddle.to_tensor(ids[:, t : t + n])
+                if path == "forward" or t == 0:
+                    m = paddle.to_tensor(mask[:, : t + n])
+                    got.append(model(x, attention_mask=m, past_key_values=cache, use_cache=True).logits.numpy())
+                else:  # generate's step
+                    positions, _ = cache.begin(None, n)
+                    got.append(model.decode_step(x, positions, cache.slots, cache).numpy()[:, None])
+                    cache.advance(n)
+                t += n
+        err = np.abs(np.concatenate(got, 1) - want).max(-1)
+        err[1, :3] = 0  # padding queries (they see no key)
+        assert err.max() <= 1e-5, f"{path}: {int((err > 1e-4).sum())} positions off, max {err.max():.2g}"

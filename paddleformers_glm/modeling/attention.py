@@ -25,6 +25,7 @@ from paddle import nn
 
 from .. import ops
 from ..configuration import GlmMoeDsaConfig
+from ..ops.norm import building_graph, capturing_cuda_graph
 from ..parallel import comm
 from ..parallel.context import gather_sequence, zigzag_positions
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
@@ -377,7 +378,12 @@ class MLAttention(nn.Layer):
         if indexer is not None:  # the new queries over every cached key
             iq, ik, iw = indexer.finish_projection(q_parts[2], parts[3], parts[4], cos, sin)
             keys = cache.write_slots("index_keys", ik.astype("float32"), slots)  # [B, capacity, Di]
-            topk = indexer.select(iq, keys, iw, key_valid, slots=slots)
+            # an eager step over the cache's own slots knows the filled length: the top-k runs over
+            # those keys only, so ties break as HF's over its grown cache; a traced or captured step
+            # keeps the capacity's shapes (ties may then break as over HF's static cache)
+            eager = slots is cache.owner.slots and not (building_graph() or capturing_cuda_graph())
+            n_filled = cache.owner.length + n if eager else None
+            topk = indexer.select(iq, keys, iw, key_valid, slots=slots, n_filled=n_filled)
         elif prev_topk is None:
             raise ValueError("a shared DSA layer needs the top-k indices of the previous full layer (prev_topk)")
         else:

@@ -157,6 +157,7 @@ class DSAIndexer(nn.Layer):
         positions: np.ndarray | None = None,
         keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
         slots: paddle.Tensor | None = None,
+        n_filled: int | None = None,
     ) -> paddle.Tensor:
         """The selection of `forward` from the projected queries q [B, S, Hi, Di], keys k [B, S, Di]
         and head weights w [B, S, Hi] (`project`), in descending score order (HF's top-k).
@@ -167,19 +168,31 @@ class DSAIndexer(nn.Layer):
         `ordered=False` (the caller needs the set only): the first k_out queries of a plain forward
         see at most k_out keys, so they are neither scored nor sorted (keys in ascending order).
         ``slots`` (a decode step's cache slots [S], a tensor): the keys are the whole cache
-        [B, capacity, Di]; fixed shapes, no host read, slots past the filled length are -1."""
+        [B, capacity, Di]; fixed shapes, no host read, slots past the filled length are -1.
+        ``n_filled`` (with ``slots``, eager steps only): the filled slots, this step's included; the
+        top-k then runs over those columns only, as HF's over its grown key cache, so exact ties
+        break as there (std::nth_element's choice among equal scores depends on the row's length);
+        the result is padded back to the capacity's width with -1."""
         with paddle.no_grad():
             k = keys(k) if keys is not None else k  # [B, T, Di]
             B, S, T = q.shape[0], q.shape[1], k.shape[1]
             if slots is not None:  # one block of scores [B, S, T]: the visible slots (<= the query's, valid)
                 scores = self.chunk_scores(q, k, w)
-                key_ids = paddle.arange(T, dtype="int64")
-                visible = paddle.logical_and(
-                    key_ids.unsqueeze(0) <= slots.unsqueeze(1), key_padding.astype("bool").unsqueeze(1)
-                )
+                width = min(self.topk, T)
+                valid = key_padding.astype("bool")
+                if n_filled is not None and S == 1:  # one new token: the filled slots are the causal ones
+                    scores, visible = scores[:, :, :n_filled], valid[:, :n_filled].unsqueeze(1)
+                else:
+                    key_ids = paddle.arange(T, dtype="int64")
+                    visible = paddle.logical_and(key_ids.unsqueeze(0) <= slots.unsqueeze(1), valid.unsqueeze(1))
+                    if n_filled is not None:
+                        scores, visible = scores[:, :, :n_filled], visible[:, :, :n_filled]
                 scores = paddle.where(visible, scores, paddle.full_like(scores, NEG_INF))
-                vals, idx = topk(scores, min(self.topk, T))
-                return paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+                vals, idx = topk(scores, min(width, scores.shape[-1]))
+                idx = paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+                if idx.shape[-1] < width:
+                    idx = paddle.concat([idx, paddle.full([B, S, width - idx.shape[-1]], -1, idx.dtype)], axis=-1)
+                return idx
             pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
             k_out = min(self.topk, T)
             chunk = self.chunk_rows(S, T)
