@@ -402,3 +402,21 @@ def test_resume_refuses_changed_run_settings_unless_overridden(tmp_path):
     b = run_training(_cfg(tmp_path / "b", lr=1e-3, resume=ckpt, resume_override=["lr", "min-lr"]))
     assert b["losses"][:2] == a["losses"][:2] and b["losses"][2:] != a["losses"][2:]
     assert b["lrs"][2] < a["lrs"][2]  # the new schedule from the resumed step on
+
+
+def test_glm52_train_refuses_a_changed_setting_before_launch_and_reads_resume_override(tmp_path, capsys):
+    """The command line: a resume with another --lr is refused before any process starts (exit 2,
+    one line); ``--resume-override lr`` lets --lr change but not the floor it moves with (--min-lr
+    unset is lr / 10), which the refusal then names alone."""
+    from paddleformers_glm.cli import main
+
+    run_training(_cfg(tmp_path / "a", save_every=2))
+    base = ["train", "--model", "toy", "--out", str(tmp_path / "b"), "--steps", "4", "--seq-len", "16"]
+    base += ["--global-batch-size", "4", "--micro-batch-size", "2", "--seed", "11", "--lr", "0.001"]
+    base += ["--resume", str(tmp_path / "a" / "checkpoints")]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "lr saved 0.002, now 0.001; min-lr saved 0.0002" in err and len(err.strip().splitlines()) == 1, err
+    assert main([*base, "--resume-override", "lr"]) == 2
+    err = capsys.readouterr().err
+    assert "settings differ from the saved run's: min-lr saved" in err and "--resume-override min-lr)" in err, err

@@ -197,7 +197,6 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--resume-override",
         metavar="KEYS",
-        default="",
         help="comma-separated run settings a resume may change on purpose (lr, steps, seed, data ...; "
         "others are refused: docs/parallel.md, 'Checkpoints')",
     )
@@ -247,7 +246,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data=os.path.abspath(args.data) if args.data else None,
         out=os.path.abspath(args.out),
         resume=os.path.abspath(args.resume) if args.resume else None,
-        resume_override=[k.strip() for k in getattr(args, "resume_override", "").split(",") if k.strip()],
+        resume_override=[k.strip() for k in (getattr(args, "resume_override", None) or "").split(",") if k.strip()],
         progress=not args.no_progress,
         dump_steps=_dump_steps(args),
     )
