@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,21 +82,65 @@ def _id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
+# a `{% generation %}` block: what HF's return_assistant_tokens_mask marks (utils/chat_template_utils.py)
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@functools.lru_cache(maxsize=1)
+def _generation_extension() -> Any:
+    """transformers' ``AssistantTracker``: ``{% generation %}...{% endgeneration %}`` renders its body
+    unchanged and, while ``tracking`` holds (rendered blocks, spans), records the body's character span."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment: Any) -> None:
+            super().__init__(environment)
+            environment.extend(generation_blocks=self)
+            self.tracking: tuple[list[str], list[tuple[int, int]]] | None = None
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_block"), [], [], body).set_lineno(lineno)
+
+        def _block(self, caller: Any) -> str:
+            text = caller()
+            if self.tracking is not None:
+                blocks, spans = self.tracking
+                start = sum(len(b) for b in blocks)
+                spans.append((start, start + len(text)))
+            return text
+
+    return GenerationBlocks
+
+
 @functools.lru_cache(maxsize=8)
 def _compile_template(text: str, source: str) -> Any:
-    """``text`` compiled once in jinja2's sandbox with HF's globals (a conversation renders it many
-    times); a syntax error names ``source``."""
+    """``text`` compiled once in jinja2's sandbox with HF's environment (its options, extensions and
+    globals: transformers' ``_cached_compile_jinja_template``; a conversation renders it many times);
+    a syntax error names ``source``."""
+    from datetime import datetime
+
     from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    # keep_trailing_newline stays jinja's False, as in HF: a template's final newline is not rendered
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols]
     )
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(text)
     except TemplateSyntaxError as err:
@@ -293,15 +338,32 @@ class GlmTokenizer:
     # ------------------------------------------------------------------ chat
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, **extra: Any) -> str:
         """The conversation as text, per the chat template."""
+        return self._render(messages, add_generation_prompt, extra)[0]
+
+    def _render(
+        self, messages: Sequence[dict], add_generation_prompt: bool, extra: dict, track: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """(text, character spans of the template's ``{% generation %}`` blocks; [] unless ``track``)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
         specials = {k: self._special(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return _compile_template(self.chat_template, self.template_source).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **extra
-        )
+        template = _compile_template(self.chat_template, self.template_source)
+        variables = dict(messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **extra)
+        if not track:
+            return template.render(**variables), []
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        tracker = template.environment.generation_blocks
+        tracker.tracking = (blocks, spans)
+        try:
+            for block in template.generate(**variables):
+                blocks.append(block)
+        finally:
+            tracker.tracking = None
+        return "".join(blocks), spans
 
     def apply_chat_template(
         self,
@@ -351,8 +413,22 @@ class GlmTokenizer:
     def encode_chat_for_training(self, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
         """(token ids of the rendered conversation, per token True when the assistant wrote it).
 
-        A token belongs to the assistant when it starts inside an assistant span; the whole
-        conversation is tokenized at once, so the ids are exactly those of the rendered text."""
+        A template with ``{% generation %}`` blocks: the tokens HF's ``apply_chat_template(...,
+        return_assistant_tokens_mask=True)`` marks, from the token holding a block's first character
+        to the one holding its last. Otherwise a token belongs to the assistant when it starts inside
+        an ``assistant_spans`` span. The whole conversation is tokenized at once, so the ids are
+        exactly those of the rendered text."""
+        if self.chat_template and _GENERATION_TAG.search(self.chat_template):
+            text, blocks = self._render(messages, False, {}, track=True)
+            enc = self.tokenizer.encode(text, add_special_tokens=False)
+            mask = [False] * len(enc.ids)
+            for start, end in blocks:  # transformers' loop (tokenization_utils_base.apply_chat_template)
+                first, last = enc.char_to_token(start), enc.char_to_token(end - 1)
+                if first is None:
+                    break
+                for t in range(first, last + 1 if last else len(mask)):
+                    mask[t] = True
+            return list(enc.ids), mask
         text, spans = self.assistant_spans(messages)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         return list(enc.ids), [end > start and any(a <= start < b for a, b in spans) for start, end in enc.offsets]

@@ -156,3 +156,30 @@ def test_train_refuses_a_bad_record_before_launch(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "chat.jsonl:3" in err and "non-empty list" in err
     assert not (out / "logs").exists() and not (out / "loss.json").exists()  # no worker was started
+
+
+def test_chat_labels_follow_the_templates_generation_blocks(tmp_path):
+    """A template with `{% generation %}` blocks (it used to stop prepare_jsonl with "unknown tag
+    'generation'"): the labels are HF's assistant_masks (transformers 5.23, measured in
+    tests/test_tokenizer.py), so the <|endoftext|> this template leaves outside the block is not trained."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = (  # tests/test_tokenizer.py GEN_TEMPLATE: the answer in the block, <|endoftext|> outside
+        "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}<|endoftext|>"
+        "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CHATS])
+    prepare_jsonl(path, 64, 256, tok, str(tmp_path / "c.npz"))
+    data = open_data(str(tmp_path / "c.npz"), 64, 256, 0)
+    for i, answers in enumerate([["Paris."], ["Four.", "You are welcome."]]):
+        s = data.sample(i)
+        keep = s["labels"] != IGNORE_INDEX
+        np.testing.assert_array_equal(s["labels"][keep], s["input_ids"][keep])
+        got = [tok.decode(s["input_ids"][a:b].tolist()) for a, b in _true_runs(keep)]
+        assert got == answers
+
+
+def _true_runs(mask):
+    """[start, end) of each run of True."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    return list(zip(edges[::2], edges[1::2]))

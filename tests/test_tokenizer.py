@@ -305,3 +305,100 @@ def test_call_equals_transformers_fast_tokenizer(tiny_dir, side):
     for key in ("input_ids", "attention_mask"):
         np.testing.assert_array_equal(a[key], b[key])
     assert hf.batch_decode(a["input_ids"]) == ours.batch_decode(b["input_ids"])
+
+
+# `{% generation %}` blocks mark what HF's apply_chat_template(..., return_assistant_tokens_mask=True)
+# trains on. GEN_TEMPLATE: the answer in the block, the <|endoftext|> closing the turn outside it;
+# GEN_STRADDLE: a block that starts inside the word "Paris", so the token "is" straddles its start.
+GEN_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}<|endoftext|>"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+GEN_STRADDLE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}Pari{% generation %}{{ m['content'] }}<|endoftext|>"
+    "{% endgeneration %}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}{% endfor %}"
+)
+GEN_CHAT = [  # a system turn, an empty answer, an answer that is not last, a conversation ending on a user turn
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "Thank you!"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "Hello! How are you today?"},
+    {"role": "user", "content": "Fine."},
+]
+GEN_CASES = [
+    (GEN_TEMPLATE, GEN_CHAT, ["Four.", "Hello! How are you today?"]),
+    (
+        GEN_STRADDLE,
+        [{"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "s."}],
+        ["is.<|endoftext|>"],
+    ),
+]
+
+
+def _runs(tok, ids, mask):
+    """The decoded runs of consecutive masked tokens."""
+    pieces, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            pieces.append(tok.decode(cur))
+            cur = []
+    return pieces + ([tok.decode(cur)] if cur else [])
+
+
+@pytest.mark.parametrize("template,chat,answers", GEN_CASES)
+def test_generation_blocks_are_the_assistant_mask(template, chat, answers):
+    """A template with `{% generation %}` blocks renders (it used to be a syntax error: "unknown tag
+    'generation'") and its training mask is HF's assistant_masks: measured with transformers 5.23,
+    the runs below (no <|endoftext|> where the template leaves it outside the block; the token "is"
+    that straddles a block's start is marked)."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = template
+    ids, mask = tok.encode_chat_for_training(chat)
+    assert ids == tok.apply_chat_template(chat, return_dict=False)
+    assert _runs(tok, ids, mask) == answers
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("template,chat,answers", GEN_CASES)
+def test_generation_mask_equals_hf_assistant_masks(tiny_dir, template, chat, answers):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_dir)
+    hf.chat_template = template
+    want = hf.apply_chat_template(chat, return_dict=True, return_assistant_tokens_mask=True)
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    tok.chat_template = template
+    ids, mask = tok.encode_chat_for_training(chat)
+    assert ids == want["input_ids"] and [int(m) for m in mask] == want["assistant_masks"]
+
+
+# HF's jinja environment: jinja's loop controls, strftime_now, and a template's final newline dropped
+# (keep_trailing_newline False); the rendered text of each, measured with transformers 5.23
+ENV_CASES = [
+    ("{% for m in messages %}{% if loop.index0 > 0 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}", "Hi"),
+    ("{{ strftime_now('%Y') | length }}{{ messages[0]['content'] }}", "4Hi"),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}\n", "HiFour.<|endoftext|>"),
+]
+
+
+@pytest.mark.parametrize("template,text", ENV_CASES)
+def test_template_environment_is_hfs(template, text):
+    tok = make_tiny_tokenizer()
+    tok.chat_template = template
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Four."}]
+    assert tok.apply_chat_template(chat, tokenize=False) == text
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("template,text", ENV_CASES)
+def test_template_environment_renders_as_hf(tiny_dir, template, text):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_dir)
+    hf.chat_template = template
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Four."}]
+    assert hf.apply_chat_template(chat, tokenize=False) == text
