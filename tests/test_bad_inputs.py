@@ -467,3 +467,29 @@ def test_chat_template_runs_in_a_sandbox(tok_dir, tmp_path, template, monkeypatc
     with pytest.raises((SecurityError, UndefinedError)):
         tok.render_chat(msgs)
     assert not (tmp_path / "MARKER").exists() and msgs == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("written,vocab,read", [("<i8", 151552, "uint32"), ("<i4", V, "uint16")])
+def test_bin_of_wider_tokens_is_refused_not_read_as_zeros(tmp_path, written, vocab, read):
+    """int64 tokens of GLM's 151552 vocabulary in a .bin (auto: uint32), or int32 of a small one (auto:
+    uint16): every token read back was followed by a 0, all inside the vocabulary, so the run used to
+    train on [t0, 0, t1, 0, ...] silently (measured: sample 0 began [127593, 0, 95544, 0, ...] for
+    tokens [127593, 95544, ...]). Now the file is refused, naming the width to pass."""
+    toks = np.random.default_rng(0).integers(1, vocab, 4096)
+    toks.astype(written).tofile(tmp_path / "w.bin")
+    with pytest.raises(
+        ValueError, match=rf"w\.bin: every second token of the first \d+ read as {read} is 0.*--data-dtype"
+    ):
+        open_data(str(tmp_path / "w.bin"), 16, vocab, 0)
+    right = "int64" if written == "<i8" else "int32"  # the right width reads the tokens back
+    data = open_data(str(tmp_path / "w.bin"), 16, vocab, 0, data_dtype=right)
+    data.validate()
+    np.testing.assert_array_equal(data.sample(0)["input_ids"], toks[:16])
+
+
+def test_bin_of_narrower_tokens_hints_at_the_width(tmp_path):
+    (np.arange(1, 65, dtype="<u2") % V).tofile(tmp_path / "n.bin")  # uint16 tokens read as uint32
+    with pytest.raises(
+        ValueError, match=r"n\.bin \(uint32\): token \d+ at position 0 .*narrower tokens than --data-dtype"
+    ):
+        open_data(str(tmp_path / "n.bin"), 16, V, 0, data_dtype="uint32").validate()

@@ -87,8 +87,11 @@ class _Synthetic(TokenData):
 
 
 class _Stream(TokenData):
-    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int, seed: int, describe: str) -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, vocab_size: int, seed: int, describe: str, raw: bool = False
+    ) -> None:
         super().__init__(seq_len, vocab_size, seed, describe)
+        self.raw = raw  # a .bin: its token width is --data-dtype's, not recorded in the file
         if tokens.ndim != 1:
             raise ValueError(f"{describe}: expected a 1-D token array, got shape {tokens.shape}")
         self.tokens = tokens
@@ -101,7 +104,12 @@ class _Stream(TokenData):
         return {"input_ids": toks, "labels": toks.copy()}
 
     def validate(self) -> None:
-        check_token_range(self.tokens, self.vocab_size, self.describe)
+        try:
+            check_token_range(self.tokens, self.vocab_size, self.describe)
+        except ValueError as e:
+            if not self.raw:
+                raise
+            raise ValueError(f"{e} (a .bin of narrower tokens than --data-dtype reads as such ids)") from None
 
 
 class _Jsonl(TokenData):
@@ -348,12 +356,32 @@ def open_data(
                 + (" (an empty file)" if size == 0 else "; a truncated file, or the wrong --data-dtype")
             )
         tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
-        return _Stream(tokens, seq_len, vocab_size, seed, f"{path} ({dtype})")
+        _check_bin_width(tokens, dtype, path)
+        return _Stream(tokens, seq_len, vocab_size, seed, f"{path} ({dtype})", raw=True)
     if path.endswith(".jsonl"):
         return _Jsonl(path, seq_len, vocab_size, seed, pad_id)
     if path.endswith(".npz"):
         return _Packed(path, seq_len, vocab_size, seed)
     raise ValueError(f"--data {path}: unknown format (use .npy, .bin, .jsonl, .npz, or omit for synthetic)")
+
+
+_WIDER = {"uint16": "uint32 (or int32)", "uint32": "int64", "int32": "int64"}
+_WIDTH_PROBE = 1 << 16  # leading tokens of a .bin looked at for the signature of a wider token file
+
+
+def _check_bin_width(tokens: np.ndarray, dtype: str, path: str) -> None:
+    """A .bin of tokens twice as wide as ``dtype`` (int64 read as uint32, int32 as uint16) reads as
+    its tokens interleaved with zeros (the little-endian high halves), all inside the vocabulary:
+    refused when every second of the leading tokens is 0 and the others are not all 0."""
+    head = np.asarray(tokens[:_WIDTH_PROBE])
+    if dtype not in _WIDER or head.size < 16:
+        return
+    pairs = head[: head.size // 2 * 2].reshape(-1, 2)
+    if not pairs[:, 1].any() and pairs[:, 0].any():
+        raise ValueError(
+            f"{path}: every second token of the first {pairs.size} read as {dtype} is 0, the signature of a file "
+            f"of {_WIDER[dtype]} tokens: pass --data-dtype {_WIDER[dtype].split()[0]} (or write the file as {dtype})"
+        )
 
 
 def micro_batches(
