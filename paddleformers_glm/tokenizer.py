@@ -390,18 +390,19 @@ class GlmTokenizer:
         enc = self(text, padding, truncation, max_length, return_tensors, add_special_tokens=False)
         return enc if return_dict else enc["input_ids"]
 
-    def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: Sequence[dict], **extra: Any) -> tuple[str, list[tuple[int, int]]]:
         """(rendered conversation, character spans written by the assistant): for each assistant
         message, from the end of the generation prompt before it to the end of its turn. Found by
         rendering growing prefixes, so the template's rendering of a prefix must be a prefix of the
-        whole (true of GLM's and most chat templates); the error says so when it is not."""
-        full = self.render_chat(messages)
+        whole (true of GLM's and most chat templates); the error says so when it is not. ``extra``:
+        template variables (``tools``, ``documents``), as for ``apply_chat_template``."""
+        full = self.render_chat(messages, **extra)
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            before = self.render_chat(messages[:i], add_generation_prompt=True)
-            upto = self.render_chat(messages[: i + 1])
+            before = self.render_chat(messages[:i], add_generation_prompt=True, **extra)
+            upto = self.render_chat(messages[: i + 1], **extra)
             if not upto.startswith(before) or not full.startswith(upto):
                 raise TokenizerError(
                     f"message {i}: the chat template does not render this conversation prefix by prefix, "
@@ -410,16 +411,16 @@ class GlmTokenizer:
             spans.append((len(before), len(upto)))
         return full, spans
 
-    def encode_chat_for_training(self, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
+    def encode_chat_for_training(self, messages: Sequence[dict], **extra: Any) -> tuple[list[int], list[bool]]:
         """(token ids of the rendered conversation, per token True when the assistant wrote it).
 
         A template with ``{% generation %}`` blocks: the tokens HF's ``apply_chat_template(...,
         return_assistant_tokens_mask=True)`` marks, from the token holding a block's first character
         to the one holding its last. Otherwise a token belongs to the assistant when it starts inside
         an ``assistant_spans`` span. The whole conversation is tokenized at once, so the ids are
-        exactly those of the rendered text."""
+        exactly those of the rendered text. ``extra``: template variables (``tools``, ``documents``)."""
         if self.chat_template and _GENERATION_TAG.search(self.chat_template):
-            text, blocks = self._render(messages, False, {}, track=True)
+            text, blocks = self._render(messages, False, extra, track=True)
             enc = self.tokenizer.encode(text, add_special_tokens=False)
             mask = [False] * len(enc.ids)
             for start, end in blocks:  # transformers' loop (tokenization_utils_base.apply_chat_template)
@@ -429,6 +430,6 @@ class GlmTokenizer:
                 for t in range(first, last + 1 if last else len(mask)):
                     mask[t] = True
             return list(enc.ids), mask
-        text, spans = self.assistant_spans(messages)
+        text, spans = self.assistant_spans(messages, **extra)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         return list(enc.ids), [end > start and any(a <= start < b for a, b in spans) for start, end in enc.offsets]

@@ -183,3 +183,28 @@ def _true_runs(mask):
     """[start, end) of each run of True."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
     return list(zip(edges[::2], edges[1::2]))
+
+
+def test_a_chat_records_tools_reach_the_template(tmp_path):
+    """A {"messages", "tools"} record (the tool-calling SFT format): the tools are the template's
+    `tools`, as in HF's apply_chat_template(messages, tools=tools). They used to be dropped silently:
+    the sample began "[gMASK]<sop><|user|>..." where transformers 5.23 renders the text below."""
+    from paddleformers_glm.tiny import TINY_CHAT_TEMPLATE
+
+    tok = make_tiny_tokenizer()
+    tok.chat_template = "{% if tools %}<|system|>\nTools: {% for t in tools %}{{ t['name'] }} {% endfor %}{% endif %}"
+    tok.chat_template += TINY_CHAT_TEMPLATE
+    msgs = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]
+    tools = [{"name": "plus", "description": "add two numbers", "parameters": {"type": "object", "properties": {}}}]
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": msgs, "tools": tools}])
+    prepare_jsonl(path, 64, 256, tok, str(tmp_path / "c.npz"))
+    s = open_data(str(tmp_path / "c.npz"), 64, 256, 0).sample(0)
+    n = int(s["attention_mask"].sum())
+    assert tok.decode(s["input_ids"][:n].tolist()) == (
+        "<|system|>\nTools: plus [gMASK]<sop><|user|>\nWhat is two plus two?<|assistant|>\nFour.<|endoftext|>"
+    )
+    keep = s["labels"] != IGNORE_INDEX
+    assert tok.decode(s["input_ids"][keep].tolist()) == "Four.<|endoftext|>"
+    path = _jsonl(tmp_path / "b.jsonl", [{"messages": msgs, "tools": "plus"}])
+    with pytest.raises(ValueError, match=r'b\.jsonl:1: "tools" must be a list of objects'):
+        prepare_jsonl(path, 64, 256, tok, str(tmp_path / "b.npz"))

@@ -23,6 +23,7 @@ from ..configuration import IGNORE_INDEX
 
 __all__ = ["TokenData", "check_token_range", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
 
+CHAT_TEMPLATE_INPUTS = ("tools", "documents")  # keys of a chat record passed to the template beside its messages
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")  # .bin token widths --data-dtype may name
 
 
@@ -300,8 +301,13 @@ def prepare_jsonl(
                     raise ValueError(f'{where}: message {j} must be an object with string "role" and "content"')
             if not any(m["role"] == "assistant" for m in msgs):
                 raise ValueError(f"{where}: no assistant message, so nothing to train on")
+            # the record's tools / documents reach the template as HF's apply_chat_template(messages, tools=...)
+            extra = {k: rec[k] for k in CHAT_TEMPLATE_INPUTS if rec.get(k) is not None}
+            for k, v in extra.items():
+                if not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+                    raise ValueError(f'{where}: "{k}" must be a list of objects')
             try:
-                ids, mine = tokenizer.encode_chat_for_training(msgs)
+                ids, mine = tokenizer.encode_chat_for_training(msgs, **extra)
             except ValueError as e:  # the template's own complaint, located
                 raise ValueError(f"{where}: {e}") from e
             _check_ids(ids, vocab_size, f"{where}: tokenized conversation")
