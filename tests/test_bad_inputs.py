@@ -493,3 +493,28 @@ def test_bin_of_narrower_tokens_hints_at_the_width(tmp_path):
         ValueError, match=r"n\.bin \(uint32\): token \d+ at position 0 .*narrower tokens than --data-dtype"
     ):
         open_data(str(tmp_path / "n.bin"), 16, V, 0, data_dtype="uint32").validate()
+
+
+def test_jsonl_record_whose_labels_are_all_cut_by_seq_len_is_refused(tmp_path):
+    """A record whose labels lie past --seq-len trained on nothing, silently (measured: a sample with
+    0 labels that are not -100), where a chat record in that case is refused ("no assistant token
+    within the first --seq-len"). Now it is refused the same way; position 0 never counts (the loss's
+    targets are positions 1..S-1)."""
+    f = tmp_path / "z.jsonl"
+    f.write_text(
+        json.dumps({"input_ids": list(range(1, 20)), "labels": [1] * 19})
+        + "\n"
+        + json.dumps({"input_ids": list(range(1, 20)), "labels": [-100] * 15 + [1, 2, 3, 4]})
+        + "\n"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"z\.jsonl:2: no label to train on within the first --seq-len 8 tokens: "
+        r"all of them are past --seq-len 8 \(the first at position 15\)",
+    ):
+        open_data(str(f), 8, V, 0)
+    f.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [1, -100, -100]}) + "\n")
+    with pytest.raises(ValueError, match=r"z\.jsonl:1: no label to train on .*: it has none"):
+        open_data(str(f), 8, V, 0)
+    f.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}) + "\n")
+    assert (open_data(str(f), 8, V, 0).sample(0)["labels"] != -100).sum() == 1

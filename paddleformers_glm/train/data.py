@@ -131,6 +131,7 @@ class _Jsonl(TokenData):
                         f"{path}:{ln}: labels has {len(rec['labels'])} entries, input_ids {len(rec['input_ids'])}: "
                         f"one label per input token ({IGNORE_INDEX} to leave a position out of the loss)"
                     )
+                _check_targets(rec["labels"], seq_len, f"{path}:{ln}")
             self.records.append(rec)
         self.num_samples = len(self.records)
         self.pad_id = pad_id
@@ -138,6 +139,16 @@ class _Jsonl(TokenData):
     def sample(self, i: int) -> dict[str, np.ndarray]:
         rec, S = self.records[i], self.seq_len
         return _padded(rec["input_ids"][:S], rec.get("labels", rec["input_ids"])[:S], S, self.pad_id)
+
+
+def _check_targets(labels: Any, S: int, where: str) -> None:
+    """A record must leave a label to train on within its first ``S`` tokens: the loss's targets are
+    positions 1..S-1 (position i predicts labels[i + 1]; the rest is cut at --seq-len)."""
+    if any(t != IGNORE_INDEX for t in labels[1:S]):
+        return
+    later = [i for i, t in enumerate(labels) if i >= S and t != IGNORE_INDEX]
+    why = f"all of them are past --seq-len {S} (the first at position {later[0]})" if later else "it has none"
+    raise ValueError(f"{where}: no label to train on within the first --seq-len {S} tokens: {why}")
 
 
 def _padded(ids: Any, labels: Any, S: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -311,7 +322,7 @@ def prepare_jsonl(
             except ValueError as e:  # the template's own complaint, located
                 raise ValueError(f"{where}: {e}") from e
             _check_ids(ids, vocab_size, f"{where}: tokenized conversation")
-            if not any(mine[:S]):
+            if not any(mine[1:S]):  # position 0 is never a target
                 raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
             ids, mine = ids[:S], mine[:S]
             labels = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
