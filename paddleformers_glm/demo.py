@@ -166,20 +166,29 @@ def run_training_parity(
     ck = check_checkpoints(str(out / "single" / "export"), str(out / "parallel" / "export"))
     _write_json(out / "check-ckpt-trained.json", ck)
     counts = ck.get("counts", {})
-    worst = max((d.get("max_abs_diff", 0.0) for d in ck.get("differences", []) if d["class"] == "value"), default=0.0)
+    # over every differing tensor (the receipt lists at most 200); a shape or dtype difference has no
+    # max_abs_diff but is a layout difference all the same
+    values = ck.get("value_summary") or {}
+    worst = values.get("max_abs_diff")
+    worst = 0.0 if worst is None else worst
     # each AdamW step moves a weight by at most about lr (betas 0.9 / 0.95): two runs of `steps`
     # steps from the same weights stay within 2 x steps x lr of each other, whatever their rounding
     bound = 2 * steps * TRAIN_LR
-    result["check_ckpt_trained"] = dict(exit_code=ck["exit_code"], counts=counts, max_abs_diff=worst, bound=bound)
+    result["check_ckpt_trained"] = dict(
+        exit_code=ck["exit_code"], counts=counts, max_abs_diff=worst, bound=bound, value_summary=values
+    )
     same_layout = (
         ck["exit_code"] in (0, 1)
         and counts.get("structural", 1) == 0
         and counts.get("naming", 1) == 0
         and counts.get("ref_tensors") == counts.get("cand_tensors")
+        and values.get("shape", 1) == 0
+        and values.get("dtype", 1) == 0
+        and ck.get("config_match") is True  # both exports write the model's config
     )
     print(f"      trained exports: {summary_lines(ck)[1].strip()}")
     print(
-        f"      trained exports: same keys, shapes and dtypes: {'yes' if same_layout else 'NO'}; weights differ by "
+        f"      trained exports: same keys, shapes, dtypes and config: {'yes' if same_layout else 'NO'}; weights differ by "
         f"at most {worst:.3g} <= {bound:.3g} = 2 x {steps} steps x lr {TRAIN_LR:g} (AdamW turns rounding-level "
         f"gradient differences into weight steps of up to lr, so bitwise equality is not expected): "
         f"{'pass' if worst <= bound else 'FAIL'}"

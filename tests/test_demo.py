@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,73 @@ def test_readme_main_job_trains_tp2_pp2_sp_and_matches_one_process(tmp_path, cap
     for chatter in ("pp_layers.py", "DecoderLayer(", "Modified FLAGS", "comm group(s) create", "step/s", "\r"):
         assert chatter not in log, chatter
     assert "DecoderLayer(" in (out / "parallel" / "logs" / "workerlog.0").read_text()  # kept in the worker log
+
+
+def _fake_trained_runs(monkeypatch, single: dict, parallel: dict, config: dict | None = None) -> None:
+    """`glm52 train` stand-in for the demo's training comparison: each run leaves equal losses and an
+    export holding the given tensors (``config``: the parallel export's config.json, else the tiny one)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from paddleformers_glm import demo
+
+    def fake(args, log):
+        out = Path(args[args.index("--out") + 1])
+        name = out.name
+        (out / "export").mkdir(parents=True)
+        (out / "loss.json").write_text(json.dumps({"losses": [5.0, 4.9, 4.8]}))
+        tensors = {k: np.ascontiguousarray(v) for k, v in (parallel if name == "parallel" else single).items()}
+        save_file(tensors, str(out / "export" / "model.safetensors"))
+        cfg = json.loads((ROOT / "configs" / "glm52-tiny" / "config.json").read_text())
+        (out / "export" / "config.json").write_text(json.dumps(config if config and name == "parallel" else cfg))
+        log.write_text("fake run\n")
+        return 0
+
+    monkeypatch.setattr(demo, "_glm52", fake)
+
+
+@pytest.mark.parametrize("case", ["beyond_200_listed", "shape", "dtype", "config"])
+def test_demo_training_check_fails_on_what_check_ckpt_reports_beyond_its_listed_values(tmp_path, monkeypatch, case):
+    """The demo's trained-export verdict (same keys, shapes, dtypes; weights within 2 x steps x lr)
+    must hold for every tensor: check-ckpt lists at most 200 differences, a shape or dtype difference
+    has no max_abs_diff, and a config.json difference is no tensor difference at all."""
+    import numpy as np
+
+    from paddleformers_glm.demo import run_training_parity
+
+    rng = np.random.default_rng(0)
+    single = {f"t{i:03d}.weight": rng.standard_normal((4, 3)).astype(np.float32) for i in range(210)}
+    parallel = {k: v + np.float32(1e-4) for k, v in single.items()}  # within the bound 2 x 3 x 3e-4
+    config = None
+    if case == "beyond_200_listed":  # the 210th differing tensor, past the listed 200, is far off
+        parallel["t209.weight"] = single["t209.weight"] + np.float32(1.0)
+    elif case == "shape":  # a TP shard exported instead of the gathered tensor
+        parallel["t000.weight"] = single["t000.weight"][:2]
+    elif case == "dtype":
+        parallel["t000.weight"] = single["t000.weight"].astype(np.float16)
+    else:
+        config = json.loads((ROOT / "configs" / "glm52-tiny" / "config.json").read_text())
+        config["rope_interleave"] = not config["rope_interleave"]
+    _fake_trained_runs(monkeypatch, single, parallel, config)
+    result = run_training_parity(tmp_path, ["--tp", "2"], steps=3)
+    assert result["check_loss"]["exit_code"] == 0
+    assert result["ok"] is False, result["check_ckpt_trained"]
+    values = result["check_ckpt_trained"]["value_summary"]
+    if case == "beyond_200_listed":  # measured before the fix: max_abs_diff 1.0e-4 (the first 200 listed only)
+        assert values["max_abs_diff_key"] == "t209.weight" and values["max_abs_diff"] == pytest.approx(1.0, rel=1e-3)
+    elif case in ("shape", "dtype"):
+        assert values[case] == 1
+
+
+def test_demo_training_check_passes_weights_within_the_bound(tmp_path, monkeypatch):
+    import numpy as np
+
+    from paddleformers_glm.demo import run_training_parity
+
+    rng = np.random.default_rng(0)
+    single = {f"t{i:03d}.weight": rng.standard_normal((4, 3)).astype(np.float32) for i in range(210)}
+    parallel = {k: v + np.float32(1e-4) for k, v in single.items()}
+    _fake_trained_runs(monkeypatch, single, parallel)
+    result = run_training_parity(tmp_path, ["--tp", "2"], steps=3)
+    assert result["ok"] is True, result["check_ckpt_trained"]
+    assert result["check_ckpt_trained"]["max_abs_diff"] == pytest.approx(1e-4, rel=0.1)

@@ -338,6 +338,7 @@ def check_checkpoints(
         quant["fp8_side"] = "ref" if ref.fp8 else "cand"
         quant["differing"] = quant["differing"][:_MAX_LISTED]
         report["differences"].insert(0, quant)
+    report["value_summary"] = _value_summary(report["differences"])
     report["cand"]["canonical_hash"] = checkpoint_hash({k: v["hash"] for k, v in canon.items()})
     report["ref"]["canonical_hash"] = report["ref"]["native_hash"]
     report["compare_layout"] = ref.layout
@@ -431,6 +432,22 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
         differing_elements=int(np.count_nonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))),
     )
     return d
+
+
+def _value_summary(differences: list[dict[str, Any]]) -> dict[str, Any]:
+    """The value differences by kind (``shape``, ``dtype``, ``bytes``) and the largest ``max_abs_diff``
+    among them with its key (NaN wins: a NaN difference is no small one), over all of them: the receipt
+    lists at most ``_MAX_LISTED`` differences, so a reader taking its numbers from the list would miss the
+    rest. FP8 weights compared by dequantized value are in the ``quantization`` entry instead."""
+    out: dict[str, Any] = {"shape": 0, "dtype": 0, "bytes": 0, "max_abs_diff": None, "max_abs_diff_key": None}
+    for d in differences:
+        if d["class"] != "value":
+            continue
+        out[d["what"]] += 1
+        m, worst = d.get("max_abs_diff"), out["max_abs_diff"]
+        if m is not None and (worst is None or math.isnan(m) or (not math.isnan(worst) and m > worst)):
+            out.update(max_abs_diff=m, max_abs_diff_key=d.get("key", d.get("cand_key")))
+    return out
 
 
 def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float]:
