@@ -233,3 +233,74 @@ def test_unusable_inputs_exit_2(ckpts, tmp_path, capsys):
     assert code == 2
     code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "export", "--layout", "fleet")
     assert code == 2 and "declared layout 'fleet'" in r["errors"][0]
+
+
+def _rewrite(folder: pathlib.Path, change) -> None:
+    """Rewrite every shard of a sharded checkpoint with ``change(tensors)`` applied (safetensors.paddle),
+    the index's weight map following (total_size dropped)."""
+    from safetensors import safe_open
+    from safetensors.paddle import save_file
+
+    idx_p = folder / "model.safetensors.index.json"
+    idx = json.loads(idx_p.read_text())
+    for f in sorted(set(idx["weight_map"].values())):
+        with safe_open(str(folder / f), framework="paddle") as h:
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        change(tensors)
+        save_file(tensors, str(folder / f), metadata={"format": "pt"})
+        idx["weight_map"].update({k: f for k in tensors})
+    idx["metadata"].pop("total_size", None)
+    idx_p.write_text(json.dumps(idx))
+
+
+def test_fleet_reference_against_its_official_export_matches(ckpts, tmp_path, capsys):
+    """REF in the Fleet layout, CAND in the official one (``--layout hf``): the router unit's sources
+    are the bf16 gate weight and the fp32 correction bias; mapping them must not round the bias to
+    bf16. Measured before the fix: exit 1, 6 value differences (every e_score_correction_bias, max
+    |diff| 4.8e-4) between two exports of the same loaded model."""
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "fleet", ckpts / "export", "--layout", "hf")
+    assert code == 0 and r["counts"]["value"] == 0 and r["hash_match"] is True, r["differences"][:3]
+    assert r["counts"]["structural"] == 0 and r["counts"]["naming"] > 0
+
+
+def test_a_bias_rounded_to_bf16_differs_in_either_direction(ckpts, tmp_path, capsys):
+    """A Fleet checkpoint whose fp32 router correction biases were rounded to bf16 (REFERENCE.md: they
+    stay F32) is not the official export, whichever side is the reference. Measured before the fix:
+    REF = that Fleet checkpoint, CAND = the export: exit 0, hash_match True (the checker rounded the
+    candidate's fp32 bias to bf16 as well); the other direction: exit 1."""
+    bad = _copy(ckpts, "fleet", tmp_path)
+
+    def to_bf16(tensors):
+        for k in [k for k in tensors if k.endswith("e_score_correction_bias")]:
+            tensors[k] = tensors[k].astype("bfloat16")
+
+    _rewrite(bad, to_bf16)
+    for ref, cand, layout in ((bad, ckpts / "export", "hf"), (ckpts / "src", bad, "fleet")):
+        code, r, _ = _receipt(tmp_path, capsys, ref, cand, "--layout", layout)
+        assert code == 1 and r["counts"]["value"] == 6 and r["hash_match"] is False, (layout, r["counts"])
+        values = [d for d in r["differences"] if d["class"] == "value"]
+        assert all("e_score_correction_bias" in d["key"] for d in values)
+
+
+def test_extra_candidate_tensor_under_a_mapped_name_is_structural(ckpts, tmp_path, capsys):
+    """An official-layout candidate (``--layout hf``) against a Fleet reference that also holds a tensor
+    under a Fleet name the mapping produces from its other tensors (a converter that left
+    ``model.lm_head.weight`` behind, here full of 7s): that tensor has no counterpart, it is not
+    hidden behind the mapped one. Measured before the fix: structural 0, the tensor named nowhere
+    (on the `glm52 make-tiny` checkpoint, whose router biases are bf16-exact: exit 0, hash_match True)."""
+    import numpy as np
+    import paddle
+
+    cand = _copy(ckpts, "export", tmp_path)
+    extra = "model.lm_head.weight"
+
+    def add(tensors):
+        if "lm_head.weight" in tensors:
+            tensors[extra] = paddle.to_tensor(np.full(tensors["lm_head.weight"].shape, 7.0, np.float32))
+
+    _rewrite(cand, add)
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "fleet", cand, "--layout", "hf")
+    assert r["cand"]["tensor_count"] == 297
+    assert code == 1 and r["counts"]["structural"] == 1, (code, r["counts"], r["differences"][:8])
+    (d,) = [d for d in r["differences"] if d["class"] == "structural"]
+    assert d["what"] == "only in candidate" and d["cand_keys"] == [extra] and r["hash_match"] is False

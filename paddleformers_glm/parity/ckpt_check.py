@@ -224,10 +224,10 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         if not bad_shape:
             usable.append(u)
     targets = {}
-    for u in usable:  # no casts: each target in its sources' dtype
-        dtypes = sorted({st_to_paddle_dtype(cand.ckpt.info(k).dtype) for k in u.sources(direction)})
+    for u in usable:  # no lossy casts: each target in a dtype that holds its unit's sources exactly
+        dtype = _lossless_dtype({st_to_paddle_dtype(cand.ckpt.info(k).dtype) for k in u.sources(direction)})
         for k in u.targets(direction):
-            targets[k] = TargetSpec(k, tuple(ref_specs[k][0]), dtypes[0])
+            targets[k] = TargetSpec(k, tuple(ref_specs[k][0]), dtype)
     trace: dict[str, dict[str, Any]] = {}
     for key, t in run_units(usable, direction, CheckpointSource(cand.ckpt), targets, trace=trace):
         arr = t.numpy()
@@ -245,8 +245,26 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         if ref_info is None or h != ref.hashes[key]:  # kept only for the max-abs-diff of a difference
             out[key]["array"], out[key]["array_dtype"] = exact, paddle_to_st_dtype(t.dtype)
         del t, arr, exact
-    out.update({k: own(k) for k in cand.ckpt.keys() if k not in consumed and k not in out})  # outside the contract
+    for k in cand.ckpt.keys():  # outside the contract: under its own name, which no reference tensor may hide
+        if k not in consumed:  # ... nor a mapped tensor of the same name (then only in candidate)
+            out[k if k not in out else f"{k} (unmapped; the mapping gives this name to other tensors)"] = own(k)
     return out
+
+
+_FLOAT_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def _lossless_dtype(dtypes: set[str]) -> str:
+    """The dtype a mapping unit's targets are computed in: one that holds every value of each source
+    dtype exactly. A unit may mix dtypes (the router: the bf16 gate weight and its fp32 correction
+    bias); the narrower one would round the candidate's other tensors before they are compared (the
+    comparison then rounds into the reference's dtype only where that is exact)."""
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    if dtypes <= set(_FLOAT_BITS):
+        widest = max(dtypes, key=_FLOAT_BITS.__getitem__)
+        return "float32" if _FLOAT_BITS[widest] == 16 else widest  # bf16 + fp16: neither holds the other
+    raise CheckpointError(f"a mapping unit mixes the dtypes {sorted(dtypes)}: no exact common dtype to compare in")
 
 
 def _naming_kinds(key: str, native: list[str], transposed: bool) -> list[str]:
