@@ -80,6 +80,9 @@ def test_length_and_steps(tmp_path, capsys):
         ('{"losses": [1.0, null]}', "losses[1] is None"),
         ('{"losses": [1.0, NaN]}', "losses[1] is nan, expected a finite number"),
         ('{"losses": [Infinity]}', "losses[0] is inf"),
+        # an integer beyond float range: was an OverflowError traceback and exit 1 (a "mismatch")
+        ('{"losses": [1.0, 1' + "0" * 400 + "]}", "losses[1] is an integer beyond a float's range"),
+        ('{"losses": [1' + "0" * 5000 + "]}", "not readable JSON (Exceeds the limit (4300 digits)"),
     ],
 )
 def test_malformed_input_exit_2(tmp_path, capsys, raw, needle):

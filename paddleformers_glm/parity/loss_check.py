@@ -35,7 +35,12 @@ class LossFileError(ValueError):
 
 def read_curve(path: str, key: str = "losses") -> list[float]:
     """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only."""
-    data = read_json(path, "the loss record", None, LossFileError)
+    try:
+        data = read_json(path, "the loss record", None, LossFileError)
+    except LossFileError:
+        raise
+    except ValueError as e:  # json's own: an integer of more digits than Python converts
+        raise LossFileError(f"{path}: the loss record is not readable JSON ({e})") from e
     if not isinstance(data, dict) or key not in data:
         got = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
         raise LossFileError(f"{path}: expected a JSON object with a {key!r} list, got {got}")
@@ -46,9 +51,13 @@ def read_curve(path: str, key: str = "losses") -> list[float]:
     for i, v in enumerate(losses):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise LossFileError(f"{path}: {key}[{i}] is {v!r} ({type(v).__name__}), expected a number")
+        try:
+            v = float(v)  # JSON integers are exact and unbounded
+        except OverflowError:
+            raise LossFileError(f"{path}: {key}[{i}] is an integer beyond a float's range") from None
         if not math.isfinite(v):
             raise LossFileError(f"{path}: {key}[{i}] is {v}, expected a finite number")
-        out.append(float(v))
+        out.append(v)
     return out
 
 
