@@ -299,3 +299,42 @@ def test_convert_both_ways_and_check_ckpt_by_dequantized_value(src, tmp_path, ca
 def test_paddle_file_backend_refuses_fp8(src):
     with pytest.raises(CheckpointError, match="backend='paddle' cannot read block-FP8"):
         load_pretrained_state(_spec_state(src), src, config=GlmMoeDsaConfig.from_pretrained(src), backend="paddle")
+
+
+@pytest.mark.parametrize("leftover", ["scale tensor", "quantization_config"])
+def test_check_ckpt_unquantized_side_keeping_fp8_leftovers_differs(src, tmp_path, leftover):
+    """An FP8 checkpoint against its dequantized copy: the FP8 side's scale tensors and
+    quantization_config are expected to have no counterpart, but an unquantized copy that kept one
+    (a scale_inv tensor, or a config.json still declaring fp8 -- loaders would build FP8 layers for
+    bf16 weights) is not the clean copy. Measured before the fix: exit 0 both ways, both cases."""
+    from safetensors.torch import load_file, save_file
+
+    from paddleformers_glm.parity.ckpt_check import check_checkpoints
+
+    bf16 = tmp_path / "bf16"
+    assert _cli("convert", src, bf16, "--to", "hf", "--quantization", "none", "--max-shard-size", "600KB") == 0
+    assert check_checkpoints(str(src), str(bf16))["exit_code"] == 0  # the clean copy
+    if leftover == "scale tensor":
+        idx_p, src_idx = bf16 / "model.safetensors.index.json", src / "model.safetensors.index.json"
+        idx, src_map = json.loads(idx_p.read_text()), json.loads(src_idx.read_text())["weight_map"]
+        scale = next(k for k in sorted(src_map) if k.endswith("_scale_inv"))
+        shard = bf16 / sorted(set(idx["weight_map"].values()))[0]
+        tensors = load_file(str(shard))
+        tensors[scale] = load_file(str(src / src_map[scale]))[scale]
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        idx["weight_map"][scale] = shard.name
+        idx["metadata"].pop("total_size", None)
+        idx_p.write_text(json.dumps(idx))
+    else:
+        cfg = json.loads((bf16 / "config.json").read_text())
+        cfg["quantization_config"] = json.loads((src / "config.json").read_text())["quantization_config"]
+        (bf16 / "config.json").write_text(json.dumps(cfg))
+    for ref, cand in ((src, bf16), (bf16, src)):
+        rep = check_checkpoints(str(ref), str(cand))
+        assert rep["exit_code"] == 1, (leftover, ref.name, rep["counts"], rep["differences"][:2])
+        if leftover == "scale tensor":
+            (d,) = [d for d in rep["differences"] if d["class"] == "structural"]
+            assert d["key"] == scale and "unquantized" in d["what"]
+        else:
+            assert rep["config_match"] is False
+            assert {"class": "config", "keys": ["quantization_config"]} in rep["differences"]

@@ -333,8 +333,12 @@ def check_checkpoints(
     if report["errors"]:
         return _finish(report, EXIT_UNUSABLE, t0, sides)
     config = ref.config or cand.config
-    drop = {"quantization_config"} if quant_mixed else set()  # the one expected difference of a quantized copy
-    cfg_ref, cfg_cand = ({k: v for k, v in (s.config_json or {}).items() if k not in drop} for s in (ref, cand))
+    # the one expected config difference of a quantized copy: the FP8 side's quantization_config (the
+    # unquantized side must not declare one: loaders would build FP8 layers for its weights)
+    cfg_ref, cfg_cand = (
+        {k: v for k, v in (s.config_json or {}).items() if not (quant_mixed and s.fp8 and k == "quantization_config")}
+        for s in (ref, cand)
+    )
     report["config_match"] = cfg_ref == cfg_cand
     if cfg_ref != cfg_cand:
         diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
@@ -393,7 +397,13 @@ def _compare_tensors(
     naming_units: dict[tuple[str, ...], dict[str, Any]] = {}
     quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
     scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
-    for key in sorted((set(ref.ckpt.keys()) | set(canon)) - scales):
+    plain_keys = set(canon) if ref.fp8 else set(ref.ckpt.keys())  # the unquantized side's (quant_mixed)
+    for key in sorted(set(ref.ckpt.keys()) | set(canon)):
+        if key in scales:  # the FP8 side's scales are part of the quantization entry ...
+            if key in plain_keys:  # ... the unquantized side has none
+                counts["structural"] += 1
+                differences.append({"class": "structural", "key": key, "what": "FP8 scale on the unquantized side"})
+            continue
         r, c = ref.ckpt.tensors.get(key), canon.get(key)
         if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
             counts["quantization"] += 1
