@@ -493,3 +493,26 @@ def test_align_runs_the_reference_as_a_package_module(tiny_ckpt, tmp_path):
     cli_main(["align", "--model", str(tiny_ckpt), "--out", str(out), "--steps", "1", "--timeout", "0.001"])
     cmd = json.loads((out / "receipt" / "verdict.json").read_text())["commands"]["reference"]
     assert " -m paddleformers_glm.parity.reference.train " in cmd and "tools" not in cmd.split(), cmd
+
+
+def test_align_fails_when_only_one_run_records_the_idle_experts(tiny_ckpt, tmp_path, capsys):
+    """The reference names idle experts at steps 0 and 2, the Paddle run's loss.json has no
+    ``expert_load``: the comparison cannot be skipped (measured before: exit 0, "aligned", no
+    idle_experts comparison). Neither side naming an idle expert stays no comparison."""
+    from paddleformers_glm.cli import main as cli_main
+    from paddleformers_glm.parity.align import compare_idle_experts
+
+    base = [5.0 - 0.01 * i for i in range(6)]
+    idle = [{"3": [7]}, {}, {"5": [0, 1]}, {}, {}, {}]
+    args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run", "--dump-step", "1"]
+    _fake_run(tmp_path / "r" / "reference", tiny_ckpt, base, 0.0, idle=idle)
+    _fake_run(tmp_path / "r" / "paddle", tiny_ckpt, base, 0.0)  # no expert_load block
+    assert cli_main([*args, "--out", str(tmp_path / "r")]) == 1
+    v = json.loads((tmp_path / "r" / "receipt" / "verdict.json").read_text())
+    c = v["comparisons"]["idle_experts"]
+    assert not c["pass"] and c["first_mismatch_step"] == 0 and "only the reference" in c["reason"]
+    assert "FAIL idle_experts" in capsys.readouterr().out
+    ref_doc = {"expert_load": {"idle_experts": idle}}
+    assert compare_idle_experts({}, ref_doc)["reason"].startswith("only the paddle run")
+    assert compare_idle_experts({"expert_load": {"idle_experts": [{}] * 6}}, {}) is None  # nothing idle anywhere
+    assert compare_idle_experts({}, {}) is None

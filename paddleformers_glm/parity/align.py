@@ -201,15 +201,20 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
 
 
 def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any] | None:
-    """The experts each MoE layer left idle, step by step, on both sides (None when either run did
-    not record them).  A step where they differ is a step where the two runs routed differently.
+    """The experts each MoE layer left idle, step by step, on both sides (None when neither run
+    recorded an idle expert; one run naming idle experts the other did not record fails).  A step
+    where they differ is a step where the two runs routed differently.
     loss.json's ``expert_load.idle_experts``: per step, MoE layer -> the experts no token reached."""
     a, b = ((doc.get("expert_load") or {}).get("idle_experts") for doc in (ref, cand))
-    if a is None or b is None:
-        return None
+    if not any(a or ()) and not any(b or ()) and (a is None or b is None):
+        return None  # not recorded, or recorded by one side with no idle expert (a model without routed experts)
+    one_sided = a is None or b is None  # the other run left experts idle: this run must say which
+    a, b = a or [], b or []
     sides = {"reference": a, "paddle": b}
     first = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
-    return {
+    if one_sided:
+        first = next(i for i, x in enumerate(a or b) if x)
+    out = {
         **sides,
         "steps_with_idle": {k: sum(1 for x in v if x) for k, v in sides.items()},
         "max_idle_per_step": {k: max((sum(map(len, x.values())) for x in v), default=0) for k, v in sides.items()},
@@ -217,6 +222,9 @@ def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str,
         "length_match": len(a) == len(b),
         "pass": first is None and len(a) == len(b),
     }
+    if one_sided:
+        out["reason"] = f"only the {'reference' if a else 'paddle'} run recorded its idle experts"
+    return out
 
 
 def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, Any] | None:
