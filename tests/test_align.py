@@ -516,3 +516,35 @@ def test_align_fails_when_only_one_run_records_the_idle_experts(tiny_ckpt, tmp_p
     assert compare_idle_experts({}, ref_doc)["reason"].startswith("only the paddle run")
     assert compare_idle_experts({"expert_load": {"idle_experts": [{}] * 6}}, {}) is None  # nothing idle anywhere
     assert compare_idle_experts({}, {}) is None
+
+
+def test_align_no_run_refuses_runs_made_with_other_settings(tiny_ckpt, tmp_path, capsys):
+    """``--no-run`` writes the command line's layout, training settings and model into the receipt,
+    so they must be the finished runs' own. Runs made in one process (TP1 x PP1, seed 7), compared
+    again without repeating those flags (the receipt would say TP2 x PP2 + SP, seed 1234): measured
+    before, exit 0 "aligned" with that receipt; now exit 2 naming each setting."""
+    from paddleformers_glm.cli import main as cli_main
+
+    base = [5.0 - 0.01 * i for i in range(6)]
+    root = tmp_path / "r"
+    _fake_run(root / "reference", tiny_ckpt, base, 0.0)
+    _fake_run(root / "paddle", tiny_ckpt, base, 0.0)
+    profile = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "sp": False, "dp": 1, "cp": 1, "world": 1}
+    profile.update(micro_batch_size=1, global_batch_size=4, seq_len=32, dtype="float32")
+    for side in ("reference", "paddle"):
+        doc = json.loads((root / side / "loss.json").read_text())
+        doc.update(seed=7, checkpoint={"path": str(tiny_ckpt)})
+        if side == "paddle":
+            doc.update(profile=profile, run={"sharding": 1, "sharding_stage": 1})
+        else:
+            doc.update(dtype="float32", run={"tokens_per_step": 128, "micro_batch_size": 1})
+        (root / side / "loss.json").write_text(json.dumps(doc))
+    args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run", "--out", str(root), "--dump-step", "1"]
+    args += ["--global-batch-size", "4"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "paddle --tp: the run recorded 1, this command says 2" in err and "paddle --sp" in err
+    assert "reference --seed: the run recorded 7, this command says 1234" in err
+    v = json.loads((root / "receipt" / "verdict.json").read_text())
+    assert v["exit_code"] == 2 and len(v["settings_mismatch"]) == 5  # tp, pp, sp, two seeds
+    assert cli_main([*args, "--tp", "1", "--pp", "1", "--no-sp", "--seed", "7"]) == 0

@@ -23,6 +23,7 @@ from .reference.train import DUMP_KINDS
 
 __all__ = [
     "compare_dumps",
+    "recorded_settings_mismatch",
     "compare_idle_experts",
     "compare_indexer",
     "explain_jump",
@@ -227,6 +228,39 @@ def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str,
     return out
 
 
+def recorded_settings_mismatch(args: argparse.Namespace, ref_doc: dict[str, Any], pd_doc: dict[str, Any]) -> list[str]:
+    """``--no-run``: where the finished runs' ``loss.json`` records a setting other than this command
+    line's (the receipt states the command line's layout, training settings and model, so they must
+    be the runs'); a setting a record does not hold is not checked."""
+    prof, run = pd_doc.get("profile") or {}, pd_doc.get("run") or {}
+    checks = [(f"paddle --{k}", prof.get(k), getattr(args, k)) for k in ("tp", "pp", "dp", "ep", "etp", "cp", "sp")]
+    checks += [
+        (f"paddle --{k.replace('_', '-')}", run.get(k), getattr(args, k)) for k in ("sharding", "sharding_stage")
+    ]
+    checks += [
+        (f"paddle --{k.replace('_', '-')}", prof.get(k), getattr(args, k)) for k in ("seq_len", "global_batch_size")
+    ]
+    checks += [("paddle --micro-batch-size", prof.get("micro_batch_size"), args.micro_batch_size)]
+    checks += [
+        ("paddle --dtype", prof.get("dtype"), args.dtype),
+        ("reference --dtype", ref_doc.get("dtype"), args.dtype),
+    ]
+    ref_run = ref_doc.get("run") or {}
+    checks += [("reference --micro-batch-size", ref_run.get("micro_batch_size"), args.micro_batch_size)]
+    tokens = args.global_batch_size * args.seq_len
+    checks += [("reference tokens per step (--global-batch-size x --seq-len)", ref_run.get("tokens_per_step"), tokens)]
+    model = os.path.realpath(args.model)
+    for name, doc in (("reference", ref_doc), ("paddle", pd_doc)):
+        checks.append((f"{name} --seed", doc.get("seed"), args.seed))
+        path = (doc.get("checkpoint") or {}).get("path")
+        checks.append((f"{name} --model", path and os.path.realpath(path), model))
+    return [
+        f"{what}: the run recorded {got!r}, this command says {want!r}"
+        for what, got, want in checks
+        if got is not None and got != want
+    ]
+
+
 def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, Any] | None:
     """The earliest dump (in step order; gradients, moments, then weights) with a tensor beyond
     tolerance, and its worst such tensor; None when every dump is within tolerance."""
@@ -345,6 +379,14 @@ def run_align(args: argparse.Namespace) -> int:
     for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
         shutil.copyfile(f, os.path.join(receipt, dst))
     ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
+    if args.no_run and (other := recorded_settings_mismatch(args, ref_doc, pd_doc)):
+        # the receipt's layout, training settings and model come from this command line
+        print("glm52 align: error: --no-run: the runs in OUT were not made with these settings:", file=sys.stderr)
+        for line in other:
+            print(f"  {line}", file=sys.stderr)
+        verdict.update(exit_code=2, result="runs made with other settings", settings_mismatch=other)
+        write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
+        return 2
     margins = ref_doc.get("topk_min_gaps") or []
     verdict["near_ties"] = near_ties(margins)
     curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]
