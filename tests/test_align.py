@@ -548,3 +548,28 @@ def test_align_no_run_refuses_runs_made_with_other_settings(tiny_ckpt, tmp_path,
     v = json.loads((root / "receipt" / "verdict.json").read_text())
     assert v["exit_code"] == 2 and len(v["settings_mismatch"]) == 5  # tp, pp, sp, two seeds
     assert cli_main([*args, "--tp", "1", "--pp", "1", "--no-sp", "--seed", "7"]) == 0
+
+
+def test_align_outputs_it_cannot_compare_are_unusable_exit_2(tiny_ckpt, tmp_path, capsys):
+    """A dump the finished runs do not have (``--no-run --dump-step 4``; they dumped after 1, 2, 3) and
+    a run whose loss record holds a loss it could not compute (null, listed under "nonfinite"): exit 2
+    with the file named and a verdict.json, as for a failed run. Measured before: a FileNotFoundError
+    and a LossFileError traceback (exit 1, no verdict)."""
+    from paddleformers_glm.cli import main as cli_main
+
+    base = [5.0 - 0.01 * i for i in range(6)]
+    root = tmp_path / "r"
+    _fake_run(root / "reference", tiny_ckpt, base, 0.0)
+    _fake_run(root / "paddle", tiny_ckpt, base, 0.0)
+    args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run", "--out", str(root)]
+    assert cli_main([*args, "--dump-step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "a run's outputs are missing" in err and os.path.join("dump_step4", "grads", "model.safetensors") in err
+    v = json.loads((root / "receipt" / "verdict.json").read_text())
+    assert v["exit_code"] == 2 and len(v["missing_outputs"]) == 8  # 4 kinds x 2 runs
+    doc = json.loads((root / "paddle" / "loss.json").read_text())
+    doc["losses"][3], doc["nonfinite"] = None, ["losses[3]"]
+    (root / "paddle" / "loss.json").write_text(json.dumps(doc))
+    assert cli_main(args) == 2
+    assert "losses[3] is None" in capsys.readouterr().err
+    assert json.loads((root / "receipt" / "verdict.json").read_text())["exit_code"] == 2

@@ -375,18 +375,37 @@ def run_align(args: argparse.Namespace) -> int:
             return 2
 
     comps = verdict["comparisons"]
+
+    def unusable(result: str, lines: list[str], **record: Any) -> int:  # the runs' outputs cannot be compared
+        print(f"glm52 align: error: {result}:", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+        verdict.update(exit_code=2, result=result, **record)
+        write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
+        return 2
+
     ref_loss, pd_loss = os.path.join(ref_out, "loss.json"), os.path.join(pd_out, "loss.json")
+    outputs = [ref_loss, pd_loss] + [
+        os.path.join(root, f"dump_{tag}", kind, "model.safetensors")
+        for root in (ref_out, pd_out)
+        for tag in dumps
+        for kind in (DUMP_KINDS if tag != "final" else ("weights",))
+    ]
+    if missing := [f for f in outputs if not os.path.isfile(f)]:  # e.g. --no-run on runs with other dump steps
+        return unusable("a run's outputs are missing", missing, missing_outputs=missing)
     for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
         shutil.copyfile(f, os.path.join(receipt, dst))
     ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
     if args.no_run and (other := recorded_settings_mismatch(args, ref_doc, pd_doc)):
         # the receipt's layout, training settings and model come from this command line
-        print("glm52 align: error: --no-run: the runs in OUT were not made with these settings:", file=sys.stderr)
-        for line in other:
-            print(f"  {line}", file=sys.stderr)
-        verdict.update(exit_code=2, result="runs made with other settings", settings_mismatch=other)
-        write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
-        return 2
+        return unusable("--no-run: the runs in OUT were not made with these settings", other, settings_mismatch=other)
+    try:  # a loss a run could not compute (null, with the record's "nonfinite" list) makes it a failed run
+        for f, doc in ((ref_loss, ref_doc), (pd_loss, pd_doc)):
+            for key in ("losses", "mtp_losses", "indexer_losses"):
+                if key in doc or key != "indexer_losses":  # one run without indexer losses: a difference, below
+                    read_curve(f, key)
+    except ValueError as e:
+        return unusable("a run's loss record is not usable", [str(e)])
     margins = ref_doc.get("topk_min_gaps") or []
     verdict["near_ties"] = near_ties(margins)
     curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]
