@@ -420,3 +420,17 @@ def test_glm52_train_refuses_a_changed_setting_before_launch_and_reads_resume_ov
     assert main([*base, "--resume-override", "lr"]) == 2
     err = capsys.readouterr().err
     assert "settings differ from the saved run's: min-lr saved" in err and "--resume-override min-lr)" in err, err
+
+
+def test_a_save_starts_from_an_empty_folder_whatever_a_killed_save_left(tmp_path):
+    """A save of step N killed before its rename leaves ``step_N.tmp`` (here with a rank file of a
+    larger world and a stray flex file); the next save of step N must not carry them into the
+    state it names (before: written into the same folder, so the stale files were renamed along)."""
+    stale = tmp_path / "a" / "checkpoints" / "step_00000002.tmp"
+    (stale / "flex").mkdir(parents=True)
+    (stale / "rank_00003.safetensors").write_bytes(b"stale")
+    (stale / "flex" / "3_0.distcp").write_bytes(b"stale")
+    run_training(_cfg(tmp_path / "a", save_every=2))
+    final = tmp_path / "a" / "checkpoints" / "step_00000002"
+    assert not (final / "rank_00003.safetensors").exists() and not (final / "flex" / "3_0.distcp").exists()
+    assert not stale.exists()

@@ -110,6 +110,10 @@ def save_resume_state(
     """Collective. Returns the final folder path."""
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
+    if topo.rank == 0:  # a save of this step killed before its rename left files (another layout's, even)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if topo.world_size > 1:
+        dist.barrier()
     os.makedirs(tmp, exist_ok=True)
     # this rank's model/<name> and optimizer/<name>/<kind> (moments, beta powers, master)
     tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
