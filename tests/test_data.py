@@ -148,6 +148,24 @@ def test_train_on_chat_masks_non_assistant_tokens(tiny_dir, tmp_path):
     assert abs(whole - want) > 1e-2  # the mask matters
 
 
+def test_train_reads_a_small_chat_file_in_epochs(tiny_dir, tmp_path, capsys):
+    """Two conversations, a global batch of 2, three steps: the run goes over the data three times
+    (each epoch in its own seeded order), as it does over every other source; at lr 0 each step's
+    loss is the same two conversations' loss. Before: refused ("2 conversations; 6 are needed")."""
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    out = tmp_path / "run"
+    common = ["--model", tiny_dir, "--seq-len", "64", "--global-batch-size", "2", "--micro-batch-size", "2"]
+    assert (
+        main(["train", *common, "--data", path, "--steps", "3", "--out", str(out), "--no-progress", "--lr", "0"]) == 0
+    )
+    assert "the run reads 3 epochs" in capsys.readouterr().out
+    losses = json.loads((out / "loss.json").read_text())["losses"]
+    assert len(losses) == 3 and max(losses) - min(losses) <= 1e-6 * abs(losses[0]), losses
+    one = [{"messages": CHATS[0]}]
+    assert main(["train", *common, "--data", _jsonl(tmp_path / "one.jsonl", one), "--out", str(out)]) == 2
+    assert "1 conversations; 2 are needed for one global batch" in capsys.readouterr().err
+
+
 def test_train_refuses_a_bad_record_before_launch(tiny_dir, tmp_path, capsys):
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}, {"messages": CHATS[1]}, {"messages": []}])
     out = tmp_path / "run"

@@ -274,10 +274,12 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
             raise ValueError(f"--data {cfg.data}: {e}") from e
         name = os.path.splitext(os.path.basename(cfg.data))[0]
         out = os.path.join(cfg.out, "data", f"{name}.seq{cfg.seq_len}.npz")
-        info = prepare_jsonl(cfg.data, cfg.seq_len, vocab_size, tok, out, min_samples=cfg.steps * cfg.global_batch_size)
+        # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
+        info = prepare_jsonl(cfg.data, cfg.seq_len, vocab_size, tok, out, min_samples=cfg.global_batch_size)
+        epochs = cfg.steps * cfg.global_batch_size / info["samples"]
         print(
             f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "
-            f"-> {info['samples']} samples of {cfg.seq_len} ({out})"
+            f"-> {info['samples']} samples of {cfg.seq_len} ({out}); the run reads {epochs:.3g} epochs"
         )
         cfg.data = out
     data = open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)

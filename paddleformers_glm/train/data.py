@@ -266,7 +266,7 @@ def prepare_jsonl(
 ) -> dict[str, Any]:
     """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic); every
     record is checked before anything is written (the checks: docs/parallel.md, "The trainer").  At least
-    ``min_samples`` samples (the steps asked x the global batch) must result.  Returns a summary
+    ``min_samples`` samples (the trainer asks for one global batch) must result.  Returns a summary
     (kind, records, tokens, samples)."""
     kind = jsonl_kind(path)
     if kind == "input_ids":
@@ -293,7 +293,7 @@ def prepare_jsonl(
         if n < min_samples:
             raise ValueError(
                 f"{path}: {len(stream)} tokens (EOS included) make {n} windows of --seq-len {S}; "
-                f"{min_samples} are needed ({min_samples * S} tokens) for the steps x global batch asked"
+                f"{min_samples} are needed ({min_samples * S} tokens) for one global batch"
             )
         ids_arr = np.asarray(stream[: n * S], dtype=np.int64).reshape(n, S)
         arrays = {"input_ids": ids_arr, "labels": ids_arr.copy(), "attention_mask": np.ones_like(ids_arr)}
@@ -330,7 +330,7 @@ def prepare_jsonl(
             tokens += len(ids)
         if len(rows) < min_samples:
             raise ValueError(
-                f"{path}: {len(rows)} conversations; {min_samples} are needed for the steps x global batch asked"
+                f"{path}: {len(rows)} conversations; {min_samples} are needed for one global batch"
             )
         arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     with atomic_open(out_path, "wb") as f:
