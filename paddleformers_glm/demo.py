@@ -145,8 +145,14 @@ def run_training_parity(
                 print("      " + line)
             result["ok"] = False
             return result
-        losses = read_json(out / name / "loss.json", "the loss record")["losses"]
-        print(f"      glm52 train {what}: {secs} s, losses {', '.join(f'{x:.6f}' for x in losses)}")
+        record = read_json(out / name / "loss.json", "the loss record")
+        print(f"      glm52 train {what}: {secs} s, losses {', '.join(f'{x:.6f}' for x in record['losses'])}")
+        if off := _layout_not_run(
+            extra, record.get("profile") or {}
+        ):  # a comparison of two one-process runs proves nothing
+            print(f"      glm52 train {what}: the run recorded another layout: {off}: FAIL")
+            result["ok"], result["layout_mismatch"] = False, off
+            return result
 
     plot = str(out / "loss-parallel-vs-single.png")
     loss_args = (str(out / "single" / "loss.json"), str(out / "parallel" / "loss.json"))
@@ -195,6 +201,18 @@ def run_training_parity(
     )
     result["ok"] = loss_rep["exit_code"] == 0 and same_layout and worst <= bound
     return result
+
+
+def _layout_not_run(layout: list[str], profile: dict[str, Any]) -> str:
+    """The degrees ``layout`` (glm52 train flags) asks for that the run's loss.json ``profile`` does
+    not show ('' when it shows them all)."""
+    import argparse
+
+    from .train.command import add_train_arguments
+
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args(["--model", "-", "--out", "-", *layout])
+    want = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "etp", "sp")}
+    return ", ".join(f"{k} {profile.get(k)!r} (asked {v!r})" for k, v in want.items() if profile.get(k) != v)
 
 
 def register_demo(sub) -> None:

@@ -84,9 +84,12 @@ def test_readme_main_job_trains_tp2_pp2_sp_and_matches_one_process(tmp_path, cap
     assert "DecoderLayer(" in (out / "parallel" / "logs" / "workerlog.0").read_text()  # kept in the worker log
 
 
-def _fake_trained_runs(monkeypatch, single: dict, parallel: dict, config: dict | None = None) -> None:
-    """`glm52 train` stand-in for the demo's training comparison: each run leaves equal losses and an
-    export holding the given tensors (``config``: the parallel export's config.json, else the tiny one)."""
+def _fake_trained_runs(
+    monkeypatch, single: dict, parallel: dict, config: dict | None = None, ran_tp: int | None = None
+) -> None:
+    """`glm52 train` stand-in for the demo's training comparison: each run leaves equal losses, the
+    layout it was asked for (``ran_tp``: another tp degree) and an export holding the given tensors
+    (``config``: the parallel export's config.json, else the tiny one)."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -96,7 +99,10 @@ def _fake_trained_runs(monkeypatch, single: dict, parallel: dict, config: dict |
         out = Path(args[args.index("--out") + 1])
         name = out.name
         (out / "export").mkdir(parents=True)
-        (out / "loss.json").write_text(json.dumps({"losses": [5.0, 4.9, 4.8]}))
+        tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+        profile = {"tp": tp if ran_tp is None or name != "parallel" else ran_tp, "sp": "--sp" in args}
+        profile |= {"pp": 1, "dp": 1, "cp": 1, "ep": 1, "etp": 1}
+        (out / "loss.json").write_text(json.dumps({"losses": [5.0, 4.9, 4.8], "profile": profile}))
         tensors = {k: np.ascontiguousarray(v) for k, v in (parallel if name == "parallel" else single).items()}
         save_file(tensors, str(out / "export" / "model.safetensors"))
         cfg = json.loads((ROOT / "configs" / "glm52-tiny" / "config.json").read_text())
@@ -152,3 +158,16 @@ def test_demo_training_check_passes_weights_within_the_bound(tmp_path, monkeypat
     result = run_training_parity(tmp_path, ["--tp", "2"], steps=3)
     assert result["ok"] is True, result["check_ckpt_trained"]
     assert result["check_ckpt_trained"]["max_abs_diff"] == pytest.approx(1e-4, rel=0.1)
+
+
+def test_demo_training_check_fails_when_the_parallel_run_recorded_another_layout(tmp_path, monkeypatch):
+    """A "parallel" run that ran as one process (its loss.json profile says tp 1) would make the
+    comparison one of two equal runs: the demo refuses it (before: pass, the layout never checked)."""
+    import numpy as np
+
+    from paddleformers_glm.demo import run_training_parity
+
+    single = {"t.weight": np.ones((4, 3), np.float32)}
+    _fake_trained_runs(monkeypatch, single, dict(single), ran_tp=1)
+    result = run_training_parity(tmp_path, ["--tp", "2", "--sp"], steps=3)
+    assert result["ok"] is False and result["layout_mismatch"] == "tp 1 (asked 2)"
