@@ -85,16 +85,7 @@ def test_assistant_mask_covers_exactly_the_assistant_turns():
     assert len(ids) == len(mask)
     assert ids == tok.apply_chat_template(CHAT, return_dict=False)
     # the masked tokens, read back: each assistant answer and the <|endoftext|> that closes its turn
-    pieces, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            pieces.append(tok.decode(cur))
-            cur = []
-    if cur:
-        pieces.append(tok.decode(cur))
-    assert pieces == ["The capital of France is Paris.<|endoftext|>", "Four.<|endoftext|>"]
+    assert _runs(tok, ids, mask) == ["The capital of France is Paris.<|endoftext|>", "Four.<|endoftext|>"]
     # and nothing of the prompt side: the role tokens are all outside the mask
     role_ids = {tok.token_to_id(t) for t in ("<|system|>", "<|user|>", "<|assistant|>", "[gMASK]", "<sop>")}
     assert not any(m and i in role_ids for i, m in zip(ids, mask))

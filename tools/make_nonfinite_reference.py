@@ -51,21 +51,26 @@ def build() -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_or_check(out: Path, text: str, argv: list[str] | None, doc: str) -> int:
+    """The fixture tools' command line: write ``text`` to ``out`` atomically, or with ``--check``
+    compare it with the committed file (exit 1 if it differs)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    text = json.dumps(build(), indent=1, sort_keys=True, allow_nan=False) + "\n"
-    if args.check:
-        same = OUT.read_text() == text
-        print(f"{OUT}: {'equal' if same else 'DIFFERS'}")
+    if ap.parse_args(argv).check:
+        same = out.read_text() == text
+        print(f"{out}: {'equal' if same else 'DIFFERS'}")
         return 0 if same else 1
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
     tmp.write_text(text)
-    tmp.replace(OUT)
-    print(f"wrote {OUT}")
+    tmp.replace(out)
+    print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    text = json.dumps(build(), indent=1, sort_keys=True, allow_nan=False) + "\n"
+    return write_or_check(OUT, text, argv, __doc__)
 
 
 if __name__ == "__main__":

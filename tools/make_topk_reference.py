@@ -13,7 +13,6 @@ tests/test_topk_ties.py holds ops.topk and the router to these indices without t
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -73,20 +72,10 @@ def build() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
+    from make_nonfinite_reference import write_or_check  # tools/ is the script's own folder
+
     text = json.dumps(build(), separators=(",", ":"), sort_keys=True) + "\n"
-    if args.check:
-        same = OUT.read_text() == text
-        print(f"{OUT}: {'equal' if same else 'DIFFERS'}")
-        return 0 if same else 1
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(OUT)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check(OUT, text, argv, __doc__)
 
 
 if __name__ == "__main__":
