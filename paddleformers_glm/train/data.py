@@ -329,9 +329,7 @@ def prepare_jsonl(
             rows.append(_padded(ids, labels, S, pad))  # labels -100 on every token the assistant did not write
             tokens += len(ids)
         if len(rows) < min_samples:
-            raise ValueError(
-                f"{path}: {len(rows)} conversations; {min_samples} are needed for one global batch"
-            )
+            raise ValueError(f"{path}: {len(rows)} conversations; {min_samples} are needed for one global batch")
         arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     with atomic_open(out_path, "wb") as f:
         np.savez(f, **arrays)
