@@ -48,6 +48,9 @@ def test_f16_checkpoint_where_bf16_is_expected_is_reported(tmp_path):
 
     f16 = tmp_path / "f16"
     assert main(["convert", str(FIXTURE), str(f16), "--to", "hf", "--dtype", "float16"]) == 0
+    # convert's config says float16 (as transformers writes); a file whose config disagrees with its weights:
+    cfg = f16 / "config.json"
+    cfg.write_text(cfg.read_text().replace('"dtype": "float16"', '"dtype": "bfloat16"'))
     m, rep = GlmMoeDsaForCausalLM.from_pretrained(f16, dtype="bfloat16", output_loading_info=True)
     assert rep.dtype_changes[Q] == "F16 where bfloat16 is expected"
     assert "model.layers.3.mlp.gate.e_score_correction_bias" not in rep.dtype_changes  # F32 as the contract says
@@ -73,3 +76,51 @@ def test_save_accepts_paddle_dtypes_and_aliases(tmp_path):
         )
         n = int.from_bytes(shard.read_bytes()[:8], "little")
         assert json.loads(shard.read_bytes()[8 : 8 + n])[Q]["dtype"] == "F32"
+
+
+def _st_dtypes(folder: pathlib.Path) -> set[str]:
+    import json
+
+    out = set()
+    for shard in folder.glob("*.safetensors"):
+        n = int.from_bytes(shard.read_bytes()[:8], "little")
+        head = json.loads(shard.read_bytes()[8 : 8 + n])
+        head.pop("__metadata__", None)
+        out |= {v["dtype"] for k, v in head.items() if not k.endswith("e_score_correction_bias")}
+    return out
+
+
+def test_saved_config_states_the_dtype_of_the_weights(tmp_path):
+    """transformers 5.23 ``save_pretrained`` of a float32 / float16 model writes ``"dtype": "float32"`` /
+    ``"float16"`` (measured), and its ``from_pretrained(dtype="auto")`` builds the model in that dtype: a
+    config saying bfloat16 beside F32 weights (what ``save_pretrained(dtype="float32")`` and ``glm52
+    convert --dtype float32`` wrote) made transformers load the export in bf16 and our own re-save
+    write BF16, losing the precision the export was asked for."""
+    import json
+    import shutil
+
+    from paddleformers_glm.checkpoint.distributed import save_pretrained_distributed
+    from paddleformers_glm.cli import main
+
+    source = json.loads((FIXTURE / "config.json").read_text())
+    m = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+    for dt, st in (("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16")):
+        m.save_pretrained(tmp_path / dt, dtype=dt)
+        cfg = json.loads((tmp_path / dt / "config.json").read_text())
+        assert _st_dtypes(tmp_path / dt) == {st}
+        assert cfg == {**source, "dtype": dt}, dt  # nothing else changes
+    assert (tmp_path / "bfloat16" / "config.json").read_bytes() == (FIXTURE / "config.json").read_bytes()
+    save_pretrained_distributed(m, tmp_path / "dist", dtype="float32")  # the trainer's export writer
+    assert json.loads((tmp_path / "dist" / "config.json").read_text())["dtype"] == "float32"
+    assert main(["convert", str(FIXTURE), str(tmp_path / "conv"), "--to", "hf", "--dtype", "float32", "--quiet"]) == 0
+    assert json.loads((tmp_path / "conv" / "config.json").read_text())["dtype"] == "float32"
+    # a re-save of the float32 export keeps float32 (it wrote BF16 before)
+    GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "float32").save_pretrained(tmp_path / "again")
+    assert _st_dtypes(tmp_path / "again") == {"F32"}
+    # a file spelling it torch_dtype keeps that spelling
+    old = tmp_path / "old"
+    shutil.copytree(FIXTURE, old)
+    (old / "config.json").write_text(json.dumps({("torch_dtype" if k == "dtype" else k): v for k, v in source.items()}))
+    GlmMoeDsaForCausalLM.from_pretrained(old, dtype="float32").save_pretrained(tmp_path / "old32", dtype="float32")
+    cfg = json.loads((tmp_path / "old32" / "config.json").read_text())
+    assert cfg["torch_dtype"] == "float32" and "dtype" not in cfg

@@ -76,7 +76,8 @@ def export_distributed(
     topo = topo or Topology.single()
     quiet_paddle_logs()
     out_dir = os.path.abspath(out_dir)
-    specs, tgt_dtypes, entries = plan_entries(config, "hf", dtype or config.model_dtype)
+    model_dtype = dtype or config.model_dtype
+    specs, tgt_dtypes, entries = plan_entries(config, "hf", model_dtype)
     shards = plan_shards(entries, parse_size(max_shard_size))
     file_of = {k: name for name, keys in shards.items() for k in keys}
     plans = {name: [(k, entries[k][1], entries[k][0]) for k in keys] for name, keys in shards.items()}
@@ -153,7 +154,7 @@ def export_distributed(
         missing = sorted(set(entries) - set(seen))
         if missing:
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
-        finish_save(tmp, out_dir, config, shards, entries, None, carry_from)  # the weights are not FP8
+        finish_save(tmp, out_dir, config, shards, entries, None, carry_from, model_dtype)  # not FP8
     _barrier(topo)
     files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]
     return {"tensors": len(written), "bytes": sum(written.values()), "files": files}

@@ -97,15 +97,19 @@ def finish_save(
     entries: Mapping[str, tuple[tuple[int, ...], str]],
     quantization_config: Mapping[str, Any] | None,
     carry_from: str | os.PathLike | None,
+    model_dtype: str | None = None,
 ) -> tuple[int, list[str]]:
-    """Write the index (several shards), ``config.json`` and the carried files into ``tmp``, then
-    publish it at ``out_dir``; returns (total tensor bytes, the names of the files written)."""
+    """Write the index (several shards), ``config.json`` (stating ``model_dtype``, the dtype the
+    unquantized weights were written in) and the carried files into ``tmp``, then publish it at
+    ``out_dir``; returns (total tensor bytes, the names of the files written)."""
     total = sum(_nbytes(e) for e in entries.values())
     if len(shards) > 1:
         weight_map = {k: name for name, keys in shards.items() for k in keys}
         write_json_atomic(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
     config.save_pretrained(tmp)
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
+    if model_dtype is not None and model_dtype != config.model_dtype:
+        set_config_dtype(os.path.join(tmp, "config.json"), model_dtype)
     carried = carry_files(carry_from, tmp, out_dir)
     publish(tmp, out_dir)
     return total, [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
@@ -203,7 +207,7 @@ def save_pretrained_state(
         for w in writers.values():
             w.close()  # refuses a file with a planned tensor missing: every entry is written once
         total, files = finish_save(
-            tmp, out_dir, config, shards, entries, FP8_CONFIG if quantization else None, carry_from
+            tmp, out_dir, config, shards, entries, FP8_CONFIG if quantization else None, carry_from, model_dtype
         )
     except BaseException:
         for w in writers.values():
@@ -226,6 +230,16 @@ def set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
         cfg.pop("quantization_config")
     else:
         cfg["quantization_config"] = dict(qc)
+    write_json_atomic(path, cfg, sort_keys=False)
+
+
+def set_config_dtype(path: str, dtype: str) -> None:
+    """config.json states the dtype its weights are written in, as transformers' ``save_pretrained``
+    does (it writes ``dtype: float32`` for a float32 model, and loads ``dtype="auto"`` in it): under the
+    file's spelling (``dtype`` and/or ``torch_dtype``), ``dtype`` where it has neither."""
+    cfg = read_json(path, "the model config")
+    for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+        cfg[key] = dtype
     write_json_atomic(path, cfg, sort_keys=False)
 
 
