@@ -72,3 +72,48 @@ def test_parallel_export_equals_the_single_process_export(tiny_ckpt, reference, 
     if p.returncode != 0:
         pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
     _same_files(tmp_path / "export", reference / "single")
+
+
+def test_export_carries_the_tokenizer_the_run_trained_with(tiny_ckpt, tmp_path):
+    """``--tokenizer DIR`` tokenized the run's text data: the export ships that tokenizer (all its
+    tokenizer files and only those; a ``--model`` folder's own ``chat_template.jinja`` would override
+    the template in transformers), and the model folder's ``generation_config.json``. Before, the
+    export carried only the ``--model`` folder's files: with a weights-only model folder it had no
+    tokenizer at all (measured: ``['config.json', 'model.safetensors']``)."""
+    import json
+    import shutil
+
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    shutil.copytree(tiny_ckpt, model)
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.move(model / name, tok / name)
+    tc = json.loads((tok / "tokenizer_config.json").read_text())
+    tc["chat_template"] += "{# the run's template #}"
+    (tok / "tokenizer_config.json").write_text(json.dumps(tc))
+    (model / "generation_config.json").write_text('{"eos_token_id": [1, 2], "temperature": 0.7}\n')
+    data = tmp_path / "t.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"Hello there, document {i} about the weather."}) + "\n" for i in range(8))
+    )
+    args = ["--model", str(model), "--data", str(data), "--tokenizer", str(tok), "--steps", "1", "--seq-len", "16"]
+    args += ["--global-batch-size", "2", "--micro-batch-size", "1", "--out", str(tmp_path / "out"), "--export"]
+    p, _ = run_train_cli(args, timeout=240)
+    if p.returncode != 0:
+        pytest.fail(f"export run failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path / 'out')}")
+    out = tmp_path / "out" / "export"
+    assert sorted(x.name for x in out.iterdir()) == sorted(
+        ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tok / name).read_bytes(), name
+    assert (out / "generation_config.json").read_bytes() == (model / "generation_config.json").read_bytes()
+    # a model folder with a tokenizer of its own (and a chat_template.jinja): still the run's tokenizer only
+    (model / "tokenizer.json").write_bytes((tok / "tokenizer.json").read_bytes())
+    (model / "tokenizer_config.json").write_bytes((tiny_ckpt / "tokenizer_config.json").read_bytes())
+    (model / "chat_template.jinja").write_text("{{ 'the checkpoint template' }}")
+    shutil.rmtree(tmp_path / "out")
+    p, _ = run_train_cli(args, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not (out / "chat_template.jinja").exists()
+    assert (out / "tokenizer_config.json").read_bytes() == (tok / "tokenizer_config.json").read_bytes()

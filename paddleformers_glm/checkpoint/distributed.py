@@ -67,11 +67,13 @@ def export_distributed(
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
     carry_from: str | os.PathLike | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Write ``module``'s weights (every rank's stage module; collective) as an HF-layout checkpoint.
 
     ``carry_from``: a source folder whose tokenizer / generation-config / chat-template files rank 0
-    copies in (as the single-process saver does).  Returns ``{"tensors": written by this rank,
+    copies in (as the single-process saver does); ``tokenizer_from``: the folder of the tokenizer the
+    weights were trained with, whose tokenizer files are carried instead of ``carry_from``'s.  Returns ``{"tensors": written by this rank,
     "bytes": their bytes, "files": [...]}``."""
     topo = topo or Topology.single()
     quiet_paddle_logs()
@@ -154,7 +156,7 @@ def export_distributed(
         missing = sorted(set(entries) - set(seen))
         if missing:
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
-        finish_save(tmp, out_dir, config, shards, entries, None, carry_from, model_dtype)  # not FP8
+        finish_save(tmp, out_dir, config, shards, entries, None, carry_from, model_dtype, tokenizer_from)
     _barrier(topo)
     files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]
     return {"tensors": len(written), "bytes": sum(written.values()), "files": files}

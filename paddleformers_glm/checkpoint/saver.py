@@ -98,10 +98,13 @@ def finish_save(
     quantization_config: Mapping[str, Any] | None,
     carry_from: str | os.PathLike | None,
     model_dtype: str | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
 ) -> tuple[int, list[str]]:
     """Write the index (several shards), ``config.json`` (stating ``model_dtype``, the dtype the
     unquantized weights were written in) and the carried files into ``tmp``, then publish it at
-    ``out_dir``; returns (total tensor bytes, the names of the files written)."""
+    ``out_dir``; returns (total tensor bytes, the names of the files written). ``tokenizer_from``: the
+    folder of the tokenizer the weights were trained with, whose tokenizer files (and only those) are
+    carried instead of ``carry_from``'s; ``carry_from`` then gives ``generation_config.json`` alone."""
     total = sum(_nbytes(e) for e in entries.values())
     if len(shards) > 1:
         weight_map = {k: name for name, keys in shards.items() for k in keys}
@@ -110,7 +113,11 @@ def finish_save(
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
     if model_dtype is not None and model_dtype != config.model_dtype:
         set_config_dtype(os.path.join(tmp, "config.json"), model_dtype)
-    carried = carry_files(carry_from, tmp, out_dir)
+    if tokenizer_from is not None:
+        carried = carry_files(tokenizer_from, tmp, out_dir, TOKENIZER_FILES)
+        carried += carry_files(carry_from, tmp, out_dir, (GENERATION_CONFIG,))
+    else:
+        carried = carry_files(carry_from, tmp, out_dir)
     publish(tmp, out_dir)
     return total, [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
 
@@ -243,27 +250,30 @@ def set_config_dtype(path: str, dtype: str) -> None:
     write_json_atomic(path, cfg, sort_keys=False)
 
 
-CARRIED_FILES = (
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
-    "generation_config.json",
     "chat_template.jinja",
     "chat_template.json",
 )
+CARRIED_FILES = (*TOKENIZER_FILES[:4], GENERATION_CONFIG, *TOKENIZER_FILES[4:])
 _OWN_WEIGHT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
-def carry_files(src: str | os.PathLike | None, tmp: str, out_dir: str) -> list[str]:
-    """Copy the source folder's non-weight files into the new checkpoint (not onto themselves)."""
+def carry_files(
+    src: str | os.PathLike | None, tmp: str, out_dir: str, names: tuple[str, ...] = CARRIED_FILES
+) -> list[str]:
+    """Copy the source folder's non-weight files (``names``) into the new checkpoint (not onto themselves)."""
     if src is None:
         return []
     src = os.path.abspath(os.fspath(src))
     if not os.path.isdir(src) or src == out_dir:
         return []  # saving over the source: those files are kept as they are
     out = []
-    for name in CARRIED_FILES:
+    for name in names:
         f = os.path.join(src, name)
         if os.path.isfile(f) and not os.path.exists(os.path.join(tmp, name)):
             shutil.copy2(f, os.path.join(tmp, name))

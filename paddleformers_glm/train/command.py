@@ -185,7 +185,10 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--data",
         help=".npy / .bin token stream, .npz samples, or .jsonl of input_ids, text or chat messages (default: synthetic)",
     )
-    g.add_argument("--tokenizer", help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder)")
+    g.add_argument(
+        "--tokenizer",
+        help="folder with tokenizer.json for text/chat .jsonl (default: the --model folder); --export ships it",
+    )
     g.add_argument(
         "--data-dtype", default="auto", help=".bin token dtype (auto: uint16 if the vocabulary fits, else uint32)"
     )
@@ -239,6 +242,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if bad := model_folder_error(args.model):
             raise FileNotFoundError(f"{bad} (or give 'toy' for a small stand-in model)")
         model, model_args = "glm", {"model_dir": os.path.abspath(args.model)}
+        if args.tokenizer:  # the run's tokenizer: its export ships it
+            model_args["tokenizer_dir"] = os.path.abspath(args.tokenizer)
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}  # flags by name
     given.update(
         model=model,

@@ -50,10 +50,11 @@ class GlmAdapter(ModelAdapter):
     name = "glm"
     supports_context_parallel = weights_loaded = True  # the model reads cp_* batch keys; a checkpoint's weights
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, tokenizer_dir: str | None = None) -> None:
         from ..configuration import GlmMoeDsaConfig
 
         self.model_dir = model_dir
+        self.tokenizer_dir = tokenizer_dir  # --tokenizer: the run's tokenizer, which its export ships
         self.config = c = GlmMoeDsaConfig.from_pretrained(model_dir)
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
         self.indexer = IndexerSettings(c)  # the checkpoint's default until set_indexer_training
@@ -129,8 +130,11 @@ class GlmAdapter(ModelAdapter):
 
     def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
         """Every rank writes the official-layout tensors it owns (``checkpoint.distributed``), the
-        source folder's tokenizer files come along: the export is usable as it stands."""
+        source folder's generation config and the run's tokenizer files (``--tokenizer``, else the
+        source folder's) come along: the export is usable as it stands."""
         from ..checkpoint.distributed import all_gather_object, export_distributed
 
-        info = export_distributed(module, self.config, out_dir, topo, carry_from=self.model_dir)
+        info = export_distributed(
+            module, self.config, out_dir, topo, carry_from=self.model_dir, tokenizer_from=self.tokenizer_dir
+        )
         return sum(all_gather_object(info["tensors"], topo))
