@@ -417,3 +417,49 @@ def test_convert_cli_both_ways(src, tmp_path, capsys):
     assert "wrote 296 tensors" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_hf_layout_export_of_a_paddlefleet_spelled_config_reads_as_the_same_model_in_transformers(tmp_path):
+    """A checkpoint whose config.json spells settings as PaddleFleet does (``rotary_base`` + ``rope_type:
+    "rope"`` instead of ``rope_parameters``, ``dsa_index_topk``, ``dsa_index_n_heads``, ...): its
+    official-layout export must carry the transformers keys too. Before, the export kept only
+    PaddleFleet's spelling and transformers 5.23 read it with its defaults (measured: rope_theta
+    10000.0 instead of 8000000, index_topk 2048 instead of 8, index_n_heads 32 instead of 8, so
+    ``from_pretrained`` refused the indexer weights with a size mismatch)."""
+    fleet = tmp_path / "fleet"
+    shutil.copytree(FIXTURE, fleet)
+    cfg = json.loads((fleet / "config.json").read_text())
+    official = dict(cfg)
+    del cfg["rope_parameters"]
+    cfg |= {"rotary_base": 8000000, "rope_type": "rope"}
+    for alias, key in (("dsa_index_topk", "index_topk"), ("dsa_index_n_heads", "index_n_heads")):
+        cfg[alias] = cfg.pop(key)
+    cfg["rotary_interleaved"] = cfg.pop("rope_interleave")
+    (fleet / "config.json").write_text(json.dumps(cfg, indent=2))
+    model = SpecModel(GlmMoeDsaConfig.from_pretrained(fleet))
+    load_pretrained_state(model, fleet)
+    save_pretrained_state(model, model.config, tmp_path / "hf")
+    out = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("rope_parameters", "index_topk", "index_n_heads", "rope_interleave"):
+        assert out[key] == official[key], key
+    assert {k: out[k] for k in cfg} == cfg  # PaddleFleet's own keys are kept as they were
+    GlmMoeDsaConfig.from_pretrained(tmp_path / "hf")  # both spellings agree
+    # the Fleet layout keeps the file as it was
+    save_pretrained_state(model, model.config, tmp_path / "fl", layout="fleet")
+    assert json.loads((tmp_path / "fl" / "config.json").read_text()) == cfg
+
+    from tests._reference import missing_reference_extra
+
+    if missing_reference_extra() is None:
+        from transformers import GlmMoeDsaConfig as HfConfig
+
+        got, want = HfConfig.from_pretrained(tmp_path / "hf").to_dict(), HfConfig.from_pretrained(FIXTURE).to_dict()
+        for key in (
+            "rope_parameters",
+            "index_topk",
+            "index_n_heads",
+            "index_head_dim",
+            "indexer_types",
+            "rope_interleave",
+        ):
+            assert got.get(key) == want.get(key), key

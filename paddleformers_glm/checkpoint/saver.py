@@ -99,17 +99,23 @@ def finish_save(
     carry_from: str | os.PathLike | None,
     model_dtype: str | None = None,
     tokenizer_from: str | os.PathLike | None = None,
+    layout: str = "hf",
 ) -> tuple[int, list[str]]:
     """Write the index (several shards), ``config.json`` (stating ``model_dtype``, the dtype the
     unquantized weights were written in) and the carried files into ``tmp``, then publish it at
     ``out_dir``; returns (total tensor bytes, the names of the files written). ``tokenizer_from``: the
     folder of the tokenizer the weights were trained with, whose tokenizer files (and only those) are
-    carried instead of ``carry_from``'s; ``carry_from`` then gives ``generation_config.json`` alone."""
+    carried instead of ``carry_from``'s; ``carry_from`` then gives ``generation_config.json`` alone. An
+    official-layout (``layout="hf"``) config.json also carries the transformers spelling of every
+    setting the source spelled otherwise (``GlmMoeDsaConfig.transformers_keys``)."""
     total = sum(_nbytes(e) for e in entries.values())
     if len(shards) > 1:
         weight_map = {k: name for name, keys in shards.items() for k in keys}
         write_json_atomic(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
     config.save_pretrained(tmp)
+    if layout == "hf" and (keys := config.transformers_keys()):
+        cfg = read_json(os.path.join(tmp, "config.json"), "the model config")
+        write_json_atomic(os.path.join(tmp, "config.json"), cfg | keys, sort_keys=False)
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
     if model_dtype is not None and model_dtype != config.model_dtype:
         set_config_dtype(os.path.join(tmp, "config.json"), model_dtype)
@@ -214,7 +220,15 @@ def save_pretrained_state(
         for w in writers.values():
             w.close()  # refuses a file with a planned tensor missing: every entry is written once
         total, files = finish_save(
-            tmp, out_dir, config, shards, entries, FP8_CONFIG if quantization else None, carry_from, model_dtype
+            tmp,
+            out_dir,
+            config,
+            shards,
+            entries,
+            FP8_CONFIG if quantization else None,
+            carry_from,
+            model_dtype,
+            layout=layout,
         )
     except BaseException:
         for w in writers.values():
