@@ -205,10 +205,20 @@ class GlmTokenizer:
         return cls(tok, config, template, template_source=source, **options)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
-        """Write tokenizer.json and tokenizer_config.json (with the chat template), atomically."""
+        """Write tokenizer.json and tokenizer_config.json (with the chat template and the padding /
+        truncation side and model_max_length in use), atomically."""
         config = dict(self.config)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
+        # the settings in use, where they differ from what the file says (transformers writes them too)
+        for key in ("padding_side", "truncation_side"):
+            if getattr(self, key) != (config.get(key) or "right"):
+                config[key] = getattr(self, key)
+        mml = config.get("model_max_length")
+        if self.model_max_length != (
+            mml if isinstance(mml, (int, float)) and not isinstance(mml, bool) else _VERY_LARGE
+        ):
+            config["model_max_length"] = self.model_max_length
         written = [str(Path(folder) / TOKENIZER_FILE), str(Path(folder) / CONFIG_FILE)]
         atomic_write_text(written[0], self.tokenizer.to_str(pretty=True))
         atomic_write_text(written[1], json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")

@@ -393,3 +393,21 @@ def test_template_environment_renders_as_hf(tiny_dir, template, text):
     hf.chat_template = template
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Four."}]
     assert hf.apply_chat_template(chat, tokenize=False) == text
+
+
+def test_save_pretrained_keeps_the_padding_and_length_settings(tiny_dir, tmp_path):
+    """transformers 5.23 ``AutoTokenizer.from_pretrained(d, padding_side="left", model_max_length=64)
+    .save_pretrained(out)`` writes ``padding_side: "left"`` and ``model_max_length: 64`` (measured), so
+    the saved tokenizer pads and truncates as the one in use did. Ours wrote the file's config back
+    unchanged (measured: padding_side absent, model_max_length 4096): a reload padded on the right."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir, padding_side="left", truncation_side="left", model_max_length=64)
+    tok.save_pretrained(tmp_path / "a")
+    back = GlmTokenizer.from_pretrained(tmp_path / "a")
+    assert (back.padding_side, back.truncation_side, back.model_max_length) == ("left", "left", 64)
+    cfg = json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())
+    assert (cfg["padding_side"], cfg["truncation_side"], cfg["model_max_length"]) == ("left", "left", 64)
+    # unchanged settings write the file's config as it was (no key added)
+    GlmTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "b")
+    assert (tmp_path / "b" / "tokenizer_config.json").read_text() == (
+        Path(tiny_dir) / "tokenizer_config.json"
+    ).read_text()
