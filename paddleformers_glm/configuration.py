@@ -548,19 +548,21 @@ class GlmMoeDsaConfig:
                 out[key] = getattr(self, key)
         return out
 
-    def transformers_keys(self) -> dict[str, Any]:
-        """The transformers keys :meth:`to_dict` lacks because the source file spelled the setting as
-        another producer does (PaddleFleet's ``rotary_base`` for the rope, ``dsa_index_topk``, ...):
-        transformers reads only its own names and would build the model from its defaults. An
-        official-layout export adds these (checkpoint/saver.py); the other spellings stay beside them."""
+    def to_transformers_dict(self) -> dict[str, Any]:
+        """config.json of an official-layout checkpoint (checkpoint/saver.py): :meth:`to_dict` plus the
+        transformers key of every setting the source file spelled only as another producer does
+        (PaddleFleet's ``rotary_base`` for the rope, ``dsa_index_topk``, ...: transformers reads only its
+        own names and would build the model from its defaults), the other spellings kept beside them;
+        without ``attn_implementation``, this library's attention form, which transformers never writes
+        and refuses on load (it names its own kernels: eager, sdpa, ...)."""
         d = self.to_dict()
-        out: dict[str, Any] = {}
         if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(d):
-            out["rope_parameters"] = copy.deepcopy(self._rope)
+            d["rope_parameters"] = copy.deepcopy(self._rope)
         for alias, key in _KEY_ALIASES.items():
             if alias in d and key not in d and key not in _PARALLEL_DEFAULTS and key not in _LIBRARY_DEFAULTS:
-                out[key] = copy.deepcopy(getattr(self, key))
-        return out
+                d[key] = copy.deepcopy(getattr(self, key))
+        d.pop("attn_implementation", None)
+        return d
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"

@@ -463,3 +463,28 @@ def test_hf_layout_export_of_a_paddlefleet_spelled_config_reads_as_the_same_mode
             "rope_interleave",
         ):
             assert got.get(key) == want.get(key), key
+
+
+def test_hf_layout_export_after_set_attn_implementation_loads_in_transformers(tmp_path):
+    """``set_attn_implementation("dense")`` records the form in the config (``attn_implementation``);
+    transformers never writes that key (measured: its ``save_pretrained`` with sdpa writes none) and
+    5.23's ``from_pretrained`` refuses any value it does not implement (measured: ValueError
+    'Specified `attn_implementation="dense"` is not supported'), so an official-layout export that
+    carried it could not be loaded there at all. The Fleet layout keeps the key."""
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+    model.set_attn_implementation("dense")
+    model.save_pretrained(tmp_path / "hf")
+    out = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "attn_implementation" not in out
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (FIXTURE / "config.json").read_bytes()
+    model.save_pretrained(tmp_path / "fl", layout="fleet")
+    assert json.loads((tmp_path / "fl" / "config.json").read_text())["attn_implementation"] == "dense"
+
+    from tests._reference import missing_reference_extra
+
+    if missing_reference_extra() is None:
+        from transformers import GlmMoeDsaForCausalLM as HfModel
+
+        HfModel.from_pretrained(tmp_path / "hf")  # raised ValueError before

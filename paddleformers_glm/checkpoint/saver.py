@@ -106,16 +106,15 @@ def finish_save(
     ``out_dir``; returns (total tensor bytes, the names of the files written). ``tokenizer_from``: the
     folder of the tokenizer the weights were trained with, whose tokenizer files (and only those) are
     carried instead of ``carry_from``'s; ``carry_from`` then gives ``generation_config.json`` alone. An
-    official-layout (``layout="hf"``) config.json also carries the transformers spelling of every
-    setting the source spelled otherwise (``GlmMoeDsaConfig.transformers_keys``)."""
+    official-layout (``layout="hf"``) config.json is ``config.to_transformers_dict()``: what
+    transformers reads as this model."""
     total = sum(_nbytes(e) for e in entries.values())
     if len(shards) > 1:
         weight_map = {k: name for name, keys in shards.items() for k in keys}
         write_json_atomic(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
     config.save_pretrained(tmp)
-    if layout == "hf" and (keys := config.transformers_keys()):
-        cfg = read_json(os.path.join(tmp, "config.json"), "the model config")
-        write_json_atomic(os.path.join(tmp, "config.json"), cfg | keys, sort_keys=False)
+    if layout == "hf" and (hf := config.to_transformers_dict()) != config.to_dict():
+        write_json_atomic(os.path.join(tmp, "config.json"), hf, sort_keys=False)
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
     if model_dtype is not None and model_dtype != config.model_dtype:
         set_config_dtype(os.path.join(tmp, "config.json"), model_dtype)

@@ -489,7 +489,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def set_attn_implementation(self, name: str) -> None:
         """Pick the attention form for the following forwards (transformers' name): "auto" (by
         size), "reference", "dense", "sparse" or "latent" (see modeling/attention_forms.py). It is
-        the config key `attn_implementation`, so a save after this records it."""
+        the config key `attn_implementation`, so a config or Fleet-layout save after this records it;
+        an official-layout checkpoint leaves it out (transformers refuses forms it lacks)."""
         if name not in FORMS:
             raise ValueError(f"attn_implementation must be one of {FORMS}, got {name!r}")
         self.config.attn_implementation = name
