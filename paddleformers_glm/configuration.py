@@ -554,7 +554,8 @@ class GlmMoeDsaConfig:
         (PaddleFleet's ``rotary_base`` for the rope, ``dsa_index_topk``, ...: transformers reads only its
         own names and would build the model from its defaults), the other spellings kept beside them;
         without ``attn_implementation``, this library's attention form, which transformers never writes
-        and refuses on load (it names its own kernels: eager, sdpa, ...)."""
+        and refuses on load (it names its own kernels: eager, sdpa, ...); with ``architectures`` (the
+        model class, as transformers' ``save_pretrained`` writes it) where the file has none."""
         d = self.to_dict()
         if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(d):
             d["rope_parameters"] = copy.deepcopy(self._rope)
@@ -562,6 +563,8 @@ class GlmMoeDsaConfig:
             if alias in d and key not in d and key not in _PARALLEL_DEFAULTS and key not in _LIBRARY_DEFAULTS:
                 d[key] = copy.deepcopy(getattr(self, key))
         d.pop("attn_implementation", None)
+        if not d.get("architectures"):  # transformers' save_pretrained names the model class
+            d["architectures"] = ["GlmMoeDsaForCausalLM"]
         return d
 
     def to_json_string(self) -> str:

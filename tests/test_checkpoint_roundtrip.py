@@ -488,3 +488,19 @@ def test_hf_layout_export_after_set_attn_implementation_loads_in_transformers(tm
         from transformers import GlmMoeDsaForCausalLM as HfModel
 
         HfModel.from_pretrained(tmp_path / "hf")  # raised ValueError before
+
+
+def test_hf_layout_export_names_the_architecture(tmp_path):
+    """transformers' ``save_pretrained`` writes ``architectures: ["GlmMoeDsaForCausalLM"]`` for a model
+    whose config has none (measured, 5.23); vLLM-style loaders pick the model class from that key.
+    Ours wrote none (measured) when the source config lacked it."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE, src)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["architectures"]
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    model = SpecModel(GlmMoeDsaConfig.from_pretrained(src))
+    load_pretrained_state(model, src)
+    save_pretrained_state(model, model.config, tmp_path / "hf")
+    out = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert out == {**cfg, "architectures": ["GlmMoeDsaForCausalLM"]}
