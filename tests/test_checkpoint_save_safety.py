@@ -214,3 +214,26 @@ def test_non_weight_files_travel_with_save_and_convert(tmp_path):
     for folder in (tmp_path / "saved", tmp_path / "conv"):
         snap = _snapshot(folder)
         assert {n: snap.get(n) for n in extra} == extra, folder
+
+
+def test_a_save_that_carries_a_tokenizer_replaces_the_old_one_whole(model, tmp_path):
+    """Saving over an earlier export with another source's tokenizer: the tokenizer is one unit. Before,
+    the files the new source lacks stayed from the old export (measured: the old chat_template.jinja
+    beside the new tokenizer_config.json), and transformers takes the template from
+    chat_template.jinja over tokenizer_config.json's, so the export chatted with the old template.
+    A save that carries no tokenizer still keeps the folder's tokenizer files (test above)."""
+    old_src, new_src = tmp_path / "old_src", tmp_path / "new_src"
+    for d, files in (
+        (old_src, {"tokenizer.json": b'{"old": 1}', "tokenizer_config.json": b"{}", "chat_template.jinja": b"old"}),
+        (new_src, {"tokenizer.json": b'{"new": 1}', "tokenizer_config.json": b'{"chat_template": "new"}'}),
+    ):
+        d.mkdir()
+        for n, b in files.items():
+            (d / n).write_bytes(b)
+    out = tmp_path / "out"
+    save_pretrained_state(model, model.config, out, carry_from=old_src)
+    (out / "notes.txt").write_bytes(b"keep me")
+    save_pretrained_state(model, model.config, out, carry_from=new_src)
+    snap = _snapshot(out)
+    assert "chat_template.jinja" not in snap
+    assert snap["tokenizer.json"] == b'{"new": 1}' and snap["notes.txt"] == b"keep me"

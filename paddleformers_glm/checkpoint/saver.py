@@ -123,7 +123,8 @@ def finish_save(
         carried += carry_files(carry_from, tmp, out_dir, (GENERATION_CONFIG,))
     else:
         carried = carry_files(carry_from, tmp, out_dir)
-    publish(tmp, out_dir)
+    # a tokenizer is one unit: carrying one replaces the target's, none of its old files stay behind
+    publish(tmp, out_dir, TOKENIZER_FILES if set(carried) & set(TOKENIZER_FILES) else ())
     return total, [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
 
 
@@ -360,9 +361,10 @@ def _link_or_copy(src: str, dst: str) -> None:
             shutil.copy2(src, dst)
 
 
-def publish(tmp: str, out_dir: str) -> None:
+def publish(tmp: str, out_dir: str, replaces: tuple[str, ...] = ()) -> None:
     """Put the finished checkpoint folder ``tmp`` in place of ``out_dir``, all or nothing, keeping the
-    target's entries this save does not replace (docs/checkpoints.md, "Saving")."""
+    target's entries this save does not replace (docs/checkpoints.md, "Saving"): its own weight files,
+    index and config.json, what ``tmp`` holds, and the names in ``replaces``."""
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir):
         os.rmdir(out_dir)
@@ -373,7 +375,7 @@ def publish(tmp: str, out_dir: str) -> None:
         raise CheckpointError("output path exists and is not a folder", file=out_dir)
     new = set(os.listdir(tmp))
     for name in sorted(os.listdir(out_dir)):
-        if name in new or name in (SINGLE_NAME, INDEX_NAME, "config.json") or _OWN_WEIGHT_RE.match(name):
+        if name in new or name in (SINGLE_NAME, INDEX_NAME, "config.json", *replaces) or _OWN_WEIGHT_RE.match(name):
             continue  # what this save replaces
         _link_or_copy(os.path.join(out_dir, name), os.path.join(tmp, name))
     os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
