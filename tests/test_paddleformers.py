@@ -201,8 +201,9 @@ def test_trainer_trains_like_glm52_train_and_saves_for_from_pretrained(tiny, tmp
     assert set(trained) == set(reloaded)
     for k, v in trained.items():
         assert reloaded[k].numpy().tobytes() == v.numpy().tobytes(), k
-    # the Trainer sets config.use_cache from TrainingArguments.use_cache (default False) for training
-    assert GlmMoeDsaConfig.from_pretrained(save).to_dict() == cfg.to_dict() | {"use_cache": False}
+    # the Trainer sets config.use_cache from TrainingArguments.use_cache (default False) for training;
+    # the fp32 weights are saved as such and config.json says so, as transformers' save does
+    assert GlmMoeDsaConfig.from_pretrained(save).to_dict() == cfg.to_dict() | {"use_cache": False, "dtype": "float32"}
 
 
 def test_trainer_default_save_is_paddles_distributed_checkpoint(tiny, tmp_path):
@@ -221,3 +222,18 @@ def test_trainer_default_save_is_paddles_distributed_checkpoint(tiny, tmp_path):
     assert any(f.endswith(".distcp") for f in files), files
     with pytest.raises(FileNotFoundError, match="config"):
         GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "default")
+
+
+def test_save_pretrained_writes_the_state_dict_the_trainer_passes(tiny, tmp_path):
+    """The Trainer's sharding path passes the tensors to save (``state_dict=``): those are written,
+    not the model's own (before: the keys were checked and the model's tensors saved)."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    state = dict(model.state_dict())
+    key = "model.embedding.embed_tokens.weight"
+    state[key] = state[key] * 2.0
+    model.save_pretrained(str(tmp_path / "out"), state_dict=state)
+    back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
+    np.testing.assert_array_equal(back.state_dict()[key].numpy(), state[key].numpy())
+    assert not np.array_equal(back.state_dict()[key].numpy(), model.state_dict()[key].numpy())

@@ -178,6 +178,11 @@ def _classes() -> dict[str, Any]:
             if own.get("max_shard_size") in ("1024GB",):  # PaddleFormers' "no sharding" default
                 own.pop("max_shard_size")
             own.setdefault("dtype", self.compute_dtype)  # what was trained, not the release's bf16
+            if state is not None:  # the Trainer's tensors (e.g. gathered from its sharded optimizer), not ours
+                from ..checkpoint import save_pretrained_state
+
+                own.setdefault("carry_from", getattr(self, "source_path", None))
+                return save_pretrained_state(state, self.config, save_directory, **own)
             return super().save_pretrained(save_directory, **own)
 
     return {"config": GlmMoeDsaConfig, "model": GlmMoeDsaForCausalLM, "output": GlmCausalLMOutput}
