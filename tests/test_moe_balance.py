@@ -395,3 +395,136 @@ def test_a_skipped_step_leaves_no_router_counts_to_the_next_step(skewed_ckpt, tm
         sign = np.sign(load.sum() / load.size - load).astype(np.float32)
         want = (b1.numpy(key).astype(np.float32) + np.float32(R) * sign).astype(np.float32)
         np.testing.assert_array_equal(b3.numpy(key), want, err_msg=key)
+
+
+# ---------------------------------------------------------------- padding (docs/model.md, "MoE balancing")
+
+
+def _padding_router(E: int = 6, K: int = 2) -> TopkRouter:
+    cfg = tiny_config(n_routed_experts=E, n_group=1, topk_group=1, num_experts_per_tok=K)
+    paddle.seed(0)
+    return TopkRouter(cfg)
+
+
+def test_padding_counts_in_neither_the_load_nor_the_balance_loss_yet_is_routed():
+    """A token-validity mask (1 = real) keeps padding out of ``counts`` (the bias update's load and
+    loss.json's) and out of the sequence-wise loss (T = the sequence's real tokens; a sequence of
+    padding only adds 0, no NaN); ``routed`` (which experts the optimizer steps) still counts every
+    row: torch steps an expert that computed a padding row, with a zero gradient."""
+    E, K, B, S = 6, 2, 3, 6
+    r = _padding_router(E, K)
+    r.balance.aux_loss_coeff = 0.3
+    x = paddle.randn([B * S, r.weight.shape[0]])
+    lengths = [6, 4, 0]  # whole, right-padded, padding only
+    valid = paddle.to_tensor([[1] * n + [0] * (S - n) for n in lengths], dtype="int64")
+    _, _, ids = r(x, (B, S), valid)
+    counts, aux = r.balance.take()
+    routed = r.balance.take_routed()
+    ids_np = ids.numpy()
+    real = np.concatenate([np.arange(b * S, b * S + n) for b, n in enumerate(lengths)])
+    np.testing.assert_array_equal(counts.numpy(), np.bincount(ids_np[real].reshape(-1), minlength=E))
+    np.testing.assert_array_equal(routed.numpy(), np.bincount(ids_np.reshape(-1), minlength=E))
+    assert int(counts.sum()) == 10 * K and int(routed.sum()) == B * S * K
+    scores = nn.functional.sigmoid(paddle.matmul(x, r.weight)).numpy()
+    want = sum(
+        _aux_reference(scores[b * S : b * S + n], ids_np[b * S : b * S + n], 1, E, K)
+        for b, n in enumerate(lengths)
+        if n
+    )
+    assert math.isfinite(float(aux)) and abs(float(aux) - want) < 1e-5, (float(aux), want)
+
+    # the loss's gradient never reaches a padding row; a mask of ones is the unmasked loss, bit for bit
+    s = paddle.to_tensor(scores, stop_gradient=False)
+    mask = valid.reshape([-1]).astype("bool")
+    sequence_aux_loss(s, ids, (B, S), E, valid=mask).backward()
+    assert np.abs(s.grad.numpy()[~mask.numpy()]).max() == 0 and np.abs(s.grad.numpy()[real]).max() > 0
+    ones = paddle.ones([B * S], dtype="bool")
+    s = paddle.to_tensor(scores)
+    assert float(sequence_aux_loss(s, ids, (B, S), E, valid=ones)) == float(sequence_aux_loss(s, ids, (B, S), E))
+
+
+def test_a_rank_takes_its_own_tokens_of_the_mask_under_context_and_sequence_parallel():
+    """The mask is indexed by global position (as the key-padding mask): a cp rank takes its zigzag
+    positions, a sequence-parallel tp rank then its equal slice of them -- the rows its router sees."""
+    from types import SimpleNamespace
+
+    from paddleformers_glm.modeling.moe import RouterBalance
+    from paddleformers_glm.parallel.context import zigzag_positions
+
+    B, S = 2, 16
+    valid = paddle.to_tensor(np.random.default_rng(0).integers(0, 2, (B, S)), dtype="int64")
+    for cp, cp_rank, tp, tp_rank in [(1, 0, 1, 0), (2, 1, 1, 0), (1, 0, 2, 1), (2, 1, 2, 0), (2, 0, 2, 1)]:
+        topo = SimpleNamespace(
+            sequence_parallel=tp > 1, tp_size=tp, tp_rank=tp_rank, tp_group=None, cp_size=cp, cp_rank=cp_rank
+        )
+        rows = np.asarray(valid.numpy())[:, zigzag_positions(S, cp, cp_rank)]
+        rows = np.split(rows, tp, axis=1)[tp_rank]
+        got = RouterBalance(topo).local_valid(valid, B * S // (cp * tp))
+        np.testing.assert_array_equal(got.numpy(), rows.reshape(-1).astype(bool), err_msg=str((cp, tp)))
+    with pytest.raises(ValueError, match="router has 5 rows"):
+        RouterBalance().local_valid(valid, 5)
+
+
+def test_the_mtp_layers_mask_follows_its_shifted_inputs():
+    """MTP depth d at position i sees token i + d: real when both i and i + d are real tokens; past
+    the window's end (the model's fill, its target ignored) it is not, so a window counts the same
+    positions whether padding or the end of the window follows its last token."""
+    from paddleformers_glm.modeling.mtp import mtp_token_valid
+
+    m = paddle.to_tensor([[1, 1, 1, 1], [1, 1, 1, 0], [0, 1, 1, 1]], dtype="int64")
+    assert mtp_token_valid(m, 1).numpy().tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 0]]
+    assert mtp_token_valid(m, 2).numpy().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0]]
+    assert not mtp_token_valid(m, 4).numpy().any() and mtp_token_valid(None, 1) is None
+
+
+def _real_tokens(path: Path, lengths: list[int]) -> Path:
+    rng = np.random.default_rng(7)
+    path.write_text("".join(json.dumps({"input_ids": rng.integers(5, 200, n).tolist()}) + "\n" for n in lengths))
+    return path
+
+
+def test_padded_data_gives_the_load_bias_update_and_aux_loss_of_its_real_tokens(skewed_ckpt, tmp_path):
+    """Two sequences of 16 real tokens, trained at --seq-len 16 (no padding) and right-padded to 64:
+    the same expert load, router biases after the updates and aux losses. Measured before the fix
+    (the plain tiny checkpoint, one step, rate 1e-3): every layer's load summed to 256 = 2 x 64 x
+    K at seq-len 64 against 64 unpadded (224 of 256 assignments were padding; layer 3 [83, 61, 34,
+    56, 6, 9, 3, 4] against [16, 16, 5, 5, 6, 9, 3, 4]) and the aux loss was 1.0732 against 1.0520."""
+    data = _real_tokens(tmp_path / "d.jsonl", [16, 16])
+
+    def run(S: int, name: str) -> dict:
+        cfg = TrainConfig(
+            model="glm", model_args={"model_dir": str(skewed_ckpt)}, steps=2, seq_len=S, global_batch_size=2,
+            micro_batch_size=1, out=str(tmp_path / name), progress=False, export=True, data=str(data),
+            moe_bias_update_rate=1e-2, moe_aux_loss_coeff=0.1,
+        )  # fmt: skip
+        return run_training(cfg)["expert_load"]
+
+    whole, padded = run(16, "whole"), run(64, "padded")
+    # the MTP layer (8): position 15's input token lies past the window (or is padding): not counted
+    assert [sum(row) for row in padded["load_last"]] == [2 * 16 * 2] * 5 + [2 * 15 * 2]
+    assert padded["load_total"] == whole["load_total"] and padded["load_last"] == whole["load_last"]
+    assert _biases(tmp_path / "padded" / "export") == _biases(tmp_path / "whole" / "export")
+    assert max(abs(a - b) for a, b in zip(padded["aux_losses"], whole["aux_losses"])) < 1e-6
+
+
+def _run_padded_cli(ckpt: Path, out: Path, data: Path, *layout: str) -> dict:
+    args = ["--model", str(ckpt), "--steps", "2", "--seq-len", "32", "--global-batch-size", "2"]
+    args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--data", str(data)]
+    p, _ = run_train_cli([*args, "--out", str(out), "--export", *layout], timeout=240)
+    if p.returncode != 0:
+        pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
+    return losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--tp", "2", "--sp"), ("--cp", "2"), ("--pp", "2")], ids=["tp2-sp", "cp2", "pp2"])
+def test_padded_load_and_bias_updates_equal_one_process_in_a_split_sequence_layout(skewed_ckpt, tmp_path, layout):
+    """Sequence parallel and context parallel split every sequence over ranks: each takes its own
+    rows of the padding mask, so padded data gives one process's expert load and biases."""
+    data = _real_tokens(tmp_path / "d.jsonl", [20, 7, 32, 11])
+    one = _run_padded_cli(skewed_ckpt, tmp_path / "one", data)
+    got = _run_padded_cli(skewed_ckpt, tmp_path / "got", data, *layout)
+    real = 20 + 7 + 32 + 11
+    assert [sum(row) for row in one["expert_load"]["load_total"]][:5] == [real * 2] * 5
+    assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]
+    assert _biases(tmp_path / "got" / "export") == _biases(tmp_path / "one" / "export")

@@ -38,12 +38,16 @@ class DecoderLayer(nn.Layer):
         prev_topk: paddle.Tensor | None,
         reuse_topk: bool = False,
         cache: LayerCache | None = None,
+        token_valid: paddle.Tensor | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, IndexerRecord | None]:
         """x [B, S, H] -> (x [B, S, H], top-k used by this layer [B, S, k], the indexer-training record
         of its attention or None: modeling/indexer_training.py).
 
         With `cache`: an empty cache is filled by this (prefill) forward; a cache holding past
         tokens makes x the new tokens only, attended against the past (`MLAttention.forward_decode`).
+        `token_valid` [B, S_global] (1 = a real token, by global position; default `key_padding`):
+        the tokens a MoE layer's training-time load counts and balance loss take in (the MTP layer
+        passes its own, aligned with its shifted inputs).
         """
         if cache is not None and cache.owner.length > 0:
             x, topk = self.decode(x, cos, sin, key_padding, prev_topk, cache, reuse_topk=reuse_topk)
@@ -52,7 +56,11 @@ class DecoderLayer(nn.Layer):
             self.input_layernorm(x), cos, sin, key_padding, prev_topk, reuse_topk=reuse_topk, cache=cache
         )
         x = self._residual(x, h, x.dtype)
-        h = self.mlp(self.post_attention_layernorm(x))
+        if self.mlp_type == "sparse":
+            valid = None if cache is not None else key_padding if token_valid is None else token_valid
+            h = self.mlp(self.post_attention_layernorm(x), valid)
+        else:
+            h = self.mlp(self.post_attention_layernorm(x))
         return self._residual(x, h, h.dtype), topk, rec
 
     def decode(

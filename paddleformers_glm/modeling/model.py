@@ -49,7 +49,7 @@ from .indexer_training import (
     trains_in_warmup,
 )
 from .moe import frozen_training_forward
-from .mtp import MTPLayer
+from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -555,7 +555,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                         shifted = batch.get(f"cp_ids_{d}")
                         if shifted is None:
                             shifted = shift_labels(batch["input_ids"], d, fill=0)
-                        h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk)
+                        valid = mtp_token_valid(mask, d) if self.training else None  # the inputs' real tokens
+                        h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk, token_valid=valid)
                         if rec is not None:
                             records.append((self.config.num_hidden_layers + d - 1, rec))
                         mtp_hidden.append(mtp.norm(h))

@@ -20,6 +20,7 @@ from ..configuration import GlmMoeDsaConfig
 from ..ops import route, routed_rows, swiglu
 from ..ops.norm import capturing_cuda_graph, cast
 from ..parallel import comm
+from ..parallel.context import zigzag_positions
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
 from ..parallel.topology import Topology
@@ -77,27 +78,42 @@ def sequence_aux_loss(
     num_experts: int,
     tp_group: object = None,
     tp_size: int = 1,
+    valid: paddle.Tensor | None = None,
 ) -> paddle.Tensor:
     """DeepSeek-V3's sequence-wise balance loss ``sum_i f_i * P_i`` (docs/model.md, "MoE balancing"),
     summed over this micro-batch's sequences; the caller applies the coefficient and the mean.
 
     Under sequence parallel (``tp_group`` given) the counts ``f`` are summed over the group and
     ``P`` is this slice's share, so the ranks' terms and router gradients add up to the full ones.
+    ``valid`` [N] bool (None: every row is a real token): padding rows count neither in ``f``,
+    ``P`` nor a sequence's length T; a sequence without a real token adds 0.
     """
     N, E = scores.shape
     K = expert_ids.shape[-1]
     B = int(batch_shape[0]) if batch_shape is not None and len(batch_shape) > 1 else 1
     S = N // B
-    T = S * tp_size
     probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    P = probs.reshape([B, S, E]).sum(1) / T  # [B, E]
+    if valid is None:
+        T = S * tp_size
+        P = probs.reshape([B, S, E]).sum(1) / T  # [B, E]
+    else:
+        m = valid.astype(probs.dtype).reshape([B, S, 1])
+        with paddle.no_grad():
+            T = m.sum(1)  # [B, 1]: each sequence's real tokens (over the group below)
+            if tp_group is not None:
+                T = comm.all_reduce(T, tp_group)
+            T = paddle.clip(T, min=1.0)  # a sequence of padding only: f = P = 0
+        P = (probs.reshape([B, S, E]) * m).sum(1) / T
     with paddle.no_grad():
         seq = (paddle.arange(N, dtype="int64") // S).unsqueeze(-1)  # [N, 1]: each row's sequence
-        flat = (seq * E + expert_ids).reshape([-1])
-        counts = paddle.bincount(flat, minlength=B * E).astype("float32").reshape([B, E])
+        flat = seq * E + expert_ids
+        if valid is not None:  # padding rows into an extra bin, dropped
+            flat = paddle.where(valid.unsqueeze(-1), flat, paddle.full_like(flat, B * E))
+        counts = paddle.bincount(flat.reshape([-1]), minlength=B * E + 1)[: B * E]
+        counts = counts.astype("float32").reshape([B, E])
         if tp_group is not None:
             counts = comm.all_reduce(counts, tp_group)
-        f = counts * (float(num_experts) / (K * T))
+        f = counts * (float(num_experts) / (K * T))  # T: an int, or [B, 1] real tokens
     return (f * P).sum()
 
 
@@ -136,9 +152,10 @@ def frozen_training_forward() -> Iterator[None]:
 class RouterBalance:
     """A router's training-time balancing state, kept out of the state dict.
 
-    ``counts``: tokens routed to each expert [E] since the trainer last took them
-    (``train/moe_balance.py``); ``routed``: the same since the gradient sync last took them (a layer
-    or expert no token reached is not stepped; ``parallel/grads.py``). ``aux_loss_coeff`` > 0 adds
+    ``counts``: real (not padding) tokens' assignments to each expert [E] since the trainer last
+    took them (``train/moe_balance.py``); ``routed``: every row's, padding included, since the
+    gradient sync last took them (a layer or expert no token reached is not stepped;
+    ``parallel/grads.py``). ``aux_loss_coeff`` > 0 adds
     the sequence-wise balance loss times ``aux_loss_scale`` (set by the trainer so the gradient is
     that of ``coeff * mean over sequences``); ``aux_loss`` sums the unscaled losses.
     """
@@ -146,11 +163,32 @@ class RouterBalance:
     def __init__(self, topo: Topology | None = None) -> None:
         sp = topo is not None and topo.sequence_parallel and topo.tp_size > 1
         self.sp_group, self.sp_size = (topo.tp_group, topo.tp_size) if sp else (None, 1)
+        self.sp_rank = topo.tp_rank if sp else 0
+        self.cp_size, self.cp_rank = (topo.cp_size, topo.cp_rank) if topo is not None else (1, 0)
         self.counts: paddle.Tensor | None = None
         self.routed: paddle.Tensor | None = None
         self.aux_loss_coeff = 0.0
         self.aux_loss_scale = 1.0
         self.aux_loss: paddle.Tensor | None = None
+
+    def local_valid(self, valid: paddle.Tensor | None, rows: int) -> paddle.Tensor | None:
+        """This rank's rows of a token-validity mask: ``valid`` [B, S] (1 = a real token, 0 =
+        padding) indexed by global position, as the key-padding mask is -> [rows] bool in the
+        router's row order (under context parallel the rank's zigzag positions, under sequence
+        parallel then its equal slice of them). None stays None: every token is real."""
+        if valid is None:
+            return None
+        v = valid.detach()
+        if self.cp_size > 1:
+            pos = zigzag_positions(int(v.shape[1]), self.cp_size, self.cp_rank)
+            v = paddle.index_select(v, paddle.to_tensor(pos), axis=1)
+        if self.sp_size > 1:
+            v = paddle.split(v, self.sp_size, axis=1)[self.sp_rank]
+        if int(v.shape[0]) * int(v.shape[1]) != rows:
+            raise ValueError(
+                f"MoE token mask: {list(valid.shape)} gives {list(v.shape)} on this rank, the router has {rows} rows"
+            )
+        return v.reshape([-1]).astype("bool")
 
     def track(
         self,
@@ -158,15 +196,24 @@ class RouterBalance:
         expert_ids: paddle.Tensor,
         weights: paddle.Tensor,
         batch_shape: tuple[int, ...] | None,
+        valid: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
+        """Count the step's assignments and add the balance loss. ``valid`` [B, S] (1 = real token,
+        by global position; None: all real): padding counts neither in ``counts`` (the load of the
+        bias update and loss.json) nor in the balance loss; ``routed`` counts every row, since an
+        expert that computed a padding row is stepped (zero gradient) as in torch."""
         E = scores.shape[-1]
+        mask = self.local_valid(valid, int(expert_ids.shape[0]))
         with paddle.no_grad():
             c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
-            self.counts = c if self.counts is None else self.counts + c
             self.routed = c if self.routed is None else self.routed + c
+            if mask is not None:  # padding rows' assignments into an extra bin, dropped
+                ids = paddle.where(mask.unsqueeze(-1), expert_ids, paddle.full_like(expert_ids, E))
+                c = paddle.bincount(ids.reshape([-1]), minlength=E + 1)[:E]
+            self.counts = c if self.counts is None else self.counts + c
         if self.aux_loss_coeff <= 0:
             return weights
-        aux = sequence_aux_loss(scores, expert_ids, batch_shape, E, self.sp_group, self.sp_size)
+        aux = sequence_aux_loss(scores, expert_ids, batch_shape, E, self.sp_group, self.sp_size, mask)
         done = aux.detach()
         self.aux_loss = done if self.aux_loss is None else self.aux_loss + done
         return _AuxLossGrad.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale)
@@ -202,12 +249,14 @@ class TopkRouter(nn.Layer):
         self.balance = RouterBalance(topo)  # training-time load counts and aux loss; not in the state dict
 
     def forward(
-        self, x: paddle.Tensor, batch_shape: tuple[int, int] | None = None
+        self, x: paddle.Tensor, batch_shape: tuple[int, int] | None = None, valid: paddle.Tensor | None = None
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """x [N, H] -> (logits [N, E] fp32, weights [N, k] fp32, expert ids [N, k] int64).
 
         ``batch_shape`` (B, S) says how the N rows split into sequences (this rank's sequence
-        slice under sequence parallel); the sequence-wise balance loss needs it."""
+        slice under sequence parallel); the sequence-wise balance loss needs it. ``valid`` [B, S]
+        (1 = real token, by global position; ``RouterBalance.track``) keeps padding out of the
+        training-time load counts and balance loss; routing itself is the same for every token."""
         logits = paddle.matmul(x.astype("float32"), self.weight)
         scores = nn.functional.sigmoid(logits)
         weights, expert_ids = route(
@@ -220,7 +269,7 @@ class TopkRouter(nn.Layer):
             self.scaling,
         )
         if self.training and (paddle.is_grad_enabled() or _FROZEN_TRAINING_FORWARDS[0]):
-            weights = self.balance.track(scores, expert_ids, weights, batch_shape)
+            weights = self.balance.track(scores, expert_ids, weights, batch_shape, valid)
         return logits, weights, expert_ids
 
 
@@ -320,7 +369,10 @@ class MoE(nn.Layer):
         parts = paddle.unbind(y, axis=1)
         return sum(parts[1:], parts[0])  # a token's terms added left to right, in ascending expert order
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def forward(self, x: paddle.Tensor, valid: paddle.Tensor | None = None) -> paddle.Tensor:
+        """x [B, S, H] -> [B, S, H]. ``valid`` [B, S_global] (1 = real token, indexed by global
+        position like the key-padding mask; None: every token real) reaches the router's
+        training-time balancing only (``RouterBalance.track``)."""
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
         shared = self.shared_experts(x) if self.shared_experts is not None else None
@@ -331,7 +383,7 @@ class MoE(nn.Layer):
             # them in a different order per rank. A zero dependency makes the shared branch's backward
             # run after the dispatcher's.
             flat = flat + 0.0 * shared.reshape(flat.shape)
-        _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]))
+        _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]), valid)
         if self.dispatcher is not None:
             out = self.dispatcher(flat, expert_ids, weights, self.experts).reshape(shape)
         else:

@@ -40,11 +40,29 @@ class MTPLayer(nn.Layer):
         key_padding: paddle.Tensor | None,
         main_topk: paddle.Tensor | None,
         cache: LayerCache | None = None,
+        token_valid: paddle.Tensor | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor, IndexerRecord | None]:
         """-> (h_d [B, S, H] before `norm`, top-k used, its attention's indexer-training record or None). ``cache``: the
         layer's own decoding cache (speculative decoding drafts with it; ``main_topk`` then holds the
-        main model's slots of the same positions, which the MTP cache's slots equal)."""
+        main model's slots of the same positions, which the MTP cache's slots equal). ``token_valid``:
+        the real tokens of this depth's inputs for its MoE's balancing (`mtp_token_valid`)."""
         x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
         reuse = self.share_topk and main_topk is not None
         topk = main_topk if reuse else None
-        return self.transformer_layer(x, cos, sin, key_padding, topk, reuse_topk=reuse, cache=cache)
+        return self.transformer_layer(
+            x, cos, sin, key_padding, topk, reuse_topk=reuse, cache=cache, token_valid=token_valid
+        )
+
+
+def mtp_token_valid(key_padding: paddle.Tensor | None, depth: int) -> paddle.Tensor | None:
+    """The real tokens of MTP depth ``depth``'s inputs [B, S] (by global position, like
+    ``key_padding``; None: all real): position i combines h_i with token i + depth, so it is real
+    when both are. Past the end of the window the token is the model's fill (its target is ignored
+    too): not real, so a window counts the same positions whether padding or the window's end
+    follows its last token."""
+    if key_padding is None:
+        return None
+    m = key_padding.detach().astype("int64")
+    B, S = int(m.shape[0]), int(m.shape[1])
+    ahead = paddle.concat([m[:, min(depth, S) :], paddle.zeros([B, min(depth, S)], dtype="int64")], axis=1)
+    return m * ahead

@@ -182,6 +182,7 @@ class Reference:
         self.routers = {i: layer.mlp.gate for i, layer in layers if hasattr(layer.mlp, "gate")}
         self.num_experts = E
         self.load: dict[int, object] = {}  # this step's (token, k) assignments per expert, per MoE layer
+        self._valid: dict[int, object] = {}  # MoE layer -> its routed rows' real tokens [B * S] bool (this forward)
         for i, gate in self.routers.items():
             gate.register_forward_hook(lambda mod, a, out, i=i: self._count(i, out[2]))
         # the indexer's training (its KL and recall per layer that runs its own indexer): parity/reference/indexer.py
@@ -190,6 +191,9 @@ class Reference:
     def _count(self, layer: int, topk_indices) -> None:
         import torch
 
+        valid = self._valid.get(layer)
+        if valid is not None:  # only real tokens count (docs/model.md, "MoE balancing")
+            topk_indices = topk_indices[valid]
         c = torch.bincount(topk_indices.reshape(-1), minlength=self.num_experts).to(torch.float64)
         self.load[layer] = c if layer not in self.load else self.load[layer] + c
 
@@ -257,8 +261,17 @@ class Reference:
         import torch
         import torch.nn.functional as F
 
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
         B, S = ids.shape
+        # the real tokens each router counts: the mask, and for MTP depth d position i, token i + d too
+        # (0 past the end of the window), the rule of modeling/mtp.py's mtp_token_valid
+        self._valid = {}
+        if mask is not None:
+            m = mask.bool()
+            self._valid = {i: m.reshape(-1) for i in self.routers if i < self.L}
+            for d in range(1, len(self.mtp) + 1):
+                ahead = torch.cat([m[:, min(d, S) :], m.new_zeros(B, min(d, S))], dim=1)
+                self._valid[self.L + d - 1] = (m & ahead).reshape(-1)
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
         def ce_sum(logits, shift):
             target = torch.full_like(labels, -100)
