@@ -551,11 +551,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 hidden = self.model.norm(hidden)
                 if part.has_mtp and with_mtp:
                     h = hidden
+                    real = mask
+                    if real is None:  # every token real, but the window's last d are not, for depth d
+                        B, S = batch["input_ids"].shape
+                        real = paddle.ones([B, S * self.topology.cp_size], "int64")  # by global position
                     for d, mtp in enumerate(self.model.mtp_layers, start=1):  # depth d sees token i + d
                         shifted = batch.get(f"cp_ids_{d}")
                         if shifted is None:
                             shifted = shift_labels(batch["input_ids"], d, fill=0)
-                        valid = mtp_token_valid(mask, d) if self.training else None  # the inputs' real tokens
+                        valid = mtp_token_valid(real, d) if self.training else None  # the inputs' real tokens
                         h, _, rec = mtp(h, self.model.embedding(shifted), cos, sin, mask, topk, token_valid=valid)
                         if rec is not None:
                             records.append((self.config.num_hidden_layers + d - 1, rec))

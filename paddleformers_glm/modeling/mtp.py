@@ -54,14 +54,12 @@ class MTPLayer(nn.Layer):
         )
 
 
-def mtp_token_valid(key_padding: paddle.Tensor | None, depth: int) -> paddle.Tensor | None:
+def mtp_token_valid(key_padding: paddle.Tensor, depth: int) -> paddle.Tensor:
     """The real tokens of MTP depth ``depth``'s inputs [B, S] (by global position, like
-    ``key_padding``; None: all real): position i combines h_i with token i + depth, so it is real
-    when both are. Past the end of the window the token is the model's fill (its target is ignored
-    too): not real, so a window counts the same positions whether padding or the window's end
-    follows its last token."""
-    if key_padding is None:
-        return None
+    ``key_padding``; all ones without padding): position i combines h_i with token i + depth, so it
+    is real when both are. Past the end of the window the token is the model's fill (its target is
+    ignored too): not real, so a window counts the same positions whether padding or the window's
+    end follows its last token, with or without a mask."""
     m = key_padding.detach().astype("int64")
     B, S = int(m.shape[0]), int(m.shape[1])
     ahead = paddle.concat([m[:, min(depth, S) :], paddle.zeros([B, min(depth, S)], dtype="int64")], axis=1)

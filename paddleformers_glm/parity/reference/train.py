@@ -265,12 +265,12 @@ class Reference:
         # the real tokens each router counts: the mask, and for MTP depth d position i, token i + d too
         # (0 past the end of the window), the rule of modeling/mtp.py's mtp_token_valid
         self._valid = {}
+        m = mask.bool() if mask is not None else torch.ones(B, S, dtype=torch.bool)
         if mask is not None:
-            m = mask.bool()
             self._valid = {i: m.reshape(-1) for i in self.routers if i < self.L}
-            for d in range(1, len(self.mtp) + 1):
-                ahead = torch.cat([m[:, min(d, S) :], m.new_zeros(B, min(d, S))], dim=1)
-                self._valid[self.L + d - 1] = (m & ahead).reshape(-1)
+        for d in range(1, len(self.mtp) + 1):  # with or without a mask: the window's last d are not real
+            ahead = torch.cat([m[:, min(d, S) :], m.new_zeros(B, min(d, S))], dim=1)
+            self._valid[self.L + d - 1] = (m & ahead).reshape(-1)
         out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
         def ce_sum(logits, shift):
