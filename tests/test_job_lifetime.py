@@ -131,6 +131,33 @@ def test_a_peer_seen_gone_during_the_launchers_teardown_is_not_a_culprit(tmp_pat
     assert (d.rank, d.cause) == (0, "died"), d
 
 
+def test_a_stop_signal_from_outside_the_job_to_one_rank_names_that_rank(tmp_path):
+    """SIGTERM to rank 1 alone (an operator's ``kill``, a node agent): rank 1 records the signal and
+    its sender, rank 0 then fails in its collective.  Measured on a ``--tp 2`` toy job before the
+    fix: "rank 0 failed in communication: ... Connection reset by peer" (rank 0, cause comm),
+    rank 1's record (written 40 ms before rank 0's error) unread."""
+    t = time.time()
+    sig = {"rank": 1, "time": t, "signal": "SIGTERM", "sender_pid": 4242, "sender": "kill 4242", "peers": None}
+    _rec(tmp_path, 1, "signal.json", {**sig, "sender_in_job": False})
+    seen = _peers("rank 0", t + 2, r0=("R", None, [2, "forward"]), r1=("gone", "signal", [2, "forward"]))
+    _err(tmp_path, 0, t + 0.04, "Read error [127.0.0.1]:47009: Connection reset by peer", True, seen)
+    _beats(tmp_path, r0=(2, "forward"), r1=(2, "forward"))
+    d = diagnose(str(tmp_path), [0, 1])
+    assert (d.rank, d.cause) == (1, "signal"), d
+    assert d.message.startswith("rank 1 was ended by SIGTERM from pid 4242 (kill 4242), outside this job"), d.message
+    assert d.message.endswith("rank(s) 0 then lost their peer") and d.detail["sender_pid"] == 4242
+    # the same signal from the job's own teardown (Paddle's launcher, after rank 0 failed) is no cause
+    _rec(tmp_path, 1, "signal.json", {**sig, "sender_in_job": True})
+    assert (diagnose(str(tmp_path), [0, 1]).rank, diagnose(str(tmp_path), [0, 1]).cause) == (0, "comm")
+    # every process signalled at once (a scheduler cancelling the job): the launcher's signal, no culprit
+    _rec(tmp_path, 1, "signal.json", {**sig, "sender_in_job": False})
+    d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "signal", "text": "SIGTERM to the launcher", "time": t})
+    assert (d.rank, d.cause) == (None, "signal"), d
+    # a signal from outside that landed after the launcher began stopping the job (a timeout) is its teardown
+    d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "timeout", "text": "x", "time": t - 1})
+    assert d.cause != "signal", d
+
+
 def test_an_error_after_a_peer_died_blames_the_dead_peer(tmp_path):
     """A survivor's error need not look like a communication failure: its own snapshot shows
     that rank 1 was gone first."""
@@ -213,6 +240,30 @@ def test_worker_names_the_sender_of_a_stop_signal_while_its_main_thread_sleeps(t
         own_argv0 = f.read().split(b"\0")[0].decode()
     assert rec["signal"] == "SIGTERM" and rec["sender_pid"] == os.getpid(), rec
     assert rec["sender"].split(" ")[0] == own_argv0, (rec["sender"], own_argv0)
+
+
+def test_worker_tells_a_stop_signal_of_its_own_job_from_one_sent_from_outside(tmp_path):
+    """Whose signal ended a worker: its parent's (Paddle's launcher; here this test), a process
+    carrying the job's id (the glm52 launcher, a peer), or one outside the job (no id, another id)."""
+
+    def ended_by(sender_job=None):
+        p = _worker(tmp_path, GLM52_JOB_ID="job-a")
+        if sender_job is None:
+            os.kill(p.pid, signal.SIGTERM)
+        else:
+            e = {k: v for k, v in env().items() if k != "GLM52_JOB_ID"} | (
+                {"GLM52_JOB_ID": sender_job} if sender_job else {}
+            )
+            subprocess.run(
+                [sys.executable, "-c", f"import os; os.kill({p.pid}, {int(signal.SIGTERM)})"], env=e, check=True
+            )
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+        return _signal_record(tmp_path)["sender_in_job"]
+
+    assert ended_by() is True
+    assert ended_by("job-a") is True
+    assert ended_by("") is False
+    assert ended_by("job-b") is False
 
 
 def test_worker_ends_itself_past_the_job_deadline(tmp_path):

@@ -185,6 +185,10 @@ def _error_text(e: dict[str, Any], others: str = "") -> str:
     return f"{e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}"
 
 
+def _t(rec: dict[str, Any]) -> float:
+    return float(rec.get("time") or 0)
+
+
 def _observations(records: dict[int, dict], launcher: Sequence[dict]) -> list[dict]:
     """Every snapshot taken while the job was failing, oldest first: the peers a failing worker
     saw (its own record time), the launcher's."""
@@ -223,6 +227,20 @@ def diagnose(
         t_stop = float(stopped_by["time"])
         obs = [o for o in obs if not o["by"].startswith("rank") or float(o.get("time") or 0) <= t_stop]
     beats = {r: rec.get("beat") for r, rec in records.items()}
+    # a rank ended by a stop signal from outside the job (its own record names the sender), before
+    # the launcher began stopping the job: the cause, though its peers only see a lost connection
+    outside = sorted(
+        (
+            (r, rec["signal"])
+            for r, rec in records.items()
+            if isinstance(rec.get("signal"), dict)
+            and rec["signal"].get("sender_in_job") is False
+            and not (
+                stopped_by and stopped_by.get("time") is not None and _t(rec["signal"]) > float(stopped_by["time"])
+            )
+        ),
+        key=lambda x: _t(x[1]),
+    )
 
     def log_tail(r: int) -> str:
         p = os.path.join(log_dir, f"workerlog.{r}")
@@ -254,6 +272,7 @@ def diagnose(
         r, e = primary[0]
         seen = (e.get("peers") or {}).get("ranks", {})
         earlier = [int(k) for k, v in seen.items() if isinstance(v, dict) and int(k) in set(stopped) | set(died)]
+        earlier += [x for x, sig in outside if x != r and _t(sig) <= _t(e)]
         if not earlier:
             detail = e.get("detail") or {}
             if detail.get("message"):
@@ -262,6 +281,15 @@ def diagnose(
             rest = sorted({x for x, _ in errors} - {r})
             others = f" (then rank(s) {_ranks(rest)} failed too)" if rest else ""
             return Diagnosis(r, f"rank {r} failed: {_error_text(e, others)}", "error")
+    if outside and not (stopped_by and stopped_by.get("kind") == "signal"):  # not the launcher's own stop signal
+        r, sig = outside[0]
+        sender = f"pid {sig.get('sender_pid')}" + (f" ({sig['sender']})" if sig.get("sender") else "")
+        if sig.get("sender_pid") == 0:
+            sender = "the kernel"
+        tail = f"; rank(s) {_ranks(comm_ranks)} then lost their peer" if comm_ranks else ""
+        text = f"rank {r} was ended by {sig.get('signal')} from {sender}, outside this job ({_beat_text(beats.get(r))}){tail}"
+        detail = {"signal": sig.get("signal"), "sender_pid": sig.get("sender_pid"), "sender": sig.get("sender")}
+        return Diagnosis(r, text, "signal", detail)
     lost_rules = (  # a rank seen stopped, then one seen gone: named with who saw it and what its peers did
         (stopped, "stopped", f"{_STOPPED} (seen by", "timed out waiting for it"),
         (died, "died", f"{_DIED}; seen gone by", "lost their peer"),

@@ -68,10 +68,23 @@ class WorkerLife:
     def _wait_signals(self) -> None:
         info = signal.sigwaitinfo(STOP_SIGNALS)
         sender = int(info.si_pid)
-        self.end(
-            {"signal": signal.Signals(info.si_signo).name, "sender_pid": sender, "sender": process_name(sender)},
-            128 + int(info.si_signo),
-        )
+        reason = {"signal": signal.Signals(info.si_signo).name, "sender_pid": sender, "sender": process_name(sender)}
+        self.end({**reason, "sender_in_job": self._in_job(sender)}, 128 + int(info.si_signo))
+
+    def _in_job(self, pid: int) -> bool:
+        """Whether a signal's sender is part of this job (the glm52 launcher, Paddle's launcher,
+        this worker, any process carrying the job id): then the signal is the job's own teardown;
+        otherwise someone outside stopped this rank, and the diagnosis names it for that."""
+        if pid in (os.getpid(), os.getppid(), self.launcher_pid):
+            return True
+        job = os.environ.get(ENV_JOB_ID)
+        if not job or pid <= 0:  # 0: the kernel
+            return False
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return f"{ENV_JOB_ID}={job}".encode() in f.read().split(b"\0")
+        except OSError:  # gone already (a `kill` command), or another user's
+            return False
 
     def _launcher_gone(self) -> bool:
         pid = self.launcher_pid
