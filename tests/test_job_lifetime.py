@@ -355,3 +355,42 @@ def test_stop_listener_names_the_sender_although_paddle_runs_a_thread_of_its_own
     out, _ = p.communicate(timeout=60)
     caught = json.loads(out.strip().splitlines()[-1])
     assert caught["signal"] == "SIGTERM" and caught["sender_pid"] == os.getpid(), caught
+
+
+# ------------------------------------------------------------------ one job per output folder
+_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from paddleformers_glm.train.out_lock import hold_out_folder
+    with hold_out_folder(sys.argv[1]):
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def test_a_second_train_into_the_out_of_a_running_job_is_refused_and_touches_nothing(tmp_path, capsys):
+    """Measured before: a second ``glm52 train --tp 2`` given the --out of a running one ran to the
+    end (exit 0, both jobs), deleting the first job's status records and writing its own
+    loss.json, job.json and step folders of the same numbers into the first job's folder.  Now it
+    is one line naming the running job, exit 2, nothing written; the lock dies with its holder,
+    SIGKILL included."""
+    from paddleformers_glm.train.command import main as train_main
+
+    out = tmp_path / "out"
+    _rec(out / "logs", 0, "beat", {"rank": 0, "step": 7})  # the running job's post-mortem
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], env=env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--out", str(out)]
+        assert train_main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"glm52 train: error: --out {out} is in use"), err
+        assert f"pid {holder.pid} on " in err, err
+        assert sorted(p.name for p in out.iterdir()) == ["logs"] and not (out / "logs" / "failure.json").exists()
+        assert json.loads((out / "logs" / "status" / "rank0.beat").read_text()) == {"rank": 0, "step": 7}
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train_main(args) == 0  # the holder is gone (SIGKILL): no stale lock
+    assert json.loads((out / "loss.json").read_text())["steps"] == 1

@@ -329,7 +329,6 @@ def _run_train(args: argparse.Namespace) -> int:
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
     from ..parallel.topology import ParallelConfigError
     from .adapter import make_adapter
-    from .launch import LaunchError, launch_workers
     from .loop import check_run
 
     try:  # reject a layout that cannot work before any process starts
@@ -346,7 +345,21 @@ def _run_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
+    from .out_lock import OutInUse, hold_out_folder
+
     os.makedirs(cfg.out, exist_ok=True)
+    try:
+        with hold_out_folder(cfg.out, args.node_rank if args.nnodes > 1 else None):
+            return _run_held(cfg, adapter, args, world)
+    except OutInUse as e:  # raised before anything of the running job is touched
+        print(f"glm52 train: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world: int) -> int:
+    """The run, with ``cfg.out`` held by this command (out_lock.py)."""
+    from .launch import LaunchError, launch_workers
+
     if world == 1 and args.nnodes == 1:
         return _run_in_process(cfg, adapter, args.job_timeout)
     run_json = os.path.join(cfg.out, "run_config.json")

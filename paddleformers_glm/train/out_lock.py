@@ -1,0 +1,62 @@
+"""One ``glm52 train`` per output folder: a second command given the ``--out`` of a running job is
+refused, naming the job that holds it (docs/failure-modes.md, "Signals and the launcher's lifetime").
+
+Without it the second job ran to the end beside the first: it deleted the first job's status
+records (its post-mortem), overwrote ``job.json``, ``loss.json`` and the step folders of the same
+numbers, and moved ``checkpoints/latest`` back and forth between the two runs.  The lock is an
+``flock`` on ``OUT/logs/train.lock`` held by the command for its life; the kernel drops it when the
+process ends however it ends (SIGKILL included), so a killed job leaves no stale lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+__all__ = ["OutInUse", "hold_out_folder"]
+
+
+class OutInUse(ValueError):
+    """The output folder is held by another running ``glm52 train``."""
+
+
+def lock_path(out: str, node_rank: int | None = None) -> str:
+    """The lock file of ``out`` (one per node of a multi-node job sharing a folder)."""
+    name = "train.lock" if node_rank is None else f"train.node{node_rank}.lock"
+    return os.path.join(out, "logs", name)
+
+
+@contextlib.contextmanager
+def hold_out_folder(out: str, node_rank: int | None = None) -> Iterator[None]:
+    """Hold ``out`` for the ``with`` block; raise :class:`OutInUse` naming the holder if another
+    process holds it.  A filesystem without locks (some network mounts) runs unguarded."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: unguarded
+        yield
+        return
+    path = lock_path(out, node_rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                yield  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unguarded
+                return
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            raise OutInUse(
+                f"--out {out} is in use by a running glm52 train ({holder}; lock {path}): "
+                "wait for it to end, stop it, or give another --out"
+            ) from None
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S %z")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {stamp}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
