@@ -158,6 +158,36 @@ def test_a_stop_signal_from_outside_the_job_to_one_rank_names_that_rank(tmp_path
     assert d.cause != "signal", d
 
 
+def test_a_signal_to_paddles_launcher_blames_no_rank(tmp_path):
+    """An operator's kill of the middle process (``python -m paddleformers_glm.train.lifeline
+    paddle.distributed.launch ...``) of a ``--tp 2`` toy job at step 2, measured before the fix:
+    SIGKILL -> "rank 0 died without a Python error" (the workers die of the parent-death signal,
+    no record; exit 1); SIGTERM -> "rank 1 failed in communication" (Paddle's handler SIGTERMs the
+    workers, rank 1 loses rank 0; exit 15).  Now: Paddle's launcher named, no culprit, the exit
+    status 128 + the signal (launch.py)."""
+    t = time.time()
+    for r in (0, 1):
+        _rec(tmp_path, r, "pid", {"rank": r, "pid": NO_PID})
+    _beats(tmp_path, r0=(2, "forward"), r1=(2, "forward"))
+    d = diagnose(str(tmp_path), [0, 1], paddle_launcher=(4242, -signal.SIGKILL))
+    assert (d.rank, d.cause) == (None, "launcher"), d
+    assert d.message.startswith("Paddle's launcher (pid 4242) was killed by SIGKILL; every worker died with it"), d
+    # SIGTERM: Paddle's handler stops the workers first (their records name it), then exits with 15
+    sig = {"rank": 0, "time": t, "signal": "SIGTERM", "sender_pid": 4242, "sender": "paddle", "sender_in_job": True}
+    _rec(tmp_path, 0, "signal.json", sig)
+    gone = _peers("rank 1", t + 0.05, r0=("gone", "signal", [2, "forward"]), r1=("R", None, [2, "forward"]))
+    _err(tmp_path, 1, t + 0.05, "Read error [127.0.0.1]:36490: Connection reset by peer", True, gone)
+    d = diagnose(str(tmp_path), [0, 1], paddle_launcher=(4242, 15))
+    assert (d.rank, d.cause, d.detail["launcher_signal"]) == (None, "launcher", "SIGTERM"), d
+    assert d.message.startswith("Paddle's launcher (pid 4242) stopped the workers before any of them failed"), d
+    # the same records when Paddle's launcher only tore down a job that had already failed: a rank's error first
+    _err(tmp_path, 1, t - 0.05, "bad shape", False)
+    assert (diagnose(str(tmp_path), [0, 1], paddle_launcher=(4242, 1)).rank, "x") == (1, "x")
+    # ... or a rank that died without a record (Paddle's launcher then SIGTERMs the survivor)
+    (tmp_path / "status" / "rank1.error.json").unlink()
+    assert diagnose(str(tmp_path), [0, 1], paddle_launcher=(4242, 1)).cause == "died"
+
+
 def test_an_error_after_a_peer_died_blames_the_dead_peer(tmp_path):
     """A survivor's error need not look like a communication failure: its own snapshot shows
     that rank 1 was gone first."""

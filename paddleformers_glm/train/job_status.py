@@ -15,6 +15,7 @@ import contextlib
 import glob
 import os
 import re
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -185,6 +186,14 @@ def _error_text(e: dict[str, Any], others: str = "") -> str:
     return f"{e.get('type')}: {e.get('message')}{others}\n{e.get('traceback_tail', '')}"
 
 
+def _signal_name(num: int) -> str | None:
+    """SIGTERM for 15; None when the number is no signal."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return None
+
+
 def _t(rec: dict[str, Any]) -> float:
     return float(rec.get("time") or 0)
 
@@ -208,6 +217,7 @@ def diagnose(
     *,
     stopped_by: dict[str, Any] | None = None,
     launcher_snapshots: Sequence[dict] = (),
+    paddle_launcher: tuple[int, int | None] | None = None,
 ) -> Diagnosis:
     """The culprit of a failed job from its status records, first rule that applies (the rules and
     why each: docs/failure-modes.md, "Stopped, hung and killed ranks").
@@ -215,6 +225,8 @@ def diagnose(
     ``stopped_by``: why the launcher stopped the job itself (``{"kind": "timeout" | "signal" |
     "grace" | "frozen", "time": when it began stopping, ...}``), None when the job ended by itself;
     what the ranks saw after ``time`` is the launcher's teardown and is not evidence of a fault.
+    ``paddle_launcher``: (pid, exit status) of Paddle's launcher (negative: the signal that killed
+    it), for a job that Paddle's launcher ended by itself on a signal to it.
     """
     records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
@@ -290,6 +302,15 @@ def diagnose(
         text = f"rank {r} was ended by {sig.get('signal')} from {sender}, outside this job ({_beat_text(beats.get(r))}){tail}"
         detail = {"signal": sig.get("signal"), "sender_pid": sig.get("sender_pid"), "sender": sig.get("sender")}
         return Diagnosis(r, text, "signal", detail)
+    paddle_pid, paddle_rc = paddle_launcher or (None, None)
+    if paddle_pid is not None and stopped_by is None and paddle_rc is not None and paddle_rc < 0:
+        name = _signal_name(-paddle_rc)
+        return Diagnosis(
+            None,
+            f"Paddle's launcher (pid {paddle_pid}) was killed by {name}; every worker died with it "
+            "(the parent-death signal): no rank failed",
+            "launcher",
+        )
     lost_rules = (  # a rank seen stopped, then one seen gone: named with who saw it and what its peers did
         (stopped, "stopped", f"{_STOPPED} (seen by", "timed out waiting for it"),
         (died, "died", f"{_DIED}; seen gone by", "lost their peer"),
@@ -301,6 +322,24 @@ def diagnose(
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
     if stopped_by and stopped_by.get("kind") == "signal":  # a signal to the launcher
         return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
+    if paddle_pid is not None and stopped_by is None and all(_record_kind(records.get(r, {})) for r in local_ranks):
+        # Paddle's launcher stopped the workers before any of them failed: it got a stop signal
+        # (its handler stops the workers, then exits with the signal's number)
+        first = sorted(
+            ((r, k, rec[k]) for r, rec in records.items() for k in ("error", "signal") if isinstance(rec.get(k), dict)),
+            key=lambda x: _t(x[2]),
+        )
+        if first and first[0][1] == "signal" and first[0][2].get("sender_pid") == paddle_pid:
+            r, _, sig = first[0]
+            name = _signal_name(paddle_rc) if paddle_rc else None
+            why = f"exited with {paddle_rc}" + (f", its status after a {name} to it" if name else "")
+            return Diagnosis(
+                None,
+                f"Paddle's launcher (pid {paddle_pid}) stopped the workers before any of them failed "
+                f"({sig.get('signal')} to rank {r}, {_beat_text(beats.get(r))}) and {why}: no rank failed",
+                "launcher",
+                {"launcher_signal": name},
+            )
     progress = {r: _progress(beats.get(r)) for r in local_ranks}
     if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # a rank behind: hung
         low = min(progress.values())

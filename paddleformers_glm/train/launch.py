@@ -269,10 +269,15 @@ def launch_workers(
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
     if proc.returncode == 0 and stopped_by is None:
         return
-    diag = diagnose(log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots)
+    diag = diagnose(
+        log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots, paddle_launcher=(proc.pid, proc.returncode)
+    )
     kind = stopped_by["kind"] if stopped_by else None
     msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"
     rc = 124 if kind == "timeout" else (proc.returncode if proc.returncode and proc.returncode > 0 else 1)
+    if kind is None and diag.cause == "launcher" and proc.returncode:  # a signal to Paddle's launcher: 128 + it
+        if proc.returncode < 0 or diag.detail.get("launcher_signal"):
+            rc = 128 + abs(proc.returncode)
     if kind == "signal":
         rc = 128 + int(signal.Signals[stopped_by["signal"]])
     err = LaunchError(diag.rank, msg, rc, diag.cause)
