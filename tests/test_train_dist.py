@@ -273,6 +273,22 @@ def test_dying_rank_ends_job_with_named_error(runs, kind):
     _no_job_process_left(out)
 
 
+def test_ranks_that_exit_0_before_finishing_are_a_failure(runs):
+    """Every rank leaves with status 0 at step 2 of 4 (os._exit(0): no completion record).  Measured
+    before: glm52 train exited 0 with no message and no failure.json, loss.json at 1 of 4 steps
+    (success was Paddle's launcher's status alone).  Now every local rank's completion record is
+    required."""
+    out = runs / "fault_exit0"
+    faults = "rank=0,step=2,kind=exit,code=0;rank=1,step=2,kind=exit,code=0"
+    p, _ = run_train_cli([*COMMON, "--tp", "2", "--out", str(out), "--fault", faults])
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "rank(s) 0, 1 exited with status 0 before finishing the run" in p.stderr, p.stderr[-2000:]
+    rec = _failure(out)
+    assert (rec["rank"], rec["cause"]) == (0, "died"), rec
+    assert _strict(out / "loss.json")["steps"] == 1
+    _no_job_process_left(out)
+
+
 def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
     """SIGSTOP on rank 1: rank 0 times out in gloo (30 s) and records rank 1 in state T first."""
     out = runs / "fault_stop"

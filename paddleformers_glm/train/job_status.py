@@ -356,6 +356,12 @@ def diagnose(
     if silent and not stopped_by:  # a rank that left no record
         r = silent[0]
         tail = f"; rank(s) {_ranks(comm_ranks)} then lost their peer" if comm_ranks else ""
+        if paddle_rc == 0:  # every worker exited 0, and this one never finished its run
+            text = (
+                f"rank(s) {_ranks(silent)} exited with status 0 before finishing the run (no completion record; "
+                f"{_beat_text(beats.get(r))}: os._exit or a library ending the process)"
+            )
+            return Diagnosis(r, f"{text}{tail}. {log_tail(r)}", "died")
         return Diagnosis(r, f"rank {r} {_DIED}){tail}. {log_tail(r)}", "died")
     if errors:  # the earliest communication failure
         r, e = errors[0]

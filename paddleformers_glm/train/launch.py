@@ -268,7 +268,9 @@ def launch_workers(
         reader.join(timeout=5)
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
     if proc.returncode == 0 and stopped_by is None:
-        return
+        records = read_records(status_dir)  # success is every local rank's completion record, not status 0 alone
+        if all((records.get(r) or {}).get("ok") for r in local):
+            return
     diag = diagnose(
         log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots, paddle_launcher=(proc.pid, proc.returncode)
     )

@@ -152,8 +152,8 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if kind in ("kill", "stop"):  # stop: alive but frozen (SIGSTOP), its peers time out waiting for it
         os.kill(os.getpid(), getattr(signal, f"SIG{kind.upper()}"))
-    if kind == "exit":
-        os._exit(3)
+    if kind == "exit":  # code=N: the exit status (3 unless given; 0: a rank that ends early "successfully")
+        os._exit(int(kv.get("code", 3)))
     if kind == "hang":
         time.sleep(10_000)
     raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop|nan, got {kind!r}")
