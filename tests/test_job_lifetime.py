@@ -153,6 +153,13 @@ def test_a_stop_signal_from_outside_the_job_to_one_rank_names_that_rank(tmp_path
     _rec(tmp_path, 1, "signal.json", {**sig, "sender_in_job": False})
     d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "signal", "text": "SIGTERM to the launcher", "time": t})
     assert (d.rank, d.cause) == (None, "signal"), d
+    # ... also when the launcher's own signal came after the job had ended (measured: signalled 0.3 s
+    # after the ranks, before: "the launcher failed before any worker reported", exit 15)
+    late = {"kind": "signal", "signal": "SIGTERM", "sender_pid": 4242, "text": "SIGTERM to the launcher from pid 4242"}
+    d = diagnose(str(tmp_path), [0, 1], late_signal=late)
+    assert (d.rank, d.cause) == (None, "signal") and d.message.startswith("stopped by SIGTERM to the launcher"), d
+    d = diagnose(str(tmp_path), [0, 1], late_signal={**late, "sender_pid": 999})  # another sender: rank 1's
+    assert (d.rank, d.cause) == (1, "signal"), d
     # a signal from outside that landed after the launcher began stopping the job (a timeout) is its teardown
     d = diagnose(str(tmp_path), [0, 1], stopped_by={"kind": "timeout", "text": "x", "time": t - 1})
     assert d.cause != "signal", d

@@ -218,6 +218,7 @@ def diagnose(
     stopped_by: dict[str, Any] | None = None,
     launcher_snapshots: Sequence[dict] = (),
     paddle_launcher: tuple[int, int | None] | None = None,
+    late_signal: dict[str, Any] | None = None,
 ) -> Diagnosis:
     """The culprit of a failed job from its status records, first rule that applies (the rules and
     why each: docs/failure-modes.md, "Stopped, hung and killed ranks").
@@ -226,7 +227,9 @@ def diagnose(
     "grace" | "frozen", "time": when it began stopping, ...}``), None when the job ended by itself;
     what the ranks saw after ``time`` is the launcher's teardown and is not evidence of a fault.
     ``paddle_launcher``: (pid, exit status) of Paddle's launcher (negative: the signal that killed
-    it), for a job that Paddle's launcher ended by itself on a signal to it.
+    it), for a job that Paddle's launcher ended by itself on a signal to it.  ``late_signal``: a
+    stop signal to the launcher that arrived after the job had already ended (what a scheduler
+    cancelling a job does: every process signalled at once, the launcher not necessarily first).
     """
     records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
@@ -293,6 +296,9 @@ def diagnose(
             rest = sorted({x for x, _ in errors} - {r})
             others = f" (then rank(s) {_ranks(rest)} failed too)" if rest else ""
             return Diagnosis(r, f"rank {r} failed: {_error_text(e, others)}", "error")
+    senders = {sig.get("sender_pid") for _, sig in outside}
+    if outside and late_signal and late_signal.get("sender_pid") in senders:  # one sender stopped the whole job
+        return Diagnosis(None, f"stopped by {late_signal.get('text')} (and its ranks, by the same sender)", "signal")
     if outside and not (stopped_by and stopped_by.get("kind") == "signal"):  # not the launcher's own stop signal
         r, sig = outside[0]
         sender = f"pid {sig.get('sender_pid')}" + (f" ({sig['sender']})" if sig.get("sender") else "")

@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 TERM_WAIT_S = 3.0  # SIGTERM, then SIGKILL this much later
+LATE_SIGNAL_S = 1.0  # how long a job whose rank was signalled from outside waits for the launcher's own signal
 GRACE_S = 45.0  # a job still running this long after a failure, or with a rank stopped this long, is stopped
 
 
@@ -271,8 +272,19 @@ def launch_workers(
         records = read_records(status_dir)  # success is every local rank's completion record, not status 0 alone
         if all((records.get(r) or {}).get("ok") for r in local):
             return
+    if stopped_by is None and signals.caught is None and _signalled_from_outside(status_dir):
+        # a scheduler cancelling the job signals every process at once, this one not necessarily first
+        t_wait = time.monotonic()
+        while signals.caught is None and time.monotonic() - t_wait < LATE_SIGNAL_S:
+            time.sleep(0.05)
+    late = signals.caught if stopped_by is None else None  # a stop signal that came after the job had ended
     diag = diagnose(
-        log_dir, local, stopped_by=stopped_by, launcher_snapshots=snapshots, paddle_launcher=(proc.pid, proc.returncode)
+        log_dir,
+        local,
+        stopped_by=stopped_by,
+        launcher_snapshots=snapshots,
+        paddle_launcher=(proc.pid, proc.returncode),
+        late_signal=late,
     )
     kind = stopped_by["kind"] if stopped_by else None
     msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"
@@ -282,11 +294,20 @@ def launch_workers(
             rc = 128 + abs(proc.returncode)
     if kind == "signal":
         rc = 128 + int(signal.Signals[stopped_by["signal"]])
+    elif late and diag.cause == "signal" and diag.rank is None:  # the job stopped by the sender of this signal
+        rc = 128 + int(signal.Signals[late["signal"]])
+        stopped_by = late
     err = LaunchError(diag.rank, msg, rc, diag.cause)
     write_failure_record(
         log_dir, err, stopped_by=stopped_by, seconds=time.monotonic() - t_start, diagnosis=diag, job_id=job_id
     )
     raise err
+
+
+def _signalled_from_outside(status_dir: str) -> bool:
+    """Whether a rank recorded a stop signal from a process outside the job (worker.py)."""
+    recs = read_records(status_dir).values()
+    return any(isinstance(r.get("signal"), dict) and r["signal"].get("sender_in_job") is False for r in recs)
 
 
 def write_failure_record(
