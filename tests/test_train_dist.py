@@ -273,6 +273,20 @@ def test_dying_rank_ends_job_with_named_error(runs, kind):
     _no_job_process_left(out)
 
 
+def test_a_failed_job_exits_1_whichever_rank_failed(runs):
+    """Paddle's launcher passes on the status of its lowest local rank that exited non-zero: with
+    rank 0 the culprit, that was the fault's or the teardown's status, not a failure's.  Measured
+    before: rank 0 SIGKILLed -> exit 247 (-9 through sys.exit); rank 0 hung under --pp 2 -> exit 143
+    (SIGTERMed by Paddle's teardown: what a scheduler's requeue-on-preemption rule reads as a stop
+    signal); the same faults on rank 1 -> exit 1."""
+    out = runs / "fault_kill_rank0"
+    p, _ = run_train_cli([*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=0,step=2,kind=kill"])
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    rec = _failure(out)
+    assert (rec["rank"], rec["cause"], rec["returncode"]) == (0, "died", 1), rec
+    _no_job_process_left(out)
+
+
 def test_ranks_that_exit_0_before_finishing_are_a_failure(runs):
     """Every rank leaves with status 0 at step 2 of 4 (os._exit(0): no completion record).  Measured
     before: glm52 train exited 0 with no message and no failure.json, loss.json at 1 of 4 steps

@@ -288,10 +288,15 @@ def launch_workers(
     )
     kind = stopped_by["kind"] if stopped_by else None
     msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"
-    rc = 124 if kind == "timeout" else (proc.returncode if proc.returncode and proc.returncode > 0 else 1)
-    if kind is None and diag.cause == "launcher" and proc.returncode:  # a signal to Paddle's launcher: 128 + it
-        if proc.returncode < 0 or diag.detail.get("launcher_signal"):
+    # a failed job exits 1: Paddle's launcher passes on the status of its lowest local rank that
+    # exited non-zero, which may be the teardown's (143: SIGTERMed), not the fault's; 124 and 128 + a
+    # signal are kept for --job-timeout and a stop signal, and a status of Paddle's launcher's own failure
+    rc = 124 if kind == "timeout" else 1
+    if kind is None and diag.cause == "launcher" and proc.returncode:
+        if proc.returncode < 0 or diag.detail.get("launcher_signal"):  # a signal to Paddle's launcher: 128 + it
             rc = 128 + abs(proc.returncode)
+        elif diag.rank is None and proc.returncode > 0:  # it failed before any worker reported
+            rc = proc.returncode
     if kind == "signal":
         rc = 128 + int(signal.Signals[stopped_by["signal"]])
     elif late and diag.cause == "signal" and diag.rank is None:  # the job stopped by the sender of this signal
