@@ -19,11 +19,11 @@ def topk(x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, paddle.Tensor]:
     model's 8 of 512, a router's 1 of 64 experts) they then choose different sets among equal
     values (tests/test_topk_ties.py: 95% of the tiny indexer's slots at S = 512). There one -inf
     column is appended: Paddle then takes partial_sort too, whose heap never admits the -inf.
-    Only on CPU: the GPU kernels are other algorithms, and the copy would cost one score chunk."""
+    Only when computing on CPU (the device Paddle computes on: a tensor's place is not readable
+    while ``paddle.jit.to_static`` traces): the GPU kernels are other algorithms, and the copy would
+    cost one score chunk."""
     n = x.shape[-1]
-    place = x.place  # None while to_static traces: the device the program is built for
-    on_cpu = place.is_cpu_place() if place is not None else paddle.device.get_device() == "cpu"
-    if k * 64 == n and on_cpu:
+    if k * 64 == n and paddle.device.get_device() == "cpu":
         x = paddle.concat([x, paddle.full([*x.shape[:-1], 1], float("-inf"), x.dtype)], axis=-1)
     return paddle.topk(x, k, axis=-1)
 
