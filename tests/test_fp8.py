@@ -307,8 +307,7 @@ def test_check_ckpt_unquantized_side_keeping_fp8_leftovers_differs(src, tmp_path
     quantization_config are expected to have no counterpart, but an unquantized copy that kept one
     (a scale_inv tensor, or a config.json still declaring fp8 -- loaders would build FP8 layers for
     bf16 weights) is not the clean copy. Measured before the fix: exit 0 both ways, both cases."""
-    from safetensors.torch import load_file, save_file
-
+    from paddleformers_glm.checkpoint.safetensors_io import SafetensorsFile, SafetensorsWriter
     from paddleformers_glm.parity.ckpt_check import check_checkpoints
 
     bf16 = tmp_path / "bf16"
@@ -319,9 +318,14 @@ def test_check_ckpt_unquantized_side_keeping_fp8_leftovers_differs(src, tmp_path
         idx, src_map = json.loads(idx_p.read_text()), json.loads(src_idx.read_text())["weight_map"]
         scale = next(k for k in sorted(src_map) if k.endswith("_scale_inv"))
         shard = bf16 / sorted(set(idx["weight_map"].values()))[0]
-        tensors = load_file(str(shard))
-        tensors[scale] = load_file(str(src / src_map[scale]))[scale]
-        save_file(tensors, str(shard), metadata={"format": "pt"})
+        tensors = {}  # name -> (safetensors dtype, raw values; bf16 as its bits): no torch needed
+        for file, names in ((shard, None), (src / src_map[scale], [scale])):
+            with SafetensorsFile(file) as f:
+                tensors |= {k: (f.tensors[k].dtype, f.numpy(k).copy()) for k in names or f.keys()}
+        writer = SafetensorsWriter(str(shard), [(k, d, a.shape) for k, (d, a) in tensors.items()], {"format": "pt"})
+        for k, (d, a) in tensors.items():
+            writer.write(k, a, d)
+        writer.close()
         idx["weight_map"][scale] = shard.name
         idx["metadata"].pop("total_size", None)
         idx_p.write_text(json.dumps(idx))

@@ -276,8 +276,18 @@ def test_bias_updates_move_biases_and_even_the_load(skewed_ckpt, tmp_path):
     assert (tmp_path / "r1" / "expert_load.png").stat().st_size > 10_000
 
 
-def _run_cli(ckpt: Path, out: Path, *layout: str) -> dict:
-    args = ["--model", str(ckpt), "--steps", "5", "--seq-len", "16", "--global-batch-size", "2"]
+PADDED = [16, 9, 13, 5, 16, 11, 7, 14, 10, 12]  # real tokens of the 10 samples (one epoch), padded to 16
+
+
+@pytest.fixture(scope="module")
+def padded_data(tmp_path_factory) -> Path:
+    """Records of 5..16 real tokens right-padded to --seq-len 16: every layout counts only the real
+    tokens (each rank its own rows of the mask: sequence and context parallel split the sequences)."""
+    return _real_tokens(tmp_path_factory.mktemp("data") / "d.jsonl", PADDED)
+
+
+def _run_cli(ckpt: Path, out: Path, data: Path, *layout: str) -> dict:
+    args = ["--model", str(ckpt), "--steps", "5", "--seq-len", "16", "--global-batch-size", "2", "--data", str(data)]
     args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--moe-aux-loss-coeff", "0.1"]
     args += ["--dump-step", str(out / "dump"), "5"]  # fp32 weights and moments after the last update
     p, _ = run_train_cli([*args, "--out", str(out), "--export", *layout], timeout=240)
@@ -287,9 +297,9 @@ def _run_cli(ckpt: Path, out: Path, *layout: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_process(skewed_ckpt, tmp_path_factory):
+def one_process(skewed_ckpt, padded_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    return out, _run_cli(skewed_ckpt, out)
+    return out, _run_cli(skewed_ckpt, out, padded_data)
 
 
 @pytest.mark.slow
@@ -304,10 +314,11 @@ def one_process(skewed_ckpt, tmp_path_factory):
     ],
     ids=["dp2", "tp2-ep2", "tp2-sp", "pp2", "sharding2-stage2"],
 )
-def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, one_process, tmp_path, layout):
+def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, one_process, padded_data, tmp_path, layout):
     one_dir, one = one_process
-    got = _run_cli(skewed_ckpt, tmp_path, *layout)
+    got = _run_cli(skewed_ckpt, tmp_path, padded_data, *layout)
     assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]  # each token counted once
+    assert sum(one["expert_load"]["load_total"][0]) == 2 * sum(PADDED)  # K = 2 per real token, no padding
     a, b = _biases(one_dir / "export"), _biases(tmp_path / "export")
     assert a == b and a != _biases(skewed_ckpt)  # the same bits, moved
     # the expert no token reached in any step is stepped as the reference steps its slice of the
@@ -511,24 +522,23 @@ def test_padded_data_gives_the_load_bias_update_and_aux_loss_of_its_real_tokens(
     assert max(abs(a - b) for a, b in zip(padded["aux_losses"], whole["aux_losses"])) < 1e-6
 
 
-def _run_padded_cli(ckpt: Path, out: Path, data: Path, *layout: str) -> dict:
-    args = ["--model", str(ckpt), "--steps", "2", "--seq-len", "32", "--global-batch-size", "2"]
-    args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--data", str(data)]
-    p, _ = run_train_cli([*args, "--out", str(out), "--export", *layout], timeout=240)
-    if p.returncode != 0:
-        pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
-    return losses(out)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("--tp", "2", "--sp"), ("--cp", "2"), ("--pp", "2")], ids=["tp2-sp", "cp2", "pp2"])
-def test_padded_load_and_bias_updates_equal_one_process_in_a_split_sequence_layout(skewed_ckpt, tmp_path, layout):
-    """Sequence parallel and context parallel split every sequence over ranks: each takes its own
-    rows of the padding mask, so padded data gives one process's expert load and biases."""
-    data = _real_tokens(tmp_path / "d.jsonl", [20, 7, 32, 11])
-    one = _run_padded_cli(skewed_ckpt, tmp_path / "one", data)
-    got = _run_padded_cli(skewed_ckpt, tmp_path / "got", data, *layout)
-    real = 20 + 7 + 32 + 11
-    assert [sum(row) for row in one["expert_load"]["load_total"]][:5] == [real * 2] * 5
-    assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]
-    assert _biases(tmp_path / "got" / "export") == _biases(tmp_path / "one" / "export")
+def test_padded_load_and_bias_updates_equal_one_process_under_context_parallel(skewed_ckpt, padded_data, tmp_path):
+    """Context parallel gives each rank zigzag slices of every sequence: each takes its own rows of
+    the padding mask, so padded data gives one process's expert load and biases (no balance loss:
+    --cp refuses it; the other layouts: test_bias_updates_equal_one_process_in_every_layout)."""
+    args = ["--model", str(skewed_ckpt), "--steps", "2", "--seq-len", "16", "--global-batch-size", "2"]
+    args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--data", str(padded_data), "--export"]
+    runs = {}
+    for name, layout in (("one", []), ("cp2", ["--cp", "2"])):
+        p, _ = run_train_cli([*args, "--out", str(tmp_path / name), *layout], timeout=240)
+        if p.returncode != 0:
+            pytest.fail(f"{name} failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path / name)}")
+        runs[name] = losses(tmp_path / name)["expert_load"]["load_total"]
+    from paddleformers_glm.train.data import open_data
+
+    data = open_data(str(padded_data), 16, GlmMoeDsaConfig.from_pretrained(skewed_ckpt).vocab_size, 1234)
+    real = sum(int(data.global_batch(step, 2)["attention_mask"].sum()) for step in range(2))
+    assert real < 4 * 16 and sum(runs["one"][0]) == 2 * real  # K = 2 per real token, none per pad
+    assert runs["cp2"] == runs["one"]
+    assert _biases(tmp_path / "cp2" / "export") == _biases(tmp_path / "one" / "export")
