@@ -23,11 +23,27 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def new_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file under the process umask (0644 under 022)."""
+    try:  # Linux >= 4.7: read it without setting it (os.umask would, for a moment, for every thread)
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """A unique temporary path beside `path` (its folder made if missing: same filesystem, atomic rename)
-    for writers that take only a file name (``paddle.save``): on a clean exit the file written there is
-    flushed to disk and replaces `path`; when the block raises it is removed."""
+    for writers that take only a file name (``paddle.save``, ``safetensors``' ``save_file``): on a clean
+    exit the file written there gets the mode a plain write would give it (safetensors >= 0.8 writes
+    through a temporary file of its own and leaves 0600), is flushed to disk and replaces `path`; when
+    the block raises it is removed."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -36,6 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         yield tmp
         if not os.path.isfile(tmp):
             raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
+        os.chmod(tmp, new_file_mode())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

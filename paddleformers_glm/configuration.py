@@ -98,6 +98,7 @@ _KEY_ALIASES: dict[str, str] = {
     "dsa_index_share_for_mtp_iteration": "index_share_for_mtp_iteration",
     "dsa_indexer_loss_coeff": "indexer_loss_coeff",
     "num_experts": "n_routed_experts",  # transformers' backward-compatible name
+    "num_local_experts": "n_routed_experts",  # transformers' attribute_map name
 }
 # PaddleFleet's spellings of the rope base and type; checked against the normalised rope settings.
 _ROPE_ALIASES = ("rotary_base", "rope_type")
@@ -156,6 +157,7 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
+_HF_DEFAULT_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta: its base when a file gives none
 # The values of `attn_implementation`: the attention forms (modeling/attention_forms.py, which imports them)
 ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -266,6 +268,8 @@ class GlmMoeDsaConfig:
             if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(kwargs):
                 kwargs["rope_parameters"] = {"rope_theta": 8000000, "rope_type": "default"}
         self._given_keys = frozenset(kwargs)
+        # keys given as null: "derive it" (transformers reads them so too); written back null while derived
+        self._null_keys = frozenset(k for k, v in kwargs.items() if v is None)
         if from_file and "index_topk_freq" not in kwargs:
             kwargs["index_topk_freq"] = 1  # HF: a file without the schedule has every layer full
         elif from_file and kwargs["index_topk_freq"] is not None and "index_skip_topk_offset" not in kwargs:
@@ -404,6 +408,39 @@ class GlmMoeDsaConfig:
                 "got true (transformers would share the embedding as the output head)",
             )
 
+    def check_model_support(self) -> None:
+        """Refuse, naming the key, the settings a config keeps (and round-trips) but the model cannot
+        compute as transformers 5.23 does (called when an attention layer is built). transformers'
+        MLA and DSA indexer apply interleaved rope whatever `rope_interleave` / `indexer_rope_interleave`
+        say, while PaddleFleet reads false as half-split pairs: no computation agrees with both."""
+        if self._rope["rope_type"] == "dynamic":
+            src = "rope_parameters" if self.rope_parameters is not None else "rope_scaling"
+            raise _err(
+                f"{src}.rope_type",
+                "'dynamic' is not supported by the model: transformers rescales the frequencies whenever a "
+                "call's positions pass the longest seen so far (state kept across calls); up to "
+                "max_position_embeddings it equals 'default', which this model computes",
+            )
+        for key in ("rope_interleave", "indexer_rope_interleave"):
+            if not getattr(self, key):
+                raise _err(
+                    key,
+                    "false is not supported by the model: transformers' glm_moe_dsa applies interleaved rope "
+                    "whatever this flag says (PaddleFleet would rotate half-split pairs), so no reading of it "
+                    "agrees with both; GLM-5.2 sets true",
+                )
+
+    def check_training_support(self) -> None:
+        """Refuse, naming the key, a setting that changes only the training forward and that the
+        model does not apply (called by a training forward of an attention layer)."""
+        if self.attention_dropout:
+            raise _err(
+                "attention_dropout",
+                f"{self.attention_dropout} is not applied in training (the attention forms have no dropout; "
+                "transformers drops attention probabilities in training mode); set it to 0.0 to train "
+                "(GLM-5.2 sets 0.0), inference ignores it as transformers does",
+            )
+
     def _normalise_rope(self) -> None:
         for key in ("rope_scaling", "rope_parameters"):
             if not isinstance(getattr(self, key), (dict, type(None))):
@@ -411,12 +448,23 @@ class GlmMoeDsaConfig:
         if self.rope_parameters is not None:
             rope, src = dict(self.rope_parameters), "rope_parameters"
             if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
-                for key, a, b in (
-                    ("rope_type", _rope_type(rope), _rope_type(self.rope_scaling)),
-                    ("factor", rope.get("factor"), self.rope_scaling.get("factor")),
-                ):
-                    if a != b:
-                        raise _err(f"rope_scaling.{key}", f"{b!r} disagrees with `rope_parameters.{key}` {a!r}")
+                # transformers 5.23 builds its rope from a non-null rope_scaling alone (its base from a
+                # top-level rope_theta, else its default 10000), so every field must agree, a field in
+                # only one of the two included; partial_rotary_factor enters no table here (see below)
+                scaling = dict(self.rope_scaling)
+                scaling.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else _HF_DEFAULT_THETA)
+                a_all, b_all = {**rope, "rope_type": _rope_type(rope)}, {**scaling, "rope_type": _rope_type(scaling)}
+                if "rope_theta" not in rope and self.rope_theta is not None:  # both take the top-level base
+                    a_all["rope_theta"] = self.rope_theta
+                for key in dict.fromkeys([*a_all, *b_all]):
+                    a, b = a_all.get(key), b_all.get(key)
+                    if key not in ("type", "partial_rotary_factor") and a != b:
+                        raise _err(
+                            f"rope_scaling.{key}",
+                            f"{b!r} disagrees with `rope_parameters.{key}` {a!r} (transformers reads rope_scaling "
+                            "in place of rope_parameters"
+                            + (", its base from a top-level rope_theta, else 10000)" if key == "rope_theta" else ")"),
+                        )
         else:
             rope, src = dict(self.rope_scaling or {}), "rope_scaling"
         rope["rope_type"] = _rope_type(rope)
@@ -455,9 +503,19 @@ class GlmMoeDsaConfig:
                 "a yarn rope needs its fields in rope_parameters",
             )
 
+    def _derived(self, name: str) -> bool:
+        """Whether the setting ``name`` is still derived (a null in the file stays null on save):
+        the per-layer lists unless one was given or set since, `qk_head_dim` always (nope + rope),
+        the rope settings unless `rope_parameters` was set."""
+        if name in ("indexer_types", "mlp_layer_types"):  # (a list set since validation is a given one)
+            return getattr(self, f"_given_{name}") is None and getattr(self, name) == self._derived_lists[name]
+        return name == "qk_head_dim" or (name == "rope_parameters" and self.rope_parameters is None)
+
     def _alias_value(self, key: str) -> Any:
         """The current value of an alias key: the file's own value unless the setting changed."""
         written, rtype = self._alias_values[key], self._rope["rope_type"]
+        if written is None and key in _KEY_ALIASES and self._derived(_KEY_ALIASES[key]):
+            return None
         if key == "rotary_base":
             current = self._rope["rope_theta"]
         elif key == "rope_type":  # either spelling of the current type stays as written
@@ -539,6 +597,8 @@ class GlmMoeDsaConfig:
                 out[key] = self._alias_value(key)
             elif key in self._extra:
                 out[key] = copy.deepcopy(self._extra[key])
+            elif key in self._null_keys and self._derived(key):
+                out[key] = None
             elif key == "rope_parameters":
                 out[key] = copy.deepcopy(self.rope_parameters if self.rope_parameters is not None else self._rope)
             else:

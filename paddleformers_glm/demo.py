@@ -25,7 +25,7 @@ def generate_from_text(model: Any, folder: Path, prompt: str, max_new_tokens: in
     from .tokenizer import GlmTokenizer
 
     tok = GlmTokenizer.from_pretrained(folder)
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt, add_special_tokens=False)
     out = model.generate(paddle.to_tensor([ids], dtype="int64"), max_new_tokens=max_new_tokens, eos_token_id=[])
     new = [int(t) for t in out.numpy()[0, len(ids) :]]
     return {"prompt": prompt, "prompt_ids": ids, "new_ids": new, "text": tok.decode(new, skip_special_tokens=True)}

@@ -60,12 +60,17 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (0, "no_repeat_ngram_size encoder_no_repeat_ngram_size"),
         (0.0, "diversity_penalty epsilon_cutoff eta_cutoff"),
         (1.0, "length_penalty typical_p encoder_repetition_penalty"),
-        (False, "early_stopping renormalize_logits remove_invalid_values output_attentions output_hidden_states"),
+        (
+            False,
+            "early_stopping renormalize_logits remove_invalid_values output_attentions output_hidden_states "
+            "token_healing",
+        ),
         (
             None,
-            "penalty_alpha min_p bad_words_ids force_words_ids constraints sequence_bias suppress_tokens "
-            "begin_suppress_tokens forced_bos_token_id forced_eos_token_id exponential_decay_length_penalty "
-            "guidance_scale watermarking_config prompt_lookup_num_tokens assistant_model max_time",
+            "penalty_alpha min_p top_h dola_layers bad_words_ids force_words_ids constraints sequence_bias "
+            "suppress_tokens begin_suppress_tokens forced_bos_token_id forced_eos_token_id "
+            "exponential_decay_length_penalty guidance_scale watermarking_config prompt_lookup_num_tokens "
+            "assistant_model max_time",
         ),
     )
     for name in names.split()
@@ -303,10 +308,15 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
         kth = paddle.topk(x, s.top_k, axis=-1)[0][:, -1:]
         x = paddle.where(x < kth, neg_inf, x)
     if s.top_p < 1.0:
-        p = paddle.nn.functional.softmax(x, axis=-1)
-        sorted_p, order = paddle.sort(p, axis=-1, descending=True), paddle.argsort(p, axis=-1, descending=True)
-        drop_sorted = (paddle.cumsum(sorted_p, axis=-1) - sorted_p) >= s.top_p
-        drop = paddle.put_along_axis(paddle.zeros_like(p), order, drop_sorted.astype(p.dtype), axis=-1) > 0
+        # as HF's TopPLogitsWarper: from the least likely up, a token goes while the probability summed
+        # to it is <= 1 - top_p; the most likely always stays. Probabilities and their sum in float64:
+        # float32 ones over a 150k vocabulary (summed most likely first, near 1.0) moved the cut by tens of tokens
+        order = paddle.argsort(x, axis=-1)  # ascending
+        p = paddle.nn.functional.softmax(x.astype("float64"), axis=-1)
+        cum = paddle.cumsum(paddle.take_along_axis(p, order, axis=-1), axis=-1)
+        drop_sorted = (cum <= 1.0 - s.top_p).astype("float64")
+        drop_sorted[:, -1] = 0.0
+        drop = paddle.put_along_axis(paddle.zeros_like(p), order, drop_sorted, axis=-1) > 0
         x = paddle.where(drop, neg_inf, x)
     return x
 
@@ -316,11 +326,13 @@ def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
     uniform numbers [B] in [0, 1): the only host data is those B numbers."""
     import paddle
 
-    p = paddle.nn.functional.softmax(scores, axis=-1)
+    # float64: a float32 CDF steps by 6e-8 near 1.0, so over a 150k vocabulary the many tokens below
+    # that after the bulk of the mass got probability 0 or a whole step
+    p = paddle.nn.functional.softmax(scores.astype("float64"), axis=-1)
     # exact zeros for removed tokens (Paddle's CPU softmax gives exp(-inf) as ~1e-28, not 0)
     p = paddle.where(paddle.isinf(scores), paddle.zeros_like(p), p)
     cdf = paddle.cumsum(p, axis=-1)
-    target = paddle.to_tensor(uniforms.astype(np.float32)[:, None]) * cdf[:, -1:]
+    target = paddle.to_tensor(np.asarray(uniforms, dtype=np.float64)[:, None]) * cdf[:, -1:]
     idx = paddle.searchsorted(cdf, target, right=True).squeeze(-1)  # first token whose CDF exceeds the target
     # rounding can put the target at the CDF's end: take the last token with probability then
     V = p.shape[-1]

@@ -5,14 +5,16 @@ through :func:`start`, callers need no other hook.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
-__all__ = ["Progress", "human_bytes", "itemsize", "on_terminal", "set_quiet", "start"]
+__all__ = ["Progress", "human_bytes", "itemsize", "on_terminal", "set_quiet", "shared", "start"]
 
 _QUIET: bool | None = None
 
@@ -171,4 +173,42 @@ def on_terminal(stream: TextIO) -> bool:
         return False
 
 
-start = Progress  # the engine's one hook: on stderr, with this process's quiet setting (Progress's defaults)
+_SHARED: dict[str, Progress] = {}
+
+
+class _Part:
+    """One piece of an operation run in pieces (:func:`shared`): reports to the operation's bar."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar = bar
+
+    def update(self, nbytes: int = 0, tensors: int = 1) -> None:
+        self.bar.update(nbytes, tensors)
+
+    def close(self) -> None:
+        pass  # the operation's bar closes at its totals or when :func:`shared` ends
+
+
+@contextlib.contextmanager
+def shared(**totals: tuple[int, int]) -> Iterator[dict[str, Progress]]:
+    """Within: every :func:`start` of a description named here, ``desc=(total bytes, total tensors)``,
+    reports to one bar of those totals, closed on exit -- ``convert``, which loads and saves a layer at
+    a time, shows one load and one save bar, as a whole-model pass does."""
+    bars = {desc: Progress(desc, b, n) for desc, (b, n) in totals.items()}
+    prev = dict(_SHARED)
+    _SHARED.update(bars)
+    try:
+        yield bars
+    finally:
+        _SHARED.clear()
+        _SHARED.update(prev)
+        for bar in bars.values():
+            bar.close()
+
+
+def start(desc: str, *args: Any, **kwargs: Any) -> Progress | _Part:
+    """The engine's one hook: a bar on stderr with this process's quiet setting (Progress's
+    defaults), or a piece of the operation's bar within :func:`shared`."""
+    if desc in _SHARED:
+        return _Part(_SHARED[desc])
+    return Progress(desc, *args, **kwargs)

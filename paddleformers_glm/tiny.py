@@ -9,6 +9,7 @@ and written like the official release: bf16, two shards, `model.safetensors.inde
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -147,9 +148,18 @@ def register_make_tiny(sub) -> None:
     )
 
     def run(args) -> int:
-        path = make_tiny_checkpoint(
-            args.out, seed=args.seed, max_shard_size=args.max_shard_size, indexer_loss_coeff=args.indexer_loss_coeff
-        )
+        from .cli._common import output_folder_error
+
+        if bad := output_folder_error(args.out, "OUT"):
+            print(f"make-tiny: {bad}", file=sys.stderr)
+            return 2
+        try:
+            path = make_tiny_checkpoint(
+                args.out, seed=args.seed, max_shard_size=args.max_shard_size, indexer_loss_coeff=args.indexer_loss_coeff
+            )
+        except (ValueError, OSError) as e:  # a bad --max-shard-size, a full disk: one line
+            print(f"make-tiny: {e}", file=sys.stderr)
+            return 2
         print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(sorted(os.listdir(path)))}")
         return 0
 

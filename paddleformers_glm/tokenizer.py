@@ -5,11 +5,13 @@ call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import re
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,41 @@ from ._io import atomic_write_text, read_json, read_text
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _added_token(value: Any, special: bool | None = None) -> Any:
+    """A ``tokenizers.AddedToken`` from a token string or transformers' serialised AddedToken dict
+    (a string is special and not normalized, as transformers adds it); None for anything else."""
+    from tokenizers import AddedToken
+
+    if isinstance(value, str):
+        return AddedToken(value, special=True, normalized=False)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        fields = {k: value[k] for k in _ADDED_TOKEN_FIELDS if k in value}
+        if special is not None and "special" not in fields:
+            fields["special"] = special
+        return AddedToken(**fields)
+    return None
+
+
+def _merge_special_tokens_map(config: dict, special_map: Any) -> None:
+    """special_tokens_map.json over ``config``, in place, as transformers 5 reads it for a config
+    without ``added_tokens_decoder`` (``_from_pretrained``): each key's value replaces the config's
+    (a token dict becomes special), an ``extra_special_tokens`` list is appended to the config's."""
+    if not isinstance(special_map, dict):
+        raise TokenizerError(f"{SPECIAL_TOKENS_MAP_FILE}: expected a JSON object")
+    # transformers 5 first reads the config's additional_special_tokens as extra_special_tokens
+    if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
+        config["extra_special_tokens"] = config.pop("additional_special_tokens")
+    for key, value in special_map.items():
+        if isinstance(value, dict) and key != "extra_special_tokens":
+            value = {**value, "special": True}
+        elif key == "extra_special_tokens" and isinstance(value, list):
+            existing = list(config.get("extra_special_tokens") or [])
+            value = existing + [t for t in value if t not in existing]
+        config[key] = value
 
 
 class TokenizerError(ValueError):
@@ -147,6 +184,91 @@ def _compile_template(text: str, source: str) -> Any:
         raise TokenizerError(f"{source}: chat template syntax error at line {err.lineno}: {err.message}") from err
 
 
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES); a chat template sees those set, and the
+# model-specific ``*_token`` ones (its special_tokens_map)
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# a message's reasoning, under each name transformers gives it (chat_template_utils._alias_reasoning_fields)
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """The message with its reasoning (the first of ``_REASONING_FIELDS`` set) also under
+    ``thinking`` and ``reasoning_content``, as transformers renders it."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _tag_final_message(chat: list[dict], template: str, field: bool | str) -> str:
+    """Mark the end of the final message's ``field`` (``content`` for True) with transformers' tag, in
+    place; returns the text before the tag."""
+    field = field if isinstance(field, str) else "content"
+    final = chat[-1].get(field) if chat else None
+    if final is None:
+        raise TokenizerError(f'continue_final_message: the final message has no "{field}" to continue')
+    fields = [field]
+    if field in _REASONING_FIELDS:
+        fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final]
+    if not any(f in template for f in fields):
+        raise TokenizerError(f'continue_final_message: the chat template does not read "{field}"')
+    if isinstance(final, (list, tuple)):
+        for block in reversed(final):
+            if "text" in block:
+                final, block["text"] = block["text"], block["text"] + _CONTINUE_TAG
+                return final
+        raise TokenizerError("continue_final_message: the final message has no text to continue")
+    for f in fields:
+        chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
+    return final
+
+
+def _block_mask(enc: Any, blocks: list[tuple[int, int]]) -> list[int]:
+    """1 on the tokens of ``enc`` (a ``tokenizers`` encoding) that transformers'
+    ``return_assistant_tokens_mask`` marks for the ``{% generation %}`` character spans ``blocks``:
+    from the token holding a block's first character to the one holding its last
+    (tokenization_utils_base.apply_chat_template's loop)."""
+    mask = [0] * len(enc.ids)
+    for start, end in blocks:
+        first, last = enc.char_to_token(start), enc.char_to_token(end - 1)
+        if first is None:
+            break
+        for t in range(first, last + 1 if last else len(mask)):
+            mask[t] = 1
+    return mask
+
+
+def train_turn_ends(
+    ids: list[int],
+    mine: list[bool],
+    offsets: Sequence[tuple[int, int]],
+    turns: Sequence[tuple[int, int]],
+    stop_ids: Iterable[int],
+    eos_id: int | None,
+) -> tuple[list[int], list[bool]]:
+    """The end of each assistant turn trained, so a fine-tuned model learns to stop: GLM's templates
+    close no turn themselves (the next message's role token follows it, or nothing) and its generation
+    stops on ``<|endoftext|>``, ``<|user|>``, ``<|observation|>`` (generation_config.json). As GLM's
+    fine-tuning script does (THUDM/GLM-4 finetune_demo/finetune.py, ``process_batch``: each assistant
+    message's loss mask shifted one token right, an EOS appended to the conversation), for each turn
+    (``turns``: character spans of the rendered text; ``offsets``: each token's) whose trained tokens
+    hold no stop token (``stop_ids``; ChatML's ``<|im_end|>`` inside the turn already ends it): the
+    token that follows the turn is trained when it is a stop token, and a turn that ends the text gets
+    ``eos_id`` appended, trained. Returns (ids, mine), new lists."""
+    ids, mine, stop = list(ids), list(mine), set(stop_ids)
+    starts = [a for a, _ in offsets]
+    ends = [b for _, b in offsets]
+    for a, b in turns:
+        lo, nxt = bisect_left(ends, a + 1), bisect_left(starts, b)  # the turn's tokens [lo, nxt), the next one
+        if any(mine[t] and ids[t] in stop for t in range(lo, nxt)):
+            continue
+        if nxt < len(offsets):
+            mine[nxt] = mine[nxt] or ids[nxt] in stop
+        elif eos_id is not None and len(ids) == len(offsets):  # the conversation ends with this turn
+            ids.append(eos_id)
+            mine.append(True)
+    return ids, mine
+
+
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
@@ -163,12 +285,32 @@ class GlmTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.config = dict(config or {})
+        # truncation / padding saved in tokenizer.json: transformers turns them off for every call that
+        # does not ask for them (TokenizersBackend.set_truncation_and_padding), so they are never applied;
+        # their direction and pad token are defaults under the config's (TokenizersBackend.__init__'s setdefault)
+        saved_sides = {}
+        if tokenizer.truncation is not None:
+            saved_sides["truncation_side"] = tokenizer.truncation.get("direction")
+            tokenizer.no_truncation()
+        if tokenizer.padding is not None:
+            saved_sides["padding_side"] = tokenizer.padding.get("direction")
+            if self.config.get("pad_token") is None and tokenizer.padding.get("pad_token"):
+                self.config["pad_token"] = tokenizer.padding["pad_token"]
+            tokenizer.no_padding()
+        self._register_special_tokens()
+        # split_special_tokens: special tokens in a text are split as plain text (transformers sets
+        # the backend's encode_special_tokens from it, chat templates' output included)
+        tokenizer.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
         self.template_source = template_source  # where the template came from, named by its errors
         self.chat_template = _template_text(
             chat_template if chat_template is not None else self.config.get("chat_template"), self.template_source
         )
-        self.padding_side = padding_side or self.config.get("padding_side") or "right"
-        self.truncation_side = truncation_side or self.config.get("truncation_side") or "right"
+        self.padding_side = (
+            padding_side or self.config.get("padding_side") or saved_sides.get("padding_side") or "right"
+        )
+        self.truncation_side = (
+            truncation_side or self.config.get("truncation_side") or saved_sides.get("truncation_side") or "right"
+        )
         for name, side in (("padding_side", self.padding_side), ("truncation_side", self.truncation_side)):
             if side not in ("left", "right"):
                 raise TokenizerError(f"{name} must be 'left' or 'right', got {side!r}")
@@ -198,6 +340,11 @@ class GlmTokenizer:
             raise TokenizerError(f"{tok_file}: not a tokenizers file: {err}") from err
         cfg_file = folder / CONFIG_FILE
         config = read_json(cfg_file, "the tokenizer config", error=TokenizerError) if cfg_file.is_file() else {}
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{cfg_file}: expected a JSON object, got a {type(config).__name__}")
+        map_file = folder / SPECIAL_TOKENS_MAP_FILE
+        if "added_tokens_decoder" not in config and map_file.is_file():
+            _merge_special_tokens_map(config, read_json(map_file, "the special tokens map", error=TokenizerError))
         template, source = None, f"{cfg_file} 'chat_template'"
         if (folder / TEMPLATE_FILE).is_file():
             source = str(folder / TEMPLATE_FILE)
@@ -225,6 +372,55 @@ class GlmTokenizer:
         return written
 
     # ------------------------------------------------------------------ special tokens
+    def _register_special_tokens(self) -> None:
+        """Make the backend's added tokens what transformers' ``TokenizersBackend`` makes them: the
+        config's ``added_tokens_decoder`` entries that differ from tokenizer.json's (their ``special``
+        flag included) are added over them, then every named, model-specific (``*_token``) and extra
+        special token of the config that is not yet an added token is added as a special one (a new id
+        where the vocabulary lacks it), as its ``__init__`` does; an added token keeps its flag."""
+
+        tok = self.tokenizer
+        atd = self.config.get("added_tokens_decoder")
+        given = (
+            [_added_token(v) for _, v in sorted(atd.items(), key=lambda kv: int(kv[0]))]
+            if isinstance(atd, dict)
+            else []
+        )
+        present = {repr(t) for t in tok.get_added_tokens_decoder().values()}
+        to_add = [t for t in given if repr(t) not in present]
+        encoder = {t.content for t in tok.get_added_tokens_decoder().values()} | {t.content for t in to_add}
+        named = [t for t in self._named_special_tokens().values() if t is not None]
+        extras = self._extra_special_tokens()
+        named_contents = {t.content for t in named}
+        for t in named + extras:
+            if t.content not in encoder and t.content:
+                if t.content in named_contents and not t.special:
+                    t = _added_token({**t.__getstate__(), "special": True})
+                to_add.append(t)
+                encoder.add(t.content)
+        if to_add:
+            tok.add_tokens(to_add)
+
+    def _named_special_tokens(self) -> dict[str, Any]:
+        """The named special tokens (transformers' SPECIAL_TOKENS_ATTRIBUTES, then the model-specific
+        ``*_token`` keys and a dict of ``extra_special_tokens``) as ``AddedToken``s, None where unset."""
+        out = {k: _added_token(self.config.get(k), special=True) for k in _SPECIAL_NAMES}
+        for k, v in self.config.items():
+            if k.endswith("_token") and k not in out and isinstance(v, (str, dict)):
+                out[k] = _added_token(v, special=True)
+        extra = self.config.get("extra_special_tokens")
+        if isinstance(extra, dict):
+            out.update({k: _added_token(v, special=True) for k, v in extra.items()})
+        return out
+
+    def _extra_special_tokens(self) -> list[Any]:
+        """The config's list of extra special tokens (``extra_special_tokens``, else
+        ``additional_special_tokens`` as transformers 5 reads it) as ``AddedToken``s."""
+        extra = self.config.get("extra_special_tokens") or self.config.get("additional_special_tokens")
+        if not isinstance(extra, (list, tuple)):
+            return []
+        return [t for t in (_added_token(v, special=True) for v in extra) if t is not None]
+
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)
         if isinstance(v, dict):  # AddedToken serialised by transformers
@@ -241,7 +437,9 @@ class GlmTokenizer:
     vocab_size = property(lambda self: self.tokenizer.get_vocab_size(with_added_tokens=True))
 
     # ------------------------------------------------------------------ text
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``; ``add_special_tokens`` (transformers' default True) applies
+        tokenizer.json's post-processor (a BOS prefix, an EOS)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
@@ -281,12 +479,12 @@ class GlmTokenizer:
         texts = [text] if single else list(text)
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("GlmTokenizer: text must be a string or a list of strings")
-        rows = [list(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        limit = None
         if truncation not in (False, "do_not_truncate", None):
             if truncation not in (True, "longest_first", "only_first"):
                 raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
             limit = self._max_length(max_length, "truncation=True")
-            rows = [r[-limit:] if self.truncation_side == "left" else r[:limit] for r in rows]
+        rows = [list(e.ids) for e in self._encode_batch(texts, add_special_tokens, limit)]
         enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
         if not return_attention_mask:
             enc.pop("attention_mask")
@@ -296,6 +494,20 @@ class GlmTokenizer:
             return BatchEncoding({k: v[0] for k, v in enc.items()})
         return enc
 
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool, limit: int | None) -> list[Any]:
+        """``tokenizers``' encodings of ``texts``, cut to ``limit`` tokens on ``truncation_side`` by the
+        library's own truncation, as transformers does: it keeps the tokens the post-processor adds
+        (a BOS prefix, an EOS) and cuts the text."""
+        if limit is None:
+            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        self.tokenizer.enable_truncation(limit, direction=self.truncation_side)
+        try:
+            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        except Exception as err:  # e.g. max_length below the number of special tokens
+            raise ValueError(f"truncation to max_length={limit}: {err}") from err
+        finally:
+            self.tokenizer.no_truncation()
+
     def pad(
         self,
         encoded_inputs: Any,
@@ -304,10 +516,13 @@ class GlmTokenizer:
         pad_to_multiple_of: int | None = None,
         return_tensors: str | None = None,
         padding_side: str | None = None,
+        return_attention_mask: bool | None = None,
+        verbose: bool = True,
     ) -> BatchEncoding:
         """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
         as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
-        equal length are passed through."""
+        equal length are passed through. ``return_attention_mask=False`` leaves out the mask the
+        inputs did not have (PaddleFormers' DataCollatorForSeq2Seq passes the argument)."""
         if isinstance(encoded_inputs, (list, tuple)):
             if not encoded_inputs:
                 raise ValueError("pad: nothing to pad")
@@ -340,6 +555,8 @@ class GlmTokenizer:
                     rows[i] = [pad_id] * n + r if side == "left" else r + [pad_id] * n
                     masks[i] = [0] * n + masks[i] if side == "left" else masks[i] + [0] * n
         out = BatchEncoding(input_ids=rows, attention_mask=masks)
+        if return_attention_mask is False and "attention_mask" not in given:
+            del out["attention_mask"]
         out.update({k: v for k, v in given.items() if k not in out})  # other keys as given
         if return_tensors is not None:
             return BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
@@ -351,29 +568,60 @@ class GlmTokenizer:
         return self._render(messages, add_generation_prompt, extra)[0]
 
     def _render(
-        self, messages: Sequence[dict], add_generation_prompt: bool, extra: dict, track: bool = False
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool,
+        extra: dict,
+        track: bool = False,
+        chat_template: str | None = None,
+        continue_final_message: bool | str = False,
     ) -> tuple[str, list[tuple[int, int]]]:
-        """(text, character spans of the template's ``{% generation %}`` blocks; [] unless ``track``)."""
+        """(text, character spans of the template's ``{% generation %}`` blocks; [] unless ``track``),
+        rendered as transformers' ``render_jinja_template``: the special tokens that are set, then
+        ``extra`` over them, ``tools`` and ``documents`` always defined (None when not given), each
+        message a copy with its reasoning under all of HF's names, and ``continue_final_message``
+        cutting the text after the final message's ``content`` (or the field it names)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
-        if not self.chat_template:
+        text = self.chat_template if chat_template is None else chat_template
+        if not text:
             raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-        specials = {k: self._special(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        template = _compile_template(self.chat_template, self.template_source)
-        variables = dict(messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **extra)
-        if not track:
-            return template.render(**variables), []
-        blocks: list[str] = []
+        template = _compile_template(text, self.template_source if chat_template is None else "chat_template=")
+        chat = [_alias_reasoning(m) for m in copy.deepcopy(list(messages))]
+        final = None
+        if continue_final_message:
+            final = _tag_final_message(chat, text, continue_final_message)
+        variables = {k: t.content for k, t in self._named_special_tokens().items() if t is not None}
+        variables.update(extra)
+        variables.update(
+            messages=chat,
+            tools=extra.get("tools"),
+            documents=extra.get("documents"),
+            add_generation_prompt=add_generation_prompt,
+        )
         spans: list[tuple[int, int]] = []
-        tracker = template.environment.generation_blocks
-        tracker.tracking = (blocks, spans)
-        try:
-            for block in template.generate(**variables):
-                blocks.append(block)
-        finally:
-            tracker.tracking = None
-        return "".join(blocks), spans
+        if not track:
+            rendered = template.render(**variables)
+        else:
+            blocks: list[str] = []
+            tracker = template.environment.generation_blocks
+            tracker.tracking = (blocks, spans)
+            try:
+                for block in template.generate(**variables):
+                    blocks.append(block)
+            finally:
+                tracker.tracking = None
+            rendered = "".join(blocks)
+        if final is not None:  # transformers' cut after the tagged final message
+            tag = _CONTINUE_TAG
+            if final.strip() not in rendered or tag.strip() not in rendered:
+                raise TokenizerError(
+                    "continue_final_message: the final message does not appear in the rendered conversation"
+                )
+            at = rendered.rindex(tag.strip())
+            rendered = rendered[:at] if rendered[at : at + len(tag)] == tag else rendered[:at].rstrip()
+        return rendered, spans
 
     def apply_chat_template(
         self,
@@ -385,19 +633,52 @@ class GlmTokenizer:
         max_length: int | None = None,
         return_tensors: str | None = None,
         return_dict: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool | str = False,
+        return_assistant_tokens_mask: bool = False,
         **extra: Any,
     ) -> Any:
         """transformers 5's call (docs/model.md, "Tokenizer and chat"): a conversation or a list of them,
-        rendered by the chat template and (``tokenize=True``) encoded; template variables go in ``extra``."""
+        rendered by the chat template (``chat_template``: another template's text) and
+        (``tokenize=True``) encoded; template variables go in ``extra``. ``continue_final_message``
+        and ``return_assistant_tokens_mask`` (``assistant_masks``: the ``{% generation %}`` blocks'
+        tokens) are transformers'."""
         if not conversation:
             raise TokenizerError("apply_chat_template: the conversation is empty")
+        if extra.get("sanitize_control_tokens"):
+            raise TokenizerError("apply_chat_template: sanitize_control_tokens=True is not supported")
+        extra.pop("sanitize_control_tokens", None)
+        if continue_final_message and (add_generation_prompt or return_assistant_tokens_mask):
+            raise ValueError(
+                "continue_final_message and add_generation_prompt are not compatible"
+                if add_generation_prompt
+                else "continue_final_message is not compatible with return_assistant_tokens_mask."
+            )
         batched = isinstance(conversation[0], (list, tuple))
         convs = list(conversation) if batched else [conversation]
-        texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, **extra) for c in convs]
+        track = bool(tokenize and return_dict and return_assistant_tokens_mask)
+        rendered = [
+            self._render(c, add_generation_prompt, extra, track, chat_template, continue_final_message) for c in convs
+        ]
+        texts = [r[0] for r in rendered]
         text = texts if batched else texts[0]
         if not tokenize:
             return text
-        enc = self(text, padding, truncation, max_length, return_tensors, add_special_tokens=False)
+        enc = self(text, padding, truncation, max_length, None, add_special_tokens=False)
+        if track:  # transformers' loop: from the token holding a block's first character to its last one's
+            # on the encodings as truncated (where a block's start was cut off, HF's loop stops there)
+            limit = self._max_length(max_length, "truncation=True") if truncation else None
+            rows = enc["input_ids"] if batched else [enc["input_ids"]]
+            masks = []
+            for row, e, (_, blocks) in zip(rows, self._encode_batch(texts, False, limit), rendered):
+                mask = _block_mask(e, blocks)
+                pad = [0] * (len(row) - len(mask))
+                masks.append(pad + mask if self.padding_side == "left" else mask + pad)
+            enc["assistant_masks"] = masks if batched else masks[0]
+        if return_tensors is not None:
+            enc = BatchEncoding(
+                {k: _as_tensor(v if batched else [v], return_tensors, "apply_chat_template") for k, v in enc.items()}
+            )
         return enc if return_dict else enc["input_ids"]
 
     def assistant_spans(self, messages: Sequence[dict], **extra: Any) -> tuple[str, list[tuple[int, int]]]:
@@ -421,25 +702,27 @@ class GlmTokenizer:
             spans.append((len(before), len(upto)))
         return full, spans
 
-    def encode_chat_for_training(self, messages: Sequence[dict], **extra: Any) -> tuple[list[int], list[bool]]:
-        """(token ids of the rendered conversation, per token True when the assistant wrote it).
+    def encode_chat_for_training(
+        self, messages: Sequence[dict], *, stop_ids: Iterable[int] = (), **extra: Any
+    ) -> tuple[list[int], list[bool]]:
+        """(token ids of the rendered conversation, per token True when it is trained).
 
         A template with ``{% generation %}`` blocks: the tokens HF's ``apply_chat_template(...,
         return_assistant_tokens_mask=True)`` marks, from the token holding a block's first character
         to the one holding its last. Otherwise a token belongs to the assistant when it starts inside
-        an ``assistant_spans`` span. The whole conversation is tokenized at once, so the ids are
-        exactly those of the rendered text. ``extra``: template variables (``tools``, ``documents``)."""
+        an ``assistant_spans`` span. Then each turn's end (:func:`train_turn_ends`; the stop tokens:
+        the eos_token and ``stop_ids``, the checkpoint's generation eos_token_id): the stop token that
+        follows a turn is trained, and a conversation that ends with an assistant turn gets the
+        eos_token appended, trained; a turn already holding a stop token gets nothing. The whole
+        conversation is tokenized at once, so the ids are exactly those of the rendered text (plus
+        that EOS). ``extra``: template variables (``tools``, ``documents``)."""
+        stop = {*stop_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])}
         if self.chat_template and _GENERATION_TAG.search(self.chat_template):
-            text, blocks = self._render(messages, False, extra, track=True)
+            text, turns = self._render(messages, False, extra, track=True)
             enc = self.tokenizer.encode(text, add_special_tokens=False)
-            mask = [False] * len(enc.ids)
-            for start, end in blocks:  # transformers' loop (tokenization_utils_base.apply_chat_template)
-                first, last = enc.char_to_token(start), enc.char_to_token(end - 1)
-                if first is None:
-                    break
-                for t in range(first, last + 1 if last else len(mask)):
-                    mask[t] = True
-            return list(enc.ids), mask
-        text, spans = self.assistant_spans(messages, **extra)
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
-        return list(enc.ids), [end > start and any(a <= start < b for a, b in spans) for start, end in enc.offsets]
+            mine = [bool(m) for m in _block_mask(enc, turns)]
+        else:
+            text, turns = self.assistant_spans(messages, **extra)
+            enc = self.tokenizer.encode(text, add_special_tokens=False)
+            mine = [end > start and any(a <= start < b for a, b in turns) for start, end in enc.offsets]
+        return train_turn_ends(list(enc.ids), mine, enc.offsets, turns, stop, self.eos_token_id)

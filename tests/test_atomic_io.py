@@ -110,6 +110,7 @@ def test_no_other_json_file_reader_in_the_package():
     allowed = {
         "ops/kernels.py": "the build script's argv",
         "train/nonfinite.py": "records gathered from the ranks",
+        "train/loop.py": "the run settings gathered from the ranks (check_same_run)",
         "train/data.py": "jsonl, line by line (errors name file:line)",
         "train/command.py": "--model-config's text",
     }

@@ -487,6 +487,28 @@ def test_bin_of_wider_tokens_is_refused_not_read_as_zeros(tmp_path, written, voc
     np.testing.assert_array_equal(data.sample(0)["input_ids"], toks[:16])
 
 
+def test_bin_of_glm_uint32_tokens_read_as_uint16_is_refused(tmp_path):
+    """GLM's vocabulary (154880) does not fit uint16, so the high half of a uint32 token is 0, 1 or 2,
+    not always 0: a uint32 file of GLM tokens read with --data-dtype uint16 passed the all-zero
+    signature check and every id was in range, so the run trained on [low, high, low, high, ...]
+    silently (measured: sample 0 began [672, 2, 33116, 1, 13628, 1, 41784, 0] for tokens [131744,
+    98652, 79164, 41784]). Now refused like the other twice-wide files; a real uint16 file, and the
+    uint32 file read as uint32, still open."""
+    vocab = 154880
+    toks = np.random.default_rng(0).integers(0, vocab, 4096)
+    toks.astype("<u4").tofile(tmp_path / "g.bin")
+    with pytest.raises(
+        ValueError,
+        match=r"g\.bin: every second token of the first \d+ read as uint16 is at most 2 .*--data-dtype uint32",
+    ):
+        open_data(str(tmp_path / "g.bin"), 16, vocab, 0, data_dtype="uint16")
+    data = open_data(str(tmp_path / "g.bin"), 16, vocab, 0)  # auto: uint32 for this vocabulary
+    data.validate()
+    np.testing.assert_array_equal(data.sample(0)["input_ids"], toks[:16])
+    (toks % 65536).astype("<u2").tofile(tmp_path / "h.bin")  # ids that fit: a uint16 file is read as such
+    open_data(str(tmp_path / "h.bin"), 16, vocab, 0, data_dtype="uint16").validate()
+
+
 def test_bin_of_narrower_tokens_hints_at_the_width(tmp_path):
     (np.arange(1, 65, dtype="<u2") % V).tofile(tmp_path / "n.bin")  # uint16 tokens read as uint32
     with pytest.raises(

@@ -153,7 +153,8 @@ def test_bf16_micro_batches_accumulate_their_gradients_in_fp32(tiny_ckpt, tmp_pa
     topo = init_topology(pc, accumulate_steps=G, micro_batch_size=1)
     try:
         with paddle.utils.unique_name.guard():
-            run = loop._setup(cfg, adapter, topo, specs)
+            data = loop.open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed)
+            run = loop._setup(cfg, adapter, topo, specs, data)
         batch = run.data.global_batch(0, G)
         scales = {
             n: s.weight / (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else G)

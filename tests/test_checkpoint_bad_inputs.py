@@ -9,6 +9,7 @@ import pathlib
 import shutil
 import struct
 
+import numpy as np
 import pytest
 
 from paddleformers_glm import GlmMoeDsaConfig
@@ -124,3 +125,21 @@ def test_bad_input_refused_and_nothing_written(src, tmp_path, damage):
         convert_checkpoint(src, out, layout="fleet")
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no partial output anywhere
+
+
+def test_a_folder_with_both_model_safetensors_and_an_index_is_refused_by_the_loader(src):
+    """transformers 5.23 (``_get_resolved_checkpoint_files``) loads ``model.safetensors`` when a folder
+    has it *and* ``model.safetensors.index.json``; this loader read the index's shards and only warned
+    that ``model.safetensors`` is "not named by the index" (strict is about weights; a stray
+    ``adapter_model.safetensors`` is such a warning). Here the two are different weights: the same
+    folder gave different models in transformers and here. Now refused, both files named."""
+    from safetensors.numpy import save_file
+
+    cfg = GlmMoeDsaConfig.from_pretrained(src)
+    save_file({"model.norm.weight": np.zeros(cfg.hidden_size, np.float32)}, str(src / "model.safetensors"))
+    model = SpecModel(cfg)
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="transformers loads model.safetensors") as ei:
+        load_pretrained_state(model, src)
+    assert ei.value.file == str(src / "model.safetensors") and "model.safetensors.index.json" in str(ei.value)
+    assert all(np.array_equal(v.numpy(), before[k]) for k, v in model.state_dict().items())

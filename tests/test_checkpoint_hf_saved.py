@@ -116,6 +116,42 @@ def test_strict_false_initialises_what_is_missing_like_hf_and_init_is_restored(s
     assert float(paddle.nn.Linear(64, 64).weight.abs().sum()) > 0
 
 
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 4, "ep": 2, "etp": 2}], ids=["tp2", "tp4-ep2-etp2"])
+def test_weights_initialised_on_load_are_one_model_over_the_ranks(src, layout):
+    """What a load initialises (the MTP layer of a transformers-written folder; with strict=False any
+    missing weight) is, on every rank of a split model, that rank's piece of the one model a single
+    process initialises: transformers initialises one tensor per missing key. Ranks are simulated in
+    one process, each with its own Paddle seed as separate processes have. Before the fix each rank
+    drew its pieces from its own generator: in a real two-process TP2 launch 23 of the 33 replicated
+    MTP parameters (eh_proj, q_a_proj, the indexer...) held different values on the two ranks, and
+    here every initialised matrix differed from the single-process one."""
+    import paddle
+
+    from paddleformers_glm.parallel.layers import get_shard_spec, local_slice
+    from paddleformers_glm.parallel.topology import ParallelConfig, Topology, expert_layout, topology_override
+
+    dropped = "model.layers.2.mlp.down_proj.weight"  # a row-parallel weight, initialised with strict=False
+    _rewrite(src, drop=[k for k in _read_all(src) if k.startswith(MTP)] + [dropped])
+    paddle.seed(0)
+    one, rep = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32", strict=False, output_loading_info=True)
+    assert rep.initialized and dropped in rep.missing
+    want = {k: v.numpy() for k, v in one.state_dict().items()}
+    pc = ParallelConfig(**layout)
+    for tp_rank in range(pc.tp):
+        edp, ep, etp = expert_layout(pc, 0, tp_rank)
+        topo = Topology(pc, ranks={"tp": tp_rank, "pp": 0, "dp": 0, "edp": edp, "ep": ep, "etp": etp})
+        paddle.seed(100 + tp_rank)
+        with topology_override(topo):
+            model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32", strict=False, topology=topo)
+        differ = []
+        for k, t in model.state_dict().items():
+            spec = get_shard_spec(t)
+            size = topo.size(spec.group) if spec.axis is not None else 1
+            if not np.array_equal(t.numpy(), local_slice(want[k], spec, topo.rank_in(spec.group), size)):
+                differ.append(k)
+        assert not differ, (tp_rank, len(differ), differ[:4])
+
+
 @pytest.mark.parametrize("layout", ["hf", "fleet"])
 def test_fewer_mtp_layers_than_the_checkpoint_loads_the_rest_with_a_warning(src, full, tmp_path, caplog, layout):
     """num_nextn_predict_layers=0 (what the no-MTP warning suggests) on a checkpoint that has the MTP

@@ -237,3 +237,74 @@ def test_a_save_that_carries_a_tokenizer_replaces_the_old_one_whole(model, tmp_p
     snap = _snapshot(out)
     assert "chat_template.jinja" not in snap
     assert snap["tokenizer.json"] == b'{"new": 1}' and snap["notes.txt"] == b"keep me"
+
+
+@pytest.mark.parametrize("metadata", [{"step": 5}, {"format": None}])
+def test_metadata_that_safetensors_cannot_hold_is_refused_before_the_old_checkpoint_is_replaced(
+    model, tmp_path, metadata
+):
+    """A safetensors header's ``__metadata__`` maps strings to strings (the format; ``safetensors``'
+    ``save_file`` refuses ``{"step": 5}`` with a TypeError). Measured before: ``save_pretrained_state(...,
+    metadata={"step": 5})`` wrote the checkpoint over the old one and the loader then refused every
+    shard ("__metadata__ must map strings to strings"): the old weights replaced by unloadable ones."""
+    from paddleformers_glm.checkpoint import CheckpointError
+
+    out = _existing(tmp_path, model)
+    old = _snapshot(out)
+    with pytest.raises(CheckpointError, match="metadata") as ei:
+        save_pretrained_state(model, model.config, out, metadata=metadata)
+    assert ei.value.key == "__metadata__"
+    assert _snapshot(out) == old and _leftovers(tmp_path) == []
+    load_pretrained_state(SpecModel(model.config), out)  # still the old, loadable checkpoint
+
+
+def test_a_save_to_a_link_to_a_folder_writes_into_the_folder(model, tmp_path):
+    """``out`` a symlink to a folder elsewhere (``~/ckpt -> /big/ckpt``): transformers' ``save_pretrained``
+    writes through it (makedirs, then files inside). Measured before: the temporary folder was made beside
+    the link (on the link's filesystem), the atomic exchange swapped the *link* with it, so ``out`` became
+    a real folder there, the target kept its old contents (empty here), and the link itself stayed behind
+    as ``.out.tmp-<pid>-…``, which neither that save nor later ones could remove (rmtree refuses links)."""
+    target = tmp_path / "big" / "ckpt"
+    target.mkdir(parents=True)
+    (target / "notes.txt").write_text("keep me")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "out").symlink_to(target)
+    for _ in range(2):  # into the empty target, then over the checkpoint there
+        save_pretrained_state(model, model.config, home / "out", max_shard_size="1MB")
+        assert (home / "out").is_symlink() and os.readlink(home / "out") == str(target)
+        assert sorted(os.listdir(home)) == ["out"]  # nothing left beside the link
+        assert _leftovers(target.parent, "ckpt") == []
+        names = sorted(os.listdir(target))
+        assert "notes.txt" in names and "model-00001-of-00002.safetensors" in names, names
+    m = SpecModel(model.config)
+    load_pretrained_state(m, home / "out")
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(m.state_dict()[k].numpy(), v.numpy())
+
+
+def test_a_save_through_a_link_over_its_own_source_keeps_the_tokenizer_files_as_they_are(model, tmp_path):
+    target = tmp_path / "big" / "ckpt"
+    save_pretrained_state(model, model.config, target)
+    (target / "tokenizer.json").write_text('{"t": 1}')
+    (tmp_path / "out").symlink_to(target)
+    ino = (target / "tokenizer.json").stat().st_ino
+    save_pretrained_state(model, model.config, tmp_path / "out", carry_from=tmp_path / "out")
+    assert (target / "tokenizer.json").stat().st_ino == ino  # linked into the new folder, not copied over itself
+
+
+def test_a_target_that_is_a_file_is_refused_before_any_tensor_is_written(model, tmp_path, monkeypatch):
+    """Measured before: every tensor was converted and written (296 for the tiny model; the whole model,
+    for GLM-5.2 ~1.5 TB, before failing) and only then publish() refused "output path exists and is
+    not a folder"."""
+    from paddleformers_glm.checkpoint import CheckpointError, safetensors_io
+
+    out = tmp_path / "out"
+    out.write_text("a file, not a folder")
+    written = []
+    real = safetensors_io.SafetensorsWriter.write
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "write", lambda s, k, *a: (written.append(k), real(s, k, *a)))
+    with pytest.raises(CheckpointError, match="not a folder") as ei:
+        save_pretrained_state(model, model.config, out)
+    assert ei.value.file == str(out) and written == [] and out.read_text() == "a file, not a folder"
+    assert _leftovers(tmp_path) == []

@@ -27,6 +27,47 @@ def test_official_config_round_trip_is_identical(tmp_path):
     assert GlmMoeDsaConfig.from_dict(cfg.to_dict()).to_dict() == src
 
 
+NULL_DERIVED = [
+    {"indexer_types": None},
+    {"mlp_layer_types": None},
+    {"qk_head_dim": None},
+    {"indexer_types": None, "mlp_layer_types": None, "first_k_dense_replace": 1},
+    {"rope_parameters": None, "rope_theta": 8000000},
+]
+
+
+@pytest.mark.parametrize("nulls", NULL_DERIVED, ids=lambda d: "+".join(d))
+def test_a_null_derived_key_is_written_back_null(nulls, tmp_path):
+    """A key the file gives as null means "derive it" to transformers 5.23 (indexer_types from the
+    schedule, mlp_layer_types from first_k_dense_replace, qk_head_dim = nope + rope, the rope from the
+    top-level keys), and here. Before the fix the round trip wrote the derived value in its place
+    (e.g. `mlp_layer_types: null` came back as 78 entries), so a later edit of first_k_dense_replace
+    or of the schedule in the saved file no longer took effect."""
+    src = official() | nulls
+    cfg = GlmMoeDsaConfig.from_dict(copy.deepcopy(src))
+    assert cfg.to_dict() == src and list(cfg.to_dict()) == list(src)
+    cfg.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == src
+    # the model reads what the null derives, before and after the round trip
+    again = GlmMoeDsaConfig.from_pretrained(tmp_path)
+    for c in (cfg, again):
+        k = nulls.get("first_k_dense_replace", 3)
+        assert c.mlp_layer_types == ["dense"] * k + ["sparse"] * (78 - k)
+        assert c.full_layer_ids == [0, 1, 2] + list(range(6, 78, 4)) and c.qk_head_dim == 256
+        assert c.rope == {"rope_theta": 8000000, "rope_type": "default"}
+    # a list set after loading is the given one and is written
+    assert cfg.copy(mlp_layer_types=["sparse"] * 78).to_dict()["mlp_layer_types"] == ["sparse"] * 78
+    cfg.mlp_layer_types = ["dense"] * 2 + ["sparse"] * 76  # set as an attribute, not yet validated: written
+    assert cfg.to_dict()["mlp_layer_types"] == ["dense"] * 2 + ["sparse"] * 76
+    # a changed first_k_dense_replace or schedule still derives a null list (it stays null in the file)
+    if "mlp_layer_types" in nulls:
+        moved = again.copy(first_k_dense_replace=5)
+        assert moved.mlp_layer_types[:6] == ["dense"] * 5 + ["sparse"] and moved.to_dict()["mlp_layer_types"] is None
+    if "indexer_types" in nulls:
+        moved = again.copy(index_topk_freq=1)
+        assert moved.indexer_types == ["full"] * 78 and moved.to_dict()["indexer_types"] is None
+
+
 def test_official_schedule_and_flags():
     cfg = GlmMoeDsaConfig.from_pretrained(OFFICIAL_CONFIG)
     assert cfg.full_layer_ids == [0, 1, 2] + list(range(6, 78, 4))

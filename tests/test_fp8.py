@@ -342,3 +342,164 @@ def test_check_ckpt_unquantized_side_keeping_fp8_leftovers_differs(src, tmp_path
         else:
             assert rep["config_match"] is False
             assert {"class": "config", "keys": ["quantization_config"]} in rep["differences"]
+
+
+# --- the fast quantizer is byte for byte the one before it (tests/_fp8_oracle.py) -------------------------
+
+
+def _boundary_float32s() -> np.ndarray:
+    """Every float32 whose low 16 bits are 0, 1, 0x7FFF, 0x8000 or 0xFFFF (every rounding boundary of
+    E4M3 and both sides of it, the whole range: subnormals, 448 .. 480, Inf, NaN of both signs and many
+    payloads), and a million random bit patterns."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    rnd = np.random.default_rng(7).integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([high | low for low in (0, 1, 0x7FFF, 0x8000, 0xFFFF)] + [rnd]).view(np.float32)
+
+
+def test_encode_e4m3_is_the_search_encoder_byte_for_byte():
+    from paddleformers_glm.checkpoint.fp8 import _encode_search
+
+    from ._fp8_oracle import encode_e4m3 as oracle
+
+    x = _boundary_float32s()
+    with np.errstate(invalid="ignore"):
+        want = oracle(x)
+    got = encode_e4m3(x)
+    assert got.dtype == np.uint8 and got.shape == x.shape
+    assert np.array_equal(got, want), int((got != want).sum())
+    assert np.array_equal(_encode_search(x), want)
+    # shapes, strides and dtypes as before: 2-D, a transposed view, float64 and bf16-valued input
+    m = x[: 600 * 700].reshape(600, 700)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m64 = m.astype(np.float64)
+    for arr in (m, m.T, m[::3, 1::2], m64):
+        with np.errstate(invalid="ignore", over="ignore"):
+            assert np.array_equal(encode_e4m3(arr), oracle(arr))
+    assert encode_e4m3(np.zeros((0, 3), np.float32)).shape == (0, 3)
+
+
+@pytest.mark.reference
+def test_encode_e4m3_is_torchs_float8_e4m3fn_cast():
+    torch = pytest.importorskip("torch")
+    x = _boundary_float32s()
+    want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    # beyond 464 in magnitude (Inf too) torch 2.13 saturates to +-448 where the encoder gives the NaN
+    # code: quantize_blocks meets that only for an Inf weight (its w / scale is at most ~448 otherwise)
+    within = ~(np.abs(x) > 464)  # NaN included
+    got = encode_e4m3(x)
+    assert np.array_equal(got[within], want[within]), int((got != want)[within].sum())
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (nearest, ties to even) and back, as a bf16 model's weights are."""
+    b = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16
+    return b.astype(np.uint32).view(np.float32)
+
+
+def _requant_inputs(rng, shape, block):
+    """Weights of the kinds the quantizer meets: fresh (normal, bf16-rounded, tiny down to float32
+    subnormals, huge up to float32 max), sparse and all-zero blocks, and dequantized FP8 at fp32 scales
+    of three makings (``amax / 448``, arbitrary, and transformers' ``1 / (448 / amax)``)."""
+    rows, cols = shape
+    R, C = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    normal = rng.standard_normal(shape).astype(np.float32)
+    out = {
+        "normal": normal * np.float32(0.02),
+        "bf16": _bf16(normal * np.float32(0.02)),
+        "tiny": normal * np.float32(1e-41),  # float32 subnormals; some scales underflow to 0
+        "small": normal * np.float32(1e-36),
+        "huge": np.clip(normal, -3, 3) * np.float32(1e38),
+        "max": np.where(normal > 0, np.float32(3.4028235e38), normal),
+        "sparse": np.where(rng.random(shape) < 0.9, np.float32(0), normal),
+        "zeros": np.zeros(shape, np.float32),
+        "neg_zeros": np.full(shape, -0.0, np.float32),
+    }
+    z = normal.copy()
+    z[: block[0]] = 0  # first row blocks all zero (the all-zero block's scale 1), first rows of others
+    z[block[0] :: block[0]] = 0
+    out["zero_first_rows"] = z
+    q = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] ^= 1  # no NaN codes
+    q[:: block[0], :: block[1]] = 0x7E  # 448 in each block: amax = 448 * scale
+    amax = rng.uniform(1e-3, 8, size=(R, C)).astype(np.float32)
+    for name, s in (
+        ("fp8_amax448", (amax / np.float32(448)).astype(np.float32)),
+        ("fp8_any_scale", rng.uniform(1e-4, 1e-1, size=(R, C)).astype(np.float32)),
+        ("fp8_hf_scale", (np.float32(1) / (np.float32(448) / amax)).astype(np.float32)),
+    ):
+        out[name] = dequantize(q, s, block)
+    # transformers' own quantizer (integrations/finegrained_fp8.py, _quantize_one): codes of
+    # clamp(w * (448 / amax), +-448), scale_inv 1 / (448 / amax); padded here for the partial blocks
+    pad = np.pad(out["normal"], ((0, R * block[0] - rows), (0, C * block[1] - cols)))
+    tiles = pad.reshape(R, block[0], C, block[1])
+    mult = (np.float32(448) / np.abs(tiles).max(axis=(1, 3))).astype(np.float32)
+    qt = encode_e4m3(np.clip(tiles * mult[:, None, :, None], -448, 448)).reshape(pad.shape)[:rows, :cols]
+    out["fp8_hf_made"] = dequantize(qt, (np.float32(1) / mult).astype(np.float32), block)
+    qr = q.copy()
+    qr[::3] = rng.integers(0, 0x30, size=qr[::3].shape, dtype=np.uint8)  # no 448 in some blocks
+    out["fp8_no_448"] = dequantize(qr, rng.uniform(1e-4, 1e-1, size=(R, C)).astype(np.float32), block)
+    # Inf, NaN (several payloads and signs in one block), and values beyond 448 * scale
+    special = normal.copy()
+    nan = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FC12345], np.uint32).view(np.float32)
+    special.flat[rng.integers(0, special.size, 8)] = np.repeat(nan, 2)
+    special.flat[rng.integers(0, special.size, 3)] = [np.inf, -np.inf, np.float32(500)]
+    out["nan_inf"] = special
+    return out
+
+
+from paddleformers_glm.checkpoint.fp8 import dequantize  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("shape", "block", "chunk"),
+    [
+        ((130, 200), (128, 128), None),
+        ((203, 130), (8, 8), None),
+        ((203, 130), (8, 8), 4096),  # many chunks, partial last ones both ways
+        ((256, 384), (128, 128), 1 << 17),  # one block a chunk
+        ((300, 17), (16, 4), 2048),
+        ((17, 300), (4, 16), None),
+        ((1, 1), (128, 128), None),
+        ((5, 7), (1, 1), None),
+        ((64, 96), (32, 32), 8192),
+    ],
+)
+def test_quantize_blocks_is_byte_identical_to_the_old_quantizer(shape, block, chunk, monkeypatch):
+    from paddleformers_glm.checkpoint import fp8
+
+    from ._fp8_oracle import quantize_blocks as oracle
+
+    if chunk is not None:
+        monkeypatch.setattr(fp8, "_CHUNK_BYTES", chunk)
+    rng = np.random.default_rng(hash((shape, block)) % 2**32)
+    kinds = _requant_inputs(rng, shape, block)
+    moved = 0  # blocks of dequantized FP8 whose scale is not amax / 448: the neighbour searches ran
+    for name, w in kinds.items():
+        for arr in (w, w.T.copy().T) if name == "normal" else (w,):  # C- and Fortran-ordered
+            want_q, want_s = oracle(arr, block)
+            with np.errstate(all="ignore"):
+                q, s = fp8.quantize_blocks(arr, block)
+            assert q.dtype == np.uint8 and s.dtype == np.float32 and q.shape == shape, name
+            assert np.array_equal(q, want_q), (name, int((q != want_q).sum()))
+            assert np.array_equal(s.view(np.uint32), want_s.view(np.uint32)), name
+        if name.startswith("fp8"):
+            amax = np.abs(np.pad(w, [(0, -d % b) for d, b in zip(shape, block)]))
+            amax = amax.reshape(s.shape[0], block[0], s.shape[1], block[1]).max(axis=(1, 3))
+            moved += int((s != (amax / np.float32(448)).astype(np.float32)).sum())
+    if shape[0] * shape[1] >= 4096:
+        assert moved > 0  # the one-ulp neighbours were needed somewhere
+
+
+def test_quantize_blocks_empty_and_float64():
+    from paddleformers_glm.checkpoint.fp8 import quantize_blocks
+
+    from ._fp8_oracle import quantize_blocks as oracle
+
+    for shape in ((0, 5), (5, 0), (0, 0)):
+        q, s = quantize_blocks(np.zeros(shape, np.float32), (4, 4))
+        wq, ws = oracle(np.zeros(shape, np.float32), (4, 4))
+        assert q.shape == wq.shape and s.shape == ws.shape and q.dtype == wq.dtype and s.dtype == ws.dtype
+    w = np.random.default_rng(3).standard_normal((40, 50))
+    for a, b in zip(quantize_blocks(w, (16, 16)), oracle(w, (16, 16))):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -592,3 +592,68 @@ def test_warpers_equal_hf_logits_processors():
         want = x.numpy()
         np.testing.assert_array_equal(np.isinf(ours), np.isinf(want))
         np.testing.assert_allclose(ours[~np.isinf(ours)], want[~np.isinf(want)], rtol=1e-6)
+
+
+def test_top_p_keeps_the_exact_nucleus_at_a_real_vocabulary_size():
+    """top_p over GLM's 151552-token vocabulary keeps exactly the tokens whose probability above them
+    is < top_p (the float64 count; HF's TopPLogitsWarper, which sums from the least likely up, gives it
+    in all 432 rows measured with transformers 5.23). Before: a float32 cumulative sum from the most
+    likely down, whose error near 1.0 moved the cut by up to 36 tokens (sum |kept - exact| 1038 over
+    48 rows at top_p 0.99, 113 at 0.95; here at 0.95 five of the six rows, kept 112257 / 112197 /
+    13065 / 14547 / 5001 for 112259 / 112195 / 13068 / 14550 / 5005). Summing in float64 float32
+    probabilities (Paddle's softmax) still missed by one token in row 3."""
+    from paddleformers_glm.generation import GenerationConfig, _warp
+
+    V = 151552
+    logits = np.random.default_rng(2).standard_normal((6, V)).astype(np.float32)
+    logits[3:] *= 3.0
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    desc = -np.sort(-p, axis=1)
+    above = np.cumsum(desc, axis=1) - desc  # the probability of the more likely tokens
+    for top_p in (0.95, 0.99):
+        kept = ~np.isinf(
+            _warp(paddle.to_tensor(logits), GenerationConfig(temperature=1.0, top_k=0, top_p=top_p)).numpy()
+        )
+        np.testing.assert_array_equal(kept.sum(1), (above < top_p).sum(1), err_msg=f"top_p {top_p}")
+        # the kept tokens are the most likely ones: none removed is likelier than one kept
+        assert all(p[r][~kept[r]].max() <= p[r][kept[r]].min() for r in range(len(p)))
+
+
+def test_hf_options_that_change_the_output_are_refused_from_a_generation_config():
+    """transformers 5.23's GenerationConfig options that change what generate returns (``top_h``: its
+    TopHLogitsWarper in the sampling warpers; ``dola_layers``: DoLa decoding; ``token_healing``: the
+    prompt's tail rewritten) are refused by name when a generation_config.json sets them, as every
+    other unimplemented option is; their off values pass. Before: kept in ``extra`` and ignored."""
+    from paddleformers_glm.generation import GenerationConfig, resolve_settings
+
+    class Config:
+        max_position_embeddings = 64
+
+    for key, on, off in (("top_h", 0.4, None), ("dola_layers", "high", None), ("token_healing", True, False)):
+        gc = GenerationConfig.from_dict({"do_sample": True, key: on}, source="ckpt/generation_config.json")
+        with pytest.raises(ValueError, match=f"ckpt/generation_config.json: {key}=.* is not supported"):
+            resolve_settings(Config, gc, {}, 4)
+        with pytest.raises(ValueError, match=f"{key}=.* is not supported"):
+            resolve_settings(Config, GenerationConfig(), {key: on}, 4)
+        ok = GenerationConfig.from_dict({key: off}, source="ckpt/generation_config.json")
+        assert resolve_settings(Config, ok, {}, 4).max_new_tokens == 20
+
+
+def test_draw_reaches_tokens_below_float32_resolution_of_the_cdf():
+    """A token whose probability is below float32's step near 1.0 (6e-8) after the bulk of the mass
+    still owns its share of [0, 1): the draw at the middle of its float64 CDF interval picks it.
+    Before: a float32 CDF (and float32 uniforms) gave such tokens probability 0 or a whole float32
+    step: on 151552-token rows of N(0, 3^2) logits ~45000 tokens could never be drawn, others
+    doubled, total variation 7e-4 from the softmax."""
+    from paddleformers_glm.generation import _draw
+
+    logits = np.array([[3.0, -16.0, -17.0, -16.5, -np.inf, -15.5]], dtype=np.float32)
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    cdf = np.cumsum(p)
+    for tok in (1, 2, 3, 5):
+        u = (cdf[tok] + (cdf[tok - 1] if tok != 5 else cdf[3])) / 2
+        assert _draw(paddle.to_tensor(logits), np.array([u])).numpy().tolist() == [tok], tok

@@ -159,3 +159,27 @@ def test_unordered_selection_is_the_same_set(chunk):
     np.testing.assert_array_equal(
         np.sort(idx(x, ql, cos, sin, pad, ordered=False).numpy(), -1), np.sort(idx(x, ql, cos, sin, pad).numpy(), -1)
     )
+
+
+def test_kl_loss_rows_are_exact_for_scores_far_below_the_rows_max():
+    """The indexer's KL(p || softmax(scores)) for a key scored 100 below its row's max: Paddle's CPU
+    log_softmax clips x - max at -64, so the loss was 25.0 where torch's log_softmax (the torch
+    reference's, parity/reference/indexer.py) gives 39.4 for scores [0, -100, -3], p [.5, .4, .1]
+    (measured: torch 2.13). The expected values here are the float64 formula; the masked key
+    (valid False) adds nothing."""
+    from paddleformers_glm.modeling.indexer import _kl_rows
+
+    scores = np.array([[[0.0, -100.0, -3.0, 7.0], [2.0, 1.0, -70.0, 0.0]]], dtype=np.float32)
+    p = np.array([[[0.5, 0.4, 0.1, 0.0], [0.2, 0.3, 0.5, 0.0]]], dtype=np.float32)
+    valid = np.array([[[True, True, True, False], [True, True, True, False]]])
+    x = paddle.to_tensor(scores, stop_gradient=False)
+    kl, rows = _kl_rows(x, paddle.to_tensor(p), paddle.to_tensor(valid))
+    s = scores[..., :3].astype(np.float64)
+    log_q = s - (s.max(-1, keepdims=True) + np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    q = p[..., :3].astype(np.float64)
+    want = (q * (np.log(q) - log_q)).sum(-1)
+    np.testing.assert_allclose(kl.numpy(), want, rtol=1e-6)
+    assert rows.numpy().tolist() == [[1.0, 1.0]]
+    kl.sum().backward()  # d KL / d scores = softmax(scores) - p on the valid keys, 0 on the masked one
+    grad = np.concatenate([np.exp(log_q) - q, np.zeros((1, 2, 1))], -1)
+    np.testing.assert_allclose(x.grad.numpy(), grad, atol=1e-6)

@@ -254,13 +254,14 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _worker(tmp_path, **extra_env):
+def _worker(tmp_path, ready=True, **extra_env):
     (tmp_path / "status").mkdir(exist_ok=True)
     e = {**env(), **extra_env}
     p = subprocess.Popen(
         [sys.executable, "-c", _WORKER, str(tmp_path / "status")], env=e, stdout=subprocess.PIPE, text=True
     )
-    assert p.stdout.readline().strip() == "ready"
+    if ready:
+        assert p.stdout.readline().strip() == "ready"
     return p
 
 
@@ -283,7 +284,10 @@ def test_worker_tells_a_stop_signal_of_its_own_job_from_one_sent_from_outside(tm
     """Whose signal ended a worker: its parent's (Paddle's launcher; here this test), a process
     carrying the job's id (the glm52 launcher, a peer), or one outside the job (no id, another id)."""
 
+    record = tmp_path / "status" / "rank3.signal.json"
+
     def ended_by(sender_job=None):
+        record.unlink(missing_ok=True)
         p = _worker(tmp_path, GLM52_JOB_ID="job-a")
         if sender_job is None:
             os.kill(p.pid, signal.SIGTERM)
@@ -291,9 +295,13 @@ def test_worker_tells_a_stop_signal_of_its_own_job_from_one_sent_from_outside(tm
             e = {k: v for k, v in env().items() if k != "GLM52_JOB_ID"} | (
                 {"GLM52_JOB_ID": sender_job} if sender_job else {}
             )
-            subprocess.run(
-                [sys.executable, "-c", f"import os; os.kill({p.pid}, {int(signal.SIGTERM)})"], env=e, check=True
+            # the sender lives until the worker has written its record, as the launchers that send a
+            # job's stop signals do (a sender gone before the worker reads /proc/PID/environ is unknown)
+            send = (
+                f"import os, time; os.kill({p.pid}, {int(signal.SIGTERM)}); t = time.monotonic()\n"
+                f"while not os.path.exists({str(record)!r}) and time.monotonic() - t < 30: time.sleep(0.01)"
             )
+            subprocess.run([sys.executable, "-c", send], env=e, check=True)
         assert p.wait(timeout=30) == 128 + signal.SIGTERM
         return _signal_record(tmp_path)["sender_in_job"]
 
@@ -304,7 +312,9 @@ def test_worker_tells_a_stop_signal_of_its_own_job_from_one_sent_from_outside(tm
 
 
 def test_worker_ends_itself_past_the_job_deadline(tmp_path):
-    p = _worker(tmp_path, GLM52_JOB_DEADLINE=repr(time.time() - 1))
+    # its watchdog may end it (1 s after its start) before it prints "ready": measured, a 1.5 s stall
+    # of the worker's main thread before that line (a loaded machine) failed the wait for it
+    p = _worker(tmp_path, ready=False, GLM52_JOB_DEADLINE=repr(time.time() - 1))
     assert p.wait(timeout=30) == 124
     assert "--job-timeout" in _signal_record(tmp_path)["watchdog"]
 
@@ -357,6 +367,39 @@ def test_job_timeout_holds_in_one_process_too(tmp_path, capsys):
     assert err[-1].startswith("glm52 train: job exceeded --job-timeout 4 s; stopped"), err
     rec = json.loads((tmp_path / "logs" / "failure.json").read_text(), parse_constant=_refuse)
     assert (rec["rank"], rec["cause"], rec["returncode"]) == (None, "timeout", 124)
+
+
+def test_a_run_in_process_leaves_the_callers_stop_signals_as_they_were(tmp_path):
+    """A Python caller of ``glm52 train``'s ``main`` goes on after the run: its signal mask and
+    handlers are as before, and so are those of the processes it starts later.  Measured before:
+    the listener's block of SIGTERM, SIGINT and SIGHUP stayed (a one-thread process: Paddle not yet
+    imported, OMP_NUM_THREADS=1), every later child inherited it and ignored them (the suite run in
+    one process with OMP_NUM_THREADS=1: test_cli's Ctrl-C to a ``glm52 plan --search`` started after
+    this file's in-process runs let the search finish, exit 0 instead of 130)."""
+    code = textwrap.dedent(
+        """
+        import json, signal, subprocess, sys
+        from paddleformers_glm.train.command import main
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP, signal.SIGINT, signal.SIGTERM])  # whatever the runner's
+        mask = lambda: sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        handlers = lambda: [repr(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)]
+        before = (mask(), handlers())
+        args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--out", sys.argv[1]]
+        rc = main(args)
+        child = subprocess.run(
+            [sys.executable, "-c", "import signal; print(sorted(int(s) for s in signal.pthread_sigmask(0, [])))"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        print(json.dumps({"rc": rc, "before": before, "after": (mask(), handlers()), "child": json.loads(child)}))
+        """
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env(), capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0 and not {1, 2, 15} & set(got["before"][0]), got
+    assert got["after"] == got["before"] and got["child"] == got["before"][0], got
 
 
 def test_stop_listener_names_the_sender_although_paddle_runs_a_thread_of_its_own():
@@ -431,3 +474,164 @@ def test_a_second_train_into_the_out_of_a_running_job_is_refused_and_touches_not
         holder.wait()
     assert train_main(args) == 0  # the holder is gone (SIGKILL): no stale lock
     assert json.loads((out / "loss.json").read_text())["steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--node-rank", "1"], "--nnodes 2 needs --master IP:PORT"),
+        (["--master", "127.0.0.1:1"], "--nnodes 2 needs --node-rank R (0..1)"),
+        (["--master", "127.0.0.1:1", "--node-rank", "2"], "--node-rank must be within 0..1"),
+    ],
+)
+def test_a_multi_node_run_without_master_or_node_rank_is_refused_before_the_launch(tmp_path, capsys, flags, says):
+    """Measured before, two commands `--nnodes 2 --tp 2` on one machine: without --master each
+    started its own rendezvous and both waited until killed (60 s here, forever otherwise);
+    without --node-rank Paddle's launcher numbered the nodes by arrival, and the node that got
+    rank 1 reported the finished job as failed (exit 1: 'rank(s) 0 exited with status 0 before
+    finishing the run', rank 0's completion record being on the other node)."""
+    from paddleformers_glm.train.command import main as train_main
+
+    args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--tp", "2", "--nnodes", "2"]
+    assert train_main([*args, *flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"glm52 train: error: {says}"), err
+    assert not (tmp_path / "logs").exists()  # nothing launched, no lock taken
+
+
+def test_ranks_given_different_runs_are_refused_naming_the_settings(monkeypatch):
+    """Each node of a multi-node job reads its own command line.  Measured before (two nodes at
+    --tp 2, node 1 with --lr 2e-2): both exited 0, node 0 printing lr 2e-3 while its loss at step 2
+    was 4.365181 instead of the 4.401340 of a same-settings run (rank 1's shards stepped at 2e-2).
+    Now every rank compares its settings with rank 0's at setup (one all-gather) and fails naming
+    them; where each node reads and writes (--out, --data, --resume, --model paths) may differ."""
+    from types import SimpleNamespace
+
+    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train.loop import TrainConfig, check_same_run, run_settings
+
+    base = {"model": "toy", "steps": 4, "seq_len": 16, "lr": 2e-3, "tp": 2, "out": "/n0", "data": "/n0/d.npy"}
+    mine = TrainConfig(**base, model_args={"model_dir": "/n0/m"})
+    here = {"out": "/n1", "data": "/n1/d.npy", "resume": None, "progress": False, "model_args": {"model_dir": "/n1/m"}}
+    other = TrainConfig(**{**base, **here})
+    monkeypatch.setattr(distributed, "all_gather_object", lambda obj, topo: [obj, run_settings(other)])
+    check_same_run(mine, SimpleNamespace(world_size=2))  # another node's paths: the same run
+    other = TrainConfig(**{**base, **here, "lr": 2e-2, "steps": 6})
+    with pytest.raises(ValueError) as e:
+        check_same_run(mine, SimpleNamespace(world_size=2))
+    assert str(e.value).startswith(
+        "the ranks of this job were given different runs (lr: 0.002 on rank 0, 0.02 on rank 1; "
+        "steps: 4 on rank 0, 6 on rank 1): run the same glm52 train command on every node"
+    ), e.value
+
+
+def test_ranks_given_different_data_or_resume_files_are_refused_naming_them(tmp_path, monkeypatch):
+    """--data, --resume and the model folder are per-node paths (another mount point may hold them),
+    so check_same_run left them out, and nodes given different data files with the same settings
+    trained on different samples with no message.  Measured before, two nodes on one machine
+    (--nnodes 2 --tp 2 --steps 2 --seq-len 16, node 1's .npy differing from node 0's in its last
+    token only): both exited 0 (loss 4.682041, 4.662554), each rank drawing its rows from its own
+    node's file.  Now every rank also compares what it read: the data's fingerprint (the one a
+    resume compares), the checkpoint's identity (checkpoint_info less its path) and the resume
+    state's step and meta.json hash; copies of the same files under other paths still pass."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train.adapter import make_adapter
+    from paddleformers_glm.train.data import open_data
+    from paddleformers_glm.train.loop import TrainConfig, check_same_run, run_inputs, run_settings
+    from paddleformers_glm.train.state_files import FORMAT
+
+    adapter = make_adapter("toy")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(adapter.vocab_size, size=16 * 8)
+    other_tokens = tokens.copy()
+    other_tokens[-1] = (other_tokens[-1] + 1) % adapter.vocab_size  # the last sample differs
+    for node, toks in (("n0", tokens), ("n1", tokens), ("n2", other_tokens)):
+        (tmp_path / node / "step_00000004").mkdir(parents=True)
+        np.save(tmp_path / node / "d.npy", toks.astype(np.int32))
+        meta = {"format": FORMAT, "step": 4, "world_size": 1, "profile": {}, "flex": {"stepped": []}}
+        (tmp_path / node / "step_00000004" / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "n2" / "step_00000006").mkdir()
+    meta = {"format": FORMAT, "step": 6, "world_size": 1, "profile": {}, "flex": {"stepped": []}}
+    (tmp_path / "n2" / "step_00000006" / "meta.json").write_text(json.dumps(meta))
+
+    def node(name, step=4):
+        cfg = TrainConfig(
+            model="toy", steps=8, seq_len=16, tp=2, out=str(tmp_path / name), data=str(tmp_path / name / "d.npy"),
+            resume=str(tmp_path / name / f"step_{step:08d}"),
+        )  # fmt: skip
+        data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed)
+        return cfg, run_inputs(cfg, adapter, data)
+
+    mine, my_inputs = node("n0")
+    two = SimpleNamespace(world_size=2)
+
+    def against(other):
+        monkeypatch.setattr(distributed, "all_gather_object", lambda obj, topo: [obj, run_settings(*other)])
+
+    against(node("n1"))  # copies of the same files under another node's paths: the same run
+    check_same_run(mine, two, my_inputs)
+    against(node("n2"))
+    with pytest.raises(ValueError) as e:
+        check_same_run(mine, two, my_inputs)
+    fp0, fp1 = my_inputs["data fingerprint"], node("n2")[1]["data fingerprint"]
+    assert fp0 != fp1
+    assert str(e.value) == (
+        f'the ranks of this job were given different runs (data fingerprint: "{fp0}" on rank 0, "{fp1}" on rank 1): '
+        "run the same glm52 train command on every node, each with copies of rank 0's files (--data, the model "
+        "folder, --resume)"
+    ), e.value
+    against(node("n2", step=6))
+    with pytest.raises(
+        ValueError,
+        match=r"\(data fingerprint: .*; resume state: \{.*\"step\": 4\} on rank 0, "
+        r"\{.*\"step\": 6\} on rank 1\): run the same",
+    ):
+        check_same_run(mine, two, my_inputs)
+
+
+def test_a_run_that_saves_needs_an_out_every_node_sees(tmp_path, monkeypatch):
+    """Two nodes with their own --out (no shared filesystem).  Measured before at --tp 2
+    --save-every 2 --export: both exited 0, node 0's checkpoints/step_00000004 lacked rank 1's
+    files (its --resume refused: 'rank_00001.json: missing'), node 1 kept step_*.tmp folders.
+    Now every rank checks at setup that it sees a file rank 0 wrote into its --out."""
+    from types import SimpleNamespace
+
+    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train.loop import TrainConfig, check_shared_out
+
+    def two_nodes(other_out):  # this process is rank 0; rank 1 looks into other_out
+        def gather(obj, topo):
+            if isinstance(obj, str):  # the marker's name, from rank 0
+                gather.name = obj
+                return [obj, None]
+            return [obj, (other_out / "logs" / gather.name).exists()]
+
+        return gather
+
+    cfg = TrainConfig(model="toy", tp=2, save_every=2, out=str(tmp_path / "n0"))
+    topo = SimpleNamespace(world_size=2, rank=0)
+    monkeypatch.setattr(distributed, "all_gather_object", two_nodes(tmp_path / "n0"))
+    check_shared_out(cfg, topo)  # one shared --out
+    monkeypatch.setattr(distributed, "all_gather_object", two_nodes(tmp_path / "n1"))
+    with pytest.raises(ValueError) as e:
+        check_shared_out(cfg, topo)
+    assert str(e.value).startswith("--save-every needs one --out that every node sees (a shared filesystem): rank(s) 1")
+    assert list((tmp_path / "n0" / "logs").iterdir()) == []  # the marker is removed
+
+
+def test_a_lost_peer_on_another_node_is_named_as_the_suspect(tmp_path):
+    """Node 0 of a two-node job (ranks 0 of 2) whose peer on node 1 was killed or SIGTERMed
+    (measured: both ended within 10 s; node 0's one line was 'rank 0 failed in communication:
+    ... Connection reset by peer', as if its own rank were the culprit)."""
+    _err(tmp_path, 0, time.time(), "Read error [127.0.0.1]:33681: Connection reset by peer", True)
+    d = diagnose(str(tmp_path), [0], world_size=2)
+    assert (d.rank, d.cause) == (0, "comm"), d
+    assert d.message.endswith(
+        "(ranks 0..0 of 2 run on this node: a rank of another node that failed or was stopped first ends them in "
+        "communication errors; see the other nodes' OUT/logs/node<R>/failure.json)"
+    ), d.message
+    assert "another node" not in diagnose(str(tmp_path), [0]).message  # one node: as before

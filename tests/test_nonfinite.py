@@ -40,6 +40,7 @@ def strict(path):
         ("--moe-aux-loss-coeff", "nan"),
         ("--job-timeout", "nan"),
         ("--comm-timeout", "inf"),
+        ("--comm-timeout", "0.0004"),  # PADDLE_PG_TIMEOUT is in whole ms: 0 there
     ],
 )
 def test_nonfinite_or_negative_float_flags_are_refused_with_one_line(tmp_path, capsys, flag, value):

@@ -115,14 +115,17 @@ def test_other_model_types_still_go_to_paddleformers(tiny, tmp_path):
     assert type(cfg).__module__.startswith("paddleformers.transformers.qwen2")
 
 
-def _trainer_losses(model, batches, steps, lr, out_dir):
+def _trainer_losses(model, batches, steps, lr, out_dir, **extra):
     from paddleformers.trainer import Trainer, TrainerCallback, TrainingArguments
 
     class Batches(paddle.io.IterableDataset):
+        """glm52's batches (HF convention: labels = tokens) as PaddleFormers' data feeds them:
+        input tokens[:-1], labels tokens[1:] (the same predictions, one position fewer)."""
+
         def __iter__(self):
             for b in batches:
                 for r in range(b["input_ids"].shape[0]):
-                    yield {"input_ids": b["input_ids"][r], "labels": b["labels"][r]}
+                    yield {"input_ids": b["input_ids"][r][:-1], "labels": b["labels"][r][1:]}
 
     losses = []
 
@@ -149,6 +152,7 @@ def _trainer_losses(model, batches, steps, lr, out_dir):
         device="cpu",
         amp_master_grad=False,
         disable_tqdm=True,
+        **extra,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Batches(), callbacks=[Record()])
     trainer.train()
@@ -237,3 +241,184 @@ def test_save_pretrained_writes_the_state_dict_the_trainer_passes(tiny, tmp_path
     back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
     np.testing.assert_array_equal(back.state_dict()[key].numpy(), state[key].numpy())
     assert not np.array_equal(back.state_dict()[key].numpy(), model.state_dict()[key].numpy())
+
+
+def test_labels_follow_paddleformers_convention(tiny):
+    """PaddleFormers' causal LMs do not shift labels: its criterion (`CriterionLayer`, the "sft"
+    loss its Qwen2ForCausalLM calls) scores logits[i] against labels[i], and its data (SFTDataset,
+    the pretraining workflows) feed input tokens[:-1] with labels tokens[1:]; its "mtp_sft" loss
+    scores MTP depth d against labels[i + d]. The model registered for PaddleFormers takes that
+    convention (before: it shifted once more, HF's way, so position i trained on token i + 2:
+    on this batch 5.5975 against PaddleFormers' own criterion's 5.5702)."""
+    from paddleformers.nn.criterion.interface import CriterionLayer
+
+    theirs = AutoConfig.from_pretrained(tiny)  # PaddleFormers' own config (before register)
+    criterion = CriterionLayer(theirs, loss_type="sft")
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    model.eval()
+    tokens = np.random.default_rng(0).integers(3, 200, size=(2, 17)).astype("int64")
+    targets = tokens.copy()
+    targets[0, :5] = -100  # a prompt the loss skips
+    ids, labels = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(targets[:, 1:])
+    out = model(input_ids=ids, labels=labels)
+    lm, _ = criterion(out["logits"], labels)
+    np.testing.assert_allclose(float(out["loss"]), float(lm), rtol=1e-6)
+    mtp_logits = GlmMoeDsaForCausalLM.forward(model, ids, labels=labels, labels_shifted=True).mtp_logits[0]
+    mtp, _ = criterion(mtp_logits[:, :-1], labels[:, 1:])  # "mtp_sft": depth 1 against labels[:, 1:]
+    np.testing.assert_allclose(float(out["mtp_loss"]), float(mtp), rtol=1e-6)
+    # the same losses as HF's convention on the whole tokens (our own forward, labels = tokens)
+    hf = GlmMoeDsaForCausalLM.forward(model, paddle.to_tensor(tokens), labels=paddle.to_tensor(targets))
+    np.testing.assert_allclose(
+        [float(out["loss"]), float(out["mtp_loss"])], [float(hf.loss), float(hf.mtp_loss)], rtol=1e-6
+    )
+
+
+def test_from_pretrained_keywords_override_the_config(tiny):
+    """transformers' `AutoModelForCausalLM.from_pretrained(path, use_cache=False)` sets
+    `config.use_cache` False and refuses a keyword that is neither a loading option nor a config
+    key (TypeError; measured with transformers 5.23); PaddleFormers' from_pretrained puts such
+    keywords on the config too. Before: every such keyword was refused with "config overrides
+    [...] given with an explicit config" (a config the caller never gave), PaddleFormers'
+    `tensor_parallel_degree=1` and `load_state_as_np` included; `from_config` refused
+    `paddle_dtype`, which `from_pretrained` takes."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    assert GlmMoeDsaConfig.from_pretrained(tiny).use_cache is True
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32", use_cache=False)
+    assert model.config.use_cache is False
+    with pytest.raises(TypeError, match="not_a_config_key"):
+        AutoModelForCausalLM.from_pretrained(tiny, dtype="float32", not_a_config_key=1)
+    kept = AutoModelForCausalLM.from_pretrained(
+        tiny, dtype="float32", tensor_model_parallel_size=1, tensor_parallel_rank=0, load_via_cpu=True
+    )
+    assert kept.config.to_dict() == GlmMoeDsaConfig.from_pretrained(tiny).to_dict()
+    # PaddleFormers 1.2.0's from_pretrained takes tensor_model_parallel_size as its TP degree (not a
+    # config key to carry): a split is refused, not built as one process with a config saying 2
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*one process"):
+        AutoModelForCausalLM.from_pretrained(tiny, dtype="float32", tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_degree=2"):
+        AutoModelForCausalLM.from_pretrained(tiny, dtype="float32", tensor_parallel_degree=2)
+    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny), paddle_dtype="bfloat16")
+    assert built.compute_dtype == "bfloat16"
+    # PaddleFormers' collate_fn 4-D mask [B, 1, S, S] (before: Paddle's "expand_v2 ... rank (5)" from
+    # deep in the attention) is refused by name; the [B, S] key padding is the model's mask
+    ids = paddle.to_tensor(np.arange(3, 11, dtype="int64")[None])
+    with pytest.raises(ValueError, match=r"attention_mask of shape \[1, 1, 8, 8\].*key-padding"):
+        model(input_ids=ids, attention_mask=paddle.tril(paddle.ones([1, 1, 8, 8])))
+
+
+def test_paddleformers_collator_pads_for_the_model(tiny):
+    """PaddleFormers' DataCollatorForSeq2Seq calls `tokenizer.pad(..., return_attention_mask=...)`
+    (transformers' signature; None/True give the mask, False leaves it out, measured with
+    transformers 5.23) on the tokenizer AutoTokenizer gives: before, GlmTokenizer.pad raised
+    TypeError (unexpected keyword 'return_attention_mask'). Its padded batch (labels padded with
+    -100, the [B, S] mask, either side) gives the token-weighted mean of the rows' own losses."""
+    from paddleformers.data import DataCollatorForSeq2Seq
+
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    model.train()
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in (12, 7):
+        t = rng.integers(3, 200, size=n + 1)
+        labels = t[1:].copy()
+        labels[:3] = -100  # a prompt
+        rows.append({"input_ids": t[:-1].tolist(), "labels": labels.tolist()})
+    own = [
+        float(model(input_ids=paddle.to_tensor([r["input_ids"]]), labels=paddle.to_tensor([r["labels"]]))["loss"])
+        for r in rows
+    ]
+    counts = [sum(x != -100 for x in r["labels"]) for r in rows]
+    for side in ("right", "left"):
+        tok.padding_side = side
+        batch = DataCollatorForSeq2Seq(tokenizer=tok, return_tensors="np")([dict(r) for r in rows])
+        assert batch["attention_mask"].shape == batch["labels"].shape == (2, 12)
+        out = model(**{k: paddle.to_tensor(v) for k, v in batch.items()})
+        # (each row's MTP targets are its LM targets but the first, a -100 here: the same counts)
+        np.testing.assert_allclose(float(out["loss"]), np.dot(own, counts) / sum(counts), rtol=2e-6)
+    assert "attention_mask" not in tok.pad([{"input_ids": [5, 6]}, {"input_ids": [7]}], return_attention_mask=False)
+
+
+def test_trainer_recompute_granularity_recomputes(tiny, tmp_path):
+    """`TrainingArguments(recompute_granularity=...)` makes PaddleFormers' Trainer set
+    `enable_recompute = True` on every layer that has the attribute; before, our model had none, so
+    the request was dropped without a word (model.recompute stayed "none"). Now it recomputes every
+    decoder layer (glm52's --recompute full), with the losses of no recompute, bit for bit."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    data = {"input_ids": np.arange(3, 3 + 4 * 17).reshape(4, 17) % 200}
+    data["labels"] = data["input_ids"]
+    runs = {}
+    for granularity in (None, "full"):
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+        trainer, losses = _trainer_losses(
+            model, [data, data], 2, 1e-3, tmp_path / str(granularity), recompute_granularity=granularity
+        )
+        runs[granularity] = (model.recompute, losses)
+    assert runs[None][0] == "none" and runs["full"][0] == "full"
+    assert len(runs["full"][1]) == 2 and runs["full"][1] == runs[None][1]
+
+
+def test_trainer_evaluate_gathers_the_logits(tiny, tmp_path):
+    """`Trainer.evaluate()` with `compute_metrics` gathers every output but the loss and
+    `config.keys_to_ignore_at_inference` as predictions; transformers' GlmMoeDsaForCausalLM gives
+    loss and logits only there (its config ignores past_key_values), so the predictions are the
+    logits. Before: our 0-d `mtp_loss` was gathered too and PaddleFormers' concatenation over
+    batches raised IndexError (`tensor1.shape[1]`)."""
+    from paddleformers.trainer import Trainer, TrainingArguments
+
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    tokens = np.random.default_rng(0).integers(3, 200, size=(8, 17)).astype("int64")
+
+    class Rows(paddle.io.Dataset):
+        def __len__(self):
+            return len(tokens)
+
+        def __getitem__(self, i):
+            return {"input_ids": tokens[i, :-1], "labels": tokens[i, 1:]}
+
+    seen = {}
+
+    def metrics(p):
+        seen["predictions"] = p.predictions
+        return {"top1": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_eval_batch_size=4,
+        report_to=[],
+        device="cpu",
+        amp_master_grad=False,
+        disable_tqdm=True,
+        prediction_loss_only=False,
+    )
+    result = Trainer(model=model, args=args, eval_dataset=Rows(), compute_metrics=metrics).evaluate()
+    assert seen["predictions"].shape == (8, 16, model.config.vocab_size) and "eval_top1" in result
+    model.eval()
+    first = model(input_ids=paddle.to_tensor(tokens[:4, :-1]))["logits"].numpy()
+    np.testing.assert_allclose(seen["predictions"][:4], first, rtol=0, atol=1e-6)
+
+
+def test_autoconfig_keywords_as_paddleformers_from_dict(tiny, tmp_path):
+    """PaddleFormers' AutoConfig hands its keywords to the config class's `from_dict`, which (its
+    PretrainedConfig, as transformers': measured with 5.23, `AutoConfig.from_pretrained(path,
+    use_cache=False, foo=1)` -> use_cache False, no foo; `return_unused_kwargs=True` ->
+    (config, {"foo": 1})) sets the config's keys and leaves the rest out. Before: every keyword was
+    kept as a config key and written to config.json (`foo`; the sft workflow's QuantizationConfig
+    object, which then failed the save as not JSON serializable), and `return_unused_kwargs=True`
+    returned the config alone."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    cfg = AutoConfig.from_pretrained(tiny, use_cache=False, foo=1)
+    assert cfg.use_cache is False and "foo" not in cfg.to_dict()
+    cfg.save_pretrained(tmp_path)
+    assert "foo" not in json.loads((tmp_path / "config.json").read_text())
+    cfg, unused = AutoConfig.from_pretrained(tiny, foo=1, return_unused_kwargs=True)
+    assert isinstance(cfg, GlmMoeDsaConfig) and unused == {"foo": 1}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -56,6 +57,9 @@ def test_valid_file_and_values(tmp_path):
     [
         (b"\x05\x00\x00", "shorter than the 8-byte header length"),
         (struct.pack("<Q", 1000) + b"{}", "header length exceeds the file size"),
+        # the index (or config.json) given as the checkpoint: was "header length is implausibly large"
+        (b'{"metadata": {"total_size": 4}, "weight_map": {}}', "not a safetensors file: it starts with JSON text"),
+        (struct.pack("<Q", 2**40) + b"{}", "header length is implausibly large"),
         (_raw(b"{not json", b""), "not valid JSON"),
         (_raw(b"[1, 2]", b""), "does not start with '{'"),
         (_raw(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {}}', b"\0" * 4), "duplicate key"),
@@ -78,6 +82,14 @@ def test_valid_file_and_values(tmp_path):
         ),
         (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8), "gap in the data area"),
         (_raw({"__metadata__": {"x": 1}}, b""), "__metadata__ must map strings to strings"),
+        # falsy non-maps passed as "no metadata" before (safetensors 0.8 refuses each: "expected a map")
+        (_raw({"__metadata__": []}, b""), "__metadata__ must map strings to strings"),
+        (_raw({"__metadata__": ""}, b""), "__metadata__ must map strings to strings"),
+        (_raw({"__metadata__": False}, b""), "__metadata__ must map strings to strings"),
+        # zero elements but an axis no array can have: passed before, then numpy's "Maximum allowed
+        # dimension exceeded" naming no file on read (safetensors refuses at 2**63 and at 2**70)
+        (_raw({"z": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}, b""), "shape too large"),
+        (_raw({"z": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}}, b""), "shape too large"),
         (_raw(b'{"a": 1}\xff\xfe', b"", pad=False), "not UTF-8"),
     ],
 )
@@ -87,6 +99,29 @@ def test_header_rules(tmp_path, blob, needle):
         parse_header(f)
     assert needle in str(ei.value)
     assert ei.value.file == f  # every error names the file
+
+
+def test_header_length_limit_is_the_safetensors_packages(tmp_path):
+    """safetensors 0.8 reads a 100,000,000-byte header and refuses 100,000,001 ("header too large");
+    before, the limit here was 100 MiB (104,857,600) while its comment said it was the package's."""
+    from paddleformers_glm.checkpoint.safetensors_io import MAX_HEADER_BYTES
+
+    assert MAX_HEADER_BYTES == 100_000_000
+    f = _write(tmp_path / "big.safetensors", struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}")
+    with pytest.raises(CheckpointError, match="implausibly large"):
+        parse_header(f)
+
+
+def test_zero_size_tensors_at_the_edges_are_read(tmp_path):
+    h = {
+        "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "z": {"dtype": "BF16", "shape": [4, 0], "data_offsets": [8, 8]},
+    }
+    f = _write(tmp_path / "z.safetensors", _raw(h, np.ones(2, np.float32).tobytes()))
+    with SafetensorsFile(f) as sf:
+        assert sf.numpy("e").shape == (0, 3) and sf.numpy("z").shape == (4, 0)
+        np.testing.assert_array_equal(sf.numpy("a"), np.ones(2, np.float32))
 
 
 def test_error_names_key_expected_actual(tmp_path):
@@ -238,8 +273,8 @@ def test_total_size_strict_and_lenient(tmp_path):
     with pytest.raises(CheckpointError, match="total_size") as ei:
         Checkpoint(tmp_path)
     assert (ei.value.expected, ei.value.actual) == (20, 21)
-    ck = Checkpoint(tmp_path, strict=False)
-    assert len(ck.warnings) == 1 and "total_size" in ck.warnings[0]
+    with Checkpoint(tmp_path, strict=False) as ck:
+        assert len(ck.warnings) == 1 and "total_size" in ck.warnings[0]
 
 
 def test_unindexed_extra_file_refused(tmp_path):
@@ -290,3 +325,84 @@ def test_writer_refuses_incomplete_and_wrong(tmp_path):
     with pytest.raises(CheckpointError, match="never written") as ei:
         w.close()
     assert ei.value.key == "y"
+
+
+# ---------------------------------------------------------------- a file changed after validation
+# A load validates every header when the Checkpoint is built and reads the tensors later (minutes, for
+# a large model). A save that publishes over the folder meanwhile (a new file renamed over the old, or
+# the whole folder exchanged, as save_pretrained_state does) must not make the reader apply the old
+# header's offsets to the new file's bytes. Measured before the fix: the values read were the new
+# file's header bytes taken as floats (1.28e31, 2.67e20, ... for the tiny model's embedding: all 239
+# tensors of a from_pretrained wrong, no error), or FileNotFoundError / "cannot reshape array of size
+# 0" naming no file when the new save had other shard names or a shorter file.
+
+
+def test_file_replaced_after_validation_reads_the_validated_file(tmp_path):
+    from safetensors.numpy import save_file
+
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    save_file({"w": a}, str(tmp_path / "model.safetensors"))
+    with Checkpoint(tmp_path) as ck:
+        # another save: more tensors, so a longer header, renamed over the validated file
+        save_file({"v": np.full(3, 9.0, np.float64), "w": np.full((4, 4), 7.0, np.float32)}, str(tmp_path / "n.tmp"))
+        os.replace(tmp_path / "n.tmp", tmp_path / "model.safetensors")
+        np.testing.assert_array_equal(ck.numpy("w"), a)  # was: header bytes as floats
+
+
+def test_folder_exchanged_after_validation_reads_the_validated_files(tmp_path):
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _two_shards(d)
+    with Checkpoint(d) as ck:
+        new = tmp_path / "new"
+        new.mkdir()
+        save_file({"a": np.full(3, 5.0, np.float32), "b": np.full(2, 5.0, np.float32)}, str(new / "model.safetensors"))
+        os.rename(d, tmp_path / "old")
+        os.rename(new, d)
+        shutil.rmtree(tmp_path / "old")  # the old checkpoint is deleted, as a publish does
+        np.testing.assert_array_equal(ck.numpy("a"), np.ones(3, np.float32))  # was: FileNotFoundError
+        np.testing.assert_array_equal(ck.numpy("b"), np.zeros(2, np.float32))
+
+
+def test_file_truncated_in_place_after_validation_is_refused_by_name(tmp_path):
+    from safetensors.numpy import save_file
+
+    f = tmp_path / "model.safetensors"
+    save_file({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}, str(f))
+    with Checkpoint(tmp_path) as ck:
+        size = f.stat().st_size
+        with open(f, "r+b") as g:
+            g.truncate(size - 8)  # the same file (inode) made shorter: a map of it would fault on read
+        with pytest.raises(CheckpointError) as ei:
+            ck.numpy("b")
+    assert "changed since it was validated" in str(ei.value) and ei.value.file == str(f)
+    assert ei.value.expected[0] == size and ei.value.actual[0] == size - 8
+
+
+def test_reading_after_close_reopens_the_same_file_only(tmp_path):
+    from safetensors.numpy import save_file
+
+    f = str(tmp_path / "model.safetensors")
+    save_file({"w": np.ones(4, np.float32)}, f)
+    sf = SafetensorsFile(f)
+    sf.close()
+    np.testing.assert_array_equal(sf.numpy("w"), np.ones(4, np.float32))  # the same file: read again
+    sf.close()
+    save_file({"w": np.zeros(4, np.float32)}, f + ".tmp")
+    os.replace(f + ".tmp", f)
+    with pytest.raises(CheckpointError, match="changed since it was validated"):
+        sf.numpy("w")
+
+
+def test_failed_validation_leaves_no_file_open(tmp_path):
+    from safetensors.numpy import save_file
+
+    _two_shards(tmp_path)
+    save_file({"b": np.zeros(3, np.float32)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(CheckpointError):
+            Checkpoint(tmp_path)  # the index's total_size is wrong now: refused after both files are read
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -320,11 +320,20 @@ GEN_CHAT = [  # a system turn, an empty answer, an answer that is not last, a co
     {"role": "assistant", "content": "Hello! How are you today?"},
     {"role": "user", "content": "Fine."},
 ]
+# (template, chat, runs of HF's assistant_masks, runs encode_chat_for_training trains): the latter add
+# the stop token that follows a turn when the turn holds none (GEN_TEMPLATE's <|endoftext|>, after the
+# empty answer too), as GLM's fine-tuning script trains the token after each assistant message
 GEN_CASES = [
-    (GEN_TEMPLATE, GEN_CHAT, ["Four.", "Hello! How are you today?"]),
+    (
+        GEN_TEMPLATE,
+        GEN_CHAT,
+        ["Four.", "Hello! How are you today?"],
+        ["Four.<|endoftext|>", "<|endoftext|>", "Hello! How are you today?<|endoftext|>"],
+    ),
     (
         GEN_STRADDLE,
         [{"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "s."}],
+        ["is.<|endoftext|>"],
         ["is.<|endoftext|>"],
     ),
 ]
@@ -342,30 +351,151 @@ def _runs(tok, ids, mask):
     return pieces + ([tok.decode(cur)] if cur else [])
 
 
-@pytest.mark.parametrize("template,chat,answers", GEN_CASES)
-def test_generation_blocks_are_the_assistant_mask(template, chat, answers):
+@pytest.mark.parametrize("template,chat,answers,trained", GEN_CASES)
+def test_generation_blocks_are_the_assistant_mask(template, chat, answers, trained):
     """A template with `{% generation %}` blocks renders (it used to be a syntax error: "unknown tag
-    'generation'") and its training mask is HF's assistant_masks: measured with transformers 5.23,
-    the runs below (no <|endoftext|> where the template leaves it outside the block; the token "is"
-    that straddles a block's start is marked)."""
+    'generation'"); its assistant_masks are HF's: measured with transformers 5.23, the runs
+    ``answers`` (no <|endoftext|> where the template leaves it outside the block; the token "is"
+    that straddles a block's start is marked). Training takes those plus each turn's closing stop token."""
     tok = make_tiny_tokenizer()
     tok.chat_template = template
+    hf_mask = tok.apply_chat_template(chat, return_assistant_tokens_mask=True)["assistant_masks"]
     ids, mask = tok.encode_chat_for_training(chat)
     assert ids == tok.apply_chat_template(chat, return_dict=False)
-    assert _runs(tok, ids, mask) == answers
+    assert _runs(tok, ids, hf_mask) == answers
+    assert _runs(tok, ids, mask) == trained
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("template,chat,answers", GEN_CASES)
-def test_generation_mask_equals_hf_assistant_masks(tiny_dir, template, chat, answers):
+@pytest.mark.parametrize("template,chat,answers,trained", GEN_CASES)
+def test_generation_mask_equals_hf_assistant_masks(tiny_dir, template, chat, answers, trained):
+    """Ours and HF's assistant_masks agree; the training mask is that plus exactly the <|endoftext|>
+    tokens a block leaves outside (each closes an assistant turn in these templates)."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_dir)
     hf.chat_template = template
     want = hf.apply_chat_template(chat, return_dict=True, return_assistant_tokens_mask=True)
     tok = GlmTokenizer.from_pretrained(tiny_dir)
     tok.chat_template = template
+    ours = tok.apply_chat_template(chat, return_assistant_tokens_mask=True)
+    assert ours["assistant_masks"] == want["assistant_masks"]
     ids, mask = tok.encode_chat_for_training(chat)
-    assert ids == want["input_ids"] and [int(m) for m in mask] == want["assistant_masks"]
+    assert ids == want["input_ids"]
+    eos_outside = [i == tok.eos_token_id and not m for i, m in zip(ids, want["assistant_masks"])]
+    assert [int(m) for m in mask] == [int(m or e) for m, e in zip(want["assistant_masks"], eos_outside)]
+
+
+# GLM's own chat template renders no end of an assistant turn: the next message's role token follows it
+# (a stop token of its generation_config.json: <|endoftext|>, <|user|>, <|observation|>), or nothing.
+# GLM_TEMPLATE is its shape on the tiny tokenizer (GLM-4's: "<|role|>\ncontent", generation prompt
+# "<|assistant|>"). GLM's fine-tuning script (THUDM/GLM-4 finetune_demo/finetune.py, process_batch)
+# masks each assistant message's tokens, appends the tokenizer's EOS to the conversation and shifts the
+# mask one token right: it trains the "\n" and the answer after <|assistant|> and the token after them.
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+GLM_STOPS = [1, 2, 5]  # <|endoftext|>, <|user|>, <|observation|>, as GLM's generation_config.json lists them
+TWO_TURNS = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "Thank you!"},
+    {"role": "assistant", "content": "You are welcome."},
+]
+
+
+def _glm_labels(tok, pieces):
+    """(ids, labels) from (text or special token, trained) pieces, each tokenized alone."""
+    ids, labels = [], []
+    for text, trained in pieces:
+        piece = [tok.token_to_id(text)] if text.startswith(("<|", "[gMASK]", "<sop>")) else tok.encode(text)
+        ids += piece
+        labels += piece if trained else [-100] * len(piece)
+    return ids, labels
+
+
+@pytest.mark.parametrize(
+    "chat,pieces",
+    [
+        (  # turn 1 closed by the <|user|> that follows it, turn 2 by an appended <|endoftext|>
+            TWO_TURNS,
+            [("[gMASK]", 0), ("<sop>", 0), ("<|user|>", 0), ("\nWhat is two plus two?", 0), ("<|assistant|>", 0)]
+            + [("\nFour.", 1), ("<|user|>", 1), ("\nThank you!", 0), ("<|assistant|>", 0)]
+            + [("\nYou are welcome.", 1), ("<|endoftext|>", 1)],
+        ),
+        (  # a tool call closed by the <|observation|> of the tool's answer
+            [
+                {"role": "user", "content": "What is two plus two?"},
+                {"role": "assistant", "content": "plus(2, 2)"},
+                {"role": "observation", "content": "4"},
+                {"role": "assistant", "content": "Four."},
+            ],
+            [("[gMASK]", 0), ("<sop>", 0), ("<|user|>", 0), ("\nWhat is two plus two?", 0), ("<|assistant|>", 0)]
+            + [("\nplus(2, 2)", 1), ("<|observation|>", 1), ("\n4", 0), ("<|assistant|>", 0)]
+            + [("\nFour.", 1), ("<|endoftext|>", 1)],
+        ),
+        (  # a conversation that ends with a user message: nothing appended after it
+            TWO_TURNS[:3],
+            [("[gMASK]", 0), ("<sop>", 0), ("<|user|>", 0), ("\nWhat is two plus two?", 0), ("<|assistant|>", 0)]
+            + [("\nFour.", 1), ("<|user|>", 1), ("\nThank you!", 0)],
+        ),
+    ],
+)
+def test_glm_template_trains_the_stop_token_ending_each_assistant_turn(chat, pieces):
+    """The labels GLM's fine-tuning script gives (built here by hand from its rule, see GLM_TEMPLATE).
+    Before, only the answers were trained ("\nFour.", "\nYou are welcome."): no stop token at all,
+    so a model tuned on them never learnt to end its turn."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = GLM_TEMPLATE
+    want_ids, want_labels = _glm_labels(tok, pieces)
+    ids, mine = tok.encode_chat_for_training(chat, stop_ids=GLM_STOPS)
+    assert ids == want_ids
+    assert [i if m else -100 for i, m in zip(ids, mine)] == want_labels
+    rendered = tok.apply_chat_template(chat, return_dict=False)
+    assert ids[: len(rendered)] == rendered and ids[len(rendered) :] == want_ids[len(rendered) :]
+
+
+def test_a_token_that_follows_a_turn_is_trained_only_when_generation_stops_on_it():
+    """Two assistant messages in a row: the <|assistant|> between them is no stop token, so it stays
+    untrained; <|user|> without GLM's stop list (the tokenizer's EOS alone) is not trained either."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = GLM_TEMPLATE
+    chat = [TWO_TURNS[0], {"role": "assistant", "content": "Four."}, {"role": "assistant", "content": "Yes."}]
+    ids, mine = tok.encode_chat_for_training(chat, stop_ids=GLM_STOPS)
+    assert _runs(tok, ids, mine) == ["\nFour.", "\nYes.<|endoftext|>"]
+    ids, mine = tok.encode_chat_for_training(TWO_TURNS)
+    assert _runs(tok, ids, mine) == ["\nFour.", "\nYou are welcome.<|endoftext|>"]
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_GEN = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template,runs",
+    [
+        (CHATML, ["Four.<|im_end|>\n", "You are welcome.<|im_end|>\n"]),
+        (CHATML_GEN, ["Four.<|im_end|>", "You are welcome.<|im_end|>"]),
+    ],
+)
+def test_a_template_that_closes_its_turns_with_a_stop_token_gets_nothing_more(template, runs):
+    """ChatML ends each turn with <|im_end|> (a stop token: Qwen's generation_config.json lists it)
+    inside the assistant's span or block: the labels are what they were, the assistant's span (the
+    runs below), nothing appended after the last turn."""
+    tok = make_tiny_tokenizer()
+    tok.tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = template
+    im_end = tok.token_to_id("<|im_end|>")
+    ids, mine = tok.encode_chat_for_training(TWO_TURNS, stop_ids=[im_end])
+    assert ids == tok.apply_chat_template(TWO_TURNS, return_dict=False)
+    assert _runs(tok, ids, mine) == runs
 
 
 # HF's jinja environment: jinja's loop controls, strftime_now, and a template's final newline dropped
@@ -411,3 +541,312 @@ def test_save_pretrained_keeps_the_padding_and_length_settings(tiny_dir, tmp_pat
     assert (tmp_path / "b" / "tokenizer_config.json").read_text() == (
         Path(tiny_dir) / "tokenizer_config.json"
     ).read_text()
+
+
+# ---------------------------------------------------------------------- tokenizer.json's own settings
+def _with_post_processor(tok, single):
+    """The tiny tokenizer with a TemplateProcessing post-processor (``single``, e.g. "[gMASK] <sop> $A")."""
+    from tokenizers import processors
+
+    specials = [(t, tok.tokenizer.token_to_id(t)) for t in single.split() if t != "$A"]
+    tok.tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    return tok
+
+
+@pytest.mark.parametrize("single", ["[gMASK] <sop> $A", "$A <|endoftext|>"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_truncation_keeps_the_post_processor_special_tokens(single, side):
+    """transformers 5.23 truncates with the ``tokenizers`` library's own truncation, which keeps the
+    tokens the post-processor adds and cuts the text (measured on a byte-level BPE with
+    ``[gMASK] <sop> $A``, max_length 4: [[2, 4, 10, 365], ...] on the left side, the prefix kept;
+    with ``$A <|endoftext|>`` on the right: [[368, 351, 10, 0], ...], the EOS kept). Ours cut the
+    encoded row, post-processor tokens included: left truncation dropped [gMASK]<sop>
+    ([368, 351, 10, 365]), right truncation dropped the EOS ([368, 351, 10, 365])."""
+    tok = _with_post_processor(make_tiny_tokenizer(), single)
+    tok.truncation_side = side
+    specials = {tok.token_to_id(t) for t in single.split() if t != "$A"}
+    text_ids = tok.encode(TEXTS[2], add_special_tokens=False)
+    full = tok.encode(TEXTS[2], add_special_tokens=True)
+    assert len(full) == len(text_ids) + len(specials)
+    for n in (4, 5, len(full) - 1):
+        got = tok(TEXTS[2], truncation=True, max_length=n)["input_ids"]
+        keep = n - len(specials)
+        cut = text_ids[-keep:] if side == "left" else text_ids[:keep]
+        want = [i for i in full if i in specials][: full.index(text_ids[0])] + cut
+        want += [i for i in full[full.index(text_ids[0]) :] if i in specials]
+        assert got == want, (n, got, want)
+        # without the special tokens the text itself is cut to max_length
+        assert tok(TEXTS[2], truncation=True, max_length=n, add_special_tokens=False)["input_ids"] == (
+            text_ids[-n:] if side == "left" else text_ids[:n]
+        )
+
+
+def test_truncation_and_padding_saved_in_tokenizer_json_are_not_applied(tmp_path):
+    """A tokenizer.json saved with ``"truncation": {"max_length": 5, ...}`` and ``"padding": {...}``
+    (the ``tokenizers`` library writes them after ``enable_truncation`` / ``enable_padding``):
+    transformers 5.23 turns both off for every call that does not ask for them (measured: the call
+    and ``encode`` give the 12 tokens of "Hello world! ..." and unpadded rows). Ours encoded through
+    them: every text cut to 5 tokens (``tok.encode`` too, so ``glm52 train`` silently cut each
+    document of a text .jsonl) and every batch padded to its longest row."""
+    tok = make_tiny_tokenizer()
+    full = [tok.encode(t) for t in TEXTS]
+    tok.tokenizer.enable_truncation(5)
+    tok.tokenizer.enable_padding(pad_id=0, pad_token="<|pad|>")
+    tok.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["truncation"]["max_length"] == 5
+    back = GlmTokenizer.from_pretrained(tmp_path)
+    assert [back.encode(t) for t in TEXTS] == full
+    assert back(TEXTS)["input_ids"] == full
+    ids, _ = back.encode_chat_for_training(CHAT)
+    assert ids == make_tiny_tokenizer().apply_chat_template(CHAT, return_dict=False) and len(ids) > 5
+    # truncation when asked, and the settings do not stick to the next call
+    assert back(TEXTS, truncation=True, max_length=3)["input_ids"] == [f[:3] for f in full]
+    assert back(TEXTS)["input_ids"] == full
+
+
+# ---------------------------------------------------------------------- transformers' chat rendering
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}<|endoftext|>"
+    "{% else %}{{ m.content }}{% endif %}{% endfor %}[{{ bos_token }}|{{ tools is defined }}|{{ documents is none }}]"
+)
+REASONING_CHAT = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four.", "reasoning": "Two and two"},
+]
+
+
+def test_chat_rendering_is_transformers():
+    """What transformers 5.23 renders (measured, AutoTokenizer on the tiny folder with this template):
+    a message's ``reasoning`` (or ``thinking``) also reaches the template as ``reasoning_content``
+    (GLM's templates read that name), ``tools`` and ``documents`` are defined (None) when not given,
+    and a special token the config does not set is undefined (renders ''):
+    '<|user|>What is two plus two?<|assistant|><think>Two and two</think>Four.<|endoftext|>[|True|True]'.
+    Ours rendered '<|user|>What is two plus two?<|assistant|>Four.<|endoftext|>[None|False|False]': the
+    reasoning dropped from training text, a literal 'None' for bos_token."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = REASONING_TEMPLATE
+    want = "<|user|>What is two plus two?<|assistant|><think>Two and two</think>Four.<|endoftext|>[|True|True]"
+    assert tok.apply_chat_template(REASONING_CHAT, tokenize=False) == want
+    assert tok.render_chat(REASONING_CHAT) == want
+    assert REASONING_CHAT[1] == {"role": "assistant", "content": "Four.", "reasoning": "Two and two"}  # not edited
+    # template variables win over the special tokens (ours: "got multiple values for keyword argument")
+    assert tok.apply_chat_template(REASONING_CHAT, tokenize=False, bos_token="B").endswith("[B|True|True]")
+    ids, mine = tok.encode_chat_for_training(REASONING_CHAT)
+    # the block's "Four." and the <|endoftext|> closing the turn outside it (a stop token: trained)
+    assert tok.decode(ids) == want and _runs(tok, ids, mine) == ["Four.<|endoftext|>"]
+
+
+def test_chat_template_arguments_of_transformers():
+    """``chat_template=``, ``continue_final_message`` and ``return_assistant_tokens_mask`` are
+    transformers' arguments (measured with 5.23 on the tiny folder); ours passed them to the template
+    as variables and ignored them: the checkpoint's template rendered instead of the given one, the
+    final message closed with <|endoftext|> instead of left open, no ``assistant_masks``."""
+    tok = make_tiny_tokenizer()
+    assert tok.apply_chat_template(CHAT, tokenize=False, chat_template="{{ messages[1]['content'] }}") == (
+        "What is the capital of France?"
+    )
+    open_turn = tok.apply_chat_template(CHAT, tokenize=False, continue_final_message=True)
+    assert open_turn == tok.apply_chat_template(CHAT, tokenize=False)[: -len("<|endoftext|>")]
+    assert tok.apply_chat_template(CHAT, continue_final_message=True, return_dict=False) == tok.encode(open_turn)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tok.apply_chat_template(CHAT, continue_final_message=True, add_generation_prompt=True)
+    tok.chat_template = REASONING_TEMPLATE
+    assert tok.apply_chat_template(REASONING_CHAT, tokenize=False, continue_final_message="reasoning") == (
+        "<|user|>What is two plus two?<|assistant|><think>Two and two"
+    )
+    # HF's assistant_masks: the {% generation %} tokens, padded on the padding side (5.23, left padding:
+    # the second row's 9 answer tokens at 19-27, after 11 pads)
+    convs = [REASONING_CHAT, REASONING_CHAT[:1] + [{"role": "assistant", "content": "The capital of France is Paris."}]]
+    for side in ("left", "right"):
+        tok.padding_side = side
+        enc = tok.apply_chat_template(convs, return_assistant_tokens_mask=True, padding=True)
+        for ids, att, mask, conv in zip(enc["input_ids"], enc["attention_mask"], enc["assistant_masks"], convs):
+            assert len(mask) == len(ids) and all(m <= a for m, a in zip(mask, att))
+            assert _runs(tok, ids, mask) == [conv[1]["content"]]
+    one = tok.apply_chat_template(REASONING_CHAT, return_assistant_tokens_mask=True)
+    assert one["assistant_masks"] == [0] * 25 + [1] * 3 + [0] * 11
+    tok.padding_side = "left"
+    left = tok.apply_chat_template(convs, return_assistant_tokens_mask=True, padding=True)["assistant_masks"]
+    assert left[1] == [0] * 19 + [1] * 9 + [0] * 11
+    np_enc = tok.apply_chat_template(REASONING_CHAT, return_assistant_tokens_mask=True, return_tensors="np")
+    assert np_enc["assistant_masks"].tolist() == [one["assistant_masks"]]
+
+
+# ---------------------------------------------------------------------- special tokens as transformers reads them
+_TOKEN = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+
+
+def _tiny_folder(path, drop=(), config=None, special_map=None, added_tokens_decoder=None, think=False, post=None):
+    """The tiny tokenizer saved to ``path``, its tokenizer_config.json without the keys ``drop`` and
+    with ``config`` over it, a special_tokens_map.json, ``<think>`` added as a non-special token
+    (id 256), a ``post`` post-processor."""
+    from tokenizers import AddedToken
+
+    tok = make_tiny_tokenizer()
+    if think:
+        tok.tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    if post:
+        tok = _with_post_processor(tok, post)
+    tok.save_pretrained(path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in drop} | (config or {})
+    if added_tokens_decoder is not None:
+        cfg["added_tokens_decoder"] = added_tokens_decoder
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if special_map is not None:
+        (path / "special_tokens_map.json").write_text(json.dumps(special_map))
+    return path
+
+
+def test_special_tokens_map_is_read_as_transformers_reads_it(tmp_path):
+    """transformers 5.23 (``_from_pretrained``) reads special_tokens_map.json when tokenizer_config.json
+    has no ``added_tokens_decoder``, its values over the config's. Measured with AutoTokenizer on the
+    tiny folder: a config without eos/pad and a map giving ``<|endoftext|>`` and ``{"content":
+    "<|pad|>"}`` -> (eos, pad) ids (1, 0); a map with eos ``<|user|>`` over the config's
+    ``<|endoftext|>`` -> (2, 0); with ``added_tokens_decoder`` in the config the map is ignored ->
+    (None, 0). Ours ignored the file: (None, None), (1, 0), so a text .jsonl was refused for lacking
+    an EOS and padding for lacking a pad token."""
+    only = _tiny_folder(
+        tmp_path / "a",
+        drop=("eos_token", "pad_token"),
+        special_map={"eos_token": "<|endoftext|>", "pad_token": {"content": "<|pad|>", **_TOKEN}},
+    )
+    tok = GlmTokenizer.from_pretrained(only)
+    assert (tok.eos_token_id, tok.pad_token_id) == (1, 0)
+    assert tok(["Hello there", "Hi"], padding=True)["input_ids"][1][-1] == 0
+    over = _tiny_folder(tmp_path / "b", special_map={"eos_token": "<|user|>"})
+    assert (GlmTokenizer.from_pretrained(over).eos_token_id, GlmTokenizer.from_pretrained(over).pad_token_id) == (2, 0)
+    ignored = _tiny_folder(
+        tmp_path / "c",
+        drop=("eos_token",),
+        special_map={"eos_token": "<|user|>"},
+        added_tokens_decoder={"0": {"content": "<|pad|>", "special": True, **_TOKEN}},
+    )
+    assert (GlmTokenizer.from_pretrained(ignored).eos_token_id, GlmTokenizer.from_pretrained(ignored).pad_token_id) == (
+        None,
+        0,
+    )
+
+
+def test_special_tokens_only_in_the_config_are_added(tmp_path):
+    """Special tokens the config names that tokenizer.json lacks: transformers 5.23 adds them as
+    special tokens (TokenizersBackend.__init__). Measured with AutoTokenizer on the tiny folder (256
+    entries) with ``additional_special_tokens: ["<|user|>", "<newtok>"]`` and ``eos_token: "<eos>"``:
+    258 tokens, eos id 256, "Hi <newtok> there <|user|>" -> [49, 82, 104, 257, 109, 136, 104, 2],
+    decoded with skip_special_tokens -> "Hi  there ". Ours: 256 tokens, eos None, <newtok> split
+    into 8 byte pieces [49, 82, 104, 37, 87, 78, 96, 93, 88, 84, 39, 109, 136, 104, 2] and kept."""
+    d = _tiny_folder(tmp_path, config={"additional_special_tokens": ["<|user|>", "<newtok>"], "eos_token": "<eos>"})
+    tok = GlmTokenizer.from_pretrained(d)
+    ids = tok.encode("Hi <newtok> there <|user|>", add_special_tokens=False)
+    assert (tok.vocab_size, tok.eos_token_id, ids) == (258, 256, [49, 82, 104, 257, 109, 136, 104, 2])
+    assert tok.decode(ids, skip_special_tokens=True) == "Hi  there "
+    # saved and read back: the same ids
+    tok.save_pretrained(tmp_path / "back")
+    assert GlmTokenizer.from_pretrained(tmp_path / "back").encode("Hi <newtok>", add_special_tokens=False) == [
+        49,
+        82,
+        104,
+        257,
+    ]
+
+
+def test_added_tokens_decoder_special_flag_overrides_tokenizer_json(tmp_path):
+    """tokenizer.json holds ``<think>`` (id 256) as a non-special token; tokenizer_config.json's
+    ``added_tokens_decoder`` marks it special. transformers 5.23 adds the config's entry over it:
+    "<think>Hi" -> [256, 49, 82], decoded with skip_special_tokens -> "Hi" (measured; "<think>Hi"
+    without the config entry). Ours kept tokenizer.json's flag: "<think>Hi"."""
+    entry = {"content": "<think>", "special": True, **_TOKEN}
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "a", think=True, added_tokens_decoder={"256": entry}))
+    ids = tok.encode("<think>Hi", add_special_tokens=False)
+    assert (tok.vocab_size, ids, tok.decode(ids, skip_special_tokens=True)) == (257, [256, 49, 82], "Hi")
+    plain = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "b", think=True))
+    assert plain.decode(ids, skip_special_tokens=True) == "<think>Hi"
+
+
+def test_encode_adds_the_post_processor_tokens_by_default_and_the_package_does_not(tmp_path):
+    """``encode(text)``: transformers 5.23's default is add_special_tokens=True (measured on the tiny
+    folder with a ``[gMASK] <sop> $A`` post-processor: "Hello there" -> [6, 7, 219, 254, 88, 109, 136]);
+    ours defaulted to False ([219, 254, 88, 109, 136]). The package's own callers (text training data,
+    ``glm52 generate``, the demo) ask for False explicitly, so their ids are what they were: the text
+    .jsonl stream is each document's text ids and the EOS, no [gMASK]<sop>."""
+    from paddleformers_glm.train.data import open_data, prepare_jsonl
+
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path, post="[gMASK] <sop> $A"))
+    assert tok.encode("Hello there") == [6, 7, 219, 254, 88, 109, 136]
+    assert tok.encode("Hello there", add_special_tokens=False) == [219, 254, 88, 109, 136]
+    docs = ["Hello there, how are you today?", "The sea is blue and two plus two is four."]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    stream = [i for d in docs for i in tok.encode(d, add_special_tokens=False) + [tok.eos_token_id]]
+    info = prepare_jsonl(str(tmp_path / "t.jsonl"), 8, 256, tok, str(tmp_path / "t.npz"))
+    assert info["tokens"] == len(stream)
+    data = open_data(str(tmp_path / "t.npz"), 8, 256, 0)
+    got = np.concatenate([data.sample(i)["input_ids"] for i in range(data.num_samples)])
+    np.testing.assert_array_equal(got, stream[: len(got)])
+
+
+def test_tokenizer_json_truncation_and_padding_give_the_default_sides_and_pad_token(tmp_path):
+    """tokenizer.json saved with ``truncation: {direction: left}`` and ``padding: {direction: left,
+    pad_token: "<|user|>"}``, a config without pad_token or sides: transformers 5.23
+    (TokenizersBackend.__init__'s setdefault) takes them as truncation_side "left", padding_side
+    "left" and pad token "<|user|>" (id 2), yet applies neither to a call (measured: padding=True ->
+    [[219, 254, 88, 109, 136, 118, 91, 82, 123, 77], [2, 2, 2, 2, 2, 2, 2, 2, 49, 82]]); the config's
+    own sides and pad token win over them (measured: "right", "right", "<|pad|>"). Ours: "right",
+    "right", no pad token (padding refused)."""
+    tok = make_tiny_tokenizer()
+    tok.tokenizer.enable_truncation(5, direction="left")
+    tok.tokenizer.enable_padding(pad_id=2, pad_token="<|user|>", direction="left")
+    tok.save_pretrained(tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())
+    (tmp_path / "a" / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in cfg.items() if k != "pad_token"})
+    )
+    back = GlmTokenizer.from_pretrained(tmp_path / "a")
+    assert (back.truncation_side, back.padding_side, back.pad_token, back.pad_token_id) == (
+        "left",
+        "left",
+        "<|user|>",
+        2,
+    )
+    assert back(["Hello there friend", "Hi"], padding=True)["input_ids"] == [
+        [219, 254, 88, 109, 136, 118, 91, 82, 123, 77],
+        [2, 2, 2, 2, 2, 2, 2, 2, 49, 82],
+    ]
+    cfg |= {"truncation_side": "right", "padding_side": "right"}
+    (tmp_path / "a" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    back = GlmTokenizer.from_pretrained(tmp_path / "a")
+    assert (back.truncation_side, back.padding_side, back.pad_token, back.pad_token_id) == (
+        "right",
+        "right",
+        "<|pad|>",
+        0,
+    )
+
+
+def test_model_specific_special_tokens_are_template_variables_and_special_tokens(tmp_path):
+    """A config with ``image_token: "<img>"`` and ``extra_special_tokens: {"video_token": "<vid>"}``
+    (transformers 5's model-specific special tokens): transformers 5.23 adds both as special tokens
+    and passes both to the chat template (its special_tokens_map). Measured on the tiny folder:
+    "{{ image_token }}|{{ video_token is defined }}|..." -> "<img>|True|hi", "a<img><vid>" ->
+    [74, 256, 257]. Ours rendered "|False|hi" and split both into byte pieces
+    [74, 37, 82, 86, 80, 39, 37, 95, 82, 77, 39]."""
+    d = _tiny_folder(tmp_path, config={"image_token": "<img>", "extra_special_tokens": {"video_token": "<vid>"}})
+    tok = GlmTokenizer.from_pretrained(d)
+    template = "{{ image_token }}|{{ video_token is defined }}|{{ messages[0]['content'] }}"
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, chat_template=template) == "<img>|True|hi"
+    assert tok.encode("a<img><vid>", add_special_tokens=False) == [74, 256, 257]
+
+
+def test_split_special_tokens_splits_them_as_transformers_does(tmp_path):
+    """tokenizer_config.json ``split_special_tokens: true``: transformers 5.23 sets the backend's
+    ``encode_special_tokens``, so a special token in a text (a chat template's output included) is
+    tokenized as plain text. Measured on the tiny folder: "a<|user|>b" -> [74, 37, 101, 94, 92, 112,
+    101, 39, 75] (encode and the call), a one-message chat -> 22 ids starting [68, 80, 54, ...]. Ours
+    ignored the key: [74, 2, 75] and [6, 7, 2, 9, 81, 82]."""
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path, config={"split_special_tokens": True}))
+    split = [74, 37, 101, 94, 92, 112, 101, 39, 75]
+    assert tok.encode("a<|user|>b") == split and tok("a<|user|>b")["input_ids"] == split
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], return_dict=False)
+    assert chat == [68, 80, 54, 42, 60, 52, 70, 37, 92, 88, 89, 39, 37, 101, 94, 92, 112, 101, 39, 9, 81, 82]
+    assert make_tiny_tokenizer().encode("a<|user|>b") == [74, 2, 75]  # the default keeps them whole

@@ -227,6 +227,46 @@ def test_dp2_sharding2_world4_matches_single_process(ref, runs):
     assert a["run"]["sharding"] == 2 and a["profile"]["world"] == 4
 
 
+def test_two_nodes_sharing_one_out_match_one_process_and_keep_their_own_logs(ref, runs):
+    """Two nodes simulated on this machine: two ``glm52 train --nnodes 2 --tp 2 --node-rank R``
+    (one worker each), one rendezvous, one shared --out (a cluster filesystem).  Paddle's launcher
+    names a worker's log by its rank on the node, so before, both nodes appended to one
+    ``OUT/logs/workerlog.0`` (34 lines: rank 0's 20 and rank 1's 14, interleaved; node 1 echoed
+    node 0's step lines as its own) and shared job.json and status/ (each node deleted the
+    other's records at its start).  Now each node keeps them in ``OUT/logs/node<R>/``."""
+    import socket
+
+    out = runs / "two_nodes"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *COMMON, "--tp", "2", "--out", str(out)]
+    base += ["--nnodes", "2", "--master", f"127.0.0.1:{port}"]
+    nodes = [
+        subprocess.Popen(
+            [*base, "--node-rank", str(r)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    try:
+        got = [p.communicate(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    for r, (p, (_, err)) in enumerate(zip(nodes, got)):
+        assert p.returncode == 0, f"node {r} rc {p.returncode}:\n{err[-3000:]}"
+    _assert_close(ref[0], losses(out), "2 nodes x tp 1 (tp 2)")
+    assert not (out / "logs" / "workerlog.0").exists()
+    for r in (0, 1):
+        node = out / "logs" / f"node{r}"
+        job = _strict(node / "job.json")["job_id"]
+        assert (node / "status" / f"rank{r}.ok").is_file() and not (node / "status" / f"rank{1 - r}.pid").exists()
+        assert _strict(node / "status" / f"rank{r}.pid")["job"] == job
+        assert ("[glm52 train] rank 0/2" in (node / "workerlog.0").read_text()) == (r == 0)  # rank 0 logs it
+        assert job_processes(job) == [], f"node {r}: processes of the job still running"
+    assert "step 1/4" in got[0][0] and "step 1/4" not in got[1][0]
+
+
 def _strict(path):
     def refuse(token):
         raise ValueError(f"{path}: not strict JSON: {token}")
@@ -303,12 +343,38 @@ def test_ranks_that_exit_0_before_finishing_are_a_failure(runs):
     _no_job_process_left(out)
 
 
-def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
+@pytest.fixture(scope="module")
+def frozen_jobs(runs):
+    """The two jobs that end on a clock (gloo's 30 s timeout, ``--job-timeout 30``), started side by
+    side when the first of their tests asks: they wait, not compute, so one wait serves both."""
+    faults = {
+        "stop": ["--fault", "rank=1,step=2,kind=stop"],
+        "timeout": ["--fault", "rank=1,step=1,kind=hang", "--job-timeout", "30"],
+    }
+    jobs = {}
+    for name, extra in faults.items():
+        out = runs / f"fault_{name}"
+        cmd = [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *COMMON, "--tp", "2"]
+        with open(runs / f"fault_{name}.stderr", "w") as err:
+            p = subprocess.Popen([*cmd, "--out", str(out), *extra], env=env(), stdout=subprocess.DEVNULL, stderr=err)
+        jobs[name] = (p, out, runs / f"fault_{name}.stderr")
+    yield jobs
+    for p, _, _ in jobs.values():
+        p.kill()
+
+
+def _finished(job):
+    """(exit code, stderr, out) of a ``frozen_jobs`` job once it has ended."""
+    p, out, err = job
+    p.wait(timeout=300)
+    return p.returncode, err.read_text(), out
+
+
+def test_stopped_rank_is_named_and_a_failure_record_is_left(frozen_jobs):
     """SIGSTOP on rank 1: rank 0 times out in gloo (30 s) and records rank 1 in state T first."""
-    out = runs / "fault_stop"
-    p, _ = run_train_cli([*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=2,kind=stop"])
-    assert p.returncode != 0
-    assert "rank 1 was stopped" in p.stderr, p.stderr[-2000:]
+    rc, stderr, out = _finished(frozen_jobs["stop"])
+    assert rc != 0
+    assert "rank 1 was stopped" in stderr, stderr[-2000:]
     rec = _failure(out)
     assert (rec["rank"], rec["cause"]) == (1, "stopped") and rec["message"].startswith("rank 1 was stopped")
     # ended by rank 0's gloo timeout (30 s), or at worst the launcher's 45 s watchdog on a frozen rank
@@ -317,17 +383,14 @@ def test_stopped_rank_is_named_and_a_failure_record_is_left(runs):
     _no_job_process_left(out)
 
 
-def test_job_timeout_stops_a_hung_job_and_names_the_rank_behind(runs):
+def test_job_timeout_stops_a_hung_job_and_names_the_rank_behind(frozen_jobs):
     """Rank 1 hangs at step 1; ``--job-timeout 30`` ends the job (exit 124) before gloo's own
     30 s timeout can (that one starts only when rank 0 enters its collective).  The culprit is
     the rank behind in its heartbeat; were the machine so slow that rank 0 had not begun step 1
     either at 30 s, nobody would be behind and no culprit is invented: the test follows the
     recorded heartbeats, never the clock."""
-    out = runs / "fault_timeout"
-    p, _ = run_train_cli(
-        [*COMMON, "--tp", "2", "--out", str(out), "--fault", "rank=1,step=1,kind=hang", "--job-timeout", "30"]
-    )
-    assert p.returncode == 124, p.stderr[-2000:]
+    rc, stderr, out = _finished(frozen_jobs["timeout"])
+    assert rc == 124, stderr[-2000:]
     rec = _failure(out)
     assert "--job-timeout 30" in rec["stopped_by_launcher"] and rec["stopped_by"]["kind"] == "timeout", rec
     beats = [_strict(out / "logs" / "status" / f"rank{r}.beat") for r in (0, 1)]
@@ -364,17 +427,21 @@ def test_nonfinite_steps_two_ranks_skip_then_stop_before_the_update(runs):
     _no_job_process_left(out)
 
 
-def _start_and_wait_for_step(out, step=2):
-    """``--tp 2`` training for many steps; returns the launcher once rank 1 has begun ``step``."""
+def _start_training(out):
+    """``--tp 2`` training for many steps, started in the background."""
     cmd = [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *COMMON, "--steps", "10000"]
-    p = subprocess.Popen([*cmd, "--tp", "2", "--out", str(out)], env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen([*cmd, "--tp", "2", "--out", str(out)], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _wait_for_step(p, out, step=2):
+    """Returns once rank 1 of the job writing ``out`` has begun ``step``."""
     beat = out / "logs" / "status" / "rank1.beat"
     t0 = time.monotonic()
     while time.monotonic() - t0 < 120:
         try:
             if json.loads(beat.read_text())["step"] >= step:
-                return p
+                return
         except (OSError, ValueError):
             pass
         time.sleep(0.1)
@@ -382,24 +449,37 @@ def _start_and_wait_for_step(out, step=2):
     pytest.fail(f"rank 1 never reached step {step}:\n{worker_logs(out)}")
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
-def test_a_signal_to_the_launcher_ends_every_process_of_the_job(runs, sig):
+SIGNALS = ("SIGTERM", "SIGINT", "SIGKILL")
+
+
+def test_a_signal_to_the_launcher_ends_every_process_of_the_job(runs):
     """SIGTERM / SIGINT: one line (no traceback), exit 128 + signal, failure.json naming the sender;
     SIGKILL (no cleanup code runs): the workers die with it.  Either way no process of the job
-    is left 10 s later, nor 15 s later."""
-    out = runs / f"signal_{sig}"
-    p = _start_and_wait_for_step(out)
+    is left 10 s later, nor 15 s later.  The three jobs run side by side (one wait for all)."""
+    outs = {sig: runs / f"signal_{sig}" for sig in SIGNALS}
+    jobs = {sig: _start_training(out) for sig, out in outs.items()}
+    try:
+        for sig in SIGNALS:
+            _wait_for_step(jobs[sig], outs[sig])
+    except BaseException:
+        for p in jobs.values():
+            p.kill()  # the workers follow their launcher (the SIGKILL case below shows it)
+        raise
     t0 = time.monotonic()
-    os.kill(p.pid, getattr(signal, sig))
-    _no_job_process_left(out, within_s=10.0)
-    _, err = p.communicate(timeout=30)
+    for sig in SIGNALS:
+        os.kill(jobs[sig].pid, getattr(signal, sig))
+    errs = {}
+    for sig in SIGNALS:
+        _no_job_process_left(outs[sig], within_s=10.0)
+        errs[sig] = jobs[sig].communicate(timeout=30)[1]
     time.sleep(max(0.0, 15.0 - (time.monotonic() - t0)))
-    _no_job_process_left(out, within_s=0.0)
-    if sig == "SIGKILL":
-        assert p.returncode == -signal.SIGKILL
-        return
-    assert p.returncode == 128 + getattr(signal, sig), err[-2000:]
-    lines = [ln for ln in err.splitlines() if ln.startswith("glm52 train") or "Traceback" in ln]
-    assert len(lines) == 1 and lines[0].startswith(f"glm52 train: stopped by {sig} to the launcher"), err[-2000:]
-    rec = _failure(out)
-    assert (rec["rank"], rec["cause"]) == (None, "signal") and rec["stopped_by"]["sender_pid"] == os.getpid(), rec
+    for sig in SIGNALS:
+        _no_job_process_left(outs[sig], within_s=0.0)
+    assert jobs["SIGKILL"].returncode == -signal.SIGKILL
+    for sig in ("SIGTERM", "SIGINT"):
+        p, err = jobs[sig], errs[sig]
+        assert p.returncode == 128 + getattr(signal, sig), err[-2000:]
+        lines = [ln for ln in err.splitlines() if ln.startswith("glm52 train") or "Traceback" in ln]
+        assert len(lines) == 1 and lines[0].startswith(f"glm52 train: stopped by {sig} to the launcher"), err[-2000:]
+        rec = _failure(outs[sig])
+        assert (rec["rank"], rec["cause"]) == (None, "signal") and rec["stopped_by"]["sender_pid"] == os.getpid(), rec

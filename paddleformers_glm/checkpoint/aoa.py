@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "quiet_paddle_logs",
     "fleet_units",
     "checkpoint_units",
+    "memo_units",
     "relayout_fused",
     "identity_units",
     "TP_FUSED_FFN",
@@ -266,10 +267,36 @@ def relayout_fused(units: Sequence[MappingUnit], keys: set[str]) -> list[Mapping
     return out
 
 
+_UNITS_MEMO: dict[tuple[int, str, str, int], tuple[Any, tuple[MappingUnit, ...]]] | None = None
+
+
+@contextlib.contextmanager
+def memo_units() -> Iterator[None]:
+    """Within: :func:`checkpoint_units` builds each list once per config object and arguments (the
+    config must not change meanwhile): ``convert``'s per-layer loads share one (4.5 s for the 744B
+    config)."""
+    global _UNITS_MEMO
+    prev, _UNITS_MEMO = _UNITS_MEMO, {}
+    try:
+        yield
+    finally:
+        _UNITS_MEMO = prev
+
+
 def checkpoint_units(
     config: Any, layout: str, expert_layout: str = "per-expert", fused_shards: int = 1
 ) -> list[MappingUnit]:
     """Units from a checkpoint in ``layout`` (``hf`` side) to the model's ``state_dict()`` (``fleet`` side)."""
+    memo, key = _UNITS_MEMO, (id(config), layout, expert_layout, fused_shards)
+    if memo is not None and key in memo:
+        return list(memo[key][1])
+    units = _checkpoint_units(config, layout, expert_layout, fused_shards)
+    if memo is not None:
+        memo[key] = (config, tuple(units))  # the config is kept: its id stays its own
+    return units
+
+
+def _checkpoint_units(config: Any, layout: str, expert_layout: str, fused_shards: int) -> list[MappingUnit]:
     if layout == "hf":
         return expand_units(config)
     if layout == "fleet":

@@ -58,6 +58,9 @@ def _run_convert(args: argparse.Namespace) -> int:
         print(f"convert: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a filesystem error (full disk, permissions): one line naming the path
+        if e.errno is None:  # raised with a message of its own (no config.json in SRC): it names the path
+            print(f"convert: {e}", file=sys.stderr)
+            return 2
         target = e.filename if e.filename and ".tmp-" not in str(e.filename) else args.out  # not the temp folder
         print(f"convert: filesystem error on {target}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 (docs/checkpoints.md, "Block-FP8 checkpoints": a ``W`` stored as E4M3 bytes plus ``W_scale_inv``, one
 fp32 scale per block, valued ``float32(q) * scale_inv[block]``). numpy has no float8, so E4M3
 (``e4m3fn``) bytes are decoded through an exact 256-entry table and encoded by round-to-nearest-even
-against the same table (re-quantizing: :func:`quantize_blocks`).
+against the same table, through a look-up table of its results (re-quantizing: :func:`quantize_blocks`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _e4m3_table() -> np.ndarray:
 
 E4M3_TABLE = _e4m3_table()
 # the non-negative codes 0x00..0x7F in increasing value; 0x7F stands for "480" (the NaN code) so that
-# rounding anything at or past 464 to it gives NaN, as torch's float -> float8_e4m3fn does
+# rounding anything past 464 to it gives NaN (torch 2.13's float -> float8_e4m3fn saturates to 448 there)
 _POS = E4M3_TABLE[:128].astype(np.float64)
 _POS[127] = 480.0
 
@@ -66,10 +66,13 @@ def decode_e4m3(q: np.ndarray) -> np.ndarray:
     return E4M3_TABLE[np.asarray(q, dtype=np.uint8)]
 
 
-def encode_e4m3(x: np.ndarray) -> np.ndarray:
-    """E4M3 bytes of float32 values: round to nearest, ties to even; >= 464 in magnitude -> NaN."""
+def _encode_search(x: np.ndarray) -> np.ndarray:
+    """E4M3 bytes of float32 values by search in the table of E4M3 values (the specification
+    :func:`encode_e4m3` is built from): round to nearest, ties to even; above 464 in magnitude
+    (Inf, NaN) -> the NaN code, sign kept."""
     x = np.asarray(x, dtype=np.float32)
-    a = np.abs(x).astype(np.float64)  # fp32 values and E4M3 midpoints are exact in float64
+    with np.errstate(invalid="ignore"):  # signalling NaNs quieten in the cast; only isnan is asked
+        a = np.abs(x).astype(np.float64)  # fp32 values and E4M3 midpoints are exact in float64
     hi = np.clip(np.searchsorted(_POS, a, side="left"), 1, 127)
     lo = hi - 1
     d_lo, d_hi = a - _POS[lo], _POS[hi] - a
@@ -77,6 +80,52 @@ def encode_e4m3(x: np.ndarray) -> np.ndarray:
     code = np.where(pick_hi, hi, lo).astype(np.uint8)
     code[np.isnan(a) | (a >= 480.0)] = 0x7F
     return code | (np.signbit(x).astype(np.uint8) << 7)
+
+
+def _encode_table() -> np.ndarray:
+    """E4M3 byte of every float32 by its top 16 bits and whether its low 16 bits are zero: entry
+    ``2 * (bits >> 16) + (bits & 0xFFFF != 0)``. Exact: every rounding boundary of E4M3 (a midpoint
+    between two E4M3 values, or 480) is a float32 with 4 significant bits, i.e. zero low 16 bits, so
+    the byte is constant over ``(h << 16) + 1 ... (h << 16) + 0xFFFF`` and the table holds it for
+    ``h << 16`` and ``(h << 16) + 1``."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    table = np.empty(1 << 17, dtype=np.uint8)
+    table[0::2] = _encode_search(high.view(np.float32))
+    table[1::2] = _encode_search((high | 1).view(np.float32))
+    return table
+
+
+_ENCODE = _encode_table()
+
+
+def _encode_into(x: np.ndarray, out: np.ndarray, index: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """:func:`encode_e4m3` of the float32 array ``x`` into ``out`` (uint8), with two uint32 scratch
+    arrays of its shape (in place, no allocation: at a few MB a chunk that is what keeps it fast)."""
+    bits = x.view(np.uint32)
+    np.right_shift(bits, 15, out=index)  # (bits >> 16) << 1 | bit 15
+    np.bitwise_and(bits, 0x7FFF, out=low)  # | whether bits 0..14 are not all zero
+    np.add(low, 0x7FFF, out=low)
+    np.right_shift(low, 15, out=low)
+    np.bitwise_or(index, low, out=index)
+    return np.take(_ENCODE, index, out=out, mode="clip")  # every index is in range
+
+
+def encode_e4m3(x: np.ndarray) -> np.ndarray:
+    """E4M3 bytes of float32 values: round to nearest, ties to even, like torch's float ->
+    float8_e4m3fn; above 464 in magnitude (and Inf, NaN) -> the NaN code with the value's sign (there
+    torch 2.13 saturates finite values and Inf to +-448 instead).
+
+    One table look-up per value (:func:`_encode_table`), the bytes of :func:`_encode_search`.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    flat, out = x.reshape(-1), np.empty(x.shape, dtype=np.uint8)
+    step = _CHUNK_BYTES // 4
+    scratch = _Scratch(min(flat.size, step))
+    for i in range(0, flat.size, step):
+        part = flat[i : i + step]
+        _, _, index, low, code = scratch.get(part.shape)
+        out.reshape(-1)[i : i + step] = _encode_into(part, code, index, low)
+    return out
 
 
 def _block_index(start: int, stop: int, block: int) -> tuple[int, int, np.ndarray]:
@@ -102,9 +151,91 @@ def dequantize(
     return out
 
 
-def _quantize_with(w: np.ndarray, s_full: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    q = encode_e4m3(w / s_full)
-    return q, decode_e4m3(q) * s_full
+def _exact(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Per value: whether the E4M3 byte of ``w / s`` dequantizes back to ``w`` (bit for bit) at ``s``."""
+    deq = decode_e4m3(encode_e4m3(w / s))
+    deq *= s
+    return deq.view(np.uint32) == w.view(np.uint32)
+
+
+def _amax_blocks(w: np.ndarray, block: Sequence[int]) -> np.ndarray:
+    """Per block, the largest magnitude (NaN where the block has one: which NaN is this reduction's)."""
+    br, bc = block
+    rows, cols = w.shape
+    R, C = math.ceil(rows / br), math.ceil(cols / bc)
+    padding = ((0, R * br - rows), (0, C * bc - cols))
+    return np.pad(np.abs(w), padding).reshape(R, br, C, bc).max(axis=(1, 3))
+
+
+_CHUNK_BYTES = 1 << 21  # fp32 bytes of weight per step of quantize_blocks: its scratch stays in cache
+
+
+class _Scratch:
+    """quantize_blocks' work arrays for chunks of up to ``size`` values, reused chunk after chunk (a
+    fresh array a chunk costs more in page faults than the arithmetic)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.f32, self.wide = np.empty(size, np.float32), np.empty(size, np.intp)
+        self.q8 = np.empty(size, np.uint8)
+
+    def get(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        """float32, intp, two uint32 (the intp's bytes) and uint8 arrays of ``shape``."""
+        n = math.prod(shape)
+        u32 = self.wide.view(np.uint32)
+        parts = (self.f32[:n], self.wide[:n], u32[:n], u32[self.size : self.size + n], self.q8[:n])
+        return tuple(p.reshape(shape) for p in parts)
+
+
+def _blocks(exact: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per value ``(k, n, cols)`` -> per block ``(k, len(starts))``: whether all of the block's are."""
+    return np.logical_and.reduceat(exact.all(axis=1), starts, axis=1)
+
+
+def _encode_blocks(
+    w: np.ndarray, s: np.ndarray, starts: np.ndarray, scratch: _Scratch, check: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """E4M3 bytes of ``w / s`` (``w`` ``(k, n, cols)``, in scratch) and, if ``check``, per block (column
+    ``starts``) whether they dequantize to ``w`` exactly at ``s``."""
+    x, wide, index, low, q = scratch.get(w.shape)
+    _encode_into(np.divide(w, s, out=x), q, index, low)
+    if not check:
+        return q, None
+    np.copyto(wide, q)
+    deq = np.take(E4M3_TABLE, wide, out=x, mode="clip")
+    deq *= s
+    return q, _blocks(deq.view(np.uint32) == w.view(np.uint32), starts)
+
+
+def _quantize_chunk(wc: np.ndarray, qc: np.ndarray, amax: np.ndarray, bc: int, scratch: _Scratch) -> np.ndarray:
+    """:func:`quantize_blocks` of ``wc``, whole row blocks ``(k, n, cols)`` of at most ``bc``-column
+    blocks with per-block ``amax`` ``(k, nC)``: writes the bytes to ``qc`` and returns the scales."""
+    ci, starts = np.arange(wc.shape[2]) // bc, np.arange(amax.shape[1]) * bc
+    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    scale[amax == 0] = np.float32(1.0)
+    best = scale.copy()
+    # the scales tried, in order: amax / 448, then its fp32 neighbours below and above; first the
+    # necessary test of each: is the block's first row exact at it (fresh weights are not)
+    scales = [scale, np.nextafter(scale, np.float32(-np.inf)), np.nextafter(scale, np.float32(np.inf))]
+    maybe = [_blocks(_exact(wc[:, :1], s[:, None, ci]), starts) for s in scales]
+    q, exact = _encode_blocks(wc, scale[:, None, ci], starts, scratch, bool(maybe[0].any()))
+    qc[...] = q
+    done = maybe[0] & exact if exact is not None else np.zeros_like(maybe[0])
+    for s, m in zip(scales[1:], maybe[1:]):
+        need = m & ~done
+        if not need.any():
+            continue
+        ids = np.flatnonzero(need.any(axis=0))  # the column blocks to try, their columns only
+        cols = np.isin(ci, ids)
+        sub_ci = ci[cols]
+        q, exact = _encode_blocks(wc[:, :, cols], s[:, None, sub_ci], np.searchsorted(sub_ci, ids), scratch, True)
+        ok = np.zeros_like(need)
+        ok[:, ids] = exact
+        ok &= need
+        qc[:, :, cols] = np.where(ok[:, None, sub_ci], q, qc[:, :, cols])
+        best[ok] = s[ok]
+        done |= ok
+    return best
 
 
 def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +243,11 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
 
     Blocks whose weights are already the dequantization of some E4M3 block at a scale next to
     ``amax / 448`` (a weight loaded from an FP8 checkpoint) get that scale, so the bytes come back
-    unchanged. An all-zero block gets scale 1 (any scale represents it).
+    unchanged: ``amax / 448`` if it reproduces the block exactly, else the fp32 one below if that
+    does, else the one above. An all-zero block gets scale 1 (any scale represents it).
+
+    Done ~2 MB at a time in reused scratch arrays; whether a block is exact at a scale is asked of
+    its first row first, so a fresh block is encoded once and never decoded.
     """
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
@@ -120,30 +255,33 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
     br, bc = block
     rows, cols = w.shape
     R, C = math.ceil(rows / br), math.ceil(cols / bc)
-    padding = ((0, R * br - rows), (0, C * bc - cols))
-    amax = np.pad(np.abs(w), padding).reshape(R, br, C, bc).max(axis=(1, 3))
-    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
-    scale[amax == 0] = np.float32(1.0)
-    ri, ci = np.arange(rows) // br, np.arange(cols) // bc
-
-    def exact_blocks(q_deq: np.ndarray) -> np.ndarray:
-        same = np.pad(q_deq.view(np.uint32) == w.view(np.uint32), padding, constant_values=True)
-        return same.reshape(R, br, C, bc).all(axis=(1, 3))
-
-    best = scale.copy()
-    q, deq = _quantize_with(w, scale[ri][:, ci])
-    done = exact_blocks(deq)
-    for step in (-np.inf, np.inf):  # the neighbours one ulp down, then up, where amax / 448 is not exact
-        if done.all():
-            break
-        # done ones (all-zero too) stay
-        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(np.float32)
-        q2, deq2 = _quantize_with(w, cand[ri][:, ci])
-        ok = exact_blocks(deq2) & ~done
-        q = np.where(ok[ri][:, ci], q2, q)
-        best = np.where(ok, cand, best)
-        done |= ok
-    return q, best.astype(np.float32)
+    q = np.empty((rows, cols), dtype=np.uint8)
+    best = np.ones((R, C), dtype=np.float32)
+    if w.size == 0:
+        return q, best
+    # chunks: kb row blocks x cb column blocks, whole blocks (the partial last row block alone)
+    cb = min(C, max(1, _CHUNK_BYTES // (4 * br * bc)))
+    kb = max(1, _CHUNK_BYTES // (4 * br * min(cols, cb * bc)))
+    full = rows // br
+    row_chunks = [(r0, min(full, r0 + kb), br) for r0 in range(0, full, kb)]
+    if full < R:
+        row_chunks.append((full, R, rows - full * br))
+    scratch = _Scratch(max(r1 - r0 for r0, r1, _ in row_chunks) * br * min(cols, cb * bc))
+    amax_nan = None  # the whole weight's amax reduced as a whole, where NaNs make the order matter
+    for r0, r1, n in row_chunks:
+        for c0 in range(0, C, cb):
+            c1 = min(C, c0 + cb)
+            rs, cs = slice(r0 * br, r0 * br + (r1 - r0) * n), slice(c0 * bc, min(cols, c1 * bc))
+            shape = (r1 - r0, n, cs.stop - cs.start)
+            wc, qc = w[rs, cs].reshape(shape), q[rs, cs].reshape(shape)
+            x = scratch.get(shape)[0]
+            amax = np.maximum.reduceat(np.abs(wc, out=x).max(axis=1), np.arange(c1 - c0) * bc, axis=1)
+            if np.isnan(amax).any():
+                if amax_nan is None:
+                    amax_nan = _amax_blocks(w, block)
+                amax = amax_nan[r0:r1, c0:c1]
+            best[r0:r1, c0:c1] = _quantize_chunk(wc, qc, amax, bc, scratch)
+    return q, best
 
 
 def scale_key(key: str) -> str:

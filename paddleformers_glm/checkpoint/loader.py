@@ -206,6 +206,7 @@ def load_pretrained_state(
     backend: str = "engine",
     shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
     init_missing_mtp: bool = True,
+    plan_only: bool = False,
 ) -> LoadReport:
     """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report
     (docs/checkpoints.md, "Loading" and "Partial loads").
@@ -215,6 +216,8 @@ def load_pretrained_state(
     weights (index bookkeeping is only a warning). ``keys`` / ``key_filter`` restrict the load to some
     Fleet keys; ``shard_info`` (every rank's (local_shape, global_offset) per key) lays fused weights
     out per rank as Fleet does; ``init_missing_mtp`` initialises an absent MTP layer as HF does.
+    ``plan_only``: make every check of the checkpoint's keys, shapes and dtypes (the refusals of a
+    load before it reads a weight) and return, reading no weight; only the keys of ``model`` are used.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
@@ -287,6 +290,9 @@ def load_pretrained_state(
                 file=path,
             )
         report.missing = sorted(missing_targets)
+        if plan_only:
+            report.seconds = time.perf_counter() - t0
+            return report
         if absent_mtp & want:
             msg = (
                 f"{path}: the MTP layer's indexer is not in this PaddleFleet checkpoint (its writer skipped it): "
@@ -314,7 +320,7 @@ def load_pretrained_state(
         # seeded by key name: two loads of the same file give the same model
         init_like_hf({k: state[k] for k in sorted(absent_mtp & want)}, cfg.initializer_range, seeded=True)
         if mtp_init:  # no MTP tensor at all: initialised as HF initialises missing weights, said once
-            init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range)
+            init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range, seeded=True)
             report.initialized = mtp_init
             msg = (
                 f"{path} has no MTP weights (the {n_mtp_src} tensors of model.layers."
@@ -444,20 +450,67 @@ def init_like_hf(params: Mapping[str, Any], std: float, seeded: bool = False) ->
     """HF's init for weights a checkpoint does not have: matrices normal(0, std), biases 0, norms 1.
 
     Values of ``params`` may be tensors, parameters or ``ShardedWeight``s (their local piece).
-    ``seeded``: each matrix's draw is seeded by its key name (numpy), else Paddle's generator."""
+    ``seeded``: each matrix is drawn from generators seeded by its key name (numpy, :func:`seeded_normal`):
+    the same model on every load and under every layout (a rank's piece of a split matrix is the
+    piece of the one matrix a single process draws, replicas are equal), else Paddle's generator."""
     import paddle
 
     for k, v in params.items():
         t = getattr(v, "local_tensor", v)
         shape = [int(d) for d in t.shape]
         if len(shape) >= 2 and seeded:
-            rng = np.random.default_rng(zlib.crc32(k.encode()))
-            val = paddle.to_tensor(rng.normal(0.0, std, shape).astype(np.float32)).astype(t.dtype)
+            val = paddle.to_tensor(seeded_normal(k, v, std)).astype(t.dtype)
         elif len(shape) >= 2:
             val = paddle.normal(0.0, std, shape).astype(t.dtype)
         else:
             val = paddle.full(shape, 0.0 if k.endswith("bias") else 1.0, dtype=t.dtype)
         paddle.assign(val, output=t)
+
+
+_SEED_BLOCK = 1 << 20  # elements per seeded block of rows: a rank draws at most one block it does not hold
+
+
+def _held_indices(value: Any) -> tuple[list[np.ndarray], list[int]]:
+    """The global indices, per axis, of the elements this piece holds, and the global shape: a
+    ``ShardedWeight`` of a fused split weight (``chunks`` > 1, e.g. gate|up) holds its rank's part of
+    every chunk (Fleet's ``[gate_r | up_r]``), any other piece a plain block at its offset."""
+    t = getattr(value, "local_tensor", None)
+    if t is None:
+        return [np.arange(int(d)) for d in value.shape], [int(d) for d in value.shape]
+    from ..parallel.layers import get_shard_spec
+
+    local = [int(d) for d in value.local_shape]
+    glob = [int(d) for d in value.global_shape]
+    off = [int(o) for o in value.global_offset]
+    chunks = int(getattr(get_shard_spec(t), "chunks", 1) or 1)
+    out = []
+    for g, o, n in zip(glob, off, local):
+        if n == g or chunks <= 1:
+            out.append(np.arange(o, o + n))
+        else:  # the rank's slice of each chunk: offset o = rank * n describes it as a plain slice
+            width, part, rank = g // chunks, n // chunks, o // n
+            out.append(np.concatenate([c * width + rank * part + np.arange(part) for c in range(chunks)]))
+    return out, glob
+
+
+def seeded_normal(key: str, value: Any, std: float) -> np.ndarray:
+    """float32 normal(0, std) values of the piece ``value`` (a tensor, or a ``ShardedWeight``'s local
+    piece) of the matrix drawn for ``key``: the global matrix is drawn in blocks of whole rows, each
+    from a generator seeded by the key and the block, so every layout's pieces are pieces of the same
+    matrix and no piece needs the whole matrix drawn."""
+    idx, glob = _held_indices(value)
+    width = int(np.prod(glob[1:]))
+    per = max(1, _SEED_BLOCK // max(1, width))
+    rows = idx[0]
+    out = np.empty([len(i) for i in idx], dtype=np.float32)
+    seed = zlib.crc32(key.encode())
+    blocks = rows // per
+    for b in np.unique(blocks):
+        n = min(per, glob[0] - int(b) * per)
+        block = np.random.default_rng([seed, int(b)]).normal(0.0, std, [n, *glob[1:]])
+        sel = blocks == b
+        out[sel] = block[np.ix_(rows[sel] - int(b) * per, *idx[1:])]
+    return out
 
 
 def _load_with_paddle(

@@ -34,6 +34,7 @@ __all__ = [
     "Checkpoint",
     "SafetensorsWriter",
     "plan_header",
+    "check_metadata",
     "le_bytes",
     "st_to_paddle_dtype",
     "paddle_to_st_dtype",
@@ -44,7 +45,7 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+MAX_HEADER_BYTES = 100_000_000  # the safetensors package's limit (decimal: 100,000,001 bytes it refuses)
 
 # safetensors dtype name -> (itemsize, numpy dtype holding the raw bytes, paddle dtype name or None)
 ST_DTYPES: dict[str, tuple[int, Any, str | None]] = {
@@ -140,14 +141,17 @@ def _read_json(file: str, what: str, data: bytes | None = None) -> dict[str, Any
     return read_json(file, what, data=data, hook=hook, error=lambda m: CheckpointError(m, file=file))
 
 
-def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+def parse_header(
+    file: str, warnings: list[str] | None = None, f: Any = None
+) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """Read and validate a safetensors header, every entry and the data area's tiling; returns
-    (tensors, __metadata__, data start offset)."""
-    raw, size = _read_header_bytes(file)
+    (tensors, __metadata__, data start offset). ``f``: the file, already open (binary), to read it from."""
+    raw, size = _read_header_bytes(file, f)
     if not raw.startswith(b"{"):
         raise CheckpointError("corrupt header: does not start with '{'", file=file, actual=raw[:16])
     header = _read_json(file, "the safetensors header", raw)
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null: none; [], "", 0, false are no map (safetensors refuses)
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointError("corrupt header: __metadata__ must map strings to strings", file=file, key="__metadata__")
     data_start = 8 + len(raw)
@@ -157,11 +161,13 @@ def parse_header(file: str, warnings: list[str] | None = None) -> tuple[dict[str
     return infos, dict(meta), data_start
 
 
-def _read_header_bytes(file: str) -> tuple[bytes, int]:
-    """(the header's bytes, the file size), after checking the 8-byte length prefix against the file."""
+def _read_header_bytes(file: str, opened: Any = None) -> tuple[bytes, int]:
+    """(the header's bytes, the file size), after checking the 8-byte length prefix against the file
+    (``opened``: the file, open, read from its start; else it is opened here by name)."""
     try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
+        with contextlib.nullcontext(opened) if opened is not None else open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(0)
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(
@@ -172,8 +178,12 @@ def _read_header_bytes(file: str) -> tuple[bytes, int]:
                 )
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER_BYTES:
+                text = prefix.startswith(b"{")  # e.g. the index or config.json given as the checkpoint
                 raise CheckpointError(
-                    "corrupt header: header length is implausibly large",
+                    "not a safetensors file: it starts with JSON text, not a header length (a checkpoint is "
+                    "its folder or a .safetensors file)"
+                    if text
+                    else "corrupt header: header length is implausibly large",
                     file=file,
                     expected=f"<= {MAX_HEADER_BYTES}",
                     actual=n,
@@ -211,6 +221,9 @@ def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: i
         raise CheckpointError(
             "corrupt header: data_offsets must be [begin, end] with 0 <= begin <= end", file=file, key=key, actual=offs
         )
+    if math.prod(max(d, 1) for d in shape) * ST_DTYPES[dtype][0] >= 2**63:
+        # a zero-size tensor with a huge other axis: no array can have that shape (numpy, torch refuse)
+        raise CheckpointError("corrupt header: shape too large for any array", file=file, key=key, actual=shape)
     want = math.prod(shape) * ST_DTYPES[dtype][0]
     if offs[1] - offs[0] != want:
         raise CheckpointError(
@@ -272,25 +285,76 @@ class _Closing:
         self.close()
 
 
+# What a fault in a file map may map beside the faulting page: Linux's fault-around window (64 KB by
+# default) and, since 6.18 on file systems with large page-cache folios (ext4, xfs), the whole folio the
+# page lies in, up to a PMD (2 MB with 4 KB pages: a page table's PAGESIZE / 8 entries). Both are
+# naturally aligned blocks of the file (the map starts at offset 0), so whole PMD-size blocks cover them:
+# measured on 6.18 / ext4, 64 KB blocks left 37% of the HF-written tiny checkpoint mapped after a load
+# (tests/test_load_pages.py).
+_FAULT_AROUND = max(1 << 16, mmap.PAGESIZE * (mmap.PAGESIZE // 8))
+
+
 class SafetensorsFile(_Closing):
-    """One validated safetensors file, read lazily through a read-only mmap."""
+    """One validated safetensors file, read lazily through a read-only mmap.
+
+    The tensors are read from the file that was validated: it stays open from validation on, so a
+    file renamed over it, or its folder replaced (a save publishing a new checkpoint there while this
+    one is read), changes nothing read here. A change to that same file before it is mapped (its size
+    or modification time) is refused by name; after :meth:`close` it is opened again by name only if it
+    is still that file. A file truncated in place *after* it is mapped cannot be caught (reading the
+    lost pages faults; docs/checkpoints.md, "Loading")."""
 
     def __init__(self, file: str | os.PathLike, warnings: list[str] | None = None) -> None:
         self.file = os.fspath(file)
-        self.tensors, self.metadata, self.data_start = parse_header(self.file, warnings)
-        self._fd: Any = None
         self._mm: mmap.mmap | None = None
+        self._fd: Any = self._open()
+        try:
+            self._stat = self._identity(self._fd)
+            self.tensors, self.metadata, self.data_start = parse_header(self.file, warnings, self._fd)
+        except BaseException:
+            self._fd.close()
+            raise
+
+    def _open(self) -> Any:
+        try:
+            return open(self.file, "rb")
+        except OSError as e:
+            raise CheckpointError(f"cannot read safetensors file: {e}", file=self.file) from e
+
+    @staticmethod
+    def _identity(f: Any) -> tuple[int, int, int, int]:
+        """(size, mtime ns, device, inode): what must not change between validation and reading."""
+        st = os.fstat(f.fileno())
+        return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
+
+    def _map(self) -> mmap.mmap:
+        """The read-only map of the validated file (opened again by name after :meth:`close`)."""
+        if self._mm is None:
+            if self._fd is None:
+                self._fd = self._open()
+            now = self._identity(self._fd)
+            if now != self._stat:
+                self._fd.close()
+                self._fd = None
+                raise CheckpointError(
+                    "safetensors file changed since it was validated (size, mtime ns, device, inode); load it again",
+                    file=self.file,
+                    expected=self._stat,
+                    actual=now,
+                )
+            # a valid file is never empty: its header is at least 8 bytes
+            self._mm = mmap.mmap(self._fd.fileno(), 0, access=mmap.ACCESS_READ)
+            self._fd.close()  # the map holds its own descriptor: one per file, not two
+            self._fd = None
+        return self._mm
 
     def keys(self) -> list[str]:
         return list(self.tensors)
 
     def raw(self, key: str) -> memoryview:
         """The tensor's bytes as a zero-copy view (for hashing)."""
-        if self._mm is None:  # a valid file is never empty: its header is at least 8 bytes
-            self._fd = open(self.file, "rb")
-            self._mm = mmap.mmap(self._fd.fileno(), 0, access=mmap.ACCESS_READ)
         info = self.tensors[key]
-        return memoryview(self._mm)[info.begin : info.end]
+        return memoryview(self._map())[info.begin : info.end]
 
     def numpy(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """A numpy view of the tensor (bf16 as uint16 bits); only the pages touched are read."""
@@ -298,15 +362,27 @@ class SafetensorsFile(_Closing):
         arr = np.frombuffer(self.raw(key), dtype=ST_DTYPES[info.dtype][1]).reshape(info.shape)
         return arr[index] if index is not None else arr
 
-    def release(self, key: str) -> None:
+    def release(self, key: str, around: bool = False) -> None:
         """Drop this tensor's pages from the process (they stay in the page cache): touched file pages
-        count in its RSS while the map lives, a second copy of the model (docs/checkpoints.md, "Loading")."""
+        count in its RSS while the map lives, a second copy of the model (docs/checkpoints.md, "Loading").
+        ``around``: also the pages the kernel's fault-around mapped beside it (the 2 MB-aligned blocks
+        its ends lie in: ``_FAULT_AROUND``), which add up over many small tensors (a neighbour in use is
+        mapped again from the page cache)."""
         info = self.tensors[key]
         if self._mm is None or info.nbytes == 0 or not hasattr(self._mm, "madvise"):
             return
-        start = (info.begin // mmap.PAGESIZE) * mmap.PAGESIZE
+        unit = _FAULT_AROUND if around else mmap.PAGESIZE
+        start = (info.begin // unit) * unit
+        end = min(-(-info.end // unit) * unit if around else info.end, len(self._mm))
         with contextlib.suppress(OSError, ValueError):  # advisory only
-            self._mm.madvise(mmap.MADV_DONTNEED, start, min(info.end, len(self._mm)) - start)
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def release_all(self) -> None:
+        """Drop every page of the file from the process: :meth:`release` leaves the pages the kernel's
+        fault-around mapped beside a tensor (up to 2 MB each side), which add up over many tensors."""
+        if self._mm is not None and hasattr(self._mm, "madvise"):
+            with contextlib.suppress(OSError, ValueError):  # advisory only
+                self._mm.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         if self._mm is not None:
@@ -339,7 +415,16 @@ class Checkpoint(_Closing):
             files = self._files_from_folder()
         else:
             raise CheckpointError("checkpoint path does not exist", file=self.path)
-        self.files = {f: SafetensorsFile(f, None if strict else self.warnings) for f in files}
+        self.files: dict[str, SafetensorsFile] = {}
+        try:
+            self._validate(files)
+        except BaseException:
+            self.close()  # every file opened so far
+            raise
+
+    def _validate(self, files: list[str]) -> None:
+        for f in files:
+            self.files[f] = SafetensorsFile(f, None if self.strict else self.warnings)
         self.tensors: dict[str, TensorInfo] = {}
         for f, sf in self.files.items():
             for k, info in sf.tensors.items():
@@ -394,6 +479,14 @@ class Checkpoint(_Closing):
                         actual="missing",
                     )
             self._check_series(named, idx)
+            if SINGLE_NAME in st_files and SINGLE_NAME not in named:  # not a stray: another checkpoint
+                raise CheckpointError(
+                    f"the folder holds {SINGLE_NAME} and {INDEX_NAME} naming other files: transformers loads "
+                    f"{SINGLE_NAME}, this loader would read the index's shards; remove the one that is not the model",
+                    file=os.path.join(self.folder, SINGLE_NAME),
+                    expected=f"{SINGLE_NAME} or {INDEX_NAME}",
+                    actual="both",
+                )
             self._stray(set(st_files) - set(named), "safetensors file in the folder is not named by the index")
             return [os.path.join(self.folder, n) for n in named]
         if SINGLE_NAME in st_files:
@@ -520,13 +613,27 @@ class Checkpoint(_Closing):
 _Entry = tuple[str, str, Sequence[int]]  # (key, safetensors dtype, shape)
 
 
+def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` as a safetensors ``__metadata__`` (strings to strings, as the format and the
+    ``safetensors`` package require, and as :func:`parse_header` reads it back), else a CheckpointError."""
+    bad = {k: v for k, v in dict(metadata).items() if not (isinstance(k, str) and isinstance(v, str))}
+    if bad:
+        raise CheckpointError(
+            "safetensors metadata must map strings to strings (a file with other values cannot be read back)",
+            key="__metadata__",
+            expected="str -> str",
+            actual=bad,
+        )
+    return dict(metadata)
+
+
 def plan_header(
     entries: Iterable[_Entry], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Header bytes (padded to 8) and relative data offsets for tensors in the given order."""
     header: dict[str, Any] = {}
     if metadata:
-        header["__metadata__"] = dict(metadata)
+        header["__metadata__"] = check_metadata(metadata)
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
     for key, dtype, shape in entries:  # dtype names from paddle_to_st_dtype

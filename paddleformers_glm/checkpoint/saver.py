@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +26,25 @@ from .errors import CheckpointError
 from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
 from .layout import ParamSpec, fleet_param_specs, param_specs, resolve_dtype
 from .loader import normalize_dtype, state_of, wanted_keys
-from .safetensors_io import INDEX_NAME, SINGLE_NAME, ST_DTYPES, SafetensorsWriter, paddle_to_st_dtype, shard_file_name
+from .safetensors_io import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    ST_DTYPES,
+    SafetensorsWriter,
+    check_metadata,
+    paddle_to_st_dtype,
+    shard_file_name,
+)
 
-__all__ = ["SaveReport", "save_pretrained_state", "parse_size", "plan_shards", "plan_entries", "finish_save"]
+__all__ = [
+    "SaveReport",
+    "save_pretrained_state",
+    "parse_size",
+    "plan_shards",
+    "plan_entries",
+    "finish_save",
+    "save_target",
+]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1} | {
@@ -167,12 +183,99 @@ def save_pretrained_state(
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
-    if layout not in ("hf", "fleet"):
-        raise ValueError(f"unknown layout {layout!r}; expected 'hf' or 'fleet'")
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    limit = parse_size(max_shard_size)
+    meta = check_metadata(metadata) if metadata is not None else {"format": "pt"}
     state = state_of(model_or_state_dict)
     _check_state(state, config)
+    plan = plan_save(config, out_dir, layout, max_shard_size, dtype, quantization, expert_layout)
+    units = checkpoint_units(config, layout, expert_layout)
+    tensors = {k: getattr(v, "local_tensor", v) for k, v in state.items()}
+    return write_checkpoint(
+        plan, config, meta, carry_from, lambda writers: write_mapped(units, StateDictSource(tensors), plan, writers), t0
+    )
+
+
+def write_checkpoint(
+    plan: SavePlan,
+    config: Any,
+    metadata: Mapping[str, str],
+    carry_from: str | os.PathLike | None,
+    write: Callable[[dict[str, SafetensorsWriter]], None],
+    t0: float,
+) -> SaveReport:
+    """The atomic write of a planned save, shared by :func:`save_pretrained_state` and the
+    layer-by-layer convert: a temporary folder beside the target with one open writer per shard,
+    ``write(writers)`` fills them, then :func:`finish_save` publishes the folder; on any failure
+    the writers are aborted and the temporary folder removed, the target untouched."""
+    out_dir, shards, entries = plan.out_dir, plan.shards, plan.entries
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    clean_stale_saves(out_dir)
+    tmp = tempfile.mkdtemp(prefix=temp_prefix(out_dir, "tmp"), dir=parent)
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        for name, keys in shards.items():
+            writers[name] = SafetensorsWriter(
+                os.path.join(tmp, name), [(k, entries[k][1], entries[k][0]) for k in keys], metadata
+            )
+        write(writers)
+        for w in writers.values():
+            w.close()  # refuses a file with a planned tensor missing: every entry is written once
+        total, files = finish_save(
+            tmp,
+            out_dir,
+            config,
+            shards,
+            entries,
+            FP8_CONFIG if plan.quantization else None,
+            carry_from,
+            plan.model_dtype,
+            layout=plan.layout,
+        )
+    except BaseException:
+        for w in writers.values():
+            with contextlib.suppress(OSError):  # closing a file on a full disk fails again: the folder goes anyway
+                w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SaveReport(
+        out_dir, plan.layout, [os.path.join(out_dir, f) for f in files], len(entries), total, time.perf_counter() - t0
+    )
+
+
+@dataclass
+class SavePlan:
+    """Where a save puts every tensor (:func:`plan_save`): the target folder and layout, the model dtype, the
+    shards' entries (key -> shape, safetensors dtype) and files, each key's file, the engine's
+    targets, and the block-FP8 weights (weight -> its scale key) with their block."""
+
+    out_dir: str
+    layout: str
+    model_dtype: str
+    quantization: str | None
+    entries: dict[str, tuple[tuple[int, ...], str]]
+    shards: dict[str, list[str]]
+    file_of: dict[str, str]
+    targets: dict[str, TargetSpec]
+    fp8: dict[str, str]
+    block: tuple[int, ...]
+
+
+def plan_save(
+    config: Any,
+    out_dir: str | os.PathLike,
+    layout: str,
+    max_shard_size: int | str,
+    dtype: str | None,
+    quantization: str | None,
+    expert_layout: str,
+) -> SavePlan:
+    """The arguments' checks and the plan of a save, shared by :func:`save_pretrained_state` and the
+    layer-by-layer ``convert``: the layout, the target folder (:func:`save_target`), the shard size,
+    the quantization and expert layout, then every tensor's shard, dtype and FP8 scale."""
+    if layout not in ("hf", "fleet"):
+        raise ValueError(f"unknown layout {layout!r}; expected 'hf' or 'fleet'")
+    out_dir = save_target(out_dir)
+    limit = parse_size(max_shard_size)
     if quantization in (None, "none"):
         quantization = None
     elif quantization != "fp8":
@@ -193,52 +296,24 @@ def save_pretrained_state(
         entries[sk] = (tuple(math.ceil(d / b) for d, b in zip(shape, block)), "F32")
     shards = plan_shards(entries, limit)
     file_of = {k: name for name, keys in shards.items() for k in keys}
-    units = checkpoint_units(config, layout, expert_layout)
     targets = {k: TargetSpec(k, tuple(shape), tgt_dtypes[k]) for k, (shape, _) in specs.items()}
-    tensors = {k: getattr(v, "local_tensor", v) for k, v in state.items()}
+    return SavePlan(out_dir, layout, model_dtype, quantization, entries, shards, file_of, targets, fp8, block)
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    clean_stale_saves(out_dir)
-    tmp = tempfile.mkdtemp(prefix=_temp_prefix(out_dir, "tmp"), dir=parent)
-    writers: dict[str, SafetensorsWriter] = {}
-    try:
-        meta = dict(metadata) if metadata is not None else {"format": "pt"}
-        for name, keys in shards.items():
-            writers[name] = SafetensorsWriter(
-                os.path.join(tmp, name), [(k, entries[k][1], entries[k][0]) for k in keys], meta
-            )
-        for key, t in run_units(units, "fleet_to_hf", StateDictSource(tensors), targets):
-            if key in fp8:
-                q, scale = quantize_blocks(t.numpy(), block)
-                writers[file_of[key]].write(key, q, "F8_E4M3")
-                writers[file_of[fp8[key]]].write(fp8[key], scale, "F32")
-                del q, scale
-            else:
-                writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
-            del t
-        for w in writers.values():
-            w.close()  # refuses a file with a planned tensor missing: every entry is written once
-        total, files = finish_save(
-            tmp,
-            out_dir,
-            config,
-            shards,
-            entries,
-            FP8_CONFIG if quantization else None,
-            carry_from,
-            model_dtype,
-            layout=layout,
-        )
-    except BaseException:
-        for w in writers.values():
-            with contextlib.suppress(OSError):  # closing a file on a full disk fails again: the folder goes anyway
-                w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return SaveReport(
-        out_dir, layout, [os.path.join(out_dir, f) for f in files], len(entries), total, time.perf_counter() - t0
-    )
+
+def write_mapped(units: Any, source: Any, plan: SavePlan, writers: Mapping[str, SafetensorsWriter]) -> None:
+    """Run ``units`` over ``source`` into the official layout and write each tensor at its planned
+    place, one at a time; a block-FP8 weight of the plan is quantized first. Shared by
+    ``save_pretrained_state`` and the layer-by-layer ``convert``."""
+    file_of, fp8 = plan.file_of, plan.fp8
+    for key, t in run_units(units, "fleet_to_hf", source, plan.targets):
+        if key in fp8:
+            q, scale = quantize_blocks(t.numpy(), plan.block)
+            writers[file_of[key]].write(key, q, "F8_E4M3")
+            writers[file_of[fp8[key]]].write(fp8[key], scale, "F32")
+            del q, scale
+        else:
+            writers[file_of[key]].write(key, t.numpy(), paddle_to_st_dtype(t.dtype))
+        del t
 
 
 def set_quantization_config(path: str, qc: Mapping[str, Any] | None) -> None:
@@ -284,8 +359,8 @@ def carry_files(
     if src is None:
         return []
     src = os.path.abspath(os.fspath(src))
-    if not os.path.isdir(src) or src == out_dir:
-        return []  # saving over the source: those files are kept as they are
+    if not os.path.isdir(src) or os.path.realpath(src) == os.path.realpath(out_dir):
+        return []  # saving over the source (also through a link to it): those files are kept as they are
     out = []
     for name in names:
         f = os.path.join(src, name)
@@ -295,7 +370,19 @@ def carry_files(
     return out
 
 
-def _temp_prefix(out_dir: str, kind: str) -> str:
+def save_target(out_dir: str | os.PathLike) -> str:
+    """The folder a save to ``out_dir`` replaces: ``out_dir``, or where it leads when it is a symbolic
+    link (``~/ckpt -> /big/ckpt``), as transformers' ``save_pretrained`` writes through the link; the
+    temporary folder is then made beside the target, on its filesystem, and the link is kept. A target
+    that is not a folder is refused here, before any tensor is produced (not after the whole model)."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    out_dir = os.path.realpath(out_dir) if os.path.islink(out_dir) else out_dir
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError("output path exists and is not a folder", file=out_dir)
+    return out_dir
+
+
+def temp_prefix(out_dir: str, kind: str) -> str:
     """``.<name>.<kind>-<pid>-``: the pid lets a later save tell a killed save's leftovers from a live one."""
     return f".{os.path.basename(out_dir)}.{kind}-{os.getpid()}-"
 
@@ -382,7 +469,7 @@ def publish(tmp: str, out_dir: str, replaces: tuple[str, ...] = ()) -> None:
     if _exchange(tmp, out_dir):
         shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old checkpoint
         return
-    old = tempfile.mkdtemp(prefix=_temp_prefix(out_dir, "old"), dir=os.path.dirname(out_dir))
+    old = tempfile.mkdtemp(prefix=temp_prefix(out_dir, "old"), dir=os.path.dirname(out_dir))
     os.rmdir(old)
     os.rename(out_dir, old)
     os.rename(tmp, out_dir)

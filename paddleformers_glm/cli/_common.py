@@ -1,15 +1,26 @@
-"""What every ``glm52`` subcommand shares: help pages that show defaults, and the one message for
-a ``--model`` that is not a checkpoint folder (missing, a file, or a Hugging Face Hub id)."""
+"""What every ``glm52`` subcommand shares: help pages that show defaults, the one message for
+a ``--model`` that is not a checkpoint folder (missing, a file, or a Hugging Face Hub id), and the
+check of an output file path before any work (a folder there, a file where its folder should be, or
+one of the command's own inputs, which the write would replace)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-__all__ = ["HelpFormatter", "model_folder_error", "run_main", "show_defaults"]
+__all__ = [
+    "HelpFormatter",
+    "checkpoint_files",
+    "model_folder_error",
+    "output_file_error",
+    "output_folder_error",
+    "run_main",
+    "show_defaults",
+]
 
 # owner/name, as the Hub spells repository ids
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -54,6 +65,53 @@ def model_folder_error(model: str, what: str = "--model") -> str | None:
             f"only (download it first, e.g. `huggingface-cli download {model} --local-dir DIR`, then {what} DIR)"
         )
     return f"{what} {model}: no such folder"
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The files of the checkpoint at ``path`` that a reader of it reads: the file itself, or a
+    folder's ``config.json``, index and ``.safetensors`` files (what an output must never replace)."""
+    if not os.path.isdir(path):
+        return [path]
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    keep = [n for n in names if n == "config.json" or n.endswith((".safetensors", ".safetensors.index.json"))]
+    return [os.path.join(path, n) for n in sorted(keep)]
+
+
+def _file_above(path: str, what: str) -> str | None:
+    """The message for a file standing where one of ``path``'s folders must be, else None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    return None if os.path.isdir(parent) else f"{what} {path}: {parent} is a file, not a folder"
+
+
+def output_folder_error(path: str, what: str) -> str | None:
+    """Why the output folder ``path`` (named by ``what``) cannot be made or written into, or None:
+    a file is there, or stands where one of its parent folders must be."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        return f"{what} {path}: a file, not a folder"
+    return _file_above(path, what)
+
+
+def output_file_error(path: str, what: str, inputs: Sequence[str] = ()) -> str | None:
+    """Why the file ``path`` that a command writes (``what``: the flag naming it, e.g. ``--json``)
+    cannot be written, or None: a folder is there, a file stands where one of its folders must be,
+    or it is one of ``inputs`` (files the command reads: the write would replace an input). Checked
+    before the command works, so an hour of hashing does not end in a traceback at the last write."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{what} {path}: a folder, not a file"
+    if bad := _file_above(path, what):
+        return bad
+    if os.path.exists(full):
+        for f in inputs:
+            with contextlib.suppress(OSError):
+                if os.path.samefile(full, f):
+                    return f"{what} {path}: this is an input of the command ({f}); writing there would replace it"
+    return None
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from .._io import atomic_path, read_json
+from ._common import output_file_error
 
 PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
 # left a heatmap, right curves
@@ -25,6 +26,11 @@ def register_plot(sub: argparse._SubParsersAction, name: str, run: Any, png_name
 
 def loss_json_of(out: str) -> str:
     return os.path.join(out, "loss.json") if os.path.isdir(out) else out
+
+
+def png_error(png: str, loss_json: str) -> str | None:
+    """Why ``png`` cannot take the figure (checked before drawing: not over the loss record it reads)."""
+    return output_file_error(png, "--png", [loss_json])
 
 
 def read_block(loss_json: str, key: str, required: tuple[str, ...], absent: str) -> dict[str, Any]:

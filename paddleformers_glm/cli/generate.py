@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             msgs.append({"role": "user", "content": args.prompt})
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
         else:
-            ids = tok.encode(args.prompt)
+            ids = tok.encode(args.prompt, add_special_tokens=False)
         if not ids:
             return fail("the prompt encodes to no tokens")
         if max(ids) >= config.vocab_size:

@@ -40,8 +40,16 @@ _LOADER_KWARGS = frozenset(
     "cache_dir subfolder download_hub from_hf_hub from_aistudio from_modelscope force_download local_files_only "
     "revision token use_auth_token trust_remote_code return_unused_kwargs _from_auto _commit_hash use_fast "
     "convert_from_hf convert_from_torch load_checkpoint_format low_cpu_mem_usage use_safetensors proxies "
-    "resume_download".split()
+    "resume_download load_state_as_np load_via_cpu ignore_mismatched_sizes".split()
 )
+# PaddleFormers' tensor-parallel arguments of from_pretrained / from_config (1.2.0's names and the
+# older tensor_parallel_degree): one process is all this class builds (no value but one process's
+# is honoured; glm52 train has the parallel layouts)
+_ONE_PROCESS = {
+    "tensor_model_parallel_size": (-1, 0, 1),
+    "tensor_parallel_degree": (-1, 0, 1),
+    "tensor_parallel_rank": (-1, 0),
+}
 
 
 class ReplacementWarning(UserWarning):
@@ -66,6 +74,18 @@ def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in _LOADER_KWARGS}
 
 
+def _one_process(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without PaddleFormers' tensor-parallel arguments, refusing a split over ranks."""
+    for key, single in _ONE_PROCESS.items():
+        value = kwargs.pop(key, single[0])
+        if value not in single:
+            raise ValueError(
+                f"GlmMoeDsaForCausalLM: {key}={value!r}: PaddleFormers' tensor parallelism is not supported "
+                "here (one process; `glm52 train --tp N` trains split over ranks)"
+            )
+    return kwargs
+
+
 # --------------------------------------------------------------------------- the classes PaddleFormers gets
 @functools.cache
 def _classes() -> dict[str, Any]:
@@ -82,13 +102,27 @@ def _classes() -> dict[str, Any]:
     class GlmMoeDsaConfig(_Config):
         """Our config, read by PaddleFormers' ``AutoConfig`` (its loading arguments dropped)."""
 
+        # the Trainer's evaluation gathers every other output as predictions: the logits only, as
+        # transformers' model gives (its outputs beyond loss and logits are None there); a
+        # per-batch 0-d loss cannot be concatenated over batches
+        keys_to_ignore_at_inference = ["past_key_values", "mtp_loss", "indexer_loss", "last_hidden_state"]
+
         @classmethod
         def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
-            return super().from_dict(config_dict, **_split_kwargs(kwargs))
+            """As PaddleFormers' (and transformers') ``from_dict``: keywords naming a config key
+            override it; the others are left out, returned with ``return_unused_kwargs=True``
+            as ``(config, unused)``."""
+            want_unused = kwargs.pop("return_unused_kwargs", False)
+            kwargs = _split_kwargs(kwargs)
+            plain = super().from_dict(config_dict)
+            known = {k: v for k, v in kwargs.items() if hasattr(plain, k)}
+            config = super().from_dict(config_dict, **known) if known else plain
+            return (config, {k: v for k, v in kwargs.items() if k not in known}) if want_unused else config
 
         @classmethod
         def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any):
-            return super().from_pretrained(path, **_split_kwargs(kwargs))
+            want_unused = kwargs.pop("return_unused_kwargs", False)
+            return super().from_pretrained(path, return_unused_kwargs=want_unused, **_split_kwargs(kwargs))
 
     @dataclass
     class GlmCausalLMOutput(ModelOutput):
@@ -110,19 +144,30 @@ def _classes() -> dict[str, Any]:
         def from_pretrained(cls, path: Any, *model_args: Any, **kwargs: Any):
             if model_args:
                 raise TypeError(f"GlmMoeDsaForCausalLM.from_pretrained: unexpected positional arguments {model_args}")
-            kwargs = _split_kwargs(kwargs)
+            kwargs = _one_process(_split_kwargs(kwargs))
             if "paddle_dtype" in kwargs:  # PaddleFormers' older name
                 kwargs.setdefault("dtype", kwargs.pop("paddle_dtype"))
             if isinstance(kwargs.get("config"), _Config) and not isinstance(kwargs["config"], GlmMoeDsaConfig):
                 kwargs["config"] = GlmMoeDsaConfig.from_dict(kwargs["config"].to_dict())
             if kwargs.get("config") is None:
-                kwargs["config"] = GlmMoeDsaConfig.from_pretrained(path)
+                # the other keywords override the config's keys, as transformers' and PaddleFormers'
+                # from_pretrained do (use_cache=False ...); one that is no config key is refused
+                own = inspect.signature(_Model.from_pretrained).parameters
+                overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+                config = GlmMoeDsaConfig.from_pretrained(path)
+                unknown = sorted(k for k in overrides if not hasattr(config, k))
+                if unknown:
+                    raise TypeError(
+                        f"GlmMoeDsaForCausalLM.from_pretrained: unexpected keyword arguments {unknown} "
+                        "(neither loading options nor keys of the model config)"
+                    )
+                kwargs["config"] = GlmMoeDsaConfig.from_pretrained(path, **overrides) if overrides else config
             return super().from_pretrained(path, **kwargs)
 
         @classmethod
         def _from_config(cls, config: Any, **kwargs: Any):
-            kwargs = _split_kwargs(kwargs)
-            dtype = kwargs.pop("dtype", None) or "float32"
+            kwargs = _one_process(_split_kwargs(kwargs))
+            dtype = kwargs.pop("dtype", None) or kwargs.pop("paddle_dtype", None) or "float32"
             return cls.from_config(config, dtype=dtype, **kwargs)
 
         def forward(
@@ -137,6 +182,17 @@ def _classes() -> dict[str, Any]:
             return_dict: bool | None = None,
             logits_to_keep: int = 0,
         ):
+            """PaddleFormers' label convention, as its own causal LMs and data pipelines have it
+            (its criterion does not shift; SFTDataset and the pretraining workflows feed input
+            tokens[:-1] with labels tokens[1:]): ``labels[i]`` is position i's target, -100 ignored.
+            ``attention_mask``: [B, S] key padding (1 real, 0 padding); PaddleFormers' 4-D masks
+            (its collate_fn's, for packed sequences) are refused."""
+            if attention_mask is not None and attention_mask.ndim != 2:
+                raise ValueError(
+                    f"GlmMoeDsaForCausalLM: attention_mask of shape {list(attention_mask.shape)}: this model takes "
+                    "the [batch, seq] key-padding mask (1 real, 0 padding), not PaddleFormers' 4-D attention "
+                    "masks of packed sequences"
+                )
             out = super().forward(
                 input_ids,
                 attention_mask,
@@ -147,9 +203,21 @@ def _classes() -> dict[str, Any]:
                 use_cache=use_cache,
                 inputs_embeds=inputs_embeds,
                 logits_to_keep=logits_to_keep,
+                labels_shifted=True,
             )
             result = GlmCausalLMOutput(**{f.name: getattr(out, f.name) for f in fields(GlmCausalLMOutput)})
             return result if return_dict is None or return_dict else result.to_tuple()
+
+        @property
+        def enable_recompute(self) -> bool:
+            """PaddleFormers' switch: its Trainer sets it True on the layers that have it when
+            ``TrainingArguments.recompute_granularity`` is set (any granularity); True recomputes
+            every decoder layer in backward (``glm52 train --recompute full``)."""
+            return self.recompute != "none"
+
+        @enable_recompute.setter
+        def enable_recompute(self, value: bool) -> None:
+            self.recompute = "full" if value else "none"
 
         def get_model_flops(self, *args: Any, **kwargs: Any) -> float:
             """The Trainer's speed log asks; no FLOP count is claimed (the Trainer then logs none)."""

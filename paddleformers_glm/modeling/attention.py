@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) with DSA sparse attention over the indexer's top-k keys (its
 projections and shapes: docs/model.md, "Data flow and shapes"; rope on q's rope part and the one
-k_rot all heads share, interleaved per `rope_interleave`).
+k_rot all heads share, interleaved: `rope_interleave` false is refused, docs/config.md).
 
 The sparse softmax itself has several forms (attention_forms.py); the config key
 `attn_implementation` (auto | reference | dense | sparse | latent) and `choose_form` pick one per
@@ -69,6 +69,7 @@ class MLAttention(nn.Layer):
 
     def __init__(self, config: GlmMoeDsaConfig, has_indexer: bool, topo: Topology) -> None:
         super().__init__()
+        config.check_model_support()
         self.tp, self.sp, self.tp_group = topo.tp_size, topo.sequence_parallel, topo.tp_group
         # context parallel: this rank holds a zigzag slice of every sequence (parallel/context.py)
         self.cp, self.cp_rank, self.cp_group = topo.cp_size, topo.cp_rank, topo.cp_group
@@ -153,6 +154,8 @@ class MLAttention(nn.Layer):
         """
         if cache is not None and (self.tp > 1 or self.cp > 1):
             raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")
+        if self.training:
+            self.config.check_training_support()
         H = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S_local, q_lora]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, S_local, kv_lora + rope]

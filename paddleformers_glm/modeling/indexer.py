@@ -17,7 +17,7 @@ import paddle
 from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import topk
+from ..ops import log_softmax, topk
 from .attention_forms import CHUNK_BYTES, gather_keys
 from .norms import LayerNorm
 from .rope import rope_concat
@@ -71,7 +71,7 @@ def query_mean(
 def _kl_rows(scores: paddle.Tensor, p: paddle.Tensor, valid: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
     """Per query of scores [B, C, n]: KL(p || softmax(scores)) over its valid keys, and 1.0 if it has
     any (else 0.0)."""
-    log_q = nn.functional.log_softmax(paddle.where(valid, scores, paddle.full_like(scores, -1e30)), axis=-1)
+    log_q = log_softmax(paddle.where(valid, scores, paddle.full_like(scores, -1e30)), axis=-1)
     log_p = paddle.log(paddle.clip(p, min=1e-30))
     kl = paddle.where(valid, p * (log_p - log_q), paddle.zeros_like(p)).sum(-1)
     return kl, valid.any(axis=-1).astype("float32")

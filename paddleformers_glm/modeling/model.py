@@ -95,9 +95,11 @@ class CausalLMOutput:
 
 
 # ---------------------------------------------------------------------------------------------- losses
-def shift_labels(labels: paddle.Tensor, shift: int, fill: int = IGNORE_INDEX) -> paddle.Tensor:
+def shift_labels(labels: paddle.Tensor, shift: int, fill: int | None = None) -> paddle.Tensor:
     """HF's causal shift: position i's target is labels[i + shift] ([B, S]; past the end: ``fill``,
-    ignored)."""
+    default IGNORE_INDEX: ignored).  (No module constant as a default value: to_static's
+    full-graph translation re-creates the function where the module's names are not defined.)"""
+    fill = IGNORE_INDEX if fill is None else fill
     B, S = labels.shape
     return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], fill, dtype=labels.dtype)], 1)[:, :S]
 
@@ -142,7 +144,8 @@ def causal_lm_losses(
     ``indexer_kl@<id>`` (its KL, detached: a report) and ``indexer_recall@<id>`` (its top-k recall).
 
     Under context parallel the batch carries each shift's targets already shifted over the whole
-    sequence and sliced to this rank (``cp_target_<shift>``, parallel/context.py)."""
+    sequence and sliced to this rank (``cp_target_<shift>``, parallel/context.py); so does the
+    forward's ``labels_shifted`` (PaddleFormers' label convention)."""
     losses: dict[str, LossTerm] = {}
     for d, lg in enumerate(logits):
         target = batch.get(f"cp_target_{d + 1}")
@@ -382,12 +385,20 @@ class GlmMoeDsaForCausalLM(nn.Layer):
 
     # ------------------------------------------------------------------ construction / IO
     def init_weights(self, seed: int | None = None) -> None:
-        """HF-style init: N(0, initializer_range) for matrices, ones for norms, zeros for biases."""
+        """HF-style init: N(0, initializer_range) for matrices, ones for norms, zeros for biases and
+        for the embedding row `pad_token_id`."""
         from ..checkpoint.loader import init_like_hf
 
         if seed is not None:
             paddle.seed(seed)
         init_like_hf(dict(self.named_parameters()), self.config.initializer_range)
+        # as transformers (nn.Embedding's padding_idx): the pad row starts at zero (it gets no gradient)
+        emb, pad = getattr(getattr(self.model, "embedding", None), "embed_tokens", None), self.config.pad_token_id
+        if emb is not None and pad is not None:
+            start = int(getattr(emb, "start", getattr(emb, "vocab_start_index", 0)))  # this rank's first row
+            if 0 <= pad - start < emb.weight.shape[0]:
+                with paddle.no_grad():
+                    emb.weight[pad - start] = 0.0
 
     @classmethod
     def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):
@@ -435,11 +446,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 state, path, dtype=None, strict=strict, config=config, keys=set(state), shard_info=shard_info
             )
         else:
+            state = model.state_dict()
             report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
         params = model.state_dict()
         unfilled = set(params) - set(report.loaded) - set(report.initialized)
-        if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does
-            init_like_hf({k: params[k] for k in sorted(unfilled)}, config.initializer_range)
+        if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does, seeded by key
+            # name so that every rank holds its piece of the same model (replicas equal)
+            init_like_hf({k: state[k] for k in sorted(unfilled)}, config.initializer_range, seeded=True)
         if check_finite:
             from ..checkpoint.finite import check_finite_state
 
@@ -606,15 +619,22 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         inputs_embeds: paddle.Tensor | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        labels_shifted: bool = False,
     ) -> CausalLMOutput | tuple:
         """`use_cache=True` (or a `past_key_values` cache) runs the decoding path: an empty cache is
         filled by this forward (prefill), a filled one makes `input_ids` the next tokens only. Its
         default rope positions count each row's real tokens (padding-aware, as `generate` needs);
         the plain forward uses arange(S) like HF's forward. `logits_to_keep=n` computes the logits
-        of the last n positions only. `return_dict=False` returns `out.to_tuple()`."""
+        of the last n positions only. `return_dict=False` returns `out.to_tuple()`.
+        `labels_shifted=True`: ``labels[i]`` is position i's target already (Megatron's and
+        PaddleFormers' convention: input tokens[:-1], labels tokens[1:]), not token i to be
+        shifted as HF does; MTP depth d then predicts labels[i + d]."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted
+            for d in range(len(self.model.mtp_layers) + 1):
+                batch[f"cp_target_{d + 1}"] = shift_labels(labels, d) if d else labels
         cache = past_key_values
         if use_cache or cache is not None:  # decoding: no MTP
             B, n = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]

@@ -17,7 +17,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import route, routed_rows, swiglu
+from ..ops import route, routed_rows, silu, swiglu
 from ..ops.norm import capturing_cuda_graph, cast
 from ..parallel import comm
 from ..parallel.context import zigzag_positions
@@ -362,7 +362,7 @@ class MoE(nn.Layer):
         x_pad = paddle.gather(x_ext, token_of_slot).reshape([E, cap, H])
         w1, w2 = (paddle.stack(ws) for ws in self._expert_weights())  # [E, H, 2I], [E, I, H]
         gate, up = paddle.split(paddle.matmul(x_pad, w1), 2, axis=-1)
-        y = paddle.matmul(nn.functional.silu(gate) * up, w2)  # [E, cap, H]
+        y = paddle.matmul(silu(gate) * up, w2)  # [E, cap, H]
         w = paddle.take_along_axis(weights, perm, axis=-1)  # [N, K] fp32
         y = paddle.gather(y.reshape([E * cap, H]), slot_of_assign).reshape([N, K, H])
         y = cast(cast(y, w.dtype) * w.unsqueeze(-1), x.dtype)  # the weight product in fp32, as HF

@@ -5,11 +5,11 @@ Paddle-op fallback (same maths): modeling code calls these and never asks which 
 does so for the process (kernels.py: build, cache, switches).
 """
 
-from .activation import swiglu
+from .activation import silu, swiglu
 from .experts import routed_experts, routed_rows
 from .heads import head_accum_, head_context_, head_scores
 from .kernels import cpu_ops, disabled
-from .loss import cross_entropy_sum
+from .loss import cross_entropy_sum, log_softmax
 from .norm import rms_norm
 from .projection import head_matmul, latent_out_proj
 from .rope import rope_concat, rope_heads
@@ -26,6 +26,7 @@ __all__ = [
     "head_context_",
     "head_matmul",
     "head_scores",
+    "log_softmax",
     "latent_out_proj",
     "masked_softmax_",
     "rms_norm",
@@ -35,6 +36,7 @@ __all__ = [
     "routed_experts",
     "routed_rows",
     "selection_mask",
+    "silu",
     "softmax_backward",
     "swiglu",
     "topk",

@@ -8,7 +8,8 @@ import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
 
-from .kernels import usable
+from .kernels import computes_on_cpu, usable
+from .norm import building_graph
 
 
 def swiglu(h: paddle.Tensor) -> paddle.Tensor:
@@ -20,7 +21,32 @@ def swiglu(h: paddle.Tensor) -> paddle.Tensor:
             return ops.glm_swiglu(h, _no_scale())
         return SwiGLUKernel.apply(h, None, ops)
     gate, up = paddle.split(h, 2, axis=-1)
-    return nn.functional.silu(gate) * up
+    return silu(gate) * up
+
+
+# Below this the fp32 derivative of silu is under 1.5e-33 (about -0); Paddle's CPU gradient overflows
+# from about -87 (-inf, then NaN below -88.7)
+_SILU_FLAT = -80.0
+
+
+def silu(x: paddle.Tensor) -> paddle.Tensor:
+    """``nn.functional.silu(x)`` (bitwise the same values) with a finite gradient on the CPU.
+
+    Paddle 3.3's CPU silu gradient, dout / (1 + e^-x) * (1 + x e^-x / (1 + e^-x)), overflows for
+    x below about -87: -inf, then NaN below -88.7, where the derivative is about -1e-33 .. -0 (torch's
+    is finite). On the CPU, elements at or below -80 take their value without a gradient (0) and the
+    others Paddle's silu and its gradient; elsewhere (accelerators' kernels compute it finitely)
+    Paddle's silu alone. tests/test_silu_grad.py."""
+    if x.stop_gradient or not paddle.is_grad_enabled() or not computes_on_cpu(x):
+        return nn.functional.silu(x)
+    with paddle.no_grad():
+        flat = x <= _SILU_FLAT
+        usual = not building_graph() and not bool(flat.any())  # eager: read whether any is that low
+        value = None if usual else nn.functional.silu(x)
+    if value is None:
+        return nn.functional.silu(x)
+    live = nn.functional.silu(paddle.where(flat, paddle.zeros_like(x), x))
+    return paddle.where(flat, value, live)
 
 
 @functools.cache

@@ -590,9 +590,10 @@ void TorchTopkOrder(const float* v, int64_t n, int64_t k, std::vector<std::pair<
 // n_group > 1 each group scores the sum of its two largest choices, the topk_group best groups
 // stay and the others' experts are out; then the top_k experts by choice, and their weights are
 // the scores (not the choices), divided by their sum + 1e-20 when `norm`, times `scaling`.
-// -> (weights [N, K] fp32, expert ids [N, K] int64) in the order torch's top-k gives (ties too:
-// `TorchTopkOrder`), so a row routes exactly as HF's router and the Paddle-op form of ops/router.py
-// route it.
+// -> (weights [N, K] fp32, expert ids [N, K] int64) in the order torch's sorted top-k gives (ties
+// too: `TorchTopkOrder`), as the Paddle-op form of ops/router.py routes. HF's router chooses the
+// same experts; its top-k is unsorted, so its normalising sum adds them in another order (weights
+// 1-2 ulp apart in some rows).
 std::vector<paddle::Tensor> RouterTopk(const paddle::Tensor& scores, const paddle::Tensor& bias, int64_t n_group,
                                        int64_t topk_group, int64_t top_k, bool norm, float scaling) {
   const int64_t N = scores.shape()[0], E = scores.shape()[1];

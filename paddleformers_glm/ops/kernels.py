@@ -178,7 +178,50 @@ def _load_built(folder: Path, name: str, log: Path) -> ModuleType:
             from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
         except ImportError as e:
             raise RuntimeError(f"this Paddle ({paddle.__version__}) has no loader for a built extension: {e}") from e
-        return _import_module_from_library(name, str(folder / name), False)
+        module = _import_module_from_library(name, str(folder / name), False)
+    _drop_api_files(module, folder / name, name)
+    return module
+
+
+_STALE_API_FILE_S = 86400
+
+
+def _drop_api_files(module: ModuleType, lib_dir: Path, name: str) -> None:
+    """Remove the Python file Paddle's loader wrote beside the library to import it from
+    (``<name>_<thread ident>.py``, a new name in every process), its text kept in ``linecache`` so
+    ``inspect`` still finds the source; and such files older than a day, left by earlier processes.
+
+    Paddle removes the file only from an ``atexit`` handler, which a process leaving with
+    ``os._exit`` (the training workers) or killed never runs: the cache grew by 28 KB a process
+    (tests/test_kernel_cache.py)."""
+    import linecache
+
+    own = getattr(module, "__file__", None)
+    with contextlib.suppress(OSError):
+        if own and Path(own).parent == lib_dir:
+            text = Path(own).read_text()
+            linecache.cache[own] = (len(text), None, text.splitlines(True), own)  # mtime None: kept
+            os.remove(own)
+    now = time.time()
+    for f in lib_dir.glob(f"{name}_*.py"):
+        if f.stem[len(name) + 1 :].isdigit():  # another process's: removed once it is a day old
+            with contextlib.suppress(OSError):
+                if now - f.stat().st_mtime > _STALE_API_FILE_S:
+                    f.unlink()
+
+
+def _compiler_identity() -> str:
+    """The compiler Paddle's ``load`` runs (``$CXX``, else ``c++`` on the PATH): its path, size and
+    mtime. A failed build is not retried while it stays the same (every rank of a job on a host
+    without a compiler spent ~12 s finding that out again)."""
+    import shutil
+
+    cxx = os.environ.get("CXX") or ("cl" if os.name == "nt" else "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx}: not found"
+    st = os.stat(path)
+    return f"{os.path.realpath(path)} {st.st_size} {st.st_mtime_ns}"
 
 
 def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
@@ -192,13 +235,24 @@ def build(source: Path = SOURCE, cache_root: str | None = None) -> ModuleType:
     folder = root / key
     folder.mkdir(parents=True, exist_ok=True)
     name = f"glm_cpu_kernels_{key[:8]}"
-    log, done = folder / "build.log", folder / "built"
+    log, done, failed = folder / "build.log", folder / "built", folder / "failed"
     if not done.exists():
         with _exclusive(folder / ".lock"):
             if not done.exists():  # another process may have built it while this one waited
+                compiler = _compiler_identity()
+                if failed.exists() and failed.read_text(errors="replace") == compiler:
+                    raise RuntimeError(
+                        f"an earlier build with this compiler failed (log {log}); it is retried when the compiler "
+                        f"changes or once {failed} is removed"
+                    )
                 _say(f"building the CPU kernels (once per Paddle version and CPU; log {log}) ...")
                 t0 = time.monotonic()
-                _compile(source, folder, name, cflags, ldflags, log)
+                try:
+                    _compile(source, folder, name, cflags, ldflags, log)
+                except RuntimeError:
+                    failed.write_text(compiler)  # the job's other processes do not spend the same build again
+                    raise
+                failed.unlink(missing_ok=True)
                 done.touch()
                 _say(f"CPU kernels built in {time.monotonic() - t0:.0f} s, cached in {folder}")
     module = _load_built(folder, name, log)
@@ -251,10 +305,21 @@ def disabled() -> Iterator[None]:
         _state["off"] = int(_state["off"]) - 1  # type: ignore[call-overload]
 
 
+def computes_on_cpu(x: paddle.Tensor) -> bool:
+    """Whether x is computed on the CPU (while ``paddle.jit.to_static`` traces, where a tensor's place
+    is not readable: whether Paddle computes on the CPU)."""
+    try:
+        return bool(x.place.is_cpu_place())
+    except Exception:  # a symbolic tensor
+        return paddle.device.get_device() == "cpu"
+
+
+@paddle.jit.not_to_static
 def usable(*tensors: paddle.Tensor) -> ModuleType | None:
     """The kernels when every tensor is contiguous and on the CPU, and every floating one fp32
-    (integer index tensors pass), and they are built; else None."""
-    if _state["off"]:
+    (integer index tensors pass), and they are built; else None (so also while ``to_static``
+    translates a whole graph: Paddle's own ops there)."""
+    if _state["off"] or not paddle.in_dynamic_mode():
         return None
     for t in tensors:
         # dtype membership, not is_floating_point(): this check runs before every kernel call and

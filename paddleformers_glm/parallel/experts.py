@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 import paddle.nn as nn
-import paddle.nn.functional as F
 
+from ..ops.activation import silu
 from . import comm
 from .layers import ShardSpec, set_shard_spec
 from .topology import Topology, get_topology
@@ -133,7 +133,7 @@ class ExpertMLP(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         gate, up = paddle.chunk(paddle.matmul(x, self.up_gate_proj), 2, axis=-1)
-        return paddle.matmul(F.silu(gate) * up, self.down_proj)  # partial over etp
+        return paddle.matmul(silu(gate) * up, self.down_proj)  # partial over etp
 
 
 class LocalExperts(nn.LayerDict):

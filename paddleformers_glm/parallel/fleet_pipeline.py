@@ -24,7 +24,7 @@ from paddle.distributed.fleet.meta_parallel import (
     PipelineParallelWithInterleaveFthenB,
 )
 
-from .pipeline import LossLedger, StageSpec, _checked_output
+from .pipeline import LossLedger, StageSpec, checked_output
 from .topology import ParallelConfigError, Topology
 
 __all__ = ["FleetPipeline", "PipelineChunk", "rank_spec", "step_optimizer"]
@@ -81,7 +81,7 @@ class PipelineChunk(nn.Layer):
         last = self.spec.is_last
         where = f"pipeline chunk {self.spec.stage}"
         out = self.stage.forward_stage(None if self.spec.has_embedding else carry, batch, part=self.spec)
-        out = _checked_output(out, last, self.spec.stage)
+        out = checked_output(out, last, self.spec.stage)
         objective = self._ledger.objective(out.losses or {}, where)
         if last:
             if anchor is not None:  # the backward reaches every chunk's objective through the anchor

@@ -251,7 +251,7 @@ class StageOutput:
     losses: dict[str, LossTerm] | None = None
 
 
-def _checked_output(out: Any, last: bool, stage: int) -> StageOutput:
+def checked_output(out: Any, last: bool, stage: int) -> StageOutput:
     if not isinstance(out, StageOutput):
         raise TypeError(f"stage {stage} forward returned {type(out).__name__}; expected StageOutput")
     if last and not out.losses:
@@ -308,7 +308,7 @@ class SingleStageEngine:
         """Forward + backward of every micro-batch; returns {term: (sum, count)} (sums in float64)."""
         self.ledger.reset(scales)
         for mb in micro_batches:
-            out = _checked_output(self.module.forward_stage(None, mb), True, 0)
+            out = checked_output(self.module.forward_stage(None, mb), True, 0)
             objective = self.ledger.objective(out.losses, "stage 0")
             paddle.autograd.backward([objective], [paddle.ones_like(objective)])
         return self.ledger.totals()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._io import read_json, write_json_atomic
+from ..cli._common import output_folder_error
 from ..train.command import add_dtype_argument, add_expert_update_argument, add_indexer_arguments, add_step_arguments
 from .reference.indexer import saved_indexer_coeff
 from .reference.topk_gaps import NEAR_TIE
@@ -289,9 +290,9 @@ def run_align(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     receipt = os.path.join(out, "receipt")
     ref_out, pd_out = os.path.join(out, "reference"), os.path.join(out, "paddle")
-    for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d)
+    if bad := output_folder_error(out, "--out"):
+        print(f"glm52 align: error: {bad}", file=sys.stderr)
+        return 2
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"glm52 align: error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
@@ -309,6 +310,10 @@ def run_align(args: argparse.Namespace) -> int:
     if bad:
         print(f"glm52 align: error: --dump-step {bad}: outside 1..--steps ({N})", file=sys.stderr)
         return 2
+    # only now, with every argument checked: a refused command line leaves OUT's earlier runs as they were
+    for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
     flags = {f"--{name.replace('_', '-')}": getattr(args, name) for name in TRAIN_FLAGS}
     common = ["--model", os.path.abspath(args.model)]

@@ -50,7 +50,7 @@ def versions(modules: tuple[str, ...] = ("paddle", "numpy", "safetensors")) -> d
     return out
 
 
-def sha256_file(path: str, chunk: int = 1 << 24) -> str:
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for b in iter(lambda: f.read(chunk), b""):
@@ -107,10 +107,23 @@ def _as_float(arr: np.ndarray, st_dtype: str) -> np.ndarray:
     return (bf16_bits_to_float32(arr) if st_dtype == "BF16" else arr).astype(np.float64)
 
 
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| ignoring NaN pairs' differences; 0 for empty tensors, NaN when every one is NaN."""
-    diff = np.abs(a - b)
-    return 0.0 if not diff.size else (math.nan if np.isnan(diff).all() else float(np.nanmax(diff)))
+_DIFF_CHUNK = 1 << 18  # elements compared at a time: float64 chunks of 2 MB, whatever the tensor's size
+
+
+def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tuple[float, int]:
+    """The max abs diff (NaN pairs' differences ignored; 0 for empty tensors, NaN when every one is
+    NaN) and the number of differing elements (NaN pairs equal) of two same-shape tensors (bf16 as
+    uint16 bits), computed in float64 a chunk of elements at a time: the same numbers as on the whole
+    tensors at once, without a float64 copy of them (4x a bf16 tensor, each side)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    worst, any_number, differing = -math.inf, False, 0
+    for lo in range(0, a.shape[0], _DIFF_CHUNK):
+        x, y = _as_float(a[lo : lo + _DIFF_CHUNK], a_dtype), _as_float(b[lo : lo + _DIFF_CHUNK], b_dtype)
+        diff = np.abs(x - y)
+        if not np.isnan(diff).all():
+            any_number, worst = True, max(worst, float(np.nanmax(diff)))
+        differing += int(np.count_nonzero((x != y) & ~(np.isnan(x) & np.isnan(y))))
+    return (0.0 if not a.shape[0] else (worst if any_number else math.nan)), differing
 
 
 @dataclass
@@ -160,14 +173,17 @@ def _open_side(path: str) -> _Side:
         bar = progress.start(
             "check-ckpt hash", sum(i.nbytes for i in side.ckpt.tensors.values()), len(side.ckpt.tensors)
         )
-        for k, info in side.ckpt.tensors.items():
+        # in file order: the pages the kernel maps ahead of a read are the next tensor's, dropped with it
+        for k, info in sorted(side.ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
             raw = side.ckpt.raw(k)
             side.hashes[k] = tensor_hash(info.dtype, info.shape, raw)
             if bad := count_nonfinite_raw(raw, info.dtype):
                 side.nonfinite[k] = bad
             del raw
-            side.ckpt.file_of(k).release(k)
+            side.ckpt.file_of(k).release(k, around=True)
             bar.update(info.nbytes)
+        for f in side.ckpt.files.values():
+            f.release_all()
     except (CheckpointError, OSError, ValueError) as e:
         side.error = str(e)
     return side
@@ -229,6 +245,8 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         for k in u.targets(direction):
             targets[k] = TargetSpec(k, tuple(ref_specs[k][0]), dtype)
     trace: dict[str, dict[str, Any]] = {}
+
+    # CheckpointSource.done drops a source tensor's pages and those the kernel mapped beside it
     for key, t in run_units(usable, direction, CheckpointSource(cand.ckpt), targets, trace=trace):
         arr = t.numpy()
         dtype = paddle_to_st_dtype(t.dtype)
@@ -242,8 +260,10 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         native = trace[key]["sources"]
         tags = _naming_kinds(key, native, trace[key]["transposed"])
         out[key] = {"hash": h, "dtype": dtype, "shape": tuple(arr.shape), "native": native, "tags": tags}
-        if ref_info is None or h != ref.hashes[key]:  # kept only for the max-abs-diff of a difference
-            out[key]["array"], out[key]["array_dtype"] = exact, paddle_to_st_dtype(t.dtype)
+        if ref_info is not None and h != ref.hashes[key] and tuple(arr.shape) == ref_info.shape:
+            # a value difference: its numbers now, against the reference tensor read now; neither is kept
+            out[key]["stats"] = _diff_stats(ref.ckpt.numpy(key), ref_info.dtype, exact, paddle_to_st_dtype(t.dtype))
+            ref.ckpt.file_of(key).release(key, around=True)
         del t, arr, exact
     for k in cand.ckpt.keys():  # outside the contract: under its own name, which no reference tensor may hide
         if k not in consumed:  # ... nor a mapped tensor of the same name (then only in candidate)
@@ -447,17 +467,18 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
     if tuple(c["shape"]) != r.shape:
         d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
         return d
-    a = _as_float(ref.ckpt.numpy(key), r.dtype)  # type: ignore[union-attr]
-    if "array" in c:
-        b = _as_float(c["array"], c["array_dtype"])
-    else:
-        b = _as_float(cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
+    if "stats" in c:  # computed when the mapping produced it (_canonical_cand)
+        mad, differing = c["stats"]
+    else:  # the candidate's own tensor: both read now, their pages dropped after
+        mad, differing = _diff_stats(ref.ckpt.numpy(key), r.dtype, cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
+        ref.ckpt.file_of(key).release(key, around=True)  # type: ignore[union-attr]
+        cand.ckpt.file_of(c["native"][0]).release(c["native"][0], around=True)  # type: ignore[union-attr]
     d.update(
         what="dtype" if c["dtype"] != r.dtype else "bytes",
         expected=r.dtype,
         actual=c["dtype"],
-        max_abs_diff=_max_abs_diff(a, b),
-        differing_elements=int(np.count_nonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))),
+        max_abs_diff=mad,
+        differing_elements=differing,
     )
     return d
 
@@ -485,14 +506,33 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
 
     fp8, plain = (cand, ref) if key in cand.fp8 else (ref, cand)
     shape = fp8.ckpt.info(key).shape  # type: ignore[union-attr]
-    a = Fp8Source(fp8.ckpt, pairs=fp8.fp8, block=fp8.block).read_numpy(key, (0,) * len(shape), shape)  # type: ignore[arg-type]
-    b, db = plain.ckpt.numpy(key), plain.ckpt.info(key).dtype  # type: ignore[union-attr]
-    if a.shape != b.shape:
+    db = plain.ckpt.info(key).dtype  # type: ignore[union-attr]
+    if shape != plain.ckpt.info(key).shape:  # type: ignore[union-attr]
         return False, math.inf
+    src = Fp8Source(fp8.ckpt, pairs=fp8.fp8, block=fp8.block)  # type: ignore[arg-type]
     want = st_to_paddle_dtype(db)
-    rounded = to_paddle(a, "float32").astype(want)
-    equal = (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
-    return equal, _max_abs_diff(_as_float(a, "F32"), _as_float(b, db))
+    # whole rows of scale blocks at a time (about _DIFF_CHUNK values): the same bytes and numbers as
+    # the whole tensor dequantized at once, without it (fp32) and its float64 copies in memory
+    rows = max(1, _DIFF_CHUNK // max(1, shape[-1] if shape else 1) // fp8.block[0]) * fp8.block[0]
+    equal, worst, any_number = True, -math.inf, False
+    for r0 in range(0, max(1, shape[0]), rows) if len(shape) == 2 else [None]:
+        if r0 is not None:
+            nr = min(rows, shape[0] - r0)
+            a = src.read_numpy(key, (r0, 0), (nr, shape[1]))
+            b = plain.ckpt.numpy(key, (slice(r0, r0 + nr),))  # type: ignore[union-attr]
+        else:
+            a, b = src.read_numpy(key, (0,) * len(shape), shape), plain.ckpt.numpy(key)  # type: ignore[union-attr]
+        assert a is not None
+        rounded = to_paddle(a, "float32").astype(want)
+        equal &= (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
+        if a.size:
+            mad, _ = _diff_stats(a, "F32", b, db)
+            if not math.isnan(mad):
+                any_number, worst = True, max(worst, mad)
+        del a, b, rounded
+    for side, k in ((fp8, key), (fp8, fp8.fp8[key]), (plain, key)):
+        side.ckpt.file_of(k).release(k, around=True)  # type: ignore[union-attr]
+    return equal, (0.0 if not math.prod(shape) else (worst if any_number else math.nan))
 
 
 def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:

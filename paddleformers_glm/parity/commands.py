@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from .._io import write_json_atomic
+from ..cli._common import checkpoint_files, output_file_error
 
 
 def _checker(sub: argparse._SubParsersAction, name: str, inputs: dict[str, str], run: Any, **text: str) -> Any:
@@ -17,6 +18,16 @@ def _checker(sub: argparse._SubParsersAction, name: str, inputs: dict[str, str],
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON receipt here")
     p.set_defaults(func=run)
     return p
+
+
+def _write_receipt(command: str, path: str, report: dict[str, Any]) -> bool:
+    """Write the receipt; a filesystem error (a full disk, a folder made there meanwhile) is one line."""
+    try:
+        write_json_atomic(path, report)
+    except OSError as e:
+        print(f"{command}: --json {path}: cannot write the receipt: {e.strerror or e}", file=sys.stderr)
+        return False
+    return True
 
 
 def register_check_ckpt(sub: argparse._SubParsersAction) -> None:
@@ -50,9 +61,13 @@ def _run_check_ckpt(args: argparse.Namespace) -> int:
     from .ckpt_check import check_checkpoints, summary_lines
 
     progress.set_quiet(True if args.quiet else None)
+    inputs = [*checkpoint_files(args.ref), *checkpoint_files(args.cand)]
+    if args.json_out and (bad := output_file_error(args.json_out, "--json", inputs)):
+        print(f"check-ckpt: {bad}", file=sys.stderr)
+        return 2
     report = check_checkpoints(args.ref, args.cand, layout=args.layout, allow_nonfinite=args.allow_nonfinite)
-    if args.json_out:
-        write_json_atomic(args.json_out, report)
+    if args.json_out and not _write_receipt("check-ckpt", args.json_out, report):
+        return 2
     print("\n".join(summary_lines(report)))
     return int(report["exit_code"])
 
@@ -88,11 +103,15 @@ def _run_check_loss(args: argparse.Namespace) -> int:
     if args.bit_exact and args.rtol is not None:
         print("check-loss: --rtol cannot be combined with --bit-exact", file=sys.stderr)
         return 2
+    for flag, path in (("--json", args.json_out), ("--plot", args.plot)):
+        if path and (bad := output_file_error(path, flag, [args.a, args.b])):
+            print(f"check-loss: {bad}", file=sys.stderr)
+            return 2
     report = check_losses(
         args.a, args.b, steps=args.steps, bit_exact=args.bit_exact, atol=args.atol, rtol=args.rtol, plot=args.plot
     )
-    if args.json_out:
-        write_json_atomic(args.json_out, report)
+    if args.json_out and not _write_receipt("check-loss", args.json_out, report):
+        return 2
     for e in report["errors"]:
         print(f"check-loss: {e}", file=sys.stderr)
     if report["result"] != "unusable input":

@@ -8,7 +8,16 @@ import argparse
 import os
 import sys
 
-from ..cli._plot import PLOT_EXTRA_HINT, TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
+from ..cli._plot import (
+    PLOT_EXTRA_HINT,
+    TWO_PANELS,
+    loss_json_of,
+    png_error,
+    pyplot,
+    read_block,
+    register_plot,
+    save_png,
+)
 
 __all__ = ["plot_expert_load", "register_plot_experts"]
 
@@ -45,6 +54,9 @@ def plot_expert_load(loss_json: str, png: str) -> str:
 def _run(args: argparse.Namespace) -> int:
     loss_json = loss_json_of(args.out)
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(loss_json)), "expert_load.png")
+    if bad := png_error(png, loss_json):
+        print(f"plot-experts: {bad}", file=sys.stderr)
+        return 2
     try:
         plot_expert_load(loss_json, png)
     except (ImportError, OSError, ValueError) as e:

@@ -167,6 +167,9 @@ def check_losses(
             # the comparison stands (result, receipt); exit 2: the asked-for output could not be made
             report["errors"].append(f"--plot {plot}: {PLOT_EXTRA_HINT}")
             report.update(exit_code=EXIT_UNUSABLE, plot=None)
+        except OSError as e:  # a full disk: the comparison stands, the plot could not be written
+            report["errors"].append(f"--plot {plot}: cannot write the plot: {e.strerror or e}")
+            report.update(exit_code=EXIT_UNUSABLE, plot=None)
     return report
 
 

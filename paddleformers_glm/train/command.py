@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from .._io import write_record
+from .._io import is_int, write_record
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -27,13 +27,18 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAIN_DEFAULTS",
     "add_indexer_arguments",
+    "add_indexer_loss_arguments",
+    "add_moe_aux_argument",
+    "add_moe_bias_argument",
     "add_dtype_argument",
     "add_dump_argument",
     "add_expert_update_argument",
     "add_layout_arguments",
     "add_step_arguments",
     "add_train_arguments",
+    "check_args",
     "check_inputs_before_launch",
+    "check_settings",
     "config_from_args",
     "main",
     "register_train",
@@ -88,6 +93,12 @@ def add_indexer_arguments(g: Any) -> None:
         "the KL over the selected keys; none = no indexer loss (default: sparse when the checkpoint's "
         "indexer_loss_coeff > 0)",
     )
+    add_indexer_loss_arguments(g)
+
+
+def add_indexer_loss_arguments(g: Any) -> None:
+    """``--indexer-loss-coeff`` and ``--indexer-shared-supervision`` (of :func:`add_indexer_arguments`):
+    ``glm52 plan`` takes them too, to refuse what the trainer refuses (``loop.check_run``)."""
     g.add_argument(
         "--indexer-loss-coeff",
         type=float,
@@ -113,7 +124,17 @@ def add_step_arguments(g: Any) -> None:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=1234)
+    add_moe_bias_argument(g)
+
+
+def add_moe_bias_argument(g: Any) -> None:
+    """``--moe-bias-update-rate`` (of :func:`add_step_arguments`; ``glm52 plan`` checks it as the trainer does)."""
     g.add_argument("--moe-bias-update-rate", type=float, default=0.0, help="expert-bias step R (0: frozen)")
+
+
+def add_moe_aux_argument(g: Any) -> None:
+    """``--moe-aux-loss-coeff`` of ``glm52 train`` (``glm52 plan`` checks it as the trainer does)."""
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
 
 
 def add_expert_update_argument(g: Any) -> None:
@@ -165,7 +186,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g = ap.add_argument_group("training")
     add_step_arguments(g)
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="sequence-wise balance loss (0: off)")
+    add_moe_aux_argument(g)
     add_expert_update_argument(g)
     g.add_argument(
         "--skip-nonfinite-steps",
@@ -217,8 +238,12 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_dump_argument(g)
     g = ap.add_argument_group("launch")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
-    g.add_argument("--master", help="IP:PORT of the rendezvous (multi-node)")
-    g.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
+    g.add_argument("--master", help="IP:PORT of the rendezvous, the same on every node (required with --nnodes > 1)")
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        help="this node's rank, 0..nnodes-1 (required with --nnodes > 1; logs in OUT/logs/node<R>/)",
+    )
     g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
     g.add_argument("--job-timeout", type=float, help="stop the whole job after this many seconds (default: none)")
     g.add_argument(
@@ -253,7 +278,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=os.path.abspath(args.resume) if args.resume else None,
         resume_override=[k.strip() for k in (getattr(args, "resume_override", None) or "").split(",") if k.strip()],
         progress=not args.no_progress,
-        dump_steps=_dump_steps(args),
+        dump_steps=dump_steps(args),
     )
     cfg = TrainConfig(**given)
     cfg.validate()
@@ -265,22 +290,31 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     the state, state_files.py), checked in this process before any worker starts, so a bad file is
     one named error instead of a worker dying at the step that first touches it.  A text/chat jsonl
     is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz``, which the workers then read."""
+    from ..tokenizer import GlmTokenizer, TokenizerError
     from .data import jsonl_kind, open_data, prepare_jsonl
 
-    if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
-        from ..tokenizer import GlmTokenizer, TokenizerError
-
-        tok_dir = args.tokenizer or cfg.model_args.get("model_dir")
-        if tok_dir is None:
-            raise ValueError(f"--data {cfg.data}: text/chat records need a tokenizer: pass --tokenizer DIR")
+    tok = None
+    if args.tokenizer:  # read even when no text data needs it: the export ships it
         try:
-            tok = GlmTokenizer.from_pretrained(tok_dir)
+            tok = GlmTokenizer.from_pretrained(args.tokenizer)
         except TokenizerError as e:
-            raise ValueError(f"--data {cfg.data}: {e}") from e
+            raise ValueError(f"--tokenizer {args.tokenizer}: {e}") from e
+    if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
+        tok_dir = cfg.model_args.get("model_dir")
+        if tok is None and tok_dir is None:
+            raise ValueError(f"--data {cfg.data}: text/chat records need a tokenizer: pass --tokenizer DIR")
+        if tok is None:
+            try:
+                tok = GlmTokenizer.from_pretrained(tok_dir)
+            except TokenizerError as e:
+                raise ValueError(f"--data {cfg.data}: {e}") from e
         name = os.path.splitext(os.path.basename(cfg.data))[0]
         out = os.path.join(cfg.out, "data", f"{name}.seq{cfg.seq_len}.npz")
+        stop = _stop_token_ids(tok_dir, args.tokenizer)  # what generation stops on: a chat turn's end is trained
         # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
-        info = prepare_jsonl(cfg.data, cfg.seq_len, vocab_size, tok, out, min_samples=cfg.global_batch_size)
+        info = prepare_jsonl(
+            cfg.data, cfg.seq_len, vocab_size, tok, out, min_samples=cfg.global_batch_size, stop_ids=stop
+        )
         epochs = cfg.steps * cfg.global_batch_size / info["samples"]
         print(
             f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "
@@ -296,7 +330,30 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint())
 
 
-def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
+def _stop_token_ids(*folders: str | None) -> list[int]:
+    """The ids generation stops on for the checkpoint (``model_dir``: its generation_config.json
+    ``eos_token_id``, else its config.json's, as ``glm52 generate`` reads them) and the tokenizer
+    folder's generation_config.json: a chat record trains the one ending each assistant turn."""
+    from ..configuration import GlmMoeDsaConfig
+    from ..generation import GENERATION_CONFIG_FILE, GenerationConfig
+
+    out: list[int] = []
+    for i, folder in enumerate(folders):
+        if folder is None or (i and not os.path.isfile(os.path.join(folder, GENERATION_CONFIG_FILE))):
+            continue
+        try:
+            eos = GenerationConfig.from_pretrained(folder, GlmMoeDsaConfig.from_pretrained(folder) if i == 0 else None)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{folder}: the generation stop tokens: {e}") from e
+        ids = [] if eos.eos_token_id is None else eos.eos_token_id
+        ids = [ids] if is_int(ids) else ids
+        if not isinstance(ids, list) or not all(is_int(x) for x in ids):
+            raise ValueError(f"{folder}: eos_token_id must be an int or a list of ints, got {eos.eos_token_id!r}")
+        out += [int(x) for x in ids if int(x) not in out]
+    return out
+
+
+def dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
     out = []
     for d, k in getattr(args, "dump_step", None) or []:
         try:
@@ -314,33 +371,71 @@ def _dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
 def run_train(args: argparse.Namespace) -> int:
     """Run (world 1) or launch (world > 1) the training; returns the exit code.  A stop signal
     before the launch is one line too (exit 128 + signal)."""
-    from .stop_signals import listen
+    from .stop_signals import listening
 
-    listener = listen()  # before Paddle starts its threads: they inherit the blocked stop signals
-    try:
-        return _run_train(args)
-    except KeyboardInterrupt as e:
-        stop = listener.interrupted(e)
-        print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
-        return 128 + int(signal.Signals[stop["signal"]])
+    # before Paddle starts its threads (they inherit the blocked stop signals); undone on return, so
+    # that a Python caller going on after the job (and every process it starts) gets them as before
+    with listening() as listener:
+        try:
+            return _run_train(args)
+        except KeyboardInterrupt as e:
+            stop = listener.interrupted(e)
+            print(f"glm52 train: stopped by {stop['text']} before the job started", file=sys.stderr)
+            return 128 + int(signal.Signals[stop["signal"]])
+
+
+def check_args(args: argparse.Namespace) -> tuple[TrainConfig, Any, int]:
+    """The settings of a ``glm52 train`` command line and every refusal of them that reads no file but
+    the model's config (``loop.check_run``, the launch numbers); returns (settings, adapter, world).
+    ``glm52 plan`` refuses the same layouts through the same ``check_run`` (tests/test_plan_agrees.py)."""
+    from .adapter import make_adapter
+    from .loop import run_world
+
+    cfg = config_from_args(args)
+    world = run_world(cfg)
+    adapter = make_adapter(cfg.model, **cfg.model_args)
+    check_settings(
+        cfg, adapter, world, job_timeout=args.job_timeout, comm_timeout=args.comm_timeout, nnodes=args.nnodes
+    )
+    return cfg, adapter, world
+
+
+def check_settings(
+    cfg: TrainConfig,
+    adapter: Any,
+    world: int,
+    job_timeout: float | None = None,
+    comm_timeout: float | None = 600.0,
+    nnodes: int = 1,
+) -> tuple[Any, list[Any]]:
+    """Every refusal of a run's settings that needs no file but the model's config: ``loop.check_run``
+    (the settings, the layout against the model, the batch, the pipeline split, the indexer training)
+    and the launch numbers (``--job-timeout``, ``--comm-timeout``, ``--nnodes``).  ``glm52 train``
+    (:func:`check_args`) and ``glm52 plan`` (``plan.check_layout``) both call it, so they refuse the
+    same lines with the same words.  Returns the layout and the pipeline chunks."""
+    from ..parallel.topology import ParallelConfigError
+    from .loop import check_run
+
+    pc, chunks = check_run(cfg, adapter, world)
+    for flag, v in (("--job-timeout", job_timeout), ("--comm-timeout", comm_timeout)):
+        if v is not None and not (math.isfinite(v) and v > 0):  # --job-timeout None: no limit
+            raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
+    if comm_timeout is not None and comm_timeout < 0.001:  # PADDLE_PG_TIMEOUT: whole ms
+        raise ValueError(f"--comm-timeout must be at least 0.001 s (whole milliseconds), got {comm_timeout}")
+    if world % nnodes:
+        raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {nnodes}")
+    return pc, chunks
 
 
 def _run_train(args: argparse.Namespace) -> int:
     apply_mkl_default()  # before Paddle (and its MKL) loads; AMD only
-    from ..parallel.topology import ParallelConfigError
-    from .adapter import make_adapter
-    from .loop import check_run
+    from ..cli._common import output_folder_error
 
     try:  # reject a layout that cannot work before any process starts
-        cfg = config_from_args(args)
-        world = cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
-        adapter = make_adapter(cfg.model, **cfg.model_args)
-        check_run(cfg, adapter, world)
-        for flag, v in (("--job-timeout", args.job_timeout), ("--comm-timeout", args.comm_timeout)):
-            if v is not None and not (math.isfinite(v) and v > 0):  # --job-timeout None: no limit
-                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
-        if world % args.nnodes:
-            raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {args.nnodes}")
+        cfg, adapter, world = check_args(args)
+        if bad := output_folder_error(cfg.out, "--out"):  # before anything (a jsonl's tokens) is written there
+            raise ValueError(bad)
+        node_rank = _node_rank(args)
         check_inputs_before_launch(cfg, args, adapter.vocab_size)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
@@ -349,20 +444,57 @@ def _run_train(args: argparse.Namespace) -> int:
 
     os.makedirs(cfg.out, exist_ok=True)
     try:
-        with hold_out_folder(cfg.out, args.node_rank if args.nnodes > 1 else None):
-            return _run_held(cfg, adapter, args, world)
+        with hold_out_folder(cfg.out, node_rank):
+            return _run_held(cfg, adapter, args, world, node_rank)
     except OutInUse as e:  # raised before anything of the running job is touched
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
 
 
-def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world: int) -> int:
-    """The run, with ``cfg.out`` held by this command (out_lock.py)."""
+def _node_rank(args: argparse.Namespace) -> int | None:
+    """This node's rank in a multi-node run (None with ``--nnodes 1``), from ``--node-rank`` or the
+    launcher's own ``--rank`` in ``--launcher-args``; a multi-node run without it or without a
+    master is refused before the launch.  Without ``--master`` every node started its own
+    rendezvous and waited for the others forever; without a node rank Paddle's launcher numbered
+    the nodes in the order they reached the master, so a node could not tell its own ranks (a
+    finished job was reported as failed: the completion records of the ranks it assumed were
+    written on another node)."""
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if args.nnodes == 1:
+        return None
+    passed = argparse.ArgumentParser(add_help=False)
+    passed.add_argument("--rank", type=int)
+    passed.add_argument("--master")
+    given, _ = passed.parse_known_args(shlex.split(args.launcher_args))
+    node_rank = args.node_rank if args.node_rank is not None else given.rank
+    n = args.nnodes
+    if not (args.master or given.master):
+        raise ValueError(
+            f"--nnodes {n} needs --master IP:PORT, the same on every node (without it each node starts its own "
+            "rendezvous and waits for the others forever)"
+        )
+    if node_rank is None:
+        raise ValueError(f"--nnodes {n} needs --node-rank R (0..{n - 1}), a different one on every node")
+    if not 0 <= node_rank < n:
+        raise ValueError(f"--node-rank must be within 0..{n - 1} for --nnodes {n}, got {node_rank}")
+    return node_rank
+
+
+def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world: int, node_rank: int | None) -> int:
+    """The run, with ``cfg.out`` held by this command (out_lock.py).  A node of a multi-node run
+    keeps its launch logs in ``OUT/logs/node<R>/``: Paddle's launcher names the worker logs by
+    local rank (``workerlog.0`` on every node), and job.json, status/ and failure.json are the
+    node's own; in one shared ``--out`` (a cluster filesystem) the nodes' files were one set,
+    each node appending to the others' worker logs and deleting their status records."""
     from .launch import LaunchError, launch_workers
 
     if world == 1 and args.nnodes == 1:
         return _run_in_process(cfg, adapter, args.job_timeout)
-    run_json = os.path.join(cfg.out, "run_config.json")
+    log_dir = os.path.join(cfg.out, "logs") if node_rank is None else os.path.join(cfg.out, "logs", f"node{node_rank}")
+    # a node's own settings (in a shared --out one run_config.json was every node's: last writer wins)
+    run_json = os.path.join(cfg.out if node_rank is None else log_dir, "run_config.json")
+    os.makedirs(log_dir, exist_ok=True)
     write_record(run_json, cfg.__dict__)
     nproc = world // args.nnodes
     launcher_args = shlex.split(args.launcher_args)
@@ -370,21 +502,21 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
         launcher_args = ["--nnodes", str(args.nnodes)] + launcher_args
         if args.master:
             launcher_args += ["--master", args.master]
-        if args.node_rank is not None:
-            launcher_args += ["--rank", str(args.node_rank)]
+        launcher_args += ["--rank", str(node_rank)]
     try:
         launch_workers(
             ["--config", run_json],
             nproc,
-            os.path.join(cfg.out, "logs"),
+            log_dir,
             launcher_args=launcher_args,
-            node_rank_offset=(args.node_rank or 0) * nproc,
+            node_rank_offset=(node_rank or 0) * nproc,
+            world_size=world,
             timeout_s=args.job_timeout,
             quiet_launcher=not args.verbose,
             extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
         )
     except LaunchError as e:
-        record = os.path.join(cfg.out, "logs", "failure.json")
+        record = os.path.join(log_dir, "failure.json")
         sep = "; every process of the job ended " if e.cause == "signal" else "\n"  # a user's stop: one line
         print(f"glm52 train: {e}{sep}(failure record: {record})", file=sys.stderr)
         return e.returncode or 1

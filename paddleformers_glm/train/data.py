@@ -11,9 +11,14 @@ shifts them, HF convention).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -66,8 +71,14 @@ class TokenData:
         return out
 
     def _perm(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s sample order: ``default_rng([seed, epoch]).permutation(num_samples)``,
+        shuffled in place in int32 (the same order, half the memory of the int64 permutation)."""
         if getattr(self, "_perm_cache", (None,))[0] != epoch:
-            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+            self._perm_cache = (None,)  # the previous epoch's order goes before the next is drawn
+            n = self.num_samples
+            order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+            np.random.default_rng([self.seed, epoch]).shuffle(order)
+            self._perm_cache = (epoch, order)
         return self._perm_cache[1]
 
 
@@ -116,8 +127,9 @@ class _Stream(TokenData):
 class _Jsonl(TokenData):
     def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int, pad_id: int) -> None:
         super().__init__(seq_len, vocab_size, seed, path)
-        self.records: list[dict[str, Any]] = []
-        for ln, rec in _read_jsonl(path):
+        # each record's ids (and labels) as an int32 array: 4 B a token where the parsed lists took about 40
+        self.records: list[dict[str, np.ndarray]] = []
+        for ln, rec in _iter_jsonl(path):
             if not isinstance(rec, dict) or not isinstance(rec.get("input_ids"), list) or not rec["input_ids"]:
                 hint = ""
                 if isinstance(rec, dict) and ("text" in rec or "messages" in rec):
@@ -132,7 +144,9 @@ class _Jsonl(TokenData):
                         f"one label per input token ({IGNORE_INDEX} to leave a position out of the loss)"
                     )
                 _check_targets(rec["labels"], seq_len, f"{path}:{ln}")
-            self.records.append(rec)
+            self.records.append({k: np.asarray(rec[k], dtype=np.int32) for k in ("input_ids", "labels") if k in rec})
+        if not self.records:
+            raise ValueError(f"{path}: no records")
         self.num_samples = len(self.records)
         self.pad_id = pad_id
 
@@ -198,16 +212,26 @@ def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) 
         raise ValueError(f"{where}: {kind} {bad[0]} {what} [0, {vocab_size})")
 
 
+_PACKED = ("input_ids", "labels", "attention_mask")
+
+
 class _Packed(TokenData):
-    """Ready samples from a .npz: input_ids, labels, attention_mask [N, S]."""
+    """Ready samples from a .npz: input_ids, labels, attention_mask [N, S].  The uncompressed members
+    ``np.savez`` (and so ``prepare_jsonl``) writes are memory-mapped, as a .npy / .bin is: a rank
+    reads the rows of its batches, not the whole file (a compressed .npz is read whole)."""
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int) -> None:
         super().__init__(seq_len, vocab_size, seed, path)
-        with _load_npy(path) as z:
-            missing = {"input_ids", "labels", "attention_mask"} - set(z.files)
-            if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)} (have {sorted(z.files)})")
-            self.arrays = {k: np.asarray(z[k], dtype=np.int64) for k in ("input_ids", "labels", "attention_mask")}
+        names, maps = _npz_maps(path)
+        missing = set(_PACKED) - set(names)
+        if missing:
+            raise ValueError(f"{path}: missing arrays {sorted(missing)} (have {sorted(names)})")
+        self._crc = maps.pop("_crc", None) if maps is not None else None
+        if maps is not None:
+            self.arrays = maps
+        else:
+            with _load_npy(path) as z:
+                self.arrays = {k: np.asarray(z[k], dtype=np.int64) for k in _PACKED}
         shape = self.arrays["input_ids"].shape
         if len(shape) != 2 or shape[1] != seq_len or any(a.shape != shape for a in self.arrays.values()):
             raise ValueError(
@@ -218,19 +242,77 @@ class _Packed(TokenData):
             raise ValueError(f"{path}: no samples")
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
-        return {k: v[i].copy() for k, v in self.arrays.items()}
+        return {k: np.array(v[i], dtype=np.int64) for k, v in self.arrays.items()}
 
     def validate(self) -> None:
+        for name, (lo, size, crc) in (self._crc or {}).items():  # what np.load's zip reader checks
+            raw = np.memmap(self.describe, dtype=np.uint8, mode="r", offset=lo, shape=(size,))
+            got = 0
+            for a in range(0, size, _SCAN_CHUNK):
+                got = zlib.crc32(raw[a : a + _SCAN_CHUNK], got)
+            if got != crc:
+                raise ValueError(f"{self.describe}: member {name} fails its CRC check (a damaged file)")
         check_token_range(self.arrays["input_ids"], self.vocab_size, f"{self.describe}: input_ids")
         check_token_range(self.arrays["labels"], self.vocab_size, f"{self.describe}: labels", allow=IGNORE_INDEX)
         mask = self.arrays["attention_mask"]
-        if ((mask != 0) & (mask != 1)).any():
-            raise ValueError(f"{self.describe}: attention_mask holds values other than 0 and 1")
+        rows = max(1, _SCAN_CHUNK // max(1, mask.shape[1]))
+        for lo in range(0, mask.shape[0], rows):
+            m = np.asarray(mask[lo : lo + rows])
+            if ((m != 0) & (m != 1)).any():
+                raise ValueError(f"{self.describe}: attention_mask holds values other than 0 and 1")
 
 
-def _read_jsonl(path: str) -> list[tuple[int, Any]]:
-    """(line number, record) of every non-empty line; a line that is not UTF-8 or not JSON is named."""
-    out = []
+def _npz_maps(path: str) -> tuple[list[str], dict[str, Any] | None]:
+    """The array names of the .npz at ``path`` and read-only memory maps of ``_PACKED`` (plus "_crc":
+    each member's data offset, size and CRC-32, for validate), or None where a member is compressed,
+    not a C-order integer array, or has a header this reader does not parse (then it is read whole)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = {i.filename[:-4]: i for i in zf.infolist() if i.filename.endswith(".npy")}
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"{path}: not a readable .npz array file: {e}") from e
+    names = sorted(infos)
+    maps: dict[str, Any] = {"_crc": {}}
+    with open(path, "rb") as f:
+        for k in _PACKED:
+            info = infos.get(k)
+            if info is None or info.compress_type != zipfile.ZIP_STORED:
+                return names, None
+            f.seek(info.header_offset)
+            local = f.read(30)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                return names, None
+            n_name, n_extra = struct.unpack("<HH", local[26:30])
+            start = info.header_offset + 30 + n_name + n_extra
+            f.seek(start)
+            try:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    return names, None
+            except ValueError:
+                return names, None
+            offset = f.tell()
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if fortran or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_) or dtype.hasobject:
+                return names, None
+            if offset - start + nbytes != info.file_size:
+                raise ValueError(f"{path}: member {k}: {info.file_size} bytes, its header describes {nbytes} of data")
+            maps[k] = (
+                np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
+                if nbytes
+                else (np.zeros(shape, dtype=dtype))
+            )
+            maps["_crc"][k] = (start, info.file_size, info.CRC)
+    return names, maps
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of every non-empty line, one at a time; a line that is not UTF-8 or not
+    JSON is named."""
     with open(path, "rb") as f:
         for ln, raw in enumerate(f, 1):
             try:
@@ -240,38 +322,48 @@ def _read_jsonl(path: str) -> list[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                out.append((ln, json.loads(line)))
+                yield ln, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{ln}: not JSON: {e}") from e
-    if not out:
-        raise ValueError(f"{path}: no records")
-    return out
 
 
 def jsonl_kind(path: str) -> str:
     """ "input_ids", "text" or "messages": what the file's records hold (one kind per file)."""
     first = ""
-    for ln, rec in _read_jsonl(path):
+    for ln, rec in _iter_jsonl(path):
         kinds = [k for k in ("input_ids", "text", "messages") if isinstance(rec, dict) and k in rec]
         if len(kinds) != 1:
             raise ValueError(f'{path}:{ln}: expected an object with exactly one of "input_ids", "text" or "messages"')
         first = first or kinds[0]
         if kinds[0] != first:
             raise ValueError(f'{path}:{ln}: a "{kinds[0]}" record in a file of "{first}" records (one kind per file)')
+    if not first:
+        raise ValueError(f"{path}: no records")
     return first
 
 
+_NPZ_DTYPES = {"input_ids": np.int32, "labels": np.int32, "attention_mask": np.int8}  # 9 B a token, not 24
+
+
 def prepare_jsonl(
-    path: str, seq_len: int, vocab_size: int, tokenizer: Any, out_path: str, min_samples: int = 1
+    path: str,
+    seq_len: int,
+    vocab_size: int,
+    tokenizer: Any,
+    out_path: str,
+    min_samples: int = 1,
+    stop_ids: Any = (),
 ) -> dict[str, Any]:
     """Validate and tokenize a text or chat .jsonl into the ``.npz`` at ``out_path`` (atomic); every
     record is checked before anything is written (the checks: docs/parallel.md, "The trainer").  At least
-    ``min_samples`` samples (the trainer asks for one global batch) must result.  Returns a summary
-    (kind, records, tokens, samples)."""
+    ``min_samples`` samples (the trainer asks for one global batch) must result.  ``stop_ids``: the
+    token ids generation stops on beside the tokenizer's EOS (the checkpoint's generation_config.json
+    ``eos_token_id``); a chat record trains the one that ends each assistant turn
+    (``encode_chat_for_training``).  Returns a summary (kind, records, tokens, samples)."""
     kind = jsonl_kind(path)
     if kind == "input_ids":
         raise ValueError(f"{path}: holds token ids; open it with open_data directly")
-    records = _read_jsonl(path)
+    records = 0  # read one at a time: the launcher holds the tokens (int32), not the parsed file
     S = int(seq_len)
     if kind == "text":
         eos = tokenizer.eos_token_id
@@ -279,30 +371,33 @@ def prepare_jsonl(
             raise ValueError(
                 f"{path}: text data needs the tokenizer's eos_token (tokenizer_config.json) between documents"
             )
-        stream: list[int] = []
-        for ln, rec in records:
+        stream = array.array("i")  # 4 B a token where a list of ints took 8 to 36
+        for ln, rec in _iter_jsonl(path):
+            records += 1
             text = rec["text"]
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f'{path}:{ln}: "text" must be a non-empty string')
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise ValueError(f"{path}:{ln}: the text encodes to no tokens")
             _check_ids(ids + [eos], vocab_size, f"{path}:{ln}: tokenized text")
-            stream += ids + [eos]
+            stream.extend(ids)
+            stream.append(eos)
         n = len(stream) // S
         if n < min_samples:
             raise ValueError(
                 f"{path}: {len(stream)} tokens (EOS included) make {n} windows of --seq-len {S}; "
                 f"{min_samples} are needed ({min_samples * S} tokens) for one global batch"
             )
-        ids_arr = np.asarray(stream[: n * S], dtype=np.int64).reshape(n, S)
-        arrays = {"input_ids": ids_arr, "labels": ids_arr.copy(), "attention_mask": np.ones_like(ids_arr)}
+        ids_arr = np.frombuffer(stream, dtype=np.intc)[: n * S].reshape(n, S)
+        arrays = {"input_ids": ids_arr, "labels": ids_arr, "attention_mask": np.ones((n, S), dtype=np.int8)}
         tokens = len(stream)
     else:
         pad = int(tokenizer.pad_token_id or 0)
         rows: list[dict[str, np.ndarray]] = []
         tokens = 0
-        for ln, rec in records:
+        for ln, rec in _iter_jsonl(path):
+            records += 1
             msgs = rec["messages"]
             where = f"{path}:{ln}"
             if not isinstance(msgs, list) or not msgs:
@@ -318,7 +413,7 @@ def prepare_jsonl(
                 if not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
                     raise ValueError(f'{where}: "{k}" must be a list of objects')
             try:
-                ids, mine = tokenizer.encode_chat_for_training(msgs, **extra)
+                ids, mine = tokenizer.encode_chat_for_training(msgs, stop_ids=stop_ids, **extra)
             except ValueError as e:  # the template's own complaint, located
                 raise ValueError(f"{where}: {e}") from e
             _check_ids(ids, vocab_size, f"{where}: tokenized conversation")
@@ -326,14 +421,16 @@ def prepare_jsonl(
                 raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
             ids, mine = ids[:S], mine[:S]
             labels = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
-            rows.append(_padded(ids, labels, S, pad))  # labels -100 on every token the assistant did not write
+            # labels -100 on every token but the assistant's and each of its turns' end
+            row = _padded(ids, labels, S, pad)
+            rows.append({k: v.astype(_NPZ_DTYPES[k]) for k, v in row.items()})
             tokens += len(ids)
         if len(rows) < min_samples:
             raise ValueError(f"{path}: {len(rows)} conversations; {min_samples} are needed for one global batch")
         arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     with atomic_open(out_path, "wb") as f:
         np.savez(f, **arrays)
-    return {"kind": kind, "records": len(records), "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
+    return {"kind": kind, "records": records, "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
 
 
 def _load_npy(path: str, **kw: Any) -> Any:
@@ -371,7 +468,7 @@ def open_data(
                 + (" (an empty file)" if size == 0 else "; a truncated file, or the wrong --data-dtype")
             )
         tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
-        _check_bin_width(tokens, dtype, path)
+        _check_bin_width(tokens, dtype, path, vocab_size)
         return _Stream(tokens, seq_len, vocab_size, seed, f"{path} ({dtype})", raw=True)
     if path.endswith(".jsonl"):
         return _Jsonl(path, seq_len, vocab_size, seed, pad_id)
@@ -384,18 +481,22 @@ _WIDER = {"uint16": "uint32 (or int32)", "uint32": "int64", "int32": "int64"}
 _WIDTH_PROBE = 1 << 16  # leading tokens of a .bin looked at for the signature of a wider token file
 
 
-def _check_bin_width(tokens: np.ndarray, dtype: str, path: str) -> None:
-    """A .bin of tokens twice as wide as ``dtype`` (int64 read as uint32, int32 as uint16) reads as
-    its tokens interleaved with zeros (the little-endian high halves), all inside the vocabulary:
-    refused when every second of the leading tokens is 0 and the others are not all 0."""
+def _check_bin_width(tokens: np.ndarray, dtype: str, path: str, vocab_size: int) -> None:
+    """A .bin of tokens twice as wide as ``dtype`` (int64 read as uint32, int32 or uint32 as uint16)
+    reads as its tokens interleaved with their little-endian high halves, every one of which is at
+    most ``(vocab_size - 1) >> bits`` (0 below 2**bits; 2 for GLM's 154880 read as uint16), all
+    inside the vocabulary: refused when every second of the leading tokens is within that bound and
+    the others are not all 0."""
     head = np.asarray(tokens[:_WIDTH_PROBE])
     if dtype not in _WIDER or head.size < 16:
         return
+    high = max(int(vocab_size) - 1, 0) >> (8 * np.dtype(dtype).itemsize)
     pairs = head[: head.size // 2 * 2].reshape(-1, 2)
-    if not pairs[:, 1].any() and pairs[:, 0].any():
+    if pairs[:, 1].min() >= 0 and pairs[:, 1].max() <= high and pairs[:, 0].any():
+        what = "0" if high == 0 else f"at most {high} (the high half of a token below {vocab_size})"
         raise ValueError(
-            f"{path}: every second token of the first {pairs.size} read as {dtype} is 0, the signature of a file "
-            f"of {_WIDER[dtype]} tokens: pass --data-dtype {_WIDER[dtype].split()[0]} (or write the file as {dtype})"
+            f"{path}: every second token of the first {pairs.size} read as {dtype} is {what}, the signature of a "
+            f"file of {_WIDER[dtype]} tokens: pass --data-dtype {_WIDER[dtype].split()[0]} (or write the file as {dtype})"
         )
 
 

@@ -55,7 +55,19 @@ class GlmAdapter(ModelAdapter):
 
         self.model_dir = model_dir
         self.tokenizer_dir = tokenizer_dir  # --tokenizer: the run's tokenizer, which its export ships
-        self.config = c = GlmMoeDsaConfig.from_pretrained(model_dir)
+        self._use_config(GlmMoeDsaConfig.from_pretrained(model_dir))
+
+    @classmethod
+    def for_config(cls, config: Any) -> GlmAdapter:
+        """An adapter over an already read config, for the checks only (``loop.check_run``: ``glm52
+        plan`` checks a layout as the trainer does); it has no folder to load weights from."""
+        self = cls.__new__(cls)
+        self.model_dir = self.tokenizer_dir = None
+        self._use_config(config)
+        return self
+
+    def _use_config(self, c: Any) -> None:
+        self.config = c
         self.num_layers, self.has_mtp, self.vocab_size = c.num_hidden_layers, c.num_mtp_layers > 0, c.vocab_size
         self.indexer = IndexerSettings(c)  # the checkpoint's default until set_indexer_training
 

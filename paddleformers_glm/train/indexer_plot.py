@@ -14,7 +14,16 @@ import os
 import sys
 from typing import Any
 
-from ..cli._plot import PLOT_EXTRA_HINT, TWO_PANELS, loss_json_of, pyplot, read_block, register_plot, save_png
+from ..cli._plot import (
+    PLOT_EXTRA_HINT,
+    TWO_PANELS,
+    loss_json_of,
+    png_error,
+    pyplot,
+    read_block,
+    register_plot,
+    save_png,
+)
 
 __all__ = ["indexer_curves", "plot_indexer", "register_plot_indexer"]
 
@@ -76,11 +85,15 @@ def plot_indexer(curves: dict[str, Any], png: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from .._io import write_json_atomic
+    from ..cli._common import output_file_error
 
     loss_json = loss_json_of(args.out)
     folder = os.path.dirname(os.path.abspath(loss_json))
     png = args.png or os.path.join(folder, "indexer.png")
     json_file = os.path.join(folder, "indexer.json")
+    if bad := png_error(png, loss_json) or output_file_error(json_file, "OUT", [loss_json]):
+        print(f"plot-indexer: {bad}", file=sys.stderr)
+        return 2
     try:
         curves = indexer_curves(loss_json)
         write_json_atomic(json_file, curves)  # first: a machine without matplotlib still gets the numbers

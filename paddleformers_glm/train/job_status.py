@@ -219,6 +219,7 @@ def diagnose(
     launcher_snapshots: Sequence[dict] = (),
     paddle_launcher: tuple[int, int | None] | None = None,
     late_signal: dict[str, Any] | None = None,
+    world_size: int | None = None,
 ) -> Diagnosis:
     """The culprit of a failed job from its status records, first rule that applies (the rules and
     why each: docs/failure-modes.md, "Stopped, hung and killed ranks").
@@ -230,6 +231,8 @@ def diagnose(
     it), for a job that Paddle's launcher ended by itself on a signal to it.  ``late_signal``: a
     stop signal to the launcher that arrived after the job had already ended (what a scheduler
     cancelling a job does: every process signalled at once, the launcher not necessarily first).
+    ``world_size``: the job's, when it has ranks on other nodes than ``local_ranks``' (whose
+    records are in their own node's folder): a communication failure then names them as suspects.
     """
     records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
@@ -257,8 +260,8 @@ def diagnose(
         key=lambda x: _t(x[1]),
     )
 
-    def log_tail(r: int) -> str:
-        p = os.path.join(log_dir, f"workerlog.{r}")
+    def log_tail(r: int) -> str:  # Paddle's launcher names a worker's log by its rank on the node
+        p = os.path.join(log_dir, f"workerlog.{list(local_ranks).index(r) if r in local_ranks else r}")
         try:
             text = Path(p).read_text(encoding="utf-8", errors="replace")
         except OSError:
@@ -371,7 +374,15 @@ def diagnose(
         return Diagnosis(r, f"rank {r} {_DIED}){tail}. {log_tail(r)}", "died")
     if errors:  # the earliest communication failure
         r, e = errors[0]
-        return Diagnosis(r, f"rank {r} failed in communication: {_error_text(e)}", "comm")
+        text = f"rank {r} failed in communication: {_error_text(e)}"
+        if world_size and world_size > len(local_ranks):  # measured: node 1's worker killed, or node 1
+            # SIGTERMed; node 0 said only that its rank 0 failed in communication
+            text += (
+                f"\n(ranks {min(local_ranks)}..{max(local_ranks)} of {world_size} run on this node: a rank of another "
+                "node that failed or was stopped first ends them in communication errors; see the other nodes' "
+                "OUT/logs/node<R>/failure.json)"
+            )
+        return Diagnosis(r, text, "comm")
     if stopped_by:
         return Diagnosis(
             None,

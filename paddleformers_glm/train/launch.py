@@ -184,11 +184,12 @@ def launch_workers(
     timeout_s: float | None = None,
     quiet_launcher: bool = True,
     extra_env: dict[str, str] | None = None,
+    world_size: int | None = None,
 ) -> None:
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
 
     Raises :class:`LaunchError` naming the failing rank; returns when every rank finished cleanly.
-    ``node_rank_offset`` is this node's first global rank (multi-node diagnosis).  Call it from
+    ``node_rank_offset`` is this node's first global rank and ``world_size`` the job's (multi-node diagnosis).  Call it from
     the main thread: the parent-death signal of Paddle's launcher follows the thread that started it.
     """
     log_dir = os.path.abspath(log_dir)
@@ -285,6 +286,7 @@ def launch_workers(
         launcher_snapshots=snapshots,
         paddle_launcher=(proc.pid, proc.returncode),
         late_signal=late,
+        world_size=world_size,
     )
     kind = stopped_by["kind"] if stopped_by else None
     msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"

@@ -9,6 +9,8 @@ step's loss; rank 0 logs it and writes ``OUT/loss.json``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import platform
@@ -24,7 +26,7 @@ import paddle
 import paddle.distributed as dist
 
 from .. import progress
-from .._io import write_record
+from .._io import dumps_json, write_record
 from ..checkpoint.finite import check_finite_state
 from ..modeling.model import default_dtype
 from ..ops import cpu_bf16
@@ -48,7 +50,7 @@ from .resume import check_resume_run, load_resume_state, save_resume_state
 from .settings import check_numbers
 from .state_files import read_meta, resolve_resume_state
 
-__all__ = ["TrainConfig", "run_training"]
+__all__ = ["TrainConfig", "check_run", "run_training", "run_world"]
 
 
 @dataclass
@@ -121,8 +123,27 @@ class TrainConfig:
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
             )
-        if self.vpp > 1 and self.pp < 2:
-            raise ValueError(f"--vpp {self.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {self.pp}")
+        check_vpp(self)
+
+
+def check_vpp(cfg: Any) -> None:
+    """``--vpp`` interleaves pipeline stages, so it needs some (the trainer's settings and the planner's layout)."""
+    if cfg.vpp > 1 and cfg.pp < 2:
+        raise ValueError(f"--vpp {cfg.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {cfg.pp}")
+
+
+def pipeline_chunks(cfg: Any, pp: int, num_layers: int, has_mtp: bool) -> list[Any]:
+    """The pipeline chunks of a run: one per stage, or with ``--vpp N`` pp x N chunks (``--pp-layout``
+    and the first / last stage sizes then describe chunks), chunk c on rank c % pp (``rank_spec``).
+    ``cfg``: a TrainConfig, or the planner's Layout."""
+    try:
+        return run_stages(cfg, num_layers, pp * cfg.vpp, has_mtp)
+    except ParallelConfigError as e:
+        if cfg.vpp == 1:
+            raise
+        raise ParallelConfigError(
+            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pp} x --vpp {cfg.vpp} chunks)"
+        ) from e
 
 
 def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
@@ -157,6 +178,12 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
     if kind == "hang":
         time.sleep(10_000)
     raise ValueError(f"--fault kind must be raise|kill|exit|hang|stop|nan, got {kind!r}")
+
+
+def run_world(cfg: TrainConfig) -> int:
+    """The processes ``glm52 train`` launches for ``cfg`` (``--dp`` unset: 1 replica); ``glm52 plan``
+    checks its layout at this world size too."""
+    return cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
 
 
 def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
@@ -211,13 +238,23 @@ def check_warmup_sharding(chunks: list[Any], pc: ParallelConfig, trains: list[in
 
 def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[ParallelConfig, list[Any]]:
     """Every check of a run's settings against its model and world size, with nothing built or
-    started: the layout and the model sizes it must divide, the batch split, context parallel, the
-    pipeline split (a stage may open on a shared layer only because the top-k travels in the
-    carry) and the indexer training (handed to the adapter here).  ``glm52 train`` runs it before launching any process, so a bad
-    setting costs one line and exit 2; every rank runs it again (a run may start without the
-    command, e.g. ``run_training`` from Python).  Returns the layout and the pipeline chunks."""
-    pc = parallel_config(cfg, world)
-    pc.validate(world, **adapter.parallel_sizes())
+    started: the settings themselves (``TrainConfig.validate``), the layout and the model sizes it
+    must divide, the batch split, context parallel, the pipeline split (a stage may open on a shared
+    layer only because the top-k travels in the carry) and the indexer training (handed to the
+    adapter here).  ``glm52 train`` runs it before launching any process, so a bad setting costs one
+    line and exit 2; every rank runs it again (a run may start without the command, e.g.
+    ``run_training`` from Python); ``glm52 plan`` runs it on the layout it plans (plan.check_layout),
+    so the two refuse the same runs with the same words.  Returns the layout and the pipeline chunks."""
+    cfg.validate()
+    try:
+        pc = parallel_config(cfg, world)
+        pc.validate(world, **adapter.parallel_sizes())
+    except ParallelConfigError as e:
+        if cfg.sharding > 1 and str(e).startswith("ep "):
+            raise ParallelConfigError(
+                f"{e}; --sharding {cfg.sharding} ranks are not part of the expert grid (each holds all of it)"
+            ) from e
+        raise
     adapter.check_layout(pc)
     check_batch(cfg, pc)
     if pc.cp > 1 and not adapter.supports_context_parallel:
@@ -226,14 +263,7 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
         raise ValueError(
             "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
         )
-    try:  # the pipeline chunks: one per stage, or with --vpp N pp x N chunks, chunk c on rank c % pp
-        specs = run_stages(cfg, adapter.num_layers, pc.pp * cfg.vpp, adapter.has_mtp)
-    except ParallelConfigError as e:
-        if cfg.vpp == 1:
-            raise
-        raise ParallelConfigError(
-            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pc.pp} x --vpp {cfg.vpp} chunks)"
-        ) from e
+    specs = pipeline_chunks(cfg, pc.pp, adapter.num_layers, adapter.has_mtp)
     kinds = adapter.layer_kinds()
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
@@ -277,12 +307,131 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     )  # the layout against the model's sizes: check_run above
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
-        return _train(cfg, adapter, topo, specs)
+        data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+        check_same_run(cfg, topo, run_inputs(cfg, adapter, data) if topo.world_size > 1 else None)
+        check_shared_out(cfg, topo)
+        return _train(cfg, adapter, topo, specs, data)
     finally:
         if not cfg.progress:
             progress.set_quiet(was_quiet)
         if world == 1:
             set_topology(None)
+
+
+# what may differ between the ranks of one job: where each node reads and writes (another mount
+# point), the progress bar, the testing aid; everything else is the run itself
+_PER_NODE_SETTINGS = ("out", "data", "resume", "progress", "fault")
+_PER_NODE_MODEL_ARGS = ("model_dir", "tokenizer_dir")
+
+
+# what each rank read from its node's files, compared beside the settings (:func:`run_inputs`)
+_INPUT_NAMES = {"data": "data fingerprint", "checkpoint": "model checkpoint", "resume": "resume state"}
+
+
+def run_inputs(cfg: TrainConfig, adapter: ModelAdapter, data: Any) -> dict[str, Any]:
+    """What this rank read from its node's per-node paths, for :func:`check_same_run`: the data's
+    fingerprint (the one a resume compares: sample count, sequence length, first, middle and last
+    samples), the model checkpoint's identity (``adapter.checkpoint_info()`` less its path: the
+    config.json hash and REVISION of a model folder) and, with ``--resume``, the state's step and a
+    hash of its meta.json (the run's history, settings and data fingerprint).  Nothing but those
+    small files is read; the weights themselves are not compared."""
+    import hashlib
+
+    found = {"data": data.fingerprint()}
+    ckpt = {k: v for k, v in adapter.checkpoint_info().items() if k != "path"}
+    if ckpt:
+        found["checkpoint"] = ckpt
+    if cfg.resume:
+        folder = resolve_resume_state(cfg.resume)
+        with open(os.path.join(folder, "meta.json"), "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()[:16]
+        found["resume"] = {"step": read_meta(folder)["step"], "meta_sha256": sha}
+    return {_INPUT_NAMES[k]: v for k, v in found.items()}
+
+
+def run_settings(cfg: TrainConfig, inputs: dict[str, Any] | None = None) -> str:
+    """The settings every rank of one job must share, as JSON (:func:`check_same_run`), with what
+    it read from its node's files (:func:`run_inputs`) when given."""
+    mine = {k: v for k, v in cfg.__dict__.items() if k not in _PER_NODE_SETTINGS}
+    mine["model_args"] = {k: v for k, v in cfg.model_args.items() if k not in _PER_NODE_MODEL_ARGS}
+    mine["dump_steps"] = [int(k) for _, k in cfg.dump_steps]
+    mine |= inputs or {}
+    return dumps_json(mine, indent=None, default=str)
+
+
+def check_same_run(cfg: TrainConfig, topo: Any, inputs: dict[str, Any] | None = None) -> None:
+    """Refuse a job whose ranks were given different runs (collective; a no-op on one process).
+
+    Every node of a multi-node job runs its own ``glm52 train`` and each worker reads its node's
+    settings; nothing compared them, so a node given another ``--lr`` trained its shards with it
+    while every node exited 0 (measured: two nodes at --tp 2, node 1 with --lr 2e-2: loss 4.365 at
+    step 2 instead of 4.401, no message), and with a shared --out the nodes' run_config.json was one
+    file, last writer wins.  Raised on every rank, naming the settings and the ranks that differ.
+
+    ``inputs`` (:func:`run_inputs`): what each rank read from its node's --data, model folder and
+    --resume, which may be other paths but must be the same files: nodes given different data files
+    with the same settings trained silently on different samples (each data-parallel rank drew its
+    rows from its own node's file)."""
+    if topo.world_size == 1:
+        return
+    from ..checkpoint.distributed import all_gather_object
+
+    runs = all_gather_object(run_settings(cfg, inputs), topo)
+    first = json.loads(runs[0])
+    differ: dict[str, list[int]] = {}
+    for r, text in enumerate(runs):
+        other = json.loads(text)
+        for k in sorted(set(first) | set(other)):
+            if first.get(k) != other.get(k):
+                differ.setdefault(k, []).append(r)
+    if differ:
+        what = "; ".join(
+            f"{k}: {dumps_json(first.get(k), indent=None)} on rank 0, "
+            + ", ".join(f"{dumps_json(json.loads(runs[r]).get(k), indent=None)} on rank {r}" for r in ranks)
+            for k, ranks in differ.items()
+        )
+        files = [k for k in differ if k in _INPUT_NAMES.values()]
+        raise ValueError(
+            f"the ranks of this job were given different runs ({what}): run the same glm52 train command on every node"
+            + (", each with copies of rank 0's files (--data, the model folder, --resume)" if files else "")
+        )
+
+
+def check_shared_out(cfg: TrainConfig, topo: Any) -> None:
+    """Refuse a run that saves checkpoints or exports unless every rank sees rank 0's ``--out``
+    (collective; a no-op on one process or without ``--save-every`` / ``--export``): every rank
+    writes its own files of a checkpoint and rank 0 then completes it (resume.py).  Measured
+    before, two nodes with their own --out at --tp 2 --save-every 2 --export: both exited 0, node 0
+    announcing ``checkpoints/step_00000004`` without rank 1's files (``--resume`` of it then
+    refused: 'rank_00001.json: missing'), node 1 left with ``step_*.tmp`` folders of rank 1's."""
+    if topo.world_size == 1 or not (cfg.save_every or cfg.export):
+        return
+    import uuid
+
+    from ..checkpoint.distributed import all_gather_object
+
+    logs = os.path.join(cfg.out, "logs")
+    marker = None
+    if topo.rank == 0:
+        os.makedirs(logs, exist_ok=True)
+        marker = os.path.join(logs, f".shared-out.{uuid.uuid4().hex}")
+        with open(marker, "w", encoding="utf-8"):
+            pass
+    try:
+        name = all_gather_object(os.path.basename(marker) if marker else None, topo)[0]
+        seen = all_gather_object(os.path.exists(os.path.join(logs, name)), topo)
+    finally:
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                os.remove(marker)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        flags = [f for f, on in (("--save-every", cfg.save_every), ("--export", cfg.export)) if on]
+        raise ValueError(
+            f"{' and '.join(flags)} need{'s' if len(flags) == 1 else ''} one --out that every node sees (a shared filesystem): rank(s) {', '.join(map(str, blind))} "
+            f"do not see the file rank 0 wrote into its --out (this rank's --out: {cfg.out}); each rank writes its own "
+            "part of a checkpoint and export"
+        )
 
 
 def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, topo: Any, spec: Any) -> None:
@@ -369,8 +518,9 @@ def _build_stage(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, spec: Any) 
     return module
 
 
-def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any]) -> _Run:
-    """Stage module, pipeline engine, weights (initial or resumed), optimizer, data and schedule.
+def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any], data: Any) -> _Run:
+    """Stage module, pipeline engine, weights (initial or resumed), optimizer and schedule, for the
+    run's ``data`` (opened by :func:`run_training`, which compares it across the ranks).
 
     With ``--pp`` > 1 the engine is Fleet's pipeline (1F1B, or interleaved with ``--vpp``) over
     this rank's chunks; it is built before the weights are loaded, because wrapping broadcasts
@@ -401,7 +551,6 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any])
     balancer = ExpertBalancer(
         module, topo, cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff, cfg.global_batch_size, loss_multiplier=mult
     )
-    data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     loss_specs = adapter.loss_specs()
     report_keys = sorted({s.report for s in loss_specs.values()} | {"losses", "mtp_losses"})
     profile = {k: getattr(topo.pc, k) for k in ("tp", "pp", "ep", "etp", "sp", "dp", "cp")} | {"world": topo.world_size}
@@ -681,11 +830,11 @@ def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
     return result
 
 
-def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs) -> dict[str, Any] | None:
+def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs, data: Any) -> dict[str, Any] | None:
     """Setup, the steps (each logged and written to loss.json by rank 0, resume state every
     ``--save-every`` steps), then finish."""
     beat(0, "setup")
-    run = _setup(cfg, adapter, topo, specs)
+    run = _setup(cfg, adapter, topo, specs, data)
     bar = None
     if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm

@@ -37,8 +37,12 @@ def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_step
 def fleet_clips(topo: Any) -> bool:
     """Whether ``fleet.distributed_optimizer``'s hybrid-parallel clip computes this layout's true
     global norm: not for expert parameters under ``ep`` / ``etp`` > 1, which its replica rules cannot
-    express (docs/parallel.md, "Clipping"); those layouts (and one process) keep the trainer's clip."""
-    return topo is not None and topo.world_size > 1 and topo.pc.ep == 1 and topo.pc.etp == 1
+    express, nor for tensor-parallel slices under ``cp`` > 1, whose squares it sums over a check group
+    that spans the cp ranks (each holding the same synced slice: counted cp times; docs/parallel.md,
+    "Clipping"); those layouts (and one process) keep the trainer's clip."""
+    if topo is None or topo.world_size == 1 or topo.pc.ep > 1 or topo.pc.etp > 1:
+        return False
+    return topo.pc.tp == 1 or topo.pc.cp == 1
 
 
 class AdamW:
@@ -144,7 +148,13 @@ class AdamW:
         """Update every parameter that got a gradient; ``grads`` are fp32 and already synced and clipped."""
         update = [(n, p) for n, p in self.params if has_grad.get(n, False) and p.name in self._own]
         self._stepped.update(n for n, _ in update)
-        pairs = [(p, grads[n] if grads[n].dtype == p.dtype else grads[n].astype(p.dtype)) for n, p in update]
+        # an fp32 gradient stays fp32 for a bf16 parameter: the update runs on its fp32 master (Paddle's
+        # adamw takes it, as Fleet's MixPrecisionOptimizer hands it main_grad; torch steps the reference's
+        # fp32 masters with fp32 gradients); rounding it to bf16 first moved each element by up to 2^-8
+        pairs = [
+            (p, grads[n] if grads[n].dtype in (p.dtype, paddle.float32) else grads[n].astype(p.dtype))
+            for n, p in update
+        ]
         if pairs:
             self.opt.set_lr(lr)
             self.opt._apply_optimize(loss=None, startup_program=None, params_grads=pairs)

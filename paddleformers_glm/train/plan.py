@@ -21,7 +21,14 @@ from typing import Any
 
 from .._io import write_record
 from ..parallel.topology import ParallelConfig
-from .command import TRAIN_DEFAULTS, add_layout_arguments, add_train_arguments
+from .command import (
+    TRAIN_DEFAULTS,
+    add_indexer_loss_arguments,
+    add_layout_arguments,
+    add_moe_aux_argument,
+    add_moe_bias_argument,
+    add_train_arguments,
+)
 
 __all__ = [
     "LayerCounts",
@@ -56,6 +63,14 @@ class Layout(ParallelConfig):
     # the indexer's training (train/indexer_stage.py; "warmup" freezes all but the indexers: docs/scale.md);
     # None: the checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
     indexer_stage: str | None = None
+    # run settings the trainer checks against the layout (loop.check_run), as glm52 train's flags
+    indexer_loss_coeff: float | None = None  # None: the checkpoint's
+    indexer_shared_supervision: bool = False
+    moe_bias_update_rate: float = 0.0
+    moe_aux_loss_coeff: float = 0.0
+    # a glm52 train line's flags that plan has not ((dest, value) given): not planned, but checked as
+    # glm52 train checks them (--lr nan, --steps 0, --nnodes 3 of 8 ranks ...), files excepted
+    train_only: tuple = ()
 
     @property
     def local_seq(self) -> int:
@@ -299,63 +314,113 @@ def layer_activation_elems(config: Any, lay: Layout, kind: Any) -> dict[str, flo
     return {"core": core, "other": other}
 
 
-def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int) -> int:
-    """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md)."""
-    ids = _stage_layer_ids(config, spec)
-    per = [layer_activation_elems(config, lay, _layer_key(config, i)) for i in ids]
+def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int, chunks: Any = None) -> int:
+    """Estimated peak activation bytes of one rank of stage ``spec`` (see docs/scale.md); under
+    ``--vpp``, ``chunks``: the rank's pipeline chunks (``spec`` is their union), whose micro-batches
+    in flight differ (:func:`_in_flight_peak`)."""
     a = 2 if lay.dtype in ("bfloat16", "float16") else 4
     sb, h = lay.local_seq * lay.micro_batch_size, config.hidden_size
     sig = lay.tp if lay.sp else 1
     # the indexer's warm-up recomputes nothing of the frozen layers: the KLs are kept
     recompute = "none" if indexer_stage(config, lay) == "warmup" else lay.recompute
-    if recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
-        kept = len(ids) * a * sb * h / sig
-        extra = max((p["core"] + p["other"] for p in per), default=0.0)
-    elif recompute == "core":
-        kept, extra = sum(p["other"] for p in per), max((p["core"] for p in per), default=0.0)
-    else:
-        kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
-    if spec.has_embedding:
-        kept += a * sb * h / sig
-    if spec.has_head:  # each LM head (main + MTP): its input and fp32 vocab-parallel logits (and their softmax)
-        kept += (1 + config.num_mtp_layers) * (a * sb * h + 2 * 4.0 * sb * (config.vocab_size // lay.tp))
-    # the micro-batches whose activations the stage holds at its peak under 1F1B: pp - stage (capped by
-    # those of a step); interleaving adds (pp - 1 - stage) / vpp micro-batch worth of chunks (Megatron's)
-    n = min(lay.pp - spec.stage, micro_batches)
-    if lay.vpp > 1:
-        n += (lay.pp - 1 - spec.stage) / lay.vpp
-    return int(kept * float(max(1, n)) + extra)
+
+    def held(part: Any) -> tuple[float, float]:
+        """(bytes a micro-batch leaves saved in ``part``'s layers, embedding and heads; the most
+        one of its layers needs while it is rebuilt under recompute)."""
+        per = [layer_activation_elems(config, lay, _layer_key(config, i)) for i in _stage_layer_ids(config, part)]
+        if recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
+            kept = len(per) * a * sb * h / sig
+            extra = max((p["core"] + p["other"] for p in per), default=0.0)
+        elif recompute == "core":
+            kept, extra = sum(p["other"] for p in per), max((p["core"] for p in per), default=0.0)
+        else:
+            kept, extra = sum(p["core"] + p["other"] for p in per), 0.0
+        if part.has_embedding:
+            kept += a * sb * h / sig
+        if part.has_head:  # each LM head (main + MTP): its input and fp32 vocab-parallel logits (and their softmax)
+            kept += (1 + config.num_mtp_layers) * (a * sb * h + 2 * 4.0 * sb * (config.vocab_size // lay.tp))
+        return kept, extra
+
+    if lay.vpp > 1 and chunks is None:  # the rank's chunks, as the trainer splits the layers
+        from .loop import pipeline_chunks
+
+        chunks = pipeline_chunks(lay, lay.pp, config.num_hidden_layers, config.num_mtp_layers > 0)[spec.stage :: lay.pp]
+    if lay.vpp == 1:
+        kept, extra = held(spec)
+        # 1F1B: stage p holds min(pp - p, micro-batches) micro-batches at its peak
+        return int(kept * float(max(1, min(lay.pp - spec.stage, micro_batches))) + extra)
+    parts = [held(c) for c in chunks]
+    return int(_in_flight_peak(lay, spec.stage, micro_batches, [k for k, _ in parts]) + max(e for _, e in parts))
+
+
+def _in_flight_peak(lay: Layout, stage: int, micro_batches: int, chunk_bytes: list[float]) -> float:
+    """Peak saved bytes of pipeline rank ``stage`` under Fleet's interleaved schedules (``--vpp`` V),
+    ``chunk_bytes[c]``: one micro-batch's in the rank's c-th chunk.  With fewer than 2 pp
+    micro-batches Fleet runs F-then-B (every forward, then every backward: all micro-batches of every
+    chunk held); else ``PipelineParallelWithInterleave``: 2 (pp - 1 - stage) + (V - 1) (pp + m % pp)
+    warm-up forwards, then one forward and one backward at a time, forwards taking the chunks in
+    groups of pp micro-batches (the first group pp + m % pp), backwards the chunks in reverse."""
+    pp, v, m = lay.pp, lay.vpp, micro_batches
+    if m < 2 * pp:
+        return m * sum(chunk_bytes)
+    first = m % pp + pp  # Fleet's first_chunk_acc
+
+    def chunk(step: int, forward: bool) -> int:
+        c = step // first if step < first * v else (step - first * v) % (pp * v) // pp
+        return c if forward else v - 1 - c
+
+    steps = m * v
+    startup = min(2 * (pp - 1 - stage) + (v - 1) * first, steps)
+    cur = peak = 0.0
+    for f in range(steps):  # forward f; after the warm-up, backward f - startup follows it
+        cur += chunk_bytes[chunk(f, True)]
+        peak = max(peak, cur)
+        if f >= startup:
+            cur -= chunk_bytes[chunk(f - startup, False)]
+    return peak
 
 
 # --------------------------------------------------------------------------- the plan
-def check_layout(config: Any, lay: Layout) -> None:
-    """Refuse a layout the trainer would refuse (same checks), with the flag and the numbers."""
-    from ..modeling.indexer_training import own_indexer_layers
-    from ..parallel.pipeline import run_stages
-    from ..parallel.recompute import RECOMPUTE_MODES
-    from ..parallel.topology import ParallelConfigError
-    from .glm_adapter import check_glm_sizes, glm_parallel_sizes
-    from .indexer_stage import INDEXER_STAGES
-    from .loop import check_batch, check_choices, check_warmup_sharding
+# train-only settings plan does not check: what they name is read from disk (glm52 train checks them before
+# it launches, after the settings: command.check_inputs_before_launch, the --out folder, a --resume state's
+# files); a --resume gives an unset --indexer-stage the saved run's all the same (layout_from_args)
+_FILE_SETTINGS = ("data", "out", "resume", "resume_override")
+_LAUNCH_SETTINGS = ("job_timeout", "comm_timeout", "nnodes")
 
-    check_choices(lay, {"recompute": RECOMPUTE_MODES, "sharding_stage": (1, 2, 3), "indexer_stage": INDEXER_STAGES})
-    pc = replace(lay, sharding_stage=min(lay.sharding_stage, 2))  # stage 3: planner only, checked above
-    try:
-        pc.validate(lay.world_size, **glm_parallel_sizes(config))
-    except ParallelConfigError as e:
-        if lay.sharding > 1 and str(e).startswith("ep "):
-            raise ParallelConfigError(
-                f"{e}; --sharding {lay.sharding} ranks are not part of the expert grid (each holds all of it)"
-            ) from e
-        raise
-    check_glm_sizes(config, pc)
-    # the batch split and sequence slices (a global batch of 0 is pp micro-batches per replica)
-    check_batch(
-        replace(lay, global_batch_size=lay.global_batch_size or lay.pp * lay.replicas * lay.micro_batch_size), pc
+
+def train_config(lay: Layout) -> Any:
+    """The ``glm52 train`` settings of ``lay`` (its shared fields by name, a train line's other settings
+    from ``train_only``; a global batch of 0: pp micro-batches per replica; sharding stage 3, the
+    planner's only, checked as stage 2)."""
+    from .loop import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)}
+    given = {k: getattr(lay, k) for k in names if hasattr(lay, k)}
+    given |= {k: v for k, v in lay.train_only if k in names and k not in _FILE_SETTINGS}
+    given.update(
+        sharding_stage=min(lay.sharding_stage, 2),
+        global_batch_size=lay.global_batch_size or lay.pp * lay.replicas * lay.micro_batch_size,
     )
-    if indexer_stage(config, lay) == "warmup":  # the pipeline chunks, as the trainer splits them
-        chunks = run_stages(lay, config.num_hidden_layers, lay.pp * lay.vpp, config.num_mtp_layers > 0)
-        check_warmup_sharding(chunks, pc, own_indexer_layers(config), config.num_hidden_layers)
+    return TrainConfig(model="glm", **given)
+
+
+def check_layout(config: Any, lay: Layout) -> list[Any]:
+    """Refuse a layout the trainer would refuse: its own check (``command.check_settings``, every
+    refusal of ``glm52 train`` before it launches that needs no file but the config), with the flag
+    and the numbers; return its pipeline chunks (pp x vpp of them), as the trainer splits the layers."""
+    from .command import check_settings
+    from .glm_adapter import GlmAdapter
+    from .loop import check_choices, run_world
+
+    check_choices(lay, {"sharding_stage": (1, 2, 3)})  # the planner's own choices; the rest as the trainer's
+    cfg = train_config(lay)
+    if dump := dict(lay.train_only).get("dump_step"):  # a train line's --dump-step DIR K: K within its --steps
+        from .command import dump_steps
+
+        dump_steps(argparse.Namespace(dump_step=dump, steps=cfg.steps, model="glm"))
+    launch = {k: v for k, v in lay.train_only if k in _LAUNCH_SETTINGS}
+    _, chunks = check_settings(cfg, GlmAdapter.for_config(config), run_world(cfg), **launch)
+    return chunks
 
 
 def _is_expert(name: str) -> bool:
@@ -412,18 +477,19 @@ def plan_layout(
     """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus
     ``reserve_gb``); ``per_rank=False`` leaves out the row of every rank (``--search`` needs the
     verdict and the stages only)."""
-    from ..parallel.pipeline import run_stages
+    from ..parallel.fleet_pipeline import rank_spec
 
-    check_layout(config, lay)
-    specs = run_stages(lay, config.num_hidden_layers, lay.pp, config.num_mtp_layers > 0)
+    chunks = check_layout(config, lay)
+    specs = [rank_spec(chunks, lay.pp, s) for s in range(lay.pp)]  # each pipeline rank's chunks, as one stage
     micro = (lay.global_batch_size // (lay.replicas * lay.micro_batch_size)) if lay.global_batch_size else lay.pp
     kinds = []
     for spec in specs:
         st = _sharded_state_bytes(config, lay, spec)
-        act = activation_bytes(config, lay, spec, micro)
+        act = activation_bytes(config, lay, spec, micro, chunks[spec.stage :: lay.pp])
         row = {
             "stage": spec.stage,
             "layers": [spec.layers[0], spec.layers[-1]] if spec.layers else [],
+            "layer_ids": list(spec.layers),  # under --vpp a rank's chunks are not contiguous
             "embedding": spec.has_embedding,
             "head": spec.has_head,
             "mtp": spec.has_mtp,
@@ -552,6 +618,17 @@ def search_layouts(
     return found[:limit]
 
 
+def _runs(ids: list[int]) -> str:
+    """Layer ids as runs: ``0-1,4-5`` (a rank's chunks under --vpp), ``0-8``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
 def _table(plan: dict[str, Any]) -> str:
     rows = [
         f"{'stage':>5} {'layers':>9} {'params':>14} {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9} "
@@ -559,7 +636,7 @@ def _table(plan: dict[str, Any]) -> str:
     ]
     for k in plan["kinds"]:
         ids = [r["rank"] for r in plan["ranks"] if r["stage"] == k["stage"]]
-        lay = f"{k['layers'][0]}-{k['layers'][-1]}" if k["layers"] else "-"
+        lay = _runs(k["layer_ids"]) or "-"
         tags = "".join(t for t, on in (("E", k["embedding"]), ("H", k["head"]), ("M", k["mtp"])) if on)
         rng = f"{len(ids)} ranks ({ids[0]}..{ids[-1]})" if len(ids) > 1 else str(ids)
         rows.append(
@@ -586,7 +663,7 @@ def run_plan(args: argparse.Namespace) -> int:
         from ..configuration import GlmMoeDsaConfig
 
         config = GlmMoeDsaConfig.from_pretrained(args.model)
-        lay = Layout(**{f.name: getattr(args, f.name) for f in fields(Layout)})  # the flags by name
+        lay = layout_from_args(args)
         if args.search:
             if not args.gpus:
                 raise ValueError("--search needs --gpus N")
@@ -624,6 +701,25 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The layout of plan's flags (by name; their defaults resolved by :func:`_train_line_note`), with
+    the other settings a glm52 train line gives (``train_only``).  A train line's ``--resume`` without
+    ``--indexer-stage`` plans the stage the resumed run trains, the saved run's, as train resolves it
+    (resume.resumed_indexer_stage; only the state's meta.json is read)."""
+    given = getattr(args, "_train_only_flags", {})
+    train_only = tuple(
+        (dest.removeprefix("train_only_"), getattr(args, dest)) for dest in given if getattr(args, dest) is not None
+    )
+    mine = {f.name: getattr(args, f.name) for f in fields(Layout) if f.name != "train_only"}
+    resume = dict(train_only).get("resume")
+    if resume is not None and mine["indexer_stage"] is None:
+        from .resume import resumed_indexer_stage
+        from .state_files import read_meta, resolve_resume_state
+
+        mine["indexer_stage"] = resumed_indexer_stage(None, read_meta(resolve_resume_state(resume)))
+    return Layout(**mine, train_only=train_only)
+
+
 def _train_line_note(args: argparse.Namespace) -> str | None:
     """Resolve the defaults of the flags both commands have but default differently (TRAIN_DEFAULTS:
     plan's, the Layout's, describe a production run; a glm52 train command line planned as it is
@@ -637,7 +733,8 @@ def _train_line_note(args: argparse.Namespace) -> str | None:
     if not given:
         return None
     used = ", ".join(f"--{k.replace('_', '-')} {TRAIN_DEFAULTS[k]}" for k in unset)
-    return f"a glm52 train command line: {', '.join(given)} ignored (they do not change a rank's memory)" + (
+    what = "not planned (they do not change a rank's memory; checked as glm52 train checks them)"
+    return f"a glm52 train command line: {', '.join(given)} {what}" + (
         f"; unset flags take glm52 train's defaults: {used}" if used else ""
     )
 
@@ -649,7 +746,9 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         help="per-rank memory of a parallel layout (exact state, estimated activations)",
         description="Per-rank parameter, gradient, optimizer and activation bytes of a glm52 train layout and "
         "whether it fits. A whole glm52 train command line is accepted as it is (swap 'train' for 'plan'): its "
-        "layout flags are planned, the others (--steps, --lr, --out, ...) ignored with a note.",
+        "layout flags are planned; the others (--steps, --lr, ...) are not, but are checked as glm52 train checks "
+        "them before it launches. The files they name (--data, --out, --resume) are not read, but for a --resume "
+        "state's meta.json: with --indexer-stage unset, the saved run's stage is planned, as glm52 train takes it.",
     )
     p.add_argument("--model", required=True, help="checkpoint or config folder with config.json")
     g = p.add_argument_group("layout (as glm52 train)")
@@ -695,6 +794,13 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tp-bw-gbs", type=float, default=160.0, help="--search: GB/s inside a node (TP collectives)")
     g.add_argument("--net-bw-gbs", type=float, default=40.0, help="--search: GB/s per GPU between nodes (EP, PP, DP)")
     g.add_argument("--json", help="write the plan here")
+    g = p.add_argument_group(
+        "run settings (as glm52 train)",
+        "settings glm52 train checks against the layout before it launches: a layout it would refuse is refused",
+    )
+    add_moe_bias_argument(g)
+    add_moe_aux_argument(g)
+    add_indexer_loss_arguments(g)
     _accept_train_flags(p)
     p.set_defaults(func=run_plan)
 

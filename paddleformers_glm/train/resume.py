@@ -45,6 +45,7 @@ __all__ = [
     "check_resume_run",
     "load_resume_state",
     "resolve_resume_state",
+    "resumed_indexer_stage",
     "save_resume_state",
 ]
 
@@ -58,6 +59,16 @@ RESUME_SETTINGS = (
     "seed", "data", "moe_bias_update_rate", "moe_aux_loss_coeff", "expert_update", "indexer_loss_coeff",
     "indexer_shared_supervision",
 )  # fmt: skip
+
+
+def resumed_indexer_stage(given: str | None, meta: dict[str, Any]) -> str | None:
+    """The indexer stage a run resuming the state of ``meta`` (its meta.json) trains: ``--indexer-stage``
+    when ``given``, else the saved run's (not the checkpoint's default: a warm-up resumed without
+    the flag stays a warm-up), else None (the checkpoint's default).  ``glm52 train``
+    (:func:`check_resume_run`) and ``glm52 plan`` (plan.layout_from_args) both resolve it here."""
+    if given is not None:
+        return given
+    return (meta.get("indexer") or {}).get("stage")
 
 
 def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint: str | None = None) -> None:
@@ -90,8 +101,7 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
     if data_fingerprint is not None and same_rows and meta.get("data") not in (None, data_fingerprint):
         diff["data"] = ("other samples", "these")
     stage = (meta.get("indexer") or {}).get("stage")
-    if cfg.indexer_stage is None and stage is not None:
-        cfg.indexer_stage = stage
+    cfg.indexer_stage = resumed_indexer_stage(cfg.indexer_stage, meta)
     new_phase = stage is not None and cfg.indexer_stage != stage  # its own schedule, loss terms, trained set
     changed = {} if new_phase else {k: d for k, d in diff.items() if k not in override}
     if changed:

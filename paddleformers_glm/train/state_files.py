@@ -157,7 +157,7 @@ def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
     folder = resolve_resume_state(path)
     meta = read_meta(folder)
     for rank in range(meta["world_size"]):
-        read_rank_state(folder, rank)  # the JSON and the safetensors header (nothing mapped yet)
+        read_rank_state(folder, rank)[0].close()  # the JSON and the safetensors header (nothing mapped yet)
     read_flex_metadata(os.path.join(folder, FLEX_DIR))
     return folder, meta
 

@@ -12,13 +12,15 @@ A main thread inside one long system call (a ``sleep``) notices the interruption
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "StopListener", "listen", "process_name", "shorten", "stop_text"]
+__all__ = ["STOP_SIGNALS", "StopListener", "listen", "listening", "process_name", "shorten", "stop_text"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -55,6 +57,9 @@ class StopListener:
         self.caught: dict[str, Any] | None = None
         self.polled = False  # True: a launch loop reads `caught`; the main thread is not interrupted
         self.active = False
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._undo: tuple[set[int] | None, dict[int, Any]] = (None, {})  # mask and handlers before listen()
 
     def note(self, signum: int, sender: int | None) -> None:
         if self.caught is None:
@@ -75,6 +80,8 @@ class StopListener:
     def _listen(self) -> None:
         while True:
             info = signal.sigwaitinfo(STOP_SIGNALS)
+            if self._closing:  # _close()'s own SIGHUP to this thread
+                return
             self.note(int(info.si_signo), int(info.si_pid))
             if not self.polled:
                 _thread.interrupt_main(int(info.si_signo))
@@ -92,13 +99,52 @@ def listen() -> StopListener:
     returns it.  SIGTERM and SIGHUP then interrupt the main thread like SIGINT does."""
     if _LISTENER.active or threading.current_thread() is not threading.main_thread():
         return _LISTENER
+    handlers = {int(s): signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     for s in (signal.SIGTERM, signal.SIGHUP):  # what interrupt_main(signum) runs in the main thread
         signal.signal(s, _raise_interrupt)
+    mask = None
     if hasattr(signal, "sigwaitinfo") and threading.active_count() == 1 and _only_thread():
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        threading.Thread(target=_LISTENER._listen, name="glm52-stop-signals", daemon=True).start()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        _LISTENER._closing = False
+        _LISTENER._thread = threading.Thread(target=_LISTENER._listen, name="glm52-stop-signals", daemon=True)
+        _LISTENER._thread.start()
+    _LISTENER._undo = (mask, handlers)
     _LISTENER.active = True
     return _LISTENER
+
+
+def _close() -> None:
+    """Undo :func:`listen` in a process that goes on after its job (a Python caller of ``glm52
+    train``'s ``main``, a test): the listener thread ends, the main thread's signal mask and
+    handlers are what they were, and the record is cleared (a next job starts unsignalled).  The
+    mask matters most: every process started later inherits it, and one started with SIGTERM and
+    SIGINT blocked ignores them."""
+    if not _LISTENER.active or threading.current_thread() is not threading.main_thread():
+        return
+    mask, handlers = _LISTENER._undo
+    t = _LISTENER._thread
+    if t is not None and t.is_alive():
+        _LISTENER._closing = True
+        signal.pthread_kill(t.ident, signal.SIGHUP)  # to that thread alone: its sigwaitinfo returns
+        t.join(timeout=5.0)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    if mask is not None:  # a stop signal still pending now comes as to any process (the job has ended)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    _LISTENER.caught, _LISTENER.polled, _LISTENER.active = None, False, False
+    _LISTENER._thread, _LISTENER._undo = None, (None, {})
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[StopListener]:
+    """:func:`listen` for the time of the block, undone after it unless it was listening already."""
+    fresh = not _LISTENER.active
+    listener = listen()
+    try:
+        yield listener
+    finally:
+        if fresh:
+            _close()
 
 
 def _only_thread() -> bool:

@@ -27,7 +27,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .._io import write_json_atomic
+from .._io import atomic_path, write_json_atomic
 from ..modeling.model import causal_lm_losses
 from ..modeling.moe import RouterBalance
 from ..parallel import comm
@@ -298,9 +298,8 @@ class ToyAdapter(ModelAdapter):
     def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
         from safetensors.numpy import save_file
 
-        os.makedirs(out_dir, exist_ok=True)
-        save_file(
-            {k: np.ascontiguousarray(v) for k, v in sorted(full_state.items())},
-            os.path.join(out_dir, "model.safetensors"),
-        )
+        # through a temporary file: safetensors < 0.8 truncates the target first (a failed write would
+        # tear the last export), 0.8 leaves its own temporary file's mode 0600
+        with atomic_path(os.path.join(out_dir, "model.safetensors")) as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in sorted(full_state.items())}, tmp)
         write_json_atomic(os.path.join(out_dir, "config.json"), {"model_type": "toy", **asdict(self.cfg)})

@@ -68,8 +68,9 @@ class WorkerLife:
     def _wait_signals(self) -> None:
         info = signal.sigwaitinfo(STOP_SIGNALS)
         sender = int(info.si_pid)
+        in_job = self._in_job(sender)  # first: a sender that exits leaves nothing to read
         reason = {"signal": signal.Signals(info.si_signo).name, "sender_pid": sender, "sender": process_name(sender)}
-        self.end({**reason, "sender_in_job": self._in_job(sender)}, 128 + int(info.si_signo))
+        self.end({**reason, "sender_in_job": in_job}, 128 + int(info.si_signo))
 
     def _in_job(self, pid: int) -> bool:
         """Whether a signal's sender is part of this job (the glm52 launcher, Paddle's launcher,

@@ -1,6 +1,7 @@
 """Per-rank memory budget check: load a GLM checkpoint as this rank's stage (own share only) and
 export it with ``export_distributed``, measuring how far this process's resident memory rose above
-its baseline (taken after imports and process-group setup).  Run under ``paddle.distributed.launch``
+its baseline (taken after imports and process-group setup), and how far it rose during the export
+above its resident memory when the export began (``export_growth``).  Run under ``paddle.distributed.launch``
 (or alone with ``--whole``: one process that builds the whole model, the control showing that the
 measurement sees a full build).  Writes ``OUT_JSON.rank<N>`` with the rank's numbers.
 
@@ -75,8 +76,12 @@ def main() -> None:
     load = adapter.load_stage(module, topo)
     after_load = _status()["VmHWM"]
     params = sum(int(p.numel()) * p.element_size() for p in module.parameters())
+    gc.collect()
+    _reset_peak()  # the export's own peak, above the resident memory it starts from
+    before_export = _status()["VmRSS"]
     info = export_distributed(module, c, a.export_dir, topo)
-    peak = _status()["VmHWM"]
+    export_peak = _status()["VmHWM"]
+    peak = max(after_load, export_peak)
 
     rec = {
         "rank": topo.rank,
@@ -85,6 +90,8 @@ def main() -> None:
         "baseline_rss": base_rss,
         "load_growth": after_load - base_rss,
         "growth": peak - base_rss,
+        "export_growth": export_peak - before_export,
+        "tp_rank": topo.tp_rank,
         "params_bytes": params,
         "bytes_read": load["bytes_read"],
         "exported_bytes": info["bytes"],

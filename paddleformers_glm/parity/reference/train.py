@@ -20,11 +20,11 @@ import time
 
 from ..._io import read_json, write_record
 from ...train.command import (
-    _dump_steps,
     add_dtype_argument,
     add_dump_argument,
     add_indexer_arguments,
     add_step_arguments,
+    dump_steps,
 )
 from ...train.settings import check_numbers, indexer_stage_weight
 from .indexer import ReferenceIndexer, saved_indexer_coeff
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     try:  # glm52 train's own checks of the numbers and the DIR K pairs
         check_numbers(args)
-        args.dump_step = _dump_steps(args)
+        args.dump_step = dump_steps(args)
     except ValueError as e:
         ap.error(str(e))
     if args.global_batch_size % args.micro_batch_size:  # glm52 train's check_batch with one replica

@@ -1,0 +1,210 @@
+"""A ``glm52`` command's output paths, checked before any work: an output that is one of the command's
+inputs (``check-loss A B --json A``, ``check-ckpt REF CAND --json REF/config.json``, ``convert SRC SRC``)
+is refused and the input left byte for byte; a folder where a file is written, or a file where a folder
+is, is one line and exit 2, never a traceback (docs/failure-modes.md, "Output paths")."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+
+from paddleformers_glm.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip() and "ccache" not in ln]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _tree(d: pathlib.Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture
+def loss(tmp_path):
+    f = tmp_path / "run" / "loss.json"
+    f.parent.mkdir()
+    f.write_text(json.dumps({"losses": [1.0, 0.9, 0.8]}))
+    return f
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_check_loss_refuses_to_write_over_its_input(loss, flag, capsys):
+    # before: exit 0 and loss.json replaced by the receipt (--json) or a PNG (--plot)
+    before = loss.read_bytes()
+    assert main(["check-loss", str(loss), str(loss), flag, str(loss)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"{flag} {loss}: this is an input of the command" in line, line
+    assert loss.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["check-loss", "check-ckpt"])
+def test_a_receipt_path_that_is_a_folder_or_under_a_file_is_one_line(loss, tmp_path, command, capsys):
+    # before: IsADirectoryError / FileExistsError tracebacks (exit 1) after all the checking work
+    inputs = [str(loss)] * 2 if command == "check-loss" else [str(FIXTURE)] * 2
+    folder = tmp_path / "reports"
+    (folder / "keep").mkdir(parents=True)
+    assert main([command, *inputs, "--json", str(folder)]) == 2
+    assert f"--json {folder}: a folder, not a file" in _one_line(capsys.readouterr().err)
+    assert main([command, *inputs, "--json", str(loss / "r.json")]) == 2
+    assert f"{loss} is a file, not a folder" in _one_line(capsys.readouterr().err)
+    assert sorted(os.listdir(folder)) == ["keep"]
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
+def test_check_ckpt_refuses_a_receipt_over_a_checkpoint_file(tmp_path, capsys):
+    # before: exit 0 and the reference's config.json replaced by the receipt (the checkpoint unloadable)
+    ref = tmp_path / "ref"
+    shutil.copytree(FIXTURE, ref)
+    before = _tree(ref)
+    for victim in ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors"):
+        assert main(["check-ckpt", str(ref), str(FIXTURE), "--json", str(ref / victim), "--quiet"]) == 2
+        assert "this is an input of the command" in _one_line(capsys.readouterr().err)
+    assert _tree(ref) == before
+    # a receipt beside the weights is fine
+    assert main(["check-ckpt", str(ref), str(FIXTURE), "--json", str(ref / "receipt.json"), "--quiet"]) == 0
+    assert json.loads((ref / "receipt.json").read_text())["exit_code"] == 0
+
+
+@pytest.mark.parametrize("command", ["plot-experts", "plot-indexer"])
+def test_plot_refuses_a_png_over_the_loss_record(loss, command, capsys):
+    # before (plot-experts, a run with an expert-load block): exit 0 and loss.json replaced by the PNG
+    from tests.test_expert_plot import _loss_json
+
+    _loss_json(loss.parent)
+    before = loss.read_bytes()
+    assert main([command, str(loss.parent), "--png", str(loss)]) == 2
+    assert "this is an input of the command" in _one_line(capsys.readouterr().err)
+    assert loss.read_bytes() == before
+
+
+@pytest.fixture
+def src(tmp_path):
+    d = tmp_path / "src"
+    shutil.copytree(FIXTURE, d)
+    return d
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
+@pytest.mark.parametrize("flags", [[], ["--to", "hf", "--dtype", "float16"], ["--quantization", "fp8", "--to", "hf"]])
+def test_convert_refuses_to_write_over_its_source(src, flags, capsys):
+    # before: exit 0 and SRC's official shards replaced by the output (--dtype float16 / fp8: the
+    # source's bf16 weights gone for good)
+    before = _tree(src)
+    link = src.parent / "link"
+    link.symlink_to(src, target_is_directory=True)
+    for out in (str(src), f"{src}/./", str(link)):
+        assert main(["convert", str(src), out, "--quiet", *flags]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert "is the source checkpoint's folder" in line and str(src) in line, line
+    weights = src / "model-00001-of-00002.safetensors"
+    assert main(["convert", str(weights), str(src), "--quiet", *flags]) == 2
+    assert "is the source checkpoint's folder" in _one_line(capsys.readouterr().err)
+    assert _tree(src) == before
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
+def test_convert_names_a_missing_source_not_the_output(tmp_path, capsys):
+    # before: "convert: filesystem error on OUT: GlmMoeDsaConfig: no config file at <SRC's parent>/config.json"
+    out = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "nope"), str(out)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("convert: ") and str(tmp_path / "nope") in line and "does not exist" in line, line
+    assert str(out) not in line
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tmp_path / "empty"), str(out)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"no config file at {tmp_path / 'empty' / 'config.json'}" in line and str(out) not in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "train"])
+def test_an_output_folder_that_is_a_file_is_one_line(tmp_path, command, capsys):
+    # before: a CheckpointError (make-tiny) / FileExistsError (train) traceback, exit 1
+    f = tmp_path / "a_file"
+    f.write_text("keep me")
+    args = {"make-tiny": [str(f)], "train": ["--model", "toy", "--steps", "1", "--seq-len", "16", "--out", str(f)]}
+    assert main([command, *args[command]]) == 2
+    assert str(f) in _one_line(capsys.readouterr().err)
+    assert f.read_text() == "keep me"
+
+
+def test_train_names_a_tokenizer_folder_it_cannot_read_without_data(tmp_path, capsys):
+    # before: exit 0, the flag ignored (without --data nothing read it; the export would ship nothing)
+    out = tmp_path / "out"
+    args = ["train", "--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--out", str(out)]
+    assert main([*args, "--tokenizer", str(tmp_path / "missing")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("glm52 train: error: --tokenizer ") and "missing" in line, line
+    assert not (out / "loss.json").exists()
+
+
+def test_a_toy_export_is_atomic_and_readable_by_others(tmp_path, monkeypatch):
+    # before: safetensors.numpy.save_file straight onto OUT/export/model.safetensors. safetensors < 0.8
+    # (setup.py allows >= 0.4.3) truncates the file first: a write failing part way (a full disk) left a
+    # torn file where the last export was (simulated below: a writer that truncates, writes half, raises);
+    # safetensors 0.8 writes a temp file of its own and leaves it mode 0600 (measured: config.json 0644,
+    # model.safetensors 0600), so others (a serving job) could not read the export
+    import stat
+
+    import safetensors.numpy
+
+    from paddleformers_glm.train.toy import ToyAdapter
+
+    out = tmp_path / "export"
+    old = os.umask(0o022)
+    try:
+        ToyAdapter({}, seed=0).export(ToyAdapter({}, seed=0).full_state(), str(out))
+    finally:
+        os.umask(old)
+    assert {f: stat.S_IMODE((out / f).stat().st_mode) for f in os.listdir(out)} == {
+        "config.json": 0o644,
+        "model.safetensors": 0o644,
+    }
+    before = _tree(out)
+
+    def torn_write(tensors, filename, metadata=None):  # safetensors < 0.8: File::create, then the bytes
+        with open(filename, "wb") as f:
+            f.write(safetensors.numpy.save(tensors, metadata)[:1000])
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", torn_write)
+    with pytest.raises(OSError, match="File too large"):
+        ToyAdapter({}, seed=1).export(ToyAdapter({}, seed=1).full_state(), str(out))
+    assert _tree(out) == before
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no temporary file left
+
+
+def test_align_refused_by_its_arguments_leaves_the_earlier_runs(tmp_path, capsys):
+    # before: OUT/reference, OUT/paddle and OUT/receipt were deleted first, then `--model` was found
+    # to have no config.json (exit 2): a typo in --model threw away both finished runs
+    out = tmp_path / "align"
+    for sub in ("reference", "paddle", "receipt"):
+        (out / sub).mkdir(parents=True)
+        (out / sub / "loss.json").write_text('{"losses": [1.0]}')
+    before = _tree(out)
+    assert main(["align", "--model", str(tmp_path / "typo"), "--out", str(out)]) == 2
+    assert f"--model {tmp_path / 'typo'}: no config.json" in _one_line(capsys.readouterr().err)
+    if FIXTURE.exists():
+        assert main(["align", "--model", str(FIXTURE), "--out", str(out), "--steps", "2", "--dump-step", "5"]) == 2
+        # refused by the --dump-step range, or (CI: no torch) first by the missing reference extra
+        refusal = "--dump-step" if importlib.util.find_spec("torch") else "needs the reference extra"
+        assert refusal in _one_line(capsys.readouterr().err)
+    assert _tree(out) == before
+    f = tmp_path / "a_file"
+    f.write_text("keep me")
+    assert main(["align", "--model", str(FIXTURE), "--out", str(f)]) == 2
+    assert f"--out {f}: a file, not a folder" in _one_line(capsys.readouterr().err)
+    assert f.read_text() == "keep me"
