@@ -62,8 +62,8 @@ def test_single_rank_export_equals_the_saver_byte_for_byte(tiny_ckpt, reference,
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [("--tp", "2", "--pp", "2"), ("--tp", "2", "--ep", "2"), ("--cp", "2", "--ep", "2")],
-    ids=["tp2-pp2", "tp2-ep2", "cp2-ep2"],  # cp2-ep2: each cp rank writes the experts it owns
+    [("--tp", "2", "--pp", "2"), ("--tp", "4", "--ep", "2", "--etp", "2"), ("--cp", "2", "--ep", "2")],
+    ids=["tp2-pp2", "tp4-ep2-etp2", "cp2-ep2"],  # cp2-ep2: each cp rank writes the experts it owns
 )
 def test_parallel_export_equals_the_single_process_export(tiny_ckpt, reference, tmp_path, layout):
     args = ["--model", str(tiny_ckpt), "--steps", "1", "--seq-len", "16", "--global-batch-size", "2"]

@@ -8,7 +8,15 @@ was a quarter of the model until one loaded CI run saw rank 0 peak 16 MB above i
 
 The measure is the rise of the process's peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after imports and process-group setup) above its RSS at that point, so
-any tensor the rank materialises counts, whoever allocated it."""
+any tensor the rank materialises counts, whoever allocated it.
+
+The export merges a split tensor on its one writer: a tensor-parallel peer that writes no merged
+tensor (tp rank 1 here) must not hold the whole of one. The vocabulary (12288) makes the embedding
+and the LM head (12 MiB each, split over TP2) the largest merged tensors; while the export
+all-gathered every split tensor, the tp-1 ranks of the first and last stages rose 24.7 MiB during the
+export (two whole embeddings: the all-gather's list and gloo's buffer); with gloo gathers to the writer
+one CI run saw 12 MiB (the sender kept each chunk's gathered buffer); with broadcasts to the writer
+7.0 MiB (as much as the middle stages' tp-1 ranks, which hold no large split tensor)."""
 
 from __future__ import annotations
 
@@ -26,7 +34,8 @@ LAYOUT = ["--tp", "2", "--pp", "4", "--ep", "2", "--pp-layout", "3 2 2 1"]
 
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory) -> Path:
-    """~426 MB of fp32 weights, nearly all in 8 MoE layers of 32 small experts (two per stage)."""
+    """~430 MiB of fp32 weights, nearly all in 8 MoE layers of 32 small experts (two per stage), and a
+    12288 x 256 embedding and LM head."""
     import paddle
 
     from paddleformers_glm.checkpoint import save_pretrained_state
@@ -39,6 +48,7 @@ def big_ckpt(tmp_path_factory) -> Path:
         intermediate_size=2048,
         mlp_layer_types=["dense"] + ["sparse"] * 7,
         first_k_dense_replace=1,
+        vocab_size=12288,
         dtype="float32",
     )
     out = tmp_path_factory.mktemp("budget") / "ckpt"
@@ -92,6 +102,11 @@ def test_no_rank_holds_the_model_three_times_its_budget(big_ckpt, tmp_path):
     over = [(r["rank"], r["growth"]) for r in recs if r["growth"] >= budget]
     assert not over, f"ranks over the budget of {budget} bytes (model {model_bytes}): {over}"
     assert all(r["bytes_read"] < budget for r in recs)
+    embed_bytes = 12288 * 256 * 4  # the embedding (or the LM head), whole
+    held = [(r["rank"], r["export_growth"]) for r in recs if r["tp_rank"] == 1 and r["export_growth"] >= embed_bytes]
+    assert not held, (
+        f"tp-1 ranks (no merged tensor to write) rose by a whole {embed_bytes}-byte tensor in the export: {held}"
+    )
     assert sum(r["exported_bytes"] for r in recs) == w["exported_bytes"]  # every tensor written once
     for name in ("model.safetensors", "config.json"):  # and the export is the source, byte for byte
         assert (tmp_path / "export" / name).read_bytes() == (big_ckpt / name).read_bytes(), name

@@ -11,10 +11,12 @@ import os
 import shutil
 from typing import Any
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
+from ..parallel import comm
 from ..parallel.layers import get_shard_spec, merge_slices
 from ..parallel.state import to_numpy
 from ..parallel.topology import Topology
@@ -24,7 +26,7 @@ from .errors import CheckpointError
 from .layout import fleet_param_specs
 from .loader import normalize_dtype
 from .safetensors_io import INDEX_NAME, SafetensorsWriter, paddle_to_st_dtype
-from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shards
+from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shards, save_target
 
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
@@ -32,7 +34,7 @@ _META = {"format": "pt"}  # what save_pretrained writes by default, and the only
 
 
 def _group_gathers(spec: Any, topo: Topology) -> bool:
-    """Whether this rank's group takes part in merging (the same answer on every member)."""
+    """Whether this rank's group holds the canonical copy of its tensors (the same answer on every member)."""
     if spec.expert:  # an etp group shares its edp rank (it may span cp ranks)
         return topo.edp_rank == 0
     return topo.dp_rank == 0 and topo.cp_rank == 0  # context-parallel ranks hold dense replicas
@@ -51,6 +53,55 @@ def all_gather_object(obj: Any, topo: Topology) -> list[Any]:
     out: list[Any] = []
     dist.all_gather_object(out, obj)
     return out
+
+
+_GLOO_CHUNK_BYTES = 4 << 20  # on gloo, what one broadcast moves
+
+
+def _gather_to_writer(t: paddle.Tensor, spec: Any, dst: int, topo: Topology) -> list[np.ndarray] | None:
+    """Every group member's piece of a split tensor, as host arrays in group-rank order (bf16/fp16
+    widened to fp32, losslessly, as before), on its writer ``dst`` only (None on the others;
+    collective over the group).
+
+    A member that does not write the tensor only sends its piece and never holds the whole tensor (an
+    all-gather gave every member the whole tensor, twice over on gloo: for the 744B model's embedding
+    1.9 GB per rank; docs/scale.md). A group without the writer (the last stage's copy of the
+    embedding the first stage writes) moves nothing. On NCCL one ``paddle.distributed.gather`` per
+    tensor. On gloo (Paddle 3.3.1) a gather's sender allocates the whole gathered size per call and
+    keeps it: a 24 MiB piece sent in 4 MiB gathers rose its sender 41 MiB, so there each member
+    broadcasts its piece in flat chunks of at most ``_GLOO_CHUNK_BYTES`` from the tensor itself (the
+    same piece: flat at 0.6 MiB), received into one reused buffer (docs/scale.md)."""
+    group = topo.group(spec.group)
+    if dst not in group.ranks:  # the same answer on every member: ``dst`` is a global rank
+        return None
+    flat = t.detach().reshape([-1])
+    if not comm.uses_emulation():
+        got: list[paddle.Tensor] | None = [] if topo.rank == dst else None
+        dist.gather(flat, got, dst=dst, group=group)
+        return [to_numpy(p).reshape(t.shape) for p in got] if got is not None else None
+    numel = int(flat.shape[0])
+    step = max(1, _GLOO_CHUNK_BYTES // t.element_size())
+    host = [np.empty(0)] * len(group.ranks)
+    buf: paddle.Tensor | None = None
+    for i, src in enumerate(group.ranks):
+        if src == dst:
+            if topo.rank == dst:
+                host[i] = to_numpy(flat)
+            continue
+        for a in range(0, numel, step):
+            n = min(step, numel - a)
+            if topo.rank == src:
+                dist.broadcast(flat[a : a + n], src=src, group=group)
+                continue
+            if buf is None or int(buf.shape[0]) != n:  # one buffer, and one more for a shorter last chunk
+                buf = paddle.empty([n], dtype=t.dtype)
+            dist.broadcast(buf, src=src, group=group)
+            if topo.rank == dst:
+                arr = to_numpy(buf)
+                if not host[i].size:
+                    host[i] = np.empty(numel, dtype=arr.dtype)
+                host[i][a : a + n] = arr
+    return [h.reshape(t.shape) for h in host] if topo.rank == dst else None
 
 
 def _barrier(topo: Topology) -> None:
@@ -77,7 +128,7 @@ def export_distributed(
     "bytes": their bytes, "files": [...]}``."""
     topo = topo or Topology.single()
     quiet_paddle_logs()
-    out_dir = os.path.abspath(out_dir)
+    out_dir = save_target(out_dir)  # a link to a folder: the folder (as the single-process save)
     model_dtype = dtype or config.model_dtype
     specs, tgt_dtypes, entries = plan_entries(config, "hf", model_dtype)
     shards = plan_shards(entries, parse_size(max_shard_size))
@@ -122,12 +173,9 @@ def export_distributed(
                 spec = get_shard_spec(t)
                 size = topo.size(spec.group) if spec.axis is not None else 1
                 if size > 1:
-                    if not _group_gathers(spec, topo):
-                        continue
-                    parts: list[paddle.Tensor] = []
-                    dist.all_gather(parts, t.detach(), group=topo.group(spec.group))
+                    parts = _gather_to_writer(t, spec, writer[k], topo)
                     if owner:
-                        full[k] = paddle.to_tensor(merge_slices([to_numpy(p) for p in parts], spec))
+                        full[k] = paddle.to_tensor(merge_slices(parts, spec))
                     del parts
                 elif owner:
                     full[k] = paddle.to_tensor(to_numpy(t.detach()))
@@ -197,7 +245,7 @@ def save_pretrained_distributed(
     t0 = time.perf_counter()
     config = config if config is not None else model.config
     topo = topo or Topology.single()
-    out_dir = os.path.abspath(os.fspath(save_directory))
+    out_dir = save_target(save_directory)
     info = export_distributed(
         model, config, out_dir, topo, dtype=dtype, max_shard_size=max_shard_size, carry_from=carry_from
     )
