@@ -143,7 +143,8 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     "num_hidden_layers": ("int", 1, MAX_LAYERS),
     **dict.fromkeys(("first_k_dense_replace", "n_shared_experts"), ("int", 0, MAX_DIM)),
     "num_nextn_predict_layers": ("int|None", 0, MAX_LAYERS),
-    **dict.fromkeys(("index_topk_freq", "qk_head_dim"), ("int|None", 1, MAX_DIM)),
+    "qk_head_dim": ("int|None", 1, MAX_DIM),
+    "index_topk_freq": ("int|None", -MAX_DIM, MAX_DIM),  # <= 0: every layer full, as transformers reads it
     **dict.fromkeys(("index_skip_topk_offset", "bos_token_id", "pad_token_id"), ("int|None", 0, MAX_DIM)),
     **dict.fromkeys(("rms_norm_eps", "indexer_k_norm_eps", "routed_scaling_factor"), _POSITIVE),
     **dict.fromkeys(("initializer_range", "mtp_loss_scaling_factor", "indexer_loss_coeff"), _NONNEGATIVE),
@@ -549,7 +550,7 @@ class GlmMoeDsaConfig:
                 raise _err("index_topk_pattern", f"has {len(pattern)} letters, num_hidden_layers is {L}")
             derived, source = ["full" if c == "F" else "shared" for c in pattern], "index_topk_pattern"
         elif has_schedule or given is None:
-            freq = int(self.index_topk_freq or 1)
+            freq = max(int(self.index_topk_freq or 1), 1)  # transformers: max(freq, 1)
             offset = int(self.index_skip_topk_offset if self.index_skip_topk_offset is not None else 1)
             derived, source = indexer_types_from_schedule(L, freq, offset), "index_topk_freq/index_skip_topk_offset"
         else:
@@ -698,7 +699,7 @@ class GlmMoeDsaConfig:
             # DSA indexer and cross-layer top-k sharing: Fleet's dsa_* names are those of _KEY_ALIASES
             "experimental_attention_variant": "dsa",
             **{a: copy.deepcopy(getattr(self, k)) for a, k in _KEY_ALIASES.items() if a.startswith("dsa_")},
-            "dsa_indexer_topk_freq": int(self.index_topk_freq or 1),  # null: 1 and 0, every layer full
+            "dsa_indexer_topk_freq": max(int(self.index_topk_freq or 1), 1),  # null, 0, < 0: 1, every layer full
             "dsa_indexer_skip_topk_offset": int(self.index_skip_topk_offset or 0),
         }
         p = self.parallel_settings()  # the layout the file carried, unless the run's is given

@@ -251,7 +251,6 @@ INVALID = [
         "indexer_types",
     ),
     ("pattern letters", {"index_topk_pattern": "FFX" + "S" * 75}, "index_topk_pattern"),
-    ("freq < 1", {"index_topk_freq": 0}, "index_topk_freq"),
     ("qk_head_dim", {"qk_head_dim": 255}, "qk_head_dim"),
     ("experts vs groups", {"n_group": 3}, "n_routed_experts"),
     ("topk_group > n_group", {"n_group": 4, "topk_group": 5}, "topk_group"),

@@ -4,6 +4,8 @@ name suggests: the model computes what transformers computes, or refuses the val
 * ``attention_dropout``: transformers drops attention probabilities in training mode; the attention
   forms here apply no dropout, so a training forward with a positive value is refused (an eval
   forward is what transformers computes: no dropout at eval).
+* ``index_topk_freq`` 0 or below: transformers reads ``max(freq, 1)``, every layer full (it was
+  refused here); the value is kept and written back.
 * ``rope_interleave`` / ``indexer_rope_interleave``: transformers' MLA and indexer apply interleaved
   rope whatever the flags say; ``false`` (PaddleFleet reads it as half-split pairs) has no answer
   that agrees with both, so building a model with it is refused. The config keeps and round-trips
@@ -240,3 +242,37 @@ def test_init_weights_zeroes_the_pad_row_as_transformers_does(pad):
     zero_rows = [i for i in range(w.shape[0]) if not w[i].any()]
     assert zero_rows == ([] if pad is None else [pad])
     assert abs(float(w.std()) - 0.02) < 0.002
+
+
+# ------------------------------------------------------------------ index_topk_freq below 1
+# measured with transformers 5.23: GlmMoeDsaConfig(num_hidden_layers=4, index_topk_freq=f).indexer_types is
+# ["full"] * 4 for f = 0 and f = -2 (and for 1), ["full", "full", "shared", "full"] for 2; to_dict() keeps f
+FREQS_BELOW_ONE = [0, -2]
+
+
+def _schedule_only(freq: int) -> dict:
+    d = json.loads(TINY_CONFIG.read_text())
+    d.pop("indexer_types", None)
+    return d | {"index_topk_freq": freq, "index_skip_topk_offset": 2}
+
+
+@pytest.mark.parametrize("freq", FREQS_BELOW_ONE)
+def test_transformers_reads_a_frequency_below_one_as_every_layer_full(freq):
+    pytest.importorskip("transformers")
+    from transformers import GlmMoeDsaConfig as HFConfig
+
+    hf = HFConfig.from_dict(_schedule_only(freq))
+    assert hf.indexer_types == ["full"] * hf.num_hidden_layers
+    assert hf.to_dict()["index_topk_freq"] == freq
+    assert GlmMoeDsaConfig.from_dict(_schedule_only(freq)).indexer_types == hf.indexer_types
+
+
+@pytest.mark.parametrize("freq", FREQS_BELOW_ONE)
+def test_a_frequency_below_one_makes_every_layer_full_and_is_written_back(freq, tmp_path):
+    cfg = GlmMoeDsaConfig.from_dict(_schedule_only(freq))
+    assert cfg.indexer_types == ["full"] * cfg.num_hidden_layers
+    assert cfg.to_fleet_config()["dsa_indexer_topk_freq"] == 1
+    cfg.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["index_topk_freq"] == freq
+    shared = GlmMoeDsaConfig.from_dict(_schedule_only(2))  # the control: a real schedule shares layers
+    assert "shared" in shared.indexer_types
