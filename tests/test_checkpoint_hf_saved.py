@@ -116,6 +116,30 @@ def test_strict_false_initialises_what_is_missing_like_hf_and_init_is_restored(s
     assert float(paddle.nn.Linear(64, 64).weight.abs().sum()) > 0
 
 
+def test_a_missing_embedding_is_initialised_with_a_zero_pad_row_as_transformers_does(src):
+    """transformers 5.23 initialises a missing ``embed_tokens`` through nn.Embedding's padding_idx:
+    measured on this fixture without the key, row ``pad_token_id`` (0) is all zeros and the rest
+    normal(0, 0.02) (std 0.0199); the pad row held normal values here (|row| sum 1.05) before."""
+    import paddle
+
+    from paddleformers_glm.parallel.topology import ParallelConfig, Topology, topology_override
+
+    k = "model.embed_tokens.weight"
+    _rewrite(src, drop=[k])
+    model, rep = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32", strict=False, output_loading_info=True)
+    pad = model.config.pad_token_id
+    w = model.model.embedding.embed_tokens.weight.numpy()
+    assert rep.missing and pad is not None
+    assert not w[pad].any() and abs(float(np.delete(w, pad, 0).std()) - 0.02) < 0.02 * 0.15
+    for tp_rank in range(2):  # split over TP2: the rank holding row pad zeroes it, the other keeps its rows
+        topo = Topology(ParallelConfig(tp=2), ranks={"tp": tp_rank, "pp": 0, "dp": 0, "edp": 0, "ep": 0, "etp": 0})
+        paddle.seed(7 + tp_rank)
+        with topology_override(topo):
+            split = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32", strict=False, topology=topo)
+        rows = split.model.embedding.embed_tokens.weight.numpy()
+        np.testing.assert_array_equal(rows, w[tp_rank * rows.shape[0] : (tp_rank + 1) * rows.shape[0]])
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 4, "ep": 2, "etp": 2}], ids=["tp2", "tp4-ep2-etp2"])
 def test_weights_initialised_on_load_are_one_model_over_the_ranks(src, layout):
     """What a load initialises (the MTP layer of a transformers-written folder; with strict=False any

@@ -392,7 +392,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         if seed is not None:
             paddle.seed(seed)
         init_like_hf(dict(self.named_parameters()), self.config.initializer_range)
-        # as transformers (nn.Embedding's padding_idx): the pad row starts at zero (it gets no gradient)
+        self._zero_pad_row()
+
+    def _zero_pad_row(self) -> None:
+        """As transformers (nn.Embedding's padding_idx): an initialised embedding's row ``pad_token_id``
+        starts at zero (it gets no gradient); on this rank's rows only."""
         emb, pad = getattr(getattr(self.model, "embedding", None), "embed_tokens", None), self.config.pad_token_id
         if emb is not None and pad is not None:
             start = int(getattr(emb, "start", getattr(emb, "vocab_start_index", 0)))  # this rank's first row
@@ -453,6 +457,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does, seeded by key
             # name so that every rank holds its piece of the same model (replicas equal)
             init_like_hf({k: state[k] for k in sorted(unfilled)}, config.initializer_range, seeded=True)
+            if any(k.endswith("embed_tokens.weight") for k in unfilled):
+                model._zero_pad_row()  # as transformers initialises a missing embedding
         if check_finite:
             from ..checkpoint.finite import check_finite_state
 
