@@ -579,7 +579,7 @@ class GlmTokenizer:
         """(text, character spans of the template's ``{% generation %}`` blocks; [] unless ``track``),
         rendered as transformers' ``render_jinja_template``: the special tokens that are set, then
         ``extra`` over them, ``tools`` and ``documents`` always defined (None when not given), each
-        message a copy with its reasoning under all of HF's names, and ``continue_final_message``
+        message a copy without its None-valued keys and with its reasoning under all of HF's names, and ``continue_final_message``
         cutting the text after the final message's ``content`` (or the field it names)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
@@ -588,7 +588,8 @@ class GlmTokenizer:
         if not text:
             raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
         template = _compile_template(text, self.template_source if chat_template is None else "chat_template=")
-        chat = [_alias_reasoning(m) for m in copy.deepcopy(list(messages))]
+        # a key whose value is None is dropped, as transformers does (OpenAI's ``content=None``, ``tool_calls=None``)
+        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in copy.deepcopy(list(messages))]
         final = None
         if continue_final_message:
             final = _tag_final_message(chat, text, continue_final_message)

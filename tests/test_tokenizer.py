@@ -850,3 +850,40 @@ def test_split_special_tokens_splits_them_as_transformers_does(tmp_path):
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], return_dict=False)
     assert chat == [68, 80, 54, 42, 60, 52, 70, 37, 92, 88, 89, 39, 37, 101, 94, 92, 112, 101, 39, 9, 81, 82]
     assert make_tiny_tokenizer().encode("a<|user|>b") == [74, 2, 75]  # the default keeps them whole
+
+
+# ---------------------------------------------------------------------- None-valued message keys
+NONE_KEYS_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}:{% if m.content is defined %}{{ m.content }}{% else %}-{% endif %}"
+    "{% if m.tool_calls is defined %}TC{% endif %}]{% endfor %}"
+)
+NONE_KEYS_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": None}]
+
+
+def test_none_valued_message_keys_are_dropped_as_transformers_drops_them():
+    """transformers 5.23's apply_chat_template drops a message's keys whose value is None (OpenAI's
+    ``content=None``, ``tool_calls=None``) before rendering. Measured with AutoTokenizer on the tiny
+    folder: this template renders '[user:hi][assistant:-]' and the tiny GLM-style template
+    '[gMASK]<sop><|user|>\\nhi<|assistant|>\\n<|endoftext|>'; ours rendered '[user:hi][assistant:NoneTC]'
+    and a literal 'None' as the answer (trained on by encode_chat_for_training)."""
+    tok = make_tiny_tokenizer()
+    assert tok.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=NONE_KEYS_TEMPLATE) == (
+        "[user:hi][assistant:-]"
+    )
+    assert tok.apply_chat_template(NONE_KEYS_CHAT, tokenize=False) == (
+        "[gMASK]<sop><|user|>\nhi<|assistant|>\n<|endoftext|>"
+    )
+    ids, _ = tok.encode_chat_for_training(NONE_KEYS_CHAT)
+    assert "None" not in tok.decode(ids)
+    assert NONE_KEYS_CHAT[1] == {"role": "assistant", "content": None, "tool_calls": None}  # not edited
+
+
+@pytest.mark.reference
+def test_none_valued_message_keys_render_as_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    for template in (NONE_KEYS_TEMPLATE, None):
+        a = hf.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=template)
+        assert ours.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=template) == a
