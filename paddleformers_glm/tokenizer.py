@@ -465,7 +465,7 @@ class GlmTokenizer:
         self,
         text: str | Sequence[str],
         padding: bool | str = False,
-        truncation: bool | str = False,
+        truncation: bool | str | None = None,
         max_length: int | None = None,
         return_tensors: str | None = None,
         add_special_tokens: bool = True,
@@ -474,16 +474,24 @@ class GlmTokenizer:
         pad_to_multiple_of: int | None = None,
     ) -> BatchEncoding:
         """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
-        ``max_length`` (default ``model_max_length``) on ``truncation_side``."""
+        ``max_length`` (default ``model_max_length``) on ``truncation_side``; ``max_length`` alone
+        (``padding=False``, ``truncation`` not given) truncates, as transformers does."""
         single = isinstance(text, str)
         texts = [text] if single else list(text)
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("GlmTokenizer: text must be a string or a list of strings")
         limit = None
+        if max_length is not None and padding is False and truncation is None:
+            truncation = True  # transformers' _get_padding_truncation_strategies: max_length alone truncates
         if truncation not in (False, "do_not_truncate", None):
             if truncation not in (True, "longest_first", "only_first"):
                 raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
             limit = self._max_length(max_length, "truncation=True")
+            if padding not in (False, "do_not_pad", None) and pad_to_multiple_of and limit % pad_to_multiple_of:
+                raise ValueError(  # transformers' message: padding to a multiple would undo the truncation
+                    "Truncation and padding are both activated but "
+                    f"truncation length ({limit}) is not a multiple of pad_to_multiple_of ({pad_to_multiple_of})."
+                )
         rows = [list(e.ids) for e in self._encode_batch(texts, add_special_tokens, limit)]
         enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
         if not return_attention_mask:

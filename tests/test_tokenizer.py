@@ -887,3 +887,49 @@ def test_none_valued_message_keys_render_as_transformers(tiny_dir):
     for template in (NONE_KEYS_TEMPLATE, None):
         a = hf.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=template)
         assert ours.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=template) == a
+
+
+# ---------------------------------------------------------------------- max_length and truncation as transformers reads them
+LONG_AND_SHORT = ["hello world this is long", "hi"]
+
+
+def test_max_length_alone_truncates_and_a_multiple_that_undoes_truncation_is_refused():
+    """transformers 5.23 (``_get_padding_truncation_strategies``), measured with AutoTokenizer on the
+    tiny folder: ``max_length=4`` with no padding and no ``truncation`` truncates
+    ([[107, 254, 88, 120], [81, 82]]); ours ignored it (the first row's 13 ids). ``truncation=True,
+    max_length=5, padding=True, pad_to_multiple_of=4`` raises "Truncation and padding are both activated
+    but truncation length (5) is not a multiple of pad_to_multiple_of (4)."; ours padded the rows to 8,
+    past max_length."""
+    tok = make_tiny_tokenizer()
+    full = tok(LONG_AND_SHORT)["input_ids"]
+    assert len(full[0]) == 13
+    assert tok(LONG_AND_SHORT, max_length=4)["input_ids"] == [full[0][:4], full[1]]
+    assert tok(LONG_AND_SHORT, max_length=4, truncation=False)["input_ids"] == full  # asked not to
+    assert tok(LONG_AND_SHORT, max_length=4, padding=True)["input_ids"][0] == full[0]  # padding: max_length ignored
+    with pytest.raises(ValueError, match=r"truncation length \(5\) is not a multiple of pad_to_multiple_of \(4\)"):
+        tok(LONG_AND_SHORT, truncation=True, max_length=5, padding=True, pad_to_multiple_of=4)
+    assert (
+        len(tok(LONG_AND_SHORT, truncation=True, max_length=8, padding=True, pad_to_multiple_of=4)["input_ids"][1]) == 8
+    )
+
+
+@pytest.mark.reference
+def test_max_length_and_truncation_as_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    for kw in (
+        {"max_length": 4},
+        {"max_length": 4, "truncation": False},
+        {"max_length": 4, "padding": True},
+        {"max_length": 4, "padding": "do_not_pad"},
+        {"truncation": True, "max_length": 8, "padding": True, "pad_to_multiple_of": 4},
+    ):
+        assert dict(ours(LONG_AND_SHORT, **kw)) == dict(hf(LONG_AND_SHORT, **kw)), kw
+    kw = {"truncation": True, "max_length": 5, "padding": True, "pad_to_multiple_of": 4}
+    with pytest.raises(ValueError) as want:
+        hf(LONG_AND_SHORT, **kw)
+    with pytest.raises(ValueError) as got:
+        ours(LONG_AND_SHORT, **kw)
+    assert str(got.value) == str(want.value)
