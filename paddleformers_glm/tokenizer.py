@@ -645,13 +645,17 @@ class GlmTokenizer:
         chat_template: str | None = None,
         continue_final_message: bool | str = False,
         return_assistant_tokens_mask: bool = False,
+        tokenizer_kwargs: dict | None = None,
         **extra: Any,
     ) -> Any:
         """transformers 5's call (docs/model.md, "Tokenizer and chat"): a conversation or a list of them,
         rendered by the chat template (``chat_template``: another template's text) and
         (``tokenize=True``) encoded; template variables go in ``extra``. ``continue_final_message``
         and ``return_assistant_tokens_mask`` (``assistant_masks``: the ``{% generation %}`` blocks'
-        tokens) are transformers'."""
+        tokens) are transformers'; ``tokenizer_kwargs`` go to the tokenizer call, as in transformers."""
+        if return_assistant_tokens_mask and not (return_dict and tokenize):
+            raise ValueError("`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`")
+        tokenizer_kwargs = dict(tokenizer_kwargs or {})
         if not conversation:
             raise TokenizerError("apply_chat_template: the conversation is empty")
         if extra.get("sanitize_control_tokens"):
@@ -673,7 +677,7 @@ class GlmTokenizer:
         text = texts if batched else texts[0]
         if not tokenize:
             return text
-        enc = self(text, padding, truncation, max_length, None, add_special_tokens=False)
+        enc = self(text, padding, truncation, max_length, None, add_special_tokens=False, **tokenizer_kwargs)
         if track:  # transformers' loop: from the token holding a block's first character to its last one's
             # on the encodings as truncated (where a block's start was cut off, HF's loop stops there)
             limit = self._max_length(max_length, "truncation=True") if truncation else None
@@ -682,7 +686,8 @@ class GlmTokenizer:
             for row, e, (_, blocks) in zip(rows, self._encode_batch(texts, False, limit), rendered):
                 mask = _block_mask(e, blocks)
                 pad = [0] * (len(row) - len(mask))
-                masks.append(pad + mask if self.padding_side == "left" else mask + pad)
+                side = tokenizer_kwargs.get("padding_side") or self.padding_side
+                masks.append(pad + mask if side == "left" else mask + pad)
             enc["assistant_masks"] = masks if batched else masks[0]
         if return_tensors is not None:
             enc = BatchEncoding(

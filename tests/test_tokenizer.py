@@ -933,3 +933,45 @@ def test_max_length_and_truncation_as_transformers(tiny_dir):
     with pytest.raises(ValueError) as got:
         ours(LONG_AND_SHORT, **kw)
     assert str(got.value) == str(want.value)
+
+
+# ---------------------------------------------------------------------- apply_chat_template's tokenizer_kwargs
+KW_CONVS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+    [{"role": "user", "content": "hello there world"}, {"role": "assistant", "content": "fine thanks"}],
+]
+
+
+def test_chat_template_tokenizer_kwargs_reach_the_tokenizer_call():
+    """transformers 5.23 passes apply_chat_template's ``tokenizer_kwargs`` to the tokenizer call and
+    refuses ``return_assistant_tokens_mask`` without ``tokenize`` and ``return_dict``. Measured with
+    AutoTokenizer on the tiny folder, GEN_TEMPLATE, ``padding=True, tokenizer_kwargs={"padding_side":
+    "left", "pad_to_multiple_of": 8}``: rows of 24 ids, 13 and 2 pads on the left, assistant_masks 1 at
+    21-22 and 17-22; ``tokenize=False`` (or ``return_dict=False``) with the mask raises ValueError.
+    Ours took ``tokenizer_kwargs`` as a template variable (right padding to 22, no multiple) and
+    returned the text / ids without a mask."""
+    tok = make_tiny_tokenizer()
+    kw = {"padding_side": "left", "pad_to_multiple_of": 8}
+    enc = tok.apply_chat_template(
+        KW_CONVS, chat_template=GEN_TEMPLATE, padding=True, return_assistant_tokens_mask=True, tokenizer_kwargs=kw
+    )
+    assert [len(r) for r in enc["input_ids"]] == [24, 24]
+    assert [m.index(1) for m in enc["attention_mask"]] == [13, 2]
+    assert enc["assistant_masks"] == [[0] * 21 + [1] * 2 + [0], [0] * 17 + [1] * 6 + [0]]
+    assert _runs(tok, enc["input_ids"][1], enc["assistant_masks"][1]) == ["fine thanks"]
+    for bad in ({"tokenize": False}, {"return_dict": False}):
+        with pytest.raises(ValueError, match="requires `return_dict=True` and `tokenize=True`"):
+            tok.apply_chat_template(KW_CONVS[0], return_assistant_tokens_mask=True, **bad)
+    with pytest.raises(TypeError, match="add_special_tokens"):  # as transformers: given twice
+        tok.apply_chat_template(KW_CONVS[0], tokenizer_kwargs={"add_special_tokens": True})
+
+
+@pytest.mark.reference
+def test_chat_template_tokenizer_kwargs_as_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    for kw in ({"padding_side": "left", "pad_to_multiple_of": 8}, {"padding_side": "right"}):
+        args = dict(chat_template=GEN_TEMPLATE, padding=True, return_assistant_tokens_mask=True, tokenizer_kwargs=kw)
+        assert dict(ours.apply_chat_template(KW_CONVS, **args)) == dict(hf.apply_chat_template(KW_CONVS, **args))
