@@ -353,7 +353,9 @@ class GlmTokenizer:
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
         """Write tokenizer.json and tokenizer_config.json (with the chat template and the padding /
-        truncation side and model_max_length in use), atomically."""
+        truncation side and model_max_length in use), atomically; a chat_template.jinja already in
+        ``folder`` is rewritten with the template too (it wins over the config's on loading, in
+        transformers as here, so a stale one would shadow the template saved)."""
         config = dict(self.config)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
@@ -369,6 +371,10 @@ class GlmTokenizer:
         written = [str(Path(folder) / TOKENIZER_FILE), str(Path(folder) / CONFIG_FILE)]
         atomic_write_text(written[0], self.tokenizer.to_str(pretty=True))
         atomic_write_text(written[1], json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        jinja = Path(folder) / TEMPLATE_FILE
+        if self.chat_template is not None and jinja.is_file():
+            atomic_write_text(str(jinja), self.chat_template)
+            written.append(str(jinja))
         return written
 
     # ------------------------------------------------------------------ special tokens

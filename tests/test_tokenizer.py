@@ -975,3 +975,22 @@ def test_chat_template_tokenizer_kwargs_as_transformers(tiny_dir):
     for kw in ({"padding_side": "left", "pad_to_multiple_of": 8}, {"padding_side": "right"}):
         args = dict(chat_template=GEN_TEMPLATE, padding=True, return_assistant_tokens_mask=True, tokenizer_kwargs=kw)
         assert dict(ours.apply_chat_template(KW_CONVS, **args)) == dict(hf.apply_chat_template(KW_CONVS, **args))
+
+
+def test_save_pretrained_over_a_chat_template_jinja_keeps_the_template_saved(tmp_path):
+    """A folder holding a chat_template.jinja (as transformers 5.23's save_pretrained writes it): the
+    file wins over tokenizer_config.json's template on loading, in transformers as here. Measured:
+    load such a folder ('OLD...'), set ``chat_template = 'NEW...'``, save_pretrained back into it;
+    transformers' own save reloads 'NEW...'; ours wrote the template only into the config, so ours and
+    AutoTokenizer both reloaded 'OLD...'."""
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("OLD{{ messages[0].content }}")
+    tok = GlmTokenizer.from_pretrained(tmp_path)
+    assert tok.chat_template == "OLD{{ messages[0].content }}"
+    tok.chat_template = "NEW{{ messages[0].content }}"
+    tok.save_pretrained(tmp_path)
+    assert GlmTokenizer.from_pretrained(tmp_path).chat_template == "NEW{{ messages[0].content }}"
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"] == tok.chat_template
+    transformers = pytest.importorskip("transformers")  # the live reading, where installed
+    pytest.importorskip("torch")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).chat_template == "NEW{{ messages[0].content }}"
