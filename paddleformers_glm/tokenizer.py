@@ -448,15 +448,20 @@ class GlmTokenizer:
         tokenizer.json's post-processor (a BOS prefix, an EOS)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        """Text of one sequence (a list, NumPy array or Paddle tensor of ids)."""
-        return self.tokenizer.decode(_id_list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> Any:
+        """Text of one sequence (a list, NumPy array or Paddle tensor of ids); rows of ids (a list of
+        lists, a 2-D array or tensor) give a list of texts, as transformers' ``decode`` does."""
+        rows = ids.numpy() if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)) else ids
+        rows = rows.tolist() if hasattr(rows, "tolist") else rows
+        if isinstance(rows, (list, tuple)) and rows and hasattr(rows[0], "__len__"):
+            return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in rows]
+        return self.tokenizer.decode(_id_list(rows), skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
-        """Text of each row of ``sequences`` ([B, S] tensor or array, or a list of id lists)."""
-        if hasattr(sequences, "numpy") and not isinstance(sequences, (list, tuple)):
-            sequences = sequences.numpy()
-        return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in sequences]
+        """Text of each row of ``sequences`` ([B, S] tensor or array, or a list of id lists); one
+        sequence of ids gives a list of its one text, as in transformers."""
+        out = self.decode(sequences, skip_special_tokens=skip_special_tokens)
+        return [out] if isinstance(out, str) else out
 
     def _max_length(self, max_length: int | None, why: str) -> int | None:
         if max_length is not None:
@@ -535,14 +540,21 @@ class GlmTokenizer:
     ) -> BatchEncoding:
         """Pad already tokenized rows (a dict of lists, or a list of dicts as data collators give),
         as transformers' ``tokenizer.pad``: ``input_ids`` and ``attention_mask``; other keys of
-        equal length are passed through. ``return_attention_mask=False`` leaves out the mask the
-        inputs did not have (PaddleFormers' DataCollatorForSeq2Seq passes the argument)."""
+        equal length are passed through, ``token_type_ids`` padded with 0 and ``special_tokens_mask``
+        with 1, as transformers pads them. One row (``{"input_ids": [ids]}``) gives one row back, as in
+        transformers. ``return_attention_mask=False`` leaves out the mask the inputs did not have
+        (PaddleFormers' DataCollatorForSeq2Seq passes the argument)."""
         if isinstance(encoded_inputs, (list, tuple)):
             if not encoded_inputs:
                 raise ValueError("pad: nothing to pad")
             encoded_inputs = {k: [f[k] for f in encoded_inputs] for k in encoded_inputs[0]}
         if "input_ids" not in encoded_inputs:
             raise ValueError(f"pad: no 'input_ids' in the inputs (keys {sorted(encoded_inputs)})")
+        first = encoded_inputs["input_ids"]
+        first = first.tolist() if hasattr(first, "tolist") else first
+        single = isinstance(first, (list, tuple)) and bool(first) and not hasattr(first[0], "__len__")
+        if single:  # one row, as transformers' pad takes it: padded as a batch of one, returned as one row
+            encoded_inputs = {k: [v] for k, v in encoded_inputs.items()}
         given = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}  # fresh lists, padded in place
         rows = given["input_ids"]
         masks = given["attention_mask"] if "attention_mask" in given else [[1] * len(r) for r in rows]
@@ -568,13 +580,17 @@ class GlmTokenizer:
                 if n > 0:
                     rows[i] = [pad_id] * n + r if side == "left" else r + [pad_id] * n
                     masks[i] = [0] * n + masks[i] if side == "left" else masks[i] + [0] * n
+                    for key, value in (("token_type_ids", 0), ("special_tokens_mask", 1)):  # transformers' values
+                        if key in given and len(given[key][i]) == len(r):
+                            row = given[key][i]
+                            given[key][i] = [value] * n + row if side == "left" else row + [value] * n
         out = BatchEncoding(input_ids=rows, attention_mask=masks)
         if return_attention_mask is False and "attention_mask" not in given:
             del out["attention_mask"]
         out.update({k: v for k, v in given.items() if k not in out})  # other keys as given
         if return_tensors is not None:
-            return BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
-        return out
+            out = BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
+        return BatchEncoding({k: v[0] for k, v in out.items()}) if single else out
 
     # ------------------------------------------------------------------ chat
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, **extra: Any) -> str:

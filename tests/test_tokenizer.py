@@ -994,3 +994,62 @@ def test_save_pretrained_over_a_chat_template_jinja_keeps_the_template_saved(tmp
     transformers = pytest.importorskip("transformers")  # the live reading, where installed
     pytest.importorskip("torch")
     assert transformers.AutoTokenizer.from_pretrained(tmp_path).chat_template == "NEW{{ messages[0].content }}"
+
+
+def test_pad_of_one_row_and_of_token_type_ids_and_special_tokens_mask():
+    """transformers 5.23's ``pad``, measured with AutoTokenizer on the tiny folder: one row
+    ``{"input_ids": [1, 2]}`` gives one row back ({'input_ids': [1, 2], 'attention_mask': [1, 1]};
+    with ``return_tensors="np"`` of shape (2,)); ``token_type_ids`` are padded with 0 and
+    ``special_tokens_mask`` with 1 ({'input_ids': [[1, 2], [3, 0]], 'token_type_ids': [[0, 0], [1, 0]],
+    'special_tokens_mask': [[0, 1], [0, 1]], ...}). Ours took the row as two rows of one id each
+    ([[1], [2]]) and left the two keys unpadded (rows of different lengths)."""
+    tok = make_tiny_tokenizer()
+    assert dict(tok.pad({"input_ids": [1, 2]})) == {"input_ids": [1, 2], "attention_mask": [1, 1]}
+    one = tok.pad({"input_ids": [1, 2]}, padding="max_length", max_length=4, padding_side="left")
+    assert dict(one) == {"input_ids": [0, 0, 1, 2], "attention_mask": [0, 0, 1, 1]}
+    assert {k: v.shape for k, v in tok.pad({"input_ids": [1, 2]}, return_tensors="np").items()} == {
+        "input_ids": (2,),
+        "attention_mask": (2,),
+    }
+    both = tok.pad({"input_ids": [[1, 2], [3]], "token_type_ids": [[0, 0], [1]], "special_tokens_mask": [[0, 1], [0]]})
+    assert dict(both) == {
+        "input_ids": [[1, 2], [3, 0]],
+        "attention_mask": [[1, 1], [1, 0]],
+        "token_type_ids": [[0, 0], [1, 0]],
+        "special_tokens_mask": [[0, 1], [0, 1]],
+    }
+    rows = [{"input_ids": np.array([1, 2, 3])}, {"input_ids": paddle.to_tensor([4])}]  # rows as arrays stay rows
+    assert tok.pad(rows)["input_ids"] == [[1, 2, 3], [4, 0, 0]]
+
+
+def test_decode_of_rows_and_batch_decode_of_one_sequence():
+    """transformers 5.23, measured on the tiny folder: ``decode`` of rows (a list of lists, a 2-D
+    array) gives a list of texts (['hi', 'j'], ['hi', 'jk']) and ``batch_decode`` of one sequence of ids
+    gives its one text (``batch_decode(np.array([81, 82]))`` == ['hi'], ``batch_decode([])`` == ['']).
+    Ours: decode of rows raised TypeError ("int() argument must be ..."), batch_decode of one sequence
+    decoded each id alone (['h', 'i'])."""
+    tok = make_tiny_tokenizer()
+    assert tok.decode([[81, 82], [83]]) == ["hi", "j"]
+    assert tok.decode(np.array([[81, 82], [83, 84]])) == ["hi", "jk"]
+    assert tok.batch_decode(np.array([81, 82])) == tok.batch_decode([81, 82]) == ["hi"]
+    assert tok.batch_decode([]) == [""]
+    assert tok.batch_decode(paddle.to_tensor([[81, 82], [83, 84]])) == ["hi", "jk"]
+    assert tok.decode(paddle.to_tensor([81, 82])) == "hi" and tok.decode(81) == "h"
+
+
+@pytest.mark.reference
+def test_pad_and_decode_as_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    for inputs, kw in (
+        ({"input_ids": [1, 2]}, {}),
+        ({"input_ids": [1, 2]}, {"padding": "max_length", "max_length": 4, "padding_side": "left"}),
+        ({"input_ids": [[1, 2], [3]], "token_type_ids": [[0, 0], [1]], "special_tokens_mask": [[0, 1], [0]]}, {}),
+        ({"input_ids": [[1, 2], [3]], "special_tokens_mask": [[0, 1], [0]]}, {"padding_side": "left"}),
+    ):
+        assert dict(ours.pad(inputs, **kw)) == dict(hf.pad(inputs, **kw)), (inputs, kw)
+    for ids in ([[81, 82], [83]], np.array([[81, 82], [83, 84]]), [81, 82], np.array([81, 82]), []):
+        assert ours.decode(ids) == hf.decode(ids)
+        assert ours.batch_decode(ids) == hf.batch_decode(ids)
