@@ -617,6 +617,12 @@ class GlmTokenizer:
         text = self.chat_template if chat_template is None else chat_template
         if not text:
             raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
+        tools = extra.get("tools")
+        if isinstance(tools, (list, tuple)) and any(callable(t) for t in tools):
+            raise TokenizerError(  # transformers' get_json_schema reads the signature and docstring
+                "tools: a Python function is not supported (transformers builds its JSON schema from its "
+                'signature and docstring); pass the JSON schema ({"type": "function", "function": {...}})'
+            )
         template = _compile_template(text, self.template_source if chat_template is None else "chat_template=")
         # a key whose value is None is dropped, as transformers does (OpenAI's ``content=None``, ``tool_calls=None``)
         chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in copy.deepcopy(list(messages))]

@@ -1053,3 +1053,27 @@ def test_pad_and_decode_as_transformers(tiny_dir):
     for ids in ([[81, 82], [83]], np.array([[81, 82], [83, 84]]), [81, 82], np.array([81, 82]), []):
         assert ours.decode(ids) == hf.decode(ids)
         assert ours.batch_decode(ids) == hf.batch_decode(ids)
+
+
+def test_tools_given_as_python_functions_are_refused_by_name():
+    """transformers 5.23 turns a tool given as a Python function into its JSON schema (from the
+    signature and docstring; measured on the tiny folder: '{"type": "function", "function": {"name": "f",
+    "description": "Get weather.", ...}}' in the rendered tools). Ours passed the function to the
+    template, whose ``tojson`` failed with "TypeError: Object of type function is not JSON serializable";
+    it is refused, naming ``tools``, and a JSON schema renders."""
+
+    def f(city: str):
+        """Get weather.
+
+        Args:
+            city: the city
+        """
+
+    tok = make_tiny_tokenizer()
+    template = "{{ tools | tojson }}"
+    with pytest.raises(TokenizerError, match="tools: a Python function is not supported"):
+        tok.apply_chat_template(CHAT[:2], chat_template=template, tokenize=False, tools=[f])
+    schema = {"type": "function", "function": {"name": "f", "description": "Get weather."}}
+    assert tok.apply_chat_template(CHAT[:2], chat_template=template, tokenize=False, tools=[schema]) == (
+        '[{"type": "function", "function": {"name": "f", "description": "Get weather."}}]'
+    )
