@@ -438,9 +438,35 @@ class GlmTokenizer:
 
     eos_token = property(lambda self: self._special("eos_token"))
     pad_token = property(lambda self: self._special("pad_token"))
+    unk_token = property(lambda self: self._special("unk_token"))
+    bos_token = property(lambda self: self._special("bos_token"))
     eos_token_id = property(lambda self: self.token_to_id(self.eos_token))
     pad_token_id = property(lambda self: self.token_to_id(self.pad_token))
-    vocab_size = property(lambda self: self.tokenizer.get_vocab_size(with_added_tokens=True))
+    unk_token_id = property(lambda self: self.token_to_id(self.unk_token))
+    bos_token_id = property(lambda self: self.token_to_id(self.bos_token))
+    # as transformers: ``vocab_size`` is the model's vocabulary without the added tokens, ``len`` counts them
+    vocab_size = property(lambda self: self.tokenizer.get_vocab_size(with_added_tokens=False))
+
+    def __len__(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token -> id, the added tokens included (transformers' ``get_vocab``)."""
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
+        """The id of a token (or a list of them), ``unk_token_id`` (None without an unk_token) for a
+        token outside the vocabulary, as transformers does."""
+        if isinstance(tokens, str):
+            found = self.tokenizer.token_to_id(tokens)
+            return self.unk_token_id if found is None else found
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        """The token of an id (or a list of them; None outside the vocabulary), as transformers."""
+        if isinstance(ids, int):
+            return self.tokenizer.id_to_token(ids)
+        return [self.tokenizer.id_to_token(i) for i in _id_list(ids)]
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

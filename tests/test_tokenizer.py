@@ -739,7 +739,8 @@ def test_special_tokens_only_in_the_config_are_added(tmp_path):
     d = _tiny_folder(tmp_path, config={"additional_special_tokens": ["<|user|>", "<newtok>"], "eos_token": "<eos>"})
     tok = GlmTokenizer.from_pretrained(d)
     ids = tok.encode("Hi <newtok> there <|user|>", add_special_tokens=False)
-    assert (tok.vocab_size, tok.eos_token_id, ids) == (258, 256, [49, 82, 104, 257, 109, 136, 104, 2])
+    assert (len(tok), tok.eos_token_id, ids) == (258, 256, [49, 82, 104, 257, 109, 136, 104, 2])
+    assert tok.vocab_size == 256  # transformers' vocab_size: the model's vocabulary, the added tokens left out
     assert tok.decode(ids, skip_special_tokens=True) == "Hi  there "
     # saved and read back: the same ids
     tok.save_pretrained(tmp_path / "back")
@@ -759,7 +760,7 @@ def test_added_tokens_decoder_special_flag_overrides_tokenizer_json(tmp_path):
     entry = {"content": "<think>", "special": True, **_TOKEN}
     tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "a", think=True, added_tokens_decoder={"256": entry}))
     ids = tok.encode("<think>Hi", add_special_tokens=False)
-    assert (tok.vocab_size, ids, tok.decode(ids, skip_special_tokens=True)) == (257, [256, 49, 82], "Hi")
+    assert (len(tok), ids, tok.decode(ids, skip_special_tokens=True)) == (257, [256, 49, 82], "Hi")
     plain = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "b", think=True))
     assert plain.decode(ids, skip_special_tokens=True) == "<think>Hi"
 
@@ -1077,3 +1078,33 @@ def test_tools_given_as_python_functions_are_refused_by_name():
     assert tok.apply_chat_template(CHAT[:2], chat_template=template, tokenize=False, tools=[schema]) == (
         '[{"type": "function", "function": {"name": "f", "description": "Get weather."}}]'
     )
+
+
+def test_vocab_size_len_and_token_id_conversions_are_transformers(tmp_path):
+    """transformers 5.23, measured with AutoTokenizer on the tiny folder (256 entries) whose config adds
+    ``<eos>`` and ``<newtok>`` (ids 256, 257): ``vocab_size`` 256 (the model's vocabulary, the added
+    tokens left out), ``len`` 258, ``get_vocab`` 258 entries; ``convert_tokens_to_ids(["<newtok>",
+    "zzz_unknown", "<|user|>"])`` -> [257, 8, 2] (an unknown token: unk_token_id 8; without an
+    unk_token: None); ``convert_ids_to_tokens([256, 257, 2, 81])`` -> ['<eos>', '<newtok>', '<|user|>', 'h'],
+    of 81 -> 'h', of 999 -> [None]; ``bos_token`` None. Ours counted the added tokens in ``vocab_size``
+    (258) and had no ``len``, conversions, ``unk_token`` or ``bos_token``."""
+    d = _tiny_folder(
+        tmp_path / "a", config={"additional_special_tokens": ["<|user|>", "<newtok>"], "eos_token": "<eos>"}
+    )
+    tok = GlmTokenizer.from_pretrained(d)
+    assert (tok.vocab_size, len(tok), len(tok.get_vocab())) == (256, 258, 258)
+    assert tok.convert_tokens_to_ids(["<newtok>", "zzz_unknown", "<|user|>"]) == [257, 8, 2]
+    assert tok.convert_tokens_to_ids("zzz") == 8 == tok.unk_token_id and tok.unk_token == "<|unk|>"
+    assert tok.convert_ids_to_tokens([256, 257, 2, 81]) == ["<eos>", "<newtok>", "<|user|>", "h"]
+    assert tok.convert_ids_to_tokens(81) == "h" and tok.convert_ids_to_tokens([999]) == [None]
+    assert tok.bos_token is None and tok.bos_token_id is None
+    no_unk = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "b", drop=("unk_token",)))
+    assert no_unk.unk_token_id is None and no_unk.convert_tokens_to_ids(["zzz", "<|user|>"]) == [None, 2]
+    transformers = pytest.importorskip("transformers")  # the live reading, where installed
+    pytest.importorskip("torch")
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    assert (hf.vocab_size, len(hf)) == (tok.vocab_size, len(tok)) and hf.get_vocab() == tok.get_vocab()
+    for tokens in (["<newtok>", "zzz_unknown", "<|user|>"], "zzz"):
+        assert hf.convert_tokens_to_ids(tokens) == tok.convert_tokens_to_ids(tokens)
+    for ids in ([256, 257, 2, 81], 81, [999]):
+        assert hf.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(ids)
