@@ -454,6 +454,39 @@ class GlmTokenizer:
         """Token -> id, the added tokens included (transformers' ``get_vocab``)."""
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
+    def add_tokens(self, new_tokens: Any, special_tokens: bool = False) -> int:
+        """Add tokens (strings or ``tokenizers.AddedToken``s) to the vocabulary, as transformers'
+        ``add_tokens``: the number of new ones; ``save_pretrained`` writes them (in tokenizer.json)."""
+        if not new_tokens:
+            return 0
+        new_tokens = list(new_tokens) if isinstance(new_tokens, (list, tuple)) else [new_tokens]
+        if special_tokens:
+            return self.tokenizer.add_special_tokens(new_tokens)
+        return self.tokenizer.add_tokens(new_tokens)
+
+    def add_special_tokens(self, special_tokens_dict: dict) -> int:
+        """transformers' ``add_special_tokens``: each named special token (``pad_token``, ...) set, the
+        ``extra_special_tokens`` list replaced, all added as special tokens; the number of new ones."""
+        from tokenizers import AddedToken
+
+        tokens = dict(special_tokens_dict or {})
+        if "additional_special_tokens" in tokens and not tokens.get("extra_special_tokens"):
+            tokens["extra_special_tokens"] = tokens.pop("additional_special_tokens")
+        to_add = []
+        for key, value in tokens.items():
+            values = list(value) if key == "extra_special_tokens" and isinstance(value, (list, tuple)) else [value]
+            if (key not in _SPECIAL_NAMES and key != "extra_special_tokens") or not all(
+                isinstance(v, (str, AddedToken)) for v in values
+            ):
+                raise ValueError(
+                    f"add_special_tokens: {key}={value!r}: keys are {', '.join(_SPECIAL_NAMES)} (a token each) "
+                    "or extra_special_tokens (a list of tokens)"
+                )
+            added = [AddedToken(v, special=True, normalized=False) if isinstance(v, str) else v for v in values]
+            self.config[key] = [t.content for t in added] if key == "extra_special_tokens" else added[0].content
+            to_add.extend(added)
+        return self.add_tokens(to_add, special_tokens=True)
+
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
         """The id of a token (or a list of them), ``unk_token_id`` (None without an unk_token) for a
         token outside the vocabulary, as transformers does."""

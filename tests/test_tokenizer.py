@@ -1108,3 +1108,57 @@ def test_vocab_size_len_and_token_id_conversions_are_transformers(tmp_path):
         assert hf.convert_tokens_to_ids(tokens) == tok.convert_tokens_to_ids(tokens)
     for ids in ([256, 257, 2, 81], 81, [999]):
         assert hf.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(ids)
+
+
+ADDED_TEXT = "a<new1>b<new2> hello wörld <bos><x1>"
+
+
+def _add_some(tok):
+    return [
+        tok.add_tokens(["<new1>", "hello", "wörld"]),
+        tok.add_tokens("<new2>", special_tokens=True),
+        tok.add_tokens([]),
+        tok.add_special_tokens({"bos_token": "<bos>", "extra_special_tokens": ["<x1>", "<|user|>"]}),
+    ]
+
+
+def test_add_tokens_and_special_tokens_then_save_and_load(tmp_path):
+    """transformers 5.23's ``add_tokens`` / ``add_special_tokens``, measured with AutoTokenizer on the tiny
+    folder: 3, 1, 0 and 2 tokens added; len 262 (vocab_size 256); ADDED_TEXT -> [74, 256, 75, 259, 104,
+    257, 104, 258, 104, 260, 261], decoded with skip_special_tokens -> 'a<new1>b hello wörld ';
+    bos_token '<bos>' (id 260), a template variable; the same after save_pretrained and loading (by
+    AutoTokenizer or GlmTokenizer). Ours had neither method (AttributeError)."""
+    tok = make_tiny_tokenizer()
+    assert _add_some(tok) == [3, 1, 0, 2]
+    want = [74, 256, 75, 259, 104, 257, 104, 258, 104, 260, 261]
+    tok.save_pretrained(tmp_path)
+    for t in (tok, GlmTokenizer.from_pretrained(tmp_path)):
+        assert (len(t), t.vocab_size, t.encode(ADDED_TEXT), t.bos_token, t.bos_token_id) == (
+            262,
+            256,
+            want,
+            "<bos>",
+            260,
+        )
+        assert t.decode(want, skip_special_tokens=True) == "a<new1>b hello wörld "
+        assert t.apply_chat_template(CHAT[:1], chat_template="{{ bos_token }}|", tokenize=False) == "<bos>|"
+    with pytest.raises(ValueError, match="add_special_tokens: eop_token"):
+        tok.add_special_tokens({"eop_token": "<eop>"})
+
+
+@pytest.mark.reference
+def test_add_tokens_then_save_and_load_as_transformers(tiny_dir, tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf, ours = transformers.AutoTokenizer.from_pretrained(tiny_dir), GlmTokenizer.from_pretrained(tiny_dir)
+    assert _add_some(hf) == _add_some(ours)
+    hf.save_pretrained(tmp_path / "hf")
+    ours.save_pretrained(tmp_path / "ours")
+    for folder in ("hf", "ours"):
+        for t in (
+            transformers.AutoTokenizer.from_pretrained(tmp_path / folder),
+            GlmTokenizer.from_pretrained(tmp_path / folder),
+        ):
+            ids = t.encode(ADDED_TEXT)
+            assert ids == hf.encode(ADDED_TEXT) and len(t) == len(hf) and t.bos_token_id == hf.bos_token_id
+            assert t.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
