@@ -502,10 +502,13 @@ class GlmTokenizer:
         return [self.tokenizer.id_to_token(i) for i in _id_list(ids)]
 
     # ------------------------------------------------------------------ text
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The ids of ``text``; ``add_special_tokens`` (transformers' default True) applies
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text`` (and ``text_pair`` after it: transformers' second argument, the
+        post-processor's pair template); ``add_special_tokens`` (transformers' default True) applies
         tokenizer.json's post-processor (a BOS prefix, an EOS)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        if text_pair is not None and not isinstance(text_pair, str):
+            raise TypeError(f"GlmTokenizer.encode: text_pair must be a string, got {type(text_pair).__name__}")
+        return list(self.tokenizer.encode(text, text_pair, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> Any:
         """Text of one sequence (a list, NumPy array or Paddle tensor of ids); rows of ids (a list of

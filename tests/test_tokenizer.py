@@ -1162,3 +1162,23 @@ def test_add_tokens_then_save_and_load_as_transformers(tiny_dir, tmp_path):
             ids = t.encode(ADDED_TEXT)
             assert ids == hf.encode(ADDED_TEXT) and len(t) == len(hf) and t.bos_token_id == hf.bos_token_id
             assert t.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_encode_takes_a_text_pair_second_as_transformers():
+    """transformers 5.23's ``encode(text, text_pair)``, measured with AutoTokenizer on the tiny tokenizer
+    with the post-processor ``single="[gMASK] <sop> $A", pair="[gMASK] <sop> $A <|endoftext|> $B:1"``:
+    ``encode("hello", "world")`` -> [6, 7, 107, 254, 88, 1, 96, 130, 85, 77] (without special tokens
+    [107, 254, 88, 96, 130, 85, 77]). Ours took "world" as ``add_special_tokens`` and silently dropped
+    it: [6, 7, 107, 254, 88]."""
+    from tokenizers import processors
+
+    tok = make_tiny_tokenizer()
+    specials = [(t, tok.tokenizer.token_to_id(t)) for t in ("[gMASK]", "<sop>", "<|endoftext|>")]
+    tok.tokenizer.post_processor = processors.TemplateProcessing(
+        single="[gMASK] <sop> $A", pair="[gMASK] <sop> $A <|endoftext|> $B:1", special_tokens=specials
+    )
+    assert tok.encode("hello", "world") == [6, 7, 107, 254, 88, 1, 96, 130, 85, 77]
+    assert tok.encode("hello", "world", add_special_tokens=False) == [107, 254, 88, 96, 130, 85, 77]
+    assert tok.encode("hello") == [6, 7, 107, 254, 88]
+    with pytest.raises(TypeError, match="text_pair must be a string"):
+        tok.encode("hello", ["world"])
