@@ -537,6 +537,7 @@ class GlmTokenizer:
     def __call__(
         self,
         text: str | Sequence[str],
+        text_pair: str | Sequence[str] | None = None,
         padding: bool | str = False,
         truncation: bool | str | None = None,
         max_length: int | None = None,
@@ -548,24 +549,38 @@ class GlmTokenizer:
     ) -> BatchEncoding:
         """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
         ``max_length`` (default ``model_max_length``) on ``truncation_side``; ``max_length`` alone
-        (``padding=False``, ``truncation`` not given) truncates, as transformers does."""
+        (``padding=False``, ``truncation`` not given) truncates, as transformers does. ``text_pair``
+        (transformers' second argument): the second text of each pair, encoded by the post-processor's
+        pair template; ``truncation`` "longest_first" (True), "only_first" or "only_second" cuts them
+        as transformers has the ``tokenizers`` library cut them."""
         single = isinstance(text, str)
         texts = [text] if single else list(text)
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("GlmTokenizer: text must be a string or a list of strings")
+        pairs = None
+        if text_pair is not None:
+            pairs = [text_pair] if isinstance(text_pair, str) else list(text_pair)
+            if isinstance(text_pair, str) != single or len(pairs) != len(texts):
+                raise ValueError("GlmTokenizer: text_pair must be a string for a string text, a list as long as a list")
+            if not all(isinstance(t, str) for t in pairs):
+                raise TypeError("GlmTokenizer: text_pair must be a string or a list of strings")
         limit = None
         if max_length is not None and padding is False and truncation is None:
             truncation = True  # transformers' _get_padding_truncation_strategies: max_length alone truncates
         if truncation not in (False, "do_not_truncate", None):
-            if truncation not in (True, "longest_first", "only_first"):
-                raise ValueError(f"truncation must be True, False, 'longest_first' or 'only_first', got {truncation!r}")
+            if truncation not in (True, "longest_first", "only_first", "only_second"):
+                raise ValueError(
+                    "truncation must be True, False, 'longest_first', 'only_first' or 'only_second', "
+                    f"got {truncation!r}"
+                )
             limit = self._max_length(max_length, "truncation=True")
             if padding not in (False, "do_not_pad", None) and pad_to_multiple_of and limit % pad_to_multiple_of:
                 raise ValueError(  # transformers' message: padding to a multiple would undo the truncation
                     "Truncation and padding are both activated but "
                     f"truncation length ({limit}) is not a multiple of pad_to_multiple_of ({pad_to_multiple_of})."
                 )
-        rows = [list(e.ids) for e in self._encode_batch(texts, add_special_tokens, limit)]
+        strategy = "longest_first" if truncation is True else truncation
+        rows = [list(e.ids) for e in self._encode_batch(texts, add_special_tokens, limit, pairs, strategy)]
         enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
         if not return_attention_mask:
             enc.pop("attention_mask")
@@ -575,15 +590,24 @@ class GlmTokenizer:
             return BatchEncoding({k: v[0] for k, v in enc.items()})
         return enc
 
-    def _encode_batch(self, texts: list[str], add_special_tokens: bool, limit: int | None) -> list[Any]:
-        """``tokenizers``' encodings of ``texts``, cut to ``limit`` tokens on ``truncation_side`` by the
-        library's own truncation, as transformers does: it keeps the tokens the post-processor adds
-        (a BOS prefix, an EOS) and cuts the text."""
+    def _encode_batch(
+        self,
+        texts: list[str],
+        add_special_tokens: bool,
+        limit: int | None,
+        pairs: list[str] | None = None,
+        strategy: Any = "longest_first",
+    ) -> list[Any]:
+        """``tokenizers``' encodings of ``texts`` (with ``pairs``: of each pair), cut to ``limit`` tokens
+        on ``truncation_side`` by the library's own truncation (its ``strategy`` for pairs), as
+        transformers does: it keeps the tokens the post-processor adds (a BOS prefix, an EOS) and cuts
+        the text."""
+        inputs = texts if pairs is None else list(zip(texts, pairs))
         if limit is None:
-            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-        self.tokenizer.enable_truncation(limit, direction=self.truncation_side)
+            return self.tokenizer.encode_batch(inputs, add_special_tokens=add_special_tokens)
+        self.tokenizer.enable_truncation(limit, direction=self.truncation_side, strategy=strategy or "longest_first")
         try:
-            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode_batch(inputs, add_special_tokens=add_special_tokens)
         except Exception as err:  # e.g. max_length below the number of special tokens
             raise ValueError(f"truncation to max_length={limit}: {err}") from err
         finally:
@@ -767,7 +791,14 @@ class GlmTokenizer:
         text = texts if batched else texts[0]
         if not tokenize:
             return text
-        enc = self(text, padding, truncation, max_length, None, add_special_tokens=False, **tokenizer_kwargs)
+        enc = self(
+            text,
+            padding=padding,
+            truncation=truncation,
+            max_length=max_length,
+            add_special_tokens=False,
+            **tokenizer_kwargs,
+        )
         if track:  # transformers' loop: from the token holding a block's first character to its last one's
             # on the encodings as truncated (where a block's start was cut off, HF's loop stops there)
             limit = self._max_length(max_length, "truncation=True") if truncation else None

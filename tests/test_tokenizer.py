@@ -1182,3 +1182,70 @@ def test_encode_takes_a_text_pair_second_as_transformers():
     assert tok.encode("hello") == [6, 7, 107, 254, 88]
     with pytest.raises(TypeError, match="text_pair must be a string"):
         tok.encode("hello", ["world"])
+
+
+PAIR_A, PAIR_B = ["hello world this is long", "hi"], ["short", "a much longer second text here"]
+
+
+def _pair_tokenizer(tok):
+    from tokenizers import processors
+
+    specials = [(t, tok.tokenizer.token_to_id(t)) for t in ("[gMASK]", "<sop>", "<|endoftext|>")]
+    tok.tokenizer.post_processor = processors.TemplateProcessing(
+        single="[gMASK] <sop> $A", pair="[gMASK] <sop> $A <|endoftext|> $B:1", special_tokens=specials
+    )
+    return tok
+
+
+def test_call_takes_text_pairs_as_transformers():
+    """transformers 5.23's call takes ``text_pair`` second (measured with AutoTokenizer on the tiny
+    tokenizer with a pair template "[gMASK] <sop> $A <|endoftext|> $B:1"): ``tok(PAIR_A[0], PAIR_B[1])``
+    -> [6, 7, 107, 254, 88, 120, 130, 85, 77, 191, 110, 132, 88, 87, 80, 1, 74, 126, 94, 76, 81, 132, 88,
+    87, 80, 112, 119, 78, 76, 88, 87, 77, 209, 104, 107, 136] (the second text's 20 ids after the
+    <|endoftext|>); ``truncation="only_second", max_length=12`` on (PAIR_A[1], PAIR_B[1]) -> [6, 7, 81,
+    82, 1, 74, 126, 94, 76, 81, 132, 88]; ``truncation=True, max_length=12`` on (PAIR_A[0], PAIR_B[0]) ->
+    [6, 7, 107, 254, 88, 120, 130, 85, 1, 92, 171, 93]. Ours took the second argument as ``padding``
+    and raised "padding must be True, False, ..."."""
+    tok = _pair_tokenizer(make_tiny_tokenizer())
+    second = tok.encode(PAIR_B[1], add_special_tokens=False)
+    assert len(second) == 20
+    assert tok(PAIR_A[0], PAIR_B[1])["input_ids"] == (
+        [6, 7, 107, 254, 88, 120, 130, 85, 77, 191, 110, 132, 88, 87, 80, 1] + second
+    )
+    enc = tok(PAIR_A[1], PAIR_B[1], truncation="only_second", max_length=12)
+    assert enc["input_ids"] == [6, 7, 81, 82, 1, 74, 126, 94, 76, 81, 132, 88]
+    assert tok(PAIR_A[0], PAIR_B[0], truncation=True, max_length=12)["input_ids"] == (
+        [6, 7, 107, 254, 88, 120, 130, 85, 1, 92, 171, 93]
+    )
+    batch = tok(PAIR_A, PAIR_B, padding=True)
+    assert [len(r) for r in batch["input_ids"]] == [len(batch["input_ids"][0])] * 2
+    with pytest.raises(ValueError, match="text_pair must be a string for a string text"):
+        tok(PAIR_A, PAIR_B[0])
+
+
+@pytest.mark.reference
+def test_call_with_text_pairs_equals_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _pair_tokenizer(make_tiny_tokenizer()).save_pretrained(tmp_path)
+    for side in ("left", "right"):
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path, padding_side=side, truncation_side=side)
+        ours = GlmTokenizer.from_pretrained(tmp_path, padding_side=side, truncation_side=side)
+        for args in ((PAIR_A[0], PAIR_B[1]), (PAIR_A, PAIR_B)):
+            for kw in (
+                {},
+                {"padding": True},
+                {"truncation": True, "max_length": 9},
+                {"truncation": "only_second", "max_length": 12},
+                {"truncation": "only_first", "max_length": 12},
+                {"max_length": 8},
+                {"truncation": "longest_first", "max_length": 12, "padding": "max_length"},
+                {"add_special_tokens": False, "truncation": True, "max_length": 5},
+            ):
+                try:
+                    want = dict(hf(*args, **kw))
+                except Exception:  # noqa: BLE001 - the tokenizers library's refusal, ours names max_length
+                    with pytest.raises(ValueError, match="truncation to max_length"):
+                        ours(*args, **kw)
+                    continue
+                assert dict(ours(*args, **kw)) == want, (side, args, kw)
