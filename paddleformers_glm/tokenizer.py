@@ -100,7 +100,9 @@ def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
             f"{what}: rows of different lengths ({sorted({len(r) for r in rows})}) cannot form one tensor; "
             "pass padding=True (or truncation with max_length)"
         )
-    arr = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+    arr = np.asarray(rows, dtype=np.int64)  # [B, S], or [B, S, 2] for offset_mapping
+    if arr.ndim < 2:
+        arr = arr.reshape(len(rows), -1)
     if return_tensors == "np":
         return arr
     import paddle
@@ -546,13 +548,15 @@ class GlmTokenizer:
         return_attention_mask: bool = True,
         padding_side: str | None = None,
         pad_to_multiple_of: int | None = None,
+        return_offsets_mapping: bool = False,
     ) -> BatchEncoding:
         """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
         ``max_length`` (default ``model_max_length``) on ``truncation_side``; ``max_length`` alone
         (``padding=False``, ``truncation`` not given) truncates, as transformers does. ``text_pair``
         (transformers' second argument): the second text of each pair, encoded by the post-processor's
         pair template; ``truncation`` "longest_first" (True), "only_first" or "only_second" cuts them
-        as transformers has the ``tokenizers`` library cut them."""
+        as transformers has the ``tokenizers`` library cut them. ``return_offsets_mapping``: each token's
+        (start, end) characters in its text, (0, 0) on padding, as transformers gives them."""
         single = isinstance(text, str)
         texts = [text] if single else list(text)
         if not all(isinstance(t, str) for t in texts):
@@ -580,8 +584,16 @@ class GlmTokenizer:
                     f"truncation length ({limit}) is not a multiple of pad_to_multiple_of ({pad_to_multiple_of})."
                 )
         strategy = "longest_first" if truncation is True else truncation
-        rows = [list(e.ids) for e in self._encode_batch(texts, add_special_tokens, limit, pairs, strategy)]
+        encodings = self._encode_batch(texts, add_special_tokens, limit, pairs, strategy)
+        rows = [list(e.ids) for e in encodings]
         enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
+        if return_offsets_mapping:  # padded with (0, 0) on the side the ids were
+            side = padding_side or self.padding_side
+            offsets = []
+            for row, e in zip(enc["input_ids"], encodings):
+                n = len(row) - len(e.offsets)
+                offsets.append([(0, 0)] * n + list(e.offsets) if side == "left" else list(e.offsets) + [(0, 0)] * n)
+            enc["offset_mapping"] = offsets
         if not return_attention_mask:
             enc.pop("attention_mask")
         if return_tensors is not None:

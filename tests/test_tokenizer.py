@@ -1249,3 +1249,40 @@ def test_call_with_text_pairs_equals_transformers(tmp_path):
                         ours(*args, **kw)
                     continue
                 assert dict(ours(*args, **kw)) == want, (side, args, kw)
+
+
+def test_offsets_mapping_as_transformers():
+    """transformers 5.23's ``return_offsets_mapping``, measured with AutoTokenizer on the tiny folder,
+    left padding: ``tok(["hello world", "hi"], padding=True)`` -> [[(0, 2), (2, 4), (4, 5), (5, 7), (7, 9),
+    (9, 10), (10, 11)], [(0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0, 1), (1, 2)]] (with ``return_tensors="np"``
+    an int64 array [2, 7, 2]); a pair ("hello", "world") -> [(0, 2), (2, 4), (4, 5), (0, 1), (1, 3), (3, 4),
+    (4, 5)], each in its own text. Ours refused the argument (TypeError)."""
+    tok = make_tiny_tokenizer()
+    tok.padding_side = "left"
+    enc = tok(["hello world", "hi"], return_offsets_mapping=True, padding=True)
+    assert enc["offset_mapping"] == [
+        [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10), (10, 11)],
+        [(0, 0)] * 5 + [(0, 1), (1, 2)],
+    ]
+    arr = tok(["hello world", "hi"], return_offsets_mapping=True, padding=True, return_tensors="np")["offset_mapping"]
+    assert arr.shape == (2, 7, 2) and arr.dtype == np.int64 and arr.tolist()[1][5] == [0, 1]
+    pair = [(0, 2), (2, 4), (4, 5), (0, 1), (1, 3), (3, 4), (4, 5)]
+    assert tok("hello", "world", return_offsets_mapping=True)["offset_mapping"] == pair
+    assert "offset_mapping" not in tok("hello")
+
+
+@pytest.mark.reference
+def test_offsets_mapping_equals_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for side in ("left", "right"):
+        hf = transformers.AutoTokenizer.from_pretrained(tiny_dir, padding_side=side)
+        ours = GlmTokenizer.from_pretrained(tiny_dir, padding_side=side)
+        for args, kw in (
+            ((["hello world", "héllo 😀 世界"],), {"padding": True}),
+            (("hello", "world"), {}),
+            ((["hello world foo", "hi"],), {"truncation": True, "max_length": 4, "padding": "max_length"}),
+        ):
+            assert dict(ours(*args, return_offsets_mapping=True, **kw)) == dict(
+                hf(*args, return_offsets_mapping=True, **kw)
+            )
