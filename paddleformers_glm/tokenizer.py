@@ -110,6 +110,11 @@ def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
     return paddle.to_tensor(arr)
 
 
+# transformers' clean_up_tokenization, in its order: the space before punctuation and contractions goes
+_CLEANUP = tuple((" " + t, t) for t in (".", "?", "!", ",")) + ((" ' ", "'"),)
+_CLEANUP += tuple((" " + t, t) for t in ("n't", "'m", "'s", "'ve", "'re"))
+
+
 def _id_list(ids: Any) -> list[int]:
     """Token ids of one sequence from a list, a NumPy array or a Paddle tensor."""
     if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)):
@@ -512,19 +517,33 @@ class GlmTokenizer:
             raise TypeError(f"GlmTokenizer.encode: text_pair must be a string, got {type(text_pair).__name__}")
         return list(self.tokenizer.encode(text, text_pair, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> Any:
+    def decode(
+        self, ids: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> Any:
         """Text of one sequence (a list, NumPy array or Paddle tensor of ids); rows of ids (a list of
-        lists, a 2-D array or tensor) give a list of texts, as transformers' ``decode`` does."""
+        lists, a 2-D array or tensor) give a list of texts, as transformers' ``decode`` does.
+        ``clean_up_tokenization_spaces`` (else the config's): transformers ignores it for a BPE
+        tokenizer (GLM's), as here; for another model it removes the space before punctuation and
+        English contractions (``_CLEANUP``), as here."""
+        cleanup = clean_up_tokenization_spaces
+        if cleanup is None:
+            cleanup = self.config.get("clean_up_tokenization_spaces")
         rows = ids.numpy() if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)) else ids
         rows = rows.tolist() if hasattr(rows, "tolist") else rows
         if isinstance(rows, (list, tuple)) and rows and hasattr(rows[0], "__len__"):
-            return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in rows]
-        return self.tokenizer.decode(_id_list(rows), skip_special_tokens=skip_special_tokens)
+            return [self.decode(row, skip_special_tokens, cleanup) for row in rows]
+        text = self.tokenizer.decode(_id_list(rows), skip_special_tokens=skip_special_tokens)
+        if cleanup and type(self.tokenizer.model).__name__ != "BPE":
+            for old, new in _CLEANUP:
+                text = text.replace(old, new)
+        return text
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
+    def batch_decode(
+        self, sequences: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> list[str]:
         """Text of each row of ``sequences`` ([B, S] tensor or array, or a list of id lists); one
         sequence of ids gives a list of its one text, as in transformers."""
-        out = self.decode(sequences, skip_special_tokens=skip_special_tokens)
+        out = self.decode(sequences, skip_special_tokens, clean_up_tokenization_spaces)
         return [out] if isinstance(out, str) else out
 
     def _max_length(self, max_length: int | None, why: str) -> int | None:

@@ -1286,3 +1286,51 @@ def test_offsets_mapping_equals_transformers(tiny_dir):
             assert dict(ours(*args, return_offsets_mapping=True, **kw)) == dict(
                 hf(*args, return_offsets_mapping=True, **kw)
             )
+
+
+CLEANUP_TEXT = "a , b . do n't I 'm ? ! x ' x 's 've 're"
+
+
+def _word_level_folder(path):
+    """A word-level tokenizer (not BPE) whose config sets clean_up_tokenization_spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", *dict.fromkeys(CLEANUP_TEXT.split())]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path.mkdir(parents=True, exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"clean_up_tokenization_spaces": True, "unk_token": "<unk>"})
+    )
+    return path
+
+
+def test_decode_clean_up_tokenization_spaces_as_transformers(tmp_path):
+    """transformers 5.23's ``decode(..., clean_up_tokenization_spaces=)``, measured: a BPE tokenizer (the
+    tiny one, GLM's) ignores it ("a , b . c ' s" either way); a word-level one whose config sets it
+    decodes CLEANUP_TEXT's ids to "a, b. don't I'm?! x'x's've're" (``False``: the words joined by spaces).
+    Ours refused the argument (TypeError) and, for the word-level one, ignored the config's setting."""
+    tok = make_tiny_tokenizer()
+    ids = tok.encode("a , b . c ' s")
+    for cleanup in (None, True, False):
+        assert tok.decode(ids, clean_up_tokenization_spaces=cleanup) == "a , b . c ' s"
+        assert tok.batch_decode([ids], clean_up_tokenization_spaces=cleanup) == ["a , b . c ' s"]
+    words = GlmTokenizer.from_pretrained(_word_level_folder(tmp_path))
+    ids = words.encode(CLEANUP_TEXT)
+    assert words.decode(ids) == words.decode(ids, clean_up_tokenization_spaces=True) == "a, b. don't I'm?! x'x's've're"
+    assert words.decode(ids, clean_up_tokenization_spaces=False) == CLEANUP_TEXT
+    assert words.batch_decode([ids, ids[:2]]) == ["a, b. don't I'm?! x'x's've're", "a,"]
+
+
+@pytest.mark.reference
+def test_decode_clean_up_tokenization_spaces_equals_transformers(tiny_dir, tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for folder in (tiny_dir, _word_level_folder(tmp_path)):
+        hf, ours = transformers.AutoTokenizer.from_pretrained(folder), GlmTokenizer.from_pretrained(folder)
+        ids = hf.encode(CLEANUP_TEXT)
+        for cleanup in (None, True, False):
+            assert ours.decode(ids, clean_up_tokenization_spaces=cleanup) == hf.decode(
+                ids, clean_up_tokenization_spaces=cleanup
+            )
