@@ -62,15 +62,14 @@ class TokenizerError(ValueError):
 
 
 def _template_text(value: Any, where: str) -> str | None:
-    """The chat template: a string, or HF's list of ``{"name", "template"}`` (the "default" one, else
-    the first); anything else is an error naming where it came from."""
+    """The chat template: a string, or HF's list of ``{"name", "template"}`` (the "default" one, None
+    without one: transformers then wants a name); anything else is an error naming where it came from."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
         if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
             raise TokenizerError(f'{where}: a list of chat templates must hold {{"name", "template": string}} objects')
-        named = {t.get("name"): t["template"] for t in value}
-        return named.get("default") or next(iter(named.values()), None)
+        return {t.get("name"): t["template"] for t in value}.get("default")
     raise TokenizerError(f"{where}: the chat template must be a string, got a {type(value).__name__}")
 
 
@@ -309,9 +308,11 @@ class GlmTokenizer:
         # the backend's encode_special_tokens from it, chat templates' output included)
         tokenizer.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
         self.template_source = template_source  # where the template came from, named by its errors
-        self.chat_template = _template_text(
-            chat_template if chat_template is not None else self.config.get("chat_template"), self.template_source
-        )
+        raw = chat_template if chat_template is not None else self.config.get("chat_template")
+        self.chat_template = _template_text(raw, self.template_source)
+        # HF's named templates (a list in the config): apply_chat_template(chat_template=NAME) picks one,
+        # and tools pick "tool_use" (transformers' get_chat_template)
+        self.chat_templates = {t.get("name"): t["template"] for t in raw} if isinstance(raw, list) else {}
         self.padding_side = (
             padding_side or self.config.get("padding_side") or saved_sides.get("padding_side") or "right"
         )
@@ -364,7 +365,10 @@ class GlmTokenizer:
         ``folder`` is rewritten with the template too (it wins over the config's on loading, in
         transformers as here, so a stale one would shadow the template saved)."""
         config = dict(self.config)
-        if self.chat_template is not None:
+        if self.chat_templates:  # the named templates, the default one as in use
+            named = {**self.chat_templates, **({"default": self.chat_template} if self.chat_template else {})}
+            config["chat_template"] = [{"name": k, "template": v} for k, v in named.items()]
+        elif self.chat_template is not None:
             config["chat_template"] = self.chat_template
         # the settings in use, where they differ from what the file says (transformers writes them too)
         for key in ("padding_side", "truncation_side"):
@@ -731,9 +735,7 @@ class GlmTokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
-        text = self.chat_template if chat_template is None else chat_template
-        if not text:
-            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
+        text = self._template_for(chat_template, extra.get("tools"))
         tools = extra.get("tools")
         if isinstance(tools, (list, tuple)) and any(callable(t) for t in tools):
             raise TokenizerError(  # transformers' get_json_schema reads the signature and docstring
@@ -776,6 +778,23 @@ class GlmTokenizer:
             at = rendered.rindex(tag.strip())
             rendered = rendered[:at] if rendered[at : at + len(tag)] == tag else rendered[:at].rstrip()
         return rendered, spans
+
+    def _template_for(self, chat_template: str | None, tools: Any) -> str:
+        """The template to render, as transformers' ``get_chat_template``: ``chat_template`` (a named
+        template's name, or a template's text), else "tool_use" of the named templates when tools are
+        given, else the default one."""
+        if chat_template is not None:
+            return self.chat_templates.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if not self.chat_template:
+            if self.chat_templates:
+                raise TokenizerError(
+                    f"{self.template_source}: several chat templates and none named 'default': pass "
+                    f"chat_template= one of {sorted(map(str, self.chat_templates))}"
+                )
+            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
+        return self.chat_template
 
     def apply_chat_template(
         self,
@@ -883,7 +902,7 @@ class GlmTokenizer:
         conversation is tokenized at once, so the ids are exactly those of the rendered text (plus
         that EOS). ``extra``: template variables (``tools``, ``documents``)."""
         stop = {*stop_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])}
-        if self.chat_template and _GENERATION_TAG.search(self.chat_template):
+        if _GENERATION_TAG.search(self._template_for(None, extra.get("tools"))):
             text, turns = self._render(messages, False, extra, track=True)
             enc = self.tokenizer.encode(text, add_special_tokens=False)
             mine = [bool(m) for m in _block_mask(enc, turns)]

@@ -1334,3 +1334,56 @@ def test_decode_clean_up_tokenization_spaces_equals_transformers(tiny_dir, tmp_p
             assert ours.decode(ids, clean_up_tokenization_spaces=cleanup) == hf.decode(
                 ids, clean_up_tokenization_spaces=cleanup
             )
+
+
+NAMED_TEMPLATES = [
+    {"name": "default", "template": "D{{ messages[0].content }}"},
+    {"name": "tool_use", "template": "T{{ tools | length }}"},
+    {"name": "other", "template": "O"},
+]
+
+
+def _named_templates_folder(path, named):
+    make_tiny_tokenizer().save_pretrained(path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named}))
+    return path
+
+
+def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path):
+    """A config's list of named chat templates, as transformers 5.23's ``get_chat_template`` picks them
+    (measured with AutoTokenizer): 'Dhi' by default, 'T1' with tools (the "tool_use" one), 'O' for
+    ``chat_template="other"`` (a name, tools or not); without a "default" one and no name given, a
+    ValueError ("multiple chat templates with no default specified"). Ours always rendered the default
+    (else the first: 'T' + an error), and rendered a name as the template text ('other')."""
+    chat, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f"}}]
+    tok = GlmTokenizer.from_pretrained(_named_templates_folder(tmp_path / "a", NAMED_TEMPLATES))
+    assert tok.apply_chat_template(chat, tokenize=False) == "Dhi"
+    assert tok.apply_chat_template(chat, tokenize=False, tools=tools) == "T1"
+    assert tok.apply_chat_template(chat, tokenize=False, chat_template="other", tools=tools) == "O"
+    assert tok.apply_chat_template(chat, tokenize=False, chat_template="X{{ 1 }}") == "X1"
+    tok.save_pretrained(tmp_path / "saved")  # the named templates are kept
+    back = GlmTokenizer.from_pretrained(tmp_path / "saved")
+    assert [back.apply_chat_template(chat, tokenize=False, **kw) for kw in ({}, {"tools": tools})] == ["Dhi", "T1"]
+    no_default = GlmTokenizer.from_pretrained(_named_templates_folder(tmp_path / "b", NAMED_TEMPLATES[1:]))
+    with pytest.raises(ValueError, match="none named 'default'"):
+        no_default.apply_chat_template(chat, tokenize=False)
+    assert no_default.apply_chat_template(chat, tokenize=False, tools=tools) == "T1"
+
+
+@pytest.mark.reference
+def test_named_chat_templates_equal_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    chat, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f"}}]
+    for i, named in enumerate((NAMED_TEMPLATES, NAMED_TEMPLATES[1:])):
+        d = _named_templates_folder(tmp_path / str(i), named)
+        hf, ours = transformers.AutoTokenizer.from_pretrained(d), GlmTokenizer.from_pretrained(d)
+        for kw in ({}, {"tools": tools}, {"chat_template": "other"}, {"chat_template": "other", "tools": tools}):
+            try:
+                want = hf.apply_chat_template(chat, tokenize=False, **kw)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    ours.apply_chat_template(chat, tokenize=False, **kw)
+                continue
+            assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
