@@ -148,6 +148,17 @@ class GenerationConfig:
         write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
         return path
 
+    def over(self, lower: GenerationConfig) -> GenerationConfig:
+        """This config with its unset keys (and the file keys it lacks) taken from ``lower``: what HF's
+        generate does with a ``generation_config=`` argument over the model's own."""
+        if lower is self:
+            return self
+        src = (
+            f"{self.extra.get('_source', 'generation config')} (unset keys: {lower.extra.get('_source', 'the model')})"
+        )
+        values = {k: getattr(lower, k) if getattr(self, k) is None else getattr(self, k) for k in self.keys()}
+        return GenerationConfig(**values, extra=lower.extra | self.extra | {"_source": src})
+
     # ------------------------------------------------------------------ checks
     def check_supported(self) -> None:
         """Refuse options this generate does not implement (beam search, ...), naming where they
@@ -380,7 +391,12 @@ def generate(
     if input_ids.ndim != 2:
         raise ValueError(f"generate: input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
     B, S = input_ids.shape
-    gc = generation_config_of(model) if generation_config is None else generation_config
+    own = getattr(model, "generation_config", None)  # the model's defaults fill what a passed config leaves unset (HF)
+    own = GenerationConfig.from_dict(own, "model.generation_config") if isinstance(own, dict) else own
+    own = own if isinstance(own, GenerationConfig) else generation_config_of(model)
+    if isinstance(generation_config, dict):
+        generation_config = GenerationConfig.from_dict(generation_config, source="generation_config argument")
+    gc = own if generation_config is None else generation_config.over(own)
     s = resolve_settings(model.config, gc, kwargs, S)  # before any allocation
     if attention_mask is not None and list(attention_mask.shape) != [B, S]:
         raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")

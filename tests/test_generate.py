@@ -657,3 +657,23 @@ def test_draw_reaches_tokens_below_float32_resolution_of_the_cdf():
     for tok in (1, 2, 3, 5):
         u = (cdf[tok] + (cdf[tok - 1] if tok != 5 else cdf[3])) / 2
         assert _draw(paddle.to_tensor(logits), np.array([u])).numpy().tolist() == [tok], tok
+
+
+def test_a_passed_generation_config_takes_its_unset_keys_from_the_models(tmp_path):
+    """HF's generate fills the unset keys of a ``generation_config=`` argument from the model's own
+    (``_prepare_generation_config``: ``update(**self.generation_config.to_dict(), defaults_only=True)``).
+    Measured, transformers 5.23, fixture "tiny" with generation_config.json {eos_token_id: [175],
+    repetition_penalty: 1.3, max_new_tokens: 3}, prompt [5, 6, 7, 8, 9]:
+    ``generation_config=GenerationConfig(max_new_tokens=9)`` -> [53, 11, 165, 90, 147, 156, 25, 152, 240]
+    (the file's penalty), with ``repetition_penalty=1.0`` in it -> [53, 11, 165, 11, 165, 175] (the
+    file's EOS). Before: the file was dropped, [53, 11, 165, 11, 165, 175, 240, 11, 99] both times."""
+    from paddleformers_glm.generation import GenerationConfig
+
+    file = {"eos_token_id": [175], "repetition_penalty": 1.3, "max_new_tokens": 3}
+    model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=file), dtype="float32")
+    ids = paddle.to_tensor([[5, 6, 7, 8, 9]])
+    out = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=9)).numpy()[0, 5:]
+    np.testing.assert_array_equal(out, [53, 11, 165, 90, 147, 156, 25, 152, 240])
+    out = generate(model, ids, generation_config={"max_new_tokens": 9, "repetition_penalty": 1.0}).numpy()[0, 5:]
+    np.testing.assert_array_equal(out, [53, 11, 165, 11, 165, 175])
+    assert model.generate(ids).shape[1] == 8  # the file alone: its max_new_tokens
