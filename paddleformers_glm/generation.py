@@ -415,6 +415,13 @@ def generate(
         real = attention_mask.numpy() != 0  # one host read of the mask, before any step
         if not real[:, -1].all():
             last_real = paddle.to_tensor(np.where(real.any(1), S - 1 - np.argmax(real[:, ::-1], axis=1), S - 1))
+    tails = None
+    if s.stop_strings:  # HF matches a stop string against the sequence's end, prompt included: each row's
+        # last real prompt tokens (as many as the longest stop string has characters) and their text
+        k, host_ids = max(map(len, s.stop_strings)), input_ids.numpy()
+        real_rows = np.ones(host_ids.shape, bool) if attention_mask is None else attention_mask.numpy() != 0
+        tails = [[int(t) for t in row[keep][-k:]] for row, keep in zip(host_ids, real_rows)]
+        tails = [(t, len(tokenizer.decode(t))) for t in tails]
     rng = np.random.default_rng(seed)
     # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
     # a plain callable gets each step's ids
@@ -474,9 +481,15 @@ def generate(
                     host_new.append(host)
                     if put is not None:
                         put(host)
-                    if s.stop_strings:  # per row: does the text of its new tokens hold a stop string
-                        texts = [tokenizer.decode([int(t) for t in row]) for row in np.stack(host_new, axis=1)]
-                        stopped = [any(stop in text for stop in s.stop_strings) for text in texts]
+                    if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's
+                        texts = [
+                            (tokenizer.decode(tail + [int(t) for t in row]), n)
+                            for row, (tail, n) in zip(np.stack(host_new, axis=1), tails)
+                        ]
+                        stopped = [
+                            any(text.find(stop, max(n - len(stop) + 1, 0)) >= 0 for stop in s.stop_strings)
+                            for text, n in texts
+                        ]
                         finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
                 if step == s.max_new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
                     break

@@ -677,3 +677,43 @@ def test_a_passed_generation_config_takes_its_unset_keys_from_the_models(tmp_pat
     out = generate(model, ids, generation_config={"max_new_tokens": 9, "repetition_penalty": 1.0}).numpy()[0, 5:]
     np.testing.assert_array_equal(out, [53, 11, 165, 11, 165, 175])
     assert model.generate(ids).shape[1] == 8  # the file alone: its max_new_tokens
+
+
+def _stop_case(tmp_path):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+    from paddleformers_glm.tokenizer import GlmTokenizer
+
+    folder = make_tiny_checkpoint(tmp_path / "ckpt")
+    return folder, GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32"), GlmTokenizer.from_pretrained(folder)
+
+
+def test_a_stop_string_begun_in_the_prompt_ends_the_row(tmp_path):
+    """HF's StopStringCriteria matches the stop string against the whole sequence's tail, prompt
+    included, once it overlaps the last token. Measured, transformers 5.23 on make_tiny_checkpoint()
+    with its tokenizer, prompt "The capital of France is", greedy, max_new_tokens 12 (free text
+    'ce' 'g' '.' ' this' ...): stop "sce" or "isc" -> 1 new token ('ce'), "his" -> 4, "ce" -> 1, and
+    "is ce" (not in "...isce") runs all 12. Before: "sce" / "isc" ran all 12 (only the new text was searched)."""
+    folder, model, tok = _stop_case(tmp_path)
+    ids = paddle.to_tensor([tok.encode("The capital of France is")])
+    for stop, n in (("sce", 1), ("isc", 1), ("his", 4), ("ce", 1), ("is ce", 12)):
+        out = model.generate(ids, max_new_tokens=12, eos_token_id=[], stop_strings=[stop], tokenizer=tok)
+        assert out.shape[1] - ids.shape[1] == n, (stop, tok.decode(out.numpy()[0, ids.shape[1] :]))
+
+
+@pytest.mark.reference
+def test_stop_strings_equal_hf_generate(tmp_path):
+    """The live twin of the test above: HF's generate with the same checkpoint and its tokenizer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder, model, tok = _stop_case(tmp_path)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    htok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    prompt = tok.encode("The capital of France is")
+    for stop in ("sce", "isc", "his", "g.", "is ce", ". t"):
+        kw = {"max_new_tokens": 12, "eos_token_id": [], "stop_strings": [stop]}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), pad_token_id=0, tokenizer=htok, **kw).numpy()
+        got = model.generate(paddle.to_tensor([prompt]), tokenizer=tok, **kw).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=stop)
