@@ -52,7 +52,8 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 
 # HF generation options this generate does not implement, with the value that turns each off: a
-# generation_config.json may carry them at that value; anything else is refused by name. Grouped by off value.
+# generation_config.json may carry them at that value or null (HF 5.23's default for every one of them);
+# anything else is refused by name. Grouped by off value.
 UNSUPPORTED_OFF: dict[str, Any] = {
     name: off
     for off, names in (
@@ -167,7 +168,7 @@ class GenerationConfig:
         if self.num_beams not in (None, 1):
             raise ValueError(f"{src}: num_beams={self.num_beams}: beam search is not supported; {supported}")
         for k, v in self.extra.items():
-            if k in UNSUPPORTED_OFF and v != UNSUPPORTED_OFF[k]:
+            if k in UNSUPPORTED_OFF and v is not None and v != UNSUPPORTED_OFF[k]:  # None: HF's default, off
                 raise ValueError(
                     f"{src}: {k}={v!r} is not supported (only its off value {UNSUPPORTED_OFF[k]!r}); {supported}"
                 )

@@ -717,3 +717,22 @@ def test_stop_strings_equal_hf_generate(tmp_path):
             want = hf.generate(torch.tensor([prompt]), pad_token_id=0, tokenizer=htok, **kw).numpy()
         got = model.generate(paddle.to_tensor([prompt]), tokenizer=tok, **kw).numpy()
         np.testing.assert_array_equal(got, want, err_msg=stop)
+
+
+def test_unimplemented_options_given_as_none_are_off(tmp_path):
+    """None is transformers 5.23's own default for no_repeat_ngram_size, length_penalty, typical_p,
+    num_beam_groups, early_stopping ... (``GenerationConfig()`` holds None for each; a file written
+    with ``to_json_file(use_diff=False)`` carries them as null). Measured, HF's generate on fixture
+    "tiny", prompt [5, 6, 7, 8], greedy, 4 new tokens, those keywords all None: [240, 211, 172, 53],
+    the plain greedy tokens. Before: ValueError "no_repeat_ngram_size=None is not supported (only its
+    off value 0)", from a keyword (which the docs say counts as not given) and from a file."""
+    from paddleformers_glm.generation import UNSUPPORTED_OFF
+
+    nones = {k: None for k in ("no_repeat_ngram_size", "length_penalty", "typical_p", "num_beam_groups")}
+    nones |= {k: None for k in ("early_stopping", "diversity_penalty", "renormalize_logits", "token_healing")}
+    assert all(UNSUPPORTED_OFF[k] is not None for k in nones)  # the keys whose off value is not None
+    model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=nones), dtype="float32")
+    ids = paddle.to_tensor([[5, 6, 7, 8]])
+    for kw in (nones, {}):  # as keywords; from the file
+        out = model.generate(ids, max_new_tokens=4, eos_token_id=[], **kw).numpy()
+        np.testing.assert_array_equal(out[0, 4:], [240, 211, 172, 53])
