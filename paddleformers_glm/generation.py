@@ -355,15 +355,29 @@ def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
 @dataclass
 class GenerateDecoderOnlyOutput:
     """``return_dict_in_generate=True``: ``sequences`` [B, S + n]; per step the processed scores
-    (``output_scores``) and the raw logits (``output_logits``), each [B, V], as HF returns them."""
+    (``output_scores``) and the raw logits (``output_logits``), each [B, V], as HF returns them. Read as
+    HF's ModelOutput: ``out["scores"]`` / ``out[1]`` / ``keys()`` / ``to_tuple()`` see the fields that are
+    set (``attentions`` / ``hidden_states`` are never: those options are refused)."""
 
     sequences: Any
     scores: tuple | None = None
     logits: tuple | None = None
+    attentions: None = None
+    hidden_states: None = None
     past_key_values: Any = None
 
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.keys())
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, str):
+            if key not in self.keys():
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.to_tuple()[key]
 
 
 # --------------------------------------------------------------------------- generate

@@ -736,3 +736,19 @@ def test_unimplemented_options_given_as_none_are_off(tmp_path):
     for kw in (nones, {}):  # as keywords; from the file
         out = model.generate(ids, max_new_tokens=4, eos_token_id=[], **kw).numpy()
         np.testing.assert_array_equal(out[0, 4:], [240, 211, 172, 53])
+
+
+def test_return_dict_output_reads_as_transformers_model_output():
+    """HF's GenerateDecoderOnlyOutput is a ModelOutput. Measured, transformers 5.23, greedy with
+    return_dict_in_generate=True, output_scores=True: ``out[0]`` is ``sequences``, ``to_tuple()`` has
+    3 items, ``keys()`` ['sequences', 'scores', 'past_key_values'], ``attentions`` / ``hidden_states``
+    are None and ``out["logits"]`` (not asked for) raises KeyError. Before: ``out[0]`` TypeError
+    "attribute name must be string", no ``keys`` / ``to_tuple`` / ``attentions``, ``out["logits"]`` None."""
+    model = tiny_model(seed=3)
+    ids = tokens(2, 5, seed=2)
+    out = model.generate(ids, max_new_tokens=3, eos_token_id=[], return_dict_in_generate=True, output_scores=True)
+    assert list(out.keys()) == ["sequences", "scores", "past_key_values"]
+    assert out[0] is out.sequences and out["scores"] is out.scores and len(out.to_tuple()) == 3
+    assert out[1] is out.scores and out.attentions is None and out.hidden_states is None
+    with pytest.raises(KeyError, match="logits"):
+        out["logits"]
