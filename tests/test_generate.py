@@ -752,3 +752,24 @@ def test_return_dict_output_reads_as_transformers_model_output():
     assert out[1] is out.scores and out.attentions is None and out.hidden_states is None
     with pytest.raises(KeyError, match="logits"):
         out["logits"]
+
+
+@pytest.mark.reference
+def test_a_passed_generation_config_equals_hf_generate(tmp_path):
+    """The live twin of test_a_passed_generation_config_takes_its_unset_keys_from_the_models."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from paddleformers_glm.generation import GenerationConfig
+
+    file = {"eos_token_id": [175], "repetition_penalty": 1.3, "max_new_tokens": 3}
+    folder = _ckpt_copy(tmp_path, gen_config=file)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32")
+    prompt = [[5, 6, 7, 8, 9]]
+    for passed in ({"max_new_tokens": 9}, {"max_new_tokens": 9, "repetition_penalty": 1.0}):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(prompt), generation_config=transformers.GenerationConfig(**passed))
+        got = model.generate(paddle.to_tensor(prompt), generation_config=GenerationConfig(**passed))
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=str(passed))
