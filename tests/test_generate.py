@@ -547,7 +547,7 @@ def test_min_new_tokens_holds_eos_back_and_stop_strings_end_a_row(tmp_path):
 @pytest.mark.reference
 def test_repetition_penalty_and_min_new_tokens_equal_hf_generate():
     """HF transformers' generate on the same checkpoint: greedy with repetition_penalty 1.5 and
-    min_new_tokens, one prompt at a time (HF also penalises a padded row's pad id; we do not)."""
+    min_new_tokens, one prompt at a time (a padded batch: the test below)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
@@ -773,3 +773,25 @@ def test_a_passed_generation_config_equals_hf_generate(tmp_path):
             want = hf.generate(torch.tensor(prompt), generation_config=transformers.GenerationConfig(**passed))
         got = model.generate(paddle.to_tensor(prompt), generation_config=GenerationConfig(**passed))
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=str(passed))
+
+
+@pytest.mark.reference
+def test_repetition_penalty_skips_left_padding_as_hf_generate():
+    """transformers 5.23 leaves a row's left padding out of the repetition penalty (prompt_ignore_length),
+    as this generate does: pad slots holding 240, the token the row's prompt continues with greedily,
+    at penalty 3.0 (measured: both give the row what it gives alone)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    ids = np.array([[240, 240, 5, 6, 7, 8], [9, 10, 5, 6, 7, 8]])
+    mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kw = {"max_new_tokens": 6, "eos_token_id": [], "pad_token_id": 0, "repetition_penalty": 3.0}
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), **kw).numpy()
+    got = model.generate(paddle.to_tensor(ids), paddle.to_tensor(mask), **kw).numpy()
+    np.testing.assert_array_equal(got, want)
+    alone = model.generate(paddle.to_tensor(ids[:1, 2:]), **kw).numpy()
+    np.testing.assert_array_equal(got[0, 2:], alone[0])
