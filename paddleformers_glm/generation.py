@@ -409,6 +409,10 @@ def generate(
     own = getattr(model, "generation_config", None)  # the model's defaults fill what a passed config leaves unset (HF)
     own = GenerationConfig.from_dict(own, "model.generation_config") if isinstance(own, dict) else own
     own = own if isinstance(own, GenerationConfig) else generation_config_of(model)
+    if not isinstance(generation_config, (GenerationConfig, dict, type(None))) and hasattr(
+        generation_config, "to_dict"
+    ):
+        generation_config = generation_config.to_dict()  # transformers' GenerationConfig: its None keys are unset
     if isinstance(generation_config, dict):
         generation_config = GenerationConfig.from_dict(generation_config, source="generation_config argument")
     gc = own if generation_config is None else generation_config.over(own)

@@ -795,3 +795,26 @@ def test_repetition_penalty_skips_left_padding_as_hf_generate():
     np.testing.assert_array_equal(got, want)
     alone = model.generate(paddle.to_tensor(ids[:1, 2:]), **kw).numpy()
     np.testing.assert_array_equal(got[0, 2:], alone[0])
+
+
+def test_a_transformers_generation_config_object_is_read_by_its_dict(tmp_path):
+    """Code ported from transformers passes its ``GenerationConfig``; HF 5.23's generate on fixture
+    "tiny", prompt [5, 6, 7, 8], ``generation_config=GenerationConfig(max_new_tokens=5,
+    repetition_penalty=1.2)``: [240, 211, 172, 53, 123]. Before: AttributeError (the object was taken
+    for this package's GenerationConfig). The stand-in gives what that object's ``to_dict()`` gives:
+    its set keys, every other option None, and transformers_version."""
+
+    class HFGenerationConfig:  # transformers.GenerationConfig(...).to_dict(), abridged: the None keys vary
+        def to_dict(self):
+            nones = ("no_repeat_ngram_size", "length_penalty", "typical_p", "num_beams", "eos_token_id", "top_k")
+            return {"max_new_tokens": 5, "repetition_penalty": 1.2, "transformers_version": "5.23.0"} | dict.fromkeys(
+                nones
+            )
+
+    model, _ = _fixture("tiny")
+    ids = paddle.to_tensor([[5, 6, 7, 8]])
+    out = model.generate(ids, generation_config=HFGenerationConfig()).numpy()
+    np.testing.assert_array_equal(out[0, 4:], [240, 211, 172, 53, 123])
+    transformers = pytest.importorskip("transformers")
+    live = transformers.GenerationConfig(max_new_tokens=5, repetition_penalty=1.2)
+    np.testing.assert_array_equal(model.generate(ids, generation_config=live).numpy(), out)
