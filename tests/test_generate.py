@@ -677,6 +677,8 @@ def test_a_passed_generation_config_takes_its_unset_keys_from_the_models(tmp_pat
     out = generate(model, ids, generation_config={"max_new_tokens": 9, "repetition_penalty": 1.0}).numpy()[0, 5:]
     np.testing.assert_array_equal(out, [53, 11, 165, 11, 165, 175])
     assert model.generate(ids).shape[1] == 8  # the file alone: its max_new_tokens
+    # one layer, as HF's (measured there: 8): the file's max_new_tokens wins over the argument's max_length
+    assert model.generate(ids, generation_config=GenerationConfig(max_length=12)).shape[1] == 8
 
 
 def _stop_case(tmp_path):
