@@ -389,6 +389,37 @@ def test_generation_config_json_gives_the_defaults(tmp_path):
     assert not np.array_equal(out.numpy()[:, 9:12], greedy.numpy()[:, 9:])  # the file's sampling was used
 
 
+def test_save_pretrained_writes_a_changed_generation_config(tmp_path):
+    """transformers' save_pretrained writes the model's generation_config: measured (5.23, fixture
+    "tiny" with generation_config.json {eos_token_id: [1, 2], max_new_tokens: 3, custom_key: 5}), after
+    ``model.generation_config.max_new_tokens = 9`` the saved file is {custom_key: 5, eos_token_id:
+    [1, 2], max_new_tokens: 9, transformers_version: "5.23.0"}. The folder's file was carried here
+    instead: the save wrote max_new_tokens 3. Unchanged, the file is carried byte for byte."""
+    import json
+
+    from paddleformers_glm.generation import GenerationConfig
+
+    src = _ckpt_copy(tmp_path, gen_config={"eos_token_id": [1, 2], "max_new_tokens": 3, "custom_key": 5})
+    model = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
+    assert model.generation_config.max_new_tokens == 3  # read: not a change
+    model.save_pretrained(tmp_path / "same")
+    assert (tmp_path / "same/generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+    model.generation_config.max_new_tokens = 9
+    model.save_pretrained(tmp_path / "changed")
+    saved = json.loads((tmp_path / "changed/generation_config.json").read_text())
+    assert {k: saved[k] for k in ("custom_key", "eos_token_id", "max_new_tokens")} == {
+        "custom_key": 5,
+        "eos_token_id": [1, 2],
+        "max_new_tokens": 9,
+    }
+    again = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "changed", dtype="float32")
+    assert again.generation_config.max_new_tokens == 9
+    model.generation_config = GenerationConfig(max_new_tokens=4, eos_token_id=[7])  # assigned: saved as it is
+    model.save_pretrained(tmp_path / "assigned")
+    saved = json.loads((tmp_path / "assigned/generation_config.json").read_text())
+    assert saved == {"max_new_tokens": 4, "eos_token_id": [7]}
+
+
 def test_sampling_only_settings_do_not_stop_greedy_decoding(tmp_path):
     """temperature 0.0 / top_p 0.0 / top_k 0 with do_sample false (a generation_config.json's way
     of saying "greedy", or a call's): the sampling settings are unused, as in HF, whose generate

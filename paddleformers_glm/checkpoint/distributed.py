@@ -119,6 +119,7 @@ def export_distributed(
     max_shard_size: int | str = "5GB",
     carry_from: str | os.PathLike | None = None,
     tokenizer_from: str | os.PathLike | None = None,
+    generation_config: Any = None,
 ) -> dict[str, Any]:
     """Write ``module``'s weights (every rank's stage module; collective) as an HF-layout checkpoint.
 
@@ -204,7 +205,18 @@ def export_distributed(
         missing = sorted(set(entries) - set(seen))
         if missing:
             raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
-        finish_save(tmp, out_dir, config, shards, entries, None, carry_from, model_dtype, tokenizer_from)
+        finish_save(
+            tmp,
+            out_dir,
+            config,
+            shards,
+            entries,
+            None,
+            carry_from,
+            model_dtype,
+            tokenizer_from,
+            generation_config=generation_config,
+        )
     _barrier(topo)
     files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]
     return {"tensors": len(written), "bytes": sum(written.values()), "files": files}
@@ -223,6 +235,7 @@ def save_pretrained_distributed(
     metadata: Any = None,
     expert_layout: str = "per-expert",
     topo: Topology | None = None,
+    generation_config: Any = None,
 ) -> Any:
     """``save_pretrained`` for a model split over ranks: collective, every rank calls it with its own part
     of the model, through :func:`export_distributed`. The official layout without quantization only (a
@@ -247,7 +260,14 @@ def save_pretrained_distributed(
     topo = topo or Topology.single()
     out_dir = save_target(save_directory)
     info = export_distributed(
-        model, config, out_dir, topo, dtype=dtype, max_shard_size=max_shard_size, carry_from=carry_from
+        model,
+        config,
+        out_dir,
+        topo,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        carry_from=carry_from,
+        generation_config=generation_config,
     )
     counts = all_gather_object([info["tensors"], info["bytes"]], topo)
     files = [os.path.join(out_dir, f) for f in sorted(os.listdir(out_dir))]

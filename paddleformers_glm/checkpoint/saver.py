@@ -116,6 +116,7 @@ def finish_save(
     model_dtype: str | None = None,
     tokenizer_from: str | os.PathLike | None = None,
     layout: str = "hf",
+    generation_config: Mapping[str, Any] | None = None,
 ) -> tuple[int, list[str]]:
     """Write the index (several shards), ``config.json`` (stating ``model_dtype``, the dtype the
     unquantized weights were written in) and the carried files into ``tmp``, then publish it at
@@ -123,7 +124,9 @@ def finish_save(
     folder of the tokenizer the weights were trained with, whose tokenizer files (and only those) are
     carried instead of ``carry_from``'s; ``carry_from`` then gives ``generation_config.json`` alone. An
     official-layout (``layout="hf"``) config.json is ``config.to_transformers_dict()``: what
-    transformers reads as this model."""
+    transformers reads as this model. ``generation_config``: the model's generation settings when they
+    differ from ``carry_from``'s file (changed after loading), written in its place as transformers'
+    ``save_pretrained`` writes the model's ``generation_config``."""
     total = sum(_nbytes(e) for e in entries.values())
     if len(shards) > 1:
         weight_map = {k: name for name, keys in shards.items() for k in keys}
@@ -134,11 +137,16 @@ def finish_save(
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
     if model_dtype is not None and model_dtype != config.model_dtype:
         set_config_dtype(os.path.join(tmp, "config.json"), model_dtype)
+    written = []
+    if generation_config is not None:  # the carried file would be the settings before the change
+        write_json_atomic(os.path.join(tmp, GENERATION_CONFIG), dict(generation_config), indent=2, sort_keys=True)
+        written = [GENERATION_CONFIG]
     if tokenizer_from is not None:
         carried = carry_files(tokenizer_from, tmp, out_dir, TOKENIZER_FILES)
         carried += carry_files(carry_from, tmp, out_dir, (GENERATION_CONFIG,))
     else:
         carried = carry_files(carry_from, tmp, out_dir)
+    carried = written + carried  # carry_files skips a name already in tmp
     # a tokenizer is one unit: carrying one replaces the target's, none of its old files stay behind
     publish(tmp, out_dir, TOKENIZER_FILES if set(carried) & set(TOKENIZER_FILES) else ())
     return total, [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
@@ -174,6 +182,7 @@ def save_pretrained_state(
     expert_layout: str = "per-expert",
     quantization: str | None = None,
     carry_from: str | os.PathLike | None = None,
+    generation_config: Mapping[str, Any] | None = None,
 ) -> SaveReport:
     """Write the weights (Fleet-named state dict or a model) as a checkpoint at ``out_dir``, all at once
     (:func:`publish`): the official layout (``layout="hf"``) or PaddleFleet's (``"fleet"``, its routed
@@ -190,7 +199,13 @@ def save_pretrained_state(
     units = checkpoint_units(config, layout, expert_layout)
     tensors = {k: getattr(v, "local_tensor", v) for k, v in state.items()}
     return write_checkpoint(
-        plan, config, meta, carry_from, lambda writers: write_mapped(units, StateDictSource(tensors), plan, writers), t0
+        plan,
+        config,
+        meta,
+        carry_from,
+        lambda writers: write_mapped(units, StateDictSource(tensors), plan, writers),
+        t0,
+        generation_config=generation_config,
     )
 
 
@@ -201,6 +216,8 @@ def write_checkpoint(
     carry_from: str | os.PathLike | None,
     write: Callable[[dict[str, SafetensorsWriter]], None],
     t0: float,
+    *,
+    generation_config: Mapping[str, Any] | None = None,
 ) -> SaveReport:
     """The atomic write of a planned save, shared by :func:`save_pretrained_state` and the
     layer-by-layer convert: a temporary folder beside the target with one open writer per shard,
@@ -230,6 +247,7 @@ def write_checkpoint(
             carry_from,
             plan.model_dtype,
             layout=plan.layout,
+            generation_config=generation_config,
         )
     except BaseException:
         for w in writers.values():

@@ -250,6 +250,7 @@ def _classes() -> dict[str, Any]:
                 from ..checkpoint import save_pretrained_state
 
                 own.setdefault("carry_from", getattr(self, "source_path", None))
+                own.setdefault("generation_config", self._changed_generation_config())
                 return save_pretrained_state(state, self.config, save_directory, **own)
             return super().save_pretrained(save_directory, **own)
 
