@@ -217,7 +217,7 @@ def check_generation_length(
     over ``max_length``; neither: HF's 20), refused when prompt + new tokens exceed the model's
     ``max_position_embeddings`` or an explicit ``max_length``. No tensor exists yet when this runs."""
     if max_new_tokens is not None:
-        n = _integer("max_new_tokens", max_new_tokens, 0)
+        n = _integer("max_new_tokens", max_new_tokens, 1, " (transformers refuses 0 too)")
     elif max_length is not None:
         if _integer("max_length", max_length, 1) <= prompt_len:
             raise ValueError(
@@ -447,9 +447,6 @@ def generate(
     put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
     if hasattr(streamer, "put"):
         put(input_ids.numpy())
-    if s.max_new_tokens == 0:
-        end()
-        return GenerateDecoderOnlyOutput(input_ids) if s.return_dict_in_generate else input_ids
     V = int(model.config.vocab_size)
     eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
     eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
