@@ -60,7 +60,10 @@ def test_embedding_accessors_parameter_counts_and_config_class():
     assert list(model.get_output_embeddings().weight.shape) == [cfg.hidden_size, cfg.vocab_size]
     total = sum(int(np.prod(p.shape)) for p in model.parameters())
     assert model.num_parameters() == total
-    assert model.num_parameters(exclude_embeddings=True) == total - 2 * cfg.vocab_size * cfg.hidden_size
+    # transformers 5.23 on the tiny fixture: num_parameters() 700864, exclude_embeddings=True 684480
+    # (16384 = vocab 256 x hidden 64 less: the token embedding only, the untied lm_head counts);
+    # it was total - 2 * V * H here
+    assert model.num_parameters(exclude_embeddings=True) == total - cfg.vocab_size * cfg.hidden_size
     model.lm_head.weight.stop_gradient = True
     assert model.num_parameters(only_trainable=True) == total - cfg.vocab_size * cfg.hidden_size
 
@@ -120,3 +123,19 @@ def test_paddleformers_registration_is_explicit_and_optional(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ImportError, match=r"paddleformers_glm\[paddleformers\]"):
         pf_glm.register()
+
+
+@pytest.mark.reference
+def test_num_parameters_exclude_embeddings_equals_transformers():
+    """transformers' exclude_embeddings drops the nn.Embedding weights only (measured on the tiny
+    fixture: 700864 - 684480 = 16384, the embedding); our count holds the MTP layer transformers
+    drops on load, so the differences are compared."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from .conftest import FIXTURES
+
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    want = hf.num_parameters() - hf.num_parameters(exclude_embeddings=True)
+    assert model.num_parameters() - model.num_parameters(exclude_embeddings=True) == want == 16384

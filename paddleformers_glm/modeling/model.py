@@ -539,10 +539,12 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return self.lm_head
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """Parameter count of this model (this rank's share under model parallelism)."""
+        """Parameter count of this model (this rank's share under model parallelism).
+        ``exclude_embeddings`` leaves out the token embedding only, as transformers (its nn.Embedding
+        modules; the untied LM head counts)."""
         skip = set()
         if exclude_embeddings:
-            skip = {id(p) for m in (self.get_input_embeddings(), self.get_output_embeddings()) for p in m.parameters()}
+            skip = {id(p) for p in self.get_input_embeddings().parameters()}
         kept = [p for p in self.parameters() if id(p) not in skip and not (only_trainable and p.stop_gradient)]
         return sum(int(np.prod(p.shape)) for p in kept)
 
