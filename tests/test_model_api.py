@@ -139,3 +139,51 @@ def test_num_parameters_exclude_embeddings_equals_transformers():
     model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
     want = hf.num_parameters() - hf.num_parameters(exclude_embeddings=True)
     assert model.num_parameters() - model.num_parameters(exclude_embeddings=True) == want == 16384
+
+
+def test_output_hidden_states_as_transformers():
+    """transformers 5.23 on the tiny fixture (8 layers): output_hidden_states=True gives 9 [B, S, H]
+    tensors; [0] equals embed_tokens(ids) exactly, [8] equals last_hidden_state (max diff 0.0: the
+    final-normed one), [1..7] the decoder layers' outputs; output_attentions=True gives 8
+    [B, heads, S, S] eager probabilities, which we refuse by name. (forward raised TypeError on both.)"""
+    model = tiny_model()
+    model.eval()
+    n = model.config.num_hidden_layers
+    ids = tokens(2, 12)
+    for kw in ({}, {"use_cache": True}):
+        out = model(ids, output_hidden_states=True, **kw)
+        hs = out.hidden_states
+        assert isinstance(hs, tuple) and len(hs) == n + 1 and all(h.shape == [2, 12, 64] for h in hs)
+        np.testing.assert_array_equal(hs[0].numpy(), model.get_input_embeddings()(ids).numpy())
+        assert hs[-1] is out.last_hidden_state
+        assert np.abs(hs[-2].numpy() - hs[-1].numpy()).max() > 1e-3  # the layer's output is not normed
+    assert model(ids).hidden_states is None and "hidden_states" not in model(ids)
+    tup = model(ids, labels=ids, output_hidden_states=True, return_dict=False)
+    assert isinstance(tup[2], tuple) and len(tup[2]) == n + 1  # loss, logits, hidden_states (no cache)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(ids, output_attentions=True)
+    model(ids, output_attentions=False)
+
+
+@pytest.mark.reference
+def test_output_hidden_states_equal_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from .conftest import FIXTURES
+
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    model.eval()
+    ids = tokens(2, 10, vocab=hf.config.vocab_size, seed=1)
+    mask = np.ones([2, 10], "int64")
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want = hf(torch.tensor(ids.numpy()), attention_mask=torch.tensor(mask), output_hidden_states=True)
+    got = model(ids, attention_mask=paddle.to_tensor(mask), output_hidden_states=True).hidden_states
+    assert len(got) == len(want.hidden_states) == hf.config.num_hidden_layers + 1
+    real = mask.astype(bool)
+    for g, w in zip(got, want.hidden_states):
+        assert np.abs(g.numpy() - w.numpy())[real].max() <= 1e-4

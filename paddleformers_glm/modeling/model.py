@@ -63,6 +63,7 @@ class CausalLMOutput:
     loss: paddle.Tensor | None = None  # main LM loss (+ extras only when asked)
     logits: paddle.Tensor | None = None  # [B, S, V]
     past_key_values: DSACache | None = None  # the decoding cache, when use_cache
+    hidden_states: tuple[paddle.Tensor, ...] | None = None  # output_hidden_states: as transformers'
     mtp_loss: paddle.Tensor | None = None  # mean CE over MTP depths, unscaled
     mtp_logits: list[paddle.Tensor] = field(default_factory=list)  # per depth [B, S, V]
     indexer_loss: paddle.Tensor | None = None  # sum of per-layer indexer KL losses, unscaled
@@ -263,11 +264,13 @@ class GlmMoeDsaModel(nn.Layer):
         *,
         caches: Sequence[LayerCache] | None = None,
         recompute: str = "none",
+        collect: list[paddle.Tensor] | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[tuple[int, IndexerRecord]]]:
         """Decoder layers ``layer_ids`` in turn: hidden [B, S, H] and the top-k in effect flow from
         layer to layer (``topk``: the one carried from the stage before, None on the first).
         -> (hidden, top-k, (layer id, indexer-training record) of each layer that left one).
-        ``caches``: the decoding cache of every decoder layer."""
+        ``caches``: the decoding cache of every decoder layer; ``collect``: a list each layer's
+        output hidden is appended to."""
         records = []
         for i in layer_ids:
             if caches is not None:
@@ -276,6 +279,8 @@ class GlmMoeDsaModel(nn.Layer):
                 hidden, topk, rec = run_layer(self.layers[i], hidden, cos, sin, key_padding, topk, mode=recompute)
             if rec is not None:
                 records.append((i, rec))
+            if collect is not None:
+                collect.append(hidden)
         return hidden, topk, records
 
     def forward(
@@ -560,6 +565,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         *,
         caches: Sequence[LayerCache] | None = None,
         with_mtp: bool = True,
+        collect: list[paddle.Tensor] | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, IndexerTerms, list[paddle.Tensor]]:
         """The one body every path runs, over ``part`` of the model (its layers, and the embedding,
         head and MTP where ``part`` has them): -> (hidden [B, S, H], final-normed on a part with
@@ -569,7 +575,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
 
         ``hidden`` / ``topk``: the carry from the stage before (or the caller's embeddings);
         ``batch``: ``input_ids``, ``attention_mask`` (key padding) and, under context parallel,
-        ``cp_ids_<d>`` (the ids shifted by d over the whole sequence) for MTP."""
+        ``cp_ids_<d>`` (the ids shifted by d over the whole sequence) for MTP; ``collect``: a list
+        the embedding output and each layer's output are appended to."""
         # the indexer's warm-up: every layer is frozen, so they record no graph (the indexers' KL,
         # taken below from the layers' detached records, is the step's only graph)
         frozen = self.training and self.indexer_training.dense
@@ -577,8 +584,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             mask = batch.get("attention_mask")
             if part.has_embedding and hidden is None:
                 hidden = self.model.embedding(batch["input_ids"])  # [B, S, H]
+            if collect is not None:
+                collect.append(hidden)
             hidden, topk, records = self.model.run_layers(
-                part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute
+                part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute, collect=collect
             )
             mtp_hidden: list[paddle.Tensor] = []
             if part.has_head:
@@ -641,6 +650,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         labels_shifted: bool = False,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
     ) -> CausalLMOutput | tuple:
         """`use_cache=True` (or a `past_key_values` cache) runs the decoding path: an empty cache is
         filled by this forward (prefill), a filled one makes `input_ids` the next tokens only. Its
@@ -649,7 +660,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         of the last n positions only. `return_dict=False` returns `out.to_tuple()`.
         `labels_shifted=True`: ``labels[i]`` is position i's target already (Megatron's and
         PaddleFormers' convention: input tokens[:-1], labels tokens[1:]), not token i to be
-        shifted as HF does; MTP depth d then predicts labels[i + d]."""
+        shifted as HF does; MTP depth d then predicts labels[i + d].
+        `output_hidden_states=True`: `out.hidden_states`, transformers' tuple of num_hidden_layers + 1
+        [B, S, H]: the embedding output, each decoder layer's output but the last, and the
+        final-normed one. `output_attentions=True` is refused (the sparse attention forms hold no
+        [B, heads, S, S] probabilities)."""
+        if output_attentions:
+            raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
@@ -657,6 +674,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             for d in range(len(self.model.mtp_layers) + 1):
                 batch[f"cp_target_{d + 1}"] = shift_labels(labels, d) if d else labels
         cache = past_key_values
+        collect = [] if output_hidden_states else None
         if use_cache or cache is not None:  # decoding: no MTP
             B, n = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
             cache = cache if cache is not None else DSACache.for_config(self.config, B)
@@ -667,7 +685,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             if cache.length > 0:  # new tokens against the cache: padding marked per cached slot
                 batch["attention_mask"] = key_valid
             hidden, topk, terms, mtp_hidden = self._run(
-                self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=False
+                self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=False, collect=collect
             )
             cache.topk = topk if cache.keep_topk else None
             cache.advance(n)
@@ -678,10 +696,12 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
             hidden, _, terms, mtp_hidden = self._run(
-                self.stage, batch, inputs_embeds, None, cos, sin, with_mtp=compute_mtp
+                self.stage, batch, inputs_embeds, None, cos, sin, with_mtp=compute_mtp, collect=collect
             )
         keep = hidden[:, -logits_to_keep:] if cache is not None and logits_to_keep and labels is None else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
+        if collect is not None:  # transformers' last entry is the final-normed hidden
+            out.hidden_states = tuple(collect[:-1]) + (hidden,)
         out.mtp_logits = [self.logits(h) for h in mtp_hidden]
         losses = causal_lm_losses([out.logits, *out.mtp_logits] if labels is not None else [], batch, terms, False)
         if "indexer_kl" in losses:
@@ -702,7 +722,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             return out
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
         # cannot call their methods
-        fields_ = (out.loss, out.logits, out.past_key_values, out.mtp_loss, out.mtp_logits or None)
+        fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.mtp_loss, out.mtp_logits or None)
         fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
 
