@@ -14,6 +14,7 @@ from paddleformers_glm.modeling.cache import DSACache
 from paddleformers_glm.ops import kernels as cpu_kernels
 
 from ._tiny import tiny_model, tokens
+from .conftest import FIXTURES
 
 
 def test_outputs_by_name_position_and_tuple():
@@ -132,8 +133,6 @@ def test_num_parameters_exclude_embeddings_equals_transformers():
     drops on load, so the differences are compared."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from .conftest import FIXTURES
-
     path = FIXTURES / "tiny" / "checkpoint"
     hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
@@ -169,8 +168,6 @@ def test_output_hidden_states_as_transformers():
 def test_output_hidden_states_equal_transformers():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from .conftest import FIXTURES
-
     path = FIXTURES / "tiny" / "checkpoint"
     hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"
@@ -187,3 +184,44 @@ def test_output_hidden_states_equal_transformers():
     real = mask.astype(bool)
     for g, w in zip(got, want.hidden_states):
         assert np.abs(g.numpy() - w.numpy())[real].max() <= 1e-4
+
+
+def test_loss_normalisation_and_num_items_in_batch():
+    """transformers 5.23 on the tiny fixture, ids [2, 10] (tokens(2, 10)), labels with the first 4
+    of row 0 at -100 (15 targets after the shift): loss 5.968607 (ours 5.968608),
+    num_items_in_batch=7 (int or tensor) -> 12.789873 = the sum over 7, 100 -> 0.895291; labels all
+    -100 with num_items_in_batch=5 -> 0.0. (num_items_in_batch raised TypeError here.) Labels all
+    -100 without it: transformers' mean is NaN, ours 0.0 on purpose (a fully ignored micro-batch
+    must not poison a training step; docs/model.md)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    model.eval()
+    ids = tokens(2, 10)
+    lab = ids.clone()
+    lab[0, :4] = -100
+    mean = float(model(ids, labels=lab).loss)
+    assert abs(mean - 5.968607) <= 2e-5
+    for n in (7, paddle.to_tensor(7)):
+        assert abs(float(model(ids, labels=lab, num_items_in_batch=n).loss) - 5.968607 * 15 / 7) <= 5e-5
+    assert abs(float(model(ids, labels=lab, num_items_in_batch=100).loss) - 0.8952911) <= 1e-5
+    none = paddle.full_like(ids, -100)
+    assert float(model(ids, labels=none, num_items_in_batch=5).loss) == 0.0
+    assert float(model(ids, labels=none).loss) == 0.0
+
+
+@pytest.mark.reference
+def test_loss_with_ignored_labels_equals_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    model.eval()
+    ids = tokens(2, 10, vocab=hf.config.vocab_size)
+    lab = ids.numpy().copy()
+    lab[0, :4] = -100
+    for n in (None, 7, 100):
+        with torch.no_grad():
+            want = float(hf(torch.tensor(ids.numpy()), labels=torch.tensor(lab), num_items_in_batch=n).loss)
+        got = float(model(ids, labels=paddle.to_tensor(lab), num_items_in_batch=n).loss)
+        assert abs(want - got) <= 2e-5, (n, want, got)

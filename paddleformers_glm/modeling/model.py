@@ -122,7 +122,7 @@ def token_loss(logits: paddle.Tensor, target: paddle.Tensor, vocab_parallel: boo
 
 
 def mean_loss(term: LossTerm) -> paddle.Tensor:
-    """HF convention: the sum over the counted tokens (a term without any is 0)."""
+    """The sum over the counted tokens (a term without any is 0, where transformers' mean is NaN)."""
     return term.sum / paddle.clip(term.count.astype("float32"), min=1.0)
 
 
@@ -652,6 +652,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         labels_shifted: bool = False,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        num_items_in_batch: int | paddle.Tensor | None = None,
     ) -> CausalLMOutput | tuple:
         """`use_cache=True` (or a `past_key_values` cache) runs the decoding path: an empty cache is
         filled by this forward (prefill), a filled one makes `input_ids` the next tokens only. Its
@@ -664,7 +665,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         `output_hidden_states=True`: `out.hidden_states`, transformers' tuple of num_hidden_layers + 1
         [B, S, H]: the embedding output, each decoder layer's output but the last, and the
         final-normed one. `output_attentions=True` is refused (the sparse attention forms hold no
-        [B, heads, S, S] probabilities)."""
+        [B, heads, S, S] probabilities). `num_items_in_batch` (transformers' Trainer): the LM loss is
+        the summed cross entropy over it instead of the mean over the counted labels."""
         if output_attentions:
             raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
@@ -708,7 +710,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             out.indexer_loss = losses["indexer_kl"].sum
             out.indexer_recall = paddle.add_n([terms.recall[i] for i in sorted(terms.recall)]) / len(terms.recall)
         if labels is not None:
-            out.loss = mean_loss(losses["lm"])
+            out.loss = mean_loss(losses["lm"])  # 0 without a label (transformers' mean: NaN); see docs
+            if num_items_in_batch is not None:  # transformers' Trainer: the sum over the step's count
+                n = num_items_in_batch
+                out.loss = losses["lm"].sum / (n.astype("float32") if isinstance(n, paddle.Tensor) else float(n))
             if out.mtp_logits:
                 depth_losses = [mean_loss(losses[f"mtp_{d}"]) for d in range(1, len(out.mtp_logits) + 1)]
                 out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
