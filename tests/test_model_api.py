@@ -225,3 +225,40 @@ def test_loss_with_ignored_labels_equals_transformers():
             want = float(hf(torch.tensor(ids.numpy()), labels=torch.tensor(lab), num_items_in_batch=n).loss)
         got = float(model(ids, labels=paddle.to_tensor(lab), num_items_in_batch=n).loss)
         assert abs(want - got) <= 2e-5, (n, want, got)
+
+
+def test_inputs_embeds_with_labels_and_logits_to_keep_positions():
+    """transformers 5.23 on the tiny fixture, ids = tokens(2, 10): inputs_embeds=embed(ids) with
+    labels=ids -> loss 6.107835, the loss of input_ids=ids (ours raised ValueError "the MTP heads
+    need input_ids"); logits_to_keep=tensor([0, 5, 9]) -> logits [2, 3, 256], those positions
+    (ours raised AssertionError)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    model.eval()
+    ids = tokens(2, 10)
+    out = model(inputs_embeds=model.get_input_embeddings()(ids), labels=ids)
+    assert abs(float(out.loss) - 6.107835) <= 2e-5 and out.mtp_loss is None
+    assert abs(float(out.loss) - float(model(ids, labels=ids).loss)) <= 1e-6
+    with pytest.raises(ValueError, match="MTP heads need input_ids"):
+        model(inputs_embeds=model.get_input_embeddings()(ids), labels=ids, compute_mtp=True)
+    full = model(ids).logits.numpy()
+    for keep in ([0, 5, 9], [-1, 2]):
+        got = model(ids, logits_to_keep=paddle.to_tensor(keep)).logits.numpy()
+        np.testing.assert_array_equal(got, full[:, keep])
+
+
+@pytest.mark.reference
+def test_inputs_embeds_labels_and_logits_to_keep_positions_equal_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    model.eval()
+    ids = tokens(2, 10)
+    t = torch.tensor(ids.numpy())
+    with torch.no_grad():
+        want = float(hf(inputs_embeds=hf.model.embed_tokens(t), labels=t).loss)
+        want_logits = hf(t, logits_to_keep=torch.tensor([0, 5, 9])).logits.numpy()
+    assert abs(float(model(inputs_embeds=model.get_input_embeddings()(ids), labels=ids).loss) - want) <= 2e-5
+    got = model(ids, logits_to_keep=paddle.to_tensor([0, 5, 9])).logits.numpy()
+    assert got.shape == want_logits.shape and np.abs(got - want_logits).max() <= 1e-4

@@ -648,7 +648,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         use_cache: bool | None = None,
         inputs_embeds: paddle.Tensor | None = None,
         return_dict: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | paddle.Tensor = 0,
         labels_shifted: bool = False,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
@@ -671,6 +671,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
+        # transformers: a tensor of logits_to_keep is the sequence positions to keep (no if statement
+        # rebinding logits_to_keep: to_static's whole-graph translation loses it)
+        keep_index = logits_to_keep.astype("int64").reshape([-1]) if isinstance(logits_to_keep, paddle.Tensor) else None
+        logits_to_keep = 0 if keep_index is not None else logits_to_keep
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted
             for d in range(len(self.model.mtp_layers) + 1):
@@ -692,8 +696,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             cache.topk = topk if cache.keep_topk else None
             cache.advance(n)
         else:
-            if compute_mtp is None:
-                compute_mtp = labels is not None
+            if compute_mtp is None:  # (the MTP heads embed shifted ids: none from inputs_embeds)
+                compute_mtp = labels is not None and input_ids is not None
             if compute_mtp and self.model.mtp_layers and input_ids is None:
                 raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
@@ -723,6 +727,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 out.loss = out.loss + self.config.indexer_loss_coeff * out.indexer_loss
         if logits_to_keep and out.logits is not None:
             out.logits = out.logits[:, -logits_to_keep:]
+        if keep_index is not None:  # negative positions count from the end, as torch indexing
+            out.logits = paddle.index_select(out.logits, keep_index % out.logits.shape[1], axis=1)
         if return_dict is None or return_dict:
             return out
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
