@@ -262,3 +262,16 @@ def test_inputs_embeds_labels_and_logits_to_keep_positions_equal_transformers():
     assert abs(float(model(inputs_embeds=model.get_input_embeddings()(ids), labels=ids).loss) - want) <= 2e-5
     got = model(ids, logits_to_keep=paddle.to_tensor([0, 5, 9])).logits.numpy()
     assert got.shape == want_logits.shape and np.abs(got - want_logits).max() <= 1e-4
+
+
+def test_a_4d_attention_mask_is_refused_by_name():
+    """transformers 5.23 takes a 4-D [B, 1, S, S] bool mask (the causal one: its plain logits); ours
+    crashed inside paddle (expand_v2: "The number of elements (3) of 'shape' ... rank (5)"). The
+    layers take a key padding mask only, so any other rank is refused naming the form wanted."""
+    model = tiny_model()
+    ids = tokens(2, 10)
+    causal = paddle.to_tensor(np.tril(np.ones((10, 10), bool))[None, None].repeat(2, 0))
+    with pytest.raises(ValueError, match=r"attention_mask must be a \[batch, seq\] padding mask.*\[2, 1, 10, 10\]"):
+        model(ids, attention_mask=causal)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(ids, attention_mask=paddle.ones([10], "int64"))

@@ -671,6 +671,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(
+                f"attention_mask must be a [batch, seq] padding mask (1 = real token), got shape "
+                f"{list(attention_mask.shape)}; 4-D attention masks are not supported (transformers takes them)"
+            )
         # transformers: a tensor of logits_to_keep is the sequence positions to keep (no if statement
         # rebinding logits_to_keep: to_static's whole-graph translation loses it)
         keep_index = logits_to_keep.astype("int64").reshape([-1]) if isinstance(logits_to_keep, paddle.Tensor) else None
