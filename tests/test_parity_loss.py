@@ -161,3 +161,23 @@ def test_plot_names_runs_by_folder_and_shows_tolerance_and_verdict(tmp_path):
     assert any("tolerance 0.0001" in t.get_text() for t in bottom.get_legend().get_texts())
     title = fig._suptitle.get_text()
     assert "PASS" in title and "|A - B| <= 0.0001" in title
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"), [(["--atol", "-1"], "--atol"), (["--atol", "nan"], "--atol"), (["--rtol", "-0.5"], "--rtol")]
+)
+def test_negative_or_nan_tolerance_is_unusable_input_exit_2(tmp_path, capsys, flags, needle):
+    """A negative or NaN tolerance is refused, as torch.allclose refuses it (measured, torch 2.13:
+    ``torch.allclose(x, x, atol=-1.0)`` raises "atol must be greater than or equal to zero, but got -1",
+    the same for rtol=-1.0 and atol=nan). Before: identical curves "failed" with consistent_steps 0, exit 1."""
+    a = _loss(tmp_path, "a.json", [1.0, 0.5])
+    code, r, text = _check(tmp_path, capsys, a, a, *flags)
+    assert code == 2 and r["result"] == "unusable input"
+    assert f"{needle} must be >= 0" in text.err and "pass" not in text.out and "fail" not in text.out
+
+
+def test_infinite_tolerance_is_accepted(tmp_path, capsys):
+    """torch.allclose(x, x, atol=inf) is True (measured, torch 2.13): an infinite tolerance is usable."""
+    a = _loss(tmp_path, "a.json", [1.0, 0.5])
+    code, r, _ = _check(tmp_path, capsys, a, a, "--atol", "inf")
+    assert code == 0 and r["result"] == "pass"

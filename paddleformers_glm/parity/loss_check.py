@@ -139,6 +139,9 @@ def check_losses(
     }
     if steps is not None and steps < 1:
         report["errors"].append(f"--steps must be >= 1, got {steps}")
+    for flag, tol_value in (("--atol", atol), ("--rtol", rtol)):  # as torch.allclose refuses them
+        if tol_value is not None and not tol_value >= 0:
+            report["errors"].append(f"{flag} must be >= 0, got {tol_value}")
     curves = {}
     for name, p in (("a", path_a), ("b", path_b)):
         try:
