@@ -432,3 +432,27 @@ def test_vpp_activation_estimate_follows_fleets_schedule(pp, micro):
                 cur += held[int(chunk)] if fb == "f" else -held[int(chunk)]
                 want = max(want, cur)
         assert abs(kind["activations_bytes"] - want) <= 2, (stage, kind["activations_bytes"], want)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--search", "--gpus", "2", "--gpu-tflops", "0"], "--gpu-tflops must be > 0"),
+        (["--search", "--gpus", "2", "--tp-bw-gbs", "0"], "--tp-bw-gbs must be > 0"),
+        (["--search", "--gpus", "2", "--net-bw-gbs", "nan"], "--net-bw-gbs must be > 0"),
+        (["--search", "--gpus", "2", "--top", "-1"], "--top must be > 0"),
+        (["--search", "--gpus", "-2"], "--gpus must be >= 0"),
+        (["--gpu-mem-gb", "-1"], "--gpu-mem-gb must be > 0"),
+        (["--reserve-gb", "-5"], "--reserve-gb must be >= 0"),
+    ],
+)
+def test_plan_refuses_a_budget_that_is_not_a_budget(tmp_path, capsys, flags, needle):
+    """The planner's own numbers are checked (before: --gpu-tflops 0 and --tp-bw-gbs 0 ended in a
+    ZeroDivisionError traceback; --top -1 listed 5 of the tiny model's 6 fitting 2-GPU layouts and
+    exit 0; --gpu-mem-gb -1 printed "does NOT fit in -1 GiB", exit 0). One line naming the flag, exit 2,
+    no --json written."""
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", "--model", str(TINY_CONFIG.parent), *flags, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("glm52 plan: error: ") and needle in err[-1], err
+    assert not out.exists()

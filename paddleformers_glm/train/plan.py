@@ -647,6 +647,19 @@ def _table(plan: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _check_budget(args: argparse.Namespace) -> None:
+    """The planner's own numbers: a GPU's memory and the --search assumptions are positive and
+    finite, the reserve and --gpus are not negative, --top lists at least one layout (a zero speed
+    divided by zero; --top -1 dropped the last fitting layout; a negative memory was "does NOT fit")."""
+    positive = ("gpu_mem_gb", "gpu_tflops", "tp_bw_gbs", "net_bw_gbs", "top")
+    for name in (*positive, "reserve_gb", "gpus"):
+        value = getattr(args, name)
+        low_ok = value > 0 if name in positive else value >= 0
+        if not (low_ok and math.isfinite(value)):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be {'> 0' if name in positive else '>= 0'} and finite, got {value}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from ..cli._common import model_folder_error
@@ -662,6 +675,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         from ..configuration import GlmMoeDsaConfig
 
+        _check_budget(args)
         config = GlmMoeDsaConfig.from_pretrained(args.model)
         lay = layout_from_args(args)
         if args.search:
