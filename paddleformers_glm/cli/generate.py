@@ -18,7 +18,7 @@ from ._common import model_folder_error
 def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
     for flag, v, low, inclusive, high in (
-        ("--max-new-tokens", args.max_new_tokens, 0, True, None),
+        ("--max-new-tokens", args.max_new_tokens, 1, True, None),  # transformers refuses 0
         ("--max-length", args.max_length, 1, True, None),
         ("--top-k", args.top_k, 0, True, None),
         ("--temperature", args.temperature, 0.0, False, None),
