@@ -8,6 +8,7 @@ and written like the official release: bf16, two shards, `model.safetensors.inde
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -152,6 +153,13 @@ def register_make_tiny(sub) -> None:
 
         if bad := output_folder_error(args.out, "OUT"):
             print(f"make-tiny: {bad}", file=sys.stderr)
+            return 2
+        coeff = args.indexer_loss_coeff
+        if args.seed < 0 or not (math.isfinite(coeff) and coeff >= 0):  # numpy's and the config's words name neither
+            flag, want, got = ("--seed", "an integer >= 0", args.seed)
+            if args.seed >= 0:
+                flag, want, got = ("--indexer-loss-coeff", "a finite number >= 0", coeff)
+            print(f"make-tiny: {flag} must be {want}, got {got}", file=sys.stderr)
             return 2
         try:
             path = make_tiny_checkpoint(

@@ -166,3 +166,20 @@ def test_generate_refuses_a_huge_length_before_loading_anything(tiny_dir):
 
 def test_plan_accepts_a_tiny_model_folder(capsys):
     assert main(["plan", "--model", str(TINY_CONFIG.parent), "--tp", "2"]) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--seed", "-1"], "make-tiny: --seed must be an integer >= 0, got -1"),
+        (["--indexer-loss-coeff", "inf"], "make-tiny: --indexer-loss-coeff must be a finite number >= 0, got inf"),
+        (["--indexer-loss-coeff", "-1"], "make-tiny: --indexer-loss-coeff must be a finite number >= 0, got -1.0"),
+    ],
+)
+def test_make_tiny_names_the_flag_of_a_bad_value(tmp_path, flags, needle, capsys):
+    """Before: --seed -1 said only numpy's "expected non-negative integer" (no flag, no value) and
+    --indexer-loss-coeff inf blamed configs/glm52-tiny/config.json, a file the user never named."""
+    out = tmp_path / "tiny"
+    assert main(["make-tiny", str(out), *flags]) == 2
+    assert _one_line(capsys.readouterr().err) == needle
+    assert not out.exists()
