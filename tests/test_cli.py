@@ -146,6 +146,13 @@ def test_generate_refuses_bad_values_in_one_line(tiny_dir, flags, needle, capsys
     assert needle in _one_line(capsys.readouterr().err)
 
 
+def test_generate_refuses_system_without_chat(tiny_dir, capsys):
+    """--system is "with --chat: a system message before the prompt"; without --chat it was dropped
+    and the prompt's text generated from as if it had not been given (exit 0)."""
+    assert main(["generate", "--model", tiny_dir, "--prompt", "Hello", "--system", "Be brief."]) == 2
+    assert "--system needs --chat" in _one_line(capsys.readouterr().err)
+
+
 def test_generate_refuses_a_huge_length_before_loading_anything(tiny_dir):
     """The old failure grew to 12 GB and was OOM-killed; now a bound on the length, before Paddle
     is even imported (the run is short; its time is printed by the test for the report)."""

@@ -17,6 +17,8 @@ from ._common import model_folder_error
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
+    if args.system is not None and not args.chat:  # the plain prompt has no turns: it was dropped unsaid
+        return "--system needs --chat (the system message is a turn of the chat template)"
     for flag, v, low, inclusive, high in (
         ("--max-new-tokens", args.max_new_tokens, 1, True, None),  # transformers refuses 0
         ("--max-length", args.max_length, 1, True, None),
