@@ -7,6 +7,7 @@ the two runs with `check-loss` and `check-ckpt`.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,18 @@ def register_demo(sub) -> None:
     p.add_argument("--train-steps", type=int, default=5)
 
     def run(args) -> int:
+        from .cli._common import output_folder_error
+
+        bad = output_folder_error(args.out, "--out")  # before the work: a file there was a traceback at mkdir
+        for flag, value, low in (
+            ("--steps", args.steps, 1),
+            ("--train-steps", args.train_steps, 1),
+            ("--seed", args.seed, 0),
+        ):
+            bad = bad or (f"{flag} must be >= {low}, got {value}" if value < low else None)
+        if bad:
+            print(f"glm52 demo: error: {bad}", file=sys.stderr)
+            return 2
         out = Path(args.out)
         summary = run_parity_demo(out, steps=args.steps, seed=args.seed)
         if args.layout.strip():

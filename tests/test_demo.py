@@ -171,3 +171,25 @@ def test_demo_training_check_fails_when_the_parallel_run_recorded_another_layout
     _fake_trained_runs(monkeypatch, single, dict(single), ran_tp=1)
     result = run_training_parity(tmp_path, ["--tp", "2", "--sp"], steps=3)
     assert result["ok"] is False and result["layout_mismatch"] == "tp 1 (asked 2)"
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--out", "{file}"], "--out {file}: a file, not a folder"),
+        (["--out", "{file}/sub"], "--out {file}/sub: {file} is a file, not a folder"),
+        (["--out", "{tmp}/o", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--out", "{tmp}/o", "--train-steps", "0"], "--train-steps must be >= 1, got 0"),
+        (["--out", "{tmp}/o", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, flags, needle):
+    """Before: ``demo --out FILE`` ran to os.mkdir and ended in a FileExistsError traceback (exit 1);
+    ``--train-steps 0`` ran the whole in-process check, then glm52 train refused it (exit 1)."""
+    file = tmp_path / "a file"
+    file.write_text("keep")
+    fill = {"file": str(file), "tmp": str(tmp_path)}
+    assert main(["demo", *(f.format(**fill) for f in flags)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == ["glm52 demo: error: " + needle.format(**fill)]
+    assert file.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["a file"]
