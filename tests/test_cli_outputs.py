@@ -208,3 +208,54 @@ def test_align_refused_by_its_arguments_leaves_the_earlier_runs(tmp_path, capsys
     assert main(["align", "--model", str(FIXTURE), "--out", str(f)]) == 2
     assert f"--out {f}: a file, not a folder" in _one_line(capsys.readouterr().err)
     assert f.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--tp", "3"], "tp 3 does not divide num_attention_heads 4"),
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--loss-atol", "-1"], "--loss-atol must be >= 0, got -1.0"),
+        (["--timeout", "0"], "--timeout must be > 0, got 0.0"),
+    ],
+)
+def test_align_refuses_what_train_would_refuse_before_clearing_the_runs(tmp_path, capsys, monkeypatch, flags, needle):
+    """Before: these lines cleared OUT/reference, OUT/paddle and OUT/receipt, then the reference run
+    refused `--steps 0` ("train.py: error: --steps must be >= 1, got 0", exit 2), `--tp 3` ran the
+    whole torch reference first and failed in glm52 train (exit 1), `--loss-atol -1` ran both runs
+    to fail every loss comparison. Now the Paddle run's line takes glm52 train's pre-launch check
+    (through glm52 plan, the same words) and the tolerances are checked: one line, exit 2, runs kept."""
+    real = importlib.util.find_spec  # the reference extra counts as installed: the checks after it are tested
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n in ("torch", "transformers") else real(n, *a)
+    )
+    out = tmp_path / "align"
+    for sub in ("reference", "paddle", "receipt"):
+        (out / sub).mkdir(parents=True)
+        (out / sub / "loss.json").write_text('{"losses": [1.0]}')
+    before = _tree(out)
+    assert main(["align", "--model", str(FIXTURE), "--out", str(out), *flags]) == 2
+    assert _one_line(capsys.readouterr().err) == f"glm52 align: error: {needle}"
+    assert _tree(out) == before
+
+
+def test_align_passes_a_good_line_to_the_runs(tmp_path, capsys, monkeypatch):
+    """The default line (TP2 x PP2 + SP on the tiny checkpoint) passes the check: align goes on to clear
+    the old runs (stopped there here: no run is launched)."""
+    from paddleformers_glm.parity import align
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n in ("torch", "transformers") else real(n, *a)
+    )
+
+    class Cleared(Exception):
+        pass
+
+    def rmtree(*a, **k):
+        raise Cleared
+
+    monkeypatch.setattr(align.shutil, "rmtree", rmtree)
+    with pytest.raises(Cleared):
+        main(["align", "--model", str(FIXTURE), "--out", str(tmp_path / "align"), "--steps", "3"])

@@ -282,6 +282,26 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
     return None
 
 
+def _train_line_error(train_argv: list[str]) -> str | None:
+    """What ``glm52 train`` would refuse in the Paddle run's line before it launches, in its words
+    (``glm52 plan`` runs the trainer's own pre-launch check on a train line), or None."""
+    import contextlib
+    import io
+
+    from ..cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(["plan", *train_argv])
+        except SystemExit as e:  # argparse's refusal of a value
+            code = 2 if e.code else 0
+    if code != 2:
+        return None
+    lines = [ln for ln in err.getvalue().splitlines() if "error" in ln]
+    return (lines[-1] if lines else err.getvalue().strip()).split("error: ", 1)[-1]
+
+
 def run_align(args: argparse.Namespace) -> int:
     """Both runs, every comparison, the receipt; returns the exit code (0 all within tolerance)."""
     from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file, versions
@@ -310,10 +330,15 @@ def run_align(args: argparse.Namespace) -> int:
     if bad:
         print(f"glm52 align: error: --dump-step {bad}: outside 1..--steps ({N})", file=sys.stderr)
         return 2
-    # only now, with every argument checked: a refused command line leaves OUT's earlier runs as they were
-    for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d)
+    tols = ("loss_atol", "rel_tol", "later_rel_tol", "weight_atol", "final_weight_atol", "timeout")
+    for name in tols:  # a negative tolerance fails every comparison after both runs; NaN too
+        v = getattr(args, name)
+        if v is not None and not (v > 0 if name == "timeout" else v >= 0):
+            flag = "--" + name.replace("_", "-")
+            print(
+                f"glm52 align: error: {flag} must be {'> 0' if name == 'timeout' else '>= 0'}, got {v}", file=sys.stderr
+            )
+            return 2
     dumps = {**{f"step{k}": k for k in dump_steps}, "final": N}
     flags = {f"--{name.replace('_', '-')}": getattr(args, name) for name in TRAIN_FLAGS}
     common = ["--model", os.path.abspath(args.model)]
@@ -323,6 +348,14 @@ def run_align(args: argparse.Namespace) -> int:
     layout += (["--sp"] if args.sp else []) + ["--expert-update", args.expert_update]
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
+
+    if not args.no_run and (bad := _train_line_error([*common, *layout])):
+        print(f"glm52 align: error: {bad}", file=sys.stderr)
+        return 2
+    # only now, with every argument checked: a refused command line leaves OUT's earlier runs as they were
+    for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
 
     def dumped(root: str) -> list[str]:  # the same dumps from both runs
         return [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(root, f"dump_{k}"), str(s))]
