@@ -123,6 +123,12 @@ LOSS_ATOL = 1e-5  # check-loss bound between layouts (fp32; docs/parity.md, "Whi
 TRAIN_LR = 3e-4
 
 
+def _train_line(src: Path, steps: int, seq: int = 64, gbs: int = 4, seed: int = 1234) -> list[str]:
+    """The glm52 train flags both runs of :func:`run_training_parity` share (their layout aside)."""
+    common = ["--model", str(src), "--steps", str(steps), "--seq-len", str(seq), "--global-batch-size", str(gbs)]
+    return [*common, "--micro-batch-size", "1", "--seed", str(seed), "--lr", str(TRAIN_LR)]
+
+
 def run_training_parity(
     out: Path, layout: list[str], steps: int = 5, seq: int = 64, gbs: int = 4, seed: int = 1234
 ) -> dict[str, Any]:
@@ -130,9 +136,7 @@ def run_training_parity(
     from .parity.ckpt_check import check_checkpoints, summary_lines
     from .parity.loss_check import check_losses
 
-    src = out / "tiny-official"
-    common = ["--model", str(src), "--steps", str(steps), "--seq-len", str(seq), "--global-batch-size", str(gbs)]
-    common += ["--micro-batch-size", "1", "--seed", str(seed), "--lr", str(TRAIN_LR), "--export"]
+    common = [*_train_line(out / "tiny-official", steps, seq, gbs, seed), "--export"]
     result: dict[str, Any] = {"layout": " ".join(layout)}
     for name, extra in {"parallel": layout, "single": []}.items():
         what = " ".join(extra) or "(1 process)"
@@ -238,6 +242,12 @@ def register_demo(sub) -> None:
             ("--seed", args.seed, 0),
         ):
             bad = bad or (f"{flag} must be >= {low}, got {value}" if value < low else None)
+        if not bad and args.layout.strip():  # a layout glm52 train refuses, refused before the in-process check
+            from .parity.align import _train_line_error
+            from .tiny import TINY_CONFIG
+
+            line = _train_line(TINY_CONFIG.parent, args.train_steps)
+            bad = (e := _train_line_error([*line, *args.layout.split()])) and f"--layout {args.layout!r}: {e}"
         if bad:
             print(f"glm52 demo: error: {bad}", file=sys.stderr)
             return 2

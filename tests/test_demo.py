@@ -181,6 +181,8 @@ def test_demo_training_check_fails_when_the_parallel_run_recorded_another_layout
         (["--out", "{tmp}/o", "--steps", "0"], "--steps must be >= 1, got 0"),
         (["--out", "{tmp}/o", "--train-steps", "0"], "--train-steps must be >= 1, got 0"),
         (["--out", "{tmp}/o", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        # before: the in-process check ran (about a minute), then glm52 train refused the layout (exit 1)
+        (["--out", "{tmp}/o", "--layout", "--tp 3"], "--layout '--tp 3': tp 3 does not divide num_attention_heads 4"),
     ],
 )
 def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, flags, needle):
@@ -193,3 +195,19 @@ def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, flags, nee
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert err == ["glm52 demo: error: " + needle.format(**fill)]
     assert file.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["a file"]
+
+
+def test_demo_passes_its_default_layout_to_the_work(tmp_path, monkeypatch):
+    """The default --layout ('--tp 2 --pp 2 --sp') and '' pass the argument check (stopped at the work here)."""
+    import paddleformers_glm.demo as demo
+
+    class Started(Exception):
+        pass
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(demo, "run_parity_demo", started)
+    for layout in (["--layout", ""], []):
+        with pytest.raises(Started):
+            main(["demo", "--out", str(tmp_path / "o"), *layout])
