@@ -153,6 +153,18 @@ def test_generate_refuses_system_without_chat(tiny_dir, capsys):
     assert "--system needs --chat" in _one_line(capsys.readouterr().err)
 
 
+def test_generate_names_a_torn_shard_in_one_line(tiny_dir, tmp_path, capsys):
+    """An empty shard (a copy cut short) ended in a CheckpointError traceback, exit 1; now one line, exit 2."""
+    import shutil
+
+    model = tmp_path / "torn"
+    shutil.copytree(tiny_dir, model)
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert main(["generate", "--model", str(model), "--prompt", "Hello", "--max-new-tokens", "2"]) == 2
+    line = _one_line("\n".join(ln for ln in capsys.readouterr().err.splitlines() if "INFO" not in ln))
+    assert line.startswith("glm52 generate: error: truncated safetensors file") and "model-00002-of-00002" in line
+
+
 def test_generate_refuses_a_huge_length_before_loading_anything(tiny_dir):
     """The old failure grew to 12 GB and was OOM-killed; now a bound on the length, before Paddle
     is even imported (the run is short; its time is printed by the test for the report)."""

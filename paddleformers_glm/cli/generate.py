@@ -107,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
     from ..generation import generate, generate_speculative
     from ..modeling import GlmMoeDsaForCausalLM
 
-    model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    try:
+        model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    except (ValueError, OSError) as err:  # a torn or missing shard (CheckpointError is a ValueError)
+        return fail(str(err))
     eos = defaults.eos_token_id
     eos = list(eos) if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
