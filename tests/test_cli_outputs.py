@@ -259,3 +259,35 @@ def test_align_passes_a_good_line_to_the_runs(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(align.shutil, "rmtree", rmtree)
     with pytest.raises(Cleared):
         main(["align", "--model", str(FIXTURE), "--out", str(tmp_path / "align"), "--steps", "3"])
+
+
+def test_check_loss_refuses_json_and_plot_at_one_path(tmp_path, capsys, monkeypatch):
+    """Before: `--json X --plot X` drew the plot, then the receipt replaced it (exit 0, the plot lost);
+    the same file named relatively and absolutely too."""
+    a = tmp_path / "a.json"
+    a.write_text('{"losses": [1.0, 0.5]}')
+    monkeypatch.chdir(tmp_path)
+    for plot in ("out.bin", str(tmp_path / "out.bin")):
+        assert main(["check-loss", str(a), str(a), "--json", "out.bin", "--plot", plot]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert (
+            line
+            == f"check-loss: --json out.bin and --plot {plot} are the same file; the second write would replace the first"
+        )
+        assert not (tmp_path / "out.bin").exists()
+
+
+def test_plot_indexer_refuses_a_png_over_its_own_json(tmp_path, capsys):
+    """Before: `plot-indexer OUT --png OUT/indexer.json` wrote the numbers, then the PNG over them (exit 0:
+    a PNG named indexer.json, the record lost)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    block = {
+        "stage": "warmup", "loss_weight": 1.0, "shared_supervision": False, "layers": [0], "steps": [1],
+        "kl": [[1.0]], "recall": [[0.5]], "mean_recall": [0.5], "stages": [{"stage": "warmup", "first_step": 1, "last_step": 1}],
+    }  # fmt: skip
+    (run / "loss.json").write_text(json.dumps({"losses": [1.0], "indexer": block}))
+    (run / "indexer.json").write_text("{}")
+    assert main(["plot-indexer", str(run), "--png", str(run / "indexer.json")]) == 2
+    assert "are the same file" in _one_line(capsys.readouterr().err)
+    assert (run / "indexer.json").read_text() == "{}"

@@ -18,6 +18,7 @@ __all__ = [
     "model_folder_error",
     "output_file_error",
     "output_folder_error",
+    "outputs_clash",
     "run_main",
     "show_defaults",
 ]
@@ -111,6 +112,22 @@ def output_file_error(path: str, what: str, inputs: Sequence[str] = ()) -> str |
             with contextlib.suppress(OSError):
                 if os.path.samefile(full, f):
                     return f"{what} {path}: this is an input of the command ({f}); writing there would replace it"
+    return None
+
+
+def outputs_clash(*named: tuple[str, str | None]) -> str | None:
+    """Why two outputs of one command (``(what, path)`` pairs; None: not asked for) cannot both be
+    written: they name the same file (the same path, relative or absolute, or through a symlink),
+    so the second write would replace the first; else None."""
+    seen: dict[str, tuple[str, str]] = {}
+    for what, path in named:
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            first, first_path = seen[real]
+            return f"{first} {first_path} and {what} {path} are the same file; the second write would replace the first"
+        seen[real] = (what, path)
     return None
 
 

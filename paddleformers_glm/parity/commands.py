@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from .._io import write_json_atomic
-from ..cli._common import checkpoint_files, output_file_error
+from ..cli._common import checkpoint_files, output_file_error, outputs_clash
 
 
 def _checker(sub: argparse._SubParsersAction, name: str, inputs: dict[str, str], run: Any, **text: str) -> Any:
@@ -107,6 +107,9 @@ def _run_check_loss(args: argparse.Namespace) -> int:
         if path and (bad := output_file_error(path, flag, [args.a, args.b])):
             print(f"check-loss: {bad}", file=sys.stderr)
             return 2
+    if bad := outputs_clash(("--json", args.json_out), ("--plot", args.plot)):
+        print(f"check-loss: {bad}", file=sys.stderr)
+        return 2
     report = check_losses(
         args.a, args.b, steps=args.steps, bit_exact=args.bit_exact, atol=args.atol, rtol=args.rtol, plot=args.plot
     )

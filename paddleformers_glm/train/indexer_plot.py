@@ -85,13 +85,14 @@ def plot_indexer(curves: dict[str, Any], png: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from .._io import write_json_atomic
-    from ..cli._common import output_file_error
+    from ..cli._common import output_file_error, outputs_clash
 
     loss_json = loss_json_of(args.out)
     folder = os.path.dirname(os.path.abspath(loss_json))
     png = args.png or os.path.join(folder, "indexer.png")
     json_file = os.path.join(folder, "indexer.json")
-    if bad := png_error(png, loss_json) or output_file_error(json_file, "OUT", [loss_json]):
+    bad = png_error(png, loss_json) or output_file_error(json_file, "OUT", [loss_json])
+    if bad := bad or outputs_clash(("OUT/indexer.json", json_file), ("--png", png)):
         print(f"plot-indexer: {bad}", file=sys.stderr)
         return 2
     try:
