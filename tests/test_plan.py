@@ -456,3 +456,26 @@ def test_plan_refuses_a_budget_that_is_not_a_budget(tmp_path, capsys, flags, nee
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("glm52 plan: error: ") and needle in err[-1], err
     assert not out.exists()
+
+
+def test_plan_json_is_checked_before_the_work(tmp_path, capsys):
+    """Before: `--json MODEL/config.json` replaced the checkpoint's config with the plan (exit 0; the next
+    plan said "no rope_theta"), a folder at --json or a file above it ended in an IsADirectoryError /
+    FileExistsError traceback after the plan was made. One line naming --json, exit 2, nothing written."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY_CONFIG.parent, model)
+    config = (model / "config.json").read_bytes()
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("keep")
+    for target, needle in (
+        (model / "config.json", "this is an input of the command"),
+        (tmp_path / "folder", "a folder, not a file"),
+        (tmp_path / "file" / "plan.json", "is a file, not a folder"),
+    ):
+        assert cli_main(["plan", "--model", str(model), "--json", str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"glm52 plan: error: --json {target}") and needle in err[0], err
+    assert (model / "config.json").read_bytes() == config and (tmp_path / "file").read_text() == "keep"
+    assert sorted(p.name for p in (tmp_path / "folder").iterdir()) == []

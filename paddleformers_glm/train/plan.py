@@ -662,9 +662,13 @@ def _check_budget(args: argparse.Namespace) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    from ..cli._common import model_folder_error
+    from ..cli._common import checkpoint_files, model_folder_error, output_file_error
 
     if bad := model_folder_error(args.model):  # before Paddle is imported: a typo is answered at once
+        print(f"glm52 plan: error: {bad}", file=sys.stderr)
+        return 2
+    # a folder there, or under a file, was a traceback after the work; MODEL/config.json was replaced
+    if args.json and (bad := output_file_error(args.json, "--json", checkpoint_files(args.model))):
         print(f"glm52 plan: error: {bad}", file=sys.stderr)
         return 2
     from ..cpu_env import apply_mkl_default
