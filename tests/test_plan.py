@@ -479,3 +479,12 @@ def test_plan_json_is_checked_before_the_work(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith(f"glm52 plan: error: --json {target}") and needle in err[0], err
     assert (model / "config.json").read_bytes() == config and (tmp_path / "file").read_text() == "keep"
     assert sorted(p.name for p in (tmp_path / "folder").iterdir()) == []
+
+
+def test_plan_json_names_the_model_folder(tmp_path, monkeypatch):
+    """The plan record's "model" was null (the config has no name_or_path); it is the --model folder,
+    absolute, as the other receipts name their inputs (check-loss's a/b "path")."""
+    monkeypatch.chdir(TINY_CONFIG.parent.parent)
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", "--model", TINY_CONFIG.parent.name, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["model"] == str(TINY_CONFIG.parent.resolve())

@@ -12,6 +12,7 @@ import argparse
 import functools
 import itertools
 import math
+import os
 import re
 import sys
 import time
@@ -708,6 +709,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"glm52 plan: error: {e}", file=sys.stderr)
         return 2
     plan["seconds"] = time.perf_counter() - t0
+    plan["model"] = plan["model"] or os.path.abspath(args.model)  # the config has no name_or_path: null before
     print(f"{lay.describe()}  world {lay.world_size}  total params {plan['total_params']:,}")
     print(_table(plan))
     verdict = "fits" if plan["fits"] else "does NOT fit"
