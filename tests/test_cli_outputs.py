@@ -291,3 +291,18 @@ def test_plot_indexer_refuses_a_png_over_its_own_json(tmp_path, capsys):
     assert main(["plot-indexer", str(run), "--png", str(run / "indexer.json")]) == 2
     assert "are the same file" in _one_line(capsys.readouterr().err)
     assert (run / "indexer.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_train_refuses_a_dump_folder_that_cannot_be_made_before_training(tmp_path, capsys, where):
+    """Before: the run trained, then failed at the dump with NotADirectoryError / FileExistsError
+    (exit 1, a failure record in OUT/logs). Now one line naming --dump-step, exit 2, OUT not made."""
+    f = tmp_path / "a_file"
+    f.write_text("keep me")
+    d = f if where == "file" else f / "dumps"
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(FIXTURE), "--steps", "1", "--seq-len", "16", "--global-batch-size", "1"]
+    assert main([*argv, "--dump-step", str(d), "1", "--out", str(out)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"glm52 train: error: --dump-step {d}: ") and "not a folder" in line, line
+    assert f.read_text() == "keep me" and not out.exists()

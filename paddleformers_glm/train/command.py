@@ -364,6 +364,10 @@ def dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
             raise ValueError(f"--dump-step {d} {k}: K must be within 1..--steps ({args.steps})")
         if args.model == "toy":
             raise ValueError("--dump-step needs a checkpoint model (--model DIR): dumps use the checkpoint's names")
+        from ..cli._common import output_folder_error
+
+        if bad := output_folder_error(d, "--dump-step"):  # found at the dump, after the training, before
+            raise ValueError(bad)
         out.append((os.path.abspath(d), step))
     return out
 
