@@ -69,8 +69,8 @@ def _gather_to_writer(t: paddle.Tensor, spec: Any, dst: int, topo: Topology) -> 
     embedding the first stage writes) moves nothing. On NCCL one ``paddle.distributed.gather`` per
     tensor. On gloo (Paddle 3.3.1) a gather's sender allocates the whole gathered size per call and
     keeps it: a 24 MiB piece sent in 4 MiB gathers rose its sender 41 MiB, so there each member
-    broadcasts its piece in flat chunks of at most ``_GLOO_CHUNK_BYTES`` from the tensor itself (the
-    same piece: flat at 0.6 MiB), received into one reused buffer (docs/scale.md)."""
+    broadcasts its piece in flat chunks of at most ``_GLOO_CHUNK_BYTES`` from the tensor itself (its
+    sender stays at 0.6 MiB), received into one reused buffer (docs/scale.md)."""
     group = topo.group(spec.group)
     if dst not in group.ranks:  # the same answer on every member: ``dst`` is a global rank
         return None
