@@ -30,7 +30,13 @@ CASES = {
     "import paddle": "import paddle",
     "paddleformers_glm (config only)": "import paddleformers_glm",
     "glm52 CLI (parser)": "from paddleformers_glm.cli import build_parser; build_parser()",
-    "model (paddleformers_glm.modeling)": "import paddleformers_glm.modeling",
+    # what the glm52 train command itself does before it starts the launcher (toy, TP2 x PP2)
+    "glm52 train's pre-launch check": (
+        "import argparse, tempfile; from paddleformers_glm.train.command import add_train_arguments, check_args; "
+        "check_args(add_train_arguments(argparse.ArgumentParser()).parse_args("
+        "['--model', 'toy', '--tp', '2', '--pp', '2', '--out', tempfile.gettempdir()]))"
+    ),
+    "model (GlmMoeDsaForCausalLM)": "from paddleformers_glm.modeling import GlmMoeDsaForCausalLM",
     "training worker (train.loop)": "from paddleformers_glm.train.loop import TrainConfig, run_training",
     "Paddle's launcher (launch.main)": "import paddle.distributed.launch.main",
 }

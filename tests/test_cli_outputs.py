@@ -161,7 +161,7 @@ def test_a_toy_export_is_atomic_and_readable_by_others(tmp_path, monkeypatch):
 
     import safetensors.numpy
 
-    from paddleformers_glm.train.toy import ToyAdapter
+    from paddleformers_glm.train.toy_adapter import ToyAdapter
 
     out = tmp_path / "export"
     old = os.umask(0o022)

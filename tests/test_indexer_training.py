@@ -165,7 +165,7 @@ def test_shared_supervision_averages_the_layers_reusing_a_top_k():
     attention: layers 0 and 1 (no shared layer after them) keep their KL, layer 2 (shared 3, 4, 5)
     and layer 6 (shared 7 and the MTP layer) change; the recall stays each full layer's own mass
     when it is alone."""
-    from paddleformers_glm.modeling.indexer_training import IndexerTraining
+    from paddleformers_glm.modeling.indexer_stages import IndexerTraining
 
     batch = {"input_ids": tokens(2, SEQ, seed=3), "labels": tokens(2, SEQ, seed=3)}
     out = {}

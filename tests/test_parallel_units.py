@@ -364,7 +364,7 @@ def test_grad_sync_world1_flags_and_true_norm():
 
 # ------------------------------------------------------------------ Fleet pipeline chunks
 def test_vpp_chunks_go_round_robin_and_a_rank_builds_the_union_of_its_chunks():
-    from paddleformers_glm.parallel.fleet_pipeline import rank_spec
+    from paddleformers_glm.parallel.pipeline import rank_spec
 
     chunks = split_stages(6, 4, layout="E,t|t*2|t*2|t,m,L", has_mtp=True)  # pp 2 x vpp 2
     r0, r1 = rank_spec(chunks, 2, 0), rank_spec(chunks, 2, 1)

@@ -305,10 +305,10 @@ def _trainer_check(flags, world, tmp_path):
     None, or its error; with the pipeline ranks it would build (rank_spec of its chunks)."""
     import argparse
 
-    from paddleformers_glm.parallel.fleet_pipeline import rank_spec
+    from paddleformers_glm.parallel.pipeline import rank_spec
     from paddleformers_glm.train.adapter import make_adapter
     from paddleformers_glm.train.command import add_train_arguments, config_from_args
-    from paddleformers_glm.train.loop import check_run
+    from paddleformers_glm.train.settings import check_run
 
     args = add_train_arguments(argparse.ArgumentParser()).parse_args(
         ["--model", str(TINY_CONFIG.parent), "--out", str(tmp_path), *flags]

@@ -2,7 +2,7 @@
 lines (layout and run settings, two checkpoints: the indexer's loss weighted or not) goes through
 each command's own argument parsing and checks (plan: ``layout_from_args`` + ``check_layout``;
 train: ``command.check_args``, all it checks before launching that reads no file but the config).
-No process, no model: only the checks.  Both call ``loop.check_run``; this pins that they keep to it
+No process, no model: only the checks.  Both call ``settings.check_run``; this pins that they keep to it
 (plan once accepted ``--indexer-stage sparse`` on a checkpoint whose ``indexer_loss_coeff`` is 0,
 ``--cp`` with ``--moe-aux-loss-coeff`` and the warm-up with ``--moe-bias-update-rate``, which the
 trainer refuses, and had no flag for any of those settings)."""
@@ -183,12 +183,12 @@ def test_plan_takes_the_run_settings_of_a_train_line(models, tmp_path):
 
 
 def test_plan_of_a_resumed_train_line_plans_the_saved_runs_indexer_stage(models, tmp_path):
-    """glm52 train gives an unset --indexer-stage the resumed run's stage (resume.check_resume_run);
+    """glm52 train gives an unset --indexer-stage the resumed run's stage (settings.check_resume_run);
     plan ignored --resume and sized the checkpoint's default instead.  Measured before, a state saved
     in the warm-up on the tiny checkpoint whose default is sparse (--seq-len 64 --global-batch-size 4
     --dtype float32): plan's rank total 19,998,792 bytes (grads 3,247,680, optimizer 6,497,224), the
     sparse stage's, for the 5,145,312 (238,592, 477,344) of the warm-up train runs.  Now both take
-    the stage from the state's meta.json (resume.resumed_indexer_stage)."""
+    the stage from the state's meta.json (settings.resumed_indexer_stage)."""
     from paddleformers_glm.train.state_files import FORMAT
 
     model_dir, config = models[0.001]

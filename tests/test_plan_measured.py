@@ -204,7 +204,7 @@ def test_plan_refuses_what_the_trainer_refuses(tmp_path, layout, refused):
     from paddleformers_glm.parallel.topology import ParallelConfigError
     from paddleformers_glm.train.adapter import make_adapter
     from paddleformers_glm.train.command import add_train_arguments, config_from_args
-    from paddleformers_glm.train.loop import parallel_config
+    from paddleformers_glm.train.settings import parallel_config
 
     from .conftest import TINY_CONFIG
 

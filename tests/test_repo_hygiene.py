@@ -75,7 +75,7 @@ def test_model_adapters_register_one_way():
     """train/adapter.py names its built-in adapters as data and imports them only when asked; the
     adapters import adapter.py, never the other way round (no import cycle)."""
     adapter = PACKAGE / "train" / "adapter.py"
-    adapters = ["paddleformers_glm.train.glm_adapter", "paddleformers_glm.train.toy"]
+    adapters = ["paddleformers_glm.train.glm_adapter", "paddleformers_glm.train.toy_adapter"]
     assert not set(adapters) & _imported_modules(adapter)
     for mod in adapters:
         path = ROOT.joinpath(*mod.split(".")).with_suffix(".py")
@@ -90,7 +90,11 @@ def test_model_adapters_register_one_way():
         "print(before, after, f.__module__)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["[]", "['paddleformers_glm.train.toy']", "paddleformers_glm.train.toy"]
+    assert out.stdout.split() == [
+        "[]",
+        "['paddleformers_glm.train.toy_adapter']",
+        "paddleformers_glm.train.toy_adapter",
+    ]
 
 
 def test_the_library_never_runs_a_tools_script():
@@ -112,3 +116,52 @@ def test_the_library_never_runs_a_tools_script():
                 if re.search(r"(^|[/\\])tools[/\\]|[/\\]tools$", n.value):  # a path, not the word
                     offenders.append(f"{p.relative_to(ROOT)}:{n.lineno}: {n.value!r}")
     assert offenders == []
+
+
+def test_glm52_train_checks_a_run_without_loading_paddle(tmp_path):
+    """``glm52 train`` checks a job (settings, layout against the model, pipeline split, indexer stage,
+    data, resume state) in the command's own process before it starts the launcher and the workers,
+    which each load Paddle; the check itself must not (one Paddle import fewer per launched run).
+    Run in a fresh interpreter whose ``import paddle`` raises: every line below is checked to the end
+    (and a bad one refused with the trainer's own error), and Paddle never loads."""
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")  # with its tokenizer
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"text": "hello world, hello paddle"}\n' * 8, encoding="utf-8")
+    lines = [
+        ["--model", "toy", "--tp", "2", "--pp", "2", "--sp", "--seq-len", "32"],
+        ["--model", "toy", "--ep", "2", "--dp", "2", "--recompute", "core", "--expert-update", "routed-only"],
+        ["--model", str(ckpt), "--cp", "2", "--ep", "2", "--seq-len", "32", "--recompute", "full"],
+        ["--model", str(ckpt), "--tp", "2", "--pp", "2", "--sp", "--seq-len", "32", "--indexer-stage", "warmup"],
+        ["--model", str(ckpt), "--data", str(data), "--tokenizer", str(ckpt), "--seq-len", "16"],
+        ["--model", str(ckpt), "--tp", "3"],  # refused: 3 does not divide the heads
+    ]
+    code = f"""
+import importlib.abc, sys
+class NoPaddle(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "paddle":
+            raise ImportError("the pre-launch check imported " + name)
+sys.meta_path.insert(0, NoPaddle())
+import argparse
+from paddleformers_glm.train.command import add_train_arguments, check_args, check_inputs_before_launch
+for i, line in enumerate({lines!r}):
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args([*line, "--out", {str(tmp_path)!r} + f"/out{{i}}"])
+    try:
+        cfg, adapter, world = check_args(args)
+        check_inputs_before_launch(cfg, args, adapter.vocab_size)
+        print("ok", world)
+    except ValueError as e:
+        print("refused", str(e).split(":")[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [x for x in out.stdout.split("\n") if x and not x.startswith("[glm52 train] data")] == [
+        "ok 4",
+        "ok 2",
+        "ok 2",
+        "ok 4",
+        "ok 1",
+        "refused tp 3 does not divide num_attention_heads 4",
+    ], out.stdout

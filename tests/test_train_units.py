@@ -21,7 +21,7 @@ from paddleformers_glm.train.data import micro_batches, open_data
 from paddleformers_glm.train.launch import listen_port_range, worker_env
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.optim import AdamW, lr_at, make_lr_scheduler
-from paddleformers_glm.train.toy import ToyAdapter, ToyConfig
+from paddleformers_glm.train.toy_adapter import ToyAdapter, ToyConfig
 
 
 # ------------------------------------------------------------------ schedule and optimizer

@@ -44,7 +44,8 @@ from .attention_forms import (
 )
 from .cache import LayerCache
 from .indexer import DSAIndexer, key_validity, query_validity
-from .indexer_training import IndexerRecord, IndexerRun, IndexerTraining
+from .indexer_stages import IndexerTraining
+from .indexer_training import IndexerRecord, IndexerRun
 from .norms import RMSNorm
 from .rope import rope_concat, rope_heads
 

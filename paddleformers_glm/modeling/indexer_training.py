@@ -18,69 +18,9 @@ import numpy as np
 import paddle
 
 from .indexer import key_validity, query_mean
+from .indexer_stages import IndexerTraining
 
-__all__ = [
-    "INDEXER_STAGES",
-    "IndexerRecord",
-    "IndexerRun",
-    "IndexerTerms",
-    "IndexerTraining",
-    "causal_selection",
-    "indexer_terms",
-    "own_indexer_layers",
-    "trains_in_warmup",
-    "kl_term",
-    "recall_term",
-]
-
-INDEXER_STAGES = ("none", "warmup", "sparse")
-
-
-def own_indexer_layers(config: Any) -> list[int]:
-    """The layers that run their own indexer: the full layers, and the MTP layers unless they reuse
-    the main model's top-k (``index_share_for_mtp_iteration``: their indexer weights are kept in the
-    checkpoint but never run, so nothing trains them)."""
-    own = [i for i, k in enumerate(config.indexer_types) if k == "full"]
-    if not bool(getattr(config, "index_share_for_mtp_iteration", False)):
-        L = int(config.num_hidden_layers)
-        own += list(range(L, L + int(getattr(config, "num_mtp_layers", 0) or 0)))
-    return own
-
-
-def trains_in_warmup(name: str, own_layers: Sequence[int]) -> bool:
-    """Whether the dense warm-up trains parameter ``name`` (``model.layers.<i>....``): a DSA indexer's
-    parameter (``...self_attn.core_attention.indexer.*``) of a layer in ``own_layers``."""
-    parts = name.split(".")
-    layer = parts[parts.index("layers") + 1] if "layers" in parts[:-1] else ""
-    return ".indexer." in name and layer.isdigit() and int(layer) in own_layers
-
-
-@dataclass(frozen=True)
-class IndexerTraining:
-    """How a training forward trains the indexer (see the module docstring)."""
-
-    stage: str = "none"
-    shared_supervision: bool = False
-
-    def __post_init__(self) -> None:
-        if self.stage not in INDEXER_STAGES:
-            raise ValueError(f"indexer stage must be one of {', '.join(INDEXER_STAGES)}, got {self.stage!r}")
-        if self.shared_supervision and self.stage == "none":
-            raise ValueError("shared-layer supervision needs an indexer stage (warmup or sparse), got none")
-
-    @property
-    def active(self) -> bool:
-        return self.stage != "none"
-
-    @property
-    def dense(self) -> bool:
-        """Attention runs over every causal key (the warm-up)."""
-        return self.stage == "warmup"
-
-    @classmethod
-    def from_config(cls, config: Any) -> IndexerTraining:
-        """The default of a model: the sparse stage when its config sets ``indexer_loss_coeff`` > 0."""
-        return cls("sparse" if float(getattr(config, "indexer_loss_coeff", 0.0) or 0.0) > 0 else "none")
+__all__ = ["IndexerRecord", "IndexerRun", "IndexerTerms", "causal_selection", "indexer_terms"]
 
 
 def causal_selection(
@@ -217,13 +157,3 @@ def _dense_mass(dense_fns: list[Callable[[int, int], paddle.Tensor]], topk: padd
         c1 = min(S, c0 + chunk)
         parts.append(_selected_mass(_mean([f(c0, c1) for f in dense_fns]), topk[:, c0:c1]))
     return paddle.concat(parts, axis=1) if len(parts) > 1 else parts[0]
-
-
-def kl_term(layer: int) -> str:
-    """The loss-term name of a layer's indexer KL report (``causal_lm_losses``)."""
-    return f"indexer_kl@{layer}"
-
-
-def recall_term(layer: int) -> str:
-    """The loss-term name of a layer's top-k recall (``causal_lm_losses``)."""
-    return f"indexer_recall@{layer}"

@@ -37,17 +37,8 @@ from ..parallel.topology import Topology
 from .attention_forms import FORMS, SelectionCache
 from .cache import DSACache, LayerCache
 from .decoder import DecoderLayer
-from .indexer_training import (
-    IndexerRecord,
-    IndexerRun,
-    IndexerTerms,
-    IndexerTraining,
-    indexer_terms,
-    kl_term,
-    own_indexer_layers,
-    recall_term,
-    trains_in_warmup,
-)
+from .indexer_stages import IndexerTraining, kl_term, own_indexer_layers, recall_term, trains_in_warmup
+from .indexer_training import IndexerRecord, IndexerRun, IndexerTerms, indexer_terms
 from .moe import frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm

@@ -12,17 +12,9 @@ import paddle
 
 from ..configuration import IGNORE_INDEX
 from . import comm
-from .topology import ParallelConfigError
+from .topology import check_seq_len
 
-__all__ = ["check_seq_len", "gather_sequence", "split_micro_batch", "zigzag_positions"]
-
-
-def check_seq_len(seq_len: int, cp: int) -> None:
-    """The zigzag split needs 2 x cp equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise ParallelConfigError(
-            f"--seq-len {seq_len} must be divisible by 2 x cp = {2 * cp} (zigzag: each cp rank holds 2 chunks)"
-        )
+__all__ = ["gather_sequence", "split_micro_batch", "zigzag_positions"]
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:

@@ -27,15 +27,7 @@ from paddle.distributed.fleet.meta_parallel import (
 from .pipeline import LossLedger, StageSpec, checked_output
 from .topology import ParallelConfigError, Topology
 
-__all__ = ["FleetPipeline", "PipelineChunk", "rank_spec", "step_optimizer"]
-
-
-def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
-    """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order); chunk
-    ``c`` runs on rank ``c % pp`` (Fleet's interleave)."""
-    mine = chunks[stage::pp]
-    parts = (any(getattr(c, f) for c in mine) for f in ("has_embedding", "has_head", "has_mtp"))
-    return StageSpec(stage, pp, tuple(i for c in mine for i in c.layers), *parts)
+__all__ = ["FleetPipeline", "PipelineChunk", "step_optimizer"]
 
 
 class _AttachObjective(paddle.autograd.PyLayer):

@@ -27,13 +27,10 @@ from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_p
 from . import comm
 from .layers import get_shard_spec
 from .state import first_replica
-from .topology import Topology
+from .topology import EXPERT_UPDATES, Topology
 
-__all__ = ["EXPERT_UPDATES", "GradSynchronizer", "clip_main_grads", "loss_multiplier"]
+__all__ = ["GradSynchronizer", "clip_main_grads", "loss_multiplier"]
 
-# how experts are stepped: every expert of a layer that routed any token (torch's AdamW steps the reference's
-# fused expert tensors then), or only those that got one (docs/parallel.md section 8)
-EXPERT_UPDATES = ("fused", "routed-only")
 
 _EXPERT = re.compile(r"^(?:(.*)\.)?experts\.(\d+)\.")
 

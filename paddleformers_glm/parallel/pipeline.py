@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
-
-import paddle
-import paddle.nn as nn
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .topology import ParallelConfigError
+
+if TYPE_CHECKING:  # Paddle is imported where the engine runs: the layout checks here run without it
+    import paddle
+    import paddle.nn as nn
 
 __all__ = [
     "Batch",
@@ -27,6 +28,7 @@ __all__ = [
     "StageSpec",
     "layout_string",
     "parse_pp_layout",
+    "rank_spec",
     "run_stages",
     "split_stages",
     "validate_shared_layer_starts",
@@ -203,6 +205,14 @@ def layout_string(specs: Sequence[StageSpec]) -> str:
     return "|".join(out)
 
 
+def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
+    """The stage module of pipeline rank ``stage``: the union of its chunks (layers in order); chunk
+    ``c`` runs on rank ``c % pp`` (Fleet's interleave)."""
+    mine = chunks[stage::pp]
+    parts = (any(getattr(c, f) for c in mine) for f in ("has_embedding", "has_head", "has_mtp"))
+    return StageSpec(stage, pp, tuple(i for c in mine for i in c.layers), *parts)
+
+
 def validate_shared_layer_starts(
     specs: Sequence[StageSpec], layer_kinds: Sequence[str], carry_topk: bool = True
 ) -> None:
@@ -233,8 +243,8 @@ def validate_shared_layer_starts(
 
 
 # ------------------------------------------------------------------------------ engine
-Carry = tuple[paddle.Tensor, ...]  # what a stage hands the next one (hidden states, top-k)
-Batch = Mapping[str, paddle.Tensor]  # a micro-batch's tensors by name
+Carry = tuple["paddle.Tensor", ...]  # what a stage hands the next one (hidden states, top-k)
+Batch = Mapping[str, "paddle.Tensor"]  # a micro-batch's tensors by name
 
 
 @dataclass
@@ -306,6 +316,8 @@ class SingleStageEngine:
 
     def run(self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]) -> dict[str, tuple[float, int]]:
         """Forward + backward of every micro-batch; returns {term: (sum, count)} (sums in float64)."""
+        import paddle
+
         self.ledger.reset(scales)
         for mb in micro_batches:
             out = checked_output(self.module.forward_stage(None, mb), True, 0)

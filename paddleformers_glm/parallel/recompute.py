@@ -11,9 +11,9 @@ from typing import Any
 
 import paddle
 
-__all__ = ["RECOMPUTE_MODES", "run_core", "run_layer"]
+from .topology import RECOMPUTE_MODES
 
-RECOMPUTE_MODES = ("none", "full", "core")
+__all__ = ["run_core", "run_layer"]
 
 # > 0 while a decoder layer runs under --recompute core (a list: to_static cannot transform `global`)
 _core_depth = [0]

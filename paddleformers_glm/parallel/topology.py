@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "EXPERT_UPDATES",
     "GROUP_NAMES",
     "ParallelConfig",
     "ParallelConfigError",
+    "RECOMPUTE_MODES",
     "Topology",
+    "check_seq_len",
     "get_topology",
     "init_topology",
     "set_topology",
@@ -30,10 +33,23 @@ __all__ = [
 ]
 
 GROUP_NAMES = ("tp", "pp", "dp", "sharding", "ep", "etp", "edp", "cp")
+# what --recompute may name (parallel/recompute.py)
+RECOMPUTE_MODES = ("none", "full", "core")
+# how experts are stepped: every expert of a layer that routed any token (torch's AdamW steps the reference's
+# fused expert tensors then), or only those that got one (parallel/grads.py; docs/parallel.md section 8)
+EXPERT_UPDATES = ("fused", "routed-only")
 
 
 class ParallelConfigError(ValueError):
     """A parallel layout that cannot work; the message names the setting, expected and actual."""
+
+
+def check_seq_len(seq_len: int, cp: int) -> None:
+    """Context parallel's zigzag split (parallel/context.py) needs 2 x cp equal chunks."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise ParallelConfigError(
+            f"--seq-len {seq_len} must be divisible by 2 x cp = {2 * cp} (zigzag: each cp rank holds 2 chunks)"
+        )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ _EXPORTS = {
     "ModelAdapter": ".adapter",
     "make_adapter": ".adapter",
     "register_adapter": ".adapter",
-    "TrainConfig": ".loop",
+    "TrainConfig": ".settings",
     "run_training": ".loop",
 }
 __all__ = sorted(_EXPORTS)

@@ -22,7 +22,7 @@ from .._io import is_int, write_record
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
-    from .loop import TrainConfig
+    from .settings import TrainConfig
 
 __all__ = [
     "TRAIN_DEFAULTS",
@@ -98,7 +98,7 @@ def add_indexer_arguments(g: Any) -> None:
 
 def add_indexer_loss_arguments(g: Any) -> None:
     """``--indexer-loss-coeff`` and ``--indexer-shared-supervision`` (of :func:`add_indexer_arguments`):
-    ``glm52 plan`` takes them too, to refuse what the trainer refuses (``loop.check_run``)."""
+    ``glm52 plan`` takes them too, to refuse what the trainer refuses (``settings.check_run``)."""
     g.add_argument(
         "--indexer-loss-coeff",
         type=float,
@@ -257,7 +257,7 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    from .loop import TrainConfig
+    from .settings import TrainConfig
 
     if args.model == "toy":
         model, model_args = "toy", {"config": json.loads(args.model_config or "{}"), "seed": args.seed}
@@ -324,7 +324,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     data = open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     data.validate()
     if cfg.resume:
-        from .resume import check_resume_run
+        from .settings import check_resume_run
         from .state_files import check_resume_state
 
         check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint())
@@ -390,10 +390,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 def check_args(args: argparse.Namespace) -> tuple[TrainConfig, Any, int]:
     """The settings of a ``glm52 train`` command line and every refusal of them that reads no file but
-    the model's config (``loop.check_run``, the launch numbers); returns (settings, adapter, world).
+    the model's config (``settings.check_run``, the launch numbers); returns (settings, adapter, world).
     ``glm52 plan`` refuses the same layouts through the same ``check_run`` (tests/test_plan_agrees.py)."""
     from .adapter import make_adapter
-    from .loop import run_world
+    from .settings import run_world
 
     cfg = config_from_args(args)
     world = run_world(cfg)
@@ -412,13 +412,13 @@ def check_settings(
     comm_timeout: float | None = 600.0,
     nnodes: int = 1,
 ) -> tuple[Any, list[Any]]:
-    """Every refusal of a run's settings that needs no file but the model's config: ``loop.check_run``
+    """Every refusal of a run's settings that needs no file but the model's config: ``settings.check_run``
     (the settings, the layout against the model, the batch, the pipeline split, the indexer training)
     and the launch numbers (``--job-timeout``, ``--comm-timeout``, ``--nnodes``).  ``glm52 train``
     (:func:`check_args`) and ``glm52 plan`` (``plan.check_layout``) both call it, so they refuse the
     same lines with the same words.  Returns the layout and the pipeline chunks."""
     from ..parallel.topology import ParallelConfigError
-    from .loop import check_run
+    from .settings import check_run
 
     pc, chunks = check_run(cfg, adapter, world)
     for flag, v in (("--job-timeout", job_timeout), ("--comm-timeout", comm_timeout)):

@@ -9,15 +9,15 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
-
-import paddle
-import paddle.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from ..parallel.pipeline import StageSpec
 from ..parallel.topology import ParallelConfig, ParallelConfigError, Topology
 from .adapter import LossSpec, ModelAdapter
 from .indexer_stage import IndexerSettings, indexer_loss_specs
+
+if TYPE_CHECKING:  # the model is imported when a stage is built: the adapter's checks run without Paddle
+    import paddle.nn as nn
 
 __all__ = ["GlmAdapter", "check_glm_sizes", "glm_parallel_sizes"]
 
@@ -59,7 +59,7 @@ class GlmAdapter(ModelAdapter):
 
     @classmethod
     def for_config(cls, config: Any) -> GlmAdapter:
-        """An adapter over an already read config, for the checks only (``loop.check_run``: ``glm52
+        """An adapter over an already read config, for the checks only (``settings.check_run``: ``glm52
         plan`` checks a layout as the trainer does); it has no folder to load weights from."""
         self = cls.__new__(cls)
         self.model_dir = self.tokenizer_dir = None
@@ -104,6 +104,8 @@ class GlmAdapter(ModelAdapter):
 
     def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
         """The model itself, built for ``spec`` (its layers, embedding / head / MTP) and ``topo``."""
+        import paddle
+
         from ..modeling.model import GlmMoeDsaForCausalLM
 
         # in the run's dtype: the trainer builds stages inside ``default_dtype(--dtype)``

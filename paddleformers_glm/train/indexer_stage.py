@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any
 
-from ..modeling.indexer_training import INDEXER_STAGES, IndexerTraining, kl_term, own_indexer_layers, recall_term
+from ..modeling.indexer_stages import INDEXER_STAGES, IndexerTraining, kl_term, own_indexer_layers, recall_term
 from .adapter import LossSpec
 from .settings import indexer_stage_weight
 

@@ -64,7 +64,7 @@ class Layout(ParallelConfig):
     # the indexer's training (train/indexer_stage.py; "warmup" freezes all but the indexers: docs/scale.md);
     # None: the checkpoint's default (sparse when its indexer_loss_coeff > 0, else none)
     indexer_stage: str | None = None
-    # run settings the trainer checks against the layout (loop.check_run), as glm52 train's flags
+    # run settings the trainer checks against the layout (settings.check_run), as glm52 train's flags
     indexer_loss_coeff: float | None = None  # None: the checkpoint's
     indexer_shared_supervision: bool = False
     moe_bias_update_rate: float = 0.0
@@ -131,7 +131,7 @@ class LayerCounts:
 
 def indexer_stage(config: Any, lay: Layout) -> str:
     """The layout's indexer stage, the checkpoint's default resolved (as the trainer resolves it)."""
-    from ..modeling.indexer_training import IndexerTraining
+    from ..modeling.indexer_stages import IndexerTraining
 
     return lay.indexer_stage or IndexerTraining.from_config(config).stage
 
@@ -343,7 +343,7 @@ def activation_bytes(config: Any, lay: Layout, spec: Any, micro_batches: int, ch
         return kept, extra
 
     if lay.vpp > 1 and chunks is None:  # the rank's chunks, as the trainer splits the layers
-        from .loop import pipeline_chunks
+        from .settings import pipeline_chunks
 
         chunks = pipeline_chunks(lay, lay.pp, config.num_hidden_layers, config.num_mtp_layers > 0)[spec.stage :: lay.pp]
     if lay.vpp == 1:
@@ -393,7 +393,7 @@ def train_config(lay: Layout) -> Any:
     """The ``glm52 train`` settings of ``lay`` (its shared fields by name, a train line's other settings
     from ``train_only``; a global batch of 0: pp micro-batches per replica; sharding stage 3, the
     planner's only, checked as stage 2)."""
-    from .loop import TrainConfig
+    from .settings import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
     given = {k: getattr(lay, k) for k in names if hasattr(lay, k)}
@@ -411,7 +411,7 @@ def check_layout(config: Any, lay: Layout) -> list[Any]:
     and the numbers; return its pipeline chunks (pp x vpp of them), as the trainer splits the layers."""
     from .command import check_settings
     from .glm_adapter import GlmAdapter
-    from .loop import check_choices, run_world
+    from .settings import check_choices, run_world
 
     check_choices(lay, {"sharding_stage": (1, 2, 3)})  # the planner's own choices; the rest as the trainer's
     cfg = train_config(lay)
@@ -478,7 +478,7 @@ def plan_layout(
     """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus
     ``reserve_gb``); ``per_rank=False`` leaves out the row of every rank (``--search`` needs the
     verdict and the stages only)."""
-    from ..parallel.fleet_pipeline import rank_spec
+    from ..parallel.pipeline import rank_spec
 
     chunks = check_layout(config, lay)
     specs = [rank_spec(chunks, lay.pp, s) for s in range(lay.pp)]  # each pipeline rank's chunks, as one stage
@@ -725,7 +725,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
     """The layout of plan's flags (by name; their defaults resolved by :func:`_train_line_note`), with
     the other settings a glm52 train line gives (``train_only``).  A train line's ``--resume`` without
     ``--indexer-stage`` plans the stage the resumed run trains, the saved run's, as train resolves it
-    (resume.resumed_indexer_stage; only the state's meta.json is read)."""
+    (settings.resumed_indexer_stage; only the state's meta.json is read)."""
     given = getattr(args, "_train_only_flags", {})
     train_only = tuple(
         (dest.removeprefix("train_only_"), getattr(args, dest)) for dest in given if getattr(args, dest) is not None
@@ -733,7 +733,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
     mine = {f.name: getattr(args, f.name) for f in fields(Layout) if f.name != "train_only"}
     resume = dict(train_only).get("resume")
     if resume is not None and mine["indexer_stage"] is None:
-        from .resume import resumed_indexer_stage
+        from .settings import resumed_indexer_stage
         from .state_files import read_meta, resolve_resume_state
 
         mine["indexer_stage"] = resumed_indexer_stage(None, read_meta(resolve_resume_state(resume)))

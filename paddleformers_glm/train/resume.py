@@ -41,77 +41,13 @@ from .state_files import (
 
 __all__ = [
     "LAYOUT_KEYS",
-    "RESUME_SETTINGS",
-    "check_resume_run",
     "load_resume_state",
     "resolve_resume_state",
-    "resumed_indexer_stage",
     "save_resume_state",
 ]
 
 # profile keys a resume may change (through flex/); the others (batch, sequence, dtype) must match
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding", "pp_layout")
-# the run settings that decide how a resumed run continues (its lr schedule, optimizer, data order,
-# loss terms): changed silently, the resumed run would not be the one it continues; ``--resume-override``
-# names those changed on purpose (Megatron-LM likewise refuses a changed lr schedule unless overridden)
-RESUME_SETTINGS = (
-    "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
-    "seed", "data", "moe_bias_update_rate", "moe_aux_loss_coeff", "expert_update", "indexer_loss_coeff",
-    "indexer_shared_supervision",
-)  # fmt: skip
-
-
-def resumed_indexer_stage(given: str | None, meta: dict[str, Any]) -> str | None:
-    """The indexer stage a run resuming the state of ``meta`` (its meta.json) trains: ``--indexer-stage``
-    when ``given``, else the saved run's (not the checkpoint's default: a warm-up resumed without
-    the flag stays a warm-up), else None (the checkpoint's default).  ``glm52 train``
-    (:func:`check_resume_run`) and ``glm52 plan`` (plan.layout_from_args) both resolve it here."""
-    if given is not None:
-        return given
-    return (meta.get("indexer") or {}).get("stage")
-
-
-def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint: str | None = None) -> None:
-    """A resume continues the saved run: ``--steps`` is at least the state's step, every
-    :data:`RESUME_SETTINGS` entry equals the saved run's unless ``cfg.resume_override`` names it
-    (``data``: the data's fingerprint, when given, since a text jsonl is re-tokenized into each
-    OUT), and ``--indexer-stage`` left unset takes the state's stage (not the checkpoint's default).
-    A resume into another indexer stage starts a new phase (its own lr schedule, loss terms and
-    trained parameters: docs/indexer.md), so its settings are not compared.
-    ``cfg``: the trainer's settings (train/loop.py ``TrainConfig``); may set its ``indexer_stage``."""
-    if cfg.steps < meta["step"]:
-        raise ValueError(
-            f"--steps {cfg.steps}: the resume state {path} is at step {meta['step']} already (--steps is the "
-            f"run's total, the resumed steps included: --steps {meta['step'] + cfg.steps} trains {cfg.steps} more)"
-        )
-    override = {k.replace("-", "_") for k in cfg.resume_override}
-    unknown = sorted(override - set(RESUME_SETTINGS))
-    if unknown:
-        raise ValueError(
-            f"--resume-override {','.join(unknown)}: not a run setting a resume keeps; one of "
-            + ", ".join(k.replace("_", "-") for k in RESUME_SETTINGS)
-        )
-    saved = dict(meta.get("config") or {})
-    now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k != "data"}
-    for d in (saved, now):  # the effective floor: unset is lr / 10
-        if d.get("min_lr") is None and d.get("lr") is not None:
-            d["min_lr"] = d["lr"] / 10
-    diff = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
-    same_rows = saved.get("seq_len") == cfg.seq_len  # else the layout check names --seq-len (load_resume_state)
-    if data_fingerprint is not None and same_rows and meta.get("data") not in (None, data_fingerprint):
-        diff["data"] = ("other samples", "these")
-    stage = (meta.get("indexer") or {}).get("stage")
-    cfg.indexer_stage = resumed_indexer_stage(cfg.indexer_stage, meta)
-    new_phase = stage is not None and cfg.indexer_stage != stage  # its own schedule, loss terms, trained set
-    changed = {} if new_phase else {k: d for k, d in diff.items() if k not in override}
-    if changed:
-        raise ValueError(
-            f"--resume {path}: this run's settings differ from the saved run's: "
-            + "; ".join(f"{k.replace('_', '-')} saved {a!r}, now {b!r}" for k, (a, b) in sorted(changed.items()))
-            + " (a resumed run continues the saved one; to change them on purpose: --resume-override "
-            + ",".join(k.replace("_", "-") for k in sorted(changed))
-            + ")"
-        )
 
 
 def save_resume_state(

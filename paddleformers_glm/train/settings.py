@@ -1,10 +1,35 @@
-"""The checks of the training settings that need no Paddle: ``glm52 train`` runs them (TrainConfig.validate,
-IndexerSettings), and so does the torch reference run (parity/reference/train.py), which must not load Paddle."""
+"""A training run's settings (:class:`TrainConfig`) and every check of them that needs no Paddle: the
+numbers, the choices, the layout against the model's sizes, the batch split, the pipeline split, the
+indexer training and a resume's settings (:func:`check_run`).  ``glm52 train`` runs them before it starts
+any process (one line and exit 2 for a bad setting, no Paddle loaded), every rank runs them again, ``glm52
+plan`` runs them on the layouts it plans, and the torch reference run (parity/reference/train.py) checks
+its flags with :func:`check_numbers` and :func:`indexer_stage_weight`.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from ..modeling.indexer_stages import INDEXER_STAGES
+from ..parallel.pipeline import rank_spec, run_stages, validate_shared_layer_starts
+from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig, ParallelConfigError, check_seq_len
+from .state_files import read_meta, resolve_resume_state
+
+if TYPE_CHECKING:
+    from .adapter import ModelAdapter
+
+__all__ = [
+    "RESUME_SETTINGS",
+    "TrainConfig",
+    "check_numbers",
+    "check_resume_run",
+    "check_run",
+    "indexer_stage_weight",
+    "resumed_indexer_stage",
+    "run_world",
+]
 
 # counts and their least value
 _COUNTS = {"steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "vpp": 1}
@@ -54,3 +79,280 @@ def indexer_stage_weight(stage: str | None, loss_coeff: float | None, saved_coef
             f"{saved_coeff:g}; PaddleFleet's default is 0.01, the GLM-5 recipe of Megatron-Bridge 0.001)"
         )
     return stage, weights[stage]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; serialisable (the launcher hands it to the workers as JSON)."""
+
+    model: str  # adapter kind (train/adapter.py): "glm" (model_args {"model_dir"}) or "toy" (test stand-in)
+    model_args: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline stages per rank (Fleet's interleaved schedule)
+    dp: int | None = None  # None: world / (tp * pp * sharding)
+    sharding: int = 1  # Fleet's sharding_degree: data replicas splitting the optimizer state
+    sharding_stage: int = 1  # 2: gradients sharded too (each kept only on the sharding rank that updates it)
+    recompute: str = "none"  # none | full (each decoder layer) | core (attention core + indexer)
+    cp: int = 1  # context parallel (parallel/context.py): each cp rank holds a zigzag slice of every sequence
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    pp_layout: str | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    schedule: str = "1f1b"
+    steps: int = 5
+    seq_len: int = 32
+    global_batch_size: int = 4
+    micro_batch_size: int = 1
+    lr: float = 3e-4
+    min_lr: float | None = None  # default lr / 10
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    data: str | None = None
+    data_dtype: str = "auto"
+    out: str = "out"
+    export: bool = False
+    save_every: int = 0
+    resume: str | None = None
+    resume_override: list = field(default_factory=list)  # RESUME_SETTINGS a resume may change
+    dtype: str = "float32"
+    progress: bool = True
+    moe_bias_update_rate: float = 0.0  # expert-bias update per step (0: frozen; train/moe_balance.py)
+    moe_aux_loss_coeff: float = 0.0  # sequence-wise balance loss weight (0: off)
+    expert_update: str = "fused"  # fused: every expert of a layer that routed a token | routed-only (grads.py)
+    skip_nonfinite_steps: int = 0  # steps with a non-finite loss / grad norm skipped before the run stops
+    # the DSA indexer's training (train/indexer_stage.py): none | warmup | sparse (None: the checkpoint's
+    # default), the sparse stage's KL weight (None: the checkpoint's indexer_loss_coeff), shared-layer targets
+    indexer_stage: str | None = None
+    indexer_loss_coeff: float | None = None
+    indexer_shared_supervision: bool = False
+    fault: str | None = None  # testing aid: "rank=1,step=2,kind=raise|kill|exit|hang|stop|nan"
+    dump_steps: list = field(default_factory=list)  # [(DIR, K)]: train/dump.py after update K
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        check_numbers(self)
+        choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
+        check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES})
+        if self.schedule != "1f1b":
+            raise ValueError(
+                f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
+            )
+        check_vpp(self)
+
+
+def check_vpp(cfg: Any) -> None:
+    """``--vpp`` interleaves pipeline stages, so it needs some (the trainer's settings and the planner's layout)."""
+    if cfg.vpp > 1 and cfg.pp < 2:
+        raise ValueError(f"--vpp {cfg.vpp} interleaves pipeline stages: it needs --pp >= 2, got --pp {cfg.pp}")
+
+
+def pipeline_chunks(cfg: Any, pp: int, num_layers: int, has_mtp: bool) -> list[Any]:
+    """The pipeline chunks of a run: one per stage, or with ``--vpp N`` pp x N chunks (``--pp-layout``
+    and the first / last stage sizes then describe chunks), chunk c on rank c % pp (``rank_spec``).
+    ``cfg``: a TrainConfig, or the planner's Layout."""
+    try:
+        return run_stages(cfg, num_layers, pp * cfg.vpp, has_mtp)
+    except ParallelConfigError as e:
+        if cfg.vpp == 1:
+            raise
+        raise ParallelConfigError(
+            f"{e} (with --vpp {cfg.vpp} the layout lists --pp {pp} x --vpp {cfg.vpp} chunks)"
+        ) from e
+
+
+def check_choices(settings: Any, choices: dict[str, tuple]) -> None:
+    """Each setting named in ``choices`` is one of its values (``indexer_stage`` None: the checkpoint's
+    stage); the trainer's settings and the planner's layout."""
+    for k, allowed in choices.items():
+        v = getattr(settings, k)
+        if v not in allowed and not (k == "indexer_stage" and v is None):
+            raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, got {v!r}")
+
+
+def run_world(cfg: TrainConfig) -> int:
+    """The processes ``glm52 train`` launches for ``cfg`` (``--dp`` unset: 1 replica); ``glm52 plan``
+    checks its layout at this world size too."""
+    return cfg.tp * cfg.pp * (cfg.dp or 1) * cfg.sharding * cfg.cp
+
+
+def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
+    """The layout of this run (``dp`` derived from the world size when not given)."""
+    return ParallelConfig.from_world(world, **{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
+
+
+def check_batch(cfg: Any, pc: ParallelConfig) -> None:
+    """The global batch splits evenly over the dp x sharding replicas and their micro-batches;
+    an interleaved pipeline gets ``pp`` or at least ``2 pp`` micro-batches per replica (Fleet's
+    F-then-B and 1F1B interleaved engines).  ``cfg``: a TrainConfig, or the planner's Layout."""
+    if cfg.global_batch_size % (pc.replicas * cfg.micro_batch_size):
+        raise ParallelConfigError(
+            f"--global-batch-size {cfg.global_batch_size} must be divisible by dp {pc.dp} x sharding {pc.sharding} "
+            f"x --micro-batch-size {cfg.micro_batch_size}"
+        )
+    check_seq_len(cfg.seq_len, pc.cp)
+    local = cfg.seq_len // pc.cp  # the tokens of a sequence one cp rank holds
+    if pc.sp and local % pc.tp:  # Fleet's sequence-parallel ops cut equal slices (they refuse any other)
+        held = f" / cp {pc.cp} = {local} tokens per cp rank" if pc.cp > 1 else ""
+        raise ParallelConfigError(
+            f"--seq-len {cfg.seq_len}{held} must be divisible by tp {pc.tp} under --sp (each tp rank holds an equal "
+            "slice of the sequence); change --seq-len or drop --sp"
+        )
+    micro = cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size)
+    if cfg.vpp > 1 and not (micro == pc.pp or micro >= 2 * pc.pp):
+        raise ParallelConfigError(
+            f"--vpp {cfg.vpp}: each replica runs {micro} micro-batches per step; Fleet's interleaved schedules "
+            f"need exactly --pp {pc.pp} or at least 2 x --pp = {2 * pc.pp}; change --global-batch-size or "
+            "--micro-batch-size"
+        )
+
+
+def check_warmup_sharding(chunks: list[Any], pc: ParallelConfig, trains: list[int], num_layers: int) -> None:
+    """The indexer's warm-up trains the indexers of layers ``trains`` only (MTP layers numbered from
+    ``num_layers``), so a pipeline rank whose ``chunks`` hold none of them trains nothing; Fleet's
+    sharding optimizer cannot be built over no parameter (DygraphShardingOptimizer reads its first),
+    so under ``--sharding`` every pipeline rank needs one.  (Trainer and planner.)"""
+    if pc.sharding == 1:
+        return
+    for stage in range(pc.pp):
+        rs = rank_spec(chunks, pc.pp, stage)
+        held = set(rs.layers) | ({i for i in trains if i >= num_layers} if rs.has_mtp else set())
+        if not held & set(trains):
+            raise ParallelConfigError(
+                f"--indexer-stage warmup with --sharding {pc.sharding}: pipeline stage {stage} (layers "
+                f"{list(rs.layers)}) holds no layer with its own indexer, so it trains nothing, and Fleet's "
+                f"sharding optimizer needs a parameter on every rank; give every stage one of the layers "
+                f"{sorted(trains)} (--pp-layout) or drop --sharding"
+            )
+
+
+def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[ParallelConfig, list[Any]]:
+    """Every check of a run's settings against its model and world size, with nothing built or
+    started: the settings themselves (``TrainConfig.validate``), the layout and the model sizes it
+    must divide, the batch split, context parallel, the pipeline split (a stage may open on a shared
+    layer only because the top-k travels in the carry) and the indexer training (handed to the
+    adapter here).  ``glm52 train`` runs it before launching any process, so a bad setting costs one
+    line and exit 2; every rank runs it again (a run may start without the command, e.g.
+    ``run_training`` from Python); ``glm52 plan`` runs it on the layout it plans (plan.check_layout),
+    so the two refuse the same runs with the same words.  Returns the layout and the pipeline chunks."""
+    cfg.validate()
+    try:
+        pc = parallel_config(cfg, world)
+        pc.validate(world, **adapter.parallel_sizes())
+    except ParallelConfigError as e:
+        if cfg.sharding > 1 and str(e).startswith("ep "):
+            raise ParallelConfigError(
+                f"{e}; --sharding {cfg.sharding} ranks are not part of the expert grid (each holds all of it)"
+            ) from e
+        raise
+    adapter.check_layout(pc)
+    check_batch(cfg, pc)
+    if pc.cp > 1 and not adapter.supports_context_parallel:
+        raise ValueError(f"--cp {pc.cp}: the {cfg.model} model does not support context parallel")
+    if pc.cp > 1 and cfg.moe_aux_loss_coeff > 0:
+        raise ValueError(
+            "--cp with --moe-aux-loss-coeff > 0 is not supported (the sequence-wise loss needs whole sequences)"
+        )
+    specs = pipeline_chunks(cfg, pc.pp, adapter.num_layers, adapter.has_mtp)
+    kinds = adapter.layer_kinds()
+    if kinds is not None:
+        validate_shared_layer_starts(specs, kinds, carry_topk=True)
+    if cfg.resume:  # before the indexer training is set: an unset --indexer-stage takes the state's
+        folder = resolve_resume_state(cfg.resume)
+        check_resume_run(cfg, folder, read_meta(folder))
+    # --indexer-*: the warm-up freezes the backbone (no router-bias updates nor balance loss); shared-layer
+    # supervision needs every chunk to start on a full layer (its target includes the shared layers after it)
+    adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
+    info = adapter.indexer_info() or {}
+    if info.get("stage") == "warmup" and (cfg.moe_bias_update_rate > 0 or cfg.moe_aux_loss_coeff > 0):
+        raise ValueError(
+            "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
+            "--moe-aux-loss-coeff must be 0"
+        )
+    if info.get("stage") == "warmup":
+        check_warmup_sharding(specs, pc, info.get("layers") or [], adapter.num_layers)
+    if info.get("shared_supervision") and kinds is not None:
+        try:
+            validate_shared_layer_starts(specs, kinds, carry_topk=False)
+        except ParallelConfigError as e:
+            raise ParallelConfigError(
+                f"--indexer-shared-supervision: {e} (the shared layers that reuse a full layer's top-k must run on "
+                "its pipeline stage)"
+            ) from e
+    return pc, specs
+
+
+# the run settings that decide how a resumed run continues (its lr schedule, optimizer, data order,
+# loss terms): changed silently, the resumed run would not be the one it continues; ``--resume-override``
+# names those changed on purpose (Megatron-LM likewise refuses a changed lr schedule unless overridden)
+RESUME_SETTINGS = (
+    "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+    "seed", "data", "moe_bias_update_rate", "moe_aux_loss_coeff", "expert_update", "indexer_loss_coeff",
+    "indexer_shared_supervision",
+)  # fmt: skip
+
+
+def resumed_indexer_stage(given: str | None, meta: dict[str, Any]) -> str | None:
+    """The indexer stage a run resuming the state of ``meta`` (its meta.json) trains: ``--indexer-stage``
+    when ``given``, else the saved run's (not the checkpoint's default: a warm-up resumed without
+    the flag stays a warm-up), else None (the checkpoint's default).  ``glm52 train``
+    (:func:`check_resume_run`) and ``glm52 plan`` (plan.layout_from_args) both resolve it here."""
+    if given is not None:
+        return given
+    return (meta.get("indexer") or {}).get("stage")
+
+
+def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint: str | None = None) -> None:
+    """A resume continues the saved run: ``--steps`` is at least the state's step, every
+    :data:`RESUME_SETTINGS` entry equals the saved run's unless ``cfg.resume_override`` names it
+    (``data``: the data's fingerprint, when given, since a text jsonl is re-tokenized into each
+    OUT), and ``--indexer-stage`` left unset takes the state's stage (not the checkpoint's default).
+    A resume into another indexer stage starts a new phase (its own lr schedule, loss terms and
+    trained parameters: docs/indexer.md), so its settings are not compared.
+    ``cfg``: the trainer's settings (:class:`TrainConfig`); may set its ``indexer_stage``."""
+    if cfg.steps < meta["step"]:
+        raise ValueError(
+            f"--steps {cfg.steps}: the resume state {path} is at step {meta['step']} already (--steps is the "
+            f"run's total, the resumed steps included: --steps {meta['step'] + cfg.steps} trains {cfg.steps} more)"
+        )
+    override = {k.replace("-", "_") for k in cfg.resume_override}
+    unknown = sorted(override - set(RESUME_SETTINGS))
+    if unknown:
+        raise ValueError(
+            f"--resume-override {','.join(unknown)}: not a run setting a resume keeps; one of "
+            + ", ".join(k.replace("_", "-") for k in RESUME_SETTINGS)
+        )
+    saved = dict(meta.get("config") or {})
+    now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k != "data"}
+    for d in (saved, now):  # the effective floor: unset is lr / 10
+        if d.get("min_lr") is None and d.get("lr") is not None:
+            d["min_lr"] = d["lr"] / 10
+    diff = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    same_rows = saved.get("seq_len") == cfg.seq_len  # else the layout check names --seq-len (load_resume_state)
+    if data_fingerprint is not None and same_rows and meta.get("data") not in (None, data_fingerprint):
+        diff["data"] = ("other samples", "these")
+    stage = (meta.get("indexer") or {}).get("stage")
+    cfg.indexer_stage = resumed_indexer_stage(cfg.indexer_stage, meta)
+    new_phase = stage is not None and cfg.indexer_stage != stage  # its own schedule, loss terms, trained set
+    changed = {} if new_phase else {k: d for k, d in diff.items() if k not in override}
+    if changed:
+        raise ValueError(
+            f"--resume {path}: this run's settings differ from the saved run's: "
+            + "; ".join(f"{k.replace('_', '-')} saved {a!r}, now {b!r}" for k, (a, b) in sorted(changed.items()))
+            + " (a resumed run continues the saved one; to change them on purpose: --resume-override "
+            + ",".join(k.replace("_", "-") for k in sorted(changed))
+            + ")"
+        )

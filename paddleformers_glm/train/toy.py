@@ -8,7 +8,9 @@ top-k experts through the expert-parallel dispatcher, TP shared expert).  Vocab-
 embedding and head, an MTP block on the last stage that reuses the embedding (so the embedding
 lives on the first *and* last pipeline stage) and the top-k carried from the main model.
 
-A pipeline stage is built from a StageSpec and a topology; it keeps the model's stage contract
+A pipeline stage is built from a StageSpec, a topology and the sizes of a ``ToyConfig``
+(train/toy_adapter.py, with the adapter: this module does not import it, the adapter imports this one
+when a run builds a stage); it keeps the model's stage contract
 (``forward_stage``, the carry (hidden, top-k int64) between stages) and its loss function
 (``modeling.model.causal_lm_losses``).
 """
@@ -16,10 +18,7 @@ A pipeline stage is built from a StageSpec and a topology; it keeps the model's 
 from __future__ import annotations
 
 import math
-import os
 import zlib
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,6 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .._io import atomic_path, write_json_atomic
 from ..modeling.model import causal_lm_losses
 from ..modeling.moe import RouterBalance
 from ..parallel import comm
@@ -42,37 +40,8 @@ from ..parallel.layers import (
 from ..parallel.pipeline import Batch, Carry, StageOutput, StageSpec
 from ..parallel.recompute import run_core, run_layer
 from ..parallel.topology import Topology
-from .adapter import LossSpec, ModelAdapter
 
-__all__ = ["ToyAdapter", "ToyConfig", "ToyStage", "init_full_state"]
-
-
-@dataclass
-class ToyConfig:
-    vocab_size: int = 64
-    hidden_size: int = 32
-    num_heads: int = 4
-    ffn_size: int = 64
-    layer_kinds: list[str] = field(default_factory=lambda: ["full", "full", "shared", "shared", "full", "shared"])
-    mlp_kinds: list[str] = field(default_factory=lambda: ["dense", "dense", "moe", "moe", "moe", "moe"])
-    index_topk: int = 4
-    index_dim: int = 16
-    num_experts: int = 4
-    experts_per_token: int = 2
-    expert_ffn: int = 16
-    mtp: bool = True
-    mtp_weight: float = 0.3
-    rms_eps: float = 1e-6
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_kinds)
-
-    def __post_init__(self) -> None:
-        if len(self.mlp_kinds) != len(self.layer_kinds):
-            raise ValueError(f"ToyConfig: {len(self.mlp_kinds)} mlp_kinds for {len(self.layer_kinds)} layers")
-        if self.layer_kinds and self.layer_kinds[0] != "full":
-            raise ValueError("ToyConfig: layer 0 must be a full indexer layer")
+__all__ = ["ToyStage", "init_full_state"]
 
 
 class RMSNorm(nn.Layer):
@@ -100,7 +69,7 @@ class ToyMLP(nn.Layer):
 
 
 class ToyMoE(nn.Layer):
-    def __init__(self, cfg: ToyConfig, topo: Topology) -> None:
+    def __init__(self, cfg: Any, topo: Topology) -> None:
         super().__init__()
         self.k = cfg.experts_per_token
         self.num_experts = cfg.num_experts
@@ -128,7 +97,7 @@ class ToyMoE(nn.Layer):
 class ToyLayer(nn.Layer):
     """Decoder layer; ``kind`` "full" runs the indexer, "shared" reuses the incoming top-k."""
 
-    def __init__(self, cfg: ToyConfig, kind: str, mlp: str, topo: Topology) -> None:
+    def __init__(self, cfg: Any, kind: str, mlp: str, topo: Topology) -> None:
         super().__init__()
         H, sp = cfg.hidden_size, topo.sequence_parallel
         self.kind, self.sp, self.topk, self.tp_group = kind, sp, cfg.index_topk, topo.tp_group
@@ -184,7 +153,7 @@ class ToyLayer(nn.Layer):
 
 
 class ToyMTP(nn.Layer):
-    def __init__(self, cfg: ToyConfig, topo: Topology) -> None:
+    def __init__(self, cfg: Any, topo: Topology) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.enorm, self.hnorm, self.norm = RMSNorm(H, cfg.rms_eps), RMSNorm(H, cfg.rms_eps), RMSNorm(H, cfg.rms_eps)
@@ -196,7 +165,7 @@ class ToyMTP(nn.Layer):
 class ToyStage(nn.Layer):
     """One pipeline stage of the toy model. ``forward_stage(carry, batch) -> StageOutput``."""
 
-    def __init__(self, cfg: ToyConfig, spec: StageSpec, topo: Topology) -> None:
+    def __init__(self, cfg: Any, spec: StageSpec, topo: Topology) -> None:
         super().__init__()
         self.cfg, self.spec = cfg, spec
         self.recompute = "none"  # the trainer sets --recompute
@@ -237,7 +206,7 @@ class ToyStage(nn.Layer):
         return StageOutput(losses=causal_lm_losses(logits, batch, [], True, self.tp_group))
 
 
-def init_full_state(cfg: ToyConfig, seed: int) -> dict[str, np.ndarray]:
+def init_full_state(cfg: Any, seed: int) -> dict[str, np.ndarray]:
     """Deterministic full weights of the whole (pp=1, tp=1) model, under the names every layout uses:
     independent of Paddle's RNG and of the parallel layout."""
     out = {}
@@ -256,50 +225,3 @@ def init_full_state(cfg: ToyConfig, seed: int) -> dict[str, np.ndarray]:
             arr = rng.standard_normal(shape) / math.sqrt(shape[0])
         out[name] = arr.astype(np.float32)
     return out
-
-
-class ToyAdapter(ModelAdapter):
-    """The toy model behind the trainer's ``--model toy``; config keys as in :class:`ToyConfig`."""
-
-    name = "toy"
-
-    def __init__(self, config: ToyConfig | Mapping[str, Any] | None = None, seed: int = 0) -> None:
-        self.cfg = config if isinstance(config, ToyConfig) else ToyConfig(**dict(config or {}))
-        self.seed = seed
-        self.num_layers, self.has_mtp, self.vocab_size = self.cfg.num_layers, self.cfg.mtp, self.cfg.vocab_size
-
-    def parallel_sizes(self) -> dict[str, int | None]:
-        return {
-            "num_attention_heads": self.cfg.num_heads,
-            "vocab_size": self.cfg.vocab_size,
-            "num_experts": self.cfg.num_experts,
-            "moe_intermediate_size": self.cfg.expert_ffn,
-            "num_layers": self.cfg.num_layers,
-        }
-
-    def layer_kinds(self) -> list[str]:
-        return list(self.cfg.layer_kinds)
-
-    def loss_specs(self) -> dict[str, LossSpec]:
-        specs = {"lm": LossSpec("tokens", shift=1, weight=1.0, report="losses")}
-        if self.cfg.mtp:
-            specs["mtp_1"] = LossSpec("tokens", shift=2, weight=self.cfg.mtp_weight, report="mtp_losses")
-        return specs
-
-    def build_stage(self, spec: StageSpec, topo: Topology) -> nn.Layer:
-        return ToyStage(self.cfg, spec, topo)
-
-    def full_state(self) -> dict[str, np.ndarray]:
-        return init_full_state(self.cfg, self.seed)
-
-    def checkpoint_info(self) -> dict[str, Any]:
-        return {"path": None, "config": asdict(self.cfg), "init_seed": self.seed}
-
-    def export(self, full_state: Mapping[str, np.ndarray], out_dir: str) -> None:
-        from safetensors.numpy import save_file
-
-        # through a temporary file: safetensors < 0.8 truncates the target first (a failed write would
-        # tear the last export), 0.8 leaves its own temporary file's mode 0600
-        with atomic_path(os.path.join(out_dir, "model.safetensors")) as tmp:
-            save_file({k: np.ascontiguousarray(v) for k, v in sorted(full_state.items())}, tmp)
-        write_json_atomic(os.path.join(out_dir, "config.json"), {"model_type": "toy", **asdict(self.cfg)})
