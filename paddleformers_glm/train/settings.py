@@ -23,10 +23,13 @@ if TYPE_CHECKING:
 __all__ = [
     "RESUME_SETTINGS",
     "TrainConfig",
+    "check_choices",
     "check_numbers",
     "check_resume_run",
     "check_run",
     "indexer_stage_weight",
+    "parallel_config",
+    "pipeline_chunks",
     "resumed_indexer_stage",
     "run_world",
 ]
