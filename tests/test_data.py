@@ -396,3 +396,31 @@ def test_epoch_order_is_the_seeded_permutation_held_in_four_bytes_a_sample(tmp_p
         got = data.global_batch(epoch * n // 2, 2)["input_ids"]
         np.testing.assert_array_equal(got, np.stack([data.sample(int(k))["input_ids"] for k in want[:2]]))
     np.testing.assert_array_equal(first["input_ids"], data.global_batch(0, 2)["input_ids"])
+
+
+def test_token_file_smaller_than_one_global_batch_is_refused(tmp_path, capsys):
+    """A .npy of 2 samples, a global batch of 4 over dp 2: the batch repeated the 2 samples (the next
+    epoch's order filled it), so both data-parallel ranks trained on the same rows, silently (before:
+    rank 0 and rank 1 both got the windows starting with tokens [0, 8]). A text / chat .jsonl was
+    already refused ("N are needed for one global batch"); every finite source now is, before launch."""
+    from paddleformers_glm.train.data import check_batch_samples, micro_batches
+
+    np.save(tmp_path / "small.npy", np.arange(20, dtype=np.int32))  # 2 windows of 8 (a tail of 4 unused)
+    data = open_data(str(tmp_path / "small.npy"), 8, 64, 0)
+    batch = data.global_batch(0, 4)
+    ranks = [np.concatenate([m["input_ids"] for m in micro_batches(batch, r, 2, 1)]) for r in range(2)]
+    assert sorted(ranks[0][:, 0].tolist()) == sorted(ranks[1][:, 0].tolist()) == [0, 8]  # what a batch drew
+    with pytest.raises(ValueError, match=r"small\.npy: 2 samples of --seq-len 8, fewer than one global batch of 4"):
+        check_batch_samples(data, 4)
+    check_batch_samples(data, 2)  # one batch of distinct samples: taken
+    check_batch_samples(open_data(None, 8, 64, 0), 10**6)  # the synthetic stream is unbounded
+    rows = "".join(json.dumps({"input_ids": [1, 2, 3]}) + "\n" for _ in range(3))
+    (tmp_path / "ids.jsonl").write_text(rows)
+    with pytest.raises(ValueError, match=r"ids\.jsonl: 3 samples of --seq-len 8, fewer than one global batch of 4"):
+        check_batch_samples(open_data(str(tmp_path / "ids.jsonl"), 8, 64, 0), 4)
+    args = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "4", "--dp", "2", "--steps", "1"]
+    out = tmp_path / "run"
+    assert main([*args, "--data", str(tmp_path / "small.npy"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fewer than one global batch of 4" in err[0], err
+    assert not (out / "logs").exists()  # no worker was started

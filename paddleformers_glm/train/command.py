@@ -291,7 +291,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     one named error instead of a worker dying at the step that first touches it.  A text/chat jsonl
     is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz``, which the workers then read."""
     from ..tokenizer import GlmTokenizer, TokenizerError
-    from .data import jsonl_kind, open_data, prepare_jsonl
+    from .data import check_batch_samples, jsonl_kind, open_data, prepare_jsonl
 
     tok = None
     if args.tokenizer:  # read even when no text data needs it: the export ships it
@@ -323,6 +323,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         cfg.data = out
     data = open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     data.validate()
+    check_batch_samples(data, cfg.global_batch_size)
     if cfg.resume:
         from .settings import check_resume_run
         from .state_files import check_resume_state

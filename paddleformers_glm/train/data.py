@@ -26,7 +26,15 @@ import numpy as np
 from .._io import atomic_open, is_int
 from ..configuration import IGNORE_INDEX
 
-__all__ = ["TokenData", "check_token_range", "jsonl_kind", "micro_batches", "open_data", "prepare_jsonl"]
+__all__ = [
+    "TokenData",
+    "check_batch_samples",
+    "check_token_range",
+    "jsonl_kind",
+    "micro_batches",
+    "open_data",
+    "prepare_jsonl",
+]
 
 CHAT_TEMPLATE_INPUTS = ("tools", "documents")  # keys of a chat record passed to the template beside its messages
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")  # .bin token widths --data-dtype may name
@@ -497,6 +505,20 @@ def _check_bin_width(tokens: np.ndarray, dtype: str, path: str, vocab_size: int)
         raise ValueError(
             f"{path}: every second token of the first {pairs.size} read as {dtype} is {what}, the signature of a "
             f"file of {_WIDER[dtype]} tokens: pass --data-dtype {_WIDER[dtype].split()[0]} (or write the file as {dtype})"
+        )
+
+
+def check_batch_samples(data: TokenData, global_batch_size: int) -> None:
+    """A finite source holds at least one global batch of distinct samples: a batch drawn from fewer
+    repeats samples (the next epoch's order fills it), so data-parallel ranks train on the same rows
+    (2 samples, a global batch of 4 over dp 2: both ranks got samples 0 and 1).  The text / chat
+    .jsonl path asks the same of ``prepare_jsonl`` (``min_samples``)."""
+    n = data.num_samples
+    if n is not None and n < global_batch_size:
+        raise ValueError(
+            f"{data.describe}: {n} samples of --seq-len {data.seq_len}, fewer than one global batch of "
+            f"{global_batch_size} (--global-batch-size): a batch would repeat samples, and data-parallel ranks "
+            "would train on the same rows; use more data, a smaller --global-batch-size or a shorter --seq-len"
         )
 
 

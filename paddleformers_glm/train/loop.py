@@ -38,7 +38,7 @@ from ..parallel.pipeline import SingleStageEngine, layout_string, rank_spec
 from ..parallel.state import shard_full_state
 from ..parallel.topology import init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
-from .data import micro_batches, open_data
+from .data import check_batch_samples, micro_batches, open_data
 from .indexer_stage import indexer_report, pop_indexer_history
 from .job_status import beat
 from .memory import MemoryMonitor
@@ -93,6 +93,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
+        check_batch_samples(data, cfg.global_batch_size)
         check_same_run(cfg, topo, run_inputs(cfg, adapter, data) if topo.world_size > 1 else None)
         check_shared_out(cfg, topo)
         return _train(cfg, adapter, topo, specs, data)
