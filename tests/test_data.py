@@ -424,3 +424,53 @@ def test_token_file_smaller_than_one_global_batch_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fewer than one global batch of 4" in err[0], err
     assert not (out / "logs").exists()  # no worker was started
+
+
+# A tokenizer's padding="max_length" output, dumped as token-id records: "abc" on the tiny tokenizer
+# (74 75 76), pad id 0, right- and left-padded to 6.
+PADDED = [
+    {"input_ids": [74, 75, 76, 0, 0, 0], "attention_mask": [1, 1, 1, 0, 0, 0]},
+    {"input_ids": [0, 0, 0, 74, 75, 76], "attention_mask": [0, 0, 0, 1, 1, 1]},
+]
+# transformers 5.23 DataCollatorForLanguageModeling(tokenizer, mlm=False) on those rows (measured on the
+# tiny checkpoint's tokenizer): the attention_mask passes through and padding gets label -100
+HF_COLLATED_LABELS = [[74, 75, 76, -100, -100, -100], [-100, -100, -100, 74, 75, 76]]
+
+
+def test_token_id_records_keep_their_attention_mask(tmp_path, tiny_dir):
+    """A token-id .jsonl record's `attention_mask` was ignored: its padding was attended and trained
+    as targets (before: labels [74, 75, 76, 0, 0, 0] and mask all 1 for the right-padded row, the
+    tiny model's loss 5.5153 where the unpadded "abc" gives 5.6078). Now padding (mask 0) is neither
+    attended nor a target, as transformers' collator labels it (HF_COLLATED_LABELS, measured)."""
+    path = _jsonl(tmp_path / "padded.jsonl", PADDED)
+    data = open_data(path, 7, 256, 0)
+    rows = [data.sample(i) for i in range(2)]
+    assert [r["labels"][:6].tolist() for r in rows] == HF_COLLATED_LABELS
+    assert [r["attention_mask"].tolist() for r in rows] == [[1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0]]
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(tiny_dir)
+    t = paddle.to_tensor
+    with paddle.no_grad():
+        row = {k: t(v[None]) for k, v in rows[0].items()}
+        got = float(model(row["input_ids"], attention_mask=row["attention_mask"], labels=row["labels"]).loss)
+        want = float(model(t(np.array([[74, 75, 76]])), labels=t(np.array([[74, 75, 76]]))).loss)
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)  # right padding trains what the unpadded row does
+    for bad, msg in (
+        ({"input_ids": [1, 2], "attention_mask": [1, 2]}, "attention_mask: expected a list of 0 / 1"),
+        ({"input_ids": [1, 2], "attention_mask": [1]}, "attention_mask has 1 entries, input_ids 2"),
+        ({"input_ids": [1, 2, 0], "attention_mask": [1, 0, 0]}, "no label to train on"),
+    ):
+        with pytest.raises(ValueError, match=rf"bad\.jsonl:1: {msg}"):
+            open_data(_jsonl(tmp_path / "bad.jsonl", [bad]), 8, 256, 0)
+
+
+def test_padded_records_are_labelled_as_transformers_collator_does(tiny_dir):
+    """The live twin of HF_COLLATED_LABELS: transformers' DataCollatorForLanguageModeling on PADDED."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert tok(["abc"])["input_ids"] == [[74, 75, 76]] and tok.pad_token_id == 0
+    batch = transformers.DataCollatorForLanguageModeling(tok, mlm=False)([dict(r) for r in PADDED])
+    assert batch["labels"].tolist() == HF_COLLATED_LABELS
+    assert batch["attention_mask"].tolist() == [r["attention_mask"] for r in PADDED]

@@ -151,8 +151,23 @@ class _Jsonl(TokenData):
                         f"{path}:{ln}: labels has {len(rec['labels'])} entries, input_ids {len(rec['input_ids'])}: "
                         f"one label per input token ({IGNORE_INDEX} to leave a position out of the loss)"
                     )
-                _check_targets(rec["labels"], seq_len, f"{path}:{ln}")
-            self.records.append({k: np.asarray(rec[k], dtype=np.int32) for k in ("input_ids", "labels") if k in rec})
+            row = {k: np.asarray(rec[k], dtype=np.int32) for k in ("input_ids", "labels") if k in rec}
+            if "attention_mask" in rec:  # a padded record (a tokenizer's padding="max_length" output)
+                mask = rec["attention_mask"]
+                if not (isinstance(mask, list) and all(is_int(m) and m in (0, 1) for m in mask)):
+                    raise ValueError(f"{path}:{ln}: attention_mask: expected a list of 0 / 1 (1 = a real token)")
+                if len(mask) != len(rec["input_ids"]):
+                    raise ValueError(
+                        f"{path}:{ln}: attention_mask has {len(mask)} entries, input_ids {len(rec['input_ids'])}: "
+                        "one per input token"
+                    )
+                # a padding position is neither attended nor a target (HF's collator: labels -100 on padding)
+                row["attention_mask"] = np.asarray(mask, dtype=np.int8)
+                row["labels"] = np.where(row["attention_mask"] == 1, row.get("labels", row["input_ids"]), IGNORE_INDEX)
+                row["labels"] = row["labels"].astype(np.int32)
+            if "labels" in row:
+                _check_targets(row["labels"].tolist(), seq_len, f"{path}:{ln}")
+            self.records.append(row)
         if not self.records:
             raise ValueError(f"{path}: no records")
         self.num_samples = len(self.records)
@@ -160,7 +175,8 @@ class _Jsonl(TokenData):
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         rec, S = self.records[i], self.seq_len
-        return _padded(rec["input_ids"][:S], rec.get("labels", rec["input_ids"])[:S], S, self.pad_id)
+        labels, mask = rec.get("labels", rec["input_ids"]), rec.get("attention_mask")
+        return _padded(rec["input_ids"][:S], labels[:S], S, self.pad_id, None if mask is None else mask[:S])
 
 
 def _check_targets(labels: Any, S: int, where: str) -> None:
@@ -173,13 +189,17 @@ def _check_targets(labels: Any, S: int, where: str) -> None:
     raise ValueError(f"{where}: no label to train on within the first --seq-len {S} tokens: {why}")
 
 
-def _padded(ids: Any, labels: Any, S: int, pad_id: int) -> dict[str, np.ndarray]:
+def _padded(ids: Any, labels: Any, S: int, pad_id: int, mask: Any = None) -> dict[str, np.ndarray]:
     """One sample of ``S`` tokens: ``ids`` right-padded with ``pad_id``, ``labels`` with the ignore
-    index, an ``attention_mask`` of 1 on the tokens."""
+    index, an ``attention_mask`` of 1 on the tokens (``mask``: the record's own, 0 on its padding)."""
     n = len(ids)
     out = {"input_ids": np.full(S, pad_id, dtype=np.int64), "labels": np.full(S, IGNORE_INDEX, dtype=np.int64)}
     out["attention_mask"] = np.zeros(S, dtype=np.int64)
-    out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = ids, labels, 1
+    out["input_ids"][:n], out["labels"][: len(labels)], out["attention_mask"][:n] = (
+        ids,
+        labels,
+        1 if mask is None else mask,
+    )
     return out
 
 
