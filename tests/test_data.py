@@ -474,3 +474,31 @@ def test_padded_records_are_labelled_as_transformers_collator_does(tiny_dir):
     batch = transformers.DataCollatorForLanguageModeling(tok, mlm=False)([dict(r) for r in PADDED])
     assert batch["labels"].tolist() == HF_COLLATED_LABELS
     assert batch["attention_mask"].tolist() == [r["attention_mask"] for r in PADDED]
+
+
+# valid JSON whose string holds half a surrogate pair (scraped text cut inside an emoji, written with
+# ensure_ascii): it parses to a lone surrogate, which no tokenizer encodes
+LONE_SURROGATE = b'{"text": "hello \\ud83d world"}\n'
+
+
+def test_a_lone_surrogate_is_named_not_a_traceback(tiny_dir, tmp_path, capsys):
+    """Before: `glm52 train` died with a traceback (TypeError: TextInputSequence must be str, exit 1),
+    naming neither file nor line; transformers' tokenizer raises a TypeError on the same text
+    (measured, test_a_lone_surrogate_is_refused_by_transformers_too). Now one line, exit 2."""
+    (tmp_path / "t.jsonl").write_bytes(b'{"text": "fine"}\n' + LONE_SURROGATE)
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_dir, "--seq-len", "8", "--global-batch-size", "1", "--steps", "1"]
+    assert main([*args, "--data", str(tmp_path / "t.jsonl"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 't.jsonl:2: "text" holds an unpaired surrogate \\ud83d at character 6' in err[0], err
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok \ud83d"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")  # ensure_ascii writes the escape
+    with pytest.raises(ValueError, match=r'c\.jsonl:1: "messages"\[1\]\.content holds an unpaired surrogate'):
+        prepare_jsonl(str(tmp_path / "c.jsonl"), 16, 256, make_tiny_tokenizer(), str(tmp_path / "c.npz"))
+
+
+def test_a_lone_surrogate_is_refused_by_transformers_too(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    with pytest.raises(TypeError):
+        tok(json.loads(LONE_SURROGATE)["text"])

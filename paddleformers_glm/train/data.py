@@ -355,6 +355,27 @@ def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}:{ln}: not JSON: {e}") from e
 
 
+def _check_unicode(value: Any, where: str, key: str) -> None:
+    """Every string in ``value`` (a record's text, messages, tools) is valid Unicode: JSON's ``\\ud800``
+    escape without its pair parses to a lone surrogate, which the tokenizer refuses with a bare
+    TypeError (transformers' too: "TextEncodeInput must be Union[...]")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where}: {key} holds an unpaired surrogate \\u{ord(value[e.start]):04x} at character {e.start} "
+                "(not valid Unicode: a JSON \\uXXXX escape of half a pair)"
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, where, key)
+            _check_unicode(v, where, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, where, f"{key}[{i}]")
+
+
 def jsonl_kind(path: str) -> str:
     """ "input_ids", "text" or "messages": what the file's records hold (one kind per file)."""
     first = ""
@@ -405,6 +426,7 @@ def prepare_jsonl(
             text = rec["text"]
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f'{path}:{ln}: "text" must be a non-empty string')
+            _check_unicode(text, f"{path}:{ln}", '"text"')
             ids = tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise ValueError(f"{path}:{ln}: the text encodes to no tokens")
@@ -440,6 +462,8 @@ def prepare_jsonl(
             for k, v in extra.items():
                 if not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
                     raise ValueError(f'{where}: "{k}" must be a list of objects')
+            for k in ("messages", *extra):
+                _check_unicode(rec[k], where, f'"{k}"')
             try:
                 ids, mine = tokenizer.encode_chat_for_training(msgs, stop_ids=stop_ids, **extra)
             except ValueError as e:  # the template's own complaint, located
