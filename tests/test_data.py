@@ -456,6 +456,9 @@ def test_token_id_records_keep_their_attention_mask(tmp_path, tiny_dir):
         got = float(model(row["input_ids"], attention_mask=row["attention_mask"], labels=row["labels"]).loss)
         want = float(model(t(np.array([[74, 75, 76]])), labels=t(np.array([[74, 75, 76]]))).loss)
     assert abs(got - want) <= 1e-6 * abs(want), (got, want)  # right padding trains what the unpadded row does
+    given = {"input_ids": [74, 75, 0], "attention_mask": [1, 1, 0], "labels": [74, 75, 9]}  # labels as given
+    row = open_data(_jsonl(tmp_path / "given.jsonl", [given]), 4, 256, 0).sample(0)
+    assert row["labels"].tolist() == [74, 75, 9, -100] and row["attention_mask"].tolist() == [1, 1, 0, 0]
     for bad, msg in (
         ({"input_ids": [1, 2], "attention_mask": [1, 2]}, "attention_mask: expected a list of 0 / 1"),
         ({"input_ids": [1, 2], "attention_mask": [1]}, "attention_mask has 1 entries, input_ids 2"),

@@ -161,10 +161,13 @@ class _Jsonl(TokenData):
                         f"{path}:{ln}: attention_mask has {len(mask)} entries, input_ids {len(rec['input_ids'])}: "
                         "one per input token"
                     )
-                # a padding position is neither attended nor a target (HF's collator: labels -100 on padding)
+                # padding is not attended; without labels it is no target either (HF's language-modeling
+                # collator: labels -100 on padding); given labels are taken as they are, as HF's collators do
                 row["attention_mask"] = np.asarray(mask, dtype=np.int8)
-                row["labels"] = np.where(row["attention_mask"] == 1, row.get("labels", row["input_ids"]), IGNORE_INDEX)
-                row["labels"] = row["labels"].astype(np.int32)
+                if "labels" not in row:
+                    row["labels"] = np.where(row["attention_mask"] == 1, row["input_ids"], IGNORE_INDEX).astype(
+                        np.int32
+                    )
             if "labels" in row:
                 _check_targets(row["labels"].tolist(), seq_len, f"{path}:{ln}")
             self.records.append(row)
