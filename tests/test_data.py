@@ -505,3 +505,22 @@ def test_a_lone_surrogate_is_refused_by_transformers_too(tiny_dir):
     tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     with pytest.raises(TypeError):
         tok(json.loads(LONE_SURROGATE)["text"])
+
+
+def test_a_negative_seed_is_refused_before_launch(tmp_path, capsys):
+    """`--seed -1` started the workers, which died in paddle.seed (TypeError, exit 1; the data order's
+    numpy.random.default_rng([-1, 0]) raises "expected non-negative integer" too). Refused in one
+    line before launch, exit 2; the largest seed both take, 2**64 - 1, is accepted."""
+    from paddleformers_glm.train import TrainConfig
+
+    out = tmp_path / "run"
+    args = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--steps", "1", "--out", str(out)]
+    assert main([*args, "--seed", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["glm52 train: error: --seed must be an integer in [0, 2**64), got -1"], err
+    assert not (out / "logs").exists()  # no worker was started
+    with pytest.raises(ValueError, match=r"--seed must be an integer in \[0, 2\*\*64\), got 18446744073709551616"):
+        TrainConfig("toy", seed=2**64).validate()
+    TrainConfig("toy", seed=2**64 - 1).validate()
+    TrainConfig("toy", seed=np.int64(7)).validate()
+    np.random.default_rng([2**64 - 1, 0])  # what the data order draws

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 from ..modeling.indexer_stages import INDEXER_STAGES
@@ -50,6 +51,12 @@ def check_numbers(settings: Any) -> None:
     for k, lo in _COUNTS.items():
         if hasattr(settings, k) and int(getattr(settings, k)) < lo:
             raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(settings, k)}")
+    seed = getattr(settings, "seed", None)
+    if hasattr(settings, "seed") and not (
+        isinstance(seed, Integral) and not isinstance(seed, bool) and 0 <= seed < 2**64
+    ):
+        # the data order's numpy.random.default_rng([seed, epoch]) and paddle.seed take no other
+        raise ValueError(f"--seed must be an integer in [0, 2**64), got {seed!r}")
     for k in (*_NONNEGATIVE_FLOATS, "adam_beta1", "adam_beta2"):
         v = getattr(settings, k, None)
         if v is None and (k in ("min_lr", "indexer_loss_coeff") or not hasattr(settings, k)):
