@@ -524,3 +524,26 @@ def test_a_negative_seed_is_refused_before_launch(tmp_path, capsys):
     TrainConfig("toy", seed=2**64 - 1).validate()
     TrainConfig("toy", seed=np.int64(7)).validate()
     np.random.default_rng([2**64 - 1, 0])  # what the data order draws
+
+
+def test_a_utf8_byte_order_mark_opening_the_file_is_skipped(tmp_path):
+    """A .jsonl saved by a Windows editor opens with EF BB BF; before, its first line was refused
+    ("t.jsonl:1: not JSON: Unexpected UTF-8 BOM"). It now reads as the same file without the mark
+    (Python's "utf-8-sig"); a mark inside a later line is still not JSON."""
+    rows = [{"text": "hello world"}, {"text": "abc def"}]
+    plain = _jsonl(tmp_path / "plain.jsonl", rows)
+    (tmp_path / "bom.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + (tmp_path / "plain.jsonl").read_bytes().replace(b"\n", b"\r\n")
+    )
+    tok = make_tiny_tokenizer()
+    a = prepare_jsonl(plain, 8, 256, tok, str(tmp_path / "a.npz"))
+    b = prepare_jsonl(str(tmp_path / "bom.jsonl"), 8, 256, tok, str(tmp_path / "b.npz"))
+    assert a == b
+    za, zb = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    assert all(np.array_equal(za[k], zb[k]) for k in za.files)
+    ids = [{"input_ids": [1, 2, 3]}]
+    (tmp_path / "ids.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(ids[0]).encode() + b"\n")
+    assert open_data(str(tmp_path / "ids.jsonl"), 4, 64, 0).sample(0)["input_ids"].tolist() == [1, 2, 3, 0]
+    (tmp_path / "late.jsonl").write_bytes(json.dumps(ids[0]).encode() + b"\n\xef\xbb\xbf" + json.dumps(ids[0]).encode())
+    with pytest.raises(ValueError, match=r"late\.jsonl:2: not JSON"):
+        open_data(str(tmp_path / "late.jsonl"), 4, 64, 0)

@@ -343,11 +343,12 @@ def _npz_maps(path: str) -> tuple[list[str], dict[str, Any] | None]:
 
 def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
     """(line number, record) of every non-empty line, one at a time; a line that is not UTF-8 or not
-    JSON is named."""
+    JSON is named. A UTF-8 byte-order mark opening the file (Windows editors write one) is skipped,
+    as Python's "utf-8-sig" does; json.loads refused the first line ("Unexpected UTF-8 BOM")."""
     with open(path, "rb") as f:
         for ln, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if ln == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{ln}: not UTF-8 text (byte {e.start} of the line)") from e
             if not line.strip():
