@@ -547,3 +547,38 @@ def test_a_utf8_byte_order_mark_opening_the_file_is_skipped(tmp_path):
     (tmp_path / "late.jsonl").write_bytes(json.dumps(ids[0]).encode() + b"\n\xef\xbb\xbf" + json.dumps(ids[0]).encode())
     with pytest.raises(ValueError, match=r"late\.jsonl:2: not JSON"):
         open_data(str(tmp_path / "late.jsonl"), 4, 64, 0)
+
+
+def test_labels_already_shifted_by_one_are_refused(tmp_path):
+    """PaddleFormers' / Megatron's convention feeds input tokens[:-1] with labels tokens[1:] (labels[i]
+    is position i's target); glm52 and transformers take labels aligned with the input and shift them
+    in the loss (test_transformers_shifts_the_labels_in_the_loss), so such labels trained every
+    position on the token two ahead, silently (before: the record and the .npz were taken). Refused
+    naming the line / row; labels aligned with the input, with -100 anywhere, still pass."""
+    tokens = [5, 9, 17, 4, 30, 11, 8, 21]
+    shifted = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+    aligned = {"input_ids": tokens, "labels": [-100, -100, *tokens[2:]]}
+    path = _jsonl(tmp_path / "ids.jsonl", [aligned, shifted])
+    with pytest.raises(ValueError, match=r"ids\.jsonl:2: labels are input_ids shifted by one .* at all 6 labelled"):
+        open_data(path, 16, 64, 0)
+    open_data(_jsonl(tmp_path / "ok.jsonl", [aligned, {"input_ids": [3, 3, 3], "labels": [3, 3, 3]}]), 16, 64, 0)
+    ids = np.array([tokens, tokens[1:] + [1]], dtype=np.int64)
+    labels = ids.copy()
+    labels[1, :-1] = ids[1, 1:]  # row 1 pre-shifted
+    np.savez(tmp_path / "p.npz", input_ids=ids, labels=labels, attention_mask=np.ones_like(ids))
+    with pytest.raises(ValueError, match=r"p\.npz: row 1: labels are input_ids shifted by one"):
+        open_data(str(tmp_path / "p.npz"), 8, 64, 0).validate()
+    np.savez(tmp_path / "q.npz", input_ids=ids, labels=ids, attention_mask=np.ones_like(ids))
+    open_data(str(tmp_path / "q.npz"), 8, 64, 0).validate()
+
+
+def test_transformers_shifts_the_labels_in_the_loss():
+    """transformers 5.23 ForCausalLMLoss: position i is scored against labels[i + 1] (labels aligned
+    with the input); measured here against a plain cross entropy."""
+    torch = pytest.importorskip("torch")
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = torch.randn(1, 4, 11, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[3, 7, 1, 9]])
+    want = torch.nn.functional.cross_entropy(logits[0, :3], labels[0, 1:])
+    assert torch.allclose(ForCausalLMLoss(logits, labels, vocab_size=11), want)

@@ -170,6 +170,7 @@ class _Jsonl(TokenData):
                     )
             if "labels" in row:
                 _check_targets(row["labels"].tolist(), seq_len, f"{path}:{ln}")
+                _check_unshifted(row["input_ids"][None], row["labels"][None], f"{path}:{ln}")
             self.records.append(row)
         if not self.records:
             raise ValueError(f"{path}: no records")
@@ -190,6 +191,26 @@ def _check_targets(labels: Any, S: int, where: str) -> None:
     later = [i for i, t in enumerate(labels) if i >= S and t != IGNORE_INDEX]
     why = f"all of them are past --seq-len {S} (the first at position {later[0]})" if later else "it has none"
     raise ValueError(f"{where}: no label to train on within the first --seq-len {S} tokens: {why}")
+
+
+def _check_unshifted(ids: np.ndarray, labels: np.ndarray, where: str, first_row: int | None = None) -> None:
+    """``labels`` [R, S] are HF's, aligned with ``ids`` (labels[i] = ids[i] or the ignore index; the
+    model shifts them, as transformers' ForCausalLMLoss does), not PaddleFormers' / Megatron's already
+    shifted ones (labels[i] = ids[i + 1]), which would train every position on the token two ahead.
+    A row is refused when each of its (at least 2) labels before the last position equals the next
+    input token and not every one equals its own (``first_row``: the file row of ``ids[0]``, to name)."""
+    lab, cur, nxt = labels[:, :-1], ids[:, :-1], ids[:, 1:]
+    kept = lab != IGNORE_INDEX
+    n = kept.sum(axis=1)
+    bad = np.flatnonzero((n >= 2) & ((kept & (lab == nxt)).sum(axis=1) == n) & ((kept & (lab == cur)).sum(axis=1) < n))
+    if bad.size:
+        r = int(bad[0])
+        at = where if first_row is None else f"{where}: row {first_row + r}"
+        raise ValueError(
+            f"{at}: labels are input_ids shifted by one (labels[i] == input_ids[i + 1] at all {int(n[r])} labelled "
+            "positions): give labels aligned with input_ids (labels[i] = input_ids[i], or -100 to leave a position "
+            "out; the model shifts them, as in transformers), else every position trains on the token two ahead"
+        )
 
 
 def _padded(ids: Any, labels: Any, S: int, pad_id: int, mask: Any = None) -> dict[str, np.ndarray]:
@@ -287,6 +308,9 @@ class _Packed(TokenData):
         check_token_range(self.arrays["labels"], self.vocab_size, f"{self.describe}: labels", allow=IGNORE_INDEX)
         mask = self.arrays["attention_mask"]
         rows = max(1, _SCAN_CHUNK // max(1, mask.shape[1]))
+        ids, labels = self.arrays["input_ids"], self.arrays["labels"]
+        for lo in range(0, ids.shape[0], rows):
+            _check_unshifted(np.asarray(ids[lo : lo + rows]), np.asarray(labels[lo : lo + rows]), self.describe, lo)
         for lo in range(0, mask.shape[0], rows):
             m = np.asarray(mask[lo : lo + rows])
             if ((m != 0) & (m != 1)).any():
