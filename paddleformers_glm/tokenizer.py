@@ -710,6 +710,14 @@ class GlmTokenizer:
             del out["attention_mask"]
         out.update({k: v for k, v in given.items() if k not in out})  # other keys as given
         if return_tensors is not None:
+            for k, v in out.items():  # a key pad does not pad (labels): named, as transformers names it
+                if k not in ("input_ids", "attention_mask", "token_type_ids", "special_tokens_mask"):
+                    if len({len(r) for r in v}) > 1:
+                        raise ValueError(
+                            f"pad: {k!r} rows have different lengths ({sorted({len(r) for r in v})}) and cannot "
+                            "form one tensor: pad pads input_ids and attention_mask only, as in transformers "
+                            "(a collator pads labels, with -100: DataCollatorForSeq2Seq)"
+                        )
             out = BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
         return BatchEncoding({k: v[0] for k, v in out.items()}) if single else out
 

@@ -251,6 +251,37 @@ def test_pad_for_data_collators():
     assert out["input_ids"].shape[0] == 2 and out["attention_mask"][0].sum() == len(feats[0]["input_ids"])
 
 
+# transformers 5.23 tokenizer.pad(..., return_tensors="pt") on features whose labels differ in length
+# (measured on the tiny checkpoint): ValueError "... Perhaps your features (`labels` in this case) have
+# excessive nesting ..."; without return_tensors both pass the labels through unpadded
+HF_PAD_RAGGED_LABELS = "Perhaps your features (`labels` in this case)"
+
+
+def test_pad_names_a_ragged_key_it_does_not_pad():
+    """Before: "pad: rows of different lengths ([1, 3]) cannot form one tensor; pass padding=True" --
+    padding was already on, and the rows at fault (labels, which pad leaves alone, as transformers'
+    does: HF_PAD_RAGGED_LABELS) were not named."""
+    tok = make_tiny_tokenizer()
+    feats = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    assert tok.pad([dict(f) for f in feats])["labels"] == [[5, 6, 7], [8]]  # passed through, as transformers
+    with pytest.raises(ValueError, match=r"pad: 'labels' rows have different lengths \(\[1, 3\]\)"):
+        tok.pad([dict(f) for f in feats], return_tensors="np")
+    out = tok.pad(
+        [{"input_ids": [5, 6, 7], "labels": [1, 2, 3]}, {"input_ids": [8], "labels": [4, 5, 6]}], return_tensors="np"
+    )
+    assert out["labels"].tolist() == [[1, 2, 3], [4, 5, 6]] and out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+
+
+def test_pad_of_ragged_labels_as_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    feats = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    with pytest.raises(ValueError) as e:
+        hf.pad(feats, return_tensors="pt")
+    assert HF_PAD_RAGGED_LABELS in str(e.value)
+
+
 def test_chat_template_batch_with_tensors():
     tok = make_tiny_tokenizer()
     convs = [CHAT[:2], [{"role": "user", "content": "Hi"}]]
