@@ -582,3 +582,60 @@ def test_transformers_shifts_the_labels_in_the_loss():
     labels = torch.tensor([[3, 7, 1, 9]])
     want = torch.nn.functional.cross_entropy(logits[0, :3], labels[0, 1:])
     assert torch.allclose(ForCausalLMLoss(logits, labels, vocab_size=11), want)
+
+
+# a GLM-like template that renders an assistant turn's tool calls (the tiny one prints content only)
+TOOL_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}{{ tc.function.arguments | tojson }}"
+    "</tool_call>{% endfor %}{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# OpenAI's / transformers' tool-calling format: the assistant turn that calls a tool has content null
+TOOL_CHAT = [
+    {"role": "user", "content": "What is two plus two?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "plus", "arguments": {"a": 2, "b": 2}}}],
+    },
+    {"role": "tool", "content": "4"},
+    {"role": "assistant", "content": "Four."},
+]
+# transformers 5.23 apply_chat_template(TOOL_CHAT, tokenize=False) with TOOL_TEMPLATE on the tiny
+# checkpoint's tokenizer (measured; test_tool_call_chat_renders_as_transformers checks it live)
+HF_TOOL_TEXT = (
+    '[gMASK]<sop><|user|>\nWhat is two plus two?<|assistant|>\n<tool_call>plus{"a": 2, "b": 2}</tool_call>'
+    "<|endoftext|><|tool|>\n4<|assistant|>\nFour.<|endoftext|>"
+)
+
+
+def test_a_tool_call_turn_with_null_content_is_trained(tmp_path):
+    """Before: refused ('message 1 must be an object with string "role" and "content"'), so no
+    tool-calling SFT data in OpenAI's format could be trained, where transformers' apply_chat_template
+    renders it (HF_TOOL_TEXT). Now the sample is that text, and the trained tokens are what the
+    assistant wrote (the tool call, the answer) and each turn's <|endoftext|>. A template that fails
+    on a record (here: a field it reads is absent) is one error naming the line, not a traceback."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE
+    path = _jsonl(tmp_path / "t.jsonl", [{"messages": TOOL_CHAT}])
+    prepare_jsonl(path, 128, 256, tok, str(tmp_path / "t.npz"))
+    s = open_data(str(tmp_path / "t.npz"), 128, 256, 0).sample(0)
+    n = int(s["attention_mask"].sum())
+    assert tok.decode(s["input_ids"][:n].tolist()) == HF_TOOL_TEXT
+    keep = s["labels"] != IGNORE_INDEX
+    got = [tok.decode(s["input_ids"][a:b].tolist()) for a, b in _true_runs(keep)]
+    assert got == ['<tool_call>plus{"a": 2, "b": 2}</tool_call><|endoftext|>', "Four.<|endoftext|>"]
+    bad = [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]
+    with pytest.raises(ValueError, match=r'b\.jsonl:1: message 0: "content" must be a string, a list of parts or null, got int'):  # fmt: skip
+        prepare_jsonl(_jsonl(tmp_path / "b.jsonl", [{"messages": bad}]), 128, 256, tok, str(tmp_path / "b.npz"))
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content.strip() }}{% endfor %}"
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: the chat template fails on this record: UndefinedError"):
+        prepare_jsonl(path, 128, 256, tok, str(tmp_path / "u.npz"))
+
+
+def test_tool_call_chat_renders_as_transformers(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    hf.chat_template = TOOL_TEMPLATE
+    assert hf.apply_chat_template(TOOL_CHAT, tokenize=False) == HF_TOOL_TEXT

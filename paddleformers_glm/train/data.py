@@ -437,6 +437,8 @@ def prepare_jsonl(
     token ids generation stops on beside the tokenizer's EOS (the checkpoint's generation_config.json
     ``eos_token_id``); a chat record trains the one that ends each assistant turn
     (``encode_chat_for_training``).  Returns a summary (kind, records, tokens, samples)."""
+    from jinja2 import TemplateError  # the chat template's engine (the tokenizer's dependency)
+
     kind = jsonl_kind(path)
     if kind == "input_ids":
         raise ValueError(f"{path}: holds token ids; open it with open_data directly")
@@ -481,8 +483,15 @@ def prepare_jsonl(
             if not isinstance(msgs, list) or not msgs:
                 raise ValueError(f'{where}: "messages" must be a non-empty list')
             for j, m in enumerate(msgs):
-                if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
-                    raise ValueError(f'{where}: message {j} must be an object with string "role" and "content"')
+                # content as transformers' chat templates take it: a string, a list of parts
+                # ([{"type": "text", "text": ...}]), or null / absent (an assistant turn of tool_calls only)
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+                    raise ValueError(f'{where}: message {j} must be an object with a string "role"')
+                if not (m.get("content") is None or isinstance(m["content"], (str, list))):
+                    got = type(m["content"]).__name__
+                    raise ValueError(
+                        f'{where}: message {j}: "content" must be a string, a list of parts or null, got {got}'
+                    )
             if not any(m["role"] == "assistant" for m in msgs):
                 raise ValueError(f"{where}: no assistant message, so nothing to train on")
             # the record's tools / documents reach the template as HF's apply_chat_template(messages, tools=...)
@@ -496,6 +505,8 @@ def prepare_jsonl(
                 ids, mine = tokenizer.encode_chat_for_training(msgs, stop_ids=stop_ids, **extra)
             except ValueError as e:  # the template's own complaint, located
                 raise ValueError(f"{where}: {e}") from e
+            except (TemplateError, TypeError) as e:  # the template failed on this record (a field it reads is absent)
+                raise ValueError(f"{where}: the chat template fails on this record: {type(e).__name__}: {e}") from e
             _check_ids(ids, vocab_size, f"{where}: tokenized conversation")
             if not any(mine[1:S]):  # position 0 is never a target
                 raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
