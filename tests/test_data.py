@@ -97,7 +97,7 @@ def test_chat_labels_are_the_assistant_tokens_only(tmp_path):
         ([{"text": "Hello there."}, {"text": "Fine."}, {"text": "  "}], r"t.jsonl:3: \"text\" must be a non-empty"),
         ([{"text": "Hello."}, {"messages": CHATS[0]}], r"t.jsonl:2: a \"messages\" record in a file of \"text\""),
         ([{"messages": CHATS[0]}, {"messages": [{"role": "user", "content": "Hi"}]}], r"t.jsonl:2: no assistant"),
-        ([{"messages": CHATS[0]}, {"messages": [{"role": "user"}]}], r"t.jsonl:2: message 0 must be an object"),
+        ([{"messages": CHATS[0]}, {"messages": [{"content": "Hi"}]}], r"t.jsonl:2: message 0 must be an object"),
         ([{"text": "Hello."}, {"foo": 1}], r"t.jsonl:2: expected an object with exactly one of"),
         ([{"text": "Hello."}], r"t.jsonl: \d+ tokens \(EOS included\) make 0 windows of --seq-len 64; 1 are needed"),
     ],
