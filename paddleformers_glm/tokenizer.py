@@ -889,8 +889,10 @@ class GlmTokenizer:
             upto = self.render_chat(messages[: i + 1], **extra)
             if not upto.startswith(before) or not full.startswith(upto):
                 raise TokenizerError(
-                    f"message {i}: the chat template does not render this conversation prefix by prefix, "
-                    "so the assistant's tokens cannot be located"
+                    f"message {i}: the chat template does not render this conversation prefix by prefix (GLM's "
+                    "drops the reasoning of turns before the last user message), so the assistant's tokens cannot "
+                    "be located: mark them in the template with {% generation %}...{% endgeneration %}, as "
+                    "transformers' return_assistant_tokens_mask needs"
                 )
             spans.append((len(before), len(upto)))
         return full, spans

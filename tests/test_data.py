@@ -639,3 +639,50 @@ def test_tool_call_chat_renders_as_transformers(tiny_dir):
     hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     hf.chat_template = TOOL_TEMPLATE
     assert hf.apply_chat_template(TOOL_CHAT, tokenize=False) == HF_TOOL_TEXT
+
+
+# GLM's way with reasoning (its chat template): an assistant turn before the last user message is
+# rendered with its reasoning dropped ("<think></think>"), the ones after it with theirs
+GLM_THINK_TEMPLATE = (
+    "[gMASK]<sop>{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}{% if m.role == 'user' %}"
+    "<|user|>{{ m.content }}{% elif m.role == 'assistant' %}<|assistant|>{% generation %}"
+    "{% if loop.index0 > ns.last and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% else %}<think></think>{% endif %}{{ m.content }}{% endgeneration %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+THINK_CHAT = [
+    {"role": "user", "content": "Two plus two?"},
+    {"role": "assistant", "reasoning_content": "2+2=4", "content": "Four."},
+    {"role": "user", "content": "Thanks"},
+    {"role": "assistant", "reasoning_content": "polite", "content": "Welcome."},
+]
+# transformers 5.23 apply_chat_template(THINK_CHAT, return_assistant_tokens_mask=True, return_dict=True)
+# with GLM_THINK_TEMPLATE on the tiny tokenizer: the decoded tokens its assistant_masks marks (measured)
+HF_THINK_MASKED = "<think></think>Four.<think>polite</think>Welcome."
+
+
+def test_multi_turn_reasoning_needs_generation_blocks_and_says_so(tmp_path):
+    """A multi-turn conversation with reasoning under a GLM-style template does not render prefix by
+    prefix (the first answer's reasoning is dropped once a later user message follows), so without
+    `{% generation %}` blocks its assistant tokens cannot be found: refused naming the line, and now
+    saying what to do (before: no hint). With the blocks, the trained tokens are HF's assistant_masks
+    (HF_THINK_MASKED) and the EOS that ends the conversation."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = GLM_THINK_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    path = _jsonl(tmp_path / "t.jsonl", [{"messages": THINK_CHAT}])
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: message 1: .* prefix by prefix .* with \{% generation %\}"):
+        prepare_jsonl(path, 64, 256, tok, str(tmp_path / "a.npz"))
+    tok.chat_template = GLM_THINK_TEMPLATE
+    prepare_jsonl(path, 64, 256, tok, str(tmp_path / "b.npz"))
+    s = open_data(str(tmp_path / "b.npz"), 64, 256, 0).sample(0)
+    keep = s["labels"] != IGNORE_INDEX
+    assert tok.decode(s["input_ids"][keep].tolist()) == HF_THINK_MASKED + "<|endoftext|>"
+
+
+def test_multi_turn_reasoning_masks_as_transformers(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    hf.chat_template = GLM_THINK_TEMPLATE
+    enc = hf.apply_chat_template(THINK_CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert hf.decode([t for t, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]) == HF_THINK_MASKED
