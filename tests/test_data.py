@@ -686,3 +686,35 @@ def test_multi_turn_reasoning_masks_as_transformers(tiny_dir):
     hf.chat_template = GLM_THINK_TEMPLATE
     enc = hf.apply_chat_template(THINK_CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert hf.decode([t for t, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]) == HF_THINK_MASKED
+
+
+@pytest.mark.parametrize(
+    "record,msg",
+    [
+        (
+            {"txt": "hi"},
+            r"expected an object with exactly one of \"input_ids\", \"text\" or \"messages\", got an object with keys \['txt'\]",
+        ),
+        ([1, 2], r"expected an object with exactly one of .* got \[1, 2\]"),
+        ({"text": 5}, r"\"text\" must be a non-empty string, got 5"),
+        ({"text": None}, r"\"text\" must be a non-empty string, got null"),
+        ({"text": True}, r"\"text\" must be a non-empty string, got true"),
+        ({"messages": "hi"}, r"\"messages\" must be a non-empty list, got 'hi'"),
+    ],
+)
+def test_a_bad_record_names_what_it_held(tmp_path, record, msg):
+    """A bad record's error names the line, what was expected and what the record held (before: the
+    expectation only, e.g. 't.jsonl:2: "text" must be a non-empty string' for {"text": 5})."""
+    path = _jsonl(
+        tmp_path / "t.jsonl", [{"messages": CHATS[0]} if "messages" in str(record) else {"text": "ok"}, record]
+    )
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: " + msg):
+        prepare_jsonl(path, 64, 256, make_tiny_tokenizer(), str(tmp_path / "t.npz"))
+
+
+def test_a_bad_token_id_record_names_what_it_held(tmp_path):
+    path = _jsonl(tmp_path / "t.jsonl", [{"input_ids": [1, 2]}, {"input_ids": "1 2 3"}])
+    with pytest.raises(
+        ValueError, match=r"t\.jsonl:2: expected an object with a non-empty list `input_ids`, got '1 2 3'"
+    ):
+        open_data(path, 8, 64, 0)

@@ -142,7 +142,8 @@ class _Jsonl(TokenData):
                 hint = ""
                 if isinstance(rec, dict) and ("text" in rec or "messages" in rec):
                     hint = " (text and chat records are tokenized first: `glm52 train` does it, or prepare_jsonl)"
-                raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`{hint}")
+                got = _got(rec.get("input_ids")) if isinstance(rec, dict) and "input_ids" in rec else _got(rec)
+                raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`, got {got}{hint}")
             _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
             if "labels" in rec:
                 _check_ids(rec["labels"], vocab_size, f"{path}:{ln}: labels", allow=IGNORE_INDEX)
@@ -404,13 +405,23 @@ def _check_unicode(value: Any, where: str, key: str) -> None:
             _check_unicode(v, where, f"{key}[{i}]")
 
 
+def _got(value: Any) -> str:
+    """What a record held instead, for an error: a short repr of a value, or an object's keys."""
+    if isinstance(value, dict):
+        return f"an object with keys {sorted(value)[:8]}"
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def jsonl_kind(path: str) -> str:
     """ "input_ids", "text" or "messages": what the file's records hold (one kind per file)."""
     first = ""
     for ln, rec in _iter_jsonl(path):
         kinds = [k for k in ("input_ids", "text", "messages") if isinstance(rec, dict) and k in rec]
         if len(kinds) != 1:
-            raise ValueError(f'{path}:{ln}: expected an object with exactly one of "input_ids", "text" or "messages"')
+            raise ValueError(
+                f'{path}:{ln}: expected an object with exactly one of "input_ids", "text" or "messages", got {_got(rec)}'
+            )
         first = first or kinds[0]
         if kinds[0] != first:
             raise ValueError(f'{path}:{ln}: a "{kinds[0]}" record in a file of "{first}" records (one kind per file)')
@@ -455,7 +466,7 @@ def prepare_jsonl(
             records += 1
             text = rec["text"]
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f'{path}:{ln}: "text" must be a non-empty string')
+                raise ValueError(f'{path}:{ln}: "text" must be a non-empty string, got {_got(text)}')
             _check_unicode(text, f"{path}:{ln}", '"text"')
             ids = tokenizer.encode(text, add_special_tokens=False)
             if not ids:
@@ -481,7 +492,7 @@ def prepare_jsonl(
             msgs = rec["messages"]
             where = f"{path}:{ln}"
             if not isinstance(msgs, list) or not msgs:
-                raise ValueError(f'{where}: "messages" must be a non-empty list')
+                raise ValueError(f'{where}: "messages" must be a non-empty list, got {_got(msgs)}')
             for j, m in enumerate(msgs):
                 # content as transformers' chat templates take it: a string, a list of parts
                 # ([{"type": "text", "text": ...}]), or null / absent (an assistant turn of tool_calls only)
