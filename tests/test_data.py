@@ -718,3 +718,22 @@ def test_a_bad_token_id_record_names_what_it_held(tmp_path):
         ValueError, match=r"t\.jsonl:2: expected an object with a non-empty list `input_ids`, got '1 2 3'"
     ):
         open_data(path, 8, 64, 0)
+
+
+def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, capsys):
+    """A conversation longer than --seq-len (64 by default) is cut to it, and what is cut is not
+    trained; this happened silently (before: the command printed the records, tokens and samples
+    only). Now the summary counts them and the command says how many and the longest's length."""
+    tok = make_tiny_tokenizer()
+    lengths = [len(tok.encode_chat_for_training(m)[0]) for m in CHATS]
+    S = min(lengths)  # the longer conversation is cut, the shorter is not (34 and 35 tokens)
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    info = prepare_jsonl(path, S, 256, tok, str(tmp_path / "c.npz"))
+    assert (info["cut"], info["longest"]) == (1, max(lengths))
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_dir, "--seq-len", str(S), "--global-batch-size", "2", "--steps", "1"]
+    assert main([*args, "--data", path, "--out", str(out), "--no-progress", "--lr", "0"]) == 0
+    said = (
+        f"1 of 2 conversations are longer than --seq-len {S} and were cut to it (the longest has {max(lengths)} tokens)"
+    )
+    assert said in capsys.readouterr().out

@@ -320,6 +320,11 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
             f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "
             f"-> {info['samples']} samples of {cfg.seq_len} ({out}); the run reads {epochs:.3g} epochs"
         )
+        if info.get("cut"):  # what --seq-len leaves out of a conversation is not trained: said, not silent
+            print(
+                f"[glm52 train] data {cfg.data}: {info['cut']} of {info['records']} conversations are longer than "
+                f"--seq-len {cfg.seq_len} and were cut to it (the longest has {info['longest']} tokens)"
+            )
         cfg.data = out
     data = open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     data.validate()

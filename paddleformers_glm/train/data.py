@@ -447,7 +447,8 @@ def prepare_jsonl(
     ``min_samples`` samples (the trainer asks for one global batch) must result.  ``stop_ids``: the
     token ids generation stops on beside the tokenizer's EOS (the checkpoint's generation_config.json
     ``eos_token_id``); a chat record trains the one that ends each assistant turn
-    (``encode_chat_for_training``).  Returns a summary (kind, records, tokens, samples)."""
+    (``encode_chat_for_training``).  Returns a summary (kind, records, tokens, samples; for chat also
+    "cut": the conversations longer than ``seq_len``, cut to it, and "longest": the longest's tokens)."""
     from jinja2 import TemplateError  # the chat template's engine (the tokenizer's dependency)
 
     kind = jsonl_kind(path)
@@ -486,6 +487,7 @@ def prepare_jsonl(
     else:
         pad = int(tokenizer.pad_token_id or 0)
         rows: list[dict[str, np.ndarray]] = []
+        cut = longest = 0  # conversations longer than --seq-len, and the longest's tokens
         tokens = 0
         for ln, rec in _iter_jsonl(path):
             records += 1
@@ -521,6 +523,8 @@ def prepare_jsonl(
             _check_ids(ids, vocab_size, f"{where}: tokenized conversation")
             if not any(mine[1:S]):  # position 0 is never a target
                 raise ValueError(f"{where}: no assistant token within the first --seq-len {S} tokens")
+            if len(ids) > S:  # cut: counted, so the command can say how much --seq-len leaves out
+                cut, longest = cut + 1, max(longest, len(ids))
             ids, mine = ids[:S], mine[:S]
             labels = np.where(np.asarray(mine, dtype=bool), np.asarray(ids, dtype=np.int64), IGNORE_INDEX)
             # labels -100 on every token but the assistant's and each of its turns' end
@@ -532,7 +536,10 @@ def prepare_jsonl(
         arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     with atomic_open(out_path, "wb") as f:
         np.savez(f, **arrays)
-    return {"kind": kind, "records": records, "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
+    info = {"kind": kind, "records": records, "tokens": tokens, "samples": int(arrays["input_ids"].shape[0])}
+    if kind == "messages":
+        info |= {"cut": cut, "longest": longest}
+    return info
 
 
 def _load_npy(path: str, **kw: Any) -> Any:
