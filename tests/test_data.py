@@ -721,7 +721,7 @@ def test_a_bad_token_id_record_names_what_it_held(tmp_path):
 
 
 def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, capsys):
-    """A conversation longer than --seq-len (64 by default) is cut to it, and what is cut is not
+    """A conversation (or token-id record) longer than --seq-len (64 by default) is cut to it, and what is cut is not
     trained; this happened silently (before: the command printed the records, tokens and samples
     only). Now the summary counts them and the command says how many and the longest's length."""
     tok = make_tiny_tokenizer()
@@ -737,3 +737,10 @@ def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, c
         f"1 of 2 conversations are longer than --seq-len {S} and were cut to it (the longest has {max(lengths)} tokens)"
     )
     assert said in capsys.readouterr().out
+    ids = _jsonl(tmp_path / "ids.jsonl", [{"input_ids": list(range(1, n + 1))} for n in (3, 12, 9)])
+    toy = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--steps", "1", "--no-progress"]
+    assert main([*toy, "--data", ids, "--out", str(tmp_path / "r2")]) == 0
+    assert (
+        "2 of 3 records are longer than --seq-len 8 and were cut to it (the longest has 12 tokens)"
+        in capsys.readouterr().out
+    )

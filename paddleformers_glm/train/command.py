@@ -328,6 +328,11 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         cfg.data = out
     data = open_data(cfg.data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
     data.validate()
+    if getattr(data, "cut", 0):  # token-id records longer than --seq-len: cut, as conversations are
+        print(
+            f"[glm52 train] data {cfg.data}: {data.cut} of {data.num_samples} records are longer than "
+            f"--seq-len {cfg.seq_len} and were cut to it (the longest has {data.longest} tokens)"
+        )
     check_batch_samples(data, cfg.global_batch_size)
     if cfg.resume:
         from .settings import check_resume_run

@@ -176,6 +176,9 @@ class _Jsonl(TokenData):
         if not self.records:
             raise ValueError(f"{path}: no records")
         self.num_samples = len(self.records)
+        lengths = [len(r["input_ids"]) for r in self.records]
+        self.cut = sum(n > seq_len for n in lengths)  # records --seq-len cuts (the command says so)
+        self.longest = max(lengths)
         self.pad_id = pad_id
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
