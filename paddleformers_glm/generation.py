@@ -27,7 +27,9 @@ __all__ = [
     "CudaGraphDecodeStep",
     "GenerationConfig",
     "check_generation_length",
+    "derived_from_model_config",
     "generate",
+    "generation_config_to_save",
     "generate_speculative",
     "resolve_settings",
 ]
@@ -78,6 +80,38 @@ UNSUPPORTED_OFF: dict[str, Any] = {
 }
 _SPECIAL_TOKENS = ("eos_token_id", "pad_token_id", "bos_token_id")
 
+# The version a generation_config.json this package writes names, as transformers' save_pretrained
+# writes its own: the reference this package follows.
+REFERENCE_TRANSFORMERS_VERSION = "5.23.0"
+# Every option of transformers 5.23's GenerationConfig (its to_dict() less the metadata): the keys
+# it takes from a model config when it derives a generation config from one (from_model_config).
+HF_GENERATION_KEYS = frozenset(
+    """assistant_confidence_threshold assistant_early_exit assistant_ensemble_weight assistant_lookbehind
+    bad_words_ids begin_suppress_tokens bos_token_id cache_config cache_implementation compile_config constraints
+    continuous_batching_config decoder_start_token_id disable_compile diversity_penalty do_sample dola_layers
+    early_stopping encoder_no_repeat_ngram_size encoder_repetition_penalty eos_token_id epsilon_cutoff eta_cutoff
+    exponential_decay_length_penalty force_words_ids forced_bos_token_id forced_eos_token_id guidance_scale
+    is_assistant length_penalty low_memory max_cache_len max_length max_matching_ngram_size max_new_tokens max_time
+    min_length min_new_tokens min_p no_repeat_ngram_size num_assistant_tokens num_assistant_tokens_schedule
+    num_beam_groups num_beams num_return_sequences output_attentions output_hidden_states output_logits
+    output_scores pad_token_id penalty_alpha prefill_chunk_size prompt_lookup_num_tokens remove_invalid_values
+    renormalize_logits repetition_penalty return_dict_in_generate sequence_bias speculation_type stop_strings
+    suppress_tokens target_lookbehind temperature token_healing top_h top_k top_p typical_p use_cache use_mtp
+    watermarking_config""".split()
+)
+_EXTRA_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+
+
+def derived_from_model_config(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """What transformers 5.23 derives from a model config (``GenerationConfig.from_model_config``):
+    its generation keys that are not null, ``return_dict_in_generate`` set when an ``output_*`` flag is,
+    marked ``_from_model_config``. A model loaded from a folder without generation_config.json takes it
+    from the folder's config.json as written; one built from a config, from the config object."""
+    out = {k: v for k, v in config_dict.items() if k in HF_GENERATION_KEYS and v is not None}
+    if not out.get("return_dict_in_generate") and any(out.get(k) for k in _EXTRA_OUTPUT_FLAGS):
+        out["return_dict_in_generate"] = True
+    return out | {"_from_model_config": True}
+
 
 @dataclass
 class GenerationConfig:
@@ -123,15 +157,25 @@ class GenerationConfig:
 
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationConfig:
-        """What HF derives when a checkpoint has no generation_config.json: the special tokens."""
-        return cls(**{k: getattr(config, k, None) for k in _SPECIAL_TOKENS})
+        """What transformers derives for a model built from ``config`` (no checkpoint folder): from the
+        config object, whose class defaults (``bos_token_id`` 0, ``use_cache``) and PreTrainedConfig's
+        ``output_attentions`` / ``output_hidden_states`` (false) it holds beside the file's keys."""
+        held = {"output_attentions": False, "output_hidden_states": False}
+        held |= {k: getattr(config, k, None) for k in (*_SPECIAL_TOKENS, "use_cache")}
+        return cls.from_dict(derived_from_model_config(held | config.to_dict()), source="the model config")
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, config: Any = None) -> GenerationConfig:
-        """``folder/generation_config.json`` (a folder without one: :meth:`from_model_config` of
-        ``config``). Special tokens the file does not set come from ``config``."""
+        """``folder/generation_config.json``, special tokens it does not set from ``config``. A folder
+        without one: what transformers derives from its config.json as written
+        (:func:`derived_from_model_config`; ``config``'s keys where the folder has no config.json)."""
         path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
-        gc = cls.from_dict(read_json(path, "the generation config"), source=path) if os.path.isfile(path) else cls()
+        if not os.path.isfile(path):
+            model_file = os.path.join(os.fspath(folder), "config.json")
+            held = read_json(model_file, "the model config") if os.path.isfile(model_file) else None
+            held = held if isinstance(held, dict) else config.to_dict() if config is not None else {}
+            return cls.from_dict(derived_from_model_config(held), source=f"{model_file} (no {GENERATION_CONFIG_FILE})")
+        gc = cls.from_dict(read_json(path, "the generation config"), source=path)
         for k in _SPECIAL_TOKENS:  # no config: getattr(None, k, None) leaves them unset
             if getattr(gc, k) is None:
                 setattr(gc, k, getattr(config, k, None))
@@ -176,11 +220,25 @@ class GenerationConfig:
 
 def generation_config_of(model: Any) -> GenerationConfig:
     """The model's generation defaults: the checkpoint folder's generation_config.json when the
-    model was loaded from one (``model.source_path``), else its config's special tokens."""
+    model was loaded from one (``model.source_path``; a folder without one: what transformers derives
+    from its config.json), else what transformers derives from its config."""
     src = getattr(model, "source_path", None)
     if src and os.path.isdir(src):
         return GenerationConfig.from_pretrained(src, model.config)
     return GenerationConfig.from_model_config(model.config)
+
+
+def generation_config_to_save(model: Any) -> dict[str, Any] | None:
+    """The generation_config.json a save of ``model`` writes, as transformers' ``save_pretrained``
+    writes the model's ``generation_config`` (naming ``transformers_version``): None when the folder the
+    model was loaded from has one and the model's is what it gives (the file is carried as it is)."""
+    own = generation_config_of(model)
+    held = model.__dict__.get("_generation_config")
+    now = own.to_dict() if held is None else held.to_dict() if hasattr(held, "to_dict") else dict(held)
+    src = getattr(model, "source_path", None)
+    if src and os.path.isfile(os.path.join(src, GENERATION_CONFIG_FILE)) and now == own.to_dict():
+        return None
+    return now | {"transformers_version": REFERENCE_TRANSFORMERS_VERSION}
 
 
 # --------------------------------------------------------------------------- resolution

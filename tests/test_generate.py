@@ -417,7 +417,79 @@ def test_save_pretrained_writes_a_changed_generation_config(tmp_path):
     model.generation_config = GenerationConfig(max_new_tokens=4, eos_token_id=[7])  # assigned: saved as it is
     model.save_pretrained(tmp_path / "assigned")
     saved = json.loads((tmp_path / "assigned/generation_config.json").read_text())
-    assert saved == {"max_new_tokens": 4, "eos_token_id": [7]}
+    # measured, HF: {eos_token_id: [7], max_new_tokens: 4, transformers_version: "5.23.0"} (the version
+    # was left out before)
+    assert saved == {"max_new_tokens": 4, "eos_token_id": [7], "transformers_version": "5.23.0"}
+
+
+# Measured, transformers 5.23: fixture "tiny" (its config.json: eos_token_id [1, 2], pad_token_id 0,
+# use_cache true, no bos_token_id; no generation_config.json) loaded with AutoModelForCausalLM and saved
+# writes a generation_config.json derived from config.json (GenerationConfig.from_pretrained(folder,
+# config_file_name="config.json", _from_model_config=True): the generation keys it sets, not null):
+HF_DERIVED_TINY = {
+    "_from_model_config": True,
+    "eos_token_id": [1, 2],
+    "pad_token_id": 0,
+    "transformers_version": "5.23.0",
+    "use_cache": True,
+}
+# ... and a model built from that config (AutoModelForCausalLM.from_config) saves from_model_config(config):
+# the config object's generation keys, its class defaults (bos_token_id 0) and PreTrainedConfig's
+# output_attentions / output_hidden_states (false) included.
+HF_FROM_CONFIG_TINY = HF_DERIVED_TINY | {"bos_token_id": 0, "output_attentions": False, "output_hidden_states": False}
+
+
+def test_save_of_a_folder_without_generation_config_writes_the_one_derived_from_config(tmp_path):
+    """transformers' save_pretrained always writes the model's generation_config; loaded from a folder
+    without generation_config.json it is the one derived from config.json (HF_DERIVED_TINY, measured),
+    ``_from_model_config`` kept after a change (measured: max_new_tokens 9 saved beside it). Before:
+    no generation_config.json was written. Reading the derived file back, generate stops on its EOS as
+    HF's does: measured, HF's generate on HF's save, prompts [132, 30, 149, 192, 105] and [80, 245,
+    110, 160, 147], max_new_tokens 8 -> [241, 76, 241, 124, 2, 0] and [91, 79, 159, 33, 34, 2]."""
+    import json
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path), dtype="float32")
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved/generation_config.json").read_text()) == HF_DERIVED_TINY
+    again = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "saved", dtype="float32")
+    ids = paddle.to_tensor([[132, 30, 149, 192, 105], [80, 245, 110, 160, 147]])
+    np.testing.assert_array_equal(
+        again.generate(ids, max_new_tokens=8).numpy()[:, 5:],
+        [[241, 76, 241, 124, 2, 0], [91, 79, 159, 33, 34, 2]],
+    )
+    again.save_pretrained(tmp_path / "resaved")  # now carried: the same file
+    assert json.loads((tmp_path / "resaved/generation_config.json").read_text()) == HF_DERIVED_TINY
+    model.generation_config.max_new_tokens = 9
+    model.save_pretrained(tmp_path / "changed")
+    changed = json.loads((tmp_path / "changed/generation_config.json").read_text())
+    assert changed == HF_DERIVED_TINY | {"max_new_tokens": 9}
+
+
+def test_save_of_a_model_built_from_a_config_writes_hfs_from_model_config(tmp_path):
+    """A model built from a config (no folder) saves transformers' ``from_model_config`` of it
+    (HF_FROM_CONFIG_TINY, measured). Before: no generation_config.json was written."""
+    import json
+
+    from paddleformers_glm import GlmMoeDsaConfig
+
+    config = GlmMoeDsaConfig.from_pretrained(FIXTURES / "tiny" / "checkpoint")
+    GlmMoeDsaForCausalLM(config, dtype="float32").save_pretrained(tmp_path / "built")
+    assert json.loads((tmp_path / "built/generation_config.json").read_text()) == HF_FROM_CONFIG_TINY
+
+
+def test_derived_generation_config_equals_transformers_live(tmp_path):
+    """The live twin of the two tests above: transformers' save of the same folder / config."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    src = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf/generation_config.json").read_text()) == HF_DERIVED_TINY
+    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src))
+    built.save_pretrained(tmp_path / "hf_built")
+    assert json.loads((tmp_path / "hf_built/generation_config.json").read_text()) == HF_FROM_CONFIG_TINY
 
 
 def test_sampling_only_settings_do_not_stop_greedy_decoding(tmp_path):

@@ -257,6 +257,8 @@ def save_pretrained_distributed(
         raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
     t0 = time.perf_counter()
     config = config if config is not None else model.config
+    if generation_config is None and hasattr(model, "_changed_generation_config"):
+        generation_config = model._changed_generation_config()  # what the model's save_pretrained writes
     topo = topo or Topology.single()
     out_dir = save_target(save_directory)
     info = export_distributed(

@@ -479,16 +479,11 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         return save_pretrained_state(self, self.config, save_directory, **kwargs)
 
     def _changed_generation_config(self) -> dict | None:
-        """``generation_config`` as a save writes it, when it was changed after loading (assigned, or a
-        field set); None when it is what the loaded folder (or the config) gives, whose file is carried as
-        it is. transformers' ``save_pretrained`` writes the model's ``generation_config``: a change is saved."""
-        held = self.__dict__.get("_generation_config")
-        if held is None:
-            return None
-        from ..generation import generation_config_of
+        """``generation_config`` as a save writes it (``generation.generation_config_to_save``): None
+        when the loaded folder's generation_config.json is carried as it is."""
+        from ..generation import generation_config_to_save
 
-        now = held.to_dict() if hasattr(held, "to_dict") else dict(held)  # ours, transformers' or a dict
-        return None if now == generation_config_of(self).to_dict() else now
+        return generation_config_to_save(self)
 
     # ------------------------------------------------------------------ the usual model API
     @property
