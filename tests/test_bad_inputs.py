@@ -305,9 +305,9 @@ def test_nan_fp8_scale_is_refused_by_from_pretrained_and_named_by_check_ckpt(tmp
         GlmMoeDsaForCausalLM.from_pretrained(folder)
     ref = FIXTURES / "tiny_fp8" / "checkpoint"
     rc = main(["check-ckpt", str(ref), str(folder), "--quiet"])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # unusable input: on stderr
     assert rc == 2, out
-    assert f"cand: FP8 scale {scale} (F32, file {folder}/" in out and "holds 1 NaN/Inf values" in out, out
+    assert f"check-ckpt: cand: FP8 scale {scale} (F32, file {folder}/" in out and "holds 1 NaN/Inf values" in out, out
     rc = main(["check-ckpt", str(ref), str(folder), "--quiet", "--allow-nonfinite"])
     out = capsys.readouterr().out
     assert rc == 1 and f"warning: cand: FP8 scale {scale}" in out, out  # compared: the scale differs
@@ -320,7 +320,7 @@ def test_check_ckpt_refuses_identical_nan_checkpoints(nan_tiny, tmp_path, capsys
     twin = tmp_path / "twin"
     shutil.copytree(nan_tiny, twin)
     rc = main(["check-ckpt", str(nan_tiny), str(twin), "--quiet"])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # unusable input: on stderr
     assert rc == 2 and "ref: tensor model.layers.0.input_layernorm.weight (BF16" in out, out
     assert "cand: tensor model.layers.0.input_layernorm.weight (BF16" in out, out
 

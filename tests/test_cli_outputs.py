@@ -306,3 +306,27 @@ def test_train_refuses_a_dump_folder_that_cannot_be_made_before_training(tmp_pat
     line = _one_line(capsys.readouterr().err)
     assert line.startswith(f"glm52 train: error: --dump-step {d}: ") and "not a folder" in line, line
     assert f.read_text() == "keep me" and not out.exists()
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
+def test_check_ckpt_names_unusable_input_on_stderr(tmp_path, capsys):
+    """As every glm52 command (check-loss, convert, generate, plan ...), unusable input is one line per
+    problem on stderr, exit 2, nothing on stdout. Before: ``check-ckpt: unusable input (exit 2)`` and an
+    indented ``error:`` line on stdout, stderr empty."""
+    missing = tmp_path / "nope"
+    assert main(["check-ckpt", str(missing), str(FIXTURE), "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert _one_line(err) == f"check-ckpt: ref: path does not exist; file={missing}"
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"{}")  # shorter than a header length
+    assert main(["check-ckpt", str(FIXTURE), str(bad), "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert out == "" and line.startswith("check-ckpt: cand: ") and str(bad) in line, (out, err)
+    assert main(["check-ckpt", str(missing), str(bad), "--quiet"]) == 2  # both named, one line each
+    out, err = capsys.readouterr()
+    assert out == "" and [ln.split(":")[1] for ln in err.splitlines()] == [" ref", " cand"], err
+    assert main(["check-ckpt", str(FIXTURE), str(FIXTURE), "--quiet"]) == 0  # a verdict stays on stdout
+    out, err = capsys.readouterr()
+    assert out.startswith("check-ckpt: match (exit 0)") and err == ""

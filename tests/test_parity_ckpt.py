@@ -43,8 +43,14 @@ def _copy(ckpts, name, tmp_path):
 
 
 def _run(capsys, *args):
+    """Exit code and the printed text: the verdict on stdout, or, for unusable input (exit 2), its
+    one-line errors on stderr with nothing on stdout (as every glm52 command)."""
     code = main(["check-ckpt", *map(str, args)])
-    return code, capsys.readouterr().out
+    cap = capsys.readouterr()
+    if code == 2:
+        assert cap.out == "", cap.out
+        return code, cap.err
+    return code, cap.out
 
 
 def _receipt(tmp_path, capsys, *args):

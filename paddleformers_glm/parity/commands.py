@@ -68,7 +68,11 @@ def _run_check_ckpt(args: argparse.Namespace) -> int:
     report = check_checkpoints(args.ref, args.cand, layout=args.layout, allow_nonfinite=args.allow_nonfinite)
     if args.json_out and not _write_receipt("check-ckpt", args.json_out, report):
         return 2
-    print("\n".join(summary_lines(report)))
+    if report["result"] == "unusable input":  # as every glm52 command: one line a problem, on stderr
+        for e in report["errors"]:
+            print(f"check-ckpt: {e}", file=sys.stderr)
+    else:
+        print("\n".join(summary_lines(report)))
     return int(report["exit_code"])
 
 
