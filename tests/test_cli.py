@@ -165,6 +165,26 @@ def test_generate_names_a_torn_shard_in_one_line(tiny_dir, tmp_path, capsys):
     assert line.startswith("glm52 generate: error: truncated safetensors file") and "model-00002-of-00002" in line
 
 
+@pytest.mark.parametrize("cut", ["empty", "mid-tensor"])
+def test_train_refuses_a_torn_shard_before_launch(tiny_dir, tmp_path, capsys, cut):
+    """A torn shard (a copy cut short: empty, or its header intact and its tensors cut) was found by
+    the worker loading the weights: exit 1 and a failure record in OUT/logs. Now the headers and
+    sizes are checked before launch, as glm52 generate refuses the same folder: one line naming the
+    file, exit 2, OUT not made."""
+    import shutil
+
+    model = tmp_path / "torn"
+    shutil.copytree(tiny_dir, model)
+    shard = model / "model-00002-of-00002.safetensors"
+    shard.write_bytes(b"" if cut == "empty" else shard.read_bytes()[: shard.stat().st_size // 2])
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(model), "--steps", "1", "--seq-len", "16", "--global-batch-size", "1"]
+    assert main([*argv, "--out", str(out)]) == 2
+    line = _one_line("\n".join(ln for ln in capsys.readouterr().err.splitlines() if "INFO" not in ln))
+    assert line.startswith("glm52 train: error: truncated safetensors file") and str(shard) in line, line
+    assert not out.exists()
+
+
 def test_generate_refuses_a_huge_length_before_loading_anything(tiny_dir):
     """The old failure grew to 12 GB and was OOM-killed; now a bound on the length, before Paddle
     is even imported (the run is short; its time is printed by the test for the report)."""

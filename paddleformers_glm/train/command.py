@@ -293,6 +293,8 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     from ..tokenizer import GlmTokenizer, TokenizerError
     from .data import check_batch_samples, jsonl_kind, open_data, prepare_jsonl
 
+    if cfg.model == "glm" and not cfg.resume:  # a resumed run reads no weight from --model
+        check_checkpoint_files(cfg.model_args["model_dir"])
     tok = None
     if args.tokenizer:  # read even when no text data needs it: the export ships it
         try:
@@ -339,6 +341,17 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         from .state_files import check_resume_state
 
         check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint())
+
+
+def check_checkpoint_files(model_dir: str) -> None:
+    """The checkpoint's files as the workers' load first checks them (every safetensors header, each
+    file's size against its tensors' byte ranges, the index): headers and sizes only, no tensor read.
+    A torn shard (a copy cut short) is a ``CheckpointError`` (a ValueError) naming the file, as
+    ``glm52 generate`` refuses it, instead of a worker failing at the load."""
+    from ..checkpoint.safetensors_io import Checkpoint
+
+    with Checkpoint(model_dir, strict=False):  # strict=False: what the loader only warns about passes
+        pass
 
 
 def _stop_token_ids(*folders: str | None) -> list[int]:
