@@ -243,11 +243,11 @@ def register_demo(sub) -> None:
         ):
             bad = bad or (f"{flag} must be >= {low}, got {value}" if value < low else None)
         if not bad and args.layout.strip():  # a layout glm52 train refuses, refused before the in-process check
-            from .parity.align import _train_line_error
             from .tiny import TINY_CONFIG
+            from .train.command import train_line_error
 
             line = _train_line(TINY_CONFIG.parent, args.train_steps)
-            bad = (e := _train_line_error([*line, *args.layout.split()])) and f"--layout {args.layout!r}: {e}"
+            bad = (e := train_line_error([*line, *args.layout.split()])) and f"--layout {args.layout!r}: {e}"
         if bad:
             print(f"glm52 demo: error: {bad}", file=sys.stderr)
             return 2

@@ -225,7 +225,7 @@ def test_align_refuses_what_train_would_refuse_before_clearing_the_runs(tmp_path
     refused `--steps 0` ("train.py: error: --steps must be >= 1, got 0", exit 2), `--tp 3` ran the
     whole torch reference first and failed in glm52 train (exit 1), `--loss-atol -1` ran both runs
     to fail every loss comparison. Now the Paddle run's line takes glm52 train's pre-launch check
-    (through glm52 plan, the same words) and the tolerances are checked: one line, exit 2, runs kept."""
+    (train.command.train_line_error, the same words) and the tolerances are checked: one line, exit 2, runs kept."""
     real = importlib.util.find_spec  # the reference extra counts as installed: the checks after it are tested
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: object() if n in ("torch", "transformers") else real(n, *a)

@@ -197,6 +197,37 @@ def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, flags, nee
     assert file.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["a file"]
 
 
+@pytest.mark.parametrize(
+    "layout, needle",
+    [
+        ("--sharding-stage 3 --sharding 2", "argument --sharding-stage: invalid choice: 3 (choose from 1, 2)"),
+        ("--sharding-partition fleet", "unrecognized arguments: --sharding-partition fleet"),
+        ("--json {tmp}/plan.json", "unrecognized arguments: --json {tmp}/plan.json"),
+    ],
+)
+def test_demo_refuses_a_layout_glm52_train_refuses_by_its_arguments(tmp_path, capsys, monkeypatch, layout, needle):
+    """The layout is checked by glm52 train's own argument parsing and pre-launch check
+    (``train.command.train_line_error``), in its words; measured, ``glm52 train ... --out O`` with each
+    of these exits 2: "glm52 train: error: argument --sharding-stage: invalid choice: 3 (choose from 1,
+    2)", "... unrecognized arguments: --sharding-partition fleet". Before, the check ran ``glm52 plan``
+    on the line, which takes these (planner flags, ZeRO-3): the demo started its work (train then
+    refused the layout, exit 1), and ``--json X`` wrote a plan record to X."""
+    import paddleformers_glm.demo as demo
+
+    class Started(Exception):
+        pass
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(demo, "run_parity_demo", started)
+    layout, needle = layout.format(tmp=tmp_path), needle.format(tmp=tmp_path)
+    assert main(["demo", "--out", str(tmp_path / "o"), "--layout", layout]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"glm52 demo: error: --layout {layout!r}: {needle}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no plan record, no OUT
+
+
 def test_demo_passes_its_default_layout_to_the_work(tmp_path, monkeypatch):
     """The default --layout ('--tp 2 --pp 2 --sp') and '' pass the argument check (stopped at the work here)."""
     import paddleformers_glm.demo as demo

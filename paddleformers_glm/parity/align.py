@@ -17,7 +17,13 @@ from typing import Any
 
 from .._io import read_json, write_json_atomic
 from ..cli._common import output_folder_error
-from ..train.command import add_dtype_argument, add_expert_update_argument, add_indexer_arguments, add_step_arguments
+from ..train.command import (
+    add_dtype_argument,
+    add_expert_update_argument,
+    add_indexer_arguments,
+    add_step_arguments,
+    train_line_error,
+)
 from .reference.indexer import saved_indexer_coeff
 from .reference.topk_gaps import NEAR_TIE
 from .reference.train import DUMP_KINDS
@@ -282,26 +288,6 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
     return None
 
 
-def _train_line_error(train_argv: list[str]) -> str | None:
-    """What ``glm52 train`` would refuse in the Paddle run's line before it launches, in its words
-    (``glm52 plan`` runs the trainer's own pre-launch check on a train line), or None."""
-    import contextlib
-    import io
-
-    from ..cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            code = main(["plan", *train_argv])
-        except SystemExit as e:  # argparse's refusal of a value
-            code = 2 if e.code else 0
-    if code != 2:
-        return None
-    lines = [ln for ln in err.getvalue().splitlines() if "error" in ln]
-    return (lines[-1] if lines else err.getvalue().strip()).split("error: ", 1)[-1]
-
-
 def run_align(args: argparse.Namespace) -> int:
     """Both runs, every comparison, the receipt; returns the exit code (0 all within tolerance)."""
     from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file, versions
@@ -349,7 +335,7 @@ def run_align(args: argparse.Namespace) -> int:
     if args.pp_layout:
         layout += ["--pp-layout", args.pp_layout]
 
-    if not args.no_run and (bad := _train_line_error([*common, *layout])):
+    if not args.no_run and (bad := train_line_error([*common, *layout])):
         print(f"glm52 align: error: {bad}", file=sys.stderr)
         return 2
     # only now, with every argument checked: a refused command line leaves OUT's earlier runs as they were

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._io import is_int, write_record
 from ..cpu_env import apply_mkl_default
@@ -37,12 +37,14 @@ __all__ = [
     "add_step_arguments",
     "add_train_arguments",
     "check_args",
+    "check_checkpoint_files",
     "check_inputs_before_launch",
     "check_settings",
     "config_from_args",
     "main",
     "register_train",
     "run_train",
+    "train_line_error",
 ]
 
 # defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
@@ -426,6 +428,34 @@ def check_args(args: argparse.Namespace) -> tuple[TrainConfig, Any, int]:
         cfg, adapter, world, job_timeout=args.job_timeout, comm_timeout=args.comm_timeout, nnodes=args.nnodes
     )
     return cfg, adapter, world
+
+
+class _ArgumentRefused(Exception):
+    """argparse's refusal of a train line, raised instead of printed (:func:`train_line_error`)."""
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _ArgumentRefused(message)
+
+
+def train_line_error(argv: Sequence[str]) -> str | None:
+    """What ``glm52 train`` refuses in the command line ``argv`` (its arguments after ``train``) before
+    it launches, needing no file but the model's config, in the words it prints after ``glm52 train:
+    error:`` (one line), or None: its argument parsing, then :func:`check_args` (the settings, the
+    layout against the model, the launch numbers). ``--out`` may be left out: no check reads it.
+    ``glm52 align`` and ``glm52 demo`` check the lines they hand to glm52 train with it."""
+    argv = list(argv)
+    if not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", "unused"]  # required by the parser; only the launch makes (and checks) it
+    parser = add_train_arguments(_RefusingParser(prog="glm52 train", add_help=False))
+    try:
+        check_args(parser.parse_args(argv))
+    except _ArgumentRefused as e:
+        return str(e)
+    except (ValueError, FileNotFoundError, KeyError) as e:  # what _run_train prints (a ParallelConfigError too)
+        return str(e)
+    return None
 
 
 def check_settings(
