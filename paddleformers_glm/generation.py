@@ -28,6 +28,7 @@ __all__ = [
     "GenerationConfig",
     "check_generation_length",
     "derived_from_model_config",
+    "derived_generation_file",
     "generate",
     "generation_config_to_save",
     "generate_speculative",
@@ -226,6 +227,16 @@ def generation_config_of(model: Any) -> GenerationConfig:
     if src and os.path.isdir(src):
         return GenerationConfig.from_pretrained(src, model.config)
     return GenerationConfig.from_model_config(model.config)
+
+
+def derived_generation_file(folder: str | os.PathLike, config: Any) -> dict[str, Any] | None:
+    """The generation_config.json transformers' ``save_pretrained`` writes for a model loaded from
+    ``folder`` and left unchanged: None when the folder has one (carried as it is), else the one it
+    derives from the folder's config.json, naming ``transformers_version``."""
+    if os.path.isfile(os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)):
+        return None
+    derived = GenerationConfig.from_pretrained(folder, config).to_dict()
+    return derived | {"transformers_version": REFERENCE_TRANSFORMERS_VERSION}
 
 
 def generation_config_to_save(model: Any) -> dict[str, Any] | None:

@@ -35,7 +35,12 @@ def reference(tiny_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("ref")
     save_pretrained_state(model, model.config, root / "sharded", dtype=model.config.model_dtype, max_shard_size="1MB")
     save_pretrained_state(  # the trainer's export carries the source's tokenizer files
-        model, model.config, root / "single", dtype=model.config.model_dtype, carry_from=str(tiny_ckpt)
+        model,
+        model.config,
+        root / "single",
+        dtype=model.config.model_dtype,
+        carry_from=str(tiny_ckpt),
+        generation_config=model._changed_generation_config(),  # what model.save_pretrained writes
     )
     return root
 
@@ -117,3 +122,22 @@ def test_export_carries_the_tokenizer_the_run_trained_with(tiny_ckpt, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert not (out / "chat_template.jinja").exists()
     assert (out / "tokenizer_config.json").read_bytes() == (tok / "tokenizer_config.json").read_bytes()
+
+
+def test_export_of_a_folder_without_generation_config_writes_the_derived_one(tiny_ckpt, tmp_path):
+    """The export is a save of the model loaded from --model: as transformers' save_pretrained (its
+    Trainer's save_model calls it), a folder without generation_config.json gets the one derived from
+    config.json. Measured, transformers 5.23 on this make-tiny checkpoint: {"_from_model_config": true,
+    "eos_token_id": [1, 2], "pad_token_id": 0, "transformers_version": "5.23.0", "use_cache": true}
+    (tests/test_generate.py::HF_DERIVED_TINY). Before: the export had no generation_config.json."""
+    import json
+
+    from paddleformers_glm.train.command import main as train_main
+
+    from .test_generate import HF_DERIVED_TINY
+
+    assert not (tiny_ckpt / "generation_config.json").exists()
+    args = ["--model", str(tiny_ckpt), "--steps", "1", "--seq-len", "16", "--global-batch-size", "1"]
+    assert train_main([*args, "--out", str(tmp_path / "run"), "--export", "--no-progress"]) == 0
+    saved = json.loads((tmp_path / "run" / "export" / "generation_config.json").read_text())
+    assert saved == HF_DERIVED_TINY

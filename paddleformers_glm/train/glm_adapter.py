@@ -144,11 +144,19 @@ class GlmAdapter(ModelAdapter):
 
     def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
         """Every rank writes the official-layout tensors it owns (``checkpoint.distributed``), the
-        source folder's generation config and the run's tokenizer files (``--tokenizer``, else the
-        source folder's) come along: the export is usable as it stands."""
+        source folder's generation config (a folder without one: the one transformers' save derives
+        from its config.json) and the run's tokenizer files (``--tokenizer``, else the source folder's)
+        come along: the export is usable as it stands."""
         from ..checkpoint.distributed import all_gather_object, export_distributed
+        from ..generation import derived_generation_file
 
         info = export_distributed(
-            module, self.config, out_dir, topo, carry_from=self.model_dir, tokenizer_from=self.tokenizer_dir
+            module,
+            self.config,
+            out_dir,
+            topo,
+            carry_from=self.model_dir,
+            tokenizer_from=self.tokenizer_dir,
+            generation_config=derived_generation_file(self.model_dir, self.config),
         )
         return sum(all_gather_object(info["tensors"], topo))
