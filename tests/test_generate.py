@@ -490,6 +490,14 @@ def test_derived_generation_config_equals_transformers_live(tmp_path):
     built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src))
     built.save_pretrained(tmp_path / "hf_built")
     assert json.loads((tmp_path / "hf_built/generation_config.json").read_text()) == HF_FROM_CONFIG_TINY
+    GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32").save_pretrained(tmp_path / "ours")
+    from paddleformers_glm import GlmMoeDsaConfig
+
+    GlmMoeDsaForCausalLM(GlmMoeDsaConfig.from_pretrained(src), dtype="float32").save_pretrained(tmp_path / "ours_built")
+    for ours, hf_dir in (("ours", "hf"), ("ours_built", "hf_built")):  # the same bytes, not only the same keys
+        assert (tmp_path / ours / "generation_config.json").read_bytes() == (
+            tmp_path / hf_dir / "generation_config.json"
+        ).read_bytes()
 
 
 def test_sampling_only_settings_do_not_stop_greedy_decoding(tmp_path):
