@@ -617,7 +617,7 @@ def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tenso
     import paddle
 
     pos = None if mask is None else paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
-    return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+    return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1, use_cache=False)  # no cache built
 
 
 class CudaGraphDecodeStep:

@@ -158,7 +158,10 @@ def test_output_hidden_states_as_transformers():
         assert np.abs(hs[-2].numpy() - hs[-1].numpy()).max() > 1e-3  # the layer's output is not normed
     assert model(ids).hidden_states is None and "hidden_states" not in model(ids)
     tup = model(ids, labels=ids, output_hidden_states=True, return_dict=False)
-    assert isinstance(tup[2], tuple) and len(tup[2]) == n + 1  # loss, logits, hidden_states (no cache)
+    # loss, logits, past_key_values (eval: use_cache defaults to config.use_cache), hidden_states: as transformers
+    assert isinstance(tup[2], DSACache) and isinstance(tup[3], tuple) and len(tup[3]) == n + 1
+    tup = model(ids, labels=ids, output_hidden_states=True, return_dict=False, use_cache=False)
+    assert isinstance(tup[2], tuple) and len(tup[2]) == n + 1  # loss, logits, hidden_states
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model(ids, output_attentions=True)
     model(ids, output_attentions=False)
@@ -275,3 +278,83 @@ def test_a_4d_attention_mask_is_refused_by_name():
         model(ids, attention_mask=causal)
     with pytest.raises(ValueError, match="attention_mask must be"):
         model(ids, attention_mask=paddle.ones([10], "int64"))
+
+
+def _hf_style_loop(model, ids, mask, steps):
+    """transformers' hand-written decode loop: ``out = model(ids)``, then each greedy token alone
+    with ``past_key_values=out.past_key_values`` (and the mask grown by one column when given).
+    -> (tokens [steps + 1][B], each step's last logits)."""
+    out = model(ids, attention_mask=mask)
+    toks, logits = [], [out.logits[:, -1].numpy()]
+    for _ in range(steps):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(nxt[:, 0].numpy().tolist())
+        if mask is not None:
+            mask = paddle.concat([mask, paddle.ones_like(nxt)], 1)
+        out = model(nxt, attention_mask=mask, past_key_values=out.past_key_values)
+        logits.append(out.logits[:, -1].numpy())
+    toks.append(out.logits[:, -1].argmax(-1).numpy().tolist())
+    return toks, logits
+
+
+def test_default_cache_and_the_transformers_decode_loop():
+    """transformers 5.23 on the tiny fixture (eval, as its from_pretrained returns it): ``hf(ids)``
+    returns a DynamicCache (use_cache defaults to config.use_cache), and the loop above gives, from
+    ids = tokens(1, 6, seed=1), the greedy tokens 111, 82, 243, 12, 29, 168; from tokens(2, 7, seed=4)
+    with row 0's first 2 left-padded (mask grown each step) [120, 65], [31, 91], [120, 145],
+    [176, 141]. Ours returned no cache, so the loop's steps ran without context: 111, 175, 71, 135,
+    232, 127 (step logits off by up to 5.3). The plain forward's logits and losses are unchanged bit
+    for bit by the cache it now builds; a training-mode forward builds none."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    assert not model.training  # as transformers' from_pretrained
+    out = model(tokens(1, 6, seed=1))
+    assert isinstance(out.past_key_values, DSACache) and out.past_key_values.get_seq_length() == 6
+    toks, _ = _hf_style_loop(model, tokens(1, 6, seed=1), None, 5)
+    assert [t[0] for t in toks] == [111, 82, 243, 12, 29, 168]
+    mask = paddle.ones([2, 7], "int64")
+    mask[0, :2] = 0
+    toks, _ = _hf_style_loop(model, tokens(2, 7, seed=4), mask, 3)
+    assert toks == [[120, 65], [31, 91], [120, 145], [176, 141]]
+
+    ids = tokens(2, 10)
+    lab = ids.clone()
+    lab[0, :3] = -100
+    for kw in ({}, {"labels": lab}, {"labels": lab, "add_mtp_loss": True}, {"logits_to_keep": 1}):
+        plain, cached = model(ids, use_cache=False, **kw), model(ids, **kw)
+        assert plain.past_key_values is None and cached.past_key_values is not None
+        for name in ("loss", "logits", "mtp_loss", "last_hidden_state"):
+            a, b = getattr(plain, name), getattr(cached, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+    model.train()
+    assert model(ids).past_key_values is None and model(ids, labels=lab).past_key_values is None
+    model.config.use_cache = False
+    model.eval()
+    assert model(ids).past_key_values is None
+
+
+@pytest.mark.reference
+def test_default_cache_decode_loop_equals_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    for ids, mask in ((tokens(1, 6, seed=1), None), (tokens(2, 7, seed=4), np.array([[0, 0] + [1] * 5, [1] * 7]))):
+        t = torch.tensor(ids.numpy())
+        m = None if mask is None else torch.tensor(mask)
+        with torch.no_grad():
+            out = hf(t, attention_mask=m)
+            want, want_logits = [], [out.logits[:, -1].numpy()]
+            for _ in range(4):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                want.append(nxt[:, 0].tolist())
+                m = None if m is None else torch.cat([m, torch.ones_like(nxt)], 1)
+                out = hf(nxt, attention_mask=m, past_key_values=out.past_key_values)
+                want_logits.append(out.logits[:, -1].numpy())
+            want.append(out.logits[:, -1].argmax(-1).tolist())
+        got, got_logits = _hf_style_loop(model, ids, None if mask is None else paddle.to_tensor(mask), 4)
+        assert got == want
+        for g, w in zip(got_logits, want_logits):
+            assert np.abs(g - w).max() <= 1e-4

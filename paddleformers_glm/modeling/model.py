@@ -461,6 +461,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             check_finite_state(params, os.path.abspath(os.fspath(path)))
         _LOG.info("%s", report.summary())
         model.source_path = os.path.abspath(os.fspath(path))
+        model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
         return (model, report) if output_loading_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
@@ -640,10 +641,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         output_attentions: bool | None = None,
         num_items_in_batch: int | paddle.Tensor | None = None,
     ) -> CausalLMOutput | tuple:
-        """`use_cache=True` (or a `past_key_values` cache) runs the decoding path: an empty cache is
-        filled by this forward (prefill), a filled one makes `input_ids` the next tokens only. Its
-        default rope positions count each row's real tokens (padding-aware, as `generate` needs);
-        the plain forward uses arange(S) like HF's forward. `logits_to_keep=n` computes the logits
+        """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
+        whole one-process model: a training-mode forward never builds one, its step would hold every
+        layer's latent rows without reading them and it records the indexer's training) without a
+        cache: the plain forward (same logits, losses and MTP fields, bit for bit), which also returns
+        a new `out.past_key_values`; `model(next_ids, past_key_values=out.past_key_values)` then
+        continues it as transformers' `DynamicCache` (positions after the filled slots). A
+        `past_key_values` cache given runs the decoding path: an empty one is filled by this forward
+        (prefill, with rope positions counting each row's real tokens, as `generate` needs), a filled
+        one makes `input_ids` the next tokens only. `logits_to_keep=n` computes the logits
         of the last n positions only. `return_dict=False` returns `out.to_tuple()`.
         `labels_shifted=True`: ``labels[i]`` is position i's target already (Megatron's and
         PaddleFormers' convention: input tokens[:-1], labels tokens[1:]), not token i to be
@@ -672,9 +678,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 batch[f"cp_target_{d + 1}"] = shift_labels(labels, d) if d else labels
         cache = past_key_values
         collect = [] if output_hidden_states else None
-        if use_cache or cache is not None:  # decoding: no MTP
+        if use_cache is None:  # transformers: config.use_cache; see the docstring for where it is off
+            use_cache = bool(getattr(self.config, "use_cache", False)) and self._builds_cache_by_default()
+        if cache is None and use_cache:  # transformers' forward: the plain forward, building a cache
+            cache = DSACache.for_config(self.config, (input_ids if inputs_embeds is None else inputs_embeds).shape[0])
+            hidden, terms, mtp_hidden = self._forward_filling(
+                cache, batch, inputs_embeds, position_ids, labels, compute_mtp, collect
+            )
+        elif cache is not None:  # decoding over the caller's cache: no MTP
             B, n = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
-            cache = cache if cache is not None else DSACache.for_config(self.config, B)
             if cache.batch_size != B:
                 raise ValueError(f"past_key_values holds {cache.batch_size} rows, the input has {B}")
             positions, key_valid = cache.begin(attention_mask, n)
@@ -687,15 +699,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             cache.topk = topk if cache.keep_topk else None
             cache.advance(n)
         else:
-            if compute_mtp is None:  # (the MTP heads embed shifted ids: none from inputs_embeds)
-                compute_mtp = labels is not None and input_ids is not None
-            if compute_mtp and self.model.mtp_layers and input_ids is None:
-                raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
+            compute_mtp = self._compute_mtp(compute_mtp, labels, input_ids)
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
             hidden, _, terms, mtp_hidden = self._run(
                 self.stage, batch, inputs_embeds, None, cos, sin, with_mtp=compute_mtp, collect=collect
             )
-        keep = hidden[:, -logits_to_keep:] if cache is not None and logits_to_keep and labels is None else hidden
+        # the decoding path computes only the kept logits; the plain forward (with or without the cache it
+        # builds) all of them, then slices: its kept logits are the full ones bit for bit
+        sliced = past_key_values is not None and logits_to_keep and labels is None
+        keep = hidden[:, -logits_to_keep:] if sliced else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
         if collect is not None:  # transformers' last entry is the final-normed hidden
             out.hidden_states = tuple(collect[:-1]) + (hidden,)
@@ -727,6 +739,54 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.mtp_loss, out.mtp_logits or None)
         fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
+
+    def _compute_mtp(self, compute_mtp: bool | None, labels: paddle.Tensor | None, input_ids: paddle.Tensor | None):
+        """Whether a plain forward runs the MTP heads (default: with labels, from ids: they embed the
+        shifted ids, none come with inputs_embeds)."""
+        if compute_mtp is None:
+            compute_mtp = labels is not None and input_ids is not None
+        if compute_mtp and self.model.mtp_layers and input_ids is None:
+            raise ValueError("the MTP heads need input_ids (they embed the shifted tokens)")
+        return compute_mtp
+
+    def _builds_cache_by_default(self) -> bool:
+        """``use_cache=None`` builds a cache (with ``config.use_cache``) only where one can be read and
+        costs nothing else: an evaluating (``eval()``) whole model in one process, outside a graph being
+        built. Not in training mode: a training step never reads it, it would hold every layer's latent
+        rows for the step, and a forward filling a cache records nothing for the indexer's training
+        (transformers turns it off in training under gradient checkpointing)."""
+        from ..ops.norm import building_graph
+
+        whole = self.stage.has_embedding and self.stage.has_head
+        whole = whole and len(self.stage.layers) == self.config.num_hidden_layers
+        return whole and not self.training and not self.distributed and not building_graph()
+
+    def _forward_filling(
+        self,
+        cache: DSACache,
+        batch: dict,
+        inputs_embeds: paddle.Tensor | None,
+        position_ids: paddle.Tensor | None,
+        labels: paddle.Tensor | None,
+        compute_mtp: bool | None,
+        collect: list | None,
+    ) -> tuple[paddle.Tensor, IndexerTerms, list[paddle.Tensor]]:
+        """transformers' forward with ``use_cache`` and no cache given: the plain forward (its rope
+        positions, position_ids or arange(S); its mask; MTP as without a cache: logits and losses bit
+        for bit) that also fills the new ``cache``. The cache then continues as transformers'
+        ``DynamicCache`` does: the next tokens' default positions follow the S filled slots."""
+        x = batch["input_ids"] if inputs_embeds is None else inputs_embeds
+        B, n = x.shape[:2]
+        compute_mtp = self._compute_mtp(compute_mtp, labels, batch["input_ids"])
+        cache.begin(batch["attention_mask"], n)  # the slots, and which hold pads (masked in later steps)
+        cos, sin = self.model.rope(x, position_ids)
+        hidden, topk, terms, mtp_hidden = self._run(
+            self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=compute_mtp, collect=collect
+        )
+        cache.topk = topk if cache.keep_topk else None
+        cache.advance(n)
+        cache.positions = paddle.full([B], n, dtype="int64")  # transformers: past_seen_tokens + arange
+        return hidden, terms, mtp_hidden
 
     # ------------------------------------------------------------------ decoding
     def decode_step(
