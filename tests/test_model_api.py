@@ -358,3 +358,53 @@ def test_default_cache_decode_loop_equals_transformers():
         assert got == want
         for g, w in zip(got_logits, want_logits):
             assert np.abs(g - w).max() <= 1e-4
+
+
+def _padded(side: str) -> paddle.Tensor:
+    mask = np.ones([2, 10], "int64")
+    mask[0, 7:] = 0
+    return paddle.to_tensor(mask if side == "right" else mask[:, ::-1].copy())
+
+
+def test_loss_on_unmasked_pads_with_a_cache():
+    """transformers 5.23 on the tiny fixture, ids = tokens(2, 10, seed=1), row 0 right-padded after 7
+    tokens, labels = ids (the pads' labels not -100): loss 5.834991 with use_cache False, True and an
+    explicit empty DynamicCache alike (its pads sit at arange positions and attend to the real
+    keys). Ours: 5.834992 without a cache, but 5.825914 with use_cache=True or an empty DSACache
+    (the pad queries' rope position was 0: their logits off by 2.57). Left padding (row 0's first 3
+    are pads): eager attention 5.657485, ours 5.657487; sdpa 5.575806 (its fully masked pad rows:
+    transformers' own implementations disagree there)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(2, 10, seed=1)
+    mask = _padded("right")
+    plain = model(ids, attention_mask=mask, labels=ids, use_cache=False)
+    assert abs(float(plain.loss) - 5.834991) <= 2e-5
+    for kw in ({"use_cache": True}, {"past_key_values": DSACache.for_config(model.config, 2)}):
+        out = model(ids, attention_mask=mask, labels=ids, **kw)
+        assert abs(float(out.loss) - 5.834991) <= 2e-5, kw
+        assert np.abs(out.logits.numpy() - plain.logits.numpy()).max() <= 1e-5
+    left = model(ids, attention_mask=_padded("left"), labels=ids)
+    assert abs(float(left.loss) - 5.657485) <= 2e-5
+
+
+@pytest.mark.reference
+def test_loss_on_unmasked_pads_with_a_cache_equals_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    ids = tokens(2, 10, seed=1)
+    t = torch.tensor(ids.numpy())
+    for side in ("right", "left"):
+        mask = _padded(side)
+        for cached in (False, True):
+            with torch.no_grad():
+                cache = transformers.DynamicCache(config=hf.config) if cached else None
+                want = hf(t, attention_mask=torch.tensor(mask.numpy()), labels=t, past_key_values=cache)
+            cache = DSACache.for_config(model.config, 2) if cached else None
+            got = model(ids, attention_mask=mask, labels=ids, past_key_values=cache, use_cache=cached)
+            assert abs(float(got.loss) - float(want.loss)) <= 2e-5, (side, cached)
+            # (left + our explicit cache: generate's positions, the real tokens' shifted by the pads:
+            # rope attention sees the same relative positions)
+            assert np.abs(got.logits.numpy() - want.logits.numpy()).max() <= 1e-4, (side, cached)

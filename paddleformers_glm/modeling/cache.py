@@ -117,7 +117,8 @@ class DSACache:
         real) covers the new tokens [B, n] or, as HF callers pass it, past and new [B, length + n]
         (its last n columns are used: the past's validity is already stored).
 
-        Returns (rope positions [B, n] int64, key validity [B, capacity] bool: slots past the new
+        Returns (rope positions [B, n] int64: each real token's counts the row's real tokens before
+        it, a padding slot's is its offset after the row's past; key validity [B, capacity] bool: slots past the new
         tokens are False or, after a rollback, stale, so readers also compare slots with the
         queries'). ``slots`` becomes the new tokens' slots [n]."""
         B = self.batch_size
@@ -136,8 +137,12 @@ class DSACache:
             new_valid = attention_mask[:, shape[1] - n :].astype("bool")
             steps = paddle.cumsum(new_valid.astype("int64"), axis=1)  # real tokens up to and including each slot
         positions = self.positions.unsqueeze(1) + steps - 1
-        if new_valid is not None:
-            positions = paddle.where(new_valid, positions, paddle.zeros_like(positions))
+        if new_valid is not None:  # a padding slot: the position its slot would have without padding,
+            # as transformers' forward gives it (arange): only the pad's own output depends on it (no
+            # query sees a pad key), which then equals transformers' on right padding (its logits count
+            # in a loss whose pad labels are not -100)
+            offsets = paddle.arange(n, dtype="int64").unsqueeze(0)
+            positions = paddle.where(new_valid, positions, self.positions.unsqueeze(1) + offsets)
         cap = self.capacity_for(n)
         if self.key_valid is None or self.key_valid.shape[1] < cap:
             self.key_valid = _grown(self.key_valid, [B, cap], "bool", self.length)
