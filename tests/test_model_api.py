@@ -360,6 +360,43 @@ def test_default_cache_decode_loop_equals_transformers():
             assert np.abs(g - w).max() <= 1e-4
 
 
+def test_num_logits_to_keep_is_accepted_and_ignored():
+    """transformers 5.23 on the tiny fixture, ids = tokens(2, 10): ``hf(ids, num_logits_to_keep=1)``
+    (and 3) gives logits [2, 10, 256], max diff 0.0 from ``hf(ids)``; with labels the loss is
+    unchanged (6.107834); with ``logits_to_keep=2`` too, [2, 2, 256]. Ours raised TypeError
+    (unexpected keyword argument)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(2, 10)
+    full = model(ids)
+    for n in (1, 3):
+        with pytest.warns(UserWarning, match="num_logits_to_keep is ignored"):
+            out = model(ids, num_logits_to_keep=n)
+        np.testing.assert_array_equal(out.logits.numpy(), full.logits.numpy())
+    with pytest.warns(UserWarning):
+        out = model(ids, labels=ids, num_logits_to_keep=1)
+    assert out.logits.shape == [2, 10, 256] and abs(float(out.loss) - 6.107834) <= 2e-5
+    with pytest.warns(UserWarning):
+        assert model(ids, num_logits_to_keep=1, logits_to_keep=2).logits.shape == [2, 2, 256]
+
+
+@pytest.mark.reference
+def test_num_logits_to_keep_equals_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    ids = tokens(2, 10)
+    t = torch.tensor(ids.numpy())
+    with torch.no_grad():
+        want = hf(t, labels=t, num_logits_to_keep=1)
+    with pytest.warns(UserWarning):
+        got = model(ids, labels=ids, num_logits_to_keep=1)
+    assert list(got.logits.shape) == list(want.logits.shape)
+    assert np.abs(got.logits.numpy() - want.logits.numpy()).max() <= 1e-4
+    assert abs(float(got.loss) - float(want.loss)) <= 2e-5
+
+
 def _padded(side: str) -> paddle.Tensor:
     mask = np.ones([2, 10], "int64")
     mask[0, 7:] = 0

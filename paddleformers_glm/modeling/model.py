@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -640,6 +641,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         num_items_in_batch: int | paddle.Tensor | None = None,
+        num_logits_to_keep: int | None = None,
     ) -> CausalLMOutput | tuple:
         """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
         whole one-process model: a training-mode forward never builds one, its step would hold every
@@ -658,7 +660,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         [B, S, H]: the embedding output, each decoder layer's output but the last, and the
         final-normed one. `output_attentions=True` is refused (the sparse attention forms hold no
         [B, heads, S, S] probabilities). `num_items_in_batch` (transformers' Trainer): the LM loss is
-        the summed cross entropy over it instead of the mean over the counted labels."""
+        the summed cross entropy over it instead of the mean over the counted labels.
+        `num_logits_to_keep` (the name before `logits_to_keep`, still in older callers) is accepted
+        and ignored, as transformers 5.23 ignores it (all positions' logits; a warning says so)."""
+        if num_logits_to_keep is not None:
+            warnings.warn(
+                "forward: num_logits_to_keep is ignored, as in transformers 5.23 (all logits are computed); "
+                "use logits_to_keep",
+                stacklevel=2,
+            )
         if output_attentions:
             raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
