@@ -397,6 +397,97 @@ def test_num_logits_to_keep_equals_transformers():
     assert abs(float(got.loss) - float(want.loss)) <= 2e-5
 
 
+def _added_row_stats(new_rows: np.ndarray, old: np.ndarray) -> tuple[float, float]:
+    """(max |row - old mean|, std of (row - mean) / (sqrt(1e-9) * the old rows' per-column std)):
+    transformers' mean_resizing draws from N(mean, 1e-9 * covariance), so the second is ~1."""
+    old = old.astype(np.float64)
+    mean, sd = old.mean(0), old.std(0)
+    dev = new_rows.astype(np.float64) - mean
+    return float(np.abs(dev).max()), float((dev / (np.sqrt(1e-9) * sd)).std())
+
+
+def test_resize_token_embeddings_as_transformers(tmp_path):
+    """transformers 5.23 on the tiny fixture (vocab 256, hidden 64): ``resize_token_embeddings(300)``
+    returns the [300, 64] embedding, config.vocab_size 300, lm_head [300, 64], the old rows kept, and
+    draws the 44 added rows of each from N(mean, 1e-9 cov) of the old rows (default mean_resizing):
+    max |row - mean| 1.28e-4 (embedding) / 1.32e-5 (head), normalised spread 0.985 / 0.999;
+    ``mean_resizing=False``: N(0, initializer_range 0.02) (std measured 0.01999 / 0.01984);
+    (301, pad_to_multiple_of=64) -> 320; then (None, pad_to_multiple_of=7) -> 322; 200 -> both 200.
+    Ours had no resize_token_embeddings (AttributeError)."""
+    paddle.seed(0)
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    emb, head = model.get_input_embeddings().weight.numpy().copy(), model.lm_head.weight.numpy().T.copy()
+    ids = tokens(2, 8)
+    before = model(ids).logits.numpy()
+    got = model.resize_token_embeddings(300)
+    assert got is model.get_input_embeddings() and list(got.weight.shape) == [300, 64]
+    assert model.config.vocab_size == 300 and list(model.lm_head.weight.shape) == [64, 300]
+    new_emb, new_head = got.weight.numpy(), model.lm_head.weight.numpy().T
+    np.testing.assert_array_equal(new_emb[:256], emb)
+    np.testing.assert_array_equal(new_head[:256], head)
+    for rows, old, far in ((new_emb[256:], emb, 1.28e-4), (new_head[256:], head, 1.32e-5)):
+        dev, spread = _added_row_stats(rows, old)
+        assert 0 < dev <= 3 * far and 0.8 <= spread <= 1.2, (dev, spread)
+    after = model(ids).logits.numpy()
+    np.testing.assert_array_equal(after[..., :256], before)
+    assert after.shape[-1] == 300
+
+    assert list(model.resize_token_embeddings(301, pad_to_multiple_of=64).weight.shape) == [320, 64]
+    assert list(model.resize_token_embeddings(None, pad_to_multiple_of=7).weight.shape) == [322, 64]
+    assert model.resize_token_embeddings() is model.get_input_embeddings() and model.config.vocab_size == 322
+    model.resize_token_embeddings(200)
+    assert list(model.get_input_embeddings().weight.shape) == [200, 64] and list(model.lm_head.weight.shape) == [
+        64,
+        200,
+    ]
+    assert model.config.vocab_size == 200 and model(tokens(1, 4, vocab=200)).logits.shape == [1, 4, 200]
+    with pytest.raises(ValueError, match="not an integer"):
+        model.resize_token_embeddings(256, pad_to_multiple_of=8.0)
+
+    model.resize_token_embeddings(1200, mean_resizing=False)  # 1000 rows: N(0, 0.02)
+    for w in (model.get_input_embeddings().weight.numpy()[200:], model.lm_head.weight.numpy().T[200:]):
+        assert abs(float(w.std()) - 0.02) <= 0.001 and abs(float(w.mean())) <= 0.001
+
+    model.resize_token_embeddings(300)
+    out = tmp_path / "resized"
+    model.save_pretrained(out)
+    back = GlmMoeDsaForCausalLM.from_pretrained(out)
+    assert back.config.vocab_size == 300 and list(back.get_input_embeddings().weight.shape) == [300, 64]
+    assert list(back.lm_head.weight.shape) == [64, 300]
+
+
+@pytest.mark.reference
+def test_resize_token_embeddings_equals_transformers(tmp_path):
+    """transformers' own resize on the same fixture gives the same shapes and row statistics, and
+    it loads our checkpoint saved after a resize, with our reload's logits (the file is the
+    config's bfloat16: new rows are rounded once, the same for both)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    torch.manual_seed(0)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    old_hf = hf.model.embed_tokens.weight.detach().numpy().copy()
+    old = model.get_input_embeddings().weight.numpy().copy()
+    np.testing.assert_array_equal(old, old_hf)
+    hf.resize_token_embeddings(300)
+    model.resize_token_embeddings(300)
+    want = _added_row_stats(hf.model.embed_tokens.weight.detach().numpy()[256:], old_hf)
+    got = _added_row_stats(model.get_input_embeddings().weight.numpy()[256:], old)
+    assert got[0] <= 3 * want[0] and abs(got[1] - want[1]) <= 0.2, (got, want)
+    assert hf.config.vocab_size == model.config.vocab_size == 300
+    out = tmp_path / "resized"
+    model.save_pretrained(out)
+    loaded = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    back = GlmMoeDsaForCausalLM.from_pretrained(out, dtype="float32")
+    ids = np.array([[5, 280, 299, 7, 256]])
+    with torch.no_grad():
+        want_logits = loaded(torch.tensor(ids)).logits.numpy()
+    got_logits = back(paddle.to_tensor(ids)).logits.numpy()
+    assert want_logits.shape == got_logits.shape == (1, 5, 300)
+    assert np.abs(want_logits - got_logits).max() <= 1e-4
+
+
 def _padded(side: str) -> paddle.Tensor:
     mask = np.ones([2, 10], "int64")
     mask[0, 7:] = 0

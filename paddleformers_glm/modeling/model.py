@@ -29,8 +29,10 @@ from ..parallel.layers import (
     ParallelLMHead,
     VocabParallelEmbedding,
     default_dtype,
+    get_shard_spec,
     mark_sequence_parallel,
     parallel_cross_entropy,
+    set_shard_spec,
 )
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
 from ..parallel.recompute import run_layer
@@ -307,6 +309,42 @@ def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its c
 _LOG = logging.getLogger("paddleformers_glm.checkpoint")
 
 
+def _added_rows(old: np.ndarray, added: int, mean_resizing: bool, std: float) -> np.ndarray:
+    """``added`` new rows for a vocabulary matrix ``old`` [V, H] (float32), as transformers 5.23
+    initialises them (``_init_added_embeddings_weights_with_mean``, ``_init_weights``): N(mean,
+    1e-9 * covariance) of the old rows, or their mean where the Cholesky factor of that covariance
+    fails (not positive definite); without ``mean_resizing`` N(0, std)."""
+    H = old.shape[1]
+    if not mean_resizing:
+        return paddle.normal(0.0, std, [added, H]).numpy().astype("float32")
+    mean = old.mean(axis=0, dtype="float32")
+    centered = old - mean
+    cov = (centered.T @ centered / np.float32(old.shape[0])).astype("float32")
+    try:
+        factor = np.linalg.cholesky(np.float32(1e-9) * cov)
+    except np.linalg.LinAlgError:
+        return np.repeat(mean[None], added, axis=0)
+    z = paddle.randn([added, H], dtype="float32").numpy()
+    return (mean[None] + z @ factor.T).astype("float32")
+
+
+def _resized_param(layer: nn.Layer, weight: paddle.Tensor, new: int, axis: int, mean_resizing: bool, std: float):
+    """A new parameter of ``layer``: ``weight`` with ``new`` entries along its vocabulary ``axis``
+    (the first ones kept; added ones from :func:`_added_rows`), its dtype and trainability kept."""
+    rows = weight.astype("float32").numpy()
+    rows = rows if axis == 0 else rows.T  # [V, H]
+    old = rows.shape[0]
+    if new > old:
+        rows = np.concatenate([rows, _added_rows(rows, new - old, mean_resizing, std)], axis=0)
+    rows = rows[:new]
+    rows = rows if axis == 0 else rows.T
+    param = layer.create_parameter(list(rows.shape), dtype=weight.dtype)
+    param.set_value(paddle.to_tensor(rows).astype(weight.dtype))
+    param.stop_gradient = weight.stop_gradient
+    set_shard_spec(param, get_shard_spec(weight), 1)
+    return param
+
+
 @contextlib.contextmanager
 def _skip_random_init() -> Iterator[None]:
     """Parameters created inside are allocated but not initialised (no random draw, no memset).
@@ -530,6 +568,55 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def get_output_embeddings(self) -> nn.Layer:
         """The LM head (its `.weight` is [hidden, vocab], Paddle's orientation)."""
         return self.lm_head
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Layer:
+        """transformers' ``resize_token_embeddings``: the token embedding and the LM head (untied) get
+        ``new_num_tokens`` rows (rounded up to a multiple of ``pad_to_multiple_of``; None with it: the
+        current size rounded up), the first rows kept, rows past the end dropped, and
+        ``config.vocab_size`` follows, so ``save_pretrained`` writes a checkpoint of the new size that
+        transformers loads. Added rows, as transformers initialises them: ``mean_resizing=True`` (its
+        default) draws them from N(mean, 1e-9 * covariance) of the old rows, in float32 (the mean
+        alone where that covariance is not positive definite); ``mean_resizing=False`` from
+        N(0, ``initializer_range``). Draws use Paddle's generator (``paddle.seed``). An embedding row
+        ``pad_token_id`` past the new size stops being the padding row, as in transformers. ->
+        the input embedding layer. One process only (a model split over ranks raises)."""
+        emb = self.get_input_embeddings()
+        if pad_to_multiple_of is not None:
+            if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool):
+                raise ValueError(
+                    f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not "
+                    "an integer. Please make sure to pass an integer"
+                )
+            if new_num_tokens is None:
+                new_num_tokens = int(emb.weight.shape[0])
+            new_num_tokens = -(-int(new_num_tokens) // pad_to_multiple_of) * pad_to_multiple_of
+        if new_num_tokens is None:
+            return emb
+        if self.distributed or not (self.stage.has_embedding and self.stage.has_head):
+            raise NotImplementedError("resize_token_embeddings runs on a whole model in one process")
+        new = int(new_num_tokens)
+        if new <= 0:
+            raise ValueError(f"resize_token_embeddings: new_num_tokens must be positive, got {new_num_tokens}")
+        head = self.get_output_embeddings()
+        if int(emb.weight.shape[0]) != new:
+            std = self.config.initializer_range
+            emb.weight = _resized_param(emb, emb.weight, new, 0, mean_resizing, std)
+            for attr in ("num_embeddings", "per_rank", "_num_embeddings"):
+                if hasattr(emb, attr):
+                    setattr(emb, attr, new)
+            pad = getattr(emb, "padding_idx", None)
+            if pad is not None and new - 1 < pad:
+                emb.padding_idx = None
+        if int(head.weight.shape[1]) != new:  # [hidden, vocab]: the vocabulary is axis 1
+            head.weight = _resized_param(head, head.weight, new, 1, mean_resizing, self.config.initializer_range)
+            if getattr(head, "bias", None) is not None:
+                raise NotImplementedError("resize_token_embeddings: an LM head with a bias")
+            if hasattr(head, "out_features"):
+                head.out_features = new
+        self.config.vocab_size = new
+        return emb
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameter count of this model (this rank's share under model parallelism).
