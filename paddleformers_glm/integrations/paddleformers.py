@@ -24,6 +24,7 @@ from .._io import read_json
 
 __all__ = [
     "PADDLEFORMERS_TESTED",
+    "CheckpointCallback",
     "ReplacementWarning",
     "is_registered",
     "paddleformers_model_runs",
@@ -255,6 +256,44 @@ def _classes() -> dict[str, Any]:
             return super().save_pretrained(save_directory, **own)
 
     return {"config": GlmMoeDsaConfig, "model": GlmMoeDsaForCausalLM, "output": GlmCausalLMOutput}
+
+
+def CheckpointCallback() -> Any:  # noqa: N802 (a class factory: PaddleFormers is imported on call)
+    """A PaddleFormers ``TrainerCallback`` for the Trainer's checkpoints of our model (docs/model.md,
+    "PaddleFormers"): ``Trainer(..., callbacks=[CheckpointCallback()])``.
+
+    - Each checkpoint folder (``save_steps`` / ``save_strategy``: ``output_dir/checkpoint-N``)
+      becomes one ``from_pretrained`` reads: at each save the model is written there in the
+      official HF layout (config.json, safetensors, tokenizer files; ``save_pretrained``), beside the
+      Trainer's own files, which ``resume_from_checkpoint`` reads and which stay as they are.
+      PaddleFormers' Trainer calls ``save_pretrained`` only on its own ``PretrainedModel``
+      subclasses; for any other model its checkpoints hold the parameters alone
+      (``model_state/*.distcp`` by default, ``model_state.pdparams``) and no config.json.
+    - ``resume_from_checkpoint`` of the default format (``flex_checkpoint``) works in one process:
+      PaddleFormers 1.2.0 loads it through fleet's hybrid group, which its ``TrainingArguments``
+      sets up for one process (all degrees 1) only when ``paddlefleet`` is installed; without it the
+      resume raised ``AttributeError: 'Fleet' object has no attribute '_hcg'``. At the Trainer's
+      start the callback makes that same one-process setup when nothing set fleet up."""
+    from paddleformers.trainer import TrainerCallback
+
+    class _CheckpointCallback(TrainerCallback):
+        def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            import paddle.distributed as dist
+            from paddle.distributed import fleet
+
+            if dist.get_world_size() > 1 or getattr(fleet.fleet, "_hcg", None) is not None:
+                return
+            strategy = fleet.DistributedStrategy()
+            strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
+            fleet.init(is_collective=True, strategy=strategy)
+
+        def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if model is None or not getattr(args, "should_save", True):
+                return
+            model = getattr(model, "_layers", model)  # paddle.DataParallel's wrapped layer
+            model.save_pretrained(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+
+    return _CheckpointCallback()
 
 
 # --------------------------------------------------------------------------- registration
