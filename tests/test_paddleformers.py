@@ -344,6 +344,22 @@ def test_paddleformers_collator_pads_for_the_model(tiny):
     assert "attention_mask" not in tok.pad([{"input_ids": [5, 6]}, {"input_ids": [7]}], return_attention_mask=False)
 
 
+@pytest.mark.skipif(paddle.device.is_compiled_with_cuda(), reason="the CPU-only limitation of PaddleFormers 1.2.0")
+def test_trainer_gradient_accumulation_stops_on_cpu(tiny, tmp_path):
+    """Where PaddleFormers 1.2.0 stops on its own, for any model: with `gradient_accumulation_steps`
+    > 1 its training loop calls `paddle.device.synchronize()` before scaling the gradients by
+    1 / steps, which raises TypeError ("device should be gpu, xpu, ...") on a CPU-only Paddle
+    (measured with Paddle 3.3.1 CPU); docs/model.md says so. Accumulation runs where Paddle has an
+    accelerator."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    data = {"input_ids": np.arange(3, 3 + 4 * 17).reshape(4, 17) % 200}
+    data["labels"] = data["input_ids"]
+    with pytest.raises(TypeError, match="device should be gpu"):
+        _trainer_losses(model, [data, data], 1, 1e-3, tmp_path, gradient_accumulation_steps=2)
+
+
 def test_trainer_recompute_granularity_recomputes(tiny, tmp_path):
     """`TrainingArguments(recompute_granularity=...)` makes PaddleFormers' Trainer set
     `enable_recompute = True` on every layer that has the attribute; before, our model had none, so
