@@ -79,3 +79,31 @@ def test_sparse_path_memory_is_linear_in_sequence_length():
         paddle.matmul = orig
     assert seen and max(seen) <= 64 * K * H * D
     assert max(seen) < S * S
+
+
+@pytest.mark.parametrize("form", ["dense", "dense-chunked", "latent", "sparse"])
+@pytest.mark.parametrize("trained", ["q_b_proj", "kv_b_proj"])
+def test_backward_with_frozen_attention_inputs(form, trained, monkeypatch):
+    """Training only some weights (LoRA adapters, PaddleFormers' LoRAModel or any `stop_gradient`
+    freeze): the attention's queries or its keys/values then come from frozen weights only. Before,
+    the dense and latent forms' backward returned a gradient for them anyway and Paddle refused it
+    (ValueError "_DenseHeadAttention's backward function should return None at 1 position, because
+    it's forward Tensor's stopgradient is true"); torch's autograd, which transformers' model trains
+    on, takes any freeze. The trained weights' gradients equal those of the model with nothing frozen."""
+    from paddleformers_glm.modeling import attention_forms
+
+    if form == "dense-chunked":  # the query-chunked dense form, for scores beyond one block
+        monkeypatch.setattr(attention_forms, "CHUNK_BYTES", 1024)
+    ids = tokens(2, 16, seed=3)
+    grads = []
+    for freeze in (False, True):
+        model = tiny_model(seed=1)
+        model.set_attn_implementation(form.split("-")[0])
+        model.train()
+        for n, p in model.named_parameters():
+            p.stop_gradient = freeze and trained not in n
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.numpy() for n, p in model.named_parameters() if trained in n and p.grad is not None})
+    assert grads[0] and grads[1].keys() == grads[0].keys()
+    for n, g in grads[0].items():
+        np.testing.assert_allclose(grads[1][n], g, rtol=1e-6, atol=1e-9, err_msg=n)

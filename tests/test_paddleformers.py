@@ -504,3 +504,27 @@ def test_trainer_checkpoints_load_and_resume_with_the_callback(tiny, tmp_path):
         assert reloaded[k].numpy().tobytes() == v.numpy().tobytes(), k
     _, resumed = run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-1"))
     assert resumed == losses[1:]
+
+
+def test_lora_model_trains_the_adapters(tiny):
+    """PaddleFormers' LoRAModel freezes the model and adds adapters to the plain Linear layers it
+    matches (here q_a_proj; our parallel-ready projections such as q_b_proj it refuses by class).
+    Before: the backward raised ValueError "GradNodePyLayer__DenseHeadAttention's backward function
+    should return None at 1 position" (the keys, from frozen weights only, were given a gradient).
+    Now the adapters get gradients and the frozen weights none."""
+    from paddleformers.peft import LoRAConfig, LoRAModel
+
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    lora = LoRAModel(model, LoRAConfig(target_modules=[".*q_a_proj.*"], r=4, lora_alpha=8))
+    lora.mark_only_lora_as_trainable()
+    lora.train()
+    tokens = np.random.default_rng(0).integers(3, 200, size=(2, 17)).astype("int64")
+    out = lora(input_ids=paddle.to_tensor(tokens[:, :-1]), labels=paddle.to_tensor(tokens[:, 1:]))
+    out["loss"].backward()
+    trained = {n: p for n, p in lora.named_parameters() if not p.stop_gradient}
+    assert trained and all("lora" in n for n in trained)
+    assert all(p.grad is not None for p in trained.values())
+    assert any(float(p.grad.abs().sum()) > 0 for p in trained.values())
+    assert all(p.grad is None for p in lora.parameters() if p.stop_gradient)

@@ -338,6 +338,12 @@ def _scatter_rows(table: paddle.Tensor, rows: paddle.Tensor, grad_rows: paddle.T
 _EMBEDDING_GRAD = getattr(paddle._C_ops, "embedding_grad", None)
 
 
+def _needed(needs: tuple[bool, ...], *grads: paddle.Tensor | None) -> tuple[paddle.Tensor | None, ...]:
+    """A PyLayer's input gradients, None for the inputs that take none (``stop_gradient``: from
+    frozen weights only, as under LoRA); Paddle refuses a gradient for such an input."""
+    return tuple(g if need else None for need, g in zip(needs, grads))
+
+
 class _SparseLatentAttention(PyLayer):
     """softmax(q . keys^T * scale + mask) keys over each query's selected rows of a key table, by the
     chunks of `_plan` (the module docstring); the chunks' keys and probabilities are kept for backward
@@ -373,6 +379,7 @@ class _SparseLatentAttention(PyLayer):
                 kept.append((p, ks))
         ctx.save_for_backward(qs, table)
         ctx.prep, ctx.plan, ctx.S, ctx.scale, ctx.kept = prep, plan, S, scale, kept
+        ctx.needs = (not q.stop_gradient, not table.stop_gradient)  # a frozen input gets None
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
         if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
@@ -408,7 +415,8 @@ class _SparseLatentAttention(PyLayer):
                 dks = paddle.matmul(paddle.concat([ds, p], axis=1), paddle.concat([qc, gc], axis=1), transpose_x=True)
                 part = _scatter_rows(table, prep.rows[ch.r0 : ch.r1], dks)
             dtable = part if dtable is None else dtable.add_(part)
-        return (paddle.concat(dq, axis=0) if len(dq) > 1 else dq[0]), dtable
+        dq = paddle.concat(dq, axis=0) if len(dq) > 1 else dq[0]
+        return _needed(ctx.needs, dq, dtable)
 
 
 def sparse_latent_attention(
@@ -502,6 +510,7 @@ class _DenseHeadAttention(PyLayer):
             ctx.mark_non_differentiable(pm)
         ctx.save_for_backward(qs, k, v, p, live)
         ctx.scale, ctx.low = scale, low
+        ctx.needs = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)  # a frozen input gets None
         return out, pm
 
     @staticmethod
@@ -518,7 +527,7 @@ class _DenseHeadAttention(PyLayer):
         dq = paddle.matmul(ds, k) if ctx.low else paddle.matmul(ds, k).scale_(ctx.scale)
         dk = paddle.matmul(ds, qs, transpose_x=True)
         dv = paddle.matmul(p, g, transpose_x=True)
-        return dq, dk, dv, None, None
+        return (*_needed(ctx.needs, dq, dk, dv), None, None)
 
 
 def _dense_plan(B: int, S: int, H: int) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
@@ -582,6 +591,7 @@ class _DenseChunkAttention(PyLayer):
             out = paddle.where(live.unsqueeze(-1).unsqueeze(-1) > 0, out, mean_v.expand(out.shape))
         ctx.save_for_backward(q, k, v, topk, live)
         ctx.scale, ctx.kept, ctx.dead = scale, kept, dead
+        ctx.needs = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)  # a frozen input gets None
         pr = paddle.concat(probs, axis=0).reshape([B, S, K]) if want_probs else paddle.zeros([1])
         if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
             ctx.mark_non_differentiable(pr)
@@ -611,7 +621,7 @@ class _DenseChunkAttention(PyLayer):
         if ctx.dead:  # a query without keys output the mean of all values: g / S to each value
             dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]
             dv = dv + dead.expand(dv.shape)
-        return dq, dk, dv, None, None
+        return (*_needed(ctx.needs, dq, dk, dv), None, None)
 
 
 def _masked_probs(s: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
