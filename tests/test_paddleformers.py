@@ -378,6 +378,12 @@ def test_trainer_recompute_granularity_recomputes(tiny, tmp_path):
         runs[granularity] = (model.recompute, losses)
     assert runs[None][0] == "none" and runs["full"][0] == "full"
     assert len(runs["full"][1]) == 2 and runs["full"][1] == runs[None][1]
+    # PaddleFormers' PretrainedModel.recompute_enable() / recompute_disable() (its deepseek_v3
+    # pretrain workflow calls the first); before: AttributeError on our model
+    model.recompute_disable()
+    assert model.recompute == "none" and not model.enable_recompute
+    model.recompute_enable()
+    assert model.recompute == "full" and model.enable_recompute
 
 
 def test_trainer_evaluate_gathers_the_logits(tiny, tmp_path):

@@ -220,6 +220,14 @@ def _classes() -> dict[str, Any]:
         def enable_recompute(self, value: bool) -> None:
             self.recompute = "full" if value else "none"
 
+        def recompute_enable(self) -> None:
+            """PaddleFormers' models' method (its workflows call it): recompute every decoder layer."""
+            self.enable_recompute = True
+
+        def recompute_disable(self) -> None:
+            """PaddleFormers' models' method: no recompute."""
+            self.enable_recompute = False
+
         def get_model_flops(self, *args: Any, **kwargs: Any) -> float:
             """The Trainer's speed log asks; no FLOP count is claimed (the Trainer then logs none)."""
             raise NotImplementedError("paddleformers_glm does not report FLOPs per token")
