@@ -213,6 +213,22 @@ def test_launcher_snapshots_count_only_while_another_rank_still_runs(tmp_path):
     assert (d.rank, d.cause) == (1, "died")
 
 
+def test_ranks_exiting_0_seen_one_after_the_other_are_not_a_death(tmp_path):
+    """Both ranks os._exit(0) mid-run; the launcher's watcher saw rank 1 gone while rank 0 was still
+    leaving (seen in CI: test_train_dist::test_ranks_that_exit_0_before_finishing_are_a_failure said
+    "rank 1 died without a Python error").  Paddle's launcher exits 0 only when every worker did, so
+    with its status 0 no rank died by a signal or the OS: the silent ranks are named as exiting 0; with
+    a non-zero status the same snapshot still names rank 1 dead."""
+    one_gone = _peers("launcher", 2.0, r0=("R", None, [1, "done"]), r1=("gone", None, [1, "done"]))
+    _beats(tmp_path, r0=(1, "done"), r1=(1, "done"))
+    d = diagnose(str(tmp_path), [0, 1], launcher_snapshots=[one_gone], paddle_launcher=(4242, 0))
+    assert (d.rank, d.cause) == (0, "died") and d.message.startswith(
+        "rank(s) 0, 1 exited with status 0 before finishing the run"
+    ), d
+    d = diagnose(str(tmp_path), [0, 1], launcher_snapshots=[one_gone], paddle_launcher=(4242, 1))
+    assert (d.rank, d.cause) == (1, "died") and d.message.startswith("rank 1 died without a Python error"), d
+
+
 def test_a_nonfinite_step_names_the_rank_of_the_first_nonfinite_value(tmp_path):
     detail = {"kind": "nonfinite", "rank": 1, "step": 3, "message": "step 3: non-finite lm loss (nan) on rank 1"}
     t = time.time()

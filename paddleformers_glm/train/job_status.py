@@ -322,7 +322,9 @@ def diagnose(
         )
     lost_rules = (  # a rank seen stopped, then one seen gone: named with who saw it and what its peers did
         (stopped, "stopped", f"{_STOPPED} (seen by", "timed out waiting for it"),
-        (died, "died", f"{_DIED}; seen gone by", "lost their peer"),
+        # Paddle's launcher exits 0 only when every worker did: a rank seen gone first then left by
+        # os._exit(0) or a library, not a signal or the OS (the silent-rank rule below names it)
+        ({} if paddle_rc == 0 else died, "died", f"{_DIED}; seen gone by", "lost their peer"),
     )
     for lost, kind, what, peers_then in lost_rules:
         if lost:
