@@ -211,15 +211,19 @@ def test_loss_normalisation_and_num_items_in_batch():
     assert float(model(ids, labels=none).loss) == 0.0
 
 
-@pytest.mark.reference
-def test_loss_with_ignored_labels_equals_transformers():
+def _tiny_in_both():
+    """torch, and the tiny fixture in transformers 5.23 and in ours, both float32 in evaluation mode
+    (our from_pretrained returns it so, as transformers'); skips without the reference extra."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-
     path = FIXTURES / "tiny" / "checkpoint"
     hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
-    model.eval()
+    return torch, hf, GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+
+
+@pytest.mark.reference
+def test_loss_with_ignored_labels_equals_transformers():
+    torch, hf, model = _tiny_in_both()
     ids = tokens(2, 10, vocab=hf.config.vocab_size)
     lab = ids.numpy().copy()
     lab[0, :4] = -100
@@ -251,12 +255,7 @@ def test_inputs_embeds_with_labels_and_logits_to_keep_positions():
 
 @pytest.mark.reference
 def test_inputs_embeds_labels_and_logits_to_keep_positions_equal_transformers():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = FIXTURES / "tiny" / "checkpoint"
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
-    model.eval()
+    torch, hf, model = _tiny_in_both()
     ids = tokens(2, 10)
     t = torch.tensor(ids.numpy())
     with torch.no_grad():
@@ -381,11 +380,7 @@ def test_num_logits_to_keep_is_accepted_and_ignored():
 
 @pytest.mark.reference
 def test_num_logits_to_keep_equals_transformers():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = FIXTURES / "tiny" / "checkpoint"
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    torch, hf, model = _tiny_in_both()
     ids = tokens(2, 10)
     t = torch.tensor(ids.numpy())
     with torch.no_grad():
