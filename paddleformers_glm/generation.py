@@ -283,8 +283,9 @@ def check_generation_length(
     config: Any, prompt_len: int, max_new_tokens: int | None = None, max_length: int | None = None
 ) -> int:
     """The number of new tokens for a prompt of ``prompt_len`` tokens (``max_new_tokens`` wins
-    over ``max_length``; neither: HF's 20), refused when prompt + new tokens exceed the model's
-    ``max_position_embeddings`` or an explicit ``max_length``. No tensor exists yet when this runs."""
+    over ``max_length``; neither: HF's 20, cut to what ``max_position_embeddings`` leaves after the
+    prompt, as transformers 5.23 cuts its default length), refused when prompt + new tokens exceed the
+    model's ``max_position_embeddings`` or an explicit ``max_length``. No tensor exists yet when this runs."""
     if max_new_tokens is not None:
         n = _integer("max_new_tokens", max_new_tokens, 1, " (transformers refuses 0 too)")
     elif max_length is not None:
@@ -297,6 +298,13 @@ def check_generation_length(
     else:
         n = HF_DEFAULTS["max_length"]
     limit = getattr(config, "max_position_embeddings", None)
+    if max_new_tokens is None and max_length is None and _is_int(limit):
+        if prompt_len >= limit:  # transformers: its max_length min(20 + S, limit) = limit <= S, refused
+            raise ValueError(
+                f"generate: the {prompt_len}-token prompt leaves no room before the model's "
+                f"max_position_embeddings {limit}"
+            )
+        n = min(n, limit - prompt_len)  # transformers' default length: min(prompt + 20, max_position_embeddings)
     if _is_int(limit) and prompt_len + n > limit:
         raise ValueError(
             f"generate: prompt ({prompt_len} tokens) + {n} new tokens = {prompt_len + n} exceeds the model's "

@@ -934,3 +934,48 @@ def test_a_transformers_generation_config_object_is_read_by_its_dict(tmp_path):
     transformers = pytest.importorskip("transformers")
     live = transformers.GenerationConfig(max_new_tokens=5, repetition_penalty=1.2)
     np.testing.assert_array_equal(model.generate(ids, generation_config=live).numpy(), out)
+
+
+def _short_context_ckpt(tmp_path, limit=12):
+    import json
+
+    folder = _ckpt_copy(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": limit}))
+    return folder
+
+
+def test_the_default_length_stops_at_max_position_embeddings(tmp_path):
+    """transformers 5.23's default length (no max_length / max_new_tokens in the call, the argument or
+    generation_config.json) is min(prompt + 20, max_position_embeddings) (``_prepare_generated_length``).
+    Measured, fixture "tiny" with max_position_embeddings 12, prompt [5 .. 12], greedy, no length given:
+    4 new tokens [247, 239, 226, 226]; a 12-token prompt: ValueError ("Input length of input_ids is 12,
+    but `max_length` is set to 12"). Before: ValueError "prompt (8 tokens) + 20 new tokens = 28 exceeds
+    the model's max_position_embeddings 12" for the 8-token prompt. An explicit length past it is
+    still refused (docs/model.md, "Bounds")."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(_short_context_ckpt(tmp_path), dtype="float32")
+    ids = paddle.to_tensor([list(range(5, 13))])
+    out = model.generate(ids, eos_token_id=[]).numpy()
+    np.testing.assert_array_equal(out[0, 8:], [247, 239, 226, 226])
+    with pytest.raises(ValueError, match="12-token prompt leaves no room before the model's max_position_embeddings"):
+        model.generate(paddle.to_tensor([list(range(5, 17))]))
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 12"):
+        model.generate(ids, max_new_tokens=6)
+
+
+@pytest.mark.reference
+def test_the_default_length_equals_hf_generate_at_the_context_end(tmp_path):
+    """The live twin of the test above."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder = _short_context_ckpt(tmp_path)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32")
+    prompt = [list(range(5, 13))]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompt), do_sample=False).numpy()
+    np.testing.assert_array_equal(model.generate(paddle.to_tensor(prompt)).numpy(), want)
+    with pytest.raises(ValueError, match="Input length of input_ids is 12"):
+        hf.generate(torch.tensor([list(range(5, 17))]))
