@@ -362,7 +362,8 @@ def resolve_settings(
             "temperature", get("temperature"), lambda t: t > 0, "> 0 (use do_sample=False for greedy)"
         )
         r["top_k"] = _integer("top_k", get("top_k"), 0, " (0: off)")
-        r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)")
+        # [0, 1] as transformers' TopPLogitsWarper takes it; 0: only the most likely token stays
+        r["top_p"] = _number("top_p", get("top_p"), lambda p: 0.0 <= p <= 1.0, "in [0, 1] (1: off)")
     else:  # greedy uses none of the warpers, so their settings (temperature 0.0 ...) are not checked, as in HF
         r |= {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")

@@ -136,7 +136,7 @@ def tiny_dir(tmp_path_factory):
         (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
-        (["--top-p", "2"], "--top-p must be > 0.0 and <= 1.0, got 2.0"),
+        (["--top-p", "2"], "--top-p must be >= 0.0 and <= 1.0, got 2.0"),
         (["--top-k", "-3"], "--top-k must be >= 0"),
         (["--repetition-penalty", "0"], "--repetition-penalty must be > 0.0"),
     ],
@@ -144,6 +144,17 @@ def tiny_dir(tmp_path_factory):
 def test_generate_refuses_bad_values_in_one_line(tiny_dir, flags, needle, capsys):
     assert main(["generate", "--model", tiny_dir, "--prompt", "Hello", *flags]) == 2
     assert needle in _one_line(capsys.readouterr().err)
+
+
+def test_generate_takes_top_p_0():
+    """transformers 5.23 takes top_p 0 (the most likely token only; test_generate.py measures it)."""
+    import argparse
+
+    from paddleformers_glm.cli.generate import check_arguments
+
+    names = ("max_new_tokens", "max_length", "top_k", "temperature", "repetition_penalty", "system")
+    args = argparse.Namespace(**dict.fromkeys(names), top_p=0.0, chat=False)
+    assert check_arguments(args) is None
 
 
 def test_generate_refuses_system_without_chat(tiny_dir, capsys):

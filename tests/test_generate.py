@@ -979,3 +979,44 @@ def test_the_default_length_equals_hf_generate_at_the_context_end(tmp_path):
     np.testing.assert_array_equal(model.generate(paddle.to_tensor(prompt)).numpy(), want)
     with pytest.raises(ValueError, match="Input length of input_ids is 12"):
         hf.generate(torch.tensor([list(range(5, 17))]))
+
+
+def test_top_p_0_keeps_only_the_most_likely_token():
+    """transformers 5.23 takes top_p in [0, 1] (TopPLogitsWarper refuses only < 0 or > 1); at 0 each
+    step's processed scores keep one finite entry, the most likely token. Measured, HF's generate on
+    fixture "tiny", prompts [5, 6, 7, 8] / [9, 10, 11, 12], do_sample, top_p 0.0, top_k 0, 3 new tokens:
+    [240, 211, 172] / [217, 178, 175] (the greedy tokens), one finite score per row and step, of value
+    1.8974 / 2.7939 at the first step. Before: ValueError "top_p must be in (0, 1]" (and
+    ``glm52 generate --top-p 0`` exit 2)."""
+    model, _ = _fixture("tiny")
+    ids = paddle.to_tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kw = {"max_new_tokens": 3, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
+    out = model.generate(ids, do_sample=True, top_p=0.0, top_k=0, seed=0, **kw)
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 4:], [[240, 211, 172], [217, 178, 175]])
+    for s in out.scores:
+        assert (np.isfinite(s.numpy()).sum(1) == 1).all()
+    np.testing.assert_allclose(out.scores[0].numpy().max(1), [1.8973775, 2.7938628], rtol=1e-5)
+    with pytest.raises(ValueError, match=r"top_p must be in \[0, 1\]"):
+        model.generate(ids, do_sample=True, top_p=-0.1)
+
+
+@pytest.mark.reference
+def test_top_p_0_scores_equal_hf_generate():
+    """The live twin of the test above: the processed scores of every step, HF's against ours."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    prompt = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    kw = {"max_new_tokens": 3, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
+    kw |= {"do_sample": True, "top_p": 0.0, "top_k": 0}
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompt), pad_token_id=0, **kw)
+    got = model.generate(paddle.to_tensor(prompt), seed=0, **kw)
+    np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy())
+    for g, w in zip(got.scores, want.scores):
+        g, w = g.numpy(), w.numpy()
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w))
+        np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-5)

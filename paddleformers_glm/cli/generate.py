@@ -24,7 +24,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         ("--max-length", args.max_length, 1, True, None),
         ("--top-k", args.top_k, 0, True, None),
         ("--temperature", args.temperature, 0.0, False, None),
-        ("--top-p", args.top_p, 0.0, False, 1.0),
+        ("--top-p", args.top_p, 0.0, True, 1.0),  # transformers takes 0 (the most likely token only)
         ("--repetition-penalty", args.repetition_penalty, 0.0, False, None),
     ):
         if v is None:
@@ -182,7 +182,7 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
         help="sample instead of greedy decoding (unset: the checkpoint's do_sample, else greedy)",
     )
     p.add_argument("--temperature", type=float, help="> 0 (unset: the checkpoint's, else 1.0)")
-    p.add_argument("--top-p", type=float, help="in (0, 1] (unset: the checkpoint's, else 1.0)")
+    p.add_argument("--top-p", type=float, help="in [0, 1] (unset: the checkpoint's, else 1.0)")
     p.add_argument("--top-k", type=int, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
     p.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row at this text (repeatable)")
