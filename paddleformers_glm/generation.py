@@ -461,7 +461,7 @@ class GenerateDecoderOnlyOutput:
 # --------------------------------------------------------------------------- generate
 def generate(
     model: paddle.nn.Layer,
-    input_ids: paddle.Tensor,
+    input_ids: paddle.Tensor | None = None,
     attention_mask: paddle.Tensor | None = None,
     generation_config: GenerationConfig | dict | None = None,
     *,
@@ -469,6 +469,7 @@ def generate(
     streamer: Callable[[np.ndarray], None] | Any | None = None,
     tokenizer: Any = None,
     decode_step: Callable[..., paddle.Tensor] | None = None,
+    inputs_embeds: paddle.Tensor | None = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
@@ -476,14 +477,30 @@ def generate(
     (docs/model.md, "Decoding"). Each token after the first goes through ``model.decode_step`` (or
     ``decode_step``, same arguments: its ``paddle.jit.to_static`` capture, a :class:`CudaGraphDecodeStep`)
     on a cache allocated once for the whole generation, so the step's shapes never change.
+    ``inputs_embeds`` [B, S, H] (as transformers'): the prompt's embeddings are what the model reads;
+    without ``input_ids`` only the new tokens are returned [B, n], and the prompt is nothing the
+    repetition penalty or a stop string sees (HF's rules).
     """
     import paddle
 
     from .modeling.cache import DSACache
 
+    if inputs_embeds is not None:
+        if inputs_embeds.ndim != 3:
+            raise ValueError(f"generate: inputs_embeds must be [batch, seq, hidden], got {list(inputs_embeds.shape)}")
+        if input_ids is not None and list(input_ids.shape) != list(inputs_embeds.shape[:2]):
+            raise ValueError(
+                f"generate: input_ids shape {list(input_ids.shape)} != inputs_embeds' [batch, seq] "
+                f"{list(inputs_embeds.shape[:2])}"
+            )
+        if input_ids is None:  # transformers: an empty prompt of ids; the output holds the new tokens only
+            input_ids = paddle.zeros([inputs_embeds.shape[0], 0], dtype="int64")
+    elif input_ids is None:
+        raise ValueError("generate: give input_ids or inputs_embeds")
     if input_ids.ndim != 2:
         raise ValueError(f"generate: input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
-    B, S = input_ids.shape
+    B, S = input_ids.shape if inputs_embeds is None else inputs_embeds.shape[:2]
+    ids_given = input_ids.shape[1] == S  # False: inputs_embeds alone
     own = getattr(model, "generation_config", None)  # the model's defaults fill what a passed config leaves unset (HF)
     own = GenerationConfig.from_dict(own, "model.generation_config") if isinstance(own, dict) else own
     own = own if isinstance(own, GenerationConfig) else generation_config_of(model)
@@ -504,6 +521,8 @@ def generate(
         input_ids = paddle.repeat_interleave(input_ids, s.num_return_sequences, axis=0)
         if attention_mask is not None:
             attention_mask = paddle.repeat_interleave(attention_mask, s.num_return_sequences, axis=0)
+        if inputs_embeds is not None:
+            inputs_embeds = paddle.repeat_interleave(inputs_embeds, s.num_return_sequences, axis=0)
         B = input_ids.shape[0]
     # right padding: each row's first new token follows its last real token, not the padded end
     # (HF continues from the pad position and warns); later tokens are real, the pads stay masked
@@ -516,7 +535,9 @@ def generate(
     if s.stop_strings:  # HF matches a stop string against the sequence's end, prompt included: each row's
         # last real prompt tokens (as many as the longest stop string has characters) and their text
         k, host_ids = max(map(len, s.stop_strings)), input_ids.numpy()
-        real_rows = np.ones(host_ids.shape, bool) if attention_mask is None else attention_mask.numpy() != 0
+        real_rows = (
+            np.ones(host_ids.shape, bool) if attention_mask is None or not ids_given else attention_mask.numpy() != 0
+        )
         tails = [[int(t) for t in row[keep][-k:]] for row, keep in zip(host_ids, real_rows)]
         tails = [(t, len(tokenizer.decode(t))) for t in tails]
     rng = np.random.default_rng(seed)
@@ -530,8 +551,11 @@ def generate(
     eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
     seen = None
     if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
-        valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
-        seen = paddle.put_along_axis(paddle.zeros([B, V], dtype="int64"), input_ids, valid, axis=1, reduce="add") > 0
+        seen = paddle.zeros([B, V], dtype="bool")
+        if ids_given and S:
+            valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
+            zero = paddle.zeros([B, V], dtype="int64")
+            seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
     was_training = model.training
     model.eval()
     scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
@@ -540,10 +564,12 @@ def generate(
         with paddle.no_grad():
             if s.use_cache:
                 cache = DSACache.for_config(model.config, B, capacity=S + s.max_new_tokens)
-                out = model(input_ids, attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                prompt = input_ids if inputs_embeds is None else None
+                kw = {"inputs_embeds": inputs_embeds, "logits_to_keep": 1}
+                out = model(prompt, attention_mask, past_key_values=cache, use_cache=True, **kw)
                 step_fn = decode_step or model.decode_step
             else:
-                seq, mask = input_ids, attention_mask
+                seq, mask = input_ids if inputs_embeds is None else inputs_embeds, attention_mask
                 out = _full_forward(model, seq, mask)
             last = out.logits[:, -1] if last_real is None else _logits_at(model, out.last_hidden_state, last_real)
             finished = paddle.zeros([B], dtype="bool")
@@ -592,7 +618,8 @@ def generate(
                     last = step_fn(nxt[:, None], positions, cache.slots, cache)
                     cache.advance(1)
                 else:
-                    seq = paddle.concat([seq, nxt[:, None]], axis=1)
+                    step_in = nxt[:, None] if inputs_embeds is None else model.model.embedding(nxt[:, None])
+                    seq = paddle.concat([seq, step_in.astype(seq.dtype)], axis=1)
                     if mask is not None:
                         mask = paddle.concat([mask, paddle.ones([B, 1], dtype=mask.dtype)], axis=1)
                     last = _full_forward(model, seq, mask).logits[:, -1]
@@ -620,13 +647,15 @@ def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor
     return model.logits(rows)[:, 0]
 
 
-def _full_forward(model: paddle.nn.Layer, ids: paddle.Tensor, mask: paddle.Tensor | None):
-    """``use_cache=False``: the whole sequence again, positions counting each row's real tokens
-    (as HF's prepare_inputs_for_generation makes them from the attention mask)."""
+def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None):
+    """``use_cache=False``: the whole sequence again (ids [B, S], or embeddings [B, S, H]), positions
+    counting each row's real tokens (as HF's prepare_inputs_for_generation makes them from the mask)."""
     import paddle
 
     pos = None if mask is None else paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
-    return model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1, use_cache=False)  # no cache built
+    ids, embeds = (seq, None) if seq.ndim == 2 else (None, seq)
+    kw = {"position_ids": pos, "logits_to_keep": 1, "use_cache": False, "inputs_embeds": embeds}
+    return model(ids, attention_mask=mask, **kw)  # no cache built
 
 
 class CudaGraphDecodeStep:

@@ -1020,3 +1020,63 @@ def test_top_p_0_scores_equal_hf_generate():
         g, w = g.numpy(), w.numpy()
         np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w))
         np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-5)
+
+
+_EMBEDS_IDS = [[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+_EMBEDS_MASK = [[0, 0, 1, 1, 1, 1], [1] * 6]
+
+
+def test_generate_from_inputs_embeds():
+    """transformers 5.23's ``generate(inputs_embeds=E, attention_mask=m)`` (decoder-only) reads the
+    prompt's embeddings and returns the new tokens only. Measured, HF on fixture "tiny", E its input
+    embeddings of the left-padded ids above, greedy, eos [], pad 0: max_new_tokens 5 ->
+    [[240, 211, 172, 53, 123], [184, 42, 85, 174, 22]] (the ids' own new tokens), also with
+    use_cache=False; max_length 9 (counting the 6 embedded positions) -> 3 tokens; eos [211] with
+    min_length 8 -> row 0 [240, 185, 25, 123, 226] (EOS held for 2 new tokens); ids and embeddings
+    both -> ids + new tokens. Before: TypeError "generate() missing 1 required positional argument:
+    'input_ids'" (and ``inputs_embeds=`` alone an unknown option)."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    E = model.model.embedding(ids)
+    kw = {"eos_token_id": [], "pad_token_id": 0}
+    want = [[240, 211, 172, 53, 123], [184, 42, 85, 174, 22]]
+    for use_cache in (True, False):
+        out = model.generate(inputs_embeds=E, attention_mask=mask, max_new_tokens=5, use_cache=use_cache, **kw)
+        np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(
+        model.generate(inputs_embeds=E, attention_mask=mask, max_length=9, **kw).numpy(), [r[:3] for r in want]
+    )
+    held = model.generate(
+        inputs_embeds=E, attention_mask=mask, max_new_tokens=5, eos_token_id=[211], pad_token_id=0, min_length=8
+    )
+    np.testing.assert_array_equal(held.numpy()[0], [240, 185, 25, 123, 226])
+    both = model.generate(ids, mask, inputs_embeds=E, max_new_tokens=5, **kw).numpy()
+    np.testing.assert_array_equal(both, np.concatenate([_EMBEDS_IDS, want], axis=1))
+    with pytest.raises(ValueError, match="give input_ids or inputs_embeds"):
+        model.generate(max_new_tokens=2)
+
+
+@pytest.mark.reference
+def test_generate_from_inputs_embeds_equals_hf_generate():
+    """The live twin of the test above (HF's embeddings of the same ids, the same options)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    tids, tmask = torch.tensor(_EMBEDS_IDS), torch.tensor(_EMBEDS_MASK)
+    E = model.model.embedding(paddle.to_tensor(_EMBEDS_IDS))
+    for kw in (
+        {"max_new_tokens": 5, "eos_token_id": []},
+        {"max_new_tokens": 5, "eos_token_id": [], "use_cache": False},
+        {"max_length": 9, "eos_token_id": []},
+        {"max_new_tokens": 5, "eos_token_id": [211], "min_length": 8},
+        {"max_new_tokens": 5, "eos_token_id": [], "repetition_penalty": 3.0},
+    ):
+        with torch.no_grad():
+            want = hf.generate(
+                inputs_embeds=hf.get_input_embeddings()(tids), attention_mask=tmask, pad_token_id=0, **kw
+            )
+        got = model.generate(inputs_embeds=E, attention_mask=paddle.to_tensor(_EMBEDS_MASK), pad_token_id=0, **kw)
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=str(kw))

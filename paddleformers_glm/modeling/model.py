@@ -916,7 +916,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
     def generation_config(self, value) -> None:
         self.__dict__["_generation_config"] = value
 
-    def generate(self, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None = None, **kwargs):
+    def generate(self, input_ids: paddle.Tensor | None = None, attention_mask: paddle.Tensor | None = None, **kwargs):
         """Prompt + new tokens [B, S + n] int64 (HF's options; defaults from `generation_config`);
         see `paddleformers_glm.generation.generate`."""
         from ..generation import generate
