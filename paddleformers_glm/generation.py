@@ -71,9 +71,8 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         ),
         (
             None,
-            "penalty_alpha min_p top_h dola_layers bad_words_ids force_words_ids constraints sequence_bias "
-            "suppress_tokens begin_suppress_tokens forced_bos_token_id forced_eos_token_id "
-            "exponential_decay_length_penalty guidance_scale watermarking_config prompt_lookup_num_tokens "
+            "penalty_alpha top_h dola_layers bad_words_ids force_words_ids constraints sequence_bias "
+            "forced_bos_token_id exponential_decay_length_penalty guidance_scale watermarking_config prompt_lookup_num_tokens "
             "assistant_model max_time",
         ),
     )
@@ -136,6 +135,10 @@ class GenerationConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     stop_strings: str | list[str] | None = None
+    min_p: float | None = None
+    suppress_tokens: list[int] | None = None
+    begin_suppress_tokens: list[int] | None = None
+    forced_eos_token_id: int | list[int] | None = None
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
     output_logits: bool | None = None
@@ -272,10 +275,10 @@ def _number(name: str, v: Any, ok: Callable[[float], bool], need: str) -> float:
     return float(v)
 
 
-def _eos_list(v: Any) -> list[int]:
+def _eos_list(v: Any, name: str = "eos_token_id") -> list[int]:
     ids = [] if v is None else [v] if _is_int(v) else v
     if not isinstance(ids, (list, tuple)) or not all(_is_int(e) for e in ids):
-        raise ValueError(f"generate: eos_token_id must be an int or a list of ints, got {v!r}")
+        raise ValueError(f"generate: {name} must be an int or a list of ints, got {v!r}")
     return [int(e) for e in ids]
 
 
@@ -383,6 +386,20 @@ def resolve_settings(
     stops = [stops] if isinstance(stops, str) else list(stops)
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
+    # transformers' MinPLogitsWarper (a sampling warper, after top-p) takes min_p in [0, 1]
+    min_p = get("min_p") if r["do_sample"] else None  # greedy: unused and unchecked, as the other warpers
+    r["min_p"] = None if min_p is None else _number("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
+    # token lists (an int alone as transformers' forced EOS takes it); [] or None: off
+    for k in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
+        ids = _eos_list(get(k), k)
+        bad = [i for i in ids if not 0 <= i < int(getattr(config, "vocab_size", 2**63))]
+        if bad:
+            raise ValueError(f"generate: {k} holds {bad[0]}, not a token id of the vocabulary")
+        r[k] = ids or None
+    if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
+        raise ValueError(  # as transformers: the forced step would have every logit -inf
+            f"generate: every token in forced_eos_token_id {r['forced_eos_token_id']} is also in suppress_tokens"
+        )
     return GenerationConfig(max_new_tokens=new, min_new_tokens=min_new, pad_token_id=int(pad), stop_strings=stops, **r)
 
 
@@ -408,6 +425,9 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
         drop_sorted[:, -1] = 0.0
         drop = paddle.put_along_axis(paddle.zeros_like(p), order, drop_sorted, axis=-1) > 0
         x = paddle.where(drop, neg_inf, x)
+    if s.min_p is not None:  # HF's MinPLogitsWarper: a token goes below min_p x the top probability
+        p = paddle.nn.functional.softmax(x, axis=-1)
+        x = paddle.where(p < s.min_p * p.max(axis=-1, keepdim=True), neg_inf, x)
     return x
 
 
@@ -549,6 +569,12 @@ def generate(
     V = int(model.config.vocab_size)
     eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
     eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
+    # [V] masks of HF's token processors: forced EOS (the last step), suppressed (every step), begin-suppressed (the first)
+    vocab_mask = {
+        k: paddle.to_tensor(np.isin(np.arange(V), getattr(s, k)))
+        for k in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
+        if getattr(s, k)
+    }
     seen = None
     if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
         seen = paddle.zeros([B, V], dtype="bool")
@@ -583,6 +609,15 @@ def generate(
                     x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
                 if eos_vocab is not None and step < s.min_new_tokens:
                     x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
+                # HF's order after the minimum length: forced EOS, suppressed tokens, begin-suppressed tokens
+                if "forced_eos_token_id" in vocab_mask and step == s.max_new_tokens - 1:  # max_length - 1 tokens
+                    x = paddle.where(
+                        vocab_mask["forced_eos_token_id"], paddle.zeros_like(x), paddle.full_like(x, -math.inf)
+                    )
+                if "suppress_tokens" in vocab_mask:
+                    x = paddle.where(vocab_mask["suppress_tokens"], paddle.full_like(x, -math.inf), x)
+                if "begin_suppress_tokens" in vocab_mask and step == 0:
+                    x = paddle.where(vocab_mask["begin_suppress_tokens"], paddle.full_like(x, -math.inf), x)
                 if s.do_sample:
                     x = _warp(x, s)
                     nxt = _draw(x, rng.random(B))

@@ -1080,3 +1080,97 @@ def test_generate_from_inputs_embeds_equals_hf_generate():
             )
         got = model.generate(inputs_embeds=E, attention_mask=paddle.to_tensor(_EMBEDS_MASK), pad_token_id=0, **kw)
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=str(kw))
+
+
+_PROC_CASES = [  # options, HF 5.23's new tokens for the padded batch below (measured, fixture "tiny")
+    ({"suppress_tokens": [240, 211, 184]}, [[156, 252, 239, 175], [77, 251, 42, 135]]),
+    ({"begin_suppress_tokens": [240, 184]}, [[156, 252, 239, 175], [77, 251, 42, 135]]),
+    ({"forced_eos_token_id": 7}, [[240, 211, 172, 7], [184, 42, 85, 7]]),
+    (
+        {"forced_eos_token_id": [7, 8], "suppress_tokens": [7], "begin_suppress_tokens": [240], "eos_token_id": [211]}
+        | {"min_new_tokens": 2, "repetition_penalty": 1.3, "max_new_tokens": 3},
+        [[156, 252, 8], [184, 42, 8]],
+    ),
+]
+
+
+def test_suppress_tokens_and_forced_eos_as_hf():
+    """transformers 5.23's suppress_tokens (every step), begin_suppress_tokens (the first new token)
+    and forced_eos_token_id (the last step: only those tokens, score 0), in HF's processor order, on
+    a left-padded batch ([[0, 0, 5, 6, 7, 8], [9 .. 14]], greedy, eos [], pad 0, 4 new tokens): the
+    tokens in _PROC_CASES, measured with HF's generate; a forced EOS all of whose tokens are suppressed
+    is refused as HF refuses it. Before: each option refused ("is not supported")."""
+    model, _ = _fixture("tiny")
+    ids = paddle.to_tensor(_EMBEDS_IDS)
+    mask = paddle.to_tensor(_EMBEDS_MASK)
+    for kw, want in _PROC_CASES:
+        kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0} | kw
+        np.testing.assert_array_equal(model.generate(ids, mask, **kw).numpy()[:, 6:], want, err_msg=str(kw))
+    out = model.generate(
+        ids, mask, max_new_tokens=2, forced_eos_token_id=7, return_dict_in_generate=True, output_scores=True
+    )
+    last = out.scores[-1].numpy()
+    assert (np.isfinite(last).sum(1) == 1).all() and (last[:, 7] == 0).all()
+    with pytest.raises(ValueError, match="every token in forced_eos_token_id"):
+        model.generate(ids, mask, forced_eos_token_id=7, suppress_tokens=[7])
+
+
+def test_min_p_as_hf_min_p_warper():
+    """transformers 5.23's MinPLogitsWarper (a sampling warper after top-p): a token goes when its
+    probability is below min_p x the top one. Measured, HF's generate on the padded batch above,
+    do_sample, min_p 0.3, top_k 0, the first step's processed scores: 64 and 8 tokens kept, the
+    lowest kept score 0.69505 / 1.97271. Greedy ignores it (HF: not a greedy processor). Before:
+    refused ("min_p=0.3 is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"max_new_tokens": 1, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
+    x = model.generate(ids, mask, do_sample=True, min_p=0.3, top_k=0, seed=0, **kw).scores[0].numpy()
+    np.testing.assert_array_equal(np.isfinite(x).sum(1), [64, 8])
+    np.testing.assert_allclose(np.where(np.isfinite(x), x, 9).min(1), [0.69504976, 1.9727054], rtol=1e-5)
+    greedy = model.generate(ids, mask, min_p=0.3, **kw).scores[0].numpy()
+    assert np.isfinite(greedy).all()
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
+        model.generate(ids, mask, do_sample=True, min_p=1.5)
+
+
+@pytest.mark.reference
+def test_token_processors_and_min_p_equal_hf_generate():
+    """The live twin of the two tests above: tokens and every step's processed scores."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    cases = [kw for kw, _ in _PROC_CASES]
+    cases += [{"do_sample": True, "min_p": 0.3, "top_k": 0, "max_new_tokens": 1}]
+    cases += [{"do_sample": True, "min_p": 0.1, "top_k": 30, "top_p": 0.9, "temperature": 0.7, "max_new_tokens": 1}]
+    for kw in cases:
+        kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0} | kw
+        kw |= {"return_dict_in_generate": True, "output_scores": True}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), seed=0, **kw)
+        if not kw.get("do_sample"):  # sampled tokens come from other random numbers: one step, scores only
+            np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
+        for g, w in zip(got.scores, want.scores):
+            g, w = g.numpy(), w.numpy()
+            np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=str(kw))
+            np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-4, atol=1e-5, err_msg=str(kw))
+
+
+def test_speculative_refuses_the_token_processors_from_a_generation_config():
+    """``glm52 generate --speculative`` decodes greedily without logits processors: a
+    generation_config.json's suppress_tokens / begin_suppress_tokens / forced_eos_token_id (now
+    honoured by the plain command) are refused by name, as its repetition penalty is."""
+    from paddleformers_glm.cli.generate import speculative_length
+    from paddleformers_glm.generation import GenerationConfig
+
+    class Config:
+        max_position_embeddings, vocab_size = 64, 256
+
+    for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
+        gc = GenerationConfig.from_dict({key: [7]}, source="ckpt/generation_config.json")
+        with pytest.raises(ValueError, match=f"--speculative decodes greedily without {key}"):
+            speculative_length(Config, gc, {}, 4)
+    assert speculative_length(Config, GenerationConfig(max_new_tokens=3), {}, 4) == 3
