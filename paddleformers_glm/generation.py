@@ -61,7 +61,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
     name: off
     for off, names in (
         (1, "num_beam_groups"),
-        (0, "no_repeat_ngram_size encoder_no_repeat_ngram_size"),
+        (0, "encoder_no_repeat_ngram_size"),
         (0.0, "diversity_penalty epsilon_cutoff eta_cutoff"),
         (1.0, "length_penalty typical_p encoder_repetition_penalty"),
         (
@@ -136,6 +136,7 @@ class GenerationConfig:
     bos_token_id: int | None = None
     stop_strings: str | list[str] | None = None
     min_p: float | None = None
+    no_repeat_ngram_size: int | None = None
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None
     forced_eos_token_id: int | list[int] | None = None
@@ -389,6 +390,7 @@ def resolve_settings(
     # transformers' MinPLogitsWarper (a sampling warper, after top-p) takes min_p in [0, 1]
     min_p = get("min_p") if r["do_sample"] else None  # greedy: unused and unchecked, as the other warpers
     r["min_p"] = None if min_p is None else _number("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
+    r["no_repeat_ngram_size"] = _integer("no_repeat_ngram_size", get("no_repeat_ngram_size") or 0, 0, " (0: off)")
     # token lists (an int alone as transformers' forced EOS takes it); [] or None: off
     for k in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
         ids = _eos_list(get(k), k)
@@ -429,6 +431,40 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
         p = paddle.nn.functional.softmax(x, axis=-1)
         x = paddle.where(p < s.min_p * p.max(axis=-1, keepdim=True), neg_inf, x)
     return x
+
+
+class _NGrams:
+    """transformers' NoRepeatNGramLogitsProcessor on the host: each row's n-grams so far (the whole
+    ``input_ids``, padding included, as HF's; then the chosen ids), and the tokens that would repeat
+    one after the row's last n - 1 tokens."""
+
+    def __init__(self, n: int, prompt: np.ndarray) -> None:
+        self.n, self.rows = n, [[int(t) for t in row] for row in prompt]
+        self.seen: list[dict[tuple, set]] = [{} for _ in self.rows]
+        for row, seen in zip(self.rows, self.seen):
+            for i in range(len(row) - n + 1):
+                seen.setdefault(tuple(row[i : i + n - 1]), set()).add(row[i + n - 1])
+
+    def append(self, ids: np.ndarray) -> None:
+        for row, seen, t in zip(self.rows, self.seen, ids.tolist()):
+            row.append(int(t))
+            if len(row) >= self.n:
+                seen.setdefault(tuple(row[len(row) - self.n : -1]), set()).add(int(t))
+
+    def ban(self, x: paddle.Tensor) -> paddle.Tensor:
+        import paddle
+
+        if len(self.rows[0]) + 1 < self.n:  # HF: no n-gram can be completed yet
+            return x
+        pairs = [
+            (b, t)
+            for b, (row, seen) in enumerate(zip(self.rows, self.seen))
+            for t in sorted(seen.get(tuple(row[len(row) - self.n + 1 :]), ()))
+        ]
+        if not pairs:
+            return x
+        rows, cols = (paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in zip(*pairs))
+        return paddle.index_put(x, (rows, cols), paddle.full([len(pairs)], -math.inf, dtype=x.dtype))
 
 
 def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
@@ -582,6 +618,7 @@ def generate(
             valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
             zero = paddle.zeros([B, V], dtype="int64")
             seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
+    ngrams = _NGrams(s.no_repeat_ngram_size, input_ids.numpy()) if s.no_repeat_ngram_size else None
     was_training = model.training
     model.eval()
     scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
@@ -607,6 +644,8 @@ def generate(
                 if seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
                     rp = s.repetition_penalty
                     x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
+                if ngrams is not None:  # HF's order: after the repetition penalty, before the minimum length
+                    x = ngrams.ban(x)
                 if eos_vocab is not None and step < s.min_new_tokens:
                     x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
                 # HF's order after the minimum length: forced EOS, suppressed tokens, begin-suppressed tokens
@@ -631,9 +670,11 @@ def generate(
                 new.append(nxt)
                 if seen is not None:
                     seen = paddle.logical_or(seen, paddle.nn.functional.one_hot(nxt, V) > 0)
-                if streamer is not None or s.stop_strings:
+                if streamer is not None or s.stop_strings or ngrams is not None:
                     host = nxt.numpy()  # the chosen ids only
                     host_new.append(host)
+                    if ngrams is not None:
+                        ngrams.append(host)
                     if put is not None:
                         put(host)
                     if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's

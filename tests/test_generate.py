@@ -844,9 +844,10 @@ def test_unimplemented_options_given_as_none_are_off(tmp_path):
     off value 0)", from a keyword (which the docs say counts as not given) and from a file."""
     from paddleformers_glm.generation import UNSUPPORTED_OFF
 
-    nones = {k: None for k in ("no_repeat_ngram_size", "length_penalty", "typical_p", "num_beam_groups")}
+    nones = {k: None for k in ("encoder_no_repeat_ngram_size", "length_penalty", "typical_p", "num_beam_groups")}
     nones |= {k: None for k in ("early_stopping", "diversity_penalty", "renormalize_logits", "token_healing")}
     assert all(UNSUPPORTED_OFF[k] is not None for k in nones)  # the keys whose off value is not None
+    nones["no_repeat_ngram_size"] = None  # implemented since; None is off there too
     model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=nones), dtype="float32")
     ids = paddle.to_tensor([[5, 6, 7, 8]])
     for kw in (nones, {}):  # as keywords; from the file
@@ -1169,8 +1170,61 @@ def test_speculative_refuses_the_token_processors_from_a_generation_config():
     class Config:
         max_position_embeddings, vocab_size = 64, 256
 
-    for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
-        gc = GenerationConfig.from_dict({key: [7]}, source="ckpt/generation_config.json")
+    for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", "no_repeat_ngram_size"):
+        gc = GenerationConfig.from_dict({key: 2 if key == "no_repeat_ngram_size" else [7]}, source="ckpt/gc.json")
         with pytest.raises(ValueError, match=f"--speculative decodes greedily without {key}"):
             speculative_length(Config, gc, {}, 4)
     assert speculative_length(Config, GenerationConfig(max_new_tokens=3), {}, 4) == 3
+
+
+_NGRAM_BATCH = [
+    [240, 211, 7, 99, 240, 240, 8, 185, 149, 240, 185, 99],
+    [184, 9, 11, 173, 184, 13, 156, 12, 156, 208, 107, 12],
+]
+
+
+def test_no_repeat_ngram_size_as_hf():
+    """transformers 5.23's NoRepeatNGramLogitsProcessor: a token that would complete an n-gram the
+    row already holds (prompt, padding included, and new tokens) gets -inf. Measured, HF's generate
+    on the padded batch above, greedy, repetition_penalty 0.5 (which favours repeats),
+    no_repeat_ngram_size 2, 12 new tokens: _NGRAM_BATCH, with 0, 0, 1, 2, 0, 2, 3, 1, 1, 1, 3, 1
+    banned entries per step over the batch, the same with use_cache=False; prompt [5, 6, 5, 6, 5, 6]
+    at penalty 0.3, 10 new tokens: [226, 226, 165, 165, 25, 25, 226, 25, 165, 50]. Before: refused
+    ("no_repeat_ngram_size=2 is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"max_new_tokens": 12, "eos_token_id": [], "pad_token_id": 0, "repetition_penalty": 0.5}
+    kw |= {"no_repeat_ngram_size": 2, "return_dict_in_generate": True, "output_scores": True}
+    for use_cache in (True, False):
+        out = model.generate(ids, mask, use_cache=use_cache, **kw)
+        np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], _NGRAM_BATCH)
+        banned = [int(np.isinf(s.numpy()).sum()) for s in out.scores]
+        assert banned == [0, 0, 1, 2, 0, 2, 3, 1, 1, 1, 3, 1]
+    rep = model.generate(
+        paddle.to_tensor([[5, 6, 5, 6, 5, 6]]),
+        max_new_tokens=10,
+        eos_token_id=[],
+        repetition_penalty=0.3,
+        no_repeat_ngram_size=2,
+    )
+    np.testing.assert_array_equal(rep.numpy()[0, 6:], [226, 226, 165, 165, 25, 25, 226, 25, 165, 50])
+
+
+@pytest.mark.reference
+def test_no_repeat_ngram_size_equals_hf_generate():
+    """The live twin of the test above, n = 1, 2, 3, with and without an EOS that pads a finished row."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    for n, eos in ((1, []), (2, []), (3, []), (2, [211])):
+        kw = {"max_new_tokens": 12, "eos_token_id": eos, "pad_token_id": 0, "repetition_penalty": 0.5}
+        kw |= {"no_repeat_ngram_size": n, "return_dict_in_generate": True, "output_scores": True}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
+        for g, w in zip(got.scores, want.scores):
+            np.testing.assert_array_equal(np.isinf(g.numpy()), np.isinf(w.numpy()), err_msg=str(kw))

@@ -50,6 +50,7 @@ def speculative_length(config: object, defaults: object, opts: dict, prompt_len:
         "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
         "stop_strings (--stop)": s.stop_strings or None,
         "min_new_tokens / min_length": s.min_new_tokens or None,
+        "no_repeat_ngram_size": s.no_repeat_ngram_size or None,
         "suppress_tokens": s.suppress_tokens,
         "begin_suppress_tokens": s.begin_suppress_tokens,
         "forced_eos_token_id": s.forced_eos_token_id,
