@@ -71,7 +71,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         ),
         (
             None,
-            "penalty_alpha top_h dola_layers bad_words_ids force_words_ids constraints sequence_bias "
+            "penalty_alpha top_h dola_layers force_words_ids constraints sequence_bias "
             "forced_bos_token_id exponential_decay_length_penalty guidance_scale watermarking_config prompt_lookup_num_tokens "
             "assistant_model max_time",
         ),
@@ -137,6 +137,7 @@ class GenerationConfig:
     stop_strings: str | list[str] | None = None
     min_p: float | None = None
     no_repeat_ngram_size: int | None = None
+    bad_words_ids: list[list[int]] | None = None
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None
     forced_eos_token_id: int | list[int] | None = None
@@ -398,6 +399,20 @@ def resolve_settings(
         if bad:
             raise ValueError(f"generate: {k} holds {bad[0]}, not a token id of the vocabulary")
         r[k] = ids or None
+    bad = get("bad_words_ids")
+    if bad is not None:  # transformers' NoBadWordsLogitsProcessor: a non-empty list of non-empty id lists
+        vocab = int(getattr(config, "vocab_size", 2**63))
+        if (
+            not isinstance(bad, (list, tuple))
+            or not bad
+            or not all(
+                isinstance(w, (list, tuple)) and w and all(_is_int(t) and 0 <= t < vocab for t in w) for w in bad
+            )
+        ):
+            raise ValueError(f"generate: bad_words_ids must be a non-empty list of lists of token ids, got {bad!r}")
+        # HF drops a bad word that is one EOS token alone
+        bad = [[int(t) for t in w] for w in bad if not (len(w) == 1 and int(w[0]) in eos)] or None
+    r["bad_words_ids"] = bad
     if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
         raise ValueError(  # as transformers: the forced step would have every logit -inf
             f"generate: every token in forced_eos_token_id {r['forced_eos_token_id']} is also in suppress_tokens"
@@ -460,6 +475,39 @@ class _NGrams:
             (b, t)
             for b, (row, seen) in enumerate(zip(self.rows, self.seen))
             for t in sorted(seen.get(tuple(row[len(row) - self.n + 1 :]), ()))
+        ]
+        if not pairs:
+            return x
+        rows, cols = (paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in zip(*pairs))
+        return paddle.index_put(x, (rows, cols), paddle.full([len(pairs)], -math.inf, dtype=x.dtype))
+
+
+class _BadWords:
+    """transformers' NoBadWordsLogitsProcessor: a one-token bad word gets -inf at every step, the
+    last token of a longer one where the row's ids end with the rest (prompt ids included)."""
+
+    def __init__(self, words: list[list[int]], prompt: np.ndarray, vocab: int) -> None:
+        import paddle
+
+        self.rows = [[int(t) for t in row] for row in prompt]
+        single = [w[0] for w in words if len(w) == 1]
+        self.single = paddle.to_tensor(np.isin(np.arange(vocab), single)) if single else None
+        self.multi = [(w[:-1], w[-1]) for w in words if len(w) > 1]
+
+    def append(self, ids: np.ndarray) -> None:
+        for row, t in zip(self.rows, ids.tolist()):
+            row.append(int(t))
+
+    def ban(self, x: paddle.Tensor) -> paddle.Tensor:
+        import paddle
+
+        if self.single is not None:
+            x = paddle.where(self.single, paddle.full_like(x, -math.inf), x)
+        pairs = [
+            (b, last)
+            for b, row in enumerate(self.rows)
+            for head, last in self.multi
+            if len(row) >= len(head) and row[len(row) - len(head) :] == head
         ]
         if not pairs:
             return x
@@ -619,6 +667,7 @@ def generate(
             zero = paddle.zeros([B, V], dtype="int64")
             seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
     ngrams = _NGrams(s.no_repeat_ngram_size, input_ids.numpy()) if s.no_repeat_ngram_size else None
+    bad_words = _BadWords(s.bad_words_ids, input_ids.numpy(), V) if s.bad_words_ids else None
     was_training = model.training
     model.eval()
     scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
@@ -646,6 +695,8 @@ def generate(
                     x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
                 if ngrams is not None:  # HF's order: after the repetition penalty, before the minimum length
                     x = ngrams.ban(x)
+                if bad_words is not None:
+                    x = bad_words.ban(x)
                 if eos_vocab is not None and step < s.min_new_tokens:
                     x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
                 # HF's order after the minimum length: forced EOS, suppressed tokens, begin-suppressed tokens
@@ -670,11 +721,12 @@ def generate(
                 new.append(nxt)
                 if seen is not None:
                     seen = paddle.logical_or(seen, paddle.nn.functional.one_hot(nxt, V) > 0)
-                if streamer is not None or s.stop_strings or ngrams is not None:
+                if streamer is not None or s.stop_strings or ngrams is not None or bad_words is not None:
                     host = nxt.numpy()  # the chosen ids only
                     host_new.append(host)
-                    if ngrams is not None:
-                        ngrams.append(host)
+                    for held in (ngrams, bad_words):
+                        if held is not None:
+                            held.append(host)
                     if put is not None:
                         put(host)
                     if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's

@@ -1170,8 +1170,9 @@ def test_speculative_refuses_the_token_processors_from_a_generation_config():
     class Config:
         max_position_embeddings, vocab_size = 64, 256
 
-    for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", "no_repeat_ngram_size"):
-        gc = GenerationConfig.from_dict({key: 2 if key == "no_repeat_ngram_size" else [7]}, source="ckpt/gc.json")
+    values = {"no_repeat_ngram_size": 2, "bad_words_ids": [[7]]}
+    for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", *values):
+        gc = GenerationConfig.from_dict({key: values.get(key, [7])}, source="ckpt/gc.json")
         with pytest.raises(ValueError, match=f"--speculative decodes greedily without {key}"):
             speculative_length(Config, gc, {}, 4)
     assert speculative_length(Config, GenerationConfig(max_new_tokens=3), {}, 4) == 3
@@ -1222,6 +1223,58 @@ def test_no_repeat_ngram_size_equals_hf_generate():
     for n, eos in ((1, []), (2, []), (3, []), (2, [211])):
         kw = {"max_new_tokens": 12, "eos_token_id": eos, "pad_token_id": 0, "repetition_penalty": 0.5}
         kw |= {"no_repeat_ngram_size": n, "return_dict_in_generate": True, "output_scores": True}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
+        for g, w in zip(got.scores, want.scores):
+            np.testing.assert_array_equal(np.isinf(g.numpy()), np.isinf(w.numpy()), err_msg=str(kw))
+
+
+_BAD_WORDS_CASES = [  # options, HF 5.23's new tokens for the padded batch (measured, fixture "tiny", greedy)
+    ({"bad_words_ids": [[240], [184]], "max_new_tokens": 5}, [[156, 252, 239, 175, 50], [77, 251, 42, 135, 106]]),
+    (
+        {"bad_words_ids": [[211, 172], [42, 85], [7, 8, 240], [240, 211, 9]], "max_new_tokens": 5},
+        [[156, 252, 239, 175, 240], [184, 42, 22, 197, 137]],
+    ),
+    (
+        {"bad_words_ids": [[240, 240], [53, 53], [184, 184], [13, 14, 184]], "max_new_tokens": 8}
+        | {"repetition_penalty": 0.5},
+        [[240, 211, 7, 99, 240, 8, 185, 7], [77, 77, 81, 12, 54, 232, 133, 197]],
+    ),
+    (
+        {"bad_words_ids": [[211], [172]], "max_new_tokens": 5, "eos_token_id": [211]},
+        [[240, 211, 0, 0, 0], [184, 42, 85, 174, 22]],
+    ),
+]
+
+
+def test_bad_words_ids_as_hf():
+    """transformers 5.23's NoBadWordsLogitsProcessor: a one-token bad word never comes, a longer
+    one's last token not after the rest (the prompt's ids count: [7, 8, 240] bans row 0's first
+    token); a bad word that is an EOS alone is dropped ([211] with eos [211]). Measured with HF's
+    generate on the padded batch above: _BAD_WORDS_CASES. Before: refused ("is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    for kw, want in _BAD_WORDS_CASES:
+        kw = {"eos_token_id": [], "pad_token_id": 0} | kw
+        np.testing.assert_array_equal(model.generate(ids, mask, **kw).numpy()[:, 6:], want, err_msg=str(kw))
+    for bad in ([], [[-1]], [[100000]], [[]], [3]):
+        with pytest.raises(ValueError, match="bad_words_ids must be a non-empty list of lists of token ids"):
+            model.generate(ids, mask, bad_words_ids=bad)
+
+
+@pytest.mark.reference
+def test_bad_words_ids_equal_hf_generate():
+    """The live twin of the test above: tokens and which entries of each step's scores are -inf."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    for kw, _ in _BAD_WORDS_CASES:
+        kw = {"eos_token_id": [], "pad_token_id": 0} | kw | {"return_dict_in_generate": True, "output_scores": True}
         with torch.no_grad():
             want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
         got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
