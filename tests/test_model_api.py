@@ -531,3 +531,59 @@ def test_loss_on_unmasked_pads_with_a_cache_equals_transformers():
             # (left + our explicit cache: generate's positions, the real tokens' shifted by the pads:
             # rope attention sees the same relative positions)
             assert np.abs(got.logits.numpy() - want.logits.numpy()).max() <= 1e-4, (side, cached)
+
+
+# transformers 5.23, GlmMoeDsaForCausalLM.from_pretrained(tiny, num_hidden_layers=n, dtype=float32):
+# logits[0, -1, :3] of the ids 5..12 (measured; its load report lists the other layers as unexpected)
+_FIRST_LAYERS_LOGITS = {1: [-1.7102097, 0.08146489, -1.2040416], 4: [-3.285771, 0.18278907, 0.78561157]}
+
+
+def test_from_pretrained_num_hidden_layers_override_builds_the_first_layers(tmp_path):
+    """transformers builds a model of the checkpoint's first n layers from
+    ``from_pretrained(path, num_hidden_layers=n)`` (n=1: 144 unexpected keys in its load report;
+    n=9 > 8 layers: IndexError); ours refused it (`indexer_types`: has 8 entries, num_hidden_layers
+    is 1). The per-layer lists are cut to n entries (transformers keeps 8 and then refuses to save);
+    our MTP layer is read from where the file holds it (model.layers.8)."""
+    path = FIXTURES / "tiny" / "checkpoint"
+    full = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    ids = paddle.to_tensor([list(range(5, 13))])
+    for n, want in _FIRST_LAYERS_LOGITS.items():
+        with pytest.warns(UserWarning, match=rf"decoder layers {n}\.\.7 of the checkpoint's 8 are not read"):
+            model, report = GlmMoeDsaForCausalLM.from_pretrained(
+                path, num_hidden_layers=n, dtype="float32", output_loading_info=True
+            )
+        assert model.config.num_hidden_layers == n and len(model.model.decoder_layers) == n
+        assert model.config.indexer_types == full.config.indexer_types[:n]
+        assert model.config.mlp_layer_types == full.config.mlp_layer_types[:n]
+        assert not report.missing and not report.initialized
+        np.testing.assert_allclose(model(ids).logits.numpy()[0, -1, :3], want, atol=1e-5)
+        mtp, mtp_full = model.model.mtp_layers[0], full.model.mtp_layers[0]
+        np.testing.assert_array_equal(mtp.eh_proj.weight.numpy(), mtp_full.eh_proj.weight.numpy())
+        assert len(model(ids, labels=ids).mtp_logits) == 1
+    model.save_pretrained(tmp_path / "cut")  # a consistent config: it loads back
+    again = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "cut", dtype="float32")
+    np.testing.assert_array_equal(again(ids).logits.numpy(), model(ids).logits.numpy())
+    for n in (0, 9, 2.0):
+        with pytest.raises(ValueError, match=r"num_hidden_layers=.*the checkpoint has 8 decoder layers"):
+            GlmMoeDsaForCausalLM.from_pretrained(path, num_hidden_layers=n)
+    # other overrides by keyword: as before (transformers: the same); with config= they are refused
+    # (transformers: TypeError, __init__() got an unexpected keyword argument 'num_hidden_layers')
+    assert GlmMoeDsaForCausalLM.from_pretrained(path, rms_norm_eps=1e-3).config.rms_norm_eps == 1e-3
+    with pytest.raises(TypeError, match="given with an explicit config"):
+        GlmMoeDsaForCausalLM.from_pretrained(path, config=full.config, num_hidden_layers=1)
+
+
+@pytest.mark.reference
+def test_from_pretrained_num_hidden_layers_override_equals_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    ids = list(range(5, 13))
+    for n in (1, 4):
+        hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), num_hidden_layers=n, dtype=torch.float32)
+        with torch.no_grad():
+            want = hf.eval()(torch.tensor([ids])).logits.numpy()
+        np.testing.assert_allclose(want[0, -1, :3], _FIRST_LAYERS_LOGITS[n], atol=1e-5)
+        with pytest.warns(UserWarning, match="not read"):
+            model = GlmMoeDsaForCausalLM.from_pretrained(path, num_hidden_layers=n, dtype="float32")
+        assert np.abs(model(paddle.to_tensor([ids])).logits.numpy() - want).max() <= 1e-5

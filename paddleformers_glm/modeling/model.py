@@ -375,6 +375,81 @@ def _skip_random_init() -> Iterator[None]:
         Initializer.__call__ = real  # type: ignore[method-assign]
 
 
+_PER_LAYER_KEYS = ("indexer_types", "mlp_layer_types", "layer_types", "index_topk_pattern")
+
+
+def _config_with_overrides(
+    path: str | os.PathLike, overrides: dict[str, Any]
+) -> tuple[GlmMoeDsaConfig, GlmMoeDsaConfig | None]:
+    """``from_pretrained``'s config: ``path``'s with ``overrides``, and the file's own config when
+    ``num_hidden_layers`` is overridden below the file's (else None). As transformers 5.23's
+    ``from_pretrained(path, num_hidden_layers=n)`` (a model of the first n layers, each the kind
+    the file's per-layer lists give it), the per-layer lists the file holds are cut to their first n
+    entries (transformers keeps them whole and then cannot save the model). More layers than the
+    file has are refused (transformers raises IndexError building the model)."""
+    if "num_hidden_layers" not in overrides:
+        return GlmMoeDsaConfig.from_pretrained(path, **overrides), None
+    n = overrides["num_hidden_layers"]
+    file_config = GlmMoeDsaConfig.from_pretrained(path)
+    file_layers = int(file_config.num_hidden_layers)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= file_layers:
+        raise ValueError(
+            f"from_pretrained: num_hidden_layers={n!r}: the checkpoint has {file_layers} decoder layers; "
+            f"a model of its first n layers takes 1 <= n <= {file_layers}"
+        )
+    if n == file_layers:
+        return GlmMoeDsaConfig.from_pretrained(path, **overrides), None
+    cut = dict(overrides)
+    file_dict = file_config.to_dict()
+    for key in _PER_LAYER_KEYS:
+        value = file_dict.get(key)
+        if key not in overrides and isinstance(value, (list, tuple, str)) and len(value) > n:
+            cut[key] = value[:n]
+    return GlmMoeDsaConfig.from_pretrained(path, **cut), file_config
+
+
+def _load_first_layers(
+    state: dict[str, paddle.Tensor],
+    path: str | os.PathLike,
+    dtype: str,
+    strict: bool,
+    config: GlmMoeDsaConfig,
+    file_config: GlmMoeDsaConfig,
+):
+    """Fill ``state`` (a model of ``config``: the first n decoder layers of the checkpoint at ``path``,
+    whose config is ``file_config``) from that checkpoint: the decoder layers 0..n-1 as they are, the
+    MTP layers from where the file holds them (``model.layers.{L_file + j}``); the file's decoder layers
+    n..L_file-1 are not read, and a warning names them, as transformers' load report lists them as
+    unexpected keys."""
+    from ..checkpoint import load_pretrained_state
+
+    n, file_n = int(config.num_hidden_layers), int(file_config.num_hidden_layers)
+
+    def renamed(key: str, a: int, b: int) -> str:  # model.layers.{a + j}.* -> model.layers.{b + j}.*
+        parts = key.split(".")
+        if len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= a:
+            parts[2] = str(int(parts[2]) - a + b)
+        return ".".join(parts)
+
+    as_file = {renamed(k, n, file_n): v for k, v in state.items()}
+    report = load_pretrained_state(as_file, path, dtype=dtype, strict=strict, config=file_config, keys=set(as_file))
+    report.loaded = [renamed(k, file_n, n) for k in report.loaded]
+    report.initialized = [renamed(k, file_n, n) for k in report.initialized]
+    report.missing = [renamed(k, file_n, n) for k in report.missing]
+    msg = (
+        f"{os.fspath(path)}: decoder layers {n}..{file_n - 1} of the checkpoint's {file_n} are not read: "
+        f"num_hidden_layers={n} builds its first {n}"
+        + (
+            f" (its MTP layers, model.layers.{file_n}.*, are the model's model.layers.{n}.*)"
+            if config.num_mtp_layers
+            else ""
+        )
+    )
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    report.warnings.append(msg)
+    return report
+
+
 class GlmMoeDsaForCausalLM(nn.Layer):
     """GLM-5.2 with its LM head, MTP heads and losses; the whole model or one pipeline stage of it.
 
@@ -468,13 +543,19 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
 
+        file_config = None  # the checkpoint's own config, when an override takes fewer decoder layers
         if config is None:
-            config = GlmMoeDsaConfig.from_pretrained(path, **config_overrides)
+            config, file_config = _config_with_overrides(path, config_overrides)
         elif config_overrides:
             raise TypeError(
                 f"from_pretrained: config overrides {sorted(config_overrides)} given with an explicit config"
             )
         dtype = resolve_model_dtype(dtype, config)
+        if file_config is not None and topology is not None and topology.world_size > 1:
+            raise NotImplementedError(
+                f"from_pretrained: num_hidden_layers={config.num_hidden_layers} (the checkpoint has "
+                f"{file_config.num_hidden_layers}) loads in one process only"
+            )
         with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
             model = cls(config, dtype=dtype, topology=topology)
         if model.distributed:  # built split over ranks: read only this rank's slices
@@ -484,6 +565,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             report = load_pretrained_state(  # keys: expert parallel leaves the other ranks' experts out
                 state, path, dtype=None, strict=strict, config=config, keys=set(state), shard_info=shard_info
             )
+        elif file_config is not None:  # the first layers of a deeper checkpoint (transformers' num_hidden_layers=)
+            state = model.state_dict()
+            report = _load_first_layers(state, path, dtype, strict, config, file_config)
         else:
             state = model.state_dict()
             report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
