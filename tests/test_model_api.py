@@ -587,3 +587,31 @@ def test_from_pretrained_num_hidden_layers_override_equals_transformers():
         with pytest.warns(UserWarning, match="not read"):
             model = GlmMoeDsaForCausalLM.from_pretrained(path, num_hidden_layers=n, dtype="float32")
         assert np.abs(model(paddle.to_tensor([ids])).logits.numpy() - want).max() <= 1e-5
+
+
+def test_logits_to_keep_with_labels_is_refused_by_name():
+    """transformers 5.23 on the tiny fixture, ids [2, 10] with labels=ids: logits_to_keep=1 raises
+    ValueError "Expected input batch_size (2) to match target batch_size (20)" (3: (6) vs (20);
+    tensor([1, 2]): (4) vs (20)); logits_to_keep=10 or 0 gives the plain loss 6.107835 and
+    [2, 10, 256] logits. Ours returned the whole sequence's loss beside the kept logits."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(2, 10)
+    for keep in (1, 3, paddle.to_tensor([1, 2]), paddle.to_tensor([0, 9])):
+        with pytest.raises(ValueError, match=r"logits_to_keep=.* of the 10 positions' logits, but labels need"):
+            model(ids, labels=ids, logits_to_keep=keep)
+    for keep in (0, 10, 12, paddle.to_tensor(list(range(10))), paddle.to_tensor(list(range(-10, 0)))):
+        out = model(ids, labels=ids, logits_to_keep=keep)
+        assert abs(float(out.loss) - 6.107835) <= 2e-5 and out.logits.shape == [2, 10, 256]
+    assert model(ids, logits_to_keep=1).logits.shape == [2, 1, 256]  # without labels: as before
+
+
+@pytest.mark.reference
+def test_logits_to_keep_with_labels_as_transformers():
+    torch, hf, model = _tiny_in_both()
+    ids = tokens(2, 10)
+    t = torch.tensor(ids.numpy())
+    with torch.no_grad(), pytest.raises(ValueError, match="match target batch_size"):
+        hf(t, labels=t, logits_to_keep=1)
+    with torch.no_grad():
+        want = float(hf(t, labels=t, logits_to_keep=10).loss)
+    assert abs(float(model(ids, labels=ids, logits_to_keep=10).loss) - want) <= 2e-5

@@ -375,6 +375,30 @@ def _skip_random_init() -> Iterator[None]:
         Initializer.__call__ = real  # type: ignore[method-assign]
 
 
+def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | None, seq_len: int) -> None:
+    """``logits_to_keep`` with ``labels``: the loss needs every position's logits. transformers 5.23
+    computes the loss from the kept logits and so raises for fewer than all ("Expected input
+    batch_size (2) to match target batch_size (20)"); refused here by name (it computed the whole
+    sequence's loss beside the kept logits). Keeping all positions (an int >= S, or the tensor
+    arange(S)) is the plain forward, in both."""
+    if keep_index is None:
+        if 0 < logits_to_keep < seq_len:
+            kept = f"logits_to_keep={logits_to_keep} keeps the last {logits_to_keep}"
+        else:
+            return
+    elif not paddle.in_dynamic_mode():  # a graph being built: the positions are not known yet
+        return
+    else:
+        positions = keep_index.numpy().tolist()
+        if [p % seq_len for p in positions] == list(range(seq_len)):
+            return
+        kept = f"logits_to_keep={positions if len(positions) <= 8 else positions[:8] + ['...']} keeps {len(positions)}"
+    raise ValueError(
+        f"forward: {kept} of the {seq_len} positions' logits, but labels need every position's for the loss "
+        "(transformers raises too); pass logits_to_keep without labels, or labels without logits_to_keep"
+    )
+
+
 _PER_LAYER_KEYS = ("indexer_types", "mlp_layer_types", "layer_types", "index_topk_pattern")
 
 
@@ -823,7 +847,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         `past_key_values` cache given runs the decoding path: an empty one is filled by this forward
         (prefill, with rope positions counting each row's real tokens, as `generate` needs), a filled
         one makes `input_ids` the next tokens only. `logits_to_keep=n` computes the logits
-        of the last n positions only. `return_dict=False` returns `out.to_tuple()`.
+        of the last n positions only (with `labels` it must keep every position: the loss needs them,
+        and transformers raises too). `return_dict=False` returns `out.to_tuple()`.
         `labels_shifted=True`: ``labels[i]`` is position i's target already (Megatron's and
         PaddleFormers' convention: input tokens[:-1], labels tokens[1:]), not token i to be
         shifted as HF does; MTP depth d then predicts labels[i + d].
@@ -853,6 +878,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         # rebinding logits_to_keep: to_static's whole-graph translation loses it)
         keep_index = logits_to_keep.astype("int64").reshape([-1]) if isinstance(logits_to_keep, paddle.Tensor) else None
         logits_to_keep = 0 if keep_index is not None else logits_to_keep
+        if labels is not None:
+            _check_keep_with_labels(logits_to_keep, keep_index, labels.shape[1])
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted
             for d in range(len(self.model.mtp_layers) + 1):
