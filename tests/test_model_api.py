@@ -615,3 +615,18 @@ def test_logits_to_keep_with_labels_as_transformers():
     with torch.no_grad():
         want = float(hf(t, labels=t, logits_to_keep=10).loss)
     assert abs(float(model(ids, labels=ids, logits_to_keep=10).loss) - want) <= 2e-5
+
+
+def test_save_pretrained_returns_the_report_its_annotation_names(tmp_path):
+    """save_pretrained was annotated ``-> str`` and returned a SaveReport (transformers 5.23's
+    returns None); the annotation and the docstring name the report it returns."""
+    import inspect
+
+    from paddleformers_glm.checkpoint import SaveReport
+
+    assert inspect.signature(GlmMoeDsaForCausalLM.save_pretrained).return_annotation == "SaveReport"
+    assert "SaveReport" in GlmMoeDsaForCausalLM.save_pretrained.__doc__
+    report = tiny_model(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["dense"]).save_pretrained(
+        tmp_path / "out"
+    )
+    assert isinstance(report, SaveReport) and report.out_dir == str(tmp_path / "out") and report.tensors > 0

@@ -16,7 +16,7 @@ import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import paddle
@@ -46,6 +46,9 @@ from .moe import frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:  # the checkpoint package is imported when a load or save runs, not with the model
+    from ..checkpoint.saver import SaveReport
 
 
 @dataclass
@@ -611,11 +614,13 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
         return (model, report) if output_loading_info else model
 
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> SaveReport:
         """Official HF layout by default (`layout="fleet"`, `quantization="fp8"`: checkpoint package);
         all or nothing, carrying a loaded folder's tokenizer and generation files along. Built for a
         multi-rank topology it is collective: every rank writes the tensors it owns, no rank gathers
-        the model, and the files are the same bytes as a one-process save."""
+        the model, and the files are the same bytes as a one-process save. -> a
+        ``checkpoint.SaveReport`` (``out_dir``, ``layout``, ``files``, ``tensors``, ``total_size``,
+        ``seconds``; transformers' ``save_pretrained`` returns None)."""
         from ..checkpoint import save_pretrained_state
 
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
