@@ -630,3 +630,55 @@ def test_save_pretrained_returns_the_report_its_annotation_names(tmp_path):
         tmp_path / "out"
     )
     assert isinstance(report, SaveReport) and report.out_dir == str(tmp_path / "out") and report.tensors > 0
+
+
+def _packed_pair():
+    """Two sequences (5 and 7 tokens) packed in one row as transformers' DataCollatorWithFlattening
+    packs them: ids, labels (-100 at each sequence's first token), position_ids restarting."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(3, 256, 5).tolist(), rng.integers(3, 256, 7).tolist()
+    ids = paddle.to_tensor([a + b])
+    labels = paddle.to_tensor([[-100] + a[1:] + [-100] + b[1:]])
+    return ids, labels, paddle.to_tensor([list(range(5)) + list(range(7))])
+
+
+def test_packed_sequences_as_transformers_or_refused_by_name():
+    """transformers 5.23 on the tiny fixture, _packed_pair(): without an attention_mask and a cache
+    (use_cache=False, or config.use_cache false) it reads restarting position_ids as packed
+    sequences and attends within each (loss 6.434098, logits equal to the two sequences' own); with
+    a cache (use_cache True / None: config.use_cache true) or an all-ones attention_mask they are
+    rope positions only (loss 6.118906). Its eager attention ignores cu_seq_lens_q / _k,
+    max_length_q / _k and seq_idx (the same losses). Ours raised TypeError on those keys and gave
+    6.118906 where transformers gives 6.434098: the per-sequence case is refused by name."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids, labels, pos = _packed_pair()
+    for kw in ({"use_cache": True}, {}, {"use_cache": False, "attention_mask": paddle.ones_like(ids)}):
+        assert abs(float(model(ids, labels=labels, position_ids=pos, **kw).loss) - 6.118906) <= 2e-5, kw
+    with pytest.raises(ValueError, match=r"position_ids restart or jump within a row \(row 0: 2 sequences"):
+        model(ids, labels=labels, position_ids=pos, use_cache=False)
+    gap = paddle.to_tensor([list(range(5)) + list(range(10, 17))])  # transformers: a new sequence too
+    with pytest.raises(ValueError, match="position_ids restart or jump"):
+        model(ids, position_ids=gap, use_cache=False)
+    model(ids, position_ids=paddle.arange(12).unsqueeze(0), use_cache=False)  # one sequence: as before
+    model.config.use_cache = False
+    with pytest.raises(ValueError, match="position_ids restart or jump"):
+        model(ids, labels=labels, position_ids=pos)
+    model.config.use_cache = True
+    bounds = paddle.to_tensor([0, 5, 12])
+    for key, value in (("cu_seq_lens_q", bounds), ("cu_seq_lens_k", bounds), ("max_length_q", 7), ("seq_idx", pos)):
+        with pytest.raises(ValueError, match=rf"forward: {key} \(packed sequences"):
+            model(ids, position_ids=pos, **{key: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'not_an_option'"):
+        model(ids, not_an_option=1)
+
+
+@pytest.mark.reference
+def test_packed_sequences_equal_transformers():
+    torch, hf, model = _tiny_in_both()
+    ids, labels, pos = (torch.tensor(t.numpy()) for t in _packed_pair())
+    with torch.no_grad():
+        per_sequence = float(hf(ids, labels=labels, position_ids=pos, use_cache=False).loss)
+        rope_only = float(hf(ids, labels=labels, position_ids=pos, use_cache=True).loss)
+    assert abs(per_sequence - 6.434098) <= 2e-5 and abs(rope_only - 6.118906) <= 2e-5
+    ids, labels, pos = _packed_pair()
+    assert abs(float(model(ids, labels=labels, position_ids=pos, use_cache=True).loss) - rope_only) <= 2e-5

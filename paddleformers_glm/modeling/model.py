@@ -378,6 +378,48 @@ def _skip_random_init() -> Iterator[None]:
         Initializer.__call__ = real  # type: ignore[method-assign]
 
 
+# DataCollatorWithFlattening(return_flash_attn_kwargs=True / return_seq_idx=True)'s keys: the packed
+# sequences' bounds, for a varlen attention kernel
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
+def _refuse_packing_keys(kwargs: dict[str, Any]) -> None:
+    """``forward(**kwargs)``: the packed-sequence keys are refused by name (this model attends over
+    the whole row, it has no varlen attention); any other key is Python's TypeError."""
+    packing = [k for k in kwargs if k in _PACKING_KEYS]
+    if packing:
+        raise ValueError(
+            f"forward: {', '.join(packing)} (packed sequences, transformers' DataCollatorWithFlattening) is not "
+            "supported: each row is one sequence here (attention is not cut at sequence bounds); pass the "
+            "sequences as rows with padding and an attention_mask"
+        )
+    if kwargs:
+        raise TypeError(f"GlmMoeDsaForCausalLM.forward() got an unexpected keyword argument {next(iter(kwargs))!r}")
+
+
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
+def _refuse_packed_positions(position_ids: paddle.Tensor) -> None:
+    """transformers 5.23 reads ``position_ids`` that do not step by 1 within a row as packed sequences
+    (a new sequence wherever they restart or jump) and attends within each only, when it has
+    neither an attention_mask nor a cache (``use_cache=False``, or ``config.use_cache`` false).
+    This model attends over the whole row, so those are refused by name; with a cache or a mask
+    transformers uses them as rope positions only, as this model does."""
+    if not paddle.in_dynamic_mode():  # a graph being built: the values are not known yet
+        return
+    pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]])
+    breaks = (np.diff(pos, axis=-1) != 1).sum(axis=-1)
+    if breaks.any():
+        row = int(np.argmax(breaks > 0))
+        raise ValueError(
+            f"forward: position_ids restart or jump within a row (row {row}: {int(breaks[row]) + 1} sequences, "
+            "packed as transformers' DataCollatorWithFlattening packs them); without an attention_mask and a "
+            "cache transformers attends within each sequence only, which this model does not support: pass the "
+            "sequences as rows with padding and an attention_mask"
+        )
+
+
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | None, seq_len: int) -> None:
     """``logits_to_keep`` with ``labels``: the loss needs every position's logits. transformers 5.23
     computes the loss from the kept logits and so raises for fewer than all ("Expected input
@@ -842,6 +884,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         output_attentions: bool | None = None,
         num_items_in_batch: int | paddle.Tensor | None = None,
         num_logits_to_keep: int | None = None,
+        **kwargs: Any,
     ) -> CausalLMOutput | tuple:
         """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
         whole one-process model: a training-mode forward never builds one, its step would hold every
@@ -863,7 +906,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         [B, heads, S, S] probabilities). `num_items_in_batch` (transformers' Trainer): the LM loss is
         the summed cross entropy over it instead of the mean over the counted labels.
         `num_logits_to_keep` (the name before `logits_to_keep`, still in older callers) is accepted
-        and ignored, as transformers 5.23 ignores it (all positions' logits; a warning says so)."""
+        and ignored, as transformers 5.23 ignores it (all positions' logits; a warning says so).
+        Packed sequences are refused by name: `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
+        `max_length_k` / `seq_idx`, and `position_ids` that restart within a row where transformers
+        then attends per sequence (no attention_mask, no cache); see docs/model.md."""
+        _refuse_packing_keys(kwargs)
+        if position_ids is not None and attention_mask is None and past_key_values is None:
+            hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
+            if not hf_cache:  # where transformers reads restarting position_ids as packed sequences
+                _refuse_packed_positions(position_ids)
         if num_logits_to_keep is not None:
             warnings.warn(
                 "forward: num_logits_to_keep is ignored, as in transformers 5.23 (all logits are computed); "
