@@ -682,3 +682,18 @@ def test_packed_sequences_equal_transformers():
     assert abs(per_sequence - 6.434098) <= 2e-5 and abs(rope_only - 6.118906) <= 2e-5
     ids, labels, pos = _packed_pair()
     assert abs(float(model(ids, labels=labels, position_ids=pos, use_cache=True).loss) - rope_only) <= 2e-5
+
+
+def test_dtype_device_and_tie_weights_as_transformers():
+    """transformers 5.23 on the tiny fixture: ``model.dtype`` torch.float32 (loaded with
+    dtype=float32; torch.bfloat16 by default: the config's), ``model.device`` cpu, ``tie_weights()``
+    None with the untied head unchanged. Ours had none of the three (AttributeError)."""
+    path = FIXTURES / "tiny" / "checkpoint"
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    assert model.dtype == paddle.float32
+    assert GlmMoeDsaForCausalLM.from_pretrained(path, dtype="bfloat16").dtype == paddle.bfloat16
+    assert str(model.device) == str(model.lm_head.weight.place)
+    assert paddle.to_tensor([1, 2]).to(model.device).place == model.lm_head.weight.place
+    head = model.lm_head.weight.numpy()
+    assert model.tie_weights() is None
+    np.testing.assert_array_equal(model.lm_head.weight.numpy(), head)

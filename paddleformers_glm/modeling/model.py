@@ -713,6 +713,29 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             raise ValueError(f"attn_implementation must be one of {FORMS}, got {name!r}")
         self.config.attn_implementation = name
 
+    @property
+    def dtype(self) -> paddle.dtype:
+        """The dtype of the first floating-point parameter (the token embedding's, or the first one this
+        stage holds), as transformers' ``model.dtype``: ``paddle.float32`` / ``paddle.bfloat16``."""
+        for p in self.parameters():
+            if p.dtype in (paddle.float32, paddle.bfloat16, paddle.float16, paddle.float64):
+                return p.dtype
+        return paddle.get_default_dtype()
+
+    @property
+    def device(self) -> Any:
+        """Where the parameters are (the first one's ``place``: ``paddle.CPUPlace()``, ``CUDAPlace(0)``),
+        as transformers' ``model.device``; ``ids.to(model.device)`` and ``paddle.to_tensor(x,
+        place=model.device)`` take it."""
+        params = self.parameters()
+        return params[0].place if params else paddle.get_device()
+
+    def tie_weights(self) -> None:
+        """transformers' ``tie_weights``: nothing to tie, the LM head is the model's own
+        (``tie_word_embeddings`` false: the config refuses true, docs/config.md); returns None."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            raise NotImplementedError("tie_word_embeddings=True is not supported: the LM head is untied")
+
     def get_input_embeddings(self) -> nn.Layer:
         """The token embedding layer (its `.weight` is [vocab, hidden])."""
         return self.model.embedding.embed_tokens
