@@ -697,3 +697,38 @@ def test_dtype_device_and_tie_weights_as_transformers():
     head = model.lm_head.weight.numpy()
     assert model.tie_weights() is None
     np.testing.assert_array_equal(model.lm_head.weight.numpy(), head)
+
+
+def test_from_pretrained_loading_keywords_are_not_config_keys(tmp_path):
+    """transformers 5.23: from_pretrained(tiny, trust_remote_code=True, low_cpu_mem_usage=True,
+    revision="main", local_files_only=True, cache_dir=..., force_download=False, token=None,
+    use_safetensors=True, weights_only=True, proxies=None) loads, and its save's config.json holds
+    none of them; torch_dtype=float32 gives a float32 model (dtype's older name; dtype wins when
+    both are given), config.json without torch_dtype; device_map needs accelerate, variant="x" /
+    subfolder="nope" raise OSError (no such files). Ours wrote every one of them into the saved
+    config.json, and torch_dtype too (the model in the default dtype)."""
+    import json
+
+    path = FIXTURES / "tiny" / "checkpoint"
+    noop = {
+        "trust_remote_code": True,
+        "low_cpu_mem_usage": True,
+        "revision": "main",
+        "local_files_only": True,
+        "cache_dir": str(tmp_path / "cache"),
+        "force_download": False,
+        "token": None,
+        "use_safetensors": True,
+        "weights_only": True,
+        "proxies": None,
+    }
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, torch_dtype="bfloat16", **noop)
+    assert model.dtype == paddle.bfloat16
+    assert GlmMoeDsaForCausalLM.from_pretrained(path, torch_dtype="bfloat16", dtype="float32").dtype == paddle.float32
+    model.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert not set(saved) & (set(noop) | {"torch_dtype", "subfolder"})
+    assert GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny", subfolder="checkpoint").config.vocab_size == 256
+    for key, value in (("device_map", "auto"), ("variant", "x")):
+        with pytest.raises(ValueError, match=rf"from_pretrained: {key}='.*' is not supported"):
+            GlmMoeDsaForCausalLM.from_pretrained(path, **{key: value})

@@ -444,6 +444,54 @@ def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | Non
     )
 
 
+# transformers' from_pretrained keywords that change nothing when loading a local folder: dropped
+# there as there (they became config keys, written into a save's config.json)
+_NOOP_LOADING_KEYS = frozenset(
+    "cache_dir force_download local_files_only token use_auth_token revision trust_remote_code use_safetensors "
+    "low_cpu_mem_usage proxies resume_download weights_only _from_auto _from_pipeline _commit_hash".split()
+)
+# ... and those that would change what is loaded or where: refused by name
+_UNSUPPORTED_LOADING_KEYS = (
+    "variant",
+    "device_map",
+    "max_memory",
+    "offload_folder",
+    "offload_state_dict",
+    "offload_buffers",
+    "load_in_8bit",
+    "load_in_4bit",
+    "gguf_file",
+    "key_mapping",
+    "tp_plan",
+    "tp_size",
+    "device_mesh",
+    "state_dict",
+    "from_tf",
+    "from_flax",
+    "adapter_name",
+    "adapter_kwargs",
+)
+
+
+def _loading_keywords(path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[str | os.PathLike, dict[str, Any]]:
+    """``from_pretrained``'s keywords split as transformers 5.23 splits them: its loading keywords
+    are not config overrides. Those that change nothing for a local folder are dropped (transformers
+    writes none of them into a save's config.json); ``subfolder`` is read under ``path``; the
+    others (``device_map``, ``variant`` ...) are refused by name given anything but None."""
+    overrides = {k: v for k, v in kwargs.items() if k not in _NOOP_LOADING_KEYS}
+    subfolder = overrides.pop("subfolder", None)
+    if subfolder:
+        path = os.path.join(os.fspath(path), os.fspath(subfolder))
+    refused = [k for k in _UNSUPPORTED_LOADING_KEYS if overrides.get(k) is not None]
+    if refused:
+        raise ValueError(
+            f"from_pretrained: {', '.join(f'{k}={overrides[k]!r}' for k in refused)} is not supported (a "
+            "transformers loading option: the weights load as the folder holds them, onto paddle.get_device(); "
+            "a model split over ranks takes topology=)"
+        )
+    return path, {k: v for k, v in overrides.items() if k not in _UNSUPPORTED_LOADING_KEYS}
+
+
 _PER_LAYER_KEYS = ("indexer_types", "mlp_layer_types", "layer_types", "index_topk_pattern")
 
 
@@ -608,10 +656,19 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         only its slices. ``dtype`` ``"auto"`` is the config's dtype on an accelerator, else float32
         (checkpoint.load_pretrained_state). ``output_loading_info=True`` returns ``(model, report)``
         as transformers does; ``check_finite`` refuses weights holding NaN or Inf, naming them.
+        Other keywords naming config keys override the file's (``num_hidden_layers=n`` below the
+        file's: its first n layers); transformers' loading keywords are not config keys: those that
+        change nothing for a local folder (``trust_remote_code``, ``revision``, ``cache_dir`` ...) are
+        dropped, ``subfolder`` is read, ``torch_dtype`` is ``dtype`` (``dtype`` wins), the rest
+        (``device_map``, ``variant`` ...) refused by name.
         """
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
 
+        path, config_overrides = _loading_keywords(path, config_overrides)
+        torch_dtype = config_overrides.pop("torch_dtype", None)  # transformers: dtype's older name
+        if torch_dtype is not None and (isinstance(dtype, str) and dtype == "auto"):
+            dtype = torch_dtype
         file_config = None  # the checkpoint's own config, when an override takes fewer decoder layers
         if config is None:
             config, file_config = _config_with_overrides(path, config_overrides)
