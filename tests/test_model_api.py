@@ -732,3 +732,21 @@ def test_from_pretrained_loading_keywords_are_not_config_keys(tmp_path):
     for key, value in (("device_map", "auto"), ("variant", "x")):
         with pytest.raises(ValueError, match=rf"from_pretrained: {key}='.*' is not supported"):
             GlmMoeDsaForCausalLM.from_pretrained(path, **{key: value})
+
+
+def test_output_hidden_states_defaults_to_the_config():
+    """transformers 5.23 on the tiny fixture: from_pretrained(tiny, output_hidden_states=True) (or
+    ``model.config.output_hidden_states = True``) makes ``model(ids).hidden_states`` 9 tensors,
+    ``output_hidden_states=False`` still None; its save's config.json holds
+    ``output_hidden_states: true``. Ours ignored the config's (hidden_states None)."""
+    path = FIXTURES / "tiny" / "checkpoint"
+    ids = paddle.to_tensor([[5, 6, 7, 8]])
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32", output_hidden_states=True)
+    assert len(model(ids).hidden_states) == 9 and model(ids, output_hidden_states=False).hidden_states is None
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    assert model(ids).hidden_states is None
+    model.config.output_hidden_states = True
+    assert len(model(ids).hidden_states) == 9
+    model.config.output_attentions = True  # the config's output_attentions is refused as the keyword is
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(ids)

@@ -980,7 +980,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         `labels_shifted=True`: ``labels[i]`` is position i's target already (Megatron's and
         PaddleFormers' convention: input tokens[:-1], labels tokens[1:]), not token i to be
         shifted as HF does; MTP depth d then predicts labels[i + d].
-        `output_hidden_states=True`: `out.hidden_states`, transformers' tuple of num_hidden_layers + 1
+        `output_hidden_states=True` (None: `config.output_hidden_states`, as transformers): `out.hidden_states`, transformers' tuple of num_hidden_layers + 1
         [B, S, H]: the embedding output, each decoder layer's output but the last, and the
         final-normed one. `output_attentions=True` is refused (the sparse attention forms hold no
         [B, heads, S, S] probabilities). `num_items_in_batch` (transformers' Trainer): the LM loss is
@@ -1001,6 +1001,10 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 "use logits_to_keep",
                 stacklevel=2,
             )
+        if output_hidden_states is None:  # transformers: the config's (from_pretrained(..., output_hidden_states=True))
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        if output_attentions is None:
+            output_attentions = bool(getattr(self.config, "output_attentions", False))
         if output_attentions:
             raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
