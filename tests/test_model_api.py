@@ -750,3 +750,20 @@ def test_output_hidden_states_defaults_to_the_config():
     model.config.output_attentions = True  # the config's output_attentions is refused as the keyword is
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model(ids)
+
+
+def test_labels_of_another_shape_are_refused_by_name():
+    """transformers 5.23 on the tiny fixture, ids [2, 10]: labels [2, 8] raise ValueError "Expected
+    input batch_size (20) to match target batch_size (16)", labels [1, 10] "(20) ... (10)". Ours read
+    past the labels' end in the compiled cross entropy ("target -4769257344425033293 at row 16 is
+    outside the vocabulary": whatever memory followed; a value inside the vocabulary would have been a
+    silently wrong loss)."""
+    from paddleformers_glm import ops
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(2, 10)
+    for labels in (ids[:, :8], ids[:1], ids.reshape([20])):
+        with pytest.raises(ValueError, match=r"forward: labels of shape \[.*\]: expected \[2, 10\]"):
+            model(ids, labels=labels)
+    with pytest.raises(ValueError, match=r"cross_entropy_sum: target of shape \[16\] for 20 rows"):
+        ops.cross_entropy_sum(paddle.zeros([20, 256]), paddle.zeros([16], dtype="int64"), -100)

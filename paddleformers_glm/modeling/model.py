@@ -419,6 +419,21 @@ def _refuse_packed_positions(position_ids: paddle.Tensor) -> None:
         )
 
 
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _flag(value: bool | None, config: GlmMoeDsaConfig, name: str) -> bool:
+    """A forward flag: ``value``, else (None) the config's ``name`` (false when it has none)."""
+    return bool(value) if value is not None else bool(getattr(config, name, False))
+
+
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
+def _check_labels_shape(labels: paddle.Tensor, inputs: paddle.Tensor) -> None:
+    """``labels`` are [B, S] as the input's first two axes (transformers 5.23 raises "Expected input
+    batch_size (20) to match target batch_size (16)" otherwise); the loss read past their end."""
+    want, got = list(inputs.shape[:2]), list(labels.shape)
+    if -1 not in want + got and got != want:
+        raise ValueError(f"forward: labels of shape {got}: expected {want}, the input's [batch, seq]")
+
+
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | None, seq_len: int) -> None:
     """``logits_to_keep`` with ``labels``: the loss needs every position's logits. transformers 5.23
@@ -1001,10 +1016,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 "use logits_to_keep",
                 stacklevel=2,
             )
-        if output_hidden_states is None:  # transformers: the config's (from_pretrained(..., output_hidden_states=True))
-            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
-        if output_attentions is None:
-            output_attentions = bool(getattr(self.config, "output_attentions", False))
+        # not given: the config's, as transformers (from_pretrained(..., output_hidden_states=True))
+        output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
+        output_attentions = _flag(output_attentions, self.config, "output_attentions")
         if output_attentions:
             raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
@@ -1019,6 +1033,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         keep_index = logits_to_keep.astype("int64").reshape([-1]) if isinstance(logits_to_keep, paddle.Tensor) else None
         logits_to_keep = 0 if keep_index is not None else logits_to_keep
         if labels is not None:
+            _check_labels_shape(labels, input_ids if inputs_embeds is None else inputs_embeds)
             _check_keep_with_labels(logits_to_keep, keep_index, labels.shape[1])
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted

@@ -15,7 +15,11 @@ def cross_entropy_sum(logits: paddle.Tensor, target: paddle.Tensor, ignore_index
     """sum over rows of -log softmax(logits)[target] for logits [N, V] and target [N] int64, rows
     whose target is `ignore_index` adding 0. One multi-threaded compiled pass each way on CPU
     (Paddle's CPU kernel runs on one thread), else Paddle's cross entropy with non-finite rows
-    made non-finite as the kernel's are (:func:`with_nonfinite_rows`)."""
+    made non-finite as the kernel's are (:func:`with_nonfinite_rows`). A target of another length
+    than the rows is refused (the compiled pass would read past its end)."""
+    n, t = logits.shape[0], target.shape[0]
+    if n >= 0 and t >= 0 and (n != t or len(target.shape) != 1):  # -1: a graph's unknown size
+        raise ValueError(f"cross_entropy_sum: target of shape {list(target.shape)} for {n} rows of logits")
     ops = usable(logits, target)
     if ops is not None:
         return _RowCrossEntropy.apply(logits, target, ignore_index, ops).sum()
