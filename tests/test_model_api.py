@@ -767,3 +767,18 @@ def test_labels_of_another_shape_are_refused_by_name():
             model(ids, labels=labels)
     with pytest.raises(ValueError, match=r"cross_entropy_sum: target of shape \[16\] for 20 rows"):
         ops.cross_entropy_sum(paddle.zeros([20, 256]), paddle.zeros([16], dtype="int64"), -100)
+
+
+def test_set_output_embeddings_get_decoder_and_can_generate():
+    """transformers 5.23: ``set_output_embeddings(layer)`` replaces lm_head (the logits are the new
+    layer's), ``get_decoder()`` is the GlmMoeDsaModel (``model.model``), ``can_generate()`` True.
+    Ours had none of them (AttributeError)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(1, 6)
+    head = paddle.nn.Linear(64, 256, bias_attr=False)
+    head.weight.set_value(model.get_output_embeddings().weight * 2.0)
+    before = model(ids).logits.numpy()
+    model.set_output_embeddings(head)
+    assert model.get_output_embeddings() is head
+    np.testing.assert_allclose(model(ids).logits.numpy(), 2.0 * before, rtol=1e-5, atol=1e-5)
+    assert model.get_decoder() is model.model and model.can_generate() is True

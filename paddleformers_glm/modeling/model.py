@@ -819,6 +819,19 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         """The LM head (its `.weight` is [hidden, vocab], Paddle's orientation)."""
         return self.lm_head
 
+    def set_output_embeddings(self, value: nn.Layer) -> None:
+        """Replace the LM head, as transformers' ``set_output_embeddings``: the logits are
+        ``value(hidden)`` from then on (a layer taking [..., hidden] to [..., vocab])."""
+        self.lm_head = value
+
+    def get_decoder(self) -> GlmMoeDsaModel:
+        """The decoder stack (``model.model``), as transformers' ``get_decoder``."""
+        return self.model
+
+    def can_generate(self) -> bool:
+        """True, as transformers' for a causal LM: ``generate`` is available."""
+        return True
+
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
     ) -> nn.Layer:
