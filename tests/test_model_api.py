@@ -571,6 +571,14 @@ def test_from_pretrained_num_hidden_layers_override_builds_the_first_layers(tmp_
     assert GlmMoeDsaForCausalLM.from_pretrained(path, rms_norm_eps=1e-3).config.rms_norm_eps == 1e-3
     with pytest.raises(TypeError, match="given with an explicit config"):
         GlmMoeDsaForCausalLM.from_pretrained(path, config=full.config, num_hidden_layers=1)
+    # transformers: from_pretrained(path, config=AutoConfig.from_pretrained(path, num_hidden_layers=1))
+    # builds the same first layer (the same logits); ours raised CheckpointError (missing / unexpected keys)
+    config = GlmMoeDsaConfig.from_pretrained(
+        path, num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["dense"]
+    )
+    with pytest.warns(UserWarning, match=r"decoder layers 1\.\.7 of the checkpoint's 8 are not read"):
+        model = GlmMoeDsaForCausalLM.from_pretrained(path, config=config, dtype="float32")
+    np.testing.assert_allclose(model(ids).logits.numpy()[0, -1, :3], _FIRST_LAYERS_LOGITS[1], atol=1e-5)
 
 
 @pytest.mark.reference

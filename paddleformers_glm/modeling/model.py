@@ -540,6 +540,20 @@ def _config_with_overrides(
     return GlmMoeDsaConfig.from_pretrained(path, **cut), file_config
 
 
+def _deeper_file_config(path: str | os.PathLike, config: GlmMoeDsaConfig) -> GlmMoeDsaConfig | None:
+    """The checkpoint's own config when the ``config`` given to ``from_pretrained`` has fewer decoder
+    layers than it (transformers then builds the first ones, as with ``num_hidden_layers=n``),
+    else None (no readable config.json beside the weights: the load checks the keys as before)."""
+    file = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        file_config = GlmMoeDsaConfig.from_pretrained(path)
+    except ValueError:
+        return None
+    return file_config if int(file_config.num_hidden_layers) > int(config.num_hidden_layers) else None
+
+
 def _load_first_layers(
     state: dict[str, paddle.Tensor],
     path: str | os.PathLike,
@@ -691,6 +705,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             raise TypeError(
                 f"from_pretrained: config overrides {sorted(config_overrides)} given with an explicit config"
             )
+        else:  # a config of fewer decoder layers than the checkpoint's: its first layers, as transformers
+            file_config = _deeper_file_config(path, config)
         dtype = resolve_model_dtype(dtype, config)
         if file_config is not None and topology is not None and topology.world_size > 1:
             raise NotImplementedError(
