@@ -790,3 +790,18 @@ def test_set_output_embeddings_get_decoder_and_can_generate():
     assert model.get_output_embeddings() is head
     np.testing.assert_allclose(model(ids).logits.numpy(), 2.0 * before, rtol=1e-5, atol=1e-5)
     assert model.get_decoder() is model.model and model.can_generate() is True
+
+
+def test_shift_labels_as_transformers():
+    """transformers 5.23 on the tiny fixture, ids = tokens(2, 10): ``labels=ids,
+    shift_labels=ids shifted left by one (-100 last)`` -> 6.107834 (the plain loss); the first 3 of
+    each row of shift_labels -100 -> 5.921163 (labels are not read then); shift_labels without
+    labels -> no loss. Ours raised TypeError (unexpected keyword argument)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(2, 10)
+    shifted = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, dtype="int64")], axis=1)
+    assert abs(float(model(ids, labels=ids, shift_labels=shifted).loss) - 6.107834) <= 2e-5
+    partly = shifted.clone()
+    partly[:, :3] = -100
+    assert abs(float(model(ids, labels=ids, shift_labels=partly).loss) - 5.921163) <= 2e-5
+    assert model(ids, shift_labels=shifted).loss is None

@@ -102,6 +102,9 @@ def shift_labels(labels: paddle.Tensor, shift: int, fill: int | None = None) -> 
     return paddle.concat([labels[:, shift:], paddle.full([B, min(shift, S)], fill, dtype=labels.dtype)], 1)[:, :S]
 
 
+_shift_by = shift_labels  # for forward, whose `shift_labels` keyword (transformers' name) hides the function
+
+
 def token_loss(logits: paddle.Tensor, target: paddle.Tensor, vocab_parallel: bool, group: Any = None) -> LossTerm:
     """Summed cross entropy of logits [B, S, V(/tp)] against target [B, S] and the count of targets
     that are not IGNORE_INDEX.
@@ -417,6 +420,17 @@ def _refuse_packed_positions(position_ids: paddle.Tensor) -> None:
             "cache transformers attends within each sequence only, which this model does not support: pass the "
             "sequences as rows with padding and an attention_mask"
         )
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _with_shift_labels(
+    labels: paddle.Tensor | None, shift_labels: paddle.Tensor | None, labels_shifted: bool
+) -> tuple[paddle.Tensor | None, bool]:
+    """(labels, labels_shifted) for the loss: transformers' ``shift_labels`` given with ``labels`` are
+    taken as they are (already shifted); without labels there is no loss, as in transformers."""
+    if shift_labels is not None and labels is not None:
+        return shift_labels, True
+    return labels, labels_shifted
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
@@ -1008,6 +1022,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         output_attentions: bool | None = None,
         num_items_in_batch: int | paddle.Tensor | None = None,
         num_logits_to_keep: int | None = None,
+        shift_labels: paddle.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutput | tuple:
         """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
@@ -1023,7 +1038,9 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         and transformers raises too). `return_dict=False` returns `out.to_tuple()`.
         `labels_shifted=True`: ``labels[i]`` is position i's target already (Megatron's and
         PaddleFormers' convention: input tokens[:-1], labels tokens[1:]), not token i to be
-        shifted as HF does; MTP depth d then predicts labels[i + d].
+        shifted as HF does; MTP depth d then predicts labels[i + d]. `shift_labels` (transformers' name
+        for such targets, what its Trainer passes under context parallel) given with `labels` is
+        taken instead of them, as `labels_shifted=True`; without `labels` there is no loss, as there.
         `output_hidden_states=True` (None: `config.output_hidden_states`, as transformers): `out.hidden_states`, transformers' tuple of num_hidden_layers + 1
         [B, S, H]: the embedding output, each decoder layer's output but the last, and the
         final-normed one. `output_attentions=True` is refused (the sparse attention forms hold no
@@ -1035,6 +1052,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         `max_length_k` / `seq_idx`, and `position_ids` that restart within a row where transformers
         then attends per sequence (no attention_mask, no cache); see docs/model.md."""
         _refuse_packing_keys(kwargs)
+        labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
         if position_ids is not None and attention_mask is None and past_key_values is None:
             hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
             if not hf_cache:  # where transformers reads restarting position_ids as packed sequences
@@ -1067,7 +1085,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted
             for d in range(len(self.model.mtp_layers) + 1):
-                batch[f"cp_target_{d + 1}"] = shift_labels(labels, d) if d else labels
+                batch[f"cp_target_{d + 1}"] = _shift_by(labels, d) if d else labels
         cache = past_key_values
         collect = [] if output_hidden_states else None
         if use_cache is None:  # transformers: config.use_cache; see the docstring for where it is off
