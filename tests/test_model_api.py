@@ -805,3 +805,28 @@ def test_shift_labels_as_transformers():
     partly[:, :3] = -100
     assert abs(float(model(ids, labels=ids, shift_labels=partly).loss) - 5.921163) <= 2e-5
     assert model(ids, shift_labels=shifted).loss is None
+
+
+def test_to_bfloat16_computes_as_a_bfloat16_load():
+    """``model.to(dtype="bfloat16")`` (torch users' ``model.to(torch.bfloat16)``; transformers 5.23
+    runs the tiny fixture so) cast the routers too and a CPU forward stopped in Paddle ("The kernel
+    with key (CPU, ..., bfloat16) of kernel `where` is not registered"). It now keeps the routers'
+    weights, correction biases and the rope frequencies float32 (their values unchanged) and gives
+    the logits of ``from_pretrained(..., dtype="bfloat16")`` bit for bit (max diff measured 0.0,
+    loss 6.112355 both); back to float32 gives the float32 loss again."""
+    path = FIXTURES / "tiny" / "checkpoint"
+    ids = tokens(2, 10)
+    want = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="bfloat16")(ids, labels=ids)
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    plain = float(model(ids, labels=ids).loss)
+    routers = {n: p.numpy() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    assert model.to(dtype="bfloat16") is model and model.dtype == paddle.bfloat16
+    for n, p in model.named_parameters():
+        if n in routers:
+            assert p.dtype == paddle.float32 and (p.numpy() == routers[n]).all()
+    assert {b.dtype for b in model.buffers()} == {paddle.float32}
+    got = model(ids, labels=ids)
+    assert float(got.loss) == float(want.loss)
+    np.testing.assert_array_equal(got.logits.astype("float32").numpy(), want.logits.astype("float32").numpy())
+    model.to(dtype="float32")
+    assert model.dtype == paddle.float32 and abs(float(model(ids, labels=ids).loss) - plain) <= 1e-6

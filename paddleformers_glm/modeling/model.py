@@ -42,7 +42,7 @@ from .cache import DSACache, LayerCache
 from .decoder import DecoderLayer
 from .indexer_stages import IndexerTraining, kl_term, own_indexer_layers, recall_term, trains_in_warmup
 from .indexer_training import IndexerRecord, IndexerRun, IndexerTerms, indexer_terms
-from .moe import frozen_training_forward
+from .moe import TopkRouter, frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -831,6 +831,34 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         place=model.device)`` take it."""
         params = self.parameters()
         return params[0].place if params else paddle.get_device()
+
+    def to(self, device: Any = None, dtype: Any = None, blocking: bool | None = None) -> GlmMoeDsaForCausalLM:
+        """Paddle's ``Layer.to``, keeping what the model keeps in float32 whatever its dtype (the
+        routers' weight and correction bias, the rope frequencies: as a model built in that dtype
+        holds them, their values unchanged) and, for bfloat16 on a CPU-only Paddle, supplying the
+        kernels it lacks (as building a bfloat16 model does). ``model.to(dtype="bfloat16")`` then
+        computes as ``from_pretrained(..., dtype="bfloat16")``; without this the routers were
+        cast too and a CPU forward stopped in Paddle ("kernel `where` is not registered")."""
+        if dtype is None:
+            super().to(device=device, blocking=blocking)
+            return self
+        from ..checkpoint.loader import normalize_dtype
+
+        name = normalize_dtype(dtype)
+        if name == "bfloat16":
+            cpu_bf16.install()
+        fp32 = [m for m in self.sublayers() if isinstance(m, (TopkRouter, RotaryEmbedding))]
+        kept = [{k: t.numpy() for k, t in m.state_dict(include_sublayers=True).items()} for m in fp32]
+        kept_bufs = [[(b, b.numpy()) for b in m.buffers()] for m in fp32]
+        super().to(device=device, dtype=dtype, blocking=blocking)
+        for m, values, bufs in zip(fp32, kept, kept_bufs):
+            m.to(dtype="float32")
+            for k, t in m.state_dict(include_sublayers=True).items():
+                t.set_value(values[k])
+            for b, v in bufs:
+                b.set_value(v)
+        self.compute_dtype = name
+        return self
 
     def tie_weights(self) -> None:
         """transformers' ``tie_weights``: nothing to tie, the LM head is the model's own
