@@ -830,3 +830,19 @@ def test_to_bfloat16_computes_as_a_bfloat16_load():
     np.testing.assert_array_equal(got.logits.astype("float32").numpy(), want.logits.astype("float32").numpy())
     model.to(dtype="float32")
     assert model.dtype == paddle.float32 and abs(float(model(ids, labels=ids).loss) - plain) <= 1e-6
+
+
+def test_loading_info_reads_by_transformers_keys():
+    """transformers 5.23: ``model, info = from_pretrained(tiny, output_loading_info=True)`` gives a
+    dict {missing_keys: set() (0), unexpected_keys: set of 25 (its dropped MTP layer),
+    mismatched_keys: set(), error_msgs: []}; ours returned a LoadReport that ``info["missing_keys"]``
+    raised TypeError on (not subscriptable). It reads by those keys now (its own key names)."""
+    _, info = GlmMoeDsaForCausalLM.from_pretrained(
+        FIXTURES / "tiny" / "checkpoint", dtype="float32", output_loading_info=True
+    )
+    assert list(info.keys()) == ["missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"]
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()  # ours reads the MTP layer
+    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+    assert {k: len(info[k]) for k in info.keys()} == dict.fromkeys(info.keys(), 0)
+    with pytest.raises(KeyError, match="the loading info's keys are"):
+        info["missing"]

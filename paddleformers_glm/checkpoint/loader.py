@@ -79,6 +79,25 @@ class LoadReport:
             parts.append(f"{len(self.warnings)} warning(s)")
         return "; ".join(parts)
 
+    # transformers' loading info (from_pretrained(..., output_loading_info=True) returns a dict of these
+    # four): read by key as code written for it reads it; the keys are this report's (checkpoint names
+    # for unexpected, the model's for missing)
+    _INFO_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "missing_keys":
+            return set(self.missing)
+        if key == "unexpected_keys":
+            return set(self.unexpected)
+        if key == "mismatched_keys":  # a shape mismatch is refused, never loaded around
+            return set()
+        if key == "error_msgs":
+            return []
+        raise KeyError(f"{key!r}: the loading info's keys are {list(self._INFO_KEYS)} (or read the report's fields)")
+
+    def keys(self) -> list[str]:
+        return list(self._INFO_KEYS)
+
 
 def format_keys(keys: Iterable[str], n: int = 5) -> str:
     """``"12 keys: a, b, c, d, e, ... (+7 more)"`` — the first few and the count."""
