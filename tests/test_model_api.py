@@ -846,3 +846,41 @@ def test_loading_info_reads_by_transformers_keys():
     assert {k: len(info[k]) for k in info.keys()} == dict.fromkeys(info.keys(), 0)
     with pytest.raises(KeyError, match="the loading info's keys are"):
         info["missing"]
+
+
+# transformers 5.23, tiny fixture, hf(tokens(2, 10), output_router_logits=True).router_logits: 5 tensors
+# (the MoE layers 3..7) of [20, 8]; [0][0, :3] and [4][19, :3] (measured)
+_ROUTER_LOGITS = ([-1.1112930, -2.9713650, -0.3363898], [-3.0280313, 2.1225572, 0.5441422])
+
+
+def test_output_router_logits_as_transformers():
+    """transformers 5.23: output_router_logits=True (or config.output_router_logits) gives
+    ``out.router_logits``, each decoder MoE layer's router logits [B * S, E] (no MTP layer), keyed
+    after past_key_values (``return_dict=False``: loss, logits, past_key_values, router_logits);
+    aux_loss None. Ours raised TypeError (unexpected keyword argument)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids = tokens(2, 10)
+    for kw in ({}, {"use_cache": False}, {"labels": ids}):
+        out = model(ids, output_router_logits=True, **kw)
+        got = out.router_logits
+        assert isinstance(got, tuple) and len(got) == 5 and all(g.shape == [20, 8] for g in got)
+        np.testing.assert_allclose(got[0].numpy()[0, :3], _ROUTER_LOGITS[0], atol=1e-5)
+        np.testing.assert_allclose(got[4].numpy()[19, :3], _ROUTER_LOGITS[1], atol=1e-5)
+    assert "router_logits" not in model(ids) and model(ids, output_router_logits=False).router_logits is None
+    tup = model(ids, labels=ids, output_router_logits=True, return_dict=False, use_cache=False)
+    assert isinstance(tup[2], tuple) and len(tup[2]) == 5  # loss, logits, router_logits, ...
+    model.config.output_router_logits = True
+    assert len(model(ids).router_logits) == 5
+
+
+@pytest.mark.reference
+def test_output_router_logits_equal_transformers():
+    torch, hf, model = _tiny_in_both()
+    ids = tokens(2, 10)
+    with torch.no_grad():
+        want = hf(torch.tensor(ids.numpy()), output_router_logits=True).router_logits
+    got = model(ids, output_router_logits=True).router_logits
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert np.abs(g.numpy() - w.numpy()).max() <= 1e-4
+    np.testing.assert_allclose(want[0].numpy()[0, :3], _ROUTER_LOGITS[0], atol=1e-5)

@@ -61,6 +61,7 @@ class CausalLMOutput:
     logits: paddle.Tensor | None = None  # [B, S, V]
     past_key_values: DSACache | None = None  # the decoding cache, when use_cache
     hidden_states: tuple[paddle.Tensor, ...] | None = None  # output_hidden_states: as transformers'
+    router_logits: tuple[paddle.Tensor, ...] | None = None  # output_router_logits: per MoE layer [B*S, E]
     mtp_loss: paddle.Tensor | None = None  # mean CE over MTP depths, unscaled
     mtp_logits: list[paddle.Tensor] = field(default_factory=list)  # per depth [B, S, V]
     indexer_loss: paddle.Tensor | None = None  # sum of per-layer indexer KL losses, unscaled
@@ -420,6 +421,32 @@ def _refuse_packed_positions(position_ids: paddle.Tensor) -> None:
             "cache transformers attends within each sequence only, which this model does not support: pass the "
             "sequences as rows with padding and an attention_mask"
         )
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _start_router_logits(model: GlmMoeDsaForCausalLM, enabled: bool) -> dict[int, paddle.Tensor] | None:
+    """``output_router_logits``: a hook on each decoder MoE layer's router (not the MTP layer's:
+    transformers has none) keeps its logits [tokens, experts] by layer (a recomputed layer
+    overwrites its own); None when off. Hooks a failed forward left are removed first."""
+    _stop_router_logits(model, None)
+    if not enabled:
+        return None
+    kept: dict[int, paddle.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.decoder_layers):
+        for m in layer.sublayers():
+            if isinstance(m, TopkRouter):
+                hooks.append(m.register_forward_post_hook(lambda _m, _in, out, i=i: kept.__setitem__(i, out[0])))
+    model.__dict__["_router_hooks"] = hooks
+    return kept
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _stop_router_logits(model: GlmMoeDsaForCausalLM, kept: dict[int, paddle.Tensor] | None):
+    """The hooks removed; -> transformers' ``router_logits``: the kept logits by layer, or None."""
+    for hook in model.__dict__.pop("_router_hooks", []):
+        hook.remove()
+    return None if kept is None else tuple(kept[i] for i in sorted(kept))
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
@@ -1051,6 +1078,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         num_items_in_batch: int | paddle.Tensor | None = None,
         num_logits_to_keep: int | None = None,
         shift_labels: paddle.Tensor | None = None,
+        output_router_logits: bool | None = None,
         **kwargs: Any,
     ) -> CausalLMOutput | tuple:
         """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
@@ -1076,6 +1104,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         the summed cross entropy over it instead of the mean over the counted labels.
         `num_logits_to_keep` (the name before `logits_to_keep`, still in older callers) is accepted
         and ignored, as transformers 5.23 ignores it (all positions' logits; a warning says so).
+        `output_router_logits=True` (None: the config's): `out.router_logits`, transformers' tuple of
+        each decoder MoE layer's router logits [B * S, n_routed_experts] (fp32, before the sigmoid).
         Packed sequences are refused by name: `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
         `max_length_k` / `seq_idx`, and `position_ids` that restart within a row where transformers
         then attends per sequence (no attention_mask, no cache); see docs/model.md."""
@@ -1116,6 +1146,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
                 batch[f"cp_target_{d + 1}"] = _shift_by(labels, d) if d else labels
         cache = past_key_values
         collect = [] if output_hidden_states else None
+        routers = _start_router_logits(self, _flag(output_router_logits, self.config, "output_router_logits"))
         if use_cache is None:  # transformers: config.use_cache; see the docstring for where it is off
             use_cache = bool(getattr(self.config, "use_cache", False)) and self._builds_cache_by_default()
         if cache is None and use_cache:  # transformers' forward: the plain forward, building a cache
@@ -1147,6 +1178,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         sliced = past_key_values is not None and logits_to_keep and labels is None
         keep = hidden[:, -logits_to_keep:] if sliced else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
+        out.router_logits = _stop_router_logits(self, routers)
         if collect is not None:  # transformers' last entry is the final-normed hidden
             out.hidden_states = tuple(collect[:-1]) + (hidden,)
         out.mtp_logits = [self.logits(h) for h in mtp_hidden]
@@ -1174,7 +1206,8 @@ class GlmMoeDsaForCausalLM(nn.Layer):
             return out
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
         # cannot call their methods
-        fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.mtp_loss, out.mtp_logits or None)
+        fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.router_logits)
+        fields_ += (out.mtp_loss, out.mtp_logits or None)
         fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
 
