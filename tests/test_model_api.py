@@ -632,7 +632,8 @@ def test_save_pretrained_returns_the_report_its_annotation_names(tmp_path):
 
     from paddleformers_glm.checkpoint import SaveReport
 
-    assert inspect.signature(GlmMoeDsaForCausalLM.save_pretrained).return_annotation == "SaveReport"
+    # SaveReport, or None where is_main_process=False writes nothing (as transformers)
+    assert inspect.signature(GlmMoeDsaForCausalLM.save_pretrained).return_annotation == "SaveReport | None"
     assert "SaveReport" in GlmMoeDsaForCausalLM.save_pretrained.__doc__
     report = tiny_model(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["dense"]).save_pretrained(
         tmp_path / "out"
@@ -884,3 +885,27 @@ def test_output_router_logits_equal_transformers():
     for g, w in zip(got, want):
         assert np.abs(g.numpy() - w.numpy()).max() <= 1e-4
     np.testing.assert_allclose(want[0].numpy()[0, :3], _ROUTER_LOGITS[0], atol=1e-5)
+
+
+def test_save_pretrained_takes_transformers_keywords(tmp_path):
+    """transformers 5.23 on the tiny fixture: save_pretrained(d, safe_serialization=True / False,
+    push_to_hub=False, is_main_process=True, token=None, variant=None, save_original_format=True)
+    each writes config.json, generation_config.json, model.safetensors (safetensors even with
+    safe_serialization=False); is_main_process=False writes nothing. Ours raised TypeError
+    (save_pretrained_state() got an unexpected keyword argument 'safe_serialization')."""
+    model = tiny_model(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["dense"])
+    for i, kw in enumerate(
+        (
+            {"safe_serialization": True},
+            {"safe_serialization": False},
+            {"push_to_hub": False, "is_main_process": True, "token": None, "variant": None},
+            {"save_original_format": True},
+        )
+    ):
+        assert model.save_pretrained(tmp_path / str(i), **kw) is not None
+        assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / str(i)).iterdir()}
+    assert model.save_pretrained(tmp_path / "none", is_main_process=False) is None
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+    for key, value in (("push_to_hub", True), ("variant", "x")):
+        with pytest.raises(ValueError, match=rf"save_pretrained: {key}=.* is not supported"):
+            model.save_pretrained(tmp_path / "refused", **{key: value})

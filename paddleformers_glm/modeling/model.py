@@ -548,6 +548,37 @@ def _loading_keywords(path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[
     return path, {k: v for k, v in overrides.items() if k not in _UNSUPPORTED_LOADING_KEYS}
 
 
+# transformers' save_pretrained keywords and the value each must have here (None: any value, ignored)
+_HF_SAVE_KEYWORDS = {
+    "safe_serialization": None,  # transformers 5.23 writes safetensors whatever it says
+    "push_to_hub": False,
+    "variant": None,
+    "state_dict": None,
+    "token": None,
+    "save_peft_format": None,
+    "save_original_format": None,
+    "distributed_checkpoint": False,
+    "commit_message": None,
+    "repo_id": None,
+    "create_pr": None,
+}
+
+
+def _hf_save_keywords(kwargs: dict[str, Any]) -> bool:
+    """Pop transformers' ``save_pretrained`` keywords from ``kwargs``: those that change nothing are
+    dropped, ``push_to_hub=True`` / a ``variant`` / a ``state_dict`` / ``distributed_checkpoint=True``
+    refused by name. -> whether to write (transformers' ``is_main_process``, default True)."""
+    write = bool(kwargs.pop("is_main_process", True))
+    for key, allowed in _HF_SAVE_KEYWORDS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        refused = value is not None if key in ("variant", "state_dict") else allowed is not None and value != allowed
+        if refused:
+            raise ValueError(f"save_pretrained: {key}={value!r} is not supported (a transformers save option)")
+    return write
+
+
 _PER_LAYER_KEYS = ("indexer_types", "mlp_layer_types", "layer_types", "index_topk_pattern")
 
 
@@ -785,15 +816,22 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
         return (model, report) if output_loading_info else model
 
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> SaveReport:
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> SaveReport | None:
         """Official HF layout by default (`layout="fleet"`, `quantization="fp8"`: checkpoint package);
         all or nothing, carrying a loaded folder's tokenizer and generation files along. Built for a
         multi-rank topology it is collective: every rank writes the tensors it owns, no rank gathers
         the model, and the files are the same bytes as a one-process save. -> a
         ``checkpoint.SaveReport`` (``out_dir``, ``layout``, ``files``, ``tensors``, ``total_size``,
-        ``seconds``; transformers' ``save_pretrained`` returns None)."""
+        ``seconds``; transformers' ``save_pretrained`` returns None). transformers' keywords: those
+        that change nothing here are accepted (``safe_serialization``: safetensors either way, as
+        transformers 5.23 writes; ``push_to_hub=False``, ``token``, ``variant=None`` ...);
+        ``is_main_process=False`` writes nothing and returns None, as there (a model split over ranks
+        ignores it: its save is collective); ``push_to_hub=True``, a ``variant`` or a ``state_dict``
+        are refused by name."""
         from ..checkpoint import save_pretrained_state
 
+        if not _hf_save_keywords(kwargs) and not self.distributed:
+            return None  # is_main_process=False: transformers writes nothing
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         kwargs.setdefault("generation_config", self._changed_generation_config())
         if self.distributed:
