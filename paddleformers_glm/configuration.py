@@ -297,6 +297,19 @@ class GlmMoeDsaConfig:
             return getattr(self, _KEY_ALIASES[name])
         raise AttributeError(f"GlmMoeDsaConfig has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As transformers' attribute_map: setting another producer's name sets the setting it names
+        (``config.num_local_experts = 16`` is ``n_routed_experts``); a key of the file this config
+        does not know is set where ``to_dict()`` reads it (else a save wrote the loaded value back)."""
+        extra = self.__dict__.get("_extra")
+        if extra is not None:
+            if name in _KEY_ALIASES:
+                name = _KEY_ALIASES[name]
+            elif name in extra:
+                extra[name] = value
+                return
+        object.__setattr__(self, name, value)
+
     @property
     def rope(self) -> dict[str, Any]:
         """The rope settings in one normalised dict (transformers-5 `rope_parameters` form)."""
