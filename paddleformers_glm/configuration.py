@@ -157,6 +157,12 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
 }
 
+# transformers' from_pretrained download options and from_dict telemetry: consumed, never config keys
+_HF_LOADING_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision")
+_HF_LOADING_KWARGS += ("trust_remote_code", "_from_auto", "_from_pipeline", "_commit_hash")
+_HF_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
+_DTYPE_KEYS = ("dtype", "torch_dtype")
+
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 _HF_DEFAULT_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta: its base when a file gives none
 # The values of `attn_implementation`: the attention forms (modeling/attention_forms.py, which imports them)
@@ -252,12 +258,17 @@ class GlmMoeDsaConfig:
         for key, value in overrides.items():  # an override wins over the file's value, in either spelling
             if key in _ROPE_ALIASES:
                 raise _err(key, "override the rope through `rope_parameters` (or `rope_theta`), not PaddleFleet's name")
+            if key in _DTYPE_KEYS and (spelled := [k for k in _DTYPE_KEYS if k in kwargs]):
+                for k in spelled:  # as transformers: the override is the dtype, in the file's spelling(s)
+                    kwargs[k] = value
+                continue
             kwargs[_KEY_ALIASES.get(key, key)] = value
         # Keys that to_dict() writes back, in the source's order. A config built in Python writes the
         # full canonical key set; one loaded from a file writes exactly the file's keys (parallel and
         # library keys included, at their place), plus overrides of model keys the file lacked.
         skip = set(_PARALLEL_DEFAULTS) | set(_LIBRARY_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES)
         if from_file:
+            skip |= set(_DTYPE_KEYS) if set(_DTYPE_KEYS) & set(file_order) else set()  # written in the file's spelling
             self._file_keys = file_order + [k for k in overrides if k not in file_order and k not in skip]
         else:
             canon = [k for k in _FILE_DEFAULTS if k not in ("qk_head_dim",)] + ["qk_head_dim"]
@@ -584,21 +595,42 @@ class GlmMoeDsaConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **overrides: Any) -> GlmMoeDsaConfig:
-        """Build from a config.json dict; `to_dict()` gives the same dict back."""
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """Build from a config.json dict; `to_dict()` gives the same dict back.
+
+        As transformers' ``from_dict``: a keyword naming a key of this config (or of the file)
+        overrides it; the others are not set, and ``return_unused_kwargs=True`` returns them as
+        ``(config, unused)``. ``dtype="auto"`` (``torch_dtype``) keeps the file's dtype."""
         if config_dict.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
             raise _err("model_type", f"expected 'glm_moe_dsa', got {config_dict.get('model_type')!r}")
-        return cls(**config_dict, _from_file=True, _overrides=overrides)  # an override wins over the file's value
+        want_unused = kwargs.pop("return_unused_kwargs", False)
+        for key in _HF_TELEMETRY_KWARGS:
+            kwargs.pop(key, None)
+        known = set(_DEFAULTS) | set(_PARALLEL_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES) | set(config_dict)
+        known |= {"rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"}
+        overrides = {k: v for k, v in kwargs.items() if k in known and not (k in _DTYPE_KEYS and v == "auto")}
+        unused = {k: v for k, v in kwargs.items() if k not in known}
+        config = cls(**config_dict, _from_file=True, _overrides=overrides)  # an override wins over the file's value
+        return (config, unused) if want_unused else config
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> GlmMoeDsaConfig:
-        """Load `path/config.json` or a JSON file given directly."""
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> Any:
+        """Load `path/config.json` (`path/subfolder/config.json`) or a JSON file given directly.
+
+        The keywords are transformers' ``from_pretrained``'s: config keys override the file's
+        (:meth:`from_dict`, ``return_unused_kwargs`` included); its download options
+        (``cache_dir``, ``revision``, ``local_files_only``, ...) have nothing to do on a local
+        folder and are dropped, never written into the config."""
+        subfolder = kwargs.pop("subfolder", None) or ""
+        for key in _HF_LOADING_KWARGS:
+            kwargs.pop(key, None)
+        folder = os.path.join(path, subfolder) if subfolder else os.fspath(path)
+        file = os.path.join(folder, "config.json") if os.path.isdir(folder) else os.fspath(folder)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"GlmMoeDsaConfig: no config file at {file}")
         data = read_json(file, "the model config")
         try:
-            return cls.from_dict(data, **overrides)
+            return cls.from_dict(data, **kwargs)
         except ValueError as e:
             raise ValueError(f"{e} (in {file})") from e
 

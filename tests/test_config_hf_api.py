@@ -54,3 +54,62 @@ def test_setting_another_producers_name_sets_the_setting_and_a_file_key_is_saved
     c.dsa_index_topk = 4  # PaddleFleet's name, read the same way
     assert c.index_topk == 4 and c.to_dict()["index_topk"] == 4
     assert copy.deepcopy(c) == c and pickle.loads(pickle.dumps(c)) == c
+
+
+# ------------------------------------------------------------------ from_pretrained / from_dict keywords
+
+_LOADING = dict(cache_dir="/nonexistent", local_files_only=True, revision="main", token=None, force_download=False)
+
+
+def _load_with_keywords(cls, folder) -> tuple:
+    config, unused = cls.from_pretrained(folder, return_unused_kwargs=True, foo=2, use_cache=False, **_LOADING)
+    d = config.to_dict()
+    written = sorted(k for k in ("return_unused_kwargs", "foo", *_LOADING) if k in d)
+    return type(config).__name__, unused, config.use_cache, d["use_cache"], written
+
+
+def test_transformers_from_pretrained_keywords():
+    """transformers 5.23 (measured on configs/glm52-tiny): ``return_unused_kwargs=True`` gives
+    ``(config, {'foo': 2})``; the config key ``use_cache`` is overridden; neither ``foo`` nor the
+    download options are set or saved."""
+    got = _load_with_keywords(_hf(), TINY_CONFIG.parent)
+    assert got == ("GlmMoeDsaConfig", {"foo": 2}, False, False, [])
+
+
+def test_from_pretrained_keywords_as_transformers():
+    """Before: ``return_unused_kwargs=True`` returned the config alone and every keyword
+    (``return_unused_kwargs``, ``foo``, ``cache_dir``, ``local_files_only``, ...) became a config key
+    written into a saved config.json. transformers: ("GlmMoeDsaConfig", {"foo": 2}, False, False, [])."""
+    assert _load_with_keywords(GlmMoeDsaConfig, TINY_CONFIG.parent) == ("GlmMoeDsaConfig", {"foo": 2}, False, False, [])
+    plain = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG.parent, foo=2, **_LOADING)
+    assert plain == GlmMoeDsaConfig.from_pretrained(TINY_CONFIG.parent)
+    config, unused = GlmMoeDsaConfig.from_dict(_tiny(), return_unused_kwargs=True, index_topk=4, bar=1)
+    assert (config.index_topk, unused) == (4, {"bar": 1})
+
+
+def _dtype_overrides(cls) -> tuple:
+    folder = TINY_CONFIG.parent
+    d = cls.from_pretrained(folder, torch_dtype="float16").to_dict()
+    return d["dtype"], "torch_dtype" in d, str(cls.from_pretrained(folder, dtype="float32").dtype)
+
+
+def test_transformers_takes_a_torch_dtype_keyword_as_the_dtype():
+    """transformers 5.23 (measured): the tiny file says ``dtype: bfloat16``; ``torch_dtype="float16"``
+    saves ``dtype: float16`` (no torch_dtype key); ``dtype="float32"`` gives float32."""
+    assert _dtype_overrides(_hf()) == ("float16", False, "float32")
+
+
+def test_a_torch_dtype_keyword_overrides_the_files_dtype():
+    """Before: ``from_pretrained(folder, torch_dtype="float16")`` on a file saying ``dtype`` was
+    refused ("`torch_dtype`: 'float16' disagrees with `dtype` 'bfloat16'"); ``dtype="auto"`` was refused
+    as an unsupported dtype. transformers: ("float16", False, "float32")."""
+    assert _dtype_overrides(GlmMoeDsaConfig) == ("float16", False, "float32")
+    assert GlmMoeDsaConfig.from_pretrained(TINY_CONFIG.parent, dtype="auto").model_dtype == "bfloat16"
+
+
+def test_subfolder_is_read_as_transformers_reads_it(tmp_path):
+    """transformers reads ``folder/subfolder/config.json``; before, ``subfolder`` became a config key."""
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "config.json").write_text(TINY_CONFIG.read_text())
+    config = GlmMoeDsaConfig.from_pretrained(tmp_path, subfolder="inner")
+    assert config.to_dict() == _tiny()
