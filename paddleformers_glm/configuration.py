@@ -673,11 +673,30 @@ class GlmMoeDsaConfig:
             d["architectures"] = ["GlmMoeDsaForCausalLM"]
         return d
 
-    def to_json_string(self) -> str:
+    def to_diff_dict(self) -> dict[str, Any]:
+        """transformers' name for the saved form (its keys differing from ``PreTrainedConfig``'s
+        defaults): here :meth:`to_dict`, which already holds only the file's keys (docs/config.md)."""
+        return self.to_dict()
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """config.json's text; ``use_diff`` (transformers') gives the same text either way."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Write `config.json` atomically (temp file + rename); returns its path."""
+    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
+        atomic_write_text(os.fspath(json_file_path), self.to_json_string(use_diff))
+
+    def update(self, config_dict: dict[str, Any]) -> None:
+        """As transformers' ``update``: set each key (another producer's name sets its setting),
+        then check the result (an inconsistent value is refused naming the key)."""
+        for key, value in config_dict.items():
+            setattr(self, key, value)
+        self.validate()
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> str:
+        """Write `config.json` atomically (temp file + rename); returns its path. ``push_to_hub``
+        (transformers') is refused: this library does not upload."""
+        if push_to_hub:
+            raise NotImplementedError("GlmMoeDsaConfig.save_pretrained: push_to_hub=True is not supported (no upload)")
         path = os.path.join(save_directory, "config.json")  # atomic_write_text makes the folder
         atomic_write_text(path, self.to_json_string())
         return path

@@ -113,3 +113,49 @@ def test_subfolder_is_read_as_transformers_reads_it(tmp_path):
     (tmp_path / "inner" / "config.json").write_text(TINY_CONFIG.read_text())
     config = GlmMoeDsaConfig.from_pretrained(tmp_path, subfolder="inner")
     assert config.to_dict() == _tiny()
+
+
+# ------------------------------------------------------------------ transformers' serialisation methods
+
+
+def _api_calls(cls, tmp_path) -> tuple:
+    c = cls.from_pretrained(TINY_CONFIG.parent)
+    c.update({"index_topk": 4, "use_cache": False})
+    full = json.loads(c.to_json_string(use_diff=False))
+    diff = json.loads(c.to_json_string(use_diff=True))
+    c.save_pretrained(tmp_path, push_to_hub=False)
+    c.to_json_file(tmp_path / "copy.json", use_diff=False)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    return (c.index_topk, c.use_cache, full["index_topk"], diff["index_topk"], c.to_diff_dict()["use_cache"],
+            saved["index_topk"], json.loads((tmp_path / "copy.json").read_text())["use_cache"])  # fmt: skip
+
+
+def test_transformers_serialisation_methods(tmp_path):
+    """transformers 5.23 (measured): ``update``, ``to_json_string(use_diff=...)``, ``to_diff_dict``,
+    ``save_pretrained(dir, push_to_hub=False)``, ``to_json_file`` give (4, False, 4, 4, False, 4, False)."""
+    assert _api_calls(_hf(), tmp_path) == (4, False, 4, 4, False, 4, False)
+
+
+def test_serialisation_methods_take_transformers_arguments(tmp_path):
+    """Before: ``to_json_string(use_diff=False)`` and ``save_pretrained(dir, push_to_hub=False)`` raised
+    TypeError, ``update`` / ``to_diff_dict`` / ``to_json_file`` AttributeError. transformers:
+    (4, False, 4, 4, False, 4, False). Both ``use_diff`` give the file's keys (to_dict)."""
+    assert _api_calls(GlmMoeDsaConfig, tmp_path) == (4, False, 4, 4, False, 4, False)
+    c = GlmMoeDsaConfig.from_pretrained(tmp_path)
+    assert c.to_json_string(use_diff=True) == c.to_json_string(use_diff=False) == c.to_json_string()
+    assert c.to_diff_dict() == c.to_dict()
+    with pytest.raises(ValueError, match=r"`num_experts_per_tok`: 9 must be in \[1, n_routed_experts=8\]"):
+        c.update({"num_experts_per_tok": 9})
+    with pytest.raises(NotImplementedError, match="push_to_hub"):
+        c.save_pretrained(tmp_path, push_to_hub=True)
+
+
+def test_transformers_loads_what_update_and_save_pretrained_wrote(tmp_path):
+    """The saved file (after ``update``) reads back in transformers with the updated values."""
+    hf = _hf()
+    c = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG.parent)
+    c.update({"index_topk": 4, "num_local_experts": 4, "num_experts_per_tok": 1})
+    c.save_pretrained(tmp_path)
+    h = hf.from_pretrained(tmp_path)
+    assert (h.index_topk, h.n_routed_experts, h.num_experts_per_tok) == (4, 4, 1)
+    assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c
