@@ -23,7 +23,8 @@ __all__ = ["IGNORE_INDEX", "GlmMoeDsaConfig", "indexer_types_from_schedule"]
 # The label no loss counts (HF's convention): padding, and what a chat sample does not train on.
 IGNORE_INDEX = -100
 
-# HF-file keys and defaults (transformers 5.2x `GlmMoeDsaConfig`; GLM-5.2 values where HF has none).
+# HF-file keys and defaults (transformers 5.2x `GlmMoeDsaConfig`; GLM-5.2 values where HF has none;
+# HF's rope base 10000 and index schedule, every layer full, are set in __init__ as HF reads them).
 _FILE_DEFAULTS: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "attention_bias": False,
@@ -39,9 +40,9 @@ _FILE_DEFAULTS: dict[str, Any] = {
     "index_head_dim": 128,
     "index_n_heads": 32,
     "index_share_for_mtp_iteration": True,
-    "index_skip_topk_offset": 3,
+    "index_skip_topk_offset": 2,
     "index_topk": 2048,
-    "index_topk_freq": 4,
+    "index_topk_freq": 1,
     "index_topk_pattern": None,
     "indexer_rope_interleave": True,
     "indexer_types": None,
@@ -278,13 +279,16 @@ class GlmMoeDsaConfig:
                 canon.remove("dtype")
             self._file_keys = canon + [k for k in kwargs if k not in skip and k not in canon]
             if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(kwargs):
-                kwargs["rope_parameters"] = {"rope_theta": 8000000, "rope_type": "default"}
+                # transformers' default base (PreTrainedConfig.default_theta), not GLM-5.2's 8e6
+                kwargs["rope_parameters"] = {"rope_theta": _HF_DEFAULT_THETA, "rope_type": "default"}
         self._given_keys = frozenset(kwargs)
         # keys given as null: "derive it" (transformers reads them so too); written back null while derived
         self._null_keys = frozenset(k for k, v in kwargs.items() if v is None)
-        if from_file and "index_topk_freq" not in kwargs:
-            kwargs["index_topk_freq"] = 1  # HF: a file without the schedule has every layer full
-        elif from_file and kwargs["index_topk_freq"] is not None and "index_skip_topk_offset" not in kwargs:
+        # as transformers reads its keywords (a file's keys, or a config built in Python alike): no
+        # schedule has every layer full; a frequency without an offset takes offset 2
+        if "index_topk_freq" not in kwargs:
+            kwargs["index_topk_freq"] = 1
+        elif kwargs["index_topk_freq"] is not None and "index_skip_topk_offset" not in kwargs:
             kwargs["index_skip_topk_offset"] = 2  # HF's offset for a file that gives only the frequency
 
         for key, default in {**_DEFAULTS, **_PARALLEL_DEFAULTS}.items():

@@ -159,3 +159,38 @@ def test_transformers_loads_what_update_and_save_pretrained_wrote(tmp_path):
     h = hf.from_pretrained(tmp_path)
     assert (h.index_topk, h.n_routed_experts, h.num_experts_per_tok) == (4, 4, 1)
     assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c
+
+
+# ------------------------------------------------------------------ a config built in Python
+
+_BUILT = [  # keywords -> (full layers, rope base) in transformers 5.23, measured
+    ({}, (list(range(78)), 10000.0)),
+    ({"num_hidden_layers": 8}, (list(range(8)), 10000.0)),
+    ({"num_hidden_layers": 8, "index_topk_freq": 4}, ([0, 1, 5], 10000.0)),
+    ({"num_hidden_layers": 8, "index_topk_freq": 4, "index_skip_topk_offset": 3}, ([0, 1, 2, 6], 10000.0)),
+    ({"num_hidden_layers": 8, "rope_theta": 5e5}, (list(range(8)), 5e5)),
+]
+
+
+def _built(cls, kw) -> tuple:
+    c = cls(**copy.deepcopy(kw))
+    rope = c.rope_parameters if cls is not GlmMoeDsaConfig else c.rope
+    return [i for i, t in enumerate(c.indexer_types) if t == "full"], float(rope["rope_theta"])
+
+
+@pytest.mark.parametrize("kw,want", _BUILT, ids=lambda v: "+".join(v) if isinstance(v, dict) else None)
+def test_transformers_defaults_of_a_config_built_in_python(kw, want):
+    """transformers 5.23 (measured): without schedule keywords every layer runs the indexer (freq 1),
+    a frequency alone takes offset 2, and the rope base is its default_theta 10000."""
+    assert _built(_hf(), kw) == want
+
+
+@pytest.mark.parametrize("kw,want", _BUILT, ids=lambda v: "+".join(v) if isinstance(v, dict) else None)
+def test_a_config_built_in_python_has_transformers_defaults(kw, want, tmp_path):
+    """Before: ``GlmMoeDsaConfig(**kw)`` took GLM-5.2's schedule (freq 4, offset 3: full layers
+    [0, 1, 2, 6] of 8 where transformers runs all 8) and rope base 8e6 (transformers: 10000), so
+    the same keywords built another model than transformers' ``GlmMoeDsaConfig(**kw)``."""
+    assert _built(GlmMoeDsaConfig, kw) == want
+    c = GlmMoeDsaConfig(**copy.deepcopy(kw))
+    c.save_pretrained(tmp_path)
+    assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c  # a save of it reads back the same
