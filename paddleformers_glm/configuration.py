@@ -291,9 +291,21 @@ class GlmMoeDsaConfig:
         elif kwargs["index_topk_freq"] is not None and "index_skip_topk_offset" not in kwargs:
             kwargs["index_skip_topk_offset"] = 2  # HF's offset for a file that gives only the frequency
 
+        # `dtype` and `torch_dtype` (older files) are one setting, held as `dtype` (transformers: dtype
+        # unless null, else torch_dtype); each key the file had is written back under its spelling
+        self._dtype_written = {k: kwargs[k] for k in _DTYPE_KEYS if k in kwargs}
+        if None not in (kwargs.get("dtype"), kwargs.get("torch_dtype")):
+            a, b = (str(kwargs[k]).replace("torch.", "") for k in _DTYPE_KEYS)
+            if a != b:
+                raise _err("torch_dtype", f"{kwargs['torch_dtype']!r} disagrees with `dtype` {kwargs['dtype']!r}")
+        if self._dtype_written:
+            given = kwargs.pop("torch_dtype", None)
+            kwargs["dtype"] = kwargs["dtype"] if kwargs.get("dtype") is not None else given
+        self._dtype_at_load = kwargs.get("dtype", _FILE_DEFAULTS["dtype"])
+
         for key, default in {**_DEFAULTS, **_PARALLEL_DEFAULTS}.items():
             setattr(self, key, kwargs.pop(key, copy.deepcopy(default)))
-        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"):  # other producers' keys
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):  # other producers' keys
             setattr(self, key, kwargs.pop(key, None))
         # Everything else is preserved verbatim (and readable as an attribute).
         self._extra: dict[str, Any] = kwargs
@@ -310,6 +322,8 @@ class GlmMoeDsaConfig:
             return extra[name]
         if name in _KEY_ALIASES and "_extra" in self.__dict__:
             return getattr(self, _KEY_ALIASES[name])
+        if name == "torch_dtype" and "dtype" in self.__dict__:  # transformers' older name of `dtype`
+            return self.dtype
         raise AttributeError(f"GlmMoeDsaConfig has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -320,6 +334,8 @@ class GlmMoeDsaConfig:
         if extra is not None:
             if name in _KEY_ALIASES:
                 name = _KEY_ALIASES[name]
+            elif name == "torch_dtype":
+                name = "dtype"
             elif name in extra:
                 extra[name] = value
                 return
@@ -332,7 +348,7 @@ class GlmMoeDsaConfig:
 
     @property
     def model_dtype(self) -> str:
-        """The checkpoint / compute dtype name (`dtype`, else `torch_dtype`, else bfloat16)."""
+        """The checkpoint / compute dtype name (`dtype`, a file's `torch_dtype`, else bfloat16)."""
         return self._model_dtype
 
     @property
@@ -554,14 +570,7 @@ class GlmMoeDsaConfig:
         return copy.deepcopy(written if written == current else current)
 
     def _normalise_dtype(self) -> None:
-        if {"dtype", "torch_dtype"} <= self._given_keys and None not in (self.dtype, self.torch_dtype):
-            a, b = (str(v).replace("torch.", "") for v in (self.dtype, self.torch_dtype))
-            if a != b:
-                raise _err("torch_dtype", f"{self.torch_dtype!r} disagrees with `dtype` {self.dtype!r}")
-        name = self.dtype if self.dtype is not None else self.torch_dtype
-        if "dtype" not in self._file_keys and self.torch_dtype is not None:
-            name = self.torch_dtype
-        name = str(name or "bfloat16").replace("torch.", "")
+        name = str(self.dtype or "bfloat16").replace("torch.", "")
         if name not in _DTYPES:
             raise _err("dtype", f"unsupported dtype {name!r}; expected one of {_DTYPES}")
         self._model_dtype = name
@@ -647,6 +656,9 @@ class GlmMoeDsaConfig:
                 out[key] = self._alias_value(key)
             elif key in self._extra:
                 out[key] = copy.deepcopy(self._extra[key])
+            elif key in _DTYPE_KEYS:  # the file's value (null, "torch.bfloat16" ...) while the dtype is unchanged
+                unchanged = key in self._dtype_written and self.dtype == self._dtype_at_load
+                out[key] = copy.deepcopy(self._dtype_written[key] if unchanged else self.dtype)
             elif key in self._null_keys and self._derived(key):
                 out[key] = None
             elif key == "rope_parameters":

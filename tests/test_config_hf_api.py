@@ -194,3 +194,42 @@ def test_a_config_built_in_python_has_transformers_defaults(kw, want, tmp_path):
     c = GlmMoeDsaConfig(**copy.deepcopy(kw))
     c.save_pretrained(tmp_path)
     assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c  # a save of it reads back the same
+
+
+# ------------------------------------------------------------------ dtype / torch_dtype
+
+
+def _dtype_spellings(cls) -> tuple:
+    base = {k: v for k, v in _tiny().items() if k != "dtype"}
+    older = cls.from_dict(base | {"torch_dtype": "float32"})  # an older file's spelling
+    read = str(older.dtype).replace("torch.", "")
+    older.dtype = "float16"
+    saved_older = {k: v for k, v in older.to_dict().items() if k in ("dtype", "torch_dtype")}
+    newer = cls.from_dict(base | {"dtype": "float32"})
+    read_torch = str(newer.torch_dtype).replace("torch.", "")
+    newer.torch_dtype = "float16"
+    return read, saved_older, read_torch, newer.to_dict()["dtype"]
+
+
+def test_transformers_reads_dtype_and_torch_dtype_as_one_setting():
+    """transformers 5.23 (measured): a file with ``torch_dtype: float32`` reads ``dtype`` float32, and a
+    ``dtype`` set after loading is saved (as ``dtype``: its spelling); a file with ``dtype`` reads
+    ``torch_dtype`` as it, and setting ``torch_dtype`` sets the saved ``dtype``."""
+    assert _dtype_spellings(_hf()) == ("float32", {"dtype": "float16"}, "float32", "float16")
+
+
+def test_dtype_and_torch_dtype_are_one_setting():
+    """Before: a file with only ``torch_dtype: float32`` read ``config.dtype`` as 'bfloat16', and
+    ``config.dtype = "float16"`` was ignored (the model dtype and the save stayed float32);
+    ``config.torch_dtype`` read None on a ``dtype`` file and setting it was ignored. transformers:
+    ("float32", {"dtype": "float16"}, "float32", "float16"); the file's own spelling is kept here."""
+    assert _dtype_spellings(GlmMoeDsaConfig) == ("float32", {"torch_dtype": "float16"}, "float32", "float16")
+    older = GlmMoeDsaConfig.from_dict({k: v for k, v in _tiny().items() if k != "dtype"} | {"torch_dtype": "float32"})
+    older.dtype = "float16"
+    older.validate()  # (what the model reads is normalised by validate(), as after any attribute)
+    assert older.model_dtype == "float16"
+    both = _tiny(dtype=None, torch_dtype="float32")  # transformers: dtype unless null; null written back
+    assert GlmMoeDsaConfig.from_dict(copy.deepcopy(both)).to_dict() == both
+    assert GlmMoeDsaConfig.from_dict(copy.deepcopy(both)).model_dtype == "float32"
+    with pytest.raises(ValueError, match=r"`torch_dtype`: 'float32' disagrees with `dtype` 'float16'"):
+        GlmMoeDsaConfig.from_dict(_tiny(dtype="float16", torch_dtype="float32"))
