@@ -647,6 +647,29 @@ class GlmMoeDsaConfig:
         except ValueError as e:
             raise ValueError(f"{e} (in {file})") from e
 
+    @classmethod
+    def from_json_file(cls, json_file: str | os.PathLike) -> GlmMoeDsaConfig:
+        """transformers' name: the config of a JSON file (:meth:`from_pretrained` on the file)."""
+        return cls.from_pretrained(os.fspath(json_file))
+
+    def _setting_names(self) -> list[str]:
+        """The settings readable as attributes: the model, library and layout keys, the rope and
+        dtype spellings, and every other key of the file (not the other producers' aliases)."""
+        names = [*_DEFAULTS, *_PARALLEL_DEFAULTS, "rope_theta", "rope_scaling", "partial_rotary_factor"]
+        return names + [k for k in self._extra if k not in names]
+
+    def __iter__(self):
+        """As transformers' config: iterating gives the names of its settings."""
+        return iter(self._setting_names())
+
+    def __contains__(self, name: object) -> bool:
+        """``"hidden_size" in config``, as transformers' config (which iterates its attributes)."""
+        return isinstance(name, str) and name in self._setting_names()
+
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> GlmMoeDsaConfig:
+        """transformers' accessor for a composite model's text part: this config (a text-only model)."""
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """The config.json object: the source's keys, in its order and spelling, nothing invented
         (docs/config.md, "Round trip", says which library and parallel keys are added or left out)."""

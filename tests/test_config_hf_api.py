@@ -233,3 +233,34 @@ def test_dtype_and_torch_dtype_are_one_setting():
     assert GlmMoeDsaConfig.from_dict(copy.deepcopy(both)).model_dtype == "float32"
     with pytest.raises(ValueError, match=r"`torch_dtype`: 'float32' disagrees with `dtype` 'float16'"):
         GlmMoeDsaConfig.from_dict(_tiny(dtype="float16", torch_dtype="float32"))
+
+
+# ------------------------------------------------------------------ the mapping / accessor protocol
+
+
+def _protocol(cls) -> tuple:
+    c = cls.from_json_file(TINY_CONFIG)
+    names = list(c)
+    return (
+        c == cls.from_pretrained(TINY_CONFIG.parent),
+        "hidden_size" in c,
+        "foo" in c,
+        "ep_size" in c,  # a key of the file the class does not define
+        "num_local_experts" in c,  # an alias is no attribute of its own
+        c.get_text_config() is c and c.get_text_config(decoder=True) is c,
+        all(n in names for n in ("vocab_size", "indexer_types", "rope_parameters", "ep_size")),
+    )
+
+
+def test_transformers_config_protocol():
+    """transformers 5.23 (measured): ``from_json_file`` equals ``from_pretrained``; ``in`` and iteration
+    cover the attributes (``ep_size`` of the file included, not ``num_local_experts``);
+    ``get_text_config()`` is the config itself."""
+    assert _protocol(_hf()) == (True, True, False, True, False, True, True)
+
+
+def test_config_protocol_as_transformers():
+    """Before: ``from_json_file`` and ``get_text_config`` raised AttributeError, ``"hidden_size" in
+    config`` and ``list(config)`` TypeError (not iterable). transformers: (True, True, False, True,
+    False, True, True)."""
+    assert _protocol(GlmMoeDsaConfig) == (True, True, False, True, False, True, True)
