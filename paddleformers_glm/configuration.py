@@ -499,8 +499,8 @@ class GlmMoeDsaConfig:
                 scaling = dict(self.rope_scaling)
                 scaling.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else _HF_DEFAULT_THETA)
                 a_all, b_all = {**rope, "rope_type": _rope_type(rope)}, {**scaling, "rope_type": _rope_type(scaling)}
-                if "rope_theta" not in rope and self.rope_theta is not None:  # both take the top-level base
-                    a_all["rope_theta"] = self.rope_theta
+                if "rope_theta" not in rope:  # both take the top-level base, else transformers' default
+                    a_all["rope_theta"] = self.rope_theta if self.rope_theta is not None else _HF_DEFAULT_THETA
                 for key in dict.fromkeys([*a_all, *b_all]):
                     a, b = a_all.get(key), b_all.get(key)
                     if key not in ("type", "partial_rotary_factor") and a != b:
@@ -518,10 +518,8 @@ class GlmMoeDsaConfig:
         for key, form in forms.items():
             if rope.get(key) is not None:
                 _check_form(f"{src}.{key}", rope[key], form)
-        if "rope_theta" not in rope:
-            if self.rope_theta is None:
-                raise _err(src, "no rope_theta: give rope_parameters.rope_theta or a top-level rope_theta")
-            rope["rope_theta"] = self.rope_theta
+        if "rope_theta" not in rope:  # the top-level base, else transformers' default_theta (measured: 10000)
+            rope["rope_theta"] = self.rope_theta if self.rope_theta is not None else _HF_DEFAULT_THETA
         elif self.rope_theta is not None and float(self.rope_theta) != float(rope["rope_theta"]):
             raise _err("rope_theta", f"{self.rope_theta} disagrees with `{src}.rope_theta` {rope['rope_theta']}")
         # A top-level `partial_rotary_factor` is kept for the round trip but does not enter `rope`:

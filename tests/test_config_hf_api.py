@@ -264,3 +264,45 @@ def test_config_protocol_as_transformers():
     config`` and ``list(config)`` TypeError (not iterable). transformers: (True, True, False, True,
     False, True, True)."""
     assert _protocol(GlmMoeDsaConfig) == (True, True, False, True, False, True, True)
+
+
+# ------------------------------------------------------------------ a rope without a base
+
+_NO_BASE = [  # file keys replacing the tiny file's rope_parameters -> transformers 5.23's rope (measured)
+    ({}, {"rope_theta": 10000.0, "rope_type": "default"}),
+    ({"rope_parameters": None}, {"rope_theta": 10000.0, "rope_type": "default"}),
+    ({"rope_scaling": None}, {"rope_theta": 10000.0, "rope_type": "default"}),
+    ({"rope_parameters": {"rope_type": "default"}}, {"rope_theta": 10000.0, "rope_type": "default"}),
+    (
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"factor": 2.0, "rope_theta": 10000.0, "rope_type": "linear"},
+    ),
+    (
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
+        {"factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0, "rope_type": "yarn"},
+    ),
+]
+
+
+def _no_base_file(keys: dict) -> dict:
+    return {k: v for k, v in _tiny().items() if k != "rope_parameters"} | copy.deepcopy(keys)
+
+
+@pytest.mark.parametrize("keys,want", _NO_BASE, ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+def test_transformers_gives_a_rope_without_a_base_its_default_theta(keys, want):
+    """transformers 5.23 (measured): a file whose rope names no base (none of rope_parameters.rope_theta,
+    rope_scaling.rope_theta, a top-level rope_theta) takes PreTrainedConfig.default_theta, 10000."""
+    rope = _hf().from_dict(_no_base_file(keys)).rope_parameters
+    assert {k: v for k, v in rope.items() if k != "type"} == want
+
+
+@pytest.mark.parametrize("keys,want", _NO_BASE, ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+def test_a_rope_without_a_base_takes_transformers_default_theta(keys, want):
+    """Before: each of these files was refused ("`rope_scaling`: no rope_theta: give
+    rope_parameters.rope_theta or a top-level rope_theta") where transformers reads base 10000; as
+    ``GlmMoeDsaConfig(rope_parameters={"rope_type": "default"})`` built in Python. The file round-trips."""
+    d = _no_base_file(keys)
+    c = GlmMoeDsaConfig.from_dict(copy.deepcopy(d))
+    assert {k: v for k, v in c.rope.items() if k != "type"} == want
+    assert c.to_dict() == d
+    assert GlmMoeDsaConfig(rope_parameters={"rope_type": "default"}).rope["rope_theta"] == 10000.0
