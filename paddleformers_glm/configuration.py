@@ -329,7 +329,9 @@ class GlmMoeDsaConfig:
     def __setattr__(self, name: str, value: Any) -> None:
         """As transformers' attribute_map: setting another producer's name sets the setting it names
         (``config.num_local_experts = 16`` is ``n_routed_experts``); a key of the file this config
-        does not know is set where ``to_dict()`` reads it (else a save wrote the loaded value back)."""
+        does not know is set where ``to_dict()`` reads it (else a save wrote the loaded value back),
+        and, as in transformers, a new public attribute (``config.quantization_config = ...``) is a
+        key of the config from then on: saved, after the file's keys."""
         extra = self.__dict__.get("_extra")
         if extra is not None:
             if name in _KEY_ALIASES:
@@ -338,6 +340,10 @@ class GlmMoeDsaConfig:
                 name = "dtype"
             elif name in extra:
                 extra[name] = value
+                return
+            elif not name.startswith("_") and name not in self.__dict__ and not hasattr(type(self), name):
+                extra[name] = value
+                self._file_keys.append(name)
                 return
         object.__setattr__(self, name, value)
 

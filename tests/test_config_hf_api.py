@@ -306,3 +306,34 @@ def test_a_rope_without_a_base_takes_transformers_default_theta(keys, want):
     assert {k: v for k, v in c.rope.items() if k != "type"} == want
     assert c.to_dict() == d
     assert GlmMoeDsaConfig(rope_parameters={"rope_type": "default"}).rope["rope_theta"] == 10000.0
+
+
+# ------------------------------------------------------------------ a new attribute
+
+
+def _new_attributes_saved(cls, tmp_path) -> tuple:
+    c = cls.from_pretrained(TINY_CONFIG.parent)
+    c.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    c.my_flag = 3
+    c.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    built = cls(num_hidden_layers=4)
+    built.my_flag = 3
+    return saved.get("quantization_config"), saved.get("my_flag"), built.to_dict().get("my_flag")
+
+
+def test_transformers_saves_an_attribute_set_on_the_config(tmp_path):
+    """transformers 5.23 (measured): an attribute set on a loaded (or built) config is saved."""
+    want = ({"quant_method": "fp8", "weight_block_size": [128, 128]}, 3, 3)
+    assert _new_attributes_saved(_hf(), tmp_path) == want
+
+
+def test_an_attribute_set_on_the_config_is_saved(tmp_path):
+    """Before: ``config.quantization_config = {...}`` (or any new key) was readable but dropped by
+    ``save_pretrained`` / ``to_dict`` (None, None, None). transformers: the dict, 3, 3. It is written
+    after the file's keys, and the saved file loads back equal."""
+    want = ({"quant_method": "fp8", "weight_block_size": [128, 128]}, 3, 3)
+    assert _new_attributes_saved(GlmMoeDsaConfig, tmp_path) == want
+    c = GlmMoeDsaConfig.from_pretrained(tmp_path)
+    assert list(c.to_dict())[-2:] == ["quantization_config", "my_flag"]
+    assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c and copy.deepcopy(c) == c
