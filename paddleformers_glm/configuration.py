@@ -423,8 +423,13 @@ class GlmMoeDsaConfig:
                 "index_head_dim",
                 f"{self.index_head_dim} < qk_rope_head_dim {self.qk_rope_head_dim} (rope is applied to that many channels)",
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise _err("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads")
+        H, kv = self.num_attention_heads, self.num_key_value_heads
+        if H // kv != 1:  # MLA: every head has its own key and value (transformers repeats them H // kv times)
+            raise _err(
+                "num_key_value_heads",
+                f"expected an integer in [{H // 2 + 1}, {H}] (num_attention_heads {H}: every MLA head has its own "
+                f"key and value; transformers 5.23 fails for num_attention_heads // num_key_value_heads != 1), got {kv}",
+            )
         self._derive_indexer_types(L)
         # as transformers' glm_moe_dsa (5.23, measured): the first `first_k_dense_replace` layers are
         # dense, every later one MoE; `moe_layer_freq` is kept for a round trip but places no layer

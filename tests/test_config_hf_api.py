@@ -337,3 +337,38 @@ def test_an_attribute_set_on_the_config_is_saved(tmp_path):
     c = GlmMoeDsaConfig.from_pretrained(tmp_path)
     assert list(c.to_dict())[-2:] == ["quantization_config", "my_flag"]
     assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c and copy.deepcopy(c) == c
+
+
+# ------------------------------------------------------------------ num_key_value_heads
+
+
+@pytest.mark.parametrize("kv,works", [(4, True), (3, True), (2, False), (8, False)])
+def test_transformers_computes_mla_only_with_one_kv_group(kv, works):
+    """transformers 5.23 (measured, tiny fixture, 4 heads): num_key_value_heads 3 gives the logits of 4
+    (4 // 3 = 1 group: MLA has a key and value per head); 2 and 8 raise RuntimeError in the forward
+    ("The size of tensor a (4) must match the size of tensor b (8)" / "(0)")."""
+    torch = pytest.importorskip("torch")
+    hf = _hf()
+    from transformers import GlmMoeDsaForCausalLM
+
+    def logits(n):
+        c = hf.from_dict(_tiny(num_key_value_heads=n))
+        c._attn_implementation = "eager"
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return GlmMoeDsaForCausalLM(c).eval()(torch.tensor([[1, 2, 3, 4, 5]])).logits
+
+    if works:
+        assert torch.equal(logits(kv), logits(4))
+    else:
+        with pytest.raises(RuntimeError, match="must match the size"):
+            logits(kv)
+
+
+def test_num_key_value_heads_is_refused_where_transformers_cannot_compute():
+    """Before: 2 (divides 4 heads) was accepted and computed as 4 (transformers fails), 3 was refused
+    ("3 does not divide num_attention_heads", no head count) where transformers computes 4's logits."""
+    assert GlmMoeDsaConfig.from_dict(_tiny(num_key_value_heads=3)).num_key_value_heads == 3
+    for kv in (2, 8):
+        with pytest.raises(ValueError, match=rf"`num_key_value_heads`: expected an integer in \[3, 4\] .* got {kv}$"):
+            GlmMoeDsaConfig.from_dict(_tiny(num_key_value_heads=kv))
