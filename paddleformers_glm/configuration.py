@@ -347,14 +347,25 @@ class GlmMoeDsaConfig:
                 return
         object.__setattr__(self, name, value)
 
+    def _rope_inputs(self) -> tuple:
+        return copy.deepcopy((self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings))
+
     @property
     def rope(self) -> dict[str, Any]:
-        """The rope settings in one normalised dict (transformers-5 `rope_parameters` form)."""
+        """The rope settings in one normalised dict (transformers-5 `rope_parameters` form), from the
+        current `rope_parameters` / `rope_scaling` / `rope_theta`: one changed since the last check
+        (``config.rope_parameters["rope_theta"] = ...``, as transformers' model reads it) is read again."""
+        if self._rope_inputs() != self.__dict__.get("_rope_from"):
+            self._normalise_rope()
+            self._check_rope_aliases()
         return self._rope
 
     @property
     def model_dtype(self) -> str:
-        """The checkpoint / compute dtype name (`dtype`, a file's `torch_dtype`, else bfloat16)."""
+        """The checkpoint / compute dtype name (`dtype`, a file's `torch_dtype`, else bfloat16), as
+        `dtype` is now (a dtype set since the last check is read again)."""
+        if self.dtype != self.__dict__.get("_dtype_from", object()):
+            self._normalise_dtype()
         return self._model_dtype
 
     @property
@@ -374,7 +385,7 @@ class GlmMoeDsaConfig:
     def softmax_scale(self) -> float:
         """MLA softmax scale: qk_head_dim^-0.5, times mscale^2 for yarn with `mscale_all_dim`."""
         scale = self.qk_head_dim**-0.5
-        rope = self._rope
+        rope = self.rope
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
             scale = scale * m * m
@@ -469,7 +480,7 @@ class GlmMoeDsaConfig:
         compute as transformers 5.23 does (called when an attention layer is built). transformers'
         MLA and DSA indexer apply interleaved rope whatever `rope_interleave` / `indexer_rope_interleave`
         say, while PaddleFleet reads false as half-split pairs: no computation agrees with both."""
-        if self._rope["rope_type"] == "dynamic":
+        if self.rope["rope_type"] == "dynamic":
             src = "rope_parameters" if self.rope_parameters is not None else "rope_scaling"
             raise _err(
                 f"{src}.rope_type",
@@ -543,7 +554,7 @@ class GlmMoeDsaConfig:
             raise _err(f"{src}.factor", f"rope type {rtype!r} needs a `factor`")
         if rtype == "yarn":
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        self._rope = rope
+        self._rope, self._rope_from = rope, self._rope_inputs()
 
     def _check_rope_aliases(self) -> None:
         """PaddleFleet's `rotary_base` / top-level `rope_type` must say what the rope settings say."""
@@ -567,11 +578,11 @@ class GlmMoeDsaConfig:
 
     def _alias_value(self, key: str) -> Any:
         """The current value of an alias key: the file's own value unless the setting changed."""
-        written, rtype = self._alias_values[key], self._rope["rope_type"]
+        written, rtype = self._alias_values[key], self.rope["rope_type"]
         if written is None and key in _KEY_ALIASES and self._derived(_KEY_ALIASES[key]):
             return None
         if key == "rotary_base":
-            current = self._rope["rope_theta"]
+            current = self.rope["rope_theta"]
         elif key == "rope_type":  # either spelling of the current type stays as written
             current = written if written == rtype else _FLEET_ROPE_TYPES.get(rtype, rtype)
         else:
@@ -582,7 +593,7 @@ class GlmMoeDsaConfig:
         name = str(self.dtype or "bfloat16").replace("torch.", "")
         if name not in _DTYPES:
             raise _err("dtype", f"unsupported dtype {name!r}; expected one of {_DTYPES}")
-        self._model_dtype = name
+        self._model_dtype, self._dtype_from = name, self.dtype
 
     def _derive_indexer_types(self, L: int) -> None:
         given, pattern = self._given_indexer_types, self.index_topk_pattern
@@ -694,7 +705,7 @@ class GlmMoeDsaConfig:
             elif key in self._null_keys and self._derived(key):
                 out[key] = None
             elif key == "rope_parameters":
-                out[key] = copy.deepcopy(self.rope_parameters if self.rope_parameters is not None else self._rope)
+                out[key] = copy.deepcopy(self.rope_parameters if self.rope_parameters is not None else self.rope)
             else:
                 out[key] = copy.deepcopy(getattr(self, key))
         for key, default in _LIBRARY_DEFAULTS.items():
@@ -712,7 +723,7 @@ class GlmMoeDsaConfig:
         model class, as transformers' ``save_pretrained`` writes it) where the file has none."""
         d = self.to_dict()
         if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(d):
-            d["rope_parameters"] = copy.deepcopy(self._rope)
+            d["rope_parameters"] = copy.deepcopy(self.rope)
         for alias, key in _KEY_ALIASES.items():
             if alias in d and key not in d and key not in _PARALLEL_DEFAULTS and key not in _LIBRARY_DEFAULTS:
                 d[key] = copy.deepcopy(getattr(self, key))
@@ -764,7 +775,7 @@ class GlmMoeDsaConfig:
         ``layout`` (a ``ParallelConfig``) else the file's (docs/config.md, "PaddleFleet mapping"). The rope
         spans `qk_rope_head_dim` channels; Fleet requires `rotary_base` equal to `rope_theta`, so both are given.
         """
-        rope = self._rope
+        rope = self.rope
 
         def same(*keys: str) -> dict[str, Any]:  # fields Fleet names as this config does (bools validated)
             return {k: getattr(self, k) for k in keys}

@@ -372,3 +372,43 @@ def test_num_key_value_heads_is_refused_where_transformers_cannot_compute():
     for kv in (2, 8):
         with pytest.raises(ValueError, match=rf"`num_key_value_heads`: expected an integer in \[3, 4\] .* got {kv}$"):
             GlmMoeDsaConfig.from_dict(_tiny(num_key_value_heads=kv))
+
+
+# ------------------------------------------------------------------ the rope / dtype changed after loading
+
+
+def _rope_after_mutation(cls):
+    c = cls.from_pretrained(TINY_CONFIG.parent)
+    c.rope_parameters["rope_theta"] = 1e6  # transformers' idiom: edit the dict, then build the model
+    return c
+
+
+def test_transformers_model_reads_the_rope_parameters_as_they_are_when_built():
+    """transformers 5.23 (measured): after ``config.rope_parameters["rope_theta"] = 1e6`` the model's
+    inv_freq is 1 / 1e6 ** (arange(0, 16, 2) / 16) (the file says 8e6)."""
+    torch = pytest.importorskip("torch")
+    _hf()
+    from transformers import GlmMoeDsaForCausalLM
+
+    c = _rope_after_mutation(_hf())
+    inv = GlmMoeDsaForCausalLM(c).model.rotary_emb.inv_freq
+    want = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+    assert torch.allclose(inv, want)
+
+
+def test_rope_and_dtype_are_read_as_the_settings_are_now():
+    """Before: ``config.rope`` (what the model's rope tables are made from) kept the loaded base 8e6
+    after ``config.rope_parameters["rope_theta"] = 1e6`` (transformers' model uses 1e6), and
+    ``model_dtype`` kept the loaded dtype after ``config.dtype = "float32"``, until ``validate()``."""
+    np = pytest.importorskip("numpy")
+    from paddleformers_glm.modeling.rope import rope_inv_freq
+
+    c = _rope_after_mutation(GlmMoeDsaConfig)
+    assert c.rope["rope_theta"] == 1e6
+    inv, _ = rope_inv_freq(c)
+    np.testing.assert_allclose(inv, 1.0 / (1e6 ** (np.arange(0, 16, 2) / 16)), rtol=1e-6)
+    c.dtype = "float32"
+    assert c.model_dtype == "float32"
+    c.rope_parameters = {"rope_type": "spiral", "rope_theta": 1e6}  # still checked, naming the key
+    with pytest.raises(ValueError, match=r"`rope_parameters.rope_type`: unknown rope type 'spiral'"):
+        _ = c.rope
