@@ -73,6 +73,26 @@ def _template_text(value: Any, where: str) -> str | None:
     raise TokenizerError(f"{where}: the chat template must be a string, got a {type(value).__name__}")
 
 
+# AutoTokenizer.from_pretrained's arguments that say where to download from or which class to build:
+# nothing for a local tokenizer.json (transformers ignores them for a local folder too)
+_HUB_LOAD_OPTIONS = frozenset(
+    "cache_dir force_download local_files_only proxies revision token use_auth_token trust_remote_code use_fast "
+    "tokenizer_type config resume_download user_agent _from_auto _commit_hash _is_local _from_pipeline".split()
+)
+# ones that would read another file than tokenizer.json
+_UNSUPPORTED_LOAD_OPTIONS = frozenset({"gguf_file", "tokenizer_file", "tokenizer_object", "vocab_file"})
+
+
+def _plain_token(value: Any) -> Any:
+    """A keyword's ``tokenizers.AddedToken`` (or a list of them) as transformers serialises it in
+    tokenizer_config.json, so the config stays JSON; anything else unchanged."""
+    if type(value).__name__ == "AddedToken" and hasattr(value, "content"):
+        return {"__type": "AddedToken", **{k: getattr(value, k) for k in _ADDED_TOKEN_FIELDS}}
+    if isinstance(value, (list, tuple)):
+        return [_plain_token(v) for v in value]
+    return value
+
+
 TENSOR_TYPES = ("pd", "paddle", "np")
 # transformers' "no limit" value of model_max_length (int(1e30))
 _VERY_LARGE = int(1e30)
@@ -329,16 +349,26 @@ class GlmTokenizer:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **options: Any) -> GlmTokenizer:
         """Load from a checkpoint folder (or a tokenizer.json path); never touches the network.
-        ``options``: ``padding_side``, ``truncation_side``, ``model_max_length`` (over the files')."""
-        unknown = set(options) - {"padding_side", "truncation_side", "model_max_length"}
-        if unknown:
-            raise TypeError(
-                f"GlmTokenizer.from_pretrained: unknown options {sorted(unknown)} "
-                "(padding_side, truncation_side, model_max_length)"
-            )
+        ``options``, as transformers' ``AutoTokenizer.from_pretrained`` takes them: its download and
+        class-choice arguments (``use_fast``, ``trust_remote_code``, ``revision``, ...) mean nothing
+        for a local folder and are ignored, ``subfolder`` names the folder inside ``path``; every other
+        keyword is a tokenizer_config.json key over the file's (``padding_side``, ``truncation_side``,
+        ``model_max_length``, special tokens such as ``pad_token`` or ``extra_special_tokens``,
+        ``chat_template``, ``split_special_tokens``, ...), and ``add_bos_token`` / ``add_eos_token``
+        replace tokenizer.json's post-processor with transformers' (the bos / eos token around
+        each text, where set)."""
+        refused = sorted(set(options) & _UNSUPPORTED_LOAD_OPTIONS)
+        if refused:
+            raise TypeError(f"GlmTokenizer.from_pretrained: {refused} not supported (a local tokenizer.json is read)")
+        options = {k: _plain_token(v) for k, v in options.items() if k not in _HUB_LOAD_OPTIONS}
+        sides = {k: options.pop(k) for k in ("padding_side", "truncation_side", "model_max_length") if k in options}
+        bos_eos = {k: bool(options.pop(k)) for k in ("add_bos_token", "add_eos_token") if k in options}
         from tokenizers import Tokenizer
 
         p = Path(path)
+        subfolder = options.pop("subfolder", None)
+        if subfolder:
+            p = p / subfolder
         folder, tok_file = (p.parent, p) if p.is_file() else (p, p / TOKENIZER_FILE)
         if not tok_file.is_file():
             raise TokenizerError(f"{tok_file}: no tokenizer.json in {folder} (the checkpoint has no tokenizer)")
@@ -350,14 +380,63 @@ class GlmTokenizer:
         config = read_json(cfg_file, "the tokenizer config", error=TokenizerError) if cfg_file.is_file() else {}
         if not isinstance(config, dict):
             raise TokenizerError(f"{cfg_file}: expected a JSON object, got a {type(config).__name__}")
+        # with a tokenizer.json, transformers ignores the file's add_bos_token / add_eos_token (only
+        # the caller's rebuild the post-processor); the caller's keywords go over the file's keys
+        config.pop("add_bos_token", None)
+        config.pop("add_eos_token", None)
+        config.update(options)
         map_file = folder / SPECIAL_TOKENS_MAP_FILE
         if "added_tokens_decoder" not in config and map_file.is_file():
-            _merge_special_tokens_map(config, read_json(map_file, "the special tokens map", error=TokenizerError))
+            special_map = read_json(map_file, "the special tokens map", error=TokenizerError)
+            if isinstance(special_map, dict):  # the caller's keywords win over the map, as in transformers
+                special_map = {k: v for k, v in special_map.items() if not options.get(k)}
+            _merge_special_tokens_map(config, special_map)
         template, source = None, f"{cfg_file} 'chat_template'"
-        if (folder / TEMPLATE_FILE).is_file():
+        if "chat_template" in options:
+            template, source = config.pop("chat_template"), "from_pretrained(chat_template=...)"
+        elif (folder / TEMPLATE_FILE).is_file():
             source = str(folder / TEMPLATE_FILE)
             template = read_text(source, "the chat template", TokenizerError)
-        return cls(tok, config, template, template_source=source, **options)
+        out = cls(tok, config, template, template_source=source, **sides)
+        if bos_eos:
+            out._add_bos_eos = (bos_eos.get("add_bos_token", False), bos_eos.get("add_eos_token", False))
+            out._update_post_processor()
+        return out
+
+    # transformers' add_bos_token / add_eos_token: setting either rebuilds the post-processor
+    _add_bos_eos: tuple[bool, bool] = (False, False)
+
+    @property
+    def add_bos_token(self) -> bool:
+        return self._add_bos_eos[0]
+
+    @add_bos_token.setter
+    def add_bos_token(self, value: bool) -> None:
+        self._add_bos_eos = (bool(value), self._add_bos_eos[1])
+        self._update_post_processor()
+
+    @property
+    def add_eos_token(self) -> bool:
+        return self._add_bos_eos[1]
+
+    @add_eos_token.setter
+    def add_eos_token(self, value: bool) -> None:
+        self._add_bos_eos = (self._add_bos_eos[0], bool(value))
+        self._update_post_processor()
+
+    def _update_post_processor(self) -> None:
+        """transformers' ``TokenizersBackend.update_post_processor``: the post-processor becomes
+        ``[bos] $A [eos]`` (pairs ``[bos] $A [eos] [bos] $B [eos]``), each where its flag is on and the
+        token is set (a flag without its token turns off)."""
+        from tokenizers import processors
+
+        bos, eos = self.bos_token, self.eos_token
+        self._add_bos_eos = (self._add_bos_eos[0] and bos is not None, self._add_bos_eos[1] and eos is not None)
+        add_bos, add_eos = self._add_bos_eos
+        single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
+        pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
+        specials = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
+        self.tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
         """Write tokenizer.json and tokenizer_config.json (with the chat template and the padding /

@@ -1418,3 +1418,101 @@ def test_named_chat_templates_equal_transformers(tmp_path):
                     ours.apply_chat_template(chat, tokenize=False, **kw)
                 continue
             assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
+
+
+# ---------------------------------------------------------------------- from_pretrained keywords as AutoTokenizer's
+LOAD_TEXT, LOAD_PAIR = "Hello <x> there <y>", "Bye <|user|>"
+
+
+def _load_record(tok):
+    return (
+        tok(LOAD_TEXT)["input_ids"],
+        tok(LOAD_TEXT, LOAD_PAIR)["input_ids"],
+        tok([LOAD_TEXT, LOAD_PAIR], truncation=True, max_length=4, padding="max_length")["input_ids"],
+        (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id, len(tok)),
+        tok.decode(tok(LOAD_TEXT + LOAD_PAIR)["input_ids"], skip_special_tokens=True),
+    )
+
+
+LOAD_CASES = [  # (post-processor of tokenizer.json, keywords)
+    (None, {"add_bos_token": False}),
+    ("[gMASK] <sop> $A", {"add_bos_token": False}),
+    ("[gMASK] <sop> $A", {"add_bos_token": True}),
+    ("[gMASK] <sop> $A", {"add_bos_token": True, "bos_token": "[gMASK]"}),
+    (None, {"add_eos_token": True}),
+    (None, {"add_bos_token": True, "add_eos_token": True, "bos_token": "<sop>", "eos_token": "<|user|>"}),
+    (None, {"pad_token": "<|endoftext|>", "unk_token": "<|pad|>"}),
+    (None, {"extra_special_tokens": ["<x>"]}),
+    (None, {"additional_special_tokens": ["<y>"]}),
+    (None, {"split_special_tokens": True}),
+    (None, {"use_fast": False, "trust_remote_code": True, "revision": "main", "local_files_only": True}),
+]
+
+
+def test_from_pretrained_takes_autotokenizer_keywords(tmp_path):
+    """transformers 5.23's ``AutoTokenizer.from_pretrained(folder, **kw)`` takes every keyword: download
+    and class-choice ones are ignored for a local folder, the rest go over tokenizer_config.json, and
+    ``add_bos_token`` / ``add_eos_token`` replace tokenizer.json's post-processor by ``[bos] $A [eos]``.
+    Ours raised TypeError ("unknown options ['add_bos_token']") for any keyword but padding_side,
+    truncation_side and model_max_length. Measured with AutoTokenizer on the tiny tokenizer,
+    "Hello <x> there <y>" (+ the pair "Bye <|user|>"): the ids below."""
+    text = [219, 254, 88, 104, 37, 97, 39, 109, 136, 104, 37, 98, 39]  # the text's own ids
+    pair = [43, 98, 78, 104, 2]
+    post = "[gMASK] <sop> $A"
+    # [gMASK]<sop> post-processor, add_bos_token=False (or True without a bos_token): no prefix
+    for kw in ({"add_bos_token": False}, {"add_bos_token": True}):
+        tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / f"p{len(kw)}{kw['add_bos_token']}", post=post), **kw)
+        assert tok(LOAD_TEXT)["input_ids"] == text and tok.add_bos_token is False
+    folder = _tiny_folder(tmp_path / "post", post=post)
+    assert GlmTokenizer.from_pretrained(folder)(LOAD_TEXT)["input_ids"] == [6, 7, *text]  # untouched without them
+    tok = GlmTokenizer.from_pretrained(folder, add_bos_token=True, bos_token="[gMASK]")
+    assert tok(LOAD_TEXT)["input_ids"] == [6, *text] and tok.bos_token_id == 6
+    assert tok(LOAD_TEXT, LOAD_PAIR)["input_ids"] == [6, *text, 6, *pair]
+    # add_eos_token=True: the eos after each text, kept by truncation
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "plain"), add_eos_token=True)
+    assert tok(LOAD_TEXT)["input_ids"] == [*text, 1]
+    assert tok(LOAD_TEXT, LOAD_PAIR)["input_ids"] == [*text, 1, *pair, 1]
+    assert tok([LOAD_TEXT, LOAD_PAIR], truncation=True, max_length=4)["input_ids"] == [
+        [219, 254, 88, 1],
+        [43, 98, 78, 1],
+    ]
+    assert tok(LOAD_TEXT, add_special_tokens=False)["input_ids"] == text
+    # add_bos_token / add_eos_token in tokenizer_config.json are ignored (a tokenizer.json is there)
+    cfg = _tiny_folder(tmp_path / "cfg", post=post, config={"add_bos_token": False, "add_eos_token": True})
+    assert GlmTokenizer.from_pretrained(cfg)(LOAD_TEXT)["input_ids"] == [6, 7, *text]
+    # special tokens over the config's: pad id 1, unk id 0 (an unknown token too); an extra one is added (id 256)
+    plain = tmp_path / "plain"
+    tok = GlmTokenizer.from_pretrained(plain, pad_token="<|endoftext|>", unk_token="<|pad|>")
+    assert (tok.pad_token_id, tok.unk_token_id, tok.convert_tokens_to_ids("qqq")) == (1, 0, 0)
+    tok = GlmTokenizer.from_pretrained(plain, extra_special_tokens=["<x>"])
+    assert tok(LOAD_TEXT)["input_ids"] == [219, 254, 88, 104, 256, 109, 136, 104, 37, 98, 39] and len(tok) == 257
+    assert tok.decode(tok(LOAD_TEXT + LOAD_PAIR)["input_ids"], skip_special_tokens=True) == "Hello  there <y>Bye "
+    # split_special_tokens: <|user|> as text
+    tok = GlmTokenizer.from_pretrained(plain, split_special_tokens=True)
+    assert tok(LOAD_PAIR)["input_ids"] == [43, 98, 78, 104, 37, 101, 94, 92, 112, 101, 39]
+    # the hub's arguments change nothing; a chat_template keyword wins over the folder's
+    assert _load_record(GlmTokenizer.from_pretrained(plain, use_fast=False, trust_remote_code=True)) == _load_record(
+        GlmTokenizer.from_pretrained(plain)
+    )
+    tok = GlmTokenizer.from_pretrained(plain, chat_template="hi {{ messages[0]['content'] }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "yo"}], tokenize=False) == "hi yo"
+    # the setter, as transformers': the post-processor is rebuilt, and save_pretrained keeps it
+    tok = GlmTokenizer.from_pretrained(plain)
+    tok.add_eos_token = True
+    assert tok(LOAD_TEXT)["input_ids"] == [*text, 1]
+    tok.save_pretrained(tmp_path / "saved")
+    assert GlmTokenizer.from_pretrained(tmp_path / "saved")(LOAD_TEXT)["input_ids"] == [*text, 1]
+    with pytest.raises(TypeError, match="gguf_file"):
+        GlmTokenizer.from_pretrained(plain, gguf_file="x.gguf")
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("post,kw", LOAD_CASES)
+def test_from_pretrained_keywords_equal_transformers(tmp_path, post, kw):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder = _tiny_folder(tmp_path / "t", post=post)
+    hf, ours = transformers.AutoTokenizer.from_pretrained(folder, **kw), GlmTokenizer.from_pretrained(folder, **kw)
+    assert _load_record(ours) == _load_record(hf)
+    ours.save_pretrained(tmp_path / "ours")
+    assert _load_record(transformers.AutoTokenizer.from_pretrained(tmp_path / "ours")) == _load_record(hf)
