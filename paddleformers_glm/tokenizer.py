@@ -114,13 +114,13 @@ def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
         raise ValueError(f"return_tensors must be one of {TENSOR_TYPES} or None, got {return_tensors!r}")
     import numpy as np
 
-    if len({len(r) for r in rows}) > 1:
+    if len({len(r) for r in rows if not isinstance(r, int)}) > 1:
         raise ValueError(
             f"{what}: rows of different lengths ({sorted({len(r) for r in rows})}) cannot form one tensor; "
             "pass padding=True (or truncation with max_length)"
         )
-    arr = np.asarray(rows, dtype=np.int64)  # [B, S], or [B, S, 2] for offset_mapping
-    if arr.ndim < 2:
+    arr = np.asarray(rows, dtype=np.int64)  # [B, S], or [B, S, 2] for offset_mapping; [B] for a number per row
+    if arr.ndim < 2 and not all(isinstance(r, int) for r in rows):
         arr = arr.reshape(len(rows), -1)
     if return_tensors == "np":
         return arr
@@ -651,6 +651,13 @@ class GlmTokenizer:
         padding_side: str | None = None,
         pad_to_multiple_of: int | None = None,
         return_offsets_mapping: bool = False,
+        stride: int = 0,
+        is_split_into_words: bool = False,
+        return_token_type_ids: bool | None = None,
+        return_special_tokens_mask: bool = False,
+        return_overflowing_tokens: bool = False,
+        return_length: bool = False,
+        verbose: bool = True,
     ) -> BatchEncoding:
         """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
         ``max_length`` (default ``model_max_length``) on ``truncation_side``; ``max_length`` alone
@@ -658,18 +665,34 @@ class GlmTokenizer:
         (transformers' second argument): the second text of each pair, encoded by the post-processor's
         pair template; ``truncation`` "longest_first" (True), "only_first" or "only_second" cuts them
         as transformers has the ``tokenizers`` library cut them. ``return_offsets_mapping``: each token's
-        (start, end) characters in its text, (0, 0) on padding, as transformers gives them."""
-        single = isinstance(text, str)
+        (start, end) characters in its text, (0, 0) on padding, as transformers gives them.
+        ``is_split_into_words``: a text is a list of words (a batch a list of those), each word
+        tokenized alone. ``return_overflowing_tokens``: what truncation cut off becomes more rows
+        (each ``stride`` tokens overlapping the row before), ``overflow_to_sample_mapping`` naming each
+        row's text; the rows are a batch even for one text. ``return_token_type_ids`` (0 for the first
+        text, 1 for the pair's), ``return_special_tokens_mask`` (1 on the post-processor's tokens and on
+        padding) and ``return_length`` (each row's length, padding included; a list for one text too)
+        are transformers'. ``verbose`` is accepted and ignored."""
+        word = (
+            (lambda t: isinstance(t, (list, tuple)) and all(isinstance(w, str) for w in t))
+            if (is_split_into_words)
+            else (lambda t: isinstance(t, str))
+        )
+        what = "a list of words (a list of strings)" if is_split_into_words else "a string"
+        single = word(text)
         texts = [text] if single else list(text)
-        if not all(isinstance(t, str) for t in texts):
-            raise TypeError("GlmTokenizer: text must be a string or a list of strings")
+        if not all(word(t) for t in texts):
+            raise TypeError(f"GlmTokenizer: text must be {what} or a list of them")
         pairs = None
         if text_pair is not None:
-            pairs = [text_pair] if isinstance(text_pair, str) else list(text_pair)
-            if isinstance(text_pair, str) != single or len(pairs) != len(texts):
-                raise ValueError("GlmTokenizer: text_pair must be a string for a string text, a list as long as a list")
-            if not all(isinstance(t, str) for t in pairs):
-                raise TypeError("GlmTokenizer: text_pair must be a string or a list of strings")
+            pairs = [text_pair] if word(text_pair) else list(text_pair)
+            if word(text_pair) != single or len(pairs) != len(texts):
+                one = "a list of words for a list of words" if is_split_into_words else "a string for a string text"
+                raise ValueError(f"GlmTokenizer: text_pair must be {one}, a list as long as a list")
+            if not all(word(t) for t in pairs):
+                raise TypeError(f"GlmTokenizer: text_pair must be {what} or a list of them")
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+            raise ValueError(f"stride must be an integer >= 0, got {stride!r}")
         limit = None
         if max_length is not None and padding is False and truncation is None:
             truncation = True  # transformers' _get_padding_truncation_strategies: max_length alone truncates
@@ -686,9 +709,21 @@ class GlmTokenizer:
                     f"truncation length ({limit}) is not a multiple of pad_to_multiple_of ({pad_to_multiple_of})."
                 )
         strategy = "longest_first" if truncation is True else truncation
-        encodings = self._encode_batch(texts, add_special_tokens, limit, pairs, strategy)
-        rows = [list(e.ids) for e in encodings]
-        enc = self.pad({"input_ids": rows}, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
+        encodings = self._encode_batch(texts, add_special_tokens, limit, pairs, strategy, stride, is_split_into_words)
+        sample = list(range(len(encodings)))
+        if return_overflowing_tokens:  # each text's rows, then the next text's (transformers' order)
+            rows_of = [[e, *e.overflowing] for e in encodings]
+            sample = [i for i, r in enumerate(rows_of) for _ in r]
+            encodings = [e for r in rows_of for e in r]
+            single = False
+        given = {"input_ids": [list(e.ids) for e in encodings]}
+        if return_token_type_ids:
+            given["token_type_ids"] = [list(e.type_ids) for e in encodings]
+        if return_special_tokens_mask:
+            given["special_tokens_mask"] = [list(e.special_tokens_mask) for e in encodings]
+        enc = self.pad(given, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
+        if not return_attention_mask:
+            enc.pop("attention_mask")
         if return_offsets_mapping:  # padded with (0, 0) on the side the ids were
             side = padding_side or self.padding_side
             offsets = []
@@ -696,12 +731,14 @@ class GlmTokenizer:
                 n = len(row) - len(e.offsets)
                 offsets.append([(0, 0)] * n + list(e.offsets) if side == "left" else list(e.offsets) + [(0, 0)] * n)
             enc["offset_mapping"] = offsets
-        if not return_attention_mask:
-            enc.pop("attention_mask")
+        if return_length:
+            enc["length"] = [len(r) for r in enc["input_ids"]]
+        if return_overflowing_tokens:
+            enc["overflow_to_sample_mapping"] = sample
         if return_tensors is not None:
             return BatchEncoding({k: _as_tensor(v, return_tensors, "GlmTokenizer") for k, v in enc.items()})
-        if single:
-            return BatchEncoding({k: v[0] for k, v in enc.items()})
+        if single:  # one text: its row (``length`` stays a list, as in transformers)
+            return BatchEncoding({k: v if k == "length" else v[0] for k, v in enc.items()})
         return enc
 
     def _encode_batch(
@@ -711,6 +748,8 @@ class GlmTokenizer:
         limit: int | None,
         pairs: list[str] | None = None,
         strategy: Any = "longest_first",
+        stride: int = 0,
+        is_pretokenized: bool = False,
     ) -> list[Any]:
         """``tokenizers``' encodings of ``texts`` (with ``pairs``: of each pair), cut to ``limit`` tokens
         on ``truncation_side`` by the library's own truncation (its ``strategy`` for pairs), as
@@ -718,12 +757,20 @@ class GlmTokenizer:
         the text."""
         inputs = texts if pairs is None else list(zip(texts, pairs))
         if limit is None:
-            return self.tokenizer.encode_batch(inputs, add_special_tokens=add_special_tokens)
-        self.tokenizer.enable_truncation(limit, direction=self.truncation_side, strategy=strategy or "longest_first")
+            return self.tokenizer.encode_batch(
+                inputs, add_special_tokens=add_special_tokens, is_pretokenized=is_pretokenized
+            )
+        self.tokenizer.enable_truncation(
+            limit, stride=stride, direction=self.truncation_side, strategy=strategy or "longest_first"
+        )
         try:
-            return self.tokenizer.encode_batch(inputs, add_special_tokens=add_special_tokens)
-        except Exception as err:  # e.g. max_length below the number of special tokens
-            raise ValueError(f"truncation to max_length={limit}: {err}") from err
+            return self.tokenizer.encode_batch(
+                inputs, add_special_tokens=add_special_tokens, is_pretokenized=is_pretokenized
+            )
+        except BaseException as err:  # max_length below the special tokens; a stride as long as a row (a Rust panic)
+            if not isinstance(err, Exception) and type(err).__name__ != "PanicException":
+                raise
+            raise ValueError(f"truncation to max_length={limit} (stride {stride}): {err}") from None
         finally:
             self.tokenizer.no_truncation()
 

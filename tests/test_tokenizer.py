@@ -1516,3 +1516,106 @@ def test_from_pretrained_keywords_equal_transformers(tmp_path, post, kw):
     assert _load_record(ours) == _load_record(hf)
     ours.save_pretrained(tmp_path / "ours")
     assert _load_record(transformers.AutoTokenizer.from_pretrained(tmp_path / "ours")) == _load_record(hf)
+
+
+# ---------------------------------------------------------------------- the call's other transformers options
+CALL_TEXTS = ["Hello there <|user|> friend", "Hi"]
+CALL_CASES = [  # (args, keywords) of the call
+    ((CALL_TEXTS,), {"return_special_tokens_mask": True, "return_token_type_ids": True, "return_length": True}),
+    ((CALL_TEXTS,), {"padding": True, "padding_side": "left", "return_special_tokens_mask": True}),
+    ((CALL_TEXTS[0], "Yo"), {"return_token_type_ids": True, "return_special_tokens_mask": True, "verbose": False}),
+    ((CALL_TEXTS,), {"return_overflowing_tokens": True, "truncation": True, "max_length": 4, "stride": 1}),
+    ((CALL_TEXTS[0],), {"return_overflowing_tokens": True, "truncation": True, "max_length": 4, "stride": 1}),
+    (
+        (CALL_TEXTS,),
+        {
+            "return_overflowing_tokens": True,
+            "truncation": True,
+            "max_length": 4,
+            "padding": True,
+            "padding_side": "left",
+        }
+        | {"return_offsets_mapping": True, "return_length": True, "return_special_tokens_mask": True},
+    ),
+    (
+        (CALL_TEXTS, ["Yo", "x"]),
+        {"return_overflowing_tokens": True, "truncation": "only_first"} | {"max_length": 8, "stride": 1},
+    ),
+    ((CALL_TEXTS,), {"return_overflowing_tokens": True}),
+    (
+        ([["Hello", "there"], ["Hi", "friend", "!"]],),
+        {"is_split_into_words": True, "return_offsets_mapping": True, "padding": True},
+    ),
+    ((["Hello", "there"], ["Hi", "friend", "!"]), {"is_split_into_words": True, "return_token_type_ids": True}),
+]
+
+
+def test_call_takes_transformers_other_options(tiny_dir):
+    """transformers 5.23's call takes ``return_special_tokens_mask``, ``return_token_type_ids``,
+    ``return_length``, ``return_overflowing_tokens`` with ``stride``, ``is_split_into_words`` and
+    ``verbose``; ours raised TypeError ("unexpected keyword argument") on each. Measured with
+    AutoTokenizer on the tiny tokenizer (the values below)."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    a = [219, 254, 88, 109, 136, 104, 2, 118, 91, 82, 123, 77]  # "Hello there <|user|> friend"
+    one = tok(CALL_TEXTS[0], return_length=True, return_special_tokens_mask=True, return_token_type_ids=True)
+    assert one == {  # <|user|> in the text is no special token of the mask; length is a list for one text too
+        "input_ids": a,
+        "token_type_ids": [0] * 12,
+        "attention_mask": [1] * 12,
+        "special_tokens_mask": [0] * 12,
+        "length": [12],
+    }
+    left = tok(CALL_TEXTS, padding=True, padding_side="left", return_special_tokens_mask=True, return_length=True)
+    assert left["special_tokens_mask"][1] == [1] * 10 + [0, 0] and left["length"] == [12, 12]
+    pair = tok("Hello there", "Hi", return_token_type_ids=True, return_special_tokens_mask=True, verbose=False)
+    assert pair["input_ids"] == [219, 254, 88, 109, 136, 49, 82] and pair["token_type_ids"] == [0] * 5 + [1, 1]
+    # overflowing rows, each one token (stride 1) over the one before; one text gives a batch
+    over = tok(CALL_TEXTS, return_overflowing_tokens=True, truncation=True, max_length=4, stride=1)
+    assert over["input_ids"] == [[219, 254, 88, 109], [109, 136, 104, 2], [2, 118, 91, 82], [82, 123, 77], [49, 82]]
+    assert over["overflow_to_sample_mapping"] == [0, 0, 0, 0, 1]
+    single = tok(CALL_TEXTS[0], return_overflowing_tokens=True, truncation=True, max_length=4, stride=1)
+    assert single["input_ids"] == over["input_ids"][:4] and single["overflow_to_sample_mapping"] == [0] * 4
+    padded = tok(
+        CALL_TEXTS, return_overflowing_tokens=True, truncation=True, max_length=4, padding=True, padding_side="left"
+    )
+    assert padded["input_ids"] == [[219, 254, 88, 109], [136, 104, 2, 118], [91, 82, 123, 77], [0, 0, 49, 82]]
+    arrays = tok(
+        CALL_TEXTS,
+        return_overflowing_tokens=True,
+        truncation=True,
+        max_length=4,
+        padding=True,
+        return_length=True,
+        return_tensors="np",
+    )
+    assert {k: v.shape for k, v in arrays.items()} == {
+        "input_ids": (4, 4),
+        "attention_mask": (4, 4),
+        "length": (4,),
+        "overflow_to_sample_mapping": (4,),
+    }
+    # a stride as long as a row: transformers' tokenizers panics (pyo3 PanicException); ours says so
+    with pytest.raises(ValueError, match="stride"):
+        tok(CALL_TEXTS, return_overflowing_tokens=True, truncation=True, max_length=4, stride=4)
+    # words: each tokenized alone ("there" without its space), offsets within each word
+    words = tok(["Hello", "there"], is_split_into_words=True, return_offsets_mapping=True)
+    assert words["input_ids"] == [219, 254, 88, 93, 107, 136]
+    assert words["offset_mapping"] == [(0, 2), (2, 4), (4, 5), (0, 1), (1, 3), (3, 5)]
+    assert tok([["Hello", "there"]], [["Hi"]], is_split_into_words=True)["input_ids"] == [
+        [219, 254, 88, 93, 107, 136, 49, 82]
+    ]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("args,kw", CALL_CASES)
+def test_call_other_options_equal_transformers(tiny_dir, args, kw):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf, ours = transformers.AutoTokenizer.from_pretrained(tiny_dir), GlmTokenizer.from_pretrained(tiny_dir)
+    assert dict(ours(*args, **kw)) == dict(hf(*args, **kw))
+    want = hf(*args, **kw, return_tensors="np") if kw.get("padding") else None
+    if want is not None:
+        got = ours(*args, **kw, return_tensors="np")
+        assert sorted(got) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
