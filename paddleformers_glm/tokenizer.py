@@ -311,6 +311,7 @@ class GlmTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.config = dict(config or {})
+        self.model_input_names = ["input_ids", "attention_mask"]  # transformers' (the call's keys)
         # truncation / padding saved in tokenizer.json: transformers turns them off for every call that
         # does not ask for them (TokenizersBackend.set_truncation_and_padding), so they are never applied;
         # their direction and pad token are defaults under the config's (TokenizersBackend.__init__'s setdefault)
@@ -398,6 +399,7 @@ class GlmTokenizer:
             source = str(folder / TEMPLATE_FILE)
             template = read_text(source, "the chat template", TokenizerError)
         out = cls(tok, config, template, template_source=source, **sides)
+        out.name_or_path = str(path)
         if bos_eos:
             out._add_bos_eos = (bos_eos.get("add_bos_token", False), bos_eos.get("add_eos_token", False))
             out._update_post_processor()
@@ -585,17 +587,95 @@ class GlmTokenizer:
             return self.unk_token_id if found is None else found
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
-    def convert_ids_to_tokens(self, ids: Any) -> Any:
-        """The token of an id (or a list of them; None outside the vocabulary), as transformers."""
+    def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> Any:
+        """The token of an id (or a list of them; None outside the vocabulary; ``skip_special_tokens``
+        leaves out ``all_special_ids``), as transformers."""
         if isinstance(ids, int):
             return self.tokenizer.id_to_token(ids)
-        return [self.tokenizer.id_to_token(i) for i in _id_list(ids)]
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.tokenizer.id_to_token(i) for i in _id_list(ids) if i not in skip]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        """The text of ``tokens`` by tokenizer.json's decoder (joined with spaces without one), as transformers."""
+        decoder = self.tokenizer.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
+
+    def tokenize(
+        self, text: Any, pair: Any = None, add_special_tokens: bool = False, is_split_into_words: bool = False
+    ) -> list[str]:
+        """The tokens (strings) of ``text`` (and ``pair``), as transformers' ``tokenize``."""
+        return list(
+            self._encode_batch(
+                [text],
+                add_special_tokens,
+                None,
+                None if pair is None else [pair],
+                "longest_first",
+                0,
+                is_split_into_words,
+            )[0].tokens
+        )
+
+    # transformers' attributes of a fast tokenizer that callers read (collators, Trainer, pipelines)
+    is_fast = True
+    pad_token_type_id = 0
+    name_or_path = ""
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens that are set (model-specific ones included), as transformers 5's."""
+        return {k: t.content for k, t in self._named_special_tokens().items() if t is not None}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens, then the extra ones, each once, as transformers 5's."""
+        out = list(self.special_tokens_map.values()) + [t.content for t in self._extra_special_tokens()]
+        return list(dict.fromkeys(out))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(self.all_special_tokens)
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        """Id -> ``tokenizers.AddedToken`` of the added tokens, by id, as transformers."""
+        return dict(sorted(self.tokenizer.get_added_tokens_decoder().items()))
+
+    @property
+    def added_tokens_encoder(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.added_tokens_decoder.items()}
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        """How many tokens the post-processor adds to a text (a pair), as transformers."""
+        return self.tokenizer.num_special_tokens_to_add(pair)
+
+    def get_special_tokens_mask(
+        self, token_ids_0: Any, token_ids_1: Any = None, already_has_special_tokens: bool = False
+    ) -> list[int]:
+        """1 on the ids of ``all_special_ids`` in ``token_ids_0`` (a sequence with its special tokens,
+        ``already_has_special_tokens=True``), as transformers' fast tokenizers (data collators call it)."""
+        if not already_has_special_tokens:
+            raise NotImplementedError(
+                "GlmTokenizer.get_special_tokens_mask: only already_has_special_tokens=True (as transformers' "
+                "fast tokenizers); the call's return_special_tokens_mask gives the mask of an encoding"
+            )
+        if token_ids_1 is not None:
+            raise ValueError(
+                "You should not supply a second sequence if the provided sequence of ids is already formatted "
+                "with special tokens for the model."
+            )
+        special = set(self.all_special_ids)
+        return [1 if i in special else 0 for i in _id_list(token_ids_0)]
 
     # ------------------------------------------------------------------ text
-    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: Any, text_pair: Any = None, add_special_tokens: bool = True, **kwargs: Any) -> Any:
         """The ids of ``text`` (and ``text_pair`` after it: transformers' second argument, the
         post-processor's pair template); ``add_special_tokens`` (transformers' default True) applies
-        tokenizer.json's post-processor (a BOS prefix, an EOS)."""
+        tokenizer.json's post-processor (a BOS prefix, an EOS). Other keywords are the call's
+        (``truncation``, ``max_length``, ``padding``, ``return_tensors``: a [1, S] tensor,
+        ``is_split_into_words``, ...): its ``input_ids``, as transformers' ``encode``."""
+        if kwargs:
+            return self(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
         if text_pair is not None and not isinstance(text_pair, str):
             raise TypeError(f"GlmTokenizer.encode: text_pair must be a string, got {type(text_pair).__name__}")
         return list(self.tokenizer.encode(text, text_pair, add_special_tokens=add_special_tokens).ids)

@@ -9,7 +9,13 @@ import paddle
 import pytest
 
 from paddleformers_glm.cli import main
-from paddleformers_glm.tiny import TINY_CHAT_TEMPLATE, make_tiny_checkpoint, make_tiny_tokenizer, tiny_config
+from paddleformers_glm.tiny import (
+    TINY_CHAT_TEMPLATE,
+    TINY_SPECIAL_TOKENS,
+    make_tiny_checkpoint,
+    make_tiny_tokenizer,
+    tiny_config,
+)
 from paddleformers_glm.tokenizer import GlmTokenizer, TokenizerError
 
 CHAT = [
@@ -1619,3 +1625,80 @@ def test_call_other_options_equal_transformers(tiny_dir, args, kw):
         assert sorted(got) == sorted(want)
         for k in want:
             np.testing.assert_array_equal(got[k], want[k])
+
+
+# ---------------------------------------------------------------------- transformers' other tokenizer methods
+def _methods_folder(path):
+    """The tiny tokenizer with a ``[gMASK] <sop> $A`` post-processor, ``<sop>`` as bos_token and ``<x>``
+    as its one extra special token (id 256)."""
+    return _tiny_folder(path, post="[gMASK] <sop> $A", config={"extra_special_tokens": ["<x>"], "bos_token": "<sop>"})
+
+
+METHODS_TEXT = "Hello <|user|> <x>"
+
+
+def _methods_record(tok, name_or_path):
+    ids = tok(METHODS_TEXT)["input_ids"]
+    return (
+        ids,
+        tok.tokenize(METHODS_TEXT),
+        tok.tokenize("Hello", add_special_tokens=True),
+        tok.tokenize("Hello", "Hi", add_special_tokens=True),
+        tok.all_special_tokens,
+        tok.all_special_ids,
+        tok.special_tokens_map,
+        tok.convert_ids_to_tokens(ids, skip_special_tokens=True),
+        tok.convert_tokens_to_string(tok.convert_ids_to_tokens(ids)),
+        (tok.num_special_tokens_to_add(), tok.num_special_tokens_to_add(pair=True)),
+        tok.get_special_tokens_mask(ids, already_has_special_tokens=True),
+        np.asarray(tok.encode("Hello", return_tensors="np")).tolist(),
+        tok.encode(METHODS_TEXT, truncation=True, max_length=4),
+        tok.encode("Hello", padding="max_length", max_length=8, padding_side="left"),
+        {i: str(t) for i, t in tok.added_tokens_decoder.items()},
+        tok.added_tokens_encoder,
+        (list(tok.model_input_names), tok.is_fast, tok.pad_token_type_id, str(tok.name_or_path) == str(name_or_path)),
+    )
+
+
+def test_transformers_tokenizer_methods(tmp_path):
+    """transformers 5.23's ``tokenize``, ``convert_tokens_to_string``, ``all_special_tokens`` / ``_ids``,
+    ``special_tokens_map``, ``convert_ids_to_tokens(skip_special_tokens=True)``,
+    ``num_special_tokens_to_add``, ``get_special_tokens_mask(already_has_special_tokens=True)`` (what
+    DataCollatorForLanguageModeling calls), ``encode`` with the call's keywords (``return_tensors``,
+    ``truncation``, ``max_length``, ``padding``), ``added_tokens_decoder`` / ``_encoder``,
+    ``model_input_names``, ``is_fast``, ``pad_token_type_id``, ``name_or_path``: ours had none of them
+    (AttributeError, or TypeError for the keywords). Measured with AutoTokenizer on ``_methods_folder``:
+    the values below."""
+    folder = _methods_folder(tmp_path / "t")
+    got = _methods_record(GlmTokenizer.from_pretrained(folder), folder)
+    added = {i: t for i, t in enumerate(TINY_SPECIAL_TOKENS)} | {256: "<x>"}
+    assert got == (
+        [6, 7, 219, 254, 88, 104, 2, 104, 256],
+        ["He", "ll", "o", "\u2581", "<|user|>", "\u2581", "<x>"],
+        ["[gMASK]", "<sop>", "He", "ll", "o"],
+        ["He", "ll", "o", "H", "i"],  # the post-processor has no pair template
+        ["<sop>", "<|endoftext|>", "<|unk|>", "<|pad|>", "<x>"],
+        [7, 1, 8, 0, 256],
+        {"bos_token": "<sop>", "eos_token": "<|endoftext|>", "unk_token": "<|unk|>", "pad_token": "<|pad|>"},
+        ["[gMASK]", "He", "ll", "o", "\u2581", "<|user|>", "\u2581"],
+        "[gMASK]<sop>Hello <|user|> <x>",
+        (2, 0),
+        [0, 1, 0, 0, 0, 0, 0, 0, 1],
+        [[6, 7, 219, 254, 88]],
+        [6, 7, 219, 254],
+        [0, 0, 0, 6, 7, 219, 254, 88],
+        added,
+        {t: i for i, t in added.items()},
+        (["input_ids", "attention_mask"], True, 0, True),
+    )
+    with pytest.raises(NotImplementedError):
+        GlmTokenizer.from_pretrained(folder).get_special_tokens_mask([5, 6])
+
+
+@pytest.mark.reference
+def test_transformers_tokenizer_methods_equal_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for folder in (_methods_folder(tmp_path / "t"), _tiny_folder(tmp_path / "plain")):
+        hf = transformers.AutoTokenizer.from_pretrained(folder)
+        assert _methods_record(GlmTokenizer.from_pretrained(folder), folder) == _methods_record(hf, folder)
