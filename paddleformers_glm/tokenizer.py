@@ -295,6 +295,34 @@ def train_turn_ends(
     return ids, mine
 
 
+def _token_property(key: str) -> property:
+    """A named special token (``key``) as transformers reads and sets it: its string, None when unset."""
+
+    def get(self: GlmTokenizer) -> str | None:
+        return self._special(key)
+
+    def set(self: GlmTokenizer, value: Any) -> None:
+        if value is not None and not isinstance(value, str) and type(value).__name__ != "AddedToken":
+            raise ValueError(f"Cannot set a non-string value as the {key}")
+        self.config[key] = _plain_token(value)
+
+    return property(get, set, doc=f"The {key} (transformers'), None when unset.")
+
+
+def _id_property(key: str) -> property:
+    """The id of a named special token: ``unk_token_id`` for one outside the vocabulary, as transformers;
+    setting an id sets the token of that id."""
+
+    def get(self: GlmTokenizer) -> int | None:
+        token = self._special(key)
+        return None if token is None else self.convert_tokens_to_ids(token)
+
+    def set(self: GlmTokenizer, value: int | None) -> None:
+        setattr(self, key, None if value is None else self.convert_ids_to_tokens(value))
+
+    return property(get, set, doc=f"The id of the {key} (transformers'), None when unset.")
+
+
 class GlmTokenizer:
     """`tokenizers.Tokenizer` plus the special tokens and chat template of tokenizer_config.json."""
 
@@ -528,14 +556,47 @@ class GlmTokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
 
-    eos_token = property(lambda self: self._special("eos_token"))
-    pad_token = property(lambda self: self._special("pad_token"))
-    unk_token = property(lambda self: self._special("unk_token"))
-    bos_token = property(lambda self: self._special("bos_token"))
-    eos_token_id = property(lambda self: self.token_to_id(self.eos_token))
-    pad_token_id = property(lambda self: self.token_to_id(self.pad_token))
-    unk_token_id = property(lambda self: self.token_to_id(self.unk_token))
-    bos_token_id = property(lambda self: self.token_to_id(self.bos_token))
+    # the named special tokens and their ids, read and set as transformers' (``tok.pad_token = tok.eos_token``,
+    # ``tok.pad_token_id = 1``): setting one changes what the tokenizer names, adding nothing to the vocabulary;
+    # the id of a token outside the vocabulary is ``unk_token_id``, as there
+    bos_token = _token_property("bos_token")
+    eos_token = _token_property("eos_token")
+    unk_token = _token_property("unk_token")
+    sep_token = _token_property("sep_token")
+    pad_token = _token_property("pad_token")
+    cls_token = _token_property("cls_token")
+    mask_token = _token_property("mask_token")
+    bos_token_id = _id_property("bos_token")
+    eos_token_id = _id_property("eos_token")
+    sep_token_id = _id_property("sep_token")
+    pad_token_id = _id_property("pad_token")
+    cls_token_id = _id_property("cls_token")
+    mask_token_id = _id_property("mask_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self.token_to_id(self.unk_token)
+
+    @unk_token_id.setter
+    def unk_token_id(self, value: int | None) -> None:
+        self.unk_token = None if value is None else self.convert_ids_to_tokens(value)
+
+    @property
+    def extra_special_tokens(self) -> list[str]:
+        """The extra special tokens (``extra_special_tokens``, else ``additional_special_tokens``)."""
+        return [t.content for t in self._extra_special_tokens()]
+
+    @extra_special_tokens.setter
+    def extra_special_tokens(self, value: Sequence[Any] | None) -> None:
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ValueError(f"extra_special_tokens must be a list or tuple, got {type(value)}")
+        self.config.pop("additional_special_tokens", None)
+        self.config["extra_special_tokens"] = _plain_token(list(value or []))
+
+    @property
+    def extra_special_tokens_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(self.extra_special_tokens)
+
     # as transformers: ``vocab_size`` is the model's vocabulary without the added tokens, ``len`` counts them
     vocab_size = property(lambda self: self.tokenizer.get_vocab_size(with_added_tokens=False))
 
@@ -556,9 +617,10 @@ class GlmTokenizer:
             return self.tokenizer.add_special_tokens(new_tokens)
         return self.tokenizer.add_tokens(new_tokens)
 
-    def add_special_tokens(self, special_tokens_dict: dict) -> int:
+    def add_special_tokens(self, special_tokens_dict: dict, replace_extra_special_tokens: bool = True) -> int:
         """transformers' ``add_special_tokens``: each named special token (``pad_token``, ...) set, the
-        ``extra_special_tokens`` list replaced, all added as special tokens; the number of new ones."""
+        ``extra_special_tokens`` list replaced (``replace_extra_special_tokens=False``: extended), all
+        added as special tokens; the number of new ones."""
         from tokenizers import AddedToken
 
         tokens = dict(special_tokens_dict or {})
@@ -575,7 +637,11 @@ class GlmTokenizer:
                     "or extra_special_tokens (a list of tokens)"
                 )
             added = [AddedToken(v, special=True, normalized=False) if isinstance(v, str) else v for v in values]
-            self.config[key] = [t.content for t in added] if key == "extra_special_tokens" else added[0].content
+            if key == "extra_special_tokens":
+                kept = [] if replace_extra_special_tokens else self.extra_special_tokens
+                self.extra_special_tokens = list(dict.fromkeys(kept + [t.content for t in added]))
+            else:
+                self.config[key] = added[0].content
             to_add.extend(added)
         return self.add_tokens(to_add, special_tokens=True)
 

@@ -1702,3 +1702,70 @@ def test_transformers_tokenizer_methods_equal_transformers(tmp_path):
     for folder in (_methods_folder(tmp_path / "t"), _tiny_folder(tmp_path / "plain")):
         hf = transformers.AutoTokenizer.from_pretrained(folder)
         assert _methods_record(GlmTokenizer.from_pretrained(folder), folder) == _methods_record(hf, folder)
+
+
+# ---------------------------------------------------------------------- setting the special tokens
+SETTERS = [  # (attribute, value) set on the tiny tokenizer
+    ("pad_token", "<|endoftext|>"),  # the fine-tuning scripts' tok.pad_token = tok.eos_token
+    ("pad_token", "<q>"),  # outside the vocabulary: not added, its id is unk_token_id
+    ("pad_token_id", 1),
+    ("eos_token", "<|user|>"),
+    ("eos_token_id", 2),
+    ("bos_token", "<sop>"),
+    ("extra_special_tokens", ["<|user|>", "<q>"]),
+]
+
+
+def _setter_record(tok):
+    return (
+        tok("Hello <q> <|user|>", padding="max_length", max_length=10)["input_ids"],
+        (tok.pad_token, tok.pad_token_id, tok.eos_token, tok.eos_token_id, tok.bos_token, tok.bos_token_id),
+        (tok.unk_token_id, len(tok), sorted(tok.all_special_tokens), tok.special_tokens_map),
+        tok.extra_special_tokens,
+    )
+
+
+def test_special_tokens_are_set_as_transformers_sets_them(tiny_dir):
+    """transformers 5.23 sets a named special token or its id as an attribute (``tok.pad_token =
+    tok.eos_token``, in most fine-tuning scripts; ``tok.eos_token_id = 2``) and ``extra_special_tokens``;
+    ``add_special_tokens(..., replace_extra_special_tokens=False)`` extends the extra ones. Ours raised
+    AttributeError ("property 'pad_token' of 'GlmTokenizer' object has no setter") and TypeError.
+    Measured with AutoTokenizer on the tiny tokenizer: the values below."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    tok.pad_token = tok.eos_token
+    assert (tok.pad_token, tok.pad_token_id) == ("<|endoftext|>", 1)
+    assert tok("Hi", padding="max_length", max_length=4)["input_ids"] == [49, 82, 1, 1]
+    assert tok.special_tokens_map == {
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|unk|>",
+        "pad_token": "<|endoftext|>",
+    }
+    tok.pad_token = "<q>"  # not added: id 8, the unk token's, and 256 tokens still
+    assert (tok.pad_token_id, len(tok), "<q>" in tok.all_special_tokens) == (8, 256, True)
+    tok.eos_token_id = 2
+    assert (tok.eos_token, tok.eos_token_id) == ("<|user|>", 2)
+    tok.bos_token = "<sop>"
+    assert (tok.bos_token, tok.bos_token_id) == ("<sop>", 7)
+    with pytest.raises(ValueError, match="non-string"):
+        tok.pad_token = 5
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    assert tok.add_special_tokens({"extra_special_tokens": ["<q>"]}, replace_extra_special_tokens=False) == 1
+    assert tok.extra_special_tokens == ["<|user|>", "<|system|>", "<|assistant|>", "<|observation|>", "[gMASK]"] + [
+        "<sop>",
+        "<q>",
+    ]
+    assert tok("a<q>b")["input_ids"] == [74, 256, 75] and tok.decode([74, 256, 75], skip_special_tokens=True) == "ab"
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("attr,value", SETTERS)
+def test_special_tokens_set_equal_transformers(tiny_dir, attr, value):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf, ours = transformers.AutoTokenizer.from_pretrained(tiny_dir), GlmTokenizer.from_pretrained(tiny_dir)
+    for t in (hf, ours):
+        setattr(t, attr, value)
+    assert _setter_record(ours) == _setter_record(hf)
+    for t in (hf, ours):
+        t.add_special_tokens({"extra_special_tokens": ["<w>"]}, replace_extra_special_tokens=False)
+    assert _setter_record(ours) == _setter_record(hf)
