@@ -966,8 +966,12 @@ class GlmTokenizer:
             if side not in ("left", "right"):
                 raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
             pad_id = self.pad_token_id
-            if pad_id is None and any(len(r) < target for r in rows):
-                raise TokenizerError("padding needs a pad token (tokenizer_config.json 'pad_token')")
+            if pad_id is None or pad_id < 0:  # asked to pad, whether or not these rows need it, as transformers
+                raise TokenizerError(
+                    "padding needs a pad token (tokenizer_config.json 'pad_token'; or set one: "
+                    "`tokenizer.pad_token = tokenizer.eos_token`), as transformers asks for one whenever padding "
+                    "is asked for"
+                )
             for i, r in enumerate(rows):
                 n = target - len(r)
                 if n > 0:

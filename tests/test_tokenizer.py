@@ -1769,3 +1769,38 @@ def test_special_tokens_set_equal_transformers(tiny_dir, attr, value):
     for t in (hf, ours):
         t.add_special_tokens({"extra_special_tokens": ["<w>"]}, replace_extra_special_tokens=False)
     assert _setter_record(ours) == _setter_record(hf)
+
+
+PAD_ASKS = [  # padding asked for, each failing in transformers 5.23 without a pad token
+    lambda t: t("Hello", padding=True),
+    lambda t: t(["ab", "ab"], padding=True),  # rows of equal length: nothing to pad
+    lambda t: t("Hello there friend", padding="max_length", max_length=2, truncation=True),
+    lambda t: t.pad({"input_ids": [[1, 2], [3, 4]]}),
+    lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], padding=True),
+]
+
+
+def test_padding_without_a_pad_token_fails_whether_or_not_rows_need_it(tmp_path):
+    """transformers 5.23 raises "Asking to pad but the tokenizer does not have a padding token" whenever
+    padding is asked for without a pad token (measured with AutoTokenizer on the tiny tokenizer without its
+    pad_token: each of PAD_ASKS). Ours padded only rows that needed it, so a batch of equal-length rows,
+    one text or a row cut to max_length passed and a later batch failed: a training run failed at a
+    batch that depended on the data. Unpadded calls work in both."""
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path, drop=("pad_token",)))
+    assert tok.pad_token is None
+    for ask in PAD_ASKS:
+        with pytest.raises(ValueError, match="pad token"):
+            ask(tok)
+    assert tok(["a", "bb c"])["input_ids"] == [[74], [75, 75, 150]]
+    assert tok.pad({"input_ids": [[1, 2], [3]]}, padding=False)["input_ids"] == [[1, 2], [3]]
+
+
+@pytest.mark.reference
+def test_padding_without_a_pad_token_fails_as_in_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(_tiny_folder(tmp_path, drop=("pad_token",)))
+    assert hf.pad_token is None
+    for ask in PAD_ASKS:
+        with pytest.raises(ValueError, match="pad"):
+            ask(hf)
