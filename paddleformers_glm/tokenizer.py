@@ -747,13 +747,18 @@ class GlmTokenizer:
         return list(self.tokenizer.encode(text, text_pair, add_special_tokens=add_special_tokens).ids)
 
     def decode(
-        self, ids: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+        self,
+        ids: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        **ignored: Any,
     ) -> Any:
         """Text of one sequence (a list, NumPy array or Paddle tensor of ids); rows of ids (a list of
         lists, a 2-D array or tensor) give a list of texts, as transformers' ``decode`` does.
         ``clean_up_tokenization_spaces`` (else the config's): transformers ignores it for a BPE
         tokenizer (GLM's), as here; for another model it removes the space before punctuation and
-        English contractions (``_CLEANUP``), as here."""
+        English contractions (``_CLEANUP``), as here. Other keywords (``spaces_between_special_tokens``,
+        a streamer's decode_kwargs, ...) are ignored, as transformers' fast tokenizer ignores them."""
         cleanup = clean_up_tokenization_spaces
         if cleanup is None:
             cleanup = self.config.get("clean_up_tokenization_spaces")
@@ -768,7 +773,11 @@ class GlmTokenizer:
         return text
 
     def batch_decode(
-        self, sequences: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+        self,
+        sequences: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        **ignored: Any,
     ) -> list[str]:
         """Text of each row of ``sequences`` ([B, S] tensor or array, or a list of id lists); one
         sequence of ids gives a list of its one text, as in transformers."""

@@ -1804,3 +1804,16 @@ def test_padding_without_a_pad_token_fails_as_in_transformers(tmp_path):
     for ask in PAD_ASKS:
         with pytest.raises(ValueError, match="pad"):
             ask(hf)
+
+
+def test_decode_ignores_the_keywords_transformers_ignores(tiny_dir):
+    """transformers 5.23's fast ``decode`` / ``batch_decode`` take and ignore other keywords
+    (``spaces_between_special_tokens``, as vLLM-style and streamer code pass it; ``output_char_offsets``):
+    measured with AutoTokenizer on the tiny tokenizer, [219, 254, 88, 104, 2, 118, 1, 0] decodes to
+    "Hello <|user|> f<|endoftext|><|pad|>" with spaces_between_special_tokens=False, "Hello  f" with
+    skip_special_tokens=True too. Ours raised TypeError."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    ids = [219, 254, 88, 104, 2, 118, 1, 0]
+    assert tok.decode(ids, spaces_between_special_tokens=False) == "Hello <|user|> f<|endoftext|><|pad|>"
+    assert tok.batch_decode([ids], skip_special_tokens=True, spaces_between_special_tokens=True) == ["Hello  f"]
+    assert tok.decode(ids, True, output_char_offsets=True) == "Hello  f"
