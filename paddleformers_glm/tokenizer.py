@@ -468,11 +468,27 @@ class GlmTokenizer:
         specials = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
         self.tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
-    def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
+    def save_pretrained(
+        self,
+        folder: str | os.PathLike,
+        legacy_format: bool | None = None,
+        filename_prefix: str | None = None,
+        push_to_hub: bool = False,
+        save_format: str | None = None,
+        **hub_options: Any,
+    ) -> list[str]:
         """Write tokenizer.json and tokenizer_config.json (with the chat template and the padding /
         truncation side and model_max_length in use), atomically; a chat_template.jinja already in
         ``folder`` is rewritten with the template too (it wins over the config's on loading, in
-        transformers as here, so a stale one would shadow the template saved)."""
+        transformers as here, so a stale one would shadow the template saved). transformers' arguments:
+        ``filename_prefix`` names the files ``PREFIX-tokenizer.json`` ..., ``legacy_format`` (a
+        tokenizer.json is always written) and the hub's options are ignored, ``push_to_hub=True`` and a
+        ``save_format`` but "hf" are refused."""
+        if push_to_hub:
+            raise TokenizerError("save_pretrained: push_to_hub is not supported (this package never uses the network)")
+        if save_format not in (None, "hf"):
+            raise ValueError(f"save_pretrained: save_format {save_format!r} is not supported (None or 'hf')")
+        prefix = f"{filename_prefix}-" if filename_prefix else ""  # transformers' file names: PREFIX-tokenizer.json
         config = dict(self.config)
         if self.chat_templates:  # the named templates, the default one as in use
             named = {**self.chat_templates, **({"default": self.chat_template} if self.chat_template else {})}
@@ -488,10 +504,10 @@ class GlmTokenizer:
             mml if isinstance(mml, (int, float)) and not isinstance(mml, bool) else _VERY_LARGE
         ):
             config["model_max_length"] = self.model_max_length
-        written = [str(Path(folder) / TOKENIZER_FILE), str(Path(folder) / CONFIG_FILE)]
+        written = [str(Path(folder) / (prefix + TOKENIZER_FILE)), str(Path(folder) / (prefix + CONFIG_FILE))]
         atomic_write_text(written[0], self.tokenizer.to_str(pretty=True))
         atomic_write_text(written[1], json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-        jinja = Path(folder) / TEMPLATE_FILE
+        jinja = Path(folder) / (prefix + TEMPLATE_FILE)
         if self.chat_template is not None and jinja.is_file():
             atomic_write_text(str(jinja), self.chat_template)
             written.append(str(jinja))

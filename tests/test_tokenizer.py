@@ -1817,3 +1817,20 @@ def test_decode_ignores_the_keywords_transformers_ignores(tiny_dir):
     assert tok.decode(ids, spaces_between_special_tokens=False) == "Hello <|user|> f<|endoftext|><|pad|>"
     assert tok.batch_decode([ids], skip_special_tokens=True, spaces_between_special_tokens=True) == ["Hello  f"]
     assert tok.decode(ids, True, output_char_offsets=True) == "Hello  f"
+
+
+def test_save_pretrained_takes_transformers_arguments(tiny_dir, tmp_path):
+    """transformers 5.23's ``save_pretrained(folder, legacy_format=..., filename_prefix=...,
+    save_format="hf")`` (measured with AutoTokenizer on the tiny tokenizer): legacy_format and
+    save_format="hf" write the usual files, filename_prefix="x" names them x-tokenizer.json,
+    x-tokenizer_config.json (and x-chat_template.jinja). Ours raised TypeError on each keyword."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    tok.save_pretrained(tmp_path / "a", legacy_format=True, save_format="hf")
+    assert GlmTokenizer.from_pretrained(tmp_path / "a")(TEXTS)["input_ids"] == tok(TEXTS)["input_ids"]
+    written = tok.save_pretrained(tmp_path / "b", filename_prefix="x")
+    assert sorted(Path(w).name for w in written) == ["x-tokenizer.json", "x-tokenizer_config.json"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["x-tokenizer.json", "x-tokenizer_config.json"]
+    with pytest.raises(TokenizerError, match="push_to_hub"):
+        tok.save_pretrained(tmp_path / "c", push_to_hub=True)
+    with pytest.raises(ValueError, match="save_format"):
+        tok.save_pretrained(tmp_path / "c", save_format="mistral")
