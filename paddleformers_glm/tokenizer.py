@@ -829,6 +829,7 @@ class GlmTokenizer:
         return_overflowing_tokens: bool = False,
         return_length: bool = False,
         verbose: bool = True,
+        split_special_tokens: bool | None = None,
     ) -> BatchEncoding:
         """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
         ``max_length`` (default ``model_max_length``) on ``truncation_side``; ``max_length`` alone
@@ -843,7 +844,8 @@ class GlmTokenizer:
         row's text; the rows are a batch even for one text. ``return_token_type_ids`` (0 for the first
         text, 1 for the pair's), ``return_special_tokens_mask`` (1 on the post-processor's tokens and on
         padding) and ``return_length`` (each row's length, padding included; a list for one text too)
-        are transformers'. ``verbose`` is accepted and ignored."""
+        are transformers'. ``verbose`` is accepted and ignored. ``split_special_tokens`` (this call only,
+        over the config's): special tokens written in the text are tokenized as plain text."""
         word = (
             (lambda t: isinstance(t, (list, tuple)) and all(isinstance(w, str) for w in t))
             if (is_split_into_words)
@@ -880,7 +882,15 @@ class GlmTokenizer:
                     f"truncation length ({limit}) is not a multiple of pad_to_multiple_of ({pad_to_multiple_of})."
                 )
         strategy = "longest_first" if truncation is True else truncation
-        encodings = self._encode_batch(texts, add_special_tokens, limit, pairs, strategy, stride, is_split_into_words)
+        saved_split = self.tokenizer.encode_special_tokens
+        if split_special_tokens is not None:  # this call only, as transformers' keyword
+            self.tokenizer.encode_special_tokens = bool(split_special_tokens)
+        try:
+            encodings = self._encode_batch(
+                texts, add_special_tokens, limit, pairs, strategy, stride, is_split_into_words
+            )
+        finally:
+            self.tokenizer.encode_special_tokens = saved_split
         sample = list(range(len(encodings)))
         if return_overflowing_tokens:  # each text's rows, then the next text's (transformers' order)
             rows_of = [[e, *e.overflowing] for e in encodings]

@@ -1834,3 +1834,17 @@ def test_save_pretrained_takes_transformers_arguments(tiny_dir, tmp_path):
         tok.save_pretrained(tmp_path / "c", push_to_hub=True)
     with pytest.raises(ValueError, match="save_format"):
         tok.save_pretrained(tmp_path / "c", save_format="mistral")
+
+
+def test_split_special_tokens_for_one_call_as_transformers(tiny_dir, tmp_path):
+    """transformers 5.23's call takes ``split_special_tokens`` for that call (measured with AutoTokenizer
+    on the tiny tokenizer: "a<|user|>" -> [74, 37, 101, 94, 92, 112, 101, 39] with it, [74, 2] without);
+    ours raised TypeError. The next call uses the tokenizer's own setting again; loaded with
+    ``split_special_tokens=True``, a call with False gives [74, 2] (measured too)."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    assert tok("a<|user|>", split_special_tokens=True)["input_ids"] == [74, 37, 101, 94, 92, 112, 101, 39]
+    assert tok("a<|user|>")["input_ids"] == [74, 2]
+    assert tok.encode("a<|user|>", split_special_tokens=True) == [74, 37, 101, 94, 92, 112, 101, 39]
+    split = GlmTokenizer.from_pretrained(tiny_dir, split_special_tokens=True)
+    assert split("a<|user|>", split_special_tokens=False)["input_ids"] == [74, 2]
+    assert split("a<|user|>")["input_ids"] == [74, 37, 101, 94, 92, 112, 101, 39]
