@@ -20,6 +20,7 @@ from ._io import atomic_write_text, read_json, read_text
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"  # transformers' named templates, NAME.jinja each
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 
@@ -421,11 +422,22 @@ class GlmTokenizer:
                 special_map = {k: v for k, v in special_map.items() if not options.get(k)}
             _merge_special_tokens_map(config, special_map)
         template, source = None, f"{cfg_file} 'chat_template'"
+        # chat_template.jinja ("default") and additional_chat_templates/NAME.jinja (transformers' named
+        # templates, as its save_pretrained writes them) win over the config's template(s)
+        files = {"default": folder / TEMPLATE_FILE} if (folder / TEMPLATE_FILE).is_file() else {}
+        if (folder / TEMPLATE_DIR).is_dir():
+            files.update({f.name.removesuffix(".jinja"): f for f in sorted((folder / TEMPLATE_DIR).glob("*.jinja"))})
         if "chat_template" in options:
             template, source = config.pop("chat_template"), "from_pretrained(chat_template=...)"
-        elif (folder / TEMPLATE_FILE).is_file():
+        elif list(files) == ["default"]:
             source = str(folder / TEMPLATE_FILE)
             template = read_text(source, "the chat template", TokenizerError)
+        elif files:
+            source = str(folder / TEMPLATE_DIR)
+            template = [
+                {"name": name, "template": read_text(str(f), "the chat template", TokenizerError)}
+                for name, f in files.items()
+            ]
         out = cls(tok, config, template, template_source=source, **sides)
         out.name_or_path = str(path)
         if bos_eos:
@@ -511,6 +523,12 @@ class GlmTokenizer:
         if self.chat_template is not None and jinja.is_file():
             atomic_write_text(str(jinja), self.chat_template)
             written.append(str(jinja))
+        named_dir = Path(folder) / (prefix + TEMPLATE_DIR)
+        if named_dir.is_dir():  # transformers' named template files win on loading: rewritten with ours too
+            for name, text in self.chat_templates.items():
+                if name != "default":
+                    atomic_write_text(str(named_dir / f"{name}.jinja"), text)
+                    written.append(str(named_dir / f"{name}.jinja"))
         return written
 
     # ------------------------------------------------------------------ special tokens

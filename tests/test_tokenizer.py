@@ -1848,3 +1848,64 @@ def test_split_special_tokens_for_one_call_as_transformers(tiny_dir, tmp_path):
     split = GlmTokenizer.from_pretrained(tiny_dir, split_special_tokens=True)
     assert split("a<|user|>", split_special_tokens=False)["input_ids"] == [74, 2]
     assert split("a<|user|>")["input_ids"] == [74, 37, 101, 94, 92, 112, 101, 39]
+
+
+def _hf_saved_named_templates(path, named):
+    """The tiny tokenizer with ``named`` templates laid out as transformers 5.23's save_pretrained lays
+    them out: "default" in chat_template.jinja, every other one in additional_chat_templates/NAME.jinja,
+    none in tokenizer_config.json."""
+    make_tiny_tokenizer().save_pretrained(path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (path / "additional_chat_templates").mkdir()
+    for t in named:
+        where = "chat_template.jinja" if t["name"] == "default" else f"additional_chat_templates/{t['name']}.jinja"
+        (path / where).write_text(t["template"])
+    return path
+
+
+def test_named_chat_templates_saved_by_transformers_are_read(tmp_path):
+    """transformers 5.23's save_pretrained writes a tokenizer's named chat templates as
+    chat_template.jinja + additional_chat_templates/NAME.jinja, and its from_pretrained reads them back:
+    measured with AutoTokenizer, on "hi", the default / tools / chat_template="other" renderings are
+    "Dhi", "T1", "O" (without a default: an error, "T1", "O"). Ours ignored the folder: "Dhi", "Dhi",
+    "other" (the tool_use and other templates lost; without a default: errors and "other")."""
+    chat, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f"}}]
+    for i, (named, want) in enumerate(((NAMED_TEMPLATES, "Dhi"), (NAMED_TEMPLATES[1:], None))):
+        tok = GlmTokenizer.from_pretrained(_hf_saved_named_templates(tmp_path / str(i), named))
+        if want is None:
+            with pytest.raises(TokenizerError, match="none named 'default'"):
+                tok.apply_chat_template(chat, tokenize=False)
+        else:
+            assert tok.apply_chat_template(chat, tokenize=False) == want
+        assert tok.apply_chat_template(chat, tokenize=False, tools=tools) == "T1"
+        assert tok.apply_chat_template(chat, tokenize=False, chat_template="other") == "O"
+        # saved over that folder, the template files are rewritten with the templates in use
+        tok.chat_templates["other"] = "O2"
+        tok.save_pretrained(tmp_path / str(i))
+        assert (tmp_path / str(i) / "additional_chat_templates" / "other.jinja").read_text() == "O2"
+        back = GlmTokenizer.from_pretrained(tmp_path / str(i))
+        assert back.apply_chat_template(chat, tokenize=False, chat_template="other") == "O2"
+
+
+@pytest.mark.reference
+def test_named_chat_templates_saved_by_transformers_equal_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    chat, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f"}}]
+    for i, named in enumerate((NAMED_TEMPLATES, NAMED_TEMPLATES[1:])):
+        transformers.AutoTokenizer.from_pretrained(_named_templates_folder(tmp_path / f"n{i}", named)).save_pretrained(
+            tmp_path / f"hf{i}"
+        )
+        assert (tmp_path / f"hf{i}" / "additional_chat_templates" / "tool_use.jinja").is_file()
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf{i}")
+        ours = GlmTokenizer.from_pretrained(tmp_path / f"hf{i}")
+        for kw in ({}, {"tools": tools}, {"chat_template": "other"}):
+            try:
+                want = hf.apply_chat_template(chat, tokenize=False, **kw)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    ours.apply_chat_template(chat, tokenize=False, **kw)
+                continue
+            assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
