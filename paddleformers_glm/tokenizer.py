@@ -575,11 +575,26 @@ class GlmTokenizer:
 
     def _extra_special_tokens(self) -> list[Any]:
         """The config's list of extra special tokens (``extra_special_tokens``, else
-        ``additional_special_tokens`` as transformers 5 reads it) as ``AddedToken``s."""
-        extra = self.config.get("extra_special_tokens") or self.config.get("additional_special_tokens")
+        ``additional_special_tokens`` as transformers 5 reads it: also where ``extra_special_tokens`` is
+        a dict of model-specific tokens, such as GLM's ``{}``) as ``AddedToken``s."""
+        extra = self.config.get("extra_special_tokens")
+        if not (isinstance(extra, (list, tuple)) and extra):
+            extra = self.config.get("additional_special_tokens")
         if not isinstance(extra, (list, tuple)):
             return []
         return [t for t in (_added_token(v, special=True) for v in extra) if t is not None]
+
+    def __getattr__(self, name: str) -> Any:
+        """A model-specific special token (a ``*_token`` key of the config or of its
+        ``extra_special_tokens`` dict, e.g. ``image_token``) and its ``*_token_id``, as transformers."""
+        config = self.__dict__.get("config")
+        key = name.removesuffix("_id")
+        if config is None or name.startswith("__") or not key.endswith("_token"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        token = self._named_special_tokens().get(key)
+        if token is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.convert_tokens_to_ids(token.content) if name != key else token.content
 
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)

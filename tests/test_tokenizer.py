@@ -1909,3 +1909,51 @@ def test_named_chat_templates_saved_by_transformers_equal_transformers(tmp_path)
                     ours.apply_chat_template(chat, tokenize=False, **kw)
                 continue
             assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
+
+
+MODEL_SPECIFIC = {"extra_special_tokens": {"image_token": "<img>"}, "additional_special_tokens": ["<|user|>", "<new>"]}
+
+
+def _model_specific_record(tok):
+    return (
+        len(tok),
+        tok.all_special_tokens,
+        tok.all_special_ids,
+        tok("a<new>b<img>")["input_ids"],
+        tok.decode(tok("a<new>b<img><|user|>")["input_ids"], skip_special_tokens=True),
+        (tok.image_token, tok.image_token_id),
+    )
+
+
+def test_additional_special_tokens_beside_a_dict_of_model_specific_ones(tmp_path):
+    """A config whose ``extra_special_tokens`` is a dict of model-specific tokens (GLM's own config has
+    ``{}``) and whose ``additional_special_tokens`` lists the extra ones: transformers 5.23 takes the
+    list as the extra special tokens and exposes the model-specific ones as attributes. Measured with
+    AutoTokenizer on the tiny tokenizer with MODEL_SPECIFIC: 258 tokens (<img> 256, <new> 257 added),
+    all_special_tokens [<|endoftext|>, <|unk|>, <|pad|>, <img>, <|user|>, <new>] ([1, 8, 0, 256, 2, 257]),
+    "a<new>b<img>" -> [74, 257, 75, 256], skipping special tokens "ab", ``image_token`` "<img>" with id 256.
+    Ours ignored the list beside a dict: <new> was not added (257 tokens, "a<new>b" split as text) and
+    ``tok.image_token`` raised AttributeError."""
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path, config=MODEL_SPECIFIC))
+    assert _model_specific_record(tok) == (
+        258,
+        ["<|endoftext|>", "<|unk|>", "<|pad|>", "<img>", "<|user|>", "<new>"],
+        [1, 8, 0, 256, 2, 257],
+        [74, 257, 75, 256],
+        "ab",
+        ("<img>", 256),
+    )
+    with pytest.raises(AttributeError):
+        tok.video_token  # noqa: B018
+
+
+@pytest.mark.reference
+def test_additional_special_tokens_beside_a_dict_equal_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for i, config in enumerate((MODEL_SPECIFIC, {"extra_special_tokens": {}}, {"extra_special_tokens": ["<y>"]})):
+        folder = _tiny_folder(tmp_path / str(i), config=config)
+        hf, ours = transformers.AutoTokenizer.from_pretrained(folder), GlmTokenizer.from_pretrained(folder)
+        assert _methods_record(ours, folder) == _methods_record(hf, folder)
+        if i == 0:
+            assert _model_specific_record(ours) == _model_specific_record(hf)
