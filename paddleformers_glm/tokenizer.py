@@ -392,6 +392,8 @@ class GlmTokenizer:
             raise TypeError(f"GlmTokenizer.from_pretrained: {refused} not supported (a local tokenizer.json is read)")
         options = {k: _plain_token(v) for k, v in options.items() if k not in _HUB_LOAD_OPTIONS}
         sides = {k: options.pop(k) for k in ("padding_side", "truncation_side", "model_max_length") if k in options}
+        if "model_max_length" in sides and sides["model_max_length"] is None:
+            sides["model_max_length"] = _VERY_LARGE  # transformers: model_max_length=None is no limit
         bos_eos = {k: bool(options.pop(k)) for k in ("add_bos_token", "add_eos_token") if k in options}
         from tokenizers import Tokenizer
 
@@ -834,12 +836,14 @@ class GlmTokenizer:
         return [out] if isinstance(out, str) else out
 
     def _max_length(self, max_length: int | None, why: str) -> int | None:
+        """``max_length``, else ``model_max_length``; None where the tokenizer has none (transformers then
+        neither truncates nor pads to a max_length, warning only)."""
         if max_length is not None:
             if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
                 raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
             return max_length
         if self.model_max_length >= _VERY_LARGE:
-            raise ValueError(f"{why} needs max_length (the tokenizer has no model_max_length)")
+            return None
         return self.model_max_length
 
     def __call__(
@@ -909,7 +913,8 @@ class GlmTokenizer:
                     f"got {truncation!r}"
                 )
             limit = self._max_length(max_length, "truncation=True")
-            if padding not in (False, "do_not_pad", None) and pad_to_multiple_of and limit % pad_to_multiple_of:
+            padded = padding not in (False, "do_not_pad", None)
+            if padded and pad_to_multiple_of and limit is not None and limit % pad_to_multiple_of:
                 raise ValueError(  # transformers' message: padding to a multiple would undo the truncation
                     "Truncation and padding are both activated but "
                     f"truncation length ({limit}) is not a multiple of pad_to_multiple_of ({pad_to_multiple_of})."

@@ -1957,3 +1957,47 @@ def test_additional_special_tokens_beside_a_dict_equal_transformers(tmp_path):
         assert _methods_record(ours, folder) == _methods_record(hf, folder)
         if i == 0:
             assert _model_specific_record(ours) == _model_specific_record(hf)
+
+
+NO_LIMIT_CALLS = [  # the call's keywords on a tokenizer without model_max_length, no max_length given
+    {"truncation": True},
+    {"truncation": True, "padding": True},
+    {"padding": "max_length"},
+    {"padding": "max_length", "truncation": True, "pad_to_multiple_of": 4},
+    {"truncation": "only_first"},
+    {"truncation": True, "return_overflowing_tokens": True, "stride": 1},
+]
+
+
+def test_truncation_and_max_length_padding_without_a_limit_as_transformers(tmp_path):
+    """A tokenizer without model_max_length (tokenizer_config.json without it, or
+    ``from_pretrained(..., model_max_length=None)``) and no max_length: transformers 5.23 neither
+    truncates nor pads to a max_length (a warning only). Measured with AutoTokenizer on the tiny
+    tokenizer, ["Hello there", "Hi"]: truncation=True -> [[219, 254, 88, 109, 136], [49, 82]];
+    with padding=True -> [..., [49, 82, 0, 0, 0]]; padding="max_length" -> unpadded rows. Ours raised
+    "truncation=True needs max_length" (the common ``tok(texts, truncation=True, padding=True)``), and
+    ``model_max_length=None`` kept the file's 4096."""
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "a", drop=("model_max_length",)))
+    texts, rows = ["Hello there", "Hi"], [[219, 254, 88, 109, 136], [49, 82]]
+    assert tok(texts, truncation=True)["input_ids"] == rows
+    assert tok(texts, truncation=True, padding=True)["input_ids"] == [rows[0], [49, 82, 0, 0, 0]]
+    assert tok(texts, padding="max_length")["input_ids"] == rows
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], truncation=True)["input_ids"] == [6, 7, 2, 9, 97]
+    unlimited = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path / "b"), model_max_length=None)
+    assert unlimited.model_max_length == int(1e30)
+    assert unlimited(texts, truncation=True)["input_ids"] == rows
+
+
+@pytest.mark.reference
+def test_no_limit_calls_equal_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder = _tiny_folder(tmp_path / "a", drop=("model_max_length",))
+    hf, ours = transformers.AutoTokenizer.from_pretrained(folder), GlmTokenizer.from_pretrained(folder)
+    for kw in NO_LIMIT_CALLS:
+        assert dict(ours(["Hello there", "Hi"], **kw)) == dict(hf(["Hello there", "Hi"], **kw)), kw
+    assert dict(ours.pad({"input_ids": [[1, 2, 3], [4]]}, padding="max_length")) == dict(
+        hf.pad({"input_ids": [[1, 2, 3], [4]]}, padding="max_length")
+    )
+    for cls in (transformers.AutoTokenizer, GlmTokenizer):
+        assert cls.from_pretrained(_tiny_folder(tmp_path / "b"), model_max_length=None).model_max_length == int(1e30)
