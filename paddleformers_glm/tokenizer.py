@@ -855,7 +855,7 @@ class GlmTokenizer:
         max_length: int | None = None,
         return_tensors: str | None = None,
         add_special_tokens: bool = True,
-        return_attention_mask: bool = True,
+        return_attention_mask: bool | None = None,
         padding_side: str | None = None,
         pad_to_multiple_of: int | None = None,
         return_offsets_mapping: bool = False,
@@ -941,7 +941,7 @@ class GlmTokenizer:
         if return_special_tokens_mask:
             given["special_tokens_mask"] = [list(e.special_tokens_mask) for e in encodings]
         enc = self.pad(given, padding, max_length, pad_to_multiple_of, padding_side=padding_side)
-        if not return_attention_mask:
+        if return_attention_mask is not None and not return_attention_mask:  # None: the default, a mask
             enc.pop("attention_mask")
         if return_offsets_mapping:  # padded with (0, 0) on the side the ids were
             side = padding_side or self.padding_side

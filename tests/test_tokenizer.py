@@ -2001,3 +2001,18 @@ def test_no_limit_calls_equal_transformers(tmp_path):
     )
     for cls in (transformers.AutoTokenizer, GlmTokenizer):
         assert cls.from_pretrained(_tiny_folder(tmp_path / "b"), model_max_length=None).model_max_length == int(1e30)
+
+
+def test_return_attention_mask_none_is_the_default_mask(tiny_dir):
+    """transformers 5.23's ``return_attention_mask=None`` (its default, which wrappers pass on) returns
+    the attention mask (measured with AutoTokenizer on the tiny tokenizer: ["Hello there", "Hi"],
+    padding=True -> attention_mask [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]); ours left it out, so a padded
+    batch reached ``generate`` without its mask."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    enc = tok(["Hello there", "Hi"], padding=True, return_attention_mask=None)
+    assert enc["attention_mask"] == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert "attention_mask" not in tok("Hi", return_attention_mask=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenizer_kwargs={"return_attention_mask": None}, return_dict=True
+    )
+    assert chat["attention_mask"] == [1] * len(chat["input_ids"])
