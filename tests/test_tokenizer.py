@@ -2016,3 +2016,10 @@ def test_return_attention_mask_none_is_the_default_mask(tiny_dir):
         [{"role": "user", "content": "x"}], tokenizer_kwargs={"return_attention_mask": None}, return_dict=True
     )
     assert chat["attention_mask"] == [1] * len(chat["input_ids"])
+
+
+def test_from_pretrained_subfolder_as_transformers(tmp_path):
+    """``AutoTokenizer.from_pretrained(folder, subfolder="tok")`` reads folder/tok (measured with
+    transformers 5.23 on the tiny tokenizer: "Hello" -> [219, 254, 88])."""
+    _tiny_folder(tmp_path / "tok")
+    assert GlmTokenizer.from_pretrained(tmp_path, subfolder="tok")("Hello")["input_ids"] == [219, 254, 88]
