@@ -163,6 +163,9 @@ _HF_LOADING_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_
 _HF_LOADING_KWARGS += ("trust_remote_code", "_from_auto", "_from_pipeline", "_commit_hash")
 _HF_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
 _DTYPE_KEYS = ("dtype", "torch_dtype")
+# transformers' base-config output flags: a loading keyword sets them on the config (and its save
+# writes them) though the file has no such key; the forward reads them when its keyword is not given
+_HF_OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits", "return_dict")
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 _HF_DEFAULT_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta: its base when a file gives none
@@ -632,7 +635,8 @@ class GlmMoeDsaConfig:
         """Build from a config.json dict; `to_dict()` gives the same dict back.
 
         As transformers' ``from_dict``: a keyword naming a key of this config (or of the file)
-        overrides it; the others are not set, and ``return_unused_kwargs=True`` returns them as
+        overrides it, transformers' output flags (``output_hidden_states``, ...) are set as
+        attributes; the others are not set, and ``return_unused_kwargs=True`` returns them as
         ``(config, unused)``. ``dtype="auto"`` (``torch_dtype``) keeps the file's dtype."""
         if config_dict.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
             raise _err("model_type", f"expected 'glm_moe_dsa', got {config_dict.get('model_type')!r}")
@@ -642,8 +646,11 @@ class GlmMoeDsaConfig:
         known = set(_DEFAULTS) | set(_PARALLEL_DEFAULTS) | set(_KEY_ALIASES) | set(_ROPE_ALIASES) | set(config_dict)
         known |= {"rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype"}
         overrides = {k: v for k, v in kwargs.items() if k in known and not (k in _DTYPE_KEYS and v == "auto")}
-        unused = {k: v for k, v in kwargs.items() if k not in known}
+        flags = {k: v for k, v in kwargs.items() if k in _HF_OUTPUT_FLAGS and k not in known}
+        unused = {k: v for k, v in kwargs.items() if k not in known and k not in flags}
         config = cls(**config_dict, _from_file=True, _overrides=overrides)  # an override wins over the file's value
+        for key, value in flags.items():
+            setattr(config, key, value)
         return (config, unused) if want_unused else config
 
     @classmethod

@@ -87,6 +87,29 @@ def test_from_pretrained_keywords_as_transformers():
     assert (config.index_topk, unused) == (4, {"bar": 1})
 
 
+def _output_flags(cls) -> list:
+    out = []
+    for key, value in (("output_hidden_states", True), ("output_router_logits", True), ("return_dict", False)):
+        config, unused = cls.from_pretrained(TINY_CONFIG.parent, return_unused_kwargs=True, **{key: value})
+        out.append((unused, getattr(config, key), config.to_dict().get(key)))
+    return out
+
+
+_OUTPUT_FLAGS_MEASURED = [({}, True, True), ({}, True, True), ({}, False, False)]
+
+
+def test_transformers_sets_its_output_flags_from_loading_keywords():
+    """transformers 5.23 (measured): each flag is used (not returned as unused), set, and saved."""
+    assert _output_flags(_hf()) == _OUTPUT_FLAGS_MEASURED
+
+
+def test_output_flags_given_as_loading_keywords_are_set_and_saved():
+    """Before: ``output_hidden_states=True`` and the other base-config output flags were returned as
+    unused (the file has no such key), so ``from_pretrained(path, output_hidden_states=True)`` left the
+    model's default off. transformers: used, set, saved (:func:`_OUTPUT_FLAGS_MEASURED`)."""
+    assert _output_flags(GlmMoeDsaConfig) == _OUTPUT_FLAGS_MEASURED
+
+
 def _dtype_overrides(cls) -> tuple:
     folder = TINY_CONFIG.parent
     d = cls.from_pretrained(folder, torch_dtype="float16").to_dict()

@@ -761,6 +761,17 @@ def test_output_hidden_states_defaults_to_the_config():
         model(ids)
 
 
+def test_an_unknown_loading_keyword_is_refused_by_name():
+    """transformers 5.23 on the tiny fixture: ``from_pretrained(tiny, foo=1)`` raises TypeError
+    "GlmMoeDsaForCausalLM.__init__() got an unexpected keyword argument 'foo'" (its config returns
+    foo as unused). Ours dropped it: a misspelt keyword (``output_hiden_states=True``) passed unseen."""
+    path = FIXTURES / "tiny" / "checkpoint"
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['foo'\]"):
+        GlmMoeDsaForCausalLM.from_pretrained(path, foo=1)
+    with pytest.raises(TypeError, match="output_hiden_states"):
+        GlmMoeDsaForCausalLM.from_pretrained(path, num_hidden_layers=2, output_hiden_states=True)
+
+
 def test_labels_of_another_shape_are_refused_by_name():
     """transformers 5.23 on the tiny fixture, ids [2, 10]: labels [2, 8] raise ValueError "Expected
     input batch_size (20) to match target batch_size (16)", labels [1, 10] "(20) ... (10)". Ours read

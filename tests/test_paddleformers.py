@@ -309,6 +309,30 @@ def test_from_pretrained_keywords_override_the_config(tiny):
         model(input_ids=ids, attention_mask=paddle.tril(paddle.ones([1, 1, 8, 8])))
 
 
+def test_subfolder_reaches_the_checkpoint(tiny, tmp_path):
+    """transformers 5.23 reads ``from_pretrained(repo, subfolder="model")`` from ``repo/model`` (config,
+    model and tokenizer; measured on the tiny fixture), as our own classes now do. Before: the
+    integration dropped ``subfolder`` as a download option, so all three looked in ``repo`` and
+    failed (no config file at repo/config.json)."""
+    import shutil
+
+    shutil.copytree(tiny, tmp_path / "repo" / "model")
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    repo = str(tmp_path / "repo")
+    assert (
+        AutoConfig.from_pretrained(repo, subfolder="model").to_dict() == GlmMoeDsaConfig.from_pretrained(tiny).to_dict()
+    )
+    model = AutoModelForCausalLM.from_pretrained(repo, subfolder="model", dtype="float32")
+    want = GlmMoeDsaForCausalLM.from_pretrained(tiny, dtype="float32")
+    ids = paddle.to_tensor(np.arange(3, 11, dtype="int64")[None])
+    assert model(input_ids=ids).logits.numpy().tobytes() == want(ids).logits.numpy().tobytes()
+    assert (
+        AutoTokenizer.from_pretrained(repo, subfolder="model")("hello")["input_ids"]
+        == GlmTokenizer.from_pretrained(tiny)("hello")["input_ids"]
+    )
+
+
 def test_paddleformers_collator_pads_for_the_model(tiny):
     """PaddleFormers' DataCollatorForSeq2Seq calls `tokenizer.pad(..., return_attention_mask=...)`
     (transformers' signature; None/True give the mask, False leaves it out, measured with

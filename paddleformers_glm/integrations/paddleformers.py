@@ -38,7 +38,7 @@ MODEL_TYPE = "glm_moe_dsa"
 # PaddleFormers' loading arguments that say where to download from, which carry no meaning for a
 # local folder (``from_pretrained`` of ours reads local folders only)
 _LOADER_KWARGS = frozenset(
-    "cache_dir subfolder download_hub from_hf_hub from_aistudio from_modelscope force_download local_files_only "
+    "cache_dir download_hub from_hf_hub from_aistudio from_modelscope force_download local_files_only "
     "revision token use_auth_token trust_remote_code return_unused_kwargs _from_auto _commit_hash use_fast "
     "convert_from_hf convert_from_torch load_checkpoint_format low_cpu_mem_usage use_safetensors proxies "
     "resume_download load_state_as_np load_via_cpu ignore_mismatched_sizes".split()
@@ -62,10 +62,10 @@ def paddleformers_model_runs() -> bool:
     return importlib.util.find_spec("paddlefleet") is not None
 
 
-def _glm_folder(path: Any) -> bool:
-    """A local checkpoint folder whose config.json says ``model_type: glm_moe_dsa``."""
+def _glm_folder(path: Any, subfolder: str | None = None) -> bool:
+    """A local checkpoint folder (or its ``subfolder``) whose config.json says ``model_type: glm_moe_dsa``."""
     try:
-        data = read_json(os.path.join(os.fspath(path), "config.json"), "the model config")
+        data = read_json(os.path.join(os.fspath(path), subfolder or "", "config.json"), "the model config")
     except (TypeError, ValueError):  # not a path, no such file, not a JSON object
         return False
     return data.get("model_type") == MODEL_TYPE
@@ -146,6 +146,9 @@ def _classes() -> dict[str, Any]:
             if model_args:
                 raise TypeError(f"GlmMoeDsaForCausalLM.from_pretrained: unexpected positional arguments {model_args}")
             kwargs = _one_process(_split_kwargs(kwargs))
+            if kwargs.get("subfolder"):  # the folder's subfolder holds the checkpoint, as transformers
+                path = os.path.join(path, kwargs.pop("subfolder"))
+            kwargs.pop("subfolder", None)
             if "paddle_dtype" in kwargs:  # PaddleFormers' older name
                 kwargs.setdefault("dtype", kwargs.pop("paddle_dtype"))
             if isinstance(kwargs.get("config"), _Config) and not isinstance(kwargs["config"], GlmMoeDsaConfig):
@@ -168,6 +171,7 @@ def _classes() -> dict[str, Any]:
         @classmethod
         def _from_config(cls, config: Any, **kwargs: Any):
             kwargs = _one_process(_split_kwargs(kwargs))
+            kwargs.pop("subfolder", None)  # a folder's part: nothing to read from a config
             dtype = kwargs.pop("dtype", None) or kwargs.pop("paddle_dtype", None) or "float32"
             return cls.from_config(config, dtype=dtype, **kwargs)
 
@@ -351,7 +355,10 @@ def register(replace: bool | None = None) -> list[str]:
         func = inspect.getattr_static(auto, name).__func__
 
         def wrapped(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-            mine = getattr(path, "model_type", None) == MODEL_TYPE if name == "from_config" else _glm_folder(path)
+            if name == "from_config":
+                mine = getattr(path, "model_type", None) == MODEL_TYPE
+            else:
+                mine = _glm_folder(path, kwargs.get("subfolder"))
             return ours(path, *args, **kwargs) if mine else func(cls, path, *args, **kwargs)
 
         wrapped.__doc__ = (

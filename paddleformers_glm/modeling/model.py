@@ -592,7 +592,7 @@ def _config_with_overrides(
     entries (transformers keeps them whole and then cannot save the model). More layers than the
     file has are refused (transformers raises IndexError building the model)."""
     if "num_hidden_layers" not in overrides:
-        return GlmMoeDsaConfig.from_pretrained(path, **overrides), None
+        return _config_of(path, overrides), None
     n = overrides["num_hidden_layers"]
     file_config = GlmMoeDsaConfig.from_pretrained(path)
     file_layers = int(file_config.num_hidden_layers)
@@ -602,14 +602,27 @@ def _config_with_overrides(
             f"a model of its first n layers takes 1 <= n <= {file_layers}"
         )
     if n == file_layers:
-        return GlmMoeDsaConfig.from_pretrained(path, **overrides), None
+        return _config_of(path, overrides), None
     cut = dict(overrides)
     file_dict = file_config.to_dict()
     for key in _PER_LAYER_KEYS:
         value = file_dict.get(key)
         if key not in overrides and isinstance(value, (list, tuple, str)) and len(value) > n:
             cut[key] = value[:n]
-    return GlmMoeDsaConfig.from_pretrained(path, **cut), file_config
+    return _config_of(path, cut), file_config
+
+
+def _config_of(path: str | os.PathLike, overrides: dict[str, Any]) -> GlmMoeDsaConfig:
+    """``path``'s config with ``overrides``; a keyword that is neither a config key nor a loading
+    keyword is refused by name, as transformers 5.23 (the model's ``__init__`` raises "got an
+    unexpected keyword argument 'foo'"), not dropped where a typo would pass unseen."""
+    config, unused = GlmMoeDsaConfig.from_pretrained(path, return_unused_kwargs=True, **overrides)
+    if unused:
+        raise TypeError(
+            f"from_pretrained: unexpected keyword argument(s) {sorted(unused)}: neither a key of "
+            f"{os.fspath(path)}'s config.json, a GlmMoeDsaConfig setting nor a loading keyword"
+        )
+    return config
 
 
 def _deeper_file_config(path: str | os.PathLike, config: GlmMoeDsaConfig) -> GlmMoeDsaConfig | None:
