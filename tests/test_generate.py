@@ -25,6 +25,16 @@ from .conftest import FIXTURES
 CASES = ["tiny", "tiny_pattern_yarn"]
 
 
+def _hf_eager(folder=FIXTURES / "tiny" / "checkpoint"):
+    """transformers' eager float32 model of ``folder`` in eval mode (skips without torch)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return torch, transformers, hf
+
+
 def _fixture(case):
     model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / case / "checkpoint", dtype="float32")
     return model, load_file(str(FIXTURES / "generate" / f"{case}.safetensors"))
@@ -662,11 +672,7 @@ def test_min_new_tokens_holds_eos_back_and_stop_strings_end_a_row(tmp_path):
 def test_repetition_penalty_and_min_new_tokens_equal_hf_generate():
     """HF transformers' generate on the same checkpoint: greedy with repetition_penalty 1.5 and
     min_new_tokens, one prompt at a time (a padded batch: the test below)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, ref = _fixture("tiny")
     for b in range(2):
         row = ref[f"gen_row{b}_sequence"][: ref["gen_attention_mask"][b].sum()]
@@ -897,11 +903,7 @@ def test_repetition_penalty_skips_left_padding_as_hf_generate():
     """transformers 5.23 leaves a row's left padding out of the repetition penalty (prompt_ignore_length),
     as this generate does: pad slots holding 240, the token the row's prompt continues with greedily,
     at penalty 3.0 (measured: both give the row what it gives alone)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     ids = np.array([[240, 240, 5, 6, 7, 8], [9, 10, 5, 6, 7, 8]])
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -1004,11 +1006,7 @@ def test_top_p_0_keeps_only_the_most_likely_token():
 @pytest.mark.reference
 def test_top_p_0_scores_equal_hf_generate():
     """The live twin of the test above: the processed scores of every step, HF's against ours."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     prompt = [[5, 6, 7, 8], [9, 10, 11, 12]]
     kw = {"max_new_tokens": 3, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
@@ -1060,11 +1058,7 @@ def test_generate_from_inputs_embeds():
 @pytest.mark.reference
 def test_generate_from_inputs_embeds_equals_hf_generate():
     """The live twin of the test above (HF's embeddings of the same ids, the same options)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     tids, tmask = torch.tensor(_EMBEDS_IDS), torch.tensor(_EMBEDS_MASK)
     E = model.model.embedding(paddle.to_tensor(_EMBEDS_IDS))
@@ -1137,11 +1131,7 @@ def test_min_p_as_hf_min_p_warper():
 @pytest.mark.reference
 def test_token_processors_and_min_p_equal_hf_generate():
     """The live twin of the two tests above: tokens and every step's processed scores."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     cases = [kw for kw, _ in _PROC_CASES]
     cases += [{"do_sample": True, "min_p": 0.3, "top_k": 0, "max_new_tokens": 1}]
@@ -1214,11 +1204,7 @@ def test_no_repeat_ngram_size_as_hf():
 @pytest.mark.reference
 def test_no_repeat_ngram_size_equals_hf_generate():
     """The live twin of the test above, n = 1, 2, 3, with and without an EOS that pads a finished row."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     for n, eos in ((1, []), (2, []), (3, []), (2, [211])):
         kw = {"max_new_tokens": 12, "eos_token_id": eos, "pad_token_id": 0, "repetition_penalty": 0.5}
@@ -1267,11 +1253,7 @@ def test_bad_words_ids_as_hf():
 @pytest.mark.reference
 def test_bad_words_ids_equal_hf_generate():
     """The live twin of the test above: tokens and which entries of each step's scores are -inf."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(FIXTURES / "tiny" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     for kw, _ in _BAD_WORDS_CASES:
         kw = {"eos_token_id": [], "pad_token_id": 0} | kw | {"return_dict_in_generate": True, "output_scores": True}
