@@ -159,8 +159,9 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
 }
 
 # transformers' from_pretrained download options and from_dict telemetry: consumed, never config keys
-_HF_LOADING_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision")
-_HF_LOADING_KWARGS += ("trust_remote_code", "_from_auto", "_from_pipeline", "_commit_hash")
+# transformers' download options: nothing to do on a local folder (the model's from_pretrained drops them too)
+HF_DOWNLOAD_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision")
+HF_DOWNLOAD_KWARGS += ("trust_remote_code", "_from_auto", "_from_pipeline", "_commit_hash")
 _HF_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
 _DTYPE_KEYS = ("dtype", "torch_dtype")
 # transformers' base-config output flags: a loading keyword sets them on the config (and its save
@@ -662,7 +663,7 @@ class GlmMoeDsaConfig:
         (``cache_dir``, ``revision``, ``local_files_only``, ...) have nothing to do on a local
         folder and are dropped, never written into the config."""
         subfolder = kwargs.pop("subfolder", None) or ""
-        for key in _HF_LOADING_KWARGS:
+        for key in HF_DOWNLOAD_KWARGS:
             kwargs.pop(key, None)
         folder = os.path.join(path, subfolder) if subfolder else os.fspath(path)
         file = os.path.join(folder, "config.json") if os.path.isdir(folder) else os.fspath(folder)

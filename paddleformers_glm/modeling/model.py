@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from ..configuration import IGNORE_INDEX, GlmMoeDsaConfig
+from ..configuration import HF_DOWNLOAD_KWARGS, IGNORE_INDEX, GlmMoeDsaConfig
 from ..ops import cpu_bf16, cross_entropy_sum
 from ..parallel import comm
 from ..parallel.layers import (
@@ -502,9 +502,8 @@ def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | Non
 
 # transformers' from_pretrained keywords that change nothing when loading a local folder: dropped
 # there as there (they became config keys, written into a save's config.json)
-_NOOP_LOADING_KEYS = frozenset(
-    "cache_dir force_download local_files_only token use_auth_token revision trust_remote_code use_safetensors "
-    "low_cpu_mem_usage proxies resume_download weights_only _from_auto _from_pipeline _commit_hash".split()
+_NOOP_LOADING_KEYS = frozenset(HF_DOWNLOAD_KWARGS) | frozenset(
+    "use_auth_token use_safetensors low_cpu_mem_usage resume_download weights_only".split()
 )
 # ... and those that would change what is loaded or where: refused by name
 _UNSUPPORTED_LOADING_KEYS = (
