@@ -158,8 +158,8 @@ _KEY_FORMS: dict[str, tuple[Any, ...]] = {
     **{k: ("bool",) if k == "sequence_parallel" else ("int", 1, MAX_DIM) for k in _PARALLEL_DEFAULTS},
 }
 
-# transformers' from_pretrained download options and from_dict telemetry: consumed, never config keys
-# transformers' download options: nothing to do on a local folder (the model's from_pretrained drops them too)
+# transformers' from_pretrained download options (nothing to do on a local folder; the model's
+# from_pretrained drops them too) and from_dict telemetry: consumed, never config keys
 HF_DOWNLOAD_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision")
 HF_DOWNLOAD_KWARGS += ("trust_remote_code", "_from_auto", "_from_pipeline", "_commit_hash")
 _HF_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
