@@ -448,6 +448,16 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
     return x
 
 
+def _banned(x: paddle.Tensor, pairs: list[tuple[int, int]]) -> paddle.Tensor:
+    """``x`` [B, V] with -inf at each (row, token) of ``pairs`` (the host-side processors' bans)."""
+    import paddle
+
+    if not pairs:
+        return x
+    rows, cols = (paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in zip(*pairs))
+    return paddle.index_put(x, (rows, cols), paddle.full([len(pairs)], -math.inf, dtype=x.dtype))
+
+
 class _NGrams:
     """transformers' NoRepeatNGramLogitsProcessor on the host: each row's n-grams so far (the whole
     ``input_ids``, padding included, as HF's; then the chosen ids), and the tokens that would repeat
@@ -467,8 +477,6 @@ class _NGrams:
                 seen.setdefault(tuple(row[len(row) - self.n : -1]), set()).add(int(t))
 
     def ban(self, x: paddle.Tensor) -> paddle.Tensor:
-        import paddle
-
         if len(self.rows[0]) + 1 < self.n:  # HF: no n-gram can be completed yet
             return x
         pairs = [
@@ -476,10 +484,7 @@ class _NGrams:
             for b, (row, seen) in enumerate(zip(self.rows, self.seen))
             for t in sorted(seen.get(tuple(row[len(row) - self.n + 1 :]), ()))
         ]
-        if not pairs:
-            return x
-        rows, cols = (paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in zip(*pairs))
-        return paddle.index_put(x, (rows, cols), paddle.full([len(pairs)], -math.inf, dtype=x.dtype))
+        return _banned(x, pairs)
 
 
 class _BadWords:
@@ -509,10 +514,7 @@ class _BadWords:
             for head, last in self.multi
             if len(row) >= len(head) and row[len(row) - len(head) :] == head
         ]
-        if not pairs:
-            return x
-        rows, cols = (paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in zip(*pairs))
-        return paddle.index_put(x, (rows, cols), paddle.full([len(pairs)], -math.inf, dtype=x.dtype))
+        return _banned(x, pairs)
 
 
 def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
