@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ._io import atomic_write_text, read_json, read_text
+from .configuration import HF_DOWNLOAD_KWARGS
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -76,9 +77,8 @@ def _template_text(value: Any, where: str) -> str | None:
 
 # AutoTokenizer.from_pretrained's arguments that say where to download from or which class to build:
 # nothing for a local tokenizer.json (transformers ignores them for a local folder too)
-_HUB_LOAD_OPTIONS = frozenset(
-    "cache_dir force_download local_files_only proxies revision token use_auth_token trust_remote_code use_fast "
-    "tokenizer_type config resume_download user_agent _from_auto _commit_hash _is_local _from_pipeline".split()
+_HUB_LOAD_OPTIONS = frozenset(HF_DOWNLOAD_KWARGS) | frozenset(
+    "use_auth_token use_fast tokenizer_type config resume_download user_agent _is_local".split()
 )
 # ones that would read another file than tokenizer.json
 _UNSUPPORTED_LOAD_OPTIONS = frozenset({"gguf_file", "tokenizer_file", "tokenizer_object", "vocab_file"})
