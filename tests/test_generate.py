@@ -1201,6 +1201,16 @@ def test_no_repeat_ngram_size_as_hf():
     np.testing.assert_array_equal(rep.numpy()[0, 6:], [226, 226, 165, 165, 25, 25, 226, 25, 165, 50])
 
 
+def _assert_same_bans(torch, hf, model, kw) -> None:
+    """Greedy on the padded batch: our tokens equal transformers', and every step bans (-inf) the same entries."""
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
+    got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
+    np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
+    for g, w in zip(got.scores, want.scores):
+        np.testing.assert_array_equal(np.isinf(g.numpy()), np.isinf(w.numpy()), err_msg=str(kw))
+
+
 @pytest.mark.reference
 def test_no_repeat_ngram_size_equals_hf_generate():
     """The live twin of the test above, n = 1, 2, 3, with and without an EOS that pads a finished row."""
@@ -1209,12 +1219,7 @@ def test_no_repeat_ngram_size_equals_hf_generate():
     for n, eos in ((1, []), (2, []), (3, []), (2, [211])):
         kw = {"max_new_tokens": 12, "eos_token_id": eos, "pad_token_id": 0, "repetition_penalty": 0.5}
         kw |= {"no_repeat_ngram_size": n, "return_dict_in_generate": True, "output_scores": True}
-        with torch.no_grad():
-            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
-        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
-        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
-        for g, w in zip(got.scores, want.scores):
-            np.testing.assert_array_equal(np.isinf(g.numpy()), np.isinf(w.numpy()), err_msg=str(kw))
+        _assert_same_bans(torch, hf, model, kw)
 
 
 _BAD_WORDS_CASES = [  # options, HF 5.23's new tokens for the padded batch (measured, fixture "tiny", greedy)
@@ -1257,9 +1262,4 @@ def test_bad_words_ids_equal_hf_generate():
     model, _ = _fixture("tiny")
     for kw, _ in _BAD_WORDS_CASES:
         kw = {"eos_token_id": [], "pad_token_id": 0} | kw | {"return_dict_in_generate": True, "output_scores": True}
-        with torch.no_grad():
-            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
-        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
-        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
-        for g, w in zip(got.scores, want.scores):
-            np.testing.assert_array_equal(np.isinf(g.numpy()), np.isinf(w.numpy()), err_msg=str(kw))
+        _assert_same_bans(torch, hf, model, kw)

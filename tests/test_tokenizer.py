@@ -1408,6 +1408,18 @@ def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path):
     assert no_default.apply_chat_template(chat, tokenize=False, tools=tools) == "T1"
 
 
+def _assert_same_chat_text(hf, ours, chat, options) -> None:
+    """Our apply_chat_template's text equals transformers' for each options dict (or both raise ValueError)."""
+    for kw in options:
+        try:
+            want = hf.apply_chat_template(chat, tokenize=False, **kw)
+        except ValueError:
+            with pytest.raises(ValueError):
+                ours.apply_chat_template(chat, tokenize=False, **kw)
+            continue
+        assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
+
+
 @pytest.mark.reference
 def test_named_chat_templates_equal_transformers(tmp_path):
     pytest.importorskip("torch")
@@ -1416,14 +1428,12 @@ def test_named_chat_templates_equal_transformers(tmp_path):
     for i, named in enumerate((NAMED_TEMPLATES, NAMED_TEMPLATES[1:])):
         d = _named_templates_folder(tmp_path / str(i), named)
         hf, ours = transformers.AutoTokenizer.from_pretrained(d), GlmTokenizer.from_pretrained(d)
-        for kw in ({}, {"tools": tools}, {"chat_template": "other"}, {"chat_template": "other", "tools": tools}):
-            try:
-                want = hf.apply_chat_template(chat, tokenize=False, **kw)
-            except ValueError:
-                with pytest.raises(ValueError):
-                    ours.apply_chat_template(chat, tokenize=False, **kw)
-                continue
-            assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
+        _assert_same_chat_text(
+            hf,
+            ours,
+            chat,
+            ({}, {"tools": tools}, {"chat_template": "other"}, {"chat_template": "other", "tools": tools}),
+        )
 
 
 # ---------------------------------------------------------------------- from_pretrained keywords as AutoTokenizer's
@@ -1901,14 +1911,7 @@ def test_named_chat_templates_saved_by_transformers_equal_transformers(tmp_path)
         assert (tmp_path / f"hf{i}" / "additional_chat_templates" / "tool_use.jinja").is_file()
         hf = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf{i}")
         ours = GlmTokenizer.from_pretrained(tmp_path / f"hf{i}")
-        for kw in ({}, {"tools": tools}, {"chat_template": "other"}):
-            try:
-                want = hf.apply_chat_template(chat, tokenize=False, **kw)
-            except ValueError:
-                with pytest.raises(ValueError):
-                    ours.apply_chat_template(chat, tokenize=False, **kw)
-                continue
-            assert ours.apply_chat_template(chat, tokenize=False, **kw) == want
+        _assert_same_chat_text(hf, ours, chat, ({}, {"tools": tools}, {"chat_template": "other"}))
 
 
 MODEL_SPECIFIC = {"extra_special_tokens": {"image_token": "<img>"}, "additional_special_tokens": ["<|user|>", "<new>"]}
