@@ -348,8 +348,12 @@ def test_to_static_captures_the_decode_step_once_and_decodes_the_same_tokens():
     """paddle.jit.to_static (whole-graph translation) of `decode_step`: one program serves every
     step of a generation (the step's shapes follow the cache's capacity, its inputs are tensors)
     and greedy decoding gives the eager tokens. Kernels off: the translated graph runs Paddle's
-    ops (and MoE its static-shape form)."""
-    model = tiny_model(seed=2, num_nextn_predict_layers=0)
+    ops (and MoE its static-shape form). Two layers (a full and a shared indexer, dense and MoE):
+    the translation takes seconds per layer."""
+    model = tiny_model(
+        seed=2, num_hidden_layers=2, indexer_types=["full", "shared"], index_topk_freq=2, index_skip_topk_offset=1,
+        mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1, num_nextn_predict_layers=0,
+    )  # fmt: skip
     model.eval()
     ids = tokens(2, 20, seed=3)
     with cpu_kernels.disabled():

@@ -126,6 +126,28 @@ def test_paddleformers_registration_is_explicit_and_optional(monkeypatch):
         pf_glm.register()
 
 
+def test_the_bytecode_tracer_is_loaded_only_by_to_static_and_still_seen_while_it_traces():
+    """The model and the training loop do not import paddle.jit.sot (0.1 s of every worker's start);
+    a function traced by ``paddle.jit.to_static`` (its bytecode mode, which imports the tracer on first
+    use) still sees ``building_graph()`` true while traced and false when run eagerly."""
+    import subprocess
+
+    code = (
+        "import sys, paddle; import paddleformers_glm.modeling, paddleformers_glm.train.loop; "
+        "from paddleformers_glm.ops.norm import building_graph; "
+        "loaded = 'paddle.jit.sot' in sys.modules\n"
+        "def f(x):\n"
+        "    y = x * 2.0 if building_graph() else x * 3.0\n"
+        "    for _ in range(12):\n"  # enough ops that the tracer keeps the graph (it runs tiny ones eagerly)
+        "        y = y + 0.0\n"
+        "    return y\n"
+        "x = paddle.ones([1]); print(loaded, paddle.jit.to_static(f)(x).item(), f(x).item())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["False", "2.0", "3.0"], out.stdout[-2000:]
+
+
 @pytest.mark.reference
 def test_num_parameters_exclude_embeddings_equals_transformers():
     """transformers' exclude_embeddings drops the nn.Embedding weights only (measured on the tiny
