@@ -49,6 +49,14 @@ def randomize(model: GlmMoeDsaForCausalLM, seed: int = 0) -> GlmMoeDsaForCausalL
     return model
 
 
+# Two layers of the tiny config, one of each kind (a full and a shared indexer, dense and MoE), no
+# MTP: for the tests whose cost grows with every layer (paddle.jit.to_static's graph builds).
+TWO_LAYERS = dict(
+    num_hidden_layers=2, indexer_types=["full", "shared"], index_topk_freq=2, index_skip_topk_offset=1,
+    mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1, num_nextn_predict_layers=0,
+)  # fmt: skip
+
+
 def tiny_model(seed: int = 0, **changes) -> GlmMoeDsaForCausalLM:
     return randomize(GlmMoeDsaForCausalLM(tiny_config(**changes)), seed)
 

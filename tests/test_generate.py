@@ -19,7 +19,7 @@ from paddleformers_glm.modeling import attention as attention_mod
 from paddleformers_glm.modeling.cache import DSACache
 from paddleformers_glm.ops import kernels as cpu_kernels
 
-from ._tiny import tiny_model, tokens
+from ._tiny import TWO_LAYERS, tiny_model, tokens
 from .conftest import FIXTURES
 
 CASES = ["tiny", "tiny_pattern_yarn"]
@@ -350,10 +350,7 @@ def test_to_static_captures_the_decode_step_once_and_decodes_the_same_tokens():
     and greedy decoding gives the eager tokens. Kernels off: the translated graph runs Paddle's
     ops (and MoE its static-shape form). Two layers (a full and a shared indexer, dense and MoE):
     the translation takes seconds per layer."""
-    model = tiny_model(
-        seed=2, num_hidden_layers=2, indexer_types=["full", "shared"], index_topk_freq=2, index_skip_topk_offset=1,
-        mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1, num_nextn_predict_layers=0,
-    )  # fmt: skip
+    model = tiny_model(seed=2, **TWO_LAYERS)
     model.eval()
     ids = tokens(2, 20, seed=3)
     with cpu_kernels.disabled():

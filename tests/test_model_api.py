@@ -13,7 +13,7 @@ from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 from paddleformers_glm.modeling.cache import DSACache
 from paddleformers_glm.ops import kernels as cpu_kernels
 
-from ._tiny import tiny_model, tokens
+from ._tiny import TWO_LAYERS, tiny_model, tokens
 from .conftest import FIXTURES
 
 
@@ -83,17 +83,7 @@ def test_to_static_forward_with_kernels_off(full_graph):
     """Both of paddle.jit.to_static's modes: the bytecode tracer (default) and the whole-graph
     translation (full_graph=True, where MoE runs its static-shape form). No eager forward runs
     first, so the eager-side caches start cold."""
-    model = tiny_model(  # two layers (one full, one shared; dense + MoE): the graph is built op by op
-        seed=2,
-        num_hidden_layers=2,
-        indexer_types=["full", "shared"],
-        index_topk_freq=2,
-        index_skip_topk_offset=1,
-        mlp_layer_types=["dense", "sparse"],
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=0,
-        n_routed_experts=4,
-    )
+    model = tiny_model(seed=2, n_routed_experts=4, **TWO_LAYERS)  # the graph is built op by op
     model.eval()
     ids = tokens(2, 16, seed=3)
     with cpu_kernels.disabled(), paddle.no_grad():
