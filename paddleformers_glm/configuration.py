@@ -604,7 +604,9 @@ class GlmMoeDsaConfig:
         # a schedule is a frequency the file gives (an offset alone means nothing); a null one is none
         # (transformers writes both keys null beside the list, and its list wins)
         has_schedule = "index_topk_freq" in self._given_keys and self.index_topk_freq is not None
-        if pattern is not None:
+        if isinstance(pattern, (list, tuple)):  # transformers takes a list as the layers' types themselves
+            derived, source = _layer_list("index_topk_pattern", pattern, ("full", "shared"), L), "index_topk_pattern"
+        elif pattern is not None:
             if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
                 raise _err("index_topk_pattern", f"must be a string of 'F'/'S' letters, got {pattern!r}")
             if len(pattern) != L:

@@ -172,6 +172,24 @@ def test_pattern_overrides_schedule_and_must_agree_with_list():
     assert GlmMoeDsaConfig.from_dict(d).to_dict() == d
 
 
+def test_pattern_given_as_a_list_is_the_layers_types():
+    """transformers 5.23 (measured): a list ``index_topk_pattern`` is taken as the layers' indexer
+    types themselves (``GlmMoeDsaConfig(num_hidden_layers=4, index_topk_pattern=["full", "shared",
+    "full", "shared"]).indexer_types`` is that list) and written back as given."""
+    d = json.loads(TINY_CONFIG.read_text())
+    types = ["full", "full", "shared", "full", "shared", "shared", "full", "shared"]
+    d["index_topk_pattern"] = list(types)
+    del d["indexer_types"], d["index_topk_freq"], d["index_skip_topk_offset"]
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert cfg.indexer_types == types and cfg.full_layer_ids == [0, 1, 3, 6]
+    assert cfg.to_dict()["index_topk_pattern"] == types
+    assert GlmMoeDsaConfig.from_dict(cfg.to_dict()).indexer_types == types
+    # where transformers takes any list verbatim, letters or a short list would break the model
+    for bad in (["F", "S"] * 4, types[:5]):
+        with pytest.raises(ValueError, match="index_topk_pattern"):
+            GlmMoeDsaConfig.from_dict(dict(d, index_topk_pattern=bad))
+
+
 def test_schedule_rule():
     assert indexer_types_from_schedule(8, 4, 3) == ["full"] * 3 + ["shared"] * 3 + ["full", "shared"]
     assert indexer_types_from_schedule(5, 1, 3) == ["full"] * 5
