@@ -46,6 +46,9 @@ HF_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "top_k": 50,
     "top_p": 1.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
     "repetition_penalty": 1.0,
     "num_return_sequences": 1,
     "use_cache": True,
@@ -62,8 +65,8 @@ UNSUPPORTED_OFF: dict[str, Any] = {
     for off, names in (
         (1, "num_beam_groups"),
         (0, "encoder_no_repeat_ngram_size"),
-        (0.0, "diversity_penalty epsilon_cutoff eta_cutoff"),
-        (1.0, "length_penalty typical_p encoder_repetition_penalty"),
+        (0.0, "diversity_penalty"),
+        (1.0, "length_penalty encoder_repetition_penalty"),
         (
             False,
             "early_stopping renormalize_logits remove_invalid_values output_attentions output_hidden_states "
@@ -136,6 +139,9 @@ class GenerationConfig:
     bos_token_id: int | None = None
     stop_strings: str | list[str] | None = None
     min_p: float | None = None
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
     no_repeat_ngram_size: int | None = None
     bad_words_ids: list[list[int]] | None = None
     suppress_tokens: list[int] | None = None
@@ -391,6 +397,14 @@ def resolve_settings(
     # transformers' MinPLogitsWarper (a sampling warper, after top-p) takes min_p in [0, 1]
     min_p = get("min_p") if r["do_sample"] else None  # greedy: unused and unchecked, as the other warpers
     r["min_p"] = None if min_p is None else _number("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
+    # transformers applies typical_p below 1 (its warper refuses <= 0) and a cutoff in (0, 1); a value
+    # it would skip silently (typical_p > 1, a cutoff < 0 or >= 1) is refused here
+    for k, ok, need in (
+        ("typical_p", lambda p: 0.0 < p <= 1.0, "in (0, 1] (1: off)"),
+        ("epsilon_cutoff", lambda c: 0.0 <= c < 1.0, "in [0, 1) (0: off)"),
+        ("eta_cutoff", lambda c: 0.0 <= c < 1.0, "in [0, 1) (0: off)"),
+    ):  # greedy: unused and unchecked
+        r[k] = _number(k, get(k), ok, need) if r["do_sample"] else HF_DEFAULTS[k]
     r["no_repeat_ngram_size"] = _integer("no_repeat_ngram_size", get("no_repeat_ngram_size") or 0, 0, " (0: off)")
     # token lists (an int alone as transformers' forced EOS takes it); [] or None: off
     for k in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
@@ -445,7 +459,52 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
     if s.min_p is not None:  # HF's MinPLogitsWarper: a token goes below min_p x the top probability
         p = paddle.nn.functional.softmax(x, axis=-1)
         x = paddle.where(p < s.min_p * p.max(axis=-1, keepdim=True), neg_inf, x)
+    if s.typical_p is not None and s.typical_p < 1.0:
+        x = paddle.where(_atypical(x, s.typical_p), neg_inf, x)
+    for cutoff, scaled in ((s.epsilon_cutoff, False), (s.eta_cutoff, True)):
+        if cutoff:
+            x = paddle.where(_below_cutoff(x, cutoff, scaled), neg_inf, x)
     return x
+
+
+def _entropy(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """log-probabilities, probabilities and entropy [N, 1] of logits x (removed tokens: -inf, no share)."""
+    import paddle
+
+    logp = paddle.nn.functional.log_softmax(x, axis=-1)
+    p = paddle.exp(logp)
+    plogp = paddle.where(p > 0, p * logp, paddle.zeros_like(p))
+    return logp, p, -plogp.sum(-1, keepdim=True)
+
+
+def _atypical(x: paddle.Tensor, mass: float) -> paddle.Tensor:
+    """Tokens outside the locally typical set (HF's TypicalLogitsWarper): ranked by how far their
+    information -log p lies from the entropy, the closest tokens are kept until their probability
+    summed in that order reaches ``mass`` (the token that reaches it included, and any token as
+    close as it; the closest always stays)."""
+    import paddle
+
+    logp, _, ent = _entropy(x)
+    distance = paddle.abs(-logp - ent)
+    order = paddle.argsort(distance, axis=-1)  # closest first
+    probs = paddle.nn.functional.softmax(paddle.take_along_axis(x, order, axis=-1), axis=-1)
+    reached = (paddle.cumsum(probs, axis=-1) < mass).astype("int64").sum(-1, keepdim=True)
+    last = paddle.clip(reached, max=x.shape[-1] - 1)
+    return distance > paddle.take_along_axis(paddle.take_along_axis(distance, order, axis=-1), last, axis=-1)
+
+
+def _below_cutoff(x: paddle.Tensor, cutoff: float, entropy_scaled: bool) -> paddle.Tensor:
+    """Tokens whose probability is below ``cutoff`` (HF's EpsilonLogitsWarper) or, entropy-scaled,
+    below min(cutoff, sqrt(cutoff) * exp(-entropy)) (its EtaLogitsWarper); the most likely stays."""
+    import paddle
+
+    _, p, ent = _entropy(x)
+    bar = (
+        paddle.minimum(paddle.full_like(ent, cutoff), math.sqrt(cutoff) * paddle.exp(-ent))
+        if entropy_scaled
+        else cutoff
+    )
+    return (p < bar) & (x < x.max(axis=-1, keepdim=True))
 
 
 def _banned(x: paddle.Tensor, pairs: list[tuple[int, int]]) -> paddle.Tensor:

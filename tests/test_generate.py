@@ -851,10 +851,10 @@ def test_unimplemented_options_given_as_none_are_off(tmp_path):
     off value 0)", from a keyword (which the docs say counts as not given) and from a file."""
     from paddleformers_glm.generation import UNSUPPORTED_OFF
 
-    nones = {k: None for k in ("encoder_no_repeat_ngram_size", "length_penalty", "typical_p", "num_beam_groups")}
+    nones = {k: None for k in ("encoder_no_repeat_ngram_size", "length_penalty", "num_beam_groups")}
     nones |= {k: None for k in ("early_stopping", "diversity_penalty", "renormalize_logits", "token_healing")}
     assert all(UNSUPPORTED_OFF[k] is not None for k in nones)  # the keys whose off value is not None
-    nones["no_repeat_ngram_size"] = None  # implemented since; None is off there too
+    nones |= dict.fromkeys(("no_repeat_ngram_size", "typical_p", "eta_cutoff"), None)  # implemented since; None is off
     model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=nones), dtype="float32")
     ids = paddle.to_tensor([[5, 6, 7, 8]])
     for kw in (nones, {}):  # as keywords; from the file
@@ -1129,14 +1129,53 @@ def test_min_p_as_hf_min_p_warper():
         model.generate(ids, mask, do_sample=True, min_p=1.5)
 
 
+# (options, HF's first-step kept tokens per row, HF's lowest kept score per row): measured,
+# transformers 5.23 generate on the padded batch above, do_sample, top_k 0, output_scores
+_TYPICAL_CASES = [
+    ({"typical_p": 0.5}, [90, 80], [0.1811081, 0.42135108]),
+    ({"epsilon_cutoff": 0.01}, [18, 15], [1.3395184, 1.5224515]),
+    ({"eta_cutoff": 0.01}, [239, 236], [-1.41746, -1.2193019]),
+    ({"typical_p": 0.8, "epsilon_cutoff": 0.005, "top_k": 40}, [33, 35], [1.0400624, 1.0555954]),
+]
+
+
+def test_typical_p_and_the_entropy_cutoffs_as_hf_warpers():
+    """transformers 5.23's TypicalLogitsWarper (keep the tokens whose information is closest to the
+    entropy until they hold typical_p of the probability), EpsilonLogitsWarper (drop tokens below
+    epsilon_cutoff) and EtaLogitsWarper (below min(eta, sqrt(eta) e^-entropy)), each keeping the
+    most likely token, applied after min_p in that order; sampling only. Before: all three refused
+    ("typical_p=0.5 is not supported"). Values HF would skip without a word (typical_p > 1, a
+    cutoff outside [0, 1)) are refused; typical_p <= 0 HF refuses too."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"max_new_tokens": 1, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
+    for opts, kept, lowest in _TYPICAL_CASES:
+        x = model.generate(ids, mask, **({"do_sample": True, "top_k": 0, "seed": 0} | opts | kw)).scores[0].numpy()
+        np.testing.assert_array_equal(np.isfinite(x).sum(1), kept, err_msg=str(opts))
+        np.testing.assert_allclose(np.where(np.isfinite(x), x, 9).min(1), lowest, rtol=1e-5, err_msg=str(opts))
+        assert np.isfinite(model.generate(ids, mask, **opts, **kw).scores[0].numpy()).all()  # greedy: unused
+    for bad, msg in (
+        ({"typical_p": 0.0}, r"typical_p must be in \(0, 1\]"),
+        ({"typical_p": 1.5}, r"typical_p must be in \(0, 1\]"),
+        ({"epsilon_cutoff": 1.0}, r"epsilon_cutoff must be in \[0, 1\)"),
+        ({"eta_cutoff": -0.1}, r"eta_cutoff must be in \[0, 1\)"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(ids, mask, do_sample=True, **bad)
+
+
 @pytest.mark.reference
 def test_token_processors_and_min_p_equal_hf_generate():
-    """The live twin of the two tests above: tokens and every step's processed scores."""
+    """The live twin of the three tests above: tokens and every step's processed scores."""
     torch, _, hf = _hf_eager()
     model, _ = _fixture("tiny")
     cases = [kw for kw, _ in _PROC_CASES]
     cases += [{"do_sample": True, "min_p": 0.3, "top_k": 0, "max_new_tokens": 1}]
     cases += [{"do_sample": True, "min_p": 0.1, "top_k": 30, "top_p": 0.9, "temperature": 0.7, "max_new_tokens": 1}]
+    cases += [{"do_sample": True, "top_k": 0, "max_new_tokens": 1} | opts for opts, _, _ in _TYPICAL_CASES]
+    cases += [
+        {"do_sample": True, "top_k": 0, "top_p": 0.9, "eta_cutoff": 0.05, "temperature": 0.7, "max_new_tokens": 1}
+    ]
     for kw in cases:
         kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0} | kw
         kw |= {"return_dict_in_generate": True, "output_scores": True}
