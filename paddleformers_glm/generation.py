@@ -74,7 +74,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         ),
         (
             None,
-            "penalty_alpha top_h dola_layers force_words_ids constraints sequence_bias "
+            "penalty_alpha top_h dola_layers force_words_ids constraints "
             "forced_bos_token_id exponential_decay_length_penalty guidance_scale watermarking_config prompt_lookup_num_tokens "
             "assistant_model max_time",
         ),
@@ -144,6 +144,7 @@ class GenerationConfig:
     eta_cutoff: float | None = None
     no_repeat_ngram_size: int | None = None
     bad_words_ids: list[list[int]] | None = None
+    sequence_bias: list | dict | None = None
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None
     forced_eos_token_id: int | list[int] | None = None
@@ -427,11 +428,33 @@ def resolve_settings(
         # HF drops a bad word that is one EOS token alone
         bad = [[int(t) for t in w] for w in bad if not (len(w) == 1 and int(w[0]) in eos)] or None
     r["bad_words_ids"] = bad
+    r["sequence_bias"] = _sequence_bias(get("sequence_bias"), int(getattr(config, "vocab_size", 2**63)))
     if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
         raise ValueError(  # as transformers: the forced step would have every logit -inf
             f"generate: every token in forced_eos_token_id {r['forced_eos_token_id']} is also in suppress_tokens"
         )
     return GenerationConfig(max_new_tokens=new, min_new_tokens=min_new, pad_token_id=int(pad), stop_strings=stops, **r)
+
+
+def _sequence_bias(given: Any, vocab: int) -> list[tuple[list[int], float]] | None:
+    """transformers' ``sequence_bias`` (a list of ``[[ids], bias]``, or a dict of id tuples to biases)
+    as [(ids, bias)], a later duplicate winning as in HF's dict; ids within the vocabulary, biases
+    finite numbers (HF refuses an int bias; taken here)."""
+    if given is None:
+        return None
+    pairs = list(given.items()) if isinstance(given, dict) else given
+    ok = isinstance(pairs, (list, tuple)) and len(pairs) > 0
+    for item in pairs if ok else ():
+        ids, bias = item if isinstance(item, (list, tuple)) and len(item) == 2 else ((), None)
+        ok = ok and isinstance(ids, (list, tuple)) and len(ids) > 0 and all(_is_int(t) and 0 <= t < vocab for t in ids)
+        ok = ok and not isinstance(bias, bool) and isinstance(bias, (int, float)) and math.isfinite(bias)
+    if not ok:
+        raise ValueError(
+            "generate: sequence_bias must be a non-empty list of [[token ids], bias] (or a dict of id tuples to "
+            f"biases), the ids within the vocabulary ({vocab}) and the biases finite, got {given!r}"
+        )
+    merged = {tuple(int(t) for t in ids): float(bias) for ids, bias in pairs}
+    return [(list(ids), bias) for ids, bias in merged.items()]
 
 
 # --------------------------------------------------------------------------- processors (on the device)
@@ -546,34 +569,68 @@ class _NGrams:
         return _banned(x, pairs)
 
 
-class _BadWords:
+class _HostRows:
+    """Each row's ids on the host (the prompt's, padding included, then the chosen ones), for the
+    processors that look at how a row ends."""
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self.rows = [[int(t) for t in row] for row in prompt]
+
+    def append(self, ids: np.ndarray) -> None:
+        for row, t in zip(self.rows, ids.tolist()):
+            row.append(int(t))
+
+    def ending_with(self, head: list[int]) -> list[int]:
+        """The rows whose ids end with ``head``."""
+        return [b for b, row in enumerate(self.rows) if len(row) >= len(head) and row[len(row) - len(head) :] == head]
+
+
+class _SequenceBias(_HostRows):
+    """transformers' SequenceBiasLogitsProcessor (the first of its processors): a one-token
+    sequence's bias is added at every step, a longer one's to its last token where the row's ids
+    (the prompt's, padding included, then the chosen ones) end with the rest; biases on one token add."""
+
+    def __init__(self, biases: list[tuple[list[int], float]], prompt: np.ndarray, vocab: int) -> None:
+        import paddle
+
+        super().__init__(prompt)
+        single = np.zeros(vocab, np.float32)
+        for ids, bias in biases:
+            if len(ids) == 1:
+                single[ids[0]] = bias
+        self.single = paddle.to_tensor(single)
+        self.multi = [(ids[:-1], ids[-1], bias) for ids, bias in biases if len(ids) > 1]
+
+    def apply(self, x: paddle.Tensor) -> paddle.Tensor:
+        import paddle
+
+        bias = paddle.zeros_like(x) + self.single
+        hits = [(b, last, value) for head, last, value in self.multi for b in self.ending_with(head)]
+        if hits:
+            rows, cols, values = zip(*hits)
+            index = tuple(paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in (rows, cols))
+            bias = paddle.index_put(bias, index, paddle.to_tensor(np.asarray(values, np.float32)), accumulate=True)
+        return x + bias
+
+
+class _BadWords(_HostRows):
     """transformers' NoBadWordsLogitsProcessor: a one-token bad word gets -inf at every step, the
     last token of a longer one where the row's ids end with the rest (prompt ids included)."""
 
     def __init__(self, words: list[list[int]], prompt: np.ndarray, vocab: int) -> None:
         import paddle
 
-        self.rows = [[int(t) for t in row] for row in prompt]
+        super().__init__(prompt)
         single = [w[0] for w in words if len(w) == 1]
         self.single = paddle.to_tensor(np.isin(np.arange(vocab), single)) if single else None
         self.multi = [(w[:-1], w[-1]) for w in words if len(w) > 1]
-
-    def append(self, ids: np.ndarray) -> None:
-        for row, t in zip(self.rows, ids.tolist()):
-            row.append(int(t))
 
     def ban(self, x: paddle.Tensor) -> paddle.Tensor:
         import paddle
 
         if self.single is not None:
             x = paddle.where(self.single, paddle.full_like(x, -math.inf), x)
-        pairs = [
-            (b, last)
-            for b, row in enumerate(self.rows)
-            for head, last in self.multi
-            if len(row) >= len(head) and row[len(row) - len(head) :] == head
-        ]
-        return _banned(x, pairs)
+        return _banned(x, [(b, last) for head, last in self.multi for b in self.ending_with(head)])
 
 
 def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
@@ -729,6 +786,8 @@ def generate(
             seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
     ngrams = _NGrams(s.no_repeat_ngram_size, input_ids.numpy()) if s.no_repeat_ngram_size else None
     bad_words = _BadWords(s.bad_words_ids, input_ids.numpy(), V) if s.bad_words_ids else None
+    biases = _SequenceBias(s.sequence_bias, input_ids.numpy(), V) if s.sequence_bias else None
+    host_held = [p for p in (ngrams, bad_words, biases) if p is not None]  # read the chosen ids each step
     was_training = model.training
     model.eval()
     scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
@@ -751,6 +810,8 @@ def generate(
                 if s.output_logits:
                     raw.append(logits)
                 x = logits
+                if biases is not None:  # HF's first processor
+                    x = biases.apply(x)
                 if seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
                     rp = s.repetition_penalty
                     x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
@@ -782,12 +843,11 @@ def generate(
                 new.append(nxt)
                 if seen is not None:
                     seen = paddle.logical_or(seen, paddle.nn.functional.one_hot(nxt, V) > 0)
-                if streamer is not None or s.stop_strings or ngrams is not None or bad_words is not None:
+                if streamer is not None or s.stop_strings or host_held:
                     host = nxt.numpy()  # the chosen ids only
                     host_new.append(host)
-                    for held in (ngrams, bad_words):
-                        if held is not None:
-                            held.append(host)
+                    for held in host_held:
+                        held.append(host)
                     if put is not None:
                         put(host)
                     if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's

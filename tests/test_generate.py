@@ -1178,16 +1178,22 @@ def test_token_processors_and_min_p_equal_hf_generate():
     ]
     for kw in cases:
         kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0} | kw
-        kw |= {"return_dict_in_generate": True, "output_scores": True}
-        with torch.no_grad():
-            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
-        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), seed=0, **kw)
-        if not kw.get("do_sample"):  # sampled tokens come from other random numbers: one step, scores only
-            np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
-        for g, w in zip(got.scores, want.scores):
-            g, w = g.numpy(), w.numpy()
-            np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=str(kw))
-            np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-4, atol=1e-5, err_msg=str(kw))
+        _assert_same_scores(torch, hf, model, kw)
+
+
+def _assert_same_scores(torch, hf, model, kw) -> None:
+    """On the padded batch: every step's processed scores equal transformers' (the same tokens
+    removed), and so do the tokens unless sampled (drawn from other random numbers)."""
+    kw = kw | {"return_dict_in_generate": True, "output_scores": True}
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
+    got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), seed=0, **kw)
+    if not kw.get("do_sample"):
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(kw))
+    for g, w in zip(got.scores, want.scores):
+        g, w = g.numpy(), w.numpy()
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=str(kw))
+        np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-4, atol=1e-5, err_msg=str(kw))
 
 
 def test_speculative_refuses_the_token_processors_from_a_generation_config():
@@ -1200,7 +1206,7 @@ def test_speculative_refuses_the_token_processors_from_a_generation_config():
     class Config:
         max_position_embeddings, vocab_size = 64, 256
 
-    values = {"no_repeat_ngram_size": 2, "bad_words_ids": [[7]]}
+    values = {"no_repeat_ngram_size": 2, "bad_words_ids": [[7]], "sequence_bias": [[[7], 1.5]]}
     for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", *values):
         gc = GenerationConfig.from_dict({key: values.get(key, [7])}, source="ckpt/gc.json")
         with pytest.raises(ValueError, match=f"--speculative decodes greedily without {key}"):
@@ -1278,6 +1284,54 @@ _BAD_WORDS_CASES = [  # options, HF 5.23's new tokens for the padded batch (meas
         [[240, 211, 0, 0, 0], [184, 42, 85, 174, 22]],
     ),
 ]
+
+
+_SEQUENCE_BIAS_CASES = [  # options, HF 5.23's new tokens for the padded batch (measured, fixture "tiny", greedy)
+    ({"sequence_bias": [[[240], -10.0], [[184], -10.0]]}, [[156, 252, 239, 175, 50], [77, 251, 42, 135, 106]]),
+    (  # the prompt's ids count: [7, 8, 240] lifts row 0's first token
+        {"sequence_bias": [[[240, 211], -20.0], [[42, 85], -20.0], [[7, 8, 240], 5.0]]},
+        [[240, 185, 25, 123, 226], [184, 42, 22, 197, 137]],
+    ),
+    (  # two biases on 211 after 240 add up
+        {"sequence_bias": [[[211], 1.0], [[240, 211], 2.0], [[184, 42], -3.0]], "repetition_penalty": 0.5}
+        | {"max_new_tokens": 8},
+        [[240, 211, 7, 211, 7, 211, 6, 5], [184, 9, 11, 173, 184, 13, 156, 12]],
+    ),
+    ({"sequence_bias": {(240,): -5.0, (184, 42): 3.0}}, [[156, 252, 239, 175, 50], [184, 42, 85, 174, 22]]),
+    (  # row 0's left padding is part of its ids
+        {"sequence_bias": [[[0, 0, 5, 6, 7, 8, 13], 30.0], [[9, 10, 11, 12, 13, 14, 13], 30.0]]},
+        [[13, 131, 175, 212, 187], [13, 202, 93, 152, 53]],
+    ),
+]
+
+
+def test_sequence_bias_as_hf(tmp_path):
+    """transformers 5.23's SequenceBiasLogitsProcessor, its first processor: a one-token sequence's
+    bias at every step, a longer one's on its last token where the row's ids (prompt and padding
+    included) end with the rest; biases on one token add; the list form and the dict form. Measured
+    with HF's generate on the padded batch above: _SEQUENCE_BIAS_CASES. Before: refused ("is not
+    supported"). The same from a generation_config.json."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    for kw, want in _SEQUENCE_BIAS_CASES:
+        kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 5} | kw
+        np.testing.assert_array_equal(model.generate(ids, mask, **kw).numpy()[:, 6:], want, err_msg=str(kw))
+    for bad in ([], [[[], 1.0]], [[[-1], 1.0]], [[[100000], 1.0]], [[[7], float("nan")]], [[[7], True]], [[7, 1.0]]):
+        with pytest.raises(ValueError, match="sequence_bias must be a non-empty list of"):
+            model.generate(ids, mask, sequence_bias=bad)
+    file_kw, want = _SEQUENCE_BIAS_CASES[1]
+    from_file = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=file_kw), dtype="float32")
+    got = from_file.generate(ids, mask, eos_token_id=[], pad_token_id=0, max_new_tokens=5).numpy()[:, 6:]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.reference
+def test_sequence_bias_equals_hf_generate():
+    """The live twin of the test above: tokens and every step's processed scores."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    for kw, _ in _SEQUENCE_BIAS_CASES:
+        _assert_same_scores(torch, hf, model, {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 5} | kw)
 
 
 def test_bad_words_ids_as_hf():

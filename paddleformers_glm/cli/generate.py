@@ -52,6 +52,7 @@ def speculative_length(config: object, defaults: object, opts: dict, prompt_len:
         "min_new_tokens / min_length": s.min_new_tokens or None,
         "no_repeat_ngram_size": s.no_repeat_ngram_size or None,
         "bad_words_ids": s.bad_words_ids,
+        "sequence_bias": s.sequence_bias,
         "suppress_tokens": s.suppress_tokens,
         "begin_suppress_tokens": s.begin_suppress_tokens,
         "forced_eos_token_id": s.forced_eos_token_id,
