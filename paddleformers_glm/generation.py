@@ -51,6 +51,9 @@ HF_DEFAULTS: dict[str, Any] = {
     "eta_cutoff": 0.0,
     "repetition_penalty": 1.0,
     "num_return_sequences": 1,
+    "num_beams": 1,
+    "length_penalty": 1.0,
+    "early_stopping": False,
     "use_cache": True,
     "return_dict_in_generate": False,
     "output_scores": False,
@@ -66,11 +69,10 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (1, "num_beam_groups"),
         (0, "encoder_no_repeat_ngram_size"),
         (0.0, "diversity_penalty"),
-        (1.0, "length_penalty encoder_repetition_penalty"),
+        (1.0, "encoder_repetition_penalty"),
         (
             False,
-            "early_stopping renormalize_logits remove_invalid_values output_attentions output_hidden_states "
-            "token_healing",
+            "renormalize_logits remove_invalid_values output_attentions output_hidden_states token_healing",
         ),
         (
             None,
@@ -133,6 +135,8 @@ class GenerationConfig:
     repetition_penalty: float | None = None
     num_return_sequences: int | None = None
     num_beams: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
     use_cache: bool | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -219,11 +223,9 @@ class GenerationConfig:
 
     # ------------------------------------------------------------------ checks
     def check_supported(self) -> None:
-        """Refuse options this generate does not implement (beam search, ...), naming where they
+        """Refuse options this generate does not implement (group beam search, ...), naming where they
         were set and what is supported."""
         src, supported = self.extra.get("_source", "generation config"), f"supported options: {', '.join(self.keys())}"
-        if self.num_beams not in (None, 1):
-            raise ValueError(f"{src}: num_beams={self.num_beams}: beam search is not supported; {supported}")
         for k, v in self.extra.items():
             if k in UNSUPPORTED_OFF and v is not None and v != UNSUPPORTED_OFF[k]:  # None: HF's default, off
                 raise ValueError(
@@ -380,10 +382,20 @@ def resolve_settings(
         r |= {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")
     nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
-    if nrs > 1 and not r["do_sample"]:
+    beams = r["num_beams"] = _integer("num_beams", get("num_beams"), 1)
+    if beams > 1:  # transformers' beam search; its sampling variant is not implemented here
+        if r["do_sample"]:
+            raise ValueError(f"generate: num_beams={beams} with do_sample=True (beam sampling) is not supported")
+        if nrs > beams:  # transformers refuses it too
+            raise ValueError(f"generate: num_return_sequences={nrs} must be <= num_beams={beams}")
+        r["length_penalty"] = _number("length_penalty", get("length_penalty"), lambda v: True, "finite")
+        r["early_stopping"] = stop = get("early_stopping")
+        if stop not in (True, False, "never") or not isinstance(stop, (bool, str)):
+            raise ValueError(f"generate: early_stopping must be True, False or 'never', got {stop!r}")
+    elif nrs > 1 and not r["do_sample"]:
         raise ValueError(
-            f"generate: num_return_sequences={nrs} needs do_sample=True (greedy decoding returns one sequence "
-            "per prompt; beam search is not supported)"
+            f"generate: num_return_sequences={nrs} needs do_sample=True or num_beams >= {nrs} (greedy decoding "
+            "returns one sequence per prompt)"
         )
     eos = r["eos_token_id"] = _eos_list(get("eos_token_id"))
     pad = get("pad_token_id")
@@ -540,7 +552,27 @@ def _banned(x: paddle.Tensor, pairs: list[tuple[int, int]]) -> paddle.Tensor:
     return paddle.index_put(x, (rows, cols), paddle.full([len(pairs)], -math.inf, dtype=x.dtype))
 
 
-class _NGrams:
+class _HostRows:
+    """Each row's ids on the host (the prompt's, padding included, then the chosen ones), for the
+    processors that look at how a row ends."""
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self.rows = [[int(t) for t in row] for row in prompt]
+
+    def append(self, ids: np.ndarray) -> None:
+        for row, t in zip(self.rows, ids.tolist()):
+            row.append(int(t))
+
+    def reorder(self, idx: np.ndarray) -> None:
+        """Row ``i`` becomes a copy of row ``idx[i]`` (beam search)."""
+        self.rows = [list(self.rows[i]) for i in idx.tolist()]
+
+    def ending_with(self, head: list[int]) -> list[int]:
+        """The rows whose ids end with ``head``."""
+        return [b for b, row in enumerate(self.rows) if len(row) >= len(head) and row[len(row) - len(head) :] == head]
+
+
+class _NGrams(_HostRows):
     """transformers' NoRepeatNGramLogitsProcessor on the host: each row's n-grams so far (the whole
     ``input_ids``, padding included, as HF's; then the chosen ids), and the tokens that would repeat
     one after the row's last n - 1 tokens."""
@@ -558,6 +590,10 @@ class _NGrams:
             if len(row) >= self.n:
                 seen.setdefault(tuple(row[len(row) - self.n : -1]), set()).add(int(t))
 
+    def reorder(self, idx: np.ndarray) -> None:
+        super().reorder(idx)
+        self.seen = [{k: set(v) for k, v in self.seen[i].items()} for i in idx.tolist()]
+
     def ban(self, x: paddle.Tensor) -> paddle.Tensor:
         if len(self.rows[0]) + 1 < self.n:  # HF: no n-gram can be completed yet
             return x
@@ -567,22 +603,6 @@ class _NGrams:
             for t in sorted(seen.get(tuple(row[len(row) - self.n + 1 :]), ()))
         ]
         return _banned(x, pairs)
-
-
-class _HostRows:
-    """Each row's ids on the host (the prompt's, padding included, then the chosen ones), for the
-    processors that look at how a row ends."""
-
-    def __init__(self, prompt: np.ndarray) -> None:
-        self.rows = [[int(t) for t in row] for row in prompt]
-
-    def append(self, ids: np.ndarray) -> None:
-        for row, t in zip(self.rows, ids.tolist()):
-            row.append(int(t))
-
-    def ending_with(self, head: list[int]) -> list[int]:
-        """The rows whose ids end with ``head``."""
-        return [b for b, row in enumerate(self.rows) if len(row) >= len(head) and row[len(row) - len(head) :] == head]
 
 
 class _SequenceBias(_HostRows):
@@ -654,14 +674,17 @@ def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
 
 @dataclass
 class GenerateDecoderOnlyOutput:
-    """``return_dict_in_generate=True``: ``sequences`` [B, S + n]; per step the processed scores
+    """``return_dict_in_generate=True``: ``sequences`` [B, S + n] (beam search: also ``sequences_scores``
+    [B * num_return_sequences] and ``beam_indices``, as HF's beam output); per step the processed scores
     (``output_scores``) and the raw logits (``output_logits``), each [B, V], as HF returns them. Read as
     HF's ModelOutput: ``out["scores"]`` / ``out[1]`` / ``keys()`` / ``to_tuple()`` see the fields that are
     set (``attentions`` / ``hidden_states`` are never: those options are refused)."""
 
     sequences: Any
+    sequences_scores: Any = None
     scores: tuple | None = None
     logits: tuple | None = None
+    beam_indices: Any = None
     attentions: None = None
     hidden_states: None = None
     past_key_values: Any = None
@@ -705,8 +728,6 @@ def generate(
     """
     import paddle
 
-    from .modeling.cache import DSACache
-
     if inputs_embeds is not None:
         if inputs_embeds.ndim != 3:
             raise ValueError(f"generate: inputs_embeds must be [batch, seq, hidden], got {list(inputs_embeds.shape)}")
@@ -738,13 +759,16 @@ def generate(
         raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
     if s.stop_strings and tokenizer is None:
         raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
+    if s.num_beams > 1 and (streamer is not None or s.stop_strings):  # as transformers for a streamer
+        raise ValueError("generate: beam search (num_beams > 1) takes no streamer and no stop_strings")
     input_ids = input_ids.astype("int64")
-    if s.num_return_sequences > 1:
-        input_ids = paddle.repeat_interleave(input_ids, s.num_return_sequences, axis=0)
+    copies = s.num_beams if s.num_beams > 1 else s.num_return_sequences  # rows per prompt
+    if copies > 1:
+        input_ids = paddle.repeat_interleave(input_ids, copies, axis=0)
         if attention_mask is not None:
-            attention_mask = paddle.repeat_interleave(attention_mask, s.num_return_sequences, axis=0)
+            attention_mask = paddle.repeat_interleave(attention_mask, copies, axis=0)
         if inputs_embeds is not None:
-            inputs_embeds = paddle.repeat_interleave(inputs_embeds, s.num_return_sequences, axis=0)
+            inputs_embeds = paddle.repeat_interleave(inputs_embeds, copies, axis=0)
         B = input_ids.shape[0]
     # right padding: each row's first new token follows its last real token, not the padded end
     # (HF continues from the pad position and warns); later tokens are real, the pads stay masked
@@ -769,113 +793,307 @@ def generate(
     if hasattr(streamer, "put"):
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
-    eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
-    eos_vocab = paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
-    # [V] masks of HF's token processors: forced EOS (the last step), suppressed (every step), begin-suppressed (the first)
-    vocab_mask = {
-        k: paddle.to_tensor(np.isin(np.arange(V), getattr(s, k)))
-        for k in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
-        if getattr(s, k)
-    }
-    seen = None
-    if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
-        seen = paddle.zeros([B, V], dtype="bool")
-        if ids_given and S:
-            valid = paddle.ones_like(input_ids) if attention_mask is None else (attention_mask != 0).astype("int64")
-            zero = paddle.zeros([B, V], dtype="int64")
-            seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
-    ngrams = _NGrams(s.no_repeat_ngram_size, input_ids.numpy()) if s.no_repeat_ngram_size else None
-    bad_words = _BadWords(s.bad_words_ids, input_ids.numpy(), V) if s.bad_words_ids else None
-    biases = _SequenceBias(s.sequence_bias, input_ids.numpy(), V) if s.sequence_bias else None
-    host_held = [p for p in (ngrams, bad_words, biases) if p is not None]  # read the chosen ids each step
+    procs = _Processors(s, input_ids, attention_mask, ids_given, V)
+    decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     was_training = model.training
     model.eval()
-    scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
-    cache = None
     try:
         with paddle.no_grad():
-            if s.use_cache:
-                cache = DSACache.for_config(model.config, B, capacity=S + s.max_new_tokens)
-                prompt = input_ids if inputs_embeds is None else None
-                kw = {"inputs_embeds": inputs_embeds, "logits_to_keep": 1}
-                out = model(prompt, attention_mask, past_key_values=cache, use_cache=True, **kw)
-                step_fn = decode_step or model.decode_step
+            if s.num_beams > 1:
+                out = _beam_search(decoder, procs, s, input_ids)
             else:
-                seq, mask = input_ids if inputs_embeds is None else inputs_embeds, attention_mask
-                out = _full_forward(model, seq, mask)
-            last = out.logits[:, -1] if last_real is None else _logits_at(model, out.last_hidden_state, last_real)
-            finished = paddle.zeros([B], dtype="bool")
-            for step in range(s.max_new_tokens):
-                logits = last.astype("float32")  # [B, V], stays on the device
-                if s.output_logits:
-                    raw.append(logits)
-                x = logits
-                if biases is not None:  # HF's first processor
-                    x = biases.apply(x)
-                if seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
-                    rp = s.repetition_penalty
-                    x = paddle.where(seen, paddle.where(x < 0, x * rp, x / rp), x)
-                if ngrams is not None:  # HF's order: after the repetition penalty, before the minimum length
-                    x = ngrams.ban(x)
-                if bad_words is not None:
-                    x = bad_words.ban(x)
-                if eos_vocab is not None and step < s.min_new_tokens:
-                    x = paddle.where(eos_vocab, paddle.full_like(x, -math.inf), x)
-                # HF's order after the minimum length: forced EOS, suppressed tokens, begin-suppressed tokens
-                if "forced_eos_token_id" in vocab_mask and step == s.max_new_tokens - 1:  # max_length - 1 tokens
-                    x = paddle.where(
-                        vocab_mask["forced_eos_token_id"], paddle.zeros_like(x), paddle.full_like(x, -math.inf)
-                    )
-                if "suppress_tokens" in vocab_mask:
-                    x = paddle.where(vocab_mask["suppress_tokens"], paddle.full_like(x, -math.inf), x)
-                if "begin_suppress_tokens" in vocab_mask and step == 0:
-                    x = paddle.where(vocab_mask["begin_suppress_tokens"], paddle.full_like(x, -math.inf), x)
-                if s.do_sample:
-                    x = _warp(x, s)
-                    nxt = _draw(x, rng.random(B))
-                else:
-                    nxt = paddle.argmax(x, axis=-1).astype("int64")
-                if s.output_scores:
-                    scores.append(x)
-                nxt = paddle.where(finished, paddle.full_like(nxt, s.pad_token_id), nxt)
-                if eos_t is not None:
-                    finished = paddle.logical_or(finished, paddle.isin(nxt, eos_t))
-                new.append(nxt)
-                if seen is not None:
-                    seen = paddle.logical_or(seen, paddle.nn.functional.one_hot(nxt, V) > 0)
-                if streamer is not None or s.stop_strings or host_held:
-                    host = nxt.numpy()  # the chosen ids only
-                    host_new.append(host)
-                    for held in host_held:
-                        held.append(host)
-                    if put is not None:
-                        put(host)
-                    if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's
-                        texts = [
-                            (tokenizer.decode(tail + [int(t) for t in row]), n)
-                            for row, (tail, n) in zip(np.stack(host_new, axis=1), tails)
-                        ]
-                        stopped = [
-                            any(text.find(stop, max(n - len(stop) + 1, 0)) >= 0 for stop in s.stop_strings)
-                            for text, n in texts
-                        ]
-                        finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
-                if step == s.max_new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
-                    break
-                if s.use_cache:
-                    positions, _ = cache.begin(None, 1)
-                    last = step_fn(nxt[:, None], positions, cache.slots, cache)
-                    cache.advance(1)
-                else:
-                    step_in = nxt[:, None] if inputs_embeds is None else model.model.embedding(nxt[:, None])
-                    seq = paddle.concat([seq, step_in.astype(seq.dtype)], axis=1)
-                    if mask is not None:
-                        mask = paddle.concat([mask, paddle.ones([B, 1], dtype=mask.dtype)], axis=1)
-                    last = _full_forward(model, seq, mask).logits[:, -1]
+                out = _sample(decoder, procs, s, input_ids, rng, put, tokenizer, tails)
     finally:
         if was_training:
             model.train()
     end()
+    return out
+
+
+class _Processors:
+    """transformers' logits processors, in its order, for every row of a generation (greedy,
+    sampling and beam search alike): sequence bias, repetition penalty, n-gram and bad-word bans,
+    minimum length, forced EOS, suppressed and begin-suppressed tokens."""
+
+    def __init__(
+        self, s: GenerationConfig, input_ids: paddle.Tensor, mask: paddle.Tensor | None, ids_given: bool, V: int
+    ):
+        import paddle
+
+        self.s = s
+        self.eos_vocab = (
+            paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
+        )
+        # [V] masks: forced EOS (the last step), suppressed (every step), begin-suppressed (the first)
+        self.vocab_mask = {
+            k: paddle.to_tensor(np.isin(np.arange(V), getattr(s, k)))
+            for k in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
+            if getattr(s, k)
+        }
+        B, S = input_ids.shape
+        self.seen = None
+        if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
+            self.seen = paddle.zeros([B, V], dtype="bool")
+            if ids_given and S:
+                valid = paddle.ones_like(input_ids) if mask is None else (mask != 0).astype("int64")
+                zero = paddle.zeros([B, V], dtype="int64")
+                self.seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
+        host = input_ids.numpy()
+        self.ngrams = _NGrams(s.no_repeat_ngram_size, host) if s.no_repeat_ngram_size else None
+        self.bad_words = _BadWords(s.bad_words_ids, host, V) if s.bad_words_ids else None
+        self.biases = _SequenceBias(s.sequence_bias, host, V) if s.sequence_bias else None
+        # the processors that read the chosen ids on the host each step
+        self.host_held = [p for p in (self.ngrams, self.bad_words, self.biases) if p is not None]
+
+    def __call__(self, x: paddle.Tensor, step: int) -> paddle.Tensor:
+        import paddle
+
+        s, neg_inf = self.s, paddle.full_like(x, -math.inf)
+        if self.biases is not None:  # HF's first processor
+            x = self.biases.apply(x)
+        if self.seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
+            rp = s.repetition_penalty
+            x = paddle.where(self.seen, paddle.where(x < 0, x * rp, x / rp), x)
+        for ban in (self.ngrams, self.bad_words):  # after the repetition penalty, before the minimum length
+            if ban is not None:
+                x = ban.ban(x)
+        if self.eos_vocab is not None and step < s.min_new_tokens:
+            x = paddle.where(self.eos_vocab, neg_inf, x)
+        masks = self.vocab_mask
+        if "forced_eos_token_id" in masks and step == s.max_new_tokens - 1:  # max_length - 1 tokens
+            x = paddle.where(masks["forced_eos_token_id"], paddle.zeros_like(x), neg_inf)
+        if "suppress_tokens" in masks:
+            x = paddle.where(masks["suppress_tokens"], neg_inf, x)
+        if "begin_suppress_tokens" in masks and step == 0:
+            x = paddle.where(masks["begin_suppress_tokens"], neg_inf, x)
+        return x
+
+    def append(self, nxt: paddle.Tensor, host: np.ndarray | None) -> None:
+        """The chosen ids [B] (on the device; ``host``: the same read back, when ``host_held``)."""
+        import paddle
+
+        if self.seen is not None:
+            self.seen = paddle.logical_or(self.seen, paddle.nn.functional.one_hot(nxt, self.seen.shape[1]) > 0)
+        for held in self.host_held:
+            held.append(host)
+
+    def reorder(self, idx: np.ndarray) -> None:
+        """Row ``i`` continues row ``idx[i]`` (beam search)."""
+        import paddle
+
+        if self.seen is not None:
+            self.seen = paddle.index_select(self.seen, paddle.to_tensor(idx), axis=0)
+        for held in self.host_held:
+            held.reorder(idx)
+
+
+class _Decoder:
+    """The model's side of a generation: the prompt's forward (``prefill``), then one new token per
+    row per step (``next``), through the cache allocated once (``model.decode_step`` or a capture of
+    it) or, with ``use_cache=False``, the whole sequence again; ``reorder`` for beam search."""
+
+    def __init__(self, model, use_cache, input_ids, mask, inputs_embeds, decode_step, last_real) -> None:
+        self.model, self.use_cache, self.input_ids, self.mask = model, use_cache, input_ids, mask
+        self.inputs_embeds, self.step_fn, self.last_real = inputs_embeds, decode_step or model.decode_step, last_real
+        self.cache = None
+
+    def prefill(self, new_tokens: int) -> paddle.Tensor:
+        """The logits [B, V] after each row's last prompt token (the cache sized for ``new_tokens`` more)."""
+        from .modeling.cache import DSACache
+
+        model = self.model
+        if self.use_cache:
+            prompt = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
+            capacity = prompt.shape[1] + new_tokens
+            self.cache = DSACache.for_config(model.config, prompt.shape[0], capacity=capacity)
+            prompt = self.input_ids if self.inputs_embeds is None else None
+            kw = {"inputs_embeds": self.inputs_embeds, "logits_to_keep": 1}
+            out = model(prompt, self.mask, past_key_values=self.cache, use_cache=True, **kw)
+        else:
+            self.seq = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
+            out = _full_forward(model, self.seq, self.mask)
+        if self.last_real is None:
+            return out.logits[:, -1]
+        return _logits_at(model, out.last_hidden_state, self.last_real)
+
+    def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
+        """The logits [B, V] after each row's new token ``nxt`` [B]."""
+        import paddle
+
+        if self.use_cache:
+            positions, _ = self.cache.begin(None, 1)
+            logits = self.step_fn(nxt[:, None], positions, self.cache.slots, self.cache)
+            self.cache.advance(1)
+            return logits
+        step_in = nxt[:, None] if self.inputs_embeds is None else self.model.model.embedding(nxt[:, None])
+        self.seq = paddle.concat([self.seq, step_in.astype(self.seq.dtype)], axis=1)
+        if self.mask is not None:
+            self.mask = paddle.concat([self.mask, paddle.ones([self.seq.shape[0], 1], dtype=self.mask.dtype)], axis=1)
+        return _full_forward(self.model, self.seq, self.mask).logits[:, -1]
+
+    def reorder(self, idx: paddle.Tensor) -> None:
+        """Row ``i`` continues row ``idx[i]``."""
+        import paddle
+
+        if self.use_cache:
+            self.cache.reorder_cache(idx)
+            return
+        self.seq = paddle.index_select(self.seq, idx, axis=0)
+        if self.mask is not None:
+            self.mask = paddle.index_select(self.mask, idx, axis=0)
+
+
+def _beam_search(
+    decoder: _Decoder, procs: _Processors, s: GenerationConfig, input_ids: paddle.Tensor
+) -> paddle.Tensor | GenerateDecoderOnlyOutput:
+    """transformers 5.23's beam search (``num_beams`` K > 1, no sampling), its rules on the host:
+    each step the processed log-probabilities plus each beam's score, the best max(2, 1 + #EOS) x K
+    continuations over all K beams; those ending in an EOS or at the length limit are finished
+    (among the first K, scored / generated length ** length_penalty, the K best finished kept), the
+    K best others run on (the cache and the processors' rows reordered to them). Stops as
+    transformers: every continuation finished, all K finished with ``early_stopping=True``, or (its
+    heuristic, with ``"never"`` judging by the longest length when length_penalty > 0) no running
+    beam can beat the worst finished one."""
+    import paddle
+
+    BK, S = input_ids.shape
+    K, n_new, lp, stop = s.num_beams, s.max_new_tokens, s.length_penalty, s.early_stopping
+    B, max_len = BK // K, S + n_new
+    eos = s.eos_token_id or []
+    keep = max(2, 1 + len(eos)) * K
+    top_mask = np.arange(keep) < K  # only the first K continuations can finish
+    # what fills a sequence that finished early: transformers' `pad or eos[0]` (pad 0 counts as unset)
+    fill = (s.pad_token_id or eos[0]) if eos else -1
+    run_seq = np.full((B, K, max_len), fill, np.int64)
+    run_seq[:, :, :S] = input_ids.numpy().reshape(B, K, S)
+    run_scores = np.zeros((B, K), np.float32)
+    run_scores[:, 1:] = -1e9  # the copies of the prompt: one beam starts
+    run_src = np.full((B, K, n_new), -1, np.int64)  # per new token: the flat row it continued
+    fin_seq, fin_src = run_seq.copy(), run_src.copy()
+    fin_scores, fin_done = np.full((B, K), -1e9, np.float32), np.zeros((B, K), bool)
+    improvable = np.ones((B, 1), bool)  # the heuristic: a running beam may still beat a finished one
+    rows = np.arange(B)[:, None]
+    scores, raw = [], []
+    last = decoder.prefill(n_new)
+    for step in range(n_new):
+        cur = S + step
+        logits = last.astype("float32")
+        if s.output_logits:
+            raw.append(logits)
+        logp = procs(paddle.nn.functional.log_softmax(logits, axis=-1), step)
+        if s.output_scores:
+            scores.append(logp)
+        V = logp.shape[-1]
+        total = logp.reshape([B, K, V]) + paddle.to_tensor(run_scores).unsqueeze(-1)
+        vals, idx = (t.numpy() for t in paddle.topk(total.reshape([B, K * V]), keep, axis=-1))
+        beam, tok = idx // V, idx % V
+        cand_seq, cand_src = run_seq[rows, beam], run_src[rows, beam]
+        cand_seq[:, :, cur] = tok
+        cand_src[:, :, step] = beam + rows * K
+        hits = np.isin(tok, eos) | (cur + 1 >= max_len)
+        # the running beams: the K best continuations that did not finish
+        running = vals + hits.astype(np.float32) * np.float32(-1e9)
+        pick = _top(running, K)
+        run_seq, run_scores, run_src = cand_seq[rows, pick], running[rows, pick], cand_src[rows, pick]
+        # the finished: the K best of those kept and those just finished (length-normalised)
+        done_now = hits & top_mask
+        ended = vals / np.float32((cur + 1 - S) ** lp)
+        ended += (fin_done.all(1, keepdims=True) & (stop is True)).astype(np.float32) * np.float32(-1e9)
+        ended += (~improvable).astype(np.float32) * np.float32(-1e9)
+        ended += (~done_now).astype(np.float32) * np.float32(-1e9)
+        merged = np.concatenate([fin_scores, ended], axis=1)
+        pick = _top(merged, K)
+        fin_seq = np.concatenate([fin_seq, cand_seq], axis=1)[rows, pick]
+        fin_src = np.concatenate([fin_src, cand_src], axis=1)[rows, pick]
+        fin_done = np.concatenate([fin_done, done_now], axis=1)[rows, pick]
+        fin_scores = merged[rows, pick]
+        # the rows continue the beams they extend
+        src = run_src[:, :, step].reshape(BK)
+        procs.reorder(src)
+        decoder.reorder(paddle.to_tensor(src))
+        nxt = run_seq[:, :, cur].reshape(BK)
+        procs.append(paddle.to_tensor(nxt), nxt)
+        best_len = (max_len - S) if stop == "never" and lp > 0.0 else (cur + 1 - S)
+        best = run_scores[:, :1] / np.float32(best_len**lp)
+        worst = np.where(fin_done, fin_scores.min(1, keepdims=True), np.float32(-1e9))
+        improvable = improvable & (best > worst).any(1, keepdims=True)
+        if not improvable.any() or (fin_done.all() and stop is True) or hits.all():
+            break
+        last = decoder.next(paddle.to_tensor(nxt))
+    nrs = s.num_return_sequences
+    seq, src = fin_seq[:, :nrs].reshape(B * nrs, max_len), fin_src[:, :nrs].reshape(B * nrs, n_new)
+    made = int((src >= 0).sum(1).max())
+    sequences = paddle.to_tensor(seq[:, : S + made])
+    if not s.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=paddle.to_tensor(fin_scores[:, :nrs].reshape(-1)) if s.output_scores else None,
+        scores=tuple(scores) if s.output_scores else None,
+        logits=tuple(raw) if s.output_logits else None,
+        beam_indices=paddle.to_tensor(src[:, :made]),
+        past_key_values=decoder.cache,
+    )
+
+
+def _top(x: np.ndarray, k: int) -> np.ndarray:
+    """The indices of each row's k largest values, largest first (ties: the earlier first)."""
+    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+
+
+def _sample(
+    decoder: _Decoder,
+    procs: _Processors,
+    s: GenerationConfig,
+    input_ids: paddle.Tensor,
+    rng: np.random.Generator,
+    put: Callable[[np.ndarray], None] | None,
+    tokenizer: Any,
+    tails: list | None,
+) -> paddle.Tensor | GenerateDecoderOnlyOutput:
+    """Greedy decoding or sampling, one token per row per step."""
+    import paddle
+
+    B = input_ids.shape[0]
+    eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
+    scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
+    last = decoder.prefill(s.max_new_tokens)
+    finished = paddle.zeros([B], dtype="bool")
+    for step in range(s.max_new_tokens):
+        logits = last.astype("float32")  # [B, V], stays on the device
+        if s.output_logits:
+            raw.append(logits)
+        x = procs(logits, step)
+        if s.do_sample:
+            x = _warp(x, s)
+            nxt = _draw(x, rng.random(B))
+        else:
+            nxt = paddle.argmax(x, axis=-1).astype("int64")
+        if s.output_scores:
+            scores.append(x)
+        nxt = paddle.where(finished, paddle.full_like(nxt, s.pad_token_id), nxt)
+        if eos_t is not None:
+            finished = paddle.logical_or(finished, paddle.isin(nxt, eos_t))
+        new.append(nxt)
+        host = None
+        if put is not None or s.stop_strings or procs.host_held:
+            host = nxt.numpy()  # the chosen ids only
+            host_new.append(host)
+            if put is not None:
+                put(host)
+            if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's
+                texts = [
+                    (tokenizer.decode(tail + [int(t) for t in row]), n)
+                    for row, (tail, n) in zip(np.stack(host_new, axis=1), tails)
+                ]
+                stopped = [
+                    any(text.find(stop, max(n - len(stop) + 1, 0)) >= 0 for stop in s.stop_strings) for text, n in texts
+                ]
+                finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
+        procs.append(nxt, host)
+        if step == s.max_new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
+            break
+        last = decoder.next(nxt)
     sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)
     if not s.return_dict_in_generate:
         return sequences
@@ -883,7 +1101,7 @@ def generate(
         sequences=sequences,
         scores=tuple(scores) if s.output_scores else None,
         logits=tuple(raw) if s.output_logits else None,
-        past_key_values=cache,
+        past_key_values=decoder.cache,
     )
 
 

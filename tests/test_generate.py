@@ -534,11 +534,11 @@ def test_sampling_only_settings_do_not_stop_greedy_decoding(tmp_path):
 def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):
     model = tiny_model(seed=1)
     ids = tokens(1, 6)
-    with pytest.raises(ValueError, match="beam search.*supported options: max_new_tokens"):
-        model.generate(ids, num_beams=4)
+    with pytest.raises(ValueError, match="penalty_alpha=0.6 is not supported.*supported options: max_new_tokens"):
+        model.generate(ids, penalty_alpha=0.6)
     with pytest.raises(TypeError, match="unknown option 'top_z'"):
         model.generate(ids, top_z=3)
-    with pytest.raises(ValueError, match="num_return_sequences=2 needs do_sample=True"):
+    with pytest.raises(ValueError, match="num_return_sequences=2 needs do_sample=True or num_beams >= 2"):
         model.generate(ids, num_return_sequences=2)
     with pytest.raises(ValueError, match="stop_strings need tokenizer"):
         model.generate(ids, stop_strings=["x"])
@@ -546,9 +546,9 @@ def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):
         with pytest.raises(ValueError, match=msg):
             model.generate(ids, do_sample=True, **bad)
     assert model.generate(ids, num_beams=1, max_new_tokens=2).shape[1] == 8  # the off value is fine
-    path = _ckpt_copy(tmp_path, gen_config={"num_beams": 3, "no_repeat_ngram_size": 0})
+    path = _ckpt_copy(tmp_path, gen_config={"penalty_alpha": 0.6, "no_repeat_ngram_size": 0})
     loaded = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
-    with pytest.raises(ValueError, match=r"generation_config.json: num_beams=3: beam search"):
+    with pytest.raises(ValueError, match=r"generation_config.json: penalty_alpha=0.6 is not supported"):
         loaded.generate(ids)
 
 
@@ -851,10 +851,11 @@ def test_unimplemented_options_given_as_none_are_off(tmp_path):
     off value 0)", from a keyword (which the docs say counts as not given) and from a file."""
     from paddleformers_glm.generation import UNSUPPORTED_OFF
 
-    nones = {k: None for k in ("encoder_no_repeat_ngram_size", "length_penalty", "num_beam_groups")}
-    nones |= {k: None for k in ("early_stopping", "diversity_penalty", "renormalize_logits", "token_healing")}
+    nones = {k: None for k in ("encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "num_beam_groups")}
+    nones |= {k: None for k in ("diversity_penalty", "renormalize_logits", "token_healing")}
     assert all(UNSUPPORTED_OFF[k] is not None for k in nones)  # the keys whose off value is not None
-    nones |= dict.fromkeys(("no_repeat_ngram_size", "typical_p", "eta_cutoff"), None)  # implemented since; None is off
+    implemented_since = ("no_repeat_ngram_size", "typical_p", "eta_cutoff", "length_penalty", "early_stopping")
+    nones |= dict.fromkeys(implemented_since, None)  # None is their default too
     model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=nones), dtype="float32")
     ids = paddle.to_tensor([[5, 6, 7, 8]])
     for kw in (nones, {}):  # as keywords; from the file
@@ -1206,7 +1207,7 @@ def test_speculative_refuses_the_token_processors_from_a_generation_config():
     class Config:
         max_position_embeddings, vocab_size = 64, 256
 
-    values = {"no_repeat_ngram_size": 2, "bad_words_ids": [[7]], "sequence_bias": [[[7], 1.5]]}
+    values = {"no_repeat_ngram_size": 2, "bad_words_ids": [[7]], "sequence_bias": [[[7], 1.5]], "num_beams": 3}
     for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", *values):
         gc = GenerationConfig.from_dict({key: values.get(key, [7])}, source="ckpt/gc.json")
         with pytest.raises(ValueError, match=f"--speculative decodes greedily without {key}"):
@@ -1332,6 +1333,112 @@ def test_sequence_bias_equals_hf_generate():
     model, _ = _fixture("tiny")
     for kw, _ in _SEQUENCE_BIAS_CASES:
         _assert_same_scores(torch, hf, model, {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 5} | kw)
+
+
+# (options, HF 5.23's new tokens, sequences_scores and beam_indices for the padded batch: measured,
+# fixture "tiny", max_new_tokens 6, eos [211], pad 0 unless the options say otherwise)
+_BEAM_CASES = [
+    (
+        {"num_beams": 3, "num_return_sequences": 2},
+        [[156, 252, 239, 175, 50, 147], [156, 252, 239, 175, 50, 152], [77, 251, 42, 135, 106, 70]]
+        + [[77, 251, 22, 210, 241, 148]],
+        [-3.4326, -3.45208, -3.33698, -3.34041],
+        [[0, 1, 0, 0, 0, 1], [0, 1, 0, 0, 0, 1], [3, 4, 4, 3, 3, 3], [3, 4, 4, 5, 4, 5]],
+    ),
+    (  # a negative length penalty favours the short hypotheses; their tails hold eos[0] (pad 0 is "unset")
+        {"num_beams": 3, "eos_token_id": [252, 251], "length_penalty": -1.0, "num_return_sequences": 3},
+        [[156, 252, 252, 252, 252, 252], [28, 141, 29, 186, 25, 152], [28, 141, 29, 186, 25, 226]]
+        + [[77, 251, 252, 252, 252, 252], [184, 42, 85, 22, 197, 133], [184, 42, 85, 22, 210, 241]],
+        [-14.95236, -124.45761, -125.27836, -13.74251, -119.37131, -120.70181],
+        [[0, 1, -1, -1, -1, -1], [0, 2, 0, 0, 1, 1], [0, 2, 0, 0, 1, 1], [3, 4, -1, -1, -1, -1]]
+        + [[3, 3, 3, 3, 4, 3], [3, 3, 3, 3, 4, 4]],
+    ),
+    (
+        {"num_beams": 3, "early_stopping": True, "eos_token_id": [211, 240], "length_penalty": 2.0},
+        [[156, 252, 239, 175, 50, 147], [77, 251, 42, 135, 106, 70]],
+        [-0.5721, -0.55616],
+        [[0, 0, 0, 0, 0, 0], [3, 4, 4, 3, 3, 3]],
+    ),
+    (  # the processors follow each beam's own tokens
+        {"num_beams": 3, "repetition_penalty": 0.5, "no_repeat_ngram_size": 2, "max_new_tokens": 8},
+        [[6, 6, 8, 8, 7, 5, 8, 5], [10, 197, 197, 14, 11, 11, 9, 197]],
+        [-2.70634, -2.41158],
+        [[0, 1, 1, 0, 0, 0, 0, 2], [3, 5, 5, 5, 4, 4, 3, 4]],
+    ),
+]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_search_as_hf(use_cache):
+    """transformers 5.23's beam search (num_beams > 1, greedy): the best max(2, 1 + #EOS) x K
+    continuations of all beams each step, finished ones scored by length ** length_penalty,
+    early_stopping True / False / "never", num_return_sequences <= num_beams, its fill of a finished
+    sequence's tail; sequences, sequences_scores and beam_indices as measured (_BEAM_CASES), with the
+    cache reordered to the beams each step and without a cache. Before: refused ("beam search is not
+    supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    base = {"max_new_tokens": 6, "eos_token_id": [211], "pad_token_id": 0, "use_cache": use_cache}
+    for kw, want, want_scores, want_beams in _BEAM_CASES:
+        kw = base | kw
+        out = model.generate(ids, mask, return_dict_in_generate=True, output_scores=True, **kw)
+        np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], want, err_msg=str(kw))
+        np.testing.assert_allclose(out.sequences_scores.numpy(), want_scores, rtol=1e-4, err_msg=str(kw))
+        np.testing.assert_array_equal(out.beam_indices.numpy(), want_beams, err_msg=str(kw))
+        assert out.keys()[:2] == ["sequences", "sequences_scores"] and len(out.scores) == len(want[0])
+    np.testing.assert_array_equal(model.generate(ids, mask, num_beams=3, **base).numpy()[:, 6:], _BEAM_CASES[0][1][::2])
+    for bad, msg in (
+        ({"num_beams": 2, "do_sample": True}, "beam sampling"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 must be <= num_beams=2"),
+        ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping must be True, False or 'never'"),
+        ({"num_beams": 2, "length_penalty": float("inf")}, "length_penalty must be a finite number"),
+        ({"num_beams": 2, "streamer": print}, "takes no streamer and no stop_strings"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(ids, mask, **bad)
+
+
+def test_cache_reorder_moves_rows_within_the_same_buffers():
+    """``DSACache.reorder_cache(idx)`` (HF's name): row i becomes row idx[i] in every buffer (latent
+    rows, indexer keys, key validity, rope positions), written into the buffers it had, so a decode
+    step captured on them (to_static, CUDA graph) reads the reordered rows."""
+    from paddleformers_glm.modeling.cache import DSACache
+
+    model, _ = _fixture("tiny")
+    cache = DSACache.for_config(model.config, 3, capacity=10)
+    mask = paddle.to_tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
+    model(paddle.to_tensor([[0, 5, 6, 7], [9, 10, 11, 12], [0, 0, 8, 9]]), mask, past_key_values=cache, use_cache=True)
+    bufs = [cache.key_valid, cache.positions] + [b for layer in cache.layers for b in (layer.latent, layer.index_keys)]
+    bufs = [b for b in bufs if b is not None]
+    before = [(b.data_ptr(), b.numpy().copy()) for b in bufs]
+    assert len(bufs) > 2 + len(cache.layers) and not np.array_equal(before[1][1][0], before[1][1][1])
+    cache.reorder_cache(paddle.to_tensor([2, 0, 0]))
+    for b, (ptr, old) in zip(bufs, before):
+        assert b.data_ptr() == ptr
+        np.testing.assert_array_equal(b.numpy(), old[[2, 0, 0]])
+
+
+@pytest.mark.reference
+def test_beam_search_equals_hf_generate():
+    """The live twin of the test above: sequences, their scores, beam indices and every step's
+    processed log-probabilities, with more EOS ids, bans and a sequence bias."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    cases = [kw for kw, *_ in _BEAM_CASES] + [
+        {"num_beams": 4, "num_return_sequences": 4, "eos_token_id": [211, 240, 156], "max_new_tokens": 8},
+        {"num_beams": 3, "early_stopping": "never", "eos_token_id": [211, 240], "length_penalty": -1.0},
+        {"num_beams": 3, "bad_words_ids": [[156], [77]], "sequence_bias": [[[252], 2.0]], "min_new_tokens": 3},
+        {"num_beams": 3, "eos_token_id": [252, 251], "length_penalty": -1.0, "pad_token_id": 7},
+    ]
+    for kw in cases:
+        kw = {"max_new_tokens": 6, "eos_token_id": [211], "pad_token_id": 0} | kw
+        _assert_same_scores(torch, hf, model, kw)
+        kw |= {"return_dict_in_generate": True, "output_scores": True}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw)
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), **kw)
+        np.testing.assert_allclose(got.sequences_scores.numpy(), want.sequences_scores.numpy(), rtol=1e-4)
+        np.testing.assert_array_equal(got.beam_indices.numpy(), want.beam_indices.numpy(), err_msg=str(kw))
 
 
 def test_bad_words_ids_as_hf():

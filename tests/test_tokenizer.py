@@ -168,6 +168,28 @@ def test_generate_command_speculative_takes_the_checkpoint_lengths_and_refuses_w
         assert name in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_generate_command_runs_the_beam_search_of_its_generation_config(tiny_dir, tmp_path, capsys):
+    """generation_config.json's num_beams > 1: the command prints the text of the model's beam
+    search (which has no stream: printed at its end). Before: refused (beam search unsupported)."""
+    import shutil
+
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"num_beams": 3, "max_new_tokens": 5}))
+    assert main(["generate", "--model", str(folder), "--prompt", "Hello there", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    tok = GlmTokenizer.from_pretrained(str(folder))
+    model = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32")
+    ids = tok.encode("Hello there", add_special_tokens=False)
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    out = model.generate(paddle.to_tensor([ids]), num_beams=3, max_new_tokens=5, eos_token_id=eos).numpy()
+    greedy = model.generate(paddle.to_tensor([ids]), num_beams=1, max_new_tokens=5, eos_token_id=eos).numpy()
+    assert printed == tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True) + "\n"
+    assert out.tolist() != greedy.tolist()  # the beam search's own text, not the greedy one
+
+
 def test_generate_command_streams_characters_split_across_byte_tokens(tiny_dir, tmp_path, capsys, monkeypatch):
     """A byte-level BPE (as GLM's tokenizer is) splits an emoji or a rare character over several
     tokens; decoding the tokens so far then ends in U+FFFD until the character is complete. The

@@ -53,6 +53,7 @@ def speculative_length(config: object, defaults: object, opts: dict, prompt_len:
         "no_repeat_ngram_size": s.no_repeat_ngram_size or None,
         "bad_words_ids": s.bad_words_ids,
         "sequence_bias": s.sequence_bias,
+        "num_beams": s.num_beams if s.num_beams > 1 else None,
         "suppress_tokens": s.suppress_tokens,
         "begin_suppress_tokens": s.begin_suppress_tokens,
         "forced_eos_token_id": s.forced_eos_token_id,
@@ -151,19 +152,23 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
+    beams = (getattr(defaults, "num_beams", None) or 1) > 1  # a beam search's text is known at its end
     try:
-        generate(
+        out = generate(
             model,
             prompt,
             generation_config=defaults,
             eos_token_id=eos,
             seed=args.seed,
-            streamer=stream,
+            streamer=None if beams else stream,
             tokenizer=tok,
             **opts,
         )
     except ValueError as err:
         return fail(str(err))
+    if beams:
+        for t in out.numpy()[0, len(ids) :]:
+            stream(np.asarray([t]))
     stream(None)
     sys.stdout.write("\n")
     return 0

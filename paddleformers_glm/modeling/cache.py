@@ -159,6 +159,17 @@ class DSACache:
         self.length += n
         self.positions = self._pending_positions
 
+    def reorder_cache(self, beam_idx: paddle.Tensor) -> None:
+        """Row ``i`` becomes what row ``beam_idx[i]`` was (beam search keeps its best beams; HF's
+        ``Cache.reorder_cache``), in place: the buffers keep their storage, so a captured decode
+        step still reads them."""
+        idx = beam_idx.astype("int64")
+        bufs = [self.key_valid, self.positions, self.topk]
+        bufs += [buf for layer in self.layers for buf in (layer.latent, layer.index_keys)]
+        for buf in bufs:
+            if buf is not None:
+                paddle.assign(paddle.index_select(buf, idx, axis=0), output=buf)
+
     def rollback(self, n: int) -> None:
         """Forget the last n filled slots (rejected speculative tokens): their rows are overwritten
         by the next forward, and each row's rope position goes back by its real tokens among them."""
