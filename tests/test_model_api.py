@@ -36,6 +36,29 @@ def test_outputs_by_name_position_and_tuple():
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def test_positional_arguments_in_transformers_order():
+    """transformers 5.23's ``GlmMoeDsaForCausalLM.forward(input_ids, attention_mask, position_ids,
+    past_key_values, inputs_embeds, labels, use_cache, logits_to_keep, **kwargs)`` (its signature,
+    read with inspect): code ported from it passes them by position. Before, the 4th was labels (a
+    cache given there was taken for labels) and the 5th and 6th this package's MTP switches."""
+    model = tiny_model()
+    model.eval()
+    ids = tokens(2, 12)
+    want = model(ids, labels=ids)
+    got = model(ids, None, None, None, None, ids)
+    assert float(got.loss) == float(want.loss)
+    np.testing.assert_array_equal(
+        model(ids, None, None, None, None, None, None, 1).logits.numpy(), want.logits.numpy()[:, -1:]
+    )
+    cache = model(ids[:, :-1], use_cache=True).past_key_values
+    step = model(ids[:, -1:], None, None, cache, None, None, True)
+    np.testing.assert_allclose(step.logits.numpy()[:, -1], want.logits.numpy()[:, -1], atol=2e-5)
+    embeds = model.get_input_embeddings()(ids)
+    np.testing.assert_array_equal(model(None, None, None, None, embeds).logits.numpy(), want.logits.numpy())
+    with pytest.raises(TypeError):
+        model(ids, None, None, None, None, ids, None, 0, True)  # add_mtp_loss is a keyword
+
+
 def test_inputs_embeds_and_use_cache():
     model = tiny_model()
     ids = tokens(2, 12)

@@ -202,7 +202,7 @@ def _classes() -> dict[str, Any]:
                 input_ids,
                 attention_mask,
                 position_ids,
-                labels,
+                labels=labels,
                 add_mtp_loss=self.training and labels is not None,
                 past_key_values=past_key_values,
                 use_cache=use_cache,

@@ -24,6 +24,7 @@ from paddle import nn
 
 from ..configuration import HF_DOWNLOAD_KWARGS, IGNORE_INDEX, GlmMoeDsaConfig
 from ..ops import cpu_bf16, cross_entropy_sum
+from ..ops.norm import building_graph
 from ..parallel import comm
 from ..parallel.layers import (
     ParallelLMHead,
@@ -1113,15 +1114,15 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         input_ids: paddle.Tensor | None = None,
         attention_mask: paddle.Tensor | None = None,
         position_ids: paddle.Tensor | None = None,
+        past_key_values: DSACache | None = None,
+        inputs_embeds: paddle.Tensor | None = None,
         labels: paddle.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | paddle.Tensor = 0,
+        *,
         add_mtp_loss: bool = False,
         compute_mtp: bool | None = None,
-        *,
-        past_key_values: DSACache | None = None,
-        use_cache: bool | None = None,
-        inputs_embeds: paddle.Tensor | None = None,
         return_dict: bool | None = None,
-        logits_to_keep: int | paddle.Tensor = 0,
         labels_shifted: bool = False,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
@@ -1276,8 +1277,6 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         built. Not in training mode: a training step never reads it, it would hold every layer's latent
         rows for the step, and a forward filling a cache records nothing for the indexer's training
         (transformers turns it off in training under gradient checkpointing)."""
-        from ..ops.norm import building_graph
-
         whole = self.stage.has_embedding and self.stage.has_head
         whole = whole and len(self.stage.layers) == self.config.num_hidden_layers
         return whole and not self.training and not self.distributed and not building_graph()
