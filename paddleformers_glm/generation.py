@@ -848,7 +848,8 @@ class _Processors:
     def __call__(self, x: paddle.Tensor, step: int) -> paddle.Tensor:
         import paddle
 
-        s, neg_inf = self.s, paddle.full_like(x, -math.inf)
+        s, masks = self.s, self.vocab_mask
+        neg_inf = paddle.full_like(x, -math.inf) if masks or self.eos_vocab is not None else None
         if self.biases is not None:  # HF's first processor
             x = self.biases.apply(x)
         if self.seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
@@ -859,7 +860,6 @@ class _Processors:
                 x = ban.ban(x)
         if self.eos_vocab is not None and step < s.min_new_tokens:
             x = paddle.where(self.eos_vocab, neg_inf, x)
-        masks = self.vocab_mask
         if "forced_eos_token_id" in masks and step == s.max_new_tokens - 1:  # max_length - 1 tokens
             x = paddle.where(masks["forced_eos_token_id"], paddle.zeros_like(x), neg_inf)
         if "suppress_tokens" in masks:
@@ -1011,15 +1011,16 @@ def _beam_search(
         src = run_src[:, :, step].reshape(BK)
         procs.reorder(src)
         decoder.reorder(paddle.to_tensor(src))
-        nxt = run_seq[:, :, cur].reshape(BK)
-        procs.append(paddle.to_tensor(nxt), nxt)
+        nxt_host = run_seq[:, :, cur].reshape(BK)
+        nxt = paddle.to_tensor(nxt_host)
+        procs.append(nxt, nxt_host)
         best_len = (max_len - S) if stop == "never" and lp > 0.0 else (cur + 1 - S)
         best = run_scores[:, :1] / np.float32(best_len**lp)
         worst = np.where(fin_done, fin_scores.min(1, keepdims=True), np.float32(-1e9))
         improvable = improvable & (best > worst).any(1, keepdims=True)
         if not improvable.any() or (fin_done.all() and stop is True) or hits.all():
             break
-        last = decoder.next(paddle.to_tensor(nxt))
+        last = decoder.next(nxt)
     nrs = s.num_return_sequences
     seq, src = fin_seq[:, :nrs].reshape(B * nrs, max_len), fin_src[:, :nrs].reshape(B * nrs, n_new)
     made = int((src >= 0).sum(1).max())
