@@ -578,7 +578,8 @@ class _NGrams(_HostRows):
     one after the row's last n - 1 tokens."""
 
     def __init__(self, n: int, prompt: np.ndarray) -> None:
-        self.n, self.rows = n, [[int(t) for t in row] for row in prompt]
+        super().__init__(prompt)
+        self.n = n
         self.seen: list[dict[tuple, set]] = [{} for _ in self.rows]
         for row, seen in zip(self.rows, self.seen):
             for i in range(len(row) - n + 1):
@@ -838,7 +839,8 @@ class _Processors:
                 valid = paddle.ones_like(input_ids) if mask is None else (mask != 0).astype("int64")
                 zero = paddle.zeros([B, V], dtype="int64")
                 self.seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
-        host = input_ids.numpy()
+        # the prompt read back to the host only for the processors that track rows there
+        host = input_ids.numpy() if s.no_repeat_ngram_size or s.bad_words_ids or s.sequence_bias else None
         self.ngrams = _NGrams(s.no_repeat_ngram_size, host) if s.no_repeat_ngram_size else None
         self.bad_words = _BadWords(s.bad_words_ids, host, V) if s.bad_words_ids else None
         self.biases = _SequenceBias(s.sequence_bias, host, V) if s.sequence_bias else None
