@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -70,15 +71,11 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (0, "encoder_no_repeat_ngram_size"),
         (0.0, "diversity_penalty"),
         (1.0, "encoder_repetition_penalty"),
-        (
-            False,
-            "renormalize_logits remove_invalid_values output_attentions output_hidden_states token_healing",
-        ),
+        (False, "output_attentions output_hidden_states token_healing"),
         (
             None,
-            "penalty_alpha top_h dola_layers force_words_ids constraints "
-            "forced_bos_token_id exponential_decay_length_penalty guidance_scale watermarking_config prompt_lookup_num_tokens "
-            "assistant_model max_time",
+            "penalty_alpha top_h dola_layers force_words_ids constraints guidance_scale watermarking_config "
+            "prompt_lookup_num_tokens assistant_model",
         ),
     )
     for name in names.split()
@@ -152,6 +149,11 @@ class GenerationConfig:
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None
     forced_eos_token_id: int | list[int] | None = None
+    forced_bos_token_id: int | None = None
+    remove_invalid_values: bool | None = None
+    exponential_decay_length_penalty: list | tuple | None = None
+    renormalize_logits: bool | None = None
+    max_time: float | None = None
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
     output_logits: bool | None = None
@@ -420,15 +422,15 @@ def resolve_settings(
         r[k] = _number(k, get(k), ok, need) if r["do_sample"] else HF_DEFAULTS[k]
     r["no_repeat_ngram_size"] = _integer("no_repeat_ngram_size", get("no_repeat_ngram_size") or 0, 0, " (0: off)")
     # token lists (an int alone as transformers' forced EOS takes it); [] or None: off
+    vocab = int(getattr(config, "vocab_size", 2**63))
     for k in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
         ids = _eos_list(get(k), k)
-        bad = [i for i in ids if not 0 <= i < int(getattr(config, "vocab_size", 2**63))]
+        bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"generate: {k} holds {bad[0]}, not a token id of the vocabulary")
         r[k] = ids or None
     bad = get("bad_words_ids")
     if bad is not None:  # transformers' NoBadWordsLogitsProcessor: a non-empty list of non-empty id lists
-        vocab = int(getattr(config, "vocab_size", 2**63))
         if (
             not isinstance(bad, (list, tuple))
             or not bad
@@ -440,7 +442,35 @@ def resolve_settings(
         # HF drops a bad word that is one EOS token alone
         bad = [[int(t) for t in w] for w in bad if not (len(w) == 1 and int(w[0]) in eos)] or None
     r["bad_words_ids"] = bad
-    r["sequence_bias"] = _sequence_bias(get("sequence_bias"), int(getattr(config, "vocab_size", 2**63)))
+    r["sequence_bias"] = _sequence_bias(get("sequence_bias"), vocab)
+    r["forced_bos_token_id"] = bos = get("forced_bos_token_id")
+    if bos is not None and not (_is_int(bos) and 0 <= bos < vocab):
+        raise ValueError(f"generate: forced_bos_token_id must be a token id of the vocabulary ({vocab}), got {bos!r}")
+    for k in ("remove_invalid_values", "renormalize_logits"):  # None: off, transformers' default
+        if not isinstance(get(k), (bool, type(None))):
+            raise ValueError(f"generate: {k} must be True or False, got {get(k)!r}")
+        r[k] = bool(get(k))
+    decay = get("exponential_decay_length_penalty")
+    if decay is not None:  # transformers' ExponentialDecayLengthPenalty: (start_index, decay_factor)
+        ok = isinstance(decay, (list, tuple)) and len(decay) == 2 and _is_int(decay[0])
+        if (
+            not ok
+            or isinstance(decay[1], bool)
+            or not isinstance(decay[1], (int, float))
+            or not math.isfinite(decay[1])
+        ):
+            raise ValueError(
+                f"generate: exponential_decay_length_penalty must be [start_index, decay_factor] (an int and a "
+                f"finite number), got {decay!r}"
+            )
+        if not eos:  # transformers fails inside the processor
+            raise ValueError(
+                "generate: exponential_decay_length_penalty raises the EOS scores; it needs an eos_token_id"
+            )
+        decay = (int(decay[0]), float(decay[1]))
+    r["exponential_decay_length_penalty"] = decay
+    # transformers' MaxTimeCriteria: rows stop once more than max_time seconds passed since generate began
+    r["max_time"] = None if get("max_time") is None else _number("max_time", get("max_time"), lambda t: True, "")
     if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
         raise ValueError(  # as transformers: the forced step would have every logit -inf
             f"generate: every token in forced_eos_token_id {r['forced_eos_token_id']} is also in suppress_tokens"
@@ -716,6 +746,9 @@ def generate(
     tokenizer: Any = None,
     decode_step: Callable[..., paddle.Tensor] | None = None,
     inputs_embeds: paddle.Tensor | None = None,
+    logits_processor: Sequence[Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]] | None = None,
+    stopping_criteria: Sequence[Callable[[paddle.Tensor, Any], Any]] | None = None,
+    prefix_allowed_tokens_fn: Callable[[int, paddle.Tensor], Sequence[int]] | None = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
@@ -726,8 +759,14 @@ def generate(
     ``inputs_embeds`` [B, S, H] (as transformers'): the prompt's embeddings are what the model reads;
     without ``input_ids`` only the new tokens are returned [B, n], and the prompt is nothing the
     repetition penalty or a stop string sees (HF's rules).
+    ``logits_processor`` / ``stopping_criteria`` / ``prefix_allowed_tokens_fn``: transformers' hooks with
+    Paddle tensors (``proc(input_ids [N, L], scores [N, V]) -> scores``, ``crit(input_ids, scores) -> bool
+    or [N] bool``, ``fn(batch_id, row_ids) -> allowed ids``), called where transformers calls them.
     """
     import paddle
+
+    started = time.time()  # max_time counts from here, as transformers' MaxTimeCriteria from generate's start
+    hooks = _Hooks.checked(logits_processor, stopping_criteria, prefix_allowed_tokens_fn)
 
     if inputs_embeds is not None:
         if inputs_embeds.ndim != 3:
@@ -794,7 +833,7 @@ def generate(
     if hasattr(streamer, "put"):
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
-    procs = _Processors(s, input_ids, attention_mask, ids_given, V)
+    procs = _Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
     decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     was_training = model.training
     model.eval()
@@ -811,27 +850,68 @@ def generate(
     return out
 
 
+@dataclass
+class _Hooks:
+    """The caller's own logits processors, stopping criteria and prefix constraint (transformers'
+    ``logits_processor`` / ``stopping_criteria`` / ``prefix_allowed_tokens_fn``, on Paddle tensors)."""
+
+    processors: list
+    criteria: list
+    prefix_fn: Callable | None
+
+    @classmethod
+    def checked(cls, processors: Any, criteria: Any, prefix_fn: Any) -> _Hooks:
+        lists = []
+        for name, given in (("logits_processor", processors), ("stopping_criteria", criteria)):
+            items = [] if given is None else given
+            if not isinstance(items, (list, tuple)) or not all(callable(x) for x in items):
+                raise TypeError(f"generate: {name} must be a list of callables (input_ids, scores), got {given!r}")
+            lists.append(list(items))
+        if prefix_fn is not None and not callable(prefix_fn):
+            raise TypeError(
+                f"generate: prefix_allowed_tokens_fn must be callable (batch_id, input_ids), got {prefix_fn!r}"
+            )
+        return cls(*lists, prefix_fn)
+
+
 class _Processors:
     """transformers' logits processors, in its order, for every row of a generation (greedy,
     sampling and beam search alike): sequence bias, repetition penalty, n-gram and bad-word bans,
-    minimum length, forced EOS, suppressed and begin-suppressed tokens."""
+    minimum length, the prefix constraint, forced BOS / EOS, the removal of NaN / inf, the EOS
+    length boost, suppressed and begin-suppressed tokens, the caller's processors, then (sampling)
+    the warpers and the final renormalisation; and its stopping criteria beyond EOS."""
 
     def __init__(
-        self, s: GenerationConfig, input_ids: paddle.Tensor, mask: paddle.Tensor | None, ids_given: bool, V: int
+        self,
+        s: GenerationConfig,
+        input_ids: paddle.Tensor,
+        mask: paddle.Tensor | None,
+        ids_given: bool,
+        V: int,
+        hooks: _Hooks,
+        started: float,
     ):
         import paddle
 
-        self.s = s
+        self.s, self.hooks, self.started = s, hooks, started
+        self.stops = bool(hooks.criteria) or s.max_time is not None
+        uses_eos = s.min_new_tokens or s.exponential_decay_length_penalty
         self.eos_vocab = (
-            paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and s.min_new_tokens else None
+            paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and uses_eos else None
         )
-        # [V] masks: forced EOS (the last step), suppressed (every step), begin-suppressed (the first)
-        self.vocab_mask = {
-            k: paddle.to_tensor(np.isin(np.arange(V), getattr(s, k)))
-            for k in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
-            if getattr(s, k)
+        # [V] masks: forced BOS / EOS (one step), suppressed (every step), begin-suppressed (the first)
+        token_sets = {"forced_bos_token_id": [] if s.forced_bos_token_id is None else [s.forced_bos_token_id]}
+        token_sets |= {
+            k: getattr(s, k) or [] for k in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
         }
+        self.vocab_mask = {k: paddle.to_tensor(np.isin(np.arange(V), ids)) for k, ids in token_sets.items() if ids}
         B, S = input_ids.shape
+        # transformers' forced BOS comes where its input_ids are 1 long (they hold no embedded prompt),
+        # and then the begin-suppressed tokens one step later
+        held = S if ids_given else 0
+        self.bos_step = 1 - held if s.forced_bos_token_id is not None and held <= 1 else None
+        self.begin_step = 0 if self.bos_step is None else 1
+        self.ids = input_ids if hooks.processors or hooks.criteria or hooks.prefix_fn else None  # for the hooks
         self.seen = None
         if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
             self.seen = paddle.zeros([B, V], dtype="bool")
@@ -862,13 +942,75 @@ class _Processors:
                 x = ban.ban(x)
         if self.eos_vocab is not None and step < s.min_new_tokens:
             x = paddle.where(self.eos_vocab, neg_inf, x)
+        if self.hooks.prefix_fn is not None:
+            x = self._prefix_allowed(x)
+        if step == self.bos_step:
+            x = paddle.where(masks["forced_bos_token_id"], paddle.zeros_like(x), neg_inf)
         if "forced_eos_token_id" in masks and step == s.max_new_tokens - 1:  # max_length - 1 tokens
             x = paddle.where(masks["forced_eos_token_id"], paddle.zeros_like(x), neg_inf)
+        if s.remove_invalid_values:  # HF's InfNanRemoveLogitsProcessor: NaN 0, +-inf the largest finite
+            x = paddle.nan_to_num(x)
+        decay = s.exponential_decay_length_penalty
+        if decay is not None and step > decay[0]:  # HF's boost of the EOS scores: |score| (factor^n - 1)
+            lift = paddle.abs(x) * (decay[1] ** (step - decay[0]) - 1)
+            x = x + paddle.where(paddle.logical_and(self.eos_vocab, paddle.isfinite(x)), lift, paddle.zeros_like(x))
         if "suppress_tokens" in masks:
             x = paddle.where(masks["suppress_tokens"], neg_inf, x)
-        if "begin_suppress_tokens" in masks and step == 0:
+        if "begin_suppress_tokens" in masks and step == self.begin_step:
             x = paddle.where(masks["begin_suppress_tokens"], neg_inf, x)
+        for proc in self.hooks.processors:
+            out = proc(self.ids, x)
+            if not isinstance(out, paddle.Tensor) or list(out.shape) != list(x.shape):
+                got = list(out.shape) if isinstance(out, paddle.Tensor) else type(out).__name__
+                raise TypeError(f"generate: logits_processor {proc!r} must return scores {list(x.shape)}, got {got}")
+            x = out.astype(x.dtype)
+        if s.do_sample:
+            x = _warp(x, s)
+        if s.renormalize_logits:  # HF's LogitNormalization, always the last; -inf stays -inf (Paddle's
+            # CPU log_softmax turns it into about -64 - logsumexp, a score a beam could then pick)
+            x = x - paddle.logsumexp(x, axis=-1, keepdim=True)
         return x
+
+    def _prefix_allowed(self, x: paddle.Tensor) -> paddle.Tensor:
+        """HF's PrefixConstrainedLogitsProcessor: each row keeps the tokens ``fn(batch id, row ids)``
+        allows; a prompt whose every row has all its allowed tokens at -inf gets score 0 on them."""
+        import paddle
+
+        N, V = x.shape
+        group = self.s.num_beams
+        rows, cols = [], []
+        for r in range(N):
+            allowed = [int(t) for t in self.hooks.prefix_fn(r // group, self.ids[r])]
+            if not allowed or not all(0 <= t < V for t in allowed):
+                raise ValueError(
+                    f"generate: prefix_allowed_tokens_fn returned {allowed!r} for batch id {r // group}: it must "
+                    f"name at least one token id of the vocabulary ({V})"
+                )
+            rows += [r] * len(allowed)
+            cols += allowed
+        index = tuple(paddle.to_tensor(np.asarray(v, dtype=np.int64)) for v in (rows, cols))
+        mask = paddle.index_put(paddle.full_like(x, -math.inf), index, paddle.zeros([len(rows)], dtype=x.dtype))
+        out = x + mask
+        unmet = (out.max(axis=-1) == -math.inf).reshape([N // group, group]).all(axis=-1, keepdim=True)
+        return paddle.where(paddle.repeat_interleave(unmet.astype("int32"), group, axis=0) > 0, mask, out)
+
+    def stopped(self, ids: paddle.Tensor | None, scores: tuple | None, rows: int) -> paddle.Tensor | None:
+        """Which of ``rows`` rows the stopping criteria end (transformers' StoppingCriteriaList: any
+        criterion; ``max_time`` ends all); ``ids`` [rows, L] what the caller's criteria read."""
+        import paddle
+
+        if self.s.max_time is not None and time.time() - self.started > self.s.max_time:
+            return paddle.ones([rows], dtype="bool")
+        done = None
+        for crit in self.hooks.criteria:
+            hit = crit(ids, scores)
+            hit = hit if isinstance(hit, paddle.Tensor) else paddle.to_tensor(np.asarray(hit))
+            if hit.ndim == 0:
+                hit = paddle.full([rows], bool(hit), dtype="bool")
+            if list(hit.shape) != [rows]:
+                raise TypeError(f"generate: stopping criterion {crit!r} must return a bool or [{rows}] bools")
+            done = hit.astype("bool") if done is None else paddle.logical_or(done, hit.astype("bool"))
+        return done
 
     def append(self, nxt: paddle.Tensor, host: np.ndarray | None) -> None:
         """The chosen ids [B] (on the device; ``host``: the same read back, when ``host_held``)."""
@@ -876,6 +1018,8 @@ class _Processors:
 
         if self.seen is not None:
             self.seen = paddle.logical_or(self.seen, paddle.nn.functional.one_hot(nxt, self.seen.shape[1]) > 0)
+        if self.ids is not None:
+            self.ids = paddle.concat([self.ids, nxt[:, None].astype(self.ids.dtype)], axis=1)
         for held in self.host_held:
             held.append(host)
 
@@ -883,8 +1027,11 @@ class _Processors:
         """Row ``i`` continues row ``idx[i]`` (beam search)."""
         import paddle
 
+        rows = paddle.to_tensor(idx)
         if self.seen is not None:
-            self.seen = paddle.index_select(self.seen, paddle.to_tensor(idx), axis=0)
+            self.seen = paddle.index_select(self.seen, rows, axis=0)
+        if self.ids is not None:
+            self.ids = paddle.index_select(self.ids, rows, axis=0)
         for held in self.host_held:
             held.reorder(idx)
 
@@ -993,6 +1140,16 @@ def _beam_search(
         cand_seq[:, :, cur] = tok
         cand_src[:, :, step] = beam + rows * K
         hits = np.isin(tok, eos) | (cur + 1 >= max_len)
+        if procs.stops:  # the caller's criteria and max_time end continuations too, as in transformers
+            cand = (
+                paddle.to_tensor(cand_seq[:, :, : cur + 1].reshape(B * keep, cur + 1))
+                if procs.ids is not None
+                else None
+            )
+            hit = procs.stopped(
+                cand, tuple(scores) if s.return_dict_in_generate and s.output_scores else None, B * keep
+            )
+            hits = hits if hit is None else hits | hit.numpy().reshape(B, keep)
         # the running beams: the K best continuations that did not finish
         running = vals + hits.astype(np.float32) * np.float32(-1e9)
         pick = _top(running, K)
@@ -1068,7 +1225,6 @@ def _sample(
             raw.append(logits)
         x = procs(logits, step)
         if s.do_sample:
-            x = _warp(x, s)
             nxt = _draw(x, rng.random(B))
         else:
             nxt = paddle.argmax(x, axis=-1).astype("int64")
@@ -1094,7 +1250,12 @@ def _sample(
                 ]
                 finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
         procs.append(nxt, host)
-        if step == s.max_new_tokens - 1 or ((eos_t is not None or s.stop_strings) and bool(finished.all())):
+        if procs.stops:  # the caller's criteria and max_time, on the rows with this step's token
+            hit = procs.stopped(procs.ids, tuple(scores) if s.return_dict_in_generate and s.output_scores else None, B)
+            finished = finished if hit is None else paddle.logical_or(finished, hit)
+        if step == s.max_new_tokens - 1 or (
+            (eos_t is not None or s.stop_strings or procs.stops) and bool(finished.all())
+        ):
             break
         last = decoder.next(nxt)
     sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)

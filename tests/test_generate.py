@@ -852,9 +852,10 @@ def test_unimplemented_options_given_as_none_are_off(tmp_path):
     from paddleformers_glm.generation import UNSUPPORTED_OFF
 
     nones = {k: None for k in ("encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "num_beam_groups")}
-    nones |= {k: None for k in ("diversity_penalty", "renormalize_logits", "token_healing")}
+    nones |= {k: None for k in ("diversity_penalty", "token_healing")}
     assert all(UNSUPPORTED_OFF[k] is not None for k in nones)  # the keys whose off value is not None
     implemented_since = ("no_repeat_ngram_size", "typical_p", "eta_cutoff", "length_penalty", "early_stopping")
+    implemented_since += ("renormalize_logits", "remove_invalid_values", "max_time")
     nones |= dict.fromkeys(implemented_since, None)  # None is their default too
     model = GlmMoeDsaForCausalLM.from_pretrained(_ckpt_copy(tmp_path, gen_config=nones), dtype="float32")
     ids = paddle.to_tensor([[5, 6, 7, 8]])
@@ -1464,3 +1465,263 @@ def test_bad_words_ids_equal_hf_generate():
     for kw, _ in _BAD_WORDS_CASES:
         kw = {"eos_token_id": [], "pad_token_id": 0} | kw | {"return_dict_in_generate": True, "output_scores": True}
         _assert_same_bans(torch, hf, model, kw)
+
+
+# transformers 5.23's remaining processors and its hooks, measured with its generate on fixture
+# "tiny", the padded batch above, greedy, eos [], pad 0 unless named (tools: the live twin below)
+_BOS_CASES = [  # (prompt, options, HF's new tokens)
+    (
+        [[5], [9]],
+        {"forced_bos_token_id": 7, "begin_suppress_tokens": [26, 66]},
+        [[7, 170, 213, 142], [7, 76, 174, 135]],
+    ),
+    ([[5], [9]], {"begin_suppress_tokens": [26, 66]}, [[226, 165, 240, 123], [134, 172, 232, 243]]),
+    (
+        _EMBEDS_IDS,
+        {"forced_bos_token_id": 7, "begin_suppress_tokens": [240, 184]},
+        [[156, 252, 239, 175], [77, 251, 42, 135]],
+    ),
+]
+
+
+def test_forced_bos_token_and_the_begin_suppressed_step_as_hf():
+    """transformers 5.23's ForcedBOSTokenLogitsProcessor forces its token where generate's input_ids
+    are one token long (a one-token prompt's first new token; with embeddings alone, whose input_ids
+    start empty, the second), and SuppressTokensAtBeginLogitsProcessor then acts one step later; a
+    longer prompt sees neither (_BOS_CASES; embeddings alone: [[240, 7, 226, 168], [184, 7, 234, 135]],
+    240 / 184 not suppressed). Before: forced_bos_token_id refused ("is not supported")."""
+    model, _ = _fixture("tiny")
+    kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0}
+    for prompt, opts, want in _BOS_CASES:
+        ids = paddle.to_tensor(prompt)
+        mask = paddle.to_tensor(_EMBEDS_MASK) if prompt is _EMBEDS_IDS else None
+        out = model.generate(ids, mask, **opts, **kw).numpy()[:, len(prompt[0]) :]
+        np.testing.assert_array_equal(out, want, err_msg=str(opts))
+    embeds = model.get_input_embeddings()(paddle.to_tensor(_EMBEDS_IDS))
+    out = model.generate(
+        inputs_embeds=embeds, attention_mask=paddle.to_tensor(_EMBEDS_MASK), **_BOS_CASES[2][1], **kw
+    ).numpy()
+    np.testing.assert_array_equal(out, [[240, 7, 226, 168], [184, 7, 234, 135]])
+    with pytest.raises(ValueError, match="forced_bos_token_id must be a token id"):
+        model.generate(paddle.to_tensor([[5]]), forced_bos_token_id=256)
+
+
+def test_exponential_decay_length_penalty_as_hf():
+    """transformers 5.23's ExponentialDecayLengthPenalty((start, factor)): after ``start`` new tokens
+    each EOS score s becomes s + |s| (factor^(step - start) - 1). Measured with eos [211, 172]: (0, 3.0)
+    ends both rows at step 1 ([[240, 211], [184, 172]]; score of 211 there 6.69925 / 1.25991), (2, 0.5)
+    lowers it ([.., -1.37064 / -1.61895 at step 2, -0.2657 / -3.04288 at step 3]) and the rows run on.
+    Before: refused ("is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"eos_token_id": [211, 172], "pad_token_id": 0, "max_new_tokens": 5}
+    kw |= {"return_dict_in_generate": True, "output_scores": True}
+    out = model.generate(ids, mask, exponential_decay_length_penalty=(0, 3.0), **kw)
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[240, 211], [184, 172]])
+    np.testing.assert_allclose(out.scores[1].numpy()[:, 211], [6.69925, 1.25991], rtol=1e-4)
+    out = model.generate(ids, mask, exponential_decay_length_penalty=[2, 0.5], **kw)
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[240, 211, 0, 0, 0], [184, 42, 85, 174, 22]])
+    got = np.stack([s.numpy()[:, 211] for s in out.scores[2:4]])
+    np.testing.assert_allclose(got, [[-1.37064, -1.61895], [-0.2657, -3.04288]], rtol=1e-4)
+    for bad, msg in (
+        ({"exponential_decay_length_penalty": (1.5, 2.0)}, r"must be \[start_index, decay_factor\]"),
+        ({"exponential_decay_length_penalty": (1, float("nan"))}, r"must be \[start_index, decay_factor\]"),
+        ({"exponential_decay_length_penalty": (1, 2.0), "eos_token_id": []}, "needs an eos_token_id"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(ids, mask, **bad)
+
+
+def test_renormalize_logits_and_remove_invalid_values_as_hf():
+    """transformers 5.23's LogitNormalization (``renormalize_logits``: the processed scores
+    log-softmaxed last, removed tokens kept at -inf) and InfNanRemoveLogitsProcessor
+    (``remove_invalid_values``: NaN -> 0, +-inf -> the largest finite float32, after the forced
+    tokens and before the suppressed ones). Measured: sampling with top_k 5 keeps 5 finite scores per
+    row, the top -1.556429 / -1.382573; beam search (3 beams, eos 211, 240 suppressed) scores its
+    sequences -3.446639 / -3.305382 (-3.459111 / -3.309391 without); min_new_tokens 2 leaves EOS at
+    -3.4028235e38 for two steps and the tokens become [[240, 185, 25, 123], [184, 42, 85, 174]]; a
+    NaN row in lm_head (token 7) scores 0 and greedy runs as without it. Paddle's CPU log_softmax
+    turns -inf into about -64 - logsumexp, so the normalisation is x - logsumexp(x). Before: both
+    options refused."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 4, "return_dict_in_generate": True}
+    kw |= {"output_scores": True}
+    x = model.generate(ids, mask, renormalize_logits=True, do_sample=True, top_k=5, seed=0, **kw).scores[0].numpy()
+    np.testing.assert_array_equal(np.isfinite(x).sum(1), [5, 5])
+    np.testing.assert_allclose(x.max(1), [-1.556429, -1.382573], rtol=1e-5)
+    greedy = model.generate(ids, mask, renormalize_logits=True, **kw)
+    np.testing.assert_array_equal(greedy.sequences.numpy()[:, 6:], [[240, 211, 172, 53], [184, 42, 85, 174]])
+    for s in greedy.scores:
+        np.testing.assert_allclose(np.log(np.exp(s.numpy().astype(np.float64)).sum(1)), 0.0, atol=1e-6)
+    beams = {"num_beams": 3, "eos_token_id": [211], "suppress_tokens": [240]}
+    for renorm, want in ((True, [-3.446639, -3.305382]), (False, [-3.459111, -3.309391])):
+        out = model.generate(ids, mask, **(kw | beams), renormalize_logits=renorm)
+        np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[156, 252, 239, 175], [77, 251, 42, 135]])
+        np.testing.assert_allclose(out.sequences_scores.numpy(), want, rtol=1e-5)
+    out = model.generate(ids, mask, **(kw | {"eos_token_id": [211], "min_new_tokens": 2}), remove_invalid_values=True)
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[240, 185, 25, 123], [184, 42, 85, 174]])
+    eos = [float(s.numpy()[0, 211]) for s in out.scores[:2]]
+    assert eos == [-float(np.finfo(np.float32).max)] * 2 and np.isfinite(out.scores[0].numpy()).all()
+    weight = model.lm_head.weight
+    poisoned = weight.numpy().copy()
+    poisoned[:, 7] = np.nan  # [hidden, vocab]: token 7's logit is NaN
+    weight.set_value(poisoned)
+    out = model.generate(ids, mask, remove_invalid_values=True, **kw)
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[240, 211, 172, 53], [184, 42, 85, 174]])
+    assert all((s.numpy()[:, 7] == 0).all() and np.isfinite(s.numpy()).all() for s in out.scores)
+    with pytest.raises(ValueError, match="renormalize_logits must be True or False"):
+        model.generate(ids, mask, renormalize_logits="yes")
+
+
+def test_max_time_ends_the_generation_after_the_step_that_passes_it():
+    """transformers 5.23's MaxTimeCriteria: the clock starts as generate does; after each step every
+    row (every beam continuation) is finished once more than max_time seconds passed, that step's
+    token kept. Measured, max_time 0: one new token, [[240], [184]]; with 3 beams (eos 211) the
+    same tokens, sequences_scores -4.043952 / -3.180291, beam_indices [[0], [3]]. A generous limit
+    changes nothing. Before: refused ("max_time=... is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 4}
+    np.testing.assert_array_equal(model.generate(ids, mask, max_time=0.0, **kw).numpy()[:, 6:], [[240], [184]])
+    out = model.generate(
+        ids,
+        mask,
+        max_time=0.0,
+        num_beams=3,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kw | {"eos_token_id": [211]},
+    )
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[240], [184]])
+    np.testing.assert_allclose(out.sequences_scores.numpy(), [-4.043952, -3.180291], rtol=1e-5)
+    np.testing.assert_array_equal(out.beam_indices.numpy(), [[0], [3]])
+    long = model.generate(ids, mask, max_time=3600, **kw).numpy()[:, 6:]
+    np.testing.assert_array_equal(long, [[240, 211, 172, 53], [184, 42, 85, 174]])
+
+
+def _ban_next_id(input_ids, scores):
+    """A caller's logits processor: bans each row's last id + 1 and lowers token 240 by 5."""
+    rows = paddle.arange(scores.shape[0])
+    cols = (input_ids[:, -1] + 1) % scores.shape[1]
+    out = paddle.index_put(scores, (rows, cols), paddle.full([scores.shape[0]], -float("inf")))
+    return out - 5.0 * (paddle.arange(scores.shape[1]) == 240).astype(scores.dtype)
+
+
+def _stop_after_172_or_42(input_ids, scores):
+    return paddle.isin(input_ids[:, -1], paddle.to_tensor([172, 42]))
+
+
+def _allowed(batch_id, row_ids):
+    last = int(row_ids[-1])
+    return [last, (last * 7 + batch_id) % 256, (last * 3 + 1) % 256, 211]
+
+
+# (hooks, options, HF's new tokens, HF's sequences_scores with beams): measured with torch twins of
+# the hooks above (the live test below holds them)
+_HOOK_CASES = [
+    ({"logits_processor": [_ban_next_id]}, {}, [[156, 252, 239, 175, 50, 147], [184, 42, 85, 174, 22, 12]], None),
+    ({"stopping_criteria": [_stop_after_172_or_42]}, {}, [[240, 211, 172], [184, 42, 0]], None),
+    (
+        {"stopping_criteria": [_stop_after_172_or_42]},
+        {"num_beams": 3, "eos_token_id": [211]},
+        [[156, 252, 239, 175, 50, 147], [77, 251, 42, 211, 211, 211]],
+        [-3.4326, -3.314944],
+    ),
+    (
+        {"logits_processor": [_ban_next_id]},
+        {"num_beams": 3, "eos_token_id": [211]},
+        [[156, 252, 239, 175, 50, 147], [77, 251, 42, 135, 106, 70]],
+        [-3.4326, -3.336982],
+    ),
+    ({"prefix_allowed_tokens_fn": _allowed}, {"max_new_tokens": 5}, [[25] * 5, [211, 211, 211, 198, 107]], None),
+    (
+        {"prefix_allowed_tokens_fn": _allowed},
+        {"max_new_tokens": 5, "num_beams": 2, "eos_token_id": [211]},
+        [[25] * 5, [211] * 5],
+        [-4.389427, -5.10127],
+    ),
+]
+
+
+def test_callers_logits_processors_stopping_criteria_and_prefix_constraint_as_hf():
+    """transformers 5.23's ``logits_processor`` (after its own processors, before the warpers),
+    ``stopping_criteria`` (a row, or a beam continuation, ends when one says so; its later tokens are
+    the pad, or the beam fill), and ``prefix_allowed_tokens_fn`` (each row keeps the tokens
+    fn(batch id, row ids) names; a prompt whose allowed tokens are all -inf gets score 0 on them),
+    given Paddle tensors here: _HOOK_CASES. Before: ``TypeError: unknown option``."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    for hooks, opts, want, want_scores in _HOOK_CASES:
+        kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 6} | opts
+        out = model.generate(ids, mask, return_dict_in_generate=True, output_scores=True, **hooks, **kw)
+        np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], want, err_msg=str(opts))
+        if want_scores is not None:
+            np.testing.assert_allclose(out.sequences_scores.numpy(), want_scores, rtol=1e-5)
+    out = model.generate(  # nothing allowed is finite (the bad word): the allowed token at score 0
+        ids,
+        mask,
+        prefix_allowed_tokens_fn=lambda b, row: [7] if b == 0 else [8],
+        bad_words_ids=[[7]],
+        max_new_tokens=2,
+        return_dict_in_generate=True,
+        output_scores=True,
+        eos_token_id=[],
+    )
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[7, 7], [8, 8]])
+    assert out.scores[0].numpy()[0, 7] == 0 and (np.isfinite(out.scores[0].numpy()).sum(1) == 1).all()
+    for bad, err, msg in (
+        ({"logits_processor": _ban_next_id}, TypeError, "logits_processor must be a list of callables"),
+        ({"logits_processor": [lambda i, s: s[:, :3]]}, TypeError, r"must return scores \[2, 256\], got \[2, 3\]"),
+        ({"stopping_criteria": [lambda i, s: [True]]}, TypeError, r"must return a bool or \[2\] bools"),
+        ({"prefix_allowed_tokens_fn": lambda b, row: []}, ValueError, "returned \\[\\] for batch id 0"),
+        ({"prefix_allowed_tokens_fn": lambda b, row: [999]}, ValueError, "at least one token id of the vocabulary"),
+    ):
+        with pytest.raises(err, match=msg):
+            model.generate(ids, mask, max_new_tokens=2, **bad)
+    assert bool(model.generate(ids, mask, max_new_tokens=2, stopping_criteria=[lambda i, s: True]).shape[1] == 7)
+
+
+@pytest.mark.reference
+def test_new_processors_and_hooks_equal_hf_generate():
+    """The live twin of the five tests above: tokens and every step's processed scores
+    (sequences_scores and beam indices with beams), the hooks written once for each framework."""
+    torch, transformers, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+
+    class Ban(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            out = scores.clone()
+            out[torch.arange(out.shape[0]), (input_ids[:, -1] + 1) % out.shape[1]] = -float("inf")
+            out[:, 240] -= 5.0
+            return out
+
+    class Stop(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.isin(input_ids[:, -1], torch.tensor([172, 42]))
+
+    twins = {_ban_next_id: Ban(), _stop_after_172_or_42: Stop(), _allowed: _allowed}
+    cases = [(hooks, opts) for hooks, opts, *_ in _HOOK_CASES]
+    cases += [({}, {"forced_bos_token_id": 7, "begin_suppress_tokens": [240, 184]})]
+    cases += [({}, {"eos_token_id": [211, 172], "exponential_decay_length_penalty": d}) for d in ((0, 3.0), (2, 0.5))]
+    cases += [({}, {"renormalize_logits": True, "num_beams": 3, "eos_token_id": [211], "suppress_tokens": [240]})]
+    cases += [({}, {"renormalize_logits": True, "do_sample": True, "top_k": 5, "max_new_tokens": 1})]
+    cases += [({}, {"remove_invalid_values": True, "eos_token_id": [211], "min_new_tokens": 2})]
+    cases += [({}, {"max_time": 0.0, "num_beams": 3, "eos_token_id": [211]})]
+    for hooks, opts in cases:
+        kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 6, "return_dict_in_generate": True}
+        kw |= {"output_scores": True} | opts
+        hf_hooks = {k: [twins[h] for h in v] if isinstance(v, list) else twins[v] for k, v in hooks.items()}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **hf_hooks, **kw)
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), seed=0, **hooks, **kw)
+        if not kw.get("do_sample"):
+            np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(opts))
+        assert len(got.scores) == len(want.scores)
+        for g, w in zip(got.scores, want.scores):
+            g, w = g.numpy(), w.numpy()
+            np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=str(opts))
+            np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-4, atol=1e-5, err_msg=str(opts))
+        if kw.get("num_beams", 1) > 1:
+            np.testing.assert_allclose(got.sequences_scores.numpy(), want.sequences_scores.numpy(), rtol=1e-5)
+            np.testing.assert_array_equal(got.beam_indices.numpy(), want.beam_indices.numpy(), err_msg=str(opts))

@@ -57,6 +57,10 @@ def speculative_length(config: object, defaults: object, opts: dict, prompt_len:
         "suppress_tokens": s.suppress_tokens,
         "begin_suppress_tokens": s.begin_suppress_tokens,
         "forced_eos_token_id": s.forced_eos_token_id,
+        "forced_bos_token_id": s.forced_bos_token_id,
+        "remove_invalid_values": s.remove_invalid_values or None,
+        "exponential_decay_length_penalty": s.exponential_decay_length_penalty,
+        "max_time": s.max_time,
     }
     for name, value in unsupported.items():
         if value is not None:
