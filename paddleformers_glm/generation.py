@@ -536,10 +536,12 @@ def _entropy(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Ten
     """log-probabilities, probabilities and entropy [N, 1] of logits x (removed tokens: -inf, no share)."""
     import paddle
 
-    logp = paddle.nn.functional.log_softmax(x, axis=-1)
-    p = paddle.exp(logp)
-    plogp = paddle.where(p > 0, p * logp, paddle.zeros_like(p))
-    return logp, p, -plogp.sum(-1, keepdim=True)
+    from .ops import log_softmax
+
+    logp = log_softmax(x, axis=-1)
+    kept, zero = paddle.isfinite(logp), paddle.zeros_like(logp)
+    p = paddle.where(kept, paddle.exp(logp), zero)  # Paddle's vectorised CPU exp(-inf) is 2.9e-39, not 0
+    return logp, p, -paddle.where(kept, p * logp, zero).sum(-1, keepdim=True)
 
 
 def _atypical(x: paddle.Tensor, mass: float) -> paddle.Tensor:
@@ -930,6 +932,8 @@ class _Processors:
     def __call__(self, x: paddle.Tensor, step: int) -> paddle.Tensor:
         import paddle
 
+        from .ops import log_softmax
+
         s, masks = self.s, self.vocab_mask
         neg_inf = paddle.full_like(x, -math.inf) if masks or self.eos_vocab is not None else None
         if self.biases is not None:  # HF's first processor
@@ -966,9 +970,9 @@ class _Processors:
             x = out.astype(x.dtype)
         if s.do_sample:
             x = _warp(x, s)
-        if s.renormalize_logits:  # HF's LogitNormalization, always the last; -inf stays -inf (Paddle's
-            # CPU log_softmax turns it into about -64 - logsumexp, a score a beam could then pick)
-            x = x - paddle.logsumexp(x, axis=-1, keepdim=True)
+        if s.renormalize_logits:  # HF's LogitNormalization, always the last (-inf stays -inf, as ops'
+            # log_softmax keeps it: Paddle's CPU one makes it finite, a score a beam could pick)
+            x = log_softmax(x, axis=-1)
         return x
 
     def _prefix_allowed(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -1105,6 +1109,8 @@ def _beam_search(
     beam can beat the worst finished one."""
     import paddle
 
+    from .ops import log_softmax
+
     BK, S = input_ids.shape
     K, n_new, lp, stop = s.num_beams, s.max_new_tokens, s.length_penalty, s.early_stopping
     B, max_len = BK // K, S + n_new
@@ -1129,7 +1135,7 @@ def _beam_search(
         logits = last.astype("float32")
         if s.output_logits:
             raw.append(logits)
-        logp = procs(paddle.nn.functional.log_softmax(logits, axis=-1), step)
+        logp = procs(log_softmax(logits, axis=-1), step)
         if s.output_scores:
             scores.append(logp)
         V = logp.shape[-1]

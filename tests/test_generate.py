@@ -1209,8 +1209,11 @@ def test_speculative_refuses_the_token_processors_from_a_generation_config():
         max_position_embeddings, vocab_size = 64, 256
 
     values = {"no_repeat_ngram_size": 2, "bad_words_ids": [[7]], "sequence_bias": [[[7], 1.5]], "num_beams": 3}
+    values |= {"forced_bos_token_id": 7, "remove_invalid_values": True, "max_time": 5.0}
+    values |= {"exponential_decay_length_penalty": [2, 1.5]}
     for key in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id", *values):
-        gc = GenerationConfig.from_dict({key: values.get(key, [7])}, source="ckpt/gc.json")
+        eos = {"eos_token_id": [3]} if key == "exponential_decay_length_penalty" else {}  # it needs one
+        gc = GenerationConfig.from_dict({key: values.get(key, [7])} | eos, source="ckpt/gc.json")
         with pytest.raises(ValueError, match=f"--speculative decodes greedily without {key}"):
             speculative_length(Config, gc, {}, 4)
     assert speculative_length(Config, GenerationConfig(max_new_tokens=3), {}, 4) == 3
