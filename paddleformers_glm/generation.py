@@ -59,6 +59,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "return_dict_in_generate": False,
     "output_scores": False,
     "output_logits": False,
+    "output_hidden_states": False,
 }
 
 # HF generation options this generate does not implement, with the value that turns each off: a
@@ -71,7 +72,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (0, "encoder_no_repeat_ngram_size"),
         (0.0, "diversity_penalty"),
         (1.0, "encoder_repetition_penalty"),
-        (False, "output_attentions output_hidden_states token_healing"),
+        (False, "output_attentions token_healing"),
         (
             None,
             "penalty_alpha top_h dola_layers force_words_ids constraints guidance_scale watermarking_config "
@@ -157,6 +158,7 @@ class GenerationConfig:
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
     output_logits: bool | None = None
+    output_hidden_states: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
@@ -369,7 +371,15 @@ def resolve_settings(
     min_length = _integer("min_length", get("min_length"), 0)
     min_new = max(0, min_length - prompt_len) if mn is None else mn
 
-    r = {k: get(k) for k in ("do_sample", "use_cache", "return_dict_in_generate", "output_scores", "output_logits")}
+    flags = (
+        "do_sample",
+        "use_cache",
+        "return_dict_in_generate",
+        "output_scores",
+        "output_logits",
+        "output_hidden_states",
+    )
+    r = {k: get(k) for k in flags}
     for k, v in r.items():
         if not isinstance(v, bool):
             raise ValueError(f"generate: {k} must be True or False, got {v!r}")
@@ -711,7 +721,9 @@ class GenerateDecoderOnlyOutput:
     [B * num_return_sequences] and ``beam_indices``, as HF's beam output); per step the processed scores
     (``output_scores``) and the raw logits (``output_logits``), each [B, V], as HF returns them. Read as
     HF's ModelOutput: ``out["scores"]`` / ``out[1]`` / ``keys()`` / ``to_tuple()`` see the fields that are
-    set (``attentions`` / ``hidden_states`` are never: those options are refused)."""
+    set (``hidden_states`` with ``output_hidden_states``: per step the forward's tuple of num_hidden_layers
+    + 1 [B, L, H], L the prompt's length first, then 1, or the whole sequence without a cache; ``attentions``
+    never: ``output_attentions`` is refused, the sparse attention forms keep no probabilities)."""
 
     sequences: Any
     sequences_scores: Any = None
@@ -719,7 +731,7 @@ class GenerateDecoderOnlyOutput:
     logits: tuple | None = None
     beam_indices: Any = None
     attentions: None = None
-    hidden_states: None = None
+    hidden_states: tuple | None = None
     past_key_values: Any = None
 
     def keys(self) -> list[str]:
@@ -837,6 +849,7 @@ def generate(
     V = int(model.config.vocab_size)
     procs = _Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
     decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
+    decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
     was_training = model.training
     model.eval()
     try:
@@ -1043,28 +1056,35 @@ class _Processors:
 class _Decoder:
     """The model's side of a generation: the prompt's forward (``prefill``), then one new token per
     row per step (``next``), through the cache allocated once (``model.decode_step`` or a capture of
-    it) or, with ``use_cache=False``, the whole sequence again; ``reorder`` for beam search."""
+    it) or, with ``use_cache=False``, the whole sequence again; ``reorder`` for beam search.
+    ``hidden`` (a list, when the caller asks for hidden states): each forward's
+    ``out.hidden_states``; the steps then run the model's forward on the cache, not ``decode_step``."""
 
     def __init__(self, model, use_cache, input_ids, mask, inputs_embeds, decode_step, last_real) -> None:
         self.model, self.use_cache, self.input_ids, self.mask = model, use_cache, input_ids, mask
         self.inputs_embeds, self.step_fn, self.last_real = inputs_embeds, decode_step or model.decode_step, last_real
-        self.cache = None
+        self.cache, self.hidden = None, None
+
+    def _kept(self, out: Any) -> Any:
+        if self.hidden is not None:
+            self.hidden.append(out.hidden_states)
+        return out
 
     def prefill(self, new_tokens: int) -> paddle.Tensor:
         """The logits [B, V] after each row's last prompt token (the cache sized for ``new_tokens`` more)."""
         from .modeling.cache import DSACache
 
-        model = self.model
+        model, states = self.model, self.hidden is not None
         if self.use_cache:
             prompt = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
             capacity = prompt.shape[1] + new_tokens
             self.cache = DSACache.for_config(model.config, prompt.shape[0], capacity=capacity)
             prompt = self.input_ids if self.inputs_embeds is None else None
-            kw = {"inputs_embeds": self.inputs_embeds, "logits_to_keep": 1}
-            out = model(prompt, self.mask, past_key_values=self.cache, use_cache=True, **kw)
+            kw = {"inputs_embeds": self.inputs_embeds, "logits_to_keep": 1, "output_hidden_states": states}
+            out = self._kept(model(prompt, self.mask, past_key_values=self.cache, use_cache=True, **kw))
         else:
             self.seq = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
-            out = _full_forward(model, self.seq, self.mask)
+            out = self._kept(_full_forward(model, self.seq, self.mask, states))
         if self.last_real is None:
             return out.logits[:, -1]
         return _logits_at(model, out.last_hidden_state, self.last_real)
@@ -1073,6 +1093,9 @@ class _Decoder:
         """The logits [B, V] after each row's new token ``nxt`` [B]."""
         import paddle
 
+        if self.use_cache and self.hidden is not None:  # the forward on the filled cache keeps them
+            kw = {"use_cache": True, "output_hidden_states": True, "logits_to_keep": 1}
+            return self._kept(self.model(nxt[:, None], past_key_values=self.cache, **kw)).logits[:, -1]
         if self.use_cache:
             positions, _ = self.cache.begin(None, 1)
             logits = self.step_fn(nxt[:, None], positions, self.cache.slots, self.cache)
@@ -1082,7 +1105,7 @@ class _Decoder:
         self.seq = paddle.concat([self.seq, step_in.astype(self.seq.dtype)], axis=1)
         if self.mask is not None:
             self.mask = paddle.concat([self.mask, paddle.ones([self.seq.shape[0], 1], dtype=self.mask.dtype)], axis=1)
-        return _full_forward(self.model, self.seq, self.mask).logits[:, -1]
+        return self._kept(_full_forward(self.model, self.seq, self.mask, self.hidden is not None)).logits[:, -1]
 
     def reorder(self, idx: paddle.Tensor) -> None:
         """Row ``i`` continues row ``idx[i]``."""
@@ -1198,6 +1221,7 @@ def _beam_search(
         scores=tuple(scores) if s.output_scores else None,
         logits=tuple(raw) if s.output_logits else None,
         beam_indices=paddle.to_tensor(src[:, :made]),
+        hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
         past_key_values=decoder.cache,
     )
 
@@ -1271,6 +1295,7 @@ def _sample(
         sequences=sequences,
         scores=tuple(scores) if s.output_scores else None,
         logits=tuple(raw) if s.output_logits else None,
+        hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
         past_key_values=decoder.cache,
     )
 
@@ -1284,7 +1309,7 @@ def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor
     return model.logits(rows)[:, 0]
 
 
-def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None):
+def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None, states: bool = False):
     """``use_cache=False``: the whole sequence again (ids [B, S], or embeddings [B, S, H]), positions
     counting each row's real tokens (as HF's prepare_inputs_for_generation makes them from the mask)."""
     import paddle
@@ -1292,6 +1317,7 @@ def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tenso
     pos = None if mask is None else paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
     ids, embeds = (seq, None) if seq.ndim == 2 else (None, seq)
     kw = {"position_ids": pos, "logits_to_keep": 1, "use_cache": False, "inputs_embeds": embeds}
+    kw["output_hidden_states"] = states
     return model(ids, attention_mask=mask, **kw)  # no cache built
 
 

@@ -1728,3 +1728,74 @@ def test_new_processors_and_hooks_equal_hf_generate():
         if kw.get("num_beams", 1) > 1:
             np.testing.assert_allclose(got.sequences_scores.numpy(), want.sequences_scores.numpy(), rtol=1e-5)
             np.testing.assert_array_equal(got.beam_indices.numpy(), want.beam_indices.numpy(), err_msg=str(opts))
+
+
+@pytest.mark.parametrize("opts", [{}, {"use_cache": False}, {"num_beams": 2, "eos_token_id": [211]}])
+def test_output_hidden_states_as_hf(opts):
+    """transformers 5.23's ``generate(return_dict_in_generate=True, output_hidden_states=True)``: per
+    step the forward's tuple of num_hidden_layers + 1 hidden states, [B, S, H] for the prompt, then
+    [B, 1, H] (without a cache the whole sequence again), beams as rows. Measured on the padded batch
+    (greedy, 3 new tokens [[240, 211, 172], [184, 42, 85]]): step 2's embedding row [1.9296875,
+    0.73046875, -0.5625, -1.1171875] / [-0.734375, 0.150390625, -0.5625, 0.8671875] (first 4 of H),
+    its final-normed one [2.537367, 0.440804, 0.98044, -0.086783] / [0.042487, 0.401687, 0.155419,
+    0.540443], the prompt's third layer at row 1, position 5 [-0.714616, 3.139269, 0.893825,
+    -1.579742]. Each step's states equal the full forward's over the sequence so far. Before: refused
+    ("output_hidden_states=True is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 3, "return_dict_in_generate": True} | opts
+    out = model.generate(ids, mask, output_hidden_states=True, **kw)
+    L, H = model.config.num_hidden_layers + 1, model.config.hidden_size
+    assert len(out.hidden_states) == 3 and all(len(step) == L for step in out.hidden_states)
+    rows = ids.shape[0] * opts.get("num_beams", 1)
+    for step, states in enumerate(out.hidden_states):
+        length = 6 + step if (step == 0 or not kw.get("use_cache", True)) else 1
+        assert all(list(h.shape) == [rows, length, H] for h in states)
+    if not opts:
+        np.testing.assert_array_equal(out.sequences.numpy()[:, 6:], [[240, 211, 172], [184, 42, 85]])
+        step2 = out.hidden_states[2]
+        np.testing.assert_allclose(
+            step2[0].numpy()[:, 0, :4],
+            [[1.9296875, 0.73046875, -0.5625, -1.1171875], [-0.734375, 0.150390625, -0.5625, 0.8671875]],
+        )
+        want_last = [[2.537367, 0.440804, 0.98044, -0.086783], [0.042487, 0.401687, 0.155419, 0.540443]]
+        np.testing.assert_allclose(step2[-1].numpy()[:, 0, :4], want_last, atol=2e-5)
+        want = [-0.714616, 3.139269, 0.893825, -1.579742]
+        np.testing.assert_allclose(out.hidden_states[0][3].numpy()[1, 5, :4], want, atol=2e-5)
+        seq = out.sequences[:, :8]  # the prompt and two new tokens: step 2 read the second
+        full = model(
+            seq, paddle.concat([mask, paddle.ones([2, 2], dtype=mask.dtype)], axis=1), output_hidden_states=True
+        )
+        for got, whole in zip(step2, full.hidden_states):
+            np.testing.assert_allclose(got.numpy()[:, 0], whole.numpy()[:, -1], atol=2e-5)
+    plain = model.generate(ids, mask, **kw)
+    np.testing.assert_array_equal(plain.sequences.numpy(), out.sequences.numpy())
+    assert plain.hidden_states is None and "hidden_states" not in plain.keys()
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model.generate(ids, mask, output_attentions=True, **kw)
+
+
+@pytest.mark.reference
+def test_output_hidden_states_equal_hf_generate():
+    """The live twin of the test above: every step's every hidden state, cached, without a cache, with
+    beams and from embeddings (within 2e-5 of transformers')."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    for opts in ({}, {"use_cache": False}, {"num_beams": 2, "eos_token_id": [211]}, {"embeds": True}):
+        kw = {"eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 3, "return_dict_in_generate": True}
+        kw |= {"output_hidden_states": True} | opts
+        embeds = kw.pop("embeds", False)
+        with torch.no_grad():
+            prompt = {"inputs_embeds": hf.get_input_embeddings()(torch.tensor(_EMBEDS_IDS))} if embeds else {}
+            want = hf.generate(
+                None if embeds else torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **prompt, **kw
+            )
+        prompt = {"inputs_embeds": model.get_input_embeddings()(paddle.to_tensor(_EMBEDS_IDS))} if embeds else {}
+        ids = None if embeds else paddle.to_tensor(_EMBEDS_IDS)
+        got = model.generate(ids, paddle.to_tensor(_EMBEDS_MASK), **prompt, **kw)
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(opts))
+        assert len(got.hidden_states) == len(want.hidden_states)
+        for g_step, w_step in zip(got.hidden_states, want.hidden_states):
+            assert len(g_step) == len(w_step)
+            for g, w in zip(g_step, w_step):
+                np.testing.assert_allclose(g.numpy(), w.numpy(), atol=2e-5, err_msg=str(opts))
