@@ -395,9 +395,7 @@ def resolve_settings(
     r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")
     nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
     beams = r["num_beams"] = _integer("num_beams", get("num_beams"), 1)
-    if beams > 1:  # transformers' beam search; its sampling variant is not implemented here
-        if r["do_sample"]:
-            raise ValueError(f"generate: num_beams={beams} with do_sample=True (beam sampling) is not supported")
+    if beams > 1:  # transformers' beam search (with do_sample: beam sampling)
         if nrs > beams:  # transformers refuses it too
             raise ValueError(f"generate: num_return_sequences={nrs} must be <= num_beams={beams}")
         r["length_penalty"] = _number("length_penalty", get("length_penalty"), lambda v: True, "finite")
@@ -510,15 +508,17 @@ def _sequence_bias(given: Any, vocab: int) -> list[tuple[list[int], float]] | No
 
 
 # --------------------------------------------------------------------------- processors (on the device)
-def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
+def _warp(logits: paddle.Tensor, s: GenerationConfig, keep: int = 1) -> paddle.Tensor:
     """Temperature, then top-k (ties with the k-th kept), then top-p (the smallest set of most
-    likely tokens whose probability reaches top_p), as HF's warpers: removed tokens get -inf."""
+    likely tokens whose probability reaches top_p), min-p, typical-p, the cutoffs, as HF's warpers:
+    removed tokens get -inf, at least ``keep`` tokens stay (HF's min_tokens_to_keep: 1 + #EOS in
+    beam sampling)."""
     import paddle
 
     neg_inf = paddle.full_like(logits, -math.inf)
     x = logits / s.temperature if s.temperature != 1.0 else logits
-    if s.top_k and s.top_k < x.shape[-1]:
-        kth = paddle.topk(x, s.top_k, axis=-1)[0][:, -1:]
+    if s.top_k and max(s.top_k, keep) < x.shape[-1]:
+        kth = paddle.topk(x, max(s.top_k, keep), axis=-1)[0][:, -1:]
         x = paddle.where(x < kth, neg_inf, x)
     if s.top_p < 1.0:
         # as HF's TopPLogitsWarper: from the least likely up, a token goes while the probability summed
@@ -528,18 +528,25 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig) -> paddle.Tensor:
         p = paddle.nn.functional.softmax(x.astype("float64"), axis=-1)
         cum = paddle.cumsum(paddle.take_along_axis(p, order, axis=-1), axis=-1)
         drop_sorted = (cum <= 1.0 - s.top_p).astype("float64")
-        drop_sorted[:, -1] = 0.0
+        drop_sorted[:, -keep:] = 0.0
         drop = paddle.put_along_axis(paddle.zeros_like(p), order, drop_sorted, axis=-1) > 0
         x = paddle.where(drop, neg_inf, x)
     if s.min_p is not None:  # HF's MinPLogitsWarper: a token goes below min_p x the top probability
         p = paddle.nn.functional.softmax(x, axis=-1)
-        x = paddle.where(p < s.min_p * p.max(axis=-1, keepdim=True), neg_inf, x)
+        x = paddle.where(_below_top(p < s.min_p * p.max(axis=-1, keepdim=True), x, keep), neg_inf, x)
     if s.typical_p is not None and s.typical_p < 1.0:
-        x = paddle.where(_atypical(x, s.typical_p), neg_inf, x)
+        x = paddle.where(_atypical(x, s.typical_p, keep), neg_inf, x)
     for cutoff, scaled in ((s.epsilon_cutoff, False), (s.eta_cutoff, True)):
         if cutoff:
-            x = paddle.where(_below_cutoff(x, cutoff, scaled), neg_inf, x)
+            x = paddle.where(_below_top(_below_cutoff(x, cutoff, scaled), x, keep), neg_inf, x)
     return x
+
+
+def _below_top(remove: paddle.Tensor, x: paddle.Tensor, keep: int) -> paddle.Tensor:
+    """``remove`` [N, V] less each row's ``keep`` highest scores (HF's min_tokens_to_keep)."""
+    import paddle
+
+    return remove & (x < paddle.topk(x, min(keep, x.shape[-1]), axis=-1)[0][:, -1:])
 
 
 def _entropy(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
@@ -554,11 +561,11 @@ def _entropy(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Ten
     return logp, p, -paddle.where(kept, p * logp, zero).sum(-1, keepdim=True)
 
 
-def _atypical(x: paddle.Tensor, mass: float) -> paddle.Tensor:
+def _atypical(x: paddle.Tensor, mass: float, keep: int = 1) -> paddle.Tensor:
     """Tokens outside the locally typical set (HF's TypicalLogitsWarper): ranked by how far their
     information -log p lies from the entropy, the closest tokens are kept until their probability
     summed in that order reaches ``mass`` (the token that reaches it included, and any token as
-    close as it; the closest always stays)."""
+    close as it; the ``keep`` closest always stay)."""
     import paddle
 
     logp, _, ent = _entropy(x)
@@ -566,13 +573,13 @@ def _atypical(x: paddle.Tensor, mass: float) -> paddle.Tensor:
     order = paddle.argsort(distance, axis=-1)  # closest first
     probs = paddle.nn.functional.softmax(paddle.take_along_axis(x, order, axis=-1), axis=-1)
     reached = (paddle.cumsum(probs, axis=-1) < mass).astype("int64").sum(-1, keepdim=True)
-    last = paddle.clip(reached, max=x.shape[-1] - 1)
+    last = paddle.clip(reached, min=keep - 1, max=x.shape[-1] - 1)
     return distance > paddle.take_along_axis(paddle.take_along_axis(distance, order, axis=-1), last, axis=-1)
 
 
 def _below_cutoff(x: paddle.Tensor, cutoff: float, entropy_scaled: bool) -> paddle.Tensor:
     """Tokens whose probability is below ``cutoff`` (HF's EpsilonLogitsWarper) or, entropy-scaled,
-    below min(cutoff, sqrt(cutoff) * exp(-entropy)) (its EtaLogitsWarper); the most likely stays."""
+    below min(cutoff, sqrt(cutoff) * exp(-entropy)) (its EtaLogitsWarper)."""
     import paddle
 
     _, p, ent = _entropy(x)
@@ -581,7 +588,7 @@ def _below_cutoff(x: paddle.Tensor, cutoff: float, entropy_scaled: bool) -> padd
         if entropy_scaled
         else cutoff
     )
-    return (p < bar) & (x < x.max(axis=-1, keepdim=True))
+    return p < bar
 
 
 def _banned(x: paddle.Tensor, pairs: list[tuple[int, int]]) -> paddle.Tensor:
@@ -855,7 +862,7 @@ def generate(
     try:
         with paddle.no_grad():
             if s.num_beams > 1:
-                out = _beam_search(decoder, procs, s, input_ids)
+                out = _beam_search(decoder, procs, s, input_ids, rng)
             else:
                 out = _sample(decoder, procs, s, input_ids, rng, put, tokenizer, tails)
     finally:
@@ -910,6 +917,7 @@ class _Processors:
 
         self.s, self.hooks, self.started = s, hooks, started
         self.stops = bool(hooks.criteria) or s.max_time is not None
+        self.keep = len(s.eos_token_id) + 1 if s.num_beams > 1 else 1  # HF's min_tokens_to_keep for the warpers
         uses_eos = s.min_new_tokens or s.exponential_decay_length_penalty
         self.eos_vocab = (
             paddle.to_tensor(np.isin(np.arange(V), s.eos_token_id)) if s.eos_token_id and uses_eos else None
@@ -982,7 +990,7 @@ class _Processors:
                 raise TypeError(f"generate: logits_processor {proc!r} must return scores {list(x.shape)}, got {got}")
             x = out.astype(x.dtype)
         if s.do_sample:
-            x = _warp(x, s)
+            x = _warp(x, s, self.keep)
         if s.renormalize_logits:  # HF's LogitNormalization, always the last (-inf stays -inf, as ops'
             # log_softmax keeps it: Paddle's CPU one makes it finite, a score a beam could pick)
             x = log_softmax(x, axis=-1)
@@ -1120,7 +1128,7 @@ class _Decoder:
 
 
 def _beam_search(
-    decoder: _Decoder, procs: _Processors, s: GenerationConfig, input_ids: paddle.Tensor
+    decoder: _Decoder, procs: _Processors, s: GenerationConfig, input_ids: paddle.Tensor, rng: np.random.Generator
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """transformers 5.23's beam search (``num_beams`` K > 1, no sampling), its rules on the host:
     each step the processed log-probabilities plus each beam's score, the best max(2, 1 + #EOS) x K
@@ -1129,7 +1137,9 @@ def _beam_search(
     K best others run on (the cache and the processors' rows reordered to them). Stops as
     transformers: every continuation finished, all K finished with ``early_stopping=True``, or (its
     heuristic, with ``"never"`` judging by the longest length when length_penalty > 0) no running
-    beam can beat the worst finished one."""
+    beam can beat the worst finished one. With ``do_sample`` (beam sampling) the continuations are
+    drawn without replacement from the softmax of those sums (the warpers applied to the
+    log-probabilities, keeping 1 + #EOS tokens), in the order drawn, as transformers' multinomial."""
     import paddle
 
     from .ops import log_softmax
@@ -1163,7 +1173,17 @@ def _beam_search(
             scores.append(logp)
         V = logp.shape[-1]
         total = logp.reshape([B, K, V]) + paddle.to_tensor(run_scores).unsqueeze(-1)
-        vals, idx = (t.numpy() for t in paddle.topk(total.reshape([B, K * V]), keep, axis=-1))
+        total = total.reshape([B, K * V])
+        if s.do_sample:
+            idx = _draw_without_replacement(total, keep, rng)
+            vals = paddle.take_along_axis(total, paddle.to_tensor(idx), axis=-1).numpy()
+            if not np.isfinite(vals).all():  # transformers' multinomial raises here too
+                raise ValueError(
+                    f"generate: beam sampling draws {keep} continuations per prompt, but fewer have a probability "
+                    f"after the warpers (top_k={s.top_k}, top_p={s.top_p} ...); keep more tokens or use fewer beams"
+                )
+        else:
+            vals, idx = (t.numpy() for t in paddle.topk(total, keep, axis=-1))
         beam, tok = idx // V, idx % V
         cand_seq, cand_src = run_seq[rows, beam], run_src[rows, beam]
         cand_seq[:, :, cur] = tok
@@ -1224,6 +1244,17 @@ def _beam_search(
         hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
         past_key_values=decoder.cache,
     )
+
+
+def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k indices per row [B, k] drawn without replacement from softmax(``scores``) [B, N], in the
+    order drawn (the Gumbel top-k: the k largest of scores + Gumbel noise, a sequential draw's law);
+    the noise from ``rng`` (float64, so no key ties), -inf scores never drawn."""
+    import paddle
+
+    noise = -np.log(-np.log(rng.random(scores.shape)))  # Gumbel(0, 1)
+    keys = scores.astype("float64") + paddle.to_tensor(noise)
+    return paddle.topk(keys, k, axis=-1)[1].numpy()
 
 
 def _top(x: np.ndarray, k: int) -> np.ndarray:

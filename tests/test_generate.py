@@ -1392,7 +1392,6 @@ def test_beam_search_as_hf(use_cache):
         assert out.keys()[:2] == ["sequences", "sequences_scores"] and len(out.scores) == len(want[0])
     np.testing.assert_array_equal(model.generate(ids, mask, num_beams=3, **base).numpy()[:, 6:], _BEAM_CASES[0][1][::2])
     for bad, msg in (
-        ({"num_beams": 2, "do_sample": True}, "beam sampling"),
         ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 must be <= num_beams=2"),
         ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping must be True, False or 'never'"),
         ({"num_beams": 2, "length_penalty": float("inf")}, "length_penalty must be a finite number"),
@@ -1799,3 +1798,82 @@ def test_output_hidden_states_equal_hf_generate():
             assert len(g_step) == len(w_step)
             for g, w in zip(g_step, w_step):
                 np.testing.assert_allclose(g.numpy(), w.numpy(), atol=2e-5, err_msg=str(opts))
+
+
+def test_draw_without_replacement_follows_a_sequential_draw():
+    """Beam sampling draws its continuations as transformers' ``torch.multinomial(p, k)`` without
+    replacement: the first index with probability p_i, the next p_j / (1 - p_i), in the order drawn;
+    a -inf score never. 40,000 draws of 2 from [0.5, 0.3, 0.2, 0]: every ordered pair's frequency
+    within 5 standard errors of its probability."""
+    from paddleformers_glm.generation import _draw_without_replacement
+
+    p = np.array([0.5, 0.3, 0.2, 0.0])
+    n = 40_000
+    scores = paddle.to_tensor(np.log(np.tile(p, (n, 1))).astype(np.float32))
+    drawn = _draw_without_replacement(scores, 2, np.random.default_rng(7))
+    assert drawn.shape == (n, 2) and (drawn != 3).all() and (drawn[:, 0] != drawn[:, 1]).all()
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                want = p[i] * p[j] / (1 - p[i])
+                got = np.mean((drawn[:, 0] == i) & (drawn[:, 1] == j))
+                assert abs(got - want) < 5 * np.sqrt(want * (1 - want) / n), (i, j, got, want)
+
+
+# (options, HF 5.23's finite first-step scores per row): beam sampling on the padded batch, the
+# warpers keeping 1 + #EOS tokens per row (measured; the live twin compares the scores themselves)
+_BEAM_SAMPLE_CASES = [
+    ({"num_beams": 3, "top_k": 2, "eos_token_id": [211, 240]}, [3] * 6),
+    ({"num_beams": 2, "top_k": 0, "top_p": 0.3, "eos_token_id": [211]}, [24, 24, 15, 15]),
+    ({"num_beams": 2, "top_k": 0, "typical_p": 0.2, "eos_token_id": [211]}, [36, 36, 32, 32]),
+    ({"num_beams": 2, "top_k": 0, "epsilon_cutoff": 0.05, "eos_token_id": [211]}, [2, 2, 2, 2]),
+    ({"num_beams": 2, "top_k": 0, "min_p": 0.9, "temperature": 0.5, "eos_token_id": [211]}, [3, 3, 2, 2]),
+    ({"num_beams": 2, "top_k": 0, "eta_cutoff": 0.2, "eos_token_id": [211]}, [141, 141, 109, 109]),
+]
+
+
+def test_beam_sampling_as_hf():
+    """transformers 5.23's beam sampling (``num_beams`` > 1 with ``do_sample``): the warpers act on
+    the log-probabilities keeping at least 1 + #EOS tokens (top_k 2 with two EOS ids keeps 3; an
+    epsilon cutoff that would keep 1 keeps 2), the continuations are drawn from the summed scores,
+    the rest is beam search: each returned sequence's score is its steps' processed scores summed
+    along ``beam_indices`` over its length ** length_penalty. A seed repeats a run. Too few tokens
+    to draw from are refused (transformers fails in its multinomial). Before: refused ("beam
+    sampling is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"do_sample": True, "pad_token_id": 0, "return_dict_in_generate": True, "output_scores": True}
+    for opts, finite in _BEAM_SAMPLE_CASES:
+        x = model.generate(ids, mask, max_new_tokens=1, seed=0, **kw, **opts).scores[0].numpy()
+        np.testing.assert_array_equal(np.isfinite(x).sum(1), finite, err_msg=str(opts))
+    opts = {"num_beams": 3, "num_return_sequences": 2, "top_k": 20, "eos_token_id": [211], "max_new_tokens": 6}
+    for lp in (1.0, 0.5):
+        out = model.generate(ids, mask, seed=3, length_penalty=lp, **kw, **opts)
+        again = model.generate(ids, mask, seed=3, length_penalty=lp, **kw, **opts)
+        np.testing.assert_array_equal(out.sequences.numpy(), again.sequences.numpy())
+        beams, seqs = out.beam_indices.numpy(), out.sequences.numpy()
+        for r in range(seqs.shape[0]):
+            n = int((beams[r] >= 0).sum())
+            total = sum(float(out.scores[t].numpy()[beams[r, t], seqs[r, 6 + t]]) for t in range(n))
+            np.testing.assert_allclose(out.sequences_scores.numpy()[r], total / n**lp, rtol=1e-5)
+    runs = {tuple(model.generate(ids, mask, seed=s, **kw, **opts).sequences.numpy().ravel()) for s in range(4)}
+    assert len(runs) > 1  # sampled, not the beam search's one answer
+    with pytest.raises(ValueError, match="beam sampling draws 4 continuations"):
+        model.generate(ids, mask, do_sample=True, num_beams=2, top_k=1, eos_token_id=[], max_new_tokens=2)
+
+
+@pytest.mark.reference
+def test_beam_sampling_scores_equal_hf_generate():
+    """The live twin of the test above: the first step's processed scores (the warpers under beam
+    sampling) equal transformers' for every case."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    for opts, _ in _BEAM_SAMPLE_CASES:
+        kw = {"do_sample": True, "max_new_tokens": 1, "pad_token_id": 0, "return_dict_in_generate": True} | opts
+        kw["output_scores"] = True
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw).scores[0]
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), seed=0, **kw).scores[0]
+        g, w = got.numpy(), want.numpy()
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=str(opts))
+        np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-4, atol=1e-5, err_msg=str(opts))
