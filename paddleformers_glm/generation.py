@@ -76,7 +76,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (
             None,
             "penalty_alpha top_h dola_layers force_words_ids constraints guidance_scale watermarking_config "
-            "prompt_lookup_num_tokens assistant_model",
+            "assistant_model",
         ),
     )
     for name in names.split()
@@ -155,6 +155,8 @@ class GenerationConfig:
     exponential_decay_length_penalty: list | tuple | None = None
     renormalize_logits: bool | None = None
     max_time: float | None = None
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
     output_logits: bool | None = None
@@ -477,6 +479,15 @@ def resolve_settings(
             )
         decay = (int(decay[0]), float(decay[1]))
     r["exponential_decay_length_penalty"] = decay
+    # prompt lookup decoding (transformers' PromptLookupCandidateGenerator: drafts copied from the row's
+    # own ids after its last n-gram's earlier occurrence, checked by one forward)
+    for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
+        r[k] = None if get(k) is None else _integer(k, get(k), 1)
+    if r["prompt_lookup_num_tokens"] and (beams > 1 or nrs > 1 or stops):
+        raise ValueError(  # transformers' assisted decoding is one sequence too
+            "generate: prompt_lookup_num_tokens drafts for one sequence; it takes no num_beams, "
+            "num_return_sequences or stop_strings"
+        )
     # transformers' MaxTimeCriteria: rows stop once more than max_time seconds passed since generate began
     r["max_time"] = None if get("max_time") is None else _number("max_time", get("max_time"), lambda t: True, "")
     if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
@@ -855,7 +866,15 @@ def generate(
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
     procs = _Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
-    decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
+    if s.prompt_lookup_num_tokens:
+        if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states:
+            raise ValueError(  # transformers: "assisted generate is only supported for batch_size = 1"
+                "generate: prompt_lookup_num_tokens drafts from one row's ids: one prompt of ids, use_cache=True, "
+                f"no output_hidden_states (got {B} rows, use_cache={s.use_cache})"
+            )
+        decoder = _LookupDecoder(model, input_ids, attention_mask, last_real, s)
+    else:
+        decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
     was_training = model.training
     model.eval()
@@ -1125,6 +1144,53 @@ class _Decoder:
         self.seq = paddle.index_select(self.seq, idx, axis=0)
         if self.mask is not None:
             self.mask = paddle.index_select(self.mask, idx, axis=0)
+
+
+class _LookupDecoder(_Decoder):
+    """Prompt lookup decoding (transformers' ``prompt_lookup_num_tokens``, one row): when a token is
+    fed, up to that many drafts follow it in the same forward, copied from what followed the first
+    earlier occurrence of the row's last n ids (n = ``max_matching_ngram_size`` (2) down to 1; cut
+    before an EOS); the logits after each draft are kept. A later token equal to the next draft
+    takes its kept logits without a forward; one that differs rolls the unused drafts out of the
+    cache. The tokens are chosen as without drafts (the same processors, draw and stops), so greedy
+    decoding gives its own tokens; only the number of forwards changes (``forwards``)."""
+
+    def __init__(self, model, input_ids, mask, last_real, s: GenerationConfig) -> None:
+        super().__init__(model, True, input_ids, mask, None, None, last_real)
+        self.row = [int(t) for t in input_ids.numpy()[0]]
+        self.drafts, self.max_drafts = [], s.prompt_lookup_num_tokens
+        self.ngram, self.eos, self.forwards = s.max_matching_ngram_size or 2, set(s.eos_token_id), 0
+
+    def prefill(self, new_tokens: int) -> paddle.Tensor:
+        self.forwards += 1
+        return super().prefill(new_tokens)
+
+    def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
+        import paddle
+
+        token = int(nxt.numpy()[0])
+        self.row.append(token)
+        if self.drafts and self.drafts[0][0] == token:  # the draft was right: its logits are known
+            return self.drafts.pop(0)[1]
+        self.cache.rollback(len(self.drafts))  # the unused drafts' rows
+        room = self.cache.capacity - self.cache.length - 1
+        drafts = self._lookup(min(self.max_drafts, room))
+        out = self.model(paddle.to_tensor([[token, *drafts]]), past_key_values=self.cache, use_cache=True)
+        self.forwards += 1
+        logits = out.logits[0].astype("float32")
+        self.drafts = [(t, logits[i + 1 : i + 2]) for i, t in enumerate(drafts)]
+        return logits[:1]
+
+    def _lookup(self, most: int) -> list[int]:
+        """Up to ``most`` ids that followed the first earlier occurrence of the row's last n ids."""
+        row = self.row
+        for n in range(min(self.ngram, len(row) - 1), 0, -1):
+            tail = row[-n:]
+            for start in range(len(row) - n):
+                if row[start : start + n] == tail:  # the first match decides, as transformers'
+                    drafts = row[start + n : start + n + most]
+                    return drafts[: next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))]
+        return []
 
 
 def _beam_search(

@@ -1877,3 +1877,103 @@ def test_beam_sampling_scores_equal_hf_generate():
         g, w = got.numpy(), want.numpy()
         np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=str(opts))
         np.testing.assert_allclose(g[np.isfinite(g)], w[np.isfinite(w)], rtol=1e-4, atol=1e-5, err_msg=str(opts))
+
+
+# rows, and the drafts transformers 5.23's PromptLookupCandidateGenerator proposes for them (3 tokens,
+# n-grams of 2 then 1, eos 211; measured)
+_LOOKUP_ROWS = [
+    ([1, 2, 3, 4, 1, 2], [3, 4, 1]),
+    ([5, 1, 2, 9, 9, 1, 2, 7, 1, 2], [9, 9, 1]),
+    ([3, 4, 5, 3, 4], [5, 3, 4]),
+    ([8, 8, 8], [8]),
+    ([1, 2, 3, 211, 5, 9, 1, 2], [3]),
+    ([4, 5, 6, 7], []),
+    ([2, 9, 4, 2], [9, 4, 2]),
+]
+
+
+def test_prompt_lookup_drafts_as_transformers():
+    """The drafts: what followed the first earlier occurrence of the row's last 2 ids (else 1), cut
+    before an EOS, as transformers 5.23's PromptLookupCandidateGenerator proposes (_LOOKUP_ROWS)."""
+    from paddleformers_glm.generation import GenerationConfig, _LookupDecoder
+
+    s = GenerationConfig(prompt_lookup_num_tokens=3, eos_token_id=[211])
+    for row, want in _LOOKUP_ROWS:
+        decoder = _LookupDecoder.__new__(_LookupDecoder)
+        decoder.row, decoder.ngram, decoder.eos = row, 2, set(s.eos_token_id)
+        assert decoder._lookup(3) == want, row
+
+
+def test_prompt_lookup_gives_the_tokens_of_plain_decoding(monkeypatch):
+    """``generate(prompt_lookup_num_tokens=k)`` (transformers' prompt lookup decoding, one row) feeds
+    each token with up to k drafts in one forward and takes the kept logits of a draft that proves
+    right: greedy and seeded sampling give plain decoding's tokens, with every step's scores within
+    1e-5, a left-padded row too. With drafts that are right but for a wrong second one every third
+    forward, 12 tokens take 4 forwards (the prompt's and 3), not 12. Batches, beams, stop strings,
+    no cache, embeddings and hidden states are refused, as transformers' assisted decoding takes
+    one sequence of ids. Before: refused ("prompt_lookup_num_tokens=... is not supported")."""
+    from paddleformers_glm import generation
+
+    model, _ = _fixture("tiny")
+    for prompt, mask in (([[5, 6, 7, 8, 9, 10]], None), ([[0, 0, 5, 6, 7, 8]], [[0, 0, 1, 1, 1, 1]])):
+        ids, mask = paddle.to_tensor(prompt), None if mask is None else paddle.to_tensor(mask)
+        kw = {"max_new_tokens": 12, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
+        plain = model.generate(ids, mask, **kw)
+        new = plain.sequences.numpy()[0, 6:].tolist()
+        made = []
+
+        def oracle(self, most, new=new, made=made):  # right tokens, a wrong second one every third forward
+            step = len(self.row) - 6
+            drafts = new[step : step + most]
+            if step % 3 == 1 and len(drafts) > 1:
+                drafts[1] = (drafts[1] + 1) % 256
+            made.append(self)
+            return drafts
+
+        monkeypatch.setattr(generation._LookupDecoder, "_lookup", oracle)
+        got = model.generate(ids, mask, prompt_lookup_num_tokens=4, **kw)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(got.sequences.numpy(), plain.sequences.numpy())
+        for a, b in zip(got.scores, plain.scores, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+        assert made[0].forwards == 4
+    ids = paddle.to_tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    for opts in ({}, {"do_sample": True, "seed": 1, "top_k": 5}, {"eos_token_id": [211], "repetition_penalty": 1.3}):
+        opts = {"max_new_tokens": 8, "eos_token_id": []} | opts
+        np.testing.assert_array_equal(
+            model.generate(ids, prompt_lookup_num_tokens=3, **opts).numpy(), model.generate(ids, **opts).numpy()
+        )
+    for bad in (
+        {"input_ids": paddle.to_tensor([[5, 6], [7, 8]])},
+        {"use_cache": False},
+        {"output_hidden_states": True, "return_dict_in_generate": True},
+    ):
+        with pytest.raises(ValueError, match="drafts from one row's ids"):
+            model.generate(**({"input_ids": ids} | bad), prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="takes no num_beams, num_return_sequences or stop_strings"):
+        model.generate(ids, prompt_lookup_num_tokens=3, num_beams=2)
+
+
+@pytest.mark.reference
+def test_prompt_lookup_equals_hf_generate():
+    """The live twin: transformers' own prompt lookup decoding gives the same tokens on prompts that
+    repeat themselves, and its candidate generator the same drafts as ours on random rows."""
+    torch, _, hf = _hf_eager()
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    from paddleformers_glm.generation import _LookupDecoder
+
+    model, _ = _fixture("tiny")
+    for prompt in ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]):
+        kw = {"max_new_tokens": 10, "eos_token_id": [211], "pad_token_id": 0, "prompt_lookup_num_tokens": 3}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), **kw).numpy()
+        np.testing.assert_array_equal(model.generate(paddle.to_tensor([prompt]), **kw).numpy(), want)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        row = rng.integers(0, 6, size=int(rng.integers(2, 12))).tolist()
+        gen = PromptLookupCandidateGenerator(torch.tensor([3]), num_output_tokens=4, max_matching_ngram_size=2)
+        want = gen.get_candidates(torch.tensor([row]))[0][0, len(row) :].tolist()
+        decoder = _LookupDecoder.__new__(_LookupDecoder)
+        decoder.row, decoder.ngram, decoder.eos = row, 2, {3}
+        assert decoder._lookup(4) == want, row
