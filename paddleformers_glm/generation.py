@@ -60,6 +60,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "output_scores": False,
     "output_logits": False,
     "output_hidden_states": False,
+    "use_mtp": False,
 }
 
 # HF generation options this generate does not implement, with the value that turns each off: a
@@ -157,6 +158,7 @@ class GenerationConfig:
     max_time: float | None = None
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
+    use_mtp: bool | None = None
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
     output_logits: bool | None = None
@@ -373,15 +375,8 @@ def resolve_settings(
     min_length = _integer("min_length", get("min_length"), 0)
     min_new = max(0, min_length - prompt_len) if mn is None else mn
 
-    flags = (
-        "do_sample",
-        "use_cache",
-        "return_dict_in_generate",
-        "output_scores",
-        "output_logits",
-        "output_hidden_states",
-    )
-    r = {k: get(k) for k in flags}
+    flags = "do_sample use_cache return_dict_in_generate output_scores output_logits output_hidden_states use_mtp"
+    r = {k: get(k) for k in flags.split()}
     for k, v in r.items():
         if not isinstance(v, bool):
             raise ValueError(f"generate: {k} must be True or False, got {v!r}")
@@ -483,10 +478,11 @@ def resolve_settings(
     # own ids after its last n-gram's earlier occurrence, checked by one forward)
     for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
         r[k] = None if get(k) is None else _integer(k, get(k), 1)
-    if r["prompt_lookup_num_tokens"] and (beams > 1 or nrs > 1 or stops):
+    drafter = "prompt_lookup_num_tokens" if r["prompt_lookup_num_tokens"] else "use_mtp" if r["use_mtp"] else None
+    if drafter and (beams > 1 or nrs > 1 or (r["prompt_lookup_num_tokens"] and r["use_mtp"])):
         raise ValueError(  # transformers' assisted decoding is one sequence too
-            "generate: prompt_lookup_num_tokens drafts for one sequence; it takes no num_beams, "
-            "num_return_sequences or stop_strings"
+            f"generate: {drafter} drafts for one sequence; it takes no num_beams or num_return_sequences, and "
+            "one drafter (prompt_lookup_num_tokens or use_mtp)"
         )
     # transformers' MaxTimeCriteria: rows stop once more than max_time seconds passed since generate began
     r["max_time"] = None if get("max_time") is None else _number("max_time", get("max_time"), lambda t: True, "")
@@ -781,6 +777,7 @@ def generate(
     logits_processor: Sequence[Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]] | None = None,
     stopping_criteria: Sequence[Callable[[paddle.Tensor, Any], Any]] | None = None,
     prefix_allowed_tokens_fn: Callable[[int, paddle.Tensor], Sequence[int]] | None = None,
+    stats: dict | None = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
@@ -794,6 +791,8 @@ def generate(
     ``logits_processor`` / ``stopping_criteria`` / ``prefix_allowed_tokens_fn``: transformers' hooks with
     Paddle tensors (``proc(input_ids [N, L], scores [N, V]) -> scores``, ``crit(input_ids, scores) -> bool
     or [N] bool``, ``fn(batch_id, row_ids) -> allowed ids``), called where transformers calls them.
+    ``stats`` (a dict) receives a drafter's counts (``use_mtp`` / ``prompt_lookup_num_tokens``):
+    drafted, accepted, acceptance_rate, main_forwards.
     """
     import paddle
 
@@ -866,13 +865,18 @@ def generate(
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
     procs = _Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
-    if s.prompt_lookup_num_tokens:
+    if s.prompt_lookup_num_tokens or s.use_mtp:
+        name = "prompt_lookup_num_tokens" if s.prompt_lookup_num_tokens else "use_mtp"
         if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states:
             raise ValueError(  # transformers: "assisted generate is only supported for batch_size = 1"
-                "generate: prompt_lookup_num_tokens drafts from one row's ids: one prompt of ids, use_cache=True, "
+                f"generate: {name} drafts from one row's ids: one prompt of ids, use_cache=True, "
                 f"no output_hidden_states (got {B} rows, use_cache={s.use_cache})"
             )
-        decoder = _LookupDecoder(model, input_ids, attention_mask, last_real, s)
+        decoder = (
+            _LookupDecoder(model, input_ids, attention_mask, last_real, s)
+            if s.prompt_lookup_num_tokens
+            else _MtpDecoder(model, input_ids, attention_mask)
+        )
     else:
         decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
@@ -887,6 +891,8 @@ def generate(
     finally:
         if was_training:
             model.train()
+    if stats is not None and isinstance(decoder, (_LookupDecoder, _MtpDecoder)):
+        stats.update(decoder.counts())
     end()
     return out
 
@@ -1116,6 +1122,10 @@ class _Decoder:
             return out.logits[:, -1]
         return _logits_at(model, out.last_hidden_state, self.last_real)
 
+    def counts(self) -> dict:
+        """A drafting decoder's counts (``stats``) and its acceptance rate."""
+        return self.stats | {"acceptance_rate": self.stats["accepted"] / max(self.stats["drafted"], 1)}
+
     def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
         """The logits [B, V] after each row's new token ``nxt`` [B]."""
         import paddle
@@ -1153,17 +1163,14 @@ class _LookupDecoder(_Decoder):
     before an EOS); the logits after each draft are kept. A later token equal to the next draft
     takes its kept logits without a forward; one that differs rolls the unused drafts out of the
     cache. The tokens are chosen as without drafts (the same processors, draw and stops), so greedy
-    decoding gives its own tokens; only the number of forwards changes (``forwards``)."""
+    decoding gives its own tokens; only the number of forwards changes (``stats``)."""
 
     def __init__(self, model, input_ids, mask, last_real, s: GenerationConfig) -> None:
         super().__init__(model, True, input_ids, mask, None, None, last_real)
         self.row = [int(t) for t in input_ids.numpy()[0]]
         self.drafts, self.max_drafts = [], s.prompt_lookup_num_tokens
-        self.ngram, self.eos, self.forwards = s.max_matching_ngram_size or 2, set(s.eos_token_id), 0
-
-    def prefill(self, new_tokens: int) -> paddle.Tensor:
-        self.forwards += 1
-        return super().prefill(new_tokens)
+        self.ngram, self.eos = s.max_matching_ngram_size or 2, set(s.eos_token_id)
+        self.stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}  # the prompt's forward
 
     def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
         import paddle
@@ -1171,12 +1178,14 @@ class _LookupDecoder(_Decoder):
         token = int(nxt.numpy()[0])
         self.row.append(token)
         if self.drafts and self.drafts[0][0] == token:  # the draft was right: its logits are known
+            self.stats["accepted"] += 1
             return self.drafts.pop(0)[1]
         self.cache.rollback(len(self.drafts))  # the unused drafts' rows
         room = self.cache.capacity - self.cache.length - 1
         drafts = self._lookup(min(self.max_drafts, room))
         out = self.model(paddle.to_tensor([[token, *drafts]]), past_key_values=self.cache, use_cache=True)
-        self.forwards += 1
+        self.stats["drafted"] += len(drafts)
+        self.stats["main_forwards"] += 1
         logits = out.logits[0].astype("float32")
         self.drafts = [(t, logits[i + 1 : i + 2]) for i, t in enumerate(drafts)]
         return logits[:1]
@@ -1191,6 +1200,63 @@ class _LookupDecoder(_Decoder):
                     drafts = row[start + n : start + n + most]
                     return drafts[: next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))]
         return []
+
+
+class _MtpDecoder(_Decoder):
+    """Speculative decoding with the first MTP layer drafting (``use_mtp``, one row without padding):
+    each fed token t is followed in the same forward by the MTP head's greedy guess for the token
+    after it (from the main model's hidden state that predicted t, t, and that position's top-k); a
+    later token equal to the draft takes the logits kept for it, another rolls the draft out of the
+    main cache. The MTP layer's own cache holds the rows of the kept tokens only. The tokens are
+    chosen as without drafts; ``stats`` counts drafts, accepted drafts and main forwards."""
+
+    def __init__(self, model, input_ids, mask) -> None:
+        super().__init__(model, True, input_ids, mask, None, None, None)
+        if not model.model.mtp_layers:
+            raise ValueError("generate: use_mtp needs an MTP layer (num_nextn_predict_layers = 0)")
+        if mask is not None and not bool(mask.astype("bool").all()):
+            raise ValueError("generate: use_mtp drafts for one row without padding (the mask holds zeros)")
+        self.mtp, self.draft = model.model.mtp_layers[0], None
+        self.stats = {"drafted": 0, "accepted": 0, "main_forwards": 0}
+
+    def prefill(self, new_tokens: int) -> paddle.Tensor:
+        from .modeling.cache import DSACache
+
+        model, ids = self.model, self.input_ids
+        S = ids.shape[1]  # one capacity for both caches: a main top-k's slots address the MTP cache's rows
+        self.cache = DSACache.for_config(model.config, 1, capacity=S + new_tokens + 2)
+        self.cache.keep_topk = True  # the main top-k of each forward, for the MTP layer (_mtp_step)
+        self.mtp_cache = DSACache(1, 1, capacity=self.cache.capacity)
+        out = model(ids, self.mask, past_key_values=self.cache, use_cache=True)
+        self.stats["main_forwards"] += 1
+        h, topk = out.last_hidden_state, self.cache.topk  # [1, S, H], [1, S, k]
+        if S > 1:  # MTP positions 0 .. S-2: (h_i, token i+1)
+            _mtp_step(model, self.mtp, self.mtp_cache, h[:, :-1], ids[:, 1:], topk[:, :-1])
+        self.h_last, self.topk_last = h[:, -1:], topk[:, -1:]  # what predicts the next token
+        return out.logits[:, -1]
+
+    def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
+        import paddle
+
+        token, model = nxt[:, None], self.model
+        if self.draft is not None:
+            draft, kept, hs, topk = self.draft
+            self.draft = None
+            if int(nxt.numpy()[0]) == draft:  # right: its MTP row, then the state after it
+                self.stats["accepted"] += 1
+                _mtp_step(model, self.mtp, self.mtp_cache, hs[:, :1], token, topk[:, :1])
+                self.h_last, self.topk_last = hs[:, 1:2], topk[:, 1:2]
+                return kept
+            self.cache.rollback(1)
+            self.h_last, self.topk_last = hs[:, :1], topk[:, :1]
+        guess = _mtp_step(model, self.mtp, self.mtp_cache, self.h_last, token, self.topk_last)
+        draft = int(guess[0].argmax())
+        self.stats["drafted"] += 1
+        out = model(paddle.concat([token, paddle.to_tensor([[draft]])], axis=1), past_key_values=self.cache)
+        self.stats["main_forwards"] += 1
+        logits = out.logits[0].astype("float32")
+        self.draft = (draft, logits[1:2], out.last_hidden_state, self.cache.topk)
+        return logits[:1]
 
 
 def _beam_search(
@@ -1487,62 +1553,26 @@ def generate_speculative(
     max_new_tokens: int = 20,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> tuple[paddle.Tensor, dict]:
-    """Greedy decoding with the first MTP layer drafting (one row, no padding; docs/model.md): a draft is
-    kept only when it is the main model's own greedy choice, so the tokens are greedy decoding's. Returns
-    (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate", "main_forwards"}).
-    """
+    """Greedy decoding with the first MTP layer drafting (one row, no padding; docs/model.md): the
+    loop of ``generate(..., use_mtp=True)`` without the model's generation_config.json, returning
+    (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate", "main_forwards"});
+    the tokens are greedy decoding's."""
     import paddle
-
-    from .modeling.cache import DSACache
 
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"generate_speculative: one row [1, seq] expected, got shape {list(input_ids.shape)}")
-    if not model.model.mtp_layers:
-        raise ValueError("generate_speculative: the model has no MTP layer (num_nextn_predict_layers = 0)")
-    S = input_ids.shape[1]
-    check_generation_length(model.config, S, max_new_tokens)
-    mtp = model.model.mtp_layers[0]
-    eos = set(_eos_list(model.config.eos_token_id if eos_token_id is None else eos_token_id))
     input_ids = input_ids.astype("int64")
-    stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}
-    new: list[int] = []
+    eos = _eos_list(model.config.eos_token_id if eos_token_id is None else eos_token_id)
+    options = {"max_new_tokens": max_new_tokens, "eos_token_id": eos, "use_mtp": True}
+    s = resolve_settings(model.config, GenerationConfig(), options, input_ids.shape[1])
+    procs = _Processors(s, input_ids, None, True, int(model.config.vocab_size), _Hooks([], [], None), time.time())
+    decoder = _MtpDecoder(model, input_ids, None)
     was_training = model.training
     model.eval()
     try:
         with paddle.no_grad():
-            # one capacity for both caches: a main top-k's slots address the MTP cache's rows
-            cache = DSACache.for_config(model.config, 1, capacity=S + max_new_tokens + 2)
-            cache.keep_topk = True  # the main top-k of each forward, for the MTP layer (_mtp_step)
-            mtp_cache = DSACache(1, 1, capacity=cache.capacity)
-            out = model(input_ids, past_key_values=cache, use_cache=True)
-            h, topk = out.last_hidden_state, cache.topk  # [1, S, H], [1, S, k]
-            nxt = int(out.logits[0, -1].argmax())
-            if S > 1:  # MTP positions 0 .. S-2: (h_i, token i+1)
-                _mtp_step(model, mtp, mtp_cache, h[:, :-1], input_ids[:, 1:], topk[:, :-1])
-            h_last, topk_last = h[:, -1:], topk[:, -1:]
-            while len(new) < max_new_tokens:
-                new.append(nxt)
-                if nxt in eos or len(new) == max_new_tokens:
-                    break
-                draft = int(_mtp_step(model, mtp, mtp_cache, h_last, paddle.to_tensor([[nxt]]), topk_last)[0].argmax())
-                stats["drafted"] += 1
-                out = model(paddle.to_tensor([[nxt, draft]]), past_key_values=cache)
-                stats["main_forwards"] += 1
-                y = out.logits[0].argmax(axis=-1).numpy()  # greedy after `nxt`, after `draft`
-                hs, topk = out.last_hidden_state, cache.topk
-                if int(y[0]) == draft:
-                    stats["accepted"] += 1
-                    new.append(draft)
-                    if draft in eos or len(new) == max_new_tokens:
-                        break
-                    _mtp_step(model, mtp, mtp_cache, hs[:, :1], paddle.to_tensor([[draft]]), topk[:, :1])
-                    h_last, topk_last, nxt = hs[:, 1:2], topk[:, 1:2], int(y[1])
-                else:
-                    cache.rollback(1)
-                    h_last, topk_last, nxt = hs[:, :1], topk[:, :1], int(y[0])
+            out = _sample(decoder, procs, s, input_ids, np.random.default_rng(0), None, None, None)
     finally:
         if was_training:
             model.train()
-    stats["acceptance_rate"] = stats["accepted"] / max(stats["drafted"], 1)
-    out_ids = paddle.concat([input_ids, paddle.to_tensor([new], dtype="int64")], axis=1)
-    return out_ids, stats
+    return out, decoder.counts()

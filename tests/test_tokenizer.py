@@ -145,27 +145,23 @@ def test_generate_command_speculative_prints_the_same_text(tiny_dir, capsys):
     assert "acceptance rate" in cap.err
 
 
-def test_generate_command_speculative_takes_the_checkpoint_lengths_and_refuses_what_it_cannot_honour(
-    tiny_dir, tmp_path, capsys
-):
+def test_generate_command_speculative_takes_the_checkpoint_lengths_and_every_option(tiny_dir, tmp_path, capsys):
     """--speculative generates as many tokens as the plain command (generation_config.json's
-    max_new_tokens: before, the default 20 instead of the file's 3), and refuses the options its
-    greedy drafting does not apply instead of dropping them (before: --repetition-penalty and --stop
-    were ignored, rc 0)."""
+    max_new_tokens: before, the default 20 instead of the file's 3) and, as it runs generate's own
+    loop with the MTP layer drafting, honours every option the plain command does: the same text
+    with a repetition penalty, a stop string or seeded sampling (before: refused, exit 2)."""
     import shutil
 
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
     args = ["generate", "--model", str(folder), "--prompt", "Hello there"]
-    assert main(args) == 0
-    plain = capsys.readouterr().out
-    assert main([*args, "--speculative"]) == 0
-    assert capsys.readouterr().out == plain
-    for extra, name in ((["--repetition-penalty", "3.0"], "repetition"), (["--stop", "z"], "stop")):
-        assert main([*args, "--speculative", *extra]) == 2
-        err = capsys.readouterr().err
-        assert name in err and len(err.strip().splitlines()) == 1, err
+    for extra in ([], ["--repetition-penalty", "3.0"], ["--stop", "e"], ["--do-sample", "--seed", "4", "--top-k", "5"]):
+        assert main([*args, *extra]) == 0
+        plain = capsys.readouterr().out
+        assert main([*args, *extra, "--speculative"]) == 0
+        cap = capsys.readouterr()
+        assert cap.out == plain and "main forwards" in cap.err, extra
 
 
 def test_generate_command_runs_the_beam_search_of_its_generation_config(tiny_dir, tmp_path, capsys):

@@ -38,39 +38,6 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
-def speculative_length(config: object, defaults: object, opts: dict, prompt_len: int) -> int:
-    """The new tokens of a --speculative run, resolved as the plain command resolves them (the
-    command line, then generation_config.json, then transformers' defaults); a ValueError for a
-    setting its greedy drafting would not apply (a repetition penalty, stop strings, a minimum
-    length), wherever it was set: the plain command would honour it, so its text would differ."""
-    from ..generation import resolve_settings
-
-    s = resolve_settings(config, defaults, opts, prompt_len)
-    unsupported = {
-        "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
-        "stop_strings (--stop)": s.stop_strings or None,
-        "min_new_tokens / min_length": s.min_new_tokens or None,
-        "no_repeat_ngram_size": s.no_repeat_ngram_size or None,
-        "bad_words_ids": s.bad_words_ids,
-        "sequence_bias": s.sequence_bias,
-        "num_beams": s.num_beams if s.num_beams > 1 else None,
-        "suppress_tokens": s.suppress_tokens,
-        "begin_suppress_tokens": s.begin_suppress_tokens,
-        "forced_eos_token_id": s.forced_eos_token_id,
-        "forced_bos_token_id": s.forced_bos_token_id,
-        "remove_invalid_values": s.remove_invalid_values or None,
-        "exponential_decay_length_penalty": s.exponential_decay_length_penalty,
-        "max_time": s.max_time,
-    }
-    for name, value in unsupported.items():
-        if value is not None:
-            raise ValueError(
-                f"--speculative decodes greedily without {name.split(' ')[0]}, which is set to {value!r} "
-                "(on the command line or in generation_config.json); run without --speculative"
-            )
-    return int(s.max_new_tokens)
-
-
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -106,16 +73,12 @@ def run(args: argparse.Namespace) -> int:
         limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
         check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
-        if args.speculative:
-            if opts.get("do_sample"):
-                return fail("--speculative decodes greedily; drop --do-sample")
-            spec_new = speculative_length(config, defaults, opts, len(ids))
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
 
     import paddle
 
-    from ..generation import generate, generate_speculative
+    from ..generation import generate
     from ..modeling import GlmMoeDsaForCausalLM
 
     try:
@@ -144,19 +107,10 @@ def run(args: argparse.Namespace) -> int:
         shown = len(text)
 
     prompt = paddle.to_tensor([ids], dtype="int64")
-    if args.speculative:
-        out, stats = generate_speculative(model, prompt, spec_new, eos_token_id=eos)
-        for t in out.numpy()[0, len(ids) :]:
-            stream(np.asarray([t]))
-        stream(None)
-        sys.stdout.write("\n")
-        print(
-            f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
-            f"(acceptance rate {stats['acceptance_rate']:.2f}), {stats['main_forwards']} main forwards",
-            file=sys.stderr,
-        )
-        return 0
     beams = (getattr(defaults, "num_beams", None) or 1) > 1  # a beam search's text is known at its end
+    stats: dict = {}  # --speculative: the MTP drafter's counts
+    if args.speculative:
+        opts |= {"use_mtp": True, "stats": stats}
     try:
         out = generate(
             model,
@@ -175,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
             stream(np.asarray([t]))
     stream(None)
     sys.stdout.write("\n")
+    if stats:
+        print(
+            f"[speculative] drafted {stats['drafted']}, accepted {stats['accepted']} "
+            f"(acceptance rate {stats['acceptance_rate']:.2f}), {stats['main_forwards']} main forwards",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -204,6 +164,8 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed of the sampling draws")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
-        "--speculative", action="store_true", help="greedy, drafting with the MTP layer (acceptance rate on stderr)"
+        "--speculative",
+        action="store_true",
+        help="draft with the MTP layer: the same text, fewer forwards where drafts are right (counts on stderr)",
     )
     p.set_defaults(func=run)
