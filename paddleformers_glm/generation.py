@@ -76,8 +76,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (False, "output_attentions token_healing"),
         (
             None,
-            "penalty_alpha top_h dola_layers force_words_ids constraints guidance_scale watermarking_config "
-            "assistant_model",
+            "penalty_alpha dola_layers force_words_ids constraints guidance_scale watermarking_config assistant_model",
         ),
     )
     for name in names.split()
@@ -142,6 +141,7 @@ class GenerationConfig:
     bos_token_id: int | None = None
     stop_strings: str | list[str] | None = None
     min_p: float | None = None
+    top_h: float | None = None
     typical_p: float | None = None
     epsilon_cutoff: float | None = None
     eta_cutoff: float | None = None
@@ -417,6 +417,8 @@ def resolve_settings(
     # transformers' MinPLogitsWarper (a sampling warper, after top-p) takes min_p in [0, 1]
     min_p = get("min_p") if r["do_sample"] else None  # greedy: unused and unchecked, as the other warpers
     r["min_p"] = None if min_p is None else _number("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
+    top_h = get("top_h") if r["do_sample"] else None  # transformers' TopHLogitsWarper refuses outside (0, 1]
+    r["top_h"] = None if top_h is None else _number("top_h", top_h, lambda h: 0.0 < h <= 1.0, "in (0, 1]")
     # transformers applies typical_p below 1 (its warper refuses <= 0) and a cutoff in (0, 1); a value
     # it would skip silently (typical_p > 1, a cutoff < 0 or >= 1) is refused here
     for k, ok, need in (
@@ -524,6 +526,8 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig, keep: int = 1) -> paddle.T
 
     neg_inf = paddle.full_like(logits, -math.inf)
     x = logits / s.temperature if s.temperature != 1.0 else logits
+    if s.top_h is not None:
+        x = paddle.where(_entropy_tail(x, s.top_h), neg_inf, x)
     if s.top_k and max(s.top_k, keep) < x.shape[-1]:
         kth = paddle.topk(x, max(s.top_k, keep), axis=-1)[0][:, -1:]
         x = paddle.where(x < kth, neg_inf, x)
@@ -547,6 +551,20 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig, keep: int = 1) -> paddle.T
         if cutoff:
             x = paddle.where(_below_top(_below_cutoff(x, cutoff, scaled), x, keep), neg_inf, x)
     return x
+
+
+def _entropy_tail(x: paddle.Tensor, top_h: float) -> paddle.Tensor:
+    """The tokens HF's TopHLogitsWarper removes: of the 100 most likely (renormalised among
+    themselves), those after the entropy summed from the most likely passes top_h x their entropy
+    (the most likely always stays), and every other token."""
+    import paddle
+
+    top, idx = paddle.topk(x, min(100, x.shape[-1]), axis=-1)
+    logp, p, ent = _entropy(top)
+    terms = paddle.where(p > 0, -p * logp, paddle.zeros_like(p))
+    keep = ((paddle.cumsum(terms, axis=-1) <= ent * top_h) & (p > 0)).astype("int32")
+    keep[:, 0] = 1
+    return paddle.put_along_axis(paddle.zeros_like(x, dtype="int32"), idx, keep, axis=-1) == 0
 
 
 def _below_top(remove: paddle.Tensor, x: paddle.Tensor, keep: int) -> paddle.Tensor:

@@ -743,16 +743,15 @@ def test_top_p_keeps_the_exact_nucleus_at_a_real_vocabulary_size():
 
 
 def test_hf_options_that_change_the_output_are_refused_from_a_generation_config():
-    """transformers 5.23's GenerationConfig options that change what generate returns (``top_h``: its
-    TopHLogitsWarper in the sampling warpers; ``dola_layers``: DoLa decoding; ``token_healing``: the
-    prompt's tail rewritten) are refused by name when a generation_config.json sets them, as every
+    """transformers 5.23's GenerationConfig options that change what generate returns (``dola_layers``:
+    DoLa decoding; ``token_healing``: the prompt's tail rewritten) are refused by name when a generation_config.json sets them, as every
     other unimplemented option is; their off values pass. Before: kept in ``extra`` and ignored."""
     from paddleformers_glm.generation import GenerationConfig, resolve_settings
 
     class Config:
         max_position_embeddings = 64
 
-    for key, on, off in (("top_h", 0.4, None), ("dola_layers", "high", None), ("token_healing", True, False)):
+    for key, on, off in (("dola_layers", "high", None), ("token_healing", True, False)):
         gc = GenerationConfig.from_dict({"do_sample": True, key: on}, source="ckpt/generation_config.json")
         with pytest.raises(ValueError, match=f"ckpt/generation_config.json: {key}=.* is not supported"):
             resolve_settings(Config, gc, {}, 4)
@@ -1987,3 +1986,42 @@ def test_prompt_lookup_equals_hf_generate():
         decoder = _LookupDecoder.__new__(_LookupDecoder)
         decoder.row, decoder.ngram, decoder.eos = row, 2, {3}
         assert decoder._lookup(4) == want, row
+
+
+# (options, HF 5.23's first-step kept tokens per row, its lowest kept score per row): top-h sampling on
+# the padded batch (measured)
+_TOP_H_CASES = [
+    ({"top_h": 0.4, "top_k": 0}, [26, 21], [1.1868587, 1.3662511]),
+    ({"top_h": 0.9, "top_k": 0, "temperature": 0.6}, [76, 70], [0.83892936, 1.0476263]),
+    ({"top_h": 0.2, "top_k": 30, "top_p": 0.95}, [11, 6], [1.6483963, 2.2961628]),
+    ({"top_h": 1.0, "top_k": 0}, [100, 100], [0.27983391, 0.30413419]),
+]
+
+
+def test_top_h_as_hf_top_h_warper():
+    """transformers 5.23's TopHLogitsWarper (after temperature, before top-k): of the 100 most likely
+    tokens, renormalised, those kept in order of probability while the entropy summed so far stays
+    within top_h x their entropy (the most likely always). Sampling only; top_h outside (0, 1] refused
+    as HF refuses it. Before: refused ("top_h=0.4 is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"max_new_tokens": 1, "eos_token_id": [], "return_dict_in_generate": True, "output_scores": True}
+    for opts, kept, lowest in _TOP_H_CASES:
+        x = model.generate(ids, mask, do_sample=True, seed=0, **opts, **kw).scores[0].numpy()
+        np.testing.assert_array_equal(np.isfinite(x).sum(1), kept, err_msg=str(opts))
+        np.testing.assert_allclose(np.where(np.isfinite(x), x, 99).min(1), lowest, rtol=1e-5, err_msg=str(opts))
+    assert np.isfinite(model.generate(ids, mask, top_h=0.4, **kw).scores[0].numpy()).all()  # greedy: unused
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"top_h must be in \(0, 1\]"):
+            model.generate(ids, mask, do_sample=True, top_h=bad)
+
+
+@pytest.mark.reference
+def test_top_h_equals_hf_generate():
+    """The live twin of the test above: the first step's processed scores."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    for opts, _, _ in _TOP_H_CASES:
+        _assert_same_scores(
+            torch, hf, model, {"do_sample": True, "max_new_tokens": 1, "eos_token_id": [], "pad_token_id": 0} | opts
+        )
