@@ -76,7 +76,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (False, "output_attentions token_healing"),
         (
             None,
-            "penalty_alpha dola_layers force_words_ids constraints guidance_scale watermarking_config assistant_model",
+            "penalty_alpha dola_layers force_words_ids constraints watermarking_config assistant_model",
         ),
     )
     for name in names.split()
@@ -159,6 +159,7 @@ class GenerationConfig:
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
     use_mtp: bool | None = None
+    guidance_scale: float | None = None
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
     output_logits: bool | None = None
@@ -486,6 +487,14 @@ def resolve_settings(
             f"generate: {drafter} drafts for one sequence; it takes no num_beams or num_return_sequences, and "
             "one drafter (prompt_lookup_num_tokens or use_mtp)"
         )
+    # classifier-free guidance (transformers' UnbatchedClassifierFreeGuidanceLogitsProcessor); 1: off
+    scale = get("guidance_scale")
+    r["guidance_scale"] = None if scale is None or scale == 1 else _number("guidance_scale", scale, lambda g: True, "")
+    if r["guidance_scale"] is not None and (beams > 1 or drafter):
+        raise ValueError(  # transformers keeps the unconditional rows in their first order under beams
+            "generate: guidance_scale runs a second, unconditional sequence per row; it takes no num_beams "
+            "(transformers does not reorder it with the beams) and no drafter"
+        )
     # transformers' MaxTimeCriteria: rows stop once more than max_time seconds passed since generate began
     r["max_time"] = None if get("max_time") is None else _number("max_time", get("max_time"), lambda t: True, "")
     if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
@@ -796,6 +805,8 @@ def generate(
     stopping_criteria: Sequence[Callable[[paddle.Tensor, Any], Any]] | None = None,
     prefix_allowed_tokens_fn: Callable[[int, paddle.Tensor], Sequence[int]] | None = None,
     stats: dict | None = None,
+    negative_prompt_ids: paddle.Tensor | None = None,
+    negative_prompt_attention_mask: paddle.Tensor | None = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
@@ -810,7 +821,8 @@ def generate(
     Paddle tensors (``proc(input_ids [N, L], scores [N, V]) -> scores``, ``crit(input_ids, scores) -> bool
     or [N] bool``, ``fn(batch_id, row_ids) -> allowed ids``), called where transformers calls them.
     ``stats`` (a dict) receives a drafter's counts (``use_mtp`` / ``prompt_lookup_num_tokens``):
-    drafted, accepted, acceptance_rate, main_forwards.
+    drafted, accepted, acceptance_rate, main_forwards. ``negative_prompt_ids`` / ``_attention_mask``
+    [B, L]: what ``guidance_scale`` conditions away from (default: each row's last prompt token).
     """
     import paddle
 
@@ -883,6 +895,12 @@ def generate(
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
     procs = _Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
+    if s.guidance_scale is not None:
+        procs.guidance = _unconditional(
+            model, s, input_ids, negative_prompt_ids, negative_prompt_attention_mask, copies
+        )
+    elif negative_prompt_ids is not None:
+        raise ValueError("generate: negative_prompt_ids is read by guidance_scale (not 1), which is not set")
     if s.prompt_lookup_num_tokens or s.use_mtp:
         name = "prompt_lookup_num_tokens" if s.prompt_lookup_num_tokens else "use_mtp"
         if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states:
@@ -978,6 +996,8 @@ class _Processors:
         self.bos_step = 1 - held if s.forced_bos_token_id is not None and held <= 1 else None
         self.begin_step = 0 if self.bos_step is None else 1
         self.ids = input_ids if hooks.processors or hooks.criteria or hooks.prefix_fn else None  # for the hooks
+        self.guidance: _Decoder | None = None  # guidance_scale's unconditional sequence (set by generate)
+        self.last = None  # the ids chosen last
         self.seen = None
         if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
             self.seen = paddle.zeros([B, V], dtype="bool")
@@ -1000,7 +1020,11 @@ class _Processors:
 
         s, masks = self.s, self.vocab_mask
         neg_inf = paddle.full_like(x, -math.inf) if masks or self.eos_vocab is not None else None
-        if self.biases is not None:  # HF's first processor
+        if self.guidance is not None:  # HF's first: g (log p - log p_uncond) + log p_uncond
+            free = self.guidance.prefill(s.max_new_tokens) if step == 0 else self.guidance.next(self.last)
+            free = log_softmax(free.astype(x.dtype), axis=-1)
+            x = s.guidance_scale * (log_softmax(x, axis=-1) - free) + free
+        if self.biases is not None:
             x = self.biases.apply(x)
         if self.seen is not None:  # HF's repetition penalty: a seen logit / penalty if positive, * if negative
             rp = s.repetition_penalty
@@ -1088,6 +1112,7 @@ class _Processors:
             self.seen = paddle.logical_or(self.seen, paddle.nn.functional.one_hot(nxt, self.seen.shape[1]) > 0)
         if self.ids is not None:
             self.ids = paddle.concat([self.ids, nxt[:, None].astype(self.ids.dtype)], axis=1)
+        self.last = nxt
         for held in self.host_held:
             held.append(host)
 
@@ -1172,6 +1197,28 @@ class _Decoder:
         self.seq = paddle.index_select(self.seq, idx, axis=0)
         if self.mask is not None:
             self.mask = paddle.index_select(self.mask, idx, axis=0)
+
+
+def _unconditional(model, s: GenerationConfig, input_ids, ids, mask, copies: int) -> _Decoder:
+    """guidance_scale's second sequence per row, as transformers': ``negative_prompt_ids`` [B, L]
+    (and its mask), else each row's last prompt token, then the chosen tokens; its own cache."""
+    import paddle
+
+    if ids is None:
+        if not input_ids.shape[1]:
+            raise ValueError("generate: guidance_scale with embeddings alone needs negative_prompt_ids")
+        ids, mask = input_ids[:, -1:], None
+    else:
+        rows = input_ids.shape[0] // copies
+        if ids.ndim != 2 or ids.shape[0] != rows or (mask is not None and list(mask.shape) != list(ids.shape)):
+            got = list(ids.shape) if mask is None else f"{list(ids.shape)} (mask {list(mask.shape)})"
+            raise ValueError(
+                f"generate: negative_prompt_ids must be [{rows}, length] like the prompt's rows, got {got}"
+            )
+        ids = paddle.repeat_interleave(ids.astype("int64"), copies, axis=0) if copies > 1 else ids.astype("int64")
+        if mask is not None and copies > 1:
+            mask = paddle.repeat_interleave(mask, copies, axis=0)
+    return _Decoder(model, s.use_cache, ids, mask, None, None, None)
 
 
 class _LookupDecoder(_Decoder):

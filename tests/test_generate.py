@@ -2025,3 +2025,60 @@ def test_top_h_equals_hf_generate():
         _assert_same_scores(
             torch, hf, model, {"do_sample": True, "max_new_tokens": 1, "eos_token_id": [], "pad_token_id": 0} | opts
         )
+
+
+_NEGATIVE = ([[0, 3, 4], [7, 8, 9]], [[0, 1, 1], [1, 1, 1]])  # a left-padded negative prompt
+# (options, with the negative prompt, HF 5.23's new tokens on the padded batch, greedy; measured)
+_CFG_CASES = [
+    ({"guidance_scale": 1.5}, False, [[11, 116, 123, 175, 141], [184, 190, 53, 32, 69]]),
+    ({"guidance_scale": 3.0, "use_cache": False}, False, [[130, 175, 128, 136, 82], [184, 190, 53, 218, 116]]),
+    ({"guidance_scale": 0.5}, True, [[185, 230, 241, 116, 189], [76, 53, 25, 240, 189]]),
+]
+
+
+def test_classifier_free_guidance_as_hf():
+    """transformers 5.23's ``guidance_scale`` (its UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    the first processor): a second, unconditional sequence per row with its own cache (the
+    ``negative_prompt_ids``, else the row's last prompt token, then the chosen tokens) and the
+    scores g (log p - log p_uncond) + log p_uncond; measured tokens in _CFG_CASES (the plain greedy
+    tokens are [[240, 211, 172, 53, 123], [184, 42, 85, 174, 22]]). Beams are refused (transformers
+    does not reorder the unconditional rows with them), so is a negative prompt without guidance.
+    Before: refused ("guidance_scale=1.5 is not supported")."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    negative = {"negative_prompt_ids": paddle.to_tensor(_NEGATIVE[0])}
+    negative["negative_prompt_attention_mask"] = paddle.to_tensor(_NEGATIVE[1])
+    for opts, neg, want in _CFG_CASES:
+        kw = {"max_new_tokens": 5, "eos_token_id": [], "pad_token_id": 0} | opts | (negative if neg else {})
+        np.testing.assert_array_equal(model.generate(ids, mask, **kw).numpy()[:, 6:], want, err_msg=str(opts))
+    plain = model.generate(ids, mask, max_new_tokens=5, eos_token_id=[], guidance_scale=1.0).numpy()[:, 6:]
+    np.testing.assert_array_equal(plain, [[240, 211, 172, 53, 123], [184, 42, 85, 174, 22]])  # 1: off
+    for bad, msg in (
+        ({"guidance_scale": 1.5, "num_beams": 2}, "takes no num_beams"),
+        ({"negative_prompt_ids": negative["negative_prompt_ids"]}, "read by guidance_scale"),
+        ({"guidance_scale": 1.5, "negative_prompt_ids": paddle.to_tensor([[1, 2]])}, r"must be \[2, length\]"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(ids, mask, max_new_tokens=2, **bad)
+
+
+@pytest.mark.reference
+def test_classifier_free_guidance_equals_hf_generate():
+    """The live twin of the test above: tokens and every step's scores, and sampling's first step."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    cases = _CFG_CASES + [({"guidance_scale": 2.0, "do_sample": True, "top_k": 10, "max_new_tokens": 1}, False, None)]
+    cases += [({"guidance_scale": 1.5, "repetition_penalty": 1.4, "eos_token_id": [211]}, False, None)]
+    for opts, neg, _ in cases:
+        kw = {"max_new_tokens": 5, "eos_token_id": [], "pad_token_id": 0, "return_dict_in_generate": True} | opts
+        kw["output_scores"] = True
+        with torch.no_grad():
+            hf_neg = {"negative_prompt_ids": torch.tensor(_NEGATIVE[0])} if neg else {}
+            hf_neg |= {"negative_prompt_attention_mask": torch.tensor(_NEGATIVE[1])} if neg else {}
+            want = hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **hf_neg, **kw)
+        ours = {k: paddle.to_tensor(v.numpy()) for k, v in hf_neg.items()}
+        got = model.generate(paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), seed=0, **ours, **kw)
+        if not kw.get("do_sample"):
+            np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(opts))
+        for g, w in zip(got.scores, want.scores, strict=True):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=2e-5, err_msg=str(opts))
