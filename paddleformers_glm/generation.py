@@ -61,6 +61,9 @@ HF_DEFAULTS: dict[str, Any] = {
     "output_logits": False,
     "output_hidden_states": False,
     "use_mtp": False,
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
 }
 
 # HF generation options this generate does not implement, with the value that turns each off: a
@@ -76,7 +79,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (False, "output_attentions token_healing"),
         (
             None,
-            "penalty_alpha dola_layers force_words_ids constraints watermarking_config assistant_model",
+            "penalty_alpha dola_layers force_words_ids constraints watermarking_config",
         ),
     )
     for name in names.split()
@@ -159,6 +162,9 @@ class GenerationConfig:
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
     use_mtp: bool | None = None
+    num_assistant_tokens: int | None = None
+    num_assistant_tokens_schedule: str | None = None
+    assistant_confidence_threshold: float | None = None
     guidance_scale: float | None = None
     return_dict_in_generate: bool | None = None
     output_scores: bool | None = None
@@ -481,11 +487,19 @@ def resolve_settings(
     # own ids after its last n-gram's earlier occurrence, checked by one forward)
     for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
         r[k] = None if get(k) is None else _integer(k, get(k), 1)
+    r["num_assistant_tokens"] = _integer("num_assistant_tokens", get("num_assistant_tokens"), 1)
+    r["num_assistant_tokens_schedule"] = schedule = get("num_assistant_tokens_schedule")
+    if schedule not in ("constant", "heuristic", "heuristic_transient"):
+        raise ValueError(f"generate: num_assistant_tokens_schedule must be 'constant' or 'heuristic', got {schedule!r}")
+    confidence = get("assistant_confidence_threshold")
+    r["assistant_confidence_threshold"] = _number(
+        "assistant_confidence_threshold", confidence, lambda c: 0 <= c <= 1, "in [0, 1]"
+    )
     drafter = "prompt_lookup_num_tokens" if r["prompt_lookup_num_tokens"] else "use_mtp" if r["use_mtp"] else None
     if drafter and (beams > 1 or nrs > 1 or (r["prompt_lookup_num_tokens"] and r["use_mtp"])):
         raise ValueError(  # transformers' assisted decoding is one sequence too
             f"generate: {drafter} drafts for one sequence; it takes no num_beams or num_return_sequences, and "
-            "one drafter (prompt_lookup_num_tokens or use_mtp)"
+            "one drafter (prompt_lookup_num_tokens, use_mtp or assistant_model)"
         )
     # classifier-free guidance (transformers' UnbatchedClassifierFreeGuidanceLogitsProcessor); 1: off
     scale = get("guidance_scale")
@@ -807,6 +821,7 @@ def generate(
     stats: dict | None = None,
     negative_prompt_ids: paddle.Tensor | None = None,
     negative_prompt_attention_mask: paddle.Tensor | None = None,
+    assistant_model: paddle.nn.Layer | None = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
@@ -823,6 +838,8 @@ def generate(
     ``stats`` (a dict) receives a drafter's counts (``use_mtp`` / ``prompt_lookup_num_tokens``):
     drafted, accepted, acceptance_rate, main_forwards. ``negative_prompt_ids`` / ``_attention_mask``
     [B, L]: what ``guidance_scale`` conditions away from (default: each row's last prompt token).
+    ``assistant_model``: a smaller GLM model of the same vocabulary that drafts (transformers' assisted
+    decoding; ``num_assistant_tokens``, its schedule and ``assistant_confidence_threshold``).
     """
     import paddle
 
@@ -901,18 +918,28 @@ def generate(
         )
     elif negative_prompt_ids is not None:
         raise ValueError("generate: negative_prompt_ids is read by guidance_scale (not 1), which is not set")
-    if s.prompt_lookup_num_tokens or s.use_mtp:
-        name = "prompt_lookup_num_tokens" if s.prompt_lookup_num_tokens else "use_mtp"
+    if assistant_model is not None and (s.prompt_lookup_num_tokens or s.use_mtp or s.num_beams > 1 or copies > 1):
+        raise ValueError(
+            "generate: assistant_model drafts for one sequence; it takes no num_beams or num_return_sequences, "
+            "and one drafter (prompt_lookup_num_tokens, use_mtp or assistant_model)"
+        )
+    if assistant_model is not None and s.guidance_scale is not None:
+        raise ValueError("generate: guidance_scale takes no drafter (assistant_model)")
+    if s.prompt_lookup_num_tokens or s.use_mtp or assistant_model is not None:
+        name = (
+            "prompt_lookup_num_tokens" if s.prompt_lookup_num_tokens else "use_mtp" if s.use_mtp else "assistant_model"
+        )
         if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states:
             raise ValueError(  # transformers: "assisted generate is only supported for batch_size = 1"
                 f"generate: {name} drafts from one row's ids: one prompt of ids, use_cache=True, "
                 f"no output_hidden_states (got {B} rows, use_cache={s.use_cache})"
             )
-        decoder = (
-            _LookupDecoder(model, input_ids, attention_mask, last_real, s)
-            if s.prompt_lookup_num_tokens
-            else _MtpDecoder(model, input_ids, attention_mask)
-        )
+        if s.prompt_lookup_num_tokens:
+            decoder = _LookupDecoder(model, input_ids, attention_mask, last_real, s)
+        elif s.use_mtp:
+            decoder = _MtpDecoder(model, input_ids, attention_mask)
+        else:
+            decoder = _AssistantDecoder(model, assistant_model, input_ids, attention_mask, last_real, s)
     else:
         decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
@@ -927,7 +954,7 @@ def generate(
     finally:
         if was_training:
             model.train()
-    if stats is not None and isinstance(decoder, (_LookupDecoder, _MtpDecoder)):
+    if stats is not None and isinstance(decoder, (_LookupDecoder, _MtpDecoder, _AssistantDecoder)):
         stats.update(decoder.counts())
     end()
     return out
@@ -1265,6 +1292,71 @@ class _LookupDecoder(_Decoder):
                     drafts = row[start + n : start + n + most]
                     return drafts[: next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))]
         return []
+
+
+class _AssistantDecoder(_Decoder):
+    """Assisted decoding (transformers' ``assistant_model``, one row): a smaller model of the same
+    vocabulary, with its own cache, drafts up to ``num_assistant_tokens`` greedy tokens after each
+    fed token (stopping after one it gives less than ``assistant_confidence_threshold``); they go into
+    the same forward of the main model, as prompt lookup's drafts do. The assistant's cache is rolled
+    back to the row's tokens before it drafts again. ``heuristic``: 2 more drafts after a round all
+    taken, 1 fewer otherwise (transformers also moves its threshold by a fitted curve; that changes
+    only how many forwards run, never the tokens)."""
+
+    def __init__(self, model, assistant, input_ids, mask, last_real, s: GenerationConfig) -> None:
+        super().__init__(model, True, input_ids, mask, None, None, last_real)
+        V, W = int(model.config.vocab_size), int(getattr(getattr(assistant, "config", None), "vocab_size", -1))
+        if V != W or not hasattr(assistant, "decode_step"):
+            raise ValueError(f"generate: assistant_model must be a GLM model of the same vocabulary ({V}), got {W}")
+        self.helper = _Decoder(assistant, True, input_ids, mask, None, None, last_real)
+        self.row, self.fed, self.drafts, self.round = [], [], [], 0
+        self.k, self.s = s.num_assistant_tokens, s
+        self.stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}  # the prompt's forward
+
+    def prefill(self, new_tokens: int) -> paddle.Tensor:
+        self.helper.prefill(new_tokens + self.k + 1)  # room for the drafts past the last token
+        return super().prefill(new_tokens)
+
+    def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
+        import paddle
+
+        token = int(nxt.numpy()[0])
+        self.row.append(token)
+        if self.drafts and self.drafts[0][0] == token:
+            self.stats["accepted"] += 1
+            return self.drafts.pop(0)[1]
+        if self.s.num_assistant_tokens_schedule != "constant" and self.round:  # the last round: all taken?
+            self.k = self.k + 2 if not self.drafts else max(1, self.k - 1)
+        self.cache.rollback(len(self.drafts))
+        drafts = self._draft(min(self.k, self.cache.capacity - self.cache.length - 1))
+        out = self.model(paddle.to_tensor([[token, *drafts]]), past_key_values=self.cache, use_cache=True)
+        self.stats["drafted"] += len(drafts)
+        self.stats["main_forwards"] += 1
+        self.round = len(drafts)
+        logits = out.logits[0].astype("float32")
+        self.drafts = [(t, logits[i + 1 : i + 2]) for i, t in enumerate(drafts)]
+        return logits[:1]
+
+    def _draft(self, most: int) -> list[int]:
+        """The assistant's greedy tokens after the row, its cache first brought to the row's tokens."""
+        import paddle
+
+        same = 0
+        while same < min(len(self.fed), len(self.row)) and self.fed[same] == self.row[same]:
+            same += 1
+        self.helper.cache.rollback(len(self.fed) - same)
+        self.fed, feed, drafts = self.fed[:same], self.row[same:], []
+        room = self.helper.cache.capacity - self.helper.cache.length
+        while feed and len(drafts) < most and len(feed) <= room:
+            out = self.helper.model(paddle.to_tensor([feed]), past_key_values=self.helper.cache, use_cache=True)
+            self.fed += feed
+            room -= len(feed)
+            p = paddle.nn.functional.softmax(out.logits[0, -1].astype("float32"))
+            drafts.append(int(p.argmax()))
+            if float(p.max()) < self.s.assistant_confidence_threshold:
+                break
+            feed = drafts[-1:]
+        return drafts
 
 
 class _MtpDecoder(_Decoder):

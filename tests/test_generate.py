@@ -2082,3 +2082,58 @@ def test_classifier_free_guidance_equals_hf_generate():
             np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(opts))
         for g, w in zip(got.scores, want.scores, strict=True):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=2e-5, err_msg=str(opts))
+
+
+def test_assistant_model_gives_plain_decodings_tokens():
+    """``generate(assistant_model=small)`` (transformers' assisted decoding, one row): the assistant,
+    a GLM model of the same vocabulary with its own cache, drafts up to ``num_assistant_tokens`` greedy
+    tokens after each fed token, checked in the main model's forward of that token. The tokens are
+    plain decoding's, greedy and seeded sampling, a padded row too, with another model drafting (the
+    fixture with the index pattern and yarn rope) or the model itself. Drafting with itself and no
+    confidence threshold, 12 tokens take 4 main forwards with 4 drafts a round, 2 with 20. Batches,
+    beams, two drafters and another vocabulary are refused. Before: refused ("assistant_model=... is
+    not supported")."""
+    model, _ = _fixture("tiny")
+    other = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny_pattern_yarn" / "checkpoint", dtype="float32")
+    for prompt, mask in (([[5, 6, 7, 8, 9, 10]], None), ([[0, 0, 5, 6, 7, 8]], [[0, 0, 1, 1, 1, 1]])):
+        ids, mask = paddle.to_tensor(prompt), None if mask is None else paddle.to_tensor(mask)
+        for opts in ({}, {"do_sample": True, "seed": 3, "top_k": 5}, {"num_assistant_tokens_schedule": "heuristic"}):
+            kw = {"max_new_tokens": 12, "eos_token_id": []} | opts
+            plain = model.generate(ids, mask, **kw).numpy()
+            for helper in (model, other):
+                got = model.generate(ids, mask, assistant_model=helper, num_assistant_tokens=3, **kw).numpy()
+                np.testing.assert_array_equal(got, plain, err_msg=str(opts))
+    ids = paddle.to_tensor([[5, 6, 7, 8, 9, 10]])
+    for k, forwards in ((4, 4), (20, 2)):
+        stats = {}
+        kw = {"max_new_tokens": 12, "eos_token_id": [], "assistant_confidence_threshold": 0.0}
+        out = model.generate(ids, assistant_model=model, num_assistant_tokens=k, stats=stats, **kw)
+        np.testing.assert_array_equal(out.numpy(), model.generate(ids, max_new_tokens=12, eos_token_id=[]).numpy())
+        assert stats["main_forwards"] == forwards, stats
+    small_vocab = tiny_model(seed=1, vocab_size=128)
+    for bad, msg in (
+        ({"input_ids": paddle.to_tensor([[5, 6], [7, 8]])}, "drafts from one row's ids"),
+        ({"num_beams": 2}, "assistant_model drafts for one sequence"),
+        ({"use_mtp": True}, "assistant_model drafts for one sequence"),
+        ({"assistant_model": small_vocab}, "a GLM model of the same vocabulary"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(**({"input_ids": ids, "assistant_model": other} | bad), max_new_tokens=2)
+
+
+@pytest.mark.reference
+def test_assistant_model_equals_hf_generate():
+    """The live twin: transformers' assisted decoding (its model of each fixture, one drafting for the
+    other) gives the tokens ours gives."""
+    torch, transformers, hf = _hf_eager()
+    hf_other = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(FIXTURES / "tiny_pattern_yarn" / "checkpoint"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, _ = _fixture("tiny")
+    other = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny_pattern_yarn" / "checkpoint", dtype="float32")
+    for prompt in ([5, 6, 7, 8, 9, 10], [9, 10, 11, 9, 10, 11, 9]):
+        kw = {"max_new_tokens": 10, "eos_token_id": [211], "pad_token_id": 0, "num_assistant_tokens": 4}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), assistant_model=hf_other, **kw).numpy()
+        got = model.generate(paddle.to_tensor([prompt]), assistant_model=other, **kw).numpy()
+        np.testing.assert_array_equal(got, want)
