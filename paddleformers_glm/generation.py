@@ -954,7 +954,7 @@ def generate(
     finally:
         if was_training:
             model.train()
-    if stats is not None and isinstance(decoder, (_LookupDecoder, _MtpDecoder, _AssistantDecoder)):
+    if stats is not None and isinstance(decoder, (_DraftingDecoder, _MtpDecoder)):
         stats.update(decoder.counts())
     end()
     return out
@@ -1248,20 +1248,17 @@ def _unconditional(model, s: GenerationConfig, input_ids, ids, mask, copies: int
     return _Decoder(model, s.use_cache, ids, mask, None, None, None)
 
 
-class _LookupDecoder(_Decoder):
-    """Prompt lookup decoding (transformers' ``prompt_lookup_num_tokens``, one row): when a token is
-    fed, up to that many drafts follow it in the same forward, copied from what followed the first
-    earlier occurrence of the row's last n ids (n = ``max_matching_ngram_size`` (2) down to 1; cut
-    before an EOS); the logits after each draft are kept. A later token equal to the next draft
-    takes its kept logits without a forward; one that differs rolls the unused drafts out of the
-    cache. The tokens are chosen as without drafts (the same processors, draw and stops), so greedy
-    decoding gives its own tokens; only the number of forwards changes (``stats``)."""
+class _DraftingDecoder(_Decoder):
+    """One row whose fed token is followed in the same forward by up to ``most`` drafts (``_draft``),
+    the logits after each kept: a later token equal to the next draft takes its kept logits without a
+    forward; one that differs rolls the unused drafts out of the cache. The tokens are chosen as
+    without drafts (the same processors, draw and stops), so they are plain decoding's; only the
+    number of forwards changes (``stats``)."""
 
-    def __init__(self, model, input_ids, mask, last_real, s: GenerationConfig) -> None:
+    def __init__(self, model, input_ids, mask, last_real, most: int) -> None:
         super().__init__(model, True, input_ids, mask, None, None, last_real)
-        self.row = [int(t) for t in input_ids.numpy()[0]]
-        self.drafts, self.max_drafts = [], s.prompt_lookup_num_tokens
-        self.ngram, self.eos = s.max_matching_ngram_size or 2, set(s.eos_token_id)
+        self.row = [int(t) for t in input_ids.numpy()[0]]  # the prompt's ids, then the chosen ones
+        self.drafts, self.most, self.prompt_len = [], most, len(self.row)
         self.stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}  # the prompt's forward
 
     def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
@@ -1272,15 +1269,34 @@ class _LookupDecoder(_Decoder):
         if self.drafts and self.drafts[0][0] == token:  # the draft was right: its logits are known
             self.stats["accepted"] += 1
             return self.drafts.pop(0)[1]
+        self._round_ended(all_taken=not self.drafts)
         self.cache.rollback(len(self.drafts))  # the unused drafts' rows
-        room = self.cache.capacity - self.cache.length - 1
-        drafts = self._lookup(min(self.max_drafts, room))
+        drafts = self._draft(min(self.most, self.cache.capacity - self.cache.length - 1))
         out = self.model(paddle.to_tensor([[token, *drafts]]), past_key_values=self.cache, use_cache=True)
         self.stats["drafted"] += len(drafts)
         self.stats["main_forwards"] += 1
         logits = out.logits[0].astype("float32")
         self.drafts = [(t, logits[i + 1 : i + 2]) for i, t in enumerate(drafts)]
         return logits[:1]
+
+    def _round_ended(self, all_taken: bool) -> None:
+        """Before the next drafts: whether every draft of the last round was taken."""
+
+    def _draft(self, most: int) -> list[int]:
+        raise NotImplementedError
+
+
+class _LookupDecoder(_DraftingDecoder):
+    """Prompt lookup decoding (transformers' ``prompt_lookup_num_tokens``): the drafts are what
+    followed the first earlier occurrence of the row's last n ids (n = ``max_matching_ngram_size``
+    (2) down to 1), cut before an EOS, as transformers' PromptLookupCandidateGenerator proposes them."""
+
+    def __init__(self, model, input_ids, mask, last_real, s: GenerationConfig) -> None:
+        super().__init__(model, input_ids, mask, last_real, s.prompt_lookup_num_tokens)
+        self.ngram, self.eos = s.max_matching_ngram_size or 2, set(s.eos_token_id)
+
+    def _draft(self, most: int) -> list[int]:
+        return self._lookup(most)
 
     def _lookup(self, most: int) -> list[int]:
         """Up to ``most`` ids that followed the first earlier occurrence of the row's last n ids."""
@@ -1294,58 +1310,42 @@ class _LookupDecoder(_Decoder):
         return []
 
 
-class _AssistantDecoder(_Decoder):
-    """Assisted decoding (transformers' ``assistant_model``, one row): a smaller model of the same
-    vocabulary, with its own cache, drafts up to ``num_assistant_tokens`` greedy tokens after each
-    fed token (stopping after one it gives less than ``assistant_confidence_threshold``); they go into
-    the same forward of the main model, as prompt lookup's drafts do. The assistant's cache is rolled
-    back to the row's tokens before it drafts again. ``heuristic``: 2 more drafts after a round all
-    taken, 1 fewer otherwise (transformers also moves its threshold by a fitted curve; that changes
-    only how many forwards run, never the tokens)."""
+class _AssistantDecoder(_DraftingDecoder):
+    """Assisted decoding (transformers' ``assistant_model``): a smaller model of the same vocabulary,
+    with its own cache, drafts up to ``num_assistant_tokens`` greedy tokens (stopping after one it
+    gives less than ``assistant_confidence_threshold``), its cache first rolled back to the row's
+    tokens. ``heuristic``: 2 more drafts after a round all taken, 1 fewer otherwise (transformers
+    also moves its threshold by a fitted curve; that changes how many forwards run, never the tokens)."""
 
     def __init__(self, model, assistant, input_ids, mask, last_real, s: GenerationConfig) -> None:
-        super().__init__(model, True, input_ids, mask, None, None, last_real)
+        super().__init__(model, input_ids, mask, last_real, s.num_assistant_tokens)
         V, W = int(model.config.vocab_size), int(getattr(getattr(assistant, "config", None), "vocab_size", -1))
         if V != W or not hasattr(assistant, "decode_step"):
             raise ValueError(f"generate: assistant_model must be a GLM model of the same vocabulary ({V}), got {W}")
-        self.helper = _Decoder(assistant, True, input_ids, mask, None, None, last_real)
-        self.row, self.fed, self.drafts, self.round = [], [], [], 0
-        self.k, self.s = s.num_assistant_tokens, s
-        self.stats = {"drafted": 0, "accepted": 0, "main_forwards": 1}  # the prompt's forward
+        self.helper, self.fed, self.last_round, self.s = (
+            _Decoder(assistant, True, input_ids, mask, None, None, last_real),
+            [],
+            0,
+            s,
+        )
 
     def prefill(self, new_tokens: int) -> paddle.Tensor:
-        self.helper.prefill(new_tokens + self.k + 1)  # room for the drafts past the last token
+        self.helper.prefill(new_tokens + self.most + 1)  # room for the drafts past the last token
         return super().prefill(new_tokens)
 
-    def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
-        import paddle
-
-        token = int(nxt.numpy()[0])
-        self.row.append(token)
-        if self.drafts and self.drafts[0][0] == token:
-            self.stats["accepted"] += 1
-            return self.drafts.pop(0)[1]
-        if self.s.num_assistant_tokens_schedule != "constant" and self.round:  # the last round: all taken?
-            self.k = self.k + 2 if not self.drafts else max(1, self.k - 1)
-        self.cache.rollback(len(self.drafts))
-        drafts = self._draft(min(self.k, self.cache.capacity - self.cache.length - 1))
-        out = self.model(paddle.to_tensor([[token, *drafts]]), past_key_values=self.cache, use_cache=True)
-        self.stats["drafted"] += len(drafts)
-        self.stats["main_forwards"] += 1
-        self.round = len(drafts)
-        logits = out.logits[0].astype("float32")
-        self.drafts = [(t, logits[i + 1 : i + 2]) for i, t in enumerate(drafts)]
-        return logits[:1]
+    def _round_ended(self, all_taken: bool) -> None:
+        if self.s.num_assistant_tokens_schedule != "constant" and self.last_round:
+            self.most = self.most + 2 if all_taken else max(1, self.most - 1)
 
     def _draft(self, most: int) -> list[int]:
-        """The assistant's greedy tokens after the row, its cache first brought to the row's tokens."""
+        """The assistant's greedy tokens after the row; its cache holds ``fed`` after the prompt."""
         import paddle
 
-        same = 0
-        while same < min(len(self.fed), len(self.row)) and self.fed[same] == self.row[same]:
+        new, same = self.row[self.prompt_len :], 0
+        while same < min(len(self.fed), len(new)) and self.fed[same] == new[same]:
             same += 1
         self.helper.cache.rollback(len(self.fed) - same)
-        self.fed, feed, drafts = self.fed[:same], self.row[same:], []
+        self.fed, feed, drafts = self.fed[:same], new[same:], []
         room = self.helper.cache.capacity - self.helper.cache.length
         while feed and len(drafts) < most and len(feed) <= room:
             out = self.helper.model(paddle.to_tensor([feed]), past_key_values=self.helper.cache, use_cache=True)
@@ -1356,6 +1356,7 @@ class _AssistantDecoder(_Decoder):
             if float(p.max()) < self.s.assistant_confidence_threshold:
                 break
             feed = drafts[-1:]
+        self.last_round = len(drafts)
         return drafts
 
 
