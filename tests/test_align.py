@@ -4,6 +4,7 @@ detection of ``glm52 align``, and (with torch + transformers installed) a short 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -250,7 +251,12 @@ def test_align_headline_layout_matches_the_torch_reference_for_10_steps(tiny_ckp
     assert v["comparisons"]["step1_grads"]["tensors"] == len(
         json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     )
-    assert (out / "receipt" / "loss.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: the curve is drawn
+        assert (out / "receipt" / "loss.png").stat().st_size > 0
+    else:  # a venv with the reference extra alone: the verdict says so, the numbers decide
+        assert (
+            v["comparisons"]["losses"]["plot"].startswith("not drawn") and not (out / "receipt" / "loss.png").exists()
+        )
     assert {"torch", "transformers", "paddle"} <= set(v["versions"])
     assert os.path.isfile(out / "receipt" / "check_ckpt_step1_grads.json")
 
