@@ -6,6 +6,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -943,21 +944,35 @@ def generate(
     else:
         decoder = _Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
+    with _inference(model):
+        if s.num_beams > 1:
+            out = _beam_search(decoder, procs, s, input_ids, rng)
+        else:
+            out = _sample(decoder, procs, s, input_ids, rng, put, tokenizer, tails)
+    if stats is not None and isinstance(decoder, (_DraftingDecoder, _MtpDecoder)):
+        stats.update(_counts(decoder.stats))
+    end()
+    return out
+
+
+@contextlib.contextmanager
+def _inference(model: paddle.nn.Layer):
+    """The model in eval mode without autograd for a generation, its training mode given back."""
+    import paddle
+
     was_training = model.training
     model.eval()
     try:
         with paddle.no_grad():
-            if s.num_beams > 1:
-                out = _beam_search(decoder, procs, s, input_ids, rng)
-            else:
-                out = _sample(decoder, procs, s, input_ids, rng, put, tokenizer, tails)
+            yield
     finally:
         if was_training:
             model.train()
-    if stats is not None and isinstance(decoder, (_DraftingDecoder, _MtpDecoder)):
-        stats.update(decoder.counts())
-    end()
-    return out
+
+
+def _counts(stats: dict) -> dict:
+    """A drafting decoder's counts with its acceptance rate."""
+    return stats | {"acceptance_rate": stats["accepted"] / max(stats["drafted"], 1)}
 
 
 @dataclass
@@ -1191,10 +1206,6 @@ class _Decoder:
         if self.last_real is None:
             return out.logits[:, -1]
         return _logits_at(model, out.last_hidden_state, self.last_real)
-
-    def counts(self) -> dict:
-        """A drafting decoder's counts (``stats``) and its acceptance rate."""
-        return self.stats | {"acceptance_rate": self.stats["accepted"] / max(self.stats["drafted"], 1)}
 
     def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
         """The logits [B, V] after each row's new token ``nxt`` [B]."""
@@ -1715,7 +1726,6 @@ def generate_speculative(
     loop of ``generate(..., use_mtp=True)`` without the model's generation_config.json, returning
     (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate", "main_forwards"});
     the tokens are greedy decoding's."""
-    import paddle
 
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"generate_speculative: one row [1, seq] expected, got shape {list(input_ids.shape)}")
@@ -1725,12 +1735,6 @@ def generate_speculative(
     s = resolve_settings(model.config, GenerationConfig(), options, input_ids.shape[1])
     procs = _Processors(s, input_ids, None, True, int(model.config.vocab_size), _Hooks([], [], None), time.time())
     decoder = _MtpDecoder(model, input_ids, None)
-    was_training = model.training
-    model.eval()
-    try:
-        with paddle.no_grad():
-            out = _sample(decoder, procs, s, input_ids, np.random.default_rng(0), None, None, None)
-    finally:
-        if was_training:
-            model.train()
-    return out, decoder.counts()
+    with _inference(model):
+        out = _sample(decoder, procs, s, input_ids, np.random.default_rng(0), None, None, None)
+    return out, _counts(decoder.stats)
