@@ -223,7 +223,7 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
     model = tiny_model(seed=6)
     prompt = tokens(1, 11, seed=9)
     greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
-    real = generation._mtp_step
+    real = generation.decoders._mtp_step
 
     def oracle(model_, mtp, cache, hidden, ids, *rest):
         logits = real(model_, mtp, cache, hidden, ids, *rest)
@@ -231,7 +231,7 @@ def test_speculative_accepts_right_drafts_and_rolls_back_wrong_ones(monkeypatch)
         want = int(greedy[target]) if target < len(greedy) and cache.length % 2 == 0 else 3
         return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
 
-    monkeypatch.setattr(generation, "_mtp_step", oracle)
+    monkeypatch.setattr(generation.decoders, "_mtp_step", oracle)
     out, stats = generate_speculative(model, prompt, 14, eos_token_id=[])
     np.testing.assert_array_equal(out.numpy()[0], greedy)
     assert stats["accepted"] >= 3 and stats["main_forwards"] == 1 + stats["drafted"]
@@ -252,7 +252,7 @@ def test_speculative_drafts_are_the_mtp_heads_own_predictions(share, monkeypatch
     model.eval()
     prompt = tokens(1, 3, seed=43)
     greedy = model.generate(prompt, max_new_tokens=14, eos_token_id=[]).numpy()[0]
-    real, drafts = generation._mtp_step, {}
+    real, drafts = generation.decoders._mtp_step, {}
 
     def spy(model_, mtp, cache, hidden, ids, *rest):  # records the MTP's logits, drafts right every other time
         logits = real(model_, mtp, cache, hidden, ids, *rest)
@@ -260,7 +260,7 @@ def test_speculative_drafts_are_the_mtp_heads_own_predictions(share, monkeypatch
         want = int(greedy[cache.length + 1]) if cache.length % 2 == 0 and cache.length + 1 < len(greedy) else 3
         return paddle.to_tensor(np.eye(logits.shape[-1], dtype="float32")[[want]])
 
-    monkeypatch.setattr(generation, "_mtp_step", spy)
+    monkeypatch.setattr(generation.decoders, "_mtp_step", spy)
     out, stats = generate_speculative(model, prompt, 14, eos_token_id=[])
     np.testing.assert_array_equal(out.numpy()[0], greedy)
     with paddle.no_grad():
@@ -598,7 +598,7 @@ def test_sampling_copies_only_the_chosen_ids_to_the_host(monkeypatch):
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_removed_token():
-    from paddleformers_glm.generation import _draw
+    from paddleformers_glm.generation.search import _draw
 
     logits = np.array([2.0, 1.0, 0.0, -np.inf, 0.5], dtype=np.float32)
     p = np.exp(logits - logits.max())
@@ -699,7 +699,8 @@ def test_warpers_equal_hf_logits_processors():
     """temperature -> top-k -> top-p on the device equals HF's warpers (which tokens stay, their scores)."""
     torch = pytest.importorskip("torch")
     gen = pytest.importorskip("transformers.generation.logits_process")
-    from paddleformers_glm.generation import GenerationConfig, _warp
+    from paddleformers_glm.generation import GenerationConfig
+    from paddleformers_glm.generation.logits_process import _warp
 
     logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32) * 3
     for t, k, p in ((0.7, 20, 0.9), (1.3, 0, 0.5), (1.0, 5, 1.0)):
@@ -723,7 +724,8 @@ def test_top_p_keeps_the_exact_nucleus_at_a_real_vocabulary_size():
     48 rows at top_p 0.99, 113 at 0.95; here at 0.95 five of the six rows, kept 112257 / 112197 /
     13065 / 14547 / 5001 for 112259 / 112195 / 13068 / 14550 / 5005). Summing in float64 float32
     probabilities (Paddle's softmax) still missed by one token in row 3."""
-    from paddleformers_glm.generation import GenerationConfig, _warp
+    from paddleformers_glm.generation import GenerationConfig
+    from paddleformers_glm.generation.logits_process import _warp
 
     V = 151552
     logits = np.random.default_rng(2).standard_normal((6, V)).astype(np.float32)
@@ -767,7 +769,7 @@ def test_draw_reaches_tokens_below_float32_resolution_of_the_cdf():
     Before: a float32 CDF (and float32 uniforms) gave such tokens probability 0 or a whole float32
     step: on 151552-token rows of N(0, 3^2) logits ~45000 tokens could never be drawn, others
     doubled, total variation 7e-4 from the softmax."""
-    from paddleformers_glm.generation import _draw
+    from paddleformers_glm.generation.search import _draw
 
     logits = np.array([[3.0, -16.0, -17.0, -16.5, -np.inf, -15.5]], dtype=np.float32)
     x = logits.astype(np.float64)
@@ -848,7 +850,7 @@ def test_unimplemented_options_given_as_none_are_off(tmp_path):
     "tiny", prompt [5, 6, 7, 8], greedy, 4 new tokens, those keywords all None: [240, 211, 172, 53],
     the plain greedy tokens. Before: ValueError "no_repeat_ngram_size=None is not supported (only its
     off value 0)", from a keyword (which the docs say counts as not given) and from a file."""
-    from paddleformers_glm.generation import UNSUPPORTED_OFF
+    from paddleformers_glm.generation.config import UNSUPPORTED_OFF
 
     nones = {k: None for k in ("encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "num_beam_groups")}
     nones |= {k: None for k in ("diversity_penalty", "token_healing")}
@@ -1814,7 +1816,7 @@ def test_draw_without_replacement_follows_a_sequential_draw():
     replacement: the first index with probability p_i, the next p_j / (1 - p_i), in the order drawn;
     a -inf score never. 40,000 draws of 2 from [0.5, 0.3, 0.2, 0]: every ordered pair's frequency
     within 5 standard errors of its probability."""
-    from paddleformers_glm.generation import _draw_without_replacement
+    from paddleformers_glm.generation.search import _draw_without_replacement
 
     p = np.array([0.5, 0.3, 0.2, 0.0])
     n = 40_000
@@ -1904,11 +1906,12 @@ _LOOKUP_ROWS = [
 def test_prompt_lookup_drafts_as_transformers():
     """The drafts: what followed the first earlier occurrence of the row's last 2 ids (else 1), cut
     before an EOS, as transformers 5.23's PromptLookupCandidateGenerator proposes (_LOOKUP_ROWS)."""
-    from paddleformers_glm.generation import GenerationConfig, _LookupDecoder
+    from paddleformers_glm.generation import GenerationConfig
+    from paddleformers_glm.generation.decoders import LookupDecoder
 
     s = GenerationConfig(prompt_lookup_num_tokens=3, eos_token_id=[211])
     for row, want in _LOOKUP_ROWS:
-        decoder = _LookupDecoder.__new__(_LookupDecoder)
+        decoder = LookupDecoder.__new__(LookupDecoder)
         decoder.row, decoder.ngram, decoder.eos = row, 2, set(s.eos_token_id)
         assert decoder._lookup(3) == want, row
 
@@ -1939,7 +1942,7 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(monkeypatch):
             made.append(self)
             return drafts
 
-        monkeypatch.setattr(generation._LookupDecoder, "_lookup", oracle)
+        monkeypatch.setattr(generation.decoders.LookupDecoder, "_lookup", oracle)
         got = model.generate(ids, mask, prompt_lookup_num_tokens=4, **kw)
         monkeypatch.undo()
         np.testing.assert_array_equal(got.sequences.numpy(), plain.sequences.numpy())
@@ -1970,7 +1973,7 @@ def test_prompt_lookup_equals_hf_generate():
     torch, _, hf = _hf_eager()
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-    from paddleformers_glm.generation import _LookupDecoder
+    from paddleformers_glm.generation.decoders import LookupDecoder
 
     model, _ = _fixture("tiny")
     for prompt in ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]):
@@ -1983,7 +1986,7 @@ def test_prompt_lookup_equals_hf_generate():
         row = rng.integers(0, 6, size=int(rng.integers(2, 12))).tolist()
         gen = PromptLookupCandidateGenerator(torch.tensor([3]), num_output_tokens=4, max_matching_ngram_size=2)
         want = gen.get_candidates(torch.tensor([row]))[0][0, len(row) :].tolist()
-        decoder = _LookupDecoder.__new__(_LookupDecoder)
+        decoder = LookupDecoder.__new__(LookupDecoder)
         decoder.row, decoder.ngram, decoder.eos = row, 2, {3}
         assert decoder._lookup(4) == want, row
 

@@ -1317,7 +1317,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         then calls ``cache.advance(n)``). The same layers' code as ``forward`` with a filled cache,
         without its output bookkeeping; it reads the cache only through tensors of fixed shapes
         (its buffers and ``key_valid`` at their capacity), so ``paddle.jit.to_static`` captures it
-        once for every step of a generation (generation.py ``generate(..., decode_step=...)``)."""
+        once for every step of a generation (``generation.generate(..., decode_step=...)``)."""
         cos, sin = self.model.rotary_emb(positions)
         hidden, topk = self.model.embedding(input_ids), None
         for i in self.stage.layers:

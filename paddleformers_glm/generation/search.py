@@ -1,0 +1,470 @@
+"""``generate``: the settings resolved, the prompt's forward, then greedy decoding, sampling or beam
+search one token per step, with transformers' outputs; and ``generate_speculative`` (MTP drafts)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .config import GenerationConfig, eos_list, generation_config_of, resolve_settings
+from .decoders import AssistantDecoder, Decoder, DraftingDecoder, LookupDecoder, MtpDecoder, unconditional_decoder
+from .logits_process import Hooks, Processors
+
+if TYPE_CHECKING:
+    import paddle
+# paddle is imported inside the functions: the CLI imports this package at start-up
+
+
+@dataclass
+class GenerateDecoderOnlyOutput:
+    """``return_dict_in_generate=True``: ``sequences`` [B, S + n] (beam search: also ``sequences_scores``
+    [B * num_return_sequences] and ``beam_indices``, as HF's beam output); per step the processed scores
+    (``output_scores``) and the raw logits (``output_logits``), each [B, V], as HF returns them. Read as
+    HF's ModelOutput: ``out["scores"]`` / ``out[1]`` / ``keys()`` / ``to_tuple()`` see the fields that are
+    set (``hidden_states`` with ``output_hidden_states``: per step the forward's tuple of num_hidden_layers
+    + 1 [B, L, H], L the prompt's length first, then 1, or the whole sequence without a cache; ``attentions``
+    never: ``output_attentions`` is refused, the sparse attention forms keep no probabilities)."""
+
+    sequences: Any
+    sequences_scores: Any = None
+    scores: tuple | None = None
+    logits: tuple | None = None
+    beam_indices: Any = None
+    attentions: None = None
+    hidden_states: tuple | None = None
+    past_key_values: Any = None
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.keys())
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, str):
+            if key not in self.keys():
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+
+def generate(
+    model: paddle.nn.Layer,
+    input_ids: paddle.Tensor | None = None,
+    attention_mask: paddle.Tensor | None = None,
+    generation_config: GenerationConfig | dict | None = None,
+    *,
+    seed: int | None = None,
+    streamer: Callable[[np.ndarray], None] | Any | None = None,
+    tokenizer: Any = None,
+    decode_step: Callable[..., paddle.Tensor] | None = None,
+    inputs_embeds: paddle.Tensor | None = None,
+    logits_processor: Sequence[Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]] | None = None,
+    stopping_criteria: Sequence[Callable[[paddle.Tensor, Any], Any]] | None = None,
+    prefix_allowed_tokens_fn: Callable[[int, paddle.Tensor], Sequence[int]] | None = None,
+    stats: dict | None = None,
+    negative_prompt_ids: paddle.Tensor | None = None,
+    negative_prompt_attention_mask: paddle.Tensor | None = None,
+    assistant_model: paddle.nn.Layer | None = None,
+    **kwargs: Any,
+) -> paddle.Tensor | GenerateDecoderOnlyOutput:
+    """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
+    (a :class:`GenerateDecoderOnlyOutput` with ``return_dict_in_generate=True``); ``kwargs``: HF's options
+    (docs/model.md, "Decoding"). Each token after the first goes through ``model.decode_step`` (or
+    ``decode_step``, same arguments: its ``paddle.jit.to_static`` capture, a :class:`CudaGraphDecodeStep`)
+    on a cache allocated once for the whole generation, so the step's shapes never change.
+    ``inputs_embeds`` [B, S, H] (as transformers'): the prompt's embeddings are what the model reads;
+    without ``input_ids`` only the new tokens are returned [B, n], and the prompt is nothing the
+    repetition penalty or a stop string sees (HF's rules).
+    ``logits_processor`` / ``stopping_criteria`` / ``prefix_allowed_tokens_fn``: transformers' hooks with
+    Paddle tensors (``proc(input_ids [N, L], scores [N, V]) -> scores``, ``crit(input_ids, scores) -> bool
+    or [N] bool``, ``fn(batch_id, row_ids) -> allowed ids``), called where transformers calls them.
+    ``stats`` (a dict) receives a drafter's counts (``use_mtp`` / ``prompt_lookup_num_tokens``):
+    drafted, accepted, acceptance_rate, main_forwards. ``negative_prompt_ids`` / ``_attention_mask``
+    [B, L]: what ``guidance_scale`` conditions away from (default: each row's last prompt token).
+    ``assistant_model``: a smaller GLM model of the same vocabulary that drafts (transformers' assisted
+    decoding; ``num_assistant_tokens``, its schedule and ``assistant_confidence_threshold``).
+    """
+    import paddle
+
+    started = time.time()  # max_time counts from here, as transformers' MaxTimeCriteria from generate's start
+    hooks = Hooks.checked(logits_processor, stopping_criteria, prefix_allowed_tokens_fn)
+
+    if inputs_embeds is not None:
+        if inputs_embeds.ndim != 3:
+            raise ValueError(f"generate: inputs_embeds must be [batch, seq, hidden], got {list(inputs_embeds.shape)}")
+        if input_ids is not None and list(input_ids.shape) != list(inputs_embeds.shape[:2]):
+            raise ValueError(
+                f"generate: input_ids shape {list(input_ids.shape)} != inputs_embeds' [batch, seq] "
+                f"{list(inputs_embeds.shape[:2])}"
+            )
+        if input_ids is None:  # transformers: an empty prompt of ids; the output holds the new tokens only
+            input_ids = paddle.zeros([inputs_embeds.shape[0], 0], dtype="int64")
+    elif input_ids is None:
+        raise ValueError("generate: give input_ids or inputs_embeds")
+    if input_ids.ndim != 2:
+        raise ValueError(f"generate: input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
+    B, S = input_ids.shape if inputs_embeds is None else inputs_embeds.shape[:2]
+    ids_given = input_ids.shape[1] == S  # False: inputs_embeds alone
+    own = getattr(model, "generation_config", None)  # the model's defaults fill what a passed config leaves unset (HF)
+    own = GenerationConfig.from_dict(own, "model.generation_config") if isinstance(own, dict) else own
+    own = own if isinstance(own, GenerationConfig) else generation_config_of(model)
+    if not isinstance(generation_config, (GenerationConfig, dict, type(None))) and hasattr(
+        generation_config, "to_dict"
+    ):
+        generation_config = generation_config.to_dict()  # transformers' GenerationConfig: its None keys are unset
+    if isinstance(generation_config, dict):
+        generation_config = GenerationConfig.from_dict(generation_config, source="generation_config argument")
+    gc = own if generation_config is None else generation_config.over(own)
+    s = resolve_settings(model.config, gc, kwargs, S)  # before any allocation
+    if attention_mask is not None and list(attention_mask.shape) != [B, S]:
+        raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
+    if s.stop_strings and tokenizer is None:
+        raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
+    if s.num_beams > 1 and (streamer is not None or s.stop_strings):  # as transformers for a streamer
+        raise ValueError("generate: beam search (num_beams > 1) takes no streamer and no stop_strings")
+    input_ids = input_ids.astype("int64")
+    copies = s.num_beams if s.num_beams > 1 else s.num_return_sequences  # rows per prompt
+    if copies > 1:
+        input_ids = paddle.repeat_interleave(input_ids, copies, axis=0)
+        if attention_mask is not None:
+            attention_mask = paddle.repeat_interleave(attention_mask, copies, axis=0)
+        if inputs_embeds is not None:
+            inputs_embeds = paddle.repeat_interleave(inputs_embeds, copies, axis=0)
+        B = input_ids.shape[0]
+    # right padding: each row's first new token follows its last real token, not the padded end
+    # (HF continues from the pad position and warns); later tokens are real, the pads stay masked
+    last_real = None
+    if attention_mask is not None:
+        real = attention_mask.numpy() != 0  # one host read of the mask, before any step
+        if not real[:, -1].all():
+            last_real = paddle.to_tensor(np.where(real.any(1), S - 1 - np.argmax(real[:, ::-1], axis=1), S - 1))
+    tails = None
+    if s.stop_strings:  # HF matches a stop string against the sequence's end, prompt included: each row's
+        # last real prompt tokens (as many as the longest stop string has characters) and their text
+        k, host_ids = max(map(len, s.stop_strings)), input_ids.numpy()
+        real_rows = (
+            np.ones(host_ids.shape, bool) if attention_mask is None or not ids_given else attention_mask.numpy() != 0
+        )
+        tails = [[int(t) for t in row[keep][-k:]] for row, keep in zip(host_ids, real_rows)]
+        tails = [(t, len(tokenizer.decode(t))) for t in tails]
+    rng = np.random.default_rng(seed)
+    # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
+    # a plain callable gets each step's ids
+    put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
+    if hasattr(streamer, "put"):
+        put(input_ids.numpy())
+    V = int(model.config.vocab_size)
+    procs = Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
+    if s.guidance_scale is not None:
+        procs.guidance = unconditional_decoder(
+            model, s, input_ids, negative_prompt_ids, negative_prompt_attention_mask, copies
+        )
+    elif negative_prompt_ids is not None:
+        raise ValueError("generate: negative_prompt_ids is read by guidance_scale (not 1), which is not set")
+    if assistant_model is not None and (s.prompt_lookup_num_tokens or s.use_mtp or s.num_beams > 1 or copies > 1):
+        raise ValueError(
+            "generate: assistant_model drafts for one sequence; it takes no num_beams or num_return_sequences, "
+            "and one drafter (prompt_lookup_num_tokens, use_mtp or assistant_model)"
+        )
+    if assistant_model is not None and s.guidance_scale is not None:
+        raise ValueError("generate: guidance_scale takes no drafter (assistant_model)")
+    if s.prompt_lookup_num_tokens or s.use_mtp or assistant_model is not None:
+        name = (
+            "prompt_lookup_num_tokens" if s.prompt_lookup_num_tokens else "use_mtp" if s.use_mtp else "assistant_model"
+        )
+        if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states:
+            raise ValueError(  # transformers: "assisted generate is only supported for batch_size = 1"
+                f"generate: {name} drafts from one row's ids: one prompt of ids, use_cache=True, "
+                f"no output_hidden_states (got {B} rows, use_cache={s.use_cache})"
+            )
+        if s.prompt_lookup_num_tokens:
+            decoder = LookupDecoder(model, input_ids, attention_mask, last_real, s)
+        elif s.use_mtp:
+            decoder = MtpDecoder(model, input_ids, attention_mask)
+        else:
+            decoder = AssistantDecoder(model, assistant_model, input_ids, attention_mask, last_real, s)
+    else:
+        decoder = Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
+    decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
+    with _inference(model):
+        if s.num_beams > 1:
+            out = _beam_search(decoder, procs, s, input_ids, rng)
+        else:
+            out = _sample(decoder, procs, s, input_ids, rng, put, tokenizer, tails)
+    if stats is not None and isinstance(decoder, (DraftingDecoder, MtpDecoder)):
+        stats.update(_counts(decoder.stats))
+    end()
+    return out
+
+
+@contextlib.contextmanager
+def _inference(model: paddle.nn.Layer):
+    """The model in eval mode without autograd for a generation, its training mode given back."""
+    import paddle
+
+    was_training = model.training
+    model.eval()
+    try:
+        with paddle.no_grad():
+            yield
+    finally:
+        if was_training:
+            model.train()
+
+
+def _counts(stats: dict) -> dict:
+    """A drafting decoder's counts with its acceptance rate."""
+    return stats | {"acceptance_rate": stats["accepted"] / max(stats["drafted"], 1)}
+
+
+def _beam_search(
+    decoder: Decoder, procs: Processors, s: GenerationConfig, input_ids: paddle.Tensor, rng: np.random.Generator
+) -> paddle.Tensor | GenerateDecoderOnlyOutput:
+    """transformers 5.23's beam search (``num_beams`` K > 1, no sampling), its rules on the host:
+    each step the processed log-probabilities plus each beam's score, the best max(2, 1 + #EOS) x K
+    continuations over all K beams; those ending in an EOS or at the length limit are finished
+    (among the first K, scored / generated length ** length_penalty, the K best finished kept), the
+    K best others run on (the cache and the processors' rows reordered to them). Stops as
+    transformers: every continuation finished, all K finished with ``early_stopping=True``, or (its
+    heuristic, with ``"never"`` judging by the longest length when length_penalty > 0) no running
+    beam can beat the worst finished one. With ``do_sample`` (beam sampling) the continuations are
+    drawn without replacement from the softmax of those sums (the warpers applied to the
+    log-probabilities, keeping 1 + #EOS tokens), in the order drawn, as transformers' multinomial."""
+    import paddle
+
+    from ..ops import log_softmax
+
+    BK, S = input_ids.shape
+    K, n_new, lp, stop = s.num_beams, s.max_new_tokens, s.length_penalty, s.early_stopping
+    B, max_len = BK // K, S + n_new
+    eos = s.eos_token_id or []
+    keep = max(2, 1 + len(eos)) * K
+    top_mask = np.arange(keep) < K  # only the first K continuations can finish
+    # what fills a sequence that finished early: transformers' `pad or eos[0]` (pad 0 counts as unset)
+    fill = (s.pad_token_id or eos[0]) if eos else -1
+    run_seq = np.full((B, K, max_len), fill, np.int64)
+    run_seq[:, :, :S] = input_ids.numpy().reshape(B, K, S)
+    run_scores = np.zeros((B, K), np.float32)
+    run_scores[:, 1:] = -1e9  # the copies of the prompt: one beam starts
+    run_src = np.full((B, K, n_new), -1, np.int64)  # per new token: the flat row it continued
+    fin_seq, fin_src = run_seq.copy(), run_src.copy()
+    fin_scores, fin_done = np.full((B, K), -1e9, np.float32), np.zeros((B, K), bool)
+    improvable = np.ones((B, 1), bool)  # the heuristic: a running beam may still beat a finished one
+    rows = np.arange(B)[:, None]
+    scores, raw = [], []
+    last = decoder.prefill(n_new)
+    for step in range(n_new):
+        cur = S + step
+        logits = last.astype("float32")
+        if s.output_logits:
+            raw.append(logits)
+        logp = procs(log_softmax(logits, axis=-1), step)
+        if s.output_scores:
+            scores.append(logp)
+        V = logp.shape[-1]
+        total = logp.reshape([B, K, V]) + paddle.to_tensor(run_scores).unsqueeze(-1)
+        total = total.reshape([B, K * V])
+        if s.do_sample:
+            idx = _draw_without_replacement(total, keep, rng)
+            vals = paddle.take_along_axis(total, paddle.to_tensor(idx), axis=-1).numpy()
+            if not np.isfinite(vals).all():  # transformers' multinomial raises here too
+                raise ValueError(
+                    f"generate: beam sampling draws {keep} continuations per prompt, but fewer have a probability "
+                    f"after the warpers (top_k={s.top_k}, top_p={s.top_p} ...); keep more tokens or use fewer beams"
+                )
+        else:
+            vals, idx = (t.numpy() for t in paddle.topk(total, keep, axis=-1))
+        beam, tok = idx // V, idx % V
+        cand_seq, cand_src = run_seq[rows, beam], run_src[rows, beam]
+        cand_seq[:, :, cur] = tok
+        cand_src[:, :, step] = beam + rows * K
+        hits = np.isin(tok, eos) | (cur + 1 >= max_len)
+        if procs.stops:  # the caller's criteria and max_time end continuations too, as in transformers
+            cand = (
+                paddle.to_tensor(cand_seq[:, :, : cur + 1].reshape(B * keep, cur + 1))
+                if procs.ids is not None
+                else None
+            )
+            hit = procs.stopped(
+                cand, tuple(scores) if s.return_dict_in_generate and s.output_scores else None, B * keep
+            )
+            hits = hits if hit is None else hits | hit.numpy().reshape(B, keep)
+        # the running beams: the K best continuations that did not finish
+        running = vals + hits.astype(np.float32) * np.float32(-1e9)
+        pick = _top(running, K)
+        run_seq, run_scores, run_src = cand_seq[rows, pick], running[rows, pick], cand_src[rows, pick]
+        # the finished: the K best of those kept and those just finished (length-normalised)
+        done_now = hits & top_mask
+        ended = vals / np.float32((cur + 1 - S) ** lp)
+        ended += (fin_done.all(1, keepdims=True) & (stop is True)).astype(np.float32) * np.float32(-1e9)
+        ended += (~improvable).astype(np.float32) * np.float32(-1e9)
+        ended += (~done_now).astype(np.float32) * np.float32(-1e9)
+        merged = np.concatenate([fin_scores, ended], axis=1)
+        pick = _top(merged, K)
+        fin_seq = np.concatenate([fin_seq, cand_seq], axis=1)[rows, pick]
+        fin_src = np.concatenate([fin_src, cand_src], axis=1)[rows, pick]
+        fin_done = np.concatenate([fin_done, done_now], axis=1)[rows, pick]
+        fin_scores = merged[rows, pick]
+        # the rows continue the beams they extend
+        src = run_src[:, :, step].reshape(BK)
+        procs.reorder(src)
+        decoder.reorder(paddle.to_tensor(src))
+        nxt_host = run_seq[:, :, cur].reshape(BK)
+        nxt = paddle.to_tensor(nxt_host)
+        procs.append(nxt, nxt_host)
+        best_len = (max_len - S) if stop == "never" and lp > 0.0 else (cur + 1 - S)
+        best = run_scores[:, :1] / np.float32(best_len**lp)
+        worst = np.where(fin_done, fin_scores.min(1, keepdims=True), np.float32(-1e9))
+        improvable = improvable & (best > worst).any(1, keepdims=True)
+        if not improvable.any() or (fin_done.all() and stop is True) or hits.all():
+            break
+        last = decoder.next(nxt)
+    nrs = s.num_return_sequences
+    seq, src = fin_seq[:, :nrs].reshape(B * nrs, max_len), fin_src[:, :nrs].reshape(B * nrs, n_new)
+    made = int((src >= 0).sum(1).max())
+    sequences = paddle.to_tensor(seq[:, : S + made])
+    if not s.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=paddle.to_tensor(fin_scores[:, :nrs].reshape(-1)) if s.output_scores else None,
+        scores=tuple(scores) if s.output_scores else None,
+        logits=tuple(raw) if s.output_logits else None,
+        beam_indices=paddle.to_tensor(src[:, :made]),
+        hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
+        past_key_values=decoder.cache,
+    )
+
+
+def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k indices per row [B, k] drawn without replacement from softmax(``scores``) [B, N], in the
+    order drawn (the Gumbel top-k: the k largest of scores + Gumbel noise, a sequential draw's law);
+    the noise from ``rng`` (float64, so no key ties), -inf scores never drawn."""
+    import paddle
+
+    noise = -np.log(-np.log(rng.random(scores.shape)))  # Gumbel(0, 1)
+    keys = scores.astype("float64") + paddle.to_tensor(noise)
+    return paddle.topk(keys, k, axis=-1)[1].numpy()
+
+
+def _top(x: np.ndarray, k: int) -> np.ndarray:
+    """The indices of each row's k largest values, largest first (ties: the earlier first)."""
+    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+
+
+def _sample(
+    decoder: Decoder,
+    procs: Processors,
+    s: GenerationConfig,
+    input_ids: paddle.Tensor,
+    rng: np.random.Generator,
+    put: Callable[[np.ndarray], None] | None,
+    tokenizer: Any,
+    tails: list | None,
+) -> paddle.Tensor | GenerateDecoderOnlyOutput:
+    """Greedy decoding or sampling, one token per row per step."""
+    import paddle
+
+    B = input_ids.shape[0]
+    eos_t = paddle.to_tensor(s.eos_token_id, dtype="int64") if s.eos_token_id else None
+    scores, raw, new, host_new = [], [], [], []  # per step: processed scores, raw logits, ids (device, host)
+    last = decoder.prefill(s.max_new_tokens)
+    finished = paddle.zeros([B], dtype="bool")
+    for step in range(s.max_new_tokens):
+        logits = last.astype("float32")  # [B, V], stays on the device
+        if s.output_logits:
+            raw.append(logits)
+        x = procs(logits, step)
+        if s.do_sample:
+            nxt = _draw(x, rng.random(B))
+        else:
+            nxt = paddle.argmax(x, axis=-1).astype("int64")
+        if s.output_scores:
+            scores.append(x)
+        nxt = paddle.where(finished, paddle.full_like(nxt, s.pad_token_id), nxt)
+        if eos_t is not None:
+            finished = paddle.logical_or(finished, paddle.isin(nxt, eos_t))
+        new.append(nxt)
+        host = None
+        if put is not None or s.stop_strings or procs.host_held:
+            host = nxt.numpy()  # the chosen ids only
+            host_new.append(host)
+            if put is not None:
+                put(host)
+            if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's
+                texts = [
+                    (tokenizer.decode(tail + [int(t) for t in row]), n)
+                    for row, (tail, n) in zip(np.stack(host_new, axis=1), tails)
+                ]
+                stopped = [
+                    any(text.find(stop, max(n - len(stop) + 1, 0)) >= 0 for stop in s.stop_strings) for text, n in texts
+                ]
+                finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
+        procs.append(nxt, host)
+        if procs.stops:  # the caller's criteria and max_time, on the rows with this step's token
+            hit = procs.stopped(procs.ids, tuple(scores) if s.return_dict_in_generate and s.output_scores else None, B)
+            finished = finished if hit is None else paddle.logical_or(finished, hit)
+        if step == s.max_new_tokens - 1 or (
+            (eos_t is not None or s.stop_strings or procs.stops) and bool(finished.all())
+        ):
+            break
+        last = decoder.next(nxt)
+    sequences = paddle.concat([input_ids, paddle.stack(new, axis=1)], axis=1)
+    if not s.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(scores) if s.output_scores else None,
+        logits=tuple(raw) if s.output_logits else None,
+        hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
+        past_key_values=decoder.cache,
+    )
+
+
+def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
+    """One token per row from the softmax of ``scores`` [B, V] by inverting its CDF at the given
+    uniform numbers [B] in [0, 1): the only host data is those B numbers."""
+    import paddle
+
+    # float64: a float32 CDF steps by 6e-8 near 1.0, so over a 150k vocabulary the many tokens below
+    # that after the bulk of the mass got probability 0 or a whole step
+    p = paddle.nn.functional.softmax(scores.astype("float64"), axis=-1)
+    # exact zeros for removed tokens (Paddle's CPU softmax gives exp(-inf) as ~1e-28, not 0)
+    p = paddle.where(paddle.isinf(scores), paddle.zeros_like(p), p)
+    cdf = paddle.cumsum(p, axis=-1)
+    target = paddle.to_tensor(np.asarray(uniforms, dtype=np.float64)[:, None]) * cdf[:, -1:]
+    idx = paddle.searchsorted(cdf, target, right=True).squeeze(-1)  # first token whose CDF exceeds the target
+    # rounding can put the target at the CDF's end: take the last token with probability then
+    V = p.shape[-1]
+    last = (V - 1) - paddle.argmax(paddle.flip((p > 0).astype("int32"), axis=[-1]), axis=-1)
+    return paddle.where(idx >= V, last, idx).astype("int64")
+
+
+def generate_speculative(
+    model: paddle.nn.Layer,
+    input_ids: paddle.Tensor,
+    max_new_tokens: int = 20,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> tuple[paddle.Tensor, dict]:
+    """Greedy decoding with the first MTP layer drafting (one row, no padding; docs/model.md): the
+    loop of ``generate(..., use_mtp=True)`` without the model's generation_config.json, returning
+    (prompt + new tokens [1, S + n], {"drafted", "accepted", "acceptance_rate", "main_forwards"});
+    the tokens are greedy decoding's."""
+
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"generate_speculative: one row [1, seq] expected, got shape {list(input_ids.shape)}")
+    input_ids = input_ids.astype("int64")
+    eos = eos_list(model.config.eos_token_id if eos_token_id is None else eos_token_id)
+    options = {"max_new_tokens": max_new_tokens, "eos_token_id": eos, "use_mtp": True}
+    s = resolve_settings(model.config, GenerationConfig(), options, input_ids.shape[1])
+    procs = Processors(s, input_ids, None, True, int(model.config.vocab_size), Hooks([], [], None), time.time())
+    decoder = MtpDecoder(model, input_ids, None)
+    with _inference(model):
+        out = _sample(decoder, procs, s, input_ids, np.random.default_rng(0), None, None, None)
+    return out, _counts(decoder.stats)
