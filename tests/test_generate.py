@@ -1913,7 +1913,7 @@ def test_prompt_lookup_drafts_as_transformers():
     for row, want in _LOOKUP_ROWS:
         decoder = LookupDecoder.__new__(LookupDecoder)
         decoder.row, decoder.ngram, decoder.eos = row, 2, set(s.eos_token_id)
-        assert decoder._lookup(3) == want, row
+        assert decoder._draft(3) == want, row
 
 
 def test_prompt_lookup_gives_the_tokens_of_plain_decoding(monkeypatch):
@@ -1942,7 +1942,7 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(monkeypatch):
             made.append(self)
             return drafts
 
-        monkeypatch.setattr(generation.decoders.LookupDecoder, "_lookup", oracle)
+        monkeypatch.setattr(generation.decoders.LookupDecoder, "_draft", oracle)
         got = model.generate(ids, mask, prompt_lookup_num_tokens=4, **kw)
         monkeypatch.undo()
         np.testing.assert_array_equal(got.sequences.numpy(), plain.sequences.numpy())
@@ -1988,7 +1988,7 @@ def test_prompt_lookup_equals_hf_generate():
         want = gen.get_candidates(torch.tensor([row]))[0][0, len(row) :].tolist()
         decoder = LookupDecoder.__new__(LookupDecoder)
         decoder.row, decoder.ngram, decoder.eos = row, 2, {3}
-        assert decoder._lookup(4) == want, row
+        assert decoder._draft(4) == want, row
 
 
 # (options, HF 5.23's first-step kept tokens per row, its lowest kept score per row): top-h sampling on

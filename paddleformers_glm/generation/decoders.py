@@ -95,9 +95,8 @@ def unconditional_decoder(model, s: GenerationConfig, input_ids, ids, mask, copi
             raise ValueError(
                 f"generate: negative_prompt_ids must be [{rows}, length] like the prompt's rows, got {got}"
             )
-        ids = paddle.repeat_interleave(ids.astype("int64"), copies, axis=0) if copies > 1 else ids.astype("int64")
-        if mask is not None and copies > 1:
-            mask = paddle.repeat_interleave(mask, copies, axis=0)
+        ids = paddle.repeat_interleave(ids.astype("int64"), copies, axis=0)  # as the prompt's rows
+        mask = None if mask is None else paddle.repeat_interleave(mask, copies, axis=0)
     return Decoder(model, s.use_cache, ids, mask, None, None, None)
 
 
@@ -149,9 +148,6 @@ class LookupDecoder(DraftingDecoder):
         self.ngram, self.eos = s.max_matching_ngram_size or 2, set(s.eos_token_id)
 
     def _draft(self, most: int) -> list[int]:
-        return self._lookup(most)
-
-    def _lookup(self, most: int) -> list[int]:
         """Up to ``most`` ids that followed the first earlier occurrence of the row's last n ids."""
         row = self.row
         for n in range(min(self.ngram, len(row) - 1), 0, -1):
@@ -175,12 +171,8 @@ class AssistantDecoder(DraftingDecoder):
         V, W = int(model.config.vocab_size), int(getattr(getattr(assistant, "config", None), "vocab_size", -1))
         if V != W or not hasattr(assistant, "decode_step"):
             raise ValueError(f"generate: assistant_model must be a GLM model of the same vocabulary ({V}), got {W}")
-        self.helper, self.fed, self.last_round, self.s = (
-            Decoder(assistant, True, input_ids, mask, None, None, last_real),
-            [],
-            0,
-            s,
-        )
+        self.helper = Decoder(assistant, True, input_ids, mask, None, None, last_real)
+        self.fed, self.last_round, self.s = [], 0, s
 
     def prefill(self, new_tokens: int) -> paddle.Tensor:
         self.helper.prefill(new_tokens + self.most + 1)  # room for the drafts past the last token
