@@ -955,3 +955,16 @@ def test_save_pretrained_takes_transformers_keywords(tmp_path):
     for key, value in (("push_to_hub", True), ("variant", "x")):
         with pytest.raises(ValueError, match=rf"save_pretrained: {key}=.* is not supported"):
             model.save_pretrained(tmp_path / "refused", **{key: value})
+
+
+def test_the_causal_lm_is_built_on_the_pretrained_model_class():
+    """As transformers' ``GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel)``: the loading, saving, embedding
+    and generation API is the base class's (modeling/pretrained.py), the forward the model's own."""
+    from paddleformers_glm.modeling import GlmMoeDsaPreTrainedModel
+
+    assert issubclass(GlmMoeDsaForCausalLM, GlmMoeDsaPreTrainedModel)
+    shared = ("from_pretrained", "save_pretrained", "resize_token_embeddings", "generate", "num_parameters")
+    assert all(name in vars(GlmMoeDsaPreTrainedModel) for name in shared)
+    assert "forward" in vars(GlmMoeDsaForCausalLM) and "forward" not in vars(GlmMoeDsaPreTrainedModel)
+    model = tiny_model(seed=1, **TWO_LAYERS)
+    assert isinstance(model, GlmMoeDsaPreTrainedModel) and model.can_generate()

@@ -11,18 +11,16 @@ and from the official HF names.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import paddle
 from paddle import nn
 
-from ..configuration import HF_DOWNLOAD_KWARGS, IGNORE_INDEX, GlmMoeDsaConfig
+from ..configuration import IGNORE_INDEX, GlmMoeDsaConfig
 from ..ops import cpu_bf16, cross_entropy_sum
 from ..ops.norm import building_graph
 from ..parallel import comm
@@ -30,10 +28,8 @@ from ..parallel.layers import (
     ParallelLMHead,
     VocabParallelEmbedding,
     default_dtype,
-    get_shard_spec,
     mark_sequence_parallel,
     parallel_cross_entropy,
-    set_shard_spec,
 )
 from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
 from ..parallel.recompute import run_layer
@@ -46,10 +42,8 @@ from .indexer_training import IndexerRecord, IndexerRun, IndexerTerms, indexer_t
 from .moe import TopkRouter, frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm
+from .pretrained import GlmMoeDsaPreTrainedModel
 from .rope import RotaryEmbedding
-
-if TYPE_CHECKING:  # the checkpoint package is imported when a load or save runs, not with the model
-    from ..checkpoint.saver import SaveReport
 
 
 @dataclass
@@ -314,75 +308,6 @@ def GlmMoeDsaStageModel(  # noqa: N802 - the former class's name, kept for its c
     return GlmMoeDsaModel(config, topo, layer_ids=layer_ids, embedding=embedding, norm=norm)
 
 
-_LOG = logging.getLogger("paddleformers_glm.checkpoint")
-
-
-def _added_rows(old: np.ndarray, added: int, mean_resizing: bool, std: float) -> np.ndarray:
-    """``added`` new rows for a vocabulary matrix ``old`` [V, H] (float32), as transformers 5.23
-    initialises them (``_init_added_embeddings_weights_with_mean``, ``_init_weights``): N(mean,
-    1e-9 * covariance) of the old rows, or their mean where the Cholesky factor of that covariance
-    fails (not positive definite); without ``mean_resizing`` N(0, std)."""
-    H = old.shape[1]
-    if not mean_resizing:
-        return paddle.normal(0.0, std, [added, H]).numpy().astype("float32")
-    mean = old.mean(axis=0, dtype="float32")
-    centered = old - mean
-    cov = (centered.T @ centered / np.float32(old.shape[0])).astype("float32")
-    try:
-        factor = np.linalg.cholesky(np.float32(1e-9) * cov)
-    except np.linalg.LinAlgError:
-        return np.repeat(mean[None], added, axis=0)
-    z = paddle.randn([added, H], dtype="float32").numpy()
-    return (mean[None] + z @ factor.T).astype("float32")
-
-
-def _resized_param(layer: nn.Layer, weight: paddle.Tensor, new: int, axis: int, mean_resizing: bool, std: float):
-    """A new parameter of ``layer``: ``weight`` with ``new`` entries along its vocabulary ``axis``
-    (the first ones kept; added ones from :func:`_added_rows`), its dtype and trainability kept."""
-    rows = weight.astype("float32").numpy()
-    rows = rows if axis == 0 else rows.T  # [V, H]
-    old = rows.shape[0]
-    if new > old:
-        rows = np.concatenate([rows, _added_rows(rows, new - old, mean_resizing, std)], axis=0)
-    rows = rows[:new]
-    rows = rows if axis == 0 else rows.T
-    param = layer.create_parameter(list(rows.shape), dtype=weight.dtype)
-    param.set_value(paddle.to_tensor(rows).astype(weight.dtype))
-    param.stop_gradient = weight.stop_gradient
-    set_shard_spec(param, get_shard_spec(weight), 1)
-    return param
-
-
-@contextlib.contextmanager
-def _skip_random_init() -> Iterator[None]:
-    """Parameters created inside are allocated but not initialised (no random draw, no memset).
-
-    For ``from_pretrained`` only: every parameter is overwritten by the load right after (and what
-    a ``strict=False`` load does not fill is initialised as HF does), and drawing normals for a
-    large model costs several times the load itself. Distributed parameters get zeros. The switch is
-    process-wide while the block runs (another thread building layers then gets no init either).
-    """
-    from paddle.base.framework import _current_expected_place
-    from paddle.nn.initializer import Constant
-    from paddle.nn.initializer.initializer import Initializer
-
-    zero = Constant(0.0)
-    real = Initializer.__call__
-
-    def allocate(self: Any, param: Any, block: Any = None) -> Any:
-        if getattr(param, "is_dist", lambda: False)() or not paddle.in_dynamic_mode():
-            return zero.forward(param, block)
-        out = paddle._C_ops.empty(param.shape, param.dtype, _current_expected_place())
-        out._share_underline_tensor_to(param)
-        return None
-
-    Initializer.__call__ = allocate  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Initializer.__call__ = real  # type: ignore[method-assign]
-
-
 # DataCollatorWithFlattening(return_flash_attn_kwargs=True / return_seq_idx=True)'s keys: the packed
 # sequences' bounds, for a varlen attention kernel
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -501,197 +426,13 @@ def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | Non
     )
 
 
-# transformers' from_pretrained keywords that change nothing when loading a local folder: dropped
-# there as there (they became config keys, written into a save's config.json)
-_NOOP_LOADING_KEYS = frozenset(HF_DOWNLOAD_KWARGS) | frozenset(
-    "use_auth_token use_safetensors low_cpu_mem_usage resume_download weights_only".split()
-)
-# ... and those that would change what is loaded or where: refused by name
-_UNSUPPORTED_LOADING_KEYS = (
-    "variant",
-    "device_map",
-    "max_memory",
-    "offload_folder",
-    "offload_state_dict",
-    "offload_buffers",
-    "load_in_8bit",
-    "load_in_4bit",
-    "gguf_file",
-    "key_mapping",
-    "tp_plan",
-    "tp_size",
-    "device_mesh",
-    "state_dict",
-    "from_tf",
-    "from_flax",
-    "adapter_name",
-    "adapter_kwargs",
-)
-
-
-def _loading_keywords(path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[str | os.PathLike, dict[str, Any]]:
-    """``from_pretrained``'s keywords split as transformers 5.23 splits them: its loading keywords
-    are not config overrides. Those that change nothing for a local folder are dropped (transformers
-    writes none of them into a save's config.json); ``subfolder`` is read under ``path``; the
-    others (``device_map``, ``variant`` ...) are refused by name given anything but None."""
-    overrides = {k: v for k, v in kwargs.items() if k not in _NOOP_LOADING_KEYS}
-    subfolder = overrides.pop("subfolder", None)
-    if subfolder:
-        path = os.path.join(os.fspath(path), os.fspath(subfolder))
-    refused = [k for k in _UNSUPPORTED_LOADING_KEYS if overrides.get(k) is not None]
-    if refused:
-        raise ValueError(
-            f"from_pretrained: {', '.join(f'{k}={overrides[k]!r}' for k in refused)} is not supported (a "
-            "transformers loading option: the weights load as the folder holds them, onto paddle.get_device(); "
-            "a model split over ranks takes topology=)"
-        )
-    return path, {k: v for k, v in overrides.items() if k not in _UNSUPPORTED_LOADING_KEYS}
-
-
-# transformers' save_pretrained keywords and the value each must have here (None: any value, ignored)
-_HF_SAVE_KEYWORDS = {
-    "safe_serialization": None,  # transformers 5.23 writes safetensors whatever it says
-    "push_to_hub": False,
-    "variant": None,
-    "state_dict": None,
-    "token": None,
-    "save_peft_format": None,
-    "save_original_format": None,
-    "distributed_checkpoint": False,
-    "commit_message": None,
-    "repo_id": None,
-    "create_pr": None,
-}
-
-
-def _hf_save_keywords(kwargs: dict[str, Any]) -> bool:
-    """Pop transformers' ``save_pretrained`` keywords from ``kwargs``: those that change nothing are
-    dropped, ``push_to_hub=True`` / a ``variant`` / a ``state_dict`` / ``distributed_checkpoint=True``
-    refused by name. -> whether to write (transformers' ``is_main_process``, default True)."""
-    write = bool(kwargs.pop("is_main_process", True))
-    for key, allowed in _HF_SAVE_KEYWORDS.items():
-        if key not in kwargs:
-            continue
-        value = kwargs.pop(key)
-        refused = value is not None if key in ("variant", "state_dict") else allowed is not None and value != allowed
-        if refused:
-            raise ValueError(f"save_pretrained: {key}={value!r} is not supported (a transformers save option)")
-    return write
-
-
-_PER_LAYER_KEYS = ("indexer_types", "mlp_layer_types", "layer_types", "index_topk_pattern")
-
-
-def _config_with_overrides(
-    path: str | os.PathLike, overrides: dict[str, Any]
-) -> tuple[GlmMoeDsaConfig, GlmMoeDsaConfig | None]:
-    """``from_pretrained``'s config: ``path``'s with ``overrides``, and the file's own config when
-    ``num_hidden_layers`` is overridden below the file's (else None). As transformers 5.23's
-    ``from_pretrained(path, num_hidden_layers=n)`` (a model of the first n layers, each the kind
-    the file's per-layer lists give it), the per-layer lists the file holds are cut to their first n
-    entries (transformers keeps them whole and then cannot save the model). More layers than the
-    file has are refused (transformers raises IndexError building the model)."""
-    if "num_hidden_layers" not in overrides:
-        return _config_of(path, overrides), None
-    n = overrides["num_hidden_layers"]
-    file_config = GlmMoeDsaConfig.from_pretrained(path)
-    file_layers = int(file_config.num_hidden_layers)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= file_layers:
-        raise ValueError(
-            f"from_pretrained: num_hidden_layers={n!r}: the checkpoint has {file_layers} decoder layers; "
-            f"a model of its first n layers takes 1 <= n <= {file_layers}"
-        )
-    if n == file_layers:
-        return _config_of(path, overrides), None
-    cut = dict(overrides)
-    file_dict = file_config.to_dict()
-    for key in _PER_LAYER_KEYS:
-        value = file_dict.get(key)
-        if key not in overrides and isinstance(value, (list, tuple, str)) and len(value) > n:
-            cut[key] = value[:n]
-    return _config_of(path, cut), file_config
-
-
-def _config_of(path: str | os.PathLike, overrides: dict[str, Any]) -> GlmMoeDsaConfig:
-    """``path``'s config with ``overrides``; a keyword that is neither a config key nor a loading
-    keyword is refused by name, as transformers 5.23 (the model's ``__init__`` raises "got an
-    unexpected keyword argument 'foo'"), not dropped where a typo would pass unseen."""
-    config, unused = GlmMoeDsaConfig.from_pretrained(path, return_unused_kwargs=True, **overrides)
-    if unused:
-        raise TypeError(
-            f"from_pretrained: unexpected keyword argument(s) {sorted(unused)}: neither a key of "
-            f"{os.fspath(path)}'s config.json, a GlmMoeDsaConfig setting nor a loading keyword"
-        )
-    return config
-
-
-def _deeper_file_config(path: str | os.PathLike, config: GlmMoeDsaConfig) -> GlmMoeDsaConfig | None:
-    """The checkpoint's own config when the ``config`` given to ``from_pretrained`` has fewer decoder
-    layers than it (transformers then builds the first ones, as with ``num_hidden_layers=n``),
-    else None (no readable config.json beside the weights: the load checks the keys as before)."""
-    file = os.path.join(os.fspath(path), "config.json")
-    if not os.path.isfile(file):
-        return None
-    try:
-        file_config = GlmMoeDsaConfig.from_pretrained(path)
-    except ValueError:
-        return None
-    return file_config if int(file_config.num_hidden_layers) > int(config.num_hidden_layers) else None
-
-
-def _load_first_layers(
-    state: dict[str, paddle.Tensor],
-    path: str | os.PathLike,
-    dtype: str,
-    strict: bool,
-    config: GlmMoeDsaConfig,
-    file_config: GlmMoeDsaConfig,
-):
-    """Fill ``state`` (a model of ``config``: the first n decoder layers of the checkpoint at ``path``,
-    whose config is ``file_config``) from that checkpoint: the decoder layers 0..n-1 as they are, the
-    MTP layers from where the file holds them (``model.layers.{L_file + j}``); the file's decoder layers
-    n..L_file-1 are not read, and a warning names them, as transformers' load report lists them as
-    unexpected keys."""
-    from ..checkpoint import load_pretrained_state
-
-    n, file_n = int(config.num_hidden_layers), int(file_config.num_hidden_layers)
-
-    def renamed(key: str, a: int, b: int) -> str:  # model.layers.{a + j}.* -> model.layers.{b + j}.*
-        parts = key.split(".")
-        if len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= a:
-            parts[2] = str(int(parts[2]) - a + b)
-        return ".".join(parts)
-
-    as_file = {renamed(k, n, file_n): v for k, v in state.items()}
-    report = load_pretrained_state(as_file, path, dtype=dtype, strict=strict, config=file_config, keys=set(as_file))
-    report.loaded = [renamed(k, file_n, n) for k in report.loaded]
-    report.initialized = [renamed(k, file_n, n) for k in report.initialized]
-    report.missing = [renamed(k, file_n, n) for k in report.missing]
-    msg = (
-        f"{os.fspath(path)}: decoder layers {n}..{file_n - 1} of the checkpoint's {file_n} are not read: "
-        f"num_hidden_layers={n} builds its first {n}"
-        + (
-            f" (its MTP layers, model.layers.{file_n}.*, are the model's model.layers.{n}.*)"
-            if config.num_mtp_layers
-            else ""
-        )
-    )
-    warnings.warn(msg, UserWarning, stacklevel=3)
-    report.warnings.append(msg)
-    return report
-
-
-class GlmMoeDsaForCausalLM(nn.Layer):
+class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     """GLM-5.2 with its LM head, MTP heads and losses; the whole model or one pipeline stage of it.
 
     ``stage`` (default the whole model) says which layers it owns and whether it embeds tokens,
     holds the head and the MTP layers; ``topology`` (default one process) the groups its layers are
     split over. `add_mtp_loss=True` adds the scaled MTP (and indexer KL) losses into `out.loss`.
     """
-
-    config_class = GlmMoeDsaConfig
-    base_model_prefix = "model"
-    main_input_name = "input_ids"
 
     def __init__(
         self,
@@ -724,143 +465,7 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         self.compute_dtype = dtype
         self.recompute = "none"  # the trainer's --recompute (parallel/recompute.py)
 
-    # ------------------------------------------------------------------ construction / IO
-    def init_weights(self, seed: int | None = None) -> None:
-        """HF-style init: N(0, initializer_range) for matrices, ones for norms, zeros for biases and
-        for the embedding row `pad_token_id`."""
-        from ..checkpoint.loader import init_like_hf
-
-        if seed is not None:
-            paddle.seed(seed)
-        init_like_hf(dict(self.named_parameters()), self.config.initializer_range)
-        self._zero_pad_row()
-
-    def _zero_pad_row(self) -> None:
-        """As transformers (nn.Embedding's padding_idx): an initialised embedding's row ``pad_token_id``
-        starts at zero (it gets no gradient); on this rank's rows only."""
-        emb, pad = getattr(getattr(self.model, "embedding", None), "embed_tokens", None), self.config.pad_token_id
-        if emb is not None and pad is not None:
-            start = int(getattr(emb, "start", getattr(emb, "vocab_start_index", 0)))  # this rank's first row
-            if 0 <= pad - start < emb.weight.shape[0]:
-                with paddle.no_grad():
-                    emb.weight[pad - start] = 0.0
-
-    @classmethod
-    def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):
-        model = cls(config, dtype=dtype)
-        model.init_weights(seed)
-        return model
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike,
-        dtype: object = "auto",
-        strict: bool = True,
-        output_loading_info: bool = False,
-        config: GlmMoeDsaConfig | None = None,
-        *,
-        topology: Topology | None = None,
-        check_finite: bool = True,
-        **config_overrides,
-    ):
-        """Load an official HF-layout (or Fleet-layout, or block-FP8) checkpoint folder.
-
-        With a multi-rank ``topology`` the model is built in its split shapes and each rank reads
-        only its slices. ``dtype`` ``"auto"`` is the config's dtype on an accelerator, else float32
-        (checkpoint.load_pretrained_state). ``output_loading_info=True`` returns ``(model, report)``
-        as transformers does; ``check_finite`` refuses weights holding NaN or Inf, naming them.
-        Other keywords naming config keys override the file's (``num_hidden_layers=n`` below the
-        file's: its first n layers); transformers' loading keywords are not config keys: those that
-        change nothing for a local folder (``trust_remote_code``, ``revision``, ``cache_dir`` ...) are
-        dropped, ``subfolder`` is read, ``torch_dtype`` is ``dtype`` (``dtype`` wins), the rest
-        (``device_map``, ``variant`` ...) refused by name.
-        """
-        from ..checkpoint import load_pretrained_state
-        from ..checkpoint.loader import init_like_hf, resolve_model_dtype
-
-        path, config_overrides = _loading_keywords(path, config_overrides)
-        torch_dtype = config_overrides.pop("torch_dtype", None)  # transformers: dtype's older name
-        if torch_dtype is not None and (isinstance(dtype, str) and dtype == "auto"):
-            dtype = torch_dtype
-        file_config = None  # the checkpoint's own config, when an override takes fewer decoder layers
-        if config is None:
-            config, file_config = _config_with_overrides(path, config_overrides)
-        elif config_overrides:
-            raise TypeError(
-                f"from_pretrained: config overrides {sorted(config_overrides)} given with an explicit config"
-            )
-        else:  # a config of fewer decoder layers than the checkpoint's: its first layers, as transformers
-            file_config = _deeper_file_config(path, config)
-        dtype = resolve_model_dtype(dtype, config)
-        if file_config is not None and topology is not None and topology.world_size > 1:
-            raise NotImplementedError(
-                f"from_pretrained: num_hidden_layers={config.num_hidden_layers} (the checkpoint has "
-                f"{file_config.num_hidden_layers}) loads in one process only"
-            )
-        with _skip_random_init():  # every parameter is overwritten below: do not draw random numbers
-            model = cls(config, dtype=dtype, topology=topology)
-        if model.distributed:  # built split over ranks: read only this rank's slices
-            from ..parallel.state import sharded_state_dict
-
-            state, shard_info = sharded_state_dict(model, model.topology)
-            report = load_pretrained_state(  # keys: expert parallel leaves the other ranks' experts out
-                state, path, dtype=None, strict=strict, config=config, keys=set(state), shard_info=shard_info
-            )
-        elif file_config is not None:  # the first layers of a deeper checkpoint (transformers' num_hidden_layers=)
-            state = model.state_dict()
-            report = _load_first_layers(state, path, dtype, strict, config, file_config)
-        else:
-            state = model.state_dict()
-            report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
-        params = model.state_dict()
-        unfilled = set(params) - set(report.loaded) - set(report.initialized)
-        if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does, seeded by key
-            # name so that every rank holds its piece of the same model (replicas equal)
-            init_like_hf({k: state[k] for k in sorted(unfilled)}, config.initializer_range, seeded=True)
-            if any(k.endswith("embed_tokens.weight") for k in unfilled):
-                model._zero_pad_row()  # as transformers initialises a missing embedding
-        if check_finite:
-            from ..checkpoint.finite import check_finite_state
-
-            check_finite_state(params, os.path.abspath(os.fspath(path)))
-        _LOG.info("%s", report.summary())
-        model.source_path = os.path.abspath(os.fspath(path))
-        model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
-        return (model, report) if output_loading_info else model
-
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> SaveReport | None:
-        """Official HF layout by default (`layout="fleet"`, `quantization="fp8"`: checkpoint package);
-        all or nothing, carrying a loaded folder's tokenizer and generation files along. Built for a
-        multi-rank topology it is collective: every rank writes the tensors it owns, no rank gathers
-        the model, and the files are the same bytes as a one-process save. -> a
-        ``checkpoint.SaveReport`` (``out_dir``, ``layout``, ``files``, ``tensors``, ``total_size``,
-        ``seconds``; transformers' ``save_pretrained`` returns None). transformers' keywords: those
-        that change nothing here are accepted (``safe_serialization``: safetensors either way, as
-        transformers 5.23 writes; ``push_to_hub=False``, ``token``, ``variant=None`` ...);
-        ``is_main_process=False`` writes nothing and returns None, as there (a model split over ranks
-        ignores it: its save is collective); ``push_to_hub=True``, a ``variant`` or a ``state_dict``
-        are refused by name."""
-        from ..checkpoint import save_pretrained_state
-
-        if not _hf_save_keywords(kwargs) and not self.distributed:
-            return None  # is_main_process=False: transformers writes nothing
-        kwargs.setdefault("carry_from", getattr(self, "source_path", None))
-        kwargs.setdefault("generation_config", self._changed_generation_config())
-        if self.distributed:
-            from ..checkpoint.distributed import save_pretrained_distributed
-
-            return save_pretrained_distributed(self, save_directory, topo=self.topology, **kwargs)
-        return save_pretrained_state(self, self.config, save_directory, **kwargs)
-
-    def _changed_generation_config(self) -> dict | None:
-        """``generation_config`` as a save writes it (``generation.generation_config_to_save``): None
-        when the loaded folder's generation_config.json is carried as it is."""
-        from ..generation import generation_config_to_save
-
-        return generation_config_to_save(self)
-
-    # ------------------------------------------------------------------ the usual model API
+    # ------------------------------------------------------------------ indexer training, attention form
     @property
     def indexer_training(self) -> IndexerTraining:
         """How training forwards train the DSA indexer (default: the sparse stage when the config's
@@ -892,140 +497,6 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         if name not in FORMS:
             raise ValueError(f"attn_implementation must be one of {FORMS}, got {name!r}")
         self.config.attn_implementation = name
-
-    @property
-    def dtype(self) -> paddle.dtype:
-        """The dtype of the first floating-point parameter (the token embedding's, or the first one this
-        stage holds), as transformers' ``model.dtype``: ``paddle.float32`` / ``paddle.bfloat16``."""
-        for p in self.parameters():
-            if p.dtype in (paddle.float32, paddle.bfloat16, paddle.float16, paddle.float64):
-                return p.dtype
-        return paddle.get_default_dtype()
-
-    @property
-    def device(self) -> Any:
-        """Where the parameters are (the first one's ``place``: ``paddle.CPUPlace()``, ``CUDAPlace(0)``),
-        as transformers' ``model.device``; ``ids.to(model.device)`` and ``paddle.to_tensor(x,
-        place=model.device)`` take it."""
-        params = self.parameters()
-        return params[0].place if params else paddle.get_device()
-
-    def to(self, device: Any = None, dtype: Any = None, blocking: bool | None = None) -> GlmMoeDsaForCausalLM:
-        """Paddle's ``Layer.to``, keeping what the model keeps in float32 whatever its dtype (the
-        routers' weight and correction bias, the rope frequencies: as a model built in that dtype
-        holds them, their values unchanged) and, for bfloat16 on a CPU-only Paddle, supplying the
-        kernels it lacks (as building a bfloat16 model does). ``model.to(dtype="bfloat16")`` then
-        computes as ``from_pretrained(..., dtype="bfloat16")``; without this the routers were
-        cast too and a CPU forward stopped in Paddle ("kernel `where` is not registered")."""
-        if dtype is None:
-            super().to(device=device, blocking=blocking)
-            return self
-        from ..checkpoint.loader import normalize_dtype
-
-        name = normalize_dtype(dtype)
-        if name == "bfloat16":
-            cpu_bf16.install()
-        fp32 = [m for m in self.sublayers() if isinstance(m, (TopkRouter, RotaryEmbedding))]
-        kept = [{k: t.numpy() for k, t in m.state_dict(include_sublayers=True).items()} for m in fp32]
-        kept_bufs = [[(b, b.numpy()) for b in m.buffers()] for m in fp32]
-        super().to(device=device, dtype=dtype, blocking=blocking)
-        for m, values, bufs in zip(fp32, kept, kept_bufs):
-            m.to(dtype="float32")
-            for k, t in m.state_dict(include_sublayers=True).items():
-                t.set_value(values[k])
-            for b, v in bufs:
-                b.set_value(v)
-        self.compute_dtype = name
-        return self
-
-    def tie_weights(self) -> None:
-        """transformers' ``tie_weights``: nothing to tie, the LM head is the model's own
-        (``tie_word_embeddings`` false: the config refuses true, docs/config.md); returns None."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            raise NotImplementedError("tie_word_embeddings=True is not supported: the LM head is untied")
-
-    def get_input_embeddings(self) -> nn.Layer:
-        """The token embedding layer (its `.weight` is [vocab, hidden])."""
-        return self.model.embedding.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Layer) -> None:
-        self.model.embedding.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Layer:
-        """The LM head (its `.weight` is [hidden, vocab], Paddle's orientation)."""
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Layer) -> None:
-        """Replace the LM head, as transformers' ``set_output_embeddings``: the logits are
-        ``value(hidden)`` from then on (a layer taking [..., hidden] to [..., vocab])."""
-        self.lm_head = value
-
-    def get_decoder(self) -> GlmMoeDsaModel:
-        """The decoder stack (``model.model``), as transformers' ``get_decoder``."""
-        return self.model
-
-    def can_generate(self) -> bool:
-        """True, as transformers' for a causal LM: ``generate`` is available."""
-        return True
-
-    def resize_token_embeddings(
-        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
-    ) -> nn.Layer:
-        """transformers' ``resize_token_embeddings``: the token embedding and the LM head (untied) get
-        ``new_num_tokens`` rows (rounded up to a multiple of ``pad_to_multiple_of``; None with it: the
-        current size rounded up), the first rows kept, rows past the end dropped, and
-        ``config.vocab_size`` follows, so ``save_pretrained`` writes a checkpoint of the new size that
-        transformers loads. Added rows, as transformers initialises them: ``mean_resizing=True`` (its
-        default) draws them from N(mean, 1e-9 * covariance) of the old rows, in float32 (the mean
-        alone where that covariance is not positive definite); ``mean_resizing=False`` from
-        N(0, ``initializer_range``). Draws use Paddle's generator (``paddle.seed``). An embedding row
-        ``pad_token_id`` past the new size stops being the padding row, as in transformers. ->
-        the input embedding layer. One process only (a model split over ranks raises)."""
-        emb = self.get_input_embeddings()
-        if pad_to_multiple_of is not None:
-            if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool):
-                raise ValueError(
-                    f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not "
-                    "an integer. Please make sure to pass an integer"
-                )
-            if new_num_tokens is None:
-                new_num_tokens = int(emb.weight.shape[0])
-            new_num_tokens = -(-int(new_num_tokens) // pad_to_multiple_of) * pad_to_multiple_of
-        if new_num_tokens is None:
-            return emb
-        if self.distributed or not (self.stage.has_embedding and self.stage.has_head):
-            raise NotImplementedError("resize_token_embeddings runs on a whole model in one process")
-        new = int(new_num_tokens)
-        if new <= 0:
-            raise ValueError(f"resize_token_embeddings: new_num_tokens must be positive, got {new_num_tokens}")
-        head = self.get_output_embeddings()
-        if int(emb.weight.shape[0]) != new:
-            std = self.config.initializer_range
-            emb.weight = _resized_param(emb, emb.weight, new, 0, mean_resizing, std)
-            for attr in ("num_embeddings", "per_rank", "_num_embeddings"):
-                if hasattr(emb, attr):
-                    setattr(emb, attr, new)
-            pad = getattr(emb, "padding_idx", None)
-            if pad is not None and new - 1 < pad:
-                emb.padding_idx = None
-        if int(head.weight.shape[1]) != new:  # [hidden, vocab]: the vocabulary is axis 1
-            head.weight = _resized_param(head, head.weight, new, 1, mean_resizing, self.config.initializer_range)
-            if getattr(head, "bias", None) is not None:
-                raise NotImplementedError("resize_token_embeddings: an LM head with a bias")
-            if hasattr(head, "out_features"):
-                head.out_features = new
-        self.config.vocab_size = new
-        return emb
-
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """Parameter count of this model (this rank's share under model parallelism).
-        ``exclude_embeddings`` leaves out the token embedding only, as transformers (its nn.Embedding
-        modules; the untied LM head counts)."""
-        skip = set()
-        if exclude_embeddings:
-            skip = {id(p) for p in self.get_input_embeddings().parameters()}
-        kept = [p for p in self.parameters() if id(p) not in skip and not (only_trainable and p.stop_gradient)]
-        return sum(int(np.prod(p.shape)) for p in kept)
 
     # ------------------------------------------------------------------ the forward
     def _run(
@@ -1323,26 +794,3 @@ class GlmMoeDsaForCausalLM(nn.Layer):
         for i in self.stage.layers:
             hidden, topk = self.model.layers[i].decode(hidden, cos, sin, cache.key_valid, topk, cache.layers[i], slots)
         return self.logits(self.model.norm(hidden[:, -1:]))[:, -1]
-
-    # ------------------------------------------------------------------ generation
-    @property
-    def generation_config(self):
-        """`generate`'s defaults (a `generation.GenerationConfig`): the checkpoint's
-        generation_config.json, else the config's special tokens; assign one to change them."""
-        if self.__dict__.get("_generation_config") is None:
-            from ..generation import generation_config_of
-
-            self.__dict__["_generation_config"] = generation_config_of(self)
-        return self.__dict__["_generation_config"]
-
-    @generation_config.setter
-    def generation_config(self, value) -> None:
-        self.__dict__["_generation_config"] = value
-
-    def generate(self, input_ids: paddle.Tensor | None = None, attention_mask: paddle.Tensor | None = None, **kwargs):
-        """Prompt + new tokens [B, S + n] int64 (HF's options; defaults from `generation_config`);
-        see `paddleformers_glm.generation.generate`."""
-        from ..generation import generate
-
-        kwargs.setdefault("generation_config", self.generation_config)
-        return generate(self, input_ids, attention_mask, **kwargs)
