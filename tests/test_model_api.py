@@ -968,3 +968,77 @@ def test_the_causal_lm_is_built_on_the_pretrained_model_class():
     assert "forward" in vars(GlmMoeDsaForCausalLM) and "forward" not in vars(GlmMoeDsaPreTrainedModel)
     model = tiny_model(seed=1, **TWO_LAYERS)
     assert isinstance(model, GlmMoeDsaPreTrainedModel) and model.can_generate()
+
+
+def _layer_runs(model, ids):
+    """How often each decoder layer's forward ran in one training forward + backward."""
+    runs = [0] * model.config.num_hidden_layers
+    hooks = [
+        layer.register_forward_post_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+        for i, layer in enumerate(model.model.decoder_layers)
+    ]
+    model.clear_gradients()
+    model(ids, labels=ids).loss.backward()
+    for h in hooks:
+        h.remove()
+    return runs, {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_activation_checkpointing_recomputes_every_nth_layer_with_the_same_gradients():
+    """transformers 5.23's ``activation_checkpointing_enable(every_n_layers=n)`` checkpoints decoder layers
+    0, n, 2n, ... (measured on the tiny fixture: n = 2 flags layers 0, 2, 4, 6; n = 3 layers 0, 3, 6;
+    the reference twin below compares live): those run twice in a training step (forward, then again
+    in backward), the others once, and every gradient is bitwise the one without checkpointing.
+    ``gradient_checkpointing_enable`` / ``_disable`` / ``is_gradient_checkpointing`` are its deprecated
+    names (a FutureWarning each, as there). Before: AttributeError."""
+    model = tiny_model(seed=3)
+    model.train()
+    ids = tokens(2, 12, seed=4)
+    assert GlmMoeDsaForCausalLM.supports_gradient_checkpointing and not model.is_activation_checkpointing
+    plain_runs, plain = _layer_runs(model, ids)
+    assert plain_runs == [1] * 8 and plain
+    for n, twice in ((1, range(8)), (2, (0, 2, 4, 6)), (3, (0, 3, 6))):
+        model.activation_checkpointing_enable(every_n_layers=n)
+        assert model.is_activation_checkpointing
+        runs, grads = _layer_runs(model, ids)
+        assert runs == [2 if i in twice else 1 for i in range(8)], (n, runs)
+        assert grads.keys() == plain.keys()
+        for k in plain:
+            np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing and _layer_runs(model, ids)[0] == [1] * 8
+    with pytest.warns(FutureWarning, match="gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        assert model.is_gradient_checkpointing
+    assert _layer_runs(model, ids)[0] == [2] * 8
+    with pytest.warns(FutureWarning, match="gradient_checkpointing_disable"):
+        model.gradient_checkpointing_disable()
+    assert not model.is_activation_checkpointing
+    for bad, err, match in (
+        ({"activation_checkpointing_kwargs": {"foo": 1}}, ValueError, r"unknown keywords \['foo'\]"),
+        ({"activation_checkpointing_kwargs": {"preserve_rng_state": False}}, ValueError, "preserve_rng_state=False"),
+        ({"every_n_layers": 0}, ValueError, "every_n_layers must be an int >= 1, got 0"),
+        ({"offload": True}, NotImplementedError, "offload=True"),
+    ):
+        with pytest.raises(err, match=match):
+            model.activation_checkpointing_enable(**bad)
+        assert not model.is_activation_checkpointing  # a refused call changes nothing
+
+
+@pytest.mark.reference
+def test_activation_checkpointing_layers_equal_transformers():
+    """The layers transformers 5.23 flags for checkpointing (``gradient_checkpointing`` per decoder layer)
+    after ``activation_checkpointing_enable(every_n_layers=n)`` are the ones ours runs twice."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    model.train()
+    ids = tokens(1, 8, seed=5)
+    for n in (1, 2, 3, 5):
+        hf.activation_checkpointing_enable(every_n_layers=n)
+        model.activation_checkpointing_enable(every_n_layers=n)
+        want = [2 if layer.gradient_checkpointing else 1 for layer in hf.model.layers]
+        assert _layer_runs(model, ids)[0] == want, n

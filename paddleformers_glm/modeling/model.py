@@ -260,19 +260,22 @@ class GlmMoeDsaModel(nn.Layer):
         *,
         caches: Sequence[LayerCache] | None = None,
         recompute: str = "none",
+        recompute_every: int = 1,
         collect: list[paddle.Tensor] | None = None,
     ) -> tuple[paddle.Tensor, paddle.Tensor | None, list[tuple[int, IndexerRecord]]]:
         """Decoder layers ``layer_ids`` in turn: hidden [B, S, H] and the top-k in effect flow from
         layer to layer (``topk``: the one carried from the stage before, None on the first).
         -> (hidden, top-k, (layer id, indexer-training record) of each layer that left one).
-        ``caches``: the decoding cache of every decoder layer; ``collect``: a list each layer's
-        output hidden is appended to."""
+        ``caches``: the decoding cache of every decoder layer; ``recompute``: the recompute mode of
+        the layers whose id is a multiple of ``recompute_every`` (the others keep their activations);
+        ``collect``: a list each layer's output hidden is appended to."""
         records = []
         for i in layer_ids:
             if caches is not None:
                 hidden, topk, rec = self.layers[i](hidden, cos, sin, key_padding, topk, cache=caches[i])
             else:
-                hidden, topk, rec = run_layer(self.layers[i], hidden, cos, sin, key_padding, topk, mode=recompute)
+                mode = recompute if i % recompute_every == 0 else "none"
+                hidden, topk, rec = run_layer(self.layers[i], hidden, cos, sin, key_padding, topk, mode=mode)
             if rec is not None:
                 records.append((i, rec))
             if collect is not None:
@@ -464,6 +467,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         self.distributed = topo.world_size > 1
         self.compute_dtype = dtype
         self.recompute = "none"  # the trainer's --recompute (parallel/recompute.py)
+        self.recompute_every = 1  # every n-th decoder layer recomputed (activation_checkpointing_enable)
 
     # ------------------------------------------------------------------ indexer training, attention form
     @property
@@ -532,7 +536,16 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             if collect is not None:
                 collect.append(hidden)
             hidden, topk, records = self.model.run_layers(
-                part.layers, hidden, cos, sin, mask, topk, caches=caches, recompute=self.recompute, collect=collect
+                part.layers,
+                hidden,
+                cos,
+                sin,
+                mask,
+                topk,
+                caches=caches,
+                recompute=self.recompute,
+                recompute_every=self.recompute_every,
+                collect=collect,
             )
             mtp_hidden: list[paddle.Tensor] = []
             if part.has_head:

@@ -278,6 +278,11 @@ def _load_first_layers(
     return report
 
 
+def _deprecated(old: str, new: str) -> None:
+    """transformers 5.23's warning for a name it renamed (the caller's caller is named)."""
+    warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning, stacklevel=3)
+
+
 class GlmMoeDsaPreTrainedModel(nn.Layer):
     """What every GLM model class shares with transformers' ``PreTrainedModel`` (as transformers'
     ``GlmMoeDsaPreTrainedModel``): loading, saving, dtype and device, the embeddings and generation.
@@ -287,6 +292,7 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
     config_class = GlmMoeDsaConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
 
     # ------------------------------------------------------------------ construction / IO
     def init_weights(self, seed: int | None = None) -> None:
@@ -423,6 +429,63 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         from ..generation import generation_config_to_save
 
         return generation_config_to_save(self)
+
+    def activation_checkpointing_enable(
+        self,
+        activation_checkpointing_kwargs: dict[str, Any] | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+    ) -> None:
+        """transformers 5.23's activation checkpointing: decoder layers 0, n, 2n, ... (n =
+        ``every_n_layers``, counted over the model's layers as transformers counts them) keep only their
+        input and are run again in backward; the same gradients. It is the trainer's ``--recompute
+        full`` (Fleet's recompute, parallel/recompute.py) on those layers; the MTP layers keep their
+        activations. ``activation_checkpointing_kwargs`` are torch.utils.checkpoint's keywords:
+        ``use_reentrant`` (either value: Fleet's hook-based form serves both) and ``preserve_rng_state=True``
+        (the random state is always restored) are taken, others refused by name; so is ``offload=True``
+        (activations held in host memory)."""
+        given = dict(activation_checkpointing_kwargs or {})
+        unknown = sorted(set(given) - {"use_reentrant", "preserve_rng_state"})
+        if unknown or given.get("preserve_rng_state", True) is not True:
+            what = f"unknown keywords {unknown}" if unknown else "preserve_rng_state=False"
+            raise ValueError(
+                f"activation_checkpointing_enable: {what}; use_reentrant and preserve_rng_state=True are supported"
+            )
+        if offload:
+            raise NotImplementedError("activation_checkpointing_enable: offload=True (activations in host memory)")
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(
+                f"activation_checkpointing_enable: every_n_layers must be an int >= 1, got {every_n_layers!r}"
+            )
+        self.recompute, self.recompute_every = "full", every_n_layers
+
+    def activation_checkpointing_disable(self) -> None:
+        """Every layer keeps its activations again (``recompute`` "none")."""
+        self.recompute, self.recompute_every = "none", 1
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """Whether layers are recomputed in backward (``activation_checkpointing_enable`` or the
+        trainer's ``--recompute``)."""
+        return self.recompute != "none"
+
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        """transformers' deprecated name of :meth:`activation_checkpointing_enable` (a FutureWarning, as there)."""
+        _deprecated("gradient_checkpointing_enable", "activation_checkpointing_enable")
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        """transformers' deprecated name of :meth:`activation_checkpointing_disable`."""
+        _deprecated("gradient_checkpointing_disable", "activation_checkpointing_disable")
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """transformers' deprecated name of :attr:`is_activation_checkpointing`."""
+        _deprecated("is_gradient_checkpointing", "is_activation_checkpointing")
+        return self.is_activation_checkpointing
 
     @property
     def dtype(self) -> paddle.dtype:
