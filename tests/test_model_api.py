@@ -1026,6 +1026,25 @@ def test_activation_checkpointing_recomputes_every_nth_layer_with_the_same_gradi
         assert not model.is_activation_checkpointing  # a refused call changes nothing
 
 
+def test_activation_checkpointing_with_a_frozen_embedding_recomputes_the_first_layer_too():
+    """Adapter training freezes the embedding, so layer 0's input takes no gradient: transformers'
+    ``activation_checkpointing_enable`` calls ``enable_input_require_grads`` (the embedding's output
+    then takes one) so that layer 0 is checkpointed too; without it layer 0 keeps its activations
+    (Fleet's recompute is skipped for inputs without a gradient). The gradients are unchanged."""
+    model = tiny_model(seed=3)
+    model.train()
+    model.get_input_embeddings().weight.stop_gradient = True
+    ids = tokens(2, 12, seed=4)
+    _, plain = _layer_runs(model, ids)
+    model.activation_checkpointing_enable()
+    runs, grads = _layer_runs(model, ids)
+    assert runs == [2] * 8 and grads.keys() == plain.keys() and "model.embedding.embed_tokens.weight" not in grads
+    for k in plain:
+        np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
+    model.disable_input_require_grads()
+    assert _layer_runs(model, ids)[0] == [1] + [2] * 7
+
+
 @pytest.mark.reference
 def test_activation_checkpointing_layers_equal_transformers():
     """The layers transformers 5.23 flags for checkpointing (``gradient_checkpointing`` per decoder layer)

@@ -278,6 +278,10 @@ def _load_first_layers(
     return report
 
 
+def _output_takes_gradient(layer: nn.Layer, inputs: Any, output: paddle.Tensor) -> None:
+    output.stop_gradient = False
+
+
 def _deprecated(old: str, new: str) -> None:
     """transformers 5.23's warning for a name it renamed (the caller's caller is named)."""
     warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning, stacklevel=3)
@@ -458,6 +462,21 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
                 f"activation_checkpointing_enable: every_n_layers must be an int >= 1, got {every_n_layers!r}"
             )
         self.recompute, self.recompute_every = "full", every_n_layers
+        self.enable_input_require_grads()  # as transformers: a frozen embedding still feeds layer 0 a gradient
+
+    def enable_input_require_grads(self) -> None:
+        """transformers': the token embedding's output takes a gradient even where the embedding is frozen
+        (adapter training), so the first checkpointed layer gets an input to recompute from. A hook on
+        ``get_input_embeddings()``; set once."""
+        if getattr(self, "_input_grads_hook", None) is None:
+            hook = self.get_input_embeddings().register_forward_post_hook(_output_takes_gradient)
+            self.__dict__["_input_grads_hook"] = hook
+
+    def disable_input_require_grads(self) -> None:
+        """Removes :meth:`enable_input_require_grads`' hook."""
+        hook = self.__dict__.pop("_input_grads_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def activation_checkpointing_disable(self) -> None:
         """Every layer keeps its activations again (``recompute`` "none")."""
