@@ -879,6 +879,46 @@ def test_to_bfloat16_computes_as_a_bfloat16_load():
     assert model.dtype == paddle.float32 and abs(float(model(ids, labels=ids).loss) - plain) <= 1e-6
 
 
+def test_every_paddle_cast_is_to_dtype():
+    """Paddle's own casts of a Layer did other things on this model: ``bfloat16()``, ``float16()``,
+    ``float()`` and ``astype("bfloat16")`` left every parameter float32 without a word (measured: 233
+    float32 parameters after ``model.bfloat16()``), ``type(paddle.bfloat16)`` and ``half()`` cast the
+    routers too (a CPU forward then stopped: "kernel `matmul` / `where` is not registered"), and
+    torch's ``model.to(torch.bfloat16)`` form, ``model.to(paddle.bfloat16)``, raised ValueError
+    ("device should be type of str ..."). Each is ``to(dtype=...)`` now: the same parameters' dtypes
+    and, in bfloat16, the same logits bit for bit."""
+    ids = tokens(1, 8)
+    ref = tiny_model(seed=1).to(dtype="bfloat16")
+    want = ref(ids).logits.astype("float32").numpy()
+    dtypes = {n: p.dtype for n, p in ref.named_parameters()}
+    assert sum(d == paddle.float32 for d in dtypes.values()) == 6  # the routers' weights and biases
+    casts = {
+        "bfloat16": lambda m: m.bfloat16(),
+        "astype": lambda m: m.astype("bfloat16"),
+        "type": lambda m: m.type(paddle.bfloat16),
+        "to(dtype first)": lambda m: m.to(paddle.bfloat16),
+        "to(name first)": lambda m: m.to("bf16"),
+    }
+    for what, cast in casts.items():
+        model = tiny_model(seed=1)
+        assert cast(model) is model, what
+        assert {n: p.dtype for n, p in model.named_parameters()} == dtypes, what
+        np.testing.assert_array_equal(model(ids).logits.astype("float32").numpy(), want, err_msg=what)
+    for cast, dtype in ((lambda m: m.half(), paddle.float16), (lambda m: m.float16(), paddle.float16)):
+        model = cast(tiny_model(seed=1))
+        got = {n: p.dtype for n, p in model.named_parameters()}
+        assert got == {n: dtype if d == paddle.bfloat16 else d for n, d in dtypes.items()}
+    model = tiny_model(seed=1).double()
+    assert model.dtype == paddle.float64 and model.compute_dtype == "float64"
+    plain = tiny_model(seed=1)(ids).logits.numpy()
+    model = tiny_model(seed=1).bfloat16().float()  # back: the weights as bfloat16 rounded them
+    assert model.dtype == paddle.float32 and all(p.dtype == paddle.float32 for p in model.parameters())
+    assert 0 < np.abs(model(ids).logits.numpy() - plain).max() < 0.5
+    with pytest.raises(NotImplementedError, match="excluded_layers"):
+        tiny_model(seed=1).bfloat16(excluded_layers=[paddle.nn.Linear])
+    assert tiny_model(seed=1).to("cpu").dtype == paddle.float32  # a device stays a device
+
+
 def test_loading_info_reads_by_transformers_keys():
     """transformers 5.23: ``model, info = from_pretrained(tiny, output_loading_info=True)`` gives a
     dict {missing_keys: set() (0), unexpected_keys: set of 25 (its dropped MTP layer),

@@ -282,6 +282,29 @@ def _output_takes_gradient(layer: nn.Layer, inputs: Any, output: paddle.Tensor) 
     output.stop_gradient = False
 
 
+def _dtype_name(value: Any) -> str | None:
+    """The model dtype ``value`` names (a Paddle / numpy dtype or a name such as "bfloat16"), else None
+    (a device: "cpu", "gpu:0", a place)."""
+    from ..checkpoint.loader import normalize_dtype
+
+    if value is None or (isinstance(value, str) and value.lower() == "auto"):
+        return None
+    try:
+        return normalize_dtype(value)
+    except ValueError:
+        return None
+
+
+def _whole_model(dtype: str, excluded_layers: Any) -> str:
+    """``dtype``, where Paddle's cast was asked for the whole model (its ``excluded_layers`` are refused:
+    the model's own float32 parts are the only ones it keeps)."""
+    if excluded_layers is not None:
+        raise NotImplementedError(
+            f"casting to {dtype} with excluded_layers={excluded_layers!r}: use model.to(dtype=...)"
+        )
+    return dtype
+
+
 def _deprecated(old: str, new: str) -> None:
     """transformers 5.23's warning for a name it renamed (the caller's caller is named)."""
     warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning, stacklevel=3)
@@ -529,19 +552,23 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         holds them, their values unchanged) and, for bfloat16 on a CPU-only Paddle, supplying the
         kernels it lacks (as building a bfloat16 model does). ``model.to(dtype="bfloat16")`` then
         computes as ``from_pretrained(..., dtype="bfloat16")``; without this the routers were
-        cast too and a CPU forward stopped in Paddle ("kernel `where` is not registered")."""
+        cast too and a CPU forward stopped in Paddle ("kernel `where` is not registered"). A dtype as the
+        first argument (``model.to(paddle.bfloat16)``, ``model.to("bfloat16")``: torch's ``Module.to(dtype)``)
+        is the dtype."""
+        from ..checkpoint.loader import normalize_dtype
+
+        if dtype is None and _dtype_name(device) is not None:
+            device, dtype = None, device
         if dtype is None:
             super().to(device=device, blocking=blocking)
             return self
-        from ..checkpoint.loader import normalize_dtype
-
         name = normalize_dtype(dtype)
         if name == "bfloat16":
             cpu_bf16.install()
         fp32 = [m for m in self.sublayers() if isinstance(m, (TopkRouter, RotaryEmbedding))]
         kept = [{k: t.numpy() for k, t in m.state_dict(include_sublayers=True).items()} for m in fp32]
         kept_bufs = [[(b, b.numpy()) for b in m.buffers()] for m in fp32]
-        super().to(device=device, dtype=dtype, blocking=blocking)
+        super().to(device=device, dtype=name, blocking=blocking)
         for m, values, bufs in zip(fp32, kept, kept_bufs):
             m.to(dtype="float32")
             for k, t in m.state_dict(include_sublayers=True).items():
@@ -550,6 +577,29 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
                 b.set_value(v)
         self.compute_dtype = name
         return self
+
+    # Paddle's other casts, each `to(dtype=...)`: every cast keeps the same float32 parts (Paddle's own
+    # bfloat16() / float16() / float() leave this model's parameters as they are, type() and half() cast the routers)
+    def astype(self, dtype: Any = None) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype=dtype)
+
+    def type(self, dst_type: Any) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype=dst_type)
+
+    def bfloat16(self, excluded_layers: Any = None) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype=_whole_model("bfloat16", excluded_layers))
+
+    def float16(self, excluded_layers: Any = None) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype=_whole_model("float16", excluded_layers))
+
+    def float(self, excluded_layers: Any = None) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype=_whole_model("float32", excluded_layers))
+
+    def half(self) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype="float16")
+
+    def double(self) -> GlmMoeDsaPreTrainedModel:
+        return self.to(dtype="float64")
 
     def tie_weights(self) -> None:
         """transformers' ``tie_weights``: nothing to tie, the LM head is the model's own
