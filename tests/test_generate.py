@@ -2140,3 +2140,78 @@ def test_assistant_model_equals_hf_generate():
             want = hf.generate(torch.tensor([prompt]), assistant_model=hf_other, **kw).numpy()
         got = model.generate(paddle.to_tensor([prompt]), assistant_model=other, **kw).numpy()
         np.testing.assert_array_equal(got, want)
+
+
+# transformers 5.23, tiny fixture, the padded batch: hf.compute_transition_scores(out.sequences, out.scores,
+# out.beam_indices) and (..., out.logits, ..., normalize_logits=True) on its own generate's output (measured)
+_TRANSITION_CASES = [
+    (
+        {},
+        [[1.8973775, 2.2330837, -0.7299525, -1.5447763, -0.4474754, -0.9386379],
+         [2.8913493, 2.3814540, 2.3730178, 2.7352405, 2.3771431, 2.9982424]],
+        [[-4.0439525, -3.7782226, -6.5758657, -7.6349745, -6.4690027, -6.9089928],
+         [-3.1802907, -3.5808866, -3.6351512, -3.2861130, -3.6887064, -3.1338487]],
+    ),
+    (
+        {"num_beams": 3},
+        [[-4.0565081, -3.4196725, -2.8771565, -3.4831049, -3.6077135, -3.1514425],
+         [-3.3580058, -3.5132477, -3.0735793, -3.2927277, -3.3391068, -3.4452255]],
+        None,  # with beams the scores are log-probabilities already: normalising changes nothing
+    ),
+    (
+        {"num_beams": 3, "early_stopping": "never", "eos_token_id": [211, 240], "length_penalty": -1.0},
+        [[-4.0439520, 0.0, 0.0, 0.0, 0.0, 0.0],  # ended after one token: beam index -1, score 0
+         [-3.3580058, -3.5132482, -3.0735798, -3.2927282, -3.3391075, -3.4452255]],
+        None,
+    ),
+]  # fmt: skip
+
+
+def test_compute_transition_scores_as_hf():
+    """transformers 5.23's ``compute_transition_scores(sequences, scores, beam_indices, normalize_logits)``:
+    each generated token's score at the step that chose it, read from the beam it came from, 0 after a
+    beam ended; from the raw logits with ``normalize_logits=True`` the log-probabilities. Measured on
+    HF's generate of the padded batch (_TRANSITION_CASES); ours from our generate (whose tokens and
+    scores equal HF's). Before: AttributeError."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    base = {"max_new_tokens": 6, "eos_token_id": [211], "pad_token_id": 0, "return_dict_in_generate": True}
+    for kw, want, want_norm in _TRANSITION_CASES:
+        out = model.generate(ids, mask, output_scores=True, output_logits=True, **(base | kw))
+        got = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
+        np.testing.assert_allclose(got.numpy(), want, atol=2e-5, err_msg=str(kw))
+        normed = model.compute_transition_scores(out.sequences, out.logits, out.beam_indices, normalize_logits=True)
+        np.testing.assert_allclose(normed.numpy(), want if want_norm is None else want_norm, atol=2e-5, err_msg=str(kw))
+    out = model.generate(ids, mask, num_beams=3, output_scores=True, **base)
+    with pytest.raises(ValueError, match="beam search needs its beam_indices"):
+        model.compute_transition_scores(out.sequences[:1], out.scores)
+    with pytest.raises(ValueError, match="scores must be the non-empty tuple generate returns"):
+        model.compute_transition_scores(out.sequences, None, out.beam_indices)
+
+
+@pytest.mark.reference
+def test_compute_transition_scores_equals_hf():
+    """The live twin: HF's ``compute_transition_scores`` on our generate's outputs (greedy, seeded
+    sampling, beams with more returned sequences and ended beams), scores and logits, normalised or
+    not: the same values, and the same entries -inf."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    base = {"max_new_tokens": 6, "eos_token_id": [211], "pad_token_id": 0, "return_dict_in_generate": True}
+    cases = [
+        {},
+        {"do_sample": True, "top_k": 5, "seed": 3},
+        {"num_beams": 4, "num_return_sequences": 2, "eos_token_id": [211, 240, 156], "max_new_tokens": 8},
+        {"num_beams": 3, "early_stopping": "never", "eos_token_id": [211, 240], "length_penalty": -1.0},
+    ]
+    for kw in cases:
+        out = model.generate(ids, mask, output_scores=True, output_logits=True, **(base | kw))
+        beams = None if out.beam_indices is None else torch.tensor(out.beam_indices.numpy())
+        for steps, norm in ((out.scores, False), (out.scores, True), (out.logits, False), (out.logits, True)):
+            got = model.compute_transition_scores(out.sequences, steps, out.beam_indices, normalize_logits=norm)
+            hf_steps = tuple(torch.tensor(s.numpy()) for s in steps)
+            want = hf.compute_transition_scores(torch.tensor(out.sequences.numpy()), hf_steps, beams, norm).numpy()
+            got = got.numpy()
+            assert got.shape == want.shape and (np.isfinite(got) == np.isfinite(want)).all(), (kw, norm)
+            fin = np.isfinite(want)
+            np.testing.assert_allclose(got[fin], want[fin], atol=1e-6, err_msg=f"{kw} {norm}")

@@ -20,7 +20,7 @@ from .config import (
     resolve_settings,
 )
 from .decoders import CudaGraphDecodeStep
-from .search import GenerateDecoderOnlyOutput, generate, generate_speculative
+from .search import GenerateDecoderOnlyOutput, compute_transition_scores, generate, generate_speculative
 
 __all__ = [
     "GENERATION_CONFIG_FILE",
@@ -28,6 +28,7 @@ __all__ = [
     "CudaGraphDecodeStep",
     "GenerationConfig",
     "check_generation_length",
+    "compute_transition_scores",
     "derived_from_model_config",
     "derived_generation_file",
     "generate",

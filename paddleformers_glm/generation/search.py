@@ -427,6 +427,51 @@ def _sample(
     )
 
 
+def compute_transition_scores(
+    sequences: paddle.Tensor,
+    scores: Sequence[paddle.Tensor],
+    beam_indices: paddle.Tensor | None = None,
+    normalize_logits: bool = False,
+) -> paddle.Tensor:
+    """transformers' ``compute_transition_scores``: the score of each generated token at the step that
+    chose it, [rows, steps], from ``generate``'s ``sequences`` [rows, S + n] and ``scores`` (per step
+    [N, V]; ``output_scores``) or ``logits`` (``output_logits``, with ``normalize_logits=True`` for
+    log-probabilities). Row r's token t is read from step t's row r, or with beam search from the beam
+    ``beam_indices[r, t]`` it came from (steps where that is negative, after the sequence ended, give 0,
+    and the steps are those of the longest sequence)."""
+    import paddle
+
+    from ..ops import log_softmax
+
+    if not isinstance(scores, (list, tuple)) or not scores:
+        raise ValueError(
+            "compute_transition_scores: scores must be the non-empty tuple generate returns per step "
+            "(return_dict_in_generate=True with output_scores=True or output_logits=True)"
+        )
+    steps = paddle.stack([s.astype("float32") for s in scores])  # [T, N, V]
+    T, N, V = steps.shape
+    R = sequences.shape[0]
+    if beam_indices is None:
+        if R != N:
+            raise ValueError(
+                f"compute_transition_scores: {R} sequences and scores of {N} rows: beam search needs its "
+                "beam_indices (generate's output.beam_indices)"
+            )
+        beam_indices = paddle.arange(N, dtype="int64").unsqueeze(1).expand([N, T])
+    if normalize_logits:
+        steps = log_softmax(steps, axis=-1)
+    ended = beam_indices < 0
+    length = int((~ended).astype("int64").sum(axis=-1).max()) if R else 0
+    if length > T or length > sequences.shape[1]:
+        raise ValueError(f"compute_transition_scores: beam_indices run {length} steps, scores hold {T}")
+    ended = ended[:, :length]
+    beams = paddle.where(ended, paddle.zeros_like(beam_indices[:, :length]), beam_indices[:, :length])
+    tokens = sequences[:, sequences.shape[1] - length :].astype("int64")
+    flat = steps[:length].transpose([1, 2, 0]).reshape([N * V, length])  # row beam * V + token, column step
+    picked = paddle.take_along_axis(flat, beams.astype("int64") * V + tokens, axis=0)  # [R, length]
+    return paddle.where(ended, paddle.zeros_like(picked), picked)
+
+
 def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
     """One token per row from the softmax of ``scores`` [B, V] by inverting its CDF at the given
     uniform numbers [B] in [0, 1): the only host data is those B numbers."""

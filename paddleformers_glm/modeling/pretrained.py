@@ -712,3 +712,16 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
 
         kwargs.setdefault("generation_config", self.generation_config)
         return generate(self, input_ids, attention_mask, **kwargs)
+
+    def compute_transition_scores(
+        self,
+        sequences: paddle.Tensor,
+        scores: tuple[paddle.Tensor, ...],
+        beam_indices: paddle.Tensor | None = None,
+        normalize_logits: bool = False,
+    ) -> paddle.Tensor:
+        """Each generated token's score [rows, steps] from ``generate``'s output, as transformers';
+        see `paddleformers_glm.generation.compute_transition_scores`."""
+        from ..generation import compute_transition_scores
+
+        return compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
