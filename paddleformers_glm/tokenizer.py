@@ -99,6 +99,10 @@ TENSOR_TYPES = ("pd", "paddle", "np")
 _VERY_LARGE = int(1e30)
 
 
+# __call__'s arguments that are not _encode_call's options
+_TARGET_ARGS = frozenset(("self", "text", "text_pair", "text_target", "text_pair_target", "max_target_length"))
+
+
 class BatchEncoding(dict):
     """What the tokenizer call returns: a dict (``input_ids``, ``attention_mask``) whose keys are
     also attributes, so ``model.generate(**enc)`` and ``enc.input_ids`` both work."""
@@ -848,7 +852,7 @@ class GlmTokenizer:
 
     def __call__(
         self,
-        text: str | Sequence[str],
+        text: str | Sequence[str] | None = None,
         text_pair: str | Sequence[str] | None = None,
         padding: bool | str = False,
         truncation: bool | str | None = None,
@@ -867,8 +871,51 @@ class GlmTokenizer:
         return_length: bool = False,
         verbose: bool = True,
         split_special_tokens: bool | None = None,
+        text_target: str | Sequence[str] | None = None,
+        text_pair_target: str | Sequence[str] | None = None,
+        max_target_length: int | None = None,
     ) -> BatchEncoding:
-        """transformers' call (docs/model.md, "Tokenizer and chat"); ``truncation=True`` cuts to
+        """transformers' call (docs/model.md, "Tokenizer and chat"). ``text_target`` (with
+        ``text_pair_target``) is encoded with the same options (``max_target_length`` for its
+        ``max_length``) and its ids returned as ``labels`` (padding with the pad id, as transformers), or,
+        without ``text``, its encoding alone. See :meth:`_encode_call` for the rest."""
+        options = {k: v for k, v in locals().items() if k not in _TARGET_ARGS}
+        if text is None and text_target is None:
+            raise ValueError("You need to specify either `text` or `text_target`.")  # transformers' message
+        enc = None if text is None else self._encode_call(text, text_pair, **options)
+        if text_target is None:
+            return enc
+        if max_target_length is not None:
+            options["max_length"] = max_target_length
+        target = self._encode_call(text_target, text_pair_target, **options)
+        if enc is None:
+            return target
+        enc["labels"] = target["input_ids"]
+        return enc
+
+    def _encode_call(
+        self,
+        text: str | Sequence[str],
+        text_pair: str | Sequence[str] | None,
+        padding: bool | str,
+        truncation: bool | str | None,
+        max_length: int | None,
+        return_tensors: str | None,
+        add_special_tokens: bool,
+        return_attention_mask: bool | None,
+        padding_side: str | None,
+        pad_to_multiple_of: int | None,
+        return_offsets_mapping: bool,
+        stride: int,
+        is_split_into_words: bool,
+        return_token_type_ids: bool | None,
+        return_special_tokens_mask: bool,
+        return_overflowing_tokens: bool,
+        return_length: bool,
+        verbose: bool,
+        split_special_tokens: bool | None,
+    ) -> BatchEncoding:
+        """One text (or batch) as transformers' call encodes it; ``truncation=True`` cuts to
         ``max_length`` (default ``model_max_length``) on ``truncation_side``; ``max_length`` alone
         (``padding=False``, ``truncation`` not given) truncates, as transformers does. ``text_pair``
         (transformers' second argument): the second text of each pair, encoded by the post-processor's

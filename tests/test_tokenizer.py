@@ -2044,3 +2044,44 @@ def test_from_pretrained_subfolder_as_transformers(tmp_path):
     transformers 5.23 on the tiny tokenizer: "Hello" -> [219, 254, 88])."""
     _tiny_folder(tmp_path / "tok")
     assert GlmTokenizer.from_pretrained(tmp_path, subfolder="tok")("Hello")["input_ids"] == [219, 254, 88]
+
+
+# transformers 5.23, AutoTokenizer on the tiny folder (measured): the call's text_target cases
+_TARGET_CASES = [
+    (("Hello there",), {"text_target": "the answer is no"},
+     {"input_ids": [219, 254, 88, 109, 136], "attention_mask": [1] * 5, "labels": [93, 107, 114, 92, 96, 112, 110, 186, 88]}),
+    ((["Hello there", "Hi"],), {"text_target": ["the answer is no", "yes"], "padding": True},
+     {"input_ids": [[219, 254, 88, 109, 136], [49, 82, 0, 0, 0]], "attention_mask": [[1] * 5, [1, 1, 0, 0, 0]],
+      "labels": [[93, 107, 114, 92, 96, 112, 110, 186, 88], [98, 116] + [0] * 7]}),
+    ((), {"text_target": "the answer is no"},
+     {"input_ids": [93, 107, 114, 92, 96, 112, 110, 186, 88], "attention_mask": [1] * 9}),
+    ((["Hello there friend", "Hi"],),
+     {"text_target": ["the answer is no", "yes"], "max_length": 3, "truncation": True, "max_target_length": 2},
+     {"input_ids": [[219, 254, 88], [49, 82]], "attention_mask": [[1, 1, 1], [1, 1]], "labels": [[93, 107], [98, 116]]}),
+    (("Hello",), {"text_pair": "there", "text_target": "a", "text_pair_target": "b"},
+     {"input_ids": [219, 254, 88, 93, 107, 136], "attention_mask": [1] * 6, "labels": [74, 75]}),
+]  # fmt: skip
+
+
+def test_text_target_as_transformers(tiny_dir):
+    """transformers' ``tokenizer(text, text_target=...)``: the target encoded with the same options
+    (``max_target_length`` for its length, padded with the pad id) as ``labels``; the target alone
+    without ``text``; neither: transformers' ValueError. Measured (_TARGET_CASES). Before: TypeError."""
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    for args, kw, want in _TARGET_CASES:
+        assert dict(tok(*args, **kw)) == want, kw
+    enc = tok(["Hello there", "Hi"], text_target=["the answer is no", "yes"], padding=True, return_tensors="np")
+    assert enc["labels"].tolist() == _TARGET_CASES[1][2]["labels"]
+    with pytest.raises(ValueError, match="You need to specify either `text` or `text_target`"):
+        tok()
+
+
+@pytest.mark.reference
+def test_text_target_equals_transformers(tiny_dir):
+    """The live twin: the same calls through transformers' AutoTokenizer on the same folder."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    for args, kw, _ in _TARGET_CASES:
+        assert dict(tok(*args, **kw)) == dict(hf(*args, **kw)), kw
