@@ -32,6 +32,13 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
+def _hf_and_ours(folder):
+    """transformers' AutoTokenizer and ours on ``folder`` (skips without the reference extra)."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(folder), GlmTokenizer.from_pretrained(folder)
+
+
 def test_tiny_tokenizer_is_deterministic_and_fits_the_config():
     a, b = make_tiny_tokenizer(), make_tiny_tokenizer()
     assert a.tokenizer.to_str() == b.tokenizer.to_str()
@@ -936,10 +943,7 @@ def test_none_valued_message_keys_are_dropped_as_transformers_drops_them():
 
 @pytest.mark.reference
 def test_none_valued_message_keys_render_as_transformers(tiny_dir):
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
-    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    hf, ours = _hf_and_ours(tiny_dir)
     for template in (NONE_KEYS_TEMPLATE, None):
         a = hf.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=template)
         assert ours.apply_chat_template(NONE_KEYS_CHAT, tokenize=False, chat_template=template) == a
@@ -971,10 +975,7 @@ def test_max_length_alone_truncates_and_a_multiple_that_undoes_truncation_is_ref
 
 @pytest.mark.reference
 def test_max_length_and_truncation_as_transformers(tiny_dir):
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
-    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    hf, ours = _hf_and_ours(tiny_dir)
     for kw in (
         {"max_length": 4},
         {"max_length": 4, "truncation": False},
@@ -1024,10 +1025,7 @@ def test_chat_template_tokenizer_kwargs_reach_the_tokenizer_call():
 
 @pytest.mark.reference
 def test_chat_template_tokenizer_kwargs_as_transformers(tiny_dir):
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
-    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    hf, ours = _hf_and_ours(tiny_dir)
     for kw in ({"padding_side": "left", "pad_to_multiple_of": 8}, {"padding_side": "right"}):
         args = dict(chat_template=GEN_TEMPLATE, padding=True, return_assistant_tokens_mask=True, tokenizer_kwargs=kw)
         assert dict(ours.apply_chat_template(KW_CONVS, **args)) == dict(hf.apply_chat_template(KW_CONVS, **args))
@@ -1095,10 +1093,7 @@ def test_decode_of_rows_and_batch_decode_of_one_sequence():
 
 @pytest.mark.reference
 def test_pad_and_decode_as_transformers(tiny_dir):
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
-    ours = GlmTokenizer.from_pretrained(tiny_dir)
+    hf, ours = _hf_and_ours(tiny_dir)
     for inputs, kw in (
         ({"input_ids": [1, 2]}, {}),
         ({"input_ids": [1, 2]}, {"padding": "max_length", "max_length": 4, "padding_side": "left"}),
@@ -2079,9 +2074,6 @@ def test_text_target_as_transformers(tiny_dir):
 @pytest.mark.reference
 def test_text_target_equals_transformers(tiny_dir):
     """The live twin: the same calls through transformers' AutoTokenizer on the same folder."""
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
-    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    hf, tok = _hf_and_ours(tiny_dir)
     for args, kw, _ in _TARGET_CASES:
         assert dict(tok(*args, **kw)) == dict(hf(*args, **kw)), kw
