@@ -1024,6 +1024,39 @@ def _layer_runs(model, ids):
     return runs, {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def test_base_model_decoder_and_memory_footprint_as_transformers():
+    """transformers 5.23 on the tiny fixture (measured): ``base_model`` is ``model.model``;
+    ``get_memory_footprint()`` is 2,803,680 bytes in float32, 2,803,456 of them parameters, and 1,401,952
+    in bfloat16; its 7 buffers are 5 routers' correction biases and 2 rope vectors (float32, 8 each).
+    Ours holds the MTP layer transformers drops (its parameters, and its router's bias where transformers
+    has a second rope vector) and keeps the routers' weights float32 in a bfloat16 model: with those
+    taken out the bytes are transformers'. ``get_parameter_or_buffer`` by dotted name, transformers'
+    AttributeError for neither. Before: AttributeError for all four."""
+
+    def size(tensors):
+        return sum(int(np.prod(t.shape)) * t.element_size() for t in tensors)
+
+    path = FIXTURES / "tiny" / "checkpoint"
+    for dtype, want in (("float32", 2803680), ("bfloat16", 1401952)):
+        model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype=dtype)
+        mtp = size(p for n, p in model.named_parameters() if n.startswith("model.layers.8."))
+        routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight") and ".8." not in n]
+        wider = size(routers) // 2 if dtype == "bfloat16" else 0  # float32 where transformers has bfloat16
+        assert model.get_memory_footprint() - mtp - wider == want, dtype
+        assert model.get_memory_footprint() - model.get_memory_footprint(return_buffers=False) == 7 * 8 * 4
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    assert model.base_model is model.model is model.get_decoder()
+    name = "model.layers.3.mlp.gate.e_score_correction_bias"  # a buffer, as in transformers
+    assert model.get_parameter_or_buffer(name) is dict(model.named_buffers())[name]
+    norm = "model.norm.weight"
+    assert model.get_parameter_or_buffer(norm) is dict(model.named_parameters())[norm]
+    with pytest.raises(AttributeError, match="is neither a parameter, buffer, nor extra state"):
+        model.get_parameter_or_buffer("model.nothing")
+    other = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32").model
+    model.set_decoder(other)
+    assert model.get_decoder() is other and model.base_model is other
+
+
 def test_activation_checkpointing_recomputes_every_nth_layer_with_the_same_gradients():
     """transformers 5.23's ``activation_checkpointing_enable(every_n_layers=n)`` checkpoints decoder layers
     0, n, 2n, ... (measured on the tiny fixture: n = 2 flags layers 0, 2, 4, 6; n = 3 layers 0, 3, 6;

@@ -627,6 +627,30 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         """The decoder stack (``model.model``), as transformers' ``get_decoder``."""
         return self.model
 
+    @property
+    def base_model(self) -> nn.Layer:
+        """transformers' ``base_model``: the decoder stack (``model.model``, ``base_model_prefix``)."""
+        return getattr(self, self.base_model_prefix)
+
+    def set_decoder(self, decoder: nn.Layer) -> None:
+        """transformers' ``set_decoder``: the decoder stack becomes ``decoder``."""
+        self.model = decoder
+
+    def get_parameter_or_buffer(self, target: str) -> paddle.Tensor:
+        """transformers': the parameter, else the buffer, of that dotted name (this rank's tensor)."""
+        found = dict(self.named_parameters()).get(target)
+        if found is None:
+            found = dict(self.named_buffers()).get(target)
+        if found is None:
+            raise AttributeError(f"`{target}` is neither a parameter, buffer, nor extra state.")  # transformers' words
+        return found
+
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """transformers': the bytes the parameters (and with ``return_buffers`` the buffers) take; under
+        model parallelism this rank's share."""
+        tensors = list(self.parameters()) + (list(self.buffers()) if return_buffers else [])
+        return sum(int(np.prod(t.shape)) * t.element_size() for t in tensors)
+
     def can_generate(self) -> bool:
         """True, as transformers' for a causal LM: ``generate`` is available."""
         return True
