@@ -3,12 +3,12 @@
 from .configuration import GlmMoeDsaConfig
 
 __version__ = "0.1.0"
-__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmTokenizer"]
+__all__ = ["GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmMoeDsaPreTrainedModel", "GlmTokenizer"]
 
 
 def __getattr__(name: str):
     # Paddle is imported lazily so that config tools work without it.
-    if name in ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "CausalLMOutput"):
+    if name in ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel", "GlmMoeDsaPreTrainedModel", "CausalLMOutput"):
         from . import modeling
 
         return getattr(modeling, name)

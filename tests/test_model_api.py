@@ -1000,8 +1000,10 @@ def test_save_pretrained_takes_transformers_keywords(tmp_path):
 def test_the_causal_lm_is_built_on_the_pretrained_model_class():
     """As transformers' ``GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel)``: the loading, saving, embedding
     and generation API is the base class's (modeling/pretrained.py), the forward the model's own."""
+    import paddleformers_glm
     from paddleformers_glm.modeling import GlmMoeDsaPreTrainedModel
 
+    assert paddleformers_glm.GlmMoeDsaPreTrainedModel is GlmMoeDsaPreTrainedModel  # as transformers exports it
     assert issubclass(GlmMoeDsaForCausalLM, GlmMoeDsaPreTrainedModel)
     shared = ("from_pretrained", "save_pretrained", "resize_token_embeddings", "generate", "num_parameters")
     assert all(name in vars(GlmMoeDsaPreTrainedModel) for name in shared)
