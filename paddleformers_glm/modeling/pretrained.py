@@ -457,6 +457,7 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
 
         return generation_config_to_save(self)
 
+    # ------------------------------------------------------------------ activation checkpointing
     def activation_checkpointing_enable(
         self,
         activation_checkpointing_kwargs: dict[str, Any] | None = None,
@@ -529,6 +530,7 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         _deprecated("is_gradient_checkpointing", "is_activation_checkpointing")
         return self.is_activation_checkpointing
 
+    # ------------------------------------------------------------------ dtype, device, embeddings
     @property
     def dtype(self) -> paddle.dtype:
         """The dtype of the first floating-point parameter (the token embedding's, or the first one this
