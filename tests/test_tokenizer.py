@@ -191,6 +191,15 @@ def test_generate_command_runs_the_beam_search_of_its_generation_config(tiny_dir
     greedy = model.generate(paddle.to_tensor([ids]), num_beams=1, max_new_tokens=5, eos_token_id=eos).numpy()
     assert printed == tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True) + "\n"
     assert out.tolist() != greedy.tolist()  # the beam search's own text, not the greedy one
+    # --num-beams (before: no such flag) over a checkpoint without num_beams; 1 over one with it
+    args = ["generate", "--model", tiny_dir, "--prompt", "Hello there", "--max-new-tokens", "5"]
+    assert main([*args, "--num-beams", "3"]) == 0 and capsys.readouterr().out == printed
+    assert main([*args, "--model", str(folder), "--num-beams", "1"]) == 0
+    assert capsys.readouterr().out == tok.decode(greedy[0, len(ids) :].tolist(), skip_special_tokens=True) + "\n"
+    assert main([*args, "--num-beams", "0"]) == 2
+    assert "--num-beams must be >= 1, got 0" in capsys.readouterr().err
+    assert main([*args, "--num-beams", "2", "--stop", "e"]) == 2  # a beam search takes no stop strings, as HF
+    assert "takes no streamer and no stop_strings" in capsys.readouterr().err
 
 
 def test_generate_command_streams_characters_split_across_byte_tokens(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -26,6 +26,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         ("--temperature", args.temperature, 0.0, False, None),
         ("--top-p", args.top_p, 0.0, True, 1.0),  # transformers takes 0 (the most likely token only)
         ("--repetition-penalty", args.repetition_penalty, 0.0, False, None),
+        ("--num-beams", args.num_beams, 1, True, None),
     ):
         if v is None:
             continue
@@ -67,7 +68,16 @@ def run(args: argparse.Namespace) -> int:
         if max(ids) >= config.vocab_size:
             return fail(f"token id {max(ids)} >= vocab_size {config.vocab_size} of {args.model}/config.json")
         # the generation options given on the command line (HF names); unset ones are left out
-        names = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+        names = (
+            "max_new_tokens",
+            "max_length",
+            "do_sample",
+            "temperature",
+            "top_p",
+            "top_k",
+            "repetition_penalty",
+            "num_beams",
+        )
         given = {k: getattr(args, k) for k in names} | {"stop_strings": args.stop or None}
         opts = {k: v for k, v in given.items() if v is not None}
         limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
@@ -107,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         shown = len(text)
 
     prompt = paddle.to_tensor([ids], dtype="int64")
-    beams = (getattr(defaults, "num_beams", None) or 1) > 1  # a beam search's text is known at its end
+    beams = (opts.get("num_beams") or getattr(defaults, "num_beams", None) or 1) > 1  # text known at its end
     stats: dict = {}  # --speculative: the MTP drafter's counts
     if args.speculative:
         opts |= {"use_mtp": True, "stats": stats}
@@ -160,6 +170,11 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, help="in [0, 1] (unset: the checkpoint's, else 1.0)")
     p.add_argument("--top-k", type=int, help=">= 0, 0 = off (unset: the checkpoint's, else 50)")
     p.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off")
+    p.add_argument(
+        "--num-beams",
+        type=int,
+        help="beam search over this many beams, printed at its end (unset: the checkpoint's, else 1)",
+    )
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row at this text (repeatable)")
     p.add_argument("--seed", type=int, help="seed of the sampling draws")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
