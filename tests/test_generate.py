@@ -13,7 +13,7 @@ import paddle
 import pytest
 from safetensors.numpy import load_file
 
-from paddleformers_glm.generation import generate, generate_speculative
+from paddleformers_glm.generation import GenerationConfig, generate, generate_speculative
 from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 from paddleformers_glm.modeling import attention as attention_mod
 from paddleformers_glm.modeling.cache import DSACache
@@ -2215,3 +2215,45 @@ def test_compute_transition_scores_equals_hf():
             assert got.shape == want.shape and (np.isfinite(got) == np.isfinite(want)).all(), (kw, norm)
             fin = np.isfinite(want)
             np.testing.assert_allclose(got[fin], want[fin], atol=1e-6, err_msg=f"{kw} {norm}")
+
+
+# transformers 5.23's GenerationConfig.update (measured): (call, unused keys, values after it)
+_UPDATE_CASES = [
+    ({"max_new_tokens": 5, "foo": 1, "top_k": 7, "num_beam_groups": 1}, {"foo": 1},
+     {"max_new_tokens": 5, "top_k": 7, "num_beam_groups": 1}),
+    ({"defaults_only": True, "max_new_tokens": 9, "min_p": 0.1}, {"max_new_tokens": 9}, {"max_new_tokens": 5, "min_p": 0.1}),
+    ({"allow_custom_entries": True, "foo": 2}, {}, {"foo": 2}),
+    ({"foo": 3}, {}, {"foo": 3}),  # a custom key once held is updated without the flag
+]  # fmt: skip
+
+
+def _held(gc, key):
+    return getattr(gc, key) if key in type(gc).keys() else gc.extra.get(key)
+
+
+def test_generation_config_update_as_hf():
+    """transformers 5.23's ``GenerationConfig.update(defaults_only, allow_custom_entries, **kw)``, applied
+    in turn to ``GenerationConfig(max_new_tokens=3)`` (_UPDATE_CASES, measured): generation options are set
+    (those not implemented here too, kept as file keys: ``generate`` then refuses them unless off),
+    ``defaults_only`` leaves set ones (returned as unused), other keys only with ``allow_custom_entries``.
+    Before: AttributeError."""
+    gc = GenerationConfig(max_new_tokens=3)
+    for kw, unused, values in _UPDATE_CASES:
+        assert gc.update(**kw) == unused, kw
+        assert {k: _held(gc, k) for k in values} == values, kw
+    assert gc.to_dict()["foo"] == 3  # saved, as transformers writes it
+    gc.update(num_beam_groups=2)
+    model, _ = _fixture("tiny")
+    with pytest.raises(ValueError, match="num_beam_groups=2 is not supported"):
+        model.generate(paddle.to_tensor([[5, 6, 7]]), generation_config=gc)
+
+
+@pytest.mark.reference
+def test_generation_config_update_equals_hf():
+    """The live twin: the same calls on transformers' GenerationConfig, the same unused keys and values."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ours, hf = GenerationConfig(max_new_tokens=3), transformers.GenerationConfig(max_new_tokens=3)
+    for kw, _, values in _UPDATE_CASES:
+        assert ours.update(**kw) == hf.update(**kw), kw
+        assert {k: _held(ours, k) for k in values} == {k: getattr(hf, k) for k in values}, kw

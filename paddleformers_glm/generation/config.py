@@ -205,6 +205,26 @@ class GenerationConfig:
         write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
         return path
 
+    def update(self, defaults_only: bool = False, allow_custom_entries: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """transformers' ``update``: each key that is a generation option (HF's, implemented here or not:
+        the others are kept as a file's keys and refused by ``generate`` unless off) or a key the config
+        already holds is set, with ``defaults_only`` only where it is unset; other keys only with
+        ``allow_custom_entries``.
+        -> the keys not used, as there. The values are checked when ``generate`` uses them."""
+        used = []
+        for key, value in kwargs.items():
+            own = key in self.keys()
+            held = own or key in HF_GENERATION_KEYS or key in self.extra  # transformers' hasattr
+            if held and defaults_only and (getattr(self, key) if own else self.extra.get(key)) is not None:
+                continue
+            if held or allow_custom_entries:
+                if own:
+                    setattr(self, key, value)
+                else:
+                    self.extra[key] = value
+                used.append(key)
+        return {k: v for k, v in kwargs.items() if k not in used}
+
     def over(self, lower: GenerationConfig) -> GenerationConfig:
         """This config with its unset keys (and the file keys it lacks) taken from ``lower``: what HF's
         generate does with a ``generation_config=`` argument over the model's own."""
