@@ -172,6 +172,9 @@ _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 _HF_DEFAULT_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta: its base when a file gives none
 # The values of `attn_implementation`: the attention forms (modeling/attention_forms.py, which imports them)
 ATTN_IMPLEMENTATIONS = ("auto", "reference", "dense", "sparse", "latent")
+# transformers' names of this model's attention kernels, taken as the form with their arithmetic:
+# eager's full S x S masked softmax is the reference form; sdpa (its default) the form chosen by size
+HF_ATTN_IMPLEMENTATIONS = {"eager": "reference", "sdpa": "auto"}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -411,11 +414,16 @@ class GlmMoeDsaConfig:
                 _check_form(f"eos_token_id[{i}]", e, ("int", 0, MAX_DIM))
         else:
             _check_form("eos_token_id", eos, ("int|None", 0, MAX_DIM))
+        self.attn_implementation = HF_ATTN_IMPLEMENTATIONS.get(self.attn_implementation, self.attn_implementation)
         for key, allowed, what in (
             ("hidden_act", ("silu",), "only 'silu' is supported (the experts and dense MLP are SwiGLU)"),
             ("scoring_func", ("sigmoid",), "only 'sigmoid' is supported"),
             ("moe_router_dtype", ("float32", "fp32"), "only float32 routers are supported"),
-            ("attn_implementation", ATTN_IMPLEMENTATIONS, f"must be one of {ATTN_IMPLEMENTATIONS}"),
+            (
+                "attn_implementation",
+                ATTN_IMPLEMENTATIONS,
+                f"must be one of {ATTN_IMPLEMENTATIONS} (or transformers' {tuple(HF_ATTN_IMPLEMENTATIONS)})",
+            ),
         ):
             if getattr(self, key) not in allowed:
                 raise _err(key, f"{what}, got {getattr(self, key)!r}")

@@ -178,8 +178,7 @@ def test_num_parameters_exclude_embeddings_equals_transformers():
 def test_output_hidden_states_as_transformers():
     """transformers 5.23 on the tiny fixture (8 layers): output_hidden_states=True gives 9 [B, S, H]
     tensors; [0] equals embed_tokens(ids) exactly, [8] equals last_hidden_state (max diff 0.0: the
-    final-normed one), [1..7] the decoder layers' outputs; output_attentions=True gives 8
-    [B, heads, S, S] eager probabilities, which we refuse by name. (forward raised TypeError on both.)"""
+    final-normed one), [1..7] the decoder layers' outputs. (forward raised TypeError.)"""
     model = tiny_model()
     model.eval()
     n = model.config.num_hidden_layers
@@ -197,9 +196,125 @@ def test_output_hidden_states_as_transformers():
     assert isinstance(tup[2], DSACache) and isinstance(tup[3], tuple) and len(tup[3]) == n + 1
     tup = model(ids, labels=ids, output_hidden_states=True, return_dict=False, use_cache=False)
     assert isinstance(tup[2], tuple) and len(tup[2]) == n + 1  # loss, logits, hidden_states
-    with pytest.raises(NotImplementedError, match="output_attentions"):
-        model(ids, output_attentions=True)
-    model(ids, output_attentions=False)
+
+
+# transformers 5.23, tiny fixture loaded with attn_implementation="eager", ids = tokens(2, 10), mask 1 but
+# row 1's first 3: out.attentions of hf(ids, attention_mask=mask, use_cache=True, output_attentions=True),
+# then of the step hf(5s [2, 1], past_key_values=..., attention_mask=[mask, 1s]) (tests/fixtures: none;
+# read off the live twin below). Every layer's 8 tensors [2, 4, 10, 10] hold 360 exact zeros.
+_ATTN_L0_ROW8 = [0.125082, 0.0, 0.116532, 0.248237, 0.020557, 0.020049, 0.059153, 0.297781, 0.112608, 0.0]
+_ATTN_L7_PADDED_ROW9 = [0.0, 0.0, 0.0, 0.189151, 0.123938, 0.193216, 0.217001, 0.03167, 0.203576, 0.041447]
+_ATTN_STEP_L3 = [0.0, 0.0, 0.0, 0.024716, 0.017177, 0.180069, 0.030042, 0.072793, 0.309618, 0.215982, 0.149602]
+
+
+def _tiny_eval(**kw):
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32", **kw)
+    model.eval()
+    return model
+
+
+def test_output_attentions_as_transformers_eager():
+    """transformers 5.23 with attn_implementation="eager" (its default sdpa warns and returns an empty
+    tuple): ``out.attentions``, one [B, heads, S, T] per decoder layer (not the MTP layer), the softmax
+    over the keys the layer's top-k kept (0 elsewhere), uniform 1 / T on a padded query, and per decode
+    step [B, heads, n, past + n]; keyed after hidden_states (``return_dict=False``). Ours refused
+    output_attentions=True (NotImplementedError). Every attention form gives the same weights."""
+    ids, mask = tokens(2, 10), np.ones([2, 10], "int64")
+    mask[1, :3] = 0
+    for form in ("reference", "dense", "sparse", "latent", "auto"):
+        model = _tiny_eval()
+        model.set_attn_implementation(form)
+        out = model(ids, attention_mask=paddle.to_tensor(mask), use_cache=True, output_attentions=True)
+        att = out.attentions
+        assert isinstance(att, tuple) and len(att) == 8 and all(a.shape == [2, 4, 10, 10] for a in att)
+        assert [int((a.numpy() == 0).sum()) for a in att] == [360] * 8, form
+        np.testing.assert_allclose(att[0].numpy()[0, 0, 8], _ATTN_L0_ROW8, atol=2e-6)
+        np.testing.assert_allclose(att[7].numpy()[1, 3, 9], _ATTN_L7_PADDED_ROW9, atol=2e-6)
+        np.testing.assert_array_equal(att[4].numpy()[1, 2, :3], np.full([3, 10], 0.1, "float32"))
+        np.testing.assert_allclose(np.stack([a.numpy() for a in att]).sum(-1), 1.0, atol=1e-6)
+        step_mask = paddle.to_tensor(np.concatenate([mask, np.ones([2, 1], "int64")], axis=1))
+        step = model(paddle.full([2, 1], 5, "int64"), attention_mask=step_mask, past_key_values=out.past_key_values,
+                     output_attentions=True)  # fmt: skip
+        assert all(a.shape == [2, 4, 1, 11] for a in step.attentions) and len(step.attentions) == 8
+        np.testing.assert_allclose(step.attentions[3].numpy()[1, 1, 0], _ATTN_STEP_L3, atol=2e-6)
+    assert model(ids).attentions is None and "attentions" not in model(ids, output_attentions=False)
+    tup = model(ids, labels=ids, output_attentions=True, return_dict=False, use_cache=False)
+    assert isinstance(tup[2], tuple) and len(tup[2]) == 8  # loss, logits, attentions
+    model.config.output_attentions = True  # None: the config's, as transformers
+    assert len(model(ids).attentions) == 8
+    assert all(layer.self_attn.keep_attention is None for layer in model.model.decoder_layers)
+
+
+def test_attention_weights_are_the_ones_the_layer_attends_with():
+    """The weights returned are the layer's: multiplied by the values they give the attention's output
+    (before o_proj) of the reference form, whose output is transformers' eager one."""
+    model = _tiny_eval()
+    attn = model.model.layers[0].self_attn
+    x = paddle.randn([2, 7, model.config.hidden_size])
+    cos, sin = model.model.rope(x, None)
+    kept = []
+    attn.keep_attention = kept.append
+    q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
+    c, k_rot = paddle.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora, attn.rope_dim], axis=-1)
+    c = attn.kv_a_layernorm(c)
+    model.set_attn_implementation("reference")
+    out, topk, _ = attn(x, cos, sin, None, None)
+    attn.keep_attention = None
+    _, _, v = attn._heads(q_latent, c, k_rot, (cos, sin))
+    o = paddle.matmul(kept[0], v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3]).reshape([2, 7, -1])
+    np.testing.assert_allclose(paddle.matmul(o, attn.o_proj.weight).numpy(), out.numpy(), atol=1e-5)
+    sel = np.zeros([2, 7, 7], bool)
+    for b, i, j in zip(*np.nonzero(topk.numpy() >= 0)):
+        sel[b, i, topk.numpy()[b, i, j]] = True
+    assert ((kept[0].numpy() > 0) == sel[:, None]).all()  # nonzero exactly on the selected keys
+
+
+def test_attn_implementation_takes_transformers_names():
+    """transformers 5.23 loads this model with attn_implementation "eager" or "sdpa" (its default);
+    ours refused both (ValueError: must be one of ('auto', ...)). "eager" is the reference form (its
+    arithmetic: the masked S x S softmax), "sdpa" the form chosen by size; others are still refused."""
+    assert _tiny_eval(attn_implementation="eager").config.attn_implementation == "reference"
+    model = _tiny_eval(attn_implementation="sdpa")
+    assert model.config.attn_implementation == "auto"
+    model.set_attn_implementation("eager")
+    assert model.config.attn_implementation == "reference"
+    with pytest.raises(ValueError, match=r"or transformers' \('eager', 'sdpa'\)\), got 'flash_attention_2'"):
+        model.set_attn_implementation("flash_attention_2")
+    with pytest.raises(ValueError, match="attn_implementation.*got 'flex_attention'"):
+        GlmMoeDsaConfig.from_pretrained(FIXTURES / "tiny" / "checkpoint", attn_implementation="flex_attention")
+
+
+@pytest.mark.reference
+def test_output_attentions_equal_transformers_eager():
+    """The live twin: every layer's weights of a padded prefill and two decode steps (one token, then
+    two), every attention form, within 2e-6 of transformers' eager ones (measured: 1.1e-6 at most)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = FIXTURES / "tiny" / "checkpoint"
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    ids, mask = tokens(2, 10).numpy(), np.ones([2, 10], "int64")
+    mask[1, :3] = 0
+    steps = [np.full([2, 1], 5, "int64"), np.full([2, 2], 7, "int64")]
+    with torch.no_grad():
+        want = [hf(torch.tensor(ids), attention_mask=torch.tensor(mask), use_cache=True, output_attentions=True)]
+        for i, new in enumerate(steps):
+            m = np.concatenate([mask, np.ones([2, 1 + 2 * i], "int64")], axis=1)
+            kw = {"past_key_values": want[-1].past_key_values, "attention_mask": torch.tensor(m)}
+            want.append(hf(torch.tensor(new), use_cache=True, output_attentions=True, **kw))
+    np.testing.assert_allclose(want[0].attentions[0].numpy()[0, 0, 8], _ATTN_L0_ROW8, atol=1e-6)
+    np.testing.assert_allclose(want[1].attentions[3].numpy()[1, 1, 0], _ATTN_STEP_L3, atol=1e-6)
+    for form in ("reference", "dense", "sparse", "latent"):
+        model = _tiny_eval(attn_implementation=form)
+        got = [model(paddle.to_tensor(ids), attention_mask=paddle.to_tensor(mask), output_attentions=True)]
+        for i, new in enumerate(steps):
+            m = paddle.to_tensor(np.concatenate([mask, np.ones([2, 1 + 2 * i], "int64")], axis=1))
+            got.append(model(paddle.to_tensor(new), attention_mask=m, past_key_values=got[-1].past_key_values,
+                             output_attentions=True))  # fmt: skip
+        for g, w in zip(got, want):
+            assert len(g.attentions) == len(w.attentions) == 8
+            for a, b in zip(g.attentions, w.attentions):
+                assert a.shape == list(b.shape) and np.abs(a.numpy() - b.numpy()).max() <= 2e-6, form
 
 
 @pytest.mark.reference
@@ -791,9 +906,8 @@ def test_output_hidden_states_defaults_to_the_config():
     assert model(ids).hidden_states is None
     model.config.output_hidden_states = True
     assert len(model(ids).hidden_states) == 9
-    model.config.output_attentions = True  # the config's output_attentions is refused as the keyword is
-    with pytest.raises(NotImplementedError, match="output_attentions"):
-        model(ids)
+    model.config.output_attentions = True  # the config's output_attentions, as the keyword's
+    assert len(model(ids).attentions) == 8
 
 
 def test_an_unknown_loading_keyword_is_refused_by_name():

@@ -40,6 +40,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "output_scores": False,
     "output_logits": False,
     "output_hidden_states": False,
+    "output_attentions": False,
     "use_mtp": False,
     "num_assistant_tokens": 20,
     "num_assistant_tokens_schedule": "constant",
@@ -56,7 +57,7 @@ UNSUPPORTED_OFF: dict[str, Any] = {
         (0, "encoder_no_repeat_ngram_size"),
         (0.0, "diversity_penalty"),
         (1.0, "encoder_repetition_penalty"),
-        (False, "output_attentions token_healing"),
+        (False, "token_healing"),
         (
             None,
             "penalty_alpha dola_layers force_words_ids constraints watermarking_config",
@@ -150,6 +151,7 @@ class GenerationConfig:
     output_scores: bool | None = None
     output_logits: bool | None = None
     output_hidden_states: bool | None = None
+    output_attentions: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
@@ -381,7 +383,8 @@ def resolve_settings(
     min_length = _integer("min_length", get("min_length"), 0)
     min_new = max(0, min_length - prompt_len) if mn is None else mn
 
-    flags = "do_sample use_cache return_dict_in_generate output_scores output_logits output_hidden_states use_mtp"
+    flags = "do_sample use_cache return_dict_in_generate output_scores output_logits output_hidden_states"
+    flags += " output_attentions use_mtp"
     r = {k: get(k) for k in flags.split()}
     for k, v in r.items():
         if not isinstance(v, bool):

@@ -17,34 +17,41 @@ class Decoder:
     """The model's side of a generation: the prompt's forward (``prefill``), then one new token per
     row per step (``next``), through the cache allocated once (``model.decode_step`` or a capture of
     it) or, with ``use_cache=False``, the whole sequence again; ``reorder`` for beam search.
-    ``hidden`` (a list, when the caller asks for hidden states): each forward's
-    ``out.hidden_states``; the steps then run the model's forward on the cache, not ``decode_step``."""
+    ``hidden`` / ``attentions`` (lists, when the caller asks for hidden states / attention weights):
+    each forward's ``out.hidden_states`` / ``out.attentions``; the steps then run the model's forward
+    on the cache, not ``decode_step``."""
 
     def __init__(self, model, use_cache, input_ids, mask, inputs_embeds, decode_step, last_real) -> None:
         self.model, self.use_cache, self.input_ids, self.mask = model, use_cache, input_ids, mask
         self.inputs_embeds, self.step_fn, self.last_real = inputs_embeds, decode_step or model.decode_step, last_real
-        self.cache, self.hidden = None, None
+        self.cache, self.hidden, self.attentions = None, None, None
 
     def _kept(self, out: Any) -> Any:
         if self.hidden is not None:
             self.hidden.append(out.hidden_states)
+        if self.attentions is not None:
+            self.attentions.append(out.attentions)
         return out
+
+    def _outputs(self) -> dict[str, bool]:
+        """The forward's output flags the caller asked for."""
+        return {"output_hidden_states": self.hidden is not None, "output_attentions": self.attentions is not None}
 
     def prefill(self, new_tokens: int) -> paddle.Tensor:
         """The logits [B, V] after each row's last prompt token (the cache sized for ``new_tokens`` more)."""
         from ..modeling.cache import DSACache
 
-        model, states = self.model, self.hidden is not None
+        model = self.model
         if self.use_cache:
             prompt = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
             capacity = prompt.shape[1] + new_tokens
             self.cache = DSACache.for_config(model.config, prompt.shape[0], capacity=capacity)
             prompt = self.input_ids if self.inputs_embeds is None else None
-            kw = {"inputs_embeds": self.inputs_embeds, "logits_to_keep": 1, "output_hidden_states": states}
+            kw = {"inputs_embeds": self.inputs_embeds, "logits_to_keep": 1, **self._outputs()}
             out = self._kept(model(prompt, self.mask, past_key_values=self.cache, use_cache=True, **kw))
         else:
             self.seq = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
-            out = self._kept(_full_forward(model, self.seq, self.mask, states))
+            out = self._kept(_full_forward(model, self.seq, self.mask, self._outputs()))
         if self.last_real is None:
             return out.logits[:, -1]
         return _logits_at(model, out.last_hidden_state, self.last_real)
@@ -53,8 +60,8 @@ class Decoder:
         """The logits [B, V] after each row's new token ``nxt`` [B]."""
         import paddle
 
-        if self.use_cache and self.hidden is not None:  # the forward on the filled cache keeps them
-            kw = {"use_cache": True, "output_hidden_states": True, "logits_to_keep": 1}
+        if self.use_cache and any(self._outputs().values()):  # the forward on the filled cache keeps them
+            kw = {"use_cache": True, "logits_to_keep": 1, **self._outputs()}
             return self._kept(self.model(nxt[:, None], past_key_values=self.cache, **kw)).logits[:, -1]
         if self.use_cache:
             positions, _ = self.cache.begin(None, 1)
@@ -65,7 +72,7 @@ class Decoder:
         self.seq = paddle.concat([self.seq, step_in.astype(self.seq.dtype)], axis=1)
         if self.mask is not None:
             self.mask = paddle.concat([self.mask, paddle.ones([self.seq.shape[0], 1], dtype=self.mask.dtype)], axis=1)
-        return self._kept(_full_forward(self.model, self.seq, self.mask, self.hidden is not None)).logits[:, -1]
+        return self._kept(_full_forward(self.model, self.seq, self.mask, self._outputs())).logits[:, -1]
 
     def reorder(self, idx: paddle.Tensor) -> None:
         """Row ``i`` continues row ``idx[i]``."""
@@ -271,15 +278,14 @@ def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor
     return model.logits(rows)[:, 0]
 
 
-def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None, states: bool = False):
+def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None, outputs: dict | None = None):
     """``use_cache=False``: the whole sequence again (ids [B, S], or embeddings [B, S, H]), positions
     counting each row's real tokens (as HF's prepare_inputs_for_generation makes them from the mask)."""
     import paddle
 
     pos = None if mask is None else paddle.clip(paddle.cumsum(mask.astype("int64"), axis=1) - 1, min=0)
     ids, embeds = (seq, None) if seq.ndim == 2 else (None, seq)
-    kw = {"position_ids": pos, "logits_to_keep": 1, "use_cache": False, "inputs_embeds": embeds}
-    kw["output_hidden_states"] = states
+    kw = {"position_ids": pos, "logits_to_keep": 1, "use_cache": False, "inputs_embeds": embeds, **(outputs or {})}
     return model(ids, attention_mask=mask, **kw)  # no cache built
 
 

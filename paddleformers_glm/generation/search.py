@@ -28,14 +28,14 @@ class GenerateDecoderOnlyOutput:
     HF's ModelOutput: ``out["scores"]`` / ``out[1]`` / ``keys()`` / ``to_tuple()`` see the fields that are
     set (``hidden_states`` with ``output_hidden_states``: per step the forward's tuple of num_hidden_layers
     + 1 [B, L, H], L the prompt's length first, then 1, or the whole sequence without a cache; ``attentions``
-    never: ``output_attentions`` is refused, the sparse attention forms keep no probabilities)."""
+    with ``output_attentions``: per step the forward's tuple of num_hidden_layers [B, heads, L, T], T the keys)."""
 
     sequences: Any
     sequences_scores: Any = None
     scores: tuple | None = None
     logits: tuple | None = None
     beam_indices: Any = None
-    attentions: None = None
+    attentions: tuple | None = None
     hidden_states: tuple | None = None
     past_key_values: Any = None
 
@@ -178,10 +178,10 @@ def generate(
         name = (
             "prompt_lookup_num_tokens" if s.prompt_lookup_num_tokens else "use_mtp" if s.use_mtp else "assistant_model"
         )
-        if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states:
+        if B != 1 or not s.use_cache or inputs_embeds is not None or s.output_hidden_states or s.output_attentions:
             raise ValueError(  # transformers: "assisted generate is only supported for batch_size = 1"
                 f"generate: {name} drafts from one row's ids: one prompt of ids, use_cache=True, "
-                f"no output_hidden_states (got {B} rows, use_cache={s.use_cache})"
+                f"no output_hidden_states or output_attentions (got {B} rows, use_cache={s.use_cache})"
             )
         if s.prompt_lookup_num_tokens:
             decoder = LookupDecoder(model, input_ids, attention_mask, last_real, s)
@@ -192,6 +192,7 @@ def generate(
     else:
         decoder = Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
     decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
+    decoder.attentions = [] if s.return_dict_in_generate and s.output_attentions else None
     with _inference(model):
         if s.num_beams > 1:
             out = _beam_search(decoder, procs, s, input_ids, rng)
@@ -338,6 +339,7 @@ def _beam_search(
         logits=tuple(raw) if s.output_logits else None,
         beam_indices=paddle.to_tensor(src[:, :made]),
         hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
+        attentions=None if decoder.attentions is None else tuple(decoder.attentions),
         past_key_values=decoder.cache,
     )
 
@@ -423,6 +425,7 @@ def _sample(
         scores=tuple(scores) if s.output_scores else None,
         logits=tuple(raw) if s.output_logits else None,
         hidden_states=None if decoder.hidden is None else tuple(decoder.hidden),
+        attentions=None if decoder.attentions is None else tuple(decoder.attentions),
         past_key_values=decoder.cache,
     )
 

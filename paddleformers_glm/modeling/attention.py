@@ -34,6 +34,7 @@ from ..parallel.topology import Topology
 from .attention_forms import (
     AttentionShape,
     SelectionCache,
+    attention_probabilities,
     choose_form,
     dense_head_attention,
     dense_masked_attention,
@@ -103,6 +104,9 @@ class MLAttention(nn.Layer):
         self.selections = SelectionCache()
         # how a training forward trains the indexer (modeling/indexer_training.py); the model shares one
         self.indexer_run = IndexerRun(IndexerTraining.from_config(config))
+        # output_attentions: where each call hands its attention weights [B, H, S, T] (the model
+        # sets it for one forward, modeling/model.py), None otherwise
+        self.keep_attention: Callable[[paddle.Tensor], None] | None = None
 
     def _enter_tp(self, t: paddle.Tensor) -> paddle.Tensor:
         """Into the head-split region: the full sequence on every rank; the gradients coming back
@@ -186,6 +190,11 @@ class MLAttention(nn.Layer):
             self._core, q_latent, c, k_rot, (cos, sin), x_full, q_latent_full, key_padding, prev_topk,
             run_indexer, record_it, cache, dense_sel, active=cache is None,
         )  # fmt: skip
+        if self.keep_attention is not None:  # HF eager's weights, over what the attention read
+            with paddle.no_grad():
+                query, key, _ = self._heads(q_latent, c, k_rot, (cos, sin))
+                sel = topk if dense_sel is None else dense_sel
+                self.keep_attention(attention_probabilities(query, key, sel, core.scale, x.dtype))
         out = self._exit_tp(out)  # [B, S_local, hidden]
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias
@@ -260,15 +269,7 @@ class MLAttention(nn.Layer):
             )
             out = ops.latent_out_proj(out, w_uv, self.o_proj.weight)  # this rank's heads' part
         else:
-            k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
-            q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
-            # split, not slices: a slice's gradient is Paddle's slow strided set
-            q_nope, q_rot = paddle.split(q, [self.nope, self.rope_dim], axis=-1)
-            q_rot = rope_heads(q_rot, cos, sin, self.interleave)  # apply_rope's arithmetic, cached expansion
-            kv = nn.functional.linear(c, self.kv_b_proj.weight).reshape([B, S, H, self.nope + self.v_dim])
-            k_nope, v = paddle.split(kv, [self.nope, self.v_dim], axis=-1)
-            query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
-            key = paddle.concat([k_nope, k_rot.expand([B, S, H, self.rope_dim])], axis=-1)
+            query, key, v = self._heads(q_latent, c, k_rot, rope)
             if form == "reference":
                 out, probs = dense_masked_attention(query, key, v, sel, core.scale), None
             elif form == "dense":
@@ -279,6 +280,24 @@ class MLAttention(nn.Layer):
                 out, probs = sparse_attention(query, key, v, sel, core.scale, core.chunk_size, return_probs=want_kl)
             out = nn.functional.linear(out.reshape([B, S, H * self.v_dim]), self.o_proj.weight)
         return out, topk, probs
+
+    def _heads(
+        self, q_latent: paddle.Tensor, c: paddle.Tensor, k_rot: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """Per-head query and key [B, S, H, qk] (roped) and value [B, S, H, v] from the latents:
+        q_latent [B, S, q_lora], c [B, S, kv_lora] (normed), k_rot [B, S, rope] (before rope)."""
+        cos, sin = rope
+        B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
+        k_rot = rope_heads(k_rot.unsqueeze(2), cos, sin, self.interleave)  # [B, S, 1, rope]
+        q = nn.functional.linear(q_latent, self.q_b_proj.weight).reshape([B, S, H, self.qk_dim])
+        # split, not slices: a slice's gradient is Paddle's slow strided set
+        q_nope, q_rot = paddle.split(q, [self.nope, self.rope_dim], axis=-1)
+        q_rot = rope_heads(q_rot, cos, sin, self.interleave)  # apply_rope's arithmetic, cached expansion
+        kv = nn.functional.linear(c, self.kv_b_proj.weight).reshape([B, S, H, self.nope + self.v_dim])
+        k_nope, v = paddle.split(kv, [self.nope, self.v_dim], axis=-1)
+        query = paddle.concat([q_nope, q_rot], axis=-1)  # [B, S, H, qk]
+        key = paddle.concat([k_nope, k_rot.expand([B, S, H, self.rope_dim])], axis=-1)
+        return query, key, v
 
     def _latent_qk(
         self, q_latent: paddle.Tensor, c: paddle.Tensor, k_rot: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]
@@ -398,6 +417,11 @@ class MLAttention(nn.Layer):
             q_abs = ops.head_matmul(q_parts[0].reshape([B * n, H, w.nope]), w.w_uk).reshape([B, n, H, L])
         q_lat = rope_concat(q_abs, q_parts[1].reshape([B, n, H, dr]), cos, sin, self.interleave)
         o = latent_decode_attention(q_lat, latent, topk)  # [B, n, H, L + rope]
+        if self.keep_attention is not None:  # over the filled slots, as HF's over its grown cache
+            with paddle.no_grad():
+                T = cache.owner.length + n  # the scale is folded into q_lat
+                probs = attention_probabilities(q_lat, latent[:, :T].unsqueeze(2), topk, 1.0, x.dtype)
+                self.keep_attention(probs)
         if w.w_uv is None:  # W_uv folded into o_proj (zero rows for the rope columns)
             out = paddle.matmul(o.reshape([B, n, H * (L + dr)]), w.o_proj)
         else:

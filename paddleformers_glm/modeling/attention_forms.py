@@ -448,17 +448,30 @@ def sparse_latent_attention(
     return out, paddle.where(topk_idx >= 0, probs.reshape([B, S, K]), paddle.zeros([B, S, K], probs.dtype))
 
 
+def attention_probabilities(
+    q: paddle.Tensor, k: paddle.Tensor, topk_idx: paddle.Tensor, scale: float, dtype: str | paddle.dtype
+) -> paddle.Tensor:
+    """HF eager's attention weights: q [B, S, H, d], k [B, T, H | 1, d], a top-k over the T keys
+    [B, S, K] (-1 = empty) -> softmax(q k^T * scale + mask) [B, H, S, T] in fp32, cast to ``dtype``:
+    0 off the selected keys, and (as HF's additive fp32-minimum mask) uniform 1 / T for a query
+    without any key (a padded position)."""
+    T = k.shape[1]
+    sel = paddle.zeros([topk_idx.shape[0], topk_idx.shape[1], T + 1], dtype="float32")
+    idx = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, T))
+    sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :T]
+    mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, _FP32_MIN)).unsqueeze(1)
+    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, T]
+    probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1)  # fp32 softmax
+    # exactly 0 off the selection, as torch's exp gives there (Paddle's CPU exp floors at ~1e-28)
+    keep = paddle.logical_or(sel > 0, (sel.sum(axis=-1, keepdim=True) == 0).expand(sel.shape)).unsqueeze(1)
+    return paddle.where(keep, probs, paddle.zeros_like(probs)).astype(dtype)
+
+
 def dense_masked_attention(
     q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, topk_idx: paddle.Tensor, scale: float
 ) -> paddle.Tensor:
     """Reference: full S x S scores with an additive mask that keeps only the selected keys (HF eager)."""
-    B, S, H, _ = q.shape
-    sel = paddle.zeros([B, S, S + 1], dtype="float32")
-    idx = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, S))
-    sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :S]
-    mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, _FP32_MIN)).unsqueeze(1)
-    scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, S]
-    probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1).astype(v.dtype)  # fp32 softmax
+    probs = attention_probabilities(q, k, topk_idx, scale, v.dtype)
     return paddle.matmul(probs, v.transpose([0, 2, 1, 3])).transpose([0, 2, 1, 3])
 
 

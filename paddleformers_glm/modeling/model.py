@@ -20,7 +20,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from ..configuration import IGNORE_INDEX, GlmMoeDsaConfig
+from ..configuration import HF_ATTN_IMPLEMENTATIONS, IGNORE_INDEX, GlmMoeDsaConfig
 from ..ops import cpu_bf16, cross_entropy_sum
 from ..ops.norm import building_graph
 from ..parallel import comm
@@ -56,6 +56,7 @@ class CausalLMOutput:
     logits: paddle.Tensor | None = None  # [B, S, V]
     past_key_values: DSACache | None = None  # the decoding cache, when use_cache
     hidden_states: tuple[paddle.Tensor, ...] | None = None  # output_hidden_states: as transformers'
+    attentions: tuple[paddle.Tensor, ...] | None = None  # output_attentions: per decoder layer [B, heads, S, T]
     router_logits: tuple[paddle.Tensor, ...] | None = None  # output_router_logits: per MoE layer [B*S, E]
     mtp_loss: paddle.Tensor | None = None  # mean CE over MTP depths, unscaled
     mtp_logits: list[paddle.Tensor] = field(default_factory=list)  # per depth [B, S, V]
@@ -379,6 +380,32 @@ def _stop_router_logits(model: GlmMoeDsaForCausalLM, kept: dict[int, paddle.Tens
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _start_attentions(model: GlmMoeDsaForCausalLM, enabled: bool) -> dict[int, paddle.Tensor] | None:
+    """``output_attentions``: each decoder layer's attention (not the MTP layer's: transformers
+    records none) hands its weights [B, heads, S, T] to a dict by layer; None when off. What a
+    failed forward left is cleared first."""
+    _stop_attentions(model, None)
+    if not enabled:
+        return None
+    if model.distributed:
+        raise NotImplementedError(
+            "output_attentions=True runs in one process (tensor and context parallel split the heads and queries)"
+        )
+    kept: dict[int, paddle.Tensor] = {}
+    for i, layer in enumerate(model.model.decoder_layers):
+        layer.self_attn.keep_attention = lambda p, i=i: kept.__setitem__(i, p)
+    return kept
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _stop_attentions(model: GlmMoeDsaForCausalLM, kept: dict[int, paddle.Tensor] | None):
+    """The layers stop handing weights on; -> transformers' ``attentions``: the kept ones by layer, or None."""
+    for layer in model.model.decoder_layers:
+        layer.self_attn.keep_attention = None
+    return None if kept is None else tuple(kept[i] for i in sorted(kept))
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
 def _with_shift_labels(
     labels: paddle.Tensor | None, shift_labels: paddle.Tensor | None, labels_shifted: bool
 ) -> tuple[paddle.Tensor | None, bool]:
@@ -495,11 +522,16 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
 
     def set_attn_implementation(self, name: str) -> None:
         """Pick the attention form for the following forwards (transformers' name): "auto" (by
-        size), "reference", "dense", "sparse" or "latent" (see modeling/attention_forms.py). It is
-        the config key `attn_implementation`, so a config or Fleet-layout save after this records it;
-        an official-layout checkpoint leaves it out (transformers refuses forms it lacks)."""
+        size), "reference", "dense", "sparse" or "latent" (see modeling/attention_forms.py), or
+        transformers' "eager" (the reference form) or "sdpa" ("auto"). It is the config key
+        `attn_implementation`, so a config or Fleet-layout save after this records it; an
+        official-layout checkpoint leaves it out (transformers refuses forms it lacks)."""
+        name = HF_ATTN_IMPLEMENTATIONS.get(name, name)
         if name not in FORMS:
-            raise ValueError(f"attn_implementation must be one of {FORMS}, got {name!r}")
+            raise ValueError(
+                f"attn_implementation must be one of {FORMS} (or transformers' {tuple(HF_ATTN_IMPLEMENTATIONS)}), "
+                f"got {name!r}"
+            )
         self.config.attn_implementation = name
 
     # ------------------------------------------------------------------ the forward
@@ -634,8 +666,10 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         taken instead of them, as `labels_shifted=True`; without `labels` there is no loss, as there.
         `output_hidden_states=True` (None: `config.output_hidden_states`, as transformers): `out.hidden_states`, transformers' tuple of num_hidden_layers + 1
         [B, S, H]: the embedding output, each decoder layer's output but the last, and the
-        final-normed one. `output_attentions=True` is refused (the sparse attention forms hold no
-        [B, heads, S, S] probabilities). `num_items_in_batch` (transformers' Trainer): the LM loss is
+        final-normed one. `output_attentions=True` (None: the config's): `out.attentions`, transformers'
+        eager attention weights, per decoder layer [B, heads, S, T] (T keys: S, or the cache's filled
+        slots when decoding), 0 off the keys the layer attended, whatever `attn_implementation`
+        (transformers returns them with "eager" only); one process only. `num_items_in_batch` (transformers' Trainer): the LM loss is
         the summed cross entropy over it instead of the mean over the counted labels.
         `num_logits_to_keep` (the name before `logits_to_keep`, still in older callers) is accepted
         and ignored, as transformers 5.23 ignores it (all positions' logits; a warning says so).
@@ -658,9 +692,6 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             )
         # not given: the config's, as transformers (from_pretrained(..., output_hidden_states=True))
         output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
-        output_attentions = _flag(output_attentions, self.config, "output_attentions")
-        if output_attentions:
-            raise NotImplementedError("output_attentions=True is not supported (no attention probabilities are kept)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
         if attention_mask is not None and attention_mask.ndim != 2:
@@ -682,6 +713,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         cache = past_key_values
         collect = [] if output_hidden_states else None
         routers = _start_router_logits(self, _flag(output_router_logits, self.config, "output_router_logits"))
+        attentions = _start_attentions(self, _flag(output_attentions, self.config, "output_attentions"))
         if use_cache is None:  # transformers: config.use_cache; see the docstring for where it is off
             use_cache = bool(getattr(self.config, "use_cache", False)) and self._builds_cache_by_default()
         if cache is None and use_cache:  # transformers' forward: the plain forward, building a cache
@@ -714,6 +746,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         keep = hidden[:, -logits_to_keep:] if sliced else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
         out.router_logits = _stop_router_logits(self, routers)
+        out.attentions = _stop_attentions(self, attentions)
         if collect is not None:  # transformers' last entry is the final-normed hidden
             out.hidden_states = tuple(collect[:-1]) + (hidden,)
         out.mtp_logits = [self.logits(h) for h in mtp_hidden]
@@ -741,7 +774,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             return out
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
         # cannot call their methods
-        fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.router_logits)
+        fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.attentions, out.router_logits)
         fields_ += (out.mtp_loss, out.mtp_logits or None)
         fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
