@@ -384,6 +384,77 @@ def test_loss_with_ignored_labels_equals_transformers():
         assert abs(want - got) <= 2e-5, (n, want, got)
 
 
+def test_loss_function_as_transformers():
+    """transformers 5.23: ``model.loss_function`` is ForCausalLMLoss(logits, labels, vocab_size,
+    num_items_in_batch=None, ignore_index=-100, shift_labels=None) and the forward's loss is it; a
+    function assigned to it computes the forward's loss instead, called (measured on the tiny
+    fixture) with labels [B, S] and nothing else, + num_items_in_batch when given, + shift_labels
+    when given; no labels, no loss (with shift_labels alone: None). Ours had no loss_function
+    (AttributeError). Our forward also passes ``labels_shifted=True`` labels as shift_labels."""
+    model = _tiny_eval()
+    ids = tokens(2, 10)
+    lab = ids.clone()
+    lab[0, :4] = -100
+    out = model(ids, labels=lab)
+    V = model.config.vocab_size
+    assert float(model.loss_function(out.logits, lab, V)) == float(out.loss)  # bit for bit
+    assert abs(float(out.loss) - 5.968607) <= 2e-5  # transformers' (test_loss_normalisation_...)
+    want = float(model(ids, labels=lab, num_items_in_batch=7).loss)
+    assert float(model.loss_function(logits=out.logits, labels=lab, vocab_size=V, num_items_in_batch=7)) == want
+    shifted = paddle.concat([lab[:, 1:], paddle.full([2, 1], -100, lab.dtype)], axis=1)
+    assert float(model.loss_function(out.logits, None, V, shift_labels=shifted)) == float(out.loss)
+    other = paddle.where(lab < 0, paddle.full_like(lab, -1), lab)  # another ignore_index, the same loss
+    assert abs(float(model.loss_function(out.logits, other, V, ignore_index=-1)) - float(out.loss)) <= 1e-6
+    calls = []
+
+    def custom(logits, labels, vocab_size, **kw):
+        calls.append((sorted(kw), list(labels.shape), vocab_size))
+        return logits.astype("float32").mean() * 0 + 3.0
+
+    model.loss_function = custom
+    assert model.loss_function is custom
+    assert float(model(ids, labels=lab).loss) == 3.0 and float(model(ids, labels=lab, num_items_in_batch=3).loss) == 3.0
+    assert (
+        float(model(ids, labels=lab, shift_labels=shifted).loss) == 3.0
+        and model(ids, shift_labels=shifted).loss is None
+    )
+    assert [c[0] for c in calls] == [[], ["num_items_in_batch"], ["shift_labels"]] and calls[0][1:] == ([2, 10], V)
+    both = model(ids, labels=lab, add_mtp_loss=True)  # the MTP loss is still added to the assigned one's
+    assert abs(float(both.loss) - (3.0 + model.config.mtp_loss_scaling_factor * float(both.mtp_loss))) <= 1e-5
+    model.loss_function = None
+    assert float(model(ids, labels=lab).loss) == float(out.loss)
+
+
+@pytest.mark.reference
+def test_loss_function_equals_transformers():
+    """The live twin: transformers' ``model.loss_function`` and ours on the same logits (fp32 and
+    bf16), labels with ignored positions, num_items_in_batch (int and tensor), shift_labels and
+    another ignore_index: within 2e-6."""
+    torch, hf, model = _tiny_in_both()
+    rng = np.random.default_rng(3)
+    V = hf.config.vocab_size
+    logits = rng.standard_normal([2, 9, V]).astype("float32") * 3
+    lab = rng.integers(0, V, [2, 9])
+    lab[0, :3] = -100
+    seven = np.where(lab < 0, 7, lab)  # the ignored positions as ignore_index=7
+    cases = [(lab, {}), (lab, {"num_items_in_batch": 5}), (lab, {"shift_labels": np.roll(lab, -1, axis=1)})]
+    cases.append((seven, {"ignore_index": 7}))
+    for dtype in ("float32", "bfloat16"):
+        for labels, kw in cases:
+            t = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+            p = {k: paddle.to_tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+            x = torch.tensor(logits).to(getattr(torch, dtype))
+            want = float(hf.loss_function(x, torch.tensor(labels), V, **t))
+            got = float(model.loss_function(paddle.to_tensor(logits).astype(dtype), paddle.to_tensor(labels), V, **p))
+            assert abs(got - want) <= 2e-6 * max(1.0, abs(want)), (dtype, kw, got, want)
+    n = torch.tensor(5)
+    want = float(hf.loss_function(torch.tensor(logits), torch.tensor(lab), V, num_items_in_batch=n))
+    got = float(
+        model.loss_function(paddle.to_tensor(logits), paddle.to_tensor(lab), V, num_items_in_batch=paddle.to_tensor(5))
+    )
+    assert abs(got - want) <= 2e-6 * abs(want)
+
+
 def test_inputs_embeds_with_labels_and_logits_to_keep_positions():
     """transformers 5.23 on the tiny fixture, ids = tokens(2, 10): inputs_embeds=embed(ids) with
     labels=ids -> loss 6.107835, the loss of input_ids=ids (ours raised ValueError "the MTP heads

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -127,6 +127,29 @@ def causal_lm_loss(logits: paddle.Tensor, labels: paddle.Tensor, shift: int = 1)
     """HF convention on full-vocabulary logits: position i predicts labels[i + shift]; the mean over
     labels that are not IGNORE_INDEX."""
     return mean_loss(token_loss(logits, shift_labels(labels, shift), vocab_parallel=False))
+
+
+def for_causal_lm_loss(
+    logits: paddle.Tensor,
+    labels: paddle.Tensor | None,
+    vocab_size: int,
+    num_items_in_batch: int | paddle.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: paddle.Tensor | None = None,
+    **kwargs: Any,
+) -> paddle.Tensor:
+    """transformers' ``ForCausalLMLoss`` (``model.loss_function``'s default) with its signature: the
+    fp32 cross entropy of logits [B, S, V] against labels shifted by one (or ``shift_labels`` as
+    they are), the mean over the targets that are not ``ignore_index`` or, with
+    ``num_items_in_batch``, the sum over that count. The forward's LM loss is this, bit for bit
+    (as the forward's, a mean without any counted target is 0 where transformers' is NaN)."""
+    target = shift_labels if shift_labels is not None else _shift_by(labels, 1, fill=ignore_index)
+    target = target.reshape([-1]).astype("int64")
+    total = cross_entropy_sum(logits.reshape([-1, vocab_size]).astype("float32"), target, ignore_index)
+    if num_items_in_batch is not None:
+        n = num_items_in_batch
+        return total / (n.astype("float32") if isinstance(n, paddle.Tensor) else float(n))
+    return mean_loss(LossTerm(total, (target != ignore_index).astype("int64").sum()))
 
 
 def causal_lm_losses(
@@ -417,6 +440,28 @@ def _with_shift_labels(
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _custom_loss_call(
+    model: GlmMoeDsaForCausalLM,
+    labels: paddle.Tensor | None,
+    shift_labels: paddle.Tensor | None,
+    labels_shifted: bool,
+    num_items_in_batch: int | paddle.Tensor | None,
+) -> tuple[Callable[..., paddle.Tensor], dict[str, Any]] | None:
+    """A ``model.loss_function`` the caller set and the keywords transformers' forward calls it with
+    (``labels``, and ``num_items_in_batch`` / ``shift_labels`` where given; ``labels_shifted=True``
+    labels as ``shift_labels``); None without one, or without labels (no loss)."""
+    fn = model.__dict__.get("_loss_function")
+    if fn is None or labels is None:
+        return None
+    kw: dict[str, Any] = {"labels": labels}
+    if num_items_in_batch is not None:
+        kw["num_items_in_batch"] = num_items_in_batch
+    if shift_labels is not None or labels_shifted:
+        kw["shift_labels"] = labels if shift_labels is None else shift_labels
+    return fn, kw
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
 def _flag(value: bool | None, config: GlmMoeDsaConfig, name: str) -> bool:
     """A forward flag: ``value``, else (None) the config's ``name`` (false when it has none)."""
     return bool(value) if value is not None else bool(getattr(config, name, False))
@@ -519,6 +564,19 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         own = own_indexer_layers(self.config)
         for name, p in self.named_parameters():
             p.stop_gradient = training.dense and not trains_in_warmup(name, own)
+
+    @property
+    def loss_function(self) -> Callable[..., paddle.Tensor]:
+        """transformers' ``model.loss_function``: the LM loss as a function of (logits, labels,
+        vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None)
+        (:func:`for_causal_lm_loss`), or the one assigned to it, which the forward then computes
+        ``out.loss`` with, called as transformers calls it (the MTP and indexer losses stay this
+        model's)."""
+        return self.__dict__.get("_loss_function") or for_causal_lm_loss
+
+    @loss_function.setter
+    def loss_function(self, fn: Callable[..., paddle.Tensor] | None) -> None:
+        self.__dict__["_loss_function"] = fn
 
     def set_attn_implementation(self, name: str) -> None:
         """Pick the attention form for the following forwards (transformers' name): "auto" (by
@@ -679,6 +737,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         `max_length_k` / `seq_idx`, and `position_ids` that restart within a row where transformers
         then attends per sequence (no attention_mask, no cache); see docs/model.md."""
         _refuse_packing_keys(kwargs)
+        custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
         if position_ids is not None and attention_mask is None and past_key_values is None:
             hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
@@ -762,6 +821,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             if out.mtp_logits:
                 depth_losses = [mean_loss(losses[f"mtp_{d}"]) for d in range(1, len(out.mtp_logits) + 1)]
                 out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
+            if custom_loss is not None:  # model.loss_function set by the caller, as transformers calls it
+                out.loss = custom_loss[0](logits=out.logits, vocab_size=self.config.vocab_size, **custom_loss[1])
             if add_mtp_loss and out.mtp_loss is not None:
                 out.loss = out.loss + self.config.mtp_loss_scaling_factor * out.mtp_loss
             if add_mtp_loss and out.indexer_loss is not None:
