@@ -662,6 +662,27 @@ class GlmTokenizer:
         """Token -> id, the added tokens included (transformers' ``get_vocab``)."""
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
+    vocab = property(get_vocab, doc="transformers' ``vocab``: ``get_vocab()``.")
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` underneath (transformers' fast tokenizers' name for it)."""
+        return self.tokenizer
+
+    def get_added_vocab(self) -> dict[str, int]:
+        """The added tokens' content -> id, by id (transformers' ``get_added_vocab``)."""
+        return {t.content: i for i, t in self.added_tokens_decoder.items()}
+
+    @property
+    def max_len_single_sentence(self) -> int:
+        """``model_max_length`` less the tokens the post-processor adds to one text (transformers')."""
+        return self.model_max_length - self.num_special_tokens_to_add(pair=False)
+
+    @property
+    def max_len_sentences_pair(self) -> int:
+        """``model_max_length`` less the tokens the post-processor adds to a pair (transformers')."""
+        return self.model_max_length - self.num_special_tokens_to_add(pair=True)
+
     def add_tokens(self, new_tokens: Any, special_tokens: bool = False) -> int:
         """Add tokens (strings or ``tokenizers.AddedToken``s) to the vocabulary, as transformers'
         ``add_tokens``: the number of new ones; ``save_pretrained`` writes them (in tokenizer.json)."""
@@ -764,7 +785,7 @@ class GlmTokenizer:
 
     @property
     def added_tokens_encoder(self) -> dict[str, int]:
-        return {t.content: i for i, t in self.added_tokens_decoder.items()}
+        return self.get_added_vocab()
 
     def num_special_tokens_to_add(self, pair: bool = False) -> int:
         """How many tokens the post-processor adds to a text (a pair), as transformers."""
@@ -823,8 +844,15 @@ class GlmTokenizer:
             return [self.decode(row, skip_special_tokens, cleanup) for row in rows]
         text = self.tokenizer.decode(_id_list(rows), skip_special_tokens=skip_special_tokens)
         if cleanup and type(self.tokenizer.model).__name__ != "BPE":
-            for old, new in _CLEANUP:
-                text = text.replace(old, new)
+            text = self.clean_up_tokenization(text)
+        return text
+
+    @staticmethod
+    def clean_up_tokenization(text: str) -> str:
+        """transformers' ``clean_up_tokenization``: the space before punctuation and English
+        contractions removed (``_CLEANUP``, in its order)."""
+        for old, new in _CLEANUP:
+            text = text.replace(old, new)
         return text
 
     def batch_decode(
@@ -1139,7 +1167,7 @@ class GlmTokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
-        text = self._template_for(chat_template, extra.get("tools"))
+        text = self.get_chat_template(chat_template, extra.get("tools"))
         tools = extra.get("tools")
         if isinstance(tools, (list, tuple)) and any(callable(t) for t in tools):
             raise TokenizerError(  # transformers' get_json_schema reads the signature and docstring
@@ -1183,10 +1211,10 @@ class GlmTokenizer:
             rendered = rendered[:at] if rendered[at : at + len(tag)] == tag else rendered[:at].rstrip()
         return rendered, spans
 
-    def _template_for(self, chat_template: str | None, tools: Any) -> str:
+    def get_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
         """The template to render, as transformers' ``get_chat_template``: ``chat_template`` (a named
         template's name, or a template's text), else "tool_use" of the named templates when tools are
-        given, else the default one."""
+        given, else the default one; none: TokenizerError (a ValueError, as transformers raises)."""
         if chat_template is not None:
             return self.chat_templates.get(chat_template, chat_template)
         if tools is not None and "tool_use" in self.chat_templates:
@@ -1308,7 +1336,7 @@ class GlmTokenizer:
         conversation is tokenized at once, so the ids are exactly those of the rendered text (plus
         that EOS). ``extra``: template variables (``tools``, ``documents``)."""
         stop = {*stop_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])}
-        if _GENERATION_TAG.search(self._template_for(None, extra.get("tools"))):
+        if _GENERATION_TAG.search(self.get_chat_template(None, extra.get("tools"))):
             text, turns = self._render(messages, False, extra, track=True)
             enc = self.tokenizer.encode(text, add_special_tokens=False)
             mine = [bool(m) for m in _block_mask(enc, turns)]

@@ -2086,3 +2086,59 @@ def test_text_target_equals_transformers(tiny_dir):
     hf, tok = _hf_and_ours(tiny_dir)
     for args, kw, _ in _TARGET_CASES:
         assert dict(tok(*args, **kw)) == dict(hf(*args, **kw)), kw
+
+
+# transformers 5.23, AutoTokenizer on the tiny folder: get_added_vocab(), the 9 special tokens by id
+TINY_ADDED_VOCAB = {
+    "<|pad|>": 0, "<|endoftext|>": 1, "<|user|>": 2, "<|system|>": 3, "<|assistant|>": 4,
+    "<|observation|>": 5, "[gMASK]": 6, "<sop>": 7, "<|unk|>": 8,
+}  # fmt: skip
+
+
+def test_vocabulary_and_template_accessors_as_transformers(tiny_dir, tmp_path):
+    """transformers 5.23 on the tiny folder: ``vocab`` (256 entries, == get_vocab()),
+    ``get_added_vocab()`` (TINY_ADDED_VOCAB), ``max_len_single_sentence`` and
+    ``max_len_sentences_pair`` 4096 (model_max_length 4096, no token added), ``backend_tokenizer`` a
+    ``tokenizers.Tokenizer``, ``get_chat_template()`` the template (a name of the named ones or a text
+    given: that one; tools: "tool_use"; none at all: ValueError), ``clean_up_tokenization("a . b , c
+    ! d ? e n't f 'm g 's h 've i 're")`` -> "a. b, c! d? en't f'm g's h've i're". Each was an
+    AttributeError here."""
+    import tokenizers
+
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    assert len(tok.vocab) == 256 and tok.vocab == tok.get_vocab()
+    assert tok.get_added_vocab() == TINY_ADDED_VOCAB and list(tok.get_added_vocab()) == list(TINY_ADDED_VOCAB)
+    assert tok.max_len_single_sentence == tok.max_len_sentences_pair == tok.model_max_length == 4096
+    assert isinstance(tok.backend_tokenizer, tokenizers.Tokenizer) and tok.backend_tokenizer is tok.tokenizer
+    assert tok.get_chat_template() == tok.chat_template and tok.get_chat_template("nope") == "nope"
+    named = GlmTokenizer.from_pretrained(_named_templates_folder(tmp_path / "named", NAMED_TEMPLATES))
+    assert named.get_chat_template() == NAMED_TEMPLATES[0]["template"]
+    assert named.get_chat_template(tools=[{"x": 1}]) == named.get_chat_template("tool_use") == "T{{ tools | length }}"
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.get_chat_template()
+    text = "a . b , c ! d ? e n't f 'm g 's h 've i 're"
+    assert GlmTokenizer.clean_up_tokenization(text) == "a. b, c! d? en't f'm g's h've i're"
+    tok.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # an added token follows
+    assert tok.get_added_vocab() == TINY_ADDED_VOCAB | {"<extra>": 256} and len(tok.vocab) == 257
+
+
+def test_vocabulary_and_template_accessors_equal_transformers(tiny_dir, tmp_path):
+    """The live twin: each accessor above equal to AutoTokenizer's on the tiny folder, an added
+    special token included."""
+    hf, ours = _hf_and_ours(tiny_dir)
+    for t in (hf, ours):
+        t.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert ours.vocab == hf.vocab and ours.get_added_vocab() == hf.get_added_vocab()
+    assert list(ours.get_added_vocab()) == list(hf.get_added_vocab())
+    assert (ours.max_len_single_sentence, ours.max_len_sentences_pair) == (
+        hf.max_len_single_sentence,
+        hf.max_len_sentences_pair,
+    )
+    text = "Hello world! <extra> The sea is blue."
+    assert ours.backend_tokenizer.encode(text).ids == hf.backend_tokenizer.encode(text).ids
+    assert ours.backend_tokenizer.get_vocab() == hf.backend_tokenizer.get_vocab()
+    for args in ((), ("nope",)):
+        assert ours.get_chat_template(*args) == hf.get_chat_template(*args)
+    text = "a . b , c ! d ? e n't f 'm g 's h 've i 're ' x"
+    assert ours.clean_up_tokenization(text) == hf.clean_up_tokenization(text)
