@@ -2311,3 +2311,75 @@ def test_generation_config_update_equals_hf():
     for kw, _, values in _UPDATE_CASES:
         assert ours.update(**kw) == hf.update(**kw), kw
         assert {k: _held(ours, k) for k in values} == {k: getattr(hf, k) for k in values}, kw
+
+
+def _manual_greedy(model, cat, ones, ids, mask, steps=4):
+    """A caller's own greedy loop over ``prepare_inputs_for_generation`` and the forward (transformers'
+    pattern): -> (the ids, each step's input keys)."""
+    inputs = model.prepare_inputs_for_generation(
+        ids, attention_mask=mask, use_cache=True, is_first_iteration=True, labels=ids
+    )
+    keys = [sorted(inputs)]
+    out = model(**inputs)
+    for _ in range(steps):
+        ids, mask = cat([ids, out.logits[:, -1].argmax(-1)[:, None]]), cat([mask, ones(mask)])
+        inputs = model.prepare_inputs_for_generation(
+            ids, next_sequence_length=1, past_key_values=out.past_key_values, attention_mask=mask, use_cache=True
+        )
+        keys.append(sorted(inputs))
+        out = model(**inputs)
+    return np.asarray(ids), keys
+
+
+def test_prepare_inputs_for_generation_as_hf():
+    """transformers 5.23's ``prepare_inputs_for_generation`` drives a caller's own decoding loop
+    (``model(**model.prepare_inputs_for_generation(ids, next_sequence_length=1, past_key_values=...,
+    attention_mask=...))``): on the padded batch the greedy loop gives HF generate's tokens [[240, 211,
+    172, 53], [184, 42, 85, 174]] (measured with HF's own loop too), the first call's keys
+    attention_mask / input_ids / use_cache (labels dropped), the later ones past_key_values too; with
+    inputs_embeds on the first iteration input_ids is None; position_ids are cut to the new tokens.
+    Ours had no such method (AttributeError)."""
+    model, _ = _fixture("tiny")
+    model.eval()
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    got, keys = _manual_greedy(
+        model,
+        lambda t: paddle.concat([x.astype("int64") for x in t], 1),
+        lambda m: paddle.ones([2, 1], m.dtype),
+        ids,
+        mask,
+    )
+    want = [[240, 211, 172, 53], [184, 42, 85, 174]]
+    np.testing.assert_array_equal(got[:, 6:], want)
+    kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0}
+    np.testing.assert_array_equal(model.generate(ids, mask, **kw).numpy(), got)
+    assert keys[0] == ["attention_mask", "input_ids", "use_cache"]
+    assert keys[1:] == [["attention_mask", "input_ids", "past_key_values", "use_cache"]] * 4
+    embeds = model.get_input_embeddings()(ids)
+    first = model.prepare_inputs_for_generation(ids, inputs_embeds=embeds, is_first_iteration=True)
+    assert first["input_ids"] is None and first["inputs_embeds"] is embeds
+    later = model.prepare_inputs_for_generation(
+        ids, next_sequence_length=1, inputs_embeds=embeds, position_ids=ids + 100
+    )
+    assert later["input_ids"].numpy().tolist() == [[8], [14]] and "inputs_embeds" not in later
+    assert later["position_ids"].numpy().tolist() == [[108], [114]]
+
+
+@pytest.mark.reference
+def test_prepare_inputs_for_generation_equal_hf():
+    """The live twin: transformers' own loop over its prepare_inputs_for_generation gives the same ids
+    and the same keys at every step as ours."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    model.eval()
+    with torch.no_grad():
+        want = _manual_greedy(
+            hf, lambda t: torch.cat(t, 1), lambda m: torch.ones([2, 1], dtype=m.dtype),
+            torch.tensor(_EMBEDS_IDS), torch.tensor(_EMBEDS_MASK),
+        )  # fmt: skip
+    got = _manual_greedy(
+        model, lambda t: paddle.concat([x.astype("int64") for x in t], 1), lambda m: paddle.ones([2, 1], m.dtype),
+        paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK),
+    )  # fmt: skip
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1] == want[1]

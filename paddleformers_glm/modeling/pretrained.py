@@ -739,6 +739,42 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         kwargs.setdefault("generation_config", self.generation_config)
         return generate(self, input_ids, attention_mask, **kwargs)
 
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: paddle.Tensor | None,
+        next_sequence_length: int | None = None,
+        past_key_values: Any = None,
+        attention_mask: paddle.Tensor | None = None,
+        inputs_embeds: paddle.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """transformers 5.23's ``prepare_inputs_for_generation``: the forward's keywords for one step
+        of a caller's own decoding loop, ``model(**inputs)``. ``inputs_embeds`` on the first iteration
+        (their last ``next_sequence_length`` rows), else the ids' last ``next_sequence_length``
+        columns; the cache, ``position_ids`` (their last columns) and the [B, past + new] mask as
+        given (the forward reads the new tokens' part); every other keyword passed on but ``labels``.
+        No 4-D mask is made: this model's cache needs none."""
+        inputs: dict[str, Any] = {}
+        n = next_sequence_length
+        if inputs_embeds is not None and is_first_iteration:
+            inputs["input_ids"] = None
+            inputs["inputs_embeds"] = inputs_embeds[:, -n:] if n is not None else inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids[:, -n:] if n is not None else input_ids
+        length = (inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]).shape[1]
+        if past_key_values is not None:
+            inputs["past_key_values"] = past_key_values
+        position_ids = kwargs.pop("position_ids", None)
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids[..., -length:] if position_ids.shape[-1] != length else position_ids
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        for key, value in kwargs.items():
+            if key not in ("labels", "next_sequence_length") and key not in inputs:
+                inputs[key] = value
+        return inputs
+
     def compute_transition_scores(
         self,
         sequences: paddle.Tensor,
