@@ -872,38 +872,97 @@ def _packed_pair():
     return ids, labels, paddle.to_tensor([list(range(5)) + list(range(7))])
 
 
-def test_packed_sequences_as_transformers_or_refused_by_name():
+def test_packed_sequences_as_transformers():
     """transformers 5.23 on the tiny fixture, _packed_pair(): without an attention_mask and a cache
-    (use_cache=False, or config.use_cache false) it reads restarting position_ids as packed
-    sequences and attends within each (loss 6.434098, logits equal to the two sequences' own); with
-    a cache (use_cache True / None: config.use_cache true) or an all-ones attention_mask they are
-    rope positions only (loss 6.118906). Its eager attention ignores cu_seq_lens_q / _k,
-    max_length_q / _k and seq_idx (the same losses). Ours raised TypeError on those keys and gave
-    6.118906 where transformers gives 6.434098: the per-sequence case is refused by name."""
-    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    (use_cache=False, or config.use_cache false) it reads restarting (or jumping) position_ids as
+    packed sequences and attends and selects its top-k within each (loss 6.434098, logits equal to
+    the two sequences' own); with a cache (use_cache True / None: config.use_cache true) or an
+    all-ones attention_mask they are rope positions only (loss 6.118906). Its eager and sdpa
+    attention ignore cu_seq_lens_q / _k, max_length_q / _k and seq_idx (the same losses). Ours
+    refused the packed case (ValueError) and the collator's keys."""
+    model = _tiny_eval()
     ids, labels, pos = _packed_pair()
     for kw in ({"use_cache": True}, {}, {"use_cache": False, "attention_mask": paddle.ones_like(ids)}):
         assert abs(float(model(ids, labels=labels, position_ids=pos, **kw).loss) - 6.118906) <= 2e-5, kw
-    with pytest.raises(ValueError, match=r"position_ids restart or jump within a row \(row 0: 2 sequences"):
-        model(ids, labels=labels, position_ids=pos, use_cache=False)
+    out = model(ids, labels=labels, position_ids=pos, use_cache=False)
+    assert abs(float(out.loss) - 6.434098) <= 2e-5
+    alone = [model(ids[:, a:b], use_cache=False).logits for a, b in ((0, 5), (5, 12))]
+    np.testing.assert_allclose(out.logits.numpy(), paddle.concat(alone, axis=1).numpy(), atol=2e-5)
     gap = paddle.to_tensor([list(range(5)) + list(range(10, 17))])  # transformers: a new sequence too
-    with pytest.raises(ValueError, match="position_ids restart or jump"):
-        model(ids, position_ids=gap, use_cache=False)
+    jumped = model(ids, position_ids=gap, use_cache=False).logits
+    second = model(ids[:, 5:], position_ids=gap[:, 5:], use_cache=False).logits
+    np.testing.assert_allclose(jumped.numpy()[:, 5:], second.numpy(), atol=2e-5)
     model(ids, position_ids=paddle.arange(12).unsqueeze(0), use_cache=False)  # one sequence: as before
     model.config.use_cache = False
-    with pytest.raises(ValueError, match="position_ids restart or jump"):
-        model(ids, labels=labels, position_ids=pos)
+    assert abs(float(model(ids, labels=labels, position_ids=pos).loss) - 6.434098) <= 2e-5
+    bounds = paddle.to_tensor([0, 5, 12], dtype="int32")
+    keys = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 7, "max_length_k": 7, "seq_idx": pos}
+    assert float(model(ids, labels=labels, position_ids=pos, **keys).loss) == float(out.loss)
+    with pytest.raises(
+        ValueError, match=r"cu_seq_lens_q \[0, 4, 12\] disagrees with position_ids' sequences \[0, 5, 12\]"
+    ):
+        model(ids, position_ids=pos, cu_seq_lens_q=[0, 4, 12])
     model.config.use_cache = True
-    bounds = paddle.to_tensor([0, 5, 12])
-    for key, value in (("cu_seq_lens_q", bounds), ("cu_seq_lens_k", bounds), ("max_length_q", 7), ("seq_idx", pos)):
+    for key, value in keys.items():  # without packed position_ids (here a cache): refused by name
         with pytest.raises(ValueError, match=rf"forward: {key} \(packed sequences"):
             model(ids, position_ids=pos, **{key: value})
+    with pytest.raises(NotImplementedError, match="packed sequences .* without output_attentions"):
+        model(ids, position_ids=pos, use_cache=False, output_attentions=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'not_an_option'"):
         model(ids, not_an_option=1)
 
 
+def _two_packed_rows():
+    """Two rows of 12 tokens packing 3 and 2 sequences (as _packed_pair, -100 at each sequence's first
+    label), and the same 5 sequences as rows of their own (right padding, labels -100 there)."""
+    ids, pos = tokens(2, 12), [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]]
+    spans = [(0, 0, 4), (0, 4, 7), (0, 7, 12), (1, 0, 6), (1, 6, 12)]
+    labels = ids.numpy().copy()
+    for b, s0, _ in spans:
+        labels[b, s0] = -100
+    rows, row_labels, mask = np.zeros([5, 6], "int64"), np.full([5, 6], -100), np.zeros([5, 6], "int64")
+    for r, (b, s0, s1) in enumerate(spans):
+        rows[r, : s1 - s0], row_labels[r, : s1 - s0], mask[r, : s1 - s0] = ids.numpy()[b, s0:s1], labels[b, s0:s1], 1
+    packed = (ids, paddle.to_tensor(labels), paddle.to_tensor(pos))
+    return packed, tuple(paddle.to_tensor(t) for t in (rows, row_labels, mask)), spans
+
+
+def test_packed_sequences_train_as_their_own_rows():
+    """Training on packed rows is training on the sequences as rows of their own: the same LM loss
+    (transformers' mean over the counted labels: the cross-sequence label is -100 in both), the MTP
+    loss over the targets within each sequence only (the last tokens' MTP targets would be the
+    next sequence's), hidden states and router logits packed back, and every parameter's gradient
+    equal (within 1e-5 relative of the largest)."""
+    (ids, labels, pos), (rows, row_labels, mask), spans = _two_packed_rows()
+    model = _tiny_eval()
+    model.train()
+    out = model(ids, labels=labels, position_ids=pos, use_cache=False, add_mtp_loss=True, output_hidden_states=True,
+                output_router_logits=True)  # fmt: skip
+    out.loss.backward()
+    packed_grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    model.clear_gradients()
+    ref = model(rows, attention_mask=mask, labels=row_labels, add_mtp_loss=True, output_hidden_states=True,
+                output_router_logits=True)  # fmt: skip
+    ref.loss.backward()
+    assert abs(float(out.loss) - float(ref.loss)) <= 1e-5 and abs(float(out.mtp_loss) - float(ref.mtp_loss)) <= 1e-5
+    assert len(out.hidden_states) == 9 and all(h.shape == [2, 12, 64] for h in out.hidden_states)
+    for r, (b, s0, s1) in enumerate(spans):
+        for h, hr in zip(out.hidden_states, ref.hidden_states):
+            np.testing.assert_allclose(h.numpy()[b, s0:s1], hr.numpy()[r, : s1 - s0], atol=2e-5)
+        got = out.router_logits[0].numpy().reshape([2, 12, -1])[b, s0:s1]
+        np.testing.assert_allclose(got, ref.router_logits[0].numpy().reshape([5, 6, -1])[r, : s1 - s0], atol=2e-5)
+    assert len(packed_grads) > 100
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.numpy()
+            assert np.abs(packed_grads[name] - g).max() <= 1e-5 * max(1.0, np.abs(g).max()), name
+
+
 @pytest.mark.reference
 def test_packed_sequences_equal_transformers():
+    """The live twin: transformers' packed forward (use_cache=False) and ours on _packed_pair() and on
+    two rows packing five sequences: loss, logits, hidden states and router logits (evaluation), and
+    the training-mode loss; with a cache, the rope-positions-only loss."""
     torch, hf, model = _tiny_in_both()
     ids, labels, pos = (torch.tensor(t.numpy()) for t in _packed_pair())
     with torch.no_grad():
@@ -912,6 +971,22 @@ def test_packed_sequences_equal_transformers():
     assert abs(per_sequence - 6.434098) <= 2e-5 and abs(rope_only - 6.118906) <= 2e-5
     ids, labels, pos = _packed_pair()
     assert abs(float(model(ids, labels=labels, position_ids=pos, use_cache=True).loss) - rope_only) <= 2e-5
+    (ids, labels, pos), _, _ = _two_packed_rows()
+    kw = {"use_cache": False, "output_hidden_states": True, "output_router_logits": True}
+    t = {
+        "input_ids": torch.tensor(ids.numpy()),
+        "labels": torch.tensor(labels.numpy()),
+        "position_ids": torch.tensor(pos.numpy()),
+    }
+    for mode in ("eval", "train"):
+        getattr(hf, mode)(), getattr(model, mode)()
+        with torch.no_grad():
+            want = hf(**t, **kw)
+        got = model(ids, labels=labels, position_ids=pos, **kw)
+        assert abs(float(got.loss) - float(want.loss)) <= 2e-5, mode
+        np.testing.assert_allclose(got.logits.numpy(), want.logits.numpy(), atol=2e-5)
+        for g, w in zip(got.hidden_states + got.router_logits, want.hidden_states + want.router_logits):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), atol=5e-5)
 
 
 def test_dtype_device_and_tie_weights_as_transformers():

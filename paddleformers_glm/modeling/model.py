@@ -42,6 +42,7 @@ from .indexer_training import IndexerRecord, IndexerRun, IndexerTerms, indexer_t
 from .moe import TopkRouter, frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm
+from .packing import Packing, packed_sequences
 from .pretrained import GlmMoeDsaPreTrainedModel
 from .rope import RotaryEmbedding
 
@@ -341,39 +342,52 @@ _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
-def _refuse_packing_keys(kwargs: dict[str, Any]) -> None:
-    """``forward(**kwargs)``: the packed-sequence keys are refused by name (this model attends over
-    the whole row, it has no varlen attention); any other key is Python's TypeError."""
-    packing = [k for k in kwargs if k in _PACKING_KEYS]
-    if packing:
+def _check_packing_keys(kwargs: dict[str, Any], packing: Packing | None) -> None:
+    """``forward(**kwargs)``: the collator's packed-sequence keys are taken beside packed position_ids
+    (as transformers' eager and sdpa attention, which read the sequences from the position_ids;
+    ``cu_seq_lens_q`` / ``_k`` must then give the same bounds) and refused by name without them; any
+    other key is Python's TypeError."""
+    keys = [k for k in kwargs if k in _PACKING_KEYS]
+    if keys and packing is None:
         raise ValueError(
-            f"forward: {', '.join(packing)} (packed sequences, transformers' DataCollatorWithFlattening) is not "
-            "supported: each row is one sequence here (attention is not cut at sequence bounds); pass the "
-            "sequences as rows with padding and an attention_mask"
+            f"forward: {', '.join(keys)} (packed sequences, transformers' DataCollatorWithFlattening) need the "
+            "collator's position_ids, restarting at each sequence, without an attention_mask and a cache "
+            "(use_cache=False), as transformers reads packed sequences; or pass the sequences as rows with "
+            "padding and an attention_mask"
         )
-    if kwargs:
-        raise TypeError(f"GlmMoeDsaForCausalLM.forward() got an unexpected keyword argument {next(iter(kwargs))!r}")
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(key) is not None:
+            bounds = np.asarray(kwargs[key].numpy() if hasattr(kwargs[key], "numpy") else kwargs[key]).reshape(-1)
+            if bounds.tolist() != packing.bounds():
+                raise ValueError(
+                    f"forward: {key} {bounds.tolist()} disagrees with position_ids' sequences {packing.bounds()}"
+                )
+    other = [k for k in kwargs if k not in _PACKING_KEYS]
+    if other:
+        raise TypeError(f"GlmMoeDsaForCausalLM.forward() got an unexpected keyword argument {other[0]!r}")
 
 
-@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
-def _refuse_packed_positions(position_ids: paddle.Tensor) -> None:
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _packing_of(
+    model: GlmMoeDsaForCausalLM, position_ids: paddle.Tensor, rows: int, output_attentions: bool
+) -> Packing | None:
     """transformers 5.23 reads ``position_ids`` that do not step by 1 within a row as packed sequences
-    (a new sequence wherever they restart or jump) and attends within each only, when it has
-    neither an attention_mask nor a cache (``use_cache=False``, or ``config.use_cache`` false).
-    This model attends over the whole row, so those are refused by name; with a cache or a mask
-    transformers uses them as rope positions only, as this model does."""
+    (a new one wherever they restart or jump) and attends within each only, when the forward has
+    neither an attention_mask nor a cache (``use_cache=False``, or ``config.use_cache`` false):
+    their packing (modeling/packing.py), None when each row is one sequence or a graph is being built."""
     if not paddle.in_dynamic_mode():  # a graph being built: the values are not known yet
-        return
-    pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]])
-    breaks = (np.diff(pos, axis=-1) != 1).sum(axis=-1)
-    if breaks.any():
-        row = int(np.argmax(breaks > 0))
-        raise ValueError(
-            f"forward: position_ids restart or jump within a row (row {row}: {int(breaks[row]) + 1} sequences, "
-            "packed as transformers' DataCollatorWithFlattening packs them); without an attention_mask and a "
-            "cache transformers attends within each sequence only, which this model does not support: pass the "
-            "sequences as rows with padding and an attention_mask"
+        return None
+    packing = packed_sequences(position_ids)
+    if packing is None:
+        return None
+    if packing.batch != rows:
+        raise ValueError(f"forward: packed position_ids of {packing.batch} rows for {rows} rows of input")
+    if model.distributed or output_attentions:
+        raise NotImplementedError(
+            "forward: packed sequences (position_ids restarting within a row) run in one process, without "
+            "output_attentions"
         )
+    return packing
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
@@ -736,13 +750,17 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         Packed sequences are refused by name: `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
         `max_length_k` / `seq_idx`, and `position_ids` that restart within a row where transformers
         then attends per sequence (no attention_mask, no cache); see docs/model.md."""
-        _refuse_packing_keys(kwargs)
         custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
+        packing = None
         if position_ids is not None and attention_mask is None and past_key_values is None:
             hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
             if not hf_cache:  # where transformers reads restarting position_ids as packed sequences
-                _refuse_packed_positions(position_ids)
+                rows = (input_ids if inputs_embeds is None else inputs_embeds).shape[0]
+                packing = _packing_of(
+                    self, position_ids, rows, _flag(output_attentions, self.config, "output_attentions")
+                )
+        _check_packing_keys(kwargs, packing)
         if num_logits_to_keep is not None:
             warnings.warn(
                 "forward: num_logits_to_keep is ignored, as in transformers 5.23 (all logits are computed); "
@@ -769,6 +787,12 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted
             for d in range(len(self.model.mtp_layers) + 1):
                 batch[f"cp_target_{d + 1}"] = _shift_by(labels, d) if d else labels
+        if labels is not None and packing is not None:  # an MTP target in the next sequence is none
+            for d in range(1, len(self.model.mtp_layers) + 1):
+                target = batch.get(f"cp_target_{d + 1}", _shift_by(labels, d + 1))
+                batch[f"cp_target_{d + 1}"] = paddle.where(
+                    packing.same(d + 1), target, paddle.full_like(target, IGNORE_INDEX)
+                )
         cache = past_key_values
         collect = [] if output_hidden_states else None
         routers = _start_router_logits(self, _flag(output_router_logits, self.config, "output_router_logits"))
@@ -793,6 +817,21 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             )
             cache.topk = topk if cache.keep_topk else None
             cache.advance(n)
+        elif packing is not None:  # one sequence per row, then packed back
+            compute_mtp = self._compute_mtp(compute_mtp, labels, input_ids)
+            rows = {
+                "input_ids": None if input_ids is None else packing.unpack(input_ids),
+                "attention_mask": packing.mask,
+            }
+            embeds = None if inputs_embeds is None else packing.unpack(inputs_embeds)
+            cos, sin = self.model.rope(packing.mask, packing.unpack(position_ids.reshape([packing.batch, -1])))
+            kept = [] if collect is not None else None
+            hidden, _, terms, mtp_hidden = self._run(
+                self.stage, rows, embeds, None, cos, sin, with_mtp=compute_mtp, collect=kept
+            )
+            hidden, mtp_hidden = packing.pack(hidden), [packing.pack(h) for h in mtp_hidden]
+            if collect is not None:
+                collect.extend(packing.pack(h) for h in kept)
         else:
             compute_mtp = self._compute_mtp(compute_mtp, labels, input_ids)
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
@@ -805,6 +844,9 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         keep = hidden[:, -logits_to_keep:] if sliced else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
         out.router_logits = _stop_router_logits(self, routers)
+        if packing is not None and out.router_logits is not None:  # [B' S', E] -> the packed [B S, E]
+            out.router_logits = tuple(packing.pack(r.reshape([packing.rows, -1, r.shape[-1]])).reshape([-1, r.shape[-1]])
+                                      for r in out.router_logits)  # fmt: skip
         out.attentions = _stop_attentions(self, attentions)
         if collect is not None:  # transformers' last entry is the final-normed hidden
             out.hidden_states = tuple(collect[:-1]) + (hidden,)
