@@ -913,15 +913,17 @@ def test_packed_sequences_as_transformers():
 
 
 def _two_packed_rows():
-    """Two rows of 12 tokens packing 3 and 2 sequences (as _packed_pair, -100 at each sequence's first
-    label), and the same 5 sequences as rows of their own (right padding, labels -100 there)."""
-    ids, pos = tokens(2, 12), [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]]
-    spans = [(0, 0, 4), (0, 4, 7), (0, 7, 12), (1, 0, 6), (1, 6, 12)]
+    """Two rows of 12 tokens packing sequences of 9, 2, 1 and 6, 3, 3 tokens (-100 at each sequence's
+    first label, as the collator), which run as three groups (9 and 6; 3, 3 and 2; 1); and the same
+    six sequences as rows of their own (right padding, labels -100 there)."""
+    ids = tokens(2, 12)
+    spans = [(0, 0, 9), (0, 9, 11), (0, 11, 12), (1, 0, 6), (1, 6, 9), (1, 9, 12)]
+    pos = np.zeros([2, 12], "int64")
     labels = ids.numpy().copy()
-    for b, s0, _ in spans:
-        labels[b, s0] = -100
-    rows, row_labels, mask = np.zeros([5, 6], "int64"), np.full([5, 6], -100), np.zeros([5, 6], "int64")
+    rows, row_labels, mask = np.zeros([6, 9], "int64"), np.full([6, 9], -100), np.zeros([6, 9], "int64")
     for r, (b, s0, s1) in enumerate(spans):
+        pos[b, s0:s1] = np.arange(s1 - s0)
+        labels[b, s0] = -100
         rows[r, : s1 - s0], row_labels[r, : s1 - s0], mask[r, : s1 - s0] = ids.numpy()[b, s0:s1], labels[b, s0:s1], 1
     packed = (ids, paddle.to_tensor(labels), paddle.to_tensor(pos))
     return packed, tuple(paddle.to_tensor(t) for t in (rows, row_labels, mask)), spans
@@ -932,8 +934,13 @@ def test_packed_sequences_train_as_their_own_rows():
     (transformers' mean over the counted labels: the cross-sequence label is -100 in both), the MTP
     loss over the targets within each sequence only (the last tokens' MTP targets would be the
     next sequence's), hidden states and router logits packed back, and every parameter's gradient
-    equal (within 1e-5 relative of the largest)."""
+    equal (within 1e-5 relative of the largest). The sequences run in three groups by length (a
+    group's rows at least half its longest), or in one with the indexer's training on."""
+    from paddleformers_glm.modeling.packing import packed_sequences
+
     (ids, labels, pos), (rows, row_labels, mask), spans = _two_packed_rows()
+    assert [list(g.mask.shape) for g in packed_sequences(pos).groups] == [[2, 9], [3, 3], [1, 1]]
+    assert [list(g.mask.shape) for g in packed_sequences(pos, grouped=False).groups] == [[6, 9]]
     model = _tiny_eval()
     model.train()
     out = model(ids, labels=labels, position_ids=pos, use_cache=False, add_mtp_loss=True, output_hidden_states=True,
@@ -948,9 +955,9 @@ def test_packed_sequences_train_as_their_own_rows():
     assert len(out.hidden_states) == 9 and all(h.shape == [2, 12, 64] for h in out.hidden_states)
     for r, (b, s0, s1) in enumerate(spans):
         for h, hr in zip(out.hidden_states, ref.hidden_states):
-            np.testing.assert_allclose(h.numpy()[b, s0:s1], hr.numpy()[r, : s1 - s0], atol=2e-5)
+            np.testing.assert_allclose(h.numpy()[b, s0:s1], hr.numpy()[r, : s1 - s0], rtol=1e-5, atol=5e-5)
         got = out.router_logits[0].numpy().reshape([2, 12, -1])[b, s0:s1]
-        np.testing.assert_allclose(got, ref.router_logits[0].numpy().reshape([5, 6, -1])[r, : s1 - s0], atol=2e-5)
+        np.testing.assert_allclose(got, ref.router_logits[0].numpy().reshape([6, 9, -1])[r, : s1 - s0], atol=2e-5)
     assert len(packed_grads) > 100
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -961,7 +968,7 @@ def test_packed_sequences_train_as_their_own_rows():
 @pytest.mark.reference
 def test_packed_sequences_equal_transformers():
     """The live twin: transformers' packed forward (use_cache=False) and ours on _packed_pair() and on
-    two rows packing five sequences: loss, logits, hidden states and router logits (evaluation), and
+    two rows packing six sequences (run in three groups): loss, logits, hidden states and router logits (evaluation), and
     the training-mode loss; with a cache, the rope-positions-only loss."""
     torch, hf, model = _tiny_in_both()
     ids, labels, pos = (torch.tensor(t.numpy()) for t in _packed_pair())

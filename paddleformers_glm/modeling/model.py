@@ -377,7 +377,7 @@ def _packing_of(
     their packing (modeling/packing.py), None when each row is one sequence or a graph is being built."""
     if not paddle.in_dynamic_mode():  # a graph being built: the values are not known yet
         return None
-    packing = packed_sequences(position_ids)
+    packing = packed_sequences(position_ids, grouped=not model.indexer_training.active)
     if packing is None:
         return None
     if packing.batch != rows:
@@ -393,27 +393,30 @@ def _packing_of(
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
 def _start_router_logits(model: GlmMoeDsaForCausalLM, enabled: bool) -> dict[int, paddle.Tensor] | None:
     """``output_router_logits``: a hook on each decoder MoE layer's router (not the MTP layer's:
-    transformers has none) keeps its logits [tokens, experts] by layer (a recomputed layer
-    overwrites its own); None when off. Hooks a failed forward left are removed first."""
+    transformers has none) keeps its logits [tokens, experts] by layer, one entry per pass of the
+    layers (packed sequences run a pass per group of them); None when off. Hooks a failed forward
+    left are removed first."""
     _stop_router_logits(model, None)
     if not enabled:
         return None
-    kept: dict[int, paddle.Tensor] = {}
+    kept: dict[int, list[paddle.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(model.model.decoder_layers):
         for m in layer.sublayers():
             if isinstance(m, TopkRouter):
-                hooks.append(m.register_forward_post_hook(lambda _m, _in, out, i=i: kept.__setitem__(i, out[0])))
+                hooks.append(
+                    m.register_forward_post_hook(lambda _m, _in, out, i=i: kept.setdefault(i, []).append(out[0]))
+                )
     model.__dict__["_router_hooks"] = hooks
     return kept
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
-def _stop_router_logits(model: GlmMoeDsaForCausalLM, kept: dict[int, paddle.Tensor] | None):
+def _stop_router_logits(model: GlmMoeDsaForCausalLM, kept: dict[int, list[paddle.Tensor]] | None):
     """The hooks removed; -> transformers' ``router_logits``: the kept logits by layer, or None."""
     for hook in model.__dict__.pop("_router_hooks", []):
         hook.remove()
-    return None if kept is None else tuple(kept[i] for i in sorted(kept))
+    return None if kept is None else tuple(paddle.concat(kept[i]) for i in sorted(kept))
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
@@ -819,19 +822,9 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             cache.advance(n)
         elif packing is not None:  # one sequence per row, then packed back
             compute_mtp = self._compute_mtp(compute_mtp, labels, input_ids)
-            rows = {
-                "input_ids": None if input_ids is None else packing.unpack(input_ids),
-                "attention_mask": packing.mask,
-            }
-            embeds = None if inputs_embeds is None else packing.unpack(inputs_embeds)
-            cos, sin = self.model.rope(packing.mask, packing.unpack(position_ids.reshape([packing.batch, -1])))
-            kept = [] if collect is not None else None
-            hidden, _, terms, mtp_hidden = self._run(
-                self.stage, rows, embeds, None, cos, sin, with_mtp=compute_mtp, collect=kept
+            hidden, terms, mtp_hidden = self._forward_packed(
+                packing, input_ids, inputs_embeds, position_ids, compute_mtp, collect
             )
-            hidden, mtp_hidden = packing.pack(hidden), [packing.pack(h) for h in mtp_hidden]
-            if collect is not None:
-                collect.extend(packing.pack(h) for h in kept)
         else:
             compute_mtp = self._compute_mtp(compute_mtp, labels, input_ids)
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
@@ -844,9 +837,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         keep = hidden[:, -logits_to_keep:] if sliced else hidden
         out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
         out.router_logits = _stop_router_logits(self, routers)
-        if packing is not None and out.router_logits is not None:  # [B' S', E] -> the packed [B S, E]
-            out.router_logits = tuple(packing.pack(r.reshape([packing.rows, -1, r.shape[-1]])).reshape([-1, r.shape[-1]])
-                                      for r in out.router_logits)  # fmt: skip
+        if packing is not None and out.router_logits is not None:  # the groups' slots -> the packed [B S, E]
+            out.router_logits = tuple(packing.pack_slots(r).reshape([-1, r.shape[-1]]) for r in out.router_logits)
         out.attentions = _stop_attentions(self, attentions)
         if collect is not None:  # transformers' last entry is the final-normed hidden
             out.hidden_states = tuple(collect[:-1]) + (hidden,)
@@ -881,6 +873,36 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         fields_ += (out.mtp_loss, out.mtp_logits or None)
         fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
+
+    def _forward_packed(
+        self,
+        packing: Packing,
+        input_ids: paddle.Tensor | None,
+        inputs_embeds: paddle.Tensor | None,
+        position_ids: paddle.Tensor,
+        compute_mtp: bool,
+        collect: list | None,
+    ) -> tuple[paddle.Tensor, IndexerTerms, list[paddle.Tensor]]:
+        """Packed sequences (modeling/packing.py): each group of them as a padded batch, one sequence
+        per row with its own positions, through the one body; the outputs packed back."""
+        n = len(packing.groups)
+        ids = packing.unpack(input_ids) if input_ids is not None else [None] * n
+        embeds = packing.unpack(inputs_embeds) if inputs_embeds is not None else [None] * n
+        positions = packing.unpack(position_ids.reshape([packing.batch, -1]))
+        hidden, mtp_hidden, kept = [], [], []
+        for g, group in enumerate(packing.groups):
+            rows = {"input_ids": ids[g], "attention_mask": group.mask}
+            cos, sin = self.model.rope(group.mask, positions[g])
+            states = [] if collect is not None else None
+            h, _, terms, mtp = self._run(
+                self.stage, rows, embeds[g], None, cos, sin, with_mtp=compute_mtp, collect=states
+            )
+            hidden.append(h)
+            mtp_hidden.append(mtp)
+            kept.append(states)
+        if collect is not None:
+            collect.extend(packing.pack(list(layer)) for layer in zip(*kept))
+        return packing.pack(hidden), terms, [packing.pack(list(depth)) for depth in zip(*mtp_hidden)]
 
     def _compute_mtp(self, compute_mtp: bool | None, labels: paddle.Tensor | None, input_ids: paddle.Tensor | None):
         """Whether a plain forward runs the MTP heads (default: with labels, from ids: they embed the

@@ -2,9 +2,12 @@
 (transformers' ``DataCollatorWithFlattening``). transformers 5.23 then attends (and its DSA indexer
 selects) within each sequence only, where the forward has neither an attention_mask nor a cache.
 
-This model runs such a batch as a padded batch of its sequences, one per row (right padding,
+This model runs such a batch as padded batches of its sequences, one per row (right padding,
 their own position_ids): the same block-causal attention and top-k as transformers', through the
-one forward every other input takes; the outputs are packed back into the caller's rows.
+one forward every other input takes; the outputs are packed back into the caller's rows. The
+sequences are grouped by length (a group's rows are at least half its longest), so that a row
+packing one long sequence and many short ones does not pad every short one to the long one's
+length: each group is one pass of the layers, and a group costs at most twice its tokens.
 """
 
 from __future__ import annotations
@@ -18,41 +21,49 @@ __all__ = ["Packing", "packed_sequences"]
 
 
 @dataclass
+class Group:
+    """Sequences of similar length as the rows of one padded batch: ``to_rows`` [n * S'] the packed
+    flat index of each slot (B * S for a padding slot), ``mask`` [n, S'] int64 (1 real, 0 padding)."""
+
+    to_rows: np.ndarray
+    mask: paddle.Tensor
+
+
+@dataclass
 class Packing:
-    """Where each packed token sits in the batch of sequences: ``to_rows`` [B' * S'] the packed flat
-    index of each unpacked slot (B * S: a padding slot), ``to_packed`` [B * S] the unpacked flat
-    index of each packed token; ``mask`` [B', S'] int64 (1 real, 0 padding); ``segments`` [B, S]
-    the sequence number of each packed token in its row."""
+    """Where each packed token of a [B, S] batch sits in the groups' padded batches: ``to_packed``
+    [B * S] its slot in the groups' slots laid end to end; ``segments`` [B, S] the sequence number
+    of each token in its row; ``lengths`` the sequences' lengths, rows in order."""
 
     batch: int
     length: int
-    to_rows: np.ndarray
+    groups: list[Group]
     to_packed: np.ndarray
-    mask: paddle.Tensor
     segments: np.ndarray
-
-    @property
-    def rows(self) -> int:
-        return int(self.mask.shape[0])
+    lengths: list[int]
 
     def bounds(self) -> list[int]:
         """The sequences' bounds over the rows laid end to end (transformers' ``cu_seq_lens``)."""
-        lengths = [int(n) for n in self.mask.numpy().sum(axis=1)]
-        return [0, *np.cumsum(lengths).tolist()]
+        return [0, *np.cumsum(self.lengths).tolist()]
 
-    def unpack(self, x: paddle.Tensor, fill: float = 0) -> paddle.Tensor:
-        """[B, S, ...] packed -> [B', S', ...] one sequence per row, ``fill`` in the padding."""
+    def unpack(self, x: paddle.Tensor, fill: float = 0) -> list[paddle.Tensor]:
+        """[B, S, ...] packed -> per group [n, S', ...], one sequence per row, ``fill`` in the padding."""
         tail = list(x.shape[2:])
         flat = x.reshape([self.batch * self.length, *tail])
         flat = paddle.concat([flat, paddle.full([1, *tail], fill, dtype=x.dtype)], axis=0)
-        rows = paddle.gather(flat, paddle.to_tensor(self.to_rows), axis=0)
-        return rows.reshape([self.rows, -1, *tail])
+        return [
+            paddle.gather(flat, paddle.to_tensor(g.to_rows), axis=0).reshape([g.mask.shape[0], -1, *tail])
+            for g in self.groups
+        ]
 
-    def pack(self, y: paddle.Tensor) -> paddle.Tensor:
-        """[B', S', ...] one sequence per row -> [B, S, ...] as the caller packed them."""
-        tail = list(y.shape[2:])
-        flat = y.reshape([-1, *tail])
-        return paddle.gather(flat, paddle.to_tensor(self.to_packed), axis=0).reshape([self.batch, self.length, *tail])
+    def pack(self, ys: list[paddle.Tensor]) -> paddle.Tensor:
+        """Per group [n, S', ...] -> [B, S, ...] as the caller packed them."""
+        return self.pack_slots(paddle.concat([y.reshape([-1, *y.shape[2:]]) for y in ys], axis=0))
+
+    def pack_slots(self, flat: paddle.Tensor) -> paddle.Tensor:
+        """The groups' slots laid end to end [sum n * S', ...] -> [B, S, ...]."""
+        picked = paddle.gather(flat, paddle.to_tensor(self.to_packed), axis=0)
+        return picked.reshape([self.batch, self.length, *flat.shape[1:]])
 
     def same(self, shift: int) -> paddle.Tensor:
         """bool [B, S]: token i + ``shift`` belongs to token i's sequence (False past the row)."""
@@ -62,28 +73,35 @@ class Packing:
         return paddle.to_tensor(ahead == self.segments)
 
 
-def packed_sequences(position_ids: paddle.Tensor) -> Packing | None:
+def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packing | None:
     """The packing of ``position_ids`` [B, S] (or [S]): a new sequence wherever a position does not
     follow the one before by 1 (transformers' ``find_packed_sequence_indices``); None when every row
-    is one sequence."""
+    is one sequence. ``grouped=False``: all sequences in one padded batch (one pass)."""
     pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]]).astype(np.int64)
     B, S = pos.shape
     starts = np.ones([B, S], dtype=bool)
     starts[:, 1:] = np.diff(pos, axis=-1) != 1
     if not starts[:, 1:].any():
         return None
-    segments = np.cumsum(starts, axis=-1) - 1  # [B, S]: 0, 0, 0, 1, 1, ...
     spans = [(b, s0, s1) for b in range(B) for s0, s1 in _runs(starts[b])]
-    longest = max(s1 - s0 for _, s0, s1 in spans)
-    to_rows = np.full([len(spans), longest], B * S, dtype=np.int64)
-    to_packed = np.zeros([B * S], dtype=np.int64)
-    mask = np.zeros([len(spans), longest], dtype=np.int64)
-    for r, (b, s0, s1) in enumerate(spans):
-        n = s1 - s0
-        to_rows[r, :n] = b * S + np.arange(s0, s1)
-        to_packed[b * S + s0 : b * S + s1] = r * longest + np.arange(n)
-        mask[r, :n] = 1
-    return Packing(B, S, to_rows.reshape(-1), to_packed, paddle.to_tensor(mask), segments)
+    order = sorted(range(len(spans)), key=lambda r: spans[r][1] - spans[r][2])  # longest first
+    groups, to_packed, offset, i = [], np.zeros([B * S], dtype=np.int64), 0, 0
+    while i < len(order):
+        longest = spans[order[i]][2] - spans[order[i]][1]
+        j = i + 1
+        while j < len(order) and (not grouped or 2 * (spans[order[j]][2] - spans[order[j]][1]) >= longest):
+            j += 1
+        to_rows = np.full([j - i, longest], B * S, dtype=np.int64)
+        mask = np.zeros([j - i, longest], dtype=np.int64)
+        for r, k in enumerate(order[i:j]):
+            b, s0, s1 = spans[k]
+            to_rows[r, : s1 - s0] = b * S + np.arange(s0, s1)
+            to_packed[b * S + s0 : b * S + s1] = offset + r * longest + np.arange(s1 - s0)
+            mask[r, : s1 - s0] = 1
+        groups.append(Group(to_rows.reshape(-1), paddle.to_tensor(mask)))
+        offset, i = offset + (j - i) * longest, j
+    segments = np.cumsum(starts, axis=-1) - 1  # [B, S]: 0, 0, 0, 1, 1, ...
+    return Packing(B, S, groups, to_packed, segments, [s1 - s0 for _, s0, s1 in spans])
 
 
 def _runs(starts: np.ndarray) -> list[tuple[int, int]]:
