@@ -2123,7 +2123,8 @@ def test_vocabulary_and_template_accessors_as_transformers(tiny_dir, tmp_path):
     assert tok.get_added_vocab() == TINY_ADDED_VOCAB | {"<extra>": 256} and len(tok.vocab) == 257
 
 
-def test_vocabulary_and_template_accessors_equal_transformers(tiny_dir, tmp_path):
+@pytest.mark.reference
+def test_vocabulary_and_template_accessors_equal_transformers(tiny_dir):
     """The live twin: each accessor above equal to AutoTokenizer's on the tiny folder, an added
     special token included."""
     hf, ours = _hf_and_ours(tiny_dir)

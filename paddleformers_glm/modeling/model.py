@@ -750,9 +750,10 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         and ignored, as transformers 5.23 ignores it (all positions' logits; a warning says so).
         `output_router_logits=True` (None: the config's): `out.router_logits`, transformers' tuple of
         each decoder MoE layer's router logits [B * S, n_routed_experts] (fp32, before the sigmoid).
-        Packed sequences are refused by name: `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
-        `max_length_k` / `seq_idx`, and `position_ids` that restart within a row where transformers
-        then attends per sequence (no attention_mask, no cache); see docs/model.md."""
+        Packed sequences (`position_ids` that restart within a row, no attention_mask, no cache, where
+        transformers attends per sequence) attend and select their top-k per sequence
+        (`_forward_packed`); the collator's `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
+        `max_length_k` / `seq_idx` are taken beside them, refused by name otherwise; see docs/model.md."""
         custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
         packing = None
