@@ -959,6 +959,18 @@ def test_packed_sequences_train_as_their_own_rows():
         got = out.router_logits[0].numpy().reshape([2, 12, -1])[b, s0:s1]
         np.testing.assert_allclose(got, ref.router_logits[0].numpy().reshape([6, 9, -1])[r, : s1 - s0], atol=2e-5)
     assert len(packed_grads) > 100
+    # labels already shifted (labels_shifted=True: PaddleFormers' convention): position i's target is
+    # the next token of its own sequence; the MTP targets stay within the sequence as well
+    nxt = np.full([2, 12], -100)
+    for b, s0, s1 in spans:  # the last position's target: a token after the sequence (PaddleFormers' data)
+        nxt[b, s0 : s1 - 1], nxt[b, s1 - 1] = ids.numpy()[b, s0 + 1 : s1], 7 + s1
+    own = np.full([6, 9], -100)
+    for r, (b, s0, s1) in enumerate(spans):
+        own[r, : s1 - s0] = nxt[b, s0:s1]
+    kw = {"labels_shifted": True, "add_mtp_loss": True}
+    a = model(ids, labels=paddle.to_tensor(nxt), position_ids=pos, use_cache=False, **kw)
+    b = model(rows, attention_mask=mask, labels=paddle.to_tensor(own), **kw)
+    assert abs(float(a.loss) - float(b.loss)) <= 1e-5 and abs(float(a.mtp_loss) - float(b.mtp_loss)) <= 1e-5
     for name, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad.numpy()

@@ -303,10 +303,13 @@ def test_from_pretrained_keywords_override_the_config(tiny):
     built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny), paddle_dtype="bfloat16")
     assert built.compute_dtype == "bfloat16"
     # PaddleFormers' collate_fn 4-D mask [B, 1, S, S] (before: Paddle's "expand_v2 ... rank (5)" from
-    # deep in the attention) is refused by name; the [B, S] key padding is the model's mask
+    # deep in the attention) needs its position_ids (test_packed_sequences_of_paddleformers_collators);
+    # another mask than [B, S] key padding is refused by name
     ids = paddle.to_tensor(np.arange(3, 11, dtype="int64")[None])
-    with pytest.raises(ValueError, match=r"attention_mask of shape \[1, 1, 8, 8\].*key-padding"):
+    with pytest.raises(ValueError, match="packed sequences .* need PaddleFormers' position_ids"):
         model(input_ids=ids, attention_mask=paddle.tril(paddle.ones([1, 1, 8, 8])))
+    with pytest.raises(ValueError, match=r"attention_mask of shape \[1, 8, 8\].*key-padding"):
+        model(input_ids=ids, attention_mask=paddle.tril(paddle.ones([1, 8, 8])))
 
 
 def test_subfolder_reaches_the_checkpoint(tiny, tmp_path):
@@ -558,3 +561,68 @@ def test_lora_model_trains_the_adapters(tiny):
     assert all(p.grad is not None for p in trained.values())
     assert any(float(p.grad.abs().sum()) > 0 for p in trained.values())
     assert all(p.grad is None for p in lora.parameters() if p.stop_gradient)
+
+
+def test_packed_sequences_of_paddleformers_collators(tiny):
+    """PaddleFormers' SFT collate_fn packs a row's sequences with position_ids restarting at each,
+    labels -100 and position 0 in the padding after them, and the block-diagonal causal mask as
+    either a 4-D attention_mask (`gen_self_attn_mask`) or FlashMask's attn_mask_startend_row_indices
+    (`gen_attn_mask_startend_row_indices`), plus nbatch_pack_offset with MTP. Each packed sequence
+    then attends within itself: the losses (LM and MTP, train mode) equal those of the same
+    sequences as rows of their own with a padding mask, with either mask form. Before: the 4-D mask
+    was refused, the other two keys were a TypeError. A mask whose blocks disagree with the
+    position_ids, or a mark of nbatch_pack_offset inside a sequence, is refused naming the token."""
+    from paddleformers.datasets.collate import gen_attn_mask_startend_row_indices, gen_self_attn_mask
+
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    model.train()
+    rng = np.random.default_rng(1)
+    packs = [[7, 5], [9]]  # sequence lengths per row; each row padded to 16
+    S = 16
+    seqs = [[rng.integers(3, 200, n + 1) for n in row] for row in packs]  # n inputs + 1 target each
+    ids, labels, pos, dense, startend, offsets = [], [], [], [], [], []
+    for row in seqs:
+        inputs = [s[:-1].tolist() for s in row]
+        pad = S - sum(len(t) for t in inputs)
+        ids.append(sum(inputs, []) + [0] * pad)
+        labels.append(sum((s[1:].tolist() for s in row), []) + [-100] * pad)
+        pos.append(sum((list(range(len(t))) for t in inputs), []) + [0] * pad)
+        dense.append(gen_self_attn_mask(inputs, S, False))
+        startend.append(gen_attn_mask_startend_row_indices(inputs, S, False))
+        mark = np.zeros(S, "int64")
+        mark[np.cumsum([len(t) for t in inputs])[:-1] - 1] = 1
+        offsets.append(mark)
+    t = paddle.to_tensor
+    batch = {
+        "input_ids": t(ids),
+        "labels": t(labels),
+        "position_ids": t(pos),
+        "nbatch_pack_offset": t(np.stack(offsets)),
+    }
+    rows = [s for row in seqs for s in row]
+    longest = max(len(s) - 1 for s in rows)
+    own_ids = t([s[:-1].tolist() + [0] * (longest - len(s) + 1) for s in rows])
+    own_labels = t([s[1:].tolist() + [-100] * (longest - len(s) + 1) for s in rows])
+    own_mask = t([[1] * (len(s) - 1) + [0] * (longest - len(s) + 1) for s in rows])
+    own = model(input_ids=own_ids, labels=own_labels, attention_mask=own_mask)
+    for mask in (
+        {"attention_mask": t(np.concatenate(dense))},
+        {"attn_mask_startend_row_indices": t(np.concatenate(startend))},
+    ):
+        out = model(**batch, **mask)
+        np.testing.assert_allclose(float(out["loss"]), float(own["loss"]), rtol=2e-6)
+        np.testing.assert_allclose(float(out["mtp_loss"]), float(own["mtp_loss"]), rtol=2e-6)
+    shifted = np.concatenate(startend).copy()
+    shifted[0, 0, 6, 0] = 12  # token 6 seen by the next sequence's queries too
+    with pytest.raises(ValueError, match="row 0, token 6: startend row index 12, but position_ids put the token"):
+        model(**batch, attn_mask_startend_row_indices=t(shifted))
+    merged = np.concatenate(dense).copy()
+    merged[0, 0, 7, :7] = 1  # the second sequence's first query sees the first sequence
+    with pytest.raises(ValueError, match="row 0, token 7: first visible key 0"):
+        model(**batch, attention_mask=t(merged))
+    wrong = np.stack(offsets).copy()
+    wrong[0, 3] = 1
+    with pytest.raises(ValueError, match="nbatch_pack_offset: row 0 marks token 3"):
+        model(**{**batch, "nbatch_pack_offset": t(wrong)}, attention_mask=t(np.concatenate(dense)))

@@ -99,6 +99,7 @@ def _classes() -> dict[str, Any]:
 
     from ..configuration import GlmMoeDsaConfig as _Config
     from ..modeling import GlmMoeDsaForCausalLM as _Model
+    from ..modeling.packing import check_pack_offsets, check_packed_mask
 
     class GlmMoeDsaConfig(_Config):
         """Our config, read by PaddleFormers' ``AutoConfig`` (its loading arguments dropped)."""
@@ -186,17 +187,36 @@ def _classes() -> dict[str, Any]:
             use_cache: bool | None = None,
             return_dict: bool | None = None,
             logits_to_keep: int = 0,
+            attn_mask_startend_row_indices: paddle.Tensor | None = None,
+            nbatch_pack_offset: paddle.Tensor | None = None,
         ):
             """PaddleFormers' label convention, as its own causal LMs and data pipelines have it
             (its criterion does not shift; SFTDataset and the pretraining workflows feed input
             tokens[:-1] with labels tokens[1:]): ``labels[i]`` is position i's target, -100 ignored.
-            ``attention_mask``: [B, S] key padding (1 real, 0 padding); PaddleFormers' 4-D masks
-            (its collate_fn's, for packed sequences) are refused."""
-            if attention_mask is not None and attention_mask.ndim != 2:
+            ``attention_mask``: [B, S] key padding (1 real, 0 padding), or the 4-D block-diagonal
+            mask of PaddleFormers' packed sequences; ``attn_mask_startend_row_indices`` (FlashMask's
+            form of that mask) and ``nbatch_pack_offset`` (1 at each packed sequence's last token but
+            the row's last) come with packed sequences too. Packed, each sequence attends and selects
+            its top-k within itself, by the sequences its ``position_ids`` restart at (the forward's
+            packed sequences, modeling/packing.py); a mask that disagrees with them is refused."""
+            packed = attn_mask_startend_row_indices is not None or (
+                attention_mask is not None and attention_mask.ndim == 4
+            )
+            if packed:
+                if position_ids is None:
+                    raise ValueError(
+                        "GlmMoeDsaForCausalLM: packed sequences (a 4-D attention_mask or attn_mask_startend_row_"
+                        "indices) need PaddleFormers' position_ids, restarting at each sequence"
+                    )
+                four_d = attention_mask if attention_mask is not None and attention_mask.ndim == 4 else None
+                check_packed_mask(position_ids, dense=four_d, startend=attn_mask_startend_row_indices)
+                if nbatch_pack_offset is not None:
+                    check_pack_offsets(position_ids, nbatch_pack_offset)
+                attention_mask, use_cache = None, False  # the forward reads the sequences from position_ids
+            elif attention_mask is not None and attention_mask.ndim != 2:
                 raise ValueError(
                     f"GlmMoeDsaForCausalLM: attention_mask of shape {list(attention_mask.shape)}: this model takes "
-                    "the [batch, seq] key-padding mask (1 real, 0 padding), not PaddleFormers' 4-D attention "
-                    "masks of packed sequences"
+                    "the [batch, seq] key-padding mask (1 real, 0 padding) or the 4-D mask of packed sequences"
                 )
             out = super().forward(
                 input_ids,

@@ -792,11 +792,11 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             for d in range(len(self.model.mtp_layers) + 1):
                 batch[f"cp_target_{d + 1}"] = _shift_by(labels, d) if d else labels
         if labels is not None and packing is not None:  # an MTP target in the next sequence is none
-            for d in range(1, len(self.model.mtp_layers) + 1):
+            for d in range(1, len(self.model.mtp_layers) + 1):  # depth d's target: token i + d + 1, the
+                # label of position i + d (shifted labels) or position i + d + 1's token (HF's labels)
                 target = batch.get(f"cp_target_{d + 1}", _shift_by(labels, d + 1))
-                batch[f"cp_target_{d + 1}"] = paddle.where(
-                    packing.same(d + 1), target, paddle.full_like(target, IGNORE_INDEX)
-                )
+                same = packing.same(d if labels_shifted else d + 1)
+                batch[f"cp_target_{d + 1}"] = paddle.where(same, target, paddle.full_like(target, IGNORE_INDEX))
         cache = past_key_values
         collect = [] if output_hidden_states else None
         routers = _start_router_logits(self, _flag(output_router_logits, self.config, "output_router_logits"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-__all__ = ["Packing", "packed_sequences"]
+__all__ = ["Packing", "check_pack_offsets", "check_packed_mask", "packed_sequences"]
 
 
 @dataclass
@@ -102,6 +102,57 @@ def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packi
         offset, i = offset + (j - i) * longest, j
     segments = np.cumsum(starts, axis=-1) - 1  # [B, S]: 0, 0, 0, 1, 1, ...
     return Packing(B, S, groups, to_packed, segments, [s1 - s0 for _, s0, s1 in spans])
+
+
+def check_packed_mask(
+    position_ids: paddle.Tensor, dense: paddle.Tensor | None = None, startend: paddle.Tensor | None = None
+) -> None:
+    """A mask that packs sequences (PaddleFormers' collators: a 4-D block-diagonal mask ``dense``
+    [B, 1, S, S], 1 / True = visible, or FlashMask's ``startend`` row indices [B, 1, S, 1]: key j is
+    seen by the queries j .. startend[j] - 1) must be the block-causal mask of the sequences
+    ``position_ids`` restart at, which the forward attends by; the tokens that see and are seen by
+    nothing (the collator's padding) are not compared. ValueError naming the row and token otherwise."""
+    pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]]).astype(np.int64)
+    B, S = pos.shape
+    begins = np.ones([B, S], dtype=bool)
+    begins[:, 1:] = np.diff(pos, axis=-1) != 1
+    index = np.arange(S)
+    first = np.maximum.accumulate(np.where(begins, index, 0), axis=-1)  # [B, S]: its sequence's first token
+    last = np.minimum.accumulate(
+        np.where(np.concatenate([begins[:, 1:], np.ones([B, 1], bool)], 1), index, S)[:, ::-1], axis=-1
+    )[:, ::-1]
+    if startend is not None:
+        ends = startend.numpy().reshape([B, S]).astype(np.int64)
+        real = ends > index  # a padding key is seen by no query
+        bad = real & (ends != last + 1)
+        where, got = "startend row index", ends
+    else:
+        m = dense.numpy().reshape([B, S, S])
+        visible = m if m.dtype == np.bool_ else (m > 0.5 if m.min() >= 0 else m == 0)  # 1/0 or additive 0/-inf
+        want_rows = (index[None, None, :] >= first[:, :, None]) & (index[None, None, :] <= index[None, :, None])
+        real = visible.any(axis=-1)
+        bad = real & (visible != want_rows).any(axis=-1)
+        where, got = "first visible key", visible.argmax(axis=-1)
+    if bad.any():
+        b, i = (int(v[0]) for v in np.nonzero(bad))
+        raise ValueError(
+            f"packed attention mask: row {b}, token {i}: {where} {int(got[b, i])}, but position_ids put the token in "
+            f"the sequence of tokens {int(first[b, i])}..{int(last[b, i])} (the mask must be block-causal over the "
+            "sequences position_ids restart at)"
+        )
+
+
+def check_pack_offsets(position_ids: paddle.Tensor, offsets: paddle.Tensor) -> None:
+    """PaddleFormers' ``nbatch_pack_offset`` [B, S] (1 at a packed sequence's last token) must mark
+    only tokens that ``position_ids`` end a sequence at (the next one restarts)."""
+    pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]]).astype(np.int64)
+    ends = np.zeros(pos.shape, dtype=bool)
+    ends[:, :-1] = np.diff(pos, axis=-1) != 1
+    marked = offsets.numpy().reshape(pos.shape) != 0
+    bad = marked & ~ends
+    if bad.any():
+        b, i = (int(v[0]) for v in np.nonzero(bad))
+        raise ValueError(f"nbatch_pack_offset: row {b} marks token {i} as a sequence's last, but position_ids go on")
 
 
 def _runs(starts: np.ndarray) -> list[tuple[int, int]]:
