@@ -906,8 +906,13 @@ def test_packed_sequences_as_transformers():
     for key, value in keys.items():  # without packed position_ids (here a cache): refused by name
         with pytest.raises(ValueError, match=rf"forward: {key} \(packed sequences"):
             model(ids, position_ids=pos, **{key: value})
-    with pytest.raises(NotImplementedError, match="packed sequences .* without output_attentions"):
-        model(ids, position_ids=pos, use_cache=False, output_attentions=True)
+    weights = model(ids, position_ids=pos, use_cache=False, output_attentions=True).attentions
+    own = [model(ids[:, a:b], use_cache=False, output_attentions=True).attentions for a, b in ((0, 5), (5, 12))]
+    assert len(weights) == 8 and all(w.shape == [1, 4, 12, 12] for w in weights)
+    for w, first, second in zip(weights, *own):  # block-diagonal: each sequence over its own keys
+        np.testing.assert_allclose(w.numpy()[:, :, :5, :5], first.numpy(), atol=2e-6)
+        np.testing.assert_allclose(w.numpy()[:, :, 5:, 5:], second.numpy(), atol=2e-6)
+        assert not w.numpy()[:, :, 5:, :5].any() and not w.numpy()[:, :, :5, 5:].any()
     with pytest.raises(TypeError, match="unexpected keyword argument 'not_an_option'"):
         model(ids, not_an_option=1)
 
@@ -990,8 +995,9 @@ def test_packed_sequences_equal_transformers():
     assert abs(per_sequence - 6.434098) <= 2e-5 and abs(rope_only - 6.118906) <= 2e-5
     ids, labels, pos = _packed_pair()
     assert abs(float(model(ids, labels=labels, position_ids=pos, use_cache=True).loss) - rope_only) <= 2e-5
+    hf.config._attn_implementation = "eager"  # for its attention weights
     (ids, labels, pos), _, _ = _two_packed_rows()
-    kw = {"use_cache": False, "output_hidden_states": True, "output_router_logits": True}
+    kw = {"use_cache": False, "output_hidden_states": True, "output_router_logits": True, "output_attentions": True}
     t = {
         "input_ids": torch.tensor(ids.numpy()),
         "labels": torch.tensor(labels.numpy()),
@@ -1006,6 +1012,9 @@ def test_packed_sequences_equal_transformers():
         np.testing.assert_allclose(got.logits.numpy(), want.logits.numpy(), atol=2e-5)
         for g, w in zip(got.hidden_states + got.router_logits, want.hidden_states + want.router_logits):
             np.testing.assert_allclose(g.numpy(), w.numpy(), atol=5e-5)
+        assert len(got.attentions) == len(want.attentions) == 8
+        for g, w in zip(got.attentions, want.attentions):  # [2, 4, 12, 12], block-diagonal in both
+            np.testing.assert_allclose(g.numpy(), w.numpy(), atol=2e-6)
 
 
 def test_dtype_device_and_tie_weights_as_transformers():

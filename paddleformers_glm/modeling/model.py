@@ -368,9 +368,7 @@ def _check_packing_keys(kwargs: dict[str, Any], packing: Packing | None) -> None
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
-def _packing_of(
-    model: GlmMoeDsaForCausalLM, position_ids: paddle.Tensor, rows: int, output_attentions: bool
-) -> Packing | None:
+def _packing_of(model: GlmMoeDsaForCausalLM, position_ids: paddle.Tensor, rows: int) -> Packing | None:
     """transformers 5.23 reads ``position_ids`` that do not step by 1 within a row as packed sequences
     (a new one wherever they restart or jump) and attends within each only, when the forward has
     neither an attention_mask nor a cache (``use_cache=False``, or ``config.use_cache`` false):
@@ -382,11 +380,8 @@ def _packing_of(
         return None
     if packing.batch != rows:
         raise ValueError(f"forward: packed position_ids of {packing.batch} rows for {rows} rows of input")
-    if model.distributed or output_attentions:
-        raise NotImplementedError(
-            "forward: packed sequences (position_ids restarting within a row) run in one process, without "
-            "output_attentions"
-        )
+    if model.distributed:
+        raise NotImplementedError("forward: packed sequences (position_ids restarting within a row) run in one process")
     return packing
 
 
@@ -420,10 +415,11 @@ def _stop_router_logits(model: GlmMoeDsaForCausalLM, kept: dict[int, list[paddle
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
-def _start_attentions(model: GlmMoeDsaForCausalLM, enabled: bool) -> dict[int, paddle.Tensor] | None:
+def _start_attentions(model: GlmMoeDsaForCausalLM, enabled: bool) -> dict[int, list[paddle.Tensor]] | None:
     """``output_attentions``: each decoder layer's attention (not the MTP layer's: transformers
-    records none) hands its weights [B, heads, S, T] to a dict by layer; None when off. What a
-    failed forward left is cleared first."""
+    records none) hands its weights [B, heads, S, T] to a dict by layer, one entry per pass of the
+    layers (packed sequences run a pass per group); None when off. What a failed forward left is
+    cleared first."""
     _stop_attentions(model, None)
     if not enabled:
         return None
@@ -431,18 +427,23 @@ def _start_attentions(model: GlmMoeDsaForCausalLM, enabled: bool) -> dict[int, p
         raise NotImplementedError(
             "output_attentions=True runs in one process (tensor and context parallel split the heads and queries)"
         )
-    kept: dict[int, paddle.Tensor] = {}
+    kept: dict[int, list[paddle.Tensor]] = {}
     for i, layer in enumerate(model.model.decoder_layers):
-        layer.self_attn.keep_attention = lambda p, i=i: kept.__setitem__(i, p)
+        layer.self_attn.keep_attention = lambda p, i=i: kept.setdefault(i, []).append(p)
     return kept
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
-def _stop_attentions(model: GlmMoeDsaForCausalLM, kept: dict[int, paddle.Tensor] | None):
-    """The layers stop handing weights on; -> transformers' ``attentions``: the kept ones by layer, or None."""
+def _stop_attentions(
+    model: GlmMoeDsaForCausalLM, kept: dict[int, list[paddle.Tensor]] | None, packing: Packing | None = None
+):
+    """The layers stop handing weights on; -> transformers' ``attentions``: the kept ones by layer
+    (packed sequences: their groups' weights as one block-diagonal [B, heads, S, S]), or None."""
     for layer in model.model.decoder_layers:
         layer.self_attn.keep_attention = None
-    return None if kept is None else tuple(kept[i] for i in sorted(kept))
+    if kept is None:
+        return None
+    return tuple(packing.block_diagonal(kept[i]) if packing is not None else kept[i][0] for i in sorted(kept))
 
 
 @paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
@@ -761,9 +762,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
             if not hf_cache:  # where transformers reads restarting position_ids as packed sequences
                 rows = (input_ids if inputs_embeds is None else inputs_embeds).shape[0]
-                packing = _packing_of(
-                    self, position_ids, rows, _flag(output_attentions, self.config, "output_attentions")
-                )
+                packing = _packing_of(self, position_ids, rows)
         _check_packing_keys(kwargs, packing)
         if num_logits_to_keep is not None:
             warnings.warn(
@@ -840,7 +839,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         out.router_logits = _stop_router_logits(self, routers)
         if packing is not None and out.router_logits is not None:  # the groups' slots -> the packed [B S, E]
             out.router_logits = tuple(packing.pack_slots(r).reshape([-1, r.shape[-1]]) for r in out.router_logits)
-        out.attentions = _stop_attentions(self, attentions)
+        out.attentions = _stop_attentions(self, attentions, packing)
         if collect is not None:  # transformers' last entry is the final-normed hidden
             out.hidden_states = tuple(collect[:-1]) + (hidden,)
         out.mtp_logits = [self.logits(h) for h in mtp_hidden]

@@ -23,10 +23,12 @@ __all__ = ["Packing", "check_pack_offsets", "check_packed_mask", "packed_sequenc
 @dataclass
 class Group:
     """Sequences of similar length as the rows of one padded batch: ``to_rows`` [n * S'] the packed
-    flat index of each slot (B * S for a padding slot), ``mask`` [n, S'] int64 (1 real, 0 padding)."""
+    flat index of each slot (B * S for a padding slot), ``mask`` [n, S'] int64 (1 real, 0 padding),
+    ``spans`` each row's (packed row, first token, end)."""
 
     to_rows: np.ndarray
     mask: paddle.Tensor
+    spans: list[tuple[int, int, int]]
 
 
 @dataclass
@@ -65,6 +67,16 @@ class Packing:
         picked = paddle.gather(flat, paddle.to_tensor(self.to_packed), axis=0)
         return picked.reshape([self.batch, self.length, *flat.shape[1:]])
 
+    def block_diagonal(self, per_group: list[paddle.Tensor]) -> paddle.Tensor:
+        """Per group [n, H, S', S'] (each sequence over its own keys) -> [B, H, S, S] over the packed
+        rows, 0 between sequences (attention weights, as transformers' eager attention gives them)."""
+        H = per_group[0].shape[1]
+        out = paddle.zeros([self.batch, H, self.length, self.length], dtype=per_group[0].dtype)
+        for weights, group in zip(per_group, self.groups):
+            for r, (b, s0, s1) in enumerate(group.spans):
+                out[b, :, s0:s1, s0:s1] = weights[r, :, : s1 - s0, : s1 - s0]
+        return out
+
     def same(self, shift: int) -> paddle.Tensor:
         """bool [B, S]: token i + ``shift`` belongs to token i's sequence (False past the row)."""
         S = self.length
@@ -98,7 +110,7 @@ def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packi
             to_rows[r, : s1 - s0] = b * S + np.arange(s0, s1)
             to_packed[b * S + s0 : b * S + s1] = offset + r * longest + np.arange(s1 - s0)
             mask[r, : s1 - s0] = 1
-        groups.append(Group(to_rows.reshape(-1), paddle.to_tensor(mask)))
+        groups.append(Group(to_rows.reshape(-1), paddle.to_tensor(mask), [spans[k] for k in order[i:j]]))
         offset, i = offset + (j - i) * longest, j
     segments = np.cumsum(starts, axis=-1) - 1  # [B, S]: 0, 0, 0, 1, 1, ...
     return Packing(B, S, groups, to_packed, segments, [s1 - s0 for _, s0, s1 in spans])
