@@ -2383,3 +2383,49 @@ def test_prepare_inputs_for_generation_equal_hf():
     )  # fmt: skip
     np.testing.assert_array_equal(got[0], want[0])
     assert got[1] == want[1]
+
+
+_SAMPLING = {"max_new_tokens": 32, "eos_token_id": [1, 2], "pad_token_id": 0, "do_sample": True, "temperature": 0.7}
+_SAMPLING_JSON = (  # transformers 5.23: GenerationConfig(**_SAMPLING, top_p=0.9).to_json_string()
+    '{\n  "do_sample": true,\n  "eos_token_id": [\n    1,\n    2\n  ],\n  "max_new_tokens": 32,\n  "pad_token_id": 0,\n'
+    '  "temperature": 0.7,\n  "top_p": 0.9,\n  "transformers_version": "5.23.0"\n}\n'
+)
+
+
+def test_generation_config_serialises_as_hf(tmp_path):
+    """transformers 5.23's GenerationConfig ``to_json_string()`` (the keys unlike a default one's and
+    transformers_version, sorted, indented: _SAMPLING_JSON), ``to_diff_dict()``, ``use_diff=False``
+    (every option, null where unset: 2,041 characters here), ``ignore_metadata=True`` (no
+    transformers_version), ``to_json_file`` and its repr ('GenerationConfig {\\n  "max_new_tokens":
+    3\\n}\\n'). Each was an AttributeError here (and the repr a dataclass dump)."""
+    import json
+
+    gc = GenerationConfig.from_dict({**_SAMPLING, "top_p": 0.9})
+    assert gc.to_json_string() == _SAMPLING_JSON
+    assert gc.to_diff_dict() == json.loads(_SAMPLING_JSON)
+    full = gc.to_json_string(use_diff=False)
+    assert len(full) == 2041 and json.loads(full)["num_beams"] is None and json.loads(full)["top_p"] == 0.9
+    assert "transformers_version" not in json.loads(gc.to_json_string(ignore_metadata=True))
+    gc.to_json_file(tmp_path / "g.json")
+    assert (tmp_path / "g.json").read_text() == _SAMPLING_JSON
+    assert repr(GenerationConfig(max_new_tokens=3)) == 'GenerationConfig {\n  "max_new_tokens": 3\n}\n'
+
+
+@pytest.mark.reference
+def test_generation_config_serialises_equal_to_hf():
+    """The live twin: the strings above and those of four other configs (greedy set explicitly, beams,
+    special tokens only, none) equal transformers' for both use_diff and ignore_metadata."""
+    transformers = pytest.importorskip("transformers")
+    cases = [
+        {**_SAMPLING, "top_p": 0.9},
+        {"num_beams": 1, "do_sample": False, "output_attentions": False, "use_cache": True},
+        {"num_beams": 4, "length_penalty": 1.0, "early_stopping": False, "return_dict_in_generate": True},
+        {"bos_token_id": 0, "eos_token_id": 1, "top_k": 50, "repetition_penalty": 1.0},
+        {},
+    ]
+    for case in cases:
+        hf, ours = transformers.GenerationConfig(**case), GenerationConfig.from_dict(dict(case))
+        for kw in ({}, {"use_diff": False}, {"ignore_metadata": True}):
+            assert ours.to_json_string(**kw) == hf.to_json_string(**kw), (case, kw)
+        assert ours.to_diff_dict() == hf.to_diff_dict() and repr(ours) == repr(hf)
+    assert GenerationConfig.from_dict({**_SAMPLING, "top_p": 0.9}).to_json_string() == _SAMPLING_JSON

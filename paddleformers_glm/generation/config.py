@@ -5,6 +5,7 @@ implemented by name."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import read_json, write_json_atomic
+from .._io import atomic_write_text, read_json, write_json_atomic
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -200,6 +201,30 @@ class GenerationConfig:
         out = {k: getattr(self, k) for k in self.keys() if getattr(self, k) is not None}
         out.update({k: v for k, v in self.extra.items() if not k.startswith("_source")})
         return out
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """transformers' ``to_diff_dict``: the keys that differ from a default ``GenerationConfig()``
+        (every default there is unset: the set keys here) and ``transformers_version``."""
+        return self.to_dict() | {"transformers_version": REFERENCE_TRANSFORMERS_VERSION}
+
+    def to_json_string(self, use_diff: bool = True, ignore_metadata: bool = False) -> str:
+        """transformers' ``to_json_string``: ``to_diff_dict()`` (``use_diff=False``: every generation
+        option, null where unset) as sorted, indented JSON; ``ignore_metadata`` leaves out
+        ``transformers_version`` and ``_from_model_config``."""
+        d = self.to_diff_dict()
+        if not use_diff:
+            d = dict.fromkeys((*HF_GENERATION_KEYS, "_from_model_config")) | d
+        if ignore_metadata:
+            for key in ("_from_model_config", "_commit_hash", "_original_object_hash", "transformers_version"):
+                d.pop(key, None)
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
+        """``to_json_string(use_diff)`` written to ``json_file_path`` atomically."""
+        atomic_write_text(os.fspath(json_file_path), self.to_json_string(use_diff))
+
+    def __repr__(self) -> str:
+        return f"GenerationConfig {self.to_json_string(ignore_metadata=True)}"
 
     def save_pretrained(self, folder: str | os.PathLike) -> str:
         """Write ``folder/generation_config.json`` atomically; returns its path."""
