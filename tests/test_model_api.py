@@ -913,6 +913,9 @@ def test_packed_sequences_as_transformers():
         np.testing.assert_allclose(w.numpy()[:, :, :5, :5], first.numpy(), atol=2e-6)
         np.testing.assert_allclose(w.numpy()[:, :, 5:, 5:], second.numpy(), atol=2e-6)
         assert not w.numpy()[:, :, 5:, :5].any() and not w.numpy()[:, :, :5, 5:].any()
+    assert float(model(ids, labels=labels, position_ids=pos, cu_seq_lens_q=None, seq_idx=None).loss) == float(
+        model(ids, labels=labels, position_ids=pos).loss
+    )  # the keys at None: not given
     with pytest.raises(TypeError, match="unexpected keyword argument 'not_an_option'"):
         model(ids, not_an_option=1)
 

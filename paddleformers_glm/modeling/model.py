@@ -347,7 +347,7 @@ def _check_packing_keys(kwargs: dict[str, Any], packing: Packing | None) -> None
     (as transformers' eager and sdpa attention, which read the sequences from the position_ids;
     ``cu_seq_lens_q`` / ``_k`` must then give the same bounds) and refused by name without them; any
     other key is Python's TypeError."""
-    keys = [k for k in kwargs if k in _PACKING_KEYS]
+    keys = [k for k in kwargs if k in _PACKING_KEYS and kwargs[k] is not None]  # None: not given
     if keys and packing is None:
         raise ValueError(
             f"forward: {', '.join(keys)} (packed sequences, transformers' DataCollatorWithFlattening) need the "
