@@ -260,13 +260,29 @@ def _batch(seqlen: int, vocab: int) -> Any:
     return np.random.default_rng(1234).integers(3, vocab, size=(1, seqlen)).astype("int64")
 
 
+def _packed(seqlen: int, n: int, ids: Any) -> tuple[Any, Any]:
+    """``--packed n``: the row as n sequences of random lengths (fixed seed), as transformers'
+    DataCollatorWithFlattening packs them: position_ids restarting at each, labels -100 at each
+    sequence's first token. -> (position_ids, labels) [1, S] int64."""
+    import numpy as np
+
+    cuts = np.sort(np.random.default_rng(7).choice(np.arange(1, seqlen), size=n - 1, replace=False))
+    bounds = [0, *cuts.tolist(), seqlen]
+    pos = np.concatenate([np.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None].astype("int64")
+    labels = ids.copy()
+    labels[0, bounds[:-1]] = -100
+    return pos, labels
+
+
 def _peak_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def worker_ours(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, modules: bool) -> dict:
+def worker_ours(
+    ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, modules: bool, packed: int = 0
+) -> dict:
     import paddle
 
     _set_threads_paddle(threads)
@@ -274,12 +290,16 @@ def worker_ours(ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, thre
 
     model = GlmMoeDsaForCausalLM.from_pretrained(topk_variant(ckpt, topk), dtype="float32")
     model.train()
-    ids = paddle.to_tensor(_batch(seqlen, model.config.vocab_size))
+    batch = _batch(seqlen, model.config.vocab_size)
+    ids, kw = paddle.to_tensor(batch), {"labels": paddle.to_tensor(batch)}
+    if packed:
+        pos, labels = _packed(seqlen, packed, batch)
+        kw = {"labels": paddle.to_tensor(labels), "position_ids": paddle.to_tensor(pos), "use_cache": False}
     load_gb = _peak_gb()
 
     def step() -> float:
         t0 = time.perf_counter()
-        out = model(ids, labels=ids, compute_mtp=False)
+        out = model(ids, compute_mtp=False, **kw)
         out.loss.backward()
         loss = float(out.loss)
         dt = time.perf_counter() - t0
@@ -385,7 +405,15 @@ def module_times(model: Any, step: Any) -> dict[str, float]:
 
 
 def worker_hf(
-    ckpt: str, seqlen: int, topk: int, steps: int, warmup: int, threads: int, attn: str, grad_ckpt: bool
+    ckpt: str,
+    seqlen: int,
+    topk: int,
+    steps: int,
+    warmup: int,
+    threads: int,
+    attn: str,
+    grad_ckpt: bool,
+    packed: int = 0,
 ) -> dict:
     import torch
 
@@ -399,12 +427,16 @@ def worker_hf(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     vocab = model.config.vocab_size
-    ids = torch.from_numpy(_batch(seqlen, vocab))
+    batch = _batch(seqlen, vocab)
+    ids, kw = torch.from_numpy(batch), {"labels": torch.from_numpy(batch)}
+    if packed:
+        pos, labels = _packed(seqlen, packed, batch)
+        kw = {"labels": torch.from_numpy(labels), "position_ids": torch.from_numpy(pos), "use_cache": False}
     load_gb = _peak_gb()
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        out = model(input_ids=ids, labels=ids)
+        out = model(input_ids=ids, **kw)
         out.loss.backward()
         loss = float(out.loss)
         dt = time.perf_counter() - t0
@@ -432,9 +464,11 @@ def worker_main(ns: argparse.Namespace) -> None:
     if ns.worker == "prepare":
         res = worker_prepare(ns.ckpt, ns.tiny)
     elif ns.worker == "ours":
-        res = worker_ours(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.modules)
+        res = worker_ours(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.modules, ns.packed)
     else:
-        res = worker_hf(ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.hf_attn, ns.grad_ckpt)
+        res = worker_hf(
+            ns.ckpt, ns.seqlen, ns.topk, ns.steps, ns.warmup, ns.threads, ns.hf_attn, ns.grad_ckpt, ns.packed
+        )
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -487,6 +521,12 @@ def main() -> None:
         "--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"], help="MKL_DEBUG_CPU_TYPE policy (see doc)"
     )
     p.add_argument("--skip-hf", action="store_true", help="run our side only")
+    p.add_argument(
+        "--packed",
+        type=int,
+        default=0,
+        help="the row as N packed sequences (position_ids restarting, use_cache=False; 0: one sequence)",
+    )
     p.add_argument("--no-modules", action="store_true", help="skip the per-module time table")
     p.add_argument("--mem-limit-gb", type=float, default=20.0, help="kill a run whose RSS passes this")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
@@ -521,6 +561,7 @@ def run_benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
     print(
         f"threads {ns.threads}; CPU vendor {cpu_vendor()}; MKL_DEBUG_CPU_TYPE="
         f"{env.get('MKL_DEBUG_CPU_TYPE', '(unset)')}; HF attn_implementation={ns.hf_attn}"
+        + (f"; each row {ns.packed} packed sequences" if ns.packed else "")
     )
     if not ns.skip_hf and not hf:
         print("NOTE: torch/transformers not importable: HF side SKIPPED (no comparison made)")
@@ -552,7 +593,7 @@ def run_shape(ns: argparse.Namespace, env: dict[str, str], ckpt: str, S: int, to
     long = S >= ns.long
     steps, warmup = (ns.long_steps, ns.long_warmup) if long else (ns.steps, ns.warmup)
     common = ["--ckpt", ckpt, "--threads", str(ns.threads), "--steps", str(steps), "--warmup", str(warmup)]
-    common += ["--seqlen", str(S), "--topk", str(topk)]
+    common += ["--seqlen", str(S), "--topk", str(topk), "--packed", str(ns.packed)]
     hf_args = ["--worker", "hf", "--hf-attn", ns.hf_attn, *common]
     ours, plain, ckpted = [], [], []
     for r in range(ns.runs):

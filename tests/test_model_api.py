@@ -922,7 +922,7 @@ def test_packed_sequences_as_transformers():
 
 def _two_packed_rows():
     """Two rows of 12 tokens packing sequences of 9, 2, 1 and 6, 3, 3 tokens (-100 at each sequence's
-    first label, as the collator), which run as three groups (9 and 6; 3, 3 and 2; 1); and the same
+    first label, as the collator), which run as two groups (9 and 6; 3, 3, 2 and 1); and the same
     six sequences as rows of their own (right padding, labels -100 there)."""
     ids = tokens(2, 12)
     spans = [(0, 0, 9), (0, 9, 11), (0, 11, 12), (1, 0, 6), (1, 6, 9), (1, 9, 12)]
@@ -937,17 +937,40 @@ def _two_packed_rows():
     return packed, tuple(paddle.to_tensor(t) for t in (rows, row_labels, mask)), spans
 
 
+def test_packed_sequences_run_in_groups_by_length():
+    """A group's sequences are at least half its longest (so a group costs at most twice its tokens);
+    the shortest groups then join the one before while that pads at most a quarter of the batch's
+    tokens in all. Rows 9 + 2 + 1 and 6 + 3 + 3: groups {9, 6}, {3, 3, 2}, {1}; the last joins the
+    one before (2 padding slots of the 6 allowed), {3, 3, 2, 1} would pad 24 more: two groups. One row
+    40 + 12 + 6 + 3 + 3: {40}, {12, 6}, {3, 3}, the last would pad 18 of 16: three groups. Packing
+    back what was unpacked gives the batch again, and cu_seq_lens are the sequences' bounds."""
+    from paddleformers_glm.modeling.packing import packed_sequences
+
+    (ids, _, pos), _, _ = _two_packed_rows()
+    packing = packed_sequences(pos)
+    assert [list(g.mask.shape) for g in packing.groups] == [[2, 9], [4, 3]]
+    assert [g.spans for g in packing.groups] == [
+        [(0, 0, 9), (1, 0, 6)],
+        [(1, 6, 9), (1, 9, 12), (0, 9, 11), (0, 11, 12)],
+    ]
+    np.testing.assert_array_equal(packing.pack(packing.unpack(ids)).numpy(), ids.numpy())
+    assert packing.bounds() == [0, 9, 11, 12, 18, 21, 24]
+    one = paddle.to_tensor([[*range(40), *range(12), *range(6), *range(3), *range(3)]])
+    assert [list(g.mask.shape) for g in packed_sequences(one).groups] == [[1, 40], [2, 12], [2, 3]]
+    assert packed_sequences(paddle.arange(8).unsqueeze(0)) is None
+
+
 def test_packed_sequences_train_as_their_own_rows():
     """Training on packed rows is training on the sequences as rows of their own: the same LM loss
     (transformers' mean over the counted labels: the cross-sequence label is -100 in both), the MTP
     loss over the targets within each sequence only (the last tokens' MTP targets would be the
     next sequence's), hidden states and router logits packed back, and every parameter's gradient
-    equal (within 1e-5 relative of the largest). The sequences run in three groups by length (a
-    group's rows at least half its longest), or in one with the indexer's training on."""
+    equal (within 1e-5 relative of the largest). The sequences run in two groups by length
+    (test_packed_sequences_run_in_groups_by_length), or in one with the indexer's training on."""
     from paddleformers_glm.modeling.packing import packed_sequences
 
     (ids, labels, pos), (rows, row_labels, mask), spans = _two_packed_rows()
-    assert [list(g.mask.shape) for g in packed_sequences(pos).groups] == [[2, 9], [3, 3], [1, 1]]
+    assert [list(g.mask.shape) for g in packed_sequences(pos).groups] == [[2, 9], [4, 3]]
     assert [list(g.mask.shape) for g in packed_sequences(pos, grouped=False).groups] == [[6, 9]]
     model = _tiny_eval()
     model.train()
@@ -988,7 +1011,7 @@ def test_packed_sequences_train_as_their_own_rows():
 @pytest.mark.reference
 def test_packed_sequences_equal_transformers():
     """The live twin: transformers' packed forward (use_cache=False) and ours on _packed_pair() and on
-    two rows packing six sequences (run in three groups): loss, logits, hidden states and router logits (evaluation), and
+    two rows packing six sequences (run in two groups): loss, logits, hidden states and router logits (evaluation), and
     the training-mode loss; with a cache, the rope-positions-only loss."""
     torch, hf, model = _tiny_in_both()
     ids, labels, pos = (torch.tensor(t.numpy()) for t in _packed_pair())

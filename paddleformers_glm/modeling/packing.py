@@ -7,7 +7,9 @@ their own position_ids): the same block-causal attention and top-k as transforme
 one forward every other input takes; the outputs are packed back into the caller's rows. The
 sequences are grouped by length (a group's rows are at least half its longest), so that a row
 packing one long sequence and many short ones does not pad every short one to the long one's
-length: each group is one pass of the layers, and a group costs at most twice its tokens.
+length: each group is one pass of the layers, and a group costs at most twice its tokens; the
+shortest groups then join the group before them while that pads at most a quarter of the batch's
+tokens in all (a pass has a cost of its own).
 """
 
 from __future__ import annotations
@@ -97,12 +99,15 @@ def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packi
         return None
     spans = [(b, s0, s1) for b in range(B) for s0, s1 in _runs(starts[b])]
     order = sorted(range(len(spans)), key=lambda r: spans[r][1] - spans[r][2])  # longest first
-    groups, to_packed, offset, i = [], np.zeros([B * S], dtype=np.int64), 0, 0
-    while i < len(order):
-        longest = spans[order[i]][2] - spans[order[i]][1]
-        j = i + 1
-        while j < len(order) and (not grouped or 2 * (spans[order[j]][2] - spans[order[j]][1]) >= longest):
-            j += 1
+    lengths = [spans[k][2] - spans[k][1] for k in order]
+    cuts = [0]  # where each group starts in ``order``: a sequence under half the group's longest starts one
+    for i in range(1, len(order)):
+        if grouped and 2 * lengths[i] < lengths[cuts[-1]]:
+            cuts.append(i)
+    cuts = _merged([*cuts, len(order)], lengths, budget=B * S // 4)
+    groups, to_packed, offset = [], np.zeros([B * S], dtype=np.int64), 0
+    for i, j in zip(cuts, cuts[1:]):
+        longest = lengths[i]
         to_rows = np.full([j - i, longest], B * S, dtype=np.int64)
         mask = np.zeros([j - i, longest], dtype=np.int64)
         for r, k in enumerate(order[i:j]):
@@ -111,7 +116,7 @@ def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packi
             to_packed[b * S + s0 : b * S + s1] = offset + r * longest + np.arange(s1 - s0)
             mask[r, : s1 - s0] = 1
         groups.append(Group(to_rows.reshape(-1), paddle.to_tensor(mask), [spans[k] for k in order[i:j]]))
-        offset, i = offset + (j - i) * longest, j
+        offset += (j - i) * longest
     segments = np.cumsum(starts, axis=-1) - 1  # [B, S]: 0, 0, 0, 1, 1, ...
     return Packing(B, S, groups, to_packed, segments, [s1 - s0 for _, s0, s1 in spans])
 
@@ -165,6 +170,21 @@ def check_pack_offsets(position_ids: paddle.Tensor, offsets: paddle.Tensor) -> N
     if bad.any():
         b, i = (int(v[0]) for v in np.nonzero(bad))
         raise ValueError(f"nbatch_pack_offset: row {b} marks token {i} as a sequence's last, but position_ids go on")
+
+
+def _merged(cuts: list[int], lengths: list[int], budget: int) -> list[int]:
+    """Fewer passes of the layers: the shortest groups join the group before them while the padding
+    that adds stays within ``budget`` tokens in all (each pass has a cost of its own, and a short
+    group is cheap to pad). ``cuts``: the groups' starts and the end, ``lengths`` longest first."""
+    spent, k = 0, len(cuts) - 2
+    while k >= 1:
+        extra = (cuts[k + 1] - cuts[k]) * (lengths[cuts[k - 1]] - lengths[cuts[k]])
+        if spent + extra > budget:
+            break
+        spent += extra
+        del cuts[k]
+        k -= 1
+    return cuts
 
 
 def _runs(starts: np.ndarray) -> list[tuple[int, int]]:
