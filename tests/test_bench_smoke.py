@@ -65,6 +65,18 @@ def test_bench_hf_side_runs_and_matches_the_loss(bench):
     assert abs(hf["loss"] - row["ours"]["loss"]) < 1e-4
 
 
+@pytest.mark.reference
+@pytest.mark.skipif(not HAVE_HF, reason="HF comparison NOT run: torch/transformers not installed")
+def test_bench_packed_rows_match_the_loss(tmp_path):
+    """``--packed 4``: both sides train the row as 4 packed sequences (position_ids restarting,
+    use_cache=False) and agree on the loss; it differs from the unpacked row's."""
+    row = _check_ours(_run(tmp_path, "--packed", "4"))
+    assert row["hf"] is not None and "error" not in row["hf"], row["hf"]
+    assert abs(row["hf"]["loss"] - row["ours"]["loss"]) < 1e-4
+    plain = _check_ours(_run(tmp_path / "plain", "--skip-hf"))
+    assert abs(plain["ours"]["loss"] - row["ours"]["loss"]) > 1e-3
+
+
 _HAVE_HF = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 
 
