@@ -5,7 +5,6 @@ implemented by name."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -15,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_write_text, read_json, write_json_atomic
+from .._io import atomic_write_text, dumps_json, read_json, write_json_atomic
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -217,7 +216,7 @@ class GenerationConfig:
         if ignore_metadata:
             for key in ("_from_model_config", "_commit_hash", "_original_object_hash", "transformers_version"):
                 d.pop(key, None)
-        return json.dumps(d, indent=2, sort_keys=True) + "\n"
+        return dumps_json(d, indent=2, sort_keys=True) + "\n"
 
     def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
         """``to_json_string(use_diff)`` written to ``json_file_path`` atomically."""
