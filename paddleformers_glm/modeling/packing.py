@@ -87,14 +87,21 @@ class Packing:
         return paddle.to_tensor(ahead == self.segments)
 
 
-def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packing | None:
-    """The packing of ``position_ids`` [B, S] (or [S]): a new sequence wherever a position does not
-    follow the one before by 1 (transformers' ``find_packed_sequence_indices``); None when every row
-    is one sequence. ``grouped=False``: all sequences in one padded batch (one pass)."""
+def sequence_starts(position_ids: paddle.Tensor) -> np.ndarray:
+    """bool [B, S] from ``position_ids`` [B, S] (or [S]): True where a sequence starts, the row's first
+    token and wherever a position does not follow the one before by 1 (transformers'
+    ``find_packed_sequence_indices``)."""
     pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]]).astype(np.int64)
-    B, S = pos.shape
-    starts = np.ones([B, S], dtype=bool)
+    starts = np.ones(pos.shape, dtype=bool)
     starts[:, 1:] = np.diff(pos, axis=-1) != 1
+    return starts
+
+
+def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packing | None:
+    """The packing of ``position_ids`` [B, S] (or [S]) into its sequences (``sequence_starts``); None
+    when every row is one sequence. ``grouped=False``: all sequences in one padded batch (one pass)."""
+    starts = sequence_starts(position_ids)
+    B, S = starts.shape
     if not starts[:, 1:].any():
         return None
     spans = [(b, s0, s1) for b in range(B) for s0, s1 in _runs(starts[b])]
@@ -129,10 +136,8 @@ def check_packed_mask(
     seen by the queries j .. startend[j] - 1) must be the block-causal mask of the sequences
     ``position_ids`` restart at, which the forward attends by; the tokens that see and are seen by
     nothing (the collator's padding) are not compared. ValueError naming the row and token otherwise."""
-    pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]]).astype(np.int64)
-    B, S = pos.shape
-    begins = np.ones([B, S], dtype=bool)
-    begins[:, 1:] = np.diff(pos, axis=-1) != 1
+    begins = sequence_starts(position_ids)
+    B, S = begins.shape
     index = np.arange(S)
     first = np.maximum.accumulate(np.where(begins, index, 0), axis=-1)  # [B, S]: its sequence's first token
     last = np.minimum.accumulate(
@@ -162,10 +167,10 @@ def check_packed_mask(
 def check_pack_offsets(position_ids: paddle.Tensor, offsets: paddle.Tensor) -> None:
     """PaddleFormers' ``nbatch_pack_offset`` [B, S] (1 at a packed sequence's last token) must mark
     only tokens that ``position_ids`` end a sequence at (the next one restarts)."""
-    pos = position_ids.numpy().reshape([-1, position_ids.shape[-1]]).astype(np.int64)
-    ends = np.zeros(pos.shape, dtype=bool)
-    ends[:, :-1] = np.diff(pos, axis=-1) != 1
-    marked = offsets.numpy().reshape(pos.shape) != 0
+    starts = sequence_starts(position_ids)
+    ends = np.zeros(starts.shape, dtype=bool)
+    ends[:, :-1] = starts[:, 1:]
+    marked = offsets.numpy().reshape(starts.shape) != 0
     bad = marked & ~ends
     if bad.any():
         b, i = (int(v[0]) for v in np.nonzero(bad))
