@@ -455,15 +455,16 @@ def attention_probabilities(
     [B, S, K] (-1 = empty) -> softmax(q k^T * scale + mask) [B, H, S, T] in fp32, cast to ``dtype``:
     0 off the selected keys, and (as HF's additive fp32-minimum mask) uniform 1 / T for a query
     without any key (a padded position)."""
+    B, S, K = topk_idx.shape
     T = k.shape[1]
-    sel = paddle.zeros([topk_idx.shape[0], topk_idx.shape[1], T + 1], dtype="float32")
-    idx = paddle.where(topk_idx >= 0, topk_idx, paddle.full_like(topk_idx, T))
-    sel = paddle.put_along_axis(sel, idx, paddle.ones_like(idx, dtype="float32"), axis=-1)[..., :T]
-    mask = paddle.where(sel > 0, paddle.zeros_like(sel), paddle.full_like(sel, _FP32_MIN)).unsqueeze(1)
+    with paddle.no_grad():
+        mask = ops.selection_mask(topk_idx.reshape([B * S, K]), T, _FP32_MIN).reshape([B, S, 1, T])
+    mask = mask.transpose([0, 2, 1, 3])  # [B, 1, S, T]
     scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 3, 1])) * scale  # [B, H, S, T]
     probs = nn.functional.softmax(_as(scores, "float32") + mask, axis=-1)  # fp32 softmax
     # exactly 0 off the selection, as torch's exp gives there (Paddle's CPU exp floors at ~1e-28)
-    keep = paddle.logical_or(sel > 0, (sel.sum(axis=-1, keepdim=True) == 0).expand(sel.shape)).unsqueeze(1)
+    selected = mask == 0
+    keep = paddle.logical_or(selected, paddle.logical_not(selected.any(axis=-1, keepdim=True)).expand(selected.shape))
     return paddle.where(keep, probs, paddle.zeros_like(probs)).astype(dtype)
 
 
