@@ -66,16 +66,18 @@ def _cpu_fp32():
 
 @pytest.fixture(scope="package")  # tests/ is one package: one launch for both users
 def dist_save_and_flex_probe(tmp_path_factory) -> dict:
-    """One two-rank launch shared by two tests: ``from_pretrained`` + ``save_pretrained`` of the
+    """One two-rank launch shared by three tests: ``from_pretrained`` + ``save_pretrained`` of the
     tiny checkpoint at TP2 x EP2 (``tests/_dist/check_save_dist.py``), then, in the same processes,
-    the flex-checkpoint CPU probe (``tests/_dist/check_flex_cpu.py``).  Each test asserts its part."""
+    the flex-checkpoint CPU probe (``tests/_dist/check_flex_cpu.py``) and ``generate`` on the split
+    model (``tests/_dist/check_generate_dist.py``, into ``generate/``).  Each test asserts its part."""
     from paddleformers_glm.tiny import make_tiny_checkpoint
-    from tests._dist.runner import launch_script
+    from tests._dist.runner import launch_scripts
 
     d = tmp_path_factory.mktemp("dist_save")
     ckpt = pathlib.Path(make_tiny_checkpoint(d / "ckpt"))
     args = [str(ckpt), str(d / "save"), str(d / "r.json"), "2", "2", "1MB", str(d / "flex")]
-    p = launch_script("check_save_dist.py", 2, args, d / "logs", timeout=300)
+    scripts = [("check_save_dist.py", args), ("check_generate_dist.py", [str(ckpt), str(d / "generate"), "2", "2"])]
+    p = launch_scripts(2, scripts, d / "logs", timeout=300)
     logs = [(d / "logs" / f"workerlog.{r}") for r in range(2)]
     return {
         "proc": p,

@@ -78,3 +78,53 @@ def test_tp2_ep2_from_pretrained_then_save_pretrained_equals_the_one_process_sav
     assert "model.layers.3.mlp.experts.4.up_gate_proj.weight" not in got["local"]
     _same_folder(d / "save", reference)
     assert got["tensors"] == len(json.loads((reference / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_generate_on_the_tp2_ep2_split_model_equals_one_process(dist_save_and_flex_probe):
+    """The same launch then runs ``generate`` on the split model (tests/_dist/check_generate_dist.py):
+    with the cache (each rank attends with its half of the heads over the replicated latent cache, the
+    outputs summed over TP), without it, with beams and with seeded sampling: tokens equal one
+    process's, scores within fp32 reduction-order error. Both ranks chose the same tokens and stopped
+    together, unseeded sampling and disagreeing ``max_time`` clocks included."""
+    import numpy as np
+    import paddle
+
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    run = dist_save_and_flex_probe
+    d = run["dir"] / "generate"
+    assert run["proc"].returncode == 0 and (d / "rank1.json").is_file(), (
+        run["proc"].stderr[-2000:] + run["logs"][-4000:]
+    )
+    ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(run["ckpt"]), dtype="float32")
+    model.eval()
+    ids = paddle.to_tensor([[5, 17, 33, 2, 9, 41, 7, 3], [0, 0, 1, 2, 3, 4, 5, 6]])
+    mask = paddle.to_tensor([[1] * 8, [0, 0] + [1] * 6])
+    runs = {
+        "greedy": dict(do_sample=False),
+        "greedy_uncached": dict(do_sample=False, use_cache=False),
+        "beams": dict(do_sample=False, num_beams=2),
+        "sampled": dict(do_sample=True, top_k=5, temperature=0.8, seed=7),
+    }
+    assert sorted(ranks[0]) == sorted([*runs, "sampled_unseeded", "max_time"])
+    # no seed: the ranks drew with the first rank's; max_time: rank 1 timed out at once, rank 0 never
+    # would, and both stopped after the first new token (transformers' MaxTimeCriteria stops all rows)
+    assert ranks[0]["sampled_unseeded"] == ranks[1]["sampled_unseeded"]
+    assert ranks[0]["max_time"] == ranks[1]["max_time"] and len(ranks[0]["max_time"]["tokens"][0]) == 8 + 1
+    for name, kw in runs.items():
+        o = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            eos_token_id=[],
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kw,
+        )
+        assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == o.sequences.numpy().tolist(), name
+        for got, want in zip(ranks[0][name]["scores"], o.scores):
+            want = want.numpy()
+            finite = np.isfinite(want)  # top-k sampling masks the rest with -inf
+            assert (np.isfinite(np.array(got)) == finite).all(), name
+            np.testing.assert_allclose(np.array(got)[finite], want[finite], rtol=0, atol=2e-5, err_msg=name)

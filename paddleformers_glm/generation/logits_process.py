@@ -277,6 +277,8 @@ class Processors:
 
         self.s, self.hooks, self.started = s, hooks, started
         self.stops = bool(hooks.criteria) or s.max_time is not None
+        # under tensor parallel: the ranks' verdict on their own clocks (any rank's timeout ends all)
+        self.agree_timeout: Callable[[bool], bool] = lambda timed_out: timed_out
         self.keep = len(s.eos_token_id) + 1 if s.num_beams > 1 else 1  # HF's min_tokens_to_keep for the warpers
         uses_eos = s.min_new_tokens or s.exponential_decay_length_penalty
         self.eos_vocab = (
@@ -390,7 +392,7 @@ class Processors:
         criterion; ``max_time`` ends all); ``ids`` [rows, L] what the caller's criteria read."""
         import paddle
 
-        if self.s.max_time is not None and time.time() - self.started > self.s.max_time:
+        if self.s.max_time is not None and self.agree_timeout(time.time() - self.started > self.s.max_time):
             return paddle.ones([rows], dtype="bool")
         done = None
         for crit in self.hooks.criteria:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..parallel import comm
 from .config import GenerationConfig, eos_list, generation_config_of, resolve_settings
 from .decoders import AssistantDecoder, Decoder, DraftingDecoder, LookupDecoder, MtpDecoder, unconditional_decoder
 from .logits_process import Hooks, Processors
@@ -153,7 +154,8 @@ def generate(
         )
         tails = [[int(t) for t in row[keep][-k:]] for row, keep in zip(host_ids, real_rows)]
         tails = [(t, len(tokenizer.decode(t))) for t in tails]
-    rng = np.random.default_rng(seed)
+    tp_group = _tensor_parallel_group(model)
+    rng = np.random.default_rng(seed if tp_group is None else _agreed_seed(seed, tp_group))
     # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
     # a plain callable gets each step's ids
     put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
@@ -161,6 +163,10 @@ def generate(
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
     procs = Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
+    if tp_group is not None:
+        procs.agree_timeout = lambda timed_out: bool(
+            comm.all_reduce(paddle.to_tensor([int(timed_out)]), tp_group, op="max").item()
+        )
     if s.guidance_scale is not None:
         procs.guidance = unconditional_decoder(
             model, s, input_ids, negative_prompt_ids, negative_prompt_attention_mask, copies
@@ -342,6 +348,25 @@ def _beam_search(
         attentions=None if decoder.attentions is None else tuple(decoder.attentions),
         past_key_values=decoder.cache,
     )
+
+
+def _tensor_parallel_group(model: paddle.nn.Layer) -> Any:
+    """The model's tensor-parallel group when it has more than one rank, else None. Its ranks run the
+    same steps on the same gathered logits, so they must choose the same tokens and stop together (a
+    rank that went on alone would wait on the others' collectives forever)."""
+    topo = getattr(model, "topology", None)
+    return topo.tp_group if topo is not None and topo.tp_size > 1 else None
+
+
+def _agreed_seed(seed: int | None, group: Any) -> int:
+    """``seed``, or without one a fresh seed drawn by the group's first rank and sent to the others:
+    each rank's own entropy would draw different tokens from the same logits."""
+    import paddle
+
+    if seed is not None:
+        return seed
+    fresh = paddle.to_tensor([int(np.random.SeedSequence().entropy % 2**62)], dtype="int64")
+    return int(comm.broadcast(fresh, src=group.ranks[0], group=group).item())
 
 
 def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -123,6 +123,16 @@ class MLAttention(nn.Layer):
             return t
         return comm.reduce_scatter_to_sp(t, group=self.tp_group) if self.sp else comm.reduce_from_tp(t, self.tp_group)
 
+    def _check_cache_layout(self) -> None:
+        """A cache holds every token's latent rows on each rank and a decode step's few tokens cannot
+        be split over ranks: tensor parallel without sequence parallel only (each rank attends with
+        its heads over the replicated cache, the outputs summed as in a forward)."""
+        if self.cp > 1 or self.sp:
+            raise NotImplementedError(
+                f"decoding with a cache runs without context and sequence parallel (cp={self.cp}, "
+                f"sequence_parallel={self.sp}): build the model with sequence_parallel off to generate"
+            )
+
     def _all_keys(self, t: paddle.Tensor) -> paddle.Tensor:
         """Every key of the sequence [B, S, ...] from this rank's keys: the cp ranks' zigzag slices
         all-gathered in sequence order (differentiable: the key gradients go back to their owners)."""
@@ -157,8 +167,8 @@ class MLAttention(nn.Layer):
         share of the whole sequence's mean. In the indexer's dense warm-up the layer attends to
         every causal key; its record still carries the indexer's own top-k.
         """
-        if cache is not None and (self.tp > 1 or self.cp > 1):
-            raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")
+        if cache is not None:
+            self._check_cache_layout()
         if self.training:
             self.config.check_training_support()
         H = self.num_heads
@@ -381,8 +391,7 @@ class MLAttention(nn.Layer):
         (`prepare_decode_weights`, see the module docstring), O(k) per step. All shapes follow the
         capacity and nothing is read back to the host, so the step can be traced or captured once.
         """
-        if self.tp > 1 or self.cp > 1:
-            raise NotImplementedError("decoding with a cache runs with tensor and context parallel size 1")
+        self._check_cache_layout()
         w = cache.decode_weights  # prepared by the prefill, once per cache
         if w is None:
             raise RuntimeError("a decode step needs a prefilled cache (run the prompt through the model first)")
@@ -426,6 +435,7 @@ class MLAttention(nn.Layer):
             out = paddle.matmul(o.reshape([B, n, H * (L + dr)]), w.o_proj)
         else:
             out = ops.latent_out_proj(o, w.w_uv, w.o_proj)
+        out = self._exit_tp(out)  # this rank's heads' share summed over the TP group
         if w.o_bias is not None:
             out = out + w.o_bias
         return out, topk

@@ -475,6 +475,16 @@ spec_sp = {
     n for n, p in sp_stage.named_parameters() if getattr(p, "shard_spec", None) and p.shard_spec.sequence_parallel
 }
 res["glm_sp_flags_agree"] = 0.0 if fleet_sp == spec_sp and fleet_sp else 1.0
+# decoding with a cache under SP: refused by name (a decode step's few tokens cannot be split over ranks)
+sp_stage.eval()
+try:
+    with topology_override(tp_sp):
+        sp_stage(input_ids=T(np.arange(8).reshape(1, 8)), use_cache=True)
+    res["glm_sp_cache_refused"] = 1.0
+except NotImplementedError as e:
+    print("glm tp2+sp cache:", e, flush=True)
+    res["glm_sp_cache_refused"] = 0.0 if "sequence_parallel=True" in str(e) else 1.0
+sp_stage.train()
 
 # ... and at tp 2 without SP on one sequence of 9 tokens: the MoE layers' dispatcher splits the replicated
 # tokens 5 / 4 over the tp ranks (an odd micro-batch x sequence)
