@@ -68,3 +68,14 @@ def test_two_stage_split_chains_to_the_full_forward_bit_for_bit(mtp_shares_topk)
         mine = [ref.losses[f"indexer_kl@{i}"].sum for i in on[id(spec)]]
         _same(out.losses["indexer_kl"].sum, paddle.add_n(mine), f"stage {spec.stage} indexer KL")
     _same(ref.losses["indexer_kl"].sum, paddle.add_n([ref.losses[f"indexer_kl@{i}"].sum for i in own]), "whole KL")
+
+
+def test_generate_on_a_pipeline_stage_is_refused_by_name():
+    """generate needs every layer, the embedding and the head; a stage has some (before: an
+    AttributeError on the missing lm_head, or on a None hidden state in the second stage)."""
+    cfg = tiny_model(seed=3).config
+    for s in split_stages(cfg.num_hidden_layers, 2, layout="E,t*4|t*4,m,L", has_mtp=True):
+        stage = GlmMoeDsaForCausalLM(cfg, stage=s)
+        stage.eval()
+        with pytest.raises(NotImplementedError, match=r"generate: this model is a pipeline stage \(decoder layers"):
+            stage.generate(paddle.to_tensor([[1, 2, 3]]), max_new_tokens=2)

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 from ._common import model_folder_error
 
@@ -19,6 +24,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
     if args.system is not None and not args.chat:  # the plain prompt has no turns: it was dropped unsaid
         return "--system needs --chat (the system message is a turn of the chat template)"
+    if args.log_dir is not None and args.tp == 1 and args.ep == 1:  # nothing is launched: no log would be there
+        return "--log-dir needs --tp or --ep (the launched ranks' logs)"
     for flag, v, low, inclusive, high in (
         ("--max-new-tokens", args.max_new_tokens, 1, True, None),  # transformers refuses 0
         ("--max-length", args.max_length, 1, True, None),
@@ -27,6 +34,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         ("--top-p", args.top_p, 0.0, True, 1.0),  # transformers takes 0 (the most likely token only)
         ("--repetition-penalty", args.repetition_penalty, 0.0, False, None),
         ("--num-beams", args.num_beams, 1, True, None),
+        ("--tp", args.tp, 1, True, None),
+        ("--ep", args.ep, 1, True, None),
     ):
         if v is None:
             continue
@@ -86,15 +95,6 @@ def run(args: argparse.Namespace) -> int:
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
 
-    import paddle
-
-    from ..generation import generate
-    from ..modeling import GlmMoeDsaForCausalLM
-
-    try:
-        model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
-    except (ValueError, OSError) as err:  # a torn or missing shard (CheckpointError is a ValueError)
-        return fail(str(err))
     eos = defaults.eos_token_id
     eos = list(eos) if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
@@ -116,26 +116,45 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         shown = len(text)
 
-    prompt = paddle.to_tensor([ids], dtype="int64")
     beams = (opts.get("num_beams") or getattr(defaults, "num_beams", None) or 1) > 1  # text known at its end
-    stats: dict = {}  # --speculative: the MTP drafter's counts
-    if args.speculative:
-        opts |= {"use_mtp": True, "stats": stats}
-    try:
-        out = generate(
-            model,
-            prompt,
-            generation_config=defaults,
-            eos_token_id=eos,
-            seed=args.seed,
-            streamer=None if beams else stream,
-            tokenizer=tok,
-            **opts,
-        )
-    except ValueError as err:
-        return fail(str(err))
+    if args.tp > 1 or args.ep > 1:
+        ran = _run_launched(args, config, ids, opts, eos, beams, stream)
+        if isinstance(ran, str):
+            if new:  # the streamed text's line ends before the complaint's
+                sys.stdout.write("\n")
+            return fail(ran)
+        if isinstance(ran, int):
+            return ran
+        chosen, stats = ran
+    else:
+        import paddle
+
+        from ..generation import generate
+        from ..modeling import GlmMoeDsaForCausalLM
+
+        try:
+            model = GlmMoeDsaForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+        except (ValueError, OSError) as err:  # a torn or missing shard (CheckpointError is a ValueError)
+            return fail(str(err))
+        stats = {}  # --speculative: the MTP drafter's counts
+        if args.speculative:
+            opts |= {"use_mtp": True, "stats": stats}
+        try:
+            out = generate(
+                model,
+                paddle.to_tensor([ids], dtype="int64"),
+                generation_config=defaults,
+                eos_token_id=eos,
+                seed=args.seed,
+                streamer=None if beams else stream,
+                tokenizer=tok,
+                **opts,
+            )
+        except ValueError as err:
+            return fail(str(err))
+        chosen = out.numpy()[0, len(ids) :].tolist() if beams else []  # else streamed already
     if beams:
-        for t in out.numpy()[0, len(ids) :]:
+        for t in chosen:
             stream(np.asarray([t]))
     stream(None)
     sys.stdout.write("\n")
@@ -146,6 +165,83 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _run_launched(
+    args: argparse.Namespace, config: Any, ids: list[int], opts: dict, eos: list[int], beams: bool, stream: Callable
+) -> tuple[list[int], dict] | str | int:
+    """``--tp`` / ``--ep``: the generation on launched ranks (generation/launched.py), the layout
+    checked first; rank 0's tokens streamed through ``stream`` as it appends them. -> (the new
+    tokens, the drafter's counts), a complaint for one line and exit 2, or a failed job's exit status
+    (its message printed)."""
+    import shutil
+    import tempfile
+    import threading
+
+    from .._io import read_json, write_record
+    from ..generation.launched import layout_of
+    from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from ..train.glm_adapter import check_glm_sizes, glm_parallel_sizes
+    from ..train.launch import LaunchError, launch_workers
+
+    world, dims = layout_of({"tp": args.tp, "ep": args.ep})
+    sizes = glm_parallel_sizes(config)
+    try:
+        pc = ParallelConfig.from_world(world, **dims)
+        pc.validate(world, **sizes)
+        check_glm_sizes(config, pc)
+    except ParallelConfigError as err:
+        return str(err)
+    log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="glm52-generate-"))
+    out = os.path.join(log_dir, "generate")
+    shutil.rmtree(out, ignore_errors=True)  # a reused --log-dir: no earlier run's tokens
+    os.makedirs(out)
+    spec = {"tp": args.tp, "ep": args.ep, "model": os.path.abspath(args.model), "dtype": args.dtype, "ids": ids}
+    spec |= {"opts": opts, "eos": eos, "seed": args.seed, "speculative": args.speculative, "beams": beams}
+    spec |= {"sizes": sizes, "out": out}
+    run_json = os.path.join(log_dir, "generate.json")
+    write_record(run_json, spec)
+    done = threading.Event()
+    follow = threading.Thread(target=_follow, args=(os.path.join(out, "tokens.rank0"), done, stream), daemon=True)
+    if not beams:
+        follow.start()
+    try:
+        launch_workers(["--generate", run_json], world, log_dir)
+    except LaunchError as err:
+        print(f"\nglm52 generate: {err}\n(failure record: {os.path.join(log_dir, 'failure.json')})", file=sys.stderr)
+        return err.returncode or 1
+    finally:
+        done.set()
+        if follow.is_alive():
+            follow.join()
+    results = [read_json(os.path.join(out, f"result.rank{r}.json"), f"rank {r}'s result") for r in range(world)]
+    for r, res in enumerate(results[1:], 1):
+        if res["tokens"] != results[0]["tokens"]:  # a bug, never a user's error: named, not hidden
+            return f"rank {r} chose {res['tokens']}, rank 0 {results[0]['tokens']} (the logs: {log_dir})"
+    if not args.log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return results[0]["tokens"], results[0]["stats"]
+
+
+def _follow(path: str, done: threading.Event, stream: Callable) -> None:
+    """Hand each token id appended to ``path`` (one per line) to ``stream`` until ``done`` is set and
+    the file is read to its end."""
+    import numpy as np
+
+    pos, pending = 0, ""
+    while True:
+        finished = done.is_set()  # before the read: what was written before it was set is read below
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                f.seek(pos)
+                pending += f.read()
+                pos = f.tell()
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                stream(np.asarray([int(line)]))
+        if finished:
+            return
+        time.sleep(0.05)
 
 
 def register_generate(sub: argparse._SubParsersAction) -> None:
@@ -178,6 +274,21 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop a row at this text (repeatable)")
     p.add_argument("--seed", type=int, help="seed of the sampling draws")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: launch this many processes, each reading and running its slices (sequence parallel off)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (a divisor or multiple of --tp; above it, ep / tp copies of the attention run the same prompt)",
+    )
+    p.add_argument(
+        "--log-dir", help="with --tp / --ep: the ranks' logs (unset: a temporary folder, removed after a clean run)"
+    )
     p.add_argument(
         "--speculative",
         action="store_true",

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..parallel import comm
 from .config import GenerationConfig, eos_list, generation_config_of, resolve_settings
 from .decoders import AssistantDecoder, Decoder, DraftingDecoder, LookupDecoder, MtpDecoder, unconditional_decoder
 from .logits_process import Hooks, Processors
@@ -94,6 +93,7 @@ def generate(
     import paddle
 
     started = time.time()  # max_time counts from here, as transformers' MaxTimeCriteria from generate's start
+    _check_whole(model)
     hooks = Hooks.checked(logits_processor, stopping_criteria, prefix_allowed_tokens_fn)
 
     if inputs_embeds is not None:
@@ -154,8 +154,8 @@ def generate(
         )
         tails = [[int(t) for t in row[keep][-k:]] for row, keep in zip(host_ids, real_rows)]
         tails = [(t, len(tokenizer.decode(t))) for t in tails]
-    tp_group = _tensor_parallel_group(model)
-    rng = np.random.default_rng(seed if tp_group is None else _agreed_seed(seed, tp_group))
+    group = _generation_group(model)
+    rng = np.random.default_rng(seed if group is None else _agreed_seed(seed, group))
     # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
     # a plain callable gets each step's ids
     put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
@@ -163,9 +163,11 @@ def generate(
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
     procs = Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
-    if tp_group is not None:
+    if group is not None:
+        from ..parallel import comm
+
         procs.agree_timeout = lambda timed_out: bool(
-            comm.all_reduce(paddle.to_tensor([int(timed_out)]), tp_group, op="max").item()
+            comm.all_reduce(paddle.to_tensor([int(timed_out)]), group, op="max").item()
         )
     if s.guidance_scale is not None:
         procs.guidance = unconditional_decoder(
@@ -350,12 +352,36 @@ def _beam_search(
     )
 
 
-def _tensor_parallel_group(model: paddle.nn.Layer) -> Any:
-    """The model's tensor-parallel group when it has more than one rank, else None. Its ranks run the
-    same steps on the same gathered logits, so they must choose the same tokens and stop together (a
-    rank that went on alone would wait on the others' collectives forever)."""
+def _check_whole(model: paddle.nn.Layer) -> None:
+    """A pipeline stage holds some of the layers, the embedding or the head only: it cannot decode."""
+    stage = getattr(model, "stage", None)
+    if stage is None:
+        return
+    whole = stage.has_embedding and stage.has_head and len(stage.layers) == model.config.num_hidden_layers
+    if not whole:
+        first, last = (stage.layers[0], stage.layers[-1]) if stage.layers else (None, None)
+        raise NotImplementedError(
+            f"generate: this model is a pipeline stage (decoder layers {first}..{last} of "
+            f"{model.config.num_hidden_layers}, embedding {stage.has_embedding}, LM head {stage.has_head}); "
+            "generate runs on a model with every layer (pipeline parallel size 1; tensor and expert "
+            "parallel split it over ranks instead)"
+        )
+
+
+def _generation_group(model: paddle.nn.Layer) -> Any:
+    """The ranks that run one generation together on a model split over ranks, else None: the
+    tensor-parallel group, or every rank of the job when experts are laid out beyond it (expert
+    parallel: the ranks' MoE layers exchange tokens each step). They run the same steps on the same
+    gathered logits, so they must choose the same tokens and stop together: a rank that went on
+    alone would wait on the others' collectives forever."""
     topo = getattr(model, "topology", None)
-    return topo.tp_group if topo is not None and topo.tp_size > 1 else None
+    if topo is None or topo.world_size == 1:
+        return None
+    if topo.tp_size % (topo.size("ep") * topo.size("etp")):  # the expert groups (etp fastest) leave the tp group
+        import paddle.distributed as dist
+
+        return dist.get_group(0)  # the job's global group
+    return topo.tp_group if topo.tp_size > 1 else None
 
 
 def _agreed_seed(seed: int | None, group: Any) -> int:
@@ -365,6 +391,8 @@ def _agreed_seed(seed: int | None, group: Any) -> int:
 
     if seed is not None:
         return seed
+    from ..parallel import comm  # here: the CLI imports this package before Paddle
+
     fresh = paddle.to_tensor([int(np.random.SeedSequence().entropy % 2**62)], dtype="int64")
     return int(comm.broadcast(fresh, src=group.ranks[0], group=group).item())
 

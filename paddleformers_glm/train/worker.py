@@ -1,4 +1,5 @@
-"""Entry point of one launched training process: ``worker.py --config RUN.json``.
+"""Entry point of one launched process: ``worker.py --config RUN.json`` (training) or
+``worker.py --generate RUN.json`` (``glm52 generate --tp``, generation/launched.py).
 
 Records its own life for the launcher (job_status.py) and leaves with ``os._exit`` so no
 gloo/NCCL destructor can hang the process after a peer died.  Its lifetime is the job's: the
@@ -169,7 +170,9 @@ class WorkerLife:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="glm52 training worker (started by the launcher)")
-    ap.add_argument("--config", required=True, help="TrainConfig as JSON")
+    job = ap.add_mutually_exclusive_group(required=True)
+    job.add_argument("--config", help="TrainConfig as JSON")
+    job.add_argument("--generate", help="a glm52 generate --tp run as JSON (generation/launched.py)")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0") or 0)
     status_dir = os.environ.get(ENV_STATUS_DIR)
@@ -179,10 +182,14 @@ def main(argv: list[str] | None = None) -> None:
     write_record(status_dir, rank, "pid", pid)
     beat(0, "start")
     try:
-        from paddleformers_glm.train.loop import TrainConfig, run_training
+        if args.generate:
+            from paddleformers_glm.generation.launched import generate_on_rank
 
-        cfg = TrainConfig.from_dict(read_json(args.config, "the run config"))
-        run_training(cfg)
+            generate_on_rank(read_json(args.generate, "the generate run"))
+        else:
+            from paddleformers_glm.train.loop import TrainConfig, run_training
+
+            run_training(TrainConfig.from_dict(read_json(args.config, "the run config")))
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then the process ends
         life.failed(e)
     life.leave("ok", None, 0)

@@ -1,0 +1,72 @@
+"""``glm52 generate --tp N --ep M``: the checkpoint read and run split over launched ranks
+(generation/launched.py through the training worker), rank 0's tokens streamed. The text is one
+process's; the command checks that every rank chose the same tokens (a rank that went its own way
+would otherwise print nothing wrong: only rank 0's tokens are shown)."""
+
+from __future__ import annotations
+
+import pytest
+
+from paddleformers_glm.cli import main
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["generate", "--prompt", "Hello there", "--max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("launched") / "tiny")
+
+
+def test_tp2_ep2_prints_the_one_process_text_and_keeps_only_asked_logs(tiny_dir, tmp_path, capsys):
+    """Greedy at TP2 x EP2 (each rank half the heads and half the experts, the cache replicated):
+    the same text as one process; --log-dir keeps the ranks' logs and the run's files there."""
+    assert main([*ARGS, "--model", tiny_dir]) == 0
+    plain = capsys.readouterr().out
+    assert plain.strip()
+    assert main([*ARGS, "--model", tiny_dir, "--tp", "2", "--ep", "2", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert capsys.readouterr().out == plain
+    assert (tmp_path / "logs" / "workerlog.1").is_file() and (tmp_path / "logs" / "generate.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "logs" / "generate").iterdir()) == [
+        "result.rank0.json",
+        "result.rank1.json",
+        "tokens.rank0",
+        "tokens.rank1",
+    ]
+
+
+def test_ep2_sampling_without_a_seed_draws_the_same_tokens_on_both_ranks(tiny_dir, capsys):
+    """--ep 2 above --tp 1: two copies of the attention, the experts split; both ranks run the
+    generation and their MoE layers exchange tokens every step, so they must draw alike: without
+    --seed they take the first rank's (generation/search.py). Measured before that: rank 1 chose
+    other tokens and the command exited 2 naming both lists."""
+    assert main([*ARGS, "--model", tiny_dir, "--ep", "2", "--do-sample", "--top-k", "20"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip() and "chose" not in cap.err
+
+
+def test_tp2_speculative_prints_the_same_text(tiny_dir, capsys):
+    """The MTP layer drafting on the split model: plain decoding's text, the drafter's counts on stderr."""
+    assert main([*ARGS, "--model", tiny_dir]) == 0
+    plain = capsys.readouterr().out
+    assert main([*ARGS, "--model", tiny_dir, "--tp", "2", "--speculative"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == plain and "main forwards" in cap.err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--tp", "3"], "tp 3 does not divide num_attention_heads 4"),
+        (["--tp", "2", "--ep", "3"], "ep 3 x etp 1 = 3 must divide tp 2 x dp 1 = 2"),
+        (["--tp", "0"], "--tp must be >= 1, got 0"),
+        (["--log-dir", "x"], "--log-dir needs --tp or --ep"),
+    ],
+)
+def test_a_layout_that_cannot_work_is_one_line_before_any_launch(tiny_dir, flags, needle, capsys):
+    assert main([*ARGS, "--model", tiny_dir, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
