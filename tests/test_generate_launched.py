@@ -70,3 +70,18 @@ def test_a_layout_that_cannot_work_is_one_line_before_any_launch(tiny_dir, flags
     assert main([*ARGS, "--model", tiny_dir, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_a_torn_shard_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
+    """The files are checked as the one-process command and glm52 train check them, before the ranks
+    start (the ranks would each fail at the load: a failed job, exit 1, its record in a log folder)."""
+    import shutil
+
+    model = tmp_path / "torn"
+    shutil.copytree(tiny_dir, model)
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"")
+    log_dir = tmp_path / "logs"
+    assert main([*ARGS, "--model", str(model), "--tp", "2", "--log-dir", str(log_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("glm52 generate: error: truncated safetensors file") and "model-00002-of-00002" in err
+    assert len(err.splitlines()) == 1 and not log_dir.exists()

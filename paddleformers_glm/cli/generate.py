@@ -181,6 +181,7 @@ def _run_launched(
     from .._io import read_json, write_record
     from ..generation.launched import layout_of
     from ..parallel.topology import ParallelConfig, ParallelConfigError
+    from ..train.command import check_checkpoint_files
     from ..train.glm_adapter import check_glm_sizes, glm_parallel_sizes
     from ..train.launch import LaunchError, launch_workers
 
@@ -190,7 +191,8 @@ def _run_launched(
         pc = ParallelConfig.from_world(world, **dims)
         pc.validate(world, **sizes)
         check_glm_sizes(config, pc)
-    except ParallelConfigError as err:
+        check_checkpoint_files(args.model)  # a torn shard: one line here, not a failed rank after the launch
+    except (ParallelConfigError, ValueError, OSError) as err:
         return str(err)
     log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="glm52-generate-"))
     out = os.path.join(log_dir, "generate")
