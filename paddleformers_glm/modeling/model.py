@@ -960,6 +960,11 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         without its output bookkeeping; it reads the cache only through tensors of fixed shapes
         (its buffers and ``key_valid`` at their capacity), so ``paddle.jit.to_static`` captures it
         once for every step of a generation (``generation.generate(..., decode_step=...)``)."""
+        if self.distributed and building_graph():
+            raise NotImplementedError(
+                "decode_step traced by paddle.jit.to_static on a model split over ranks: Paddle 3.3's "
+                "collectives take no process group inside a static graph; decode eagerly (no decode_step)"
+            )
         cos, sin = self.model.rotary_emb(positions)
         hidden, topk = self.model.embedding(input_ids), None
         for i in self.stage.layers:

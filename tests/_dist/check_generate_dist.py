@@ -50,5 +50,12 @@ res["sampled_unseeded"] = {"tokens": o.numpy().tolist()}
 # rank 0 never; the ranks stop together (one alone would wait on the other's collectives forever)
 o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], max_time=0.0 if topo.rank else 1e9)
 res["max_time"] = {"tokens": o.numpy().tolist()}
+# a decode step traced into a static graph: Paddle 3.3's collectives take no group there, refused by name
+try:
+    static = paddle.jit.to_static(model.decode_step, full_graph=True)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=[], decode_step=static)
+    res["to_static"] = "ran"
+except NotImplementedError as e:
+    res["to_static"] = str(e)
 out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"rank{topo.rank}.json").write_text(json.dumps(res), encoding="utf-8")
