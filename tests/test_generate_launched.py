@@ -64,6 +64,10 @@ def test_tp2_speculative_prints_the_same_text(tiny_dir, capsys):
         (["--tp", "2", "--ep", "3"], "ep 3 x etp 1 = 3 must divide tp 2 x dp 1 = 2"),
         (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--log-dir", "x"], "--log-dir needs --tp or --ep"),
+        (["--nnodes", "2"], "--nnodes needs --tp or --ep"),
+        (["--tp", "2", "--nnodes", "2"], "--nnodes 2 needs --master IP:PORT"),
+        (["--tp", "2", "--nnodes", "3", "--master", "127.0.0.1:1"], "world size 2 is not divisible by --nnodes 3"),
+        (["--tp", "2", "--job-timeout", "0"], "--job-timeout must be a finite number of seconds > 0, got 0.0"),
     ],
 )
 def test_a_layout_that_cannot_work_is_one_line_before_any_launch(tiny_dir, flags, needle, capsys):
@@ -85,3 +89,43 @@ def test_a_torn_shard_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("glm52 generate: error: truncated safetensors file") and "model-00002-of-00002" in err
     assert len(err.splitlines()) == 1 and not log_dir.exists()
+
+
+def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path):
+    """Two nodes simulated on this machine: ``--tp 2 --nnodes 2 --node-rank R`` (one rank each), one
+    rendezvous, one shared --log-dir (each node logs in LOG_DIR/node<R>/). Each node streams its own
+    first rank's tokens and checks its own ranks: both print one process's text."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests._dist.runner import env
+
+    one = subprocess.run(
+        [sys.executable, "-m", "paddleformers_glm.cli", *ARGS, "--model", tiny_dir],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one.returncode == 0 and one.stdout.strip(), one.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, "-m", "paddleformers_glm.cli", *ARGS, "--model", tiny_dir, "--tp", "2"]
+    base += ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--log-dir", str(tmp_path / "logs")]
+    nodes = [
+        subprocess.Popen(
+            [*base, "--node-rank", str(r)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    try:
+        got = [p.communicate(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    for r, (p, (out, err)) in enumerate(zip(nodes, got)):
+        assert p.returncode == 0, f"node {r} rc {p.returncode}:\n{err[-3000:]}"
+        assert out == one.stdout, (r, out, one.stdout)
+        assert (tmp_path / "logs" / f"node{r}" / "generate" / f"result.rank{r}.json").is_file()

@@ -24,8 +24,18 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
     if args.system is not None and not args.chat:  # the plain prompt has no turns: it was dropped unsaid
         return "--system needs --chat (the system message is a turn of the chat template)"
-    if args.log_dir is not None and args.tp == 1 and args.ep == 1:  # nothing is launched: no log would be there
-        return "--log-dir needs --tp or --ep (the launched ranks' logs)"
+    if args.tp == 1 and args.ep == 1:  # nothing is launched: a launch flag would be dropped unsaid
+        given = {
+            "--log-dir": args.log_dir is not None,
+            "--nnodes": args.nnodes != 1,
+            "--master": args.master is not None,
+            "--node-rank": args.node_rank is not None,
+            "--launcher-args": bool(args.launcher_args),
+            "--job-timeout": args.job_timeout is not None,
+        }
+        for flag, used in given.items():
+            if used:
+                return f"{flag} needs --tp or --ep (it sets how the ranks are launched; one process runs without it)"
     for flag, v, low, inclusive, high in (
         ("--max-new-tokens", args.max_new_tokens, 1, True, None),  # transformers refuses 0
         ("--max-length", args.max_length, 1, True, None),
@@ -170,10 +180,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_launched(
     args: argparse.Namespace, config: Any, ids: list[int], opts: dict, eos: list[int], beams: bool, stream: Callable
 ) -> tuple[list[int], dict] | str | int:
-    """``--tp`` / ``--ep``: the generation on launched ranks (generation/launched.py), the layout
-    checked first; rank 0's tokens streamed through ``stream`` as it appends them. -> (the new
-    tokens, the drafter's counts), a complaint for one line and exit 2, or a failed job's exit status
-    (its message printed)."""
+    """``--tp`` / ``--ep``: the generation on launched ranks (generation/launched.py), the layout,
+    the launch flags and the checkpoint's files checked first; this node's first rank's tokens
+    streamed through ``stream`` as it appends them. -> (the new tokens, the drafter's counts), a
+    complaint for one line and exit 2, or a failed job's exit status (its message printed)."""
     import shutil
     import tempfile
     import threading
@@ -181,7 +191,7 @@ def _run_launched(
     from .._io import read_json, write_record
     from ..generation.launched import layout_of
     from ..parallel.topology import ParallelConfig, ParallelConfigError
-    from ..train.command import check_checkpoint_files
+    from ..train.command import check_checkpoint_files, check_launch_numbers, launcher_options, node_rank_of
     from ..train.glm_adapter import check_glm_sizes, glm_parallel_sizes
     from ..train.launch import LaunchError, launch_workers
 
@@ -191,10 +201,15 @@ def _run_launched(
         pc = ParallelConfig.from_world(world, **dims)
         pc.validate(world, **sizes)
         check_glm_sizes(config, pc)
+        check_launch_numbers(world, args.job_timeout, args.comm_timeout, args.nnodes)
+        node_rank = node_rank_of(args)
         check_checkpoint_files(args.model)  # a torn shard: one line here, not a failed rank after the launch
     except (ParallelConfigError, ValueError, OSError) as err:
         return str(err)
-    log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="glm52-generate-"))
+    root = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="glm52-generate-"))
+    log_dir = root if node_rank is None else os.path.join(root, f"node{node_rank}")  # a shared --log-dir
+    nproc = world // args.nnodes
+    first = (node_rank or 0) * nproc  # this node's first global rank
     out = os.path.join(log_dir, "generate")
     shutil.rmtree(out, ignore_errors=True)  # a reused --log-dir: no earlier run's tokens
     os.makedirs(out)
@@ -204,11 +219,21 @@ def _run_launched(
     run_json = os.path.join(log_dir, "generate.json")
     write_record(run_json, spec)
     done = threading.Event()
-    follow = threading.Thread(target=_follow, args=(os.path.join(out, "tokens.rank0"), done, stream), daemon=True)
+    tokens = os.path.join(out, f"tokens.rank{first}")
+    follow = threading.Thread(target=_follow, args=(tokens, done, stream), daemon=True)
     if not beams:
         follow.start()
     try:
-        launch_workers(["--generate", run_json], world, log_dir)
+        launch_workers(
+            ["--generate", run_json],
+            nproc,
+            log_dir,
+            launcher_args=launcher_options(args, node_rank),
+            node_rank_offset=first,
+            world_size=world,
+            timeout_s=args.job_timeout,
+            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
+        )
     except LaunchError as err:
         print(f"\nglm52 generate: {err}\n(failure record: {os.path.join(log_dir, 'failure.json')})", file=sys.stderr)
         return err.returncode or 1
@@ -216,13 +241,14 @@ def _run_launched(
         done.set()
         if follow.is_alive():
             follow.join()
-    results = [read_json(os.path.join(out, f"result.rank{r}.json"), f"rank {r}'s result") for r in range(world)]
-    for r, res in enumerate(results[1:], 1):
-        if res["tokens"] != results[0]["tokens"]:  # a bug, never a user's error: named, not hidden
-            return f"rank {r} chose {res['tokens']}, rank 0 {results[0]['tokens']} (the logs: {log_dir})"
+    ranks = range(first, first + nproc)  # a node reads its own ranks' results (no shared folder is assumed)
+    results = {r: read_json(os.path.join(out, f"result.rank{r}.json"), f"rank {r}'s result") for r in ranks}
+    for r, res in results.items():
+        if res["tokens"] != results[first]["tokens"]:  # a bug, never a user's error: named, not hidden
+            return f"rank {r} chose {res['tokens']}, rank {first} {results[first]['tokens']} (the logs: {log_dir})"
     if not args.log_dir:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    return results[0]["tokens"], results[0]["stats"]
+        shutil.rmtree(root, ignore_errors=True)
+    return results[first]["tokens"], results[first]["stats"]
 
 
 def _follow(path: str, done: threading.Event, stream: Callable) -> None:
@@ -291,6 +317,9 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--log-dir", help="with --tp / --ep: the ranks' logs (unset: a temporary folder, removed after a clean run)"
     )
+    from ..train.command import add_launch_arguments  # argparse only: no Paddle at the CLI's start
+
+    add_launch_arguments(p.add_argument_group("launch (with --tp / --ep)"), "LOG_DIR/node<R>/")
     p.add_argument(
         "--speculative",
         action="store_true",

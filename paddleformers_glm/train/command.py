@@ -28,6 +28,7 @@ __all__ = [
     "TRAIN_DEFAULTS",
     "add_indexer_arguments",
     "add_indexer_loss_arguments",
+    "add_launch_arguments",
     "add_moe_aux_argument",
     "add_moe_bias_argument",
     "add_dtype_argument",
@@ -39,9 +40,12 @@ __all__ = [
     "check_args",
     "check_checkpoint_files",
     "check_inputs_before_launch",
+    "check_launch_numbers",
     "check_settings",
     "config_from_args",
+    "launcher_options",
     "main",
+    "node_rank_of",
     "register_train",
     "run_train",
     "train_line_error",
@@ -239,12 +243,20 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add_dump_argument(g)
     g = ap.add_argument_group("launch")
+    add_launch_arguments(g, "OUT/logs/node<R>/")
+    g.add_argument("--fault", help=argparse.SUPPRESS)
+    return ap
+
+
+def add_launch_arguments(g: Any, node_logs: str) -> None:
+    """A launched job's flags (``glm52 train``, ``glm52 generate --tp``): the nodes, the launcher's own
+    options and the two timeouts; ``node_logs`` says where a node of a multi-node job logs."""
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", help="IP:PORT of the rendezvous, the same on every node (required with --nnodes > 1)")
     g.add_argument(
         "--node-rank",
         type=int,
-        help="this node's rank, 0..nnodes-1 (required with --nnodes > 1; logs in OUT/logs/node<R>/)",
+        help=f"this node's rank, 0..nnodes-1 (required with --nnodes > 1; logs in {node_logs})",
     )
     g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
     g.add_argument("--job-timeout", type=float, help="stop the whole job after this many seconds (default: none)")
@@ -254,8 +266,6 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=600.0,
         help="NCCL process-group timeout in seconds (PADDLE_PG_TIMEOUT; gloo's is fixed at 30 s)",
     )
-    g.add_argument("--fault", help=argparse.SUPPRESS)
-    return ap
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -471,10 +481,17 @@ def check_settings(
     and the launch numbers (``--job-timeout``, ``--comm-timeout``, ``--nnodes``).  ``glm52 train``
     (:func:`check_args`) and ``glm52 plan`` (``plan.check_layout``) both call it, so they refuse the
     same lines with the same words.  Returns the layout and the pipeline chunks."""
-    from ..parallel.topology import ParallelConfigError
     from .settings import check_run
 
     pc, chunks = check_run(cfg, adapter, world)
+    check_launch_numbers(world, job_timeout, comm_timeout, nnodes)
+    return pc, chunks
+
+
+def check_launch_numbers(world: int, job_timeout: float | None, comm_timeout: float | None, nnodes: int) -> None:
+    """``--job-timeout``, ``--comm-timeout`` and ``--nnodes`` against the job's ``world`` size."""
+    from ..parallel.topology import ParallelConfigError
+
     for flag, v in (("--job-timeout", job_timeout), ("--comm-timeout", comm_timeout)):
         if v is not None and not (math.isfinite(v) and v > 0):  # --job-timeout None: no limit
             raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
@@ -482,7 +499,6 @@ def check_settings(
         raise ValueError(f"--comm-timeout must be at least 0.001 s (whole milliseconds), got {comm_timeout}")
     if world % nnodes:
         raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {nnodes}")
-    return pc, chunks
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -493,7 +509,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg, adapter, world = check_args(args)
         if bad := output_folder_error(cfg.out, "--out"):  # before anything (a jsonl's tokens) is written there
             raise ValueError(bad)
-        node_rank = _node_rank(args)
+        node_rank = node_rank_of(args)
         check_inputs_before_launch(cfg, args, adapter.vocab_size)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
@@ -509,7 +525,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return 2
 
 
-def _node_rank(args: argparse.Namespace) -> int | None:
+def node_rank_of(args: argparse.Namespace) -> int | None:
     """This node's rank in a multi-node run (None with ``--nnodes 1``), from ``--node-rank`` or the
     launcher's own ``--rank`` in ``--launcher-args``; a multi-node run without it or without a
     master is refused before the launch.  Without ``--master`` every node started its own
@@ -539,6 +555,18 @@ def _node_rank(args: argparse.Namespace) -> int | None:
     return node_rank
 
 
+def launcher_options(args: argparse.Namespace, node_rank: int | None) -> list[str]:
+    """Paddle's launcher's options for this node: ``--launcher-args``, and in a multi-node job the
+    node count, the rendezvous and this node's rank."""
+    options = shlex.split(args.launcher_args)
+    if args.nnodes > 1:
+        options = ["--nnodes", str(args.nnodes), *options]
+        if args.master:
+            options += ["--master", args.master]
+        options += ["--rank", str(node_rank)]
+    return options
+
+
 def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world: int, node_rank: int | None) -> int:
     """The run, with ``cfg.out`` held by this command (out_lock.py).  A node of a multi-node run
     keeps its launch logs in ``OUT/logs/node<R>/``: Paddle's launcher names the worker logs by
@@ -555,18 +583,12 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     os.makedirs(log_dir, exist_ok=True)
     write_record(run_json, cfg.__dict__)
     nproc = world // args.nnodes
-    launcher_args = shlex.split(args.launcher_args)
-    if args.nnodes > 1:
-        launcher_args = ["--nnodes", str(args.nnodes)] + launcher_args
-        if args.master:
-            launcher_args += ["--master", args.master]
-        launcher_args += ["--rank", str(node_rank)]
     try:
         launch_workers(
             ["--config", run_json],
             nproc,
             log_dir,
-            launcher_args=launcher_args,
+            launcher_args=launcher_options(args, node_rank),
             node_rank_offset=(node_rank or 0) * nproc,
             world_size=world,
             timeout_s=args.job_timeout,
