@@ -107,7 +107,16 @@ def test_generate_on_the_tp2_ep2_split_model_equals_one_process(dist_save_and_fl
         "beams": dict(do_sample=False, num_beams=2),
         "sampled": dict(do_sample=True, top_k=5, temperature=0.8, seed=7),
     }
-    assert sorted(ranks[0]) == sorted([*runs, "sampled_unseeded", "max_time", "to_static"])
+    assert sorted(ranks[0]) == sorted([*runs, "sampled_unseeded", "max_time", "to_static", "forward_cache"])
+    # an eval forward's default cache (use_cache=None: config.use_cache), continued by a step: one process's logits
+    first = model(ids, attention_mask=mask)
+    step = model(
+        paddle.to_tensor([[7], [8]]),
+        attention_mask=paddle.concat([mask, paddle.ones([2, 1], mask.dtype)], 1),
+        past_key_values=first.past_key_values,
+    )
+    for name, want in (("first", first.logits[:, -1]), ("step", step.logits[:, -1])):
+        np.testing.assert_allclose(np.array(ranks[0]["forward_cache"][name]), want.numpy(), rtol=0, atol=2e-5)
     # (to_static puts the traced source before the message)
     assert (
         "NotImplementedError: decode_step traced by paddle.jit.to_static on a model split over ranks"

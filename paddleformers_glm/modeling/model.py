@@ -915,13 +915,15 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
 
     def _builds_cache_by_default(self) -> bool:
         """``use_cache=None`` builds a cache (with ``config.use_cache``) only where one can be read and
-        costs nothing else: an evaluating (``eval()``) whole model in one process, outside a graph being
-        built. Not in training mode: a training step never reads it, it would hold every layer's latent
-        rows for the step, and a forward filling a cache records nothing for the indexer's training
-        (transformers turns it off in training under gradient checkpointing)."""
+        costs nothing else: an evaluating (``eval()``) whole model, in one process or split over tensor
+        and expert parallel ranks without sequence or context parallel (where a cache is refused),
+        outside a graph being built. Not in training mode: a training step never reads it, it would
+        hold every layer's latent rows for the step, and a forward filling a cache records nothing for
+        the indexer's training (transformers turns it off in training under gradient checkpointing)."""
         whole = self.stage.has_embedding and self.stage.has_head
         whole = whole and len(self.stage.layers) == self.config.num_hidden_layers
-        return whole and not self.training and not self.distributed and not building_graph()
+        readable = not self.topology.sequence_parallel and self.topology.cp_size == 1
+        return whole and readable and not self.training and not building_graph()
 
     def _forward_filling(
         self,

@@ -50,6 +50,11 @@ res["sampled_unseeded"] = {"tokens": o.numpy().tolist()}
 # rank 0 never; the ranks stop together (one alone would wait on the other's collectives forever)
 o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], max_time=0.0 if topo.rank else 1e9)
 res["max_time"] = {"tokens": o.numpy().tolist()}
+# transformers' own loop on the split model: an eval forward returns a cache by default, continued by hand
+first = model(ids, attention_mask=mask)
+step = model(paddle.to_tensor([[7], [8]]), attention_mask=paddle.concat([mask, paddle.ones([2, 1], mask.dtype)], 1),
+             past_key_values=first.past_key_values)  # fmt: skip
+res["forward_cache"] = {"first": first.logits[:, -1].numpy().tolist(), "step": step.logits[:, -1].numpy().tolist()}
 # a decode step traced into a static graph: Paddle 3.3's collectives take no group there, refused by name
 try:
     static = paddle.jit.to_static(model.decode_step, full_graph=True)
