@@ -5,6 +5,8 @@ would otherwise print nothing wrong: only rank 0's tokens are shown)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from paddleformers_glm.cli import main
@@ -129,3 +131,18 @@ def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path):
         assert p.returncode == 0, f"node {r} rc {p.returncode}:\n{err[-3000:]}"
         assert out == one.stdout, (r, out, one.stdout)
         assert (tmp_path / "logs" / f"node{r}" / "generate" / f"result.rank{r}.json").is_file()
+
+
+def test_a_job_timeout_stops_every_rank_and_names_the_logs(tiny_dir, tmp_path, capsys):
+    """--job-timeout shorter than the job: the launcher stops every rank (exit 124, as glm52 train),
+    says so in its lines with the failure record and where the ranks' logs are, and keeps the folder."""
+    from paddleformers_glm.train.launch import job_processes
+
+    log_dir = tmp_path / "logs"
+    rc = main([*ARGS, "--model", tiny_dir, "--tp", "2", "--job-timeout", "0.5", "--log-dir", str(log_dir)])
+    err = capsys.readouterr().err
+    assert rc == 124, err
+    assert f"see {log_dir}/workerlog.*" in err and "(job exceeded --job-timeout 0.5 s; stopped)" in err
+    assert f"(failure record: {log_dir}/failure.json)" in err and (log_dir / "failure.json").is_file()
+    job = json.loads((log_dir / "job.json").read_text())["job_id"]
+    assert job_processes(job) == []

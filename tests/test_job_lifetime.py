@@ -648,6 +648,6 @@ def test_a_lost_peer_on_another_node_is_named_as_the_suspect(tmp_path):
     assert (d.rank, d.cause) == (0, "comm"), d
     assert d.message.endswith(
         "(ranks 0..0 of 2 run on this node: a rank of another node that failed or was stopped first ends them in "
-        "communication errors; see the other nodes' OUT/logs/node<R>/failure.json)"
+        f"communication errors; see the other nodes' {tmp_path.parent}/node<R>/failure.json)"
     ), d.message
     assert "another node" not in diagnose(str(tmp_path), [0]).message  # one node: as before

@@ -621,7 +621,7 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     from .stop_signals import listen
 
     def timeout(_num: int, _frame: object) -> None:
-        raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:.0f} s; stopped"})
+        raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:g} s; stopped"})
 
     listener = listen()
     old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None

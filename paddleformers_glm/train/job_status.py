@@ -382,13 +382,14 @@ def diagnose(
             text += (
                 f"\n(ranks {min(local_ranks)}..{max(local_ranks)} of {world_size} run on this node: a rank of another "
                 "node that failed or was stopped first ends them in communication errors; see the other nodes' "
-                "OUT/logs/node<R>/failure.json)"
+                f"{os.path.join(os.path.dirname(log_dir), 'node<R>', 'failure.json')})"
             )
         return Diagnosis(r, text, "comm")
     if stopped_by:
         return Diagnosis(
             None,
-            "no rank reported an error, was seen stopped or fell behind (a slow or hung job; see OUT/logs/workerlog.*)",
+            "no rank reported an error, was seen stopped or fell behind (a slow or hung job; see "
+            f"{os.path.join(log_dir, 'workerlog.*')})",
             str(stopped_by.get("kind")),
         )
     return Diagnosis(None, "the launcher failed before any worker reported (see the launcher output above)", "launcher")

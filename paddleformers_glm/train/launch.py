@@ -259,7 +259,7 @@ def launch_workers(
                 text = f"rank {frozen[0]} stayed stopped for {GRACE_S:.0f} s; stopped the job"
                 stopped_by = {"kind": "frozen", "text": text}
             elif timeout_s is not None and now - t_start > timeout_s:
-                stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:.0f} s; stopped"}
+                stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:g} s; stopped"}
             if stopped_by:
                 break
     finally:
