@@ -97,11 +97,10 @@ def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path):
     """Two nodes simulated on this machine: ``--tp 2 --nnodes 2 --node-rank R`` (one rank each), one
     rendezvous, one shared --log-dir (each node logs in LOG_DIR/node<R>/). Each node streams its own
     first rank's tokens and checks its own ranks: both print one process's text."""
-    import socket
     import subprocess
     import sys
 
-    from tests._dist.runner import env
+    from tests._dist.runner import env, run_nodes
 
     one = subprocess.run(
         [sys.executable, "-m", "paddleformers_glm.cli", *ARGS, "--model", tiny_dir],
@@ -111,24 +110,10 @@ def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path):
         timeout=120,
     )
     assert one.returncode == 0 and one.stdout.strip(), one.stderr[-2000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     base = [sys.executable, "-m", "paddleformers_glm.cli", *ARGS, "--model", tiny_dir, "--tp", "2"]
-    base += ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--log-dir", str(tmp_path / "logs")]
-    nodes = [
-        subprocess.Popen(
-            [*base, "--node-rank", str(r)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        got = [p.communicate(timeout=300) for p in nodes]
-    finally:
-        for p in nodes:
-            p.kill()
-    for r, (p, (out, err)) in enumerate(zip(nodes, got)):
-        assert p.returncode == 0, f"node {r} rc {p.returncode}:\n{err[-3000:]}"
+    got = run_nodes([*base, "--log-dir", str(tmp_path / "logs")])
+    for r, (rc, out, err) in enumerate(got):
+        assert rc == 0, f"node {r} rc {rc}:\n{err[-3000:]}"
         assert out == one.stdout, (r, out, one.stdout)
         assert (tmp_path / "logs" / f"node{r}" / "generate" / f"result.rank{r}.json").is_file()
 

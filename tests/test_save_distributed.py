@@ -84,12 +84,13 @@ def test_generate_on_the_tp2_ep2_split_model_equals_one_process(dist_save_and_fl
     """The same launch then runs ``generate`` on the split model (tests/_dist/check_generate_dist.py):
     with the cache (each rank attends with its half of the heads over the replicated latent cache, the
     outputs summed over TP), without it, with beams and with seeded sampling: tokens equal one
-    process's, scores within fp32 reduction-order error. Both ranks chose the same tokens and stopped
-    together, unseeded sampling and disagreeing ``max_time`` clocks included."""
+    process's, scores within fp32 reduction-order error; an eval forward's default cache continued by
+    a step: one process's logits. Both ranks chose the same tokens and stopped together, unseeded
+    sampling and disagreeing ``max_time`` clocks included; a traced decode step is refused by name."""
     import numpy as np
-    import paddle
 
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+    from tests._dist.check_generate_dist import generations
 
     run = dist_save_and_flex_probe
     d = run["dir"] / "generate"
@@ -99,46 +100,25 @@ def test_generate_on_the_tp2_ep2_split_model_equals_one_process(dist_save_and_fl
     ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
     model = GlmMoeDsaForCausalLM.from_pretrained(str(run["ckpt"]), dtype="float32")
     model.eval()
-    ids = paddle.to_tensor([[5, 17, 33, 2, 9, 41, 7, 3], [0, 0, 1, 2, 3, 4, 5, 6]])
-    mask = paddle.to_tensor([[1] * 8, [0, 0] + [1] * 6])
-    runs = {
-        "greedy": dict(do_sample=False),
-        "greedy_uncached": dict(do_sample=False, use_cache=False),
-        "beams": dict(do_sample=False, num_beams=2),
-        "sampled": dict(do_sample=True, top_k=5, temperature=0.8, seed=7),
-    }
-    assert sorted(ranks[0]) == sorted([*runs, "sampled_unseeded", "max_time", "to_static", "forward_cache"])
-    # an eval forward's default cache (use_cache=None: config.use_cache), continued by a step: one process's logits
-    first = model(ids, attention_mask=mask)
-    step = model(
-        paddle.to_tensor([[7], [8]]),
-        attention_mask=paddle.concat([mask, paddle.ones([2, 1], mask.dtype)], 1),
-        past_key_values=first.past_key_values,
-    )
-    for name, want in (("first", first.logits[:, -1]), ("step", step.logits[:, -1])):
-        np.testing.assert_allclose(np.array(ranks[0]["forward_cache"][name]), want.numpy(), rtol=0, atol=2e-5)
+    want = generations(model)
+    assert sorted(ranks[0]) == sorted([*want, "sampled_unseeded", "max_time", "to_static"])
+    for name, one in want.items():
+        if name == "forward_cache":
+            for k in ("first", "step"):
+                np.testing.assert_allclose(ranks[0][name][k], one[k], rtol=0, atol=2e-5, err_msg=k)
+            continue
+        assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == one["tokens"], name
+        for got, exp in zip(ranks[0][name]["scores"], one["scores"]):
+            got, exp = np.array(got), np.array(exp)
+            finite = np.isfinite(exp)  # top-k sampling masks the rest with -inf
+            assert (np.isfinite(got) == finite).all(), name
+            np.testing.assert_allclose(got[finite], exp[finite], rtol=0, atol=2e-5, err_msg=name)
+    # no seed: the ranks drew with the first rank's; max_time: rank 1 timed out at once, rank 0 never
+    # would, and both stopped after the first new token (transformers' MaxTimeCriteria stops all rows)
+    assert ranks[0]["sampled_unseeded"] == ranks[1]["sampled_unseeded"]
+    assert ranks[0]["max_time"] == ranks[1]["max_time"] and len(ranks[0]["max_time"]["tokens"][0]) == 8 + 1
     # (to_static puts the traced source before the message)
     assert (
         "NotImplementedError: decode_step traced by paddle.jit.to_static on a model split over ranks"
         in ranks[0]["to_static"]
     )
-    # no seed: the ranks drew with the first rank's; max_time: rank 1 timed out at once, rank 0 never
-    # would, and both stopped after the first new token (transformers' MaxTimeCriteria stops all rows)
-    assert ranks[0]["sampled_unseeded"] == ranks[1]["sampled_unseeded"]
-    assert ranks[0]["max_time"] == ranks[1]["max_time"] and len(ranks[0]["max_time"]["tokens"][0]) == 8 + 1
-    for name, kw in runs.items():
-        o = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=5,
-            eos_token_id=[],
-            return_dict_in_generate=True,
-            output_scores=True,
-            **kw,
-        )
-        assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == o.sequences.numpy().tolist(), name
-        for got, want in zip(ranks[0][name]["scores"], o.scores):
-            want = want.numpy()
-            finite = np.isfinite(want)  # top-k sampling masks the rest with -inf
-            assert (np.isfinite(np.array(got)) == finite).all(), name
-            np.testing.assert_allclose(np.array(got)[finite], want[finite], rtol=0, atol=2e-5, err_msg=name)

@@ -20,7 +20,7 @@ import pytest
 
 from paddleformers_glm.train.launch import job_processes
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from tests._dist.runner import env, losses, run_train_cli, worker_logs
+from tests._dist.runner import env, losses, run_nodes, run_train_cli, worker_logs
 
 pytestmark = pytest.mark.slow
 
@@ -234,27 +234,11 @@ def test_two_nodes_sharing_one_out_match_one_process_and_keep_their_own_logs(ref
     ``OUT/logs/workerlog.0`` (34 lines: rank 0's 20 and rank 1's 14, interleaved; node 1 echoed
     node 0's step lines as its own) and shared job.json and status/ (each node deleted the
     other's records at its start).  Now each node keeps them in ``OUT/logs/node<R>/``."""
-    import socket
-
     out = runs / "two_nodes"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     base = [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", *COMMON, "--tp", "2", "--out", str(out)]
-    base += ["--nnodes", "2", "--master", f"127.0.0.1:{port}"]
-    nodes = [
-        subprocess.Popen(
-            [*base, "--node-rank", str(r)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        got = [p.communicate(timeout=300) for p in nodes]
-    finally:
-        for p in nodes:
-            p.kill()
-    for r, (p, (_, err)) in enumerate(zip(nodes, got)):
-        assert p.returncode == 0, f"node {r} rc {p.returncode}:\n{err[-3000:]}"
+    got = run_nodes(base)
+    for r, (rc, _, err) in enumerate(got):
+        assert rc == 0, f"node {r} rc {rc}:\n{err[-3000:]}"
     _assert_close(ref[0], losses(out), "2 nodes x tp 1 (tp 2)")
     assert not (out / "logs" / "workerlog.0").exists()
     for r in (0, 1):
@@ -264,7 +248,7 @@ def test_two_nodes_sharing_one_out_match_one_process_and_keep_their_own_logs(ref
         assert _strict(node / "status" / f"rank{r}.pid")["job"] == job
         assert ("[glm52 train] rank 0/2" in (node / "workerlog.0").read_text()) == (r == 0)  # rank 0 logs it
         assert job_processes(job) == [], f"node {r}: processes of the job still running"
-    assert "step 1/4" in got[0][0] and "step 1/4" not in got[1][0]
+    assert "step 1/4" in got[0][1] and "step 1/4" not in got[1][1]
 
 
 def _strict(path):

@@ -1,8 +1,9 @@
 """Run under ``paddle.distributed.launch --nproc_per_node 2`` (after check_save_dist.py, whose TP2 x EP2
 topology it shares): ``generate`` on the tiny checkpoint split over the two ranks: greedy with and
-without the cache, beam search, sampling with and without a seed, and ``max_time`` on clocks that
-disagree.  Each rank writes its tokens and scores
-to OUT_DIR/rank{r}.json; the test compares them with one process's and with the other rank's.
+without the cache, beam search, sampling with and without a seed, ``max_time`` on clocks that
+disagree, transformers' hand-written cached loop, and a traced decode step.  Each rank writes what it
+got to OUT_DIR/rank{r}.json; the test (tests/test_save_distributed.py) compares it with
+:func:`generations` of one process and with the other rank's.
 
 usage: check_generate_dist.py CKPT OUT_DIR TP EP
 """
@@ -15,52 +16,63 @@ from pathlib import Path
 
 import paddle
 
-from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
-from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
-from paddleformers_glm.train.glm_adapter import GlmAdapter
-
-ckpt, out_dir, tp, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-topo = init_topology(ParallelConfig.from_world(2, tp=tp, ep=ep), **GlmAdapter(ckpt).parallel_sizes())
-model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", topology=topo)
-model.eval()
-ids = paddle.to_tensor([[5, 17, 33, 2, 9, 41, 7, 3], [0, 0, 1, 2, 3, 4, 5, 6]])
-mask = paddle.to_tensor([[1] * 8, [0, 0] + [1] * 6])
+PROMPT = [[5, 17, 33, 2, 9, 41, 7, 3], [0, 0, 1, 2, 3, 4, 5, 6]]  # the second row left-padded
+PROMPT_MASK = [[1] * 8, [0, 0] + [1] * 6]
 RUNS = {
     "greedy": dict(do_sample=False),
     "greedy_uncached": dict(do_sample=False, use_cache=False),
     "beams": dict(do_sample=False, num_beams=2),
     "sampled": dict(do_sample=True, top_k=5, temperature=0.8, seed=7),
 }
-res = {}
-for name, kw in RUNS.items():
-    o = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=5,
-        eos_token_id=[],
-        return_dict_in_generate=True,
-        output_scores=True,
-        **kw,
-    )
-    res[name] = {"tokens": o.sequences.numpy().tolist(), "scores": [s.numpy().tolist() for s in o.scores]}
-# unseeded sampling: the ranks agree on a seed (the first rank's); the tokens then differ from run to run
-o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], do_sample=True, top_k=20)
-res["sampled_unseeded"] = {"tokens": o.numpy().tolist()}
-# max_time read on each rank's own clock, here as far apart as can be: rank 1 is out of time at once,
-# rank 0 never; the ranks stop together (one alone would wait on the other's collectives forever)
-o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], max_time=0.0 if topo.rank else 1e9)
-res["max_time"] = {"tokens": o.numpy().tolist()}
-# transformers' own loop on the split model: an eval forward returns a cache by default, continued by hand
-first = model(ids, attention_mask=mask)
-step = model(paddle.to_tensor([[7], [8]]), attention_mask=paddle.concat([mask, paddle.ones([2, 1], mask.dtype)], 1),
-             past_key_values=first.past_key_values)  # fmt: skip
-res["forward_cache"] = {"first": first.logits[:, -1].numpy().tolist(), "step": step.logits[:, -1].numpy().tolist()}
-# a decode step traced into a static graph: Paddle 3.3's collectives take no group there, refused by name
-try:
-    static = paddle.jit.to_static(model.decode_step, full_graph=True)
-    model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=[], decode_step=static)
-    res["to_static"] = "ran"
-except NotImplementedError as e:
-    res["to_static"] = str(e)
-out_dir.mkdir(parents=True, exist_ok=True)
-(out_dir / f"rank{topo.rank}.json").write_text(json.dumps(res), encoding="utf-8")
+
+
+def generations(model: paddle.nn.Layer) -> dict:
+    """Each of RUNS' tokens and scores, and the logits of transformers' own loop: an eval forward
+    (its default cache) continued by one step."""
+    ids, mask = paddle.to_tensor(PROMPT), paddle.to_tensor(PROMPT_MASK)
+    res = {}
+    for name, kw in RUNS.items():
+        o = model.generate(
+            ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], return_dict_in_generate=True,
+            output_scores=True, **kw,
+        )  # fmt: skip
+        res[name] = {"tokens": o.sequences.numpy().tolist(), "scores": [s.numpy().tolist() for s in o.scores]}
+    first = model(ids, attention_mask=mask)
+    grown = paddle.concat([mask, paddle.ones([2, 1], mask.dtype)], 1)
+    step = model(paddle.to_tensor([[7], [8]]), attention_mask=grown, past_key_values=first.past_key_values)
+    res["forward_cache"] = {"first": first.logits[:, -1].numpy().tolist(), "step": step.logits[:, -1].numpy().tolist()}
+    return res
+
+
+def main() -> None:
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+    from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
+    from paddleformers_glm.train.glm_adapter import GlmAdapter
+
+    ckpt, out_dir, tp, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    topo = init_topology(ParallelConfig.from_world(2, tp=tp, ep=ep), **GlmAdapter(ckpt).parallel_sizes())
+    model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", topology=topo)
+    model.eval()
+    res = generations(model)
+    ids, mask = paddle.to_tensor(PROMPT), paddle.to_tensor(PROMPT_MASK)
+    # unseeded sampling: the ranks agree on a seed (the first rank's); the tokens differ from run to run
+    o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], do_sample=True, top_k=20)
+    res["sampled_unseeded"] = {"tokens": o.numpy().tolist()}
+    # max_time read on each rank's own clock, here as far apart as can be: rank 1 is out of time at once,
+    # rank 0 never; the ranks stop together (one alone would wait on the other's collectives forever)
+    limit = 0.0 if topo.rank else 1e9
+    o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], max_time=limit)
+    res["max_time"] = {"tokens": o.numpy().tolist()}
+    # a decode step traced into a static graph: Paddle 3.3's collectives take no group there, refused by name
+    try:
+        static = paddle.jit.to_static(model.decode_step, full_graph=True)
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=[], decode_step=static)
+        res["to_static"] = "ran"
+    except NotImplementedError as e:
+        res["to_static"] = str(e)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{topo.rank}.json").write_text(json.dumps(res), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -116,3 +116,27 @@ def assert_indexer_matches(ref: dict, got: dict, what) -> None:
     assert len(b["kl"]) == len(b["recall"]) == steps and all(len(r) == 4 for r in b["kl"] + b["recall"]), what
     assert kl <= 1e-7 and recall <= 1e-6, (what, kl, recall)
     assert 0.1 < min(min(r) for r in b["recall"]) and max(max(r) for r in b["recall"]) < 0.99  # the top-k drops keys
+
+
+def run_nodes(command: list[str], nnodes: int = 2, timeout: float = 300) -> list[tuple[int, str, str]]:
+    """``command`` as ``nnodes`` simulated nodes on this machine, each with ``--nnodes N --master
+    127.0.0.1:PORT --node-rank R`` added (one free port, one rendezvous); -> (status, stdout, stderr)
+    per node. Every node is killed on the way out, whatever happened."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [*command, "--nnodes", str(nnodes), "--master", f"127.0.0.1:{port}"]
+    nodes = [
+        subprocess.Popen(
+            [*base, "--node-rank", str(r)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in range(nnodes)
+    ]
+    try:
+        got = [p.communicate(timeout=timeout) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(nodes, got)]
