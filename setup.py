@@ -42,7 +42,8 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6"],
-        "reference": ["torch==2.13.0", "transformers==5.23.0"],
+        # accelerate: transformers' tensor parallel plan (tp_plan="auto") needs it (bench_generate --tp)
+        "reference": ["torch==2.13.0", "transformers==5.23.0", "accelerate==1.16.0"],
         "plot": ["matplotlib>=3.7"],
         # PaddleFormers' Auto classes and Trainer (integrations/paddleformers.py). Its own pins
         # clash: fast-dataindex wants numpy<=1.26.4 while the newest pyarrow needs NumPy 2;

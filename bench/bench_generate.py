@@ -21,6 +21,13 @@ What it measures, and why this way:
 * ours also reports the Paddle operators one decode step launches (bench/op_count.py).
 
 Threads: `--threads 1` (default) for both sides (OMP/MKL env, torch.set_num_threads, Paddle's).
+
+Split over ranks, `--tp N` (N processes a side, `--threads` each): ours is the checkpoint loaded by
+`from_pretrained(path, topology=...)` at TP N x EP N under Paddle's launcher (each rank half the heads
+and half the experts at N = 2), transformers' is its own tensor parallel plan (`tp_plan="auto"`,
+which splits the heads and each expert's FFN; it needs `accelerate`) under torchrun, both over gloo:
+
+    python bench/bench_generate.py --sizes small --tp 2 --json gen_tp2.json
 """
 
 from __future__ import annotations
@@ -152,6 +159,7 @@ def worker_ours(
     device: str = "cpu",
     dtype: str = "float32",
     cuda_graph: bool = False,
+    tp: int = 1,
 ) -> dict[str, Any]:
     import numpy as np
     import paddle
@@ -164,7 +172,14 @@ def worker_ours(
     from paddleformers_glm.generation import CudaGraphDecodeStep
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
-    model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    topology = None
+    if tp > 1:  # under Paddle's launcher (run_worker): every rank runs this, rank 0 reports
+        from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
+        from paddleformers_glm.train.glm_adapter import GlmAdapter
+
+        topology = init_topology(ParallelConfig.from_world(tp, tp=tp, ep=tp), **GlmAdapter(ckpt).parallel_sizes())
+        count = False
+    model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=dtype, topology=topology)
     ids = paddle.to_tensor(_prompt(prompt, model.config.vocab_size))
 
     def step() -> Any:  # a CUDA graph is captured per generation (per cache)
@@ -194,7 +209,7 @@ def worker_ours(
 
 
 def worker_hf(
-    ckpt: str, prompt: int, new_tokens: int, threads: int, device: str = "cpu", dtype: str = "float32"
+    ckpt: str, prompt: int, new_tokens: int, threads: int, device: str = "cpu", dtype: str = "float32", tp: int = 1
 ) -> dict[str, Any]:
     import torch
 
@@ -202,7 +217,13 @@ def worker_hf(
     from transformers import AutoModelForCausalLM
 
     dev = torch.device("cuda" if device == "gpu" else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).to(dev)
+    if tp > 1:  # under torchrun (run_worker): transformers' own tensor parallel plan over gloo
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype), tp_plan="auto")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).to(dev)
     model.eval()
     ids = torch.from_numpy(_prompt(prompt, model.config.vocab_size)).to(dev)
     clock = _Clock()
@@ -231,15 +252,35 @@ WORKERS = {"prepare": worker_prepare, "ours": worker_ours, "hf": worker_hf}
 
 
 # ----------------------------------------------------------------------------- driver
-def run_worker(kind: str, args: list[Any], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(args)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout_s:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+def run_worker(kind: str, args: list[Any], env: dict[str, str], timeout_s: float, ranks: int = 1) -> dict[str, Any]:
+    """One worker in its own process, or on ``ranks`` processes (ours under Paddle's launcher, HF's
+    under torchrun); the first rank's RESULT (in a file: the launchers keep the ranks' output)."""
+    me = [str(Path(__file__).resolve()), "--worker", kind, json.dumps(args)]
+    cmd = [sys.executable, *me]
+    with tempfile.TemporaryDirectory() as logs:
+        env = dict(env, BENCH_RESULT_FILE=os.path.join(logs, "result.json"))
+        if ranks > 1 and kind == "ours":
+            cmd = [
+                sys.executable,
+                "-m",
+                "paddle.distributed.launch",
+                "--nproc_per_node",
+                str(ranks),
+                "--log_dir",
+                logs,
+                *me,
+            ]
+        elif ranks > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), *me]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timeout after {timeout_s:.0f} s"}
+        if os.path.exists(env["BENCH_RESULT_FILE"]):
+            return json.loads(Path(env["BENCH_RESULT_FILE"]).read_text())
+        for name in ("workerlog.0", "workerlog.1"):  # Paddle's launcher: the ranks' own output
+            if os.path.exists(os.path.join(logs, name)):
+                proc.stderr += Path(logs, name).read_text(errors="replace")
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
 
@@ -291,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=None, help=f"prompt tokens (default per size: {PROMPTS})")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=3, help="subprocess runs per side, alternating")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="threads per process")
+    p.add_argument("--tp", type=int, default=1, help="processes a side: ours at TP x EP this, HF's tp_plan='auto'")
     p.add_argument("--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"])
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
@@ -301,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.worker:
         kind, args = ns.worker
-        print("RESULT " + json.dumps(WORKERS[kind](*json.loads(args))), flush=True)
+        result = WORKERS[kind](*json.loads(args))
+        rank = int(os.environ.get("PADDLE_TRAINER_ID", os.environ.get("RANK", "0")) or 0)
+        if rank == 0:
+            Path(os.environ["BENCH_RESULT_FILE"]).write_text(json.dumps(result))
+        if "PADDLE_TRAINER_ID" in os.environ:  # Paddle's launched rank: no gloo teardown to hang on
+            sys.stdout.flush()
+            os._exit(0)
         return 0
     sizes = [s for s in ns.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
@@ -321,12 +369,13 @@ def main(argv: list[str] | None = None) -> int:
             prompt = ns.prompt or PROMPTS[size]
             runs: dict[str, list] = {"ours": [], "hf": []}
             for i in range(ns.runs):
-                runs["ours"].append(
-                    run_worker("ours", [str(ckpt), prompt, ns.new_tokens, ns.threads, i == 0], env, ns.timeout)
-                )
+                ours = [str(ckpt), prompt, ns.new_tokens, ns.threads, i == 0, "cpu", "float32", False, ns.tp]
+                runs["ours"].append(run_worker("ours", ours, env, ns.timeout, ns.tp))
                 if not ns.skip_hf:
-                    runs["hf"].append(run_worker("hf", [str(ckpt), prompt, ns.new_tokens, ns.threads], env, ns.timeout))
-            row = {"size": size, "prompt": prompt, "new": ns.new_tokens, "ours": _median(runs["ours"]), "raw": runs}
+                    hf = [str(ckpt), prompt, ns.new_tokens, ns.threads, "cpu", "float32", ns.tp]
+                    runs["hf"].append(run_worker("hf", hf, env, ns.timeout, ns.tp))
+            row = {"size": size, "prompt": prompt, "new": ns.new_tokens, "tp": ns.tp, "ours": _median(runs["ours"])}
+            row["raw"] = runs
             if not ns.skip_hf:
                 row["hf"] = _median(runs["hf"])
                 if "error" not in row["hf"] and "error" not in row["ours"]:

@@ -99,6 +99,33 @@ def test_generate_bench_runs_and_both_sides_decode_the_same_tokens(tmp_path):
     assert 0 < row["ours"]["ops_per_step"] < 400
 
 
+@pytest.mark.reference
+@pytest.mark.skipif(
+    not _HAVE_HF or importlib.util.find_spec("accelerate") is None,
+    reason="transformers' tensor parallel plan needs torch, transformers and accelerate (the `reference` extra)",
+)
+def test_generate_bench_split_over_two_ranks_decodes_transformers_tokens(tmp_path):
+    """``--tp 2``: ours at TP2 x EP2 under Paddle's launcher, transformers' own ``tp_plan="auto"``
+    under torchrun, both over gloo: the same greedy tokens, each side timed."""
+    (row,) = _bench(
+        tmp_path,
+        "bench_generate.py",
+        "--sizes",
+        "small",
+        "--prompt",
+        "32",
+        "--new-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--tp",
+        "2",
+    )["rows"]
+    assert row["tp"] == 2 and "error" not in row["ours"] and "error" not in row["hf"], row
+    assert row["tokens_equal"] is True and len(row["ours"]["tokens"]) == 4
+    assert row["ours"]["ms_per_token"] > 0 and row["hf"]["ms_per_token"] > 0
+
+
 def test_realwidth_bench_paddle_side_runs(tmp_path):
     res = _bench(
         tmp_path,

@@ -101,7 +101,9 @@ def test_generate_on_the_tp2_ep2_split_model_equals_one_process(dist_save_and_fl
     model = GlmMoeDsaForCausalLM.from_pretrained(str(run["ckpt"]), dtype="float32")
     model.eval()
     want = generations(model)
-    assert sorted(ranks[0]) == sorted([*want, "sampled_unseeded", "max_time", "to_static"])
+    assert sorted(ranks[0]) == sorted([*want, "sampled_unseeded", "max_time", "to_static", "sums_partials"])
+    # generate ran the MoE layers' inference form (each rank's experts on every token, one all-reduce)
+    assert ranks[0]["sums_partials"] and all(ranks[0]["sums_partials"]), ranks[0]["sums_partials"]
     for name, one in want.items():
         if name == "forward_cache":
             for k in ("first", "step"):

@@ -273,6 +273,14 @@ class TopkRouter(nn.Layer):
         return logits, weights, expert_ids
 
 
+def partial_ffn(x: paddle.Tensor, mlp: SwiGLUMLP) -> paddle.Tensor:
+    """This TP rank's share of a tensor-parallel SwiGLU FFN without sequence parallel: its columns of
+    up_gate, its rows of down, not yet summed over TP (the caller sums it with other shares)."""
+    if mlp.down_proj.bias is not None:
+        raise ValueError("partial_ffn: a down projection with a bias (added once, after the sum)")
+    return paddle.matmul(swiglu(mlp.up_gate_proj(x)), mlp.down_proj.weight)
+
+
 class MoE(nn.Layer):
     """Router + routed experts + shared experts.
 
@@ -375,6 +383,8 @@ class MoE(nn.Layer):
         training-time balancing only (``RouterBalance.track``)."""
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
+        if self.dispatcher is not None and self.dispatcher.sums_partials():
+            return self._summed_partials(flat, shape, valid)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.dispatcher is not None and shared is not None:
             # Collectives must run in the same order on every rank. The shared experts (TP group) and
@@ -389,3 +399,13 @@ class MoE(nn.Layer):
         else:
             out = self.routed(flat, weights, expert_ids).reshape(shape)
         return out + shared if shared is not None else out
+
+    def _summed_partials(self, flat: paddle.Tensor, shape: list[int], valid: paddle.Tensor | None) -> paddle.Tensor:
+        """The dispatcher's inference form (`ExpertParallelDispatcher.sums_partials`): this rank's
+        routed share plus its shared experts' share, summed over TP in one all-reduce (the shared
+        experts' own all-reduce folded into the routed one)."""
+        _, weights, expert_ids = self.gate(flat, tuple(shape[:-1]), valid)
+        out = self.dispatcher.local_partial(flat, expert_ids, weights, self.experts)
+        if self.shared_experts is not None:
+            out = out + partial_ffn(flat, self.shared_experts).astype(out.dtype)
+        return comm.all_reduce(out, self.dispatcher.tp_group).astype(flat.dtype).reshape(shape)

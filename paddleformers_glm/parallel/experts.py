@@ -39,6 +39,9 @@ class ExpertParallelDispatcher:
         self.local_start = topo.ep_rank * self.num_local
         self.ep_group, self.etp_group, self.tp_group = topo.ep_group, topo.etp_group, topo.tp_group
         self.split_tp = topo.tp_size > 1 and not topo.sequence_parallel  # the tp ranks hold the same tokens
+        # ... and between them every expert (slice) once: then a forward that needs no gradient runs
+        # each rank's experts on all the tokens and sums over TP (`_local_then_summed`)
+        self.experts_span_tp = self.split_tp and topo.ep_size * topo.etp_size == topo.tp_size
 
     @property
     def local_expert_ids(self) -> list[int]:
@@ -61,6 +64,9 @@ class ExpertParallelDispatcher:
                 f"{list(topk_ids.shape)}, {list(topk_weights.shape)}"
             )
         out_dtype = hidden.dtype
+        if self.sums_partials():
+            partial = self.local_partial(hidden, topk_ids, topk_weights, expert_fn)
+            return comm.all_reduce(partial, self.tp_group).astype(out_dtype)
         if self.split_tp:
             # each tp rank takes its share of the replicated tokens, as evenly as they go: any count
             # splits (an odd micro-batch x sequence at tp 2; a rank may get none)
@@ -107,6 +113,37 @@ class ExpertParallelDispatcher:
         if self.split_tp:
             y = comm.gather_rows_from_tp(y, tp_rows, self.tp_group)
         return y
+
+    def sums_partials(self) -> bool:
+        """Whether this call takes the inference form: tokens replicated over a TP group whose ranks
+        hold every expert (slice) once between them (ep x etp = tp), no gradient, eager. Each rank
+        then runs its own experts on the assignments they got (`local_partial`) and one all-reduce
+        over TP sums the partial outputs (the MoE layer adds its shared experts' partial output
+        first): one collective where the dispatch takes five (the split, the counts, two
+        all-to-alls, the gather); at decoding's few tokens their latency is the step's."""
+        return self.experts_span_tp and not paddle.is_grad_enabled() and paddle.in_dynamic_mode()
+
+    def local_partial(
+        self, hidden: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor, expert_fn: ExpertFn
+    ) -> paddle.Tensor:
+        """This rank's share of the routed sum (`sums_partials`) [T, H] in the weights' dtype: its
+        experts' weighted outputs; the TP sum of the shares is the routed sum. A token's terms are
+        summed per rank, then over the ranks: the one-process order's result to fp32 reduction error."""
+        t, k = topk_ids.shape
+        flat_ids = topk_ids.reshape([-1]).astype("int64")
+        mine = paddle.nonzero((flat_ids >= self.local_start) & (flat_ids < self.local_start + self.num_local))
+        mine = mine.reshape([-1])  # this rank's assignments (token * k + j)
+        local_ids = paddle.gather(flat_ids, mine) - self.local_start
+        order = paddle.argsort(local_ids, stable=True)  # grouped by local expert
+        assign = paddle.gather(mine, order)
+        rows = paddle.floor_divide(assign, paddle.full_like(assign, k))
+        counts = [int(c) for c in np.bincount(local_ids.numpy(), minlength=self.num_local)]
+        out = paddle.zeros([t, hidden.shape[-1]], dtype=topk_weights.dtype)
+        if assign.shape[0]:
+            y = expert_fn(paddle.gather(hidden, rows), counts)  # partial over etp
+            w = paddle.gather(topk_weights.reshape([-1]), assign)
+            out = paddle.index_add(out, rows, 0, y.astype(w.dtype) * w.unsqueeze(-1))
+        return out
 
 
 class ExpertMLP(nn.Layer):

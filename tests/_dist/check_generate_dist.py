@@ -54,6 +54,9 @@ def main() -> None:
     model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", topology=topo)
     model.eval()
     res = generations(model)
+    with paddle.no_grad():  # the MoE layers' inference form: experts span the TP group (ep 2 = tp 2)
+        res["sums_partials"] = [layer.mlp.dispatcher.sums_partials() for layer in model.model.decoder_layers
+                                if getattr(layer.mlp, "dispatcher", None) is not None]  # fmt: skip
     ids, mask = paddle.to_tensor(PROMPT), paddle.to_tensor(PROMPT_MASK)
     # unseeded sampling: the ranks agree on a seed (the first rank's); the tokens differ from run to run
     o = model.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[], do_sample=True, top_k=20)
