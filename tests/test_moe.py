@@ -223,3 +223,63 @@ def test_decoding_moe_equals_the_per_token_sum_and_the_training_form():
                 expect += moe.expert(e)(flat[t : t + 1]).numpy()[0] * float(w[t, j])
             np.testing.assert_allclose(decoded[t], expect, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(decoded, trained, rtol=2e-6, atol=2e-5)
+
+
+class _Rank:
+    """A stand-in for a two-rank group as the dispatcher reads it (its size and this rank's place)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.nranks, self.ranks = rank, 2, [0, 1]
+
+
+@pytest.mark.parametrize("tp, ep, etp, share", [(2, 2, 1, "experts"), (2, 1, 2, "experts"), (2, 1, 1, "tokens")])
+def test_inference_shares_of_the_routed_sum_add_up_to_it(tp, ep, etp, share):
+    """The MoE inference form on a model split over TP (parallel/experts.py ``local_partial``): each
+    rank's share (its experts' assignments, its expert FFN slice, or its rows' share of the tokens,
+    7 tokens split 4 / 3) summed over the two ranks is the one-process routed sum; the shares
+    partition it (no assignment in both, none in neither). The all-reduce that sums them is the
+    launched test's (tests/test_save_distributed.py, generate at TP2 x EP2)."""
+    from paddleformers_glm.parallel.experts import ExpertParallelDispatcher, LocalExperts
+    from paddleformers_glm.parallel.topology import ParallelConfig, Topology
+
+    cfg = tiny_config()
+    moe = MoE(cfg)
+    rng = np.random.default_rng(5)
+    for p in moe.parameters():
+        p.set_value(paddle.to_tensor((rng.standard_normal(p.shape) * 0.3).astype("float32")))
+    flat = paddle.to_tensor(rng.standard_normal((7, cfg.hidden_size)).astype("float32"))
+    _, w, ids = moe.gate(flat)
+    want = moe.routed(flat, w, ids).numpy()
+    shares = []
+    for r in range(2):
+        topo = Topology(
+            ParallelConfig(tp=tp, ep=ep, etp=etp),
+            rank=r,
+            groups={"tp": _Rank(r), "ep": _Rank(r), "etp": _Rank(r)},
+            ranks={"tp": r, "ep": r if ep > 1 else 0, "etp": r if etp > 1 else 0},
+        )
+        d = ExpertParallelDispatcher(cfg.n_routed_experts, topo=topo)
+        assert d.share == share
+        if etp > 1:  # this rank's half of each expert's FFN: columns of up_gate (gate | up), rows of down
+            half = cfg.moe_intermediate_size // 2
+            experts = LocalExperts(d.local_expert_ids, lambda e, r=r, half=half: _ffn_half(moe.expert(e), r, half))
+        else:
+            experts = LocalExperts(d.local_expert_ids, moe.expert)
+        with paddle.no_grad():
+            assert d.sums_partials()
+            shares.append(d.local_partial(flat, ids, w, experts).numpy())
+    np.testing.assert_allclose(shares[0] + shares[1], want, rtol=1e-5, atol=1e-5)
+    if share == "tokens":  # rows 0-3 on rank 0, 4-6 on rank 1, zero elsewhere
+        assert not shares[0][4:].any() and not shares[1][:4].any()
+
+
+def _ffn_half(expert, r: int, I: int):
+    """Rank r's etp half of an expert, as the model builds one (``Expert(H, I, etp=2)``): its I columns
+    of gate and of up, its I rows of down."""
+    from paddleformers_glm.modeling.moe import Expert
+
+    W, D = expert.up_gate_proj.weight.numpy(), expert.down_proj.weight.numpy()
+    half, cols = Expert(W.shape[0], 2 * I, etp=2), np.r_[r * I : (r + 1) * I]
+    half.up_gate_proj.weight.set_value(paddle.to_tensor(np.concatenate([W[:, cols], W[:, 2 * I + cols]], axis=1)))
+    half.down_proj.weight.set_value(paddle.to_tensor(D[cols]))
+    return half

@@ -39,9 +39,13 @@ class ExpertParallelDispatcher:
         self.local_start = topo.ep_rank * self.num_local
         self.ep_group, self.etp_group, self.tp_group = topo.ep_group, topo.etp_group, topo.tp_group
         self.split_tp = topo.tp_size > 1 and not topo.sequence_parallel  # the tp ranks hold the same tokens
-        # ... and between them every expert (slice) once: then a forward that needs no gradient runs
-        # each rank's experts on all the tokens and sums over TP (`_local_then_summed`)
-        self.experts_span_tp = self.split_tp and topo.ep_size * topo.etp_size == topo.tp_size
+        # a forward that needs no gradient can then share the routed sum out over the TP ranks and sum
+        # the shares in one all-reduce (`sums_partials`): by expert when the TP ranks hold every
+        # expert (slice) once between them, by token when each holds them all
+        block = topo.ep_size * topo.etp_size
+        self.share = (
+            ("experts" if block == topo.tp_size else "tokens" if block == 1 else None) if self.split_tp else None
+        )
 
     @property
     def local_expert_ids(self) -> list[int]:
@@ -115,24 +119,31 @@ class ExpertParallelDispatcher:
         return y
 
     def sums_partials(self) -> bool:
-        """Whether this call takes the inference form: tokens replicated over a TP group whose ranks
-        hold every expert (slice) once between them (ep x etp = tp), no gradient, eager. Each rank
-        then runs its own experts on the assignments they got (`local_partial`) and one all-reduce
-        over TP sums the partial outputs (the MoE layer adds its shared experts' partial output
-        first): one collective where the dispatch takes five (the split, the counts, two
-        all-to-alls, the gather); at decoding's few tokens their latency is the step's."""
-        return self.experts_span_tp and not paddle.is_grad_enabled() and paddle.in_dynamic_mode()
+        """Whether this call takes the inference form: tokens replicated over the TP group, whose ranks
+        hold every expert (slice) once between them (ep x etp = tp) or each all of them (ep = etp =
+        1); no gradient; eager. Each rank then computes its share of the routed sum (`local_partial`:
+        its experts' assignments, or its rows' share of the tokens) and one all-reduce over TP sums
+        the shares (the MoE layer adds its shared experts' share first): one collective where the
+        dispatch takes up to five (the split, the counts, two all-to-alls, the gather); at
+        decoding's few tokens their latency is the step's."""
+        return self.share is not None and not paddle.is_grad_enabled() and paddle.in_dynamic_mode()
 
     def local_partial(
         self, hidden: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor, expert_fn: ExpertFn
     ) -> paddle.Tensor:
-        """This rank's share of the routed sum (`sums_partials`) [T, H] in the weights' dtype: its
-        experts' weighted outputs; the TP sum of the shares is the routed sum. A token's terms are
-        summed per rank, then over the ranks: the one-process order's result to fp32 reduction error."""
+        """This rank's share of the routed sum (`sums_partials`) [T, H] in the weights' dtype, zero
+        elsewhere: its experts' weighted outputs, or all experts' on its rows (`comm.row_split`, as
+        the dispatch splits them); the TP sum of the shares is the routed sum. Summed per rank, then
+        over the ranks: the one-process order's result to fp32 reduction error."""
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape([-1]).astype("int64")
-        mine = paddle.nonzero((flat_ids >= self.local_start) & (flat_ids < self.local_start + self.num_local))
-        mine = mine.reshape([-1])  # this rank's assignments (token * k + j)
+        keep = (flat_ids >= self.local_start) & (flat_ids < self.local_start + self.num_local)
+        if self.share == "tokens":  # assignment a = token * k + j: this rank's rows' assignments
+            sizes = comm.row_split(t, self.tp_group)
+            lo = sum(sizes[: self.tp_group.rank])
+            keep = paddle.logical_and(keep, paddle.arange(t * k) // k >= lo)
+            keep = paddle.logical_and(keep, paddle.arange(t * k) // k < lo + sizes[self.tp_group.rank])
+        mine = paddle.nonzero(keep).reshape([-1])  # this rank's assignments
         local_ids = paddle.gather(flat_ids, mine) - self.local_start
         order = paddle.argsort(local_ids, stable=True)  # grouped by local expert
         assign = paddle.gather(mine, order)
