@@ -160,6 +160,7 @@ def worker_ours(
     dtype: str = "float32",
     cuda_graph: bool = False,
     tp: int = 1,
+    ep: int | None = None,
 ) -> dict[str, Any]:
     import numpy as np
     import paddle
@@ -177,7 +178,8 @@ def worker_ours(
         from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
         from paddleformers_glm.train.glm_adapter import GlmAdapter
 
-        topology = init_topology(ParallelConfig.from_world(tp, tp=tp, ep=tp), **GlmAdapter(ckpt).parallel_sizes())
+        ep = ep or tp
+        topology = init_topology(ParallelConfig.from_world(tp, tp=tp, ep=ep), **GlmAdapter(ckpt).parallel_sizes())
         count = False
     model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=dtype, topology=topology)
     ids = paddle.to_tensor(_prompt(prompt, model.config.vocab_size))
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="subprocess runs per side, alternating")
     p.add_argument("--threads", type=int, default=1, help="threads per process")
     p.add_argument("--tp", type=int, default=1, help="processes a side: ours at TP x EP this, HF's tp_plan='auto'")
+    p.add_argument("--ep", type=int, default=None, help="with --tp: our expert parallel size (default: --tp)")
     p.add_argument("--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"])
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
@@ -369,12 +372,13 @@ def main(argv: list[str] | None = None) -> int:
             prompt = ns.prompt or PROMPTS[size]
             runs: dict[str, list] = {"ours": [], "hf": []}
             for i in range(ns.runs):
-                ours = [str(ckpt), prompt, ns.new_tokens, ns.threads, i == 0, "cpu", "float32", False, ns.tp]
+                ours = [str(ckpt), prompt, ns.new_tokens, ns.threads, i == 0, "cpu", "float32", False, ns.tp, ns.ep]
                 runs["ours"].append(run_worker("ours", ours, env, ns.timeout, ns.tp))
                 if not ns.skip_hf:
                     hf = [str(ckpt), prompt, ns.new_tokens, ns.threads, "cpu", "float32", ns.tp]
                     runs["hf"].append(run_worker("hf", hf, env, ns.timeout, ns.tp))
-            row = {"size": size, "prompt": prompt, "new": ns.new_tokens, "tp": ns.tp, "ours": _median(runs["ours"])}
+            row = {"size": size, "prompt": prompt, "new": ns.new_tokens, "tp": ns.tp, "ep": ns.ep or ns.tp}
+            row["ours"] = _median(runs["ours"])
             row["raw"] = runs
             if not ns.skip_hf:
                 row["hf"] = _median(runs["hf"])
