@@ -186,7 +186,6 @@ def _run_launched(
     complaint for one line and exit 2, or a failed job's exit status (its message printed)."""
     import shutil
     import tempfile
-    import threading
 
     from .._io import read_json, write_record
     from ..generation.launched import layout_of

@@ -5,8 +5,9 @@ silently ignored.
 
 ``config`` holds the settings (``GenerationConfig``, ``resolve_settings``), ``logits_process`` what turns
 a step's logits into scores (HF's processors, warpers and stopping criteria), ``decoders`` the model's
-side (the cache, drafts), ``search`` the loop (``generate``: greedy, sampling, beam search). Nothing here
-imports Paddle at import time: the CLI imports this package at start-up.
+side (the cache, drafts), ``search`` the loop (``generate``: greedy, sampling, beam search), ``launched``
+one rank of ``glm52 generate --tp``. Nothing here imports Paddle at import time: the CLI imports this
+package at start-up.
 """
 
 from .config import (

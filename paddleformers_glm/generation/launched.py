@@ -4,8 +4,9 @@ ranks (each rank only its slices), then ``generate`` on every rank with the same
 The command (cli/generate.py) checks everything and writes the run's JSON; the launcher starts
 ``train/worker.py --generate RUN.json`` on each rank (the training worker's life records, so a
 failed or stopped rank is named as in training). Each rank appends every step's new token to
-``OUT/tokens.rank<R>`` as it is chosen (rank 0's file is what the command streams) and writes
-``OUT/result.rank<R>.json`` at its end; the command checks that the ranks chose the same tokens.
+``OUT/tokens.rank<R>`` as it is chosen (a node's first rank's file is what the command there
+streams) and writes ``OUT/result.rank<R>.json`` at its end; the command checks that the node's ranks
+chose the same tokens.
 """
 
 from __future__ import annotations
