@@ -93,7 +93,7 @@ def generate(
     import paddle
 
     started = time.time()  # max_time counts from here, as transformers' MaxTimeCriteria from generate's start
-    _check_whole(model)
+    _check_decodable(model)
     hooks = Hooks.checked(logits_processor, stopping_criteria, prefix_allowed_tokens_fn)
 
     if inputs_embeds is not None:
@@ -352,8 +352,17 @@ def _beam_search(
     )
 
 
-def _check_whole(model: paddle.nn.Layer) -> None:
-    """A pipeline stage holds some of the layers, the embedding or the head only: it cannot decode."""
+def _check_decodable(model: paddle.nn.Layer) -> None:
+    """A pipeline stage holds some of the layers, the embedding or the head only, and a model built
+    with sequence or context parallel splits every sequence over ranks (a decode step's few tokens,
+    or a length the group does not divide, cannot be split): neither can decode."""
+    topo = getattr(model, "topology", None)
+    if topo is not None and (topo.sequence_parallel or topo.cp_size > 1):
+        raise NotImplementedError(
+            f"generate: this model splits its sequences over ranks (sequence_parallel={topo.sequence_parallel}, "
+            f"cp={topo.cp_size}); build it for generation with both off (from_pretrained(path, topology=...) "
+            "of tensor and expert parallel only)"
+        )
     stage = getattr(model, "stage", None)
     if stage is None:
         return

@@ -484,6 +484,14 @@ try:
 except NotImplementedError as e:
     print("glm tp2+sp cache:", e, flush=True)
     res["glm_sp_cache_refused"] = 0.0 if "sequence_parallel=True" in str(e) else 1.0
+refused = 0
+for kw in ({}, {"use_cache": False}):  # generate, with or without a cache: refused before any step
+    try:
+        with topology_override(tp_sp):
+            sp_stage.generate(T(np.arange(7).reshape(1, 7)), max_new_tokens=2, **kw)
+    except NotImplementedError as e:
+        refused += "generate: this model splits its sequences over ranks (sequence_parallel=True" in str(e)
+res["glm_sp_generate_refused"] = 0.0 if refused == 2 else 1.0
 sp_stage.train()
 
 # ... and at tp 2 without SP on one sequence of 9 tokens: the MoE layers' dispatcher splits the replicated
