@@ -283,3 +283,37 @@ def _ffn_half(expert, r: int, I: int):
     half.up_gate_proj.weight.set_value(paddle.to_tensor(np.concatenate([W[:, cols], W[:, 2 * I + cols]], axis=1)))
     half.down_proj.weight.set_value(paddle.to_tensor(D[cols]))
     return half
+
+
+def test_the_inference_form_is_taken_in_eval_mode_only():
+    """A training forward without gradient is recompute's first pass (Paddle's recompute runs it under
+    no_grad, then replays it with gradient): it keeps the dispatch, so the replay computes the same
+    values; an evaluating forward without gradient takes the shares (the dispatcher stands in for a
+    split one: it answers that it could, and records which form the MoE layer asked for)."""
+    cfg = tiny_config()
+    moe = MoE(cfg)
+    calls = []
+
+    class _Dispatcher:
+        tp_group = None  # comm.all_reduce over no group: the shares' sum is this one share
+
+        def sums_partials(self):
+            return True
+
+        def local_partial(self, flat, ids, w, experts):
+            calls.append("shares")
+            return moe.routed(flat, w, ids).astype(w.dtype)
+
+        def __call__(self, flat, ids, w, experts):
+            calls.append("dispatch")
+            return moe.routed(flat, w, ids)
+
+    moe.dispatcher = _Dispatcher()
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, 3, cfg.hidden_size)).astype("float32"))
+    with paddle.no_grad():
+        moe.train()
+        trained = moe(x)
+        moe.eval()
+        evaluated = moe(x)
+    assert calls == ["dispatch", "shares"]
+    np.testing.assert_allclose(evaluated.numpy(), trained.numpy(), rtol=1e-6, atol=1e-6)

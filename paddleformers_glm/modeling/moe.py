@@ -383,7 +383,7 @@ class MoE(nn.Layer):
         training-time balancing only (``RouterBalance.track``)."""
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
-        if self.dispatcher is not None and self.dispatcher.sums_partials():
+        if self.dispatcher is not None and not self.training and self.dispatcher.sums_partials():
             return self._summed_partials(flat, shape, valid)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.dispatcher is not None and shared is not None:

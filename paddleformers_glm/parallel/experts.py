@@ -68,9 +68,6 @@ class ExpertParallelDispatcher:
                 f"{list(topk_ids.shape)}, {list(topk_weights.shape)}"
             )
         out_dtype = hidden.dtype
-        if self.sums_partials():
-            partial = self.local_partial(hidden, topk_ids, topk_weights, expert_fn)
-            return comm.all_reduce(partial, self.tp_group).astype(out_dtype)
         if self.split_tp:
             # each tp rank takes its share of the replicated tokens, as evenly as they go: any count
             # splits (an odd micro-batch x sequence at tp 2; a rank may get none)
@@ -119,13 +116,15 @@ class ExpertParallelDispatcher:
         return y
 
     def sums_partials(self) -> bool:
-        """Whether this call takes the inference form: tokens replicated over the TP group, whose ranks
-        hold every expert (slice) once between them (ep x etp = tp) or each all of them (ep = etp =
-        1); no gradient; eager. Each rank then computes its share of the routed sum (`local_partial`:
-        its experts' assignments, or its rows' share of the tokens) and one all-reduce over TP sums
-        the shares (the MoE layer adds its shared experts' share first): one collective where the
-        dispatch takes up to five (the split, the counts, two all-to-alls, the gather); at
-        decoding's few tokens their latency is the step's."""
+        """Whether the inference form can replace the dispatch now: tokens replicated over the TP
+        group, whose ranks hold every expert (slice) once between them (ep x etp = tp) or each all of
+        them (ep = etp = 1); no gradient; eager. Each rank then computes its share of the routed sum
+        (`local_partial`: its experts' assignments, or its rows' share of the tokens) and one
+        all-reduce over TP sums the shares (the MoE layer adds its shared experts' share first): one
+        collective where the dispatch takes up to five (the split, the counts, two all-to-alls, the
+        gather); at decoding's few tokens their latency is the step's. The MoE layer takes it in
+        eval mode only: a training forward without gradient is recompute's first pass, whose
+        replay must compute the same values (the shares round differently from the dispatch)."""
         return self.share is not None and not paddle.is_grad_enabled() and paddle.in_dynamic_mode()
 
     def local_partial(

@@ -55,7 +55,8 @@ def main() -> None:
     model.eval()
     res = generations(model)
     with paddle.no_grad():  # the MoE layers' inference form: experts span the TP group (ep 2 = tp 2)
-        res["sums_partials"] = [layer.mlp.dispatcher.sums_partials() for layer in model.model.decoder_layers
+        res["sums_partials"] = [not layer.mlp.training and layer.mlp.dispatcher.sums_partials()
+                                for layer in model.model.decoder_layers
                                 if getattr(layer.mlp, "dispatcher", None) is not None]  # fmt: skip
     ids, mask = paddle.to_tensor(PROMPT), paddle.to_tensor(PROMPT_MASK)
     # unseeded sampling: the ranks agree on a seed (the first rank's); the tokens differ from run to run
