@@ -131,3 +131,41 @@ def test_a_job_timeout_stops_every_rank_and_names_the_logs(tiny_dir, tmp_path, c
     assert f"(failure record: {log_dir}/failure.json)" in err and (log_dir / "failure.json").is_file()
     job = json.loads((log_dir / "job.json").read_text())["job_id"]
     assert job_processes(job) == []
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(tiny_dir, tmp_path):
+    """SIGINT to the command while the ranks generate (after rank 0's first tokens): every process of
+    the job ends (none left behind), exit 130, one line naming the signal and the failure record
+    (the launcher's handling, as glm52 train's: tests/test_job_lifetime.py)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from paddleformers_glm.train.launch import job_processes
+    from tests._dist.runner import env
+
+    log_dir = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", *ARGS[:-1], "3000", "--model", tiny_dir]
+    p = subprocess.Popen(
+        [*cmd, "--tp", "2", "--log-dir", str(log_dir)],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        tokens, t0 = log_dir / "generate" / "tokens.rank0", time.monotonic()
+        while not (tokens.is_file() and tokens.stat().st_size > 8) and time.monotonic() - t0 < 120:
+            assert p.poll() is None, p.communicate()[1][-2000:]
+            time.sleep(0.1)
+        assert tokens.is_file(), "no token came within 120 s"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    lines = [ln for ln in err.splitlines() if ln.strip() and "INFO" not in ln]
+    assert p.returncode == 130, err[-2000:]
+    assert lines[-2].startswith("glm52 generate: stopped by SIGINT") and lines[-1].startswith("(failure record:"), lines
+    job = json.loads((log_dir / "job.json").read_text())["job_id"]
+    assert job_processes(job) == []
