@@ -280,9 +280,8 @@ def run_worker(kind: str, args: list[Any], env: dict[str, str], timeout_s: float
             return {"error": f"timeout after {timeout_s:.0f} s"}
         if os.path.exists(env["BENCH_RESULT_FILE"]):
             return json.loads(Path(env["BENCH_RESULT_FILE"]).read_text())
-        for name in ("workerlog.0", "workerlog.1"):  # Paddle's launcher: the ranks' own output
-            if os.path.exists(os.path.join(logs, name)):
-                proc.stderr += Path(logs, name).read_text(errors="replace")
+        for log in sorted(Path(logs).glob("workerlog.*")):  # Paddle's launcher: the ranks' own output
+            proc.stderr += log.read_text(errors="replace")
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
 

@@ -190,9 +190,9 @@ def _run_launched(
     from .._io import read_json, write_record
     from ..generation.launched import layout_of
     from ..parallel.topology import ParallelConfig, ParallelConfigError
-    from ..train.command import check_checkpoint_files, check_launch_numbers, launcher_options, node_rank_of
+    from ..train.command import check_checkpoint_files, check_launch_numbers, launch_from_args, node_rank_of
     from ..train.glm_adapter import check_glm_sizes, glm_parallel_sizes
-    from ..train.launch import LaunchError, launch_workers
+    from ..train.launch import LaunchError
 
     world, dims = layout_of({"tp": args.tp, "ep": args.ep})
     sizes = glm_parallel_sizes(config)
@@ -223,16 +223,7 @@ def _run_launched(
     if not beams:
         follow.start()
     try:
-        launch_workers(
-            ["--generate", run_json],
-            nproc,
-            log_dir,
-            launcher_args=launcher_options(args, node_rank),
-            node_rank_offset=first,
-            world_size=world,
-            timeout_s=args.job_timeout,
-            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
-        )
+        launch_from_args(["--generate", run_json], world, log_dir, args, node_rank)
     except LaunchError as err:
         print(f"\nglm52 generate: {err}\n(failure record: {os.path.join(log_dir, 'failure.json')})", file=sys.stderr)
         return err.returncode or 1

@@ -43,7 +43,7 @@ __all__ = [
     "check_launch_numbers",
     "check_settings",
     "config_from_args",
-    "launcher_options",
+    "launch_from_args",
     "main",
     "node_rank_of",
     "register_train",
@@ -555,16 +555,40 @@ def node_rank_of(args: argparse.Namespace) -> int | None:
     return node_rank
 
 
-def launcher_options(args: argparse.Namespace, node_rank: int | None) -> list[str]:
-    """Paddle's launcher's options for this node: ``--launcher-args``, and in a multi-node job the
-    node count, the rendezvous and this node's rank."""
+def launch_from_args(
+    worker_args: list[str],
+    world: int,
+    log_dir: str,
+    args: argparse.Namespace,
+    node_rank: int | None,
+    quiet: bool = True,
+) -> None:
+    """``train/worker.py worker_args`` on this node's share of the job's ``world`` ranks, launched as
+    the flags of :func:`add_launch_arguments` in ``args`` say (``node_rank``: :func:`node_rank_of`):
+    Paddle's launcher given ``--launcher-args`` and, in a multi-node job, the node count, the
+    rendezvous and this node's rank; the job timeout; the NCCL process-group timeout. Raises
+    ``launch.LaunchError`` as :func:`launch.launch_workers` does (``glm52 train`` and ``glm52
+    generate --tp``)."""
+    from .launch import launch_workers
+
     options = shlex.split(args.launcher_args)
     if args.nnodes > 1:
         options = ["--nnodes", str(args.nnodes), *options]
         if args.master:
             options += ["--master", args.master]
         options += ["--rank", str(node_rank)]
-    return options
+    nproc = world // args.nnodes
+    launch_workers(
+        worker_args,
+        nproc,
+        log_dir,
+        launcher_args=options,
+        node_rank_offset=(node_rank or 0) * nproc,
+        world_size=world,
+        timeout_s=args.job_timeout,
+        quiet_launcher=quiet,
+        extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
+    )
 
 
 def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world: int, node_rank: int | None) -> int:
@@ -573,7 +597,7 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     local rank (``workerlog.0`` on every node), and job.json, status/ and failure.json are the
     node's own; in one shared ``--out`` (a cluster filesystem) the nodes' files were one set,
     each node appending to the others' worker logs and deleting their status records."""
-    from .launch import LaunchError, launch_workers
+    from .launch import LaunchError
 
     if world == 1 and args.nnodes == 1:
         return _run_in_process(cfg, adapter, args.job_timeout)
@@ -582,19 +606,8 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     run_json = os.path.join(cfg.out if node_rank is None else log_dir, "run_config.json")
     os.makedirs(log_dir, exist_ok=True)
     write_record(run_json, cfg.__dict__)
-    nproc = world // args.nnodes
     try:
-        launch_workers(
-            ["--config", run_json],
-            nproc,
-            log_dir,
-            launcher_args=launcher_options(args, node_rank),
-            node_rank_offset=(node_rank or 0) * nproc,
-            world_size=world,
-            timeout_s=args.job_timeout,
-            quiet_launcher=not args.verbose,
-            extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
-        )
+        launch_from_args(["--config", run_json], world, log_dir, args, node_rank, quiet=not args.verbose)
     except LaunchError as e:
         record = os.path.join(log_dir, "failure.json")
         sep = "; every process of the job ended " if e.cause == "signal" else "\n"  # a user's stop: one line
