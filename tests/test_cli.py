@@ -153,7 +153,10 @@ def test_generate_takes_top_p_0():
     from paddleformers_glm.cli.generate import check_arguments
 
     names = ("max_new_tokens", "max_length", "top_k", "temperature", "repetition_penalty", "num_beams", "system")
-    launch = dict(tp=1, ep=1, log_dir=None, nnodes=1, master=None, node_rank=None, launcher_args="", job_timeout=None)
+    launch = dict(
+        tp=1, ep=1, pp=1, log_dir=None, nnodes=1, master=None, node_rank=None, launcher_args="", job_timeout=None
+    )
+    launch["speculative"] = False
     args = argparse.Namespace(**dict.fromkeys(names), top_p=0.0, chat=False, **launch)
     assert check_arguments(args) is None
 

@@ -1,4 +1,4 @@
-"""``glm52 generate --tp N --ep M``: the checkpoint read and run split over launched ranks
+"""``glm52 generate --tp N --ep M --pp P``: the checkpoint read and run split over launched ranks
 (generation/launched.py through the training worker), rank 0's tokens streamed. The text is one
 process's; the command checks that every rank chose the same tokens (a rank that went its own way
 would otherwise print nothing wrong: only rank 0's tokens are shown)."""
@@ -59,17 +59,81 @@ def test_tp2_speculative_prints_the_same_text(tiny_dir, capsys):
     assert cap.out == plain and "main forwards" in cap.err
 
 
+def test_tp2_pp2_prints_the_one_process_text(tiny_dir, capsys):
+    """Four ranks: two pipeline stages, each split over two tensor-parallel ranks; the stages run in
+    turn every step and the last stage's logits reach every rank."""
+    assert main([*ARGS, "--model", tiny_dir]) == 0
+    plain = capsys.readouterr().out
+    assert main([*ARGS, "--model", tiny_dir, "--tp", "2", "--pp", "2"]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_pp2_generate_equals_one_process_bit_for_bit(tiny_dir, tmp_path):
+    """``from_pretrained(path, topology=pp 2)`` builds and reads only the rank's stage (before: every
+    rank built and read the whole model, 811,920 parameters on the tiny checkpoint), and ``generate``
+    on it (tests/_dist/check_generate_dist.py: greedy with and without the cache, right padding,
+    beams, seeded and unseeded sampling, prompt lookup, an eval forward's cache continued by a step)
+    gives one process's tokens and scores bit for bit: a stage runs the same operations on the same
+    numbers (stage 1 starts on a shared indexer layer: the top-k travels with the hidden states). A
+    forward with labels is refused by name (training goes through the trainer's pipeline)."""
+    import numpy as np
+
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+    from tests._dist.check_generate_dist import PROMPT, generations
+    from tests._dist.runner import launch_script, script_logs
+
+    out = tmp_path / "out"
+    p = launch_script("check_generate_dist.py", 2, [tiny_dir, str(out), "1", "1", "2"], tmp_path / "logs")
+    assert p.returncode == 0 and (out / "rank1.json").is_file(), p.stderr[-2000:] + script_logs(tmp_path / "logs", 2)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    model = GlmMoeDsaForCausalLM.from_pretrained(tiny_dir, dtype="float32")
+    model.eval()
+    want = generations(model)
+    for name, one in want.items():
+        for r in ranks:
+            assert r[name] == one, name
+    whole = sum(int(p.size) for p in model.parameters())
+    L = model.config.num_hidden_layers
+    assert ranks[0]["built"] == {"stage_layers": [0, 1, 2, 3], "layers": [0, 1, 2, 3], "head": False,
+                                 "params": ranks[0]["built"]["params"]}  # fmt: skip
+    assert ranks[1]["built"]["stage_layers"] == [4, 5, 6, 7] and ranks[1]["built"]["layers"] == [4, 5, 6, 7, L]
+    assert ranks[1]["built"]["head"] and all(r["built"]["params"] < whole for r in ranks)
+    # the MTP layer embeds on the last stage: the embedding is the only tensor both stages hold
+    embedding = model.config.vocab_size * model.config.hidden_size
+    assert ranks[0]["built"]["params"] + ranks[1]["built"]["params"] == whole + embedding
+    stats = {}
+    o = model.generate(
+        paddle_ids(PROMPT[0]), max_new_tokens=6, eos_token_id=[], prompt_lookup_num_tokens=2, stats=stats
+    )
+    assert ranks[0]["lookup"] == ranks[1]["lookup"] == {"tokens": o.numpy().tolist(), "stats": stats}
+    assert ranks[0]["sampled_unseeded"] == ranks[1]["sampled_unseeded"]
+    assert ranks[0]["max_time"] == ranks[1]["max_time"] and len(ranks[0]["max_time"]["tokens"][0]) == 8 + 1
+    for r, stage in zip(ranks, (0, 1)):
+        assert r["labels"].startswith(f"forward on pipeline stage {stage} of 2: labels not supported"), r["labels"]
+        assert "decode_step traced by paddle.jit.to_static on a model split over ranks" in r["to_static"]
+    assert np.isfinite(np.array(want["greedy"]["scores"])).all()
+
+
+def paddle_ids(row: list[int]):
+    import paddle
+
+    return paddle.to_tensor([row])
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [
         (["--tp", "3"], "tp 3 does not divide num_attention_heads 4"),
         (["--tp", "2", "--ep", "3"], "ep 3 x etp 1 = 3 must divide tp 2 x dp 1 = 2"),
         (["--tp", "0"], "--tp must be >= 1, got 0"),
-        (["--log-dir", "x"], "--log-dir needs --tp or --ep"),
-        (["--nnodes", "2"], "--nnodes needs --tp or --ep"),
+        (["--log-dir", "x"], "--log-dir needs --tp, --ep or --pp"),
+        (["--nnodes", "2"], "--nnodes needs --tp, --ep or --pp"),
         (["--tp", "2", "--nnodes", "2"], "--nnodes 2 needs --master IP:PORT"),
         (["--tp", "2", "--nnodes", "3", "--master", "127.0.0.1:1"], "world size 2 is not divisible by --nnodes 3"),
         (["--tp", "2", "--job-timeout", "0"], "--job-timeout must be a finite number of seconds > 0, got 0.0"),
+        (["--pp", "9"], "pp 9 > num_hidden_layers 8: a stage would have no layer"),
+        (["--pp", "2", "--speculative"], "--speculative needs --pp 1 (the MTP layer drafts from"),
+        (["--pp", "0"], "--pp must be >= 1, got 0"),
     ],
 )
 def test_a_layout_that_cannot_work_is_one_line_before_any_launch(tiny_dir, flags, needle, capsys):

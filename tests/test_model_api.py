@@ -1450,3 +1450,29 @@ def test_activation_checkpointing_layers_equal_transformers():
         model.activation_checkpointing_enable(every_n_layers=n)
         want = [2 if layer.gradient_checkpointing else 1 for layer in hf.model.layers]
         assert _layer_runs(model, ids)[0] == want, n
+
+
+def test_from_pretrained_on_a_pipeline_rank_builds_and_reads_only_its_stage(tmp_path):
+    """A pipeline-parallel topology without a stage given: each rank's model is its stage of the
+    even split (the trainer's default), built and read alone, each tensor the one-process model's.
+    Before: every pipeline rank built and read the whole model."""
+    from paddleformers_glm.parallel.topology import ParallelConfig, Topology, topology_override
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    one = {k: v.numpy() for k, v in GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32").state_dict().items()}
+    L = 8  # the tiny checkpoint's decoder layers; its MTP layer is layer 8
+    held = {}
+    for stage, layers in ((0, range(0, 4)), (1, range(4, 9))):
+        topo = Topology(ParallelConfig(pp=2), ranks={"tp": 0, "pp": stage, "dp": 0, "edp": 0, "ep": 0, "etp": 0})
+        with topology_override(topo):
+            model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", topology=topo)
+        assert model.pipelined and model.model.layer_ids == list(layers)
+        assert model.stage.has_embedding == (stage == 0) and hasattr(model, "lm_head") == (stage == 1)
+        assert model.model.mtp_layers if stage else not model.model.mtp_layers
+        state = model.state_dict()
+        for k, v in state.items():
+            np.testing.assert_array_equal(v.numpy(), one[k], err_msg=k)
+        held[stage] = set(state)
+    assert held[0] | held[1] == set(one) and held[0] & held[1] == {"model.embedding.embed_tokens.weight"}
+    assert not any(f"layers.{i}." in k for k in held[0] for i in range(4, L + 1))

@@ -24,7 +24,9 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
     if args.system is not None and not args.chat:  # the plain prompt has no turns: it was dropped unsaid
         return "--system needs --chat (the system message is a turn of the chat template)"
-    if args.tp == 1 and args.ep == 1:  # nothing is launched: a launch flag would be dropped unsaid
+    if args.pp > 1 and args.speculative:
+        return "--speculative needs --pp 1 (the MTP layer drafts from the last stage's hidden states)"
+    if args.tp == 1 and args.ep == 1 and args.pp == 1:  # nothing is launched: a launch flag would be dropped unsaid
         given = {
             "--log-dir": args.log_dir is not None,
             "--nnodes": args.nnodes != 1,
@@ -35,7 +37,9 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         }
         for flag, used in given.items():
             if used:
-                return f"{flag} needs --tp or --ep (it sets how the ranks are launched; one process runs without it)"
+                return (
+                    f"{flag} needs --tp, --ep or --pp (it sets how the ranks are launched; one process runs without it)"
+                )
     for flag, v, low, inclusive, high in (
         ("--max-new-tokens", args.max_new_tokens, 1, True, None),  # transformers refuses 0
         ("--max-length", args.max_length, 1, True, None),
@@ -46,6 +50,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         ("--num-beams", args.num_beams, 1, True, None),
         ("--tp", args.tp, 1, True, None),
         ("--ep", args.ep, 1, True, None),
+        ("--pp", args.pp, 1, True, None),
     ):
         if v is None:
             continue
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         shown = len(text)
 
     beams = (opts.get("num_beams") or getattr(defaults, "num_beams", None) or 1) > 1  # text known at its end
-    if args.tp > 1 or args.ep > 1:
+    if args.tp > 1 or args.ep > 1 or args.pp > 1:
         ran = _run_launched(args, config, ids, opts, eos, beams, stream)
         if isinstance(ran, str):
             if new:  # the streamed text's line ends before the complaint's
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_launched(
     args: argparse.Namespace, config: Any, ids: list[int], opts: dict, eos: list[int], beams: bool, stream: Callable
 ) -> tuple[list[int], dict] | str | int:
-    """``--tp`` / ``--ep``: the generation on launched ranks (generation/launched.py), the layout,
+    """``--tp`` / ``--ep`` / ``--pp``: the generation on launched ranks (generation/launched.py), the layout,
     the launch flags and the checkpoint's files checked first; this node's first rank's tokens
     streamed through ``stream`` as it appends them. -> (the new tokens, the drafter's counts), a
     complaint for one line and exit 2, or a failed job's exit status (its message printed)."""
@@ -194,7 +199,7 @@ def _run_launched(
     from ..train.glm_adapter import check_glm_sizes, glm_parallel_sizes
     from ..train.launch import LaunchError
 
-    world, dims = layout_of({"tp": args.tp, "ep": args.ep})
+    world, dims = layout_of({"tp": args.tp, "ep": args.ep, "pp": args.pp})
     sizes = glm_parallel_sizes(config)
     try:
         pc = ParallelConfig.from_world(world, **dims)
@@ -212,7 +217,14 @@ def _run_launched(
     out = os.path.join(log_dir, "generate")
     shutil.rmtree(out, ignore_errors=True)  # a reused --log-dir: no earlier run's tokens
     os.makedirs(out)
-    spec = {"tp": args.tp, "ep": args.ep, "model": os.path.abspath(args.model), "dtype": args.dtype, "ids": ids}
+    spec = {
+        "tp": args.tp,
+        "ep": args.ep,
+        "pp": args.pp,
+        "model": os.path.abspath(args.model),
+        "dtype": args.dtype,
+        "ids": ids,
+    }
     spec |= {"opts": opts, "eos": eos, "seed": args.seed, "speculative": args.speculative, "beams": beams}
     spec |= {"sizes": sizes, "out": out}
     run_json = os.path.join(log_dir, "generate.json")
@@ -305,11 +317,18 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
         help="expert-parallel ranks (a divisor or multiple of --tp; above it, ep / tp copies of the attention run the same prompt)",
     )
     p.add_argument(
-        "--log-dir", help="with --tp / --ep: the ranks' logs (unset: a temporary folder, removed after a clean run)"
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: each launched rank reads and runs its stage's layers only, the stages in turn each step",
+    )
+    p.add_argument(
+        "--log-dir",
+        help="with --tp / --ep / --pp: the ranks' logs (unset: a temporary folder, removed after a clean run)",
     )
     from ..train.command import add_launch_arguments  # argparse only: no Paddle at the CLI's start
 
-    add_launch_arguments(p.add_argument_group("launch (with --tp / --ep)"), "LOG_DIR/node<R>/")
+    add_launch_arguments(p.add_argument_group("launch (with --tp / --ep / --pp)"), "LOG_DIR/node<R>/")
     p.add_argument(
         "--speculative",
         action="store_true",

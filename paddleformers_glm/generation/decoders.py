@@ -222,6 +222,8 @@ class MtpDecoder(Decoder):
 
     def __init__(self, model, input_ids, mask) -> None:
         super().__init__(model, True, input_ids, mask, None, None, None)
+        if getattr(model, "pipelined", False):  # the MTP layer reads the last stage's hidden states
+            raise NotImplementedError("generate: use_mtp on a model split into pipeline stages (build it with pp 1)")
         if not model.model.mtp_layers:
             raise ValueError("generate: use_mtp needs an MTP layer (num_nextn_predict_layers = 0)")
         if mask is not None and not bool(mask.astype("bool").all()):
@@ -270,12 +272,16 @@ class MtpDecoder(Decoder):
 
 
 def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor) -> paddle.Tensor:
-    """The logits [B, V] of row b's position ``pos[b]`` from the final-normed hidden states [B, S, H]."""
+    """The logits [B, V] of row b's position ``pos[b]`` from the final-normed hidden states [B, S, H]
+    (None on a pipeline stage without the head: the last stage's logits)."""
     import paddle
 
+    if hidden is None:
+        return model.from_last_stage(None)
     B, H = hidden.shape[0], hidden.shape[2]
     rows = paddle.take_along_axis(hidden, pos.astype("int64").reshape([B, 1, 1]).expand([B, 1, H]), axis=1)
-    return model.logits(rows)[:, 0]
+    logits = model.logits(rows)[:, 0]
+    return model.from_last_stage(logits) if hasattr(model, "from_last_stage") else logits
 
 
 def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None, outputs: dict | None = None):

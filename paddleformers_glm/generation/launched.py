@@ -1,5 +1,6 @@
-"""One launched rank of ``glm52 generate --tp N [--ep M]``: the checkpoint read split over the job's
-ranks (each rank only its slices), then ``generate`` on every rank with the same prompt.
+"""One launched rank of ``glm52 generate --tp N [--ep M] [--pp P]``: the checkpoint read split over the
+job's ranks (each rank only its slices, of its pipeline stage's layers), then ``generate`` on every
+rank with the same prompt.
 
 The command (cli/generate.py) checks everything and writes the run's JSON; the launcher starts
 ``train/worker.py --generate RUN.json`` on each rank (the training worker's life records, so a
@@ -16,12 +17,12 @@ from typing import Any
 
 
 def layout_of(spec: dict[str, Any]) -> tuple[int, dict[str, int]]:
-    """(world size, ParallelConfig keywords) of ``--tp``/``--ep``: the experts lie over the tp x dp
-    ranks, so an ``ep`` larger than ``tp`` runs ep / tp data-parallel copies of the attention, each
-    on the same prompt."""
-    tp, ep = int(spec["tp"]), int(spec["ep"])
+    """(world size, ParallelConfig keywords) of ``--tp``/``--ep``/``--pp``: the experts lie over the
+    tp x dp ranks of a stage, so an ``ep`` larger than ``tp`` runs ep / tp data-parallel copies of the
+    attention, each on the same prompt."""
+    tp, ep, pp = int(spec["tp"]), int(spec["ep"]), int(spec.get("pp", 1))
     dp = ep // tp if ep > tp and ep % tp == 0 else 1
-    return tp * dp, {"tp": tp, "ep": ep}
+    return tp * dp * pp, {"tp": tp, "ep": ep, "pp": pp}
 
 
 def generate_on_rank(spec: dict[str, Any]) -> None:

@@ -154,8 +154,8 @@ def generate(
         )
         tails = [[int(t) for t in row[keep][-k:]] for row, keep in zip(host_ids, real_rows)]
         tails = [(t, len(tokenizer.decode(t))) for t in tails]
-    group = _generation_group(model)
-    rng = np.random.default_rng(seed if group is None else _agreed_seed(seed, group))
+    groups = _generation_groups(model)
+    rng = np.random.default_rng(_agreed_seed(seed, groups) if groups else seed)
     # transformers' streamer protocol (TextStreamer): put() the prompt, then each step's ids, then end();
     # a plain callable gets each step's ids
     put, end = getattr(streamer, "put", streamer), getattr(streamer, "end", lambda: None)
@@ -163,12 +163,8 @@ def generate(
         put(input_ids.numpy())
     V = int(model.config.vocab_size)
     procs = Processors(s, input_ids, attention_mask, ids_given, V, hooks, started)
-    if group is not None:
-        from ..parallel import comm
-
-        procs.agree_timeout = lambda timed_out: bool(
-            comm.all_reduce(paddle.to_tensor([int(timed_out)]), group, op="max").item()
-        )
+    if groups:
+        procs.agree_timeout = lambda timed_out: bool(_agreed_max(int(timed_out), groups))
     if s.guidance_scale is not None:
         procs.guidance = unconditional_decoder(
             model, s, input_ids, negative_prompt_ids, negative_prompt_attention_mask, copies
@@ -364,7 +360,7 @@ def _check_decodable(model: paddle.nn.Layer) -> None:
             "of tensor and expert parallel only)"
         )
     stage = getattr(model, "stage", None)
-    if stage is None:
+    if stage is None or getattr(model, "pipelined", False):  # a pipeline's stages run in turn each step
         return
     whole = stage.has_embedding and stage.has_head and len(stage.layers) == model.config.num_hidden_layers
     if not whole:
@@ -377,25 +373,27 @@ def _check_decodable(model: paddle.nn.Layer) -> None:
         )
 
 
-def _generation_group(model: paddle.nn.Layer) -> Any:
-    """The ranks that run one generation together on a model split over ranks, else None: the
-    tensor-parallel group, or every rank of the job when experts are laid out beyond it (expert
+def _generation_groups(model: paddle.nn.Layer) -> list[Any]:
+    """The ranks that run one generation together on a model split over ranks, as the groups whose
+    product they are (none in one process): the tensor-parallel group and the pipeline group, or
+    every rank of the job when experts are laid out beyond the tensor-parallel group (expert
     parallel: the ranks' MoE layers exchange tokens each step). They run the same steps on the same
-    gathered logits, so they must choose the same tokens and stop together: a rank that went on
-    alone would wait on the others' collectives forever."""
+    logits, so they must choose the same tokens and stop together: a rank that went on alone would
+    wait on the others' collectives forever."""
     topo = getattr(model, "topology", None)
     if topo is None or topo.world_size == 1:
-        return None
+        return []
     if topo.tp_size % (topo.size("ep") * topo.size("etp")):  # the expert groups (etp fastest) leave the tp group
         import paddle.distributed as dist
 
-        return dist.get_group(0)  # the job's global group
-    return topo.tp_group if topo.tp_size > 1 else None
+        return [dist.get_group(0)]  # the job's global group
+    return [g for g, n in ((topo.tp_group, topo.tp_size), (topo.pp_group, topo.pp_size)) if n > 1]
 
 
-def _agreed_seed(seed: int | None, group: Any) -> int:
-    """``seed``, or without one a fresh seed drawn by the group's first rank and sent to the others:
-    each rank's own entropy would draw different tokens from the same logits."""
+def _agreed_seed(seed: int | None, groups: list[Any]) -> int:
+    """``seed``, or without one a fresh seed drawn by the first rank and sent to the others (over each
+    group in turn: the first group's first rank's, then the second group's first rank's, which now
+    holds it): each rank's own entropy would draw different tokens from the same logits."""
     import paddle
 
     if seed is not None:
@@ -403,7 +401,21 @@ def _agreed_seed(seed: int | None, group: Any) -> int:
     from ..parallel import comm  # here: the CLI imports this package before Paddle
 
     fresh = paddle.to_tensor([int(np.random.SeedSequence().entropy % 2**62)], dtype="int64")
-    return int(comm.broadcast(fresh, src=group.ranks[0], group=group).item())
+    for group in groups:
+        fresh = comm.broadcast(fresh, src=group.ranks[0], group=group)
+    return int(fresh.item())
+
+
+def _agreed_max(value: int, groups: list[Any]) -> int:
+    """The largest ``value`` of all the ranks that generate together (the max over each group in turn)."""
+    import paddle
+
+    from ..parallel import comm
+
+    x = paddle.to_tensor([value])
+    for group in groups:
+        x = comm.all_reduce(x, group, op="max")
+    return int(x.item())
 
 
 def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Generator) -> np.ndarray:

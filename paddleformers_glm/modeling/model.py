@@ -31,7 +31,7 @@ from ..parallel.layers import (
     mark_sequence_parallel,
     parallel_cross_entropy,
 )
-from ..parallel.pipeline import LossTerm, StageOutput, StageSpec
+from ..parallel.pipeline import LossTerm, StageOutput, StageSpec, rank_spec, split_stages
 from ..parallel.recompute import run_layer
 from ..parallel.topology import Topology
 from .attention_forms import FORMS, SelectionCache
@@ -486,6 +486,29 @@ def _flag(value: bool | None, config: GlmMoeDsaConfig, name: str) -> bool:
 
 
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
+@paddle.jit.not_to_static
+def _check_pipelined_forward(
+    model: GlmMoeDsaForCausalLM,
+    labels: bool,
+    packed: bool,
+    flags: list[bool | None],
+) -> None:
+    """A pipelined model's forward (an evaluation chain of its stages, for ``generate``) computes the
+    last stage's logits only: training and losses go through the trainer's pipeline engine."""
+    asked = [n for n, f in zip(("output_hidden_states", "output_attentions", "output_router_logits"), flags) if f]
+    asked += ["compute_mtp"] if flags[3] else []
+    asked += ["labels"] if labels else []
+    asked += ["packed sequences"] if packed else []
+    asked += ["training mode"] if model.training else []
+    if asked:
+        s = model.stage
+        raise NotImplementedError(
+            f"forward on pipeline stage {s.stage} of {s.num_stages}: {', '.join(asked)} not supported; the "
+            "forward of a model split into pipeline stages returns the logits in evaluation mode (what "
+            "generate needs); train it with the trainer (glm52 train --pp), or build it with pp 1"
+        )
+
+
 def _check_labels_shape(labels: paddle.Tensor, inputs: paddle.Tensor) -> None:
     """``labels`` are [B, S] as the input's first two axes (transformers 5.23 raises "Expected input
     batch_size (20) to match target batch_size (16)" otherwise); the loss read past their end."""
@@ -522,9 +545,10 @@ def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | Non
 class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     """GLM-5.2 with its LM head, MTP heads and losses; the whole model or one pipeline stage of it.
 
-    ``stage`` (default the whole model) says which layers it owns and whether it embeds tokens,
-    holds the head and the MTP layers; ``topology`` (default one process) the groups its layers are
-    split over. `add_mtp_loss=True` adds the scaled MTP (and indexer KL) losses into `out.loss`.
+    ``stage`` (default the whole model, or with a pipeline-parallel ``topology`` this rank's stage
+    of an even split) says which layers it owns and whether it embeds tokens, holds the head and the
+    MTP layers; ``topology`` (default one process) the groups its layers are split over.
+    `add_mtp_loss=True` adds the scaled MTP (and indexer KL) losses into `out.loss`.
     """
 
     def __init__(
@@ -537,6 +561,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     ) -> None:
         topo = topology or Topology.single()
         L, D = config.num_hidden_layers, config.num_mtp_layers
+        if stage is None and topo.pp_size > 1:  # a stage never builds the other stages' layers
+            stage = rank_spec(split_stages(L, topo.pp_size, has_mtp=D > 0), topo.pp_size, topo.stage)
         stage = stage or StageSpec.whole(L, D > 0)
         mtp_ids = list(range(L, L + D)) if stage.has_mtp else []
         if str(dtype).replace("paddle.", "") == "bfloat16":
@@ -701,6 +727,53 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         """Full-vocabulary logits [B, S, V] (the vocab-parallel ones gathered over TP)."""
         return comm.gather_from_tp(self.lm_head(hidden), axis=-1, group=self.tp_group)
 
+    # ------------------------------------------------------------------ the stages of a pipeline in turn
+    @property
+    def pipelined(self) -> bool:
+        """Whether this model is this rank's stage of a model split into pipeline stages over ranks
+        (``from_pretrained(path, topology=...)`` with pp > 1): its forward and decode steps then run
+        the stages in turn, each handing its carry to the next, and return the last stage's logits
+        on every stage (as tensor parallel returns them on every rank), so that ``generate`` runs
+        the same steps on every rank of the pipeline."""
+        return self.stage.num_stages > 1 and self.topology.pp_size > 1
+
+    def _stage_peer(self, stage: int) -> tuple[int, object]:
+        """(global rank, group) to reach pipeline stage ``stage`` from this one, an adjacent stage."""
+        pair = tuple(sorted((self.stage.stage, stage)))
+        return self.topology.stage_ranks[stage], self.topology.stage_group(pair) or self.topology.pp_group
+
+    def _run_stages(
+        self, batch: Mapping[str, paddle.Tensor], inputs_embeds: paddle.Tensor | None, cos, sin, **kw
+    ) -> tuple[paddle.Tensor | None, paddle.Tensor | None, IndexerTerms, list[paddle.Tensor]]:
+        """``_run`` over the whole model: this rank's stage, and on a pipelined model (above) the
+        carry (hidden, top-k) received from the stage before and handed to the next; a stage
+        without the head returns hidden None."""
+        if not self.pipelined:
+            return self._run(self.stage, batch, inputs_embeds, None, cos, sin, **kw)
+        hidden, topk = (inputs_embeds, None) if self.stage.has_embedding else self._received_carry()
+        hidden, topk, terms, mtp_hidden = self._run(self.stage, batch, hidden, topk, cos, sin, **kw)
+        if not self.stage.has_head:
+            self._hand_on(hidden, topk)
+            hidden = None
+        return hidden, topk, terms, mtp_hidden
+
+    def _received_carry(self) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        src, group = self._stage_peer(self.stage.stage - 1)
+        hidden, topk = comm.recv_tensor(src, group), comm.recv_tensor(src, group)
+        return hidden, topk if topk.shape[-1] else None
+
+    def _hand_on(self, hidden: paddle.Tensor, topk: paddle.Tensor | None) -> None:
+        dst, group = self._stage_peer(self.stage.stage + 1)
+        comm.send_tensor(hidden, dst, group)
+        comm.send_tensor(topk if topk is not None else paddle.zeros([*hidden.shape[:2], 0], "int64"), dst, group)
+
+    def from_last_stage(self, x: paddle.Tensor | None) -> paddle.Tensor | None:
+        """On a pipelined model, the last stage's ``x`` (the others pass None) on every stage; else ``x``."""
+        if not self.pipelined:
+            return x
+        topo = self.topology
+        return comm.broadcast_tensor(x if self.stage.has_head else None, topo.stage_ranks[-1], topo.pp_group)
+
     def forward(
         self,
         input_ids: paddle.Tensor | None = None,
@@ -772,6 +845,10 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             )
         # not given: the config's, as transformers (from_pretrained(..., output_hidden_states=True))
         output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
+        if self.pipelined:
+            flags = [output_hidden_states, _flag(output_attentions, self.config, "output_attentions")]
+            flags += [_flag(output_router_logits, self.config, "output_router_logits"), compute_mtp]
+            _check_pipelined_forward(self, labels is not None, packing is not None, flags)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: give exactly one of input_ids and inputs_embeds")
         if attention_mask is not None and attention_mask.ndim != 2:
@@ -815,8 +892,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             cos, sin = self.model.rotary_emb(positions if position_ids is None else position_ids)
             if cache.length > 0:  # new tokens against the cache: padding marked per cached slot
                 batch["attention_mask"] = key_valid
-            hidden, topk, terms, mtp_hidden = self._run(
-                self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=False, collect=collect
+            hidden, topk, terms, mtp_hidden = self._run_stages(
+                batch, inputs_embeds, cos, sin, caches=cache.layers, with_mtp=False, collect=collect
             )
             cache.topk = topk if cache.keep_topk else None
             cache.advance(n)
@@ -828,14 +905,16 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         else:
             compute_mtp = self._compute_mtp(compute_mtp, labels, input_ids)
             cos, sin = self.model.rope(input_ids if inputs_embeds is None else inputs_embeds, position_ids)
-            hidden, _, terms, mtp_hidden = self._run(
-                self.stage, batch, inputs_embeds, None, cos, sin, with_mtp=compute_mtp, collect=collect
+            hidden, _, terms, mtp_hidden = self._run_stages(
+                batch, inputs_embeds, cos, sin, with_mtp=compute_mtp, collect=collect
             )
         # the decoding path computes only the kept logits; the plain forward (with or without the cache it
         # builds) all of them, then slices: its kept logits are the full ones bit for bit
+        # (on a pipelined model the last stage's, sent to every stage)
         sliced = past_key_values is not None and logits_to_keep and labels is None
-        keep = hidden[:, -logits_to_keep:] if sliced else hidden
-        out = CausalLMOutput(logits=self.logits(keep), last_hidden_state=hidden, past_key_values=cache)
+        keep = hidden[:, -logits_to_keep:] if sliced and hidden is not None else hidden
+        logits = self.from_last_stage(self.logits(keep) if keep is not None else None)
+        out = CausalLMOutput(logits=logits, last_hidden_state=hidden, past_key_values=cache)
         out.router_logits = _stop_router_logits(self, routers)
         if packing is not None and out.router_logits is not None:  # the groups' slots -> the packed [B S, E]
             out.router_logits = tuple(packing.pack_slots(r).reshape([-1, r.shape[-1]]) for r in out.router_logits)
@@ -921,7 +1000,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         hold every layer's latent rows for the step, and a forward filling a cache records nothing for
         the indexer's training (transformers turns it off in training under gradient checkpointing)."""
         whole = self.stage.has_embedding and self.stage.has_head
-        whole = whole and len(self.stage.layers) == self.config.num_hidden_layers
+        whole = (whole and len(self.stage.layers) == self.config.num_hidden_layers) or self.pipelined
         readable = not self.topology.sequence_parallel and self.topology.cp_size == 1
         return whole and readable and not self.training and not building_graph()
 
@@ -944,8 +1023,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         compute_mtp = self._compute_mtp(compute_mtp, labels, batch["input_ids"])
         cache.begin(batch["attention_mask"], n)  # the slots, and which hold pads (masked in later steps)
         cos, sin = self.model.rope(x, position_ids)
-        hidden, topk, terms, mtp_hidden = self._run(
-            self.stage, batch, inputs_embeds, None, cos, sin, caches=cache.layers, with_mtp=compute_mtp, collect=collect
+        hidden, topk, terms, mtp_hidden = self._run_stages(
+            batch, inputs_embeds, cos, sin, caches=cache.layers, with_mtp=compute_mtp, collect=collect
         )
         cache.topk = topk if cache.keep_topk else None
         cache.advance(n)
@@ -968,7 +1047,13 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
                 "collectives take no process group inside a static graph; decode eagerly (no decode_step)"
             )
         cos, sin = self.model.rotary_emb(positions)
-        hidden, topk = self.model.embedding(input_ids), None
+        if self.stage.has_embedding:
+            hidden, topk = self.model.embedding(input_ids), None
+        else:  # a later pipeline stage
+            hidden, topk = self._received_carry()
         for i in self.stage.layers:
             hidden, topk = self.model.layers[i].decode(hidden, cos, sin, cache.key_valid, topk, cache.layers[i], slots)
-        return self.logits(self.model.norm(hidden[:, -1:]))[:, -1]
+        if not self.stage.has_head:
+            self._hand_on(hidden, topk)
+            return self.from_last_stage(None)
+        return self.from_last_stage(self.logits(self.model.norm(hidden[:, -1:]))[:, -1])

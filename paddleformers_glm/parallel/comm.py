@@ -26,6 +26,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "broadcast",
+    "broadcast_tensor",
     "copy_to_tp",
     "detect_backend",
     "exchange_counts",
@@ -35,6 +36,7 @@ __all__ = [
     "gather_rows_from_tp",
     "group_size",
     "my_rows",
+    "recv_tensor",
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_to_sp",
@@ -43,6 +45,7 @@ __all__ = [
     "scatter_rows_to_tp",
     "scatter_to_sp",
     "scatter_to_tp",
+    "send_tensor",
     "split_take",
     "to_batch_first",
     "to_sequence_first",
@@ -138,6 +141,61 @@ def broadcast(x: paddle.Tensor, src: int, group: Any) -> paddle.Tensor:
     if _live(group) and x.size:
         dist.broadcast(x, src=src, group=group)
     return x
+
+
+# a tensor of any shape and dtype between ranks that do not know them: a fixed-size header (ndim,
+# dims, dtype) travels first; bf16 / fp16 travel as fp32 where collectives are emulated (gloo)
+_WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32")
+_HEADER = 8
+
+
+def _header(x: paddle.Tensor) -> paddle.Tensor:
+    dtype = str(x.dtype).replace("paddle.", "")
+    if dtype not in _WIRE_DTYPES or x.ndim > _HEADER - 2:
+        raise ValueError(f"a tensor sent whole must be one of {_WIRE_DTYPES} of <= 6 dims, got {dtype} {x.shape}")
+    dims = [x.ndim, *x.shape] + [0] * (_HEADER - 2 - x.ndim) + [_WIRE_DTYPES.index(dtype)]
+    return paddle.to_tensor(dims, dtype="int64")
+
+
+def _on_wire(x: paddle.Tensor) -> paddle.Tensor:
+    low = uses_emulation() and x.dtype in (paddle.float16, paddle.bfloat16)
+    return x.astype("float32") if low else x.contiguous()
+
+
+def _buffer(header: paddle.Tensor) -> tuple[paddle.Tensor, str]:
+    h = [int(v) for v in header.numpy()]
+    shape, dtype = h[1 : 1 + h[0]], _WIRE_DTYPES[h[-1]]
+    low = uses_emulation() and dtype in ("float16", "bfloat16")
+    return paddle.empty(shape, dtype="float32" if low else dtype), dtype
+
+
+def send_tensor(x: paddle.Tensor, dst: int, group: Any) -> None:
+    """Send ``x`` whole to global rank ``dst``, which calls :func:`recv_tensor` knowing neither its
+    shape nor its dtype (a pipeline stage's output to the next stage)."""
+    dist.send(_header(x), dst=dst, group=group)
+    if x.size:
+        dist.send(_on_wire(x), dst=dst, group=group)
+
+
+def recv_tensor(src: int, group: Any) -> paddle.Tensor:
+    """The tensor global rank ``src`` sends with :func:`send_tensor`."""
+    header = paddle.zeros([_HEADER], dtype="int64")
+    dist.recv(header, src=src, group=group)
+    buf, dtype = _buffer(header)
+    if buf.size:
+        dist.recv(buf, src=src, group=group)
+    return buf.astype(dtype)
+
+
+def broadcast_tensor(x: paddle.Tensor | None, src: int, group: Any) -> paddle.Tensor:
+    """``x`` of global rank ``src`` on every rank of ``group`` (the others pass None: its shape and
+    dtype travel with it)."""
+    header = _header(x) if x is not None else paddle.zeros([_HEADER], dtype="int64")
+    dist.broadcast(header, src=src, group=group)
+    if x is not None:
+        return broadcast(_on_wire(x), src, group).astype(x.dtype) if x.size else x
+    buf, dtype = _buffer(header)
+    return broadcast(buf, src, group).astype(dtype)
 
 
 def exchange_counts(send_counts: Sequence[int], group: Any) -> list[list[int]]:

@@ -5,7 +5,10 @@ disagree, transformers' hand-written cached loop, and a traced decode step.  Eac
 got to OUT_DIR/rank{r}.json; the test (tests/test_save_distributed.py) compares it with
 :func:`generations` of one process and with the other rank's.
 
-usage: check_generate_dist.py CKPT OUT_DIR TP EP
+With PP = 2 (tests/test_generate_launched.py, its own launch) the model is split into two pipeline
+stages instead: each rank also records which layers it built and a forward it refuses by name.
+
+usage: check_generate_dist.py CKPT OUT_DIR TP EP [PP]
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ def generations(model: paddle.nn.Layer) -> dict:
             output_scores=True, **kw,
         )  # fmt: skip
         res[name] = {"tokens": o.sequences.numpy().tolist(), "scores": [s.numpy().tolist() for s in o.scores]}
+    # right padding: each row's first new token follows its last real token (generate's own rule)
+    right = paddle.to_tensor([[1] * 8, [1] * 5 + [0] * 3])
+    o = model.generate(ids, attention_mask=right, max_new_tokens=3, eos_token_id=[], do_sample=False)
+    res["right_padded"] = {"tokens": o.numpy().tolist()}
     first = model(ids, attention_mask=mask)
     grown = paddle.concat([mask, paddle.ones([2, 1], mask.dtype)], 1)
     step = model(paddle.to_tensor([[7], [8]]), attention_mask=grown, past_key_values=first.past_key_values)
@@ -50,10 +57,22 @@ def main() -> None:
     from paddleformers_glm.train.glm_adapter import GlmAdapter
 
     ckpt, out_dir, tp, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    topo = init_topology(ParallelConfig.from_world(2, tp=tp, ep=ep), **GlmAdapter(ckpt).parallel_sizes())
+    pp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    topo = init_topology(ParallelConfig.from_world(2, tp=tp, ep=ep, pp=pp), **GlmAdapter(ckpt).parallel_sizes())
     model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype="float32", topology=topo)
     model.eval()
     res = generations(model)
+    if pp > 1:
+        res["built"] = {"stage_layers": list(model.stage.layers), "layers": model.model.layer_ids,
+                        "head": hasattr(model, "lm_head"), "params": sum(int(p.size) for p in model.parameters())}  # fmt: skip
+        ids = paddle.to_tensor([PROMPT[0]])
+        o = model.generate(ids, max_new_tokens=6, eos_token_id=[], prompt_lookup_num_tokens=2, stats=(st := {}))
+        res["lookup"] = {"tokens": o.numpy().tolist(), "stats": st}
+        try:
+            model(ids, labels=ids)
+            res["labels"] = "ran"
+        except NotImplementedError as e:
+            res["labels"] = str(e)
     with paddle.no_grad():  # the MoE layers' inference form: experts span the TP group (ep 2 = tp 2)
         res["sums_partials"] = [not layer.mlp.training and layer.mlp.dispatcher.sums_partials()
                                 for layer in model.model.decoder_layers
