@@ -28,6 +28,13 @@ and half the experts at N = 2), transformers' is its own tensor parallel plan (`
 which splits the heads and each expert's FFN; it needs `accelerate`) under torchrun, both over gloo:
 
     python bench/bench_generate.py --sizes small --tp 2 --json gen_tp2.json
+
+Pipeline stages, `--pp P` (ours on tp x P processes, each rank its stage's layers, the stages in
+turn each step; transformers has no pipeline split of `generate`, so its side stays on --tp
+processes): the ratio is what the pipeline costs a token (the carry's transfers and the logits'
+broadcast) beside the same model unsplit by stages:
+
+    python bench/bench_generate.py --sizes small --pp 2 --json gen_pp2.json
 """
 
 from __future__ import annotations
@@ -161,6 +168,7 @@ def worker_ours(
     cuda_graph: bool = False,
     tp: int = 1,
     ep: int | None = None,
+    pp: int = 1,
 ) -> dict[str, Any]:
     import numpy as np
     import paddle
@@ -174,12 +182,13 @@ def worker_ours(
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 
     topology = None
-    if tp > 1:  # under Paddle's launcher (run_worker): every rank runs this, rank 0 reports
+    if tp * pp > 1:  # under Paddle's launcher (run_worker): every rank runs this, rank 0 reports
         from paddleformers_glm.parallel.topology import ParallelConfig, init_topology
         from paddleformers_glm.train.glm_adapter import GlmAdapter
 
         ep = ep or tp
-        topology = init_topology(ParallelConfig.from_world(tp, tp=tp, ep=ep), **GlmAdapter(ckpt).parallel_sizes())
+        pc = ParallelConfig.from_world(tp * pp, tp=tp, ep=ep, pp=pp)
+        topology = init_topology(pc, **GlmAdapter(ckpt).parallel_sizes())
         count = False
     model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=dtype, topology=topology)
     ids = paddle.to_tensor(_prompt(prompt, model.config.vocab_size))
@@ -336,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="threads per process")
     p.add_argument("--tp", type=int, default=1, help="processes a side: ours at TP x EP this, HF's tp_plan='auto'")
     p.add_argument("--ep", type=int, default=None, help="with --tp: our expert parallel size (default: --tp)")
+    p.add_argument("--pp", type=int, default=1, help="our pipeline stages (tp x pp processes; HF's side stays on --tp)")
     p.add_argument("--mkl-cpu-type", default="auto", choices=["auto", "5", "unset"])
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
@@ -372,11 +382,11 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list] = {"ours": [], "hf": []}
             for i in range(ns.runs):
                 ours = [str(ckpt), prompt, ns.new_tokens, ns.threads, i == 0, "cpu", "float32", False, ns.tp, ns.ep]
-                runs["ours"].append(run_worker("ours", ours, env, ns.timeout, ns.tp))
+                runs["ours"].append(run_worker("ours", [*ours, ns.pp], env, ns.timeout, ns.tp * ns.pp))
                 if not ns.skip_hf:
                     hf = [str(ckpt), prompt, ns.new_tokens, ns.threads, "cpu", "float32", ns.tp]
                     runs["hf"].append(run_worker("hf", hf, env, ns.timeout, ns.tp))
-            row = {"size": size, "prompt": prompt, "new": ns.new_tokens, "tp": ns.tp, "ep": ns.ep or ns.tp}
+            row = {"size": size, "prompt": prompt, "new": ns.new_tokens, "tp": ns.tp, "ep": ns.ep or ns.tp, "pp": ns.pp}
             row["ours"] = _median(runs["ours"])
             row["raw"] = runs
             if not ns.skip_hf:

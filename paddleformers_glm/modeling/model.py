@@ -750,16 +750,24 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         without the head returns hidden None."""
         if not self.pipelined:
             return self._run(self.stage, batch, inputs_embeds, None, cos, sin, **kw)
-        hidden, topk = (inputs_embeds, None) if self.stage.has_embedding else self._received_carry()
+        tokens = batch["input_ids"] if inputs_embeds is None else inputs_embeds
+        hidden, topk = (inputs_embeds, None) if self.stage.has_embedding else self._received_carry(tokens.shape[:2])
         hidden, topk, terms, mtp_hidden = self._run(self.stage, batch, hidden, topk, cos, sin, **kw)
         if not self.stage.has_head:
             self._hand_on(hidden, topk)
             hidden = None
         return hidden, topk, terms, mtp_hidden
 
-    def _received_carry(self) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    def _received_carry(self, tokens: Sequence[int]) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """The carry from the stage before, for this stage's input of ``tokens`` = [B, n]."""
         src, group = self._stage_peer(self.stage.stage - 1)
         hidden, topk = comm.recv_tensor(src, group), comm.recv_tensor(src, group)
+        if list(hidden.shape[:2]) != list(tokens):  # every rank must run the same input (generate: the same prompts)
+            raise ValueError(
+                f"pipeline stage {self.stage.stage} was given input of [batch, seq] {list(tokens)} but stage "
+                f"{self.stage.stage - 1} (rank {src}) ran {list(hidden.shape[:2])}: every rank of a pipeline "
+                "must run the same input"
+            )
         return hidden, topk if topk.shape[-1] else None
 
     def _hand_on(self, hidden: paddle.Tensor, topk: paddle.Tensor | None) -> None:
@@ -1050,7 +1058,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         if self.stage.has_embedding:
             hidden, topk = self.model.embedding(input_ids), None
         else:  # a later pipeline stage
-            hidden, topk = self._received_carry()
+            hidden, topk = self._received_carry(input_ids.shape[:2])
         for i in self.stage.layers:
             hidden, topk = self.model.layers[i].decode(hidden, cos, sin, cache.key_valid, topk, cache.layers[i], slots)
         if not self.stage.has_head:
