@@ -744,3 +744,29 @@ def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, c
         "2 of 3 records are longer than --seq-len 8 and were cut to it (the longest has 12 tokens)"
         in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--eval-every", "2"], "--eval-every needs --eval-data (the held-out tokens to evaluate on)"),
+        (["--eval-at-start"], "--eval-at-start needs --eval-data"),
+        (["--eval-data", "{small}", "--eval-batches", "2"], "small.npy: 2 samples of --seq-len 8, fewer than "
+         "--eval-batches 2 x --global-batch-size 2 = 4; use fewer --eval-batches or more data"),
+        (["--eval-data", "{small}", "--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
+        (["--eval-data", "{missing}"], "--eval-data: no file "),
+        (["--eval-data", "{wide}"], "wide.npy: token 300 at position 0 is outside the vocabulary [0, 64)"),
+    ],
+)  # fmt: skip
+def test_unusable_eval_data_is_one_line_before_launch(tmp_path, capsys, flags, needle):
+    """--eval-data is checked as --data is, before any worker starts: one line, exit 2, nothing launched."""
+    np.save(tmp_path / "small.npy", np.arange(20, dtype=np.int32))  # 2 windows of 8
+    np.save(tmp_path / "wide.npy", np.full(40, 300, dtype=np.int32))  # outside the toy's vocabulary
+    paths = {"small": tmp_path / "small.npy", "wide": tmp_path / "wide.npy", "missing": tmp_path / "none.npy"}
+    flags = [f.format(**paths) for f in flags]
+    args = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--dp", "2", "--steps", "1"]
+    out = tmp_path / "run"
+    assert main([*args, *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (out / "logs").exists()

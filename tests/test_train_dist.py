@@ -185,14 +185,21 @@ def test_pp2_vpp2_interleaved_matches_single_process(ref, runs):
 
 
 def test_pp3_vpp2_stock_interleaved_engine_matches_single_process(runs):
-    # six one-layer chunks on three ranks, 6 micro-batches (= 2 pp): the class fleet.distributed_model
-    # picks itself, with chunk 5 -> chunk 0 p2p wrapping from the last rank to the first
-    gbs = ["--global-batch-size", "6"]
+    """Six one-layer chunks on three ranks, 6 micro-batches (= 2 pp): the class fleet.distributed_model
+    picks itself, with chunk 5 -> chunk 0 p2p wrapping from the last rank to the first. The held-out
+    evaluations (each micro-batch through the chunks in turn: Fleet's interleaved schedule run
+    forward-only fails on our carry) give one process's losses."""
+    held = runs / "held_out.npy"
+    np.save(held, np.random.default_rng(3).integers(0, 64, size=6 * SEQ).astype(np.int32))  # the toy's vocabulary
+    gbs = ["--global-batch-size", "6", "--eval-data", str(held), "--eval-every", "2"]
     one, _ = _cli(runs / "one_gbs6", *gbs)
     a, secs = _cli(runs / "pp3vpp2", *gbs, "--pp", "3", "--vpp", "2", "--pp-layout", "E,t|t|t|t|t|t,m,L")
     assert a["profile"]["world"] == 3 and a["run"]["pipeline_engine"] == "PipelineParallelWithInterleave"
     assert a["run"]["step_engine"] == "train_batch"  # 6 micro-batches: Fleet's division by 6 must not reach the update
     _assert_close(one, a, "pp3 vpp2")
+    assert [r["step"] for r in a["eval"]] == [r["step"] for r in one["eval"]] == [2, 4]
+    for r, g in zip(one["eval"], a["eval"]):
+        assert r["tokens"] == g["tokens"] == 6 * (SEQ - 1) and abs(r["losses"] - g["losses"]) <= TOL, (r, g)
     print(f"pp3 vpp2: loss diff {_max_diff(one, a, 'losses'):.3g}, {secs:.1f}s")
 
 

@@ -58,6 +58,44 @@ def test_step1_loss_is_the_models_own_loss_on_the_global_batch(tiny_ckpt, pp1):
     assert pp1["weights_loaded"] is True and len(pp1["checkpoint"]["config_sha256"]) == 64
 
 
+@pytest.fixture(scope="module")
+def eval_tokens(tmp_path_factory) -> Path:
+    """Held-out tokens: 12 windows of SEQ (an evaluation of 2 global batches reads the first 8)."""
+    path = tmp_path_factory.mktemp("eval") / "eval.npy"
+    np.save(path, np.random.default_rng(7).integers(0, 256, size=12 * SEQ).astype(np.int32))
+    return path
+
+
+def test_eval_loss_is_the_models_own_loss_and_moves_no_training_state(tiny_ckpt, eval_tokens, tmp_path):
+    """--eval-data before the first step (--eval-at-start), after step 2 (--eval-every 2) and the
+    last: the first two global batches of the held-out file in its own order. Before any step the
+    loss is the checkpoint's own HF-convention loss over those rows (one forward of the model
+    loaded by from_pretrained); a run without evaluation trains the same bit for bit, with the
+    router biases updated from each step's load: the evaluation runs in evaluation mode without
+    gradient, so the routers count none of its tokens and nothing is backpropagated. A run resumed
+    from the state saved after step 2 keeps the evaluations before it and makes step 3's again."""
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    base = dict(model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=STEPS, seq_len=SEQ,
+                global_batch_size=GBS, micro_batch_size=MBS, progress=False, moe_bias_update_rate=1e-2)  # fmt: skip
+    plain = run_training(TrainConfig(out=str(tmp_path / "plain"), **base))
+    held = dict(eval_data=str(eval_tokens), eval_every=2, eval_batches=2, eval_at_start=True)
+    got = run_training(TrainConfig(out=str(tmp_path / "eval"), save_every=2, **held, **base))
+    for key in ("losses", "mtp_losses", "grad_norms"):
+        assert got[key] == plain[key], key
+    assert "eval" not in plain and [r["step"] for r in got["eval"]] == [0, 2, 3]
+    assert all(r["tokens"] == 2 * GBS * (SEQ - 1) for r in got["eval"])
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
+    ids = paddle.to_tensor(np.load(eval_tokens)[: 2 * GBS * SEQ].reshape(2 * GBS, SEQ).astype("int64"))
+    out = model(ids, labels=ids)
+    assert abs(float(out.loss) - got["eval"][0]["losses"]) <= 1e-6
+    assert abs(float(out.mtp_loss) - got["eval"][0]["mtp_losses"]) <= 1e-6
+    assert len({r["losses"] for r in got["eval"]}) == 3  # each evaluation saw the weights of its step
+    state = str(tmp_path / "eval" / "checkpoints" / "step_00000002")
+    resumed = run_training(TrainConfig(out=str(tmp_path / "resumed"), resume=state, **held, **base))
+    assert resumed["eval"] == got["eval"] and resumed["losses"] == got["losses"]
+
+
 def test_glm_rejects_a_layout_that_cannot_split_the_model(tiny_ckpt, tmp_path, capsys):
     # 4 attention heads cannot be split over 8 tensor-parallel ranks
     assert train_main(["--model", str(tiny_ckpt), "--tp", "8", "--out", str(tmp_path)]) == 2
@@ -92,9 +130,9 @@ def test_glm_warmup_with_sharding_rejects_a_stage_that_trains_nothing(tiny_ckpt,
     check_layout(adapter.config, Layout(pp_layout="E,t*2|t*4|t*2,m,L", **plan))
 
 
-def _run(tiny_ckpt, out, *layout):
+def _run(tiny_ckpt, out, *layout, extra=()):
     args = ["--model", str(tiny_ckpt), "--steps", str(STEPS), "--seq-len", str(SEQ), "--global-batch-size", str(GBS)]
-    args += ["--micro-batch-size", "1", "--out", str(out), "--export", *layout]
+    args += ["--micro-batch-size", "1", "--out", str(out), "--export", *layout, *extra]
     p, _ = run_train_cli(args, timeout=240)
     if p.returncode != 0:
         pytest.fail(f"glm {layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
@@ -112,11 +150,12 @@ HEADLINE = ("--tp", "2", "--pp", "2", "--sp", *SPARSE)
 
 
 @pytest.fixture(scope="module")
-def single_stages(tiny_ckpt, tmp_path_factory):
+def single_stages(tiny_ckpt, eval_tokens, tmp_path_factory):
     """One process (in this process, no launch), micro-batch 1, per indexer stage: the references of
-    the layouts that train the indexer."""
+    the layouts that train the indexer (the sparse stage's with the headline's evaluations)."""
     out = {}
-    for name, kw in (("sparse", {"indexer_loss_coeff": 0.1}), ("warmup", {"lr": 1e-3})):
+    held = {"eval_data": str(eval_tokens), "eval_every": 2}
+    for name, kw in (("sparse", {"indexer_loss_coeff": 0.1, **held}), ("warmup", {"lr": 1e-3})):
         cfg = TrainConfig(
             model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=STEPS, seq_len=SEQ, global_batch_size=GBS,
             micro_batch_size=1, out=str(tmp_path_factory.mktemp(f"glm_single_{name}")), progress=False,
@@ -131,12 +170,13 @@ def _stage_of(layout) -> str:
 
 
 @pytest.fixture(scope="module")
-def headline_runs(tiny_ckpt, tmp_path_factory):
+def headline_runs(tiny_ckpt, eval_tokens, tmp_path_factory):
     """The headline layout (TP2 x PP2 x SP, world 4, the indexer's sparse stage) run twice: the pair
     for the bit-reproducibility test, the first also the headline case of the layouts test (one
-    launch fewer)."""
+    launch fewer); each evaluates on held-out data after step 2 and the last (Fleet's eval_batch)."""
     root = tmp_path_factory.mktemp("glm_headline")
-    return root, _run(tiny_ckpt, root / "a", *HEADLINE), _run(tiny_ckpt, root / "b", *HEADLINE)
+    held = ("--eval-data", str(eval_tokens), "--eval-every", "2")
+    return root, _run(tiny_ckpt, root / "a", *HEADLINE, extra=held), _run(tiny_ckpt, root / "b", *HEADLINE, extra=held)
 
 
 @pytest.mark.slow
@@ -163,6 +203,11 @@ def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_p
         assert_indexer_matches(ref, got, layout)
     else:
         assert "indexer_losses" not in got and got["indexer"]["stage"] == "none" and got["indexer"]["layers"] == []
+    if layout == HEADLINE:  # held-out losses through Fleet's eval_batch: one process's
+        assert [r["step"] for r in got["eval"]] == [r["step"] for r in ref["eval"]] == [2, 3]
+        for r, g in zip(ref["eval"], got["eval"]):
+            close = all(abs(r[k] - g[k]) <= 1e-6 for k in ("losses", "mtp_losses"))
+            assert r["tokens"] == g["tokens"] and close, (r, g)
     if "--pp" in layout:  # expert layouts clip outside Fleet's optimizer: its schedule alone, then the trainer's step
         want = "forward_backward_pipeline" if "--ep" in layout else "train_batch"
         assert got["run"]["step_engine"] == want, got["run"]
@@ -171,7 +216,7 @@ def test_glm_parallel_layouts_match_single_process(tiny_ckpt, single_mbs1, tmp_p
 @pytest.mark.slow
 def test_glm_headline_layout_is_bit_reproducible(headline_runs):
     root, a, b = headline_runs
-    assert a["losses"] == b["losses"] and a["mtp_losses"] == b["mtp_losses"]
+    assert a["losses"] == b["losses"] and a["mtp_losses"] == b["mtp_losses"] and a["eval"] == b["eval"]
     assert a["profile"]["tp"] == 2 and a["profile"]["pp"] == 2 and a["profile"]["sp"] is True
     fa = (root / "a" / "export" / "model.safetensors").read_bytes()
     assert fa == (root / "b" / "export" / "model.safetensors").read_bytes()

@@ -761,7 +761,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     def _received_carry(self, tokens: Sequence[int]) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """The carry from the stage before, for this stage's input of ``tokens`` = [B, n]."""
         src, group = self._stage_peer(self.stage.stage - 1)
-        hidden, topk = comm.recv_tensor(src, group), comm.recv_tensor(src, group)
+        hidden, topk = comm.recv_tensors(src, group)
         if list(hidden.shape[:2]) != list(tokens):  # every rank must run the same input (generate: the same prompts)
             raise ValueError(
                 f"pipeline stage {self.stage.stage} was given input of [batch, seq] {list(tokens)} but stage "
@@ -772,8 +772,9 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
 
     def _hand_on(self, hidden: paddle.Tensor, topk: paddle.Tensor | None) -> None:
         dst, group = self._stage_peer(self.stage.stage + 1)
-        comm.send_tensor(hidden, dst, group)
-        comm.send_tensor(topk if topk is not None else paddle.zeros([*hidden.shape[:2], 0], "int64"), dst, group)
+        comm.send_tensors(
+            [hidden, topk if topk is not None else paddle.zeros([*hidden.shape[:2], 0], "int64")], dst, group
+        )
 
     def from_last_stage(self, x: paddle.Tensor | None) -> paddle.Tensor | None:
         """On a pipelined model, the last stage's ``x`` (the others pass None) on every stage; else ``x``."""

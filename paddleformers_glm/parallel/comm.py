@@ -37,6 +37,7 @@ __all__ = [
     "group_size",
     "my_rows",
     "recv_tensor",
+    "recv_tensors",
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_to_sp",
@@ -46,6 +47,7 @@ __all__ = [
     "scatter_to_sp",
     "scatter_to_tp",
     "send_tensor",
+    "send_tensors",
     "split_take",
     "to_batch_first",
     "to_sequence_first",
@@ -185,6 +187,19 @@ def recv_tensor(src: int, group: Any) -> paddle.Tensor:
     if buf.size:
         dist.recv(buf, src=src, group=group)
     return buf.astype(dtype)
+
+
+def send_tensors(xs: Sequence[paddle.Tensor], dst: int, group: Any) -> None:
+    """:func:`send_tensor` of each of ``xs``, their count first (a pipeline stage's carry)."""
+    send_tensor(paddle.to_tensor([len(xs)], dtype="int64"), dst, group)
+    for x in xs:
+        send_tensor(x, dst, group)
+
+
+def recv_tensors(src: int, group: Any) -> list[paddle.Tensor]:
+    """The tensors global rank ``src`` sends with :func:`send_tensors`."""
+    n = int(recv_tensor(src, group).item())
+    return [recv_tensor(src, group) for _ in range(n)]
 
 
 def broadcast_tensor(x: paddle.Tensor | None, src: int, group: Any) -> paddle.Tensor:

@@ -7,8 +7,9 @@ section 3), the top-k carry check, a stage's output and the loss ledger.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -324,3 +325,27 @@ class SingleStageEngine:
             objective = self.ledger.objective(out.losses, "stage 0")
             paddle.autograd.backward([objective], [paddle.ones_like(objective)])
         return self.ledger.totals()
+
+    def evaluate(
+        self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]
+    ) -> dict[str, tuple[float, int]]:
+        """Forward only of every micro-batch, in evaluation mode without gradient (the module's mode
+        restored after); returns {term: (sum, count)} as :meth:`run`."""
+        import paddle
+
+        self.ledger.reset(scales)
+        with evaluation(self.module), paddle.no_grad():
+            for mb in micro_batches:
+                self.ledger.objective(checked_output(self.module.forward_stage(None, mb), True, 0).losses, "stage 0")
+        return self.ledger.totals()
+
+
+@contextlib.contextmanager
+def evaluation(module: nn.Layer) -> Iterator[None]:
+    """``module`` in evaluation mode for the block, its own mode after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train() if was else module.eval()

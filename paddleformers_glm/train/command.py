@@ -219,6 +219,20 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--data-dtype", default="auto", help=".bin token dtype (auto: uint16 if the vocabulary fits, else uint32)"
     )
+    g.add_argument(
+        "--eval-data",
+        help="held-out data (the --data formats): its first --eval-batches global batches, in file order, "
+        "evaluated in evaluation mode without gradient; the loss per token in OUT/loss.json 'eval'",
+    )
+    g.add_argument(
+        "--eval-every", type=int, default=0, help="evaluate after every K steps (0: after the last step only)"
+    )
+    g.add_argument("--eval-batches", type=int, default=1, help="global batches per evaluation (default: 1)")
+    g.add_argument(
+        "--eval-at-start",
+        action="store_true",
+        help="evaluate before the first step too (the loaded or resumed weights' held-out loss)",
+    )
     g = ap.add_argument_group("output")
     g.add_argument("--out", required=True, help="output folder (loss.json, checkpoints/, export/, logs/)")
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
@@ -286,6 +300,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model=model,
         model_args=model_args,
         data=os.path.abspath(args.data) if args.data else None,
+        eval_data=os.path.abspath(args.eval_data) if getattr(args, "eval_data", None) else None,
         out=os.path.abspath(args.out),
         resume=os.path.abspath(args.resume) if args.resume else None,
         resume_override=[k.strip() for k in (getattr(args, "resume_override", None) or "").split(",") if k.strip()],
@@ -301,9 +316,10 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     """Everything the run reads from disk (``--data``: data.py's checks; ``--resume``: every file of
     the state, state_files.py), checked in this process before any worker starts, so a bad file is
     one named error instead of a worker dying at the step that first touches it.  A text/chat jsonl
-    is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz``, which the workers then read."""
+    is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz`` (``--eval-data``'s into
+    ``OUT/data/eval-<name>.seq<L>.npz``), which the workers then read."""
     from ..tokenizer import GlmTokenizer, TokenizerError
-    from .data import check_batch_samples, jsonl_kind, open_data, prepare_jsonl
+    from .data import check_batch_samples, check_eval_samples, jsonl_kind, open_data, prepare_jsonl
 
     if cfg.model == "glm" and not cfg.resume:  # a resumed run reads no weight from --model
         check_checkpoint_files(cfg.model_args["model_dir"])
@@ -313,22 +329,36 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
             tok = GlmTokenizer.from_pretrained(args.tokenizer)
         except TokenizerError as e:
             raise ValueError(f"--tokenizer {args.tokenizer}: {e}") from e
-    if cfg.data is not None and cfg.data.endswith(".jsonl") and jsonl_kind(cfg.data) != "input_ids":
+
+    def tokenized(path: str, flag: str, prefix: str, min_samples: int) -> tuple[str, dict]:
+        nonlocal tok
         tok_dir = cfg.model_args.get("model_dir")
         if tok is None and tok_dir is None:
-            raise ValueError(f"--data {cfg.data}: text/chat records need a tokenizer: pass --tokenizer DIR")
+            raise ValueError(f"{flag} {path}: text/chat records need a tokenizer: pass --tokenizer DIR")
         if tok is None:
             try:
                 tok = GlmTokenizer.from_pretrained(tok_dir)
             except TokenizerError as e:
-                raise ValueError(f"--data {cfg.data}: {e}") from e
-        name = os.path.splitext(os.path.basename(cfg.data))[0]
-        out = os.path.join(cfg.out, "data", f"{name}.seq{cfg.seq_len}.npz")
+                raise ValueError(f"{flag} {path}: {e}") from e
+        name = os.path.splitext(os.path.basename(path))[0]
+        out = os.path.join(cfg.out, "data", f"{prefix}{name}.seq{cfg.seq_len}.npz")
         stop = _stop_token_ids(tok_dir, args.tokenizer)  # what generation stops on: a chat turn's end is trained
-        # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
-        info = prepare_jsonl(
-            cfg.data, cfg.seq_len, vocab_size, tok, out, min_samples=cfg.global_batch_size, stop_ids=stop
+        return out, prepare_jsonl(path, cfg.seq_len, vocab_size, tok, out, min_samples=min_samples, stop_ids=stop)
+
+    def is_text(path: str | None) -> bool:
+        return path is not None and path.endswith(".jsonl") and jsonl_kind(path) != "input_ids"
+
+    if is_text(cfg.eval_data):
+        cfg.eval_data, _ = tokenized(cfg.eval_data, "--eval-data", "eval-", cfg.eval_batches * cfg.global_batch_size)
+    if cfg.eval_data is not None:
+        held_out = open_data(
+            cfg.eval_data, cfg.seq_len, vocab_size, cfg.seed, data_dtype=cfg.data_dtype, flag="--eval-data"
         )
+        held_out.validate()
+        check_eval_samples(held_out, cfg.eval_batches, cfg.global_batch_size)
+    if is_text(cfg.data):
+        # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
+        out, info = tokenized(cfg.data, "--data", "", cfg.global_batch_size)
         epochs = cfg.steps * cfg.global_batch_size / info["samples"]
         print(
             f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "

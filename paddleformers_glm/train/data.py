@@ -73,9 +73,18 @@ class TokenData:
             if self.num_samples is not None:
                 epoch, pos = divmod(k, self.num_samples)
                 k = int(self._perm(epoch)[pos])
-            rows.append(self.sample(k))
+            rows.append(k)
+        return self._stacked(rows, f"step {step}")
+
+    def batch_in_order(self, b: int, global_batch_size: int) -> dict[str, np.ndarray]:
+        """Samples ``b * G .. (b + 1) * G - 1`` in the source's own order, unshuffled: an evaluation's
+        batch ``b``, the same rows at every evaluation, in every layout."""
+        return self._stacked(range(b * global_batch_size, (b + 1) * global_batch_size), f"evaluation batch {b}")
+
+    def _stacked(self, indices: Any, what: str) -> dict[str, np.ndarray]:
+        rows = [self.sample(int(k)) for k in indices]
         out = {key: np.stack([r[key] for r in rows]).astype(np.int64) for key in rows[0]}
-        check_token_range(out["input_ids"], self.vocab_size, f"{self.describe}: step {step}")
+        check_token_range(out["input_ids"], self.vocab_size, f"{self.describe}: {what}")
         return out
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -554,15 +563,23 @@ def _load_npy(path: str, **kw: Any) -> Any:
 
 
 def open_data(
-    path: str | None, seq_len: int, vocab_size: int, seed: int, *, data_dtype: str = "auto", pad_id: int = 0
+    path: str | None,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    *,
+    data_dtype: str = "auto",
+    pad_id: int = 0,
+    flag: str = "--data",
 ) -> TokenData:
-    """The data source for ``path`` (None: synthetic); see the module doc for formats."""
+    """The data source for ``path`` (None: synthetic); see the module doc for formats. ``flag``: the
+    option that named it, in errors."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if path is None or path == "synthetic":
         return _Synthetic(seq_len, vocab_size, seed)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data: no file {path}")
+        raise FileNotFoundError(f"{flag}: no file {path}")
     if path.endswith(".npy"):
         arr = _load_npy(path, mmap_mode="r")
         if not np.issubdtype(arr.dtype, np.integer):
@@ -586,7 +603,7 @@ def open_data(
         return _Jsonl(path, seq_len, vocab_size, seed, pad_id)
     if path.endswith(".npz"):
         return _Packed(path, seq_len, vocab_size, seed)
-    raise ValueError(f"--data {path}: unknown format (use .npy, .bin, .jsonl, .npz, or omit for synthetic)")
+    raise ValueError(f"{flag} {path}: unknown format (use .npy, .bin, .jsonl, .npz, or omit for synthetic)")
 
 
 _WIDER = {"uint16": "uint32 (or int32)", "uint32": "int64", "int32": "int64"}
@@ -623,6 +640,16 @@ def check_batch_samples(data: TokenData, global_batch_size: int) -> None:
             f"{data.describe}: {n} samples of --seq-len {data.seq_len}, fewer than one global batch of "
             f"{global_batch_size} (--global-batch-size): a batch would repeat samples, and data-parallel ranks "
             "would train on the same rows; use more data, a smaller --global-batch-size or a shorter --seq-len"
+        )
+
+
+def check_eval_samples(data: TokenData, batches: int, global_batch_size: int) -> None:
+    """An evaluation reads ``batches`` global batches of distinct samples: a source holds them all."""
+    n, need = data.num_samples, batches * global_batch_size
+    if n is not None and n < need:
+        raise ValueError(
+            f"--eval-data {data.describe}: {n} samples of --seq-len {data.seq_len}, fewer than --eval-batches "
+            f"{batches} x --global-batch-size {global_batch_size} = {need}; use fewer --eval-batches or more data"
         )
 
 

@@ -46,7 +46,7 @@ ENV_LAUNCHER_PID = "GLM52_LAUNCHER_PID"  # the glm52 launcher: workers end when 
 ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (seconds since the epoch)
 
 # the phases of a step, in order: a rank's progress is (step, index of its last phase)
-PHASES = ("start", "setup", "data", "forward", "update", "done", "save", "finish")
+PHASES = ("start", "setup", "data", "forward", "update", "done", "eval", "save", "finish")
 
 _COMM_MARKERS = re.compile(
     r"gloo|timeout|connection (reset|closed|refused)|broken pipe|nccl|processgroup|socket|peer", re.I

@@ -38,7 +38,7 @@ from ..parallel.pipeline import SingleStageEngine, layout_string, rank_spec
 from ..parallel.state import shard_full_state
 from ..parallel.topology import init_topology, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
-from .data import check_batch_samples, micro_batches, open_data
+from .data import check_batch_samples, check_eval_samples, micro_batches, open_data
 from .indexer_stage import indexer_report, pop_indexer_history
 from .job_status import beat
 from .memory import MemoryMonitor
@@ -94,9 +94,16 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     try:
         data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
         check_batch_samples(data, cfg.global_batch_size)
-        check_same_run(cfg, topo, run_inputs(cfg, adapter, data) if topo.world_size > 1 else None)
+        held_out = None
+        if cfg.eval_data is not None:
+            held_out = open_data(
+                cfg.eval_data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype, flag="--eval-data"
+            )
+            check_eval_samples(held_out, cfg.eval_batches, cfg.global_batch_size)
+        inputs = run_inputs(cfg, adapter, data, held_out) if topo.world_size > 1 else None
+        check_same_run(cfg, topo, inputs)
         check_shared_out(cfg, topo)
-        return _train(cfg, adapter, topo, specs, data)
+        return _train(cfg, adapter, topo, specs, data, held_out)
     finally:
         if not cfg.progress:
             progress.set_quiet(was_quiet)
@@ -106,24 +113,27 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
 
 # what may differ between the ranks of one job: where each node reads and writes (another mount
 # point), the progress bar, the testing aid; everything else is the run itself
-_PER_NODE_SETTINGS = ("out", "data", "resume", "progress", "fault")
+_PER_NODE_SETTINGS = ("out", "data", "eval_data", "resume", "progress", "fault")
 _PER_NODE_MODEL_ARGS = ("model_dir", "tokenizer_dir")
 
 
 # what each rank read from its node's files, compared beside the settings (:func:`run_inputs`)
-_INPUT_NAMES = {"data": "data fingerprint", "checkpoint": "model checkpoint", "resume": "resume state"}
+_INPUT_NAMES = {"data": "data fingerprint", "eval": "evaluation data fingerprint", "checkpoint": "model checkpoint"}
+_INPUT_NAMES["resume"] = "resume state"
 
 
-def run_inputs(cfg: TrainConfig, adapter: ModelAdapter, data: Any) -> dict[str, Any]:
+def run_inputs(cfg: TrainConfig, adapter: ModelAdapter, data: Any, held_out: Any = None) -> dict[str, Any]:
     """What this rank read from its node's per-node paths, for :func:`check_same_run`: the data's
     fingerprint (the one a resume compares: sample count, sequence length, first, middle and last
-    samples), the model checkpoint's identity (``adapter.checkpoint_info()`` less its path: the
+    samples; the evaluation data's too), the model checkpoint's identity (``adapter.checkpoint_info()`` less its path: the
     config.json hash and REVISION of a model folder) and, with ``--resume``, the state's step and a
     hash of its meta.json (the run's history, settings and data fingerprint).  Nothing but those
     small files is read; the weights themselves are not compared."""
     import hashlib
 
     found = {"data": data.fingerprint()}
+    if held_out is not None:
+        found["eval"] = held_out.fingerprint()
     ckpt = {k: v for k, v in adapter.checkpoint_info().items() if k != "path"}
     if ckpt:
         found["checkpoint"] = ckpt
@@ -285,6 +295,7 @@ class _Run:
     indexer: dict[str, Any] | None = None  # the indexer's training (adapter.indexer_info()), or None
     stage_start: int = 0  # steps done before this indexer stage began (its lr schedule starts there)
     indexer_stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's first and last step
+    held_out: Any = None  # --eval-data's source, or None
 
     @property
     def rank0(self) -> bool:
@@ -354,8 +365,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any],
         meta = load_resume_state(cfg.resume, topo, module, opt, layout, indexer_stage=stage)
         start = int(meta["step"])
         skipped_earlier = [s for s in meta.get("skipped_steps", []) if s <= start]
-        for k, v in meta.get("history", {}).items():
-            history[k] = list(v)[:start]
+        for k, v in meta.get("history", {}).items():  # an evaluation's record names its step
+            history[k] = [r for r in v if r["step"] <= start] if k == "eval" else list(v)[:start]
         saved = meta.get("indexer") or {}
         kept = [st for st in saved.get("stages", []) if st["first_step"] <= start]  # each cut at the resumed step
         stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
@@ -404,6 +415,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         grad_norms=run.history["grad_norms"],
+        **({"eval": run.history.get("eval", [])} if cfg.eval_data is not None else {}),
         lrs=run.history["lrs"],
         optimizer_state_bytes=run.opt_bytes,
         run={
@@ -452,21 +464,12 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     run.sched.step(step + 1 - run.stage_start)
     lr = float(run.sched())
     batch = run.data.global_batch(step, cfg.global_batch_size)
-    n_micro_global = cfg.global_batch_size // cfg.micro_batch_size
-    norms = {
-        name: (token_count(batch["labels"], s.shift) if s.normalize == "tokens" else n_micro_global)
-        for name, s in run.loss_specs.items()
-    }
+    norms = _norms(run, batch["labels"])
     # each term's weight over its global normaliser, times the factor Fleet's gradient sync expects
     scales = {name: s.weight * run.loss_mult / max(norms[name], 1) for name, s in run.loss_specs.items()}
     if poison:  # --fault kind=nan: this rank's objective (not its reported loss sums) is NaN
         scales = {name: v * float("nan") for name, v in scales.items()}
-    replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
-    mbs = list(micro_batches(batch, replica, topo.pc.replicas, cfg.micro_batch_size))
-    if topo.cp_size > 1:  # context parallel: this rank's zigzag slice, labels shifted over whole sequences
-        shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
-        mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
-    mbs = [{k: paddle.to_tensor(v) for k, v in mb.items()} for mb in mbs]
+    mbs = _micro_batch_tensors(run, batch)
     beat(step + 1, "forward")
     # ---- the step engine: sync -> norm -> clip -> update, inline or inside Fleet's train_batch
     done: dict[str, Any] = {}
@@ -521,6 +524,55 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
     return lr, done["gnorm"]
 
 
+def _micro_batch_tensors(run: _Run, batch: dict[str, np.ndarray]) -> list[dict[str, paddle.Tensor]]:
+    """This replica's micro-batches of a global batch, as tensors (under context parallel each
+    rank's zigzag slice, labels shifted over whole sequences)."""
+    topo = run.topo
+    replica = topo.dp_rank * topo.sharding_size + topo.sharding_rank
+    mbs = list(micro_batches(batch, replica, topo.pc.replicas, run.cfg.micro_batch_size))
+    if topo.cp_size > 1:
+        shifts = [s.shift for s in run.loss_specs.values() if s.normalize == "tokens"]
+        mbs = [split_micro_batch(mb, topo.cp_size, topo.cp_rank, shifts, max(shifts, default=1) - 1) for mb in mbs]
+    return [{k: paddle.to_tensor(v) for k, v in mb.items()} for mb in mbs]
+
+
+def _norms(run: _Run, labels: np.ndarray) -> dict[str, int]:
+    """Each loss term's global normaliser for a global batch of ``labels``: its counted tokens, or
+    the batch's micro-batch count."""
+    n_micro_global = run.cfg.global_batch_size // run.cfg.micro_batch_size
+    return {
+        name: (token_count(labels, s.shift) if s.normalize == "tokens" else n_micro_global)
+        for name, s in run.loss_specs.items()
+    }
+
+
+def _evaluate(run: _Run, step: int, log: Callable[[str], Any]) -> None:
+    """The held-out loss after update ``step`` (1-based; 0: of the loaded weights), collectively: the first ``--eval-batches``
+    global batches of ``--eval-data`` in file order (the same rows at every evaluation and in every
+    layout), forward only, in evaluation mode and without gradient, so no training state moves (the
+    routers count no load, the indexer records nothing, nothing is backpropagated); each token term
+    (LM, MTP) summed over every batch's tokens and divided by their count, as a step's loss is."""
+    beat(step, "eval")
+    cfg = run.cfg
+    tokens = {n for n, s in run.loss_specs.items() if s.normalize == "tokens"}
+    scales = {name: 0.0 for name in run.loss_specs}  # the ledger's terms; nothing is backpropagated
+    sums: dict[str, list[float]] = {}
+    norms = dict.fromkeys(run.loss_specs, 0)
+    for b in range(cfg.eval_batches):
+        batch = run.held_out.batch_in_order(b, cfg.global_batch_size)
+        for name, (s, c) in run.engine.evaluate(_micro_batch_tensors(run, batch), scales).items():
+            acc = sums.setdefault(name, [0.0, 0])
+            acc[0], acc[1] = acc[0] + s, acc[1] + c
+        for name, n in _norms(run, batch["labels"]).items():
+            norms[name] += n
+    totals = {n: tuple(v) for n, v in sums.items() if n in tokens}
+    values = _reduced_losses(run, totals, {n: norms[n] for n in tokens})
+    record = {"step": step, "tokens": norms["lm"] if "lm" in norms else None, **values}
+    run.history.setdefault("eval", []).append(record)
+    shown = " | ".join(f"{k} {v:.6f}" for k, v in values.items())
+    log(f"[glm52 train] eval after step {step}: {shown} over {record['tokens']} tokens")
+
+
 def _nonfinite_step(
     run: _Run, step: int, done: dict[str, Any], grads: dict[str, Any], log: Callable[[str], Any]
 ) -> bool:
@@ -548,10 +600,16 @@ def _nonfinite_step(
 
 
 def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[str, int]) -> None:
-    """Sum each loss term over pipeline stages and data replicas, check the token counts against
-    the labels, and append each reported loss (normalised, terms of one key averaged)."""
+    """Append the step's reported losses (:func:`_reduced_losses`) to the history."""
+    for key, value in _reduced_losses(run, totals, norms).items():
+        run.history[key].append(value)
+
+
+def _reduced_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[str, int]) -> dict[str, float]:
+    """Sum each loss term of ``norms`` over pipeline stages and data replicas, check the token
+    counts against the labels; -> each reported loss (normalised, terms of one key averaged)."""
     topo, loss_specs = run.topo, run.loss_specs
-    names = sorted(loss_specs)
+    names = sorted(norms)
     pairs = [totals.get(n, (0.0, 0)) for n in names]
     vec = paddle.to_tensor(np.array([s for s, _ in pairs] + [c for _, c in pairs], dtype=np.float64))
     # summed over pipeline stages, data replicas and context-parallel ranks (each counted its own tokens)
@@ -566,10 +624,12 @@ def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[
                 f"loss term {n!r}: the model counted {int(counts[n])} tokens, labels shifted by {s.shift} give {norms[n]}; "
                 "fix the model's count or the LossSpec shift"
             )
+    out = {}
     for key in run.report_keys:
         terms = [n for n in names if loss_specs[n].report == key]
         if terms:
-            run.history[key].append(sum(sums[n] / max(norms[n], 1) for n in terms) / len(terms))
+            out[key] = sum(sums[n] / max(norms[n], 1) for n in terms) / len(terms)
+    return out
 
 
 def _record_indexer_stage(run: _Run, step: int) -> None:
@@ -616,11 +676,14 @@ def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
     return result
 
 
-def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs, data: Any) -> dict[str, Any] | None:
-    """Setup, the steps (each logged and written to loss.json by rank 0, resume state every
-    ``--save-every`` steps), then finish."""
+def _train(
+    cfg: TrainConfig, adapter: ModelAdapter, topo, specs, data: Any, held_out: Any = None
+) -> dict[str, Any] | None:
+    """Setup, the steps (each logged and written to loss.json by rank 0, an evaluation after every
+    ``--eval-every`` steps and the last, resume state every ``--save-every`` steps), then finish."""
     beat(0, "setup")
     run = _setup(cfg, adapter, topo, specs, data)
+    run.held_out = held_out
     bar = None
     if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
         from tqdm import tqdm
@@ -630,6 +693,8 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs, data: Any) -> d
     log(  # a no-op off rank 0
         f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
     )
+    if held_out is not None and cfg.eval_at_start and run.start not in [r["step"] for r in run.history.get("eval", [])]:
+        _evaluate(run, run.start, log)  # (a resumed run's state saved after that step's evaluation has it)
     for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()
         lr, gnorm = _step(run, step, log)
@@ -639,6 +704,10 @@ def _train(cfg: TrainConfig, adapter: ModelAdapter, topo, specs, data: Any) -> d
             if not math.isfinite(run.history["losses"][-1]):
                 log("[glm52 train] warning: non-finite loss")
             write_record(os.path.join(cfg.out, "loss.json"), _snapshot(run, step + 1))
+        if held_out is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps):
+            _evaluate(run, step + 1, log)
+            if run.rank0:
+                write_record(os.path.join(cfg.out, "loss.json"), _snapshot(run, step + 1))
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:

@@ -37,7 +37,7 @@ __all__ = [
 
 # counts and their least value
 _COUNTS = {"steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "vpp": 1}
-_COUNTS.update(save_every=0, skip_nonfinite_steps=0)
+_COUNTS.update(save_every=0, skip_nonfinite_steps=0, eval_every=0, eval_batches=1)
 # float settings that must be finite numbers and >= 0 (None allowed for min_lr and indexer_loss_coeff)
 _NONNEGATIVE_FLOATS = (
     "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
@@ -127,6 +127,12 @@ class TrainConfig:
     seed: int = 1234
     data: str | None = None
     data_dtype: str = "auto"
+    # held-out evaluation (train/loop.py, _evaluate): the first eval_batches global batches of eval_data,
+    # after every eval_every steps (0: after the last step only), and before the first with eval_at_start
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 1
+    eval_at_start: bool = False
     out: str = "out"
     export: bool = False
     save_every: int = 0
@@ -162,6 +168,11 @@ class TrainConfig:
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
             )
         check_vpp(self)
+        if self.eval_data is None and (self.eval_every or self.eval_batches != 1 or self.eval_at_start):
+            flag = (
+                "--eval-every" if self.eval_every else "--eval-batches" if self.eval_batches != 1 else "--eval-at-start"
+            )
+            raise ValueError(f"{flag} needs --eval-data (the held-out tokens to evaluate on)")
 
 
 def check_vpp(cfg: Any) -> None:
