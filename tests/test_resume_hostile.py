@@ -230,6 +230,9 @@ def test_meta_json_fields_are_checked_by_name(saved, tmp_path):
         ("world_size", 0, "`world_size` must be an integer >= 1, got 0"),
         ("profile", [], "`profile` must be an object"),
         ("format", None, "`format` is None"),
+        ("history", {"losses": ["x"]}, "`history` must be an object of number lists"),
+        ("history", {"eval": [{"losses": 1.0}]}, "`history.eval` must be a list of records with a step"),
+        ("history", {"eval": "x"}, "`history.eval` must be a list of records with a step"),
     ]:
         (folder / "meta.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(ResumeStateError) as e:
