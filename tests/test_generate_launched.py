@@ -5,6 +5,7 @@ would otherwise print nothing wrong: only rank 0's tokens are shown)."""
 
 from __future__ import annotations
 
+import filecmp
 import json
 
 import pytest
@@ -76,7 +77,8 @@ def test_pp2_generate_equals_one_process_bit_for_bit(tiny_dir, tmp_path):
     gives one process's tokens and scores bit for bit: a stage runs the same operations on the same
     numbers (stage 1 starts on a shared indexer layer: the top-k travels with the hidden states). A
     forward with labels is refused by name (training goes through the trainer's pipeline), and so is
-    a stage given another input than the stage before it ran."""
+    a stage given another input than the stage before it ran; ``save_pretrained`` from the stages
+    writes the one-process save byte for byte."""
     import numpy as np
 
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
@@ -113,6 +115,11 @@ def test_pp2_generate_equals_one_process_bit_for_bit(tiny_dir, tmp_path):
         assert r["labels"].startswith(f"forward on pipeline stage {stage} of 2: labels not supported"), r["labels"]
         assert "decode_step traced by paddle.jit.to_static on a model split over ranks" in r["to_static"]
     assert np.isfinite(np.array(want["greedy"]["scores"])).all()
+    # save_pretrained from the two stages writes the one-process save byte for byte
+    model.save_pretrained(tmp_path / "one")
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert sorted(p.name for p in (out / "saved").iterdir()) == names
+    assert filecmp.cmpfiles(out / "saved", tmp_path / "one", names, shallow=False)[1:] == ([], [])
     # the last stage given 6 tokens where the first ran 8: named, not attended over the wrong rows
     assert ranks[1]["mismatch"] == (
         "pipeline stage 1 was given input of [batch, seq] [1, 6] but stage 0 (rank 0) ran [1, 8]: every "

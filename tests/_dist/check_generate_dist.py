@@ -6,7 +6,8 @@ got to OUT_DIR/rank{r}.json; the test (tests/test_save_distributed.py) compares 
 :func:`generations` of one process and with the other rank's.
 
 With PP = 2 (tests/test_generate_launched.py, its own launch) the model is split into two pipeline
-stages instead: each rank also records which layers it built and a forward it refuses by name.
+stages instead: each rank also records which layers it built and a forward it refuses by name, and
+the stages save the model (OUT_DIR/saved).
 
 usage: check_generate_dist.py CKPT OUT_DIR TP EP [PP]
 """
@@ -73,6 +74,7 @@ def main() -> None:
             res["labels"] = "ran"
         except NotImplementedError as e:
             res["labels"] = str(e)
+        model.save_pretrained(out_dir / "saved")  # each stage writes its own tensors
     with paddle.no_grad():  # the MoE layers' inference form: experts span the TP group (ep 2 = tp 2)
         res["sums_partials"] = [not layer.mlp.training and layer.mlp.dispatcher.sums_partials()
                                 for layer in model.model.decoder_layers
