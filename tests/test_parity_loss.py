@@ -181,3 +181,25 @@ def test_infinite_tolerance_is_accepted(tmp_path, capsys):
     a = _loss(tmp_path, "a.json", [1.0, 0.5])
     code, r, _ = _check(tmp_path, capsys, a, a, "--atol", "inf")
     assert code == 0 and r["result"] == "pass"
+
+
+def test_curve_compares_another_list_or_the_held_out_evaluations(tmp_path, capsys):
+    """--curve mtp_losses reads that list; --curve eval.losses each evaluation record's entry
+    (glm52 train --eval-data's loss.json 'eval'); a file without evaluations is unusable input."""
+
+    def run(name, evals, mtp):
+        return _loss(tmp_path, name, None, json.dumps({"losses": [1.0], "mtp_losses": mtp, "eval": evals}))
+
+    a = run("a.json", [{"step": 2, "losses": 2.5, "mtp_losses": 2.6}, {"step": 4, "losses": 2.4}], [1.5, 1.4])
+    b = run("b.json", [{"step": 2, "losses": 2.5, "mtp_losses": 2.6}, {"step": 4, "losses": 2.40001}], [1.5, 1.4])
+    code, r, _ = _check(tmp_path, capsys, a, b, "--curve", "mtp_losses")
+    assert code == 0 and r["curve"] == "mtp_losses" and r["steps_compared"] == 2
+    code, r, _ = _check(tmp_path, capsys, a, b, "--curve", "eval.losses")
+    assert code == 1 and r["first_divergent_step"] == 1 and r["steps_compared"] == 2
+    code, r, _ = _check(tmp_path, capsys, a, b, "--curve", "eval.losses", "--atol", "1e-4")
+    assert code == 0 and abs(r["max_diff"] - 1e-5) < 1e-9
+    code, _, text = _check(tmp_path, capsys, a, b, "--curve", "eval.mtp_losses")
+    assert code == 2 and "eval[1].mtp_losses is None, expected a finite number" in text.err
+    plain = _loss(tmp_path, "plain.json", [1.0])
+    code, _, text = _check(tmp_path, capsys, plain, b, "--curve", "eval.losses")
+    assert code == 2 and "no 'eval' records (the run had no --eval-data)" in text.err

@@ -89,6 +89,12 @@ def register_check_loss(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--steps", type=int, help="compare the first N steps; each file must have at least N (longer ones are fine)"
     )
+    p.add_argument(
+        "--curve",
+        default="losses",
+        help="which curve: a list of loss.json (losses, mtp_losses, grad_norms ...) or eval.<name> for each "
+        "held-out evaluation's entry (eval.losses, eval.mtp_losses); default losses",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--bit-exact", action="store_true", help="every compared loss must be identical (default)")
     mode.add_argument("--atol", type=float, help="absolute tolerance: |a-b| <= atol + rtol*|b|")
@@ -115,7 +121,14 @@ def _run_check_loss(args: argparse.Namespace) -> int:
         print(f"check-loss: {bad}", file=sys.stderr)
         return 2
     report = check_losses(
-        args.a, args.b, steps=args.steps, bit_exact=args.bit_exact, atol=args.atol, rtol=args.rtol, plot=args.plot
+        args.a,
+        args.b,
+        steps=args.steps,
+        bit_exact=args.bit_exact,
+        atol=args.atol,
+        rtol=args.rtol,
+        plot=args.plot,
+        curve=args.curve,
     )
     if args.json_out and not _write_receipt("check-loss", args.json_out, report):
         return 2

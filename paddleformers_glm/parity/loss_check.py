@@ -34,7 +34,10 @@ class LossFileError(ValueError):
 
 
 def read_curve(path: str, key: str = "losses") -> list[float]:
-    """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only."""
+    """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only;
+    ``eval.<name>``: that entry of each held-out evaluation's record (``eval.losses``)."""
+    if key.startswith("eval."):
+        return _eval_curve(path, key)
     try:
         data = read_json(path, "the loss record", None, LossFileError)
     except LossFileError:
@@ -58,6 +61,21 @@ def read_curve(path: str, key: str = "losses") -> list[float]:
         if not math.isfinite(v):
             raise LossFileError(f"{path}: {key}[{i}] is {v}, expected a finite number")
         out.append(v)
+    return out
+
+
+def _eval_curve(path: str, key: str) -> list[float]:
+    name = key.split(".", 1)[1]
+    data = read_json(path, "the loss record", None, LossFileError)
+    records = data.get("eval") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not records:
+        raise LossFileError(f"{path}: no 'eval' records (the run had no --eval-data) for {key!r}")
+    out = []
+    for i, r in enumerate(records):
+        v = r.get(name) if isinstance(r, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise LossFileError(f"{path}: eval[{i}].{name} is {v!r}, expected a finite number")
+        out.append(float(v))
     return out
 
 
@@ -126,8 +144,10 @@ def check_losses(
     atol: float | None = None,
     rtol: float | None = None,
     plot: str | None = None,
+    curve: str = "losses",
 ) -> dict[str, Any]:
-    """Receipt for two loss files; ``exit_code`` 0 pass, 1 fail, 2 unusable input."""
+    """Receipt for two loss files' ``curve`` (:func:`read_curve`); ``exit_code`` 0 pass, 1 fail,
+    2 unusable input."""
     report: dict[str, Any] = {
         "tool": "glm52 check-loss",
         "created_unix": int(time.time()),
@@ -135,6 +155,7 @@ def check_losses(
         "a": {"path": os.path.abspath(path_a)},
         "b": {"path": os.path.abspath(path_b)},
         "mode": "bit-exact" if bit_exact or (atol is None and rtol is None) else "tolerance",
+        "curve": curve,
         "errors": [],
     }
     if steps is not None and steps < 1:
@@ -145,7 +166,7 @@ def check_losses(
     curves = {}
     for name, p in (("a", path_a), ("b", path_b)):
         try:
-            curves[name] = read_losses(p)
+            curves[name] = read_curve(p, curve)
             report[name]["sha256"] = sha256_file(p)
         except LossFileError as e:
             report["errors"].append(str(e))
