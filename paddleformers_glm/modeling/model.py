@@ -485,7 +485,6 @@ def _flag(value: bool | None, config: GlmMoeDsaConfig, name: str) -> bool:
     return bool(value) if value is not None else bool(getattr(config, name, False))
 
 
-@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 @paddle.jit.not_to_static
 def _check_pipelined_forward(
     model: GlmMoeDsaForCausalLM,
@@ -509,6 +508,7 @@ def _check_pipelined_forward(
         )
 
 
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 def _check_labels_shape(labels: paddle.Tensor, inputs: paddle.Tensor) -> None:
     """``labels`` are [B, S] as the input's first two axes (transformers 5.23 raises "Expected input
     batch_size (20) to match target batch_size (16)" otherwise); the loss read past their end."""
