@@ -547,11 +547,12 @@ def _norms(run: _Run, labels: np.ndarray) -> dict[str, int]:
 
 
 def _evaluate(run: _Run, step: int, log: Callable[[str], Any]) -> None:
-    """The held-out loss after update ``step`` (1-based; 0: of the loaded weights), collectively: the first ``--eval-batches``
-    global batches of ``--eval-data`` in file order (the same rows at every evaluation and in every
-    layout), forward only, in evaluation mode and without gradient, so no training state moves (the
-    routers count no load, the indexer records nothing, nothing is backpropagated); each token term
-    (LM, MTP) summed over every batch's tokens and divided by their count, as a step's loss is."""
+    """The held-out loss after update ``step`` (1-based; 0: of the loaded weights), collectively:
+    the first ``--eval-batches`` global batches of ``--eval-data`` in file order (the same rows at
+    every evaluation and in every layout), forward only, in evaluation mode and without gradient, so
+    no training state moves (the routers count no load, the indexer records nothing, nothing is
+    backpropagated); each token term (LM, MTP) summed over every batch's tokens and divided by their
+    count, as a step's loss is. A non-finite one is logged as a warning (loss.json: null)."""
     beat(step, "eval")
     cfg = run.cfg
     tokens = {n for n, s in run.loss_specs.items() if s.normalize == "tokens"}
@@ -571,6 +572,8 @@ def _evaluate(run: _Run, step: int, log: Callable[[str], Any]) -> None:
     run.history.setdefault("eval", []).append(record)
     shown = " | ".join(f"{k} {v:.6f}" for k, v in values.items())
     log(f"[glm52 train] eval after step {step}: {shown} over {record['tokens']} tokens")
+    if not all(math.isfinite(v) for v in values.values()):
+        log(f"[glm52 train] warning: non-finite held-out loss after step {step}")
 
 
 def _nonfinite_step(
