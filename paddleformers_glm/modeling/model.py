@@ -761,7 +761,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     def _received_carry(self, tokens: Sequence[int]) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """The carry from the stage before, for this stage's input of ``tokens`` = [B, n]."""
         src, group = self._stage_peer(self.stage.stage - 1)
-        hidden, topk = comm.recv_tensors(src, group)
+        hidden, topk = comm.recv_tensors(src, group, 2)
         if list(hidden.shape[:2]) != list(tokens):  # every rank must run the same input (generate: the same prompts)
             raise ValueError(
                 f"pipeline stage {self.stage.stage} was given input of [batch, seq] {list(tokens)} but stage "

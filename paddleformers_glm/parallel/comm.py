@@ -36,7 +36,6 @@ __all__ = [
     "gather_rows_from_tp",
     "group_size",
     "my_rows",
-    "recv_tensor",
     "recv_tensors",
     "reduce_from_tp",
     "reduce_scatter",
@@ -46,7 +45,6 @@ __all__ = [
     "scatter_rows_to_tp",
     "scatter_to_sp",
     "scatter_to_tp",
-    "send_tensor",
     "send_tensors",
     "split_take",
     "to_batch_first",
@@ -145,18 +143,21 @@ def broadcast(x: paddle.Tensor, src: int, group: Any) -> paddle.Tensor:
     return x
 
 
-# a tensor of any shape and dtype between ranks that do not know them: a fixed-size header (ndim,
-# dims, dtype) travels first; bf16 / fp16 travel as fp32 where collectives are emulated (gloo)
+# tensors of any shape and dtype between ranks that do not know them: one int64 header per transfer
+# (per tensor: ndim, dims, dtype) travels first; bf16 / fp16 travel as fp32 where collectives are
+# emulated (gloo)
 _WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32")
-_HEADER = 8
+_HEADER = 8  # one tensor's entry: ndim, up to 6 dims, dtype
 
 
-def _header(x: paddle.Tensor) -> paddle.Tensor:
-    dtype = str(x.dtype).replace("paddle.", "")
-    if dtype not in _WIRE_DTYPES or x.ndim > _HEADER - 2:
-        raise ValueError(f"a tensor sent whole must be one of {_WIRE_DTYPES} of <= 6 dims, got {dtype} {x.shape}")
-    dims = [x.ndim, *x.shape] + [0] * (_HEADER - 2 - x.ndim) + [_WIRE_DTYPES.index(dtype)]
-    return paddle.to_tensor(dims, dtype="int64")
+def _header(xs: Sequence[paddle.Tensor]) -> paddle.Tensor:
+    rows = []
+    for x in xs:
+        dtype = str(x.dtype).replace("paddle.", "")
+        if dtype not in _WIRE_DTYPES or x.ndim > _HEADER - 2:
+            raise ValueError(f"a tensor sent whole must be one of {_WIRE_DTYPES} of <= 6 dims, got {dtype} {x.shape}")
+        rows += [x.ndim, *x.shape] + [0] * (_HEADER - 2 - x.ndim) + [_WIRE_DTYPES.index(dtype)]
+    return paddle.to_tensor(rows, dtype="int64")
 
 
 def _on_wire(x: paddle.Tensor) -> paddle.Tensor:
@@ -164,52 +165,53 @@ def _on_wire(x: paddle.Tensor) -> paddle.Tensor:
     return x.astype("float32") if low else x.contiguous()
 
 
-def _buffer(header: paddle.Tensor) -> tuple[paddle.Tensor, str]:
+def _buffers(header: paddle.Tensor) -> list[tuple[paddle.Tensor, str]]:
     h = [int(v) for v in header.numpy()]
-    shape, dtype = h[1 : 1 + h[0]], _WIRE_DTYPES[h[-1]]
-    low = uses_emulation() and dtype in ("float16", "bfloat16")
-    return paddle.empty(shape, dtype="float32" if low else dtype), dtype
+    out = []
+    for i in range(0, len(h), _HEADER):
+        shape, dtype = h[i + 1 : i + 1 + h[i]], _WIRE_DTYPES[h[i + _HEADER - 1]]
+        low = uses_emulation() and dtype in ("float16", "bfloat16")
+        out.append((paddle.empty(shape, dtype="float32" if low else dtype), dtype))
+    return out
 
 
-def send_tensor(x: paddle.Tensor, dst: int, group: Any) -> None:
-    """Send ``x`` whole to global rank ``dst``, which calls :func:`recv_tensor` knowing neither its
-    shape nor its dtype (a pipeline stage's output to the next stage)."""
-    dist.send(_header(x), dst=dst, group=group)
-    if x.size:
-        dist.send(_on_wire(x), dst=dst, group=group)
-
-
-def recv_tensor(src: int, group: Any) -> paddle.Tensor:
-    """The tensor global rank ``src`` sends with :func:`send_tensor`."""
-    header = paddle.zeros([_HEADER], dtype="int64")
-    dist.recv(header, src=src, group=group)
-    buf, dtype = _buffer(header)
-    if buf.size:
-        dist.recv(buf, src=src, group=group)
-    return buf.astype(dtype)
-
-
-def send_tensors(xs: Sequence[paddle.Tensor], dst: int, group: Any) -> None:
-    """:func:`send_tensor` of each of ``xs``, their count first (a pipeline stage's carry)."""
-    send_tensor(paddle.to_tensor([len(xs)], dtype="int64"), dst, group)
+def send_tensors(xs: Sequence[paddle.Tensor], dst: int, group: Any, counted: bool = False) -> None:
+    """Send ``xs`` whole to global rank ``dst``, which calls :func:`recv_tensors` knowing neither
+    their shapes nor their dtypes, only how many (a pipeline stage's carry) unless ``counted`` sends
+    their number first: one header, then each non-empty tensor."""
+    if counted:
+        dist.send(paddle.to_tensor([len(xs)], dtype="int64"), dst=dst, group=group)
+    dist.send(_header(xs), dst=dst, group=group)
     for x in xs:
-        send_tensor(x, dst, group)
+        if x.size:
+            dist.send(_on_wire(x), dst=dst, group=group)
 
 
-def recv_tensors(src: int, group: Any) -> list[paddle.Tensor]:
-    """The tensors global rank ``src`` sends with :func:`send_tensors`."""
-    n = int(recv_tensor(src, group).item())
-    return [recv_tensor(src, group) for _ in range(n)]
+def recv_tensors(src: int, group: Any, count: int | None = None) -> list[paddle.Tensor]:
+    """The ``count`` tensors global rank ``src`` sends with :func:`send_tensors` (None: as many as it
+    says, sent ``counted``)."""
+    if count is None:
+        n = paddle.zeros([1], dtype="int64")
+        dist.recv(n, src=src, group=group)
+        count = int(n.item())
+    header = paddle.zeros([count * _HEADER], dtype="int64")
+    dist.recv(header, src=src, group=group)
+    out = []
+    for buf, dtype in _buffers(header):
+        if buf.size:
+            dist.recv(buf, src=src, group=group)
+        out.append(buf.astype(dtype))
+    return out
 
 
 def broadcast_tensor(x: paddle.Tensor | None, src: int, group: Any) -> paddle.Tensor:
     """``x`` of global rank ``src`` on every rank of ``group`` (the others pass None: its shape and
     dtype travel with it)."""
-    header = _header(x) if x is not None else paddle.zeros([_HEADER], dtype="int64")
+    header = _header([x]) if x is not None else paddle.zeros([_HEADER], dtype="int64")
     dist.broadcast(header, src=src, group=group)
     if x is not None:
         return broadcast(_on_wire(x), src, group).astype(x.dtype) if x.size else x
-    buf, dtype = _buffer(header)
+    buf, dtype = _buffers(header)[0]
     return broadcast(buf, src, group).astype(dtype)
 
 

@@ -189,7 +189,7 @@ class FleetPipeline:
                 out = checked_output(self.stage.forward_stage(carry, mb, part=spec), spec.is_last, c)
                 self.ledger.objective(out.losses or {}, f"pipeline chunk {c}")
                 if not spec.is_last:
-                    comm.send_tensors(list(out.carry), *peer(c + 1))
+                    comm.send_tensors(list(out.carry), *peer(c + 1), counted=True)
 
     def train_batch(
         self,
