@@ -82,7 +82,8 @@ def test_parallel_export_equals_the_single_process_export(tiny_ckpt, reference, 
 def test_export_carries_the_tokenizer_the_run_trained_with(tiny_ckpt, tmp_path):
     """``--tokenizer DIR`` tokenized the run's text data: the export ships that tokenizer (all its
     tokenizer files and only those; a ``--model`` folder's own ``chat_template.jinja`` would override
-    the template in transformers), and the model folder's ``generation_config.json``. Before, the
+    the template in transformers), and the model folder's ``generation_config.json`` (the run also
+    evaluates held-out text, tokenized with it before launch). Before, the
     export carried only the ``--model`` folder's files: with a weights-only model folder it had no
     tokenizer at all (measured: ``['config.json', 'model.safetensors']``)."""
     import json
@@ -103,9 +104,15 @@ def test_export_carries_the_tokenizer_the_run_trained_with(tiny_ckpt, tmp_path):
     )
     args = ["--model", str(model), "--data", str(data), "--tokenizer", str(tok), "--steps", "1", "--seq-len", "16"]
     args += ["--global-batch-size", "2", "--micro-batch-size", "1", "--out", str(tmp_path / "out"), "--export"]
-    p, _ = run_train_cli(args, timeout=240)
+    # held-out text too (this launch evaluates it): tokenized once, before launch, beside the run's data
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": f"A held-out note, number {i}."}) + "\n" for i in range(6)))
+    p, _ = run_train_cli([*args, "--eval-data", str(held)], timeout=240)
     if p.returncode != 0:
         pytest.fail(f"export run failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path / 'out')}")
+    assert (tmp_path / "out" / "data" / "eval-held.seq16.npz").is_file()
+    record = json.loads((tmp_path / "out" / "loss.json").read_text())["eval"]
+    assert [r["step"] for r in record] == [1] and record[0]["tokens"] > 0 and record[0]["losses"] > 0
     out = tmp_path / "out" / "export"
     assert sorted(x.name for x in out.iterdir()) == sorted(
         ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
