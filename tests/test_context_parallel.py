@@ -125,9 +125,17 @@ def _single(ckpt, out, seq, **kw):
 
 
 @pytest.fixture(scope="module")
-def single(tiny_ckpt, tmp_path_factory):
+def held_out(tmp_path_factory) -> Path:
+    """Held-out tokens for the evaluations of the layouts without an indexer stage (4 windows of 48)."""
+    path = tmp_path_factory.mktemp("held") / "held.npy"
+    np.save(path, np.random.default_rng(5).integers(0, 256, size=4 * 48).astype(np.int32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(tiny_ckpt, held_out, tmp_path_factory):
     return {
-        48: _single(tiny_ckpt, tmp_path_factory.mktemp("single48"), 48),
+        48: _single(tiny_ckpt, tmp_path_factory.mktemp("single48"), 48, eval_data=str(held_out)),
         (48, "warmup"): _single(tiny_ckpt, tmp_path_factory.mktemp("single48w"), 48, indexer_stage="warmup"),
     }
 
@@ -248,13 +256,16 @@ def test_cp2_trains_the_indexer_kl_loss_as_one_process_repeats_and_resumes_bit_e
     ],
     ids=["cp2-warmup-seq48", "tp2-cp2-sp-seq48", "pp2-cp2-recompute-seq48", "tp2-cp2-ep4-sp-seq48"],
 )
-def test_cp_layouts_match_one_process(tiny_ckpt, single, tmp_path, seq, layout):
+def test_cp_layouts_match_one_process(tiny_ckpt, single, held_out, tmp_path, seq, layout):
     """cp2-warmup: the indexer's dense warm-up, whose target spans every causal key across the cp
     ranks, and its per-query mean over the whole sequence (docs/indexer.md).  tp2-cp2-sp: the step-1
-    dump shows the clip that ran scaled the gradients by clip / (true norm + 1e-6) (below)."""
+    dump shows the clip that ran scaled the gradients by clip / (true norm + 1e-6) (below). The
+    layouts without an indexer stage also evaluate held-out tokens after the last step: one
+    process's loss (each cp rank its zigzag slice; on pp2-cp2 through Fleet's eval_batch)."""
     dump = tmp_path / "dump"
     clip_check = "--tp" in layout and "--ep" not in layout  # no expert parallelism: Fleet's optimizer wrapper
-    got = _run(tiny_ckpt, tmp_path, seq, *layout, *(("--dump-step", str(dump), "1") if clip_check else ()))
+    held = ("--eval-data", str(held_out)) if "warmup" not in layout else ()
+    got = _run(tiny_ckpt, tmp_path, seq, *layout, *held, *(("--dump-step", str(dump), "1") if clip_check else ()))
     if clip_check:
         assert_clipped_by_true_norm(dump, got["grad_norms"][0], clip=1.0)
     assert got["profile"]["cp"] == 2
@@ -262,6 +273,10 @@ def test_cp_layouts_match_one_process(tiny_ckpt, single, tmp_path, seq, layout):
         assert got["run"]["pp_layout"] == "E,t*4|t*4,m,L"  # stage 1 starts on shared layer 4: the carried top-k
     ref = single[(seq, "warmup")] if "warmup" in layout else single[seq]
     _close(ref, got, layout)
+    if held:
+        (r,), (g,) = ref["eval"], got["eval"]
+        assert r["step"] == g["step"] == STEPS and r["tokens"] == g["tokens"] == GBS * 47
+        assert all(abs(r[k] - g[k]) <= 1e-6 for k in ("losses", "mtp_losses")), (r, g)
     if "warmup" in layout:
         assert_indexer_matches(ref, got, layout)
 
