@@ -170,8 +170,10 @@ def test_a_torn_shard_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and not log_dir.exists()
 
 
-def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path):
-    """Two nodes simulated on this machine: ``--tp 2 --nnodes 2 --node-rank R`` (one rank each), one
+@pytest.mark.parametrize("split", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path, split):
+    """Two nodes simulated on this machine: ``--tp 2`` or ``--pp 2`` with ``--nnodes 2 --node-rank R``
+    (one rank each: at --pp 2 one pipeline stage a node, the usual layout across nodes), one
     rendezvous, one shared --log-dir (each node logs in LOG_DIR/node<R>/). Each node streams its own
     first rank's tokens and checks its own ranks: both print one process's text."""
     import subprocess
@@ -187,7 +189,7 @@ def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path):
         timeout=120,
     )
     assert one.returncode == 0 and one.stdout.strip(), one.stderr[-2000:]
-    base = [sys.executable, "-m", "paddleformers_glm.cli", *ARGS, "--model", tiny_dir, "--tp", "2"]
+    base = [sys.executable, "-m", "paddleformers_glm.cli", *ARGS, "--model", tiny_dir, *split]
     got = run_nodes([*base, "--log-dir", str(tmp_path / "logs")])
     for r, (rc, out, err) in enumerate(got):
         assert rc == 0, f"node {r} rc {rc}:\n{err[-3000:]}"
