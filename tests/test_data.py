@@ -751,6 +751,8 @@ def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, c
     [
         (["--eval-every", "2"], "--eval-every needs --eval-data (the held-out tokens to evaluate on)"),
         (["--eval-at-start"], "--eval-at-start needs --eval-data"),
+        (["--steps", "0"], "--steps 0 trains nothing: it evaluates --eval-data only (give it, or --steps >= 1)"),
+        (["--steps", "-1"], "--steps must be >= 0, got -1"),
         (["--eval-data", "{small}", "--eval-batches", "2"], "small.npy: 2 samples of --seq-len 8, fewer than "
          "--eval-batches 2 x --global-batch-size 2 = 4; use fewer --eval-batches or more data"),
         (["--eval-data", "{small}", "--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
@@ -766,7 +768,7 @@ def test_unusable_eval_data_is_one_line_before_launch(tmp_path, capsys, flags, n
     flags = [f.format(**paths) for f in flags]
     args = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--dp", "2", "--steps", "1"]
     out = tmp_path / "run"
-    assert main([*args, *flags, "--out", str(out)]) == 2
+    assert main([*args, *flags, "--out", str(out)]) == 2  # (a later --steps replaces the first)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (out / "logs").exists()

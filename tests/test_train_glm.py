@@ -96,6 +96,32 @@ def test_eval_loss_is_the_models_own_loss_and_moves_no_training_state(tiny_ckpt,
     assert resumed["eval"] == got["eval"] and resumed["losses"] == got["losses"]
 
 
+@pytest.mark.slow
+def test_steps_0_evaluates_only_in_any_layout_without_optimizer_state(tiny_ckpt, eval_tokens, tmp_path):
+    """--steps 0 --eval-data: the checkpoint's held-out loss and nothing trained, no optimizer state
+    allocated; at TP2 x PP2 x SP (Fleet's eval_batch as the pipeline's first transfer) one process's
+    within 1e-6, which is the model's own HF-convention loss on those rows."""
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    one = run_training(TrainConfig(
+        model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=0, seq_len=SEQ, global_batch_size=GBS,
+        micro_batch_size=MBS, progress=False, eval_data=str(eval_tokens), out=str(tmp_path / "one"),
+    ))  # fmt: skip
+    assert one["losses"] == [] and one["steps"] == 0 and [r["step"] for r in one["eval"]] == [0]
+    assert one["memory"][0]["optimizer_bytes"] == 0
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
+    ids = paddle.to_tensor(np.load(eval_tokens)[: GBS * SEQ].reshape(GBS, SEQ).astype("int64"))
+    assert abs(float(model(ids, labels=ids).loss) - one["eval"][0]["losses"]) <= 1e-6
+    args = ["--model", str(tiny_ckpt), "--steps", "0", "--seq-len", str(SEQ), "--global-batch-size", str(GBS)]
+    args += ["--eval-data", str(eval_tokens), "--tp", "2", "--pp", "2", "--sp", "--out", str(tmp_path / "split")]
+    p, _ = run_train_cli(args, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:] + worker_logs(tmp_path / "split")
+    split = losses(tmp_path / "split")
+    assert split["losses"] == [] and all(m["optimizer_bytes"] == 0 for m in split["memory"])
+    (r,), (g,) = one["eval"], split["eval"]
+    assert r["tokens"] == g["tokens"] and all(abs(r[k] - g[k]) <= 1e-6 for k in ("losses", "mtp_losses")), (r, g)
+
+
 def test_glm_rejects_a_layout_that_cannot_split_the_model(tiny_ckpt, tmp_path, capsys):
     # 4 attention heads cannot be split over 8 tensor-parallel ranks
     assert train_main(["--model", str(tiny_ckpt), "--tp", "8", "--out", str(tmp_path)]) == 2

@@ -311,6 +311,9 @@ def run_align(args: argparse.Namespace) -> int:
         )
         return 2
     N = args.steps
+    if N < 1:  # glm52 train's --steps 0 only evaluates; align compares training steps
+        print(f"glm52 align: error: --steps must be >= 1, got {N}", file=sys.stderr)
+        return 2
     dump_steps = sorted({int(k) for k in (args.dump_step or DUMP_STEPS) if 1 <= int(k) <= N})
     bad = [k for k in (args.dump_step or []) if not 1 <= int(k) <= N]
     if bad:

@@ -337,7 +337,8 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any],
         topo=topo,
         clip_norm=cfg.clip_grad,
     )
-    opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
+    if cfg.steps > 0:  # (--steps 0 evaluates only: no optimizer state is allocated)
+        opt.prepare_state()  # this rank's moments (and masters) now: the state bytes below are all of them
     if opt.sharding is not None:  # Fleet's sharding reduce onto each updater (stage 2: the others release)
         sync.use_sharding(opt.sharding, opt.grad_owners(), topo.pc.sharding_stage)
     memory = MemoryMonitor(module, topo)  # per-rank bytes held, for loss.json "memory"
@@ -696,7 +697,8 @@ def _train(
     log(  # a no-op off rank 0
         f"[glm52 train] {topo.describe()} layout {layout_string(specs)} schedule {_schedule_name(cfg)} data {run.data.describe}"
     )
-    if held_out is not None and cfg.eval_at_start and run.start not in [r["step"] for r in run.history.get("eval", [])]:
+    at_start = cfg.eval_at_start or run.start == cfg.steps  # no step to run (--steps 0): evaluate the weights
+    if held_out is not None and at_start and run.start not in [r["step"] for r in run.history.get("eval", [])]:
         _evaluate(run, run.start, log)  # (a resumed run's state saved after that step's evaluation has it)
     for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 # counts and their least value
-_COUNTS = {"steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "vpp": 1}
+_COUNTS = {"steps": 0, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "vpp": 1}
 _COUNTS.update(save_every=0, skip_nonfinite_steps=0, eval_every=0, eval_batches=1)
 # float settings that must be finite numbers and >= 0 (None allowed for min_lr and indexer_loss_coeff)
 _NONNEGATIVE_FLOATS = (
@@ -168,6 +168,8 @@ class TrainConfig:
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
             )
         check_vpp(self)
+        if self.steps == 0 and self.eval_data is None:
+            raise ValueError("--steps 0 trains nothing: it evaluates --eval-data only (give it, or --steps >= 1)")
         if self.eval_data is None and (self.eval_every or self.eval_batches != 1 or self.eval_at_start):
             flag = (
                 "--eval-every" if self.eval_every else "--eval-batches" if self.eval_batches != 1 else "--eval-at-start"
