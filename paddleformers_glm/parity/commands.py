@@ -120,16 +120,8 @@ def _run_check_loss(args: argparse.Namespace) -> int:
     if bad := outputs_clash(("--json", args.json_out), ("--plot", args.plot)):
         print(f"check-loss: {bad}", file=sys.stderr)
         return 2
-    report = check_losses(
-        args.a,
-        args.b,
-        steps=args.steps,
-        bit_exact=args.bit_exact,
-        atol=args.atol,
-        rtol=args.rtol,
-        plot=args.plot,
-        curve=args.curve,
-    )
+    tolerance = {"bit_exact": args.bit_exact, "atol": args.atol, "rtol": args.rtol}
+    report = check_losses(args.a, args.b, steps=args.steps, plot=args.plot, curve=args.curve, **tolerance)
     if args.json_out and not _write_receipt("check-loss", args.json_out, report):
         return 2
     for e in report["errors"]:
