@@ -60,12 +60,16 @@ def test_tp2_speculative_prints_the_same_text(tiny_dir, capsys):
     assert cap.out == plain and "main forwards" in cap.err
 
 
-def test_tp2_pp2_prints_the_one_process_text(tiny_dir, capsys):
+@pytest.mark.parametrize(
+    "split, dtype", [(["--tp", "2", "--pp", "2"], "float32"), (["--pp", "2"], "bfloat16")], ids=["tp2-pp2", "pp2-bf16"]
+)
+def test_pipeline_stages_print_the_one_process_text(tiny_dir, capsys, split, dtype):
     """Four ranks: two pipeline stages, each split over two tensor-parallel ranks; the stages run in
-    turn every step and the last stage's logits reach every rank."""
-    assert main([*ARGS, "--model", tiny_dir]) == 0
+    turn every step and the last stage's logits reach every rank. In bf16 (the carry and the logits
+    cross gloo as fp32, CPU kernels through ops/cpu_bf16) the text is one bf16 process's too."""
+    assert main([*ARGS, "--model", tiny_dir, "--dtype", dtype]) == 0
     plain = capsys.readouterr().out
-    assert main([*ARGS, "--model", tiny_dir, "--tp", "2", "--pp", "2"]) == 0
+    assert main([*ARGS, "--model", tiny_dir, "--dtype", dtype, *split]) == 0
     assert capsys.readouterr().out == plain
 
 
