@@ -280,8 +280,7 @@ def _logits_at(model: paddle.nn.Layer, hidden: paddle.Tensor, pos: paddle.Tensor
         return model.from_last_stage(None)
     B, H = hidden.shape[0], hidden.shape[2]
     rows = paddle.take_along_axis(hidden, pos.astype("int64").reshape([B, 1, 1]).expand([B, 1, H]), axis=1)
-    logits = model.logits(rows)[:, 0]
-    return model.from_last_stage(logits) if hasattr(model, "from_last_stage") else logits
+    return model.from_last_stage(model.logits(rows)[:, 0])
 
 
 def _full_forward(model: paddle.nn.Layer, seq: paddle.Tensor, mask: paddle.Tensor | None, outputs: dict | None = None):

@@ -140,15 +140,14 @@ def read_meta(folder: str) -> dict[str, Any]:
     ok = isinstance(stepped, list) and all(isinstance(s, str) for s in stepped)
     _require(ok, file, "flex.stepped", "a list of parameter names", stepped)
     history = meta.get("history", {})
-    evals = history.pop("eval", []) if isinstance(history, dict) else []  # the evaluations' records
-    ok = isinstance(history, dict) and all(
-        isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in history.values()
+    lists = {k: v for k, v in history.items() if k != "eval"} if isinstance(history, dict) else history
+    ok = isinstance(lists, dict) and all(
+        isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in lists.values()
     )
     _require(ok, file, "history", "an object of number lists", history)
+    evals = history.get("eval", [])  # the held-out evaluations' records
     ok = isinstance(evals, list) and all(isinstance(r, dict) and is_int(r.get("step")) for r in evals)
     _require(ok, file, "history.eval", "a list of records with a step", evals)
-    if evals:
-        history["eval"] = evals
     skipped = meta.get("skipped_steps", [])
     ok = isinstance(skipped, list) and all(is_int(s) and s >= 1 for s in skipped)
     _require(ok, file, "skipped_steps", "a list of step numbers", skipped)
