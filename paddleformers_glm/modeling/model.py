@@ -737,11 +737,6 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         the same steps on every rank of the pipeline."""
         return self.stage.num_stages > 1 and self.topology.pp_size > 1
 
-    def _stage_peer(self, stage: int) -> tuple[int, object]:
-        """(global rank, group) to reach pipeline stage ``stage`` from this one, an adjacent stage."""
-        pair = tuple(sorted((self.stage.stage, stage)))
-        return self.topology.stage_ranks[stage], self.topology.stage_group(pair) or self.topology.pp_group
-
     def _run_stages(
         self, batch: Mapping[str, paddle.Tensor], inputs_embeds: paddle.Tensor | None, cos, sin, **kw
     ) -> tuple[paddle.Tensor | None, paddle.Tensor | None, IndexerTerms, list[paddle.Tensor]]:
@@ -760,7 +755,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
 
     def _received_carry(self, tokens: Sequence[int]) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """The carry from the stage before, for this stage's input of ``tokens`` = [B, n]."""
-        src, group = self._stage_peer(self.stage.stage - 1)
+        src, group = self.topology.stage_peer(self.stage.stage - 1)
         hidden, topk = comm.recv_tensors(src, group, 2)
         if list(hidden.shape[:2]) != list(tokens):  # every rank must run the same input (generate: the same prompts)
             raise ValueError(
@@ -771,7 +766,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         return hidden, topk if topk.shape[-1] else None
 
     def _hand_on(self, hidden: paddle.Tensor, topk: paddle.Tensor | None) -> None:
-        dst, group = self._stage_peer(self.stage.stage + 1)
+        dst, group = self.topology.stage_peer(self.stage.stage + 1)
         comm.send_tensors(
             [hidden, topk if topk is not None else paddle.zeros([*hidden.shape[:2], 0], "int64")], dst, group
         )

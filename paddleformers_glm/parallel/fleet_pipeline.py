@@ -176,20 +176,15 @@ class FleetPipeline:
         (Paddle 3.3: an AssertionError in p2p_communication's check_send_message, measured at
         --pp 2 and --pp 3 with --vpp 2)."""
         topo, pp = self.topo, self.topo.pc.pp
-
-        def peer(c: int) -> tuple[int, Any]:
-            s = c % pp
-            return topo.stage_ranks[s], topo.stage_group(tuple(sorted((topo.stage, s)))) or topo.pp_group
-
         for mb in micro_batches:
             for c, spec in enumerate(self.chunks):
                 if c % pp != topo.stage:
                     continue
-                carry = None if spec.has_embedding else tuple(comm.recv_tensors(*peer(c - 1)))
+                carry = None if spec.has_embedding else tuple(comm.recv_tensors(*topo.stage_peer((c - 1) % pp)))
                 out = checked_output(self.stage.forward_stage(carry, mb, part=spec), spec.is_last, c)
                 self.ledger.objective(out.losses or {}, f"pipeline chunk {c}")
                 if not spec.is_last:
-                    comm.send_tensors(list(out.carry), *peer(c + 1), counted=True)
+                    comm.send_tensors(list(out.carry), *topo.stage_peer((c + 1) % pp), counted=True)
 
     def train_batch(
         self,

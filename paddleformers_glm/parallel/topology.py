@@ -214,6 +214,11 @@ class Topology:
             return self.pp_group
         return self._stage_groups.get(stages)
 
+    def stage_peer(self, stage: int) -> tuple[int, Any]:
+        """(global rank, group) for point-to-point transfers with pipeline stage ``stage`` of this
+        column: the two stages' own group where one exists (:meth:`stage_group`), else the pipeline group."""
+        return self.stage_ranks[stage], self.stage_group((self.stage, stage)) or self.pp_group
+
     def has_stage_group(self, stages: tuple[int, ...]) -> bool:
         """Whether a group over exactly ``stages`` exists in every column (same answer on every rank)."""
         stages = tuple(sorted(stages))
