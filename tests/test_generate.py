@@ -119,7 +119,8 @@ def test_cached_decoding_logits_equal_full_forward(kernels, step, fold, monkeypa
 
 
 def test_decode_accepts_hf_style_full_attention_mask():
-    """Callers that drive decoding like HF pass the mask of past + new tokens; the new part is used."""
+    """Callers that drive decoding like HF pass the mask of past + new tokens; where its past part is what
+    the cache stored, the step equals the one given the new part only."""
     model = tiny_model(seed=4)
     ids = tokens(2, 14, seed=8)
     mask = np.ones([2, 14], dtype=np.int64)
@@ -918,6 +919,36 @@ def test_repetition_penalty_skips_left_padding_as_hf_generate():
     np.testing.assert_array_equal(got, want)
     alone = model.generate(paddle.to_tensor(ids[:1, 2:]), **kw).numpy()
     np.testing.assert_array_equal(got[0, 2:], alone[0])
+
+
+def test_a_prompt_without_a_mask_is_masked_where_it_holds_the_pad_token():
+    """transformers 5.23's generate, given no attention_mask, masks the prompt's pad tokens
+    (``_prepare_attention_mask_for_generation``: input_ids != pad_token_id) unless the pad token is
+    an EOS; measured on the tiny fixture (pad 0, EOS 1 and 2), left-padded rows without a mask: its
+    tokens are those of the same rows with the mask. Ours read the pads as tokens (other tokens)."""
+    model, _ = _fixture("tiny")
+    ids = np.array([[0, 0, 0, 62, 48, 205], [0, 150, 12, 26, 87, 112]])
+    kw = {"max_new_tokens": 6}
+    masked = model.generate(paddle.to_tensor(ids), paddle.to_tensor((ids != 0).astype("int64")), **kw).numpy()
+    np.testing.assert_array_equal(model.generate(paddle.to_tensor(ids), **kw).numpy(), masked)
+    as_tokens = model.generate(paddle.to_tensor(ids), paddle.ones([2, 6], "int64"), **kw).numpy()
+    assert (as_tokens != masked).any()  # the mask matters for these rows
+    eos_pad = {"pad_token_id": 1, "eos_token_id": [1, 2]}  # the pad token is an EOS: no mask inferred
+    np.testing.assert_array_equal(
+        model.generate(paddle.to_tensor(ids), **kw, **eos_pad).numpy(),
+        model.generate(paddle.to_tensor(ids), paddle.ones([2, 6], "int64"), **kw, **eos_pad).numpy(),
+    )
+
+
+@pytest.mark.reference
+def test_a_prompt_without_a_mask_equals_hf_generate():
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    ids = np.array([[0, 0, 0, 62, 48, 205], [0, 150, 12, 26, 87, 112]])
+    for kw in ({}, {"pad_token_id": 1}):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(ids), max_new_tokens=6, do_sample=False, **kw).numpy()
+        np.testing.assert_array_equal(model.generate(paddle.to_tensor(ids), max_new_tokens=6, **kw).numpy(), want)
 
 
 def test_a_transformers_generation_config_object_is_read_by_its_dict(tmp_path):

@@ -554,6 +554,60 @@ def test_default_cache_and_the_transformers_decode_loop():
     assert model(ids).past_key_values is None
 
 
+def _masked_steps(model, ids, prefill_mask, step_masks):
+    """A left-padded continuation by hand: ``ids[:, :6]`` with ``prefill_mask``, then one token per
+    step with ``past_key_values`` and the step's mask over past + new. -> each step's logits."""
+    out = model(ids[:, :6], attention_mask=prefill_mask)
+    logits = []
+    for t, m in zip(range(6, ids.shape[1]), step_masks):
+        out = model(ids[:, t : t + 1], attention_mask=m, past_key_values=out.past_key_values)
+        logits.append(out.logits.numpy())
+    return logits
+
+
+def test_a_grown_masks_past_columns_apply_to_the_cached_slots():
+    """transformers 5.23 applies the whole [B, past + new] mask at every step of a hand-written loop,
+    so slots that a later mask marks 0 stop being attended (measured against it, tiny fixture: a
+    prefill without a mask then steps whose masks mark row 0's first 3 slots 0, and a slot masked
+    from a later step on: 2.3e-7 / 1.9e-7; ours kept the validity stored at prefill: 0.19 / 0.11).
+    Here: the step with such a mask equals the step over a cache whose slots were marked invalid by
+    hand, and differs from the step that attends them."""
+    model = _tiny_eval()
+    ids = tokens(2, 9, seed=7)
+    mask = paddle.ones([2, 7], "int64")
+    mask[0, :3] = 0
+    mask[1, 4] = 0
+
+    def step(m, clear=False):
+        cache = model(ids[:, :6]).past_key_values
+        if clear:
+            cache.key_valid[:, :6] = mask[:, :6].astype("bool")
+        return model(ids[:, 6:7], attention_mask=m, past_key_values=cache).logits.numpy()
+
+    np.testing.assert_array_equal(step(mask), step(mask[:, 6:], clear=True))
+    assert np.abs(step(mask) - step(mask[:, 6:])).max() > 1e-3
+
+
+@pytest.mark.reference
+def test_grown_masks_equal_transformers_when_they_change_the_past():
+    torch, hf, model = _tiny_in_both()
+    hf.config._attn_implementation = "eager"
+    ids = tokens(2, 9, seed=7)
+    left = np.ones([2, 9], "int64")
+    left[0, :3] = 0
+    later = np.ones([2, 9], "int64")
+    later[1, 2] = 0  # a slot already cached, masked from the first step on
+    for mask in (left, later):
+        steps = [mask[:, :t] for t in (7, 8, 9)]
+        got = _masked_steps(model, ids, None, [paddle.to_tensor(m) for m in steps])
+        t = torch.tensor(ids.numpy())
+        with torch.no_grad():
+            out = hf(t[:, :6])
+            for i, m in enumerate(steps):
+                out = hf(t[:, 6 + i : 7 + i], attention_mask=torch.tensor(m), past_key_values=out.past_key_values)
+                np.testing.assert_allclose(got[i], out.logits.numpy(), atol=1e-5)
+
+
 @pytest.mark.reference
 def test_default_cache_decode_loop_equals_transformers():
     torch = pytest.importorskip("torch")
@@ -920,6 +974,21 @@ def test_packed_sequences_as_transformers():
         model(ids, not_an_option=1)
 
 
+def test_one_row_of_packed_position_ids_serves_the_batch():
+    """transformers 5.23 expands position_ids of one row over a batch of several
+    (masking_utils._preprocess_mask_arguments) and reads them as packed sequences: measured, the tiny
+    fixture, two rows, [1, 12] positions of two sequences: our logits within 4.2e-7 of it. Ours
+    refused (ValueError: packed position_ids of 1 rows for 2 rows of input)."""
+    model = _tiny_eval()
+    ids = tokens(2, 12)
+    pos = paddle.to_tensor([list(range(5)) + list(range(7))])
+    one = model(ids, position_ids=pos, use_cache=False).logits
+    expanded = model(ids, position_ids=pos.expand([2, 12]), use_cache=False).logits
+    np.testing.assert_array_equal(one.numpy(), expanded.numpy())
+    with pytest.raises(ValueError, match="packed position_ids of 2 rows for 3 rows of input"):
+        model(tokens(3, 12), position_ids=pos.expand([2, 12]), use_cache=False)
+
+
 def _two_packed_rows():
     """Two rows of 12 tokens packing sequences of 9, 2, 1 and 6, 3, 3 tokens (-100 at each sequence's
     first label, as the collator), which run as two groups (9 and 6; 3, 3, 2 and 1); and the same
@@ -1021,6 +1090,11 @@ def test_packed_sequences_equal_transformers():
     assert abs(per_sequence - 6.434098) <= 2e-5 and abs(rope_only - 6.118906) <= 2e-5
     ids, labels, pos = _packed_pair()
     assert abs(float(model(ids, labels=labels, position_ids=pos, use_cache=True).loss) - rope_only) <= 2e-5
+    two = tokens(2, 12)  # one row of position_ids for two rows: transformers expands it
+    with torch.no_grad():
+        want = hf(torch.tensor(two.numpy()), position_ids=torch.tensor(pos.numpy()), use_cache=False).logits
+    got = model(two, position_ids=pos, use_cache=False).logits
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-5)
     hf.config._attn_implementation = "eager"  # for its attention weights
     (ids, labels, pos), _, _ = _two_packed_rows()
     kw = {"use_cache": False, "output_hidden_states": True, "output_router_logits": True, "output_attentions": True}

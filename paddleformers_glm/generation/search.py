@@ -125,6 +125,9 @@ def generate(
     s = resolve_settings(model.config, gc, kwargs, S)  # before any allocation
     if attention_mask is not None and list(attention_mask.shape) != [B, S]:
         raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
+    if attention_mask is None and ids_given and S > 0:
+        pad = kwargs.get("pad_token_id")
+        attention_mask = _mask_from_padding(input_ids, gc.pad_token_id if pad is None else pad, s.eos_token_id)
     if s.stop_strings and tokenizer is None:
         raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
     if s.num_beams > 1 and (streamer is not None or s.stop_strings):  # as transformers for a streamer
@@ -371,6 +374,18 @@ def _check_decodable(model: paddle.nn.Layer) -> None:
             "generate runs on a model with every layer (pipeline parallel size 1; tensor and expert "
             "parallel split it over ranks instead)"
         )
+
+
+def _mask_from_padding(input_ids: paddle.Tensor, pad: int | None, eos: list[int]) -> paddle.Tensor | None:
+    """The attention_mask transformers' ``generate`` gives a prompt passed without one
+    (``_prepare_attention_mask_for_generation``): ``input_ids != pad`` where the prompt holds the pad
+    token and the pad token is no EOS; else None, every token real."""
+    import paddle
+
+    if pad is None or pad in eos:
+        return None
+    real = input_ids.numpy() != pad
+    return None if real.all() else paddle.to_tensor(real.astype("int64"))
 
 
 def _generation_groups(model: paddle.nn.Layer) -> list[Any]:

@@ -114,14 +114,16 @@ class DSACache:
 
     def begin(self, attention_mask: paddle.Tensor | None, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Start a forward over n new tokens per row. attention_mask (1 = real token, None = all
-        real) covers the new tokens [B, n] or, as HF callers pass it, past and new [B, length + n]
-        (its last n columns are used: the past's validity is already stored).
+        real) covers the new tokens [B, n] or, as HF callers pass it, past and new [B, length + n]:
+        its past columns then replace the cached slots' validity, as transformers applies the whole
+        mask at every step (a [B, n] mask or None keeps the validity stored when each slot was filled).
 
         Returns (rope positions [B, n] int64: each real token's counts the row's real tokens before
         it, a padding slot's is its offset after the row's past; key validity [B, capacity] bool: slots past the new
         tokens are False or, after a rollback, stale, so readers also compare slots with the
         queries'). ``slots`` becomes the new tokens' slots [n]."""
         B = self.batch_size
+        past_valid = None
         if attention_mask is None:
             new_valid = None
             ids = self._slot_ids  # arange(capacity): a slice of it, not a new arange per step
@@ -135,6 +137,8 @@ class DSACache:
                     f"[{B}, {self.length + n}] (cached + new tokens)"
                 )
             new_valid = attention_mask[:, shape[1] - n :].astype("bool")
+            if shape[1] > n:
+                past_valid = attention_mask[:, : self.length].astype("bool")
             steps = paddle.cumsum(new_valid.astype("int64"), axis=1)  # real tokens up to and including each slot
         positions = self.positions.unsqueeze(1) + steps - 1
         if new_valid is not None:  # a padding slot: the position its slot would have without padding,
@@ -149,6 +153,8 @@ class DSACache:
             for layer in self.layers:
                 layer.grow(cap, self.length)
             self._slot_ids = paddle.arange(cap, dtype="int64")
+        if past_valid is not None:
+            self.key_valid[:, : self.length] = past_valid
         self.key_valid[:, self.length : self.length + n] = True if new_valid is None else new_valid
         self.slots = self._slot_ids[self.length : self.length + n]
         self._pending_positions = self.positions + steps[:, -1]

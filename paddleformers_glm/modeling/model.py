@@ -375,6 +375,8 @@ def _packing_of(model: GlmMoeDsaForCausalLM, position_ids: paddle.Tensor, rows: 
     their packing (modeling/packing.py), None when each row is one sequence or a graph is being built."""
     if not paddle.in_dynamic_mode():  # a graph being built: the values are not known yet
         return None
+    if position_ids.shape[0] == 1 and rows > 1:  # one row for the batch: transformers expands it
+        position_ids = position_ids.expand([rows, position_ids.shape[1]])
     packing = packed_sequences(position_ids, grouped=not model.indexer_training.active)
     if packing is None:
         return None
@@ -840,6 +842,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             if not hf_cache:  # where transformers reads restarting position_ids as packed sequences
                 rows = (input_ids if inputs_embeds is None else inputs_embeds).shape[0]
                 packing = _packing_of(self, position_ids, rows)
+                if packing is not None and position_ids.shape[0] != rows:  # one row, expanded as there
+                    position_ids = position_ids.expand([rows, position_ids.shape[1]])
         _check_packing_keys(kwargs, packing)
         if num_logits_to_keep is not None:
             warnings.warn(
