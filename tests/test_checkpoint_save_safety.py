@@ -308,3 +308,52 @@ def test_a_target_that_is_a_file_is_refused_before_any_tensor_is_written(model, 
         save_pretrained_state(model, model.config, out)
     assert ei.value.file == str(out) and written == [] and out.read_text() == "a file, not a folder"
     assert _leftovers(tmp_path) == []
+
+
+def test_a_save_into_a_read_only_folder_leaves_no_old_checkpoint_behind(model, tmp_path):
+    """Measured before (as a user without CAP_DAC_OVERRIDE): the save replaced the 0555 folder and left
+    its old checkpoint in a hidden ``.out.tmp-*`` folder it could not empty, one more on every save
+    (for GLM-5.2 ~1.5 TB each). Root ignores the mode, so as root the save runs without that power."""
+    out = _existing(tmp_path, model)
+    before = _snapshot(out)
+    out.chmod(0o555)
+    cmd = [sys.executable, "-c", _CHILD, str(FIXTURE), str(out), "none", str(tmp_path / "flag")]
+    if os.geteuid() == 0:
+        assert shutil.which("setpriv"), "running as root needs util-linux's setpriv to drop CAP_DAC_OVERRIDE"
+        cmd = ["setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", *cmd]
+    try:
+        subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, timeout=300)
+        assert _leftovers(tmp_path) == []
+        after = _snapshot(out)
+        assert {k: after[k] for k in FOREIGN} == {k: before[k] for k in FOREIGN}
+        assert "model.safetensors.index.json" in after
+    finally:
+        out.chmod(0o755)
+
+
+def test_an_empty_path_or_the_working_folder_is_refused_before_any_write(model, tmp_path, monkeypatch):
+    """Measured before: ``save_pretrained("")`` (and ``"."``, or any folder holding the working
+    directory) replaced the working folder by the saved one, leaving this process (and any shell in it)
+    in a deleted folder; transformers refuses "" (``os.makedirs``)."""
+    from paddleformers_glm.checkpoint import CheckpointError
+
+    out = _existing(tmp_path, model)
+    before = _snapshot(out)
+    (out / "sub").mkdir()
+    for cwd, target in ((out, ""), (out, "."), (out / "sub", str(out))):
+        monkeypatch.chdir(cwd)
+        match = "empty" if target == "" else "working directory"
+        with pytest.raises(CheckpointError, match=match):
+            save_pretrained_state(model, model.config, target)
+        assert os.getcwd() == str(cwd) and os.path.isdir(os.getcwd())
+    assert _snapshot(out) == before and _leftovers(tmp_path) == []
+
+
+def test_a_target_name_near_the_file_name_limit_saves(model, tmp_path):
+    """A 240-character folder name is a legal target; measured before, the temporary folder's name
+    (the target's plus a prefix and a suffix) passed 255 bytes: "File name too long"."""
+    out = tmp_path / ("c" * 240)
+    save_pretrained_state(model, model.config, out, max_shard_size="200KB")
+    save_pretrained_state(model, model.config, out, max_shard_size="200KB")  # over it: the swap's names too
+    assert (out / "model.safetensors.index.json").is_file()
+    assert _leftovers(tmp_path, "c" * 128) == []

@@ -64,6 +64,8 @@ def test_valid_file_and_values(tmp_path):
         (_raw(b"[1, 2]", b""), "does not start with '{'"),
         (_raw(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {}}', b"\0" * 4), "duplicate key"),
         (_raw({"a": {"dtype": "F31", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "unknown dtype name"),
+        # not a string: measured before, a bare TypeError (unhashable type: 'list')
+        (_raw({"a": {"dtype": ["BF16"], "shape": [1], "data_offsets": [0, 2]}}, b"\0" * 2), "unknown dtype name"),
         (_raw({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4), "byte length does not match"),
         (_raw({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4), "shape must be a list"),
         (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4), "data_offsets must be"),

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -403,8 +404,11 @@ def _plan_units(
     sources are all there and that produce a wanted key, wanted keys whose unit lacks a source, the
     lacking sources of those units, wanted MTP keys to initialise as HF does, number of MTP sources)."""
     wanted = [u for u in units if want & set(u.fleet)]
-    usable = [u for u in wanted if not missing_src & set(u.hf)]
-    missing_targets = [k for u in wanted if missing_src & set(u.hf) for k in u.fleet if k in want]
+    parts = [_present_part(u, missing_src) if missing_src & set(u.hf) else u for u in wanted]
+    usable = [p for p in parts if p is not None]
+    missing_targets = [
+        k for u, p in zip(wanted, parts) for k in u.fleet if k in want and (p is None or k not in p.fleet)
+    ]
     needed_missing = sorted({k for u in wanted for k in u.hf} & missing_src)
     # a folder written by transformers' save_pretrained keeps num_nextn_predict_layers but has no
     # MTP tensor at all: load it, and initialise the MTP layer as HF does for missing weights
@@ -416,6 +420,36 @@ def _plan_units(
         mtp_init = sorted(k for u in mtp_units for k in u.fleet if k in want)
         missing_targets = [k for k in missing_targets if k not in set(mtp_init)]
     return usable, missing_targets, needed_missing, mtp_init, len(mtp_src)
+
+
+def _present_part(unit: MappingUnit, missing: set[str]) -> MappingUnit | None:
+    """The part of ``unit`` whose sources the checkpoint holds, as a unit of its own: the statements
+    (or, in a unit of plain copies, the pairs) that read only present tensors; None when there is
+    none, or when a statement reads what another one makes (the unit then goes whole or not at all).
+    A unit groups independent statements (a layer's five MLA projections): before, one absent
+    tensor left the others unloaded too."""
+    if not unit.hf_to_fleet:  # plain copies, hf[i] -> fleet[i]
+        pairs = [(h, f) for h, f in zip(unit.hf, unit.fleet) if h not in missing]
+        if len(unit.hf) != len(unit.fleet) or not pairs:
+            return None
+        hf, fleet = (tuple(x) for x in zip(*pairs))
+        return dataclasses.replace(unit, hf=hf, fleet=fleet, fleet_to_hf=(), source_splits=())
+    kept, hf, fleet = [], [], []
+    for statement in unit.hf_to_fleet:
+        left, _, right = statement.partition("->")
+        sources = [name.strip().removesuffix("^T") for name in left.split(",")]
+        if not set(sources) <= set(unit.hf):
+            return None
+        if not set(sources) & missing:
+            kept.append(statement)
+            hf += sources
+            fleet += [name.strip() for name in right.split(",") if name.strip() in unit.fleet]
+    if not kept:
+        return None
+    splits = tuple(x for x in unit.source_splits if x[0] in hf)
+    return dataclasses.replace(
+        unit, hf=tuple(hf), fleet=tuple(fleet), hf_to_fleet=tuple(kept), fleet_to_hf=(), source_splits=splits
+    )
 
 
 def _target_specs(

@@ -211,7 +211,7 @@ def _tensor_entry(file: str, key: str, entry: Any, data_start: int, data_size: i
             actual=sorted(entry) if isinstance(entry, dict) else type(entry).__name__,
         )
     dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in ST_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
         raise CheckpointError("unknown dtype name", file=file, key=key, expected=sorted(ST_DTYPES), actual=dtype)
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -393,16 +394,42 @@ def save_target(out_dir: str | os.PathLike) -> str:
     link (``~/ckpt -> /big/ckpt``), as transformers' ``save_pretrained`` writes through the link; the
     temporary folder is then made beside the target, on its filesystem, and the link is kept. A target
     that is not a folder is refused here, before any tensor is produced (not after the whole model)."""
+    if not os.fspath(out_dir):  # transformers' save fails on it too (os.makedirs(""))
+        raise CheckpointError("the output path is empty ('')")
     out_dir = os.path.abspath(os.fspath(out_dir))
     out_dir = os.path.realpath(out_dir) if os.path.islink(out_dir) else out_dir
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError("output path exists and is not a folder", file=out_dir)
+    here = os.path.realpath(os.getcwd())
+    if here == os.path.realpath(out_dir) or here.startswith(os.path.realpath(out_dir) + os.sep):
+        raise CheckpointError(
+            "output folder holds this process's working directory; a save replaces the whole folder, which "
+            "would leave the process in a deleted one: save to another folder",
+            file=out_dir,
+        )
     return out_dir
 
 
 def temp_prefix(out_dir: str, kind: str) -> str:
     """``.<name>.<kind>-<pid>-``: the pid lets a later save tell a killed save's leftovers from a live one."""
-    return f".{os.path.basename(out_dir)}.{kind}-{os.getpid()}-"
+    return f".{_short_name(out_dir)}.{kind}-{os.getpid()}-"
+
+
+def _short_name(out_dir: str) -> str:
+    """The target's name as temporary names carry it: cut so that they stay within a file name's 255 bytes."""
+    name = os.path.basename(out_dir)
+    while len(os.fsencode(name)) > 128:
+        name = name[:-1]
+    return name
+
+
+def remove_tree(path: str) -> None:
+    """``shutil.rmtree`` that also empties read-only folders (a save into a 0555 folder moves its old
+    checkpoint into one); best effort, as a temporary folder's removal."""
+    for root, _, _ in os.walk(path):
+        with contextlib.suppress(OSError):
+            os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) | stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -419,7 +446,7 @@ def clean_stale_saves(out_dir: str) -> None:
     """Remove temporary folders that killed saves to ``out_dir`` left beside it (their process is
     gone); if a save was killed between moving the old checkpoint aside and moving the new one in
     (only on filesystems without an atomic exchange), put the old checkpoint back first."""
-    parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
+    parent, base = os.path.dirname(out_dir), _short_name(out_dir)
     pat = re.compile(rf"^\.{re.escape(base)}\.(tmp|old)-(\d+)-")
     try:
         names = sorted(os.listdir(parent))
@@ -433,7 +460,7 @@ def clean_stale_saves(out_dir: str) -> None:
         if m.group(1) == "old" and not os.path.exists(out_dir):
             os.rename(path, out_dir)
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -485,10 +512,10 @@ def publish(tmp: str, out_dir: str, replaces: tuple[str, ...] = ()) -> None:
         _link_or_copy(os.path.join(out_dir, name), os.path.join(tmp, name))
     os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777)
     if _exchange(tmp, out_dir):
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old checkpoint
+        remove_tree(tmp)  # tmp now holds the old checkpoint
         return
     old = tempfile.mkdtemp(prefix=temp_prefix(out_dir, "old"), dir=os.path.dirname(out_dir))
     os.rmdir(old)
     os.rename(out_dir, old)
     os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_tree(old)
