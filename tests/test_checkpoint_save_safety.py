@@ -310,6 +310,19 @@ def test_a_target_that_is_a_file_is_refused_before_any_tensor_is_written(model, 
     assert _leftovers(tmp_path) == []
 
 
+_SAVE_ONLY = r"""
+import sys
+from paddleformers_glm import GlmMoeDsaConfig
+from paddleformers_glm.checkpoint import save_pretrained_state
+from paddleformers_glm.testing import SpecModel
+cfg = GlmMoeDsaConfig.from_pretrained(sys.argv[1])
+try:
+    save_pretrained_state(SpecModel(cfg), cfg, sys.argv[2])
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
 def test_a_save_into_a_read_only_folder_leaves_no_old_checkpoint_behind(model, tmp_path):
     """Measured before (as a user without CAP_DAC_OVERRIDE): the save replaced the 0555 folder and left
     its old checkpoint in a hidden ``.out.tmp-*`` folder it could not empty, one more on every save
@@ -327,7 +340,17 @@ def test_a_save_into_a_read_only_folder_leaves_no_old_checkpoint_behind(model, t
         after = _snapshot(out)
         assert {k: after[k] for k in FOREIGN} == {k: before[k] for k in FOREIGN}
         assert "model.safetensors.index.json" in after
+        # a read-only folder around the target: one error naming the target (was a bare
+        # PermissionError naming the temporary folder)
+        tmp_path.chmod(0o555)
+        cmd[cmd.index(_CHILD)] = _SAVE_ONLY
+        run = subprocess.run(
+            cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300
+        )
+        assert run.stdout.startswith("CheckpointError cannot write beside the target"), run.stdout + run.stderr
+        assert str(out) in run.stdout
     finally:
+        tmp_path.chmod(0o755)
         out.chmod(0o755)
 
 

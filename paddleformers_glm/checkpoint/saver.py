@@ -226,9 +226,14 @@ def write_checkpoint(
     the writers are aborted and the temporary folder removed, the target untouched."""
     out_dir, shards, entries = plan.out_dir, plan.shards, plan.entries
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    clean_stale_saves(out_dir)
-    tmp = tempfile.mkdtemp(prefix=temp_prefix(out_dir, "tmp"), dir=parent)
+    try:  # the temporary folder goes beside the target: its folder must take one
+        os.makedirs(parent, exist_ok=True)
+        clean_stale_saves(out_dir)
+        tmp = tempfile.mkdtemp(prefix=temp_prefix(out_dir, "tmp"), dir=parent)
+    except PermissionError as e:
+        raise CheckpointError(
+            f"cannot write beside the target: {e.strerror} (a save builds the new folder next to it)", file=out_dir
+        ) from e
     writers: dict[str, SafetensorsWriter] = {}
     try:
         for name, keys in shards.items():
