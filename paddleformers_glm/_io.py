@@ -176,6 +176,8 @@ def read_json(
     except json.JSONDecodeError as e:
         problem = f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})" if text else "is empty (0 bytes)"
         raise error(f"{file}: {what} {problem}") from e
+    except RecursionError as e:  # valid JSON nested deeper than Python's recursion limit ([[[...]]])
+        raise error(f"{file}: {what} is not readable JSON (nested too deeply)") from e
     if expect is not None and not isinstance(value, expect):
         name = {dict: "object", list: "array"}.get(expect, expect.__name__)
         raise error(f"{file}: {what} must be a JSON {name}, got a {type(value).__name__}")

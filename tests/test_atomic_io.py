@@ -89,6 +89,9 @@ class _Refused(ValueError):
             "the thing is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 9)",
         ),
         (b"[1, 2]", "the thing must be a JSON object, got a list"),
+        # valid JSON nested past Python's recursion limit: was a RecursionError traceback (check-loss,
+        # check-ckpt's config.json, a resume's meta.json)
+        (b"[" * 100_000 + b"]" * 100_000, "the thing is not readable JSON (nested too deeply)"),
     ],
 )
 def test_read_json_names_file_what_and_problem(tmp_path, raw, problem):

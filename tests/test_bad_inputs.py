@@ -114,13 +114,42 @@ def test_jsonl_not_utf8_is_named_with_its_line(tmp_path):
 
 def test_npz_labels_and_mask_are_checked(tmp_path):
     ids = np.ones((2, 16), dtype=np.int64)
-    np.savez(tmp_path / "p.npz", input_ids=ids, labels=np.full_like(ids, -100), attention_mask=np.ones_like(ids))
+    labels = np.full_like(ids, -100)
+    labels[:, 7] = 1  # a target a row (test_npz_rows_without_a_target_are_refused)
+    np.savez(tmp_path / "p.npz", input_ids=ids, labels=labels, attention_mask=np.ones_like(ids))
     open_data(str(tmp_path / "p.npz"), 16, V, 0).validate()  # -100 labels are the ignore index
     lab = ids.copy()
     lab[1, 5] = V
     np.savez(tmp_path / "q.npz", input_ids=ids, labels=lab, attention_mask=np.ones_like(ids))
     with pytest.raises(ValueError, match=rf"q\.npz: labels: token {V} at row 1 column 5"):
         open_data(str(tmp_path / "q.npz"), 16, V, 0).validate()
+
+
+def test_npz_rows_without_a_target_are_refused(tmp_path):
+    """A .npz row whose labels are -100 past position 0 (the loss's targets are positions 1..S-1) trains
+    on nothing: all such rows ran with loss 0.0 and grad norm 0, exit 0 (an --eval-data of them reported
+    losses 0.0 over 0 tokens). Refused naming the row, as a jsonl record is ("no label to train on")."""
+    ids = np.ones((3, 16), dtype=np.int64)
+    labels = ids.copy()
+    labels[2, 1:] = -100  # position 0's label is never a target
+    np.savez(tmp_path / "p.npz", input_ids=ids, labels=labels, attention_mask=np.ones_like(ids))
+    with pytest.raises(ValueError, match=r"p\.npz: row 2: no label to train on within the first --seq-len 16 tokens"):
+        open_data(str(tmp_path / "p.npz"), 16, V, 0).validate()
+    np.savez_compressed(tmp_path / "c.npz", input_ids=ids, labels=labels, attention_mask=np.ones_like(ids))
+    with pytest.raises(ValueError, match=r"c\.npz: row 2: no label to train on"):  # read whole, not mapped
+        open_data(str(tmp_path / "c.npz"), 16, V, 0).validate()
+
+
+@pytest.mark.parametrize("member", ["input_ids", "labels", "attention_mask"])
+def test_npz_of_float_arrays_is_refused_not_truncated(tmp_path, member):
+    """Token ids 7.9 were read as 7 and a mask of 0.6 as 0 (which passed the 0 / 1 check), and trained;
+    the same floats in a .npy are refused ("expected integer tokens, got dtype float32")."""
+    arrays = {k: np.ones((2, 16), dtype=np.int64) for k in ("input_ids", "labels", "attention_mask")}
+    arrays[member] = np.full((2, 16), 0.6 if member == "attention_mask" else 7.9, dtype=np.float32)
+    np.savez(tmp_path / "f.npz", **arrays)
+    what = "0 / 1 integers" if member == "attention_mask" else "integer tokens"
+    with pytest.raises(ValueError, match=rf"f\.npz: {member}: expected {what}, got dtype float32"):
+        open_data(str(tmp_path / "f.npz"), 16, V, 0)
 
 
 def test_pickled_npy_is_refused_not_loaded(tmp_path):
@@ -540,3 +569,28 @@ def test_jsonl_record_whose_labels_are_all_cut_by_seq_len_is_refused(tmp_path):
         open_data(str(f), 8, V, 0)
     f.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}) + "\n")
     assert (open_data(str(f), 8, V, 0).sample(0)["labels"] != -100).sum() == 1
+
+
+def test_jsonl_record_of_one_token_without_labels_is_refused(tmp_path):
+    """A token-id record without labels trains on its own next tokens: one of a single token has none
+    (4 such records trained with loss 0.0 and grad norm 0, exit 0), as a record whose labels leave no
+    target is refused."""
+    f = tmp_path / "one.jsonl"
+    f.write_text(json.dumps({"input_ids": [5, 6]}) + "\n" + json.dumps({"input_ids": [5]}) + "\n")
+    with pytest.raises(ValueError, match=r"one\.jsonl:2: no label to train on within the first --seq-len 8 tokens"):
+        open_data(str(f), 8, V, 0)
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("[" * 100_000 + "]" * 100_000, "not readable JSON (nested too deeply)"),  # was a RecursionError traceback
+        ('{"input_ids": [1, ' + "9" * 5000 + "]}", "not readable JSON (Exceeds the limit (4300 digits)"),
+    ],
+)
+def test_jsonl_line_json_cannot_read_is_named_with_its_line(tmp_path, line, problem):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line + "\n")
+    with pytest.raises(ValueError) as e:
+        open_data(str(f), 8, V, 0)
+    assert str(e.value).startswith(f"{f}:2: {problem}"), e.value

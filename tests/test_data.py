@@ -758,13 +758,18 @@ def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, c
         (["--eval-data", "{small}", "--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
         (["--eval-data", "{missing}"], "--eval-data: no file "),
         (["--eval-data", "{wide}"], "wide.npy: token 300 at position 0 is outside the vocabulary [0, 64)"),
+        # before: evaluated, "losses 0.000000 over 0 tokens", exit 0
+        (["--eval-data", "{bare}"], "bare.npz: row 0: no label to train on within the first --seq-len 8 tokens"),
     ],
 )  # fmt: skip
 def test_unusable_eval_data_is_one_line_before_launch(tmp_path, capsys, flags, needle):
     """--eval-data is checked as --data is, before any worker starts: one line, exit 2, nothing launched."""
     np.save(tmp_path / "small.npy", np.arange(20, dtype=np.int32))  # 2 windows of 8
     np.save(tmp_path / "wide.npy", np.full(40, 300, dtype=np.int32))  # outside the toy's vocabulary
+    ids = np.ones((4, 8), dtype=np.int32)
+    np.savez(tmp_path / "bare.npz", input_ids=ids, labels=np.full_like(ids, -100), attention_mask=ids)  # no target
     paths = {"small": tmp_path / "small.npy", "wide": tmp_path / "wide.npy", "missing": tmp_path / "none.npy"}
+    paths["bare"] = tmp_path / "bare.npz"
     flags = [f.format(**paths) for f in flags]
     args = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--dp", "2", "--steps", "1"]
     out = tmp_path / "run"

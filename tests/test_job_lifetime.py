@@ -485,6 +485,14 @@ def test_a_second_train_into_the_out_of_a_running_job_is_refused_and_touches_not
         assert f"pid {holder.pid} on " in err, err
         assert sorted(p.name for p in out.iterdir()) == ["logs"] and not (out / "logs" / "failure.json").exists()
         assert json.loads((out / "logs" / "status" / "rank0.beat").read_text()) == {"rank": 0, "step": 7}
+        # text data is tokenized into OUT/data: measured before, the second command wrote it there
+        # (replacing the running job's file of that name), then found the lock
+        text = tmp_path / "text.jsonl"
+        text.write_text(json.dumps({"text": "hello world " * 50}) + "\n")
+        tiny = ["--model", str(ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"), "--data", str(text)]
+        assert train_main([*tiny, "--eval-data", str(text), *args[2:]]) == 2
+        assert "is in use" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["logs"]
     finally:
         holder.kill()
         holder.wait()
@@ -492,9 +500,27 @@ def test_a_second_train_into_the_out_of_a_running_job_is_refused_and_touches_not
     assert json.loads((out / "loss.json").read_text())["steps"] == 1
 
 
+def test_a_refused_input_leaves_no_output_folder_behind(tmp_path, capsys):
+    """The inputs are checked holding the --out folder's lock (a text --data is tokenized into it):
+    a refused one removes the folder the command made, and leaves one that was there as it was."""
+    from paddleformers_glm.train.command import main as train_main
+
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"not an array")
+    args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--data", str(bad)]
+    assert train_main([*args, "--out", str(tmp_path / "new")]) == 2
+    assert str(bad) in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    (kept / "notes").mkdir(parents=True)
+    assert train_main([*args, "--out", str(kept)]) == 2
+    assert (kept / "notes").is_dir()
+
+
 @pytest.mark.parametrize(
     "flags, says",
     [
+        (["--nnodes", "0"], "--nnodes must be at least 1, got 0"),
         (["--node-rank", "1"], "--nnodes 2 needs --master IP:PORT"),
         (["--master", "127.0.0.1:1"], "--nnodes 2 needs --node-rank R (0..1)"),
         (["--master", "127.0.0.1:1", "--node-rank", "2"], "--node-rank must be within 0..1"),

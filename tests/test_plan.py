@@ -458,6 +458,21 @@ def test_plan_refuses_a_budget_that_is_not_a_budget(tmp_path, capsys, flags, nee
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        # an unset --global-batch-size takes pp x replicas x --micro-batch-size, 0 here: that flag was named
+        (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+        # was a MemoryError traceback (the layout's units written out before their count was checked)
+        (["--pp", "2", "--pp-layout", "E,t*99999999999|t*4,m,L"], "t*99999999999 is more units than a stage can hold"),
+    ],
+)
+def test_plan_refuses_a_layout_value_naming_its_flag(capsys, flags, needle):
+    assert cli_main(["plan", "--model", str(TINY_CONFIG.parent), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("glm52 plan: error: ") and needle in err[0], err
+
+
 def test_plan_json_is_checked_before_the_work(tmp_path, capsys):
     """Before: `--json MODEL/config.json` replaced the checkpoint's config with the plan (exit 0; the next
     plan said "no rope_theta"), a folder at --json or a file above it ended in an IsADirectoryError /

@@ -238,6 +238,13 @@ def test_meta_json_fields_are_checked_by_name(saved, tmp_path):
         with pytest.raises(ResumeStateError) as e:
             check_resume_state(str(folder))
         assert str(e.value).startswith(str(folder / "meta.json")) and expect in str(e.value), str(e.value)
+    # a curve shorter than the steps (measured before: resumed, and loss.json's losses, grad_norms and
+    # lrs then had different lengths)
+    n = good["step"]
+    for key in ("losses", "grad_norms", "lrs"):
+        (folder / "meta.json").write_text(json.dumps({**good, "history": {**good["history"], key: [1.0] * (n - 1)}}))
+        with pytest.raises(ResumeStateError, match=rf"`history.{key}` must be a list of {n} entries .*, got {n - 1}"):
+            check_resume_state(str(folder))
 
 
 def test_old_pickle_format_is_refused_without_unpickling(saved, tmp_path):

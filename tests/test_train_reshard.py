@@ -77,7 +77,7 @@ def test_resume_refuses_changed_run_settings(saved, tmp_path):
         model="toy", steps=STEPS, seq_len=32, global_batch_size=4, micro_batch_size=1, lr=LR, warmup_steps=1,
         seed=7, out=str(tmp_path), progress=False, model_args={"seed": 7}, resume=str(ckpt),
     )  # fmt: skip
-    with pytest.raises(ValueError, match="run settings differ from this run: seq_len saved 16 vs now 32"):
+    with pytest.raises(ValueError, match="a resume keeps these settings of the saved run: seq-len saved 16, now 32"):
         run_training(cfg)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 
 import numpy as np
 import paddle
@@ -249,6 +250,27 @@ def test_cli_rejects_bad_layouts_before_launching(tmp_path, capsys, args, msg):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        # a floor above the peak: trained at lr 0.5 then 1.0 for --lr 3e-4 --min-lr 1, exit 0
+        (["--lr", "3e-4", "--min-lr", "1"], "--min-lr 1.0 is above --lr 0.0003"),
+        (["--warmup-steps", "-5"], "--warmup-steps must be >= 0, got -5"),  # was taken: lr 2.8e-4 at step 1, not 3e-5
+        # the toy model's config: TypeError tracebacks before
+        (["--model-config", '{"bogus": 1}'], "--model-config: unknown key 'bogus'; the toy model's keys: vocab_size,"),
+        (["--model-config", "[1]"], "--model-config must be a JSON object of the toy model's keys, got list"),
+        (["--model-config", '{"vocab_size": "x"}'], "--model-config: vocab_size must be an integer, got 'x' (str)"),
+        (["--model-config", '{"mtp": 1}'], "--model-config: mtp must be true or false, got 1 (int)"),
+        # a repeat no stage can hold: was a MemoryError traceback (t*9999999 took seconds and 80 MB)
+        (["--pp", "2", "--pp-layout", "E,t*99999999999|t*3,m,L"], "stage 0: t*99999999999 is more units than a stage"),
+    ],
+)
+def test_cli_refuses_bad_settings_before_launching(tmp_path, capsys, args, msg):
+    assert train_main(["--model", "toy", *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err
+
+
 def test_cli_requires_a_model(tmp_path, capsys):
     """`glm52 train` has no default model: a checkpoint folder or `toy` must be named."""
     with pytest.raises(SystemExit) as e:
@@ -303,7 +325,7 @@ def test_world1_loss_json_schema_repeat_and_resume(tmp_path):
     assert c["losses"] == a["losses"]
     d = run_training(_cfg(tmp_path / "d", resume=str(tmp_path / "a" / "checkpoints" / "step_00000002")))
     assert d["losses"] == a["losses"] and d["mtp_losses"] == a["mtp_losses"] and d["run"]["resumed_from_step"] == 2
-    with pytest.raises(ValueError, match="micro_batch_size saved 2 vs now 1"):
+    with pytest.raises(ValueError, match="micro-batch-size saved 2, now 1"):
         run_training(_cfg(tmp_path / "e", micro_batch_size=1, resume=str(tmp_path / "a" / "checkpoints")))
 
 
@@ -420,6 +442,18 @@ def test_glm52_train_refuses_a_changed_setting_before_launch_and_reads_resume_ov
     assert main([*base, "--resume-override", "lr"]) == 2
     err = capsys.readouterr().err
     assert "settings differ from the saved run's: min-lr saved" in err and "--resume-override min-lr)" in err, err
+    # another sequence length, batch or dtype: measured before, refused only in the workers (exit 1
+    # and a failure record blaming rank 0); now before launch, naming each
+    same = [*base[:-2], "--lr", "0.002", *base[-2:]]  # the saved --lr (the later flag wins)
+    for flags, says in (
+        (["--seq-len", "32"], "seq-len saved 16, now 32"),
+        (["--global-batch-size", "8"], "global-batch-size saved 4, now 8"),
+        (["--dtype", "bfloat16"], "dtype saved 'float32', now 'bfloat16'"),
+    ):
+        assert main([*same, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert "a resume keeps these settings of the saved run: " + says in err, err
+        assert not (tmp_path / "b" / "logs" / "failure.json").exists()
 
 
 def test_a_save_starts_from_an_empty_folder_whatever_a_killed_save_left(tmp_path):
@@ -434,3 +468,16 @@ def test_a_save_starts_from_an_empty_folder_whatever_a_killed_save_left(tmp_path
     final = tmp_path / "a" / "checkpoints" / "step_00000002"
     assert not (final / "rank_00003.safetensors").exists() and not (final / "flex" / "3_0.distcp").exists()
     assert not stale.exists()
+
+
+def test_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
+    """Measured before: ``--resume-override`` without ``--resume`` and ``--model-config`` with a checkpoint
+    model were taken and ignored (the run trained without what they said)."""
+    tiny = str(pathlib.Path(__file__).parent / "fixtures" / "tiny" / "checkpoint")
+    for args, msg in (
+        (["--model", "toy", "--resume-override", "lr"], "--resume-override names what a --resume may change"),
+        (["--model", tiny, "--model-config", '{"vocab_size": 8}'], "--model-config sets the toy model's config"),
+    ):
+        assert train_main([*args, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err

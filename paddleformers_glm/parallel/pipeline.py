@@ -67,7 +67,9 @@ class LossTerm(NamedTuple):
 _TOKEN = re.compile(r"\s*([EtmL])(?:\*(\d+))?")
 
 
-def _parse_units(stage_text: str, stage: int) -> list[str]:
+def _parse_units(stage_text: str, stage: int, num_layers: int) -> list[str]:
+    """A stage's units, repeats written out; a repeat beyond what any stage holds (the model's
+    ``num_layers`` decoder layers) is refused before it is: ``t*99999999999`` ran out of memory."""
     units: list[str] = []
     pos, text = 0, stage_text.replace(",", " ").rstrip()
     while pos < len(text):
@@ -76,7 +78,13 @@ def _parse_units(stage_text: str, stage: int) -> list[str]:
             raise ParallelConfigError(
                 f"--pp-layout: stage {stage}: cannot parse {text[pos:].lstrip()!r} (units are E, t, m, L, optionally *N)"
             )
-        units += [m.group(1)] * int(m.group(2) or 1)
+        n = int(m.group(2) or 1)
+        if n > max(num_layers, 1):
+            raise ParallelConfigError(
+                f"--pp-layout: stage {stage}: {m.group(1)}*{n} is more units than a stage can hold (the model has "
+                f"{num_layers} decoder layers (t); E, m and L are placed once)"
+            )
+        units += [m.group(1)] * n
         pos = m.end()
     return units
 
@@ -92,7 +100,7 @@ def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_m
                 f"--pp-layout: stage sizes {counts} sum to {sum(counts)}, the model has {num_layers} layers"
             )
         return _specs_from_counts(counts, has_mtp)
-    stages = [_parse_units(s, i) for i, s in enumerate(layout.split("|"))]
+    stages = [_parse_units(s, i, num_layers) for i, s in enumerate(layout.split("|"))]
     if len(stages) != pp:
         raise ParallelConfigError(f"--pp-layout {layout!r} has {len(stages)} stages, pp is {pp}")
     specs, next_layer = [], 0

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -285,8 +286,12 @@ def add_launch_arguments(g: Any, node_logs: str) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from .settings import TrainConfig
 
+    if getattr(args, "resume_override", None) and not args.resume:
+        raise ValueError("--resume-override names what a --resume may change; this run has no --resume")
     if args.model == "toy":
         model, model_args = "toy", {"config": json.loads(args.model_config or "{}"), "seed": args.seed}
+    elif getattr(args, "model_config", None):
+        raise ValueError("--model-config sets the toy model's config; a checkpoint's is its config.json")
     else:
         from ..cli._common import model_folder_error
 
@@ -527,6 +532,8 @@ def check_launch_numbers(world: int, job_timeout: float | None, comm_timeout: fl
             raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
     if comm_timeout is not None and comm_timeout < 0.001:  # PADDLE_PG_TIMEOUT: whole ms
         raise ValueError(f"--comm-timeout must be at least 0.001 s (whole milliseconds), got {comm_timeout}")
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
     if world % nnodes:
         raise ParallelConfigError(f"world size {world} is not divisible by --nnodes {nnodes}")
 
@@ -540,19 +547,28 @@ def _run_train(args: argparse.Namespace) -> int:
         if bad := output_folder_error(cfg.out, "--out"):  # before anything (a jsonl's tokens) is written there
             raise ValueError(bad)
         node_rank = node_rank_of(args)
-        check_inputs_before_launch(cfg, args, adapter.vocab_size)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
     from .out_lock import OutInUse, hold_out_folder
 
+    new_out = not os.path.exists(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
-    try:
+    try:  # held before the inputs are checked: a text --data is tokenized into OUT/data
         with hold_out_folder(cfg.out, node_rank):
-            return _run_held(cfg, adapter, args, world, node_rank)
+            try:
+                check_inputs_before_launch(cfg, args, adapter.vocab_size)
+            except (ValueError, FileNotFoundError, KeyError) as e:
+                refusal = e
+            else:
+                return _run_held(cfg, adapter, args, world, node_rank)
     except OutInUse as e:  # raised before anything of the running job is touched
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
+    print(f"glm52 train: error: {refusal}", file=sys.stderr)
+    if new_out:  # the folder this command made goes with its refused input
+        shutil.rmtree(cfg.out, ignore_errors=True)
+    return 2
 
 
 def node_rank_of(args: argparse.Namespace) -> int | None:

@@ -181,6 +181,8 @@ class _Jsonl(TokenData):
             if "labels" in row:
                 _check_targets(row["labels"].tolist(), seq_len, f"{path}:{ln}")
                 _check_unshifted(row["input_ids"][None], row["labels"][None], f"{path}:{ln}")
+            else:  # the input ids are the labels: a record of one token has no next token to train on
+                _check_targets(rec["input_ids"], seq_len, f"{path}:{ln}")
             self.records.append(row)
         if not self.records:
             raise ValueError(f"{path}: no records")
@@ -296,7 +298,7 @@ class _Packed(TokenData):
             self.arrays = maps
         else:
             with _load_npy(path) as z:
-                self.arrays = {k: np.asarray(z[k], dtype=np.int64) for k in _PACKED}
+                self.arrays = {k: _integers(z[k], path, k) for k in _PACKED}
         shape = self.arrays["input_ids"].shape
         if len(shape) != 2 or shape[1] != seq_len or any(a.shape != shape for a in self.arrays.values()):
             raise ValueError(
@@ -323,11 +325,24 @@ class _Packed(TokenData):
         rows = max(1, _SCAN_CHUNK // max(1, mask.shape[1]))
         ids, labels = self.arrays["input_ids"], self.arrays["labels"]
         for lo in range(0, ids.shape[0], rows):
-            _check_unshifted(np.asarray(ids[lo : lo + rows]), np.asarray(labels[lo : lo + rows]), self.describe, lo)
+            lab = np.asarray(labels[lo : lo + rows])
+            bare = np.flatnonzero((lab[:, 1:] == IGNORE_INDEX).all(axis=1))  # a row must leave a target, as a record
+            if bare.size:
+                _check_targets(lab[bare[0]].tolist(), self.seq_len, f"{self.describe}: row {lo + int(bare[0])}")
+            _check_unshifted(np.asarray(ids[lo : lo + rows]), lab, self.describe, lo)
         for lo in range(0, mask.shape[0], rows):
             m = np.asarray(mask[lo : lo + rows])
             if ((m != 0) & (m != 1)).any():
                 raise ValueError(f"{self.describe}: attention_mask holds values other than 0 and 1")
+
+
+def _integers(a: np.ndarray, path: str, name: str) -> np.ndarray:
+    """A .npz member read whole, as int64: integers only (a float 7.9 would be cut to 7, a mask 0.6 to 0),
+    as a .npy stream is refused."""
+    if not (np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_):
+        what = "0 / 1 integers" if name == "attention_mask" else "integer tokens"
+        raise ValueError(f"{path}: {name}: expected {what}, got dtype {a.dtype}")
+    return np.asarray(a, dtype=np.int64)
 
 
 def _npz_maps(path: str) -> tuple[list[str], dict[str, Any] | None]:
@@ -391,9 +406,14 @@ def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield ln, json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{ln}: not JSON: {e}") from e
+            except RecursionError as e:  # valid JSON nested deeper than Python's recursion limit
+                raise ValueError(f"{path}:{ln}: not readable JSON (nested too deeply)") from e
+            except ValueError as e:  # json's own: an integer of more digits than Python converts
+                raise ValueError(f"{path}:{ln}: not readable JSON ({e})") from e
+            yield ln, rec
 
 
 def _check_unicode(value: Any, where: str, key: str) -> None:

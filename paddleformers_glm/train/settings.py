@@ -35,9 +35,10 @@ __all__ = [
     "run_world",
 ]
 
-# counts and their least value
-_COUNTS = {"steps": 0, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "vpp": 1}
-_COUNTS.update(save_every=0, skip_nonfinite_steps=0, eval_every=0, eval_batches=1)
+# counts and their least value (--micro-batch-size before --global-batch-size: glm52 plan derives an unset
+# global batch from it, so a micro-batch of 0 is named, not the global batch of 0 it makes)
+_COUNTS = {"steps": 0, "seq_len": 1, "micro_batch_size": 1, "global_batch_size": 1, "vpp": 1}
+_COUNTS.update(save_every=0, skip_nonfinite_steps=0, eval_every=0, eval_batches=1, warmup_steps=0)
 # float settings that must be finite numbers and >= 0 (None allowed for min_lr and indexer_loss_coeff)
 _NONNEGATIVE_FLOATS = (
     "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
@@ -68,6 +69,12 @@ def check_numbers(settings: Any) -> None:
             raise ValueError(f"{flag} must be >= 0, got {v}")
         if k.startswith("adam_beta") and not 0 <= v < 1:
             raise ValueError(f"{flag} must be in [0, 1), got {v}")
+    lr, min_lr = getattr(settings, "lr", None), getattr(settings, "min_lr", None)
+    if lr is not None and min_lr is not None and min_lr > lr:
+        # the cosine decays from --lr to --min-lr: a floor above it would raise the rate to the floor
+        raise ValueError(
+            f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr to --min-lr (equal: a constant rate)"
+        )
 
 
 def indexer_stage_weight(stage: str | None, loss_coeff: float | None, saved_coeff: float) -> tuple[str, float]:
@@ -328,6 +335,10 @@ RESUME_SETTINGS = (
 )  # fmt: skip
 
 
+# the saved run's profile entries a resume must keep (train/resume.py refuses them in each worker too)
+RESUME_FIXED = ("seq_len", "global_batch_size", "micro_batch_size", "dtype", "cp")
+
+
 def resumed_indexer_stage(given: str | None, meta: dict[str, Any]) -> str | None:
     """The indexer stage a run resuming the state of ``meta`` (its meta.json) trains: ``--indexer-stage``
     when ``given``, else the saved run's (not the checkpoint's default: a warm-up resumed without
@@ -350,6 +361,13 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
         raise ValueError(
             f"--steps {cfg.steps}: the resume state {path} is at step {meta['step']} already (--steps is the "
             f"run's total, the resumed steps included: --steps {meta['step'] + cfg.steps} trains {cfg.steps} more)"
+        )
+    profile = meta.get("profile") or {}
+    fixed = {k: (profile[k], getattr(cfg, k)) for k in RESUME_FIXED if k in profile and profile[k] != getattr(cfg, k)}
+    if fixed:  # what a resume cannot change (the layout degrees can: resharded); a worker would fail on it
+        raise ValueError(
+            f"--resume {path}: a resume keeps these settings of the saved run: "
+            + "; ".join(f"{k.replace('_', '-')} saved {a!r}, now {b!r}" for k, (a, b) in sorted(fixed.items()))
         )
     override = {k.replace("-", "_") for k in cfg.resume_override}
     unknown = sorted(override - set(RESUME_SETTINGS))

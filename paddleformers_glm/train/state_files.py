@@ -145,6 +145,9 @@ def read_meta(folder: str) -> dict[str, Any]:
         isinstance(v, list) and all(isinstance(x, (int, float)) or x is None for x in v) for v in lists.values()
     )
     _require(ok, file, "history", "an object of number lists", history)
+    for key in ("losses", "grad_norms", "lrs"):  # one entry per step: the resumed run appends to them
+        n = len(lists[key]) if key in lists else meta["step"]
+        _require(n == meta["step"], file, f"history.{key}", f"a list of {meta['step']} entries (one per step)", n)
     evals = history.get("eval", [])  # the held-out evaluations' records
     ok = isinstance(evals, list) and all(isinstance(r, dict) and is_int(r.get("step")) for r in evals)
     _require(ok, file, "history.eval", "a list of records with a step", evals)

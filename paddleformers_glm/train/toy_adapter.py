@@ -50,13 +50,38 @@ class ToyConfig:
             raise ValueError("ToyConfig: layer 0 must be a full indexer layer")
 
 
+def toy_config(given: Mapping[str, Any] | None) -> ToyConfig:
+    """A :class:`ToyConfig` from ``--model-config``'s JSON: an object of its keys, each value of its
+    default's type (a list: of strings), so a typo or a wrong type is one line naming the key, not a
+    TypeError from the dataclass or, later, from a worker building the model."""
+    if given is None:
+        return ToyConfig()
+    if not isinstance(given, Mapping):
+        raise ValueError(f"--model-config must be a JSON object of the toy model's keys, got {type(given).__name__}")
+    defaults = asdict(ToyConfig())
+    for k, v in given.items():
+        if k not in defaults:
+            raise ValueError(f"--model-config: unknown key {k!r}; the toy model's keys: {', '.join(defaults)}")
+        want = type(defaults[k])
+        if want is list:
+            ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
+        elif want is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:  # int (not a bool) or bool
+            ok = type(v) is want
+        if not ok:
+            name = {list: "a list of strings", float: "a number", int: "an integer", bool: "true or false"}[want]
+            raise ValueError(f"--model-config: {k} must be {name}, got {v!r} ({type(v).__name__})")
+    return ToyConfig(**given)
+
+
 class ToyAdapter(ModelAdapter):
     """The toy model behind the trainer's ``--model toy``; config keys as in :class:`ToyConfig`."""
 
     name = "toy"
 
     def __init__(self, config: ToyConfig | Mapping[str, Any] | None = None, seed: int = 0) -> None:
-        self.cfg = config if isinstance(config, ToyConfig) else ToyConfig(**dict(config or {}))
+        self.cfg = config if isinstance(config, ToyConfig) else toy_config(config)
         self.seed = seed
         self.num_layers, self.has_mtp, self.vocab_size = self.cfg.num_layers, self.cfg.mtp, self.cfg.vocab_size
 
