@@ -139,9 +139,22 @@ def tiny_dir(tmp_path_factory):
         (["--top-p", "2"], "--top-p must be >= 0.0 and <= 1.0, got 2.0"),
         (["--top-k", "-3"], "--top-k must be >= 0"),
         (["--repetition-penalty", "0"], "--repetition-penalty must be > 0.0"),
+        # before: numpy's "expected non-negative integer", no flag named, after the model was loaded
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        # bytes the locale's encoding could not decode (a latin-1 'café' under a UTF-8 locale) reach Python as
+        # lone surrogates; before: the tokenizer's bare TypeError "TextInputSequence must be str", exit 1
+        (["--prompt", "caf\udce9"], "--prompt is not utf-8 text: byte 0xe9 at character 3"),
+        (["--chat", "--system", "caf\udce9"], "--system is not utf-8 text: byte 0xe9 at character 3"),
+        (["--stop", "\udcff"], "--stop is not utf-8 text: byte 0xff at character 0"),
     ],
 )
-def test_generate_refuses_bad_values_in_one_line(tiny_dir, flags, needle, capsys):
+def test_generate_refuses_bad_values_in_one_line(tiny_dir, flags, needle, capsys, monkeypatch):
+    from paddleformers_glm.configuration import GlmMoeDsaConfig
+
+    def loaded(*a, **k):
+        raise AssertionError("a bad value is refused before anything is read")
+
+    monkeypatch.setattr(GlmMoeDsaConfig, "from_pretrained", loaded)
     assert main(["generate", "--model", tiny_dir, "--prompt", "Hello", *flags]) == 2
     assert needle in _one_line(capsys.readouterr().err)
 
@@ -157,7 +170,7 @@ def test_generate_takes_top_p_0():
         tp=1, ep=1, pp=1, log_dir=None, nnodes=1, master=None, node_rank=None, launcher_args="", job_timeout=None
     )
     launch["speculative"] = False
-    args = argparse.Namespace(**dict.fromkeys(names), top_p=0.0, chat=False, **launch)
+    args = argparse.Namespace(**dict.fromkeys(names), top_p=0.0, chat=False, prompt="Hi", stop=[], seed=0, **launch)
     assert check_arguments(args) is None
 
 

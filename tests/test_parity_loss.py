@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -181,6 +182,31 @@ def test_infinite_tolerance_is_accepted(tmp_path, capsys):
     a = _loss(tmp_path, "a.json", [1.0, 0.5])
     code, r, _ = _check(tmp_path, capsys, a, a, "--atol", "inf")
     assert code == 0 and r["result"] == "pass"
+
+
+def test_infinite_rtol_passes_identical_curves_of_zeros(tmp_path, capsys):
+    """Equal losses agree whatever the tolerance, as in torch.isclose (``torch.isclose(0., 0., rtol=inf)``
+    is True): before, ``inf x |0|`` made the bound NaN and identical all-zero curves failed, exit 1."""
+    z = _loss(tmp_path, "z.json", [0.0, 0.0, 0.0])
+    code, r, _ = _check(tmp_path, capsys, z, z, "--rtol", "inf")
+    assert code == 0 and r["matching_steps"] == 3
+    assert compare_losses([0.0, 1.0], [0.0, 0.0], rtol=math.inf)["matching_steps"] == 1  # 1 vs 0: inf x 0, not close
+
+
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        # the plain `losses` path named these; the eval records' ended in tracebacks, exit 1
+        ("1" + "0" * 400, "eval[0].losses is an integer beyond a float's range"),
+        ("1" + "0" * 5000, "not readable JSON (Exceeds the limit (4300 digits)"),
+    ],
+)
+def test_eval_curve_with_an_unreadable_number_is_exit_2(tmp_path, capsys, value, needle):
+    good = _loss(tmp_path, "good.json", None, '{"losses": [1.0], "eval": [{"step": 1, "losses": 1.0}]}')
+    bad = _loss(tmp_path, "bad.json", None, '{"losses": [1.0], "eval": [{"step": 1, "losses": ' + value + "}]}")
+    code, r, text = _check(tmp_path, capsys, good, bad, "--curve", "eval.losses")
+    assert code == 2 and r["result"] == "unusable input"
+    assert needle in text.err and str(bad) in text.err
 
 
 def test_curve_compares_another_list_or_the_held_out_evaluations(tmp_path, capsys):

@@ -24,6 +24,10 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     """A one-line complaint about a value no run could use, or None."""
     if args.system is not None and not args.chat:  # the plain prompt has no turns: it was dropped unsaid
         return "--system needs --chat (the system message is a turn of the chat template)"
+    for flag, texts in (("--prompt", [args.prompt]), ("--system", [args.system]), ("--stop", args.stop)):
+        for text in texts:
+            if bad := _undecoded(text):
+                return f"{flag} {bad}"
     if args.pp > 1 and args.speculative:
         return "--speculative needs --pp 1 (the MTP layer drafts from the last stage's hidden states)"
     if args.tp == 1 and args.ep == 1 and args.pp == 1:  # nothing is launched: a launch flag would be dropped unsaid
@@ -51,6 +55,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         ("--tp", args.tp, 1, True, None),
         ("--ep", args.ep, 1, True, None),
         ("--pp", args.pp, 1, True, None),
+        ("--seed", args.seed, 0, True, None),  # numpy's generator takes no negative seed
     ):
         if v is None:
             continue
@@ -60,6 +65,22 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         if bad or (high is not None and v > high):
             rng = f"{'>=' if inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
             return f"{flag} must be {rng}, got {v}"
+    return None
+
+
+def _undecoded(text: str | None) -> str | None:
+    """What is wrong with a command-line text holding bytes the locale's encoding could not decode, or
+    None.  Python keeps such bytes as lone surrogates (U+DC80-U+DCFF), which the tokenizer refuses with
+    a bare TypeError.  Refused rather than guessed: the same bytes are other characters in each legacy
+    encoding (0xe9 is é in latin-1, щ in cp1251), so only the user knows what was meant."""
+    if text is None:
+        return None
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            return (
+                f"is not {sys.getfilesystemencoding()} text: byte 0x{ord(ch) - 0xDC00:02x} at character {i} "
+                "(a shell or script writing another encoding): give the text in the locale's encoding"
+            )
     return None
 
 

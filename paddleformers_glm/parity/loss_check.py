@@ -38,44 +38,50 @@ def read_curve(path: str, key: str = "losses") -> list[float]:
     ``eval.<name>``: that entry of each held-out evaluation's record (``eval.losses``)."""
     if key.startswith("eval."):
         return _eval_curve(path, key)
-    try:
-        data = read_json(path, "the loss record", None, LossFileError)
-    except LossFileError:
-        raise
-    except ValueError as e:  # json's own: an integer of more digits than Python converts
-        raise LossFileError(f"{path}: the loss record is not readable JSON ({e})") from e
+    data = _read_record(path)
     if not isinstance(data, dict) or key not in data:
         got = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
         raise LossFileError(f"{path}: expected a JSON object with a {key!r} list, got {got}")
     losses = data[key]
     if not isinstance(losses, list):
         raise LossFileError(f"{path}: {key!r} must be a list, got {type(losses).__name__}")
-    out = []
-    for i, v in enumerate(losses):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise LossFileError(f"{path}: {key}[{i}] is {v!r} ({type(v).__name__}), expected a number")
-        try:
-            v = float(v)  # JSON integers are exact and unbounded
-        except OverflowError:
-            raise LossFileError(f"{path}: {key}[{i}] is an integer beyond a float's range") from None
-        if not math.isfinite(v):
-            raise LossFileError(f"{path}: {key}[{i}] is {v}, expected a finite number")
-        out.append(v)
-    return out
+    return [_finite(v, path, f"{key}[{i}]") for i, v in enumerate(losses)]
+
+
+def _read_record(path: str) -> Any:
+    try:
+        return read_json(path, "the loss record", None, LossFileError)
+    except LossFileError:
+        raise
+    except ValueError as e:  # json's own: an integer of more digits than Python converts
+        raise LossFileError(f"{path}: the loss record is not readable JSON ({e})") from e
+
+
+def _finite(v: Any, path: str, where: str) -> float:
+    """``v`` (the entry ``where`` of the record at ``path``) as a finite float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise LossFileError(f"{path}: {where} is {v!r} ({type(v).__name__}), expected a number")
+    try:
+        v = float(v)  # JSON integers are exact and unbounded
+    except OverflowError:
+        raise LossFileError(f"{path}: {where} is an integer beyond a float's range") from None
+    if not math.isfinite(v):
+        raise LossFileError(f"{path}: {where} is {v}, expected a finite number")
+    return v
 
 
 def _eval_curve(path: str, key: str) -> list[float]:
     name = key.split(".", 1)[1]
-    data = read_json(path, "the loss record", None, LossFileError)
+    data = _read_record(path)
     records = data.get("eval") if isinstance(data, dict) else None
     if not isinstance(records, list) or not records:
         raise LossFileError(f"{path}: no 'eval' records (the run had no --eval-data) for {key!r}")
     out = []
     for i, r in enumerate(records):
         v = r.get(name) if isinstance(r, dict) else None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise LossFileError(f"{path}: eval[{i}].{name} is {v!r}, expected a finite number")
-        out.append(float(v))
+        out.append(_finite(v, path, f"eval[{i}].{name}"))
     return out
 
 
@@ -85,7 +91,8 @@ read_losses = read_curve  # the ``losses`` list of a loss.json
 def compare_losses(
     a: Sequence[float], b: Sequence[float], steps: int | None = None, atol: float = 0.0, rtol: float = 0.0
 ) -> dict[str, Any]:
-    """Step-by-step agreement of two curves: ``|a-b| <= atol + rtol*|b|`` (atol=rtol=0: bit-exact).
+    """Step-by-step agreement of two curves: ``a == b`` or ``|a-b| <= atol + rtol*|b|`` (atol=rtol=0:
+    bit-exact; an infinite tolerance is usable, as in torch.allclose).
 
     With ``steps`` only the first ``steps`` losses are compared and each curve must have that many
     (``enough_steps``); their lengths beyond that do not matter. Without it all common steps are
@@ -94,7 +101,8 @@ def compare_losses(
     n_common = min(len(a), len(b))
     n = min(n_common, steps) if steps is not None else n_common
     diffs = [abs(a[i] - b[i]) for i in range(n)]
-    agree = [d <= atol + rtol * abs(b[i]) for i, d in enumerate(diffs)]
+    # equal losses agree whatever the tolerance, as in torch.isclose: else rtol inf x |b| = 0 gives NaN
+    agree = [a[i] == b[i] or d <= atol + rtol * abs(b[i]) for i, d in enumerate(diffs)]
     consistent = next((i for i, ok in enumerate(agree) if not ok), n)
     need = steps if steps is not None else 1
     return {
