@@ -188,6 +188,10 @@ def test_fp8_without_scale_or_config_refused(src, tmp_path):
     with pytest.raises(CheckpointError, match="scale tensor does not match") as e:
         load_pretrained_state(_spec_state(src), src, config=cfg)
     assert e.value.key.endswith("_scale_inv")
+    # booleans are no block sizes (measured before: [true, true] was taken as 1 x 1 blocks)
+    _edit_config(src, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [True, True]})
+    with pytest.raises(CheckpointError, match="weight_block_size must be two positive integers"):
+        load_pretrained_state(_spec_state(src), src, config=cfg)
     _edit_config(src, quantization_config=None)
     with pytest.raises(CheckpointError, match="no quantization_config"):
         load_pretrained_state(_spec_state(src), src, config=GlmMoeDsaConfig.from_pretrained(src))

@@ -336,7 +336,7 @@ def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
                 actual=value,
             )
     bs = qc.get("weight_block_size", [128, 128])
-    if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
+    if not (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs)):
         raise CheckpointError(
             "weight_block_size must be two positive integers",
             file=file,
