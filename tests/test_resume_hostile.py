@@ -247,6 +247,29 @@ def test_meta_json_fields_are_checked_by_name(saved, tmp_path):
             check_resume_state(str(folder))
 
 
+def test_a_malformed_rng_state_is_named_before_launch(saved, tmp_path):
+    """The RNG fields of a rank's JSON are checked with the rest of the state, in the launcher (measured
+    before: a garbage ``rng`` passed the check and every worker failed on it, exit 1)."""
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    file = folder / "rank_00000.json"
+    good = json.loads(file.read_text())
+    rng = good["rng"]
+    for edit, expect in [
+        ({"numpy": {**rng["numpy"], "keys": rng["numpy"]["keys"][:5]}}, "`rng.numpy.keys` must be 624 unsigned"),
+        ({"numpy": {**rng["numpy"], "kind": 7}}, "`rng.numpy.kind` must be a string"),
+        ({"python": {**rng["python"], "state": "x"}}, "`rng.python.state` must be 625 unsigned"),
+        ({"python": {**rng["python"], "gauss_next": "x"}}, "`rng.python.gauss_next` must be a number"),
+        ({"python": None}, "`rng.python` must be an object"),
+        ({"paddle": [[{"latin1": 5}]]}, '`rng.paddle[0]` must be {"latin1": text}'),
+        ({"paddle": "x"}, "`rng.paddle` must be lists"),
+    ]:
+        file.write_text(json.dumps({**good, "rng": {**rng, **edit}}))
+        with pytest.raises(ResumeStateError) as e:
+            check_resume_state(str(folder))
+        assert str(e.value).startswith(str(file)) and expect in str(e.value), str(e.value)
+
+
 def test_old_pickle_format_is_refused_without_unpickling(saved, tmp_path):
     """A state folder of the earlier format (rank_*.pdstate + .rng pickles): refused by name, the
     pickles (payloads here) never opened."""

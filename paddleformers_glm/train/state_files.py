@@ -196,9 +196,9 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def set_rng_state(state: Mapping[str, Any], file: str) -> None:
-    """Restore :func:`rng_state`'s output (read from ``file``); a malformed field is named."""
-    import paddle
+def _rng_fields(state: Mapping[str, Any], file: str) -> list[list[Any]] | None:
+    """The checks of :func:`rng_state`'s output that need no Paddle (the launcher runs them before any
+    worker starts): -> Paddle's generator fields decoded, or None when not carried."""
 
     def field(x: Any, key: str) -> Any:
         if isinstance(x, dict):
@@ -213,30 +213,46 @@ def set_rng_state(state: Mapping[str, Any], file: str) -> None:
     gens = state.get("paddle")
     if gens is not None:
         _require(isinstance(gens, list) and all(isinstance(g, list) for g in gens), file, "rng.paddle", "lists", gens)
-        restored = []
-        for i, g in enumerate(gens):
-            st = paddle.base.core.GeneratorState.__new__(paddle.base.core.GeneratorState)
-            try:
-                st.__setstate__(tuple(field(x, f"rng.paddle[{i}]") for x in g))
-            except (TypeError, RuntimeError, ValueError) as e:
-                raise ResumeStateError(f"{file}: `rng.paddle[{i}]` is not a Paddle generator state: {e}") from e
-            restored.append(st)
-        paddle.set_rng_state(restored)
-
+        gens = [[field(x, f"rng.paddle[{i}]") for x in g] for i, g in enumerate(gens)]
     # numpy's and Python's generators are both MT19937: a list of unsigned 32-bit words and a few scalars
-    for name, words_key, n, what in (("numpy", "keys", 624, "numpy"), ("python", "state", 625, "Python")):
+    scalars = {"numpy": ("kind", "pos", "has_gauss", "gauss"), "python": ("version", "gauss_next")}
+    for name, words_key, n in (("numpy", "keys", 624), ("python", "state", 625)):
         obj = state.get(name)
         _require(isinstance(obj, dict), file, f"rng.{name}", "an object", obj)
         words = obj.get(words_key)
         ok = isinstance(words, list) and len(words) == n and all(is_int(k) and 0 <= k < 2**32 for k in words)
         _require(ok, file, f"rng.{name}.{words_key}", f"{n} unsigned 32-bit integers", words)
-        try:
-            if name == "numpy":
-                np.random.set_state((obj["kind"], np.uint32(words), obj["pos"], obj["has_gauss"], obj["gauss"]))
-            else:
-                random.setstate((obj["version"], tuple(words), obj["gauss_next"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ResumeStateError(f"{file}: `rng.{name}` is not a {what} RNG state: {e}") from e
+        for key in scalars[name]:
+            v = obj.get(key)
+            ok = isinstance(v, str) if key == "kind" else v is None or is_int(v) or isinstance(v, float)
+            _require(ok and key in obj, file, f"rng.{name}.{key}", "a string" if key == "kind" else "a number", v)
+    return gens
+
+
+def set_rng_state(state: Mapping[str, Any], file: str) -> None:
+    """Restore :func:`rng_state`'s output (read from ``file``); a malformed field is named."""
+    import paddle
+
+    gens = _rng_fields(state, file)
+    if gens is not None:
+        restored = []
+        for i, g in enumerate(gens):
+            st = paddle.base.core.GeneratorState.__new__(paddle.base.core.GeneratorState)
+            try:
+                st.__setstate__(tuple(g))
+            except (TypeError, RuntimeError, ValueError) as e:
+                raise ResumeStateError(f"{file}: `rng.paddle[{i}]` is not a Paddle generator state: {e}") from e
+            restored.append(st)
+        paddle.set_rng_state(restored)
+    numpy, python = state["numpy"], state["python"]
+    try:
+        np.random.set_state((numpy["kind"], np.uint32(numpy["keys"]), numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
+    except (TypeError, ValueError) as e:
+        raise ResumeStateError(f"{file}: `rng.numpy` is not a numpy RNG state: {e}") from e
+    try:
+        random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    except (TypeError, ValueError) as e:
+        raise ResumeStateError(f"{file}: `rng.python` is not a Python RNG state: {e}") from e
 
 
 def write_rank_state(folder: str, rank: int, tensors: Mapping[str, Any], info: Mapping[str, Any]) -> None:
@@ -269,6 +285,7 @@ def read_rank_state(folder: str, rank: int) -> tuple[Any, dict[str, Any], str]:
     doc = _read_state_json(json_file, "rank state")
     _require(doc.get("rank") == rank, json_file, "rank", str(rank), doc.get("rank"))
     _require(isinstance(doc.get("rng"), dict), json_file, "rng", "an object", doc.get("rng"))
+    _rng_fields(doc["rng"], json_file)
     if not os.path.isfile(st_file):
         raise ResumeStateError(f"{st_file}: missing (the tensors of rank {rank})")
     try:
