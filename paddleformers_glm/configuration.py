@@ -164,6 +164,8 @@ HF_DOWNLOAD_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_
 HF_DOWNLOAD_KWARGS += ("trust_remote_code", "_from_auto", "_from_pipeline", "_commit_hash")
 _HF_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
 _DTYPE_KEYS = ("dtype", "torch_dtype")
+# the rope's spellings: one file holds one form of them, so setting another is not a key of its own
+_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
 # transformers' base-config output flags: a loading keyword sets them on the config (and its save
 # writes them) though the file has no such key; the forward reads them when its keyword is not given
 _HF_OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits", "return_dict")
@@ -352,7 +354,21 @@ class GlmMoeDsaConfig:
                 extra[name] = value
                 self._file_keys.append(name)
                 return
+            elif name in _FILE_DEFAULTS and name not in _ROPE_KEYS and not self._written(name):
+                self._file_keys.append(name)  # a model key the file lacked, set now: saved (transformers writes it)
         object.__setattr__(self, name, value)
+
+    def _derive(self, name: str, value: Any) -> None:
+        """Set a setting the config derives from others: written only where the file has it (a
+        key set by the caller is a key of the file from then on)."""
+        object.__setattr__(self, name, value)
+
+    def _written(self, name: str) -> bool:
+        """Whether to_dict() writes the setting ``name`` under some spelling."""
+        spellings = {name, *(k for k, v in _KEY_ALIASES.items() if v == name)}
+        if name == "dtype":
+            spellings |= set(_DTYPE_KEYS)
+        return bool(spellings & set(self._file_keys))
 
     def _rope_inputs(self) -> tuple:
         return copy.deepcopy((self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings))
@@ -438,7 +454,7 @@ class GlmMoeDsaConfig:
                 f"{self._given_qk_head_dim} != qk_nope_head_dim + qk_rope_head_dim "
                 f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim} = {expect_qk})",
             )
-        self.qk_head_dim = expect_qk
+        self._derive("qk_head_dim", expect_qk)
         if self.qk_rope_head_dim % 2:
             raise _err("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
         if self.index_head_dim < self.qk_rope_head_dim:
@@ -457,7 +473,7 @@ class GlmMoeDsaConfig:
         # as transformers' glm_moe_dsa (5.23, measured): the first `first_k_dense_replace` layers are
         # dense, every later one MoE; `moe_layer_freq` is kept for a round trip but places no layer
         k = min(int(self.first_k_dense_replace), L)
-        self.mlp_layer_types = ["dense" if i < k else "sparse" for i in range(L)]
+        self._derive("mlp_layer_types", ["dense" if i < k else "sparse" for i in range(L)])
         if self._given_mlp_layer_types is not None:
             self.mlp_layer_types = _layer_list("mlp_layer_types", self._given_mlp_layer_types, ("dense", "sparse"), L)
         # MoE
@@ -638,7 +654,7 @@ class GlmMoeDsaConfig:
             derived = given
         if derived[0] != "full":
             raise _err("indexer_types", "layer 0 is 'shared' but must be 'full' (no earlier top-k to reuse)")
-        self.indexer_types = derived
+        self._derive("indexer_types", derived)
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

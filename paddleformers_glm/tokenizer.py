@@ -114,6 +114,33 @@ class BatchEncoding(dict):
             raise AttributeError(name) from None
 
 
+# the keys tokenizer.pad pads (transformers' _pad); the others pass through as given
+_PADDED_KEYS = ("input_ids", "attention_mask", "token_type_ids", "special_tokens_mask")
+
+
+def _passed_tensor(key: str, values: Any, return_tensors: str) -> Any:
+    """A key ``pad`` does not pad, as one tensor (transformers converts it as given: a label per row
+    [B], float weights stay float); rows of different lengths are named."""
+    import numpy as np
+
+    rows = values.tolist() if hasattr(values, "tolist") else list(values)
+    lengths = {len(r) for r in rows if hasattr(r, "__len__") and not isinstance(r, str)}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"pad: {key!r} rows have different lengths ({sorted(lengths)}) and cannot form one tensor: pad pads "
+            "input_ids and attention_mask only, as in transformers (a collator pads labels, with -100: "
+            "DataCollatorForSeq2Seq)"
+        )
+    arr = np.asarray(rows)
+    if return_tensors == "np":
+        return arr
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"pad: {key!r} holds {arr.dtype} values, which make no Paddle tensor")
+    import paddle
+
+    return paddle.to_tensor(arr)
+
+
 def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
     if return_tensors not in TENSOR_TYPES:
         raise ValueError(f"return_tensors must be one of {TENSOR_TYPES} or None, got {return_tensors!r}")
@@ -1096,7 +1123,9 @@ class GlmTokenizer:
         single = isinstance(first, (list, tuple)) and bool(first) and not hasattr(first[0], "__len__")
         if single:  # one row, as transformers' pad takes it: padded as a batch of one, returned as one row
             encoded_inputs = {k: [v] for k, v in encoded_inputs.items()}
-        given = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items()}  # fresh lists, padded in place
+        # fresh lists of what pad pads, padded in place; every other key (labels, weights, offsets) as given
+        given = {k: [_id_list(r) for r in v] for k, v in encoded_inputs.items() if k in _PADDED_KEYS}
+        passed = {k: v for k, v in encoded_inputs.items() if k not in _PADDED_KEYS}
         rows = given["input_ids"]
         masks = given["attention_mask"] if "attention_mask" in given else [[1] * len(r) for r in rows]
         if padding in (True, "longest"):
@@ -1132,17 +1161,12 @@ class GlmTokenizer:
         out = BatchEncoding(input_ids=rows, attention_mask=masks)
         if return_attention_mask is False and "attention_mask" not in given:
             del out["attention_mask"]
-        out.update({k: v for k, v in given.items() if k not in out})  # other keys as given
+        out.update({k: v for k, v in given.items() if k not in out})
         if return_tensors is not None:
-            for k, v in out.items():  # a key pad does not pad (labels): named, as transformers names it
-                if k not in ("input_ids", "attention_mask", "token_type_ids", "special_tokens_mask"):
-                    if len({len(r) for r in v}) > 1:
-                        raise ValueError(
-                            f"pad: {k!r} rows have different lengths ({sorted({len(r) for r in v})}) and cannot "
-                            "form one tensor: pad pads input_ids and attention_mask only, as in transformers "
-                            "(a collator pads labels, with -100: DataCollatorForSeq2Seq)"
-                        )
-            out = BatchEncoding({k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()})
+            padded = {k: _as_tensor(v, return_tensors, "pad") for k, v in out.items()}
+            out = BatchEncoding({**padded, **{k: _passed_tensor(k, v, return_tensors) for k, v in passed.items()}})
+        else:
+            out.update(passed)
         return BatchEncoding({k: v[0] for k, v in out.items()}) if single else out
 
     # ------------------------------------------------------------------ chat

@@ -362,6 +362,35 @@ def test_an_attribute_set_on_the_config_is_saved(tmp_path):
     assert GlmMoeDsaConfig.from_pretrained(tmp_path) == c and copy.deepcopy(c) == c
 
 
+def _absent_keys_set(cls, tmp_path) -> tuple:
+    d = _tiny()
+    for k in ("pad_token_id", "index_topk", "max_position_embeddings"):
+        d.pop(k)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    c = cls.from_pretrained(tmp_path)
+    c.pad_token_id = 3
+    c.update({"index_topk": 4})
+    c.max_position_embeddings = 512
+    c.save_pretrained(tmp_path / "saved")
+    back = cls.from_pretrained(tmp_path / "saved")
+    return back.pad_token_id, back.index_topk, back.max_position_embeddings
+
+
+def test_transformers_saves_a_model_key_the_file_lacked_once_set(tmp_path):
+    """transformers 5.23 (measured): a model key missing from config.json, set after loading, is saved."""
+    assert _absent_keys_set(_hf(), tmp_path) == (3, 4, 512)
+
+
+def test_a_model_key_the_file_lacked_is_saved_once_set(tmp_path):
+    """Before: set in memory (the model read it) but left out of to_dict(), so the reload had the
+    default (pad None, index_topk 2048, max_position_embeddings 202752): another model. What the
+    config derives itself (indexer_types, mlp_layer_types, qk_head_dim) is still not written."""
+    assert _absent_keys_set(GlmMoeDsaConfig, tmp_path) == (3, 4, 512)
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert list(saved)[-3:] == ["pad_token_id", "index_topk", "max_position_embeddings"]
+    assert not {"indexer_types", "mlp_layer_types", "qk_head_dim"} & (set(saved) - set(_tiny()))
+
+
 # ------------------------------------------------------------------ num_key_value_heads
 
 

@@ -312,6 +312,41 @@ def test_pad_names_a_ragged_key_it_does_not_pad():
     assert out["labels"].tolist() == [[1, 2, 3], [4, 5, 6]] and out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
 
 
+# what transformers 5.23's tokenizer.pad returns for keys it does not pad (measured on the tiny
+# checkpoint): the values as given, converted as given with return_tensors
+_PASSED_FEATURES = [
+    {"input_ids": [5, 6, 7], "label": 1, "score": 0.5, "weights": [0.5, 0.5, 1.0], "name": "abc"},
+    {"input_ids": [8], "label": 0, "score": 1.5, "weights": [0.25], "name": "d"},
+]
+
+
+def test_pad_passes_the_keys_it_does_not_pad_through_as_given():
+    """transformers' pad leaves every key but input_ids, attention_mask, token_type_ids and
+    special_tokens_mask as given (a label per row, float weights, strings, offsets): measured,
+    label [1, 0] (np shape (2,)), score [0.5, 1.5], weights [[0.5, 0.5, 1.0], [0.25]], name ['abc', 'd'].
+    Before: every key went through int(): labels [[1], [0]], weights cut to [[0, 0, 1], [0]], a float
+    label or a string a TypeError / ValueError."""
+    tok = make_tiny_tokenizer()
+    out = tok.pad([dict(f) for f in _PASSED_FEATURES])
+    assert out["label"] == [1, 0] and out["score"] == [0.5, 1.5] and out["name"] == ["abc", "d"]
+    assert out["weights"] == [[0.5, 0.5, 1.0], [0.25]] and out["input_ids"] == [[5, 6, 7], [8, 0, 0]]
+    arr = tok.pad([{k: f[k] for k in ("input_ids", "label", "score")} for f in _PASSED_FEATURES], return_tensors="np")
+    assert arr["label"].shape == (2,) and arr["score"].dtype.kind == "f" and arr["score"].tolist() == [0.5, 1.5]
+    enc = tok(TEXTS[:2], return_offsets_mapping=True)
+    padded = tok.pad(enc)
+    assert padded["offset_mapping"] == enc["offset_mapping"]
+
+
+@pytest.mark.reference
+def test_pad_passes_the_keys_it_does_not_pad_through_as_transformers(tiny_dir):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    want = hf.pad([dict(f) for f in _PASSED_FEATURES])
+    got = GlmTokenizer.from_pretrained(tiny_dir).pad([dict(f) for f in _PASSED_FEATURES])
+    assert {k: list(v) for k, v in got.items()} == {k: list(v) for k, v in want.items()}
+
+
 def test_pad_of_ragged_labels_as_transformers(tiny_dir):
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
