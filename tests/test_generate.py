@@ -2460,3 +2460,18 @@ def test_generation_config_serialises_equal_to_hf():
             assert ours.to_json_string(**kw) == hf.to_json_string(**kw), (case, kw)
         assert ours.to_diff_dict() == hf.to_diff_dict() and repr(ours) == repr(hf)
     assert GenerationConfig.from_dict({**_SAMPLING, "top_p": 0.9}).to_json_string() == _SAMPLING_JSON
+
+
+def test_generation_configs_of_equal_options_are_equal(tmp_path):
+    """transformers 5.23 (measured): two generation_config.json files of the same options, or a config
+    built and one read from a dict, compare equal (and hash alike). Ours compared the source name kept
+    for messages too: False."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "generation_config.json").write_text('{"temperature": 0.5, "do_sample": true}')
+    a, b = (GenerationConfig.from_pretrained(tmp_path / n) for n in ("a", "b"))
+    assert a == b and hash(a) == hash(b)
+    assert GenerationConfig(temperature=0.5, do_sample=True) == GenerationConfig.from_dict(
+        {"temperature": 0.5, "do_sample": True}
+    )
+    assert a != GenerationConfig.from_dict({"temperature": 0.6, "do_sample": True})

@@ -154,6 +154,14 @@ class GenerationConfig:
     output_attentions: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __eq__(self, other: object) -> bool:
+        """As transformers': equal options, wherever each config was read from (``to_dict``, not the
+        source name kept for messages)."""
+        return isinstance(other, GenerationConfig) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(dumps_json(self.to_dict(), sort_keys=True))
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def keys(cls) -> tuple[str, ...]:
