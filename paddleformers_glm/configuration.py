@@ -430,6 +430,8 @@ class GlmMoeDsaConfig:
                 _check_form(f"eos_token_id[{i}]", e, ("int", 0, MAX_DIM))
         else:
             _check_form("eos_token_id", eos, ("int|None", 0, MAX_DIM))
+        if "_attn_written" not in self.__dict__:  # the file's spelling (transformers' "eager"), written back
+            self._attn_written = self.attn_implementation
         self.attn_implementation = HF_ATTN_IMPLEMENTATIONS.get(self.attn_implementation, self.attn_implementation)
         for key, allowed, what in (
             ("hidden_act", ("silu",), "only 'silu' is supported (the experts and dense MLP are SwiGLU)"),
@@ -740,12 +742,21 @@ class GlmMoeDsaConfig:
                 out[key] = None
             elif key == "rope_parameters":
                 out[key] = copy.deepcopy(self.rope_parameters if self.rope_parameters is not None else self.rope)
+            elif key == "attn_implementation":
+                out[key] = self._attn_spelled()
             else:
                 out[key] = copy.deepcopy(getattr(self, key))
         for key, default in _LIBRARY_DEFAULTS.items():
             if key not in out and getattr(self, key) != default:
-                out[key] = getattr(self, key)
+                out[key] = self._attn_spelled() if key == "attn_implementation" else getattr(self, key)
         return out
+
+    def _attn_spelled(self) -> str:
+        """``attn_implementation`` as given (transformers' "eager") while it names the form in use."""
+        given = self._attn_written
+        return (
+            given if HF_ATTN_IMPLEMENTATIONS.get(given, given) == self.attn_implementation else self.attn_implementation
+        )
 
     def to_transformers_dict(self) -> dict[str, Any]:
         """config.json of an official-layout checkpoint (checkpoint/saver.py): :meth:`to_dict` plus the

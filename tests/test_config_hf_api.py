@@ -391,6 +391,18 @@ def test_a_model_key_the_file_lacked_is_saved_once_set(tmp_path):
     assert not {"indexer_types", "mlp_layer_types", "qk_head_dim"} & (set(saved) - set(_tiny()))
 
 
+def test_attn_implementation_is_saved_as_the_file_spelled_it(tmp_path):
+    """A config.json holding transformers' "eager" / "sdpa" was saved as this library's form name
+    ("reference" / "auto"), which transformers refuses to build a model from (measured: ValueError
+    'Specified attn_implementation="reference" is not supported'); a form set since is written as set."""
+    for given in ("eager", "sdpa"):
+        c = GlmMoeDsaConfig.from_dict(_tiny(attn_implementation=given))
+        assert c.attn_implementation == {"eager": "reference", "sdpa": "auto"}[given]
+        assert c.to_dict()["attn_implementation"] == given
+    c.attn_implementation = "dense"
+    assert c.to_dict()["attn_implementation"] == "dense"
+
+
 # ------------------------------------------------------------------ num_key_value_heads
 
 
