@@ -354,9 +354,28 @@ class GlmMoeDsaConfig:
                 extra[name] = value
                 self._file_keys.append(name)
                 return
+            elif name in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
+                self._set_rope(dict(value))
+                return
             elif name in _FILE_DEFAULTS and name not in _ROPE_KEYS and not self._written(name):
                 self._file_keys.append(name)  # a model key the file lacked, set now: saved (transformers writes it)
         object.__setattr__(self, name, value)
+
+    def _set_rope(self, rope: dict[str, Any]) -> None:
+        """As transformers 5: a rope set as ``rope_parameters`` or ``rope_scaling`` replaces the rope
+        (its base, when it names none, is the rope's in use) and is saved as ``rope_parameters``, where
+        the file's rope keys were (measured: the rope_scaling of a rope_parameters file, the
+        rope_parameters of a rope_theta file)."""
+        rope.setdefault("rope_theta", self.rope["rope_theta"])
+        spelled = ("rope_parameters", "rope_scaling", "rope_theta")
+        keys = self._file_keys
+        at = next((i for i, k in enumerate(keys) if k in spelled), len(keys))
+        self._file_keys = [k for k in keys if k not in spelled]
+        self._file_keys.insert(at, "rope_parameters")
+        self._null_keys = self._null_keys - set(spelled)
+        object.__setattr__(self, "rope_parameters", rope)
+        object.__setattr__(self, "rope_scaling", None)
+        object.__setattr__(self, "rope_theta", None)
 
     def _derive(self, name: str, value: Any) -> None:
         """Set a setting the config derives from others: written only where the file has it (a

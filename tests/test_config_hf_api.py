@@ -391,6 +391,46 @@ def test_a_model_key_the_file_lacked_is_saved_once_set(tmp_path):
     assert not {"indexer_types", "mlp_layer_types", "qk_head_dim"} & (set(saved) - set(_tiny()))
 
 
+_YARN = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}
+
+
+def _rope_set(cls) -> tuple:
+    """(a) ``rope_scaling`` set on a rope_parameters file, (b) ``rope_parameters`` set on a GLM-5.1-style
+    file (top-level rope_theta): the saved rope keys and the rope in use."""
+    out = []
+    legacy = {k: v for k, v in _tiny(rope_theta=1e6).items() if k != "rope_parameters"}
+    for d, key, rope in (
+        (_tiny(), "rope_scaling", _YARN),
+        (legacy, "rope_parameters", {"rope_type": "default", "rope_theta": 5e5}),
+    ):
+        c = cls.from_dict(d)
+        setattr(c, key, dict(rope))
+        saved = c.to_dict()
+        back = cls.from_dict(saved)
+        rope_now = back.rope if cls is GlmMoeDsaConfig else back.rope_parameters
+        out.append(
+            (
+                {k for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in saved},
+                rope_now["rope_type"],
+                rope_now["rope_theta"],
+            )
+        )
+    return out
+
+
+def test_transformers_replaces_the_rope_set_as_either_key():
+    want = [({"rope_parameters"}, "yarn", 1e6), ({"rope_parameters"}, "default", 5e5)]
+    assert _rope_set(_hf()) == want
+
+
+def test_a_rope_set_as_either_key_replaces_the_rope_and_is_saved():
+    """transformers 5.23 (measured): a rope set as rope_scaling or rope_parameters replaces the rope and
+    is saved as rope_parameters. Before: the save kept the old rope (the reload was another model)
+    and config.rope raised "rope_scaling.rope_theta disagrees with rope_parameters.rope_theta"."""
+    want = [({"rope_parameters"}, "yarn", 1e6), ({"rope_parameters"}, "default", 5e5)]
+    assert _rope_set(GlmMoeDsaConfig) == want
+
+
 def test_attn_implementation_is_saved_as_the_file_spelled_it(tmp_path):
     """A config.json holding transformers' "eager" / "sdpa" was saved as this library's form name
     ("reference" / "auto"), which transformers refuses to build a model from (measured: ValueError
