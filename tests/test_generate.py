@@ -489,6 +489,40 @@ def test_save_of_a_model_built_from_a_config_writes_hfs_from_model_config(tmp_pa
     assert json.loads((tmp_path / "built/generation_config.json").read_text()) == HF_FROM_CONFIG_TINY
 
 
+def _with_sampling_keys(tmp_path):
+    """The tiny config.json carrying sampling options (do_sample, temperature), as older configs do."""
+    import json
+
+    cfg = json.loads((FIXTURES / "tiny" / "checkpoint" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"do_sample": True, "temperature": 0.3}))
+    return tmp_path
+
+
+def test_a_config_objects_sampling_keys_are_not_generation_defaults(tmp_path):
+    """transformers 5.23's config drops generation options when it reads config.json, so a model built
+    from the config object decodes greedily (measured: from_model_config gives HF_FROM_CONFIG_TINY's
+    options, no do_sample / temperature); ours carried them (do_sample True, temperature 0.3)."""
+    from paddleformers_glm import GlmMoeDsaConfig
+
+    gc = GenerationConfig.from_model_config(GlmMoeDsaConfig.from_pretrained(_with_sampling_keys(tmp_path)))
+    assert gc.do_sample is None and gc.temperature is None
+    assert {k: v for k, v in gc.to_dict().items() if k in HF_FROM_CONFIG_TINY} == {
+        k: v for k, v in HF_FROM_CONFIG_TINY.items() if k != "transformers_version"
+    }
+
+
+@pytest.mark.reference
+def test_a_config_objects_sampling_keys_are_dropped_as_transformers_drops_them(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = _with_sampling_keys(tmp_path)
+    from paddleformers_glm import GlmMoeDsaConfig
+
+    want = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(folder))
+    assert want.do_sample is None and want.temperature is None  # unset: the keys were dropped
+    got = GenerationConfig.from_model_config(GlmMoeDsaConfig.from_pretrained(folder)).to_dict()
+    assert got == {k: v for k, v in want.to_diff_dict().items() if k != "transformers_version"}
+
+
 def test_derived_generation_config_equals_transformers_live(tmp_path):
     """The live twin of the two tests above: transformers' save of the same folder / config."""
     import json

@@ -100,6 +100,20 @@ def derived_from_model_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     return out | {"_from_model_config": True}
 
 
+# the generation options transformers 5.23's PreTrainedConfig drops when it reads a model config (its
+# GenerationConfig._get_default_generation_params(), less use_cache: a key of this model's config), so
+# a config object carries none of them into from_model_config (a folder's config.json, read as written,
+# does: from_pretrained)
+_DROPPED_BY_MODEL_CONFIG = frozenset(
+    """max_length min_length do_sample early_stopping num_beams temperature top_k top_p typical_p
+    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids
+    num_return_sequences output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
+    remove_invalid_values exponential_decay_length_penalty suppress_tokens begin_suppress_tokens epsilon_cutoff
+    eta_cutoff encoder_repetition_penalty num_assistant_tokens num_assistant_tokens_schedule
+    assistant_confidence_threshold assistant_lookbehind target_lookbehind num_beam_groups diversity_penalty""".split()
+)
+
+
 @dataclass
 class GenerationConfig:
     """Generation defaults with HF's key names; ``None`` means "not set here" (a lower layer, and
@@ -184,7 +198,8 @@ class GenerationConfig:
         ``output_attentions`` / ``output_hidden_states`` (false) it holds beside the file's keys."""
         held = {"output_attentions": False, "output_hidden_states": False}
         held |= {k: getattr(config, k, None) for k in (*_SPECIAL_TOKENS, "use_cache")}
-        return cls.from_dict(derived_from_model_config(held | config.to_dict()), source="the model config")
+        read = {k: v for k, v in config.to_dict().items() if k not in _DROPPED_BY_MODEL_CONFIG}
+        return cls.from_dict(derived_from_model_config(held | read), source="the model config")
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, config: Any = None) -> GenerationConfig:
