@@ -2509,3 +2509,17 @@ def test_generation_configs_of_equal_options_are_equal(tmp_path):
         {"temperature": 0.5, "do_sample": True}
     )
     assert a != GenerationConfig.from_dict({"temperature": 0.6, "do_sample": True})
+
+
+def test_generation_config_from_pretrained_takes_transformers_arguments(tmp_path):
+    """transformers 5.23 (measured): ``GenerationConfig.from_pretrained(folder, "other.json")`` reads that
+    file (its second argument is config_file_name: temperature 0.2 here), a missing one is an error, and
+    keyword options override the file's. Ours took the name for a model config and read
+    generation_config.json silently (temperature 0.5); keywords were a TypeError."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.5, "do_sample": true}')
+    (tmp_path / "other.json").write_text('{"temperature": 0.2, "do_sample": true}')
+    assert GenerationConfig.from_pretrained(tmp_path, "other.json").temperature == 0.2
+    with pytest.raises(FileNotFoundError, match="missing.json: no such generation config file"):
+        GenerationConfig.from_pretrained(tmp_path, "missing.json")
+    over = GenerationConfig.from_pretrained(tmp_path, temperature=0.7, top_k=3)
+    assert (over.temperature, over.top_k, over.do_sample) == (0.7, 3, True)

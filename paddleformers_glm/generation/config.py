@@ -202,17 +202,26 @@ class GenerationConfig:
         return cls.from_dict(derived_from_model_config(held | read), source="the model config")
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, config: Any = None) -> GenerationConfig:
+    def from_pretrained(cls, folder: str | os.PathLike, config: Any = None, **overrides: Any) -> GenerationConfig:
         """``folder/generation_config.json``, special tokens it does not set from ``config``. A folder
         without one: what transformers derives from its config.json as written
-        (:func:`derived_from_model_config`; ``config``'s keys where the folder has no config.json)."""
-        path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
+        (:func:`derived_from_model_config`; ``config``'s keys where the folder has no config.json).
+        As transformers' call: ``config`` given as a file name is its ``config_file_name`` (that file,
+        which must exist), and keyword options override the file's."""
+        name = GENERATION_CONFIG_FILE
+        if isinstance(config, (str, os.PathLike)):
+            name, config = os.fspath(config), None
+            if not os.path.isfile(os.path.join(os.fspath(folder), name)):
+                raise FileNotFoundError(f"{os.path.join(os.fspath(folder), name)}: no such generation config file")
+        path = os.path.join(os.fspath(folder), name)
         if not os.path.isfile(path):
             model_file = os.path.join(os.fspath(folder), "config.json")
             held = read_json(model_file, "the model config") if os.path.isfile(model_file) else None
             held = held if isinstance(held, dict) else config.to_dict() if config is not None else {}
-            return cls.from_dict(derived_from_model_config(held), source=f"{model_file} (no {GENERATION_CONFIG_FILE})")
-        gc = cls.from_dict(read_json(path, "the generation config"), source=path)
+            derived = derived_from_model_config(held) | overrides
+            return cls.from_dict(derived, source=f"{model_file} (no {GENERATION_CONFIG_FILE})")
+        d = read_json(path, "the generation config")
+        gc = cls.from_dict(d | overrides if isinstance(d, dict) else d, source=path)
         for k in _SPECIAL_TOKENS:  # no config: getattr(None, k, None) leaves them unset
             if getattr(gc, k) is None:
                 setattr(gc, k, getattr(config, k, None))
