@@ -431,6 +431,17 @@ def test_a_rope_set_as_either_key_replaces_the_rope_and_is_saved():
     assert _rope_set(GlmMoeDsaConfig) == want
 
 
+def test_an_assignment_of_a_wrong_type_is_refused_and_sets_nothing():
+    """transformers 5.23 (measured) refuses ``config.hidden_size = "128"`` and keeps 64; ours took it
+    and save_pretrained wrote a config.json it then refused to load."""
+    c = GlmMoeDsaConfig.from_dict(_tiny())
+    before = c.to_dict()
+    for key, value in (("hidden_size", "128"), ("num_hidden_layers", 0), ("num_local_experts", 2.5)):
+        with pytest.raises(ValueError, match="expected an integer"):
+            setattr(c, key, value)
+    assert c.to_dict() == before and c.hidden_size == before["hidden_size"]
+
+
 def test_attn_implementation_is_saved_as_the_file_spelled_it(tmp_path):
     """A config.json holding transformers' "eager" / "sdpa" was saved as this library's form name
     ("reference" / "auto"), which transformers refuses to build a model from (measured: ValueError
