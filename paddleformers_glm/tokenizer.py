@@ -5,13 +5,13 @@ call, ``pad``, ``batch_decode`` and ``apply_chat_template`` follow transformers 
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
 import json
 import os
 import re
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,36 @@ def _as_tensor(rows: list[list[int]], return_tensors: str, what: str) -> Any:
 # transformers' clean_up_tokenization, in its order: the space before punctuation and contractions goes
 _CLEANUP = tuple((" " + t, t) for t in (".", "?", "!", ",")) + ((" ' ", "'"),)
 _CLEANUP += tuple((" " + t, t) for t in ("n't", "'m", "'s", "'ve", "'re"))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` rebuilt from JSON's types for a chat template: a subclass of str / int / float (an enum,
+    a numpy number) as its plain value, mappings, lists, tuples, dataclasses and pydantic models
+    member by member, anything else as an inert placeholder naming its type ("<ndarray>"), as
+    transformers 5.23 hands its templates their data (they never read media values, only keys)."""
+    import numpy as np
+
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):  # the str's own text: a str enum's value, not "Role.USER"
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
 
 
 def _id_list(ids: Any) -> list[int]:
@@ -1188,19 +1218,32 @@ class GlmTokenizer:
         ``extra`` over them, ``tools`` and ``documents`` always defined (None when not given), each
         message a copy without its None-valued keys and with its reasoning under all of HF's names, and ``continue_final_message``
         cutting the text after the final message's ``content`` (or the field it names)."""
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
-                raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
-        text = self.get_chat_template(chat_template, extra.get("tools"))
         tools = extra.get("tools")
         if isinstance(tools, (list, tuple)) and any(callable(t) for t in tools):
             raise TokenizerError(  # transformers' get_json_schema reads the signature and docstring
                 "tools: a Python function is not supported (transformers builds its JSON schema from its "
                 'signature and docstring); pass the JSON schema ({"type": "function", "function": {...}})'
             )
+        # what the template sees is rebuilt from plain JSON types, as transformers does (a numpy number
+        # or a str enum renders as its value; an array or an image as "<ndarray>" ...)
+        messages, extra = _plain(list(messages)), _plain(extra)
+        tools = extra.get("tools")
+        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+            raise TokenizerError(
+                f"tools: each tool must be a JSON schema object, as transformers requires; got {tools!r:.80}"
+            )
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise TokenizerError(f"message {i}: expected an object with 'role' and 'content', got {m!r}")
+        docs = extra.get("documents")
+        if docs is not None and not (isinstance(docs, (list, tuple)) and all(isinstance(d, dict) for d in docs)):
+            raise TokenizerError(
+                f"documents: expected a list of objects (title, text), as transformers requires; got {docs!r:.80}"
+            )
+        text = self.get_chat_template(chat_template, extra.get("tools"))
         template = _compile_template(text, self.template_source if chat_template is None else "chat_template=")
         # a key whose value is None is dropped, as transformers does (OpenAI's ``content=None``, ``tool_calls=None``)
-        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in copy.deepcopy(list(messages))]
+        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
         final = None
         if continue_final_message:
             final = _tag_final_message(chat, text, continue_final_message)

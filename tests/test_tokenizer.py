@@ -2178,3 +2178,38 @@ def test_vocabulary_and_template_accessors_equal_transformers(tiny_dir):
         assert ours.get_chat_template(*args) == hf.get_chat_template(*args)
     text = "a . b , c ! d ? e n't f 'm g 's h 've i 're ' x"
     assert ours.clean_up_tokenization(text) == hf.clean_up_tokenization(text)
+
+
+def test_chat_template_sees_plain_values_as_transformers_hands_them():
+    """transformers 5.23 rebuilds what a chat template sees from JSON's types (measured with GLM-4.6's
+    template): a numpy number in a tool call's arguments renders as the number (ours: TypeError 'int64
+    is not JSON serializable' from tojson), a str enum role as its value ('<|user|>'; ours rendered
+    '<|Role.USER|>'), an array in a content block as "<ndarray>"; documents that are not objects and
+    tools that are not schemas are refused (ours rendered them as they were)."""
+    import enum
+
+    tok = make_tiny_tokenizer()
+
+    class Role(str, enum.Enum):
+        USER = "user"
+
+    plain = tok.apply_chat_template(CHAT[:2], tokenize=False)
+    rich = [{"role": "system", "content": CHAT[0]["content"]}, {"role": Role.USER, "content": CHAT[1]["content"]}]
+    assert tok.apply_chat_template(rich, tokenize=False) == plain
+    call = {"name": "f", "arguments": {"n": 3, "t": 1.5}}
+    turn = [CHAT[1], {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}]
+    numpy_call = {"name": "f", "arguments": {"n": np.int64(3), "t": np.float32(1.5)}}
+    numpy_turn = [
+        CHAT[1],
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": numpy_call}]},
+    ]
+    assert tok.apply_chat_template(numpy_turn, tokenize=False) == tok.apply_chat_template(turn, tokenize=False)
+    blocks = [{"role": "user", "content": [{"type": "image", "image": np.zeros(3)}, {"type": "text", "text": "hi"}]}]
+    placeholder = [
+        {"role": "user", "content": [{"type": "image", "image": "<ndarray>"}, {"type": "text", "text": "hi"}]}
+    ]
+    assert tok.apply_chat_template(blocks, tokenize=False) == tok.apply_chat_template(placeholder, tokenize=False)
+    with pytest.raises(TokenizerError, match="documents: expected a list of objects"):
+        tok.apply_chat_template(CHAT[:2], documents=["not an object"], tokenize=False)
+    with pytest.raises(TokenizerError, match="tools: each tool must be a JSON schema object"):
+        tok.apply_chat_template(CHAT[:2], tools=["not a schema"], tokenize=False)
