@@ -166,6 +166,15 @@ _CLEANUP = tuple((" " + t, t) for t in (".", "?", "!", ",")) + ((" ' ", "'"),)
 _CLEANUP += tuple((" " + t, t) for t in ("n't", "'m", "'s", "'ve", "'re"))
 
 
+def _pair_batch(text: Any) -> bool:
+    """Whether ``text`` is a batch of (text, pair) couples, which transformers' call encodes as pairs."""
+    return (
+        isinstance(text, (list, tuple))
+        and bool(text)
+        and all(isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in text)
+    )
+
+
 def _plain(value: Any) -> Any:
     """``value`` rebuilt from JSON's types for a chat template: a subclass of str / int / float (an enum,
     a numpy number) as its plain value, mappings, lists, tuples, dataclasses and pydantic models
@@ -873,7 +882,7 @@ class GlmTokenizer:
         tokenizer.json's post-processor (a BOS prefix, an EOS). Other keywords are the call's
         (``truncation``, ``max_length``, ``padding``, ``return_tensors``: a [1, S] tensor,
         ``is_split_into_words``, ...): its ``input_ids``, as transformers' ``encode``."""
-        if kwargs:
+        if kwargs or not isinstance(text, str):  # a batch too: the call's rows, as transformers' encode
             return self(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
         if text_pair is not None and not isinstance(text_pair, str):
             raise TypeError(f"GlmTokenizer.encode: text_pair must be a string, got {type(text_pair).__name__}")
@@ -1021,6 +1030,8 @@ class GlmTokenizer:
             else (lambda t: isinstance(t, str))
         )
         what = "a list of words (a list of strings)" if is_split_into_words else "a string"
+        if not is_split_into_words and text_pair is None and _pair_batch(text):  # transformers' (text, pair) rows
+            text, text_pair = [t[0] for t in text], [t[1] for t in text]
         single = word(text)
         texts = [text] if single else list(text)
         if not all(word(t) for t in texts):

@@ -2213,3 +2213,21 @@ def test_chat_template_sees_plain_values_as_transformers_hands_them():
         tok.apply_chat_template(CHAT[:2], documents=["not an object"], tokenize=False)
     with pytest.raises(TokenizerError, match="tools: each tool must be a JSON schema object"):
         tok.apply_chat_template(CHAT[:2], tools=["not a schema"], tokenize=False)
+
+
+def test_a_batch_of_text_pairs_and_encode_of_a_batch_as_transformers():
+    """transformers 5.23 (measured, tiny checkpoint): ``tok([("hello", "world"), ("a", "b c")])`` encodes
+    each couple as a pair, and ``tok.encode(["hello", "world"])`` gives each text's ids; ours raised
+    TypeError / the tokenizers library's 'TextInputSequence must be str'."""
+    tok = make_tiny_tokenizer()
+    couples = [("hello", "world"), ("a", "b c")]
+    assert tok(couples)["input_ids"] == tok(["hello", "a"], ["world", "b c"])["input_ids"]
+    assert tok.encode(["hello", "world"]) == [tok.encode("hello"), tok.encode("world")]
+
+
+@pytest.mark.reference
+def test_a_batch_of_text_pairs_and_encode_of_a_batch_equal_transformers(tiny_dir):
+    hf, ours = _hf_and_ours(tiny_dir)
+    couples = [("hello", "world"), ("a", "b c")]
+    assert ours(couples)["input_ids"] == hf(couples)["input_ids"]
+    assert ours.encode(["hello", "world"]) == hf.encode(["hello", "world"])
