@@ -310,3 +310,21 @@ def test_extra_candidate_tensor_under_a_mapped_name_is_structural(ckpts, tmp_pat
     assert code == 1 and r["counts"]["structural"] == 1, (code, r["counts"], r["differences"][:8])
     (d,) = [d for d in r["differences"] if d["class"] == "structural"]
     assert d["what"] == "only in candidate" and d["cand_keys"] == [extra] and r["hash_match"] is False
+
+
+def test_a_fleet_file_of_interleaved_fused_weights_is_not_read_as_plain(ckpts, tmp_path, capsys):
+    """``fused_ffn_tp_degree`` (a fused gate/up saved by tensor-parallel shards) makes the loader read the
+    same bytes as other weights. Measured before: check-ckpt ignored it, so the Fleet export flagged 2
+    was a match (hash_match) against its source while it loaded 18 tensors scrambled, and a truly
+    interleaved file was 18 value differences. Across layouts it is now refused (exit 2); in one
+    layout a different flag is a structural difference."""
+    flagged = _copy(ckpts, "fleet", tmp_path)
+    index = flagged / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["metadata"]["fused_ffn_tp_degree"] = "2"
+    index.write_text(json.dumps(doc))
+    code, err = _run(capsys, ckpts / "src", flagged, "--layout", "fleet")
+    assert code == 2 and "fused_ffn_tp_degree {'ref': 1, 'cand': 2}" in err, err
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "fleet", flagged)
+    assert code == 1 and r["counts"]["structural"] == 1 and r["counts"]["value"] == 0
+    assert any(d.get("what") == "fused_ffn_tp_degree ref 1, cand 2" for d in r["differences"])

@@ -22,6 +22,7 @@ from .. import progress
 from .._io import read_json
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.finite import count_nonfinite_raw
+from ..checkpoint.fleet import FUSED_FFN_KEY, fused_ffn_shards
 from ..checkpoint.fp8 import Fp8Source, fp8_pairs, quantization_of
 from ..checkpoint.safetensors_io import (
     Checkpoint,
@@ -189,6 +190,12 @@ def _open_side(path: str) -> _Side:
     return side
 
 
+def _fused_shards(side: _Side) -> int:
+    """The tensor-parallel interleave of a PaddleFleet side's fused gate/up weights, as the loader reads
+    it (``fused_ffn_tp_degree``; 1 = plain [gate | up], and for the other layouts)."""
+    return fused_ffn_shards(side.ckpt) if side.ckpt is not None and side.layout == "fleet" else 1
+
+
 def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Candidate tensors in the reference's layout: key -> {hash, dtype, shape, native keys, tags}.
 
@@ -350,6 +357,17 @@ def check_checkpoints(
             "an FP8 and an unquantized checkpoint are compared in the official layout only "
             f"(ref: {ref.layout}, cand: {cand.layout})"
         )
+    shards: dict[str, int] = {}
+    for name, side in sides.items() if not report["errors"] else ():
+        try:
+            shards[name] = _fused_shards(side)
+        except CheckpointError as e:
+            report["errors"].append(f"{name}: {e}")
+    if shards and ref.layout != cand.layout and max(shards.values()) > 1:  # its weights are read un-interleaved
+        report["errors"].append(
+            f"{FUSED_FFN_KEY} {shards} (fused gate/up interleaved by tensor-parallel shard): compared across "
+            "layouts as plain [gate | up] only; convert the file (glm52 convert) and compare that"
+        )
     if report["errors"]:
         return _finish(report, EXIT_UNUSABLE, t0, sides)
     config = ref.config or cand.config
@@ -364,6 +382,9 @@ def check_checkpoints(
         diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
         report["differences"].append({"class": "config", "keys": diff})
     pre: list[dict[str, Any]] = []
+    if shards["ref"] != shards["cand"]:  # the same bytes load as other weights
+        what = f"{FUSED_FFN_KEY} ref {shards['ref']}, cand {shards['cand']}"
+        pre.append({"class": "structural", "what": what, "key": "__metadata__"})
     try:
         canon = _canonical_cand(ref, cand, config, pre)
     except CheckpointError as e:
