@@ -274,3 +274,34 @@ def test_a_convert_to_a_link_to_a_folder_writes_into_the_folder(tmp_path):
     assert "notes.txt" in names and "model.safetensors" in names, names
     state = empty_state(load_config_for(str(TINY)), "float32")
     load_pretrained_state(state, tmp_path / "out")
+
+
+def _poke_bf16(folder: Path, key: str, bits: int) -> None:
+    """Overwrite the first element of the bf16 tensor ``key`` with the raw ``bits`` (from the raw header)."""
+    import struct
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    file = folder / index["weight_map"][key]
+    raw = bytearray(file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    at = 8 + n + json.loads(raw[8 : 8 + n])[key]["data_offsets"][0]
+    raw[at : at + 2] = struct.pack("<H", bits)
+    file.write_bytes(bytes(raw))
+
+
+def test_a_source_holding_nan_or_a_weight_beyond_float16_is_refused(tmp_path):
+    """Measured before: convert wrote a NaN weight through (exit 0; into FP8 the NaN spread over its
+    whole 128 x 128 block), which from_pretrained, check-ckpt and train refuse; and ``--dtype float16``
+    turned a finite bf16 1e6 into Inf silently, an output from_pretrained then refused."""
+    key = "model.layers.0.self_attn.o_proj.weight"
+    for bits, kw, says in (
+        (0x7FC0, {}, "hold NaN or Inf"),  # bf16 NaN
+        (0x4974, {"dtype": "float16"}, "beyond 65504"),  # bf16 ~1e6: finite
+    ):
+        src = tmp_path / f"src{bits}"
+        shutil.copytree(TINY, src)
+        _poke_bf16(src, key, bits)
+        with pytest.raises(CheckpointError, match=says) as ei:
+            convert_checkpoint(src, tmp_path / "out", layout="hf", **kw)
+        assert ei.value.key == key and not (tmp_path / "out").exists()
+    convert_checkpoint(src, tmp_path / "out", layout="hf")  # the finite 1e6 itself converts in bf16
