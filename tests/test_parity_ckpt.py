@@ -328,3 +328,32 @@ def test_a_fleet_file_of_interleaved_fused_weights_is_not_read_as_plain(ckpts, t
     code, r, _ = _receipt(tmp_path, capsys, ckpts / "fleet", flagged)
     assert code == 1 and r["counts"]["structural"] == 1 and r["counts"]["value"] == 0
     assert any(d.get("what") == "fused_ffn_tp_degree ref 1, cand 2" for d in r["differences"])
+
+
+def test_a_candidate_widened_beyond_its_layout_differs_across_layouts_too(ckpts, tmp_path, capsys):
+    """PaddleFleet's fp32 router against a bf16 one is no difference when exact (the layouts make it);
+    a Fleet candidate that stores a bf16 weight as F32 (its own choice) is. Measured before: a dtype
+    difference against the Fleet reference, but a match (hash_match) against the official one."""
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint, SafetensorsWriter
+
+    widened = _copy(ckpts, "fleet", tmp_path)
+    key = "model.layers.0.self_attn.o_proj.weight"
+    index = json.loads((widened / "model.safetensors.index.json").read_text())
+    file = widened / index["weight_map"][key]
+    with Checkpoint(widened) as ck:  # the file's tensors, bf16 as its uint16 bits; the one key widened exactly
+        names = [k for k, f in index["weight_map"].items() if f == file.name]
+        arrays = {k: ck.numpy(k).copy() for k in names}
+        dtypes = {k: ck.info(k).dtype for k in names}
+    assert dtypes[key] == "BF16"
+    arrays[key], dtypes[key] = (arrays[key].astype("uint32") << 16).view("float32"), "F32"
+    writer = SafetensorsWriter(str(file), [(k, dtypes[k], list(arrays[k].shape)) for k in names], {"format": "pt"})
+    for k in names:
+        writer.write(k, arrays[k], dtypes[k])
+    writer.close()
+    index["metadata"]["total_size"] += arrays[key].size * 2
+    (widened / "model.safetensors.index.json").write_text(json.dumps(index))
+    for ref, extra in ((ckpts / "fleet", ()), (ckpts / "src", ("--layout", "fleet"))):
+        code, r, _ = _receipt(tmp_path, capsys, ref, widened, *extra)
+        assert code == 1 and r["counts"]["value"] >= 1, (ref, r["counts"])
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "fleet", "--layout", "fleet")
+    assert code == 0  # the router's fp32 (the layout's) is still no difference

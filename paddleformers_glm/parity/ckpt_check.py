@@ -208,7 +208,7 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
     from ..checkpoint.aoa import expand_units
     from ..checkpoint.engine import CheckpointSource, TargetSpec, run_units
     from ..checkpoint.fleet import detect_expert_layout
-    from ..checkpoint.layout import param_specs
+    from ..checkpoint.layout import param_specs, resolve_dtype
     from ..checkpoint.loader import units_for
 
     assert cand.ckpt is not None and ref.ckpt is not None
@@ -259,7 +259,14 @@ def _canonical_cand(ref: _Side, cand: _Side, config: Any, diffs: list[dict[str, 
         dtype = paddle_to_st_dtype(t.dtype)
         ref_info = ref.ckpt.tensors.get(key)
         exact = arr
-        if ref_info is not None and ref_info.dtype != dtype:
+        # a dtype change the layouts make (PaddleFleet's fp32 router for a bf16 one) is no difference when
+        # exact; one the candidate made beyond its layout (every weight widened to F32) still is
+        as_spec = all(
+            st_to_paddle_dtype(cand.ckpt.info(k).dtype) == resolve_dtype(cand_specs[k][1], config.model_dtype)
+            for k in trace[key]["sources"]
+            if k in cand_specs
+        )
+        if ref_info is not None and ref_info.dtype != dtype and as_spec:
             cast = t.astype(st_to_paddle_dtype(ref_info.dtype))
             if np.array_equal(cast.astype(t.dtype).numpy().view(np.uint8), arr.view(np.uint8)):
                 arr, dtype = cast.numpy(), ref_info.dtype
