@@ -357,7 +357,9 @@ class GlmMoeDsaConfig:
             elif name in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
                 self._set_rope(dict(value))
                 return
-            if name in _KEY_FORMS:  # as transformers checks an assignment: a wrong type is refused, nothing set
+            if name in _KEY_FORMS and name not in _PARALLEL_DEFAULTS:
+                # as transformers checks an assignment: a wrong type is refused, nothing set (the layout
+                # fields excepted: PaddleFormers' set_llm_config writes its -1 "unset" into them)
                 _check_form(name, value, _KEY_FORMS[name])
             if name in _FILE_DEFAULTS and name not in _ROPE_KEYS and not self._written(name):
                 self._file_keys.append(name)  # a model key the file lacked, set now: saved (transformers writes it)

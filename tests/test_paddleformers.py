@@ -626,3 +626,22 @@ def test_packed_sequences_of_paddleformers_collators(tiny):
     wrong[0, 3] = 1
     with pytest.raises(ValueError, match="nbatch_pack_offset: row 0 marks token 3"):
         model(**{**batch, "nbatch_pack_offset": t(wrong)}, attention_mask=t(np.concatenate(dense)))
+
+
+def test_paddleformers_set_llm_config_writes_its_unset_layout_onto_the_config(tiny, tmp_path):
+    """PaddleFormers' SFT / DPO workflows call ``LlmMetaConfig.set_llm_config(config, training_args)``
+    right after ``AutoConfig.from_pretrained``; in one process it writes -1 ("unset") into
+    ``tensor_model_parallel_size`` and the other layout fields. The config takes it there (the layout
+    is decided at launch, not read from these fields), while a model setting of a wrong type is still
+    refused on assignment."""
+    from paddleformers.trainer import TrainingArguments
+    from paddleformers.transformers.configuration_utils import LlmMetaConfig
+
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    cfg = AutoConfig.from_pretrained(tiny)
+    args = TrainingArguments(output_dir=str(tmp_path), device="cpu", amp_master_grad=False, report_to=[])
+    LlmMetaConfig.set_llm_config(cfg, args)
+    assert isinstance(cfg, GlmMoeDsaConfig) and cfg.tensor_model_parallel_size == args.tensor_model_parallel_size
+    with pytest.raises(ValueError, match="hidden_size"):
+        cfg.hidden_size = "128"
