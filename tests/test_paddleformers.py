@@ -645,3 +645,26 @@ def test_paddleformers_set_llm_config_writes_its_unset_layout_onto_the_config(ti
     assert isinstance(cfg, GlmMoeDsaConfig) and cfg.tensor_model_parallel_size == args.tensor_model_parallel_size
     with pytest.raises(ValueError, match="hidden_size"):
         cfg.hidden_size = "128"
+
+
+def test_autotokenizer_gives_the_chat_encodings_paddleformers_sft_data_calls(tiny):
+    """PaddleFormers' SFTDataset (template_backend "jinja", its default) calls ``encode_chat_inputs`` on
+    the tokenizer its AutoTokenizer gives. Measured before: after register() that was our tokenizer
+    without it, an AttributeError the dataset retried until the workflow hung. Now it gives what
+    PaddleFormers' own tokenizer gives for the same folder, in each of its forms."""
+    chat = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]}
+    pairs = [["hello", "world"], ["and you", "fine"]]
+
+    def encodings(tok):
+        return (
+            tok.encode_chat_inputs(json.loads(json.dumps(chat)), encode_one_turn=True),
+            tok.encode_chat_inputs(json.loads(json.dumps(chat)), encode_one_turn=False),
+            tok.encode_chat_inputs(pairs),
+        )
+
+    want = encodings(AutoTokenizer.from_pretrained(tiny))
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    ours = AutoTokenizer.from_pretrained(tiny)
+    assert isinstance(ours, GlmTokenizer)
+    assert encodings(ours) == want

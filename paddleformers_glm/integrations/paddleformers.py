@@ -88,6 +88,13 @@ def _one_process(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the classes PaddleFormers gets
+# PaddleFormers' tokenizer methods (its PaddleTokenizerMixin) that its SFT data pipeline calls
+_PADDLEFORMERS_TOKENIZER_METHODS = (
+    "encode_chat_inputs", "encode_chat_inputs_with_no_template", "_encode_chat_inputs", "_encode_chat_inputs_oneturn",
+    "_encode_chat_inputs_openai_format", "_extract_non_learnable_parts", "decode_token",
+)  # fmt: skip
+
+
 @functools.cache
 def _classes() -> dict[str, Any]:
     """Config, model and output classes for PaddleFormers (built once: they subclass PaddleFormers'
@@ -287,7 +294,19 @@ def _classes() -> dict[str, Any]:
                 return save_pretrained_state(state, self.config, save_directory, **own)
             return super().save_pretrained(save_directory, **own)
 
-    return {"config": GlmMoeDsaConfig, "model": GlmMoeDsaForCausalLM, "output": GlmCausalLMOutput}
+    from paddleformers.transformers.tokenizer_utils import PaddleTokenizerMixin
+
+    from ..tokenizer import GlmTokenizer as _Tokenizer
+
+    class GlmTokenizer(_Tokenizer):
+        """Our tokenizer with the chat encodings PaddleFormers' data pipeline calls on the tokenizer its
+        ``AutoTokenizer`` gives (SFTDataset's ``encode_chat_inputs``, the stream's ``decode_token``):
+        PaddleFormers' own methods, which read the template through ``apply_chat_template``."""
+
+    for name in _PADDLEFORMERS_TOKENIZER_METHODS:
+        setattr(GlmTokenizer, name, getattr(PaddleTokenizerMixin, name))
+    out = {"config": GlmMoeDsaConfig, "model": GlmMoeDsaForCausalLM, "output": GlmCausalLMOutput}
+    return out | {"tokenizer": GlmTokenizer}
 
 
 def CheckpointCallback() -> Any:  # noqa: N802 (a class factory: PaddleFormers is imported on call)
@@ -363,8 +382,6 @@ def register(replace: bool | None = None) -> list[str]:
     from paddleformers.transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from paddleformers.transformers.auto.configuration import CONFIG_MAPPING
 
-    from ..tokenizer import GlmTokenizer
-
     c = _classes()
     _ORIGINALS["AutoConfig"] = CONFIG_MAPPING._extra_content.get(MODEL_TYPE)
     AutoConfig.register(MODEL_TYPE, c["config"], exist_ok=True)
@@ -389,7 +406,9 @@ def register(replace: bool | None = None) -> list[str]:
     _wrap(AutoModelForCausalLM, "from_pretrained", c["model"].from_pretrained)
     _wrap(AutoModelForCausalLM, "from_config", c["model"]._from_config)
     _wrap(
-        AutoTokenizer, "from_pretrained", lambda path, *a, **kw: GlmTokenizer.from_pretrained(path, **_split_kwargs(kw))
+        AutoTokenizer,
+        "from_pretrained",
+        lambda path, *a, **kw: c["tokenizer"].from_pretrained(path, **_split_kwargs(kw)),
     )
     pf = "paddleformers.transformers.glm_moe_dsa."
     replaced = {  # PaddleFormers' class -> ours
