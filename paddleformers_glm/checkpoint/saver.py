@@ -405,7 +405,10 @@ def save_target(out_dir: str | os.PathLike) -> str:
     out_dir = os.path.realpath(out_dir) if os.path.islink(out_dir) else out_dir
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError("output path exists and is not a folder", file=out_dir)
-    here = os.path.realpath(os.getcwd())
+    try:
+        here = os.path.realpath(os.getcwd())
+    except OSError:  # a working directory already gone: nothing a save could replace
+        here = ""
     if here == os.path.realpath(out_dir) or here.startswith(os.path.realpath(out_dir) + os.sep):
         raise CheckpointError(
             "output folder holds this process's working directory; a save replaces the whole folder, which "
