@@ -2231,3 +2231,31 @@ def test_a_batch_of_text_pairs_and_encode_of_a_batch_equal_transformers(tiny_dir
     couples = [("hello", "world"), ("a", "b c")]
     assert ours(couples)["input_ids"] == hf(couples)["input_ids"]
     assert ours.encode(["hello", "world"]) == hf.encode(["hello", "world"])
+
+
+def test_generate_command_takes_a_file_asking_for_output_dicts_and_an_empty_system_turn(tiny_dir, tmp_path, capsys):
+    """Measured before: a generation_config.json with ``return_dict_in_generate: true`` (a transformers key
+    generate() takes) made ``glm52 generate --num-beams 2`` (and every launched run) end in an
+    AttributeError traceback; ``--system ""`` dropped the empty system turn the template renders."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, folder)
+    plain = ["generate", "--model", str(folder), "--prompt", "hello", "--max-new-tokens", "4", "--num-beams", "2"]
+    assert main(plain) == 0
+    want = capsys.readouterr().out
+    (folder / "generation_config.json").write_text('{"return_dict_in_generate": true, "eos_token_id": [1, 2]}')
+    assert main(plain) == 0
+    assert capsys.readouterr().out == want
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    chat = ["generate", "--model", str(tiny_dir), "--prompt", "hi", "--chat", "--max-new-tokens", "6"]
+    assert main([*chat, "--system", ""]) == 0
+    printed = capsys.readouterr().out
+    tok = GlmTokenizer.from_pretrained(tiny_dir)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    model = GlmMoeDsaForCausalLM.from_pretrained(tiny_dir)
+    out = model.generate(paddle.to_tensor([ids]), max_new_tokens=6, eos_token_id=[1, 2]).numpy()[0, len(ids) :]
+    out = out[: np.argmax(np.isin(out, [1, 2])) + 1] if np.isin(out, [1, 2]).any() else out
+    assert printed == tok.decode(out.tolist(), skip_special_tokens=True) + "\n"

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         defaults = GenerationConfig.from_pretrained(args.model, config)
         tok = GlmTokenizer.from_pretrained(args.model)
         if args.chat:
-            msgs = [{"role": "system", "content": args.system}] if args.system else []
+            msgs = [{"role": "system", "content": args.system}] if args.system is not None else []
             msgs.append({"role": "user", "content": args.prompt})
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
         else:
@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 streamer=None if beams else stream,
                 tokenizer=tok,
+                return_dict_in_generate=False,  # the ids, whatever generation_config.json says
                 **opts,
             )
         except ValueError as err:

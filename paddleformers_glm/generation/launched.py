@@ -64,6 +64,7 @@ def generate_on_rank(spec: dict[str, Any]) -> None:
             seed=spec["seed"],
             streamer=None if spec["beams"] else streamer,
             tokenizer=tok,
+            return_dict_in_generate=False,  # the ids, whatever generation_config.json says
             **opts,
         )
     chosen = [int(t) for t in out.numpy()[0, len(spec["ids"]) :]]

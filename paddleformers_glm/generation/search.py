@@ -130,7 +130,8 @@ def generate(
         attention_mask = _mask_from_padding(input_ids, gc.pad_token_id if pad is None else pad, s.eos_token_id)
     if s.stop_strings and tokenizer is None:
         raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
-    if s.num_beams > 1 and (streamer is not None or s.stop_strings):  # as transformers for a streamer
+    if s.num_beams > 1 and (streamer is not None or s.stop_strings):  # a streamer: as transformers; stop strings:
+        # transformers' beam search takes them, this one does not (refused, not ignored)
         raise ValueError("generate: beam search (num_beams > 1) takes no streamer and no stop_strings")
     input_ids = input_ids.astype("int64")
     copies = s.num_beams if s.num_beams > 1 else s.num_return_sequences  # rows per prompt
