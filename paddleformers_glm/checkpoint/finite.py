@@ -61,11 +61,12 @@ def count_nonfinite_raw(data: memoryview | bytes | np.ndarray, st_dtype: str) ->
     return total
 
 
-def check_finite_state(state: Mapping[str, Any], where: str) -> None:
+def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> None:
     """Raise :class:`NonFiniteError` naming the floating-point tensors of ``state`` that hold NaN or Inf
-    (``where``: the checkpoint they came from, for the message). Tensors are checked where they live
-    (``ShardedWeight`` values by their local tensor): a CPU one on its own memory (a numpy view, the raw
-    bit test), any other with ``paddle.isfinite``; nothing is copied to the host but the counts."""
+    (``where``: the checkpoint they came from, for the message; ``note``: appended to it). Tensors are
+    checked where they live (``ShardedWeight`` values by their local tensor): a CPU one on its own memory
+    (a numpy view, the raw bit test), any other with ``paddle.isfinite``; nothing is copied to the host
+    but the counts."""
     import paddle
 
     from .engine import numpy_view
@@ -92,7 +93,7 @@ def check_finite_state(state: Mapping[str, Any], where: str) -> None:
     err = NonFiniteError(
         f"{len(names)} weight tensor(s) loaded from {where} hold NaN or Inf: {listed}; "
         "a block-FP8 checkpoint shows a NaN/Inf scale_inv here as its dequantized weight "
-        "(`glm52 check-ckpt` names the stored tensor)",
+        f"(`glm52 check-ckpt` names the stored tensor){note}",
         file=where,
         key=names[0],
     )
