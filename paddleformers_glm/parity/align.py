@@ -294,14 +294,14 @@ def _align_data_error(args: argparse.Namespace) -> str | None:
     if args.seq_len is not None and args.seq_len < 2:
         return f"--seq-len must be >= 2 for align (the reference trains windows with a target), got {args.seq_len}"
     data = getattr(args, "data", None)
-    if data and data.endswith(".jsonl") and os.path.isfile(data):
-        from ..train.data import jsonl_kind
+    if data and os.path.isfile(data):
+        from ..train.data import text_jsonl_kind
 
         try:
-            kind = jsonl_kind(data)
+            kind = text_jsonl_kind(data)
         except ValueError as e:
             return f"--data {data}: {e}"
-        if kind != "input_ids":
+        if kind:
             return (
                 f"--data {data}: {kind} records; align gives both runs the same token data: tokenize it with "
                 "glm52 train (it writes OUT/data/<name>.seq<L>.npz) and pass that file"

@@ -324,7 +324,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz`` (``--eval-data``'s into
     ``OUT/data/eval-<name>.seq<L>.npz``), which the workers then read."""
     from ..tokenizer import GlmTokenizer, TokenizerError
-    from .data import check_batch_samples, check_eval_samples, jsonl_kind, open_data, prepare_jsonl
+    from .data import check_batch_samples, check_eval_samples, open_data, prepare_jsonl, text_jsonl_kind
 
     if cfg.model == "glm" and not cfg.resume:  # a resumed run reads no weight from --model
         check_checkpoint_files(cfg.model_args["model_dir"])
@@ -350,10 +350,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         stop = _stop_token_ids(tok_dir, args.tokenizer)  # what generation stops on: a chat turn's end is trained
         return out, prepare_jsonl(path, cfg.seq_len, vocab_size, tok, out, min_samples=min_samples, stop_ids=stop)
 
-    def is_text(path: str | None) -> bool:
-        return path is not None and path.endswith(".jsonl") and jsonl_kind(path) != "input_ids"
-
-    if is_text(cfg.eval_data):
+    if text_jsonl_kind(cfg.eval_data):
         cfg.eval_data, _ = tokenized(cfg.eval_data, "--eval-data", "eval-", cfg.eval_batches * cfg.global_batch_size)
     if cfg.eval_data is not None:
         held_out = open_data(
@@ -361,7 +358,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         )
         held_out.validate()
         check_eval_samples(held_out, cfg.eval_batches, cfg.global_batch_size)
-    if is_text(cfg.data):
+    if text_jsonl_kind(cfg.data):
         # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
         out, info = tokenized(cfg.data, "--data", "", cfg.global_batch_size)
         epochs = cfg.steps * cfg.global_batch_size / info["samples"]

@@ -34,6 +34,7 @@ __all__ = [
     "micro_batches",
     "open_data",
     "prepare_jsonl",
+    "text_jsonl_kind",
 ]
 
 CHAT_TEMPLATE_INPUTS = ("tools", "documents")  # keys of a chat record passed to the template beside its messages
@@ -443,6 +444,15 @@ def _got(value: Any) -> str:
         return f"an object with keys {sorted(value)[:8]}"
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def text_jsonl_kind(path: str | None) -> str | None:
+    """ "text" or "messages" when ``path`` is a .jsonl of such records, which ``glm52 train`` tokenizes
+    before launch; None for any other data (token-id records are read as they are)."""
+    if path is None or not path.endswith(".jsonl"):
+        return None
+    kind = jsonl_kind(path)
+    return None if kind == "input_ids" else kind
 
 
 def jsonl_kind(path: str) -> str:
