@@ -102,6 +102,31 @@ def test_compare_dumps_relative_and_absolute_per_tensor(tmp_path):
     assert [d["key"] for d in rep["beyond_tolerance"]] == ["z"] and math.isinf(rep["beyond_tolerance"][0]["value"])
 
 
+def test_compare_dumps_passes_rounding_noise_of_a_zero_gradient_but_not_a_real_difference(tmp_path):
+    """Data of one repeated token makes the query path's gradients mathematically zero: both trainers
+    hold fp32 rounding there, measured in a ``glm52 align`` run (tiny model, ``--tp 1 --pp 1``) at
+    up to 1.2e-9 x the dump's largest gradient and 3-6x apart relative to each other, which the
+    relative measure alone failed on every such tensor.  Within 1e-8 x the largest |value| passes; a
+    difference above it in the same small tensor fails, and an exactly zero reference stays strict."""
+    from paddleformers_glm.parity.align import NOISE_FLOOR
+
+    big = np.array([2.0, -1.0, 0.5], np.float32)
+    noise = np.array([1e-12, -3e-12, 2e-12], np.float32)
+    ref = {"lm_head": big, "q_proj": noise, "frozen": np.zeros(3, np.float32)}
+    r = _save(tmp_path / "r", ref)
+    other = _save(tmp_path / "c", {**ref, "q_proj": noise * np.float32(-3.0)})  # 3x apart, 8e-12 off
+    rep = compare_dumps(str(r), str(other), rel_tol=1e-5)
+    assert rep["pass"] and math.isclose(rep["noise_floor"], NOISE_FLOOR * 2.0)
+    real = _save(tmp_path / "d", {**ref, "q_proj": noise + np.float32(5e-8)})  # 2.5x the floor
+    rep = compare_dumps(str(r), str(real), rel_tol=1e-5)
+    assert not rep["pass"] and [d["key"] for d in rep["beyond_tolerance"]] == ["q_proj"]
+    leak = _save(tmp_path / "e", {**ref, "frozen": np.array([0, 1e-12, 0], np.float32)})
+    rep = compare_dumps(str(r), str(leak), rel_tol=1e-5)
+    assert not rep["pass"] and [d["key"] for d in rep["beyond_tolerance"]] == ["frozen"]
+    # the absolute comparison (weights) has no floor: its tolerance is absolute already
+    assert "noise_floor" not in compare_dumps(str(r), str(other), atol=1e-5)
+
+
 # ------------------------------------------------------------------ the Paddle step dump
 
 
