@@ -69,17 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # checkpoint (official layout) <-> HF modules
 
 
-def read_checkpoint(model_dir: str) -> dict:
-    """Every tensor of the official-layout checkpoint as fp32 torch tensors (tiny models only),
-    read through the same validating reader the Paddle loader uses (bf16 widened bit-exactly)."""
+def read_checkpoint(model_dir: str, layers: int) -> dict:
+    """The checkpoint's tensors of the model's ``layers`` decoder layers (main + MTP) and the rest,
+    as fp32 torch tensors (tiny models only), read through the same validating reader the Paddle
+    loader uses (bf16 widened bit-exactly).  An MTP layer the config turns off
+    (``num_nextn_predict_layers``) is left out, as the Paddle model builds and dumps none."""
     import torch
 
     from ...checkpoint.safetensors_io import Checkpoint, bf16_bits_to_float32
+
+    def built(name: str) -> bool:
+        part = name.split(".")
+        return not (name.startswith("model.layers.") and part[2].isdigit() and int(part[2]) >= layers)
 
     with Checkpoint(model_dir, strict=False) as ckpt:
         return {
             k: torch.from_numpy(bf16_bits_to_float32(a) if i.dtype == "BF16" else a.astype("float32"))
             for k, i in ckpt.tensors.items()
+            if built(k)
             for a in [ckpt.numpy(k)]
         }
 
@@ -134,7 +141,7 @@ class Reference:
         )
         self.indexer_shared = bool(args.indexer_shared_supervision)
         self.share_topk = bool(conf.index_share_for_mtp_iteration)
-        self.ckpt = read_checkpoint(model_dir)
+        self.ckpt = read_checkpoint(model_dir, L + self.D)
         torch.manual_seed(0)
         self.model = GlmMoeDsaForCausalLM(conf).to(torch.float32)
         hf = {k: v for k, v in self.ckpt.items() if not k.startswith("model.layers.")}
