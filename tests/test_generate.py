@@ -878,6 +878,71 @@ def test_stop_strings_equal_hf_generate(tmp_path):
         np.testing.assert_array_equal(got, want, err_msg=stop)
 
 
+# measured, transformers 5.23 on make_tiny_checkpoint() with its tokenizer: "The capital of France is"
+# and left-padded "Hello", num_beams 3, num_return_sequences 3, max_new_tokens 10, stop_strings
+# ["g.", "V>"], pad 0: a continuation ending in a stop string finishes as one ending in an EOS
+# ('ou. thisg.', 'VVVVV>'), the tail filled with the EOS (1)
+_BEAM_STOP_NEW = [
+    [117, 23, 191, 117, 80, 23, 1, 1, 1, 1],
+    [117, 23, 191, 80, 23, 1, 1, 1, 1, 1],
+    [117, 23, 191, 117, 80, 117, 80, 23, 1, 1],
+    [63] * 10,
+    [63, 63, 63, 63, 63, 39, 1, 1, 1, 1],
+    [63, 63, 63, 63, 63, 63, 39, 1, 1, 1],
+]
+_BEAM_STOP_SCORES = [-5.07607, -5.07646, -5.07825, -5.01801, -5.02537, -5.02608]
+
+
+def _beam_stop_batch(tok):
+    prompt, hello = tok.encode("The capital of France is"), tok.encode("Hello")
+    pad = len(prompt) - len(hello)
+    return [prompt, [0] * pad + hello], [[1] * len(prompt), [0] * pad + [1] * len(hello)]
+
+
+def test_beam_search_ends_a_continuation_on_a_stop_string(tmp_path):
+    """transformers 5.23 applies its stopping criteria, stop strings included, to every beam
+    continuation: one that ends in a stop string is finished as an EOS one is (_BEAM_STOP_NEW,
+    measured). Before: refused ("beam search takes no stop_strings")."""
+    folder, model, tok = _stop_case(tmp_path)
+    ids, mask = _beam_stop_batch(tok)
+    kw = {"max_new_tokens": 10, "num_beams": 3, "num_return_sequences": 3, "stop_strings": ["g.", "V>"]}
+    out = model.generate(
+        paddle.to_tensor(ids),
+        paddle.to_tensor(mask),
+        pad_token_id=0,
+        tokenizer=tok,
+        **kw,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    np.testing.assert_array_equal(out.sequences.numpy()[:, len(ids[0]) :], _BEAM_STOP_NEW)
+    np.testing.assert_allclose(out.sequences_scores.numpy(), _BEAM_STOP_SCORES, atol=2e-5)
+    with pytest.raises(ValueError, match="stop_strings need tokenizer="):
+        model.generate(paddle.to_tensor(ids), paddle.to_tensor(mask), pad_token_id=0, **kw)
+
+
+@pytest.mark.reference
+def test_beam_search_with_stop_strings_equals_hf_generate(tmp_path):
+    """The live twin of the test above, with more stop strings: sequences, scores, beam indices."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder, model, tok = _stop_case(tmp_path)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    htok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids, mask = _beam_stop_batch(tok)
+    for stops, nrs in ((["g.", "V>"], 3), (["V>"], 3), ([" this"], 2), (["isc"], 1)):
+        kw = {"max_new_tokens": 10, "num_beams": 3, "num_return_sequences": nrs, "stop_strings": stops}
+        kw |= {"return_dict_in_generate": True, "output_scores": True, "pad_token_id": 0}
+        with torch.no_grad():
+            want = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), tokenizer=htok, **kw)
+        got = model.generate(paddle.to_tensor(ids), paddle.to_tensor(mask), tokenizer=tok, **kw)
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(stops))
+        np.testing.assert_allclose(got.sequences_scores.numpy(), want.sequences_scores.numpy(), atol=2e-5)
+        np.testing.assert_array_equal(got.beam_indices.numpy(), want.beam_indices.numpy(), err_msg=str(stops))
+
+
 def test_unimplemented_options_given_as_none_are_off(tmp_path):
     """None is transformers 5.23's own default for no_repeat_ngram_size, length_penalty, typical_p,
     num_beam_groups, early_stopping ... (``GenerationConfig()`` holds None for each; a file written
@@ -1471,7 +1536,7 @@ def test_beam_search_as_hf(use_cache):
         ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 must be <= num_beams=2"),
         ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping must be True, False or 'never'"),
         ({"num_beams": 2, "length_penalty": float("inf")}, "length_penalty must be a finite number"),
-        ({"num_beams": 2, "streamer": print}, "takes no streamer and no stop_strings"),
+        ({"num_beams": 2, "streamer": print}, "takes no streamer"),
     ):
         with pytest.raises(ValueError, match=msg):
             model.generate(ids, mask, **bad)

@@ -130,9 +130,8 @@ def generate(
         attention_mask = _mask_from_padding(input_ids, gc.pad_token_id if pad is None else pad, s.eos_token_id)
     if s.stop_strings and tokenizer is None:
         raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
-    if s.num_beams > 1 and (streamer is not None or s.stop_strings):  # a streamer: as transformers; stop strings:
-        # transformers' beam search takes them, this one does not (refused, not ignored)
-        raise ValueError("generate: beam search (num_beams > 1) takes no streamer and no stop_strings")
+    if s.num_beams > 1 and streamer is not None:  # as transformers
+        raise ValueError("generate: beam search (num_beams > 1) takes no streamer")
     input_ids = input_ids.astype("int64")
     copies = s.num_beams if s.num_beams > 1 else s.num_return_sequences  # rows per prompt
     if copies > 1:
@@ -203,7 +202,7 @@ def generate(
     decoder.attentions = [] if s.return_dict_in_generate and s.output_attentions else None
     with _inference(model):
         if s.num_beams > 1:
-            out = _beam_search(decoder, procs, s, input_ids, rng)
+            out = _beam_search(decoder, procs, s, input_ids, rng, tokenizer, tails)
         else:
             out = _sample(decoder, procs, s, input_ids, rng, put, tokenizer, tails)
     if stats is not None and isinstance(decoder, (DraftingDecoder, MtpDecoder)):
@@ -232,8 +231,26 @@ def _counts(stats: dict) -> dict:
     return stats | {"acceptance_rate": stats["accepted"] / max(stats["drafted"], 1)}
 
 
+def _stop_string_hits(tokenizer: Any, stops: list[str], tails: list, rows: list[tuple[int, Any]]) -> list[bool]:
+    """Per (prompt row, its new tokens): whether a stop string occurs in the text of the row's prompt
+    tail and those tokens, ending after the prompt (transformers' StopStringCriteria: the string
+    may begin in the prompt once it overlaps the new tokens)."""
+    hits = []
+    for r, new in rows:
+        tail, n = tails[r]
+        text = tokenizer.decode(tail + [int(t) for t in new])
+        hits.append(any(text.find(stop, max(n - len(stop) + 1, 0)) >= 0 for stop in stops))
+    return hits
+
+
 def _beam_search(
-    decoder: Decoder, procs: Processors, s: GenerationConfig, input_ids: paddle.Tensor, rng: np.random.Generator
+    decoder: Decoder,
+    procs: Processors,
+    s: GenerationConfig,
+    input_ids: paddle.Tensor,
+    rng: np.random.Generator,
+    tokenizer: Any = None,
+    tails: list | None = None,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """transformers 5.23's beam search (``num_beams`` K > 1, no sampling), its rules on the host:
     each step the processed log-probabilities plus each beam's score, the best max(2, 1 + #EOS) x K
@@ -244,7 +261,9 @@ def _beam_search(
     heuristic, with ``"never"`` judging by the longest length when length_penalty > 0) no running
     beam can beat the worst finished one. With ``do_sample`` (beam sampling) the continuations are
     drawn without replacement from the softmax of those sums (the warpers applied to the
-    log-probabilities, keeping 1 + #EOS tokens), in the order drawn, as transformers' multinomial."""
+    log-probabilities, keeping 1 + #EOS tokens), in the order drawn, as transformers' multinomial.
+    A stop string ends a continuation as an EOS does (transformers applies its stopping criteria to
+    every continuation)."""
     import paddle
 
     from ..ops import log_softmax
@@ -294,6 +313,9 @@ def _beam_search(
         cand_seq[:, :, cur] = tok
         cand_src[:, :, step] = beam + rows * K
         hits = np.isin(tok, eos) | (cur + 1 >= max_len)
+        if s.stop_strings:
+            rows_new = [(b * K, cand_seq[b, j, S : cur + 1]) for b in range(B) for j in range(keep)]
+            hits |= np.array(_stop_string_hits(tokenizer, s.stop_strings, tails, rows_new)).reshape(B, keep)
         if procs.stops:  # the caller's criteria and max_time end continuations too, as in transformers
             cand = (
                 paddle.to_tensor(cand_seq[:, :, : cur + 1].reshape(B * keep, cur + 1))
@@ -489,14 +511,8 @@ def _sample(
             host_new.append(host)
             if put is not None:
                 put(host)
-            if s.stop_strings:  # per row: a stop string in its text that ends after the prompt's
-                texts = [
-                    (tokenizer.decode(tail + [int(t) for t in row]), n)
-                    for row, (tail, n) in zip(np.stack(host_new, axis=1), tails)
-                ]
-                stopped = [
-                    any(text.find(stop, max(n - len(stop) + 1, 0)) >= 0 for stop in s.stop_strings) for text, n in texts
-                ]
+            if s.stop_strings:
+                stopped = _stop_string_hits(tokenizer, s.stop_strings, tails, list(enumerate(np.stack(host_new, 1))))
                 finished = paddle.logical_or(finished, paddle.to_tensor(stopped))
         procs.append(nxt, host)
         if procs.stops:  # the caller's criteria and max_time, on the rows with this step's token
