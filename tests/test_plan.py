@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 
 import paddle
@@ -16,6 +17,7 @@ from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
 from paddleformers_glm.parallel.pipeline import StageSpec, split_stages
 from paddleformers_glm.parallel.topology import ParallelConfig, Topology
 from paddleformers_glm.train import plan as planmod
+from paddleformers_glm.train.command import train_line_error
 from paddleformers_glm.train.memory import state_bytes
 
 from ._tiny import tiny_config
@@ -94,7 +96,9 @@ def test_state_bytes_rule():
     st = state_bytes(params)
     assert st == {"params_bytes": 16 * 2 + 16, "grads_bytes": 16 * 4, "optimizer_bytes": 16 * 12 + 2 * 8}
     sh = state_bytes(params, sharding_degree=4, sharding_stage=2)
-    assert sh["optimizer_bytes"] == math.ceil((16 * 12 + 16) / 4) and sh["grads_bytes"] == 16
+    # stage 2 reduces the gradients onto their owners after the backward, which holds them all
+    assert sh["optimizer_bytes"] == math.ceil((16 * 12 + 16) / 4) and sh["grads_bytes"] == 64
+    assert state_bytes(params, sharding_degree=4, sharding_stage=3)["grads_bytes"] == 16
     # trainable but never stepped (no gradient reaches it): a grad buffer, no optimizer state
     st = state_bytes([(10, "bfloat16", True, False)])
     assert (st["grads_bytes"], st["optimizer_bytes"]) == (40, 0)
@@ -160,10 +164,20 @@ def test_search_lists_fitting_layouts_fastest_first(tmp_path):
     assert rc == 0 and found
     costs = [r["s_per_token"] for r in found]  # the estimated time per token (tests/test_plan_cost.py)
     assert costs == sorted(costs)
-    for r in found:  # each listed layout, planned on its own, fits
-        flags = r["flags"].replace("--sp", "--sp").split()
-        assert cli_main(["plan", "--model", model, *flags, *budget, "--json", str(out)]) == 0
-        assert json.loads(out.read_text())["fits"] is True, r
+    for r in found:  # each listed line is the run planned: alone it plans the same, and glm52 train takes it
+        flags = shlex.split(r["flags"])
+        assert cli_main(["plan", "--model", model, *flags, "--gpu-mem-gb", budget[1], "--json", str(out)]) == 0
+        again = json.loads(out.read_text())
+        assert again["fits"] is True and again["max_rank_bytes"] / 2**30 == r["max_rank_gib"], r
+        assert train_line_error(["--model", model, *flags]) is None, r["flags"]
+    # the run settings ride along: the search's --seq-len / --dtype, the resolved batch (glm52 train's
+    # defaults differ: a listed line without them ran another, smaller, float32 run)
+    assert all("--seq-len 32 " in r["flags"] and "--dtype float32" in r["flags"] for r in found)
+    assert all("--global-batch-size " in r["flags"] and "--micro-batch-size 1" in r["flags"] for r in found)
+    warm = ["plan", "--model", model, "--search", "--gpus", "4", *budget, "--indexer-stage", "warmup"]
+    assert cli_main([*warm, "--json", str(out)]) == 0
+    warm_found = json.loads(out.read_text())["layouts"]
+    assert warm_found and all("--indexer-stage warmup" in r["flags"] for r in warm_found)
     assert not any(r["flags"].startswith("--tp 1 --pp 1 --dp 8 --ep 1 ") for r in found)
     assert cli_main(["plan", "--model", model, "--dp", "8", *budget, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["fits"] is False  # plain data parallel holds everything

@@ -47,7 +47,9 @@ def _check_plan_equals_measured(ckpt, got, tp=1, pp=1, ep=1, sharding=1, shardin
     mem = got["memory"]
     assert [m["rank"] for m in mem] == list(range(world))
     for m, p in zip(mem, plan["ranks"]):
-        assert (m["params_bytes"], m["grads_bytes"]) == (p["params_bytes"], p["grads_bytes"]), (m, p)
+        # gradients: what the backward leaves (the plan's peak) and what the step holds after the reduce
+        assert m["params_bytes"] == p["params_bytes"] and m["grads_before_reduce_bytes"] == p["grads_bytes"], (m, p)
+        assert m["grads_bytes"] == p["grads_after_reduce_bytes"], (m, p)
         assert m["optimizer"] == "paddle.optimizer.AdamW" and m["optimizer_bytes"] == p["optimizer_bytes"], (m, p)
         assert m["peak_bytes"] > 0 and m["peak_kind"] in ("peak_rss", "max_memory_allocated")
         # the activation estimate against the first step's peak saved bytes

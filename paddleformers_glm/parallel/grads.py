@@ -123,6 +123,7 @@ class GradSynchronizer:
         self.sharding: Any = None  # Fleet's DygraphShardingOptimizer (its reduce_gradients)
         self.grad_owner: dict[str, int] | None = None  # name -> sharding rank that updates it
         self.drop_others = False  # sharding stage 2: release the gradients other ranks update
+        self.before_reduce_bytes: int | None = None  # the last step's gradients before that release
 
     def use_sharding(self, sharding: Any, owner: dict[str, int], stage: int) -> None:
         """Reduce gradients with Fleet's sharding optimizer onto the rank ``owner[name]`` that
@@ -167,6 +168,10 @@ class GradSynchronizer:
         this step, or with ``routed-only`` the expert itself got one)."""
         topo = self.topo
         flags = self._flags(self._to_main_grads())
+        # what the backward left on this rank: sharding stage 2 releases the others' share only below
+        self.before_reduce_bytes = sum(
+            int(g.size) * g.element_size() for _, p in self.params if (g := _grad(p)) is not None
+        )
         if topo.world_size == 1:
             return self.current_grads(), flags
         params = [p for _, p in self.params if int(p.size) > 0]  # nothing to send for an empty tensor

@@ -493,7 +493,7 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
         if not run.opt.clips_itself:
             clip_main_grads(grads, done["gnorm"], cfg.clip_grad)
         run.opt.step(grads, done["has_grad"], lr)
-        run.memory.observe(grads)  # before the release below
+        run.memory.observe(grads, run.sync.before_reduce_bytes)  # before the release below
 
     with run.memory.track(step == run.start):
         if _step_engine(run) == "train_batch":

@@ -49,10 +49,14 @@ def state_bytes(
 def shard_totals(totals: Mapping[str, int], sharding_degree: int, sharding_stage: int) -> dict[str, int]:
     """Unsharded :func:`state_bytes` totals on one sharding rank (an even split, rounded up):
     optimizer state (and the planner's ``expert_optimizer_bytes``, its routed experts' part) from
-    stage 1, gradients from stage 2, parameters from stage 3. Totals add up over parts, so a planner
-    can sum them per layer kind first and split once."""
+    stage 1, the gradients held after the reduce (``grads_after_reduce_bytes``, where given) from
+    stage 2, the gradients held through the backward (``grads_bytes``) and parameters from stage 3:
+    the trainer's stage 2 reduces each gradient onto its owner after the step's backward passes, so
+    until then every rank holds them all. Totals add up over parts, so a planner can sum them per
+    layer kind first and split once."""
     sd, out = sharding_degree, dict(totals)
-    for key, stage in (("optimizer_bytes", 1), ("expert_optimizer_bytes", 1), ("grads_bytes", 2), ("params_bytes", 3)):
+    stages = (("optimizer_bytes", 1), ("expert_optimizer_bytes", 1), ("grads_after_reduce_bytes", 2))
+    for key, stage in (*stages, ("grads_bytes", 3), ("params_bytes", 3)):
         if sharding_stage >= stage and sd > 1 and key in out:
             out[key] = math.ceil(out[key] / sd)
     return out
@@ -149,8 +153,9 @@ class MemoryMonitor:
 
         return paddle.autograd.saved_tensors_hooks(pack, unpack)
 
-    def observe(self, grads: Mapping[str, Any]) -> None:
-        """Call after each optimizer step (cheap after the first)."""
+    def observe(self, grads: Mapping[str, Any], before_reduce_bytes: int | None = None) -> None:
+        """Call after each optimizer step (cheap after the first); ``before_reduce_bytes``: the fp32
+        gradients this rank held at the end of the backward, before sharding's reduce."""
         if self.record is not None:
             return
         params = list(self.module.parameters())
@@ -159,6 +164,7 @@ class MemoryMonitor:
             "rank": int(self.topo.rank),
             "params_bytes": sum(_tensor_bytes(p) for p in params),
             "grads_bytes": sum(_tensor_bytes(g) for g in grads.values()),
+            "grads_before_reduce_bytes": before_reduce_bytes,
             "param_tensors": len(params),
             "activations_bytes": None if peak is None else int(peak),
         }

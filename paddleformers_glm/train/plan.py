@@ -93,8 +93,17 @@ class Layout(ParallelConfig):
         return " ".join(summary for summary, _ in self._parts())
 
     def flags(self) -> str:
-        """The ``glm52 train`` flags of this layout."""
-        return " ".join(flags for _, flags in self._parts())
+        """The ``glm52 train`` flags that run what was planned: the layout's, then the run settings
+        the plan assumed (glm52 train's own defaults differ: a shorter sequence, float32 ...)."""
+        import shlex
+
+        batch = self.global_batch_size or self.pp * self.replicas * self.micro_batch_size
+        run = [("seq-len", self.seq_len), ("micro-batch-size", self.micro_batch_size)]
+        run += [("global-batch-size", batch), ("dtype", self.dtype), ("indexer-stage", self.indexer_stage)]
+        run += [("pp-layout", self.pp_layout), ("first-stage-layers", self.first_stage_layers)]
+        run += [("last-stage-layers", self.last_stage_layers)]
+        given = [f"--{k} {shlex.quote(str(v))}" for k, v in run if v is not None]
+        return " ".join([*(flags for _, flags in self._parts()), *given])
 
 
 # --------------------------------------------------------------------------- exact state counts
@@ -432,7 +441,8 @@ def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) ->
     """Sharding as the trainer runs it (Fleet's ``DygraphShardingOptimizer``): every trainable
     tensor of the stage, experts included (every sharding rank holds the same expert grid), in the
     optimizer's order, partitioned whole (``fleet_sharding_partition``); the rank holds optimizer
-    state for its own tensors only, and at stage 2 only their fp32 gradients."""
+    state for its own tensors only, and after stage 2's reduce only their fp32 gradients (the
+    backward holds them all: the reduce comes after it)."""
     from .memory import fleet_sharding_partition, state_bytes
 
     items = state_items(params)
@@ -443,7 +453,8 @@ def _fleet_sharded_state_bytes(lay: Layout, params: list, sharding_rank: int) ->
     mine = state_bytes([it for i, it in enumerate(items) if i in owned])
     mine_e = state_bytes([it for i, it in enumerate(items) if i in owned and _is_expert(params[i][0])])
     return {
-        "grads_bytes": mine["grads_bytes"] if lay.sharding_stage >= 2 else full["grads_bytes"],
+        "grads_bytes": mine["grads_bytes"] if lay.sharding_stage >= 3 else full["grads_bytes"],
+        "grads_after_reduce_bytes": mine["grads_bytes"] if lay.sharding_stage >= 2 else full["grads_bytes"],
         "optimizer_bytes": mine["optimizer_bytes"],
         "expert_optimizer_bytes": mine_e["optimizer_bytes"],
     }
@@ -461,6 +472,7 @@ def _sharded_state_bytes(config: Any, lay: Layout, spec: Any) -> dict[str, int]:
     raw: Counter = Counter()
     for part, m in parts.items():
         raw.update({k: v * m for k, v in lc.totals(part).items() if k != "full_params"})
+    raw["grads_after_reduce_bytes"] = raw["grads_bytes"]
     return shard_totals(raw, lay.sharding, lay.sharding_stage)
 
 
@@ -503,7 +515,7 @@ def plan_layout(
         if lay.sharding_partition == "fleet" and lay.sharding > 1:
             params = stage_params(config, lay, spec)
             by_sd = [_fleet_sharded_state_bytes(lay, params, r) for r in range(lay.sharding)]
-            for f in ("grads_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
+            for f in ("grads_bytes", "grads_after_reduce_bytes", "optimizer_bytes", "expert_optimizer_bytes"):
                 row[f + "_by_sharding_rank"] = [b[f] for b in by_sd]
                 row[f] = max(row[f + "_by_sharding_rank"])
         # the stage's largest rank
@@ -514,7 +526,8 @@ def plan_layout(
     for rank in range(lay.world_size if per_rank else 0):
         xy = rank_coords(lay, rank)
         k = kinds[xy["pp"]]
-        fields = ("expert_params", "params_bytes", "grads_bytes", "optimizer_bytes", "expert_optimizer_bytes")
+        fields = ("expert_params", "params_bytes", "grads_bytes", "grads_after_reduce_bytes", "optimizer_bytes")
+        fields += ("expert_optimizer_bytes",)
         r = {"rank": rank, "stage": k["stage"]} | {f: k[f] for f in (*fields, "activations_bytes")}
         r |= {f: k[f + "_by_sharding_rank"][xy["sharding"]] for f in fields if f + "_by_sharding_rank" in k}
         r["total_bytes"] = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
