@@ -46,12 +46,18 @@ from .packing import Packing, packed_sequences
 from .pretrained import GlmMoeDsaPreTrainedModel
 from .rope import RotaryEmbedding
 
+# the fields of transformers 5.23's causal-LM output, in its order (aux_loss: never set here)
+HF_OUTPUT_FIELDS = ("loss", "logits", "past_key_values", "hidden_states", "attentions", "router_logits")
+
 
 @dataclass
 class CausalLMOutput:
-    """The forward's outputs. Like transformers' ``ModelOutput``: read by attribute, by name
-    (``out["logits"]``) or by position (``out[0]``) over the fields that are set, in this order;
-    ``to_tuple()`` gives those fields (what ``return_dict=False`` returns)."""
+    """The forward's outputs. Like transformers' ``ModelOutput``: read by attribute or by name
+    (``out["logits"]``, ``keys()``: every field that is set, in this order); by position (``out[0]``)
+    and ``to_tuple()`` (what ``return_dict=False`` returns) over the set fields transformers' output
+    has (loss, logits, past_key_values, hidden_states, attentions, router_logits), so that
+    ``loss, logits, past_key_values = model(..., return_dict=False)`` unpacks as there; this
+    package's own fields (MTP, indexer, ``last_hidden_state``) are read by name."""
 
     loss: paddle.Tensor | None = None  # main LM loss (+ extras only when asked)
     logits: paddle.Tensor | None = None  # [B, S, V]
@@ -71,7 +77,7 @@ class CausalLMOutput:
         return [k for k, v in values.items() if v is not None and not (isinstance(v, list) and not v)]
 
     def to_tuple(self) -> tuple:
-        return tuple(getattr(self, k) for k in self.keys())
+        return tuple(getattr(self, k) for k in self.keys() if k in HF_OUTPUT_FIELDS)
 
     def __getitem__(self, key: str | int | slice) -> object:
         if isinstance(key, str):
@@ -957,8 +963,6 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but
         # cannot call their methods
         fields_ = (out.loss, out.logits, out.past_key_values, out.hidden_states, out.attentions, out.router_logits)
-        fields_ += (out.mtp_loss, out.mtp_logits or None)
-        fields_ += (out.indexer_loss, out.last_hidden_state, out.indexer_recall)
         return tuple(v for v in fields_ if v is not None)
 
     def _forward_packed(
