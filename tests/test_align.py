@@ -105,9 +105,11 @@ def test_compare_dumps_relative_and_absolute_per_tensor(tmp_path):
 def test_compare_dumps_passes_rounding_noise_of_a_zero_gradient_but_not_a_real_difference(tmp_path):
     """Data of one repeated token makes the query path's gradients mathematically zero: both trainers
     hold fp32 rounding there, measured in a ``glm52 align`` run (tiny model, ``--tp 1 --pp 1``) at
-    up to 1.2e-9 x the dump's largest gradient and 3-6x apart relative to each other, which the
-    relative measure alone failed on every such tensor.  Within 1e-8 x the largest |value| passes; a
-    difference above it in the same small tensor fails, and an exactly zero reference stays strict."""
+    up to 1.2e-9 x the dump's largest gradient and 3-6x apart relative to each other (the tensors
+    themselves below 6e-11 x it), which the relative measure alone failed on every such tensor.  A
+    tensor wholly below 1e-8 x the largest |value| passes within that floor; a difference above it
+    fails, a small tensor above the floor (a real gradient: an indexer's k_norm sits at 3.7e-7 x the
+    largest) keeps the relative measure alone, and an exactly zero reference stays strict."""
     from paddleformers_glm.parity.align import NOISE_FLOOR
 
     big = np.array([2.0, -1.0, 0.5], np.float32)
@@ -120,6 +122,10 @@ def test_compare_dumps_passes_rounding_noise_of_a_zero_gradient_but_not_a_real_d
     real = _save(tmp_path / "d", {**ref, "q_proj": noise + np.float32(5e-8)})  # 2.5x the floor
     rep = compare_dumps(str(r), str(real), rel_tol=1e-5)
     assert not rep["pass"] and [d["key"] for d in rep["beyond_tolerance"]] == ["q_proj"]
+    small = _save(tmp_path / "s", {**ref, "small": np.float32([4e-7, -1e-7, 2e-7])})  # 2e-7 x the largest
+    off = _save(tmp_path / "t", {**ref, "small": np.float32([4e-7 * 1.01, -1e-7, 2e-7])})  # 1% off: 4e-9
+    rep = compare_dumps(str(small), str(off), rel_tol=1e-5)
+    assert not rep["pass"] and [d["key"] for d in rep["beyond_tolerance"]] == ["small"]
     leak = _save(tmp_path / "e", {**ref, "frozen": np.array([0, 1e-12, 0], np.float32)})
     rep = compare_dumps(str(r), str(leak), rel_tol=1e-5)
     assert not rep["pass"] and [d["key"] for d in rep["beyond_tolerance"]] == ["frozen"]

@@ -54,7 +54,7 @@ NEAR_EPS_SQRT_V = 1e-7  # 10 x Adam's eps: below it a weight's update amplifies 
 NEAR_EPS_REL_LR = 2.0  # ... so such weights are held to this x the learning rates of steps 1..K
 ADAM_BETA2 = 0.95  # both trainers' AdamW betas (0.9, 0.95)
 INDEXER_REL_TOL = 2e-4  # indexer tensors: the KL's gradient is a difference of near-equal distributions
-NOISE_FLOOR = 1e-8  # relative dumps: a difference within this x the dump's largest |value| is fp32 noise
+NOISE_FLOOR = 1e-8  # relative dumps: a tensor wholly below this x the dump's largest |value| is fp32 noise
 
 # the training flags both runs get (glm52 train's own: train/command.py), passed on in this order
 TRAIN_FLAGS = (
@@ -79,13 +79,16 @@ def compare_dumps(
     atol: float | None = None,
     near_eps: tuple[str, float, float] | None = None,
     loose_rel: tuple[str, float] | None = None,
+    noise_floor: float = NOISE_FLOOR,
 ) -> dict:
     """Per-tensor agreement of two dumps in the same names (one of ``rel_tol`` / ``atol``).
 
-    relative: max |cand - ref| / max |ref| per tensor, or a difference within ``NOISE_FLOOR`` x the
-    dump's largest |ref| (a gradient that is mathematically zero but for rounding, such as the query
-    path's on data of one repeated token, holds fp32 noise on both sides that no relative measure
-    passes); a tensor that is exactly zero in the reference must be zero in the candidate.
+    relative: max |cand - ref| / max |ref| per tensor. A reference tensor wholly below
+    ``noise_floor`` x the dump's largest |ref| is rounding noise (a gradient that is mathematically
+    zero, such as the query path's on data of one repeated token, holds fp32 noise on both sides that
+    no relative measure passes): it passes within that floor, absolutely; every tensor above it is
+    held to the relative tolerance alone (the second moment, a squared gradient, takes the floor
+    squared). A tensor that is exactly zero in the reference must be zero in the candidate.
     absolute: max |cand - ref| per tensor.  Reports the worst tensor (the
     nearest its tolerance) and every tensor beyond it; a name on one side only fails.
 
@@ -104,7 +107,7 @@ def compare_dumps(
     bad, max_abs = [], 0.0
     near = {"elements": 0, "max_abs_diff": 0.0, "key": None, "tolerance": near_eps[2] if near_eps else None}
     largest = max((float(np.max(np.abs(v))) for v in ref.values() if v.size), default=0.0)
-    floor = NOISE_FLOOR * largest if rel_tol is not None else 0.0
+    floor = noise_floor * largest if rel_tol is not None else 0.0
     for k in sorted(set(ref) & set(cand)):
         a, b = ref[k].astype(np.float64), cand[k].astype(np.float64)
         if a.shape != b.shape:
@@ -131,7 +134,7 @@ def compare_dumps(
         else:
             v, tol = d, float(atol or 0.0)
         ratio = v / tol if tol > 0 else (0.0 if v == 0 else math.inf)
-        if scale > 0 and floor > 0:  # within the noise floor passes, whatever its relative size
+        if 0 < scale < floor:  # rounding noise: within the floor passes, whatever its relative size
             ratio = min(ratio, d / floor)
         ok = ratio <= 1.0 and near_ok
         entry = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol}
@@ -524,6 +527,7 @@ def run_align(args: argparse.Namespace) -> int:
             else:
                 rel = args.rel_tol if step == 1 else args.later_rel_tol
                 t = {"rel_tol": rel, "loose_rel": (".indexer.", max(rel, INDEXER_REL_TOL))}
+                t["noise_floor"] = NOISE_FLOOR**2 if kind == "exp_avg_sq" else NOISE_FLOOR
             c = compare_dumps(r, p, **t)
             ck = check_checkpoints(r, p)
             write_json_atomic(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck, indent=1)
