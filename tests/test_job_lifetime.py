@@ -385,6 +385,32 @@ def test_job_timeout_holds_in_one_process_too(tmp_path, capsys):
     assert (rec["rank"], rec["cause"], rec["returncode"]) == (None, "timeout", 124)
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_one_process_glm52_train_ends_it_with_its_record(tmp_path, sig):
+    """``glm52 train`` in one process (the ``glm52`` entry point): a stop signal gives one line,
+    exit 128 + signal and failure.json naming the sender, as docs/failure-modes.md promises. Measured
+    before: the entry imported every subcommand's module, numpy among them, whose BLAS pool made
+    the process multi-threaded before the signal listener started, so none started; Paddle's own
+    handler then took SIGTERM (exit 143 without failure.json; once a deadlock inside malloc)."""
+    cmd = [sys.executable, "-m", "paddleformers_glm.cli", "train", "--model", "toy", "--steps", "100000"]
+    e = {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}  # a user's shell: BLAS may start threads
+    p = subprocess.Popen([*cmd, "--out", str(tmp_path)], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    try:
+        for line in p.stdout:  # the progress lines: the run is past its setup
+            if line.startswith("step 2/"):
+                break
+        os.kill(p.pid, getattr(signal, sig))
+        err = p.communicate(timeout=60)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 128 + getattr(signal, sig), err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("glm52 train") or "Traceback" in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"glm52 train: stopped by {sig} to the launcher"), err[-2000:]
+    rec = json.loads((tmp_path / "logs" / "failure.json").read_text(), parse_constant=_refuse)
+    assert (rec["rank"], rec["cause"], rec["stopped_by"]["sender_pid"]) == (None, "signal", os.getpid()), rec
+
+
 def test_a_run_in_process_leaves_the_callers_stop_signals_as_they_were(tmp_path):
     """A Python caller of ``glm52 train``'s ``main`` goes on after the run: its signal mask and
     handlers are as before, and so are those of the processes it starts later.  Measured before:

@@ -198,8 +198,11 @@ def test_generate_command_runs_the_beam_search_of_its_generation_config(tiny_dir
     assert capsys.readouterr().out == tok.decode(greedy[0, len(ids) :].tolist(), skip_special_tokens=True) + "\n"
     assert main([*args, "--num-beams", "0"]) == 2
     assert "--num-beams must be >= 1, got 0" in capsys.readouterr().err
-    assert main([*args, "--num-beams", "2", "--stop", "e"]) == 2  # a beam search takes no stop strings, as HF
-    assert "takes no streamer and no stop_strings" in capsys.readouterr().err
+    # a stop string ends beam continuations, as transformers' stopping criteria do (refused before)
+    assert main([*args, "--num-beams", "2", "--stop", "e"]) == 0
+    stopped = model.generate(paddle.to_tensor([ids]), num_beams=2, max_new_tokens=5, eos_token_id=eos,
+                             stop_strings=["e"], tokenizer=tok).numpy()  # fmt: skip
+    assert capsys.readouterr().out == tok.decode(stopped[0, len(ids) :].tolist(), skip_special_tokens=True) + "\n"
 
 
 def test_generate_command_streams_characters_split_across_byte_tokens(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -40,12 +40,18 @@ COMMANDS: list[tuple[str, str]] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``glm52`` parser; ``only``: with that subcommand alone, importing no other command's
+    module (``glm52 train`` in one process must start its signal listener while the process has one
+    thread: another command's import of numpy starts a BLAS thread pool, and Paddle's own SIGTERM
+    handler then ended, or deadlocked, the run)."""
     parser = argparse.ArgumentParser(
         prog="glm52", description="GLM-5.2 (glm_moe_dsa) for PaddlePaddle", formatter_class=HelpFormatter
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, target in COMMANDS:
+        if only is not None and name != only:
+            continue
         module, func = target.split(":")
         getattr(importlib.import_module(module), func)(sub)
         if name not in sub.choices:  # the list names what each register function adds
@@ -78,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = progress.set_quiet(None)
     progress.set_quiet(quiet)
     try:
-        parser = build_parser()
-        args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+        argv = list(argv) if argv is not None else sys.argv[1:]
+        parser = build_parser(argv[0] if argv and argv[0] in dict(COMMANDS) else None)
+        args, extra = parser.parse_known_args(argv)
         command = args.command
         if extra:  # the subcommand's usage, not the top level's
             sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -667,6 +667,16 @@ class _Stopped(BaseException):
         self.stopped_by = stopped_by
 
 
+def _stop_diagnosis(stopped_by: dict) -> tuple[Any, int]:
+    """A stopped one-process run's diagnosis and exit code: 124 for the job timeout, else 128 + the signal."""
+    from .job_status import Diagnosis
+
+    if stopped_by["kind"] == "timeout":
+        return Diagnosis(None, stopped_by["text"], "timeout"), 124
+    rc = 128 + int(signal.Signals[stopped_by["signal"]])
+    return Diagnosis(None, f"stopped by {stopped_by['text']}", stopped_by["kind"]), rc
+
+
 def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None) -> int:
     """World 1: train in this process; a stop signal, the job timeout or a non-finite step ends it
     with one line and ``OUT/logs/failure.json``, as a launched job would."""
@@ -676,8 +686,11 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     from .nonfinite import NonFiniteStep
     from .stop_signals import listen
 
+    fired: list[dict] = []  # the timeout, kept: raised inside a Paddle op it comes back as another error
+
     def timeout(_num: int, _frame: object) -> None:
-        raise _Stopped({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:g} s; stopped"})
+        fired.append({"kind": "timeout", "text": f"job exceeded --job-timeout {job_timeout:g} s; stopped"})
+        raise _Stopped(fired[0])
 
     listener = listen()
     old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None
@@ -689,13 +702,16 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         return 0
     except (_Stopped, KeyboardInterrupt) as e:
         stopped_by = e.stopped_by if isinstance(e, _Stopped) else listener.interrupted(e)
-        rc = 124 if stopped_by["kind"] == "timeout" else 128 + int(signal.Signals[stopped_by["signal"]])
-        text = stopped_by["text"] if stopped_by["kind"] == "timeout" else f"stopped by {stopped_by['text']}"
-        diag = Diagnosis(None, text, stopped_by["kind"])
+        diag, rc = _stop_diagnosis(stopped_by)
     except NonFiniteStep as e:
         diag, stopped_by, rc = Diagnosis(e.record["rank"], str(e), "nonfinite", e.record), None, 1
     except Exception as e:  # noqa: BLE001 - one line and a non-zero exit
-        diag, stopped_by, rc = Diagnosis(0, f"{type(e).__name__}: {e}", "error"), None, 1
+        # a stop signal or the timeout raised inside a Paddle op (a PyLayer's backward) arrives wrapped
+        stopped_by = fired[0] if fired else listener.caught
+        if stopped_by is None:
+            diag, rc = Diagnosis(0, f"{type(e).__name__}: {e}", "error"), 1
+        else:
+            diag, rc = _stop_diagnosis(stopped_by)
     finally:
         if job_timeout:
             signal.setitimer(signal.ITIMER_REAL, 0)

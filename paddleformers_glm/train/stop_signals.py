@@ -91,6 +91,7 @@ _LISTENER = StopListener()
 
 
 def _raise_interrupt(signum: int, _frame: Any) -> None:
+    _LISTENER.note(signum, None)  # kept if the interrupt comes back as another exception (inside Paddle)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
