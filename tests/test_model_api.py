@@ -321,6 +321,42 @@ def test_output_attentions_equal_transformers_eager():
                 assert a.shape == list(b.shape) and np.abs(a.numpy() - b.numpy()).max() <= 2e-6, form
 
 
+def test_a_loss_on_the_attention_weights_trains_the_projections():
+    """transformers 5.23's eager weights are in the autograd graph (requires_grad; measured, a loss
+    sum(attentions[0] ** 2) in training gives layer 0's q_a_proj a gradient, max 2.58e-3 on the
+    hunt's fixture). Ours were computed under no_grad: the same loss gave no parameter a gradient."""
+    model = tiny_model()
+    model.train()
+    out = model(tokens(2, 12), output_attentions=True, use_cache=False)
+    assert not out.attentions[0].stop_gradient
+    (out.attentions[0] ** 2).sum().backward()
+    g = model.model.layers[0].self_attn.q_a_proj.weight.grad
+    assert g is not None and float(g.abs().max()) > 0
+    assert model.model.layers[1].self_attn.q_a_proj.weight.grad is None  # the loss reads layer 0 only
+
+
+@pytest.mark.reference
+def test_a_loss_on_the_attention_weights_has_transformers_gradients():
+    """The live twin: the gradient of sum(attentions[l] ** 2) on layer l's query and key projections."""
+    torch, hf, model = _tiny_in_both()
+    hf.set_attn_implementation("eager")
+    hf.train()
+    model.train()
+    ids = tokens(2, 12)
+    for layer in (0, 4):
+        hf.zero_grad()
+        model.clear_gradients()
+        (hf(torch.tensor(ids.numpy()), output_attentions=True, use_cache=False).attentions[layer] ** 2).sum().backward()
+        (model(ids, output_attentions=True, use_cache=False).attentions[layer] ** 2).sum().backward()
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+            want = getattr(hf.model.layers[layer].self_attn, name).weight.grad.numpy()
+            got = getattr(model.model.layers[layer].self_attn, name).weight.grad.numpy()
+            if got.shape != want.shape:
+                got = got.T  # Paddle's Linear holds [in, out]
+            scale = np.abs(want).max()
+            assert scale > 0 and np.abs(got - want).max() <= 1e-4 * scale, (layer, name)
+
+
 @pytest.mark.reference
 def test_output_hidden_states_equal_transformers():
     torch = pytest.importorskip("torch")
@@ -489,6 +525,48 @@ def test_inputs_embeds_labels_and_logits_to_keep_positions_equal_transformers():
     assert abs(float(model(inputs_embeds=model.get_input_embeddings()(ids), labels=ids).loss) - want) <= 2e-5
     got = model(ids, logits_to_keep=paddle.to_tensor([0, 5, 9])).logits.numpy()
     assert got.shape == want_logits.shape and np.abs(got - want_logits).max() <= 1e-4
+
+
+def test_two_dimensional_logits_to_keep_as_transformers():
+    """transformers 5.23's ``slice_logits_to_keep``: an int [B, n] tensor keeps those positions per
+    row ([B, n, V]), a bool [B, S] mask its True positions flattened ([N, V]); measured on the tiny
+    model: [[0, 1], [2, 3]] -> [2, 2, 256] equal to full[b, keep[b]] within 2.4e-7, a 3-True mask ->
+    [3, 256] equal to full[mask]. Before: the tensor was flattened and read as positions for every
+    row ([2, 4, 256]; a mask read as positions 0 / 1, [2, 20, 256]), without an error."""
+    model = tiny_model()
+    model.eval()
+    ids = tokens(2, 10)
+    full = model(ids, use_cache=False).logits.numpy()
+    rows = [[0, 1], [2, 3]]
+    got = model(ids, use_cache=False, logits_to_keep=paddle.to_tensor(rows)).logits.numpy()
+    np.testing.assert_array_equal(got, np.stack([full[b, r] for b, r in enumerate(rows)]))
+    mask = np.zeros((2, 10), bool)
+    mask[0, [0, 9]] = mask[1, 2] = True
+    got = model(ids, use_cache=False, logits_to_keep=paddle.to_tensor(mask)).logits.numpy()
+    np.testing.assert_array_equal(got, full[mask])
+    with pytest.raises(ValueError, match=r"logits_to_keep of shape \[2, 2\] with labels"):
+        model(ids, labels=ids, logits_to_keep=paddle.to_tensor(rows))
+    with pytest.raises(ValueError, match="logits_to_keep must be"):
+        model(ids, logits_to_keep=paddle.zeros([1, 2, 2], "int64"))
+
+
+def test_token_ids_outside_the_vocabulary_and_a_mask_of_another_shape_are_refused():
+    """transformers 5.23: input id -1 (or 256 of 256) -> IndexError "index out of range in self"; a
+    [B, S + 1] or [1, S] mask for B = 2 without a cache -> RuntimeError / IndexError. Ours ran -1
+    (Paddle's CPU embedding read memory past the table: loss 5.572) and cut or broadcast the mask
+    without a word (use_cache=False)."""
+    model = tiny_model()
+    model.eval()
+    ids = tokens(2, 10)
+    for bad in (-1, 256):
+        wrong = paddle.to_tensor(np.where(np.arange(10) == 3, bad, ids.numpy()))
+        with pytest.raises(IndexError, match=f"input_ids holds {bad}, outside the vocabulary"):
+            model(wrong, use_cache=False)
+    for shape in ([2, 11], [1, 10]):
+        with pytest.raises(ValueError, match=r"attention_mask shape .* != the input's \[batch, seq\] \[2, 10\]"):
+            model(ids, paddle.ones(shape, "int64"), use_cache=False)
+    with pytest.raises(ValueError, match="attention_mask"):  # with a cache: the cache's own check
+        model(ids, paddle.ones([2, 11], "int64"), use_cache=True)
 
 
 def test_a_4d_attention_mask_is_refused_by_name():
@@ -1297,6 +1375,10 @@ def test_every_paddle_cast_is_to_dtype():
         assert {n: p.dtype for n, p in model.named_parameters()} == dtypes, what
         np.testing.assert_array_equal(model(ids).logits.astype("float32").numpy(), want, err_msg=what)
     for cast, dtype in ((lambda m: m.half(), paddle.float16), (lambda m: m.float16(), paddle.float16)):
+        if not paddle.is_compiled_with_cuda():  # Paddle's CPU kernels compute no float16: refused up front
+            with pytest.raises(ValueError, match="dtype float16: this Paddle build has no GPU"):
+                cast(tiny_model(seed=1))
+            continue
         model = cast(tiny_model(seed=1))
         got = {n: p.dtype for n, p in model.named_parameters()}
         assert got == {n: dtype if d == paddle.bfloat16 else d for n, d in dtypes.items()}
@@ -1309,6 +1391,23 @@ def test_every_paddle_cast_is_to_dtype():
     with pytest.raises(NotImplementedError, match="excluded_layers"):
         tiny_model(seed=1).bfloat16(excluded_layers=[paddle.nn.Linear])
     assert tiny_model(seed=1).to("cpu").dtype == paddle.float32  # a device stays a device
+
+
+def test_float64_loads_and_float16_is_refused_on_a_cpu_build(tmp_path):
+    """transformers 5.23 on CPU computes float64 and float16 (measured: float16 loss 5.54297 on the
+    hunt's fixture). Ours: ``dtype="float64"`` stopped in the checkpoint engine ("Unsupported cast
+    dtype: float64"); it now reads float32 and widens, giving the float32 logits widened within
+    float32 rounding. float16 built, then its forward stopped inside Paddle (no CPU float16 ``where``
+    kernel): refused by name before anything is built on a build without CUDA."""
+    path = FIXTURES / "tiny" / "checkpoint"
+    ids = tokens(1, 8)
+    wide = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float64")
+    assert wide.dtype == paddle.float64 and wide.get_input_embeddings().weight.dtype == paddle.float64
+    plain = GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float32")
+    np.testing.assert_allclose(wide(ids).logits.numpy(), plain(ids).logits.numpy(), atol=1e-5)
+    if not paddle.is_compiled_with_cuda():
+        with pytest.raises(ValueError, match="dtype float16: this Paddle build has no GPU"):
+            GlmMoeDsaForCausalLM.from_pretrained(path, dtype="float16")
 
 
 def test_loading_info_reads_by_transformers_keys():

@@ -200,11 +200,11 @@ class MLAttention(nn.Layer):
             self._core, q_latent, c, k_rot, (cos, sin), x_full, q_latent_full, key_padding, prev_topk,
             run_indexer, record_it, cache, dense_sel, active=cache is None,
         )  # fmt: skip
-        if self.keep_attention is not None:  # HF eager's weights, over what the attention read
-            with paddle.no_grad():
-                query, key, _ = self._heads(q_latent, c, k_rot, (cos, sin))
-                sel = topk if dense_sel is None else dense_sel
-                self.keep_attention(attention_probabilities(query, key, sel, core.scale, x.dtype))
+        if self.keep_attention is not None:  # HF eager's weights, over what the attention read; in
+            # the autograd graph as HF's (a loss on them trains the projections that made them)
+            query, key, _ = self._heads(q_latent, c, k_rot, (cos, sin))
+            sel = topk if dense_sel is None else dense_sel
+            self.keep_attention(attention_probabilities(query, key, sel, core.scale, x.dtype))
         out = self._exit_tp(out)  # [B, S_local, hidden]
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias

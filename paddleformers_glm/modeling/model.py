@@ -207,6 +207,20 @@ class Embedding(nn.Layer):
         return self.embed_tokens(input_ids)
 
 
+def _check_token_ids(ids: paddle.Tensor, vocab: int) -> None:
+    """An id outside [0, vocab) is an IndexError, as torch's embedding raises (transformers 5.23:
+    "index out of range in self"); Paddle's CPU embedding reads -1 out of bounds instead, and a
+    tensor-parallel rank reads an id it does not own as zeros. Checked where the ids sit on the host
+    (a CPU tensor, outside a graph being built), so an accelerator's forward waits on nothing; the
+    forward's entry only (generate's decode step feeds the ids it chose)."""
+    if building_graph() or ids.size == 0 or not ids.place.is_cpu_place():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise IndexError(f"input_ids holds {bad}, outside the vocabulary [0, {vocab}) (config.vocab_size)")
+
+
 def build_layer(config: GlmMoeDsaConfig, index: int, topo: Topology) -> DecoderLayer | MTPLayer:
     """Layer ``index`` of the stack (a decoder layer below ``num_hidden_layers``, else an MTP layer),
     built on its own so a pipeline stage can make just its layers."""
@@ -526,6 +540,19 @@ def _check_labels_shape(labels: paddle.Tensor, inputs: paddle.Tensor) -> None:
 
 
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
+def _keep_rows(logits_to_keep: int | paddle.Tensor) -> paddle.Tensor | None:
+    """A 2-D ``logits_to_keep`` (transformers' ``slice_logits_to_keep``: [B, n] positions per row, or
+    a bool [B, S] mask), else None; more dimensions are refused."""
+    if not isinstance(logits_to_keep, paddle.Tensor) or logits_to_keep.ndim < 2:
+        return None
+    if logits_to_keep.ndim > 2:
+        raise ValueError(
+            f"logits_to_keep must be an int, a 1-D tensor of positions, [batch, n] positions or a bool "
+            f"[batch, seq] mask, got shape {list(logits_to_keep.shape)}"
+        )
+    return logits_to_keep
+
+
 def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | None, seq_len: int) -> None:
     """``logits_to_keep`` with ``labels``: the loss needs every position's logits. transformers 5.23
     computes the loss from the kept logits and so raises for fewer than all ("Expected input
@@ -573,6 +600,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             stage = rank_spec(split_stages(L, topo.pp_size, has_mtp=D > 0), topo.pp_size, topo.stage)
         stage = stage or StageSpec.whole(L, D > 0)
         mtp_ids = list(range(L, L + D)) if stage.has_mtp else []
+        cpu_bf16.check_model_dtype(str(dtype).replace("paddle.", ""))
         if str(dtype).replace("paddle.", "") == "bfloat16":
             cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
         with default_dtype(dtype):
@@ -870,12 +898,31 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
                 f"attention_mask must be a [batch, seq] padding mask (1 = real token), got shape "
                 f"{list(attention_mask.shape)}; 4-D attention masks are not supported (transformers takes them)"
             )
-        # transformers: a tensor of logits_to_keep is the sequence positions to keep (no if statement
-        # rebinding logits_to_keep: to_static's whole-graph translation loses it)
-        keep_index = logits_to_keep.astype("int64").reshape([-1]) if isinstance(logits_to_keep, paddle.Tensor) else None
-        logits_to_keep = 0 if keep_index is not None else logits_to_keep
+        tokens = input_ids if inputs_embeds is None else inputs_embeds
+        if input_ids is not None:
+            _check_token_ids(input_ids, self.config.vocab_size)
+        if attention_mask is not None and past_key_values is None and attention_mask.shape[:2] != tokens.shape[:2]:
+            raise ValueError(  # with a cache: [batch, past + seq], checked by the cache
+                f"attention_mask shape {list(attention_mask.shape)} != the input's [batch, seq] "
+                f"{list(tokens.shape[:2])}"
+            )
+        # transformers: a tensor of logits_to_keep is the sequence positions to keep, per row when
+        # 2-D (a bool [B, S] keeps its True positions, flattened) (no if statement rebinding
+        # logits_to_keep: to_static's whole-graph translation loses it)
+        keep_rows = _keep_rows(logits_to_keep)
+        keep_index = (
+            logits_to_keep.astype("int64").reshape([-1])
+            if isinstance(logits_to_keep, paddle.Tensor) and keep_rows is None
+            else None
+        )
+        logits_to_keep = 0 if isinstance(logits_to_keep, paddle.Tensor) else logits_to_keep
         if labels is not None:
-            _check_labels_shape(labels, input_ids if inputs_embeds is None else inputs_embeds)
+            _check_labels_shape(labels, tokens)
+            if keep_rows is not None:
+                raise ValueError(
+                    f"forward: logits_to_keep of shape {list(keep_rows.shape)} with labels: the loss needs every "
+                    "position's logits (transformers raises too)"
+                )
             _check_keep_with_labels(logits_to_keep, keep_index, labels.shape[1])
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if labels is not None and labels_shifted:  # the targets as causal_lm_losses takes them already shifted
@@ -958,6 +1005,11 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             out.logits = out.logits[:, -logits_to_keep:]
         if keep_index is not None:  # negative positions count from the end, as torch indexing
             out.logits = paddle.index_select(out.logits, keep_index % out.logits.shape[1], axis=1)
+        if keep_rows is not None and keep_rows.dtype == paddle.bool:  # the True positions, [N, V]
+            out.logits = out.logits[keep_rows]
+        elif keep_rows is not None:  # [B, n] positions per row
+            idx = (keep_rows.astype("int64") % out.logits.shape[1]).unsqueeze(-1)
+            out.logits = paddle.take_along_axis(out.logits, idx, axis=1)
         if return_dict is None or return_dict:
             return out
         # to_tuple() spelled out: paddle.jit.to_static's bytecode tracer reads dataclass fields but

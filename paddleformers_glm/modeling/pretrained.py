@@ -390,6 +390,9 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         else:  # a config of fewer decoder layers than the checkpoint's: its first layers, as transformers
             file_config = _deeper_file_config(path, config)
         dtype = resolve_model_dtype(dtype, config)
+        # float64 (as transformers computes it on CPU): read in float32, which Paddle's checkpoint
+        # engine casts to, then widened exactly
+        widen, dtype = dtype == "float64", "float32" if dtype == "float64" else dtype
         if file_config is not None and topology is not None and topology.world_size > 1:
             raise NotImplementedError(
                 f"from_pretrained: num_hidden_layers={config.num_hidden_layers} (the checkpoint has "
@@ -422,6 +425,8 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
 
             check_finite_state(params, os.path.abspath(os.fspath(path)))
         _LOG.info("%s", report.summary())
+        if widen:
+            model.to(dtype="float64")
         model.source_path = os.path.abspath(os.fspath(path))
         model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
         return (model, report) if output_loading_info else model
@@ -565,6 +570,7 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
             super().to(device=device, blocking=blocking)
             return self
         name = normalize_dtype(dtype)
+        cpu_bf16.check_model_dtype(name)
         if name == "bfloat16":
             cpu_bf16.install()
         fp32 = [m for m in self.sublayers() if isinstance(m, (TopkRouter, RotaryEmbedding))]

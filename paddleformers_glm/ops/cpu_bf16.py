@@ -259,6 +259,19 @@ def warn_untested(what: str, tested: tuple[tuple[int, int, int], tuple[int, int,
         )
 
 
+def check_model_dtype(dtype: str) -> None:
+    """Refuse a model dtype this Paddle build cannot compute, before anything is built: float16 on a
+    build without CUDA (its CPU kernels lack float16 ``where`` and more; the forward stopped inside
+    Paddle). bfloat16 on CPU gets its kernels from :func:`install`."""
+    import paddle
+
+    if dtype == "float16" and not paddle.is_compiled_with_cuda():
+        raise ValueError(
+            "dtype float16: this Paddle build has no GPU, and its CPU kernels do not compute float16 "
+            "(bfloat16 or float32 do; `glm52 convert --dtype float16` writes float16 files)"
+        )
+
+
 def installed() -> list[str]:
     """The ``_C_ops`` functions and Tensor operators routed through fp32 in this process (empty
     when not installed: a CUDA build, ``GLM52_CPU_BF16=0``, or not asked for yet)."""
