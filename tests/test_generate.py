@@ -2588,3 +2588,255 @@ def test_generation_config_from_pretrained_takes_transformers_arguments(tmp_path
         GenerationConfig.from_pretrained(tmp_path, "missing.json")
     over = GenerationConfig.from_pretrained(tmp_path, temperature=0.7, top_k=3)
     assert (over.temperature, over.top_k, over.do_sample) == (0.7, 3, True)
+
+
+# integer-valued scores (exact ties between beams) that replace the model's: row t is what follows token t
+_TIE_W = np.round(np.random.default_rng(123).standard_normal((256, 256)) * 4 / 3).astype(np.float32)
+
+
+def _tie_scores(input_ids, scores):
+    return paddle.index_select(paddle.to_tensor(_TIE_W), input_ids[:, -1].astype("int64"), axis=0)
+
+
+def test_beam_search_breaks_score_ties_as_torch_topk():
+    """transformers 5.23 picks the running beams and the finished hypotheses with torch.topk, whose
+    order among equal scores is not a stable sort's. Measured, HF's generate on the padded batch with
+    the scores replaced by integer-valued ones (_TIE_W), num_beams 2, num_return_sequences 2, eos 151:
+    the sequences, scores and beam indices below; and, every token but 80 barred
+    (prefix_allowed_tokens_fn), num_beams 4, one new token: 80, 80, 80, 151 per prompt (its -1e9 ties).
+    Before (earlier index first): other beams (scores 4.0, 4.0, 4.0, 3.83) and 80, 151, 151, 151."""
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"eos_token_id": [151], "pad_token_id": 0, "return_dict_in_generate": True, "output_scores": True}
+    out = model.generate(
+        ids, mask, max_new_tokens=6, num_beams=2, num_return_sequences=2, logits_processor=[_tie_scores], **kw
+    )
+    np.testing.assert_array_equal(
+        out.sequences.numpy()[:, 6:],
+        [
+            [156, 189, 168, 254, 201, 238],
+            [156, 189, 150, 157, 47, 241],
+            [166, 122, 48, 24, 91, 213],
+            [166, 122, 48, 24, 145, 236],
+        ],
+    )
+    np.testing.assert_allclose(out.sequences_scores.numpy(), [25 / 6, 4.0, 11 / 3, 11 / 3], rtol=1e-6)
+    np.testing.assert_array_equal(
+        out.beam_indices.numpy(),
+        [[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1], [2, 2, 3, 3, 2, 2], [2, 2, 3, 3, 2, 3]],
+    )
+    only_80 = model.generate(
+        ids,
+        mask,
+        max_new_tokens=1,
+        num_beams=4,
+        num_return_sequences=4,
+        eos_token_id=[151],
+        pad_token_id=0,
+        prefix_allowed_tokens_fn=lambda b, r: [80],
+    )
+    np.testing.assert_array_equal(only_80.numpy()[:, 6], [80, 80, 80, 151] * 2)
+
+
+@pytest.mark.reference
+def test_beam_search_score_ties_equal_hf_generate():
+    """The live twin of the test above: sequences, scores, beam indices, every step's scores."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    w = torch.tensor(_TIE_W)
+    for extra in ({"num_beams": 2, "num_return_sequences": 2}, {"num_beams": 3, "max_new_tokens": 4}):
+        kw = {"max_new_tokens": 6, "eos_token_id": [151], "pad_token_id": 0} | extra
+        kw |= {"return_dict_in_generate": True, "output_scores": True}
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor(_EMBEDS_IDS),
+                attention_mask=torch.tensor(_EMBEDS_MASK),
+                logits_processor=[lambda i, s: w[i[:, -1]]],
+                **kw,
+            )
+        got = model.generate(
+            paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK), logits_processor=[_tie_scores], **kw
+        )
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy(), err_msg=str(extra))
+        np.testing.assert_allclose(got.sequences_scores.numpy(), want.sequences_scores.numpy(), rtol=1e-6)
+        np.testing.assert_array_equal(got.beam_indices.numpy(), want.beam_indices.numpy(), err_msg=str(extra))
+    kw = {"max_new_tokens": 1, "num_beams": 4, "num_return_sequences": 4, "eos_token_id": [151], "pad_token_id": 0}
+    _assert_same_scores(torch, hf, model, kw | {"prefix_allowed_tokens_fn": lambda b, r: [80]})
+
+
+def _set_token_7(value):
+    def proc(input_ids, scores):
+        return paddle.where(paddle.arange(scores.shape[-1]) == 7, paddle.full_like(scores, value), scores)
+
+    return proc
+
+
+def test_scores_without_a_valid_probability_are_an_error():
+    """transformers 5.23's sampling raises where no token has a valid probability (torch.multinomial:
+    "probability tensor contains either `inf`, `nan` or element < 0"; measured: every token suppressed,
+    a NaN or a +inf score); its beam search goes on with NaN scores. Both now raise, naming the cause.
+    Before: sampling returned the vocabulary's last id (255, even suppressed), beam search no tokens."""
+    from paddleformers_glm.generation.search import _draw
+
+    model, _ = _fixture("tiny")
+    ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
+    kw = {"max_new_tokens": 2, "eos_token_id": [], "pad_token_id": 0}
+    for bad in (
+        {"do_sample": True, "suppress_tokens": list(range(256))},
+        {"do_sample": True, "logits_processor": [_set_token_7(float("nan"))]},
+        {"do_sample": True, "logits_processor": [_set_token_7(float("inf"))]},
+        {"num_beams": 2, "logits_processor": [_set_token_7(float("nan"))]},
+        {"num_beams": 2, "do_sample": True, "logits_processor": [_set_token_7(float("nan"))]},
+    ):
+        with pytest.raises(RuntimeError, match="NaN or \\+inf, or every token was removed"):
+            model.generate(ids, mask, seed=0, **kw, **bad)
+    with pytest.raises(RuntimeError, match="no token with a valid probability"):
+        _draw(paddle.to_tensor([[0.0, float("nan")], [0.0, 1.0]]), np.array([0.5, 0.5]))
+    assert _draw(paddle.to_tensor([[0.0, -np.inf], [-np.inf, 1.0]]), np.array([0.9, 0.1])).numpy().tolist() == [0, 1]
+
+
+@pytest.mark.reference
+def test_scores_without_a_valid_probability_raise_in_hf_generate_too():
+    """The sampling cases of the test above raise in transformers' generate as well."""
+    torch, _, hf = _hf_eager()
+
+    def set_7(value):
+        return lambda i, s: torch.where(torch.arange(s.shape[-1]) == 7, torch.full_like(s, value), s)
+
+    kw = {"max_new_tokens": 2, "eos_token_id": [], "pad_token_id": 0, "do_sample": True}
+    for bad in (
+        {"suppress_tokens": list(range(256))},
+        {"logits_processor": [set_7(float("nan"))]},
+        {"logits_processor": [set_7(float("inf"))]},
+    ):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="probability tensor contains"):
+            hf.generate(torch.tensor(_EMBEDS_IDS), attention_mask=torch.tensor(_EMBEDS_MASK), **kw, **bad)
+
+
+# a pad id inside the prompt (after its first real token) and a row that is all padding
+_MIDPAD_IDS = [[5, 17, 0, 33, 60, 9, 100, 14], [7] * 8]
+_MIDPAD_MASK = [[1, 1, 0, 1, 1, 1, 1, 1], [0] * 8]
+
+
+def test_repetition_penalty_skips_only_the_left_padding():
+    """transformers 5.23 leaves out of the repetition penalty only a row's slots before its first real
+    token (prompt_ignore_length = the mask's argmax): a pad after it counts as seen, and a row without
+    a real token skips nothing. Measured, HF's generate, fixture "tiny", the rows above, penalty 3.0,
+    the first step's processed scores of token 0 (row 0) and 7 (row 1): -0.0327580 and -0.5706275,
+    the raw logits x 3. Before: every masked slot skipped (-0.0109, -0.1902)."""
+    model, _ = _fixture("tiny")
+    kw = {"max_new_tokens": 1, "eos_token_id": [], "pad_token_id": 0, "repetition_penalty": 3.0}
+    out = model.generate(
+        paddle.to_tensor(_MIDPAD_IDS),
+        paddle.to_tensor(_MIDPAD_MASK),
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kw,
+    )
+    first = out.scores[0].numpy()
+    np.testing.assert_allclose([first[0, 0], first[1, 7]], [-0.032758, -0.5706275], atol=2e-5)
+    np.testing.assert_array_equal(out.sequences.numpy()[:, 8], [218, 240])
+    no_mask = model.generate(paddle.to_tensor(_MIDPAD_IDS[:1]), return_dict_in_generate=True, output_scores=True, **kw)
+    np.testing.assert_allclose(no_mask.scores[0].numpy()[0, 0], -0.032758, atol=2e-5)  # the mask inferred from pad 0
+
+
+@pytest.mark.reference
+def test_repetition_penalty_with_inner_padding_equals_hf_generate():
+    """The live twin of the test above: every step's processed scores and the tokens."""
+    torch, _, hf = _hf_eager()
+    model, _ = _fixture("tiny")
+    kw = {"max_new_tokens": 4, "eos_token_id": [], "pad_token_id": 0, "repetition_penalty": 3.0}
+    kw |= {"return_dict_in_generate": True, "output_scores": True}
+    for mask in (_MIDPAD_MASK, None):
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor(_MIDPAD_IDS), attention_mask=None if mask is None else torch.tensor(mask), **kw
+            )
+        got = model.generate(paddle.to_tensor(_MIDPAD_IDS), None if mask is None else paddle.to_tensor(mask), **kw)
+        np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy())
+        for g, w in zip(got.scores, want.scores):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_min_p_and_typical_p_keep_exactly_min_tokens_to_keep():
+    """transformers 5.23's MinP and Typical warpers spare exactly min_tokens_to_keep tokens (beam
+    sampling: 1 + #EOS), the first in their sort order, not every token tied with the last of them.
+    Measured, HF's warpers: [3, 2, 2, 2, 2, 0, -1, -2] at min_p 0.9, keep 2 -> tokens [0, 1];
+    [0, 0, 2, 3, -3, -2, 2, 3] at typical_p 0.1, keep 3 -> [2, 3, 7]. Before: [0, 1, 2, 3, 4] and
+    [2, 3, 6, 7]."""
+    from paddleformers_glm.generation.logits_process import _warp
+
+    for x, opts, keep, kept in (
+        ([3, 2, 2, 2, 2, 0, -1, -2], {"min_p": 0.9}, 2, [0, 1]),
+        ([0, 0, 2, 3, -3, -2, 2, 3], {"typical_p": 0.1}, 3, [2, 3, 7]),
+    ):
+        s = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0, **opts)
+        out = _warp(paddle.to_tensor([x], dtype="float32"), s, keep=keep).numpy()
+        np.testing.assert_array_equal(np.nonzero(np.isfinite(out[0]))[0], kept, err_msg=str(opts))
+
+
+@pytest.mark.reference
+def test_min_p_and_typical_p_keep_the_tokens_hf_warpers_keep():
+    """The live twin of the test above on bfloat16-valued logits (ties are common there)."""
+    torch = pytest.importorskip("torch")
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    from paddleformers_glm.generation.logits_process import _warp
+
+    x = torch.tensor(np.random.default_rng(5).standard_normal((64, 4096)) * 3).bfloat16().float()
+    for keep in (2, 3):
+        for opts, hf_warper in (
+            ({"min_p": 0.5}, warpers.MinPLogitsWarper(0.5, min_tokens_to_keep=keep)),
+            ({"typical_p": 0.2}, warpers.TypicalLogitsWarper(0.2, min_tokens_to_keep=keep)),
+        ):
+            want = np.isfinite(hf_warper(None, x).numpy())
+            s = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0, **opts)
+            got = np.isfinite(_warp(paddle.to_tensor(x.numpy()), s, keep=keep).numpy())
+            np.testing.assert_array_equal(got, want, err_msg=f"{opts} keep {keep}")
+
+
+def test_an_empty_stop_string_ends_at_the_first_token_and_early_stopping_is_checked(tmp_path):
+    """transformers 5.23 takes "" as a stop string every token completes: measured, HF's generate on
+    make_tiny_checkpoint() with its tokenizer, "The capital of France is", stop_strings "", [""] or
+    ["", "zz"], greedy or num_beams 2: one new token (133). It refuses early_stopping other than
+    True / False / "never" without beams too (GenerationConfig.validate). Before: "" ran every token,
+    [""] was refused and early_stopping="foo" passed silently."""
+    folder, model, tok = _stop_case(tmp_path)
+    ids = paddle.to_tensor([tok.encode("The capital of France is")])
+    for stop in ("", [""], ["", "zz"]):
+        for beams in (1, 2):
+            out = model.generate(
+                ids,
+                max_new_tokens=5,
+                eos_token_id=[],
+                pad_token_id=7,
+                num_beams=beams,
+                stop_strings=stop,
+                tokenizer=tok,
+            )
+            assert out.numpy()[0, ids.shape[1] :].tolist() == [133], (stop, beams)
+    with pytest.raises(ValueError, match="stop_strings need tokenizer="):
+        model.generate(ids, max_new_tokens=5, stop_strings="")
+    with pytest.raises(ValueError, match="early_stopping must be True, False or 'never', got 'foo'"):
+        model.generate(ids, max_new_tokens=3, early_stopping="foo")
+
+
+@pytest.mark.reference
+def test_an_empty_stop_string_and_early_stopping_equal_hf_generate(tmp_path):
+    """The live twin of the test above."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder, model, tok = _stop_case(tmp_path)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    htok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    prompt = tok.encode("The capital of France is")
+    for stop in ("", [""], ["", "zz"]):
+        for beams in (1, 2):
+            kw = {"max_new_tokens": 5, "eos_token_id": [], "pad_token_id": 7, "num_beams": beams, "stop_strings": stop}
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([prompt]), tokenizer=htok, **kw).numpy()
+            got = model.generate(paddle.to_tensor([prompt]), tokenizer=tok, **kw).numpy()
+            np.testing.assert_array_equal(got, want, err_msg=f"{stop!r} beams {beams}")
+    with torch.no_grad(), pytest.raises(ValueError, match="early_stopping"):
+        hf.generate(torch.tensor([prompt]), max_new_tokens=3, early_stopping="foo")

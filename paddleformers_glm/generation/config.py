@@ -457,13 +457,14 @@ def resolve_settings(
     r["repetition_penalty"] = _number("repetition_penalty", get("repetition_penalty"), lambda v: v > 0, "> 0 (1: off)")
     nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
     beams = r["num_beams"] = _integer("num_beams", get("num_beams"), 1)
+    stop = get("early_stopping")  # checked without beams too, as transformers' GenerationConfig.validate
+    if stop not in (True, False, "never") or not isinstance(stop, (bool, str)):
+        raise ValueError(f"generate: early_stopping must be True, False or 'never', got {stop!r}")
     if beams > 1:  # transformers' beam search (with do_sample: beam sampling)
         if nrs > beams:  # transformers refuses it too
             raise ValueError(f"generate: num_return_sequences={nrs} must be <= num_beams={beams}")
         r["length_penalty"] = _number("length_penalty", get("length_penalty"), lambda v: True, "finite")
-        r["early_stopping"] = stop = get("early_stopping")
-        if stop not in (True, False, "never") or not isinstance(stop, (bool, str)):
-            raise ValueError(f"generate: early_stopping must be True, False or 'never', got {stop!r}")
+        r["early_stopping"] = stop
     elif nrs > 1 and not r["do_sample"]:
         raise ValueError(
             f"generate: num_return_sequences={nrs} needs do_sample=True or num_beams >= {nrs} (greedy decoding "
@@ -475,10 +476,11 @@ def resolve_settings(
         pad = eos[0] if eos else 0  # HF: pad with the first EOS id
     if not _is_int(pad):
         raise ValueError(f"generate: pad_token_id must be an int, got {pad!r}")
-    stops = get("stop_strings") or []
-    stops = [stops] if isinstance(stops, str) else list(stops)
-    if not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"generate: stop_strings must be non-empty strings, got {stops!r}")
+    # "" is a stop string as in transformers (StopStringCriteria: every token completes it), not "off"
+    stops = get("stop_strings")
+    stops = [] if stops is None else [stops] if isinstance(stops, str) else list(stops)
+    if not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"generate: stop_strings must be strings, got {stops!r}")
     # transformers' MinPLogitsWarper (a sampling warper, after top-p) takes min_p in [0, 1]
     min_p = get("min_p") if r["do_sample"] else None  # greedy: unused and unchecked, as the other warpers
     r["min_p"] = None if min_p is None else _number("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1]")

@@ -48,7 +48,8 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig, keep: int = 1) -> paddle.T
         x = paddle.where(drop, neg_inf, x)
     if s.min_p is not None:  # HF's MinPLogitsWarper: a token goes below min_p x the top probability
         p = paddle.nn.functional.softmax(x, axis=-1)
-        x = paddle.where(_below_top(p < s.min_p * p.max(axis=-1, keepdim=True), x, keep), neg_inf, x)
+        top = paddle.topk(p, min(keep, x.shape[-1]), axis=-1)[1]
+        x = paddle.where(_spared(p < s.min_p * p.max(axis=-1, keepdim=True), top), neg_inf, x)
     if s.typical_p is not None and s.typical_p < 1.0:
         x = paddle.where(_atypical(x, s.typical_p, keep), neg_inf, x)
     for cutoff, scaled in ((s.epsilon_cutoff, False), (s.eta_cutoff, True)):
@@ -78,6 +79,15 @@ def _below_top(remove: paddle.Tensor, x: paddle.Tensor, keep: int) -> paddle.Ten
     return remove & (x < paddle.topk(x, min(keep, x.shape[-1]), axis=-1)[0][:, -1:])
 
 
+def _spared(remove: paddle.Tensor, kept: paddle.Tensor) -> paddle.Tensor:
+    """``remove`` [N, V] less the tokens ``kept`` [N, k]: exactly those, in HF's order, where HF's
+    min_tokens_to_keep scatters them (MinP, Typical), not every token tied with the last of them."""
+    import paddle
+
+    spared = paddle.put_along_axis(paddle.zeros(remove.shape, "int32"), kept, paddle.ones(kept.shape, "int32"), 1)
+    return remove & (spared == 0)
+
+
 def _entropy(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """log-probabilities, probabilities and entropy [N, 1] of logits x (removed tokens: -inf, no share)."""
     import paddle
@@ -94,7 +104,7 @@ def _atypical(x: paddle.Tensor, mass: float, keep: int = 1) -> paddle.Tensor:
     """Tokens outside the locally typical set (HF's TypicalLogitsWarper): ranked by how far their
     information -log p lies from the entropy, the closest tokens are kept until their probability
     summed in that order reaches ``mass`` (the token that reaches it included, and any token as
-    close as it; the ``keep`` closest always stay)."""
+    close as it); the ``keep`` first in that order always stay."""
     import paddle
 
     logp, _, ent = _entropy(x)
@@ -102,8 +112,9 @@ def _atypical(x: paddle.Tensor, mass: float, keep: int = 1) -> paddle.Tensor:
     order = paddle.argsort(distance, axis=-1)  # closest first
     probs = paddle.nn.functional.softmax(paddle.take_along_axis(x, order, axis=-1), axis=-1)
     reached = (paddle.cumsum(probs, axis=-1) < mass).astype("int64").sum(-1, keepdim=True)
-    last = paddle.clip(reached, min=keep - 1, max=x.shape[-1] - 1)
-    return distance > paddle.take_along_axis(paddle.take_along_axis(distance, order, axis=-1), last, axis=-1)
+    last = paddle.clip(reached, max=x.shape[-1] - 1)
+    far = distance > paddle.take_along_axis(paddle.take_along_axis(distance, order, axis=-1), last, axis=-1)
+    return _spared(far, order[:, :keep])
 
 
 def _below_cutoff(x: paddle.Tensor, cutoff: float, entropy_scaled: bool) -> paddle.Tensor:
@@ -300,10 +311,13 @@ class Processors:
         self.guidance: Decoder | None = None  # guidance_scale's unconditional sequence (set by generate)
         self.last = None  # the ids chosen last
         self.seen = None
-        if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (padding excluded)
+        if s.repetition_penalty != 1.0:  # [B, V]: which tokens a row holds (its left padding excluded)
             self.seen = paddle.zeros([B, V], dtype="bool")
             if ids_given and S:
-                valid = paddle.ones_like(input_ids) if mask is None else (mask != 0).astype("int64")
+                valid = paddle.ones_like(input_ids)
+                if mask is not None:  # HF's prompt_ignore_length: the slots before the first real token
+                    first = paddle.argmax((mask != 0).astype("int32"), axis=1, keepdim=True)
+                    valid = (paddle.arange(S, dtype="int64")[None, :] >= first).astype("int64")
                 zero = paddle.zeros([B, V], dtype="int64")
                 self.seen = paddle.put_along_axis(zero, input_ids, valid, axis=1, reduce="add") > 0
         # the prompt read back to the host only for the processors that track rows there

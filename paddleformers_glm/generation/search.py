@@ -234,7 +234,9 @@ def _counts(stats: dict) -> dict:
 def _stop_string_hits(tokenizer: Any, stops: list[str], tails: list, rows: list[tuple[int, Any]]) -> list[bool]:
     """Per (prompt row, its new tokens): whether a stop string occurs in the text of the row's prompt
     tail and those tokens, ending after the prompt (transformers' StopStringCriteria: the string
-    may begin in the prompt once it overlaps the new tokens)."""
+    may begin in the prompt once it overlaps the new tokens; "" ends every row at its first token)."""
+    if "" in stops:
+        return [True] * len(rows)
     hits = []
     for r, new in rows:
         tail, n = tails[r]
@@ -298,16 +300,18 @@ def _beam_search(
         V = logp.shape[-1]
         total = logp.reshape([B, K, V]) + paddle.to_tensor(run_scores).unsqueeze(-1)
         total = total.reshape([B, K * V])
+        if bool(paddle.isnan(total).any()):
+            raise _no_valid_scores(f"beam search's step {step} has NaN scores")
         if s.do_sample:
             idx = _draw_without_replacement(total, keep, rng)
             vals = paddle.take_along_axis(total, paddle.to_tensor(idx), axis=-1).numpy()
-            if not np.isfinite(vals).all():  # transformers' multinomial raises here too
-                raise ValueError(
-                    f"generate: beam sampling draws {keep} continuations per prompt, but fewer have a probability "
-                    f"after the warpers (top_k={s.top_k}, top_p={s.top_p} ...); keep more tokens or use fewer beams"
-                )
         else:
             vals, idx = (t.numpy() for t in paddle.topk(total, keep, axis=-1))
+        if s.do_sample and not np.isfinite(vals).all():  # transformers' multinomial raises here too
+            raise ValueError(
+                f"generate: beam sampling draws {keep} continuations per prompt, but fewer have a probability "
+                f"after the warpers (top_k={s.top_k}, top_p={s.top_p} ...); keep more tokens or use fewer beams"
+            )
         beam, tok = idx // V, idx % V
         cand_seq, cand_src = run_seq[rows, beam], run_src[rows, beam]
         cand_seq[:, :, cur] = tok
@@ -468,8 +472,12 @@ def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Gene
 
 
 def _top(x: np.ndarray, k: int) -> np.ndarray:
-    """The indices of each row's k largest values, largest first (ties: the earlier first)."""
-    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+    """The indices of each row's k largest values, largest first, ties in torch.topk's order (HF picks
+    the running beams and the finished hypotheses with it; paddle.topk breaks ties as it does, where
+    a stable sort's earlier-first order picked other beams among equal scores)."""
+    import paddle
+
+    return paddle.topk(paddle.to_tensor(x, place=paddle.CPUPlace()), k, axis=1)[1].numpy()
 
 
 def _sample(
@@ -581,9 +589,22 @@ def compute_transition_scores(
     return paddle.where(ended, paddle.zeros_like(picked), picked)
 
 
+def _no_valid_scores(what: str) -> RuntimeError:
+    """The error for scores no token can be chosen from, where transformers' torch.multinomial raises
+    ("probability tensor contains either inf, nan or element < 0") or its beam search goes on with
+    NaN scores: a token chosen anyway (the last of the vocabulary, or none) would be silently wrong."""
+    return RuntimeError(
+        f"generate: {what}: the logits or a logits_processor's scores hold NaN or +inf, or every token "
+        "was removed (suppress_tokens, bad_words_ids, the warpers ...); remove_invalid_values=True turns "
+        "NaN into 0 and +-inf into the largest finite value"
+    )
+
+
 def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
     """One token per row from the softmax of ``scores`` [B, V] by inverting its CDF at the given
-    uniform numbers [B] in [0, 1): the only host data is those B numbers."""
+    uniform numbers [B] in [0, 1): the host data is those B numbers and one flag read back, whether
+    every row has a probability to draw from (NaN or +inf scores, or every token removed: an error,
+    as transformers' multinomial raises)."""
     import paddle
 
     # float64: a float32 CDF steps by 6e-8 near 1.0, so over a 150k vocabulary the many tokens below
@@ -592,6 +613,8 @@ def _draw(scores: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
     # exact zeros for removed tokens (Paddle's CPU softmax gives exp(-inf) as ~1e-28, not 0)
     p = paddle.where(paddle.isinf(scores), paddle.zeros_like(p), p)
     cdf = paddle.cumsum(p, axis=-1)
+    if not bool((cdf[:, -1] > 0).all()):  # NaN > 0 is False too
+        raise _no_valid_scores("sampling finds no token with a valid probability")
     target = paddle.to_tensor(np.asarray(uniforms, dtype=np.float64)[:, None]) * cdf[:, -1:]
     idx = paddle.searchsorted(cdf, target, right=True).squeeze(-1)  # first token whose CDF exceeds the target
     # rounding can put the target at the CDF's end: take the last token with probability then
