@@ -23,6 +23,7 @@ from ..parallel import comm
 from ..parallel.context import zigzag_positions
 from ..parallel.experts import ExpertParallelDispatcher, LocalExperts
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, mark_sequence_parallel, set_shard_spec
+from ..parallel.recompute import replaying
 from ..parallel.topology import Topology
 
 
@@ -138,9 +139,8 @@ _FROZEN_TRAINING_FORWARDS = [0]
 @contextlib.contextmanager
 def frozen_training_forward() -> Iterator[None]:
     """A training forward run under ``no_grad`` because every weight it touches is frozen (the
-    indexer's dense warm-up): the routers still count their load.  Elsewhere a training forward
-    without gradients is the first pass of a recomputed layer, which the routers skip (its
-    re-forward in the backward counts the tokens once)."""
+    indexer's dense warm-up): the routers still count their load, which they count in no other
+    training forward without gradients."""
     _FROZEN_TRAINING_FORWARDS[0] += 1
     try:
         with paddle.no_grad():
@@ -204,18 +204,22 @@ class RouterBalance:
         expert that computed a padding row is stepped (zero gradient) as in torch."""
         E = scores.shape[-1]
         mask = self.local_valid(valid, int(expert_ids.shape[0]))
+        count = not replaying()  # a recomputed layer's second run routes the same tokens again
         with paddle.no_grad():
             c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
-            self.routed = c if self.routed is None else self.routed + c
+            if count:
+                self.routed = c if self.routed is None else self.routed + c
             if mask is not None:  # padding rows' assignments into an extra bin, dropped
                 ids = paddle.where(mask.unsqueeze(-1), expert_ids, paddle.full_like(expert_ids, E))
                 c = paddle.bincount(ids.reshape([-1]), minlength=E + 1)[:E]
-            self.counts = c if self.counts is None else self.counts + c
+            if count:
+                self.counts = c if self.counts is None else self.counts + c
         if self.aux_loss_coeff <= 0:
             return weights
         aux = sequence_aux_loss(scores, expert_ids, batch_shape, E, self.sp_group, self.sp_size, mask)
-        done = aux.detach()
-        self.aux_loss = done if self.aux_loss is None else self.aux_loss + done
+        if count:
+            done = aux.detach()
+            self.aux_loss = done if self.aux_loss is None else self.aux_loss + done
         return _AuxLossGrad.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale)
 
     def take_routed(self) -> paddle.Tensor | None:

@@ -13,10 +13,19 @@ import paddle
 
 from .topology import RECOMPUTE_MODES
 
-__all__ = ["run_core", "run_layer"]
+__all__ = ["replaying", "run_core", "run_layer"]
 
 # > 0 while a decoder layer runs under --recompute core (a list: to_static cannot transform `global`)
 _core_depth = [0]
+# > 0 while a recomputed function runs again in backward
+_replay_depth = [0]
+
+
+def replaying() -> bool:
+    """Whether this forward is a recomputed function's second run (in backward). Fleet's hook-based
+    recompute runs the first pass with gradients on too, so a layer's training-time statistics (the
+    routers' load counts) would count its tokens twice without this."""
+    return _replay_depth[0] > 0
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -28,7 +37,19 @@ def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
 
     from ._compat import saving_contiguous
 
-    return recompute(saving_contiguous(fn), *args, use_reentrant=False, preserve_rng_state=True)
+    runs = [0]
+
+    def counted(*a: Any) -> Any:
+        runs[0] += 1
+        if runs[0] == 1:
+            return fn(*a)
+        _replay_depth[0] += 1
+        try:
+            return fn(*a)
+        finally:
+            _replay_depth[0] -= 1
+
+    return recompute(saving_contiguous(counted), *args, use_reentrant=False, preserve_rng_state=True)
 
 
 def run_layer(layer: Callable[..., Any], *args: Any, mode: str = "none") -> Any:
