@@ -569,6 +569,34 @@ def test_token_ids_outside_the_vocabulary_and_a_mask_of_another_shape_are_refuse
         model(ids, paddle.ones([2, 11], "int64"), use_cache=True)
 
 
+def test_ignore_index_and_float_labels_as_transformers():
+    """transformers 5.23 passes ``forward(..., ignore_index=i)`` to its loss (labels equal to i count
+    in none; measured 5.586433 on the hunt's fixture, where ours raised TypeError) and refuses float
+    labels (RuntimeError), which Paddle's cross entropy truncated to ints without a word."""
+    model = tiny_model()
+    model.eval()
+    ids = tokens(2, 10)
+    marked, hf_marked = ids.numpy().copy(), ids.numpy().copy()
+    marked[:, :3], hf_marked[:, :3] = -1, -100
+    got = model(ids, labels=paddle.to_tensor(marked), ignore_index=-1, use_cache=False).loss
+    want = model(ids, labels=paddle.to_tensor(hf_marked), use_cache=False).loss
+    assert float(got) == float(want)
+    with pytest.raises(ValueError, match="labels must be integer token ids, got float32"):
+        model(ids, labels=ids.astype("float32") + 0.7)
+
+
+@pytest.mark.reference
+def test_ignore_index_equals_transformers():
+    torch, hf, model = _tiny_in_both()
+    ids = tokens(2, 10).numpy()
+    marked = ids.copy()
+    marked[:, [0, 4, 9]] = -1
+    with torch.no_grad():
+        want = float(hf(torch.tensor(ids), labels=torch.tensor(marked), ignore_index=-1).loss)
+    got = float(model(paddle.to_tensor(ids), labels=paddle.to_tensor(marked), ignore_index=-1).loss)
+    assert abs(got - want) <= 2e-5, (got, want)
+
+
 def test_a_4d_attention_mask_is_refused_by_name():
     """transformers 5.23 takes a 4-D [B, 1, S, S] bool mask (the causal one: its plain logits); ours
     crashed inside paddle (expand_v2: "The number of elements (3) of 'shape' ... rank (5)"). The

@@ -207,6 +207,7 @@ class Embedding(nn.Layer):
         return self.embed_tokens(input_ids)
 
 
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 def _check_token_ids(ids: paddle.Tensor, vocab: int) -> None:
     """An id outside [0, vocab) is an IndexError, as torch's embedding raises (transformers 5.23:
     "index out of range in self"); Paddle's CPU embedding reads -1 out of bounds instead, and a
@@ -532,11 +533,23 @@ def _check_pipelined_forward(
 
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 def _check_labels_shape(labels: paddle.Tensor, inputs: paddle.Tensor) -> None:
-    """``labels`` are [B, S] as the input's first two axes (transformers 5.23 raises "Expected input
-    batch_size (20) to match target batch_size (16)" otherwise); the loss read past their end."""
+    """``labels`` are [B, S] integer ids as the input's first two axes (transformers 5.23 raises
+    "Expected input batch_size (20) to match target batch_size (16)" otherwise, and a RuntimeError on
+    float labels, which Paddle's cross entropy truncated); the loss read past their end."""
     want, got = list(inputs.shape[:2]), list(labels.shape)
     if -1 not in want + got and got != want:
         raise ValueError(f"forward: labels of shape {got}: expected {want}, the input's [batch, seq]")
+    if labels.dtype not in (paddle.int64, paddle.int32, paddle.int16, paddle.int8, paddle.uint8):
+        raise ValueError(f"forward: labels must be integer token ids, got {str(labels.dtype).replace('paddle.', '')}")
+
+
+@paddle.jit.not_to_static  # plain Python: to_static's translation leaves it as it is
+def _ignoring(labels: paddle.Tensor | None, ignore_index: int | None) -> paddle.Tensor | None:
+    """transformers' ``forward(..., ignore_index=i)`` (passed on to its loss): labels equal to ``i``
+    count in no loss, as the package's ``IGNORE_INDEX`` (-100)."""
+    if labels is None or ignore_index is None or ignore_index == IGNORE_INDEX:
+        return labels
+    return paddle.where(labels == ignore_index, paddle.full_like(labels, IGNORE_INDEX), labels)
 
 
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
@@ -553,6 +566,7 @@ def _keep_rows(logits_to_keep: int | paddle.Tensor) -> paddle.Tensor | None:
     return logits_to_keep
 
 
+@paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
 def _check_keep_with_labels(logits_to_keep: int, keep_index: paddle.Tensor | None, seq_len: int) -> None:
     """``logits_to_keep`` with ``labels``: the loss needs every position's logits. transformers 5.23
     computes the loss from the kept logits and so raises for fewer than all ("Expected input
@@ -870,6 +884,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         `max_length_k` / `seq_idx` are taken beside them, refused by name otherwise; see docs/model.md."""
         custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
+        labels = _ignoring(labels, kwargs.pop("ignore_index", None))
         packing = None
         if position_ids is not None and attention_mask is None and past_key_values is None:
             hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
