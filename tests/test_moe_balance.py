@@ -57,6 +57,25 @@ def test_bias_rule_on_known_counts():
     assert b.report()["expert_load"]["unused_fraction"][1] == [0.0, 0.25]
 
 
+def test_a_moe_layer_that_routes_no_real_token_at_step_1_stays_in_the_record():
+    """Every router's layer is a row of expert_load from step 1, as in the torch reference run (which
+    lists such a layer's experts all idle at step 1). Measured before, with two MTP layers and padded
+    data: the depth-2 MTP layer got no real token at step 1 and was left out of `layers` for the
+    whole run; glm52 align then failed idle_experts while every loss and dump agreed."""
+    from paddleformers_glm.parallel.topology import get_topology
+
+    m = _routers()
+    b = ExpertBalancer(m, get_topology(), bias_update_rate=0.0)
+    m.layers["3"]["gate"].balance.counts = paddle.to_tensor([2, 2, 0, 0], dtype="int64")  # layer 5: none
+    b.after_step(1)
+    m.layers["5"]["gate"].balance.counts = paddle.to_tensor([0, 0, 0, 4], dtype="int64")
+    b.after_step(2)
+    rep = b.report()["expert_load"]
+    assert rep["layers"] == [3, 5]
+    assert rep["idle_experts"] == [{"3": [2, 3], "5": [0, 1, 2, 3]}, {"3": [0, 1, 2, 3], "5": [0, 1, 2]}]
+    assert rep["load_total"] == [[2, 2, 0, 0], [0, 0, 0, 4]]
+
+
 def test_rate_zero_leaves_the_bias_and_stats_still_count():
     from paddleformers_glm.parallel.topology import get_topology
 

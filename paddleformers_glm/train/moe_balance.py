@@ -68,7 +68,12 @@ class ExpertBalancer:
         top = np.array([max(self.routers, default=-1) + 1, self.num_experts], dtype=np.float64)
         top = comm.all_reduce(paddle.to_tensor(top), topo.pp_group, "max").numpy()
         self.slots, self.num_experts = int(top[0]), int(top[1])
-        self.layers: list[int] | None = None  # MoE layer numbers (rows that routed tokens)
+        # MoE layer numbers: every router any stage holds, whether or not it routed a real token at
+        # step 1 (an MTP depth past the data's real tokens routes none then, and was left out)
+        held = np.zeros([max(self.slots, 1)], dtype=np.float64)
+        held[list(self.routers)] = 1.0
+        held = comm.all_reduce(paddle.to_tensor(held), topo.pp_group, "max").numpy()
+        self.layers: list[int] | None = np.flatnonzero(held[: self.slots] > 0).tolist() if self.active else None
         # per step: its number, per MoE layer the load statistics, MoE layer -> experts that got no token
         self.series: dict[str, list] = {k: [] for k in ("steps", "max_mean_ratio", "unused_fraction", "idle_experts")}
         self.aux_losses: list[float] = []
@@ -99,8 +104,6 @@ class ExpertBalancer:
             t = comm.all_reduce(t, g)
         mat = t.numpy()
         load = mat[:, :E]
-        if self.layers is None:
-            self.layers = [i for i in range(self.slots) if load[i].sum() > 0]
         if self.rate > 0:
             rate = np.float32(self.rate)
             with paddle.no_grad():

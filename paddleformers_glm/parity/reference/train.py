@@ -282,7 +282,8 @@ class Reference:
 
         def ce_sum(logits, shift):
             target = torch.full_like(labels, -100)
-            target[:, : S - shift] = labels[:, shift:]
+            if shift < S:  # a depth past the window has no target (S - shift would slice from the end)
+                target[:, : S - shift] = labels[:, shift:]
             return F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
             )
