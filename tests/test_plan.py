@@ -517,3 +517,124 @@ def test_plan_json_names_the_model_folder(tmp_path, monkeypatch):
     out = tmp_path / "plan.json"
     assert cli_main(["plan", "--model", TINY_CONFIG.parent.name, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["model"] == str(TINY_CONFIG.parent.resolve())
+
+
+def _train_refusal(flags: list[str]) -> str | None:
+    """What glm52 train refuses in ``flags`` before it launches, reading no file: its checks of the
+    settings (``train_line_error``), then of a multi-node launch (``node_rank_of``, run after them)."""
+    import argparse
+
+    from paddleformers_glm.train.command import add_train_arguments, node_rank_of
+
+    model = ["--model", str(TINY_CONFIG.parent)]
+    if err := train_line_error([*model, *flags]):
+        return err
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args([*model, "--out", "unused", *flags])
+    try:
+        node_rank_of(args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--out", "x", "--nnodes", "2", "--dp", "2"],  # needs --master
+        ["--master", "1.2.3.4:99", "--nnodes", "2", "--dp", "2"],  # needs --node-rank
+        ["--master", "1.2.3.4:99", "--node-rank", "5", "--nnodes", "2", "--dp", "2"],
+        ["--launcher-args", "--master 1.2.3.4:99 --rank 2", "--nnodes", "2", "--dp", "2"],
+        ["--model-config", "{}"],  # a checkpoint model's config is its config.json
+        ["--resume-override", "lr"],  # no --resume
+    ],
+)
+def test_plan_refuses_a_train_lines_launch_and_ignored_flags_in_trains_words(capsys, flags):
+    """Before: planned, exit 0, where glm52 train refuses the line before it launches (a multi-node
+    line without its rendezvous or with a node rank outside the nodes; flags a checkpoint run ignores)."""
+    want = _train_refusal(flags)
+    assert want is not None
+    assert cli_main(["plan", "--model", str(TINY_CONFIG.parent), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"glm52 plan: error: {want}", err
+
+
+def test_plan_takes_a_multi_node_train_line_train_takes(capsys):
+    flags = ["--master", "1.2.3.4:99", "--node-rank", "1", "--nnodes", "2", "--dp", "2"]
+    assert _train_refusal(flags) is None
+    assert cli_main(["plan", "--model", str(TINY_CONFIG.parent), *flags]) == 0
+    # a search of a multi-node line checks its launch too
+    search = ["plan", "--model", str(TINY_CONFIG.parent), "--search", "--gpus", "4", "--nnodes", "2"]
+    assert cli_main(search) == 2
+    assert "--nnodes 2 needs --master IP:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--pp", "0"], ["--dp", "0"], ["--sharding", "0"], ["--pp", "-2"], ["--pp", "2", "--dp", "-1"], ["--tp", "0"]],
+)
+def test_plan_names_a_size_below_1_as_train_does(capsys, flags):
+    """Before: "--global-batch-size must be >= 1, got 0", a batch plan derived from the sizes (pp x
+    replicas x micro-batch) and the line never gave; train names the size."""
+    want = _train_refusal(flags)
+    assert want is not None and "global-batch-size" not in want
+    assert cli_main(["plan", "--model", str(TINY_CONFIG.parent), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"glm52 plan: error: {want}"], err
+
+
+def test_search_under_vpp_lists_a_pipeline_of_more_chunks_than_layers(tmp_path):
+    """The trainer splits L layers into up to L + 2 chunks (the first may hold the embedding alone,
+    the last the head alone); the search skipped every pp x vpp above L.  Tiny model (8 layers):
+    --pp 2 --vpp 5 is 10 chunks, which the trainer takes and the search now lists."""
+    out = tmp_path / "s.json"
+    model = str(TINY_CONFIG.parent)
+    line = ["--pp", "2", "--vpp", "5", "--global-batch-size", "4", "--seq-len", "32"]
+    assert train_line_error(["--model", model, *line]) is None
+    args = ["plan", "--model", model, "--search", "--gpus", "2", *line[2:], "--top", "100", "--json", str(out)]
+    assert cli_main(args) == 0
+    found = json.loads(out.read_text())["layouts"]
+    assert any("--pp 2 " in r["flags"] and "--vpp 5" in r["flags"] for r in found), [r["flags"] for r in found]
+    for r in found:
+        assert train_line_error(["--model", model, *shlex.split(r["flags"])]) is None, r["flags"]
+
+
+def test_plan_verdict_names_the_reserve_and_refuses_one_that_leaves_nothing(tmp_path, capsys):
+    """Before: "does NOT fit in 80 GiB" with 20 GiB reserved (the budget weighed was 60), and a
+    reserve of the whole GPU or more planned, every layout "does NOT fit"."""
+    model = str(TINY_CONFIG.parent)
+    assert cli_main(["plan", "--model", model, "--gpu-mem-gb", "80", "--reserve-gb", "20"]) == 0
+    assert "fits in 80 GiB less 20 reserved" in capsys.readouterr().out
+    assert cli_main(["plan", "--model", model, "--reserve-gb", "0"]) == 0
+    assert "fits in 80 GiB (" in capsys.readouterr().out
+    out = tmp_path / "plan.json"
+    for reserve in ("80", "1000"):
+        assert cli_main(["plan", "--model", model, "--reserve-gb", reserve, "--json", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"glm52 plan: error: --reserve-gb {reserve} must be below --gpu-mem-gb 80: it leaves no memory"]
+    assert not out.exists()
+
+
+def test_a_large_world_has_no_row_per_rank_and_the_table_counts_its_ranks(tmp_path, capsys, monkeypatch):
+    """Before: a row per rank (--dp 100000: 22 s and 2.6 GB; a million ranks a MemoryError), and the
+    table counted each stage's ranks from those rows.  Past RANK_ROWS_MAX ranks the rows are left out."""
+    model, out = str(TINY_CONFIG.parent), tmp_path / "plan.json"
+    monkeypatch.setattr(planmod, "RANK_ROWS_MAX", 64, raising=False)
+    assert cli_main(["plan", "--model", model, "--pp", "2", "--dp", "50", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["ranks"] == [] and "world 100 > 64" in plan["ranks_left_out"]
+    table = capsys.readouterr().out
+    assert "50 ranks (0..98)" in table and "50 ranks (1..99)" in table
+    monkeypatch.undo()
+    t0 = time.process_time()
+    plan = planmod.plan_layout(tiny_config(), planmod.Layout(dp=10**6))
+    assert time.process_time() - t0 < 10 and plan["ranks"] == [] and plan["fits"]
+
+
+@pytest.mark.parametrize(
+    "lay", [dict(pp=3, dp=2), dict(tp=2, pp=2, dp=3, sharding=2, cp=2), dict(pp=4), dict(dp=5), dict(tp=2, pp=2)]
+)
+def test_table_rank_ranges_are_those_of_the_rank_rows(lay):
+    L = planmod.Layout(**lay)
+    for stage in range(L.pp):
+        ids = [r for r in range(L.world_size) if planmod.rank_coords(L, r)["pp"] == stage]
+        assert planmod.stage_ranks(L, stage) == (len(ids), ids[0], ids[-1])

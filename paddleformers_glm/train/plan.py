@@ -401,16 +401,16 @@ _LAUNCH_SETTINGS = ("job_timeout", "comm_timeout", "nnodes")
 def train_config(lay: Layout) -> Any:
     """The ``glm52 train`` settings of ``lay`` (its shared fields by name, a train line's other settings
     from ``train_only``; a global batch of 0: pp micro-batches per replica; sharding stage 3, the
-    planner's only, checked as stage 2)."""
+    planner's only, checked as stage 2).  Sizes below 1 derive no batch: 1 stands in, so that the
+    trainer's check names the size (``--pp 0`` was blamed on a global batch of 0 the line never gave)."""
     from .settings import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
     given = {k: getattr(lay, k) for k in names if hasattr(lay, k)}
     given |= {k: v for k, v in lay.train_only if k in names and k not in _FILE_SETTINGS}
-    given.update(
-        sharding_stage=min(lay.sharding_stage, 2),
-        global_batch_size=lay.global_batch_size or lay.pp * lay.replicas * lay.micro_batch_size,
-    )
+    sizes = (lay.pp, lay.dp, lay.sharding, lay.micro_batch_size)
+    derived = lay.pp * lay.replicas * lay.micro_batch_size if min(sizes) >= 1 else 1
+    given.update(sharding_stage=min(lay.sharding_stage, 2), global_batch_size=lay.global_batch_size or derived)
     return TrainConfig(model="glm", **given)
 
 
@@ -423,14 +423,36 @@ def check_layout(config: Any, lay: Layout) -> list[Any]:
     from .settings import check_choices, run_world
 
     check_choices(lay, {"sharding_stage": (1, 2, 3)})  # the planner's own choices; the rest as the trainer's
+    given = dict(lay.train_only)
+    _check_ignored_flags(given)
     cfg = train_config(lay)
-    if dump := dict(lay.train_only).get("dump_step"):  # a train line's --dump-step DIR K: K within its --steps
+    if dump := given.get("dump_step"):  # a train line's --dump-step DIR K: K within its --steps
         from .command import dump_steps
 
         dump_steps(argparse.Namespace(dump_step=dump, steps=cfg.steps, model="glm"))
     launch = {k: v for k, v in lay.train_only if k in _LAUNCH_SETTINGS}
     _, chunks = check_settings(cfg, GlmAdapter.for_config(config), run_world(cfg), **launch)
     return chunks
+
+
+def _check_ignored_flags(given: dict[str, Any]) -> None:
+    """``command.config_from_args``' first refusals, in its words: flags a checkpoint run would ignore
+    (plan's --model is always a checkpoint or config folder, never the toy model)."""
+    if given.get("resume_override") and not given.get("resume"):
+        raise ValueError("--resume-override names what a --resume may change; this run has no --resume")
+    if given.get("model_config"):
+        raise ValueError("--model-config sets the toy model's config; a checkpoint's is its config.json")
+
+
+def check_nodes(lay: Layout) -> None:
+    """A multi-node train line's rendezvous and node rank (``command.node_rank_of``), train's defaults
+    for what the line leaves out.  glm52 train checks them after ``check_args``, before it launches;
+    the command runs this after :func:`check_layout` likewise, which stays ``check_args``' twin."""
+    from .command import node_rank_of
+
+    given = dict(lay.train_only)
+    defaults = {"nnodes": 1, "master": None, "node_rank": None, "launcher_args": ""}
+    node_rank_of(argparse.Namespace(**{k: given.get(k, v) for k, v in defaults.items()}))
 
 
 def _is_expert(name: str) -> bool:
@@ -489,7 +511,7 @@ def plan_layout(
 ) -> dict[str, Any]:
     """Per-rank bytes of ``lay`` and whether every rank fits ``gpu_mem_gb`` (GiB, minus
     ``reserve_gb``); ``per_rank=False`` leaves out the row of every rank (``--search`` needs the
-    verdict and the stages only)."""
+    verdict and the stages only), as does a world of more than ``RANK_ROWS_MAX`` ranks."""
     from ..parallel.pipeline import rank_spec
 
     chunks = check_layout(config, lay)
@@ -523,7 +545,8 @@ def plan_layout(
         kinds.append(row)
     limit = (gpu_mem_gb - reserve_gb) * GiB
     ranks = []
-    for rank in range(lay.world_size if per_rank else 0):
+    rows = per_rank and lay.world_size <= RANK_ROWS_MAX
+    for rank in range(lay.world_size if rows else 0):
         xy = rank_coords(lay, rank)
         k = kinds[xy["pp"]]
         fields = ("expert_params", "params_bytes", "grads_bytes", "grads_after_reduce_bytes", "optimizer_bytes")
@@ -546,11 +569,30 @@ def plan_layout(
         },
         "total_params": total_params(config, lay),
         "gpu_mem_gb": gpu_mem_gb,
+        "reserve_gb": reserve_gb,
         "fits": bool(worst <= limit),
         "max_rank_bytes": worst,
         "kinds": kinds,
         "ranks": ranks,
+        **(
+            {"ranks_left_out": f"world {lay.world_size} > {RANK_ROWS_MAX}: a rank holds its stage's kinds row"}
+            if per_rank and not rows
+            else {}
+        ),
     }
+
+
+# a rank's row repeats its stage's (and sharding rank's) numbers: past this many ranks the rows are
+# left out of the plan (a world of a million ranks ran out of memory building them)
+RANK_ROWS_MAX = 16384
+
+
+def stage_ranks(lay: Layout, stage: int) -> tuple[int, int, int]:
+    """(count, first, last) of the ranks of pipeline stage ``stage`` (:func:`rank_coords`' order),
+    computed, not listed: a large world's table has no row per rank to count."""
+    block = lay.tp * lay.cp * lay.sharding  # the ranks of one (dp, pp) coordinate, consecutive
+    first = stage * block
+    return lay.world_size // lay.pp, first, first + (lay.dp - 1) * lay.pp * block + block - 1
 
 
 _RECOMPUTE_ORDER = ("none", "core", "full")  # the search tries the least recompute first
@@ -595,6 +637,20 @@ def search_layouts(
             "recompute_rank": _RECOMPUTE_ORDER.index(lay.recompute),
         }
 
+    @functools.cache
+    def splits(pp: int) -> bool:
+        """The trainer splits the layers into pp (x --vpp) chunks: its own rule (``settings.pipeline_chunks``),
+        which lets the first and last chunk hold the embedding or the head alone (requiring a layer per
+        chunk dropped such layouts under --vpp)."""
+        from .settings import pipeline_chunks
+
+        try:
+            pipeline_chunks(replace(base, pp=pp, vpp=base.vpp if pp > 1 else 1), pp, L, config.num_mtp_layers > 0)
+        except ValueError:  # ParallelConfigError
+            return False
+        return True
+
+    L = config.num_hidden_layers
     found = []
     t0, checked = time.perf_counter(), 0
     tps = [t for t in pow2(gpus) if t <= 8]
@@ -604,7 +660,7 @@ def search_layouts(
                 f"tp {tps[tp_i - 1]} done ({tp_i}/{len(tps)}): {checked} layouts checked, {len(found)} fit, "
                 f"{time.perf_counter() - t0:.1f} s"
             )
-        for pp in [p for p in pow2(gpus // tp) if p <= config.num_hidden_layers]:
+        for pp in [p for p in pow2(gpus // tp) if splits(p)]:
             if (gpus // (tp * pp)) % base.cp:
                 continue
             dpt = gpus // (tp * pp * base.cp)  # data-parallel ranks (dp x sharding); --cp is kept as given
@@ -617,8 +673,6 @@ def search_layouts(
                         base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
                         sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
                     )  # fmt: skip
-                    if lay.vpp > 1 and config.num_hidden_layers < pp * lay.vpp:
-                        break  # fewer layers than virtual chunks
                     if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
                         break  # the global batch does not split over this layout's replicas
                     checked += 1
@@ -643,18 +697,18 @@ def _runs(ids: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
-def _table(plan: dict[str, Any]) -> str:
+def _table(plan: dict[str, Any], lay: Layout) -> str:
     rows = [
         f"{'stage':>5} {'layers':>9} {'params':>14} {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9} "
         f"{'activ GiB':>9} {'total GiB':>9}  ranks"
     ]
     for k in plan["kinds"]:
-        ids = [r["rank"] for r in plan["ranks"] if r["stage"] == k["stage"]]
-        lay = _runs(k["layer_ids"]) or "-"
+        n, first, last = stage_ranks(lay, k["stage"])
+        layers = _runs(k["layer_ids"]) or "-"
         tags = "".join(t for t, on in (("E", k["embedding"]), ("H", k["head"]), ("M", k["mtp"])) if on)
-        rng = f"{len(ids)} ranks ({ids[0]}..{ids[-1]})" if len(ids) > 1 else str(ids)
+        rng = f"{n} ranks ({first}..{last})" if n > 1 else f"[{first}]"
         rows.append(
-            f"{k['stage']:>5} {lay + tags:>9} {k['num_params']:>14,} {k['params_bytes'] / GiB:>10.2f} "
+            f"{k['stage']:>5} {layers + tags:>9} {k['num_params']:>14,} {k['params_bytes'] / GiB:>10.2f} "
             f"{k['grads_bytes'] / GiB:>9.2f} {k['optimizer_bytes'] / GiB:>9.2f} {k['activations_bytes'] / GiB:>9.2f} "
             f"{k['total_bytes'] / GiB:>9.2f}  {rng}"
         )
@@ -664,7 +718,8 @@ def _table(plan: dict[str, Any]) -> str:
 def _check_budget(args: argparse.Namespace) -> None:
     """The planner's own numbers: a GPU's memory and the --search assumptions are positive and
     finite, the reserve and --gpus are not negative, --top lists at least one layout (a zero speed
-    divided by zero; --top -1 dropped the last fitting layout; a negative memory was "does NOT fit")."""
+    divided by zero; --top -1 dropped the last fitting layout; a negative memory was "does NOT fit"),
+    and the reserve leaves some of the GPU's memory (a reserve of all of it fitted nothing)."""
     positive = ("gpu_mem_gb", "gpu_tflops", "tp_bw_gbs", "net_bw_gbs", "top")
     for name in (*positive, "reserve_gb", "gpus"):
         value = getattr(args, name)
@@ -672,6 +727,15 @@ def _check_budget(args: argparse.Namespace) -> None:
         if not (low_ok and math.isfinite(value)):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be {'> 0' if name in positive else '>= 0'} and finite, got {value}")
+    if args.reserve_gb >= args.gpu_mem_gb:  # nothing left to plan into: every layout "does NOT fit"
+        raise ValueError(
+            f"--reserve-gb {args.reserve_gb:g} must be below --gpu-mem-gb {args.gpu_mem_gb:g}: it leaves no memory"
+        )
+
+
+def _budget(args: argparse.Namespace) -> str:
+    """The memory a rank may use, as the verdict weighs it (the reserve was left out of the line)."""
+    return f"{args.gpu_mem_gb:g} GiB" + (f" less {args.reserve_gb:g} reserved" if args.reserve_gb else "")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -697,6 +761,7 @@ def run_plan(args: argparse.Namespace) -> int:
         config = GlmMoeDsaConfig.from_pretrained(args.model)
         lay = layout_from_args(args)
         if args.search:
+            check_nodes(lay)
             if not args.gpus:
                 raise ValueError("--search needs --gpus N")
             from .plan_cost import Hardware
@@ -704,9 +769,7 @@ def run_plan(args: argparse.Namespace) -> int:
             hw = Hardware(args.gpu_tflops * 1e12, args.tp_bw_gbs * 1e9, args.net_bw_gbs * 1e9)
             say = functools.partial(print, "[glm52 plan]", file=sys.stderr, flush=True)
             found = search_layouts(config, args.gpus, lay, args.gpu_mem_gb, args.reserve_gb, args.top, hw, progress=say)
-            print(
-                f"layouts of {args.gpus} GPUs ({args.gpu_mem_gb:g} GiB) that fit, least estimated time per token first:"
-            )
+            print(f"layouts of {args.gpus} GPUs ({_budget(args)}) that fit, least estimated time per token first:")
             for r in found:
                 print(
                     f"  {r['layout']:<44} max {r['max_rank_gib']:6.1f} GiB  bubble {r['bubble']:5.1%}  "
@@ -715,19 +778,26 @@ def run_plan(args: argparse.Namespace) -> int:
             if not found:
                 print("  none")
             if args.json:
-                write_record(args.json, {"gpus": args.gpus, "gpu_mem_gb": args.gpu_mem_gb, "layouts": found})
+                record = {
+                    "gpus": args.gpus,
+                    "gpu_mem_gb": args.gpu_mem_gb,
+                    "reserve_gb": args.reserve_gb,
+                    "layouts": found,
+                }
+                write_record(args.json, record)
             return 0 if found else 1
         plan = plan_layout(config, lay, args.gpu_mem_gb, args.reserve_gb)
+        check_nodes(lay)
     except (ValueError, FileNotFoundError) as e:  # a ParallelConfigError is a ValueError
         print(f"glm52 plan: error: {e}", file=sys.stderr)
         return 2
     plan["seconds"] = time.perf_counter() - t0
     plan["model"] = plan["model"] or os.path.abspath(args.model)  # the config has no name_or_path: null before
     print(f"{lay.describe()}  world {lay.world_size}  total params {plan['total_params']:,}")
-    print(_table(plan))
+    print(_table(plan, lay))
     verdict = "fits" if plan["fits"] else "does NOT fit"
     print(
-        f"max per rank {plan['max_rank_bytes'] / GiB:.2f} GiB: {verdict} in {args.gpu_mem_gb:g} GiB ({plan['seconds']:.1f} s)"
+        f"max per rank {plan['max_rank_bytes'] / GiB:.2f} GiB: {verdict} in {_budget(args)} ({plan['seconds']:.1f} s)"
     )
     if args.json:
         write_record(args.json, plan)
