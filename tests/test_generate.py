@@ -846,6 +846,17 @@ def _stop_case(tmp_path):
     return folder, GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32"), GlmTokenizer.from_pretrained(folder)
 
 
+def _stop_case_in_hf(tmp_path):
+    """:func:`_stop_case` and the same checkpoint in transformers (eager), with its tokenizer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder, model, tok = _stop_case(tmp_path)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return torch, model, tok, hf, transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
 def test_a_stop_string_begun_in_the_prompt_ends_the_row(tmp_path):
     """HF's StopStringCriteria matches the stop string against the whole sequence's tail, prompt
     included, once it overlaps the last token. Measured, transformers 5.23 on make_tiny_checkpoint()
@@ -862,13 +873,7 @@ def test_a_stop_string_begun_in_the_prompt_ends_the_row(tmp_path):
 @pytest.mark.reference
 def test_stop_strings_equal_hf_generate(tmp_path):
     """The live twin of the test above: HF's generate with the same checkpoint and its tokenizer."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    folder, model, tok = _stop_case(tmp_path)
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    htok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    torch, model, tok, hf, htok = _stop_case_in_hf(tmp_path)
     prompt = tok.encode("The capital of France is")
     for stop in ("sce", "isc", "his", "g.", "is ce", ". t"):
         kw = {"max_new_tokens": 12, "eos_token_id": [], "stop_strings": [stop]}
@@ -924,13 +929,7 @@ def test_beam_search_ends_a_continuation_on_a_stop_string(tmp_path):
 @pytest.mark.reference
 def test_beam_search_with_stop_strings_equals_hf_generate(tmp_path):
     """The live twin of the test above, with more stop strings: sequences, scores, beam indices."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    folder, model, tok = _stop_case(tmp_path)
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    htok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    torch, model, tok, hf, htok = _stop_case_in_hf(tmp_path)
     ids, mask = _beam_stop_batch(tok)
     for stops, nrs in ((["g.", "V>"], 3), (["V>"], 3), ([" this"], 2), (["isc"], 1)):
         kw = {"max_new_tokens": 10, "num_beams": 3, "num_return_sequences": nrs, "stop_strings": stops}
@@ -2823,13 +2822,7 @@ def test_an_empty_stop_string_ends_at_the_first_token_and_early_stopping_is_chec
 @pytest.mark.reference
 def test_an_empty_stop_string_and_early_stopping_equal_hf_generate(tmp_path):
     """The live twin of the test above."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    folder, model, tok = _stop_case(tmp_path)
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    htok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    torch, model, tok, hf, htok = _stop_case_in_hf(tmp_path)
     prompt = tok.encode("The capital of France is")
     for stop in ("", [""], ["", "zz"]):
         for beams in (1, 2):
