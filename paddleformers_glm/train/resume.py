@@ -30,6 +30,7 @@ from .state_files import (
     FORMAT,
     ResumeStateError,
     check_resume_state,
+    model_identity,
     rank_files,
     read_rank_state,
     resolve_resume_state,
@@ -50,10 +51,20 @@ __all__ = [
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep", "etp", "sp", "world", "sharding", "pp_layout")
 
 
+def _model_identity(config: dict[str, Any]) -> dict[str, Any] | None:
+    """meta.json ``model`` of the run whose settings (``TrainConfig`` as a dict) are ``config``
+    (state_files.model_identity: a small config.json parsed at each save); None when the settings
+    name no model."""
+    if "model" not in config:
+        return None
+    return model_identity(config["model"], config.get("model_args") or {})
+
+
 def save_resume_state(
     root: str, step: int, topo: Topology, model: nn.Layer, optimizer: AdamW, meta: dict[str, Any]
 ) -> str:
-    """Collective. Returns the final folder path."""
+    """Collective. Returns the final folder path.  meta.json records the model's identity
+    (``model``: state_files.model_identity) besides ``meta``, so a resume can refuse another model."""
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     if topo.rank == 0:  # a save of this step killed before its rename left files (another layout's, even)
@@ -69,7 +80,10 @@ def save_resume_state(
     if topo.world_size > 1:
         dist.barrier()
     if topo.rank == 0:
+        identity = _model_identity(meta.get("config") or {})
         meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
+        if identity is not None:
+            meta["model"] = identity
         write_record(os.path.join(tmp, "meta.json"), meta)
         # a state of this step already there (a run resumed from an earlier step into the same OUT):
         # moved aside by one rename and deleted only once the new one is in place and named, so a
@@ -108,6 +122,12 @@ def load_resume_state(
     the parameters this run trains (docs/indexer.md, "Resuming across stages"). In the same stage
     every saved optimizer entry must belong to this run's parameters."""
     path, meta = check_resume_state(path)
+    if topo.rank == 0 and "model" not in meta:  # settings.check_resume_run could compare nothing
+        print(
+            f"[glm52 train] note: --resume {path}: the state records no model identity (saved before it was "
+            "recorded); this run's --model is taken to be the saved run's without a check",
+            flush=True,
+        )
     saved_stage = (meta.get("indexer") or {}).get("stage")
     new_stage = saved_stage is not None and indexer_stage is not None and saved_stage != indexer_stage
     trained = {n for n, _ in optimizer.params}

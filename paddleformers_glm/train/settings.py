@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..modeling.indexer_stages import INDEXER_STAGES
 from ..parallel.pipeline import rank_spec, run_stages, validate_shared_layer_starts
 from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig, ParallelConfigError, check_seq_len
-from .state_files import read_meta, resolve_resume_state
+from .state_files import model_differences, model_identity, read_meta, resolve_resume_state
 
 if TYPE_CHECKING:
     from .adapter import ModelAdapter
@@ -26,6 +26,7 @@ __all__ = [
     "TrainConfig",
     "check_choices",
     "check_numbers",
+    "check_resume_model",
     "check_resume_run",
     "check_run",
     "indexer_stage_weight",
@@ -52,6 +53,10 @@ def check_numbers(settings: Any) -> None:
     for k, lo in _COUNTS.items():
         if hasattr(settings, k) and int(getattr(settings, k)) < lo:
             raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(settings, k)}")
+    if hasattr(settings, "seq_len") and int(settings.seq_len) == 1:
+        # after the counts (--seq-len 0 keeps their words): a sample's targets are its tokens shifted by one,
+        # so data.py refuses one token, but in its own words ("seq_len must be >= 2") and only at the inputs
+        raise ValueError("--seq-len must be >= 2 (a sample's targets are its tokens shifted by one), got 1")
     seed = getattr(settings, "seed", None)
     if hasattr(settings, "seed") and not (
         isinstance(seed, Integral) and not isinstance(seed, bool) and 0 <= seed < 2**64
@@ -331,7 +336,7 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
 RESUME_SETTINGS = (
     "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "data", "moe_bias_update_rate", "moe_aux_loss_coeff", "expert_update", "indexer_loss_coeff",
-    "indexer_shared_supervision",
+    "indexer_shared_supervision", "model",
 )  # fmt: skip
 
 
@@ -356,18 +361,12 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
     OUT), and ``--indexer-stage`` left unset takes the state's stage (not the checkpoint's default).
     A resume into another indexer stage starts a new phase (its own lr schedule, loss terms and
     trained parameters: docs/indexer.md), so its settings are not compared.
+    ``model``: the model's config (:func:`check_resume_model`), checked before the rest.
     ``cfg``: the trainer's settings (:class:`TrainConfig`); may set its ``indexer_stage``."""
     if cfg.steps < meta["step"]:
         raise ValueError(
             f"--steps {cfg.steps}: the resume state {path} is at step {meta['step']} already (--steps is the "
             f"run's total, the resumed steps included: --steps {meta['step'] + cfg.steps} trains {cfg.steps} more)"
-        )
-    profile = meta.get("profile") or {}
-    fixed = {k: (profile[k], getattr(cfg, k)) for k in RESUME_FIXED if k in profile and profile[k] != getattr(cfg, k)}
-    if fixed:  # what a resume cannot change (the layout degrees can: resharded); a worker would fail on it
-        raise ValueError(
-            f"--resume {path}: a resume keeps these settings of the saved run: "
-            + "; ".join(f"{k.replace('_', '-')} saved {a!r}, now {b!r}" for k, (a, b) in sorted(fixed.items()))
         )
     override = {k.replace("-", "_") for k in cfg.resume_override}
     unknown = sorted(override - set(RESUME_SETTINGS))
@@ -376,8 +375,16 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
             f"--resume-override {','.join(unknown)}: not a run setting a resume keeps; one of "
             + ", ".join(k.replace("_", "-") for k in RESUME_SETTINGS)
         )
+    check_resume_model(cfg, path, meta, "model" in override)
+    profile = meta.get("profile") or {}
+    fixed = {k: (profile[k], getattr(cfg, k)) for k in RESUME_FIXED if k in profile and profile[k] != getattr(cfg, k)}
+    if fixed:  # what a resume cannot change (the layout degrees can: resharded); a worker would fail on it
+        raise ValueError(
+            f"--resume {path}: a resume keeps these settings of the saved run: "
+            + "; ".join(f"{k.replace('_', '-')} saved {a!r}, now {b!r}" for k, (a, b) in sorted(fixed.items()))
+        )
     saved = dict(meta.get("config") or {})
-    now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k != "data"}
+    now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k not in ("data", "model")}
     for d in (saved, now):  # the effective floor: unset is lr / 10
         if d.get("min_lr") is None and d.get("lr") is not None:
             d["min_lr"] = d["lr"] / 10
@@ -397,3 +404,41 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
             + ",".join(k.replace("_", "-") for k in sorted(changed))
             + ")"
         )
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resume_model(cfg: Any, path: str, meta: dict[str, Any], overridden: bool) -> None:
+    """A resume continues the saved run's model: the state's recorded model (meta.json ``model``,
+    state_files.model_identity) equals this run's ``--model``'s config, unless ``overridden``
+    (``--resume-override model``).  The state holds every weight, so another config.json was taken
+    silently: its routed_scaling_factor, rms_norm_eps or rope_theta computed other losses, and
+    ``--export`` shipped it.  Another kind of model (toy vs a checkpoint) has other tensors: refused
+    even overridden (it failed in the workers, or was named as other data).  A state saved before the
+    model was recorded is checked for its kind only (load_resume_state notes it)."""
+    recorded = meta.get("model")
+    if recorded is None:
+        kind = (meta.get("config") or {}).get("model")
+        diff = {"kind": (kind, cfg.model)} if kind is not None and kind != cfg.model else {}
+    else:
+        diff = model_differences(recorded, model_identity(cfg.model, cfg.model_args))
+    if not diff or (overridden and "kind" not in diff):
+        return
+    name = cfg.model_args.get("model_dir") or cfg.model
+    if "kind" in diff:
+        was = {"toy": "the toy model", "glm": "a checkpoint (--model DIR)"}.get(diff["kind"][0], diff["kind"][0])
+        raise ValueError(
+            f"--resume {path}: the state is of {was}, this run's --model is {name}: its tensors are another "
+            "model's and cannot be resumed into this one (resume with the saved run's --model)"
+        )
+    keys = sorted(diff)
+    shown = "; ".join(f"{k} saved {_shown(diff[k][0])}, now {_shown(diff[k][1])}" for k in keys[:6])
+    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+    raise ValueError(
+        f"--resume {path}: this run's --model {name} differs from the saved run's model: {shown}{more} (the "
+        "state's weights were trained with the saved config, and --export ships this one; to resume with it "
+        "on purpose: --resume-override model)"
+    )

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
+import json
+import math
 import os
 import pickle
 import random
@@ -24,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .._io import atomic_path, is_int, read_json, write_record
+from .._io import NONFINITE_KEY, atomic_path, dumps_json, is_int, read_json, write_record
 
 __all__ = [
     "FORMAT",
@@ -32,6 +35,8 @@ __all__ = [
     "AllowListUnpickler",
     "ResumeStateError",
     "check_resume_state",
+    "model_differences",
+    "model_identity",
     "read_flex_metadata",
     "read_meta",
     "read_rank_state",
@@ -154,7 +159,81 @@ def read_meta(folder: str) -> dict[str, Any]:
     skipped = meta.get("skipped_steps", [])
     ok = isinstance(skipped, list) and all(is_int(s) and s >= 1 for s in skipped)
     _require(ok, file, "skipped_steps", "a list of step numbers", skipped)
+    model = meta.get("model")
+    if model is not None:  # absent in a state saved before the model was recorded
+        ok = isinstance(model, dict) and isinstance(model.get("kind"), str) and isinstance(model.get("config"), dict)
+        _require(ok, file, "model", '{"kind": ..., "config": {...}, "sha256": ...}', model)
+    _restore_nonfinite(meta, file)
     return meta
+
+
+def _restore_nonfinite(meta: dict[str, Any], file: str) -> None:
+    """The non-finite numbers meta.json holds as ``null`` (listed under ``"nonfinite"``, _io.dumps_json)
+    made NaN again: a skipped step's loss comes back as the non-finite number the saved run had, so a
+    resumed run's loss.json (and its own meta.json) writes it as ``null`` *and lists it*; read back as
+    ``None`` it was written as a plain ``null``, unlisted (docs/failure-modes.md, "Strict JSON")."""
+    listed = meta.pop(NONFINITE_KEY, [])
+    ok = isinstance(listed, list) and all(isinstance(x, str) for x in listed)
+    _require(ok, file, NONFINITE_KEY, "a list of JSON paths", listed)
+    if not listed:
+        return
+    wanted = set(listed)
+
+    def restore(obj: Any, path: str) -> Any:  # paths spelled as _io.strict_json_value spells them
+        if obj is None:
+            return math.nan if path in wanted else None
+        if isinstance(obj, dict):
+            return {k: restore(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [restore(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return obj
+
+    meta.update(restore(meta, ""))
+
+
+# ---------------------------------------------------------------- the model a state belongs to
+# config.json keys that name the writer, not the model: a copy re-saved by another library version stays the model
+_WRITER_KEYS = ("transformers_version", "_name_or_path")
+
+
+def model_identity(kind: str, model_args: Mapping[str, Any]) -> dict[str, Any]:
+    """What a resume state records of its model (meta.json ``model``), so that a resume with another
+    ``--model`` is refused (settings.check_resume_run): the adapter ``kind`` and the model's config,
+    a checkpoint's config.json as parsed (less :data:`_WRITER_KEYS`) or the toy model's full config,
+    with the sha256 of its canonical JSON (sorted keys).  The config, not the folder's path: the
+    resumed weights are the state's, but the config decides what the model computes with them
+    (routed_scaling_factor, rms_norm_eps, rope_theta ...) and is what ``--export`` ships."""
+    if kind == "glm":
+        folder = model_args["model_dir"]
+        config = read_json(os.path.join(folder, "config.json"), "the model config")
+        config = {k: v for k, v in config.items() if k not in _WRITER_KEYS}
+    elif kind == "toy":
+        from .toy_adapter import toy_config
+
+        config = dataclasses.asdict(toy_config(model_args.get("config")))
+    else:  # another adapter: its arguments are all there is to compare
+        config = {k: v for k, v in model_args.items() if k != "seed"}
+    canonical = dumps_json(config, indent=None, sort_keys=True, default=str)
+    return {"kind": kind, "config": json.loads(canonical), "sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+
+
+def model_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{key: (saved value, this run's)}`` of two :func:`model_identity` records: ``kind`` when the
+    adapters differ, else each config key whose value differs (a nested one dotted:
+    ``rope_parameters.rope_theta``; a key one side lacks has the value None there)."""
+    if saved["kind"] != now["kind"]:
+        return {"kind": (saved["kind"], now["kind"])}
+    out: dict[str, tuple[Any, Any]] = {}
+
+    def walk(a: Any, b: Any, key: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+        elif a != b:
+            out[key] = (a, b)
+
+    walk(saved["config"], now["config"], "")
+    return out
 
 
 def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
