@@ -644,6 +644,40 @@ def test_align_fails_when_only_one_run_records_the_idle_experts(tiny_ckpt, tmp_p
     assert compare_idle_experts({}, {}) is None
 
 
+def test_align_no_run_refuses_runs_trained_with_other_training_settings(tiny_ckpt, tmp_path, capsys):
+    """Both runs record their training settings (``run.settings``: lr schedule, weight decay, clip,
+    MoE balancing, expert update); ``--no-run`` with others is refused naming each. Measured before:
+    runs made at lr 1e-4, weight decay 0.1, clip 1.0, bias rate 0.01, fused updates, compared with
+    ``--lr 0.003 --weight-decay 0 --clip-grad 0 --moe-bias-update-rate 0 --expert-update
+    routed-only``: exit 0 "aligned", the receipt stating settings the runs never used."""
+    from paddleformers_glm.cli import main as cli_main
+    from paddleformers_glm.train.loop import TrainConfig, run_training
+
+    made = {"lr": 1e-4, "min_lr": None, "warmup_steps": 10, "weight_decay": 0.1, "clip_grad": 1.0}
+    made |= {"moe_bias_update_rate": 0.01, "expert_update": "fused"}
+    base = [5.0 - 0.01 * i for i in range(6)]
+    root = tmp_path / "r"
+    for side in ("reference", "paddle"):
+        _fake_run(root / side, tiny_ckpt, base, 0.0)
+        doc = json.loads((root / side / "loss.json").read_text())
+        doc["run"] = {"settings": made if side == "paddle" else {k: v for k, v in made.items() if k != "expert_update"}}
+        (root / side / "loss.json").write_text(json.dumps(doc))
+    args = ["align", "--model", str(tiny_ckpt), "--steps", "6", "--no-run", "--out", str(root), "--dump-step", "1"]
+    args += ["--tp", "1", "--pp", "1", "--no-sp", "--lr", "1e-4", "--moe-bias-update-rate", "0.01"]
+    assert cli_main(args) == 0
+    wrong = ["--lr", "0.003", "--weight-decay", "0", "--clip-grad", "0", "--expert-update", "routed-only"]
+    assert cli_main([*args, *wrong]) == 2
+    err = capsys.readouterr().err
+    assert "paddle --lr: the run recorded 0.0001, this command says 0.003" in err
+    assert "reference --weight-decay: the run recorded 0.1, this command says 0.0" in err
+    assert "paddle --expert-update: the run recorded 'fused', this command says 'routed-only'" in err
+    # the trainer records them (the reference run's loss.json likewise, from its own arguments)
+    cfg = TrainConfig(model="toy", steps=1, seq_len=16, global_batch_size=2, lr=2e-3, weight_decay=0.05,
+                      out=str(tmp_path / "t"), progress=False)  # fmt: skip
+    rec = run_training(cfg)["run"]["settings"]
+    assert (rec["lr"], rec["weight_decay"], rec["clip_grad"], rec["expert_update"]) == (2e-3, 0.05, 1.0, "fused")
+
+
 def test_align_no_run_refuses_runs_made_with_other_settings(tiny_ckpt, tmp_path, capsys):
     """``--no-run`` writes the command line's layout, training settings and model into the receipt,
     so they must be the finished runs' own. Runs made in one process (TP1 x PP1, seed 7), compared

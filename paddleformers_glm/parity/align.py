@@ -250,7 +250,8 @@ def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str,
 def recorded_settings_mismatch(args: argparse.Namespace, ref_doc: dict[str, Any], pd_doc: dict[str, Any]) -> list[str]:
     """``--no-run``: where the finished runs' ``loss.json`` records a setting other than this command
     line's (the receipt states the command line's layout, training settings and model, so they must
-    be the runs'); a setting a record does not hold is not checked."""
+    be the runs'; the training settings are ``run.settings``, train/settings.py
+    ``RECORDED_SETTINGS``); a setting a record does not hold is not checked."""
     prof, run = pd_doc.get("profile") or {}, pd_doc.get("run") or {}
     checks = [(f"paddle --{k}", prof.get(k), getattr(args, k)) for k in ("tp", "pp", "dp", "ep", "etp", "cp", "sp")]
     checks += [
@@ -271,6 +272,10 @@ def recorded_settings_mismatch(args: argparse.Namespace, ref_doc: dict[str, Any]
     model = os.path.realpath(args.model)
     for name, doc in (("reference", ref_doc), ("paddle", pd_doc)):
         checks.append((f"{name} --seed", doc.get("seed"), args.seed))
+        recorded = (doc.get("run") or {}).get("settings") or {}  # lr schedule, decay, clip, MoE balancing
+        checks += [
+            (f"{name} --{k.replace('_', '-')}", v, getattr(args, k)) for k, v in recorded.items() if hasattr(args, k)
+        ]
         path = (doc.get("checkpoint") or {}).get("path")
         checks.append((f"{name} --model", path and os.path.realpath(path), model))
     return [

@@ -46,7 +46,7 @@ from .moe_balance import ExpertBalancer
 from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
-from .settings import TrainConfig, check_resume_run, check_run, run_world
+from .settings import TrainConfig, check_resume_run, check_run, recorded_settings, run_world
 from .state_files import read_meta, resolve_resume_state
 
 __all__ = ["TrainConfig", "check_run", "run_training", "run_world"]
@@ -432,6 +432,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "sharding_stage": run.topo.pc.sharding_stage,
             "grad_clip": run.opt.clip_name,
             "recompute": cfg.recompute,
+            "settings": recorded_settings(cfg),
             # ops Paddle runs through ops/cpu_bf16's fp32 route here (0: its own kernels, e.g. any GPU build)
             "cpu_bf16_ops": len(cpu_bf16.installed()),
         },

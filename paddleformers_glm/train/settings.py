@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .adapter import ModelAdapter
 
 __all__ = [
+    "RECORDED_SETTINGS",
     "RESUME_SETTINGS",
     "TrainConfig",
     "check_choices",
@@ -30,6 +31,7 @@ __all__ = [
     "check_resume_run",
     "check_run",
     "indexer_stage_weight",
+    "recorded_settings",
     "parallel_config",
     "pipeline_chunks",
     "resumed_indexer_stage",
@@ -333,6 +335,19 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
 # the run settings that decide how a resumed run continues (its lr schedule, optimizer, data order,
 # loss terms): changed silently, the resumed run would not be the one it continues; ``--resume-override``
 # names those changed on purpose (Megatron-LM likewise refuses a changed lr schedule unless overridden)
+# the training settings a run records in loss.json (``run.settings``), so that a comparison of finished
+# runs (``glm52 align --no-run``) can tell the runs it reads were made with the settings it states
+RECORDED_SETTINGS = (
+    "lr", "min_lr", "warmup_steps", "weight_decay", "clip_grad", "moe_bias_update_rate", "moe_aux_loss_coeff",
+    "expert_update", "indexer_shared_supervision",
+)  # fmt: skip
+
+
+def recorded_settings(settings: Any) -> dict[str, Any]:
+    """The :data:`RECORDED_SETTINGS` that ``settings`` (a TrainConfig or parsed arguments) holds."""
+    return {k: getattr(settings, k) for k in RECORDED_SETTINGS if hasattr(settings, k)}
+
+
 RESUME_SETTINGS = (
     "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "data", "moe_bias_update_rate", "moe_aux_loss_coeff", "expert_update", "indexer_loss_coeff",

@@ -26,7 +26,7 @@ from ...train.command import (
     add_step_arguments,
     dump_steps,
 )
-from ...train.settings import check_numbers, indexer_stage_weight
+from ...train.settings import check_numbers, indexer_stage_weight, recorded_settings
 from .indexer import ReferenceIndexer, saved_indexer_coeff
 from .topk_gaps import GapMonitor
 
@@ -481,7 +481,12 @@ def train(args: argparse.Namespace) -> dict:
             dtype=args.dtype,
             versions={m.__name__: m.__version__ for m in (torch, transformers, np)}
             | {"python": platform.python_version()},
-            run={"data": data.describe, "tokens_per_step": G * args.seq_len, "micro_batch_size": M},
+            run={
+                "data": data.describe,
+                "tokens_per_step": G * args.seq_len,
+                "micro_batch_size": M,
+                "settings": recorded_settings(args),
+            },
             checkpoint={"path": os.path.abspath(args.model)},
         )
         # strict JSON, as the trainer writes its loss.json (a margin that stayed infinite, every
