@@ -203,6 +203,12 @@ def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, flags, nee
         ("--sharding-stage 3 --sharding 2", "argument --sharding-stage: invalid choice: 3 (choose from 1, 2)"),
         ("--sharding-partition fleet", "unrecognized arguments: --sharding-partition fleet"),
         ("--json {tmp}/plan.json", "unrecognized arguments: --json {tmp}/plan.json"),
+        # a multi-node line without a rendezvous (glm52 train's node_rank_of, run after its checks)
+        (
+            "--nnodes 2 --dp 2",
+            "--nnodes 2 needs --master IP:PORT, the same on every node (without it each node "
+            "starts its own rendezvous and waits for the others forever)",
+        ),
     ],
 )
 def test_demo_refuses_a_layout_glm52_train_refuses_by_its_arguments(tmp_path, capsys, monkeypatch, layout, needle):

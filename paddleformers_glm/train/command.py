@@ -485,14 +485,17 @@ def train_line_error(argv: Sequence[str]) -> str | None:
     """What ``glm52 train`` refuses in the command line ``argv`` (its arguments after ``train``) before
     it launches, needing no file but the model's config, in the words it prints after ``glm52 train:
     error:`` (one line), or None: its argument parsing, then :func:`check_args` (the settings, the
-    layout against the model, the launch numbers). ``--out`` may be left out: no check reads it.
+    layout against the model, the launch numbers) and :func:`node_rank_of` (a multi-node line's
+    ``--master`` and node rank). ``--out`` may be left out: no check reads it.
     ``glm52 align`` and ``glm52 demo`` check the lines they hand to glm52 train with it."""
     argv = list(argv)
     if not any(a == "--out" or a.startswith("--out=") for a in argv):
         argv += ["--out", "unused"]  # required by the parser; only the launch makes (and checks) it
     parser = add_train_arguments(_RefusingParser(prog="glm52 train", add_help=False))
     try:
-        check_args(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        check_args(args)
+        node_rank_of(args)  # a multi-node line's rendezvous, as glm52 train checks it next
     except _ArgumentRefused as e:
         return str(e)
     except (ValueError, FileNotFoundError, KeyError) as e:  # what _run_train prints (a ParallelConfigError too)
