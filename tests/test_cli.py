@@ -69,7 +69,7 @@ def test_an_interrupt_that_comes_back_as_another_exception_is_one_line(monkeypat
         raise ImportError("initialization failed")
 
     parser = cli.build_parser()
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda only=None: parser)
     monkeypatch.setattr(_plan_parser(parser), "_defaults", {"func": interrupted_inside_cpp})
     assert main(["plan", "--model", "x"]) == 130
     assert capsys.readouterr().err.strip() == "glm52 plan: interrupted"

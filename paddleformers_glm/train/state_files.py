@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import json
 import math
 import os
 import pickle
@@ -214,7 +213,8 @@ def model_identity(kind: str, model_args: Mapping[str, Any]) -> dict[str, Any]:
     else:  # another adapter: its arguments are all there is to compare
         config = {k: v for k, v in model_args.items() if k != "seed"}
     canonical = dumps_json(config, indent=None, sort_keys=True, default=str)
-    return {"kind": kind, "config": json.loads(canonical), "sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+    config = read_json("<the model config>", "the model config", data=canonical.encode())  # as JSON holds it
+    return {"kind": kind, "config": config, "sha256": hashlib.sha256(canonical.encode()).hexdigest()}
 
 
 def model_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
