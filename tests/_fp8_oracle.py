@@ -60,7 +60,10 @@ def _quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, n
     R, C = math.ceil(rows / br), math.ceil(cols / bc)
     padding = ((0, R * br - rows), (0, C * bc - cols))
     amax = np.pad(np.abs(w), padding).reshape(R, br, C, bc).max(axis=(1, 3))
-    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    # a scale is positive: amax / 448 underflowing to 0 takes the smallest float32 (and so does the
+    # neighbour below it), never the negative neighbour of 0
+    tiny = np.nextafter(np.float32(0), np.float32(1))
+    scale = np.maximum(amax / np.float32(E4M3_MAX), tiny).astype(np.float32)
     scale[amax == 0] = np.float32(1.0)
     ri, ci = np.arange(rows) // br, np.arange(cols) // bc
 
@@ -74,7 +77,7 @@ def _quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, n
     for step in (-np.inf, np.inf):
         if done.all():
             break
-        cand = np.where(done, scale, np.nextafter(scale, np.float32(step))).astype(np.float32)
+        cand = np.where(done, scale, np.maximum(np.nextafter(scale, np.float32(step)), tiny)).astype(np.float32)
         q2, deq2 = _quantize_with(w, cand[ri][:, ci])
         ok = exact_blocks(deq2) & ~done
         q = np.where(ok[ri][:, ci], q2, q)

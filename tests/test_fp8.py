@@ -207,6 +207,54 @@ def test_fp8_without_scale_or_config_refused(src, tmp_path):
         fp8_pairs(ckpt, quantization_of(str(one)))
 
 
+def _rewrite_scales(folder, dtype: str) -> None:
+    """Every ``*_scale_inv`` of ``folder`` truncated to a bf16 value (exact in BF16, F16 here and F32)
+    and stored as ``dtype``; the other tensors as they were, in the same files."""
+    from paddleformers_glm.checkpoint.safetensors_io import SafetensorsWriter
+
+    with Checkpoint(folder) as ckpt:
+        files: dict[str, dict] = {}
+        for k in ckpt.keys():
+            info = ckpt.info(k)
+            files.setdefault(info.file, {})[k] = (info.dtype, tuple(info.shape), np.array(ckpt.numpy(k)))
+    for f, tensors in files.items():
+        specs = [(k, dtype if k.endswith("_scale_inv") else d, shape) for k, (d, shape, _) in tensors.items()]
+        w = SafetensorsWriter(str(f) + ".new", specs)
+        for k, (d, _, a) in tensors.items():
+            if k.endswith("_scale_inv"):
+                bits = a.view(np.uint32) & np.uint32(0xFFFF0000)
+                a, d = (
+                    {"BF16": (bits >> 16).astype(np.uint16), "F16": bits.view(np.float32).astype(np.float16)}.get(
+                        dtype, bits.view(np.float32)
+                    ),
+                    dtype,
+                )
+            w.write(k, a, d)
+        w.close()
+        pathlib.Path(str(f) + ".new").replace(f)
+
+
+def test_scales_stored_in_bf16_or_f16_load_as_their_float32_values(src, tmp_path):
+    """transformers 5.23 multiplies by the scale cast to float32 whatever its stored dtype (measured:
+    a tiny FP8 folder with BF16 scales loads there); ours refused any scale but F32 ("scale tensor
+    does not match the blocks", with the right shape). The same scale values stored as BF16, F16 or
+    F32 now load to the same weights, bit for bit."""
+    import paddle
+
+    got = {}
+    for dtype in ("F32", "BF16", "F16"):
+        d = tmp_path / dtype
+        shutil.copytree(src, d)
+        _rewrite_scales(d, dtype)
+        state = _spec_state(d)
+        load_pretrained_state(state, d, config=GlmMoeDsaConfig.from_pretrained(d))
+        got[dtype] = {k: v.numpy() for k, v in state.items()}
+        assert isinstance(state[next(iter(state))], paddle.Tensor)
+    for dtype in ("BF16", "F16"):
+        for k, v in got["F32"].items():
+            assert np.array_equal(got[dtype][k].view(np.uint32), v.view(np.uint32)), (dtype, k)
+
+
 def _spec_state(folder):
     import paddle
 
@@ -232,6 +280,40 @@ def test_quantize_fresh_weights_scale_is_amax_over_448():
     big = np.abs(w) > 0.1
     assert np.all(np.abs(deq - w)[big] <= np.abs(w)[big] * 2.0**-4 * (1 + 1e-6))
     assert math.isclose(float(np.abs(deq).max()), float(np.abs(w).max()), rel_tol=1e-6)
+
+
+def test_a_block_whose_amax_over_448_underflows_gets_a_positive_scale():
+    """amax below 448 x the smallest float32 makes amax / 448 zero; the quantizer then tried its
+    fp32 neighbour below, -1.4e-45, and wrote that negative scale (measured on a block of 5e-43).
+    The scale is the smallest positive float32 now, and the values come back within E4M3."""
+    from paddleformers_glm.checkpoint.fp8 import dequantize, quantize_blocks
+
+    w = np.zeros((4, 4), np.float32)
+    w[0, 0], w[1, 1], w[2:, 2:] = np.float32(5e-43), np.float32(-2e-44), 1.0
+    q, s = quantize_blocks(w, (2, 2))
+    assert (s > 0).all() and s[0, 0] == np.nextafter(np.float32(0), np.float32(1))
+    back = dequantize(q, s, (2, 2))
+    assert np.all(np.abs(back[:2, :2] - w[:2, :2]) <= np.abs(w[:2, :2]) * 2.0**-3)
+
+
+def test_convert_keeps_an_fp8_sources_own_blocks(src, tmp_path, monkeypatch):
+    """``convert --quantization fp8`` of an FP8 source whose ``weight_block_size`` is not the
+    official 128 x 128: measured before, the output was re-blocked to 128 x 128 without a word (78%
+    of values changed on a random-byte source). It keeps the source's blocks now, byte for byte."""
+    from paddleformers_glm.checkpoint import fp8
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    small = tmp_path / "blocks16"
+    monkeypatch.setitem(fp8.FP8_CONFIG, "weight_block_size", [16, 16])  # a save in 16 x 16 blocks
+    GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32").save_pretrained(small, quantization="fp8")
+    monkeypatch.undo()
+    assert json.loads((small / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 16]
+    again = tmp_path / "again"
+    assert _cli("convert", small, again, "--to", "hf", "--quantization", "fp8") == 0
+    qc = json.loads((again / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [16, 16]
+    a, b = _read_all(small), _read_all(again)
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
 
 
 def test_requantizing_returns_the_source_bytes_for_any_fp32_scale():

@@ -26,6 +26,7 @@ from .aoa import MappingUnit, checkpoint_units, memo_units, quiet_paddle_logs
 from .engine import StateDictSource
 from .errors import CheckpointError
 from .finite import check_finite_state
+from .fp8 import quantization_of
 from .layout import fleet_param_specs, resolve_dtype
 from .loader import load_config_for, load_pretrained_state, logger
 from .safetensors_io import SafetensorsWriter
@@ -144,7 +145,12 @@ def _stream(
     """The save half of :func:`convert_checkpoint`: ``save_pretrained_state``'s checks, plan and
     atomic write, its source loaded a layer at a time."""
     quiet_paddle_logs()
-    plan = plan_save(config, out, layout, max_shard_size, dtype or config.model_dtype, quantization, expert_layout)
+    # an FP8 source keeps its own blocks (re-blocked, its values were quantized a second time)
+    folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    block = quantization_of(folder) if quantization not in (None, "none") else None
+    plan = plan_save(
+        config, out, layout, max_shard_size, dtype or config.model_dtype, quantization, expert_layout, block
+    )
     targets = plan.targets
     batches = [
         (b, list(dict.fromkeys(k for u in b for k in u.fleet)))

@@ -19,6 +19,7 @@ import numpy as np
 from .._io import read_json
 from .engine import CheckpointSource
 from .errors import CheckpointError
+from .safetensors_io import bf16_bits_to_float32
 
 __all__ = [
     "E4M3_MAX",
@@ -211,12 +212,14 @@ def _quantize_chunk(wc: np.ndarray, qc: np.ndarray, amax: np.ndarray, bc: int, s
     """:func:`quantize_blocks` of ``wc``, whole row blocks ``(k, n, cols)`` of at most ``bc``-column
     blocks with per-block ``amax`` ``(k, nC)``: writes the bytes to ``qc`` and returns the scales."""
     ci, starts = np.arange(wc.shape[2]) // bc, np.arange(amax.shape[1]) * bc
-    scale = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    tiny = np.nextafter(np.float32(0), np.float32(1))  # a scale is positive: amax / 448 may underflow
+    scale = np.maximum(amax / np.float32(E4M3_MAX), tiny).astype(np.float32)
     scale[amax == 0] = np.float32(1.0)
     best = scale.copy()
     # the scales tried, in order: amax / 448, then its fp32 neighbours below and above; first the
     # necessary test of each: is the block's first row exact at it (fresh weights are not)
-    scales = [scale, np.nextafter(scale, np.float32(-np.inf)), np.nextafter(scale, np.float32(np.inf))]
+    below = np.maximum(np.nextafter(scale, np.float32(-np.inf)), tiny)
+    scales = [scale, below, np.nextafter(scale, np.float32(np.inf))]
     maybe = [_blocks(_exact(wc[:, :1], s[:, None, ci]), starts) for s in scales]
     q, exact = _encode_blocks(wc, scale[:, None, ci], starts, scratch, bool(maybe[0].any()))
     qc[...] = q
@@ -284,6 +287,11 @@ def quantize_blocks(w: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np
     return q, best
 
 
+def fp8_config(block: Sequence[int]) -> dict[str, Any]:
+    """The official ``quantization_config`` with ``block`` as its ``weight_block_size``."""
+    return {**FP8_CONFIG, "weight_block_size": [int(b) for b in block]}
+
+
 def scale_key(key: str) -> str:
     """``x.weight`` -> ``x.weight_scale_inv``."""
     return key + SCALE_SUFFIX
@@ -346,6 +354,17 @@ def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
     return bs[0], bs[1]
 
 
+# the scale dtypes read (the official release stores F32); transformers casts a scale to float32 first
+SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+def _float32_scales(scales: np.ndarray, dtype: str) -> np.ndarray:
+    """Scales as float32, as transformers multiplies by them (BF16 and F16 widen exactly, F64 rounds)."""
+    if dtype == "BF16":
+        return bf16_bits_to_float32(scales)
+    return np.asarray(scales, dtype=np.float32)
+
+
 def fp8_pairs(ckpt: Any, block: tuple[int, int] | None) -> dict[str, str]:
     """``{weight key: scale key}`` for every F8_E4M3 tensor, each checked against its scale tensor."""
     pairs: dict[str, str] = {}
@@ -374,13 +393,21 @@ def fp8_pairs(ckpt: Any, block: tuple[int, int] | None) -> dict[str, str]:
             raise CheckpointError("FP8 tensor is not 2-D", key=k, file=info.file, actual=info.shape)
         sinfo = ckpt.info(sk)
         want = tuple(math.ceil(d / b) for d, b in zip(info.shape, block))
-        if sinfo.dtype != "F32" or sinfo.shape != want:
+        if sinfo.shape != want:
             raise CheckpointError(
                 f"scale tensor does not match the {block[0]}x{block[1]} blocks of {k}",
                 key=sk,
                 file=sinfo.file,
-                expected=("F32", want),
-                actual=(sinfo.dtype, sinfo.shape),
+                expected=want,
+                actual=sinfo.shape,
+            )
+        if sinfo.dtype not in SCALE_DTYPES:  # transformers takes any float scale, as float32
+            raise CheckpointError(
+                "scale tensor of a dtype that is no float",
+                key=sk,
+                file=sinfo.file,
+                expected=SCALE_DTYPES,
+                actual=sinfo.dtype,
             )
         pairs[k] = sk
     return pairs
@@ -412,7 +439,7 @@ class Fp8Source(CheckpointSource):
         q = super().read_numpy(key, offset, shape)
         scales = super().read_numpy(self.pairs[key], (rb0, cb0), (rb1 - rb0, cb1 - cb0))
         assert q is not None and scales is not None
-        return dequantize(q, scales, self.block, (r0, c0))
+        return dequantize(q, _float32_scales(scales, self.ckpt.info(self.pairs[key]).dtype), self.block, (r0, c0))
 
     def done(self, key: str) -> None:
         super().done(key)

@@ -16,7 +16,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from .._io import read_json, write_json_atomic
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, libc, run_units
 from .errors import CheckpointError
-from .fp8 import FP8_CONFIG, is_fp8_weight, quantize_blocks, scale_key
+from .fp8 import FP8_CONFIG, fp8_config, is_fp8_weight, quantize_blocks, scale_key
 from .layout import ParamSpec, fleet_param_specs, param_specs, resolve_dtype
 from .loader import normalize_dtype, state_of, wanted_keys
 from .safetensors_io import (
@@ -249,7 +249,7 @@ def write_checkpoint(
             config,
             shards,
             entries,
-            FP8_CONFIG if plan.quantization else None,
+            fp8_config(plan.block) if plan.quantization else None,
             carry_from,
             plan.model_dtype,
             layout=plan.layout,
@@ -292,10 +292,12 @@ def plan_save(
     dtype: str | None,
     quantization: str | None,
     expert_layout: str,
+    block: Sequence[int] | None = None,
 ) -> SavePlan:
     """The arguments' checks and the plan of a save, shared by :func:`save_pretrained_state` and the
     layer-by-layer ``convert``: the layout, the target folder (:func:`save_target`), the shard size,
-    the quantization and expert layout, then every tensor's shard, dtype and FP8 scale."""
+    the quantization and expert layout, then every tensor's shard, dtype and FP8 scale (``block``:
+    the FP8 blocks, default the official 128 x 128; ``convert`` keeps an FP8 source's own)."""
     if layout not in ("hf", "fleet"):
         raise ValueError(f"unknown layout {layout!r}; expected 'hf' or 'fleet'")
     out_dir = save_target(out_dir)
@@ -312,7 +314,7 @@ def plan_save(
     model_dtype = config.model_dtype if dtype in (None, "auto") else dtype
     specs, tgt_dtypes, entries = plan_entries(config, layout, model_dtype, expert_layout)
     fp8 = {k: scale_key(k) for k in specs if quantization and is_fp8_weight(k)}
-    block = tuple(FP8_CONFIG["weight_block_size"])
+    block = tuple(block or FP8_CONFIG["weight_block_size"])
     for k, sk in fp8.items():
         shape = entries[k][0]
         tgt_dtypes[k] = "float32"  # quantized from the exact fp32 value of the parameter
