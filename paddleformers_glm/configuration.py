@@ -286,6 +286,10 @@ class GlmMoeDsaConfig:
                 canon.remove("rope_parameters")
             if "torch_dtype" in kwargs and "dtype" not in kwargs:
                 canon.remove("dtype")
+            if kwargs.get("indexer_types") is not None and "index_topk_freq" not in kwargs:
+                # the list alone, as transformers writes it: a schedule written beside it was read back
+                # as given, and a list it does not describe was then refused (the saved file loaded not)
+                canon = [k for k in canon if k not in ("index_topk_freq", "index_skip_topk_offset")]
             self._file_keys = canon + [k for k in kwargs if k not in skip and k not in canon]
             if not {"rope_parameters", "rope_theta", "rope_scaling"} & set(kwargs):
                 # transformers' default base (PreTrainedConfig.default_theta), not GLM-5.2's 8e6

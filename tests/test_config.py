@@ -172,6 +172,22 @@ def test_pattern_overrides_schedule_and_must_agree_with_list():
     assert GlmMoeDsaConfig.from_dict(d).to_dict() == d
 
 
+def test_a_config_built_with_its_own_indexer_types_loads_back(tmp_path):
+    """transformers 5.23 (measured): ``GlmMoeDsaConfig(num_hidden_layers=4, indexer_types=["full",
+    "full", "full", "shared"])`` writes the list and no ``index_topk_freq`` /
+    ``index_skip_topk_offset``, and loads its file back. Ours wrote the default schedule (1, 2)
+    beside the list, read it back as given, and refused its own file ("indexer_types: disagrees with
+    index_topk_freq/index_skip_topk_offset at layers [3]"); bench_realwidth's forward failed on it."""
+    types = ["full", "full", "full", "shared"]
+    GlmMoeDsaConfig(num_hidden_layers=4, indexer_types=types).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["indexer_types"] == types and not {"index_topk_freq", "index_skip_topk_offset"} & set(saved)
+    assert GlmMoeDsaConfig.from_pretrained(tmp_path).indexer_types == types
+    # a schedule given with it is still written (and checked against it), as transformers writes it
+    both = GlmMoeDsaConfig(num_hidden_layers=4, indexer_types=["full", "full", "shared", "full"], index_topk_freq=2)
+    assert both.to_dict()["index_topk_freq"] == 2 and both.to_dict()["index_skip_topk_offset"] == 2
+
+
 def test_pattern_given_as_a_list_is_the_layers_types():
     """transformers 5.23 (measured): a list ``index_topk_pattern`` is taken as the layers' indexer
     types themselves (``GlmMoeDsaConfig(num_hidden_layers=4, index_topk_pattern=["full", "shared",
