@@ -112,7 +112,7 @@ def _time_phases() -> dict[str, float]:
 
     wrap(GlmMoeDsaForCausalLM, "__init__", "construct (no init)")
     wrap(ck, "load_pretrained_state", "load (all)")
-    wrap(engine, "_group_planner", "load: AOA engine plans")
+    wrap(engine, "_planner_for", "load: AOA engine plans")
     wrap(engine, "_apply_entry", "load: copies")
     return acc
 

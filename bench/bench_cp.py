@@ -73,13 +73,15 @@ def run_one(ckpt: str, cp: int, seq: int, steps: int, out: Path, threads: int, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--steps", type=int, default=3)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument("--seq-len", type=int, default=8192, help="tokens of the one sequence per step")
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel degrees, one run each")
+    ap.add_argument("--steps", type=int, default=3, help="training steps per run")
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
     a = ap.parse_args(argv)
     from paddleformers_glm.tiny import make_tiny_checkpoint
 

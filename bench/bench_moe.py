@@ -28,6 +28,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     ns = p.parse_args()
+    if ns.repeats < 2:  # the first repeat warms up and is not timed
+        p.error(f"--repeats must be >= 2 (the first is a warm-up), got {ns.repeats}")
     os.environ.setdefault("OMP_NUM_THREADS", str(ns.threads))
     sys.path.insert(0, str(ROOT))
     import numpy as np

@@ -96,5 +96,10 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="No options: counts one decode step of a small random model."
+    ).parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _demo()

@@ -208,6 +208,28 @@ def run_training_parity(
     return result
 
 
+def _not_layout_flags(layout: list[str]) -> str | None:
+    """The flags of ``--layout`` that are no layout (``--out``, ``--lr``, ``--steps`` ...): the demo
+    compares the layout's run with one process, so any other setting would apply to one side only
+    (``--out`` even replaced the parallel run's folder: two one-process runs, "PASSED")."""
+    import argparse
+
+    from .train.command import add_layout_arguments
+
+    ours = argparse.ArgumentParser(add_help=False)
+    add_layout_arguments(ours)
+    ours.add_argument("--recompute")
+    known = {o for a in ours._actions for o in a.option_strings}
+    other = [f for f in layout if f.startswith("--") and f.split("=")[0] not in known]
+    return (
+        f"--layout {' '.join(layout)!r}: {', '.join(other)} not a layout flag (the layout flags: "
+        + ", ".join(sorted(known))
+        + ")"
+        if other
+        else None
+    )
+
+
 def _layout_not_run(layout: list[str], profile: dict[str, Any]) -> str:
     """The degrees ``layout`` (glm52 train flags) asks for that the run's loss.json ``profile`` does
     not show ('' when it shows them all)."""
@@ -248,6 +270,7 @@ def register_demo(sub) -> None:
 
             line = _train_line(TINY_CONFIG.parent, args.train_steps)
             bad = (e := train_line_error([*line, *args.layout.split()])) and f"--layout {args.layout!r}: {e}"
+            bad = bad or _not_layout_flags(args.layout.split())
         if bad:
             print(f"glm52 demo: error: {bad}", file=sys.stderr)
             return 2

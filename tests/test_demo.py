@@ -174,6 +174,19 @@ def test_demo_training_check_fails_when_the_parallel_run_recorded_another_layout
 
 
 @pytest.mark.parametrize(
+    "layout, flag", [("--out x", "--out"), ("--tp 2 --lr 3", "--lr"), ("--tp 2 --seed=7", "--seed=7")]
+)
+def test_demo_refuses_a_layout_that_holds_other_settings(tmp_path, capsys, layout, flag):
+    """The demo compares the layout's run with one process: a flag that is no layout would apply to
+    one side only. Measured before: ``--layout '--out x'`` replaced the parallel run's folder (the
+    later --out wins), so two one-process runs were compared and the demo printed PASSED."""
+    assert main(["demo", "--out", str(tmp_path / "o"), "--layout", layout]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"glm52 demo: error: --layout {layout!r}: {flag} not a layout flag")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
     "flags, needle",
     [
         (["--out", "{file}"], "--out {file}: a file, not a folder"),
