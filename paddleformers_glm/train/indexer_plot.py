@@ -14,15 +14,21 @@ import os
 import sys
 from typing import Any
 
+from .._io import is_int
 from ..cli._plot import (
+    MAX_INDEX,
     PLOT_EXTRA_HINT,
     TWO_PANELS,
+    index_list,
     loss_json_of,
+    number,
+    number_rows,
     png_error,
     pyplot,
     read_block,
     register_plot,
     save_png,
+    shape_error,
 )
 
 __all__ = ["indexer_curves", "plot_indexer", "register_plot_indexer"]
@@ -33,24 +39,46 @@ def indexer_curves(loss_json: str) -> dict[str, Any]:
     string -> per step), ``mean_recall`` per step and its first and last value."""
     absent = "a run with --indexer-stage none, or of a model without a DSA indexer?"
     block = read_block(loss_json, "indexer", ("layers", "steps", "kl", "recall"), absent)
-    layers, steps = list(block["layers"]), list(block["steps"])
-    n, m = len(steps), len(layers)
-    for key in ("kl", "recall"):
-        rows = block[key]
-        if len(rows) != n or any(len(r) != m for r in rows):
-            got = f"{len(rows)} x {sorted({len(r) for r in rows})}"
-            raise ValueError(f"{loss_json}: 'indexer.{key}' is {got}, expected [steps={n}][layers={m}]")
-    if not n:
+    layers = index_list(loss_json, "indexer.layers", block["layers"], "layer numbers", unique=True)
+    if block["steps"] == []:
         raise ValueError(f"{loss_json}: 'indexer' has no steps (the run trained no indexer step)")
-    mean = block.get("mean_recall") or [sum(r) / len(r) for r in block["recall"]]
+    steps = index_list(loss_json, "indexer.steps", block["steps"], "step numbers")
+    n, m = len(steps), len(layers)
+    kl, recall = (
+        number_rows(loss_json, f"indexer.{key}", block[key], (n, "step in 'steps'"), (m, "layer in 'layers'"))
+        for key in ("kl", "recall")
+    )
+    mean = block.get("mean_recall")
+    if mean is None:
+        mean = [sum(r) / len(r) for r in recall]
+    elif not isinstance(mean, list) or len(mean) != n:
+        raise shape_error(loss_json, "indexer.mean_recall", f"an array of {n} numbers (one per step in 'steps')", mean)
+    else:
+        mean = [number(loss_json, f"indexer.mean_recall[{i}]", x, null=True) for i, x in enumerate(mean)]
+    stages = block.get("stages", [])
+    if not isinstance(stages, list):
+        raise shape_error(
+            loss_json, "indexer.stages", "an array of {'stage': name, 'first_step': step} objects", stages
+        )
+    for i, st in enumerate(stages):
+        where = f"indexer.stages[{i}]"
+        if not isinstance(st, dict):
+            raise shape_error(loss_json, where, "an object with 'stage' and 'first_step'", st)
+        for k in ("stage", "first_step"):
+            if k not in st:
+                raise ValueError(f"{loss_json}: {where!r} lacks {k!r}")
+        if not isinstance(st["stage"], str):
+            raise shape_error(loss_json, f"{where}.stage", "a stage name (a string)", st["stage"])
+        if not is_int(st["first_step"]) or not 0 <= st["first_step"] < MAX_INDEX:
+            raise shape_error(loss_json, f"{where}.first_step", "a step number (an integer >= 0)", st["first_step"])
     return {
         "source": os.path.abspath(loss_json),
         "stage": block.get("stage"),
-        "stages": block.get("stages", []),
+        "stages": stages,
         "layers": layers,
         "steps": steps,
-        "recall_by_layer": {str(i): [row[j] for row in block["recall"]] for j, i in enumerate(layers)},
-        "kl_by_layer": {str(i): [row[j] for row in block["kl"]] for j, i in enumerate(layers)},
+        "recall_by_layer": {str(i): [row[j] for row in recall] for j, i in enumerate(layers)},
+        "kl_by_layer": {str(i): [row[j] for row in kl] for j, i in enumerate(layers)},
         "mean_recall": list(mean),
         "recall_first_last": {"first": mean[0], "last": mean[-1]},
     }
