@@ -178,6 +178,8 @@ def read_json(
         raise error(f"{file}: {what} {problem}") from e
     except RecursionError as e:  # valid JSON nested deeper than Python's recursion limit ([[[...]]])
         raise error(f"{file}: {what} is not readable JSON (nested too deeply)") from e
+    except ValueError as e:  # an integer past Python's digit limit for int(str) (4300)
+        raise error(f"{file}: {what} is not readable JSON ({e})") from e
     if expect is not None and not isinstance(value, expect):
         name = {dict: "object", list: "array"}.get(expect, expect.__name__)
         raise error(f"{file}: {what} must be a JSON {name}, got a {type(value).__name__}")

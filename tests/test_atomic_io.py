@@ -92,6 +92,12 @@ class _Refused(ValueError):
         # valid JSON nested past Python's recursion limit: was a RecursionError traceback (check-loss,
         # check-ckpt's config.json, a resume's meta.json)
         (b"[" * 100_000 + b"]" * 100_000, "the thing is not readable JSON (nested too deeply)"),
+        # an integer past Python's 4300-digit limit: json raised a plain ValueError naming no file
+        (
+            b"[" + b"9" * 5000 + b"]",
+            "the thing is not readable JSON (Exceeds the limit (4300 digits) for integer string conversion: "
+            "value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)",
+        ),
     ],
 )
 def test_read_json_names_file_what_and_problem(tmp_path, raw, problem):
