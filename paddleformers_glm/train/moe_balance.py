@@ -134,7 +134,7 @@ class ExpertBalancer:
 
     def report(self) -> dict[str, Any]:
         """The ``expert_load`` block of loss.json (empty for a model without routers)."""
-        if not self.active or self.layers is None:
+        if not self.active or self.load_total is None:  # no step taken (--steps 0: an evaluation only)
             return {}
         out: dict[str, Any] = {
             "num_experts": self.num_experts,
