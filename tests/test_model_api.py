@@ -335,6 +335,24 @@ def test_a_loss_on_the_attention_weights_trains_the_projections():
     assert model.model.layers[1].self_attn.q_a_proj.weight.grad is None  # the loss reads layer 0 only
 
 
+def test_output_attentions_under_full_recompute_keeps_the_gradients():
+    """Inside a recomputed layer the weights stay out of the graph (Fleet's recompute rebuilds it
+    without them): with them in it, the backward of the plain LM loss failed ("The size of Holder is
+    not enough"), and a loss reading them left a later model with missing gradients. The LM loss's
+    gradients under --recompute full equal those without recompute."""
+    ids = tokens(2, 8, seed=3)
+
+    def grads(mode):
+        model = tiny_model(seed=2)
+        model.train()
+        model.recompute = mode
+        model(ids, labels=ids, output_attentions=True).loss.backward()
+        return {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref, full = grads("none"), grads("full")
+    assert ref.keys() == full.keys() and all(np.array_equal(ref[k], full[k]) for k in ref)
+
+
 @pytest.mark.reference
 def test_a_loss_on_the_attention_weights_has_transformers_gradients():
     """The live twin: the gradient of sum(attentions[l] ** 2) on layer l's query and key projections."""

@@ -16,6 +16,7 @@ head instead, where that is cheaper). Decoding (`forward_decode`) always reads t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from ..ops.norm import building_graph, capturing_cuda_graph
 from ..parallel import comm
 from ..parallel.context import gather_sequence, zigzag_positions
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
-from ..parallel.recompute import run_core
+from ..parallel.recompute import recomputing, run_core
 from ..parallel.topology import Topology
 from .attention_forms import (
     AttentionShape,
@@ -201,10 +202,12 @@ class MLAttention(nn.Layer):
             run_indexer, record_it, cache, dense_sel, active=cache is None,
         )  # fmt: skip
         if self.keep_attention is not None:  # HF eager's weights, over what the attention read; in
-            # the autograd graph as HF's (a loss on them trains the projections that made them)
-            query, key, _ = self._heads(q_latent, c, k_rot, (cos, sin))
-            sel = topk if dense_sel is None else dense_sel
-            self.keep_attention(attention_probabilities(query, key, sel, core.scale, x.dtype))
+            # the autograd graph as HF's (a loss on them trains the projections that made them), but
+            # not inside a recomputed layer, whose graph Fleet's recompute rebuilds without them
+            with paddle.no_grad() if recomputing() else contextlib.nullcontext():
+                query, key, _ = self._heads(q_latent, c, k_rot, (cos, sin))
+                sel = topk if dense_sel is None else dense_sel
+                self.keep_attention(attention_probabilities(query, key, sel, core.scale, x.dtype))
         out = self._exit_tp(out)  # [B, S_local, hidden]
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias

@@ -13,12 +13,19 @@ import paddle
 
 from .topology import RECOMPUTE_MODES
 
-__all__ = ["replaying", "run_core", "run_layer"]
+__all__ = ["recomputing", "replaying", "run_core", "run_layer"]
 
 # > 0 while a decoder layer runs under --recompute core (a list: to_static cannot transform `global`)
 _core_depth = [0]
-# > 0 while a recomputed function runs again in backward
+# > 0 while a recomputed function runs again in backward; > 0 while one runs at all (either pass)
 _replay_depth = [0]
+_recompute_depth = [0]
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a recomputed function (its first pass or its replay): what
+    it computes beside the layer's outputs must not join the graph Fleet's recompute rebuilds."""
+    return _recompute_depth[0] > 0
 
 
 def replaying() -> bool:
@@ -41,13 +48,14 @@ def _recompute(fn: Callable[..., Any], *args: Any) -> Any:
 
     def counted(*a: Any) -> Any:
         runs[0] += 1
-        if runs[0] == 1:
-            return fn(*a)
-        _replay_depth[0] += 1
+        replay = runs[0] > 1
+        _replay_depth[0] += replay
+        _recompute_depth[0] += 1
         try:
             return fn(*a)
         finally:
-            _replay_depth[0] -= 1
+            _replay_depth[0] -= replay
+            _recompute_depth[0] -= 1
 
     return recompute(saving_contiguous(counted), *args, use_reentrant=False, preserve_rng_state=True)
 
