@@ -671,6 +671,10 @@ def test_align_no_run_refuses_runs_trained_with_other_training_settings(tiny_ckp
     assert "paddle --lr: the run recorded 0.0001, this command says 0.003" in err
     assert "reference --weight-decay: the run recorded 0.1, this command says 0.0" in err
     assert "paddle --expert-update: the run recorded 'fused', this command says 'routed-only'" in err
+    # an unset --min-lr is lr / 10 on both sides: 1e-5 is the runs' floor, 0 is not
+    assert cli_main([*args, "--min-lr", "1e-5"]) == 0
+    assert cli_main([*args, "--min-lr", "0"]) == 2
+    assert "--min-lr: the run recorded 1e-05, this command says 0.0" in capsys.readouterr().err
     # the trainer records them (the reference run's loss.json likewise, from its own arguments)
     cfg = TrainConfig(model="toy", steps=1, seq_len=16, global_batch_size=2, lr=2e-3, weight_decay=0.05,
                       out=str(tmp_path / "t"), progress=False)  # fmt: skip

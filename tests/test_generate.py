@@ -2817,6 +2817,9 @@ def test_an_empty_stop_string_ends_at_the_first_token_and_early_stopping_is_chec
         model.generate(ids, max_new_tokens=5, stop_strings="")
     with pytest.raises(ValueError, match="early_stopping must be True, False or 'never', got 'foo'"):
         model.generate(ids, max_new_tokens=3, early_stopping="foo")
+    # 0 and 1 pass transformers' check (`in {None, True, False, "never"}`), greedy and with beams
+    for value, beams in ((0, 1), (1, 1), (1.0, 2), (0, 2)):
+        model.generate(ids, max_new_tokens=2, early_stopping=value, num_beams=beams, eos_token_id=[1])
 
 
 @pytest.mark.reference

@@ -477,6 +477,10 @@ def test_loss_function_as_transformers():
         and model(ids, shift_labels=shifted).loss is None
     )
     assert [c[0] for c in calls] == [[], ["num_items_in_batch"], ["shift_labels"]] and calls[0][1:] == ([2, 10], V)
+    # ignore_index reaches it as transformers passes it (measured: {'ignore_index': 8}); before, it got neither
+    # the keyword nor the labels mapped
+    model(ids, labels=lab, ignore_index=8)
+    assert calls[-1][0] == ["ignore_index"]
     both = model(ids, labels=lab, add_mtp_loss=True)  # the MTP loss is still added to the assigned one's
     assert abs(float(both.loss) - (3.0 + model.config.mtp_loss_scaling_factor * float(both.mtp_loss))) <= 1e-5
     model.loss_function = None
@@ -585,6 +589,19 @@ def test_token_ids_outside_the_vocabulary_and_a_mask_of_another_shape_are_refuse
             model(ids, paddle.ones(shape, "int64"), use_cache=False)
     with pytest.raises(ValueError, match="attention_mask"):  # with a cache: the cache's own check
         model(ids, paddle.ones([2, 11], "int64"), use_cache=True)
+
+
+def test_ids_of_a_larger_input_embedding_set_by_the_caller_are_taken():
+    """transformers 5.23 embeds any id its input embedding has a row for: after
+    ``set_input_embeddings(Embedding(300, H))`` id 270 runs (logits [1, 2, 256], measured). The range
+    check refused it, reading config.vocab_size (256)."""
+    model = tiny_model()
+    model.eval()
+    H = model.config.hidden_size
+    model.set_input_embeddings(paddle.nn.Embedding(300, H))
+    assert model(paddle.to_tensor([[5, 270]]), use_cache=False).logits.shape == [1, 2, model.config.vocab_size]
+    with pytest.raises(IndexError, match="input_ids holds 300"):
+        model(paddle.to_tensor([[5, 300]]), use_cache=False)
 
 
 def test_ignore_index_and_float_labels_as_transformers():

@@ -458,6 +458,8 @@ def resolve_settings(
     nrs = r["num_return_sequences"] = _integer("num_return_sequences", get("num_return_sequences"), 1)
     beams = r["num_beams"] = _integer("num_beams", get("num_beams"), 1)
     stop = get("early_stopping")  # checked without beams too, as transformers' GenerationConfig.validate
+    if isinstance(stop, (int, float)) and not isinstance(stop, bool) and stop in (0, 1):
+        stop = bool(stop)  # transformers' check is `in {None, True, False, "never"}`: 0 and 1 pass it
     if stop not in (True, False, "never") or not isinstance(stop, (bool, str)):
         raise ValueError(f"generate: early_stopping must be True, False or 'never', got {stop!r}")
     if beams > 1:  # transformers' beam search (with do_sample: beam sampling)

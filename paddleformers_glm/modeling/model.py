@@ -487,10 +487,11 @@ def _custom_loss_call(
     shift_labels: paddle.Tensor | None,
     labels_shifted: bool,
     num_items_in_batch: int | paddle.Tensor | None,
+    ignore_index: int | None = None,
 ) -> tuple[Callable[..., paddle.Tensor], dict[str, Any]] | None:
     """A ``model.loss_function`` the caller set and the keywords transformers' forward calls it with
-    (``labels``, and ``num_items_in_batch`` / ``shift_labels`` where given; ``labels_shifted=True``
-    labels as ``shift_labels``); None without one, or without labels (no loss)."""
+    (``labels``, and ``num_items_in_batch`` / ``shift_labels`` / ``ignore_index`` where given;
+    ``labels_shifted=True`` labels as ``shift_labels``); None without one, or without labels (no loss)."""
     fn = model.__dict__.get("_loss_function")
     if fn is None or labels is None:
         return None
@@ -499,6 +500,8 @@ def _custom_loss_call(
         kw["num_items_in_batch"] = num_items_in_batch
     if shift_labels is not None or labels_shifted:
         kw["shift_labels"] = labels if shift_labels is None else shift_labels
+    if ignore_index is not None:
+        kw["ignore_index"] = ignore_index
     return fn, kw
 
 
@@ -882,9 +885,10 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         transformers attends per sequence) attend and select their top-k per sequence
         (`_forward_packed`); the collator's `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
         `max_length_k` / `seq_idx` are taken beside them, refused by name otherwise; see docs/model.md."""
-        custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch)
+        ignore_index = kwargs.pop("ignore_index", None)
+        custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch, ignore_index)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
-        labels = _ignoring(labels, kwargs.pop("ignore_index", None))
+        labels = _ignoring(labels, ignore_index)
         packing = None
         if position_ids is not None and attention_mask is None and past_key_values is None:
             hf_cache = use_cache if use_cache is not None else bool(getattr(self.config, "use_cache", False))
@@ -914,8 +918,9 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
                 f"{list(attention_mask.shape)}; 4-D attention masks are not supported (transformers takes them)"
             )
         tokens = input_ids if inputs_embeds is None else inputs_embeds
-        if input_ids is not None:
-            _check_token_ids(input_ids, self.config.vocab_size)
+        if input_ids is not None:  # the embedding's rows (a caller may set a larger one), at least the vocab
+            rows = getattr(self.get_input_embeddings(), "weight", None)
+            _check_token_ids(input_ids, max(self.config.vocab_size, int(rows.shape[0]) if rows is not None else 0))
         if attention_mask is not None and past_key_values is None and attention_mask.shape[:2] != tokens.shape[:2]:
             raise ValueError(  # with a cache: [batch, past + seq], checked by the cache
                 f"attention_mask shape {list(attention_mask.shape)} != the input's [batch, seq] "
