@@ -129,6 +129,13 @@ def test_compare_dumps_passes_rounding_noise_of_a_zero_gradient_but_not_a_real_d
     leak = _save(tmp_path / "e", {**ref, "frozen": np.array([0, 1e-12, 0], np.float32)})
     rep = compare_dumps(str(r), str(leak), rel_tol=1e-5)
     assert not rep["pass"] and [d["key"] for d in rep["beyond_tolerance"]] == ["frozen"]
+    # an Inf in the reference sets no floor (it was infinite: every other tensor passed by it)
+    inf = _save(tmp_path / "i", {**ref, "lm_head": np.float32([2.0, np.inf, 0.5])})
+    off = _save(tmp_path / "j", {**ref, "lm_head": np.float32([2.0, np.inf, 0.5]), "q_proj": noise * 2 + 1e-7})
+    rep = compare_dumps(str(inf), str(off), rel_tol=1e-5)
+    assert math.isclose(rep["noise_floor"], NOISE_FLOOR * 2.0) and [d["key"] for d in rep["beyond_tolerance"]] == [
+        "q_proj"
+    ]
     # the absolute comparison (weights) has no floor: its tolerance is absolute already
     assert "noise_floor" not in compare_dumps(str(r), str(other), atol=1e-5)
 
