@@ -217,10 +217,30 @@ def model_identity(kind: str, model_args: Mapping[str, Any]) -> dict[str, Any]:
     return {"kind": kind, "config": config, "sha256": hashlib.sha256(canonical.encode()).hexdigest()}
 
 
+# model keys that change nothing the model computes from a state's weights (transformers' re-save writes
+# ``head_dim`` as the rope width, which MLA does not read; the output and cache flags; the BOS/EOS ids)
+_UNREAD_KEYS = frozenset(("architectures", "head_dim", "bos_token_id", "eos_token_id", "dtype", "initializer_range"))
+
+
+def _model_view(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A glm config.json as this package reads it: each model key's value after parsing (the file's,
+    a default, or derived: ``indexer_types`` from a schedule), less :data:`_UNREAD_KEYS`, so that one
+    model written by two libraries (transformers adds ``layer_types``, ``mlp_bias`` ...) is one model.
+    An unreadable config is compared as it is."""
+    from ..configuration import _FILE_DEFAULTS, GlmMoeDsaConfig
+
+    try:
+        parsed = GlmMoeDsaConfig.from_dict(dict(config))
+    except (ValueError, TypeError):
+        return dict(config)
+    keys = [k for k in _FILE_DEFAULTS if k not in _UNREAD_KEYS] + ["rope"]
+    return {k: getattr(parsed, k, None) for k in keys}
+
+
 def model_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{key: (saved value, this run's)}`` of two :func:`model_identity` records: ``kind`` when the
-    adapters differ, else each config key whose value differs (a nested one dotted:
-    ``rope_parameters.rope_theta``; a key one side lacks has the value None there)."""
+    adapters differ, else each model key whose value, as this package reads it, differs (a nested one
+    dotted: ``rope.rope_theta``; a key one side lacks has the value None there)."""
     if saved["kind"] != now["kind"]:
         return {"kind": (saved["kind"], now["kind"])}
     out: dict[str, tuple[Any, Any]] = {}
@@ -232,7 +252,10 @@ def model_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[
         elif a != b:
             out[key] = (a, b)
 
-    walk(saved["config"], now["config"], "")
+    if saved["kind"] == "glm":
+        walk(_model_view(saved["config"]), _model_view(now["config"]), "")
+    else:
+        walk(saved["config"], now["config"], "")
     return out
 
 
