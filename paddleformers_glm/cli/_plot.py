@@ -5,12 +5,11 @@ written atomically as a PNG.  matplotlib is imported only when drawing (the ``pl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from typing import Any
 
-from .._io import atomic_path, is_int, read_json
+from .._io import atomic_path, dumps_json, is_int, read_json
 from ._common import output_file_error
 
 PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
@@ -64,12 +63,12 @@ MAX_INDEX = 2**53  # a step or layer number past this is not exact as a float (t
 def describe(value: Any) -> str:
     """``value`` (parsed JSON) in a few words for an error message."""
     if value is None or isinstance(value, bool):
-        return json.dumps(value)
+        return dumps_json(value, indent=None)
     if isinstance(value, (int, float)):
         text = repr(value)
         return f"the number {text if len(text) <= 24 else text[:21] + '...'}"
     if isinstance(value, str):
-        return f"the string {json.dumps(value[:40] + ('...' if len(value) > 40 else ''))}"
+        return f"the string {dumps_json(value[:40] + ('...' if len(value) > 40 else ''), indent=None)}"
     if isinstance(value, list):
         return f"an array of {_count(len(value), 'item')}" if value else "an empty array"
     if isinstance(value, dict):
