@@ -111,15 +111,6 @@ EXPERT_CASES = {
 }
 
 
-@pytest.mark.parametrize("change,key", list(EXPERT_CASES.values()), ids=list(EXPERT_CASES))
-def test_plot_experts_refuses_a_malformed_expert_load_in_one_line(tmp_path, capsys, change, key):
-    run = _run_dir(tmp_path, "expert_load", EXPERT_LOAD, change)
-    assert main(["plot-experts", str(run)]) == 2
-    line = _one_line(capsys.readouterr().err)
-    assert line.startswith(f"plot-experts: {run / 'loss.json'}: ") and key in line, line
-    assert not (run / "expert_load.png").exists()
-
-
 def test_plot_experts_on_a_reference_record_names_the_paddle_run(tmp_path, capsys):
     """`glm52 align OUT` writes OUT/reference/loss.json (torch: only idle experts and the bias rate) and
     OUT/paddle/loss.json. Before: "'expert_load' lacks 'layers'", which did not say what to plot."""
@@ -173,13 +164,23 @@ INDEXER_CASES = {
 }
 
 
-@pytest.mark.parametrize("change,key", list(INDEXER_CASES.values()), ids=list(INDEXER_CASES))
-def test_plot_indexer_refuses_a_malformed_indexer_block_in_one_line(tmp_path, capsys, change, key):
-    run = _run_dir(tmp_path, "indexer", INDEXER, change)
-    assert main(["plot-indexer", str(run)]) == 2
+MALFORMED = [
+    *(("plot-experts", "expert_load", EXPERT_LOAD, *case, ("expert_load.png",)) for case in EXPERT_CASES.values()),
+    *(("plot-indexer", "indexer", INDEXER, *case, ("indexer.png", "indexer.json")) for case in INDEXER_CASES.values()),
+]
+
+
+@pytest.mark.parametrize(
+    "cmd,block,base,change,key,outputs", MALFORMED, ids=[*(f"experts: {k}" for k in EXPERT_CASES), *INDEXER_CASES]
+)
+def test_a_malformed_block_is_one_line_naming_the_key(tmp_path, capsys, cmd, block, base, change, key, outputs):
+    """plot-experts / plot-indexer on a malformed loss.json block: one line naming the file and the key
+    path, exit 2, nothing written (the cases say what each was before)."""
+    run = _run_dir(tmp_path, block, base, change)
+    assert main([cmd, str(run)]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith(f"plot-indexer: {run / 'loss.json'}: ") and key in line, line
-    assert not (run / "indexer.png").exists() and not (run / "indexer.json").exists()
+    assert line.startswith(f"{cmd}: {run / 'loss.json'}: ") and key in line, line
+    assert not any((run / name).exists() for name in outputs)
 
 
 def test_plot_indexer_accepts_the_nulls_of_a_strict_record(tmp_path, capsys):
