@@ -219,7 +219,7 @@ def _check_token_ids(ids: paddle.Tensor, vocab: int) -> None:
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
-        raise IndexError(f"input_ids holds {bad}, outside the vocabulary [0, {vocab}) (config.vocab_size)")
+        raise IndexError(f"input_ids holds {bad}, outside the vocabulary [0, {vocab}) (the input embedding's rows)")
 
 
 def build_layer(config: GlmMoeDsaConfig, index: int, topo: Topology) -> DecoderLayer | MTPLayer:

@@ -218,7 +218,7 @@ def model_identity(kind: str, model_args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # model keys that change nothing the model computes from a state's weights (transformers' re-save writes
-# ``head_dim`` as the rope width, which MLA does not read; the output and cache flags; the BOS/EOS ids)
+# ``head_dim`` as the rope width, which MLA does not read; the BOS/EOS ids; the stored dtype and init scale)
 _UNREAD_KEYS = frozenset(("architectures", "head_dim", "bos_token_id", "eos_token_id", "dtype", "initializer_range"))
 
 
