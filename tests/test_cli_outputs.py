@@ -98,6 +98,22 @@ def src(tmp_path):
 
 
 @pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
+def test_convert_refuses_a_source_whose_files_link_into_the_output(tmp_path, capsys):
+    """A source folder of links to the files of OUT: measured before, ``convert SRC OUT`` exited 0 and
+    the source's links dangled (the save replaced OUT's files, which the source read)."""
+    out, links = tmp_path / "out", tmp_path / "links"
+    shutil.copytree(FIXTURE, out)
+    links.mkdir()
+    for f in out.iterdir():
+        (links / f.name).symlink_to(f)
+    before = _tree(out)
+    assert main(["convert", str(links), str(out), "--to", "hf", "--quiet"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "is a link into the output folder" in line and str(out) in line, line
+    assert _tree(out) == before and all(p.exists() for p in links.iterdir())
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="HF fixture checkpoint not present")
 @pytest.mark.parametrize("flags", [[], ["--to", "hf", "--dtype", "float16"], ["--quantization", "fp8", "--to", "hf"]])
 def test_convert_refuses_to_write_over_its_source(src, flags, capsys):
     # before: exit 0 and SRC's official shards replaced by the output (--dtype float16 / fp8: the

@@ -111,6 +111,15 @@ def convert_checkpoint(
             f"the output folder {os.fspath(out)} is the source checkpoint's folder ({src_folder}): the conversion "
             "would replace the checkpoint it reads; write to another folder"
         )
+    if os.path.isdir(out):  # a source file that is a link into the output folder goes with the folder it replaces
+        inside = os.path.realpath(out) + os.sep
+        for name in sorted(os.listdir(src_folder)):
+            if os.path.realpath(os.path.join(src_folder, name)).startswith(inside):
+                raise CheckpointError(
+                    f"the source checkpoint's {name} is a link into the output folder {os.fspath(out)}: the "
+                    "conversion replaces that folder and would delete the file the source reads; write to another folder",
+                    file=os.path.join(src_folder, name),
+                )
     config = load_config_for(os.path.abspath(src))
     quantize = quantization not in (None, "none")
     work = "float32" if quantize else dtype or config.model_dtype
