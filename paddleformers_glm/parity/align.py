@@ -24,7 +24,7 @@ from ..train.command import (
     add_step_arguments,
     train_line_error,
 )
-from ..train.settings import recorded_settings
+from ..train.settings import effective_min_lr, recorded_settings
 from .reference.indexer import saved_indexer_coeff
 from .reference.topk_gaps import NEAR_TIE
 from .reference.train import DUMP_KINDS
@@ -276,10 +276,12 @@ def recorded_settings_mismatch(args: argparse.Namespace, ref_doc: dict[str, Any]
     for name, doc in (("reference", ref_doc), ("paddle", pd_doc)):
         checks.append((f"{name} --seed", doc.get("seed"), args.seed))
         recorded = (doc.get("run") or {}).get("settings") or {}  # lr schedule, decay, clip, MoE balancing
-        given = recorded_settings(args)
-        for k in sorted(set(recorded) & set(given)):  # an unset --min-lr is lr / 10 on both sides
-            got, want = (d[k] if k != "min_lr" or d[k] is not None else d["lr"] / 10 for d in (recorded, given))
-            checks.append((f"{name} --{k.replace('_', '-')}", got, want))
+        given = recorded_settings(args)  # the lr floor as it takes effect on both sides
+        if recorded.get("min_lr") is None and "lr" in recorded:  # a record made before that: unset
+            recorded = dict(recorded, min_lr=effective_min_lr(recorded["lr"], None))
+        checks += [
+            (f"{name} --{k.replace('_', '-')}", recorded[k], given[k]) for k in sorted(set(recorded) & set(given))
+        ]
         path = (doc.get("checkpoint") or {}).get("path")
         checks.append((f"{name} --model", path and os.path.realpath(path), model))
     return [

@@ -46,7 +46,7 @@ from .moe_balance import ExpertBalancer
 from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
-from .settings import TrainConfig, check_resume_run, check_run, recorded_settings, run_world
+from .settings import TrainConfig, check_resume_run, check_run, effective_min_lr, recorded_settings, run_world
 from .state_files import read_meta, resolve_resume_state
 
 __all__ = ["TrainConfig", "check_run", "run_training", "run_world"]
@@ -377,7 +377,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any],
     if cfg.resume:  # the optimizer's too: a NaN moment or fp32 master would poison the first update
         state |= {f"optimizer/{n}/{k}": t for n, st in opt.state_dict().items() for k, t in st.items()}
     check_finite_state(state, cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
-    min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+    min_lr = effective_min_lr(cfg.lr, cfg.min_lr)
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps - stage_start)
     return _Run(
         cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,

@@ -29,6 +29,7 @@ __all__ = [
     "check_numbers",
     "check_resume_model",
     "check_resume_run",
+    "effective_min_lr",
     "check_run",
     "indexer_stage_weight",
     "recorded_settings",
@@ -343,9 +344,18 @@ RECORDED_SETTINGS = (
 )  # fmt: skip
 
 
+def effective_min_lr(lr: float, min_lr: float | None) -> float:
+    """The cosine schedule's floor: ``--min-lr``, unset lr / 10."""
+    return min_lr if min_lr is not None else lr / 10
+
+
 def recorded_settings(settings: Any) -> dict[str, Any]:
-    """The :data:`RECORDED_SETTINGS` that ``settings`` (a TrainConfig or parsed arguments) holds."""
-    return {k: getattr(settings, k) for k in RECORDED_SETTINGS if hasattr(settings, k)}
+    """The :data:`RECORDED_SETTINGS` that ``settings`` (a TrainConfig or parsed arguments) holds, the
+    lr floor as it takes effect (:func:`effective_min_lr`)."""
+    out = {k: getattr(settings, k) for k in RECORDED_SETTINGS if hasattr(settings, k)}
+    if "min_lr" in out and "lr" in out:
+        out["min_lr"] = effective_min_lr(out["lr"], out["min_lr"])
+    return out
 
 
 RESUME_SETTINGS = (
@@ -400,9 +410,9 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
         )
     saved = dict(meta.get("config") or {})
     now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k not in ("data", "model")}
-    for d in (saved, now):  # the effective floor: unset is lr / 10
-        if d.get("min_lr") is None and d.get("lr") is not None:
-            d["min_lr"] = d["lr"] / 10
+    for d in (saved, now):  # the effective floor
+        if d.get("lr") is not None:
+            d["min_lr"] = effective_min_lr(d["lr"], d.get("min_lr"))
     diff = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     same_rows = saved.get("seq_len") == cfg.seq_len  # else the layout check names --seq-len (load_resume_state)
     if data_fingerprint is not None and same_rows and meta.get("data") not in (None, data_fingerprint):

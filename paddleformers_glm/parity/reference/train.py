@@ -26,7 +26,7 @@ from ...train.command import (
     add_step_arguments,
     dump_steps,
 )
-from ...train.settings import check_numbers, indexer_stage_weight, recorded_settings
+from ...train.settings import check_numbers, effective_min_lr, indexer_stage_weight, recorded_settings
 from .indexer import ReferenceIndexer, saved_indexer_coeff
 from .topk_gaps import GapMonitor
 
@@ -365,7 +365,7 @@ def train(args: argparse.Namespace) -> dict:
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     data = open_data(args.data, args.seq_len, ref.conf.vocab_size, args.seed, data_dtype=args.data_dtype)
-    min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    min_lr = effective_min_lr(args.lr, args.min_lr)
     hist: dict[str, list[float]] = {"losses": [], "mtp_losses": [], "grad_norms": [], "lrs": []}
     if ref.indexer_stage != "none":
         hist["indexer_losses"] = []
