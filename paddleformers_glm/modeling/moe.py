@@ -205,14 +205,13 @@ class RouterBalance:
         E = scores.shape[-1]
         mask = self.local_valid(valid, int(expert_ids.shape[0]))
         count = not replaying()  # a recomputed layer's second run routes the same tokens again
-        with paddle.no_grad():
-            c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
-            if count:
+        if count:
+            with paddle.no_grad():
+                c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
                 self.routed = c if self.routed is None else self.routed + c
-            if mask is not None:  # padding rows' assignments into an extra bin, dropped
-                ids = paddle.where(mask.unsqueeze(-1), expert_ids, paddle.full_like(expert_ids, E))
-                c = paddle.bincount(ids.reshape([-1]), minlength=E + 1)[:E]
-            if count:
+                if mask is not None:  # padding rows' assignments into an extra bin, dropped
+                    ids = paddle.where(mask.unsqueeze(-1), expert_ids, paddle.full_like(expert_ids, E))
+                    c = paddle.bincount(ids.reshape([-1]), minlength=E + 1)[:E]
                 self.counts = c if self.counts is None else self.counts + c
         if self.aux_loss_coeff <= 0:
             return weights
