@@ -59,10 +59,11 @@ def run_parity_demo(out: Path, steps: int = 3, seq: int = 64, seed: int = 0) -> 
     summary["generate"] = gen = generate_from_text(model, src, DEMO_PROMPT, max_new_tokens=8)
     print(f"      generate: {gen['prompt']!r} -> {gen['text']!r} ({len(gen['new_ids'])} new tokens)")
 
-    # the exports are of the loaded weights, so they must equal the source tensor for tensor
+    # the exports are of the loaded weights in the source's dtype ("auto": the one config.json
+    # states), so they must equal the source tensor for tensor
     hf_out, fleet_out = out / "export-hf", out / "export-fleet"
-    model.save_pretrained(hf_out, max_shard_size="1MB")
-    model.save_pretrained(fleet_out, layout="fleet", max_shard_size="1MB")
+    model.save_pretrained(hf_out, max_shard_size="1MB", dtype="auto")
+    model.save_pretrained(fleet_out, layout="fleet", max_shard_size="1MB", dtype="auto")
     print(f"[3/5] exported: {hf_out} (official HF layout), {fleet_out} (Paddle/Fleet layout)")
 
     receipts = {}

@@ -124,3 +124,27 @@ def test_saved_config_states_the_dtype_of_the_weights(tmp_path):
     GlmMoeDsaForCausalLM.from_pretrained(old, dtype="float32").save_pretrained(tmp_path / "old32", dtype="float32")
     cfg = json.loads((tmp_path / "old32" / "config.json").read_text())
     assert cfg["torch_dtype"] == "float32" and "dtype" not in cfg
+
+
+def test_save_pretrained_writes_the_models_dtype_as_transformers(tmp_path):
+    """transformers 5.23: a model loaded with ``dtype=float32`` from a BF16 checkpoint and trained
+    saves ``"dtype": "float32"`` and F32 tensors (measured). Ours wrote the config's BF16, rounding
+    the trained weights silently (up to 1e-3 after one AdamW step, logits 3.6 apart on reload).
+    ``dtype="auto"`` writes the dtype config.json states, the source's bytes again."""
+    import json
+
+    m = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+    p = dict(m.named_parameters())[Q]
+    p.set_value(p + 1e-4)  # a trained value bf16 cannot hold
+    m.save_pretrained(tmp_path / "default")
+    assert _st_dtypes(tmp_path / "default") == {"F32"}
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["dtype"] == "float32"
+    back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "default", dtype="float32")
+    for k, v in back.state_dict().items():
+        assert np.array_equal(v.numpy(), m.state_dict()[k].numpy()), k
+    m.save_pretrained(tmp_path / "auto", dtype="auto")
+    assert _st_dtypes(tmp_path / "auto") == {"BF16"}
+    assert (tmp_path / "auto" / "config.json").read_bytes() == (FIXTURE / "config.json").read_bytes()
+    b16 = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="bfloat16")
+    b16.save_pretrained(tmp_path / "bf16")
+    assert _st_dtypes(tmp_path / "bf16") == {"BF16"}

@@ -475,7 +475,7 @@ def test_hf_layout_export_after_set_attn_implementation_loads_in_transformers(tm
 
     model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="float32")
     model.set_attn_implementation("dense")
-    model.save_pretrained(tmp_path / "hf")
+    model.save_pretrained(tmp_path / "hf", dtype="auto")  # the source's dtype: its config.json bytes
     out = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "attn_implementation" not in out
     assert (tmp_path / "hf" / "config.json").read_bytes() == (FIXTURE / "config.json").read_bytes()

@@ -437,7 +437,12 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         multi-rank topology it is collective: every rank writes the tensors it owns, no rank gathers
         the model, and the files are the same bytes as a one-process save. -> a
         ``checkpoint.SaveReport`` (``out_dir``, ``layout``, ``files``, ``tensors``, ``total_size``,
-        ``seconds``; transformers' ``save_pretrained`` returns None). transformers' keywords: those
+        ``seconds``; transformers' ``save_pretrained`` returns None). The tensors are written in the
+        model's dtype, as transformers writes them (a float32 model: float32, config.json saying so);
+        ``dtype="auto"`` writes the dtype its config.json states (the checkpoint's: a float32 model
+        loaded from the BF16 release saves BF16 again), ``dtype="bfloat16"`` etc. that one;
+        ``quantization="fp8"`` writes the official FP8 release, its other tensors in the config's dtype.
+        transformers' keywords: those
         that change nothing here are accepted (``safe_serialization``: safetensors either way, as
         transformers 5.23 writes; ``push_to_hub=False``, ``token``, ``variant=None`` ...);
         ``is_main_process=False`` writes nothing and returns None, as there (a model split over ranks
@@ -449,6 +454,8 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
             return None  # is_main_process=False: transformers writes nothing
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         kwargs.setdefault("generation_config", self._changed_generation_config())
+        if kwargs.get("dtype") is None and kwargs.get("quantization") in (None, "none"):
+            kwargs["dtype"] = self.compute_dtype  # what the model holds, as transformers writes
         if self.distributed:
             from ..checkpoint.distributed import save_pretrained_distributed
 
