@@ -111,11 +111,13 @@ def test_align_runs_in_bf16_and_reports_the_drift(tiny_ckpt, tmp_path):
     out = tmp_path / "align"
     cmd = [sys.executable, "-m", "paddleformers_glm.cli", "align", "--model", str(tiny_ckpt), "--out", str(out)]
     cmd += ["--steps", "5", "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "10"]
-    cmd += ["--dtype", "bfloat16"]
+    cmd += ["--dtype", "bfloat16", "--loss-atol", "5e-3", "--rel-tol", "1", "--later-rel-tol", "1"]
+    cmd += ["--weight-atol", "5e-3", "--final-weight-atol", "5e-3"]  # bf16 has no default tolerance
     p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode in (0, 1), p.stdout[-4000:] + p.stderr[-4000:]  # 2 would be a failed run
     v = json.loads((out / "receipt" / "verdict.json").read_text())
     assert v["training"]["dtype"] == "bfloat16"
+    assert v["tolerances"]["loss_atol"] == 5e-3, v["tolerances"]
     assert all(r["exit_code"] == 0 for r in v["runs"].values())
     assert losses(out / "reference")["dtype"] == "bfloat16"
     assert losses(out / "paddle")["profile"]["dtype"] == "bfloat16"
