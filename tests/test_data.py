@@ -402,14 +402,14 @@ def test_token_file_smaller_than_one_global_batch_is_refused(tmp_path, capsys):
     """A .npy of 2 samples, a global batch of 4 over dp 2: the batch repeated the 2 samples (the next
     epoch's order filled it), so both data-parallel ranks trained on the same rows, silently (before:
     rank 0 and rank 1 both got the windows starting with tokens [0, 8]). A text / chat .jsonl was
-    already refused ("N are needed for one global batch"); every finite source now is, before launch."""
-    from paddleformers_glm.train.data import check_batch_samples, micro_batches
+    already refused ("N are needed for one global batch"); every finite source now is, before launch,
+    and a batch is never drawn from it (an epoch is n // G batches of distinct samples: none)."""
+    from paddleformers_glm.train.data import check_batch_samples
 
     np.save(tmp_path / "small.npy", np.arange(20, dtype=np.int32))  # 2 windows of 8 (a tail of 4 unused)
     data = open_data(str(tmp_path / "small.npy"), 8, 64, 0)
-    batch = data.global_batch(0, 4)
-    ranks = [np.concatenate([m["input_ids"] for m in micro_batches(batch, r, 2, 1)]) for r in range(2)]
-    assert sorted(ranks[0][:, 0].tolist()) == sorted(ranks[1][:, 0].tolist()) == [0, 8]  # what a batch drew
+    with pytest.raises(ValueError, match=r"small\.npy: 2 samples of --seq-len 8, fewer than one global batch of 4"):
+        data.global_batch(0, 4)
     with pytest.raises(ValueError, match=r"small\.npy: 2 samples of --seq-len 8, fewer than one global batch of 4"):
         check_batch_samples(data, 4)
     check_batch_samples(data, 2)  # one batch of distinct samples: taken
@@ -737,7 +737,8 @@ def test_conversations_cut_by_seq_len_are_counted_and_said(tiny_dir, tmp_path, c
         f"1 of 2 conversations are longer than --seq-len {S} and were cut to it (the longest has {max(lengths)} tokens)"
     )
     assert said in capsys.readouterr().out
-    ids = _jsonl(tmp_path / "ids.jsonl", [{"input_ids": list(range(1, n + 1))} for n in (3, 12, 9)])
+    # (no record shorter than --seq-len: the toy refuses padding, test_data_hostile.py)
+    ids = _jsonl(tmp_path / "ids.jsonl", [{"input_ids": list(range(1, n + 1))} for n in (8, 12, 9)])
     toy = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--steps", "1", "--no-progress"]
     assert main([*toy, "--data", ids, "--out", str(tmp_path / "r2")]) == 0
     assert (

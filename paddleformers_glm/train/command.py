@@ -286,6 +286,9 @@ def add_launch_arguments(g: Any, node_logs: str) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from .settings import TrainConfig
 
+    for flag in ("--data", "--eval-data", "--resume", "--tokenizer"):  # an unset shell variable: not "no flag"
+        if getattr(args, flag[2:].replace("-", "_"), None) == "":
+            raise ValueError(f"{flag}: an empty path (leave {flag} out instead; an unset variable in the command?)")
     if getattr(args, "resume_override", None) and not args.resume:
         raise ValueError("--resume-override names what a --resume may change; this run has no --resume")
     if args.model == "toy":
@@ -321,10 +324,12 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     """Everything the run reads from disk (``--data``: data.py's checks; ``--resume``: every file of
     the state, state_files.py), checked in this process before any worker starts, so a bad file is
     one named error instead of a worker dying at the step that first touches it.  A text/chat jsonl
-    is tokenized here, once, into ``OUT/data/<name>.seq<L>.npz`` (``--eval-data``'s into
-    ``OUT/data/eval-<name>.seq<L>.npz``), which the workers then read."""
+    is tokenized here, once, into ``OUT/data/train-<name>.seq<L>.npz`` (``--eval-data``'s into
+    ``OUT/data/eval-<name>.seq<L>.npz``: two prefixes, so that no pair of names can land on one file),
+    which the workers then read (each node its own OUT; a resume compares the data's fingerprint, not
+    its path).  ``--model toy`` refuses padded data (its attention and routing ignore attention_mask)."""
     from ..tokenizer import GlmTokenizer, TokenizerError
-    from .data import check_batch_samples, check_eval_samples, open_data, prepare_jsonl, text_jsonl_kind
+    from .data import TOY_PADDING, check_batch_samples, check_eval_samples, open_data, prepare_jsonl, text_jsonl_kind
 
     if cfg.model == "glm" and not cfg.resume:  # a resumed run reads no weight from --model
         check_checkpoint_files(cfg.model_args["model_dir"])
@@ -350,7 +355,13 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         stop = _stop_token_ids(tok_dir, args.tokenizer)  # what generation stops on: a chat turn's end is trained
         return out, prepare_jsonl(path, cfg.seq_len, vocab_size, tok, out, min_samples=min_samples, stop_ids=stop)
 
-    if text_jsonl_kind(cfg.eval_data):
+    def toy_unpadded(source: Any, flag: str) -> None:
+        i = source.first_padded() if cfg.model == "toy" else None
+        if i is not None:
+            raise ValueError(f"{flag} {source.describe}: sample {i} holds padding (attention_mask 0): {TOY_PADDING}")
+
+    held_out = None
+    if text_jsonl_kind(cfg.eval_data, "--eval-data"):
         cfg.eval_data, _ = tokenized(cfg.eval_data, "--eval-data", "eval-", cfg.eval_batches * cfg.global_batch_size)
     if cfg.eval_data is not None:
         held_out = open_data(
@@ -358,9 +369,10 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         )
         held_out.validate()
         check_eval_samples(held_out, cfg.eval_batches, cfg.global_batch_size)
-    if text_jsonl_kind(cfg.data):
+        toy_unpadded(held_out, "--eval-data")
+    if text_jsonl_kind(cfg.data, "--data"):
         # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
-        out, info = tokenized(cfg.data, "--data", "", cfg.global_batch_size)
+        out, info = tokenized(cfg.data, "--data", "train-", cfg.global_batch_size)
         epochs = cfg.steps * cfg.global_batch_size / info["samples"]
         print(
             f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "
@@ -380,11 +392,13 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
             f"--seq-len {cfg.seq_len} and were cut to it (the longest has {data.longest} tokens)"
         )
     check_batch_samples(data, cfg.global_batch_size)
+    toy_unpadded(data, "--data")
     if cfg.resume:
         from .settings import check_resume_run
         from .state_files import check_resume_state
 
-        check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint())
+        held = None if held_out is None else held_out.fingerprint()
+        check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint(), eval_fingerprint=held)
 
 
 def check_checkpoint_files(model_dir: str) -> None:

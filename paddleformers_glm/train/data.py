@@ -3,8 +3,11 @@
 Sources: docs/parallel.md, "The trainer" (the synthetic default is a fixed random "next token"
 table with some noise, so the loss visibly falls; ``prepare_jsonl`` writes the ``.npz`` of text or chat).
 
-Global batch of step s (0-based) = samples s*G .. s*G+G-1 of an epoch-wise permutation (seeded);
-data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data
+A finite source of n samples is read in epochs of floor(n/G) global batches of distinct samples:
+global batch s (0-based) is rows b*G .. b*G+G-1 of epoch e's permutation (seeded), e, b = divmod(s,
+floor(n/G)); the n mod G samples left at the end of an epoch's order are not trained in that epoch (the
+next reshuffles all n).  An unbounded (synthetic) source's batch s is samples s*G .. s*G+G-1.
+Data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp), cut into micro-batches of M rows.  The data
 position of a checkpoint is therefore just the step number.  Labels equal input ids (the model
 shifts them, HF convention).
 """
@@ -27,8 +30,11 @@ from .._io import atomic_open, is_int
 from ..configuration import IGNORE_INDEX
 
 __all__ = [
+    "BIN_DTYPES",
+    "TOY_PADDING",
     "TokenData",
     "check_batch_samples",
+    "check_data_file",
     "check_token_range",
     "jsonl_kind",
     "micro_batches",
@@ -39,6 +45,11 @@ __all__ = [
 
 CHAT_TEMPLATE_INPUTS = ("tools", "documents")  # keys of a chat record passed to the template beside its messages
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")  # .bin token widths --data-dtype may name
+# why --model toy refuses padded data: glm52 train before launch (a sample), train/toy.py in a worker (a batch)
+TOY_PADDING = (
+    "--model toy ignores attention_mask (it attends to padding and routes it as tokens); use a GLM checkpoint "
+    "(--model DIR) for padded data"
+)
 
 
 class TokenData:
@@ -56,6 +67,11 @@ class TokenData:
         (the launcher calls it once, before any worker starts). Sources checked as they are read
         (jsonl, synthetic) have nothing left to check."""
 
+    def first_padded(self) -> int | None:
+        """The first sample whose attention_mask holds a 0 (padding: a record shorter than --seq-len,
+        or its own mask's), or None; a token stream has no padding."""
+        return None
+
     def fingerprint(self) -> str:
         """What a resume compares to tell the saved run's data from another file, tokenizer or seed:
         a hash of the sample count, the sequence length and the first, middle and last samples (the
@@ -68,14 +84,18 @@ class TokenData:
         return h.hexdigest()[:16]
 
     def global_batch(self, step: int, global_batch_size: int) -> dict[str, np.ndarray]:
-        """Rows of step ``step`` (same on every rank and layout)."""
-        rows = []
-        for k in range(step * global_batch_size, (step + 1) * global_batch_size):
-            if self.num_samples is not None:
-                epoch, pos = divmod(k, self.num_samples)
-                k = int(self._perm(epoch)[pos])
-            rows.append(k)
-        return self._stacked(rows, f"step {step}")
+        """Rows of step ``step`` (same on every rank and layout): of a finite source, batch ``b`` of
+        epoch ``e`` (``e, b = divmod(step, n // G)``), rows ``b * G .. (b + 1) * G - 1`` of the epoch's
+        order (:meth:`_perm`), so a batch never holds a sample twice (one straddling two epochs' orders
+        did, and data-parallel ranks then trained on the same row); the ``n % G`` samples at the end of
+        an epoch's order wait for a later epoch's shuffle. With G dividing n the order is the one
+        drawn sample by sample over consecutive epochs."""
+        G, n = global_batch_size, self.num_samples
+        if n is None:
+            return self._stacked(range(step * G, (step + 1) * G), f"step {step}")
+        check_batch_samples(self, G)  # at least one batch of distinct samples an epoch
+        epoch, b = divmod(step, n // G)
+        return self._stacked(self._perm(epoch)[b * G : (b + 1) * G], f"step {step}")
 
     def batch_in_order(self, b: int, global_batch_size: int) -> dict[str, np.ndarray]:
         """Samples ``b * G .. (b + 1) * G - 1`` in the source's own order, unshuffled: an evaluation's
@@ -193,6 +213,14 @@ class _Jsonl(TokenData):
         self.longest = max(lengths)
         self.pad_id = pad_id
 
+    def first_padded(self) -> int | None:
+        S = self.seq_len
+        for i, rec in enumerate(self.records):
+            mask = rec.get("attention_mask")
+            if len(rec["input_ids"]) < S or (mask is not None and not mask[:S].all()):
+                return i
+        return None
+
     def sample(self, i: int) -> dict[str, np.ndarray]:
         rec, S = self.records[i], self.seq_len
         labels, mask = rec.get("labels", rec["input_ids"]), rec.get("attention_mask")
@@ -302,15 +330,29 @@ class _Packed(TokenData):
                 self.arrays = {k: _integers(z[k], path, k) for k in _PACKED}
         shape = self.arrays["input_ids"].shape
         if len(shape) != 2 or shape[1] != seq_len or any(a.shape != shape for a in self.arrays.values()):
-            raise ValueError(
-                f"{path}: expected arrays [N, {seq_len}], got {[list(a.shape) for a in self.arrays.values()]}"
-            )
+            got = [list(a.shape) for a in self.arrays.values()]
+            if len(shape) == 2 and all(a.shape == shape for a in self.arrays.values()):  # another length
+                raise ValueError(
+                    f"{path}: samples of {shape[1]} tokens, not --seq-len {seq_len} (expected arrays [N, {seq_len}], "
+                    f"got {got}): a .npz holds samples of one length; prepare it for --seq-len {seq_len} or pass "
+                    f"--seq-len {shape[1]}"
+                )
+            raise ValueError(f"{path}: expected arrays [N, {seq_len}] (--seq-len {seq_len}), got {got}")
         self.num_samples = shape[0]
         if self.num_samples == 0:
             raise ValueError(f"{path}: no samples")
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         return {k: np.array(v[i], dtype=np.int64) for k, v in self.arrays.items()}
+
+    def first_padded(self) -> int | None:
+        mask = self.arrays["attention_mask"]
+        rows = max(1, _SCAN_CHUNK // max(1, mask.shape[1]))
+        for lo in range(0, mask.shape[0], rows):
+            bare = np.flatnonzero((np.asarray(mask[lo : lo + rows]) == 0).any(axis=1))
+            if bare.size:
+                return lo + int(bare[0])
+        return None
 
     def validate(self) -> None:
         for name, (lo, size, crc) in (self._crc or {}).items():  # what np.load's zip reader checks
@@ -446,11 +488,13 @@ def _got(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def text_jsonl_kind(path: str | None) -> str | None:
+def text_jsonl_kind(path: str | None, flag: str = "--data") -> str | None:
     """ "text" or "messages" when ``path`` is a .jsonl of such records, which ``glm52 train`` tokenizes
-    before launch; None for any other data (token-id records are read as they are)."""
+    before launch; None for any other data (token-id records are read as they are).  A .jsonl that is
+    missing or a folder is refused naming ``flag`` (:func:`check_data_file`)."""
     if path is None or not path.endswith(".jsonl"):
         return None
+    check_data_file(path, flag)
     kind = jsonl_kind(path)
     return None if kind == "input_ids" else kind
 
@@ -584,6 +628,15 @@ def prepare_jsonl(
     return info
 
 
+def check_data_file(path: str, flag: str = "--data") -> None:
+    """``path`` (given as ``flag``) is a file: a missing path or a folder (``x.jsonl/``) is one error
+    naming both, before any reader opens it (a folder raised IsADirectoryError from deep inside)."""
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{flag}: {path} is a directory, not a data file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}: no file {path}")
+
+
 def _load_npy(path: str, **kw: Any) -> Any:
     """``np.load`` (never unpickling) with its errors naming the file."""
     try:
@@ -608,8 +661,7 @@ def open_data(
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if path is None or path == "synthetic":
         return _Synthetic(seq_len, vocab_size, seed)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag}: no file {path}")
+    check_data_file(path, flag)
     if path.endswith(".npy"):
         arr = _load_npy(path, mmap_mode="r")
         if not np.issubdtype(arr.dtype, np.integer):
@@ -660,10 +712,12 @@ def _check_bin_width(tokens: np.ndarray, dtype: str, path: str, vocab_size: int)
 
 
 def check_batch_samples(data: TokenData, global_batch_size: int) -> None:
-    """A finite source holds at least one global batch of distinct samples: a batch drawn from fewer
-    repeats samples (the next epoch's order fills it), so data-parallel ranks train on the same rows
-    (2 samples, a global batch of 4 over dp 2: both ranks got samples 0 and 1).  The text / chat
-    .jsonl path asks the same of ``prepare_jsonl`` (``min_samples``)."""
+    """A finite source holds at least one global batch of distinct samples: an epoch is ``n // G``
+    such batches (``TokenData.global_batch``; the ``n % G`` samples left at the end of its order are
+    not trained in it), so fewer than G samples make no batch at all (drawn from two epochs' orders
+    it repeated samples, and data-parallel ranks trained on the same rows: 2 samples, a global batch
+    of 4 over dp 2, both ranks got samples 0 and 1).  The text / chat .jsonl path asks the same of
+    ``prepare_jsonl`` (``min_samples``)."""
     n = data.num_samples
     if n is not None and n < global_batch_size:
         raise ValueError(

@@ -46,7 +46,15 @@ from .moe_balance import ExpertBalancer
 from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
-from .settings import TrainConfig, check_resume_run, check_run, effective_min_lr, recorded_settings, run_world
+from .settings import (
+    TrainConfig,
+    check_resume_run,
+    check_run,
+    effective_min_lr,
+    eval_identity,
+    recorded_settings,
+    run_world,
+)
 from .state_files import read_meta, resolve_resume_state
 
 __all__ = ["TrainConfig", "check_run", "run_training", "run_world"]
@@ -296,6 +304,7 @@ class _Run:
     stage_start: int = 0  # steps done before this indexer stage began (its lr schedule starts there)
     indexer_stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's first and last step
     held_out: Any = None  # --eval-data's source, or None
+    eval_record: dict[str, Any] | None = None  # meta.json "eval": the set history["eval"] was evaluated on
 
     @property
     def rank0(self) -> bool:
@@ -315,7 +324,9 @@ def _build_stage(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, spec: Any) 
     return module
 
 
-def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any], data: Any) -> _Run:
+def _setup(
+    cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any], data: Any, held_out: Any = None
+) -> _Run:
     """Stage module, pipeline engine, weights (initial or resumed), optimizer and schedule, for the
     run's ``data`` (opened by :func:`run_training`, which compares it across the ranks).
 
@@ -360,14 +371,21 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any],
     indexer = adapter.indexer_info()
     stage = indexer["stage"] if indexer else None
     start, stage_start, stages, skipped_earlier = 0, 0, [], []
+    held = None if held_out is None else eval_identity(cfg, held_out.fingerprint())  # the held-out set
+    eval_record = held
     if cfg.resume:
         folder = resolve_resume_state(cfg.resume)
-        check_resume_run(cfg, folder, read_meta(folder), data.fingerprint())
+        check_resume_run(cfg, folder, read_meta(folder), data.fingerprint(), eval_fingerprint=held and held["data"])
         meta = load_resume_state(cfg.resume, topo, module, opt, layout, indexer_stage=stage)
         start = int(meta["step"])
         skipped_earlier = [s for s in meta.get("skipped_steps", []) if s <= start]
         for k, v in meta.get("history", {}).items():  # an evaluation's record names its step
             history[k] = [r for r in v if r["step"] <= start] if k == "eval" else list(v)[:start]
+        saved_eval = meta.get("eval")  # the set the saved records are of (a state saved before: unknown)
+        if held is not None and saved_eval is not None and saved_eval != held:
+            history.pop("eval", None)  # another set (--resume-override eval-data / eval-batches): not this one's
+        elif held is None:
+            eval_record = saved_eval  # no evaluation now: the saved records stay, and so does their set
         saved = meta.get("indexer") or {}
         kept = [st for st in saved.get("stages", []) if st["first_step"] <= start]  # each cut at the resumed step
         stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
@@ -382,7 +400,7 @@ def _setup(cfg: TrainConfig, adapter: ModelAdapter, topo: Any, specs: list[Any],
     return _Run(
         cfg, adapter, topo, specs, module, sync, opt, engine, memory, balancer, data, loss_specs, report_keys,
         profile, layout, history, start, sched, mult, indexer=indexer, stage_start=stage_start, indexer_stages=stages,
-        skipped_earlier=skipped_earlier,
+        skipped_earlier=skipped_earlier, eval_record=eval_record,
     )  # fmt: skip
 
 
@@ -687,7 +705,7 @@ def _train(
     """Setup, the steps (each logged and written to loss.json by rank 0, an evaluation after every
     ``--eval-every`` steps and the last, resume state every ``--save-every`` steps), then finish."""
     beat(0, "setup")
-    run = _setup(cfg, adapter, topo, specs, data)
+    run = _setup(cfg, adapter, topo, specs, data, held_out)
     run.held_out = held_out
     bar = None
     if run.rank0 and cfg.progress and progress.on_terminal(sys.stderr):  # a piped log gets the step lines only
@@ -719,6 +737,8 @@ def _train(
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
             meta["data"] = run.data.fingerprint()  # a resume's data must be these samples (check_resume_run)
+            if run.eval_record is not None:  # and its held-out set this one, when both evaluate
+                meta["eval"] = run.eval_record
             meta["skipped_steps"] = run.skipped_earlier + run.skipped
             # a resume's indexer stage: where it began, the stages so far
             stage = None if run.indexer is None else run.indexer["stage"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..modeling.indexer_stages import INDEXER_STAGES
 from ..parallel.pipeline import rank_spec, run_stages, validate_shared_layer_starts
 from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig, ParallelConfigError, check_seq_len
+from .data import BIN_DTYPES
 from .state_files import model_differences, model_identity, read_meta, resolve_resume_state
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ __all__ = [
     "check_resume_run",
     "effective_min_lr",
     "check_run",
+    "eval_identity",
     "indexer_stage_weight",
     "recorded_settings",
     "parallel_config",
@@ -177,7 +179,7 @@ class TrainConfig:
     def validate(self) -> None:
         check_numbers(self)
         choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
-        check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES})
+        check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES, "data_dtype": ("auto", *BIN_DTYPES)})
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
@@ -361,8 +363,20 @@ def recorded_settings(settings: Any) -> dict[str, Any]:
 RESUME_SETTINGS = (
     "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "data", "moe_bias_update_rate", "moe_aux_loss_coeff", "expert_update", "indexer_loss_coeff",
-    "indexer_shared_supervision", "model",
+    "indexer_shared_supervision", "model", "eval_data", "eval_batches",
 )  # fmt: skip
+# compared apart from the saved config: the data by fingerprint, the model by its config, the held-out set by
+# meta.json "eval" (:func:`eval_identity`; a run without --eval-data on either side has no set to compare)
+_EVAL_SET = ("eval_data", "eval_batches")
+_RESUME_APART = ("data", "model", *_EVAL_SET)
+
+
+def eval_identity(cfg: Any, fingerprint: str) -> dict[str, Any]:
+    """What a resume state records of its run's held-out set (meta.json "eval"): the evaluation data's
+    fingerprint (``TokenData.fingerprint``) and ``--eval-batches``, so that a resume evaluating
+    another set is refused (its loss.json "eval" would mix the records of two sets, and
+    ``--eval-at-start`` took the state's record of the other set as this step's evaluation)."""
+    return {"data": fingerprint, "batches": int(cfg.eval_batches)}
 
 
 # the saved run's profile entries a resume must keep (train/resume.py refuses them in each worker too)
@@ -379,13 +393,23 @@ def resumed_indexer_stage(given: str | None, meta: dict[str, Any]) -> str | None
     return (meta.get("indexer") or {}).get("stage")
 
 
-def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint: str | None = None) -> None:
+def check_resume_run(
+    cfg: Any,
+    path: str,
+    meta: dict[str, Any],
+    data_fingerprint: str | None = None,
+    eval_fingerprint: str | None = None,
+) -> None:
     """A resume continues the saved run: ``--steps`` is at least the state's step, every
     :data:`RESUME_SETTINGS` entry equals the saved run's unless ``cfg.resume_override`` names it
     (``data``: the data's fingerprint, when given, since a text jsonl is re-tokenized into each
-    OUT), and ``--indexer-stage`` left unset takes the state's stage (not the checkpoint's default).
+    OUT; ``eval_data`` / ``eval_batches``: the held-out set the state records (meta.json "eval",
+    :func:`eval_identity`) against this run's ``--eval-data`` fingerprint, when given, and
+    ``--eval-batches``, when both runs evaluate; a state saved without that record is not
+    compared), and ``--indexer-stage`` left unset takes the state's stage (not the checkpoint's default).
     A resume into another indexer stage starts a new phase (its own lr schedule, loss terms and
-    trained parameters: docs/indexer.md), so its settings are not compared.
+    trained parameters: docs/indexer.md), so its settings are not compared (the held-out set still is:
+    its records continue the saved run's loss.json "eval").
     ``model``: the model's config (:func:`check_resume_model`), checked before the rest.
     ``cfg``: the trainer's settings (:class:`TrainConfig`); may set its ``indexer_stage``."""
     if cfg.steps < meta["step"]:
@@ -409,7 +433,7 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
             + "; ".join(f"{k.replace('_', '-')} saved {a!r}, now {b!r}" for k, (a, b) in sorted(fixed.items()))
         )
     saved = dict(meta.get("config") or {})
-    now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k not in ("data", "model")}
+    now = {k: getattr(cfg, k) for k in RESUME_SETTINGS if k not in _RESUME_APART}
     for d in (saved, now):  # the effective floor
         if d.get("lr") is not None:
             d["min_lr"] = effective_min_lr(d["lr"], d.get("min_lr"))
@@ -417,10 +441,16 @@ def check_resume_run(cfg: Any, path: str, meta: dict[str, Any], data_fingerprint
     same_rows = saved.get("seq_len") == cfg.seq_len  # else the layout check names --seq-len (load_resume_state)
     if data_fingerprint is not None and same_rows and meta.get("data") not in (None, data_fingerprint):
         diff["data"] = ("other samples", "these")
+    held = meta.get("eval")
+    if isinstance(held, dict) and getattr(cfg, "eval_data", None) is not None:  # both runs evaluate
+        if held.get("batches") is not None and held["batches"] != cfg.eval_batches:
+            diff["eval_batches"] = (held["batches"], cfg.eval_batches)
+        if eval_fingerprint is not None and same_rows and held.get("data") not in (None, eval_fingerprint):
+            diff["eval_data"] = ("other samples", "these")
     stage = (meta.get("indexer") or {}).get("stage")
     cfg.indexer_stage = resumed_indexer_stage(cfg.indexer_stage, meta)
     new_phase = stage is not None and cfg.indexer_stage != stage  # its own schedule, loss terms, trained set
-    changed = {} if new_phase else {k: d for k, d in diff.items() if k not in override}
+    changed = {k: d for k, d in diff.items() if k not in override and (not new_phase or k in _EVAL_SET)}
     if changed:
         raise ValueError(
             f"--resume {path}: this run's settings differ from the saved run's: "

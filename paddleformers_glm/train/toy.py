@@ -40,6 +40,7 @@ from ..parallel.layers import (
 from ..parallel.pipeline import Batch, Carry, StageOutput, StageSpec
 from ..parallel.recompute import run_core, run_layer
 from ..parallel.topology import Topology
+from .data import TOY_PADDING
 
 __all__ = ["ToyStage", "init_full_state"]
 
@@ -186,6 +187,9 @@ class ToyStage(nn.Layer):
         """``part``: run only that chunk of the stage (a virtual pipeline stage); default all of it."""
         spec = part or self.spec
         ids = batch["input_ids"]  # [B, S]
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool((mask != 0).all()):  # nothing here reads it: refused, not trained on
+            raise ValueError(f"a batch holds padding (attention_mask 0): {TOY_PADDING}")
         if spec.has_embedding:
             h = self.embed_tokens(ids)  # [B, S', H]
             topk = paddle.zeros([ids.shape[0], ids.shape[1], 0], dtype="int64")
