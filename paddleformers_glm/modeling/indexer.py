@@ -172,8 +172,12 @@ class DSAIndexer(nn.Layer):
         ``n_filled`` (with ``slots``, eager steps only): the filled slots, this step's included; the
         top-k then runs over those columns only, as HF's over its grown key cache, so exact ties
         break as there (std::nth_element's choice among equal scores depends on the row's length);
-        the result is padded back to the capacity's width with -1."""
+        the result is padded back to the capacity's width with -1.
+        A ``key_padding`` with a ``placement`` (modeling/packing.py's `Placement`: its rows are
+        sequences packed in longer rows) breaks exact ties as HF's top-k over the packed row does
+        (`_ties_as_packed`)."""
         with paddle.no_grad():
+            placement = getattr(key_padding, "placement", None) if positions is None and keys is None else None
             k = keys(k) if keys is not None else k  # [B, T, Di]
             B, S, T = q.shape[0], q.shape[1], k.shape[1]
             if slots is not None:  # one block of scores [B, S, T]: the visible slots (<= the query's, valid)
@@ -214,8 +218,57 @@ class DSAIndexer(nn.Layer):
                     # zeros) then break the same way whatever the chunking (keys >= kend are masked)
                     scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
                 vals, idx = topk(scores, k_out)  # ties as HF's torch.topk
-                pieces.append(paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx))
+                idx = paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx)
+                pieces.append(idx if placement is None else self._ties_as_packed(scores, vals, idx, placement))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+
+    def _ties_as_packed(
+        self, scores: paddle.Tensor, vals: paddle.Tensor, idx: paddle.Tensor, placement: object
+    ) -> paddle.Tensor:
+        """The top-k ``idx`` [B, C, k] (``vals`` its scores) of a chunk's ``scores`` [B, C, T] (invisible
+        keys -inf), each row b a sequence that ``placement`` (modeling/packing.py's `Placement`) puts at
+        offset ``offsets[b]`` of a packed row of ``width`` keys, as HF selects it: torch.topk over that
+        whole packed row, the other sequences' keys masked. On distinct scores that is the same top-k
+        in the same order; among exact ties (the relu's zeros) the choice and order depend on the
+        row's length (std::nth_element / partial_sort), so the queries whose top-k holds equal finite
+        scores, or leaves out a key scoring as its k-th, are selected again over a row of the packed
+        width (their keys at the sequence's offset, -inf elsewhere) and mapped back to the
+        sequence's keys. Extra cost only for those queries: a [width] row each, in blocks within
+        `CHUNK_BYTES`, and one host read per chunk for which they are."""
+        B, C, T = scores.shape
+        k = idx.shape[-1]
+        finite = paddle.isfinite(vals)
+        tied = paddle.zeros([B, C], dtype="bool")
+        if k > 1:  # equal scores inside the top-k: their order (the sums' order) depends on the row
+            tied = paddle.logical_and(vals[:, :, 1:] == vals[:, :, :-1], finite[:, :, 1:]).any(axis=-1)
+        if T > k:  # a key left out that scores as the k-th: the choice depends on the row
+            beside = (scores >= vals[:, :, k - 1 :]).astype("int32").sum(axis=-1) > k
+            tied = paddle.logical_or(tied, paddle.logical_and(beside, finite[:, :, k - 1]))
+        rows = np.flatnonzero(tied.numpy().reshape(-1))
+        if rows.size == 0:
+            return idx
+        width = int(placement.width)
+        offsets = np.asarray(placement.offsets, dtype=np.int64)
+        lengths = np.asarray(placement.lengths, dtype=np.int64)
+        k_full = min(self.topk, width)  # HF's width of the top-k over the packed row
+        flat = scores.reshape([B * C, T])
+        out = idx.reshape([B * C, k])
+        block = max(1, CHUNK_BYTES // (24 * width))  # the wide scores, their columns, top-k values and indices
+        for a in range(0, rows.size, block):
+            r = rows[a : a + block]
+            off = offsets[r // C]
+            j = np.arange(width, dtype=np.int64)[None, :] - off[:, None]  # [m, width]: packed column -> key
+            cols = np.where((j >= 0) & (j < lengths[r // C][:, None]), j, T)  # T: the -inf column
+            r_t = paddle.to_tensor(r)
+            picked = paddle.gather(flat, r_t, axis=0)
+            picked = paddle.concat([picked, paddle.full([r.size, 1], NEG_INF, scores.dtype)], axis=-1)
+            wide = paddle.take_along_axis(picked, paddle.to_tensor(cols), axis=1)
+            v, i = topk(wide, k_full)
+            v, i = v[:, :k], i[:, :k]  # k < k_full only where every visible key is already in the first k
+            i = i - paddle.to_tensor(off).unsqueeze(-1)
+            i = paddle.where(paddle.isinf(v), paddle.full_like(i, -1), i)
+            out = paddle.scatter(out, r_t, i, overwrite=True)
+        return out.reshape([B, C, k])
 
     def chunk_rows(self, S: int, T: int) -> int:
         """Query rows per chunk of a selection over T keys: at most max(16, S / 4) (a chunk scores

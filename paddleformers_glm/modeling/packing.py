@@ -19,14 +19,29 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-__all__ = ["Packing", "check_pack_offsets", "check_packed_mask", "packed_sequences"]
+__all__ = ["Packing", "Placement", "check_pack_offsets", "check_packed_mask", "packed_sequences"]
+
+
+@dataclass
+class Placement:
+    """Where the rows of a group's padded batch sat in the packed rows: ``offsets`` [n] int64 each
+    sequence's first token in its packed row, ``lengths`` [n] its length, ``width`` the packed rows'
+    length S. The group's ``mask`` carries it (its attribute ``placement``) to the DSA indexer, whose
+    top-k breaks exact ties as transformers' over the packed row does (modeling/indexer.py,
+    ``DSAIndexer.select``); the mask reaches the indexer as the same object in every pass, a
+    recomputed layer's replay included."""
+
+    offsets: np.ndarray
+    lengths: np.ndarray
+    width: int
 
 
 @dataclass
 class Group:
     """Sequences of similar length as the rows of one padded batch: ``to_rows`` [n * S'] the packed
-    flat index of each slot (B * S for a padding slot), ``mask`` [n, S'] int64 (1 real, 0 padding),
-    ``spans`` each row's (packed row, first token, end)."""
+    flat index of each slot (B * S for a padding slot), ``mask`` [n, S'] int64 (1 real, 0 padding;
+    its ``placement`` attribute: the rows' `Placement`), ``spans`` each row's (packed row, first
+    token, end)."""
 
     to_rows: np.ndarray
     mask: paddle.Tensor
@@ -122,7 +137,12 @@ def packed_sequences(position_ids: paddle.Tensor, grouped: bool = True) -> Packi
             to_rows[r, : s1 - s0] = b * S + np.arange(s0, s1)
             to_packed[b * S + s0 : b * S + s1] = offset + r * longest + np.arange(s1 - s0)
             mask[r, : s1 - s0] = 1
-        groups.append(Group(to_rows.reshape(-1), paddle.to_tensor(mask), [spans[k] for k in order[i:j]]))
+        members = [spans[k] for k in order[i:j]]
+        mask_t = paddle.to_tensor(mask)
+        mask_t.placement = Placement(
+            np.array([s0 for _, s0, _ in members], np.int64), np.array([s1 - s0 for _, s0, s1 in members], np.int64), S
+        )
+        groups.append(Group(to_rows.reshape(-1), mask_t, members))
         offset += (j - i) * longest
     segments = np.cumsum(starts, axis=-1) - 1  # [B, S]: 0, 0, 0, 1, 1, ...
     return Packing(B, S, groups, to_packed, segments, [s1 - s0 for _, s0, s1 in spans])
