@@ -63,6 +63,22 @@ def test_positional_arguments_in_transformers_order():
         model(ids, None, None, None, None, ids, None, 0, True)  # add_mtp_loss is a keyword
 
 
+def test_inputs_embeds_of_another_dtype_are_refused_by_name():
+    """bf16 inputs_embeds to a float32 model (and the reverse) failed deep inside with Paddle's
+    "kernel 'add' (bfloat16) is not registered", which points at the CPU bf16 kernels. transformers
+    5.23 refuses the bf16 model's case ("expected m1 and m2 to have the same dtype", measured) and
+    runs the other by promotion, rounding layer 0's normed input to bf16 (0.011 from the float32
+    result); here both say which dtype the model computes in."""
+    model = tiny_model()
+    emb = model.get_input_embeddings()(tokens(1, 6))
+    with pytest.raises(ValueError, match=r"inputs_embeds is bfloat16, the model computes in float32"):
+        model(inputs_embeds=emb.astype("bfloat16"))
+    b16 = tiny_model().to(dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"inputs_embeds is float32, the model computes in bfloat16"):
+        b16(inputs_embeds=emb)
+    assert b16(inputs_embeds=emb.astype("bfloat16")).logits.dtype == paddle.bfloat16
+
+
 def test_inputs_embeds_and_use_cache():
     model = tiny_model()
     ids = tokens(2, 12)

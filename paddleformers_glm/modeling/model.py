@@ -918,6 +918,11 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
                 f"{list(attention_mask.shape)}; 4-D attention masks are not supported (transformers takes them)"
             )
         tokens = input_ids if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is not None and str(inputs_embeds.dtype).replace("paddle.", "") != self.compute_dtype:
+            raise ValueError(  # else a kernel error naming bf16 kernels; transformers refuses a bf16 model's too
+                f"inputs_embeds is {str(inputs_embeds.dtype).replace('paddle.', '')}, the model computes in "
+                f"{self.compute_dtype}: cast it first (inputs_embeds.astype('{self.compute_dtype}'))"
+            )
         if input_ids is not None:  # the embedding's rows (a caller may set a larger one), at least the vocab
             rows = getattr(self.get_input_embeddings(), "weight", None)
             _check_token_ids(input_ids, max(self.config.vocab_size, int(rows.shape[0]) if rows is not None else 0))
