@@ -1,7 +1,9 @@
 """PaddleFleet-layout files end to end: each expert layout written by ``glm52 convert`` loads and
 equals the HF source and converts back to the same bytes; the old spelling loads with a warning; a
 file without the MTP indexer loads with a warning; a tensor-parallel interleaved file loads when its
-metadata says so; ``check-ckpt`` finds no difference against an independently made PaddleFleet file."""
+metadata says so; ``check-ckpt`` finds no difference against an independently made PaddleFleet file.
+Also pipeline layouts on Fleet's interleaved engine: the top-k carry of a chunk holding the
+embedding alone, and the name a refused virtual chunk is given."""
 
 from __future__ import annotations
 
@@ -253,3 +255,92 @@ def test_expert_and_tensor_parallel_ranks_get_their_fused_pieces_from_every_flee
             load_pretrained_state(state, folder, config=cfg, keys=[key], shard_info=info)
             want = np.concatenate([g[:, h * r : h * (r + 1)], u[:, h * r : h * (r + 1)]], 1)
             np.testing.assert_array_equal(state[key].local_tensor.numpy(), want, err_msg=f"{which} {key} rank {r}")
+
+
+# ------------------------------------------------------------------ pipeline layouts: the interleaved top-k carry
+class _ChunkStage:
+    """A stage module for :class:`PipelineChunk`: the embedding makes hidden [B, S, 2] and the empty
+    top-k "no selection yet", each decoder layer a top-k [B, S, min(index_topk, S)] (``width``: what
+    it makes instead); ``seen`` records the top-k each chunk was handed."""
+
+    def __init__(self, width=None):
+        from types import SimpleNamespace
+
+        self.cfg, self.width, self.seen = SimpleNamespace(index_topk=4), width, {}
+
+    def forward_stage(self, carry, batch, part):
+        import paddle
+
+        from paddleformers_glm.parallel.pipeline import LossTerm, StageOutput
+
+        B, S = batch["input_ids"].shape
+        if carry is None:
+            hidden, topk = paddle.ones([B, S, 2]), paddle.zeros([B, S, 0], dtype="int64")
+        else:
+            hidden, topk = carry
+            self.seen[part.stage] = topk
+        for _ in part.layers:
+            if topk.shape[-1] == 0:  # a first layer selects; a later one keeps the selection it was given
+                topk = paddle.arange(self.width or min(4, S), dtype="int64").expand([B, S, -1])
+            hidden = hidden + 1.0
+        if part.has_head:
+            return StageOutput(losses={"lm": LossTerm(hidden.sum(), B * S)})
+        return StageOutput(carry=(hidden, topk))
+
+
+def _run_chunks(chunks, interleaved, stage):
+    """The chunks in turn as Fleet runs them: each one's output is the next one's input; returns the
+    top-k each chunk sent."""
+    import paddle
+
+    from paddleformers_glm.parallel.fleet_pipeline import PipelineChunk, selection_gaps
+    from paddleformers_glm.parallel.pipeline import LossLedger
+
+    ledger = LossLedger()
+    ledger.batch_keys = ["input_ids"]
+    ledger.reset({"lm": 1.0})
+    x, sent = (paddle.zeros([2, 6], dtype="int64"),), []
+    for c, g in zip(chunks, selection_gaps(chunks, interleaved)):
+        x = PipelineChunk(stage, c, ledger, False, *g)(x)
+        if not c.is_last:
+            sent.append(x[2])  # (input_ids, hidden, top-k)
+    return sent
+
+
+def test_interleaved_chunk_holding_the_embedding_alone_sends_a_static_top_k_no_layer_reads():
+    """--pp 2 --vpp 4 splits the toy's 6 layers E|t|t|t|t|t|t|m,L: chunk 0 holds the embedding alone.
+    Fleet's interleaved schedule sends every carry of a rank with its first send's shapes, so chunk
+    0's empty top-k [B, S, 0] made rank 1 abort in gloo once a later chunk sent [B, S, k]
+    ("op.preamble.length <= op.nbytes. 2048 vs 0").  Every carry's top-k is now [B, S, k], chunk
+    0's of -1, and chunk 1's layers are handed the empty "no selection yet", never the placeholder."""
+    from paddleformers_glm.parallel.pipeline import layout_string, parse_pp_layout, split_stages
+
+    chunks = split_stages(6, 8, has_mtp=True)  # the split --pp 2 --vpp 4 runs
+    assert layout_string(chunks) == "E|t|t|t|t|t|t|m,L"
+    stage = _ChunkStage()
+    sent = _run_chunks(chunks, True, stage)
+    assert [list(t.shape) for t in sent] == [[2, 6, 4]] * 7
+    assert (sent[0].numpy() == -1).all() and (sent[1].numpy() >= 0).all()
+    assert list(stage.seen[1].shape) == [2, 6, 0]  # chunk 1 (layer 0) selects afresh
+    assert all(list(stage.seen[c].shape) == [2, 6, 4] and (stage.seen[c].numpy() >= 0).all() for c in range(2, 8))
+    # one chunk per rank (1F1B): each rank sends one shape, the carry is left as the model made it
+    stage = _ChunkStage()
+    sent = _run_chunks(parse_pp_layout("E|t*6,m,L", 6, 2, has_mtp=True), False, stage)
+    assert [list(t.shape) for t in sent] == [[2, 6, 0]] and list(stage.seen[1].shape) == [2, 6, 0]
+    # a top-k of another width than the one every carry is sent with is refused by name, not by gloo
+    with pytest.raises(RuntimeError, match=r"pipeline chunk 1: the carried top-k is \[2, 6, 3\].*\[\.\.\., 4\]"):
+        _run_chunks(chunks, True, _ChunkStage(width=3))
+
+
+def test_a_virtual_chunk_holding_nothing_is_named_a_chunk():
+    """--pp 2 --vpp 6 (12 chunks for 8 layers) said "pipeline stage 9 ... would hold nothing"."""
+    from types import SimpleNamespace
+
+    from paddleformers_glm.parallel.pipeline import run_stages
+    from paddleformers_glm.parallel.topology import ParallelConfigError
+
+    run = SimpleNamespace(first_stage_layers=None, last_stage_layers=None, pp_layout=None, vpp=6)
+    with pytest.raises(ParallelConfigError, match=r"^virtual pipeline chunk 9 of \[0, 1, (1, ){7}0, 0, 0\] would"):
+        run_stages(run, 8, 12, True)
+    with pytest.raises(ParallelConfigError, match=r"^pipeline stage 1 of \[2, 0, 6\] would hold nothing"):
+        run_stages(SimpleNamespace(first_stage_layers=2, last_stage_layers=6, pp_layout=None, vpp=1), 8, 3, True)

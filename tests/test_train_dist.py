@@ -184,6 +184,33 @@ def test_pp2_vpp2_interleaved_matches_single_process(ref, runs):
     print(f"pp2 vpp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
 
+def test_pp2_vpp4_even_split_with_the_embedding_alone_in_chunk_0_matches_single_process(ref, runs):
+    """The split --pp 2 --vpp 4 chooses for 6 layers (no --pp-layout) puts the embedding alone in
+    chunk 0: its carry's top-k was empty [B, S, 0], the later chunks' [B, S, k], and Fleet's
+    interleaved schedule sends every carry of a rank with its first send's shapes: rank 1 aborted
+    in gloo ("op.preamble.length <= op.nbytes"; the launcher: "rank 1 died without a Python
+    error").  Every carry's top-k is now [B, S, k] (-1 where no layer selected yet)."""
+    a, secs = _cli(runs / "pp2vpp4", "--pp", "2", "--vpp", "4")
+    assert a["run"]["pp_layout"] == "E|t|t|t|t|t|t|m,L", a["run"]["pp_layout"]
+    assert a["run"]["schedule"] == "interleaved 1f1b (vpp 4)"
+    _assert_close(ref[0], a, "pp2 vpp4")
+    print(f"pp2 vpp4: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
+
+
+def test_resume_into_expert_parallel_reshards(runs, pp2_run):
+    """A state of a layout without expert parallelism resumes at --dp 2 --ep 2, where each rank holds
+    half the experts, and continues the uninterrupted curve.  Before, every rank refused it after
+    launch: "optimizer state for parameters this model lacks: ['layers.2.mlp.experts.0.down_proj', …]" (the
+    check took a one-stage rank to hold every parameter)."""
+    full = pp2_run[0]
+    ckpt = runs / "pp2" / "checkpoints" / "step_00000002"
+    r, _ = _cli(runs / "pp2_to_dp2ep2", "--dp", "2", "--ep", "2", "--resume", str(ckpt))
+    assert r["run"]["resumed_from_step"] == 2 and r["profile"]["ep"] == 2 and r["profile"]["pp"] == 1
+    for key in ("losses", "mtp_losses", "grad_norms"):
+        assert _max_diff(full, r, key) <= TOL, (key, full[key], r[key])
+    assert r["lrs"] == full["lrs"]
+
+
 def test_pp3_vpp2_stock_interleaved_engine_matches_single_process(runs):
     """Six one-layer chunks on three ranks, 6 micro-batches (= 2 pp): the class fleet.distributed_model
     picks itself, with chunk 5 -> chunk 0 p2p wrapping from the last rank to the first. The held-out

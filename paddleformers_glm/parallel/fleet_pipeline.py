@@ -28,7 +28,7 @@ from . import comm
 from .pipeline import LossLedger, StageSpec, checked_output, evaluation
 from .topology import ParallelConfigError, Topology
 
-__all__ = ["FleetPipeline", "PipelineChunk", "step_optimizer"]
+__all__ = ["FleetPipeline", "PipelineChunk", "selection_gaps", "step_optimizer", "topk_width"]
 
 
 class _AttachObjective(paddle.autograd.PyLayer):
@@ -57,11 +57,45 @@ class PipelineChunk(nn.Layer):
     to it (:class:`_AttachObjective`) and the last adds ``0 x anchor`` to its own, so Fleet's
     backward runs through every chunk, carrying one number per micro-batch, and no chunk records
     a graph through its frozen layers.
+
+    ``no_selection_in`` / ``no_selection_out`` (:func:`selection_gaps`): no decoder layer runs
+    before this chunk's input / output, so the model's top-k there is the empty ``[B, S, 0]`` "no
+    selection yet" (a chunk holding the embedding alone).  Fleet's interleaved schedule sends every
+    carry with the shapes of a rank's first send (static shapes: an empty top-k then a ``[B, S, k]``
+    one aborted gloo, "op.preamble.length <= op.nbytes. 2048 vs 0"), so with ``static_topk`` every
+    carry's top-k is ``[B, S, k]`` (:func:`topk_width`): an empty one goes as -1 placeholders and
+    the chunk that receives it hands the model the empty one again, so no layer ever reads the
+    placeholder as a selection.
     """
 
-    def __init__(self, stage: nn.Layer, spec: StageSpec, ledger: LossLedger, grad_anchor: bool = False) -> None:
+    def __init__(
+        self,
+        stage: nn.Layer,
+        spec: StageSpec,
+        ledger: LossLedger,
+        grad_anchor: bool = False,
+        no_selection_in: bool = False,
+        no_selection_out: bool = False,
+        static_topk: bool = False,
+    ) -> None:
         super().__init__()
         self.stage, self.spec, self._ledger, self.grad_anchor = stage, spec, ledger, grad_anchor
+        self.no_selection_in, self.no_selection_out, self.static_topk = no_selection_in, no_selection_out, static_topk
+
+    def _static_topk(self, carry: Sequence[paddle.Tensor], batch: dict, where: str) -> tuple[paddle.Tensor, ...]:
+        """``carry`` with its top-k (the int64 tensors) ``[B, S, k]``: an empty one (no layer ran yet)
+        as -1 placeholders; any other width is refused here rather than by the receiver's gloo."""
+        k, out = topk_width(self.stage, batch), []
+        for t in carry:
+            if t.dtype == paddle.int64 and t.shape[-1] != k:
+                if t.shape[-1] or not self.no_selection_out:
+                    raise RuntimeError(
+                        f"{where}: the carried top-k is {list(t.shape)}, the interleaved pipeline sends every "
+                        f"top-k as [..., {k}] (a chunk before holds no decoder layer)"
+                    )
+                t = paddle.full([*t.shape[:-1], k], -1, dtype="int64")
+            out.append(t)
+        return tuple(out)
 
     def forward(self, x: Any) -> Any:
         x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -70,11 +104,15 @@ class PipelineChunk(nn.Layer):
         rest, anchor = x[len(keys) :], None
         if self.grad_anchor and not self.spec.has_embedding:
             rest, anchor = rest[:-1], rest[-1]
+        if self.no_selection_in:  # the -1 placeholder of an empty top-k: the model gets the empty one
+            rest = tuple(t[..., :0] if t.dtype == paddle.int64 else t for t in rest)
         carry = tuple(rest) or None
         last = self.spec.is_last
         where = f"pipeline chunk {self.spec.stage}"
         out = self.stage.forward_stage(None if self.spec.has_embedding else carry, batch, part=self.spec)
         out = checked_output(out, last, self.spec.stage)
+        if not last and self.static_topk:
+            out = replace(out, carry=self._static_topk(out.carry, batch, where))
         objective = self._ledger.objective(out.losses or {}, where)
         if last:
             if anchor is not None:  # the backward reaches every chunk's objective through the anchor
@@ -98,6 +136,31 @@ class PipelineChunk(nn.Layer):
         return tuple(t.clone() for t in x[: len(keys)]) + tuple(carry_out)
 
 
+def selection_gaps(chunks: Sequence[StageSpec], interleaved: bool) -> list[tuple[bool, bool, bool]]:
+    """Per chunk, :class:`PipelineChunk`'s ``(no_selection_in, no_selection_out, static_topk)``: whether
+    no decoder layer runs before its input / its output (the model's top-k there is the empty "no
+    selection yet": a first chunk holding the embedding alone), and whether every carry's top-k
+    travels ``[B, S, k]``.  Only an interleaved schedule needs that: with one chunk per rank each
+    rank sends one shape."""
+    flags, ran = [], 0
+    for c in chunks:
+        before = ran
+        ran += len(c.layers)
+        flags.append((not c.has_embedding and before == 0, ran == 0))
+    static = interleaved and any(out for _, out in flags[:-1])
+    return [(static and i, static and o, static) for i, o in flags]
+
+
+def topk_width(stage: nn.Layer, batch: dict) -> int:
+    """The width k of the top-k [B, S, k] a decoder layer of ``stage`` (the GLM model or the toy)
+    carries for ``batch``: ``min(index_topk, T)``, T the keys of the whole sequence (this rank's
+    ``input_ids`` length times the context-parallel degree)."""
+    cfg = stage.config if hasattr(stage, "config") else stage.cfg
+    topo = getattr(stage, "topology", None)
+    cp = topo.cp_size if topo is not None else 1
+    return min(int(cfg.index_topk), int(batch["input_ids"].shape[1]) * cp)
+
+
 def _micro_batches(micro_batches: Sequence[dict[str, paddle.Tensor]], keys: Sequence[str]) -> Iterator[tuple]:
     """Fleet's micro dataset: ``next()`` gives ``(first-stage inputs, labels)`` of the next micro-batch."""
     for mb in micro_batches:
@@ -119,11 +182,9 @@ class FleetPipeline:
         self.stage, self.chunks = stage, [replace(c, stage=i, num_stages=len(chunks)) for i, c in enumerate(chunks)]
         self.ledger = LossLedger()
         anchor = not getattr(stage, "carry_takes_gradient", True)
-        # PipelineChunk(stage, spec, ledger, grad_anchor) for each chunk
-        descs = [
-            LayerDesc(PipelineChunk, stage, replace(c, stage=i, num_stages=len(chunks)), self.ledger, anchor)
-            for i, c in enumerate(chunks)
-        ]
+        # PipelineChunk(stage, spec, ledger, grad_anchor, no_selection_in, no_selection_out, static_topk)
+        gaps = selection_gaps(self.chunks, interleaved=vpp > 1)
+        descs = [LayerDesc(PipelineChunk, stage, c, self.ledger, anchor, *g) for c, g in zip(self.chunks, gaps)]
         layer = _SyncPointPipelineLayer(
             layers=descs,
             num_stages=pp,

@@ -134,11 +134,11 @@ def parse_pp_layout(layout: str | Sequence[int], num_layers: int, pp: int, has_m
     return specs
 
 
-def _specs_from_counts(counts: list[int], has_mtp: bool) -> list[StageSpec]:
+def _specs_from_counts(counts: list[int], has_mtp: bool, unit: str = "pipeline stage") -> list[StageSpec]:
     pp, specs, start = len(counts), [], 0
     for i, c in enumerate(counts):
         if c == 0 and 0 < i < pp - 1:
-            raise ParallelConfigError(f"pipeline stage {i} of {counts} would hold nothing")
+            raise ParallelConfigError(f"{unit} {i} of {counts} would hold nothing")
         specs.append(StageSpec(i, pp, tuple(range(start, start + c)), i == 0, i == pp - 1, has_mtp and i == pp - 1))
         start += c
     return specs
@@ -146,7 +146,8 @@ def _specs_from_counts(counts: list[int], has_mtp: bool) -> list[StageSpec]:
 
 def run_stages(run: Any, num_layers: int, chunks: int, has_mtp: bool) -> list[StageSpec]:
     """:func:`split_stages` by a run's ``pp_layout``, ``first_stage_layers`` and ``last_stage_layers``
-    (the trainer's ``TrainConfig``, the planner's ``Layout``)."""
+    (the trainer's ``TrainConfig``, the planner's ``Layout``); with its ``vpp`` > 1 the ``chunks``
+    are virtual pipeline chunks, and its refusals name them so."""
     return split_stages(
         num_layers,
         chunks,
@@ -154,6 +155,7 @@ def run_stages(run: Any, num_layers: int, chunks: int, has_mtp: bool) -> list[St
         last_stage_layers=run.last_stage_layers,
         layout=run.pp_layout,
         has_mtp=has_mtp,
+        unit="virtual pipeline chunk" if getattr(run, "vpp", 1) > 1 else "pipeline stage",
     )
 
 
@@ -165,10 +167,12 @@ def split_stages(
     last_stage_layers: int | None = None,
     layout: str | Sequence[int] | None = None,
     has_mtp: bool = False,
+    unit: str = "pipeline stage",
 ) -> list[StageSpec]:
     """Stage specs for ``pp`` stages: an explicit ``layout``, fixed end sizes, or an even split.
 
     An uneven remainder goes to the middle stages first (the ends also hold embedding / head).
+    ``unit``: what a refusal calls a stage (``run_stages``: a virtual pipeline chunk under --vpp).
     """
     if pp < 1:
         raise ParallelConfigError(f"pp must be >= 1, got {pp}")
@@ -200,7 +204,7 @@ def split_stages(
             counts[i] = base + (i in plus_one)
     elif rest != 0:
         raise ParallelConfigError(f"stage sizes {counts} sum to {fixed}, the model has {num_layers} layers")
-    return _specs_from_counts([int(c) for c in counts], has_mtp)  # type: ignore[arg-type]
+    return _specs_from_counts([int(c) for c in counts], has_mtp, unit)  # type: ignore[arg-type]
 
 
 def layout_string(specs: Sequence[StageSpec]) -> str:

@@ -274,8 +274,11 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
 
     from ..parallel.fleet_gloo import flex_checkpoint_on_cpu
 
-    unknown = stepped - {n for n, _ in optimizer.params}
-    if unknown and topo.pp_size == 1:
+    # a rank holds a part of the model (its pipeline stage, its experts under their global ids): the
+    # state is refused for the names no rank of this run holds (the same answer on every rank)
+    mine = sorted(stepped - {n for n, _ in optimizer.params})
+    unknown = set(mine).intersection(*map(set, all_gather_object(mine, topo)))
+    if unknown:
         raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")
     optimizer.prepare_state()
     items = _flex_items(topo, model, optimizer, stepped)
