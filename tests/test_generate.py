@@ -2836,3 +2836,186 @@ def test_an_empty_stop_string_and_early_stopping_equal_hf_generate(tmp_path):
             np.testing.assert_array_equal(got, want, err_msg=f"{stop!r} beams {beams}")
     with torch.no_grad(), pytest.raises(ValueError, match="early_stopping"):
         hf.generate(torch.tensor([prompt]), max_new_tokens=3, early_stopping="foo")
+
+
+# --------------------------------------------------------------------- past_key_values: continuing a cache
+# transformers 5.23 on the tiny checkpoint (greedy, eos off, measured): generate(prompt2 = the first call's
+# sequences + 4 new tokens, past_key_values=its cache) gives the tokens of a fresh generate of prompt2, for
+# one row and for a left-padded batch (the mask over the whole input); the passed cache is grown in place
+# and returned (prompt 15 + 5 new - 1 = 19 tokens); input_ids the uncached tokens only with a mask over all
+# gives the same new tokens. Its edges (measured): a cache as long as the input is fed the whole input again
+# (other tokens: [155, 109, 186] for fresh [49, 149, 95]), a longer one a part of it (other tokens), a batch
+# or beams other than the cache's a RuntimeError in torch.cat, use_cache=False and prompt lookup other tokens
+# than fresh: each refused here by name.
+HF_REUSE_FIRST = [214, 69, 30, 78, 107, 208, 170, 130, 149, 240, 49]  # prompt rng(2) (1, 6), 5 new
+HF_REUSE_SECOND = [208, 178, 178, 26, 230]  # the 5 new tokens after prompt2, with the cache or fresh
+
+
+def _reuse_case():
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, 256, (1, 6))
+    return ids, rng.integers(3, 256, (1, 4))
+
+
+def test_generate_continues_a_cache_as_transformers():
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids, new = _reuse_case()
+    kw = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": []}
+    first = model.generate(paddle.to_tensor(ids), return_dict_in_generate=True, **kw)
+    assert first.sequences.numpy()[0].tolist() == HF_REUSE_FIRST
+    cache = first.past_key_values
+    assert cache.get_seq_length() == 10  # the last token is not fed, as transformers' cache
+    p2 = np.concatenate([first.sequences.numpy(), new], 1)
+    fresh = model.generate(paddle.to_tensor(p2), **kw).numpy()
+    out = model.generate(paddle.to_tensor(p2), past_key_values=cache, return_dict_in_generate=True, **kw)
+    np.testing.assert_array_equal(out.sequences.numpy(), fresh)
+    assert fresh[0, -5:].tolist() == HF_REUSE_SECOND
+    assert out.past_key_values is cache and cache.get_seq_length() == 15 + 5 - 1
+    # transformers' other form: the uncached tokens only, the mask over the cached ones and them
+    again = model.generate(paddle.to_tensor(ids), return_dict_in_generate=True, **kw).past_key_values
+    only = model.generate(
+        paddle.to_tensor(p2[:, 10:]), attention_mask=paddle.ones([1, 15], "int64"), past_key_values=again, **kw
+    ).numpy()
+    np.testing.assert_array_equal(only, np.concatenate([p2[:, 10:], fresh[:, 15:]], 1))
+
+
+def test_generate_continues_a_left_padded_batch_and_embeddings():
+    """Two rows, one left-padded, the mask grown over the generated and new tokens: each row's tokens are
+    those of a fresh generate; the cache from a plain forward (not generate) continues too, also with
+    inputs_embeds (sliced past the cached ones, as transformers)."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    rng = np.random.default_rng(7)
+    ids = rng.integers(3, 256, (2, 6))
+    mask = np.ones((2, 6), "int64")
+    mask[0, :2], ids[0, :2] = 0, 0
+    kw = {"do_sample": False, "eos_token_id": [], "pad_token_id": 0}
+    first = model.generate(
+        paddle.to_tensor(ids),
+        attention_mask=paddle.to_tensor(mask),
+        max_new_tokens=4,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    p2 = np.concatenate([first.sequences.numpy(), rng.integers(3, 256, (2, 3))], 1)
+    m2 = paddle.to_tensor(np.concatenate([mask, np.ones((2, 7), "int64")], 1))
+    fresh = model.generate(paddle.to_tensor(p2), attention_mask=m2, max_new_tokens=6, **kw).numpy()
+    got = model.generate(
+        paddle.to_tensor(p2), attention_mask=m2, max_new_tokens=6, past_key_values=first.past_key_values, **kw
+    ).numpy()
+    np.testing.assert_array_equal(got, fresh)
+    row = rng.integers(3, 256, (1, 9))
+    fresh = model.generate(paddle.to_tensor(row), max_new_tokens=4, **kw).numpy()
+    cache = model(paddle.to_tensor(row[:, :5])).past_key_values
+    got = model.generate(paddle.to_tensor(row), max_new_tokens=4, past_key_values=cache, **kw).numpy()
+    np.testing.assert_array_equal(got, fresh)
+    embeds = model.get_input_embeddings()(paddle.to_tensor(row))
+    cache = model(paddle.to_tensor(row[:, :5])).past_key_values
+    got = model.generate(inputs_embeds=embeds, max_new_tokens=4, past_key_values=cache, **kw).numpy()
+    np.testing.assert_array_equal(got, fresh[:, 9:])
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("as_long", "past_key_values holds 10 tokens, the input 10: the input must be the cached tokens and at least"),
+        ("longer", "past_key_values holds 10 tokens, the input 8"),
+        ("batch", "past_key_values holds 1 rows, the input 2"),
+        ("beams", "past_key_values (continuing a cache) takes no num_beams > 1"),
+        ("sequences", "takes no num_return_sequences > 1"),
+        ("no_cache", "takes no use_cache=False"),
+        ("mtp", "takes no use_mtp"),
+        ("lookup", "takes no prompt_lookup_num_tokens"),
+        ("other_model", "past_key_values holds 2 layers, this model 8 layers of 48"),
+        ("not_a_cache", "past_key_values must be this model's cache (a DSACache"),
+        ("mask", "attention_mask shape [1, 7]: with past_key_values of 10 tokens, expected [1, 15]"),
+    ],
+)
+def test_a_cache_that_cannot_continue_the_input_is_refused_by_name(case, needle):
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    ids, new = _reuse_case()
+    kw = {"max_new_tokens": 3, "eos_token_id": []}
+    first = model.generate(paddle.to_tensor(ids), max_new_tokens=5, eos_token_id=[], return_dict_in_generate=True)
+    seq = first.sequences.numpy()
+    p2 = np.concatenate([seq, new], 1)
+    cache, mask = first.past_key_values, None
+    if case == "as_long":
+        p2 = seq[:, :10]
+    elif case == "longer":
+        p2 = seq[:, :8]
+    elif case == "batch":
+        p2 = np.concatenate([p2, p2])
+    elif case == "beams":
+        kw["num_beams"] = 2
+    elif case == "sequences":
+        kw |= {"do_sample": True, "num_return_sequences": 2}
+    elif case == "no_cache":
+        kw["use_cache"] = False
+    elif case == "mtp":
+        kw["use_mtp"] = True
+    elif case == "lookup":
+        kw["prompt_lookup_num_tokens"] = 2
+    elif case == "other_model":
+        cache = DSACache(2, 1)
+    elif case == "not_a_cache":
+        cache = (cache.layers[0].latent,)
+    elif case == "mask":
+        mask = paddle.ones([1, 7], "int64")
+    with pytest.raises(ValueError) as err:
+        model.generate(paddle.to_tensor(p2), attention_mask=mask, past_key_values=cache, **kw)
+    assert needle in str(err.value), str(err.value)
+    assert first.past_key_values.get_seq_length() == 10  # untouched by the refused call
+
+
+@pytest.mark.reference
+def test_generate_continues_a_cache_as_transformers_live():
+    """The live twin of the tests above: transformers' generate with its own cache, one row and a
+    left-padded batch, against ours with ours."""
+    torch, _, hf = _hf_eager()
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    ids, new = _reuse_case()
+    with torch.no_grad():
+        w1 = hf.generate(torch.tensor(ids), max_new_tokens=5, return_dict_in_generate=True, **kw)
+    assert w1.sequences.numpy()[0].tolist() == HF_REUSE_FIRST
+    p2 = np.concatenate([w1.sequences.numpy(), new], 1)
+    with torch.no_grad():
+        w2 = hf.generate(torch.tensor(p2), past_key_values=w1.past_key_values, max_new_tokens=5, **kw).numpy()
+    assert w2[0, -5:].tolist() == HF_REUSE_SECOND and w1.past_key_values.get_seq_length() == 19
+    g1 = model.generate(paddle.to_tensor(ids), max_new_tokens=5, return_dict_in_generate=True, **kw)
+    g2 = model.generate(paddle.to_tensor(p2), past_key_values=g1.past_key_values, max_new_tokens=5, **kw).numpy()
+    np.testing.assert_array_equal(g2, w2)
+    assert g1.past_key_values.get_seq_length() == 19
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, 256, (2, 6))
+    mask = np.ones((2, 6), "int64")
+    mask[0, :2], ids[0, :2] = 0, 0
+    with torch.no_grad():
+        w1 = hf.generate(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=4, return_dict_in_generate=True, **kw
+        )
+    p2 = np.concatenate([w1.sequences.numpy(), rng.integers(3, 256, (2, 3))], 1)
+    m2 = np.concatenate([mask, np.ones((2, 7), "int64")], 1)
+    with torch.no_grad():
+        w2 = hf.generate(
+            torch.tensor(p2),
+            attention_mask=torch.tensor(m2),
+            past_key_values=w1.past_key_values,
+            max_new_tokens=5,
+            **kw,
+        ).numpy()
+    g1 = model.generate(
+        paddle.to_tensor(ids),
+        attention_mask=paddle.to_tensor(mask),
+        max_new_tokens=4,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    np.testing.assert_array_equal(g1.sequences.numpy(), w1.sequences.numpy())
+    g2 = model.generate(
+        paddle.to_tensor(p2),
+        attention_mask=paddle.to_tensor(m2),
+        past_key_values=g1.past_key_values,
+        max_new_tokens=5,
+        **kw,
+    ).numpy()
+    np.testing.assert_array_equal(g2, w2)

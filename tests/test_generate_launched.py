@@ -151,12 +151,50 @@ def paddle_ids(row: list[int]):
         (["--pp", "9"], "pp 9 > num_hidden_layers 8: a stage would have no layer"),
         (["--pp", "2", "--speculative"], "--speculative needs --pp 1 (the MTP layer drafts from"),
         (["--pp", "0"], "--pp must be >= 1, got 0"),
+        (["--tp", "2", "--num-beams", "2", "--speculative"], "use_mtp drafts for one sequence"),
+        (["--ep", "2", "--num-beams", "2", "--speculative"], "use_mtp drafts for one sequence"),
     ],
 )
 def test_a_layout_that_cannot_work_is_one_line_before_any_launch(tiny_dir, flags, needle, capsys):
     assert main([*ARGS, "--model", tiny_dir, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def _edited_copy(tiny_dir, dest, config_keys=None, generation_config=None) -> str:
+    """A copy of the tiny checkpoint with ``config_keys`` set in its config.json and, if given,
+    ``generation_config`` as its generation_config.json."""
+    import shutil
+
+    shutil.copytree(tiny_dir, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(cfg | (config_keys or {})))
+    if generation_config is not None:
+        (dest / "generation_config.json").write_text(json.dumps(generation_config))
+    return str(dest)
+
+
+@pytest.mark.parametrize(
+    "edit, flags, needle",
+    [
+        ({"generation_config": {"num_beams": 2}}, ["--speculative"], "use_mtp drafts for one sequence"),
+        ({"generation_config": {"num_return_sequences": 2}}, [], "num_return_sequences=2 needs do_sample=True"),
+        ({"config_keys": {"num_nextn_predict_layers": 0}}, ["--speculative"], "use_mtp needs an MTP layer"),
+    ],
+    ids=["file-beams-speculative", "file-greedy-many-sequences", "no-mtp-layer"],
+)
+@pytest.mark.parametrize("split", [["--tp", "2"], ["--ep", "2"], []], ids=["tp2", "ep2", "one-process"])
+def test_settings_no_run_can_use_are_one_line_before_any_launch(tiny_dir, tmp_path, edit, flags, needle, split, capsys):
+    """The generation settings (the flags over the checkpoint's generation_config.json) are resolved
+    as generate resolves them before the ranks start: one line, exit 2, no launch, as one process
+    says it. Before: the ranks were launched and each raised in resolve_settings (exit 1, ~36 lines of
+    tracebacks on stderr) where one process refused in one line."""
+    model = _edited_copy(tiny_dir, tmp_path / "ckpt", **edit)
+    log = ["--log-dir", str(tmp_path / "logs")] if split else []
+    assert main([*ARGS, "--model", model, *split, *flags, *log]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_torn_shard_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):

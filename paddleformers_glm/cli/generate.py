@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ..configuration import GlmMoeDsaConfig
-    from ..generation import GenerationConfig, check_generation_length
+    from ..generation import GenerationConfig, check_generation_length, resolve_settings
     from ..tokenizer import GlmTokenizer, TokenizerError
 
     def fail(msg: str) -> int:
@@ -128,13 +129,21 @@ def run(args: argparse.Namespace) -> int:
         limits = opts if "max_new_tokens" in opts or "max_length" in opts else vars(defaults)
         check_generation_length(config, len(ids), limits.get("max_new_tokens"), limits.get("max_length"))
         defaults.check_supported()
+        eos = defaults.eos_token_id
+        eos = list(eos) if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        if tok.eos_token_id is not None and tok.eos_token_id not in eos:
+            eos.append(tok.eos_token_id)
+        # every option resolved here as generate resolves it (the call's over generation_config.json's),
+        # so a combination no run can use (--num-beams 2 --speculative, or num_beams 2 in the file) is
+        # one line before the model is read or any rank launched, not a traceback on every rank
+        with warnings.catch_warnings():  # warned where generate resolves them, as before
+            warnings.simplefilter("ignore")
+            resolve_settings(config, defaults, _call_options(opts, eos, args.speculative), len(ids))
+        if args.speculative and not getattr(config, "num_mtp_layers", 0):
+            raise ValueError("generate: use_mtp needs an MTP layer (num_nextn_predict_layers = 0)")
     except (TokenizerError, ValueError, OSError) as err:
         return fail(str(err))
 
-    eos = defaults.eos_token_id
-    eos = list(eos) if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos:
-        eos.append(tok.eos_token_id)
     new: list[int] = []
     shown = 0  # characters of the new text printed so far
 
@@ -202,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _call_options(opts: dict, eos: list[int], speculative: bool) -> dict:
+    """The options ``generate`` is called with (here and on each launched rank), as HF names them."""
+    return opts | {"eos_token_id": eos, "return_dict_in_generate": False} | ({"use_mtp": True} if speculative else {})
 
 
 def _run_launched(

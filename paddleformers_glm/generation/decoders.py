@@ -25,6 +25,7 @@ class Decoder:
         self.model, self.use_cache, self.input_ids, self.mask = model, use_cache, input_ids, mask
         self.inputs_embeds, self.step_fn, self.last_real = inputs_embeds, decode_step or model.decode_step, last_real
         self.cache, self.hidden, self.attentions = None, None, None
+        self.past, self.cached = None, 0  # a caller's cache, and how many of the input's first tokens it holds
 
     def _kept(self, out: Any) -> Any:
         if self.hidden is not None:
@@ -41,20 +42,25 @@ class Decoder:
         """The logits [B, V] after each row's last prompt token (the cache sized for ``new_tokens`` more)."""
         from ..modeling.cache import DSACache
 
-        model = self.model
+        model, skip = self.model, self.cached
         if self.use_cache:
             prompt = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
-            capacity = prompt.shape[1] + new_tokens
-            self.cache = DSACache.for_config(model.config, prompt.shape[0], capacity=capacity)
-            prompt = self.input_ids if self.inputs_embeds is None else None
-            kw = {"inputs_embeds": self.inputs_embeds, "logits_to_keep": 1, **self._outputs()}
+            if self.past is None:
+                capacity = prompt.shape[1] + new_tokens
+                self.cache = DSACache.for_config(model.config, prompt.shape[0], capacity=capacity)
+            else:  # the caller's cache, grown in place to the whole generation before the prefill
+                self.cache = self.past
+                self.cache.reserve(self.cache.length + prompt.shape[1] - skip + new_tokens)
+            prompt = self.input_ids[:, skip:] if self.inputs_embeds is None else None
+            embeds = None if self.inputs_embeds is None else self.inputs_embeds[:, skip:]
+            kw = {"inputs_embeds": embeds, "logits_to_keep": 1, **self._outputs()}
             out = self._kept(model(prompt, self.mask, past_key_values=self.cache, use_cache=True, **kw))
         else:
             self.seq = self.input_ids if self.inputs_embeds is None else self.inputs_embeds
             out = self._kept(_full_forward(model, self.seq, self.mask, self._outputs()))
         if self.last_real is None:
             return out.logits[:, -1]
-        return _logits_at(model, out.last_hidden_state, self.last_real)
+        return _logits_at(model, out.last_hidden_state, self.last_real - skip)
 
     def next(self, nxt: paddle.Tensor) -> paddle.Tensor:
         """The logits [B, V] after each row's new token ``nxt`` [B]."""

@@ -71,6 +71,7 @@ def generate(
     negative_prompt_ids: paddle.Tensor | None = None,
     negative_prompt_attention_mask: paddle.Tensor | None = None,
     assistant_model: paddle.nn.Layer | None = None,
+    past_key_values: Any = None,
     **kwargs: Any,
 ) -> paddle.Tensor | GenerateDecoderOnlyOutput:
     """The prompt and up to ``max_new_tokens`` new tokens per row, [B * num_return_sequences, S + n] int64
@@ -89,6 +90,12 @@ def generate(
     [B, L]: what ``guidance_scale`` conditions away from (default: each row's last prompt token).
     ``assistant_model``: a smaller GLM model of the same vocabulary that drafts (transformers' assisted
     decoding; ``num_assistant_tokens``, its schedule and ``assistant_confidence_threshold``).
+    ``past_key_values``: a cache of this model (an earlier ``generate``'s ``out.past_key_values``, or a
+    forward's) holding the first ``cache.get_seq_length()`` tokens of ``input_ids`` (or of
+    ``inputs_embeds``), as transformers continues a conversation: only the rest is prefilled, into
+    that cache (grown in place and returned), the attention_mask covering the whole input; or, as
+    there too, ``input_ids`` the uncached tokens only with an attention_mask over the cached ones and
+    them. Greedy or sampling with one sequence per row (see ``_cached_prefix`` for what is refused).
     """
     import paddle
 
@@ -123,11 +130,19 @@ def generate(
         generation_config = GenerationConfig.from_dict(generation_config, source="generation_config argument")
     gc = own if generation_config is None else generation_config.over(own)
     s = resolve_settings(model.config, gc, kwargs, S)  # before any allocation
+    cached = 0  # the input's first tokens the cache holds: not prefilled again
+    if past_key_values is not None:
+        cached = _cached_prefix(model, past_key_values, s, B, S, attention_mask, assistant_model)
+    full_mask = attention_mask  # with a cache and uncached input_ids only: over the cached tokens too
+    if attention_mask is not None and past_key_values is not None and attention_mask.shape[1] != S:
+        attention_mask = attention_mask[:, -S:]  # the input's columns (_cached_prefix checked the shape)
     if attention_mask is not None and list(attention_mask.shape) != [B, S]:
         raise ValueError(f"generate: attention_mask shape {list(attention_mask.shape)} != input_ids shape {[B, S]}")
     if attention_mask is None and ids_given and S > 0:
         pad = kwargs.get("pad_token_id")
-        attention_mask = _mask_from_padding(input_ids, gc.pad_token_id if pad is None else pad, s.eos_token_id)
+        attention_mask = full_mask = _mask_from_padding(
+            input_ids, gc.pad_token_id if pad is None else pad, s.eos_token_id
+        )
     if s.stop_strings and tokenizer is None:
         raise ValueError("generate: stop_strings need tokenizer= (the tokenizer that decodes the new tokens)")
     if s.num_beams > 1 and streamer is not None:  # as transformers
@@ -136,8 +151,8 @@ def generate(
     copies = s.num_beams if s.num_beams > 1 else s.num_return_sequences  # rows per prompt
     if copies > 1:
         input_ids = paddle.repeat_interleave(input_ids, copies, axis=0)
-        if attention_mask is not None:
-            attention_mask = paddle.repeat_interleave(attention_mask, copies, axis=0)
+        if attention_mask is not None:  # no past_key_values here (refused): the mask is the input's
+            attention_mask = full_mask = paddle.repeat_interleave(attention_mask, copies, axis=0)
         if inputs_embeds is not None:
             inputs_embeds = paddle.repeat_interleave(inputs_embeds, copies, axis=0)
         B = input_ids.shape[0]
@@ -147,7 +162,14 @@ def generate(
     if attention_mask is not None:
         real = attention_mask.numpy() != 0  # one host read of the mask, before any step
         if not real[:, -1].all():
-            last_real = paddle.to_tensor(np.where(real.any(1), S - 1 - np.argmax(real[:, ::-1], axis=1), S - 1))
+            last = np.where(real.any(1), S - 1 - np.argmax(real[:, ::-1], axis=1), S - 1)
+            if cached and (last < cached).any():  # right padding over every uncached token of a row
+                r = int(np.argmax(last < cached))
+                raise ValueError(
+                    f"generate: row {r}'s tokens after the {cached} cached ones are all padding (its last real "
+                    "token is in past_key_values): nothing of it to prefill"
+                )
+            last_real = paddle.to_tensor(last)
     tails = None
     if s.stop_strings:  # HF matches a stop string against the sequence's end, prompt included: each row's
         # last real prompt tokens (as many as the longest stop string has characters) and their text
@@ -197,7 +219,8 @@ def generate(
         else:
             decoder = AssistantDecoder(model, assistant_model, input_ids, attention_mask, last_real, s)
     else:
-        decoder = Decoder(model, s.use_cache, input_ids, attention_mask, inputs_embeds, decode_step, last_real)
+        decoder = Decoder(model, s.use_cache, input_ids, full_mask, inputs_embeds, decode_step, last_real)
+        decoder.past, decoder.cached = past_key_values, cached
     decoder.hidden = [] if s.return_dict_in_generate and s.output_hidden_states else None
     decoder.attentions = [] if s.return_dict_in_generate and s.output_attentions else None
     with _inference(model):
@@ -376,6 +399,66 @@ def _beam_search(
         attentions=None if decoder.attentions is None else tuple(decoder.attentions),
         past_key_values=decoder.cache,
     )
+
+
+def _cached_prefix(model, cache, s: GenerationConfig, B: int, S: int, mask, assistant) -> int:
+    """How many of the input's first S tokens ``cache`` (``past_key_values``) holds, to be skipped by
+    the prefill, as transformers 5.23's ``_prefill`` slices them: ``cache.get_seq_length()``, or 0
+    when the attention_mask is longer than the input by that many columns (the input is then the
+    uncached tokens only). Refused by name: what is no cache of this model, another batch size, a
+    cache holding the whole input or more (transformers then feeds the whole input again, or a
+    part of it, and returns other tokens than without the cache, measured), and the options
+    that cannot continue it (beams and several sequences per row: transformers fails on the
+    cache's batch size; a drafter, guidance_scale or use_cache=False: transformers' tokens then
+    differ from a fresh generate's, measured for prompt lookup and use_cache=False)."""
+    from ..modeling.cache import DSACache
+
+    if not isinstance(cache, DSACache):
+        raise ValueError(
+            f"generate: past_key_values must be this model's cache (a DSACache: an earlier generate's "
+            f"out.past_key_values or a forward's), got {type(cache).__name__}"
+        )
+    config = model.config
+    layers = int(config.num_hidden_layers)
+    width = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+    held = next((layer.latent for layer in cache.layers if layer.latent is not None), None)
+    if len(cache) != layers or (held is not None and held.shape[2] != width):
+        got = f"{len(cache)} layers" + ("" if held is None else f" of latent rows {held.shape[2]} wide")
+        raise ValueError(
+            f"generate: past_key_values holds {got}, this model {layers} layers of {width} (kv_lora_rank + "
+            "qk_rope_head_dim): a cache of another model"
+        )
+    for name, used in (
+        ("num_beams > 1", s.num_beams > 1),
+        ("num_return_sequences > 1", s.num_return_sequences > 1),
+        ("use_cache=False", not s.use_cache),
+        ("use_mtp", s.use_mtp),
+        ("prompt_lookup_num_tokens", bool(s.prompt_lookup_num_tokens)),
+        ("assistant_model", assistant is not None),
+        ("guidance_scale", s.guidance_scale is not None),
+    ):
+        if used:
+            raise ValueError(
+                f"generate: past_key_values (continuing a cache) takes no {name}: greedy decoding or sampling "
+                "of one sequence per row continues it"
+            )
+    if cache.batch_size != B:
+        raise ValueError(f"generate: past_key_values holds {cache.batch_size} rows, the input {B}")
+    n = cache.get_seq_length()
+    if mask is not None and n and list(mask.shape) == [B, n + S]:
+        return 0  # transformers' other form: input_ids the uncached tokens, the mask over all
+    if mask is not None and list(mask.shape) != [B, S]:
+        raise ValueError(
+            f"generate: attention_mask shape {list(mask.shape)}: with past_key_values of {n} tokens, expected "
+            f"{[B, S]} (input_ids the whole sequence) or {[B, n + S]} (input_ids the uncached tokens only)"
+        )
+    if n >= S:
+        raise ValueError(
+            f"generate: past_key_values holds {n} tokens, the input {S}: the input must be the cached tokens "
+            f"and at least one more (nothing else to prefill; cache.crop({S - 1 - n}) forgets the input's "
+            "last token and what follows it, to be fed again)"
+        )
+    return n
 
 
 def _check_decodable(model: paddle.nn.Layer) -> None:

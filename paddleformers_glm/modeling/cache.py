@@ -103,9 +103,88 @@ class DSACache:
     def for_config(cls, config: object, batch_size: int, capacity: int = 0) -> DSACache:
         return cls(int(config.num_hidden_layers), batch_size, capacity)  # type: ignore[attr-defined]
 
-    def get_seq_length(self) -> int:
-        """Slots filled so far (padding slots included), as HF's ``Cache.get_seq_length``."""
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Slots filled so far (padding slots included), as HF's ``Cache.get_seq_length(layer_idx=0)``:
+        every layer holds the same slots; a ``layer_idx`` past the last layer is 0 (transformers 5.23's
+        DynamicCache: a layer it holds no states for), a negative one counts from the end."""
+        if layer_idx >= len(self.layers):
+            return 0
+        if layer_idx < -len(self.layers):  # transformers' list lookup
+            raise IndexError(f"get_seq_length: layer {layer_idx} of a cache of {len(self.layers)} layers")
         return self.length
+
+    def __len__(self) -> int:
+        """The number of decoder layers the cache holds, as HF's ``len(cache)``."""
+        return len(self.layers)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no maximum, as transformers 5.23's DynamicCache (``capacity`` is what is allocated now;
+        the buffers grow when a forward needs more)."""
+        return -1
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` slots in all (allocated on the next ``begin`` when none is yet):
+        a decode step's shapes follow the capacity, so a generation reserves its whole length before
+        the prefill and no step reallocates."""
+        if capacity <= self.capacity:
+            return
+        self.capacity = int(capacity)
+        if self.key_valid is not None:
+            self.key_valid = _grown(self.key_valid, [self.batch_size, self.capacity], "bool", self.length)
+            for layer in self.layers:
+                layer.grow(self.capacity, self.length)
+            self._slot_ids = paddle.arange(self.capacity, dtype="int64")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers 5.23's ``Cache.crop``: forget the last ``-tokens_to_remove`` filled slots (a
+        negative count; all of them when it exceeds the length; 0: nothing); a positive value, the
+        older "crop to this length" form, is refused as there. Each row's rope position goes back by
+        its real tokens among them (``rollback``)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"crop: tokens_to_remove must be an int, got {tokens_to_remove!r}")
+        if tokens_to_remove > 0:
+            hint = (
+                f", e.g. crop({tokens_to_remove - self.length}) keeps {tokens_to_remove} of the {self.length} cached tokens"
+                if tokens_to_remove < self.length
+                else ""
+            )
+            raise ValueError(
+                f"crop({tokens_to_remove}): a positive value is not supported (as transformers 5.23); pass a "
+                f"negative number of tokens to remove{hint}"
+            )
+        self.rollback(min(-tokens_to_remove, self.length))
+
+    def batch_select_indices(self, indices: paddle.Tensor | list[int]) -> None:
+        """Keep the rows ``indices`` (HF's ``Cache.batch_select_indices``: an index list or tensor,
+        repeats allowed; a bool mask of the batch keeps its True rows), in this order."""
+        idx = paddle.to_tensor(indices) if not isinstance(indices, paddle.Tensor) else indices
+        if idx.dtype == paddle.bool:
+            if list(idx.shape) != [self.batch_size]:
+                raise IndexError(f"batch_select_indices: a bool mask of {list(idx.shape)} for {self.batch_size} rows")
+            idx = paddle.nonzero(idx).reshape([-1])
+        idx = idx.astype("int64").reshape([-1])
+        bad = [int(i) for i in idx.numpy() if not -self.batch_size <= int(i) < self.batch_size]
+        if bad:
+            raise IndexError(f"batch_select_indices: index {bad[0]} is out of bounds for {self.batch_size} rows")
+        self._select_rows(paddle.where(idx < 0, idx + self.batch_size, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row (HF's ``Cache.batch_repeat_interleave``)."""
+        self._select_rows(paddle.repeat_interleave(paddle.arange(self.batch_size, dtype="int64"), int(repeats)))
+
+    def _select_rows(self, idx: paddle.Tensor) -> None:
+        """The cache of rows ``idx`` [N] (new buffers: the batch size may change; a decode step
+        captured for the old ones no longer applies)."""
+
+        def pick(buf: paddle.Tensor | None) -> paddle.Tensor | None:
+            return None if buf is None else paddle.index_select(buf, idx, axis=0)
+
+        self.key_valid, self.positions, self.topk = pick(self.key_valid), pick(self.positions), pick(self.topk)
+        if getattr(self, "_pending_positions", None) is not None:
+            self._pending_positions = pick(self._pending_positions)
+        for layer in self.layers:
+            layer.latent, layer.index_keys = pick(layer.latent), pick(layer.index_keys)
+        self.batch_size = int(idx.shape[0])
 
     def capacity_for(self, n: int) -> int:
         if self.length + n > self.capacity:
