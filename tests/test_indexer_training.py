@@ -113,17 +113,19 @@ def test_warmup_attends_to_every_causal_key_and_freezes_all_but_the_indexers():
 
 
 def test_sparse_stage_kl_reaches_no_backbone_weight():
-    """The sparse stage trains the whole model on LM + c x KL; the KL's inputs are detached, so every
-    backbone gradient is the LM loss's alone, bit for bit, and the KL's gradients are the indexers'."""
+    """The sparse stage trains the whole model on LM + c x KL (``out.loss``, ``out.lm_loss`` the LM
+    alone); the KL's inputs are detached, so every backbone gradient is the LM loss's alone, bit for
+    bit, and the KL's gradients are the indexers'."""
     ids = tokens(2, SEQ, seed=7)
     model = tiny_model(seed=2)
-    model.set_indexer_training("sparse")
+    model.set_indexer_training("sparse", loss_coeff=0.5)
     model.train()
 
     def grads(with_kl: bool) -> dict[str, np.ndarray]:
         model.clear_gradients()
         out = model(ids, labels=ids, compute_mtp=False)
-        loss = out.loss + 0.5 * out.indexer_loss if with_kl else out.loss
+        assert float(out.loss) == float(out.lm_loss + 0.5 * out.indexer_loss)
+        loss = out.loss if with_kl else out.lm_loss
         loss.backward()
         return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
 

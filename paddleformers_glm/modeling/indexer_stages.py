@@ -8,7 +8,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["INDEXER_STAGES", "IndexerTraining", "kl_term", "own_indexer_layers", "recall_term", "trains_in_warmup"]
+__all__ = [
+    "INDEXER_STAGES",
+    "IndexerTraining",
+    "check_warmup_flags",
+    "kl_term",
+    "objective_weights",
+    "own_indexer_layers",
+    "recall_term",
+    "trains_in_warmup",
+]
 
 INDEXER_STAGES = ("none", "warmup", "sparse")
 
@@ -30,6 +39,30 @@ def trains_in_warmup(name: str, own_layers: Sequence[int]) -> bool:
     parts = name.split(".")
     layer = parts[parts.index("layers") + 1] if "layers" in parts[:-1] else ""
     return ".indexer." in name and layer.isdigit() and int(layer) in own_layers
+
+
+def objective_weights(stage: str, kl_weight: float) -> tuple[float, float]:
+    """(weight of the LM and MTP losses, weight of the indexer KL) in ``stage``'s objective
+    (docs/indexer.md, "The stages"): ``none`` (1, 0); ``warmup`` (0, 1: the dense KL alone, the LM and
+    MTP losses reported only); ``sparse`` (1, ``kl_weight``), which needs ``kl_weight`` > 0.  The
+    trainer's loss terms (train/indexer_stage.py) and the model's ``out.loss`` weigh with it."""
+    if stage not in INDEXER_STAGES:
+        raise ValueError(f"indexer stage must be one of {', '.join(INDEXER_STAGES)}, got {stage!r}")
+    if stage == "warmup":
+        return 0.0, 1.0
+    if stage == "sparse" and not float(kl_weight) > 0:
+        raise ValueError(f"the sparse indexer stage weighs its KL by a coefficient > 0, got {float(kl_weight):g}")
+    return 1.0, float(kl_weight) if stage == "sparse" else 0.0
+
+
+def check_warmup_flags(stage: str | None, moe_bias_update_rate: float, moe_aux_loss_coeff: float) -> None:
+    """The warm-up changes nothing but the indexers: no router-bias updates, no balance loss
+    (``glm52 train``, ``glm52 align`` and the torch reference trainer refuse them with these words)."""
+    if stage == "warmup" and (float(moe_bias_update_rate) > 0 or float(moe_aux_loss_coeff) > 0):
+        raise ValueError(
+            "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
+            "--moe-aux-loss-coeff must be 0"
+        )
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import paddle
 
-from .indexer import key_validity, query_mean
+from .indexer import key_validity, query_mean, query_validity
 from .indexer_stages import IndexerTraining
 
-__all__ = ["IndexerRecord", "IndexerRun", "IndexerTerms", "causal_selection", "indexer_terms"]
+__all__ = ["IndexerRecord", "IndexerRun", "IndexerTerms", "causal_selection", "count_real_queries", "indexer_terms"]
 
 
 def causal_selection(
@@ -69,7 +69,8 @@ class IndexerRecord:
     queries c0..c1 (the sparse stage's recall; computed when asked, chunk by chunk);
     ``indexer`` and ``inputs``: a layer that runs its own indexer, and what its KL needs
     (``x``, ``q_latent``, ``cos``, ``sin``, ``key_padding``, ``positions``, ``all_keys``, ``total``,
-    ``query_valid``: 1.0 on the real queries, 0.0 on padding, or None without padding).
+    ``query_valid``: 1.0 on the real queries, 0.0 on padding, or None without padding; an MTP layer's
+    record also ``dense_padding``: see :func:`count_real_queries`).
     """
 
     topk: paddle.Tensor
@@ -92,6 +93,20 @@ class IndexerTerms:
 
     def kl_sum(self) -> paddle.Tensor:
         return paddle.add_n([self.kl[i] for i in sorted(self.kl)])
+
+
+def count_real_queries(rec: IndexerRecord, token_valid: paddle.Tensor) -> None:
+    """Make the KL and recall of ``rec`` (an MTP layer's own indexer) count only the queries whose
+    inputs are real tokens, ``token_valid`` [B, S_global] (modeling/mtp.py's ``mtp_token_valid``, by
+    global position): position i of depth d reads token i + d, which past the window's end (or
+    before right padding) is the fill, not a token of the data.  The dense KL counts the queries its
+    padding marks real, so it takes ``token_valid`` as its padding (``dense_padding``): the keys that
+    drops are at or after a dropped query, which no counted query sees (left or right padding: a
+    mask with a hole inside a row would also drop the key before the hole by d from the KL's keys)."""
+    inp = rec.inputs
+    positions = inp["positions"] if inp["positions"] is not None else np.arange(rec.topk.shape[1])
+    inp["query_valid"] = query_validity(token_valid, positions)
+    inp["dense_padding"] = token_valid
 
 
 def indexer_terms(records: Sequence[tuple[int, IndexerRecord]], training: IndexerTraining) -> IndexerTerms:
@@ -121,7 +136,7 @@ def _group_terms(members: list[IndexerRecord], training: IndexerTraining) -> tup
     target = _mean([m.probs for m in members])  # [B, S, T] (warm-up) or [B, S, k] (sparse)
     if training.dense:
         kl = full.indexer.dense_kl_loss(
-            inp["x"], inp["q_latent"], inp["cos"], inp["sin"], target, inp["key_padding"],
+            inp["x"], inp["q_latent"], inp["cos"], inp["sin"], target, inp.get("dense_padding", inp["key_padding"]),
             positions=inp["positions"], all_keys=inp["all_keys"], total=inp["total"],
         )  # fmt: skip
     else:

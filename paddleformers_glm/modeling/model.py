@@ -37,7 +37,14 @@ from ..parallel.topology import Topology
 from .attention_forms import FORMS, SelectionCache
 from .cache import DSACache, LayerCache
 from .decoder import DecoderLayer
-from .indexer_stages import IndexerTraining, kl_term, own_indexer_layers, recall_term, trains_in_warmup
+from .indexer_stages import (
+    IndexerTraining,
+    kl_term,
+    objective_weights,
+    own_indexer_layers,
+    recall_term,
+    trains_in_warmup,
+)
 from .indexer_training import IndexerRecord, IndexerRun, IndexerTerms, indexer_terms
 from .moe import TopkRouter, frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
@@ -70,6 +77,7 @@ class CausalLMOutput:
     indexer_loss: paddle.Tensor | None = None  # sum of per-layer indexer KL losses, unscaled
     last_hidden_state: paddle.Tensor | None = None  # after the final norm
     indexer_recall: paddle.Tensor | None = None  # mean over the indexer layers of the top-k recall
+    lm_loss: paddle.Tensor | None = None  # the LM loss, where out.loss is an indexer stage's objective
 
     def keys(self) -> list[str]:
         """Names of the fields that are set (None and empty lists are not)."""
@@ -600,7 +608,8 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     ``stage`` (default the whole model, or with a pipeline-parallel ``topology`` this rank's stage
     of an even split) says which layers it owns and whether it embeds tokens, holds the head and the
     MTP layers; ``topology`` (default one process) the groups its layers are split over.
-    `add_mtp_loss=True` adds the scaled MTP (and indexer KL) losses into `out.loss`.
+    `add_mtp_loss=True` adds the scaled MTP loss into `out.loss`; a training forward in an indexer
+    stage makes `out.loss` that stage's objective (:meth:`set_indexer_training`).
     """
 
     def __init__(
@@ -651,16 +660,43 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         parameter that makes them is frozen (the indexer's warm-up; parallel/fleet_pipeline.py)."""
         return not self.indexer_training.dense
 
-    def set_indexer_training(self, training: IndexerTraining | str) -> None:
+    def set_indexer_training(self, training: IndexerTraining | str, loss_coeff: float | None = None) -> None:
         """Train the indexer in ``training``'s stage (modeling/indexer_training.py, docs/indexer.md):
         ``"warmup"`` attends densely and freezes (``stop_gradient``) every parameter but the indexers
-        that run; ``"sparse"`` and ``"none"`` leave every parameter trainable."""
+        that run; ``"sparse"`` and ``"none"`` leave every parameter trainable.  A training forward with
+        labels then returns the stage's objective as ``out.loss`` (``glm52 train``'s, by
+        :func:`objective_weights`): the warm-up's the dense KL alone (``out.lm_loss`` and
+        ``out.mtp_loss`` reported), the sparse stage's LM (+ the scaled MTP loss with
+        ``add_mtp_loss=True``) + ``loss_coeff`` x the sparse KL; ``loss_coeff`` (the sparse stage's
+        only, > 0) defaults to the config's ``indexer_loss_coeff``, and a sparse forward with a
+        coefficient of 0 is refused, as ``glm52 train --indexer-stage sparse`` refuses it."""
         if isinstance(training, str):
             training = IndexerTraining(training)
+        if loss_coeff is not None and training.stage != "sparse":
+            raise ValueError(
+                f"loss_coeff weighs the sparse stage's KL; the {training.stage} stage "
+                + ("trains on the dense KL alone (weight 1)" if training.dense else "has no indexer loss")
+            )
+        if loss_coeff is not None:
+            objective_weights("sparse", loss_coeff)  # refuses a coefficient that is not > 0
+        self._indexer_loss_coeff = None if loss_coeff is None else float(loss_coeff)
         self.model.indexer_run.training = training
         own = own_indexer_layers(self.config)
         for name, p in self.named_parameters():
             p.stop_gradient = training.dense and not trains_in_warmup(name, own)
+
+    def indexer_objective_weights(self) -> tuple[float, float]:
+        """(weight of the LM and MTP losses, weight of the indexer KL) in ``out.loss`` of a training
+        forward in the indexer stage set (:meth:`set_indexer_training`)."""
+        coeff = getattr(self, "_indexer_loss_coeff", None)
+        coeff = float(getattr(self.config, "indexer_loss_coeff", 0.0) or 0.0) if coeff is None else coeff
+        try:
+            return objective_weights(self.indexer_training.stage, coeff)
+        except ValueError as e:
+            raise ValueError(
+                f"{e}: give it as set_indexer_training('sparse', loss_coeff=c) (the config's indexer_loss_coeff "
+                "is 0; PaddleFleet's default is 0.01, the GLM-5 recipe of Megatron-Bridge 0.001)"
+            ) from None
 
     @property
     def loss_function(self) -> Callable[..., paddle.Tensor]:
@@ -1022,10 +1058,14 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
                 out.mtp_loss = paddle.add_n(depth_losses) / len(depth_losses)
             if custom_loss is not None:  # model.loss_function set by the caller, as transformers calls it
                 out.loss = custom_loss[0](logits=out.logits, vocab_size=self.config.vocab_size, **custom_loss[1])
+            if out.indexer_loss is not None:  # an indexer stage's objective (docs/indexer.md, "The stages")
+                lm_weight, kl_weight = self.indexer_objective_weights()
+                out.lm_loss = out.loss
             if add_mtp_loss and out.mtp_loss is not None:
                 out.loss = out.loss + self.config.mtp_loss_scaling_factor * out.mtp_loss
-            if add_mtp_loss and out.indexer_loss is not None:
-                out.loss = out.loss + self.config.indexer_loss_coeff * out.indexer_loss
+            if out.indexer_loss is not None:  # the warm-up: the KL alone (the frozen LM has no gradient)
+                kl = kl_weight * out.indexer_loss
+                out.loss = kl if lm_weight == 0 else out.loss + kl
         if logits_to_keep and out.logits is not None:
             out.logits = out.logits[:, -logits_to_keep:]
         if keep_index is not None:  # negative positions count from the end, as torch indexing

@@ -14,7 +14,7 @@ from ..parallel.layers import mark_sequence_parallel
 from ..parallel.topology import Topology
 from .cache import LayerCache
 from .decoder import DecoderLayer
-from .indexer_training import IndexerRecord
+from .indexer_training import IndexerRecord, count_real_queries
 from .norms import RMSNorm
 
 
@@ -45,13 +45,17 @@ class MTPLayer(nn.Layer):
         """-> (h_d [B, S, H] before `norm`, top-k used, its attention's indexer-training record or None). ``cache``: the
         layer's own decoding cache (speculative decoding drafts with it; ``main_topk`` then holds the
         main model's slots of the same positions, which the MTP cache's slots equal). ``token_valid``:
-        the real tokens of this depth's inputs for its MoE's balancing (`mtp_token_valid`)."""
+        the real tokens of this depth's inputs for its MoE's balancing (`mtp_token_valid`) and, with
+        its own indexer, the queries that indexer's KL and recall count."""
         x = self.eh_proj(paddle.concat([self.enorm(token_embeds), self.hnorm(hidden)], axis=-1))
         reuse = self.share_topk and main_topk is not None
         topk = main_topk if reuse else None
-        return self.transformer_layer(
+        h, topk, rec = self.transformer_layer(
             x, cos, sin, key_padding, topk, reuse_topk=reuse, cache=cache, token_valid=token_valid
         )
+        if rec is not None and rec.indexer is not None and token_valid is not None:
+            count_real_queries(rec, token_valid)  # the fill past the window's end is no query of the data
+        return h, topk, rec
 
 
 def mtp_token_valid(key_padding: paddle.Tensor, depth: int) -> paddle.Tensor:

@@ -92,7 +92,7 @@ class GlmAdapter(ModelAdapter):
         """LM, each MTP depth, and the indexer's terms (train/indexer_stage.py); the indexer's
         warm-up trains on its KL alone, the LM and MTP losses reported with weight 0."""
         c = self.config
-        lm = 0.0 if self.indexer.stage == "warmup" else 1.0
+        lm = self.indexer.lm_weight
         specs = {"lm": LossSpec("tokens", shift=1, weight=lm, report="losses")}
         D = c.num_mtp_layers
         for d in range(1, D + 1):  # out.mtp_loss = mean over depths of each depth's token mean

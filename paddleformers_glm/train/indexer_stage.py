@@ -10,7 +10,14 @@ import math
 import re
 from typing import Any
 
-from ..modeling.indexer_stages import INDEXER_STAGES, IndexerTraining, kl_term, own_indexer_layers, recall_term
+from ..modeling.indexer_stages import (
+    INDEXER_STAGES,
+    IndexerTraining,
+    kl_term,
+    objective_weights,
+    own_indexer_layers,
+    recall_term,
+)
 from .adapter import LossSpec
 from .settings import indexer_stage_weight
 
@@ -21,14 +28,17 @@ _LAYER_KEY = re.compile(r"^indexer_(kl|recall)@(\d+)$")
 
 class IndexerSettings:
     """A run's indexer training, resolved against the model's config: ``stage``, the KL's weight in
-    the objective, ``shared_supervision`` and the layers that run their own indexer."""
+    the objective (``weight``) and the LM and MTP losses' (``lm_weight``: 0 in the warm-up), both
+    :func:`objective_weights`', as the model's ``out.loss`` weighs them; ``shared_supervision`` and
+    the layers that run their own indexer."""
 
     def __init__(
         self, config: Any, stage: str | None = None, loss_coeff: float | None = None, shared_supervision: bool = False
     ) -> None:
-        self.stage, self.weight = indexer_stage_weight(
+        self.stage, coeff = indexer_stage_weight(
             stage, loss_coeff, float(getattr(config, "indexer_loss_coeff", 0) or 0)
         )
+        self.lm_weight, self.weight = objective_weights(self.stage, coeff)
         self.training = IndexerTraining(self.stage, bool(shared_supervision))
         self.shared_supervision = bool(shared_supervision)
         self.layers = own_indexer_layers(config)

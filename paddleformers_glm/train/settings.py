@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
-from ..modeling.indexer_stages import INDEXER_STAGES
+from ..modeling.indexer_stages import INDEXER_STAGES, check_warmup_flags
 from ..parallel.pipeline import rank_spec, run_stages, validate_shared_layer_starts
 from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig, ParallelConfigError, check_seq_len
 from .data import BIN_DTYPES
@@ -317,11 +317,7 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
     # supervision needs every chunk to start on a full layer (its target includes the shared layers after it)
     adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
     info = adapter.indexer_info() or {}
-    if info.get("stage") == "warmup" and (cfg.moe_bias_update_rate > 0 or cfg.moe_aux_loss_coeff > 0):
-        raise ValueError(
-            "--indexer-stage warmup freezes every parameter but the indexers: --moe-bias-update-rate and "
-            "--moe-aux-loss-coeff must be 0"
-        )
+    check_warmup_flags(info.get("stage"), cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff)
     if info.get("stage") == "warmup":
         check_warmup_sharding(specs, pc, info.get("layers") or [], adapter.num_layers)
     if info.get("shared_supervision") and kinds is not None:

@@ -35,6 +35,10 @@ class ReferenceIndexer:
     def __init__(self, layers: list[tuple[int, Any]], stage: str, shared_supervision: bool) -> None:
         self.stage, self.shared = stage, bool(shared_supervision)
         self.records: list[dict[str, Any]] = []
+        # layer -> its queries that are real tokens [B, S] bool, where that is not the attention mask's
+        # diagonal: an MTP layer's position i reads token i + d, the fill 0 past the window's end
+        # (the caller's rule, modeling/mtp.py's mtp_token_valid); set per forward
+        self.query_valid: dict[int, Any] = {}
         self.layers: list[int] = []  # the layers that run their own indexer
         if stage == "none":
             return
@@ -93,6 +97,8 @@ class ReferenceIndexer:
         # a query counts when it is a real token (it sees its own key; a right-padded query sees the
         # real keys before it but not itself) and has a selected key
         real = torch.diagonal(visible.expand(B, S, T)[:, :, T - S :], dim1=-2, dim2=-1)  # [B, S]
+        if full["layer"] in self.query_valid:  # an MTP layer: its input token must be real too
+            real = real & self.query_valid[full["layer"]]
         rows = (sel_valid.any(-1) & real).float()
         n = rows.sum().clamp_min(1.0)
         scores = self._index_scores(full)  # [B, S, T], with gradient

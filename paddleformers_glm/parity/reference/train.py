@@ -19,6 +19,7 @@ import sys
 import time
 
 from ..._io import read_json, write_record
+from ...modeling.indexer_stages import check_warmup_flags
 from ...train.command import (
     add_dtype_argument,
     add_dump_argument,
@@ -55,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible)")
     add_dtype_argument(ap, "HF's dtype policy: the routers and correction biases fp32")
     args = ap.parse_args(argv)
-    try:  # glm52 train's own checks of the numbers and the DIR K pairs
+    try:  # glm52 train's own checks of the numbers, the warm-up's flags and the DIR K pairs
         check_numbers(args)
+        check_warmup_flags(args.indexer_stage, args.moe_bias_update_rate, getattr(args, "moe_aux_loss_coeff", 0.0))
         args.dump_step = dump_steps(args)
     except ValueError as e:
         ap.error(str(e))
@@ -278,6 +280,7 @@ class Reference:
         for d in range(1, len(self.mtp) + 1):  # with or without a mask: the window's last d are not real
             ahead = torch.cat([m[:, min(d, S) :], m.new_zeros(B, min(d, S))], dim=1)
             self._valid[self.L + d - 1] = (m & ahead).reshape(-1)
+            self.indexer.query_valid[self.L + d - 1] = m & ahead  # its own indexer's KL and recall count these
         out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
         def ce_sum(logits, shift):
