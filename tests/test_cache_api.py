@@ -184,3 +184,23 @@ def test_cache_api_equals_transformers_dynamic_cache(model):
     for c in (ours, theirs):
         c.crop(-20)
     assert ours.get_seq_length() == theirs.get_seq_length() == 0
+
+
+def test_forward_takes_a_cache_position_that_is_the_next_slots():
+    """transformers 5.23's forward takes ``cache_position`` (an older decoding loop passes it) and
+    ignores it, even a wrong one (measured: ``[3]`` after 8 cached tokens gave the logits of none).
+    Ours raised TypeError (unexpected keyword); now it takes the right value with the same logits and
+    refuses a wrong one by name rather than ignore it."""
+    from ._tiny import tiny_model, tokens
+
+    model = tiny_model()
+    model.eval()
+    ids = tokens(1, 9)
+    out = model(ids[:, :8], use_cache=True)
+    want = model(ids[:, 8:], past_key_values=out.past_key_values).logits.numpy()
+    out = model(ids[:, :8], use_cache=True, cache_position=paddle.arange(8))
+    got = model(ids[:, 8:], past_key_values=out.past_key_values, cache_position=paddle.to_tensor([8])).logits
+    np.testing.assert_array_equal(got.numpy(), want)
+    fresh = model(ids[:, :8], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"cache_position \[3\] is not the next 1 slots of the cache \(8\.\.8\)"):
+        model(ids[:, 8:], past_key_values=fresh, cache_position=paddle.to_tensor([3]))

@@ -371,6 +371,20 @@ _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 @paddle.jit.not_to_static  # a check in Python: to_static's translation leaves it as it is
+def _check_cache_position(cache_position: Any, tokens: paddle.Tensor, cache: DSACache | None) -> None:
+    """``cache_position`` is the next ``n`` slots of ``cache`` (0.. without one): what a decoding loop
+    written for transformers passes; a value that is not is a caller's bug, refused rather than
+    ignored (transformers 5.23 ignores any value)."""
+    n = tokens.shape[1]
+    past = 0 if cache is None else int(cache.get_seq_length())
+    got = np.asarray(cache_position.numpy() if hasattr(cache_position, "numpy") else cache_position).reshape(-1)
+    if got.tolist() != list(range(past, past + n)):
+        raise ValueError(
+            f"forward: cache_position {got.tolist()[:8]} is not the next {n} slots of the cache "
+            f"({past}..{past + n - 1}); positions come from the cache and the mask, it may be left out"
+        )
+
+
 def _check_packing_keys(kwargs: dict[str, Any], packing: Packing | None) -> None:
     """``forward(**kwargs)``: the collator's packed-sequence keys are taken beside packed position_ids
     (as transformers' eager and sdpa attention, which read the sequences from the position_ids;
@@ -888,6 +902,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         num_logits_to_keep: int | None = None,
         shift_labels: paddle.Tensor | None = None,
         output_router_logits: bool | None = None,
+        cache_position: paddle.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutput | tuple:
         """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
@@ -920,7 +935,14 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         Packed sequences (`position_ids` that restart within a row, no attention_mask, no cache, where
         transformers attends per sequence) attend and select their top-k per sequence
         (`_forward_packed`); the collator's `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` /
-        `max_length_k` / `seq_idx` are taken beside them, refused by name otherwise; see docs/model.md."""
+        `max_length_k` / `seq_idx` are taken beside them, refused by name otherwise; see docs/model.md.
+        `cache_position` (older transformers' decoding loops pass it) is checked, never read: it must
+        be the next slots of the cache (transformers 5.23 takes it and ignores it, even a wrong one;
+        the positions come from the cache and the mask)."""
+        if cache_position is not None:
+            _check_cache_position(
+                cache_position, input_ids if inputs_embeds is None else inputs_embeds, past_key_values
+            )
         ignore_index = kwargs.pop("ignore_index", None)
         custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch, ignore_index)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)
