@@ -305,3 +305,22 @@ def test_a_source_holding_nan_or_a_weight_beyond_float16_is_refused(tmp_path):
             convert_checkpoint(src, tmp_path / "out", layout="hf", **kw)
         assert ei.value.key == key and not (tmp_path / "out").exists()
     convert_checkpoint(src, tmp_path / "out", layout="hf")  # the finite 1e6 itself converts in bf16
+
+
+def test_the_missing_mtp_warning_names_every_mtp_layer(tmp_path):
+    """num_nextn_predict_layers=2 in a folder without MTP tensors (as transformers saves it): both
+    MTP layers, 8 and 9, are initialised, and the warning said only model.layers.8.*."""
+    import json
+
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+    from tests.test_checkpoint_roundtrip import _read_all, _rewrite
+
+    src = tmp_path / "src"
+    shutil.copytree(TINY, src)
+    _rewrite(src, drop=[k for k in _read_all(src) if k.startswith("model.layers.8.")])
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
+    _, report = GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32", output_loading_info=True)
+    (msg,) = [w for w in report.warnings if "has no MTP weights" in w]
+    assert "model.layers.8.* .. model.layers.9.*" in msg and "the MTP layers are initialised" in msg, msg
+    assert {k.split(".")[2] for k in report.initialized} == {"8", "9"}

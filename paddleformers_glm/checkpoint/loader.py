@@ -342,10 +342,12 @@ def load_pretrained_state(
         if mtp_init:  # no MTP tensor at all: initialised as HF initialises missing weights, said once
             init_like_hf({k: state[k] for k in mtp_init}, cfg.initializer_range, seeded=True)
             report.initialized = mtp_init
+            first, n_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+            layers = f"model.layers.{first}.*" + ("" if n_mtp == 1 else f" .. model.layers.{first + n_mtp - 1}.*")
             msg = (
-                f"{path} has no MTP weights (the {n_mtp_src} tensors of model.layers."
-                f"{cfg.num_hidden_layers}.* are absent, as in a folder written by transformers' save_pretrained) "
-                f"while num_nextn_predict_layers={cfg.num_nextn_predict_layers}: the MTP layer is initialised "
+                f"{path} has no MTP weights (the {n_mtp_src} tensors of {layers} are absent, as in a folder "
+                f"written by transformers' save_pretrained) while num_nextn_predict_layers={n_mtp}: the MTP "
+                f"layer{'' if n_mtp == 1 else 's'} {'is' if n_mtp == 1 else 'are'} initialised "
                 f"like HF initialises missing weights (normal(0, {cfg.initializer_range}), norms 1, biases 0), "
                 "so mtp_logits/mtp_loss are untrained until it is trained (num_nextn_predict_layers=0 drops it)"
             )
