@@ -678,7 +678,10 @@ class GlmMoeDsaConfig:
                 raise _err(
                     "indexer_types",
                     f"disagrees with {source} at layers {diff[:8]}{'...' if len(diff) > 8 else ''} "
-                    f"(list says {given[diff[0]]!r} at layer {diff[0]}, {source} says {derived[diff[0]]!r})",
+                    f"(list says {given[diff[0]]!r} at layer {diff[0]}, {source} says {derived[diff[0]]!r}); "
+                    "transformers 5.23 takes the list, a reader of the schedule keys the rule: drop the keys "
+                    f"that are stale ({source} after an edit of the list, as transformers' save_pretrained keeps "
+                    "them), or set them to agree",
                 )
             derived = given
         if derived[0] != "full":

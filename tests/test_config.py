@@ -464,8 +464,11 @@ def test_changed_per_layer_lists_are_kept_or_refused_never_reverted():
     assert changed.mlp_layer_types == moe and changed.to_dict()["mlp_layer_types"] == moe
     assert cfg.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 5  # the source is untouched
     every = ["full"] * 8
-    with pytest.raises(ValueError, match="`indexer_types`: disagrees with index_topk_freq"):
+    with pytest.raises(ValueError, match="`indexer_types`: disagrees with index_topk_freq") as e:
         cfg.copy(indexer_types=every)  # the file's freq 4 / offset 3 says otherwise: refused, not ignored
+    # what a config transformers saved after an edit of the list holds (it keeps the stale schedule
+    # keys and reads the list back, measured): the message says which to drop
+    assert "transformers 5.23 takes the list" in str(e.value) and "drop the keys that are stale" in str(e.value)
     both = cfg.copy(indexer_types=every, index_topk_freq=1)
     assert both.indexer_types == every and both.to_dict()["indexer_types"] == every
     cfg.mlp_layer_types = moe
