@@ -175,9 +175,11 @@ def export_distributed(
                 size = topo.size(spec.group) if spec.axis is not None else 1
                 if size > 1:
                     parts = _gather_to_writer(t, spec, writer[k], topo)
+                    merged = merge_slices(parts, spec) if owner else None
+                    del parts  # the pieces go before the merged copy becomes a tensor: two copies at most
                     if owner:
-                        full[k] = paddle.to_tensor(merge_slices(parts, spec))
-                    del parts
+                        full[k] = paddle.to_tensor(merged)
+                    del merged
                 elif owner:
                     full[k] = paddle.to_tensor(to_numpy(t.detach()))
             if not owner:
