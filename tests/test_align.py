@@ -139,6 +139,33 @@ def test_compare_dumps_passes_rounding_noise_of_a_zero_gradient_but_not_a_real_d
     assert "noise_floor" not in compare_dumps(str(r), str(other), atol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [{"atol": 1e-3}, {"rel_tol": 1e-3}])
+@pytest.mark.parametrize("nan_key, inf_key", [("a", "b"), ("b", "a")])
+def test_a_nan_difference_is_reported_as_nan_and_ranks_worst(tmp_path, kw, nan_key, inf_key):
+    """A NaN in one dump fails its tensor, and the report says so: ``worst`` names it with value NaN
+    and ``max_abs_diff`` is NaN, above an Inf difference and whatever the tensors' order. Before:
+    ``max(max_abs, nan)`` and ``ratio > worst`` dropped the NaN, so the receipt and the summary line
+    read ``worst 0 (v)``, naming a tensor within tolerance, and ``max_abs_diff`` 0."""
+    from paddleformers_glm._io import dumps_json
+    from paddleformers_glm.parity.align import first_difference
+
+    ref = {nan_key: np.float32([1.0, 2.0, 3.0]), inf_key: np.float32([1.0, 2.0]), "v": np.ones(2, np.float32)}
+    cand = {nan_key: np.float32([1.0, np.nan, 3.0]), inf_key: np.float32([1.0, np.inf]), "v": np.ones(2, np.float32)}
+    rep = compare_dumps(str(_save(tmp_path / "r", ref)), str(_save(tmp_path / "c", cand)), **kw)
+    assert not rep["pass"] and sorted(d["key"] for d in rep["beyond_tolerance"]) == ["a", "b"]
+    assert rep["worst"]["key"] == nan_key and math.isnan(rep["worst"]["value"]), rep["worst"]
+    assert math.isnan(rep["max_abs_diff"]), rep
+    assert '"nonfinite"' in dumps_json(rep)  # the receipt: null, listed (strict JSON)
+    first = first_difference({"step1_weights": rep}, [1])
+    assert first["tensor"] == nan_key and math.isnan(first["value"]), first
+    line = f"worst {rep['worst']['value']:.3g} ({rep['worst']['key']})"  # as run_align prints it
+    assert line == f"worst nan ({nan_key})"
+    # an Inf difference alone still ranks above any finite one
+    only_inf = compare_dumps(str(tmp_path / "r"), str(_save(tmp_path / "i", {**ref, nan_key: ref[nan_key]} | {
+        inf_key: cand[inf_key]})), **kw)  # fmt: skip
+    assert only_inf["worst"]["key"] == inf_key and math.isinf(only_inf["max_abs_diff"]), only_inf
+
+
 # ------------------------------------------------------------------ the Paddle step dump
 
 

@@ -357,3 +357,71 @@ def test_a_candidate_widened_beyond_its_layout_differs_across_layouts_too(ckpts,
         assert code == 1 and r["counts"]["value"] >= 1, (ref, r["counts"])
     code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "fleet", "--layout", "fleet")
     assert code == 0  # the router's fp32 (the layout's) is still no difference
+
+
+def _set_bf16(folder: pathlib.Path, key: str, bits: int, element: int = 0) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"][key]
+    off = _tensor_offset(shard, key) + 2 * element
+    b = bytearray(shard.read_bytes())
+    b[off : off + 2] = struct.pack("<H", bits)
+    shard.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("bits, shown", [(0x7FC0, "nan"), (0x7F80, "inf")])
+def test_allow_nonfinite_reports_a_nan_against_a_number_as_a_nonfinite_difference(ckpts, tmp_path, capsys, bits, shown):
+    """One element of a tensor changed to NaN (or +inf): the difference is NaN (inf), not 0.
+    Before: ``np.nanmax`` dropped the NaN-vs-number difference, so the receipt said
+    ``max_abs_diff=0`` for a tensor whose element went from 1.0 to NaN."""
+    cand = _copy(ckpts, "export", tmp_path)
+    key = "model.norm.weight"
+    _set_bf16(cand, key, bits)
+    code, r, text = _receipt(tmp_path, capsys, ckpts / "src", cand, "--allow-nonfinite")
+    assert code == 1 and r["result"] == "mismatch", text
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["key"] == key and d["differing_elements"] == 1 and d["max_abs_diff"] is None  # strict JSON: null
+    i = r["differences"].index(d)
+    assert f"differences[{i}].max_abs_diff" in r["nonfinite"] and "value_summary.max_abs_diff" in r["nonfinite"]
+    assert r["value_summary"]["max_abs_diff_key"] == key
+    assert f"{key} expected=BF16 actual=BF16 max_abs_diff={shown}" in text, text
+
+
+def test_allow_nonfinite_identical_nan_checkpoints_match_only_saying_they_hold_nan(ckpts, tmp_path, capsys):
+    """docs/parity.md: NaN at the same place on both sides (the same bytes) is no difference under
+    ``--allow-nonfinite``, but the verdict says the tensors hold non-finite values (before: a plain
+    ``match (exit 0)``); without the flag the NaN is refused (exit 2)."""
+    a = _copy(ckpts, "export", tmp_path)
+    key = "model.layers.0.input_layernorm.weight"
+    _set_bf16(a, key, 0x7FC0, element=3)
+    assert _run(capsys, a, a)[0] == 2
+    code, r, text = _receipt(tmp_path, capsys, a, a, "--allow-nonfinite")
+    assert code == 0 and r["result"].startswith("match with non-finite values"), r["result"]
+    assert "NaN/Inf at the same places on both sides" in r["result"] and "ref 1, cand 1" in r["result"]
+    assert text.splitlines()[0].startswith("check-ckpt: match with non-finite values") and key in text, text
+
+
+def test_diff_stats_counts_nan_pairs_equal_and_nan_against_a_number_as_nan():
+    import math
+
+    import numpy as np
+
+    from paddleformers_glm.parity.ckpt_check import _diff_stats
+
+    nan, inf = np.nan, np.inf
+    cases = [  # (a, b, max abs diff, differing elements)
+        ([1.0, nan, 3.0], [1.0, nan, 3.0], 0.0, 0),  # a NaN pair: equal
+        ([1.0, 2.0], [1.0, 2.5], 0.5, 1),
+        ([1.0, 2.0], [nan, 2.5], nan, 2),  # a NaN against a number: NaN, whichever comes first
+        ([1.0, 2.0], [1.5, nan], nan, 2),
+        ([inf, 2.0], [inf, 2.0], 0.0, 0),  # the same infinity: equal
+        ([inf, 2.0], [-inf, 2.0], inf, 1),
+        ([1.0, 2.0], [1.0, inf], inf, 1),
+        ([], [], 0.0, 0),
+    ]
+    for a, b, mad, n in cases:
+        got = _diff_stats(np.float32(a), "F32", np.float32(b), "F32")
+        assert got[1] == n and (math.isnan(got[0]) if math.isnan(mad) else got[0] == mad), (a, b, got)
+    # across chunks: a NaN in an early chunk is not lost to a larger difference later
+    x, y = np.zeros(600_000, np.float32), np.zeros(600_000, np.float32)
+    y[0], y[-1] = nan, 5.0
+    assert math.isnan(_diff_stats(x, "F32", y, "F32")[0])

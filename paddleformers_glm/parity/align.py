@@ -66,6 +66,17 @@ TRAIN_FLAGS = (
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
 
 
+def _rank(x: float) -> tuple[int, float]:
+    """Sort key of a difference or ratio: NaN ranks above every number, +inf included (a NaN
+    difference is no small one, and Python's ``max`` / ``>`` would drop it, order-dependently)."""
+    return (1, 0.0) if math.isnan(x) else (0, x)
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger of two differences, NaN winning (``max(0.0, nan)`` is 0.0)."""
+    return b if _rank(b) > _rank(a) else a
+
+
 def _load(folder: str) -> dict[str, Any]:
     from safetensors.numpy import load_file
 
@@ -91,7 +102,10 @@ def compare_dumps(
     held to the relative tolerance alone (the second moment, a squared gradient, takes the floor
     squared). A tensor that is exactly zero in the reference must be zero in the candidate.
     absolute: max |cand - ref| per tensor.  Reports the worst tensor (the
-    nearest its tolerance) and every tensor beyond it; a name on one side only fails.
+    nearest its tolerance) and every tensor beyond it; a name on one side only fails.  A NaN or Inf
+    difference (NaN or Inf on one side) fails its tensor and ranks worst, NaN above Inf: ``worst`` and
+    ``max_abs_diff`` are then ``nan`` / ``inf`` (null in the strict JSON receipt, listed under
+    ``nonfinite``), naming that tensor.
 
     ``near_eps = (reference exp_avg_sq dump, 1 - beta2**K, loose atol)`` (weights after update K):
     an element whose bias-corrected ``0 < sqrt(v) < NEAR_EPS_SQRT_V`` is held to the loose tolerance,
@@ -119,7 +133,7 @@ def compare_dumps(
             diff = np.abs(a - b)
         d = float(np.max(diff)) if a.size else 0.0
         scale = float(np.max(np.abs(a))) if a.size else 0.0
-        max_abs = max(max_abs, d)
+        max_abs = _worse(max_abs, d)
         near_ok = True
         if k in second and second[k].shape == a.shape and a.size:
             v2 = second[k].astype(np.float64)
@@ -127,7 +141,7 @@ def compare_dumps(
             if small.any():
                 dn = float(np.max(diff[small]))
                 near["elements"] += int(small.sum())
-                if dn > near["max_abs_diff"]:
+                if _rank(dn) > _rank(near["max_abs_diff"]):
                     near.update(max_abs_diff=dn, key=k)
                 near_ok = dn <= near_eps[2]
                 d = float(np.max(diff[~small])) if (~small).any() else 0.0
@@ -141,7 +155,7 @@ def compare_dumps(
             ratio = min(ratio, d / floor)
         ok = ratio <= 1.0 and near_ok
         entry = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol}
-        if worst["key"] is None or ratio > worst["ratio"]:  # nearest its own tolerance
+        if worst["key"] is None or _rank(ratio) > _rank(worst["ratio"]):  # nearest its own tolerance (NaN: worst)
             worst = {**entry, "ratio": ratio}
         if not ok:
             bad.append({**entry, "near_eps_ok": near_ok})
@@ -302,7 +316,7 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
             continue
         out: dict[str, Any] = {"comparison": key, "step": step, "tolerance": c["tolerance"]}
         if c["beyond_tolerance"]:
-            worst = max(c["beyond_tolerance"], key=lambda d: d.get("value", math.inf))
+            worst = max(c["beyond_tolerance"], key=lambda d: _rank(d.get("value", math.inf)))  # NaN: the worst
             out.update(tensor=worst["key"], value=worst.get("value"), max_abs_diff=worst.get("max_abs_diff"))
             out["tolerance"] = worst.get("tolerance", c["tolerance"])
         else:

@@ -111,20 +111,36 @@ def _as_float(arr: np.ndarray, st_dtype: str) -> np.ndarray:
 _DIFF_CHUNK = 1 << 18  # elements compared at a time: float64 chunks of 2 MB, whatever the tensor's size
 
 
+def _worse(a: float, b: float) -> float:
+    """The larger of two max abs diffs, NaN winning (``max(0.0, nan)`` is 0.0: a NaN difference is no small one)."""
+    return a if math.isnan(a) else (b if math.isnan(b) or b > a else a)
+
+
 def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tuple[float, int]:
-    """The max abs diff (NaN pairs' differences ignored; 0 for empty tensors, NaN when every one is
-    NaN) and the number of differing elements (NaN pairs equal) of two same-shape tensors (bf16 as
+    """The max abs diff and the number of differing elements of two same-shape tensors (bf16 as
     uint16 bits), computed in float64 a chunk of elements at a time: the same numbers as on the whole
-    tensors at once, without a float64 copy of them (4x a bf16 tensor, each side)."""
+    tensors at once, without a float64 copy of them (4x a bf16 tensor, each side).
+
+    A pair of equal values (the same infinity on both sides included) and a NaN pair (NaN at the same
+    place on both sides) count as equal, differing by 0; a NaN against a number or an infinity against
+    anything else differs, non-finitely: the max abs diff is then NaN (a NaN on one side) or inf (an
+    infinity against a number or the other infinity), never a number that hides it. 0 for empty tensors."""
     a, b = a.reshape(-1), b.reshape(-1)
-    worst, any_number, differing = -math.inf, False, 0
+    worst, differing = 0.0, 0
     for lo in range(0, a.shape[0], _DIFF_CHUNK):
         x, y = _as_float(a[lo : lo + _DIFF_CHUNK], a_dtype), _as_float(b[lo : lo + _DIFF_CHUNK], b_dtype)
-        diff = np.abs(x - y)
-        if not np.isnan(diff).all():
-            any_number, worst = True, max(worst, float(np.nanmax(diff)))
-        differing += int(np.count_nonzero((x != y) & ~(np.isnan(x) & np.isnan(y))))
-    return (0.0 if not a.shape[0] else (worst if any_number else math.nan)), differing
+        nx, ny = np.isnan(x), np.isnan(y)
+        differs = (x != y) & ~(nx & ny)  # NaN != NaN: a NaN pair is no difference
+        n = int(np.count_nonzero(differs))
+        if not n:
+            continue
+        differing += n
+        if (nx ^ ny).any():  # a NaN against a number
+            worst = math.nan
+        elif not math.isnan(worst):
+            with np.errstate(invalid="ignore", over="ignore"):
+                worst = max(worst, float(np.max(np.abs(x[differs] - y[differs]))))  # inf against -inf: inf
+    return worst, differing
 
 
 @dataclass
@@ -457,7 +473,7 @@ def _compare_tensors(
             counts["quantization"] += 1
             quant["tensors"] += 1
             equal, mad = _compare_dequantized(ref, cand, key)
-            quant["max_abs_diff"] = max(quant["max_abs_diff"], mad)
+            quant["max_abs_diff"] = _worse(quant["max_abs_diff"], mad)
             if equal:
                 quant["equal_after_rounding"] += 1
                 counts["matched"] += 1
@@ -522,7 +538,7 @@ def _value_summary(differences: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out[d["what"]] += 1
         m, worst = d.get("max_abs_diff"), out["max_abs_diff"]
-        if m is not None and (worst is None or math.isnan(m) or (not math.isnan(worst) and m > worst)):
+        if m is not None and (worst is None or _worse(worst, m) is not worst):  # NaN wins, the first of them
             out.update(max_abs_diff=m, max_abs_diff_key=d.get("key", d.get("cand_key")))
     return out
 
@@ -542,7 +558,7 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
     # whole rows of scale blocks at a time (about _DIFF_CHUNK values): the same bytes and numbers as
     # the whole tensor dequantized at once, without it (fp32) and its float64 copies in memory
     rows = max(1, _DIFF_CHUNK // max(1, shape[-1] if shape else 1) // fp8.block[0]) * fp8.block[0]
-    equal, worst, any_number = True, -math.inf, False
+    equal, worst = True, 0.0
     for r0 in range(0, max(1, shape[0]), rows) if len(shape) == 2 else [None]:
         if r0 is not None:
             nr = min(rows, shape[0] - r0)
@@ -555,12 +571,11 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
         equal &= (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
         if a.size:
             mad, _ = _diff_stats(a, "F32", b, db)
-            if not math.isnan(mad):
-                any_number, worst = True, max(worst, mad)
+            worst = _worse(worst, mad)  # a NaN difference stays NaN
         del a, b, rounded
     for side, k in ((fp8, key), (fp8, fp8.fp8[key]), (plain, key)):
         side.ckpt.file_of(k).release(k, around=True)  # type: ignore[union-attr]
-    return equal, (0.0 if not math.prod(shape) else (worst if any_number else math.nan))
+    return equal, worst
 
 
 def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:
@@ -569,6 +584,10 @@ def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _S
             s.ckpt.close()
     report["exit_code"] = code
     report["result"] = {EXIT_MATCH: "match", EXIT_MISMATCH: "mismatch", EXIT_UNUSABLE: "unusable input"}[code]
+    held = {name: len(s.nonfinite) for name, s in sides.items() if s.nonfinite}
+    if code == EXIT_MATCH and held:  # --allow-nonfinite: NaN/Inf at the same places (the same bytes) on both sides
+        where = ", ".join(f"{name} {n}" for name, n in held.items())
+        report["result"] = f"match with non-finite values (NaN/Inf at the same places on both sides; tensors: {where})"
     if len(report["differences"]) > _MAX_LISTED:
         report["differences_truncated"] = len(report["differences"]) - _MAX_LISTED
         report["differences"] = report["differences"][:_MAX_LISTED]

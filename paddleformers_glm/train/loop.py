@@ -43,7 +43,14 @@ from .indexer_stage import indexer_report, pop_indexer_history
 from .job_status import beat
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
-from .nonfinite import NonFiniteStep, gather_json, local_report, loss_flag, nonfinite_record
+from .nonfinite import (
+    NonFiniteStep,
+    check_written_state,
+    gather_json,
+    local_report,
+    loss_flag,
+    nonfinite_record,
+)
 from .optim import AdamW, make_lr_scheduler
 from .resume import load_resume_state, save_resume_state
 from .settings import (
@@ -391,10 +398,9 @@ def _setup(
         stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
         # a new stage starts its own learning-rate schedule (train/indexer_stage.py)
         stage_start = int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else start
-    state = module.state_dict()
-    if cfg.resume:  # the optimizer's too: a NaN moment or fp32 master would poison the first update
-        state |= {f"optimizer/{n}/{k}": t for n, st in opt.state_dict().items() for k, t in st.items()}
-    check_finite_state(state, cfg.resume or cfg.model_args.get("model_dir") or f"the {cfg.model} init")
+    if not cfg.resume:  # a resume state's tensors (weights, moments, fp32 masters) are tested as they are
+        # read, named by its rank file and what each is (load_resume_state)
+        check_finite_state(module.state_dict(), cfg.model_args.get("model_dir") or f"the {cfg.model} init")
     min_lr = effective_min_lr(cfg.lr, cfg.min_lr)
     sched = make_lr_scheduler(cfg.lr, min_lr, cfg.warmup_steps, cfg.steps - stage_start)
     return _Run(
@@ -525,7 +531,10 @@ def _step(run: _Run, step: int, log: Callable[[str], Any]) -> tuple[float, float
             run.sync.release()
     # ---- end of the step engine
     if not done["skipped"]:  # a skipped step moves nothing, the router biases included
-        run.balancer.after_step(step + 1)  # the router biases' update closes the step (before its dump)
+        try:  # the router biases' update closes the step (before its dump); refused when non-finite
+            run.balancer.after_step(step + 1)
+        except NonFiniteStep as e:
+            raise _stopped(run, e) from None
     else:  # and its routed tokens do not count towards the next step's update
         run.balancer.discard()
     if dumps:
@@ -622,6 +631,22 @@ def _nonfinite_step(
     raise NonFiniteStep(record)
 
 
+def _stopped(run: _Run, e: NonFiniteStep) -> NonFiniteStep:
+    """``e`` (a non-finite router bias, resume state or export: nothing of it written) with this run's
+    last checkpoint, as failure.json names it for a non-finite step."""
+    record = {**e.record, "skipped_before": run.skipped_earlier + run.skipped, "last_checkpoint": run.last_checkpoint}
+    record["message"] = f"{record['message']}; last checkpoint: {run.last_checkpoint or 'none saved'}"
+    return NonFiniteStep(record)
+
+
+def _overflow_hint(cfg: TrainConfig) -> str:
+    """What made weights non-finite although every update's loss and gradient norm were finite."""
+    return (
+        f" (every update's loss and gradient norm were finite: an update overflowed float32; --lr {cfg.lr:g}, "
+        f"--weight-decay {cfg.weight_decay:g})"
+    )
+
+
 def _record_losses(run: _Run, totals: dict[str, tuple[float, int]], norms: dict[str, int]) -> None:
     """Append the step's reported losses (:func:`_reduced_losses`) to the history."""
     for key, value in _reduced_losses(run, totals, norms).items():
@@ -692,6 +717,12 @@ def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
     if result is not None:
         write_record(os.path.join(cfg.out, "loss.json"), result)
     if cfg.export:  # collective: GLM's ranks each write the tensors they own (checkpoint/distributed.py)
+        try:  # every rank's weights, tested where they live before any is written
+            check_written_state(
+                run.module.state_dict(), topo.rank, topo.world_size, cfg.steps, "export", _overflow_hint(cfg)
+            )
+        except NonFiniteStep as e:
+            raise _stopped(run, e) from None
         n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"))
         log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
     if topo.world_size > 1:
@@ -744,7 +775,13 @@ def _train(
             stage = None if run.indexer is None else run.indexer["stage"]
             meta["indexer"] = stage and {"stage": stage, "stage_start": run.stage_start, "stages": run.indexer_stages}
             beat(step + 1, "save")
-            path = save_resume_state(os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta)
+            try:  # refused, on every rank, when a tensor of it holds NaN/Inf (failure.json: the last good one)
+                path = save_resume_state(
+                    os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta
+                )
+            except NonFiniteStep as e:
+                e.record["message"] += _overflow_hint(cfg)
+                raise _stopped(run, e) from None
             run.last_checkpoint = path
             log(f"[glm52 train] checkpoint {path}")
     if bar is not None:

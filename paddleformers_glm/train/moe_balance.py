@@ -50,12 +50,14 @@ class ExpertBalancer:
 
         self.topo = topo
         self.routers: dict[int, Any] = {}  # by layer number
+        self.names: dict[int, str] = {}  # and their names in the stage module
         for name, layer in module.named_sublayers():
             if isinstance(layer, TopkRouter):
                 m = _LAYER.search(name + ".")
                 if m is None:
                     raise ValueError(f"router {name!r}: no layer number in its name (expected '...layers.<i>....')")
                 self.routers[int(m.group(1))] = layer
+                self.names[int(m.group(1))] = name
         self.rate = float(bias_update_rate)
         self.aux_coeff = float(aux_loss_coeff)
         self.global_sequences = max(int(global_sequences), 1)
@@ -106,12 +108,18 @@ class ExpertBalancer:
         load = mat[:, :E]
         if self.rate > 0:
             rate = np.float32(self.rate)
+            new: dict[int, np.ndarray] = {}
+            for i, r in self.routers.items():
+                row = load[i]  # exact integer counts (float64)
+                step_sign = np.sign(row.sum() / E - row).astype(np.float32)
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below, by name
+                    new[i] = (r.e_score_correction_bias.numpy().astype(np.float32) + rate * step_sign).astype(
+                        np.float32
+                    )
+            self._check_biases(step, new)
             with paddle.no_grad():
                 for i, r in self.routers.items():
-                    row = load[i]  # exact integer counts (float64)
-                    step_sign = np.sign(row.sum() / E - row).astype(np.float32)
-                    bias = r.e_score_correction_bias
-                    bias.set_value((bias.numpy().astype(np.float32) + rate * step_sign).astype(np.float32))
+                    r.e_score_correction_bias.set_value(new[i])
         rows = load[self.layers]
         stats = [load_stats(row) for row in rows]
         self.series["steps"].append(int(step))
@@ -124,6 +132,51 @@ class ExpertBalancer:
             self.aux_losses.append(float(mat[self.layers, E].sum()) / max(1, len(self.layers)) / self.global_sequences)
         self.load_total = rows.copy() if self.load_total is None else self.load_total + rows
         self.load_last = rows
+
+    def _check_biases(self, step: int, new: dict[int, np.ndarray]) -> None:
+        """Raise ``NonFiniteStep`` on every rank, before any bias is set, when an updated bias of any
+        rank holds NaN or Inf (a float32 overflow of ``bias + rate * sign``: the losses stay finite, so
+        no other guard sees it).  The biases are a few numbers per layer; replicas of a router compute
+        the same update, so the pipeline stages alone may disagree: one all-reduce of a flag over them
+        (none without a pipeline), and a gather of the reports only when a bias is non-finite."""
+        from .nonfinite import NonFiniteStep, gather_json
+
+        bad = [i for i in sorted(new) if not np.isfinite(new[i]).all()]
+        flag = float(bool(bad))
+        if self.topo.pc.pp > 1:
+            flag = float(
+                comm.all_reduce(paddle.to_tensor([flag], dtype="float64"), self.topo.pp_group, "max").numpy()[0]
+            )
+        if not flag:
+            return
+        local = {"rank": self.topo.rank, "layers": bad}
+        if bad:
+            b = new[bad[0]]
+            local.update(
+                name=f"{self.names[bad[0]]}.e_score_correction_bias", value="nan" if np.isnan(b).any() else "inf"
+            )
+        reports = [r for r in gather_json(local, self.topo.world_size) if r["layers"]]
+        first = reports[0]
+        layers = sorted({i for r in reports for i in r["layers"]})
+        message = (
+            f"step {step}: --moe-bias-update-rate {self.rate:g} made the router bias of MoE layer(s) "
+            f"{', '.join(map(str, layers))} non-finite ({first['value']}; first: {first['name']} on rank "
+            f"{first['rank']}): bias + rate overflows float32; stopped before setting it (the weights "
+            "are updated, the step not saved; no export)"
+        )
+        raise NonFiniteStep(
+            {
+                "kind": "nonfinite",
+                "rank": first["rank"],
+                "step": step,
+                "quantity": "router bias",
+                "value": first["value"],
+                "tensor": first["name"],
+                "flag": "--moe-bias-update-rate",
+                "layers": layers,
+                "message": message,
+            }
+        )
 
     def discard(self) -> None:
         """Drop the counts and aux-loss sums of a step that made no update (``--skip-nonfinite-steps``):

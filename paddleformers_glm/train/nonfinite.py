@@ -18,7 +18,15 @@ import paddle.distributed as dist
 
 from .._io import dumps_json
 
-__all__ = ["NonFiniteStep", "gather_json", "loss_flag", "nonfinite_record"]
+__all__ = [
+    "NonFiniteStep",
+    "check_written_state",
+    "gather_json",
+    "loss_flag",
+    "nonfinite_counts",
+    "nonfinite_record",
+    "state_kind",
+]
 
 
 class NonFiniteStep(RuntimeError):
@@ -103,3 +111,65 @@ def nonfinite_record(step: int, grad_norm: float, reports: list[dict[str, Any]])
         "ranks": [r for r in reports if r["losses"] or r["first_nonfinite_grad"]],
         "message": message,
     }
+
+
+def nonfinite_counts(tensors: Mapping[str, Any]) -> dict[str, int]:
+    """``{name: NaN/Inf elements}`` of the floating-point tensors of ``tensors`` that hold any, in
+    their order: checkpoint/finite.py's test where each tensor lives (a CPU tensor's own memory by bit
+    pattern, any other with ``paddle.isfinite``), one tensor at a time; nothing is copied but the counts."""
+    from ..checkpoint.finite import NonFiniteError, check_finite_state
+
+    try:
+        check_finite_state(tensors, "")
+    except NonFiniteError as e:
+        return {k: e.counts[k] for k in tensors if k in e.counts}
+    return {}
+
+
+def state_kind(key: str) -> str:
+    """What a resume state's tensor ``model/<name>`` or ``optimizer/<name>/<kind>`` is, in words."""
+    if not key.startswith("optimizer/"):
+        return "weight"
+    kind = key.rsplit("/", 1)[-1]
+    if kind == "master":
+        return "fp32 master weight"
+    if kind.startswith("moment"):
+        return "optimizer moment"
+    return "optimizer beta power" if "pow" in kind else "optimizer state"
+
+
+def check_written_state(
+    tensors: Mapping[str, Any], rank: int, world_size: int, step: int, what: str, flag_hint: str = ""
+) -> None:
+    """Collective (every rank, with its own ``tensors``): raise the same :class:`NonFiniteStep` on every
+    rank when any rank's tensors about to be written as ``what`` ("resume state", "export") after
+    ``step`` hold NaN or Inf, naming the first rank's first such tensor; nothing of it is then written.
+    One gather of a few bytes per call (a save or an export), besides the test itself."""
+    bad = nonfinite_counts(tensors)
+    local = {"rank": rank, "tensors": [[k, n] for k, n in list(bad.items())[:5]], "count": len(bad)}
+    reports = gather_json(local, world_size)
+    holders = [r for r in reports if r["count"]]
+    if not holders:
+        return
+    first = holders[0]
+    name, n = first["tensors"][0]
+    more = sum(r["count"] for r in holders) - 1
+    also = f" and {more} more tensor(s) on rank(s) {', '.join(str(r['rank']) for r in holders)}" if more else ""
+    kind = state_kind(name) if what == "resume state" else "weight"
+    undone = "not saved" if what == "resume state" else "no export written"
+    message = (
+        f"step {step}: the {what} to be written holds NaN or Inf: {kind} {name} ({n} values) on rank "
+        f"{first['rank']}{also}; {undone}{flag_hint}"
+    )
+    raise NonFiniteStep(
+        {
+            "kind": "nonfinite",
+            "rank": first["rank"],
+            "step": step,
+            "quantity": f"{what} {kind}",
+            "value": "nan or inf",
+            "tensor": name,
+            "ranks": holders,
+            "message": message,
+        }
+    )

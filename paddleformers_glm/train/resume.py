@@ -21,9 +21,11 @@ import paddle.nn as nn
 from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
+from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw
 from ..checkpoint.safetensors_io import bf16_bits_to_float32, paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
+from .nonfinite import check_written_state, nonfinite_counts, state_kind
 from .optim import AdamW
 from .state_files import (
     FLEX_DIR,
@@ -64,17 +66,21 @@ def save_resume_state(
     root: str, step: int, topo: Topology, model: nn.Layer, optimizer: AdamW, meta: dict[str, Any]
 ) -> str:
     """Collective. Returns the final folder path.  meta.json records the model's identity
-    (``model``: state_files.model_identity) besides ``meta``, so a resume can refuse another model."""
+    (``model``: state_files.model_identity) besides ``meta``, so a resume can refuse another model.
+    A state whose tensors hold NaN or Inf on any rank is not written: every rank raises the same
+    ``NonFiniteStep`` (nonfinite.check_written_state) before anything of it is on disk."""
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
+    # this rank's model/<name> and optimizer/<name>/<kind> (moments, beta powers, master): tested where
+    # they live, one at a time, then written (no copy held in between)
+    tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
+    tensors |= {f"optimizer/{n}/{kind}": t for n, st in optimizer.state_dict().items() for kind, t in st.items()}
+    check_written_state(tensors, topo.rank, topo.world_size, step, "resume state")
     if topo.rank == 0:  # a save of this step killed before its rename left files (another layout's, even)
         shutil.rmtree(tmp, ignore_errors=True)
     if topo.world_size > 1:
         dist.barrier()
     os.makedirs(tmp, exist_ok=True)
-    # this rank's model/<name> and optimizer/<name>/<kind> (moments, beta powers, master)
-    tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
-    tensors |= {f"optimizer/{n}/{kind}": t for n, st in optimizer.state_dict().items() for kind, t in st.items()}
     write_rank_state(tmp, topo.rank, tensors, {"rng": rng_state()})
     stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
     if topo.world_size > 1:
@@ -151,9 +157,12 @@ def load_resume_state(
         missing = sorted(f"model/{k}" for k in state if f"model/{k}" not in tensors)
         if missing:
             raise ResumeStateError(f"{file}: model tensors missing: {missing[:5]}")
+        bad: dict[str, int] = {}  # NaN/Inf elements by tensor, tested on the stored bytes as they are read
         for k, t in state.items():
             info = tensors[f"model/{k}"]
             _check_like(file, f"model/{k}", info, t)
+            if n := count_nonfinite_raw(reader.raw(info.key), info.dtype):
+                bad[f"model/{k}"] = n
             t.set_value(_to_paddle(reader.numpy(info.key), info.dtype).astype(t.dtype))
         infos: dict[str, dict[str, Any]] = {}
         for key, info in tensors.items():
@@ -166,6 +175,11 @@ def load_resume_state(
         if new_stage:  # another stage's trained set: keep the state of what this run trains
             infos = {n: st for n, st in infos.items() if n in trained}
         _check_optimizer_state(file, infos, optimizer.state_layout())
+        for n, st in infos.items():  # a NaN moment or fp32 master would poison the first update
+            for kind, i in st.items():
+                if c := count_nonfinite_raw(reader.raw(i.key), i.dtype):
+                    bad[f"optimizer/{n}/{kind}"] = c
+        _refuse_nonfinite(file, topo.rank, bad)
         opt = {n: {kind: _to_paddle(reader.numpy(i.key), i.dtype) for kind, i in st.items()} for n, st in infos.items()}
         try:
             optimizer.set_state_dict(opt)
@@ -173,6 +187,27 @@ def load_resume_state(
             raise ResumeStateError(f"{file}: {e.args[0]}") from e
     set_rng_state(doc["rng"], rank_files(path, topo.rank)[1])
     return meta
+
+
+def _refuse_nonfinite(file: str, rank: int, bad: dict[str, int]) -> None:
+    """Raise ``NonFiniteError`` naming the resume state's file of this rank (``file``: its
+    ``rank_N.safetensors``, or the ``flex/`` folder it was resharded from) and each of its tensors
+    that holds NaN or Inf (``bad``: name -> count), with what it is (weight, optimizer moment, fp32
+    master weight, beta power): the state cannot continue the run."""
+    if not bad:
+        return
+    names = list(bad)
+    listed = ", ".join(f"{n} ({bad[n]} values) [{state_kind(n)}]" for n in names[:5]) + (
+        f", ... (+{len(names) - 5} more)" if len(names) > 5 else ""
+    )
+    err = NonFiniteError(
+        f"--resume: {file} (the state of rank {rank}): {len(names)} tensor(s) hold NaN or Inf: {listed}; "
+        "the run cannot continue from it (resume from an earlier state)",
+        file=file,
+        key=names[0],
+    )
+    err.counts = bad
+    raise err
 
 
 def _check_like(file: str, key: str, info: Any, t: paddle.Tensor) -> None:
@@ -292,6 +327,8 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
     quiet_paddle_logs()
     with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():
         dist.load_state_dict(sd, private, safetensors=True)
+    # before any of it is set: the pieces this rank read (a fused tensor's blocks named #block<i>)
+    _refuse_nonfinite(f"{folder} (resharded)", topo.rank, nonfinite_counts(sd))
     with paddle.no_grad():
         for t, axis, bufs in buffers:
             t.set_value(bufs[0] if len(bufs) == 1 else paddle.concat(bufs, axis=axis))

@@ -50,11 +50,18 @@ _NONNEGATIVE_FLOATS = (
     "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
     "indexer_loss_coeff",
 )  # fmt: skip
+# every float setting reaches the update as float32 (the learning rate, the router-bias step, Adam's
+# numbers): a value finite as a Python float but at or above this bound (float32's largest finite value,
+# 3.4028235e38, plus half its last unit: what rounds to infinity) is infinite there, and wrote NaN/Inf
+# weights and router biases with exit 0 (``--lr 1e39``, ``--moe-bias-update-rate 1e39``)
+FP32_MAX = 3.4028234663852886e38
+_FP32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def check_numbers(settings: Any) -> None:
     """The counts and the float settings among ``settings``' attributes (a TrainConfig, or the reference
-    run's flags, a subset): finite, since ``--lr nan`` would train on NaN."""
+    run's flags, a subset): finite, since ``--lr nan`` would train on NaN, and finite in float32 (below
+    :data:`FP32_MAX` rounded), since the update computes in float32 (``--lr 1e39`` is infinite there)."""
     for k, lo in _COUNTS.items():
         if hasattr(settings, k) and int(getattr(settings, k)) < lo:
             raise ValueError(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(settings, k)}")
@@ -75,6 +82,10 @@ def check_numbers(settings: Any) -> None:
         flag = f"--{k.replace('_', '-')}"
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{flag} must be a finite number, got {v!r}")
+        if abs(v) >= _FP32_OVERFLOW:  # (an int too: the update takes it as float32)
+            raise ValueError(
+                f"{flag} must be finite in float32, the precision of the update (|value| <= {FP32_MAX:.8g}), got {v!r}"
+            )
         if k in _NONNEGATIVE_FLOATS and v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
         if k.startswith("adam_beta") and not 0 <= v < 1:

@@ -161,11 +161,33 @@ class WorkerLife:
             "message": text,
             "comm": comm,
             "traceback_tail": "\n".join(tb.strip().splitlines()[-8:]),
-            "detail": getattr(e, "record", None),
+            "detail": getattr(e, "record", None) or clean_detail(e, self.rank, text),
             "peers": self._peers(settle_s=PEER_SETTLE_S if comm else 0.0),
         }
-        # a non-finite step is not a bug: its message says all (the traceback is noise)
-        self.leave("error.json", record, 1, f"{type(e).__name__}: {e}\n" if record["detail"] else tb)
+        # a non-finite step, or non-finite weights: not a bug, its message says all (the traceback is
+        # noise, kept in error.json's traceback_tail; Paddle's launcher prints the end of this log)
+        self.leave("error.json", record, 1, f"{type(e).__name__}: {text}\n" if record["detail"] else tb)
+
+
+def clean_detail(e: BaseException, rank: int, text: str) -> dict | None:
+    """The launcher's record (failure.json) of an error whose message names everything, reported in one
+    line without a traceback as in one process: NaN/Inf weights or resume state (``NonFiniteError``,
+    naming the file and the tensor); None for any other error (reported with its traceback)."""
+    try:  # the record matters more than its detail: never fail here
+        from paddleformers_glm.checkpoint.finite import NonFiniteError
+
+        if not isinstance(e, NonFiniteError):
+            return None
+        return {
+            "kind": "error",
+            "rank": rank,
+            "message": f"rank {rank} failed: {type(e).__name__}: {text}",
+            "file": e.file,
+            "tensor": e.key,
+            "nonfinite_tensors": dict(list(e.counts.items())[:20]),
+        }
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
