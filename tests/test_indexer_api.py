@@ -184,7 +184,7 @@ def _mtp_run(stage: str, fill_: int, ids, mask, monkeypatch):
 
 
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [False, True, "hole"])
 def test_mtp_own_indexer_counts_only_queries_with_a_real_input_token(stage, padded, monkeypatch):
     """Position i of the MTP layer (depth 1) reads token i + 1: the window's last position (and, right
     padded, the last real one) reads the fill, no token of the data.  Its KL and recall must not
@@ -193,15 +193,17 @@ def test_mtp_own_indexer_counts_only_queries_with_a_real_input_token(stage, padd
     counted, indexer_kl@8 0.7396 with fill 0 and 0.7261 with fill 7 on the repro's checkpoint."""
     B = 2
     ids = tokens(B, SEQ, seed=11)
-    n = np.array([SEQ, SEQ - 5]) if padded else np.array([SEQ, SEQ])
+    n = np.array([SEQ, SEQ - 5]) if padded is True else np.array([SEQ, SEQ])
     mask = (np.arange(SEQ)[None] < n[:, None]).astype("int64") if padded else None
+    if padded == "hole":  # a row's mask with a hole: its keys before the hole stay keys of the later queries
+        mask[1, 4] = 0
     runs = {fill: _mtp_run(stage, fill, ids, mask, monkeypatch) for fill in (0, 7)}
     (l0, rec), (l7, _) = runs[0], runs[7]
     for key in ("indexer_kl@8", "indexer_recall@8"):
         assert l0[key] == l7[key], (key, l0[key], l7[key])
     # numpy: the queries i whose token i and input token i + 1 are real
-    real = np.arange(SEQ)[None] < n[:, None]
-    qrows = real & (np.arange(SEQ)[None] + 1 < n[:, None])
+    real = np.ones((B, SEQ), bool) if mask is None else mask.astype(bool)
+    qrows = real & np.concatenate([real[:, 1:], np.zeros((B, 1), bool)], axis=1)
     inp = rec.inputs
     with paddle.no_grad():
         q, k, w = rec.indexer.project(inp["x"], inp["q_latent"], inp["cos"], inp["sin"])

@@ -317,11 +317,13 @@ class DSAIndexer(nn.Layer):
         positions: np.ndarray | None = None,
         all_keys: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
         total: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        query_valid: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """KL(target || softmax(index scores)) over *every* key a query sees (the dense warm-up),
         mean over the real (not padding) queries that see any. ``target_probs`` [B, S, T]: the head-mean main attention
         per key. Scored chunk by chunk as the selection does (never [S, T] at once), inputs detached;
-        ``positions``, ``all_keys`` and ``total`` as in :meth:`select` and :meth:`kl_loss`."""
+        ``positions``, ``all_keys`` and ``total`` as in :meth:`select` and :meth:`kl_loss`;
+        ``query_valid`` [B, S] (default: the real queries of ``key_padding``) the queries counted."""
         q, k, w = self.project(x.detach(), q_latent.detach(), cos, sin)
         if all_keys is not None:
             k = all_keys(k)  # [B, T, Di]
@@ -331,7 +333,8 @@ class DSAIndexer(nn.Layer):
         chunk = max(1, min(S, self.chunk_size, max(16, CHUNK_BYTES // 4 // (Hi * T))))
         pad = None if key_padding is None else key_padding.astype("bool")
         p_all = target_probs.detach().astype("float32")
-        real = query_validity(key_padding, pos)  # [B, S]: padding queries (right padding sees real keys) do not count
+        # [B, S]: padding queries (right padding sees real keys) do not count
+        real = query_validity(key_padding, pos) if query_valid is None else query_valid
         kl_sum, row_sum = None, None
         for c0, c1, kend in _query_chunks(pos, 0, chunk):
             scores = self.chunk_scores(q[:, c0:c1], k[:, :kend], w[:, c0:c1])  # with gradient

@@ -70,7 +70,7 @@ class IndexerRecord:
     ``indexer`` and ``inputs``: a layer that runs its own indexer, and what its KL needs
     (``x``, ``q_latent``, ``cos``, ``sin``, ``key_padding``, ``positions``, ``all_keys``, ``total``,
     ``query_valid``: 1.0 on the real queries, 0.0 on padding, or None without padding; an MTP layer's
-    record also ``dense_padding``: see :func:`count_real_queries`).
+    record also ``dense_query_valid``: see :func:`count_real_queries`).
     """
 
     topk: paddle.Tensor
@@ -99,14 +99,12 @@ def count_real_queries(rec: IndexerRecord, token_valid: paddle.Tensor) -> None:
     """Make the KL and recall of ``rec`` (an MTP layer's own indexer) count only the queries whose
     inputs are real tokens, ``token_valid`` [B, S_global] (modeling/mtp.py's ``mtp_token_valid``, by
     global position): position i of depth d reads token i + d, which past the window's end (or
-    before right padding) is the fill, not a token of the data.  The dense KL counts the queries its
-    padding marks real, so it takes ``token_valid`` as its padding (``dense_padding``): the keys that
-    drops are at or after a dropped query, which no counted query sees (left or right padding: a
-    mask with a hole inside a row would also drop the key before the hole by d from the KL's keys)."""
+    before right padding) is the fill, not a token of the data.  Only the queries are narrowed: the
+    keys stay the layer's (its ``key_padding``), so the key before a hole in a row's mask is still a
+    key of the queries after it, as in the attention and the torch reference."""
     inp = rec.inputs
     positions = inp["positions"] if inp["positions"] is not None else np.arange(rec.topk.shape[1])
-    inp["query_valid"] = query_validity(token_valid, positions)
-    inp["dense_padding"] = token_valid
+    inp["query_valid"] = inp["dense_query_valid"] = query_validity(token_valid, positions)
 
 
 def indexer_terms(records: Sequence[tuple[int, IndexerRecord]], training: IndexerTraining) -> IndexerTerms:
@@ -136,8 +134,9 @@ def _group_terms(members: list[IndexerRecord], training: IndexerTraining) -> tup
     target = _mean([m.probs for m in members])  # [B, S, T] (warm-up) or [B, S, k] (sparse)
     if training.dense:
         kl = full.indexer.dense_kl_loss(
-            inp["x"], inp["q_latent"], inp["cos"], inp["sin"], target, inp.get("dense_padding", inp["key_padding"]),
+            inp["x"], inp["q_latent"], inp["cos"], inp["sin"], target, inp["key_padding"],
             positions=inp["positions"], all_keys=inp["all_keys"], total=inp["total"],
+            query_valid=inp.get("dense_query_valid"),
         )  # fmt: skip
     else:
         kl = full.indexer.kl_loss(
