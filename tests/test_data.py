@@ -148,6 +148,16 @@ def test_train_on_chat_masks_non_assistant_tokens(tiny_dir, tmp_path):
     assert abs(whole - want) > 1e-2  # the mask matters
 
 
+def test_the_epoch_count_said_is_the_batches_an_epoch_holds(tiny_dir, tmp_path, capsys):
+    """An epoch is n // G global batches (train/data.py): three conversations at a global batch of 2
+    make one batch an epoch, so three steps read three epochs' orders (it said 2, steps x G / n)."""
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in (CHATS * 2)[:3]])
+    common = ["--model", tiny_dir, "--seq-len", "64", "--global-batch-size", "2", "--micro-batch-size", "2"]
+    args = ["train", *common, "--data", path, "--steps", "3", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main([*args, "--lr", "0"]) == 0
+    assert "the run reads 3 epochs" in capsys.readouterr().out
+
+
 def test_train_reads_a_small_chat_file_in_epochs(tiny_dir, tmp_path, capsys):
     """Two conversations, a global batch of 2, three steps: the run goes over the data three times
     (each epoch in its own seeded order), as it does over every other source; at lr 0 each step's

@@ -373,7 +373,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     if text_jsonl_kind(cfg.data, "--data"):
         # one global batch at least; a run longer than the data goes over it in epochs, as for the other sources
         out, info = tokenized(cfg.data, "--data", "train-", cfg.global_batch_size)
-        epochs = cfg.steps * cfg.global_batch_size / info["samples"]
+        epochs = cfg.steps / (info["samples"] // cfg.global_batch_size)  # an epoch: n // G batches (data.py)
         print(
             f"[glm52 train] data {cfg.data}: {info['records']} {info['kind']} records, {info['tokens']} tokens "
             f"-> {info['samples']} samples of {cfg.seq_len} ({out}); the run reads {epochs:.3g} epochs"
