@@ -34,11 +34,11 @@ def reference(tiny_ckpt, tmp_path_factory):
     model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
     root = tmp_path_factory.mktemp("ref")
     save_pretrained_state(model, model.config, root / "sharded", dtype=model.config.model_dtype, max_shard_size="1MB")
-    save_pretrained_state(  # the trainer's export carries the source's tokenizer files
+    save_pretrained_state(  # the trainer's export carries the source's tokenizer files, in the run's dtype
         model,
         model.config,
         root / "single",
-        dtype=model.config.model_dtype,
+        dtype="float32",
         carry_from=str(tiny_ckpt),
         generation_config=model._changed_generation_config(),  # what model.save_pretrained writes
     )

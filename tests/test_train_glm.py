@@ -272,7 +272,7 @@ def test_glm_pp3_starting_on_shared_layer_matches_pp1(tiny_ckpt, pp1_warmup, tmp
     assert kinds[4] == kinds[5] == "shared"  # stage 1 starts on layer 4 and runs no indexer of its own
     args = ["--model", str(tiny_ckpt), "--pp", "3", "--pp-layout", "E,t*4|t*2|t*2,m,L", "--steps", str(STEPS)]
     args += ["--seq-len", str(SEQ), *WARMUP, "--global-batch-size", str(GBS), "--micro-batch-size", str(MBS)]
-    args += ["--out", str(tmp_path), "--export"]
+    args += ["--out", str(tmp_path), "--export", "--export-dtype", "auto"]  # the source's dtype: its bytes
     p, _ = run_train_cli(args, timeout=300)
     if p.returncode != 0:
         pytest.fail(f"glm pp3 failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
@@ -511,7 +511,7 @@ def test_distributed_export_of_unchanged_weights_equals_the_source_bytes(tiny_ck
 
     args = ["--model", str(tiny_ckpt), "--steps", "1", "--seq-len", str(SEQ), "--global-batch-size", str(GBS)]
     args += ["--micro-batch-size", "1", "--lr", "0", "--min-lr", "0", "--tp", "2", "--pp", "2", "--sp"]
-    p, _ = run_train_cli([*args, "--out", str(tmp_path), "--export"], timeout=240)
+    p, _ = run_train_cli([*args, "--out", str(tmp_path), "--export", "--export-dtype", "auto"], timeout=240)
     if p.returncode != 0:
         pytest.fail(f"export run failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path)}")
     report = check_checkpoints(str(tiny_ckpt), str(tmp_path / "export"))

@@ -113,9 +113,10 @@ class ModelAdapter:
         """Write ``full_state`` in the model's release layout (``--export``)."""
         raise NotImplementedError(f"model {self.name!r} has no exporter")
 
-    def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
+    def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str, dtype: str = "trained") -> int:
         """The trainer's ``--export`` (collective): by default the state gathered to rank 0 and
-        :meth:`export` (small models); returns the number of tensors written by all ranks."""
+        :meth:`export` (small models, their own float32 format: ``dtype`` ``--export-dtype``, for
+        models with a release dtype); returns the number of tensors written by all ranks."""
         from ..parallel.state import gather_full_state
 
         full = gather_full_state(module, topo)

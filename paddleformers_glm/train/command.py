@@ -54,6 +54,7 @@ __all__ = [
 
 # defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
 TRAIN_DEFAULTS = {"seq_len": 64, "global_batch_size": 4, "dtype": "float32"}
+EXPORT_DTYPES = ("trained", "auto", "float32", "bfloat16")  # --export-dtype (settings.TrainConfig checks the same)
 
 
 def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> None:
@@ -237,6 +238,13 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = ap.add_argument_group("output")
     g.add_argument("--out", required=True, help="output folder (loss.json, checkpoints/, export/, logs/)")
     g.add_argument("--export", action="store_true", help="write OUT/export/ in the model's release layout")
+    g.add_argument(
+        "--export-dtype",
+        choices=EXPORT_DTYPES,
+        default="trained",
+        help="the export's dtype: the one the run trained in (--dtype; default, as save_pretrained writes a model), "
+        "auto (the checkpoint's config.json dtype: the release's bf16), float32 or bfloat16",
+    )
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     g.add_argument("--resume", help="checkpoint folder (step_* or its root) to continue from")
     g.add_argument(

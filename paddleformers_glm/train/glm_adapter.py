@@ -142,11 +142,14 @@ class GlmAdapter(ModelAdapter):
             info["revision"] = rev.read_text(encoding="utf-8").strip()
         return info
 
-    def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str) -> int:
+    def export_trained(self, module: nn.Layer, topo: Topology, out_dir: str, dtype: str = "trained") -> int:
         """Every rank writes the official-layout tensors it owns (``checkpoint.distributed``), the
         source folder's generation config (a folder without one: the one transformers' save derives
         from its config.json) and the run's tokenizer files (``--tokenizer``, else the source folder's)
-        come along: the export is usable as it stands."""
+        come along: the export is usable as it stands. ``dtype`` (``--export-dtype``): ``trained``, the
+        dtype the run trained in (``--dtype``), as ``save_pretrained`` writes a model's (the checkpoint's
+        BF16 rounded what a float32 run trained); ``auto``, the checkpoint's config.json dtype (a run
+        that changed nothing exports the source's bytes); or a dtype name."""
         from ..checkpoint.distributed import all_gather_object, export_distributed
         from ..generation import derived_generation_file
 
@@ -158,5 +161,6 @@ class GlmAdapter(ModelAdapter):
             carry_from=self.model_dir,
             tokenizer_from=self.tokenizer_dir,
             generation_config=derived_generation_file(self.model_dir, self.config),
+            dtype={"trained": module.compute_dtype, "auto": None}.get(dtype, dtype),
         )
         return sum(all_gather_object(info["tensors"], topo))

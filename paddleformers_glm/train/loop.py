@@ -723,7 +723,7 @@ def _finish(run: _Run, log: Callable[[str], Any]) -> dict[str, Any] | None:
             )
         except NonFiniteStep as e:
             raise _stopped(run, e) from None
-        n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"))
+        n_exported = run.adapter.export_trained(run.module, topo, os.path.join(cfg.out, "export"), cfg.export_dtype)
         log(f"[glm52 train] exported {n_exported} tensors to {os.path.join(cfg.out, 'export')}")
     if topo.world_size > 1:
         dist.barrier()

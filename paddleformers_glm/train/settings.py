@@ -19,6 +19,8 @@ from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig,
 from .data import BIN_DTYPES
 from .state_files import model_differences, model_identity, read_meta, resolve_resume_state
 
+_EXPORT_DTYPES = ("trained", "auto", "float32", "bfloat16")  # --export-dtype (train/command.py's choices)
+
 if TYPE_CHECKING:
     from .adapter import ModelAdapter
 
@@ -163,6 +165,7 @@ class TrainConfig:
     eval_at_start: bool = False
     out: str = "out"
     export: bool = False
+    export_dtype: str = "trained"  # --export's dtype: trained (--dtype), auto (the checkpoint's), or a name
     save_every: int = 0
     resume: str | None = None
     resume_override: list = field(default_factory=list)  # RESUME_SETTINGS a resume may change
@@ -190,7 +193,15 @@ class TrainConfig:
     def validate(self) -> None:
         check_numbers(self)
         choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
-        check_choices(self, {**choices, "indexer_stage": INDEXER_STAGES, "data_dtype": ("auto", *BIN_DTYPES)})
+        check_choices(
+            self,
+            {
+                **choices,
+                "indexer_stage": INDEXER_STAGES,
+                "data_dtype": ("auto", *BIN_DTYPES),
+                "export_dtype": _EXPORT_DTYPES,
+            },
+        )
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
