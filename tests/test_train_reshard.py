@@ -10,6 +10,7 @@ import pytest
 
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from tests._dist.runner import losses, run_train_cli, worker_logs
+from tests.test_resume_memory import assert_bounded, measure_resume
 
 pytestmark = pytest.mark.slow
 
@@ -61,14 +62,16 @@ def test_tp2pp2_checkpoint_resumes_at_another_world4_layout(saved, tmp_path, lay
         assert len(per_rank) == 4 and max(per_rank) < 0.55 * sum(per_rank[:2]), per_rank
 
 
-def test_tp2pp2_checkpoint_resumes_in_one_process(saved, tmp_path):
+def test_tp2pp2_checkpoint_resumes_in_one_process(saved, tmp_path, monkeypatch):
     full, ckpt = saved
     cfg = TrainConfig(
         model="toy", steps=STEPS, seq_len=16, global_batch_size=4, micro_batch_size=1, lr=LR, warmup_steps=1,
         seed=7, out=str(tmp_path), progress=False, model_args={"seed": 7}, resume=str(ckpt),
     )  # fmt: skip
+    seen = measure_resume(monkeypatch)  # the resharding load fills the live state in place
     r = run_training(cfg)
     _assert_continues(full, r, "world 1")
+    assert_bounded(seen, "TP2 x PP2 -> world 1")
 
 
 def test_resume_refuses_changed_run_settings(saved, tmp_path):

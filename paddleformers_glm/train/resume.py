@@ -13,7 +13,6 @@ import os
 import shutil
 from typing import Any
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
@@ -22,7 +21,7 @@ from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
 from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw
-from ..checkpoint.safetensors_io import bf16_bits_to_float32, paddle_to_st_dtype
+from ..checkpoint.safetensors_io import paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
 from .nonfinite import check_written_state, nonfinite_counts, state_kind
@@ -106,9 +105,15 @@ def save_resume_state(
     return final
 
 
-def _to_paddle(arr: np.ndarray, st_dtype: str) -> paddle.Tensor:
-    """A stored array as a tensor (bf16 widened exactly to fp32)."""
-    return paddle.to_tensor(np.array(bf16_bits_to_float32(arr) if st_dtype == "BF16" else arr))
+@paddle.no_grad()
+def _set_stored(reader: Any, key: str, t: paddle.Tensor) -> None:
+    """Set ``t`` from the stored tensor ``key`` (its shape and dtype checked equal: _check_like), bit
+    for bit: one tensor's copy on ``t``'s device at a time (bf16 arrives as its uint16 bits), read from
+    the mapped file, whose pages are then dropped from this process."""
+    v = paddle.to_tensor(reader.numpy(key), place=t.place)
+    t.set_value(v if v.dtype == t.dtype else v.view(t.dtype))
+    del v
+    reader.release(key)
 
 
 def load_resume_state(
@@ -163,7 +168,7 @@ def load_resume_state(
             _check_like(file, f"model/{k}", info, t)
             if n := count_nonfinite_raw(reader.raw(info.key), info.dtype):
                 bad[f"model/{k}"] = n
-            t.set_value(_to_paddle(reader.numpy(info.key), info.dtype).astype(t.dtype))
+            _set_stored(reader, info.key, t)
         infos: dict[str, dict[str, Any]] = {}
         for key, info in tensors.items():
             if key.startswith("model/"):
@@ -174,17 +179,21 @@ def load_resume_state(
             infos.setdefault(parts[1], {})[parts[2]] = info
         if new_stage:  # another stage's trained set: keep the state of what this run trains
             infos = {n: st for n, st in infos.items() if n in trained}
-        _check_optimizer_state(file, infos, optimizer.state_layout())
+        layout = optimizer.state_layout()  # every accumulator and master, created now if not yet
+        _check_optimizer_state(file, infos, layout)
         for n, st in infos.items():  # a NaN moment or fp32 master would poison the first update
             for kind, i in st.items():
                 if c := count_nonfinite_raw(reader.raw(i.key), i.dtype):
                     bad[f"optimizer/{n}/{kind}"] = c
+                reader.release(i.key)
         _refuse_nonfinite(file, topo.rank, bad)
-        opt = {n: {kind: _to_paddle(reader.numpy(i.key), i.dtype) for kind, i in st.items()} for n, st in infos.items()}
-        try:
-            optimizer.set_state_dict(opt)
-        except KeyError as e:
-            raise ResumeStateError(f"{file}: {e.args[0]}") from e
+        # AdamW.set_state_dict's effect, one tensor at a time into the live state (never a whole
+        # optimizer state of new tensors beside it): the tensors _check_optimizer_state matched
+        for n, st in infos.items():
+            for kind, i in st.items():
+                _set_stored(reader, i.key, layout[n][kind])
+        optimizer._stepped = {n for n, st in infos.items() if set(st) - {"master"}}
+        optimizer.sync_masters({n for n, _ in optimizer.params if "master" not in infos.get(n, {})})
     set_rng_state(doc["rng"], rank_files(path, topo.rank)[1])
     return meta
 
@@ -302,9 +311,43 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
     return sorted(stepped)
 
 
+def _views_write_through() -> bool:
+    """Whether writing into a slice of a column block of a tensor on this process's device, as
+    flex-checkpoint's resharder writes a piece into its target (``paddle.assign`` into
+    ``paddle.slice`` of it), changes the tensor itself: Paddle's strided views (FLAGS_use_stride_kernel).
+    Probed once per load; where they do not, the fused tensors' blocks are read into buffers instead."""
+    t = paddle.zeros([2, 4], dtype="float32")
+    block = paddle.slice(t, axes=[1], starts=[2], ends=[4])
+    paddle.assign(paddle.ones([1, 1], dtype="float32"), paddle.slice(block, axes=[0, 1], starts=[1, 1], ends=[2, 2]))
+    paddle.assign(block, block)  # the resharder's last copy of a received target onto itself
+    return t.numpy().tolist() == [[0.0] * 4, [0.0, 0.0, 0.0, 1.0]]
+
+
+def _load_targets(
+    t: paddle.Tensor, n: int, axis: int, shape: tuple[int, ...], in_place: bool
+) -> tuple[list[paddle.Tensor], bool]:
+    """``(the n tensors load_state_dict fills for t, whether they are t's own memory)``: t itself (one
+    key) or views of its ``n`` fused blocks along ``axis``; else (``in_place`` false) new zero buffers
+    of ``shape``, set into t after the load."""
+    if not in_place:
+        return [paddle.zeros(list(shape), dtype=t.dtype) for _ in range(n)], False
+    own = t.detach()  # the same memory, outside autograd (a parameter is a leaf that needs grad)
+    if n == 1:
+        return [own], True
+    block = shape[axis]
+    return [paddle.slice(own, axes=[axis], starts=[i * block], ends=[(i + 1) * block]) for i in range(n)], True
+
+
 def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, stepped: set[str]) -> None:
     """Collective: this rank's slices of every tensor it holds, read and redistributed by
-    ``paddle.distributed.load_state_dict`` from a checkpoint of another layout."""
+    ``paddle.distributed.load_state_dict`` from a checkpoint of another layout.
+
+    Paddle's resharder writes each piece it reads or receives into a slice of the target it is given
+    (``paddle.assign`` into ``paddle.slice`` of ``local_tensor``), so the targets are the live tensors
+    themselves (a fused tensor's blocks: strided views of it): the load holds no copy of the state,
+    only the resharder's own one-piece buffers.  A tensor off this process's default device (Paddle's
+    CPU beta powers on a GPU) is read into a buffer of that device and set after the load, as are the
+    fused tensors where views do not write through (:func:`_views_write_through`)."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
     from ..parallel.fleet_gloo import flex_checkpoint_on_cpu
@@ -317,19 +360,25 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
         raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")
     optimizer.prepare_state()
     items = _flex_items(topo, model, optimizer, stepped)
+    home = str(paddle.zeros([1]).place)  # where paddle.zeros (the resharder's buffers) puts a tensor
+    views = _views_write_through()
     sd: dict[str, ShardedWeight] = {}
-    buffers: list[tuple[paddle.Tensor, int, list[paddle.Tensor]]] = []
-    for key, t, spec in items:
-        keys, geometry, axis = _pieces(key, t, spec, topo)
-        bufs = [paddle.zeros(list(geometry["local_shape"]), dtype=t.dtype) for _ in keys]
-        sd.update({k: ShardedWeight(key=k, local_tensor=b, **geometry) for k, b in zip(keys, bufs)})
-        buffers.append((t, axis, bufs))
-    quiet_paddle_logs()
-    with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():
-        dist.load_state_dict(sd, private, safetensors=True)
-    # before any of it is set: the pieces this rank read (a fused tensor's blocks named #block<i>)
-    _refuse_nonfinite(f"{folder} (resharded)", topo.rank, nonfinite_counts(sd))
+    buffers: list[tuple[paddle.Tensor, int, list[paddle.Tensor]]] = []  # read beside the state: set after
     with paddle.no_grad():
+        for key, t, spec in items:
+            keys, geometry, axis = _pieces(key, t, spec, topo)
+            in_place = str(t.place) == home and (len(keys) == 1 or views)
+            targets, own = _load_targets(t, len(keys), axis, geometry["local_shape"], in_place)
+            sd.update({k: ShardedWeight(key=k, local_tensor=b, **geometry) for k, b in zip(keys, targets)})
+            if not own:
+                buffers.append((t, axis, targets))
+        quiet_paddle_logs()
+        with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():
+            dist.load_state_dict(sd, private, safetensors=True)
+        # the pieces this rank read (a fused tensor's blocks named #block<i>), before the buffers are
+        # set; a refused state leaves them in this rank's tensors, and the run stops here
+        _refuse_nonfinite(f"{folder} (resharded)", topo.rank, nonfinite_counts(sd))
+        del sd
         for t, axis, bufs in buffers:
             t.set_value(bufs[0] if len(bufs) == 1 else paddle.concat(bufs, axis=axis))
     optimizer._stepped = {n for n, p in optimizer.params if n in stepped and p.name in optimizer._own}
