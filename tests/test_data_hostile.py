@@ -255,3 +255,17 @@ def test_a_npz_of_another_seq_len_names_seq_len(tmp_path):
     np.savez(tmp_path / "q.npz", input_ids=ids, labels=ids[:, :8], attention_mask=ids.astype(np.int8))
     with pytest.raises(ValueError, match=r"q\.npz: expected arrays \[N, 16\] \(--seq-len 16\), got"):
         open_data(str(tmp_path / "q.npz"), 16, 64, 0)
+
+
+def test_export_dtype_is_refused_where_it_would_do_nothing(tmp_path, capsys):
+    """``--export-dtype bfloat16`` without ``--export``, or with ``--model toy`` (which exports its
+    own float32 format), exited 0 having done nothing of what it asked (review of this round)."""
+    from paddleformers_glm.train.settings import TrainConfig
+
+    out = tmp_path / "run"
+    assert main([*TOY, "--steps", "1", "--export-dtype", "bfloat16", "--out", str(out)]) == 2
+    assert "--export-dtype bfloat16 sets the dtype of --export" in _one_line_refusal(capsys, out)
+    assert main([*TOY, "--steps", "1", "--export", "--export-dtype", "bfloat16", "--out", str(out)]) == 2
+    assert "--model toy exports its own float32 format" in _one_line_refusal(capsys, out)
+    TrainConfig(model="toy", export=True, export_dtype="float32").validate()  # what it writes: taken
+    TrainConfig(model="glm", model_args={"model_dir": "x"}, export=True, export_dtype="auto").validate()

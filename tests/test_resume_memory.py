@@ -28,7 +28,7 @@ from paddleformers_glm.train.loop import TrainConfig, run_training
 # most of them in many small experts: the largest tensor (the 4096 x 256 embedding / LM head, 4 MiB of
 # fp32 moment) is small beside the state (~70 MiB)
 TOY = {"vocab_size": 4096, "hidden_size": 256, "ffn_size": 512, "num_experts": 16, "expert_ffn": 256}
-STEPS, SAVE_AT = 2, 1
+STEPS, SAVE_AT = 3, 1  # two resumed updates: the second step's loss reads the restored moments and masters
 
 
 def _cfg(out: Any, **kw: Any) -> TrainConfig:
@@ -96,7 +96,7 @@ def test_a_resume_holds_the_live_state_and_about_one_tensor(saved, tmp_path, mon
     assert seen["state"] > 40 * 2**20 > 8 * seen["largest"], seen  # the state is many tensors, not one
     assert_bounded(seen, "flex (forced)" if reshard else "same layout")
     assert r["run"]["resumed_from_step"] == SAVE_AT
-    for key in ("losses", "mtp_losses", "grad_norms"):  # the resumed step is the uninterrupted one's
+    for key in ("losses", "mtp_losses", "grad_norms"):  # the resumed steps are the uninterrupted ones
         assert r[key] == full[key], (key, r[key], full[key])
 
 

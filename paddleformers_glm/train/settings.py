@@ -202,6 +202,15 @@ class TrainConfig:
                 "export_dtype": _EXPORT_DTYPES,
             },
         )
+        if self.export_dtype != "trained" and not self.export:
+            raise ValueError(
+                f"--export-dtype {self.export_dtype} sets the dtype of --export, which this run does not ask for"
+            )
+        if self.model == "toy" and self.export_dtype not in ("trained", "float32"):
+            raise ValueError(
+                f"--export-dtype {self.export_dtype}: --model toy exports its own float32 format (a checkpoint's "
+                "release dtype applies to --model DIR)"
+            )
         if self.schedule != "1f1b":
             raise ValueError(
                 f"--schedule must be 1f1b (Fleet's pipeline engine; --vpp N interleaves it), got {self.schedule!r}"
