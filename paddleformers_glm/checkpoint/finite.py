@@ -13,7 +13,7 @@ import numpy as np
 from .errors import CheckpointError
 from .safetensors_io import paddle_to_st_dtype
 
-__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw"]
+__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw", "listed_nonfinite"]
 
 _CHUNK_BYTES = 1 << 18  # raw bytes per vectorised test: the temporary stays in cache
 
@@ -61,6 +61,13 @@ def count_nonfinite_raw(data: memoryview | bytes | np.ndarray, st_dtype: str) ->
     return total
 
 
+def listed_nonfinite(bad: Mapping[str, int], names: list[str], tag: Any = None) -> str:
+    """The first five of ``names`` with their counts in ``bad`` (``tag(name)``: what each is, shown in
+    brackets), and how many more: the list a non-finite refusal names."""
+    shown = [f"{n} ({bad[n]} values)" + (f" [{tag(n)}]" if tag else "") for n in names[:5]]
+    return ", ".join(shown) + (f", ... (+{len(names) - 5} more)" if len(names) > 5 else "")
+
+
 def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> None:
     """Raise :class:`NonFiniteError` naming the floating-point tensors of ``state`` that hold NaN or Inf
     (``where``: the checkpoint they came from, for the message; ``note``: appended to it). Tensors are
@@ -87,9 +94,7 @@ def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> 
     if not bad:
         return
     names = sorted(bad)
-    listed = ", ".join(f"{n} ({bad[n]} values)" for n in names[:5]) + (
-        f", ... (+{len(names) - 5} more)" if len(names) > 5 else ""
-    )
+    listed = listed_nonfinite(bad, names)
     err = NonFiniteError(
         f"{len(names)} weight tensor(s) loaded from {where} hold NaN or Inf: {listed}; "
         "a block-FP8 checkpoint shows a NaN/Inf scale_inv here as its dequantized weight "

@@ -20,7 +20,7 @@ import paddle.nn as nn
 from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
-from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw
+from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite
 from ..checkpoint.safetensors_io import paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
@@ -206,9 +206,7 @@ def _refuse_nonfinite(file: str, rank: int, bad: dict[str, int]) -> None:
     if not bad:
         return
     names = list(bad)
-    listed = ", ".join(f"{n} ({bad[n]} values) [{state_kind(n)}]" for n in names[:5]) + (
-        f", ... (+{len(names) - 5} more)" if len(names) > 5 else ""
-    )
+    listed = listed_nonfinite(bad, names, state_kind)
     err = NonFiniteError(
         f"--resume: {file} (the state of rank {rank}): {len(names)} tensor(s) hold NaN or Inf: {listed}; "
         "the run cannot continue from it (resume from an earlier state)",
