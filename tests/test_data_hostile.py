@@ -259,7 +259,7 @@ def test_a_npz_of_another_seq_len_names_seq_len(tmp_path):
 
 def test_export_dtype_is_refused_where_it_would_do_nothing(tmp_path, capsys):
     """``--export-dtype bfloat16`` without ``--export``, or with ``--model toy`` (which exports its
-    own float32 format), exited 0 having done nothing of what it asked (review of this round)."""
+    own float32 format), exited 0 having done nothing of what it asked."""
     from paddleformers_glm.train.settings import TrainConfig
 
     out = tmp_path / "run"
