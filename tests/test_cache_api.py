@@ -204,3 +204,31 @@ def test_forward_takes_a_cache_position_that_is_the_next_slots():
     fresh = model(ids[:, :8], use_cache=True).past_key_values
     with pytest.raises(ValueError, match=r"cache_position \[3\] is not the next 1 slots of the cache \(8\.\.8\)"):
         model(ids[:, 8:], past_key_values=fresh, cache_position=paddle.to_tensor([3]))
+
+
+def test_odd_arguments_to_the_cache_methods_are_refused_by_name(model):
+    """Float or 2-D indices were truncated and flattened (``[1.7]`` kept row 1; torch refuses
+    non-integer indices), ``batch_repeat_interleave(2.5)`` became 2 and ``(0)`` a Paddle error,
+    ``crop(np.int64(-1))`` was a TypeError (transformers takes numpy integers), and a bf16 model's
+    cache given to a float32 model failed in a matmul kernel."""
+    import paddle
+
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(3, 256, (2, 6)))
+    cache = model(ids, use_cache=True).past_key_values
+    with pytest.raises(IndexError, match="indices must be a 1-D list or tensor of ints"):
+        cache.batch_select_indices(paddle.to_tensor([1.7]))
+    with pytest.raises(IndexError, match="of shape \\[1, 2\\]"):
+        cache.batch_select_indices(paddle.to_tensor([[0, 1]]))
+    for bad in (2.5, 0, True):
+        with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+            cache.batch_repeat_interleave(bad)
+    assert cache.batch_size == 2 and cache.get_seq_length() == 6  # unchanged by the refusals
+    cache.crop(np.int64(-1))
+    assert cache.get_seq_length() == 5
+    b16 = GlmMoeDsaForCausalLM.from_pretrained(CKPT, dtype="bfloat16")
+    b16.eval()
+    other = b16(ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="past_key_values holds bfloat16 rows, the model computes in float32"):
+        model(ids[:, :1], past_key_values=other)
+    with pytest.raises(ValueError, match="past_key_values holds bfloat16 rows"):
+        model.generate(paddle.concat([ids, ids[:, :1]], axis=1), past_key_values=other, max_new_tokens=1)

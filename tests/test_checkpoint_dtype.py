@@ -148,3 +148,12 @@ def test_save_pretrained_writes_the_models_dtype_as_transformers(tmp_path):
     b16 = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="bfloat16")
     b16.save_pretrained(tmp_path / "bf16")
     assert _st_dtypes(tmp_path / "bf16") == {"BF16"}
+
+
+def test_save_in_a_dtype_no_checkpoint_states_is_refused_before_writing(tmp_path):
+    """``save_pretrained(dtype="float64")`` passed the name check and failed inside the AOA engine
+    ("Unsupported cast dtype: float64"); now one line up front, nothing written."""
+    m = GlmMoeDsaForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+    with pytest.raises(ValueError, match="'float64' is not a checkpoint dtype"):
+        m.save_pretrained(tmp_path / "out", dtype="float64")
+    assert not (tmp_path / "out").exists()

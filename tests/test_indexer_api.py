@@ -130,9 +130,14 @@ def test_the_coefficient_is_refused_where_the_trainer_refuses_it():
     for stage in ("warmup", "none"):
         with pytest.raises(ValueError, match="loss_coeff weighs the sparse stage's KL"):
             model.set_indexer_training(stage, loss_coeff=0.1)
-    for bad in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="coefficient > 0"):
+    for bad in (0.0, -1.0, float("nan"), float("inf")):  # inf made every training loss inf
+        with pytest.raises(ValueError, match="finite coefficient > 0"):
             model.set_indexer_training("sparse", loss_coeff=bad)
+    for bad in (True, "0.5"):  # taken as 1.0 / 0.5 before
+        with pytest.raises(TypeError, match="loss_coeff must be a number"):
+            model.set_indexer_training("sparse", loss_coeff=bad)
+    with pytest.raises(TypeError, match="a stage name"):
+        model.set_indexer_training(None)
     model.set_indexer_training("sparse")  # the config's coefficient: 0
     model.train()
     assert model(ids).indexer_loss is not None  # no labels, no objective: the KL is still reported

@@ -311,6 +311,8 @@ def plan_save(
     if layout == "hf" and expert_layout != "per-expert":
         raise ValueError(f"expert_layout {expert_layout!r} applies to the fleet layout only")
     dtype = normalize_dtype(dtype)  # names, aliases ("bf16") and Paddle dtypes
+    if dtype not in (None, "auto", "float32", "bfloat16", "float16"):  # what a checkpoint's config may state
+        raise ValueError(f"save: dtype {dtype!r} is not a checkpoint dtype; expected float32, bfloat16 or float16")
     model_dtype = config.model_dtype if dtype in (None, "auto") else dtype
     specs, tgt_dtypes, entries = plan_entries(config, layout, model_dtype, expert_layout)
     fp8 = {k: scale_key(k) for k in specs if quantization and is_fp8_weight(k)}

@@ -11,6 +11,8 @@ step serves every step of a generation; ``begin`` grows the buffers outside the 
 
 from __future__ import annotations
 
+import numbers
+
 import paddle
 
 from ..ops.norm import capturing_cuda_graph
@@ -140,8 +142,9 @@ class DSACache:
         negative count; all of them when it exceeds the length; 0: nothing); a positive value, the
         older "crop to this length" form, is refused as there. Each row's rope position goes back by
         its real tokens among them (``rollback``)."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
             raise TypeError(f"crop: tokens_to_remove must be an int, got {tokens_to_remove!r}")
+        tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             hint = (
                 f", e.g. crop({tokens_to_remove - self.length}) keeps {tokens_to_remove} of the {self.length} cached tokens"
@@ -162,6 +165,11 @@ class DSACache:
             if list(idx.shape) != [self.batch_size]:
                 raise IndexError(f"batch_select_indices: a bool mask of {list(idx.shape)} for {self.batch_size} rows")
             idx = paddle.nonzero(idx).reshape([-1])
+        elif idx.dtype not in (paddle.int32, paddle.int64, paddle.int16, paddle.int8, paddle.uint8) or idx.ndim > 1:
+            raise IndexError(  # torch: "tensors used as indices must be long, int, byte or bool"
+                f"batch_select_indices: indices must be a 1-D list or tensor of ints or a bool mask, got "
+                f"{str(idx.dtype).replace('paddle.', '')} of shape {list(idx.shape)}"
+            )
         idx = idx.astype("int64").reshape([-1])
         bad = [int(i) for i in idx.numpy() if not -self.batch_size <= int(i) < self.batch_size]
         if bad:
@@ -169,7 +177,9 @@ class DSACache:
         self._select_rows(paddle.where(idx < 0, idx + self.batch_size, idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Each row ``repeats`` times in a row (HF's ``Cache.batch_repeat_interleave``)."""
+        """Each row ``repeats`` times in a row (HF's ``Cache.batch_repeat_interleave``; an int >= 1)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+            raise ValueError(f"batch_repeat_interleave: repeats must be an int >= 1, got {repeats!r}")
         self._select_rows(paddle.repeat_interleave(paddle.arange(self.batch_size, dtype="int64"), int(repeats)))
 
     def _select_rows(self, idx: paddle.Tensor) -> None:

@@ -4,6 +4,7 @@ with these before it starts any process (indexer_training.py computes the stages
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +51,10 @@ def objective_weights(stage: str, kl_weight: float) -> tuple[float, float]:
         raise ValueError(f"indexer stage must be one of {', '.join(INDEXER_STAGES)}, got {stage!r}")
     if stage == "warmup":
         return 0.0, 1.0
-    if stage == "sparse" and not float(kl_weight) > 0:
-        raise ValueError(f"the sparse indexer stage weighs its KL by a coefficient > 0, got {float(kl_weight):g}")
+    if stage == "sparse" and not (math.isfinite(float(kl_weight)) and float(kl_weight) > 0):
+        raise ValueError(
+            f"the sparse indexer stage weighs its KL by a finite coefficient > 0, got {float(kl_weight):g}"
+        )
     return 1.0, float(kl_weight) if stage == "sparse" else 0.0
 
 

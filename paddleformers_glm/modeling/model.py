@@ -686,13 +686,17 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         coefficient of 0 is refused, as ``glm52 train --indexer-stage sparse`` refuses it."""
         if isinstance(training, str):
             training = IndexerTraining(training)
+        if not isinstance(training, IndexerTraining):
+            raise TypeError(f"set_indexer_training: a stage name (none, warmup, sparse), got {training!r}")
+        if loss_coeff is not None and (isinstance(loss_coeff, bool) or not isinstance(loss_coeff, (int, float))):
+            raise TypeError(f"set_indexer_training: loss_coeff must be a number, got {loss_coeff!r}")
         if loss_coeff is not None and training.stage != "sparse":
             raise ValueError(
                 f"loss_coeff weighs the sparse stage's KL; the {training.stage} stage "
                 + ("trains on the dense KL alone (weight 1)" if training.dense else "has no indexer loss")
             )
         if loss_coeff is not None:
-            objective_weights("sparse", loss_coeff)  # refuses a coefficient that is not > 0
+            objective_weights("sparse", loss_coeff)  # refuses a coefficient that is not finite and > 0
         self._indexer_loss_coeff = None if loss_coeff is None else float(loss_coeff)
         self.model.indexer_run.training = training
         own = own_indexer_layers(self.config)
@@ -980,6 +984,12 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             raise ValueError(  # else a kernel error naming bf16 kernels; transformers refuses a bf16 model's too
                 f"inputs_embeds is {str(inputs_embeds.dtype).replace('paddle.', '')}, the model computes in "
                 f"{self.compute_dtype}: cast it first (inputs_embeds.astype('{self.compute_dtype}'))"
+            )
+        held = next((c.latent for c in getattr(past_key_values, "layers", ()) if c.latent is not None), None)
+        if held is not None and str(held.dtype).replace("paddle.", "") != self.compute_dtype:
+            raise ValueError(  # else a kernel error naming bf16 kernels or a dtype mismatch deep in the step
+                f"past_key_values holds {str(held.dtype).replace('paddle.', '')} rows, the model computes in "
+                f"{self.compute_dtype}: a cache of a model in another dtype"
             )
         if input_ids is not None:  # the embedding's rows (a caller may set a larger one), at least the vocab
             rows = getattr(self.get_input_embeddings(), "weight", None)
