@@ -13,7 +13,7 @@ import numpy as np
 from .errors import CheckpointError
 from .safetensors_io import paddle_to_st_dtype
 
-__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw", "listed_nonfinite"]
+__all__ = ["NonFiniteError", "check_finite_state", "count_nonfinite_raw", "listed_nonfinite", "nonfinite_state_counts"]
 
 _CHUNK_BYTES = 1 << 18  # raw bytes per vectorised test: the temporary stays in cache
 
@@ -68,12 +68,11 @@ def listed_nonfinite(bad: Mapping[str, int], names: list[str], tag: Any = None) 
     return ", ".join(shown) + (f", ... (+{len(names) - 5} more)" if len(names) > 5 else "")
 
 
-def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> None:
-    """Raise :class:`NonFiniteError` naming the floating-point tensors of ``state`` that hold NaN or Inf
-    (``where``: the checkpoint they came from, for the message; ``note``: appended to it). Tensors are
-    checked where they live (``ShardedWeight`` values by their local tensor): a CPU one on its own memory
-    (a numpy view, the raw bit test), any other with ``paddle.isfinite``; nothing is copied to the host
-    but the counts."""
+def nonfinite_state_counts(state: Mapping[str, Any]) -> dict[str, int]:
+    """``{name: NaN/Inf elements}`` of the floating-point tensors of ``state`` that hold any, in its
+    order. Tensors are checked where they live (``ShardedWeight`` values by their local tensor): a CPU
+    one on its own memory (a numpy view, the raw bit test), any other with ``paddle.isfinite``; nothing
+    is copied to the host but the counts."""
     import paddle
 
     from .engine import numpy_view
@@ -91,6 +90,14 @@ def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> 
             count = 0 if bool(finite.all()) else int((~finite).astype("int64").sum())
         if count:
             bad[name] = count
+    return bad
+
+
+def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> None:
+    """Raise :class:`NonFiniteError` naming the floating-point tensors of ``state`` that hold NaN or Inf
+    (``where``: the checkpoint they came from, for the message; ``note``: appended to it), counted by
+    :func:`nonfinite_state_counts`."""
+    bad = nonfinite_state_counts(state)
     if not bad:
         return
     names = sorted(bad)

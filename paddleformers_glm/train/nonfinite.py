@@ -23,7 +23,6 @@ __all__ = [
     "check_written_state",
     "gather_json",
     "loss_flag",
-    "nonfinite_counts",
     "nonfinite_record",
     "state_kind",
 ]
@@ -113,19 +112,6 @@ def nonfinite_record(step: int, grad_norm: float, reports: list[dict[str, Any]])
     }
 
 
-def nonfinite_counts(tensors: Mapping[str, Any]) -> dict[str, int]:
-    """``{name: NaN/Inf elements}`` of the floating-point tensors of ``tensors`` that hold any, in
-    their order: checkpoint/finite.py's test where each tensor lives (a CPU tensor's own memory by bit
-    pattern, any other with ``paddle.isfinite``), one tensor at a time; nothing is copied but the counts."""
-    from ..checkpoint.finite import NonFiniteError, check_finite_state
-
-    try:
-        check_finite_state(tensors, "")
-    except NonFiniteError as e:
-        return {k: e.counts[k] for k in tensors if k in e.counts}
-    return {}
-
-
 def state_kind(key: str) -> str:
     """What a resume state's tensor ``model/<name>`` or ``optimizer/<name>/<kind>`` is, in words."""
     if not key.startswith("optimizer/"):
@@ -145,7 +131,9 @@ def check_written_state(
     rank when any rank's tensors about to be written as ``what`` ("resume state", "export") after
     ``step`` hold NaN or Inf, naming the first rank's first such tensor; nothing of it is then written.
     One gather of a few bytes per call (a save or an export), besides the test itself."""
-    bad = nonfinite_counts(tensors)
+    from ..checkpoint.finite import nonfinite_state_counts
+
+    bad = nonfinite_state_counts(tensors)
     local = {"rank": rank, "tensors": [[k, n] for k, n in list(bad.items())[:5]], "count": len(bad)}
     reports = gather_json(local, world_size)
     holders = [r for r in reports if r["count"]]

@@ -20,11 +20,11 @@ import paddle.nn as nn
 from .._io import atomic_write_text, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
-from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite
+from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite, nonfinite_state_counts
 from ..checkpoint.safetensors_io import paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
-from .nonfinite import check_written_state, nonfinite_counts, state_kind
+from .nonfinite import check_written_state, state_kind
 from .optim import AdamW
 from .state_files import (
     FLEX_DIR,
@@ -375,7 +375,7 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
             dist.load_state_dict(sd, private, safetensors=True)
         # the pieces this rank read (a fused tensor's blocks named #block<i>), before the buffers are
         # set; a refused state leaves them in this rank's tensors, and the run stops here
-        _refuse_nonfinite(f"{folder} (resharded)", topo.rank, nonfinite_counts(sd))
+        _refuse_nonfinite(f"{folder} (resharded)", topo.rank, nonfinite_state_counts(sd))
         del sd
         for t, axis, bufs in buffers:
             t.set_value(bufs[0] if len(bufs) == 1 else paddle.concat(bufs, axis=axis))
