@@ -25,6 +25,7 @@ from ..train.command import (
     train_line_error,
 )
 from ..train.settings import effective_min_lr, recorded_settings
+from .ckpt_check import nan_worst
 from .reference.indexer import saved_indexer_coeff
 from .reference.topk_gaps import NEAR_TIE
 from .reference.train import DUMP_KINDS
@@ -70,11 +71,6 @@ def _rank(x: float) -> tuple[int, float]:
     """Sort key of a difference or ratio: NaN ranks above every number, +inf included (a NaN
     difference is no small one, and Python's ``max`` / ``>`` would drop it, order-dependently)."""
     return (1, 0.0) if math.isnan(x) else (0, x)
-
-
-def _worse(a: float, b: float) -> float:
-    """The larger of two differences, NaN winning (``max(0.0, nan)`` is 0.0)."""
-    return b if _rank(b) > _rank(a) else a
 
 
 def _load(folder: str) -> dict[str, Any]:
@@ -133,7 +129,7 @@ def compare_dumps(
             diff = np.abs(a - b)
         d = float(np.max(diff)) if a.size else 0.0
         scale = float(np.max(np.abs(a))) if a.size else 0.0
-        max_abs = _worse(max_abs, d)
+        max_abs = nan_worst(max_abs, d)
         near_ok = True
         if k in second and second[k].shape == a.shape and a.size:
             v2 = second[k].astype(np.float64)

@@ -111,8 +111,9 @@ def _as_float(arr: np.ndarray, st_dtype: str) -> np.ndarray:
 _DIFF_CHUNK = 1 << 18  # elements compared at a time: float64 chunks of 2 MB, whatever the tensor's size
 
 
-def _worse(a: float, b: float) -> float:
-    """The larger of two max abs diffs, NaN winning (``max(0.0, nan)`` is 0.0: a NaN difference is no small one)."""
+def nan_worst(a: float, b: float) -> float:
+    """The larger of two max abs diffs, NaN winning (``max(0.0, nan)`` is 0.0: a NaN difference is no
+    small one); ``glm52 align``'s dump comparison takes the same."""
     return a if math.isnan(a) else (b if math.isnan(b) or b > a else a)
 
 
@@ -473,7 +474,7 @@ def _compare_tensors(
             counts["quantization"] += 1
             quant["tensors"] += 1
             equal, mad = _compare_dequantized(ref, cand, key)
-            quant["max_abs_diff"] = _worse(quant["max_abs_diff"], mad)
+            quant["max_abs_diff"] = nan_worst(quant["max_abs_diff"], mad)
             if equal:
                 quant["equal_after_rounding"] += 1
                 counts["matched"] += 1
@@ -538,7 +539,7 @@ def _value_summary(differences: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out[d["what"]] += 1
         m, worst = d.get("max_abs_diff"), out["max_abs_diff"]
-        if m is not None and (worst is None or _worse(worst, m) is not worst):  # NaN wins, the first of them
+        if m is not None and (worst is None or nan_worst(worst, m) is not worst):  # NaN wins, the first of them
             out.update(max_abs_diff=m, max_abs_diff_key=d.get("key", d.get("cand_key")))
     return out
 
@@ -571,7 +572,7 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
         equal &= (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
         if a.size:
             mad, _ = _diff_stats(a, "F32", b, db)
-            worst = _worse(worst, mad)  # a NaN difference stays NaN
+            worst = nan_worst(worst, mad)  # a NaN difference stays NaN
         del a, b, rounded
     for side, k in ((fp8, key), (fp8, fp8.fp8[key]), (plain, key)):
         side.ckpt.file_of(k).release(k, around=True)  # type: ignore[union-attr]
