@@ -132,10 +132,15 @@ class DSACache:
             return
         self.capacity = int(capacity)
         if self.key_valid is not None:
-            self.key_valid = _grown(self.key_valid, [self.batch_size, self.capacity], "bool", self.length)
-            for layer in self.layers:
-                layer.grow(self.capacity, self.length)
-            self._slot_ids = paddle.arange(self.capacity, dtype="int64")
+            self._grow_to(self.capacity)
+
+    def _grow_to(self, cap: int) -> None:
+        """Reallocate every buffer to ``cap`` slots, keeping the filled ones (the key validity, each
+        layer's rows, the slot ids)."""
+        self.key_valid = _grown(self.key_valid, [self.batch_size, cap], "bool", self.length)
+        for layer in self.layers:
+            layer.grow(cap, self.length)
+        self._slot_ids = paddle.arange(cap, dtype="int64")
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers 5.23's ``Cache.crop``: forget the last ``-tokens_to_remove`` filled slots (a
@@ -238,10 +243,7 @@ class DSACache:
             positions = paddle.where(new_valid, positions, self.positions.unsqueeze(1) + offsets)
         cap = self.capacity_for(n)
         if self.key_valid is None or self.key_valid.shape[1] < cap:
-            self.key_valid = _grown(self.key_valid, [B, cap], "bool", self.length)
-            for layer in self.layers:
-                layer.grow(cap, self.length)
-            self._slot_ids = paddle.arange(cap, dtype="int64")
+            self._grow_to(cap)
         if past_valid is not None:
             self.key_valid[:, : self.length] = past_valid
         self.key_valid[:, self.length : self.length + n] = True if new_valid is None else new_valid
