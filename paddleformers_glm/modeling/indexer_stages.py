@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "INDEXER_STAGES",
     "IndexerTraining",
+    "check_coeff_stage",
     "check_warmup_flags",
     "kl_term",
     "objective_weights",
@@ -56,6 +57,17 @@ def objective_weights(stage: str, kl_weight: float) -> tuple[float, float]:
             f"the sparse indexer stage weighs its KL by a finite coefficient > 0, got {float(kl_weight):g}"
         )
     return 1.0, float(kl_weight) if stage == "sparse" else 0.0
+
+
+def check_coeff_stage(stage: str, loss_coeff: float | None, name: str, label: str | None = None) -> None:
+    """A KL coefficient (``name``: the flag or keyword that gave it) weighs the sparse stage's KL only:
+    given with another stage (``label``: how the message names it) it is refused (the trainer's
+    ``--indexer-loss-coeff`` and the model's ``set_indexer_training(loss_coeff=...)`` alike)."""
+    if loss_coeff is not None and stage != "sparse":
+        raise ValueError(
+            f"{name} weighs the sparse stage's KL; {label or f'the {stage} stage'} "
+            + ("trains on the dense KL alone (weight 1)" if stage == "warmup" else "has no indexer loss")
+        )
 
 
 def check_warmup_flags(stage: str | None, moe_bias_update_rate: float, moe_aux_loss_coeff: float) -> None:

@@ -39,6 +39,7 @@ from .cache import DSACache, LayerCache
 from .decoder import DecoderLayer
 from .indexer_stages import (
     IndexerTraining,
+    check_coeff_stage,
     kl_term,
     objective_weights,
     own_indexer_layers,
@@ -690,11 +691,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             raise TypeError(f"set_indexer_training: a stage name (none, warmup, sparse), got {training!r}")
         if loss_coeff is not None and (isinstance(loss_coeff, bool) or not isinstance(loss_coeff, (int, float))):
             raise TypeError(f"set_indexer_training: loss_coeff must be a number, got {loss_coeff!r}")
-        if loss_coeff is not None and training.stage != "sparse":
-            raise ValueError(
-                f"loss_coeff weighs the sparse stage's KL; the {training.stage} stage "
-                + ("trains on the dense KL alone (weight 1)" if training.dense else "has no indexer loss")
-            )
+        check_coeff_stage(training.stage, loss_coeff, "loss_coeff")
         if loss_coeff is not None:
             objective_weights("sparse", loss_coeff)  # refuses a coefficient that is not finite and > 0
         self._indexer_loss_coeff = None if loss_coeff is None else float(loss_coeff)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
-from ..modeling.indexer_stages import INDEXER_STAGES, check_warmup_flags
+from ..modeling.indexer_stages import INDEXER_STAGES, check_coeff_stage, check_warmup_flags
 from ..parallel.pipeline import rank_spec, run_stages, validate_shared_layer_starts
 from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig, ParallelConfigError, check_seq_len
 from .data import BIN_DTYPES
@@ -108,11 +108,7 @@ def indexer_stage_weight(stage: str | None, loss_coeff: float | None, saved_coef
     weights = {"none": 0.0, "warmup": 1.0, "sparse": saved_coeff if loss_coeff is None else float(loss_coeff)}
     if stage not in weights:
         raise ValueError(f"--indexer-stage must be one of {', '.join(weights)}, got {stage!r}")
-    if loss_coeff is not None and stage != "sparse":
-        raise ValueError(
-            f"--indexer-loss-coeff weighs the sparse stage's KL; --indexer-stage {stage} "
-            + ("trains on the dense KL alone (weight 1)" if stage == "warmup" else "has no indexer loss")
-        )
+    check_coeff_stage(stage, loss_coeff, "--indexer-loss-coeff", f"--indexer-stage {stage}")
     if stage == "sparse" and not weights[stage] > 0:
         raise ValueError(
             "--indexer-stage sparse needs --indexer-loss-coeff > 0 (the checkpoint's indexer_loss_coeff is "
