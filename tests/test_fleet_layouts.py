@@ -268,6 +268,9 @@ class _ChunkStage:
 
         self.cfg, self.width, self.seen = SimpleNamespace(index_topk=4), width, {}
 
+    def carry_topk_width(self, batch):  # the stage contract: the width every carry's top-k is sent at
+        return min(self.cfg.index_topk, batch["input_ids"].shape[1])
+
     def forward_stage(self, carry, batch, part):
         import paddle
 

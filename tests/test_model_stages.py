@@ -79,3 +79,45 @@ def test_generate_on_a_pipeline_stage_is_refused_by_name():
         stage.eval()
         with pytest.raises(NotImplementedError, match=r"generate: this model is a pipeline stage \(decoder layers"):
             stage.generate(paddle.to_tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+def test_interleaved_chunks_of_the_glm_with_the_embedding_alone_chain_to_the_full_forward():
+    """--pp 2 --vpp 5 splits the tiny GLM's 8 layers E|t|t|t|t|t|t|t|t,m|L-like: chunk 0 holds the
+    embedding alone, so its carry's top-k goes as [B, S, k] -1 placeholders (the interleaved
+    schedule sends every carry at the model's ``carry_topk_width``) and the next chunk's layer must
+    select afresh.  Chained through Fleet's chunk wrapper, the chunks' loss terms equal the whole
+    model's bit for bit."""
+    from paddleformers_glm.parallel.fleet_pipeline import PipelineChunk, selection_gaps
+    from paddleformers_glm.parallel.pipeline import LossLedger
+
+    full = tiny_model(seed=3, indexer_loss_coeff=0.1)
+    full.train()
+    cfg = full.config
+    chunks = split_stages(cfg.num_hidden_layers, 10, has_mtp=True)
+    assert chunks[0].has_embedding and not chunks[0].layers  # the embedding alone
+    ids = tokens(2, 32, seed=5)
+    batch = {"input_ids": ids, "labels": ids}
+    assert full.carry_topk_width(batch) == min(cfg.index_topk, 32)
+    ref = full.forward_stage(None, batch).losses
+
+    ledger = LossLedger()
+    ledger.batch_keys = ["input_ids", "labels"]
+    ledger.reset(dict.fromkeys(ref, 1.0))
+    gaps = selection_gaps(chunks, interleaved=True)
+    assert gaps[0] == (False, True, True)
+    x, sent = (ids, ids), []
+    for c, g in zip(chunks, gaps):
+        x = PipelineChunk(full, c, ledger, False, *g)(x)
+        if not c.is_last:
+            sent.append(x[3])  # (input_ids, labels, hidden, top-k)
+    assert all(list(t.shape) == [2, 32, full.carry_topk_width(batch)] for t in sent)
+    assert (sent[0].numpy() == -1).all()  # the placeholder; the first layer's selection is real:
+    assert (sent[1].numpy()[:, -1] >= 0).all()  # the last query sees every key (-1 pads early queries)
+    got = ledger.totals()
+    assert set(got) == set(ref)
+    for name, term in ref.items():  # each term once, on the chunk holding its layer or head
+        if name != "indexer_kl":
+            assert got[name] == (float(term.sum.astype("float64").numpy()), int(term.count)), name
+    # the layers' KL summed per chunk (one term per chunk, weighted per micro-batch, not per count)
+    # then over chunks: the whole model's float32 sum up to its rounding
+    np.testing.assert_allclose(got["indexer_kl"][0], float(ref["indexer_kl"].sum.numpy()), rtol=1e-7, atol=0)

@@ -827,6 +827,13 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         logits = [self.lm_head(h) for h in [hidden, *mtp_hidden]]  # vocab-parallel [B, S, V/tp]
         return StageOutput(losses=causal_lm_losses(logits, batch, terms, True, self.tp_group))
 
+    def carry_topk_width(self, batch: Mapping[str, paddle.Tensor]) -> int:
+        """The width k of the top-k ``[B, S, k]`` a decoder layer of this stage carries for ``batch``:
+        ``min(index_topk, T)``, T the keys of the whole sequence (this rank's ``input_ids`` length
+        times the context-parallel degree).  The interleaved pipeline sends every carry at this width
+        (parallel/fleet_pipeline.py)."""
+        return min(int(self.config.index_topk), int(batch["input_ids"].shape[1]) * self.topology.cp_size)
+
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Full-vocabulary logits [B, S, V] (the vocab-parallel ones gathered over TP)."""
         return comm.gather_from_tp(self.lm_head(hidden), axis=-1, group=self.tp_group)

@@ -28,7 +28,7 @@ from . import comm
 from .pipeline import LossLedger, StageSpec, checked_output, evaluation
 from .topology import ParallelConfigError, Topology
 
-__all__ = ["FleetPipeline", "PipelineChunk", "selection_gaps", "step_optimizer", "topk_width"]
+__all__ = ["FleetPipeline", "PipelineChunk", "selection_gaps", "step_optimizer"]
 
 
 class _AttachObjective(paddle.autograd.PyLayer):
@@ -63,7 +63,7 @@ class PipelineChunk(nn.Layer):
     selection yet" (a chunk holding the embedding alone).  Fleet's interleaved schedule sends every
     carry with the shapes of a rank's first send (static shapes: an empty top-k then a ``[B, S, k]``
     one aborted gloo, "op.preamble.length <= op.nbytes. 2048 vs 0"), so with ``static_topk`` every
-    carry's top-k is ``[B, S, k]`` (:func:`topk_width`): an empty one goes as -1 placeholders and
+    carry's top-k is ``[B, S, k]`` (the stage's ``carry_topk_width``): an empty one goes as -1 placeholders and
     the chunk that receives it hands the model the empty one again, so no layer ever reads the
     placeholder as a selection.
     """
@@ -85,7 +85,7 @@ class PipelineChunk(nn.Layer):
     def _static_topk(self, carry: Sequence[paddle.Tensor], batch: dict, where: str) -> tuple[paddle.Tensor, ...]:
         """``carry`` with its top-k (the int64 tensors) ``[B, S, k]``: an empty one (no layer ran yet)
         as -1 placeholders; any other width is refused here rather than by the receiver's gloo."""
-        k, out = topk_width(self.stage, batch), []
+        k, out = self.stage.carry_topk_width(batch), []
         for t in carry:
             if t.dtype == paddle.int64 and t.shape[-1] != k:
                 if t.shape[-1] or not self.no_selection_out:
@@ -149,16 +149,6 @@ def selection_gaps(chunks: Sequence[StageSpec], interleaved: bool) -> list[tuple
         flags.append((not c.has_embedding and before == 0, ran == 0))
     static = interleaved and any(out for _, out in flags[:-1])
     return [(static and i, static and o, static) for i, o in flags]
-
-
-def topk_width(stage: nn.Layer, batch: dict) -> int:
-    """The width k of the top-k [B, S, k] a decoder layer of ``stage`` (the GLM model or the toy)
-    carries for ``batch``: ``min(index_topk, T)``, T the keys of the whole sequence (this rank's
-    ``input_ids`` length times the context-parallel degree)."""
-    cfg = stage.config if hasattr(stage, "config") else stage.cfg
-    topo = getattr(stage, "topology", None)
-    cp = topo.cp_size if topo is not None else 1
-    return min(int(cfg.index_topk), int(batch["input_ids"].shape[1]) * cp)
 
 
 def _micro_batches(micro_batches: Sequence[dict[str, paddle.Tensor]], keys: Sequence[str]) -> Iterator[tuple]:

@@ -183,6 +183,11 @@ class ToyStage(nn.Layer):
         if spec.has_mtp:
             self.mtp = ToyMTP(cfg, topo)
 
+    def carry_topk_width(self, batch: Batch) -> int:
+        """The width k of the top-k ``[B, S, k]`` a toy layer carries: ``min(index_topk, S)`` (the toy
+        has no context parallelism)."""
+        return min(int(self.cfg.index_topk), int(batch["input_ids"].shape[1]))
+
     def forward_stage(self, carry: Carry | None, batch: Batch, part: StageSpec | None = None) -> StageOutput:
         """``part``: run only that chunk of the stage (a virtual pipeline stage); default all of it."""
         spec = part or self.spec
