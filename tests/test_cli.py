@@ -250,3 +250,17 @@ def test_make_tiny_names_the_flag_of_a_bad_value(tmp_path, flags, needle, capsys
     assert main(["make-tiny", str(out), *flags]) == 2
     assert _one_line(capsys.readouterr().err) == needle
     assert not out.exists()
+
+
+def test_train_choices_equal_the_settings_choices():
+    """``glm52 train``'s argparse choices are spelled apart from the settings' check (the CLI loads no
+    Paddle, settings does): a value one accepts and the other refuses would pass the CLI and fail on
+    every rank, or be refused up front although the run takes it."""
+    from paddleformers_glm.train.settings import SETTING_CHOICES
+
+    compared = {}
+    for a in _subparsers()["train"]._actions:
+        if a.choices is not None and a.dest in SETTING_CHOICES:
+            compared[a.dest] = (sorted(a.choices), sorted(SETTING_CHOICES[a.dest]))
+    assert {"dtype", "recompute", "expert_update", "indexer_stage", "export_dtype"} <= set(compared), compared
+    assert all(cli_ == settings for cli_, settings in compared.values()), compared

@@ -54,7 +54,7 @@ __all__ = [
 
 # defaults of the flags glm52 plan shares with the trainer but defaults otherwise (a smoke-run size)
 TRAIN_DEFAULTS = {"seq_len": 64, "global_batch_size": 4, "dtype": "float32"}
-EXPORT_DTYPES = ("trained", "auto", "float32", "bfloat16")  # --export-dtype (settings.TrainConfig checks the same)
+EXPORT_DTYPES = ("trained", "auto", "float32", "bfloat16")  # --export-dtype (settings.SETTING_CHOICES, held equal)
 
 
 def add_layout_arguments(g: Any, sharding_stages: Sequence[int] = (1, 2)) -> None:

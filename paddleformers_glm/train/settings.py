@@ -19,13 +19,23 @@ from ..parallel.topology import EXPERT_UPDATES, RECOMPUTE_MODES, ParallelConfig,
 from .data import BIN_DTYPES
 from .state_files import model_differences, model_identity, read_meta, resolve_resume_state
 
-_EXPORT_DTYPES = ("trained", "auto", "float32", "bfloat16")  # --export-dtype (train/command.py's choices)
+# The values each setting may take.  ``glm52 train``'s argparse choices (train/command.py, which must
+# not import this module: it loads Paddle) spell them again; tests/test_cli.py holds the two equal.
+SETTING_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("float32", "bfloat16"),
+    "recompute": RECOMPUTE_MODES,
+    "expert_update": EXPERT_UPDATES,
+    "indexer_stage": INDEXER_STAGES,
+    "data_dtype": ("auto", *BIN_DTYPES),
+    "export_dtype": ("trained", "auto", "float32", "bfloat16"),
+}
 
 if TYPE_CHECKING:
     from .adapter import ModelAdapter
 
 __all__ = [
     "RECORDED_SETTINGS",
+    "SETTING_CHOICES",
     "RESUME_SETTINGS",
     "TrainConfig",
     "check_choices",
@@ -188,16 +198,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_numbers(self)
-        choices = {"dtype": ("float32", "bfloat16"), "recompute": RECOMPUTE_MODES, "expert_update": EXPERT_UPDATES}
-        check_choices(
-            self,
-            {
-                **choices,
-                "indexer_stage": INDEXER_STAGES,
-                "data_dtype": ("auto", *BIN_DTYPES),
-                "export_dtype": _EXPORT_DTYPES,
-            },
-        )
+        check_choices(self, SETTING_CHOICES)
         if self.export_dtype != "trained" and not self.export:
             raise ValueError(
                 f"--export-dtype {self.export_dtype} sets the dtype of --export, which this run does not ask for"
