@@ -150,6 +150,28 @@ def test_save_pretrained_writes_the_models_dtype_as_transformers(tmp_path):
     assert _st_dtypes(tmp_path / "bf16") == {"BF16"}
 
 
+def test_a_config_without_a_dtype_key_gains_the_one_the_weights_were_written_in(tmp_path):
+    """A config.json stating no dtype (the key is optional; the model then takes BF16): a save
+    writes BF16 with ``dtype="auto"`` and must say so, as transformers 5.23's ``save_pretrained``
+    always writes ``dtype`` (measured: a float32 model saves ``"dtype": "float32"``).  The saved
+    config.json lacked the key, so a reader of the file alone could not tell the weights' dtype."""
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(FIXTURE, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+    (bare / "config.json").write_text(json.dumps(cfg))
+    m = GlmMoeDsaForCausalLM.from_pretrained(bare, dtype="float32")
+    m.save_pretrained(tmp_path / "auto", dtype="auto")
+    assert _st_dtypes(tmp_path / "auto") == {"BF16"}
+    assert json.loads((tmp_path / "auto" / "config.json").read_text()) == {**cfg, "dtype": "bfloat16"}
+    m.save_pretrained(tmp_path / "f32")
+    assert _st_dtypes(tmp_path / "f32") == {"F32"}
+    assert json.loads((tmp_path / "f32" / "config.json").read_text()) == {**cfg, "dtype": "float32"}
+
+
 def test_save_in_a_dtype_no_checkpoint_states_is_refused_before_writing(tmp_path):
     """``save_pretrained(dtype="float64")`` passed the name check and failed inside the AOA engine
     ("Unsupported cast dtype: float64"); now one line up front, nothing written."""

@@ -136,7 +136,7 @@ def finish_save(
     if layout == "hf" and (hf := config.to_transformers_dict()) != config.to_dict():
         write_json_atomic(os.path.join(tmp, "config.json"), hf, sort_keys=False)
     set_quantization_config(os.path.join(tmp, "config.json"), quantization_config)
-    if model_dtype is not None and model_dtype != config.model_dtype:
+    if model_dtype is not None:  # also where the source config.json stated no dtype (bf16 by default)
         set_config_dtype(os.path.join(tmp, "config.json"), model_dtype)
     written = []
     if generation_config is not None:  # the carried file would be the settings before the change
@@ -362,7 +362,10 @@ def set_config_dtype(path: str, dtype: str) -> None:
     does (it writes ``dtype: float32`` for a float32 model, and loads ``dtype="auto"`` in it): under the
     file's spelling (``dtype`` and/or ``torch_dtype``), ``dtype`` where it has neither."""
     cfg = read_json(path, "the model config")
-    for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    if all(cfg.get(k) == dtype for k in keys):
+        return
+    for key in keys:
         cfg[key] = dtype
     write_json_atomic(path, cfg, sort_keys=False)
 
