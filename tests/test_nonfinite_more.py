@@ -203,3 +203,33 @@ def test_tp2_nan_weights_in_rank_1s_slice_are_one_line_without_traceback(tmp_pat
     assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, (p.stdout[-3000:], p.stderr[-3000:])
     rec = strict(out / "logs" / "failure.json")
     assert (rec["rank"], rec["cause"], rec["tensor"]) == (1, "error", "lm_head.weight"), rec
+
+
+def test_an_accelerator_state_is_checked_with_one_host_read(monkeypatch):
+    """Before a save the trainer counts the NaN/Inf of every tensor it writes.  A tensor that is not
+    on the host (no numpy view of its memory: an accelerator's) was reduced and read one by one, a
+    device sync per tensor per save (thousands on the 744B model); the flags are now read in one
+    go, and the counts equal the host path's bit test."""
+    import paddle
+
+    from paddleformers_glm.checkpoint import engine
+    from paddleformers_glm.checkpoint.finite import nonfinite_state_counts
+
+    rng = np.random.default_rng(0)
+    state = {f"w{i}": paddle.to_tensor(rng.standard_normal((5, 7)).astype("float32")) for i in range(6)}
+    state["ids"] = paddle.arange(4)  # an integer tensor is not checked
+    assert nonfinite_state_counts(state) == {}
+    w1, w4 = state["w1"].numpy(), state["w4"].numpy()
+    w1[0, :3], w4[2, 1], w4[3, 3] = np.nan, np.inf, -np.inf
+    state["w1"], state["w4"] = paddle.to_tensor(w1), paddle.to_tensor(w4)
+    on_host = nonfinite_state_counts(state)
+    assert on_host == {"w1": 3, "w4": 2}
+
+    monkeypatch.setattr(engine, "numpy_view", lambda t: None)  # every tensor takes the device path
+    reads = []
+    host_read = paddle.Tensor.numpy
+    monkeypatch.setattr(paddle.Tensor, "numpy", lambda self, *a, **k: reads.append(1) or host_read(self, *a, **k))
+    assert nonfinite_state_counts(state) == on_host
+    reads.clear()
+    finite = {k: v for k, v in state.items() if k not in ("w1", "w4")}
+    assert nonfinite_state_counts(finite) == {} and len(reads) == 1

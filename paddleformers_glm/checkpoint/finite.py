@@ -71,26 +71,30 @@ def listed_nonfinite(bad: Mapping[str, int], names: list[str], tag: Any = None) 
 def nonfinite_state_counts(state: Mapping[str, Any]) -> dict[str, int]:
     """``{name: NaN/Inf elements}`` of the floating-point tensors of ``state`` that hold any, in its
     order. Tensors are checked where they live (``ShardedWeight`` values by their local tensor): a CPU
-    one on its own memory (a numpy view, the raw bit test), any other with ``paddle.isfinite``; nothing
-    is copied to the host but the counts."""
+    one on its own memory (a numpy view, the raw bit test), any other with ``paddle.isfinite``, each
+    reduced to one flag on its device and the flags read together: a finite accelerator state costs
+    one device-to-host read (not one per tensor), and only a tensor that fails is counted."""
     import paddle
 
     from .engine import numpy_view
 
-    bad: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    on_device: list[tuple[str, paddle.Tensor]] = []
     for name, t in state.items():
         t = getattr(t, "local_tensor", t)
-        if not isinstance(t, paddle.Tensor) or not t.is_floating_point() or t.numel() == 0:
+        if not isinstance(t, paddle.Tensor) or not t.is_floating_point() or 0 in t.shape:  # (numel() is a read)
             continue
         view = numpy_view(t.detach())
         if view is not None:  # bf16 / f16 / f32 / f64
-            count = count_nonfinite_raw(view, paddle_to_st_dtype(t.dtype))
+            counts[name] = count_nonfinite_raw(view, paddle_to_st_dtype(t.dtype))
         else:  # an accelerator's tensor (or another dtype)
-            finite = paddle.isfinite(t)
-            count = 0 if bool(finite.all()) else int((~finite).astype("int64").sum())
-        if count:
-            bad[name] = count
-    return bad
+            counts[name] = -1
+            on_device.append((name, t))
+    if on_device:
+        finite = paddle.stack([paddle.isfinite(t).all() for _, t in on_device]).numpy()
+        for (name, t), ok in zip(on_device, finite):
+            counts[name] = 0 if ok else int((~paddle.isfinite(t)).astype("int64").sum())
+    return {name: n for name, n in counts.items() if n}
 
 
 def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> None:
