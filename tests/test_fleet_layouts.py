@@ -291,7 +291,7 @@ class _ChunkStage:
         return StageOutput(carry=(hidden, topk))
 
 
-def _run_chunks(chunks, interleaved, stage):
+def _run_chunks(chunks, stage):
     """The chunks in turn as Fleet runs them: each one's output is the next one's input; returns the
     top-k each chunk sent."""
     import paddle
@@ -303,7 +303,7 @@ def _run_chunks(chunks, interleaved, stage):
     ledger.batch_keys = ["input_ids"]
     ledger.reset({"lm": 1.0})
     x, sent = (paddle.zeros([2, 6], dtype="int64"),), []
-    for c, g in zip(chunks, selection_gaps(chunks, interleaved)):
+    for c, g in zip(chunks, selection_gaps(chunks)):
         x = PipelineChunk(stage, c, ledger, False, *g)(x)
         if not c.is_last:
             sent.append(x[2])  # (input_ids, hidden, top-k)
@@ -321,18 +321,24 @@ def test_interleaved_chunk_holding_the_embedding_alone_sends_a_static_top_k_no_l
     chunks = split_stages(6, 8, has_mtp=True)  # the split --pp 2 --vpp 4 runs
     assert layout_string(chunks) == "E|t|t|t|t|t|t|m,L"
     stage = _ChunkStage()
-    sent = _run_chunks(chunks, True, stage)
+    sent = _run_chunks(chunks, stage)
     assert [list(t.shape) for t in sent] == [[2, 6, 4]] * 7
     assert (sent[0].numpy() == -1).all() and (sent[1].numpy() >= 0).all()
     assert list(stage.seen[1].shape) == [2, 6, 0]  # chunk 1 (layer 0) selects afresh
     assert all(list(stage.seen[c].shape) == [2, 6, 4] and (stage.seen[c].numpy() >= 0).all() for c in range(2, 8))
-    # one chunk per rank (1F1B): each rank sends one shape, the carry is left as the model made it
+    # one chunk per rank (1F1B): the embedding-only stage sends the placeholder too (an empty tensor
+    # is refused by Fleet's NCCL p2p, "can't send/recv zero element"); the next stage selects afresh
     stage = _ChunkStage()
-    sent = _run_chunks(parse_pp_layout("E|t*6,m,L", 6, 2, has_mtp=True), False, stage)
-    assert [list(t.shape) for t in sent] == [[2, 6, 0]] and list(stage.seen[1].shape) == [2, 6, 0]
+    sent = _run_chunks(parse_pp_layout("E|t*6,m,L", 6, 2, has_mtp=True), stage)
+    assert [list(t.shape) for t in sent] == [[2, 6, 4]] and (sent[0].numpy() == -1).all()
+    assert list(stage.seen[1].shape) == [2, 6, 0]
+    # a layout whose every stage runs a layer sends the model's own top-k
+    stage = _ChunkStage()
+    sent = _run_chunks(parse_pp_layout("E,t*3|t*3,m,L", 6, 2, has_mtp=True), stage)
+    assert [list(t.shape) for t in sent] == [[2, 6, 4]] and (sent[0].numpy() >= 0).all()
     # a top-k of another width than the one every carry is sent with is refused by name, not by gloo
     with pytest.raises(RuntimeError, match=r"pipeline chunk 1: the carried top-k is \[2, 6, 3\].*\[\.\.\., 4\]"):
-        _run_chunks(chunks, True, _ChunkStage(width=3))
+        _run_chunks(chunks, _ChunkStage(width=3))
 
 
 def test_a_virtual_chunk_holding_nothing_is_named_a_chunk():

@@ -103,7 +103,7 @@ def test_interleaved_chunks_of_the_glm_with_the_embedding_alone_chain_to_the_ful
     ledger = LossLedger()
     ledger.batch_keys = ["input_ids", "labels"]
     ledger.reset(dict.fromkeys(ref, 1.0))
-    gaps = selection_gaps(chunks, interleaved=True)
+    gaps = selection_gaps(chunks)
     assert gaps[0] == (False, True, True)
     x, sent = (ids, ids), []
     for c, g in zip(chunks, gaps):

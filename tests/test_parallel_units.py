@@ -129,6 +129,44 @@ def test_world1_topology_needs_no_distributed_init():
 
 
 # ------------------------------------------------------------------ stage layouts
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_the_pipeline_never_sends_a_carry_partially(monkeypatch, backend):
+    """Fleet's ``enable_partial_send_recv`` (default on; NCCL's batched p2p reads it) sends each TP
+    rank's 1/tp slice of a stage's output and all-gathers the slices on the receiver, which is right
+    only where every TP rank holds the same tensor.  Under ``--sp`` each TP rank holds its own
+    sequence shard of the hidden states: the receiver got a mix of the shards, no error (measured on
+    Paddle 3.3.1's p2p helpers: neither rank's shard, max diff 3.2), and an empty [B, S, 0] top-k
+    asserted "can't send/recv zero element" even at tp 1.  Paddle's own hybrid-parallel tests set
+    it False with sequence parallel.  The strategy handed to ``fleet.init`` is captured here."""
+    from paddle.distributed import fleet
+
+    from paddleformers_glm.parallel import comm
+
+    class Captured(Exception):
+        pass
+
+    seen = {}
+
+    def capture(is_collective, strategy):
+        seen["strategy"] = strategy
+        raise Captured
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    monkeypatch.setattr(comm, "detect_backend", lambda: backend)
+    if backend == "gloo":  # what the gloo branch installs is not under test here
+        from paddleformers_glm.parallel import _compat, fleet_gloo
+
+        monkeypatch.setattr(_compat, "apply_gloo_subgroup_store_fix", lambda: None)
+        monkeypatch.setattr(fleet_gloo, "install", lambda *a: None)
+    monkeypatch.setattr(fleet, "init", capture)
+    with pytest.raises(Captured):
+        init_topology(ParallelConfig(tp=2, pp=2, sp=True), accumulate_steps=4, micro_batch_size=1)
+    pipeline = seen["strategy"].pipeline_configs
+    assert pipeline["enable_partial_send_recv"] is False
+    assert (pipeline["accumulate_steps"], pipeline["micro_batch_size"]) == (4, 1)
+    assert seen["strategy"].hybrid_configs["pp_configs"].use_batch_p2p_comm is (backend == "nccl")
+
+
 def test_layout_string_forms():
     specs = parse_pp_layout("E,t*4|t*4,L", 8, 2)
     assert [s.layers for s in specs] == [(0, 1, 2, 3), (4, 5, 6, 7)]

@@ -197,6 +197,16 @@ def test_pp2_vpp4_even_split_with_the_embedding_alone_in_chunk_0_matches_single_
     print(f"pp2 vpp4: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
 
 
+def test_pp2_first_stage_holding_the_embedding_alone_matches_single_process(ref, runs):
+    """1F1B with a first stage of the embedding alone: its top-k travels as the [B, S, k] -1
+    placeholder (Fleet's NCCL p2p refuses an empty tensor, "can't send/recv zero element"), which
+    stage 1 hands its model as the empty "no selection yet"; the run equals one process."""
+    a, secs = _cli(runs / "pp2emb", "--pp", "2", "--pp-layout", "E|t*6,m,L")
+    assert a["run"]["pp_layout"] == "E|t*6,m,L" and a["run"]["schedule"] == "1f1b", a["run"]
+    _assert_close(ref[0], a, "pp2 embedding alone")
+    print(f"pp2 embedding alone: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
+
+
 def test_resume_into_expert_parallel_reshards(runs, pp2_run):
     """A state of a layout without expert parallelism resumes at --dp 2 --ep 2, where each rank holds
     half the experts, and continues the uninterrupted curve.  Before, every rank refused it after

@@ -60,11 +60,12 @@ class PipelineChunk(nn.Layer):
 
     ``no_selection_in`` / ``no_selection_out`` (:func:`selection_gaps`): no decoder layer runs
     before this chunk's input / output, so the model's top-k there is the empty ``[B, S, 0]`` "no
-    selection yet" (a chunk holding the embedding alone).  Fleet's interleaved schedule sends every
-    carry with the shapes of a rank's first send (static shapes: an empty top-k then a ``[B, S, k]``
-    one aborted gloo, "op.preamble.length <= op.nbytes. 2048 vs 0"), so with ``static_topk`` every
-    carry's top-k is ``[B, S, k]`` (the stage's ``carry_topk_width``): an empty one goes as -1 placeholders and
-    the chunk that receives it hands the model the empty one again, so no layer ever reads the
+    selection yet" (a chunk holding the embedding alone).  No carry travels empty: Fleet's interleaved
+    schedule sends every carry with the shapes of a rank's first send (an empty top-k then a
+    ``[B, S, k]`` one aborted gloo, "op.preamble.length <= op.nbytes. 2048 vs 0"), and its NCCL p2p
+    asserts "can't send/recv zero element".  So with ``static_topk`` every carry's top-k is
+    ``[B, S, k]`` (the stage's ``carry_topk_width``): an empty one goes as -1 placeholders and the
+    chunk that receives it hands the model the empty one again, so no layer ever reads the
     placeholder as a selection.
     """
 
@@ -90,7 +91,7 @@ class PipelineChunk(nn.Layer):
             if t.dtype == paddle.int64 and t.shape[-1] != k:
                 if t.shape[-1] or not self.no_selection_out:
                     raise RuntimeError(
-                        f"{where}: the carried top-k is {list(t.shape)}, the interleaved pipeline sends every "
+                        f"{where}: the carried top-k is {list(t.shape)}, the pipeline sends every "
                         f"top-k as [..., {k}] (a chunk before holds no decoder layer)"
                     )
                 t = paddle.full([*t.shape[:-1], k], -1, dtype="int64")
@@ -136,18 +137,17 @@ class PipelineChunk(nn.Layer):
         return tuple(t.clone() for t in x[: len(keys)]) + tuple(carry_out)
 
 
-def selection_gaps(chunks: Sequence[StageSpec], interleaved: bool) -> list[tuple[bool, bool, bool]]:
+def selection_gaps(chunks: Sequence[StageSpec]) -> list[tuple[bool, bool, bool]]:
     """Per chunk, :class:`PipelineChunk`'s ``(no_selection_in, no_selection_out, static_topk)``: whether
     no decoder layer runs before its input / its output (the model's top-k there is the empty "no
     selection yet": a first chunk holding the embedding alone), and whether every carry's top-k
-    travels ``[B, S, k]``.  Only an interleaved schedule needs that: with one chunk per rank each
-    rank sends one shape."""
+    travels ``[B, S, k]``: wherever one would otherwise travel empty, under either schedule."""
     flags, ran = [], 0
     for c in chunks:
         before = ran
         ran += len(c.layers)
         flags.append((not c.has_embedding and before == 0, ran == 0))
-    static = interleaved and any(out for _, out in flags[:-1])
+    static = any(out for _, out in flags[:-1])
     return [(static and i, static and o, static) for i, o in flags]
 
 
@@ -173,7 +173,7 @@ class FleetPipeline:
         self.ledger = LossLedger()
         anchor = not getattr(stage, "carry_takes_gradient", True)
         # PipelineChunk(stage, spec, ledger, grad_anchor, no_selection_in, no_selection_out, static_topk)
-        gaps = selection_gaps(self.chunks, interleaved=vpp > 1)
+        gaps = selection_gaps(self.chunks)
         descs = [LayerDesc(PipelineChunk, stage, c, self.ledger, anchor, *g) for c, g in zip(self.chunks, gaps)]
         layer = _SyncPointPipelineLayer(
             layers=descs,

@@ -334,7 +334,14 @@ def init_topology(
         "sharding_degree": pc.sharding,
         "sep_degree": pc.cp,  # context parallel on Fleet's "sep" axis (why not cp_degree: docs/parallel.md 9)
     }
-    strategy.pipeline_configs = {"accumulate_steps": accumulate_steps, "micro_batch_size": micro_batch_size}
+    # Fleet's partial send/recv (on by default, NCCL's batched p2p) sends each TP rank's 1/tp slice of
+    # a carry and all-gathers it on the receiver: right only where every TP rank holds the same tensor.
+    # Under --sp each holds its own sequence shard, which it would mix silently (docs/parallel.md 3).
+    strategy.pipeline_configs = {
+        "accumulate_steps": accumulate_steps,
+        "micro_batch_size": micro_batch_size,
+        "enable_partial_send_recv": False,
+    }
     if pc.sp:
         # Fleet's sequence-parallel linears read mp_configs; keep the plain (non-overlapped) forward,
         # the one whose collectives go through sequence_parallel_utils (and fleet_gloo on CPU)
