@@ -12,7 +12,7 @@ from typing import Any
 from .._io import atomic_path, dumps_json, is_int, read_json
 from ._common import output_file_error
 
-PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'paddleformers_glm[plot]'"
+PLOT_EXTRA_HINT = "plotting needs matplotlib (the plot extra): pip install 'matplotlib>=3.7', or pip install -e '.[plot]' in a checkout"
 # left a heatmap, right curves
 TWO_PANELS = {"figsize": (13, 4.8), "gridspec_kw": {"width_ratios": [1.3, 1]}}
 

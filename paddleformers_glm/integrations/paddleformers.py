@@ -368,7 +368,8 @@ def register(replace: bool | None = None) -> list[str]:
     if importlib.util.find_spec("paddleformers") is None:
         raise ImportError(
             "paddleformers_glm.integrations.paddleformers: PaddleFormers is not installed; "
-            f'pip install "paddleformers_glm[paddleformers]" (tested with paddleformers=={PADDLEFORMERS_TESTED})'
+            f"pip install -e '.[paddleformers]' in a checkout, in its own virtualenv (it pins NumPy 1.26; tested "
+            f"with paddleformers=={PADDLEFORMERS_TESTED})"
         )
     if replace is None:
         replace = not paddleformers_model_runs()

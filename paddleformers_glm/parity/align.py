@@ -394,7 +394,8 @@ def run_align(args: argparse.Namespace) -> int:
     if absent:  # --no-run compares finished runs only
         print(
             f"glm52 align: error: the torch reference needs the reference extra ({' and '.join(absent)} not "
-            "installed): pip install 'paddleformers_glm[reference]'",
+            "installed): pip install torch==2.13.0 transformers==5.23.0 accelerate==1.16.0, or pip install -e "
+            "'.[reference]' in a checkout",
             file=sys.stderr,
         )
         return 2
