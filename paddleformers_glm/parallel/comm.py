@@ -31,6 +31,7 @@ __all__ = [
     "detect_backend",
     "exchange_counts",
     "fleet_sp_group",
+    "gather_counts",
     "gather_from_sp",
     "gather_from_tp",
     "gather_rows_from_tp",
@@ -223,6 +224,25 @@ def exchange_counts(send_counts: Sequence[int], group: Any) -> list[list[int]]:
     parts: list[paddle.Tensor] = []
     dist.all_gather(parts, t, group=group)
     return [[int(v) for v in p.numpy().tolist()] for p in parts]
+
+
+def gather_counts(counts: paddle.Tensor, *groups: Any) -> np.ndarray:
+    """Every rank's ``counts`` (an int64 vector on the device) on the host, in ONE read: all-gathered
+    over each of ``groups`` in turn on the device, shape ``[size of the last group, ..., size of the
+    first, len(counts)]`` (a size-1 axis for a group of one rank), indexed by group rank.
+
+    On a GPU each read of a device value is a stream synchronisation; gathering first lets one read
+    size every uneven exchange that follows (the expert dispatch's all-to-all and etp pooling).
+    """
+    x = counts.astype("int64").reshape([-1])
+    for g in groups:
+        if _live(g):
+            parts: list[paddle.Tensor] = []
+            dist.all_gather(parts, x.contiguous(), group=g)
+            x = paddle.stack(parts)
+        else:
+            x = x.unsqueeze(0)
+    return x.numpy()
 
 
 def all_to_all_single(x: paddle.Tensor, counts: list[list[int]], group: Any, reverse: bool = False) -> paddle.Tensor:

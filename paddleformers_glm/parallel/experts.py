@@ -26,6 +26,11 @@ __all__ = ["ExpertMLP", "ExpertParallelDispatcher", "LocalExperts"]
 ExpertFn = Callable[[paddle.Tensor, list[int]], paddle.Tensor]
 
 
+def _rank(group: object) -> int:
+    """This process's rank in ``group`` (0 in a group of one or none)."""
+    return group.rank if comm.group_size(group) > 1 else 0
+
+
 class ExpertParallelDispatcher:
     """Dispatch / compute / combine for one MoE layer (``num_experts``: the global count)."""
 
@@ -84,23 +89,16 @@ class ExpertParallelDispatcher:
         order = paddle.argsort(flat_ids, stable=True)  # assignments grouped by expert (hence by owner rank)
         x = paddle.gather(hidden, paddle.floor_divide(order, paddle.full_like(order, k)))  # [t*K, H]
         sorted_ids = paddle.gather(flat_ids, order)
-        per_expert = np.bincount(flat_ids.numpy(), minlength=self.num_experts)
-        if per_expert.size > self.num_experts:
-            raise ValueError(f"dispatcher: expert id {int(flat_ids.max())} >= n_routed_experts {self.num_experts}")
-        send = [int(per_expert[j * self.num_local : (j + 1) * self.num_local].sum()) for j in range(self.ep_size)]
-        counts = comm.exchange_counts(send, self.ep_group)
+        counts, etp_sizes, counts_local = self._sizes(flat_ids)
         x = comm.all_to_all(x, counts, self.ep_group)  # tokens -> owner ranks
         local_ids = comm.all_to_all_single(sorted_ids, counts, self.ep_group) - self.local_start
 
-        etp_sizes = None
-        if comm.group_size(self.etp_group) > 1:  # pool the etp group's tokens; each rank holds an FFN slice
-            etp_sizes = [row[0] for row in comm.exchange_counts([x.shape[0]], self.etp_group)]
+        if etp_sizes is not None:  # pool the etp group's tokens; each rank holds an FFN slice
             x = comm.all_gather_varlen(x, etp_sizes, self.etp_group)
             local_ids = comm.all_gather_varlen(local_ids, etp_sizes, self.etp_group)
 
         order2 = paddle.argsort(local_ids, stable=True)
         xs = paddle.gather(x, order2) if x.shape[0] else x
-        counts_local = [int(c) for c in np.bincount(local_ids.numpy(), minlength=self.num_local)]
         ys = expert_fn(xs, counts_local)
         y = paddle.gather(ys, paddle.argsort(order2)) if ys.shape[0] else ys
         if etp_sizes is not None:
@@ -114,6 +112,33 @@ class ExpertParallelDispatcher:
         if self.split_tp:
             y = comm.gather_rows_from_tp(y, tp_rows, self.tp_group)
         return y
+
+    def _sizes(self, flat_ids: paddle.Tensor) -> tuple[list[list[int]], list[int] | None, list[int]]:
+        """Everything the dispatch must know on the host, from ONE read (on a GPU each read is a
+        stream synchronisation, and this runs per MoE layer per forward): ``(counts, etp_sizes,
+        counts_local)``, i.e. the all-to-all matrix ``counts[src][dst]`` (rows from EP rank src to
+        dst), the rows each etp rank pools (None at etp 1), and the pooled rows per local expert.
+
+        Each rank counts its assignments per expert on the device (a scatter-add of fixed length:
+        ``paddle.bincount`` sizes its output from the ids' maximum, itself a read on a GPU), the
+        count vectors are all-gathered over EP then etp, and the gathered block is read once. Ids
+        outside ``[0, n_routed_experts)`` count in one extra slot, so every rank of the exchange
+        sees them and all raise together instead of leaving the others waiting in the all-to-all.
+        """
+        E, n, ep = self.num_experts, self.num_local, self.ep_size
+        bins = paddle.where((flat_ids >= 0) & (flat_ids < E), flat_ids, paddle.full_like(flat_ids, E))
+        per_expert = paddle.index_add(paddle.zeros([E + 1], dtype="int64"), bins, 0, paddle.ones_like(bins))
+        block = comm.gather_counts(per_expert, self.ep_group, self.etp_group)  # [etp, ep, E + 1]
+        if block[..., E].any():
+            here = sorted({int(i) for i in paddle.masked_select(flat_ids, bins == E).numpy()})
+            which = f"expert ids {here[:8]}" if here else "an expert id routed on another rank"
+            raise ValueError(f"dispatcher: {which} outside [0, n_routed_experts {E})")
+        m = block[_rank(self.etp_group), :, :E].reshape(ep, ep, n)  # [src, dst, local expert of dst]
+        counts = m.sum(axis=2).tolist()
+        # [etp rank, src, local expert]: the rows each rank of my etp group (same experts) receives
+        pooled = block[:, :, self.local_start : self.local_start + n]
+        etp_sizes = pooled.sum(axis=(1, 2)).tolist() if comm.group_size(self.etp_group) > 1 else None
+        return counts, etp_sizes, pooled.sum(axis=(0, 1)).tolist()
 
     def sums_partials(self) -> bool:
         """Whether the inference form can replace the dispatch now: tokens replicated over the TP

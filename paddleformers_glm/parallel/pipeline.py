@@ -290,6 +290,11 @@ class LossLedger:
     ``objective(losses)`` turns one micro-batch's terms into the scalar that is backpropagated:
     ``sum(scales[name] * sum)`` (each scale is the term's weight over its *global* normaliser),
     recording each term's sum and count for the trainer's loss report.
+
+    Sums and counts stay where the model computed them (int64 counts on the device, a Python int
+    where the term gives one) until :meth:`totals`: on a GPU every read of a device value is a
+    stream synchronisation, and one per term per micro-batch, before the backward is even queued,
+    would stall each micro-batch on its own forward. :meth:`totals` reads them all in one copy.
     """
 
     def __init__(self) -> None:
@@ -300,6 +305,8 @@ class LossLedger:
         self.scales, self.sums, self.counts = dict(scales), {}, {}
 
     def objective(self, losses: dict[str, LossTerm], where: str) -> paddle.Tensor | None:
+        import paddle
+
         objective = None
         for name, term in losses.items():
             if name not in self.scales:
@@ -309,12 +316,26 @@ class LossLedger:
             objective = contrib if objective is None else objective + contrib
             s64 = s.detach().astype("float64")
             self.sums[name] = self.sums[name] + s64 if name in self.sums else s64
-            self.counts[name] = self.counts.get(name, 0) + int(term.count)
+            c = term.count
+            c = c.astype("int64").reshape([]) if isinstance(c, paddle.Tensor) else int(c)
+            self.counts[name] = self.counts[name] + c if name in self.counts else c
         return objective
 
     def totals(self) -> dict[str, tuple[float, int]]:
-        """{term: (sum, count)} of the step so far."""
-        return {k: (float(v.numpy()), self.counts[k]) for k, v in self.sums.items()}
+        """{term: (sum, count)} of the step so far, as Python numbers: every sum and device count
+        in one read (the counts travel as float64, exact below 2**53 tokens)."""
+        import paddle
+
+        names = list(self.sums)
+        if not names:
+            return {}
+        dev = [n for n in names if isinstance(self.counts[n], paddle.Tensor)]
+        parts = [self.sums[n].reshape([1]) for n in names]
+        parts += [self.counts[n].astype("float64").reshape([1]) for n in dev]
+        host = paddle.concat(parts).numpy()
+        counts = {n: int(self.counts[n]) for n in names if n not in dev}
+        counts.update({n: int(v) for n, v in zip(dev, host[len(names) :])})
+        return {n: (float(host[i]), counts[n]) for i, n in enumerate(names)}
 
 
 class SingleStageEngine:
