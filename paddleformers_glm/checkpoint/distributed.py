@@ -31,6 +31,10 @@ from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shard
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
 _META = {"format": "pt"}  # what save_pretrained writes by default, and the only metadata this export writes
+# where the writer's whole tensors and their converted copies live: they go to the file from the host,
+# and Paddle's default device (the GPU of a training run, its model and optimizer still resident)
+# would stage each there and back (the fp32 embedding alone is 3.8 GB at the official width)
+_HOST = paddle.CPUPlace()
 
 
 def _group_gathers(spec: Any, topo: Topology) -> bool:
@@ -178,13 +182,13 @@ def export_distributed(
                     merged = merge_slices(parts, spec) if owner else None
                     del parts  # the pieces go before the merged copy becomes a tensor: two copies at most
                     if owner:
-                        full[k] = paddle.to_tensor(merged)
+                        full[k] = paddle.to_tensor(merged, place=_HOST)
                     del merged
                 elif owner:
-                    full[k] = paddle.to_tensor(to_numpy(t.detach()))
+                    full[k] = paddle.to_tensor(to_numpy(t.detach()), place=_HOST)
             if not owner:
                 continue
-            targets = {h: TargetSpec(h, tuple(specs[h][0]), tgt_dtypes[h]) for h in unit.hf}
+            targets = {h: TargetSpec(h, tuple(specs[h][0]), tgt_dtypes[h], place=_HOST) for h in unit.hf}
             for key, out in run_units([unit], "fleet_to_hf", StateDictSource(full), targets):
                 name = file_of[key]
                 if name not in writers:

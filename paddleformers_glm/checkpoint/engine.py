@@ -92,6 +92,9 @@ class TargetSpec:
     global_offset: tuple[int, ...] | None = None
     tensor: Any = None  # filled in place when given, else a fresh tensor is yielded
     all_shards: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    # where a fresh tensor is made (None: Paddle's default device); the copy runs there, so a
+    # target filled from host tensors and read back to the host stays on the host
+    place: Any = None
 
     def local(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.local_shape or self.global_shape, self.global_offset or (0,) * len(self.global_shape))
@@ -373,7 +376,7 @@ def _fill_target(
 
     local_shape, offset = t.local()
     mappings = planner(ShardedWeightDesc(key, local_shape, t.global_shape, offset, t.dtype))
-    out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype)
+    out = t.tensor if t.tensor is not None else paddle.empty(list(local_shape), dtype=t.dtype, device=t.place)
     dst = ShardedWeight(key, out, local_shape, t.global_shape, offset)
     if trace is not None:
         pp = [p for m in mappings for p in (m.postprocess_list or [])]

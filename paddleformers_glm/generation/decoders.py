@@ -308,7 +308,11 @@ class CudaGraphDecodeStep:
     cache writes by device-side index_put, MoE in its static-shape form while capturing), so one
     capture serves the whole generation; each call copies the step's inputs into the captured
     ones. The first call runs eagerly (its logits are returned) and captures; it binds to that
-    call's cache. Not exercised without a GPU (the CPU build has no CUDA graphs).
+    call's cache. Every replay rewrites the captured output tensor in place, so each later call
+    returns a copy of it (one [B, V] copy per token): the caller may keep a step's logits
+    (``output_logits`` / ``output_scores``), and ``astype`` to the dtype a tensor already has returns
+    that tensor itself, so a kept fp32 step would otherwise become the last step's logits. Not
+    exercised without a GPU (the CPU build has no CUDA graphs).
     """
 
     def __init__(self, model: paddle.nn.Layer) -> None:
@@ -335,7 +339,7 @@ class CudaGraphDecodeStep:
         for held, new in zip(self.inputs, (input_ids, positions, slots)):
             paddle.assign(new, output=held)
         self.graph.replay()
-        return self.logits
+        return self.logits.clone()
 
 
 def _mtp_step(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import paddle
 
-from .kernels import usable
+from .kernels import computes_on_cpu, usable
 
 
 def topk(x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -19,11 +19,12 @@ def topk(x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, paddle.Tensor]:
     model's 8 of 512, a router's 1 of 64 experts) they then choose different sets among equal
     values (tests/test_topk_ties.py: 95% of the tiny indexer's slots at S = 512). There one -inf
     column is appended: Paddle then takes partial_sort too, whose heap never admits the -inf.
-    Only when computing on CPU (the device Paddle computes on: a tensor's place is not readable
-    while ``paddle.jit.to_static`` traces): the GPU kernels are other algorithms, and the copy would
+    Only when x is computed on the CPU (its place; while ``paddle.jit.to_static`` traces, where a
+    tensor's place is not readable, the device Paddle computes on): a CPU tensor in a GPU build's
+    process gets the torch order too; the GPU kernels are other algorithms, and the copy would
     cost one score chunk."""
     n = x.shape[-1]
-    if k * 64 == n and paddle.device.get_device() == "cpu":
+    if k * 64 == n and computes_on_cpu(x):
         x = paddle.concat([x, paddle.full([*x.shape[:-1], 1], float("-inf"), x.dtype)], axis=-1)
     return paddle.topk(x, k, axis=-1)
 
