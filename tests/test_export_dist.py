@@ -64,6 +64,51 @@ def test_single_rank_export_equals_the_saver_byte_for_byte(tiny_ckpt, reference,
     _same_files(tmp_path / "out", reference / "sharded")
 
 
+def test_a_failed_export_leaves_no_temporary_folder_and_a_killed_ones_is_swept(tiny_ckpt, tmp_path, monkeypatch):
+    """The export builds its files in a temporary folder beside the target, its shards created at
+    their whole size.  A failed export left it (``.<name>.tmp-export``, measured after a full disk,
+    a SIGTERM and 2 of 20 SIGKILLs), and only another distributed export removed it: its name held
+    no pid, which a one-process save's sweep of killed saves' leftovers looks for.  Now a failure
+    removes it, and a killed export's (its process gone) goes with the next save to that target."""
+    import os
+    import subprocess
+    import sys
+
+    from paddleformers_glm.checkpoint import safetensors_io
+    from paddleformers_glm.parallel.topology import get_topology
+
+    adapter = GlmAdapter(str(tiny_ckpt))
+    c = adapter.config
+    stage = GlmMoeDsaForCausalLM(c, "float32", stage=StageSpec.whole(c.num_hidden_layers, True))
+    adapter.load_stage(stage, get_topology())
+    out = tmp_path / "out"
+    export_distributed(stage, c, str(out))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = safetensors_io.SafetensorsWriter.write
+    calls = []
+
+    def full_disk(self, *a, **k):
+        calls.append(1)
+        if len(calls) > 20:
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "write", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        export_distributed(stage, c, str(out))
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "write", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing beside the target
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the export before: untouched
+
+    # a killed export's folder (its pid no longer runs) is removed by the next save to the target
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.tmp-{int(gone.stdout)}-export"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1024)
+    GlmMoeDsaForCausalLM.from_pretrained(str(out), dtype="float32").save_pretrained(str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not os.path.exists(stale)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",

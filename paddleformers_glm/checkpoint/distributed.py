@@ -8,7 +8,6 @@ checks that every tensor was written once and publishes the folder, which every 
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,17 @@ from .errors import CheckpointError
 from .layout import fleet_param_specs
 from .loader import normalize_dtype
 from .safetensors_io import INDEX_NAME, SafetensorsWriter, paddle_to_st_dtype
-from .saver import SaveReport, finish_save, parse_size, plan_entries, plan_shards, save_target
+from .saver import (
+    SaveReport,
+    clean_stale_saves,
+    finish_save,
+    parse_size,
+    plan_entries,
+    plan_shards,
+    remove_tree,
+    save_target,
+    temp_prefix,
+)
 
 __all__ = ["all_gather_object", "export_distributed", "save_pretrained_distributed"]
 
@@ -151,78 +160,91 @@ def export_distributed(
     if lacking:
         raise CheckpointError(f"export: no rank holds {len(lacking)} tensors, e.g. {lacking[:3]}")
 
-    tmp = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-export")
+    # The temporary folder carries rank 0's pid, as a one-process save's does: a later save, convert
+    # or export to this target removes it once that process is gone (a killed export's shards are
+    # created at their whole size); rank 0 removes it itself on any failure it sees.
+    tmp = None
     if topo.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for name, plan in plans.items():
-            SafetensorsWriter(os.path.join(tmp, name), plan, _META).close(complete=False)
-    _barrier(topo)
-
-    writers: dict[str, SafetensorsWriter] = {}
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        clean_stale_saves(out_dir)
+        remove_tree(os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-export"))  # no pid
+        tmp = os.path.join(os.path.dirname(out_dir), temp_prefix(out_dir, "tmp") + "export")
+    tmp = all_gather_object(tmp, topo)[0]
     try:
-        for unit in checkpoint_units(config, "hf"):
-            keys = [k for k in unit.fleet if k in state]
-            if not keys:
-                continue
-            if len(keys) != len(unit.fleet):
-                raise CheckpointError(
-                    f"export: unit {unit.name} is split over pipeline stages: holds {keys} of {list(unit.fleet)}"
-                )
-            full: dict[str, paddle.Tensor] = {}
-            owner = all(writer[k] == topo.rank for k in keys)
-            if not owner and any(writer[k] == topo.rank for k in keys):
-                raise CheckpointError(f"export: unit {unit.name} has tensors owned by different ranks")
-            for k in keys:
-                t = state[k]
-                spec = get_shard_spec(t)
-                size = topo.size(spec.group) if spec.axis is not None else 1
-                if size > 1:
-                    parts = _gather_to_writer(t, spec, writer[k], topo)
-                    merged = merge_slices(parts, spec) if owner else None
-                    del parts  # the pieces go before the merged copy becomes a tensor: two copies at most
-                    if owner:
-                        full[k] = paddle.to_tensor(merged, place=_HOST)
-                    del merged
-                elif owner:
-                    full[k] = paddle.to_tensor(to_numpy(t.detach()), place=_HOST)
-            if not owner:
-                continue
-            targets = {h: TargetSpec(h, tuple(specs[h][0]), tgt_dtypes[h], place=_HOST) for h in unit.hf}
-            for key, out in run_units([unit], "fleet_to_hf", StateDictSource(full), targets):
-                name = file_of[key]
-                if name not in writers:
-                    writers[name] = SafetensorsWriter(os.path.join(tmp, name), plans[name], _META, create=False)
-                writers[name].write(key, out.numpy(), paddle_to_st_dtype(out.dtype))
-            del full
-    finally:
-        for w in writers.values():
-            w.close(complete=False)
+        if topo.rank == 0:
+            os.makedirs(tmp)
+            for name, plan in plans.items():
+                SafetensorsWriter(os.path.join(tmp, name), plan, _META).close(complete=False)
+        _barrier(topo)
 
-    written = {k: w.offsets[k][1] - w.offsets[k][0] for w in writers.values() for k in w.written}  # key -> bytes
-    every = all_gather_object(sorted(written), topo)
-    if topo.rank == 0:
-        seen: dict[str, int] = {}
-        for r, keys in enumerate(every):
-            for k in keys:
-                if k in seen:
-                    raise CheckpointError(f"export: {k} written by ranks {seen[k]} and {r}")
-                seen[k] = r
-        missing = sorted(set(entries) - set(seen))
-        if missing:
-            raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
-        finish_save(
-            tmp,
-            out_dir,
-            config,
-            shards,
-            entries,
-            None,
-            carry_from,
-            model_dtype,
-            tokenizer_from,
-            generation_config=generation_config,
-        )
+        writers: dict[str, SafetensorsWriter] = {}
+        try:
+            for unit in checkpoint_units(config, "hf"):
+                keys = [k for k in unit.fleet if k in state]
+                if not keys:
+                    continue
+                if len(keys) != len(unit.fleet):
+                    raise CheckpointError(
+                        f"export: unit {unit.name} is split over pipeline stages: holds {keys} of {list(unit.fleet)}"
+                    )
+                full: dict[str, paddle.Tensor] = {}
+                owner = all(writer[k] == topo.rank for k in keys)
+                if not owner and any(writer[k] == topo.rank for k in keys):
+                    raise CheckpointError(f"export: unit {unit.name} has tensors owned by different ranks")
+                for k in keys:
+                    t = state[k]
+                    spec = get_shard_spec(t)
+                    size = topo.size(spec.group) if spec.axis is not None else 1
+                    if size > 1:
+                        parts = _gather_to_writer(t, spec, writer[k], topo)
+                        merged = merge_slices(parts, spec) if owner else None
+                        del parts  # the pieces go before the merged copy becomes a tensor: two copies at most
+                        if owner:
+                            full[k] = paddle.to_tensor(merged, place=_HOST)
+                        del merged
+                    elif owner:
+                        full[k] = paddle.to_tensor(to_numpy(t.detach()), place=_HOST)
+                if not owner:
+                    continue
+                targets = {h: TargetSpec(h, tuple(specs[h][0]), tgt_dtypes[h], place=_HOST) for h in unit.hf}
+                for key, out in run_units([unit], "fleet_to_hf", StateDictSource(full), targets):
+                    name = file_of[key]
+                    if name not in writers:
+                        writers[name] = SafetensorsWriter(os.path.join(tmp, name), plans[name], _META, create=False)
+                    writers[name].write(key, out.numpy(), paddle_to_st_dtype(out.dtype))
+                del full
+        finally:
+            for w in writers.values():
+                w.close(complete=False)
+
+        written = {k: w.offsets[k][1] - w.offsets[k][0] for w in writers.values() for k in w.written}  # key -> bytes
+        every = all_gather_object(sorted(written), topo)
+        if topo.rank == 0:
+            seen: dict[str, int] = {}
+            for r, keys in enumerate(every):
+                for k in keys:
+                    if k in seen:
+                        raise CheckpointError(f"export: {k} written by ranks {seen[k]} and {r}")
+                    seen[k] = r
+            missing = sorted(set(entries) - set(seen))
+            if missing:
+                raise CheckpointError(f"export: {len(missing)} tensors never written, e.g. {missing[:3]}")
+            finish_save(
+                tmp,
+                out_dir,
+                config,
+                shards,
+                entries,
+                None,
+                carry_from,
+                model_dtype,
+                tokenizer_from,
+                generation_config=generation_config,
+            )
+    except BaseException:
+        if topo.rank == 0:
+            remove_tree(tmp)
+        raise
     _barrier(topo)
     files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]
     return {"tensors": len(written), "bytes": sum(written.values()), "files": files}
