@@ -298,3 +298,51 @@ def comm_list(v: int, group) -> list[int]:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+# ------------------------------------------------------------------ the router's balance counts
+def test_bin_counts_equal_bincount():
+    from paddleformers_glm.ops import bin_counts
+
+    rng = np.random.default_rng(3)
+    for n, length in ((0, 4), (1, 1), (37, 8), (4096, 257)):
+        ids = paddle.to_tensor(rng.integers(0, length, size=(n,)), dtype="int64")
+        want = np.bincount(ids.numpy(), minlength=length)
+        assert bin_counts(ids, length).numpy().tolist() == want.tolist()
+    two_d = paddle.to_tensor(rng.integers(0, 5, size=(6, 3)), dtype="int64")  # [N, K] ids: all counted
+    assert bin_counts(two_d, 5).numpy().tolist() == np.bincount(two_d.numpy().ravel(), minlength=5).tolist()
+
+
+def test_the_routers_balance_counts_and_loss_read_nothing():
+    """Every training forward of an MoE layer counts its assignments per expert (the load the bias
+    update and the gradient sync read, padding masked) and, with an aux-loss coefficient, the
+    sequence-wise balance loss: three ``paddle.bincount`` calls per layer, each two host reads on a
+    GPU (it sizes its output from the ids' range).  With fixed-length counts nothing is read; the
+    counts and the loss equal bincount's."""
+    from paddleformers_glm.modeling.moe import RouterBalance, sequence_aux_loss
+
+    rng = np.random.default_rng(0)
+    B, S, E, K = 2, 8, 6, 2
+    scores = paddle.to_tensor(rng.random((B * S, E)), dtype="float32")
+    ids = paddle.to_tensor(np.argsort(-rng.random((B * S, E)), axis=1)[:, :K], dtype="int64")
+    valid = paddle.to_tensor(np.r_[np.ones(S), np.r_[np.zeros(3), np.ones(S - 3)]].reshape(B, S), dtype="int64")
+    bal = RouterBalance()
+    bal.aux_loss_coeff = 0.01
+    weights = paddle.ones([B * S, K], dtype="float32")
+    with host_reads() as n:
+        bal.track(scores, ids, weights, (B, S), valid)
+        bal.track(scores, ids, weights, (B, S), valid)  # a second micro-batch accumulates
+        aux = sequence_aux_loss(scores, ids, (B, S), E, valid=valid.reshape([-1]).astype("bool"))
+    assert n[0] == 0
+    real = valid.numpy().reshape(-1).astype(bool)
+    assert bal.routed.numpy().tolist() == (2 * np.bincount(ids.numpy().ravel(), minlength=E)).tolist()
+    assert bal.counts.numpy().tolist() == (2 * np.bincount(ids.numpy()[real].ravel(), minlength=E)).tolist()
+    # the loss against the same formula with numpy's counts (docs/model.md, "MoE balancing")
+    probs = scores.numpy() / (scores.numpy().sum(-1, keepdims=True) + 1e-20)
+    want = 0.0
+    for b in range(B):
+        rows = np.arange(b * S, (b + 1) * S)[real[b * S : (b + 1) * S]]
+        T = len(rows)
+        f = np.bincount(ids.numpy()[rows].ravel(), minlength=E) * (E / (K * T))
+        want += float((f * probs[rows].sum(0) / T).sum())
+    np.testing.assert_allclose(float(aux), want, rtol=1e-6)

@@ -17,7 +17,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..configuration import GlmMoeDsaConfig
-from ..ops import route, routed_rows, silu, swiglu
+from ..ops import bin_counts, route, routed_rows, silu, swiglu
 from ..ops.norm import capturing_cuda_graph, cast
 from ..parallel import comm
 from ..parallel.context import zigzag_positions
@@ -110,7 +110,7 @@ def sequence_aux_loss(
         flat = seq * E + expert_ids
         if valid is not None:  # padding rows into an extra bin, dropped
             flat = paddle.where(valid.unsqueeze(-1), flat, paddle.full_like(flat, B * E))
-        counts = paddle.bincount(flat.reshape([-1]), minlength=B * E + 1)[: B * E]
+        counts = bin_counts(flat, B * E + 1)[: B * E]
         counts = counts.astype("float32").reshape([B, E])
         if tp_group is not None:
             counts = comm.all_reduce(counts, tp_group)
@@ -207,11 +207,11 @@ class RouterBalance:
         count = not replaying()  # a recomputed layer's second run routes the same tokens again
         if count:
             with paddle.no_grad():
-                c = paddle.bincount(expert_ids.reshape([-1]), minlength=E)
+                c = bin_counts(expert_ids, E)
                 self.routed = c if self.routed is None else self.routed + c
                 if mask is not None:  # padding rows' assignments into an extra bin, dropped
                     ids = paddle.where(mask.unsqueeze(-1), expert_ids, paddle.full_like(expert_ids, E))
-                    c = paddle.bincount(ids.reshape([-1]), minlength=E + 1)[:E]
+                    c = bin_counts(ids, E + 1)[:E]
                 self.counts = c if self.counts is None else self.counts + c
         if self.aux_loss_coeff <= 0:
             return weights
@@ -359,7 +359,7 @@ class MoE(nn.Layer):
         with paddle.no_grad():
             flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
             order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
-            counts = paddle.bincount(flat_e, minlength=E)
+            counts = bin_counts(flat_e, E)
             cap = int(counts.max())  # the one host read: the padded block's shape
             starts = paddle.cumsum(counts) - counts
             e_sorted = paddle.gather(flat_e, order)

@@ -14,10 +14,11 @@ from .norm import rms_norm
 from .projection import head_matmul, latent_out_proj
 from .rope import rope_concat, rope_heads
 from .router import route
-from .selection import candidate_mask, selection_mask, topk, topk_tables
+from .selection import bin_counts, candidate_mask, selection_mask, topk, topk_tables
 from .softmax import masked_softmax_, softmax_backward
 
 __all__ = [
+    "bin_counts",
     "candidate_mask",
     "cpu_ops",
     "cross_entropy_sum",

@@ -9,6 +9,7 @@ from paddle.autograd import PyLayer
 from .activation import SwiGLUKernel, swiglu
 from .kernels import usable
 from .norm import cast
+from .selection import bin_counts
 
 
 def routed_experts(
@@ -75,7 +76,7 @@ def routed_rows(
     with paddle.no_grad():
         flat_e = expert_ids.reshape([-1])  # assignment a = token * K + j
         order = paddle.argsort(flat_e, stable=True)  # assignments grouped by expert, then token
-        sizes = paddle.bincount(flat_e, minlength=len(up_gate)).tolist()  # split sizes: Python ints
+        sizes = bin_counts(flat_e, len(up_gate)).tolist()  # split sizes: Python ints, the one read
     w_sorted = paddle.gather(weights.reshape([-1]), order)  # [N*K] by expert, fp32
     return routed_experts(x, order // K, sizes, w_sorted, up_gate, down)
 

@@ -90,3 +90,13 @@ def candidate_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddl
     mean_col = paddle.where(has_key, paddle.full([C], W - 1, "int64"), paddle.full([C], c1, "int64"))
     m = paddle.scatter(m, mean_col + paddle.arange(C, dtype="int64") * W, paddle.zeros([C], "float32"))
     return m.reshape([C, W])[:, : c1 + 1].contiguous()
+
+
+def bin_counts(ids: paddle.Tensor, length: int) -> paddle.Tensor:
+    """How often each of ``0 .. length-1`` occurs in ``ids`` (int64 ``[length]``; every id must be in
+    that range), as ``paddle.bincount(ids, minlength=length)`` counts them, without its host reads:
+    on a GPU ``bincount`` copies the ids' minimum and maximum to the host to size its output, a
+    stream synchronisation per call, where this output's length is known.  A scatter-add of ones;
+    integer sums, so the same counts in any order."""
+    flat = ids.reshape([-1]).astype("int64")
+    return paddle.index_add(paddle.zeros([length], dtype="int64"), flat, 0, paddle.ones_like(flat))

@@ -17,6 +17,7 @@ import paddle
 import paddle.nn as nn
 
 from ..ops.activation import silu
+from ..ops.selection import bin_counts
 from . import comm
 from .layers import ShardSpec, set_shard_spec
 from .topology import Topology, get_topology
@@ -119,15 +120,15 @@ class ExpertParallelDispatcher:
         counts_local)``, i.e. the all-to-all matrix ``counts[src][dst]`` (rows from EP rank src to
         dst), the rows each etp rank pools (None at etp 1), and the pooled rows per local expert.
 
-        Each rank counts its assignments per expert on the device (a scatter-add of fixed length:
-        ``paddle.bincount`` sizes its output from the ids' maximum, itself a read on a GPU), the
+        Each rank counts its assignments per expert on the device (``ops.bin_counts``, of fixed
+        length, where ``paddle.bincount`` reads the ids' range on a GPU), the
         count vectors are all-gathered over EP then etp, and the gathered block is read once. Ids
         outside ``[0, n_routed_experts)`` count in one extra slot, so every rank of the exchange
         sees them and all raise together instead of leaving the others waiting in the all-to-all.
         """
         E, n, ep = self.num_experts, self.num_local, self.ep_size
         bins = paddle.where((flat_ids >= 0) & (flat_ids < E), flat_ids, paddle.full_like(flat_ids, E))
-        per_expert = paddle.index_add(paddle.zeros([E + 1], dtype="int64"), bins, 0, paddle.ones_like(bins))
+        per_expert = bin_counts(bins, E + 1)
         block = comm.gather_counts(per_expert, self.ep_group, self.etp_group)  # [etp, ep, E + 1]
         if block[..., E].any():
             here = sorted({int(i) for i in paddle.masked_select(flat_ids, bins == E).numpy()})
