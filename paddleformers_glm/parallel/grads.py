@@ -238,13 +238,15 @@ class GradSynchronizer:
         ``None`` or zeros depends on the MoE form and the rank, so it cannot decide."""
         topo = self.topo
         dense = [n for n, _ in self.params if n not in self.expert_slot]
-        counts = [
-            np.zeros([n]) if (c := balance.take_routed()) is None else c.numpy() for balance, n in self.routers.values()
-        ]
-        vec = np.concatenate([np.array([1.0 if local[n] else 0.0 for n in dense]), *counts]).astype(np.float64)
-        if vec.size == 0:
+        # the routers' counts stay on the device and join the flags there: one read for the step,
+        # not one per MoE layer (each a stream synchronisation on a GPU)
+        parts = [paddle.to_tensor(np.array([1.0 if local[n] else 0.0 for n in dense], dtype=np.float64))]
+        for balance, n in self.routers.values():
+            c = balance.take_routed()
+            parts.append(paddle.zeros([n], dtype="float64") if c is None else c.astype("float64").reshape([-1]))
+        t = paddle.concat(parts) if len(parts) > 1 else parts[0]
+        if t.shape[0] == 0:
             return {}
-        t = paddle.to_tensor(vec)
         for group in (topo.tp_group, topo.dp_group, topo.sharding_group, topo.cp_group):  # the stage's ranks
             t = comm.all_reduce(t, group)
         vec = t.numpy()
