@@ -155,7 +155,7 @@ def test_paddleformers_registration_is_explicit_and_optional(monkeypatch):
     from paddleformers_glm.integrations import paddleformers as pf_glm
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(ImportError, match=r"paddleformers_glm\[paddleformers\]"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[paddleformers\]'"):
         pf_glm.register()
 
 
