@@ -8,11 +8,14 @@ problem. :func:`dumps_json` (:func:`write_json_atomic`) writes strict JSON: Pyth
 bare ``NaN`` / ``Infinity``, which strict parsers (browsers, ``jq``, Go, Rust) refuse, so a non-finite
 number is written as ``null`` and listed under ``"nonfinite"`` (e.g. ``["losses[3]", "memory.peak"]``)
 of the record: a reader can tell a missing value from a NaN (docs/failure-modes.md, "Strict JSON").
+A write that fails without naming a file (a full disk or quota reports ENOSPC / EDQUOT / EFBIG at
+``write`` or ``fsync``, with no file name) is re-raised as :class:`WriteError`, which names it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import numbers
@@ -37,6 +40,49 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+class WriteError(OSError):
+    """A failed write of ``filename``: the ``errno`` and ``strerror`` of the OS's error, kept (a caller
+    can still tell a full disk, ENOSPC, from another failure), with the file and what it holds
+    (``what``, e.g. "the resume state of step 3") named. ``write`` and ``fsync`` report a full disk
+    with no file name, so without it a run's one line was ``OSError: [Errno 28] No space left on
+    device`` and failure.json named no file."""
+
+    what: str | None = None
+
+    @property
+    def file(self) -> str:
+        """The file, under the name other errors of the package carry it (``CheckpointError.file``)."""
+        return self.filename
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """failure.json's detail of the run this error stopped (the worker and the one-process run
+        take an error's ``record``): the message and the file, as a non-finite step names its tensor."""
+        code = errno.errorcode.get(self.errno, str(self.errno)) if self.errno is not None else None
+        return {"kind": "error", "message": str(self), "file": self.filename, "errno": code}
+
+    def __str__(self) -> str:
+        reason = self.strerror or os.strerror(self.errno or 0)
+        if self.what:
+            return f"{self.filename}: cannot write {self.what}: {reason}"
+        return f"cannot write {self.filename}: {reason}"
+
+
+def write_error(e: OSError, file: str | os.PathLike | None = None, what: str | None = None) -> OSError:
+    """``e`` as a :class:`WriteError` (raise it ``from e``) naming `file` (None: the one ``e`` names)
+    and `what` it holds (None: what ``e`` said, if it is one). Returned as it is: an error without an
+    errno or without a file to name, and a subclass such as PermissionError, which callers may catch
+    by its class."""
+    if e.errno is None or not (type(e) is OSError or isinstance(e, WriteError)):
+        return e
+    name = e.filename if file is None else os.fspath(file)
+    if name is None:
+        return e
+    err = WriteError(e.errno, e.strerror, name)
+    err.what = what or getattr(e, "what", None)
+    return err
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """A unique temporary path beside `path` (its folder made if missing: same filesystem, atomic rename)
@@ -56,9 +102,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        # a full disk at write/fsync names no file, a writer's error names the temporary one: `path` named
+        if isinstance(e, OSError) and (e.filename is None or e.filename == tmp):
+            err = write_error(e, path)
+            if err is not e:
+                raise err from e
         raise
 
 

@@ -165,8 +165,12 @@ def register_make_tiny(sub) -> None:
             path = make_tiny_checkpoint(
                 args.out, seed=args.seed, max_shard_size=args.max_shard_size, indexer_loss_coeff=args.indexer_loss_coeff
             )
-        except (ValueError, OSError) as e:  # a bad --max-shard-size, a full disk: one line
+        except ValueError as e:  # a bad --max-shard-size: one line
             print(f"make-tiny: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # a full disk: one line naming OUT and the file (write / fsync errors name none)
+            where = f" ({e.filename})" if e.filename else ""
+            print(f"make-tiny: cannot write {args.out}: {e.strerror or e}{where}", file=sys.stderr)
             return 2
         print(f"tiny GLM-5.2 checkpoint (official HF layout) written to {path}: {', '.join(sorted(os.listdir(path)))}")
         return 0

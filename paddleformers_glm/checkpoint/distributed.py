@@ -15,6 +15,7 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
+from .._io import WriteError
 from ..parallel import comm
 from ..parallel.layers import get_shard_spec, merge_slices
 from ..parallel.state import to_numpy
@@ -241,9 +242,11 @@ def export_distributed(
                 tokenizer_from,
                 generation_config=generation_config,
             )
-    except BaseException:
+    except BaseException as e:
         if topo.rank == 0:
             remove_tree(tmp)
+        if isinstance(e, WriteError) and not e.what:  # a full disk: the run's one line says it was the export
+            e.what = f"the export to {out_dir}"
         raise
     _barrier(topo)
     files = [*shards, *([INDEX_NAME] if len(shards) > 1 else [])]

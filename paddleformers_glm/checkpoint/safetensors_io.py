@@ -16,13 +16,13 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._io import is_int, read_json
+from .._io import is_int, read_json, write_error
 from .errors import CheckpointError
 
 __all__ = [
@@ -668,8 +668,21 @@ class SafetensorsWriter:
         self.written: set[str] = set()
         self._f = open(file, "wb" if create else "r+b")
         if create:  # at its full size at once: every process can write its tensors into place
-            self._f.write(head)
-            self._f.truncate(self.data_start + max((e for _, e in self.offsets.values()), default=0))
+            with self._named():
+                self._f.write(head)
+                self._f.truncate(self.data_start + max((e for _, e in self.offsets.values()), default=0))
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """An OSError of the block names this file (``_io.WriteError``, errno kept): a full disk or
+        quota fails ``write`` / ``fsync`` with no file name, and a run's error then named none."""
+        try:
+            yield
+        except OSError as e:
+            err = write_error(e, self.file if e.filename is None else None)
+            if err is e:
+                raise
+            raise err from e
 
     def write(self, key: str, array: np.ndarray, st_dtype: str) -> None:
         if key not in self.entries:
@@ -691,8 +704,9 @@ class SafetensorsWriter:
             raise CheckpointError(
                 "tensor byte size does not match the plan", key=key, file=self.file, expected=e - b, actual=data.nbytes
             )
-        self._f.seek(self.data_start + b)
-        self._f.write(data.data)
+        with self._named():
+            self._f.seek(self.data_start + b)
+            self._f.write(data.data)
         self.written.add(key)
 
     def close(self, complete: bool = True) -> None:
@@ -703,9 +717,16 @@ class SafetensorsWriter:
             raise CheckpointError(
                 f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}", file=self.file, key=missing[0]
             )
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        try:
+            with self._named():
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):  # its buffer is flushed again and fails again: the error above stands
+                self._f.close()
+            raise
+        with self._named():
+            self._f.close()
 
     def abort(self) -> None:
         if not self._f.closed:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -24,6 +25,7 @@ from ..train.command import (
     add_step_arguments,
     train_line_error,
 )
+from ..train.out_lock import OutInUse, hold_out_folder, lock_path
 from ..train.settings import effective_min_lr, recorded_settings
 from .ckpt_check import nan_worst
 from .reference.indexer import saved_indexer_coeff
@@ -373,6 +375,19 @@ def _tolerance_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _out_in_use(out: str) -> str:
+    """The refusal of an ``--out`` another glm52 align (or glm52 train) holds, naming the holder."""
+    path = lock_path(out)
+    try:
+        holder = Path(path).read_text(encoding="utf-8", errors="replace").strip() or "another process"
+    except OSError:
+        holder = "another process"
+    return (
+        f"--out {out} is in use by a running glm52 align or train ({holder}; lock {path}): "
+        "wait for it to end, stop it, or give another --out"
+    )
+
+
 def run_align(args: argparse.Namespace) -> int:
     """Both runs, every comparison, the receipt; returns the exit code (0 all within tolerance)."""
     from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file, versions
@@ -434,215 +449,230 @@ def run_align(args: argparse.Namespace) -> int:
         print(f"glm52 align: error: {bad}", file=sys.stderr)
         return 2
     # only now, with every argument checked: a refused command line leaves OUT's earlier runs as they were
-    for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d)
-
-    def dumped(root: str) -> list[str]:  # the same dumps from both runs
-        return [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(root, f"dump_{k}"), str(s))]
-
-    runs = {
-        "reference": [sys.executable, "-m", REFERENCE_MODULE, *common, "--out", ref_out, *dumped(ref_out)],
-        "paddle": [sys.executable, "-m", "paddleformers_glm.cli", "train", *common, *layout, "--out", pd_out]
-        + ["--no-progress", *dumped(pd_out)],
-    }
-    verdict: dict[str, Any] = {
-        "tool": "glm52 align",
-        "created_unix": int(time.time()),
-        "model": {"path": os.path.abspath(args.model)},
-        "layout": {k: getattr(args, k) for k in (*LAYOUT_FLAGS, "sp", "pp_layout")},
-        "training": {name: getattr(args, name) for name in TRAIN_FLAGS},
-        "dump_steps": dump_steps,
-        "commands": {k: " ".join(v) for k, v in runs.items()},
-        "runs": {name: {"reused": True} for name in runs} if args.no_run else {},
-        "comparisons": {},
-    }
-    if args.indexer_loss_coeff is None:
-        verdict["training"]["indexer_loss_coeff"] = saved_indexer_coeff(args.model)
-    verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
-    model_files = sorted(
-        f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
-    )
-    verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
-    verdict["versions"] = found = versions(("paddle", "torch", "transformers", "numpy", "safetensors"))
+    # OUT held before anything in it is cleared, by the lock glm52 train holds on its --out (train/out_lock.py):
+    # a second align given the OUT of a running one cleared that run's folders while its runs wrote there
+    lock = contextlib.ExitStack()
     try:
-        git = ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
-        found["git_commit"] = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        found["git_commit"] = ""
-    write_json_atomic(os.path.join(receipt, "versions.json"), found, indent=1)
-    for name, cmd in {} if args.no_run else runs.items():
-        print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
-        log, t0 = os.path.join(out, f"{name}.log"), time.monotonic()
-        with open(log, "w", encoding="utf-8") as f:
-            f.write("$ " + " ".join(cmd) + "\n")
-            f.flush()
-            try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                f.write(f"\n[glm52 align] stopped after {args.timeout} s\n")
-                rc = 124
-        secs = time.monotonic() - t0
-        verdict["runs"][name] = {"exit_code": rc, "seconds": round(secs, 1), "log": log}
-        print(f"[glm52 align] {name}: exit {rc} in {secs:.0f} s", flush=True)
-        if rc != 0:
-            with open(log, encoding="utf-8", errors="replace") as f:
-                tail = "".join(f.readlines()[-15:])
-            print(f"[glm52 align] {name} failed; last lines of {log}:\n{tail}", file=sys.stderr)
-            verdict.update(exit_code=2, result="a run failed")
+        lock.enter_context(hold_out_folder(out))
+    except OutInUse:
+        print(f"glm52 align: error: {_out_in_use(out)}", file=sys.stderr)
+        return 2
+    with lock:
+        for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+
+        def dumped(root: str) -> list[str]:  # the same dumps from both runs
+            return [x for k, s in dumps.items() for x in ("--dump-step", os.path.join(root, f"dump_{k}"), str(s))]
+
+        runs = {
+            "reference": [sys.executable, "-m", REFERENCE_MODULE, *common, "--out", ref_out, *dumped(ref_out)],
+            "paddle": [sys.executable, "-m", "paddleformers_glm.cli", "train", *common, *layout, "--out", pd_out]
+            + ["--no-progress", *dumped(pd_out)],
+        }
+        verdict: dict[str, Any] = {
+            "tool": "glm52 align",
+            "created_unix": int(time.time()),
+            "model": {"path": os.path.abspath(args.model)},
+            "layout": {k: getattr(args, k) for k in (*LAYOUT_FLAGS, "sp", "pp_layout")},
+            "training": {name: getattr(args, name) for name in TRAIN_FLAGS},
+            "dump_steps": dump_steps,
+            "commands": {k: " ".join(v) for k, v in runs.items()},
+            "runs": {name: {"reused": True} for name in runs} if args.no_run else {},
+            "comparisons": {},
+        }
+        if args.indexer_loss_coeff is None:
+            verdict["training"]["indexer_loss_coeff"] = saved_indexer_coeff(args.model)
+        verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
+        model_files = sorted(
+            f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
+        )
+        verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
+        verdict["versions"] = found = versions(("paddle", "torch", "transformers", "numpy", "safetensors"))
+        try:
+            git = ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
+            found["git_commit"] = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            found["git_commit"] = ""
+        write_json_atomic(os.path.join(receipt, "versions.json"), found, indent=1)
+        for name, cmd in {} if args.no_run else runs.items():
+            print(f"[glm52 align] {name}: {' '.join(cmd)}", flush=True)
+            log, t0 = os.path.join(out, f"{name}.log"), time.monotonic()
+            with open(log, "w", encoding="utf-8") as f:
+                f.write("$ " + " ".join(cmd) + "\n")
+                f.flush()
+                try:
+                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                except subprocess.TimeoutExpired:
+                    f.write(f"\n[glm52 align] stopped after {args.timeout} s\n")
+                    rc = 124
+            secs = time.monotonic() - t0
+            verdict["runs"][name] = {"exit_code": rc, "seconds": round(secs, 1), "log": log}
+            print(f"[glm52 align] {name}: exit {rc} in {secs:.0f} s", flush=True)
+            if rc != 0:
+                with open(log, encoding="utf-8", errors="replace") as f:
+                    tail = "".join(f.readlines()[-15:])
+                print(f"[glm52 align] {name} failed; last lines of {log}:\n{tail}", file=sys.stderr)
+                verdict.update(exit_code=2, result="a run failed")
+                write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
+                return 2
+
+        comps = verdict["comparisons"]
+
+        def unusable(result: str, lines: list[str], **record: Any) -> int:  # the runs' outputs cannot be compared
+            print(f"glm52 align: error: {result}:", file=sys.stderr)
+            for line in lines:
+                print(f"  {line}", file=sys.stderr)
+            verdict.update(exit_code=2, result=result, **record)
             write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
             return 2
 
-    comps = verdict["comparisons"]
-
-    def unusable(result: str, lines: list[str], **record: Any) -> int:  # the runs' outputs cannot be compared
-        print(f"glm52 align: error: {result}:", file=sys.stderr)
-        for line in lines:
-            print(f"  {line}", file=sys.stderr)
-        verdict.update(exit_code=2, result=result, **record)
-        write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)
-        return 2
-
-    ref_loss, pd_loss = os.path.join(ref_out, "loss.json"), os.path.join(pd_out, "loss.json")
-    outputs = [ref_loss, pd_loss] + [
-        os.path.join(root, f"dump_{tag}", kind, "model.safetensors")
-        for root in (ref_out, pd_out)
-        for tag in dumps
-        for kind in (DUMP_KINDS if tag != "final" else ("weights",))
-    ]
-    if missing := [f for f in outputs if not os.path.isfile(f)]:  # e.g. --no-run on runs with other dump steps
-        return unusable("a run's outputs are missing", missing, missing_outputs=missing)
-    for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
-        shutil.copyfile(f, os.path.join(receipt, dst))
-    ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
-    if args.no_run and (other := recorded_settings_mismatch(args, ref_doc, pd_doc)):
-        # the receipt's layout, training settings and model come from this command line
-        return unusable("--no-run: the runs in OUT were not made with these settings", other, settings_mismatch=other)
-    try:  # a loss a run could not compute (null, with the record's "nonfinite" list) makes it a failed run
-        for f, doc in ((ref_loss, ref_doc), (pd_loss, pd_doc)):
-            for key in ("losses", "mtp_losses", "indexer_losses"):
-                if key in doc or key != "indexer_losses":  # one run without indexer losses: a difference, below
-                    read_curve(f, key)
-    except ValueError as e:
-        return unusable("a run's loss record is not usable", [str(e)])
-    margins = ref_doc.get("topk_min_gaps") or []
-    verdict["near_ties"] = near_ties(margins)
-    curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]
-    if "indexer_losses" in ref_doc or "indexer_losses" in pd_doc:
-        curves.append(("indexer_losses", "indexer_loss.png"))
-    for key, png in curves:
+        ref_loss, pd_loss = os.path.join(ref_out, "loss.json"), os.path.join(pd_out, "loss.json")
+        outputs = [ref_loss, pd_loss] + [
+            os.path.join(root, f"dump_{tag}", kind, "model.safetensors")
+            for root in (ref_out, pd_out)
+            for tag in dumps
+            for kind in (DUMP_KINDS if tag != "final" else ("weights",))
+        ]
+        if missing := [f for f in outputs if not os.path.isfile(f)]:  # e.g. --no-run on runs with other dump steps
+            return unusable("a run's outputs are missing", missing, missing_outputs=missing)
+        for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
+            shutil.copyfile(f, os.path.join(receipt, dst))
+        ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
+        if args.no_run and (other := recorded_settings_mismatch(args, ref_doc, pd_doc)):
+            # the receipt's layout, training settings and model come from this command line
+            return unusable(
+                "--no-run: the runs in OUT were not made with these settings", other, settings_mismatch=other
+            )
+        try:  # a loss a run could not compute (null, with the record's "nonfinite" list) makes it a failed run
+            for f, doc in ((ref_loss, ref_doc), (pd_loss, pd_doc)):
+                for key in ("losses", "mtp_losses", "indexer_losses"):
+                    if key in doc or key != "indexer_losses":  # one run without indexer losses: a difference, below
+                        read_curve(f, key)
+        except ValueError as e:
+            return unusable("a run's loss record is not usable", [str(e)])
+        margins = ref_doc.get("topk_min_gaps") or []
+        verdict["near_ties"] = near_ties(margins)
+        curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]
+        if "indexer_losses" in ref_doc or "indexer_losses" in pd_doc:
+            curves.append(("indexer_losses", "indexer_loss.png"))
+        for key, png in curves:
+            try:
+                a, b = read_curve(ref_loss, key), read_curve(pd_loss, key)
+            except ValueError:
+                if key != "indexer_losses":
+                    raise
+                a, b = ref_doc.get(key, []), pd_doc.get(key, [])  # one side lacks it: fails below
+            if key == "mtp_losses" and not a and not b:
+                continue
+            c = compare_losses(b, a, steps=N, atol=args.loss_atol)
+            c["jumps"] = [explain_jump(j, margins) for j in detect_jumps(b, a)]
+            c["pass"] = c["enough_steps"] and c["length_match"] and c["consistent_steps"] == N
+            c["diff_per_step"] = [abs(x - y) for x, y in zip(a, b)]
+            try:
+                c["plot"] = plot_losses(b, a, os.path.join(receipt, png), labels=("paddle", "torch reference"))
+            except ImportError as e:  # the plot extra is optional; the numbers are the verdict
+                c["plot"] = f"not drawn: {e}"
+            comps[key] = c
+        more = {"indexer_recall": compare_indexer(ref_doc, pd_doc, N, args.loss_atol)}
+        more["idle_experts"] = compare_idle_experts(ref_doc, pd_doc)
+        comps.update({k: c for k, c in more.items() if c is not None})
+        lrs = [float(x) for x in ref_doc["lrs"]]
+        weight_atol = {
+            k: args.weight_atol if args.weight_atol is not None else WEIGHT_REL_LR * math.fsum(lrs[:k])
+            for k in dump_steps
+        }
+        verdict["tolerances"] = {
+            "loss_atol": args.loss_atol,
+            "rel_tol": args.rel_tol,
+            "later_rel_tol": args.later_rel_tol,
+            **{f"step{k}_weight_atol": v for k, v in weight_atol.items()},
+            "final_weight_atol": args.final_weight_atol,
+            "indexer_rel_tol": max(args.later_rel_tol, INDEXER_REL_TOL),
+            "near_eps_sqrt_v": NEAR_EPS_SQRT_V,
+            "near_eps_weight_atol": f"{NEAR_EPS_REL_LR} x the learning rates of steps 1..K",
+        }
+        hashes: dict[str, Any] = {}
+        for tag, step in dumps.items():
+            kinds = DUMP_KINDS if tag != "final" else ("weights",)
+            for kind in kinds:
+                r, p = os.path.join(ref_out, f"dump_{tag}", kind), os.path.join(pd_out, f"dump_{tag}", kind)
+                if tag == "final":
+                    t: dict[str, Any] = {"atol": args.final_weight_atol}
+                    if dump_steps:  # an element whose moment was below eps at the last dump drifts on noise
+                        k = max(dump_steps)
+                        v_ref = os.path.join(ref_out, f"dump_step{k}", "exp_avg_sq")
+                        t["near_eps"] = (v_ref, 1.0 - ADAM_BETA2**k, NEAR_EPS_REL_LR * math.fsum(lrs[:step]))
+                elif kind == "weights":
+                    v_ref = os.path.join(ref_out, f"dump_{tag}", "exp_avg_sq")
+                    loose = NEAR_EPS_REL_LR * math.fsum(lrs[:step])
+                    t = {"atol": weight_atol[step], "near_eps": (v_ref, 1.0 - ADAM_BETA2**step, loose)}
+                else:
+                    rel = args.rel_tol if step == 1 else args.later_rel_tol
+                    t = {"rel_tol": rel, "loose_rel": (".indexer.", max(rel, INDEXER_REL_TOL))}
+                    t["noise_floor"] = NOISE_FLOOR**2 if kind == "exp_avg_sq" else NOISE_FLOOR
+                c = compare_dumps(r, p, **t)
+                ck = check_checkpoints(r, p)
+                write_json_atomic(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck, indent=1)
+                rh, ch = ck["ref"].get("native_hash"), ck["cand"].get("native_hash")
+                c["check_ckpt"] = {"result": ck["result"], "counts": ck.get("counts"), "ref_hash": rh, "cand_hash": ch}
+                if ck.get("counts", {}).get("structural"):
+                    c["pass"] = False  # names must match one to one
+                hashes[f"{tag}/{kind}"] = {"reference": rh, "paddle": ch}
+                comps[f"{tag}_{kind}"] = c
+        verdict["checkpoint_hashes"] = hashes
         try:
-            a, b = read_curve(ref_loss, key), read_curve(pd_loss, key)
-        except ValueError:
-            if key != "indexer_losses":
-                raise
-            a, b = ref_doc.get(key, []), pd_doc.get(key, [])  # one side lacks it: fails below
-        if key == "mtp_losses" and not a and not b:
-            continue
-        c = compare_losses(b, a, steps=N, atol=args.loss_atol)
-        c["jumps"] = [explain_jump(j, margins) for j in detect_jumps(b, a)]
-        c["pass"] = c["enough_steps"] and c["length_match"] and c["consistent_steps"] == N
-        c["diff_per_step"] = [abs(x - y) for x, y in zip(a, b)]
-        try:
-            c["plot"] = plot_losses(b, a, os.path.join(receipt, png), labels=("paddle", "torch reference"))
-        except ImportError as e:  # the plot extra is optional; the numbers are the verdict
-            c["plot"] = f"not drawn: {e}"
-        comps[key] = c
-    more = {"indexer_recall": compare_indexer(ref_doc, pd_doc, N, args.loss_atol)}
-    more["idle_experts"] = compare_idle_experts(ref_doc, pd_doc)
-    comps.update({k: c for k, c in more.items() if c is not None})
-    lrs = [float(x) for x in ref_doc["lrs"]]
-    weight_atol = {
-        k: args.weight_atol if args.weight_atol is not None else WEIGHT_REL_LR * math.fsum(lrs[:k]) for k in dump_steps
-    }
-    verdict["tolerances"] = {
-        "loss_atol": args.loss_atol,
-        "rel_tol": args.rel_tol,
-        "later_rel_tol": args.later_rel_tol,
-        **{f"step{k}_weight_atol": v for k, v in weight_atol.items()},
-        "final_weight_atol": args.final_weight_atol,
-        "indexer_rel_tol": max(args.later_rel_tol, INDEXER_REL_TOL),
-        "near_eps_sqrt_v": NEAR_EPS_SQRT_V,
-        "near_eps_weight_atol": f"{NEAR_EPS_REL_LR} x the learning rates of steps 1..K",
-    }
-    hashes: dict[str, Any] = {}
-    for tag, step in dumps.items():
-        kinds = DUMP_KINDS if tag != "final" else ("weights",)
-        for kind in kinds:
-            r, p = os.path.join(ref_out, f"dump_{tag}", kind), os.path.join(pd_out, f"dump_{tag}", kind)
-            if tag == "final":
-                t: dict[str, Any] = {"atol": args.final_weight_atol}
-                if dump_steps:  # an element whose moment was below eps at the last dump drifts on noise
-                    k = max(dump_steps)
-                    v_ref = os.path.join(ref_out, f"dump_step{k}", "exp_avg_sq")
-                    t["near_eps"] = (v_ref, 1.0 - ADAM_BETA2**k, NEAR_EPS_REL_LR * math.fsum(lrs[:step]))
-            elif kind == "weights":
-                v_ref = os.path.join(ref_out, f"dump_{tag}", "exp_avg_sq")
-                loose = NEAR_EPS_REL_LR * math.fsum(lrs[:step])
-                t = {"atol": weight_atol[step], "near_eps": (v_ref, 1.0 - ADAM_BETA2**step, loose)}
+            from ..checkpoint.safetensors_io import Checkpoint
+            from .ckpt_check import tensor_hash
+
+            with Checkpoint(args.model, strict=True) as ck:
+                model_hashes = {k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()}
+            verdict["model"]["canonical_hash"] = checkpoint_hash(model_hashes)
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal: the file hashes are there
+            verdict["model"]["canonical_hash"] = f"unavailable: {e}"
+        ok = all(c["pass"] for c in comps.values())
+        verdict.update(exit_code=0 if ok else 1, result="aligned" if ok else "not aligned")
+        verdict["first_difference"] = first_difference(comps, dump_steps)
+
+        verdict["summary"], lines = {}, []
+        for k, c in comps.items():
+            if "first_mismatch_step" in c:
+                s = {x: c[x] for x in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
+                where = "the same every step" if c["pass"] else f"first differ at step {c['first_mismatch_step']}"
+                idle, most = c["steps_with_idle"], c["max_idle_per_step"]["reference"]
+                detail = f"steps with idle experts: reference {idle['reference']}/{N}, paddle {idle['paddle']}/{N}, "
+                detail += f"at most {most} per step; {where}"
+            elif "consistent_steps" in c:
+                s = {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
+                detail = f"consistent_steps {c['consistent_steps']}/{N} max_diff {c['max_diff']:.3g} jumps {s['jumps']}"
+                for j in c["jumps"]:
+                    why = f"reference top-k margins {j['reference_min_gaps']}" if "reference_min_gaps" in j else ""
+                    if "reference_min_nonzero_gaps" in j:
+                        why += f", smallest nonzero {j['reference_min_nonzero_gaps']}"
+                    detail += (
+                        f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why or 'no reference margins'})"
+                    )
             else:
-                rel = args.rel_tol if step == 1 else args.later_rel_tol
-                t = {"rel_tol": rel, "loose_rel": (".indexer.", max(rel, INDEXER_REL_TOL))}
-                t["noise_floor"] = NOISE_FLOOR**2 if kind == "exp_avg_sq" else NOISE_FLOOR
-            c = compare_dumps(r, p, **t)
-            ck = check_checkpoints(r, p)
-            write_json_atomic(os.path.join(receipt, f"check_ckpt_{tag}_{kind}.json"), ck, indent=1)
-            rh, ch = ck["ref"].get("native_hash"), ck["cand"].get("native_hash")
-            c["check_ckpt"] = {"result": ck["result"], "counts": ck.get("counts"), "ref_hash": rh, "cand_hash": ch}
-            if ck.get("counts", {}).get("structural"):
-                c["pass"] = False  # names must match one to one
-            hashes[f"{tag}/{kind}"] = {"reference": rh, "paddle": ch}
-            comps[f"{tag}_{kind}"] = c
-    verdict["checkpoint_hashes"] = hashes
-    try:
-        from ..checkpoint.safetensors_io import Checkpoint
-        from .ckpt_check import tensor_hash
-
-        with Checkpoint(args.model, strict=True) as ck:
-            model_hashes = {k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()}
-        verdict["model"]["canonical_hash"] = checkpoint_hash(model_hashes)
-    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the file hashes are there
-        verdict["model"]["canonical_hash"] = f"unavailable: {e}"
-    ok = all(c["pass"] for c in comps.values())
-    verdict.update(exit_code=0 if ok else 1, result="aligned" if ok else "not aligned")
-    verdict["first_difference"] = first_difference(comps, dump_steps)
-
-    verdict["summary"], lines = {}, []
-    for k, c in comps.items():
-        if "first_mismatch_step" in c:
-            s = {x: c[x] for x in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
-            where = "the same every step" if c["pass"] else f"first differ at step {c['first_mismatch_step']}"
-            idle, most = c["steps_with_idle"], c["max_idle_per_step"]["reference"]
-            detail = f"steps with idle experts: reference {idle['reference']}/{N}, paddle {idle['paddle']}/{N}, "
-            detail += f"at most {most} per step; {where}"
-        elif "consistent_steps" in c:
-            s = {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
-            detail = f"consistent_steps {c['consistent_steps']}/{N} max_diff {c['max_diff']:.3g} jumps {s['jumps']}"
-            for j in c["jumps"]:
-                why = f"reference top-k margins {j['reference_min_gaps']}" if "reference_min_gaps" in j else ""
-                if "reference_min_nonzero_gaps" in j:
-                    why += f", smallest nonzero {j['reference_min_nonzero_gaps']}"
-                detail += f"\n    jump at step {j['step']}: |diff| {j['diff']:.3g} ({why or 'no reference margins'})"
-        else:
-            s = {"worst": c["worst"], "tolerance": c["tolerance"]}
-            tol = c["worst"].get("tolerance", c["tolerance"])
-            detail = f"worst {c['worst']['value']:.3g} ({c['worst']['key']}) tolerance {tol:g}"
-        verdict["summary"][k] = {"pass": c["pass"], **s}
-        lines.append(f"[glm52 align] {'pass' if c['pass'] else 'FAIL'} {k}: {detail}")
-    write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)  # strict JSON: inf ratios -> null
-    print("\n".join(lines))
-    first = verdict["first_difference"]
-    if first is not None:
-        at = f"after update {first['step']}" if first["step"] is not None else "after the last update"
-        what = (
-            first["tensor"] or f"names on one side only {first.get('only_in_reference')} {first.get('only_in_paddle')}"
-        )
-        print(
-            f"[glm52 align] first dump difference {at}: {first['comparison']} {what}"
-            + (f" {first['value']:.3g} (tolerance {first['tolerance']:g})" if first["tensor"] else "")
-        )
-    print(f"[glm52 align] {verdict['result']}: receipt {receipt}")
-    return int(verdict["exit_code"])
+                s = {"worst": c["worst"], "tolerance": c["tolerance"]}
+                tol = c["worst"].get("tolerance", c["tolerance"])
+                detail = f"worst {c['worst']['value']:.3g} ({c['worst']['key']}) tolerance {tol:g}"
+            verdict["summary"][k] = {"pass": c["pass"], **s}
+            lines.append(f"[glm52 align] {'pass' if c['pass'] else 'FAIL'} {k}: {detail}")
+        write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)  # strict JSON: inf ratios -> null
+        print("\n".join(lines))
+        first = verdict["first_difference"]
+        if first is not None:
+            at = f"after update {first['step']}" if first["step"] is not None else "after the last update"
+            what = (
+                first["tensor"]
+                or f"names on one side only {first.get('only_in_reference')} {first.get('only_in_paddle')}"
+            )
+            print(
+                f"[glm52 align] first dump difference {at}: {first['comparison']} {what}"
+                + (f" {first['value']:.3g} (tolerance {first['tolerance']:g})" if first["tensor"] else "")
+            )
+        print(f"[glm52 align] {verdict['result']}: receipt {receipt}")
+        return int(verdict["exit_code"])
 
 
 def register_align(sub: argparse._SubParsersAction) -> None:

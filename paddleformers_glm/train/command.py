@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._io import is_int, write_record
+from .._io import WriteError, is_int, write_record
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ __all__ = [
     "launch_from_args",
     "main",
     "node_rank_of",
+    "os_error_line",
     "register_train",
     "run_train",
     "train_line_error",
@@ -582,6 +583,8 @@ def _run_train(args: argparse.Namespace) -> int:
                 check_inputs_before_launch(cfg, args, adapter.vocab_size)
             except (ValueError, FileNotFoundError, KeyError) as e:
                 refusal = e
+            except OSError as e:  # a full disk while a text --data is tokenized into OUT/data: one line
+                refusal = os_error_line(e)
             else:
                 return _run_held(cfg, adapter, args, world, node_rank)
     except OutInUse as e:  # raised before anything of the running job is touched
@@ -591,6 +594,23 @@ def _run_train(args: argparse.Namespace) -> int:
     if new_out:  # the folder this command made goes with its refused input
         shutil.rmtree(cfg.out, ignore_errors=True)
     return 2
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError in one line naming its file and the OS's words (``_io.WriteError`` names what was
+    written too); ``str(e)`` of an error from ``write`` or ``fsync`` names no file."""
+    if isinstance(e, WriteError) or not e.filename:
+        return str(e)
+    return f"{e.filename}: {e.strerror or e}"
+
+
+def write_failure_detail(e: BaseException) -> tuple[str, dict[str, Any]]:
+    """(the message, failure.json's detail) of a run stopped by ``e``: a failed write (``_io.WriteError``)
+    is said without its type, naming the file, what was written (a resume state, the export) and the
+    errno. Any other error: ``Type: message`` and no detail."""
+    if not isinstance(e, WriteError):
+        return f"{type(e).__name__}: {e}", {}
+    return str(e), e.record
 
 
 def node_rank_of(args: argparse.Namespace) -> int | None:
@@ -734,7 +754,8 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         # a stop signal or the timeout raised inside a Paddle op (a PyLayer's backward) arrives wrapped
         stopped_by = fired[0] if fired else listener.caught
         if stopped_by is None:
-            diag, rc = Diagnosis(0, f"{type(e).__name__}: {e}", "error"), 1
+            message, detail = write_failure_detail(e)
+            diag, rc = Diagnosis(0, message, "error", detail), 1
         else:
             diag, rc = _stop_diagnosis(stopped_by)
     finally:

@@ -10,6 +10,7 @@ must be on a filesystem every node sees.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any
 
@@ -17,7 +18,7 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
-from .._io import atomic_write_text, write_record
+from .._io import atomic_write_text, write_error, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
 from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite, nonfinite_state_counts
@@ -46,6 +47,7 @@ __all__ = [
     "load_resume_state",
     "resolve_resume_state",
     "save_resume_state",
+    "sweep_stale_saves",
 ]
 
 # profile keys a resume may change (through flex/); the others (batch, sequence, dtype) must match
@@ -77,19 +79,34 @@ def save_resume_state(
     check_written_state(tensors, topo.rank, topo.world_size, step, "resume state")
     if topo.rank == 0:  # a save of this step killed before its rename left files (another layout's, even)
         shutil.rmtree(tmp, ignore_errors=True)
+        sweep_stale_saves(root, step)
     if topo.world_size > 1:
         dist.barrier()
-    os.makedirs(tmp, exist_ok=True)
-    write_rank_state(tmp, topo.rank, tensors, {"rng": rng_state()})
-    stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
-    if topo.world_size > 1:
-        dist.barrier()
+    what = f"the resume state of step {step}"
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        write_rank_state(tmp, topo.rank, tensors, {"rng": rng_state()})
+        stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
+        if topo.world_size > 1:
+            dist.barrier()
+        if topo.rank == 0:
+            identity = _model_identity(meta.get("config") or {})
+            meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
+            if identity is not None:
+                meta["model"] = identity
+            write_record(os.path.join(tmp, "meta.json"), meta)
+    except BaseException as e:
+        # a failed or stopped save (a full disk, SIGTERM) leaves no step_N.tmp: rank 0's, whose rename
+        # will not come; another rank's failure leaves it to the next save's sweep (rank 0 may still be
+        # writing into it)
+        if topo.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # the file, the phase and the errno (a full disk: ENOSPC)
+            err = write_error(e, None if e.filename else tmp, what)
+            if err is not e:
+                raise err from e
+        raise
     if topo.rank == 0:
-        identity = _model_identity(meta.get("config") or {})
-        meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
-        if identity is not None:
-            meta["model"] = identity
-        write_record(os.path.join(tmp, "meta.json"), meta)
         # a state of this step already there (a run resumed from an earlier step into the same OUT):
         # moved aside by one rename and deleted only once the new one is in place and named, so a
         # process killed during the (long) delete leaves the new state whole, not a half-deleted one
@@ -103,6 +120,36 @@ def save_resume_state(
     if topo.world_size > 1:
         dist.barrier()
     return final
+
+
+_STALE = re.compile(r"step_(\d+)\.(tmp|old)")
+
+
+def sweep_stale_saves(root: str, step: int) -> list[str]:
+    """Remove what earlier saves in ``root`` left (returned): ``step_N.tmp`` of a save killed, stopped
+    or failed before its rename (nothing names it: ``latest`` and a resume read only ``step_N``; at
+    scale it holds a whole optimizer state), and ``step_N.old`` whose ``step_N`` is in place (a save
+    killed during the delete). A ``step_N.old`` without its ``step_N`` is kept: a save killed
+    between its two renames left the earlier state of that step only there.
+
+    Called by rank 0 of a save before any rank writes into its own ``step_<step>.tmp``, which is
+    left to the caller. No live process can be writing the others: this job's ranks write only the
+    step they save, each save ends at a barrier, and another job in the same folder is refused by
+    ``glm52 train``'s ``--out`` lock (train/out_lock.py), which a caller saving into ``root`` holds."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:  # no folder yet: nothing left in it
+        return removed
+    for name in sorted(names):
+        m = _STALE.fullmatch(name)
+        if m is None or int(m.group(1)) == step:
+            continue
+        if m.group(2) == "old" and not os.path.isdir(os.path.join(root, name[: -len(".old")])):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 @paddle.no_grad()
