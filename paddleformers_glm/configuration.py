@@ -170,6 +170,22 @@ _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_f
 # writes them) though the file has no such key; the forward reads them when its keyword is not given
 _HF_OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits", "return_dict")
 
+# transformers' PreTrainedConfig attributes every config there answers, with their values for this
+# model (measured on transformers 5.23's GlmMoeDsaConfig): read here when the file does not set them,
+# never written by a save (a value set since is a key of the config, as any attribute set)
+_HF_BASE_ATTRIBUTES: dict[str, Any] = {
+    "is_encoder_decoder": False,
+    "return_dict": True,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "output_router_logits": False,
+    "torchscript": False,
+    "num_labels": 2,
+    "id2label": {0: "LABEL_0", 1: "LABEL_1"},
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "_name_or_path": "",  # from_pretrained of a model sets it to the folder read
+}
+
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 _HF_DEFAULT_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta: its base when a file gives none
 # The values of `attn_implementation`: the attention forms (modeling/attention_forms.py, which imports them)
@@ -254,10 +270,33 @@ def _resolve_aliases(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return out, aliases
 
 
+class _RopeScaling:
+    """``config.rope_scaling``, read as transformers 5.23 reads it: the file's own ``rope_scaling``
+    where it has one (not null), else an alias of the rope in use (``rope_parameters``, the same dict,
+    so a change through it is a change of the rope, as there; a file with only a top-level
+    ``rope_theta`` gets a copy of the normalised rope). Code that detects yarn by
+    ``config.rope_scaling["rope_type"]`` or reads its ``factor`` saw None on the official file, which
+    spells only ``rope_parameters``. The stored value is the file's (null stays null on save)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        raw = obj.__dict__.get("rope_scaling")
+        if raw is not None or "_rope" not in obj.__dict__:  # (while __init__ runs: the stored value)
+            return raw
+        if obj.rope_parameters is not None:
+            return obj.rope_parameters
+        return copy.deepcopy(obj.rope)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__["rope_scaling"] = value
+
+
 class GlmMoeDsaConfig:
     """Configuration of a GLM-5.2 model; see the module docstring for the round-trip contract."""
 
     model_type = "glm_moe_dsa"
+    rope_scaling = _RopeScaling()
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs = copy.deepcopy(kwargs)
@@ -337,7 +376,41 @@ class GlmMoeDsaConfig:
             return getattr(self, _KEY_ALIASES[name])
         if name == "torch_dtype" and "dtype" in self.__dict__:  # transformers' older name of `dtype`
             return self.dtype
+        if name in _HF_BASE_ATTRIBUTES and "_extra" in self.__dict__:  # transformers' base-config values
+            return copy.deepcopy(_HF_BASE_ATTRIBUTES[name])
+        if name == "use_return_dict" and "_extra" in self.__dict__:  # transformers: return_dict, not torchscript
+            return bool(self.return_dict) and not self.torchscript
         raise AttributeError(f"GlmMoeDsaConfig has no attribute {name!r}")
+
+    @property
+    def name_or_path(self) -> str:
+        """transformers' ``name_or_path``: the folder a model's ``from_pretrained`` read ("" for a
+        config read on its own or built in Python, as there); not a key of the saved file."""
+        return self._name_or_path
+
+    @name_or_path.setter
+    def name_or_path(self, value: Any) -> None:
+        self._name_or_path = str(value)
+
+    @property
+    def _attn_implementation(self) -> str:
+        """transformers' ``config._attn_implementation`` (what PEFT, TRL and other tools read): the
+        attention form in use under transformers' name where it has one ("eager" for the reference
+        form, "sdpa" for "auto", its default), else this library's form name. Setting it sets
+        ``attn_implementation``, as :meth:`GlmMoeDsaForCausalLM.set_attn_implementation`."""
+        own = self.attn_implementation
+        return next((hf for hf, form in HF_ATTN_IMPLEMENTATIONS.items() if form == own), own)
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value: Any) -> None:
+        form = HF_ATTN_IMPLEMENTATIONS.get(value, value) if isinstance(value, str) else value
+        if form not in ATTN_IMPLEMENTATIONS:
+            raise _err(
+                "_attn_implementation",
+                f"must be one of {ATTN_IMPLEMENTATIONS} (or transformers' {tuple(HF_ATTN_IMPLEMENTATIONS)}), "
+                f"got {value!r}",
+            )
+        self.attn_implementation = form
 
     def __setattr__(self, name: str, value: Any) -> None:
         """As transformers' attribute_map: setting another producer's name sets the setting it names
@@ -398,7 +471,14 @@ class GlmMoeDsaConfig:
         return bool(spellings & set(self._file_keys))
 
     def _rope_inputs(self) -> tuple:
-        return copy.deepcopy((self.rope_parameters, self.rope_scaling, self.rope_theta, self.max_position_embeddings))
+        return copy.deepcopy(
+            (self.rope_parameters, self._rope_scaling_given, self.rope_theta, self.max_position_embeddings)
+        )
+
+    @property
+    def _rope_scaling_given(self) -> Any:
+        """The stored ``rope_scaling`` (the file's or one set since), not the alias ``config.rope_scaling`` reads."""
+        return self.__dict__.get("rope_scaling")
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -566,16 +646,17 @@ class GlmMoeDsaConfig:
             )
 
     def _normalise_rope(self) -> None:
-        for key in ("rope_scaling", "rope_parameters"):
-            if not isinstance(getattr(self, key), (dict, type(None))):
-                raise _err(key, f"must be a dict or null, got {type(getattr(self, key)).__name__}")
+        given = {"rope_scaling": self._rope_scaling_given, "rope_parameters": self.rope_parameters}
+        for key, value in given.items():
+            if not isinstance(value, (dict, type(None))):
+                raise _err(key, f"must be a dict or null, got {type(value).__name__}")
         if self.rope_parameters is not None:
             rope, src = dict(self.rope_parameters), "rope_parameters"
-            if self.rope_scaling:  # PaddleFormers writes both; they must describe one rope
+            if self._rope_scaling_given:  # PaddleFormers writes both; they must describe one rope
                 # transformers 5.23 builds its rope from a non-null rope_scaling alone (its base from a
                 # top-level rope_theta, else its default 10000), so every field must agree, a field in
                 # only one of the two included; partial_rotary_factor enters no table here (see below)
-                scaling = dict(self.rope_scaling)
+                scaling = dict(self._rope_scaling_given)
                 scaling.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else _HF_DEFAULT_THETA)
                 a_all, b_all = {**rope, "rope_type": _rope_type(rope)}, {**scaling, "rope_type": _rope_type(scaling)}
                 if "rope_theta" not in rope:  # both take the top-level base, else transformers' default
@@ -590,7 +671,7 @@ class GlmMoeDsaConfig:
                             + (", its base from a top-level rope_theta, else 10000)" if key == "rope_theta" else ")"),
                         )
         else:
-            rope, src = dict(self.rope_scaling or {}), "rope_scaling"
+            rope, src = dict(self._rope_scaling_given or {}), "rope_scaling"
         rope["rope_type"] = _rope_type(rope)
         forms = {"rope_theta": _POSITIVE, "factor": _POSITIVE, "original_max_position_embeddings": ("int", 1, MAX_DIM)}
         forms |= dict.fromkeys(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), _NONNEGATIVE)
@@ -772,6 +853,8 @@ class GlmMoeDsaConfig:
                 out[key] = None
             elif key == "rope_parameters":
                 out[key] = copy.deepcopy(self.rope_parameters if self.rope_parameters is not None else self.rope)
+            elif key == "rope_scaling":  # the stored value, not the alias read as config.rope_scaling
+                out[key] = copy.deepcopy(self._rope_scaling_given)
             elif key == "attn_implementation":
                 out[key] = self._attn_spelled()
             else:
@@ -825,6 +908,36 @@ class GlmMoeDsaConfig:
         for key, value in config_dict.items():
             setattr(self, key, value)
         self.validate()
+
+    def update_from_string(self, update_str: str) -> None:
+        """transformers' ``update_from_string``: ``"key=value,key=value"``, each key one the config
+        answers, each value read as the current value's type (a bool from true/false, 1/0, y/n,
+        yes/no; an int; a float; a string as it is), then set as :meth:`update` sets it (checked).
+        Every pair is read before any is set: a bad one changes nothing (transformers sets those
+        before it)."""
+        changes: dict[str, Any] = {}
+        for pair in update_str.split(","):
+            key, sep, text = pair.partition("=")
+            if not sep or "=" in text:
+                raise ValueError(f"update_from_string: {pair!r} is not key=value (pairs are separated by commas)")
+            if not hasattr(self, key):
+                raise ValueError(f"key {key} isn't in the original config dict")
+            old = getattr(self, key)
+            if isinstance(old, bool):
+                if text.lower() not in ("true", "1", "y", "yes", "false", "0", "n", "no"):
+                    raise ValueError(f"can't derive true or false from {text} (key {key})")
+                changes[key] = text.lower() in ("true", "1", "y", "yes")
+            elif isinstance(old, int):
+                changes[key] = int(text)
+            elif isinstance(old, float):
+                changes[key] = float(text)
+            elif isinstance(old, str):
+                changes[key] = text
+            else:
+                raise TypeError(
+                    f"You can only update int, float, bool or string values in the config, got {text} for key {key}"
+                )
+        self.update(changes)
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> str:
         """Write `config.json` atomically (temp file + rename); returns its path. ``push_to_hub``

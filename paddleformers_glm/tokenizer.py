@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import re
+import warnings
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -111,7 +112,29 @@ class BatchEncoding(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(name) from None
+            raise AttributeError(
+                f"'BatchEncoding' object has no attribute {name!r} (its keys, also readable as attributes: "
+                f"{sorted(self)})"
+            ) from None
+
+    def to(self, device: Any, *, non_blocking: bool = False) -> BatchEncoding:
+        """transformers' ``BatchEncoding.to(device)``, the idiom ``tok(text, return_tensors="pd").to(model.device)``:
+        every Paddle tensor value moves to ``device`` (a place such as ``model.device``, a name such as
+        ``"gpu:0"``, or a GPU number), the other values (lists, NumPy arrays) stay as they are; -> this
+        encoding, changed in place, as there. Anything else (a dtype: casting the ids would break them) is
+        not a device: a warning, nothing moved, as transformers does."""
+        import paddle
+
+        place = any(c.__name__.endswith("Place") for c in type(device).__mro__)  # paddle's places (CPUPlace ...)
+        if isinstance(device, bool) or not (place or isinstance(device, (str, int))):
+            warnings.warn(f"Attempting to cast a BatchEncoding to type {device}. This is not supported.", stacklevel=2)
+            return self
+        if isinstance(device, int):
+            device = f"gpu:{device}"
+        for key, value in self.items():
+            if isinstance(value, paddle.Tensor):
+                self[key] = value.to(device, blocking=not non_blocking)
+        return self
 
 
 # the keys tokenizer.pad pads (transformers' _pad); the others pass through as given

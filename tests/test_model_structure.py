@@ -35,7 +35,8 @@ def test_layer_count_and_kinds():
     cfg = tiny_config()
     model = GlmMoeDsaForCausalLM(cfg)
     assert isinstance(model.model, GlmMoeDsaModel)
-    assert len(model.model.layers) == cfg.num_hidden_layers + 1 == 9
+    # len() counts the decoder layers, as transformers' ModuleList; the MTP layer keeps its id (model.layers.8)
+    assert len(model.model.layers) == cfg.num_hidden_layers == 8 and len(model.model.layers.keys()) == 9
     assert len(model.model.decoder_layers) == 8 and len(model.model.mtp_layers) == 1
     has_idx = [layer.self_attn.has_indexer for layer in model.model.decoder_layers]
     assert has_idx == [True, True, True, False, False, False, True, False]

@@ -79,7 +79,7 @@ def test_two_mtp_depths_chain():
     model.eval()
     ids = tokens(1, 16, seed=5)
     out = model(ids, labels=ids)
-    assert len(out.mtp_logits) == 2 and len(model.model.layers) == 10
+    assert len(out.mtp_logits) == 2 and len(model.model.layers.keys()) == 10  # 8 decoder + 2 MTP layers
     d2 = float(causal_lm_loss(out.mtp_logits[1], ids, shift=3))
     d1 = float(causal_lm_loss(out.mtp_logits[0], ids, shift=2))
     assert abs(float(out.mtp_loss) - (d1 + d2) / 2) < 1e-5

@@ -14,7 +14,7 @@ import time
 import warnings
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +47,13 @@ if logger.level == logging.NOTSET:
 
 
 @dataclass
-class LoadReport:
-    """What a load did: layout found, keys loaded / missing / unexpected / filtered out, cost."""
+class LoadReport(Mapping):
+    """What a load did: layout found, keys loaded / missing / unexpected / filtered out, cost.
+
+    Also transformers' loading info (``from_pretrained(..., output_loading_info=True)`` returns a
+    dict there): a read-only mapping of its four keys, so ``"missing_keys" in info``, ``list(info)``,
+    ``len(info)``, ``info.items()`` and ``info.get(...)`` work as on that dict; the report's own
+    fields are attributes."""
 
     path: str
     layout: str
@@ -98,6 +103,15 @@ class LoadReport:
 
     def keys(self) -> list[str]:
         return list(self._INFO_KEYS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._INFO_KEYS)
+
+    def __len__(self) -> int:
+        return len(self._INFO_KEYS)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._INFO_KEYS
 
 
 def format_keys(keys: Iterable[str], n: int = 5) -> str:

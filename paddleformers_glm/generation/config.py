@@ -5,6 +5,7 @@ implemented by name."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -189,7 +190,14 @@ class GenerationConfig:
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         known = set(cls.keys())
         extra = {"_source": source} | {k: v for k, v in d.items() if k not in known}
-        return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
+        return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)._mark_read()
+
+    def _mark_read(self) -> GenerationConfig:
+        """Remember the options as read (a file, a model config): transformers' save refuses a config
+        with issues only when it was changed since (``_original_object_hash``), so that a published
+        file can always be saved back."""
+        self.__dict__["_as_read"] = copy.deepcopy(self.to_dict())
+        return self
 
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationConfig:
@@ -225,7 +233,7 @@ class GenerationConfig:
         for k in _SPECIAL_TOKENS:  # no config: getattr(None, k, None) leaves them unset
             if getattr(gc, k) is None:
                 setattr(gc, k, getattr(config, k, None))
-        return gc
+        return gc._mark_read()
 
     def to_dict(self) -> dict[str, Any]:
         """The set keys (and the file's other keys), as HF writes them."""
@@ -258,7 +266,11 @@ class GenerationConfig:
         return f"GenerationConfig {self.to_json_string(ignore_metadata=True)}"
 
     def save_pretrained(self, folder: str | os.PathLike) -> str:
-        """Write ``folder/generation_config.json`` atomically; returns its path."""
+        """Write ``folder/generation_config.json`` atomically; returns its path. As transformers 5.23,
+        a config with an issue :meth:`validate` names is refused when it was built or changed here
+        (a sampling option without ``do_sample=True`` ...), an unchanged one read from a file is
+        written back as it is (its errors refused all the same)."""
+        self.check_before_save()
         path = os.path.join(os.fspath(folder), GENERATION_CONFIG_FILE)
         write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
         return path
@@ -295,6 +307,118 @@ class GenerationConfig:
         return GenerationConfig(**values, extra=lower.extra | self.extra | {"_source": src})
 
     # ------------------------------------------------------------------ checks
+    def _issues(self, user_set_attributes: set[str] | None = None) -> dict[str, str]:
+        """transformers 5.23's ``GenerationConfig.validate`` checks: a setting no generation can run
+        with raises ValueError (its words); the "minor issues" (an option the mode set ignores:
+        ``temperature`` without ``do_sample=True``, ``length_penalty`` without beams, an ``output_*``
+        flag without ``return_dict_in_generate`` ...) are returned, option -> what is wrong."""
+        if self.early_stopping not in (None, True, False, "never"):
+            raise ValueError(f"`early_stopping` must be a boolean or 'never', but is {self.early_stopping}.")
+        if self.max_new_tokens is not None and self.max_new_tokens <= 0:
+            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {self.max_new_tokens}.")
+        minor: dict[str, str] = {}
+        if _is_int(self.pad_token_id) and self.pad_token_id < 0:
+            minor["pad_token_id"] = (
+                f"`pad_token_id` should be positive but got {self.pad_token_id}. This will cause errors when batch "
+                "generating, if there is padding. Please set `pad_token_id` explicitly as "
+                "`model.generation_config.pad_token_id=PAD_TOKEN_ID` to avoid errors in generation"
+            )
+
+        def warn(outer: str, inner: str) -> bool:  # transformers' _should_warn
+            if user_set_attributes is None:
+                return True
+            return inner in user_set_attributes or outer not in user_set_attributes
+
+        if self.do_sample is not True:
+            greedy = (
+                "`do_sample` is not set to `True`. However, `{0}` is set to `{1}` -- this flag is only used in "
+                "sample-based generation modes. You should set `do_sample=True` or unset `{0}`."
+            )
+            for name, off in (
+                ("temperature", 1.0),
+                ("top_p", 1.0),
+                ("min_p", None),
+                ("top_h", None),
+                ("typical_p", 1.0),
+                ("top_k", 50),
+                ("epsilon_cutoff", 0.0),
+                ("eta_cutoff", 0.0),
+            ):
+                value = getattr(self, name)
+                if value is not None and value != off and warn("do_sample", name):
+                    minor[name] = greedy.format(name, value)
+        if self.num_beams is None or self.num_beams == 1:
+            single = (
+                "`num_beams` is set to {0}. However, `{1}` is set to `{2}` -- this flag is only used in beam-based "
+                "generation modes. You should set `num_beams>1` or unset `{1}`."
+            )
+            for name, off in (("early_stopping", False), ("length_penalty", 1.0)):
+                value = getattr(self, name)
+                if value is not None and value is not off and value != off and warn("num_beams", name):
+                    minor[name] = single.format(self.num_beams, name, value)
+        if self.num_return_sequences is not None and self.num_return_sequences > 1:
+            if self.num_beams is None or self.num_beams == 1:
+                if not self.do_sample:
+                    raise ValueError(
+                        "Greedy methods (do_sample != True) without beam search do not support "
+                        f"`num_return_sequences` different than 1 (got {self.num_return_sequences})."
+                    )
+            elif self.num_return_sequences > self.num_beams:
+                raise ValueError(
+                    f"`num_return_sequences` ({self.num_return_sequences}) has to be smaller or equal to `num_beams` "
+                    f"({self.num_beams})."
+                )
+        if self.return_dict_in_generate is not True:
+            for name in _EXTRA_OUTPUT_FLAGS:
+                if getattr(self, name) is True:
+                    minor[name] = (
+                        f"`return_dict_in_generate` is NOT set to `True`, but `{name}` is. When "
+                        f"`return_dict_in_generate` is not `True`, `{name}` is ignored."
+                    )
+        if self.suppress_tokens is not None:
+            suppressed = set(self.suppress_tokens)
+            for name in ("forced_bos_token_id", "forced_eos_token_id"):
+                forced = getattr(self, name)
+                forced = set() if forced is None else {forced} if _is_int(forced) else set(forced)
+                if forced and forced <= suppressed:
+                    raise ValueError(
+                        f"Every token in `{name}` ({sorted(forced)}) is also in `suppress_tokens`. Forcing a token "
+                        "while suppressing it sets all logits to `-inf` at the forcing step, which produces `nan` "
+                        f"probabilities and crashes generation. Remove the overlapping token(s) from either `{name}` "
+                        "or `suppress_tokens` (if you meant to prevent an early EOS token, use `min_new_tokens` instead)."
+                    )
+        return minor
+
+    def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None) -> None:
+        """transformers' ``validate``: ValueError for a setting no generation can run with; the
+        options the chosen mode ignores (``temperature`` with ``do_sample`` not True, ...) are one
+        warning naming them, or with ``strict`` a ValueError listing each with what is wrong.
+        ``user_set_attributes``: the options the caller set (an ignored option inherited from a
+        file is then not reported, as there). ``generate`` checks the values it uses itself."""
+        minor = self._issues(user_set_attributes)
+        if not minor:
+            return
+        info = "\n".join(f"- `{name}`: {what}" for name, what in minor.items())
+        info += (
+            "\nIf you're using a pretrained model, note that some of these attributes may be set through the "
+            "model's `generation_config.json` file."
+        )
+        if strict:
+            raise ValueError("GenerationConfig is invalid: \n" + info)
+        warnings.warn(f"The following generation flags are not valid and may be ignored: {list(minor)}.", stacklevel=2)
+
+    def check_before_save(self) -> None:
+        """What transformers' ``save_pretrained`` checks before it writes this config: ``validate``,
+        strict unless the options are those read from a file or a model config (a published config
+        with ignored options is written back; one built or changed here is refused)."""
+        changed = self.__dict__.get("_as_read") != self.to_dict()
+        try:
+            minor = self._issues()
+            if changed and minor:
+                self.validate(strict=True)
+        except ValueError as e:
+            raise ValueError(f"{e}\n\nFix these issues to save the configuration.") from None
+
     def check_supported(self) -> None:
         """Refuse options this generate does not implement (group beam search, ...), naming where they
         were set and what is supported."""

@@ -166,14 +166,15 @@ def _classes() -> dict[str, Any]:
                 # from_pretrained do (use_cache=False ...); one that is no config key is refused
                 own = inspect.signature(_Model.from_pretrained).parameters
                 overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
-                config = GlmMoeDsaConfig.from_pretrained(path)
-                unknown = sorted(k for k in overrides if not hasattr(config, k))
-                if unknown:
+                # what the config does not take (not a key, nor an output flag) is refused, not dropped:
+                # an attribute the config merely answers (num_labels, id2label) is no key of this model
+                config, unused = GlmMoeDsaConfig.from_pretrained(path, return_unused_kwargs=True, **overrides)
+                if unused:
                     raise TypeError(
-                        f"GlmMoeDsaForCausalLM.from_pretrained: unexpected keyword arguments {unknown} "
+                        f"GlmMoeDsaForCausalLM.from_pretrained: unexpected keyword arguments {sorted(unused)} "
                         "(neither loading options nor keys of the model config)"
                     )
-                kwargs["config"] = GlmMoeDsaConfig.from_pretrained(path, **overrides) if overrides else config
+                kwargs["config"] = config
             return super().from_pretrained(path, **kwargs)
 
         @classmethod

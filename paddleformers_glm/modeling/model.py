@@ -79,6 +79,10 @@ class CausalLMOutput:
     last_hidden_state: paddle.Tensor | None = None  # after the final norm
     indexer_recall: paddle.Tensor | None = None  # mean over the indexer layers of the top-k recall
     lm_loss: paddle.Tensor | None = None  # the LM loss, where out.loss is an indexer stage's objective
+    # transformers' MoeCausalLMOutputWithPast.aux_loss, None for this model there (its router has no
+    # auxiliary loss): readable, so an MoE training loop's `if out.aux_loss is not None` runs; never set,
+    # so it is in neither keys() nor to_tuple(), as transformers leaves a None field out of both
+    aux_loss: paddle.Tensor | None = None
 
     def keys(self) -> list[str]:
         """Names of the fields that are set (None and empty lists are not)."""
@@ -245,11 +249,61 @@ def build_layer(config: GlmMoeDsaConfig, index: int, topo: Topology) -> DecoderL
 
 
 class Layers(nn.LayerDict):
-    """The layers a model owns, keyed by their global id (``layers.<id>.*``, the full model's names);
-    ``layers[i]`` takes the id as an int too."""
+    """The layers a model owns, keyed by their global id (``layers.<id>.*``, the full model's names,
+    which a checkpoint's keys follow), and read as transformers' ``model.model.layers`` (an
+    ``nn.ModuleList`` of the decoder layers) is read: code written for it (a hook on every layer,
+    unfreezing the last n) must reach the decoder layers, never the MTP layers, which transformers
+    drops on load.
 
-    def __getitem__(self, key: int | str) -> nn.Layer:
-        return super().__getitem__(str(key))
+    ``len()`` and iteration count the decoder layers this model holds (in id order); ``layers[i]``
+    is the layer of id ``i``; a negative ``i`` counts back from the last decoder layer held and a
+    slice gives an ``nn.LayerList`` of the decoder layers held, as a list's (on a whole model the
+    positions are the ids). The MTP layers stay where their names put them:
+    ``layers[num_hidden_layers + j]`` (``model.model.mtp_layers``); ``keys()`` / ``values()`` /
+    ``items()`` and ``"<id>" in layers`` cover every layer held, MTP included. On a pipeline stage
+    an id is still global (``layers[3]`` is layer 3, ``model.layers.3.*``): a layer another stage
+    holds is a KeyError naming it."""
+
+    def __init__(self, sublayers: Mapping[str, nn.Layer], num_decoder_layers: int) -> None:
+        super().__init__(sublayers)
+        self._num_decoder_layers = int(num_decoder_layers)
+
+    def _decoder_ids(self) -> list[int]:
+        return sorted(int(k) for k in self._sub_layers if int(k) < self._num_decoder_layers)
+
+    def __getitem__(self, key: int | str | slice) -> nn.Layer | nn.LayerList:
+        L, held = self._num_decoder_layers, self._decoder_ids()
+        if isinstance(key, slice):
+            return nn.LayerList([self._sub_layers[str(i)] for i in held[key]])
+        if isinstance(key, str):
+            return super().__getitem__(key)
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+            raise TypeError(f"layers indices must be integers, slices or ids as strings, not {type(key).__name__}")
+        if key < 0:
+            if -key > len(held):
+                raise IndexError(f"layer index {int(key)} is out of range: {len(held)} decoder layers held")
+            return self._sub_layers[str(held[key])]
+        i = int(key)
+        if str(i) not in self._sub_layers:
+            raise (KeyError if i < L else IndexError)(
+                f"layer {i} is not held here (this model holds layers {sorted(int(k) for k in self._sub_layers)}: "
+                f"ids 0..{L - 1} are decoder layers, {L}.. the MTP layers)"
+            )
+        return self._sub_layers[str(i)]
+
+    def __len__(self) -> int:
+        return len(self._decoder_ids())
+
+    def __iter__(self) -> Iterator[nn.Layer]:
+        return iter([self._sub_layers[str(i)] for i in self._decoder_ids()])
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, nn.Layer):  # a list's membership, as transformers' ModuleList
+            return any(layer is key for layer in self)
+        return str(key) in self._sub_layers
+
+    def __bool__(self) -> bool:  # a Layer is true whatever it holds (an MTP-only stage too)
+        return True
 
 
 class GlmMoeDsaModel(nn.Layer):
@@ -276,7 +330,7 @@ class GlmMoeDsaModel(nn.Layer):
             raise ValueError(f"GlmMoeDsaModel: layer ids repeat: {ids}")
         if embedding:
             self.embedding = Embedding(config, topo)
-        self.layers = Layers({str(i): build_layer(config, i, topo) for i in ids})
+        self.layers = Layers({str(i): build_layer(config, i, topo) for i in ids}, L)
         self.layer_ids = ids
         # one cache of top-k index forms for all layers (a shared layer reuses its full layer's top-k,
         # so its forms are built once) and one indexer-training state (the stage, the warm-up's dense
@@ -915,8 +969,9 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
     ) -> CausalLMOutput | tuple:
         """`use_cache` (default `config.use_cache`, as transformers, but only in evaluation mode on a
         whole one-process model: a training-mode forward never builds one, its step would hold every
-        layer's latent rows without reading them and it records the indexer's training) without a
-        cache: the plain forward (same logits, losses and MTP fields, bit for bit), which also returns
+        layer's latent rows without reading them and it records the indexer's training; under
+        activation checkpointing a training forward builds none even with `use_cache=True`, as
+        transformers, which warns and turns it off) without a cache: the plain forward (same logits, losses and MTP fields, bit for bit), which also returns
         a new `out.past_key_values`; `model(next_ids, past_key_values=out.past_key_values)` then
         continues it as transformers' `DynamicCache` (positions after the filled slots). A
         `past_key_values` cache given runs the decoding path: an empty one is filled by this forward
@@ -951,6 +1006,15 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             _check_cache_position(
                 cache_position, input_ids if inputs_embeds is None else inputs_embeds, past_key_values
             )
+        if self.training and self.is_activation_checkpointing and use_cache is not False:
+            # transformers 5.23 (merge_with_config_defaults): a training forward under activation
+            # checkpointing builds no cache, even asked to (the recomputed layers would fill it twice)
+            if use_cache:
+                warnings.warn(
+                    "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.",
+                    stacklevel=2,
+                )
+            use_cache = False
         ignore_index = kwargs.pop("ignore_index", None)
         custom_loss = _custom_loss_call(self, labels, shift_labels, labels_shifted, num_items_in_batch, ignore_index)
         labels, labels_shifted = _with_shift_labels(labels, shift_labels, labels_shifted)

@@ -123,6 +123,9 @@ _UNSUPPORTED_LOADING_KEYS = (
     "from_flax",
     "adapter_name",
     "adapter_kwargs",
+    # True re-initialises the tensors whose shape differs from the file's; False (a mismatch is an
+    # error, as here always) is taken, as None
+    "ignore_mismatched_sizes",
 )
 
 
@@ -135,6 +138,8 @@ def _loading_keywords(path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[
     subfolder = overrides.pop("subfolder", None)
     if subfolder:
         path = os.path.join(os.fspath(path), os.fspath(subfolder))
+    if overrides.get("ignore_mismatched_sizes") is False:
+        overrides.pop("ignore_mismatched_sizes")
     refused = [k for k in _UNSUPPORTED_LOADING_KEYS if overrides.get(k) is not None]
     if refused:
         raise ValueError(
@@ -161,18 +166,30 @@ _HF_SAVE_KEYWORDS = {
 }
 
 
+def _short_repr(value: Any) -> str:
+    """A keyword's value as an error names it: a dict of tensors by its size (their reprs run to
+    megabytes on a real model, and formatting device tensors copies them), anything else by its repr."""
+    if isinstance(value, dict):
+        return f"<dict of {len(value)} tensors>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _hf_save_keywords(kwargs: dict[str, Any]) -> bool:
     """Pop transformers' ``save_pretrained`` keywords from ``kwargs``: those that change nothing are
-    dropped, ``push_to_hub=True`` / a ``variant`` / a ``state_dict`` / ``distributed_checkpoint=True``
-    refused by name. -> whether to write (transformers' ``is_main_process``, default True)."""
+    dropped, ``push_to_hub=True`` / a ``variant`` / ``distributed_checkpoint=True`` refused by name;
+    ``state_dict`` stays in ``kwargs`` for :meth:`GlmMoeDsaPreTrainedModel._state_to_save`.
+    -> whether to write (transformers' ``is_main_process``, default True)."""
     write = bool(kwargs.pop("is_main_process", True))
     for key, allowed in _HF_SAVE_KEYWORDS.items():
-        if key not in kwargs:
+        if key not in kwargs or key == "state_dict":
             continue
         value = kwargs.pop(key)
-        refused = value is not None if key in ("variant", "state_dict") else allowed is not None and value != allowed
+        refused = value is not None if key == "variant" else allowed is not None and value != allowed
         if refused:
-            raise ValueError(f"save_pretrained: {key}={value!r} is not supported (a transformers save option)")
+            raise ValueError(
+                f"save_pretrained: {key}={_short_repr(value)} is not supported (a transformers save option)"
+            )
     return write
 
 
@@ -349,6 +366,28 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         return model
 
     @classmethod
+    def _from_config(cls, config: GlmMoeDsaConfig, dtype: Any = None, **kwargs: Any):
+        """transformers' name, the one its ``AutoModel.from_config`` calls: :meth:`from_config`
+        (``dtype`` None: float32, this model's default; ``torch_dtype``, its older name, is taken
+        too). Other keywords (``attn_implementation`` ...) are refused by name rather than dropped."""
+        torch_dtype = kwargs.pop("torch_dtype", None)
+        seed = kwargs.pop("seed", None)
+        if kwargs:
+            raise TypeError(f"_from_config: unexpected keyword argument(s) {sorted(kwargs)}")
+        dtype = dtype if dtype is not None else torch_dtype
+        if dtype is not None:
+            from ..checkpoint.loader import resolve_model_dtype
+
+            dtype = resolve_model_dtype(dtype, config)
+        return cls.from_config(config, dtype=dtype or "float32", seed=seed)
+
+    @property
+    def name_or_path(self) -> str:
+        """transformers' ``model.name_or_path``: the config's ``_name_or_path`` (the folder
+        ``from_pretrained`` read, "" for a model built from a config)."""
+        return self.config._name_or_path
+
+    @classmethod
     def from_pretrained(
         cls,
         path: str | os.PathLike,
@@ -428,6 +467,8 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         if widen:
             model.to(dtype="float64")
         model.source_path = os.path.abspath(os.fspath(path))
+        # transformers sets the config's _name_or_path to the path as given (model.name_or_path); not a saved key
+        model.config._name_or_path = os.fspath(path)
         model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
         return (model, report) if output_loading_info else model
 
@@ -446,12 +487,20 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         that change nothing here are accepted (``safe_serialization``: safetensors either way, as
         transformers 5.23 writes; ``push_to_hub=False``, ``token``, ``variant=None`` ...);
         ``is_main_process=False`` writes nothing and returns None, as there (a model split over ranks
-        ignores it: its save is collective); ``push_to_hub=True``, a ``variant`` or a ``state_dict``
-        are refused by name."""
+        ignores it: its save is collective); ``state_dict`` (what transformers' Trainer passes) is
+        written in place of the model's tensors when it holds the model's keys and shapes (one
+        process), refused otherwise; ``push_to_hub=True`` or a ``variant`` are refused by name. A
+        ``generation_config`` changed since it was read that transformers' ``validate`` finds options
+        in that its mode ignores (``temperature`` without ``do_sample``) is refused before anything is
+        written, as transformers' save refuses it."""
         from ..checkpoint import save_pretrained_state
 
         if not _hf_save_keywords(kwargs) and not self.distributed:
             return None  # is_main_process=False: transformers writes nothing
+        state = self._state_to_save(kwargs.pop("state_dict", None))
+        held = self.__dict__.get("_generation_config")
+        if hasattr(held, "check_before_save"):  # transformers: a changed generation config with issues is refused
+            held.check_before_save()
         kwargs.setdefault("carry_from", getattr(self, "source_path", None))
         kwargs.setdefault("generation_config", self._changed_generation_config())
         if kwargs.get("dtype") is None and kwargs.get("quantization") in (None, "none"):
@@ -460,7 +509,41 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
             from ..checkpoint.distributed import save_pretrained_distributed
 
             return save_pretrained_distributed(self, save_directory, topo=self.topology, **kwargs)
-        return save_pretrained_state(self, self.config, save_directory, **kwargs)
+        return save_pretrained_state(state, self.config, save_directory, **kwargs)
+
+    def _state_to_save(self, given: Any) -> Any:
+        """What ``save_pretrained(state_dict=...)`` writes (transformers' Trainer passes the model's
+        own state dict): None is the model itself; a dict of tensors with exactly the model's keys and
+        shapes (values of another dtype are cast as the model's would be) on a model in one process;
+        anything else is refused, naming the first difference and not the tensors (their reprs run to
+        megabytes)."""
+        if given is None:
+            return self
+        if self.distributed or not isinstance(given, dict):
+            where = "on a model split over ranks (its save is collective)" if self.distributed else "(not a dict)"
+            raise ValueError(
+                f"save_pretrained: state_dict={_short_repr(given)} is not supported {where}; "
+                "save the model itself (leave state_dict out)"
+            )
+        own = self.state_dict()
+        problem = None
+        if set(given) != set(own):
+            extra, lacking = sorted(set(given) - set(own)), sorted(set(own) - set(given))
+            problem = f"keys differ from the model's (not in the model: {extra[:3]}, missing: {lacking[:3]})"
+        else:
+            for key, value in given.items():
+                if not isinstance(value, paddle.Tensor):
+                    problem = f"{key!r} is a {type(value).__name__}, not a paddle.Tensor"
+                elif list(value.shape) != list(own[key].shape):
+                    problem = f"{key!r} has shape {list(value.shape)}, the model's {list(own[key].shape)}"
+                if problem:
+                    break
+        if problem:
+            raise ValueError(
+                f"save_pretrained: state_dict={_short_repr(given)}: {problem}; a state_dict must hold the "
+                "model's keys and shapes (transformers' Trainer passes model.state_dict())"
+            )
+        return given
 
     def _changed_generation_config(self) -> dict | None:
         """``generation_config`` as a save writes it (``generation.generation_config_to_save``): None
@@ -666,8 +749,10 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         tensors = list(self.parameters()) + (list(self.buffers()) if return_buffers else [])
         return sum(int(np.prod(t.shape)) * t.element_size() for t in tensors)
 
-    def can_generate(self) -> bool:
-        """True, as transformers' for a causal LM: ``generate`` is available."""
+    @classmethod
+    def can_generate(cls) -> bool:
+        """True, as transformers' classmethod for a causal LM: ``generate`` is available (callable
+        on the class, ``GlmMoeDsaForCausalLM.can_generate()``, as on a model)."""
         return True
 
     def resize_token_embeddings(
