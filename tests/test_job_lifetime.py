@@ -4,6 +4,7 @@ watchdog and stop signals, the parent-death tie, the job's processes found by it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 
 import pytest
 
@@ -358,19 +360,28 @@ def test_lifeline_child_dies_with_its_parent_and_the_job_id_finds_it(tmp_path):
         time.sleep(60)
         """
     )
-    e = {**env(), "GLM52_JOB_ID": "lifeline-test", "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    # a job id of this run alone: job_processes scans every process of the machine, and another
+    # checkout's run of this test (or a failed run's sleepers) carrying a fixed id would be found too
+    job = f"lifeline-test-{uuid.uuid4().hex}"
+    e = {**env(), "GLM52_JOB_ID": job, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
     parent = subprocess.Popen([sys.executable, "-c", parent_code], env=e, stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
-    t0 = time.monotonic()
-    while child not in job_processes("lifeline-test") and time.monotonic() - t0 < 20:
-        time.sleep(0.05)
-    assert child in job_processes("lifeline-test") and parent.pid in job_processes("lifeline-test")
-    parent.kill()
-    parent.wait()
-    t0 = time.monotonic()
-    while job_processes("lifeline-test") and time.monotonic() - t0 < 10:
-        time.sleep(0.05)
-    assert job_processes("lifeline-test") == [], "the child outlived its parent"
+    try:
+        child = int(parent.stdout.readline())
+        t0 = time.monotonic()
+        while child not in job_processes(job) and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        assert child in job_processes(job) and parent.pid in job_processes(job)
+        parent.kill()
+        parent.wait()
+        t0 = time.monotonic()
+        while job_processes(job) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert job_processes(job) == [], "the child outlived its parent"
+    finally:  # a failed run leaves no sleeper behind
+        for pid in [parent.pid, *job_processes(job)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_job_timeout_holds_in_one_process_too(tmp_path, capsys):
