@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +61,14 @@ def make_tiny_checkpoint(
         raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
     config = tiny_config(indexer_loss_coeff=indexer_loss_coeff) if indexer_loss_coeff else tiny_config()
     state = {k: paddle.to_tensor(v) for k, v in init_state(config, seed).items()}
-    save_pretrained_state(state, config, out_dir, layout="hf", max_shard_size=max_shard_size)
-    make_tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    # the tokenizer travels in the checkpoint's temporary folder (carried as a model save carries its
+    # source's): one publish puts weights and tokenizer in place, so no kill or failure leaves the new
+    # weights beside an old tokenizer, or none
+    with tempfile.TemporaryDirectory(prefix="glm52-tiny-tokenizer-") as tokenizer_dir:
+        make_tiny_tokenizer(config.vocab_size).save_pretrained(tokenizer_dir)
+        save_pretrained_state(
+            state, config, out_dir, layout="hf", max_shard_size=max_shard_size, carry_from=tokenizer_dir
+        )
     return os.fspath(out_dir)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._io import read_json, write_json_atomic
+from ..tokenizer import JOURNAL_DIR, TEMPLATE_DIR, finish_pending_save
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, libc, run_units
 from .errors import CheckpointError
@@ -149,7 +150,8 @@ def finish_save(
         carried = carry_files(carry_from, tmp, out_dir)
     carried = written + carried  # carry_files skips a name already in tmp
     # a tokenizer is one unit: carrying one replaces the target's, none of its old files stay behind
-    publish(tmp, out_dir, TOKENIZER_FILES if set(carried) & set(TOKENIZER_FILES) else ())
+    # (nor a tokenizer save of the target's that was cut off, whose files the loader would read)
+    publish(tmp, out_dir, (*TOKENIZER_FILES, JOURNAL_DIR) if set(carried) & set(TOKENIZER_FILES) else ())
     return total, [*shards, *([INDEX_NAME] if len(shards) > 1 else []), "config.json", *carried]
 
 
@@ -378,6 +380,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    TEMPLATE_DIR,  # transformers' named chat templates, a folder of NAME.jinja files
 )
 CARRIED_FILES = (*TOKENIZER_FILES[:4], GENERATION_CONFIG, *TOKENIZER_FILES[4:])
 _OWN_WEIGHT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -386,17 +389,26 @@ _OWN_WEIGHT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 def carry_files(
     src: str | os.PathLike | None, tmp: str, out_dir: str, names: tuple[str, ...] = CARRIED_FILES
 ) -> list[str]:
-    """Copy the source folder's non-weight files (``names``) into the new checkpoint (not onto themselves)."""
+    """Copy the source folder's non-weight files (``names``) into the new checkpoint (not onto themselves);
+    a tokenizer save of the source that was cut off after its commit is finished first, where its
+    process is gone, so that the files copied are one tokenizer's."""
     if src is None:
         return []
     src = os.path.abspath(os.fspath(src))
     if not os.path.isdir(src) or os.path.realpath(src) == os.path.realpath(out_dir):
         return []  # saving over the source (also through a link to it): those files are kept as they are
+    if set(names) & set(TOKENIZER_FILES):
+        finish_pending_save(src)
     out = []
     for name in names:
         f = os.path.join(src, name)
-        if os.path.isfile(f) and not os.path.exists(os.path.join(tmp, name)):
+        if os.path.exists(os.path.join(tmp, name)):
+            continue
+        if os.path.isfile(f):
             shutil.copy2(f, os.path.join(tmp, name))
+            out.append(name)
+        elif name == TEMPLATE_DIR and os.path.isdir(f):
+            shutil.copytree(f, os.path.join(tmp, name))
             out.append(name)
     return out
 
