@@ -160,11 +160,13 @@ def _experts(E: int, H: int, FF: int, topo: Topology) -> LocalExperts:
 
 @pytest.fixture
 def gpu_silu(monkeypatch):
-    """The experts' silu as on an accelerator: its CPU-only guard (a read of whether any input is
-    low enough to overflow Paddle's CPU gradient) is not there."""
-    from paddleformers_glm.ops import activation
+    """The ops as on an accelerator: the experts' silu without its CPU-only guard (a read of whether
+    any input is low enough to overflow Paddle's CPU gradient), the per-expert counts as a
+    scatter-add (on the CPU they take ``paddle.bincount``, which syncs only on a GPU)."""
+    from paddleformers_glm.ops import activation, selection
 
     monkeypatch.setattr(activation, "computes_on_cpu", lambda x: False)
+    monkeypatch.setattr(selection, "computes_on_cpu", lambda x: False)
 
 
 def test_dispatcher_reads_the_host_once_per_forward_at_world_1(gpu_silu):
@@ -240,7 +242,9 @@ def _worker(out: str) -> None:
     from paddleformers_glm.parallel.layers import local_slice
     from paddleformers_glm.parallel.topology import init_topology
 
-    activation.computes_on_cpu = lambda x: False  # as the fixture gpu_silu
+    from paddleformers_glm.ops import selection
+
+    activation.computes_on_cpu = selection.computes_on_cpu = lambda x: False  # as the fixture gpu_silu
 
     topo = init_topology(ParallelConfig(tp=2))
     R, G = topo.tp_rank, topo.tp_group
@@ -301,9 +305,12 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------ the router's balance counts
-def test_bin_counts_equal_bincount():
-    from paddleformers_glm.ops import bin_counts
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu", "device-form"])
+def test_bin_counts_equal_bincount(on_device, monkeypatch):
+    from paddleformers_glm.ops import bin_counts, selection
 
+    if on_device:  # the scatter-add a GPU runs
+        monkeypatch.setattr(selection, "computes_on_cpu", lambda x: False)
     rng = np.random.default_rng(3)
     for n, length in ((0, 4), (1, 1), (37, 8), (4096, 257)):
         ids = paddle.to_tensor(rng.integers(0, length, size=(n,)), dtype="int64")
@@ -313,7 +320,7 @@ def test_bin_counts_equal_bincount():
     assert bin_counts(two_d, 5).numpy().tolist() == np.bincount(two_d.numpy().ravel(), minlength=5).tolist()
 
 
-def test_the_routers_balance_counts_and_loss_read_nothing():
+def test_the_routers_balance_counts_and_loss_read_nothing(gpu_silu):
     """Every training forward of an MoE layer counts its assignments per expert (the load the bias
     update and the gradient sync read, padding masked) and, with an aux-loss coefficient, the
     sequence-wise balance loss: three ``paddle.bincount`` calls per layer, each two host reads on a
@@ -348,7 +355,7 @@ def test_the_routers_balance_counts_and_loss_read_nothing():
     np.testing.assert_allclose(float(aux), want, rtol=1e-6)
 
 
-def test_the_gradient_syncs_has_gradient_flags_read_once_per_step():
+def test_the_gradient_syncs_has_gradient_flags_read_once_per_step(gpu_silu):
     """After each step's backward the gradient sync decides which parameters have a gradient, the
     experts by the routed-token counts of every MoE layer: it read each router's counts apart (a
     read per MoE layer per step, 75 on GLM-5.2) before one all-reduce.  The counts now join the

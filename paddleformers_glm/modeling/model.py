@@ -272,14 +272,15 @@ class Layers(nn.LayerDict):
         return sorted(int(k) for k in self._sub_layers if int(k) < self._num_decoder_layers)
 
     def __getitem__(self, key: int | str | slice) -> nn.Layer | nn.LayerList:
-        L, held = self._num_decoder_layers, self._decoder_ids()
+        L = self._num_decoder_layers
         if isinstance(key, slice):
-            return nn.LayerList([self._sub_layers[str(i)] for i in held[key]])
+            return nn.LayerList([self._sub_layers[str(i)] for i in self._decoder_ids()[key]])
         if isinstance(key, str):
             return super().__getitem__(key)
         if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
             raise TypeError(f"layers indices must be integers, slices or ids as strings, not {type(key).__name__}")
-        if key < 0:
+        if key < 0:  # a position among the decoder layers held (an id otherwise: no sort per access)
+            held = self._decoder_ids()
             if -key > len(held):
                 raise IndexError(f"layer index {int(key)} is out of range: {len(held)} decoder layers held")
             return self._sub_layers[str(held[key])]

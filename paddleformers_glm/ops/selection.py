@@ -96,7 +96,10 @@ def bin_counts(ids: paddle.Tensor, length: int) -> paddle.Tensor:
     """How often each of ``0 .. length-1`` occurs in ``ids`` (int64 ``[length]``; every id must be in
     that range), as ``paddle.bincount(ids, minlength=length)`` counts them, without its host reads:
     on a GPU ``bincount`` copies the ids' minimum and maximum to the host to size its output, a
-    stream synchronisation per call, where this output's length is known.  A scatter-add of ones;
-    integer sums, so the same counts in any order."""
+    stream synchronisation per call, where this output's length is known: off the CPU a scatter-add of
+    ones (integer sums, so the same counts in any order).  On the CPU there is no sync to avoid and
+    ``bincount`` is the faster (``index_add`` costs about 45x more there: 2.1 ms vs 46 us for 32k ids)."""
     flat = ids.reshape([-1]).astype("int64")
+    if computes_on_cpu(flat):
+        return paddle.bincount(flat, minlength=length)
     return paddle.index_add(paddle.zeros([length], dtype="int64"), flat, 0, paddle.ones_like(flat))
