@@ -238,11 +238,9 @@ def test_dispatcher_reads_the_host_once_per_forward_on_two_ranks(tmp_path):
 
 
 def _worker(out: str) -> None:
-    from paddleformers_glm.ops import activation
+    from paddleformers_glm.ops import activation, selection
     from paddleformers_glm.parallel.layers import local_slice
     from paddleformers_glm.parallel.topology import init_topology
-
-    from paddleformers_glm.ops import selection
 
     activation.computes_on_cpu = selection.computes_on_cpu = lambda x: False  # as the fixture gpu_silu
 
