@@ -471,6 +471,13 @@ def test_autoconfig_keywords_as_paddleformers_from_dict(tiny, tmp_path):
     assert "foo" not in json.loads((tmp_path / "config.json").read_text())
     cfg, unused = AutoConfig.from_pretrained(tiny, foo=1, return_unused_kwargs=True)
     assert isinstance(cfg, GlmMoeDsaConfig) and unused == {"foo": 1}
+    # an attribute the config answers as transformers' base config does (num_labels) is no key of
+    # this model: returned unused, and refused by the model's from_pretrained, not dropped unseen
+    classes = pf_glm._classes()
+    cfg, unused = classes["config"].from_pretrained(tiny, num_labels=3, return_unused_kwargs=True)
+    assert unused == {"num_labels": 3} and "num_labels" not in cfg.to_dict()
+    with pytest.raises(TypeError, match="num_labels"):
+        classes["model"].from_pretrained(tiny, dtype="float32", num_labels=3)
 
 
 def test_trainer_checkpoints_load_and_resume_with_the_callback(tiny, tmp_path):

@@ -122,11 +122,10 @@ def _classes() -> dict[str, Any]:
             override it; the others are left out, returned with ``return_unused_kwargs=True``
             as ``(config, unused)``."""
             want_unused = kwargs.pop("return_unused_kwargs", False)
-            kwargs = _split_kwargs(kwargs)
-            plain = super().from_dict(config_dict)
-            known = {k: v for k, v in kwargs.items() if hasattr(plain, k)}
-            config = super().from_dict(config_dict, **known) if known else plain
-            return (config, {k: v for k, v in kwargs.items() if k not in known}) if want_unused else config
+            # our from_dict says what it did not take (an attribute the config merely answers, such
+            # as num_labels, is not a key of this model: returned as unused, not dropped)
+            config, unused = super().from_dict(config_dict, return_unused_kwargs=True, **_split_kwargs(kwargs))
+            return (config, unused) if want_unused else config
 
         @classmethod
         def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any):
