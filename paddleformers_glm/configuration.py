@@ -183,7 +183,7 @@ _HF_BASE_ATTRIBUTES: dict[str, Any] = {
     "num_labels": 2,
     "id2label": {0: "LABEL_0", 1: "LABEL_1"},
     "label2id": {"LABEL_0": 0, "LABEL_1": 1},
-    "_name_or_path": "",  # from_pretrained of a model sets it to the folder read
+    "_name_or_path": "",  # a model's from_pretrained reads it as the folder read (never saved: set_loaded_from)
 }
 
 _ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
@@ -369,6 +369,8 @@ class GlmMoeDsaConfig:
 
     # ------------------------------------------------------------------ normalised views
     def __getattr__(self, name: str) -> Any:  # only called for missing attributes
+        if name == "_name_or_path" and "_loaded_from" in self.__dict__:  # a model's from_pretrained: not a key
+            return self.__dict__["_loaded_from"]
         extra = self.__dict__.get("_extra", {})
         if name in extra:
             return extra[name]
@@ -381,6 +383,12 @@ class GlmMoeDsaConfig:
         if name == "use_return_dict" and "_extra" in self.__dict__:  # transformers: return_dict, not torchscript
             return bool(self.return_dict) and not self.torchscript
         raise AttributeError(f"GlmMoeDsaConfig has no attribute {name!r}")
+
+    def set_loaded_from(self, path: str | os.PathLike) -> None:
+        """What a model's ``from_pretrained`` read: ``_name_or_path`` / ``name_or_path`` answer it, as
+        transformers sets them, but it is no key of the config: a save writes the file's own
+        ``_name_or_path`` (a transformers-4 file's hub id) back as it was, never this machine's path."""
+        self.__dict__["_loaded_from"] = os.fspath(path)
 
     @property
     def name_or_path(self) -> str:
@@ -904,17 +912,25 @@ class GlmMoeDsaConfig:
 
     def update(self, config_dict: dict[str, Any]) -> None:
         """As transformers' ``update``: set each key (another producer's name sets its setting),
-        then check the result (an inconsistent value is refused naming the key)."""
-        for key, value in config_dict.items():
-            setattr(self, key, value)
-        self.validate()
+        then check the result (an inconsistent value is refused naming the key). A refused update
+        changes nothing: the config is put back as it was (else it would hold the refused value, and
+        its own ``to_dict()`` would no longer load)."""
+        before = copy.deepcopy(self.__dict__)
+        try:
+            for key, value in config_dict.items():
+                setattr(self, key, value)
+            self.validate()
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
 
     def update_from_string(self, update_str: str) -> None:
         """transformers' ``update_from_string``: ``"key=value,key=value"``, each key one the config
         answers, each value read as the current value's type (a bool from true/false, 1/0, y/n,
         yes/no; an int; a float; a string as it is), then set as :meth:`update` sets it (checked).
-        Every pair is read before any is set: a bad one changes nothing (transformers sets those
-        before it)."""
+        Every pair is read before any is set and a refused result is undone: a bad one changes
+        nothing (transformers sets those before it)."""
         changes: dict[str, Any] = {}
         for pair in update_str.split(","):
             key, sep, text = pair.partition("=")

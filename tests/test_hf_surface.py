@@ -5,6 +5,7 @@ and torch on tests/fixtures/tiny/checkpoint); the reference-tier tests measure i
 
 import copy
 import json
+import shutil
 import warnings
 
 import numpy as np
@@ -286,6 +287,16 @@ def test_model_name_or_path_and_attn_implementation(tmp_path):
     with pytest.raises(ValueError, match="_attn_implementation"):
         model.config._attn_implementation = "flash_attention_2"
     assert GlmMoeDsaForCausalLM.from_config(tiny_config()).name_or_path == ""
+    # a transformers-4 file's own _name_or_path (a hub id) is a key of the file: saved back as it was,
+    # never replaced by the folder this machine read it from (transformers 5.23 writes none at all)
+    hub = tmp_path / "hub"
+    shutil.copytree(TINY, hub)
+    cfg = json.loads((hub / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "zai-org/GLM-5.2"}))
+    loaded = GlmMoeDsaForCausalLM.from_pretrained(hub, dtype="float32")
+    assert loaded.name_or_path == str(hub)
+    loaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["_name_or_path"] == "zai-org/GLM-5.2"
 
 
 @pytest.mark.reference
@@ -338,6 +349,14 @@ def test_update_from_string():
         with pytest.raises(ValueError, match=message):
             cfg.update_from_string(text)
     assert cfg.use_cache is False and cfg.index_topk == 4  # a refused string changes nothing
+    # a value the config's check refuses (n_group must divide the experts) is undone with the rest:
+    # it stayed set, and the config's own to_dict() no longer loaded
+    saved = cfg.to_dict()
+    with pytest.raises(ValueError, match="n_group"):
+        cfg.update_from_string("use_cache=true,n_group=3")
+    with pytest.raises(ValueError, match="n_group"):
+        cfg.update({"use_cache": True, "n_group": 3})
+    assert cfg.to_dict() == saved and GlmMoeDsaConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_generation_config_validate_and_save():

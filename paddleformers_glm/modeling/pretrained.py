@@ -468,7 +468,7 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
             model.to(dtype="float64")
         model.source_path = os.path.abspath(os.fspath(path))
         # transformers sets the config's _name_or_path to the path as given (model.name_or_path); not a saved key
-        model.config._name_or_path = os.fspath(path)
+        model.config.set_loaded_from(path)
         model.eval()  # as transformers' from_pretrained: evaluation mode (training calls model.train())
         return (model, report) if output_loading_info else model
 
