@@ -241,3 +241,20 @@ def test_a_second_align_on_a_held_out_is_refused_touching_nothing(tmp_path, caps
             assert line.startswith(f"glm52 align: error: --out {out} is in use by a running glm52 align"), line
             assert f"pid {os.getpid()}" in line, line
         assert {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_an_earlier_in_process_jobs_stop_is_not_the_next_ones(tmp_path, monkeypatch, capsys):
+    """In a process that goes on after its jobs, the stop-signal listener can stay running (a
+    launch, ``glm52 generate --tp 2`` in-process, left it so): a job stopped by SIGINT recorded the
+    stop, and the next job's failure (a full disk in its export) was then reported as that SIGINT,
+    exit 130 (seen in the suite, where one test worker runs such jobs one after another)."""
+    from paddleformers_glm.train import stop_signals
+
+    listener = stop_signals.listen()  # what a launch leaves: listening, polled, not closed
+    listener.polled = True
+    try:
+        test_a_stopped_save_removes_its_own_tmp(tmp_path / "first", monkeypatch, capsys)
+        monkeypatch.undo()
+        test_a_full_disk_during_the_export_names_it(tmp_path / "second", monkeypatch, capsys)  # exit 1, its line
+    finally:
+        stop_signals._close()

@@ -163,7 +163,10 @@ def run(args: argparse.Namespace) -> int:
 
     beams = (opts.get("num_beams") or getattr(defaults, "num_beams", None) or 1) > 1  # text known at its end
     if args.tp > 1 or args.ep > 1 or args.pp > 1:
-        ran = _run_launched(args, config, ids, opts, eos, beams, stream)
+        from ..train.stop_signals import listening
+
+        with listening():  # undone after the job: a Python caller going on gets its signals as before
+            ran = _run_launched(args, config, ids, opts, eos, beams, stream)
         if isinstance(ran, str):
             if new:  # the streamed text's line ends before the complaint's
                 sys.stdout.write("\n")

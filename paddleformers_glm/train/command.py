@@ -738,6 +738,9 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         raise _Stopped(fired[0])
 
     listener = listen()
+    # a job starts unsignalled: a stop an earlier in-process job of this process recorded (its
+    # listener still running, as after a launch) is not this job's, nor is its launcher's polling
+    listener.caught, listener.polled = None, False
     old = signal.signal(signal.SIGALRM, timeout) if job_timeout else None
     if job_timeout:
         signal.setitimer(signal.ITIMER_REAL, job_timeout)
