@@ -382,8 +382,6 @@ class _SparseLatentAttention(PyLayer):
         ctx.needs = (not q.stop_gradient, not table.stop_gradient)  # a frozen input gets None
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         pr = (paddle.concat(probs, axis=0) if len(probs) > 1 else probs[0]) if want_probs else paddle.zeros([1])
-        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
-            ctx.mark_non_differentiable(pr)
         return out, pr
 
     @staticmethod
@@ -442,6 +440,11 @@ def sparse_latent_attention(
     table = paddle.concat([kv.reshape([B * T, D]), kv.mean(axis=1)], axis=0)  # [B*T + B, D]
     plan = _plan(B, S, H, D, K, chunk_size, n_keys)
     out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, T, scale, return_probs)
+    # the probabilities (a report and the indexer's KL target) take no gradient: detached here, not
+    # marked with ctx.mark_non_differentiable, which in Paddle 3.3.1 keeps the PyLayer's saved state
+    # (and the graph it holds) alive whenever backward does not pass through it (an eval forward
+    # without no_grad: +9.3 MB a forward on the tiny model; the MTP layer when out.loss leaves it out)
+    probs = probs.detach()
     out = out.reshape([B, S, H, D])
     if not return_probs:
         return out, None
@@ -520,8 +523,6 @@ class _DenseHeadAttention(PyLayer):
         p = ops.masked_softmax_(s, mask)  # fp32 whatever q's dtype
         out = paddle.matmul(p if p.dtype == v.dtype else p.astype(v.dtype), v)  # [B, H, S, dv]
         pm = p.mean(axis=1) if want_probs else paddle.zeros([1])
-        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
-            ctx.mark_non_differentiable(pm)
         ctx.save_for_backward(qs, k, v, p, live)
         ctx.scale, ctx.low = scale, low
         ctx.needs = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)  # a frozen input gets None
@@ -607,8 +608,6 @@ class _DenseChunkAttention(PyLayer):
         ctx.scale, ctx.kept, ctx.dead = scale, kept, dead
         ctx.needs = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)  # a frozen input gets None
         pr = paddle.concat(probs, axis=0).reshape([B, S, K]) if want_probs else paddle.zeros([1])
-        if paddle.in_dynamic_mode():  # not implemented for static graphs (to_static)
-            ctx.mark_non_differentiable(pr)
         return out, pr
 
     @staticmethod
@@ -662,6 +661,7 @@ def dense_head_attention(
     if B * H * S * S * q.element_size() > CHUNK_BYTES:
         live = valid.any(axis=-1).astype("int32")  # [B, S]: 1 = the query has a key
         out, pm = _DenseChunkAttention.apply(q, k, v, topk_idx, live, float(scale), return_probs)
+        pm = pm.detach()  # no gradient: as in sparse_latent_attention, not mark_non_differentiable
         if not return_probs:
             return out, None
         return out, paddle.where(valid, pm, paddle.zeros_like(pm))
@@ -671,7 +671,7 @@ def dense_head_attention(
     out, pm = _DenseHeadAttention.apply(
         q.transpose(perm), k.transpose(perm), v.transpose(perm), mask, live, float(scale), return_probs
     )
-    out = out.transpose(perm)
+    out, pm = out.transpose(perm), pm.detach()  # (as above)
     if not return_probs:
         return out, None
     probs = paddle.take_along_axis(pm, paddle.where(valid, topk_idx, paddle.zeros_like(topk_idx)), axis=-1)
