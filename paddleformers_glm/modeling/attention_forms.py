@@ -442,8 +442,8 @@ def sparse_latent_attention(
     out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, T, scale, return_probs)
     # the probabilities (a report and the indexer's KL target) take no gradient: detached here, not
     # marked with ctx.mark_non_differentiable, which in Paddle 3.3.1 keeps the PyLayer's saved state
-    # (and the graph it holds) alive whenever backward does not pass through it (an eval forward
-    # without no_grad: +9.3 MB a forward on the tiny model; the MTP layer when out.loss leaves it out)
+    # (and the graph it holds) alive whenever backward does not pass through it (docs/performance.md,
+    # "Memory between forwards")
     probs = probs.detach()
     out = out.reshape([B, S, H, D])
     if not return_probs:
