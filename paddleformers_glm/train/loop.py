@@ -307,6 +307,8 @@ class _Run:
     skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss / grad norm
     skipped_earlier: list[int] = field(default_factory=list)  # those skipped before the resume (loss.json only)
     last_checkpoint: str | None = None  # the newest resume state this run saved
+    steps_done: int = 0  # steps finished (a resumed run's earlier ones included)
+    steps_written: int = 0  # the steps loss.json holds (rank 0)
     indexer: dict[str, Any] | None = None  # the indexer's training (adapter.indexer_info()), or None
     stage_start: int = 0  # steps done before this indexer stage began (its lr schedule starts there)
     indexer_stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's first and last step
@@ -750,19 +752,53 @@ def _train(
     at_start = cfg.eval_at_start or run.start == cfg.steps  # no step to run (--steps 0): evaluate the weights
     if held_out is not None and at_start and run.start not in [r["step"] for r in run.history.get("eval", [])]:
         _evaluate(run, run.start, log)  # (a resumed run's state saved after that step's evaluation has it)
+    loss_json = os.path.join(cfg.out, "loss.json")
+    run.steps_done = run.steps_written = run.start
+    try:
+        _run_steps(run, held_out, bar, log, loss_json)
+    finally:  # a run stopped or failed between rewrites: loss.json holds every step it finished
+        if run.rank0 and run.steps_done != run.steps_written:
+            write_record(loss_json, _snapshot(run, run.steps_done))
+    if bar is not None:
+        bar.close()
+    beat(cfg.steps, "finish")
+    return _finish(run, log)
+
+
+# loss.json holds the whole history (every step's losses and per-layer expert loads), so a rewrite
+# after every step costs O(steps) each: rewritten at most this often, and at every checkpoint, every
+# evaluation, a non-finite loss and the last step (docs/parallel.md, "What a run writes")
+LOSS_JSON_SECONDS = 10.0
+
+
+def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], loss_json: str) -> None:
+    """The steps: each logged by rank 0, loss.json rewritten as :data:`LOSS_JSON_SECONDS` says, an
+    evaluation after every ``--eval-every`` steps and the last, resume state every ``--save-every``."""
+    cfg, topo = run.cfg, run.topo
+    written = time.monotonic()
     for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()
         lr, gnorm = _step(run, step, log)
         dt = time.perf_counter() - t0
+        run.steps_done = step + 1
+        evaluates = held_out is not None and (
+            (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
+        )
+        saves = bool(cfg.save_every and (step + 1) % cfg.save_every == 0)
         if run.rank0:
             log(_step_line(run, step, lr, gnorm, dt))
-            if not math.isfinite(run.history["losses"][-1]):
+            finite = math.isfinite(run.history["losses"][-1])
+            if not finite:
                 log("[glm52 train] warning: non-finite loss")
-            write_record(os.path.join(cfg.out, "loss.json"), _snapshot(run, step + 1))
-        if held_out is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps):
+            due = time.monotonic() - written >= LOSS_JSON_SECONDS or step + 1 == cfg.steps or saves or not finite
+            if due and not evaluates:
+                write_record(loss_json, _snapshot(run, step + 1))
+                written, run.steps_written = time.monotonic(), step + 1
+        if evaluates:
             _evaluate(run, step + 1, log)
             if run.rank0:
-                write_record(os.path.join(cfg.out, "loss.json"), _snapshot(run, step + 1))
+                write_record(loss_json, _snapshot(run, step + 1))
+                written, run.steps_written = time.monotonic(), step + 1
         if bar is not None:
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -784,7 +820,3 @@ def _train(
                 raise _stopped(run, e) from None
             run.last_checkpoint = path
             log(f"[glm52 train] checkpoint {path}")
-    if bar is not None:
-        bar.close()
-    beat(cfg.steps, "finish")
-    return _finish(run, log)
