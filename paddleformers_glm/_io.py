@@ -83,6 +83,20 @@ def write_error(e: OSError, file: str | os.PathLike | None = None, what: str | N
     return err
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process of id ``pid`` runs (another user's too): what tells a killed writer's
+    leftovers (a save's temporary folder, a tokenizer save's journal) from a live one's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        return True
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """A unique temporary path beside `path` (its folder made if missing: same filesystem, atomic rename)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._io import atomic_write_text, is_int, read_json, read_text, write_error, write_json_atomic
+from ._io import atomic_write_text, is_int, pid_alive, read_json, read_text, write_error, write_json_atomic
 from .configuration import HF_DOWNLOAD_KWARGS
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -114,15 +114,7 @@ def _process_start(pid: int) -> str | None:
 def _owner_alive(owner: Any) -> bool:
     """Whether the process that wrote a manifest still runs (the same pid and start time)."""
     pid = owner.get("pid") if isinstance(owner, dict) else None
-    if not is_int(pid) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    except OSError:
+    if not is_int(pid) or pid <= 0 or not pid_alive(pid):
         return False
     start = owner.get("start")
     return start is None or _process_start(pid) in (None, start)

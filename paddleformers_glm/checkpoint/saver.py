@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._io import read_json, write_json_atomic
+from .._io import pid_alive, read_json, write_json_atomic
 from ..tokenizer import JOURNAL_DIR, TEMPLATE_DIR, finish_pending_save
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, libc, run_units
@@ -459,16 +459,6 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def clean_stale_saves(out_dir: str) -> None:
     """Remove temporary folders that killed saves to ``out_dir`` left beside it (their process is
     gone); if a save was killed between moving the old checkpoint aside and moving the new one in
@@ -481,7 +471,7 @@ def clean_stale_saves(out_dir: str) -> None:
         return
     for name in names:
         m = pat.match(name)
-        if not m or _pid_alive(int(m.group(2))) and int(m.group(2)) != os.getpid():
+        if not m or pid_alive(int(m.group(2))) and int(m.group(2)) != os.getpid():
             continue
         path = os.path.join(parent, name)
         if m.group(1) == "old" and not os.path.exists(out_dir):
