@@ -19,6 +19,7 @@ import pytest
 from paddleformers_glm.parallel.experts import ExpertMLP, ExpertParallelDispatcher, LocalExperts
 from paddleformers_glm.parallel.pipeline import LossLedger, LossTerm
 from paddleformers_glm.parallel.topology import ParallelConfig, Topology, topology_override
+from tests.test_parallel_units import expert_loop_reference
 
 
 @contextlib.contextmanager
@@ -193,11 +194,7 @@ def test_dispatcher_reads_the_host_once_per_forward_at_world_1(gpu_silu):
     assert seen == [np.bincount(ids_np.reshape(-1), minlength=E).tolist()]
     assert all(type(c) is int for c in seen[0])
     y.sum().backward()
-    x2, w2 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
-    ref = sum(
-        w2[:, k : k + 1] * paddle.concat([experts[str(int(ids_np[t, k]))](x2[t : t + 1]) for t in range(T)])
-        for k in range(K)
-    )
+    x2, w2, ref = expert_loop_reference(experts, x_np, w_np, ids_np)
     assert np.abs(y.numpy() - ref.numpy()).max() < 1e-5
     ref.sum().backward()
     assert np.abs(x.grad.numpy() - x2.grad.numpy()).max() < 1e-5

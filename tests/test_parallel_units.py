@@ -353,6 +353,18 @@ def test_shard_full_state_names_missing_and_mismatched_tensors():
 
 
 # ------------------------------------------------------------------ experts at world 1
+def expert_loop_reference(experts, x_np, w_np, ids_np):
+    """The routed sum as a plain loop, token by token over its chosen experts: ``(x, w, y)``, the
+    inputs it was computed from (taking gradients) and the output."""
+    T, K = ids_np.shape
+    x2, w2 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
+    ref = sum(
+        w2[:, k : k + 1] * paddle.concat([experts[str(int(ids_np[t, k]))](x2[t : t + 1]) for t in range(T)])
+        for k in range(K)
+    )
+    return x2, w2, ref
+
+
 def test_dispatcher_equals_a_plain_loop_over_experts():
     E, K, H, FF, T = 4, 2, 6, 8, 10
     topo = get_topology()
@@ -365,11 +377,7 @@ def test_dispatcher_equals_a_plain_loop_over_experts():
     x, w = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
     y = disp(x, paddle.to_tensor(ids_np), w, experts)
     y.sum().backward()
-    x2, w2 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
-    ref = sum(
-        w2[:, k : k + 1] * paddle.concat([experts[str(int(ids_np[t, k]))](x2[t : t + 1]) for t in range(T)])
-        for k in range(K)
-    )
+    x2, w2, ref = expert_loop_reference(experts, x_np, w_np, ids_np)
     assert np.abs(y.numpy() - ref.numpy()).max() < 1e-5
     gx = x.grad.numpy().copy()
     ref.sum().backward()

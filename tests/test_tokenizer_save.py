@@ -100,6 +100,19 @@ def _check_other_files(folder, stats):
         assert (st.st_ino, st.st_mtime_ns) == (stats[name].st_ino, stats[name].st_mtime_ns), name
 
 
+def _fsync_fails_at(monkeypatch, n: int, real_fsync) -> None:
+    """``os.fsync`` raises ENOSPC (no file name, as the kernel's) at its n-th call from now."""
+    calls = [0]
+
+    def fsync(fd):
+        calls[0] += 1
+        if calls[0] == n:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
 @pytest.mark.parametrize("layout", ["plain", "files"])
 def test_a_full_disk_at_every_fsync_of_a_save_leaves_the_old_tokenizer_or_the_new(tmp_path, monkeypatch, layout):
     """ENOSPC at the Nth fsync of the save, for every N: the save raises, and the folder loads as
@@ -117,15 +130,7 @@ def test_a_full_disk_at_every_fsync_of_a_save_leaves_the_old_tokenizer_or_the_ne
         folder = tmp_path / f"n{n}"
         folder.mkdir()
         stats = _make_old_folder(folder, layout)
-        calls = [0]
-
-        def fsync(fd, n=n, calls=calls):
-            calls[0] += 1
-            if calls[0] == n:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return real_fsync(fd)
-
-        monkeypatch.setattr(os, "fsync", fsync)
+        _fsync_fails_at(monkeypatch, n, real_fsync)
         try:
             _new_tokenizer(layout == "plain").save_pretrained(folder)
             failed = False
@@ -294,15 +299,7 @@ def test_make_tiny_checkpoint_never_publishes_weights_without_their_tokenizer(tm
     while True:
         n += 1
         out = tmp_path / f"n{n}"
-        calls = [0]
-
-        def fsync(fd, n=n, calls=calls):
-            calls[0] += 1
-            if calls[0] == n:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return real_fsync(fd)
-
-        monkeypatch.setattr(os, "fsync", fsync)
+        _fsync_fails_at(monkeypatch, n, real_fsync)
         try:
             make_tiny_checkpoint(out)
             failed = False
