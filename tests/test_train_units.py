@@ -498,7 +498,7 @@ def test_loss_json_is_rewritten_at_most_every_few_seconds_and_holds_every_finish
     toy = ["--model", "toy", "--seq-len", "8", "--global-batch-size", "4", "--no-progress", "--lr", "1e-3"]
     assert train_main([*toy, "--steps", "12", "--save-every", "5", "--out", str(tmp_path / "a")]) == 0
     rewrites = [w for w in writes if w.endswith("loss.json")]
-    assert len(rewrites) == 4, rewrites  # steps 5 and 10 (checkpoints), 12 (the last), the final record
+    assert len(rewrites) == 5, rewrites  # steps 1 (the first), 5 and 10 (checkpoints), 12 (the last), the final record
     doc = json.loads((tmp_path / "a" / "loss.json").read_text())
     assert len(doc["losses"]) == 12
 

@@ -766,8 +766,8 @@ def _train(
 
 
 # loss.json holds the whole history (every step's losses and per-layer expert loads), so a rewrite
-# after every step costs O(steps) each: rewritten at most this often, and at every checkpoint, every
-# evaluation, a non-finite loss and the last step (docs/parallel.md, "What a run writes")
+# after every step costs O(steps) each: rewritten after the first step, then at most this often, and
+# at every checkpoint, every evaluation, a non-finite loss and the last step (docs/parallel.md)
 LOSS_JSON_SECONDS = 10.0
 
 
@@ -775,7 +775,7 @@ def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], lo
     """The steps: each logged by rank 0, loss.json rewritten as :data:`LOSS_JSON_SECONDS` says, an
     evaluation after every ``--eval-every`` steps and the last, resume state every ``--save-every``."""
     cfg, topo = run.cfg, run.topo
-    written = time.monotonic()
+    written = -math.inf  # the first step is written: a rank that dies without cleanup leaves it
     for step in range(run.start, cfg.steps):
         t0 = time.perf_counter()
         lr, gnorm = _step(run, step, log)
