@@ -83,6 +83,16 @@ def write_error(e: OSError, file: str | os.PathLike | None = None, what: str | N
     return err
 
 
+def proc_stat_field(pid: int, field: int = 0) -> str | None:
+    """A field of Linux's ``/proc/<pid>/stat`` after the command name (0: the one-letter state, R, S,
+    D, T = stopped, Z = zombie; 19: the start time in clock ticks, which tells a reused pid apart),
+    or None when the process is gone or there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[field]
+    except (OSError, IndexError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process of id ``pid`` runs (another user's too): what tells a killed writer's
     leftovers (a save's temporary folder, a tokenizer save's journal) from a live one's."""

@@ -21,7 +21,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._io import atomic_write_text, is_int, pid_alive, read_json, read_text, write_error, write_json_atomic
+from ._io import (
+    atomic_write_text,
+    is_int,
+    pid_alive,
+    proc_stat_field,
+    read_json,
+    read_text,
+    write_error,
+    write_json_atomic,
+)
 from .configuration import HF_DOWNLOAD_KWARGS
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -103,21 +112,13 @@ def _fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _process_start(pid: int) -> str | None:
-    """The process's start time in clock ticks (/proc), which tells a reused pid apart; None unknown."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _owner_alive(owner: Any) -> bool:
     """Whether the process that wrote a manifest still runs (the same pid and start time)."""
     pid = owner.get("pid") if isinstance(owner, dict) else None
     if not is_int(pid) or pid <= 0 or not pid_alive(pid):
         return False
     start = owner.get("start")
-    return start is None or _process_start(pid) in (None, start)
+    return start is None or proc_stat_field(pid, 19) in (None, start)
 
 
 def _set_names(folder: Path, prefix: str = "") -> list[str]:
@@ -339,7 +340,7 @@ def _write_set(folder: Path, texts: dict[str, str], prefix: str) -> None:
     remove = sorted(set(_set_names(folder, prefix)) - set(texts))
     stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{os.getpid()}-", dir=folder))
     install = {n: hashlib.sha256(t.encode("utf-8")).hexdigest() for n, t in texts.items()}
-    manifest = {"owner": {"pid": os.getpid(), "start": _process_start(os.getpid())}, "install": install}
+    manifest = {"owner": {"pid": os.getpid(), "start": proc_stat_field(os.getpid(), 19)}, "install": install}
     manifest["remove"] = remove
     committed = False
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._io import read_json, write_json_atomic
+from .._io import proc_stat_field, read_json, write_json_atomic
 
 __all__ = [
     "ENV_DEADLINE",
@@ -62,10 +62,7 @@ def proc_state(pid: int, field: int = 0) -> str | None:
     """One-letter Linux process state (R, S, D, T = stopped, t = traced, Z = zombie), or None when
     the process is gone or the state is unknown (no /proc); ``field`` 19: its start time in clock
     ticks (tells a reused pid apart)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[field]
-    except (OSError, IndexError):
-        return None
+    return proc_stat_field(pid, field)
 
 
 def write_record(status_dir: str | None, rank: int, suffix: str, payload: dict | None = None) -> None:
