@@ -72,6 +72,20 @@ def test_composed_stage_equals_building_that_stage(tp, pp, ep):
     assert planmod.total_params(c, lay) == sum(n for _, n, _ in full)
 
 
+def test_counts_follow_a_config_changed_in_place():
+    """The probes are kept per model: a config changed in place (the same object) is another model,
+    counted anew, as building its stage counts it; before, a second plan of the same object gave the
+    first model's counts (its probe was keyed by the object's id)."""
+    c = tiny_config()
+    lay = planmod.Layout(tp=2, ep=2, dtype="bfloat16")
+    before = planmod.total_params(c, lay)
+    c.n_routed_experts *= 2
+    c.hidden_size *= 2
+    after = planmod.total_params(c, lay)
+    full = _direct(c, ParallelConfig(), StageSpec.whole(c.num_hidden_layers, True), {}, "float32")
+    assert after == sum(n for _, n, _ in full) and after > before
+
+
 def test_fleet_sharding_partition_is_fleets():
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
 

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .._io import write_record
+from .._io import dumps_json, write_record
 from ..parallel.topology import ParallelConfig
 from .command import (
     TRAIN_DEFAULTS,
@@ -151,7 +151,10 @@ def _layer_key(config: Any, i: int) -> Any:
     return (config.mlp_layer_types[i], config.indexer_types[i])
 
 
+# the probes built, keyed by the config's values (not its id: a config changed in place, or a new one
+# where a freed one was, is another model) and the layout's shapes; emptied when it holds _CACHE_MAX
 _CACHE: dict[tuple, LayerCounts] = {}
+_CACHE_MAX = 64
 _EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's local index
 
 
@@ -167,9 +170,11 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     from .memory import dtype_name
 
     stage_name = indexer_stage(config, lay)
-    key = (id(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
+    key = (dumps_json(config.to_dict()), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
     if key in _CACHE:
         return _CACHE[key]
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
     if lay.ep > 1 and config.n_routed_experts % lay.ep == 0:
         # an EP rank holds experts 0 .. E/ep - 1 of the ep = 1 probe (same shapes, local numbering;
         # tests/test_plan.py compares with building the stage): no second probe per ep
