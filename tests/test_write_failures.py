@@ -149,17 +149,18 @@ def test_a_full_disk_during_a_checkpoint_names_file_and_step_and_leaves_no_tmp(t
 
 def test_a_stopped_save_removes_its_own_tmp(tmp_path, monkeypatch, capsys):
     """A save stopped by a signal (here: KeyboardInterrupt, SIGINT's) left ``step_N.tmp``."""
-    from paddleformers_glm.train import state_files
+    # only the name the save calls: patching state_files' too, when resume is first imported after it,
+    # made resume's own name the patched one, which teardown then "restored" (the next test stopped)
+    from paddleformers_glm.train import resume
 
-    real = state_files.write_rank_state
+    real = resume.write_rank_state
 
     def interrupted(folder, *a, **kw):
         real(folder, *a, **kw)
         if "step_00000002" in folder:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(state_files, "write_rank_state", interrupted)
-    monkeypatch.setattr("paddleformers_glm.train.resume.write_rank_state", interrupted)
+    monkeypatch.setattr(resume, "write_rank_state", interrupted)
     out = tmp_path / "run"
     assert _train_toy(out, "--save-every", "1") == 130
     capsys.readouterr()
