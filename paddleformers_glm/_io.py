@@ -83,6 +83,22 @@ def write_error(e: OSError, file: str | os.PathLike | None = None, what: str | N
     return err
 
 
+@contextlib.contextmanager
+def naming_write_errors(
+    file: str | os.PathLike, what: str | None = None, instead_of: tuple[Any, ...] | None = (None,)
+) -> Iterator[None]:
+    """An OSError of the block re-raised as :func:`write_error` makes it: naming ``file`` where it
+    names no file or one of ``instead_of`` (a temporary copy; None: whatever it names), else the file
+    it names, and ``what`` it holds. A full disk fails ``write`` / ``fsync`` with no file name."""
+    try:
+        yield
+    except OSError as e:
+        err = write_error(e, file if instead_of is None or e.filename in instead_of else None, what)
+        if err is e:
+            raise
+        raise err from e
+
+
 def proc_stat_field(pid: int, field: int = 0) -> str | None:
     """A field of Linux's ``/proc/<pid>/stat`` after the command name (0: the one-letter state, R, S,
     D, T = stopped, Z = zombie; 19: the start time in clock ticks, which tells a reused pid apart),
@@ -119,21 +135,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        yield tmp
-        if not os.path.isfile(tmp):
-            raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
-        os.chmod(tmp, new_file_mode())
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
+        with naming_write_errors(path, instead_of=(None, tmp)):  # a writer's error names the temporary file
+            yield tmp
+            if not os.path.isfile(tmp):
+                raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")
+            os.chmod(tmp, new_file_mode())
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-        # a full disk at write/fsync names no file, a writer's error names the temporary one: `path` named
-        if isinstance(e, OSError) and (e.filename is None or e.filename == tmp):
-            err = write_error(e, path)
-            if err is not e:
-                raise err from e
         raise
 
 

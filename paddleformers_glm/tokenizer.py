@@ -24,11 +24,11 @@ from typing import Any
 from ._io import (
     atomic_write_text,
     is_int,
+    naming_write_errors,
     pid_alive,
     proc_stat_field,
     read_json,
     read_text,
-    write_error,
     write_json_atomic,
 )
 from .configuration import HF_DOWNLOAD_KWARGS
@@ -344,14 +344,9 @@ def _write_set(folder: Path, texts: dict[str, str], prefix: str) -> None:
     manifest["remove"] = remove
     committed = False
     try:
-        for name, text in texts.items():
-            try:
+        for name, text in texts.items():  # named as the file it is written for, not the staging copy
+            with naming_write_errors(folder / name, "the tokenizer", instead_of=None):
                 atomic_write_text(stage / name, text)
-            except OSError as e:  # named as the file it is written for, not the staging folder's copy
-                err = write_error(e, folder / name, "the tokenizer")
-                if err is e:
-                    raise
-                raise err from e
         write_json_atomic(stage / _MANIFEST, manifest)
         for sub in sorted({(stage / n).parent for n in texts} - {stage}):
             _fsync_dir(sub)

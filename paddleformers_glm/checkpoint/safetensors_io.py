@@ -16,13 +16,13 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._io import is_int, read_json, write_error
+from .._io import is_int, naming_write_errors, read_json
 from .errors import CheckpointError
 
 __all__ = [
@@ -668,21 +668,9 @@ class SafetensorsWriter:
         self.written: set[str] = set()
         self._f = open(file, "wb" if create else "r+b")
         if create:  # at its full size at once: every process can write its tensors into place
-            with self._named():
+            with naming_write_errors(self.file):
                 self._f.write(head)
                 self._f.truncate(self.data_start + max((e for _, e in self.offsets.values()), default=0))
-
-    @contextlib.contextmanager
-    def _named(self) -> Iterator[None]:
-        """An OSError of the block names this file (``_io.WriteError``, errno kept): a full disk or
-        quota fails ``write`` / ``fsync`` with no file name, and a run's error then named none."""
-        try:
-            yield
-        except OSError as e:
-            err = write_error(e, self.file if e.filename is None else None)
-            if err is e:
-                raise
-            raise err from e
 
     def write(self, key: str, array: np.ndarray, st_dtype: str) -> None:
         if key not in self.entries:
@@ -704,7 +692,7 @@ class SafetensorsWriter:
             raise CheckpointError(
                 "tensor byte size does not match the plan", key=key, file=self.file, expected=e - b, actual=data.nbytes
             )
-        with self._named():
+        with naming_write_errors(self.file):
             self._f.seek(self.data_start + b)
             self._f.write(data.data)
         self.written.add(key)
@@ -718,14 +706,14 @@ class SafetensorsWriter:
                 f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}", file=self.file, key=missing[0]
             )
         try:
-            with self._named():
+            with naming_write_errors(self.file):
                 self._f.flush()
                 os.fsync(self._f.fileno())
         except BaseException:
             with contextlib.suppress(OSError):  # its buffer is flushed again and fails again: the error above stands
                 self._f.close()
             raise
-        with self._named():
+        with naming_write_errors(self.file):
             self._f.close()
 
     def abort(self) -> None:

@@ -18,7 +18,7 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
-from .._io import atomic_write_text, write_error, write_record
+from .._io import atomic_write_text, naming_write_errors, write_record
 from ..checkpoint.aoa import quiet_paddle_logs
 from ..checkpoint.distributed import all_gather_object
 from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite, nonfinite_state_counts
@@ -84,27 +84,30 @@ def save_resume_state(
         dist.barrier()
     what = f"the resume state of step {step}"
     try:
-        os.makedirs(tmp, exist_ok=True)
-        write_rank_state(tmp, topo.rank, tensors, {"rng": rng_state()})
-        stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
-        if topo.world_size > 1:
-            dist.barrier()
-        if topo.rank == 0:
-            identity = _model_identity(meta.get("config") or {})
-            meta = {"format": FORMAT, **meta, "step": step, "world_size": topo.world_size, "flex": {"stepped": stepped}}
-            if identity is not None:
-                meta["model"] = identity
-            write_record(os.path.join(tmp, "meta.json"), meta)
-    except BaseException as e:
+        with naming_write_errors(tmp, what):  # the file, the phase and the errno (a full disk: ENOSPC)
+            os.makedirs(tmp, exist_ok=True)
+            write_rank_state(tmp, topo.rank, tensors, {"rng": rng_state()})
+            stepped = _save_flex(os.path.join(tmp, FLEX_DIR), topo, model, optimizer)
+            if topo.world_size > 1:
+                dist.barrier()
+            if topo.rank == 0:
+                identity = _model_identity(meta.get("config") or {})
+                meta = {
+                    "format": FORMAT,
+                    **meta,
+                    "step": step,
+                    "world_size": topo.world_size,
+                    "flex": {"stepped": stepped},
+                }
+                if identity is not None:
+                    meta["model"] = identity
+                write_record(os.path.join(tmp, "meta.json"), meta)
+    except BaseException:
         # a failed or stopped save (a full disk, SIGTERM) leaves no step_N.tmp: rank 0's, whose rename
         # will not come; another rank's failure leaves it to the next save's sweep (rank 0 may still be
         # writing into it)
         if topo.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # the file, the phase and the errno (a full disk: ENOSPC)
-            err = write_error(e, None if e.filename else tmp, what)
-            if err is not e:
-                raise err from e
         raise
     if topo.rank == 0:
         # a state of this step already there (a run resumed from an earlier step into the same OUT):
