@@ -5,6 +5,7 @@ import paddle
 import pytest
 
 from paddleformers_glm.modeling.indexer import DSAIndexer
+from paddleformers_glm.modeling.packing import Placement
 from paddleformers_glm.modeling.rope import RotaryEmbedding
 
 from ._tiny import tiny_config
@@ -183,3 +184,48 @@ def test_kl_loss_rows_are_exact_for_scores_far_below_the_rows_max():
     kl.sum().backward()  # d KL / d scores = softmax(scores) - p on the valid keys, 0 on the masked one
     grad = np.concatenate([np.exp(log_q) - q, np.zeros((1, 2, 1))], -1)
     np.testing.assert_allclose(x.grad.numpy(), grad, atol=1e-6)
+
+
+def _overflowing_inputs(S=12):
+    """q, k, w whose index scores overflow float32 for keys 3 and 5 (+inf from query 5 on: the head
+    sum of scores near 3e38; key 3 +inf for queries 3, 4 too) among finite scores 1..2 elsewhere."""
+    cfg = tiny_config()
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    rng = np.random.default_rng(0)
+    q = np.zeros((1, S, Hi, Di), "float32")
+    q[..., 0] = 1.0
+    k = np.zeros((1, S, Di), "float32")
+    k[0, :, 0] = rng.uniform(1, 2, S)
+    k[0, [3, 5], 0] = 3e38
+    w = np.ones((1, S, Hi), "float32")
+    return cfg, q, k, w
+
+
+def test_a_key_whose_score_overflows_to_inf_is_selected_first():
+    """HF's rule (transformers 5.23 GlmMoeDsaIndexer: relu(q.k * scale), the head-weighted sum,
+    finfo.min above the diagonal, torch.topk) ranks a visible key whose score overflowed to +inf
+    first (measured on these tensors: query 9 picks keys [0, 3, 4, 5, 6, 7, 8, 9]); the -inf fill is
+    what marks an empty slot. Ours marked every infinite score empty and dropped the key with the
+    highest score ([0, 4, 6, 7, 8, 9]), in the prefill, the packed and the decode paths."""
+    cfg, q, k, w = _overflowing_inputs()
+    S, K = q.shape[1], cfg.index_topk
+    Di = cfg.index_head_dim
+    with np.errstate(over="ignore"):
+        hf = np.einsum("bh,bht->bt", w[0], np.maximum(np.einsum("shd,td->sht", q[0], k[0]) * Di**-0.5, 0))
+    assert np.isposinf(hf[9, 3]) and np.isposinf(hf[9, 5])
+    want = [set(np.argsort(-hf[i, : i + 1], kind="stable")[:K].tolist()) for i in range(S)]
+    idx = DSAIndexer(cfg)
+    P = paddle.to_tensor
+    pad = paddle.ones([1, S], dtype="int64")
+    packed = paddle.ones([1, S], dtype="int64")  # the sequence at offset 4 of a packed row of 20 tokens
+    packed.placement = Placement(np.array([4]), np.array([S]), 20)
+    decode = [
+        idx.select(P(q[:, i : i + 1]), P(k), P(w[:, i : i + 1]), pad, slots=P([i]), n_filled=i + 1) for i in range(S)
+    ]
+    for name, got in (
+        ("prefill", idx.select(P(q), P(k), P(w), None)[0].numpy()),
+        ("prefill, padding mask", idx.select(P(q), P(k), P(w), pad)[0].numpy()),
+        ("packed", idx.select(P(q), P(k), P(w), packed)[0].numpy()),
+        ("decode", np.concatenate([d[0].numpy() for d in decode])),
+    ):
+        assert [set(r[r >= 0].tolist()) for r in got] == want, name

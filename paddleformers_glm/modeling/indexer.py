@@ -193,7 +193,8 @@ class DSAIndexer(nn.Layer):
                         scores, visible = scores[:, :, :n_filled], visible[:, :, :n_filled]
                 scores = paddle.where(visible, scores, paddle.full_like(scores, NEG_INF))
                 vals, idx = topk(scores, min(width, scores.shape[-1]))
-                idx = paddle.where(paddle.isinf(vals), paddle.full_like(idx, -1), idx)
+                # the fill marks an empty slot (-1); a visible key whose score overflowed to +inf is kept, as in HF
+                idx = paddle.where(vals == NEG_INF, paddle.full_like(idx, -1), idx)
                 if idx.shape[-1] < width:
                     idx = paddle.concat([idx, paddle.full([B, S, width - idx.shape[-1]], -1, idx.dtype)], axis=-1)
                 return idx
@@ -218,7 +219,7 @@ class DSAIndexer(nn.Layer):
                     # zeros) then break the same way whatever the chunking (keys >= kend are masked)
                     scores = paddle.concat([scores, paddle.full([B, C, T - kend], NEG_INF, scores.dtype)], axis=-1)
                 vals, idx = topk(scores, k_out)  # ties as HF's torch.topk
-                idx = paddle.where(paddle.isinf(vals), paddle.full([B, C, k_out], -1, dtype="int64"), idx)
+                idx = paddle.where(vals == NEG_INF, paddle.full([B, C, k_out], -1, dtype="int64"), idx)
                 pieces.append(idx if placement is None else self._ties_as_packed(scores, vals, idx, placement))
             return paddle.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
@@ -266,7 +267,7 @@ class DSAIndexer(nn.Layer):
             v, i = topk(wide, k_full)
             v, i = v[:, :k], i[:, :k]  # k < k_full only where every visible key is already in the first k
             i = i - paddle.to_tensor(off).unsqueeze(-1)
-            i = paddle.where(paddle.isinf(v), paddle.full_like(i, -1), i)
+            i = paddle.where(v == NEG_INF, paddle.full_like(i, -1), i)
             out = paddle.scatter(out, r_t, i, overwrite=True)
         return out.reshape([B, C, k])
 
