@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from paddleformers_glm import tokenizer as tokmod
+from paddleformers_glm import tokenizer_files as tokfiles
 from paddleformers_glm.tiny import make_tiny_tokenizer
 from paddleformers_glm.tokenizer import GlmTokenizer, TokenizerError
 
@@ -223,17 +223,17 @@ def test_a_save_cut_off_after_its_commit_is_read_through_and_finished(tmp_path, 
     folder = tmp_path / "f"
     folder.mkdir()
     stats = _make_old_folder(folder, "plain")
-    real_apply = tokmod._apply
+    real_apply = tokfiles._apply
 
     def half_apply(folder_, manifest):
         first = next(iter(manifest["install"]))
         os.replace(folder_ / JOURNAL / first, folder_ / first)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(tokmod, "_apply", half_apply)
+    monkeypatch.setattr(tokfiles, "_apply", half_apply)
     with pytest.raises(OSError):
         _new_tokenizer().save_pretrained(folder)
-    monkeypatch.setattr(tokmod, "_apply", real_apply)
+    monkeypatch.setattr(tokfiles, "_apply", real_apply)
     assert (folder / JOURNAL).is_dir()
     assert len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]) == 200
     assert "OLD" in (folder / "tokenizer_config.json").read_text()  # the top level is a mix
@@ -267,14 +267,14 @@ def test_the_saved_set_matches_its_manifest(tmp_path, monkeypatch):
     folder.mkdir()
     texts = {"tokenizer.json": "{}", "tokenizer_config.json": "{}\n"}
     seen = {}
-    real = tokmod._apply
+    real = tokfiles._apply
 
     def spy(folder_, manifest):
         seen.update(manifest["install"])
         real(folder_, manifest)
 
-    monkeypatch.setattr(tokmod, "_apply", spy)
-    tokmod._write_set(folder, texts, "")
+    monkeypatch.setattr(tokfiles, "_apply", spy)
+    tokfiles.write_set(folder, texts, "")
     assert seen == {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in texts}
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._io import pid_alive, read_json, write_json_atomic
-from ..tokenizer import JOURNAL_DIR, TEMPLATE_DIR, finish_pending_save
+from ..tokenizer_files import JOURNAL_DIR, SET_FILES, TEMPLATE_DIR, finish_pending_save
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, libc, run_units
 from .errors import CheckpointError
@@ -373,15 +373,7 @@ def set_config_dtype(path: str, dtype: str) -> None:
 
 
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    TEMPLATE_DIR,  # transformers' named chat templates, a folder of NAME.jinja files
-)
+TOKENIZER_FILES = (*SET_FILES, TEMPLATE_DIR)  # TEMPLATE_DIR: transformers' named chat templates, NAME.jinja each
 CARRIED_FILES = (*TOKENIZER_FILES[:4], GENERATION_CONFIG, *TOKENIZER_FILES[4:])
 _OWN_WEIGHT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
