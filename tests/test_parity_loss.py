@@ -229,3 +229,35 @@ def test_curve_compares_another_list_or_the_held_out_evaluations(tmp_path, capsy
     plain = _loss(tmp_path, "plain.json", [1.0])
     code, _, text = _check(tmp_path, capsys, plain, b, "--curve", "eval.losses")
     assert code == 2 and "no 'eval' records (the run had no --eval-data)" in text.err
+
+
+def test_evaluations_pair_by_training_step_not_position(tmp_path, capsys):
+    """A run resumed from step 3 with --eval-at-start evaluates at 0 2 3 4 6 7 where the run it
+    continues evaluated at 0 2 4 6 7, every loss and weight equal (measured): the evaluations after
+    steps 3 and 4 were compared as a pair, a failure blamed on a routing flip at "step 2", and a
+    tolerance could pass evaluations of different steps. Now the steps both hold are compared."""
+
+    def run(name, evals):
+        records = [{"step": s, "losses": v} for s, v in evals]
+        return _loss(tmp_path, name, None, json.dumps({"losses": [1.0] * 7, "eval": records}))
+
+    full = run("full.json", [(0, 5.0), (2, 4.5), (4, 4.0), (6, 3.5), (7, 3.4)])
+    resumed = run("resumed.json", [(0, 5.0), (2, 4.5), (3, 4.2), (4, 4.0), (6, 3.5), (7, 3.4)])
+    code, r, text = _check(tmp_path, capsys, full, resumed, "--curve", "eval.losses", "--bit-exact")
+    assert code == 0 and r["result"] == "pass" and r["bit_exact"] is True, text.out
+    assert r["eval_steps"] == [0, 2, 4, 6, 7] and r["eval_steps_only_in"] == {"a": [], "b": [3]}
+    assert r["jumps"] == [] and r["first_divergent_eval_step"] is None
+    assert f"evaluations at steps [3] only in b ({resumed}): not compared" in text.out
+    # a disagreement is named by its training step; a tolerance never pairs different steps
+    off = run("off.json", [(0, 5.0), (2, 4.5), (3, 4.2), (4, 4.1), (6, 3.5), (7, 3.4)])
+    code, r, text = _check(tmp_path, capsys, full, off, "--curve", "eval.losses", "--atol", "0.05")
+    assert code == 1 and r["first_divergent_eval_step"] == 4 and r["first_divergent_step"] == 2
+    assert "jump at the evaluation of step 4: |diff| 0.1" in text.out
+    # a run that stopped evaluating earlier is not as long as the other
+    short = run("short.json", [(0, 5.0), (2, 4.5), (4, 4.0)])
+    code, r, _ = _check(tmp_path, capsys, full, short, "--curve", "eval.losses")
+    assert code == 1 and r["length_match"] is False and r["matching_steps"] == 3
+    # an evaluation record without its training step is unusable input
+    nostep = _loss(tmp_path, "nostep.json", None, '{"losses": [1.0], "eval": [{"losses": 1.0}]}')
+    code, _, text = _check(tmp_path, capsys, full, nostep, "--curve", "eval.losses")
+    assert code == 2 and "eval[0].step is None, expected the training step" in text.err

@@ -134,9 +134,13 @@ def _run_check_loss(args: argparse.Namespace) -> int:
             f"check-loss: {report['result']} ({report['mode']}: {rule}) "
             + " ".join(f"{k}={report[k]}" for k in keys.split())
         )
+        for side, steps in report.get("eval_steps_only_in", {}).items():
+            if steps:
+                print(f"check-loss: evaluations at steps {steps} only in {side} ({getattr(args, side)}): not compared")
         for j in report.get("jumps", []):
+            where = f"the evaluation of step {j['eval_step']}" if "eval_step" in j else f"step {j['step']}"
             print(
-                f"check-loss: jump at step {j['step']}: |diff| {j['diff']:.3g} after at most {j['previous_max_diff']:.3g} "
+                f"check-loss: jump at {where}: |diff| {j['diff']:.3g} after at most {j['previous_max_diff']:.3g} "
                 "before (a near-tie top-k or routing flip, not steady rounding growth)"
             )
     return int(report["exit_code"])

@@ -18,6 +18,7 @@ __all__ = [
     "LossFileError",
     "read_losses",
     "read_curve",
+    "read_eval_points",
     "compare_losses",
     "detect_jumps",
     "check_losses",
@@ -37,7 +38,7 @@ def read_curve(path: str, key: str = "losses") -> list[float]:
     """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only;
     ``eval.<name>``: that entry of each held-out evaluation's record (``eval.losses``)."""
     if key.startswith("eval."):
-        return _eval_curve(path, key)
+        return list(read_eval_points(path, key).values())
     data = _read_record(path)
     if not isinstance(data, dict) or key not in data:
         got = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
@@ -70,18 +71,23 @@ def _finite(v: Any, path: str, where: str) -> float:
     return v
 
 
-def _eval_curve(path: str, key: str) -> list[float]:
+def read_eval_points(path: str, key: str) -> dict[int, float]:
+    """``eval.<name>``: the training step of each held-out evaluation -> its ``name`` entry, in the
+    file's order (a step evaluated twice keeps its first record: the same weights)."""
     name = key.split(".", 1)[1]
     data = _read_record(path)
     records = data.get("eval") if isinstance(data, dict) else None
     if not isinstance(records, list) or not records:
         raise LossFileError(f"{path}: no 'eval' records (the run had no --eval-data) for {key!r}")
-    out = []
+    out: dict[int, float] = {}
     for i, r in enumerate(records):
         v = r.get(name) if isinstance(r, dict) else None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise LossFileError(f"{path}: eval[{i}].{name} is {v!r}, expected a finite number")
-        out.append(_finite(v, path, f"eval[{i}].{name}"))
+        step = r.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise LossFileError(f"{path}: eval[{i}].step is {step!r}, expected the training step (an integer >= 0)")
+        out.setdefault(step, _finite(v, path, f"eval[{i}].{name}"))
     return out
 
 
@@ -171,19 +177,35 @@ def check_losses(
     for flag, tol_value in (("--atol", atol), ("--rtol", rtol)):  # as torch.allclose refuses them
         if tol_value is not None and not tol_value >= 0:
             report["errors"].append(f"{flag} must be >= 0, got {tol_value}")
-    curves = {}
+    curves, points = {}, {}
     for name, p in (("a", path_a), ("b", path_b)):
         try:
-            curves[name] = read_curve(p, curve)
+            if curve.startswith("eval."):
+                points[name] = read_eval_points(p, curve)
+            else:
+                curves[name] = read_curve(p, curve)
             report[name]["sha256"] = sha256_file(p)
         except LossFileError as e:
             report["errors"].append(str(e))
     if report["errors"]:
         report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
         return report
+    if points:  # evaluations pair by training step: runs may evaluate at different steps (a resume's start)
+        common = sorted(set(points["a"]) & set(points["b"]))
+        curves = {name: [points[name][s] for s in common] for name in ("a", "b")}
+        report["eval_steps"] = common
+        report["eval_steps_only_in"] = {n: sorted(set(points[n]) - set(common)) for n in ("a", "b")}
     tol = (0.0, 0.0) if report["mode"] == "bit-exact" else (float(atol or 0.0), float(rtol or 0.0))
     report.update(compare_losses(curves["a"], curves["b"], steps, *tol))
     report["jumps"] = detect_jumps(curves["a"], curves["b"])
+    if points:
+        # as long as each other: both runs evaluated up to the same step (and share an evaluation)
+        report["length_match"] = bool(common) and max(points["a"]) == max(points["b"])
+        report["bit_exact"] = report["bit_exact"] and report["length_match"]
+        for j in report["jumps"]:
+            j["eval_step"] = common[j["step"]]
+        first = report["first_divergent_step"]
+        report["first_divergent_eval_step"] = None if first is None else common[first]
     ok = (  # in bit-exact mode every step agrees only when it is equal
         (report["length_match"] or steps is not None)
         and report["enough_steps"]
