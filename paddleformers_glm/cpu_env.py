@@ -10,7 +10,18 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-__all__ = ["cpu_vendor", "apply_mkl_default"]
+__all__ = ["cpu_vendor", "apply_mkl_default", "math_settings", "MATH_SETTINGS"]
+
+
+# the settings a CPU run's floating-point results depend on: MKL splits a GEMM's sums by its thread
+# count (docs/parity.md, "Thread counts"), so runs agree bit for bit only where these are equal
+MATH_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_DEBUG_CPU_TYPE")
+
+
+def math_settings(env: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
+    """This process's :data:`MATH_SETTINGS` (None: unset), as a run's loss.json records them."""
+    env = os.environ if env is None else env
+    return {k: env.get(k) for k in MATH_SETTINGS}
 
 
 def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:

@@ -261,3 +261,28 @@ def test_evaluations_pair_by_training_step_not_position(tmp_path, capsys):
     nostep = _loss(tmp_path, "nostep.json", None, '{"losses": [1.0], "eval": [{"losses": 1.0}]}')
     code, _, text = _check(tmp_path, capsys, full, nostep, "--curve", "eval.losses")
     assert code == 2 and "eval[0].step is None, expected the training step" in text.err
+
+
+def test_a_failed_comparison_names_differing_cpu_math_settings(tmp_path, capsys, monkeypatch):
+    """MKL splits a GEMM's sums by its thread count: the same glm52 train line with OMP_NUM_THREADS 1
+    and 2 differs from step 1 (2.5e-7 at seq 32 on the tiny model, 1.5e-5 at seq 256; equal with
+    MKL_CBWR=AUTO,STRICT, measured), and loss.json recorded no thread setting to tell why. A run
+    records them (cpu_math), and a failed check-loss names the ones that differ."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    out = tmp_path / "run"
+    args = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "2", "--steps", "1", "--no-progress"]
+    assert main([*args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    run = json.loads((out / "loss.json").read_text())
+    assert run["cpu_math"]["OMP_NUM_THREADS"] == "3" and run["cpu_math"]["MKL_CBWR"] == "AUTO,STRICT"
+    assert run["cpu_math"]["MKL_NUM_THREADS"] is None
+    other = dict(run, losses=[x + 1e-7 for x in run["losses"]], cpu_math=dict(run["cpu_math"], OMP_NUM_THREADS="1"))
+    b = _loss(tmp_path, "b.json", None, json.dumps(other))
+    code, r, text = _check(tmp_path, capsys, out / "loss.json", b, "--bit-exact")
+    assert code == 1 and r["cpu_math_differs"] == {"a": {"OMP_NUM_THREADS": "3"}, "b": {"OMP_NUM_THREADS": "1"}}
+    assert "the runs' CPU math settings differ (a: {'OMP_NUM_THREADS': '3'}, b: {'OMP_NUM_THREADS': '1'})" in text.out
+    same = _loss(tmp_path, "same.json", None, json.dumps(dict(other, cpu_math=run["cpu_math"])))
+    code, r, _ = _check(tmp_path, capsys, out / "loss.json", same, "--bit-exact")
+    assert code == 1 and "cpu_math_differs" not in r  # the settings are equal: not the cause

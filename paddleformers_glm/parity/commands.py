@@ -134,6 +134,11 @@ def _run_check_loss(args: argparse.Namespace) -> int:
             f"check-loss: {report['result']} ({report['mode']}: {rule}) "
             + " ".join(f"{k}={report[k]}" for k in keys.split())
         )
+        if differ := report.get("cpu_math_differs"):
+            print(
+                f"check-loss: the runs' CPU math settings differ (a: {differ['a']}, b: {differ['b']}): MKL's sums "
+                'depend on the thread count, so the bits may differ from the first step (docs/parity.md, "Thread counts")'
+            )
         for side, steps in report.get("eval_steps_only_in", {}).items():
             if steps:
                 print(f"check-loss: evaluations at steps {steps} only in {side} ({getattr(args, side)}): not compared")

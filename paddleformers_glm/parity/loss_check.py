@@ -212,6 +212,8 @@ def check_losses(
         and report["matching_steps"] == report["steps_compared"]
     )
     report.update(exit_code=EXIT_PASS if ok else EXIT_FAIL, result="pass" if ok else "fail")
+    if not ok and (differ := _cpu_math_differs(path_a, path_b)):
+        report["cpu_math_differs"] = differ
     if plot:
         try:
             report["plot"] = plot_losses(
@@ -225,6 +227,17 @@ def check_losses(
             report["errors"].append(f"--plot {plot}: cannot write the plot: {e.strerror or e}")
             report.update(exit_code=EXIT_UNUSABLE, plot=None)
     return report
+
+
+def _cpu_math_differs(path_a: str, path_b: str) -> dict[str, Any] | None:
+    """The runs' CPU math settings (loss.json ``cpu_math``, cpu_env.MATH_SETTINGS) where both
+    record them and they differ: {"a": ..., "b": ...} of the differing ones, else None."""
+    got = [_read_record(p) for p in (path_a, path_b)]
+    a, b = (d.get("cpu_math") if isinstance(d, dict) else None for d in got)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return {"a": {k: a.get(k) for k in keys}, "b": {k: b.get(k) for k in keys}} if keys else None
 
 
 def run_labels(path_a: str, path_b: str) -> tuple[str, str]:

@@ -28,6 +28,7 @@ import paddle.distributed as dist
 from .. import progress
 from .._io import dumps_json, write_record
 from ..checkpoint.finite import check_finite_state
+from ..cpu_env import math_settings
 from ..modeling.model import default_dtype
 from ..ops import cpu_bf16
 from ..parallel import comm
@@ -441,6 +442,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "numpy": np.__version__,
             "python": platform.python_version(),
         },
+        cpu_math=math_settings(),
         grad_norms=run.history["grad_norms"],
         **({"eval": run.history.get("eval", [])} if cfg.eval_data is not None else {}),
         lrs=run.history["lrs"],
