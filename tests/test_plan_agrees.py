@@ -56,6 +56,7 @@ _TRAIN_ONLY = {
     "--comm-timeout": ["0.0001", "inf", "30"],
     "--job-timeout": ["60", "0"],
     "--dump-step": [["d", "2"], ["d", "9"], ["d", "x"]],  # with --steps 5 (the default)
+    "--save-total-limit": ["2", "-1"],  # without --save-every: refused by both
 }
 
 

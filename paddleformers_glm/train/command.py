@@ -50,6 +50,7 @@ __all__ = [
     "os_error_line",
     "register_train",
     "run_train",
+    "start_notes",
     "train_line_error",
 ]
 
@@ -246,7 +247,14 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the export's dtype: the one the run trained in (--dtype; default, as save_pretrained writes a model), "
         "auto (the checkpoint's config.json dtype: the release's bf16), float32 or bfloat16",
     )
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps and after the last (0: never)")
+    g.add_argument(
+        "--save-total-limit",
+        type=int,
+        default=0,
+        help="keep the newest N checkpoints/step_* folders (and the one 'latest' names), deleting older ones "
+        "after each save (0: keep all)",
+    )
     g.add_argument("--resume", help="checkpoint folder (step_* or its root) to continue from")
     g.add_argument(
         "--resume-override",
@@ -687,9 +695,11 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     each node appending to the others' worker logs and deleting their status records."""
     from .launch import LaunchError
 
+    log_dir = os.path.join(cfg.out, "logs") if node_rank is None else os.path.join(cfg.out, "logs", f"node{node_rank}")
+    for line in start_notes(cfg, adapter, log_dir):
+        print(line, flush=True)
     if world == 1 and args.nnodes == 1:
         return _run_in_process(cfg, adapter, args.job_timeout)
-    log_dir = os.path.join(cfg.out, "logs") if node_rank is None else os.path.join(cfg.out, "logs", f"node{node_rank}")
     # a node's own settings (in a shared --out one run_config.json was every node's: last writer wins)
     run_json = os.path.join(cfg.out if node_rank is None else log_dir, "run_config.json")
     os.makedirs(log_dir, exist_ok=True)
@@ -702,6 +712,45 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
         print(f"glm52 train: {e}{sep}(failure record: {record})", file=sys.stderr)
         return e.returncode or 1
     return 0
+
+
+def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
+    """What a run into ``cfg.out`` (held: out_lock.py) does and says before it starts, one line each:
+    an earlier run's failure record ``log_dir/failure.json`` is moved to ``failure.prev.json``
+    (replacing an older one), so that failure.json is only ever this run's; an ``OUT/export`` this run
+    does not replace (no ``--export``) is an earlier run's; a warm-up that does not end before the
+    last step (``settings.warmup_warning``)."""
+    from .launch import set_aside_failure_record
+    from .settings import lr_schedule_start, warmup_warning
+
+    notes = []
+    record = os.path.join(log_dir, "failure.json")
+    try:
+        moved = set_aside_failure_record(log_dir)
+    except OSError as e:
+        notes.append(
+            f"[glm52 train] warning: {record}, an earlier run's failure record, could not be moved aside "
+            f"({os_error_line(e)}); it is not this run's"
+        )
+    else:
+        if moved is not None:
+            notes.append(f"[glm52 train] {record} (an earlier run's failure record) moved to {moved}")
+    export = os.path.join(cfg.out, "export")
+    if not cfg.export and os.path.lexists(export):
+        notes.append(
+            f"[glm52 train] warning: {export} is an earlier run's export, not replaced by this run (no --export): "
+            "it does not hold this run's weights"
+        )
+    meta = None
+    if cfg.resume:
+        from .state_files import read_meta, resolve_resume_state
+
+        meta = read_meta(resolve_resume_state(cfg.resume))
+    stage = (adapter.indexer_info() or {}).get("stage")
+    first = int(meta["step"]) if meta is not None else 0
+    if (line := warmup_warning(cfg, lr_schedule_start(meta, stage), first)) is not None:
+        notes.append(line)
+    return notes
 
 
 class _Stopped(BaseException):

@@ -49,6 +49,7 @@ __all__ = [
     "launch_workers",
     "launcher_command",
     "listen_port_range",
+    "set_aside_failure_record",
     "worker_env",
     "write_failure_record",
 ]
@@ -315,6 +316,19 @@ def _signalled_from_outside(status_dir: str) -> bool:
     """Whether a rank recorded a stop signal from a process outside the job (worker.py)."""
     recs = read_records(status_dir).values()
     return any(isinstance(r.get("signal"), dict) and r["signal"].get("sender_in_job") is False for r in recs)
+
+
+def set_aside_failure_record(log_dir: str) -> str | None:
+    """Move an earlier job's ``LOG/failure.json`` to ``LOG/failure.prev.json`` (one rename, replacing
+    an older one), so that a job's failure.json is only ever its own: a job that succeeds leaves none.
+    Returns the new path, or None when there was no record; an OSError of the rename is raised."""
+    path = os.path.join(log_dir, "failure.json")
+    prev = os.path.join(log_dir, "failure.prev.json")
+    try:
+        os.replace(path, prev)
+    except FileNotFoundError:
+        return None
+    return prev
 
 
 def write_failure_record(

@@ -53,13 +53,14 @@ from .nonfinite import (
     nonfinite_record,
 )
 from .optim import AdamW, make_lr_scheduler
-from .resume import load_resume_state, save_resume_state
+from .resume import load_resume_state, prune_saves, save_resume_state
 from .settings import (
     TrainConfig,
     check_resume_run,
     check_run,
     effective_min_lr,
     eval_identity,
+    lr_schedule_start,
     recorded_settings,
     run_world,
 )
@@ -400,7 +401,7 @@ def _setup(
         kept = [st for st in saved.get("stages", []) if st["first_step"] <= start]  # each cut at the resumed step
         stages = [{**st, "last_step": min(st["last_step"], start)} for st in kept]
         # a new stage starts its own learning-rate schedule (train/indexer_stage.py)
-        stage_start = int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else start
+        stage_start = lr_schedule_start(meta, stage)
     if not cfg.resume:  # a resume state's tensors (weights, moments, fp32 masters) are tested as they are
         # read, named by its rank file and what each is (load_resume_state)
         check_finite_state(module.state_dict(), cfg.model_args.get("model_dir") or f"the {cfg.model} init")
@@ -775,7 +776,8 @@ LOSS_JSON_SECONDS = 10.0
 
 def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], loss_json: str) -> None:
     """The steps: each logged by rank 0, loss.json rewritten as :data:`LOSS_JSON_SECONDS` says, an
-    evaluation after every ``--eval-every`` steps and the last, resume state every ``--save-every``."""
+    evaluation after every ``--eval-every`` steps and the last, resume state every ``--save-every`` and
+    after the last (the oldest beyond ``--save-total-limit`` then deleted by rank 0: resume.prune_saves)."""
     cfg, topo = run.cfg, run.topo
     written = -math.inf  # the first step is written: a rank that dies without cleanup leaves it
     for step in range(run.start, cfg.steps):
@@ -786,7 +788,9 @@ def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], lo
         evaluates = held_out is not None and (
             (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
         )
-        saves = bool(cfg.save_every and (step + 1) % cfg.save_every == 0)
+        # every --save-every steps and after the last (its state is the run's result: a run extended
+        # with --resume-override steps continues from it, as Megatron-LM and HF Trainer save at the end)
+        saves = bool(cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps))
         if run.rank0:
             log(_step_line(run, step, lr, gnorm, dt))
             finite = math.isfinite(run.history["losses"][-1])
@@ -803,7 +807,7 @@ def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], lo
                 written, run.steps_written = time.monotonic(), step + 1
         if bar is not None:
             bar.update(1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        if saves:
             meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
             meta["data"] = run.data.fingerprint()  # a resume's data must be these samples (check_resume_run)
             if run.eval_record is not None:  # and its held-out set this one, when both evaluate
@@ -822,3 +826,6 @@ def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], lo
                 raise _stopped(run, e) from None
             run.last_checkpoint = path
             log(f"[glm52 train] checkpoint {path}")
+            if run.rank0 and cfg.save_total_limit:  # the others delete nothing
+                for name in prune_saves(os.path.dirname(path), cfg.save_total_limit, log):
+                    log(f"[glm52 train] deleted checkpoint {name} (--save-total-limit {cfg.save_total_limit})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import paddle
@@ -30,6 +31,7 @@ from .optim import AdamW
 from .state_files import (
     FLEX_DIR,
     FORMAT,
+    STEP_NAME,
     ResumeStateError,
     check_resume_state,
     model_identity,
@@ -45,6 +47,7 @@ from .state_files import (
 __all__ = [
     "LAYOUT_KEYS",
     "load_resume_state",
+    "prune_saves",
     "resolve_resume_state",
     "save_resume_state",
     "sweep_stale_saves",
@@ -130,10 +133,11 @@ _STALE = re.compile(r"step_(\d+)\.(tmp|old)")
 
 def sweep_stale_saves(root: str, step: int) -> list[str]:
     """Remove what earlier saves in ``root`` left (returned): ``step_N.tmp`` of a save killed, stopped
-    or failed before its rename (nothing names it: ``latest`` and a resume read only ``step_N``; at
-    scale it holds a whole optimizer state), and ``step_N.old`` whose ``step_N`` is in place (a save
-    killed during the delete). A ``step_N.old`` without its ``step_N`` is kept: a save killed
-    between its two renames left the earlier state of that step only there.
+    or failed before its rename, or of a :func:`prune_saves` delete that failed (nothing names it:
+    ``latest`` and a resume read only ``step_N``; at scale it holds a whole optimizer state), and
+    ``step_N.old`` whose ``step_N`` is in place (a save killed during the delete). A ``step_N.old``
+    without its ``step_N`` is kept: a save killed between its two renames left the earlier state of
+    that step only there.
 
     Called by rank 0 of a save before any rank writes into its own ``step_<step>.tmp``, which is
     left to the caller. No live process can be writing the others: this job's ranks write only the
@@ -151,6 +155,48 @@ def sweep_stale_saves(root: str, step: int) -> list[str]:
         if m.group(2) == "old" and not os.path.isdir(os.path.join(root, name[: -len(".old")])):
             continue
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list[str]:
+    """``--save-total-limit``: delete the oldest ``step_<8 digits>`` folders of ``root`` beyond the
+    newest ``keep`` (by step number; 0: none deleted), never the one ``latest`` names, which counts
+    among the ``keep``; returns the names deleted.  Run by rank 0 after a save is in place and
+    ``latest`` names it (the other ranks delete nothing).  Each folder is first renamed
+    ``step_N.tmp`` (one rename: no half-deleted folder is left under a step name; what a failed
+    delete leaves there, the next save's :func:`sweep_stale_saves` removes), then deleted; a failure
+    is logged as a warning naming the folder and the OS's words, and the run goes on."""
+    if keep <= 0:
+        return []
+    try:
+        latest = os.path.basename(resolve_resume_state(root))
+    except (OSError, ValueError):  # no readable `latest`: every step folder is one of the saves
+        latest = None
+    try:
+        names = sorted(
+            (n for n in os.listdir(root) if STEP_NAME.fullmatch(n) and os.path.isdir(os.path.join(root, n))),
+            key=lambda n: int(n[len("step_") :]),
+        )
+    except OSError as e:
+        log(f"[glm52 train] warning: --save-total-limit {keep}: cannot list {root}: {e}; nothing deleted")
+        return []
+    order = [n for n in names if n != latest] + [n for n in names if n == latest]  # latest: kept first
+    removed = []
+    for name in order[: max(0, len(order) - keep)]:
+        folder = os.path.join(root, name)
+        doomed = folder + ".tmp"
+        try:
+            shutil.rmtree(doomed, ignore_errors=True)  # an earlier failed delete's
+            os.replace(folder, doomed)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            where = e.filename or folder
+            log(
+                f"[glm52 train] warning: --save-total-limit {keep}: cannot delete {name} ({where}: "
+                f"{e.strerror or e}); the run goes on"
+            )
+            continue
         removed.append(name)
     return removed
 

@@ -45,6 +45,8 @@ __all__ = [
     "effective_min_lr",
     "check_run",
     "eval_identity",
+    "lr_schedule_start",
+    "warmup_warning",
     "indexer_stage_weight",
     "recorded_settings",
     "parallel_config",
@@ -56,7 +58,7 @@ __all__ = [
 # counts and their least value (--micro-batch-size before --global-batch-size: glm52 plan derives an unset
 # global batch from it, so a micro-batch of 0 is named, not the global batch of 0 it makes)
 _COUNTS = {"steps": 0, "seq_len": 1, "micro_batch_size": 1, "global_batch_size": 1, "vpp": 1}
-_COUNTS.update(save_every=0, skip_nonfinite_steps=0, eval_every=0, eval_batches=1, warmup_steps=0)
+_COUNTS.update(save_every=0, save_total_limit=0, skip_nonfinite_steps=0, eval_every=0, eval_batches=1, warmup_steps=0)
 # float settings that must be finite numbers and >= 0 (None allowed for min_lr and indexer_loss_coeff)
 _NONNEGATIVE_FLOATS = (
     "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate", "moe_aux_loss_coeff",
@@ -173,6 +175,7 @@ class TrainConfig:
     export: bool = False
     export_dtype: str = "trained"  # --export's dtype: trained (--dtype), auto (the checkpoint's), or a name
     save_every: int = 0
+    save_total_limit: int = 0  # checkpoints/step_* folders kept (0: all); may change on a resume
     resume: str | None = None
     resume_override: list = field(default_factory=list)  # RESUME_SETTINGS a resume may change
     dtype: str = "float32"
@@ -202,6 +205,11 @@ class TrainConfig:
         if self.export_dtype != "trained" and not self.export:
             raise ValueError(
                 f"--export-dtype {self.export_dtype} sets the dtype of --export, which this run does not ask for"
+            )
+        if self.save_total_limit and not self.save_every:
+            raise ValueError(
+                f"--save-total-limit {self.save_total_limit} keeps the newest checkpoints of --save-every, which "
+                "this run does not ask for (give --save-every K, or leave --save-total-limit out)"
             )
         if self.model == "toy" and self.export_dtype not in ("trained", "float32"):
             raise ValueError(
@@ -373,6 +381,37 @@ RECORDED_SETTINGS = (
 def effective_min_lr(lr: float, min_lr: float | None) -> float:
     """The cosine schedule's floor: ``--min-lr``, unset lr / 10."""
     return min_lr if min_lr is not None else lr / 10
+
+
+def lr_schedule_start(meta: dict[str, Any] | None, stage: str | None) -> int:
+    """The step the lr schedule of a run training indexer stage ``stage`` (None: no indexer) counts
+    from (train/indexer_stage.py): 0, or for a run resuming the state of ``meta`` (its meta.json)
+    the saved stage's start when it continues that stage, else the resumed step (a new stage starts
+    its own schedule), as the trainer's set-up (loop._setup) takes it."""
+    if meta is None:
+        return 0
+    saved = meta.get("indexer") or {}
+    return int(saved.get("stage_start", 0)) if saved.get("stage", stage) == stage else int(meta["step"])
+
+
+def warmup_warning(settings: Any, schedule_start: int = 0, first_step: int = 0) -> str | None:
+    """The warning for a ``--warmup-steps`` at or above the steps the lr schedule spans (``--steps``
+    less ``schedule_start``, :func:`lr_schedule_start`), naming both values and the lr the last
+    step trains at (the warm-up's linear value: ``--lr`` x span / warm-up, the peak when they are
+    equal), or None: the rate never decays to ``--min-lr``.  None too when the run trains no step
+    (``first_step``: the resumed step) or has no warm-up."""
+    warmup, steps = int(settings.warmup_steps), int(settings.steps)
+    span = steps - schedule_start
+    if warmup <= 0 or steps <= first_step or span < 1 or warmup < span:
+        return None
+    last = settings.lr * span / warmup
+    floor = effective_min_lr(settings.lr, settings.min_lr)
+    where = "the peak, --lr" if warmup == span else f"{span}/{warmup} of --lr {settings.lr:g}"
+    stage = f" (this indexer stage's schedule starts at step {schedule_start}: {span} steps)" if schedule_start else ""
+    return (
+        f"[glm52 train] warning: --warmup-steps {warmup} >= --steps {steps}{stage}: the lr warms up to the end "
+        f"and never decays to --min-lr {floor:g}; the last step trains at lr {last:.4g} ({where})"
+    )
 
 
 def recorded_settings(settings: Any) -> dict[str, Any]:
