@@ -420,3 +420,19 @@ def test_generation_config_validate_agrees_with_transformers(tmp_path):
             except ValueError:
                 outcomes.append("refused")
         assert outcomes[0] == outcomes[1], kw
+
+
+def test_loading_and_saving_leave_the_callers_root_logger_as_it_was(tmp_path, caplog):
+    """transformers logs through its own loggers and leaves the root logger's level alone. Ours
+    raised the root logger to WARNING on the first load or save, which silenced every INFO line of
+    the caller's own loggers (those without a level of their own) for the rest of the process."""
+    import logging
+
+    caplog.set_level(logging.INFO)  # the root logger at INFO, as logging.basicConfig(level=INFO) sets it
+    model = GlmMoeDsaForCausalLM.from_pretrained(TINY, dtype="float32")
+    model.save_pretrained(tmp_path / "saved")
+    GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "saved", dtype="float32")
+    assert logging.getLogger().level == logging.INFO
+    logging.getLogger("a_callers_logger").info("the caller's line")
+    assert "the caller's line" in caplog.messages
+    assert not [r for r in caplog.records if r.name.startswith("paddle.") and r.levelno < logging.WARNING]

@@ -40,8 +40,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("paddleformers_glm.checkpoint")
-# quiet_paddle_logs() raises the root logger to WARNING (Paddle logs through it); the load report's
-# INFO line must still reach handlers that ask for it
+# the load report's INFO line reaches handlers that ask for it, whatever the root logger's level
 if logger.level == logging.NOTSET:
     logger.setLevel(logging.INFO)
 
