@@ -18,7 +18,8 @@ from paddle import nn
 
 from ..configuration import GlmMoeDsaConfig
 from ..ops import log_softmax, topk
-from .attention_forms import CHUNK_BYTES, gather_keys
+from . import attention_forms
+from .attention_forms import gather_keys
 from .norms import LayerNorm
 from .rope import rope_concat
 
@@ -254,7 +255,9 @@ class DSAIndexer(nn.Layer):
         k_full = min(self.topk, width)  # HF's width of the top-k over the packed row
         flat = scores.reshape([B * C, T])
         out = idx.reshape([B * C, k])
-        block = max(1, CHUNK_BYTES // (24 * width))  # the wide scores, their columns, top-k values and indices
+        block = max(
+            1, attention_forms.CHUNK_BYTES // (24 * width)
+        )  # the wide scores, their columns, top-k values and indices
         for a in range(0, rows.size, block):
             r = rows[a : a + block]
             off = offsets[r // C]
@@ -275,7 +278,8 @@ class DSAIndexer(nn.Layer):
         """Query rows per chunk of a selection over T keys: at most max(16, S / 4) (a chunk scores
         keys up to its last query only, so smaller chunks skip more of the causal upper triangle),
         and the chunk's scores [rows, Hi, T] within `CHUNK_BYTES` (down to one row, at any length)."""
-        return max(1, min(S, self.chunk_size, CHUNK_BYTES // 4 // (self.n_heads * T), max(16, S // 4)))
+        budget = attention_forms.CHUNK_BYTES  # read per call: one budget for every form
+        return max(1, min(S, self.chunk_size, budget // 4 // (self.n_heads * T), max(16, S // 4)))
 
     def kl_loss(
         self,
@@ -331,7 +335,7 @@ class DSAIndexer(nn.Layer):
         B, S, Hi, _ = q.shape
         pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
         T = k.shape[1]
-        chunk = max(1, min(S, self.chunk_size, max(16, CHUNK_BYTES // 4 // (Hi * T))))
+        chunk = max(1, min(S, self.chunk_size, max(16, attention_forms.CHUNK_BYTES // 4 // (Hi * T))))
         pad = None if key_padding is None else key_padding.astype("bool")
         p_all = target_probs.detach().astype("float32")
         # [B, S]: padding queries (right padding sees real keys) do not count

@@ -20,8 +20,8 @@ import paddle.distributed as dist
 import paddle.nn as nn
 
 from .._io import atomic_write_text, naming_write_errors, write_record
+from ..checkpoint import distributed as ckpt_dist
 from ..checkpoint.aoa import quiet_paddle_logs
-from ..checkpoint.distributed import all_gather_object
 from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite, nonfinite_state_counts
 from ..checkpoint.safetensors_io import paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
@@ -392,7 +392,7 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
     every parameter that has optimizer state on some rank (a resume asks only for those)."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-    stepped = set().union(*map(set, all_gather_object(sorted(optimizer._stepped), topo)))
+    stepped = set().union(*map(set, ckpt_dist.all_gather_object(sorted(optimizer._stepped), topo)))
     sd: dict[str, ShardedWeight] = {}
     for key, t, spec in _flex_items(topo, model, optimizer, stepped):
         keys, geometry, axis = _pieces(key, t, spec, topo)
@@ -449,7 +449,7 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
     # a rank holds a part of the model (its pipeline stage, its experts under their global ids): the
     # state is refused for the names no rank of this run holds (the same answer on every rank)
     mine = sorted(stepped - {n for n, _ in optimizer.params})
-    unknown = set(mine).intersection(*map(set, all_gather_object(mine, topo)))
+    unknown = set(mine).intersection(*map(set, ckpt_dist.all_gather_object(mine, topo)))
     if unknown:
         raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")
     optimizer.prepare_state()
