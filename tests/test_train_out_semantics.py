@@ -230,3 +230,25 @@ def test_save_total_limit_is_checked_before_the_run_and_by_plan(tmp_path, capsys
     assert words in (train_line_error(["--model", "toy", *flags]) or "")
     rc = main(["plan", "--model", TINY, *flags])
     assert rc == 2 and words in capsys.readouterr().err
+
+
+def test_saves_of_an_earlier_run_this_run_does_not_continue_are_named(tmp_path, capsys):
+    """A fresh run into an OUT holding an earlier run's saves said nothing: its saves replaced those
+    of their steps and the earlier run's later ones stayed beside them (a resume from such a folder
+    continues the earlier run). Now one warning names them; a resume that continues the newest save
+    in OUT says nothing, one that resumes an earlier step names the saves after it."""
+    out = tmp_path / "run"
+    assert _train(out, "--save-every", "1", steps=4) == 0
+    capsys.readouterr()
+    assert _train(out, "--save-every", "1", "--seed", "7", steps=2) == 0
+    warned = _warnings(capsys.readouterr().out)
+    ckpt = out / "checkpoints"
+    assert len(warned) == 1 and f"{ckpt} holds 4 save(s) of an earlier run (steps 1..4)" in warned[0], warned
+    assert _steps(out) == [f"step_{s:08d}" for s in (1, 2, 3, 4)] and _latest(out) == "step_00000002"
+    newest = ["--resume", str(ckpt / "step_00000004"), "--resume-override", "steps"]  # the first run's
+    assert _train(out, *newest, steps=5) == 0
+    assert _warnings(capsys.readouterr().out) == []
+    earlier = ["--resume", str(ckpt / "step_00000002"), "--resume-override", "steps", "--seed", "7"]
+    assert _train(out, *earlier, steps=3) == 0
+    warned = _warnings(capsys.readouterr().out)
+    assert len(warned) == 1 and "holds 2 save(s) of an earlier run (steps 3..4)" in warned[0], warned

@@ -7,6 +7,7 @@ every subcommand module at start-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -718,8 +719,9 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
     """What a run into ``cfg.out`` (held: out_lock.py) does and says before it starts, one line each:
     an earlier run's failure record ``log_dir/failure.json`` is moved to ``failure.prev.json``
     (replacing an older one), so that failure.json is only ever this run's; an ``OUT/export`` this run
-    does not replace (no ``--export``) is an earlier run's; a warm-up that does not end before the
-    last step (``settings.warmup_warning``)."""
+    does not replace (no ``--export``) is an earlier run's, and so are saves in ``OUT/checkpoints``
+    this run does not continue; a warm-up that does not end before the last step
+    (``settings.warmup_warning``)."""
     from .launch import set_aside_failure_record
     from .settings import lr_schedule_start, warmup_warning
 
@@ -741,11 +743,26 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
             f"[glm52 train] warning: {export} is an earlier run's export, not replaced by this run (no --export): "
             "it does not hold this run's weights"
         )
-    meta = None
-    if cfg.resume:
-        from .state_files import read_meta, resolve_resume_state
+    from .state_files import STEP_NAME, read_meta, resolve_resume_state
 
-        meta = read_meta(resolve_resume_state(cfg.resume))
+    meta = resumed = None
+    if cfg.resume:
+        resumed = resolve_resume_state(cfg.resume)
+        meta = read_meta(resumed)
+    ckpt = os.path.join(cfg.out, "checkpoints")
+    with contextlib.suppress(OSError):  # no checkpoints folder: nothing to say
+        # the saves of an earlier run this one does not continue: all of them, or after the step it resumes
+        # from when it resumes one of them (those the same trajectory would save again are left alone)
+        own = resumed is not None and os.path.realpath(os.path.dirname(resumed)) == os.path.realpath(ckpt)
+        after = int(meta["step"]) if own else -1
+        steps = sorted(int(n[5:]) for n in os.listdir(ckpt) if STEP_NAME.fullmatch(n) and int(n[5:]) > after)
+        if steps:
+            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+            notes.append(
+                f"[glm52 train] warning: {ckpt} holds {len(steps)} save(s) of an earlier run ({span}) that this run "
+                "does not continue: a save of this run replaces the one of its step, the others stay (and "
+                "--save-total-limit counts them among the newest)"
+            )
     stage = (adapter.indexer_info() or {}).get("stage")
     first = int(meta["step"]) if meta is not None else 0
     if (line := warmup_warning(cfg, lr_schedule_start(meta, stage), first)) is not None:
