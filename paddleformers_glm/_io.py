@@ -85,15 +85,24 @@ def write_error(e: OSError, file: str | os.PathLike | None = None, what: str | N
 
 @contextlib.contextmanager
 def naming_write_errors(
-    file: str | os.PathLike, what: str | None = None, instead_of: tuple[Any, ...] | None = (None,)
+    file: str | os.PathLike,
+    what: str | None = None,
+    instead_of: tuple[Any, ...] | None = (None,),
+    others: bool = True,
 ) -> Iterator[None]:
     """An OSError of the block re-raised as :func:`write_error` makes it: naming ``file`` where it
-    names no file or one of ``instead_of`` (a temporary copy; None: whatever it names), else the file
-    it names, and ``what`` it holds. A full disk fails ``write`` / ``fsync`` with no file name."""
+    names no file or names one of ``instead_of`` (a temporary copy; None: whatever it names) as the
+    file or as the second file (``shutil.copyfile`` names its source first, the destination second),
+    and ``what`` it holds. One naming another file keeps that name (``others``) or is re-raised as it
+    is (``others=False``). A full disk fails ``write`` / ``fsync`` with no file name."""
     try:
         yield
     except OSError as e:
-        err = write_error(e, file if instead_of is None or e.filename in instead_of else None, what)
+        second = getattr(e, "filename2", None)
+        ours = instead_of is None or e.filename in instead_of or (second is not None and second in instead_of)
+        if not ours and not others:
+            raise
+        err = write_error(e, file if ours else None, what)
         if err is e:
             raise
         raise err from e
@@ -135,7 +144,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with naming_write_errors(path, instead_of=(None, tmp)):  # a writer's error names the temporary file
+        with naming_write_errors(path, instead_of=(None, tmp), others=False):  # a writer names the temporary file
             yield tmp
             if not os.path.isfile(tmp):
                 raise FileNotFoundError(f"atomic_path({path!r}): nothing was written to the temporary file {tmp}")

@@ -13,6 +13,7 @@ import errno
 import importlib.util
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,31 @@ def test_an_atomic_write_on_a_full_disk_names_its_file_and_keeps_the_errno(tmp_p
     assert e.errno == errno.ENOSPC and isinstance(e, WriteError)
     assert e.filename == str(target) and str(target) in str(e) and ENOSPC_TEXT in str(e)
     assert target.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["record.json"]
+
+
+def test_a_full_disk_while_a_file_is_copied_into_place_names_the_destination(tmp_path, monkeypatch):
+    """``shutil.copyfile`` into ``atomic_path``'s temporary file (glm52 train --dump-step copies the
+    model's config.json so) reports a full disk naming its source first and the temporary file
+    second: the error names the destination, never the source, an input that is not written."""
+    from paddleformers_glm._io import WriteError, atomic_path
+
+    src, dst = tmp_path / "model_config.json", tmp_path / "dump" / "config.json"
+    src.write_text('{"a": 1}\n')
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "sendfile", full)
+    with pytest.raises(WriteError) as info:
+        with atomic_path(dst) as tmp:
+            shutil.copyfile(src, tmp)
+    assert info.value.filename == str(dst) and info.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(dst.parent)) == []  # the temporary file removed
+    # an error about another file (the source cannot be read) is raised as it came
+    with pytest.raises(FileNotFoundError) as info:
+        with atomic_path(dst) as tmp:
+            shutil.copyfile(tmp_path / "missing.json", tmp)
+    assert info.value.filename == str(tmp_path / "missing.json")
 
 
 def test_an_atomic_write_keeps_an_error_class_callers_catch(tmp_path):
@@ -149,8 +175,8 @@ def test_a_full_disk_during_a_checkpoint_names_file_and_step_and_leaves_no_tmp(t
 
 def test_a_stopped_save_removes_its_own_tmp(tmp_path, monkeypatch, capsys):
     """A save stopped by a signal (here: KeyboardInterrupt, SIGINT's) left ``step_N.tmp``."""
-    # only the name the save calls: patching state_files' too, when resume is first imported after it,
-    # made resume's own name the patched one, which teardown then "restored" (the next test stopped)
+    # only the name the save calls: a patch of state_files' own would be taken into resume's names when
+    # resume is first imported under it, and teardown would then put the patched function back there
     from paddleformers_glm.train import resume
 
     real = resume.write_rank_state
