@@ -253,10 +253,14 @@ def test_evaluations_pair_by_training_step_not_position(tmp_path, capsys):
     code, r, text = _check(tmp_path, capsys, full, off, "--curve", "eval.losses", "--atol", "0.05")
     assert code == 1 and r["first_divergent_eval_step"] == 4 and r["first_divergent_step"] == 2
     assert "jump at the evaluation of step 4: |diff| 0.1" in text.out
+    assert "first_divergent_eval_step=4" in text.out and "first_divergent_step=" not in text.out
     # a run that stopped evaluating earlier is not as long as the other
     short = run("short.json", [(0, 5.0), (2, 4.5), (4, 4.0)])
     code, r, _ = _check(tmp_path, capsys, full, short, "--curve", "eval.losses")
     assert code == 1 and r["length_match"] is False and r["matching_steps"] == 3
+    # its first N shared evaluations, equal: bit-exact whatever the runs' lengths (as --steps on losses)
+    code, r, _ = _check(tmp_path, capsys, full, short, "--curve", "eval.losses", "--steps", "3", "--bit-exact")
+    assert code == 0 and r["bit_exact"] is True and r["length_match"] is False
     # an evaluation record without its training step is unusable input
     nostep = _loss(tmp_path, "nostep.json", None, '{"losses": [1.0], "eval": [{"losses": 1.0}]}')
     code, _, text = _check(tmp_path, capsys, full, nostep, "--curve", "eval.losses")

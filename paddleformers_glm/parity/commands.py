@@ -128,6 +128,8 @@ def _run_check_loss(args: argparse.Namespace) -> int:
         print(f"check-loss: {e}", file=sys.stderr)
     if report["result"] != "unusable input":
         keys = "length_match enough_steps consistent_steps matching_steps first_divergent_step max_diff bit_exact"
+        if "eval_steps" in report:  # evaluations: the first disagreement named by its training step
+            keys = keys.replace("first_divergent_step", "first_divergent_eval_step")
         rule = f"|a-b| <= {report['atol']:g} + {report['rtol']:g}*|b| at every step"
         rule = "every loss identical" if report["mode"] == "bit-exact" else rule
         print(
