@@ -178,6 +178,20 @@ def test_save_total_limit_keeps_the_newest_saves(tmp_path, capsys):
     assert _train(tmp_path / "back", "--resume", str(out / "checkpoints" / "step_00000004"), steps=5) == 0
 
 
+def test_save_total_limit_leaves_a_link_named_like_a_save_alone(tmp_path, capsys):
+    """A link in ``checkpoints/`` named like a save (a user's pointer to a state kept elsewhere) is not
+    one of the run's saves: it is neither deleted nor counted. It was renamed to ``step_N.tmp``, its
+    delete then failed with a warning naming a path that was gone, and the link stayed so named."""
+    out, elsewhere = tmp_path / "run", tmp_path / "kept_elsewhere"
+    elsewhere.mkdir()
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000009").symlink_to(elsewhere, target_is_directory=True)
+    assert _train(out, "--save-every", "1", "--save-total-limit", "1", steps=2) == 0
+    said = capsys.readouterr().out
+    assert _steps(out) == ["step_00000002", "step_00000009"] and elsewhere.is_dir()
+    assert (out / "checkpoints" / "step_00000009").is_symlink() and "cannot delete" not in said, said
+
+
 def test_save_total_limit_never_deletes_the_state_latest_names_and_may_change_on_resume(tmp_path, capsys):
     """A run resumed from step 2 into its own OUT saves step 3 while the first run's steps 4-6 are
     still there: ``latest`` names step 3, which is kept although not among the newest by number.
@@ -243,7 +257,11 @@ def test_saves_of_an_earlier_run_this_run_does_not_continue_are_named(tmp_path, 
     assert _train(out, "--save-every", "1", "--seed", "7", steps=2) == 0
     warned = _warnings(capsys.readouterr().out)
     ckpt = out / "checkpoints"
-    assert len(warned) == 1 and f"{ckpt} holds 4 save(s) of an earlier run (steps 1..4)" in warned[0], warned
+    assert (
+        len(warned) == 1
+        and f"{ckpt} holds 4 save(s) of an earlier run (at steps 1, 2, 3, 4) that this run does not continue: a save"
+        in warned[0]
+    ), warned
     assert _steps(out) == [f"step_{s:08d}" for s in (1, 2, 3, 4)] and _latest(out) == "step_00000002"
     newest = ["--resume", str(ckpt / "step_00000004"), "--resume-override", "steps"]  # the first run's
     assert _train(out, *newest, steps=5) == 0
@@ -251,4 +269,7 @@ def test_saves_of_an_earlier_run_this_run_does_not_continue_are_named(tmp_path, 
     earlier = ["--resume", str(ckpt / "step_00000002"), "--resume-override", "steps", "--seed", "7"]
     assert _train(out, *earlier, steps=3) == 0
     warned = _warnings(capsys.readouterr().out)
-    assert len(warned) == 1 and "holds 2 save(s) of an earlier run (steps 3..4)" in warned[0], warned
+    assert (
+        len(warned) == 1
+        and "holds 2 save(s) of an earlier run (at steps 3, 4) that this run does not continue" in warned[0]
+    ), warned

@@ -253,8 +253,8 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--save-total-limit",
         type=int,
         default=0,
-        help="keep the newest N checkpoints/step_* folders (and the one 'latest' names), deleting older ones "
-        "after each save (0: keep all)",
+        help="keep the newest N checkpoints/step_* folders, the one 'latest' names among them, deleting older "
+        "ones after each save (0: keep all)",
     )
     g.add_argument("--resume", help="checkpoint folder (step_* or its root) to continue from")
     g.add_argument(
@@ -757,11 +757,15 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
         after = int(meta["step"]) if own else -1
         steps = sorted(int(n[5:]) for n in os.listdir(ckpt) if STEP_NAME.fullmatch(n) and int(n[5:]) > after)
         if steps:
-            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+            listed = ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]} .. {steps[-1]}"
+            fate = []
+            if cfg.save_every:
+                fate.append("a save of this run replaces the one of its step, the others stay")
+            if cfg.save_total_limit:
+                fate.append(f"--save-total-limit {cfg.save_total_limit} counts them among the newest")
             notes.append(
-                f"[glm52 train] warning: {ckpt} holds {len(steps)} save(s) of an earlier run ({span}) that this run "
-                "does not continue: a save of this run replaces the one of its step, the others stay (and "
-                "--save-total-limit counts them among the newest)"
+                f"[glm52 train] warning: {ckpt} holds {len(steps)} save(s) of an earlier run (at steps {listed}) "
+                "that this run does not continue" + (f": {'; '.join(fate)}" if fate else "")
             )
     stage = (adapter.indexer_info() or {}).get("stage")
     first = int(meta["step"]) if meta is not None else 0

@@ -175,7 +175,7 @@ def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list
         latest = None
     try:
         names = sorted(
-            (n for n in os.listdir(root) if STEP_NAME.fullmatch(n) and os.path.isdir(os.path.join(root, n))),
+            (n for n in os.listdir(root) if STEP_NAME.fullmatch(n) and _real_folder(os.path.join(root, n))),
             key=lambda n: int(n[len("step_") :]),
         )
     except OSError as e:
@@ -199,6 +199,11 @@ def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list
             continue
         removed.append(name)
     return removed
+
+
+def _real_folder(path: str) -> bool:
+    """A folder, not a link to one (a link named like a save is someone's, and is left alone)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 @paddle.no_grad()
