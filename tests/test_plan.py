@@ -84,6 +84,8 @@ def test_counts_follow_a_config_changed_in_place():
     after = planmod.total_params(c, lay)
     full = _direct(c, ParallelConfig(), StageSpec.whole(c.num_hidden_layers, True), {}, "float32")
     assert after == sum(n for _, n, _ in full) and after > before
+    c.note = {"a set", "not JSON"}  # a value of the user's that JSON cannot hold: still planned
+    assert planmod.total_params(c, lay) == after
 
 
 def test_fleet_sharding_partition_is_fleets():

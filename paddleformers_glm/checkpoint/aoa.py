@@ -405,8 +405,8 @@ def build_statements(
 
 def quiet_paddle_logs() -> None:
     """Paddle's checkpoint code logs one INFO line per call on its own loggers: those are raised to
-    WARNING to keep user output readable. The root logger is the caller's: never touched (raising it
-    silenced every INFO line of a caller's own loggers after the first load)."""
+    WARNING to keep user output readable. The root logger is the caller's and is not touched (where
+    the caller configured none, ``import paddle`` itself sets it to INFO with a stderr handler)."""
     with contextlib.suppress(Exception):  # its import sets its logger to INFO: import it first
         import paddle.distributed.fleet.utils.log_util  # noqa: F401
     for name in ("paddle.distributed.flex_checkpoint", "paddle.distributed.fleet.utils.log_util"):

@@ -255,9 +255,8 @@ class DSAIndexer(nn.Layer):
         k_full = min(self.topk, width)  # HF's width of the top-k over the packed row
         flat = scores.reshape([B * C, T])
         out = idx.reshape([B * C, k])
-        block = max(
-            1, attention_forms.CHUNK_BYTES // (24 * width)
-        )  # the wide scores, their columns, top-k values and indices
+        # rows per block: the wide scores, their columns, top-k values and indices within the budget
+        block = max(1, attention_forms.CHUNK_BYTES // (24 * width))
         for a in range(0, rows.size, block):
             r = rows[a : a + block]
             off = offsets[r // C]

@@ -170,7 +170,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     from .memory import dtype_name
 
     stage_name = indexer_stage(config, lay)
-    key = (dumps_json(config.to_dict()), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
+    key = (dumps_json(config.to_dict(), default=repr), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
     if key in _CACHE:
         return _CACHE[key]
     if len(_CACHE) >= _CACHE_MAX:
