@@ -53,7 +53,7 @@ from .nonfinite import (
     nonfinite_record,
 )
 from .optim import AdamW, make_lr_scheduler
-from .resume import load_resume_state, prune_saves, save_resume_state
+from .resume import finish_pruning, load_resume_state, prune_saves, save_resume_state
 from .settings import (
     TrainConfig,
     check_resume_run,
@@ -777,7 +777,8 @@ LOSS_JSON_SECONDS = 10.0
 def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], loss_json: str) -> None:
     """The steps: each logged by rank 0, loss.json rewritten as :data:`LOSS_JSON_SECONDS` says, an
     evaluation after every ``--eval-every`` steps and the last, resume state every ``--save-every`` and
-    after the last (the oldest beyond ``--save-total-limit`` then deleted by rank 0: resume.prune_saves)."""
+    after the last (the oldest beyond ``--save-total-limit`` then deleted by rank 0 in the background:
+    resume.prune_saves)."""
     cfg, topo = run.cfg, run.topo
     written = -math.inf  # the first step is written: a rank that dies without cleanup leaves it
     for step in range(run.start, cfg.steps):
@@ -828,4 +829,5 @@ def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], lo
             log(f"[glm52 train] checkpoint {path}")
             if run.rank0 and cfg.save_total_limit:  # the others delete nothing
                 for name in prune_saves(os.path.dirname(path), cfg.save_total_limit, log):
-                    log(f"[glm52 train] deleted checkpoint {name} (--save-total-limit {cfg.save_total_limit})")
+                    log(f"[glm52 train] deleting checkpoint {name} (--save-total-limit {cfg.save_total_limit})")
+    finish_pruning()  # the last save's deletes, before the run reports its end

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ from .state_files import (
 __all__ = [
     "LAYOUT_KEYS",
     "load_resume_state",
+    "finish_pruning",
     "prune_saves",
     "resolve_resume_state",
     "save_resume_state",
@@ -144,6 +146,7 @@ def sweep_stale_saves(root: str, step: int) -> list[str]:
     step they save, each save ends at a barrier, and another job in the same folder is refused by
     ``glm52 train``'s ``--out`` lock (train/out_lock.py), which a caller saving into ``root`` holds."""
     removed = []
+    finish_pruning()  # a delete of --save-total-limit still running is not left behind
     try:
         names = os.listdir(root)
     except OSError:  # no folder yet: nothing left in it
@@ -162,11 +165,13 @@ def sweep_stale_saves(root: str, step: int) -> list[str]:
 def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list[str]:
     """``--save-total-limit``: delete the oldest ``step_<8 digits>`` folders of ``root`` beyond the
     newest ``keep`` (by step number; 0: none deleted), never the one ``latest`` names, which counts
-    among the ``keep``; returns the names deleted.  Run by rank 0 after a save is in place and
-    ``latest`` names it (the other ranks delete nothing).  Each folder is first renamed
-    ``step_N.tmp`` (one rename: no half-deleted folder is left under a step name; what a failed
-    delete leaves there, the next save's :func:`sweep_stale_saves` removes), then deleted; a failure
-    is logged as a warning naming the folder and the OS's words, and the run goes on."""
+    among the ``keep``; returns their names.  Run by rank 0 after a save is in place and ``latest``
+    names it (the other ranks delete nothing).  Each folder is renamed ``step_N.tmp`` here (one
+    rename: no half-deleted folder is left under a step name), and deleted by a background thread
+    while training goes on (at scale a save is the whole optimizer state, and every rank waits for
+    rank 0 at the next collective); :func:`finish_pruning` waits for it (the next save's sweep and
+    the run's end do). A failure is logged as a warning naming the folder and the OS's words, and
+    the run goes on; what a failed delete leaves, the next save's :func:`sweep_stale_saves` removes."""
     if keep <= 0:
         return []
     try:
@@ -182,23 +187,50 @@ def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list
         log(f"[glm52 train] warning: --save-total-limit {keep}: cannot list {root}: {e}; nothing deleted")
         return []
     order = [n for n in names if n != latest] + [n for n in names if n == latest]  # latest: kept first
-    removed = []
+    finish_pruning()  # one delete at a time: an earlier one's folders are not this one's
+    renamed = []
     for name in order[: max(0, len(order) - keep)]:
         folder = os.path.join(root, name)
-        doomed = folder + ".tmp"
         try:
-            shutil.rmtree(doomed, ignore_errors=True)  # an earlier failed delete's
-            os.replace(folder, doomed)
-            shutil.rmtree(doomed)
+            shutil.rmtree(folder + ".tmp", ignore_errors=True)  # an earlier failed delete's
+            os.replace(folder, folder + ".tmp")
         except OSError as e:
-            where = e.filename or folder
-            log(
-                f"[glm52 train] warning: --save-total-limit {keep}: cannot delete {name} ({where}: "
-                f"{e.strerror or e}); the run goes on"
-            )
+            _delete_failed(keep, name, folder, e, log)
             continue
-        removed.append(name)
-    return removed
+        renamed.append(name)
+    if renamed:
+        thread = threading.Thread(
+            target=_delete_renamed, args=(root, renamed, keep, log), name="glm52-prune-saves", daemon=True
+        )
+        thread.start()
+        _PRUNING.append(thread)
+    return renamed
+
+
+_PRUNING: list[threading.Thread] = []  # the background deletes started by prune_saves
+
+
+def finish_pruning() -> None:
+    """Wait for the deletes :func:`prune_saves` started (they end by themselves; a delete a killed
+    process leaves half done is a ``step_N.tmp``, which the next save sweeps)."""
+    while _PRUNING:
+        _PRUNING.pop().join()
+
+
+def _delete_renamed(root: str, names: list[str], keep: int, log: Callable[[str], Any]) -> None:
+    for name in names:
+        folder = os.path.join(root, name)
+        try:
+            shutil.rmtree(folder + ".tmp")
+        except OSError as e:
+            _delete_failed(keep, name, folder, e, log)
+
+
+def _delete_failed(keep: int, name: str, folder: str, e: OSError, log: Callable[[str], Any]) -> None:
+    log(
+        f"[glm52 train] warning: --save-total-limit {keep}: cannot delete {name} ({e.filename or folder}: "
+        f"{e.strerror or e}); the run goes on"
+    )
 
 
 def _real_folder(path: str) -> bool:
