@@ -155,6 +155,31 @@ def _layer_key(config: Any, i: int) -> Any:
 # where a freed one was, is another model) and the layout's shapes; emptied when it holds _CACHE_MAX
 _CACHE: dict[tuple, LayerCounts] = {}
 _CACHE_MAX = 64
+# id(config) -> its values as JSON while one plan or search runs (:func:`_one_model`): read once there,
+# not per probe lookup (a search looks up thousands; the JSON of the official config is ~0.2 ms)
+_KEYS: dict[int, str] = {}
+
+
+def _config_key(config: Any) -> str:
+    """The config's values as the probes' key (a value JSON cannot hold by its repr)."""
+    key = _KEYS.get(id(config))
+    return key if key is not None else dumps_json(config.to_dict(), default=repr)
+
+
+def _one_model(fn: Any) -> Any:
+    """``fn(config, ...)`` plans one model: its config's key is read once for the whole call."""
+
+    @functools.wraps(fn)
+    def planned(config: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(config) in _KEYS:  # inside an outer plan of the same config
+            return fn(config, *args, **kwargs)
+        _KEYS[id(config)] = dumps_json(config.to_dict(), default=repr)
+        try:
+            return fn(config, *args, **kwargs)
+        finally:
+            _KEYS.pop(id(config), None)
+
+    return planned
 _EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's local index
 
 
@@ -170,7 +195,7 @@ def layer_counts(config: Any, lay: Layout) -> LayerCounts:
     from .memory import dtype_name
 
     stage_name = indexer_stage(config, lay)
-    key = (dumps_json(config.to_dict(), default=repr), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
+    key = (_config_key(config), lay.tp, lay.ep, lay.etp, lay.sp, lay.dtype, stage_name)
     if key in _CACHE:
         return _CACHE[key]
     if len(_CACHE) >= _CACHE_MAX:
@@ -511,6 +536,7 @@ def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
     return {"tp": tp, "cp": cp, "sharding": sharding, "pp": r % lay.pp, "dp": r // lay.pp}
 
 
+@_one_model
 def plan_layout(
     config: Any, lay: Layout, gpu_mem_gb: float = 80.0, reserve_gb: float = 0.0, per_rank: bool = True
 ) -> dict[str, Any]:
@@ -603,6 +629,7 @@ def stage_ranks(lay: Layout, stage: int) -> tuple[int, int, int]:
 _RECOMPUTE_ORDER = ("none", "core", "full")  # the search tries the least recompute first
 
 
+@_one_model
 def search_layouts(
     config: Any,
     gpus: int,
