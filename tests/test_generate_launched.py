@@ -30,15 +30,24 @@ def test_tp2_ep2_prints_the_one_process_text_and_keeps_only_asked_logs(tiny_dir,
     assert main([*ARGS, "--model", tiny_dir]) == 0
     plain = capsys.readouterr().out
     assert plain.strip()
+    # a reused --log-dir: an earlier run's streams go (rank 7's of a larger layout too); a generate/
+    # folder's other files are the user's and stay (the whole generate/ folder was deleted)
+    mine = tmp_path / "logs" / "generate"
+    (mine / "src").mkdir(parents=True)
+    (mine / "src" / "main.py").write_text("print('mine')\n")
+    (mine / "tokens.rank0").write_text("999\n")
+    (mine / "tokens.rank7").write_text("999\n")
     assert main([*ARGS, "--model", tiny_dir, "--tp", "2", "--ep", "2", "--log-dir", str(tmp_path / "logs")]) == 0
     assert capsys.readouterr().out == plain
     assert (tmp_path / "logs" / "workerlog.1").is_file() and (tmp_path / "logs" / "generate.json").is_file()
-    assert sorted(p.name for p in (tmp_path / "logs" / "generate").iterdir()) == [
+    assert sorted(p.name for p in mine.iterdir()) == [
         "result.rank0.json",
         "result.rank1.json",
+        "src",
         "tokens.rank0",
         "tokens.rank1",
     ]
+    assert (mine / "src" / "main.py").read_text() == "print('mine')\n"
 
 
 def test_ep2_sampling_without_a_seed_draws_the_same_tokens_on_both_ranks(tiny_dir, capsys):
@@ -210,6 +219,16 @@ def test_a_torn_shard_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("glm52 generate: error: truncated safetensors file") and "model-00002-of-00002" in err
     assert len(err.splitlines()) == 1 and not log_dir.exists()
+
+
+def test_a_log_dir_that_cannot_be_made_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
+    """A --log-dir under a file (or on a read-only disk) was a traceback from os.makedirs, exit 1."""
+    (tmp_path / "a_file").write_text("x")
+    log_dir = tmp_path / "a_file" / "logs"
+    assert main([*ARGS, "--model", tiny_dir, "--tp", "2", "--log-dir", str(log_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"glm52 generate: error: --log-dir {log_dir}: "), err
+    assert "Not a directory" in err
 
 
 @pytest.mark.parametrize("split", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])

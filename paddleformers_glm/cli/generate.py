@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -254,8 +255,11 @@ def _run_launched(
     nproc = world // args.nnodes
     first = (node_rank or 0) * nproc  # this node's first global rank
     out = os.path.join(log_dir, "generate")
-    shutil.rmtree(out, ignore_errors=True)  # a reused --log-dir: no earlier run's tokens
-    os.makedirs(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        _clear_results(out)  # a reused --log-dir: no earlier run's tokens (and nothing else touched)
+    except OSError as err:
+        return f"--log-dir {args.log_dir or root}: {err.strerror or err} ({err.filename or out})"
     spec = {
         "tp": args.tp,
         "ep": args.ep,
@@ -290,6 +294,18 @@ def _run_launched(
     if not args.log_dir:
         shutil.rmtree(root, ignore_errors=True)
     return results[first]["tokens"], results[first]["stats"]
+
+
+_RESULT_FILE = re.compile(r"(tokens\.rank\d+|result\.rank\d+\.json)")
+
+
+def _clear_results(out: str) -> None:
+    """Remove what an earlier launched generate left in ``out`` (its ranks' token streams and results),
+    and nothing else: a --log-dir is the user's folder, and a ``generate/`` in it may be theirs too."""
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if _RESULT_FILE.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
 
 
 def _follow(path: str, done: threading.Event, stream: Callable) -> None:
