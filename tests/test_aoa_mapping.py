@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -198,3 +199,20 @@ def test_loaded_rules_carry_the_generated_reverse_and_keep_expert_ids_for_python
     ]
     assert all("fleet_to_hf" in u for u in rules["units"])
     assert all("fleet_to_model" in a for a in rules["fleet_adapters"])
+
+
+def test_rules_named_by_the_environment_are_used_or_the_command_says_they_are_missing(tmp_path, monkeypatch):
+    """GLM52_AOA_MAPPINGS names the mapping rules (the file, or a folder holding glm_moe_dsa.json); a
+    name that holds none fell back to the packaged rules without a word, so a typo converted with
+    other rules than the user's, exit 0. Now it is refused naming the variable."""
+    own = tmp_path / "rules"
+    own.mkdir()
+    shutil.copy(ROOT / "aoa_mappings" / "glm_moe_dsa.json", own / "glm_moe_dsa.json")
+    monkeypatch.setenv("GLM52_AOA_MAPPINGS", str(own))
+    assert rules_path() == str(own / "glm_moe_dsa.json")
+    monkeypatch.setenv("GLM52_AOA_MAPPINGS", str(own / "glm_moe_dsa.json"))
+    assert rules_path() == str(own / "glm_moe_dsa.json")
+    for missing in (tmp_path / "typo", tmp_path):  # no such path; a folder without the rules
+        monkeypatch.setenv("GLM52_AOA_MAPPINGS", str(missing))
+        with pytest.raises(FileNotFoundError, match=f"GLM52_AOA_MAPPINGS={missing}: no mapping rules there"):
+            rules_path()

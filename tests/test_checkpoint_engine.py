@@ -3,6 +3,8 @@ give exactly what Paddle's own ``assign_sharded_slice`` gives, and fall back to 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,25 @@ def test_large_plain_copies_split_over_threads_give_the_same_bytes():
     wide = np.full((1100, 2100), 7.0, dtype=np.float32)
     assert E.apply_entry_numpy(src, "bfloat16", ["float32"], wide) is True
     assert np.array_equal(wide.view(np.uint32), src.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("raw, threads", [("abc", None), ("2.5", None), ("", 4), ("  ", 4), ("1", 1), ("3", 3)])
+def test_load_threads_setting_is_a_whole_number_named_when_it_is_not(monkeypatch, raw, threads):
+    """GLM52_LOAD_THREADS: a value that is no whole number was "invalid literal for int()", naming
+    neither the variable nor its value (a run's failure record the same); empty, as an unset shell
+    variable exports it, was refused too. Empty reads as unset (the CPU count up to 8) now."""
+    monkeypatch.setenv("GLM52_LOAD_THREADS", raw)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    E._pool.cache_clear()
+    try:
+        if threads is None:
+            with pytest.raises(ValueError, match=f"GLM52_LOAD_THREADS must be a whole number of threads.*got '{raw}'"):
+                E._pool()
+        else:
+            pool = E._pool()
+            assert (pool._max_workers if pool is not None else 1) == threads
+    finally:
+        E._pool.cache_clear()  # the next load reads the environment as it is
 
 
 def test_huge_page_advice_is_only_advice():

@@ -52,9 +52,15 @@ TP_FUSED_FFN = re.compile(r"\.mlp\.(shared_experts\.)?up_gate_proj\.weight$")
 def rules_path() -> str:
     """Where the mapping rules are: ``$GLM52_AOA_MAPPINGS``, the installed package data, or the repo."""
     env = os.environ.get("GLM52_AOA_MAPPINGS")
+    if env:  # the user's rules or none: never the packaged ones in their place
+        named = os.path.join(env, RULES_FILE) if os.path.isdir(env) else env
+        if not os.path.isfile(named):
+            raise FileNotFoundError(
+                f"GLM52_AOA_MAPPINGS={env}: no mapping rules there (a {RULES_FILE} file, or a folder holding one)"
+            )
+        return named
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     candidates = [
-        *([os.path.join(env, RULES_FILE) if os.path.isdir(env) else env] if env else []),
         os.path.join(pkg, "_data", "aoa_mappings", RULES_FILE),
         os.path.join(os.path.dirname(pkg), "aoa_mappings", RULES_FILE),
     ]

@@ -218,7 +218,13 @@ def _pool() -> Any:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    n = int(os.environ.get("GLM52_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+    raw = os.environ.get("GLM52_LOAD_THREADS", "").strip()  # empty: unset
+    try:
+        n = int(raw) if raw else min(8, os.cpu_count() or 1)
+    except ValueError:
+        raise ValueError(
+            f"GLM52_LOAD_THREADS must be a whole number of threads (1 or less: none), got {raw!r}"
+        ) from None
     return ThreadPoolExecutor(n, thread_name_prefix="glm52-load") if n > 1 else None
 
 
