@@ -10,6 +10,9 @@ number is written as ``null`` and listed under ``"nonfinite"`` (e.g. ``["losses[
 of the record: a reader can tell a missing value from a NaN (docs/failure-modes.md, "Strict JSON").
 A write that fails without naming a file (a full disk or quota reports ENOSPC / EDQUOT / EFBIG at
 ``write`` or ``fsync``, with no file name) is re-raised as :class:`WriteError`, which names it.
+The temporary file is ``.<name>.<pid>.<hex>.tmp`` with the name cut to :data:`TEMP_NAME_BYTES`
+bytes, so a destination name up to the filesystem's 255 bytes can be written. :func:`env_flag`
+reads the package's on/off environment variables (``GLM52_QUIET``, ``GLM52_CPU_KERNELS``, ...).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import math
 import numbers
 import os
 import uuid
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -132,6 +136,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+# the destination's name as a temporary name carries it: a name of up to 255 bytes (NAME_MAX) plus
+# "." and ".<pid>.<hex8>.tmp" would pass the limit; cut to this, the temporary name stays under 160 bytes
+TEMP_NAME_BYTES = 128
+
+
+def short_name(name: str, limit: int = TEMP_NAME_BYTES) -> str:
+    """``name`` cut to at most ``limit`` bytes of its file-system encoding, at a character boundary."""
+    while len(os.fsencode(name)) > limit:
+        name = name[:-1]
+    return name
+
+
+def temp_path(path: str | os.PathLike) -> str:
+    """A unique temporary name beside ``path``: ``.<name>.<pid>.<hex8>.tmp``, the name cut to
+    :data:`TEMP_NAME_BYTES` bytes (the pid says which process left it)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.join(folder, f".{short_name(os.path.basename(path))}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """A unique temporary path beside `path` (its folder made if missing: same filesystem, atomic rename)
@@ -141,8 +165,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     the block raises it is removed."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError as e:  # a file where the folder must be: said so, not "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), e.filename) from e
+    tmp = temp_path(path)
     try:
         with naming_write_errors(path, instead_of=(None, tmp), others=False):  # a writer names the temporary file
             yield tmp
@@ -153,7 +180,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # the error raised is the one to report, not the cleanup's
             os.remove(tmp)
         raise
 
@@ -280,3 +307,53 @@ def read_json(
         name = {dict: "object", list: "array"}.get(expect, expect.__name__)
         raise error(f"{file}: {what} must be a JSON {name}, got a {type(value).__name__}")
     return value
+
+
+FLAG_TRUE = ("1", "true", "on", "yes")
+FLAG_FALSE = ("0", "false", "off", "no")
+# the package's on/off environment variables and their defaults
+ENV_FLAGS = {
+    "GLM52_QUIET": False,
+    "GLM52_CPU_KERNELS": True,
+    "GLM52_CPU_BF16": True,
+    "GLM52_FAST_COPY": True,
+    "GLM52_EMULATE_COLLECTIVES": False,
+}
+
+
+class EnvFlagError(ValueError):
+    """An on/off environment variable set to something that is neither."""
+
+
+def env_flag_problem(name: str, raw: str | None) -> str | None:
+    """Why ``raw``, the value of the on/off variable ``name``, is neither on nor off, else None."""
+    if raw is None or raw.strip().lower() in ("", *FLAG_TRUE, *FLAG_FALSE):
+        return None
+    return f"{name}={raw!r} is not an on/off setting: use 1, true, on, yes or 0, false, off, no (empty: the default)"
+
+
+def env_flag(name: str, default: bool, *, value: str | None = None, strict: bool = True) -> bool:
+    """The on/off environment variable ``name`` (``value``: its value, read elsewhere; None: read
+    here): 1/true/on/yes or 0/false/off/no in any case, spaces around ignored; unset or empty is
+    ``default``. Anything else raises :class:`EnvFlagError` naming the variable and the value, or,
+    with ``strict=False`` (a variable read deep inside a run, where an error would end it), warns
+    (RuntimeWarning) and returns ``default``."""
+    raw = os.environ.get(name) if value is None else value
+    problem = env_flag_problem(name, raw)
+    if problem is not None:
+        if strict:
+            raise EnvFlagError(problem)
+        warnings.warn(f"{problem}; using the default ({'on' if default else 'off'})", RuntimeWarning, stacklevel=2)
+        return default
+    v = (raw or "").strip().lower()
+    return default if v == "" else v in FLAG_TRUE
+
+
+def env_flags_error(names: Iterable[str] | None = None) -> str | None:
+    """The first problem of the on/off variables ``names`` (None: every one of :data:`ENV_FLAGS`)
+    as one line naming the variable and its value, else None: a command checks them before it
+    works, so a typo is refused at once rather than warned about inside the run."""
+    for name in ENV_FLAGS if names is None else names:
+        if (problem := env_flag_problem(name, os.environ.get(name))) is not None:
+            return problem
+    return None

@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from ._io import env_flag
+
 __all__ = ["Progress", "human_bytes", "itemsize", "on_terminal", "set_quiet", "shared", "start"]
 
 _QUIET: bool | None = None
@@ -36,7 +38,7 @@ def set_quiet(quiet: bool | None = True) -> bool | None:
 
 
 def _quiet() -> bool:
-    return _QUIET if _QUIET is not None else os.environ.get("GLM52_QUIET", "") not in ("", "0")
+    return _QUIET if _QUIET is not None else env_flag("GLM52_QUIET", False, strict=False)
 
 
 def _rank_prefix() -> str:

@@ -270,6 +270,16 @@ def test_a_second_align_on_a_held_out_is_refused_touching_nothing(tmp_path, caps
         assert {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
+def test_an_align_out_whose_lock_cannot_be_made_is_one_line(tmp_path, capsys):
+    """An --out whose logs/ is a file (so its lock file cannot be made) ended align in a traceback."""
+    out = tmp_path / "align"
+    out.mkdir()
+    (out / "logs").write_text("a file where the folder goes\n")
+    rc = main(["align", "--model", TINY, "--out", str(out), "--steps", "2", "--no-run"])
+    line = _one_line(capsys)
+    assert rc == 2 and line.startswith(f"glm52 align: error: --out {out}: cannot make its lock file"), line
+
+
 def test_an_earlier_in_process_jobs_stop_is_not_the_next_ones(tmp_path, monkeypatch, capsys):
     """In a process that goes on after its jobs, the stop-signal listener can stay running (a
     launch, ``glm52 generate --tp 2`` in-process, left it so): a job stopped by SIGINT recorded the

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Sequence
 
 from .. import progress
+from .._io import env_flags_error
 from ._common import HelpFormatter, show_defaults
 
 COMMANDS: list[tuple[str, str]] = [
@@ -91,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra:  # the subcommand's usage, not the top level's
             sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
             sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        if bad := env_flags_error():  # an on/off variable the command's code reads: refused before the work
+            print(f"glm52 {command}: error: {bad}", file=sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as err:
         if isinstance(err, KeyboardInterrupt) or _Interrupts.fired:

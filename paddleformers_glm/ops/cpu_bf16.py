@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import paddle
 
+from .._io import env_flag
+
 __all__ = [
     "COMPOSITES",
     "INEXACT",
@@ -291,7 +293,7 @@ def install() -> list[str]:
 
     No-op (returns []) on a build compiled with CUDA, or with ``GLM52_CPU_BF16=0``. Idempotent:
     a second call returns what the first installed."""
-    if paddle.is_compiled_with_cuda() or os.environ.get(ENV_SWITCH, "1") == "0":
+    if paddle.is_compiled_with_cuda() or not env_flag(ENV_SWITCH, True, strict=False):
         return []
     with _STATE.lock:
         if _STATE.wrapped:

@@ -31,6 +31,8 @@ from types import ModuleType
 
 import paddle
 
+from .._io import env_flag
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 ENV_SWITCH = "GLM52_CPU_KERNELS"
 ENV_CACHE = "GLM52_KERNEL_CACHE"
@@ -268,7 +270,7 @@ def library_path() -> Path | None:
 
 def _say(line: str) -> None:
     """A line on stderr while a first use compiles (silent under GLM52_QUIET=1)."""
-    if os.environ.get("GLM52_QUIET", "") in ("", "0"):
+    if not env_flag("GLM52_QUIET", False, strict=False):
         print(f"[glm52] {line}", file=sys.stderr, flush=True)
 
 
@@ -278,8 +280,7 @@ def cpu_ops() -> ModuleType | None:
         return _state["ops"]  # type: ignore[return-value]
     with _lock:
         if not _state["tried"]:
-            switch = (env_setting(ENV_SWITCH) or "1").strip().lower()
-            if switch not in ("0", "false", "off", "no"):
+            if env_flag(ENV_SWITCH, True, value=env_setting(ENV_SWITCH), strict=False):
                 try:
                     _state["ops"] = build()
                 except (RuntimeError, OSError, ImportError, ValueError, subprocess.SubprocessError) as e:

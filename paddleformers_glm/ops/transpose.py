@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .._io import env_flag
 from .kernels import library_path
 
 __all__ = ["transpose_into", "available"]
@@ -31,7 +31,7 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, cty
 @functools.cache
 def _lib() -> Any:
     """The transposes of the package's native build (ops/kernels.py), or None (looked up once)."""
-    if os.environ.get("GLM52_FAST_COPY", "1") == "0":
+    if not env_flag("GLM52_FAST_COPY", True, strict=False):
         return None
     path = library_path()
     if path is None:

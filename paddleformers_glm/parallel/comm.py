@@ -9,7 +9,6 @@ docs/parallel.md section 2.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +17,8 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
+
+from .._io import env_flag
 
 __all__ = [
     "all_gather",
@@ -72,7 +73,7 @@ def detect_backend() -> str:
 
 def uses_emulation() -> bool:
     """True on gloo (CPU), or anywhere with GLM52_EMULATE_COLLECTIVES=1 (to test the emulation on GPU)."""
-    return os.environ.get("GLM52_EMULATE_COLLECTIVES", "0") == "1" or detect_backend() != "nccl"
+    return env_flag("GLM52_EMULATE_COLLECTIVES", False, strict=False) or detect_backend() != "nccl"
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

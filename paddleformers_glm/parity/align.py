@@ -25,7 +25,7 @@ from ..train.command import (
     add_step_arguments,
     train_line_error,
 )
-from ..train.out_lock import OutInUse, hold_out_folder, lock_path
+from ..train.out_lock import OutInUse, OutUnusable, hold_out_folder, lock_path
 from ..train.settings import effective_min_lr, recorded_settings
 from .ckpt_check import nan_worst
 from .reference.indexer import saved_indexer_coeff
@@ -456,6 +456,9 @@ def run_align(args: argparse.Namespace) -> int:
         lock.enter_context(hold_out_folder(out))
     except OutInUse:
         print(f"glm52 align: error: {_out_in_use(out)}", file=sys.stderr)
+        return 2
+    except OutUnusable as e:  # its lock file cannot be made: logs is a file, a read-only place
+        print(f"glm52 align: error: --out {args.out}: {e}", file=sys.stderr)
         return 2
     with lock:
         for d in (receipt,) if args.no_run else (receipt, ref_out, pd_out):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._io import WriteError, is_int, write_record
+from .._io import WriteError, is_int, short_name, write_record
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -338,6 +339,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def tokens_file_name(path: str, prefix: str, seq_len: int) -> str:
+    """The name of the ``.npz`` a text/chat jsonl at ``path`` is tokenized into: ``<prefix><stem>.seq<L>.npz``;
+    a stem that would take the name past a file name's 255 bytes is cut and given a hash of the whole
+    stem (``<prefix><cut stem>-<sha256 12>.seq<L>.npz``: the same name on every run of the same data)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    tail = f".seq{seq_len}.npz"
+    if len(os.fsencode(f"{prefix}{stem}{tail}")) <= 255:
+        return f"{prefix}{stem}{tail}"
+    digest = hashlib.sha256(os.fsencode(stem)).hexdigest()[:12]
+    return f"{prefix}{short_name(stem, 200)}-{digest}{tail}"
+
+
 def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab_size: int) -> None:
     """Everything the run reads from disk (``--data``: data.py's checks; ``--resume``: every file of
     the state, state_files.py), checked in this process before any worker starts, so a bad file is
@@ -368,10 +381,13 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
                 tok = GlmTokenizer.from_pretrained(tok_dir)
             except TokenizerError as e:
                 raise ValueError(f"{flag} {path}: {e}") from e
-        name = os.path.splitext(os.path.basename(path))[0]
-        out = os.path.join(cfg.out, "data", f"{prefix}{name}.seq{cfg.seq_len}.npz")
+        out = os.path.join(cfg.out, "data", tokens_file_name(path, prefix, cfg.seq_len))
         stop = _stop_token_ids(tok_dir, args.tokenizer)  # what generation stops on: a chat turn's end is trained
-        return out, prepare_jsonl(path, cfg.seq_len, vocab_size, tok, out, min_samples=min_samples, stop_ids=stop)
+        try:
+            info = prepare_jsonl(path, cfg.seq_len, vocab_size, tok, out, min_samples=min_samples, stop_ids=stop)
+        except OSError as e:  # a full disk, a read-only OUT/data: said of the flag, naming the file written
+            raise ValueError(f"{flag} {path}: {os_error_line(e)}") from e
+        return out, info
 
     def toy_unpadded(source: Any, flag: str) -> None:
         i = source.first_padded() if cfg.model == "toy" else None
@@ -576,16 +592,19 @@ def _run_train(args: argparse.Namespace) -> int:
 
     try:  # reject a layout that cannot work before any process starts
         cfg, adapter, world = check_args(args)
-        if bad := output_folder_error(cfg.out, "--out"):  # before anything (a jsonl's tokens) is written there
+        if bad := output_folder_error(args.out, "--out"):  # before anything (a jsonl's tokens) is written there
             raise ValueError(bad)
         node_rank = node_rank_of(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
-    from .out_lock import OutInUse, hold_out_folder
+    from .out_lock import OutInUse, OutUnusable, hold_out_folder
 
-    new_out = not os.path.exists(cfg.out)
-    os.makedirs(cfg.out, exist_ok=True)
+    try:
+        made = make_folder(cfg.out)
+    except OSError as e:  # a read-only place, a name over 255 bytes, no permission
+        print(f"glm52 train: error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:  # held before the inputs are checked: a text --data is tokenized into OUT/data
         with hold_out_folder(cfg.out, node_rank):
             try:
@@ -599,10 +618,28 @@ def _run_train(args: argparse.Namespace) -> int:
     except OutInUse as e:  # raised before anything of the running job is touched
         print(f"glm52 train: error: {e}", file=sys.stderr)
         return 2
+    except OutUnusable as e:
+        refusal = f"--out {args.out}: {e}"
     print(f"glm52 train: error: {refusal}", file=sys.stderr)
-    if new_out:  # the folder this command made goes with its refused input
-        shutil.rmtree(cfg.out, ignore_errors=True)
+    if made is not None:  # the folders this command made go with its refused input
+        shutil.rmtree(made, ignore_errors=True)
     return 2
+
+
+def make_folder(path: str) -> str | None:
+    """Make the folder ``path`` (absolute) and its missing parents; returns the topmost folder made
+    (None: ``path`` was there). When one cannot be made, the folders made are removed and the
+    OSError raised."""
+    made, probe = None, path
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        made, probe = probe, os.path.dirname(probe)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    return made
 
 
 def os_error_line(e: OSError) -> str:

@@ -17,11 +17,16 @@ import socket
 import time
 from collections.abc import Iterator
 
-__all__ = ["OutInUse", "hold_out_folder"]
+__all__ = ["OutInUse", "OutUnusable", "hold_out_folder"]
 
 
 class OutInUse(ValueError):
     """The output folder is held by another running ``glm52 train``."""
+
+
+class OutUnusable(ValueError):
+    """The output folder's lock file cannot be made (``logs`` is a file, the place is read-only):
+    the message names the lock file, relative to the folder, and the OS's words."""
 
 
 def lock_path(out: str, node_rank: int | None = None) -> str:
@@ -33,15 +38,21 @@ def lock_path(out: str, node_rank: int | None = None) -> str:
 @contextlib.contextmanager
 def hold_out_folder(out: str, node_rank: int | None = None) -> Iterator[None]:
     """Hold ``out`` for the ``with`` block; raise :class:`OutInUse` naming the holder if another
-    process holds it.  A filesystem without locks (some network mounts) runs unguarded."""
+    process holds it, or :class:`OutUnusable` when its lock file cannot be made.  A filesystem
+    without locks (some network mounts) runs unguarded."""
     try:
         import fcntl
     except ImportError:  # not POSIX: unguarded
         yield
         return
     path = lock_path(out, node_rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        folder = os.path.relpath(os.path.dirname(path), out)
+        reason = f"{folder} is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror or e
+        raise OutUnusable(f"cannot make its lock file {os.path.relpath(path, out)}: {reason}") from e
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
