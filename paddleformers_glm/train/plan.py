@@ -180,6 +180,8 @@ def _one_model(fn: Any) -> Any:
             _KEYS.pop(id(config), None)
 
     return planned
+
+
 _EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's local index
 
 
