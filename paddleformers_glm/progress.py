@@ -42,7 +42,8 @@ def _quiet() -> bool:
 
 
 def _rank_prefix() -> str:
-    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    raw = os.environ.get("PADDLE_TRAINERS_NUM", "").strip()
+    world = int(raw) if raw.isdigit() else 1  # a malformed value is named by the run (parallel/topology.py)
     return f"rank {os.environ.get('PADDLE_TRAINER_ID', '0')}: " if world > 1 else ""
 
 

@@ -28,6 +28,9 @@ __all__ = [
     "check_seq_len",
     "get_topology",
     "init_topology",
+    "launched_world_size",
+    "run_world_size",
+    "set_launched",
     "set_topology",
     "topology_override",
 ]
@@ -294,17 +297,64 @@ def _coord_rank(ftopo: Any, me: Any, **coords: int) -> int:
     return ftopo.get_rank(**{**fields, **{k: v for k, v in coords.items() if k in fields}})
 
 
+ENV_WORLD = "PADDLE_TRAINERS_NUM"  # the job's process count, set by the launcher for each process it starts
+
+
+def launched_world_size() -> int:
+    """The world size a launcher gave this process: ``PADDLE_TRAINERS_NUM`` (1 when unset or empty);
+    a value that is not a positive integer is a ValueError naming the variable."""
+    raw = os.environ.get(ENV_WORLD, "").strip()
+    if not raw:
+        return 1
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(f"{ENV_WORLD} must be a positive integer (the launcher's process count), got {raw!r}")
+    return world
+
+
+_LAUNCHED = False  # this process is a rank a launcher started (train/worker.py says so: set_launched)
+
+
+def set_launched(launched: bool = True) -> None:
+    """Mark this process as a rank a launcher started (the entry point of a launched rank calls it):
+    :func:`run_world_size` then takes the world size from the launcher."""
+    global _LAUNCHED
+    _LAUNCHED = launched
+
+
+def run_world_size() -> int:
+    """The world size of a training run in this process: the launcher's in a launched rank
+    (:func:`set_launched`), else 1.  A run nothing launched is one process whatever a
+    ``PADDLE_TRAINERS_NUM`` left in the environment says; a value other than 1 is named in one line."""
+    if _LAUNCHED:
+        return launched_world_size()
+    raw = os.environ.get(ENV_WORLD, "").strip()
+    if raw not in ("", "1"):
+        print(f"[glm52] {ENV_WORLD}={raw} in the environment ignored: this run was not launched, it is one process")
+    return 1
+
+
 def init_topology(
-    pc: ParallelConfig, *, accumulate_steps: int = 1, micro_batch_size: int = 1, **model_sizes: int | None
+    pc: ParallelConfig,
+    *,
+    accumulate_steps: int = 1,
+    micro_batch_size: int = 1,
+    world: int | None = None,
+    **model_sizes: int | None,
 ) -> Topology:
     """Initialise fleet (when world > 1) and every group for ``pc``; install and return the topology.
 
     ``model_sizes`` (num_attention_heads, vocab_size, num_experts, ...) go to
     :meth:`ParallelConfig.validate` so a bad layout fails here with a clear message, on every rank.
     ``accumulate_steps`` / ``micro_batch_size`` (micro-batches per replica per step and their size)
-    go to Fleet's ``pipeline_configs``, which its pipeline engine reads.
+    go to Fleet's ``pipeline_configs``, which its pipeline engine reads.  ``world``: the processes of
+    the job; None: the launcher's (:func:`launched_world_size`).
     """
-    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    if world is None:
+        world = launched_world_size()
     pc.validate(world, **model_sizes)
     if world == 1:
         topo = Topology(pc)

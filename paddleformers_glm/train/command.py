@@ -811,6 +811,11 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
     return notes
 
 
+# what a launcher tells each process it starts (its rank and the job's size): in a run nothing launched,
+# a value left in the environment would make Paddle (and the run) take part in a job that is not there
+_LAUNCHER_ENV = ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_CURRENT_ENDPOINT")
+
+
 class _Stopped(BaseException):
     """A stop signal or the job timeout, raised in the main thread of an in-process run."""
 
@@ -852,6 +857,12 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     if job_timeout:
         signal.setitimer(signal.ITIMER_REAL, job_timeout)
     t0 = time.monotonic()
+    # a launcher's variables left in the environment are not this run's: Paddle reads them (its world
+    # size, cached for the process at its first read) as topology.run_world_size does not
+    stale = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    if stale.get("PADDLE_TRAINERS_NUM", "1").strip() not in ("", "1"):
+        print(f"[glm52] PADDLE_TRAINERS_NUM={stale['PADDLE_TRAINERS_NUM']} in the environment ignored: this run "
+              "was not launched, it is one process")  # fmt: skip
     try:
         run_training(cfg, adapter)
         return 0
@@ -869,6 +880,7 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
         else:
             diag, rc = _stop_diagnosis(stopped_by)
     finally:
+        os.environ.update(stale)  # the caller's environment as it was
         if job_timeout:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)

@@ -49,6 +49,7 @@ __all__ = [
     "launch_workers",
     "launcher_command",
     "listen_port_range",
+    "option_overrides",
     "set_aside_failure_record",
     "worker_env",
     "write_failure_record",
@@ -70,6 +71,54 @@ class LaunchError(RuntimeError):
 
     def __str__(self) -> str:
         return self.message
+
+
+# the variables Paddle's launcher takes over its own command-line options, by option (its context's
+# env_args_mapping; PADDLE_TRAINER_ID also over --rank): a PADDLE_NNODES left in a shell or set by a
+# cluster would outvote the --nnodes the launcher is given
+PADDLE_OPTION_ENVS: dict[str, tuple[str, ...]] = {
+    "--master": ("PADDLE_MASTER",),
+    "--rank": ("PADDLE_RANK", "PADDLE_TRAINER_ID"),
+    "--log_level": ("PADDLE_LOG_LEVEL",),
+    "--log_overwrite": ("PADDLE_LOG_OVERWRITE",),
+    "--sort_ip": ("PADDLE_SORT_IP",),
+    "--nnodes": ("PADDLE_NNODES",),
+    "--nproc_per_node": ("PADDLE_NPROC_PER_NODE",),
+    "--log_dir": ("PADDLE_LOG_DIR",),
+    "--run_mode": ("PADDLE_RUN_MODE",),
+    "--job_id": ("PADDLE_JOB_ID",),
+    "--devices": ("PADDLE_DEVICES",),
+    "--gpus": ("PADDLE_DEVICES",),
+    "--npus": ("PADDLE_DEVICES",),
+    "--xpus": ("PADDLE_DEVICES",),
+    "--host": ("POD_IP",),
+    "--ips": ("PADDLE_IPS",),
+    "--start_port": ("PADDLE_START_PORT",),
+    "--auto_parallel_config": ("PADDLE_AUTO_PARALLEL_CONFIG",),
+    "--auto_cluster_config": ("PADDLE_AUTO_CLUSTER",),
+    "--servers": ("PADDLE_SERVERS_ENDPOINTS",),
+    "--trainers": ("PADDLE_TRAINERS_ENDPOINTS",),
+    "--trainer_num": ("PADDLE_TRAINER_NUM",),
+    "--server_num": ("PADDLE_SERVER_NUM",),
+    "--gloo_port": ("PADDLE_GLOO_PORT",),
+    "--with_gloo": ("PADDLE_WITH_GLOO",),
+    "--max_restart": ("PADDLE_MAX_RESTART",),
+    "--elastic_level": ("PADDLE_ELASTIC_LEVEL",),
+    "--elastic_timeout": ("PADDLE_ELASTIC_TIMEOUT",),
+}
+
+
+def option_overrides(options: Sequence[str], env: dict[str, str]) -> list[tuple[str, str, str, str]]:
+    """What in ``env`` Paddle's launcher would take over the options ``options`` (its command line
+    before the script, ``--name value`` or ``--name=value``): (variable, its value, option, the
+    option's value) for each, in the order of ``options``."""
+    found = []
+    for i, tok in enumerate(options):
+        name, eq, value = tok.partition("=")
+        if not eq:
+            value = options[i + 1] if i + 1 < len(options) else ""
+        found += [(var, env[var], name, value) for var in PADDLE_OPTION_ENVS.get(name, ()) if var in env]
+    return list(dict.fromkeys(found))
 
 
 def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -202,11 +251,19 @@ def launch_workers(
     t_wall = time.time()
     deadline = t_wall + timeout_s if timeout_s is not None else None
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-    cmd = launcher_command(nproc_per_node, log_dir, [*launcher_args, worker, *worker_args])
+    options = list(launcher_args)
+    if not any(tok.partition("=")[0] == "--nnodes" for tok in options):  # one node, said: see option_overrides
+        options = ["--nnodes", "1", *options]
+    cmd = launcher_command(nproc_per_node, log_dir, [*options, worker, *worker_args])
     env = worker_env(nproc_per_node) | (extra_env or {})
     env.update({ENV_STATUS_DIR: status_dir, ENV_JOB_ID: job_id, ENV_LAUNCHER_PID: str(os.getpid())})
     if deadline is not None:
         env[ENV_DEADLINE] = repr(deadline)
+    else:  # a deadline inherited from the caller's environment is not this job's
+        env.pop(ENV_DEADLINE, None)
+    for var, value, option, given in option_overrides(cmd[: len(cmd) - 1 - len(worker_args)], env):  # options win
+        if env.pop(var, None) is not None:
+            print(f"[glm52] ignoring {var}={value} from the environment: Paddle's launcher is given {option} {given}")
     job = {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline}
     write_json_atomic(os.path.join(log_dir, "job.json"), job, indent=1, sort_keys=False)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))

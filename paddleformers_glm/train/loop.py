@@ -37,7 +37,7 @@ from ..parallel.fleet_pipeline import FleetPipeline, step_optimizer
 from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, rank_spec
 from ..parallel.state import shard_full_state
-from ..parallel.topology import init_topology, set_topology
+from ..parallel.topology import init_topology, run_world_size, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import check_batch_samples, check_eval_samples, micro_batches, open_data
 from .indexer_stage import indexer_report, pop_indexer_history
@@ -98,7 +98,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
     cfg.validate()
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
-    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+    world = run_world_size()  # the launcher's in a launched rank (worker.py); a run nothing launched is one process
     pc, specs = check_run(cfg, adapter, world)
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
@@ -106,6 +106,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
         pc,
         accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
         micro_batch_size=cfg.micro_batch_size,
+        world=world,
     )  # the layout against the model's sizes: check_run above
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:

@@ -10,6 +10,7 @@ the sender even while the main thread waits in a collective) of docs/failure-mod
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -39,6 +40,21 @@ DEADLINE_GRACE_S = 15.0
 PEER_SETTLE_S = 2.0
 
 
+def job_deadline() -> float | None:
+    """The job deadline the launcher set (``GLM52_JOB_DEADLINE``, seconds since the epoch; unset or
+    empty: None); a value that is not a finite number is a ValueError naming the variable."""
+    raw = os.environ.get(ENV_DEADLINE, "").strip()
+    if not raw:
+        return None
+    try:
+        deadline = float(raw)
+    except ValueError:
+        deadline = math.nan
+    if not math.isfinite(deadline):
+        raise ValueError(f"{ENV_DEADLINE} must be a time in seconds since the epoch, got {raw!r}")
+    return deadline
+
+
 class WorkerLife:
     """The worker's end, whichever comes first: its own outcome, a stop signal, the launcher's
     death, the job deadline.  Only one of them writes a record (``_lock``)."""
@@ -49,8 +65,12 @@ class WorkerLife:
         launcher = os.environ.get(ENV_LAUNCHER_PID)
         self.launcher_pid = int(launcher) if launcher else None
         self.launcher_start = proc_state(self.launcher_pid, 19) if self.launcher_pid else None
-        deadline = os.environ.get(ENV_DEADLINE)
-        self.deadline = float(deadline) if deadline else None
+        self.deadline: float | None = None
+        self.deadline_error: ValueError | None = None  # raised where the worker records its errors (main)
+        try:
+            self.deadline = job_deadline()
+        except ValueError as e:
+            self.deadline_error = e
 
     def start(self) -> None:
         """Before anything else (Paddle's threads inherit the blocked signals)."""
@@ -204,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     write_record(status_dir, rank, "pid", pid)
     beat(0, "start")
     try:
+        if life.deadline_error is not None:
+            raise life.deadline_error
+        from paddleformers_glm.parallel.topology import set_launched
+
+        set_launched()  # the world size is the launcher's (PADDLE_TRAINERS_NUM)
         if args.generate:
             from paddleformers_glm.generation.launched import generate_on_rank
 
