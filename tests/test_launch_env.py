@@ -141,3 +141,13 @@ def test_worker_records_a_malformed_variable_as_its_error(tmp_path, var, value):
     assert p.returncode == 1, p.stderr[-2000:]
     rec = json.loads((status / "rank0.error.json").read_text())
     assert rec["type"] == "ValueError" and f"{var} must be" in rec["message"] and repr(value) in rec["message"], rec
+
+
+@pytest.mark.parametrize("given, want", [("", "2"), ("  ", "2"), ("3", "3")])
+def test_an_empty_thread_count_is_the_default_one_set_per_process(monkeypatch, given, want):
+    """An empty OMP_NUM_THREADS (an unset shell variable, exported) reached the workers as it was,
+    and OpenMP warned and took its own default, not one thread set per process."""
+    from paddleformers_glm.train.launch import worker_env
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert worker_env(2, base={"OMP_NUM_THREADS": given})["OMP_NUM_THREADS"] == want

@@ -126,7 +126,8 @@ def worker_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[
     env = dict(os.environ if base is None else base)
     apply_mkl_default(env)  # AMD only: Paddle's MKL picks a 2.5x slower path there without it
     cpus = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, nproc_per_node))))
+    if not env.get("OMP_NUM_THREADS", "").strip():  # unset or empty (an unset shell variable exported)
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // max(1, nproc_per_node)))
     env.setdefault("GLOG_minloglevel", "2")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's parent
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
