@@ -58,6 +58,15 @@ def test_option_table_is_paddles_own(monkeypatch):
     by_attr = {attr: var for var, (attr, _type) in args_envs.env_args_mapping.items()}
     expected = {opt: (by_attr[d],) for opt, d in dest.items() if d in by_attr}
     expected["--rank"] += ("PADDLE_TRAINER_ID",)  # parse_args: a PADDLE_TRAINER_ID >= 0 replaces --rank
+    # the collective_compatible plugin sets nnodes (and master) from the trainers' endpoints
+    import inspect
+
+    from paddle.distributed.launch import plugins
+
+    plugin = inspect.getsource(plugins.collective_compatible)
+    for var in ("PADDLE_TRAINER_ENDPOINTS", "DISTRIBUTED_TRAINER_ENDPOINTS"):
+        assert f"'{var}' in ctx.envs" in plugin and "ctx.args.nnodes = len(hosts)" in plugin
+        expected["--nnodes"] += (var,)
     assert PADDLE_OPTION_ENVS == expected
 
 
@@ -72,6 +81,10 @@ def test_option_overrides_names_the_variables_of_the_options_given():
         ("PADDLE_LOG_DIR", "/x", "--log_dir", "/o/logs"),
         ("PADDLE_DEVICES", "3", "--gpus", "0"),
     ]  # --master, --rank, --max_restart not given: their variables are not glm52's to drop
+    stale = {"PADDLE_TRAINER_ENDPOINTS": "10.0.0.1:6170,10.0.0.2:6170"}  # a pod's, left in the environment
+    assert option_overrides(["--nnodes", "1"], stale) == [
+        ("PADDLE_TRAINER_ENDPOINTS", "10.0.0.1:6170,10.0.0.2:6170", "--nnodes", "1")
+    ]
 
 
 def test_launched_job_keeps_its_options_over_paddle_variables(tmp_path):
@@ -151,3 +164,17 @@ def test_an_empty_thread_count_is_the_default_one_set_per_process(monkeypatch, g
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     assert worker_env(2, base={"OMP_NUM_THREADS": given})["OMP_NUM_THREADS"] == want
+
+
+def test_a_python_caller_under_a_launcher_trains_at_the_launchers_world_size(tmp_path, monkeypatch):
+    """``run_training`` called from a user's script that Paddle's launcher started takes the world
+    size the launcher set: here 2 ranks for a one-rank layout is refused by name, where taking
+    world 1 would have every rank train the whole model as rank 0 into the same --out."""
+    from paddleformers_glm.parallel.topology import ParallelConfigError
+    from paddleformers_glm.train.loop import run_training
+    from paddleformers_glm.train.settings import TrainConfig
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    cfg = TrainConfig(model="toy", steps=1, seq_len=8, global_batch_size=1, out=str(tmp_path / "out"), progress=False)
+    with pytest.raises(ParallelConfigError, match="dp 2"):  # the layout at 2 ranks
+        run_training(cfg)

@@ -61,6 +61,27 @@ def test_train_out_whose_lock_file_cannot_be_made_is_one_line_exit_2(tmp_path, m
     assert _listing(tmp_path) == ["run", "run/logs"] and (tmp_path / "run" / "logs").read_text() == "mine"
 
 
+def test_a_refused_run_removes_its_out_and_only_the_empty_parents_it_made(tmp_path, monkeypatch, capsys):
+    """A refused input (found after --out and its new parents were made) removes --out and the
+    parents it made while they are empty: by then another run may keep its output beside, in a
+    parent this command made, and it stays."""
+    from paddleformers_glm.train import command
+
+    def refused(cfg, *_a, **_k):  # another run's output appears beside, then the input is refused
+        (tmp_path / "new" / "other_run").mkdir()
+        raise ValueError("--data x: refused")
+
+    monkeypatch.setattr(command, "check_inputs_before_launch", refused)
+    monkeypatch.chdir(tmp_path)
+    assert main([*TOY, "--out", "new/deeper/run"]) == 2
+    assert "--data x: refused" in _one_line(capsys)
+    assert _listing(tmp_path) == ["new", "new/other_run"]
+    monkeypatch.setattr(command, "check_inputs_before_launch", lambda *a, **k: (_ for _ in ()).throw(ValueError("no")))
+    assert main([*TOY, "--out", "alone/run"]) == 2  # nothing beside: every folder it made goes
+    capsys.readouterr()
+    assert _listing(tmp_path) == ["new", "new/other_run"]
+
+
 # ---------------------------------------------------------------- the atomic writer's temporary name
 @pytest.mark.parametrize("name", ["j" * 250 + ".json", "模" * 83 + ".json"])  # 255 and 254 bytes
 def test_a_file_name_up_to_255_bytes_is_written_atomically(tmp_path, name):

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,23 @@ def test_save_total_limit_deletes_off_the_training_thread(tmp_path, capsys, monk
     capsys.readouterr()
     assert where == {f"step_{n:08d}.tmp": "glm52-prune-saves" for n in (1, 2)}, where
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000003"]
+
+
+def test_a_failing_run_finishes_the_deletes_it_announced(tmp_path, capsys, monkeypatch):
+    """A run that fails after a --save-total-limit delete started waits for it (60 s at most) before
+    it reports: the folder the log named as deleting is gone, not a half-deleted step_N.tmp."""
+    real = shutil.rmtree
+
+    def slow(path, *a, **kw):
+        if str(path).endswith(".tmp") and os.path.isdir(path):
+            time.sleep(1.0)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", slow)
+    out = tmp_path / "run"
+    rc = _train(out, "--save-every", "1", "--save-total-limit", "1", "--fault", "rank=0,step=3,kind=raise", steps=5)
+    assert rc == 1 and "deleting checkpoint step_00000001" in capsys.readouterr().out
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000002"]
 
 
 def test_save_total_limit_leaves_a_link_named_like_a_save_alone(tmp_path, capsys):

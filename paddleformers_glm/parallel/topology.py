@@ -29,8 +29,6 @@ __all__ = [
     "get_topology",
     "init_topology",
     "launched_world_size",
-    "run_world_size",
-    "set_launched",
     "set_topology",
     "topology_override",
 ]
@@ -313,28 +311,6 @@ def launched_world_size() -> int:
     if world < 1:
         raise ValueError(f"{ENV_WORLD} must be a positive integer (the launcher's process count), got {raw!r}")
     return world
-
-
-_LAUNCHED = False  # this process is a rank a launcher started (train/worker.py says so: set_launched)
-
-
-def set_launched(launched: bool = True) -> None:
-    """Mark this process as a rank a launcher started (the entry point of a launched rank calls it):
-    :func:`run_world_size` then takes the world size from the launcher."""
-    global _LAUNCHED
-    _LAUNCHED = launched
-
-
-def run_world_size() -> int:
-    """The world size of a training run in this process: the launcher's in a launched rank
-    (:func:`set_launched`), else 1.  A run nothing launched is one process whatever a
-    ``PADDLE_TRAINERS_NUM`` left in the environment says; a value other than 1 is named in one line."""
-    if _LAUNCHED:
-        return launched_world_size()
-    raw = os.environ.get(ENV_WORLD, "").strip()
-    if raw not in ("", "1"):
-        print(f"[glm52] {ENV_WORLD}={raw} in the environment ignored: this run was not launched, it is one process")
-    return 1
 
 
 def init_topology(

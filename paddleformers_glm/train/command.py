@@ -621,25 +621,38 @@ def _run_train(args: argparse.Namespace) -> int:
     except OutUnusable as e:
         refusal = f"--out {args.out}: {e}"
     print(f"glm52 train: error: {refusal}", file=sys.stderr)
-    if made is not None:  # the folders this command made go with its refused input
-        shutil.rmtree(made, ignore_errors=True)
+    remove_made(cfg.out, made)  # the folders this command made go with its refused input
     return 2
 
 
 def make_folder(path: str) -> str | None:
     """Make the folder ``path`` (absolute) and its missing parents; returns the topmost folder made
-    (None: ``path`` was there). When one cannot be made, the folders made are removed and the
-    OSError raised."""
+    (None: ``path`` was there). When one cannot be made, the folders made are removed
+    (:func:`remove_made`) and the OSError raised."""
     made, probe = None, path
     while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
         made, probe = probe, os.path.dirname(probe)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
+        remove_made(path, made)
         raise
     return made
+
+
+def remove_made(path: str, made: str | None) -> None:
+    """Remove the folder ``path`` this command made, then its parents up to ``made`` (the topmost it
+    made) while they are empty: a parent may hold another run's output by now."""
+    if made is None:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    folder = os.path.dirname(path)
+    while len(folder) >= len(made) and folder.startswith(made):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (another run's), or gone
+            return
+        folder = os.path.dirname(folder)
 
 
 def os_error_line(e: OSError) -> str:
@@ -857,13 +870,14 @@ def _run_in_process(cfg: TrainConfig, adapter: object, job_timeout: float | None
     if job_timeout:
         signal.setitimer(signal.ITIMER_REAL, job_timeout)
     t0 = time.monotonic()
-    # a launcher's variables left in the environment are not this run's: Paddle reads them (its world
-    # size, cached for the process at its first read) as topology.run_world_size does not
-    stale = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
-    if stale.get("PADDLE_TRAINERS_NUM", "1").strip() not in ("", "1"):
-        print(f"[glm52] PADDLE_TRAINERS_NUM={stale['PADDLE_TRAINERS_NUM']} in the environment ignored: this run "
-              "was not launched, it is one process")  # fmt: skip
+    stale: dict[str, str] = {}
     try:
+        # a launcher's variables left in the environment are not this run's, which this command did not
+        # launch: the trainer and Paddle (its world size, cached for the process) would read them
+        stale = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+        if stale.get("PADDLE_TRAINERS_NUM", "1").strip() not in ("", "1"):
+            print(f"[glm52] PADDLE_TRAINERS_NUM={stale['PADDLE_TRAINERS_NUM']} in the environment ignored: this "
+                  "run was not launched, it is one process")  # fmt: skip
         run_training(cfg, adapter)
         return 0
     except (_Stopped, KeyboardInterrupt) as e:

@@ -82,7 +82,8 @@ PADDLE_OPTION_ENVS: dict[str, tuple[str, ...]] = {
     "--log_level": ("PADDLE_LOG_LEVEL",),
     "--log_overwrite": ("PADDLE_LOG_OVERWRITE",),
     "--sort_ip": ("PADDLE_SORT_IP",),
-    "--nnodes": ("PADDLE_NNODES",),
+    # Paddle's collective_compatible plugin sets nnodes and master from these too
+    "--nnodes": ("PADDLE_NNODES", "PADDLE_TRAINER_ENDPOINTS", "DISTRIBUTED_TRAINER_ENDPOINTS"),
     "--nproc_per_node": ("PADDLE_NPROC_PER_NODE",),
     "--log_dir": ("PADDLE_LOG_DIR",),
     "--run_mode": ("PADDLE_RUN_MODE",),

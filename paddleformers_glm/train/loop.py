@@ -37,7 +37,7 @@ from ..parallel.fleet_pipeline import FleetPipeline, step_optimizer
 from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, rank_spec
 from ..parallel.state import shard_full_state
-from ..parallel.topology import init_topology, run_world_size, set_topology
+from ..parallel.topology import init_topology, launched_world_size, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import check_batch_samples, check_eval_samples, micro_batches, open_data
 from .indexer_stage import indexer_report, pop_indexer_history
@@ -98,7 +98,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
     cfg.validate()
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
-    world = run_world_size()  # the launcher's in a launched rank (worker.py); a run nothing launched is one process
+    world = launched_world_size()  # the launcher's (glm52 train's one-process run sets stale ones aside)
     pc, specs = check_run(cfg, adapter, world)
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
@@ -781,54 +781,60 @@ def _run_steps(run: _Run, held_out: Any, bar: Any, log: Callable[[str], Any], lo
     after the last (the oldest beyond ``--save-total-limit`` then deleted by rank 0 in the background:
     resume.prune_saves)."""
     cfg, topo = run.cfg, run.topo
-    written = -math.inf  # the first step is written: a rank that dies without cleanup leaves it
-    for step in range(run.start, cfg.steps):
-        t0 = time.perf_counter()
-        lr, gnorm = _step(run, step, log)
-        dt = time.perf_counter() - t0
-        run.steps_done = step + 1
-        evaluates = held_out is not None and (
-            (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
-        )
-        # every --save-every steps and after the last (its state is the run's result: a run extended
-        # with --resume-override steps continues from it, as Megatron-LM and HF Trainer save at the end)
-        saves = bool(cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps))
-        if run.rank0:
-            log(_step_line(run, step, lr, gnorm, dt))
-            finite = math.isfinite(run.history["losses"][-1])
-            if not finite:
-                log("[glm52 train] warning: non-finite loss")
-            due = time.monotonic() - written >= LOSS_JSON_SECONDS or step + 1 == cfg.steps or saves or not finite
-            if due and not evaluates:
-                write_record(loss_json, _snapshot(run, step + 1))
-                written, run.steps_written = time.monotonic(), step + 1
-        if evaluates:
-            _evaluate(run, step + 1, log)
+    try:
+        written = -math.inf  # the first step is written: a rank that dies without cleanup leaves it
+        for step in range(run.start, cfg.steps):
+            t0 = time.perf_counter()
+            lr, gnorm = _step(run, step, log)
+            dt = time.perf_counter() - t0
+            run.steps_done = step + 1
+            evaluates = held_out is not None and (
+                (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
+            )
+            # every --save-every steps and after the last (its state is the run's result: a run extended
+            # with --resume-override steps continues from it, as Megatron-LM and HF Trainer save at the end)
+            saves = bool(cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps))
             if run.rank0:
-                write_record(loss_json, _snapshot(run, step + 1))
-                written, run.steps_written = time.monotonic(), step + 1
-        if bar is not None:
-            bar.update(1)
-        if saves:
-            meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
-            meta["data"] = run.data.fingerprint()  # a resume's data must be these samples (check_resume_run)
-            if run.eval_record is not None:  # and its held-out set this one, when both evaluate
-                meta["eval"] = run.eval_record
-            meta["skipped_steps"] = run.skipped_earlier + run.skipped
-            # a resume's indexer stage: where it began, the stages so far
-            stage = None if run.indexer is None else run.indexer["stage"]
-            meta["indexer"] = stage and {"stage": stage, "stage_start": run.stage_start, "stages": run.indexer_stages}
-            beat(step + 1, "save")
-            try:  # refused, on every rank, when a tensor of it holds NaN/Inf (failure.json: the last good one)
-                path = save_resume_state(
-                    os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta
-                )
-            except NonFiniteStep as e:
-                e.record["message"] += _overflow_hint(cfg)
-                raise _stopped(run, e) from None
-            run.last_checkpoint = path
-            log(f"[glm52 train] checkpoint {path}")
-            if run.rank0 and cfg.save_total_limit:  # the others delete nothing
-                for name in prune_saves(os.path.dirname(path), cfg.save_total_limit, log):
-                    log(f"[glm52 train] deleting checkpoint {name} (--save-total-limit {cfg.save_total_limit})")
-    finish_pruning()  # the last save's deletes, before the run reports its end
+                log(_step_line(run, step, lr, gnorm, dt))
+                finite = math.isfinite(run.history["losses"][-1])
+                if not finite:
+                    log("[glm52 train] warning: non-finite loss")
+                due = time.monotonic() - written >= LOSS_JSON_SECONDS or step + 1 == cfg.steps or saves or not finite
+                if due and not evaluates:
+                    write_record(loss_json, _snapshot(run, step + 1))
+                    written, run.steps_written = time.monotonic(), step + 1
+            if evaluates:
+                _evaluate(run, step + 1, log)
+                if run.rank0:
+                    write_record(loss_json, _snapshot(run, step + 1))
+                    written, run.steps_written = time.monotonic(), step + 1
+            if bar is not None:
+                bar.update(1)
+            if saves:
+                meta = {"profile": run.layout, "history": run.history, "seed": cfg.seed, "config": asdict(cfg)}
+                meta["data"] = run.data.fingerprint()  # a resume's data must be these samples (check_resume_run)
+                if run.eval_record is not None:  # and its held-out set this one, when both evaluate
+                    meta["eval"] = run.eval_record
+                meta["skipped_steps"] = run.skipped_earlier + run.skipped
+                # a resume's indexer stage: where it began, the stages so far
+                stage = None if run.indexer is None else run.indexer["stage"]
+                meta["indexer"] = stage and {
+                    "stage": stage,
+                    "stage_start": run.stage_start,
+                    "stages": run.indexer_stages,
+                }
+                beat(step + 1, "save")
+                try:  # refused, on every rank, when a tensor of it holds NaN/Inf (failure.json: the last good one)
+                    path = save_resume_state(
+                        os.path.join(cfg.out, "checkpoints"), step + 1, topo, run.module, run.opt, meta
+                    )
+                except NonFiniteStep as e:
+                    e.record["message"] += _overflow_hint(cfg)
+                    raise _stopped(run, e) from None
+                run.last_checkpoint = path
+                log(f"[glm52 train] checkpoint {path}")
+                if run.rank0 and cfg.save_total_limit:  # the others delete nothing
+                    for name in prune_saves(os.path.dirname(path), cfg.save_total_limit, log):
+                        log(f"[glm52 train] deleting checkpoint {name} (--save-total-limit {cfg.save_total_limit})")
+    finally:  # the deletes of --save-total-limit end with the run (a failing one waits 60 s at most)
+        finish_pruning(None if sys.exc_info()[0] is None else 60.0)

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,7 @@ def save_resume_state(
     tensors |= {f"optimizer/{n}/{kind}": t for n, st in optimizer.state_dict().items() for kind, t in st.items()}
     check_written_state(tensors, topo.rank, topo.world_size, step, "resume state")
     if topo.rank == 0:  # a save of this step killed before its rename left files (another layout's, even)
+        finish_pruning()  # no --save-total-limit delete runs beside this save's own
         shutil.rmtree(tmp, ignore_errors=True)
         sweep_stale_saves(root, step)
     if topo.world_size > 1:
@@ -210,11 +212,13 @@ def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list
 _PRUNING: list[threading.Thread] = []  # the background deletes started by prune_saves
 
 
-def finish_pruning() -> None:
-    """Wait for the deletes :func:`prune_saves` started (they end by themselves; a delete a killed
-    process leaves half done is a ``step_N.tmp``, which the next save sweeps)."""
+def finish_pruning(timeout: float | None = None) -> None:
+    """Wait for the deletes :func:`prune_saves` started, at most ``timeout`` seconds in all (None:
+    until they end). A delete left half done (the time ran out, the process was killed) is a
+    ``step_N.tmp``, which the next save sweeps."""
+    end = None if timeout is None else time.monotonic() + timeout
     while _PRUNING:
-        _PRUNING.pop().join()
+        _PRUNING.pop().join(None if end is None else max(0.0, end - time.monotonic()))
 
 
 def _delete_renamed(root: str, names: list[str], keep: int, log: Callable[[str], Any]) -> None:

@@ -226,9 +226,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if life.deadline_error is not None:
             raise life.deadline_error
-        from paddleformers_glm.parallel.topology import set_launched
-
-        set_launched()  # the world size is the launcher's (PADDLE_TRAINERS_NUM)
         if args.generate:
             from paddleformers_glm.generation.launched import generate_on_rank
 
