@@ -309,8 +309,8 @@ def read_json(
     return value
 
 
-FLAG_TRUE = ("1", "true", "on", "yes")
-FLAG_FALSE = ("0", "false", "off", "no")
+FLAG_TRUE = ("1", "true", "on", "yes", "y")
+FLAG_FALSE = ("0", "false", "off", "no", "n")
 # the package's on/off environment variables and their defaults
 ENV_FLAGS = {
     "GLM52_QUIET": False,
@@ -327,14 +327,16 @@ class EnvFlagError(ValueError):
 
 def env_flag_problem(name: str, raw: str | None) -> str | None:
     """Why ``raw``, the value of the on/off variable ``name``, is neither on nor off, else None."""
-    if raw is None or raw.strip().lower() in ("", *FLAG_TRUE, *FLAG_FALSE):
+    v = "" if raw is None else raw.strip().lower()
+    if v in ("", *FLAG_TRUE, *FLAG_FALSE) or v.isdigit():  # a whole number: on unless 0
         return None
     return f"{name}={raw!r} is not an on/off setting: use 1, true, on, yes or 0, false, off, no (empty: the default)"
 
 
 def env_flag(name: str, default: bool, *, value: str | None = None, strict: bool = True) -> bool:
     """The on/off environment variable ``name`` (``value``: its value, read elsewhere; None: read
-    here): 1/true/on/yes or 0/false/off/no in any case, spaces around ignored; unset or empty is
+    here): 1/true/on/yes/y (or any whole number but 0) or 0/false/off/no/n in any case, spaces around
+    ignored; unset or empty is
     ``default``. Anything else raises :class:`EnvFlagError` naming the variable and the value, or,
     with ``strict=False`` (a variable read deep inside a run, where an error would end it), warns
     (RuntimeWarning) and returns ``default``."""
@@ -346,7 +348,7 @@ def env_flag(name: str, default: bool, *, value: str | None = None, strict: bool
         warnings.warn(f"{problem}; using the default ({'on' if default else 'off'})", RuntimeWarning, stacklevel=2)
         return default
     v = (raw or "").strip().lower()
-    return default if v == "" else v in FLAG_TRUE
+    return default if v == "" else v in FLAG_TRUE or (v.isdigit() and int(v) != 0)
 
 
 def env_flags_error(names: Iterable[str] | None = None) -> str | None:

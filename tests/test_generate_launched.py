@@ -221,6 +221,21 @@ def test_a_torn_shard_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and not log_dir.exists()
 
 
+def test_an_earlier_runs_stream_is_removed_as_a_name_a_link_too(tmp_path):
+    """A ``tokens.rankN`` that is a link is removed as a name: the rank writes its stream through that
+    name, which would have truncated the file the link points to."""
+    from paddleformers_glm.cli.generate import _clear_results
+
+    out, kept = tmp_path / "generate", tmp_path / "elsewhere.txt"
+    out.mkdir()
+    kept.write_text("the user's\n")
+    (out / "tokens.rank0").symlink_to(kept)
+    (out / "result.rank1.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    _clear_results(str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and kept.read_text() == "the user's\n"
+
+
 def test_a_log_dir_that_cannot_be_made_is_one_line_before_any_launch(tiny_dir, tmp_path, capsys):
     """A --log-dir under a file (or on a read-only disk) was a traceback from os.makedirs, exit 1."""
     (tmp_path / "a_file").write_text("x")

@@ -304,8 +304,8 @@ def _clear_results(out: str) -> None:
     and nothing else: a --log-dir is the user's folder, and a ``generate/`` in it may be theirs too."""
     for name in os.listdir(out):
         path = os.path.join(out, name)
-        if _RESULT_FILE.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
-            os.remove(path)
+        if _RESULT_FILE.fullmatch(name) and (os.path.islink(path) or os.path.isfile(path)):
+            os.remove(path)  # a link itself, never what it points to (a rank writes through the name)
 
 
 def _follow(path: str, done: threading.Event, stream: Callable) -> None:
