@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._io import pid_alive, read_json, write_json_atomic
+from .._io import pid_alive, read_json, short_name, write_json_atomic
 from ..tokenizer_files import JOURNAL_DIR, SET_FILES, TEMPLATE_DIR, finish_pending_save
 from .aoa import checkpoint_units, quiet_paddle_logs
 from .engine import StateDictSource, TargetSpec, dtype_name, libc, run_units
@@ -431,15 +431,7 @@ def save_target(out_dir: str | os.PathLike) -> str:
 
 def temp_prefix(out_dir: str, kind: str) -> str:
     """``.<name>.<kind>-<pid>-``: the pid lets a later save tell a killed save's leftovers from a live one."""
-    return f".{_short_name(out_dir)}.{kind}-{os.getpid()}-"
-
-
-def _short_name(out_dir: str) -> str:
-    """The target's name as temporary names carry it: cut so that they stay within a file name's 255 bytes."""
-    name = os.path.basename(out_dir)
-    while len(os.fsencode(name)) > 128:
-        name = name[:-1]
-    return name
+    return f".{short_name(os.path.basename(out_dir))}.{kind}-{os.getpid()}-"
 
 
 def remove_tree(path: str) -> None:
@@ -455,7 +447,7 @@ def clean_stale_saves(out_dir: str) -> None:
     """Remove temporary folders that killed saves to ``out_dir`` left beside it (their process is
     gone); if a save was killed between moving the old checkpoint aside and moving the new one in
     (only on filesystems without an atomic exchange), put the old checkpoint back first."""
-    parent, base = os.path.dirname(out_dir), _short_name(out_dir)
+    parent, base = os.path.dirname(out_dir), short_name(os.path.basename(out_dir))
     pat = re.compile(rf"^\.{re.escape(base)}\.(tmp|old)-(\d+)-")
     try:
         names = sorted(os.listdir(parent))
