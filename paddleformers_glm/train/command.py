@@ -793,7 +793,7 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
             f"[glm52 train] warning: {export} is an earlier run's export, not replaced by this run (no --export): "
             "it does not hold this run's weights"
         )
-    from .state_files import STEP_NAME, read_meta, resolve_resume_state
+    from .state_files import read_meta, resolve_resume_state, saved_steps
 
     meta = resumed = None
     if cfg.resume:
@@ -805,7 +805,7 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
         # from when it resumes one of them (those the same trajectory would save again are left alone)
         own = resumed is not None and os.path.realpath(os.path.dirname(resumed)) == os.path.realpath(ckpt)
         after = int(meta["step"]) if own else -1
-        steps = sorted(int(n[5:]) for n in os.listdir(ckpt) if STEP_NAME.fullmatch(n) and int(n[5:]) > after)
+        steps = [n for n in saved_steps(ckpt) if n > after]
         if steps:
             listed = ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]} .. {steps[-1]}"
             fate = []

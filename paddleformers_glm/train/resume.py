@@ -33,7 +33,6 @@ from .optim import AdamW
 from .state_files import (
     FLEX_DIR,
     FORMAT,
-    STEP_NAME,
     ResumeStateError,
     check_resume_state,
     model_identity,
@@ -41,6 +40,7 @@ from .state_files import (
     read_rank_state,
     resolve_resume_state,
     rng_state,
+    saved_steps,
     set_rng_state,
     validated_flex_folder,
     write_rank_state,
@@ -181,10 +181,7 @@ def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list
     except (OSError, ValueError):  # no readable `latest`: every step folder is one of the saves
         latest = None
     try:
-        names = sorted(
-            (n for n in os.listdir(root) if STEP_NAME.fullmatch(n) and _real_folder(os.path.join(root, n))),
-            key=lambda n: int(n[len("step_") :]),
-        )
+        names = [f"step_{n:08d}" for n in saved_steps(root)]
     except OSError as e:
         log(f"[glm52 train] warning: --save-total-limit {keep}: cannot list {root}: {e}; nothing deleted")
         return []
@@ -235,11 +232,6 @@ def _delete_failed(keep: int, name: str, folder: str, e: OSError, log: Callable[
         f"[glm52 train] warning: --save-total-limit {keep}: cannot delete {name} ({e.filename or folder}: "
         f"{e.strerror or e}); the run goes on"
     )
-
-
-def _real_folder(path: str) -> bool:
-    """A folder, not a link to one (a link named like a save is someone's, and is left alone)."""
-    return os.path.isdir(path) and not os.path.islink(path)
 
 
 @paddle.no_grad()

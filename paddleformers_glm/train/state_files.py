@@ -42,6 +42,7 @@ __all__ = [
     "resolve_resume_state",
     "restricted_unpickle",
     "rng_state",
+    "saved_steps",
     "set_rng_state",
     "validated_flex_folder",
     "write_rank_state",
@@ -90,6 +91,16 @@ def _read_state_json(file: str, what: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- where the state is
+def saved_steps(root: str) -> list[int]:
+    """The steps saved in the checkpoint root ``root``: its ``step_<8 digits>`` folders (not a link
+    named like one), in step order. An OSError if ``root`` cannot be listed."""
+    return sorted(
+        int(n[len("step_") :])
+        for n in os.listdir(root)
+        if STEP_NAME.fullmatch(n) and os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))
+    )
+
+
 def resolve_resume_state(path: str) -> str:
     """A step folder, or a checkpoint root (its ``latest``), or an output folder (its ``checkpoints/``)."""
     if os.path.isfile(os.path.join(path, "meta.json")):
