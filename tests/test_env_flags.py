@@ -136,3 +136,17 @@ def test_train_refuses_a_typo_before_it_starts(tmp_path, monkeypatch, capsys):
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("glm52 train: error: GLM52_CPU_BF16='maybe' is not an on/off setting"), err
     assert not out.exists()
+
+
+def test_the_train_module_entry_refuses_a_typo_as_glm52_does(tmp_path, monkeypatch, capsys):
+    """``python -m paddleformers_glm.train`` (train.command.main) ran with a typo in an on/off variable
+    that ``glm52 train`` refuses (exit 0, the default used without a word)."""
+    from paddleformers_glm.train.command import main as train_main
+
+    monkeypatch.setenv("GLM52_CPU_KERNELS", "maybe")
+    out = tmp_path / "run"
+    rc = train_main(["--model", "toy", "--seq-len", "8", "--global-batch-size", "1", "--steps", "1", "--out", str(out)])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "ccache" not in ln]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("glm52 train: error: GLM52_CPU_KERNELS='maybe' is not an on/off setting"), err
+    assert not out.exists()

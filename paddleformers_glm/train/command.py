@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._io import WriteError, is_int, short_name, write_record
+from .._io import WriteError, env_flags_error, is_int, short_name, write_record
 from ..cpu_env import apply_mkl_default
 
 if TYPE_CHECKING:
@@ -920,4 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="glm52 train", description="Train with TP/PP/EP/ETP/SP/DP on gloo (CPU) or NCCL (GPU)"
     )
-    return run_train(add_train_arguments(ap).parse_args(argv))
+    args = add_train_arguments(ap).parse_args(argv)
+    if bad := env_flags_error():  # as glm52's own main: a typo in an on/off variable, before the work
+        print(f"glm52 train: error: {bad}", file=sys.stderr)
+        return 2
+    return run_train(args)
