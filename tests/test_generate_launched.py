@@ -246,6 +246,29 @@ def test_a_log_dir_that_cannot_be_made_is_one_line_before_any_launch(tiny_dir, t
     assert "Not a directory" in err
 
 
+def test_a_log_dir_in_use_by_a_running_generate_is_refused_and_its_files_kept(tiny_dir, tmp_path, capsys):
+    """Two launched runs given one --log-dir: the second rewrote the first's generate.json before its
+    ranks read it and cleared its token streams, and the first printed the second's text, both
+    exit 0. The second is now refused in one line naming the folder and its holder, exit 2, and
+    nothing of the running one is touched (the running one is stood in for by its lock)."""
+    from paddleformers_glm.train.out_lock import hold_out_folder
+
+    log_dir = tmp_path / "logs"
+    (log_dir / "generate").mkdir(parents=True)
+    first = {"generate.json": '{"ids": [1]}', "generate/tokens.rank0": "5\n", "generate/result.rank0.json": "{}"}
+    for name, text in first.items():
+        (log_dir / name).write_text(text)
+    with hold_out_folder(str(log_dir), lock=str(log_dir / "generate.lock")):
+        rc = main([*ARGS, "--model", tiny_dir, "--tp", "2", "--log-dir", str(log_dir)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"glm52 generate: error: --log-dir {log_dir} is in use by a running glm52 generate (pid "), (
+        err
+    )
+    assert err.endswith("wait for it to end, stop it, or give another --log-dir"), err
+    assert {name: (log_dir / name).read_text() for name in first} == first
+
+
 @pytest.mark.parametrize("split", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
 def test_two_nodes_each_print_the_one_process_text(tiny_dir, tmp_path, split):
     """Two nodes simulated on this machine: ``--tp 2`` or ``--pp 2`` with ``--nnodes 2 --node-rank R``

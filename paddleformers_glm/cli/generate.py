@@ -9,6 +9,7 @@ checkpoint's ``generation_config.json``, then transformers' defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -238,6 +239,7 @@ def _run_launched(
     from ..train.command import check_checkpoint_files, check_launch_numbers, launch_from_args, node_rank_of
     from ..train.glm_adapter import check_glm_sizes, glm_parallel_sizes
     from ..train.launch import LaunchError
+    from ..train.out_lock import OutInUse, OutUnusable, hold_out_folder
 
     world, dims = layout_of({"tp": args.tp, "ep": args.ep, "pp": args.pp})
     sizes = glm_parallel_sizes(config)
@@ -255,47 +257,57 @@ def _run_launched(
     nproc = world // args.nnodes
     first = (node_rank or 0) * nproc  # this node's first global rank
     out = os.path.join(log_dir, "generate")
+    held = contextlib.ExitStack()  # the folder, for the run: a second run there rewrote generate.json under it
     try:
         os.makedirs(out, exist_ok=True)
+        held.enter_context(hold_out_folder(log_dir, lock=os.path.join(log_dir, "generate.lock"), refusal=_IN_USE))
         _clear_results(out)  # a reused --log-dir: no earlier run's tokens (and nothing else touched)
-    except OSError as err:
-        return f"--log-dir {args.log_dir or root}: {err.strerror or err} ({err.filename or out})"
-    spec = {
-        "tp": args.tp,
-        "ep": args.ep,
-        "pp": args.pp,
-        "model": os.path.abspath(args.model),
-        "dtype": args.dtype,
-        "ids": ids,
-    }
-    spec |= {"opts": opts, "eos": eos, "seed": args.seed, "speculative": args.speculative, "beams": beams}
-    spec |= {"sizes": sizes, "out": out}
-    run_json = os.path.join(log_dir, "generate.json")
-    write_record(run_json, spec)
-    done = threading.Event()
-    tokens = os.path.join(out, f"tokens.rank{first}")
-    follow = threading.Thread(target=_follow, args=(tokens, done, stream), daemon=True)
-    if not beams:
-        follow.start()
-    try:
-        launch_from_args(["--generate", run_json], world, log_dir, args, node_rank)
-    except LaunchError as err:
-        print(f"\nglm52 generate: {err}\n(failure record: {os.path.join(log_dir, 'failure.json')})", file=sys.stderr)
-        return err.returncode or 1
-    finally:
-        done.set()
-        if follow.is_alive():
-            follow.join()
-    ranks = range(first, first + nproc)  # a node reads its own ranks' results (no shared folder is assumed)
-    results = {r: read_json(os.path.join(out, f"result.rank{r}.json"), f"rank {r}'s result") for r in ranks}
-    for r, res in results.items():
-        if res["tokens"] != results[first]["tokens"]:  # a bug, never a user's error: named, not hidden
-            return f"rank {r} chose {res['tokens']}, rank {first} {results[first]['tokens']} (the logs: {log_dir})"
-    if not args.log_dir:
-        shutil.rmtree(root, ignore_errors=True)
-    return results[first]["tokens"], results[first]["stats"]
+    except OutInUse as err:
+        return str(err)
+    except (OSError, OutUnusable) as err:
+        held.close()
+        reason = str(err) if isinstance(err, OutUnusable) else f"{err.strerror or err} ({err.filename or out})"
+        return f"--log-dir {args.log_dir or root}: {reason}"
+    with held:
+        spec = {
+            "tp": args.tp,
+            "ep": args.ep,
+            "pp": args.pp,
+            "model": os.path.abspath(args.model),
+            "dtype": args.dtype,
+            "ids": ids,
+        }
+        spec |= {"opts": opts, "eos": eos, "seed": args.seed, "speculative": args.speculative, "beams": beams}
+        spec |= {"sizes": sizes, "out": out}
+        run_json = os.path.join(log_dir, "generate.json")
+        write_record(run_json, spec)
+        done = threading.Event()
+        tokens = os.path.join(out, f"tokens.rank{first}")
+        follow = threading.Thread(target=_follow, args=(tokens, done, stream), daemon=True)
+        if not beams:
+            follow.start()
+        try:
+            launch_from_args(["--generate", run_json], world, log_dir, args, node_rank)
+        except LaunchError as err:
+            print(
+                f"\nglm52 generate: {err}\n(failure record: {os.path.join(log_dir, 'failure.json')})", file=sys.stderr
+            )
+            return err.returncode or 1
+        finally:
+            done.set()
+            if follow.is_alive():
+                follow.join()
+        ranks = range(first, first + nproc)  # a node reads its own ranks' results (no shared folder is assumed)
+        results = {r: read_json(os.path.join(out, f"result.rank{r}.json"), f"rank {r}'s result") for r in ranks}
+        for r, res in results.items():
+            if res["tokens"] != results[first]["tokens"]:  # a bug, never a user's error: named, not hidden
+                return f"rank {r} chose {res['tokens']}, rank {first} {results[first]['tokens']} (the logs: {log_dir})"
+        if not args.log_dir:
+            shutil.rmtree(root, ignore_errors=True)
+        return results[first]["tokens"], results[first]["stats"]
 
 
+_IN_USE = "--log-dir {out} is in use by a running glm52 generate"
 _RESULT_FILE = re.compile(r"(tokens\.rank\d+|result\.rank\d+\.json)")
 
 

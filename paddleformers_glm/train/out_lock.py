@@ -36,16 +36,23 @@ def lock_path(out: str, node_rank: int | None = None) -> str:
 
 
 @contextlib.contextmanager
-def hold_out_folder(out: str, node_rank: int | None = None) -> Iterator[None]:
+def hold_out_folder(
+    out: str,
+    node_rank: int | None = None,
+    *,
+    lock: str | None = None,
+    refusal: str = "--out {out} is in use by a running glm52 train",
+) -> Iterator[None]:
     """Hold ``out`` for the ``with`` block; raise :class:`OutInUse` naming the holder if another
     process holds it, or :class:`OutUnusable` when its lock file cannot be made.  A filesystem
-    without locks (some network mounts) runs unguarded."""
+    without locks (some network mounts) runs unguarded.  ``lock`` is another lock file than
+    :func:`lock_path`'s (``glm52 generate``'s ``--log-dir``); ``refusal`` the refusal's opening words."""
     try:
         import fcntl
     except ImportError:  # not POSIX: unguarded
         yield
         return
-    path = lock_path(out, node_rank)
+    path = lock or lock_path(out, node_rank)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -61,9 +68,9 @@ def hold_out_folder(out: str, node_rank: int | None = None) -> Iterator[None]:
                 yield  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unguarded
                 return
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            flag = refusal.split(" ", 1)[0]
             raise OutInUse(
-                f"--out {out} is in use by a running glm52 train ({holder}; lock {path}): "
-                "wait for it to end, stop it, or give another --out"
+                f"{refusal.format(out=out)} ({holder}; lock {path}): wait for it to end, stop it, or give another {flag}"
             ) from None
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %z")
         os.ftruncate(fd, 0)
