@@ -272,10 +272,17 @@ def register_demo(sub) -> None:
             line = _train_line(TINY_CONFIG.parent, args.train_steps)
             bad = (e := train_line_error([*line, *args.layout.split()])) and f"--layout {args.layout!r}: {e}"
             bad = bad or _not_layout_flags(args.layout.split())
+        out = Path(args.out)
+        if not bad:  # made last: a refused line leaves no folder behind
+            from .train.command import make_folder
+
+            try:
+                make_folder(os.path.abspath(out))  # the parents it made go again when it cannot
+            except OSError as e:  # a read-only place, no permission, a name over 255 bytes
+                bad = f"--out {args.out}: {e.strerror or e}"
         if bad:
             print(f"glm52 demo: error: {bad}", file=sys.stderr)
             return 2
-        out = Path(args.out)
         summary = run_parity_demo(out, steps=args.steps, seed=args.seed)
         if args.layout.strip():
             print(f"[5/5] training {args.layout} vs 1 process ({args.train_steps} steps)")

@@ -83,6 +83,29 @@ def test_a_refused_run_removes_its_out_and_only_the_empty_parents_it_made(tmp_pa
 
 
 # ---------------------------------------------------------------- the atomic writer's temporary name
+def test_plan_json_that_cannot_be_written_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """``glm52 plan --json`` a name over 255 bytes (as a read-only place): the plan was printed, then a
+    traceback from the write, exit 1. Now the plan, then one line naming --json as given, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    name = "p" * 256 + ".json"
+    assert main(["plan", "--model", TINY, "--json", name]) == 2
+    out, err = capsys.readouterr()
+    assert "max per rank" in out
+    err = [ln for ln in err.splitlines() if ln.strip() and "ccache" not in ln]
+    assert err == [f"glm52 plan: error: --json {name}: cannot write the plan: File name too long"], err
+    assert _listing(tmp_path) == []
+
+
+def test_demo_out_that_cannot_be_made_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """``glm52 demo --out`` that cannot be made (a name over 255 bytes, a read-only place): a traceback
+    from mkdir after the start, exit 1. Now one line before the work, exit 2, the parent it made removed."""
+    monkeypatch.chdir(tmp_path)
+    out = "new/" + "d" * 256
+    assert main(["demo", "--out", out]) == 2
+    assert _one_line(capsys) == f"glm52 demo: error: --out {out}: File name too long"
+    assert _listing(tmp_path) == []
+
+
 @pytest.mark.parametrize("name", ["j" * 250 + ".json", "模" * 83 + ".json"])  # 255 and 254 bytes
 def test_a_file_name_up_to_255_bytes_is_written_atomically(tmp_path, name):
     """The temporary name ``.NAME.PID.HEX8.tmp`` was 22 bytes longer than NAME: File name too long."""

@@ -197,3 +197,26 @@ def test_plot_indexer_accepts_the_nulls_of_a_strict_record(tmp_path, capsys):
     doc = json.loads((run / "indexer.json").read_text())
     assert doc["recall_by_layer"]["0"] == [None, 0.6, 0.8] and doc["recall_first_last"]["first"] is None
     assert (run / "indexer.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "cmd,key,block", [("plot-experts", "expert_load", EXPERT_LOAD), ("plot-indexer", "indexer", INDEXER)]
+)
+def test_a_png_that_cannot_be_written_is_named_as_given(tmp_path, capsys, monkeypatch, cmd, key, block):
+    """A --png in a folder the process may not write: matplotlib opens the temporary file beside it, so
+    the line named that file (``.e.png.<pid>.<hex>.tmp``), as check-loss's ``--plot`` does not. Now it
+    names --png as given, exit 2, and nothing is left there. (Root writes a mode-0500 folder anyway:
+    the write is refused by the figure's save itself, as the OS refuses it.)"""
+    import matplotlib.figure
+
+    def refused(self, fname, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", fname)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", refused)
+    run = _write(tmp_path / "run", {"losses": [5.0, 4.9, 4.8], "steps": 3, key: copy.deepcopy(block)})
+    png = tmp_path / "pngs" / "out.png"
+    png.parent.mkdir()
+    assert main([cmd, str(run), "--png", str(png)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line == f"{cmd}: --png {png}: cannot write the plot: Permission denied", line
+    assert list(png.parent.iterdir()) == []

@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-from .._io import atomic_path, dumps_json, is_int, read_json
+from .._io import WriteError, atomic_path, dumps_json, is_int, read_json
 from ._common import output_file_error
 
 PLOT_EXTRA_HINT = "plotting needs matplotlib (the plot extra): pip install 'matplotlib>=3.7', or pip install -e '.[plot]' in a checkout"
@@ -158,8 +158,25 @@ def pyplot() -> Any:
 
 
 def save_png(fig: Any, png: str, dpi: int = 110) -> str:
+    """Write ``fig`` to ``png`` atomically.  A failed write raises a :class:`WriteError` naming ``png``
+    (matplotlib opens the temporary file: its error named that file, and kept a PermissionError's class)."""
     fig.tight_layout()
-    with atomic_path(png) as tmp:
-        fig.savefig(tmp, dpi=dpi, format="png")
-    pyplot().close(fig)
+    try:
+        with atomic_path(png) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
+    except OSError as e:
+        if e.errno is None:
+            raise
+        err = WriteError(e.errno, e.strerror, png)
+        err.what = "the plot"
+        raise err from e
+    finally:
+        pyplot().close(fig)
     return png
+
+
+def plot_error_line(e: Exception, png: str) -> str:
+    """A plot command's line for ``e`` raised while drawing into ``png`` (as check-loss says ``--plot``)."""
+    if isinstance(e, WriteError) and e.filename == png:
+        return f"--png {png}: cannot write the plot: {e.strerror or os.strerror(e.errno or 0)}"
+    return str(e)

@@ -17,6 +17,7 @@ from ..cli._plot import (
     loss_json_of,
     number,
     number_rows,
+    plot_error_line,
     png_error,
     pyplot,
     read_block,
@@ -101,7 +102,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         plot_expert_load(loss_json, png)
     except (ImportError, OSError, ValueError) as e:
-        print(f"plot-experts: {PLOT_EXTRA_HINT if isinstance(e, ImportError) else e}", file=sys.stderr)
+        print(
+            f"plot-experts: {PLOT_EXTRA_HINT if isinstance(e, ImportError) else plot_error_line(e, png)}",
+            file=sys.stderr,
+        )
         return 2
     print(f"plot-experts: wrote {png}")
     return 0

@@ -23,6 +23,7 @@ from ..cli._plot import (
     loss_json_of,
     number,
     number_rows,
+    plot_error_line,
     png_error,
     pyplot,
     read_block,
@@ -128,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
         write_json_atomic(json_file, curves)  # first: a machine without matplotlib still gets the numbers
         plot_indexer(curves, png)
     except (ImportError, OSError, ValueError) as e:
-        why = f"wrote {json_file}; {PLOT_EXTRA_HINT}" if isinstance(e, ImportError) else e
+        why = f"wrote {json_file}; {PLOT_EXTRA_HINT}" if isinstance(e, ImportError) else plot_error_line(e, png)
         print(f"plot-indexer: {why}", file=sys.stderr)
         return 2
     first, last = curves["recall_first_last"]["first"], curves["recall_first_last"]["last"]

@@ -818,7 +818,9 @@ def run_plan(args: argparse.Namespace) -> int:
                     "reserve_gb": args.reserve_gb,
                     "layouts": found,
                 }
-                write_record(args.json, record)
+                if bad := _write_plan(args.json, record):
+                    print(f"glm52 plan: error: {bad}", file=sys.stderr)
+                    return 2
             return 0 if found else 1
         plan = plan_layout(config, lay, args.gpu_mem_gb, args.reserve_gb)
         check_nodes(lay)
@@ -833,9 +835,20 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"max per rank {plan['max_rank_bytes'] / GiB:.2f} GiB: {verdict} in {_budget(args)} ({plan['seconds']:.1f} s)"
     )
-    if args.json:
-        write_record(args.json, plan)
+    if args.json and (bad := _write_plan(args.json, plan)):
+        print(f"glm52 plan: error: {bad}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _write_plan(path: str, record: dict) -> str | None:
+    """Write ``record`` to ``--json path``; None, or the line saying why it could not be written (a
+    read-only place, a full disk: the plan printed above stands)."""
+    try:
+        write_record(path, record)
+    except OSError as e:
+        return f"--json {path}: cannot write the plan: {e.strerror or e}"
+    return None
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
