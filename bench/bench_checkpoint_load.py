@@ -222,6 +222,11 @@ def main(argv=None) -> int:
 
     folder = args.workdir or tempfile.mkdtemp(prefix="glm52-bench-")
     cfg, size = synthetic_config(int(args.size_gb * 1e9))
+    if size > 1.25 * args.size_gb * 1e9:  # the synthetic config's smallest (2 layers + MTP) is larger
+        print(
+            f"note: --size-gb {args.size_gb:g} is below the smallest synthetic checkpoint: {size / 1e9:.2f} GB",
+            flush=True,
+        )
     n_shards = max(1, math.ceil(size / (args.shard_mb * 1e6)))
     marker = os.path.join(folder, ".bench-ok")
     stamp = f"{size} {n_shards}"
@@ -297,6 +302,7 @@ def main(argv=None) -> int:
         "ours_baseline_rss": base["ours"],
         "ours_load_rss": peak["ours"] - base["ours"],
         "rss_budget": budget,
+        "within_budget": peak["ours"] - base["ours"] <= budget,
         "runs": runs,
     }
     gb = 1e9
@@ -306,7 +312,7 @@ def main(argv=None) -> int:
         f"| {nbytes / gb:.2f} GB, {res['tensors']} tensors, {n_shards} shards | {args.model_dtype} {model_bytes / gb:.2f} GB | "
         f"{res['plain_seconds']:.2f} s ({res['plain_gbps']:.2f} GB/s) | {res['ours_seconds']:.2f} s ({res['ours_gbps']:.2f} GB/s) | "
         f"{res['throughput_ratio']:.2f} | {res['ours_peak_rss'] / gb:.2f} GB ({res['ours_baseline_rss'] / gb:.2f} GB) | "
-        f"{res['ours_load_rss'] / gb:.2f} GB | {budget / gb:.2f} GB |"
+        f"{res['ours_load_rss'] / gb:.2f} GB{'' if res['within_budget'] else ' **over the budget**'} | {budget / gb:.2f} GB |"
     )
     print(f"plain read peak RSS: {res['plain_peak_rss'] / gb:.2f} GB")
     if args.whole:

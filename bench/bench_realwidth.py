@@ -26,6 +26,7 @@ What it measures, and why this way:
 * forward: the logits of every position, no gradient; the two sides' logits are compared (max
   abs difference of the last 8 positions, argmax agreement over all);
 * train step: forward + backward of the causal-LM loss (no optimizer), as bench/bench_train_step.py;
+  the two sides' losses are compared (abs difference);
 * `KMP_BLOCKTIME=0` (`--kmp-blocktime`): Paddle's OpenMP runtime (libiomp5) otherwise keeps its
   threads spinning long after each parallel region, torch's libgomp only briefly; on a machine
   shared with other processes the spinning threads take the cores the work needs (each op here
@@ -298,10 +299,16 @@ def _cell(r: dict[str, Any] | None, key: str, fmt: str) -> str:
     return format(r[key], fmt)
 
 
+def _number(cmp_: dict[str, float], key: str, other: str | None, fmt: str) -> str:
+    """A comparison cell: ``key``'s value, else ``other``'s, else "-" (nothing compared)."""
+    value = cmp_.get(key, cmp_.get(other) if other else None)
+    return "-" if value is None else format(value, fmt)
+
+
 def table(rows: list[dict[str, Any]], limit_gb: float) -> str:
     head = (
         "| mode | S | layers | ours s | HF s | speed ours/HF | ours cpu s | HF cpu s | on CPU time | ours peak GB "
-        "| HF peak GB | memory ours/HF | logits max diff | argmax agree |"
+        "| HF peak GB | memory ours/HF | max diff (forward: logits, train: loss) | argmax agree |"
     )
     lines = [head, "|" + "---|" * 14]
     for r in rows:
@@ -315,7 +322,7 @@ def table(rows: list[dict[str, Any]], limit_gb: float) -> str:
             f"| {r['mode']} | {r['S']} | {r['layers']} | {_cell(o, 'seconds', '.1f')} | {_cell(h, 'seconds', '.1f')} "
             f"| {speed} | {_cell(o, 'cpu_s', '.1f')} | {_cell(h, 'cpu_s', '.1f')} | {cpu} "
             f"| {_cell(o, 'peak_gb', '.2f')} | {_cell(h, 'peak_gb', '.2f')} | {mem} "
-            f"| {cmp_.get('logits_max_diff', float('nan')):.2e} | {cmp_.get('argmax_agree', float('nan')):.4f} |"
+            f"| {_number(cmp_, 'logits_max_diff', 'loss_abs_diff', '.2e')} | {_number(cmp_, 'argmax_agree', None, '.4f')} |"
         )
     return "\n".join(lines) + f"\n(memory limit per run: {limit_gb:g} GB RSS)"
 
@@ -371,8 +378,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["ours"] = run("ours", [str(folder), mode, S, ns.threads, npz["ours"]])
                 if not ns.skip_hf:
                     row["hf"] = run("hf", [str(folder), mode, S, ns.threads, npz["hf"]])
-                    if mode == "forward" and "error" not in row["ours"] and "error" not in row["hf"]:
-                        row["compare"] = compare(npz["ours"], npz["hf"])
+                    if "error" not in row["ours"] and "error" not in row["hf"]:
+                        if mode == "forward":
+                            row["compare"] = compare(npz["ours"], npz["hf"])
+                        else:  # the loss both sides backpropagated
+                            row["compare"] = {"loss_abs_diff": abs(row["ours"]["loss"] - row["hf"]["loss"])}
                 rows.append(row)
                 print(f"[bench_realwidth] {json.dumps(row)}", flush=True)
     if ns.json:

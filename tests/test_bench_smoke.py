@@ -159,11 +159,13 @@ def test_realwidth_bench_hf_side_agrees(tmp_path):
         "64",
         "--layers",
         "2",
-        "--modes",
-        "forward",
+        "--train-layers",
+        "1",
         "--threads",
         "1",
     )
-    (fwd,) = res["rows"]
+    fwd, train = res["rows"]
     assert fwd["compare"]["argmax_agree"] == 1.0 and fwd["compare"]["logits_max_diff"] < 1e-4
     assert fwd["hf"]["seconds"] > 0 and fwd["hf"]["peak_gb"] > 0
+    # the train row compares the loss both sides backpropagated (its cells were nan)
+    assert train["mode"] == "train" and train["compare"]["loss_abs_diff"] < 1e-4, train
