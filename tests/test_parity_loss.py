@@ -36,6 +36,19 @@ def test_identical_files_pass_bit_exact(tmp_path, capsys):
     assert "pass" in text.out
 
 
+def test_run_folders_are_read_as_their_loss_json(tmp_path, capsys):
+    """``check-loss RUN_A RUN_B``: the plot commands take a run folder, check-loss said "cannot read the
+    loss record: Is a directory" (exit 2). A folder stands for its loss.json; a file is read as given."""
+    for run, losses in (("run_a", [1.0, 0.9]), ("run_b", [1.0, 0.8])):
+        (tmp_path / run).mkdir()
+        _loss(tmp_path / run, "loss.json", losses)
+    code, r, _ = _check(tmp_path, capsys, tmp_path / "run_a", tmp_path / "run_b")
+    assert code == 1 and r["first_divergent_step"] == 1, r
+    assert r["a"]["path"] == str(tmp_path / "run_a" / "loss.json"), r["a"]
+    code, r, _ = _check(tmp_path, capsys, tmp_path / "run_a", tmp_path / "run_a" / "loss.json")
+    assert code == 0 and r["result"] == "pass"
+
+
 def test_one_ulp_away_fails_at_step_2(tmp_path, capsys):
     a = _loss(tmp_path, "a.json", [1.0, 0.9, 0.8, 0.7])
     b = _loss(tmp_path, "b.json", [1.0, 0.9, 0.8000001, 0.7])

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._io import write_json_atomic
 from ..cli._common import checkpoint_files, output_file_error, outputs_clash
+from ..cli._plot import loss_json_of
 
 
 def _checker(sub: argparse._SubParsersAction, name: str, inputs: dict[str, str], run: Any, **text: str) -> Any:
@@ -80,7 +81,7 @@ def register_check_loss(sub: argparse._SubParsersAction) -> None:
     p = _checker(
         sub,
         "check-loss",
-        {"a": "loss.json of run A", "b": "loss.json of run B"},
+        {"a": "loss.json of run A (or its run folder)", "b": "loss.json of run B (or its run folder)"},
         _run_check_loss,
         help="compare two loss.json curves (exit 0 pass, 1 fail, 2 malformed input or no plot)",
         description="Read {'losses': [...]} from A and B and report length_match, enough_steps, consistent_steps, "
@@ -113,6 +114,7 @@ def _run_check_loss(args: argparse.Namespace) -> int:
     if args.bit_exact and args.rtol is not None:
         print("check-loss: --rtol cannot be combined with --bit-exact", file=sys.stderr)
         return 2
+    args.a, args.b = loss_json_of(args.a), loss_json_of(args.b)  # a run folder, as the plot commands take
     for flag, path in (("--json", args.json_out), ("--plot", args.plot)):
         if path and (bad := output_file_error(path, flag, [args.a, args.b])):
             print(f"check-loss: {bad}", file=sys.stderr)
