@@ -19,7 +19,7 @@ import numpy as np
 from .._io import read_json
 from .engine import CheckpointSource
 from .errors import CheckpointError
-from .safetensors_io import bf16_bits_to_float32
+from .safetensors_io import FolderReplacedError, bf16_bits_to_float32
 
 __all__ = [
     "E4M3_MAX",
@@ -318,12 +318,22 @@ def is_fp8_weight(key: str) -> bool:
     return key.startswith("model.layers.") and key.endswith(_FP8_LINEARS)
 
 
-def quantization_of(folder: str, config: Any = None) -> tuple[int, int] | None:
+def quantization_of(folder: str, config: Any = None, *, checkpoint: Any = None) -> tuple[int, int] | None:
     """The block size of the checkpoint's block-FP8 quantization, from ``quantization_config`` (config.json
-    beside the weights, or ``config``); None when there is none. Any other method is refused by name."""
+    beside the weights, or ``config``); None when there is none. Any other method is refused by name.
+    ``checkpoint``: the open :class:`Checkpoint` of ``folder``, whose config.json is read from the
+    folder its weights are read from (a save publishing over the folder meanwhile changes nothing)."""
     qc = None
     file = os.path.join(folder, "config.json")
-    if os.path.isfile(file):
+    if checkpoint is not None:
+        try:
+            data = checkpoint.read_json("config.json", "the model config")
+        except FolderReplacedError:
+            raise
+        except ValueError:  # an unreadable config.json is the config loader's to refuse
+            data = None
+        qc = data.get("quantization_config") if data is not None else None
+    elif os.path.isfile(file):
         with contextlib.suppress(ValueError):  # an unreadable config.json is the config loader's to refuse
             qc = read_json(file, "the model config").get("quantization_config")
     if qc is None and hasattr(config, "_extra"):

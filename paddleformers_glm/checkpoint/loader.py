@@ -27,6 +27,7 @@ from .errors import CheckpointError
 from .fp8 import Fp8Source, fp8_pairs, quantization_of
 from .layout import fleet_param_specs, param_specs, resolve_dtype
 from .safetensors_io import Checkpoint, st_to_paddle_dtype
+from .safetensors_io import folder_identity as folder_identity_of
 
 __all__ = [
     "LoadReport",
@@ -240,6 +241,7 @@ def load_pretrained_state(
     shard_info: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None = None,
     init_missing_mtp: bool = True,
     plan_only: bool = False,
+    folder_identity: tuple[int, int] | None = None,
 ) -> LoadReport:
     """Fill ``model.state_dict()`` (Fleet names) from the checkpoint at ``path``; returns a report
     (docs/checkpoints.md, "Loading" and "Partial loads").
@@ -251,17 +253,22 @@ def load_pretrained_state(
     out per rank as Fleet does; ``init_missing_mtp`` initialises an absent MTP layer as HF does.
     ``plan_only``: make every check of the checkpoint's keys, shapes and dtypes (the refusals of a
     load before it reads a weight) and return, reading no weight; only the keys of ``model`` are used.
+    ``folder_identity``: the checkpoint folder's (device, inode) before its config.json was read
+    (``safetensors_io.folder_identity``; taken here when not given): a folder a save published over
+    between that read and the weights' is refused, not read as a mix of the two.
     """
     t0 = time.perf_counter()
     quiet_paddle_logs()
     path = os.path.abspath(os.fspath(path))
+    if folder_identity is None:
+        folder_identity = folder_identity_of(path)
     cfg = load_config_for(path, model if not isinstance(model, Mapping) else None, config)
     if dtype is not None:
         dtype = resolve_model_dtype(dtype, cfg)
     # ``strict`` is about the weights: index bookkeeping (total_size, a stray file the index does not
     # name, trailing bytes after a shard's last tensor) changes no value and is only a warning
-    with Checkpoint(path, strict=False) as ckpt:
-        block = quantization_of(ckpt.folder, cfg)
+    with Checkpoint(path, strict=False, folder_identity=folder_identity) as ckpt:
+        block = quantization_of(ckpt.folder, cfg, checkpoint=ckpt)
         fp8 = fp8_pairs(ckpt, block)
         weight_keys = set(ckpt.keys()) - set(fp8.values())
         layout = detect_layout(weight_keys, cfg, lambda k: ckpt.info(k).shape)

@@ -15,7 +15,9 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,8 @@ __all__ = [
     "TensorInfo",
     "SafetensorsFile",
     "Checkpoint",
+    "folder_identity",
+    "FolderReplacedError",
     "SafetensorsWriter",
     "plan_header",
     "check_metadata",
@@ -302,12 +306,14 @@ class SafetensorsFile(_Closing):
     one is read), changes nothing read here. A change to that same file before it is mapped (its size
     or modification time) is refused by name; after :meth:`close` it is opened again by name only if it
     is still that file. A file truncated in place *after* it is mapped cannot be caught (reading the
-    lost pages faults; docs/checkpoints.md, "Loading")."""
+    lost pages faults; docs/checkpoints.md, "Loading"). ``opened``: the file, already open (binary)
+    by the caller (a :class:`Checkpoint` opens its shards relative to its folder's descriptor), taken
+    over as if opened here."""
 
-    def __init__(self, file: str | os.PathLike, warnings: list[str] | None = None) -> None:
+    def __init__(self, file: str | os.PathLike, warnings: list[str] | None = None, opened: Any = None) -> None:
         self.file = os.fspath(file)
         self._mm: mmap.mmap | None = None
-        self._fd: Any = self._open()
+        self._fd: Any = self._open() if opened is None else opened
         try:
             self._stat = self._identity(self._fd)
             self.tensors, self.metadata, self.data_start = parse_header(self.file, warnings, self._fd)
@@ -394,37 +400,165 @@ class SafetensorsFile(_Closing):
             self._fd = None
 
 
+class FolderReplacedError(CheckpointError):
+    """A checkpoint folder replaced or removed while it was being loaded (a save published over it):
+    what was read of it is not used; loading it again reads the folder now there."""
+
+
+def folder_identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of the folder of the checkpoint at ``path`` (the folder itself, or a file's
+    folder), None when there is none: taken before a load reads the folder's config.json, so that
+    :class:`Checkpoint` can tell that its weights come from the folder that config was read from."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.stat(path if os.path.isdir(path) else os.path.dirname(path))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class Checkpoint(_Closing):
     """A safetensors checkpoint: one file, a folder with ``model.safetensors``, or an indexed shard set,
     consistent once constructed: every header and the index are validated (docs/checkpoints.md,
     "Loading"). ``strict=False`` turns what changes no tensor's value (a wrong ``total_size``, files the
     index does not name, trailing bytes after a file's last tensor) into ``warnings``.
+
+    The folder is opened once, as a directory descriptor, and the index, every shard and the files
+    read beside them (:meth:`read_json`) are opened relative to it: a save that publishes over the
+    folder while it is read (the folder exchanged or renamed away) changes nothing read: a shard
+    opened by its path after the exchange would be the new checkpoint's, a silent mix of two. Where
+    the folder opened is removed before a file is read from it, the load fails, saying so
+    (:class:`FolderReplacedError`), never naming a shard missing that the checkpoint had. ``folder_identity``: the folder's (device, inode) when the
+    caller read its config.json (:func:`folder_identity`); a folder replaced since is refused likewise.
+    The descriptor is closed by :meth:`close` (or when the checkpoint is collected).
     """
 
-    def __init__(self, path: str | os.PathLike, strict: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, strict: bool = True, *, folder_identity: tuple[int, int] | None = None
+    ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.strict = strict
         self.warnings: list[str] = []
         self.index_file: str | None = None
         self.index: dict[str, Any] | None = None
+        self.files: dict[str, SafetensorsFile] = {}
+        self._dir_fd: int | None = None
         if os.path.isfile(self.path):
             self.folder = os.path.dirname(self.path)
-            files = [self.path]
         elif os.path.isdir(self.path):
             self.folder = self.path
-            files = self._files_from_folder()
         else:
             raise CheckpointError("checkpoint path does not exist", file=self.path)
-        self.files: dict[str, SafetensorsFile] = {}
+        self._open_folder()
         try:
-            self._validate(files)
+            try:
+                if folder_identity is not None and self._identity() != folder_identity:
+                    raise self._replaced("its config.json was read from the folder that was there before")
+                files = [self.path] if self.folder != self.path else self._files_from_folder()
+                self._validate(files)
+            except CheckpointError as e:
+                if self._folder_replaced():
+                    raise self._replaced_reading(e) from e
+                raise
         except BaseException:
-            self.close()  # every file opened so far
+            self.close()  # every file opened so far, and the folder
             raise
+
+    # ------------------------------------------------------------------ the folder's descriptor
+    def _open_folder(self) -> None:
+        """Open the folder's descriptor. A folder that may be searched but not listed (mode ``--x``)
+        holds a single file that can still be read: it is opened for lookups only (``O_PATH``)."""
+        flags = os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+        self._listable = True
+        try:
+            fd = os.open(self.folder, os.O_RDONLY | flags)
+        except PermissionError as e:
+            if not hasattr(os, "O_PATH"):
+                raise CheckpointError(f"cannot open the checkpoint folder: {e.strerror or e}", file=self.folder) from e
+            try:
+                fd = os.open(self.folder, os.O_PATH | flags)
+            except OSError:
+                raise CheckpointError(f"cannot open the checkpoint folder: {e.strerror or e}", file=self.folder) from e
+            self._listable = False
+        except OSError as e:
+            raise CheckpointError(f"cannot open the checkpoint folder: {e.strerror or e}", file=self.folder) from e
+        self._dir_fd = fd
+        self._dir_closer = weakref.finalize(self, os.close, fd)  # a checkpoint never closed leaks no descriptor
+
+    def _identity(self) -> tuple[int, int]:
+        assert self._dir_fd is not None
+        st = os.fstat(self._dir_fd)
+        return st.st_dev, st.st_ino
+
+    def _folder_replaced(self) -> bool:
+        """Whether the folder's path no longer names the directory opened (exchanged, renamed away or
+        removed): what explains a file of it that went missing, rather than a checkpoint lacking it."""
+        if self._dir_fd is None:
+            return False
+        try:
+            if os.fstat(self._dir_fd).st_nlink == 0:  # removed
+                return True
+            now = os.stat(self.folder)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != self._identity()
+
+    def _replaced(self, what: str, file: str | None = None) -> FolderReplacedError:
+        """The one error of a load whose folder was replaced or removed under it: it names the folder
+        and ``what`` went wrong, never a file the checkpoint lacks."""
+        return FolderReplacedError(
+            f"the checkpoint folder {self.folder} was replaced or removed while it was being loaded (a save "
+            f"published over it?): {what}; nothing of it was used, load it again",
+            file=file or self.folder,
+        )
+
+    def _replaced_reading(self, cause: CheckpointError) -> FolderReplacedError:
+        """:meth:`_replaced` for ``cause``, the error reading the folder gave: a file of it gone, or
+        not read as it was (a missing file is what a removed folder's files are)."""
+        if cause.file and cause.file != self.folder:
+            name = os.path.basename(cause.file)
+            return self._replaced(f"{name} could not be read from it", os.path.join(self.folder, name))
+        return self._replaced(f"reading it failed: {cause}")
+
+    def _opener(self, name: str, flags: int) -> int:
+        return os.open(name, flags, dir_fd=self._dir_fd)
+
+    def _open(self, file: str) -> Any:
+        """``file`` (a path in the folder) opened (binary) relative to the folder's descriptor."""
+        try:
+            return open(os.path.basename(file), "rb", opener=self._opener)
+        except OSError as e:
+            e.filename = file
+            raise CheckpointError(f"cannot read safetensors file: {e}", file=file) from e
+
+    def _stat(self, name: str) -> os.stat_result | None:
+        """The folder's entry ``name`` (a link followed), None when there is none."""
+        try:
+            return os.stat(name, dir_fd=self._dir_fd)
+        except OSError:
+            return None
+
+    def read_json(self, name: str, what: str) -> dict[str, Any] | None:
+        """The JSON object of the folder's file ``name`` (e.g. ``config.json``), read from the folder
+        the weights are read from; None when it holds none. A file that cannot be parsed is a
+        CheckpointError (a ValueError), as is one that went missing with the folder replaced."""
+        file = os.path.join(self.folder, name)
+        if self._stat(name) is None:
+            if self._folder_replaced():
+                raise self._replaced(f"{name} could not be read from it", file)
+            return None
+        try:
+            with open(name, "rb", opener=self._opener) as f:
+                data = f.read()
+        except OSError as e:
+            if self._folder_replaced():
+                raise self._replaced(f"{name} could not be read from it", file) from e
+            raise CheckpointError(f"{file}: cannot read {what}: {e.strerror or e}", file=file) from e
+        return _read_json(file, what, data)
 
     def _validate(self, files: list[str]) -> None:
         for f in files:
-            self.files[f] = SafetensorsFile(f, None if self.strict else self.warnings)
+            self.files[f] = SafetensorsFile(f, None if self.strict else self.warnings, self._open(f))
         self.tensors: dict[str, TensorInfo] = {}
         for f, sf in self.files.items():
             for k, info in sf.tensors.items():
@@ -451,11 +585,14 @@ class Checkpoint(_Closing):
             self._problem(CheckpointError(message, file=os.path.join(self.folder, name)))
 
     def _files_from_folder(self) -> list[str]:
-        st_files = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))
+        listed = os.listdir(self._dir_fd if self._listable else self.folder)  # unlistable: its error, as before
+        st_files = sorted(f for f in listed if f.endswith(".safetensors"))
         idx = os.path.join(self.folder, INDEX_NAME)
-        if os.path.exists(idx):
+        if self._stat(INDEX_NAME) is not None:
             self.index_file = idx
-            index = _read_json(idx, "the index")
+            index = self.read_json(INDEX_NAME, "the index")
+            if index is None:  # gone since it was seen
+                raise CheckpointError("cannot read the index: it is gone", file=idx)
             wm = index.get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
                 raise CheckpointError("index has no weight_map of key -> file name", file=idx, key="weight_map")
@@ -469,7 +606,8 @@ class Checkpoint(_Closing):
             for name in named:
                 if os.path.basename(name) != name:
                     raise CheckpointError("index names a file outside the folder", file=idx, key=name)
-                if not os.path.isfile(os.path.join(self.folder, name)):
+                st = self._stat(name)
+                if st is None or not stat.S_ISREG(st.st_mode):
                     keys = sorted(k for k, v in wm.items() if v == name)
                     raise CheckpointError(
                         f"index names a file that is not there ({len(keys)} keys, e.g. {keys[:3]})",
@@ -518,7 +656,7 @@ class Checkpoint(_Closing):
             if missing:
                 some = [shard_file_name(k, n, stem) for k in missing[:4]]
                 first = os.path.join(self.folder, some[0])
-                there = os.path.exists(first)  # in the folder, but the index (or listing) does not name it
+                there = self._stat(some[0]) is not None  # in the folder, but the index (or listing) does not name it
                 raise CheckpointError(
                     f"shard(s) {some} are in the folder but not named by {os.path.basename(where)}"
                     if there
@@ -607,6 +745,9 @@ class Checkpoint(_Closing):
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        if self._dir_fd is not None:
+            self._dir_closer()
+            self._dir_fd = None
 
 
 # ---------------------------------------------------------------------- writing

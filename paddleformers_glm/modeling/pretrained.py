@@ -260,12 +260,13 @@ def _load_first_layers(
     strict: bool,
     config: GlmMoeDsaConfig,
     file_config: GlmMoeDsaConfig,
+    folder_identity: tuple[int, int] | None = None,
 ):
     """Fill ``state`` (a model of ``config``: the first n decoder layers of the checkpoint at ``path``,
     whose config is ``file_config``) from that checkpoint: the decoder layers 0..n-1 as they are, the
     MTP layers from where the file holds them (``model.layers.{L_file + j}``); the file's decoder layers
     n..L_file-1 are not read, and a warning names them, as transformers' load report lists them as
-    unexpected keys."""
+    unexpected keys. ``folder_identity``: as ``load_pretrained_state``'s."""
     from ..checkpoint import load_pretrained_state
 
     n, file_n = int(config.num_hidden_layers), int(file_config.num_hidden_layers)
@@ -277,7 +278,15 @@ def _load_first_layers(
         return ".".join(parts)
 
     as_file = {renamed(k, n, file_n): v for k, v in state.items()}
-    report = load_pretrained_state(as_file, path, dtype=dtype, strict=strict, config=file_config, keys=set(as_file))
+    report = load_pretrained_state(
+        as_file,
+        path,
+        dtype=dtype,
+        strict=strict,
+        config=file_config,
+        keys=set(as_file),
+        folder_identity=folder_identity,
+    )
     report.loaded = [renamed(k, file_n, n) for k in report.loaded]
     report.initialized = [renamed(k, file_n, n) for k in report.initialized]
     report.missing = [renamed(k, file_n, n) for k in report.missing]
@@ -414,8 +423,12 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         """
         from ..checkpoint import load_pretrained_state
         from ..checkpoint.loader import init_like_hf, resolve_model_dtype
+        from ..checkpoint.safetensors_io import folder_identity
 
         path, config_overrides = _loading_keywords(path, config_overrides)
+        # the folder the config is read from: its weights are then read from that folder or refused
+        # (a save publishing over it between the two), never a new checkpoint's under the old config
+        folder = folder_identity(path)
         torch_dtype = config_overrides.pop("torch_dtype", None)  # transformers: dtype's older name
         if torch_dtype is not None and (isinstance(dtype, str) and dtype == "auto"):
             dtype = torch_dtype
@@ -444,14 +457,21 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
 
             state, shard_info = sharded_state_dict(model, model.topology)
             report = load_pretrained_state(  # keys: expert parallel leaves the other ranks' experts out
-                state, path, dtype=None, strict=strict, config=config, keys=set(state), shard_info=shard_info
+                state,
+                path,
+                dtype=None,
+                strict=strict,
+                config=config,
+                keys=set(state),
+                shard_info=shard_info,
+                folder_identity=folder,
             )
         elif file_config is not None:  # the first layers of a deeper checkpoint (transformers' num_hidden_layers=)
             state = model.state_dict()
-            report = _load_first_layers(state, path, dtype, strict, config, file_config)
+            report = _load_first_layers(state, path, dtype, strict, config, file_config, folder)
         else:
             state = model.state_dict()
-            report = load_pretrained_state(model, path, dtype=dtype, strict=strict)
+            report = load_pretrained_state(model, path, dtype=dtype, strict=strict, folder_identity=folder)
         params = model.state_dict()
         unfilled = set(params) - set(report.loaded) - set(report.initialized)
         if unfilled:  # strict=False: what the checkpoint lacks is initialised as HF does, seeded by key
