@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import fields
@@ -428,11 +429,12 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
     check_batch_samples(data, cfg.global_batch_size)
     toy_unpadded(data, "--data")
     if cfg.resume:
-        from .settings import check_resume_run
-        from .state_files import check_resume_state
+        from .settings import check_resume_run, resolved_resume
+        from .state_files import check_step_folder
 
         held = None if held_out is None else held_out.fingerprint()
-        check_resume_run(cfg, *check_resume_state(cfg.resume), data.fingerprint(), eval_fingerprint=held)
+        folder = resolved_resume(cfg)  # the step the workers load (run_config.json), not `latest` read again
+        check_resume_run(cfg, folder, check_step_folder(folder), data.fingerprint(), eval_fingerprint=held)
 
 
 def check_checkpoint_files(model_dir: str) -> None:
@@ -486,6 +488,25 @@ def dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
             raise ValueError(bad)
         out.append((os.path.abspath(d), step))
     return out
+
+
+def check_dump_folders(args: argparse.Namespace) -> None:
+    """Each ``--dump-step DIR K``'s DIR can be made and written into (a folder made here and removed
+    again: what the command makes of DIR waits for step K), else a ValueError naming ``--dump-step``
+    as given.  The dump is written after update K: a DIR found unwritable only then (a read-only
+    place, a name over 255 bytes) cost the whole run up to K."""
+    for d, _ in getattr(args, "dump_step", None) or []:
+        path = os.path.abspath(d)
+        try:
+            made = make_folder(path)
+        except OSError as e:
+            raise ValueError(f"--dump-step {d}: cannot make the folder: {os_error_line(e)}") from e
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".glm52-dump-probe-", dir=path))
+        except OSError as e:
+            raise ValueError(f"--dump-step {d}: cannot write into the folder: {os_error_line(e)}") from e
+        finally:
+            remove_made(path, made)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -594,6 +615,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg, adapter, world = check_args(args)
         if bad := output_folder_error(args.out, "--out"):  # before anything (a jsonl's tokens) is written there
             raise ValueError(bad)
+        check_dump_folders(args)
         node_rank = node_rank_of(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"glm52 train: error: {e}", file=sys.stderr)
@@ -747,7 +769,14 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     from .launch import LaunchError
 
     log_dir = os.path.join(cfg.out, "logs") if node_rank is None else os.path.join(cfg.out, "logs", f"node{node_rank}")
-    for line in start_notes(cfg, adapter, log_dir):
+    from .state_files import StepFolderRemoved
+
+    try:
+        notes = start_notes(cfg, adapter, log_dir)
+    except StepFolderRemoved as e:  # the resumed step, checked a moment ago, pruned by the run saving there
+        print(f"glm52 train: error: {e}", file=sys.stderr)
+        return 2
+    for line in notes:
         print(line, flush=True)
     if world == 1 and args.nnodes == 1:
         return _run_in_process(cfg, adapter, args.job_timeout)
@@ -770,8 +799,9 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
     an earlier run's failure record ``log_dir/failure.json`` is moved to ``failure.prev.json``
     (replacing an older one), so that failure.json is only ever this run's; an ``OUT/export`` this run
     does not replace (no ``--export``) is an earlier run's, and so are saves in ``OUT/checkpoints``
-    this run does not continue; a warm-up that does not end before the last step
-    (``settings.warmup_warning``)."""
+    this run does not continue; the step folder a ``--resume`` of a checkpoint root (or an output
+    folder) resumes, as its ``latest`` named it when the run started; a warm-up that does not end
+    before the last step (``settings.warmup_warning``)."""
     from .launch import set_aside_failure_record
     from .settings import lr_schedule_start, warmup_warning
 
@@ -793,12 +823,15 @@ def start_notes(cfg: TrainConfig, adapter: Any, log_dir: str) -> list[str]:
             f"[glm52 train] warning: {export} is an earlier run's export, not replaced by this run (no --export): "
             "it does not hold this run's weights"
         )
-    from .state_files import read_meta, resolve_resume_state, saved_steps
+    from .settings import resolved_resume
+    from .state_files import read_meta, saved_steps
 
     meta = resumed = None
     if cfg.resume:
-        resumed = resolve_resume_state(cfg.resume)
+        resumed = resolved_resume(cfg)
         meta = read_meta(resumed)
+        if os.path.realpath(resumed) != os.path.realpath(cfg.resume):  # a root: which of its saves is said
+            notes.append(f"[glm52 train] --resume {cfg.resume}: resuming {resumed} (step {meta['step']})")
     ckpt = os.path.join(cfg.out, "checkpoints")
     with contextlib.suppress(OSError):  # no checkpoints folder: nothing to say
         # the saves of an earlier run this one does not continue: all of them, or after the step it resumes

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -62,9 +62,10 @@ from .settings import (
     eval_identity,
     lr_schedule_start,
     recorded_settings,
+    resolved_resume,
     run_world,
 )
-from .state_files import read_meta, resolve_resume_state
+from .state_files import read_meta, reading_step_folder
 
 __all__ = ["TrainConfig", "check_run", "run_training", "run_world"]
 
@@ -95,7 +96,10 @@ def _maybe_fault(spec: str | None, rank: int, step: int) -> bool:
 
 
 def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[str, Any] | None:
-    """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere)."""
+    """Train on this process's rank; returns the loss.json content on rank 0 (None elsewhere).  The
+    run works on a copy of ``cfg``: what it resolves (the step folder a ``--resume`` root's ``latest``
+    names, the indexer stage a resumed state sets) is this run's, not the next that gets ``cfg``."""
+    cfg = replace(cfg)
     cfg.validate()
     adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
     world = launched_world_size()  # the launcher's (glm52 train's one-process run sets stale ones aside)
@@ -131,7 +135,7 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
 
 # what may differ between the ranks of one job: where each node reads and writes (another mount
 # point), the progress bar, the testing aid; everything else is the run itself
-_PER_NODE_SETTINGS = ("out", "data", "eval_data", "resume", "progress", "fault")
+_PER_NODE_SETTINGS = ("out", "data", "eval_data", "resume", "resume_folder", "progress", "fault")
 _PER_NODE_MODEL_ARGS = ("model_dir", "tokenizer_dir")
 
 
@@ -156,10 +160,11 @@ def run_inputs(cfg: TrainConfig, adapter: ModelAdapter, data: Any, held_out: Any
     if ckpt:
         found["checkpoint"] = ckpt
     if cfg.resume:
-        folder = resolve_resume_state(cfg.resume)
-        with open(os.path.join(folder, "meta.json"), "rb") as f:
-            sha = hashlib.sha256(f.read()).hexdigest()[:16]
-        found["resume"] = {"step": read_meta(folder)["step"], "meta_sha256": sha}
+        folder = resolved_resume(cfg)
+        with reading_step_folder(folder):
+            with open(os.path.join(folder, "meta.json"), "rb") as f:
+                sha = hashlib.sha256(f.read()).hexdigest()[:16]
+            found["resume"] = {"step": read_meta(folder)["step"], "meta_sha256": sha}
     return {_INPUT_NAMES[k]: v for k, v in found.items()}
 
 
@@ -256,7 +261,7 @@ def _load_initial_weights(cfg: TrainConfig, adapter: ModelAdapter, module: Any, 
     refuses one that lacks any), so the pretrained weights would only be overwritten."""
     t0 = time.perf_counter()
     if cfg.resume:
-        info: dict[str, Any] = {"method": "resume", "resume": cfg.resume}
+        info: dict[str, Any] = {"method": "resume", "resume": cfg.resume, "resume_folder": resolved_resume(cfg)}
     elif (loaded := adapter.load_stage(module, topo)) is not None:
         info = {"method": "load_stage", **loaded}
     else:
@@ -386,9 +391,9 @@ def _setup(
     held = None if held_out is None else eval_identity(cfg, held_out.fingerprint())  # the held-out set
     eval_record = held
     if cfg.resume:
-        folder = resolve_resume_state(cfg.resume)
+        folder = resolved_resume(cfg)
         check_resume_run(cfg, folder, read_meta(folder), data.fingerprint(), eval_fingerprint=held and held["data"])
-        meta = load_resume_state(cfg.resume, topo, module, opt, layout, indexer_stage=stage)
+        meta = load_resume_state(folder, topo, module, opt, layout, indexer_stage=stage)
         start = int(meta["step"])
         skipped_earlier = [s for s in meta.get("skipped_steps", []) if s <= start]
         for k, v in meta.get("history", {}).items():  # an evaluation's record names its step
@@ -457,6 +462,7 @@ def _snapshot(run: _Run, steps_done: int) -> dict[str, Any]:
             "step_engine": _step_engine(run),
             "data": run.data.describe,
             "resumed_from_step": run.start if cfg.resume else None,
+            "resumed_from": cfg.resume_folder if cfg.resume else None,  # the step folder read, `latest` followed
             "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
             "sharding": run.topo.pc.sharding,
             "sharding_stage": run.topo.pc.sharding_stage,

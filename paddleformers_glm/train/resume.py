@@ -34,10 +34,11 @@ from .state_files import (
     FLEX_DIR,
     FORMAT,
     ResumeStateError,
-    check_resume_state,
+    check_step_folder,
     model_identity,
     rank_files,
     read_rank_state,
+    reading_step_folder,
     resolve_resume_state,
     rng_state,
     saved_steps,
@@ -253,15 +254,33 @@ def load_resume_state(
     expect_profile: dict[str, Any],
     indexer_stage: str | None = None,
 ) -> dict[str, Any]:
-    """Restore this rank's state; returns meta.json. The saved layout must equal ``expect_profile``
-    (or differ only in :data:`LAYOUT_KEYS`: then the state is resharded from ``flex/``).  Every file
-    of the state is checked first (state_files.check_resume_state); nothing is unpickled but
-    flex-checkpoint's metadata, through an allow-list.
+    """Restore this rank's state from the step folder ``path``; returns meta.json. ``path`` is the
+    folder the run resolved its ``--resume`` to once (settings.resolved_resume), never a root whose
+    ``latest`` is followed here: a root another run still saves into would give each rank, and the
+    launcher's check, a step of its own.  A folder removed while it is read is
+    ``state_files.StepFolderRemoved``.
+
+    The saved layout must equal ``expect_profile`` (or differ only in :data:`LAYOUT_KEYS`: then the
+    state is resharded from ``flex/``).  Every file of the state is checked first
+    (state_files.check_step_folder); nothing is unpickled but flex-checkpoint's metadata, through an
+    allow-list.
 
     ``indexer_stage``: this run's; a state written in another stage keeps optimizer state only for
     the parameters this run trains (docs/indexer.md, "Resuming across stages"). In the same stage
     every saved optimizer entry must belong to this run's parameters."""
-    path, meta = check_resume_state(path)
+    with reading_step_folder(path):
+        return _load_step_folder(path, topo, model, optimizer, expect_profile, indexer_stage)
+
+
+def _load_step_folder(
+    path: str,
+    topo: Topology,
+    model: nn.Layer,
+    optimizer: AdamW,
+    expect_profile: dict[str, Any],
+    indexer_stage: str | None,
+) -> dict[str, Any]:
+    meta = check_step_folder(path)
     if topo.rank == 0 and "model" not in meta:  # settings.check_resume_run could compare nothing
         print(
             f"[glm52 train] note: --resume {path}: the state records no model identity (saved before it was "

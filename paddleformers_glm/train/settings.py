@@ -51,6 +51,7 @@ __all__ = [
     "recorded_settings",
     "parallel_config",
     "pipeline_chunks",
+    "resolved_resume",
     "resumed_indexer_stage",
     "run_world",
 ]
@@ -177,6 +178,9 @@ class TrainConfig:
     save_every: int = 0
     save_total_limit: int = 0  # checkpoints/step_* folders kept (0: all); may change on a resume
     resume: str | None = None
+    # the step folder `resume` resolved to, once, by the process that started the run (resolved_resume):
+    # what every later check and every worker reads, so that all of them read one step
+    resume_folder: str | None = None
     resume_override: list = field(default_factory=list)  # RESUME_SETTINGS a resume may change
     dtype: str = "float32"
     progress: bool = True
@@ -347,7 +351,7 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
     if kinds is not None:
         validate_shared_layer_starts(specs, kinds, carry_topk=True)
     if cfg.resume:  # before the indexer training is set: an unset --indexer-stage takes the state's
-        folder = resolve_resume_state(cfg.resume)
+        folder = resolved_resume(cfg)
         check_resume_run(cfg, folder, read_meta(folder))
     # --indexer-*: the warm-up freezes the backbone (no router-bias updates nor balance loss); shared-layer
     # supervision needs every chunk to start on a full layer (its target includes the shared layers after it)
@@ -365,6 +369,17 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
                 "its pipeline stage)"
             ) from e
     return pc, specs
+
+
+def resolved_resume(cfg: Any) -> str:
+    """The step folder of ``cfg.resume`` (a step folder, a checkpoint root's ``latest``, an output
+    folder's ``checkpoints/``), resolved on the first call and kept in ``cfg.resume_folder``, which
+    the launcher hands to its workers (run_config.json).  Resolved once: against a root another run
+    is still saving into, ``latest`` moves on, and a launcher that checked one step while its ranks
+    followed ``latest`` again resumed another (or one rank another than the next)."""
+    if cfg.resume_folder is None:
+        cfg.resume_folder = resolve_resume_state(cfg.resume)
+    return cfg.resume_folder
 
 
 # the run settings that decide how a resumed run continues (its lr schedule, optimizer, data order,

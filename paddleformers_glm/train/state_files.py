@@ -33,12 +33,15 @@ __all__ = [
     "FLEX_METADATA_CLASSES",
     "AllowListUnpickler",
     "ResumeStateError",
+    "StepFolderRemoved",
     "check_resume_state",
+    "check_step_folder",
     "model_differences",
     "model_identity",
     "read_flex_metadata",
     "read_meta",
     "read_rank_state",
+    "reading_step_folder",
     "resolve_resume_state",
     "restricted_unpickle",
     "rng_state",
@@ -61,6 +64,38 @@ _OLD_FORMAT = re.compile(r"rank_\d+\.pdstate(\.rng)?|.*\.distcp")
 
 class ResumeStateError(ValueError):
     """A resume folder or file that cannot be used; the message starts with the file it is about."""
+
+
+class StepFolderRemoved(ResumeStateError):
+    """A step folder that was there when ``--resume`` chose it and is gone while it is read: another
+    run saving into the same checkpoint root pruned it (``--save-total-limit`` renames the folder
+    ``step_N.tmp``, then deletes it). The state was whole; what follows from its files being absent
+    (a rank's JSON or a flex tensor file "missing") would blame the checkpoint instead."""
+
+    def __init__(self, folder: str) -> None:
+        root = os.path.dirname(folder)
+        super().__init__(
+            f"{folder}: removed while it was being read (the step folder is gone; another run may be saving into "
+            f"{root} and pruning it with --save-total-limit): resume from a step folder that run does not delete "
+            "(a copy of one), or once that run has ended"
+        )
+        self.folder = folder
+
+
+@contextlib.contextmanager
+def reading_step_folder(folder: str) -> Iterator[None]:
+    """Reads of the step folder ``folder``, found there before: an error raised while the folder has
+    gone is :class:`StepFolderRemoved` (its files were not missing from the state, the whole folder
+    was taken away), any other error is raised as it is (a step folder still there with a file
+    missing is a broken state, and said so)."""
+    try:
+        yield
+    except StepFolderRemoved:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the read hit (a missing file, Paddle's load): gone is gone
+        if os.path.isdir(folder):
+            raise
+        raise StepFolderRemoved(folder) from e
 
 
 def rank_files(folder: str, rank: int) -> tuple[str, str]:
@@ -115,7 +150,23 @@ def resolve_resume_state(path: str) -> str:
 
 
 def _follow_latest(root: str, latest: str) -> str:
-    """The step folder ``latest`` names: a ``step_NNNNNNNN`` folder directly inside ``root``."""
+    """The step folder ``latest`` names: a ``step_NNNNNNNN`` folder directly inside ``root``.  A run
+    still saving into ``root`` may save and prune between the read of ``latest`` and the look at its
+    folder: a folder gone while ``latest`` has moved on is looked for again under the newer name."""
+    for _ in range(8):  # a writer saving every step moves `latest` at most once per step
+        name = _latest_name(root, latest)
+        folder = os.path.join(root, name)
+        if os.path.islink(folder) or os.path.dirname(os.path.realpath(folder)) != os.path.realpath(root):
+            raise ResumeStateError(f"{latest}: names {name}, a link that leaves the checkpoint root {root}")
+        if os.path.isdir(folder) or _latest_name(root, latest) == name:
+            break
+    if not os.path.isdir(folder):
+        raise ResumeStateError(f"{latest}: names {name}, which is not a folder in {root}")
+    return folder
+
+
+def _latest_name(root: str, latest: str) -> str:
+    """The step folder name the file ``latest`` of ``root`` holds."""
     if os.path.islink(latest) or not os.path.isfile(latest):
         raise ResumeStateError(f"{latest}: must be a regular file naming a step folder, not a link or a folder")
     with open(latest, "rb") as f:
@@ -126,16 +177,17 @@ def _follow_latest(root: str, latest: str) -> str:
         raise ResumeStateError(
             f"{latest}: must hold a step folder name such as step_00000004 (a folder inside {root}), got {shown!r}"
         )
-    folder = os.path.join(root, name)
-    if os.path.islink(folder) or os.path.dirname(os.path.realpath(folder)) != os.path.realpath(root):
-        raise ResumeStateError(f"{latest}: names {name}, a link that leaves the checkpoint root {root}")
-    if not os.path.isdir(folder):
-        raise ResumeStateError(f"{latest}: names {name}, which is not a folder in {root}")
-    return folder
+    return name
 
 
 def read_meta(folder: str) -> dict[str, Any]:
-    """``meta.json`` of a step folder, its form checked (the old pickle format refused by name)."""
+    """``meta.json`` of a step folder, its form checked (the old pickle format refused by name); a
+    folder removed while it is read is :class:`StepFolderRemoved`."""
+    with reading_step_folder(folder):
+        return _read_meta(folder)
+
+
+def _read_meta(folder: str) -> dict[str, Any]:
     for sub in (folder, os.path.join(folder, FLEX_DIR)):
         names = sorted(os.listdir(sub)) if os.path.isdir(sub) else []
         old = [n for n in names if _OLD_FORMAT.fullmatch(n)]
@@ -271,15 +323,24 @@ def model_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[
 
 
 def check_resume_state(path: str) -> tuple[str, dict[str, Any]]:
-    """(step folder, meta.json) after checking every file of the state: meta.json, each rank's JSON
-    and safetensors header, the flex-checkpoint metadata (restricted unpickling) and its tensor
-    files' headers.  Nothing is loaded into a model; the launcher calls it before any worker starts."""
+    """(step folder, meta.json) of the resume path ``path`` (:func:`resolve_resume_state`), after
+    :func:`check_step_folder`."""
     folder = resolve_resume_state(path)
-    meta = read_meta(folder)
-    for rank in range(meta["world_size"]):
-        read_rank_state(folder, rank)[0].close()  # the JSON and the safetensors header (nothing mapped yet)
-    read_flex_metadata(os.path.join(folder, FLEX_DIR))
-    return folder, meta
+    return folder, check_step_folder(folder)
+
+
+def check_step_folder(folder: str) -> dict[str, Any]:
+    """meta.json of the step folder ``folder`` (already resolved: its ``latest`` is not read again)
+    after checking every file of the state: meta.json, each rank's JSON and safetensors header, the
+    flex-checkpoint metadata (restricted unpickling) and its tensor files' headers.  Nothing is
+    loaded into a model; the launcher calls it before any worker starts.  A folder removed while it
+    is checked is :class:`StepFolderRemoved`."""
+    with reading_step_folder(folder):
+        meta = read_meta(folder)
+        for rank in range(meta["world_size"]):
+            read_rank_state(folder, rank)[0].close()  # the JSON and the safetensors header (nothing mapped yet)
+        read_flex_metadata(os.path.join(folder, FLEX_DIR))
+    return meta
 
 
 # ---------------------------------------------------------------- one rank's state
