@@ -97,21 +97,48 @@ def test_from_pretrained_of_an_exchanged_folder_loads_the_original(folders, sour
 
 
 def test_folder_exchanged_between_config_and_weights_is_refused(folders, monkeypatch):
-    """The config was read from the folder before the exchange, the weights would come from after it."""
+    """The config was read from the folder before the exchange (while the model is built from it), the
+    weights would come from after it: from_pretrained's own record of the folder refuses the load (a
+    loader's record taken at its start would see one folder throughout, the new one)."""
+    from paddleformers_glm.modeling import pretrained
+
     x, y = folders
-    orig = sio.Checkpoint.__init__
+    read_config = pretrained._config_with_overrides
     calls: list[str] = []
 
-    def hooked(self, path, *args, **kwargs):
-        if not calls:
-            calls.append(os.fspath(path))
-            exchange(y, x)
-        orig(self, path, *args, **kwargs)
+    def then_publish(path, *args, **kwargs):
+        got = read_config(path, *args, **kwargs)
+        calls.append(os.fspath(path))
+        exchange(y, x)
+        return got
 
-    monkeypatch.setattr(sio.Checkpoint, "__init__", hooked)
+    monkeypatch.setattr(pretrained, "_config_with_overrides", then_publish)
     with pytest.raises(CheckpointError, match=REPLACED) as e:
         GlmMoeDsaForCausalLM.from_pretrained(x, dtype="float32")
     assert calls and x in str(e.value) and "config.json" in str(e.value)
+
+
+def test_a_convert_whose_source_is_published_over_between_batches_is_refused(folders, tmp_path, monkeypatch):
+    """glm52 convert loads its source a layer batch at a time, each a load of its own: a save publishing
+    over SRC between two batches wrote A's first layers and B's others under A's config, exit 0. Every
+    batch now refuses a folder other than the one the config was read from; nothing is published."""
+    from paddleformers_glm.checkpoint import convert
+
+    x, y = folders
+    load = convert.load_pretrained_state
+    calls: list[int] = []
+
+    def publish_before_the_second_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the plan-only pass, the first batch, then the second batch
+            exchange(y, x)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "load_pretrained_state", publish_before_the_second_batch)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=REPLACED):
+        convert.convert_checkpoint(x, out, layout="hf")
+    assert len(calls) == 3 and not out.exists()
 
 
 @pytest.mark.parametrize("how", ["exchanged then removed", "removed"])
@@ -201,3 +228,15 @@ def test_the_folder_descriptor_is_closed_with_the_checkpoint(sources):
         held = len(os.listdir("/proc/self/fd"))
     assert held <= before + 17 + 1  # a map per shard, and the folder
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_closed_checkpoint_reads_nothing_of_the_working_directory(sources, tmp_path, monkeypatch):
+    """Its files are opened relative to the folder's descriptor; once closed, a read by name would be
+    relative to the process's working directory (a config.json there): refused instead."""
+    (tmp_path / "config.json").write_text('{"not": "this checkpoint"}')
+    monkeypatch.chdir(tmp_path)
+    ckpt = sio.Checkpoint(sources[0])
+    assert ckpt.read_json("config.json", "the model config")["model_type"] == "glm_moe_dsa"
+    ckpt.close()
+    with pytest.raises(CheckpointError, match="the checkpoint is closed"):
+        ckpt.read_json("config.json", "the model config")

@@ -135,3 +135,42 @@ def test_a_step_pruned_while_its_files_are_checked_is_not_called_broken(saved_ro
     (broken / "rank_00000.json").unlink()
     with pytest.raises(state_files.ResumeStateError, match=r"rank_00000\.json: missing \(the state of rank 0\)"):
         state_files.check_resume_state(str(broken))
+
+
+def test_a_resolved_step_is_kept_only_for_the_resume_it_came_from(saved_root, tmp_path):
+    """``resume_folder`` is what ``resume`` resolved to: a config whose ``resume`` changed since (a
+    Python caller's, a run_config.json edited) resolves again instead of resuming the other root's step."""
+    from paddleformers_glm.train.settings import TrainConfig, resolved_resume
+
+    a, b = _copy(saved_root, tmp_path / "a"), _copy(saved_root, tmp_path / "b")
+    (b / "latest").write_text(STEP1 + "\n")
+    cfg = TrainConfig(model="toy", steps=3, seq_len=8, out=str(tmp_path / "r"), resume=str(a))
+    assert resolved_resume(cfg) == str(a / STEP2)
+    (a / "latest").write_text(STEP1 + "\n")  # the same root: kept
+    assert resolved_resume(cfg) == str(a / STEP2)
+    cfg.resume = str(b)
+    assert resolved_resume(cfg) == str(b / STEP1)
+    cfg.resume = str(b / STEP2)  # a step folder given itself
+    assert resolved_resume(cfg) == str(b / STEP2)
+
+
+def test_nodes_that_followed_a_moving_latest_are_told_so(saved_root, tmp_path, monkeypatch):
+    """Each node's launcher follows a root's ``latest`` when it starts: nodes started while another run
+    saved there resume different steps. The ranks' check refused it blaming the user's command and
+    files; it now also names the moving ``latest`` and what to give instead."""
+    from types import SimpleNamespace
+
+    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train.loop import TrainConfig, check_same_run, run_settings
+
+    root = str(saved_root)
+    mine = TrainConfig(model="toy", steps=3, seq_len=8, out="/n0", resume=root, resume_folder=f"{root}/{STEP1}")
+    other = TrainConfig(model="toy", steps=3, seq_len=8, out="/n1", resume=root, resume_folder=f"{root}/{STEP2}")
+    seen = {"resume state": {"step": 2, "meta_sha256": "b"}}
+    monkeypatch.setattr(distributed, "all_gather_object", lambda obj, topo: [obj, run_settings(other, seen)])
+    with pytest.raises(ValueError) as e:
+        check_same_run(mine, SimpleNamespace(world_size=2), {"resume state": {"step": 1, "meta_sha256": "a"}})
+    assert "resume state: " in str(e.value) and str(e.value).endswith(
+        f"; --resume {root} is a checkpoint root whose `latest` each node followed when it started (another run "
+        "saving there moves it): give every node the step folder itself"
+    ), e.value

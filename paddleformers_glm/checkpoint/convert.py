@@ -29,7 +29,7 @@ from .finite import check_finite_state
 from .fp8 import quantization_of
 from .layout import fleet_param_specs, resolve_dtype
 from .loader import load_config_for, load_pretrained_state, logger
-from .safetensors_io import SafetensorsWriter
+from .safetensors_io import SafetensorsWriter, folder_identity
 from .saver import SaveReport, plan_save, write_checkpoint, write_mapped
 
 __all__ = ["convert_checkpoint", "empty_state", "layer_batches"]
@@ -120,6 +120,9 @@ def convert_checkpoint(
                     "conversion replaces that folder and would delete the file the source reads; write to another folder",
                     file=os.path.join(src_folder, name),
                 )
+    # every layer batch below is a load of its own: each refuses a folder other than the one the config
+    # came from (a save publishing over SRC mid-convert), not only a folder swapped during that batch
+    identity = folder_identity(src)
     config = load_config_for(os.path.abspath(src))
     quantize = quantization not in (None, "none")
     work = "float32" if quantize else dtype or config.model_dtype
@@ -129,8 +132,12 @@ def convert_checkpoint(
     try:
         with memo_units():  # the unit lists are built once, not per layer
             with _warn_once(seen):  # every refusal of a whole load, before anything is written
-                load_pretrained_state(dict.fromkeys(fleet), src, dtype=work, config=config, plan_only=True)
-            return _stream(src, config, work, out, layout, dtype, max_shard_size, quantization, expert_layout, seen, t0)
+                load_pretrained_state(
+                    dict.fromkeys(fleet), src, dtype=work, config=config, plan_only=True, folder_identity=identity
+                )
+            return _stream(
+                src, config, work, out, layout, dtype, max_shard_size, quantization, expert_layout, seen, t0, identity
+            )
     finally:
         logger.removeFilter(once)
 
@@ -150,6 +157,7 @@ def _stream(
     expert_layout: str,
     seen: set[tuple[type, str]],
     t0: float,
+    identity: tuple[int, int] | None = None,
 ) -> SaveReport:
     """The save half of :func:`convert_checkpoint`: ``save_pretrained_state``'s checks, plan and
     atomic write, its source loaded a layer at a time."""
@@ -178,7 +186,7 @@ def _stream(
             for units, keys in batches:
                 state = empty_state(config, work, keys)
                 with _warn_once(seen):
-                    load_pretrained_state(state, src, dtype=work, config=config, keys=keys)
+                    load_pretrained_state(state, src, dtype=work, config=config, keys=keys, folder_identity=identity)
                 # as from_pretrained refuses it: nothing is published (float16: a finite weight can overflow)
                 check_finite_state(state, src, _FLOAT16_NOTE if work == "float16" else "")
                 write_mapped(units, StateDictSource(state), plan, writers)

@@ -495,9 +495,7 @@ class Checkpoint(_Closing):
         removed): what explains a file of it that went missing, rather than a checkpoint lacking it."""
         if self._dir_fd is None:
             return False
-        try:
-            if os.fstat(self._dir_fd).st_nlink == 0:  # removed
-                return True
+        try:  # a removed folder has no path (or another folder has it); link counts of folders vary by filesystem
             now = os.stat(self.folder)
         except OSError:
             return True
@@ -521,6 +519,8 @@ class Checkpoint(_Closing):
         return self._replaced(f"reading it failed: {cause}")
 
     def _opener(self, name: str, flags: int) -> int:
+        if self._dir_fd is None:  # closed: a name relative to no folder would be the working directory's
+            raise CheckpointError("the checkpoint is closed", file=os.path.join(self.folder, name))
         return os.open(name, flags, dir_fd=self._dir_fd)
 
     def _open(self, file: str) -> Any:
@@ -533,6 +533,8 @@ class Checkpoint(_Closing):
 
     def _stat(self, name: str) -> os.stat_result | None:
         """The folder's entry ``name`` (a link followed), None when there is none."""
+        if self._dir_fd is None:
+            raise CheckpointError("the checkpoint is closed", file=os.path.join(self.folder, name))
         try:
             return os.stat(name, dir_fd=self._dir_fd)
         except OSError:

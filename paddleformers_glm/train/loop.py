@@ -210,9 +210,20 @@ def check_same_run(cfg: TrainConfig, topo: Any, inputs: dict[str, Any] | None = 
             for k, ranks in differ.items()
         )
         files = [k for k in differ if k in _INPUT_NAMES.values()]
+        moved = ""
+        if (
+            _INPUT_NAMES["resume"] in differ
+            and cfg.resume
+            and os.path.realpath(cfg.resume) != os.path.realpath(cfg.resume_folder or cfg.resume)
+        ):  # each node's launcher followed the root's `latest` when it started: it moved in between
+            moved = (
+                f"; --resume {cfg.resume} is a checkpoint root whose `latest` each node followed when it started "
+                "(another run saving there moves it): give every node the step folder itself"
+            )
         raise ValueError(
             f"the ranks of this job were given different runs ({what}): run the same glm52 train command on every node"
             + (", each with copies of rank 0's files (--data, the model folder, --resume)" if files else "")
+            + moved
         )
 
 

@@ -9,6 +9,7 @@ its flags with :func:`check_numbers` and :func:`indexer_stage_weight`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
@@ -377,9 +378,19 @@ def resolved_resume(cfg: Any) -> str:
     the launcher hands to its workers (run_config.json).  Resolved once: against a root another run
     is still saving into, ``latest`` moves on, and a launcher that checked one step while its ranks
     followed ``latest`` again resumed another (or one rank another than the next)."""
-    if cfg.resume_folder is None:
+    folder = cfg.resume_folder
+    if folder is None or not _resolved_from(folder, cfg.resume):  # not yet, or for another --resume
         cfg.resume_folder = resolve_resume_state(cfg.resume)
     return cfg.resume_folder
+
+
+def _resolved_from(folder: str, resume: str) -> bool:
+    """Whether the step folder ``folder`` is what ``resume`` resolves to: itself, or a step folder of
+    the checkpoint root (or output folder) it names, as :func:`resolve_resume_state` follows them."""
+    root = os.path.realpath(resume)
+    return os.path.realpath(os.path.dirname(folder)) in (root, os.path.join(root, "checkpoints")) or (
+        os.path.realpath(folder) == root
+    )
 
 
 # the run settings that decide how a resumed run continues (its lr schedule, optimizer, data order,
