@@ -278,15 +278,8 @@ def _load_first_layers(
         return ".".join(parts)
 
     as_file = {renamed(k, n, file_n): v for k, v in state.items()}
-    report = load_pretrained_state(
-        as_file,
-        path,
-        dtype=dtype,
-        strict=strict,
-        config=file_config,
-        keys=set(as_file),
-        folder_identity=folder_identity,
-    )
+    where = {"config": file_config, "keys": set(as_file), "folder_identity": folder_identity}
+    report = load_pretrained_state(as_file, path, dtype=dtype, strict=strict, **where)
     report.loaded = [renamed(k, file_n, n) for k in report.loaded]
     report.initialized = [renamed(k, file_n, n) for k in report.initialized]
     report.missing = [renamed(k, file_n, n) for k in report.missing]
@@ -456,16 +449,9 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
             from ..parallel.state import sharded_state_dict
 
             state, shard_info = sharded_state_dict(model, model.topology)
-            report = load_pretrained_state(  # keys: expert parallel leaves the other ranks' experts out
-                state,
-                path,
-                dtype=None,
-                strict=strict,
-                config=config,
-                keys=set(state),
-                shard_info=shard_info,
-                folder_identity=folder,
-            )
+            slices = {"keys": set(state), "shard_info": shard_info, "folder_identity": folder}
+            # keys: expert parallel leaves the other ranks' experts out
+            report = load_pretrained_state(state, path, dtype=None, strict=strict, config=config, **slices)
         elif file_config is not None:  # the first layers of a deeper checkpoint (transformers' num_hidden_layers=)
             state = model.state_dict()
             report = _load_first_layers(state, path, dtype, strict, config, file_config, folder)
