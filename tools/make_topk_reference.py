@@ -7,6 +7,11 @@ router choice (1 of 64 experts) on tied scores. The inputs come from fixed numpy
 sha256 is recorded so a numpy that draws other numbers is caught before any index is compared.
 tests/test_topk_ties.py holds ops.topk and the router to these indices without torch.
 
+"decode": HF's decode-step choice over its grown key cache: torch.topk(index_topk 8) of the row of
+the query at position f - 1 against the keys 0..f-1 (f = 9..200), the scores tests/_tiny.py's
+`tied_index_scores` gives (relu((7 q + 3 k) mod 5 - 2): exact zeros and equal values).
+tests/test_indexer_decode_ties.py holds a decode step's selection to them.
+
     python tools/make_topk_reference.py            # rewrite the fixture
     python tools/make_topk_reference.py --check    # compare with the committed file, exit 1 if it differs
 """
@@ -40,6 +45,15 @@ def router_weight() -> np.ndarray:
     return w.astype("float32")
 
 
+DECODE_TOPK, DECODE_FILLED = 8, range(9, 201)
+
+
+def decode_row(filled: int) -> np.ndarray:
+    """The index scores of the query at position filled - 1 against the keys 0..filled-1."""
+    j = np.arange(filled, dtype=np.float32)
+    return np.maximum(np.mod(np.float32(7 * (filled - 1)) + 3 * j, np.float32(5)) - np.float32(2), 0).astype(np.float32)
+
+
 def sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
@@ -63,7 +77,15 @@ def build() -> dict:
     with torch.no_grad():
         router.weight.copy_(torch.from_numpy(w.T.copy()))
         _, _, choice = router(torch.eye(ROUTER_WIDTH))
+    rows = [decode_row(f) for f in DECODE_FILLED]
+    decode = {
+        "k": DECODE_TOPK,
+        "filled": list(DECODE_FILLED),
+        "input_sha256": sha(np.concatenate(rows)),
+        "indices": [torch.topk(torch.from_numpy(r), DECODE_TOPK).indices.tolist() for r in rows],
+    }
     return {
+        "decode": decode,
         "torch": torch.__version__.split("+")[0],
         "transformers": transformers.__version__,
         "topk": cases,
