@@ -463,6 +463,16 @@ def test_indexer_breaks_exact_ties_as_one_top_k_over_the_whole_row(monkeypatch):
 # ------------------------------------------------------------------ the verdict and receipt
 
 
+def _record_inputs(out: Path, model: Path, seed: int = 1234, seq_len: int = 32) -> None:
+    """OUT/inputs.json as the full align writes it before its runs (the model and data they were given)."""
+    import argparse
+
+    from paddleformers_glm.parity.align import run_inputs
+
+    ns = argparse.Namespace(model=str(model), data=None, seq_len=seq_len, seed=seed)
+    (out / "inputs.json").write_text(json.dumps(run_inputs(ns)))
+
+
 def _fake_run(
     root: Path,
     model: Path,
@@ -484,7 +494,13 @@ def _fake_run(
         doc["topk_min_gaps"] = gaps
     if idle is not None:
         doc["expert_load"] = {"idle_experts": idle}
+    doc["steps"] = len(losses)
+    if root.name == "reference":  # what only the torch reference writes (align refuses a record without it)
+        doc.update(reference="torch reference", dtype="float32", versions={"torch": "x", "transformers": "x"})
+    else:
+        doc.update(profile={}, versions={"paddle": "x"})
     (root / "loss.json").write_text(json.dumps(doc))
+    _record_inputs(root.parent, model)
     all_kinds = ("grads", "exp_avg", "exp_avg_sq", "weights")
     for tag, kinds in (("step1", all_kinds), ("step2", all_kinds), ("step3", all_kinds), ("final", ("weights",))):
         for kind in kinds:
@@ -765,6 +781,7 @@ def test_align_no_run_refuses_runs_made_with_other_settings(tiny_ckpt, tmp_path,
     assert "reference --seed: the run recorded 7, this command says 1234" in err
     v = json.loads((root / "receipt" / "verdict.json").read_text())
     assert v["exit_code"] == 2 and len(v["settings_mismatch"]) == 5  # tp, pp, sp, two seeds
+    _record_inputs(root, tiny_ckpt, seed=7)  # the runs' synthetic data were drawn with their seed
     assert cli_main([*args, "--tp", "1", "--pp", "1", "--no-sp", "--seed", "7"]) == 0
 
 

@@ -26,7 +26,7 @@ from ..train.command import (
     train_line_error,
 )
 from ..train.out_lock import OutInUse, OutUnusable, hold_out_folder, lock_path
-from ..train.settings import effective_min_lr, recorded_settings
+from ..train.settings import effective_min_lr, indexer_stage_weight, recorded_settings
 from .ckpt_check import nan_worst
 from .reference.indexer import saved_indexer_coeff
 from .reference.topk_gaps import NEAR_TIE
@@ -35,6 +35,8 @@ from .reference.train import DUMP_KINDS
 __all__ = [
     "compare_dumps",
     "recorded_settings_mismatch",
+    "record_errors",
+    "inputs_mismatch",
     "compare_idle_experts",
     "compare_indexer",
     "explain_jump",
@@ -67,6 +69,12 @@ TRAIN_FLAGS = (
 ).split()
 # the Paddle run's sizes (default: the headline TP2 x PP2), passed on to glm52 train in this order
 LAYOUT_FLAGS = {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1, "vpp": 1, "sharding": 1, "sharding_stage": 1}
+# what only each trainer writes into its loss.json (reference/train.py, train/loop.py ``_snapshot``): a
+# record without its side's fields was not made by that trainer (a copy of the Paddle run as the
+# reference compared equal to itself, every difference 0, and the receipt said "Paddle == torch")
+REFERENCE_MARKERS = ("reference", "dtype", "versions.torch", "versions.transformers")
+PADDLE_MARKERS = ("profile", "versions.paddle")
+INPUTS_FILE = "inputs.json"  # OUT/inputs.json: the model and data the runs were given, hashed as they started
 
 
 def _rank(x: float) -> tuple[int, float]:
@@ -266,7 +274,8 @@ def recorded_settings_mismatch(args: argparse.Namespace, ref_doc: dict[str, Any]
     """``--no-run``: where the finished runs' ``loss.json`` records a setting other than this command
     line's (the receipt states the command line's layout, training settings and model, so they must
     be the runs'; the training settings are ``run.settings``, train/settings.py
-    ``RECORDED_SETTINGS``); a setting a record does not hold is not checked."""
+    ``RECORDED_SETTINGS``, and the indexer's stage and KL weight); a setting a record does not hold is
+    not checked here: what each record must hold is :func:`record_errors`'s."""
     prof, run = pd_doc.get("profile") or {}, pd_doc.get("run") or {}
     checks = [(f"paddle --{k}", prof.get(k), getattr(args, k)) for k in ("tp", "pp", "dp", "ep", "etp", "cp", "sp")]
     checks += [
@@ -296,11 +305,122 @@ def recorded_settings_mismatch(args: argparse.Namespace, ref_doc: dict[str, Any]
         ]
         path = (doc.get("checkpoint") or {}).get("path")
         checks.append((f"{name} --model", path and os.path.realpath(path), model))
-    return [
+    stage = coeff = refused = None
+    try:  # the stage and KL weight both trainers derive from the flags and the checkpoint's coefficient
+        stage, coeff = indexer_stage_weight(
+            args.indexer_stage, args.indexer_loss_coeff, saved_indexer_coeff(args.model)
+        )
+    except ValueError as e:
+        refused = f"--indexer-stage / --indexer-loss-coeff: {e}"
+    pd_indexer = pd_doc.get("indexer") or {}
+    ref_stage = (ref_doc.get("indexer") or {}).get("stage")
+    if ref_stage is None and "indexer_loss_coeff" in ref_doc:  # the reference writes no block at stage none
+        ref_stage = "none"
+    if refused is None:
+        checks += [
+            ("paddle --indexer-stage", pd_indexer.get("stage"), stage),
+            ("paddle --indexer-loss-coeff (the indexer KL's weight)", pd_indexer.get("loss_weight"), coeff),
+            ("reference --indexer-stage", ref_stage, stage),
+            ("reference --indexer-loss-coeff (the indexer KL's weight)", ref_doc.get("indexer_loss_coeff"), coeff),
+        ]
+    return [refused] * (refused is not None) + [
         f"{what}: the run recorded {got!r}, this command says {want!r}"
         for what, got, want in checks
         if got is not None and got != want
     ]
+
+
+def _field(doc: dict[str, Any], dotted: str) -> Any:
+    """``doc``'s value at a dotted path (``versions.torch``), None where a level is missing."""
+    for part in dotted.split("."):
+        doc = doc.get(part) if isinstance(doc, dict) else None
+    return doc
+
+
+def record_errors(
+    ref_loss: str, ref_doc: dict[str, Any], pd_loss: str, pd_doc: dict[str, Any], steps: int
+) -> list[str]:
+    """Why the two ``loss.json`` are not a torch reference run and a Paddle run of ``steps`` updates:
+    each must carry its own trainer's fields (``REFERENCE_MARKERS`` / ``PADDLE_MARKERS``), and each
+    must record ``steps`` updates, since the losses are compared over ``--steps`` only while the
+    last dump is labelled the last update (runs of 3 steps compared with ``--steps 2`` left a 0.5
+    loss difference at step 3 inside an aligned receipt, and the step-3 weights as the "final" ones)."""
+    errors = []
+    for path, doc, markers, maker in (
+        (ref_loss, ref_doc, REFERENCE_MARKERS, f"the torch reference ({REFERENCE_MODULE})"),
+        (pd_loss, pd_doc, PADDLE_MARKERS, "glm52 train"),
+    ):
+        if lacks := [m for m in markers if _field(doc, m) in (None, "")]:
+            errors.append(f"{path}: not written by {maker}: it lacks {', '.join(lacks)}")
+        got = doc.get("steps")
+        if got != steps:
+            recorded = "no step count" if got is None else f"{got!r} steps"
+            errors.append(f"{path}: the run recorded {recorded}, --steps asks for {steps}")
+    return errors
+
+
+def run_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model folder's and the data's identity now (``OUT/inputs.json`` as the runs start;
+    ``--no-run`` compares it with the one recorded then): the file hashes and the canonical weights
+    hash of ``--model`` (neither run records its weights: the trainer's checkpoint block holds
+    config.json's hash only), and the data as both trainers open it: its description and the
+    fingerprint a resume compares (train/data.py; sample count, sequence length, three samples)."""
+    from .ckpt_check import checkpoint_hash, sha256_file, tensor_hash
+
+    model_files = sorted(
+        f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
+    )
+    model: dict[str, Any] = {"path": os.path.abspath(args.model)}
+    model["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
+    try:
+        from ..checkpoint.safetensors_io import Checkpoint
+
+        with Checkpoint(args.model, strict=True) as ck:
+            model_hashes = {k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()}
+        model["canonical_hash"] = checkpoint_hash(model_hashes)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the file hashes are there
+        model["canonical_hash"] = f"unavailable: {e}"
+    data: dict[str, Any] = {"path": os.path.abspath(args.data) if args.data else None}
+    try:
+        from ..train.data import open_data
+
+        vocab = int(read_json(os.path.join(args.model, "config.json"), "the model config")["vocab_size"])
+        source = open_data(args.data, args.seq_len, vocab, args.seed)
+        data.update(describe=source.describe, fingerprint=source.fingerprint())
+    except Exception as e:  # noqa: BLE001 - a run given it fails on its own; --no-run names the difference
+        data["fingerprint"] = f"unavailable: {e}"
+    return {"model": model, "data": data}
+
+
+def inputs_mismatch(
+    recorded: dict[str, Any], now: dict[str, Any], ref_doc: dict[str, Any], pd_doc: dict[str, Any]
+) -> list[str]:
+    """``--no-run``: where this command's ``--model`` / ``--data`` are not what the runs were given
+    (``recorded``: OUT/inputs.json), and where a run's own record of its data differs from that: the
+    receipt hashes this command's model and names its data, so they must be the runs' (a same-path
+    model folder with other weights, or another --data, passed as "aligned" before)."""
+    out = []
+    rm, nm = recorded.get("model") or {}, now["model"]
+    if rm.get("canonical_hash") != nm["canonical_hash"]:
+        out.append(
+            f"--model {nm['path']}: its weights are not the ones the runs were given (canonical hash "
+            f"{rm.get('canonical_hash')!r} then, {nm['canonical_hash']!r} now)"
+        )
+    rf, nf = rm.get("files_sha256") or {}, nm["files_sha256"]
+    if changed := sorted(f for f in set(rf) | set(nf) if rf.get(f) != nf.get(f)):
+        out.append(f"--model {nm['path']}: files changed since the runs: {', '.join(changed)}")
+    rd, nd = recorded.get("data") or {}, now["data"]
+    if (rd.get("path"), rd.get("fingerprint")) != (nd["path"], nd["fingerprint"]):
+        then = f"{rd.get('path') or 'synthetic'} (fingerprint {rd.get('fingerprint')})"
+        out.append(
+            f"--data: the runs were given {then}, this command {nd['path'] or 'synthetic'} "
+            f"(fingerprint {nd['fingerprint']})"
+        )
+    for name, doc in (("reference", ref_doc), ("paddle", pd_doc)):
+        got = (doc.get("run") or {}).get("data")
+        if got is not None and rd.get("describe") is not None and got != rd["describe"]:
+            out.append(f"{name} run: it recorded data {got!r}, align gave it {rd['describe']!r}")
+    return out
 
 
 def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, Any] | None:
@@ -390,7 +510,7 @@ def _out_in_use(out: str) -> str:
 
 def run_align(args: argparse.Namespace) -> int:
     """Both runs, every comparison, the receipt; returns the exit code (0 all within tolerance)."""
-    from .ckpt_check import check_checkpoints, checkpoint_hash, sha256_file, versions
+    from .ckpt_check import check_checkpoints, versions
     from .loss_check import compare_losses, detect_jumps, plot_losses, read_curve
 
     out = os.path.abspath(args.out)
@@ -487,10 +607,12 @@ def run_align(args: argparse.Namespace) -> int:
         if args.indexer_loss_coeff is None:
             verdict["training"]["indexer_loss_coeff"] = saved_indexer_coeff(args.model)
         verdict["training"]["indexer_shared_supervision"] = bool(args.indexer_shared_supervision)
-        model_files = sorted(
-            f for f in os.listdir(args.model) if f.endswith((".safetensors", ".json")) and not f.startswith(".")
-        )
-        verdict["model"]["files_sha256"] = {f: sha256_file(os.path.join(args.model, f)) for f in model_files}
+        inputs = run_inputs(args)  # hashed before the runs start: the model and data they are given
+        verdict["model"].update({k: inputs["model"][k] for k in ("files_sha256", "canonical_hash")})
+        verdict["data"] = inputs["data"]
+        inputs_file = os.path.join(out, INPUTS_FILE)
+        if not args.no_run:
+            write_json_atomic(inputs_file, inputs, indent=1)
         verdict["versions"] = found = versions(("paddle", "torch", "transformers", "numpy", "safetensors"))
         try:
             git = ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
@@ -542,11 +664,25 @@ def run_align(args: argparse.Namespace) -> int:
         for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
             shutil.copyfile(f, os.path.join(receipt, dst))
         ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
-        if args.no_run and (other := recorded_settings_mismatch(args, ref_doc, pd_doc)):
-            # the receipt's layout, training settings and model come from this command line
-            return unusable(
-                "--no-run: the runs in OUT were not made with these settings", other, settings_mismatch=other
+        # the versions each run recorded of itself (verdict "versions" is this command's environment)
+        verdict["run_versions"] = {"reference": ref_doc.get("versions"), "paddle": pd_doc.get("versions")}
+        if bad := record_errors(ref_loss, ref_doc, pd_loss, pd_doc, N):
+            return unusable("the runs in OUT are not a torch reference run and a Paddle run of --steps", bad)
+        if args.no_run:
+            if not os.path.isfile(inputs_file):
+                why = f"{inputs_file}: missing: OUT was made by a glm52 align that recorded no model or data hashes"
+                return unusable("--no-run: OUT does not record its runs' inputs", [why, "rerun without --no-run"])
+            try:
+                recorded = read_json(inputs_file, "the runs' inputs")
+            except ValueError as e:
+                return unusable("--no-run: OUT does not record its runs' inputs", [str(e), "rerun without --no-run"])
+            other = recorded_settings_mismatch(args, ref_doc, pd_doc) + inputs_mismatch(
+                recorded, inputs, ref_doc, pd_doc
             )
+            if other:  # the receipt's layout, training settings, model and data come from this command line
+                return unusable(
+                    "--no-run: the runs in OUT were not made with these settings", other, settings_mismatch=other
+                )
         try:  # a loss a run could not compute (null, with the record's "nonfinite" list) makes it a failed run
             for f, doc in ((ref_loss, ref_doc), (pd_loss, pd_doc)):
                 for key in ("losses", "mtp_losses", "indexer_losses"):
@@ -624,15 +760,6 @@ def run_align(args: argparse.Namespace) -> int:
                 hashes[f"{tag}/{kind}"] = {"reference": rh, "paddle": ch}
                 comps[f"{tag}_{kind}"] = c
         verdict["checkpoint_hashes"] = hashes
-        try:
-            from ..checkpoint.safetensors_io import Checkpoint
-            from .ckpt_check import tensor_hash
-
-            with Checkpoint(args.model, strict=True) as ck:
-                model_hashes = {k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()}
-            verdict["model"]["canonical_hash"] = checkpoint_hash(model_hashes)
-        except Exception as e:  # noqa: BLE001 - recorded, not fatal: the file hashes are there
-            verdict["model"]["canonical_hash"] = f"unavailable: {e}"
         ok = all(c["pass"] for c in comps.values())
         verdict.update(exit_code=0 if ok else 1, result="aligned" if ok else "not aligned")
         verdict["first_difference"] = first_difference(comps, dump_steps)

@@ -1,0 +1,211 @@
+"""What ``glm52 align --no-run`` must refuse before it re-compares the runs in OUT: the receipt it
+writes states that a torch reference run and a Paddle run of this command's steps, model and data
+agree, so a record that is not the reference's, runs of another step count, and a model or data
+other than the runs' own are each refused (exit 2), naming the file and the difference.
+
+The runs are fabricated (no torch needed): loss records with the fields each trainer writes, as a
+real ``glm52 align`` of the tiny model wrote them, and small dumps in the same names on both sides."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddleformers_glm.cli import main as cli_main
+
+SEQ, GBS, SEED = 16, 2, 1234
+LOSSES = [5.55, 5.53, 5.52]
+VERSIONS = {
+    "reference": {"torch": "2.13.0+cpu", "transformers": "5.23.0", "numpy": "2.4.6", "python": "3.11.7"},
+    "paddle": {"paddleformers_glm": "0.1.0", "paddle": "3.3.1", "numpy": "2.4.6", "python": "3.11.7"},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+def _records(model: Path) -> dict[str, dict]:
+    """The two loss.json of a 3-step run, with what each trainer writes beside the curves."""
+    common = {"losses": LOSSES, "mtp_losses": [x + 0.01 for x in LOSSES], "grad_norms": [4.0] * 3}
+    common.update(lrs=[1e-5, 2e-5, 3e-5], steps=3, seed=SEED)
+    data = f"synthetic(seed={SEED})"
+    ref = dict(common, indexer_loss_coeff=0.0, dtype="float32", versions=VERSIONS["reference"])
+    ref["reference"] = "torch + transformers GlmMoeDsaForCausalLM (eager, float32) + torch MTP"
+    ref["run"] = {"data": data, "tokens_per_step": SEQ * GBS, "micro_batch_size": 1}
+    ref["checkpoint"] = {"path": str(model)}
+    profile = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "sp": False, "dp": 1, "cp": 1, "world": 1}
+    profile.update(micro_batch_size=1, global_batch_size=GBS, seq_len=SEQ, dtype="float32")
+    pd = dict(common, profile=profile, versions=VERSIONS["paddle"])
+    pd["indexer"] = {"stage": "none", "loss_weight": 0.0, "shared_supervision": False, "layers": []}
+    pd["run"] = {"data": data, "tokens_per_step": SEQ * GBS, "sharding": 1, "sharding_stage": 1}
+    pd["checkpoint"] = {"path": str(model)}
+    return {"reference": ref, "paddle": pd}
+
+
+def _inputs(model: Path, data: str | None = None) -> dict:
+    """OUT/inputs.json as align writes it before the runs: the model's file and canonical hashes,
+    the data's description and fingerprint as both trainers open it."""
+    from paddleformers_glm.checkpoint.safetensors_io import Checkpoint
+    from paddleformers_glm.parity.ckpt_check import checkpoint_hash, tensor_hash
+    from paddleformers_glm.train.data import open_data
+
+    files = sorted(p for p in model.iterdir() if p.name.endswith((".safetensors", ".json")))
+    with Checkpoint(str(model), strict=True) as ck:
+        canonical = checkpoint_hash({k: tensor_hash(i.dtype, i.shape, ck.raw(k)) for k, i in ck.tensors.items()})
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    source = open_data(data, SEQ, vocab, SEED)
+    return {
+        "model": {
+            "path": str(model),
+            "files_sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files},
+            "canonical_hash": canonical,
+        },
+        "data": {"path": data, "describe": source.describe, "fingerprint": source.fingerprint()},
+    }
+
+
+def _runs(root: Path, model: Path) -> Path:
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.standard_normal((4, 3)).astype(np.float32), "b.bias": np.ones(3, np.float32)}
+    for side, doc in _records(model).items():
+        (root / side).mkdir(parents=True)
+        (root / side / "loss.json").write_text(json.dumps(doc))
+        for tag, kinds in (("step1", ("grads", "exp_avg", "exp_avg_sq", "weights")), ("final", ("weights",))):
+            for kind in kinds:
+                d = root / side / f"dump_{tag}" / kind
+                d.mkdir(parents=True)
+                save_file({k: np.abs(v) + 1.0 for k, v in tensors.items()}, str(d / "model.safetensors"))
+                shutil.copyfile(model / "config.json", d / "config.json")
+    (root / "inputs.json").write_text(json.dumps(_inputs(model)))
+    return root
+
+
+def _align(model: Path, root: Path, *more: str) -> int:
+    args = ["align", "--model", str(model), "--out", str(root), "--steps", "3", "--seq-len", str(SEQ)]
+    args += ["--global-batch-size", str(GBS), "--tp", "1", "--pp", "1", "--no-sp", "--dump-step", "1", "--no-run"]
+    return cli_main([*args, *more])
+
+
+def _verdict(root: Path) -> dict:
+    return json.loads((root / "receipt" / "verdict.json").read_text())
+
+
+def test_runs_as_align_made_them_are_compared_and_the_receipt_keeps_each_runs_versions(tiny_model, tmp_path):
+    """The receipt's ``versions`` are this command's environment; what each run recorded of its own
+    (torch / transformers for the reference, paddle for the Paddle run) is kept beside them, so a
+    re-comparison in another environment still says what made the runs."""
+    root = _runs(tmp_path / "r", tiny_model)
+    assert _align(tiny_model, root) == 0
+    v = _verdict(root)
+    assert v["result"] == "aligned"
+    assert v["run_versions"] == VERSIONS
+    assert v["model"]["canonical_hash"] == _inputs(tiny_model)["model"]["canonical_hash"]
+
+
+def test_a_copy_of_the_paddle_run_as_the_reference_is_refused(tiny_model, tmp_path, capsys):
+    """Measured before: OUT/reference replaced by a copy of OUT/paddle gave exit 0, "aligned", every
+    difference exactly 0, under a receipt naming the torch reference's command."""
+    root = _runs(tmp_path / "r", tiny_model)
+    shutil.rmtree(root / "reference")
+    shutil.copytree(root / "paddle", root / "reference")
+    assert _align(tiny_model, root) == 2
+    err = capsys.readouterr().err
+    ref_loss = str(root / "reference" / "loss.json")
+    assert f"{ref_loss}: not written by the torch reference" in err
+    assert "it lacks reference, dtype, versions.torch, versions.transformers" in err
+    assert _verdict(root)["exit_code"] == 2
+
+
+def test_a_reference_record_as_the_paddle_run_is_refused(tiny_model, tmp_path, capsys):
+    root = _runs(tmp_path / "r", tiny_model)
+    shutil.copyfile(root / "reference" / "loss.json", root / "paddle" / "loss.json")
+    assert _align(tiny_model, root) == 2
+    err = capsys.readouterr().err
+    assert f"{root / 'paddle' / 'loss.json'}: not written by glm52 train: it lacks profile, versions.paddle" in err
+
+
+def test_runs_of_another_step_count_are_refused(tiny_model, tmp_path, capsys):
+    """Measured before: runs of 3 steps with ``--no-run --steps 2``: exit 0, "aligned", the step-3
+    loss difference of 0.5 in the receipt's ``diff_per_step`` and the step-3 weights as the final ones."""
+    root = _runs(tmp_path / "r", tiny_model)
+    doc = json.loads((root / "paddle" / "loss.json").read_text())
+    doc["losses"][2] += 0.5
+    (root / "paddle" / "loss.json").write_text(json.dumps(doc))
+    assert _align(tiny_model, root, "--steps", "2") == 2
+    err = capsys.readouterr().err
+    for side in ("reference", "paddle"):
+        assert f"{root / side / 'loss.json'}: the run recorded 3 steps, --steps asks for 2" in err
+
+
+def test_a_record_without_its_step_count_is_refused(tiny_model, tmp_path, capsys):
+    from paddleformers_glm.parity.align import record_errors
+
+    docs = _records(tiny_model)
+    del docs["reference"]["steps"]
+    errors = record_errors("r/loss.json", docs["reference"], "p/loss.json", docs["paddle"], 3)
+    assert errors == ["r/loss.json: the run recorded no step count, --steps asks for 3"]
+    docs["paddle"]["steps"] = 2  # a run that stopped early though it exited 0: the full run is held to it too
+    errors = record_errors("r/loss.json", _records(tiny_model)["reference"], "p/loss.json", docs["paddle"], 3)
+    assert errors == ["p/loss.json: the run recorded 2 steps, --steps asks for 3"]
+
+
+def test_other_data_than_the_runs_is_refused(tiny_model, tmp_path, capsys):
+    """Measured before: runs on synthetic data, ``--no-run --data other.npy``: exit 0, the receipt
+    saying the runs trained on other.npy."""
+    root = _runs(tmp_path / "r", tiny_model)
+    other = tmp_path / "other.npy"
+    np.save(other, np.arange(500, dtype=np.int64) % 100)
+    assert _align(tiny_model, root, "--data", str(other)) == 2
+    err = capsys.readouterr().err
+    assert f"--data: the runs were given synthetic (fingerprint {_inputs(tiny_model)['data']['fingerprint']})" in err
+    assert f"this command {other}" in err
+
+
+def test_a_model_folder_whose_weights_changed_since_the_runs_is_refused(tiny_model, tmp_path, capsys):
+    """Measured before: the --model folder replaced by another seed's tiny model (same path, same
+    config.json): exit 0, the receipt's model hashes those of weights neither run trained."""
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    root = _runs(tmp_path / "r", model)
+    shutil.rmtree(model)
+    make_tiny_checkpoint(model, seed=2)
+    shutil.copyfile(tiny_model / "config.json", model / "config.json")
+    assert _align(model, root) == 2
+    err = capsys.readouterr().err
+    assert f"--model {model}: its weights are not the ones the runs were given" in err
+    assert "files changed since the runs: model-" in err
+
+
+def test_an_out_without_the_runs_inputs_is_refused_with_what_to_do(tiny_model, tmp_path, capsys):
+    """An OUT made before align recorded the runs' inputs cannot tell which model and data they used."""
+    root = _runs(tmp_path / "r", tiny_model)
+    (root / "inputs.json").unlink()
+    assert _align(tiny_model, root) == 2
+    err = capsys.readouterr().err
+    assert f"{root / 'inputs.json'}: missing" in err and "rerun without --no-run" in err
+
+
+def test_another_indexer_stage_or_weight_than_the_runs_is_refused(tiny_model, tmp_path, capsys):
+    """Both runs record the indexer's stage (the Paddle run's ``indexer`` block; the reference writes
+    none at stage none) and KL weight; they were compared as recorded and never checked."""
+    root = _runs(tmp_path / "r", tiny_model)
+    assert _align(tiny_model, root, "--indexer-stage", "sparse", "--indexer-loss-coeff", "0.5") == 2
+    err = capsys.readouterr().err
+    assert "paddle --indexer-stage: the run recorded 'none', this command says 'sparse'" in err
+    assert "reference --indexer-stage: the run recorded 'none', this command says 'sparse'" in err
+    assert (
+        "reference --indexer-loss-coeff (the indexer KL's weight): the run recorded 0.0, this command says 0.5" in err
+    )
