@@ -343,6 +343,8 @@ def test_check_ckpt_names_unusable_input_on_stderr(tmp_path, capsys):
     assert main(["check-ckpt", str(missing), str(bad), "--quiet"]) == 2  # both named, one line each
     out, err = capsys.readouterr()
     assert out == "" and [ln.split(":")[1] for ln in err.splitlines()] == [" ref", " cand"], err
-    assert main(["check-ckpt", str(FIXTURE), str(FIXTURE), "--quiet"]) == 0  # a verdict stays on stdout
+    copy = tmp_path / "copy"
+    shutil.copytree(FIXTURE, copy)
+    assert main(["check-ckpt", str(FIXTURE), str(copy), "--quiet"]) == 0  # a verdict stays on stdout
     out, err = capsys.readouterr()
     assert out.startswith("check-ckpt: match (exit 0)") and err == ""

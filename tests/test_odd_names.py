@@ -133,12 +133,13 @@ def test_the_temporary_name_is_bounded_and_starts_with_the_name(tmp_path):
 
 def test_check_loss_json_of_a_250_byte_name(tmp_path, capsys):
     """``check-loss --json <250-byte name>``: "cannot write the receipt: File name too long", exit 2."""
-    loss = tmp_path / "loss.json"
+    loss, again = tmp_path / "loss.json", tmp_path / "again.json"
     loss.write_text(dumps_json({"losses": [1.0, 0.9]}))
+    again.write_text(dumps_json({"losses": [1.0, 0.9]}))
     receipt = tmp_path / ("j" * 245 + ".json")
-    assert main(["check-loss", str(loss), str(loss), "--json", str(receipt)]) == 0, capsys.readouterr().err
+    assert main(["check-loss", str(loss), str(again), "--json", str(receipt)]) == 0, capsys.readouterr().err
     assert json.loads(receipt.read_text())["exit_code"] == 0
-    assert sorted(os.listdir(tmp_path)) == sorted(["loss.json", receipt.name])
+    assert sorted(os.listdir(tmp_path)) == sorted(["again.json", "loss.json", receipt.name])
 
 
 # ---------------------------------------------------------------- a text --data's tokenized copy

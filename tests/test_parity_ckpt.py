@@ -158,7 +158,10 @@ def test_sparse_file_refused(tmp_path, capsys):
             pytest.skip("this filesystem does not keep holes")
     code, r, _ = _receipt(tmp_path, capsys, ref, cand)
     assert code == 2 and any("sparse file" in e and "cand/model.safetensors" in e for e in r["errors"])
-    code, r, _ = _receipt(tmp_path, capsys, ref, ref)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "model.safetensors").write_bytes(head + bytes(n))
+    code, r, _ = _receipt(tmp_path, capsys, ref, dense)
     assert code == 0  # the same bytes, not sparse: fine
 
 
@@ -393,8 +396,10 @@ def test_allow_nonfinite_identical_nan_checkpoints_match_only_saying_they_hold_n
     a = _copy(ckpts, "export", tmp_path)
     key = "model.layers.0.input_layernorm.weight"
     _set_bf16(a, key, 0x7FC0, element=3)
-    assert _run(capsys, a, a)[0] == 2
-    code, r, text = _receipt(tmp_path, capsys, a, a, "--allow-nonfinite")
+    b = tmp_path / "copy_of_a"
+    shutil.copytree(a, b)
+    assert _run(capsys, a, b)[0] == 2
+    code, r, text = _receipt(tmp_path, capsys, a, b, "--allow-nonfinite")
     assert code == 0 and r["result"].startswith("match with non-finite values"), r["result"]
     assert "NaN/Inf at the same places on both sides" in r["result"] and "ref 1, cand 1" in r["result"]
     assert text.splitlines()[0].startswith("check-ckpt: match with non-finite values") and key in text, text

@@ -46,7 +46,7 @@ def test_run_folders_are_read_as_their_loss_json(tmp_path, capsys):
     assert code == 1 and r["first_divergent_step"] == 1, r
     assert r["a"]["path"] == str(tmp_path / "run_a" / "loss.json"), r["a"]
     code, r, _ = _check(tmp_path, capsys, tmp_path / "run_a", tmp_path / "run_a" / "loss.json")
-    assert code == 0 and r["result"] == "pass"
+    assert code == 2 and "are the same file" in r["errors"][0], r  # a folder and its own loss.json
 
 
 def test_one_ulp_away_fails_at_step_2(tmp_path, capsys):
@@ -76,9 +76,10 @@ def test_length_and_steps(tmp_path, capsys):
     b = _loss(tmp_path, "b.json", [1.0, 0.9, 0.8, 0.7])
     code, r, _ = _check(tmp_path, capsys, a, b)
     assert code == 1 and r["length_match"] is False and r["consistent_steps"] == 3 and r["bit_exact"] is False
-    code, r, _ = _check(tmp_path, capsys, b, b, "--steps", "5")
+    b2 = _loss(tmp_path, "b2.json", [1.0, 0.9, 0.8, 0.7])
+    code, r, _ = _check(tmp_path, capsys, b, b2, "--steps", "5")
     assert code == 1 and r["enough_steps"] is False and r["length_match"] is True
-    code, r, _ = _check(tmp_path, capsys, b, b, "--steps", "3")
+    code, r, _ = _check(tmp_path, capsys, b, b2, "--steps", "3")
     assert code == 0 and r["steps_compared"] == 3
 
 
@@ -153,8 +154,8 @@ def test_plot_without_matplotlib_names_the_extra_exits_2_and_keeps_the_receipt(t
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    a = _loss(tmp_path, "a.json", [1.0, 0.9])
-    code, r, text = _check(tmp_path, capsys, a, a, "--plot", tmp_path / "p.png")
+    a, b = _loss(tmp_path, "a.json", [1.0, 0.9]), _loss(tmp_path, "b.json", [1.0, 0.9])
+    code, r, text = _check(tmp_path, capsys, a, b, "--plot", tmp_path / "p.png")
     assert code == 2
     assert r["result"] == "pass" and r["plot"] is None  # the comparison itself stands in the receipt
     assert "matplotlib" in r["errors"][0] and "[plot]" in text.err
@@ -192,16 +193,16 @@ def test_negative_or_nan_tolerance_is_unusable_input_exit_2(tmp_path, capsys, fl
 
 def test_infinite_tolerance_is_accepted(tmp_path, capsys):
     """torch.allclose(x, x, atol=inf) is True (measured, torch 2.13): an infinite tolerance is usable."""
-    a = _loss(tmp_path, "a.json", [1.0, 0.5])
-    code, r, _ = _check(tmp_path, capsys, a, a, "--atol", "inf")
+    a, b = _loss(tmp_path, "a.json", [1.0, 0.5]), _loss(tmp_path, "b.json", [1.0, 0.5])
+    code, r, _ = _check(tmp_path, capsys, a, b, "--atol", "inf")
     assert code == 0 and r["result"] == "pass"
 
 
 def test_infinite_rtol_passes_identical_curves_of_zeros(tmp_path, capsys):
     """Equal losses agree whatever the tolerance, as in torch.isclose (``torch.isclose(0., 0., rtol=inf)``
     is True): before, ``inf x |0|`` made the bound NaN and identical all-zero curves failed, exit 1."""
-    z = _loss(tmp_path, "z.json", [0.0, 0.0, 0.0])
-    code, r, _ = _check(tmp_path, capsys, z, z, "--rtol", "inf")
+    z, z2 = _loss(tmp_path, "z.json", [0.0, 0.0, 0.0]), _loss(tmp_path, "z2.json", [0.0, 0.0, 0.0])
+    code, r, _ = _check(tmp_path, capsys, z, z2, "--rtol", "inf")
     assert code == 0 and r["matching_steps"] == 3
     assert compare_losses([0.0, 1.0], [0.0, 0.0], rtol=math.inf)["matching_steps"] == 1  # 1 vs 0: inf x 0, not close
 

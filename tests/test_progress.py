@@ -30,6 +30,14 @@ def tiny_ckpt(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_copy(tiny_ckpt, tmp_path_factory):
+    """Another copy of the same checkpoint: check-ckpt refuses a checkpoint given as both sides."""
+    import shutil
+
+    return Path(shutil.copytree(tiny_ckpt, tmp_path_factory.mktemp("copy") / "ckpt"))
+
+
 def _env(**extra: str) -> dict[str, str]:
     e = base_env()
     for k in ("GLM52_QUIET", "GLM52_PROGRESS_INTERVAL", "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID"):
@@ -95,9 +103,9 @@ def test_quiet_silences_progress(tiny_ckpt, tmp_path):
     assert rc == 0 and "tensors=" not in out, out
 
 
-def test_check_ckpt_reports_hashing(tiny_ckpt):
+def test_check_ckpt_reports_hashing(tiny_ckpt, tiny_copy):
     p = subprocess.run(
-        [*CLI, "check-ckpt", str(tiny_ckpt), str(tiny_ckpt)],
+        [*CLI, "check-ckpt", str(tiny_ckpt), str(tiny_copy)],
         env=_env(GLM52_PROGRESS_INTERVAL="0"),
         capture_output=True,
         text=True,
@@ -133,14 +141,14 @@ def test_itemsize_reads_the_bit_width_of_every_dtype_spelling():
     assert [itemsize(d) for d in ("uint16", "float8_e4m3fn", "float8_e5m2", "uint8", "bool", "?")] == [2, 1, 1, 1, 1, 2]
 
 
-def test_a_quiet_subcommand_leaves_the_process_as_it_found_it(monkeypatch, tiny_ckpt, capsys):
+def test_a_quiet_subcommand_leaves_the_process_as_it_found_it(monkeypatch, tiny_ckpt, tiny_copy, capsys):
     """`glm52 check-ckpt --quiet` called in-process (cli.main) once left every later Progress of the
     process silent: the flag must last as long as its command, whatever the command returns."""
     from paddleformers_glm import cli, progress
 
     monkeypatch.delenv("GLM52_QUIET", raising=False)
     monkeypatch.setenv("GLM52_PROGRESS_INTERVAL", "0")
-    assert cli.main(["check-ckpt", str(tiny_ckpt), str(tiny_ckpt), "--quiet"]) == 0
+    assert cli.main(["check-ckpt", str(tiny_ckpt), str(tiny_copy), "--quiet"]) == 0
     assert cli.main(["check-ckpt", str(tiny_ckpt), str(tiny_ckpt / "missing"), "--quiet"]) != 0
     capsys.readouterr()
     buf = io.StringIO()

@@ -117,21 +117,33 @@ def nan_worst(a: float, b: float) -> float:
     return a if math.isnan(a) else (b if math.isnan(b) or b > a else a)
 
 
-def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tuple[float, int]:
-    """The max abs diff and the number of differing elements of two same-shape tensors (bf16 as
-    uint16 bits), computed in float64 a chunk of elements at a time: the same numbers as on the whole
-    tensors at once, without a float64 copy of them (4x a bf16 tensor, each side).
+def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tuple[float, int, int]:
+    """The max abs diff, the number of differing elements and the number of elements whose bits
+    differ while their values compare equal, of two same-shape tensors (bf16 as uint16 bits), computed
+    in float64 a chunk of elements at a time: the same numbers as on the whole tensors at once, without
+    a float64 copy of them (4x a bf16 tensor, each side).
 
     A pair of equal values (the same infinity on both sides included) and a NaN pair (NaN at the same
     place on both sides) count as equal, differing by 0; a NaN against a number or an infinity against
     anything else differs, non-finitely: the max abs diff is then NaN (a NaN on one side) or inf (an
-    infinity against a number or the other infinity), never a number that hides it. 0 for empty tensors."""
+    infinity against a number or the other infinity), never a number that hides it. 0 for empty tensors.
+
+    The third number is why bytes that hash apart can show no value difference: -0.0 against +0.0, or
+    two NaNs of other payloads, are equal values in other bits (counted for the same dtype only: across
+    dtypes the bits are not comparable)."""
     a, b = a.reshape(-1), b.reshape(-1)
-    worst, differing = 0.0, 0
+    same_bits = a_dtype == b_dtype and a.dtype.itemsize == b.dtype.itemsize
+    worst, differing, bits_only = 0.0, 0, 0
     for lo in range(0, a.shape[0], _DIFF_CHUNK):
-        x, y = _as_float(a[lo : lo + _DIFF_CHUNK], a_dtype), _as_float(b[lo : lo + _DIFF_CHUNK], b_dtype)
+        ca, cb = a[lo : lo + _DIFF_CHUNK], b[lo : lo + _DIFF_CHUNK]
+        x, y = _as_float(ca, a_dtype), _as_float(cb, b_dtype)
         nx, ny = np.isnan(x), np.isnan(y)
         differs = (x != y) & ~(nx & ny)  # NaN != NaN: a NaN pair is no difference
+        if same_bits:
+            bits = np.ascontiguousarray(ca).view(f"u{ca.dtype.itemsize}") != np.ascontiguousarray(cb).view(
+                f"u{cb.dtype.itemsize}"
+            )
+            bits_only += int(np.count_nonzero(bits & ~differs))
         n = int(np.count_nonzero(differs))
         if not n:
             continue
@@ -141,7 +153,48 @@ def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tup
         elif not math.isnan(worst):
             with np.errstate(invalid="ignore", over="ignore"):
                 worst = max(worst, float(np.max(np.abs(x[differs] - y[differs]))))  # inf against -inf: inf
-    return worst, differing
+    return worst, differing, bits_only
+
+
+def _same_files(ref_path: str, cand_path: str) -> str | None:
+    """Why REF and CAND are one checkpoint (the same file or folder, however each is named: a linked
+    parent folder, a bind mount, ``X X``), else None. Such a pair matches whatever it holds, so its
+    "match" would be no evidence; the link checks look at the named files and folder only, not at the
+    folders above them."""
+    try:
+        if not os.path.samefile(ref_path, cand_path):
+            return None
+    except OSError:  # a side that is not there: its own error says so
+        return None
+    ra, rb = os.path.realpath(ref_path), os.path.realpath(cand_path)
+    real = f"real path {ra}" if ra == rb else f"real paths {ra} and {rb}, one inode"
+    return (
+        f"ref {os.path.abspath(ref_path)} and cand {os.path.abspath(cand_path)} are the same files ({real}): "
+        "a checkpoint compared with itself matches whatever it holds"
+    )
+
+
+def _shared_files(ref: _Side, cand: _Side) -> str | None:
+    """Why the two sides read the same files (a file of one side is a file of the other, by device and
+    inode: a shard given as CAND that is in the REF folder), else None."""
+    seen = {}
+    for f in ref.files:
+        with contextlib.suppress(OSError):
+            st = os.stat(f["file"])
+            seen[(st.st_dev, st.st_ino)] = f["file"]
+    shared = []
+    for f in cand.files:
+        with contextlib.suppress(OSError):
+            st = os.stat(f["file"])
+            if (st.st_dev, st.st_ino) in seen:
+                shared.append((seen[(st.st_dev, st.st_ino)], f["file"]))
+    if not shared:
+        return None
+    (r, c), more = shared[0], f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+    return (
+        f"ref {ref.path} and cand {cand.path} are the same files: ref {r} is cand {c} "
+        f"(real path {os.path.realpath(c)}){more}; a file compared with itself matches whatever it holds"
+    )
 
 
 @dataclass
@@ -346,13 +399,16 @@ def check_checkpoints(
         "tool": "glm52 check-ckpt",
         "created_unix": int(t0),
         "versions": versions(),
-        "ref": {"path": os.path.abspath(ref_path)},
-        "cand": {"path": os.path.abspath(cand_path)},
+        "ref": {"path": os.path.abspath(ref_path), "real_path": os.path.realpath(ref_path)},
+        "cand": {"path": os.path.abspath(cand_path), "real_path": os.path.realpath(cand_path)},
         "declared_cand_layout": layout,
         "differences": [],
         "errors": [],
         "warnings": [],
     }
+    if same := _same_files(ref_path, cand_path):  # refused before hashing it twice
+        report["errors"].append(same)
+        return _finish(report, EXIT_UNUSABLE, t0, {})
     sides = {"ref": _open_side(ref_path), "cand": _open_side(cand_path)}
     for name, s in sides.items():
         report[name].update(
@@ -373,6 +429,8 @@ def check_checkpoints(
             msg = f"{name}: {kind} {key} ({info.dtype}, file {info.file}) holds {count} NaN/Inf values"
             report["warnings" if allow_nonfinite else "errors"].append(msg)
     ref, cand = sides["ref"], sides["cand"]
+    if shared := _shared_files(ref, cand):
+        report["errors"].append(shared)
     quant_mixed = bool(ref.fp8) != bool(cand.fp8)
     if not report["errors"] and layout is not None and cand.layout not in (layout, "unknown"):
         report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
@@ -507,15 +565,19 @@ def _compare_tensors(
 
 def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, Any]) -> dict[str, Any]:
     """The entry of a tensor present on both sides that differs: its shape, or its dtype / bytes
-    with the max abs diff and the number of differing elements."""
+    with the max abs diff, the number of differing elements and, where bytes differ in equal values
+    (signed zeros, NaN payloads), how many: else such a mismatch would read ``max_abs_diff`` 0 and
+    ``differing_elements`` 0, nothing a reader could act on."""
     d: dict[str, Any] = {"class": "value", "key": key, "cand_keys": c["native"]}
     if tuple(c["shape"]) != r.shape:
         d.update(what="shape", expected=list(r.shape), actual=list(c["shape"]))
         return d
     if "stats" in c:  # computed when the mapping produced it (_canonical_cand)
-        mad, differing = c["stats"]
+        mad, differing, bits_only = c["stats"]
     else:  # the candidate's own tensor: both read now, their pages dropped after
-        mad, differing = _diff_stats(ref.ckpt.numpy(key), r.dtype, cand.ckpt.numpy(c["native"][0]), c["dtype"])  # type: ignore[union-attr]
+        mad, differing, bits_only = _diff_stats(
+            ref.ckpt.numpy(key), r.dtype, cand.ckpt.numpy(c["native"][0]), c["dtype"]
+        )  # type: ignore[union-attr]
         ref.ckpt.file_of(key).release(key, around=True)  # type: ignore[union-attr]
         cand.ckpt.file_of(c["native"][0]).release(c["native"][0], around=True)  # type: ignore[union-attr]
     d.update(
@@ -524,8 +586,14 @@ def _value_difference(ref: _Side, cand: _Side, key: str, r: Any, c: dict[str, An
         actual=c["dtype"],
         max_abs_diff=mad,
         differing_elements=differing,
+        bits_only_elements=bits_only,
     )
+    if bits_only and not differing and c["dtype"] == r.dtype:
+        d["reason"] = _BITS_ONLY
     return d
+
+
+_BITS_ONLY = "equal values in other bits only: the sign of a zero (-0.0 vs +0.0) or a NaN's payload"
 
 
 def _value_summary(differences: list[dict[str, Any]]) -> dict[str, Any]:
@@ -533,11 +601,19 @@ def _value_summary(differences: list[dict[str, Any]]) -> dict[str, Any]:
     among them with its key (NaN wins: a NaN difference is no small one), over all of them: the receipt
     lists at most ``_MAX_LISTED`` differences, so a reader taking its numbers from the list would miss the
     rest. FP8 weights compared by dequantized value are in the ``quantization`` entry instead."""
-    out: dict[str, Any] = {"shape": 0, "dtype": 0, "bytes": 0, "max_abs_diff": None, "max_abs_diff_key": None}
+    out: dict[str, Any] = {
+        "shape": 0,
+        "dtype": 0,
+        "bytes": 0,
+        "bits_only": 0,  # of the ``bytes`` ones: equal values in other bits (signed zeros, NaN payloads)
+        "max_abs_diff": None,
+        "max_abs_diff_key": None,
+    }
     for d in differences:
         if d["class"] != "value":
             continue
         out[d["what"]] += 1
+        out["bits_only"] += "reason" in d
         m, worst = d.get("max_abs_diff"), out["max_abs_diff"]
         if m is not None and (worst is None or nan_worst(worst, m) is not worst):  # NaN wins, the first of them
             out.update(max_abs_diff=m, max_abs_diff_key=d.get("key", d.get("cand_key")))
@@ -571,7 +647,7 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
         rounded = to_paddle(a, "float32").astype(want)
         equal &= (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
         if a.size:
-            mad, _ = _diff_stats(a, "F32", b, db)
+            mad = _diff_stats(a, "F32", b, db)[0]
             worst = nan_worst(worst, mad)  # a NaN difference stays NaN
         del a, b, rounded
     for side, k in ((fp8, key), (fp8, fp8.fp8[key]), (plain, key)):
@@ -613,7 +689,14 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         if d["class"] == "naming":
             lines.append(f"  naming ({', '.join(d['kinds']) or 'rename'}): {d['cand_keys']} -> {d['ref_keys']}")
         elif d["class"] == "value":
-            extra = f" max_abs_diff={d['max_abs_diff']:.3g}" if "max_abs_diff" in d else ""
+            extra = ""
+            if "max_abs_diff" in d:
+                mad = "nan" if d["max_abs_diff"] is None else f"{d['max_abs_diff']:.3g}"
+                extra = f" max_abs_diff={mad} differing_elements={d['differing_elements']}"
+                if d.get("bits_only_elements"):
+                    extra += f" bits_only_elements={d['bits_only_elements']}"
+                if "reason" in d:
+                    extra += f" ({d['reason']})"
             lines.append(
                 f"  value ({d['what']}): {d.get('key', d.get('cand_key'))} expected={d.get('expected')} actual={d.get('actual')}{extra}"
             )

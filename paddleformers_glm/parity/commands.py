@@ -128,6 +128,8 @@ def _run_check_loss(args: argparse.Namespace) -> int:
         return 2
     for e in report["errors"]:
         print(f"check-loss: {e}", file=sys.stderr)
+    for w in report.get("warnings", []):  # a crashed run's curve: the verdict holds, but only for its steps
+        print(f"check-loss: warning: {w}", file=sys.stderr)
     if report["result"] != "unusable input":
         keys = "length_match enough_steps consistent_steps matching_steps first_divergent_step max_diff bit_exact"
         if "eval_steps" in report:  # evaluations: the first disagreement named by its training step

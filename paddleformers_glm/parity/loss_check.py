@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import time
@@ -166,17 +167,22 @@ def check_losses(
         "tool": "glm52 check-loss",
         "created_unix": int(time.time()),
         "versions": versions(),
-        "a": {"path": os.path.abspath(path_a)},
-        "b": {"path": os.path.abspath(path_b)},
+        "a": {"path": os.path.abspath(path_a), "real_path": os.path.realpath(path_a)},
+        "b": {"path": os.path.abspath(path_b), "real_path": os.path.realpath(path_b)},
         "mode": "bit-exact" if bit_exact or (atol is None and rtol is None) else "tolerance",
         "curve": curve,
         "errors": [],
+        "warnings": [],
     }
     if steps is not None and steps < 1:
         report["errors"].append(f"--steps must be >= 1, got {steps}")
     for flag, tol_value in (("--atol", atol), ("--rtol", rtol)):  # as torch.allclose refuses them
         if tol_value is not None and not tol_value >= 0:
             report["errors"].append(f"{flag} must be >= 0, got {tol_value}")
+    if same := _same_file(path_a, path_b):
+        report["errors"].append(same)
+        report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
+        return report
     curves, points = {}, {}
     for name, p in (("a", path_a), ("b", path_b)):
         try:
@@ -187,6 +193,18 @@ def check_losses(
             report[name]["sha256"] = sha256_file(p)
         except LossFileError as e:
             report["errors"].append(str(e))
+            continue
+        _describe_run(report[name], p)
+    if failed := [f"{n} ({p})" for n, p in (("a", path_a), ("b", path_b)) if "failed_run" in report[n]]:
+        what = "; ".join(
+            f"{n}: {report[n]['failed_run']['file']} ({report[n]['failed_run']['message'] or 'no message'})"
+            for n in ("a", "b")
+            if "failed_run" in report[n]
+        )
+        report["warnings"].append(
+            f"{' and '.join(failed)} {'is a failed run' if len(failed) == 1 else 'are failed runs'} "
+            f"(failure record{'s' if len(failed) > 1 else ''} {what}): a curve holds only the steps its run did before it stopped"
+        )
     if report["errors"]:
         report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
         return report
@@ -227,6 +245,51 @@ def check_losses(
             report["errors"].append(f"--plot {plot}: cannot write the plot: {e.strerror or e}")
             report.update(exit_code=EXIT_UNUSABLE, plot=None)
     return report
+
+
+def _same_file(path_a: str, path_b: str) -> str | None:
+    """Why A and B are one loss record (the same file, however named: a run folder and its loss.json,
+    a link, a hardlink), else None: a curve compared with itself agrees whatever it holds, so its
+    "pass" would be no evidence."""
+    try:
+        if not os.path.samefile(path_a, path_b):
+            return None
+    except OSError:  # a side that is not there: its own error says so
+        return None
+    return (
+        f"a {os.path.abspath(path_a)} and b {os.path.abspath(path_b)} are the same file "
+        f"(real path {os.path.realpath(path_a)}): a curve compared with itself agrees whatever it holds"
+    )
+
+
+def failure_records(loss_json: str) -> list[str]:
+    """The failure records beside a loss record: ``glm52 train`` writes ``OUT/logs/failure.json`` (a
+    node's ``OUT/logs/node<R>/failure.json`` in a multi-node job) when a run stops on an error and
+    sets an earlier run's aside as it starts, so one there says the run of this folder failed."""
+    logs = os.path.join(os.path.dirname(os.path.abspath(loss_json)), "logs")
+    found = [os.path.join(logs, "failure.json")] + sorted(glob.glob(os.path.join(logs, "node*", "failure.json")))
+    return [f for f in found if os.path.isfile(f)]
+
+
+def _describe_run(side: dict[str, Any], path: str) -> None:
+    """What a loss record's run says of itself, in its side of the receipt: the steps it did (loss.json
+    ``steps``) and, when its run folder holds a failure record, ``failed_run`` (``file``, ``message``):
+    a crashed run's curve stops where it died, and two crashed runs can agree on the steps they did."""
+    data = _read_record(path)
+    steps = data.get("steps") if isinstance(data, dict) else None
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        side["steps_done"] = steps
+    records = failure_records(path)
+    if not records:
+        return
+    try:
+        doc = read_json(records[0], "the failure record")
+        message = doc.get("message") if isinstance(doc, dict) else None
+    except (OSError, ValueError) as e:
+        message = f"unreadable failure record: {e}"
+    side["failed_run"] = {"file": records[0], "message": message if isinstance(message, str) else None}
+    if len(records) > 1:
+        side["failed_run"]["more_records"] = records[1:]
 
 
 def _cpu_math_differs(path_a: str, path_b: str) -> dict[str, Any] | None:
