@@ -168,7 +168,8 @@ def test_other_data_than_the_runs_is_refused(tiny_model, tmp_path, capsys):
     np.save(other, np.arange(500, dtype=np.int64) % 100)
     assert _align(tiny_model, root, "--data", str(other)) == 2
     err = capsys.readouterr().err
-    assert f"--data: the runs were given synthetic (fingerprint {_inputs(tiny_model)['data']['fingerprint']})" in err
+    fingerprint = _inputs(tiny_model)["data"]["fingerprint"]
+    assert f"--data: the runs were given synthetic (fingerprint {fingerprint}, sha256 None)" in err
     assert f"this command {other}" in err
 
 
@@ -209,3 +210,34 @@ def test_another_indexer_stage_or_weight_than_the_runs_is_refused(tiny_model, tm
     assert (
         "reference --indexer-loss-coeff (the indexer KL's weight): the run recorded 0.0, this command says 0.5" in err
     )
+
+
+def test_runs_on_a_data_file_pass_given_relative_and_a_rewritten_row_is_refused(
+    tiny_model, tmp_path, capsys, monkeypatch
+):
+    """Runs given a data file record it absolute (glm52 train makes the path absolute), so a --no-run
+    given it relative was refused as other data ("the run recorded '/.../d.npy', align gave it 'd.npy'");
+    align now hands both runs the absolute path. The fingerprint samples three rows of the file: a
+    row rewritten elsewhere is caught by the file's sha256, recorded beside it."""
+    import argparse
+
+    from paddleformers_glm.parity.align import run_inputs
+
+    data = tmp_path / "d.npy"
+    np.save(data, (np.arange(SEQ * GBS * 300) % 50).astype(np.int32))
+    root = _runs(tmp_path / "r", tiny_model)
+    recorded = run_inputs(argparse.Namespace(model=str(tiny_model), data=str(data), seq_len=SEQ, seed=SEED))
+    (root / "inputs.json").write_text(json.dumps(recorded))
+    for side in ("reference", "paddle"):
+        doc = json.loads((root / side / "loss.json").read_text())
+        doc["run"]["data"] = recorded["data"]["describe"]
+        (root / side / "loss.json").write_text(json.dumps(doc))
+    monkeypatch.chdir(tmp_path)
+    assert _align(tiny_model, root, "--data", "d.npy") == 0, capsys.readouterr().err
+    tokens = np.load(data)
+    tokens[len(tokens) // 3] += 1  # a token of no sampled row
+    np.save(data, tokens)
+    capsys.readouterr()
+    assert _align(tiny_model, root, "--data", "d.npy") == 2
+    err = capsys.readouterr().err
+    assert f"--data: the runs were given {data} (fingerprint" in err and "sha256" in err, err

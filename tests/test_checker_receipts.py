@@ -167,3 +167,35 @@ def test_check_loss_receipt_shows_a_crashed_run(tmp_path, capsys):
     r = json.loads(receipt.read_text())
     assert code == 0 and "failed_run" in r["a"] and "failed_run" not in r["b"], r
     assert r["b"]["steps_done"] == 3 and len([ln for ln in err.splitlines() if "warning" in ln]) == 1
+
+
+def test_an_earlier_runs_failure_record_is_not_this_runs(tmp_path, capsys):
+    """A multi-node job's ``logs/node1/failure.json`` stays when a later run into the same OUT logs in
+    ``logs/`` (only the folder a run logs in has its record set aside): older than the later run's
+    loss.json, it is an earlier run's, and the later run is not called failed."""
+    run = _run_folder(tmp_path, "run", [1.0, 0.9])
+    node = run / "logs" / "node1"
+    node.mkdir(parents=True)
+    (node / "failure.json").write_text(json.dumps({"rank": 1, "message": "an earlier job's fault"}))
+    past = os.stat(run / "loss.json").st_mtime - 3600
+    os.utime(node / "failure.json", (past, past))
+    other = _run_folder(tmp_path, "other", [1.0, 0.9])
+    receipt = tmp_path / "r.json"
+    code, out, err = _run(capsys, "check-loss", run, other, "--json", receipt)
+    r = json.loads(receipt.read_text())
+    assert code == 0 and "failed_run" not in r["a"] and "warning" not in err, (r["a"], err)
+    now = os.stat(run / "loss.json").st_mtime + 1  # the record of a run that failed after its last losses
+    os.utime(node / "failure.json", (now, now))
+    _run(capsys, "check-loss", run, other, "--json", receipt)
+    assert json.loads(receipt.read_text())["a"]["failed_run"]["file"] == str(node / "failure.json")
+
+
+def test_integers_past_two_to_the_53_are_compared_exactly():
+    """int64 values 2**53 + 1 and 2**53 are one float64: counted equal (and then called a bits-only
+    difference) before; integer tensors are compared as integers."""
+    from paddleformers_glm.parity import ckpt_check
+
+    x = np.array([2**53, 5, 7], np.int64)
+    y = np.array([2**53 + 1, 5, 7], np.int64)
+    mad, differing, bits_only = ckpt_check._diff_stats(x, "I64", y, "I64")
+    assert (differing, bits_only) == (1, 0)

@@ -174,3 +174,19 @@ def test_nodes_that_followed_a_moving_latest_are_told_so(saved_root, tmp_path, m
         f"; --resume {root} is a checkpoint root whose `latest` each node followed when it started (another run "
         "saving there moves it): give every node the step folder itself"
     ), e.value
+
+
+def test_a_resolved_step_of_a_linked_checkpoints_folder_is_kept(saved_root, tmp_path):
+    """``--resume OUT`` whose ``OUT/checkpoints`` is a link (to another disk): the step resolved first
+    is kept, not followed again each time (the check compared a resolved path with an unresolved one)."""
+    from paddleformers_glm.train.settings import TrainConfig, resolved_resume
+
+    target = _copy(saved_root, tmp_path / "elsewhere")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(target)
+    cfg = TrainConfig(model="toy", steps=3, seq_len=8, out=str(tmp_path / "r"), resume=str(out))
+    first = resolved_resume(cfg)
+    assert os.path.basename(first) == STEP2
+    (target / "latest").write_text(STEP1 + "\n")
+    assert resolved_resume(cfg) == first

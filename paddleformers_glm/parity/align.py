@@ -381,6 +381,8 @@ def run_inputs(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - recorded, not fatal: the file hashes are there
         model["canonical_hash"] = f"unavailable: {e}"
     data: dict[str, Any] = {"path": os.path.abspath(args.data) if args.data else None}
+    if args.data and os.path.isfile(args.data):  # the fingerprint samples three rows: the file's bytes, all
+        data["sha256"] = sha256_file(args.data)
     try:
         from ..train.data import open_data
 
@@ -410,11 +412,11 @@ def inputs_mismatch(
     if changed := sorted(f for f in set(rf) | set(nf) if rf.get(f) != nf.get(f)):
         out.append(f"--model {nm['path']}: files changed since the runs: {', '.join(changed)}")
     rd, nd = recorded.get("data") or {}, now["data"]
-    if (rd.get("path"), rd.get("fingerprint")) != (nd["path"], nd["fingerprint"]):
-        then = f"{rd.get('path') or 'synthetic'} (fingerprint {rd.get('fingerprint')})"
+    if (rd.get("path"), rd.get("fingerprint"), rd.get("sha256")) != (nd["path"], nd["fingerprint"], nd.get("sha256")):
+        then = f"{rd.get('path') or 'synthetic'} (fingerprint {rd.get('fingerprint')}, sha256 {rd.get('sha256')})"
         out.append(
             f"--data: the runs were given {then}, this command {nd['path'] or 'synthetic'} "
-            f"(fingerprint {nd['fingerprint']})"
+            f"(fingerprint {nd['fingerprint']}, sha256 {nd.get('sha256')})"
         )
     for name, doc in (("reference", ref_doc), ("paddle", pd_doc)):
         got = (doc.get("run") or {}).get("data")
@@ -514,6 +516,8 @@ def run_align(args: argparse.Namespace) -> int:
     from .loss_check import compare_losses, detect_jumps, plot_losses, read_curve
 
     out = os.path.abspath(args.out)
+    if args.data:  # one spelling for both runs, OUT/inputs.json and --no-run (glm52 train records it absolute)
+        args.data = os.path.abspath(args.data)
     receipt = os.path.join(out, "receipt")
     ref_out, pd_out = os.path.join(out, "reference"), os.path.join(out, "paddle")
     if bad := output_folder_error(out, "--out"):

@@ -139,6 +139,8 @@ def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tup
         x, y = _as_float(ca, a_dtype), _as_float(cb, b_dtype)
         nx, ny = np.isnan(x), np.isnan(y)
         differs = (x != y) & ~(nx & ny)  # NaN != NaN: a NaN pair is no difference
+        if a_dtype[0] in "IU" and b_dtype[0] in "IU":  # integers past 2**53 are one float64: compared exact
+            differs = ca != cb
         if same_bits:
             bits = np.ascontiguousarray(ca).view(f"u{ca.dtype.itemsize}") != np.ascontiguousarray(cb).view(
                 f"u{cb.dtype.itemsize}"

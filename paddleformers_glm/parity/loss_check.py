@@ -265,10 +265,16 @@ def _same_file(path_a: str, path_b: str) -> str | None:
 def failure_records(loss_json: str) -> list[str]:
     """The failure records beside a loss record: ``glm52 train`` writes ``OUT/logs/failure.json`` (a
     node's ``OUT/logs/node<R>/failure.json`` in a multi-node job) when a run stops on an error and
-    sets an earlier run's aside as it starts, so one there says the run of this folder failed."""
+    sets aside the earlier record of the folder it logs in as it starts. A record older than the loss
+    record is an earlier run's (a later run logging elsewhere, e.g. in one process after a multi-node
+    job, leaves the nodes' records in place): a run that failed wrote its losses before its record."""
     logs = os.path.join(os.path.dirname(os.path.abspath(loss_json)), "logs")
     found = [os.path.join(logs, "failure.json")] + sorted(glob.glob(os.path.join(logs, "node*", "failure.json")))
-    return [f for f in found if os.path.isfile(f)]
+    try:
+        since = os.stat(loss_json).st_mtime
+    except OSError:
+        return []
+    return [f for f in found if os.path.isfile(f) and os.stat(f).st_mtime >= since]
 
 
 def _describe_run(side: dict[str, Any], path: str) -> None:

@@ -388,9 +388,8 @@ def _resolved_from(folder: str, resume: str) -> bool:
     """Whether the step folder ``folder`` is what ``resume`` resolves to: itself, or a step folder of
     the checkpoint root (or output folder) it names, as :func:`resolve_resume_state` follows them."""
     root = os.path.realpath(resume)
-    return os.path.realpath(os.path.dirname(folder)) in (root, os.path.join(root, "checkpoints")) or (
-        os.path.realpath(folder) == root
-    )
+    roots = (root, os.path.realpath(os.path.join(root, "checkpoints")))  # an output folder's may be a link
+    return os.path.realpath(os.path.dirname(folder)) in roots or (os.path.realpath(folder) == root)
 
 
 # the run settings that decide how a resumed run continues (its lr schedule, optimizer, data order,
