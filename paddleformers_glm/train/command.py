@@ -701,17 +701,29 @@ def node_rank_of(args: argparse.Namespace) -> int | None:
     rendezvous and waited for the others forever; without a node rank Paddle's launcher numbered
     the nodes in the order they reached the master, so a node could not tell its own ranks (a
     finished job was reported as failed: the completion records of the ranks it assumed were
-    written on another node)."""
+    written on another node).  With ``--nnodes 1`` a node rank other than 0 or a master is refused
+    too: such a node ran the whole job alone and exited 0 while the node 0 it was meant to join
+    waited for it."""
     if args.nnodes < 1:
         raise ValueError(f"--nnodes must be at least 1, got {args.nnodes}")
-    if args.nnodes == 1:
-        return None
     passed = argparse.ArgumentParser(add_help=False)
     passed.add_argument("--rank", type=int)
     passed.add_argument("--master")
     given, _ = passed.parse_known_args(shlex.split(args.launcher_args))
     node_rank = args.node_rank if args.node_rank is not None else given.rank
     n = args.nnodes
+    if n == 1:
+        if node_rank is not None and node_rank != 0:
+            raise ValueError(
+                f"--node-rank must be within 0..0 for --nnodes 1, got {node_rank} (a node of a multi-node job "
+                "needs --nnodes N, the same on every node; with --nnodes 1 it runs the whole job alone)"
+            )
+        if args.master or given.master:
+            raise ValueError(
+                f"--master {args.master or given.master} needs --nnodes N > 1, the same on every node (with "
+                "--nnodes 1 this node runs the whole job alone and no node joins it at the master)"
+            )
+        return None
     if not (args.master or given.master):
         raise ValueError(
             f"--nnodes {n} needs --master IP:PORT, the same on every node (without it each node starts its own "

@@ -29,6 +29,7 @@ __all__ = [
     "ENV_JOB_ID",
     "ENV_LAUNCHER_PID",
     "ENV_STATUS_DIR",
+    "LAUNCHER_LOG",
     "PHASES",
     "Diagnosis",
     "beat",
@@ -37,6 +38,7 @@ __all__ = [
     "proc_state",
     "read_records",
     "snapshot",
+    "workers_started",
     "write_record",
 ]
 
@@ -44,6 +46,7 @@ ENV_STATUS_DIR = "GLM52_STATUS_DIR"  # the status folder, set by the launcher fo
 ENV_JOB_ID = "GLM52_JOB_ID"  # one id per job: every process of the job carries it in its environment
 ENV_LAUNCHER_PID = "GLM52_LAUNCHER_PID"  # the glm52 launcher: workers end when it is gone
 ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (seconds since the epoch)
+LAUNCHER_LOG = "launcher.log"  # in the log folder: everything Paddle's launcher printed, unfiltered
 
 # the phases of a step, in order: a rank's progress is (step, index of its last phase)
 PHASES = ("start", "setup", "data", "forward", "update", "done", "eval", "save", "finish")
@@ -122,6 +125,24 @@ def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
         except ValueError:  # unreadable, or a heartbeat torn by a racing write
             rec[kind] = None
     return out
+
+
+def workers_started(log_dir: str, status_dir: str | None = None, since: float | None = None) -> bool:
+    """Whether a worker of this node has started: Paddle's launcher opens ``workerlog.N`` as it
+    starts worker N (in a multi-node job only after every node met at the master), and a worker
+    records its pid first thing.  ``since``: when this job started (default: ``job.json``'s); a
+    worker log older than that is an earlier run's (Paddle's launcher appends to it)."""
+    status_dir = status_dir or os.path.join(log_dir, "status")
+    if read_records(status_dir):
+        return True
+    if since is None:
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            since = float((read_json(os.path.join(log_dir, "job.json"), "the job record", None) or {})["started"])
+    for path in glob.glob(os.path.join(log_dir, "workerlog.*")):
+        with contextlib.suppress(OSError):
+            if since is None or os.stat(path).st_mtime >= since - 1.0:  # coarse file times
+                return True
+    return False
 
 
 def _record_kind(rec: dict[str, Any]) -> str | None:
@@ -208,6 +229,47 @@ def _observations(records: dict[int, dict], launcher: Sequence[dict]) -> list[di
     return sorted(obs, key=lambda o: float(o.get("time") or 0))
 
 
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(: .*)?")
+
+
+def _launcher_said(log_dir: str) -> tuple[str, str | None]:
+    """(the path of Paddle's launcher's output, its last exception line, else its last line; None
+    when it printed nothing): what a launcher that failed before any worker started left."""
+    path = os.path.join(log_dir, LAUNCHER_LOG)
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8", errors="replace").splitlines()]
+    except OSError:
+        lines = []
+    lines = [ln for ln in lines if ln]
+    exc = [ln for ln in lines if _EXCEPTION_LINE.fullmatch(ln)]
+    return path, (exc or lines or [None])[-1]
+
+
+def _before_workers(log_dir: str, stopped_by: dict[str, Any] | None, rendezvous: dict[str, Any] | None) -> Diagnosis:
+    """No worker of this node started: Paddle's launcher failed before it started any, or a job of
+    several nodes was stopped while it waited for them at the master; there is no rank to blame
+    and no worker log to read."""
+    path, said = _launcher_said(log_dir)
+    detail: dict[str, Any] = {"workers_started": False, "launcher_log": path, "launcher_said": said}
+    if rendezvous:
+        detail["rendezvous"] = dict(rendezvous)
+    if not stopped_by:
+        text = f"the launcher failed before any worker started: {said or 'it printed nothing'} (its output: {path}"
+        if rendezvous:  # measured: two nodes given one --node-rank -> TypeError in Paddle's _build_pod_with_master
+            text += f"; every node needs its own --node-rank 0..{rendezvous['nnodes'] - 1} and the same --master"
+        return Diagnosis(None, text + ")", "launcher", detail)
+    assert rendezvous is not None  # diagnose calls this for a stopped job of several nodes only
+    detail["rendezvous"]["met"] = False
+    n, master, rank = rendezvous["nnodes"], rendezvous.get("master"), rendezvous.get("rank")
+    text = (
+        f"no worker of this node started: the {n} nodes never met at the master {master} (--nnodes {n}, "
+        f"--master {master}, --node-rank {rank}): a node not started, or started with another --nnodes or "
+        f"--master, or a --master that is not node 0's address or that a node cannot reach (Paddle's "
+        f"launcher's output: {path})"
+    )
+    return Diagnosis(None, text, str(stopped_by.get("kind")), detail)
+
+
 def diagnose(
     log_dir: str,
     local_ranks: Sequence[int],
@@ -217,6 +279,7 @@ def diagnose(
     paddle_launcher: tuple[int, int | None] | None = None,
     late_signal: dict[str, Any] | None = None,
     world_size: int | None = None,
+    rendezvous: dict[str, Any] | None = None,
 ) -> Diagnosis:
     """The culprit of a failed job from its status records, first rule that applies (the rules and
     why each: docs/failure-modes.md, "Stopped, hung and killed ranks").
@@ -230,6 +293,8 @@ def diagnose(
     cancelling a job does: every process signalled at once, the launcher not necessarily first).
     ``world_size``: the job's, when it has ranks on other nodes than ``local_ranks``' (whose
     records are in their own node's folder): a communication failure then names them as suspects.
+    ``rendezvous``: ``{"nnodes", "master", "rank"}`` of a multi-node job (``launch.rendezvous_of``),
+    named when no worker of this node started before the job was stopped.
     """
     records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
@@ -330,6 +395,9 @@ def diagnose(
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
     if stopped_by and stopped_by.get("kind") == "signal":  # a signal to the launcher
         return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
+    if (not stopped_by or rendezvous) and not workers_started(log_dir):  # before the rules that read a
+        # rank's log: none was written (one node stopped early keeps the timeout's own words below)
+        return _before_workers(log_dir, stopped_by, rendezvous)
     if paddle_pid is not None and stopped_by is None and all(_record_kind(records.get(r, {})) for r in local_ranks):
         # Paddle's launcher stopped the workers before any of them failed: it got a stop signal
         # (its handler stops the workers, then exits with the signal's number)

@@ -32,12 +32,14 @@ from .job_status import (
     ENV_JOB_ID,
     ENV_LAUNCHER_PID,
     ENV_STATUS_DIR,
+    LAUNCHER_LOG,
     Diagnosis,
     diagnose,
     is_comm_error,
     proc_state,
     read_records,
     snapshot,
+    workers_started,
 )
 from .stop_signals import listen
 
@@ -50,7 +52,9 @@ __all__ = [
     "launcher_command",
     "listen_port_range",
     "option_overrides",
+    "rendezvous_of",
     "set_aside_failure_record",
+    "waiting_line",
     "worker_env",
     "write_failure_record",
 ]
@@ -58,6 +62,7 @@ __all__ = [
 TERM_WAIT_S = 3.0  # SIGTERM, then SIGKILL this much later
 LATE_SIGNAL_S = 1.0  # how long a job whose rank was signalled from outside waits for the launcher's own signal
 GRACE_S = 45.0  # a job still running this long after a failure, or with a rank stopped this long, is stopped
+WAITING_EVERY_S = 30.0  # a node whose workers have not started says every this many seconds what it waits for
 
 
 @dataclass
@@ -226,6 +231,35 @@ def launcher_command(nproc_per_node: int, log_dir: str, args: Sequence[str]) -> 
     return [*lifeline, "--nproc_per_node", str(nproc_per_node), "--log_dir", log_dir, *args]
 
 
+def rendezvous_of(options: Sequence[str]) -> dict[str, Any] | None:
+    """``{"nnodes", "master", "rank"}`` from the launcher's options (``--name value`` or
+    ``--name=value``; the last one given wins), None for a one-node job."""
+    found: dict[str, str] = {}
+    for i, tok in enumerate(options):
+        name, eq, value = tok.partition("=")
+        if name in ("--nnodes", "--master", "--rank"):
+            found[name[2:]] = value if eq else (options[i + 1] if i + 1 < len(options) else "")
+    try:
+        nnodes = int(found.get("nnodes", "1"))
+    except ValueError:  # an elastic range such as 2:4: Paddle's launcher's own business
+        return None
+    if nnodes <= 1:
+        return None
+    rank = found.get("rank")
+    return {"nnodes": nnodes, "master": found.get("master"), "rank": int(rank) if rank and rank.isdigit() else None}
+
+
+def waiting_line(rdv: dict[str, Any], seconds: float) -> str:
+    """What a node whose workers have not started after ``seconds`` says: Paddle's launcher waits
+    at the master, silently and without a limit, for every node of the job to join."""
+    n, master, rank = rdv["nnodes"], rdv.get("master") or "the master", rdv.get("rank")
+    this = f" (this node: {rank})" if rank is not None else ""
+    return (
+        f"[glm52] waiting for the other {n - 1} node(s) to join at {master} ({seconds:.0f} s): start the same "
+        f"command on every node with --node-rank 0..{n - 1}{this}, and --master an address of node 0 every node reaches"
+    )
+
+
 def launch_workers(
     worker_args: Sequence[str],
     nproc_per_node: int,
@@ -269,7 +303,9 @@ def launch_workers(
     job = {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline}
     write_json_atomic(os.path.join(log_dir, "job.json"), job, indent=1, sort_keys=False)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
+    rdv = rendezvous_of(cmd[: len(cmd) - 1 - len(worker_args)])
     t_start, first_failure = time.monotonic(), None
+    next_waiting, started = t_start + WAITING_EVERY_S, False
     stopped_by: dict[str, Any] | None = None
     snapshots: list[dict[str, Any]] = []
     seen_signs: set[str] = set()
@@ -281,10 +317,13 @@ def launch_workers(
     )
 
     chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
+    launcher_log = open(os.path.join(log_dir, LAUNCHER_LOG), "w", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            with contextlib.suppress(OSError, ValueError):  # a full disk: the console still gets it
+                launcher_log.write(line)
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
@@ -302,6 +341,10 @@ def launch_workers(
                 stopped_by = signals.caught
                 break
             now = time.monotonic()
+            started = started or workers_started(log_dir, status_dir, since=t_wall)
+            if rdv and not started and now >= next_waiting:
+                print(waiting_line(rdv, now - t_start), flush=True)
+                next_waiting += WAITING_EVERY_S
             snap = snapshot(status_dir, by="launcher")
             signs = [x for x in _trouble(snap) if x not in seen_signs]
             if signs:  # evidence, taken before the launcher kills anything
@@ -328,6 +371,8 @@ def launch_workers(
             snapshots.append(snapshot(status_dir, by=f"launcher (before stopping: {stopped_by['kind']})"))
         stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
         reader.join(timeout=5)
+        with contextlib.suppress(OSError):
+            launcher_log.close()
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
     if proc.returncode == 0 and stopped_by is None:
         records = read_records(status_dir)  # success is every local rank's completion record, not status 0 alone
@@ -347,6 +392,7 @@ def launch_workers(
         paddle_launcher=(proc.pid, proc.returncode),
         late_signal=late,
         world_size=world_size,
+        rendezvous=rdv,
     )
     kind = stopped_by["kind"] if stopped_by else None
     msg = diag.message if kind in (None, "signal") else f"{diag.message}\n({stopped_by['text']})"

@@ -5,6 +5,10 @@ itself (the process tree: docs/failure-modes.md, "Signals and the launcher's lif
 ``python -m paddleformers_glm.train.lifeline MODULE ARGS...`` ties itself to its parent and then runs
 ``python -m MODULE ARGS...`` in the same process (the launcher starts Paddle's launcher this way),
 then leaves with the module's exit status without the interpreter's teardown (``_exit.exit_now``).
+Any other exception out of the module is printed and ends the process with status 1 the same way:
+the interpreter's teardown waits on every non-daemon thread, and Paddle's launcher, raising before
+any worker started (two nodes claiming one node rank, a master port another process holds), leaves
+its key-value server's thread running, so the process never ended.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import ctypes
 import os
 import signal
 import sys
+import traceback
 
 __all__ = ["tie_to_parent"]
 
@@ -52,6 +57,9 @@ def main() -> None:
         code = 0
     except SystemExit as e:  # Paddle's launcher ends with sys.exit(status)
         code = exit_code(e)
+    except BaseException as e:  # whatever it is, the process must end (see the module's docstring)
+        traceback.print_exc()
+        code = 128 + int(signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
     exit_now(code)  # its workers are joined: skip the interpreter's teardown of Paddle
 
 
