@@ -122,13 +122,21 @@ def _launcher_left(d, said: str) -> None:
 def test_no_worker_started_is_the_launchers_failure_not_a_rank_that_died(tmp_path):
     said = "AssertionError: No container in the pod"
     _launcher_left(tmp_path, said)
-    (tmp_path / "job.json").write_text(json.dumps({"started": time.time()}))
+    from paddleformers_glm.train.job_status import worker_logs
+
     (tmp_path / "workerlog.0").write_text("an earlier run's worker\n")  # Paddle's launcher appends to it
-    os.utime(tmp_path / "workerlog.0", (time.time() - 3600, time.time() - 3600))
+    before = worker_logs(str(tmp_path))  # as the launcher records them in job.json when the job starts
+    (tmp_path / "job.json").write_text(json.dumps({"started": time.time(), "worker_logs_before": before}))
     d = diagnose(str(tmp_path), [0], paddle_launcher=(NO_PID, 1), world_size=2)
     assert (d.rank, d.cause) == (None, "launcher"), d
     assert d.message.startswith(f"the launcher failed before any worker started: {said}"), d.message
     assert str(tmp_path / "launcher.log") in d.message and "workerlog" not in d.message, d.message
+    # the same log grown since (this job's worker wrote to it, whatever its file time says): a rank's death
+    with open(tmp_path / "workerlog.0", "a") as f:
+        f.write("this job's worker\n")
+    os.utime(tmp_path / "workerlog.0", (time.time() - 3600, time.time() - 3600))
+    d = diagnose(str(tmp_path), [0], paddle_launcher=(NO_PID, 1), world_size=2)
+    assert (d.rank, d.cause) == (0, "died"), d
 
 
 def test_a_timeout_before_any_worker_started_says_the_nodes_never_met(tmp_path):
@@ -215,3 +223,27 @@ def test_two_nodes_both_rank_0_end_soon_with_the_launchers_error(tmp_path):
         assert p.returncode == 1 and lines, (p.returncode, out[-1500:], err[-1500:])
         assert lines[-1].startswith("glm52 train: the launcher failed before any worker started: "), lines
     assert took < 45, took
+
+
+COPYING_LAUNCHER = """
+import os, sys, time
+print("LAUNCH INFO building the pod", flush=True)
+with open(os.path.join(sys.argv[sys.argv.index("--log_dir") + 1] if "--log_dir" in sys.argv else "logs", "workerlog.0"), "w") as f:
+    f.write("worker 0 started\\n")
+time.sleep(1.5)  # the launcher's poll sees the worker start
+for i in range(300):
+    print(f"copied worker line {i}", flush=True)  # Paddle's launcher copies workerlog.0 to its output
+sys.exit(1)
+"""
+
+
+def test_the_launcher_log_keeps_what_was_said_before_the_workers_not_their_copied_output(tmp_path):
+    """Paddle's launcher copies workerlog.0 to its output for the whole run: written to launcher.log
+    too, rank 0's log was kept twice, without bound, on every node. The file keeps what the launcher
+    said until the workers started (why it failed, when it fails before them)."""
+    script = COPYING_LAUNCHER.replace('"logs"', repr(str(tmp_path / "logs")))
+    (tmp_path / "logs").mkdir()
+    _launch(tmp_path, "copying_launcher", script, [], timeout_s=None)
+    text = (tmp_path / "logs" / "launcher.log").read_text()
+    assert "LAUNCH INFO building the pod" in text and "the rest is in workerlog" in text, text
+    assert "copied worker line 299" not in text and text.count("copied worker line") <= 1, text

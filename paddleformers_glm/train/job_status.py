@@ -38,6 +38,7 @@ __all__ = [
     "proc_state",
     "read_records",
     "snapshot",
+    "worker_logs",
     "workers_started",
     "write_record",
 ]
@@ -127,21 +128,37 @@ def read_records(status_dir: str) -> dict[int, dict[str, Any]]:
     return out
 
 
-def workers_started(log_dir: str, status_dir: str | None = None, since: float | None = None) -> bool:
+def worker_logs(log_dir: str) -> dict[str, list[int]]:
+    """``{name: [inode, size]}`` of the ``workerlog.*`` files in ``log_dir`` now (job.json keeps them
+    as the job starts: an earlier run's, to which Paddle's launcher appends)."""
+    out = {}
+    for path in glob.glob(os.path.join(log_dir, "workerlog.*")):
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            out[os.path.basename(path)] = [st.st_ino, st.st_size]
+    return out
+
+
+def workers_started(log_dir: str, status_dir: str | None = None, before: dict[str, list[int]] | None = None) -> bool:
     """Whether a worker of this node has started: Paddle's launcher opens ``workerlog.N`` as it
     starts worker N (in a multi-node job only after every node met at the master), and a worker
-    records its pid first thing.  ``since``: when this job started (default: ``job.json``'s); a
-    worker log older than that is an earlier run's (Paddle's launcher appends to it)."""
+    records its pid first thing.  ``before``: the worker logs as the job started (default:
+    ``job.json``'s ``worker_logs_before``); one new or grown since is this job's. Sizes, not file
+    times: a cluster filesystem's clock is not the launcher's, and an appended file keeps its time
+    until written."""
     status_dir = status_dir or os.path.join(log_dir, "status")
     if read_records(status_dir):
         return True
-    if since is None:
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            since = float((read_json(os.path.join(log_dir, "job.json"), "the job record", None) or {})["started"])
-    for path in glob.glob(os.path.join(log_dir, "workerlog.*")):
-        with contextlib.suppress(OSError):
-            if since is None or os.stat(path).st_mtime >= since - 1.0:  # coarse file times
-                return True
+    if before is None:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            before = (read_json(os.path.join(log_dir, "job.json"), "the job record", None) or {}).get(
+                "worker_logs_before"
+            )
+    before = before if isinstance(before, dict) else {}
+    for name, (ino, size) in worker_logs(log_dir).items():
+        old = before.get(name)
+        if not (isinstance(old, list) and len(old) == 2 and old[0] == ino and size <= old[1]):
+            return True  # a new file, another file under the name, or grown
     return False
 
 

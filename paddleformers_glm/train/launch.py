@@ -39,6 +39,7 @@ from .job_status import (
     proc_state,
     read_records,
     snapshot,
+    worker_logs,
     workers_started,
 )
 from .stop_signals import listen
@@ -301,6 +302,7 @@ def launch_workers(
         if env.pop(var, None) is not None:
             print(f"[glm52] ignoring {var}={value} from the environment: Paddle's launcher is given {option} {given}")
     job = {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline}
+    job["worker_logs_before"] = worker_logs(log_dir)  # an earlier run's, which Paddle's launcher appends to
     write_json_atomic(os.path.join(log_dir, "job.json"), job, indent=1, sort_keys=False)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
     rdv = rendezvous_of(cmd[: len(cmd) - 1 - len(worker_args)])
@@ -317,13 +319,23 @@ def launch_workers(
     )
 
     chatter = PaddleChatter()  # Paddle's INFO records and flags banner: workerlog.* only, unless verbose
-    launcher_log = open(os.path.join(log_dir, LAUNCHER_LOG), "w", encoding="utf-8", buffering=1)  # noqa: SIM115
+    # what Paddle's launcher says before its workers start (why it failed, if it does); from then on it
+    # copies workerlog.0 to its output, which workerlog.0 already keeps: not written twice
+    workers_up = threading.Event()
+    try:
+        launcher_log: Any = open(os.path.join(log_dir, LAUNCHER_LOG), "w", encoding="utf-8", buffering=1)  # noqa: SIM115
+    except OSError:
+        launcher_log = None
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            with contextlib.suppress(OSError, ValueError):  # a full disk: the console still gets it
-                launcher_log.write(line)
+            if launcher_log is not None and not launcher_log.closed:
+                with contextlib.suppress(OSError, ValueError):  # a full disk: the console still gets it
+                    launcher_log.write(line)
+                    if workers_up.is_set():
+                        launcher_log.write("(the workers started: the rest is in workerlog.*)\n")
+                        launcher_log.close()
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
@@ -341,10 +353,12 @@ def launch_workers(
                 stopped_by = signals.caught
                 break
             now = time.monotonic()
-            started = started or workers_started(log_dir, status_dir, since=t_wall)
+            if not started and workers_started(log_dir, status_dir, before=job["worker_logs_before"]):
+                started = True
+                workers_up.set()
             if rdv and not started and now >= next_waiting:
                 print(waiting_line(rdv, now - t_start), flush=True)
-                next_waiting += WAITING_EVERY_S
+                next_waiting = now + WAITING_EVERY_S  # after a stall: one line, not one for each period missed
             snap = snapshot(status_dir, by="launcher")
             signs = [x for x in _trouble(snap) if x not in seen_signs]
             if signs:  # evidence, taken before the launcher kills anything
@@ -371,7 +385,7 @@ def launch_workers(
             snapshots.append(snapshot(status_dir, by=f"launcher (before stopping: {stopped_by['kind']})"))
         stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
         reader.join(timeout=5)
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, AttributeError):
             launcher_log.close()
     write_json_atomic(os.path.join(status_dir, "launcher.json"), {"snapshots": snapshots}, indent=1, sort_keys=False)
     if proc.returncode == 0 and stopped_by is None:
