@@ -29,22 +29,12 @@ from paddleformers_glm.checkpoint.convert import convert_checkpoint
 from paddleformers_glm.testing import SpecModel
 
 from .conftest import FIXTURES
+from .test_fleet_layouts import _read  # every tensor of a folder, through the safetensors library
 
 SRC = FIXTURES / "tiny" / "checkpoint"
 CONTRACT = json.loads((FIXTURES / "paddlefleet_contract.json").read_text())
 pytestmark = pytest.mark.skipif(not SRC.exists(), reason="HF fixture checkpoint not present")
 LAYOUTS = ["grouped", "stacked"]
-
-
-def _read(folder) -> dict:
-    """Every tensor of a folder, through the safetensors library."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="paddle") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "rope" / "hf_inv_freq.json"
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 8000000,
-    "factor": 4.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "original_max_position_embeddings": 1024,
-    "beta_fast": 32,
-    "beta_slow": 1,
-}
+# the yarn rope of the tiny_pattern_yarn fixture (made by tools/make_reference.py)
+YARN = json.loads((ROOT / "tests" / "fixtures" / "tiny_pattern_yarn" / "checkpoint" / "config.json").read_text())[
+    "rope_parameters"
+]
 
 
 def cases() -> dict[str, dict]:
