@@ -32,7 +32,7 @@ from ..checkpoint.safetensors_io import (
     to_paddle,
 )
 
-__all__ = ["check_checkpoints", "file_safety_problems", "tensor_hash", "checkpoint_hash", "versions"]
+__all__ = ["check_checkpoints", "file_safety_problems", "same_inputs", "tensor_hash", "checkpoint_hash", "versions"]
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE = 0, 1, 2
 _MAX_LISTED = 200  # differences listed in full; counts are always complete
@@ -158,21 +158,21 @@ def _diff_stats(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> tup
     return worst, differing, bits_only
 
 
-def _same_files(ref_path: str, cand_path: str) -> str | None:
-    """Why REF and CAND are one checkpoint (the same file or folder, however each is named: a linked
-    parent folder, a bind mount, ``X X``), else None. Such a pair matches whatever it holds, so its
-    "match" would be no evidence; the link checks look at the named files and folder only, not at the
-    folders above them."""
+def same_inputs(names: tuple[str, str], path_a: str, path_b: str, what: str) -> str | None:
+    """Why a checker's two inputs (``names``: how its line calls them) are one (the same file or
+    folder, however each is named: a linked parent folder, a bind mount, a hardlink, ``X X``), else
+    None. ``what`` compared with itself agrees whatever it holds, so its pass would be no evidence; the
+    link checks look at the named files and folder only, not at the folders above them."""
     try:
-        if not os.path.samefile(ref_path, cand_path):
+        if not os.path.samefile(path_a, path_b):
             return None
     except OSError:  # a side that is not there: its own error says so
         return None
-    ra, rb = os.path.realpath(ref_path), os.path.realpath(cand_path)
+    ra, rb = os.path.realpath(path_a), os.path.realpath(path_b)
     real = f"real path {ra}" if ra == rb else f"real paths {ra} and {rb}, one inode"
     return (
-        f"ref {os.path.abspath(ref_path)} and cand {os.path.abspath(cand_path)} are the same files ({real}): "
-        "a checkpoint compared with itself matches whatever it holds"
+        f"{names[0]} {os.path.abspath(path_a)} and {names[1]} {os.path.abspath(path_b)} are the same files "
+        f"({real}): {what} compared with itself agrees whatever it holds"
     )
 
 
@@ -408,7 +408,7 @@ def check_checkpoints(
         "errors": [],
         "warnings": [],
     }
-    if same := _same_files(ref_path, cand_path):  # refused before hashing it twice
+    if same := same_inputs(("ref", "cand"), ref_path, cand_path, "a checkpoint"):  # before hashing it twice
         report["errors"].append(same)
         return _finish(report, EXIT_UNUSABLE, t0, {})
     sides = {"ref": _open_side(ref_path), "cand": _open_side(cand_path)}

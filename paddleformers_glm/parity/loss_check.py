@@ -13,7 +13,7 @@ from typing import Any
 
 from .._io import read_json
 from ..cli._plot import PLOT_EXTRA_HINT, pyplot, save_png
-from .ckpt_check import sha256_file, versions
+from .ckpt_check import same_inputs, sha256_file, versions
 
 __all__ = [
     "LossFileError",
@@ -179,7 +179,7 @@ def check_losses(
     for flag, tol_value in (("--atol", atol), ("--rtol", rtol)):  # as torch.allclose refuses them
         if tol_value is not None and not tol_value >= 0:
             report["errors"].append(f"{flag} must be >= 0, got {tol_value}")
-    if same := _same_file(path_a, path_b):
+    if same := same_inputs(("a", "b"), path_a, path_b, "a curve"):
         report["errors"].append(same)
         report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
         return report
@@ -245,21 +245,6 @@ def check_losses(
             report["errors"].append(f"--plot {plot}: cannot write the plot: {e.strerror or e}")
             report.update(exit_code=EXIT_UNUSABLE, plot=None)
     return report
-
-
-def _same_file(path_a: str, path_b: str) -> str | None:
-    """Why A and B are one loss record (the same file, however named: a run folder and its loss.json,
-    a link, a hardlink), else None: a curve compared with itself agrees whatever it holds, so its
-    "pass" would be no evidence."""
-    try:
-        if not os.path.samefile(path_a, path_b):
-            return None
-    except OSError:  # a side that is not there: its own error says so
-        return None
-    return (
-        f"a {os.path.abspath(path_a)} and b {os.path.abspath(path_b)} are the same file "
-        f"(real path {os.path.realpath(path_a)}): a curve compared with itself agrees whatever it holds"
-    )
 
 
 def failure_records(loss_json: str) -> list[str]:
