@@ -298,14 +298,15 @@ def launch_workers(
         env[ENV_DEADLINE] = repr(deadline)
     else:  # a deadline inherited from the caller's environment is not this job's
         env.pop(ENV_DEADLINE, None)
-    for var, value, option, given in option_overrides(cmd[: len(cmd) - 1 - len(worker_args)], env):  # options win
+    launcher_options = cmd[: len(cmd) - 1 - len(worker_args)]  # what Paddle's launcher is given, before the worker
+    for var, value, option, given in option_overrides(launcher_options, env):  # options win
         if env.pop(var, None) is not None:
             print(f"[glm52] ignoring {var}={value} from the environment: Paddle's launcher is given {option} {given}")
     job = {"job_id": job_id, "launcher_pid": os.getpid(), "started": t_wall, "deadline": deadline}
     job["worker_logs_before"] = worker_logs(log_dir)  # an earlier run's, which Paddle's launcher appends to
     write_json_atomic(os.path.join(log_dir, "job.json"), job, indent=1, sort_keys=False)
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
-    rdv = rendezvous_of(cmd[: len(cmd) - 1 - len(worker_args)])
+    rdv = rendezvous_of(launcher_options)
     t_start, first_failure = time.monotonic(), None
     next_waiting, started = t_start + WAITING_EVERY_S, False
     stopped_by: dict[str, Any] | None = None
