@@ -584,20 +584,18 @@ def test_ranks_given_different_runs_are_refused_naming_the_settings(monkeypatch)
     was 4.365181 instead of the 4.401340 of a same-settings run (rank 1's shards stepped at 2e-2).
     Now every rank compares its settings with rank 0's at setup (one all-gather) and fails naming
     them; where each node reads and writes (--out, --data, --resume, --model paths) may differ."""
-    from types import SimpleNamespace
-
-    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train import loop
     from paddleformers_glm.train.loop import TrainConfig, check_same_run, run_settings
 
     base = {"model": "toy", "steps": 4, "seq_len": 16, "lr": 2e-3, "tp": 2, "out": "/n0", "data": "/n0/d.npy"}
     mine = TrainConfig(**base, model_args={"model_dir": "/n0/m"})
     here = {"out": "/n1", "data": "/n1/d.npy", "resume": None, "progress": False, "model_args": {"model_dir": "/n1/m"}}
     other = TrainConfig(**{**base, **here})
-    monkeypatch.setattr(distributed, "all_gather_object", lambda obj, topo: [obj, run_settings(other)])
-    check_same_run(mine, SimpleNamespace(world_size=2))  # another node's paths: the same run
+    monkeypatch.setattr(loop, "gather_settings", lambda text: [text, run_settings(other)])
+    check_same_run(mine, 2)  # another node's paths: the same run
     other = TrainConfig(**{**base, **here, "lr": 2e-2, "steps": 6})
     with pytest.raises(ValueError) as e:
-        check_same_run(mine, SimpleNamespace(world_size=2))
+        check_same_run(mine, 2)
     assert str(e.value).startswith(
         "the ranks of this job were given different runs (lr: 0.002 on rank 0, 0.02 on rank 1; "
         "steps: 4 on rank 0, 6 on rank 1): run the same glm52 train command on every node"
@@ -613,11 +611,9 @@ def test_ranks_given_different_data_or_resume_files_are_refused_naming_them(tmp_
     node's file.  Now every rank also compares what it read: the data's fingerprint (the one a
     resume compares), the checkpoint's identity (checkpoint_info less its path) and the resume
     state's step and meta.json hash; copies of the same files under other paths still pass."""
-    from types import SimpleNamespace
-
     import numpy as np
 
-    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train import loop
     from paddleformers_glm.train.adapter import make_adapter
     from paddleformers_glm.train.data import open_data
     from paddleformers_glm.train.loop import TrainConfig, check_same_run, run_inputs, run_settings
@@ -646,10 +642,10 @@ def test_ranks_given_different_data_or_resume_files_are_refused_naming_them(tmp_
         return cfg, run_inputs(cfg, adapter, data)
 
     mine, my_inputs = node("n0")
-    two = SimpleNamespace(world_size=2)
+    two = 2
 
     def against(other):
-        monkeypatch.setattr(distributed, "all_gather_object", lambda obj, topo: [obj, run_settings(*other)])
+        monkeypatch.setattr(loop, "gather_settings", lambda text: [text, run_settings(*other)])
 
     against(node("n1"))  # copies of the same files under another node's paths: the same run
     check_same_run(mine, two, my_inputs)

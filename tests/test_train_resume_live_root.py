@@ -158,18 +158,16 @@ def test_nodes_that_followed_a_moving_latest_are_told_so(saved_root, tmp_path, m
     """Each node's launcher follows a root's ``latest`` when it starts: nodes started while another run
     saved there resume different steps. The ranks' check refused it blaming the user's command and
     files; it now also names the moving ``latest`` and what to give instead."""
-    from types import SimpleNamespace
-
-    from paddleformers_glm.checkpoint import distributed
+    from paddleformers_glm.train import loop
     from paddleformers_glm.train.loop import TrainConfig, check_same_run, run_settings
 
     root = str(saved_root)
     mine = TrainConfig(model="toy", steps=3, seq_len=8, out="/n0", resume=root, resume_folder=f"{root}/{STEP1}")
     other = TrainConfig(model="toy", steps=3, seq_len=8, out="/n1", resume=root, resume_folder=f"{root}/{STEP2}")
     seen = {"resume state": {"step": 2, "meta_sha256": "b"}}
-    monkeypatch.setattr(distributed, "all_gather_object", lambda obj, topo: [obj, run_settings(other, seen)])
+    monkeypatch.setattr(loop, "gather_settings", lambda text: [text, run_settings(other, seen)])
     with pytest.raises(ValueError) as e:
-        check_same_run(mine, SimpleNamespace(world_size=2), {"resume state": {"step": 1, "meta_sha256": "a"}})
+        check_same_run(mine, 2, {"resume state": {"step": 1, "meta_sha256": "a"}})
     assert "resume state: " in str(e.value) and str(e.value).endswith(
         f"; --resume {root} is a checkpoint root whose `latest` each node followed when it started (another run "
         "saving there moves it): give every node the step folder itself"

@@ -34,11 +34,13 @@ def generate_on_rank(spec: dict[str, Any]) -> None:
     from ..modeling import GlmMoeDsaForCausalLM
     from ..parallel.topology import ParallelConfig, init_topology
     from ..tokenizer import GlmTokenizer
+    from ..train.job_status import beat
     from .config import GenerationConfig
     from .search import generate
 
     world, dims = layout_of(spec)
     topo = init_topology(ParallelConfig.from_world(world, **dims), **spec["sizes"])
+    beat(0, "setup")  # the job's groups exist: past connecting (launch.still_connecting)
     model = GlmMoeDsaForCausalLM.from_pretrained(spec["model"], dtype=spec["dtype"], topology=topo)
     model.eval()
     defaults = GenerationConfig.from_pretrained(spec["model"], model.config)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +279,18 @@ def topology_override(topo: Topology | None = None) -> Iterator[Topology]:
         _CURRENT = saved
 
 
+def _init_default_group(strategy: Any) -> None:
+    """The job's default group, as ``fleet.init`` makes it first (the same NCCL settings), so that a
+    check can run on it before Fleet's sub-groups; ``fleet.init`` then finds it made."""
+    import paddle.distributed as dist
+    from paddle.distributed import parallel_helper
+
+    if parallel_helper._is_parallel_ctx_initialized():
+        return
+    os.environ.setdefault("FLAGS_nccl_nrings", str(strategy.nccl_comm_num))
+    dist.init_parallel_env(strategy.hybrid_configs["default_comm_group_configs"].nccl_config)
+
+
 def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> tuple[int, int, int]:
     """(edp, ep, etp) ranks of the dense-plane position (dp_rank, cp_rank, tp_rank) of a stage.
 
@@ -319,6 +331,7 @@ def init_topology(
     accumulate_steps: int = 1,
     micro_batch_size: int = 1,
     world: int | None = None,
+    agree: Callable[[], None] | None = None,
     **model_sizes: int | None,
 ) -> Topology:
     """Initialise fleet (when world > 1) and every group for ``pc``; install and return the topology.
@@ -327,7 +340,11 @@ def init_topology(
     :meth:`ParallelConfig.validate` so a bad layout fails here with a clear message, on every rank.
     ``accumulate_steps`` / ``micro_batch_size`` (micro-batches per replica per step and their size)
     go to Fleet's ``pipeline_configs``, which its pipeline engine reads.  ``world``: the processes of
-    the job; None: the launcher's (:func:`launched_world_size`).
+    the job; None: the launcher's (:func:`launched_world_size`).  ``agree``: a collective check
+    every rank runs once the job's default group exists and before Fleet builds any sub-group
+    (``fleet.init``): ranks given different layouts build different groups there and wait for each
+    other forever (measured: two nodes, ``--tp 2`` and ``--tp 1 --pp 2``, silent until killed), so
+    what must agree is compared first.
     """
     if world is None:
         world = launched_world_size()
@@ -379,6 +396,9 @@ def init_topology(
         pp_configs.delay_scale_loss = True
         if backend == "gloo":  # gloo has no batched (calc-stream) p2p kernels; plain send/recv works
             pp_configs.use_batch_p2p_comm = False
+    if agree is not None:
+        _init_default_group(strategy)
+        agree()
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     ftopo = hcg.topology()

@@ -182,6 +182,19 @@ def snapshot(status_dir: str, by: str) -> dict[str, Any]:
     return {"by": by, "time": time.time(), "ranks": ranks}
 
 
+def still_connecting(snap: dict[str, Any], local_ranks: Sequence[int]) -> list[int]:
+    """``local_ranks`` when every one of them is alive at its first heartbeat (``start``: the worker
+    began, the job's process groups are not made yet) or has none yet, else [].  Past ``start``
+    the groups exist, so a node's ranks leave it together; one held there waits for ranks of the
+    job that never connect."""
+    ranks = snap["ranks"]
+    for r in local_ranks:
+        s = ranks.get(str(r)) or {}
+        if s.get("record") or s.get("state") == "gone" or s.get("beat") not in (None, [0, "start"]):
+            return []
+    return list(local_ranks)
+
+
 # ---------------------------------------------------------------- diagnosis
 
 
@@ -433,6 +446,19 @@ def diagnose(
                 "launcher",
                 {"launcher_signal": name},
             )
+    # a multi-node job stopped by --job-timeout while none of this node's ranks got past its start: they
+    # waited for ranks of the job that never connected (not a rank behind its peers, which all did the same)
+    held = local_ranks and all(
+        _progress(beats.get(r)) <= (0, 0) and not _record_kind(records.get(r, {})) for r in local_ranks
+    )
+    if stopped_by and stopped_by.get("kind") == "timeout" and rendezvous and held:
+        return Diagnosis(
+            None,
+            f"rank(s) {_ranks(local_ranks)} of this node never finished connecting to the job's other ranks "
+            f"({_beat_text(beats.get(local_ranks[0]))}): a node not started, or started with another --nnodes "
+            f"than {rendezvous['nnodes']}; run the same command on every node",
+            "timeout",
+        )
     progress = {r: _progress(beats.get(r)) for r in local_ranks}
     if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # a rank behind: hung
         low = min(progress.values())

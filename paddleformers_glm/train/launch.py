@@ -39,6 +39,7 @@ from .job_status import (
     proc_state,
     read_records,
     snapshot,
+    still_connecting,
     worker_logs,
     workers_started,
 )
@@ -261,6 +262,19 @@ def waiting_line(rdv: dict[str, Any], seconds: float) -> str:
     )
 
 
+def connecting_line(rdv: dict[str, Any], ranks: Sequence[int], seconds: float) -> str:
+    """What a node says while its started workers still wait for the job's other ranks to connect
+    (their heartbeat still at ``start``): a node started with another ``--nnodes`` met this one at
+    the master and then waits for a job of its own size, and this node's workers wait in the
+    process-group setup for ranks that never come, silently and without a limit."""
+    n = rdv["nnodes"]
+    return (
+        f"[glm52] rank(s) {', '.join(map(str, ranks))} of this node still wait for the job's other ranks to connect "
+        f"({seconds:.0f} s after they started): a node not started, or started with another --nnodes than {n}; "
+        "run the same command on every node"
+    )
+
+
 def launch_workers(
     worker_args: Sequence[str],
     nproc_per_node: int,
@@ -308,7 +322,7 @@ def launch_workers(
     local = list(range(node_rank_offset, node_rank_offset + nproc_per_node))
     rdv = rendezvous_of(launcher_options)
     t_start, first_failure = time.monotonic(), None
-    next_waiting, started = t_start + WAITING_EVERY_S, False
+    next_waiting, started, t_up = t_start + WAITING_EVERY_S, False, t_start
     stopped_by: dict[str, Any] | None = None
     snapshots: list[dict[str, Any]] = []
     seen_signs: set[str] = set()
@@ -355,12 +369,16 @@ def launch_workers(
                 break
             now = time.monotonic()
             if not started and workers_started(log_dir, status_dir, before=job["worker_logs_before"]):
-                started = True
+                started, t_up = True, now
+                next_waiting = now + WAITING_EVERY_S
                 workers_up.set()
-            if rdv and not started and now >= next_waiting:
-                print(waiting_line(rdv, now - t_start), flush=True)
-                next_waiting = now + WAITING_EVERY_S  # after a stall: one line, not one for each period missed
             snap = snapshot(status_dir, by="launcher")
+            if rdv and now >= next_waiting:
+                if not started:
+                    print(waiting_line(rdv, now - t_start), flush=True)
+                elif connecting := still_connecting(snap, local):
+                    print(connecting_line(rdv, connecting, now - t_up), flush=True)
+                next_waiting = now + WAITING_EVERY_S  # after a stall: one line, not one for each period missed
             signs = [x for x in _trouble(snap) if x not in seen_signs]
             if signs:  # evidence, taken before the launcher kills anything
                 seen_signs.update(signs)

@@ -106,12 +106,6 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc, specs = check_run(cfg, adapter, world)
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
-    topo = init_topology(
-        pc,
-        accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
-        micro_batch_size=cfg.micro_batch_size,
-        world=world,
-    )  # the layout against the model's sizes: check_run above
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
@@ -122,8 +116,14 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
                 cfg.eval_data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype, flag="--eval-data"
             )
             check_eval_samples(held_out, cfg.eval_batches, cfg.global_batch_size)
-        inputs = run_inputs(cfg, adapter, data, held_out) if topo.world_size > 1 else None
-        check_same_run(cfg, topo, inputs)
+        inputs = run_inputs(cfg, adapter, data, held_out) if world > 1 else None
+        topo = init_topology(
+            pc,
+            accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
+            micro_batch_size=cfg.micro_batch_size,
+            world=world,
+            agree=lambda: check_same_run(cfg, world, inputs),  # before the groups a different layout deadlocks in
+        )  # the layout against the model's sizes: check_run above
         check_shared_out(cfg, topo)
         return _train(cfg, adapter, topo, specs, data, held_out)
     finally:
@@ -178,7 +178,14 @@ def run_settings(cfg: TrainConfig, inputs: dict[str, Any] | None = None) -> str:
     return dumps_json(mine, indent=None, default=str)
 
 
-def check_same_run(cfg: TrainConfig, topo: Any, inputs: dict[str, Any] | None = None) -> None:
+def gather_settings(text: str) -> list[str]:
+    """Every rank's ``text`` in rank order, over the job's default group (collective)."""
+    out: list[str] = []
+    dist.all_gather_object(out, text)
+    return out
+
+
+def check_same_run(cfg: TrainConfig, world_size: int, inputs: dict[str, Any] | None = None) -> None:
     """Refuse a job whose ranks were given different runs (collective; a no-op on one process).
 
     Every node of a multi-node job runs its own ``glm52 train`` and each worker reads its node's
@@ -190,12 +197,14 @@ def check_same_run(cfg: TrainConfig, topo: Any, inputs: dict[str, Any] | None = 
     ``inputs`` (:func:`run_inputs`): what each rank read from its node's --data, model folder and
     --resume, which may be other paths but must be the same files: nodes given different data files
     with the same settings trained silently on different samples (each data-parallel rank drew its
-    rows from its own node's file)."""
-    if topo.world_size == 1:
-        return
-    from ..checkpoint.distributed import all_gather_object
+    rows from its own node's file).
 
-    runs = all_gather_object(run_settings(cfg, inputs), topo)
+    It runs on the job's default group before Fleet builds any sub-group (``init_topology``'s
+    ``agree``): ranks given different layouts (``--tp 2`` on one node, ``--tp 1 --pp 2`` on the
+    other) waited for each other there forever, both nodes silent."""
+    if world_size == 1:
+        return
+    runs = gather_settings(run_settings(cfg, inputs))
     first = json.loads(runs[0])
     differ: dict[str, list[int]] = {}
     for r, text in enumerate(runs):
