@@ -37,6 +37,20 @@ print("LAUNCH INFO waiting for peers", flush=True)
 time.sleep(600)
 """
 
+# waits at the rendezvous and, stopped, prints what Paddle's launcher 3.3.1 prints then (measured: a
+# node SIGINTed or timed out while it waited alone)
+TORN_DOWN_LAUNCHER = """
+import signal, sys, time
+def down(*_):
+    print("LAUNCH WARNING put value failed", flush=True)
+    print("Traceback (most recent call last):", flush=True)
+    print("AssertionError: No container in the pod", flush=True)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, down)
+print("LAUNCH INFO waiting for peers", flush=True)
+time.sleep(600)
+"""
+
 
 def _module(tmp_path, name: str, text: str) -> dict[str, str]:
     """``name`` importable from ``tmp_path``: the environment that finds it."""
@@ -106,6 +120,19 @@ def test_a_node_waiting_for_the_others_says_so_and_its_timeout_names_the_master(
     assert "no rank reported an error" not in err["message"] and "workerlog" not in err["message"], err
     rec = json.loads((log_dir / "failure.json").read_text())
     assert rec["rendezvous"] == {"nnodes": 2, "master": master, "rank": 0, "met": False}, rec
+
+
+def test_the_launchers_teardown_traceback_stays_in_its_log_not_on_the_console(tmp_path):
+    """A node stopped while it waits at the rendezvous: Paddle's launcher, stopped, prints a
+    traceback ending in ``AssertionError: No container in the pod``, which came before the one-line
+    reason and read as the cause.  What it prints once the job is being stopped stays in
+    launcher.log."""
+    options = ["--nnodes", "2", "--master", "127.0.0.1:1", "--rank", "0"]
+    err, out, log_dir = _launch(tmp_path, "torn_down_launcher", TORN_DOWN_LAUNCHER, options, timeout_s=3.0)
+    assert (err["cause"], err["rc"]) == ("timeout", 124), err
+    assert "the 2 nodes never met at the master" in err["message"], err
+    assert "No container in the pod" not in out and "Traceback" not in out, out
+    assert "AssertionError: No container in the pod" in (log_dir / "launcher.log").read_text()
 
 
 def _launcher_left(d, said: str) -> None:

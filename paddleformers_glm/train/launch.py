@@ -337,6 +337,7 @@ def launch_workers(
     # what Paddle's launcher says before its workers start (why it failed, if it does); from then on it
     # copies workerlog.0 to its output, which workerlog.0 already keeps: not written twice
     workers_up = threading.Event()
+    stopping = threading.Event()  # set when this launcher stops the job (a signal, --job-timeout, a failure)
     try:
         launcher_log: Any = open(os.path.join(log_dir, LAUNCHER_LOG), "w", encoding="utf-8", buffering=1)  # noqa: SIM115
     except OSError:
@@ -352,6 +353,8 @@ def launch_workers(
                         launcher_log.write("(the workers started: the rest is in workerlog.*)\n")
                         launcher_log.close()
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
+            if stopping.is_set():  # Paddle's launcher and the workers being stopped: the teardown's traceback
+                continue  # (e.g. "No container in the pod" at the rendezvous) is no cause; launcher.log keeps it
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
             print(line, end="", flush=True)
@@ -400,6 +403,7 @@ def launch_workers(
                 break
     finally:
         if stopped_by is not None:
+            stopping.set()
             stopped_by = {**stopped_by, "time": time.time()}  # what ranks see after this is our teardown
             snapshots.append(snapshot(status_dir, by=f"launcher (before stopping: {stopped_by['kind']})"))
         stop_job(proc, job_id, status_dir)  # also the stragglers of a job that ended by itself
