@@ -334,6 +334,45 @@ def test_a_warmup_checkpoint_resumes_in_the_sparse_stage_and_back(tiny_ckpt, tmp
     assert round(math.log(b1) / math.log(0.9)) - 1 == 4
 
 
+def test_a_bf16_warmup_checkpoint_resumes_the_backbone_from_its_saved_weights(tiny_ckpt, tmp_path):
+    """bf16: a warm-up state holds no fp32 master (nor moments) for the frozen backbone, and a
+    resumed run loads no pretrained weights, so the sparse stage's first update must start from the
+    saved bf16 weights: step 3 moves every backbone element by at most one Adam step (lr, plus the
+    decay lr x wd x |w|) and the bf16 rounding of the result.  Measured: largest move 1.2e-4 at lr
+    1e-4 (one bf16 step); with the masters left at the resumed run's random init, 0.32 (the weights
+    jumped to that init minus an update)."""
+    from paddleformers_glm.train.state_files import read_rank_state
+
+    kw = dict(dtype="bfloat16", lr=1e-3, global_batch_size=2, micro_batch_size=1)
+    _train(tiny_ckpt, tmp_path / "warm", steps=2, indexer_stage="warmup", save_every=2, **kw)
+    s2 = tmp_path / "warm" / "checkpoints" / "step_00000002"
+    sparse = _train(
+        tiny_ckpt, tmp_path / "sparse", steps=3, indexer_stage="sparse", indexer_loss_coeff=0.1, resume=str(s2),
+        save_every=1, **kw,
+    )  # fmt: skip
+    lr, wd = sparse["lrs"][-1], 0.1  # TrainConfig's default weight decay
+
+    def backbone(folder: Path) -> dict[str, np.ndarray]:
+        reader, _, _ = read_rank_state(str(folder), 0)
+        out = {}
+        with reader:
+            for k in reader.tensors:
+                if k.startswith("model/") and ".indexer." not in k:
+                    a = reader.numpy(k)
+                    out[k] = (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a
+        return out
+
+    w2, w3 = backbone(s2), backbone(tmp_path / "sparse" / "checkpoints" / "step_00000003")
+    assert w2.keys() == w3.keys() and len(w2) > 100
+    moved = []
+    for k in w2:
+        a, b = w2[k].astype(np.float64), w3[k].astype(np.float64)
+        bound = lr * (1 + wd * np.abs(a)) * 1.01 + np.abs(b) * 2.0**-8 + 1e-30
+        assert (np.abs(b - a) <= bound).all(), (k, float(np.abs(b - a).max()), lr)
+        moved.append(float(np.abs(b - a).max()))
+    assert max(moved) > 0  # the sparse stage trained the backbone
+
+
 def test_plot_indexer_writes_json_and_png_or_names_the_plot_extra(tmp_path, capsys, monkeypatch):
     import sys
 
