@@ -20,7 +20,7 @@ import pytest
 from paddleformers_glm.parallel.context import split_micro_batch, zigzag_positions
 from paddleformers_glm.parallel.topology import ParallelConfigError
 from paddleformers_glm.train.loop import TrainConfig, run_training
-from tests._dist.runner import assert_indexer_matches, losses, run_train_cli, worker_logs
+from tests._dist.runner import assert_clipped_by_true_norm, assert_indexer_matches, losses, run_train_cli, worker_logs
 
 STEPS, GBS, LR = 5, 2, 1e-5
 
@@ -155,29 +155,6 @@ def kl_ckpt(tiny_ckpt, tmp_path_factory):
     return ckpt
 
 
-def assert_clipped_by_true_norm(dump, gnorm, clip):
-    """AdamW's first moment after update 1 is (1 - beta1) x the clipped gradient: the clip that ran
-    must have scaled the dumped (pre-clip, synced) gradients by clip / (norm + 1e-6), norm their true
-    global norm, as torch's clip_grad_norm_ and the reference trainer do (parity/reference/train.py).
-    Adam normalises a gradient's scale, so a wrong clip factor barely moves the losses: only the
-    moments show it.  (Fleet's HybridParallelClipGrad summed the tensor-parallel slices' squares
-    over its check group, which spans the cp ranks: --tp 2 --cp 2 clipped by 3.551 for a true
-    norm 2.702, factor 0.1408 for 0.1851.)"""
-    import math
-
-    from safetensors.numpy import load_file
-
-    g = load_file(str(dump / "grads" / "model.safetensors"))
-    m = load_file(str(dump / "exp_avg" / "model.safetensors"))
-    norm = math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in g.values()))
-    assert math.isclose(norm, gnorm, rel_tol=1e-5) and norm > clip, (norm, gnorm)  # the clip bites
-    want = clip / (norm + 1e-6)
-    got = sum(float((m[k].astype(np.float64) * g[k]).sum()) for k in g) / (0.1 * norm * norm)
-    assert math.isclose(got, want, rel_tol=1e-5), f"clip factor {got:.6f} (a norm of {clip / got:.4f}), want {want:.6f}"
-    for k in g:
-        np.testing.assert_allclose(m[k], 0.1 * want * g[k], rtol=1e-4, atol=1e-9, err_msg=k)
-
-
 def _run(ckpt, out, seq, *layout):
     args = ["--model", str(ckpt), "--steps", str(STEPS), "--seq-len", str(seq), "--global-batch-size", str(GBS)]
     args += ["--micro-batch-size", "1", "--lr", str(LR), "--out", str(out), *layout]
@@ -259,7 +236,7 @@ def test_cp2_trains_the_indexer_kl_loss_as_one_process_repeats_and_resumes_bit_e
 def test_cp_layouts_match_one_process(tiny_ckpt, single, held_out, tmp_path, seq, layout):
     """cp2-warmup: the indexer's dense warm-up, whose target spans every causal key across the cp
     ranks, and its per-query mean over the whole sequence (docs/indexer.md).  tp2-cp2-sp: the step-1
-    dump shows the clip that ran scaled the gradients by clip / (true norm + 1e-6) (below). The
+    dump shows the clip that ran scaled the gradients by clip / (true norm + 1e-6) (tests/_dist/runner.py). The
     layouts without an indexer stage also evaluate held-out tokens after the last step: one
     process's loss (each cp rank its zigzag slice; on pp2-cp2 through Fleet's eval_batch)."""
     dump = tmp_path / "dump"

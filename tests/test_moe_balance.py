@@ -18,7 +18,7 @@ from paddleformers_glm.configuration import GlmMoeDsaConfig
 from paddleformers_glm.modeling.moe import TopkRouter, sequence_aux_loss
 from paddleformers_glm.train.loop import TrainConfig, run_training
 from paddleformers_glm.train.moe_balance import ExpertBalancer, load_stats
-from tests._dist.runner import losses, run_train_cli, worker_logs
+from tests._dist.runner import assert_clipped_by_true_norm, losses, run_train_cli, worker_logs
 from tests._tiny import tiny_config
 
 BIAS = "e_score_correction_bias"
@@ -309,6 +309,7 @@ def _run_cli(ckpt: Path, out: Path, data: Path, *layout: str) -> dict:
     args = ["--model", str(ckpt), "--steps", "5", "--seq-len", "16", "--global-batch-size", "2", "--data", str(data)]
     args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--moe-aux-loss-coeff", "0.1"]
     args += ["--dump-step", str(out / "dump"), "5"]  # fp32 weights and moments after the last update
+    args += ["--dump-step", str(out / "dump1"), "1"]  # and after the first: the clip factor that ran
     p, _ = run_train_cli([*args, "--out", str(out), "--export", *layout], timeout=240)
     if p.returncode != 0:
         pytest.fail(f"{layout} failed:\n{p.stderr[-3000:]}\n{worker_logs(out)}")
@@ -334,8 +335,22 @@ def one_process(skewed_ckpt, padded_data, tmp_path_factory):
     ids=["dp2", "tp2-ep2", "tp2-sp", "pp2", "sharding2-stage2"],
 )
 def test_bias_updates_equal_one_process_in_every_layout(skewed_ckpt, one_process, padded_data, tmp_path, layout):
+    """Expert load, router biases, the never-routed expert's decay, aux losses and grad norms equal
+    one process.  The step-1 dump also shows the clip factor that ran: clip / (true global norm +
+    1e-6), 0.225191 for the norm 4.4407 of every layout here, as one process applies it.  Adam
+    cancels a constant gradient scale, so the other numbers barely see a wrong factor: Fleet's clip
+    counting the embedding on both pipeline stages that hold it (stage 0 and the MTP stage) applied
+    0.216024 at pp2, and counting tensor-parallel slices as replicas 0.283208 at tp2-sp, while the
+    first other number to leave its bound, the aux losses, differed from one process by only 2.4e-5
+    and 1.9e-5 (bound 1e-5)."""
     one_dir, one = one_process
     got = _run_cli(skewed_ckpt, tmp_path, padded_data, *layout)
+    # the clip factor applied at step 1 is clip / (true global norm + 1e-6), as in one process; at
+    # pp2 (the MTP layer's embedding shared with stage 0) and tp2-sp it is Fleet's clip that ran
+    if layout in (("--pp", "2"), ("--tp", "2", "--sp")):
+        assert got["run"]["grad_clip"] == "HybridParallelClipGrad", got["run"]["grad_clip"]
+    for run, rec in ((one_dir, one), (tmp_path, got)):
+        assert_clipped_by_true_norm(run / "dump1", rec["grad_norms"][0], clip=1.0)
     assert got["expert_load"]["load_total"] == one["expert_load"]["load_total"]  # each token counted once
     assert sum(one["expert_load"]["load_total"][0]) == 2 * sum(PADDED)  # K = 2 per real token, no padding
     a, b = _biases(one_dir / "export"), _biases(tmp_path / "export")

@@ -173,12 +173,17 @@ def test_pp4_world4_every_later_stage_starts_on_a_shared_layer(ref, runs):
 
 
 def test_pp2_vpp2_interleaved_matches_single_process(ref, runs):
+    """Four micro-batches (2 pp) per step: Fleet's interleaved 1F1B engine,
+    PipelineParallelWithInterleave (with only its pp > 2 assertion dropped), the class
+    fleet.distributed_model picks for 2 pp or more micro-batches.  The F-then-B one for exactly pp,
+    PipelineParallelWithInterleaveFthenB, carries the former's name as a prefix: the whole name is
+    compared."""
     # four chunks on two ranks (chunk c on rank c % 2): rank 0 runs E,t0 and t3,t4; rank 1 runs
     # t1,t2 and t5,m,L; chunks start on layers 1 (full), 3 and 5 (shared: top-k carried)
     a, secs = _cli(runs / "pp2vpp2", "--pp", "2", "--vpp", "2", "--pp-layout", "E,t|t*2|t*2|t,m,L")
     assert a["run"]["pp_layout"] == "E,t|t*2|t*2|t,m,L"
     assert a["run"]["schedule"] == "interleaved 1f1b (vpp 2)"
-    assert "PipelineParallelWithInterleave" in a["run"]["pipeline_engine"], a["run"]["pipeline_engine"]
+    assert a["run"]["pipeline_engine"] == "TwoStageInterleave(PipelineParallelWithInterleave)", a["run"]
     assert a["run"]["step_engine"] == "train_batch"
     _assert_close(ref[0], a, "pp2 vpp2")
     print(f"pp2 vpp2: loss diff {_max_diff(ref[0], a, 'losses'):.3g}, {secs:.1f}s")
@@ -269,6 +274,61 @@ def test_dp2_sharding2_world4_matches_single_process(ref, runs):
     a, _ = _cli(runs / "dp2sharding2", "--dp", "2", "--sharding", "2", timeout=200)
     _assert_close(ref[0], a, "dp2 sharding2")
     assert a["run"]["sharding"] == 2 and a["profile"]["world"] == 4
+
+
+# one MoE layer (no MTP block, whose MoE layer is a second one) of 32 experts, top-1
+ROUTED_ONLY = {
+    "num_experts": 32,
+    "experts_per_token": 1,
+    "mtp": False,
+    "mlp_kinds": ["dense"] * 2 + ["moe"] + ["dense"] * 3,
+}
+ROUTED_TOL = 5e-4
+
+
+def test_routed_only_expert_update_at_dp2_sharding2_world4_matches_one_process(runs, monkeypatch):
+    """``--expert-update routed-only`` steps an expert only in a step where it got a token on some rank
+    of its stage, so every replica must decide from the routed-token counts summed over the data
+    and sharding ranks: a replica whose own tokens missed the expert would skip an update the
+    others make.  One MoE layer of 32 experts, top-1, one 16-token micro-batch per rank: in one
+    process, which runs the same four micro-batches per step, some expert is chosen by one
+    micro-batch of a step alone (asserted below; measured at each of steps 1-3), i.e. on one
+    rank of the layout and by none of the three others.  Measured: the losses equal one
+    process's, the grad norms within 1.0e-7 (--dp 2 alone, a world of 2: 3.1e-5 and 5.7e-5, at
+    step 4).  Counts not summed over the data ranks moved the losses by 5.7e-3 and the grad
+    norms by 7.5e-3 (from step 2 on); not summed over the sharding ranks, the ranks disagreed on
+    which parameters to update and the job aborted in gloo."""
+    from paddleformers_glm.modeling.moe import RouterBalance
+
+    chosen: dict[int, list[set[int]]] = {}  # router -> the experts each of its forwards chose
+    track = RouterBalance.track
+
+    def recording(self, scores, expert_ids, *args, **kwargs):
+        chosen.setdefault(id(self), []).append(set(expert_ids.numpy().reshape(-1).tolist()))
+        return track(self, scores, expert_ids, *args, **kwargs)
+
+    out = runs / "routed_only_one"
+    cfg = TrainConfig(
+        model="toy", steps=STEPS, seq_len=SEQ, global_batch_size=GBS, micro_batch_size=MBS, lr=LR, warmup_steps=1,
+        seed=7, out=str(out), progress=False, expert_update="routed-only", model_args={"config": ROUTED_ONLY, "seed": 7},
+    )  # fmt: skip
+    with monkeypatch.context() as m:
+        m.setattr(RouterBalance, "track", recording)
+        run_training(cfg)
+    one, micro = losses(out), GBS // MBS
+    assert chosen and all(len(c) == STEPS * micro for c in chosen.values()), {k: len(c) for k, c in chosen.items()}
+    alone = 0  # (router, step) pairs before the last step with an expert that one micro-batch alone chose
+    for c in chosen.values():
+        for step in range(STEPS - 1):
+            sets = c[step * micro : (step + 1) * micro]
+            alone += any(sum(e in s for s in sets) == 1 for e in set().union(*sets))
+    assert alone > 0
+    config = ["--model-config", json.dumps(ROUTED_ONLY), "--expert-update", "routed-only"]
+    a, secs = _cli(runs / "routed_only_dp2sharding2", *config, "--dp", "2", "--sharding", "2", timeout=200)
+    assert a["run"]["settings"]["expert_update"] == "routed-only" and a["profile"]["world"] == 4
+    diffs = {key: _max_diff(one, a, key) for key in ("losses", "grad_norms")}
+    print(f"routed-only dp2 sharding2: {diffs}, {alone} (router, step) pairs with a lone expert, {secs:.1f}s")
+    assert all(d <= ROUTED_TOL for d in diffs.values()), (diffs, one["losses"], a["losses"])
 
 
 def test_two_nodes_sharing_one_out_match_one_process_and_keep_their_own_logs(ref, runs):

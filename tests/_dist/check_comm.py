@@ -53,6 +53,12 @@ X = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(N)]  # X[r] i
 # ---------------------------------------------------------------- raw collectives
 res["all_reduce"] = md(comm.all_reduce(T(X[R]), G).numpy(), X[0] + X[1])
 res["all_reduce_max"] = md(comm.all_reduce(T(X[R]), G, op="max").numpy(), np.maximum(X[0], X[1]))
+# fp16 / bf16: the fp32 sum of the two ranks' values, rounded once (gloo's own fp16 sum gives inf)
+for dt in ("float16", "bfloat16"):
+    low = [paddle.to_tensor(x).astype(dt) for x in X]
+    want = (low[0].astype("float32") + low[1].astype("float32")).astype(dt).astype("float32").numpy()
+    got = comm.all_reduce(low[R], G)
+    res[f"all_reduce_{dt}"] = md(got.astype("float32").numpy(), want) if got.dtype == low[R].dtype else float("inf")
 res["all_gather_axis0"] = md(comm.all_gather(T(X[R]), G, 0).numpy(), np.concatenate(X, 0))
 res["all_gather_axis1"] = md(comm.all_gather(T(X[R]), G, 1).numpy(), np.concatenate(X, 1))
 res["reduce_scatter_axis1"] = md(comm.reduce_scatter(T(X[R]), G, 1).numpy(), np.split(X[0] + X[1], 2, 1)[R])

@@ -128,6 +128,31 @@ def assert_indexer_matches(ref: dict, got: dict, what) -> None:
     assert 0.1 < min(min(r) for r in b["recall"]) and max(max(r) for r in b["recall"]) < 0.99  # the top-k drops keys
 
 
+def assert_clipped_by_true_norm(dump: Path, gnorm: float, clip: float) -> None:
+    """``dump``: a ``--dump-step DIR 1`` folder.  AdamW's first moment after update 1 is (1 - beta1)
+    x the clipped gradient: the clip that ran must have scaled the dumped (pre-clip, synced)
+    gradients by clip / (norm + 1e-6), norm their true global norm, as torch's clip_grad_norm_ and
+    the reference trainer do (parity/reference/train.py).  Adam normalises a gradient's scale, so a
+    wrong clip factor barely moves the losses: only the moments show it.  (Fleet's
+    HybridParallelClipGrad summed the tensor-parallel slices' squares over its check group, which
+    spans the cp ranks: --tp 2 --cp 2 clipped by 3.551 for a true norm 2.702, factor 0.1408 for
+    0.1851.)  ``gnorm``: the run's reported step-1 grad norm, which must equal the dump's."""
+    import math
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    g = load_file(str(dump / "grads" / "model.safetensors"))
+    m = load_file(str(dump / "exp_avg" / "model.safetensors"))
+    norm = math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in g.values()))
+    assert math.isclose(norm, gnorm, rel_tol=1e-5) and norm > clip, (norm, gnorm)  # the clip bites
+    want = clip / (norm + 1e-6)
+    got = sum(float((m[k].astype(np.float64) * g[k]).sum()) for k in g) / (0.1 * norm * norm)
+    assert math.isclose(got, want, rel_tol=1e-5), f"clip factor {got:.6f} (a norm of {clip / got:.4f}), want {want:.6f}"
+    for k in g:
+        np.testing.assert_allclose(m[k], 0.1 * want * g[k], rtol=1e-4, atol=1e-9, err_msg=k)
+
+
 def run_nodes(command: list[str], nnodes: int = 2, timeout: float = 300) -> list[tuple[int, str, str]]:
     """``command`` as ``nnodes`` simulated nodes on this machine, each with ``--nnodes N --master
     127.0.0.1:PORT --node-rank R`` added (one free port, one rendezvous); -> (status, stdout, stderr)
