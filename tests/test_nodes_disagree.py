@@ -95,13 +95,17 @@ def _snap(**ranks):
     return {"ranks": {str(r): s for r, s in ranks.items()}}
 
 
-def test_only_ranks_all_held_at_their_first_heartbeat_count_as_still_connecting():
-    start = {"state": "S", "record": None, "beat": [0, "start"]}
-    assert still_connecting(_snap(**{"0": start, "1": {**start, "beat": None}}), [0, 1]) == [0, 1]
-    assert still_connecting(_snap(**{"0": start}), [0, 1]) == [0, 1]  # rank 1 not yet recorded
-    assert still_connecting(_snap(**{"0": start, "1": {**start, "beat": [0, "setup"]}}), [0, 1]) == []
-    assert still_connecting(_snap(**{"0": start, "1": {**start, "record": "error"}}), [0, 1]) == []
-    assert still_connecting(_snap(**{"0": start, "1": {**start, "state": "gone"}}), [0, 1]) == []
+def test_only_ranks_all_held_at_the_default_group_count_as_still_connecting():
+    """Heartbeat ``connect``: the rank reached the job's default group; ``start`` (imports, the data
+    file read before it) is no wait on other ranks, nor ``setup`` (the settings agreed: every rank
+    arrived)."""
+    at = {"state": "S", "record": None, "beat": [0, "connect"]}
+    assert still_connecting(_snap(**{"0": at, "1": at}), [0, 1]) == [0, 1]
+    for other in ({**at, "beat": None}, {**at, "beat": [0, "start"]}, {**at, "beat": [0, "setup"]}):
+        assert still_connecting(_snap(**{"0": at, "1": other}), [0, 1]) == [], other
+    assert still_connecting(_snap(**{"0": at}), [0, 1]) == []  # rank 1 not yet recorded
+    assert still_connecting(_snap(**{"0": at, "1": {**at, "record": "error"}}), [0, 1]) == []
+    assert still_connecting(_snap(**{"0": at, "1": {**at, "state": "gone"}}), [0, 1]) == []
     line = connecting_line({"nnodes": 4, "master": "m:1", "rank": 2}, [4, 5], 61.2)
     assert line.startswith("[glm52] rank(s) 4, 5 of this node still wait for the job's other ranks to connect (61 s")
     assert "another --nnodes than 4" in line
@@ -119,17 +123,90 @@ def _records(d, beats):
 
 @pytest.mark.parametrize(
     ("beats", "connecting"),
-    [({0: (0, "start"), 1: (0, "start")}, True), ({0: (0, "start"), 1: None}, True), ({0: (0, "setup")}, False)],
+    [
+        ({0: (0, "connect"), 1: (0, "connect")}, True),
+        ({0: (0, "connect"), 1: None}, False),
+        ({0: (0, "start")}, False),
+        ({0: (0, "setup")}, False),
+    ],
 )
-def test_a_timed_out_node_whose_ranks_never_left_their_start_names_the_connection(tmp_path, beats, connecting):
+def test_a_timed_out_node_whose_ranks_all_wait_at_the_default_group_names_the_connection(tmp_path, beats, connecting):
     rdv = {"nnodes": 2, "master": "127.0.0.1:1", "rank": 0}
     stopped = {"kind": "timeout", "text": "job exceeded --job-timeout 45 s; stopped", "time": 2.0}
     local = sorted(beats)
     _records(tmp_path, beats)
     d = diagnose(str(tmp_path), local, stopped_by=stopped, world_size=4, rendezvous=rdv)
     said = d.message.startswith(f"rank(s) {', '.join(map(str, local))} of this node never finished connecting")
-    assert said == connecting and d.cause == "timeout", d
+    assert said == connecting, d
     if connecting:
+        assert d.cause == "timeout", d
         assert "another --nnodes than 2" in d.message and "slow or hung" not in d.message, d.message
     d1 = diagnose(str(tmp_path), local, stopped_by=stopped, world_size=4)  # one node: nothing to connect to
     assert "never finished connecting" not in d1.message, d1.message
+
+
+def test_settings_are_compared_at_the_default_group_and_files_read_once_the_groups_exist(tmp_path, monkeypatch):
+    """A rank that fails reading its node's files (a resume folder pruned meanwhile, a data file
+    too big for its memory) must end its peers in a failed collective, which names the other
+    nodes' records within seconds; at the default group nothing notices a rank gone (measured,
+    the data read there, rank 1 failing in it: node 0 waited out its --job-timeout of 100 s, told
+    that a node had another --nnodes, against 10 s and 'failed in communication' now).  So the
+    settings alone are compared there, and the files are read and compared after Fleet's groups."""
+    from types import SimpleNamespace
+
+    from paddleformers_glm.train import loop
+
+    calls: list[str] = []
+
+    class Done(Exception):
+        pass
+
+    def init_topology(pc, *, agree=None, **kw):
+        calls.append("default group")
+        agree()
+        calls.append("groups")
+        return SimpleNamespace(world_size=2, rank=0)
+
+    def gather(text):
+        calls.append("files" if "data fingerprint" in text else "settings")
+        return [text, text]
+
+    def open_data(*args, **kwargs):
+        calls.append("read data")
+        return real_open(*args, **kwargs)
+
+    def check_shared_out(cfg, topo):
+        raise Done
+
+    real_open = loop.open_data
+    monkeypatch.setattr(loop, "launched_world_size", lambda: 2)
+    for name, fn in (("init_topology", init_topology), ("gather_settings", gather), ("open_data", open_data)):
+        monkeypatch.setattr(loop, name, fn)
+    monkeypatch.setattr(loop, "check_shared_out", check_shared_out)
+    with pytest.raises(Done):
+        loop.run_training(loop.TrainConfig(model="toy", steps=1, seq_len=16, tp=2, out=str(tmp_path), progress=False))
+    assert calls == ["default group", "settings", "groups", "read data", "files"], calls
+
+
+def test_fleets_warning_that_the_default_group_exists_is_dropped_and_only_it():
+    """The default group is made before ``fleet.init`` on purpose (the settings are compared on it);
+    Fleet then logs 'The dygraph parallel environment has been initialized.' (Paddle 3.3.1,
+    fleet.py), which came first on the console of every multi-process run.  Other warnings stay."""
+    import logging
+
+    from paddle.distributed.fleet.utils.log_util import logger
+
+    from paddleformers_glm.parallel.topology import _quiet_about_the_default_group
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with _quiet_about_the_default_group():
+            logger.warning("The dygraph parallel environment has been initialized.")
+            logger.warning("another warning")
+        logger.warning("The dygraph parallel environment has been initialized.")  # outside: as Paddle logs it
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning", "The dygraph parallel environment has been initialized."], seen

@@ -39,8 +39,9 @@ def generate_on_rank(spec: dict[str, Any]) -> None:
     from .search import generate
 
     world, dims = layout_of(spec)
+    beat(0, "connect")  # at the job's default group, where every rank must arrive (launch.still_connecting)
     topo = init_topology(ParallelConfig.from_world(world, **dims), **spec["sizes"])
-    beat(0, "setup")  # the job's groups exist: past connecting (launch.still_connecting)
+    beat(0, "setup")
     model = GlmMoeDsaForCausalLM.from_pretrained(spec["model"], dtype=spec["dtype"], topology=topo)
     model.eval()
     defaults = GenerationConfig.from_pretrained(spec["model"], model.config)

@@ -291,6 +291,24 @@ def _init_default_group(strategy: Any) -> None:
     dist.init_parallel_env(strategy.hybrid_configs["default_comm_group_configs"].nccl_config)
 
 
+@contextmanager
+def _quiet_about_the_default_group() -> Iterator[None]:
+    """Drop Fleet's warning that the default group exists (made first by :func:`_init_default_group`,
+    on purpose): on the console of every multi-process run it read as an environment set up twice."""
+    import logging
+
+    from paddle.distributed.fleet.utils.log_util import logger
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "parallel environment has been initialized" not in record.getMessage()
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def expert_layout(pc: ParallelConfig, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> tuple[int, int, int]:
     """(edp, ep, etp) ranks of the dense-plane position (dp_rank, cp_rank, tp_rank) of a stage.
 
@@ -399,7 +417,8 @@ def init_topology(
     if agree is not None:
         _init_default_group(strategy)
         agree()
-    fleet.init(is_collective=True, strategy=strategy)
+    with _quiet_about_the_default_group():
+        fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     ftopo = hcg.topology()
     rank = dist.get_rank()

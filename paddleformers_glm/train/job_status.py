@@ -50,7 +50,7 @@ ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (second
 LAUNCHER_LOG = "launcher.log"  # in the log folder: everything Paddle's launcher printed, unfiltered
 
 # the phases of a step, in order: a rank's progress is (step, index of its last phase)
-PHASES = ("start", "setup", "data", "forward", "update", "done", "eval", "save", "finish")
+PHASES = ("start", "connect", "setup", "data", "forward", "update", "done", "eval", "save", "finish")
 
 _COMM_MARKERS = re.compile(
     r"gloo|timeout|connection (reset|closed|refused)|broken pipe|nccl|processgroup|socket|peer", re.I
@@ -183,14 +183,13 @@ def snapshot(status_dir: str, by: str) -> dict[str, Any]:
 
 
 def still_connecting(snap: dict[str, Any], local_ranks: Sequence[int]) -> list[int]:
-    """``local_ranks`` when every one of them is alive at its first heartbeat (``start``: the worker
-    began, the job's process groups are not made yet) or has none yet, else [].  Past ``start``
-    the groups exist, so a node's ranks leave it together; one held there waits for ranks of the
-    job that never connect."""
+    """``local_ranks`` when every one of them is alive at heartbeat ``connect`` (it reached the
+    job's default group, where every rank of the job must arrive before any goes on), else [].
+    A rank held there waits for ranks of the job that never connect."""
     ranks = snap["ranks"]
     for r in local_ranks:
         s = ranks.get(str(r)) or {}
-        if s.get("record") or s.get("state") == "gone" or s.get("beat") not in (None, [0, "start"]):
+        if s.get("record") or s.get("state") == "gone" or s.get("beat") != [0, "connect"]:
             return []
     return list(local_ranks)
 
@@ -446,10 +445,11 @@ def diagnose(
                 "launcher",
                 {"launcher_signal": name},
             )
-    # a multi-node job stopped by --job-timeout while none of this node's ranks got past its start: they
+    # a multi-node job stopped by --job-timeout while every rank of this node waited at the default group: they
     # waited for ranks of the job that never connected (not a rank behind its peers, which all did the same)
+    connecting = (0, PHASES.index("connect"))
     held = local_ranks and all(
-        _progress(beats.get(r)) <= (0, 0) and not _record_kind(records.get(r, {})) for r in local_ranks
+        _progress(beats.get(r)) == connecting and not _record_kind(records.get(r, {})) for r in local_ranks
     )
     if stopped_by and stopped_by.get("kind") == "timeout" and rendezvous and held:
         return Diagnosis(

@@ -345,16 +345,27 @@ def launch_workers(
 
     def pump() -> None:
         assert proc.stdout is not None
+        said = {"up": False, "stopping": False}  # the marker lines launcher.log got
+
+        def to_log(line: str) -> None:
+            if launcher_log is None:
+                return
+            with contextlib.suppress(OSError, ValueError):  # a full disk: the console still gets it
+                if stopping.is_set() and not said["stopping"]:
+                    said["stopping"] = True
+                    launcher_log.write("(the job is being stopped: what Paddle's launcher printed since)\n")
+                elif workers_up.is_set() and not stopping.is_set():
+                    if not said["up"]:
+                        said["up"] = True
+                        launcher_log.write(line + "(the workers started: the rest is in workerlog.*)\n")
+                    return
+                launcher_log.write(line)
+
         for line in proc.stdout:
-            if launcher_log is not None and not launcher_log.closed:
-                with contextlib.suppress(OSError, ValueError):  # a full disk: the console still gets it
-                    launcher_log.write(line)
-                    if workers_up.is_set():
-                        launcher_log.write("(the workers started: the rest is in workerlog.*)\n")
-                        launcher_log.close()
+            to_log(line)
+            if stopping.is_set() and quiet_launcher:  # the teardown's traceback (e.g. "No container in the
+                continue  # pod" at the rendezvous) is no cause and came before the reason; launcher.log keeps it
             noise = line.startswith("LAUNCH INFO") or "UserWarning" in line or "warnings.warn" in line
-            if stopping.is_set():  # Paddle's launcher and the workers being stopped: the teardown's traceback
-                continue  # (e.g. "No container in the pod" at the rendezvous) is no cause; launcher.log keeps it
             if quiet_launcher and (noise or not chatter.keep(line)):
                 continue
             print(line, end="", flush=True)

@@ -106,6 +106,14 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     pc, specs = check_run(cfg, adapter, world)
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
+    beat(0, "connect")  # at the job's default group: every rank of the job must reach it (launch.still_connecting)
+    topo = init_topology(
+        pc,
+        accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
+        micro_batch_size=cfg.micro_batch_size,
+        world=world,
+        agree=lambda: _agree(cfg, world),
+    )  # the layout against the model's sizes: check_run above
     was_quiet = progress.set_quiet(True) if not cfg.progress else None  # --no-progress: loads/exports too
     try:
         data = open_data(cfg.data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype)
@@ -116,14 +124,9 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
                 cfg.eval_data, cfg.seq_len, adapter.vocab_size, cfg.seed, data_dtype=cfg.data_dtype, flag="--eval-data"
             )
             check_eval_samples(held_out, cfg.eval_batches, cfg.global_batch_size)
-        inputs = run_inputs(cfg, adapter, data, held_out) if world > 1 else None
-        topo = init_topology(
-            pc,
-            accumulate_steps=cfg.global_batch_size // (pc.replicas * cfg.micro_batch_size),
-            micro_batch_size=cfg.micro_batch_size,
-            world=world,
-            agree=lambda: check_same_run(cfg, world, inputs),  # before the groups a different layout deadlocks in
-        )  # the layout against the model's sizes: check_run above
+        if world > 1:  # what each node read from its own files, once the groups exist: a rank failing to
+            # read them then ends its peers in a failed collective, not in a wait at the default group
+            check_same_run(cfg, world, run_inputs(cfg, adapter, data, held_out))
         check_shared_out(cfg, topo)
         return _train(cfg, adapter, topo, specs, data, held_out)
     finally:
@@ -176,6 +179,13 @@ def run_settings(cfg: TrainConfig, inputs: dict[str, Any] | None = None) -> str:
     mine["dump_steps"] = [int(k) for _, k in cfg.dump_steps]
     mine |= inputs or {}
     return dumps_json(mine, indent=None, default=str)
+
+
+def _agree(cfg: TrainConfig, world: int) -> None:
+    """At the job's default group, before Fleet builds its sub-groups: the settings (files are read
+    and compared after), then the heartbeat that says this rank connected."""
+    check_same_run(cfg, world)
+    beat(0, "setup")
 
 
 def gather_settings(text: str) -> list[str]:
