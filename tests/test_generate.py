@@ -2915,6 +2915,25 @@ def test_generate_continues_a_left_padded_batch_and_embeddings():
     np.testing.assert_array_equal(got, fresh[:, 9:])
 
 
+def test_generate_continues_a_right_padded_batch_as_a_fresh_generate():
+    """Right-padded rows of different real lengths, given with the cache of their first 4 tokens: each
+    row goes on from its own last real token, whose position counts from the first uncached token, so
+    the tokens are those of a fresh generate of the same batch and mask."""
+    model = GlmMoeDsaForCausalLM.from_pretrained(FIXTURES / "tiny" / "checkpoint", dtype="float32")
+    kw = {"do_sample": False, "eos_token_id": []}
+    first = model.generate(
+        paddle.to_tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), max_new_tokens=1, return_dict_in_generate=True, **kw
+    )
+    nxt = first.sequences.numpy()[:, 4].tolist()
+    ids = np.array([[5, 6, 7, 8, nxt[0], 20, 21, 0], [9, 10, 11, 12, nxt[1], 30, 0, 0]])
+    mask = paddle.to_tensor([[1] * 7 + [0], [1] * 6 + [0, 0]])
+    fresh = model.generate(paddle.to_tensor(ids), mask, max_new_tokens=4, **kw).numpy()
+    got = model.generate(
+        paddle.to_tensor(ids), mask, max_new_tokens=4, past_key_values=first.past_key_values, **kw
+    ).numpy()
+    np.testing.assert_array_equal(got, fresh)
+
+
 @pytest.mark.parametrize(
     "case, needle",
     [

@@ -29,6 +29,7 @@ import filecmp
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -882,7 +883,9 @@ GEN_SEED = 7000
 GEN_MIN_LOGIT_GAP = 1e-3  # top-1 vs top-2 logit at every greedy step, every row
 
 
-def build_generate_fixture(name: str, out_dir: Path, max_attempts: int = MAX_ATTEMPTS) -> dict:
+def build_generate_fixture(
+    name: str, out_dir: Path, max_attempts: int = MAX_ATTEMPTS, gen_out: Path | None = None
+) -> dict:
     """``generate/<case>.safetensors`` (+ ``.json``): HF greedy generation (eager, fp32, KV + indexer-key cache)
     from the case's committed checkpoint, for a left-padded batch of prompts and for each prompt
     alone. Prompts are drawn again while any indexer/router top-k boundary or any greedy choice is
@@ -945,7 +948,7 @@ def build_generate_fixture(name: str, out_dir: Path, max_attempts: int = MAX_ATT
     ref = {"gen_input_ids": ids, "gen_attention_mask": mask, "gen_sequences": seqs.contiguous()}
     for b, one in enumerate(alone):
         ref[f"gen_row{b}_sequence"] = one.contiguous()
-    gen_dir = out_dir / "generate"
+    gen_dir = (gen_out or out_dir) / "generate"
     gen_dir.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(ref.items())), str(gen_dir / f"{name}.safetensors"))
     info = {
@@ -957,6 +960,150 @@ def build_generate_fixture(name: str, out_dir: Path, max_attempts: int = MAX_ATT
         "batch_equals_rows_alone": all(bool((seqs[b, S - len(r) :] == alone[b]).all()) for b, r in enumerate(rows)),
     }
     write_json(gen_dir / f"{name}.json", info)
+    return info
+
+
+# option fixtures: HF `generate` with options whose handling tests/test_generate_pins.py pins without torch
+
+GEN_OPTIONS_CASE = "tiny"  # the checkpoint the option fixture runs on
+_GEN_P1 = [[5, 6, 7, 8, 5, 6, 5]]
+_GEN_P2, _GEN_M2 = [[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], [[0, 0, 1, 1, 1, 1], [1] * 6]
+# name: the prompt (attention_mask None: none passed) and generate's keywords. Recorded: the sequences
+# (greedy cases), each step's count of finite processed scores per row, and what "record" names:
+# "kept": each row's finite step-0 scores' token ids; "scores": the step-0 processed scores at "columns".
+GEN_OPTION_CASES: dict[str, dict] = {
+    # do_sample alone: HF's default top_k 50 (and top_p 1.0, temperature 1.0)
+    "sample_default_top_k": {
+        "input_ids": _GEN_P2,
+        "attention_mask": _GEN_M2,
+        "kwargs": {"do_sample": True, "max_new_tokens": 1},
+        "record": ["kept"],
+    },
+    # the pad token is an EOS and no mask is given: HF infers no mask (the 211s are attended)
+    "pad_is_eos_without_mask": {
+        "input_ids": [[211, 211, 5, 6]],
+        "attention_mask": None,
+        "kwargs": {"eos_token_id": [211], "pad_token_id": 211, "max_new_tokens": 6},
+    },
+    # min_length counts the prompt: 6-token prompts, min_length 9, so EOS is masked for 3 new tokens
+    "min_length_counts_the_prompt": {
+        "input_ids": _GEN_P2,
+        "attention_mask": _GEN_M2,
+        "kwargs": {"min_length": 9, "eos_token_id": [240, 211, 172], "max_new_tokens": 6},
+    },
+    # min_new_tokens 3 with the EOS set to the greedy run's 4th new token: allowed, and taken, at step 3
+    "min_new_tokens_boundary": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {"min_new_tokens": 3, "max_new_tokens": 6},
+        "eos_from_greedy_step": 3,
+    },
+    # the repetition penalty skips the left padding (pad id 0, not among the rows' real tokens)
+    "repetition_penalty_left_padding": {
+        "input_ids": _GEN_P2,
+        "attention_mask": _GEN_M2,
+        "kwargs": {"repetition_penalty": 2.0, "eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 4},
+        "record": ["scores"],
+        "columns": [0, *range(5, 15)],
+    },
+}
+# config.json edits for the generation config HF derives (and saves) from a folder without generation_config.json
+GEN_DERIVED_CONFIG_EDITS = {
+    "output_scores": True,
+    "bos_token_id": None,
+    "max_new_tokens": None,
+    "num_beam_groups": None,
+    "watermarking_config": None,
+    "cache_config": None,
+}
+
+
+def _greedy_gap(scores: list, sequences, prompt_len: int, eos: list[int]) -> float:
+    """The smallest top-1 vs top-2 processed score gap over every step of every row not yet finished."""
+    gap = math.inf
+    done = [False] * sequences.shape[0]
+    for t, sc in enumerate(scores):
+        top2 = sc.topk(2, dim=-1).values
+        for b in range(sc.shape[0]):
+            if not done[b]:
+                gap = min(gap, float(top2[b, 0] - top2[b, 1]))
+                done[b] = int(sequences[b, prompt_len + t]) in eos
+    return gap
+
+
+def build_generate_options_fixture(name: str, out_dir: Path, gen_out: Path | None = None) -> dict:
+    """``generate/<case>_options.json``: HF's generate (eager, fp32) on the case's committed checkpoint for
+    each of GEN_OPTION_CASES, and the generation_config.json HF saves for the checkpoint whose config.json
+    carries GEN_DERIVED_CONFIG_EDITS (no generation_config.json). Greedy choices must lead the runner-up by
+    GEN_MIN_LOGIT_GAP and the sampling case's 50th logit the 51st by MIN_GAP, so the tokens and kept sets
+    do not depend on rounding."""
+    import torch
+    import transformers
+    from transformers import GlmMoeDsaForCausalLM
+
+    ckpt = out_dir / name / "checkpoint"
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    cfg_eos = json.loads((ckpt / "config.json").read_text())["eos_token_id"]
+    cases = {}
+    for case, spec in GEN_OPTION_CASES.items():
+        ids = torch.tensor(spec["input_ids"])
+        mask = None if spec["attention_mask"] is None else torch.tensor(spec["attention_mask"])
+        kw = dict(spec["kwargs"])
+        if "eos_from_greedy_step" in spec:
+            k = spec["eos_from_greedy_step"]
+            with torch.no_grad():
+                free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=k + 1, eos_token_id=[])
+            new = free[0, ids.shape[1] :].tolist()
+            if new[k] in new[:k]:
+                raise SystemExit(f"[{case}] the greedy step-{k} token {new[k]} occurs earlier: pick another prompt")
+            kw["eos_token_id"] = [new[k]]
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=mask, **kw, return_dict_in_generate=True, output_scores=True, output_logits=True
+            )
+        rec = {"input_ids": spec["input_ids"], "attention_mask": spec["attention_mask"], "kwargs": kw}
+        rec["finite_per_step"] = [torch.isfinite(s).sum(-1).tolist() for s in out.scores]
+        if kw.get("do_sample"):
+            top = out.logits[0].topk(51, dim=-1).values
+            rec["top_k_boundary_gap"] = float((top[:, 49] - top[:, 50]).min())
+            if rec["top_k_boundary_gap"] < MIN_GAP:
+                raise SystemExit(f"[{case}] 50th vs 51st logit gap {rec['top_k_boundary_gap']:.3e} < {MIN_GAP}")
+        else:
+            eos = kw.get("eos_token_id", cfg_eos)
+            rec["sequences"] = out.sequences.tolist()
+            rec["min_greedy_gap"] = _greedy_gap(
+                out.scores, out.sequences, ids.shape[1], eos if isinstance(eos, list) else [eos]
+            )
+            if rec["min_greedy_gap"] < GEN_MIN_LOGIT_GAP:
+                raise SystemExit(f"[{case}] greedy gap {rec['min_greedy_gap']:.3e} < {GEN_MIN_LOGIT_GAP}")
+        if "kept" in spec.get("record", ()):
+            rec["kept"] = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in out.scores[0]]
+        if "scores" in spec.get("record", ()):
+            rec["columns"] = spec["columns"]
+            rec["scores"] = out.scores[0][:, spec["columns"]].tolist()
+        cases[case] = rec
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "checkpoint"
+        shutil.copytree(ckpt, folder)
+        cfg = json.loads((folder / "config.json").read_text()) | GEN_DERIVED_CONFIG_EDITS
+        write_json(folder / "config.json", cfg)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        hf.save_pretrained(str(Path(tmp) / "saved"))
+        derived = json.loads((Path(tmp) / "saved" / "generation_config.json").read_text())
+    info = {
+        "cases": cases,
+        "derived_generation_config": {"config_edits": GEN_DERIVED_CONFIG_EDITS, "saved": derived},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    gen_dir = (gen_out or out_dir) / "generate"
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(info, indent=2, sort_keys=True)  # each innermost list of numbers on one line
+    text = re.sub(
+        r"\[[^\[\]{}\"]*\]", lambda m: " ".join(m.group(0).split()).replace("[ ", "[").replace(" ]", "]"), text
+    )
+    (gen_dir / f"{name}_options.json").write_text(text + "\n")
     return info
 
 
@@ -1136,6 +1283,8 @@ def generate(out: Path, cases: list[str], search: bool = False, max_attempts: in
     for name in cases:
         if name != FP8_CASE:
             build_generate_fixture(name, out)
+            if name == GEN_OPTIONS_CASE:
+                build_generate_options_fixture(name, out)
             build_bf16_fixture(name, out)
     return metas
 
@@ -1151,6 +1300,18 @@ def compare_dirs(a: Path, b: Path) -> list[str]:
     for rel in sorted(set(fa) & set(fb)):
         if not filecmp.cmp(a / rel, b / rel, shallow=False):
             problems.append(f"bytes differ: {rel}{describe_diff(a / rel, b / rel)}")
+    return problems
+
+
+def compare_generated(committed: Path, regenerated: Path) -> list[str]:
+    """The regenerated generate/ files against the committed ones of the same names."""
+    problems = []
+    for p in sorted((regenerated / "generate").glob("*")):
+        mine = committed / "generate" / p.name
+        if not mine.is_file():
+            problems.append(f"generate: only regenerated {p.name}")
+        elif not filecmp.cmp(mine, p, shallow=False):
+            problems.append(f"generate: bytes differ: {p.name}{describe_diff(mine, p)}")
     return problems
 
 
@@ -1185,7 +1346,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--generate-only",
         action="store_true",
-        help="only (re)write generate/<case>.safetensors from the committed checkpoints",
+        help="only (re)write generate/ (<case>.safetensors, <case>.json, tiny_options.json) from the committed "
+        "checkpoints; with --check, regenerate them into a temp dir and compare",
     )
     ap.add_argument(
         "--bf16-only",
@@ -1202,11 +1364,22 @@ def main(argv=None) -> int:
                 print(name, json.dumps({k: info[k] for k in ("hf_bf16_vs_fp32", "hf_bf16_spread")}))
         return 0
 
-    if args.generate_only:
+    if args.generate_only:  # from the committed checkpoints; with --check, into a temp dir and compared
         setup_torch()
-        for name in args.cases:
-            print(name, json.dumps(build_generate_fixture(name, args.out)))
-        return 0
+        with tempfile.TemporaryDirectory() as tmp:
+            dest = Path(tmp) if args.check else args.out
+            for name in args.cases:
+                if name == FP8_CASE:
+                    continue
+                print(name, json.dumps(build_generate_fixture(name, args.out, gen_out=dest)))
+                if name == GEN_OPTIONS_CASE:
+                    build_generate_options_fixture(name, args.out, gen_out=dest)
+            problems = compare_generated(args.out, dest) if args.check else []
+        for p in problems:
+            print("MISMATCH", p)
+        if args.check:
+            print("check:", "OK (identical bytes)" if not problems else f"{len(problems)} mismatches")
+        return 1 if problems else 0
 
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
@@ -1214,6 +1387,7 @@ def main(argv=None) -> int:
             problems = []
             for name in args.cases:
                 problems += [f"{name}: {p}" for p in compare_dirs(args.out / name, Path(tmp) / name)]
+            problems += compare_generated(args.out, Path(tmp))
         for p in problems:
             print("MISMATCH", p)
         print("check:", "OK (identical bytes)" if not problems else f"{len(problems)} mismatches")
