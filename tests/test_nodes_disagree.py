@@ -191,7 +191,8 @@ def test_settings_are_compared_at_the_default_group_and_files_read_once_the_grou
 def test_fleets_warning_that_the_default_group_exists_is_dropped_and_only_it():
     """The default group is made before ``fleet.init`` on purpose (the settings are compared on it);
     Fleet then logs 'The dygraph parallel environment has been initialized.' (Paddle 3.3.1,
-    fleet.py), which came first on the console of every multi-process run.  Other warnings stay."""
+    fleet.py), which came first on the console of every multi-process run.  Other warnings stay, also
+    its look-alike for groups already made (a second ``fleet.init`` keeps the old layout: the only sign)."""
     import logging
 
     from paddle.distributed.fleet.utils.log_util import logger
@@ -206,7 +207,9 @@ def test_fleets_warning_that_the_default_group_exists_is_dropped_and_only_it():
         with _quiet_about_the_default_group():
             logger.warning("The dygraph parallel environment has been initialized.")
             logger.warning("another warning")
+            logger.warning("The dygraph hybrid parallel environment has been initialized.")  # groups kept: say so
         logger.warning("The dygraph parallel environment has been initialized.")  # outside: as Paddle logs it
     finally:
         logger.removeHandler(handler)
-    assert seen == ["another warning", "The dygraph parallel environment has been initialized."], seen
+    hybrid = "The dygraph hybrid parallel environment has been initialized."
+    assert seen == ["another warning", hybrid, "The dygraph parallel environment has been initialized."], seen

@@ -300,7 +300,7 @@ def _quiet_about_the_default_group() -> Iterator[None]:
     from paddle.distributed.fleet.utils.log_util import logger
 
     def keep(record: logging.LogRecord) -> bool:
-        return "parallel environment has been initialized" not in record.getMessage()
+        return record.getMessage() != "The dygraph parallel environment has been initialized."
 
     logger.addFilter(keep)
     try:

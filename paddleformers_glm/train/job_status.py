@@ -455,8 +455,9 @@ def diagnose(
         return Diagnosis(
             None,
             f"rank(s) {_ranks(local_ranks)} of this node never finished connecting to the job's other ranks "
-            f"({_beat_text(beats.get(local_ranks[0]))}): a node not started, or started with another --nnodes "
-            f"than {rendezvous['nnodes']}; run the same command on every node",
+            f"({_beat_text(beats.get(local_ranks[0]))}): a node not started, started with another --nnodes "
+            f"than {rendezvous['nnodes']}, or whose ranks failed before they connected (its failure.json: "
+            f"{os.path.join(os.path.dirname(log_dir), 'node<R>', 'failure.json')}); run the same command on every node",
             "timeout",
         )
     progress = {r: _progress(beats.get(r)) for r in local_ranks}

@@ -270,8 +270,8 @@ def connecting_line(rdv: dict[str, Any], ranks: Sequence[int], seconds: float) -
     n = rdv["nnodes"]
     return (
         f"[glm52] rank(s) {', '.join(map(str, ranks))} of this node still wait for the job's other ranks to connect "
-        f"({seconds:.0f} s after they started): a node not started, or started with another --nnodes than {n}; "
-        "run the same command on every node"
+        f"({seconds:.0f} s after they started): a node not started, started with another --nnodes than {n}, or "
+        "whose ranks failed before they connected; run the same command on every node"
     )
 
 

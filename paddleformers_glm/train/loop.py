@@ -209,9 +209,10 @@ def check_same_run(cfg: TrainConfig, world_size: int, inputs: dict[str, Any] | N
     with the same settings trained silently on different samples (each data-parallel rank drew its
     rows from its own node's file).
 
-    It runs on the job's default group before Fleet builds any sub-group (``init_topology``'s
-    ``agree``): ranks given different layouts (``--tp 2`` on one node, ``--tp 1 --pp 2`` on the
-    other) waited for each other there forever, both nodes silent."""
+    Without ``inputs`` it runs on the job's default group before Fleet builds any sub-group
+    (``init_topology``'s ``agree``): ranks given different layouts (``--tp 2`` on one node, ``--tp
+    1 --pp 2`` on the other) waited for each other there forever, both nodes silent.  With them,
+    after the groups exist (run_training)."""
     if world_size == 1:
         return
     runs = gather_settings(run_settings(cfg, inputs))
