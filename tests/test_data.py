@@ -822,3 +822,27 @@ def test_unusable_eval_data_is_one_line_before_launch(tmp_path, capsys, flags, n
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (out / "logs").exists()
+
+
+@pytest.mark.parametrize("key", ["loss_mask", "position_ids"])
+def test_per_token_data_the_trainer_does_not_read_is_refused_not_dropped(tmp_path, key):
+    """A token-id record or a .npz sample carrying one more entry per token (a Megatron-style
+    ``loss_mask``, ``position_ids`` of documents packed in one row) trained as if it were not there:
+    measured, tiny checkpoint, one step: loss 5.567415 with and without the loss mask (all 16 tokens
+    trained; the same mask given as labels -100: 5.557776), and the two packed documents attended to
+    each other, exit 0 and no word.  Each is refused naming the file, the record and the key;
+    metadata that is not per token (an id, a source name) is still accepted."""
+    ids = list(range(3, 19))
+    extra = [1] * 8 + [0] * 8 if key == "loss_mask" else list(range(8)) * 2
+    _jsonl(tmp_path / "d.jsonl", [{"input_ids": ids, "id": "doc-1"}, {"input_ids": ids, key: extra}])
+    with pytest.raises(ValueError) as e:
+        open_data(str(tmp_path / "d.jsonl"), 16, 256, seed=0)
+    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:2: `{key}` holds one entry per token and is not read"), e
+    assert "labels -100 where no target" in str(e.value)
+    _jsonl(tmp_path / "ok.jsonl", [{"input_ids": ids, "id": "doc-1", "source": "web"}] * 2)
+    assert open_data(str(tmp_path / "ok.jsonl"), 16, 256, seed=0).num_samples == 2
+    a = np.array([ids, ids], dtype=np.int32)
+    np.savez(tmp_path / "d.npz", input_ids=a, labels=a, attention_mask=np.ones_like(a), **{key: np.array([extra] * 2)})
+    with pytest.raises(ValueError) as e:
+        open_data(str(tmp_path / "d.npz"), 16, 256, seed=0)
+    assert str(e.value).startswith(f"{tmp_path / 'd.npz'}: arrays ['{key}'] are not read"), e

@@ -554,6 +554,20 @@ def test_a_refused_input_leaves_no_output_folder_behind(tmp_path, capsys):
     assert (kept / "notes").is_dir()
 
 
+def test_launcher_args_of_a_one_process_run_are_refused_not_dropped(tmp_path, capsys):
+    """One process runs without Paddle's launcher: ``--launcher-args "--devices 3 --log_level
+    DEBUG"`` trained in-process on the default device, exit 0, not a word (measured), where
+    ``glm52 generate`` refuses the flag without a launched layout."""
+    from paddleformers_glm.train.command import main as train_main
+
+    args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--out", str(tmp_path / "o")]
+    assert train_main([*args, "--launcher-args", "--devices 3"]) == 2
+    err = capsys.readouterr().err.strip()
+    want = "--launcher-args needs a layout of more than one process (one process runs without Paddle's launcher)"
+    assert err == f"glm52 train: error: {want}", err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     "flags, says",
     [

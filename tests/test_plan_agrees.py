@@ -154,6 +154,12 @@ def test_plan_and_train_refuse_the_same_lines_with_the_same_message(models, tmp_
         (0.001, ["--tp", "2", "--nnodes", "3"], "world size 2 is not divisible by --nnodes 3"),
         (0.001, ["--comm-timeout", "0.0001"], "--comm-timeout must be at least 0.001 s"),
         (0.001, ["--steps", "3", "--dump-step", "d", "4"], "K must be within 1..--steps (3)"),
+        # the step-2 dump replaced the step-1 dump in d, exit 0 (measured: d's weights hashed as step 2's)
+        (
+            0.001,
+            ["--steps", "3", "--dump-step", "d", "1", "--dump-step", "d", "2"],
+            "d already takes the dump of step 1",
+        ),
     ],
 )
 def test_plan_refuses_what_train_refuses_before_launch(models, tmp_path, capsys, coeff, flags, words):

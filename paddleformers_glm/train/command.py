@@ -486,6 +486,11 @@ def dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
 
         if bad := output_folder_error(d, "--dump-step"):  # found at the dump, after the training, before
             raise ValueError(bad)
+        for earlier, k_earlier in out:  # the later dump replaced the earlier one, which nothing recorded
+            if earlier == os.path.abspath(d):
+                raise ValueError(
+                    f"--dump-step {d} {k}: {d} already takes the dump of step {k_earlier}: give each step its folder"
+                )
         out.append((os.path.abspath(d), step))
     return out
 
@@ -534,6 +539,10 @@ def check_args(args: argparse.Namespace) -> tuple[TrainConfig, Any, int]:
 
     cfg = config_from_args(args)
     world = run_world(cfg)
+    if world == 1 and getattr(args, "launcher_args", ""):  # dropped without a word before
+        raise ValueError(
+            "--launcher-args needs a layout of more than one process (one process runs without Paddle's launcher)"
+        )
     adapter = make_adapter(cfg.model, **cfg.model_args)
     check_settings(
         cfg, adapter, world, job_timeout=args.job_timeout, comm_timeout=args.comm_timeout, nnodes=args.nnodes

@@ -175,6 +175,9 @@ class _Jsonl(TokenData):
                 got = _got(rec.get("input_ids")) if isinstance(rec, dict) and "input_ids" in rec else _got(rec)
                 raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`, got {got}{hint}")
             _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
+            for k, v in rec.items():  # one entry per token that nothing reads changed nothing, silently
+                if k not in _PACKED and isinstance(v, list) and len(v) == len(rec["input_ids"]):
+                    raise ValueError(f"{path}:{ln}: `{k}` holds one entry per token and is not read: {_UNREAD}")
             if "labels" in rec:
                 _check_ids(rec["labels"], vocab_size, f"{path}:{ln}: labels", allow=IGNORE_INDEX)
                 if len(rec["labels"]) != len(rec["input_ids"]):
@@ -309,6 +312,11 @@ def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) 
 
 
 _PACKED = ("input_ids", "labels", "attention_mask")
+# what a sample's other per-token data would have to become (a loss mask, position_ids of packed documents)
+_UNREAD = (
+    "the trainer reads input_ids, labels and attention_mask only (a loss mask: labels -100 where no target; "
+    "documents packed in one sample attend to each other: give them as samples of their own)"
+)
 
 
 class _Packed(TokenData):
@@ -322,6 +330,8 @@ class _Packed(TokenData):
         missing = set(_PACKED) - set(names)
         if missing:
             raise ValueError(f"{path}: missing arrays {sorted(missing)} (have {sorted(names)})")
+        if unread := sorted(set(names) - set(_PACKED)):
+            raise ValueError(f"{path}: arrays {unread} are not read: {_UNREAD}")
         self._crc = maps.pop("_crc", None) if maps is not None else None
         if maps is not None:
             self.arrays = maps
