@@ -174,6 +174,22 @@ def test_generate_takes_top_p_0():
     assert check_arguments(args) is None
 
 
+def test_generate_says_when_sampling_flags_meet_greedy_decoding(tiny_dir, capsys):
+    """The tiny checkpoint does not sample: ``--temperature 5`` (and ``--top-k``, ``--top-p``) printed
+    the greedy text, exit 0, without a word (measured: the same text for any value and seed), where
+    transformers warns that the flag is only used in sample-based generation modes.  With
+    ``--do-sample`` they apply and nothing is said."""
+    base = ["generate", "--model", tiny_dir, "--prompt", "Hello", "--max-new-tokens", "2"]
+    assert main([*base, "--temperature", "5", "--top-k", "3"]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "note:" in ln]
+    assert notes == [
+        f"glm52 generate: note: --temperature, --top-k only apply when sampling (--do-sample, or do_sample in "
+        f"{tiny_dir}/generation_config.json): greedy decoding ignores them"
+    ], notes
+    assert main([*base, "--temperature", "5", "--do-sample"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_generate_refuses_system_without_chat(tiny_dir, capsys):
     """--system is "with --chat: a system message before the prompt"; without --chat it was dropped
     and the prompt's text generated from as if it had not been given (exit 0)."""

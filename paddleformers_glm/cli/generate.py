@@ -140,7 +140,14 @@ def run(args: argparse.Namespace) -> int:
         # one line before the model is read or any rank launched, not a traceback on every rank
         with warnings.catch_warnings():  # warned where generate resolves them, as before
             warnings.simplefilter("ignore")
-            resolve_settings(config, defaults, _call_options(opts, eos, args.speculative), len(ids))
+            settings = resolve_settings(config, defaults, _call_options(opts, eos, args.speculative), len(ids))
+        unused = [f"--{k.replace('_', '-')}" for k in ("temperature", "top_k", "top_p") if k in opts]
+        if unused and not settings.do_sample:  # greedy printed the same text whatever they said (transformers warns)
+            print(
+                f"glm52 generate: note: {', '.join(unused)} only apply when sampling (--do-sample, or do_sample in "
+                f"{args.model}/generation_config.json): greedy decoding ignores them",
+                file=sys.stderr,
+            )
         if args.speculative and not getattr(config, "num_mtp_layers", 0):
             raise ValueError("generate: use_mtp needs an MTP layer (num_nextn_predict_layers = 0)")
     except (TokenizerError, ValueError, OSError) as err:
