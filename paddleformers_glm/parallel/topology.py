@@ -28,6 +28,7 @@ __all__ = [
     "check_seq_len",
     "get_topology",
     "init_topology",
+    "join_default_group",
     "launched_world_size",
     "set_topology",
     "topology_override",
@@ -277,6 +278,15 @@ def topology_override(topo: Topology | None = None) -> Iterator[Topology]:
         yield _CURRENT
     finally:
         _CURRENT = saved
+
+
+def join_default_group() -> None:
+    """Make the job's default group as :func:`init_topology` would (collective over the job): for a
+    rank that failed before it, so that it can tell the ranks waiting there instead of leaving them
+    waiting without a limit."""
+    from paddle.distributed import fleet
+
+    _init_default_group(fleet.DistributedStrategy())
 
 
 def _init_default_group(strategy: Any) -> None:

@@ -37,7 +37,7 @@ from ..parallel.fleet_pipeline import FleetPipeline, step_optimizer
 from ..parallel.grads import GradSynchronizer, clip_main_grads, loss_multiplier
 from ..parallel.pipeline import SingleStageEngine, layout_string, rank_spec
 from ..parallel.state import shard_full_state
-from ..parallel.topology import init_topology, launched_world_size, set_topology
+from ..parallel.topology import init_topology, join_default_group, launched_world_size, set_topology
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import check_batch_samples, check_eval_samples, micro_batches, open_data
 from .indexer_stage import indexer_report, pop_indexer_history
@@ -101,9 +101,14 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
     names, the indexer stage a resumed state sets) is this run's, not the next that gets ``cfg``."""
     cfg = replace(cfg)
     cfg.validate()
-    adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
     world = launched_world_size()  # the launcher's (glm52 train's one-process run sets stale ones aside)
-    pc, specs = check_run(cfg, adapter, world)
+    try:
+        adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
+        pc, specs = check_run(cfg, adapter, world)  # reads this node's model folder and --resume state
+    except Exception as e:
+        if world > 1:
+            _tell_the_default_group(e)
+        raise
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
     beat(0, "connect")  # at the job's default group: every rank of the job must reach it (launch.still_connecting)
@@ -181,6 +186,19 @@ def run_settings(cfg: TrainConfig, inputs: dict[str, Any] | None = None) -> str:
     return dumps_json(mine, indent=None, default=str)
 
 
+_FAILED = "failed before the ranks connected"  # what a rank that failed before the default group sends there
+
+
+def _tell_the_default_group(e: BaseException) -> None:
+    """A rank that failed before the job's default group joins it and sends its error in place of its
+    settings (:func:`check_same_run` raises it on every rank): the ranks waiting there waited until the
+    --job-timeout (measured: 94 s, a node's --resume step folder removed after its launcher checked
+    it), told that a node had another --nnodes.  Best effort: the error raised is this rank's own."""
+    with contextlib.suppress(Exception):
+        join_default_group()
+        gather_settings(dumps_json({_FAILED: f"{type(e).__name__}: {e}"}, indent=None))
+
+
 def _agree(cfg: TrainConfig, world: int) -> None:
     """At the job's default group, before Fleet builds its sub-groups: the settings (files are read
     and compared after), then the heartbeat that says this rank connected."""
@@ -216,6 +234,9 @@ def check_same_run(cfg: TrainConfig, world_size: int, inputs: dict[str, Any] | N
     if world_size == 1:
         return
     runs = gather_settings(run_settings(cfg, inputs))
+    for r, text in enumerate(runs):
+        if _FAILED in (failed := json.loads(text)):
+            raise ValueError(f"rank {r} {_FAILED}: {failed[_FAILED]}")
     first = json.loads(runs[0])
     differ: dict[str, list[int]] = {}
     for r, text in enumerate(runs):
