@@ -554,6 +554,17 @@ def test_a_refused_input_leaves_no_output_folder_behind(tmp_path, capsys):
     assert (kept / "notes").is_dir()
 
 
+def test_model_config_that_is_not_json_names_the_flag(tmp_path, capsys):
+    """Before: ``glm52 train: error: Expecting property name enclosed in double quotes: line 1 column 2``,
+    the JSON parser's words alone, no flag named."""
+    from paddleformers_glm.train.command import main as train_main
+
+    args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--out", str(tmp_path / "o")]
+    assert train_main([*args, "--model-config", "{num_experts: 4}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("glm52 train: error: --model-config is not JSON: Expecting property name"), err
+
+
 def test_launcher_args_of_a_one_process_run_are_refused_not_dropped(tmp_path, capsys):
     """One process runs without Paddle's launcher: ``--launcher-args "--devices 3 --log_level
     DEBUG"`` trained in-process on the default device, exit 0, not a word (measured), where

@@ -312,7 +312,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "resume_override", None) and not args.resume:
         raise ValueError("--resume-override names what a --resume may change; this run has no --resume")
     if args.model == "toy":
-        model, model_args = "toy", {"config": json.loads(args.model_config or "{}"), "seed": args.seed}
+        try:
+            overrides = json.loads(args.model_config or "{}")
+        except ValueError as e:  # the parser's words alone named no flag
+            raise ValueError(f"--model-config is not JSON: {e}") from None
+        model, model_args = "toy", {"config": overrides, "seed": args.seed}
     elif getattr(args, "model_config", None):
         raise ValueError("--model-config sets the toy model's config; a checkpoint's is its config.json")
     else:
