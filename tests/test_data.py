@@ -837,9 +837,16 @@ def test_per_token_data_the_trainer_does_not_read_is_refused_not_dropped(tmp_pat
     _jsonl(tmp_path / "d.jsonl", [{"input_ids": ids, "id": "doc-1"}, {"input_ids": ids, key: extra}])
     with pytest.raises(ValueError) as e:
         open_data(str(tmp_path / "d.jsonl"), 16, 256, seed=0)
-    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:2: `{key}` holds one entry per token and is not read"), e
+    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:2: `{key}` is per-token data that is not read"), e
     assert "labels -100 where no target" in str(e.value)
-    _jsonl(tmp_path / "ok.jsonl", [{"input_ids": ids, "id": "doc-1", "source": "web"}] * 2)
+    # one entry per label position (one less), or nested: refused by name all the same
+    _jsonl(tmp_path / "d1.jsonl", [{"input_ids": ids, key: extra[:-1]}, {"input_ids": ids, key: [extra]}])
+    with pytest.raises(ValueError, match=f":1: `{key}` is per-token data"):
+        open_data(str(tmp_path / "d1.jsonl"), 16, 256, seed=0)
+    # metadata, also a list of strings as long as a short record, and a tokenizer's token_type_ids: read as before
+    ok = [{"input_ids": ids, "id": "doc-1", "source": "web", "token_type_ids": [0] * 16}, {"input_ids": [5, 6] * 8}]
+    ok[1]["tags"] = ["news", "en"] * 8
+    _jsonl(tmp_path / "ok.jsonl", ok)
     assert open_data(str(tmp_path / "ok.jsonl"), 16, 256, seed=0).num_samples == 2
     a = np.array([ids, ids], dtype=np.int32)
     np.savez(tmp_path / "d.npz", input_ids=a, labels=a, attention_mask=np.ones_like(a), **{key: np.array([extra] * 2)})

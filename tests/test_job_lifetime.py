@@ -565,6 +565,21 @@ def test_model_config_that_is_not_json_names_the_flag(tmp_path, capsys):
     assert err.startswith("glm52 train: error: --model-config is not JSON: Expecting property name"), err
 
 
+def test_two_dump_steps_into_one_folder_through_a_link_are_refused(tmp_path):
+    """``--dump-step D 1 --dump-step L 2`` with L a link to D: the step-2 dump replaced step 1's."""
+    import argparse
+
+    from paddleformers_glm.train.command import dump_steps
+
+    (tmp_path / "D").mkdir()
+    (tmp_path / "L").symlink_to(tmp_path / "D")
+    args = argparse.Namespace(
+        steps=3, model=str(tmp_path), dump_step=[(str(tmp_path / "D"), "1"), (str(tmp_path / "L"), "2")]
+    )
+    with pytest.raises(ValueError, match=r"L 2: .*L already takes the dump of step 1"):
+        dump_steps(args)
+
+
 def test_launcher_args_of_a_one_process_run_are_refused_not_dropped(tmp_path, capsys):
     """One process runs without Paddle's launcher: ``--launcher-args "--devices 3 --log_level
     DEBUG"`` trained in-process on the default device, exit 0, not a word (measured), where

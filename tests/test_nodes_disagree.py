@@ -11,11 +11,12 @@ import json
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
-from paddleformers_glm.train.job_status import diagnose, still_connecting
+from paddleformers_glm.train.job_status import TELL_PEERS, diagnose, still_connecting
 from paddleformers_glm.train.launch import connecting_line, job_processes
 from tests._dist.runner import env
 
@@ -234,8 +235,10 @@ def test_a_rank_failing_before_the_default_group_tells_the_ranks_waiting_there(t
     monkeypatch.setattr(loop, "join_default_group", lambda: joined.append(True))
     monkeypatch.setattr(loop, "gather_settings", lambda text: sent.append(text) or [text, text])
     cfg = loop.TrainConfig(model="toy", steps=1, seq_len=16, tp=2, out=str(tmp_path), progress=False)
-    with pytest.raises(OSError, match="No such file"):
+    with pytest.raises(OSError, match="No such file") as raised:
         loop.run_training(cfg)
+    assert joined == [] and sent == []  # nothing waits before the worker has recorded the error
+    getattr(raised.value, TELL_PEERS)()  # what the worker then runs (worker.WorkerLife.failed)
     assert joined == [True] and len(sent) == 1, (joined, sent)
     monkeypatch.setattr(loop, "gather_settings", lambda text: [text, sent[0]])  # rank 0's view of the same gather
     with pytest.raises(ValueError) as e:
@@ -243,3 +246,35 @@ def test_a_rank_failing_before_the_default_group_tells_the_ranks_waiting_there(t
     assert str(e.value) == (
         "rank 1 failed before the ranks connected: OSError: /n1/model/config.json: No such file or directory"
     ), e.value
+
+
+def test_a_worker_records_its_error_before_it_tells_the_waiting_ranks(tmp_path):
+    """Telling the ranks at the default group needs them all there: a peer killed before it never
+    comes, and the telling rank waits.  Its error is recorded (and printed) first, so its launcher
+    names it and stops the job; measured when it told first: its node ended at --job-timeout as 'a
+    slow or hung job', the error never printed."""
+    status = tmp_path / "status"
+    status.mkdir()
+    script = textwrap.dedent(f"""
+        import time
+        from paddleformers_glm.train.job_status import TELL_PEERS
+        from paddleformers_glm.train.worker import WorkerLife
+        life = WorkerLife(1, {str(status)!r})
+        e = OSError("/n1/model/config.json: Permission denied")
+        setattr(e, TELL_PEERS, lambda: time.sleep(600))  # a peer that never arrives
+        try:
+            raise e
+        except OSError as err:
+            life.failed(err)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], env=env(), stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (status / "rank1.error.json").exists() and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        rec = json.loads((status / "rank1.error.json").read_text())
+        assert (rec["type"], rec["message"]) == ("OSError", "/n1/model/config.json: Permission denied"), rec
+        assert p.poll() is None  # still telling
+    finally:
+        p.kill()
+    assert "OSError: /n1/model/config.json: Permission denied" in p.stderr.read()

@@ -491,7 +491,7 @@ def dump_steps(args: argparse.Namespace) -> list[tuple[str, int]]:
         if bad := output_folder_error(d, "--dump-step"):  # found at the dump, after the training, before
             raise ValueError(bad)
         for earlier, k_earlier in out:  # the later dump replaced the earlier one, which nothing recorded
-            if earlier == os.path.abspath(d):
+            if os.path.realpath(earlier) == os.path.realpath(d):  # a link to the same folder too
                 raise ValueError(
                     f"--dump-step {d} {k}: {d} already takes the dump of step {k_earlier}: give each step its folder"
                 )

@@ -175,9 +175,12 @@ class _Jsonl(TokenData):
                 got = _got(rec.get("input_ids")) if isinstance(rec, dict) and "input_ids" in rec else _got(rec)
                 raise ValueError(f"{path}:{ln}: expected an object with a non-empty list `input_ids`, got {got}{hint}")
             _check_ids(rec["input_ids"], vocab_size, f"{path}:{ln}: input_ids")
-            for k, v in rec.items():  # one entry per token that nothing reads changed nothing, silently
-                if k not in _PACKED and isinstance(v, list) and len(v) == len(rec["input_ids"]):
-                    raise ValueError(f"{path}:{ln}: `{k}` holds one entry per token and is not read: {_UNREAD}")
+            for k, v in rec.items():  # per-token data that nothing reads changed nothing, silently
+                if k in _PACKED or k in _NOT_NEEDED:
+                    continue
+                per_token = isinstance(v, list) and len(v) == len(rec["input_ids"]) and all(_is_number(x) for x in v)
+                if k in _UNREAD_KEYS or per_token:
+                    raise ValueError(f"{path}:{ln}: `{k}` is per-token data that is not read: {_UNREAD}")
             if "labels" in rec:
                 _check_ids(rec["labels"], vocab_size, f"{path}:{ln}: labels", allow=IGNORE_INDEX)
                 if len(rec["labels"]) != len(rec["input_ids"]):
@@ -312,6 +315,14 @@ def _check_ids(ids: Any, vocab_size: int, where: str, allow: int | None = None) 
 
 
 _PACKED = ("input_ids", "labels", "attention_mask")
+_UNREAD_KEYS = ("loss_mask", "position_ids")  # refused at any length or nesting (a mask over the labels: one less)
+_NOT_NEEDED = ("token_type_ids", "special_tokens_mask", "offset_mapping")  # a tokenizer's, meaningless to GLM
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float))  # bool too: a 0 / 1 mask
+
+
 # what a sample's other per-token data would have to become (a loss mask, position_ids of packed documents)
 _UNREAD = (
     "the trainer reads input_ids, labels and attention_mask only (a loss mask: labels -100 where no target; "

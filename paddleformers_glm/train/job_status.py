@@ -26,6 +26,7 @@ from .._io import proc_stat_field, read_json, write_json_atomic
 
 __all__ = [
     "ENV_DEADLINE",
+    "TELL_PEERS",
     "ENV_JOB_ID",
     "ENV_LAUNCHER_PID",
     "ENV_STATUS_DIR",
@@ -47,6 +48,9 @@ ENV_STATUS_DIR = "GLM52_STATUS_DIR"  # the status folder, set by the launcher fo
 ENV_JOB_ID = "GLM52_JOB_ID"  # one id per job: every process of the job carries it in its environment
 ENV_LAUNCHER_PID = "GLM52_LAUNCHER_PID"  # the glm52 launcher: workers end when it is gone
 ENV_DEADLINE = "GLM52_JOB_DEADLINE"  # --job-timeout as an absolute time (seconds since the epoch)
+# an exception's attribute: what its worker runs once the error is recorded (train/loop.py: a rank that
+# failed before the job's default group tells the ranks waiting there)
+TELL_PEERS = "glm52_tell_peers"
 LAUNCHER_LOG = "launcher.log"  # in the log folder: everything Paddle's launcher printed, unfiltered
 
 # the phases of a step, in order: a rank's progress is (step, index of its last phase)

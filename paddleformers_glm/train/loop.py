@@ -10,6 +10,7 @@ step's loss; rank 0 logs it and writes ``OUT/loss.json``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from ..parallel.topology import init_topology, join_default_group, launched_worl
 from .adapter import LossSpec, ModelAdapter, make_adapter, token_count
 from .data import check_batch_samples, check_eval_samples, micro_batches, open_data
 from .indexer_stage import indexer_report, pop_indexer_history
-from .job_status import beat
+from .job_status import TELL_PEERS, beat
 from .memory import MemoryMonitor
 from .moe_balance import ExpertBalancer
 from .nonfinite import (
@@ -106,8 +107,9 @@ def run_training(cfg: TrainConfig, adapter: ModelAdapter | None = None) -> dict[
         adapter = adapter or make_adapter(cfg.model, **cfg.model_args)
         pc, specs = check_run(cfg, adapter, world)  # reads this node's model folder and --resume state
     except Exception as e:
-        if world > 1:
-            _tell_the_default_group(e)
+        if world > 1:  # once the worker has recorded the error (worker.py): the telling may wait
+            with contextlib.suppress(AttributeError):
+                setattr(e, TELL_PEERS, functools.partial(_tell_the_default_group, e))
         raise
     if cfg.dtype == "bfloat16":
         cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
@@ -193,10 +195,10 @@ def _tell_the_default_group(e: BaseException) -> None:
     """A rank that failed before the job's default group joins it and sends its error in place of its
     settings (:func:`check_same_run` raises it on every rank): the ranks waiting there waited until the
     --job-timeout (measured: 94 s, a node's --resume step folder removed after its launcher checked
-    it), told that a node had another --nnodes.  Best effort: the error raised is this rank's own."""
-    with contextlib.suppress(Exception):
-        join_default_group()
-        gather_settings(dumps_json({_FAILED: f"{type(e).__name__}: {e}"}, indent=None))
+    it), told that a node had another --nnodes.  Its worker runs this after recording the error: a
+    peer that died before the group never arrives, and the wait then ends with the job."""
+    join_default_group()
+    gather_settings(dumps_json({_FAILED: f"{type(e).__name__}: {e}"}, indent=None))
 
 
 def _agree(cfg: TrainConfig, world: int) -> None:

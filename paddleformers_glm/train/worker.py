@@ -10,6 +10,7 @@ the sender even while the main thread waits in a collective) of docs/failure-mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 from paddleformers_glm._io import read_json
 from paddleformers_glm.train.job_status import (
@@ -24,6 +26,7 @@ from paddleformers_glm.train.job_status import (
     ENV_JOB_ID,
     ENV_LAUNCHER_PID,
     ENV_STATUS_DIR,
+    TELL_PEERS,
     beat,
     is_comm_error,
     proc_state,
@@ -139,15 +142,18 @@ class WorkerLife:
         finally:  # leave even if the snapshot fails: a worker that outlives its signal is an orphan
             self.leave("signal.json", record, code)
 
-    def leave(self, suffix: str, record: dict | None, code: int, text: str = "") -> None:
-        """Write ``rank<N>.<suffix>``, then ``text`` to stderr, and leave with ``code`` whatever
-        happens (``os._exit``: no teardown)."""
+    def leave(self, suffix: str, record: dict | None, code: int, text: str = "", then: Any = None) -> None:
+        """Write ``rank<N>.<suffix>``, then ``text`` to stderr, run ``then`` (recorded first: it may
+        wait), and leave with ``code`` whatever happens (``os._exit``: no teardown)."""
         try:
             write_record(self.status_dir, self.rank, suffix, record)
         finally:
             sys.stderr.write(text)
             sys.stdout.flush()
             sys.stderr.flush()
+            if then is not None:
+                with contextlib.suppress(BaseException):
+                    then()
             os._exit(code)
 
     def _peers(self, settle_s: float = 0.0) -> dict | None:
@@ -186,7 +192,8 @@ class WorkerLife:
         }
         # a non-finite step, or non-finite weights: not a bug, its message says all (the traceback is
         # noise, kept in error.json's traceback_tail; Paddle's launcher prints the end of this log)
-        self.leave("error.json", record, 1, f"{type(e).__name__}: {text}\n" if record["detail"] else tb)
+        text_out = f"{type(e).__name__}: {text}\n" if record["detail"] else tb
+        self.leave("error.json", record, 1, text_out, then=getattr(e, TELL_PEERS, None))
 
 
 def clean_detail(e: BaseException, rank: int, text: str) -> dict | None:
