@@ -26,10 +26,10 @@ from .._io import proc_stat_field, read_json, write_json_atomic
 
 __all__ = [
     "ENV_DEADLINE",
-    "TELL_PEERS",
     "ENV_JOB_ID",
     "ENV_LAUNCHER_PID",
     "ENV_STATUS_DIR",
+    "TELL_PEERS",
     "LAUNCHER_LOG",
     "PHASES",
     "Diagnosis",

@@ -264,7 +264,7 @@ def waiting_line(rdv: dict[str, Any], seconds: float) -> str:
 
 def connecting_line(rdv: dict[str, Any], ranks: Sequence[int], seconds: float) -> str:
     """What a node says while its started workers still wait for the job's other ranks to connect
-    (their heartbeat still at ``start``): a node started with another ``--nnodes`` met this one at
+    (their heartbeat at ``connect``: at the job's default group): a node started with another ``--nnodes`` met this one at
     the master and then waits for a job of its own size, and this node's workers wait in the
     process-group setup for ranks that never come, silently and without a limit."""
     n = rdv["nnodes"]
