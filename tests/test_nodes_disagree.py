@@ -8,7 +8,6 @@ or hung job"; node 0 at ``--nnodes 2`` beside node 1 at ``--nnodes 3`` printed n
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,38 +17,17 @@ import pytest
 
 from paddleformers_glm.train.job_status import TELL_PEERS, diagnose, still_connecting
 from paddleformers_glm.train.launch import connecting_line, job_processes
-from tests._dist.runner import env
+from tests._dist.runner import env, run_nodes
 
 TRAIN = [sys.executable, "-m", "paddleformers_glm.train", "--no-progress", "--model", "toy", "--steps", "2"]
 TRAIN += ["--seq-len", "16", "--global-batch-size", "2", "--micro-batch-size", "1", "--seed", "7"]
 
 
-def _nodes(out, per_node: list[list[str]], timeout: float) -> list[tuple[int, str, float]]:
-    """One ``glm52 train`` per entry of ``per_node`` (its own flags, ``--nnodes`` included), as
-    node R of one rendezvous on this machine: (status, stdout + stderr, seconds to end) per node."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t0 = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [*TRAIN, *flags, "--out", str(out), "--master", f"127.0.0.1:{port}", "--node-rank", str(r)],
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r, flags in enumerate(per_node)
-    ]
-    got = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=timeout)
-            got.append((p.returncode, text, time.monotonic() - t0))
-    finally:
-        for p in procs:
-            p.kill()
-    return got
+def _nodes(out, per_node: list[list[str]], timeout: float) -> list[tuple[int, str]]:
+    """One ``glm52 train`` per entry of ``per_node`` (its own flags, ``--nnodes`` included), as node R
+    of one rendezvous on this machine: (status, stdout + stderr) per node."""
+    got = run_nodes([*TRAIN, "--out", str(out)], nnodes=len(per_node), timeout=timeout, per_node=per_node)
+    return [(rc, stdout + stderr) for rc, stdout, stderr in got]
 
 
 def _no_process_left(out, node: int) -> None:
@@ -65,7 +43,7 @@ def test_nodes_given_different_layouts_fail_naming_them_instead_of_waiting_forev
     """Every rank compares its settings with rank 0's on the job's default group before Fleet builds
     its sub-groups: both nodes end with status 1, naming the layouts."""
     got = _nodes(tmp_path, [["--nnodes", "2", "--tp", "2"], ["--nnodes", "2", "--tp", "1", "--pp", "2"]], timeout=240)
-    for r, (rc, text, _) in enumerate(got):
+    for r, (rc, text) in enumerate(got):
         assert rc == 1, f"node {r} rc {rc}:\n{text[-3000:]}"
         assert (
             "the ranks of this job were given different runs (pp: 1 on rank 0, 2 on rank 1; tp: 2 on rank 0, 1 on rank 1)"
@@ -81,7 +59,7 @@ def test_a_node_given_another_nnodes_says_its_ranks_wait_to_connect_and_its_time
     and its ``--job-timeout`` names the ranks that never connected instead of a slow job."""
     two = ["--nnodes", "2", "--tp", "2", "--job-timeout", "45"]
     three = ["--nnodes", "3", "--tp", "1", "--dp", "3", "--global-batch-size", "6", "--job-timeout", "45"]
-    (rc, text, _), (rc1, text1, _) = _nodes(tmp_path, [two, three], timeout=240)
+    (rc, text), (rc1, text1) = _nodes(tmp_path, [two, three], timeout=240)
     assert rc == 124 and rc1 == 124, (rc, text[-2000:], rc1, text1[-2000:])
     waiting = [ln for ln in text.splitlines() if ln.startswith("[glm52] rank(s) 0 of this node still wait for")]
     assert waiting and "another --nnodes than 2" in waiting[0], text[-3000:]

@@ -153,10 +153,13 @@ def assert_clipped_by_true_norm(dump: Path, gnorm: float, clip: float) -> None:
         np.testing.assert_allclose(m[k], 0.1 * want * g[k], rtol=1e-4, atol=1e-9, err_msg=k)
 
 
-def run_nodes(command: list[str], nnodes: int = 2, timeout: float = 300) -> list[tuple[int, str, str]]:
+def run_nodes(
+    command: list[str], nnodes: int = 2, timeout: float = 300, per_node: list[list[str]] | None = None
+) -> list[tuple[int, str, str]]:
     """``command`` as ``nnodes`` simulated nodes on this machine, each with ``--nnodes N --master
-    127.0.0.1:PORT --node-rank R`` added (one free port, one rendezvous); -> (status, stdout, stderr)
-    per node. Every node is killed on the way out, whatever happened."""
+    127.0.0.1:PORT --node-rank R`` added (one free port, one rendezvous) and node R's own flags
+    ``per_node[R]`` after them (a later ``--nnodes`` there wins); -> (status, stdout, stderr) per
+    node. Every node is killed on the way out, whatever happened."""
     import socket
 
     with socket.socket() as s:
@@ -165,7 +168,11 @@ def run_nodes(command: list[str], nnodes: int = 2, timeout: float = 300) -> list
     base = [*command, "--nnodes", str(nnodes), "--master", f"127.0.0.1:{port}"]
     nodes = [
         subprocess.Popen(
-            [*base, "--node-rank", str(r)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*base, *(per_node[r] if per_node else []), "--node-rank", str(r)],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(nnodes)
     ]
