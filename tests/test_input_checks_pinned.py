@@ -91,6 +91,26 @@ def test_jsonl_labels_shorter_than_input_ids_are_refused_by_record(tmp_path, cap
     assert line.startswith(f"{data}:2: labels has 10 entries, input_ids 16: one label per input token"), line
 
 
+def test_data_dtype_without_a_bin_file_is_refused(tmp_path, capsys, no_run):
+    """``--data-dtype`` is the width of a .bin's tokens (the file does not record it); given with a
+    .npy, which records its own, it changed nothing and was accepted: a user who meant it for the
+    file learned nothing.  With a .bin among --data / --eval-data it is that file's and is kept."""
+    ids = (np.arange(400) % V).astype(np.int64)
+    npy, bin_ = tmp_path / "t.npy", tmp_path / "t.bin"
+    np.save(npy, ids)
+    ids.astype("<u4").tofile(bin_)
+    line = _train_refused(tmp_path, capsys, no_run, "--data", str(npy), "--data-dtype", "uint32")
+    assert line == (
+        f"--data-dtype uint32 is the token width of a .bin file, and this run reads none (--data {npy}): "
+        ".npy and .npz record their dtype, .jsonl holds numbers; leave --data-dtype out"
+    ), line
+    line = _train_refused(tmp_path, capsys, no_run, "--data-dtype", "uint32")
+    assert "this run reads none (--data synthetic)" in line, line
+    flags = ["--data", str(bin_), "--eval-data", str(npy), "--data-dtype", "uint32", "--out", str(tmp_path / "o")]
+    assert main([*TOY, *flags]) == 0
+    assert len(no_run) == 1
+
+
 # ---------------------------------------------------------------- glm52 train settings
 @pytest.mark.parametrize(
     "flags, expected",

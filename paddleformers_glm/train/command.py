@@ -369,6 +369,13 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
 
     if cfg.model == "glm" and not cfg.resume:  # a resumed run reads no weight from --model
         check_checkpoint_files(cfg.model_args["model_dir"])
+    named = [(f, p) for f, p in (("--data", cfg.data), ("--eval-data", cfg.eval_data)) if p not in (None, "synthetic")]
+    if cfg.data_dtype != "auto" and not any(p.endswith(".bin") for _, p in named):
+        given = "; ".join(f"{f} {p}" for f, p in named) or "--data synthetic"
+        raise ValueError(
+            f"--data-dtype {cfg.data_dtype} is the token width of a .bin file, and this run reads none ({given}): "
+            ".npy and .npz record their dtype, .jsonl holds numbers; leave --data-dtype out"
+        )
     tok = None
     if args.tokenizer:  # read even when no text data needs it: the export ships it
         try:
