@@ -675,3 +675,77 @@ def test_autotokenizer_gives_the_chat_encodings_paddleformers_sft_data_calls(tin
     ours = AutoTokenizer.from_pretrained(tiny)
     assert isinstance(ours, GlmTokenizer)
     assert encodings(ours) == want
+
+
+def test_generate_on_the_model_paddleformers_gives(tiny):
+    """``model.generate`` of the model PaddleFormers' AutoModelForCausalLM gives is this package's
+    (docs/model.md): it passes the base forward's output flags, which the PaddleFormers-side forward
+    refused (TypeError on output_hidden_states, every call, cache on or off). Same tokens as the
+    core class, with and without the cache, and the hidden states a caller asks for."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32").eval()
+    direct = GlmMoeDsaForCausalLM.from_pretrained(tiny, dtype="float32").eval()
+    ids = paddle.to_tensor(np.arange(3, 11, dtype="int64")[None])
+    for cache in (True, False):
+        want = direct.generate(ids, max_new_tokens=4, do_sample=False, use_cache=cache)
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=cache)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    out = model(ids, output_hidden_states=True, output_router_logits=True)
+    ref = direct(ids, output_hidden_states=True, output_router_logits=True)
+    assert len(out.hidden_states) == len(ref.hidden_states) == direct.config.num_hidden_layers + 1
+    for a, b in zip(out.hidden_states + out.router_logits, ref.hidden_states + ref.router_logits):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    with pytest.raises(ValueError, match="labels_shifted=False"):
+        model(ids, labels=ids, labels_shifted=False)
+
+
+def test_path_by_keyword_after_register(tiny, tmp_path):
+    """PaddleFormers' loaders name their first parameter ``pretrained_model_name_or_path``
+    (``config`` for from_config); after register() a call that named it raised "wrapped() missing 1
+    required positional argument", for every model type. Named, a GLM folder loads ours and any
+    other goes to PaddleFormers as before."""
+    other = tmp_path / "qwen"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(Exception) as before:  # PaddleFormers' own failure on a folder with no weights
+        AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path=str(other))
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    with pytest.raises(type(before.value)) as after:
+        AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path=str(other))
+    assert str(after.value) == str(before.value)
+    model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path=tiny, dtype="float32")
+    assert isinstance(model, GlmMoeDsaForCausalLM)
+    assert isinstance(AutoModelForCausalLM.from_config(config=model.config), GlmMoeDsaForCausalLM)
+    assert isinstance(AutoTokenizer.from_pretrained(pretrained_model_name_or_path=tiny), GlmTokenizer)
+
+
+def test_from_config_takes_paddleformers_config_and_dtype_objects(tiny):
+    """A PaddleFormers ``GlmMoeDsaConfig`` (read by its AutoConfig before register()) sent to
+    AutoModelForCausalLM failed with AttributeError 'num_mtp_layers'; it is refused naming its class
+    and what to do (its to_dict mixes its own defaults into the file's keys: rope_theta 10000 beside
+    rope_parameters' 8e6, which our config refuses as inconsistent). A dtype
+    given as a Paddle dtype (as PaddleFormers passes it) was kept as the object, and the forward then
+    refused bf16 embeddings as not bf16; it is kept by name, on the core class too."""
+    theirs = AutoConfig.from_pretrained(tiny)
+    assert not isinstance(theirs, GlmMoeDsaConfig)
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    ours = GlmMoeDsaConfig.from_pretrained(tiny)
+    refused = "paddleformers.transformers.glm_moe_dsa.configuration.GlmMoeDsaConfig .* read the checkpoint's config"
+    with pytest.raises(TypeError, match=refused):
+        AutoModelForCausalLM.from_config(theirs)
+    with pytest.raises(TypeError, match=refused):
+        AutoModelForCausalLM.from_pretrained(tiny, config=theirs)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny), dtype=paddle.bfloat16)
+    assert isinstance(model, GlmMoeDsaForCausalLM) and model.compute_dtype == "bfloat16"
+    assert model.config.to_dict() == ours.to_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(tiny, config=ours, dtype="float32")  # the core class's config
+    assert type(loaded.config) is not GlmMoeDsaConfig and loaded.config.to_dict() == ours.to_dict()
+    both = AutoModelForCausalLM.from_config(ours, dtype="bf16", paddle_dtype="float32")
+    assert both.compute_dtype == "bfloat16"  # dtype wins; the older name is no stray keyword
+    core = GlmMoeDsaForCausalLM.from_config(ours, dtype=paddle.bfloat16)
+    assert core.compute_dtype == "bfloat16"
+    embeds = paddle.zeros([1, 4, ours.hidden_size], dtype="bfloat16")
+    assert core(inputs_embeds=embeds).logits.shape == [1, 4, ours.vocab_size]

@@ -132,6 +132,21 @@ def _classes() -> dict[str, Any]:
             want_unused = kwargs.pop("return_unused_kwargs", False)
             return super().from_pretrained(path, return_unused_kwargs=want_unused, **_split_kwargs(kwargs))
 
+    def _our_config(config: Any) -> GlmMoeDsaConfig:
+        """``config`` as this class's config: ours as it is, the core package's read from its keys.
+        PaddleFormers' own ``GlmMoeDsaConfig`` (its AutoConfig's before :func:`register`) is refused
+        by name: its ``to_dict`` holds its defaults beside the file's keys (``rope_theta`` 10000
+        beside ``rope_parameters``' 8e6 on the official config), no faithful copy of the file."""
+        if isinstance(config, GlmMoeDsaConfig):
+            return config
+        if isinstance(config, _Config):
+            return GlmMoeDsaConfig.from_dict(config.to_dict())
+        raise TypeError(
+            f"GlmMoeDsaForCausalLM: a config of class {type(config).__module__}.{type(config).__name__} "
+            f"(model_type {getattr(config, 'model_type', None)!r}) is not paddleformers_glm's; read the "
+            "checkpoint's config with AutoConfig after register() (or paddleformers_glm.GlmMoeDsaConfig)"
+        )
+
     @dataclass
     class GlmCausalLMOutput(ModelOutput):
         """The forward's outputs as PaddleFormers' ``ModelOutput`` (a dict: ``out["loss"]``)."""
@@ -142,6 +157,9 @@ def _classes() -> dict[str, Any]:
         mtp_loss: paddle.Tensor | None = None
         indexer_loss: paddle.Tensor | None = None
         last_hidden_state: paddle.Tensor | None = None
+        hidden_states: tuple[paddle.Tensor, ...] | None = None  # output_hidden_states (generate's too)
+        attentions: tuple[paddle.Tensor, ...] | None = None  # output_attentions
+        router_logits: tuple[paddle.Tensor, ...] | None = None  # output_router_logits
 
     class GlmMoeDsaForCausalLM(_Model):
         """Our model as PaddleFormers' ``Trainer`` and ``AutoModelForCausalLM`` use it."""
@@ -158,9 +176,9 @@ def _classes() -> dict[str, Any]:
             kwargs.pop("subfolder", None)
             if "paddle_dtype" in kwargs:  # PaddleFormers' older name
                 kwargs.setdefault("dtype", kwargs.pop("paddle_dtype"))
-            if isinstance(kwargs.get("config"), _Config) and not isinstance(kwargs["config"], GlmMoeDsaConfig):
-                kwargs["config"] = GlmMoeDsaConfig.from_dict(kwargs["config"].to_dict())
-            if kwargs.get("config") is None:
+            if kwargs.get("config") is not None:
+                kwargs["config"] = _our_config(kwargs["config"])
+            else:
                 # the other keywords override the config's keys, as transformers' and PaddleFormers'
                 # from_pretrained do (use_cache=False ...); one that is no config key is refused
                 own = inspect.signature(_Model.from_pretrained).parameters
@@ -178,10 +196,12 @@ def _classes() -> dict[str, Any]:
 
         @classmethod
         def _from_config(cls, config: Any, **kwargs: Any):
+            """The base ``_from_config`` (a dtype by any name Paddle, numpy or PaddleFormers spells it;
+            none: float32, where PaddleFormers' own takes the config's) on our config of ``config``."""
             kwargs = _one_process(_split_kwargs(kwargs))
             kwargs.pop("subfolder", None)  # a folder's part: nothing to read from a config
-            dtype = kwargs.pop("dtype", None) or kwargs.pop("paddle_dtype", None) or "float32"
-            return cls.from_config(config, dtype=dtype, **kwargs)
+            dtype, older = kwargs.pop("dtype", None), kwargs.pop("paddle_dtype", None)  # PaddleFormers' older name
+            return super()._from_config(_our_config(config), dtype=dtype if dtype is not None else older, **kwargs)
 
         def forward(
             self,
@@ -196,6 +216,7 @@ def _classes() -> dict[str, Any]:
             logits_to_keep: int = 0,
             attn_mask_startend_row_indices: paddle.Tensor | None = None,
             nbatch_pack_offset: paddle.Tensor | None = None,
+            **kwargs: Any,
         ):
             """PaddleFormers' label convention, as its own causal LMs and data pipelines have it
             (its criterion does not shift; SFTDataset and the pretraining workflows feed input
@@ -205,7 +226,15 @@ def _classes() -> dict[str, Any]:
             form of that mask) and ``nbatch_pack_offset`` (1 at each packed sequence's last token but
             the row's last) come with packed sequences too. Packed, each sequence attends and selects
             its top-k within itself, by the sequences its ``position_ids`` restart at (the forward's
-            packed sequences, modeling/packing.py); a mask that disagrees with them is refused."""
+            packed sequences, modeling/packing.py); a mask that disagrees with them is refused.
+            The base forward's other keywords (``output_hidden_states``, ``output_attentions``,
+            ``output_router_logits``, ``cache_position``, ``num_items_in_batch`` ..., which
+            ``generate`` passes) go to it as they are; labels are always shifted already here."""
+            if not kwargs.pop("labels_shifted", True):
+                raise ValueError(
+                    "GlmMoeDsaForCausalLM (PaddleFormers): labels_shifted=False: this class takes PaddleFormers' "
+                    "labels (position i's target); paddleformers_glm.GlmMoeDsaForCausalLM shifts them as HF"
+                )
             packed = attn_mask_startend_row_indices is not None or (
                 attention_mask is not None and attention_mask.ndim == 4
             )
@@ -230,12 +259,13 @@ def _classes() -> dict[str, Any]:
                 attention_mask,
                 position_ids,
                 labels=labels,
-                add_mtp_loss=self.training and labels is not None,
+                add_mtp_loss=kwargs.pop("add_mtp_loss", self.training and labels is not None),
                 past_key_values=past_key_values,
                 use_cache=use_cache,
                 inputs_embeds=inputs_embeds,
                 logits_to_keep=logits_to_keep,
                 labels_shifted=True,
+                **kwargs,
             )
             result = GlmCausalLMOutput(**{f.name: getattr(out, f.name) for f in fields(GlmCausalLMOutput)})
             return result if return_dict is None or return_dict else result.to_tuple()
@@ -392,12 +422,19 @@ def register(replace: bool | None = None) -> list[str]:
         _ORIGINALS[f"{auto.__name__}.{name}"] = (auto, name, own)
         func = inspect.getattr_static(auto, name).__func__
 
-        def wrapped(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+        first = "config" if name == "from_config" else "pretrained_model_name_or_path"  # PaddleFormers' name
+
+        def wrapped(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            # the path (the config) by position or by PaddleFormers' keyword; the call goes on as it was made
+            path = args[0] if args else kwargs.get(first)
             if name == "from_config":
                 mine = getattr(path, "model_type", None) == MODEL_TYPE
             else:
                 mine = _glm_folder(path, kwargs.get("subfolder"))
-            return ours(path, *args, **kwargs) if mine else func(cls, path, *args, **kwargs)
+            if not mine:
+                return func(cls, *args, **kwargs)
+            rest = {k: v for k, v in kwargs.items() if k != first}
+            return ours(path, *args[1:], **rest)
 
         wrapped.__doc__ = (
             f"{func.__doc__ or ''}\n(paddleformers_glm: a local glm_moe_dsa folder loads {ours.__qualname__})"

@@ -362,8 +362,11 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
                     emb.weight[pad - start] = 0.0
 
     @classmethod
-    def from_config(cls, config: GlmMoeDsaConfig, dtype: str = "float32", seed: int | None = None):
-        model = cls(config, dtype=dtype)
+    def from_config(cls, config: GlmMoeDsaConfig, dtype: Any = "float32", seed: int | None = None):
+        from ..checkpoint.loader import resolve_model_dtype
+
+        # a name ("bf16", "bfloat16") or a Paddle / numpy dtype, kept as its name (what the forward compares)
+        model = cls(config, dtype=resolve_model_dtype(dtype, config))
         model.init_weights(seed)
         return model
 
