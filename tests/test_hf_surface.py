@@ -322,6 +322,21 @@ def test_class_level_calls_transformers_makes():
         GlmMoeDsaForCausalLM._from_config(cfg, foo=1)
 
 
+def test_a_dtype_object_is_kept_by_name():
+    """A model built with a Paddle or numpy dtype (the constructor, ``from_config``; transformers'
+    callers pass dtype objects) kept the object: the forward then refused bf16 ``inputs_embeds`` as
+    "bfloat16, the model computes in paddle.bfloat16", and ``from_config(dtype=np.float32)`` was
+    "not a model dtype". Each is kept by its name, the forward takes the embeddings."""
+    cfg = tiny_config(**TWO_LAYERS)
+    embeds = paddle.zeros([1, 3, cfg.hidden_size], dtype="bfloat16")
+    for model in (GlmMoeDsaForCausalLM(cfg, paddle.bfloat16), GlmMoeDsaForCausalLM.from_config(cfg, dtype="bf16")):
+        assert model.compute_dtype == "bfloat16"
+        assert model(inputs_embeds=embeds).logits.shape == [1, 3, cfg.vocab_size]
+    assert GlmMoeDsaForCausalLM.from_config(cfg, dtype=np.float32).compute_dtype == "float32"
+    with pytest.raises(ValueError, match="dtype 'int8' is not a model dtype"):
+        GlmMoeDsaForCausalLM(cfg, "int8")
+
+
 def test_ignore_mismatched_sizes_is_a_loading_keyword():
     """transformers 5.23 takes ``ignore_mismatched_sizes`` (False: a mismatch is an error; True
     re-initialises mismatched tensors). Ours refused both as "neither a config key nor a loading

@@ -102,13 +102,14 @@ def test_data_dtype_without_a_bin_file_is_refused(tmp_path, capsys, no_run):
     line = _train_refused(tmp_path, capsys, no_run, "--data", str(npy), "--data-dtype", "uint32")
     assert line == (
         f"--data-dtype uint32 is the token width of a .bin file, and this run reads none (--data {npy}): "
-        ".npy and .npz record their dtype, .jsonl holds numbers; leave --data-dtype out"
+        ".npy and .npz record their dtype, a .jsonl holds numbers or text; leave --data-dtype out"
     ), line
     line = _train_refused(tmp_path, capsys, no_run, "--data-dtype", "uint32")
     assert "this run reads none (--data synthetic)" in line, line
-    flags = ["--data", str(bin_), "--eval-data", str(npy), "--data-dtype", "uint32", "--out", str(tmp_path / "o")]
-    assert main([*TOY, *flags]) == 0
-    assert len(no_run) == 1
+    for data, held_out in ((bin_, npy), (npy, bin_)):  # the .bin as --data, or as --eval-data alone
+        flags = ["--data", str(data), "--eval-data", str(held_out), "--data-dtype", "uint32"]
+        assert main([*TOY, *flags, "--out", str(tmp_path / f"o{len(no_run)}")]) == 0
+    assert len(no_run) == 2
 
 
 # ---------------------------------------------------------------- glm52 train settings

@@ -719,6 +719,8 @@ def test_path_by_keyword_after_register(tiny, tmp_path):
     assert isinstance(model, GlmMoeDsaForCausalLM)
     assert isinstance(AutoModelForCausalLM.from_config(config=model.config), GlmMoeDsaForCausalLM)
     assert isinstance(AutoTokenizer.from_pretrained(pretrained_model_name_or_path=tiny), GlmTokenizer)
+    with pytest.raises(TypeError, match="got multiple values for argument 'pretrained_model_name_or_path'"):
+        AutoModelForCausalLM.from_pretrained(tiny, pretrained_model_name_or_path=str(other))  # as PaddleFormers
 
 
 def test_from_config_takes_paddleformers_config_and_dtype_objects(tiny):
@@ -745,7 +747,11 @@ def test_from_config_takes_paddleformers_config_and_dtype_objects(tiny):
     assert type(loaded.config) is not GlmMoeDsaConfig and loaded.config.to_dict() == ours.to_dict()
     both = AutoModelForCausalLM.from_config(ours, dtype="bf16", paddle_dtype="float32")
     assert both.compute_dtype == "bfloat16"  # dtype wins; the older name is no stray keyword
-    core = GlmMoeDsaForCausalLM.from_config(ours, dtype=paddle.bfloat16)
-    assert core.compute_dtype == "bfloat16"
     embeds = paddle.zeros([1, 4, ours.hidden_size], dtype="bfloat16")
-    assert core(inputs_embeds=embeds).logits.shape == [1, 4, ours.vocab_size]
+    for core in (
+        GlmMoeDsaForCausalLM.from_config(ours, dtype=paddle.bfloat16),
+        GlmMoeDsaForCausalLM(ours, paddle.bfloat16),
+    ):
+        assert core.compute_dtype == "bfloat16"
+        assert core(inputs_embeds=embeds).logits.shape == [1, 4, ours.vocab_size]
+    assert GlmMoeDsaForCausalLM.from_config(ours, dtype=np.float32).compute_dtype == "float32"

@@ -167,6 +167,8 @@ def normalize_dtype(dtype: Any) -> str | None:
     """A dtype name from a string (``"bf16"``, ``"bfloat16"``, ``"auto"``) or a Paddle/numpy/torch dtype."""
     if dtype is None:
         return None
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):  # a numpy scalar type (np.float32)
+        dtype = np.dtype(dtype).name
     name = str(dtype).replace("paddle.", "").replace("torch.", "").lower()
     name = _DTYPE_ALIASES.get(name, name)
     if name not in (*_MODEL_DTYPES, "auto"):

@@ -426,6 +426,8 @@ def register(replace: bool | None = None) -> list[str]:
 
         def wrapped(cls: Any, *args: Any, **kwargs: Any) -> Any:
             # the path (the config) by position or by PaddleFormers' keyword; the call goes on as it was made
+            if args and first in kwargs:  # as Python's own call of PaddleFormers' method says it
+                raise TypeError(f"{auto.__name__}.{name}() got multiple values for argument '{first}'")
             path = args[0] if args else kwargs.get(first)
             if name == "from_config":
                 mine = getattr(path, "model_type", None) == MODEL_TYPE

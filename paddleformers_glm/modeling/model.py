@@ -51,7 +51,7 @@ from .moe import TopkRouter, frozen_training_forward
 from .mtp import MTPLayer, mtp_token_valid
 from .norms import RMSNorm
 from .packing import Packing, packed_sequences
-from .pretrained import GlmMoeDsaPreTrainedModel
+from .pretrained import GlmMoeDsaPreTrainedModel, dtype_name
 from .rope import RotaryEmbedding
 
 # the fields of transformers 5.23's causal-LM output, in its order (aux_loss: never set here)
@@ -696,8 +696,12 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
             stage = rank_spec(split_stages(L, topo.pp_size, has_mtp=D > 0), topo.pp_size, topo.stage)
         stage = stage or StageSpec.whole(L, D > 0)
         mtp_ids = list(range(L, L + D)) if stage.has_mtp else []
-        cpu_bf16.check_model_dtype(str(dtype).replace("paddle.", ""))
-        if str(dtype).replace("paddle.", "") == "bfloat16":
+        name = dtype_name(dtype)  # a Paddle / numpy dtype or a name ("bf16"): kept as the name the forward compares
+        if name is None:
+            raise ValueError(f"GlmMoeDsaForCausalLM: dtype {dtype!r} is not a model dtype (float32, bfloat16, ...)")
+        dtype = name
+        cpu_bf16.check_model_dtype(dtype)
+        if dtype == "bfloat16":
             cpu_bf16.install()  # a CPU-only Paddle build gets the bf16 kernels it lacks; no-op elsewhere
         with default_dtype(dtype):
             super().__init__()

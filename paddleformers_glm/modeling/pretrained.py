@@ -301,7 +301,7 @@ def _output_takes_gradient(layer: nn.Layer, inputs: Any, output: paddle.Tensor) 
     output.stop_gradient = False
 
 
-def _dtype_name(value: Any) -> str | None:
+def dtype_name(value: Any) -> str | None:
     """The model dtype ``value`` names (a Paddle / numpy dtype or a name such as "bfloat16"), else None
     (a device: "cpu", "gpu:0", a place)."""
     from ..checkpoint.loader import normalize_dtype
@@ -663,7 +663,7 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         is the dtype."""
         from ..checkpoint.loader import normalize_dtype
 
-        if dtype is None and _dtype_name(device) is not None:
+        if dtype is None and dtype_name(device) is not None:
             device, dtype = None, device
         if dtype is None:
             super().to(device=device, blocking=blocking)

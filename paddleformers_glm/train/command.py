@@ -374,7 +374,7 @@ def check_inputs_before_launch(cfg: TrainConfig, args: argparse.Namespace, vocab
         given = "; ".join(f"{f} {p}" for f, p in named) or "--data synthetic"
         raise ValueError(
             f"--data-dtype {cfg.data_dtype} is the token width of a .bin file, and this run reads none ({given}): "
-            ".npy and .npz record their dtype, .jsonl holds numbers; leave --data-dtype out"
+            ".npy and .npz record their dtype, a .jsonl holds numbers or text; leave --data-dtype out"
         )
     tok = None
     if args.tokenizer:  # read even when no text data needs it: the export ships it
