@@ -172,6 +172,38 @@ def test_chunks_stay_within_the_byte_budget_at_any_width_and_length():
             assert indexer.chunk_rows(S, S) * 32 * S * 4 <= budget
 
 
+def test_sparse_stage_recall_scores_within_the_byte_budget(monkeypatch):
+    """The sparse stage's recall scores each query's dense attention (it attends over the top-k
+    only): [B, rows, heads, keys] fp32 per chunk of queries.  Its chunks were ``attention_chunk_size``
+    rows (1024) at any length, B x 1024 x H x S x 4 bytes (measured exactly: 4 MiB at S 512 with 4
+    heads; at the official 16 heads per TP4 rank, 0.25 GiB at 4K tokens and 8 GiB at 128K, several
+    alive per chunk), past the budget every other chunked path keeps.  They are now within
+    `CHUNK_BYTES` down to 16 rows, and the recall is the same whatever the chunks."""
+    S = 256
+    ids = tokens(1, S, seed=2)
+    spied, seen, recalls = paddle.nn.functional.softmax, [], []
+
+    def spy(x, *a, **k):
+        seen.append(x.shape)
+        return spied(x, *a, **k)
+
+    for budget in (attn.CHUNK_BYTES, 16 * 4 * S * 4):  # the default; 16 rows of 4 heads over 256 keys
+        monkeypatch.setattr(attn, "CHUNK_BYTES", budget)
+        model = tiny_model(seed=1)
+        model.set_indexer_training("sparse", loss_coeff=0.01)
+        model.train()
+        H = model.config.num_attention_heads
+        seen.clear()
+        with monkeypatch.context() as m:
+            m.setattr(paddle.nn.functional, "softmax", spy)
+            out = model(ids, labels=ids)
+        recall_rows = [sh[1] for sh in seen if len(sh) == 4 and list(sh[2:]) == [H, S]]  # [B, rows, H, keys]
+        assert recall_rows and max(recall_rows) * H * S * 4 <= max(budget, 16 * H * S * 4), (budget, recall_rows)
+        recalls.append(float(out.indexer_recall))
+    assert max(recall_rows) == 16
+    assert recalls[0] == pytest.approx(recalls[1], abs=1e-6)
+
+
 def test_moe_grouped_equals_loop():
     cfg = tiny_config()
     rng = np.random.default_rng(2)

@@ -39,6 +39,7 @@ from .attention_forms import (
     choose_form,
     dense_head_attention,
     dense_masked_attention,
+    dense_score_rows,
     fold_pays,
     latent_decode_attention,
     sparse_attention,
@@ -230,7 +231,9 @@ class MLAttention(nn.Layer):
                 "x": x_full, "q_latent": q_latent_full, "cos": cos, "sin": sin, "key_padding": key_padding,
                 "positions": positions if cp else None, "all_keys": self._all_keys if cp else None,
                 "total": (lambda n: comm.all_reduce(n.detach(), self.cp_group)) if cp else None,
-                "chunk": core.chunk_size, "query_valid": query_validity(key_padding, positions),
+                # the recall's dense [B, rows, H, T] scores per chunk of queries (the sparse stage)
+                "chunk": dense_score_rows(S, core.chunk_size, self.num_heads, S * self.cp),
+                "query_valid": query_validity(key_padding, positions),
             }  # fmt: skip
         return out, topk, rec
 

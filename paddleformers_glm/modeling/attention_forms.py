@@ -45,6 +45,15 @@ DENSE_MAX_SCORES = 1 << 20
 # (down to one query row): below glibc's mmap threshold, so chunk buffers are reused rather than
 # page-faulted in afresh.
 CHUNK_BYTES = 8 << 20
+
+
+def dense_score_rows(seq_len: int, chunk_size: int, heads: int, keys: int) -> int:
+    """Query rows per chunk of a dense [rows, heads, keys] fp32 score pass (the indexer's dense KL,
+    the sparse stage's recall): within `CHUNK_BYTES`, but never fewer than 16 rows (one matmul per
+    row would cost more than the memory saved), nor more than `chunk_size` or the sequence."""
+    return max(1, min(seq_len, chunk_size, max(16, CHUNK_BYTES // 4 // max(heads * keys, 1))))
+
+
 # The per-head dense form's tiles aim at this many query rows before they take more than one head:
 # each tile re-reads its heads' key and value prefix (and its backward re-writes their gradients),
 # so that traffic falls with the rows per tile, while the GEMMs gain nothing from more heads.
