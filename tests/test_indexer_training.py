@@ -4,7 +4,11 @@
   key), freezes every parameter but the indexers that run (the MTP layer's, unused under top-k
   sharing, stays frozen; the planner's gradient / optimizer bytes equal the run's measured ones), its
   frozen layers' routers still count their load, and its dense KL is KL(target || softmax(index
-  scores)) over every visible key, computed here independently in numpy;
+  scores)) over every visible key, computed here independently in numpy, in one chunk of queries
+  and in several;
+* with shared supervision every full layer's target (the mean of its group's attention), KL and
+  recall equal numpy from the definitions, in both stages; no KL or recall depends on the query
+  chunk size;
 * the sparse stage's KL reaches no backbone weight (the backbone's gradients of LM + c x KL are those
   of LM alone, bit for bit);
 * the top-k recall is 1 where the top-k covers every key, and the first full layer's recall is the
@@ -12,7 +16,9 @@
 * right padding changes neither the KL, the recall nor the indexer gradients (padding queries, which
   see the real keys before them, do not count);
 * the loss scaling over micro-batches: the step's indexer loss is the mean over the micro-batches of
-  the model's own indexer loss, the same for micro-batch sizes 1, 2 and 4;
+  the model's own indexer loss, the same for micro-batch sizes 1, 2 and 4; loss.json's ``indexer``
+  block holds the model's per-layer KL and recall, its mean recall and the step line's agree;
+* the warm-up refuses the balance loss, shared supervision refuses the stage ``none``;
 * a run resumes in the next stage (warm-up -> sparse and back): weights whole, the indexers'
   moments carried, the backbone's fresh, the learning-rate schedule restarted;
 * on a backbone with peaked attention (a stand-in for a trained one) under a random indexer, a
@@ -63,10 +69,15 @@ def _np_log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def test_dense_kl_is_the_kl_over_every_visible_key():
+@pytest.mark.parametrize("chunk", [1024, 5])
+def test_dense_kl_is_the_kl_over_every_visible_key(chunk):
     """``dense_kl_loss`` against numpy: index scores from the indexer's projections, causal and
-    padding mask, KL(target || softmax(scores)) per query, mean over queries that see a key."""
-    model = tiny_model(seed=4)
+    padding mask, KL(target || softmax(scores)) per query, mean over queries that see a key; the
+    same in one chunk of queries (1024) and in chunks of 5 rows (``attention_chunk_size``: the
+    definition is per query, the chunking an implementation detail).  Every chunk reading chunk 0's
+    target rows would make the warm-up KL 1.40 at chunk 8 where one chunk gives 0.253, which one
+    chunk (seq <= 32, chunk 1024, the rest of the suite) cannot show."""
+    model = tiny_model(seed=4, attention_chunk_size=chunk)
     idx = model.model.layers[0].self_attn.core_attention.indexer
     cfg = model.config
     B, S = 2, 24
@@ -182,6 +193,95 @@ def test_shared_supervision_averages_the_layers_reusing_a_top_k():
         assert abs(out[True][f"indexer_kl@{i}"] - out[False][f"indexer_kl@{i}"]) > 1e-6
 
 
+def _np_kl_mean(scores: np.ndarray, p: np.ndarray, valid: np.ndarray) -> float:
+    """Mean over the queries that see a key of KL(p || softmax(scores over the valid keys))."""
+    log_q = _np_log_softmax(np.where(valid, scores, -1e30))
+    kl = np.where(valid, p * (np.log(np.maximum(p, 1e-30)) - log_q), 0.0).sum(-1)
+    rows = valid.any(-1)
+    return float((kl * rows).sum() / rows.sum())
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_shared_supervision_target_kl_and_recall_follow_their_definition(stage):
+    """docs/indexer.md, shared-layer supervision: a full layer's target is the MEAN of its own and of
+    every shared layer's (reusing its top-k) normalised head-summed attention; its KL is KL(target ||
+    softmax(index scores)) over every visible key (warm-up) or the selected keys (sparse stage); its
+    recall is the share of the layers' dense attention mass (the warm-up target) on the selected keys.
+    Computed here in numpy from each layer's recorded attention (the inputs of the supervision: the
+    head-mean probabilities, checked to be L1-normalised) and index scores from the indexer's
+    projections, for every full layer (0 and 1 alone, 2 with 3, 4, 5, 6 with 7 and the MTP layer).
+    A *change* of layers 2 and 6 (the test above) does not pin them: the SUM of the layers'
+    attention as the target would make layer 2's warm-up KL 6.11 where the definition gives 0.141
+    (recall 2.34, above 1); the warm-up recall taken from the full layer's own attention rather than
+    the target, layer 2's recall 0.5778 where the definition gives 0.5852."""
+    from paddleformers_glm.modeling.indexer_stages import IndexerTraining
+
+    ids = tokens(2, SEQ, seed=3)
+    model = tiny_model(seed=8)
+    model.set_indexer_training(IndexerTraining(stage, shared_supervision=True))
+    model.train()
+    kept = []
+    end = model.model.end_forward
+    model.model.end_forward = lambda recs: (kept.extend(recs), end(recs))[1]
+    losses = model.forward_stage(None, {"input_ids": ids, "labels": ids}).losses
+    got = {k: float(v.sum) for k, v in losses.items() if "@" in k}
+    groups: list[tuple[int, list]] = []
+    for layer, rec in kept:  # a full layer, then the shared layers reusing its top-k
+        if rec.indexer is not None:
+            groups.append((layer, [rec]))
+        else:
+            groups[-1][1].append(rec)
+    assert [(g, len(m)) for g, m in groups] == [(0, 1), (1, 1), (2, 4), (6, 3)]
+    causal = np.tril(np.ones((SEQ, SEQ), bool))[None]
+    for layer, members in groups:
+        full, inp = members[0], members[0].inputs
+        with paddle.no_grad():
+            proj = full.indexer.project(inp["x"], inp["q_latent"], inp["cos"], inp["sin"])
+        q, k, w = (t.numpy().astype(np.float64) for t in proj)
+        s = np.maximum(np.einsum("bshd,btd->bsht", q, k) * full.indexer.softmax_scale, 0.0)
+        scores = np.einsum("bsh,bsht->bst", w, s)  # [B, S, T]
+        topk = full.topk.numpy()
+        sel = topk >= 0
+        probs = [m.probs.numpy().astype(np.float64) for m in members]
+        for p in probs:  # each layer's attention: head-summed, L1-normalised over its keys
+            assert np.abs(p.sum(-1) - 1.0).max() <= 1e-5
+        target = sum(probs) / len(probs)
+        if stage == "warmup":  # every causal key, slot = key
+            want_kl = _np_kl_mean(scores, target, np.broadcast_to(causal, target.shape))
+            dense = target
+        else:  # the selected keys' slots
+            sel_scores = np.take_along_axis(scores, np.where(sel, topk, 0), -1)
+            want_kl = _np_kl_mean(sel_scores, target, sel)
+            dense = sum(m.dense(0, SEQ).numpy().astype(np.float64) for m in members) / len(members)
+        mass = np.where(sel, np.take_along_axis(dense, np.where(sel, topk, 0), -1), 0.0).sum(-1)
+        want_recall = float(mass[sel.any(-1)].mean())
+        assert abs(got[f"indexer_kl@{layer}"] - want_kl) <= 1e-5 * want_kl, (stage, layer, got, want_kl)
+        assert abs(got[f"indexer_recall@{layer}"] - want_recall) <= 1e-5, (stage, layer, got, want_recall)
+        assert 0.3 < want_recall < 0.99  # the tiny top-k (8 of 32) drops keys
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_indexer_kl_and_recall_do_not_depend_on_the_query_chunk_size(stage):
+    """docs/indexer.md defines the KL and the recall per query, over every query: scoring them chunk
+    by chunk of queries (``attention_chunk_size``, 1024 by default) must not change them.  Every
+    layer's KL and recall at chunks of 8 and 5 rows (4 and 7 chunks of a 32-token sequence, the last
+    one short) equal one chunk's.  The rest of the suite runs one chunk only (seq <= 32), which cannot
+    show a chunk offset: every recall chunk reading chunk 0's top-k would make the sparse stage's
+    recall of layer 0 0.426 at chunk 8 against 0.594; every dense-KL chunk reading chunk 0's target
+    rows, the warm-up KL of layer 0 1.399 at chunk 8 against 0.253."""
+    batch = {"input_ids": tokens(2, SEQ, seed=9), "labels": tokens(2, SEQ, seed=9)}
+    got = {}
+    for chunk in (1024, 8, 5):
+        model = tiny_model(seed=6, attention_chunk_size=chunk)
+        model.set_indexer_training(stage)
+        model.train()
+        got[chunk] = {k: float(v.sum) for k, v in model.forward_stage(None, batch).losses.items() if "@" in k}
+    assert len(got[1024]) == 8  # the KL and recall of layers 0, 1, 2 and 6
+    for chunk in (8, 5):
+        for k, want in got[1024].items():  # rounding only: the chunks' sums run in another order
+            assert abs(got[chunk][k] - want) <= 1e-5 * max(1.0, abs(want)), (stage, chunk, k, got[chunk][k], want)
+
+
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
 def test_right_padding_changes_neither_the_indexer_loss_nor_its_gradient(stage):
     """A right-padded query sees the real keys before it, but it is no token of the data: the KL and
@@ -230,22 +330,80 @@ def test_stage_flags_are_checked_before_training(tiny_ckpt, tmp_path, capsys):
     assert "--indexer-shared-supervision" in err and "starts on shared layer 4" in err and "'2,6'" in err
 
 
-def test_indexer_loss_is_the_mean_of_micro_batch_means_for_any_micro_batch_size(tiny_ckpt, tmp_path):
+def test_warmup_refuses_the_balance_loss_and_shared_supervision_needs_a_stage(tiny_ckpt, tmp_path, capsys):
+    """docs/indexer.md: ``warmup`` refuses ``--indexer-loss-coeff``, ``--moe-bias-update-rate`` and
+    ``--moe-aux-loss-coeff`` (nothing but the indexers may change), and shared-layer supervision
+    shapes the target of an indexer stage (warmup or sparse): with ``--indexer-stage none`` there is
+    no indexer loss for it to change.  Both are refused before training (exit 2), and the model API's
+    ``IndexerTraining("none", shared_supervision=True)`` too.  Unchecked before: without the
+    ``--moe-aux-loss-coeff`` condition the warm-up trained with a balance loss (exit 0), and without
+    the stage check ``--indexer-stage none --indexer-shared-supervision`` trained, the flag ignored."""
+    from paddleformers_glm.modeling.indexer_stages import IndexerTraining
+    from paddleformers_glm.train.command import main as train_main
+
+    base = ["--model", str(tiny_ckpt), "--out", str(tmp_path), "--steps", "1", "--global-batch-size", "2"]
+    assert train_main([*base, "--indexer-stage", "warmup", "--moe-aux-loss-coeff", "0.01"]) == 2
+    assert "--moe-aux-loss-coeff must be 0" in capsys.readouterr().err
+    assert train_main([*base, "--indexer-stage", "none", "--indexer-shared-supervision"]) == 2
+    assert "shared-layer supervision needs an indexer stage" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs an indexer stage"):
+        IndexerTraining("none", shared_supervision=True)
+    for stage in ("warmup", "sparse"):  # what the flag is for
+        assert IndexerTraining(stage, shared_supervision=True).shared_supervision
+    assert not (tmp_path / "loss.json").exists()
+
+
+def test_indexer_loss_is_the_mean_of_micro_batch_means_for_any_micro_batch_size(tiny_ckpt, tmp_path, capsys):
     """L = 1/M sum_m KL_m (docs/indexer.md): step 1's indexer loss is the mean over the micro-batches
     of the model's own indexer loss (no padding: every micro-batch has as many queries, so the
     micro-batch size does not change it), and so are its gradients (the grad norm).  The tiny
     checkpoint's KL is small (about 3e-4: a sum of terms that cancel), so fp32 rounding of a
-    different batching reaches 1e-5 of it; a wrong scaling is off by a factor of 2 or more."""
+    different batching reaches 1e-5 of it; a wrong scaling is off by a factor of 2 or more.
+
+    loss.json's ``indexer`` block (docs/indexer.md, "What a run shows"), as written to disk: step 1's
+    ``kl`` and ``recall`` rows are the model's per-layer KL and recall over the same sequences;
+    ``mean_recall`` is the mean of each step's ``recall`` row and the step line's ``recall``;
+    ``indexer_losses`` the sum of each step's ``kl`` row (the objective sums the layers, weight 1);
+    the per-layer report keys (``indexer_kl@l``, ``indexer_recall@l``) appear there only, not as
+    flat keys.  Each is checked: ``mean_recall`` as the max over the layers (0.58512 for a mean of
+    0.58509), the ``recall`` matrix holding the KLs (``mean_recall`` 8e-5 where the step line says
+    0.5851), 8 flat per-layer keys left in loss.json would each fail here."""
+    import re
+
     from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
     from paddleformers_glm.train.data import open_data
 
-    runs = {m: _train(tiny_ckpt, tmp_path / f"mbs{m}", indexer_stage="warmup", micro_batch_size=m) for m in (1, 2, 4)}
+    runs, line_recall = {}, {}
+    for m in (1, 2, 4):
+        capsys.readouterr()
+        runs[m] = _train(tiny_ckpt, tmp_path / f"mbs{m}", indexer_stage="warmup", micro_batch_size=m)
+        line_recall[m] = [float(x) for x in re.findall(r"indexer kl \S+ recall (\S+)", capsys.readouterr().out)]
     model = GlmMoeDsaForCausalLM.from_pretrained(str(tiny_ckpt), dtype="float32")
     model.set_indexer_training("warmup")
     model.train()
     batch = open_data(None, SEQ, model.config.vocab_size, 1234).global_batch(0, 4)
     per_seq = [float(model(paddle.to_tensor(batch["input_ids"][i : i + 1])).indexer_loss) for i in range(4)]
     want = sum(per_seq) / 4
+    per_layer = []  # [sequence] -> {"indexer_kl@l" / "indexer_recall@l": value}
+    for i in range(4):
+        ids = paddle.to_tensor(batch["input_ids"][i : i + 1])
+        out = model.forward_stage(None, {"input_ids": ids, "labels": ids}).losses
+        per_layer.append({k: float(v.sum) for k, v in out.items() if "@" in k})
+    want_kl = [sum(p[f"indexer_kl@{i}"] for p in per_layer) / 4 for i in (0, 1, 2, 6)]
+    want_recall = [sum(p[f"indexer_recall@{i}"] for p in per_layer) / 4 for i in (0, 1, 2, 6)]
+    for m in (1, 2, 4):
+        doc = json.loads((tmp_path / f"mbs{m}" / "loss.json").read_text())
+        blk = doc["indexer"]
+        assert not [k for k in doc if "@" in k], sorted(doc)
+        assert blk["layers"] == [0, 1, 2, 6] and len(blk["recall"]) == len(blk["kl"]) == 2
+        assert np.abs(np.subtract(blk["recall"][0], want_recall)).max() <= 1e-5, (m, blk["recall"][0], want_recall)
+        assert np.abs(np.subtract(blk["kl"][0], want_kl)).max() <= 1e-3 * sum(want_kl), (m, blk["kl"][0], want_kl)
+        for s in range(2):
+            assert all(0.3 < r < 0.99 for r in blk["recall"][s])
+            assert math.isclose(blk["mean_recall"][s], sum(blk["recall"][s]) / 4, rel_tol=1e-12), (m, s, blk)
+            assert math.isclose(doc["indexer_losses"][s], sum(blk["kl"][s]), rel_tol=1e-6), (m, s, blk)
+        assert len(line_recall[m]) == 2, line_recall  # the step line rounds to 4 decimals
+        assert all(abs(a - b) <= 5.1e-5 for a, b in zip(line_recall[m], blk["mean_recall"])), (m, line_recall, blk)
     for m, r in runs.items():
         assert abs(r["indexer_losses"][0] - want) <= 1e-4 * want, (m, r["indexer_losses"][0], want)
     for key in ("indexer_losses", "grad_norms"):
