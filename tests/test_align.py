@@ -806,5 +806,5 @@ def test_align_outputs_it_cannot_compare_are_unusable_exit_2(tiny_ckpt, tmp_path
     doc["losses"][3], doc["nonfinite"] = None, ["losses[3]"]
     (root / "paddle" / "loss.json").write_text(json.dumps(doc))
     assert cli_main(args) == 2
-    assert "losses[3] is None" in capsys.readouterr().err
+    assert "losses[3] is non-finite: the run computed NaN or Inf at step 3" in capsys.readouterr().err
     assert json.loads((root / "receipt" / "verdict.json").read_text())["exit_code"] == 2

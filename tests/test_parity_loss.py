@@ -266,7 +266,7 @@ def test_evaluations_pair_by_training_step_not_position(tmp_path, capsys):
     off = run("off.json", [(0, 5.0), (2, 4.5), (3, 4.2), (4, 4.1), (6, 3.5), (7, 3.4)])
     code, r, text = _check(tmp_path, capsys, full, off, "--curve", "eval.losses", "--atol", "0.05")
     assert code == 1 and r["first_divergent_eval_step"] == 4 and r["first_divergent_step"] == 2
-    assert "jump at the evaluation of step 4: |diff| 0.1" in text.out
+    assert "the curves first differ at the evaluation of step 4: |diff| 0.1 (equal before it)" in text.out
     assert "first_divergent_eval_step=4" in text.out and "first_divergent_step=" not in text.out
     # a run that stopped evaluating earlier is not as long as the other
     short = run("short.json", [(0, 5.0), (2, 4.5), (4, 4.0)])
@@ -304,3 +304,108 @@ def test_a_failed_comparison_names_differing_cpu_math_settings(tmp_path, capsys,
     same = _loss(tmp_path, "same.json", None, json.dumps(dict(other, cpu_math=run["cpu_math"])))
     code, r, _ = _check(tmp_path, capsys, out / "loss.json", same, "--bit-exact")
     assert code == 1 and "cpu_math_differs" not in r  # the settings are equal: not the cause
+
+
+def test_a_first_difference_is_not_called_a_flip_and_a_jump_names_both_causes(tmp_path, capsys):
+    """check-loss has no top-k margins, so it cannot tell a near-tie flip from a real difference
+    (docs/parity.md: glm52 align names the reference's margins at each jump).  A constant offset from
+    step 0 (a loss normalised differently) is the curves' first difference, with nothing before it to
+    leap from: it is said as such, not as a routing flip; a leap after rounding growth names both
+    causes.  The jump list of the receipt is kept as it was."""
+    base = [2.0, 1.9, 1.8, 1.7, 1.6]
+    a = _loss(tmp_path, "a.json", base)
+    offset = _loss(tmp_path, "offset.json", [v + 0.5 for v in base])
+    code, r, text = _check(tmp_path, capsys, a, offset, "--atol", "1e-3")
+    assert code == 1 and [j["step"] for j in r["jumps"]] == [0], r["jumps"]
+    assert "check-loss: the curves first differ at step 0: |diff| 0.5 (equal before it)" in text.out
+    assert "flip" not in text.out and "jump" not in text.out
+    leap = _loss(tmp_path, "leap.json", [2.0, 1.9 + 1e-6, 1.8 + 2e-6, 1.7 + 1e-3, 1.6 + 1e-3])
+    code, r, text = _check(tmp_path, capsys, a, leap, "--atol", "1e-5")
+    assert code == 1 and [j["step"] for j in r["jumps"]] == [3], r["jumps"]  # 1e-6, 2e-6: below the floor
+    assert "first differ" not in text.out
+    assert "jump at step 3: |diff| 0.001 after at most 2e-06 before: a leap, not steady rounding growth" in text.out
+    assert "or a real difference; glm52 align names the reference's top-k margins" in text.out
+
+
+def test_a_run_that_stopped_short_is_named_with_both_lengths(tmp_path, capsys):
+    """A curve shorter than the other fails (``length_match`` false); the line says which run is
+    short and by how much, and that ``--steps`` compares the steps both did (the receipt had
+    ``len_a`` / ``len_b``, the printed line neither)."""
+    a, b = _loss(tmp_path, "a.json", [2.0, 1.9, 1.8, 1.7]), _loss(tmp_path, "b.json", [2.0, 1.9])
+    code, r, text = _check(tmp_path, capsys, a, b)
+    assert code == 1 and (r["len_a"], r["len_b"]) == (4, 2)
+    assert f"check-loss: a ({a}) has 4 losses, b ({b}) 2: b stopped short or ran fewer steps; --steps 2 " in text.out
+    code, r, text = _check(tmp_path, capsys, a, b, "--steps", "3")
+    assert code == 1 and f"a ({a}) has 4 losses, b ({b}) 2: --steps 3 needs that many on both" in text.out
+    code, r, text = _check(tmp_path, capsys, a, b, "--steps", "2")
+    assert code == 0 and "losses, b" not in text.out
+
+
+def test_a_loss_the_run_computed_as_nan_is_named_as_such(tmp_path, capsys):
+    """glm52 train and the reference trainer write a NaN / Inf loss as null and list it under
+    ``nonfinite`` (``_io.dumps_json``).  It was refused as "losses[3] is None (NoneType), expected a
+    number", an input error; it is the run's own NaN at step 3, said so, with the steps before it
+    comparable: ``--steps 3`` compares them (the curve ends before the NaN, in a warning)."""
+    good = _loss(tmp_path, "good.json", [2.0, 1.9, 1.8, 1.7, 1.6])
+    raw = json.dumps({"losses": [2.0, 1.9, 1.8, None, None], "nonfinite": ["losses[3]", "losses[4]"]})
+    nan = _loss(tmp_path, "nan.json", None, raw)
+    code, r, text = _check(tmp_path, capsys, good, nan)
+    assert code == 2 and r["result"] == "unusable input"
+    assert (
+        f"{nan}: losses[3] is non-finite: the run computed NaN or Inf at step 3 (written null, listed under "
+        "'nonfinite'); --steps 3 compares the steps before it"
+    ) in text.err
+    code, r, text = _check(tmp_path, capsys, good, nan, "--steps", "3")
+    assert code == 0 and r["steps_compared"] == 3 and r["len_b"] == 3, r
+    assert "losses[3] is non-finite (the run computed NaN or Inf at step 3): its curve ends before it" in text.err
+    unlisted = _loss(tmp_path, "unlisted.json", None, json.dumps({"losses": [2.0, None]}))  # a null not the run's
+    code, _, text = _check(tmp_path, capsys, good, unlisted, "--steps", "1")
+    assert code == 2 and "losses[1] is None (NoneType), expected a number" in text.err
+
+
+def test_two_evaluations_of_one_step_that_disagree_are_refused(tmp_path, capsys):
+    """An evaluation repeated at one step holds the same value (the same weights and data: the trainer
+    does not write two, docs/parallel.md, --eval-at-start); two that disagree come from other weights
+    or data (a merged or edited file), and which one to compare decides the verdict: refused by
+    file, record and step, not resolved silently by keeping the first."""
+
+    def run(name, evals):
+        records = [{"step": s, "losses": v} for s, v in evals]
+        return _loss(tmp_path, name, None, json.dumps({"losses": [1.0] * 4, "eval": records}))
+
+    a = run("a.json", [(0, 5.0), (2, 4.5)])
+    same = run("same.json", [(0, 5.0), (2, 4.5), (2, 4.5)])
+    code, _, _ = _check(tmp_path, capsys, a, same, "--curve", "eval.losses")
+    assert code == 0
+    other = run("other.json", [(0, 5.0), (2, 4.5), (2, 4.0)])
+    code, r, text = _check(tmp_path, capsys, a, other, "--curve", "eval.losses")
+    assert code == 2 and f"{other}: eval[2] evaluates step 2 again with losses 4.0, eval[1] gave 4.5" in text.err
+
+
+def test_a_difference_equal_to_atol_passes(tmp_path, capsys):
+    """The rule is ``|a - b| <= atol + rtol |b|`` (docs/parity.md, torch.allclose's): a difference of
+    exactly ``--atol`` agrees; one just above it does not."""
+    a, b = _loss(tmp_path, "a.json", [1.0, 2.0]), _loss(tmp_path, "b.json", [1.5, 2.0])
+    code, r, _ = _check(tmp_path, capsys, a, b, "--atol", "0.5")
+    assert code == 0 and r["max_diff"] == 0.5, r
+    code, _, _ = _check(tmp_path, capsys, a, b, "--atol", str(math.nextafter(0.5, 0.0)))
+    assert code == 1
+
+
+def test_a_failure_record_written_in_the_same_clock_tick_as_the_losses_is_the_runs(tmp_path, capsys):
+    """A run that stops on an error writes its losses, then ``logs/failure.json``: on a filesystem of
+    coarse timestamps both carry one mtime, and the record is the run's (only an older one is an
+    earlier run's, docs/parity.md): the warning is printed."""
+    import os
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    losses = _loss(run, "loss.json", [2.0, 1.9])
+    record = run / "logs" / "failure.json"
+    record.write_text(json.dumps({"message": "rank 1 died"}))
+    tick = os.stat(losses).st_mtime_ns
+    os.utime(record, ns=(tick, tick))
+    other = _loss(tmp_path, "other.json", [2.0, 1.9])
+    code, r, text = _check(tmp_path, capsys, losses, other)
+    assert code == 0 and r["a"]["failed_run"]["message"] == "rank 1 died", r["a"]
+    assert "is a failed run" in text.err

@@ -108,6 +108,22 @@ def register_check_loss(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _lengths(report: dict, args: argparse.Namespace) -> str:
+    """Which curve is shorter, by how much, and what that means for the verdict."""
+    la, lb = report["len_a"], report["len_b"]
+    line = f"a ({args.a}) has {la} losses, b ({args.b}) {lb}"
+    if "eval_steps" in report:  # evaluations: as long as each other = evaluated up to the same step
+        la, lb = (max(report["eval_steps"] + report["eval_steps_only_in"][s], default=-1) for s in ("a", "b"))
+        line = f"a ({args.a}) evaluated up to step {la}, b ({args.b}) up to step {lb}"
+    if report["steps_required"] is not None and not report["enough_steps"]:
+        return f"{line}: --steps {report['steps_required']} needs that many on both"
+    if la != lb:
+        short = "a" if la < lb else "b"
+        steps = "" if "eval_steps" in report else f"; --steps {min(la, lb)} compares the steps both did"
+        return f"{line}: {short} stopped short or ran fewer steps{steps}"
+    return line
+
+
 def _run_check_loss(args: argparse.Namespace) -> int:
     from .loss_check import check_losses
 
@@ -148,10 +164,16 @@ def _run_check_loss(args: argparse.Namespace) -> int:
         for side, steps in report.get("eval_steps_only_in", {}).items():
             if steps:
                 print(f"check-loss: evaluations at steps {steps} only in {side} ({getattr(args, side)}): not compared")
+        if not report["enough_steps"] or (not report["length_match"] and report["steps_required"] is None):
+            print(f"check-loss: {_lengths(report, args)}")
         for j in report.get("jumps", []):
             where = f"the evaluation of step {j['eval_step']}" if "eval_step" in j else f"step {j['step']}"
+            if j["previous_max_diff"] == 0:  # nothing to leap from: no rounding growth came before it
+                print(f"check-loss: the curves first differ at {where}: |diff| {j['diff']:.3g} (equal before it)")
+                continue
             print(
                 f"check-loss: jump at {where}: |diff| {j['diff']:.3g} after at most {j['previous_max_diff']:.3g} "
-                "before (a near-tie top-k or routing flip, not steady rounding growth)"
+                "before: a leap, not steady rounding growth (a near-tie top-k or routing flip, or a real difference; "
+                "glm52 align names the reference's top-k margins at each jump)"
             )
     return int(report["exit_code"])

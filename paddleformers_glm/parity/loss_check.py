@@ -11,12 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._io import read_json
+from .._io import NONFINITE_KEY, read_json
 from ..cli._plot import PLOT_EXTRA_HINT, pyplot, save_png
 from .ckpt_check import same_inputs, sha256_file, versions
 
 __all__ = [
     "LossFileError",
+    "NonFiniteLoss",
     "read_losses",
     "read_curve",
     "read_eval_points",
@@ -35,9 +36,19 @@ class LossFileError(ValueError):
     """A loss file that cannot be compared (not JSON, no ``losses``, a non-number, NaN/inf)."""
 
 
-def read_curve(path: str, key: str = "losses") -> list[float]:
+class NonFiniteLoss(LossFileError):
+    """A loss the run itself computed as NaN / Inf (``step``: its 0-based step), as its record says."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def read_curve(path: str, key: str = "losses", steps: int | None = None, notes: list[str] | None = None) -> list[float]:
     """The ``key`` list of a loss.json (``losses``, ``mtp_losses``, ...), finite numbers only;
-    ``eval.<name>``: that entry of each held-out evaluation's record (``eval.losses``)."""
+    ``eval.<name>``: that entry of each held-out evaluation's record (``eval.losses``).  A loss the
+    run computed as NaN / Inf (null, listed under the record's ``nonfinite``) is refused naming its
+    step, unless ``steps`` compares only steps before it: the curve then ends there, said in ``notes``."""
     if key.startswith("eval."):
         return list(read_eval_points(path, key).values())
     data = _read_record(path)
@@ -47,6 +58,21 @@ def read_curve(path: str, key: str = "losses") -> list[float]:
     losses = data[key]
     if not isinstance(losses, list):
         raise LossFileError(f"{path}: {key!r} must be a list, got {type(losses).__name__}")
+    listed = data.get(NONFINITE_KEY)
+    listed = set(listed) if isinstance(listed, list) and all(isinstance(x, str) for x in listed) else set()
+    for i, v in enumerate(losses):
+        if v is None and f"{key}[{i}]" in listed:  # glm52 train's (and the reference's) own record of it
+            if steps is not None and i >= steps:
+                if notes is not None:
+                    notes.append(f"{path}: {key}[{i}] is non-finite (the run computed NaN or Inf at step {i}): "
+                                 f"its curve ends before it, past the --steps {steps} compared")  # fmt: skip
+                losses = losses[:i]
+                break
+            raise NonFiniteLoss(
+                f"{path}: {key}[{i}] is non-finite: the run computed NaN or Inf at step {i} (written null, "
+                f"listed under {NONFINITE_KEY!r})",
+                i,
+            )
     return [_finite(v, path, f"{key}[{i}]") for i, v in enumerate(losses)]
 
 
@@ -74,7 +100,9 @@ def _finite(v: Any, path: str, where: str) -> float:
 
 def read_eval_points(path: str, key: str) -> dict[int, float]:
     """``eval.<name>``: the training step of each held-out evaluation -> its ``name`` entry, in the
-    file's order (a step evaluated twice keeps its first record: the same weights)."""
+    file's order (a step evaluated twice keeps its first record: the same weights and data give the
+    same value; two records of one step that disagree are refused, which one to compare is no choice
+    a checker can make)."""
     name = key.split(".", 1)[1]
     data = _read_record(path)
     records = data.get("eval") if isinstance(data, dict) else None
@@ -88,7 +116,14 @@ def read_eval_points(path: str, key: str) -> dict[int, float]:
         step = r.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise LossFileError(f"{path}: eval[{i}].step is {step!r}, expected the training step (an integer >= 0)")
-        out.setdefault(step, _finite(v, path, f"eval[{i}].{name}"))
+        value = _finite(v, path, f"eval[{i}].{name}")
+        if step in out and out[step] != value:
+            first = next(j for j, q in enumerate(records) if isinstance(q, dict) and q.get("step") == step)
+            raise LossFileError(
+                f"{path}: eval[{i}] evaluates step {step} again with {name} {value!r}, eval[{first}] gave "
+                f"{out[step]!r}: records of other weights or data (a merged or edited file?)"
+            )
+        out.setdefault(step, value)
     return out
 
 
@@ -189,8 +224,11 @@ def check_losses(
             if curve.startswith("eval."):
                 points[name] = read_eval_points(p, curve)
             else:
-                curves[name] = read_curve(p, curve)
+                curves[name] = read_curve(p, curve, steps, report["warnings"])
             report[name]["sha256"] = sha256_file(p)
+        except NonFiniteLoss as e:  # the steps before it compare
+            report["errors"].append(f"{e}; --steps {e.step} compares the steps before it" if e.step else str(e))
+            continue
         except LossFileError as e:
             report["errors"].append(str(e))
             continue
