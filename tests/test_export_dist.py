@@ -69,7 +69,8 @@ def test_a_failed_export_leaves_no_temporary_folder_and_a_killed_ones_is_swept(t
     their whole size.  A failed export left it (``.<name>.tmp-export``, measured after a full disk,
     a SIGTERM and 2 of 20 SIGKILLs), and only another distributed export removed it: its name held
     no pid, which a one-process save's sweep of killed saves' leftovers looks for.  Now a failure
-    removes it, and a killed export's (its process gone) goes with the next save to that target."""
+    removes it, and a killed export's (its process gone) goes with the next save to that target,
+    a one-process save or a distributed export."""
     import os
     import subprocess
     import sys
@@ -106,6 +107,11 @@ def test_a_failed_export_leaves_no_temporary_folder_and_a_killed_ones_is_swept(t
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)
     GlmMoeDsaForCausalLM.from_pretrained(str(out), dtype="float32").save_pretrained(str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not os.path.exists(stale)
+    # ... and by the next distributed export to it (what glm52 train --export runs)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1024)
+    export_distributed(stage, c, str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not os.path.exists(stale)
 
 
