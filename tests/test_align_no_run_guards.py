@@ -101,6 +101,11 @@ def _verdict(root: Path) -> dict:
     return json.loads((root / "receipt" / "verdict.json").read_text())
 
 
+def _failed(root: Path) -> list[str]:
+    """The receipt's comparisons that fail."""
+    return sorted(k for k, c in _verdict(root)["comparisons"].items() if not c["pass"])
+
+
 def test_runs_as_align_made_them_are_compared_and_the_receipt_keeps_each_runs_versions(tiny_model, tmp_path):
     """The receipt's ``versions`` are this command's environment; what each run recorded of its own
     (torch / transformers for the reference, paddle for the Paddle run) is kept beside them, so a
@@ -241,3 +246,105 @@ def test_runs_on_a_data_file_pass_given_relative_and_a_rewritten_row_is_refused(
     assert _align(tiny_model, root, "--data", "d.npy") == 2
     err = capsys.readouterr().err
     assert f"--data: the runs were given {data} (fingerprint" in err and "sha256" in err, err
+
+
+def _edit_record(root: Path, side: str, **fields) -> None:
+    """Set ``fields`` in ``root/side/loss.json``."""
+    doc = json.loads((root / side / "loss.json").read_text())
+    doc.update(fields)
+    (root / side / "loss.json").write_text(json.dumps(doc))
+
+
+def test_near_eps_weights_beyond_their_loose_tolerance_fail_and_the_output_names_them(tiny_model, tmp_path, capsys):
+    """docs/parity.md, "step-K weights": where the reference's bias-corrected sqrt(v) is below 1e-7 a
+    weight is held to 2 x (lr_1 + ... + lr_K), a looser bound, not an exemption. Step-1 weights 1e-3
+    apart at every element, all of them near eps (loose tolerance 2 x lr_1 = 2e-5): the comparison
+    fails (exit 1), though the other elements' worst difference, 0, is within the step-1 tolerance
+    1e-6. A receipt or output that read "aligned" here would pass a weight difference 1000 x the step-1
+    tolerance, and a FAIL line stating only "worst 0 ... tolerance 1e-06" would not say what failed:
+    the line and ``first_difference`` name the near-eps elements' largest difference, their
+    tolerance, their count and the tensor. Elements near eps within that tolerance still pass."""
+    from safetensors.numpy import save_file
+
+    root = _runs(tmp_path / "r", tiny_model)
+    weights = np.abs(np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)) + 1.0  # as _runs dumps
+    tiny_moment = {"a.weight": np.full((4, 3), 1e-17, np.float32), "b.bias": np.full(3, 2.0, np.float32)}
+    for side in ("reference", "paddle"):  # the same second moment on both sides: only the weights differ
+        save_file(tiny_moment, str(root / side / "dump_step1" / "exp_avg_sq" / "model.safetensors"))
+    paddle_weights = root / "paddle" / "dump_step1" / "weights" / "model.safetensors"
+    save_file({"a.weight": weights + np.float32(1e-3), "b.bias": np.full(3, 2.0, np.float32)}, str(paddle_weights))
+    capsys.readouterr()
+    assert _align(tiny_model, root) == 1
+    out = capsys.readouterr().out
+    v = _verdict(root)
+    c = v["comparisons"]["step1_weights"]
+    assert _failed(root) == ["step1_weights"] and v["result"] == "not aligned"
+    assert c["worst"]["value"] == 0.0  # the other elements: none
+    near = c["near_eps"]
+    assert (near["elements"], near["beyond_tolerance"], near["key"], near["pass"]) == (12, 12, "a.weight", False)
+    assert near["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3) and near["tolerance"] == pytest.approx(2e-5)
+    line = next(x for x in out.splitlines() if "step1_weights:" in x)
+    assert line.startswith("[glm52 align] FAIL step1_weights: near-eps elements: max |diff| 0.001 (a.weight)"), line
+    assert "beyond their tolerance 2e-05, 12 of 12 elements" in line, line
+    first = v["first_difference"]
+    assert (first["comparison"], first["step"], first["tensor"], first["near_eps_only"]) == (
+        "step1_weights",
+        1,
+        "a.weight",
+        True,
+    )
+    assert first["near_eps"]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3) and first["near_eps"]["elements"] == 12
+    assert (
+        "first dump difference after update 1: step1_weights a.weight near-eps elements max |diff| 0.001 "
+        "(tolerance 2e-05, 12 of 12 elements beyond it)" in out
+    ), out
+    # the same elements 1e-5 apart: within their loose tolerance
+    save_file({"a.weight": weights + np.float32(1e-5), "b.bias": np.full(3, 2.0, np.float32)}, str(paddle_weights))
+    assert _align(tiny_model, root) == 0, capsys.readouterr().out
+    assert _verdict(root)["comparisons"]["step1_weights"]["near_eps"]["pass"] is True
+
+
+def test_one_layers_indexer_kl_beyond_the_loss_tolerance_fails_though_the_mean_recall_agrees(
+    tiny_model, tmp_path, capsys
+):
+    """The indexer comparison of glm52 align (``indexer_recall`` in the receipt; docs/indexer.md,
+    "Against the torch reference") holds the mean top-k recall as a curve and, per layer, the largest
+    |difference| of its recall and of its KL over the run, each within ``--loss-atol``. Here
+    layer 1's KL is 0.05 apart at step 2 (``--loss-atol`` 1e-4) while every recall, and so the mean
+    recall curve, agrees: the comparison fails (exit 1) and says which layer and measure. A rule that
+    looked at the mean recall alone would pass an indexer whose KL target differs between the runs."""
+    from paddleformers_glm.parity.align import compare_indexer
+
+    root = _runs(tmp_path / "r", tiny_model)
+    recall, kl = [[0.5, 0.5]] * 3, [[0.1, 0.1]] * 3
+    block = {"stage": "sparse", "loss_weight": 0.5, "layers": [0, 1], "mean_recall": [0.5] * 3, "recall": recall}
+    ref = dict(block, kl=kl)
+    pd = dict(block, kl=[[0.1, 0.1], [0.1, 0.15], [0.1, 0.1]], shared_supervision=False)
+    _edit_record(root, "reference", indexer=ref, indexer_loss_coeff=0.5)
+    _edit_record(root, "paddle", indexer=pd)
+    assert _align(tiny_model, root, "--indexer-stage", "sparse", "--indexer-loss-coeff", "0.5") == 1
+    out = capsys.readouterr().out
+    c = _verdict(root)["comparisons"]["indexer_recall"]
+    assert _failed(root) == ["indexer_recall"] and c["consistent_steps"] == 3  # the mean recall curve agrees
+    assert c["per_layer"]["1"]["kl_max_diff"] == pytest.approx(0.05) and c["per_layer"]["0"]["kl_max_diff"] == 0
+    assert "FAIL indexer_recall: consistent_steps 3/3" in out and "layer 1: kl max |diff| 0.05 beyond 0.0001" in out
+    assert compare_indexer({"indexer": ref}, {"indexer": pd}, 3, 0.06)["pass"]  # within a wider tolerance
+
+
+def test_idle_experts_recorded_for_fewer_steps_on_one_side_fail(tiny_model, tmp_path, capsys):
+    """docs/parity.md, "idle experts": per step, MoE layer -> the experts no token reached, identical on
+    both sides. The Paddle run's record holds 2 of the 3 steps, the reference's all 3, equal where
+    both have a step: the comparison fails (exit 1) and says how many steps each recorded. Comparing
+    only the common steps would pass a run that lost a step's routing record, whatever it routed there."""
+    root = _runs(tmp_path / "r", tiny_model)
+    idle = [{"3": [1]}, {"3": [2]}, {}]
+    _edit_record(root, "reference", expert_load={"idle_experts": idle})
+    _edit_record(root, "paddle", expert_load={"idle_experts": idle[:2]})
+    assert _align(tiny_model, root) == 1
+    out = capsys.readouterr().out
+    c = _verdict(root)["comparisons"]["idle_experts"]
+    assert _failed(root) == ["idle_experts"]
+    assert (c["pass"], c["length_match"], c["first_mismatch_step"]) == (False, False, None)
+    line = next(x for x in out.splitlines() if "idle_experts:" in x)
+    assert line.startswith("[glm52 align] FAIL idle_experts:") and "equal over their common steps" in line, line
+    assert "the reference recorded idle experts for 3 steps, the paddle run for 2" in line, line

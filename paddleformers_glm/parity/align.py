@@ -116,8 +116,11 @@ def compare_dumps(
     ``near_eps = (reference exp_avg_sq dump, 1 - beta2**K, loose atol)`` (weights after update K):
     an element whose bias-corrected ``0 < sqrt(v) < NEAR_EPS_SQRT_V`` is held to the loose tolerance,
     since there Adam divides the gradient's rounding by a number near eps (docs/parity.md); their
-    count and largest difference are reported.  ``loose_rel = (name part, tolerance)``: the relative
-    tolerance of the tensors whose name contains the part (INDEXER_REL_TOL).
+    count and largest difference are reported (``near_eps``: over the dump, with ``beyond_tolerance``,
+    how many are beyond the loose tolerance, and ``pass``; per tensor in its entry), and a tensor
+    whose near-eps elements are beyond it fails though its other elements are within tolerance (its
+    entry's ``near_eps_ok`` false, ``tolerance_ok`` true).  ``loose_rel = (name part, tolerance)``:
+    the relative tolerance of the tensors whose name contains the part (INDEXER_REL_TOL).
     """
     import numpy as np
 
@@ -127,6 +130,7 @@ def compare_dumps(
     worst: dict[str, Any] = {"key": None, "value": 0.0, "ratio": 0.0}
     bad, max_abs = [], 0.0
     near = {"elements": 0, "max_abs_diff": 0.0, "key": None, "tolerance": near_eps[2] if near_eps else None}
+    near["beyond_tolerance"] = 0
     finite = (np.abs(v[np.isfinite(v)]) for v in ref.values() if v.size)  # an Inf in the reference fails itself
     largest = max((float(a.max()) for a in finite if a.size), default=0.0)
     floor = noise_floor * largest if rel_tol is not None else 0.0
@@ -140,7 +144,7 @@ def compare_dumps(
         d = float(np.max(diff)) if a.size else 0.0
         scale = float(np.max(np.abs(a))) if a.size else 0.0
         max_abs = nan_worst(max_abs, d)
-        near_ok = True
+        near_ok, near_entry = True, {}
         if k in second and second[k].shape == a.shape and a.size:
             v2 = second[k].astype(np.float64)
             small = (v2 > 0) & (np.sqrt(np.maximum(v2, 0.0) / near_eps[1]) < NEAR_EPS_SQRT_V)
@@ -150,6 +154,10 @@ def compare_dumps(
                 if _rank(dn) > _rank(near["max_abs_diff"]):
                     near.update(max_abs_diff=dn, key=k)
                 near_ok = dn <= near_eps[2]
+                beyond = int((~(diff[small] <= near_eps[2])).sum())  # NaN: beyond
+                near["beyond_tolerance"] += beyond
+                near_entry = {"elements": int(small.sum()), "beyond_tolerance": beyond, "max_abs_diff": dn}
+                near_entry["tolerance"] = near_eps[2]
                 d = float(np.max(diff[~small])) if (~small).any() else 0.0
         if rel_tol is not None:
             v = d / scale if scale > 0 else (0.0 if d == 0 else float("inf"))
@@ -161,10 +169,13 @@ def compare_dumps(
             ratio = min(ratio, d / floor)
         ok = ratio <= 1.0 and near_ok
         entry = {"key": k, "value": v, "max_abs_diff": d, "max_abs_ref": scale, "tolerance": tol}
+        if near_entry:  # this tensor's elements under the near-eps rule, held to their loose tolerance
+            entry["near_eps"] = near_entry
         if worst["key"] is None or _rank(ratio) > _rank(worst["ratio"]):  # nearest its own tolerance (NaN: worst)
             worst = {**entry, "ratio": ratio}
         if not ok:
-            bad.append({**entry, "near_eps_ok": near_ok})
+            bad.append({**entry, "near_eps_ok": near_ok, "tolerance_ok": ratio <= 1.0})
+    near["pass"] = near["beyond_tolerance"] == 0
     return {
         **({"near_eps": near} if near_eps is not None else {}),
         "ref": os.path.abspath(ref_dir),
@@ -214,7 +225,8 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     """The indexer's per-layer top-k recall and KL, step by step (loss.json's ``indexer`` block; None
     when neither run trained the indexer): the mean recall as a curve (``consistent_steps`` as for
     the losses), and per layer the largest |difference| of its recall and of its KL over the run,
-    each within ``atol``.  Both sides must report the same stage and layers."""
+    each within ``atol``.  Both sides must report the same stage and layers.  A failure other than
+    the mean recall's curve says why in ``reason`` (the layer and measure furthest beyond ``atol``)."""
     from .loss_check import compare_losses
 
     blocks = (doc.get("indexer") for doc in (ref, cand))
@@ -240,6 +252,14 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     c["per_layer"] = per_layer
     worst = max((max(v["recall_max_diff"], v["kl_max_diff"]) for v in per_layer.values()), default=0.0)
     c["pass"] = same and c["enough_steps"] and c["consistent_steps"] == steps and worst <= atol
+    if not same:
+        c["reason"] = f"stage / layers differ: reference {a['stage']} {a['layers']}, paddle {b['stage']} {b['layers']}"
+    elif not worst <= atol:
+        layer, measure, x = max(
+            ((layer, m, v[f"{m}_max_diff"]) for layer, v in per_layer.items() for m in ("recall", "kl")),
+            key=lambda t: _rank(t[2]),
+        )
+        c["reason"] = f"layer {layer}: {measure} max |diff| {x:.3g} beyond {atol:g}"
     return c
 
 
@@ -267,6 +287,8 @@ def compare_idle_experts(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str,
     }
     if one_sided:
         out["reason"] = f"only the {'reference' if a else 'paddle'} run recorded its idle experts"
+    elif len(a) != len(b):
+        out["reason"] = f"the reference recorded idle experts for {len(a)} steps, the paddle run for {len(b)}"
     return out
 
 
@@ -427,7 +449,11 @@ def inputs_mismatch(
 
 def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, Any] | None:
     """The earliest dump (in step order; gradients, moments, then weights) with a tensor beyond
-    tolerance, and its worst such tensor; None when every dump is within tolerance."""
+    tolerance, and its worst such tensor; None when every dump is within tolerance.  ``value`` /
+    ``max_abs_diff`` / ``tolerance`` are that tensor's measure apart from its near-eps elements;
+    where those are beyond their loose tolerance, ``near_eps`` holds their count, how many are
+    beyond it, their largest |diff| and the tolerance, and ``near_eps_only`` says whether they alone
+    failed the tensor (a tensor failing on its measure is named before one failing there alone)."""
     order = [(k, f"step{k}_{kind}") for k in sorted(dump_steps) for kind in DUMP_KINDS]
     order.append((None, "final_weights"))
     for step, key in order:
@@ -436,9 +462,15 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
             continue
         out: dict[str, Any] = {"comparison": key, "step": step, "tolerance": c["tolerance"]}
         if c["beyond_tolerance"]:
-            worst = max(c["beyond_tolerance"], key=lambda d: _rank(d.get("value", math.inf)))  # NaN: the worst
+            bad = c["beyond_tolerance"]
+            if measured := [d for d in bad if not d.get("tolerance_ok", False)]:
+                worst = max(measured, key=lambda d: _rank(d.get("value", math.inf)))  # NaN: the worst
+            else:  # only near-eps elements are beyond (their loose) tolerance: the largest such difference
+                worst = max(bad, key=lambda d: _rank(d.get("near_eps", {}).get("max_abs_diff", 0.0)))
             out.update(tensor=worst["key"], value=worst.get("value"), max_abs_diff=worst.get("max_abs_diff"))
             out["tolerance"] = worst.get("tolerance", c["tolerance"])
+            if "near_eps" in worst and not worst.get("near_eps_ok", True):
+                out.update(near_eps=worst["near_eps"], near_eps_only=bool(worst.get("tolerance_ok")))
         else:
             out.update(tensor=None, only_in_reference=c["only_in_ref"][:5], only_in_paddle=c["only_in_cand"][:5])
         return out
@@ -773,12 +805,18 @@ def run_align(args: argparse.Namespace) -> int:
             if "first_mismatch_step" in c:
                 s = {x: c[x] for x in ("steps_with_idle", "max_idle_per_step", "first_mismatch_step")}
                 where = "the same every step" if c["pass"] else f"first differ at step {c['first_mismatch_step']}"
+                if not c["pass"] and c["first_mismatch_step"] is None:  # equal over their common steps
+                    where = "equal over their common steps"
+                if not c["pass"] and c.get("reason"):
+                    where += f"; {c['reason']}"
                 idle, most = c["steps_with_idle"], c["max_idle_per_step"]["reference"]
                 detail = f"steps with idle experts: reference {idle['reference']}/{N}, paddle {idle['paddle']}/{N}, "
                 detail += f"at most {most} per step; {where}"
             elif "consistent_steps" in c:
                 s = {"consistent_steps": c["consistent_steps"], "max_diff": c["max_diff"], "jumps": len(c["jumps"])}
                 detail = f"consistent_steps {c['consistent_steps']}/{N} max_diff {c['max_diff']:.3g} jumps {s['jumps']}"
+                if not c["pass"] and c.get("reason"):
+                    detail += f"; {c['reason']}"
                 for j in c["jumps"]:
                     why = f"reference top-k margins {j['reference_min_gaps']}" if "reference_min_gaps" in j else ""
                     if "reference_min_nonzero_gaps" in j:
@@ -790,6 +828,20 @@ def run_align(args: argparse.Namespace) -> int:
                 s = {"worst": c["worst"], "tolerance": c["tolerance"]}
                 tol = c["worst"].get("tolerance", c["tolerance"])
                 detail = f"worst {c['worst']['value']:.3g} ({c['worst']['key']}) tolerance {tol:g}"
+                near = c.get("near_eps")
+                if near and not near.get("pass", True):  # the elements held to the loose near-eps tolerance
+                    why = (
+                        f"near-eps elements: max |diff| {near['max_abs_diff']:.3g} ({near['key']}) beyond their "
+                        f"tolerance {near['tolerance']:g}, {near['beyond_tolerance']} of {near['elements']} elements"
+                    )
+                    ratio = c["worst"].get("ratio")
+                    if ratio is not None and ratio <= 1.0:  # they alone fail it: named first
+                        detail = f"{why}; the other elements: {detail}"
+                    else:
+                        detail = f"{detail}; {why}"
+                    s["near_eps"] = near
+            if not c["pass"] and c.get("reason"):
+                s["reason"] = c["reason"]
             verdict["summary"][k] = {"pass": c["pass"], **s}
             lines.append(f"[glm52 align] {'pass' if c['pass'] else 'FAIL'} {k}: {detail}")
         write_json_atomic(os.path.join(receipt, "verdict.json"), verdict, indent=1)  # strict JSON: inf ratios -> null
@@ -801,10 +853,12 @@ def run_align(args: argparse.Namespace) -> int:
                 first["tensor"]
                 or f"names on one side only {first.get('only_in_reference')} {first.get('only_in_paddle')}"
             )
-            print(
-                f"[glm52 align] first dump difference {at}: {first['comparison']} {what}"
-                + (f" {first['value']:.3g} (tolerance {first['tolerance']:g})" if first["tensor"] else "")
-            )
+            size = f" {first['value']:.3g} (tolerance {first['tolerance']:g})" if first["tensor"] else ""
+            if n := first.get("near_eps"):  # its near-eps elements are beyond their loose tolerance
+                loose = f" near-eps elements max |diff| {n['max_abs_diff']:.3g} (tolerance {n['tolerance']:g}"
+                loose += f", {n['beyond_tolerance']} of {n['elements']} elements beyond it)"
+                size = loose if first.get("near_eps_only") else f"{size} and{loose}"
+            print(f"[glm52 align] first dump difference {at}: {first['comparison']} {what}{size}")
         print(f"[glm52 align] {verdict['result']}: receipt {receipt}")
         return int(verdict["exit_code"])
 
