@@ -430,3 +430,204 @@ def test_diff_stats_counts_nan_pairs_equal_and_nan_against_a_number_as_nan():
     x, y = np.zeros(600_000, np.float32), np.zeros(600_000, np.float32)
     y[0], y[-1] = nan, 5.0
     assert math.isnan(_diff_stats(x, "F32", y, "F32")[0])
+
+
+# ---------------------------------------------------------------- single files, config.json, reasons, FP8 numbers
+def _xor_bf16(file: pathlib.Path, key: str, element: int, mask: int) -> tuple[int, int]:
+    """XOR one bf16 element's bits with ``mask`` in a single safetensors file; returns (old, new) bits."""
+    off = _tensor_offset(file, key) + 2 * element
+    b = bytearray(file.read_bytes())
+    (old,) = struct.unpack("<H", b[off : off + 2])
+    b[off : off + 2] = struct.pack("<H", old ^ mask)
+    file.write_bytes(bytes(b))
+    return old, old ^ mask
+
+
+def _bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def _shard_of(folder: pathlib.Path, key: str) -> pathlib.Path:
+    return folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+def test_two_single_files_in_one_folder_are_compared_not_refused(ckpts, tmp_path, capsys):
+    """docs/parity.md step 2: REF and CAND are refused as the same files when a weight file of one side
+    is one of the other. Two single ``.safetensors`` files in one folder both read that folder's
+    ``config.json``; that shared file does not make their weights one, so they are compared (here: one
+    element apart, exit 1, the tensor named). A REF shard given as CAND shares a weight file and is
+    still refused (tests/test_checker_receipts.py)."""
+    key = "model.layers.0.mlp.down_proj.weight"
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(ckpts / "src" / "config.json", one / "config.json")
+    shutil.copy(_shard_of(ckpts / "src", key), one / "before.safetensors")
+    shutil.copy(one / "before.safetensors", one / "after.safetensors")
+    _xor_bf16(one / "after.safetensors", key, 0, 0x0001)
+    code, r, text = _receipt(tmp_path, capsys, one / "before.safetensors", one / "after.safetensors")
+    assert code == 1 and r["result"] == "mismatch" and not r["errors"], (code, text)
+    assert r["counts"]["value"] == 1 and r["config_match"] is True
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["key"] == key and d["differing_elements"] == 1 and key in text
+    code, err = _run(capsys, ckpts / "src", _shard_of(ckpts / "src", key))  # a REF shard as CAND
+    assert code == 2 and "are the same files" in err, err
+
+
+@pytest.mark.parametrize("missing", ["cand", "ref"])
+def test_a_side_without_config_json_says_so(ckpts, tmp_path, capsys, missing):
+    """docs/parity.md: exit 0 needs equal configs, so a side with no ``config.json`` beside its weights
+    is a mismatch (exit 1) whose ``config`` entry says which side has none (``missing_in``), its
+    ``reasons`` say ``config.json missing in <side>``, and the printed summary says so instead of
+    listing the other side's config keys as differing."""
+    key = "model.layers.0.mlp.down_proj.weight"
+    with_cfg, without = tmp_path / "with", tmp_path / "without"
+    with_cfg.mkdir(), without.mkdir()
+    shutil.copy(ckpts / "src" / "config.json", with_cfg / "config.json")
+    shutil.copy(_shard_of(ckpts / "src", key), with_cfg / "w.safetensors")
+    shutil.copy(with_cfg / "w.safetensors", without / "w.safetensors")
+    sides = (with_cfg, without) if missing == "cand" else (without, with_cfg)
+    code, r, text = _receipt(tmp_path, capsys, *(s / "w.safetensors" for s in sides))
+    assert code == 1 and r["hash_match"] is True and r["config_match"] is False, text
+    (d,) = [d for d in r["differences"] if d["class"] == "config"]
+    assert d["missing_in"] == missing
+    assert f"config.json missing in {missing}" in r["reasons"][0] and len(r["reasons"]) == 1, r["reasons"]
+    assert f"config: {missing} has no config.json" in text and "rms_norm_eps" not in text, text
+
+
+def test_a_naming_only_mismatch_says_why_and_how_many_lines_are_not_shown(ckpts, tmp_path, capsys):
+    """docs/parity.md: without ``--layout`` the candidate must use the reference's names, so a Fleet
+    export of the source is a mismatch (exit 1) though every tensor matches. The receipt's ``reasons``
+    and a ``reason:`` line under the counts say why: the naming differences, the layout the candidate's
+    keys show and the ``--layout`` that declares it. The printed summary shows the first 20 differences
+    and then ``... N more``. With ``--layout fleet`` the same pair matches and ``reasons`` is empty."""
+    code, r, text = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "fleet")
+    assert code == 1 and r["counts"]["structural"] == r["counts"]["value"] == 0 and r["hash_match"] is True
+    (reason,) = r["reasons"]
+    n = r["counts"]["naming"]
+    assert reason.startswith(f"naming differences: {n} (") and "fleet layout" in reason and "--layout fleet" in reason
+    lines = text.splitlines()
+    assert f"  reason: {reason}" in lines, text
+    shown = [ln for ln in lines if ln.startswith("  naming (")]
+    assert len(shown) == 20 and lines[-1] == f"  ... {len(r['differences']) - 20} more", text
+    code, r, text = _receipt(tmp_path, capsys, ckpts / "src", ckpts / "fleet", "--layout", "fleet")
+    assert code == 0 and r["reasons"] == [] and "reason:" not in text
+
+
+def test_value_summary_takes_a_nan_difference_over_a_larger_listed_one(ckpts, tmp_path, capsys):
+    """docs/parity.md step 3 and 6: under ``--allow-nonfinite`` a NaN against a number is a value
+    difference whose ``max_abs_diff`` is NaN, and ``value_summary.max_abs_diff`` is the largest over all
+    value differences, NaN winning: with a 1-ulp tensor listed first and a NaN-vs-number tensor after it,
+    the summary's ``max_abs_diff`` is NaN (``null``, listed under ``nonfinite``) and names the NaN tensor."""
+    cand = _copy(ckpts, "export", tmp_path)
+    ulp_key, nan_key = "model.layers.0.mlp.down_proj.weight", "model.norm.weight"
+    assert ulp_key < nan_key  # the value differences are listed in key order
+    _xor_bf16(_shard_of(cand, ulp_key), ulp_key, 0, 0x0001)
+    _set_bf16(cand, nan_key, 0x7FC0)
+    code, r, _ = _receipt(tmp_path, capsys, ckpts / "src", cand, "--allow-nonfinite")
+    assert code == 1 and r["counts"]["value"] == 2
+    vs = r["value_summary"]
+    assert vs["max_abs_diff"] is None and vs["max_abs_diff_key"] == nan_key, vs
+    assert "value_summary.max_abs_diff" in r["nonfinite"]
+
+
+def test_a_real_difference_beside_a_signed_zero_is_not_called_bits_only(ckpts, tmp_path, capsys):
+    """docs/parity.md step 5: a value entry says ``equal values in other bits only`` (its ``reason``,
+    counted by ``value_summary.bits_only``) only when no element's value differs. A tensor with one
+    element 1 ulp apart and one +0.0 against -0.0 has ``differing_elements`` 1 and
+    ``bits_only_elements`` 1, and no such reason."""
+    key = "model.layers.0.mlp.down_proj.weight"
+    ref, cand = _copy(ckpts, "export", tmp_path), tmp_path / "cand"
+    _set_bf16(ref, key, 0x0000, element=0)
+    shutil.copytree(ref, cand)
+    _set_bf16(cand, key, 0x8000, element=0)
+    _xor_bf16(_shard_of(cand, key), key, 1, 0x0001)
+    code, r, text = _receipt(tmp_path, capsys, ref, cand)
+    assert code == 1
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["key"] == key and d["differing_elements"] == 1 and d["bits_only_elements"] == 1, d
+    assert "reason" not in d and r["value_summary"]["bits_only"] == 0, d
+    line = next(ln for ln in text.splitlines() if key in ln and ln.startswith("  value"))
+    assert "bits_only_elements=1" in line and "other bits only" not in line, line
+
+
+FP8_FIXTURE = ROOT / "tests" / "fixtures" / "tiny_fp8" / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory):
+    """The FP8 fixture and its dequantization (``glm52 convert --quantization none``)."""
+    if not FP8_FIXTURE.exists():
+        pytest.skip("FP8 fixture checkpoint not present")
+    base = tmp_path_factory.mktemp("fp8")
+    assert (
+        main(["convert", str(FP8_FIXTURE), str(base / "bf16"), "--to", "hf", "--quantization", "none", "--quiet"]) == 0
+    )
+    return FP8_FIXTURE, base / "bf16"
+
+
+def test_fp8_difference_is_measured_on_the_rounded_values_and_summarised(fp8_pair, tmp_path, capsys):
+    """docs/parity.md step 5 (quantization) and 6: an FP8 weight is compared by its dequantized value
+    rounded to the other side's dtype, and its numbers are measured the same way: a ``differing`` entry
+    has ``differing_elements`` and ``max_abs_diff`` of the rounded values (here one bf16 element 1 ulp
+    apart: 1 element, that ulp), ``unrounded_max_abs_diff`` of the values before the rounding. It is a
+    ``bytes`` value difference in ``value_summary`` (``quantization`` counts such FP8 ones), whose
+    ``max_abs_diff`` and key come from it, and the summary prints its key as a value line. A full match
+    reports no value difference; its ``unrounded_max_abs_diff`` (= the entry's ``max_abs_diff``) is the
+    rounding the comparison absorbs."""
+    fp8, bf16 = fp8_pair
+    code, r, _ = _receipt(tmp_path, capsys, fp8, bf16)
+    assert code == 0
+    (q,) = [d for d in r["differences"] if d["class"] == "quantization"]
+    assert q["differing"] == [] and q["unrounded_max_abs_diff"] == q["max_abs_diff"] > 0
+    assert r["value_summary"]["quantization"] == 0 and r["value_summary"]["max_abs_diff"] is None
+    cand = tmp_path / "bf16ulp"
+    shutil.copytree(bf16, cand)
+    key = "model.layers.0.mlp.down_proj.weight"
+    file = cand / "model.safetensors" if (cand / "model.safetensors").exists() else _shard_of(cand, key)
+    old, new = _xor_bf16(file, key, 100, 0x0001)
+    ulp = abs(_bf16_value(new) - _bf16_value(old))
+    code, r, text = _receipt(tmp_path, capsys, fp8, cand)
+    assert code == 1 and r["counts"]["value"] == 1, text
+    (q,) = [d for d in r["differences"] if d["class"] == "quantization"]
+    (d,) = q["differing"]
+    assert d["key"] == key and d["differing_elements"] == 1 and d["max_abs_diff"] == ulp, d
+    assert d["unrounded_max_abs_diff"] > 0 and "reason" not in d
+    vs = r["value_summary"]
+    assert (vs["bytes"], vs["quantization"], vs["max_abs_diff"], vs["max_abs_diff_key"]) == (1, 1, ulp, key), vs
+    line = next(ln for ln in text.splitlines() if ln.startswith("  value (") and key in ln)
+    assert "differing_elements=1" in line and "rounded to BF16" in line, text
+    assert r["reasons"] == [f"value differences: 1 (largest max_abs_diff {ulp:.3g})"], r["reasons"]
+
+
+def test_fp8_scale_difference_is_in_value_summary(fp8_pair, tmp_path, capsys):
+    """docs/parity.md step 6: ``value_summary`` covers every value difference, an FP8 weight that differs
+    after dequantize + round included (a doubled ``scale_inv``): ``bytes`` and ``quantization`` 1, its
+    key with the largest ``max_abs_diff``, as ``counts.value`` 1 says."""
+    fp8, bf16 = fp8_pair
+    ref = tmp_path / "fp8x2"
+    shutil.copytree(fp8, ref)
+    key = "model.layers.0.mlp.down_proj.weight"
+    file = _shard_of(ref, key + "_scale_inv")
+    off = _tensor_offset(file, key + "_scale_inv")
+    b = bytearray(file.read_bytes())
+    (scale,) = struct.unpack("<f", b[off : off + 4])
+    b[off : off + 4] = struct.pack("<f", scale * 2)  # the first block's scale doubled
+    file.write_bytes(bytes(b))
+    code, r, text = _receipt(tmp_path, capsys, ref, bf16)
+    assert code == 1 and r["counts"]["value"] == 1, text
+    vs = r["value_summary"]
+    assert (vs["bytes"], vs["quantization"], vs["max_abs_diff_key"]) == (1, 1, key) and vs["max_abs_diff"] > 0, vs
+    (q,) = [d for d in r["differences"] if d["class"] == "quantization"]
+    assert [d["key"] for d in q["differing"]] == [key] and q["differing"][0]["differing_elements"] > 0
+
+
+def test_an_fp8_side_without_config_json_is_refused_saying_so(fp8_pair, tmp_path, capsys):
+    """docs/parity.md step 5 (quantization): an FP8 checkpoint's weights and scales are told apart by its
+    ``config.json`` (``quantization_config``); an FP8 side with no ``config.json`` reads as unquantized in
+    an unknown layout, which is refused (exit 2) with a line that says that side has no ``config.json``."""
+    fp8, _ = fp8_pair
+    cand = tmp_path / "fp8_no_config"
+    shutil.copytree(fp8, cand)
+    (cand / "config.json").unlink()
+    code, err = _run(capsys, fp8, cand)
+    assert code == 2 and len(err.splitlines()) == 1 and "cand has no config.json" in err, err

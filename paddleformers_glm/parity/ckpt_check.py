@@ -177,19 +177,20 @@ def same_inputs(names: tuple[str, str], path_a: str, path_b: str, what: str) -> 
 
 
 def _shared_files(ref: _Side, cand: _Side) -> str | None:
-    """Why the two sides read the same files (a file of one side is a file of the other, by device and
-    inode: a shard given as CAND that is in the REF folder), else None."""
+    """Why the two sides read the same weights (a weight file or index of one side is one of the other,
+    by device and inode: a shard given as CAND that is in the REF folder), else None. A ``config.json``
+    both sides read (two single ``.safetensors`` files in one folder) does not make their weights one."""
     seen = {}
-    for f in ref.files:
+    for f in ref.weight_files:
         with contextlib.suppress(OSError):
-            st = os.stat(f["file"])
-            seen[(st.st_dev, st.st_ino)] = f["file"]
+            st = os.stat(f)
+            seen[(st.st_dev, st.st_ino)] = f
     shared = []
-    for f in cand.files:
+    for f in cand.weight_files:
         with contextlib.suppress(OSError):
-            st = os.stat(f["file"])
+            st = os.stat(f)
             if (st.st_dev, st.st_ino) in seen:
-                shared.append((seen[(st.st_dev, st.st_ino)], f["file"]))
+                shared.append((seen[(st.st_dev, st.st_ino)], f))
     if not shared:
         return None
     (r, c), more = shared[0], f" and {len(shared) - 1} more" if len(shared) > 1 else ""
@@ -207,6 +208,7 @@ class _Side:
     config_json: dict[str, Any] | None = None
     layout: str = "unknown"
     files: list[dict[str, Any]] = field(default_factory=list)
+    weight_files: list[str] = field(default_factory=list)  # shards and index: ``files`` less config.json
     problems: list[dict[str, str]] = field(default_factory=list)
     hashes: dict[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -227,7 +229,8 @@ def _open_side(path: str) -> _Side:
         side.ckpt = Checkpoint(side.path, strict=True)
         folder = side.ckpt.folder
         cfg_file = os.path.join(folder, "config.json")
-        members = side.ckpt.all_files() + ([cfg_file] if os.path.lexists(cfg_file) else [])
+        side.weight_files = side.ckpt.all_files()
+        members = side.weight_files + ([cfg_file] if os.path.lexists(cfg_file) else [])
         side.problems += file_safety_problems(members)
         bar = progress.start("check-ckpt files", sum(os.path.getsize(f) for f in members), len(members), "files")
         for f in members:
@@ -437,9 +440,11 @@ def check_checkpoints(
     if not report["errors"] and layout is not None and cand.layout not in (layout, "unknown"):
         report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
     if not report["errors"] and quant_mixed and ref.layout != cand.layout:
+        no_cfg = [name for name, s in sides.items() if s.config_json is None]  # its FP8 pairs unread
         report["errors"].append(
             "an FP8 and an unquantized checkpoint are compared in the official layout only "
             f"(ref: {ref.layout}, cand: {cand.layout})"
+            + (f"; {no_cfg[0]} has no config.json: its layout and quantization are unknown" if len(no_cfg) == 1 else "")
         )
     shards: dict[str, int] = {}
     for name, side in sides.items() if not report["errors"] else ():
@@ -464,7 +469,11 @@ def check_checkpoints(
     report["config_match"] = cfg_ref == cfg_cand
     if cfg_ref != cfg_cand:
         diff = sorted(k for k in set(cfg_ref) | set(cfg_cand) if cfg_ref.get(k) != cfg_cand.get(k))
-        report["differences"].append({"class": "config", "keys": diff})
+        entry: dict[str, Any] = {"class": "config", "keys": diff}
+        missing = [name for name, s in sides.items() if s.config_json is None]
+        if len(missing) == 1:  # no config.json beside its weights: not a list of differing keys
+            entry["missing_in"] = missing[0]
+        report["differences"].append(entry)
     pre: list[dict[str, Any]] = []
     if shards["ref"] != shards["cand"]:  # the same bytes load as other weights
         what = f"{FUSED_FFN_KEY} ref {shards['ref']}, cand {shards['cand']}"
@@ -483,9 +492,11 @@ def check_checkpoints(
     report["differences"].extend(naming_units.values())
     if quant["tensors"]:
         quant["fp8_side"] = "ref" if ref.fp8 else "cand"
-        quant["differing"] = quant["differing"][:_MAX_LISTED]
         report["differences"].insert(0, quant)
-    report["value_summary"] = _value_summary(report["differences"])
+    report["value_summary"] = _value_summary(report["differences"])  # over every FP8 difference too
+    if len(quant["differing"]) > _MAX_LISTED:
+        quant["differing_truncated"] = len(quant["differing"]) - _MAX_LISTED
+        quant["differing"] = quant["differing"][:_MAX_LISTED]
     report["cand"]["canonical_hash"] = checkpoint_hash({k: v["hash"] for k, v in canon.items()})
     report["ref"]["canonical_hash"] = report["ref"]["native_hash"]
     report["compare_layout"] = ref.layout
@@ -505,7 +516,42 @@ def check_checkpoints(
         and report["config_match"]
         and (counts["naming"] == 0 or naming_ok)
     )
+    report["reasons"] = [] if ok else _reasons(report, counts, ref, cand, naming_ok)
     return _finish(report, EXIT_MATCH if ok else EXIT_MISMATCH, t0, sides)
+
+
+def _fmt(x: float | None) -> str:
+    return "nan" if x is None or math.isnan(x) else f"{x:.3g}"
+
+
+def _reasons(report: dict[str, Any], counts: dict[str, int], ref: _Side, cand: _Side, naming_ok: bool) -> list[str]:
+    """Why a comparison that ran is a mismatch: one line per failed condition of the verdict."""
+    out = []
+    if counts["structural"]:
+        out.append(f"structural differences: {counts['structural']} (tensors with no counterpart on the other side)")
+    if counts["value"]:  # the tensors are named on the value lines (the key on this line too would come first)
+        vs = report["value_summary"]
+        why = [f"largest max_abs_diff {_fmt(vs['max_abs_diff'])}"] if vs["max_abs_diff_key"] is not None else []
+        why += [f"{vs['bits_only']} in other bits only (equal values)"] if vs["bits_only"] else []
+        out.append(f"value differences: {counts['value']}" + (f" ({'; '.join(why)})" if why else ""))
+    for d in report["differences"]:
+        if d["class"] == "config" and "missing_in" in d:
+            other = "ref" if d["missing_in"] == "cand" else "cand"
+            out.append(f"config.json missing in {d['missing_in']} ({other} has one)")
+        elif d["class"] == "config":
+            out.append(
+                f"config.json differs: {len(d['keys'])} keys ({', '.join(d['keys'][:5])}{', ...' * (len(d['keys']) > 5)})"
+            )
+    if counts["naming"] and not naming_ok:
+        why = f"the candidate looks like the {cand.layout} layout, the reference is {ref.layout}"
+        if cand.layout in ("hf", "fleet"):
+            why += f"; pass --layout {cand.layout} if the candidate is meant to be in that layout"
+        else:
+            why += "; without --layout the candidate must use the reference's names"
+        out.append(f"naming differences: {counts['naming']} ({why})")
+    if not out:  # every condition above held: the canonical hashes alone differ
+        out.append("hash_match false: the canonical hashes differ")
+    return out
 
 
 def _compare_tensors(
@@ -520,7 +566,14 @@ def _compare_tensors(
     and value differences to `differences`; returns the naming groups and the quantization entry."""
     assert ref.ckpt is not None
     naming_units: dict[tuple[str, ...], dict[str, Any]] = {}
-    quant = {"class": "quantization", "tensors": 0, "equal_after_rounding": 0, "max_abs_diff": 0.0, "differing": []}
+    quant = {
+        "class": "quantization",
+        "tensors": 0,
+        "equal_after_rounding": 0,
+        "max_abs_diff": 0.0,  # as unrounded_max_abs_diff: the values before the rounding (kept for older readers)
+        "unrounded_max_abs_diff": 0.0,
+        "differing": [],
+    }
     scales = (set(ref.fp8.values()) | set(cand.fp8.values())) if quant_mixed else set()
     plain_keys = set(canon) if ref.fp8 else set(ref.ckpt.keys())  # the unquantized side's (quant_mixed)
     for key in sorted(set(ref.ckpt.keys()) | set(canon)):
@@ -533,14 +586,17 @@ def _compare_tensors(
         if quant_mixed and r is not None and c is not None and (key in ref.fp8 or key in cand.fp8):
             counts["quantization"] += 1
             quant["tensors"] += 1
-            equal, mad = _compare_dequantized(ref, cand, key)
-            quant["max_abs_diff"] = nan_worst(quant["max_abs_diff"], mad)
+            equal, stats = _compare_dequantized(ref, cand, key)
+            quant["unrounded_max_abs_diff"] = nan_worst(
+                quant["unrounded_max_abs_diff"], stats["unrounded_max_abs_diff"]
+            )
+            quant["max_abs_diff"] = quant["unrounded_max_abs_diff"]
             if equal:
                 quant["equal_after_rounding"] += 1
                 counts["matched"] += 1
             else:
                 counts["value"] += 1
-                quant["differing"].append({"key": key, "max_abs_diff": mad})
+                quant["differing"].append({"key": key, **stats})
             continue
         if r is None or c is None:
             counts["structural"] += 1
@@ -602,42 +658,58 @@ def _value_summary(differences: list[dict[str, Any]]) -> dict[str, Any]:
     """The value differences by kind (``shape``, ``dtype``, ``bytes``) and the largest ``max_abs_diff``
     among them with its key (NaN wins: a NaN difference is no small one), over all of them: the receipt
     lists at most ``_MAX_LISTED`` differences, so a reader taking its numbers from the list would miss the
-    rest. FP8 weights compared by dequantized value are in the ``quantization`` entry instead."""
+    rest. An FP8 weight that differs after dequantize + round (the ``quantization`` entry's ``differing``,
+    summarised before that list is cut to ``_MAX_LISTED``) is one of them: a ``bytes`` difference
+    (``shape`` where the shapes differ) whose ``max_abs_diff`` is measured on the rounded values, as the
+    verdict is; ``quantization`` counts those. The kinds add up to ``counts.value``."""
     out: dict[str, Any] = {
         "shape": 0,
         "dtype": 0,
         "bytes": 0,
         "bits_only": 0,  # of the ``bytes`` ones: equal values in other bits (signed zeros, NaN payloads)
+        "quantization": 0,  # of the ``bytes`` / ``shape`` ones: FP8 weights compared by dequantized value
         "max_abs_diff": None,
         "max_abs_diff_key": None,
     }
+    entries = []
     for d in differences:
-        if d["class"] != "value":
-            continue
+        if d["class"] == "quantization":
+            out["quantization"] += len(d["differing"])
+            entries += d["differing"]
+        elif d["class"] == "value":
+            entries.append(d)
+    for d in entries:
         out[d["what"]] += 1
         out["bits_only"] += "reason" in d
+        if d["what"] == "shape":  # no value to compare
+            continue
         m, worst = d.get("max_abs_diff"), out["max_abs_diff"]
         if m is not None and (worst is None or nan_worst(worst, m) is not worst):  # NaN wins, the first of them
             out.update(max_abs_diff=m, max_abs_diff_key=d.get("key", d.get("cand_key")))
     return out
 
 
-def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float]:
+def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, dict[str, Any]]:
     """Whether the FP8 side's dequantized weight, rounded to the other side's dtype (as a load in that
-    dtype rounds it), equals the other side's tensor; and the max abs diff of the values."""
+    dtype rounds it), equals the other side's tensor (the verdict); and its numbers: ``max_abs_diff``,
+    ``differing_elements`` and ``bits_only_elements`` of the rounded values (what the verdict compares),
+    ``unrounded_max_abs_diff`` of the dequantized values before the rounding (nonzero also where the
+    rounded ones are equal: the rounding the comparison absorbs)."""
     import paddle
 
     fp8, plain = (cand, ref) if key in cand.fp8 else (ref, cand)
     shape = fp8.ckpt.info(key).shape  # type: ignore[union-attr]
     db = plain.ckpt.info(key).dtype  # type: ignore[union-attr]
     if shape != plain.ckpt.info(key).shape:  # type: ignore[union-attr]
-        return False, math.inf
+        shapes = {"ref": list(ref.ckpt.info(key).shape), "cand": list(cand.ckpt.info(key).shape)}  # type: ignore[union-attr]
+        stats = {"what": "shape", "expected": shapes["ref"], "actual": shapes["cand"]}
+        return False, {**stats, "max_abs_diff": math.inf, "unrounded_max_abs_diff": math.inf}
     src = Fp8Source(fp8.ckpt, pairs=fp8.fp8, block=fp8.block)  # type: ignore[arg-type]
     want = st_to_paddle_dtype(db)
     # whole rows of scale blocks at a time (about _DIFF_CHUNK values): the same bytes and numbers as
     # the whole tensor dequantized at once, without it (fp32) and its float64 copies in memory
     rows = max(1, _DIFF_CHUNK // max(1, shape[-1] if shape else 1) // fp8.block[0]) * fp8.block[0]
-    equal, worst = True, 0.0
+    equal, worst, unrounded, differing, bits_only = True, 0.0, 0.0, 0, 0
     for r0 in range(0, max(1, shape[0]), rows) if len(shape) == 2 else [None]:
         if r0 is not None:
             nr = min(rows, shape[0] - r0)
@@ -647,14 +719,26 @@ def _compare_dequantized(ref: _Side, cand: _Side, key: str) -> tuple[bool, float
             a, b = src.read_numpy(key, (0,) * len(shape), shape), plain.ckpt.numpy(key)  # type: ignore[union-attr]
         assert a is not None
         rounded = to_paddle(a, "float32").astype(want)
-        equal &= (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy().tobytes() == b.tobytes()
+        rb = (rounded.view(paddle.int16) if want == "bfloat16" else rounded).numpy()
+        equal &= rb.tobytes() == b.tobytes()
         if a.size:
-            mad = _diff_stats(a, "F32", b, db)[0]
-            worst = nan_worst(worst, mad)  # a NaN difference stays NaN
-        del a, b, rounded
+            unrounded = nan_worst(unrounded, _diff_stats(a, "F32", b, db)[0])  # a NaN difference stays NaN
+            mad, n, n_bits = _diff_stats(rb.view(b.dtype) if rb.dtype.itemsize == b.dtype.itemsize else rb, db, b, db)
+            worst, differing, bits_only = nan_worst(worst, mad), differing + n, bits_only + n_bits
+        del a, b, rounded, rb
     for side, k in ((fp8, key), (fp8, fp8.fp8[key]), (plain, key)):
         side.ckpt.file_of(k).release(k, around=True)  # type: ignore[union-attr]
-    return equal, worst
+    stats = {
+        "what": "bytes",
+        "rounded_to": db,
+        "max_abs_diff": worst,
+        "differing_elements": differing,
+        "bits_only_elements": bits_only,
+        "unrounded_max_abs_diff": unrounded,
+    }
+    if bits_only and not differing:
+        stats["reason"] = _BITS_ONLY
+    return equal, stats
 
 
 def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _Side]) -> dict[str, Any]:
@@ -674,8 +758,25 @@ def _finish(report: dict[str, Any], code: int, t0: float, sides: Mapping[str, _S
     return report
 
 
+_SUMMARY_LINES = 20  # differences printed; the receipt lists up to _MAX_LISTED, counts are complete
+
+
+def _value_line(d: Mapping[str, Any], what: str) -> str:
+    extra = ""
+    if "differing_elements" in d:
+        extra = f" max_abs_diff={_fmt(d['max_abs_diff'])} differing_elements={d['differing_elements']}"
+        if d.get("bits_only_elements"):
+            extra += f" bits_only_elements={d['bits_only_elements']}"
+        if "reason" in d:
+            extra += f" ({d['reason']})"
+    dtypes = f" expected={d.get('expected')} actual={d.get('actual')}" if "expected" in d else ""
+    return f"  value ({what}): {d.get('key', d.get('cand_key'))}{dtypes}{extra}"
+
+
 def summary_lines(report: Mapping[str, Any]) -> list[str]:
-    """A short human summary of a receipt."""
+    """A short human summary of a receipt: the verdict, the counts, why a mismatch is one (``reasons``),
+    then the first differences (an FP8 weight that differs after dequantize + round, by its key as a
+    same-layout value difference) and how many more there are."""
     lines = [f"check-ckpt: {report['result']} (exit {report['exit_code']})"]
     lines += [f"  error: {e}" for e in report.get("errors", [])]
     lines += [f"  warning: {w}" for w in report.get("warnings", [])]
@@ -687,28 +788,31 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         )
         if c.get("quantization"):
             lines.append(f"  quantization: {c['quantization']} FP8 tensors compared by dequantized value")
-    for d in report.get("differences", [])[:20]:
+    lines += [f"  reason: {r}" for r in report.get("reasons", [])]
+    shown: list[str] = []
+    more = report.get("differences_truncated", 0)
+    for d in report.get("differences", []):
         if d["class"] == "naming":
-            lines.append(f"  naming ({', '.join(d['kinds']) or 'rename'}): {d['cand_keys']} -> {d['ref_keys']}")
+            shown.append(f"  naming ({', '.join(d['kinds']) or 'rename'}): {d['cand_keys']} -> {d['ref_keys']}")
         elif d["class"] == "value":
-            extra = ""
-            if "max_abs_diff" in d:
-                mad = "nan" if d["max_abs_diff"] is None else f"{d['max_abs_diff']:.3g}"
-                extra = f" max_abs_diff={mad} differing_elements={d['differing_elements']}"
-                if d.get("bits_only_elements"):
-                    extra += f" bits_only_elements={d['bits_only_elements']}"
-                if "reason" in d:
-                    extra += f" ({d['reason']})"
-            lines.append(
-                f"  value ({d['what']}): {d.get('key', d.get('cand_key'))} expected={d.get('expected')} actual={d.get('actual')}{extra}"
-            )
+            shown.append(_value_line(d, d["what"]))
         elif d["class"] == "structural":
-            lines.append(f"  structural ({d['what']}): {d.get('key', d.get('cand_key'))}")
+            shown.append(f"  structural ({d['what']}): {d.get('key', d.get('cand_key'))}")
         elif d["class"] == "quantization":
-            lines.append(
+            shown.append(
                 f"  quantization (FP8 on the {d['fp8_side']} side): {d['equal_after_rounding']}/{d['tensors']} "
-                f"equal after dequantize + round, max_abs_diff={d['max_abs_diff']:.3g}"
+                f"equal after dequantize + round (before the rounding: max_abs_diff={_fmt(d['max_abs_diff'])})"
             )
+            for q in d["differing"]:
+                kind = "shape" if q["what"] == "shape" else f"FP8 dequantized, rounded to {q.get('rounded_to')}"
+                shown.append(_value_line(q, kind))
+            more += d.get("differing_truncated", 0)
+        elif d["class"] == "config" and "missing_in" in d:
+            other = "ref" if d["missing_in"] == "cand" else "cand"
+            shown.append(f"  config: {d['missing_in']} has no config.json ({other}'s has {len(d['keys'])} keys)")
         else:
-            lines.append(f"  {d['class']}: {d.get('keys')}")
+            shown.append(f"  {d['class']}: {d.get('keys')}")
+    lines += shown[:_SUMMARY_LINES]
+    if (more := more + len(shown[_SUMMARY_LINES:])) > 0:
+        lines.append(f"  ... {more} more")
     return lines
