@@ -353,14 +353,38 @@ def test_a_loss_the_run_computed_as_nan_is_named_as_such(tmp_path, capsys):
     assert code == 2 and r["result"] == "unusable input"
     assert (
         f"{nan}: losses[3] is non-finite: the run computed NaN or Inf at step 3 (written null, listed under "
-        "'nonfinite'); --steps 3 compares the steps before it"
+        "'nonfinite')"
     ) in text.err
+    assert "check-loss: --steps 3 compares the steps before the first non-finite loss" in text.err
+    early = _loss(tmp_path, "early.json", None, json.dumps({"losses": [2.0, None], "nonfinite": ["losses[1]"]}))
+    code, r, text = _check(tmp_path, capsys, early, nan)  # both went NaN: one hint, the earlier step
+    assert code == 2 and text.err.count("--steps") == 1 and "--steps 1 compares" in text.err, text.err
     code, r, text = _check(tmp_path, capsys, good, nan, "--steps", "3")
     assert code == 0 and r["steps_compared"] == 3 and r["len_b"] == 3, r
     assert "losses[3] is non-finite (the run computed NaN or Inf at step 3): its curve ends before it" in text.err
     unlisted = _loss(tmp_path, "unlisted.json", None, json.dumps({"losses": [2.0, None]}))  # a null not the run's
     code, _, text = _check(tmp_path, capsys, good, unlisted, "--steps", "1")
     assert code == 2 and "losses[1] is None (NoneType), expected a number" in text.err
+
+
+def test_a_nan_evaluation_is_named_as_the_runs(tmp_path, capsys):
+    """An evaluation the run computed as NaN is written null and listed (``eval[1].losses``): it is
+    named as the run's non-finite evaluation of its step, not as an input that holds no number."""
+    raw = {"losses": [1.0] * 4, "eval": [{"step": 0, "losses": 5.0}, {"step": 2, "losses": None}]}
+    nan = _loss(tmp_path, "nan.json", None, json.dumps({**raw, "nonfinite": ["eval[1].losses"]}))
+    good = _loss(tmp_path, "good.json", None, json.dumps({**raw, "eval": [{"step": 0, "losses": 5.0}]}))
+    code, _, text = _check(tmp_path, capsys, good, nan, "--curve", "eval.losses")
+    assert code == 2 and f"{nan}: eval[1].losses is non-finite: the run's evaluation of step 2 computed" in text.err
+
+
+def test_jumps_past_the_steps_compared_are_not_reported(tmp_path, capsys):
+    """``--steps N`` compares the first N steps: a difference after them is no part of the verdict,
+    nor reported as the curves' first difference beside a pass."""
+    a, b = _loss(tmp_path, "a.json", [2.0, 1.9, 1.8, 1.7]), _loss(tmp_path, "b.json", [2.0, 1.9, 1.8, 1.2])
+    code, r, text = _check(tmp_path, capsys, a, b, "--steps", "3")
+    assert code == 0 and r["jumps"] == [] and "differ" not in text.out, text.out
+    code, r, text = _check(tmp_path, capsys, a, b)
+    assert code == 1 and [j["step"] for j in r["jumps"]] == [3]
 
 
 def test_two_evaluations_of_one_step_that_disagree_are_refused(tmp_path, capsys):

@@ -172,20 +172,35 @@ def test_chunks_stay_within_the_byte_budget_at_any_width_and_length():
             assert indexer.chunk_rows(S, S) * 32 * S * 4 <= budget
 
 
+def recall_rows_of(shapes: list, heads: int, keys: int) -> list[int]:
+    """The query rows of the recall's [B, rows, H, keys] score tensors among ``shapes``."""
+    return [sh[1] for sh in shapes if len(sh) == 4 and list(sh[2:]) == [heads, keys]]
+
+
 def test_sparse_stage_recall_scores_within_the_byte_budget(monkeypatch):
     """The sparse stage's recall scores each query's dense attention (it attends over the top-k
     only): [B, rows, heads, keys] fp32 per chunk of queries.  Its chunks were ``attention_chunk_size``
     rows (1024) at any length, B x 1024 x H x S x 4 bytes (measured exactly: 4 MiB at S 512 with 4
     heads; at the official 16 heads per TP4 rank, 0.25 GiB at 4K tokens and 8 GiB at 128K, several
     alive per chunk), past the budget every other chunked path keeps.  They are now within
-    `CHUNK_BYTES` down to 16 rows, and the recall is the same whatever the chunks."""
+    `CHUNK_BYTES` down to 16 rows, and the recall is the same whatever the chunks.  Its latent queries
+    [B, rows, H, 576] are made per chunk too: they were made for the whole sequence and kept, one
+    fp32 copy per indexer layer until the forward ended (4.5 GiB a layer at TP4 and 128K tokens)."""
+    from paddleformers_glm.modeling import attention as attention_module
+
     S = 256
     ids = tokens(1, S, seed=2)
     spied, seen, recalls = paddle.nn.functional.softmax, [], []
+    roped, queries, in_terms = attention_module.rope_concat, [], []
 
     def spy(x, *a, **k):
         seen.append(x.shape)
         return spied(x, *a, **k)
+
+    def rope_spy(a, *rest, **k):
+        if in_terms and a.ndim == 4:  # [B, rows, H, L]: the recall's latent queries
+            queries.append(a.shape[1])
+        return roped(a, *rest, **k)
 
     for budget in (attn.CHUNK_BYTES, 16 * 4 * S * 4):  # the default; 16 rows of 4 heads over 256 keys
         monkeypatch.setattr(attn, "CHUNK_BYTES", budget)
@@ -194,10 +209,23 @@ def test_sparse_stage_recall_scores_within_the_byte_budget(monkeypatch):
         model.train()
         H = model.config.num_attention_heads
         seen.clear()
+        queries.clear()
+        end = model.model.end_forward
+
+        def terms(*a, **k):  # the indexer's terms (KL, recall) of the forward's records
+            in_terms.append(1)
+            try:
+                return end(*a, **k)
+            finally:
+                in_terms.clear()
+
         with monkeypatch.context() as m:
             m.setattr(paddle.nn.functional, "softmax", spy)
+            m.setattr(attention_module, "rope_concat", rope_spy)
+            m.setattr(model.model, "end_forward", terms)
             out = model(ids, labels=ids)
-        recall_rows = [sh[1] for sh in seen if len(sh) == 4 and list(sh[2:]) == [H, S]]  # [B, rows, H, keys]
+        assert queries and max(queries) == max(recall_rows_of(seen, H, S)), queries
+        recall_rows = recall_rows_of(seen, H, S)
         assert recall_rows and max(recall_rows) * H * S * 4 <= max(budget, 16 * H * S * 4), (budget, recall_rows)
         recalls.append(float(out.indexer_recall))
     assert max(recall_rows) == 16

@@ -232,7 +232,7 @@ class MLAttention(nn.Layer):
                 "positions": positions if cp else None, "all_keys": self._all_keys if cp else None,
                 "total": (lambda n: comm.all_reduce(n.detach(), self.cp_group)) if cp else None,
                 # the recall's dense [B, rows, H, T] scores per chunk of queries (the sparse stage)
-                "chunk": dense_score_rows(S, core.chunk_size, self.num_heads, S * self.cp),
+                "chunk": dense_score_rows(S, core.chunk_size, self.num_heads, S * self.cp, q_latent.shape[0]),
                 "query_valid": query_validity(key_padding, positions),
             }  # fmt: skip
         return out, topk, rec
@@ -323,18 +323,33 @@ class MLAttention(nn.Layer):
         k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]). kv_b_proj is folded into
         the neighbouring weights once per step (products of small weight matrices)."""
         cos, sin = rope
-        B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
-        L, dn, dr, dv = self.kv_lora, self.nope, self.rope_dim, self.v_dim
-        QL = q_latent.shape[-1]
+        w_abs, w_rot, w_uv = self._latent_q_weights()
+        q_lat = self._latent_q(q_latent, rope, w_abs, w_rot)  # [B, S, H, L + rope]
+        kv_lat = self._all_keys(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S (all cp ranks'), L + rope]
+        return q_lat, kv_lat, w_uv
+
+    def _latent_q_weights(self) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """W_uk folded into q_b_proj: the latent queries' weights [QL, H L] and [QL, H rope], and W_uv [H, L, v]."""
+        H, L, dn, dr, dv = self.num_heads, self.kv_lora, self.nope, self.rope_dim, self.v_dim
+        QL = self.q_b_proj.weight.shape[0]
         wq_nope, wq_rot = paddle.split(self.q_b_proj.weight.reshape([QL, H, dn + dr]), [dn, dr], axis=-1)
         wkv = self.kv_b_proj.weight.reshape([L, H, dn + dv]).transpose([1, 0, 2])  # [H, L, dn + v]
         w_uk, w_uv = paddle.split(wkv, [dn, dv], axis=-1)  # [H, L, dn], [H, L, v]
         w_q = paddle.matmul(wq_nope.transpose([1, 0, 2]), w_uk, transpose_y=True)  # [H, QL, L]
-        q_abs = paddle.matmul(q_latent, w_q.transpose([1, 0, 2]).reshape([QL, H * L])).reshape([B, S, H, L])
-        q_rot = paddle.matmul(q_latent, wq_rot.reshape([QL, H * dr])).reshape([B, S, H, dr])
-        q_lat = rope_concat(q_abs, q_rot, cos, sin, self.interleave)  # [B, S, H, L + rope]
-        kv_lat = self._all_keys(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S (all cp ranks'), L + rope]
-        return q_lat, kv_lat, w_uv
+        return w_q.transpose([1, 0, 2]).reshape([QL, H * L]), wq_rot.reshape([QL, H * dr]), w_uv
+
+    def _latent_q(
+        self,
+        q_latent: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
+        w_abs: paddle.Tensor,
+        w_rot: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """The latent queries [B, S, H, L + rope] of ``q_latent`` [B, S, QL] at the positions of ``rope``."""
+        B, S, H = q_latent.shape[0], q_latent.shape[1], self.num_heads
+        q_abs = paddle.matmul(q_latent, w_abs).reshape([B, S, H, self.kv_lora])
+        q_rot = paddle.matmul(q_latent, w_rot).reshape([B, S, H, self.rope_dim])
+        return rope_concat(q_abs, q_rot, rope[0], rope[1], self.interleave)
 
     def _dense_probs_fn(
         self,
@@ -348,21 +363,29 @@ class MLAttention(nn.Layer):
         """``(c0, c1) -> [B, c1 - c0, T]``: the head-mean attention of queries c0..c1 over every key
         they see (all heads: this rank's summed over the tensor-parallel group), computed when called
         (the indexer's recall in the sparse stage, which attends over the top-k only). Inputs are
-        detached now; the latent scores are formed per chunk of queries, never [S, T] at once."""
+        detached now; the latent queries and scores are formed per chunk of queries, never [S, T] nor
+        [S, H, L] at once; the key rows and folded weights are made at the first chunk and dropped
+        after the last, so one layer's are held at a time (a layer group's, under shared supervision)."""
         q_latent, c, k_rot = q_latent.detach(), c.detach(), k_rot.detach()
         rope = (rope[0].detach(), rope[1].detach())
         pad = None if key_padding is None else key_padding.detach().astype("bool")
+        S = q_latent.shape[1]
         cache: list = []
 
         def probs(c0: int, c1: int) -> paddle.Tensor:
             with paddle.no_grad():
                 if not cache:
-                    q_lat, kv_lat, _ = self._latent_qk(q_latent, c, k_rot, rope)
-                    cache.extend([q_lat.astype("float32"), kv_lat.astype("float32")])
-                q_lat, kv_lat = cache
-                B, _, H, D = q_lat.shape
-                C, T = c1 - c0, kv_lat.shape[1]
-                s = paddle.matmul(q_lat[:, c0:c1].reshape([B, C * H, D]), kv_lat, transpose_y=True)
+                    w_abs, w_rot, _ = self._latent_q_weights()
+                    kv_lat = self._all_keys(rope_concat(c, k_rot, rope[0], rope[1], self.interleave))
+                    cache.extend([w_abs, w_rot, kv_lat.astype("float32")])
+                w_abs, w_rot, kv_lat = cache
+                rows = (rope[0][:, c0:c1], rope[1][:, c0:c1])
+                q_lat = self._latent_q(q_latent[:, c0:c1], rows, w_abs, w_rot).astype("float32")
+                if c1 >= S:  # the last chunk
+                    cache.clear()
+                B, C, H, D = q_lat.shape
+                T = kv_lat.shape[1]
+                s = paddle.matmul(q_lat.reshape([B, C * H, D]), kv_lat, transpose_y=True)
                 s = s.reshape([B, C, H, T]) * self.core_attention.scale
                 valid = key_validity(paddle.to_tensor(np.asarray(positions[c0:c1])), T, pad)  # [B|1, C, T]
                 valid = valid.unsqueeze(2).expand([B, C, H, T])

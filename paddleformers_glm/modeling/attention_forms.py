@@ -47,11 +47,11 @@ DENSE_MAX_SCORES = 1 << 20
 CHUNK_BYTES = 8 << 20
 
 
-def dense_score_rows(seq_len: int, chunk_size: int, heads: int, keys: int) -> int:
-    """Query rows per chunk of a dense [rows, heads, keys] fp32 score pass (the indexer's dense KL,
-    the sparse stage's recall): within `CHUNK_BYTES`, but never fewer than 16 rows (one matmul per
+def dense_score_rows(seq_len: int, chunk_size: int, heads: int, keys: int, batch: int = 1) -> int:
+    """Query rows per chunk of a dense [batch, rows, heads, keys] fp32 score pass (the indexer's dense
+    KL, the sparse stage's recall): within `CHUNK_BYTES`, but never fewer than 16 rows (one matmul per
     row would cost more than the memory saved), nor more than `chunk_size` or the sequence."""
-    return max(1, min(seq_len, chunk_size, max(16, CHUNK_BYTES // 4 // max(heads * keys, 1))))
+    return max(1, min(seq_len, chunk_size, max(16, CHUNK_BYTES // 4 // max(batch * heads * keys, 1))))
 
 
 # The per-head dense form's tiles aim at this many query rows before they take more than one head:

@@ -334,7 +334,7 @@ class DSAIndexer(nn.Layer):
         B, S, Hi, _ = q.shape
         pos = np.arange(S, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
         T = k.shape[1]
-        chunk = attention_forms.dense_score_rows(S, self.chunk_size, Hi, T)
+        chunk = attention_forms.dense_score_rows(S, self.chunk_size, Hi, T, B)
         pad = None if key_padding is None else key_padding.astype("bool")
         p_all = target_probs.detach().astype("float32")
         # [B, S]: padding queries (right padding sees real keys) do not count

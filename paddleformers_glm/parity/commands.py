@@ -117,9 +117,12 @@ def _lengths(report: dict, args: argparse.Namespace) -> str:
         line = f"a ({args.a}) evaluated up to step {la}, b ({args.b}) up to step {lb}"
     if report["steps_required"] is not None and not report["enough_steps"]:
         return f"{line}: --steps {report['steps_required']} needs that many on both"
+    if "eval_steps" in report and not report["eval_steps"]:
+        return f"{line}: no evaluation step in common"
     if la != lb:
         short = "a" if la < lb else "b"
-        steps = "" if "eval_steps" in report else f"; --steps {min(la, lb)} compares the steps both did"
+        both = "eval_steps" not in report and min(la, lb) > 0
+        steps = f"; --steps {min(la, lb)} compares the steps both did" if both else ""
         return f"{line}: {short} stopped short or ran fewer steps{steps}"
     return line
 

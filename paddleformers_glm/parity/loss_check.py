@@ -37,9 +37,10 @@ class LossFileError(ValueError):
 
 
 class NonFiniteLoss(LossFileError):
-    """A loss the run itself computed as NaN / Inf (``step``: its 0-based step), as its record says."""
+    """A loss the run itself computed as NaN / Inf, as its record says (``step``: the 0-based step of
+    a per-step curve, None for an evaluation)."""
 
-    def __init__(self, message: str, step: int) -> None:
+    def __init__(self, message: str, step: int | None) -> None:
         super().__init__(message)
         self.step = step
 
@@ -58,8 +59,7 @@ def read_curve(path: str, key: str = "losses", steps: int | None = None, notes: 
     losses = data[key]
     if not isinstance(losses, list):
         raise LossFileError(f"{path}: {key!r} must be a list, got {type(losses).__name__}")
-    listed = data.get(NONFINITE_KEY)
-    listed = set(listed) if isinstance(listed, list) and all(isinstance(x, str) for x in listed) else set()
+    listed = _listed_nonfinite(data)
     for i, v in enumerate(losses):
         if v is None and f"{key}[{i}]" in listed:  # glm52 train's (and the reference's) own record of it
             if steps is not None and i >= steps:
@@ -74,6 +74,12 @@ def read_curve(path: str, key: str = "losses", steps: int | None = None, notes: 
                 i,
             )
     return [_finite(v, path, f"{key}[{i}]") for i, v in enumerate(losses)]
+
+
+def _listed_nonfinite(data: Any) -> set[str]:
+    """The paths a record lists as the non-finite numbers it wrote as null (``_io.dumps_json``)."""
+    listed = data.get(NONFINITE_KEY) if isinstance(data, dict) else None
+    return set(listed) if isinstance(listed, list) and all(isinstance(x, str) for x in listed) else set()
 
 
 def _read_record(path: str) -> Any:
@@ -109,8 +115,15 @@ def read_eval_points(path: str, key: str) -> dict[int, float]:
     if not isinstance(records, list) or not records:
         raise LossFileError(f"{path}: no 'eval' records (the run had no --eval-data) for {key!r}")
     out: dict[int, float] = {}
+    listed = _listed_nonfinite(data)
     for i, r in enumerate(records):
         v = r.get(name) if isinstance(r, dict) else None
+        if v is None and f"eval[{i}].{name}" in listed:
+            raise NonFiniteLoss(
+                f"{path}: eval[{i}].{name} is non-finite: the run's evaluation of step {r.get('step')!r} computed "
+                f"NaN or Inf (written null, listed under {NONFINITE_KEY!r})",
+                None,
+            )
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise LossFileError(f"{path}: eval[{i}].{name} is {v!r}, expected a finite number")
         step = r.get("step")
@@ -218,7 +231,7 @@ def check_losses(
         report["errors"].append(same)
         report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
         return report
-    curves, points = {}, {}
+    curves, points, hint = {}, {}, 0
     for name, p in (("a", path_a), ("b", path_b)):
         try:
             if curve.startswith("eval."):
@@ -226,8 +239,10 @@ def check_losses(
             else:
                 curves[name] = read_curve(p, curve, steps, report["warnings"])
             report[name]["sha256"] = sha256_file(p)
-        except NonFiniteLoss as e:  # the steps before it compare
-            report["errors"].append(f"{e}; --steps {e.step} compares the steps before it" if e.step else str(e))
+        except NonFiniteLoss as e:  # the steps before it compare (one hint: the earliest of the two sides)
+            report["errors"].append(str(e))
+            if e.step:
+                hint = min(e.step, hint) if hint else e.step
             continue
         except LossFileError as e:
             report["errors"].append(str(e))
@@ -243,6 +258,8 @@ def check_losses(
             f"{' and '.join(failed)} {'is a failed run' if len(failed) == 1 else 'are failed runs'} "
             f"(failure record{'s' if len(failed) > 1 else ''} {what}): a curve holds only the steps its run did before it stopped"
         )
+    if hint:
+        report["errors"].append(f"--steps {hint} compares the steps before the first non-finite loss")
     if report["errors"]:
         report.update(exit_code=EXIT_UNUSABLE, result="unusable input")
         return report
@@ -253,7 +270,8 @@ def check_losses(
         report["eval_steps_only_in"] = {n: sorted(set(points[n]) - set(common)) for n in ("a", "b")}
     tol = (0.0, 0.0) if report["mode"] == "bit-exact" else (float(atol or 0.0), float(rtol or 0.0))
     report.update(compare_losses(curves["a"], curves["b"], steps, *tol))
-    report["jumps"] = detect_jumps(curves["a"], curves["b"])
+    n = report["steps_compared"]  # jumps within the steps compared (--steps N: none past them)
+    report["jumps"] = detect_jumps(curves["a"][:n], curves["b"][:n])
     if points:
         # as long as each other: both runs evaluated up to the same step (and share an evaluation)
         report["length_match"] = bool(common) and max(points["a"]) == max(points["b"])
