@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -348,3 +349,38 @@ def test_idle_experts_recorded_for_fewer_steps_on_one_side_fail(tiny_model, tmp_
     line = next(x for x in out.splitlines() if "idle_experts:" in x)
     assert line.startswith("[glm52 align] FAIL idle_experts:") and "equal over their common steps" in line, line
     assert "the reference recorded idle experts for 3 steps, the paddle run for 2" in line, line
+
+
+@pytest.mark.parametrize("bad", [math.nan, None])
+def test_a_layers_non_finite_indexer_kl_fails_it(bad):
+    """docs/parity.md: a NaN difference is no small one. A layer's KL the run could not compute (NaN,
+    or null as its loss record writes it) at one step fails the indexer comparison, naming the layer
+    and measure; Python's ``max`` would drop a NaN after the first step (a pass), and a null made
+    the comparison raise a TypeError."""
+    from paddleformers_glm.parity.align import compare_indexer
+
+    block = {"stage": "sparse", "layers": [0, 1], "mean_recall": [0.5] * 3, "recall": [[0.5, 0.5]] * 3}
+    ref = dict(block, kl=[[0.1, 0.1]] * 3)
+    pd = dict(block, kl=[[0.1, 0.1], [0.1, bad], [0.1, 0.1]])
+    c = compare_indexer({"indexer": ref}, {"indexer": pd}, 3, 1e-4)
+    assert c["pass"] is False and math.isnan(c["per_layer"]["1"]["kl_max_diff"]), c
+    assert c["reason"] == "layer 1: kl max |diff| nan beyond 0.0001", c["reason"]
+    pd = dict(block, kl=ref["kl"], mean_recall=[0.5, bad, 0.5])
+    c = compare_indexer({"indexer": ref}, {"indexer": pd}, 3, 1e-4)
+    assert c["pass"] is False and c["consistent_steps"] == 1
+
+
+def test_a_dump_tensor_of_another_shape_is_named_with_both_shapes(tiny_model, tmp_path, capsys):
+    """A step-1 weight of another shape on the Paddle side is a difference with no value to compare:
+    align exits 1 and its first-difference line names both shapes (the line raised a TypeError
+    formatting the missing value, after verdict.json was written)."""
+    from safetensors.numpy import save_file
+
+    root = _runs(tmp_path / "r", tiny_model)
+    t = {"a.weight": np.ones((3, 4), np.float32), "b.bias": np.full(3, 2.0, np.float32)}
+    save_file(t, str(root / "paddle" / "dump_step1" / "weights" / "model.safetensors"))
+    capsys.readouterr()
+    assert _align(tiny_model, root) == 1
+    out = capsys.readouterr().out
+    assert "first dump difference after update 1: step1_weights a.weight shape reference [4, 3] paddle [3, 4]" in out
+    assert _verdict(root)["first_difference"]["shapes"] == {"reference": [4, 3], "paddle": [3, 4]}

@@ -492,6 +492,9 @@ def test_a_side_without_config_json_says_so(ckpts, tmp_path, capsys, missing):
     assert d["missing_in"] == missing
     assert f"config.json missing in {missing}" in r["reasons"][0] and len(r["reasons"]) == 1, r["reasons"]
     assert f"config: {missing} has no config.json" in text and "rms_norm_eps" not in text, text
+    n = len(json.loads((ckpts / "src" / "config.json").read_text()))  # every key, null-valued ones too
+    other = "ref" if missing == "cand" else "cand"
+    assert f"({other}'s has {n} keys)" in text, text
 
 
 def test_a_naming_only_mismatch_says_why_and_how_many_lines_are_not_shown(ckpts, tmp_path, capsys):
@@ -631,3 +634,51 @@ def test_an_fp8_side_without_config_json_is_refused_saying_so(fp8_pair, tmp_path
     (cand / "config.json").unlink()
     code, err = _run(capsys, fp8, cand)
     assert code == 2 and len(err.splitlines()) == 1 and "cand has no config.json" in err, err
+
+
+def test_an_fp8_side_without_config_json_against_an_unquantized_one_is_refused(fp8_pair, tmp_path, capsys):
+    """Without its ``config.json`` an FP8 side's weights cannot be paired with their scales, and against
+    the unquantized side its F8_E4M3 bytes would be compared as numbers (exit 1 with every FP8 weight
+    a dtype difference and every scale a structural one): refused, either side, naming the side."""
+    fp8, bf16 = fp8_pair
+    bare = tmp_path / "fp8_no_config"
+    shutil.copytree(fp8, bare)
+    (bare / "config.json").unlink()
+    for sides, name in (((bf16, bare), "cand"), ((bare, bf16), "ref")):
+        code, err = _run(capsys, *sides)
+        assert code == 2 and f"{name} holds F8_E4M3 weights but no config.json" in err, err
+
+
+def test_fp8_against_fp8_compares_values_not_byte_codes(fp8_pair, tmp_path, capsys):
+    """Two FP8 checkpoints compare their F8_E4M3 weights by value (docs/parity.md step 5): an element
+    whose sign bit is flipped differs by twice its value, not by 128 (the byte codes as numbers); a
+    -0.0 against a +0.0 is a difference in other bits only (``bits_only_elements``), no value one."""
+    import numpy as np
+
+    from paddleformers_glm.checkpoint.fp8 import decode_e4m3
+
+    fp8, _ = fp8_pair
+    key = "model.layers.0.mlp.down_proj.weight"
+
+    def with_byte(name: str, i: int, code: int | None) -> pathlib.Path:
+        out = tmp_path / name
+        shutil.copytree(fp8, out)
+        file = _shard_of(out, key)
+        b = bytearray(file.read_bytes())
+        off = _tensor_offset(file, key) + i
+        b[off] = b[off] ^ 0x80 if code is None else code
+        file.write_bytes(bytes(b))
+        return out
+
+    file = _shard_of(fp8, key)
+    raw = file.read_bytes()[_tensor_offset(file, key) :][:64]
+    i = next(j for j, v in enumerate(raw) if 0 < (v & 0x7F) < 0x7F)  # a finite nonzero element
+    value = float(decode_e4m3(np.array([raw[i]], np.uint8))[0])
+    code, r, text = _receipt(tmp_path, capsys, fp8, with_byte("flipped", i, None))
+    assert code == 1, text
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["differing_elements"] == 1 and d["max_abs_diff"] == 2 * abs(value), (d, value)
+    code, r, text = _receipt(tmp_path, capsys, with_byte("plus0", i, 0x00), with_byte("minus0", i, 0x80))
+    assert code == 1, text
+    (d,) = [d for d in r["differences"] if d["class"] == "value"]
+    assert d["differing_elements"] == 0 and d["bits_only_elements"] == 1 and "reason" in d, d

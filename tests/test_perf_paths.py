@@ -212,10 +212,10 @@ def test_sparse_stage_recall_scores_within_the_byte_budget(monkeypatch):
         queries.clear()
         end = model.model.end_forward
 
-        def terms(*a, **k):  # the indexer's terms (KL, recall) of the forward's records
+        def terms(*a, _end=end, **k):  # the indexer's terms (KL, recall) of the forward's records
             in_terms.append(1)
             try:
-                return end(*a, **k)
+                return _end(*a, **k)
             finally:
                 in_terms.clear()
 

@@ -236,21 +236,34 @@ def compare_indexer(ref: dict[str, Any], cand: dict[str, Any], steps: int, atol:
     if not a or not b:
         why = "only one run trained the indexer"
         return {"pass": False, "reason": why, "consistent_steps": 0, "max_diff": math.inf, "jumps": []}
-    c = compare_losses(b["mean_recall"], a["mean_recall"], steps=steps, atol=atol)
+    nan = [[math.nan if v is None else v for v in x["mean_recall"]] for x in (a, b)]  # null: a NaN the run wrote
+    c = compare_losses(nan[1], nan[0], steps=steps, atol=atol)
     c.update(stage={"reference": a["stage"], "paddle": b["stage"]}, layers=a["layers"], jumps=[])
     same = a["stage"] == b["stage"] and a["layers"] == b["layers"]
     per_layer = {}
+
+    def largest(m: str, j: int, n: int) -> float:
+        """The largest |difference| of layer j's measure over n steps; a value a run could not compute
+        (NaN, or null as a record writes it) makes it NaN, which no tolerance passes."""
+        diffs = (abs(x - y) if x is not None and y is not None else math.nan for x, y in pairs(m, j, n))
+        return max(diffs, key=_rank, default=0.0)
+
+    def pairs(m: str, j: int, n: int):
+        return ((a[m][s][j], b[m][s][j]) for s in range(n))
+
     if same:
         for j, layer in enumerate(a["layers"]):
             n = min(len(a["recall"]), len(b["recall"]), steps)
             per_layer[str(layer)] = {
-                "recall_max_diff": max((abs(a["recall"][s][j] - b["recall"][s][j]) for s in range(n)), default=0.0),
-                "kl_max_diff": max((abs(a["kl"][s][j] - b["kl"][s][j]) for s in range(n)), default=0.0),
+                "recall_max_diff": largest("recall", j, n),
+                "kl_max_diff": largest("kl", j, n),
                 "recall_first": a["recall"][0][j] if n else None,
                 "recall_last": a["recall"][n - 1][j] if n else None,
             }
     c["per_layer"] = per_layer
-    worst = max((max(v["recall_max_diff"], v["kl_max_diff"]) for v in per_layer.values()), default=0.0)
+    worst = max(
+        (d for v in per_layer.values() for d in (v["recall_max_diff"], v["kl_max_diff"])), key=_rank, default=0.0
+    )
     c["pass"] = same and c["enough_steps"] and c["consistent_steps"] == steps and worst <= atol
     if not same:
         c["reason"] = f"stage / layers differ: reference {a['stage']} {a['layers']}, paddle {b['stage']} {b['layers']}"
@@ -468,6 +481,8 @@ def first_difference(comps: dict[str, Any], dump_steps: list[int]) -> dict[str, 
             else:  # only near-eps elements are beyond (their loose) tolerance: the largest such difference
                 worst = max(bad, key=lambda d: _rank(d.get("near_eps", {}).get("max_abs_diff", 0.0)))
             out.update(tensor=worst["key"], value=worst.get("value"), max_abs_diff=worst.get("max_abs_diff"))
+            if worst.get("what") == "shape":
+                out["shapes"] = {"reference": worst["ref"], "paddle": worst["cand"]}
             out["tolerance"] = worst.get("tolerance", c["tolerance"])
             if "near_eps" in worst and not worst.get("near_eps_ok", True):
                 out.update(near_eps=worst["near_eps"], near_eps_only=bool(worst.get("tolerance_ok")))
@@ -853,7 +868,10 @@ def run_align(args: argparse.Namespace) -> int:
                 first["tensor"]
                 or f"names on one side only {first.get('only_in_reference')} {first.get('only_in_paddle')}"
             )
-            size = f" {first['value']:.3g} (tolerance {first['tolerance']:g})" if first["tensor"] else ""
+            if first.get("shapes"):  # another shape: no value to compare
+                size = f" shape reference {first['shapes']['reference']} paddle {first['shapes']['paddle']}"
+            else:
+                size = f" {first['value']:.3g} (tolerance {first['tolerance']:g})" if first["tensor"] else ""
             if n := first.get("near_eps"):  # its near-eps elements are beyond their loose tolerance
                 loose = f" near-eps elements max |diff| {n['max_abs_diff']:.3g} (tolerance {n['tolerance']:g}"
                 loose += f", {n['beyond_tolerance']} of {n['elements']} elements beyond it)"

@@ -23,7 +23,7 @@ from .._io import read_json
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.finite import count_nonfinite_raw
 from ..checkpoint.fleet import FUSED_FFN_KEY, fused_ffn_shards
-from ..checkpoint.fp8 import Fp8Source, fp8_pairs, quantization_of
+from ..checkpoint.fp8 import Fp8Source, decode_e4m3, fp8_pairs, quantization_of
 from ..checkpoint.safetensors_io import (
     Checkpoint,
     bf16_bits_to_float32,
@@ -105,6 +105,9 @@ def file_safety_problems(paths: list[str]) -> list[dict[str, str]]:
 
 
 def _as_float(arr: np.ndarray, st_dtype: str) -> np.ndarray:
+    """Values of a tensor read as stored (bf16 and FP8 as their bit patterns) in float64."""
+    if st_dtype == "F8_E4M3":  # its bytes' values, not the bytes as numbers (+1.0 against -1.0: 2, not 128)
+        return decode_e4m3(arr).astype(np.float64)
     return (bf16_bits_to_float32(arr) if st_dtype == "BF16" else arr).astype(np.float64)
 
 
@@ -437,6 +440,16 @@ def check_checkpoints(
     if shared := _shared_files(ref, cand):
         report["errors"].append(shared)
     quant_mixed = bool(ref.fp8) != bool(cand.fp8)
+    fp8_bytes = {
+        n: any(i.dtype == "F8_E4M3" for i in s.ckpt.tensors.values()) if s.ckpt else False for n, s in sides.items()
+    }
+    for name, other in (("ref", "cand"), ("cand", "ref")):
+        if fp8_bytes[name] and not sides[name].fp8 and not fp8_bytes[other] and not report["errors"]:
+            report["errors"].append(
+                f"{name} holds F8_E4M3 weights but no config.json (its quantization_config pairs them with their "
+                f"scales): it cannot be compared by value with the unquantized {other}; put the checkpoint's "
+                "config.json beside its weights"
+            )
     if not report["errors"] and layout is not None and cand.layout not in (layout, "unknown"):
         report["errors"].append(f"cand: declared layout {layout!r} but its keys are the {cand.layout!r} layout")
     if not report["errors"] and quant_mixed and ref.layout != cand.layout:
@@ -473,6 +486,7 @@ def check_checkpoints(
         missing = [name for name, s in sides.items() if s.config_json is None]
         if len(missing) == 1:  # no config.json beside its weights: not a list of differing keys
             entry["missing_in"] = missing[0]
+            entry["other_keys"] = len(sides["ref" if missing[0] == "cand" else "cand"].config_json or {})
         report["differences"].append(entry)
     pre: list[dict[str, Any]] = []
     if shards["ref"] != shards["cand"]:  # the same bytes load as other weights
@@ -528,7 +542,7 @@ def _reasons(report: dict[str, Any], counts: dict[str, int], ref: _Side, cand: _
     """Why a comparison that ran is a mismatch: one line per failed condition of the verdict."""
     out = []
     if counts["structural"]:
-        out.append(f"structural differences: {counts['structural']} (tensors with no counterpart on the other side)")
+        out.append(f"structural differences: {counts['structural']} (see the structural lines)")
     if counts["value"]:  # the tensors are named on the value lines (the key on this line too would come first)
         vs = report["value_summary"]
         why = [f"largest max_abs_diff {_fmt(vs['max_abs_diff'])}"] if vs["max_abs_diff_key"] is not None else []
@@ -809,7 +823,7 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             more += d.get("differing_truncated", 0)
         elif d["class"] == "config" and "missing_in" in d:
             other = "ref" if d["missing_in"] == "cand" else "cand"
-            shown.append(f"  config: {d['missing_in']} has no config.json ({other}'s has {len(d['keys'])} keys)")
+            shown.append(f"  config: {d['missing_in']} has no config.json ({other}'s has {d['other_keys']} keys)")
         else:
             shown.append(f"  {d['class']}: {d.get('keys')}")
     lines += shown[:_SUMMARY_LINES]
