@@ -233,18 +233,21 @@ def test_meta_json_fields_are_checked_by_name(saved, tmp_path):
         ("history", {"losses": ["x"]}, "`history` must be an object of number lists"),
         ("history", {"eval": [{"losses": 1.0}]}, "`history.eval` must be a list of records with a step"),
         ("history", {"eval": "x"}, "`history.eval` must be a list of records with a step"),
+        ("skipped_steps", [0], "`skipped_steps` must be a list of step numbers, got [0]"),
+        ("skipped_steps", [-5], "`skipped_steps` must be a list of step numbers, got [-5]"),
     ]:
         (folder / "meta.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(ResumeStateError) as e:
             check_resume_state(str(folder))
         assert str(e.value).startswith(str(folder / "meta.json")) and expect in str(e.value), str(e.value)
-    # a curve shorter than the steps (measured before: resumed, and loss.json's losses, grad_norms and
-    # lrs then had different lengths)
+    # a curve shorter or longer than the steps (measured before: resumed, and loss.json's losses,
+    # grad_norms and lrs then had different lengths)
     n = good["step"]
     for key in ("losses", "grad_norms", "lrs"):
-        (folder / "meta.json").write_text(json.dumps({**good, "history": {**good["history"], key: [1.0] * (n - 1)}}))
-        with pytest.raises(ResumeStateError, match=rf"`history.{key}` must be a list of {n} entries .*, got {n - 1}"):
-            check_resume_state(str(folder))
+        for m in (n - 1, n + 1):
+            (folder / "meta.json").write_text(json.dumps({**good, "history": {**good["history"], key: [1.0] * m}}))
+            with pytest.raises(ResumeStateError, match=rf"`history.{key}` must be a list of {n} entries .*, got {m}"):
+                check_resume_state(str(folder))
 
 
 def test_a_malformed_rng_state_is_named_before_launch(saved, tmp_path):
@@ -257,6 +260,8 @@ def test_a_malformed_rng_state_is_named_before_launch(saved, tmp_path):
     rng = good["rng"]
     for edit, expect in [
         ({"numpy": {**rng["numpy"], "keys": rng["numpy"]["keys"][:5]}}, "`rng.numpy.keys` must be 624 unsigned"),
+        ({"numpy": {**rng["numpy"], "keys": [-1, *rng["numpy"]["keys"][1:]]}}, "`rng.numpy.keys` must be 624 unsigned"),
+        ({"python": {**rng["python"], "state": [*rng["python"]["state"][:-1], 2**32]}}, "`rng.python.state` must be"),
         ({"numpy": {**rng["numpy"], "kind": 7}}, "`rng.numpy.kind` must be a string"),
         ({"python": {**rng["python"], "state": "x"}}, "`rng.python.state` must be 625 unsigned"),
         ({"python": {**rng["python"], "gauss_next": "x"}}, "`rng.python.gauss_next` must be a number"),
@@ -268,6 +273,19 @@ def test_a_malformed_rng_state_is_named_before_launch(saved, tmp_path):
         with pytest.raises(ResumeStateError) as e:
             check_resume_state(str(folder))
         assert str(e.value).startswith(str(file)) and expect in str(e.value), str(e.value)
+
+
+def test_a_rank_file_that_says_another_rank_is_refused_before_launch(saved, tmp_path):
+    """``rank_N.json`` records the rank N that wrote it (docs/failure-modes.md, "Resume state"): one
+    that says another rank (a renamed or swapped file, whose RNG state would be restored into the
+    wrong process) is refused naming the file and the field, before any worker starts."""
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    file = folder / "rank_00000.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "rank": 1}))
+    with pytest.raises(ResumeStateError) as e:
+        check_resume_state(str(folder))
+    assert str(e.value) == f"{file}: `rank` must be 0, got 1", str(e.value)
 
 
 def test_old_pickle_format_is_refused_without_unpickling(saved, tmp_path):
@@ -303,6 +321,117 @@ def test_flex_metadata_pointing_outside_its_folder_is_refused(saved, tmp_path):
     meta_file.write_bytes(pickle.dumps(md))
     with pytest.raises(ResumeStateError, match=r"a tensor file name <rank>_<id>\.safetensors in the same folder"):
         check_resume_state(str(folder))
+
+
+KEY = "model/layers.0.o_proj.weight"  # one piece of [32, 32] at (0, 0) in the world-1 state
+
+
+def _edit_pieces(folder: Path, key: str, pieces: list[tuple[tuple, tuple, tuple]]) -> None:
+    """flex/0.metadata with ``key``'s pieces replaced by ``pieces`` (global offset, local shape, global
+    shape), each placed in the file that held the key."""
+    import dataclasses
+
+    meta_file = folder / "flex" / "0.metadata"
+    md = restricted_unpickle(str(meta_file), FLEX_METADATA_CLASSES)
+    (m,) = md.state_dict_metadata[key]
+    (idx,) = [i for i in md.storage_metadata if i.tensor_key == key]
+    name = md.storage_metadata.pop(idx)
+    md.state_dict_metadata[key] = []
+    for off, local, shape in pieces:
+        md.state_dict_metadata[key].append(
+            dataclasses.replace(m, global_offset=off, local_shape=local, global_shape=shape)
+        )
+        md.storage_metadata[dataclasses.replace(idx, global_offset=off, local_shape=local)] = name
+    meta_file.write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize(
+    "pieces, expect",
+    [
+        ([((1, 0), (32, 32), (32, 32))], "must be pieces inside the global shape [32, 32]"),
+        ([((0, 1), (32, 32), (32, 33))], "must be pieces that cover the global shape [32, 33]"),
+        ([((0, 0), (32, 32), (32, 32)), ((16, 0), (16, 32), (48, 32))], "must be pieces (not flattened) of one"),
+        ([((0, 0), (32, 32), (48, 32)), ((16, 0), (16, 32), (48, 32))], "must be pieces that do not overlap"),
+        ([((-1, 0), (32, 32), (32, 32))], "must be a list of LocalTensorMetadata"),
+        ([((0, 0), (16, 32), (16, 32))], "has shape [16, 32] in the metadata, [32, 32] in the file"),
+    ],
+    ids=["past-the-end", "gap", "two-global-shapes", "overlap", "negative-offset", "other-shape-than-the-file"],
+)  # fmt: skip
+def test_flex_pieces_that_do_not_tile_their_tensor_are_refused_by_key(saved, tmp_path, pieces, expect):
+    """The pieces flex metadata gives a key tile its global shape exactly and have the shape their
+    tensor file holds (docs/failure-modes.md, "Resume state"): a piece reaching past the tensor or
+    starting before it, a gap, an overlap, two global shapes, or a piece whose shape is not the one in
+    the file is refused before launch naming the metadata file and the key. Paddle's resharder copies
+    whatever rows overlap its target, so such a piece would load shifted weights into the run."""
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    _edit_pieces(folder, KEY, pieces)
+    with pytest.raises(ResumeStateError) as e:
+        check_resume_state(str(folder))
+    msg = str(e.value)
+    assert msg.startswith(f"{folder / 'flex' / '0.metadata'}: ") and repr(KEY) in msg and expect in msg, msg
+
+
+def _link_tensor_file_out(folder: Path) -> None:
+    outside = folder.parent / "outside.safetensors"
+    shutil.move(folder / "flex" / "0_0.safetensors", outside)
+    os.symlink(outside, folder / "flex" / "0_0.safetensors")
+
+
+def _place_an_absent_key(folder: Path) -> None:
+    import dataclasses
+
+    meta_file = folder / "flex" / "0.metadata"
+    md = restricted_unpickle(str(meta_file), FLEX_METADATA_CLASSES)
+    md.state_dict_metadata["model/nope"] = list(md.state_dict_metadata[KEY])
+    (idx,) = [i for i in md.storage_metadata if i.tensor_key == KEY]
+    md.storage_metadata[dataclasses.replace(idx, tensor_key="model/nope")] = md.storage_metadata[idx]
+    meta_file.write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (_link_tensor_file_out, "flex/0.metadata: tensor 'model/embed_tokens.weight' is stored in 0_0.safetensors, "
+         "which is not a file in"),
+        (_place_an_absent_key, "flex/0.metadata: places 'model/nope' in 0_0.safetensors, which has no such tensor"),
+        (lambda f: (f / "flex" / "0_0.distcp").write_bytes(b"x"), "flex/0_0.distcp: a resume state of the earlier"),
+    ],
+    ids=["tensor-file-linked-out", "key-absent-from-its-file", "old-format-file"],
+)  # fmt: skip
+def test_flex_tensor_files_are_the_checkpoints_own_and_hold_what_the_metadata_places(saved, tmp_path, edit, expect):
+    """A flex tensor file is a plain file of the checkpoint's ``flex/`` folder (a link leaving it is
+    refused, as a name leaving it is), holds every key the metadata places in it, and an earlier
+    pickle-format file (``*.distcp``) in ``flex/`` is refused unopened (docs/failure-modes.md,
+    "Resume state"): each before launch, naming the file."""
+    folder = tmp_path / STEP
+    shutil.copytree(saved / STEP, folder)
+    edit(folder)
+    with pytest.raises(ResumeStateError) as e:
+        check_resume_state(str(folder))
+    assert expect in str(e.value), str(e.value)
+
+
+def test_latest_is_read_again_when_its_folder_is_pruned_while_it_moves_on(tmp_path, monkeypatch):
+    """A run still saving into the root may prune the step ``latest`` named at the first read and move
+    ``latest`` on (docs/failure-modes.md, "Resume state": ``--resume ROOT`` against a live root): the
+    name is read again and the newer step folder is resumed, not refused as missing."""
+    from paddleformers_glm.train import state_files
+
+    root = tmp_path / "checkpoints"
+    (root / "step_00000002").mkdir(parents=True)
+    latest = root / "latest"
+    latest.write_text("step_00000001\n")  # pruned: its folder is gone
+    real, reads = state_files._latest_name, []
+
+    def moving(r, file):
+        reads.append(real(r, file))
+        latest.write_text("step_00000002\n")  # the other run's next save lands after this read
+        return reads[-1]
+
+    monkeypatch.setattr(state_files, "_latest_name", moving)
+    assert resolve_resume_state(str(root)) == str(root / "step_00000002")
+    assert reads[0] == "step_00000001" and reads[-1] == "step_00000002", reads
 
 
 # ------------------------------------------------------------------ the tensors inside a rank file
@@ -355,10 +484,20 @@ M1 = "optimizer/embed_tokens.weight/moment1"
         ("unknown kind", lambda t: {**t, "optimizer/embed_tokens.weight/moment3": t[M1]},
          "`optimizer/embed_tokens.weight/moment3`: no such optimizer state (beta1_pow_acc, beta2_pow_acc, moment1, "
          "moment2)"),
+        ("parameter entry missing", lambda t: {k: v for k, v in t.items() if not k.startswith("optimizer/embed_tokens.weight/")},
+         "no optimizer state for 1 parameter(s) this rank updates that the state says stepped (meta.json "
+         "flex.stepped): ['embed_tokens.weight']"),
+        ("stray prefix", lambda t: {**t, "stray/embed_tokens.weight/moment1": t[M1] * 0},
+         "unexpected tensor 'stray/embed_tokens.weight/moment1' (model/<name> or optimizer/<name>/<kind>)"),
+        ("model tensor missing", lambda t: {k: v for k, v in t.items() if k != "model/layers.0.o_proj.weight"},
+         "model tensors missing: ['model/layers.0.o_proj.weight']"),
     ],
 )  # fmt: skip
 def test_a_state_tensor_of_another_dtype_shape_or_kind_is_refused_by_name(toy_step2, tmp_path, case, change, expect):
-    """A rank file whose tensors are not this run's state: refused naming the file and the tensor.
+    """A rank file whose tensors are not this run's state: refused naming the file and the tensor
+    (docs/failure-modes.md, "Resume state"). Every parameter this rank updates that the state says
+    stepped (meta.json ``flex.stepped``) has all its moments there, a model tensor is never absent, and
+    a tensor outside ``model/`` and ``optimizer/`` is not taken for optimizer state.
     Before, an integer model tensor or moment was cast silently (measured: the step-3 loss 4.7478 for
     the uninterrupted 4.6749 with an I64 embedding), a missing moment restarted from zero (step-4 loss
     4.489652 for 4.489375), a moment of another shape failed in Paddle's ``set_value`` with Paddle's
@@ -375,10 +514,13 @@ def test_a_state_tensor_of_another_dtype_shape_or_kind_is_refused_by_name(toy_st
     assert expect in str(e.value), str(e.value)
 
 
-def test_nonfinite_optimizer_state_is_refused_naming_the_tensor(toy_step2, tmp_path):
-    """A NaN moment (or master weight) is refused at the load like a NaN weight; before, the resumed
-    run took its step-3 update with it and finished with NaN weights (a four-step run stopped at
-    step 4 on a non-finite loss blamed on the gradients)."""
+@pytest.mark.parametrize("key, kind", [(M1, "optimizer moment"), ("model/layers.0.o_proj.weight", "weight")])
+def test_nonfinite_optimizer_state_is_refused_naming_the_tensor(toy_step2, tmp_path, key, kind):
+    """A NaN moment (or master weight) is refused at the load like a NaN weight, as the state's, naming
+    the rank file and the tensor (docs/failure-modes.md, "Resume state"), never left to the next step
+    to blame on its gradients; before, the resumed run took its step-3 update with a NaN moment and
+    finished with NaN weights (a four-step run stopped at step 4 on a non-finite loss blamed on the
+    gradients)."""
     import numpy as np
 
     from paddleformers_glm.checkpoint.finite import NonFiniteError
@@ -388,13 +530,16 @@ def test_nonfinite_optimizer_state_is_refused_naming_the_tensor(toy_step2, tmp_p
     shutil.copytree(toy_step2[0], folder)
 
     def one_nan(t):
-        m = t[M1].copy()
+        m = t[key].copy()
         m.reshape(-1)[5] = np.nan
-        return {**t, M1: m}
+        return {**t, key: m}
 
     _rewrite_rank_file(folder, one_nan)
-    with pytest.raises(NonFiniteError, match=r"hold NaN or Inf: optimizer/embed_tokens\.weight/moment1 \(1 values\)"):
+    with pytest.raises(NonFiniteError) as e:
         run_training(_toy(tmp_path / "out", resume=str(folder)))
+    msg = str(e.value)
+    assert msg.startswith(f"--resume: {folder / 'rank_00000.safetensors'} (the state of rank 0): "), msg
+    assert f"hold NaN or Inf: {key} (1 values) [{kind}]" in msg, msg
 
 
 def test_the_toy_state_resumes_bit_for_bit(toy_step2, tmp_path):

@@ -193,6 +193,31 @@ def test_a_stopped_save_removes_its_own_tmp(tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000001"]
 
 
+def test_a_save_stopped_at_its_rename_leaves_latest_on_the_previous_step(tmp_path, monkeypatch, capsys):
+    """``latest`` names a step folder only once that folder is in place under its final name
+    (docs/parallel.md, "Checkpoints"): a save stopped at the rename of its ``step_N.tmp`` (here a
+    KeyboardInterrupt, SIGINT's, raised by that rename) leaves ``latest`` on the previous whole step,
+    which ``--resume OUT`` then finds and can read."""
+    from paddleformers_glm.train.state_files import check_resume_state, resolve_resume_state
+
+    real = os.replace
+
+    def stopped(src, dst, *a, **kw):
+        if str(src).endswith("step_00000002.tmp"):
+            raise KeyboardInterrupt
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "replace", stopped)
+    out = tmp_path / "run"
+    assert _train_toy(out, "--save-every", "1") == 130
+    capsys.readouterr()
+    monkeypatch.setattr(os, "replace", real)
+    ckpt = out / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step_00000001\n"
+    assert resolve_resume_state(str(out)) == str(ckpt / "step_00000001")
+    assert check_resume_state(str(out))[1]["step"] == 1
+
+
 def test_a_save_sweeps_what_earlier_saves_left(tmp_path, capsys):
     """A killed save's ``step_N.tmp`` stayed until step N was saved again; now the next save removes
     it, and a ``step_N.old`` whose ``step_N`` is there. A ``step_N.old`` without its ``step_N`` (a

@@ -329,6 +329,7 @@ def _load_step_folder(
             infos = {n: st for n, st in infos.items() if n in trained}
         layout = optimizer.state_layout()  # every accumulator and master, created now if not yet
         _check_optimizer_state(file, infos, layout)
+        _check_stepped_present(file, infos, optimizer, set(meta["flex"]["stepped"]))
         for n, st in infos.items():  # a NaN moment or fp32 master would poison the first update
             for kind, i in st.items():
                 if c := count_nonfinite_raw(reader.raw(i.key), i.dtype):
@@ -395,6 +396,22 @@ def _check_optimizer_state(file: str, infos: dict[str, dict[str, Any]], layout: 
                 raise ResumeStateError(
                     f"{file}: `optimizer/{n}` lacks {', '.join(lacking)} (has {', '.join(sorted(st))})"
                 )
+
+
+def _check_stepped_present(file: str, infos: dict[str, dict[str, Any]], optimizer: AdamW, stepped: set[str]) -> None:
+    """Every parameter this rank updates (its own share under sharding) that the state says stepped
+    (meta.json ``flex.stepped``) has its moments in ``infos``: a parameter whose whole entry is absent
+    would restart its moments from zero as silently as one missing moment would."""
+    absent = sorted(
+        n
+        for n, p in optimizer.params
+        if n in stepped and p.name in optimizer._own and not set(infos.get(n, {})) - {"master"}
+    )
+    if absent:
+        raise ResumeStateError(
+            f"{file}: no optimizer state for {len(absent)} parameter(s) this rank updates that the state says "
+            f"stepped (meta.json flex.stepped): {absent[:5]}; their moments would restart from zero"
+        )
 
 
 # ---------------------------------------------------------------- flex-checkpoint (any layout)

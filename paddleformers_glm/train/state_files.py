@@ -535,8 +535,45 @@ def _fields_ok(obj: Any, cls: type) -> bool:
     return all((k.endswith("?") and getattr(obj, f) is None) or _KINDS[k[0]](getattr(obj, f)) for f, k in kinds)
 
 
+def _check_pieces(key: str, entries: list[Any], file: str) -> None:
+    """The pieces of one flex key tile its global shape exactly, as the trainer's save writes them: at
+    least one, none flattened, one ``global_shape`` for all, each of its rank inside it
+    (``0 <= offset``, ``offset + local_shape <= global_shape``), no two overlapping and together as
+    large as it (so no gap).  A piece reaching past its tensor, or a gap, would load shifted or
+    freshly initialised rows into the run without a word."""
+    where = f"state_dict_metadata[{key!r}]"
+    shapes = {m.global_shape for m in entries}
+    ok = bool(entries) and len(shapes) == 1 and None not in shapes and not any(m.is_flattened for m in entries)
+    _require(ok, file, where, "pieces (not flattened) of one global_shape", entries)
+    (shape,) = shapes
+    boxes = []
+    for m in entries:
+        off, local = m.global_offset, m.local_shape
+        ok = len(off) == len(local) == len(shape) and all(
+            0 <= o and 0 <= n and o + n <= g for o, n, g in zip(off, local, shape)
+        )
+        _require(ok, file, where, f"pieces inside the global shape {list(shape)}", m)
+        boxes.append([(o, o + n) for o, n in zip(off, local)])
+    for i, a in enumerate(boxes):
+        for b in boxes[:i]:
+            if all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a, b)):
+                _require(False, file, where, "pieces that do not overlap", entries)
+    ok = sum(math.prod(n for n in m.local_shape) for m in entries) == math.prod(shape)
+    _require(ok, file, where, f"pieces that cover the global shape {list(shape)}", entries)
+
+
+def _piece_of(sdm: dict[str, list[Any]], idx: Any) -> Any:
+    """The piece (``LocalTensorMetadata``) of ``sdm`` the storage index ``idx`` names, or None."""
+    for m in sdm.get(idx.tensor_key, []):
+        if m.global_offset == idx.global_offset and idx.local_shape in (None, m.local_shape) and not idx.is_flattened:
+            return m
+    return None
+
+
 def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
-    """The tensor files a validated flex ``Metadata`` points at (each a plain name in ``folder``)."""
+    """The tensor files a validated flex ``Metadata`` points at (each a plain name in ``folder``): every
+    field of its type, each key's pieces tiling its global shape (:func:`_check_pieces`), and every
+    piece placed in exactly the file its storage index names (no index of a piece it does not list)."""
     from paddle.distributed.flex_checkpoint.dcp.metadata import LocalTensorIndex, LocalTensorMetadata, Metadata
 
     _require(_fields_ok(md, Metadata), file, "(top level)", "a flex-checkpoint Metadata", type(md).__name__)
@@ -546,19 +583,28 @@ def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
         ok = isinstance(key, str) and isinstance(entries, list)
         ok = ok and all(_fields_ok(m, LocalTensorMetadata) for m in entries)
         _require(ok, file, f"state_dict_metadata[{key!r}]", "a list of LocalTensorMetadata", entries)
+        _check_pieces(key, entries, file)
     _require(isinstance(storage, dict), file, "storage_metadata", "a dict", type(storage).__name__)
     files: set[str] = set()
+    placed: set[tuple[str, tuple[int, ...]]] = set()
     for idx, name in storage.items():
         _require(_fields_ok(idx, LocalTensorIndex), file, "storage_metadata", "LocalTensorIndex keys", idx)
         ok = isinstance(name, str) and _FLEX_DATA_NAME.fullmatch(name) is not None
         where = f"storage_metadata[{idx.tensor_key!r}]"
         _require(ok, file, where, "a tensor file name <rank>_<id>.safetensors in the same folder", name)
+        piece = _piece_of(sdm, idx)
+        _require(piece is not None, file, where, "the index of one of the key's pieces in state_dict_metadata", idx)
+        placed.add((idx.tensor_key, piece.global_offset))
         path = os.path.join(folder, name)
         if os.path.islink(path) or not os.path.isfile(path):
             raise ResumeStateError(
                 f"{file}: tensor {idx.tensor_key!r} is stored in {name}, which is not a file in {folder}"
             )
         files.add(name)
+    for key, entries in sdm.items():
+        for m in entries:
+            if (key, m.global_offset) not in placed:
+                _require(False, file, f"state_dict_metadata[{key!r}]", "pieces storage_metadata places in a file", m)
     ok = flat is None or (
         isinstance(flat, dict)
         and all(
@@ -572,7 +618,8 @@ def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
 def read_flex_metadata(folder: str) -> tuple[Any, str, list[str]]:
     """(validated ``Metadata``, its file, the tensor files) of a flex-checkpoint folder written with
     ``safetensors=True``: the metadata pickle through the allow-list, the tensor files' headers by
-    the strict reader, every key the metadata places in a file present in that file."""
+    the strict reader, every key the metadata places in a file present in that file with the piece's
+    shape (read from the header: no tensor data is loaded)."""
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.safetensors_io import parse_header
 
@@ -587,15 +634,20 @@ def read_flex_metadata(folder: str) -> tuple[Any, str, list[str]]:
         raise ResumeStateError(f"{file}: a link; the metadata must be a file of the checkpoint")
     md = restricted_unpickle(file, FLEX_METADATA_CLASSES)
     files = _check_flex_metadata(md, file, folder)
-    keys: dict[str, set[str]] = {}
+    keys: dict[str, dict[str, Any]] = {}
     for n in files:
         try:
-            keys[n] = set(parse_header(os.path.join(folder, n))[0])
+            keys[n] = parse_header(os.path.join(folder, n))[0]
         except CheckpointError as e:
             raise ResumeStateError(f"{os.path.join(folder, n)}: {e}") from e
     for idx, n in md.storage_metadata.items():
         if idx.tensor_key not in keys[n]:
             raise ResumeStateError(f"{file}: places {idx.tensor_key!r} in {n}, which has no such tensor")
+        stored, local = list(keys[n][idx.tensor_key].shape), list(_piece_of(md.state_dict_metadata, idx).local_shape)
+        if stored != local:
+            raise ResumeStateError(
+                f"{file}: the piece of {idx.tensor_key!r} in {n} has shape {local} in the metadata, {stored} in the file"
+            )
     return md, file, files
 
 
