@@ -44,3 +44,46 @@ def test_a_sharding_state_resumes_at_dp_of_the_same_world_and_continues_the_run(
         assert len(r[key]) == STEPS, (key, r[key])
         d = max(abs(a - b) for a, b in zip(full[key][SAVE_AT:], r[key][SAVE_AT:]))
         assert d <= TOL, f"{key} after the resume differ by {d} ({full[key]} vs {r[key]})"
+
+
+def test_a_warmup_state_at_sharding_resumes_in_the_sparse_stage_at_the_same_layout(tmp_path):
+    """docs/indexer.md, "Resuming across stages": a warm-up checkpoint resumes in the sparse stage.
+    Under ``--sharding 2`` Fleet splits the optimizer's parameter list among the sharding ranks, and
+    the stage changes that list (the indexers only, then the whole model), so each rank file holds
+    another split than the run's: read as a same-layout state, the workers refused it ("optimizer
+    state for parameters this run does not update"). It is read through ``flex/`` as a layout change
+    is, and the run equals the same resume at ``--dp 2`` (which went through ``flex/`` already)."""
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    base = ["--model", str(ckpt), "--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    sparse = [*base, "--steps", "2", "--indexer-stage", "sparse", "--indexer-loss-coeff", "0.1", "--seed", "7"]
+
+    def run(out, *extra):
+        p, secs = run_train_cli([*extra, "--out", str(tmp_path / out)], timeout=300)
+        if p.returncode != 0:
+            pytest.fail(
+                f"{out} failed (rc {p.returncode}) in {secs:.1f}s:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path / out)}"
+            )
+        return losses(tmp_path / out)
+
+    run(
+        "warm",
+        *base,
+        "--steps",
+        "1",
+        "--save-every",
+        "1",
+        "--sharding",
+        "2",
+        "--indexer-stage",
+        "warmup",
+        "--seed",
+        "7",
+    )
+    state = tmp_path / "warm" / "checkpoints" / "step_00000001"
+    a = run("sharding2", *sparse, "--sharding", "2", "--resume", str(state))
+    b = run("dp2", *sparse, "--dp", "2", "--resume", str(state))
+    assert len(a["losses"]) == len(b["losses"]) == 2
+    d = max(abs(x - y) for x, y in zip(a["losses"][1:], b["losses"][1:]))
+    assert d <= TOL, (a["losses"], b["losses"])

@@ -299,7 +299,9 @@ def _load_step_folder(
             f"--resume {path}: checkpoint run settings differ from this run: "
             + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in sorted(fixed.items()))
         )
-    if diff:  # another parallel layout: reshard through flex-checkpoint
+    # another parallel layout, or another stage's trained set over sharding ranks (Fleet splits the
+    # optimizer's parameter list among them, so each rank file holds another split): through flex-checkpoint
+    if diff or (new_stage and int(saved.get("sharding") or 1) > 1):
         stepped = set(meta["flex"]["stepped"])
         _load_flex(os.path.join(path, FLEX_DIR), topo, model, optimizer, stepped & trained if new_stage else stepped)
         return meta
