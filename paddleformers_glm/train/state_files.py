@@ -595,11 +595,12 @@ def _check_flex_metadata(md: Any, file: str, folder: str) -> list[str]:
         piece = _piece_of(sdm, idx)
         _require(piece is not None, file, where, "the index of one of the key's pieces in state_dict_metadata", idx)
         placed.add((idx.tensor_key, piece.global_offset))
-        path = os.path.join(folder, name)
-        if os.path.islink(path) or not os.path.isfile(path):
-            raise ResumeStateError(
-                f"{file}: tensor {idx.tensor_key!r} is stored in {name}, which is not a file in {folder}"
-            )
+        if name not in files:  # each file once (one per rank; the official model has 300k+ keys)
+            path = os.path.join(folder, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                raise ResumeStateError(
+                    f"{file}: tensor {idx.tensor_key!r} is stored in {name}, which is not a file in {folder}"
+                )
         files.add(name)
     for key, entries in sdm.items():
         for m in entries:
