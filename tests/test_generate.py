@@ -1226,8 +1226,8 @@ def test_suppress_tokens_and_forced_eos_as_hf():
     """transformers 5.23's suppress_tokens (every step), begin_suppress_tokens (the first new token)
     and forced_eos_token_id (the last step: only those tokens, score 0), in HF's processor order, on
     a left-padded batch ([[0, 0, 5, 6, 7, 8], [9 .. 14]], greedy, eos [], pad 0, 4 new tokens): the
-    tokens in _PROC_CASES, measured with HF's generate; a forced EOS all of whose tokens are suppressed
-    is refused as HF refuses it. Before: each option refused ("is not supported")."""
+    tokens in _PROC_CASES, measured with HF's generate; a forced EOS or BOS all of whose tokens are
+    suppressed is refused as HF refuses it. Before: each option refused ("is not supported")."""
     model, _ = _fixture("tiny")
     ids = paddle.to_tensor(_EMBEDS_IDS)
     mask = paddle.to_tensor(_EMBEDS_MASK)
@@ -1241,6 +1241,10 @@ def test_suppress_tokens_and_forced_eos_as_hf():
     assert (np.isfinite(last).sum(1) == 1).all() and (last[:, 7] == 0).all()
     with pytest.raises(ValueError, match="every token in forced_eos_token_id"):
         model.generate(ids, mask, forced_eos_token_id=7, suppress_tokens=[7])
+    # a forced BOS token HF refuses likewise (GenerationConfig.validate); taken, a one-token prompt's
+    # forcing step had every score -inf and gave token 0
+    with pytest.raises(ValueError, match="every token in forced_bos_token_id 7 is also in suppress_tokens"):
+        model.generate(ids[:1, -1:], max_new_tokens=2, forced_bos_token_id=7, suppress_tokens=[7])
 
 
 def test_min_p_as_hf_min_p_warper():
@@ -2032,8 +2036,8 @@ def test_beam_sampling_as_hf():
     the log-probabilities keeping at least 1 + #EOS tokens (top_k 2 with two EOS ids keeps 3; an
     epsilon cutoff that would keep 1 keeps 2), the continuations are drawn from the summed scores,
     the rest is beam search: each returned sequence's score is its steps' processed scores summed
-    along ``beam_indices`` over its length ** length_penalty. A seed repeats a run. Too few tokens
-    to draw from are refused (transformers fails in its multinomial). Before: refused ("beam
+    along ``beam_indices`` over its length ** length_penalty. A seed repeats a run. Fewer tokens with a
+    probability than continuations drawn leave the rest at -inf, never chosen. Before: refused ("beam
     sampling is not supported")."""
     model, _ = _fixture("tiny")
     ids, mask = paddle.to_tensor(_EMBEDS_IDS), paddle.to_tensor(_EMBEDS_MASK)
@@ -2053,8 +2057,15 @@ def test_beam_sampling_as_hf():
             np.testing.assert_allclose(out.sequences_scores.numpy()[r], total / n**lp, rtol=1e-5)
     runs = {tuple(model.generate(ids, mask, seed=s, **kw, **opts).sequences.numpy().ravel()) for s in range(4)}
     assert len(runs) > 1  # sampled, not the beam search's one answer
-    with pytest.raises(ValueError, match="beam sampling draws 4 continuations"):
-        model.generate(ids, mask, do_sample=True, num_beams=2, top_k=1, eos_token_id=[], max_new_tokens=2)
+    # fewer continuations with a probability than drawn (2 beams draw 4; top_k 1 leaves 1 per beam, a
+    # forced EOS 1): the others come last with -inf scores and never win, as transformers 5.23 runs them
+    # (its CPU multinomial without replacement returns the zero-probability ones last; measured, prompt
+    # [5, 6, 7], forced EOS 16: [5, 6, 7, 103, 148, 16])
+    for extra in ({"top_k": 1, "eos_token_id": []}, {"forced_eos_token_id": 16, "eos_token_id": [211]}):
+        out = model.generate(ids, mask, num_beams=2, max_new_tokens=3, seed=1, **kw, **extra)
+        assert np.isfinite(out.sequences_scores.numpy()).all(), extra
+        if "forced_eos_token_id" in extra:
+            assert (out.sequences.numpy()[:, -1] == 16).all()
 
 
 @pytest.mark.reference

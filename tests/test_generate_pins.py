@@ -119,3 +119,14 @@ def test_a_derived_generation_config_is_saved_as_hf(tmp_path):
     saved = json.loads((tmp_path / "saved" / "generation_config.json").read_text())
     assert saved == derived["saved"]
     assert saved["return_dict_in_generate"] is True and None not in saved.values()
+
+
+def test_beam_search_breaks_exact_ties_as_hf(model):
+    """HF's beam search takes its candidates with torch.topk over [batch, beams x vocab]; with three EOS
+    ids it keeps 4 x 3 = 12 of 3 x 256 (k x 64 = n), where torch's and Paddle's CPU top-k order equal
+    values differently.  Forcing two EOS ids at the last step scores each beam's two continuations
+    exactly alike.  Measured: prompt [[23, 9]], 3 beams, eos [82, 100, 153], forced EOS [153, 204]:
+    HF returns [23, 9, 136, 153]; taking the candidates in Paddle's order returned [23, 9, 136, 204]
+    (3 of 60 random prompts differed so)."""
+    out, _ = _assert_greedy_case(model, "beam_forced_eos_tie")
+    assert out.sequences.numpy().tolist() == [[23, 9, 136, 153]]

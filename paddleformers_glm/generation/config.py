@@ -697,10 +697,12 @@ def resolve_settings(
         )
     # transformers' MaxTimeCriteria: rows stop once more than max_time seconds passed since generate began
     r["max_time"] = None if get("max_time") is None else _number("max_time", get("max_time"), lambda t: True, "")
-    if r["forced_eos_token_id"] and set(r["forced_eos_token_id"]) <= set(r["suppress_tokens"] or []):
-        raise ValueError(  # as transformers: the forced step would have every logit -inf
-            f"generate: every token in forced_eos_token_id {r['forced_eos_token_id']} is also in suppress_tokens"
-        )
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        forced = r[name] if isinstance(r[name], list) else [] if r[name] is None else [r[name]]
+        if forced and set(forced) <= set(r["suppress_tokens"] or []):
+            raise ValueError(  # as transformers: the forced step would have every logit -inf
+                f"generate: every token in {name} {r[name]} is also in suppress_tokens"
+            )
     return GenerationConfig(max_new_tokens=new, min_new_tokens=min_new, pad_token_id=int(pad), stop_strings=stops, **r)
 
 

@@ -48,7 +48,7 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig, keep: int = 1) -> paddle.T
         x = paddle.where(drop, neg_inf, x)
     if s.min_p is not None:  # HF's MinPLogitsWarper: a token goes below min_p x the top probability
         p = paddle.nn.functional.softmax(x, axis=-1)
-        top = paddle.topk(p, min(keep, x.shape[-1]), axis=-1)[1]
+        top = _topk(p, min(keep, x.shape[-1]))[1]  # ties in torch.topk's order, as HF's
         x = paddle.where(_spared(p < s.min_p * p.max(axis=-1, keepdim=True), top), neg_inf, x)
     if s.typical_p is not None and s.typical_p < 1.0:
         x = paddle.where(_atypical(x, s.typical_p, keep), neg_inf, x)
@@ -58,13 +58,20 @@ def _warp(logits: paddle.Tensor, s: GenerationConfig, keep: int = 1) -> paddle.T
     return x
 
 
+def _topk(x: paddle.Tensor, k: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """``ops.topk`` (imported here: the generation settings are read before Paddle is)."""
+    from ..ops.selection import topk
+
+    return topk(x, k)
+
+
 def _entropy_tail(x: paddle.Tensor, top_h: float) -> paddle.Tensor:
     """The tokens HF's TopHLogitsWarper removes: of the 100 most likely (renormalised among
     themselves), those after the entropy summed from the most likely passes top_h x their entropy
     (the most likely always stays), and every other token."""
     import paddle
 
-    top, idx = paddle.topk(x, min(100, x.shape[-1]), axis=-1)
+    top, idx = _topk(x, min(100, x.shape[-1]))
     logp, p, ent = _entropy(top)
     terms = paddle.where(p > 0, -p * logp, paddle.zeros_like(p))
     keep = ((paddle.cumsum(terms, axis=-1) <= ent * top_h) & (p > 0)).astype("int32")

@@ -292,6 +292,7 @@ def _beam_search(
     import paddle
 
     from ..ops import log_softmax
+    from ..ops.selection import topk
 
     BK, S = input_ids.shape
     K, n_new, lp, stop = s.num_beams, s.max_new_tokens, s.length_penalty, s.early_stopping
@@ -329,11 +330,14 @@ def _beam_search(
             idx = _draw_without_replacement(total, keep, rng)
             vals = paddle.take_along_axis(total, paddle.to_tensor(idx), axis=-1).numpy()
         else:
-            vals, idx = (t.numpy() for t in paddle.topk(total, keep, axis=-1))
-        if s.do_sample and not np.isfinite(vals).all():  # transformers' multinomial raises here too
+            vals, idx = (t.numpy() for t in topk(total, keep))  # ties in torch.topk's order, as HF's
+        # fewer continuations with a probability than drawn (top_k=1, a forced token): the rest come last
+        # with -inf scores and never win, as transformers' multinomial without replacement gives them
+        # on the CPU; a prompt with none at all has nothing to continue with
+        if s.do_sample and not np.isfinite(vals).any(axis=-1).all():
             raise ValueError(
-                f"generate: beam sampling draws {keep} continuations per prompt, but fewer have a probability "
-                f"after the warpers (top_k={s.top_k}, top_p={s.top_p} ...); keep more tokens or use fewer beams"
+                f"generate: beam sampling found no continuation with a probability at step {step} after the "
+                f"warpers (top_k={s.top_k}, top_p={s.top_p} ...)"
             )
         beam, tok = idx // V, idx % V
         cand_seq, cand_src = run_seq[rows, beam], run_src[rows, beam]
@@ -549,9 +553,11 @@ def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Gene
     the noise from ``rng`` (float64, so no key ties), -inf scores never drawn."""
     import paddle
 
+    from ..ops.selection import topk
+
     noise = -np.log(-np.log(rng.random(scores.shape)))  # Gumbel(0, 1)
     keys = scores.astype("float64") + paddle.to_tensor(noise)
-    return paddle.topk(keys, k, axis=-1)[1].numpy()
+    return topk(keys, k)[1].numpy()
 
 
 def _top(x: np.ndarray, k: int) -> np.ndarray:
@@ -560,7 +566,9 @@ def _top(x: np.ndarray, k: int) -> np.ndarray:
     a stable sort's earlier-first order picked other beams among equal scores)."""
     import paddle
 
-    return paddle.topk(paddle.to_tensor(x, place=paddle.CPUPlace()), k, axis=1)[1].numpy()
+    from ..ops.selection import topk
+
+    return topk(paddle.to_tensor(x, place=paddle.CPUPlace()), k)[1].numpy()
 
 
 def _sample(
