@@ -36,6 +36,42 @@ def test_empty_row_gets_mean_of_all_values_like_an_all_masked_softmax():
     np.testing.assert_allclose(out.numpy()[:, 0], v.numpy().mean(1), atol=1e-6)
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest, ties to even), back as float32: numpy only."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_a_keyless_row_in_bf16_is_what_hfs_masked_softmax_gives():
+    """HF's eager attention gives a query that sees no key (left padding) a fully masked softmax row:
+    every weight 1/T rounded to the dtype, bf16(1/40) = 0.025024 here, then its matmul sums the values
+    in fp32.  So in bf16 the output is bf16(bf16(1/T) x sum(v)), not the values' mean; the mean moved a
+    left-padded row's logits by 0.8 and the loss from HF's 4.2360482 to 4.2244663 on a fuzzed model
+    (T = 9).  Every form gives HF's value (fp32 keeps the mean, which equals it to rounding)."""
+    from paddleformers_glm.modeling.attention_forms import dense_head_attention, sparse_latent_attention
+    from paddleformers_glm.ops import cpu_bf16
+
+    cpu_bf16.install()
+    q, k, v, idx = _random_case(empty_rows=2)
+    T = v.shape[1]
+    vb = v.astype("bfloat16")
+    v32 = _bf16(v.numpy())
+    weight = _bf16(np.float32([1.0 / T]))[0]
+    assert weight != np.float32(1.0 / T)  # 1/40 is not a bf16 number: the case tells the two apart
+    want = _bf16((v32.astype(np.float64).sum(1) * weight).astype(np.float32))  # [B, H, Dv]
+    for fn in (sparse_attention, dense_head_attention):
+        out, _ = fn(q.astype("bfloat16"), k.astype("bfloat16"), vb, idx, 0.3)
+        got = out.astype("float32").numpy()[:, 0]
+        np.testing.assert_array_equal(got, want, err_msg=fn.__name__)
+    kv = v[:, :, 0]  # [B, T, Dv]: the latent form's rows are keys and values at once
+    out, _ = sparse_latent_attention(q[:, :, :, : kv.shape[-1]].astype("bfloat16"), kv.astype("bfloat16"), idx, 0.3)
+    kv32 = _bf16(kv.numpy())
+    want = _bf16((kv32.astype(np.float64).sum(1) * weight).astype(np.float32))  # [B, Dv]
+    got = out.astype("float32").numpy()[:, 0]  # [B, H, Dv]: every head the same row
+    np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))
+
+
 def test_probs_sum_to_one_over_valid_slots():
     q, k, v, idx = _random_case()
     _, probs = sparse_attention(q, k, v, idx, 0.3, return_probs=True)

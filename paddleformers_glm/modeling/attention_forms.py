@@ -47,6 +47,24 @@ DENSE_MAX_SCORES = 1 << 20
 CHUNK_BYTES = 8 << 20
 
 
+def keyless_weight(n_keys: int, dtype: paddle.dtype) -> float:
+    """The weight each of ``n_keys`` values gets in the output of a query that sees no key: HF's
+    softmax of a fully masked row is uniform, 1 / n in the attention's dtype (bf16(1/48) = 0.02087,
+    not 1/48), and its matmul sums the values in fp32 with that weight; so the output is
+    ``keyless_weight * sum(values)``, the mean only where 1 / n is exact in the dtype."""
+    one = paddle.full([1], 1.0 / n_keys, dtype="float32")
+    return float(one.astype(dtype).astype("float32").item()) if dtype != paddle.float32 else 1.0 / n_keys
+
+
+def keyless_value(v: paddle.Tensor, axis: int = 1) -> paddle.Tensor:
+    """The output of a query that sees no key (left padding), kept as dim ``axis`` of ``v``'s values:
+    their fp32 sum x :func:`keyless_weight`, in ``v``'s dtype (fp32: their mean, as before)."""
+    if v.dtype == paddle.float32:
+        return v.mean(axis=axis, keepdim=True)
+    w = keyless_weight(v.shape[axis], v.dtype)
+    return (v.astype("float32").sum(axis=axis, keepdim=True) * w).astype(v.dtype)
+
+
 def dense_score_rows(seq_len: int, chunk_size: int, heads: int, keys: int, batch: int = 1) -> int:
     """Query rows per chunk of a dense [batch, rows, heads, keys] fp32 score pass (the indexer's dense
     KL, the sparse stage's recall): within `CHUNK_BYTES`, but never fewer than 16 rows (one matmul per
@@ -236,7 +254,7 @@ def sparse_attention(
         probs = nn.functional.softmax(scores, axis=-1).astype(v.dtype)
         out = paddle.matmul(probs.unsqueeze(3), v_sel.transpose([0, 1, 3, 2, 4])).squeeze(3)  # [B, C, H, Dv]
         # no host sync on "any row empty?": the select is cheap next to the gather
-        mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, Dv]
+        mean_v = keyless_value(v)  # [B, 1, H, Dv]
         out = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), out, mean_v.expand_as(out))
         outs.append(out)
         if return_probs:
@@ -446,7 +464,7 @@ def sparse_latent_attention(
     T, K = kv.shape[1], topk_idx.shape[-1]
     n_keys = None if T == S else T
     prep = prepare_topk(topk_idx, cache, n_keys)
-    table = paddle.concat([kv.reshape([B * T, D]), kv.mean(axis=1)], axis=0)  # [B*T + B, D]
+    table = paddle.concat([kv.reshape([B * T, D]), keyless_value(kv).reshape([B, D])], axis=0)  # [B*T + B, D]
     plan = _plan(B, S, H, D, K, chunk_size, n_keys)
     out, probs = _SparseLatentAttention.apply(q.reshape([B * S, H, D]), table, prep, plan, T, scale, return_probs)
     # the probabilities (a report and the indexer's KL target) take no gradient: detached here, not
@@ -611,7 +629,7 @@ class _DenseChunkAttention(PyLayer):
                 probs.append(paddle.take_along_axis(pm, paddle.clip(topk[b, r0:r1], min=0), axis=1) / H)
         dead = not bool(live.min())  # any query without keys (left padding): one host read
         if dead:
-            mean_v = v.mean(axis=1, keepdim=True)  # [B, 1, H, dv]
+            mean_v = keyless_value(v)  # [B, 1, H, dv]
             out = paddle.where(live.unsqueeze(-1).unsqueeze(-1) > 0, out, mean_v.expand(out.shape))
         ctx.save_for_backward(q, k, v, topk, live)
         ctx.scale, ctx.kept, ctx.dead = scale, kept, dead
@@ -640,8 +658,9 @@ class _DenseChunkAttention(PyLayer):
                 ops.head_context_(ds, k, dq, b, r0, h0, scale)
                 ops.head_accum_(ds, q, dk, b, r0, h0, scale)
                 ops.head_accum_(_as(p, g_live.dtype), g_live, dv, b, r0, h0)
-        if ctx.dead:  # a query without keys output the mean of all values: g / S to each value
-            dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True) / S  # [B, 1, H, dv]
+        if ctx.dead:  # a query without keys output keyless_weight x the sum of all values: that much of g to each
+            dead = (g * (1 - live4).astype(g.dtype)).sum(axis=1, keepdim=True)  # [B, 1, H, dv]
+            dead = dead / S if g.dtype == paddle.float32 else dead * keyless_weight(S, g.dtype)
             dv = dv + dead.expand(dv.shape)
         return (*_needed(ctx.needs, dq, dk, dv), None, None)
 
