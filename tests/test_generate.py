@@ -573,6 +573,13 @@ def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):
         model.generate(ids, penalty_alpha=0.6)
     with pytest.raises(TypeError, match="unknown option 'top_z'"):
         model.generate(ids, top_z=3)
+    # transformers 5.23's options that change no token of a decoder-only model (its cache class, compile
+    # and memory switches, an encoder-decoder's start token): taken as a keyword as from a
+    # generation_config.json (they raised "unknown option"), the tokens as without them, as HF's (measured)
+    hints = {"cache_implementation": "static", "low_memory": True, "prefill_chunk_size": 2, "max_cache_len": 64}
+    hints |= {"disable_compile": True, "compile_config": None, "decoder_start_token_id": 9}
+    plain = model.generate(ids, max_new_tokens=3, eos_token_id=[]).numpy()
+    np.testing.assert_array_equal(model.generate(ids, max_new_tokens=3, eos_token_id=[], **hints).numpy(), plain)
     with pytest.raises(ValueError, match="num_return_sequences=2 needs do_sample=True or num_beams >= 2"):
         model.generate(ids, num_return_sequences=2)
     with pytest.raises(ValueError, match="stop_strings need tokenizer"):

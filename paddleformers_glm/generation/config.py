@@ -529,7 +529,9 @@ def resolve_settings(
     """Every option with its value for one call (call > ``generation_config`` > HF default): the
     lengths as ``max_new_tokens`` / ``min_new_tokens``, ``eos_token_id`` a list, ``stop_strings`` a list.
     ``generate`` and ``glm52 generate --speculative`` both resolve through it, so they agree."""
-    unknown = [k for k in kwargs if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF]
+    # transformers' other options (its cache class, compile and memory switches, an encoder-decoder's start
+    # token) change no token of a decoder-only model: taken and left unused as in a generation_config.json
+    unknown = [k for k in kwargs if k not in GenerationConfig.keys() and k not in HF_GENERATION_KEYS]
     if unknown:
         raise TypeError(
             f"generate: unknown option {unknown[0]!r}; supported options: {', '.join(GenerationConfig.keys())} "
