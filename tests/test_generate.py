@@ -2073,6 +2073,34 @@ def test_beam_sampling_as_hf():
         assert np.isfinite(out.sequences_scores.numpy()).all(), extra
         if "forced_eos_token_id" in extra:
             assert (out.sequences.numpy()[:, -1] == 16).all()
+    # what has no probability in float32 (the placeholder beams' -1e9 scores underflow) is drawn after
+    # everything else, so the placeholders stay placeholders, whatever the seed. Measured, transformers
+    # 5.23 (seeds 0-2 alike): prompt [5, 6, 7], 3 beams, top_k 1, eos [], pad 3, 3 returned
+    for seed in range(3):
+        out = model.generate(
+            paddle.to_tensor([[5, 6, 7]]), num_beams=3, top_k=1, num_return_sequences=3, max_new_tokens=3, seed=seed,
+            **{**kw, "pad_token_id": 3}, eos_token_id=[],
+        )  # fmt: skip
+        assert out.sequences.numpy().tolist() == [[5, 6, 7, 170, 175, 117], [5, 6, 7, 3, 3, 3], [5, 6, 7, 3, 3, 3]]
+        np.testing.assert_allclose(out.sequences_scores.numpy(), [-3.284, -1e9, -1e9], rtol=1e-3)
+        assert out.beam_indices.numpy().tolist() == [[0, 0, 0], [-1, -1, -1], [-1, -1, -1]]
+
+
+def test_beam_search_fills_a_row_stopped_early_with_the_pad_token_without_eos():
+    """A beam row that a stopping criterion ends early is filled with transformers' ``pad or eos[0]``;
+    with ``eos_token_id=[]`` that is the pad token (it was -1, no token). Measured, transformers 5.23:
+    prompt [5, 6, 7], 2 beams, eos [], pad 3, a criterion stopping a row whose 5th token is 226:
+    [[5, 6, 7, 226, 226, 3, 3], [5, 6, 7, 226, 165, 207, 226]]."""
+    model, _ = _fixture("tiny")
+
+    def stop(ids, scores):
+        return (ids[:, -1] == 226) & paddle.to_tensor(ids.shape[1] == 5)
+
+    out = model.generate(
+        paddle.to_tensor([[5, 6, 7]]), num_beams=2, eos_token_id=[], pad_token_id=3, max_new_tokens=4,
+        num_return_sequences=2, stopping_criteria=[stop],
+    )  # fmt: skip
+    assert out.numpy().tolist() == [[5, 6, 7, 226, 226, 3, 3], [5, 6, 7, 226, 165, 207, 226]]
 
 
 @pytest.mark.reference

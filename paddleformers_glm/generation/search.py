@@ -300,8 +300,9 @@ def _beam_search(
     eos = s.eos_token_id or []
     keep = max(2, 1 + len(eos)) * K
     top_mask = np.arange(keep) < K  # only the first K continuations can finish
-    # what fills a sequence that finished early: transformers' `pad or eos[0]` (pad 0 counts as unset)
-    fill = (s.pad_token_id or eos[0]) if eos else -1
+    # what fills a sequence that finished early: transformers' `pad or eos[0]` (pad 0 counts as unset;
+    # without either, -1: transformers fails there)
+    fill = s.pad_token_id or (eos[0] if eos else -1)
     run_seq = np.full((B, K, max_len), fill, np.int64)
     run_seq[:, :, :S] = input_ids.numpy().reshape(B, K, S)
     run_scores = np.zeros((B, K), np.float32)
@@ -550,13 +551,17 @@ def _agreed_max(value: int, groups: list[Any]) -> int:
 def _draw_without_replacement(scores: paddle.Tensor, k: int, rng: np.random.Generator) -> np.ndarray:
     """k indices per row [B, k] drawn without replacement from softmax(``scores``) [B, N], in the
     order drawn (the Gumbel top-k: the k largest of scores + Gumbel noise, a sequential draw's law);
-    the noise from ``rng`` (float64, so no key ties), -inf scores never drawn."""
+    the noise from ``rng`` (float64, so no key ties). What has no probability in float32 (a -inf score,
+    or one whose softmax underflows to 0, as the placeholder beams' -1e9 do) comes after everything
+    drawn, as transformers' multinomial gives it."""
     import paddle
 
     from ..ops.selection import topk
 
     noise = -np.log(-np.log(rng.random(scores.shape)))  # Gumbel(0, 1)
     keys = scores.astype("float64") + paddle.to_tensor(noise)
+    none = paddle.nn.functional.softmax(scores.astype("float32"), axis=-1) == 0
+    keys = paddle.where(none, paddle.full_like(keys, float("-inf")), keys)
     return topk(keys, k)[1].numpy()
 
 
