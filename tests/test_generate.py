@@ -573,13 +573,17 @@ def test_unsupported_options_are_refused_with_the_supported_list(tmp_path):
         model.generate(ids, penalty_alpha=0.6)
     with pytest.raises(TypeError, match="unknown option 'top_z'"):
         model.generate(ids, top_z=3)
-    # transformers 5.23's options that change no token of a decoder-only model (its cache class, compile
-    # and memory switches, an encoder-decoder's start token): taken as a keyword as from a
-    # generation_config.json (they raised "unknown option"), the tokens as without them, as HF's (measured)
-    hints = {"cache_implementation": "static", "low_memory": True, "prefill_chunk_size": 2, "max_cache_len": 64}
-    hints |= {"disable_compile": True, "compile_config": None, "decoder_start_token_id": 9}
+    # transformers 5.23's options that change no token of a decoder-only model (compile switches, its
+    # cache's size and prefill chunking, an encoder-decoder's start token): taken as a keyword as from a
+    # generation_config.json (they raised "unknown option"), the tokens as without them, as HF's (measured);
+    # those that change HF's tokens or that it refuses in some uses stay unknown options here
+    hints = {"prefill_chunk_size": 2, "max_cache_len": 64, "disable_compile": True, "compile_config": None}
+    hints |= {"decoder_start_token_id": 9, "continuous_batching_config": None}
     plain = model.generate(ids, max_new_tokens=3, eos_token_id=[]).numpy()
     np.testing.assert_array_equal(model.generate(ids, max_new_tokens=3, eos_token_id=[], **hints).numpy(), plain)
+    for changes in ("assistant_ensemble_weight", "assistant_early_exit", "is_assistant", "low_memory"):
+        with pytest.raises(TypeError, match=f"unknown option '{changes}'"):
+            model.generate(ids, max_new_tokens=3, **{changes: 1})
     with pytest.raises(ValueError, match="num_return_sequences=2 needs do_sample=True or num_beams >= 2"):
         model.generate(ids, num_return_sequences=2)
     with pytest.raises(ValueError, match="stop_strings need tokenizer"):
@@ -2720,7 +2724,8 @@ def _set_token_7(value):
 def test_scores_without_a_valid_probability_are_an_error():
     """transformers 5.23's sampling raises where no token has a valid probability (torch.multinomial:
     "probability tensor contains either `inf`, `nan` or element < 0"; measured: every token suppressed,
-    a NaN or a +inf score); its beam search goes on with NaN scores. Both now raise, naming the cause.
+    a NaN or a +inf score, beam sampling's too); its beam search goes on with NaN scores. Both now raise,
+    naming the cause (beam sampling returned the +inf token as its one new token).
     Before: sampling returned the vocabulary's last id (255, even suppressed), beam search no tokens."""
     from paddleformers_glm.generation.search import _draw
 
@@ -2733,9 +2738,10 @@ def test_scores_without_a_valid_probability_are_an_error():
         {"do_sample": True, "logits_processor": [_set_token_7(float("inf"))]},
         {"num_beams": 2, "logits_processor": [_set_token_7(float("nan"))]},
         {"num_beams": 2, "do_sample": True, "logits_processor": [_set_token_7(float("nan"))]},
+        {"num_beams": 2, "do_sample": True, "logits_processor": [_set_token_7(float("inf"))], "max_new_tokens": 1},
     ):
         with pytest.raises(RuntimeError, match="NaN or \\+inf, or every token was removed"):
-            model.generate(ids, mask, seed=0, **kw, **bad)
+            model.generate(ids, mask, seed=0, **(kw | bad))
     with pytest.raises(RuntimeError, match="no token with a valid probability"):
         _draw(paddle.to_tensor([[0.0, float("nan")], [0.0, 1.0]]), np.array([0.5, 0.5]))
     assert _draw(paddle.to_tensor([[0.0, -np.inf], [-np.inf, 1.0]]), np.array([0.9, 0.1])).numpy().tolist() == [0, 1]

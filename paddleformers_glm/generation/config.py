@@ -87,6 +87,11 @@ HF_GENERATION_KEYS = frozenset(
     suppress_tokens target_lookbehind temperature token_healing top_h top_k top_p typical_p use_cache use_mtp
     watermarking_config""".split()
 )
+# transformers 5.23's options that change no token of a decoder-only model (measured: its tokens and
+# scores with and without each); the others it has and this generate lacks change tokens or are refused there
+TOKEN_NEUTRAL = frozenset(
+    "compile_config disable_compile continuous_batching_config decoder_start_token_id max_cache_len prefill_chunk_size".split()
+)
 _EXTRA_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 
 
@@ -529,9 +534,12 @@ def resolve_settings(
     """Every option with its value for one call (call > ``generation_config`` > HF default): the
     lengths as ``max_new_tokens`` / ``min_new_tokens``, ``eos_token_id`` a list, ``stop_strings`` a list.
     ``generate`` and ``glm52 generate --speculative`` both resolve through it, so they agree."""
-    # transformers' other options (its cache class, compile and memory switches, an encoder-decoder's start
-    # token) change no token of a decoder-only model: taken and left unused as in a generation_config.json
-    unknown = [k for k in kwargs if k not in GenerationConfig.keys() and k not in HF_GENERATION_KEYS]
+    # transformers' options that change no token of a decoder-only model (compile switches, its cache's
+    # size and prefill chunking, an encoder-decoder's start token): taken and left unused as in a
+    # generation_config.json; its other options (an assistant's ensemble or early exit, ...) are unknown here
+    unknown = [
+        k for k in kwargs if k not in GenerationConfig.keys() and k not in UNSUPPORTED_OFF and k not in TOKEN_NEUTRAL
+    ]
     if unknown:
         raise TypeError(
             f"generate: unknown option {unknown[0]!r}; supported options: {', '.join(GenerationConfig.keys())} "

@@ -4,6 +4,7 @@ search one token per step, with transformers' outputs; and ``generate_speculativ
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -327,6 +328,8 @@ def _beam_search(
         total = total.reshape([B, K * V])
         if bool(paddle.isnan(total).any()):
             raise _no_valid_scores(f"beam search's step {step} has NaN scores")
+        if s.do_sample and bool((total == math.inf).any()):  # softmax makes it NaN: transformers' multinomial fails
+            raise _no_valid_scores(f"beam sampling's step {step} has +inf scores")
         if s.do_sample:
             idx = _draw_without_replacement(total, keep, rng)
             vals = paddle.take_along_axis(total, paddle.to_tensor(idx), axis=-1).numpy()

@@ -1,7 +1,7 @@
 """The forms of DSA's sparse attention, and `choose_form`, the one policy that picks among them.
 
 All compute softmax(q k_sel^T * scale) v_sel over each query's selected keys (top-k, -1 = empty; a
-query with no key gets the mean of all values, as HF eager's all-masked softmax gives):
+query with no key gets what HF eager's all-masked softmax gives, `keyless_value`):
 ``reference`` (`dense_masked_attention`: HF eager's S x S formulation, the tests' yardstick),
 ``dense`` (`dense_head_attention`: per head against all keys with the top-k as a mask, for short
 sequences), ``sparse`` (`sparse_attention`: gathers the per-head keys and values, the association
@@ -231,7 +231,7 @@ def sparse_attention(
 ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
     """softmax(q k_sel^T * scale) v_sel over the selected keys only: q, k [B, S, H, Dk]; v [B, S, H, Dv];
     topk_idx [B, S, k] (-1 = empty slot) -> out [B, S, H, Dv] and, if asked, the head-averaged
-    probabilities [B, S, k]. A query with no valid key gets the mean of all values."""
+    probabilities [B, S, k]. A query with no valid key gets `keyless_value` (HF eager's all-masked row)."""
     B, S, H, dk = q.shape
     K = topk_idx.shape[-1]
     per_row = K * H * (dk + v.shape[-1]) * q.element_size()  # the gathered keys and values of one query
@@ -558,8 +558,8 @@ class _DenseHeadAttention(PyLayer):
     @staticmethod
     def backward(ctx: object, g: paddle.Tensor, g_probs: paddle.Tensor | None = None) -> tuple:
         qs, k, v, p, live = ctx.saved_tensor()
-        # A query without keys outputs the mean of all values: a function of v only, so its rows
-        # get no score gradient (q, k), as in the sparse forms; v still gets g / S from them.
+        # A query without keys outputs its uniform row (1/S in v's dtype) times v: a function of v only,
+        # so its rows get no score gradient (q, k), as in the sparse forms; v still gets p x g from them.
         g_live = g * live.expand(g.shape)
         dp = _as(paddle.matmul(g_live, v, transpose_y=True), "float32")  # [B, H, S, S]
         ds = ops.softmax_backward(p, dp)
@@ -594,7 +594,7 @@ class _DenseChunkAttention(PyLayer):
     so neither a transpose nor a key prefix is copied; the probabilities are kept for backward
     when small (`SAVE_ELEMS`), else recomputed per tile: memory O(chunk), never S x S.
 
-    A query without any key gets the mean of all values (HF eager's all-masked softmax): its row
+    A query without any key gets `keyless_value` (HF eager's all-masked softmax): its row
     runs with a uniform mask and is replaced afterwards; its gradient reaches only v."""
 
     @staticmethod

@@ -34,11 +34,11 @@ def topk_tables(
 ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """(rows [B*S, k] int64, mask [B*S, k] fp32, has_key [B*S] bool) for a top-k [B, S, k].
 
-    `rows` index the table [B*T keys; B mean rows], T = ``n_keys`` (default S: the queries are the
+    `rows` index the table [B*T keys; B keyless rows], T = ``n_keys`` (default S: the queries are the
     keys): a selected key j of batch b is row b*T + j; an empty slot points at any key of its batch
     and gets mask -inf; a query with no key at all (left padding) points all its slots at its
-    batch's mean row with mask 0, so its softmax is uniform and it gets the mean of all values, as
-    an all-masked additive-mask softmax (HF eager) gives.  ``n_keys`` other than S: the queries are
+    batch's keyless row with mask 0, so its softmax is uniform and it gets that row (the values'
+    fp32 sum weighed as HF eager's all-masked additive-mask softmax weighs them, `keyless_value`).  ``n_keys`` other than S: the queries are
     a share of a longer key sequence (a context-parallel rank's queries over every key).
     One compiled pass where usable (T = S), else about fifteen Paddle ops.
     """
