@@ -322,11 +322,15 @@ class MLAttention(nn.Layer):
         rows kv_lat [B, T, L + rope] (every cp rank's) and W_uv [H, L, v]. c [B, S, kv_lora] is normed,
         k_rot [B, S, rope] before rope (roped here, fused into [c, k_rot]). kv_b_proj is folded into
         the neighbouring weights once per step (products of small weight matrices)."""
-        cos, sin = rope
         w_abs, w_rot, w_uv = self._latent_q_weights()
         q_lat = self._latent_q(q_latent, rope, w_abs, w_rot)  # [B, S, H, L + rope]
-        kv_lat = self._all_keys(rope_concat(c, k_rot, cos, sin, self.interleave))  # [B, S (all cp ranks'), L + rope]
-        return q_lat, kv_lat, w_uv
+        return q_lat, self._latent_kv(c, k_rot, rope), w_uv
+
+    def _latent_kv(
+        self, c: paddle.Tensor, k_rot: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]
+    ) -> paddle.Tensor:
+        """The key rows kv_lat [B, T, L + rope]: [c, rope(k_rot)] of every cp rank's tokens."""
+        return self._all_keys(rope_concat(c, k_rot, rope[0], rope[1], self.interleave))
 
     def _latent_q_weights(self) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """W_uk folded into q_b_proj: the latent queries' weights [QL, H L] and [QL, H rope], and W_uv [H, L, v]."""
@@ -376,8 +380,7 @@ class MLAttention(nn.Layer):
             with paddle.no_grad():
                 if not cache:
                     w_abs, w_rot, _ = self._latent_q_weights()
-                    kv_lat = self._all_keys(rope_concat(c, k_rot, rope[0], rope[1], self.interleave))
-                    cache.extend([w_abs, w_rot, kv_lat.astype("float32")])
+                    cache.extend([w_abs, w_rot, self._latent_kv(c, k_rot, rope).astype("float32")])
                 w_abs, w_rot, kv_lat = cache
                 rows = (rope[0][:, c0:c1], rope[1][:, c0:c1])
                 q_lat = self._latent_q(q_latent[:, c0:c1], rows, w_abs, w_rot).astype("float32")
