@@ -379,12 +379,8 @@ class GlmMoeDsaPreTrainedModel(nn.Layer):
         seed = kwargs.pop("seed", None)
         if kwargs:
             raise TypeError(f"_from_config: unexpected keyword argument(s) {sorted(kwargs)}")
-        dtype = dtype if dtype is not None else torch_dtype
-        if dtype is not None:
-            from ..checkpoint.loader import resolve_model_dtype
-
-            dtype = resolve_model_dtype(dtype, config)
-        return cls.from_config(config, dtype=dtype or "float32", seed=seed)
+        dtype = dtype if dtype is not None else torch_dtype  # from_config resolves it (None: float32)
+        return cls.from_config(config, dtype=dtype, seed=seed)
 
     @property
     def name_or_path(self) -> str:
