@@ -62,6 +62,8 @@ from paddleformers_glm.parallel.topology import (
         (dict(tp=1, sp=True), {}, "sequence parallel (--sp) needs tp > 1"),
         (dict(pp=4), dict(num_layers=3), "pp 4 > num_hidden_layers 3"),
         (dict(tp=0), {}, "tp must be an integer >= 1, got 0"),
+        # Fleet's sharding optimizer with degree 1 shards nothing: a stage 2 there is accepted and does nothing
+        (dict(dp=2, sharding_stage=2), {}, "--sharding-stage 2 splits gradients over the --sharding ranks"),
     ],
 )
 def test_parallel_config_rejects_with_named_setting(kwargs, sizes, msg):

@@ -495,6 +495,9 @@ def test_plan_refuses_a_budget_that_is_not_a_budget(tmp_path, capsys, flags, nee
         (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
         # was a MemoryError traceback (the layout's units written out before their count was checked)
         (["--pp", "2", "--pp-layout", "E,t*99999999999|t*4,m,L"], "t*99999999999 is more units than a stage can hold"),
+        # a stage above 1 without sharding ranks was planned as stage 1 (and trained as it: accepted, no effect)
+        (["--sharding-stage", "3"], "--sharding-stage 3 splits gradients and parameters over the --sharding ranks"),
+        (["--sharding-stage", "2"], "--sharding-stage 2 splits gradients over the --sharding ranks; with --sharding 1"),
     ],
 )
 def test_plan_refuses_a_layout_value_naming_its_flag(capsys, flags, needle):

@@ -149,6 +149,7 @@ class ParallelConfig:
             )
         if self.sharding_stage not in (1, 2):
             raise ParallelConfigError(f"--sharding-stage must be 1 or 2, got {self.sharding_stage}")
+        check_sharding_stage(self.sharding_stage, self.sharding)
         if self.sp and self.tp == 1:
             raise ParallelConfigError("sequence parallel (--sp) needs tp > 1, got tp 1")
         if (self.tp * self.dp * self.cp) % (self.ep * self.etp):
@@ -169,6 +170,15 @@ class ParallelConfig:
         _div("etp", self.etp, moe_intermediate_size, "moe_intermediate_size")
         if num_layers is not None and self.pp > num_layers:
             raise ParallelConfigError(f"pp {self.pp} > num_hidden_layers {num_layers}: a stage would have no layer")
+
+
+def check_sharding_stage(stage: int, sharding: int) -> None:
+    """Refuse a sharding stage above 1 without sharding ranks: it would be accepted and do nothing."""
+    if stage > 1 and sharding == 1:
+        raise ParallelConfigError(
+            f"--sharding-stage {stage} splits gradients{' and parameters' if stage > 2 else ''} over the --sharding "
+            "ranks; with --sharding 1 there is nothing to split: give --sharding > 1 or leave the stage at 1"
+        )
 
 
 def _known(name: str) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .._io import dumps_json, write_record
-from ..parallel.topology import ParallelConfig
+from ..parallel.topology import ParallelConfig, check_sharding_stage
 from .command import (
     TRAIN_DEFAULTS,
     add_indexer_loss_arguments,
@@ -455,6 +455,7 @@ def check_layout(config: Any, lay: Layout) -> list[Any]:
     from .settings import check_choices, run_world
 
     check_choices(lay, {"sharding_stage": (1, 2, 3)})  # the planner's own choices; the rest as the trainer's
+    check_sharding_stage(lay.sharding_stage, lay.sharding)  # as given: train_config checks stage 3 as 2
     given = dict(lay.train_only)
     _check_ignored_flags(given)
     cfg = train_config(lay)
