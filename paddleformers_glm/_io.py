@@ -280,6 +280,10 @@ def read_text(
         raise error(f"{file}: {what} is not UTF-8 text (line {line}, byte {e.start})") from e
 
 
+class _DuplicateKey(Exception):
+    """A JSON object's key seen twice (``read_json(unique_keys=True)``)."""
+
+
 def read_json(
     file: str | os.PathLike,
     what: str,
@@ -288,14 +292,28 @@ def read_json(
     *,
     data: bytes | None = None,
     hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+    unique_keys: bool = False,
 ) -> Any:
     """The JSON value of `file` (or of `data`, bytes read from it), of type `expect` (None: any); it is
     only parsed, never unpickled or evaluated. Any failure raises ``error(message)`` as :func:`read_text`
     does, e.g. ``"out/meta.json: the resume metadata is not valid JSON (Expecting value at line 1 column 9)"``.
-    `hook` is ``json``'s ``object_pairs_hook``."""
+    `hook` is ``json``'s ``object_pairs_hook``; `unique_keys` refuses an object holding a key twice (which
+    ``json`` reads as its last value: a record whose two values disagree would be judged on one)."""
     text = read_text(file, what, error, data)
+    if unique_keys:
+
+        def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for k, v in pairs:
+                if k in out:
+                    raise _DuplicateKey(k)
+                out[k] = v
+            return out
+
     try:
         value = json.loads(text, object_pairs_hook=hook)
+    except _DuplicateKey as e:
+        raise error(f"{file}: {what} holds the key {e.args[0]!r} twice") from None
     except json.JSONDecodeError as e:
         problem = f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})" if text else "is empty (0 bytes)"
         raise error(f"{file}: {what} {problem}") from e

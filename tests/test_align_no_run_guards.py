@@ -154,6 +154,21 @@ def test_runs_of_another_step_count_are_refused(tiny_model, tmp_path, capsys):
         assert f"{root / side / 'loss.json'}: the run recorded 3 steps, --steps asks for 2" in err
 
 
+def test_a_record_holding_a_key_twice_is_refused(tiny_model, tmp_path, capsys):
+    """Python's json keeps a key's last value: a record whose first "losses" is 0.5 off would be
+    judged on its second and called aligned."""
+    root = _runs(tmp_path / "r", tiny_model)
+    text = (root / "paddle" / "loss.json").read_text()
+    (root / "paddle" / "loss.json").write_text(text.replace("{", '{"losses": [9.0, 9.0, 9.0], ', 1))
+    assert _align(tiny_model, root) == 2
+    err = capsys.readouterr().err
+    assert f"{root / 'paddle' / 'loss.json'}: the loss record holds the key 'losses' twice" in err
+    assert _verdict(root)["result"] == "a run's loss record is unusable"
+    (root / "paddle" / "loss.json").write_text(text[:-1])  # a record cut short: was a traceback
+    assert _align(tiny_model, root) == 2
+    assert "the loss record is not valid JSON" in capsys.readouterr().err
+
+
 def test_a_record_without_its_step_count_is_refused(tiny_model, tmp_path, capsys):
     from paddleformers_glm.parity.align import record_errors
 

@@ -98,6 +98,9 @@ def test_length_and_steps(tmp_path, capsys):
         # an integer beyond float range: was an OverflowError traceback and exit 1 (a "mismatch")
         ('{"losses": [1.0, 1' + "0" * 400 + "]}", "losses[1] is an integer beyond a float's range"),
         ('{"losses": [1' + "0" * 5000 + "]}", "not readable JSON (Exceeds the limit (4300 digits)"),
+        # Python's json keeps the last of two values: the run would be judged on [1.0] and pass
+        ('{"losses": [9.0], "losses": [1.0]}', "the loss record holds the key 'losses' twice"),
+        ('{"losses": [1.0], "eval": [{"step": 1, "losses": 1.0, "losses": 2.0}]}', "holds the key 'losses' twice"),
     ],
 )
 def test_malformed_input_exit_2(tmp_path, capsys, raw, needle):

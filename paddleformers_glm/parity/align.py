@@ -714,7 +714,10 @@ def run_align(args: argparse.Namespace) -> int:
             return unusable("a run's outputs are missing", missing, missing_outputs=missing)
         for f, dst in ((ref_loss, "reference_loss.json"), (pd_loss, "paddle_loss.json")):
             shutil.copyfile(f, os.path.join(receipt, dst))
-        ref_doc, pd_doc = (read_json(f, "the loss record") for f in (ref_loss, pd_loss))
+        try:
+            ref_doc, pd_doc = (read_json(f, "the loss record", unique_keys=True) for f in (ref_loss, pd_loss))
+        except ValueError as e:  # not JSON, not an object, a key twice (json would keep its last value)
+            return unusable("a run's loss record is unusable", [str(e)])
         # the versions each run recorded of itself (verdict "versions" is this command's environment)
         verdict["run_versions"] = {"reference": ref_doc.get("versions"), "paddle": pd_doc.get("versions")}
         if bad := record_errors(ref_loss, ref_doc, pd_loss, pd_doc, N):

@@ -84,7 +84,7 @@ def _listed_nonfinite(data: Any) -> set[str]:
 
 def _read_record(path: str) -> Any:
     try:
-        return read_json(path, "the loss record", None, LossFileError)
+        return read_json(path, "the loss record", None, LossFileError, unique_keys=True)
     except LossFileError:
         raise
     except ValueError as e:  # json's own: an integer of more digits than Python converts
