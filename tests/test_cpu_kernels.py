@@ -408,6 +408,21 @@ def test_topk_tables_and_masks_equal_the_paddle_op_forms(ops):
         ops.glm_selection_mask(paddle.to_tensor(np.array([[7, -1]], np.int64)), 5, 0.0, True)
 
 
+def test_topk_tables_take_int32_ids_and_no_rows(ops):
+    """An int32 top-k (what a caller's own top-k may give) raised the kernel's dtype error and a
+    [B, 0, k] one its "0 rows are not whole batches" error; int32 gives the int64 tables, and no
+    rows give empty tables, as the Paddle-op form does."""
+    topk = _topk_with_gaps(np.random.default_rng(3), 2, 9, 4)
+    want = glm_ops.topk_tables(topk)
+    got = glm_ops.topk_tables(topk.astype("int32"))
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+    for shape in ([1, 0, 4], [0, 5, 4]):
+        rows, mask, has_key = glm_ops.topk_tables(paddle.zeros(shape, "int64"))
+        assert (rows.shape, mask.shape, has_key.shape) == ([0, 4], [0, 4], [0])
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("rope_first", [True, False])
 @pytest.mark.parametrize("heads", [None, 3])

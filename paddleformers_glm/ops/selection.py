@@ -44,7 +44,9 @@ def topk_tables(
     """
     B, S, K = topk_idx.shape
     T = S if n_keys is None else int(n_keys)
-    ops = usable(topk_idx) if T == S else None
+    if topk_idx.dtype != paddle.int64:  # the rows index a table: int64 as every gather index here
+        topk_idx = topk_idx.astype("int64")
+    ops = usable(topk_idx) if T == S and B * S else None  # the kernel splits whole batches of S rows
     if ops is not None:
         return tuple(ops.glm_topk_tables(topk_idx.reshape([B * S, K]), S))  # type: ignore[return-value]
     with paddle.no_grad():
