@@ -368,6 +368,21 @@ def test_micro_batching_does_not_change_the_loss(tmp_path):
     assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
 
 
+def test_a_zero_learning_rate_with_a_warm_up_trains_and_leaves_the_weights(tmp_path):
+    """``--lr 0 --warmup-steps 2`` (a frozen-weights run; the torch reference trains it): Paddle's
+    LinearWarmup asserted "end_lr 0.0 must be greater than start_lr 0.0" in the worker, exit 1."""
+    from paddleformers_glm.parity.reference.train import lr_at as reference_lr_at
+
+    assert [lr_at(s, 0.0, 0.0, 2, 4) for s in range(1, 5)] == [reference_lr_at(s, 0.0, 0.0, 2, 4) for s in range(1, 5)]
+    frozen = run_training(_cfg(tmp_path / "a", lr=0.0, min_lr=0.0, warmup_steps=2, steps=3))
+    assert frozen["lrs"] == [0.0, 0.0, 0.0]
+    # the weights stay: the losses are those of the run without warm-up, whose rate is 0 from step 1,
+    # and step 2 on differ from a run that moves them
+    assert frozen["losses"] == run_training(_cfg(tmp_path / "b", lr=0.0, min_lr=0.0, warmup_steps=0, steps=3))["losses"]
+    moved = run_training(_cfg(tmp_path / "c", steps=3))
+    assert moved["losses"][0] == frozen["losses"][0] and moved["losses"][1] != frozen["losses"][1]
+
+
 def test_bf16_trains_on_cpu(tmp_path):
     """--dtype bfloat16 runs on a CPU build (ops/cpu_bf16): bf16 parameters, fp32 master weights,
     losses close to the fp32 run's and falling."""

@@ -22,7 +22,9 @@ def make_lr_scheduler(max_lr: float, min_lr: float, warmup_steps: int, total_ste
     pure function of the step (a resumed run gets the same learning rates bit for bit)."""
     span = max(1, total_steps - warmup_steps)
     cosine = lr_sched.CosineAnnealingDecay(learning_rate=max_lr, T_max=span, eta_min=min_lr)
-    return cosine if warmup_steps <= 0 else lr_sched.LinearWarmup(cosine, warmup_steps, start_lr=0.0, end_lr=max_lr)
+    if warmup_steps <= 0 or max_lr == 0:  # LinearWarmup refuses a warm-up from 0 to 0; the rate is 0 throughout
+        return cosine
+    return lr_sched.LinearWarmup(cosine, warmup_steps, start_lr=0.0, end_lr=max_lr)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
