@@ -60,6 +60,12 @@ class ReferenceIndexer:
 
         _, probs, topk = out  # eager: probabilities [B, H, S, T]; the selection in effect [B, S, k]
         x = kwargs["hidden_states"].detach()
+        if probs.dtype == torch.float32:
+            probs = probs.detach()
+        else:  # the target in fp32, as Paddle's: HF's softmax before its cast to bf16 (docs/indexer.md)
+            with torch.no_grad():
+                mask = self._selected_mask(kwargs["attention_mask"], topk, x.dtype)
+                probs = self._attention_probs(attn, x, kwargs["position_embeddings"], mask)
         ix = attn.indexer
         if ix is not None and self.stage == "warmup":  # the indexer's own selection (HF's, real k)
             with torch.no_grad():
@@ -70,7 +76,7 @@ class ReferenceIndexer:
                 finally:
                     ix.index_topk = _ALL_KEYS
         rec = {"layer": layer_id, "attn": attn, "x": x, "pe": kwargs["position_embeddings"], "own": ix is not None}
-        rec.update(mask=kwargs["attention_mask"], probs=probs.detach().float(), topk=topk.long())
+        rec.update(mask=kwargs["attention_mask"], probs=probs, topk=topk.long())
         self.records.append(rec)
 
     # ------------------------------------------------------------------ after the forward
@@ -148,10 +154,30 @@ class ReferenceIndexer:
     def _dense_probs(rec: dict) -> Any:
         """The layer's attention over every visible key, head mean [B, S, T]: HF's eager attention
         recomputed from the layer's own modules with the causal / padding mask alone."""
+        return ReferenceIndexer._attention_probs(rec["attn"], rec["x"], rec["pe"], rec["mask"]).mean(1)
+
+    @staticmethod
+    def _selected_mask(mask: Any, topk: Any, dtype: Any) -> Any:
+        """HF's mask of a top-k attention call: the causal / padding ``mask`` [B, 1, S, T] with every
+        key outside ``topk`` [B, S, k] masked, as HF's eager attention builds it."""
+        import torch
+
+        B, S, T = mask.shape[0], topk.shape[1], mask.shape[-1]
+        unselected = topk.new_ones((B, S, T), dtype=torch.bool).scatter(-1, topk.long(), False).unsqueeze(1)
+        if mask.dtype == torch.bool:
+            return mask & ~unselected
+        return mask.masked_fill(unselected, torch.finfo(dtype).min)
+
+    @staticmethod
+    def _attention_probs(attn: Any, x: Any, pe: Any, mask: Any) -> Any:
+        """The layer's attention probabilities [B, H, S, T] under ``mask``, in fp32: HF's eager
+        attention recomputed from the layer's own modules (its scores in the model's dtype, its
+        softmax in fp32), before the cast to the model's dtype that HF's eager output carries: in
+        bf16 that cast leaves each row a sum of 1 +- bf16 rounding, which as a KL target is larger
+        than the KL itself (2e-4) and can make it negative."""
         import torch
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
-        attn, x, mask = rec["attn"], rec["x"], rec["mask"]
         B, S, _ = x.shape
         q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
         q = attn.q_b_proj(q_resid).view(B, S, -1, attn.qk_head_dim).transpose(1, 2)
@@ -160,7 +186,7 @@ class ReferenceIndexer:
         kv_pass, k_rot = torch.split(kv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
         k_pass = attn.kv_a_layernorm(kv_pass).view(B, 1, S, attn.kv_lora_rank)
         k_rot = k_rot.view(B, 1, S, attn.qk_rope_head_dim)
-        cos, sin = rec["pe"]
+        cos, sin = pe
         q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
         key, _ = attn.expand_kv(k_pass, k_rot)
         query = torch.cat((q_pass, q_rot), dim=-1)
@@ -169,4 +195,4 @@ class ReferenceIndexer:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).mean(1)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)

@@ -532,9 +532,27 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if why := data_error(args):
+        print(f"paddleformers_glm.parity.reference.train: error: {why}", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     train(args)
     return 0
+
+
+def data_error(args: argparse.Namespace) -> str | None:
+    """Why ``--data`` cannot be trained on (records with no label to train on, a bad .npy, ...), as
+    glm52 train refuses it: checked before the model is loaded, in one line, not a traceback."""
+    if args.data is None:
+        return None
+    from ...train.data import open_data
+
+    try:
+        vocab = int(read_json(os.path.join(args.model, "config.json"), "the model config")["vocab_size"])
+        open_data(args.data, args.seq_len, vocab, args.seed, data_dtype=args.data_dtype)
+    except (ValueError, OSError) as e:
+        return str(e)
+    return None
 
 
 if __name__ == "__main__":
