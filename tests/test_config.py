@@ -277,6 +277,59 @@ def test_python_built_config_writes_canonical_keys():
     assert GlmMoeDsaConfig.from_dict(d).to_dict() == d
 
 
+def test_library_settings_changed_from_their_default_survive_a_round_trip():
+    """docs/config.md: settings of this library with no HF key are written when they differ from their
+    default, so ``to_dict()`` -> ``from_dict`` keeps each one changed, on a config built in Python and
+    on a file-loaded one set afterwards.  A value left out would come back as the default: a run
+    resumed from the saved config would train with ``mtp_loss_scaling_factor`` 0.1 and
+    ``indexer_loss_coeff`` 0.0 instead of the values set.  (``use_qk_norm`` has no other valid value.)"""
+    from paddleformers_glm.configuration import _LIBRARY_DEFAULTS
+
+    changed = {
+        "fp32_residual_connection": True,
+        "mtp_loss_scaling_factor": 0.3,
+        "indexer_loss_coeff": 0.05,
+        "indexer_k_norm_eps": 1e-5,
+        "attention_chunk_size": 512,
+        "attn_implementation": "dense",
+    }
+    assert set(changed) == set(_LIBRARY_DEFAULTS) - {"use_qk_norm"}
+    for key, value in changed.items():
+        assert value != _LIBRARY_DEFAULTS[key], key
+        built = GlmMoeDsaConfig(**{key: value})
+        assert getattr(GlmMoeDsaConfig.from_dict(built.to_dict()), key) == value, key
+        loaded = GlmMoeDsaConfig.from_pretrained(TINY_CONFIG.parent)
+        setattr(loaded, key, value)
+        assert getattr(GlmMoeDsaConfig.from_dict(loaded.to_dict()), key) == value, key
+
+
+def test_a_null_dtype_is_the_documented_bfloat16():
+    """docs/config.md (`model_dtype`): "`dtype`, else `torch_dtype`, default `bfloat16`".  A file whose
+    dtype is null (no torch_dtype) is a bfloat16 checkpoint, for the model and for Fleet's
+    ``params_dtype``; read as float32 it would build and save the model at twice the size."""
+    d = json.loads(TINY_CONFIG.read_text())
+    d["dtype"] = None
+    d.pop("torch_dtype", None)
+    cfg = GlmMoeDsaConfig.from_dict(d)
+    assert cfg.model_dtype == "bfloat16"
+    assert cfg.to_fleet_config()["params_dtype"] == "bfloat16"
+    assert GlmMoeDsaConfig(dtype=None).model_dtype == "bfloat16"
+
+
+def test_fleet_yarn_fields_left_out_take_transformers_defaults():
+    """A yarn rope without ``beta_fast`` / ``beta_slow`` runs in transformers with 32 / 1
+    (modeling_rope_utils.py, ``_compute_yarn_parameters``: ``beta_fast ... or 32``, ``beta_slow ...
+    or 1``); ``to_fleet_config`` gives Fleet the same, else Fleet's yarn would correct another band of
+    frequencies than the model transformers builds."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+    d = json.loads(TINY_CONFIG.read_text())
+    d.pop("rope_scaling", None)
+    d.pop("rope_theta", None)
+    d["rope_parameters"] = rope
+    f = GlmMoeDsaConfig.from_dict(d).to_fleet_config()
+    assert (f["rope_type"], f["beta_fast"], f["beta_slow"]) == ("yarn", 32, 1)
+
+
 INVALID = [
     ("first layer shared", {"index_topk_pattern": "SFFF" + "S" * 74}, "indexer_types"),
     (
@@ -294,6 +347,9 @@ INVALID = [
     ("list disagrees with freq/offset", {"index_skip_topk_offset": 2}, "indexer_types"),
     ("pattern length", {"index_topk_pattern": "FFS"}, "index_topk_pattern"),
     ("bad dtype", {"dtype": "float8"}, "dtype"),
+    # the indexer applies its rope to qk_rope_head_dim channels of its heads: a smaller head is refused
+    # here, naming the key, not left to fail in the forward with a Paddle error naming no setting
+    ("index_head_dim below the rope", {"index_head_dim": 32}, "index_head_dim"),
 ]
 
 

@@ -374,6 +374,20 @@ def test_update_from_string():
     assert cfg.to_dict() == saved and GlmMoeDsaConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_update_from_string_reads_each_spelling_of_a_bool_as_transformers():
+    """transformers 5.23 (configuration_utils.py, ``update_from_string``) reads "true", "1", "y" and
+    "yes" as True and "false", "0", "n", "no" as False, in any case.  A script passing
+    ``use_cache=1`` (as from an environment variable) would otherwise switch the cache off."""
+    cfg = GlmMoeDsaConfig.from_pretrained(TINY)
+    for text, want in [
+        *((t, True) for t in ("true", "1", "y", "yes", "Y", "TRUE")),
+        *((t, False) for t in ("false", "0", "n", "no", "N")),
+    ]:
+        cfg.use_cache = not want
+        cfg.update_from_string(f"use_cache={text}")
+        assert cfg.use_cache is want, text
+
+
 def test_generation_config_validate_and_save():
     """transformers 5.23: ``GenerationConfig(do_sample=False, temperature=0.5).validate()`` returns
     None (a warning), ``validate(strict=True)`` raises "GenerationConfig is invalid: ... `temperature`:

@@ -887,6 +887,27 @@ def test_resize_token_embeddings_as_transformers(tmp_path):
     assert list(back.lm_head.weight.shape) == [64, 300]
 
 
+def test_resize_keeps_the_padding_row_while_it_is_in_the_table_as_transformers():
+    """transformers 5.23 (modeling_utils.py, ``_get_resized_embeddings``) drops the embedding's
+    ``padding_idx`` only when the new table no longer holds that row: ``(new_num_tokens - 1) <
+    padding_idx``.  With pad_token_id 100: a resize to 101 rows keeps row 100 the padding row; a resize
+    to 100 drops it, and after growing again row 100 is an ordinary row that trains.  Keeping the
+    padding index past the end would leave that row without a gradient forever once regrown."""
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig.from_pretrained(FIXTURES / "tiny" / "checkpoint", pad_token_id=100))
+    emb = model.get_input_embeddings()
+    assert emb.padding_idx == 100
+    model.resize_token_embeddings(101)
+    assert model.get_input_embeddings().padding_idx == 100
+    model.resize_token_embeddings(100)
+    assert model.get_input_embeddings().padding_idx is None
+    model.resize_token_embeddings(108)
+    emb = model.get_input_embeddings()
+    assert emb.padding_idx is None
+    ids = paddle.to_tensor([[1, 2, 100, 3]])
+    model(ids, labels=ids).loss.backward()
+    assert np.abs(emb.weight.grad.numpy()[100]).sum() > 0
+
+
 @pytest.mark.reference
 def test_resize_token_embeddings_equals_transformers(tmp_path):
     """transformers' own resize on the same fixture gives the same shapes and row statistics, and

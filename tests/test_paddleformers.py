@@ -243,6 +243,52 @@ def test_save_pretrained_writes_the_state_dict_the_trainer_passes(tiny, tmp_path
     assert not np.array_equal(back.state_dict()[key].numpy(), model.state_dict()[key].numpy())
 
 
+def test_save_pretrained_on_a_rank_that_is_not_the_main_process_writes_nothing(tiny, tmp_path):
+    """PaddleFormers' Trainer calls ``save_pretrained(dir, is_main_process=...)`` on every rank (the
+    flag also comes second, positionally): only the main process writes.  Every rank writing the same
+    folder at once would race on its files."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    assert model.save_pretrained(str(tmp_path / "kw"), is_main_process=False) is None
+    assert model.save_pretrained(str(tmp_path / "pos"), False) is None
+    assert not (tmp_path / "kw").exists() and not (tmp_path / "pos").exists()
+    model.save_pretrained(str(tmp_path / "main"), is_main_process=True)
+    assert (tmp_path / "main" / "config.json").is_file()
+
+
+def test_forward_with_return_dict_false_gives_a_tuple(tiny):
+    """PaddleFormers' (and transformers') convention: ``return_dict=False`` returns the output's
+    fields that are set, in order, as a plain tuple (loss first when labels are given); code that
+    unpacks ``loss, logits = model(..., return_dict=False)[:2]`` would otherwise get a ModelOutput."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    model.eval()
+    ids = paddle.to_tensor([[1, 2, 3, 4, 5]])
+    out = model(ids, labels=ids)
+    got = model(ids, labels=ids, return_dict=False)
+    assert type(got) is tuple
+    assert float(got[0]) == float(out.loss)
+    np.testing.assert_array_equal(got[1].numpy(), out.logits.numpy())
+
+
+def test_enable_recompute_is_true_for_every_recompute_but_none(tiny):
+    """``enable_recompute`` (PaddleFormers' switch, which its Trainer and workflows read) answers True
+    for any recompute the model runs, ``"core"`` included, and False only for ``"none"``; setting it
+    True recomputes every layer (``"full"``), as the property's docstring says.  A model in core
+    recompute would otherwise report that it does not recompute."""
+    with pytest.warns(pf_glm.ReplacementWarning):
+        pf_glm.register(replace=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32")
+    for mode, want in (("none", False), ("core", True), ("full", True)):
+        model.recompute = mode
+        assert model.enable_recompute is want, mode
+    model.recompute = "none"
+    model.enable_recompute = True
+    assert model.recompute == "full"
+
+
 def test_labels_follow_paddleformers_convention(tiny):
     """PaddleFormers' causal LMs do not shift labels: its criterion (`CriterionLayer`, the "sft"
     loss its Qwen2ForCausalLM calls) scores logits[i] against labels[i], and its data (SFTDataset,

@@ -657,3 +657,90 @@ def test_table_rank_ranges_are_those_of_the_rank_rows(lay):
     for stage in range(L.pp):
         ids = [r for r in range(L.world_size) if planmod.rank_coords(L, r)["pp"] == stage]
         assert planmod.stage_ranks(L, stage) == (len(ids), ids[0], ids[-1])
+
+
+def _plan_744b(tmp_path, flags: str, *extra: str) -> dict:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", str(OFFICIAL_CONFIG.parent), *shlex.split(flags), "--seq-len", "4096"]
+    assert cli_main([*args, "--micro-batch-size", "1", "--gpu-mem-gb", "80", *extra, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _doc_recipe_rows() -> list[tuple[str, str, str]]:
+    """The rows of docs/scale.md "Recipes on H800 80 GB": (flags, max rank GiB, verdict)."""
+    import re
+
+    text = (OFFICIAL_CONFIG.parents[2] / "docs" / "scale.md").read_text()
+    section = text.split("## Recipes on H800 80 GB", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| \d+ \| `([^`]+)` \| ([\d.]+|-) \| ([^|]+) \|$", section, flags=re.M)
+    assert len(rows) >= 10, rows  # the table is read, not skipped
+    return rows
+
+
+def test_plan_of_the_h800_recipes_gives_the_documented_max_rank_and_verdict(tmp_path, capsys):
+    """docs/scale.md "Recipes on H800 80 GB" is what users size their jobs by: each row's max rank
+    GiB (to its printed 0.1 GiB) and verdict, and the per-stage table below it (the first recipe;
+    each stage's activation and total GiB to the two printed decimals), must be what `glm52 plan`
+    prints.  This keeps the page and the planner one: a change to the estimate (a term of the
+    activation estimate lost or doubled, the SP divisor of the recompute input dropped, the head's
+    logits counted once) fails here until the page shows its new numbers and verdicts.  The
+    estimate's agreement with measured bytes is test_plan_measured.py's."""
+    for flags, doc_gib, verdict in _doc_recipe_rows():
+        if doc_gib == "-":  # refused rows: the planner refuses them as the trainer does
+            assert verdict.startswith("refused"), verdict
+            args = ["plan", "--model", str(OFFICIAL_CONFIG.parent), *shlex.split(flags), "--gpu-mem-gb", "80"]
+            assert cli_main([*args, "--json", str(tmp_path / "refused.json")]) == 2, flags
+            capsys.readouterr()
+            continue
+        plan = _plan_744b(tmp_path, flags)
+        got = plan["max_rank_bytes"] / 2**30
+        assert abs(got - float(doc_gib)) <= 0.05 + 1e-9, (flags, got, doc_gib)
+        assert plan["fits"] is (not verdict.startswith("does not fit")), (flags, plan["fits"], verdict)
+    # the per-stage table of the first recipe, as docs/scale.md prints it
+    text = (OFFICIAL_CONFIG.parents[2] / "docs" / "scale.md").read_text()
+    block = text.split("Per-stage table of the first 256-GPU recipe", 1)[1].split("```")[1]
+    plan = _plan_744b(tmp_path, "--tp 8 --pp 8 --dp 4 --ep 32 --sp --recompute full")
+    documented = [ln.split() for ln in block.splitlines() if ln.strip()[:1].isdigit()]
+    assert len(documented) == 3, block
+    for cols in documented:
+        kind = plan["kinds"][int(cols[0])]
+        activ, total = float(cols[6]), float(cols[7])
+        assert abs(kind["activations_bytes"] / 2**30 - activ) <= 0.005 + 1e-9, (cols, kind["activations_bytes"])
+        assert abs(kind["total_bytes"] / 2**30 - total) <= 0.005 + 1e-9, (cols, kind["total_bytes"])
+
+
+def test_plan_reserve_lowers_the_budget_the_verdict_weighs(tmp_path):
+    """`--reserve-gb` is taken off the GPU before the verdict: the first H800 recipe (65.4 GiB on its
+    largest rank, docs/scale.md) fits 80 GiB, and with 20 GiB reserved (a 60 GiB budget) it does
+    not.  A verdict that ignored the reserve would say "fits" and the job would run out of memory."""
+    flags = "--tp 8 --pp 8 --dp 4 --ep 32 --sp --recompute full"
+    assert _plan_744b(tmp_path, flags)["fits"] is True
+    plan = _plan_744b(tmp_path, flags, "--reserve-gb", "20")
+    assert 60 * 2**30 < plan["max_rank_bytes"] < 80 * 2**30 and plan["fits"] is False
+
+
+def test_fleet_sharding_stage_2_holds_every_gradient_at_the_peak(tmp_path):
+    """Under Fleet's partition, sharding stage 2 reduces the gradients after the backward, so at the
+    backward's peak each rank still holds all of them: the peak gradient bytes of stage 2 equal
+    stage 1's, only after the reduce are they this rank's share, and only stage 3 lowers the peak.
+    Counting only this rank's gradients at stage 2 would call the docs/scale.md 84.9 GiB row (does
+    not fit) a fit."""
+    flags = "--tp 4 --pp 8 --dp 4 --sharding 2 --ep 16 --sp --recompute full --sharding-partition fleet"
+    by_stage = {s: _plan_744b(tmp_path, f"{flags} --sharding-stage {s}") for s in (1, 2, 3)}
+    for k1, k2, k3 in zip(*(by_stage[s]["kinds"] for s in (1, 2, 3))):
+        assert k2["grads_bytes"] == k1["grads_bytes"] > k3["grads_bytes"], k2["stage"]
+        assert k2["grads_after_reduce_bytes"] < k1["grads_after_reduce_bytes"], k2["stage"]
+    assert by_stage[2]["fits"] is False and by_stage[2]["max_rank_bytes"] > 80 * 2**30
+
+
+def test_plan_of_a_trained_sparse_indexer_counts_its_activations(tmp_path):
+    """`--indexer-stage sparse` trains the indexer (its KL loss): each full-indexer layer keeps the
+    indexer's queries, keys and fp32 scores for the backward (docs/scale.md: "the indexer adds its
+    queries/keys/scores only when trained").  So every stage holding such a layer plans more
+    activation bytes than with the indexer frozen (`--indexer-stage none`); equal numbers would
+    under-plan the sparse stage."""
+    flags = "--tp 8 --pp 8 --dp 4 --ep 32 --sp --recompute core"
+    none = _plan_744b(tmp_path, flags, "--indexer-stage", "none")
+    sparse = _plan_744b(tmp_path, flags, "--indexer-stage", "sparse", "--indexer-loss-coeff", "0.01")
+    assert sparse["kinds"][0]["activations_bytes"] > none["kinds"][0]["activations_bytes"]
+    assert sparse["max_rank_bytes"] > none["max_rank_bytes"]

@@ -782,6 +782,32 @@ def test_chat_template_arguments_of_transformers():
     assert np_enc["assistant_masks"].tolist() == [one["assistant_masks"]]
 
 
+_OPEN_CHAT = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello there "}]
+
+
+def test_continue_final_message_keeps_the_trailing_space_the_template_kept():
+    """transformers 5.23 (``apply_chat_template``, continue_final_message) cuts the rendering after the
+    final message as the template rendered it: where the template kept the message's trailing space,
+    so does the open turn.  Measured with AutoTokenizer on the tiny folder: a final assistant message
+    "Hello there " -> text ending "<|assistant|>\nHello there " and ids [6, 7, 2, 9, 60, 168, 104, 107,
+    254, 88, 4, 9, 219, 254, 88, 109, 136, 104] (the last, 104, the space).  Stripping the space would
+    give another prompt than transformers', so a continuation would start with a different token."""
+    tok = make_tiny_tokenizer()
+    text = tok.apply_chat_template(_OPEN_CHAT, tokenize=False, continue_final_message=True)
+    assert text == "[gMASK]<sop><|user|>\nSay hello<|assistant|>\nHello there "
+    ids = tok.apply_chat_template(_OPEN_CHAT, continue_final_message=True, return_dict=False)
+    assert ids == [6, 7, 2, 9, 60, 168, 104, 107, 254, 88, 4, 9, 219, 254, 88, 109, 136, 104]
+
+
+@pytest.mark.reference
+def test_continue_final_message_with_a_trailing_space_equals_transformers(tiny_dir):
+    hf, ours = _hf_and_ours(tiny_dir)
+    for tokenize in (False, True):
+        want = hf.apply_chat_template(_OPEN_CHAT, tokenize=tokenize, continue_final_message=True, return_dict=False)
+        got = ours.apply_chat_template(_OPEN_CHAT, tokenize=tokenize, continue_final_message=True, return_dict=False)
+        assert (list(got) if tokenize else got) == (list(want) if tokenize else want)
+
+
 # ---------------------------------------------------------------------- special tokens as transformers reads them
 _TOKEN = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
 
@@ -859,6 +885,34 @@ def test_special_tokens_only_in_the_config_are_added(tmp_path):
         104,
         257,
     ]
+
+
+_MASK_NOT_SPECIAL = {"mask_token": {"__type": "AddedToken", "content": "<|mask_x|>", "special": False, **_TOKEN}}
+
+
+def test_a_named_special_token_flagged_not_special_is_added_as_special(tmp_path):
+    """A named special token (here ``mask_token``) that tokenizer.json lacks, given in
+    tokenizer_config.json as an AddedToken with ``"special": false``: transformers 5.23 adds it as a
+    special token all the same.  Measured with AutoTokenizer on the tiny folder: 257 tokens, mask id
+    256, "Hello <|mask_x|> there" -> [219, 254, 88, 104, 256, 109, 136], decoded with
+    skip_special_tokens -> "Hello  there".  Kept as an ordinary token, the mask would survive in the
+    decoded text of a skip_special_tokens decode."""
+    tok = GlmTokenizer.from_pretrained(_tiny_folder(tmp_path, config=_MASK_NOT_SPECIAL))
+    ids = tok.encode("Hello <|mask_x|> there", add_special_tokens=False)
+    assert (len(tok), tok.mask_token_id, ids) == (257, 256, [219, 254, 88, 104, 256, 109, 136])
+    assert 256 in tok.all_special_ids
+    assert tok.decode(ids, skip_special_tokens=True) == "Hello  there"
+    assert tok.decode(ids) == "Hello <|mask_x|> there"
+
+
+@pytest.mark.reference
+def test_a_named_special_token_flagged_not_special_equals_transformers(tmp_path):
+    hf, ours = _hf_and_ours(_tiny_folder(tmp_path, config=_MASK_NOT_SPECIAL))
+    text = "Hello <|mask_x|> there"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    assert (len(ours), ours.mask_token_id) == (len(hf), hf.mask_token_id)
 
 
 def test_added_tokens_decoder_special_flag_overrides_tokenizer_json(tmp_path):

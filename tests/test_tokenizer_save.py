@@ -314,3 +314,79 @@ def test_make_tiny_checkpoint_never_publishes_weights_without_their_tokenizer(tm
             break
         assert n < 40, "make_tiny_checkpoint never completed"
     assert n > 3
+
+
+def _dead_pid() -> int:
+    """The pid of a child that has exited and been reaped: no process of it is alive."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(dead.stdout)
+
+
+def test_a_forged_pending_save_never_removes_a_file_that_is_no_tokenizer_file(tmp_path):
+    """A pending-save manifest (``.tokenizer.commit/manifest.json``) left by a dead process whose
+    "remove" names the folder's weights is damaged or forged: a load refuses it, naming the
+    manifest, and neither the load nor a later save removes ``model.safetensors``.  A manifest taken
+    at its word would make ``GlmTokenizer.from_pretrained`` delete the checkpoint's weights."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    stats = _make_old_folder(folder, "plain")
+    (folder / JOURNAL).mkdir()
+    manifest = {"owner": {"pid": _dead_pid(), "start": None}, "install": {}, "remove": ["model.safetensors"]}
+    (folder / JOURNAL / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TokenizerError, match="not a tokenizer save's manifest"):
+        GlmTokenizer.from_pretrained(folder)
+    _check_other_files(folder, stats)
+    _new_tokenizer().save_pretrained(folder)
+    _check_other_files(folder, stats)
+    assert len(GlmTokenizer.from_pretrained(folder)) == 200
+
+
+def test_a_save_removes_the_old_tokenizers_files_the_new_one_lacks(tmp_path):
+    """Saving a tokenizer without named templates, a chat_template.jinja or a special_tokens_map.json
+    over a folder whose old tokenizer had them leaves exactly the new set beside the other files:
+    the old ``additional_chat_templates/tool_use.jinja`` and ``special_tokens_map.json`` would
+    otherwise be read with the new files (by this loader and by transformers'), giving the old tool
+    template and the old special tokens.  The listing is written out here, not computed by a save."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    stats = _make_old_folder(folder, "files")
+    new = _new_tokenizer(with_template=False)
+    new.eos_token = "<|endoftext|>"
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|user|>"}))
+    new.save_pretrained(folder)
+    assert _listing(folder) == [
+        "config.json",
+        "model.safetensors",
+        "notes.txt",
+        "runs",
+        "runs/log.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    _check_other_files(folder, stats)
+    tok = GlmTokenizer.from_pretrained(folder)
+    assert tok.eos_token == "<|endoftext|>" and tok.chat_templates == {} and tok.chat_template is None
+
+
+def test_a_save_finishes_its_own_process_committed_but_unapplied_set(tmp_path):
+    """A save of this process committed its set but did not put it in place (the moves failed):
+    the next save from the same process finishes or replaces it at once.  Refusing it as "another
+    process (pid <this pid>) is saving a tokenizer into this folder" after a wait would leave the
+    process unable to save its tokenizer again."""
+    import time
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    stats = _make_old_folder(folder, "plain")
+    text = (folder / "tokenizer_config.json").read_text()
+    (folder / JOURNAL).mkdir()
+    (folder / JOURNAL / "tokenizer_config.json").write_text(text)
+    owner = {"pid": os.getpid(), "start": tokfiles.proc_stat_field(os.getpid(), 19)}
+    install = {"tokenizer_config.json": hashlib.sha256(text.encode()).hexdigest()}
+    (folder / JOURNAL / "manifest.json").write_text(json.dumps({"owner": owner, "install": install, "remove": []}))
+    t0 = time.monotonic()
+    _new_tokenizer().save_pretrained(folder)
+    assert time.monotonic() - t0 < 3
+    assert not (folder / JOURNAL).exists()
+    assert "NEW" in (folder / "tokenizer_config.json").read_text()
+    _check_other_files(folder, stats)
