@@ -408,14 +408,21 @@ def test_topk_tables_and_masks_equal_the_paddle_op_forms(ops):
         ops.glm_selection_mask(paddle.to_tensor(np.array([[7, -1]], np.int64)), 5, 0.0, True)
 
 
-def test_topk_tables_take_int32_ids_and_no_rows(ops):
-    """An int32 top-k (what a caller's own top-k may give) raised the kernel's dtype error and a
-    [B, 0, k] one its "0 rows are not whole batches" error; int32 gives the int64 tables, and no
-    rows give empty tables, as the Paddle-op form does."""
+def test_selection_ops_take_int32_ids_and_no_rows(ops):
+    """An int32 top-k (what a caller's own top-k may give) raised the kernel's dtype error in
+    topk_tables, selection_mask and candidate_mask, and a [B, 0, k] one topk_tables' "0 rows are not
+    whole batches" error; int32 gives what int64 gives, and no rows give empty tables, as the
+    Paddle-op form does."""
     topk = _topk_with_gaps(np.random.default_rng(3), 2, 9, 4)
     want = glm_ops.topk_tables(topk)
     got = glm_ops.topk_tables(topk.astype("int32"))
-    for w, g in zip(want, got):
+    has_key = want[2]
+    sel = topk.reshape([18, 4])
+    for w, g in (
+        *zip(want, got),
+        (glm_ops.selection_mask(sel, 9, -1.0), glm_ops.selection_mask(sel.astype("int32"), 9, -1.0)),
+        (glm_ops.candidate_mask(sel, has_key, 9), glm_ops.candidate_mask(sel.astype("int32"), has_key, 9)),
+    ):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(g.numpy(), w.numpy())
     for shape in ([1, 0, 4], [0, 5, 4]):

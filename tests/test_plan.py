@@ -199,6 +199,20 @@ def test_search_lists_fitting_layouts_fastest_first(tmp_path):
     assert json.loads(out.read_text())["fits"] is False  # plain data parallel holds everything
 
 
+def test_search_with_a_sharding_stage_keeps_the_layouts_without_sharding(tmp_path):
+    """``--search --sharding-stage 2``: the stage applies where the layout has sharding ranks; the
+    layouts without them are tried at stage 1 (a stage above 1 at ``--sharding 1`` is refused), so
+    the search lists the same layouts as at stage 1 apart from the sharded ones' flag."""
+    listed = {}
+    for stage in ("1", "2"):
+        out = tmp_path / f"s{stage}.json"
+        args = ["plan", "--model", str(TINY_CONFIG.parent), "--search", "--gpus", "4", "--top", "100"]
+        assert cli_main([*args, "--sharding-stage", stage, "--json", str(out)]) == 0
+        listed[stage] = [r["flags"] for r in json.loads(out.read_text())["layouts"]]
+    assert any("--sharding" not in f for f in listed["2"]), listed["2"]
+    assert [f.replace("--sharding-stage 2", "--sharding-stage 1") for f in listed["2"]] == listed["1"]
+
+
 def test_search_with_cp_keeps_the_gpu_count_and_folds_experts_over_cp(tmp_path):
     """``--search --gpus 8 --cp 2``: every listed layout has 8 ranks in all (cp included) and an
     expert grid the trainer builds (ep divides tp x dp x cp: not the sharding ranks, which each hold

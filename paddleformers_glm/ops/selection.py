@@ -44,8 +44,7 @@ def topk_tables(
     """
     B, S, K = topk_idx.shape
     T = S if n_keys is None else int(n_keys)
-    if topk_idx.dtype != paddle.int64:  # the rows index a table: int64 as every gather index here
-        topk_idx = topk_idx.astype("int64")
+    topk_idx = _int64(topk_idx)
     ops = usable(topk_idx) if T == S and B * S else None  # the kernel splits whole batches of S rows
     if ops is not None:
         return tuple(ops.glm_topk_tables(topk_idx.reshape([B * S, K]), S))  # type: ignore[return-value]
@@ -61,6 +60,12 @@ def topk_tables(
         return rows.reshape([B * S, K]), mask.reshape([B * S, K]), has_key.reshape([B * S])
 
 
+def _int64(ids: paddle.Tensor) -> paddle.Tensor:
+    """Key ids as int64, the index type of every gather and scatter here and of the kernels (an
+    int32 top-k, which a caller's own selection may give, raised the kernel's dtype error)."""
+    return ids if ids.dtype == paddle.int64 else ids.astype("int64")
+
+
 def _scatter_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
     """Additive mask [R, width + 1] for selections sel [R, K] (-1 = empty): 0 at each row's selected
     columns, `fill` elsewhere; empty slots land in the extra dump column `width`. One flat scatter."""
@@ -74,6 +79,7 @@ def _scatter_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
 def selection_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor:
     """Additive mask [R, width] for selections sel [R, K] (-1 = empty) of columns < width: 0 at the
     selected columns, `fill` elsewhere (no S x S intermediate beyond the result)."""
+    sel = _int64(sel)
     ops = usable(sel)
     if ops is not None:
         return ops.glm_selection_mask(sel, width, fill, False)
@@ -83,6 +89,7 @@ def selection_mask(sel: paddle.Tensor, width: int, fill: float) -> paddle.Tensor
 def candidate_mask(sel: paddle.Tensor, has_key: paddle.Tensor, c1: int) -> paddle.Tensor:
     """Additive mask [C, c1 + 1] over a dense chunk's candidates (keys < c1, then the batch's mean
     row): 0 at the selected keys (and at the mean row for a query without keys), -inf elsewhere."""
+    sel = _int64(sel)
     ops = usable(sel)
     if ops is not None:
         return ops.glm_selection_mask(sel, c1, float("-inf"), True)

@@ -147,9 +147,9 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"world size {world_size} != tp {self.tp} x pp {self.pp} x dp {self.dp}{shard} = {self.world_size}"
             )
+        check_sharding_stage(self.sharding_stage, self.sharding)
         if self.sharding_stage not in (1, 2):
             raise ParallelConfigError(f"--sharding-stage must be 1 or 2, got {self.sharding_stage}")
-        check_sharding_stage(self.sharding_stage, self.sharding)
         if self.sp and self.tp == 1:
             raise ParallelConfigError("sequence parallel (--sp) needs tp > 1, got tp 1")
         if (self.tp * self.dp * self.cp) % (self.ep * self.etp):

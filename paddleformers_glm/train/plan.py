@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .._io import dumps_json, write_record
-from ..parallel.topology import ParallelConfig, check_sharding_stage
+from ..parallel.topology import ParallelConfig
 from .command import (
     TRAIN_DEFAULTS,
     add_indexer_loss_arguments,
@@ -442,7 +442,8 @@ def train_config(lay: Layout) -> Any:
     given |= {k: v for k, v in lay.train_only if k in names and k not in _FILE_SETTINGS}
     sizes = (lay.pp, lay.dp, lay.sharding, lay.micro_batch_size)
     derived = lay.pp * lay.replicas * lay.micro_batch_size if min(sizes) >= 1 else 1
-    given.update(sharding_stage=min(lay.sharding_stage, 2), global_batch_size=lay.global_batch_size or derived)
+    stage = min(lay.sharding_stage, 2) if lay.sharding > 1 else lay.sharding_stage  # refused as given at sharding 1
+    given.update(sharding_stage=stage, global_batch_size=lay.global_batch_size or derived)
     return TrainConfig(model="glm", **given)
 
 
@@ -455,7 +456,6 @@ def check_layout(config: Any, lay: Layout) -> list[Any]:
     from .settings import check_choices, run_world
 
     check_choices(lay, {"sharding_stage": (1, 2, 3)})  # the planner's own choices; the rest as the trainer's
-    check_sharding_stage(lay.sharding_stage, lay.sharding)  # as given: train_config checks stage 3 as 2
     given = dict(lay.train_only)
     _check_ignored_flags(given)
     cfg = train_config(lay)
@@ -707,6 +707,7 @@ def search_layouts(
                     lay = replace(
                         base, tp=tp, pp=pp, ep=ep, etp=1, recompute=rc, sharding=sharding, dp=dpt // sharding,
                         sp=tp > 1, vpp=base.vpp if pp > 1 else 1,  # --vpp: interleave every pipeline tried
+                        sharding_stage=base.sharding_stage if sharding > 1 else 1,  # no stage without ranks
                     )  # fmt: skip
                     if lay.global_batch_size % (lay.replicas * lay.micro_batch_size):
                         break  # the global batch does not split over this layout's replicas
