@@ -64,6 +64,7 @@ from paddleformers_glm.parallel.topology import (
         (dict(tp=0), {}, "tp must be an integer >= 1, got 0"),
         # Fleet's sharding optimizer with degree 1 shards nothing: a stage 2 there is accepted and does nothing
         (dict(dp=2, sharding_stage=2), {}, "--sharding-stage 2 splits gradients over the --sharding ranks"),
+        (dict(sharding_stage=5), {}, "--sharding-stage must be 1 or 2, got 5"),  # no stage 5 to give ranks to
     ],
 )
 def test_parallel_config_rejects_with_named_setting(kwargs, sizes, msg):

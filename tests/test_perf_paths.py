@@ -457,6 +457,31 @@ def test_dense_head_equals_dense_masked_and_per_head_sparse_with_empty_rows(dens
     assert np.all(probs.numpy()[idx.numpy() < 0] == 0)
 
 
+def test_bf16_forms_give_the_kl_target_as_the_fp32_softmax():
+    """The head-averaged probabilities the indexer's KL takes as its target are the fp32 softmax in
+    every form (docs/indexer.md): rounded to bf16 a row sums to 1 +- 1e-3, more than the KL itself
+    (2e-4 on the tiny model), which then went negative in bf16 training.  Measured before: the sparse
+    form's rows were off 1 by up to 1.5e-3 here (1e-6 now), the dense form's by 8.4e-8."""
+    from paddleformers_glm.modeling.attention import dense_head_attention, sparse_attention
+    from paddleformers_glm.ops import cpu_bf16
+
+    cpu_bf16.install()
+    rng = np.random.default_rng(0)
+    B, S, H, D, K = 1, 64, 4, 32, 16
+    q, k, v = (paddle.to_tensor(rng.standard_normal((B, S, H, D)).astype("float32")).astype("bfloat16") for _ in "qkv")
+    idx = np.full((B, S, K), -1, np.int64)
+    for i in range(S):  # each query's K most recent keys
+        sel = list(range(max(0, i - K + 1), i + 1))
+        idx[0, i, : len(sel)] = sel
+    topk = paddle.to_tensor(idx)
+    _, sparse = sparse_attention(q, k, v, topk, D**-0.5, return_probs=True)
+    _, dense = dense_head_attention(q, k, v, topk, D**-0.5, return_probs=True)
+    for probs in (sparse, dense):
+        assert probs.dtype == paddle.float32
+        assert np.abs(probs.numpy().astype(np.float64).sum(-1) - 1).max() < 1e-6
+    np.testing.assert_allclose(sparse.numpy(), dense.numpy(), atol=1e-6)
+
+
 def test_dense_head_gradients_equal_per_head_sparse_with_empty_rows(dense_blocks):
     """Queries without keys output the mean of the values: no score gradient (q, k) from them, v
     still gets g / S (the sparse forms' true gradient; the additive-mask reference would give a

@@ -251,14 +251,15 @@ def sparse_attention(
         any_valid = valid.any(axis=-1)  # [B, C]
         # rows with no valid key: keep softmax finite, fixed below
         scores = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), scores, paddle.zeros_like(scores))
-        probs = nn.functional.softmax(scores, axis=-1).astype(v.dtype)
+        probs32 = nn.functional.softmax(scores, axis=-1)  # the KL target's (fp32: docs/indexer.md)
+        probs = probs32.astype(v.dtype)
         out = paddle.matmul(probs.unsqueeze(3), v_sel.transpose([0, 1, 3, 2, 4])).squeeze(3)  # [B, C, H, Dv]
         # no host sync on "any row empty?": the select is cheap next to the gather
         mean_v = keyless_value(v)  # [B, 1, H, Dv]
         out = paddle.where(any_valid.unsqueeze(-1).unsqueeze(-1), out, mean_v.expand_as(out))
         outs.append(out)
         if return_probs:
-            probs_out.append(paddle.where(mask, probs.astype("float32"), paddle.zeros_like(probs, "float32")).mean(2))
+            probs_out.append(paddle.where(mask, probs32, paddle.zeros_like(probs32)).mean(2))
     out = paddle.concat(outs, axis=1) if len(outs) > 1 else outs[0]
     probs = (paddle.concat(probs_out, axis=1) if len(probs_out) > 1 else probs_out[0]) if return_probs else None
     return out, probs

@@ -147,7 +147,8 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"world size {world_size} != tp {self.tp} x pp {self.pp} x dp {self.dp}{shard} = {self.world_size}"
             )
-        check_sharding_stage(self.sharding_stage, self.sharding)
+        if self.sharding_stage in (2, 3):  # the planner's 3 too: named as given before its own choices
+            check_sharding_stage(self.sharding_stage, self.sharding)
         if self.sharding_stage not in (1, 2):
             raise ParallelConfigError(f"--sharding-stage must be 1 or 2, got {self.sharding_stage}")
         if self.sp and self.tp == 1:

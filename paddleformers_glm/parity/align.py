@@ -549,14 +549,10 @@ def _align_data_error(args: argparse.Namespace) -> str | None:
                 "glm52 train (it writes OUT/data/train-<name>.seq<L>.npz) and pass that file"
             )
     if data:  # as both trainers open it (records with no label to train on, a bad .npy, ...)
-        from ..train.data import open_data
+        from ..train.data import data_problem
 
-        try:
-            vocab = int(read_json(os.path.join(args.model, "config.json"), "the model config")["vocab_size"])
-            open_data(data, args.seq_len, vocab, args.seed)
-        except (ValueError, OSError) as e:
-            why = str(e)
-            return f"--data {why}" if why.startswith(data) else f"--data {data}: {why}"
+        if why := data_problem(data, args.model, args.seq_len, args.seed):
+            return f"--data {why}"
     return None
 
 

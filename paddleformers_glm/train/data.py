@@ -728,6 +728,26 @@ def open_data(
     raise ValueError(f"{flag} {path}: unknown format (use .npy, .bin, .jsonl, .npz, or omit for synthetic)")
 
 
+def data_problem(path: str, model: str, seq_len: int, seed: int, data_dtype: str = "auto") -> str | None:
+    """Why ``--data path`` cannot be trained on with the checkpoint folder ``model`` (records with no
+    label to train on, a bad .npy, ...), as :func:`open_data` refuses it, else None; for the commands
+    that hand the data to another trainer (``glm52 align``, the torch reference) and should refuse it
+    in one line before any model loads.  A model config that cannot be read is not the data's
+    problem: None, and the model's own checks name it."""
+    from ..configuration import GlmMoeDsaConfig
+
+    try:
+        vocab = GlmMoeDsaConfig.from_pretrained(model).vocab_size
+    except (ValueError, OSError):
+        return None
+    try:
+        open_data(path, seq_len, vocab, seed, data_dtype=data_dtype)
+    except (ValueError, OSError) as e:
+        why = str(e)
+        return why if why.startswith(path) else f"{path}: {why}"
+    return None
+
+
 _WIDER = {"uint16": "uint32 (or int32)", "uint32": "int64", "int32": "int64"}
 _WIDTH_PROBE = 1 << 16  # leading tokens of a .bin looked at for the signature of a wider token file
 

@@ -545,14 +545,9 @@ def data_error(args: argparse.Namespace) -> str | None:
     glm52 train refuses it: checked before the model is loaded, in one line, not a traceback."""
     if args.data is None:
         return None
-    from ...train.data import open_data
+    from ...train.data import data_problem
 
-    try:
-        vocab = int(read_json(os.path.join(args.model, "config.json"), "the model config")["vocab_size"])
-        open_data(args.data, args.seq_len, vocab, args.seed, data_dtype=args.data_dtype)
-    except (ValueError, OSError) as e:
-        return str(e)
-    return None
+    return data_problem(args.data, args.model, args.seq_len, args.seed, args.data_dtype)
 
 
 if __name__ == "__main__":
