@@ -488,3 +488,5 @@ def test_align_checks_the_data_with_the_vocabulary_the_config_class_reads(tiny_m
     assert _align_data_error(args) is None
     np.save(data, np.arange(64, dtype=np.float32))
     assert f"--data {data}: expected integer tokens" in _align_data_error(args)
+    args.data = str(tmp_path / "missing.npy")  # named once, by the flag (not "--data --data: ...")
+    assert _align_data_error(args) == f"--data: no file {args.data}"

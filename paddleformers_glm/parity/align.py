@@ -455,9 +455,10 @@ def run_inputs(args: argparse.Namespace) -> dict[str, Any]:
     if args.data and os.path.isfile(args.data):  # the fingerprint samples three rows: the file's bytes, all
         data["sha256"] = sha256_file(args.data)
     try:
+        from ..configuration import GlmMoeDsaConfig
         from ..train.data import open_data
 
-        vocab = int(read_json(os.path.join(args.model, "config.json"), "the model config")["vocab_size"])
+        vocab = GlmMoeDsaConfig.from_pretrained(args.model).vocab_size  # its default where the file has none
         source = open_data(args.data, args.seq_len, vocab, args.seed)
         data.update(describe=source.describe, fingerprint=source.fingerprint())
     except Exception as e:  # noqa: BLE001 - a run given it fails on its own; --no-run names the difference
@@ -552,7 +553,7 @@ def _align_data_error(args: argparse.Namespace) -> str | None:
         from ..train.data import data_problem
 
         if why := data_problem(data, args.model, args.seq_len, args.seed):
-            return f"--data {why}"
+            return why if why.startswith("--") else f"--data {why}"
     return None
 
 

@@ -743,8 +743,8 @@ def data_problem(path: str, model: str, seq_len: int, seed: int, data_dtype: str
     try:
         open_data(path, seq_len, vocab, seed, data_dtype=data_dtype)
     except (ValueError, OSError) as e:
-        why = str(e)
-        return why if why.startswith(path) else f"{path}: {why}"
+        why = str(e)  # named by the file, or by the flag at fault (--data-dtype, a --data that is no file)
+        return why if why.startswith("--") or path in why else f"{path}: {why}"
     return None
 
 
