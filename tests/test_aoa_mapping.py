@@ -216,3 +216,37 @@ def test_rules_named_by_the_environment_are_used_or_the_command_says_they_are_mi
         monkeypatch.setenv("GLM52_AOA_MAPPINGS", str(missing))
         with pytest.raises(FileNotFoundError, match=f"GLM52_AOA_MAPPINGS={missing}: no mapping rules there"):
             rules_path()
+
+
+def test_reading_a_share_drops_paddles_unexpected_keys_warning_only():
+    """A rank resuming into another layout (one process's state into ``--ep 2``) reads only its
+    share: Paddle's load_state_dict then warned "Unexpected keys: {...}" listing the other ranks'
+    312 tensors in one 23 KB line, which reads like an error.  Within the read it is dropped; its
+    "Missing keys" warning stays, and after the read both print again."""
+    import logging
+
+    from paddle.distributed.fleet.utils.log_util import logger
+
+    from paddleformers_glm.checkpoint.aoa import reading_a_share
+
+    class Kept(logging.Handler):  # what the logger passes on to its handlers (stderr in a run)
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    kept = Kept()
+    logger.addHandler(kept)
+    try:
+        with reading_a_share():
+            logger.warning("Unexpected keys:{'layers.1.mlp.experts.3'}, these keys exist in checkpoint")
+            logger.warning("Missing keys:{'layers.0.weight'}, check whether the checkpoint is complete.")
+        logger.warning("Unexpected keys:{'after'}, these keys exist in checkpoint")
+    finally:
+        logger.removeHandler(kept)
+    assert [line.split(",")[0] for line in kept.lines] == [
+        "Missing keys:{'layers.0.weight'}",
+        "Unexpected keys:{'after'}",
+    ]

@@ -23,7 +23,7 @@ import paddle.nn as nn
 
 from .._io import atomic_write_text, naming_write_errors, write_record
 from ..checkpoint import distributed as ckpt_dist
-from ..checkpoint.aoa import quiet_paddle_logs
+from ..checkpoint.aoa import quiet_paddle_logs, reading_a_share
 from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonfinite, nonfinite_state_counts
 from ..checkpoint.safetensors_io import paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
@@ -537,8 +537,7 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
             sd.update({k: ShardedWeight(key=k, local_tensor=b, **geometry) for k, b in zip(keys, targets)})
             if not own:
                 buffers.append((t, axis, targets))
-        quiet_paddle_logs()
-        with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu():
+        with validated_flex_folder(folder) as private, flex_checkpoint_on_cpu(), reading_a_share():
             dist.load_state_dict(sd, private, safetensors=True)
         # the pieces this rank read (a fused tensor's blocks named #block<i>), before the buffers are
         # set; a refused state leaves them in this rank's tensors, and the run stops here
