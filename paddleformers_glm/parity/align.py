@@ -800,6 +800,7 @@ def run_align(args: argparse.Namespace) -> int:
             return unusable("a run's loss record is not usable", [str(e)])
         margins = ref_doc.get("topk_min_gaps") or []
         verdict["near_ties"] = near_ties(margins)
+        kl_rel = args.kl_rel_tol if args.kl_rel_tol is not None else 0.0  # bf16 without a KL to train: unset
         curves = [("losses", "loss.png"), ("mtp_losses", "mtp_loss.png")]
         if "indexer_losses" in ref_doc or "indexer_losses" in pd_doc:
             curves.append(("indexer_losses", "indexer_loss.png"))
@@ -813,7 +814,6 @@ def run_align(args: argparse.Namespace) -> int:
             if key == "mtp_losses" and not a and not b:
                 continue
             if key == "indexer_losses":  # relative: the KL is as small as --loss-atol
-                kl_rel = args.kl_rel_tol if args.kl_rel_tol is not None else 0.0
                 c = compare_losses(b, a, steps=N, atol=0.0, rtol=kl_rel)
                 rel = (_rel_diff(y, x) for x, y in zip(a[:N], b[:N]))
                 c.update(kl_rel_tol=kl_rel, kl_max_rel_diff=max(rel, key=_rank, default=0.0))
@@ -827,7 +827,6 @@ def run_align(args: argparse.Namespace) -> int:
             except ImportError as e:  # the plot extra is optional; the numbers are the verdict
                 c["plot"] = f"not drawn: {e}"
             comps[key] = c
-        kl_rel = args.kl_rel_tol if args.kl_rel_tol is not None else 0.0  # bf16 without a KL to train: unset
         more = {"indexer_recall": compare_indexer(ref_doc, pd_doc, N, args.loss_atol, kl_rel)}
         more["idle_experts"] = compare_idle_experts(ref_doc, pd_doc)
         comps.update({k: c for k, c in more.items() if c is not None})
