@@ -249,15 +249,11 @@ def compare_indexer(
     same = a["stage"] == b["stage"] and a["layers"] == b["layers"]
     per_layer = {}
 
-    def largest(m: str, j: int, n: int) -> float:
-        """The largest |difference| of layer j's measure over n steps; a value a run could not compute
-        (NaN, or null as a record writes it) makes it NaN, which no tolerance passes."""
-        diffs = (abs(x - y) if x is not None and y is not None else math.nan for x, y in pairs(m, j, n))
-        return max(diffs, key=_rank, default=0.0)
-
-    def largest_rel(m: str, j: int, n: int) -> float:
-        """The largest |difference| / |reference| of layer j's measure over n steps (equal values: 0)."""
-        diffs = (_rel_diff(y, x) if x is not None and y is not None else math.nan for x, y in pairs(m, j, n))
+    def largest(m: str, j: int, n: int, diff: Any = lambda ref, cand: abs(ref - cand)) -> float:
+        """The largest ``diff(reference, paddle)`` (|difference|, or another measure) of layer j's
+        measure over n steps; a value a run could not compute (NaN, or null as a record writes it)
+        makes it NaN, which no tolerance passes."""
+        diffs = (diff(x, y) if x is not None and y is not None else math.nan for x, y in pairs(m, j, n))
         return max(diffs, key=_rank, default=0.0)
 
     def pairs(m: str, j: int, n: int):
@@ -269,7 +265,7 @@ def compare_indexer(
             per_layer[str(layer)] = {
                 "recall_max_diff": largest("recall", j, n),
                 "kl_max_diff": largest("kl", j, n),
-                "kl_max_rel_diff": largest_rel("kl", j, n),
+                "kl_max_rel_diff": largest("kl", j, n, lambda ref, cand: _rel_diff(cand, ref)),
                 "recall_first": a["recall"][0][j] if n else None,
                 "recall_last": a["recall"][n - 1][j] if n else None,
             }
