@@ -983,9 +983,9 @@ class GlmTokenizer:
         out = self.decode(sequences, skip_special_tokens, clean_up_tokenization_spaces)
         return [out] if isinstance(out, str) else out
 
-    def _max_length(self, max_length: int | None, why: str) -> int | None:
-        """``max_length``, else ``model_max_length``; None where the tokenizer has none (transformers then
-        neither truncates nor pads to a max_length, warning only)."""
+    def _max_length(self, max_length: int | None) -> int | None:
+        """``max_length``, else ``model_max_length``; None where the tokenizer has none (transformers 5.23
+        then neither truncates nor pads to a max_length, silently)."""
         if max_length is not None:
             if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
                 raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
@@ -1105,7 +1105,7 @@ class GlmTokenizer:
                     "truncation must be True, False, 'longest_first', 'only_first' or 'only_second', "
                     f"got {truncation!r}"
                 )
-            limit = self._max_length(max_length, "truncation=True")
+            limit = self._max_length(max_length)
             padded = padding not in (False, "do_not_pad", None)
             if padded and pad_to_multiple_of and limit is not None and limit % pad_to_multiple_of:
                 raise ValueError(  # transformers' message: padding to a multiple would undo the truncation
@@ -1222,7 +1222,7 @@ class GlmTokenizer:
         if padding in (True, "longest"):
             target = max((len(r) for r in rows), default=0)
         elif padding == "max_length":
-            target = self._max_length(max_length, "padding='max_length'")
+            target = self._max_length(max_length)
         elif padding in (False, "do_not_pad", None):
             target = None
         else:
@@ -1411,7 +1411,7 @@ class GlmTokenizer:
         )
         if track:  # transformers' loop: from the token holding a block's first character to its last one's
             # on the encodings as truncated (where a block's start was cut off, HF's loop stops there)
-            limit = self._max_length(max_length, "truncation=True") if truncation else None
+            limit = self._max_length(max_length) if truncation else None
             rows = enc["input_ids"] if batched else [enc["input_ids"]]
             masks = []
             for row, e, (_, blocks) in zip(rows, self._encode_batch(texts, False, limit), rendered):

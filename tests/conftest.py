@@ -11,7 +11,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
 
 # Files whose tests share a package-scoped launch (conftest fixtures below), by the file that
-# starts it.  Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadfile``) each file runs in one
+# starts it.  Under pytest-xdist (scripts/test.sh: ``-n 3 --dist loadfile``) each file runs in one
 # worker, so that its module fixtures are built once, and these files in the same worker, so that
 # each shared launch still happens once.
 SHARED_LAUNCH_FILES = {

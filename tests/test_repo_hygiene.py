@@ -71,6 +71,76 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
     return out
 
 
+# The floors of docs/model.md's map, from the ground up, by module-name prefix (the longest prefix
+# decides): a module imports modules of its own floor or below, function-level imports included.
+_FLOORS = (
+    ("base", ("_io", "_exit", "cpu_env", "progress", "tokenizer_files", "cli._common", "cli._plot")),
+    ("ops", ("ops",)),
+    ("config", ("configuration",)),
+    ("parallel", ("parallel",)),
+    ("layers", ("modeling",)),
+    ("checkpoint", ("checkpoint",)),
+    ("generation", ("generation", "tokenizer")),
+    ("model", ("", "modeling.pretrained", "modeling.model")),
+    ("train", ("train", "generation.launched")),
+    ("parity", ("parity",)),
+    ("cli", ("cli",)),
+    ("top", ("integrations", "tiny", "demo", "__main__")),
+)
+
+
+def _floor(module: str) -> int:
+    """The floor of ``module`` (a name inside the package, "" for the package itself)."""
+    best, length = None, -1
+    for i, (_, prefixes) in enumerate(_FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".") or p == "") and len(p) > length:
+                best, length = i, len(p)
+    return best
+
+
+def _package_imports(path: pathlib.Path) -> set[str]:
+    """The package's modules that ``path`` imports, at any depth, by name inside the package ("" for
+    the package itself): ``from X import y`` imports module ``X.y`` when there is one, else ``X``."""
+
+    def module(rel: list[str]) -> bool:
+        where = ROOT.joinpath("paddleformers_glm", *rel)
+        return where.with_suffix(".py").is_file() or where.is_dir()
+
+    pkg = path.relative_to(PACKAGE).with_suffix("").parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
+            mod = base + (node.module.split(".") if node.module else [])
+            names = [
+                mod + [a.name] if module(mod[1 if not node.level else 0 :] + [a.name]) else mod for a in node.names
+            ]
+            names = [(["paddleformers_glm"] + n) if node.level else n for n in names]
+        else:
+            continue
+        out.update(".".join(n[1:]) for n in names if n and n[0] == "paddleformers_glm")
+    return out
+
+
+def test_each_floor_imports_only_the_floors_below_it():
+    """docs/model.md's map and the README promise it: ops < config < parallel < the layers <
+    checkpoint < generation < the model (PreTrainedModel's load, save and generate) < train < parity <
+    cli; a lower floor never imports a higher one, at any depth."""
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("").parts
+        if rel[0] == "testing":
+            continue  # stand-ins for tests, never imported by the library (test above)
+        me = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        for target in _package_imports(path):
+            if _floor(target) > _floor(me):
+                upward.append(f"{me} ({_FLOORS[_floor(me)][0]}) imports {target} ({_FLOORS[_floor(target)][0]})")
+    assert sorted(upward) == []
+
+
 def test_model_adapters_register_one_way():
     """train/adapter.py names its built-in adapters as data and imports them only when asked; the
     adapters import adapter.py, never the other way round (no import cycle)."""

@@ -116,7 +116,7 @@ class GradSynchronizer:
             if e >= n_experts:
                 raise ValueError(f"expert parameter {n!r}: id {e} >= {n_experts} experts")
             self.expert_slot[n] = (starts[moe] + e, starts[moe], starts[moe] + n_experts)
-        self.holders = self._pp_holders(names)  # name -> stages holding it (only names on > 1 stage)
+        self.holders = self._pp_holders()  # name -> stages holding it (only names on > 1 stage)
         for n, p in self.params:  # Fleet's hybrid clip counts a pipeline-shared tensor on its first stage only
             if n in self.holders:
                 p.is_firstly_shared = self.holders[n][0] == topo.stage
@@ -134,7 +134,7 @@ class GradSynchronizer:
         self.sharding, self.grad_owner, self.drop_others = sharding, dict(owner), stage == 2
 
     # ---------------------------------------------------------------- setup
-    def _pp_holders(self, names: list[str]) -> dict[str, tuple[int, ...]]:
+    def _pp_holders(self) -> dict[str, tuple[int, ...]]:
         """name -> stages holding it, for names on more than one stage (same answer on every stage)."""
         self.shared_numel: dict[str, int] = {}
         if self.topo.pp_size == 1:

@@ -436,9 +436,7 @@ def _pieces(key: str, t: paddle.Tensor, spec: ShardSpec, topo: Topology) -> tupl
     return [key] if spec.chunks == 1 else [f"{key}#block{i}" for i in range(spec.chunks)], geometry, axis
 
 
-def _flex_items(
-    topo: Topology, model: nn.Layer, optimizer: AdamW, stepped: set[str]
-) -> list[tuple[str, paddle.Tensor, ShardSpec]]:
+def _flex_items(model: nn.Layer, optimizer: AdamW, stepped: set[str]) -> list[tuple[str, paddle.Tensor, ShardSpec]]:
     """``(key, local tensor, shard spec)`` of everything this rank holds: model state, then the
     optimizer state of the parameters it updates that have stepped (moments as their parameter,
     beta powers replicated, fp32 masters as their parameter)."""
@@ -465,7 +463,7 @@ def _save_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW) -
 
     stepped = set().union(*map(set, ckpt_dist.all_gather_object(sorted(optimizer._stepped), topo)))
     sd: dict[str, ShardedWeight] = {}
-    for key, t, spec in _flex_items(topo, model, optimizer, stepped):
+    for key, t, spec in _flex_items(model, optimizer, stepped):
         keys, geometry, axis = _pieces(key, t, spec, topo)
         blocks = [t.detach()] if len(keys) == 1 else paddle.split(t.detach(), len(keys), axis=axis)
         for k, b in zip(keys, blocks):
@@ -524,7 +522,7 @@ def _load_flex(folder: str, topo: Topology, model: nn.Layer, optimizer: AdamW, s
     if unknown:
         raise KeyError(f"--resume {folder}: optimizer state for parameters this model lacks: {sorted(unknown)[:5]}")
     optimizer.prepare_state()
-    items = _flex_items(topo, model, optimizer, stepped)
+    items = _flex_items(model, optimizer, stepped)
     home = str(paddle.zeros([1]).place)  # where paddle.zeros (the resharder's buffers) puts a tensor
     views = _views_write_through()
     sd: dict[str, ShardedWeight] = {}
