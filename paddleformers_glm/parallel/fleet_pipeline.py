@@ -213,12 +213,24 @@ class FleetPipeline:
         self, micro_batches: Sequence[dict[str, Any]], scales: dict[str, float]
     ) -> dict[str, tuple[float, int]]:
         """Forward only of the step's micro-batches through Fleet's ``eval_batch`` (evaluation mode,
-        here without gradient; the stages' mode restored after); this rank's ``{term: (sum, count)}``."""
+        here without gradient; the stages' mode restored after); this rank's ``{term: (sum, count)}``.
+
+        Fleet keeps the shape and dtype message of its first stage-to-stage transfer for every later one;
+        negotiated without gradient it describes no tensor that needs one, and the first training step
+        after it fails its check (Paddle 3.3: ``AssertionError: send_shape_message: ()`` at ``--pp 2
+        --eval-at-start``). A message this evaluation negotiated is erased after it, so training
+        negotiates its own."""
         layers = self.model._layers
         with evaluation(layers), paddle.no_grad():
             if len(self.chunks) > self.topo.pc.pp:  # interleaved: see _forward_in_turn
                 return self._step(micro_batches, scales, lambda _: self._forward_in_turn(micro_batches))
-            return self._step(micro_batches, scales, lambda data: self.model.eval_batch(data, compute_loss=True))
+            meta = self.model._p2p_helper._send_recv_meta
+            negotiated = meta.has_send_meta or meta.has_recv_meta
+            try:
+                return self._step(micro_batches, scales, lambda data: self.model.eval_batch(data, compute_loss=True))
+            finally:
+                if not negotiated:
+                    meta.init_or_erase_meta()
 
     def _forward_in_turn(self, micro_batches: Sequence[dict[str, Any]]) -> None:
         """Forward only of an interleaved pipeline, each micro-batch through the chunks in turn (chunk c
