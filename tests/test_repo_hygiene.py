@@ -71,8 +71,8 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
     return out
 
 
-# The floors of docs/model.md's map, from the ground up, by module-name prefix (the longest prefix
-# decides): a module imports modules of its own floor or below, function-level imports included.
+# The floors of docs/model.md's map, from the ground up. A module's floor is given by the longest
+# name that is the module itself or a package above it; "=NAME" names a package's __init__ alone.
 _FLOORS = (
     ("base", ("_io", "_exit", "cpu_env", "progress", "tokenizer_files", "cli._common", "cli._plot")),
     ("ops", ("ops",)),
@@ -81,63 +81,99 @@ _FLOORS = (
     ("layers", ("modeling",)),
     ("checkpoint", ("checkpoint",)),
     ("generation", ("generation", "tokenizer")),
-    ("model", ("", "modeling.pretrained", "modeling.model")),
+    ("model", ("=", "=modeling", "modeling.pretrained", "modeling.model")),
     ("train", ("train", "generation.launched")),
     ("parity", ("parity",)),
-    ("cli", ("cli",)),
-    ("top", ("integrations", "tiny", "demo", "__main__")),
+    ("cli", ("cli", "tiny", "demo")),
+    ("integrations", ("integrations",)),
 )
+# a registry entry "module:attribute", the module named in full (a module named alone, as in
+# ``python -m paddleformers_glm.cli``, starts a process: no import)
+_MODULE_STRING = re.compile(r"^paddleformers_glm(\.\w+)+:\w+$")
 
 
-def _floor(module: str) -> int:
-    """The floor of ``module`` (a name inside the package, "" for the package itself)."""
+def _floor(module: str) -> int | None:
+    """The floor of ``module`` (a name inside the package, "" for the package itself), else None."""
     best, length = None, -1
-    for i, (_, prefixes) in enumerate(_FLOORS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".") or p == "") and len(p) > length:
-                best, length = i, len(p)
+    for i, (_, names) in enumerate(_FLOORS):
+        for name in names:
+            hit = module == name[1:] if name.startswith("=") else module == name or module.startswith(name + ".")
+            if hit and len(name) > length:
+                best, length = i, len(name)
     return best
 
 
-def _package_imports(path: pathlib.Path) -> set[str]:
-    """The package's modules that ``path`` imports, at any depth, by name inside the package ("" for
-    the package itself): ``from X import y`` imports module ``X.y`` when there is one, else ``X``."""
+def _is_module(rel: list[str]) -> bool:
+    where = ROOT.joinpath("paddleformers_glm", *rel)
+    return where.with_suffix(".py").is_file() or where.is_dir()
 
-    def module(rel: list[str]) -> bool:
-        where = ROOT.joinpath("paddleformers_glm", *rel)
-        return where.with_suffix(".py").is_file() or where.is_dir()
 
+def _package_imports(path: pathlib.Path, module_level_only: bool = False) -> set[str]:
+    """The package's modules that ``path`` imports, by name inside the package ("" for the package
+    itself): import statements at any depth (``from X import y`` imports module ``X.y`` when there
+    is one, else ``X``), ``importlib.import_module`` of a constant, and registry strings naming a
+    module in full (``module:attribute``). ``module_level_only``: the import statements that run when ``path`` is imported."""
     pkg = path.relative_to(PACKAGE).with_suffix("").parts[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = list(ast.iter_child_nodes(tree)) if module_level_only else list(ast.walk(tree))
+    out: set[str] = set()
+    for node in nodes:
         if isinstance(node, ast.Import):
             names = [a.name.split(".") for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
-            mod = base + (node.module.split(".") if node.module else [])
-            names = [
-                mod + [a.name] if module(mod[1 if not node.level else 0 :] + [a.name]) else mod for a in node.names
-            ]
-            names = [(["paddleformers_glm"] + n) if node.level else n for n in names]
+            if node.level:
+                mod = ["paddleformers_glm", *pkg[: len(pkg) - node.level + 1], *(node.module or "").split(".")]
+            else:
+                mod = (node.module or "").split(".")
+            mod = [m for m in mod if m]
+            names = [mod + [a.name] if _is_module(mod[1:] + [a.name]) else mod for a in node.names]
+        elif module_level_only:
+            continue
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            arg = node.args[0] if node.args else None
+            if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+                continue
+            dots = len(arg.value) - len(arg.value.lstrip("."))
+            rest = [m for m in arg.value.lstrip(".").split(".") if m]
+            here = ["paddleformers_glm", *(pkg[: len(pkg) - dots + 1] if dots else [])]
+            names = [here + rest if dots else rest]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.match(node.value):
+            names = [node.value.split(":")[0].split(".")]
         else:
             continue
         out.update(".".join(n[1:]) for n in names if n and n[0] == "paddleformers_glm")
     return out
 
 
+def _package_modules() -> dict[str, pathlib.Path]:
+    """Every module of the library (``testing/``, stand-ins for tests, aside) by name inside the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("").parts
+        if rel[0] != "testing":
+            out[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+    return out
+
+
 def test_each_floor_imports_only_the_floors_below_it():
     """docs/model.md's map and the README promise it: ops < config < parallel < the layers <
     checkpoint < generation < the model (PreTrainedModel's load, save and generate) < train < parity <
-    cli; a lower floor never imports a higher one, at any depth."""
+    cli; a lower floor never imports a higher one, at any depth. Importing a module runs the
+    ``__init__`` of each package above it: what those run at import stays at or below the package's
+    lowest floor (the package root aside: it imports the config class, pure Python)."""
+    modules = _package_modules()
+    unplaced = sorted(m for m in modules if _floor(m) is None)
+    assert unplaced == [], "modules the map does not place"
     upward = []
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE).with_suffix("").parts
-        if rel[0] == "testing":
-            continue  # stand-ins for tests, never imported by the library (test above)
-        me = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+    for me, path in modules.items():
         for target in _package_imports(path):
-            if _floor(target) > _floor(me):
-                upward.append(f"{me} ({_FLOORS[_floor(me)][0]}) imports {target} ({_FLOORS[_floor(target)][0]})")
+            if _floor(target) is None or _floor(target) > _floor(me):
+                upward.append(f"{me} ({_FLOORS[_floor(me)][0]}) imports {target}")
+        if path.name == "__init__.py" and me:
+            lowest = min(_floor(m) for m in modules if m.startswith(me + "."))
+            for target in _package_imports(path, module_level_only=True):
+                if _floor(target) > lowest:
+                    upward.append(f"{me}/__init__ (run by {_FLOORS[lowest][0]} imports) imports {target}")
     assert sorted(upward) == []
 
 

@@ -126,8 +126,8 @@ def test_steps_0_evaluates_only_in_any_layout_without_optimizer_state(tiny_ckpt,
 def test_an_evaluation_before_the_first_step_leaves_the_pipeline_trainable(tiny_ckpt, eval_tokens, tmp_path):
     """--eval-at-start at --pp 2: Fleet keeps the message describing its first stage-to-stage transfer,
     and negotiated by the evaluation (without gradient) it describes no tensor that needs one. The
-    run trains, and its losses and evaluations are one process's within 1e-6. Measured before: every
-    rank failed step 1 (``AssertionError: send_shape_message: ()`` in Fleet's p2p check)."""
+    run trains, and its losses and evaluations are one process's within 1e-6. Measured before: step 1
+    failed (the sending stage: ``AssertionError: send_shape_message: ()`` in Fleet's p2p check)."""
     held = dict(eval_data=str(eval_tokens), eval_every=1, eval_batches=1, eval_at_start=True)
     one = run_training(TrainConfig(
         model="glm", model_args={"model_dir": str(tiny_ckpt)}, steps=2, seq_len=SEQ, global_batch_size=GBS,
