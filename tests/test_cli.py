@@ -167,7 +167,16 @@ def test_generate_takes_top_p_0():
 
     names = ("max_new_tokens", "max_length", "top_k", "temperature", "repetition_penalty", "num_beams", "system")
     launch = dict(
-        tp=1, ep=1, pp=1, log_dir=None, nnodes=1, master=None, node_rank=None, launcher_args="", job_timeout=None
+        tp=1,
+        ep=1,
+        pp=1,
+        log_dir=None,
+        nnodes=1,
+        master=None,
+        node_rank=None,
+        launcher_args="",
+        job_timeout=None,
+        rendezvous_timeout=None,
     )
     launch["speculative"] = False
     args = argparse.Namespace(**dict.fromkeys(names), top_p=0.0, chat=False, prompt="Hi", stop=[], seed=0, **launch)

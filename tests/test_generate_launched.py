@@ -154,6 +154,8 @@ def paddle_ids(row: list[int]):
         (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--log-dir", "x"], "--log-dir needs --tp, --ep or --pp"),
         (["--nnodes", "2"], "--nnodes needs --tp, --ep or --pp"),
+        (["--rendezvous-timeout", "60"], "--rendezvous-timeout needs --tp, --ep or --pp"),
+        (["--tp", "2", "--rendezvous-timeout", "60"], "--rendezvous-timeout 60 needs --nnodes N > 1"),
         (["--tp", "2", "--nnodes", "2"], "--nnodes 2 needs --master IP:PORT"),
         (["--tp", "2", "--nnodes", "3", "--master", "127.0.0.1:1"], "world size 2 is not divisible by --nnodes 3"),
         (["--tp", "2", "--job-timeout", "0"], "--job-timeout must be a finite number of seconds > 0, got 0.0"),

@@ -71,9 +71,18 @@ def test_lifeline_ends_its_process_when_the_module_raises_beside_a_non_daemon_th
     assert time.monotonic() - t0 < 20
 
 
-def _launch(tmp_path, module: str, text: str, launcher_args: list[str], timeout_s: float | None, every: float = 30.0):
-    """``launch.launch_workers`` in a child process with Paddle's launcher replaced by ``module``:
-    (its LaunchError as a dict, what it printed)."""
+def _launch(
+    tmp_path,
+    module: str,
+    text: str,
+    launcher_args: list[str],
+    timeout_s: float | None,
+    every: float = 30.0,
+    rendezvous_s: float | None = None,
+):
+    """``launch.launch_workers`` in a child process with Paddle's launcher replaced by ``module``
+    (``rendezvous_s``: its ``rendezvous_timeout_s``): (its LaunchError as a dict, what it printed,
+    the log folder)."""
     e = _module(tmp_path, module, text)
     log_dir = tmp_path / "logs"
     script = textwrap.dedent(f"""
@@ -85,7 +94,7 @@ def _launch(tmp_path, module: str, text: str, launcher_args: list[str], timeout_
         launch.launcher_command = command
         try:
             launch.launch_workers([], 1, {str(log_dir)!r}, launcher_args={launcher_args!r}, timeout_s={timeout_s!r},
-                                  world_size=2)
+                                  rendezvous_timeout_s={rendezvous_s!r}, world_size=2)
         except launch.LaunchError as err:
             print("RESULT " + json.dumps({{"rank": err.rank, "message": err.message, "rc": err.returncode,
                                            "cause": err.cause}}))

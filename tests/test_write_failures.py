@@ -193,6 +193,64 @@ def test_a_stopped_save_removes_its_own_tmp(tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000001"]
 
 
+# put on the workers' path (sitecustomize): rank 0's rename of a step_N.tmp into place first tells the test
+# and then waits, a stand-in for a save that takes long (a whole optimizer state on a slow filesystem)
+_SLOW_SAVE = """
+import os, re, time
+_replace = os.replace
+def _slow(src, dst, *a, **kw):
+    if re.search(r"step_\\d{8}\\.tmp$", os.fspath(src)) and not os.fspath(dst).endswith(".tmp"):
+        open(os.environ["GLM52_TEST_SAVING"], "w").close()
+        time.sleep(120)
+    return _replace(src, dst, *a, **kw)
+if os.environ.get("GLM52_TEST_SAVING"):
+    os.replace = _slow
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_save_stopped_by_a_signal_to_glm52_train_leaves_no_tmp(tmp_path, sig):
+    """SIGTERM / SIGINT to ``glm52 train`` (as a user or a scheduler sends it) while the ranks of a
+    launched job save: every rank wrote its files into ``step_N.tmp``, rank 0 is about to rename it.
+    Each worker's stop handler ends it with ``os._exit``, so the save's own clean-up never runs; the
+    launcher removes what it left once every process of the job has ended. Measured before: 5 of 5
+    such stops left ``checkpoints/step_00000001.tmp``, with rank files and a half-written
+    ``.meta.json`` in it (the in-process test above raises KeyboardInterrupt in the run's own
+    thread, where the clean-up runs, so it passed all the same)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._dist.runner import env
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_SAVE)
+    e = env()
+    e["PYTHONPATH"] = os.pathsep.join([e["PYTHONPATH"], str(tmp_path)])
+    e["GLM52_TEST_SAVING"] = str(tmp_path / "saving")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "paddleformers_glm.train", *TOY[1:], "--steps", "2", "--dp", "2"]
+    cmd += ["--micro-batch-size", "1", "--save-every", "1", "--out", str(out)]
+    p = subprocess.Popen(cmd, env=e, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "saving").exists() and p.poll() is None and time.monotonic() - t0 < 240:
+            time.sleep(0.05)
+        assert (tmp_path / "saving").exists(), p.communicate(timeout=60)
+        ckpt = out / "checkpoints"
+        assert sorted(os.listdir(ckpt / "step_00000001.tmp")) != [], os.listdir(ckpt)  # the save's files are there
+        p.send_signal(getattr(signal, sig))
+        stdout, stderr = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + getattr(signal, sig), (p.returncode, stderr[-3000:])
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(f"glm52 train: stopped by {sig} to the launcher"), stderr[-3000:]
+    assert "every process of the job ended" in line, line
+    assert sorted(os.listdir(ckpt)) == [], os.listdir(ckpt)  # no step_00000001.tmp, and no latest
+
+
 def test_a_save_stopped_at_its_rename_leaves_latest_on_the_previous_step(tmp_path, monkeypatch, capsys):
     """``latest`` names a step folder only once that folder is in place under its final name
     (docs/parallel.md, "Checkpoints"): a save stopped at the rename of its ``step_N.tmp`` (here a

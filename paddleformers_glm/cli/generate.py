@@ -41,6 +41,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             "--node-rank": args.node_rank is not None,
             "--launcher-args": bool(args.launcher_args),
             "--job-timeout": args.job_timeout is not None,
+            "--rendezvous-timeout": args.rendezvous_timeout is not None,
         }
         for flag, used in given.items():
             if used:

@@ -52,6 +52,7 @@ __all__ = [
     "node_rank_of",
     "os_error_line",
     "register_train",
+    "rendezvous_limit",
     "run_train",
     "start_notes",
     "train_line_error",
@@ -283,9 +284,14 @@ def add_train_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
+# --rendezvous-timeout's default: torchrun's rendezvous join timeout (its c10d rendezvous, 600 s); Paddle's
+# launcher waits at --master without a limit
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
 def add_launch_arguments(g: Any, node_logs: str) -> None:
     """A launched job's flags (``glm52 train``, ``glm52 generate --tp``): the nodes, the launcher's own
-    options and the two timeouts; ``node_logs`` says where a node of a multi-node job logs."""
+    options and the three timeouts; ``node_logs`` says where a node of a multi-node job logs."""
     g.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: run the same command on each)")
     g.add_argument("--master", help="IP:PORT of the rendezvous, the same on every node (required with --nnodes > 1)")
     g.add_argument(
@@ -295,6 +301,12 @@ def add_launch_arguments(g: Any, node_logs: str) -> None:
     )
     g.add_argument("--launcher-args", default="", help="extra options for python -m paddle.distributed.launch")
     g.add_argument("--job-timeout", type=float, help="stop the whole job after this many seconds (default: none)")
+    g.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        help=f"with --nnodes > 1: stop the job when its nodes have not met at --master, or its ranks have not all "
+        f"connected, within this many seconds (default: {RENDEZVOUS_TIMEOUT_S:g}, as torchrun's; 0: no limit)",
+    )
     g.add_argument(
         "--comm-timeout",
         type=float,
@@ -723,9 +735,10 @@ def node_rank_of(args: argparse.Namespace) -> int | None:
     finished job was reported as failed: the completion records of the ranks it assumed were
     written on another node).  With ``--nnodes 1`` a node rank other than 0 or a master is refused
     too: such a node ran the whole job alone and exited 0 while the node 0 it was meant to join
-    waited for it."""
+    waited for it.  ``--rendezvous-timeout`` is checked here too (:func:`rendezvous_limit`)."""
     if args.nnodes < 1:
         raise ValueError(f"--nnodes must be at least 1, got {args.nnodes}")
+    rendezvous_limit(args)
     passed = argparse.ArgumentParser(add_help=False)
     passed.add_argument("--rank", type=int)
     passed.add_argument("--master")
@@ -756,6 +769,25 @@ def node_rank_of(args: argparse.Namespace) -> int | None:
     return node_rank
 
 
+def rendezvous_limit(args: argparse.Namespace) -> float | None:
+    """The seconds a multi-node job may take for its nodes to meet at the master and for its ranks to
+    connect at the job's default group (``--rendezvous-timeout``; unset: :data:`RENDEZVOUS_TIMEOUT_S`),
+    None for no limit (0) or a one-node job.  A value that is not a finite number >= 0, or one given
+    to a one-node job (it has no rendezvous: it would be dropped without a word), is a ValueError."""
+    v = getattr(args, "rendezvous_timeout", None)
+    if v is not None and not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"--rendezvous-timeout must be a finite number of seconds >= 0 (0: no limit), got {v}")
+    if args.nnodes <= 1:
+        if v is not None:
+            raise ValueError(
+                f"--rendezvous-timeout {v:g} needs --nnodes N > 1 (it bounds the wait of a job's nodes for each "
+                "other; a one-node job starts its ranks together)"
+            )
+        return None
+    v = RENDEZVOUS_TIMEOUT_S if v is None else v
+    return v or None
+
+
 def launch_from_args(
     worker_args: list[str],
     world: int,
@@ -767,7 +799,8 @@ def launch_from_args(
     """``train/worker.py worker_args`` on this node's share of the job's ``world`` ranks, launched as
     the flags of :func:`add_launch_arguments` in ``args`` say (``node_rank``: :func:`node_rank_of`):
     Paddle's launcher given ``--launcher-args`` and, in a multi-node job, the node count, the
-    rendezvous and this node's rank; the job timeout; the NCCL process-group timeout. Raises
+    rendezvous and this node's rank; the job timeout; the rendezvous limit (:func:`rendezvous_limit`);
+    the NCCL process-group timeout. Raises
     ``launch.LaunchError`` as :func:`launch.launch_workers` does (``glm52 train`` and ``glm52
     generate --tp``)."""
     from .launch import launch_workers
@@ -787,6 +820,7 @@ def launch_from_args(
         node_rank_offset=(node_rank or 0) * nproc,
         world_size=world,
         timeout_s=args.job_timeout,
+        rendezvous_timeout_s=rendezvous_limit(args),
         quiet_launcher=quiet,
         extra_env={"PADDLE_PG_TIMEOUT": str(int(args.comm_timeout * 1000))},
     )
@@ -801,7 +835,7 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     from .launch import LaunchError
 
     log_dir = os.path.join(cfg.out, "logs") if node_rank is None else os.path.join(cfg.out, "logs", f"node{node_rank}")
-    from .state_files import StepFolderRemoved
+    from .state_files import StepFolderRemoved, sweep_stale_saves
 
     try:
         notes = start_notes(cfg, adapter, log_dir)
@@ -819,6 +853,11 @@ def _run_held(cfg: TrainConfig, adapter: object, args: argparse.Namespace, world
     try:
         launch_from_args(["--config", run_json], world, log_dir, args, node_rank, quiet=not args.verbose)
     except LaunchError as e:
+        if node_rank is None:  # every process of the job has ended (launch.stop_job) and the --out lock is
+            # held: what a save cut short left (a stopped worker ends by os._exit, before its save's own
+            # clean-up) goes now, not at the next save into this OUT. A node of several may share --out
+            # with nodes still saving: it leaves it to that next save
+            sweep_stale_saves(os.path.join(cfg.out, "checkpoints"), -1)
         record = os.path.join(log_dir, "failure.json")
         sep = "; every process of the job ended " if e.cause == "signal" else "\n"  # a user's stop: one line
         print(f"glm52 train: {e}{sep}(failure record: {record})", file=sys.stderr)

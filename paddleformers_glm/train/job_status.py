@@ -293,14 +293,38 @@ def _before_workers(log_dir: str, stopped_by: dict[str, Any] | None, rendezvous:
         return Diagnosis(None, text + ")", "launcher", detail)
     assert rendezvous is not None  # diagnose calls this for a stopped job of several nodes only
     detail["rendezvous"]["met"] = False
+    return Diagnosis(None, _never_met(rendezvous, path), str(stopped_by.get("kind")), detail)
+
+
+def _after_launch(log_dir: str, stopped_by: dict[str, Any]) -> str:
+    """`` N s after the launch``: from job.json's start to when the launcher began stopping the job
+    ('' when either is unknown)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
+        job = read_json(os.path.join(log_dir, "job.json"), "the job record", None) or {}
+        return f" {float(stopped_by['time']) - float(job['started']):.0f} s after the launch"
+    return ""
+
+
+def _never_met(rendezvous: dict[str, Any], launcher_log: str) -> str:
+    """Why no worker of a stopped node of several started: its nodes never met at the master."""
     n, master, rank = rendezvous["nnodes"], rendezvous.get("master"), rendezvous.get("rank")
-    text = (
+    return (
         f"no worker of this node started: the {n} nodes never met at the master {master} (--nnodes {n}, "
         f"--master {master}, --node-rank {rank}): a node not started, or started with another --nnodes or "
         f"--master, or a --master that is not node 0's address or that a node cannot reach (Paddle's "
-        f"launcher's output: {path})"
+        f"launcher's output: {launcher_log})"
     )
-    return Diagnosis(None, text, str(stopped_by.get("kind")), detail)
+
+
+def _never_connected(log_dir: str, local_ranks: Sequence[int], beat: dict | None, rendezvous: dict[str, Any]) -> str:
+    """Why a stopped node of several whose ranks all waited at the job's default group went no further:
+    ranks of the job that never connected (not a rank behind its peers, which all did the same)."""
+    return (
+        f"rank(s) {_ranks(local_ranks)} of this node never finished connecting to the job's other ranks "
+        f"({_beat_text(beat)}): a node not started, started with another --nnodes "
+        f"than {rendezvous['nnodes']}, or whose ranks failed before they connected (its failure.json: "
+        f"{os.path.join(os.path.dirname(log_dir), 'node<R>', 'failure.json')}); run the same command on every node"
+    )
 
 
 def diagnose(
@@ -327,7 +351,8 @@ def diagnose(
     ``world_size``: the job's, when it has ranks on other nodes than ``local_ranks``' (whose
     records are in their own node's folder): a communication failure then names them as suspects.
     ``rendezvous``: ``{"nnodes", "master", "rank"}`` of a multi-node job (``launch.rendezvous_of``),
-    named when no worker of this node started before the job was stopped.
+    named when no worker of this node started before the job was stopped, or when every rank of this
+    node still waited at the job's default group (a timeout, or a stop signal: said after its sender).
     """
     records = read_records(os.path.join(log_dir, "status"))
     errors = sorted(
@@ -426,8 +451,33 @@ def diagnose(
             r = min(lost)
             tail = f"; rank(s) {_ranks(comm_ranks)} then {peers_then}" if comm_ranks else ""
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
+    # every rank of this node alive at the job's default group, none further, when the launcher began stopping
+    # the job (the signal record of its teardown does not count): they waited for ranks of the job
+    t_stop = float(stopped_by["time"]) if stopped_by and stopped_by.get("time") is not None else None
+
+    def ended_before_the_stop(r: int) -> bool:
+        rec = records.get(r, {})
+        sig = rec.get("signal")
+        teardown = isinstance(sig, dict) and t_stop is not None and _t(sig) > t_stop
+        return bool(rec.get("error") or rec.get("ok") or (sig and not teardown))
+
+    connecting = (0, PHASES.index("connect"))
+    held = bool(local_ranks) and all(
+        _progress(beats.get(r)) == connecting and not ended_before_the_stop(r) for r in local_ranks
+    )
     if stopped_by and stopped_by.get("kind") == "signal":  # a signal to the launcher
-        return Diagnosis(None, f"stopped by {stopped_by.get('text', 'a signal')}", "signal")
+        text = f"stopped by {stopped_by.get('text', 'a signal')}"
+        if not rendezvous:
+            return Diagnosis(None, text, "signal")
+        # a node of several stopped (a scheduler's walltime) while it waited for the others: why it waited
+        if not workers_started(log_dir):
+            waited = _before_workers(log_dir, stopped_by, rendezvous)
+            why, detail = waited.message, waited.detail
+        elif held:
+            why, detail = _never_connected(log_dir, local_ranks, beats.get(local_ranks[0]), rendezvous), {}
+        else:
+            return Diagnosis(None, text, "signal")
+        return Diagnosis(None, f"{text}{_after_launch(log_dir, stopped_by)}; {why}", "signal", detail)
     if (not stopped_by or rendezvous) and not workers_started(log_dir):  # before the rules that read a
         # rank's log: none was written (one node stopped early keeps the timeout's own words below)
         return _before_workers(log_dir, stopped_by, rendezvous)
@@ -449,21 +499,10 @@ def diagnose(
                 "launcher",
                 {"launcher_signal": name},
             )
-    # a multi-node job stopped by --job-timeout while every rank of this node waited at the default group: they
-    # waited for ranks of the job that never connected (not a rank behind its peers, which all did the same)
-    connecting = (0, PHASES.index("connect"))
-    held = local_ranks and all(
-        _progress(beats.get(r)) == connecting and not _record_kind(records.get(r, {})) for r in local_ranks
-    )
+    # a multi-node job stopped by --job-timeout or --rendezvous-timeout while every rank of this node waited at
+    # the default group: they waited for ranks of the job that never connected
     if stopped_by and stopped_by.get("kind") == "timeout" and rendezvous and held:
-        return Diagnosis(
-            None,
-            f"rank(s) {_ranks(local_ranks)} of this node never finished connecting to the job's other ranks "
-            f"({_beat_text(beats.get(local_ranks[0]))}): a node not started, started with another --nnodes "
-            f"than {rendezvous['nnodes']}, or whose ranks failed before they connected (its failure.json: "
-            f"{os.path.join(os.path.dirname(log_dir), 'node<R>', 'failure.json')}); run the same command on every node",
-            "timeout",
-        )
+        return Diagnosis(None, _never_connected(log_dir, local_ranks, beats.get(local_ranks[0]), rendezvous), "timeout")
     progress = {r: _progress(beats.get(r)) for r in local_ranks}
     if progress and (comm_ranks or stopped_by) and len(set(progress.values())) > 1:  # a rank behind: hung
         low = min(progress.values())

@@ -283,6 +283,7 @@ def launch_workers(
     launcher_args: Sequence[str] = (),
     node_rank_offset: int = 0,
     timeout_s: float | None = None,
+    rendezvous_timeout_s: float | None = None,
     quiet_launcher: bool = True,
     extra_env: dict[str, str] | None = None,
     world_size: int | None = None,
@@ -290,8 +291,13 @@ def launch_workers(
     """Run ``paddleformers_glm/train/worker.py worker_args`` on ``nproc_per_node`` local processes.
 
     Raises :class:`LaunchError` naming the failing rank; returns when every rank finished cleanly.
-    ``node_rank_offset`` is this node's first global rank and ``world_size`` the job's (multi-node diagnosis).  Call it from
-    the main thread: the parent-death signal of Paddle's launcher follows the thread that started it.
+    ``node_rank_offset`` is this node's first global rank and ``world_size`` the job's (multi-node diagnosis).
+    ``timeout_s`` bounds the whole job (``--job-timeout``); ``rendezvous_timeout_s`` (``--rendezvous-timeout``;
+    None: no limit) a multi-node job's waits for its other nodes, each as long: for the nodes to meet at the
+    master (no worker of this node started since the launch), and for every rank of the job to connect
+    (every local rank held at the job's default group since it got there); Paddle's launcher waits at the
+    master, and the ranks at the default group, without a limit.  Either stops the job with exit 124.  Call
+    it from the main thread: the parent-death signal of Paddle's launcher follows the thread that started it.
     """
     log_dir = os.path.abspath(log_dir)
     status_dir = os.path.join(log_dir, "status")
@@ -323,6 +329,8 @@ def launch_workers(
     rdv = rendezvous_of(launcher_options)
     t_start, first_failure = time.monotonic(), None
     next_waiting, started, t_up = t_start + WAITING_EVERY_S, False, t_start
+    t_held: float | None = None  # since when every local rank has waited at the job's default group
+    rdv_limit = rendezvous_timeout_s if rdv and rendezvous_timeout_s else None
     stopped_by: dict[str, Any] | None = None
     snapshots: list[dict[str, Any]] = []
     seen_signs: set[str] = set()
@@ -387,10 +395,12 @@ def launch_workers(
                 next_waiting = now + WAITING_EVERY_S
                 workers_up.set()
             snap = snapshot(status_dir, by="launcher")
+            connecting = still_connecting(snap, local) if rdv and started else []
+            t_held = (now if t_held is None else t_held) if connecting else None
             if rdv and now >= next_waiting:
                 if not started:
                     print(waiting_line(rdv, now - t_start), flush=True)
-                elif connecting := still_connecting(snap, local):
+                elif connecting:
                     print(connecting_line(rdv, connecting, now - t_up), flush=True)
                 next_waiting = now + WAITING_EVERY_S  # after a stall: one line, not one for each period missed
             signs = [x for x in _trouble(snap) if x not in seen_signs]
@@ -410,6 +420,13 @@ def launch_workers(
                 stopped_by = {"kind": "frozen", "text": text}
             elif timeout_s is not None and now - t_start > timeout_s:
                 stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:g} s; stopped"}
+            elif rdv_limit is not None and (not started or t_held is not None):
+                what = (
+                    f"the {rdv['nnodes']} nodes did not meet" if not started else "the job's ranks did not all connect"
+                )
+                if now - (t_start if not started else t_held) > rdv_limit:  # what --job-timeout does, sooner
+                    text = f"{what} within --rendezvous-timeout {rdv_limit:g} s; stopped"
+                    stopped_by = {"kind": "timeout", "text": text}
             if stopped_by:
                 break
     finally:

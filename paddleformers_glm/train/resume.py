@@ -10,7 +10,6 @@ must be on a filesystem every node sees.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 import time
@@ -28,6 +27,7 @@ from ..checkpoint.finite import NonFiniteError, count_nonfinite_raw, listed_nonf
 from ..checkpoint.safetensors_io import paddle_to_st_dtype
 from ..parallel.layers import ShardSpec, get_shard_spec
 from ..parallel.topology import Topology
+from . import state_files
 from .nonfinite import check_written_state, state_kind
 from .optim import AdamW
 from .state_files import (
@@ -133,36 +133,12 @@ def save_resume_state(
     return final
 
 
-_STALE = re.compile(r"step_(\d+)\.(tmp|old)")
-
-
 def sweep_stale_saves(root: str, step: int) -> list[str]:
-    """Remove what earlier saves in ``root`` left (returned): ``step_N.tmp`` of a save killed, stopped
-    or failed before its rename, or of a :func:`prune_saves` delete that failed (nothing names it:
-    ``latest`` and a resume read only ``step_N``; at scale it holds a whole optimizer state), and
-    ``step_N.old`` whose ``step_N`` is in place (a save killed during the delete). A ``step_N.old``
-    without its ``step_N`` is kept: a save killed between its two renames left the earlier state of
-    that step only there.
-
-    Called by rank 0 of a save before any rank writes into its own ``step_<step>.tmp``, which is
-    left to the caller. No live process can be writing the others: this job's ranks write only the
-    step they save, each save ends at a barrier, and another job in the same folder is refused by
-    ``glm52 train``'s ``--out`` lock (train/out_lock.py), which a caller saving into ``root`` holds."""
-    removed = []
+    """``state_files.sweep_stale_saves`` (what earlier saves in ``root`` left, returned) once a delete
+    of ``--save-total-limit`` still running in this process has finished (:func:`finish_pruning`).
+    Called by rank 0 of a save before any rank writes into its own ``step_<step>.tmp``."""
     finish_pruning()  # a delete of --save-total-limit still running is not left behind
-    try:
-        names = os.listdir(root)
-    except OSError:  # no folder yet: nothing left in it
-        return removed
-    for name in sorted(names):
-        m = _STALE.fullmatch(name)
-        if m is None or int(m.group(1)) == step:
-            continue
-        if m.group(2) == "old" and not os.path.isdir(os.path.join(root, name[: -len(".old")])):
-            continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        removed.append(name)
-    return removed
+    return state_files.sweep_stale_saves(root, step)
 
 
 def prune_saves(root: str, keep: int, log: Callable[[str], Any] = print) -> list[str]:

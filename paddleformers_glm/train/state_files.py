@@ -19,6 +19,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -47,6 +48,7 @@ __all__ = [
     "rng_state",
     "saved_steps",
     "set_rng_state",
+    "sweep_stale_saves",
     "validated_flex_folder",
     "write_rank_state",
 ]
@@ -134,6 +136,40 @@ def saved_steps(root: str) -> list[int]:
         for n in os.listdir(root)
         if STEP_NAME.fullmatch(n) and os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))
     )
+
+
+_STALE = re.compile(r"step_(\d+)\.(tmp|old)")
+
+
+def sweep_stale_saves(root: str, step: int) -> list[str]:
+    """Remove what earlier saves in ``root`` left (returned): ``step_N.tmp`` of a save killed, stopped
+    or failed before its rename, or of a ``resume.prune_saves`` delete that failed (nothing names it:
+    ``latest`` and a resume read only ``step_N``; at scale it holds a whole optimizer state), and
+    ``step_N.old`` whose ``step_N`` is in place (a save killed during the delete). A ``step_N.old``
+    without its ``step_N`` is kept: a save killed between its two renames left the earlier state of
+    that step only there. ``step``'s own are left to the caller (-1: none is).
+
+    No live process may be writing the others, which the callers hold to: rank 0 of a save
+    (``resume.sweep_stale_saves``), before any rank writes into its own ``step_<step>.tmp`` (this job's
+    ranks write only the step they save, each save ends at a barrier), and ``glm52 train``'s launcher
+    once every process of a one-node job has ended (a save a stop signal cut short: the worker's stop
+    handler ends it with ``os._exit``, so the save's own clean-up never runs); another job in the
+    same folder is refused by ``glm52 train``'s ``--out`` lock (train/out_lock.py), which both hold.
+    No Paddle: the launcher's process does not import it."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:  # no folder yet: nothing left in it
+        return removed
+    for name in sorted(names):
+        m = _STALE.fullmatch(name)
+        if m is None or int(m.group(1)) == step:
+            continue
+        if m.group(2) == "old" and not os.path.isdir(os.path.join(root, name[: -len(".old")])):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def resolve_resume_state(path: str) -> str:
