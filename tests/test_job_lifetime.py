@@ -495,7 +495,7 @@ _HOLDER = textwrap.dedent(
     """
     import sys, time
     from paddleformers_glm.train.out_lock import hold_out_folder
-    with hold_out_folder(sys.argv[1]):
+    with hold_out_folder(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None):
         print("ready", flush=True)
         time.sleep(60)
     """
@@ -535,6 +535,30 @@ def test_a_second_train_into_the_out_of_a_running_job_is_refused_and_touches_not
         holder.wait()
     assert train_main(args) == 0  # the holder is gone (SIGKILL): no stale lock
     assert json.loads((out / "loss.json").read_text())["steps"] == 1
+
+
+@pytest.mark.parametrize("holder_node, node_flags", [(0, []), (None, ["--node-rank", "1"])])
+def test_a_job_of_the_other_kind_into_the_same_out_is_refused(tmp_path, capsys, holder_node, node_flags):
+    """A one-node job and a node of a multi-node job hold different lock files (the nodes of one job
+    share --out); each is refused beside a live holder of the other's. Measured before: a one-node
+    ``glm52 train`` given the --out of a running two-node job was accepted, and when it failed its
+    launcher removed that job's ``checkpoints/step_N.tmp`` (a save in progress)."""
+    from paddleformers_glm.train.command import main as train_main
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", _HOLDER, str(out)] + ([] if holder_node is None else [str(holder_node)])
+    holder = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        args = ["--model", "toy", "--steps", "1", "--seq-len", "16", "--no-progress", "--out", str(out)]
+        if node_flags:
+            args += ["--dp", "2", "--nnodes", "2", "--master", "127.0.0.1:1", *node_flags]
+        assert train_main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"--out {out} is in use" in err and f"pid {holder.pid} on " in err, err
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_refused_input_leaves_no_output_folder_behind(tmp_path, capsys):

@@ -234,3 +234,27 @@ def test_plan_of_a_resumed_train_line_plans_the_saved_runs_indexer_stage(models,
         + ["--indexer-stage", "sparse"]
     )
     assert check_args(args)[0].indexer_stage == "sparse"
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--rendezvous-timeout", "5"], "--rendezvous-timeout 5 needs --nnodes N > 1"),
+        (
+            ["--tp", "2", "--nnodes", "2", "--master", "127.0.0.1:1", "--node-rank", "0", "--rendezvous-timeout", "-3"],
+            "--rendezvous-timeout must be a finite number of seconds >= 0",
+        ),
+    ],
+)
+def test_plan_checks_a_train_lines_nodes_as_train_does(models, tmp_path, capsys, flags, words):
+    """The rendezvous flags of a train line (checked after the layout, before a launch): ``glm52 plan``
+    refuses what ``glm52 train`` refuses, in its words. Measured before: plan exited 0 on both lines."""
+    from paddleformers_glm.cli import main as cli_main
+
+    model_dir = models[0.001][0]
+    base = ["--model", model_dir, "--seq-len", "64", "--global-batch-size", "4", *flags]
+    assert cli_main(["train", *base, "--out", str(tmp_path / "o")]) == 2
+    train = capsys.readouterr().err.strip().splitlines()[-1]
+    assert cli_main(["plan", *base]) == 2
+    plan = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("glm52 plan: error: ")]
+    assert words in train and len(plan) == 1 and words in plan[0], (train, plan)

@@ -67,14 +67,56 @@ def hold_out_folder(
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 yield  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unguarded
                 return
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
-            flag = refusal.split(" ", 1)[0]
-            raise OutInUse(
-                f"{refusal.format(out=out)} ({holder}; lock {path}): wait for it to end, stop it, or give another {flag}"
-            ) from None
+            raise _in_use(fd, path, out, refusal) from None
+        if lock is None:  # a job of the other kind (one node / a node of several) holds its own lock file
+            _refuse_if_held(_other_kind_locks(out, node_rank), out, refusal)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %z")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {stamp}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _other_kind_locks(out: str, node_rank: int | None) -> list[str]:
+    """The lock files of ``out`` that jobs of the other kind hold: a one-node job's against every node's
+    of a multi-node job, a node's against the one-node job's (the nodes of one job share ``out``)."""
+    folder = os.path.join(out, "logs")
+    if node_rank is not None:
+        return [lock_path(out)]
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in sorted(names) if n.startswith("train.node") and n.endswith(".lock")]
+
+
+def _refuse_if_held(paths: list[str], out: str, refusal: str) -> None:
+    """:class:`OutInUse` naming the holder of the first of ``paths`` a live process holds (a shared
+    lock taken and given back at once: it fails only beside a holder's exclusive one)."""
+    import fcntl
+
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone, or not readable: no holder to name
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    continue
+                raise _in_use(fd, path, out, refusal) from None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def _in_use(fd: int, path: str, out: str, refusal: str) -> OutInUse:
+    """The refusal naming the holder that wrote itself into the lock file ``path`` (open as ``fd``)."""
+    holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+    flag = refusal.split(" ", 1)[0]
+    return OutInUse(
+        f"{refusal.format(out=out)} ({holder}; lock {path}): wait for it to end, stop it, or give another {flag}"
+    )

@@ -484,7 +484,7 @@ def check_nodes(lay: Layout) -> None:
     from .command import node_rank_of
 
     given = dict(lay.train_only)
-    defaults = {"nnodes": 1, "master": None, "node_rank": None, "launcher_args": ""}
+    defaults = {"nnodes": 1, "master": None, "node_rank": None, "launcher_args": "", "rendezvous_timeout": None}
     node_rank_of(argparse.Namespace(**{k: given.get(k, v) for k, v in defaults.items()}))
 
 
