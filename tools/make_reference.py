@@ -969,8 +969,9 @@ GEN_OPTIONS_CASE = "tiny"  # the checkpoint the option fixture runs on
 _GEN_P1 = [[5, 6, 7, 8, 5, 6, 5]]
 _GEN_P2, _GEN_M2 = [[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], [[0, 0, 1, 1, 1, 1], [1] * 6]
 # name: the prompt (attention_mask None: none passed) and generate's keywords. Recorded: the sequences
-# (greedy cases), each step's count of finite processed scores per row, and what "record" names:
-# "kept": each row's finite step-0 scores' token ids; "scores": the step-0 processed scores at "columns".
+# (greedy and beam search cases), each step's count of finite processed scores per row, and what "record"
+# names: "kept": each row's finite step-0 scores' token ids; "scores": the step-0 processed scores at
+# "columns". Beam search cases record the sequence scores too, and no greedy gap (a greedy-only rule).
 GEN_OPTION_CASES: dict[str, dict] = {
     # do_sample alone: HF's default top_k 50 (and top_p 1.0, temperature 1.0)
     "sample_default_top_k": {
@@ -1020,6 +1021,136 @@ GEN_OPTION_CASES: dict[str, dict] = {
         },
         "exact_ties": True,
     },
+    # sampling, top_k 0, a logits_processor ("tied": n) that leaves the first 4 tokens alone and equal:
+    # top_p 0.75 drops one of them (a summed 0.25 <= 1 - top_p goes), min_p 1.0 none (none is below the top)
+    "top_p_tied_boundary": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {
+            "do_sample": True,
+            "top_k": 0,
+            "top_p": 0.75,
+            "eos_token_id": [],
+            "pad_token_id": 0,
+            "max_new_tokens": 1,
+        },
+        "tied": 4,
+    },
+    "min_p_tied_top": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {
+            "do_sample": True,
+            "top_k": 0,
+            "min_p": 1.0,
+            "eos_token_id": [],
+            "pad_token_id": 0,
+            "max_new_tokens": 1,
+        },
+        "tied": 4,
+    },
+    # beam sampling keeps min_tokens_to_keep = 1 + #EOS tokens under top-p: 2 finite scores per beam
+    "beam_sample_top_p_keeps_eos_count": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {
+            "do_sample": True,
+            "num_beams": 2,
+            "top_k": 0,
+            "top_p": 0.01,
+            "eos_token_id": [211],
+            "pad_token_id": 0,
+            "max_new_tokens": 3,
+        },
+    },
+    # EOS held back by min_new_tokens stays -inf under the EOS boost (sampling must still find a token)
+    "decay_with_min_new_tokens": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {
+            "do_sample": True,
+            "min_new_tokens": 3,
+            "exponential_decay_length_penalty": [0, 1.5],
+            "eos_token_id": [211],
+            "pad_token_id": 0,
+            "max_new_tokens": 4,
+        },
+    },
+    # three sequence biases end on token 99 at step 0 (after [6], after [5, 6], always): they add up (+6)
+    "sequence_biases_add_up": {
+        "input_ids": [[5, 6, 7, 8, 5, 6]],
+        "attention_mask": None,
+        "kwargs": {
+            "sequence_bias": [[[6, 99], 2.0], [[5, 6, 99], 3.0], [[99], 1.0]],
+            "eos_token_id": [],
+            "pad_token_id": 0,
+            "max_new_tokens": 1,
+        },
+        "record": ["scores"],
+        "columns": [98, 99, 100],
+    },
+    # guidance_scale 1 is no guidance: the scores are the raw logits
+    "guidance_scale_one_is_off": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {"guidance_scale": 1.0, "eos_token_id": [], "pad_token_id": 0, "max_new_tokens": 3},
+        "record": ["scores"],
+        "columns": [0, 1, 2, 3, 99, 226],
+    },
+    # a prefix_allowed_tokens_fn ("prefix_allowed": allowed ids for a row of that length ending with that
+    # token, else every id) whose only token is a bad word in one beam: that beam alone stays all -inf
+    "prefix_unmet_in_one_beam": {
+        "input_ids": _GEN_P1,
+        "attention_mask": None,
+        "kwargs": {
+            "num_beams": 2,
+            "bad_words_ids": [[9]],
+            "eos_token_id": [211],
+            "pad_token_id": 0,
+            "max_new_tokens": 3,
+        },
+        "prefix_allowed": {"length": 8, "last": 99, "allowed": [9]},
+    },
+    # early_stopping "never": K finished hypotheses do not end the search
+    "beam_never_stops_early": {
+        "input_ids": [[219, 143, 11]],
+        "attention_mask": None,
+        "kwargs": {
+            "num_beams": 3,
+            "early_stopping": "never",
+            "eos_token_id": [211, 240, 156, 252, 226],
+            "pad_token_id": 0,
+            "max_new_tokens": 6,
+            "num_return_sequences": 3,
+        },
+    },
+    # "never" with length_penalty <= 0 judges the best running beam at the current length: 6 steps
+    "beam_never_negative_length_penalty": {
+        "input_ids": [[219, 143, 11]],
+        "attention_mask": None,
+        "kwargs": {
+            "num_beams": 3,
+            "early_stopping": "never",
+            "length_penalty": -1.0,
+            "eos_token_id": [211, 240, 156, 252, 226],
+            "pad_token_id": 0,
+            "max_new_tokens": 6,
+            "num_return_sequences": 3,
+        },
+    },
+    # early_stopping True in a batch: a prompt whose K hypotheses are done takes no more
+    "beam_early_stopping_batch": {
+        "input_ids": [[25, 221], [8, 139]],
+        "attention_mask": None,
+        "kwargs": {
+            "num_beams": 2,
+            "early_stopping": True,
+            "eos_token_id": [211, 240, 156, 252, 226, 165, 99, 128],
+            "pad_token_id": 0,
+            "max_new_tokens": 6,
+            "num_return_sequences": 2,
+        },
+    },
 }
 # config.json edits for the generation config HF derives (and saves) from a folder without generation_config.json
 GEN_DERIVED_CONFIG_EDITS = {
@@ -1045,12 +1176,33 @@ def _greedy_gap(scores: list, sequences, prompt_len: int, eos: list[int]) -> flo
     return gap
 
 
+def _tied_first(n: int):
+    """A logits processor: the first ``n`` tokens score 0, every other -inf."""
+    import torch
+
+    def tie(input_ids, scores):
+        tied = torch.arange(scores.shape[-1]) < n
+        return torch.where(tied, torch.zeros_like(scores), torch.full_like(scores, -math.inf))
+
+    return tie
+
+
+def _prefix_allowed(rule: dict, vocab: int):
+    """A prefix_allowed_tokens_fn: ``rule["allowed"]`` for a row of ``rule["length"]`` tokens ending with
+    ``rule["last"]``, every token id otherwise."""
+    every = list(range(vocab))
+    return lambda batch_id, sent: (
+        rule["allowed"] if len(sent) == rule["length"] and int(sent[-1]) == rule["last"] else every
+    )
+
+
 def build_generate_options_fixture(name: str, out_dir: Path, gen_out: Path | None = None) -> dict:
     """``generate/<case>_options.json``: HF's generate (eager, fp32) on the case's committed checkpoint for
     each of GEN_OPTION_CASES, and the generation_config.json HF saves for the checkpoint whose config.json
     carries GEN_DERIVED_CONFIG_EDITS (no generation_config.json). Greedy choices must lead the runner-up by
-    GEN_MIN_LOGIT_GAP and the sampling case's 50th logit the 51st by MIN_GAP, so the tokens and kept sets
-    do not depend on rounding."""
+    GEN_MIN_LOGIT_GAP and the "kept" case's 50th logit the 51st by MIN_GAP, so the tokens and kept sets
+    do not depend on rounding. Sampling cases record no tokens (torch's generator draws them); beam search
+    cases record the sequences and their scores, without a gap check."""
     import torch
     import transformers
     from transformers import GlmMoeDsaForCausalLM
@@ -1072,22 +1224,39 @@ def build_generate_options_fixture(name: str, out_dir: Path, gen_out: Path | Non
             if new[k] in new[:k]:
                 raise SystemExit(f"[{case}] the greedy step-{k} token {new[k]} occurs earlier: pick another prompt")
             kw["eos_token_id"] = [new[k]]
+        hooks = {}
+        if "tied" in spec:  # a logits_processor: the first n tokens at 0, the rest -inf
+            hooks["logits_processor"] = transformers.LogitsProcessorList([_tied_first(spec["tied"])])
+        if "prefix_allowed" in spec:
+            hooks["prefix_allowed_tokens_fn"] = _prefix_allowed(spec["prefix_allowed"], model.config.vocab_size)
         torch.manual_seed(0)
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=mask, **kw, return_dict_in_generate=True, output_scores=True, output_logits=True
+                ids,
+                attention_mask=mask,
+                **kw,
+                **hooks,
+                return_dict_in_generate=True,
+                output_scores=True,
+                output_logits=True,
             )
         rec = {"input_ids": spec["input_ids"], "attention_mask": spec["attention_mask"], "kwargs": kw}
+        for key in ("tied", "prefix_allowed"):
+            if key in spec:
+                rec[key] = spec[key]
         rec["finite_per_step"] = [torch.isfinite(s).sum(-1).tolist() for s in out.scores]
-        if kw.get("do_sample"):
-            top = out.logits[0].topk(51, dim=-1).values
-            rec["top_k_boundary_gap"] = float((top[:, 49] - top[:, 50]).min())
-            if rec["top_k_boundary_gap"] < MIN_GAP:
-                raise SystemExit(f"[{case}] 50th vs 51st logit gap {rec['top_k_boundary_gap']:.3e} < {MIN_GAP}")
+        if kw.get("do_sample"):  # the sampled tokens (torch's generator) are not pinned
+            if "kept" in spec.get("record", ()):
+                top = out.logits[0].topk(51, dim=-1).values
+                rec["top_k_boundary_gap"] = float((top[:, 49] - top[:, 50]).min())
+                if rec["top_k_boundary_gap"] < MIN_GAP:
+                    raise SystemExit(f"[{case}] 50th vs 51st logit gap {rec['top_k_boundary_gap']:.3e} < {MIN_GAP}")
         else:
             eos = kw.get("eos_token_id", cfg_eos)
             rec["sequences"] = out.sequences.tolist()
-            if not spec.get("exact_ties"):  # else the tie is the case (forced tokens score exactly alike)
+            if kw.get("num_beams", 1) > 1 and not spec.get("exact_ties"):
+                rec["sequences_scores"] = out.sequences_scores.tolist()
+            elif not spec.get("exact_ties"):  # else the tie is the case (forced tokens score exactly alike)
                 rec["min_greedy_gap"] = _greedy_gap(
                     out.scores, out.sequences, ids.shape[1], eos if isinstance(eos, list) else [eos]
                 )
