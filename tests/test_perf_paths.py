@@ -463,6 +463,7 @@ def test_bf16_forms_give_the_kl_target_as_the_fp32_softmax():
     (2e-4 on the tiny model), which then went negative in bf16 training.  Measured before: the sparse
     form's rows were off 1 by up to 1.5e-3 here (1e-6 now), the dense form's by 9.5e-8."""
     from paddleformers_glm.modeling.attention import dense_head_attention, sparse_attention
+    from paddleformers_glm.modeling.attention_forms import sparse_latent_attention
     from paddleformers_glm.ops import cpu_bf16
 
     cpu_bf16.install()
@@ -476,7 +477,11 @@ def test_bf16_forms_give_the_kl_target_as_the_fp32_softmax():
     topk = paddle.to_tensor(idx)
     _, sparse = sparse_attention(q, k, v, topk, D**-0.5, return_probs=True)
     _, dense = dense_head_attention(q, k, v, topk, D**-0.5, return_probs=True)
-    for probs in (sparse, dense):
+    # the latent form (one key/value row for every head; chunk 8: the gathered chunks' path too)
+    latent = [
+        sparse_latent_attention(q, k[:, :, 0], topk, D**-0.5, chunk_size=c, return_probs=True)[1] for c in (1024, 8)
+    ]
+    for probs in (sparse, dense, *latent):
         assert probs.dtype == paddle.float32
         assert np.abs(probs.numpy().astype(np.float64).sum(-1) - 1).max() < 1e-6
     np.testing.assert_allclose(sparse.numpy(), dense.numpy(), atol=1e-6)
