@@ -849,6 +849,24 @@ def test_a_passed_generation_config_takes_its_unset_keys_from_the_models(tmp_pat
     assert model.generate(ids, generation_config=GenerationConfig(max_length=12)).shape[1] == 8
 
 
+def test_a_calls_min_length_wins_over_the_files_min_new_tokens():
+    """docs/model.md: the call's own min_* wins over the file's, as its max_* does (a divergence from
+    HF 5.23, which keeps a file's ``min_new_tokens`` over a call's ``min_length``; measured on the tiny
+    checkpoint, file {max_new_tokens 3, min_new_tokens 2}, prompt of 7, ``min_length=12, eos_token_id=[165],
+    max_new_tokens=8``: HF stopped at its 4th new token, an EOS, where the call asks for 5 first).
+    Within one layer ``min_new_tokens`` wins over ``min_length``."""
+    from paddleformers_glm.generation import GenerationConfig, resolve_settings
+
+    class Config:
+        max_position_embeddings = 64
+
+    file = GenerationConfig(max_new_tokens=3, min_new_tokens=2)
+    assert resolve_settings(Config, file, {}, 7).min_new_tokens == 2
+    assert resolve_settings(Config, file, {"min_length": 12}, 7).min_new_tokens == 5
+    assert resolve_settings(Config, file, {"min_length": 12, "min_new_tokens": 1}, 7).min_new_tokens == 1
+    assert resolve_settings(Config, GenerationConfig(min_length=12), {}, 7).min_new_tokens == 5
+
+
 def _stop_case(tmp_path):
     from paddleformers_glm.tiny import make_tiny_checkpoint
     from paddleformers_glm.tokenizer import GlmTokenizer
