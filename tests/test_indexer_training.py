@@ -330,6 +330,44 @@ def test_stage_flags_are_checked_before_training(tiny_ckpt, tmp_path, capsys):
     assert "--indexer-shared-supervision" in err and "starts on shared layer 4" in err and "'2,6'" in err
 
 
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--pp", "2", "--pp-layout", "E,t*8|m,L"], "the MTP block is on pipeline stage 1 but reuses the top-k of "
+         "full layer 6 (index_share_for_mtp_iteration), which is on pipeline stage 0"),
+        (["--pp", "3", "--first-stage-layers", "2", "--last-stage-layers", "0"], "MTP block is on pipeline stage 2"),
+        (["--pp", "2", "--vpp", "2", "--pp-layout", "E|t*6|t*2|m,L"], "MTP block is on virtual pipeline chunk 3"),
+    ],
+)  # fmt: skip
+def test_shared_supervision_refuses_an_mtp_block_apart_from_its_full_layer(tiny_ckpt, tmp_path, capsys, flags, words):
+    """The MTP block reuses the main model's top-k (layer 6's), so with shared supervision its
+    attention joins layer 6's target (docs/indexer.md); on a chunk without layer 6 it was silently
+    left out (layer 6's step-1 KL 1.9-5% off one process, exit 0).  Train and plan refuse it before
+    launch, one line, exit 2, with the same words and a split that keeps them together, which plan
+    takes; without the flag, or with an MTP block running its own indexer, nothing changes."""
+    from paddleformers_glm.cli import main as cli_main
+    from paddleformers_glm.train.command import main as train_main
+
+    base = ["--model", str(tiny_ckpt), "--seq-len", "32", "--global-batch-size", "4"]
+    sup = ["--indexer-stage", "warmup", "--indexer-shared-supervision"]
+    assert train_main([*base, "--out", str(tmp_path / "run"), "--steps", "1", *sup, *flags]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and words in err[0] and "--indexer-shared-supervision" in err[0], err
+    hint = err[0].split("--pp-layout '")[1].split("'")[0]
+    assert cli_main(["plan", *base, *sup, *flags]) == 2
+    assert capsys.readouterr().err.strip() == err[0].replace("glm52 train:", "glm52 plan:")
+    layout = ["--pp-layout", hint] + (["--vpp", "2"] if "--vpp" in flags else [])
+    assert cli_main(["plan", *base, *sup, *flags[:2], *layout]) == 0  # the named split is taken
+    assert cli_main(["plan", *base, "--indexer-stage", "warmup", *flags]) == 0  # no shared supervision
+    own = tmp_path / "own_mtp_indexer"
+    own.mkdir()
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**config, "index_share_for_mtp_iteration": False}))
+    assert cli_main(["plan", "--model", str(own), *base[2:], *sup, *flags]) == 0
+    assert not (tmp_path / "run").exists()
+    capsys.readouterr()
+
+
 def test_warmup_refuses_the_balance_loss_and_shared_supervision_needs_a_stage(tiny_ckpt, tmp_path, capsys):
     """docs/indexer.md: ``warmup`` refuses ``--indexer-loss-coeff``, ``--moe-bias-update-rate`` and
     ``--moe-aux-loss-coeff`` (nothing but the indexers may change), and shared-layer supervision

@@ -217,6 +217,13 @@ def test_split_stages_even_first_last_and_remainder():
     assert [s.layers[0] for s in specs] == [0, 14, 22, 30, 38, 46, 54, 62] and specs[-1].has_mtp
     with pytest.raises(ParallelConfigError, match="do not split evenly"):
         split_stages(10, 4, first_stage_layers=1, last_stage_layers=2)
+    # the refusal counts the stages without a fixed size and names the flag (was "over 2 middle stages;
+    # try last_stage_layers=2" at pp 3, which has one middle stage)
+    with pytest.raises(ParallelConfigError) as e:
+        split_stages(8, 3, last_stage_layers=1)
+    assert "7 remaining layers do not split evenly over the 2 pipeline stages without a fixed size" in str(e.value)
+    assert str(e.value).endswith("try --last-stage-layers 2")
+    assert [len(s.layers) for s in split_stages(8, 3, last_stage_layers=2)] == [3, 3, 2]
     with pytest.raises(ParallelConfigError, match="either --pp-layout or first/last"):
         split_stages(8, 2, first_stage_layers=3, layout="4,4")
     assert split_stages(6, 1) == [StageSpec.whole(6)]
@@ -229,6 +236,43 @@ def test_shared_layer_starts_are_fine_with_topk_carried_and_named_without():
     with pytest.raises(ParallelConfigError) as e:
         validate_shared_layer_starts(specs, kinds, carry_topk=False)
     assert "stage 1 starts on shared layer 4" in str(e.value) and "'2,6'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "layout, chunks, mtp_on, layer6_on, hint",
+    [
+        ("E,t*8|m,L", 2, 1, 0, "6,2"),  # the MTP block alone on the last stage
+        ("2,6,0", 3, 2, 1, "2,4,2"),  # --pp 3 --first-stage-layers 2 --last-stage-layers 0
+        ("E|t*6|t*2|m,L", 4, 3, 2, "0,2,4,2"),  # --pp 2 --vpp 2: the MTP block alone on the last chunk
+    ],
+)
+def test_an_mtp_block_reusing_the_top_k_must_sit_with_the_last_full_layer(layout, chunks, mtp_on, layer6_on, hint):
+    """With the MTP block reusing the main model's top-k (``index_share_for_mtp_iteration``) its
+    attention joins the last full layer's (6) shared-supervision target: on another stage it was left
+    out (layer 6's KL 1.9-5% off one process), yet the split was taken (only a stage opening on a
+    shared layer was refused).  Now refused naming the MTP stage, layer 6 and a split that keeps them
+    together, which passes; nothing changes with the top-k carried or an MTP block with its own indexer."""
+    kinds = ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
+    specs = parse_pp_layout(layout, 8, chunks, has_mtp=True)
+    validate_shared_layer_starts(specs, kinds, carry_topk=True, mtp_reuses_topk=True)
+    validate_shared_layer_starts(specs, kinds, carry_topk=False, mtp_reuses_topk=False)
+    with pytest.raises(ParallelConfigError) as e:
+        validate_shared_layer_starts(specs, kinds, carry_topk=False, mtp_reuses_topk=True, unit="chunk")
+    msg = str(e.value)
+    assert f"MTP block is on chunk {mtp_on}" in msg and "full layer 6" in msg and f"on chunk {layer6_on}" in msg, msg
+    assert f"--pp-layout '{hint}'" in msg and "\n" not in msg, msg
+    validate_shared_layer_starts(parse_pp_layout(hint, 8, chunks, True), kinds, carry_topk=False, mtp_reuses_topk=True)
+
+
+def test_the_shared_start_hint_lists_every_stage_and_keeps_the_mtp_block_with_its_full_layer():
+    """The hint for a stage opening on a shared layer counted only the non-empty stages: --pp 3
+    'E,t*4|t*4|m,L' got '2,6' (two sizes for three stages); now it lists all three, the MTP block's
+    stage holding layer 6, and that layout passes."""
+    kinds = ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
+    specs = parse_pp_layout("E,t*4|t*4|m,L", 8, 3, has_mtp=True)
+    with pytest.raises(ParallelConfigError, match="stage 1 starts on shared layer 4.*'2,4,2'"):
+        validate_shared_layer_starts(specs, kinds, carry_topk=False, mtp_reuses_topk=True)
+    validate_shared_layer_starts(parse_pp_layout("2,4,2", 8, 3, True), kinds, carry_topk=False, mtp_reuses_topk=True)
 
 
 # ------------------------------------------------------------------ layers at world 1 are the plain layers

@@ -196,8 +196,9 @@ def split_stages(
         base, extra = divmod(rest, len(free))
         if extra and (first_stage_layers is not None or last_stage_layers is not None):
             raise ParallelConfigError(
-                f"{rest} remaining layers do not split evenly over {len(free)} middle stages; "
-                f"try last_stage_layers={last_stage_layers + extra if last_stage_layers is not None else extra + base}"
+                f"{rest} remaining layers do not split evenly over the {len(free)} {unit}s without a fixed size; "
+                f"try --last-stage-layers "
+                f"{last_stage_layers + extra if last_stage_layers is not None else extra + base}"
             )
         plus_one = sorted(free, key=lambda i: (i in (0, pp - 1), i == pp - 1, i))[:extra]  # middle stages first
         for i in free:
@@ -227,32 +228,84 @@ def rank_spec(chunks: Sequence[StageSpec], pp: int, stage: int) -> StageSpec:
 
 
 def validate_shared_layer_starts(
-    specs: Sequence[StageSpec], layer_kinds: Sequence[str], carry_topk: bool = True
+    specs: Sequence[StageSpec],
+    layer_kinds: Sequence[str],
+    carry_topk: bool = True,
+    *,
+    mtp_reuses_topk: bool = False,
+    unit: str = "stage",
 ) -> None:
-    """Reject a split whose stage begins on a "shared" indexer layer when top-k is *not* carried.
+    """Reject a split that parts a layer reusing a top-k from the full layer that made it, when
+    top-k is *not* carried (``carry_topk`` False: shared-layer supervision, the Megatron/slime rule):
+    a stage that begins on a "shared" indexer layer, and with ``mtp_reuses_topk`` (the MTP block
+    reuses the main model's last top-k: ``index_share_for_mtp_iteration``) a stage with the MTP
+    block that does not hold the last full layer.
 
     With ``carry_topk`` (our engine's default) every split works and this only checks the kinds.
-    Otherwise the message names the nearest layout whose stages all start on a full layer.
+    Otherwise the message names the nearest layout that keeps every such layer with its full layer.
+    ``unit``: what the message calls a stage (a virtual pipeline chunk under --vpp).
     """
     for s in specs:
         for i in s.layers:
             if layer_kinds[i] not in ("full", "shared"):
                 raise ParallelConfigError(f"layer {i}: indexer kind must be 'full' or 'shared', got {layer_kinds[i]!r}")
-    bad = [s for s in specs if s.layers and layer_kinds[s.layers[0]] == "shared"]
-    if carry_topk or not bad:
+    if carry_topk:
         return
     full = [i for i, k in enumerate(layer_kinds) if k == "full"]
-    starts = [s.layers[0] for s in specs if s.layers]
-    moved = [x if layer_kinds[x] == "full" else min(full, key=lambda f: (abs(f - x), f)) for x in starts]
-    hint = ""
-    if all(a < b for a, b in zip(moved, moved[1:])) and moved and moved[0] == 0:
-        ends = moved[1:] + [len(layer_kinds)]
-        counts = [b - a for a, b in zip(moved, ends)]
-        hint = f"; a layout whose stages start on full layers: {','.join(str(c) for c in counts)!r}"
-    raise ParallelConfigError(
-        f"stage {bad[0].stage} starts on shared layer {bad[0].layers[0]} (it reuses the top-k of an earlier full "
-        f"layer) and top-k carrying is off{hint}"
-    )
+    bad = [s for s in specs if s.layers and layer_kinds[s.layers[0]] == "shared"]
+    if bad:
+        raise ParallelConfigError(
+            f"{unit} {bad[0].stage} starts on shared layer {bad[0].layers[0]} (it reuses the top-k of an earlier full "
+            f"layer) and top-k carrying is off{_topk_group_hint(specs, layer_kinds, mtp_reuses_topk, unit)}"
+        )
+    mtp = next((s for s in specs if s.has_mtp), None)
+    if mtp_reuses_topk and mtp is not None and full and full[-1] not in mtp.layers:
+        last = full[-1]
+        home = next((s.stage for s in specs if last in s.layers), None)
+        raise ParallelConfigError(
+            f"the MTP block is on {unit} {mtp.stage} but reuses the top-k of full layer {last} "
+            f"(index_share_for_mtp_iteration), which is on {unit} {home}, and top-k carrying is off"
+            f"{_topk_group_hint(specs, layer_kinds, mtp_reuses_topk, unit)}"
+        )
+
+
+def _topk_group_hint(specs: Sequence[StageSpec], layer_kinds: Sequence[str], mtp_reuses_topk: bool, unit: str) -> str:
+    """ "; a layout whose ...: 'c0,c1,...'": the split nearest ``specs`` (as --pp-layout sizes) whose
+    stages all start on a full layer and, with ``mtp_reuses_topk``, whose MTP stage holds the last
+    full layer; each stage start moves to the nearest full layer (on past the one before it), then
+    earlier ones back as far as needed to keep every stage but the first non-empty.  "" when there
+    is none."""
+    n, L = len(specs), len(layer_kinds)
+    full = [i for i, k in enumerate(layer_kinds) if k == "full"]
+    if not full or full[0] != 0:
+        return ""
+    starts, pos = [], 0
+    for s in specs:
+        starts.append(pos)
+        pos += len(s.layers)
+    starts = [
+        x if not specs[i].layers or layer_kinds[x] == "full" else min(full, key=lambda f: (abs(f - x), f))
+        for i, x in enumerate(starts)
+    ]
+    starts[0] = 0
+    for i in range(2, n):  # a start moved onto (or before) the one before it: on to the next full layer
+        if starts[i] <= starts[i - 1] and specs[i].layers:
+            starts[i] = next((f for f in full if f > starts[i - 1]), L)
+    if mtp_reuses_topk and specs[-1].has_mtp:
+        starts[-1] = min(starts[-1], full[-1])
+    for i in range(n - 1, 0, -1):
+        end = starts[i + 1] if i + 1 < n else L
+        may_be_empty = i == n - 1 and not (mtp_reuses_topk and specs[-1].has_mtp)
+        if starts[i] > end or (starts[i] == end and not may_be_empty):
+            below = [f for f in full if f < end or (may_be_empty and f == end)]
+            if not below:
+                return ""
+            starts[i] = below[-1]
+    counts = [b - a for a, b in zip(starts, [*starts[1:], L])]
+    if any(c < 0 for c in counts) or any(c == 0 for c in counts[1:-1]):
+        return ""
+    what = f"start on full layers{f' (layer {full[-1]} with the MTP block)' if mtp_reuses_topk else ''}"
+    return f"; a layout whose {unit}s {what}: --pp-layout {','.join(str(c) for c in counts)!r}"
 
 
 # ------------------------------------------------------------------------------ engine

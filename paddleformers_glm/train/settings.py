@@ -356,18 +356,23 @@ def check_run(cfg: TrainConfig, adapter: ModelAdapter, world: int) -> tuple[Para
         check_resume_run(cfg, folder, read_meta(folder))
     # --indexer-*: the warm-up freezes the backbone (no router-bias updates nor balance loss); shared-layer
     # supervision needs every chunk to start on a full layer (its target includes the shared layers after it)
+    # and, when the MTP block reuses the main top-k, the last full layer on the MTP block's chunk
     adapter.set_indexer_training(cfg.indexer_stage, cfg.indexer_loss_coeff, cfg.indexer_shared_supervision)
     info = adapter.indexer_info() or {}
     check_warmup_flags(info.get("stage"), cfg.moe_bias_update_rate, cfg.moe_aux_loss_coeff)
     if info.get("stage") == "warmup":
         check_warmup_sharding(specs, pc, info.get("layers") or [], adapter.num_layers)
     if info.get("shared_supervision") and kinds is not None:
+        # the MTP block joins the last full layer's target when it reuses the main model's top-k (its
+        # own indexer then does not run: no MTP layer among the layers with their own indexer)
+        mtp_reuses = adapter.has_mtp and "layers" in info and all(i < adapter.num_layers for i in info["layers"])
+        unit = "virtual pipeline chunk" if cfg.vpp > 1 else "pipeline stage"
         try:
-            validate_shared_layer_starts(specs, kinds, carry_topk=False)
+            validate_shared_layer_starts(specs, kinds, carry_topk=False, mtp_reuses_topk=mtp_reuses, unit=unit)
         except ParallelConfigError as e:
             raise ParallelConfigError(
-                f"--indexer-shared-supervision: {e} (the shared layers that reuse a full layer's top-k must run on "
-                "its pipeline stage)"
+                f"--indexer-shared-supervision: {e} (the shared layers{' and the MTP block' if mtp_reuses else ''} "
+                f"that reuse a full layer's top-k must run on its {unit})"
             ) from e
     return pc, specs
 
