@@ -556,6 +556,8 @@ def test_a_job_of_the_other_kind_into_the_same_out_is_refused(tmp_path, capsys, 
         assert train_main(args) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and f"--out {out} is in use" in err and f"pid {holder.pid} on " in err, err
+        held = ["train.lock"] if holder_node is None else [f"train.node{holder_node}.lock"]
+        assert sorted(p.name for p in (out / "logs").iterdir()) == held  # no lock file of the refused command
     finally:
         holder.kill()
         holder.wait()

@@ -477,7 +477,7 @@ def test_bf16_forms_give_the_kl_target_as_the_fp32_softmax():
     topk = paddle.to_tensor(idx)
     _, sparse = sparse_attention(q, k, v, topk, D**-0.5, return_probs=True)
     _, dense = dense_head_attention(q, k, v, topk, D**-0.5, return_probs=True)
-    # the latent form (one key/value row for every head; chunk 8: the gathered chunks' path too)
+    # the latent form (one key/value row for every head; chunk 1024: gathered chunks only, chunk 8: dense ones too)
     latent = [
         sparse_latent_attention(q, k[:, :, 0], topk, D**-0.5, chunk_size=c, return_probs=True)[1] for c in (1024, 8)
     ]

@@ -55,6 +55,7 @@ def hold_out_folder(
     path = lock or lock_path(out, node_rank)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         folder = os.path.relpath(os.path.dirname(path), out)
@@ -69,7 +70,13 @@ def hold_out_folder(
                 return
             raise _in_use(fd, path, out, refusal) from None
         if lock is None:  # a job of the other kind (one node / a node of several) holds its own lock file
-            _refuse_if_held(_other_kind_locks(out, node_rank), out, refusal)
+            try:
+                _refuse_if_held(_other_kind_locks(out, node_rank), out, refusal)
+            except OutInUse:
+                if created:  # refused: the running job's folder keeps no file of this command
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %z")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {stamp}\n".encode(), 0)
