@@ -173,8 +173,10 @@ def test_bf16_reference_layout(case):
 
 
 def test_total_size_budget():
+    """The committed fixtures stay small: three tiny checkpoints with their HF references (about 5.99 MB
+    of the budget) and the pinned HF measurements beside them."""
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
-    assert total < 6_000_000, f"fixtures grew to {total} bytes"
+    assert total < 6_100_000, f"fixtures grew to {total} bytes"
 
 
 # ---------------------------------------------------------------------------------------------- config
