@@ -3109,3 +3109,33 @@ def test_generate_continues_a_cache_as_transformers_live():
         **kw,
     ).numpy()
     np.testing.assert_array_equal(g2, w2)
+
+
+def test_hf_rules_no_other_test_holds(tmp_path):
+    """Three of transformers 5.23's rules, measured with its generate (eager, fp32) on the "tiny"
+    fixture, prompt [5, 6, 7, 8, 5, 6, 5], greedy:
+    ``remove_invalid_values`` turns +inf into the largest float32 (repetition_penalty 1e-44 pushes the
+    seen tokens' positive logits to +inf): step-0 scores of tokens 6 and 7 are 3.4028235e38, the
+    tokens [6, 5, 6] (+inf read as 0 gave [99, 226, 165]); of two biases on one token the last wins
+    (``sequence_bias`` [[[99], 5.0], [[99], -5.0]]): token 99's step-0 score -2.4121, tokens
+    [226, 226, 226] (the first winning gave 7.5879 and [99, 99, 99]); with no pad id anywhere (config.json
+    ``pad_token_id`` null) a finished row is padded with the first EOS id: eos [226, 211], a batch with
+    [25, 221, 12, 157, 125, 240, 211]: row 0 ends [99, 226, 226, 226, 226] (pad 0 gave [99, 226, 0, 0, 0])."""
+    import json
+
+    model, _ = _fixture("tiny")
+    ids = paddle.to_tensor([[5, 6, 7, 8, 5, 6, 5]])
+    kw = {"max_new_tokens": 3, "return_dict_in_generate": True, "output_scores": True}
+    out = model.generate(ids, remove_invalid_values=True, repetition_penalty=1e-44, **kw)
+    assert out.sequences.numpy()[0, 7:].tolist() == [6, 5, 6]
+    np.testing.assert_array_equal(out.scores[0].numpy()[0, [6, 7]], [np.finfo(np.float32).max] * 2)
+    out = model.generate(ids, sequence_bias=[[[99], 5.0], [[99], -5.0]], **kw)
+    assert out.sequences.numpy()[0, 7:].tolist() == [226, 226, 226]
+    np.testing.assert_allclose(out.scores[0].numpy()[0, 99], -2.4121, atol=1e-4)
+    folder = _ckpt_copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text()) | {"pad_token_id": None}
+    (folder / "config.json").write_text(json.dumps(config))
+    nopad = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype="float32")
+    batch = paddle.to_tensor([[5, 6, 7, 8, 5, 6, 5], [25, 221, 12, 157, 125, 240, 211]])
+    got = nopad.generate(batch, max_new_tokens=5, eos_token_id=[226, 211]).numpy()
+    assert got[:, 7:].tolist() == [[99, 226, 226, 226, 226], [230, 29, 185, 244, 190]]
