@@ -14,8 +14,8 @@ tiny checkpoint: ``GlmMoeDsaForCausalLM.from_pretrained(dtype=torch.bfloat16)`` 
 bf16 weights and fp32 biases, its indexer `weights_proj` bf16; the reference's 5 + 1 (MTP) routers
 fp32 with the same values. The same values at load, but a router stepped as a float32 parameter is
 its own master; one kept bf16 is its fp32 master rounded after every step, and the reference's bf16
-losses then moved by as much as the drift an align run reports (mutation T13: 3 steps, 1.1e-3 at
-step 3), while the bf16 align test still passed.
+losses then move by as much as the drift an align run reports (measured: 1.1e-3 at step 3 of 3), while
+the bf16 align test still passes.
 """
 
 from __future__ import annotations

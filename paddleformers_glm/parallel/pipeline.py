@@ -273,8 +273,9 @@ def _topk_group_hint(specs: Sequence[StageSpec], layer_kinds: Sequence[str], mtp
     """ "; a layout whose ...: 'c0,c1,...'": the split nearest ``specs`` (as --pp-layout sizes) whose
     stages all start on a full layer and, with ``mtp_reuses_topk``, whose MTP stage holds the last
     full layer; each stage start moves to the nearest full layer (on past the one before it), then
-    earlier ones back as far as needed to keep every stage but the first non-empty.  "" when there
-    is none."""
+    earlier ones back as far as needed to keep every middle stage non-empty (the first and the last
+    may hold no decoder layer: the embedding alone, the head and MTP block alone).  "" when there is
+    none."""
     n, L = len(specs), len(layer_kinds)
     full = [i for i, k in enumerate(layer_kinds) if k == "full"]
     if not full or full[0] != 0:

@@ -360,9 +360,14 @@ def diagnose(
         key=lambda x: float(x[1].get("time") or 0),
     )
     obs = _observations(records, launcher_snapshots)
-    if stopped_by and stopped_by.get("time") is not None:  # a rank that saw a peer gone after the
-        # launcher began stopping the job saw the launcher's own teardown, not a fault
-        t_stop = float(stopped_by["time"])
+    # when the launcher began stopping the job: what a rank saw or received after it (a peer gone, a
+    # signal) is the launcher's own teardown, not a fault
+    t_stop = float(stopped_by["time"]) if stopped_by and stopped_by.get("time") is not None else None
+
+    def after_the_stop(signal_record: dict) -> bool:
+        return t_stop is not None and _t(signal_record) > t_stop
+
+    if t_stop is not None:
         obs = [o for o in obs if not o["by"].startswith("rank") or float(o.get("time") or 0) <= t_stop]
     beats = {r: rec.get("beat") for r, rec in records.items()}
     # a rank ended by a stop signal from outside the job (its own record names the sender), before
@@ -373,9 +378,7 @@ def diagnose(
             for r, rec in records.items()
             if isinstance(rec.get("signal"), dict)
             and rec["signal"].get("sender_in_job") is False
-            and not (
-                stopped_by and stopped_by.get("time") is not None and _t(rec["signal"]) > float(stopped_by["time"])
-            )
+            and not after_the_stop(rec["signal"])
         ),
         key=lambda x: _t(x[1]),
     )
@@ -451,14 +454,14 @@ def diagnose(
             r = min(lost)
             tail = f"; rank(s) {_ranks(comm_ranks)} then {peers_then}" if comm_ranks else ""
             return Diagnosis(r, f"rank {r} {what} {lost[r]}; {_beat_text(beats.get(r))}){tail}. {log_tail(r)}", kind)
-    # every rank of this node alive at the job's default group, none further, when the launcher began stopping
-    # the job (the signal record of its teardown does not count): they waited for ranks of the job
-    t_stop = float(stopped_by["time"]) if stopped_by and stopped_by.get("time") is not None else None
 
+    # every rank of this node alive at the job's default group, none further, when the launcher began stopping
+    # the job (the signal record of its teardown does not count, unlike still_connecting's, which reads a
+    # running job): they waited for ranks of the job
     def ended_before_the_stop(r: int) -> bool:
         rec = records.get(r, {})
         sig = rec.get("signal")
-        teardown = isinstance(sig, dict) and t_stop is not None and _t(sig) > t_stop
+        teardown = isinstance(sig, dict) and after_the_stop(sig)
         return bool(rec.get("error") or rec.get("ok") or (sig and not teardown))
 
     connecting = (0, PHASES.index("connect"))
