@@ -551,6 +551,8 @@ class GlmMoeDsaConfig:
         for key, allowed, what in (
             ("hidden_act", ("silu",), "only 'silu' is supported (the experts and dense MLP are SwiGLU)"),
             ("scoring_func", ("sigmoid",), "only 'sigmoid' is supported"),
+            # transformers reads no topk_method and routes as noaux_tc whatever the file says
+            ("topk_method", ("noaux_tc",), "only 'noaux_tc' (top-k over bias-corrected group scores) is supported"),
             ("moe_router_dtype", ("float32", "fp32"), "only float32 routers are supported"),
             (
                 "attn_implementation",
