@@ -420,13 +420,15 @@ def launch_workers(
                 stopped_by = {"kind": "frozen", "text": text}
             elif timeout_s is not None and now - t_start > timeout_s:
                 stopped_by = {"kind": "timeout", "text": f"job exceeded --job-timeout {timeout_s:g} s; stopped"}
-            elif rdv_limit is not None and (not started or t_held is not None):
+            elif (
+                rdv_limit is not None and (not started or t_held is not None) and now - (t_held or t_start) > rdv_limit
+            ):
+                # what --job-timeout does, sooner: waited since the launch (no worker started) or since every
+                # local rank reached the job's default group
                 what = (
                     f"the {rdv['nnodes']} nodes did not meet" if not started else "the job's ranks did not all connect"
                 )
-                if now - (t_start if not started else t_held) > rdv_limit:  # what --job-timeout does, sooner
-                    text = f"{what} within --rendezvous-timeout {rdv_limit:g} s; stopped"
-                    stopped_by = {"kind": "timeout", "text": text}
+                stopped_by = {"kind": "timeout", "text": f"{what} within --rendezvous-timeout {rdv_limit:g} s; stopped"}
             if stopped_by:
                 break
     finally:

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 
 __all__ = ["OutInUse", "OutUnusable", "hold_out_folder"]
 
+# flock's answers when another process holds the lock (any other error: a filesystem without locks)
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
 
 class OutInUse(ValueError):
     """The output folder is held by another running ``glm52 train``."""
@@ -65,7 +68,7 @@ def hold_out_folder(
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if e.errno not in _HELD:
                 yield  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unguarded
                 return
             raise _in_use(fd, path, out, refusal) from None
@@ -112,7 +115,7 @@ def _refuse_if_held(paths: list[str], out: str, refusal: str) -> None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if e.errno not in _HELD:
                     continue
                 raise _in_use(fd, path, out, refusal) from None
             fcntl.flock(fd, fcntl.LOCK_UN)
