@@ -92,10 +92,12 @@ def tp2_script_results(tmp_path_factory) -> dict:
     """One two-rank TP2 launch shared by two test files: ``tests/_dist/check_comm.py`` (our
     collectives, parallel layers, expert dispatch; test_parallel_dist.py), then in the same
     processes ``tests/_dist/check_fleet_layers.py`` (Fleet's stock TP/SP layers on gloo;
-    test_parallel_fleet_gloo.py).  Each script writes its own JSON; each test reads its own."""
+    test_parallel_fleet_gloo.py), then ``tests/_dist/check_nonfinite_ranks.py`` (non-finite values
+    on one rank only; test_parallel_dist.py).  Each script writes its own JSON; each test reads its own."""
     from tests._dist.runner import launch_scripts, script_logs
 
     d = tmp_path_factory.mktemp("tp2_scripts")
     scripts = [("check_comm.py", [str(d / "comm.json")]), ("check_fleet_layers.py", [str(d / "fleet.json")])]
+    scripts.append(("check_nonfinite_ranks.py", [str(d / "nonfinite.json")]))
     p = launch_scripts(2, scripts, d / "logs", timeout=300)
     return {"proc": p, "dir": d, "logs": script_logs(d / "logs", 2)}

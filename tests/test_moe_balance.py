@@ -404,6 +404,25 @@ def test_aux_loss_in_training_is_reported_and_trains_the_router(skewed_ckpt, tmp
         assert bytes(a.raw(key)) != bytes(b.raw(key)), key
 
 
+def test_the_reported_aux_loss_is_a_mean_over_the_global_batchs_sequences(skewed_ckpt, tmp_path):
+    """Every record the same sequence: each sequence's balance loss is the same number, so the
+    reported step value (a mean over the step's sequences, as the loss it adds is) does not depend
+    on --global-batch-size; a sum would double from 2 to 4 sequences."""
+    ids = np.random.default_rng(7).integers(5, 200, 16).tolist()
+    data = tmp_path / "same.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for _ in range(8)), encoding="utf-8")
+
+    def aux(gbs: int) -> float:
+        cfg = TrainConfig(
+            model="glm", model_args={"model_dir": str(skewed_ckpt)}, steps=1, seq_len=16, global_batch_size=gbs,
+            micro_batch_size=1, out=str(tmp_path / f"g{gbs}"), progress=False, data=str(data), moe_aux_loss_coeff=0.1,
+        )  # fmt: skip
+        return run_training(cfg)["expert_load"]["aux_losses"][0]
+
+    a, b = aux(2), aux(4)
+    assert 1.0 < a < 4.0 and abs(a - b) <= 1e-6 * a, (a, b)
+
+
 def test_a_skipped_step_leaves_no_router_counts_to_the_next_step(skewed_ckpt, tmp_path):
     """``--skip-nonfinite-steps``: a skipped step moves nothing, the router biases included, and
     its tokens do not count towards the next step's bias update either: step 3's load is step 3's
@@ -560,19 +579,30 @@ def test_padded_data_gives_the_load_bias_update_and_aux_loss_of_its_real_tokens(
 def test_padded_load_and_bias_updates_equal_one_process_under_context_parallel(skewed_ckpt, padded_data, tmp_path):
     """Context parallel gives each rank zigzag slices of every sequence: each takes its own rows of
     the padding mask, so padded data gives one process's expert load and biases (no balance loss:
-    --cp refuses it; the other layouts: test_bias_updates_equal_one_process_in_every_layout)."""
-    args = ["--model", str(skewed_ckpt), "--steps", "2", "--seq-len", "16", "--global-batch-size", "2"]
+    --cp refuses it; the other layouts: test_bias_updates_equal_one_process_in_every_layout).  At
+    dp 2 x cp 2 an expert's gradient is summed over the data and the context ranks (its partial
+    sums on the two cp ranks of a dp rank differ), and with ``--expert-update routed-only`` an
+    expert that only one cp rank's half of a sequence routes to is stepped on both: the losses,
+    MTP losses and grad norms equal one process too (the layer-4 expert the biases starve included)."""
+    steps = 4  # a cp rank's expert left unstepped shows in the losses from step 3 on
+    args = ["--model", str(skewed_ckpt), "--steps", str(steps), "--seq-len", "16", "--global-batch-size", "2"]
     args += ["--micro-batch-size", "1", "--moe-bias-update-rate", "0.01", "--data", str(padded_data), "--export"]
-    runs = {}
-    for name, layout in (("one", []), ("cp2", ["--cp", "2"])):
+    args += ["--expert-update", "routed-only"]
+    runs, recs = {}, {}
+    for name, layout in (("one", []), ("dp2cp2", ["--dp", "2", "--cp", "2"])):
         p, _ = run_train_cli([*args, "--out", str(tmp_path / name), *layout], timeout=240)
         if p.returncode != 0:
             pytest.fail(f"{name} failed:\n{p.stderr[-3000:]}\n{worker_logs(tmp_path / name)}")
-        runs[name] = losses(tmp_path / name)["expert_load"]["load_total"]
+        recs[name] = losses(tmp_path / name)
+        runs[name] = recs[name]["expert_load"]["load_total"]
+    one, got = recs["one"], recs["dp2cp2"]
+    for key in ("losses", "mtp_losses"):
+        assert max(abs(a - b) for a, b in zip(one[key], got[key])) <= 1e-6, (key, one[key], got[key])
+    assert max(abs(a / b - 1) for a, b in zip(one["grad_norms"], got["grad_norms"])) <= 1e-5, (one, got)
     from paddleformers_glm.train.data import open_data
 
     data = open_data(str(padded_data), 16, GlmMoeDsaConfig.from_pretrained(skewed_ckpt).vocab_size, 1234)
-    real = sum(int(data.global_batch(step, 2)["attention_mask"].sum()) for step in range(2))
-    assert real < 4 * 16 and sum(runs["one"][0]) == 2 * real  # K = 2 per real token, none per pad
-    assert runs["cp2"] == runs["one"]
-    assert _biases(tmp_path / "cp2" / "export") == _biases(tmp_path / "one" / "export")
+    real = sum(int(data.global_batch(step, 2)["attention_mask"].sum()) for step in range(steps))
+    assert real < steps * 2 * 16 and sum(runs["one"][0]) == 2 * real  # K = 2 per real token, none per pad
+    assert runs["dp2cp2"] == runs["one"]
+    assert _biases(tmp_path / "dp2cp2" / "export") == _biases(tmp_path / "one" / "export")

@@ -233,3 +233,82 @@ def test_an_accelerator_state_is_checked_with_one_host_read(monkeypatch):
     reads.clear()
     finite = {k: v for k, v in state.items() if k not in ("w1", "w4")}
     assert nonfinite_state_counts(finite) == {} and len(reads) == 1
+
+
+# ---------------------------------------------------------------- what the failure record says, and the norm's reach
+def test_an_infinite_gradient_is_counted_and_named_as_a_nan_is():
+    import paddle
+
+    from paddleformers_glm.train.nonfinite import local_report
+
+    grads = {"a": paddle.to_tensor([1.0, 2.0]), "b": paddle.to_tensor([1.0, float("inf")])}
+    r = local_report(0, {"lm": 1.0}, grads, ["a", "b"])
+    assert (r["first_nonfinite_grad"], r["nonfinite_grads"], r["losses"]) == ("b", 1, {}), r
+    assert local_report(0, {"lm": float("-inf")}, {}, [])["losses"] == {"lm": "-inf"}  # not "inf"
+
+
+def test_the_rank_whose_loss_is_not_finite_is_the_culprit_not_the_first_with_a_nan_gradient():
+    """After the gradient sync every rank holds the NaN gradients; the last pipeline stage alone
+    holds the loss that made them: the record blames it and still names rank 0's first gradient."""
+    from paddleformers_glm.train.nonfinite import nonfinite_record
+
+    reports = [
+        {"rank": 0, "losses": {}, "first_nonfinite_grad": "embed.weight", "nonfinite_grads": 3},
+        {"rank": 1, "losses": {"lm": "nan"}, "first_nonfinite_grad": "head.weight", "nonfinite_grads": 2},
+    ]
+    rec = nonfinite_record(5, float("nan"), reports)
+    assert (rec["rank"], rec["quantity"], rec["value"]) == (1, "lm loss", "nan"), rec
+    assert rec["first_nonfinite_grad"] == {"rank": 0, "name": "embed.weight"}, rec
+    assert rec["message"].startswith("step 5: non-finite lm loss (nan) on rank 1; "), rec["message"]
+
+
+def test_a_nonfinite_loss_term_with_finite_gradients_makes_the_norm_nan_and_the_clip_a_no_op():
+    """Any of a rank's loss sums (the MTP term's too) NaN or infinite makes the global norm NaN
+    though every gradient is finite, so the loop stops the step; the clip leaves gradients as they
+    are for a non-finite norm (factor 1), never scaling them by NaN or 0."""
+    import math
+
+    import paddle
+
+    from paddleformers_glm.parallel.grads import GradSynchronizer, clip_main_grads
+    from paddleformers_glm.parallel.topology import get_topology, set_topology
+    from paddleformers_glm.train.nonfinite import loss_flag
+
+    set_topology(None)
+    m = paddle.nn.Linear(3, 4)
+    m(paddle.ones([2, 3])).sum().backward()
+    sync = GradSynchronizer(m, get_topology())
+    grads = sync.main_grads()[0]
+    assert math.isfinite(sync.global_norm(grads, loss_flag([1.0, 2.0])))
+    for sums in ([float("nan")], [1.0, float("inf")], [paddle.to_tensor([3.0]), paddle.to_tensor([float("-inf")])]):
+        assert math.isnan(sync.global_norm(grads, loss_flag(sums))), sums
+    before = {n: g.numpy().copy() for n, g in grads.items()}
+    for bad in (float("nan"), float("inf")):
+        assert clip_main_grads(grads, bad, 1.0) == 1.0
+        assert all(np.array_equal(before[n], grads[n].numpy()) for n in grads)
+
+
+@pytest.mark.slow
+def test_a_router_bias_overflow_on_one_pipeline_stage_stops_both_with_the_named_record(tmp_path):
+    """At ``--pp 2`` only stage 0's MoE layer 3 overflows (its bias starts at 3e38, the rate 1e38):
+    both stages learn it in the same step and stop with the named record; a stage left out would
+    run on into the next step's collectives while the other gathers its report."""
+    import paddle
+
+    from paddleformers_glm.checkpoint import save_pretrained_state
+    from paddleformers_glm.tiny import init_state, tiny_config
+    from tests._dist.runner import run_train_cli
+
+    config = tiny_config()
+    state = init_state(config)
+    state["model.layers.3.mlp.gate.e_score_correction_bias"][:] = 3e38
+    ckpt = tmp_path / "ckpt"
+    save_pretrained_state({k: paddle.to_tensor(v) for k, v in state.items()}, config, ckpt, max_shard_size="1MB")
+    out = tmp_path / "o"
+    args = ["--model", str(ckpt), "--steps", "2", *TINY, "--moe-bias-update-rate", "1e38", "--pp", "2"]
+    p, _ = run_train_cli([*args, "--job-timeout", "120", "--out", str(out)], timeout=240)
+    assert p.returncode == 1, p.stderr[-3000:]
+    want = "glm52 train: step 1: --moe-bias-update-rate 1e+38 made the router bias of MoE layer(s) 3 non-finite"
+    assert want in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    rec = strict(out / "logs" / "failure.json")
+    assert (rec["step"], rec["quantity"], rec["flag"]) == (1, "router bias", "--moe-bias-update-rate"), rec

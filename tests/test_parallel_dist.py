@@ -131,3 +131,14 @@ def test_recompute_under_tp2_and_sp_is_bit_identical_and_replays_what_it_says(co
     for part in ("loss", "grads", "replays"):
         key = f"glm_sp_recompute_{mode}_{part}"
         assert comm_results[key] == 0.0, (key, comm_results[key])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_nonfinite_value_or_a_longer_report_on_rank_1_alone_reaches_every_rank(tp2_script_results, rank):
+    """tests/_dist/check_nonfinite_ranks.py: what only rank 1 holds (as a pipeline's last stage alone
+    holds the loss terms, an expert-parallel rank alone its experts) decides on every rank: the
+    failure reports gather whole when rank 1's is the longer one; a NaN in rank 1's state about to
+    be saved makes every rank refuse the write, naming rank 1; rank 1's NaN loss term makes the
+    norm every rank reduces NaN, so every rank stops the step."""
+    res = script_result(tp2_script_results, f"nonfinite.json.rank{rank}")
+    assert res == {"gather_lengths": [5, 500], "written_state_refused_for_rank": 1, "norm_sq_is_nan": True}, res

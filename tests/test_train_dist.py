@@ -258,6 +258,22 @@ def test_ep2_etp2_world4_matches_single_process(ref, runs):
     _assert_close(ref[0], a, "tp2 dp2 ep2 etp2")
 
 
+def test_clip_off_at_tp2_dp2_without_expert_parallel_matches_one_process(runs):
+    """``--clip-grad 0`` where Fleet's optimizer would clip (dp, tp): no clip at all, as in one
+    process (a ClipGradByGlobalNorm(0) would scale every gradient to zero).  tp 2 x dp 2 without
+    ep: each expert is whole on every rank, its gradient summed over the 4 ranks' tokens (the
+    expert-data group), not over the data ranks alone."""
+    one = runs / "one_clip0"
+    cfg = TrainConfig(
+        model="toy", steps=STEPS, seq_len=SEQ, global_batch_size=GBS, micro_batch_size=MBS, lr=LR, warmup_steps=1,
+        seed=7, clip_grad=0.0, out=str(one), progress=False, model_args={"seed": 7},
+    )  # fmt: skip
+    run_training(cfg)
+    a, _ = _cli(runs / "tp2dp2_clip0", "--clip-grad", "0", "--tp", "2", "--dp", "2", timeout=200)
+    assert a["profile"]["world"] == 4
+    _assert_close(losses(one), a, "tp2 dp2, --clip-grad 0")
+
+
 def test_sharding2_matches_one_process_and_halves_optimizer_state(ref, runs):
     """Fleet's sharding optimizer (stage 1): each rank holds about half the optimizer state."""
     a, _ = _cli(runs / "sharding2", "--sharding", "2")

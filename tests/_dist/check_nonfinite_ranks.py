@@ -1,0 +1,38 @@
+"""Run on 2 launched ranks (the shared TP2 launch, tests/conftest.py): rank 1 alone holds the
+non-finite value or the longer report, as a pipeline's last stage alone holds the loss terms or an
+expert-parallel rank alone holds its experts.  Writes rank 0's view and rank 1's view to the JSON
+path given as argv[1] (each rank its own ``.rank<N>`` file)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import paddle
+import paddle.distributed as dist
+
+from paddleformers_glm.train.nonfinite import NonFiniteStep, check_written_state, gather_json, loss_flag
+
+rank = dist.get_rank()
+res: dict = {}
+
+# a report longer on rank 1 than on rank 0 comes back whole on every rank
+reports = gather_json({"rank": rank, "pad": "x" * (5 if rank == 0 else 500)}, 2)
+res["gather_lengths"] = [len(r["pad"]) for r in reports]
+
+# NaN in rank 1's state only: every rank refuses the write, naming rank 1
+state = {"model/w": paddle.ones([4]) * (float("nan") if rank == 1 else 1.0)}
+try:
+    check_written_state(state, rank, 2, 3, "resume state")
+    res["written_state_refused_for_rank"] = None
+except NonFiniteStep as e:
+    res["written_state_refused_for_rank"] = e.record["rank"]
+
+# rank 1's NaN loss sum (its second term) reaches every rank through the norm's all-reduce
+norm_sq = loss_flag([1.0, float("nan") if rank == 1 else 2.0]) + paddle.to_tensor([4.0], dtype="float64")
+dist.all_reduce(norm_sq)
+res["norm_sq_is_nan"] = math.isnan(float(norm_sq.numpy()[0]))
+
+with open(f"{sys.argv[1]}.rank{rank}", "w", encoding="utf-8") as f:
+    json.dump(res, f)
