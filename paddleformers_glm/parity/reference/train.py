@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if args.global_batch_size % args.micro_batch_size:  # glm52 train's check_batch with one replica
         ap.error("--global-batch-size must be divisible by --micro-batch-size")
+    if args.steps < 1:  # glm52 train --steps 0 only evaluates; a reference run is its updates
+        ap.error(f"--steps must be at least 1 (the reference records its training steps), got {args.steps}")
     return args
 
 
@@ -532,12 +534,25 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if why := data_error(args):
+    if why := config_error(args) or data_error(args):
         print(f"paddleformers_glm.parity.reference.train: error: {why}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     train(args)
     return 0
+
+
+def config_error(args: argparse.Namespace) -> str | None:
+    """Why the checkpoint's config cannot be trained as glm52 train trains it: transformers would
+    apply a setting in training mode (``attention_dropout``) that glm52 train refuses, so the two
+    runs would train different models; refused here in glm52 train's words, before the model loads."""
+    from ...configuration import GlmMoeDsaConfig
+
+    try:
+        GlmMoeDsaConfig.from_pretrained(args.model).check_training_support()
+    except (ValueError, OSError) as e:
+        return str(e)
+    return None
 
 
 def data_error(args: argparse.Namespace) -> str | None:
