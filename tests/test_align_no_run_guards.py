@@ -119,6 +119,26 @@ def test_runs_as_align_made_them_are_compared_and_the_receipt_keeps_each_runs_ve
     assert v["model"]["canonical_hash"] == _inputs(tiny_model)["model"]["canonical_hash"]
 
 
+@pytest.mark.parametrize("rel", [4e-9, 1e-10])
+def test_each_updates_learning_rate_is_compared(tiny_model, tmp_path, capsys, rel):
+    """Both trainers record the rate of every update from the same closed form (warm-up, then
+    cosine); a schedule that differs moves the weights by only a fraction of lr, which the weight
+    tolerance (0.1 x the rates) can swallow.  Float64 noise (1e-10 relative) passes; 4e-9 fails
+    ``lrs`` at its step."""
+    root = _runs(tmp_path / "r", tiny_model)
+    doc = json.loads((root / "paddle" / "loss.json").read_text())
+    doc["lrs"][1] *= 1 + rel
+    (root / "paddle" / "loss.json").write_text(json.dumps(doc))
+    code = _align(tiny_model, root)
+    if rel < 1e-9:
+        assert code == 0 and _verdict(root)["comparisons"]["lrs"]["pass"]
+        return
+    assert code == 1 and _failed(root) == ["lrs"], _failed(root)
+    c = _verdict(root)["comparisons"]["lrs"]
+    assert (c["consistent_steps"], c["first_divergent_step"], c["rel_tol"]) == (1, 1, 1e-9), c
+    assert "FAIL lrs: consistent_steps 1/3" in capsys.readouterr().out
+
+
 def test_a_copy_of_the_paddle_run_as_the_reference_is_refused(tiny_model, tmp_path, capsys):
     """Measured before: OUT/reference replaced by a copy of OUT/paddle gave exit 0, "aligned", every
     difference exactly 0, under a receipt naming the torch reference's command."""

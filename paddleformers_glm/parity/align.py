@@ -64,6 +64,7 @@ INDEXER_REL_TOL = 2e-4  # indexer tensors: the KL's gradient is a difference of 
 # LOSS_ATOL, which passed a KL 22% off; fp32 pairs measured up to 4.0e-3 (a layer's KL over 100 steps)
 KL_REL_TOL = 2e-2
 NOISE_FLOOR = 1e-8  # relative dumps: a tensor wholly below this x the dump's largest |value| is fp32 noise
+LR_REL_TOL = 1e-9  # each update's learning rate: the same closed form on both sides, float64
 
 # the training flags both runs get (glm52 train's own: train/command.py), passed on in this order
 TRAIN_FLAGS = (
@@ -823,6 +824,14 @@ def run_align(args: argparse.Namespace) -> int:
             except ImportError as e:  # the plot extra is optional; the numbers are the verdict
                 c["plot"] = f"not drawn: {e}"
             comps[key] = c
+        # the rate of every update: a schedule that differs shows here, not only as weights a
+        # fraction of lr apart (the weight tolerance is itself 0.1 x the reference's rates)
+        c = compare_losses(
+            [float(x) for x in pd_doc.get("lrs", [])], [float(x) for x in ref_doc["lrs"]], N, 0.0, LR_REL_TOL
+        )
+        c.update(jumps=[], rel_tol=LR_REL_TOL)
+        c["pass"] = c["enough_steps"] and c["length_match"] and c["consistent_steps"] == N
+        comps["lrs"] = c
         more = {"indexer_recall": compare_indexer(ref_doc, pd_doc, N, args.loss_atol, kl_rel)}
         more["idle_experts"] = compare_idle_experts(ref_doc, pd_doc)
         comps.update({k: c for k, c in more.items() if c is not None})
@@ -833,6 +842,7 @@ def run_align(args: argparse.Namespace) -> int:
         }
         verdict["tolerances"] = {
             "loss_atol": args.loss_atol,
+            "lr_rel_tol": LR_REL_TOL,
             "rel_tol": args.rel_tol,
             "later_rel_tol": args.later_rel_tol,
             "kl_rel_tol": args.kl_rel_tol,
