@@ -103,7 +103,10 @@ def test_streaming_convert_from_a_fleet_layout_source(tmp_path):
 
 def test_a_folder_without_the_mtp_layer_converts_as_a_whole_model_pass(tmp_path, caplog):
     """A transformers-saved folder (no MTP tensors): the MTP layer, initialised as HF does (seeded by
-    key name), is the same in the layer it is loaded in; its warning is said once."""
+    key name), is the same in the layer it is loaded in. Each warning of the checkpoint is said once,
+    though every layer batch is a load of its own: the MTP one (which one batch says) and one every
+    batch says (trailing bytes after a shard's last tensor; measured without the filter: 10 times
+    here)."""
     import logging
 
     from tests.test_checkpoint_roundtrip import _read_all, _rewrite
@@ -111,9 +114,12 @@ def test_a_folder_without_the_mtp_layer_converts_as_a_whole_model_pass(tmp_path,
     src = tmp_path / "src"
     shutil.copytree(TINY, src)
     _rewrite(src, drop=[k for k in _read_all(src) if k.startswith("model.layers.8.")])
+    with open(sorted(src.glob("*.safetensors"))[0], "ab") as f:
+        f.write(b"\0" * 8)
     caplog.set_level(logging.WARNING)
     convert_checkpoint(src, tmp_path / "new", layout="fleet")
     assert sum("has no MTP weights" in r.getMessage() for r in caplog.records) == 1
+    assert sum("trailing garbage" in r.getMessage() for r in caplog.records) == 1
     _whole_model_convert(src, tmp_path / "old", layout="fleet")
     assert _files(tmp_path / "new") == _files(tmp_path / "old")
 
@@ -292,18 +298,23 @@ def _poke_bf16(folder: Path, key: str, bits: int) -> None:
 def test_a_source_holding_nan_or_a_weight_beyond_float16_is_refused(tmp_path):
     """Measured before: convert wrote a NaN weight through (exit 0; into FP8 the NaN spread over its
     whole 128 x 128 block), which from_pretrained, check-ckpt and train refuse; and ``--dtype float16``
-    turned a finite bf16 1e6 into Inf silently, an output from_pretrained then refused."""
+    turned a finite bf16 1e6 into Inf silently, an output from_pretrained then refused. The same with
+    ``quantization="none"``, which is no quantization (``None``), not a float32 pass that would let
+    the 1e6 through to be written as Inf. A bf16 source is not told about FP8 scales it does not have."""
     key = "model.layers.0.self_attn.o_proj.weight"
     for bits, kw, says in (
         (0x7FC0, {}, "hold NaN or Inf"),  # bf16 NaN
         (0x4974, {"dtype": "float16"}, "beyond 65504"),  # bf16 ~1e6: finite
+        (0x4974, {"dtype": "float16", "quantization": "none"}, "beyond 65504"),
     ):
         src = tmp_path / f"src{bits}"
-        shutil.copytree(TINY, src)
-        _poke_bf16(src, key, bits)
+        if not src.exists():
+            shutil.copytree(TINY, src)
+            _poke_bf16(src, key, bits)
         with pytest.raises(CheckpointError, match=says) as ei:
             convert_checkpoint(src, tmp_path / "out", layout="hf", **kw)
         assert ei.value.key == key and not (tmp_path / "out").exists()
+        assert "scale" not in str(ei.value), str(ei.value)
     convert_checkpoint(src, tmp_path / "out", layout="hf")  # the finite 1e6 itself converts in bf16
 
 
@@ -324,3 +335,32 @@ def test_the_missing_mtp_warning_names_every_mtp_layer(tmp_path):
     (msg,) = [w for w in report.warnings if "has no MTP weights" in w]
     assert "model.layers.8.* .. model.layers.9.*" in msg and "the MTP layers are initialised" in msg, msg
     assert {k.split(".")[2] for k in report.initialized} == {"8", "9"}
+
+
+def test_a_warning_of_the_source_load_reaches_the_caller_once(tmp_path):
+    """A Fleet source written with the legacy key spelling: its FutureWarning (convert it once, the
+    spelling goes away) reaches the caller of convert exactly once, though every layer batch loads."""
+    import warnings
+
+    from paddleformers_glm import GlmMoeDsaConfig
+    from paddleformers_glm.testing import SpecModel
+    from tests.test_fleet_layouts import SRC, _write
+
+    model = SpecModel(GlmMoeDsaConfig.from_pretrained(SRC), "float32")
+    load_pretrained_state(model, SRC)
+    _write(tmp_path / "old", dict(model.state_dict()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_checkpoint(tmp_path / "old", tmp_path / "out", layout="hf")
+    legacy = [w for w in caught if issubclass(w.category, FutureWarning) and "model.lm_head.weight" in str(w.message)]
+    assert len(legacy) == 1, [str(w.message)[:80] for w in caught]
+
+
+def test_a_missing_source_path_is_refused_naming_it(tmp_path):
+    """Not as a missing config.json of its parent folder (where the config loader looks for a file
+    path's config), which sends the user looking in the wrong place."""
+    shutil.copy(TINY / "config.json", tmp_path / "config.json")  # a parent that has one
+    for missing in (tmp_path / "nope", tmp_path / "nope" / "model.safetensors"):
+        with pytest.raises(CheckpointError, match="checkpoint path does not exist") as e:
+            convert_checkpoint(missing, tmp_path / "out", layout="hf")
+        assert e.value.file == str(missing)

@@ -150,6 +150,11 @@ def test_tp_rank_reads_only_its_blocks(src):
     rep3 = load_pretrained_state(state, src, config=cfg, keys=[qk], dtype="float32")
     assert rep3.bytes_read == 64 * 48 + 4
     np.testing.assert_array_equal(state[qk].local_tensor.numpy(), full.numpy()[:, 128:])
+    # rows 0..127, ending on the block edge: row block 0's scale only, not the next one's too
+    state[qk] = ShardedWeight(qk, paddle.zeros([48, 128]), (48, 128), (48, 192), (0, 0))
+    rep4 = load_pretrained_state(state, src, config=cfg, keys=[qk], dtype="float32")
+    assert rep4.bytes_read == 128 * 48 + 4
+    np.testing.assert_array_equal(state[qk].local_tensor.numpy(), full.numpy()[:, :128])
 
 
 def test_bf16_load_of_fp8_is_dequantize_then_round(src):
@@ -207,6 +212,189 @@ def test_fp8_without_scale_or_config_refused(src, tmp_path):
         fp8_pairs(ckpt, quantization_of(str(one)))
 
 
+def _qc(**kv):
+    return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], **kv}
+
+
+_BAD_QC = [
+    # a block size other than two positive ints: without the check, [0, 128] divides by zero, [128]
+    # is an IndexError, and [128, 128, 128] is read as 128 x 128 blocks without a word
+    *[
+        (_qc(weight_block_size=bs), "quantization_config.weight_block_size", "two positive integers")
+        for bs in ([0, 128], [128, 0], [128], [128, 128, 128], [], "128", [128.0, 128])
+    ],
+    # a format other than E4M3 (or a misspelt one) describes weights this loader does not read: said
+    # at the config, by its field, before any tensor is looked at
+    *[(_qc(fmt=f), "quantization_config.fmt", "FP8 format") for f in ("e5m2", "E4M3", None)],
+    # not an object: without the check, `.get` on it is an AttributeError naming no file
+    *[(qc, None, "quantization_config must be an object") for qc in ("fp8", [], 1, True)],
+]
+
+
+def _bad_qc_id(case) -> str:
+    qc, key, _ = case
+    field = key.split(".")[-1] if key else None
+    return f"{field}={json.dumps(qc[field])}" if field else f"quantization_config={json.dumps(qc)}"
+
+
+@pytest.mark.parametrize("qc, key, says", _BAD_QC, ids=[_bad_qc_id(c) for c in _BAD_QC])
+def test_a_quantization_config_other_than_block_fp8_e4m3_is_refused_naming_config_json(tmp_path, qc, key, says):
+    """Each refusal names config.json and the field, so the user knows what to fix in which file."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    with pytest.raises(CheckpointError, match=says) as e:
+        quantization_of(str(tmp_path))
+    assert e.value.key == key and e.value.file == str(tmp_path / "config.json")
+    if key == "quantization_config.fmt":
+        assert e.value.expected == "e4m3" and e.value.actual == qc["fmt"]
+
+
+def test_a_quantization_config_without_fmt_means_e4m3(tmp_path):
+    """transformers' FP8 configs may leave ``fmt`` out; E4M3 is what such a checkpoint holds."""
+    qc = _qc()
+    del qc["fmt"]
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    assert quantization_of(str(tmp_path)) == (128, 128)
+
+
+def test_fp8_weights_in_a_folder_without_config_json_use_the_given_configs_quantization(src):
+    """A folder of weights alone, loaded with ``config=`` of the FP8 model: the config's own
+    ``quantization_config`` describes the weights, and they load as with the folder's config.json
+    (not refused as FP8 tensors without a quantization_config)."""
+    cfg = GlmMoeDsaConfig.from_pretrained(src)
+    assert getattr(cfg, "quantization_config", None)
+    a = _spec_state(src)
+    load_pretrained_state(a, src, config=cfg)
+    (src / "config.json").unlink()
+    b = _spec_state(src, cfg)
+    load_pretrained_state(b, src, config=cfg)
+    for k in a:
+        assert np.array_equal(a[k].numpy(), b[k].numpy()), k
+
+
+def _one_pair(folder, wshape, sshape, sdtype="F32", scale_first=False):
+    """A folder holding the FP8 ``a.weight`` and its ``a.weight_scale_inv`` (ones), in that header
+    order or the scale first (the safetensors library writes larger dtypes first: F32 before F8, measured)."""
+    from paddleformers_glm.checkpoint.fp8 import FP8_CONFIG
+    from paddleformers_glm.checkpoint.safetensors_io import ST_DTYPES, SafetensorsWriter
+
+    (folder / "config.json").write_text(json.dumps({"quantization_config": FP8_CONFIG}))
+    ents = [("a.weight", "F8_E4M3", wshape), ("a.weight_scale_inv", sdtype, sshape)]
+    w = SafetensorsWriter(str(folder / "model.safetensors"), ents[::-1] if scale_first else ents)
+    w.write("a.weight", np.zeros(wshape, np.uint8), "F8_E4M3")
+    w.write("a.weight_scale_inv", np.ones(sshape, ST_DTYPES[sdtype][1]), sdtype)
+    w.close()
+
+
+@pytest.mark.parametrize("wshape, sshape", [((256,), (2,)), ((2, 128, 128), (2, 1, 1)), ((4, 256, 128), (4, 2))])
+def test_an_fp8_tensor_that_is_not_2d_is_refused_as_such(tmp_path, wshape, sshape):
+    """Block scales are defined for matrices; a 1-D or 3-D FP8 tensor (the stacked experts of newer
+    HF saves) is refused by what it is, not as a scale grid that does not match."""
+    _one_pair(tmp_path, wshape, sshape)
+    with Checkpoint(tmp_path) as ck, pytest.raises(CheckpointError, match="FP8 tensor is not 2-D") as e:
+        fp8_pairs(ck, quantization_of(str(tmp_path)))
+    assert e.value.key == "a.weight" and e.value.actual == wshape
+    assert e.value.file == str(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("scale_first", [False, True], ids=["weight_first", "scale_first"])
+@pytest.mark.parametrize("sdtype", ["I32", "U8", "I64", "BOOL", "U16", "F8_E8M0", "F8_E4M3"])
+def test_a_scale_of_a_dtype_that_is_no_float_is_refused_as_a_scale_whatever_the_header_order(
+    tmp_path, sdtype, scale_first
+):
+    """Integer scales would be read as raw numbers where transformers 5.23 reads U8 (and F8_E8M0)
+    scales as UE8M0 exponents, ``2 ** (b - 127)`` (measured: ``Fp8Dequantize._dequantize_one`` of E4M3
+    ones with a U8 or F8_E8M0 scale byte of 128 gives 2.0): silently other weights, so they are refused, naming the
+    scale key, the float dtypes and the dtype found. Measured before: an FP8-dtype scale listed before
+    its weight in the header was checked as an FP8 weight of its own, refused as "FP8 variant not
+    supported" (F8_E8M0) or as an FP8 tensor without its scale ``a.weight_scale_inv_scale_inv``."""
+    from paddleformers_glm.checkpoint.fp8 import SCALE_DTYPES
+
+    _one_pair(tmp_path, (128, 128), (1, 1), sdtype, scale_first)
+    with Checkpoint(tmp_path) as ck, pytest.raises(CheckpointError) as e:
+        fp8_pairs(ck, quantization_of(str(tmp_path)))
+    assert str(e.value).startswith("scale tensor of a dtype that is no float"), str(e.value)
+    assert e.value.key == "a.weight_scale_inv" and e.value.actual == sdtype and e.value.expected == SCALE_DTYPES
+    assert e.value.file == str(tmp_path / "model.safetensors")
+    assert ("UE8M0 scales" in str(e.value)) == (sdtype == "F8_E8M0"), str(e.value)
+
+
+def _poke_scale(folder, key: str, value: float) -> None:
+    """Overwrite the first element of the F32 tensor ``key`` (a scale) with ``value``, in place."""
+    import struct
+
+    file = folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
+    raw = bytearray(file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    at = 8 + n + json.loads(raw[8 : 8 + n])[key]["data_offsets"][0]
+    raw[at : at + 4] = struct.pack("<f", value)
+    file.write_bytes(bytes(raw))
+
+
+def test_a_finite_scale_that_overflows_float32_is_refused_naming_the_overflow(src):
+    """A finite scale of 1e38 makes ``q x scale_inv`` Inf in float32 (as in transformers' product) for
+    every non-zero byte of its block. Measured before: a bare numpy "overflow encountered in multiply"
+    RuntimeWarning reached the user, and the refusal blamed a NaN/Inf scale_inv, which there is none
+    of. The refusal names the weight and the overflow now, with no numpy warning; a checkpoint
+    without FP8 tensors is not told about scales it does not have."""
+    import warnings
+
+    from paddleformers_glm.checkpoint.finite import NonFiniteError, check_finite_state
+    from paddleformers_glm.modeling import GlmMoeDsaForCausalLM
+
+    key = "model.layers.0.self_attn.q_b_proj.weight"
+    _poke_scale(src, key + "_scale_inv", 1e38)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(NonFiniteError) as e:
+        warnings.simplefilter("always")
+        GlmMoeDsaForCausalLM.from_pretrained(src, dtype="float32")
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    msg = str(e.value)
+    assert e.value.key == key and "a scale that overflows float32 in q x scale_inv" in msg, msg
+    # the same state said of a checkpoint without FP8 tensors: no scale is named
+    import paddle
+
+    bad = {key: paddle.to_tensor(np.float32([1.0, np.inf]))}
+    plain = ROOT / "tests" / "fixtures" / "tiny" / "checkpoint"
+    with pytest.raises(NonFiniteError) as e:
+        check_finite_state(bad, str(plain))
+    assert "scale" not in str(e.value) and "hold NaN or Inf" in str(e.value), str(e.value)
+    with pytest.raises(NonFiniteError) as e:
+        check_finite_state(bad, "the model's init")
+    assert "scale" not in str(e.value)
+
+
+def test_a_nonfinite_refusal_lists_the_first_five_names_sorted_and_counts_the_rest():
+    """The names a user reads first are the same on every run (sorted, not in state order) and the
+    message stays one line at any number of bad tensors."""
+    import paddle
+
+    from paddleformers_glm.checkpoint.finite import NonFiniteError, check_finite_state
+
+    names = ["w.f", "w.e", "w.d", "w.c", "w.b", "w.a"]
+    state = {n: paddle.to_tensor(np.float32([0, np.nan, 0])) for n in names}
+    state["ok"] = paddle.to_tensor(np.zeros(3, np.float32))
+    with pytest.raises(NonFiniteError) as e:
+        check_finite_state(state, "/ckpt")
+    msg = str(e.value)
+    assert "w.a (1 values), w.b (1 values), w.c (1 values), w.d (1 values), w.e (1 values), ... (+1 more)" in msg
+    assert e.value.key == "w.a" and e.value.counts == dict.fromkeys(names, 1)
+
+
+@pytest.mark.parametrize("dtype, nan", [("F32", np.float32(np.inf)), ("F8_E4M3", np.uint8(0x7F))])
+@pytest.mark.parametrize("where", [0, -1, 1, 2, 3])
+def test_a_nonfinite_value_anywhere_in_a_multi_chunk_tensor_is_counted_once(dtype, nan, where):
+    """``count_nonfinite_raw`` tests a tensor chunk by chunk; a value at a chunk's first or last
+    element (here each side of the first boundary, and the tensor's last) counts, exactly once."""
+    from paddleformers_glm.checkpoint import finite
+
+    a = np.zeros(2 * finite._CHUNK_BYTES // np.dtype(type(nan)).itemsize, type(nan))
+    step = a.size // 2
+    at = {0: 0, -1: a.size - 1, 1: step - 1, 2: step, 3: step + 1}[where]
+    a[at] = nan
+    assert finite.count_nonfinite_raw(a, dtype) == 1
+    a[:] = nan
+    assert finite.count_nonfinite_raw(a, dtype) == a.size
+
+
 def _rewrite_scales(folder, dtype: str) -> None:
     """Every ``*_scale_inv`` of ``folder`` truncated to a bf16 value (exact in BF16, F16 here and F32)
     and stored as ``dtype``; the other tensors as they were, in the same files."""
@@ -255,10 +443,10 @@ def test_scales_stored_in_bf16_or_f16_load_as_their_float32_values(src, tmp_path
             assert np.array_equal(got[dtype][k].view(np.uint32), v.view(np.uint32)), (dtype, k)
 
 
-def _spec_state(folder):
+def _spec_state(folder, cfg=None):
     import paddle
 
-    cfg = GlmMoeDsaConfig.from_pretrained(folder)
+    cfg = cfg or GlmMoeDsaConfig.from_pretrained(folder)
     return {k: paddle.zeros(list(s), dtype="float32") for k, (s, _) in fleet_param_specs(cfg).items()}
 
 
@@ -285,7 +473,11 @@ def test_quantize_fresh_weights_scale_is_amax_over_448():
 def test_a_block_whose_amax_over_448_underflows_gets_a_positive_scale():
     """amax below 448 x the smallest float32 makes amax / 448 zero; the quantizer then tried its
     fp32 neighbour below, -1.4e-45, and wrote that negative scale (measured on a block of 5e-43).
-    The scale is the smallest positive float32 now, and the values come back within E4M3."""
+    The scale is the smallest positive float32 now, and the values come back within E4M3. No scale
+    tried is 0 either (a block of 3 and 5 x the smallest subnormal, whose amax / 448 rounds to 0):
+    that showed as numpy "divide by zero" warnings to the user."""
+    import warnings
+
     from paddleformers_glm.checkpoint.fp8 import dequantize, quantize_blocks
 
     w = np.zeros((4, 4), np.float32)
@@ -294,6 +486,13 @@ def test_a_block_whose_amax_over_448_underflows_gets_a_positive_scale():
     assert (s > 0).all() and s[0, 0] == np.nextafter(np.float32(0), np.float32(1))
     back = dequantize(q, s, (2, 2))
     assert np.all(np.abs(back[:2, :2] - w[:2, :2]) <= np.abs(w[:2, :2]) * 2.0**-3)
+    tiny = np.nextafter(np.float32(0), np.float32(1))
+    w = np.zeros((4, 4), np.float32)
+    w[0, 0], w[1, 1] = tiny * 3, tiny * 5
+    with warnings.catch_warnings(), np.errstate(divide="raise", invalid="raise"):
+        warnings.simplefilter("error")
+        _, s = quantize_blocks(w, (4, 4))
+    assert s[0, 0] > 0
 
 
 def test_convert_keeps_an_fp8_sources_own_blocks(src, tmp_path, monkeypatch):

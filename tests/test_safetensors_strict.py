@@ -70,6 +70,18 @@ def test_valid_file_and_values(tmp_path):
         (_raw({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4), "shape must be a list"),
         (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4), "data_offsets must be"),
         (_raw({"a": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), "exactly dtype, shape, data_offsets"),
+        # a field beside the three: refused as a header this reader does not know (safetensors 0.8
+        # reads such a file, ignoring the field: measured)
+        (
+            _raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "extra": 1}}, b"\0" * 4),
+            "exactly dtype, shape, data_offsets",
+        ),
+        # a negative begin (JSON allows it): was reported as overlapping "tensor None"
+        (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, b"\0" * 4), "data_offsets must be"),
+        # a byte range longer than shape x dtype, not only a shorter one
+        (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "byte length does not match"),
+        # one byte past the end of the file: truncated, not "trailing garbage: -1 bytes"
+        (_raw({"a": {"dtype": "U8", "shape": [5], "data_offsets": [0, 5]}}, b"\0" * 4), "beyond the end of the file"),
         (_raw({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4), "beyond the end of the file"),
         (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8), "trailing garbage: 4 bytes"),
         (
@@ -206,6 +218,20 @@ def test_missing_shard_in_series(tmp_path):
     idx["weight_map"].pop("b")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(CheckpointError, match=r"missing shard\(s\) \['model-00002-of-00002.safetensors'\]"):
+        Checkpoint(tmp_path)
+
+
+def test_a_shard_numbered_beyond_its_series_is_refused(tmp_path):
+    """``model-00002-of-00001``: a series that names itself wrongly, so whether a shard is missing
+    cannot be told; refused, not loaded as if the numbers held."""
+    from safetensors.numpy import save_file
+
+    wm = {}
+    for k, name in (("a", "model-00001-of-00001.safetensors"), ("b", "model-00002-of-00001.safetensors")):
+        save_file({k: np.zeros(1, np.float32)}, str(tmp_path / name))
+        wm[k] = name
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    with pytest.raises(CheckpointError, match="shard number out of range"):
         Checkpoint(tmp_path)
 
 

@@ -132,11 +132,23 @@ def convert_checkpoint(
     try:
         with memo_units():  # the unit lists are built once, not per layer
             with _warn_once(seen):  # every refusal of a whole load, before anything is written
-                load_pretrained_state(
+                checked = load_pretrained_state(
                     dict.fromkeys(fleet), src, dtype=work, config=config, plan_only=True, folder_identity=identity
                 )
             return _stream(
-                src, config, work, out, layout, dtype, max_shard_size, quantization, expert_layout, seen, t0, identity
+                src,
+                config,
+                work,
+                out,
+                layout,
+                dtype,
+                max_shard_size,
+                quantization,
+                expert_layout,
+                seen,
+                t0,
+                identity,
+                fp8=bool(checked.quantized),
             )
     finally:
         logger.removeFilter(once)
@@ -158,9 +170,12 @@ def _stream(
     seen: set[tuple[type, str]],
     t0: float,
     identity: tuple[int, int] | None = None,
+    *,
+    fp8: bool = False,
 ) -> SaveReport:
     """The save half of :func:`convert_checkpoint`: ``save_pretrained_state``'s checks, plan and
-    atomic write, its source loaded a layer at a time."""
+    atomic write, its source loaded a layer at a time (``fp8``: whether it holds block-FP8 weights,
+    for the wording of a non-finite refusal)."""
     quiet_paddle_logs()
     # an FP8 source keeps its own blocks (re-blocked, its values were quantized a second time)
     folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
@@ -188,7 +203,7 @@ def _stream(
                 with _warn_once(seen):
                     load_pretrained_state(state, src, dtype=work, config=config, keys=keys, folder_identity=identity)
                 # as from_pretrained refuses it: nothing is published (float16: a finite weight can overflow)
-                check_finite_state(state, src, _FLOAT16_NOTE if work == "float16" else "")
+                check_finite_state(state, src, _FLOAT16_NOTE if work == "float16" else "", fp8=fp8)
                 write_mapped(units, StateDictSource(state), plan, writers)
                 del state
 

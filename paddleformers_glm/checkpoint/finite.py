@@ -97,19 +97,41 @@ def nonfinite_state_counts(state: Mapping[str, Any]) -> dict[str, int]:
     return {name: n for name, n in counts.items() if n}
 
 
-def check_finite_state(state: Mapping[str, Any], where: str, note: str = "") -> None:
+def _has_fp8_tensors(where: str) -> bool:
+    """Whether the checkpoint at ``where`` stores FP8 tensors (its headers only); False where ``where``
+    is no readable checkpoint (a model's init, a folder gone since)."""
+    from .safetensors_io import Checkpoint
+
+    try:
+        with Checkpoint(where, strict=False) as ckpt:
+            return any(ckpt.info(k).dtype.startswith("F8") for k in ckpt.keys())
+    except (OSError, ValueError):
+        return False
+
+
+_FP8_CAUSE = (
+    "; in a block-FP8 checkpoint a NaN/Inf scale_inv, or a scale that overflows float32 in q x scale_inv, "
+    "shows here as its dequantized weight"
+)
+
+
+def check_finite_state(state: Mapping[str, Any], where: str, note: str = "", *, fp8: bool | None = None) -> None:
     """Raise :class:`NonFiniteError` naming the floating-point tensors of ``state`` that hold NaN or Inf
     (``where``: the checkpoint they came from, for the message; ``note``: appended to it), counted by
-    :func:`nonfinite_state_counts`."""
+    :func:`nonfinite_state_counts`. ``fp8``: whether ``where`` holds block-FP8 weights (None: read from
+    its headers, only when refusing), whose scales are then named as a possible cause -- not for an
+    unquantized checkpoint, where that would send the user looking for tensors it does not have."""
     bad = nonfinite_state_counts(state)
     if not bad:
         return
     names = sorted(bad)
     listed = listed_nonfinite(bad, names)
+    if fp8 is None:
+        fp8 = _has_fp8_tensors(where)
     err = NonFiniteError(
-        f"{len(names)} weight tensor(s) loaded from {where} hold NaN or Inf: {listed}; "
-        "a block-FP8 checkpoint shows a NaN/Inf scale_inv here as its dequantized weight "
-        f"(`glm52 check-ckpt` names the stored tensor){note}",
+        f"{len(names)} weight tensor(s) loaded from {where} hold NaN or Inf: {listed}"
+        + (_FP8_CAUSE if fp8 else "")
+        + f"; `glm52 check-ckpt` names each stored tensor that holds NaN/Inf{note}",
         file=where,
         key=names[0],
     )

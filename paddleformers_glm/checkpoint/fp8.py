@@ -148,7 +148,10 @@ def dequantize(
     _, _, ri = _block_index(offset[0], offset[0] + rows, br)
     _, _, ci = _block_index(offset[1], offset[1] + cols, bc)
     out = decode_e4m3(q)
-    out *= scale_inv[ri][:, ci]  # fp32 x fp32 -> fp32, one rounding: the reference's product
+    # a NaN/Inf scale, or a finite one whose product overflows float32, gives NaN/Inf weights, as in
+    # the reference; the load's finite check names them (a numpy warning here would name nothing)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out *= scale_inv[ri][:, ci]  # fp32 x fp32 -> fp32, one rounding: the reference's product
     return out
 
 
@@ -375,12 +378,28 @@ def _float32_scales(scales: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(scales, dtype=np.float32)
 
 
+def _is_scale_of_fp8(ckpt: Any, key: str) -> bool:
+    """Whether ``key`` is the ``*_scale_inv`` of an FP8 tensor of ``ckpt``: that tensor's check covers it,
+    so a scale stored in an FP8 dtype is refused as a scale whichever of the two the header lists first."""
+    weight = key[: -len(SCALE_SUFFIX)]
+    return key.endswith(SCALE_SUFFIX) and weight in ckpt and ckpt.info(weight).dtype.startswith("F8")
+
+
+def _scale_dtype_message(dtype: str) -> str:
+    """The refusal of a scale of dtype ``dtype``. An F8_E8M0 scale is most likely a UE8M0 (power-of-two
+    exponent) scale, which transformers reads and this loader does not: said by name."""
+    message = "scale tensor of a dtype that is no float"
+    if dtype == "F8_E8M0":
+        message += " (UE8M0 scales, which transformers reads as 2**(e-127), are not supported)"
+    return message
+
+
 def fp8_pairs(ckpt: Any, block: tuple[int, int] | None) -> dict[str, str]:
     """``{weight key: scale key}`` for every F8_E4M3 tensor, each checked against its scale tensor."""
     pairs: dict[str, str] = {}
     for k in ckpt.keys():
         info = ckpt.info(k)
-        if not info.dtype.startswith("F8"):
+        if not info.dtype.startswith("F8") or _is_scale_of_fp8(ckpt, k):
             continue
         if info.dtype != "F8_E4M3":
             raise CheckpointError(
@@ -413,7 +432,7 @@ def fp8_pairs(ckpt: Any, block: tuple[int, int] | None) -> dict[str, str]:
             )
         if sinfo.dtype not in SCALE_DTYPES:  # transformers takes any float scale, as float32
             raise CheckpointError(
-                "scale tensor of a dtype that is no float",
+                _scale_dtype_message(sinfo.dtype),
                 key=sk,
                 file=sinfo.file,
                 expected=SCALE_DTYPES,
