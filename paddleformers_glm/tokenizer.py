@@ -243,6 +243,30 @@ def _id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
+def _decode_ids(ids: Any) -> list[int]:
+    """The ids of one sequence to decode (a list or plain values, after ``tolist``): integers only (a bool
+    is an int, as transformers takes it), else TypeError, as transformers 5.23's decode, whose
+    ``tokenizers`` backend refuses a float or a string id: cut to integers, a float tensor (sampled
+    ids cast to float, or logits passed by mistake) would decode to plausible text (1.7 as id 1)."""
+    import numpy as np
+
+    seq = [ids] if isinstance(ids, (int, np.integer, np.bool_)) else ids
+    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+        raise TypeError(f"GlmTokenizer.decode: expected integer token ids, got {type(ids).__name__} {ids!r}")
+    seq = list(seq)
+    for i in seq:
+        if not isinstance(i, (int, np.integer, np.bool_)):
+            raise TypeError(f"GlmTokenizer.decode: expected integer token ids, got {type(i).__name__} {i!r}")
+    return [int(i) for i in seq]
+
+
+def _no_empty_pair(text_pair: Any) -> Any:
+    """``text_pair`` of one text, None where it is empty ("" or no words), as transformers 5.23's call
+    (``[(text, text_pair)] if text_pair else [text]``): an empty second text is no pair, so the
+    post-processor's pair template (a [SEP], type ids 1) is not applied to it."""
+    return None if isinstance(text_pair, (str, list, tuple)) and not text_pair else text_pair
+
+
 # a `{% generation %}` block: what HF's return_assistant_tokens_mask marks (utils/chat_template_utils.py)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -867,7 +891,7 @@ class GlmTokenizer:
                 [text],
                 add_special_tokens,
                 None,
-                None if pair is None else [pair],
+                None if _no_empty_pair(pair) is None else [pair],
                 "longest_first",
                 0,
                 is_split_into_words,
@@ -934,6 +958,7 @@ class GlmTokenizer:
         ``is_split_into_words``, ...): its ``input_ids``, as transformers' ``encode``."""
         if kwargs or not isinstance(text, str):  # a batch too: the call's rows, as transformers' encode
             return self(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
+        text_pair = _no_empty_pair(text_pair)
         if text_pair is not None and not isinstance(text_pair, str):
             raise TypeError(f"GlmTokenizer.encode: text_pair must be a string, got {type(text_pair).__name__}")
         return list(self.tokenizer.encode(text, text_pair, add_special_tokens=add_special_tokens).ids)
@@ -950,15 +975,16 @@ class GlmTokenizer:
         ``clean_up_tokenization_spaces`` (else the config's): transformers ignores it for a BPE
         tokenizer (GLM's), as here; for another model it removes the space before punctuation and
         English contractions (``_CLEANUP``), as here. Other keywords (``spaces_between_special_tokens``,
-        a streamer's decode_kwargs, ...) are ignored, as transformers' fast tokenizer ignores them."""
+        a streamer's decode_kwargs, ...) are ignored, as transformers' fast tokenizer ignores them.
+        A float or string id raises TypeError, as in transformers (:func:`_decode_ids`)."""
         cleanup = clean_up_tokenization_spaces
         if cleanup is None:
             cleanup = self.config.get("clean_up_tokenization_spaces")
         rows = ids.numpy() if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)) else ids
         rows = rows.tolist() if hasattr(rows, "tolist") else rows
-        if isinstance(rows, (list, tuple)) and rows and hasattr(rows[0], "__len__"):
+        if isinstance(rows, (list, tuple)) and rows and hasattr(rows[0], "__len__") and not isinstance(rows[0], str):
             return [self.decode(row, skip_special_tokens, cleanup) for row in rows]
-        text = self.tokenizer.decode(_id_list(rows), skip_special_tokens=skip_special_tokens)
+        text = self.tokenizer.decode(_decode_ids(rows), skip_special_tokens=skip_special_tokens)
         if cleanup and type(self.tokenizer.model).__name__ != "BPE":
             text = self.clean_up_tokenization(text)
         return text
@@ -1083,6 +1109,8 @@ class GlmTokenizer:
         if not is_split_into_words and text_pair is None and _pair_batch(text):  # transformers' (text, pair) rows
             text, text_pair = [t[0] for t in text], [t[1] for t in text]
         single = word(text)
+        if single:  # one text: an empty pair is none (a batch keeps its empty pairs, as transformers)
+            text_pair = _no_empty_pair(text_pair)
         texts = [text] if single else list(text)
         if not all(word(t) for t in texts):
             raise TypeError(f"GlmTokenizer: text must be {what} or a list of them")

@@ -94,7 +94,7 @@ def test_chat_labels_are_the_assistant_tokens_only(tmp_path):
 @pytest.mark.parametrize(
     "records,msg",
     [
-        ([{"text": "Hello there."}, {"text": "Fine."}, {"text": "  "}], r"t.jsonl:3: \"text\" must be a non-empty"),
+        ([{"text": "Hello there."}, {"text": "Fine."}, {"text": " \n\t "}], r"t.jsonl:3: \"text\" must be a non-empty"),
         ([{"text": "Hello."}, {"messages": CHATS[0]}], r"t.jsonl:2: a \"messages\" record in a file of \"text\""),
         ([{"messages": CHATS[0]}, {"messages": [{"role": "user", "content": "Hi"}]}], r"t.jsonl:2: no assistant"),
         ([{"messages": CHATS[0]}, {"messages": [{"content": "Hi"}]}], r"t.jsonl:2: message 0 must be an object"),
@@ -115,6 +115,25 @@ def test_token_id_records_are_checked_against_the_vocabulary_up_front(tmp_path):
         open_data(path, 8, 256, 0)
     ok = open_data(_jsonl(tmp_path / "ok.jsonl", [{"input_ids": [3, 4, 5]}]), 8, 256, 0)
     assert ok.sample(0)["input_ids"][:3].tolist() == [3, 4, 5]
+
+
+def test_a_record_whose_only_label_lies_past_seq_len_is_refused(tmp_path):
+    """A record is cut at --seq-len: a label only at position seq_len or later is cut off with it, and
+    the sample would train nothing. Refused, saying where the label lies."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE_INDEX] * 4 + [9]}])
+    with pytest.raises(
+        ValueError, match=r"d\.jsonl:1: no label to train on .* past --seq-len 4 \(the first at position 4\)"
+    ):
+        open_data(path, 4, 50, 0)
+    open_data(path, 5, 50, 0)  # within --seq-len 5: trained
+
+
+def test_labels_shorter_than_input_ids_are_refused(tmp_path):
+    """One label per input token: shorter labels would be padded with -100, so the record's tail
+    would train nothing, silently."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7]}])
+    with pytest.raises(ValueError, match=r"d\.jsonl:1: labels has 3 entries, input_ids 4"):
+        open_data(path, 4, 50, 0)
 
 
 def test_train_on_chat_masks_non_assistant_tokens(tiny_dir, tmp_path):
@@ -394,6 +413,20 @@ def test_chat_turn_ends_survive_the_seq_len_cut(tmp_path):
     assert labels[-1] == tok.eos_token_id and labels[second_u] == u
 
 
+def test_a_conversation_trained_only_at_position_0_is_refused(tmp_path):
+    """Position 0 is never a target (nothing comes before it to predict it). A conversation whose only
+    assistant token within --seq-len is the first would be a sample with no target at all; GLM's
+    template opens with [gMASK] <sop>, so this takes a template that starts with the assistant's text."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    msgs = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "Hello world, the sea is blue."}]
+    ids, mine = tok.encode_chat_for_training(msgs)
+    assert mine[0] and not any(mine[1:4]), (ids, mine)
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": msgs}])
+    with pytest.raises(ValueError, match="no assistant token within the first --seq-len 4"):
+        prepare_jsonl(path, 4, 256, tok, str(tmp_path / "o.npz"))
+
+
 def test_train_reads_the_stop_tokens_of_the_checkpoint(tiny_dir, tmp_path):
     """`glm52 train` hands prepare_jsonl what generation stops on: the checkpoint's
     generation_config.json eos_token_id, else its config.json's (the tiny one: [1, 2]), and a
@@ -598,14 +631,18 @@ def test_labels_already_shifted_by_one_are_refused(tmp_path):
     is position i's target); glm52 and transformers take labels aligned with the input and shift them
     in the loss (test_transformers_shifts_the_labels_in_the_loss), so such labels trained every
     position on the token two ahead, silently (before: the record and the .npz were taken). Refused
-    naming the line / row; labels aligned with the input, with -100 anywhere, still pass."""
+    naming the line / row; labels aligned with the input, with -100 anywhere, still pass, and so does
+    a record with a single label equal to the next token (at least 2 such labels make a shift)."""
     tokens = [5, 9, 17, 4, 30, 11, 8, 21]
     shifted = {"input_ids": tokens[:-1], "labels": tokens[1:]}
     aligned = {"input_ids": tokens, "labels": [-100, -100, *tokens[2:]]}
     path = _jsonl(tmp_path / "ids.jsonl", [aligned, shifted])
     with pytest.raises(ValueError, match=r"ids\.jsonl:2: labels are input_ids shifted by one .* at all 6 labelled"):
         open_data(path, 16, 64, 0)
-    open_data(_jsonl(tmp_path / "ok.jsonl", [aligned, {"input_ids": [3, 3, 3], "labels": [3, 3, 3]}]), 16, 64, 0)
+    # one repeated token, and a single label that happens to equal the next token: nothing proves a shift
+    one_label = {"input_ids": [5, 6, 7], "labels": [-100, 7, -100]}
+    ok = [aligned, {"input_ids": [3, 3, 3], "labels": [3, 3, 3]}, one_label]
+    assert open_data(_jsonl(tmp_path / "ok.jsonl", ok), 16, 64, 0).num_samples == 3
     ids = np.array([tokens, tokens[1:] + [1]], dtype=np.int64)
     labels = ids.copy()
     labels[1, :-1] = ids[1, 1:]  # row 1 pre-shifted
@@ -853,3 +890,12 @@ def test_per_token_data_the_trainer_does_not_read_is_refused_not_dropped(tmp_pat
     with pytest.raises(ValueError) as e:
         open_data(str(tmp_path / "d.npz"), 16, 256, seed=0)
     assert str(e.value).startswith(f"{tmp_path / 'd.npz'}: arrays ['{key}'] are not read"), e
+
+
+def test_per_token_numbers_under_any_key_are_refused_not_dropped(tmp_path):
+    """Not only the known names (loss_mask, position_ids): any key holding one number per input token
+    (per-token loss weights, say) would be dropped without a word, training every token at weight 1.
+    Refused naming the line and the key."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7], "weights": [1.0, 0.5, 1.0]}])
+    with pytest.raises(ValueError, match=r"d\.jsonl:1: `weights` is per-token data that is not read"):
+        open_data(path, 4, 50, 0)

@@ -3,13 +3,15 @@ tokenized onto one path, batches straddling an epoch boundary, a resume evaluati
 set, empty or folder paths, padded data on the toy model, and errors that did not name their flag."""
 
 import json
+import zipfile
 
 import numpy as np
 import pytest
 
 from paddleformers_glm.cli import main
 from paddleformers_glm.tiny import make_tiny_checkpoint, make_tiny_tokenizer
-from paddleformers_glm.train.data import micro_batches, open_data
+from paddleformers_glm.train import data as data_module
+from paddleformers_glm.train.data import check_eval_samples, check_token_range, micro_batches, open_data
 
 TOY = ["train", "--model", "toy", "--seq-len", "8", "--global-batch-size", "4", "--no-progress"]
 
@@ -100,6 +102,40 @@ def test_every_global_batch_holds_distinct_samples_across_epochs(tmp_path, n, G)
             assert rows == flat[step * G : (step + 1) * G].tolist()
 
 
+def test_synthetic_batch_s_is_samples_sG_to_sG_plus_G_all_distinct():
+    """The module doc's contract for the unbounded (synthetic) source: global batch s is samples
+    s*G .. s*G+G-1, so a resume at step s continues with the rows a run that never stopped would
+    have read, and losses stay comparable with earlier runs and the torch reference. Its samples
+    differ from each other: one repeated sample would train on a single row forever."""
+    data = open_data(None, 16, 64, 3)
+    rows = [data.sample(i)["input_ids"] for i in range(6)]
+    assert len({r.tobytes() for r in rows}) == 6
+    for step in (0, 1, 2):
+        np.testing.assert_array_equal(data.global_batch(step, 2)["input_ids"], np.stack(rows[2 * step : 2 * step + 2]))
+
+
+def test_evaluation_batches_are_the_files_rows_in_order_and_must_all_exist(tmp_path):
+    """An evaluation's batch b is samples b*G .. b*G+G-1 unshuffled, so every evaluation (and every
+    parallel layout) scores the same rows and the held-out losses of a run compare step to step. A
+    held-out file too small for --eval-batches x --global-batch-size is refused before launch, not
+    evaluated on fewer (or repeated) rows."""
+    np.save(tmp_path / "t.npy", np.arange(8 * 4, dtype=np.int32))  # window i starts with token 4 * i
+    data = open_data(str(tmp_path / "t.npy"), 4, 64, 0)
+    for b in (0, 1, 3):
+        assert (data.batch_in_order(b, 2)["input_ids"][:, 0] // 4).tolist() == [2 * b, 2 * b + 1]
+    check_eval_samples(data, 4, 2)  # 8 samples: exactly enough
+    with pytest.raises(ValueError, match=r"t\.npy: 8 samples of --seq-len 4, fewer than --eval-batches 3 x"):
+        check_eval_samples(data, 3, 3)
+
+
+def test_micro_batches_refuse_a_rank_share_the_micro_batch_does_not_divide():
+    """A data-parallel rank's share (G / dp rows) must be a whole number of micro-batches: 3 rows in
+    micro-batches of 2 would leave a short last micro-batch, a gradient step of another size.
+    `glm52 train` checks the sizes first; a direct caller of micro_batches gets the same refusal."""
+    with pytest.raises(ValueError, match="not divisible"):
+        micro_batches({"input_ids": np.arange(6)[:, None]}, 0, 2, 2)
+
+
 # ---------------------------------------------------------------- 3. a resume evaluating another set
 @pytest.fixture()
 def saved_run(tmp_path):
@@ -156,6 +192,22 @@ def test_a_state_saved_without_the_held_out_record_resumes_as_before(saved_run):
     meta_path.write_text(json.dumps(meta))
     new = ["--resume", ckpt, "--eval-data", str(tmp / "e2.npy"), "--eval-batches", "2"]
     assert main([*common, *new, "--out", str(tmp / "b")]) == 0
+
+
+@pytest.mark.parametrize("which", ["middle", "last"])
+def test_the_data_fingerprint_sees_an_edit_of_the_middle_or_the_last_sample(tmp_path, which):
+    """A resume (and the check that every node read the same files) compares the data fingerprint,
+    which hashes the sample count and the first, middle and last samples. A file edited only in its
+    middle or last sample (same count, same first sample) must not pass as the saved run's data."""
+    n, S = 9, 4
+    a = np.arange(n * S, dtype=np.int32) % 50
+    b = a.copy()
+    i = n // 2 if which == "middle" else n - 1
+    b[i * S] = (b[i * S] + 1) % 50
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    fingerprints = {open_data(str(tmp_path / f), S, 50, 0).fingerprint() for f in ("a.npy", "b.npy")}
+    assert len(fingerprints) == 2
 
 
 # ---------------------------------------------------------------- 4. / 5. empty and folder paths
@@ -222,6 +274,27 @@ def test_the_toy_stage_refuses_a_padded_batch(tmp_path):
         run_training(cfg)
 
 
+def test_a_record_one_token_short_counts_as_padded(tmp_path):
+    """A record one token shorter than --seq-len is padded to it: --model toy (which attends to and
+    routes padding) must find it before launch, as it finds a record many tokens short."""
+    p = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [5, 6, 7]}])
+    assert open_data(p, 4, 50, 0).first_padded() == 1
+    assert (
+        open_data(_jsonl(tmp_path / "full.jsonl", [{"input_ids": [5, 6, 7, 8]}] * 2), 4, 50, 0).first_padded() is None
+    )
+
+
+def test_a_padded_npz_row_is_named_by_its_row_across_scan_chunks(tmp_path, monkeypatch):
+    """A .npz is scanned a chunk of rows at a time (16M tokens each): the padded row the refusal
+    names is its row in the file, not its row within the chunk (shrunk here to 2 rows of 3)."""
+    monkeypatch.setattr(data_module, "_SCAN_CHUNK", 6)
+    ids = np.asarray([[1, 2, 3]] * 5, np.int32)
+    mask = np.ones_like(ids, dtype=np.int8)
+    mask[3, 2] = 0
+    np.savez(tmp_path / "d.npz", input_ids=ids, labels=ids, attention_mask=mask)
+    assert open_data(str(tmp_path / "d.npz"), 3, 50, 0).first_padded() == 3
+
+
 # ---------------------------------------------------------------- 7. errors that name their flag
 def test_a_bad_data_dtype_is_refused_for_every_source(tmp_path, capsys):
     """--data-dtype uint61 was refused for a .bin only: a .npy or synthetic run took it (exit 0)."""
@@ -269,3 +342,93 @@ def test_export_dtype_is_refused_where_it_would_do_nothing(tmp_path, capsys):
     assert "--model toy exports its own float32 format" in _one_line_refusal(capsys, out)
     TrainConfig(model="toy", export=True, export_dtype="float32").validate()  # what it writes: taken
     TrainConfig(model="glm", model_args={"model_dir": "x"}, export=True, export_dtype="auto").validate()
+
+
+# ---------------------------------------------------------------- 8. damaged and out-of-range data, before launch
+def _npz(path, ids, labels, mask):
+    np.savez(
+        path,
+        input_ids=np.asarray(ids, np.int32),
+        labels=np.asarray(labels, np.int32),
+        attention_mask=np.asarray(mask, np.int8),
+    )
+    return str(path)
+
+
+def _member_data_offset(path, name):
+    """Where member ``name``'s stored bytes start in the zip file ``path``."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(name)
+    raw = open(path, "rb").read(info.header_offset + 30)
+    n_name, n_extra = int.from_bytes(raw[-4:-2], "little"), int.from_bytes(raw[-2:], "little")
+    return info.header_offset + 30 + n_name + n_extra
+
+
+def _flip(path, offset, mask):
+    raw = bytearray(open(path, "rb").read())
+    raw[offset] ^= mask
+    open(path, "wb").write(bytes(raw))
+
+
+def test_a_npz_with_a_damaged_member_header_is_one_error_naming_the_file(tmp_path):
+    """One flipped byte in a member's .npy header: the memory-mapped reader cannot parse it and the
+    file is read whole by np.load, whose zip reader raised zipfile.BadZipFile ("Bad CRC-32 for file
+    'input_ids.npy'", measured before): no ValueError, so `glm52 train` ended in a traceback. Now
+    one error names the file and the member."""
+    p = _npz(tmp_path / "d.npz", [[1, 2, 3]] * 2, [[1, 2, 3]] * 2, [[1, 1, 1]] * 2)
+    _flip(p, _member_data_offset(p, "input_ids.npy") + 20, 0x20)
+    with pytest.raises(ValueError, match=r"d\.npz: member input_ids: expected a readable \.npy array, got a damaged"):
+        open_data(p, 3, 50, 0)
+
+
+def test_a_damaged_compressed_npz_is_one_error_naming_the_file(tmp_path, capsys):
+    """np.savez_compressed data with one damaged byte: np.load raised zlib.error ("Error -3 while
+    decompressing data", measured before), a traceback from `glm52 train`. Now one error names the
+    file and the member, and the command refuses it in one line before launch."""
+    a = np.arange(64, dtype=np.int32).reshape(8, 8) % 50
+    p = str(tmp_path / "c.npz")
+    np.savez_compressed(p, input_ids=a, labels=a, attention_mask=np.ones((8, 8), np.int8))
+    _flip(p, _member_data_offset(p, "input_ids.npy") + 20, 0xFF)  # inside the deflate stream
+    with pytest.raises(ValueError, match=r"c\.npz: member input_ids: expected a readable \.npy array"):
+        open_data(p, 8, 50, 0)
+    out = tmp_path / "run"
+    assert main([*TOY, "--steps", "1", "--data", p, "--out", str(out)]) == 2
+    assert "c.npz: member input_ids" in _one_line_refusal(capsys, out)
+
+
+def test_a_token_equal_to_the_vocabulary_size_is_out_of_range(monkeypatch):
+    """Ids run 0 .. vocab_size - 1: a token equal to vocab_size would index one row past the
+    embedding, so the pre-launch scan refuses it and names its position; vocab_size - 1 passes.
+    The scan reads a file a chunk at a time (16M tokens): a bad id in a later chunk is caught
+    before launch too, not when its batch is drawn mid-run (the chunk is shrunk here to 4)."""
+    with pytest.raises(ValueError, match="token 50 at position 1"):
+        check_token_range(np.array([3, 50, 2]), 50, "x")
+    check_token_range(np.array([0, 49]), 50, "x")
+    monkeypatch.setattr(data_module, "_SCAN_CHUNK", 4)
+    with pytest.raises(ValueError, match="position 9"):
+        check_token_range(np.array([1] * 9 + [99] + [1] * 3), 50, "x")
+
+
+def test_npz_validate_refuses_labels_outside_the_vocabulary_and_a_mask_not_0_or_1(tmp_path):
+    """The pre-launch check of a .npz covers its labels (an out-of-range target crashes or trains
+    garbage in the cross-entropy mid-run) and its attention_mask (a 2 would pass into the mask)."""
+    p = _npz(tmp_path / "l.npz", [[1, 2, 3]], [[1, 2, 99]], [[1, 1, 1]])
+    with pytest.raises(ValueError, match="labels: token 99"):
+        open_data(p, 3, 50, 0).validate()
+    p = _npz(tmp_path / "m.npz", [[1, 2, 3]], [[1, 2, 3]], [[1, 2, 1]])
+    with pytest.raises(ValueError, match="other than 0 and 1"):
+        open_data(p, 3, 50, 0).validate()
+    open_data(_npz(tmp_path / "ok.npz", [[1, 2, 3]], [[-100, 2, 49]], [[1, 1, 0]]), 3, 50, 0).validate()
+
+
+def test_bin_token_width_at_the_uint16_boundary(tmp_path):
+    """--data-dtype auto reads a .bin as uint16 up to a vocabulary of 65536 (ids 0 .. 65535 fit):
+    at exactly 65536 a uint16 file read as uint32 would give half the tokens, garbage ids. A uint32
+    file of small ids read as uint16 (every other token 0) is refused, naming --data-dtype uint32,
+    not trained on interleaved high halves."""
+    (np.arange(64, dtype=np.uint16) * 1000).tofile(tmp_path / "t.bin")
+    data = open_data(str(tmp_path / "t.bin"), 4, 65536, 0)
+    assert "uint16" in data.describe and data.num_samples == 16
+    np.arange(1, 65, dtype=np.uint32).tofile(tmp_path / "w.bin")
+    with pytest.raises(ValueError, match="--data-dtype uint32"):
+        open_data(str(tmp_path / "w.bin"), 4, 1000, 0)

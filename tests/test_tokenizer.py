@@ -1192,6 +1192,42 @@ def test_decode_of_rows_and_batch_decode_of_one_sequence():
     assert tok.decode(paddle.to_tensor([81, 82])) == "hi" and tok.decode(81) == "h"
 
 
+# ids decode refuses, as transformers 5.23's decode does (TypeError from its tokenizers backend, measured
+# on the tiny folder: "'float' object cannot be interpreted as an integer", "'str' object ...")
+NOT_IDS = ([1.7, 2.2], np.array([1.7, 2.2]), np.array([[0.9, 2.5]]), ["1", "2"], 1.0, [np.float32(3)], [[81, 1.5]])
+
+
+def test_decode_refuses_ids_that_are_not_integers():
+    """A float id was cut by ``int()`` and decoded: ``decode([1.7, 2.2])`` gave '<|endoftext|><|user|>',
+    a float array of sampled ids (or logits passed by mistake) plausible text with no error, and
+    ``["1", "2"]`` was taken as two rows of ids. transformers 5.23 raises TypeError on each (NOT_IDS);
+    so does ours now, naming the value. Integer ids of any kind (bools too, as transformers takes
+    them: ``decode([True, False])`` is ids 1 and 0) decode as before."""
+    tok = make_tiny_tokenizer()
+    for ids in NOT_IDS:
+        with pytest.raises(TypeError, match="expected integer token ids, got (float|str)"):
+            tok.decode(ids)
+        with pytest.raises(TypeError, match="expected integer token ids"):
+            tok.batch_decode(ids)
+    assert tok.decode([True, False]) == tok.decode([1, 0])
+    assert tok.decode([np.int64(81), 82]) == tok.decode(np.array([81, 82], np.int32)) == "hi"
+    assert tok.decode(paddle.to_tensor([81, 82], dtype="int64")) == "hi"
+    with pytest.raises(TypeError, match="expected integer token ids, got float"):
+        tok.decode(paddle.to_tensor([81.0, 82.0]))
+
+
+@pytest.mark.reference
+def test_decode_refuses_what_transformers_refuses(tiny_dir):
+    hf, ours = _hf_and_ours(tiny_dir)
+    for ids in NOT_IDS:
+        with pytest.raises(TypeError):
+            hf.decode(ids)
+        with pytest.raises(TypeError):
+            ours.decode(ids)
+    for ids in ([True, False], np.array([True]), [np.int64(3)], 5, np.int64(5), (81, 82), range(3)):
+        assert ours.decode(ids) == hf.decode(ids), ids
+
+
 @pytest.mark.reference
 def test_pad_and_decode_as_transformers(tiny_dir):
     hf, ours = _hf_and_ours(tiny_dir)
@@ -1400,6 +1436,51 @@ def test_call_with_text_pairs_equals_transformers(tmp_path):
                         ours(*args, **kw)
                     continue
                 assert dict(ours(*args, **kw)) == want, (side, args, kw)
+
+
+def test_an_empty_text_pair_of_one_text_is_no_pair():
+    """transformers 5.23 encodes one text with ``text_pair=""`` as no pair (``[(text, text_pair)] if
+    text_pair else [text]``); measured with AutoTokenizer on the tiny tokenizer with the pair template
+    "[gMASK] <sop> $A <|endoftext|> $B:1": ``tok("hello", text_pair="")`` and ``encode("hello", "")`` ->
+    [6, 7, 107, 254, 88], the ids of "hello" alone. Ours applied the pair template to the empty second
+    text: [6, 7, 107, 254, 88, 1], an <|endoftext|> the caller never asked for. A batch keeps its
+    empty pairs, as transformers does ([[6, 7, 107, 254, 88, 1]] for ``tok(["hello"], [""])``)."""
+    tok = _pair_tokenizer(make_tiny_tokenizer())
+    alone = [6, 7, 107, 254, 88]
+    assert tok("hello")["input_ids"] == alone
+    assert tok("hello", text_pair="")["input_ids"] == alone
+    assert tok("hello", "", return_token_type_ids=True)["token_type_ids"] == [0] * 5
+    assert tok.encode("hello", "") == alone
+    assert tok.encode("hello", "", max_length=8, padding="max_length") == alone + [0, 0, 0]
+    assert tok(text_target="hello", text_pair_target="")["input_ids"] == alone
+    assert tok.tokenize("hello", pair="", add_special_tokens=True) == ["[gMASK]", "<sop>", "he", "ll", "o"]
+    words = ["hello", "world"]
+    assert (
+        tok(words, text_pair=[], is_split_into_words=True)["input_ids"]
+        == tok(words, is_split_into_words=True)["input_ids"]
+    )
+    assert tok(["hello"], [""])["input_ids"] == tok([("hello", "")])["input_ids"] == [alone + [1]]
+
+
+@pytest.mark.reference
+def test_an_empty_text_pair_equals_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _pair_tokenizer(make_tiny_tokenizer()).save_pretrained(tmp_path)
+    hf, ours = transformers.AutoTokenizer.from_pretrained(tmp_path), GlmTokenizer.from_pretrained(tmp_path)
+    for args, kw in (
+        (("hello",), {"text_pair": ""}),
+        (("hello", ""), {"return_token_type_ids": True}),
+        ((["hello"], [""]), {}),
+        (([("hello", "")],), {}),
+        ((["hello", "world"],), {"text_pair": [], "is_split_into_words": True}),
+        ((), {"text_target": "hello", "text_pair_target": ""}),
+    ):
+        assert dict(ours(*args, **kw)) == dict(hf(*args, **kw)), (args, kw)
+    assert ours.encode("hello", "") == hf.encode("hello", "")
+    assert ours.tokenize("hello", pair="", add_special_tokens=True) == hf.tokenize(
+        "hello", pair="", add_special_tokens=True
+    )
 
 
 def test_offsets_mapping_as_transformers():

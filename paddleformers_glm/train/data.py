@@ -348,7 +348,7 @@ class _Packed(TokenData):
             self.arrays = maps
         else:
             with _load_npy(path) as z:
-                self.arrays = {k: _integers(z[k], path, k) for k in _PACKED}
+                self.arrays = {k: _integers(_npz_member(z, path, k), path, k) for k in _PACKED}
         shape = self.arrays["input_ids"].shape
         if len(shape) != 2 or shape[1] != seq_len or any(a.shape != shape for a in self.arrays.values()):
             got = [list(a.shape) for a in self.arrays.values()]
@@ -398,6 +398,17 @@ class _Packed(TokenData):
             m = np.asarray(mask[lo : lo + rows])
             if ((m != 0) & (m != 1)).any():
                 raise ValueError(f"{self.describe}: attention_mask holds values other than 0 and 1")
+
+
+def _npz_member(z: Any, path: str, name: str) -> np.ndarray:
+    """Member ``name`` of the open .npz ``z``, read whole (a compressed file, or a header ``_npz_maps``
+    does not parse). np.load's zip reader raises zipfile.BadZipFile ("Bad CRC-32") or zlib.error on a
+    damaged member, neither a ValueError, which is what the CLI turns into one line: raised as one,
+    naming the file and the member."""
+    try:
+        return z[name]
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: member {name}: expected a readable .npy array, got a damaged one ({e})") from e
 
 
 def _integers(a: np.ndarray, path: str, name: str) -> np.ndarray:
@@ -678,10 +689,11 @@ def check_data_file(path: str, flag: str = "--data") -> None:
 
 
 def _load_npy(path: str, **kw: Any) -> Any:
-    """``np.load`` (never unpickling) with its errors naming the file."""
+    """``np.load`` (never unpickling) with its errors naming the file; a damaged zip raises
+    zipfile.BadZipFile, which is no ValueError (the CLI would show a traceback), so it is caught too."""
     try:
         return np.load(path, allow_pickle=False, **kw)
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path}: not a readable {os.path.splitext(path)[1]} array file: {e}") from e
 
 
