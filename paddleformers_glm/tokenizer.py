@@ -243,21 +243,35 @@ def _id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
+def _py_ids(ids: Any) -> Any:
+    """``ids`` as plain Python values, element by element, as transformers' ``to_py_obj`` converts them:
+    a Paddle tensor or NumPy array (of any rank, inside a list too: a sampling loop appends 0-d
+    tensors) to its list or number. A floating-point tensor is refused here: ``numpy()`` of a
+    bfloat16 tensor gives its raw 16-bit patterns, integers that would decode to plausible text."""
+    import numpy as np
+
+    if isinstance(ids, (list, tuple)):
+        return [_py_ids(i) for i in ids]
+    if hasattr(ids, "numpy") and hasattr(ids, "dtype") and not isinstance(ids, np.ndarray):  # a Paddle tensor
+        if "float" in str(ids.dtype):
+            raise TypeError(f"GlmTokenizer.decode: expected integer token ids, got a tensor of {ids.dtype}")
+        ids = ids.numpy()
+    return ids.tolist() if isinstance(ids, (np.ndarray, np.generic)) else ids
+
+
 def _decode_ids(ids: Any) -> list[int]:
-    """The ids of one sequence to decode (a list or plain values, after ``tolist``): integers only (a bool
+    """The ids of one sequence to decode (plain values, after :func:`_py_ids`): integers only (a bool
     is an int, as transformers takes it), else TypeError, as transformers 5.23's decode, whose
     ``tokenizers`` backend refuses a float or a string id: cut to integers, a float tensor (sampled
     ids cast to float, or logits passed by mistake) would decode to plausible text (1.7 as id 1)."""
-    import numpy as np
-
-    seq = [ids] if isinstance(ids, (int, np.integer, np.bool_)) else ids
-    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+    seq = [ids] if isinstance(ids, int) else ids
+    if isinstance(seq, str) or not hasattr(seq, "__iter__"):
         raise TypeError(f"GlmTokenizer.decode: expected integer token ids, got {type(ids).__name__} {ids!r}")
     seq = list(seq)
     for i in seq:
-        if not isinstance(i, (int, np.integer, np.bool_)):
+        if not isinstance(i, int):
             raise TypeError(f"GlmTokenizer.decode: expected integer token ids, got {type(i).__name__} {i!r}")
-    return [int(i) for i in seq]
+    return seq
 
 
 def _no_empty_pair(text_pair: Any) -> Any:
@@ -976,13 +990,13 @@ class GlmTokenizer:
         tokenizer (GLM's), as here; for another model it removes the space before punctuation and
         English contractions (``_CLEANUP``), as here. Other keywords (``spaces_between_special_tokens``,
         a streamer's decode_kwargs, ...) are ignored, as transformers' fast tokenizer ignores them.
-        A float or string id raises TypeError, as in transformers (:func:`_decode_ids`)."""
+        A float or string id raises TypeError, as in transformers (:func:`_decode_ids`); an encoding (a
+        mapping) decodes its ``input_ids``, as transformers does."""
         cleanup = clean_up_tokenization_spaces
         if cleanup is None:
             cleanup = self.config.get("clean_up_tokenization_spaces")
-        rows = ids.numpy() if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)) else ids
-        rows = rows.tolist() if hasattr(rows, "tolist") else rows
-        if isinstance(rows, (list, tuple)) and rows and hasattr(rows[0], "__len__") and not isinstance(rows[0], str):
+        rows = _py_ids(ids["input_ids"] if isinstance(ids, Mapping) and "input_ids" in ids else ids)  # an encoding
+        if isinstance(rows, list) and rows and isinstance(rows[0], list):  # a batch: one text per row
             return [self.decode(row, skip_special_tokens, cleanup) for row in rows]
         text = self.tokenizer.decode(_decode_ids(rows), skip_special_tokens=skip_special_tokens)
         if cleanup and type(self.tokenizer.model).__name__ != "BPE":

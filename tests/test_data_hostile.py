@@ -396,6 +396,27 @@ def test_a_damaged_compressed_npz_is_one_error_naming_the_file(tmp_path, capsys)
     assert "c.npz: member input_ids" in _one_line_refusal(capsys, out)
 
 
+def test_an_intact_npz_numpy_will_not_read_and_an_npz_named_npy_are_one_error_naming_the_file(tmp_path, capsys):
+    """A ragged (object) member is never unpickled: numpy's refusal names neither the file nor the
+    member, and it is no damage, so it is passed on with both named and not called damaged. A .npz
+    archive saved under a .npy name (np.load reads by content) ended `glm52 train` in an
+    AttributeError traceback (measured before); refused in one line, saying what it is."""
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [[1, 2, 3], [4, 5]]
+    ids = np.array([[1, 2, 3]] * 2, np.int32)
+    p = str(tmp_path / "o.npz")
+    np.savez_compressed(p, input_ids=ragged, labels=ids, attention_mask=ids)
+    with pytest.raises(ValueError, match=r"o\.npz: member input_ids: Object arrays cannot be loaded") as e:
+        open_data(p, 3, 50, 0)
+    assert "damaged" not in str(e.value)
+    archive = tmp_path / "a.npy"
+    np.savez(tmp_path / "a.npz", input_ids=np.arange(100))
+    archive.write_bytes((tmp_path / "a.npz").read_bytes())
+    out = tmp_path / "run"
+    assert main([*TOY, "--steps", "1", "--data", str(archive), "--out", str(out)]) == 2
+    assert "a.npy: expected a .npy array, got a .npz archive (name it .npz)" in _one_line_refusal(capsys, out)
+
+
 def test_a_token_equal_to_the_vocabulary_size_is_out_of_range(monkeypatch):
     """Ids run 0 .. vocab_size - 1: a token equal to vocab_size would index one row past the
     embedding, so the pre-launch scan refuses it and names its position; vocab_size - 1 passes.

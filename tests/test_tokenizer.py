@@ -1212,8 +1212,22 @@ def test_decode_refuses_ids_that_are_not_integers():
     assert tok.decode([True, False]) == tok.decode([1, 0])
     assert tok.decode([np.int64(81), 82]) == tok.decode(np.array([81, 82], np.int32)) == "hi"
     assert tok.decode(paddle.to_tensor([81, 82], dtype="int64")) == "hi"
-    with pytest.raises(TypeError, match="expected integer token ids, got float"):
-        tok.decode(paddle.to_tensor([81.0, 82.0]))
+    for dt in ("float32", "float16", "bfloat16"):  # numpy() of bfloat16 gives its bit patterns: integers
+        with pytest.raises(TypeError, match=f"expected integer token ids, got a tensor of paddle.{dt}"):
+            tok.decode(paddle.to_tensor([81.0, 82.0]).astype(dt))
+
+
+def test_decode_takes_the_ids_a_sampling_loop_builds_and_an_encoding():
+    """transformers 5.23 converts the ids element by element (``to_py_obj``), and an encoding by its
+    ``input_ids``: measured with AutoTokenizer on the tiny tokenizer, each form of [81, 82] below
+    (torch tensors in place of Paddle's) decodes to 'hi': a list a loop built by appending each
+    step's 0-d argmax, the elements of a 1-d tensor, bytes (their integers), an encoding."""
+    tok = make_tiny_tokenizer()
+    forms = [[81, paddle.to_tensor(82)], [81, np.array(82)], list(paddle.to_tensor([81, 82]))]
+    forms += [[paddle.to_tensor(81), paddle.to_tensor(82)], b"QR", {"input_ids": [81, 82], "attention_mask": [1, 1]}]
+    for ids in forms:
+        assert tok.decode(ids) == "hi", ids
+    assert tok.batch_decode([[81, paddle.to_tensor(82)], np.array([82, 81])]) == ["hi", "ih"]
 
 
 @pytest.mark.reference
@@ -1460,6 +1474,8 @@ def test_an_empty_text_pair_of_one_text_is_no_pair():
         == tok(words, is_split_into_words=True)["input_ids"]
     )
     assert tok(["hello"], [""])["input_ids"] == tok([("hello", "")])["input_ids"] == [alone + [1]]
+    with pytest.raises(ValueError):  # a batch of one text with no pairs is a length mismatch, as in transformers
+        tok(["hello"], [])
 
 
 @pytest.mark.reference

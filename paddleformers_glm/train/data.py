@@ -407,8 +407,10 @@ def _npz_member(z: Any, path: str, name: str) -> np.ndarray:
     naming the file and the member."""
     try:
         return z[name]
-    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
         raise ValueError(f"{path}: member {name}: expected a readable .npy array, got a damaged one ({e})") from e
+    except ValueError as e:  # an intact member numpy will not read: an object array (never unpickled), ...
+        raise ValueError(f"{path}: member {name}: {e}") from e
 
 
 def _integers(a: np.ndarray, path: str, name: str) -> np.ndarray:
@@ -716,6 +718,8 @@ def open_data(
     check_data_file(path, flag)
     if path.endswith(".npy"):
         arr = _load_npy(path, mmap_mode="r")
+        if not isinstance(arr, np.ndarray):  # np.load reads by content: a .npz archive under a .npy name
+            raise ValueError(f"{path}: expected a .npy array, got a .npz archive (name it .npz)")
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{path}: expected integer tokens, got dtype {arr.dtype}")
         return _Stream(arr, seq_len, vocab_size, seed, path)
