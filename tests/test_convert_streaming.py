@@ -364,3 +364,27 @@ def test_a_missing_source_path_is_refused_naming_it(tmp_path):
         with pytest.raises(CheckpointError, match="checkpoint path does not exist") as e:
             convert_checkpoint(missing, tmp_path / "out", layout="hf")
         assert e.value.file == str(missing)
+
+
+def test_convert_of_an_fp8_source_with_a_nan_scale_names_the_scale_as_a_cause(tmp_path):
+    """A NaN ``scale_inv`` of the block-FP8 fixture reaches convert as a NaN dequantized weight: the
+    refusal names that weight and says a scale can cause it (the source holds FP8 tensors; a bf16
+    source's refusal does not, test_a_source_holding_nan_or_a_weight_beyond_float16_is_refused);
+    nothing is written."""
+    import struct
+
+    from paddleformers_glm.checkpoint.finite import NonFiniteError
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "tiny_fp8" / "checkpoint", src)
+    key = "model.layers.0.self_attn.q_b_proj.weight"
+    file = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][key + "_scale_inv"]
+    raw = bytearray(file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    at = 8 + n + json.loads(raw[8 : 8 + n])[key + "_scale_inv"]["data_offsets"][0]
+    raw[at : at + 4] = struct.pack("<f", float("nan"))
+    file.write_bytes(bytes(raw))
+    with pytest.raises(NonFiniteError) as e:
+        convert_checkpoint(src, tmp_path / "out", layout="hf")
+    assert e.value.key == key and "a NaN/Inf scale_inv" in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -139,6 +139,8 @@ def test_a_nonfinite_value_or_a_longer_report_on_rank_1_alone_reaches_every_rank
     holds the loss terms, an expert-parallel rank alone its experts) decides on every rank: the
     failure reports gather whole when rank 1's is the longer one; a NaN in rank 1's state about to
     be saved makes every rank refuse the write, naming rank 1; rank 1's NaN loss term makes the
-    norm every rank reduces NaN, so every rank stops the step."""
+    global norm (GradSynchronizer.global_norm, of finite gradients) NaN on every rank, which is
+    what stops the step on each."""
     res = script_result(tp2_script_results, f"nonfinite.json.rank{rank}")
-    assert res == {"gather_lengths": [5, 500], "written_state_refused_for_rank": 1, "norm_sq_is_nan": True}, res
+    want = {"gather_lengths": [5, 500], "written_state_refused_for_rank": 1}
+    assert res == {**want, "finite_norm_is_finite": True, "norm_is_nan": True}, res

@@ -24,8 +24,8 @@ from tests._reference import missing_reference_extra
 @pytest.mark.parametrize("warmup,total", [(0, 5), (1, 3), (3, 10), (10, 10), (12, 10), (4, 5)])
 def test_reference_lr_at_is_the_trainers_schedule(warmup, total):
     """Every update's rate, warm-up and cosine phase alike, equals Paddle's LinearWarmup(Cosine)
-    (train/optim.py) to the last few ulps. The align tests mostly run inside the warm-up (10 of 10
-    steps), and align compares no ``lrs`` (its weight tolerance is 0.1 x the reference's own lrs)."""
+    (train/optim.py) to the last few ulps, whatever the runs' length: the align tests mostly run
+    inside the warm-up (10 of 10 steps), where a wrong cosine would not show."""
     from paddleformers_glm.parity.reference.train import lr_at as ref_lr_at
     from paddleformers_glm.train.optim import lr_at as pd_lr_at
 
@@ -181,3 +181,22 @@ def test_steps_below_one_and_attention_dropout_are_refused_before_the_model_load
     (ckpt / "config.json").write_text(json.dumps({**cfg, "attention_dropout": 0.1}), encoding="utf-8")
     why = config_error(parse_args([*base, "--steps", "1"]))
     assert why is not None and "`attention_dropout`: 0.1 is not applied in training" in why, why
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(missing_reference_extra() is not None, reason=str(missing_reference_extra()))
+def test_the_reference_command_refuses_attention_dropout_in_one_line_and_trains_nothing(tmp_path, capsys, monkeypatch):
+    """The command itself (``main``), not only :func:`config_error`: one line, exit 2, no output folder,
+    and the training never started."""
+    import paddleformers_glm.parity.reference.train as rt
+    from paddleformers_glm.tiny import make_tiny_checkpoint
+
+    ckpt = Path(make_tiny_checkpoint(tmp_path / "ckpt"))
+    cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "attention_dropout": 0.1}), encoding="utf-8")
+    monkeypatch.setattr(rt, "train", lambda args: pytest.fail("the reference trained a model with dropout"))
+    argv = ["--model", str(ckpt), "--out", str(tmp_path / "o"), "--steps", "1", "--seq-len", "16"]
+    assert rt.main([*argv, "--global-batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "`attention_dropout`: 0.1 is not applied in training" in err[0], err
+    assert not (tmp_path / "o").exists()

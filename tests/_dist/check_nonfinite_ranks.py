@@ -12,6 +12,8 @@ import sys
 import paddle
 import paddle.distributed as dist
 
+from paddleformers_glm.parallel.grads import GradSynchronizer
+from paddleformers_glm.parallel.topology import get_topology
 from paddleformers_glm.train.nonfinite import NonFiniteStep, check_written_state, gather_json, loss_flag
 
 rank = dist.get_rank()
@@ -29,10 +31,14 @@ try:
 except NonFiniteStep as e:
     res["written_state_refused_for_rank"] = e.record["rank"]
 
-# rank 1's NaN loss sum (its second term) reaches every rank through the norm's all-reduce
-norm_sq = loss_flag([1.0, float("nan") if rank == 1 else 2.0]) + paddle.to_tensor([4.0], dtype="float64")
-dist.all_reduce(norm_sq)
-res["norm_sq_is_nan"] = math.isnan(float(norm_sq.numpy()[0]))
+# rank 1's NaN loss sum (its second term) reaches every rank through the trainer's global norm,
+# whose gradients are finite everywhere
+model = paddle.nn.Linear(3, 4)
+model(paddle.ones([2, 3])).sum().backward()
+sync = GradSynchronizer(model, get_topology())
+grads = sync.main_grads()[0]
+res["finite_norm_is_finite"] = math.isfinite(sync.global_norm(grads, loss_flag([1.0, 2.0])))
+res["norm_is_nan"] = math.isnan(sync.global_norm(grads, loss_flag([1.0, float("nan") if rank == 1 else 2.0])))
 
 with open(f"{sys.argv[1]}.rank{rank}", "w", encoding="utf-8") as f:
     json.dump(res, f)
