@@ -790,7 +790,7 @@ def run_align(args: argparse.Namespace) -> int:
                 )
         try:  # a loss a run could not compute (null, with the record's "nonfinite" list) makes it a failed run
             for f, doc in ((ref_loss, ref_doc), (pd_loss, pd_doc)):
-                for key in ("losses", "mtp_losses", "indexer_losses"):
+                for key in ("losses", "mtp_losses", "indexer_losses", "grad_norms", "lrs"):
                     if key in doc or key != "indexer_losses":  # one run without indexer losses: a difference, below
                         read_curve(f, key)
         except ValueError as e:
@@ -824,14 +824,14 @@ def run_align(args: argparse.Namespace) -> int:
             except ImportError as e:  # the plot extra is optional; the numbers are the verdict
                 c["plot"] = f"not drawn: {e}"
             comps[key] = c
-        # the rate of every update: a schedule that differs shows here, not only as weights a
-        # fraction of lr apart (the weight tolerance is itself 0.1 x the reference's rates)
-        c = compare_losses(
-            [float(x) for x in pd_doc.get("lrs", [])], [float(x) for x in ref_doc["lrs"]], N, 0.0, LR_REL_TOL
-        )
-        c.update(jumps=[], rel_tol=LR_REL_TOL)
-        c["pass"] = c["enough_steps"] and c["length_match"] and c["consistent_steps"] == N
-        comps["lrs"] = c
+        # the rate of every update (a schedule that differs shows here, not only as weights a fraction of
+        # lr apart: the weight tolerance is itself 0.1 x the rates) and the pre-clip gradient norm, the
+        # whole gradient the dumps compare tensor by tensor, every step (what clips each update)
+        for key, rtol in (("lrs", LR_REL_TOL), ("grad_norms", args.later_rel_tol)):
+            c = compare_losses(read_curve(pd_loss, key), read_curve(ref_loss, key), N, 0.0, rtol)
+            c.update(jumps=[], rel_tol=rtol)
+            c["pass"] = c["enough_steps"] and c["length_match"] and c["consistent_steps"] == N
+            comps[key] = c
         more = {"indexer_recall": compare_indexer(ref_doc, pd_doc, N, args.loss_atol, kl_rel)}
         more["idle_experts"] = compare_idle_experts(ref_doc, pd_doc)
         comps.update({k: c for k, c in more.items() if c is not None})
@@ -843,6 +843,7 @@ def run_align(args: argparse.Namespace) -> int:
         verdict["tolerances"] = {
             "loss_atol": args.loss_atol,
             "lr_rel_tol": LR_REL_TOL,
+            "grad_norm_rel_tol": args.later_rel_tol,
             "rel_tol": args.rel_tol,
             "later_rel_tol": args.later_rel_tol,
             "kl_rel_tol": args.kl_rel_tol,
