@@ -233,9 +233,10 @@ def _plain(value: Any) -> Any:
 
 
 def _id_list(ids: Any) -> list[int]:
-    """Token ids of one sequence from a list, a NumPy array or a Paddle tensor."""
+    """Token ids of one sequence from a list, a NumPy array or a Paddle tensor (a floating-point one
+    by its values, as transformers takes a float tensor here: ``numpy()`` of bfloat16 gives bit patterns)."""
     if hasattr(ids, "numpy") and not isinstance(ids, (list, tuple)):
-        ids = ids.numpy()
+        ids = (ids.astype("float32") if "bfloat16" in str(getattr(ids, "dtype", "")) else ids).numpy()
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if isinstance(ids, int):
@@ -251,7 +252,7 @@ def _py_ids(ids: Any) -> Any:
     import numpy as np
 
     if isinstance(ids, (list, tuple)):
-        return [_py_ids(i) for i in ids]
+        return list(ids) if all(type(i) is int for i in ids) else [_py_ids(i) for i in ids]
     if hasattr(ids, "numpy") and hasattr(ids, "dtype") and not isinstance(ids, np.ndarray):  # a Paddle tensor
         if "float" in str(ids.dtype):
             raise TypeError(f"GlmTokenizer.decode: expected integer token ids, got a tensor of {ids.dtype}")
@@ -995,7 +996,7 @@ class GlmTokenizer:
         cleanup = clean_up_tokenization_spaces
         if cleanup is None:
             cleanup = self.config.get("clean_up_tokenization_spaces")
-        rows = _py_ids(ids["input_ids"] if isinstance(ids, Mapping) and "input_ids" in ids else ids)  # an encoding
+        rows = _py_ids(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # an encoding: its input_ids
         if isinstance(rows, list) and rows and isinstance(rows[0], list):  # a batch: one text per row
             return [self.decode(row, skip_special_tokens, cleanup) for row in rows]
         text = self.tokenizer.decode(_decode_ids(rows), skip_special_tokens=skip_special_tokens)

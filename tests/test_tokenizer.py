@@ -1228,6 +1228,11 @@ def test_decode_takes_the_ids_a_sampling_loop_builds_and_an_encoding():
     for ids in forms:
         assert tok.decode(ids) == "hi", ids
     assert tok.batch_decode([[81, paddle.to_tensor(82)], np.array([82, 81])]) == ["hi", "ih"]
+    with pytest.raises(KeyError, match="input_ids"):  # as transformers: a mapping is an encoding
+        tok.decode({"attention_mask": [1, 1]})
+    # convert_ids_to_tokens takes a float tensor by its values, as transformers does (a bfloat16
+    # tensor's numpy() is its bit patterns: [None, None] before)
+    assert tok.convert_ids_to_tokens(paddle.to_tensor([81.0, 82.0]).astype("bfloat16")) == ["h", "i"]
 
 
 @pytest.mark.reference

@@ -1006,7 +1006,8 @@ def register_align(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--later-rel-tol",
         type=float,
-        help=f"the same after updates 2, 3, ... (--dump-step; default {LATER_REL_TOL}{_BF16})",
+        help=f"the same after updates 2, 3, ... (--dump-step), and every step's gradient norm |diff| / |ref| "
+        f"(default {LATER_REL_TOL}{_BF16})",
     )
     g.add_argument(
         "--weight-atol",

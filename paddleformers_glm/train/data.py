@@ -719,6 +719,7 @@ def open_data(
     if path.endswith(".npy"):
         arr = _load_npy(path, mmap_mode="r")
         if not isinstance(arr, np.ndarray):  # np.load reads by content: a .npz archive under a .npy name
+            arr.close()
             raise ValueError(f"{path}: expected a .npy array, got a .npz archive (name it .npz)")
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{path}: expected integer tokens, got dtype {arr.dtype}")
