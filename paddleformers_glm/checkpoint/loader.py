@@ -458,17 +458,23 @@ def _present_part(unit: MappingUnit, missing: set[str]) -> MappingUnit | None:
             return None
         hf, fleet = (tuple(x) for x in zip(*pairs))
         return dataclasses.replace(unit, hf=hf, fleet=fleet, fleet_to_hf=(), source_splits=())
-    kept, hf, fleet = [], [], []
+    kept, hf, fleet, named = [], [], [], set()
     for statement in unit.hf_to_fleet:
         left, _, right = statement.partition("->")
         sources = [name.strip().removesuffix("^T") for name in left.split(",")]
         if not set(sources) <= set(unit.hf):
             return None
+        named.update(sources)
         if not set(sources) & missing:
             kept.append(statement)
             hf += sources
             fleet += [name.strip() for name in right.split(",") if name.strip() in unit.fleet]
-    if not kept:
+    # a tensor kept under its own name has no statement (the rules drop ``X -> X``): a present one
+    # loads beside the kept statements, as the whole unit loads it (a router's correction bias
+    # beside its missing weight, the MTP norms beside a missing eh_proj)
+    copies = [h for h in unit.hf if h not in named and h not in missing and h in unit.fleet]
+    hf, fleet = hf + copies, fleet + copies
+    if not hf:
         return None
     splits = tuple(x for x in unit.source_splits if x[0] in hf)
     return dataclasses.replace(
