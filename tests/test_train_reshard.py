@@ -49,13 +49,21 @@ def _assert_continues(full, r, what):
 
 @pytest.mark.parametrize(
     "layout",
-    [("--dp", "2", "--sharding", "2"), ("--pp", "4", "--pp-layout", "E,t|t*2|t*2|t,m,L")],
-    ids=["dp2sharding2", "pp4"],
+    [
+        ("--dp", "2", "--sharding", "2"),
+        ("--pp", "4", "--pp-layout", "E,t|t*2|t*2|t,m,L"),
+        ("--tp", "2", "--pp", "2", "--pp-layout", "E,t*2|t*4,m,L"),
+    ],
+    ids=["dp2sharding2", "pp4", "tp2pp2-another-split"],
 )
 def test_tp2pp2_checkpoint_resumes_at_another_world4_layout(saved, tmp_path, layout):
+    """Another world-4 layout, or the same TP2 x PP2 with the layers split otherwise between the
+    stages (each rank file then holds another stage's tensors: the state is resharded through
+    flex/, not read by rank)."""
     full, ckpt = saved
     r = _cli(tmp_path / "resumed", *layout, "--resume", str(ckpt))
-    assert r["profile"]["tp"] == 1 and r["profile"]["world"] == 4
+    assert r["profile"]["world"] == 4 and r["profile"]["tp"] == (2 if "--tp" in layout else 1)
+    assert r["run"]["pp_layout"] != full["run"]["pp_layout"], (r["run"]["pp_layout"], full["run"]["pp_layout"])
     _assert_continues(full, r, " ".join(layout))
     if "--sharding" in layout:  # the optimizer state arrived split over the sharding ranks
         per_rank = r["optimizer_state_bytes"]
