@@ -231,14 +231,7 @@ def test_step_dump_holds_pre_clip_grads_moments_and_weights_that_agree_with_adam
     assert sorted(f"model.layers.{layer}.mlp.experts.{e}." for layer, es in listed.items() for e in es) == sorted(idle)
     # ... everything else is, by the AdamW formula (idle experts included: g = 0)
     trained = sorted(set(g) - set(untouched))
-    for k in trained:
-        gc = g[k].astype(np.float64) * coef
-        m, v = 0.1 * gc, 0.05 * gc * gc
-        np.testing.assert_allclose(d["exp_avg"][k], m, rtol=1e-5, atol=1e-12, err_msg=k)
-        np.testing.assert_allclose(d["exp_avg_sq"][k], v, rtol=1e-5, atol=1e-18, err_msg=k)
-        decay = wd if w0[k].ndim >= 2 else 0.0
-        w1 = w0[k] * (1 - lr * decay) - lr * (m / 0.1) / (np.sqrt(v / 0.05) + 1e-8)
-        np.testing.assert_allclose(d["weights"][k], w1, rtol=0, atol=2e-7, err_msg=k)
+    assert_one_adamw_step(d, w0, trained, coef, lr, wd)
 
 
 def test_expert_used_at_step_1_and_idle_at_steps_2_3_matches_fused_adamw(tiny_ckpt, tmp_path):
@@ -290,6 +283,22 @@ DUMP = ("grads", "exp_avg", "exp_avg_sq", "weights")
 
 def _bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def assert_one_adamw_step(
+    dump: dict[str, dict[str, np.ndarray]], w0: dict[str, np.ndarray], keys, coef: float, lr: float, wd: float
+) -> None:
+    """The step-1 dump's moments and weights of ``keys`` are one AdamW step from ``w0`` with the dumped
+    gradient times the clip factor ``coef``: betas (0.9, 0.95), eps 1e-8, bias-corrected moments,
+    decoupled decay ``wd`` on tensors of 2 or more dimensions only (both trainers' rule)."""
+    for k in keys:
+        gc = dump["grads"][k].astype(np.float64) * coef
+        m, v = 0.1 * gc, 0.05 * gc * gc
+        np.testing.assert_allclose(dump["exp_avg"][k], m, rtol=1e-5, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(dump["exp_avg_sq"][k], v, rtol=1e-5, atol=1e-18, err_msg=k)
+        decay = wd if w0[k].ndim >= 2 else 0.0
+        w1 = w0[k] * (1 - lr * decay) - lr * (m / 0.1) / (np.sqrt(v / 0.05) + 1e-8)
+        np.testing.assert_allclose(dump["weights"][k], w1, rtol=0, atol=2e-7, err_msg=k)
 
 
 # ------------------------------------------------------------------ end to end against torch

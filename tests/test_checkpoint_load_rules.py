@@ -251,37 +251,25 @@ def test_official_file_missing_one_mtp_tensor_is_refused(cfg, tmp_path):
     assert not report.initialized and "model.layers.8.eh_proj.weight" in report.missing
 
 
-def test_non_strict_load_missing_one_mtp_tensor_loads_the_mtp_norms_that_are_there(cfg, tmp_path):
-    """strict=False, eh_proj of the MTP layer absent: every other MTP tensor in the file is loaded,
-    enorm and hnorm included (they map by name), and only eh_proj is reported missing, as
-    transformers loads every present weight and lists only the absent one. Measured before: enorm
-    and hnorm kept their initial values (0.0 in the model, about 1.0 in the file) and were listed
-    missing."""
-    kept = {k: v for k, v in _read(SRC).items() if k != "model.layers.8.eh_proj.weight"}
-    folder = _write(tmp_path / "damaged", kept)
+@pytest.mark.parametrize(
+    "absent", ["model.layers.8.eh_proj.weight", "model.layers.3.mlp.gate.weight"], ids=["mtp-eh-proj", "router"]
+)
+def test_non_strict_load_loads_every_present_tensor_and_reports_only_the_absent_one(cfg, tmp_path, absent):
+    """strict=False with one tensor of a mapping group absent: the group's tensors that map by their
+    own name still load (the MTP layer's enorm and hnorm beside a missing eh_proj; a router's
+    e_score_correction_bias beside its missing weight), and only the absent one is reported
+    missing, as transformers 5.23 does (measured: its from_pretrained of the file without layer 3's
+    router weight lists only that weight missing and holds the file's bias). Measured before: those
+    tensors kept their initial values (enorm / hnorm 0.0, about 1.0 in the file; the bias 0.0, the
+    file's -0.0379, 0.0810, ...) and were listed missing."""
+    folder = _write(tmp_path / "damaged", {k: v for k, v in _read(SRC).items() if k != absent})
     ref = SpecModel(cfg, "float32")
     load_pretrained_state(ref, SRC)
     model = SpecModel(cfg, "float32")
     report = load_pretrained_state(model, folder, strict=False)
     a, b = _state(model), _state(ref)
-    assert sorted(k for k in a if a[k] != b[k]) == ["model.layers.8.eh_proj.weight"]
-    assert report.missing == ["model.layers.8.eh_proj.weight"]
-
-
-def test_non_strict_load_missing_a_router_weight_still_loads_its_correction_bias(cfg, tmp_path):
-    """strict=False, model.layers.3.mlp.gate.weight absent: the layer's e_score_correction_bias (in the
-    file, mapped by name) is loaded, and only the router weight is reported missing, as transformers
-    5.23 does (measured: its from_pretrained of this file lists only the router weight missing and
-    holds the file's bias). Measured before: the bias kept its initial 0.0 (the file's -0.0379, 0.0810, ...) and was listed missing."""
-    kept = {k: v for k, v in _read(SRC).items() if k != "model.layers.3.mlp.gate.weight"}
-    folder = _write(tmp_path / "norouter", kept)
-    ref = SpecModel(cfg, "float32")
-    load_pretrained_state(ref, SRC)
-    model = SpecModel(cfg, "float32")
-    report = load_pretrained_state(model, folder, strict=False)
-    a, b = _state(model), _state(ref)
-    assert sorted(k for k in a if a[k] != b[k]) == ["model.layers.3.mlp.gate.weight"]
-    assert report.missing == ["model.layers.3.mlp.gate.weight"]
+    assert sorted(k for k in a if a[k] != b[k]) == [absent]
+    assert report.missing == [absent]
 
 
 def test_model_holding_parameters_the_checkpoint_contract_lacks_is_refused(cfg):
